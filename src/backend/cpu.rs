@@ -1,0 +1,614 @@
+//! The CPU f32 reference backend: simple, exact-as-f32-allows kernels with
+//! rayon parallelism and `matrixmultiply` GEMM. Every other backend and every
+//! context-parallel strategy is tested against this one.
+
+use super::{AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor};
+use crate::error::{Error, Result};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Host storage of a CPU tensor.
+pub struct CpuStorage(Vec<f32>);
+
+/// CPU f32 backend. One instance per rank; each has its own ledger.
+pub struct CpuBackend {
+    ledger: Arc<MemoryLedger>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend {
+            ledger: Arc::new(MemoryLedger::new()),
+        }
+    }
+}
+
+fn data(t: &Tensor<CpuBackend>) -> &[f32] {
+    &t.storage().0
+}
+fn data_mut(t: &mut Tensor<CpuBackend>) -> &mut [f32] {
+    &mut t.storage_mut().0
+}
+
+fn check_f32(dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 => Ok(()),
+        other => Err(Error::Backend(format!(
+            "the CPU backend computes in f32 only (asked for {other:?}); use --device cuda for bf16"
+        ))),
+    }
+}
+
+fn same_numel(a: &Tensor<CpuBackend>, b: &Tensor<CpuBackend>, op: &str) -> Result<()> {
+    if a.numel() != b.numel() {
+        return Err(Error::Backend(format!(
+            "{op}: element counts differ ({:?} vs {:?})",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    Ok(())
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Geometry of one attention call, checked once.
+struct AttnGeom {
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    group: usize,
+    scale: f32,
+}
+
+fn attn_geom(q: &Rows<'_, CpuBackend>, k: &Rows<'_, CpuBackend>, causal: bool) -> Result<AttnGeom> {
+    let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
+    if hkv == 0 || hq % hkv != 0 || k.head_dim() != d {
+        return Err(Error::Backend(format!(
+            "attention: q {:?} and k {:?} do not form a GQA pair",
+            q.t.shape(),
+            k.t.shape()
+        )));
+    }
+    if causal && q.len() != k.len() {
+        return Err(Error::Backend(format!(
+            "attention: a causal block needs as many queries as keys ({} vs {})",
+            q.len(),
+            k.len()
+        )));
+    }
+    Ok(AttnGeom {
+        hq,
+        hkv,
+        d,
+        group: hq / hkv,
+        scale: 1.0 / (d as f32).sqrt(),
+    })
+}
+
+impl Backend for CpuBackend {
+    type Storage = CpuStorage;
+
+    fn name(&self) -> String {
+        "cpu-f32".into()
+    }
+    fn ledger(&self) -> &Arc<MemoryLedger> {
+        &self.ledger
+    }
+    fn compute_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        check_f32(dtype)?;
+        let n = shape.iter().product();
+        Ok(Tensor::from_parts(
+            CpuStorage(vec![0.0; n]),
+            shape,
+            dtype,
+            cat,
+            self.ledger.clone(),
+        ))
+    }
+
+    fn from_host(&self, host: &[f32], shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        check_f32(dtype)?;
+        if host.len() != shape.iter().product::<usize>() {
+            return Err(Error::Backend(format!(
+                "from_host: {} values for shape {shape:?}",
+                host.len()
+            )));
+        }
+        Ok(Tensor::from_parts(
+            CpuStorage(host.to_vec()),
+            shape,
+            dtype,
+            cat,
+            self.ledger.clone(),
+        ))
+    }
+
+    fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>> {
+        Ok(data(t).to_vec())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn gemm(&self, c: MatMut<'_, Self>, a: Mat<'_, Self>, b: Mat<'_, Self>, alpha: f32, beta: f32) -> Result<()> {
+        let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
+        if b.l.rows != k || c.l.rows != m || c.l.cols != n || c.l.trans {
+            return Err(Error::Backend(format!(
+                "gemm shapes: c {:?} = a {:?} @ b {:?}",
+                c.l, a.l, b.l
+            )));
+        }
+        let (rsa, csa) = a.l.strides();
+        let (rsb, csb) = b.l.strides();
+        let (rsc, csc) = c.l.strides();
+        let (ao, bo, co) = (a.l.offset, b.l.offset, c.l.offset);
+        let ad = data(a.t);
+        let bd = data(b.t);
+        let cd = data_mut(c.t);
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            for i in 0..m {
+                for j in 0..n {
+                    let x = &mut cd[co + i * rsc + j * csc];
+                    *x = if beta == 0.0 { 0.0 } else { beta * *x };
+                }
+            }
+            return Ok(());
+        }
+        // SAFETY: the views were bounds-checked against each buffer's length when
+        // they were made (`MatLayout::check`), and `c` does not alias `a` or `b`
+        // (it is borrowed mutably while they are borrowed immutably).
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                n,
+                alpha,
+                ad.as_ptr().add(ao),
+                rsa as isize,
+                csa as isize,
+                bd.as_ptr().add(bo),
+                rsb as isize,
+                csb as isize,
+                beta,
+                cd.as_mut_ptr().add(co),
+                rsc as isize,
+                csc as isize,
+            );
+        }
+        Ok(())
+    }
+
+    fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
+        if dst.l.rows != src.l.rows || dst.l.cols != src.l.cols {
+            return Err(Error::Backend(format!("copy shapes: {:?} <- {:?}", dst.l, src.l)));
+        }
+        let (rsd, csd) = dst.l.strides();
+        let (rss, css) = src.l.strides();
+        let s = data(src.t);
+        let d = data_mut(dst.t);
+        for i in 0..src.l.rows {
+            let (bd, bs) = (dst.l.offset + i * rsd, src.l.offset + i * rss);
+            if csd == 1 && css == 1 {
+                d[bd..bd + src.l.cols].copy_from_slice(&s[bs..bs + src.l.cols]);
+            } else {
+                for j in 0..src.l.cols {
+                    d[bd + j * csd] = s[bs + j * css];
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn fill(&self, t: &mut Tensor<Self>, value: f32) -> Result<()> {
+        data_mut(t).fill(value);
+        Ok(())
+    }
+
+    fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()> {
+        same_numel(y, x, "axpy")?;
+        for (a, b) in data_mut(y).iter_mut().zip(data(x)) {
+            *a += alpha * b;
+        }
+        Ok(())
+    }
+
+    fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
+        Ok(data(t).iter().map(|&x| (x as f64) * (x as f64)).sum())
+    }
+
+    fn rms_norm_fwd(&self, x: &Tensor<Self>, w: &Tensor<Self>, eps: f32, y: &mut Tensor<Self>) -> Result<()> {
+        same_numel(x, y, "rms_norm_fwd")?;
+        let dim = w.numel();
+        let (xs, ws) = (data(x), data(w));
+        data_mut(y)
+            .par_chunks_mut(dim)
+            .zip(xs.par_chunks(dim))
+            .for_each(|(yr, xr)| {
+                let r = 1.0 / (dot(xr, xr) / dim as f32 + eps).sqrt();
+                for ((o, &a), &g) in yr.iter_mut().zip(xr).zip(ws) {
+                    *o = a * r * g;
+                }
+            });
+        Ok(())
+    }
+
+    fn rms_norm_bwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: &mut Tensor<Self>,
+    ) -> Result<()> {
+        same_numel(x, dy, "rms_norm_bwd")?;
+        same_numel(x, dx, "rms_norm_bwd")?;
+        let dim = w.numel();
+        let (xs, ws, dys) = (data(x), data(w), data(dy));
+        let dwv = data_mut(dw);
+        let dxv = data_mut(dx);
+        for ((dxr, xr), dyr) in dxv.chunks_mut(dim).zip(xs.chunks(dim)).zip(dys.chunks(dim)) {
+            let r = 1.0 / (dot(xr, xr) / dim as f32 + eps).sqrt();
+            let mut s = 0.0f32;
+            for j in 0..dim {
+                s += dyr[j] * ws[j] * xr[j];
+            }
+            let c = r * r * r * s / dim as f32;
+            for j in 0..dim {
+                dxr[j] = r * dyr[j] * ws[j] - c * xr[j];
+                dwv[j] += dyr[j] * xr[j] * r;
+            }
+        }
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut Tensor<Self>, cos: &Tensor<Self>, sin: &Tensor<Self>, inverse: bool) -> Result<()> {
+        let (s, d) = (x.rows(), x.shape().get(2).copied().unwrap_or(0));
+        let half = d / 2;
+        if d % 2 != 0 || cos.numel() != s * half || sin.numel() != s * half {
+            return Err(Error::Backend(format!(
+                "rope: x {:?} needs cos/sin of [{s}, {half}], got {:?}",
+                x.shape(),
+                cos.shape()
+            )));
+        }
+        let (cs, ss) = (data(cos), data(sin));
+        let sign = if inverse { -1.0 } else { 1.0 };
+        let row = x.row_len();
+        data_mut(x).par_chunks_mut(row).enumerate().for_each(|(t, xr)| {
+            let (c, sn) = (&cs[t * half..(t + 1) * half], &ss[t * half..(t + 1) * half]);
+            for head in xr.chunks_mut(d) {
+                for i in 0..half {
+                    let (a, b) = (head[i], head[i + half]);
+                    let si = sign * sn[i];
+                    head[i] = a * c[i] - b * si;
+                    head[i + half] = b * c[i] + a * si;
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn attention_fwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        causal: bool,
+        o: RowsMut<'_, Self>,
+        lse: RowsMut<'_, Self>,
+    ) -> Result<()> {
+        let g = attn_geom(&q, &k, causal)?;
+        let (qs, ks, vs) = (data(q.t), data(k.t), data(v.t));
+        let (q0, k0, sk) = (q.range.start, k.range.start, k.len());
+        let (o_range, l_range) = (o.range.clone(), lse.range.clone());
+        let o_rows = &mut data_mut(o.t)[o_range.start * g.hq * g.d..o_range.end * g.hq * g.d];
+        let l_rows = &mut data_mut(lse.t)[l_range.start * g.hq..l_range.end * g.hq];
+        o_rows
+            .par_chunks_mut(g.hq * g.d)
+            .zip(l_rows.par_chunks_mut(g.hq))
+            .enumerate()
+            .for_each(|(i, (orow, lrow))| {
+                let n_keys = if causal { i + 1 } else { sk };
+                let mut p = vec![0.0f32; n_keys];
+                for h in 0..g.hq {
+                    let kh = h / g.group;
+                    let qv = &qs[((q0 + i) * g.hq + h) * g.d..][..g.d];
+                    let mut m = f32::NEG_INFINITY;
+                    for (j, pj) in p.iter_mut().enumerate() {
+                        let kv = &ks[((k0 + j) * g.hkv + kh) * g.d..][..g.d];
+                        *pj = g.scale * dot(qv, kv);
+                        m = m.max(*pj);
+                    }
+                    let mut l = 0.0f32;
+                    for pj in p.iter_mut() {
+                        *pj = (*pj - m).exp();
+                        l += *pj;
+                    }
+                    let out = &mut orow[h * g.d..(h + 1) * g.d];
+                    out.fill(0.0);
+                    for (j, pj) in p.iter().enumerate() {
+                        let vv = &vs[((k0 + j) * g.hkv + kh) * g.d..][..g.d];
+                        for (x, y) in out.iter_mut().zip(vv) {
+                            *x += pj * y;
+                        }
+                    }
+                    for x in out.iter_mut() {
+                        *x /= l;
+                    }
+                    lrow[h] = m + l.ln();
+                }
+            });
+        Ok(())
+    }
+
+    fn attention_bwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        o: Rows<'_, Self>,
+        d_o: Rows<'_, Self>,
+        lse: Rows<'_, Self>,
+        causal: bool,
+        dq: RowsMut<'_, Self>,
+        dk: RowsMut<'_, Self>,
+        dv: RowsMut<'_, Self>,
+    ) -> Result<()> {
+        let g = attn_geom(&q, &k, causal)?;
+        let (qs, ks, vs, os, dos, ls) = (data(q.t), data(k.t), data(v.t), data(o.t), data(d_o.t), data(lse.t));
+        let (sq, sk) = (q.len(), k.len());
+        let (q0, k0, o0, do0, l0) = (
+            q.range.start,
+            k.range.start,
+            o.range.start,
+            d_o.range.start,
+            lse.range.start,
+        );
+        let d = g.d;
+        // Per kv head: its own dq (for its query heads), dk and dv, then scattered.
+        let per_kv: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..g.hkv)
+            .into_par_iter()
+            .map(|kh| {
+                let mut dq_l = vec![0.0f32; g.group * sq * d];
+                let mut dk_l = vec![0.0f32; sk * d];
+                let mut dv_l = vec![0.0f32; sk * d];
+                let mut p = vec![0.0f32; sk];
+                for hg in 0..g.group {
+                    let h = kh * g.group + hg;
+                    for i in 0..sq {
+                        let n_keys = if causal { i + 1 } else { sk };
+                        let qv = &qs[((q0 + i) * g.hq + h) * d..][..d];
+                        let ov = &os[((o0 + i) * g.hq + h) * d..][..d];
+                        let dov = &dos[((do0 + i) * g.hq + h) * d..][..d];
+                        let l = ls[(l0 + i) * g.hq + h];
+                        let delta = dot(dov, ov);
+                        let dqr = &mut dq_l[(hg * sq + i) * d..][..d];
+                        for (j, pj) in p.iter_mut().enumerate().take(n_keys) {
+                            let kv = &ks[((k0 + j) * g.hkv + kh) * d..][..d];
+                            *pj = (g.scale * dot(qv, kv) - l).exp();
+                        }
+                        for (j, &pj) in p.iter().enumerate().take(n_keys) {
+                            let kv = &ks[((k0 + j) * g.hkv + kh) * d..][..d];
+                            let vv = &vs[((k0 + j) * g.hkv + kh) * d..][..d];
+                            let ds = pj * (dot(dov, vv) - delta) * g.scale;
+                            let dkr = &mut dk_l[j * d..(j + 1) * d];
+                            for t in 0..d {
+                                dqr[t] += ds * kv[t];
+                                dkr[t] += ds * qv[t];
+                            }
+                            let dvr = &mut dv_l[j * d..(j + 1) * d];
+                            for t in 0..d {
+                                dvr[t] += pj * dov[t];
+                            }
+                        }
+                    }
+                }
+                (dq_l, dk_l, dv_l)
+            })
+            .collect();
+        let (dq0, dk0, dv0) = (dq.range.start, dk.range.start, dv.range.start);
+        let (dqd, dkd, dvd) = (data_mut(dq.t), data_mut(dk.t), data_mut(dv.t));
+        for (kh, (dq_l, dk_l, dv_l)) in per_kv.iter().enumerate() {
+            for hg in 0..g.group {
+                let h = kh * g.group + hg;
+                for i in 0..sq {
+                    let dst = &mut dqd[((dq0 + i) * g.hq + h) * d..][..d];
+                    for (a, b) in dst.iter_mut().zip(&dq_l[(hg * sq + i) * d..][..d]) {
+                        *a += b;
+                    }
+                }
+            }
+            for j in 0..sk {
+                let base = ((dk0 + j) * g.hkv + kh) * d;
+                for (a, b) in dkd[base..base + d].iter_mut().zip(&dk_l[j * d..][..d]) {
+                    *a += b;
+                }
+                let base = ((dv0 + j) * g.hkv + kh) * d;
+                for (a, b) in dvd[base..base + d].iter_mut().zip(&dv_l[j * d..][..d]) {
+                    *a += b;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn lse_merge(
+        &self,
+        o_acc: RowsMut<'_, Self>,
+        lse_acc: RowsMut<'_, Self>,
+        o_blk: Rows<'_, Self>,
+        lse_blk: Rows<'_, Self>,
+    ) -> Result<()> {
+        let (h, d) = (o_acc.heads(), o_acc.head_dim());
+        if o_acc.len() != o_blk.len() || o_blk.heads() != h {
+            return Err(Error::Backend("lse_merge: block shapes differ".into()));
+        }
+        let (ob, lb) = (data(o_blk.t), data(lse_blk.t));
+        let (ob0, lb0) = (o_blk.range.start, lse_blk.range.start);
+        let (oa0, la0) = (o_acc.range.start, lse_acc.range.start);
+        let la = data_mut(lse_acc.t);
+        let oa = data_mut(o_acc.t);
+        for i in 0..o_blk.len() {
+            for hh in 0..h {
+                let a = la[(la0 + i) * h + hh];
+                let b = lb[(lb0 + i) * h + hh];
+                let m = a.max(b);
+                if m == f32::NEG_INFINITY {
+                    continue;
+                }
+                let l = m + ((a - m).exp() + (b - m).exp()).ln();
+                let (wa, wb) = ((a - l).exp(), (b - l).exp());
+                let oa_r = &mut oa[((oa0 + i) * h + hh) * d..][..d];
+                let ob_r = &ob[((ob0 + i) * h + hh) * d..][..d];
+                for (x, y) in oa_r.iter_mut().zip(ob_r) {
+                    *x = wa * *x + wb * y;
+                }
+                la[(la0 + i) * h + hh] = l;
+            }
+        }
+        Ok(())
+    }
+
+    fn swiglu_fwd(&self, gate: &Tensor<Self>, up: &Tensor<Self>, out: &mut Tensor<Self>) -> Result<()> {
+        same_numel(gate, up, "swiglu_fwd")?;
+        same_numel(gate, out, "swiglu_fwd")?;
+        let (g, u) = (data(gate), data(up));
+        data_mut(out)
+            .par_iter_mut()
+            .zip(g.par_iter().zip(u.par_iter()))
+            .for_each(|(o, (&a, &b))| *o = a / (1.0 + (-a).exp()) * b);
+        Ok(())
+    }
+
+    fn swiglu_bwd(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        dout: &Tensor<Self>,
+        dgate: &mut Tensor<Self>,
+        dup: &mut Tensor<Self>,
+    ) -> Result<()> {
+        same_numel(gate, dout, "swiglu_bwd")?;
+        let (g, u, dy) = (data(gate), data(up), data(dout));
+        data_mut(dgate)
+            .par_iter_mut()
+            .zip(data_mut(dup).par_iter_mut())
+            .enumerate()
+            .for_each(|(i, (dg, du))| {
+                let a = g[i];
+                let s = 1.0 / (1.0 + (-a).exp());
+                *du = dy[i] * a * s;
+                *dg = dy[i] * u[i] * s * (1.0 + a * (1.0 - s));
+            });
+        Ok(())
+    }
+
+    fn embedding_fwd(&self, table: &Tensor<Self>, ids: &[u32], out: &mut Tensor<Self>) -> Result<()> {
+        let (vocab, h) = (table.rows(), table.row_len());
+        if out.numel() != ids.len() * h {
+            return Err(Error::Backend("embedding_fwd: output is not [ids, hidden]".into()));
+        }
+        let t = data(table);
+        for (row, &id) in data_mut(out).chunks_mut(h).zip(ids) {
+            let id = id as usize;
+            if id >= vocab {
+                return Err(Error::Config(format!(
+                    "token id {id} is outside the vocabulary of {vocab}; check the tokenizer matches the model"
+                )));
+            }
+            row.copy_from_slice(&t[id * h..(id + 1) * h]);
+        }
+        Ok(())
+    }
+
+    fn embedding_bwd(&self, dout: &Tensor<Self>, ids: &[u32], dtable: &mut Tensor<Self>) -> Result<()> {
+        let h = dtable.row_len();
+        let dy = data(dout);
+        let dt = data_mut(dtable);
+        for (row, &id) in dy.chunks(h).zip(ids) {
+            let id = id as usize;
+            for (a, b) in dt[id * h..(id + 1) * h].iter_mut().zip(row) {
+                *a += b;
+            }
+        }
+        Ok(())
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: &Tensor<Self>,
+        targets: &[u32],
+        grad_scale: f32,
+        dlogits: &mut Tensor<Self>,
+        loss_sum: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let v = logits.row_len();
+        if logits.rows() != targets.len() {
+            return Err(Error::Backend("cross_entropy: one target per logits row".into()));
+        }
+        let lg = data(logits);
+        let losses: Vec<f64> = data_mut(dlogits)
+            .par_chunks_mut(v)
+            .zip(lg.par_chunks(v))
+            .zip(targets.par_iter())
+            .map(|((dr, lr), &t)| {
+                if t == IGNORE {
+                    dr.fill(0.0);
+                    return 0.0;
+                }
+                let m = lr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let s: f32 = lr.iter().map(|&x| (x - m).exp()).sum();
+                let lse = m + s.ln();
+                for (dx, &x) in dr.iter_mut().zip(lr) {
+                    *dx = grad_scale * (x - lse).exp();
+                }
+                dr[t as usize] -= grad_scale;
+                (lse - lr[t as usize]) as f64
+            })
+            .collect();
+        data_mut(loss_sum)[0] += losses.iter().sum::<f64>() as f32;
+        Ok(())
+    }
+
+    fn adamw(
+        &self,
+        param: &mut Tensor<Self>,
+        grad: &Tensor<Self>,
+        m: &mut Tensor<Self>,
+        v: &mut Tensor<Self>,
+        hp: AdamWStep,
+    ) -> Result<()> {
+        same_numel(param, grad, "adamw")?;
+        let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
+        let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
+        let g = data(grad);
+        let (ms, vs) = (data_mut(m), data_mut(v));
+        for (i, p) in data_mut(param).iter_mut().enumerate() {
+            let gi = g[i] * hp.grad_scale;
+            ms[i] = hp.beta1 * ms[i] + (1.0 - hp.beta1) * gi;
+            vs[i] = hp.beta2 * vs[i] + (1.0 - hp.beta2) * gi * gi;
+            let mh = ms[i] / bc1;
+            let vh = vs[i] / bc2;
+            *p -= hp.lr * (mh / (vh.sqrt() + hp.eps) + hp.weight_decay * *p);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,161 @@
+//! Backends: the only code that touches memory and kernels.
+//!
+//! A [`Backend`] owns one device (one rank). It hands out [`Tensor`]s whose
+//! bytes are recorded in its [`MemoryLedger`], and runs the ops the model
+//! needs on them. Strategies and the model are written once against this
+//! trait; the CPU f32 backend is the reference every other backend is tested
+//! against.
+
+pub mod cpu;
+pub mod memory;
+pub mod tensor;
+
+pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};
+pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor};
+
+use crate::error::Result;
+use std::sync::Arc;
+
+/// Hyper-parameters of one AdamW update.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWStep {
+    /// Learning rate of this step.
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1-based step number (for bias correction).
+    pub step: u32,
+    /// Multiplier applied to the gradient first (clipping).
+    pub grad_scale: f32,
+}
+
+/// The ops upipe needs from a device. All tensors passed to one backend's ops
+/// were allocated by that backend. Ops that "accumulate" add into their output
+/// (`out += ...`); all others overwrite it.
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// Device storage of one tensor.
+    type Storage: Send + Sync;
+
+    /// Short description, e.g. `cpu-f32` or `cuda:0 (NVIDIA H200)`.
+    fn name(&self) -> String;
+    /// The byte ledger of this device.
+    fn ledger(&self) -> &Arc<MemoryLedger>;
+    /// Element type of activations and compute copies of weights.
+    fn compute_dtype(&self) -> DType;
+
+    /// Allocates a zero-filled tensor.
+    fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>>;
+    /// Creates a tensor from host f32 data (converted to `dtype`).
+    fn from_host(&self, data: &[f32], shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>>;
+    /// Copies a tensor to the host as f32.
+    fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>>;
+    /// Waits for all queued work on this device.
+    fn synchronize(&self) -> Result<()>;
+
+    /// `c = alpha * a @ b + beta * c` on matrix views (any of them may be transposed views).
+    fn gemm(&self, c: MatMut<'_, Self>, a: Mat<'_, Self>, b: Mat<'_, Self>, alpha: f32, beta: f32) -> Result<()>;
+    /// Strided 2-D copy `dst = src` (same logical shape; converts dtype).
+    fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()>;
+    /// Sets every element to `value`.
+    fn fill(&self, t: &mut Tensor<Self>, value: f32) -> Result<()>;
+    /// `y += alpha * x` elementwise (same number of elements).
+    fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()>;
+    /// Sum of squares of all elements (forces a sync on devices).
+    fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64>;
+
+    /// RMSNorm over the last dim: `y = x / rms(x) * w`; x, y `[n, dim]`, w `[dim]`.
+    fn rms_norm_fwd(&self, x: &Tensor<Self>, w: &Tensor<Self>, eps: f32, y: &mut Tensor<Self>) -> Result<()>;
+    /// RMSNorm backward: writes `dx`, accumulates `dw`.
+    fn rms_norm_bwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: &mut Tensor<Self>,
+    ) -> Result<()>;
+    /// Rotary embedding in place, HF "rotate half" convention. `x: [s, n_heads, d]`,
+    /// `cos, sin: [s, d/2]` (f32). `inverse` rotates by the negative angle (the backward).
+    fn rope(&self, x: &mut Tensor<Self>, cos: &Tensor<Self>, sin: &Tensor<Self>, inverse: bool) -> Result<()>;
+
+    /// Attention forward on token rows. `q: [sq, hq, d]`, `k, v: [sk, hkv, d]` with
+    /// `hq % hkv == 0` (query head `h` uses kv head `h / (hq/hkv)`); writes
+    /// `o: [sq, hq, d]` and `lse: [sq, hq]` (natural log). `causal` requires
+    /// `sq == sk` and lets row `i` see keys `0..=i`.
+    fn attention_fwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        causal: bool,
+        o: RowsMut<'_, Self>,
+        lse: RowsMut<'_, Self>,
+    ) -> Result<()>;
+    /// Attention backward given the final `o` and `lse` of the full row (also when
+    /// this call covers only one key block of it). Accumulates `dq`, `dk`, `dv`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_bwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        o: Rows<'_, Self>,
+        d_o: Rows<'_, Self>,
+        lse: Rows<'_, Self>,
+        causal: bool,
+        dq: RowsMut<'_, Self>,
+        dk: RowsMut<'_, Self>,
+        dv: RowsMut<'_, Self>,
+    ) -> Result<()>;
+    /// Merges a partial attention result into a running one by log-sum-exp:
+    /// `o_acc, lse_acc <- merge((o_acc, lse_acc), (o_blk, lse_blk))`.
+    fn lse_merge(
+        &self,
+        o_acc: RowsMut<'_, Self>,
+        lse_acc: RowsMut<'_, Self>,
+        o_blk: Rows<'_, Self>,
+        lse_blk: Rows<'_, Self>,
+    ) -> Result<()>;
+
+    /// `out = silu(gate) * up`.
+    fn swiglu_fwd(&self, gate: &Tensor<Self>, up: &Tensor<Self>, out: &mut Tensor<Self>) -> Result<()>;
+    /// Writes `dgate`, `dup` from `dout`.
+    fn swiglu_bwd(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        dout: &Tensor<Self>,
+        dgate: &mut Tensor<Self>,
+        dup: &mut Tensor<Self>,
+    ) -> Result<()>;
+    /// `out[i] = table[ids[i]]`; table `[vocab, hidden]`, out `[n, hidden]`.
+    fn embedding_fwd(&self, table: &Tensor<Self>, ids: &[u32], out: &mut Tensor<Self>) -> Result<()>;
+    /// Accumulates `dtable[ids[i]] += dout[i]`.
+    fn embedding_bwd(&self, dout: &Tensor<Self>, ids: &[u32], dtable: &mut Tensor<Self>) -> Result<()>;
+    /// Fused softmax cross-entropy on a chunk of logits `[n, vocab]`: accumulates the
+    /// summed loss of rows whose target is not `IGNORE` into `loss_sum` (`[1]`, f32) and
+    /// writes `dlogits = grad_scale * (softmax - onehot)` (zero rows for ignored targets).
+    fn cross_entropy(
+        &self,
+        logits: &Tensor<Self>,
+        targets: &[u32],
+        grad_scale: f32,
+        dlogits: &mut Tensor<Self>,
+        loss_sum: &mut Tensor<Self>,
+    ) -> Result<()>;
+    /// One AdamW update of `param` (f32) with `grad`, moments `m`, `v` (f32).
+    fn adamw(
+        &self,
+        param: &mut Tensor<Self>,
+        grad: &Tensor<Self>,
+        m: &mut Tensor<Self>,
+        v: &mut Tensor<Self>,
+        hp: AdamWStep,
+    ) -> Result<()>;
+}
+
+/// Target id that contributes no loss (e.g. the last token of a sequence).
+pub const IGNORE: u32 = u32::MAX;

@@ -1,0 +1,67 @@
+//! The `upipe` command line: parsing, logging setup and dispatch. Each
+//! subcommand lives in its own file and validates its flags once, here at the edge.
+
+pub mod bench;
+pub mod eval;
+pub mod info;
+pub mod launch;
+pub mod plan;
+pub mod train;
+
+use clap::{Parser, Subcommand};
+
+/// Long-context transformer training with UPipe context parallelism.
+#[derive(Parser, Debug)]
+#[command(name = "upipe", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Train a model (no arguments: tiny model, bundled data, 4 CPU ranks with UPipe).
+    Train(train::TrainArgs),
+    /// Mean next-token cross-entropy of a model on a token file.
+    Eval(eval::EvalArgs),
+    /// Benchmarks (attention layer across strategies).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+    /// Predict per-rank memory and the longest context that fits.
+    Plan(plan::PlanArgs),
+    /// Start one process per local rank (torchrun-style) and supervise them.
+    Launch(launch::LaunchArgs),
+    /// Show devices and which GPU libraries were found.
+    Info(info::InfoArgs),
+}
+
+/// Entry point of the binary; returns the process exit status.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    init_logging();
+    let result = match cli.command {
+        Command::Train(a) => train::run(a),
+        Command::Eval(a) => eval::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Plan(a) => plan::run(a),
+        Command::Launch(a) => launch::run(a),
+        Command::Info(a) => info::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("UPIPE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

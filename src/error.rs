@@ -1,0 +1,61 @@
+//! Library error type. Every failure a user can cause is an `Error` whose
+//! message names the fix; panics are reserved for broken internal invariants.
+
+use thiserror::Error;
+
+/// Errors returned by the upipe library.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// A configuration or input the user chose cannot work; the message names a valid alternative.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A backend (device, driver, library) failure.
+    #[error("backend error: {0}")]
+    Backend(String),
+    /// A CUDA library that was looked for could not be found or loaded.
+    #[error("CUDA library not available: {0}")]
+    LibraryMissing(String),
+    /// A device allocation could not be satisfied.
+    #[error(
+        "out of memory on {device}: asked for {requested} bytes with {in_use} bytes in use ({by_category}); \
+         try a shorter sequence, a smaller --chunk-heads, or --offload"
+    )]
+    OutOfMemory {
+        device: String,
+        requested: usize,
+        in_use: usize,
+        by_category: String,
+    },
+    /// A collective or rendezvous failed.
+    #[error("communication error: {0}")]
+    Comm(String),
+    /// A weights or checkpoint file is malformed or does not match the model.
+    #[error("checkpoint error: {0}")]
+    Checkpoint(String),
+    /// Filesystem or socket failure.
+    #[error("I/O error: {context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Library result type.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// Shorthand for `Err(Error::Config(..))` with `format!` arguments.
+#[macro_export]
+macro_rules! config_err {
+    ($($arg:tt)*) => { Err($crate::error::Error::Config(format!($($arg)*))) };
+}

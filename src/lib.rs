@@ -1,0 +1,16 @@
+//! upipe: long-context transformer training with UPipe context parallelism.
+//!
+//! Layout follows the architecture: [`backend`] (memory and kernels), [`comm`]
+//! (process groups and collectives), [`attention`] (context-parallel attention
+//! strategies), [`model`], [`train`], [`plan`] and the [`cli`].
+
+pub mod attention;
+pub mod backend;
+pub mod cli;
+pub mod comm;
+pub mod error;
+pub mod model;
+pub mod plan;
+pub mod train;
+
+pub use error::{Error, Result};
