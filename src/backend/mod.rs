@@ -34,6 +34,18 @@ pub struct AdamWStep {
 /// The ops upipe needs from a device. All tensors passed to one backend's ops
 /// were allocated by that backend. Ops that "accumulate" add into their output
 /// (`out += ...`); all others overwrite it.
+///
+/// Dtype contract (CPU: everything is F32; CUDA: compute dtype is BF16):
+/// - activations and their gradients (x, q, k, v, o, dO, dx, ...) are in the
+///   compute dtype; LSE, RoPE tables and `loss_sum` are F32;
+/// - parameter gradients, optimizer state and master weights are F32;
+/// - `gemm`: `a` and `b` share a dtype, `c` is F32 or that dtype (accumulating
+///   bf16 x bf16 into F32 weight gradients is the common case);
+/// - `copy` converts between dtypes; `axpy` takes `y` F32 or the dtype of `x`;
+/// - `attention_bwd` accumulates into `dq`, `dk`, `dv` of F32 or compute dtype;
+/// - `rms_norm_bwd` writes `dx` in the dtype of `dy` and accumulates F32 `dw`;
+///   `embedding_bwd` accumulates an F32 `dtable`; norm/embedding weights used
+///   in forward are in the compute dtype.
 pub trait Backend: Send + Sync + Sized + 'static {
     /// Device storage of one tensor.
     type Storage: Send + Sync;
