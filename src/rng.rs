@@ -48,6 +48,9 @@ mod tests {
         assert_eq!(a, Rng::new(7).normal_vec(20000, 1.0));
         let mean = a.iter().sum::<f32>() / a.len() as f32;
         let var = a.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / a.len() as f32;
-        assert!(mean.abs() < 0.03 && (var - 1.0).abs() < 0.05, "{mean} {var}");
+        assert!(
+            mean.abs() < 0.03 && (var - 1.0).abs() < 0.05,
+            "{mean} {var}"
+        );
     }
 }

@@ -32,7 +32,15 @@ fn reference(d: &AttnDims, inputs: &TrialInputs) -> TrialResult {
 }
 
 /// Runs `strategy` on `pu x pr` ranks and checks it against `reference`.
-fn check(d: &AttnDims, inputs: &TrialInputs, reference: &TrialResult, strategy: Strategy, pu: usize, pr: usize, chunk: Option<usize>) {
+fn check(
+    d: &AttnDims,
+    inputs: &TrialInputs,
+    reference: &TrialResult,
+    strategy: Strategy,
+    pu: usize,
+    pr: usize,
+    chunk: Option<usize>,
+) {
     let plan = CpPlan::new(strategy, d, inputs.seq, pu, pr, chunk)
         .unwrap_or_else(|e| panic!("{strategy} {pu}x{pr} U={chunk:?}: {e}"));
     let got = run_trial(&plan, d, inputs, CpuBackend::new).unwrap();
@@ -52,7 +60,7 @@ fn check_all(d: &AttnDims, seq: usize, pu: usize, pr: usize) {
     let inputs = TrialInputs::random(d, seq, 42);
     let r = reference(d, &inputs);
     let c = pu * pr;
-    if d.heads % c == 0 && (d.kv_heads % c == 0 || d.kv_heads < c) {
+    if d.heads.is_multiple_of(c) && (d.kv_heads.is_multiple_of(c) || d.kv_heads < c) {
         check(d, &inputs, &r, Strategy::Ulysses, c, 1, None);
     }
     check(d, &inputs, &r, Strategy::Ring, 1, c, None);
@@ -69,7 +77,12 @@ fn one_rank_equals_local() {
     let d = dims(4, 2, 8, false);
     let inputs = TrialInputs::random(&d, 12, 1);
     let r = reference(&d, &inputs);
-    for s in [Strategy::Ulysses, Strategy::Ring, Strategy::Usp, Strategy::Upipe] {
+    for s in [
+        Strategy::Ulysses,
+        Strategy::Ring,
+        Strategy::Usp,
+        Strategy::Upipe,
+    ] {
         check(&d, &inputs, &r, s, 1, 1, None);
     }
 }

@@ -10,7 +10,10 @@ use upipe::rng::Rng;
 fn loss(d: &AttnDims, inputs: &TrialInputs) -> f64 {
     let plan = CpPlan::new(Strategy::Local, d, inputs.seq, 1, 1, None).unwrap();
     let r = run_trial(&plan, d, inputs, CpuBackend::new).unwrap();
-    r.y.iter().zip(&inputs.dy).map(|(a, b)| *a as f64 * *b as f64).sum()
+    r.y.iter()
+        .zip(&inputs.dy)
+        .map(|(a, b)| *a as f64 * *b as f64)
+        .sum()
 }
 
 #[test]
@@ -23,7 +26,10 @@ fn reference_gradients_match_finite_differences() {
             head_dim: 6,
             qk_norm,
             norm_eps: 1e-6,
-            rope: RopeConfig { theta: 100.0, scaling: None },
+            rope: RopeConfig {
+                theta: 100.0,
+                scaling: None,
+            },
         };
         let inputs = TrialInputs::random(&d, 7, 3);
         let plan = CpPlan::new(Strategy::Local, &d, inputs.seq, 1, 1, None).unwrap();

@@ -20,7 +20,7 @@ impl SeqLayout {
     /// Validates divisibility, naming a valid sequence length if it fails.
     pub fn new(seq: usize, pu: usize, pr: usize) -> Result<Self> {
         let unit = if pr > 1 { 2 * pr * pu } else { pu };
-        if seq == 0 || seq % unit != 0 {
+        if seq == 0 || !seq.is_multiple_of(unit) {
             let what = if pr > 1 {
                 format!("2 x ring degree {pr} x Ulysses degree {pu} = {unit} (zigzag chunks)")
             } else {
@@ -70,7 +70,8 @@ impl SeqLayout {
             for r in 0..self.pu {
                 let rows = &shards[i * self.pu + r];
                 for (k, p) in self.rank_positions(i, r).into_iter().enumerate() {
-                    out[p * width..(p + 1) * width].copy_from_slice(&rows[k * width..(k + 1) * width]);
+                    out[p * width..(p + 1) * width]
+                        .copy_from_slice(&rows[k * width..(k + 1) * width]);
                 }
             }
         }
@@ -112,7 +113,10 @@ mod tests {
     #[test]
     fn indivisible_sequence_suggests_one() {
         let e = SeqLayout::new(100, 2, 4).unwrap_err().to_string();
-        assert!(e.contains("multiple of 2 x ring degree 4 x Ulysses degree 2 = 16"), "{e}");
+        assert!(
+            e.contains("multiple of 2 x ring degree 4 x Ulysses degree 2 = 16"),
+            "{e}"
+        );
         assert!(e.contains("--seq 96"), "{e}");
     }
 }

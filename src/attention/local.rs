@@ -7,7 +7,13 @@ use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
 
 /// `x @ w^T` for a `[rows, hidden]` input and `[heads*d, hidden]` weight, shaped `[rows, heads, d]`.
-fn project<B: Backend>(b: &B, x: &Tensor<B>, w: &Tensor<B>, heads: usize, d: usize) -> Result<Tensor<B>> {
+fn project<B: Backend>(
+    b: &B,
+    x: &Tensor<B>,
+    w: &Tensor<B>,
+    heads: usize,
+    d: usize,
+) -> Result<Tensor<B>> {
     let mut out = b.zeros(&[x.rows(), heads, d], x.dtype(), Category::Workspace)?;
     b.gemm(out.mat_mut(), x.mat(), w.mat().t(), 1.0, 0.0)?;
     Ok(out)
@@ -29,7 +35,14 @@ pub fn forward<B: Backend>(
     let (k, _) = norm_rope(b, k, w.k_norm.as_ref(), dims.norm_eps, rope, false)?;
     let mut o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Activations)?;
     let mut lse = b.zeros(&[s, dims.heads], DType::F32, Category::Activations)?;
-    b.attention_fwd(q.all_rows(), k.all_rows(), v.all_rows(), true, o.all_rows_mut(), lse.all_rows_mut())?;
+    b.attention_fwd(
+        q.all_rows(),
+        k.all_rows(),
+        v.all_rows(),
+        true,
+        o.all_rows_mut(),
+        lse.all_rows_mut(),
+    )?;
     drop((q, k, v));
     let mut y = b.zeros(&[s, dims.hidden], x.dtype(), Category::Activations)?;
     b.gemm(y.mat_mut(), o.mat(), w.wo.mat().t(), 1.0, 0.0)?;
@@ -75,10 +88,28 @@ pub fn backward<B: Backend>(
         dv.all_rows_mut(),
     )?;
     drop((q, k, v, d_o, o, lse));
-    let dq = norm_rope_bwd(b, dq, q_raw.as_ref(), w.q_norm.as_ref().zip(g.q_norm.as_mut()), eps, rope)?;
-    let dk = norm_rope_bwd(b, dk, k_raw.as_ref(), w.k_norm.as_ref().zip(g.k_norm.as_mut()), eps, rope)?;
+    let dq = norm_rope_bwd(
+        b,
+        dq,
+        q_raw.as_ref(),
+        w.q_norm.as_ref().zip(g.q_norm.as_mut()),
+        eps,
+        rope,
+    )?;
+    let dk = norm_rope_bwd(
+        b,
+        dk,
+        k_raw.as_ref(),
+        w.k_norm.as_ref().zip(g.k_norm.as_mut()),
+        eps,
+        rope,
+    )?;
     let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
-    for (dp, wp, gp) in [(&dq, &w.wq, &mut g.wq), (&dk, &w.wk, &mut g.wk), (&dv, &w.wv, &mut g.wv)] {
+    for (dp, wp, gp) in [
+        (&dq, &w.wq, &mut g.wq),
+        (&dk, &w.wk, &mut g.wk),
+        (&dv, &w.wv, &mut g.wv),
+    ] {
         let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
         b.gemm(gp.mat_mut(), dp.mat().t(), x.mat(), 1.0, 1.0)?;
         b.gemm(dx.mat_mut(), dp.mat(), wp.mat(), 1.0, 1.0)?;

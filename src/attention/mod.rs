@@ -54,14 +54,14 @@ impl AttnDims {
         if self.hidden == 0 || self.heads == 0 || self.kv_heads == 0 || self.head_dim == 0 {
             return crate::config_err!("attention dimensions must be positive: {self:?}");
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return crate::config_err!(
                 "{} heads must be a multiple of {} kv heads (GQA groups)",
                 self.heads,
                 self.kv_heads
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return crate::config_err!("head_dim {} must be even for RoPE", self.head_dim);
         }
         Ok(())
@@ -115,7 +115,11 @@ impl FromStr for Strategy {
         Strategy::ALL
             .into_iter()
             .find(|x| x.name() == s)
-            .ok_or_else(|| crate::Error::Config(format!("unknown attention strategy '{s}'; use one of local, ulysses, ring, usp, upipe")))
+            .ok_or_else(|| {
+                crate::Error::Config(format!(
+                    "unknown attention strategy '{s}'; use one of local, ulysses, ring, usp, upipe"
+                ))
+            })
     }
 }
 
@@ -210,7 +214,12 @@ impl<B: Backend> AttentionGrads<B> {
     }
     /// Every gradient tensor with its HF-style short name.
     pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
-        let mut v = vec![("wq", &self.wq), ("wk", &self.wk), ("wv", &self.wv), ("wo", &self.wo)];
+        let mut v = vec![
+            ("wq", &self.wq),
+            ("wk", &self.wk),
+            ("wv", &self.wv),
+            ("wo", &self.wo),
+        ];
         if let Some(t) = &self.q_norm {
             v.push(("q_norm", t));
         }
@@ -267,6 +276,7 @@ impl<B: Backend> CpAttention<B> {
     }
 
     /// Backward: returns `dx` and accumulates this rank's partial parameter gradients.
+    #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
         b: &B,
@@ -279,7 +289,8 @@ impl<B: Backend> CpAttention<B> {
     ) -> Result<Tensor<B>> {
         match self.plan.strategy {
             Strategy::Local => local::backward(b, &self.dims, &self.rope, w, x, saved, dy, grads),
-            _ => staged::Staged::new(b, mesh, &self.dims, &self.plan, &self.rope).backward(w, x, saved, dy, grads),
+            _ => staged::Staged::new(b, mesh, &self.dims, &self.plan, &self.rope)
+                .backward(w, x, saved, dy, grads),
         }
     }
 }

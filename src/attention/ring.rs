@@ -28,13 +28,28 @@ pub fn ring_block(i: usize, step: usize, p: usize, half: usize) -> RingBlock {
     let src = (i + p - step % p) % p;
     let all = 0..2 * half;
     if step == 0 {
-        RingBlock { src, q_rows: all.clone(), k_rows: all, causal: true }
+        RingBlock {
+            src,
+            q_rows: all.clone(),
+            k_rows: all,
+            causal: true,
+        }
     } else if src < i {
         // the visitor's first chunk precedes both local chunks; its second follows both
-        RingBlock { src, q_rows: all, k_rows: 0..half, causal: false }
+        RingBlock {
+            src,
+            q_rows: all,
+            k_rows: 0..half,
+            causal: false,
+        }
     } else {
         // only the local second chunk comes after the visitor's two chunks
-        RingBlock { src, q_rows: half..2 * half, k_rows: all, causal: false }
+        RingBlock {
+            src,
+            q_rows: half..2 * half,
+            k_rows: all,
+            causal: false,
+        }
     }
 }
 
@@ -52,7 +67,14 @@ pub fn forward<B: Backend>(
     let mut o = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
     // the LSE is kept for backward
     let mut lse = b.zeros(&[n, hq], DType::F32, Category::Activations)?;
-    b.attention_fwd(q.all_rows(), k.all_rows(), v.all_rows(), true, o.all_rows_mut(), lse.all_rows_mut())?;
+    b.attention_fwd(
+        q.all_rows(),
+        k.all_rows(),
+        v.all_rows(),
+        true,
+        o.all_rows_mut(),
+        lse.all_rows_mut(),
+    )?;
     if p == 1 {
         return Ok((o, lse));
     }
@@ -168,7 +190,11 @@ pub fn backward<B: Backend>(
 }
 
 /// Sends tensors to the next ring rank and receives the previous rank's.
-fn pass_on<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, ts: &[&Tensor<B>]) -> Result<Vec<Tensor<B>>> {
+fn pass_on<B: Backend>(
+    b: &B,
+    ring: &dyn ProcessGroup<B>,
+    ts: &[&Tensor<B>],
+) -> Result<Vec<Tensor<B>>> {
     let (p, i) = (ring.size(), ring.rank());
     ts.iter()
         .map(|t| {

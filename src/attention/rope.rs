@@ -60,7 +60,8 @@ fn llama3_scale(f: f64, s: RopeScaling) -> f64 {
     } else if wavelen > low_wavelen {
         f / s.factor as f64
     } else {
-        let smooth = (orig / wavelen - s.low_freq_factor as f64) / (s.high_freq_factor - s.low_freq_factor) as f64;
+        let smooth = (orig / wavelen - s.low_freq_factor as f64)
+            / (s.high_freq_factor - s.low_freq_factor) as f64;
         (1.0 - smooth) * f / s.factor as f64 + smooth * f
     }
 }
@@ -104,7 +105,10 @@ mod tests {
         };
         let (a, b) = (base.inv_freq(128), scaled.inv_freq(128));
         assert_eq!(a[0], b[0], "highest frequency unchanged");
-        assert!((a[63] / b[63] - 8.0).abs() < 1e-9, "lowest frequency divided by the factor");
+        assert!(
+            (a[63] / b[63] - 8.0).abs() < 1e-9,
+            "lowest frequency divided by the factor"
+        );
         assert!(a.iter().zip(&b).all(|(x, y)| y <= x));
     }
 }

@@ -46,23 +46,24 @@ pub struct StageSchedule {
 impl StageSchedule {
     /// Builds the schedule, or explains which constraint fails and what would work.
     pub fn new(heads: usize, kv_heads: usize, pu: usize, chunk: usize) -> Result<Self> {
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return crate::config_err!(
                 "{heads} query heads cannot be shared by {kv_heads} kv heads: heads must be a multiple of kv heads"
             );
         }
-        if pu == 0 || heads % pu != 0 {
+        if pu == 0 || !heads.is_multiple_of(pu) {
             return crate::config_err!(
                 "Ulysses degree {pu} must divide the {heads} query heads; valid degrees: {:?} (or use --ring for the rest)",
                 divisors(heads)
             );
         }
-        if kv_heads >= pu && kv_heads % pu != 0 {
+        if kv_heads >= pu && !kv_heads.is_multiple_of(pu) {
             return crate::config_err!(
                 "Ulysses degree {pu} must divide the {kv_heads} kv heads (or exceed them, replicating kv); valid degrees: {:?}",
                 divisors(heads)
                     .into_iter()
-                    .filter(|&p| kv_heads % p == 0 || (p > kv_heads && heads % p == 0))
+                    .filter(|&p| kv_heads.is_multiple_of(p)
+                        || (p > kv_heads && heads.is_multiple_of(p)))
                     .collect::<Vec<_>>()
             );
         }
@@ -79,7 +80,9 @@ impl StageSchedule {
             let stages_per_phase = m * g / u;
             (0..kv_heads / (pu * m))
                 .map(|k| KvPhase {
-                    kv_heads: (0..pu).map(|r| (k * pu + r) * m..(k * pu + r + 1) * m).collect(),
+                    kv_heads: (0..pu)
+                        .map(|r| (k * pu + r) * m..(k * pu + r + 1) * m)
+                        .collect(),
                     stages: (0..stages_per_phase)
                         .map(|j| Stage {
                             q_heads: (0..pu)
@@ -95,9 +98,14 @@ impl StageSchedule {
         } else {
             (0..heads / chunk)
                 .map(|t| {
-                    let q_heads: Vec<Range<usize>> = (0..pu).map(|r| t * chunk + r * u..t * chunk + (r + 1) * u).collect();
+                    let q_heads: Vec<Range<usize>> = (0..pu)
+                        .map(|r| t * chunk + r * u..t * chunk + (r + 1) * u)
+                        .collect();
                     KvPhase {
-                        kv_heads: q_heads.iter().map(|q| q.start / g..q.start / g + 1).collect(),
+                        kv_heads: q_heads
+                            .iter()
+                            .map(|q| q.start / g..q.start / g + 1)
+                            .collect(),
                         stages: vec![Stage { q_heads }],
                     }
                 })
@@ -132,10 +140,12 @@ impl StageSchedule {
 
 /// Why `chunk` cannot be a stage size, if it cannot.
 fn chunk_problem(heads: usize, kv_heads: usize, pu: usize, chunk: usize) -> Option<String> {
-    if chunk == 0 || chunk % pu != 0 {
-        return Some(format!("must be a positive multiple of the Ulysses degree {pu}"));
+    if chunk == 0 || !chunk.is_multiple_of(pu) {
+        return Some(format!(
+            "must be a positive multiple of the Ulysses degree {pu}"
+        ));
     }
-    if heads % chunk != 0 {
+    if !heads.is_multiple_of(chunk) {
         return Some(format!("must divide the {heads} query heads"));
     }
     let (g, u) = (heads / kv_heads, chunk / pu);
@@ -161,7 +171,7 @@ pub fn valid_chunks(heads: usize, kv_heads: usize, pu: usize) -> Vec<usize> {
 }
 
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 #[cfg(test)]
@@ -180,7 +190,11 @@ mod tests {
                     for h in q.clone() {
                         seen[h] += 1;
                         // each query head attends with its own kv head, held by its rank in this phase
-                        assert!(p.kv_heads[r].contains(&(h / g)), "head {h} lacks kv head {}", h / g);
+                        assert!(
+                            p.kv_heads[r].contains(&(h / g)),
+                            "head {h} lacks kv head {}",
+                            h / g
+                        );
                     }
                     // the GQA kernel maps local query head j to local kv head j / (u / m)
                     let m = p.kv_heads[r].len();
@@ -191,7 +205,10 @@ mod tests {
                 }
             }
         }
-        assert!(seen.iter().all(|&c| c == 1), "every query head exactly once: {seen:?}");
+        assert!(
+            seen.iter().all(|&c| c == 1),
+            "every query head exactly once: {seen:?}"
+        );
         if s.kv_heads >= s.pu {
             let mut kv_seen = vec![0usize; s.kv_heads];
             for p in &s.phases {
@@ -201,7 +218,10 @@ mod tests {
                     }
                 }
             }
-            assert!(kv_seen.iter().all(|&c| c == 1), "each kv head exchanged once: {kv_seen:?}");
+            assert!(
+                kv_seen.iter().all(|&c| c == 1),
+                "each kv head exchanged once: {kv_seen:?}"
+            );
         }
     }
 

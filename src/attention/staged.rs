@@ -17,11 +17,20 @@
 
 use super::rope::RopeTables;
 use super::schedule::KvPhase;
-use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring};
+use super::{
+    AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
+};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast_ref};
 use crate::comm::Mesh;
 use crate::error::Result;
 use std::ops::Range;
+
+/// A kv phase's K (normed, rotated), its pre-norm copy when kept, and V: `[n, m, d]`.
+struct PhaseKv<B: Backend> {
+    k: Tensor<B>,
+    k_raw: Option<Tensor<B>>,
+    v: Tensor<B>,
+}
 
 /// One rank's view of the staged layer for one call.
 pub struct Staged<'a, B: Backend> {
@@ -35,7 +44,13 @@ pub struct Staged<'a, B: Backend> {
 }
 
 impl<'a, B: Backend> Staged<'a, B> {
-    pub fn new(b: &'a B, mesh: &'a Mesh<B>, dims: &'a AttnDims, plan: &'a CpPlan, rope: &'a RopeTables<B>) -> Self {
+    pub fn new(
+        b: &'a B,
+        mesh: &'a Mesh<B>,
+        dims: &'a AttnDims,
+        plan: &'a CpPlan,
+        rope: &'a RopeTables<B>,
+    ) -> Self {
         Staged {
             b,
             mesh,
@@ -69,14 +84,27 @@ impl<'a, B: Backend> Staged<'a, B> {
     }
 
     /// `x @ w[heads]^T` for every destination's heads, packed `[pu * s, nh, d]`.
-    fn project_packed(&self, x: &Tensor<B>, w: &Tensor<B>, heads: &[Range<usize>]) -> Result<Tensor<B>> {
+    fn project_packed(
+        &self,
+        x: &Tensor<B>,
+        w: &Tensor<B>,
+        heads: &[Range<usize>],
+    ) -> Result<Tensor<B>> {
         let nh = heads[0].len();
-        let mut buf = self
-            .b
-            .zeros(&[self.pu() * self.s, nh, self.dims.head_dim], x.dtype(), Category::Comm)?;
+        let mut buf = self.b.zeros(
+            &[self.pu() * self.s, nh, self.dims.head_dim],
+            x.dtype(),
+            Category::Comm,
+        )?;
         for (j, h) in heads.iter().enumerate() {
             let c = self.packed_block(j, nh);
-            self.b.gemm(buf.view_mut(c), x.mat(), w.view(self.head_rows(h)).t(), 1.0, 0.0)?;
+            self.b.gemm(
+                buf.view_mut(c),
+                x.mat(),
+                w.view(self.head_rows(h)).t(),
+                1.0,
+                0.0,
+            )?;
         }
         Ok(buf)
     }
@@ -108,11 +136,18 @@ impl<'a, B: Backend> Staged<'a, B> {
         x: &Tensor<B>,
         phase: &KvPhase,
         keep_raw: bool,
-    ) -> Result<(Tensor<B>, Option<Tensor<B>>, Tensor<B>)> {
+    ) -> Result<PhaseKv<B>> {
         let k = self.exchange(self.project_packed(x, &w.wk, &phase.kv_heads)?)?;
         let v = self.exchange(self.project_packed(x, &w.wv, &phase.kv_heads)?)?;
-        let (k, k_raw) = norm_rope(self.b, k, w.k_norm.as_ref(), self.dims.norm_eps, self.rope, keep_raw)?;
-        Ok((k, k_raw, v))
+        let (k, k_raw) = norm_rope(
+            self.b,
+            k,
+            w.k_norm.as_ref(),
+            self.dims.norm_eps,
+            self.rope,
+            keep_raw,
+        )?;
+        Ok(PhaseKv { k, k_raw, v })
     }
 
     /// This stage's Q (normed, rotated) and its pre-norm copy if needed: `[n, u, d]`.
@@ -124,25 +159,39 @@ impl<'a, B: Backend> Staged<'a, B> {
         keep_raw: bool,
     ) -> Result<(Tensor<B>, Option<Tensor<B>>)> {
         let q = self.exchange(self.project_packed(x, &w.wq, q_heads)?)?;
-        norm_rope(self.b, q, w.q_norm.as_ref(), self.dims.norm_eps, self.rope, keep_raw)
+        norm_rope(
+            self.b,
+            q,
+            w.q_norm.as_ref(),
+            self.dims.norm_eps,
+            self.rope,
+            keep_raw,
+        )
     }
 
     /// Forward: `x: [s, hidden]` → `y: [s, hidden]`.
-    pub fn forward(&self, w: &AttentionWeights<B>, x: &Tensor<B>) -> Result<(Tensor<B>, AttnSaved<B>)> {
+    pub fn forward(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+    ) -> Result<(Tensor<B>, AttnSaved<B>)> {
         let (b, d, s) = (self.b, self.dims.head_dim, self.s);
         let sched = &self.plan.schedule;
         let u = sched.u();
         let mut o = b.zeros(&[s, self.dims.heads, d], x.dtype(), Category::Activations)?;
         let mut lses = Vec::with_capacity(sched.n_stages());
         for phase in &sched.phases {
-            let (k, _, v) = self.kv_phase(w, x, phase, false)?;
+            let PhaseKv { k, v, .. } = self.kv_phase(w, x, phase, false)?;
             for stage in &phase.stages {
                 let (q, _) = self.q_stage(w, x, &stage.q_heads, false)?;
                 let (o_att, lse) = ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v)?;
                 drop(q);
                 let back = self.exchange(o_att)?;
                 for (j, h) in stage.q_heads.iter().enumerate() {
-                    b.copy(o.view_mut(self.head_cols(h, s)), back.view(self.packed_block(j, u)))?;
+                    b.copy(
+                        o.view_mut(self.head_cols(h, s)),
+                        back.view(self.packed_block(j, u)),
+                    )?;
                 }
                 drop(back);
                 lses.push(lse);
@@ -170,7 +219,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         let mut dx = b.zeros(&[s, self.dims.hidden], act, Category::Grads)?;
         let mut stage_index = 0;
         for phase in &sched.phases {
-            let (k, k_raw, v) = self.kv_phase(w, x, phase, true)?;
+            let PhaseKv { k, k_raw, v } = self.kv_phase(w, x, phase, true)?;
             let mut dk = b.zeros(k.shape(), DType::F32, Category::Workspace)?;
             let mut dv = b.zeros(v.shape(), DType::F32, Category::Workspace)?;
             for stage in &phase.stages {
@@ -217,26 +266,42 @@ impl<'a, B: Backend> Staged<'a, B> {
     /// O's columns of every destination's heads, packed `[pu * s, u, d]`.
     fn gather_heads(&self, o: &Tensor<B>, heads: &[Range<usize>]) -> Result<Tensor<B>> {
         let nh = heads[0].len();
-        let mut buf = self
-            .b
-            .zeros(&[self.pu() * self.s, nh, self.dims.head_dim], o.dtype(), Category::Comm)?;
+        let mut buf = self.b.zeros(
+            &[self.pu() * self.s, nh, self.dims.head_dim],
+            o.dtype(),
+            Category::Comm,
+        )?;
         for (j, h) in heads.iter().enumerate() {
-            self.b
-                .copy(buf.view_mut(self.packed_block(j, nh)), o.view(self.head_cols(h, self.s)))?;
+            self.b.copy(
+                buf.view_mut(self.packed_block(j, nh)),
+                o.view(self.head_cols(h, self.s)),
+            )?;
         }
         Ok(buf)
     }
 
     /// `dO[heads] = dy @ wo[:, heads]` for every destination, packed `[pu * s, u, d]`.
-    fn project_dout(&self, dy: &Tensor<B>, wo: &Tensor<B>, heads: &[Range<usize>]) -> Result<Tensor<B>> {
+    fn project_dout(
+        &self,
+        dy: &Tensor<B>,
+        wo: &Tensor<B>,
+        heads: &[Range<usize>],
+    ) -> Result<Tensor<B>> {
         let nh = heads[0].len();
-        let mut buf = self
-            .b
-            .zeros(&[self.pu() * self.s, nh, self.dims.head_dim], dy.dtype(), Category::Comm)?;
+        let mut buf = self.b.zeros(
+            &[self.pu() * self.s, nh, self.dims.head_dim],
+            dy.dtype(),
+            Category::Comm,
+        )?;
         for (j, h) in heads.iter().enumerate() {
             let cols = self.head_cols(h, self.dims.hidden);
-            self.b
-                .gemm(buf.view_mut(self.packed_block(j, nh)), dy.mat(), wo.view(cols), 1.0, 0.0)?;
+            self.b.gemm(
+                buf.view_mut(self.packed_block(j, nh)),
+                dy.mat(),
+                wo.view(cols),
+                1.0,
+                0.0,
+            )?;
         }
         Ok(buf)
     }
@@ -256,9 +321,11 @@ impl<'a, B: Backend> Staged<'a, B> {
         let dp = cast_ref(self.b, dp, x.dtype())?;
         for (j, h) in heads.iter().enumerate() {
             let blk = dp.view(self.packed_block(j, nh));
-            self.b.gemm(dw.view_mut(self.head_rows(h)), blk.t(), x.mat(), 1.0, 1.0)?;
+            self.b
+                .gemm(dw.view_mut(self.head_rows(h)), blk.t(), x.mat(), 1.0, 1.0)?;
             let blk = dp.view(self.packed_block(j, nh));
-            self.b.gemm(dx.mat_mut(), blk, w.view(self.head_rows(h)), 1.0, 1.0)?;
+            self.b
+                .gemm(dx.mat_mut(), blk, w.view(self.head_rows(h)), 1.0, 1.0)?;
         }
         Ok(())
     }

@@ -30,10 +30,26 @@ impl TrialInputs {
         let (h, d) = (dims.hidden, dims.head_dim);
         let ws = 1.0 / (h as f32).sqrt();
         let mut weights = vec![
-            ("wq", vec![dims.q_width(), h], rng.normal_vec(dims.q_width() * h, ws)),
-            ("wk", vec![dims.kv_width(), h], rng.normal_vec(dims.kv_width() * h, ws)),
-            ("wv", vec![dims.kv_width(), h], rng.normal_vec(dims.kv_width() * h, ws)),
-            ("wo", vec![h, dims.q_width()], rng.normal_vec(h * dims.q_width(), ws)),
+            (
+                "wq",
+                vec![dims.q_width(), h],
+                rng.normal_vec(dims.q_width() * h, ws),
+            ),
+            (
+                "wk",
+                vec![dims.kv_width(), h],
+                rng.normal_vec(dims.kv_width() * h, ws),
+            ),
+            (
+                "wv",
+                vec![dims.kv_width(), h],
+                rng.normal_vec(dims.kv_width() * h, ws),
+            ),
+            (
+                "wo",
+                vec![h, dims.q_width()],
+                rng.normal_vec(h * dims.q_width(), ws),
+            ),
         ];
         if dims.qk_norm {
             for name in ["q_norm", "k_norm"] {
@@ -93,7 +109,10 @@ impl TrialResult {
     }
     /// The largest of [`errors_against`](Self::errors_against).
     pub fn max_rel_err(&self, reference: &TrialResult) -> f64 {
-        self.errors_against(reference).into_iter().map(|(_, e)| e).fold(0.0, f64::max)
+        self.errors_against(reference)
+            .into_iter()
+            .map(|(_, e)| e)
+            .fold(0.0, f64::max)
     }
 }
 
@@ -111,9 +130,26 @@ pub fn run_trial<B: Backend>(
         let b = b.as_ref();
         let act = b.compute_dtype();
         let (i, r) = (mesh.ring.rank(), mesh.ulysses.rank());
-        let x = b.from_host(&layout.shard_rows(&inputs.x, hidden, i, r), &[layout.local_len(), hidden], act, Category::Activations)?;
-        let dy = b.from_host(&layout.shard_rows(&inputs.dy, hidden, i, r), &[layout.local_len(), hidden], act, Category::Grads)?;
-        let up = |k: usize| b.from_host(&inputs.weights[k].2, &inputs.weights[k].1, act, Category::Weights);
+        let x = b.from_host(
+            &layout.shard_rows(&inputs.x, hidden, i, r),
+            &[layout.local_len(), hidden],
+            act,
+            Category::Activations,
+        )?;
+        let dy = b.from_host(
+            &layout.shard_rows(&inputs.dy, hidden, i, r),
+            &[layout.local_len(), hidden],
+            act,
+            Category::Grads,
+        )?;
+        let up = |k: usize| {
+            b.from_host(
+                &inputs.weights[k].2,
+                &inputs.weights[k].1,
+                act,
+                Category::Weights,
+            )
+        };
         let w = AttentionWeights {
             wq: up(0)?,
             wk: up(1)?,
@@ -144,7 +180,14 @@ pub fn run_trial<B: Backend>(
             mesh.world.all_reduce(&mut t32)?;
             grads.push((name, b.to_host(&t32)?));
         }
-        Ok((b.to_host(&y)?, b.to_host(&dx)?, grads, peak, act_bytes, seconds))
+        Ok((
+            b.to_host(&y)?,
+            b.to_host(&dx)?,
+            grads,
+            peak,
+            act_bytes,
+            seconds,
+        ))
     })?;
     let ys: Vec<Vec<f32>> = per_rank.iter().map(|p| p.0.clone()).collect();
     let dxs: Vec<Vec<f32>> = per_rank.iter().map(|p| p.1.clone()).collect();

@@ -59,15 +59,27 @@ impl LocalWorld {
     }
 
     /// The groups of global `rank` for a mesh.
-    pub fn mesh<B: Backend>(self: &Arc<Self>, shape: MeshShape, rank: usize, backend: Arc<B>) -> Mesh<B> {
-        assert_eq!(shape.world_size(), self.size, "mesh does not match the world");
+    pub fn mesh<B: Backend>(
+        self: &Arc<Self>,
+        shape: MeshShape,
+        rank: usize,
+        backend: Arc<B>,
+    ) -> Mesh<B> {
+        assert_eq!(
+            shape.world_size(),
+            self.size,
+            "mesh does not match the world"
+        );
         let group = |kind: GroupKind| -> Box<dyn ProcessGroup<B>> {
             let members = shape.members(kind, rank);
             Box::new(LocalGroup {
                 world: self.clone(),
                 backend: backend.clone(),
                 tag: group_tag(&members),
-                me: members.iter().position(|&r| r == rank).expect("rank in its group"),
+                me: members
+                    .iter()
+                    .position(|&r| r == rank)
+                    .expect("rank in its group"),
                 members,
             })
         };
@@ -93,7 +105,11 @@ fn group_tag(members: &[usize]) -> u64 {
 
 /// Runs `f(rank, mesh)` on one thread per rank, each with its own backend from
 /// `make_backend`, and returns the per-rank results in rank order.
-pub fn run_ranks<B, T, F>(shape: MeshShape, make_backend: impl Fn() -> B + Sync, f: F) -> Result<Vec<T>>
+pub fn run_ranks<B, T, F>(
+    shape: MeshShape,
+    make_backend: impl Fn() -> B + Sync,
+    f: F,
+) -> Result<Vec<T>>
 where
     B: Backend,
     T: Send,
@@ -113,7 +129,10 @@ where
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().map_err(|_| Error::Comm("a rank thread panicked".into()))?)
+            .map(|h| {
+                h.join()
+                    .map_err(|_| Error::Comm("a rank thread panicked".into()))?
+            })
             .collect()
     })
 }
@@ -128,14 +147,16 @@ struct LocalGroup<B: Backend> {
 
 impl<B: Backend> LocalGroup<B> {
     fn send(&self, to: usize, data: Vec<f32>) {
-        self.world.post(self.tag, self.members[self.me], self.members[to], data);
+        self.world
+            .post(self.tag, self.members[self.me], self.members[to], data);
     }
     fn recv(&self, from: usize) -> Result<Vec<f32>> {
-        self.world.take(self.tag, self.members[from], self.members[self.me])
+        self.world
+            .take(self.tag, self.members[from], self.members[self.me])
     }
     fn chunks(&self, t: &Tensor<B>, what: &str) -> Result<usize> {
         let p = self.members.len();
-        if t.numel() % p != 0 {
+        if !t.numel().is_multiple_of(p) {
             return Err(Error::Comm(format!(
                 "{what}: {} elements do not split into {p} equal chunks",
                 t.numel()
@@ -156,7 +177,9 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
     fn all_to_all(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()> {
         let n = self.chunks(send, "all_to_all")?;
         if recv.numel() != send.numel() {
-            return Err(Error::Comm("all_to_all: send and receive sizes differ".into()));
+            return Err(Error::Comm(
+                "all_to_all: send and receive sizes differ".into(),
+            ));
         }
         let host = self.backend.to_host(send)?;
         for j in 0..self.size() {
@@ -171,7 +194,9 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
 
     fn all_gather(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()> {
         if recv.numel() != send.numel() * self.size() {
-            return Err(Error::Comm("all_gather: receive must hold size x send".into()));
+            return Err(Error::Comm(
+                "all_gather: receive must hold size x send".into(),
+            ));
         }
         let host = self.backend.to_host(send)?;
         for j in 0..self.size() {
@@ -187,7 +212,9 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
     fn reduce_scatter(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()> {
         let n = self.chunks(send, "reduce_scatter")?;
         if recv.numel() != n {
-            return Err(Error::Comm("reduce_scatter: receive must hold one chunk".into()));
+            return Err(Error::Comm(
+                "reduce_scatter: receive must hold one chunk".into(),
+            ));
         }
         let host = self.backend.to_host(send)?;
         for j in 0..self.size() {
@@ -219,7 +246,13 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
         self.backend.upload(t, &acc)
     }
 
-    fn send_recv(&self, send: &Tensor<B>, to: usize, recv: &mut Tensor<B>, from: usize) -> Result<()> {
+    fn send_recv(
+        &self,
+        send: &Tensor<B>,
+        to: usize,
+        recv: &mut Tensor<B>,
+        from: usize,
+    ) -> Result<()> {
         self.send(to, self.backend.to_host(send)?);
         let got = self.recv(from)?;
         if got.len() != recv.numel() {
@@ -257,7 +290,13 @@ mod tests {
             g.all_gather(&s, &mut ag)?;
             let mut sr = b.zeros(&[8], DType::F32, Category::Comm)?;
             g.send_recv(&s, (rank + 1) % 4, &mut sr, (rank + 3) % 4)?;
-            Ok((a2a, b.to_host(&ar)?, b.to_host(&rs)?, b.to_host(&ag)?, b.to_host(&sr)?))
+            Ok((
+                a2a,
+                b.to_host(&ar)?,
+                b.to_host(&rs)?,
+                b.to_host(&ag)?,
+                b.to_host(&sr)?,
+            ))
         })
         .unwrap();
         for (rank, (a2a, ar, rs, ag, sr)) in out.into_iter().enumerate() {
@@ -270,9 +309,15 @@ mod tests {
                 .map(|i| (0..4).map(|j| (j * 100 + rank * 2 + i) as f32).sum())
                 .collect();
             assert_eq!(rs, sum_chunk);
-            assert_eq!(ag[8..16].to_vec(), (0..8).map(|i| (100 + i) as f32).collect::<Vec<_>>());
+            assert_eq!(
+                ag[8..16].to_vec(),
+                (0..8).map(|i| (100 + i) as f32).collect::<Vec<_>>()
+            );
             let prev = (rank + 3) % 4;
-            assert_eq!(sr, (0..8).map(|i| (prev * 100 + i) as f32).collect::<Vec<_>>());
+            assert_eq!(
+                sr,
+                (0..8).map(|i| (prev * 100 + i) as f32).collect::<Vec<_>>()
+            );
         }
     }
 }

@@ -36,7 +36,11 @@ impl MeshShape {
                 "mesh sizes must be at least 1 (got data={data}, ring={ring}, ulysses={ulysses})"
             );
         }
-        Ok(MeshShape { data, ring, ulysses })
+        Ok(MeshShape {
+            data,
+            ring,
+            ulysses,
+        })
     }
     /// Ranks in the whole mesh.
     pub fn world_size(&self) -> usize {

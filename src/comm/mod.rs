@@ -30,7 +30,13 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
     /// `t = sum_j t_of_rank_j`, identical on every rank.
     fn all_reduce(&self, t: &mut Tensor<B>) -> Result<()>;
     /// Sends `send` to group rank `to` while receiving `recv` from group rank `from`.
-    fn send_recv(&self, send: &Tensor<B>, to: usize, recv: &mut Tensor<B>, from: usize) -> Result<()>;
+    fn send_recv(
+        &self,
+        send: &Tensor<B>,
+        to: usize,
+        recv: &mut Tensor<B>,
+        from: usize,
+    ) -> Result<()>;
 }
 
 /// The process groups one rank belongs to.
