@@ -1,1 +1,2 @@
-//! TODO
+//! The Llama-family decoder: configurations, weights and forward/backward.
+pub mod config;

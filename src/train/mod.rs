@@ -1,1 +1,3 @@
-//! TODO
+//! Training: data, checkpoints, sharded optimizer state and the training loop.
+pub mod checkpoint;
+pub mod data;

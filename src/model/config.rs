@@ -1,0 +1,695 @@
+//! Model configurations of the Llama / Qwen3 decoder family: built-in presets,
+//! Hugging Face `config.json` parsing and writing, validation, and the exact
+//! HF parameter names and shapes that checkpoints must carry.
+
+use crate::error::{Error, Result};
+use serde_json::{Map, Value, json};
+use std::path::Path;
+
+/// Llama-3 style RoPE frequency scaling (`rope_type: "llama3"` in HF configs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeScaling {
+    /// Overall wavelength stretch applied to low frequencies.
+    pub factor: f32,
+    /// Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are scaled fully.
+    pub low_freq_factor: f32,
+    /// Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` are kept.
+    pub high_freq_factor: f32,
+    /// The context length the base model was pre-trained with.
+    pub original_max_position_embeddings: usize,
+}
+
+/// Dimensions and options of a Llama-family decoder.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// A human-readable name (preset name or HF `_name_or_path`).
+    pub name: String,
+    /// Model (residual stream) width.
+    pub hidden: usize,
+    /// Number of decoder layers.
+    pub layers: usize,
+    /// Number of query heads.
+    pub heads: usize,
+    /// Number of key/value heads (GQA); divides `heads`.
+    pub kv_heads: usize,
+    /// Width of one attention head (need not equal `hidden / heads`, e.g. Qwen3-32B).
+    pub head_dim: usize,
+    /// SwiGLU intermediate width.
+    pub ffn: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// Optional Llama-3 RoPE scaling.
+    pub rope_scaling: Option<RopeScaling>,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// Whether the LM head shares the embedding matrix.
+    pub tie_embeddings: bool,
+    /// Whether q and k are RMS-normalised per head before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// The longest context the model is configured for.
+    pub max_position: usize,
+}
+
+/// Names of the built-in presets, in the order they are listed to users.
+pub const PRESETS: &[&str] = &["tiny", "llama3.2-1b", "llama3-8b", "llama3-70b", "qwen3-32b"];
+
+/// The RoPE scaling Meta publishes for the Llama 3.1 / 3.2 models.
+fn llama31_rope_scaling(factor: f32) -> RopeScaling {
+    RopeScaling {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    }
+}
+
+/// A Llama 3.x config with the dims that differ between sizes.
+fn llama3(name: &str, hidden: usize, layers: usize, heads: usize, ffn: usize) -> ModelConfig {
+    ModelConfig {
+        name: name.to_string(),
+        hidden,
+        layers,
+        heads,
+        kv_heads: 8,
+        head_dim: hidden / heads,
+        ffn,
+        vocab: 128_256,
+        rope_theta: 500_000.0,
+        rope_scaling: Some(llama31_rope_scaling(8.0)),
+        rms_norm_eps: 1e-5,
+        tie_embeddings: false,
+        qk_norm: false,
+        max_position: 131_072,
+    }
+}
+
+impl ModelConfig {
+    /// The built-in preset called `name`, if there is one.
+    ///
+    /// `llama3-8b` and `llama3-70b` carry the Llama 3.1 RoPE settings (scaling
+    /// factor 8, 128K context); their weights have the same shapes as Llama 3.0.
+    pub fn preset(name: &str) -> Option<ModelConfig> {
+        let cfg = match name {
+            "tiny" => ModelConfig {
+                name: "tiny".to_string(),
+                hidden: 64,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 16,
+                ffn: 172,
+                vocab: 256,
+                rope_theta: 10_000.0,
+                rope_scaling: None,
+                rms_norm_eps: 1e-5,
+                tie_embeddings: false,
+                qk_norm: false,
+                max_position: 1 << 20,
+            },
+            "llama3.2-1b" => ModelConfig {
+                rope_scaling: Some(llama31_rope_scaling(32.0)),
+                tie_embeddings: true,
+                ..llama3(name, 2048, 16, 32, 8192)
+            },
+            "llama3-8b" => llama3(name, 4096, 32, 32, 14_336),
+            "llama3-70b" => llama3(name, 8192, 80, 64, 28_672),
+            "qwen3-32b" => ModelConfig {
+                name: name.to_string(),
+                hidden: 5120,
+                layers: 64,
+                heads: 64,
+                kv_heads: 8,
+                head_dim: 128,
+                ffn: 25_600,
+                vocab: 151_936,
+                rope_theta: 1_000_000.0,
+                rope_scaling: None,
+                rms_norm_eps: 1e-6,
+                tie_embeddings: false,
+                qk_norm: true,
+                max_position: 40_960,
+            },
+            _ => return None,
+        };
+        Some(cfg)
+    }
+
+    /// Resolves a user argument: a preset name, a path to a `config.json`, or a
+    /// directory containing one. The result is validated.
+    pub fn resolve(arg: &str) -> Result<ModelConfig> {
+        if let Some(cfg) = Self::preset(arg) {
+            return Ok(cfg);
+        }
+        let path = Path::new(arg);
+        let file = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.to_path_buf()
+        };
+        if !file.is_file() {
+            return Err(Error::Config(format!(
+                "unknown model '{arg}': not a preset ({}) nor a config.json or a directory containing one",
+                PRESETS.join(", ")
+            )));
+        }
+        let text = std::fs::read_to_string(&file)
+            .map_err(|e| Error::io(format!("reading {}", file.display()), e))?;
+        Self::from_hf_json(&text)
+            .map_err(|e| Error::Config(format!("{}: {}", file.display(), strip_prefix(&e))))
+    }
+
+    /// Parses a Hugging Face `config.json` of the Llama / Qwen3 family and validates it.
+    pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| Error::Config("config.json must be a JSON object".to_string()))?;
+        let cfg = parse_hf_object(obj)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Writes this config as a Hugging Face `config.json` that
+    /// [`ModelConfig::from_hf_json`] reads back to an equal config and
+    /// `transformers` loads as `LlamaForCausalLM` / `Qwen3ForCausalLM`.
+    pub fn to_hf_json(&self) -> String {
+        let (model_type, arch) = if self.qk_norm {
+            ("qwen3", "Qwen3ForCausalLM")
+        } else {
+            ("llama", "LlamaForCausalLM")
+        };
+        let rope_scaling = match &self.rope_scaling {
+            None => Value::Null,
+            Some(s) => json!({
+                "rope_type": "llama3",
+                "factor": clean_f32(s.factor),
+                "low_freq_factor": clean_f32(s.low_freq_factor),
+                "high_freq_factor": clean_f32(s.high_freq_factor),
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            }),
+        };
+        let value = json!({
+            "_name_or_path": self.name,
+            "architectures": [arch],
+            "model_type": model_type,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "rope_theta": clean_f32(self.rope_theta),
+            "rope_scaling": rope_scaling,
+            "rms_norm_eps": clean_f32(self.rms_norm_eps),
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_position,
+            "attention_bias": false,
+            "mlp_bias": false,
+        });
+        serde_json::to_string_pretty(&value).expect("a JSON value always serialises")
+    }
+
+    /// Checks the config once, at the edge; every error names the fix.
+    pub fn validate(&self) -> Result<()> {
+        let dims = [
+            ("hidden", self.hidden),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("ffn", self.ffn),
+            ("vocab", self.vocab),
+            ("max_position", self.max_position),
+        ];
+        for (what, v) in dims {
+            if v == 0 {
+                return Err(self.err(format!("{what} is 0; every dimension must be at least 1")));
+            }
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(self.err(format!(
+                "heads ({}) is not a multiple of kv_heads ({}); choose kv_heads dividing heads, e.g. {}",
+                self.heads,
+                self.kv_heads,
+                largest_divisor_at_most(self.heads, self.kv_heads)
+            )));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(self.err(format!(
+                "head_dim ({}) is odd; RoPE rotates pairs of dimensions, use an even head_dim such as {}",
+                self.head_dim,
+                self.head_dim + 1
+            )));
+        }
+        positive_finite(self, "rope_theta", self.rope_theta)?;
+        positive_finite(self, "rms_norm_eps", self.rms_norm_eps)?;
+        if let Some(s) = &self.rope_scaling {
+            self.validate_rope_scaling(s)?;
+        }
+        Ok(())
+    }
+
+    fn validate_rope_scaling(&self, s: &RopeScaling) -> Result<()> {
+        positive_finite(self, "rope_scaling.factor", s.factor)?;
+        positive_finite(self, "rope_scaling.low_freq_factor", s.low_freq_factor)?;
+        positive_finite(self, "rope_scaling.high_freq_factor", s.high_freq_factor)?;
+        if s.high_freq_factor <= s.low_freq_factor {
+            return Err(self.err(format!(
+                "rope_scaling.high_freq_factor ({}) must exceed low_freq_factor ({}); Llama 3 uses 4 and 1",
+                s.high_freq_factor, s.low_freq_factor
+            )));
+        }
+        if s.original_max_position_embeddings == 0 {
+            return Err(self.err(
+                "rope_scaling.original_max_position_embeddings is 0; Llama 3 uses 8192".to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn err(&self, msg: String) -> Error {
+        Error::Config(format!("model '{}': {msg}", self.name))
+    }
+
+    /// Query heads per kv head.
+    pub fn group_size(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// Total number of parameters (tied embeddings counted once).
+    pub fn param_count(&self) -> usize {
+        self.hf_param_shapes()
+            .iter()
+            .map(|(_, shape)| shape.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Every parameter with its exact Hugging Face name and shape, in model order.
+    pub fn hf_param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, hd) = (self.hidden, self.head_dim);
+        let (q, kv) = (self.heads * hd, self.kv_heads * hd);
+        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
+        for i in 0..self.layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            out.push((p("input_layernorm.weight"), vec![h]));
+            out.push((p("self_attn.q_proj.weight"), vec![q, h]));
+            out.push((p("self_attn.k_proj.weight"), vec![kv, h]));
+            out.push((p("self_attn.v_proj.weight"), vec![kv, h]));
+            out.push((p("self_attn.o_proj.weight"), vec![h, q]));
+            if self.qk_norm {
+                out.push((p("self_attn.q_norm.weight"), vec![hd]));
+                out.push((p("self_attn.k_norm.weight"), vec![hd]));
+            }
+            out.push((p("post_attention_layernorm.weight"), vec![h]));
+            out.push((p("mlp.gate_proj.weight"), vec![self.ffn, h]));
+            out.push((p("mlp.up_proj.weight"), vec![self.ffn, h]));
+            out.push((p("mlp.down_proj.weight"), vec![h, self.ffn]));
+        }
+        out.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![self.vocab, h]));
+        }
+        out
+    }
+}
+
+/// Builds a config from the fields of an HF `config.json` object (not yet validated).
+fn parse_hf_object(obj: &Map<String, Value>) -> Result<ModelConfig> {
+    let model_type = obj.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let qk_norm = match model_type {
+        "llama" => false,
+        "qwen3" => true,
+        "qwen2" => {
+            return config_err_str(
+                "model_type 'qwen2' uses biases on the q/k/v projections, which upipe's decoder does not \
+                 implement; use a Llama or Qwen3 checkpoint",
+            );
+        }
+        other => {
+            return config_err_str(&format!(
+                "unsupported model_type '{other}'; upipe reads Llama ('llama') and Qwen3 ('qwen3') configs"
+            ));
+        }
+    };
+    for key in ["attention_bias", "mlp_bias", "use_sliding_window"] {
+        if obj.get(key).and_then(Value::as_bool) == Some(true) {
+            return config_err_str(&format!(
+                "{key} is true; upipe's decoder has no projection biases and uses full causal attention"
+            ));
+        }
+    }
+    let hidden = req_usize(obj, "hidden_size")?;
+    let heads = req_usize(obj, "num_attention_heads")?;
+    let head_dim = match obj.get("head_dim") {
+        None | Some(Value::Null) => hidden.checked_div(heads).unwrap_or(0),
+        Some(_) => req_usize(obj, "head_dim")?,
+    };
+    // Newer transformers move rope_theta into a `rope_parameters` object.
+    let rope_params = obj
+        .get("rope_parameters")
+        .and_then(Value::as_object)
+        .filter(|r| r.contains_key("rope_theta"));
+    let rope_theta = match (opt_f32(obj, "rope_theta")?, rope_params) {
+        (Some(theta), _) => theta,
+        (None, Some(r)) => req_f32(r, "rope_theta")?,
+        (None, None) => 10_000.0,
+    };
+    let scaling_value = obj.get("rope_scaling").or_else(|| obj.get("rope_parameters"));
+    Ok(ModelConfig {
+        name: obj
+            .get("_name_or_path")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .unwrap_or(model_type)
+            .to_string(),
+        hidden,
+        layers: req_usize(obj, "num_hidden_layers")?,
+        heads,
+        kv_heads: opt_usize(obj, "num_key_value_heads")?.unwrap_or(heads),
+        head_dim,
+        ffn: req_usize(obj, "intermediate_size")?,
+        vocab: req_usize(obj, "vocab_size")?,
+        rope_theta,
+        rope_scaling: parse_rope_scaling(scaling_value)?,
+        rms_norm_eps: opt_f32(obj, "rms_norm_eps")?.unwrap_or(1e-6),
+        tie_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
+        qk_norm,
+        max_position: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
+    })
+}
+
+/// Parses `rope_scaling` (or `rope_parameters`): absent, null and `"default"` mean none.
+fn parse_rope_scaling(value: Option<&Value>) -> Result<Option<RopeScaling>> {
+    let obj = match value {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(other) => return config_err_str(&format!("rope_scaling must be an object or null, got {other}")),
+    };
+    let kind = obj
+        .get("rope_type")
+        .or_else(|| obj.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(None),
+        "llama3" => Ok(Some(RopeScaling {
+            factor: req_f32(obj, "factor")?,
+            low_freq_factor: req_f32(obj, "low_freq_factor")?,
+            high_freq_factor: req_f32(obj, "high_freq_factor")?,
+            original_max_position_embeddings: req_usize(obj, "original_max_position_embeddings")?,
+        })),
+        other => config_err_str(&format!(
+            "rope_scaling type '{other}' is not supported; upipe implements 'llama3' scaling \
+             (or none: remove rope_scaling)"
+        )),
+    }
+}
+
+fn config_err_str<T>(msg: &str) -> Result<T> {
+    Err(Error::Config(msg.to_string()))
+}
+
+fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| Error::Config(format!("{key} must be a non-negative integer, got {v}"))),
+    }
+}
+
+fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
+    opt_usize(obj, key)?.ok_or_else(|| missing(key))
+}
+
+fn opt_f32(obj: &Map<String, Value>, key: &str) -> Result<Option<f32>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(|x| Some(x as f32))
+            .ok_or_else(|| Error::Config(format!("{key} must be a number, got {v}"))),
+    }
+}
+
+fn req_f32(obj: &Map<String, Value>, key: &str) -> Result<f32> {
+    opt_f32(obj, key)?.ok_or_else(|| missing(key))
+}
+
+fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| Error::Config(format!("{key} must be true or false, got {v}"))),
+    }
+}
+
+fn missing(key: &str) -> Error {
+    Error::Config(format!("config.json lacks the required key '{key}'"))
+}
+
+fn positive_finite(cfg: &ModelConfig, what: &str, v: f32) -> Result<()> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(cfg.err(format!("{what} is {v}; it must be a positive finite number")))
+    }
+}
+
+/// The largest divisor of `n` that is at most `k` (at least 1).
+fn largest_divisor_at_most(n: usize, k: usize) -> usize {
+    (1..=k.min(n)).rev().find(|d| n % d == 0).unwrap_or(1)
+}
+
+/// An f32 as the f64 with the same shortest decimal form, so JSON shows `1e-5`, not `9.99999974e-6`.
+fn clean_f32(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}
+
+/// The message of a `Config` error without its "invalid configuration: " prefix.
+fn strip_prefix(e: &Error) -> String {
+    match e {
+        Error::Config(m) => m.clone(),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn approx(count: usize, expected: f64, rel: f64) -> bool {
+        ((count as f64) - expected).abs() / expected < rel
+    }
+
+    #[test]
+    fn presets_are_valid_and_resolvable() {
+        for name in PRESETS {
+            let cfg = ModelConfig::resolve(name).unwrap();
+            assert_eq!(cfg.name, *name);
+            cfg.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn preset_param_counts_match_published_sizes() {
+        let count = |n: &str| ModelConfig::preset(n).unwrap().param_count();
+        assert_eq!(count("llama3-8b"), 8_030_261_248);
+        assert_eq!(count("llama3.2-1b"), 1_235_814_400);
+        assert!(approx(count("llama3-70b"), 70.55e9, 0.005));
+        assert!(approx(count("qwen3-32b"), 32.76e9, 0.005));
+        let tiny = ModelConfig::preset("tiny").unwrap();
+        // embed + lm_head + 2 layers of (2 norms, q,k,v,o, 3 MLP) + final norm
+        let per_layer = 2 * 64 + 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 172 * 64;
+        assert_eq!(tiny.param_count(), 2 * 256 * 64 + 2 * per_layer + 64);
+    }
+
+    #[test]
+    fn hf_shapes_follow_hf_naming() {
+        let cfg = ModelConfig::preset("qwen3-32b").unwrap();
+        let shapes: BTreeMapShapes = cfg.hf_param_shapes().into_iter().collect();
+        assert_eq!(shapes["model.embed_tokens.weight"], vec![151_936, 5120]);
+        assert_eq!(shapes["model.layers.63.self_attn.q_proj.weight"], vec![8192, 5120]);
+        assert_eq!(shapes["model.layers.0.self_attn.k_proj.weight"], vec![1024, 5120]);
+        assert_eq!(shapes["model.layers.0.self_attn.v_proj.weight"], vec![1024, 5120]);
+        assert_eq!(shapes["model.layers.0.self_attn.o_proj.weight"], vec![5120, 8192]);
+        assert_eq!(shapes["model.layers.0.self_attn.q_norm.weight"], vec![128]);
+        assert_eq!(shapes["model.layers.0.self_attn.k_norm.weight"], vec![128]);
+        assert_eq!(shapes["model.layers.0.mlp.gate_proj.weight"], vec![25_600, 5120]);
+        assert_eq!(shapes["model.layers.0.mlp.down_proj.weight"], vec![5120, 25_600]);
+        assert_eq!(shapes["lm_head.weight"], vec![151_936, 5120]);
+        assert_eq!(shapes.len(), 1 + 64 * 11 + 2);
+
+        let tied = ModelConfig::preset("llama3.2-1b").unwrap();
+        let names: Vec<String> = tied.hf_param_shapes().into_iter().map(|(n, _)| n).collect();
+        assert!(!names.iter().any(|n| n == "lm_head.weight"));
+        assert!(!names.iter().any(|n| n.contains("q_norm")));
+        assert_eq!(names.last().unwrap(), "model.norm.weight");
+    }
+
+    type BTreeMapShapes = std::collections::BTreeMap<String, Vec<usize>>;
+
+    const LLAMA31_JSON: &str = r#"{
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": false,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "mlp_bias": false,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3"
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128256
+    }"#;
+
+    const QWEN3_JSON: &str = r#"{
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": false,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 64,
+        "model_type": "qwen3",
+        "num_attention_heads": 64,
+        "num_hidden_layers": 64,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": null,
+        "rope_theta": 1000000,
+        "sliding_window": null,
+        "tie_word_embeddings": false,
+        "use_sliding_window": false,
+        "vocab_size": 151936
+    }"#;
+
+    #[test]
+    fn parses_llama31_config() {
+        let cfg = ModelConfig::from_hf_json(LLAMA31_JSON).unwrap();
+        let preset = ModelConfig::preset("llama3-8b").unwrap();
+        assert_eq!(cfg, ModelConfig { name: "llama".into(), ..preset });
+    }
+
+    #[test]
+    fn parses_qwen3_config() {
+        let cfg = ModelConfig::from_hf_json(QWEN3_JSON).unwrap();
+        let preset = ModelConfig::preset("qwen3-32b").unwrap();
+        assert_eq!(cfg, ModelConfig { name: "qwen3".into(), ..preset });
+    }
+
+    #[test]
+    fn hf_defaults_apply() {
+        let cfg = ModelConfig::from_hf_json(
+            r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":1,
+                "num_attention_heads":4,"intermediate_size":128,"vocab_size":256,
+                "rope_scaling":{"type":"llama3","factor":2,"low_freq_factor":1,
+                "high_freq_factor":4,"original_max_position_embeddings":64}}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.kv_heads, 4);
+        assert_eq!(cfg.head_dim, 16);
+        assert_eq!(cfg.rope_theta, 10_000.0);
+        assert!(!cfg.tie_embeddings && !cfg.qk_norm);
+        assert_eq!(cfg.rope_scaling.unwrap().factor, 2.0);
+    }
+
+    #[test]
+    fn hf_json_round_trips() {
+        for name in PRESETS {
+            let cfg = ModelConfig::preset(name).unwrap();
+            assert_eq!(ModelConfig::from_hf_json(&cfg.to_hf_json()).unwrap(), cfg);
+        }
+        assert!(ModelConfig::preset("tiny").unwrap().to_hf_json().contains("1e-5"));
+    }
+
+    fn config_error(json: &str) -> String {
+        match ModelConfig::from_hf_json(json) {
+            Err(Error::Config(m)) => m,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_hf_configs_are_refused_clearly() {
+        let yarn = LLAMA31_JSON.replace("\"llama3\"", "\"yarn\"");
+        assert!(config_error(&yarn).contains("rope_scaling type 'yarn'"));
+        let no_hidden = LLAMA31_JSON.replace("\"hidden_size\"", "\"hidden\"");
+        assert!(config_error(&no_hidden).contains("'hidden_size'"));
+        let mistral = LLAMA31_JSON.replace("\"llama\"", "\"mistral\"");
+        assert!(config_error(&mistral).contains("model_type 'mistral'"));
+        let qwen2 = QWEN3_JSON.replace("\"qwen3\"", "\"qwen2\"");
+        assert!(config_error(&qwen2).contains("biases"));
+        let bias = LLAMA31_JSON.replace("\"attention_bias\": false", "\"attention_bias\": true");
+        assert!(config_error(&bias).contains("attention_bias"));
+        assert!(config_error("[1, 2]").contains("JSON object"));
+        assert!(config_error("{").contains("not valid JSON"));
+        let odd_kv = LLAMA31_JSON.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5");
+        assert!(config_error(&odd_kv).contains("kv_heads (5)"));
+        let negative = LLAMA31_JSON.replace("\"num_hidden_layers\": 32", "\"num_hidden_layers\": -2");
+        assert!(config_error(&negative).contains("num_hidden_layers"));
+    }
+
+    #[test]
+    fn validation_names_the_fix() {
+        let base = ModelConfig::preset("tiny").unwrap();
+        let msg = |cfg: ModelConfig| cfg.validate().unwrap_err().to_string();
+        let m = msg(ModelConfig { kv_heads: 3, ..base.clone() });
+        assert!(m.contains("heads (4) is not a multiple of kv_heads (3)") && m.contains("e.g. 2"), "{m}");
+        assert!(msg(ModelConfig { head_dim: 15, ..base.clone() }).contains("head_dim (15) is odd"));
+        assert!(msg(ModelConfig { layers: 0, ..base.clone() }).contains("layers is 0"));
+        assert!(msg(ModelConfig { rms_norm_eps: 0.0, ..base.clone() }).contains("rms_norm_eps"));
+        assert!(msg(ModelConfig { rope_theta: f32::NAN, ..base.clone() }).contains("rope_theta"));
+        let bad_scaling = RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 4.0,
+            high_freq_factor: 1.0,
+            original_max_position_embeddings: 8192,
+        };
+        let m = msg(ModelConfig { rope_scaling: Some(bad_scaling), ..base });
+        assert!(m.contains("high_freq_factor"), "{m}");
+    }
+
+    #[test]
+    fn resolve_reads_files_and_dirs_and_lists_presets() {
+        let dir = std::env::temp_dir().join(format!("upipe-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), QWEN3_JSON).unwrap();
+        let from_dir = ModelConfig::resolve(dir.to_str().unwrap()).unwrap();
+        let from_file = ModelConfig::resolve(dir.join("config.json").to_str().unwrap()).unwrap();
+        assert_eq!(from_dir, from_file);
+        assert!(from_dir.qk_norm);
+        std::fs::write(dir.join("config.json"), "{}").unwrap();
+        let m = ModelConfig::resolve(dir.to_str().unwrap()).unwrap_err().to_string();
+        assert!(m.contains("config.json") && m.contains("model_type"), "{m}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        let m = ModelConfig::resolve("llama-9000").unwrap_err().to_string();
+        assert!(m.contains("llama-9000") && m.contains("llama3.2-1b, llama3-8b"), "{m}");
+    }
+}
