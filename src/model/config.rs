@@ -53,7 +53,13 @@ pub struct ModelConfig {
 }
 
 /// Names of the built-in presets, in the order they are listed to users.
-pub const PRESETS: &[&str] = &["tiny", "llama3.2-1b", "llama3-8b", "llama3-70b", "qwen3-32b"];
+pub const PRESETS: &[&str] = &[
+    "tiny",
+    "llama3.2-1b",
+    "llama3-8b",
+    "llama3-70b",
+    "qwen3-32b",
+];
 
 /// The RoPE scaling Meta publishes for the Llama 3.1 / 3.2 models.
 fn llama31_rope_scaling(factor: f32) -> RopeScaling {
@@ -359,7 +365,9 @@ fn parse_hf_object(obj: &Map<String, Value>) -> Result<ModelConfig> {
         (None, Some(r)) => req_f32(r, "rope_theta")?,
         (None, None) => 10_000.0,
     };
-    let scaling_value = obj.get("rope_scaling").or_else(|| obj.get("rope_parameters"));
+    let scaling_value = obj
+        .get("rope_scaling")
+        .or_else(|| obj.get("rope_parameters"));
     Ok(ModelConfig {
         name: obj
             .get("_name_or_path")
@@ -388,7 +396,11 @@ fn parse_rope_scaling(value: Option<&Value>) -> Result<Option<RopeScaling>> {
     let obj = match value {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::Object(o)) => o,
-        Some(other) => return config_err_str(&format!("rope_scaling must be an object or null, got {other}")),
+        Some(other) => {
+            return config_err_str(&format!(
+                "rope_scaling must be an object or null, got {other}"
+            ));
+        }
     };
     let kind = obj
         .get("rope_type")
@@ -461,7 +473,9 @@ fn positive_finite(cfg: &ModelConfig, what: &str, v: f32) -> Result<()> {
     if v.is_finite() && v > 0.0 {
         Ok(())
     } else {
-        Err(cfg.err(format!("{what} is {v}; it must be a positive finite number")))
+        Err(cfg.err(format!(
+            "{what} is {v}; it must be a positive finite number"
+        )))
     }
 }
 
@@ -518,14 +532,32 @@ mod tests {
         let cfg = ModelConfig::preset("qwen3-32b").unwrap();
         let shapes: BTreeMapShapes = cfg.hf_param_shapes().into_iter().collect();
         assert_eq!(shapes["model.embed_tokens.weight"], vec![151_936, 5120]);
-        assert_eq!(shapes["model.layers.63.self_attn.q_proj.weight"], vec![8192, 5120]);
-        assert_eq!(shapes["model.layers.0.self_attn.k_proj.weight"], vec![1024, 5120]);
-        assert_eq!(shapes["model.layers.0.self_attn.v_proj.weight"], vec![1024, 5120]);
-        assert_eq!(shapes["model.layers.0.self_attn.o_proj.weight"], vec![5120, 8192]);
+        assert_eq!(
+            shapes["model.layers.63.self_attn.q_proj.weight"],
+            vec![8192, 5120]
+        );
+        assert_eq!(
+            shapes["model.layers.0.self_attn.k_proj.weight"],
+            vec![1024, 5120]
+        );
+        assert_eq!(
+            shapes["model.layers.0.self_attn.v_proj.weight"],
+            vec![1024, 5120]
+        );
+        assert_eq!(
+            shapes["model.layers.0.self_attn.o_proj.weight"],
+            vec![5120, 8192]
+        );
         assert_eq!(shapes["model.layers.0.self_attn.q_norm.weight"], vec![128]);
         assert_eq!(shapes["model.layers.0.self_attn.k_norm.weight"], vec![128]);
-        assert_eq!(shapes["model.layers.0.mlp.gate_proj.weight"], vec![25_600, 5120]);
-        assert_eq!(shapes["model.layers.0.mlp.down_proj.weight"], vec![5120, 25_600]);
+        assert_eq!(
+            shapes["model.layers.0.mlp.gate_proj.weight"],
+            vec![25_600, 5120]
+        );
+        assert_eq!(
+            shapes["model.layers.0.mlp.down_proj.weight"],
+            vec![5120, 25_600]
+        );
         assert_eq!(shapes["lm_head.weight"], vec![151_936, 5120]);
         assert_eq!(shapes.len(), 1 + 64 * 11 + 2);
 
@@ -594,14 +626,26 @@ mod tests {
     fn parses_llama31_config() {
         let cfg = ModelConfig::from_hf_json(LLAMA31_JSON).unwrap();
         let preset = ModelConfig::preset("llama3-8b").unwrap();
-        assert_eq!(cfg, ModelConfig { name: "llama".into(), ..preset });
+        assert_eq!(
+            cfg,
+            ModelConfig {
+                name: "llama".into(),
+                ..preset
+            }
+        );
     }
 
     #[test]
     fn parses_qwen3_config() {
         let cfg = ModelConfig::from_hf_json(QWEN3_JSON).unwrap();
         let preset = ModelConfig::preset("qwen3-32b").unwrap();
-        assert_eq!(cfg, ModelConfig { name: "qwen3".into(), ..preset });
+        assert_eq!(
+            cfg,
+            ModelConfig {
+                name: "qwen3".into(),
+                ..preset
+            }
+        );
     }
 
     #[test]
@@ -626,7 +670,13 @@ mod tests {
             let cfg = ModelConfig::preset(name).unwrap();
             assert_eq!(ModelConfig::from_hf_json(&cfg.to_hf_json()).unwrap(), cfg);
         }
-        assert!(ModelConfig::preset("tiny").unwrap().to_hf_json().contains("1e-5"));
+        let json: Value =
+            serde_json::from_str(&ModelConfig::preset("tiny").unwrap().to_hf_json()).unwrap();
+        assert_eq!(
+            json["rms_norm_eps"].as_f64(),
+            Some(1e-5),
+            "written as the decimal 1e-5"
+        );
     }
 
     fn config_error(json: &str) -> String {
@@ -650,9 +700,11 @@ mod tests {
         assert!(config_error(&bias).contains("attention_bias"));
         assert!(config_error("[1, 2]").contains("JSON object"));
         assert!(config_error("{").contains("not valid JSON"));
-        let odd_kv = LLAMA31_JSON.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5");
+        let odd_kv =
+            LLAMA31_JSON.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5");
         assert!(config_error(&odd_kv).contains("kv_heads (5)"));
-        let negative = LLAMA31_JSON.replace("\"num_hidden_layers\": 32", "\"num_hidden_layers\": -2");
+        let negative =
+            LLAMA31_JSON.replace("\"num_hidden_layers\": 32", "\"num_hidden_layers\": -2");
         assert!(config_error(&negative).contains("num_hidden_layers"));
     }
 
@@ -660,19 +712,52 @@ mod tests {
     fn validation_names_the_fix() {
         let base = ModelConfig::preset("tiny").unwrap();
         let msg = |cfg: ModelConfig| cfg.validate().unwrap_err().to_string();
-        let m = msg(ModelConfig { kv_heads: 3, ..base.clone() });
-        assert!(m.contains("heads (4) is not a multiple of kv_heads (3)") && m.contains("e.g. 2"), "{m}");
-        assert!(msg(ModelConfig { head_dim: 15, ..base.clone() }).contains("head_dim (15) is odd"));
-        assert!(msg(ModelConfig { layers: 0, ..base.clone() }).contains("layers is 0"));
-        assert!(msg(ModelConfig { rms_norm_eps: 0.0, ..base.clone() }).contains("rms_norm_eps"));
-        assert!(msg(ModelConfig { rope_theta: f32::NAN, ..base.clone() }).contains("rope_theta"));
+        let m = msg(ModelConfig {
+            kv_heads: 3,
+            ..base.clone()
+        });
+        assert!(
+            m.contains("heads (4) is not a multiple of kv_heads (3)") && m.contains("e.g. 2"),
+            "{m}"
+        );
+        assert!(
+            msg(ModelConfig {
+                head_dim: 15,
+                ..base.clone()
+            })
+            .contains("head_dim (15) is odd")
+        );
+        assert!(
+            msg(ModelConfig {
+                layers: 0,
+                ..base.clone()
+            })
+            .contains("layers is 0")
+        );
+        assert!(
+            msg(ModelConfig {
+                rms_norm_eps: 0.0,
+                ..base.clone()
+            })
+            .contains("rms_norm_eps")
+        );
+        assert!(
+            msg(ModelConfig {
+                rope_theta: f32::NAN,
+                ..base.clone()
+            })
+            .contains("rope_theta")
+        );
         let bad_scaling = RopeScaling {
             factor: 8.0,
             low_freq_factor: 4.0,
             high_freq_factor: 1.0,
             original_max_position_embeddings: 8192,
         };
-        let m = msg(ModelConfig { rope_scaling: Some(bad_scaling), ..base });
+        let m = msg(ModelConfig {
+            rope_scaling: Some(bad_scaling),
+            ..base
+        });
         assert!(m.contains("high_freq_factor"), "{m}");
     }
 
@@ -686,10 +771,15 @@ mod tests {
         assert_eq!(from_dir, from_file);
         assert!(from_dir.qk_norm);
         std::fs::write(dir.join("config.json"), "{}").unwrap();
-        let m = ModelConfig::resolve(dir.to_str().unwrap()).unwrap_err().to_string();
+        let m = ModelConfig::resolve(dir.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
         assert!(m.contains("config.json") && m.contains("model_type"), "{m}");
         std::fs::remove_dir_all(&dir).unwrap();
         let m = ModelConfig::resolve("llama-9000").unwrap_err().to_string();
-        assert!(m.contains("llama-9000") && m.contains("llama3.2-1b, llama3-8b"), "{m}");
+        assert!(
+            m.contains("llama-9000") && m.contains("llama3.2-1b, llama3-8b"),
+            "{m}"
+        );
     }
 }

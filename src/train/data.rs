@@ -70,8 +70,8 @@ impl Tokenizer {
         } else {
             path.to_path_buf()
         };
-        let bytes =
-            std::fs::read(&file).map_err(|e| Error::io(format!("reading {}", file.display()), e))?;
+        let bytes = std::fs::read(&file)
+            .map_err(|e| Error::io(format!("reading {}", file.display()), e))?;
         Self::from_hf_bytes(&bytes)
             .map_err(|e| Error::Config(format!("{}: {}", file.display(), config_msg(&e))))
     }
@@ -266,7 +266,9 @@ impl SequenceSampler {
     ) -> Result<Self> {
         let tokens = tokens.into();
         if seq_len == 0 {
-            return Err(Error::Config("sequence length is 0; use --seq 1 or more".to_string()));
+            return Err(Error::Config(
+                "sequence length is 0; use --seq 1 or more".to_string(),
+            ));
         }
         if tokens.len() < seq_len + 1 {
             return Err(Error::Config(format!(
@@ -296,7 +298,10 @@ impl SequenceSampler {
             seed,
             rank,
             world,
-            state: SamplerState { epoch: 0, cursor: 0 },
+            state: SamplerState {
+                epoch: 0,
+                cursor: 0,
+            },
             offset: 0,
             order: Vec::new(),
         };
@@ -441,7 +446,10 @@ mod tests {
         assert_eq!(read_u32_tokens(&path).unwrap(), tokens);
         std::fs::write(&path, [1u8, 2, 3, 4, 5, 6]).unwrap();
         let err = read_u32_tokens(&path).unwrap_err().to_string();
-        assert!(err.contains("6 bytes") && err.contains("multiple of 4"), "{err}");
+        assert!(
+            err.contains("6 bytes") && err.contains("multiple of 4"),
+            "{err}"
+        );
         std::fs::remove_file(&path).unwrap();
     }
 
@@ -449,12 +457,17 @@ mod tests {
     fn load_tokens_checks_the_vocabulary() {
         let path = temp_file("vocab.u32");
         write_u32_tokens(&path, &[1, 2, 256]).unwrap();
-        let err = load_tokens(Some(&path), &Tokenizer::byte()).unwrap_err().to_string();
+        let err = load_tokens(Some(&path), &Tokenizer::byte())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("token id 256 at position 2"), "{err}");
         std::fs::remove_file(&path).unwrap();
         let text = temp_file("text.txt");
         std::fs::write(&text, "abc").unwrap();
-        assert_eq!(load_tokens(Some(&text), &Tokenizer::byte()).unwrap(), vec![97, 98, 99]);
+        assert_eq!(
+            load_tokens(Some(&text), &Tokenizer::byte()).unwrap(),
+            vec![97, 98, 99]
+        );
         std::fs::remove_file(&text).unwrap();
     }
 
@@ -515,9 +528,13 @@ mod tests {
 
     #[test]
     fn bad_tokenizer_inputs_are_refused() {
-        let err = Tokenizer::from_hf_bytes(b"{\"model\": 3}").unwrap_err().to_string();
+        let err = Tokenizer::from_hf_bytes(b"{\"model\": 3}")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("tokenizer.json"), "{err}");
-        let err = Tokenizer::resolve("/no/such/tokenizer.json").unwrap_err().to_string();
+        let err = Tokenizer::resolve("/no/such/tokenizer.json")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("'byte'"), "{err}");
     }
 
@@ -572,7 +589,13 @@ mod tests {
         }
         assert_eq!(seen[0], 0);
         assert!(seen[1..].iter().all(|&n| n == 1));
-        assert_eq!(s.state(), SamplerState { epoch: 0, cursor: 8 });
+        assert_eq!(
+            s.state(),
+            SamplerState {
+                epoch: 0,
+                cursor: 8
+            }
+        );
         s.next_window();
         assert_eq!(s.state().epoch, 1);
     }
@@ -582,7 +605,10 @@ mod tests {
         let tokens: Vec<u32> = (0..40).collect();
         let mut s = SequenceSampler::new(tokens, 16, 11).unwrap();
         let ends: Vec<usize> = (0..200).map(|_| s.next_window().start + 17).collect();
-        assert!(ends.contains(&40), "the last token should be a target in some epoch");
+        assert!(
+            ends.contains(&40),
+            "the last token should be a target in some epoch"
+        );
         assert!(ends.iter().any(|&e| e < 40));
     }
 
@@ -595,7 +621,10 @@ mod tests {
         let mut b = SequenceSampler::new(tokens, 8, 5).unwrap();
         b.restore(state).unwrap();
         assert_eq!(collect_starts(&mut a, 100), collect_starts(&mut b, 100));
-        let bad = SamplerState { epoch: 0, cursor: 1000 };
+        let bad = SamplerState {
+            epoch: 0,
+            cursor: 1000,
+        };
         assert!(matches!(b.restore(bad), Err(Error::Checkpoint(_))));
     }
 
@@ -617,12 +646,19 @@ mod tests {
 
     #[test]
     fn sampler_refuses_too_little_data() {
-        let err = SequenceSampler::new(vec![1u32; 100], 100, 0).unwrap_err().to_string();
-        assert!(err.contains("100 tokens") && err.contains("101") && err.contains("--seq"), "{err}");
+        let err = SequenceSampler::new(vec![1u32; 100], 100, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("100 tokens") && err.contains("101") && err.contains("--seq"),
+            "{err}"
+        );
         assert!(SequenceSampler::new(vec![1u32; 101], 100, 0).is_ok());
         assert!(SequenceSampler::new(vec![1u32; 10], 0, 0).is_err());
         assert!(SequenceSampler::sharded(vec![1u32; 10], 4, 0, 2, 2).is_err());
-        let err = SequenceSampler::sharded(vec![1u32; 10], 4, 0, 0, 3).unwrap_err().to_string();
+        let err = SequenceSampler::sharded(vec![1u32; 10], 4, 0, 0, 3)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("2 windows"), "{err}");
     }
 }
