@@ -237,7 +237,7 @@ impl ModelConfig {
                 return Err(self.err(format!("{what} is 0; every dimension must be at least 1")));
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(self.err(format!(
                 "heads ({}) is not a multiple of kv_heads ({}); choose kv_heads dividing heads, e.g. {}",
                 self.heads,
@@ -245,7 +245,7 @@ impl ModelConfig {
                 largest_divisor_at_most(self.heads, self.kv_heads)
             )));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(self.err(format!(
                 "head_dim ({}) is odd; RoPE rotates pairs of dimensions, use an even head_dim such as {}",
                 self.head_dim,
@@ -481,7 +481,10 @@ fn positive_finite(cfg: &ModelConfig, what: &str, v: f32) -> Result<()> {
 
 /// The largest divisor of `n` that is at most `k` (at least 1).
 fn largest_divisor_at_most(n: usize, k: usize) -> usize {
-    (1..=k.min(n)).rev().find(|d| n % d == 0).unwrap_or(1)
+    (1..=k.min(n))
+        .rev()
+        .find(|&d| n.is_multiple_of(d))
+        .unwrap_or(1)
 }
 
 /// An f32 as the f64 with the same shortest decimal form, so JSON shows `1e-5`, not `9.99999974e-6`.
