@@ -668,6 +668,28 @@ mod tests {
     }
 
     #[test]
+    fn reads_rope_parameters_of_newer_transformers() {
+        let json = QWEN3_JSON.replace("\"rope_theta\": 1000000,", "").replace(
+            "\"rope_scaling\": null,",
+            "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 1000000.0},",
+        );
+        assert!(!json.contains("\"rope_theta\": 1000000,"));
+        let cfg = ModelConfig::from_hf_json(&json).unwrap();
+        assert_eq!(cfg.rope_theta, 1_000_000.0);
+        assert_eq!(cfg.rope_scaling, None);
+        let llama = LLAMA31_JSON
+            .replace("\"rope_scaling\"", "\"rope_parameters\"")
+            .replace("\"rope_theta\": 500000.0,", "")
+            .replace(
+                "\"rope_type\": \"llama3\"",
+                "\"rope_type\": \"llama3\", \"rope_theta\": 500000.0",
+            );
+        let cfg = ModelConfig::from_hf_json(&llama).unwrap();
+        assert_eq!(cfg.rope_theta, 500_000.0);
+        assert_eq!(cfg.rope_scaling.unwrap().factor, 8.0);
+    }
+
+    #[test]
     fn hf_json_round_trips() {
         for name in PRESETS {
             let cfg = ModelConfig::preset(name).unwrap();
