@@ -188,22 +188,15 @@ pub struct AttentionWeights<B: Backend> {
     pub k_norm: Option<Tensor<B>>,
 }
 
-/// F32 gradients of [`AttentionWeights`], same shapes.
-pub struct AttentionGrads<B: Backend> {
-    pub wq: Tensor<B>,
-    pub wk: Tensor<B>,
-    pub wv: Tensor<B>,
-    pub wo: Tensor<B>,
-    pub q_norm: Option<Tensor<B>>,
-    pub k_norm: Option<Tensor<B>>,
-}
+/// F32 gradients of [`AttentionWeights`]: the same tensors, by shape.
+pub type AttentionGrads<B> = AttentionWeights<B>;
 
-impl<B: Backend> AttentionGrads<B> {
-    /// Zero gradients for `dims`.
+impl<B: Backend> AttentionWeights<B> {
+    /// Zero tensors for `dims` (F32 `Grads` for gradients).
     pub fn zeros(b: &B, dims: &AttnDims) -> Result<Self> {
         let (h, d) = (dims.hidden, dims.head_dim);
         let z = |shape: &[usize]| b.zeros(shape, DType::F32, Category::Grads);
-        Ok(AttentionGrads {
+        Ok(AttentionWeights {
             wq: z(&[dims.q_width(), h])?,
             wk: z(&[dims.kv_width(), h])?,
             wv: z(&[dims.kv_width(), h])?,
@@ -212,7 +205,7 @@ impl<B: Backend> AttentionGrads<B> {
             k_norm: if dims.qk_norm { Some(z(&[d])?) } else { None },
         })
     }
-    /// Every gradient tensor with its HF-style short name.
+    /// Every tensor with its short name (wq, wk, wv, wo, q_norm, k_norm).
     pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
         let mut v = vec![
             ("wq", &self.wq),
@@ -228,11 +221,20 @@ impl<B: Backend> AttentionGrads<B> {
         }
         v
     }
-    /// Mutable access to every gradient tensor.
-    pub fn all_mut(&mut self) -> Vec<&mut Tensor<B>> {
-        let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
-        v.extend(self.q_norm.as_mut());
-        v.extend(self.k_norm.as_mut());
+    /// Every tensor, mutable, in the order of [`named`](Self::named).
+    pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
+        let mut v = vec![
+            ("wq", &mut self.wq),
+            ("wk", &mut self.wk),
+            ("wv", &mut self.wv),
+            ("wo", &mut self.wo),
+        ];
+        if let Some(t) = self.q_norm.as_mut() {
+            v.push(("q_norm", t));
+        }
+        if let Some(t) = self.k_norm.as_mut() {
+            v.push(("k_norm", t));
+        }
         v
     }
 }

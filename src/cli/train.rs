@@ -1,10 +1,209 @@
-//! `upipe train`.
+//! `upipe train`: with no arguments, the embedded default — tiny model,
+//! bundled corpus, 4 CPU ranks (2 Ulysses x 2 ring) running UPipe.
 
+use crate::attention::Strategy;
+use crate::backend::{Bytes, Category};
 use crate::error::{Error, Result};
+use crate::model::{MemoryPolicy, ModelConfig};
+use crate::train::data::{Tokenizer, load_tokens};
+use crate::train::optim::AdamWConfig;
+use crate::train::trainer::{StepReport, TrainConfig, train_cpu};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
 
-#[derive(clap::Args, Debug)]
-pub struct TrainArgs {}
+/// Flags of `upipe train`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// Preset name (tiny, llama3.2-1b, llama3-8b, llama3-70b, qwen3-32b), config.json, or HF model dir.
+    #[arg(long, default_value = "tiny")]
+    pub model: String,
+    /// Training data: a text file (tokenized) or pre-tokenized `.u32` ids. Default: the bundled corpus.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Tokenizer for text data: `byte` or a path to an HF tokenizer.json.
+    #[arg(long, default_value = "byte")]
+    pub tokenizer: String,
+    /// Start from the weights of an HF model directory (config.json + safetensors).
+    #[arg(long)]
+    pub init_from: Option<PathBuf>,
+    /// Attention strategy: local, ulysses, ring, usp, upipe.
+    #[arg(long, default_value = "upipe")]
+    pub attn: String,
+    /// Ulysses degree Pu.
+    #[arg(long, default_value_t = 2)]
+    pub ulysses: usize,
+    /// Ring degree Pr.
+    #[arg(long, default_value_t = 2)]
+    pub ring: usize,
+    /// UPipe heads per stage U (default Pu).
+    #[arg(long)]
+    pub chunk_heads: Option<usize>,
+    /// Tokens per sequence (global, before context sharding).
+    #[arg(long, default_value_t = 256)]
+    pub seq: usize,
+    #[arg(long, default_value_t = 300)]
+    pub steps: u32,
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f32,
+    #[arg(long, default_value_t = 3e-4)]
+    pub min_lr: f32,
+    #[arg(long, default_value_t = 20)]
+    pub warmup: u32,
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f32,
+    /// Global gradient-norm clip (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Full activation checkpointing per block.
+    #[arg(long)]
+    pub checkpoint: bool,
+    /// Hold checkpointed block inputs in host memory (needs --checkpoint).
+    #[arg(long)]
+    pub offload: bool,
+    /// Tiled MLP/RMSNorm (token tiles of about `hidden` rows).
+    #[arg(long)]
+    pub tiled_mlp: bool,
+    /// Rows of logits per fused-loss chunk.
+    #[arg(long, default_value_t = 256)]
+    pub loss_chunk: usize,
+    /// Directory for training checkpoints (safetensors + optimizer state).
+    #[arg(long)]
+    pub save_dir: Option<PathBuf>,
+    /// Checkpoint every N steps (0: at the end only).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u32,
+    /// Resume from --save-dir when it holds a checkpoint.
+    #[arg(long)]
+    pub resume: bool,
+    /// Device: cpu (ranks as threads).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// One JSON object per step instead of a progress bar.
+    #[arg(long)]
+    pub json: bool,
+}
 
-pub fn run(_args: TrainArgs) -> Result<i32> {
-    Err(Error::Config("upipe train is not built yet".into()))
+pub fn run(a: TrainArgs) -> Result<i32> {
+    if a.device != "cpu" {
+        return Err(Error::Config(format!(
+            "--device {}: training runs on the cpu device in this build",
+            a.device
+        )));
+    }
+    let model = ModelConfig::resolve(&a.model)?;
+    let strategy: Strategy = a.attn.parse()?;
+    let (ulysses, ring) = if strategy == Strategy::Local {
+        (1, 1)
+    } else {
+        (a.ulysses, a.ring)
+    };
+    let tokenizer = Tokenizer::resolve(&a.tokenizer)?;
+    let tokens = load_tokens(a.data.as_deref(), &tokenizer)?;
+    let cfg = TrainConfig {
+        model,
+        strategy,
+        ulysses,
+        ring,
+        chunk_heads: a.chunk_heads,
+        seq: a.seq,
+        steps: a.steps,
+        optim: AdamWConfig {
+            lr: a.lr,
+            min_lr: a.min_lr,
+            warmup: a.warmup,
+            total_steps: a.steps,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: a.weight_decay,
+            clip: a.clip,
+        },
+        seed: a.seed,
+        policy: MemoryPolicy {
+            checkpoint: a.checkpoint,
+            offload: a.offload,
+            tiled_mlp: a.tiled_mlp,
+            loss_chunk: a.loss_chunk,
+        },
+        init_from: a.init_from.clone(),
+        save_dir: a.save_dir.clone(),
+        save_every: a.save_every,
+        resume: a.resume,
+    };
+    let plan = cfg.plan()?;
+    if !a.json {
+        println!(
+            "training {} ({:.2}M params) on {} tokens: {} on {} CPU ranks (Pu {} x Pr {}, U {}), seq {}, {} steps",
+            cfg.model.name,
+            cfg.model.param_count() as f64 / 1e6,
+            tokens.len(),
+            strategy,
+            plan.mesh_shape().world_size(),
+            plan.layout.pu,
+            plan.layout.pr,
+            plan.schedule.chunk,
+            cfg.seq,
+            cfg.steps
+        );
+    }
+    let bar = if a.json {
+        ProgressBar::hidden()
+    } else {
+        let b = ProgressBar::new(cfg.steps as u64);
+        b.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
+        );
+        b
+    };
+    let json = a.json;
+    let on_step = |r: &StepReport| {
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s,
+                    "peak_bytes": r.peak_bytes, "lr": r.lr, "grad_norm": r.grad_norm,
+                })
+            );
+        } else {
+            bar.set_position(r.step as u64);
+            bar.set_message(format!(
+                "loss {:.4}  {:.0} tok/s  peak {}",
+                r.loss,
+                r.tokens_per_s,
+                Bytes(r.peak_bytes)
+            ));
+        }
+    };
+    let summary = train_cpu(&cfg, tokens.into(), &on_step)?;
+    bar.finish();
+    if !json {
+        let first = summary.reports.first().map_or(f64::NAN, |r| r.loss);
+        let last = summary.reports.last().map_or(f64::NAN, |r| r.loss);
+        println!("loss {first:.4} -> {last:.4}");
+        println!("memory of rank 0 (peak {}):", Bytes(summary.memory.peak));
+        println!("  {:<14} {:>12} {:>12}", "category", "at peak", "now");
+        for (cat, at_peak) in &summary.memory.at_peak_by_category {
+            let now = summary
+                .memory
+                .current_by_category
+                .iter()
+                .find(|(c, _)| c == cat)
+                .map_or(0, |x| x.1);
+            let peak = if *cat == Category::Offload {
+                summary.memory.host_peak
+            } else {
+                *at_peak
+            };
+            println!(
+                "  {:<14} {:>12} {:>12}",
+                cat.name(),
+                Bytes(peak).to_string(),
+                Bytes(now).to_string()
+            );
+        }
+    }
+    Ok(0)
 }

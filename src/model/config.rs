@@ -6,18 +6,7 @@ use crate::error::{Error, Result};
 use serde_json::{Map, Value, json};
 use std::path::Path;
 
-/// Llama-3 style RoPE frequency scaling (`rope_type: "llama3"` in HF configs).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RopeScaling {
-    /// Overall wavelength stretch applied to low frequencies.
-    pub factor: f32,
-    /// Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are scaled fully.
-    pub low_freq_factor: f32,
-    /// Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` are kept.
-    pub high_freq_factor: f32,
-    /// The context length the base model was pre-trained with.
-    pub original_max_position_embeddings: usize,
-}
+pub use crate::attention::rope::RopeScaling;
 
 /// Dimensions and options of a Llama-family decoder.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,2 +1,10 @@
-//! The Llama-family decoder: configurations, weights and forward/backward.
+//! The Llama-family decoder: configs, weights in HF layout, and an explicit
+//! forward/backward with the memory policies long-context training needs.
+
 pub mod config;
+pub mod decoder;
+pub mod weights;
+
+pub use config::ModelConfig;
+pub use decoder::{Decoder, MemoryPolicy};
+pub use weights::{BlockWeights, ModelWeights};

@@ -1,3 +1,6 @@
-//! Training: data, checkpoints, sharded optimizer state and the training loop.
+//! Training: data, checkpoints, the optimizer and the loop.
+
 pub mod checkpoint;
 pub mod data;
+pub mod optim;
+pub mod trainer;

@@ -1,0 +1,377 @@
+//! Whole-decoder forward and explicit backward on one rank's token shard:
+//! embedding → blocks (RMSNorm → attention strategy → residual → RMSNorm →
+//! SwiGLU MLP → residual) → final norm → LM head with a fused, chunked
+//! cross-entropy that never materialises the full `[tokens, vocab]` logits.
+//!
+//! Memory policies (each leaves gradients unchanged):
+//! - `checkpoint`: keep only each block's input; recompute the block in backward;
+//! - `offload`: hold those block inputs in host memory (ledger category `Offload`);
+//! - `tiled_mlp`: run post-attention RMSNorm + MLP in token tiles of about
+//!   `hidden` rows, recomputed per tile in backward, so no `[tokens, ffn]`
+//!   intermediate ever exists for the whole shard.
+
+use super::config::ModelConfig;
+use super::weights::{BlockWeights, ModelWeights};
+use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan};
+use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
+use crate::comm::Mesh;
+use crate::error::{Error, Result};
+
+/// Memory policies of a training step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryPolicy {
+    pub checkpoint: bool,
+    pub offload: bool,
+    pub tiled_mlp: bool,
+    /// Rows of logits computed at once by the fused loss.
+    pub loss_chunk: usize,
+}
+
+impl Default for MemoryPolicy {
+    fn default() -> Self {
+        MemoryPolicy {
+            checkpoint: false,
+            offload: false,
+            tiled_mlp: false,
+            loss_chunk: 256,
+        }
+    }
+}
+
+impl MemoryPolicy {
+    /// Checks combinations once.
+    pub fn validate(&self) -> Result<()> {
+        if self.offload && !self.checkpoint {
+            return crate::config_err!(
+                "--offload moves checkpointed block inputs to the host: add --checkpoint"
+            );
+        }
+        if self.loss_chunk == 0 {
+            return crate::config_err!("--loss-chunk must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// The attention dimensions of a model config.
+pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
+    AttnDims {
+        hidden: cfg.hidden,
+        heads: cfg.heads,
+        kv_heads: cfg.kv_heads,
+        head_dim: cfg.head_dim,
+        qk_norm: cfg.qk_norm,
+        norm_eps: cfg.rms_norm_eps,
+        rope: crate::attention::rope::RopeConfig {
+            theta: cfg.rope_theta,
+            scaling: cfg.rope_scaling,
+        },
+    }
+}
+
+/// What one block keeps from forward for backward (when not recomputed).
+struct BlockSaved<B: Backend> {
+    /// Attention input `RMSNorm(h)`.
+    a: Tensor<B>,
+    attn: AttnSaved<B>,
+    /// Residual after attention.
+    h1: Tensor<B>,
+    /// MLP intermediates (untiled runs only).
+    mlp: Option<MlpSaved<B>>,
+}
+
+struct MlpSaved<B: Backend> {
+    m: Tensor<B>,
+    gate: Tensor<B>,
+    up: Tensor<B>,
+    act: Tensor<B>,
+}
+
+/// A decoder bound to one rank's attention plan.
+pub struct Decoder<B: Backend> {
+    pub cfg: ModelConfig,
+    pub policy: MemoryPolicy,
+    attn: CpAttention<B>,
+}
+
+impl<B: Backend> Decoder<B> {
+    pub fn new(
+        b: &B,
+        cfg: ModelConfig,
+        plan: CpPlan,
+        mesh: &Mesh<B>,
+        policy: MemoryPolicy,
+    ) -> Result<Self> {
+        policy.validate()?;
+        let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh)?;
+        Ok(Decoder { cfg, policy, attn })
+    }
+
+    fn eps(&self) -> f32 {
+        self.cfg.rms_norm_eps
+    }
+
+    /// Forward and backward over this rank's tokens `ids` (targets aligned, `IGNORE`
+    /// for none). Accumulates partial gradients into `g` with the loss scaled by
+    /// `grad_scale` (1 / global target count gives the mean) and returns this
+    /// rank's summed (unscaled) loss.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &ModelWeights<B>,
+        ids: &[u32],
+        targets: &[u32],
+        grad_scale: f32,
+        g: &mut ModelWeights<B>,
+    ) -> Result<f64> {
+        if ids.len() != targets.len() {
+            return Err(Error::Config("one target per input token".into()));
+        }
+        let act = b.compute_dtype();
+        let (s, h) = (ids.len(), self.cfg.hidden);
+        let mut x = b.zeros(&[s, h], act, Category::Activations)?;
+        b.embedding_fwd(&w.embed, ids, &mut x)?;
+
+        // Forward, keeping per block either its input only (checkpoint) or everything.
+        let mut kept: Vec<(Tensor<B>, Option<BlockSaved<B>>)> = Vec::with_capacity(w.blocks.len());
+        for blk in &w.blocks {
+            let (next, saved) = self.block_fwd(b, mesh, blk, &x)?;
+            let entry = if self.policy.checkpoint {
+                drop(saved);
+                let input = if self.policy.offload {
+                    cast(b, &x, act, Category::Offload)?
+                } else {
+                    x
+                };
+                (input, None)
+            } else {
+                (x, Some(saved))
+            };
+            kept.push(entry);
+            x = next;
+        }
+
+        // Final norm + fused chunked loss: dhn is ready when forward ends.
+        let mut hn = b.zeros(x.shape(), act, Category::Workspace)?;
+        b.rms_norm_fwd(&x, &w.final_norm, self.eps(), &mut hn)?;
+        let (loss, dhn) = self.fused_loss(b, w.head(), g.head_mut(), &hn, targets, grad_scale)?;
+        drop(hn);
+        let mut dx = b.zeros(x.shape(), act, Category::Grads)?;
+        b.rms_norm_bwd(
+            &x,
+            &w.final_norm,
+            &dhn,
+            self.eps(),
+            &mut dx,
+            &mut g.final_norm,
+        )?;
+        drop((dhn, x));
+
+        for (l, (input, saved)) in kept.into_iter().enumerate().rev() {
+            let input = if input.category() == Category::Offload {
+                cast(b, &input, act, Category::Activations)?
+            } else {
+                input
+            };
+            let saved = match saved {
+                Some(s) => s,
+                None => self.block_fwd(b, mesh, &w.blocks[l], &input)?.1,
+            };
+            dx = self.block_bwd(b, mesh, &w.blocks[l], &mut g.blocks[l], &input, saved, dx)?;
+        }
+        b.embedding_bwd(&dx, ids, &mut g.embed)?;
+        Ok(loss)
+    }
+
+    /// One block forward: returns its output and what backward needs.
+    fn block_fwd(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &BlockWeights<B>,
+        h: &Tensor<B>,
+    ) -> Result<(Tensor<B>, BlockSaved<B>)> {
+        let mut a = b.zeros(h.shape(), h.dtype(), Category::Activations)?;
+        b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
+        let (y, attn) = self.attn.forward(b, mesh, &w.attn, &a)?;
+        let mut h1 = cast(b, h, h.dtype(), Category::Activations)?;
+        b.axpy(&mut h1, 1.0, &y)?;
+        drop(y);
+        let mut out = cast(b, &h1, h.dtype(), Category::Activations)?;
+        let mut mlp = None;
+        for rows in self.tiles(h.rows()) {
+            let x_t = self.rows_of(b, &h1, &rows)?;
+            let saved = self.mlp_fwd(b, w, &x_t)?;
+            // out[rows] += act @ down^T (the residual add is the GEMM's beta = 1)
+            let hid = self.cfg.hidden;
+            let dst = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
+            b.gemm(
+                out.view_mut(dst),
+                saved.act.mat(),
+                w.down.mat().t(),
+                1.0,
+                1.0,
+            )?;
+            if !self.policy.tiled_mlp {
+                mlp = Some(saved);
+            }
+        }
+        Ok((out, BlockSaved { a, attn, h1, mlp }))
+    }
+
+    /// Token tiles of the MLP: one tile, or tiles of about `hidden` rows.
+    fn tiles(&self, rows: usize) -> Vec<std::ops::Range<usize>> {
+        let t = if self.policy.tiled_mlp {
+            self.cfg.hidden.max(1)
+        } else {
+            rows.max(1)
+        };
+        (0..rows).step_by(t).map(|r| r..(r + t).min(rows)).collect()
+    }
+
+    /// Rows `r` of a `[s, hidden]` tensor as a new tensor.
+    fn rows_of(&self, b: &B, t: &Tensor<B>, r: &std::ops::Range<usize>) -> Result<Tensor<B>> {
+        let hid = t.row_len();
+        let mut out = b.zeros(&[r.len(), hid], t.dtype(), Category::Workspace)?;
+        b.copy(
+            out.mat_mut(),
+            t.view(MatLayout::block(r.start * hid, r.len(), hid, hid)),
+        )?;
+        Ok(out)
+    }
+
+    /// RMSNorm + gate/up projections + SwiGLU of one tile.
+    fn mlp_fwd(&self, b: &B, w: &BlockWeights<B>, x: &Tensor<B>) -> Result<MlpSaved<B>> {
+        let (r, f) = (x.rows(), self.cfg.ffn);
+        let dt = x.dtype();
+        let mut m = b.zeros(x.shape(), dt, Category::Activations)?;
+        b.rms_norm_fwd(x, &w.mlp_norm, self.eps(), &mut m)?;
+        let mut gate = b.zeros(&[r, f], dt, Category::Activations)?;
+        b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
+        let mut up = b.zeros(&[r, f], dt, Category::Activations)?;
+        b.gemm(up.mat_mut(), m.mat(), w.up.mat().t(), 1.0, 0.0)?;
+        let mut act = b.zeros(&[r, f], dt, Category::Activations)?;
+        b.swiglu_fwd(&gate, &up, &mut act)?;
+        Ok(MlpSaved { m, gate, up, act })
+    }
+
+    /// One block backward from `d_out`; returns the gradient w.r.t. its input `h`.
+    #[allow(clippy::too_many_arguments)]
+    fn block_bwd(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &BlockWeights<B>,
+        g: &mut BlockWeights<B>,
+        h: &Tensor<B>,
+        saved: BlockSaved<B>,
+        d_out: Tensor<B>,
+    ) -> Result<Tensor<B>> {
+        let BlockSaved {
+            a,
+            attn,
+            h1,
+            mut mlp,
+        } = saved;
+        let hid = self.cfg.hidden;
+        // MLP branch: dh1 = d_out + d(mlp)/dh1
+        let mut dh1 = cast(b, &d_out, d_out.dtype(), Category::Grads)?;
+        for rows in self.tiles(h.rows()) {
+            let x_t = self.rows_of(b, &h1, &rows)?;
+            let s = match mlp.take() {
+                Some(s) => s,
+                None => self.mlp_fwd(b, w, &x_t)?,
+            };
+            let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
+            b.gemm(g.down.mat_mut(), d_t.t(), s.act.mat(), 1.0, 1.0)?;
+            let mut dact = b.zeros(s.act.shape(), s.act.dtype(), Category::Workspace)?;
+            let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
+            b.gemm(dact.mat_mut(), d_t, w.down.mat(), 1.0, 0.0)?;
+            let mut dgate = b.zeros(s.gate.shape(), s.gate.dtype(), Category::Workspace)?;
+            let mut dup = b.zeros(s.up.shape(), s.up.dtype(), Category::Workspace)?;
+            b.swiglu_bwd(&s.gate, &s.up, &dact, &mut dgate, &mut dup)?;
+            drop(dact);
+            b.gemm(g.gate.mat_mut(), dgate.mat().t(), s.m.mat(), 1.0, 1.0)?;
+            b.gemm(g.up.mat_mut(), dup.mat().t(), s.m.mat(), 1.0, 1.0)?;
+            let mut dm = b.zeros(s.m.shape(), s.m.dtype(), Category::Workspace)?;
+            b.gemm(dm.mat_mut(), dgate.mat(), w.gate.mat(), 1.0, 0.0)?;
+            b.gemm(dm.mat_mut(), dup.mat(), w.up.mat(), 1.0, 1.0)?;
+            drop((dgate, dup, s));
+            let mut dx_t = b.zeros(x_t.shape(), x_t.dtype(), Category::Workspace)?;
+            b.rms_norm_bwd(
+                &x_t,
+                &w.mlp_norm,
+                &dm,
+                self.eps(),
+                &mut dx_t,
+                &mut g.mlp_norm,
+            )?;
+            self.add_rows(b, &mut dh1, &rows, &dx_t)?;
+        }
+        drop((h1, d_out));
+        // Attention branch: dh = dh1 + d(attn(norm(h)))/dh
+        let da = self
+            .attn
+            .backward(b, mesh, &w.attn, &a, attn, &dh1, &mut g.attn)?;
+        drop(a);
+        let mut dh = b.zeros(h.shape(), h.dtype(), Category::Grads)?;
+        b.rms_norm_bwd(h, &w.attn_norm, &da, self.eps(), &mut dh, &mut g.attn_norm)?;
+        b.axpy(&mut dh, 1.0, &dh1)?;
+        Ok(dh)
+    }
+
+    /// `t[rows] += add` for a `[s, hidden]` tensor.
+    fn add_rows(
+        &self,
+        b: &B,
+        t: &mut Tensor<B>,
+        rows: &std::ops::Range<usize>,
+        add: &Tensor<B>,
+    ) -> Result<()> {
+        if rows.len() == t.rows() {
+            return b.axpy(t, 1.0, add);
+        }
+        let hid = t.row_len();
+        let blk = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
+        let mut tile = self.rows_of(b, t, rows)?;
+        b.axpy(&mut tile, 1.0, add)?;
+        b.copy(t.view_mut(blk), tile.mat())
+    }
+
+    /// Fused chunked LM head + cross-entropy: returns the summed loss and dL/dhn,
+    /// accumulating the head's gradient. Logits exist one chunk at a time.
+    fn fused_loss(
+        &self,
+        b: &B,
+        head: &Tensor<B>,
+        dhead: &mut Tensor<B>,
+        hn: &Tensor<B>,
+        targets: &[u32],
+        grad_scale: f32,
+    ) -> Result<(f64, Tensor<B>)> {
+        let (s, hid, v) = (hn.rows(), self.cfg.hidden, self.cfg.vocab);
+        let mut dhn = b.zeros(hn.shape(), hn.dtype(), Category::Grads)?;
+        let mut loss_sum = b.zeros(&[1], DType::F32, Category::Workspace)?;
+        for r0 in (0..s).step_by(self.policy.loss_chunk) {
+            let r = self.policy.loss_chunk.min(s - r0);
+            let rows = MatLayout::block(r0 * hid, r, hid, hid);
+            let mut logits = b.zeros(&[r, v], hn.dtype(), Category::Workspace)?;
+            b.gemm(logits.mat_mut(), hn.view(rows), head.mat().t(), 1.0, 0.0)?;
+            let mut dlogits = b.zeros(&[r, v], hn.dtype(), Category::Workspace)?;
+            b.cross_entropy(
+                &logits,
+                &targets[r0..r0 + r],
+                grad_scale,
+                &mut dlogits,
+                &mut loss_sum,
+            )?;
+            drop(logits);
+            b.gemm(dhn.view_mut(rows), dlogits.mat(), head.mat(), 1.0, 0.0)?;
+            b.gemm(dhead.mat_mut(), dlogits.mat().t(), hn.view(rows), 1.0, 1.0)?;
+        }
+        let loss = b.to_host(&loss_sum)?[0] as f64;
+        Ok((loss, dhn))
+    }
+}

@@ -1,0 +1,144 @@
+//! AdamW with fp32 state, global-norm gradient clipping, and a warmup +
+//! cosine learning-rate schedule.
+
+use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
+use crate::error::Result;
+use crate::model::ModelWeights;
+
+/// Optimizer hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    pub lr: f32,
+    pub min_lr: f32,
+    pub warmup: u32,
+    pub total_steps: u32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// Clip the global gradient norm to this (0 = off).
+    pub clip: f32,
+}
+
+impl AdamWConfig {
+    /// Linear warmup to `lr`, then cosine decay to `min_lr` at `total_steps` (1-based steps).
+    pub fn lr_at(&self, step: u32) -> f32 {
+        if self.warmup > 0 && step <= self.warmup {
+            return self.lr * step as f32 / self.warmup as f32;
+        }
+        let span = self.total_steps.saturating_sub(self.warmup).max(1) as f32;
+        let t = ((step - self.warmup) as f32 / span).min(1.0);
+        self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f32::consts::PI * t).cos())
+    }
+}
+
+/// Moments (and fp32 master weights when the model computes in a lower precision).
+pub struct AdamW<B: Backend> {
+    pub cfg: AdamWConfig,
+    pub m: Vec<Tensor<B>>,
+    pub v: Vec<Tensor<B>>,
+    master: Option<Vec<Tensor<B>>>,
+}
+
+impl<B: Backend> AdamW<B> {
+    /// Zero moments for every parameter of `w`.
+    pub fn new(b: &B, cfg: AdamWConfig, w: &ModelWeights<B>) -> Result<Self> {
+        let named = w.named();
+        let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
+        let m = named.iter().map(|(_, t)| z(t)).collect::<Result<_>>()?;
+        let v = named.iter().map(|(_, t)| z(t)).collect::<Result<_>>()?;
+        let master = if named.iter().any(|(_, t)| t.dtype() != DType::F32) {
+            Some(
+                named
+                    .iter()
+                    .map(|(_, t)| cast(b, t, DType::F32, Category::OptimState))
+                    .collect::<Result<_>>()?,
+            )
+        } else {
+            None
+        };
+        Ok(AdamW { cfg, m, v, master })
+    }
+
+    /// Global gradient norm (gradients must already be reduced over ranks).
+    pub fn grad_norm(b: &B, g: &ModelWeights<B>) -> Result<f64> {
+        let mut s = 0.0;
+        for (_, t) in g.named() {
+            s += b.sum_squares(t)?;
+        }
+        Ok(s.sqrt())
+    }
+
+    /// One update at 1-based `step`; returns `(lr, grad_norm)`.
+    pub fn step(
+        &mut self,
+        b: &B,
+        w: &mut ModelWeights<B>,
+        g: &ModelWeights<B>,
+        step: u32,
+    ) -> Result<(f32, f64)> {
+        let norm = Self::grad_norm(b, g)?;
+        let clip = if self.cfg.clip > 0.0 && norm > self.cfg.clip as f64 {
+            (self.cfg.clip as f64 / norm) as f32
+        } else {
+            1.0
+        };
+        let lr = self.cfg.lr_at(step);
+        let grads = g.named();
+        for (k, (name, p)) in w.named_mut().into_iter().enumerate() {
+            let hp = AdamWStep {
+                lr,
+                beta1: self.cfg.beta1,
+                beta2: self.cfg.beta2,
+                eps: self.cfg.eps,
+                // no decay on norms
+                weight_decay: if name.ends_with("norm.weight") {
+                    0.0
+                } else {
+                    self.cfg.weight_decay
+                },
+                step,
+                grad_scale: clip,
+            };
+            match self.master.as_mut() {
+                Some(master) => {
+                    b.adamw(
+                        &mut master[k],
+                        grads[k].1,
+                        &mut self.m[k],
+                        &mut self.v[k],
+                        hp,
+                    )?;
+                    b.copy(p.mat_mut(), master[k].mat())?;
+                }
+                None => b.adamw(p, grads[k].1, &mut self.m[k], &mut self.v[k], hp)?,
+            }
+        }
+        Ok((lr, norm))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmup_then_cosine_to_min() {
+        let c = AdamWConfig {
+            lr: 1.0,
+            min_lr: 0.1,
+            warmup: 10,
+            total_steps: 110,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            clip: 1.0,
+        };
+        assert!((c.lr_at(5) - 0.5).abs() < 1e-6);
+        assert!((c.lr_at(10) - 1.0).abs() < 1e-6);
+        assert!((c.lr_at(60) - 0.55).abs() < 1e-5);
+        assert!((c.lr_at(110) - 0.1).abs() < 1e-6);
+        assert!((c.lr_at(500) - 0.1).abs() < 1e-6);
+    }
+}

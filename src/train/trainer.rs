@@ -1,0 +1,314 @@
+//! The training loop: every context-parallel rank runs the same step on its
+//! token shard; gradients and loss are summed over ranks, clipped, and applied
+//! by AdamW identically everywhere. On CPU the ranks are threads.
+
+use super::checkpoint::{HostTensor, load_hf_model, load_train_state, save_train_state};
+use super::data::{SamplerState, SequenceSampler};
+use super::optim::{AdamW, AdamWConfig};
+use crate::attention::{CpPlan, Strategy};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats, Tensor};
+use crate::comm::Mesh;
+use crate::comm::local::run_ranks;
+use crate::error::{Error, Result};
+use crate::model::decoder::attn_dims;
+use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Everything a training run needs, validated by [`TrainConfig::plan`].
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    pub model: ModelConfig,
+    pub strategy: Strategy,
+    pub ulysses: usize,
+    pub ring: usize,
+    pub chunk_heads: Option<usize>,
+    pub seq: usize,
+    pub steps: u32,
+    pub optim: AdamWConfig,
+    pub seed: u64,
+    pub policy: MemoryPolicy,
+    /// Start from an HF model directory instead of random weights.
+    pub init_from: Option<PathBuf>,
+    /// Where training checkpoints go (and are resumed from).
+    pub save_dir: Option<PathBuf>,
+    /// Save every this many steps (0: only at the end).
+    pub save_every: u32,
+    /// Resume from `save_dir` if it holds a checkpoint.
+    pub resume: bool,
+}
+
+/// What one step did (rank 0's view; loss and gradients are global).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    pub step: u32,
+    pub loss: f64,
+    pub lr: f32,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    /// Rank 0's ledger peak so far.
+    pub peak_bytes: usize,
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    pub reports: Vec<StepReport>,
+    /// Rank 0's memory at the end.
+    pub memory: MemoryStats,
+    pub ranks: usize,
+}
+
+impl TrainConfig {
+    /// Validates the configuration and resolves the attention plan.
+    pub fn plan(&self) -> Result<CpPlan> {
+        self.model.validate()?;
+        self.policy.validate()?;
+        if self.steps == 0 {
+            return crate::config_err!("--steps must be at least 1");
+        }
+        CpPlan::new(
+            self.strategy,
+            &attn_dims(&self.model),
+            self.seq,
+            self.ulysses,
+            self.ring,
+            self.chunk_heads,
+        )
+    }
+}
+
+/// Trains on `tokens` with ranks as threads on the CPU backend, calling
+/// `on_step` after every step.
+pub fn train_cpu(
+    cfg: &TrainConfig,
+    tokens: Arc<[u32]>,
+    on_step: &(dyn Fn(&StepReport) + Sync),
+) -> Result<TrainSummary> {
+    let plan = cfg.plan()?;
+    super::data::check_vocab(&tokens, cfg.model.vocab)?;
+    let shape = plan.mesh_shape();
+    let out = run_ranks(shape, CpuBackend::new, |rank, b, mesh| {
+        run_rank(cfg, &plan, tokens.clone(), b.as_ref(), &mesh, rank, on_step)
+    })?;
+    let (reports, memory) = out.into_iter().next().expect("at least one rank");
+    Ok(TrainSummary {
+        reports,
+        memory,
+        ranks: shape.world_size(),
+    })
+}
+
+/// One rank's training loop.
+fn run_rank<B: Backend>(
+    cfg: &TrainConfig,
+    plan: &CpPlan,
+    tokens: Arc<[u32]>,
+    b: &B,
+    mesh: &Mesh<B>,
+    rank: usize,
+    on_step: &(dyn Fn(&StepReport) + Sync),
+) -> Result<(Vec<StepReport>, MemoryStats)> {
+    let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
+    let mut w = match &cfg.init_from {
+        Some(dir) => {
+            let host = load_hf_model(dir, &cfg.model)?;
+            weights_from_host(b, &cfg.model, &host, b.compute_dtype(), Category::Weights)?
+        }
+        None => ModelWeights::random(b, &cfg.model, cfg.seed)?,
+    };
+    let mut g = ModelWeights::zeros_grads(b, &cfg.model)?;
+    let mut opt = AdamW::new(b, cfg.optim, &w)?;
+    let mut sampler = SequenceSampler::new(tokens, cfg.seq, cfg.seed)?;
+    let mut first = 1;
+    if let Some(dir) = cfg
+        .save_dir
+        .as_ref()
+        .filter(|d| cfg.resume && d.join("state.json").exists())
+    {
+        let st = load_train_state(dir)?;
+        w = weights_from_host(
+            b,
+            &cfg.model,
+            &st.params,
+            b.compute_dtype(),
+            Category::Weights,
+        )?;
+        opt = AdamW::new(b, cfg.optim, &w)?;
+        let m = weights_from_host(b, &cfg.model, &st.adam_m, DType::F32, Category::OptimState)?;
+        let v = weights_from_host(b, &cfg.model, &st.adam_v, DType::F32, Category::OptimState)?;
+        opt.m = into_tensors(m);
+        opt.v = into_tensors(v);
+        let sampler_state: SamplerState = serde_json::from_value(st.extra["sampler"].clone())
+            .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
+        sampler.restore(sampler_state)?;
+        first = st.step as u32 + 1;
+        if rank == 0 {
+            tracing::info!("resumed from {} at step {}", dir.display(), st.step);
+        }
+    }
+    let positions = plan
+        .layout
+        .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
+    let grad_scale = 1.0 / cfg.seq as f32;
+    let mut reports = Vec::new();
+    for step in first..=cfg.steps {
+        let start = Instant::now();
+        let window = sampler.next_window();
+        let ids: Vec<u32> = positions.iter().map(|&p| window.inputs()[p]).collect();
+        let targets: Vec<u32> = positions.iter().map(|&p| window.targets()[p]).collect();
+        debug_assert!(!targets.contains(&IGNORE));
+        for (_, t) in g.named_mut() {
+            b.fill(t, 0.0)?;
+        }
+        let local_loss =
+            decoder.forward_backward(b, mesh, &w, &ids, &targets, grad_scale, &mut g)?;
+        for (_, t) in g.named_mut() {
+            mesh.world.all_reduce(t)?;
+        }
+        let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
+        mesh.world.all_reduce(&mut loss)?;
+        let loss = b.to_host(&loss)?[0] as f64 / cfg.seq as f64;
+        let (lr, grad_norm) = opt.step(b, &mut w, &g, step)?;
+        b.synchronize()?;
+        let report = StepReport {
+            step,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_s: cfg.seq as f64 / start.elapsed().as_secs_f64(),
+            peak_bytes: b.ledger().peak(),
+        };
+        if rank == 0 {
+            on_step(&report);
+        }
+        reports.push(report);
+        let save_now = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
+        if let (Some(dir), true, 0) = (&cfg.save_dir, save_now, rank) {
+            let extra = serde_json::json!({ "sampler": sampler.state(), "seed": cfg.seed });
+            save_train_state(
+                dir,
+                step as u64,
+                &weights_to_host(b, &w)?,
+                &tensors_to_host(b, &w, &opt.m)?,
+                &tensors_to_host(b, &w, &opt.v)?,
+                &extra,
+            )?;
+        }
+    }
+    Ok((reports, b.ledger().stats()))
+}
+
+/// Copies every parameter to the host by HF name.
+pub fn weights_to_host<B: Backend>(
+    b: &B,
+    w: &ModelWeights<B>,
+) -> Result<BTreeMap<String, HostTensor>> {
+    w.named()
+        .into_iter()
+        .map(|(n, t)| Ok((n, HostTensor::new(t.shape().to_vec(), b.to_host(t)?)?)))
+        .collect()
+}
+
+/// Host copies of per-parameter state tensors (moments), named like `w`.
+fn tensors_to_host<B: Backend>(
+    b: &B,
+    w: &ModelWeights<B>,
+    ts: &[Tensor<B>],
+) -> Result<BTreeMap<String, HostTensor>> {
+    w.named()
+        .into_iter()
+        .zip(ts)
+        .map(|((n, _), t)| Ok((n, HostTensor::new(t.shape().to_vec(), b.to_host(t)?)?)))
+        .collect()
+}
+
+/// Builds weights from host tensors by HF name (shapes were checked when loading).
+pub fn weights_from_host<B: Backend>(
+    b: &B,
+    cfg: &ModelConfig,
+    host: &BTreeMap<String, HostTensor>,
+    dtype: DType,
+    cat: Category,
+) -> Result<ModelWeights<B>> {
+    ModelWeights::build(b, cfg, dtype, cat, |name, shape| {
+        let t = host
+            .get(name)
+            .ok_or_else(|| Error::Checkpoint(format!("tensor {name} is missing")))?;
+        if t.shape != shape {
+            return Err(Error::Checkpoint(format!(
+                "tensor {name} has shape {:?}, the model needs {shape:?}",
+                t.shape
+            )));
+        }
+        Ok(t.data.clone())
+    })
+}
+
+fn into_tensors<B: Backend>(w: ModelWeights<B>) -> Vec<Tensor<B>> {
+    let ModelWeights {
+        embed,
+        blocks,
+        final_norm,
+        lm_head,
+    } = w;
+    let mut v = vec![embed];
+    for blk in blocks {
+        v.push(blk.attn_norm);
+        let a = blk.attn;
+        v.extend([a.wq, a.wk, a.wv, a.wo]);
+        v.extend(a.q_norm);
+        v.extend(a.k_norm);
+        v.extend([blk.mlp_norm, blk.gate, blk.up, blk.down]);
+    }
+    v.push(final_norm);
+    v.extend(lm_head);
+    v
+}
+
+/// Loss (mean over `targets`) and reduced parameter gradients of one sequence
+/// under `plan`, on CPU thread ranks, from weights built by `weights` on each
+/// rank. The engine of the equivalence tests and of `upipe eval`.
+pub fn loss_and_grads_cpu(
+    model: &ModelConfig,
+    plan: &CpPlan,
+    policy: MemoryPolicy,
+    ids: &[u32],
+    targets: &[u32],
+    weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
+) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
+    if ids.len() != plan.layout.seq || targets.len() != plan.layout.seq {
+        return crate::config_err!(
+            "{} input tokens and {} targets for a plan of {} tokens",
+            ids.len(),
+            targets.len(),
+            plan.layout.seq
+        );
+    }
+    let counted = targets.iter().filter(|&&t| t != IGNORE).count().max(1);
+    let out = run_ranks(plan.mesh_shape(), CpuBackend::new, |_rank, b, mesh| {
+        let b = b.as_ref();
+        let decoder = Decoder::new(b, model.clone(), plan.clone(), &mesh, policy)?;
+        let w = weights(b)?;
+        let mut g = ModelWeights::zeros_grads(b, model)?;
+        let pos = plan
+            .layout
+            .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
+        let ids: Vec<u32> = pos.iter().map(|&p| ids[p]).collect();
+        let tg: Vec<u32> = pos.iter().map(|&p| targets[p]).collect();
+        let loss =
+            decoder.forward_backward(b, &mesh, &w, &ids, &tg, 1.0 / counted as f32, &mut g)?;
+        let mut loss = b.from_host(&[loss as f32], &[1], DType::F32, Category::Workspace)?;
+        mesh.world.all_reduce(&mut loss)?;
+        let mut grads = BTreeMap::new();
+        for (name, t) in g.named_mut() {
+            mesh.world.all_reduce(t)?;
+            grads.insert(name, b.to_host(t)?);
+        }
+        Ok((b.to_host(&loss)?[0] as f64 / counted as f64, grads))
+    })?;
+    Ok(out.into_iter().next().expect("at least one rank"))
+}

@@ -1,0 +1,188 @@
+//! The whole decoder under every strategy and memory policy equals the
+//! single-rank reference; training learns; checkpoints round-trip.
+
+use upipe::attention::trial::rel_err;
+use upipe::attention::{CpPlan, Strategy};
+use upipe::backend::cpu::CpuBackend;
+use upipe::model::decoder::attn_dims;
+use upipe::model::{MemoryPolicy, ModelConfig, ModelWeights};
+use upipe::rng::Rng;
+use upipe::train::trainer::loss_and_grads_cpu;
+
+fn tiny(qk_norm: bool) -> ModelConfig {
+    let mut c = ModelConfig::resolve("tiny").unwrap();
+    c.qk_norm = qk_norm;
+    c.heads = 8;
+    c.kv_heads = 2;
+    c.head_dim = 8;
+    c.hidden = 32;
+    c.ffn = 48;
+    c.validate().unwrap();
+    c
+}
+
+fn data(seq: usize, vocab: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut rng = Rng::new(9);
+    let t: Vec<u32> = (0..=seq).map(|_| rng.below(vocab as u64) as u32).collect();
+    (t[..seq].to_vec(), t[1..].to_vec())
+}
+
+fn run(
+    cfg: &ModelConfig,
+    s: Strategy,
+    pu: usize,
+    pr: usize,
+    u: Option<usize>,
+    policy: MemoryPolicy,
+    seq: usize,
+) -> (f64, std::collections::BTreeMap<String, Vec<f32>>) {
+    let plan = CpPlan::new(s, &attn_dims(cfg), seq, pu, pr, u).unwrap();
+    let (ids, tg) = data(seq, cfg.vocab);
+    let init = |b: &CpuBackend| ModelWeights::random(b, cfg, 5);
+    loss_and_grads_cpu(cfg, &plan, policy, &ids, &tg, &init).unwrap()
+}
+
+fn assert_close(
+    a: &(f64, std::collections::BTreeMap<String, Vec<f32>>),
+    r: &(f64, std::collections::BTreeMap<String, Vec<f32>>),
+    tol: f64,
+    what: &str,
+) {
+    assert!(
+        ((a.0 - r.0) / r.0).abs() <= tol,
+        "{what}: loss {} vs {}",
+        a.0,
+        r.0
+    );
+    assert_eq!(a.1.len(), r.1.len());
+    for (name, g) in &a.1 {
+        let e = rel_err(g, &r.1[name]);
+        assert!(e <= tol, "{what}: gradient of {name} rel err {e:e}");
+    }
+}
+
+#[test]
+fn every_strategy_and_mesh_equals_one_rank() {
+    for qk in [false, true] {
+        let cfg = tiny(qk);
+        let seq = 32;
+        let reference = run(
+            &cfg,
+            Strategy::Local,
+            1,
+            1,
+            None,
+            MemoryPolicy::default(),
+            seq,
+        );
+        for (s, pu, pr, u) in [
+            (Strategy::Ulysses, 4, 1, None),
+            (Strategy::Ulysses, 8, 1, None),
+            (Strategy::Ring, 1, 4, None),
+            (Strategy::Usp, 2, 2, None),
+            (Strategy::Upipe, 2, 2, None),
+            (Strategy::Upipe, 4, 2, Some(4)),
+            (Strategy::Upipe, 2, 1, Some(4)),
+        ] {
+            let got = run(&cfg, s, pu, pr, u, MemoryPolicy::default(), seq);
+            assert_close(
+                &got,
+                &reference,
+                1e-5,
+                &format!("{s} {pu}x{pr} U={u:?} qk_norm={qk}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn memory_policies_leave_gradients_unchanged() {
+    let cfg = tiny(true);
+    let seq = 128; // 4 MLP tiles of `hidden` rows on one rank
+    let base = run(
+        &cfg,
+        Strategy::Local,
+        1,
+        1,
+        None,
+        MemoryPolicy::default(),
+        seq,
+    );
+    for policy in [
+        MemoryPolicy {
+            checkpoint: true,
+            ..Default::default()
+        },
+        MemoryPolicy {
+            checkpoint: true,
+            offload: true,
+            ..Default::default()
+        },
+        MemoryPolicy {
+            tiled_mlp: true,
+            ..Default::default()
+        },
+        MemoryPolicy {
+            checkpoint: true,
+            offload: true,
+            tiled_mlp: true,
+            loss_chunk: 7,
+        },
+    ] {
+        let got = run(&cfg, Strategy::Local, 1, 1, None, policy, seq);
+        assert_close(&got, &base, 1e-6, &format!("{policy:?}"));
+        let got = run(&cfg, Strategy::Upipe, 2, 2, None, policy, seq);
+        assert_close(&got, &base, 1e-5, &format!("upipe 2x2 {policy:?}"));
+    }
+}
+
+#[test]
+fn offload_moves_block_inputs_to_host() {
+    use upipe::attention::CpPlan;
+    use upipe::train::trainer::{TrainConfig, train_cpu};
+    let cfg = tiny(false);
+    let mk = |checkpoint: bool, offload: bool| TrainConfig {
+        model: cfg.clone(),
+        strategy: Strategy::Local,
+        ulysses: 1,
+        ring: 1,
+        chunk_heads: None,
+        seq: 64,
+        steps: 1,
+        optim: upipe::train::optim::AdamWConfig {
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup: 0,
+            total_steps: 1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            clip: 1.0,
+        },
+        seed: 0,
+        policy: MemoryPolicy {
+            checkpoint,
+            offload,
+            ..Default::default()
+        },
+        init_from: None,
+        save_dir: None,
+        save_every: 0,
+        resume: false,
+    };
+    let _ = CpPlan::new(Strategy::Local, &attn_dims(&cfg), 64, 1, 1, None).unwrap();
+    let tokens: std::sync::Arc<[u32]> = data(4096, cfg.vocab).0.into();
+    let plain = train_cpu(&mk(false, false), tokens.clone(), &|_| {}).unwrap();
+    let ckpt = train_cpu(&mk(true, false), tokens.clone(), &|_| {}).unwrap();
+    let off = train_cpu(&mk(true, true), tokens, &|_| {}).unwrap();
+    assert!(
+        ckpt.memory.peak < plain.memory.peak,
+        "checkpointing lowers the peak"
+    );
+    assert!(
+        off.memory.peak < ckpt.memory.peak,
+        "offload lowers the device peak"
+    );
+    assert!(off.memory.host_peak > 0, "offloaded bytes are on the host");
+}
