@@ -1,6 +1,7 @@
 //! `upipe rendezvous-check` (hidden): exercises the rendezvous with real
 //! processes. Each rank connects, all-gathers its rank, receives an id from
-//! rank 0 and prints `rank R/W saw [0,1,..] id=<hex>`.
+//! rank 0 and prints `rank R/W saw [0,1,..] id=<hex>`. With `--fail-rank` it
+//! checks instead that `upipe launch` stops the surviving ranks.
 
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
@@ -14,7 +15,8 @@ pub const FAIL_STATUS: i32 = 3;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// This rank exits with status 3 right after connecting (tests failure handling).
+    /// This rank exits with status 3 right after connecting; the other ranks
+    /// then wait up to --timeout-ms for the launcher to stop them.
     #[arg(long)]
     pub fail_rank: Option<usize>,
     /// How long to wait for every rank to arrive, in milliseconds.
@@ -37,10 +39,24 @@ pub fn run(args: Args) -> Result<i32> {
         env.master_addr,
         env.master_port
     );
-    let mut rv = Rendezvous::connect(&env, Duration::from_millis(args.timeout_ms))?;
-    if args.fail_rank == Some(env.rank) {
-        eprintln!("rank {} failing on purpose (--fail-rank)", env.rank);
-        return Ok(FAIL_STATUS);
+    let timeout = Duration::from_millis(args.timeout_ms);
+    let mut rv = Rendezvous::connect(&env, timeout)?;
+    match args.fail_rank {
+        Some(failing) if failing == env.rank => {
+            eprintln!("rank {failing} failing on purpose (--fail-rank)");
+            return Ok(FAIL_STATUS);
+        }
+        Some(failing) => {
+            // Give the launcher the chance to stop this rank: only if it does
+            // not within the timeout does this rank go on (and notice the
+            // failed rank itself).
+            println!(
+                "rank {} waiting to be stopped after rank {failing} fails",
+                env.rank
+            );
+            std::thread::sleep(timeout);
+        }
+        None => {}
     }
     let ranks = gather_ranks(&mut rv)?;
     let id = rv.broadcast_bytes(env.is_master().then(fresh_id).as_deref())?;
