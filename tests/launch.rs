@@ -145,9 +145,15 @@ fn pids(lines: &[String]) -> Vec<u32> {
         .collect()
 }
 
-/// Whether a process with this pid still exists (Linux: it has a /proc entry).
+/// Whether a process with this pid is still running (Linux: it has a /proc
+/// entry and is not a zombie waiting to be reaped).
 fn alive(pid: u32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // "pid (comm) S ...": the state follows the last ')'.
+    let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+    !state.starts_with('Z') && !state.starts_with('X')
 }
 
 #[test]
@@ -352,4 +358,39 @@ fn invalid_flags_fail_before_starting_anything() {
         done.stderr
     );
     assert!(done.stdout.is_empty(), "{:#?}", done.stdout);
+}
+
+#[test]
+fn killing_the_launcher_outright_still_ends_the_ranks() {
+    let port = free_port().to_string();
+    let cmd = upipe(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        &port,
+        "--",
+        "rendezvous-check",
+        "--fail-rank",
+        "7",
+        "--timeout-ms",
+        "20000",
+    ]);
+    let mut running = Running::start(cmd);
+    let lines = running.wait_for_lines(2, Duration::from_secs(10), |l| {
+        l.contains("waiting to be stopped")
+    });
+    // SIGKILL: the launcher cannot react; the kernel's parent-death signal must.
+    running.child.kill().unwrap();
+    let pids = pids(&lines);
+    assert_eq!(pids.len(), 2, "{lines:#?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&pid| alive(pid)) {
+        assert!(
+            Instant::now() < deadline,
+            "ranks {pids:?} outlived the killed launcher"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    running.finish(Duration::from_secs(10));
 }
