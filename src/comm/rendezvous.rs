@@ -11,7 +11,22 @@
 //! forwards that message to every connected rank so all of them fail alike.
 //!
 //! Every rank must call the same collectives in the same order; a mismatch is
-//! detected and reported.
+//! detected and reported. Only joining has a timeout: a collective waits as
+//! long as the slowest rank takes to reach it (ranks may legitimately be busy),
+//! but fails as soon as a rank disconnects.
+//!
+//! ```no_run
+//! # use std::time::Duration;
+//! # use upipe::comm::{env::DistEnv, rendezvous::Rendezvous};
+//! # fn main() -> upipe::Result<()> {
+//! let env = DistEnv::from_env()?.expect("started by upipe launch, torchrun or srun");
+//! let mut rv = Rendezvous::connect(&env, Duration::from_secs(300))?;
+//! let nccl_id = [0u8; 128]; // from ncclGetUniqueId on rank 0
+//! let id = rv.broadcast_bytes(env.is_master().then_some(&nccl_id[..]))?;
+//! assert_eq!(id.len(), 128);
+//! # Ok(())
+//! # }
+//! ```
 
 mod wire;
 
