@@ -1,10 +1,401 @@
-//! `upipe launch`: one process per local rank.
+//! `upipe launch`: start one process per local rank (torchrun-style), give
+//! each the distributed environment ([`crate::comm::env::DistEnv`] reads it),
+//! prefix their output with their rank, and stop them all as soon as one
+//! fails or the launcher is interrupted.
 
+mod output;
+mod signals;
+
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::comm::env::{DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT};
+use crate::config_err;
 use crate::error::{Error, Result};
+use output::Sink;
 
-#[derive(clap::Args, Debug)]
-pub struct LaunchArgs {}
+/// How long children get to exit after SIGTERM before they are killed.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How often the supervisor checks for a stop signal.
+const SIGNAL_POLL: Duration = Duration::from_millis(20);
 
-pub fn run(_args: LaunchArgs) -> Result<i32> {
-    Err(Error::Config("upipe launch is not built yet".into()))
+#[derive(clap::Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// Processes to start on this node (usually one per GPU).
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
+    /// Number of nodes taking part (run `upipe launch` once on each).
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// Index of this node, 0..nnodes; node 0 hosts the rendezvous.
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// Address of node 0, reachable from every node.
+    #[arg(long, default_value = DEFAULT_MASTER_ADDR)]
+    pub master_addr: String,
+    /// TCP port of the rendezvous on node 0.
+    #[arg(long, default_value_t = DEFAULT_MASTER_PORT)]
+    pub master_port: u16,
+    /// The upipe subcommand and its arguments, after `--` (e.g. `-- train --steps 10`).
+    #[arg(last = true, required = true, value_name = "SUBCOMMAND")]
+    pub command: Vec<String>,
+}
+
+/// Starts the ranks of this node and supervises them; returns the exit
+/// status the launcher should exit with (the first failing rank's status).
+pub fn run(args: LaunchArgs) -> Result<i32> {
+    validate(&args)?;
+    let exe = std::env::current_exe()
+        .map_err(|e| Error::io("finding the upipe executable to launch", e))?;
+    signals::install_stop_handlers();
+    let mut group = RankGroup::spawn(&exe, &args)?;
+    let code = group.supervise();
+    group.finish_output();
+    Ok(code)
+}
+
+/// Checks the flags before anything is started.
+fn validate(args: &LaunchArgs) -> Result<()> {
+    if args.nproc_per_node == 0 {
+        return config_err!("--nproc-per-node must be at least 1 (one process per GPU)");
+    }
+    if args.nnodes == 0 {
+        return config_err!("--nnodes must be at least 1");
+    }
+    if args.node_rank >= args.nnodes {
+        return config_err!(
+            "--node-rank {} is not below --nnodes {}; nodes are numbered 0..{}",
+            args.node_rank,
+            args.nnodes,
+            args.nnodes - 1
+        );
+    }
+    if args.master_port == 0 {
+        return config_err!(
+            "--master-port must be a TCP port in 1..=65535 (e.g. {DEFAULT_MASTER_PORT})"
+        );
+    }
+    if args.nnodes > 1 && is_loopback_name(&args.master_addr) {
+        return config_err!(
+            "--master-addr {} only reaches this machine, but --nnodes is {}; set --master-addr \
+             to an address of node 0 that every node can reach",
+            args.master_addr,
+            args.nnodes
+        );
+    }
+    match args.command.first().map(String::as_str) {
+        None => config_err!(
+            "give the upipe subcommand to run after `--`, e.g. `upipe launch --nproc-per-node 4 -- train`"
+        ),
+        Some("launch") => config_err!(
+            "`upipe launch -- launch` would nest launchers; give a subcommand such as `train`"
+        ),
+        Some(_) => Ok(()),
+    }
+}
+
+fn is_loopback_name(addr: &str) -> bool {
+    addr == "localhost"
+        || addr
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The environment of local rank `local_rank`.
+fn rank_env(args: &LaunchArgs, local_rank: usize) -> Vec<(&'static str, String)> {
+    let world_size = args.nnodes * args.nproc_per_node;
+    let rank = args.node_rank * args.nproc_per_node + local_rank;
+    vec![
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world_size.to_string()),
+        ("LOCAL_RANK", local_rank.to_string()),
+        ("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string()),
+        ("GROUP_RANK", args.node_rank.to_string()),
+        ("MASTER_ADDR", args.master_addr.clone()),
+        ("MASTER_PORT", args.master_port.to_string()),
+    ]
+}
+
+/// Exit status as a shell reports it: the code, or 128 + the killing signal.
+fn exit_code(status: &ExitStatus) -> i32 {
+    if let Some(code) = status.code() {
+        return code;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(signum) = status.signal() {
+            return 128 + signum;
+        }
+    }
+    1
+}
+
+/// One started rank.
+struct Member {
+    rank: usize,
+    pid: u32,
+    /// Set once its exit was reported (its pid must not be signalled after).
+    exited: bool,
+}
+
+/// The children of this launcher: their pids, a channel on which a waiter
+/// thread per child reports its exit (in exit order), and the threads that
+/// forward their output.
+struct RankGroup {
+    members: Vec<Member>,
+    exits: Receiver<(usize, std::io::Result<ExitStatus>)>,
+    forwarders: Vec<JoinHandle<()>>,
+}
+
+impl RankGroup {
+    /// Starts every local rank. If one cannot start, those already started are stopped.
+    fn spawn(exe: &std::path::Path, args: &LaunchArgs) -> Result<RankGroup> {
+        let (report, exits) = mpsc::channel();
+        let mut group = RankGroup {
+            members: Vec::new(),
+            exits,
+            forwarders: Vec::new(),
+        };
+        for local_rank in 0..args.nproc_per_node {
+            let env = rank_env(args, local_rank);
+            let rank = args.node_rank * args.nproc_per_node + local_rank;
+            let child = match start_child(exe, &args.command, &env) {
+                Ok(child) => child,
+                Err(e) => {
+                    group.stop_all(signals::SIGKILL);
+                    group.wait_all();
+                    return Err(Error::io(
+                        format!("starting rank {rank} ({})", exe.display()),
+                        e,
+                    ));
+                }
+            };
+            group.adopt(rank, child, report.clone());
+        }
+        Ok(group)
+    }
+
+    /// Takes ownership of a started child: forwards its output and waits for it.
+    fn adopt(
+        &mut self,
+        rank: usize,
+        mut child: Child,
+        report: mpsc::Sender<(usize, std::io::Result<ExitStatus>)>,
+    ) {
+        if let Some(out) = child.stdout.take() {
+            self.forwarders
+                .push(output::forward(rank, out, Sink::Stdout));
+        }
+        if let Some(err) = child.stderr.take() {
+            self.forwarders
+                .push(output::forward(rank, err, Sink::Stderr));
+        }
+        let index = self.members.len();
+        self.members.push(Member {
+            rank,
+            pid: child.id(),
+            exited: false,
+        });
+        std::thread::spawn(move || {
+            let _ = report.send((index, child.wait()));
+        });
+    }
+
+    /// Waits until every rank succeeded (0), one failed (its status), or a
+    /// stop signal arrived (128 + signal); in the latter two cases the other
+    /// ranks are stopped first.
+    fn supervise(&mut self) -> i32 {
+        while self.running() > 0 {
+            if let Some(signum) = signals::received() {
+                tracing::warn!("upipe launch: received signal {signum}; stopping all ranks");
+                self.stop_all(signals::SIGTERM);
+                self.wait_all_with_grace();
+                return 128 + signum;
+            }
+            let (index, status) = match self.exits.recv_timeout(SIGNAL_POLL) {
+                Ok(exit) => exit,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            self.members[index].exited = true;
+            let rank = self.members[index].rank;
+            let code = match &status {
+                Ok(status) => exit_code(status),
+                Err(e) => {
+                    tracing::error!("upipe launch: lost track of rank {rank}: {e}");
+                    1
+                }
+            };
+            if code != 0 {
+                let others: Vec<usize> = self.running_ranks();
+                tracing::error!(
+                    "upipe launch: rank {rank} exited with status {code}; stopping ranks {others:?}"
+                );
+                self.stop_all(signals::SIGTERM);
+                self.wait_all_with_grace();
+                return code;
+            }
+        }
+        0
+    }
+
+    fn running(&self) -> usize {
+        self.members.iter().filter(|m| !m.exited).count()
+    }
+
+    fn running_ranks(&self) -> Vec<usize> {
+        self.members
+            .iter()
+            .filter(|m| !m.exited)
+            .map(|m| m.rank)
+            .collect()
+    }
+
+    /// Signals every rank whose exit has not been reported yet.
+    fn stop_all(&self, signum: i32) {
+        for member in self.members.iter().filter(|m| !m.exited) {
+            signals::send(member.pid, signum);
+        }
+    }
+
+    /// Waits up to [`STOP_GRACE`] for the stopped ranks, then kills the rest.
+    fn wait_all_with_grace(&mut self) {
+        let deadline = Instant::now() + STOP_GRACE;
+        while self.running() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(
+                    "upipe launch: ranks {:?} ignored SIGTERM for {STOP_GRACE:?}; killing them",
+                    self.running_ranks()
+                );
+                self.stop_all(signals::SIGKILL);
+                break;
+            }
+            match self.exits.recv_timeout(left) {
+                Ok((index, _)) => self.members[index].exited = true,
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        self.wait_all();
+    }
+
+    /// Waits for every remaining exit report.
+    fn wait_all(&mut self) {
+        while self.running() > 0 {
+            match self.exits.recv() {
+                Ok((index, _)) => self.members[index].exited = true,
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Lets the forwarders print the children's last lines.
+    fn finish_output(&mut self) {
+        for forwarder in self.forwarders.drain(..) {
+            let _ = forwarder.join();
+        }
+    }
+}
+
+/// Starts one rank: this executable with `command` and the rank's environment.
+fn start_child(
+    exe: &std::path::Path,
+    command: &[String],
+    env: &[(&'static str, String)],
+) -> std::io::Result<Child> {
+    let mut cmd = Command::new(exe);
+    cmd.args(command)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    signals::terminate_with_parent(&mut cmd);
+    cmd.spawn()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        args: LaunchArgs,
+    }
+
+    fn parse(argv: &[&str]) -> LaunchArgs {
+        Wrapper::try_parse_from(std::iter::once("launch").chain(argv.iter().copied()))
+            .unwrap()
+            .args
+    }
+
+    fn error_of(argv: &[&str]) -> String {
+        match validate(&parse(argv)) {
+            Err(Error::Config(msg)) => msg,
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn parses_command_after_double_dash() {
+        let args = parse(&["--nproc-per-node", "4", "--", "train", "--steps", "3"]);
+        assert_eq!(args.nproc_per_node, 4);
+        assert_eq!(args.command, ["train", "--steps", "3"]);
+        assert_eq!(args.master_port, DEFAULT_MASTER_PORT);
+        validate(&args).unwrap();
+        assert!(Wrapper::try_parse_from(["launch", "--nproc-per-node", "2"]).is_err());
+    }
+
+    #[test]
+    fn rejects_bad_flags_with_the_fix() {
+        assert!(error_of(&["--nproc-per-node", "0", "--", "train"]).contains("--nproc-per-node"));
+        let msg = error_of(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+            "--master-addr",
+            "10.0.0.1",
+            "--",
+            "train",
+        ]);
+        assert!(
+            msg.contains("--node-rank 2 is not below --nnodes 2"),
+            "{msg}"
+        );
+        let msg = error_of(&["--nnodes", "2", "--", "train"]);
+        assert!(msg.contains("--master-addr"), "{msg}");
+        assert!(error_of(&["--master-port", "0", "--", "train"]).contains("--master-port"));
+        assert!(error_of(&["--", "launch", "--", "train"]).contains("nest"));
+    }
+
+    #[test]
+    fn ranks_are_numbered_by_node() {
+        let args = parse(&[
+            "--nproc-per-node",
+            "4",
+            "--nnodes",
+            "3",
+            "--node-rank",
+            "2",
+            "--master-addr",
+            "node0",
+            "--master-port",
+            "1234",
+            "--",
+            "train",
+        ]);
+        let env: std::collections::HashMap<_, _> = rank_env(&args, 1).into_iter().collect();
+        assert_eq!(env["RANK"], "9");
+        assert_eq!(env["WORLD_SIZE"], "12");
+        assert_eq!(env["LOCAL_RANK"], "1");
+        assert_eq!(env["LOCAL_WORLD_SIZE"], "4");
+        assert_eq!(env["MASTER_ADDR"], "node0");
+        assert_eq!(env["MASTER_PORT"], "1234");
+    }
 }

@@ -6,6 +6,7 @@ pub mod eval;
 pub mod info;
 pub mod launch;
 pub mod plan;
+pub mod rendezvous_check;
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -33,6 +34,9 @@ pub enum Command {
     Launch(launch::LaunchArgs),
     /// Show devices and which GPU libraries were found.
     Info(info::InfoArgs),
+    /// Test the rendezvous between real processes (run under `upipe launch`).
+    #[command(hide = true)]
+    RendezvousCheck(rendezvous_check::Args),
 }
 
 /// Entry point of the binary; returns the process exit status.
@@ -46,6 +50,7 @@ pub fn main() -> i32 {
         Command::Plan(a) => plan::run(a),
         Command::Launch(a) => launch::run(a),
         Command::Info(a) => info::run(a),
+        Command::RendezvousCheck(a) => rendezvous_check::run(a),
     };
     match result {
         Ok(code) => code,

@@ -5,8 +5,10 @@
 //! to [`ProcessGroup`]s; `local` runs ranks as threads in one process, `nccl`
 //! runs one process per GPU.
 
+pub mod env;
 pub mod local;
 pub mod mesh;
+pub mod rendezvous;
 
 pub use mesh::{GroupKind, MeshShape};
 
