@@ -197,6 +197,10 @@ fn run_rank<B: Backend>(
                 &tensors_to_host(b, &w, &opt.v)?,
                 &extra,
             )?;
+            // config.json beside model.safetensors makes the directory an HF model dir
+            let path = dir.join("config.json");
+            std::fs::write(&path, cfg.model.to_hf_json())
+                .map_err(|e| Error::io(path.display().to_string(), e))?;
         }
     }
     Ok((reports, b.ledger().stats()))

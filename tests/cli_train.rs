@@ -1,0 +1,152 @@
+//! `upipe train`, `upipe eval` and checkpoints through the real binary.
+
+use std::process::Command;
+
+fn upipe(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "upipe {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn losses(stdout: &str) -> Vec<f64> {
+    stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn default_model_learns_and_its_checkpoint_evaluates_the_same_under_every_strategy() {
+    let dir = std::env::temp_dir().join(format!("upipe-train-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let l = losses(&upipe(&[
+        "train",
+        "--steps",
+        "40",
+        "--json",
+        "--save-dir",
+        d,
+    ]));
+    assert_eq!(l.len(), 40);
+    let tail = l[35..].iter().sum::<f64>() / 5.0;
+    assert!(
+        tail < l[0] - 1.5,
+        "loss must fall clearly: {} -> {tail}",
+        l[0]
+    );
+
+    // evaluate the saved checkpoint on a token file under several strategies
+    let toks: Vec<u8> = "the quick brown fox jumps over the lazy dog, said Alice."
+        .bytes()
+        .flat_map(|b| (b as u32).to_le_bytes())
+        .collect();
+    let tf = dir.join("eval.u32");
+    std::fs::write(&tf, toks).unwrap();
+    let eval = |extra: &[&str]| -> f64 {
+        let mut args = vec!["eval", "--model-dir", d, "--tokens", tf.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let v: serde_json::Value = serde_json::from_str(upipe(&args).trim()).unwrap();
+        assert_eq!(v["tokens"].as_u64(), Some(55));
+        v["loss"].as_f64().unwrap()
+    };
+    let reference = eval(&["--attn", "local"]);
+    assert!(reference.is_finite() && reference > 0.0);
+    for extra in [
+        &["--attn", "upipe", "--ulysses", "2", "--ring", "2"][..],
+        &["--attn", "ring", "--ring", "4"][..],
+        &["--attn", "ulysses", "--ulysses", "2"][..],
+    ] {
+        let got = eval(extra);
+        assert!(
+            ((got - reference) / reference).abs() < 1e-5,
+            "{extra:?}: {got} vs {reference}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn resume_continues_exactly() {
+    let base = std::env::temp_dir().join(format!("upipe-resume-{}", std::process::id()));
+    let (a, b) = (base.join("a"), base.join("b"));
+    let common = [
+        "--steps", "4", "--json", "--lr", "1e-3", "--min-lr", "1e-3", "--warmup", "0", "--seq",
+        "64",
+    ];
+    let full = losses(&upipe(
+        &[
+            &["train"][..],
+            &common,
+            &["--save-dir", a.to_str().unwrap()],
+        ]
+        .concat(),
+    ));
+    let mut first_half: Vec<&str> = vec!["train", "--save-dir", b.to_str().unwrap()];
+    first_half.extend_from_slice(&common);
+    first_half[4] = "2"; // --steps 2
+    assert_eq!(first_half[3], "--steps");
+    upipe(&first_half);
+    let resumed = losses(&upipe(
+        &[
+            &["train"][..],
+            &common,
+            &["--save-dir", b.to_str().unwrap(), "--resume"],
+        ]
+        .concat(),
+    ));
+    assert_eq!(resumed.len(), 2, "steps 3 and 4 only");
+    for (x, y) in resumed.iter().zip(&full[2..]) {
+        assert!(
+            (x - y).abs() <= 1e-6 * y.abs(),
+            "resumed {x} vs uninterrupted {y}"
+        );
+    }
+    std::fs::remove_dir_all(&base).ok();
+}
+
+#[test]
+fn bad_configurations_name_the_fix() {
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args([
+            "bench",
+            "attn",
+            "--heads",
+            "32",
+            "--kv-heads",
+            "8",
+            "--ulysses",
+            "4",
+            "--methods",
+            "upipe",
+            "--chunk-heads",
+            "6",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("multiple of the Ulysses degree 4") && err.contains("[4, 8, 16, 32]"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(["train", "--model", "no-such-model"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("tiny"),
+        "lists the presets"
+    );
+}
