@@ -13,14 +13,17 @@ pub fn run(_args: InfoArgs) -> Result<i32> {
         "cpu backend: f32 reference, {} threads",
         rayon::current_num_threads()
     );
-    match device::driver_version() {
-        Err(e) => {
-            println!("CUDA: not available ({e})");
-            return Ok(0);
-        }
+    let driver = device::driver_version();
+    match &driver {
+        Err(e) => println!("CUDA: not available ({e})"),
         Ok((maj, min)) => println!("CUDA driver: supports CUDA {maj}.{min}"),
     }
-    match device::gpus() {
+    match if driver.is_ok() {
+        device::gpus()
+    } else {
+        Ok(Vec::new())
+    } {
+        Ok(g) if g.is_empty() && driver.is_err() => {}
         Ok(g) if g.is_empty() => println!("GPUs: none visible"),
         Ok(g) => {
             for d in g {

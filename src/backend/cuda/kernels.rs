@@ -187,3 +187,40 @@ pub fn grid_for(n: usize, block: u32) -> (u32, u32, u32) {
     let blocks = n.div_ceil(block as usize).clamp(1, 65_535 * 8);
     (blocks as u32, 1, 1)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Compiles the kernels whenever NVRTC can be found (no GPU needed), so a
+    /// syntax error shows up on any machine with the CUDA toolkit or the
+    /// `nvidia-cuda-nvrtc` wheel (`UPIPE_NVRTC_LIB=.../libnvrtc.so.13`).
+    #[test]
+    fn kernels_compile_with_nvrtc_when_available() {
+        let dir = std::env::temp_dir().join(format!("upipe-nvrtc-test-{}", std::process::id()));
+        match nvrtc::version() {
+            Err(Error::LibraryMissing(m)) => {
+                eprintln!("SKIP: NVRTC not available ({m})");
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => {
+                // Compile straight through NVRTC (not the cache) to catch errors now.
+                let src = full_source();
+                let (cubin, _) = nvrtc::compile_uncached_for_test(&src, "sm_90").unwrap();
+                assert!(cubin.len() > 1000);
+                for name in [
+                    "attn_fwd_naive",
+                    "attn_bwd_naive",
+                    "cross_entropy",
+                    "copy2d",
+                ] {
+                    assert!(
+                        cubin.windows(name.len()).any(|w| w == name.as_bytes()),
+                        "{name} missing from the cubin"
+                    );
+                }
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+}

@@ -90,6 +90,12 @@ pub fn compile_cached(src: &str, arch: &str) -> Result<(Vec<u8>, CubinSource)> {
     Ok((cubin, CubinSource::Compiled))
 }
 
+/// Compiles without touching the disk cache (tests).
+#[cfg(test)]
+pub(crate) fn compile_uncached_for_test(src: &str, arch: &str) -> Result<(Vec<u8>, CubinSource)> {
+    compile(src, arch).map(|c| (c, CubinSource::Compiled))
+}
+
 fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d)?;
