@@ -54,7 +54,7 @@ for t in "$bin"/test-*; do
     name="$(basename "$t")"
     log="$out/$name.log"
     start=$(date +%s%N)
-    "$t" --test-threads=4 > "$log" 2>&1
+    "$t" --test-threads=4 --nocapture > "$log" 2>&1
     rc=$?
     ms=$(( ($(date +%s%N) - start) / 1000000 ))
     res="$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //; s/; finished.*//')"
@@ -63,7 +63,7 @@ for t in "$bin"/test-*; do
     table+=("$(printf '%-40s rc=%-3s %7sms  %s%s' "$name" "$rc" "$ms" "$res" "$([ "$skipped" -gt 0 ] && echo '  (SKIPPED: no GPU)')")")
     if [ "$rc" -ne 0 ] || [ "$name" = test-test-gpu_backend ]; then
         echo "== $name"
-        grep -E 'rel err|panicked|FAILED|failed|SKIP|error|seed|pool' "$log" | head -80
+        grep -E 'rel err|panicked|FAILED|failed|SKIP|sum_squares|pool ' "$log" | sort | head -120
     fi
 done
 echo "== gpu_bench"
@@ -71,7 +71,7 @@ start=$(date +%s%N)
 "$bin/gpu_bench" 2>&1 | tee "$out/bench.txt"
 brc=${PIPESTATUS[0]}
 [ "$brc" -ne 0 ] && status=1
-table+=("$(printf '%-40s rc=%-3s %7sms  %s' gpu_bench "$brc" "$(( ($(date +%s%N) - start) / 1000000 ))" "$(grep -E 'gemm bf16 .*-> bf16 \(NN\)' "$out/bench.txt" | awk '{print $NF " TFLOP/s (8192^3 bf16)"}')")")
+table+=("$(printf '%-40s rc=%-3s %7sms  %s' gpu_bench "$brc" "$(( ($(date +%s%N) - start) / 1000000 ))" "$(grep -E '^gemm bf16 [0-9]+x.*\(NN\)' "$out/bench.txt" | awk '{print $NF " TFLOP/s (8192^3 bf16)"}')")")
 echo
 echo "== summary"
 for row in "${table[@]}"; do echo "$row"; done

@@ -270,23 +270,32 @@ fn rms_norm_rope_swiglu() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut rng = Rng::new("norm");
-    let (n, dim) = (19, 1000);
-    let (gx, cx) = pair(g, &c, &rng.vec(n * dim, 3.0), &[n, dim], DType::BF16);
-    let (gw, cw) = pair(g, &c, &rng.vec(dim, 1.0), &[dim], DType::BF16);
-    let (mut gy, mut cy) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
-    g.rms_norm_fwd(&gx, &gw, 1e-5, &mut gy).unwrap();
-    c.rms_norm_fwd(&cx, &cw, 1e-5, &mut cy).unwrap();
-    check("rms_norm_fwd", g, &gy, &c, &cy);
-    let (gdy, cdy) = pair(g, &c, &rng.vec(n * dim, 1.0), &[n, dim], DType::BF16);
-    let (mut gdx, mut cdx) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
-    let dw0 = rng.vec(dim, 1.0);
-    let (mut gdw, mut cdw) = pair(g, &c, &dw0, &[dim], DType::F32);
-    g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut gdx, &mut gdw)
-        .unwrap();
-    c.rms_norm_bwd(&cx, &cw, &cdy, 1e-5, &mut cdx, &mut cdw)
-        .unwrap();
-    check("rms_norm_bwd dx", g, &gdx, &c, &cdx);
-    check("rms_norm_bwd dw (accumulated)", g, &gdw, &c, &cdw);
+    // Shapes: one block per row; rows > blocks (row striding); dim too big for shared dw.
+    for (n, dim) in [(19, 1000), (3000, 512), (5, 12000)] {
+        let tag = format!("n={n} dim={dim}");
+        let (gx, cx) = pair(g, &c, &rng.vec(n * dim, 3.0), &[n, dim], DType::BF16);
+        let (gw, cw) = pair(g, &c, &rng.vec(dim, 1.0), &[dim], DType::BF16);
+        let (mut gy, mut cy) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
+        g.rms_norm_fwd(&gx, &gw, 1e-5, &mut gy).unwrap();
+        c.rms_norm_fwd(&cx, &cw, 1e-5, &mut cy).unwrap();
+        check(&format!("rms_norm_fwd {tag}"), g, &gy, &c, &cy);
+        let (gdy, cdy) = pair(g, &c, &rng.vec(n * dim, 1.0), &[n, dim], DType::BF16);
+        let (mut gdx, mut cdx) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
+        let dw0 = rng.vec(dim, 1.0);
+        let (mut gdw, mut cdw) = pair(g, &c, &dw0, &[dim], DType::F32);
+        g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut gdx, &mut gdw)
+            .unwrap();
+        c.rms_norm_bwd(&cx, &cw, &cdy, 1e-5, &mut cdx, &mut cdw)
+            .unwrap();
+        check(&format!("rms_norm_bwd dx {tag}"), g, &gdx, &c, &cdx);
+        check(
+            &format!("rms_norm_bwd dw (accumulated) {tag}"),
+            g,
+            &gdw,
+            &c,
+            &cdw,
+        );
+    }
 
     let (s, h, d) = (23, 3, 64);
     let ang: Vec<f32> = rng.vec(s * d / 2, 3.0);

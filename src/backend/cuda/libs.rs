@@ -324,10 +324,13 @@ fn pick_in_dir(dir: &Path, stem: &str) -> Option<PathBuf> {
 }
 
 /// Every file that would be tried, in order (the first one that opens wins).
-fn candidates(lib: Lib) -> (Vec<Candidate>, Vec<String>) {
+fn candidates(
+    lib: Lib,
+    override_path: Option<std::ffi::OsString>,
+) -> (Vec<Candidate>, Vec<String>) {
     let mut searched = Vec::new();
     let mut found = Vec::new();
-    if let Some(p) = std::env::var_os(lib.env_var()) {
+    if let Some(p) = override_path {
         let p = PathBuf::from(p);
         searched.push(format!("{}={}", lib.env_var(), p.display()));
         // An explicit override is the only choice: falling back would hide a typo.
@@ -477,7 +480,13 @@ fn open_global(path: &Path) -> std::result::Result<libloading::Library, String> 
 }
 
 fn load_uncached(lib: Lib) -> std::result::Result<LoadedLib, String> {
-    let (cands, searched) = candidates(lib);
+    load_from(lib, candidates(lib, std::env::var_os(lib.env_var())))
+}
+
+fn load_from(
+    lib: Lib,
+    (cands, searched): (Vec<Candidate>, Vec<String>),
+) -> std::result::Result<LoadedLib, String> {
     let mut errors = Vec::new();
     for c in cands {
         match open_global(&c.path) {
@@ -653,6 +662,19 @@ mod tests {
                 .any(|(d, s)| *s == "pip" && d.ends_with("nvidia/cu13/lib"))
                 || site_packages().is_empty()
         );
+    }
+
+    #[test]
+    fn a_wrong_override_is_an_error_naming_it() {
+        let bad = std::ffi::OsString::from("/nonexistent/libnccl.so.2");
+        let (cands, searched) = candidates(Lib::Nccl, Some(bad));
+        assert_eq!(cands.len(), 1, "an override is the only candidate");
+        let err = load_from(Lib::Nccl, (cands, searched)).unwrap_err();
+        assert!(
+            err.contains("UPIPE_NCCL_LIB=/nonexistent/libnccl.so.2"),
+            "{err}"
+        );
+        assert!(err.contains("failed to open"), "{err}");
     }
 
     #[test]

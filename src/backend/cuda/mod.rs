@@ -34,6 +34,8 @@ use std::sync::{Arc, OnceLock};
 pub use pool::CudaStorage as Storage;
 
 const BLOCK: u32 = 256;
+/// Row-striding blocks of the RMSNorm backward (each adds its dw once).
+const RMS_BWD_MAX_BLOCKS: usize = 1024;
 
 /// The CUDA backend of one GPU.
 pub struct CudaBackend {
@@ -598,12 +600,17 @@ impl Backend for CudaBackend {
             .usize(rows)
             .usize(dim)
             .f32(eps);
+        // dw is summed per block in shared memory when it fits the default 48 KiB.
+        let smem_dw = dim * 4 <= 40 << 10;
+        let args = args.i32(smem_dw as i32);
+        let blocks = rows.min(RMS_BWD_MAX_BLOCKS) as u32;
+        let smem = if smem_dw { (dim * 4) as u32 } else { 0 };
         launch(
             &self.stream,
             self.kernels.rmsnorm_bwd,
-            (u32_grid(rows, "rms_norm")?, 1, 1),
+            (blocks, 1, 1),
             BLOCK,
-            0,
+            smem,
             args,
         )
     }
