@@ -11,6 +11,7 @@ pub mod comm;
 pub mod error;
 pub mod model;
 pub mod plan;
+pub mod rng;
 pub mod train;
 
 pub use error::{Error, Result};

@@ -246,6 +246,15 @@ fn copy_fill_axpy_sum_squares() {
     c.copy(cb.mat_mut(), cd.mat()).unwrap();
     check("copy f32 -> bf16", g, &gb, &c, &cb);
 
+    let fresh = rng.vec((r + 2) * (cols + 3), 1.0);
+    g.upload(&mut gb, &fresh).unwrap();
+    c.upload(&mut cb, &round(&fresh, DType::BF16)).unwrap();
+    check("upload bf16", g, &gb, &c, &cb);
+    assert!(
+        g.upload(&mut gb, &fresh[1..]).is_err(),
+        "upload checks the length"
+    );
+
     g.fill(&mut gb, 0.375).unwrap();
     c.fill(&mut cb, 0.375).unwrap();
     check("fill", g, &gb, &c, &cb);

@@ -1,1 +1,339 @@
-//! TODO
+//! Context-parallel attention: the attention layer (Q/K/V projection,
+//! optional QK RMSNorm, RoPE, causal attention, output projection) with an
+//! explicit backward, under five strategies.
+//!
+//! `local` is the single-device reference ([`local`]). `ulysses`, `ring`,
+//! `usp` and `upipe` are one staged engine ([`staged`]) with different
+//! parameters: Ulysses degree `pu`, ring degree `pr` and heads per stage `U`:
+//!
+//! | strategy | pu | pr | U |
+//! |---|---|---|---|
+//! | ulysses | C | 1 | H |
+//! | ring | 1 | C | H |
+//! | usp | Pu | Pr | H |
+//! | upipe | Pu | Pr | any valid multiple of Pu (default Pu) |
+//!
+//! Forward saves only the layer input (owned by the caller), the attention
+//! output O in canonical head order and one LSE per stage; backward recomputes
+//! each stage's projections and exchanges. Parameter gradients are partial
+//! sums over this rank's tokens until the caller reduces them over the mesh.
+
+pub mod layout;
+pub mod local;
+pub mod ring;
+pub mod rope;
+pub mod schedule;
+pub mod staged;
+pub mod trial;
+
+use crate::backend::{Backend, Category, DType, Tensor};
+use crate::comm::{Mesh, MeshShape};
+use crate::error::Result;
+use layout::SeqLayout;
+use rope::{RopeConfig, RopeTables};
+use schedule::StageSchedule;
+use std::fmt;
+use std::str::FromStr;
+
+/// Dimensions of one attention layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnDims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub norm_eps: f32,
+    pub rope: RopeConfig,
+}
+
+impl AttnDims {
+    /// Checks the dimensions once.
+    pub fn validate(&self) -> Result<()> {
+        if self.hidden == 0 || self.heads == 0 || self.kv_heads == 0 || self.head_dim == 0 {
+            return crate::config_err!("attention dimensions must be positive: {self:?}");
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return crate::config_err!(
+                "{} heads must be a multiple of {} kv heads (GQA groups)",
+                self.heads,
+                self.kv_heads
+            );
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return crate::config_err!("head_dim {} must be even for RoPE", self.head_dim);
+        }
+        Ok(())
+    }
+    pub fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// A context-parallel attention strategy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    Local,
+    Ulysses,
+    Ring,
+    Usp,
+    Upipe,
+}
+
+impl Strategy {
+    pub const ALL: [Strategy; 5] = [
+        Strategy::Local,
+        Strategy::Ulysses,
+        Strategy::Ring,
+        Strategy::Usp,
+        Strategy::Upipe,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Local => "local",
+            Strategy::Ulysses => "ulysses",
+            Strategy::Ring => "ring",
+            Strategy::Usp => "usp",
+            Strategy::Upipe => "upipe",
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Strategy::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| {
+                crate::Error::Config(format!(
+                    "unknown attention strategy '{s}'; use one of local, ulysses, ring, usp, upipe"
+                ))
+            })
+    }
+}
+
+/// A strategy resolved for a layer, sequence and context-parallel degree.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpPlan {
+    pub strategy: Strategy,
+    pub layout: SeqLayout,
+    pub schedule: StageSchedule,
+}
+
+impl CpPlan {
+    /// Resolves `strategy` on `ulysses x ring` ranks (ulysses/ring strategies use all
+    /// of them as one group). `chunk_heads` is UPipe's U (default: the Ulysses degree).
+    pub fn new(
+        strategy: Strategy,
+        dims: &AttnDims,
+        seq: usize,
+        ulysses: usize,
+        ring: usize,
+        chunk_heads: Option<usize>,
+    ) -> Result<Self> {
+        dims.validate()?;
+        let c = ulysses * ring;
+        let (pu, pr, u) = match strategy {
+            Strategy::Local => {
+                if c != 1 {
+                    return crate::config_err!("the local strategy runs on one rank, not {c}");
+                }
+                (1, 1, dims.heads)
+            }
+            Strategy::Ulysses => (c, 1, dims.heads),
+            Strategy::Ring => (1, c, dims.heads),
+            Strategy::Usp => (ulysses, ring, dims.heads),
+            Strategy::Upipe => (ulysses, ring, chunk_heads.unwrap_or(ulysses)),
+        };
+        if chunk_heads.is_some() && strategy != Strategy::Upipe {
+            return crate::config_err!("--chunk-heads applies to upipe only, not {strategy}");
+        }
+        let schedule = StageSchedule::new(dims.heads, dims.kv_heads, pu, u)?;
+        let layout = SeqLayout::new(seq, pu, pr)?;
+        Ok(CpPlan {
+            strategy,
+            layout,
+            schedule,
+        })
+    }
+    /// The mesh this plan runs on (one data replica).
+    pub fn mesh_shape(&self) -> MeshShape {
+        MeshShape {
+            data: 1,
+            ring: self.layout.pr,
+            ulysses: self.layout.pu,
+        }
+    }
+}
+
+/// Weights of one attention layer in HF layout: `wq [H*d, hidden]`,
+/// `wk, wv [Hkv*d, hidden]`, `wo [hidden, H*d]`, norms `[d]`.
+pub struct AttentionWeights<B: Backend> {
+    pub wq: Tensor<B>,
+    pub wk: Tensor<B>,
+    pub wv: Tensor<B>,
+    pub wo: Tensor<B>,
+    pub q_norm: Option<Tensor<B>>,
+    pub k_norm: Option<Tensor<B>>,
+}
+
+/// F32 gradients of [`AttentionWeights`], same shapes.
+pub struct AttentionGrads<B: Backend> {
+    pub wq: Tensor<B>,
+    pub wk: Tensor<B>,
+    pub wv: Tensor<B>,
+    pub wo: Tensor<B>,
+    pub q_norm: Option<Tensor<B>>,
+    pub k_norm: Option<Tensor<B>>,
+}
+
+impl<B: Backend> AttentionGrads<B> {
+    /// Zero gradients for `dims`.
+    pub fn zeros(b: &B, dims: &AttnDims) -> Result<Self> {
+        let (h, d) = (dims.hidden, dims.head_dim);
+        let z = |shape: &[usize]| b.zeros(shape, DType::F32, Category::Grads);
+        Ok(AttentionGrads {
+            wq: z(&[dims.q_width(), h])?,
+            wk: z(&[dims.kv_width(), h])?,
+            wv: z(&[dims.kv_width(), h])?,
+            wo: z(&[h, dims.q_width()])?,
+            q_norm: if dims.qk_norm { Some(z(&[d])?) } else { None },
+            k_norm: if dims.qk_norm { Some(z(&[d])?) } else { None },
+        })
+    }
+    /// Every gradient tensor with its HF-style short name.
+    pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
+        let mut v = vec![
+            ("wq", &self.wq),
+            ("wk", &self.wk),
+            ("wv", &self.wv),
+            ("wo", &self.wo),
+        ];
+        if let Some(t) = &self.q_norm {
+            v.push(("q_norm", t));
+        }
+        if let Some(t) = &self.k_norm {
+            v.push(("k_norm", t));
+        }
+        v
+    }
+    /// Mutable access to every gradient tensor.
+    pub fn all_mut(&mut self) -> Vec<&mut Tensor<B>> {
+        let mut v = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
+        v.extend(self.q_norm.as_mut());
+        v.extend(self.k_norm.as_mut());
+        v
+    }
+}
+
+/// What forward keeps for backward besides the layer input.
+pub struct AttnSaved<B: Backend> {
+    /// Attention output before the output projection, canonical heads: `[s_local, H, d]`.
+    pub o: Tensor<B>,
+    /// One `[shard, u]` F32 LSE per stage.
+    pub lse: Vec<Tensor<B>>,
+}
+
+/// The attention layer of one rank under a context-parallel plan.
+pub struct CpAttention<B: Backend> {
+    pub dims: AttnDims,
+    pub plan: CpPlan,
+    /// RoPE tables for the positions this rank attends over (its ring shard).
+    rope: RopeTables<B>,
+}
+
+impl<B: Backend> CpAttention<B> {
+    /// Prepares the layer for the rank `mesh.rank` of `plan.mesh_shape()`.
+    pub fn new(b: &B, dims: AttnDims, plan: CpPlan, mesh: &Mesh<B>) -> Result<Self> {
+        let positions = plan.layout.ring_shard_positions(mesh.ring.rank());
+        let rope = RopeTables::new(b, &dims.rope, dims.head_dim, &positions)?;
+        Ok(CpAttention { dims, plan, rope })
+    }
+
+    /// `x: [s_local, hidden]` → `y: [s_local, hidden]` and the saved state.
+    pub fn forward(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+    ) -> Result<(Tensor<B>, AttnSaved<B>)> {
+        match self.plan.strategy {
+            Strategy::Local => local::forward(b, &self.dims, &self.rope, w, x),
+            _ => staged::Staged::new(b, mesh, &self.dims, &self.plan, &self.rope).forward(w, x),
+        }
+    }
+
+    /// Backward: returns `dx` and accumulates this rank's partial parameter gradients.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+        saved: AttnSaved<B>,
+        dy: &Tensor<B>,
+        grads: &mut AttentionGrads<B>,
+    ) -> Result<Tensor<B>> {
+        match self.plan.strategy {
+            Strategy::Local => local::backward(b, &self.dims, &self.rope, w, x, saved, dy, grads),
+            _ => staged::Staged::new(b, mesh, &self.dims, &self.plan, &self.rope)
+                .backward(w, x, saved, dy, grads),
+        }
+    }
+}
+
+/// Applies optional per-head RMSNorm then RoPE to `t: [n, heads, d]`.
+/// Returns the rotated tensor and, when normalised, the pre-norm input (for backward).
+pub(crate) fn norm_rope<B: Backend>(
+    b: &B,
+    t: Tensor<B>,
+    norm: Option<&Tensor<B>>,
+    eps: f32,
+    rope: &RopeTables<B>,
+    keep_raw: bool,
+) -> Result<(Tensor<B>, Option<Tensor<B>>)> {
+    let (mut out, raw) = match norm {
+        Some(w) => {
+            let mut y = b.zeros(t.shape(), t.dtype(), Category::Workspace)?;
+            b.rms_norm_fwd(&t, w, eps, &mut y)?;
+            (y, if keep_raw { Some(t) } else { None })
+        }
+        None => (t, None),
+    };
+    b.rope(&mut out, &rope.cos, &rope.sin, false)?;
+    Ok((out, raw))
+}
+
+/// Backward of [`norm_rope`]: turns `d_out` (gradient w.r.t. the rotated
+/// tensor) into the gradient w.r.t. its input, accumulating the norm weight's gradient.
+pub(crate) fn norm_rope_bwd<B: Backend>(
+    b: &B,
+    mut d_out: Tensor<B>,
+    raw: Option<&Tensor<B>>,
+    norm: Option<(&Tensor<B>, &mut Tensor<B>)>,
+    eps: f32,
+    rope: &RopeTables<B>,
+) -> Result<Tensor<B>> {
+    b.rope(&mut d_out, &rope.cos, &rope.sin, true)?;
+    match (norm, raw) {
+        (Some((w, dw)), Some(raw)) => {
+            let mut dx = b.zeros(d_out.shape(), d_out.dtype(), Category::Workspace)?;
+            b.rms_norm_bwd(raw, w, &d_out, eps, &mut dx, dw)?;
+            Ok(dx)
+        }
+        _ => Ok(d_out),
+    }
+}

@@ -144,6 +144,18 @@ impl Backend for CpuBackend {
         ))
     }
 
+    fn upload(&self, t: &mut Tensor<Self>, host: &[f32]) -> Result<()> {
+        if host.len() != t.numel() {
+            return Err(Error::Backend(format!(
+                "upload: {} values into a tensor of shape {:?}",
+                host.len(),
+                t.shape()
+            )));
+        }
+        data_mut(t).copy_from_slice(host);
+        Ok(())
+    }
+
     fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>> {
         Ok(data(t).to_vec())
     }

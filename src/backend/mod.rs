@@ -12,7 +12,7 @@ pub mod memory;
 pub mod tensor;
 
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};
-pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor};
+pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor, TensorRef};
 
 use crate::error::Result;
 use std::sync::Arc;
@@ -69,6 +69,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
         dtype: DType,
         cat: Category,
     ) -> Result<Tensor<Self>>;
+    /// Overwrites an existing tensor with host f32 data (converted to its dtype).
+    fn upload(&self, t: &mut Tensor<Self>, data: &[f32]) -> Result<()>;
     /// Copies a tensor to the host as f32.
     fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>>;
     /// Waits for all queued work on this device.
@@ -213,3 +215,18 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
 /// Target id that contributes no loss (e.g. the last token of a sequence).
 pub const IGNORE: u32 = u32::MAX;
+
+/// `t` in `dtype`: borrowed when it already is, else a converted copy (category `Workspace`).
+pub fn cast_ref<'a, B: Backend>(b: &B, t: &'a Tensor<B>, dtype: DType) -> Result<TensorRef<'a, B>> {
+    if t.dtype() == dtype {
+        return Ok(TensorRef::Borrowed(t));
+    }
+    Ok(TensorRef::Owned(cast(b, t, dtype, Category::Workspace)?))
+}
+
+/// A converted copy of `t` in `dtype`.
+pub fn cast<B: Backend>(b: &B, t: &Tensor<B>, dtype: DType, cat: Category) -> Result<Tensor<B>> {
+    let mut out = b.zeros(t.shape(), dtype, cat)?;
+    b.copy(out.mat_mut(), t.mat())?;
+    Ok(out)
+}

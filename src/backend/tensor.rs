@@ -291,3 +291,19 @@ impl<B: Backend> RowsMut<'_, B> {
         self.t.shape().get(2).copied().unwrap_or(1)
     }
 }
+
+/// A tensor either borrowed or freshly made (e.g. by a dtype conversion).
+pub enum TensorRef<'a, B: Backend> {
+    Borrowed(&'a Tensor<B>),
+    Owned(Tensor<B>),
+}
+
+impl<B: Backend> std::ops::Deref for TensorRef<'_, B> {
+    type Target = Tensor<B>;
+    fn deref(&self) -> &Tensor<B> {
+        match self {
+            TensorRef::Borrowed(t) => t,
+            TensorRef::Owned(t) => t,
+        }
+    }
+}

@@ -1,13 +1,227 @@
-//! `upipe bench`.
+//! `upipe bench attn`: one attention layer forward+backward under each
+//! strategy on the same C = Pu x Pr ranks, with errors against `local` and
+//! ledger-measured memory.
 
+use crate::attention::rope::RopeConfig;
+use crate::attention::trial::{TrialInputs, TrialResult, run_trial};
+use crate::attention::{AttnDims, CpPlan, Strategy};
+use crate::backend::Bytes;
+use crate::backend::cpu::CpuBackend;
 use crate::error::{Error, Result};
+use serde_json::json;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum BenchCommand {
     /// One attention layer forward+backward under each strategy.
-    Attn,
+    Attn(AttnArgs),
 }
 
-pub fn run(_cmd: BenchCommand) -> Result<i32> {
-    Err(Error::Config("upipe bench is not built yet".into()))
+/// Flags of `upipe bench attn`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct AttnArgs {
+    /// Device to run on (cpu: ranks as threads, f32).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    #[arg(long, default_value_t = 256)]
+    pub hidden: usize,
+    #[arg(long, default_value_t = 32)]
+    pub heads: usize,
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: usize,
+    #[arg(long, default_value_t = 8)]
+    pub head_dim: usize,
+    /// Global sequence length (tokens).
+    #[arg(long, default_value_t = 256)]
+    pub seq: usize,
+    /// Ulysses degree Pu.
+    #[arg(long, default_value_t = 4)]
+    pub ulysses: usize,
+    /// Ring degree Pr.
+    #[arg(long, default_value_t = 1)]
+    pub ring: usize,
+    /// UPipe heads per stage U (default: Pu).
+    #[arg(long)]
+    pub chunk_heads: Option<usize>,
+    /// Per-head RMSNorm of q and k (Qwen3).
+    #[arg(long)]
+    pub qk_norm: bool,
+    /// Comma-separated strategies, or `all`.
+    #[arg(long, default_value = "all")]
+    pub methods: String,
+    /// Fail (exit 1) if any strategy differs from `local` by more than the tolerance.
+    #[arg(long)]
+    pub check: bool,
+    /// Print one JSON object per strategy instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+pub fn run(cmd: BenchCommand) -> Result<i32> {
+    match cmd {
+        BenchCommand::Attn(a) => bench_attn(&a),
+    }
+}
+
+/// Tolerance of the f32 CPU backend against the local reference.
+const CPU_TOLERANCE: f64 = 1e-5;
+
+enum Outcome {
+    Ran(TrialResult, CpPlan),
+    Skipped(String),
+}
+
+fn bench_attn(a: &AttnArgs) -> Result<i32> {
+    if a.device != "cpu" {
+        return Err(Error::Config(format!(
+            "--device {}: this build runs attention benchmarks on the cpu device only",
+            a.device
+        )));
+    }
+    let dims = AttnDims {
+        hidden: a.hidden,
+        heads: a.heads,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        qk_norm: a.qk_norm,
+        norm_eps: 1e-6,
+        rope: RopeConfig {
+            theta: 500000.0,
+            scaling: None,
+        },
+    };
+    dims.validate()?;
+    let (all, methods) = parse_methods(&a.methods)?;
+    let inputs = TrialInputs::random(&dims, a.seq, a.seed);
+    let need_reference = a.check || methods.contains(&Strategy::Local);
+    let reference = if need_reference {
+        let plan = CpPlan::new(Strategy::Local, &dims, a.seq, 1, 1, None)?;
+        Some(run_trial(&plan, &dims, &inputs, CpuBackend::new)?)
+    } else {
+        None
+    };
+    let mut outcomes = Vec::new();
+    for &m in &methods {
+        let chunk = if m == Strategy::Upipe {
+            a.chunk_heads
+        } else {
+            None
+        };
+        // local runs on one rank; every other strategy on the same C ranks
+        let (pu, pr) = if m == Strategy::Local {
+            (1, 1)
+        } else {
+            (a.ulysses, a.ring)
+        };
+        let plan = match CpPlan::new(m, &dims, a.seq, pu, pr, chunk) {
+            Ok(p) => p,
+            // with `all`, ulysses and ring (which put all C ranks in one group) may not fit
+            Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
+                outcomes.push((m, Outcome::Skipped(e.to_string())));
+                continue;
+            }
+            Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
+        };
+        let result = match (m, &reference) {
+            (Strategy::Local, Some(r)) => r.clone(),
+            _ => run_trial(&plan, &dims, &inputs, CpuBackend::new)?,
+        };
+        outcomes.push((m, Outcome::Ran(result, plan)));
+    }
+    let ulysses_act = outcomes.iter().find_map(|(m, o)| match o {
+        Outcome::Ran(r, _) if *m == Strategy::Ulysses => Some(r.act_bytes),
+        _ => None,
+    });
+    let mut failed = false;
+    if !a.json {
+        println!(
+            "attention layer fwd+bwd on cpu-f32: hidden {} heads {} kv {} d {} seq {} qk_norm {} | C = {} ranks (Pu {} x Pr {})",
+            a.hidden,
+            a.heads,
+            a.kv_heads,
+            a.head_dim,
+            a.seq,
+            a.qk_norm,
+            a.ulysses * a.ring,
+            a.ulysses,
+            a.ring
+        );
+        println!(
+            "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>9} {:>9}",
+            "method",
+            "mesh",
+            "U",
+            "stages",
+            "max_rel_err",
+            "peak/rank",
+            "act/rank",
+            "act/uly",
+            "time_s"
+        );
+    }
+    for (m, o) in &outcomes {
+        match o {
+            Outcome::Skipped(why) => {
+                if a.json {
+                    println!(
+                        "{}",
+                        json!({"method": m.name(), "ok": false, "skipped": why})
+                    );
+                } else {
+                    println!("{:<8} skipped: {why}", m.name());
+                }
+            }
+            Outcome::Ran(r, plan) => {
+                let err = reference.as_ref().map(|rf| r.max_rel_err(rf));
+                let ok = err.is_none_or(|e| e <= CPU_TOLERANCE);
+                failed |= a.check && !ok;
+                let ratio = ulysses_act.map(|u| r.act_bytes as f64 / u.max(1) as f64);
+                let mesh = format!("{}x{}", plan.layout.pu, plan.layout.pr);
+                if a.json {
+                    println!(
+                        "{}",
+                        json!({
+                            "method": m.name(), "max_rel_err": err, "peak_bytes": r.peak_bytes,
+                            "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
+                            "ulysses": plan.layout.pu, "ring": plan.layout.pr,
+                            "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
+                            "act_vs_ulysses": ratio, "seconds": r.seconds,
+                        })
+                    );
+                } else {
+                    println!(
+                        "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
+                        m.name(),
+                        mesh,
+                        plan.schedule.chunk,
+                        plan.schedule.n_stages(),
+                        err.map_or("-".into(), |e| format!("{e:.2e}")),
+                        Bytes(r.peak_bytes).to_string(),
+                        Bytes(r.act_bytes).to_string(),
+                        ratio.map_or("-".into(), |x| format!("{x:.3}")),
+                        r.seconds
+                    );
+                }
+            }
+        }
+    }
+    Ok(if failed { 1 } else { 0 })
+}
+
+/// `(is_all, strategies)` from the `--methods` flag.
+fn parse_methods(s: &str) -> Result<(bool, Vec<Strategy>)> {
+    if s == "all" {
+        return Ok((true, Strategy::ALL.to_vec()));
+    }
+    let list: Vec<Strategy> = s
+        .split(',')
+        .map(|x| x.trim().parse())
+        .collect::<Result<_>>()?;
+    if list.is_empty() {
+        return Err(Error::Config(
+            "--methods needs at least one strategy".into(),
+        ));
+    }
+    Ok((false, list))
 }

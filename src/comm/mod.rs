@@ -1,1 +1,57 @@
-//! TODO
+//! Process groups and collectives over a device mesh.
+//!
+//! Ranks form a 3-D mesh `data x ring x ulysses` (Ulysses fastest, so a
+//! Ulysses group is consecutive ranks, i.e. GPUs of one node). Strategies talk
+//! to [`ProcessGroup`]s; `local` runs ranks as threads in one process, `nccl`
+//! runs one process per GPU.
+
+pub mod local;
+pub mod mesh;
+
+pub use mesh::{GroupKind, MeshShape};
+
+use crate::backend::{Backend, Tensor};
+use crate::error::Result;
+
+/// A group of ranks that run collectives together. Every member must call the
+/// same collectives in the same order. Buffers of "P chunks" are laid out
+/// `[P, chunk]` with chunk `j` belonging to group rank `j`.
+pub trait ProcessGroup<B: Backend>: Send + Sync {
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+    /// `recv[j] = send_of_rank_j[me]`: chunk `j` of `send` goes to rank `j`.
+    fn all_to_all(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()>;
+    /// `recv[j] = send_of_rank_j`.
+    fn all_gather(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()>;
+    /// `recv = sum_j send_of_rank_j[me]`.
+    fn reduce_scatter(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()>;
+    /// `t = sum_j t_of_rank_j`, identical on every rank.
+    fn all_reduce(&self, t: &mut Tensor<B>) -> Result<()>;
+    /// Sends `send` to group rank `to` while receiving `recv` from group rank `from`.
+    fn send_recv(
+        &self,
+        send: &Tensor<B>,
+        to: usize,
+        recv: &mut Tensor<B>,
+        from: usize,
+    ) -> Result<()>;
+}
+
+/// The process groups one rank belongs to.
+pub struct Mesh<B: Backend> {
+    pub shape: MeshShape,
+    /// This rank's global index.
+    pub rank: usize,
+    /// All ranks.
+    pub world: Box<dyn ProcessGroup<B>>,
+    /// Ranks sharing this rank's data and ring coordinates (all-to-all over heads).
+    pub ulysses: Box<dyn ProcessGroup<B>>,
+    /// Ranks sharing this rank's data and Ulysses coordinates (K/V ring).
+    pub ring: Box<dyn ProcessGroup<B>>,
+    /// The context-parallel group: ring x Ulysses ranks of one data replica.
+    pub context: Box<dyn ProcessGroup<B>>,
+    /// Ranks holding the same sequence shard in different data replicas.
+    pub data: Box<dyn ProcessGroup<B>>,
+}

@@ -341,30 +341,42 @@ impl Backend for CudaBackend {
             )));
         }
         self.bind()?;
-        let t = self.alloc(shape, dtype, cat)?;
-        if data.is_empty() {
-            return Ok(t);
+        let mut t = self.alloc(shape, dtype, cat)?;
+        self.upload(&mut t, data)?;
+        Ok(t)
+    }
+
+    fn upload(&self, t: &mut Tensor<Self>, data: &[f32]) -> Result<()> {
+        if data.len() != t.numel() {
+            return Err(Error::Backend(format!(
+                "upload: {} values into a tensor of shape {:?}",
+                data.len(),
+                t.shape()
+            )));
         }
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
         let s = self.stream.cu_stream();
-        // SAFETY: `t` holds exactly data.len() elements of `dtype`; pageable
+        // SAFETY: `t` holds exactly data.len() elements of its dtype; pageable
         // sources are staged before the copy call returns.
-        match dtype {
+        match t.dtype() {
             DType::F32 => drv(
-                unsafe { result::memcpy_htod_async(ptr(&t), data, s) },
+                unsafe { result::memcpy_htod_async(ptr(t), data, s) },
                 "upload",
-            )?,
+            ),
             DType::BF16 => {
                 let h: Vec<u16> = data
                     .iter()
                     .map(|&x| half::bf16::from_f32(x).to_bits())
                     .collect();
                 drv(
-                    unsafe { result::memcpy_htod_async(ptr(&t), &h, s) },
+                    unsafe { result::memcpy_htod_async(ptr(t), &h, s) },
                     "upload",
-                )?
+                )
             }
         }
-        Ok(t)
     }
 
     fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>> {

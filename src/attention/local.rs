@@ -1,0 +1,118 @@
+//! The single-device attention layer: the reference every strategy must equal.
+//! Written plainly, without stages or exchanges.
+
+use super::rope::RopeTables;
+use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, norm_rope_bwd};
+use crate::backend::{Backend, Category, DType, Tensor};
+use crate::error::Result;
+
+/// `x @ w^T` for a `[rows, hidden]` input and `[heads*d, hidden]` weight, shaped `[rows, heads, d]`.
+fn project<B: Backend>(
+    b: &B,
+    x: &Tensor<B>,
+    w: &Tensor<B>,
+    heads: usize,
+    d: usize,
+) -> Result<Tensor<B>> {
+    let mut out = b.zeros(&[x.rows(), heads, d], x.dtype(), Category::Workspace)?;
+    b.gemm(out.mat_mut(), x.mat(), w.mat().t(), 1.0, 0.0)?;
+    Ok(out)
+}
+
+/// Forward on the whole sequence.
+pub fn forward<B: Backend>(
+    b: &B,
+    dims: &AttnDims,
+    rope: &RopeTables<B>,
+    w: &AttentionWeights<B>,
+    x: &Tensor<B>,
+) -> Result<(Tensor<B>, AttnSaved<B>)> {
+    let (s, d) = (x.rows(), dims.head_dim);
+    let q = project(b, x, &w.wq, dims.heads, d)?;
+    let k = project(b, x, &w.wk, dims.kv_heads, d)?;
+    let v = project(b, x, &w.wv, dims.kv_heads, d)?;
+    let (q, _) = norm_rope(b, q, w.q_norm.as_ref(), dims.norm_eps, rope, false)?;
+    let (k, _) = norm_rope(b, k, w.k_norm.as_ref(), dims.norm_eps, rope, false)?;
+    let mut o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Activations)?;
+    let mut lse = b.zeros(&[s, dims.heads], DType::F32, Category::Activations)?;
+    b.attention_fwd(
+        q.all_rows(),
+        k.all_rows(),
+        v.all_rows(),
+        true,
+        o.all_rows_mut(),
+        lse.all_rows_mut(),
+    )?;
+    drop((q, k, v));
+    let mut y = b.zeros(&[s, dims.hidden], x.dtype(), Category::Activations)?;
+    b.gemm(y.mat_mut(), o.mat(), w.wo.mat().t(), 1.0, 0.0)?;
+    Ok((y, AttnSaved { o, lse: vec![lse] }))
+}
+
+/// Backward on the whole sequence; returns `dx`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<B: Backend>(
+    b: &B,
+    dims: &AttnDims,
+    rope: &RopeTables<B>,
+    w: &AttentionWeights<B>,
+    x: &Tensor<B>,
+    saved: AttnSaved<B>,
+    dy: &Tensor<B>,
+    g: &mut AttentionGrads<B>,
+) -> Result<Tensor<B>> {
+    let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm_eps);
+    let AttnSaved { o, lse } = saved;
+    b.gemm(g.wo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
+    let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
+    b.gemm(d_o.mat_mut(), dy.mat(), w.wo.mat(), 1.0, 0.0)?;
+
+    let q = project(b, x, &w.wq, dims.heads, d)?;
+    let k = project(b, x, &w.wk, dims.kv_heads, d)?;
+    let v = project(b, x, &w.wv, dims.kv_heads, d)?;
+    let (q, q_raw) = norm_rope(b, q, w.q_norm.as_ref(), eps, rope, true)?;
+    let (k, k_raw) = norm_rope(b, k, w.k_norm.as_ref(), eps, rope, true)?;
+    let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
+    let mut dk = b.zeros(k.shape(), DType::F32, Category::Workspace)?;
+    let mut dv = b.zeros(v.shape(), DType::F32, Category::Workspace)?;
+    b.attention_bwd(
+        q.all_rows(),
+        k.all_rows(),
+        v.all_rows(),
+        o.all_rows(),
+        d_o.all_rows(),
+        lse[0].all_rows(),
+        true,
+        dq.all_rows_mut(),
+        dk.all_rows_mut(),
+        dv.all_rows_mut(),
+    )?;
+    drop((q, k, v, d_o, o, lse));
+    let dq = norm_rope_bwd(
+        b,
+        dq,
+        q_raw.as_ref(),
+        w.q_norm.as_ref().zip(g.q_norm.as_mut()),
+        eps,
+        rope,
+    )?;
+    let dk = norm_rope_bwd(
+        b,
+        dk,
+        k_raw.as_ref(),
+        w.k_norm.as_ref().zip(g.k_norm.as_mut()),
+        eps,
+        rope,
+    )?;
+    let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
+    for (dp, wp, gp) in [
+        (&dq, &w.wq, &mut g.wq),
+        (&dk, &w.wk, &mut g.wk),
+        (&dv, &w.wv, &mut g.wv),
+    ] {
+        let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
+        b.gemm(gp.mat_mut(), dp.mat().t(), x.mat(), 1.0, 1.0)?;
+        b.gemm(dx.mat_mut(), dp.mat(), wp.mat(), 1.0, 1.0)?;
+    }
+    Ok(dx)
+}

@@ -1,0 +1,264 @@
+//! The UPipe stage schedule (DESIGN.md §4): which query and kv heads each
+//! Ulysses rank handles in each stage. Pure index math.
+//!
+//! Ulysses degree `pu`, `heads` query heads, `kv_heads` kv heads, group size
+//! `g = heads / kv_heads`, `chunk` = U heads per stage (a multiple of `pu`),
+//! `u = U / pu` heads per rank per stage.
+//!
+//! - `kv_heads >= pu`: a kv phase gives rank r the kv heads
+//!   `[(k*pu + r)*m, +m)` with `m = max(1, u/g)`; its query heads are those kv
+//!   heads' groups in order, `u` per stage. K/V are exchanged once per phase.
+//! - `kv_heads < pu`: stage t gives rank r the query heads `[t*U + r*u, +u)`
+//!   and the one kv head they share; K/V (replicated) are exchanged per stage.
+//!
+//! Every rank's heads in a stage are a contiguous range in canonical (HF)
+//! order, so projections use a contiguous block of weight rows.
+
+use crate::error::Result;
+use std::ops::Range;
+
+/// One stage: the query heads each Ulysses rank attends with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stage {
+    /// `q_heads[r]`: canonical query heads of Ulysses rank `r` (length `u`).
+    pub q_heads: Vec<Range<usize>>,
+}
+
+/// A kv phase: one K/V exchange serving one or more stages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvPhase {
+    /// `kv_heads[r]`: canonical kv heads Ulysses rank `r` holds in this phase.
+    pub kv_heads: Vec<Range<usize>>,
+    pub stages: Vec<Stage>,
+}
+
+/// The whole layer's schedule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageSchedule {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub pu: usize,
+    /// Heads per stage (U).
+    pub chunk: usize,
+    pub phases: Vec<KvPhase>,
+}
+
+impl StageSchedule {
+    /// Builds the schedule, or explains which constraint fails and what would work.
+    pub fn new(heads: usize, kv_heads: usize, pu: usize, chunk: usize) -> Result<Self> {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return crate::config_err!(
+                "{heads} query heads cannot be shared by {kv_heads} kv heads: heads must be a multiple of kv heads"
+            );
+        }
+        if pu == 0 || !heads.is_multiple_of(pu) {
+            return crate::config_err!(
+                "Ulysses degree {pu} must divide the {heads} query heads; valid degrees: {:?} (or use --ring for the rest)",
+                divisors(heads)
+            );
+        }
+        if kv_heads >= pu && !kv_heads.is_multiple_of(pu) {
+            return crate::config_err!(
+                "Ulysses degree {pu} must divide the {kv_heads} kv heads (or exceed them, replicating kv); valid degrees: {:?}",
+                divisors(heads)
+                    .into_iter()
+                    .filter(|&p| kv_heads.is_multiple_of(p)
+                        || (p > kv_heads && heads.is_multiple_of(p)))
+                    .collect::<Vec<_>>()
+            );
+        }
+        if let Some(why) = chunk_problem(heads, kv_heads, pu, chunk) {
+            return crate::config_err!(
+                "--chunk-heads {chunk}: {why}; valid values for {heads} heads, {kv_heads} kv heads, Ulysses degree {pu}: {:?}",
+                valid_chunks(heads, kv_heads, pu)
+            );
+        }
+        let g = heads / kv_heads;
+        let u = chunk / pu;
+        let phases = if kv_heads >= pu {
+            let m = (u / g).max(1);
+            let stages_per_phase = m * g / u;
+            (0..kv_heads / (pu * m))
+                .map(|k| KvPhase {
+                    kv_heads: (0..pu)
+                        .map(|r| (k * pu + r) * m..(k * pu + r + 1) * m)
+                        .collect(),
+                    stages: (0..stages_per_phase)
+                        .map(|j| Stage {
+                            q_heads: (0..pu)
+                                .map(|r| {
+                                    let first = (k * pu + r) * m * g + j * u;
+                                    first..first + u
+                                })
+                                .collect(),
+                        })
+                        .collect(),
+                })
+                .collect()
+        } else {
+            (0..heads / chunk)
+                .map(|t| {
+                    let q_heads: Vec<Range<usize>> = (0..pu)
+                        .map(|r| t * chunk + r * u..t * chunk + (r + 1) * u)
+                        .collect();
+                    KvPhase {
+                        kv_heads: q_heads
+                            .iter()
+                            .map(|q| q.start / g..q.start / g + 1)
+                            .collect(),
+                        stages: vec![Stage { q_heads }],
+                    }
+                })
+                .collect()
+        };
+        Ok(StageSchedule {
+            heads,
+            kv_heads,
+            pu,
+            chunk,
+            phases,
+        })
+    }
+
+    /// Query heads per rank per stage.
+    pub fn u(&self) -> usize {
+        self.chunk / self.pu
+    }
+    /// kv heads per rank per phase.
+    pub fn m(&self) -> usize {
+        self.phases[0].kv_heads[0].len()
+    }
+    /// Number of stages in the layer.
+    pub fn n_stages(&self) -> usize {
+        self.phases.iter().map(|p| p.stages.len()).sum()
+    }
+    /// Query heads per kv head.
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+}
+
+/// Why `chunk` cannot be a stage size, if it cannot.
+fn chunk_problem(heads: usize, kv_heads: usize, pu: usize, chunk: usize) -> Option<String> {
+    if chunk == 0 || !chunk.is_multiple_of(pu) {
+        return Some(format!(
+            "must be a positive multiple of the Ulysses degree {pu}"
+        ));
+    }
+    if !heads.is_multiple_of(chunk) {
+        return Some(format!("must divide the {heads} query heads"));
+    }
+    let (g, u) = (heads / kv_heads, chunk / pu);
+    if kv_heads >= pu {
+        if u % g != 0 && g % u != 0 {
+            return Some(format!(
+                "{u} heads per rank per stage must divide or be a multiple of the GQA group size {g}"
+            ));
+        }
+    } else if g % u != 0 {
+        return Some(format!(
+            "with fewer kv heads than Ulysses ranks, the {u} heads per rank per stage must divide the GQA group size {g}"
+        ));
+    }
+    None
+}
+
+/// All stage sizes the schedule accepts.
+pub fn valid_chunks(heads: usize, kv_heads: usize, pu: usize) -> Vec<usize> {
+    (1..=heads)
+        .filter(|&c| chunk_problem(heads, kv_heads, pu, c).is_none())
+        .collect()
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn check_cover(s: &StageSchedule) {
+        let g = s.group();
+        let mut seen = vec![0usize; s.heads];
+        for p in &s.phases {
+            assert_eq!(p.kv_heads.len(), s.pu);
+            for st in &p.stages {
+                for (r, q) in st.q_heads.iter().enumerate() {
+                    assert_eq!(q.len(), s.u());
+                    for h in q.clone() {
+                        seen[h] += 1;
+                        // each query head attends with its own kv head, held by its rank in this phase
+                        assert!(
+                            p.kv_heads[r].contains(&(h / g)),
+                            "head {h} lacks kv head {}",
+                            h / g
+                        );
+                    }
+                    // the GQA kernel maps local query head j to local kv head j / (u / m)
+                    let m = p.kv_heads[r].len();
+                    let ratio = (s.u() / m).max(1);
+                    for (j, h) in q.clone().enumerate() {
+                        assert_eq!(p.kv_heads[r].start + j / ratio, h / g);
+                    }
+                }
+            }
+        }
+        assert!(
+            seen.iter().all(|&c| c == 1),
+            "every query head exactly once: {seen:?}"
+        );
+        if s.kv_heads >= s.pu {
+            let mut kv_seen = vec![0usize; s.kv_heads];
+            for p in &s.phases {
+                for r in &p.kv_heads {
+                    for k in r.clone() {
+                        kv_seen[k] += 1;
+                    }
+                }
+            }
+            assert!(
+                kv_seen.iter().all(|&c| c == 1),
+                "each kv head exchanged once: {kv_seen:?}"
+            );
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn every_query_head_once_with_its_kv_head(kv in 1usize..9, g in 1usize..9, pu in 1usize..9, c in 1usize..65) {
+            let heads = kv * g;
+            if let Ok(s) = StageSchedule::new(heads, kv, pu, c) {
+                check_cover(&s);
+                prop_assert_eq!(s.n_stages(), heads / c);
+            }
+        }
+    }
+
+    #[test]
+    fn llama3_8b_on_8_ranks_one_head_per_rank_per_stage() {
+        let s = StageSchedule::new(32, 8, 8, 8).unwrap();
+        assert_eq!(s.phases.len(), 1);
+        assert_eq!(s.phases[0].stages.len(), 4);
+        assert_eq!(s.phases[0].stages[1].q_heads[3], 13..14);
+        check_cover(&s);
+    }
+
+    #[test]
+    fn replicated_kv_when_fewer_kv_heads_than_ranks() {
+        let s = StageSchedule::new(8, 2, 4, 4).unwrap();
+        assert_eq!(s.phases.len(), 2);
+        assert_eq!(s.phases[1].kv_heads, vec![1..2; 4]);
+        check_cover(&s);
+    }
+
+    #[test]
+    fn bad_chunk_names_valid_values() {
+        let e = StageSchedule::new(32, 8, 4, 6).unwrap_err().to_string();
+        assert!(e.contains("multiple of the Ulysses degree 4"), "{e}");
+        assert!(e.contains("[4, 8, 16, 32]"), "{e}");
+        let e = StageSchedule::new(12, 3, 2, 2).unwrap_err().to_string();
+        assert!(e.contains("kv heads"), "{e}");
+    }
+}

@@ -1,0 +1,332 @@
+//! The staged context-parallel engine behind `ulysses`, `ring`, `usp` and
+//! `upipe` (DESIGN.md §4).
+//!
+//! Per kv phase, each rank projects the phase's K/V heads for its local
+//! tokens, packed by destination Ulysses rank (`[pu * s, m, d]`), and one
+//! all-to-all turns that into the whole ring shard for its own `m` kv heads
+//! (`[n, m, d]`, `n = pu * s`). Per stage the same happens for `u` query heads;
+//! attention (ring attention when `pr > 1`) produces `[n, u, d]`, which a
+//! second all-to-all returns to the token owners, who write it into O at the
+//! heads' canonical positions. Only one stage's buffers are alive at a time.
+//!
+//! Backward recomputes each phase's K/V and each stage's Q, fetches that
+//! stage's O and dO slices through the same exchanges, runs the attention
+//! backward, and sends dQ (per stage) and dK/dV (per phase) back to the token
+//! owners, where the weight gradients and dx accumulate. Replicated kv heads
+//! (fewer kv heads than Ulysses ranks) sum their gradients there naturally.
+
+use super::rope::RopeTables;
+use super::schedule::KvPhase;
+use super::{
+    AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
+};
+use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast_ref};
+use crate::comm::Mesh;
+use crate::error::Result;
+use std::ops::Range;
+
+/// A kv phase's K (normed, rotated), its pre-norm copy when kept, and V: `[n, m, d]`.
+struct PhaseKv<B: Backend> {
+    k: Tensor<B>,
+    k_raw: Option<Tensor<B>>,
+    v: Tensor<B>,
+}
+
+/// One rank's view of the staged layer for one call.
+pub struct Staged<'a, B: Backend> {
+    b: &'a B,
+    mesh: &'a Mesh<B>,
+    dims: &'a AttnDims,
+    plan: &'a CpPlan,
+    rope: &'a RopeTables<B>,
+    /// Local tokens of this rank.
+    s: usize,
+}
+
+impl<'a, B: Backend> Staged<'a, B> {
+    pub fn new(
+        b: &'a B,
+        mesh: &'a Mesh<B>,
+        dims: &'a AttnDims,
+        plan: &'a CpPlan,
+        rope: &'a RopeTables<B>,
+    ) -> Self {
+        Staged {
+            b,
+            mesh,
+            dims,
+            plan,
+            rope,
+            s: plan.layout.local_len(),
+        }
+    }
+
+    fn pu(&self) -> usize {
+        self.plan.layout.pu
+    }
+
+    /// Weight rows of heads `h` in a `[heads*d, hidden]` weight, as a `[h*d, hidden]` view layout.
+    fn head_rows(&self, h: &Range<usize>) -> MatLayout {
+        let (d, hid) = (self.dims.head_dim, self.dims.hidden);
+        MatLayout::block(h.start * d * hid, h.len() * d, hid, hid)
+    }
+
+    /// Block `j` of a `[pu * s, nh, d]` packed buffer as an `[s, nh*d]` layout.
+    fn packed_block(&self, j: usize, nh: usize) -> MatLayout {
+        let w = nh * self.dims.head_dim;
+        MatLayout::block(j * self.s * w, self.s, w, w)
+    }
+
+    /// Columns of heads `h` in a `[s, H*d]` (or `[hidden, H*d]`) matrix with `rows` rows.
+    fn head_cols(&self, h: &Range<usize>, rows: usize) -> MatLayout {
+        let d = self.dims.head_dim;
+        MatLayout::block(h.start * d, rows, h.len() * d, self.dims.q_width())
+    }
+
+    /// `x @ w[heads]^T` for every destination's heads, packed `[pu * s, nh, d]`.
+    fn project_packed(
+        &self,
+        x: &Tensor<B>,
+        w: &Tensor<B>,
+        heads: &[Range<usize>],
+    ) -> Result<Tensor<B>> {
+        let nh = heads[0].len();
+        let mut buf = self.b.zeros(
+            &[self.pu() * self.s, nh, self.dims.head_dim],
+            x.dtype(),
+            Category::Comm,
+        )?;
+        for (j, h) in heads.iter().enumerate() {
+            let c = self.packed_block(j, nh);
+            self.b.gemm(
+                buf.view_mut(c),
+                x.mat(),
+                w.view(self.head_rows(h)).t(),
+                1.0,
+                0.0,
+            )?;
+        }
+        Ok(buf)
+    }
+
+    /// All-to-all over the Ulysses group; consumes the send buffer.
+    fn exchange(&self, send: Tensor<B>) -> Result<Tensor<B>> {
+        if self.pu() == 1 {
+            return Ok(send);
+        }
+        let mut recv = self.b.zeros(send.shape(), send.dtype(), Category::Comm)?;
+        self.mesh.ulysses.all_to_all(&send, &mut recv)?;
+        Ok(recv)
+    }
+
+    /// Exchanges a gradient back to the token owners in the compute dtype.
+    fn exchange_back(&self, grad: Tensor<B>, dtype: DType) -> Result<Tensor<B>> {
+        let send = if grad.dtype() == dtype {
+            grad
+        } else {
+            crate::backend::cast(self.b, &grad, dtype, Category::Comm)?
+        };
+        self.exchange(send)
+    }
+
+    /// This phase's K (normed, rotated), its pre-norm copy if needed, and V: `[n, m, d]`.
+    fn kv_phase(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+        phase: &KvPhase,
+        keep_raw: bool,
+    ) -> Result<PhaseKv<B>> {
+        let k = self.exchange(self.project_packed(x, &w.wk, &phase.kv_heads)?)?;
+        let v = self.exchange(self.project_packed(x, &w.wv, &phase.kv_heads)?)?;
+        let (k, k_raw) = norm_rope(
+            self.b,
+            k,
+            w.k_norm.as_ref(),
+            self.dims.norm_eps,
+            self.rope,
+            keep_raw,
+        )?;
+        Ok(PhaseKv { k, k_raw, v })
+    }
+
+    /// This stage's Q (normed, rotated) and its pre-norm copy if needed: `[n, u, d]`.
+    fn q_stage(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+        q_heads: &[Range<usize>],
+        keep_raw: bool,
+    ) -> Result<(Tensor<B>, Option<Tensor<B>>)> {
+        let q = self.exchange(self.project_packed(x, &w.wq, q_heads)?)?;
+        norm_rope(
+            self.b,
+            q,
+            w.q_norm.as_ref(),
+            self.dims.norm_eps,
+            self.rope,
+            keep_raw,
+        )
+    }
+
+    /// Forward: `x: [s, hidden]` → `y: [s, hidden]`.
+    pub fn forward(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+    ) -> Result<(Tensor<B>, AttnSaved<B>)> {
+        let (b, d, s) = (self.b, self.dims.head_dim, self.s);
+        let sched = &self.plan.schedule;
+        let u = sched.u();
+        let mut o = b.zeros(&[s, self.dims.heads, d], x.dtype(), Category::Activations)?;
+        let mut lses = Vec::with_capacity(sched.n_stages());
+        for phase in &sched.phases {
+            let PhaseKv { k, v, .. } = self.kv_phase(w, x, phase, false)?;
+            for stage in &phase.stages {
+                let (q, _) = self.q_stage(w, x, &stage.q_heads, false)?;
+                let (o_att, lse) = ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v)?;
+                drop(q);
+                let back = self.exchange(o_att)?;
+                for (j, h) in stage.q_heads.iter().enumerate() {
+                    b.copy(
+                        o.view_mut(self.head_cols(h, s)),
+                        back.view(self.packed_block(j, u)),
+                    )?;
+                }
+                drop(back);
+                lses.push(lse);
+            }
+        }
+        let mut y = b.zeros(&[s, self.dims.hidden], x.dtype(), Category::Activations)?;
+        b.gemm(y.mat_mut(), o.mat(), w.wo.mat().t(), 1.0, 0.0)?;
+        Ok((y, AttnSaved { o, lse: lses }))
+    }
+
+    /// Backward; returns `dx` and accumulates this rank's partial weight gradients.
+    pub fn backward(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+        saved: AttnSaved<B>,
+        dy: &Tensor<B>,
+        g: &mut AttentionGrads<B>,
+    ) -> Result<Tensor<B>> {
+        let (b, s, eps) = (self.b, self.s, self.dims.norm_eps);
+        let act = x.dtype();
+        let sched = &self.plan.schedule;
+        let AttnSaved { o, lse } = saved;
+        b.gemm(g.wo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
+        let mut dx = b.zeros(&[s, self.dims.hidden], act, Category::Grads)?;
+        let mut stage_index = 0;
+        for phase in &sched.phases {
+            let PhaseKv { k, k_raw, v } = self.kv_phase(w, x, phase, true)?;
+            let mut dk = b.zeros(k.shape(), DType::F32, Category::Workspace)?;
+            let mut dv = b.zeros(v.shape(), DType::F32, Category::Workspace)?;
+            for stage in &phase.stages {
+                let heads = &stage.q_heads;
+                // O and dO slices of this stage, moved to the attention layout.
+                let o_att = self.exchange(self.gather_heads(&o, heads)?)?;
+                let d_o = self.exchange(self.project_dout(dy, &w.wo, heads)?)?;
+                let (q, q_raw) = self.q_stage(w, x, heads, true)?;
+                let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
+                ring::backward(
+                    b,
+                    self.mesh.ring.as_ref(),
+                    &q,
+                    &k,
+                    &v,
+                    &o_att,
+                    &d_o,
+                    &lse[stage_index],
+                    &mut dq,
+                    &mut dk,
+                    &mut dv,
+                )?;
+                drop((q, o_att, d_o));
+                let norm = w.q_norm.as_ref().zip(g.q_norm.as_mut());
+                let dq = norm_rope_bwd(b, dq, q_raw.as_ref(), norm, eps, self.rope)?;
+                drop(q_raw);
+                let dq_local = self.exchange_back(dq, act)?;
+                self.accumulate_proj_grads(x, &dq_local, &w.wq, &mut g.wq, heads, &mut dx)?;
+                stage_index += 1;
+            }
+            drop((k, v));
+            let norm = w.k_norm.as_ref().zip(g.k_norm.as_mut());
+            let dk = norm_rope_bwd(b, dk, k_raw.as_ref(), norm, eps, self.rope)?;
+            drop(k_raw);
+            let dk_local = self.exchange_back(dk, act)?;
+            self.accumulate_proj_grads(x, &dk_local, &w.wk, &mut g.wk, &phase.kv_heads, &mut dx)?;
+            drop(dk_local);
+            let dv_local = self.exchange_back(dv, act)?;
+            self.accumulate_proj_grads(x, &dv_local, &w.wv, &mut g.wv, &phase.kv_heads, &mut dx)?;
+        }
+        Ok(dx)
+    }
+
+    /// O's columns of every destination's heads, packed `[pu * s, u, d]`.
+    fn gather_heads(&self, o: &Tensor<B>, heads: &[Range<usize>]) -> Result<Tensor<B>> {
+        let nh = heads[0].len();
+        let mut buf = self.b.zeros(
+            &[self.pu() * self.s, nh, self.dims.head_dim],
+            o.dtype(),
+            Category::Comm,
+        )?;
+        for (j, h) in heads.iter().enumerate() {
+            self.b.copy(
+                buf.view_mut(self.packed_block(j, nh)),
+                o.view(self.head_cols(h, self.s)),
+            )?;
+        }
+        Ok(buf)
+    }
+
+    /// `dO[heads] = dy @ wo[:, heads]` for every destination, packed `[pu * s, u, d]`.
+    fn project_dout(
+        &self,
+        dy: &Tensor<B>,
+        wo: &Tensor<B>,
+        heads: &[Range<usize>],
+    ) -> Result<Tensor<B>> {
+        let nh = heads[0].len();
+        let mut buf = self.b.zeros(
+            &[self.pu() * self.s, nh, self.dims.head_dim],
+            dy.dtype(),
+            Category::Comm,
+        )?;
+        for (j, h) in heads.iter().enumerate() {
+            let cols = self.head_cols(h, self.dims.hidden);
+            self.b.gemm(
+                buf.view_mut(self.packed_block(j, nh)),
+                dy.mat(),
+                wo.view(cols),
+                1.0,
+                0.0,
+            )?;
+        }
+        Ok(buf)
+    }
+
+    /// For gradients `dp` of projected heads (packed by source rank `[pu * s, nh, d]`,
+    /// block `j` = heads `heads[j]` for local tokens): `dW[heads] += dp^T x`, `dx += dp W[heads]`.
+    fn accumulate_proj_grads(
+        &self,
+        x: &Tensor<B>,
+        dp: &Tensor<B>,
+        w: &Tensor<B>,
+        dw: &mut Tensor<B>,
+        heads: &[Range<usize>],
+        dx: &mut Tensor<B>,
+    ) -> Result<()> {
+        let nh = heads[0].len();
+        let dp = cast_ref(self.b, dp, x.dtype())?;
+        for (j, h) in heads.iter().enumerate() {
+            let blk = dp.view(self.packed_block(j, nh));
+            self.b
+                .gemm(dw.view_mut(self.head_rows(h)), blk.t(), x.mat(), 1.0, 1.0)?;
+            let blk = dp.view(self.packed_block(j, nh));
+            self.b
+                .gemm(dx.mat_mut(), blk, w.view(self.head_rows(h)), 1.0, 1.0)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,126 @@
+//! Every context-parallel strategy computes the same layer as the local
+//! reference: output, input gradient and every weight gradient (f32, ≤ 1e-5).
+
+use upipe::attention::rope::{RopeConfig, RopeScaling};
+use upipe::attention::trial::{TrialInputs, TrialResult, run_trial};
+use upipe::attention::{AttnDims, CpPlan, Strategy};
+use upipe::backend::cpu::CpuBackend;
+
+fn dims(heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool) -> AttnDims {
+    AttnDims {
+        hidden: 48,
+        heads,
+        kv_heads,
+        head_dim,
+        qk_norm,
+        norm_eps: 1e-6,
+        rope: RopeConfig {
+            theta: 10000.0,
+            scaling: Some(RopeScaling {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 16,
+            }),
+        },
+    }
+}
+
+fn reference(d: &AttnDims, inputs: &TrialInputs) -> TrialResult {
+    let plan = CpPlan::new(Strategy::Local, d, inputs.seq, 1, 1, None).unwrap();
+    run_trial(&plan, d, inputs, CpuBackend::new).unwrap()
+}
+
+/// Runs `strategy` on `pu x pr` ranks and checks it against `reference`.
+fn check(
+    d: &AttnDims,
+    inputs: &TrialInputs,
+    reference: &TrialResult,
+    strategy: Strategy,
+    pu: usize,
+    pr: usize,
+    chunk: Option<usize>,
+) {
+    let plan = CpPlan::new(strategy, d, inputs.seq, pu, pr, chunk)
+        .unwrap_or_else(|e| panic!("{strategy} {pu}x{pr} U={chunk:?}: {e}"));
+    let got = run_trial(&plan, d, inputs, CpuBackend::new).unwrap();
+    for (name, err) in got.errors_against(reference) {
+        assert!(
+            err <= 1e-5,
+            "{strategy} pu={pu} pr={pr} U={chunk:?} H={} Hkv={} qk_norm={}: {name} rel err {err:e}",
+            d.heads,
+            d.kv_heads,
+            d.qk_norm
+        );
+    }
+}
+
+/// All strategies on C = pu * pr ranks, UPipe at U in {pu, 2pu, H} where valid.
+fn check_all(d: &AttnDims, seq: usize, pu: usize, pr: usize) {
+    let inputs = TrialInputs::random(d, seq, 42);
+    let r = reference(d, &inputs);
+    let c = pu * pr;
+    if d.heads.is_multiple_of(c) && (d.kv_heads.is_multiple_of(c) || d.kv_heads < c) {
+        check(d, &inputs, &r, Strategy::Ulysses, c, 1, None);
+    }
+    check(d, &inputs, &r, Strategy::Ring, 1, c, None);
+    check(d, &inputs, &r, Strategy::Usp, pu, pr, None);
+    for u in [pu, 2 * pu, d.heads] {
+        if upipe::attention::schedule::valid_chunks(d.heads, d.kv_heads, pu).contains(&u) {
+            check(d, &inputs, &r, Strategy::Upipe, pu, pr, Some(u));
+        }
+    }
+}
+
+#[test]
+fn one_rank_equals_local() {
+    let d = dims(4, 2, 8, false);
+    let inputs = TrialInputs::random(&d, 12, 1);
+    let r = reference(&d, &inputs);
+    for s in [
+        Strategy::Ulysses,
+        Strategy::Ring,
+        Strategy::Usp,
+        Strategy::Upipe,
+    ] {
+        check(&d, &inputs, &r, s, 1, 1, None);
+    }
+}
+
+#[test]
+fn mha_two_ranks() {
+    check_all(&dims(4, 4, 8, false), 16, 2, 1);
+}
+
+#[test]
+fn gqa_llama_layout_eight_ranks() {
+    check_all(&dims(32, 8, 4, false), 32, 8, 1);
+}
+
+#[test]
+fn gqa_llama_layout_mesh_4x2_with_qk_norm() {
+    check_all(&dims(32, 8, 4, true), 32, 4, 2);
+}
+
+#[test]
+fn fewer_kv_heads_than_ulysses_ranks() {
+    check_all(&dims(8, 2, 8, false), 16, 4, 1);
+    check_all(&dims(8, 2, 8, true), 16, 4, 1);
+}
+
+#[test]
+fn odd_head_counts_three_ranks() {
+    check_all(&dims(12, 3, 8, false), 18, 3, 1);
+    check_all(&dims(12, 3, 8, true), 18, 3, 1);
+}
+
+#[test]
+fn mesh_2x2_and_four_rank_ring() {
+    check_all(&dims(8, 4, 8, true), 16, 2, 2);
+    check_all(&dims(8, 4, 8, false), 32, 1, 4);
+}
+
+#[test]
+fn four_ranks_ulysses_gqa_qk_norm() {
+    check_all(&dims(16, 4, 8, true), 16, 4, 1);
+}
