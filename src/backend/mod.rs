@@ -7,6 +7,7 @@
 //! against.
 
 pub mod cpu;
+pub mod cuda;
 pub mod memory;
 pub mod tensor;
 

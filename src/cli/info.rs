@@ -1,5 +1,7 @@
 //! `upipe info`: devices and GPU libraries.
 
+use crate::backend::Bytes;
+use crate::backend::cuda::{device, libs};
 use crate::error::Result;
 
 #[derive(clap::Args, Debug)]
@@ -11,6 +13,39 @@ pub fn run(_args: InfoArgs) -> Result<i32> {
         "cpu backend: f32 reference, {} threads",
         rayon::current_num_threads()
     );
-    println!("CUDA: not available (this build has no CUDA backend yet)");
+    let driver = device::driver_version();
+    match &driver {
+        Err(e) => println!("CUDA: not available ({e})"),
+        Ok((maj, min)) => println!("CUDA driver: supports CUDA {maj}.{min}"),
+    }
+    match if driver.is_ok() {
+        device::gpus()
+    } else {
+        Ok(Vec::new())
+    } {
+        Ok(g) if g.is_empty() && driver.is_err() => {}
+        Ok(g) if g.is_empty() => println!("GPUs: none visible"),
+        Ok(g) => {
+            for d in g {
+                println!(
+                    "GPU {}: {}  {}  compute capability {}.{}  {} SMs",
+                    d.ordinal,
+                    d.name,
+                    Bytes(d.total_mem),
+                    d.compute_capability.0,
+                    d.compute_capability.1,
+                    d.multiprocessors
+                );
+            }
+        }
+        Err(e) => println!("GPUs: could not be listed ({e})"),
+    }
+    println!("libraries:");
+    for (lib, r) in libs::report() {
+        match r {
+            Ok(l) => println!("  {:<9} {}", lib.name(), l.describe()),
+            Err(e) => println!("  {:<9} not available: {e}", lib.name()),
+        }
+    }
     Ok(0)
 }

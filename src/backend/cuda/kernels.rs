@@ -1,0 +1,224 @@
+//! Our CUDA C kernels: the source (from `kernels/*.cu`), the loaded module,
+//! the function table and a small launch helper.
+
+use super::device::drv;
+use super::nvrtc::{self, CubinSource};
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaStream, result, sys};
+use std::ffi::{CString, c_void};
+
+/// Every kernel file, in the order they are concatenated (common helpers first).
+pub const SOURCES: &[(&str, &str)] = &[
+    ("common.cu", include_str!("kernels/common.cu")),
+    ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("norm_rope.cu", include_str!("kernels/norm_rope.cu")),
+    ("loss.cu", include_str!("kernels/loss.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+];
+
+/// The single translation unit NVRTC compiles.
+pub fn full_source() -> String {
+    let mut s = String::new();
+    for (name, src) in SOURCES {
+        s.push_str(&format!("// ---- {name} ----\n"));
+        s.push_str(src);
+        s.push('\n');
+    }
+    s
+}
+
+/// Threads per block used by the attention kernels (`ATT_T` in attention.cu).
+pub const ATT_THREADS: u32 = 128;
+/// Largest head dim the interim attention kernels take (`ATT_T * ATT_DPT`).
+pub const ATT_MAX_D: usize = 512;
+
+macro_rules! kernel_table {
+    ($($name:ident),* $(,)?) => {
+        /// Function handles of every kernel.
+        #[allow(non_snake_case)]
+        pub struct Kernels {
+            module: sys::CUmodule,
+            /// Whether the cubin came from the disk cache.
+            pub source: CubinSource,
+            $(pub $name: Func,)*
+        }
+
+        impl Kernels {
+            fn resolve(module: sys::CUmodule, source: CubinSource) -> Result<Self> {
+                Ok(Kernels {
+                    module,
+                    source,
+                    $($name: get_function(module, stringify!($name))?,)*
+                })
+            }
+        }
+    };
+}
+
+kernel_table!(
+    copy2d,
+    scale2d,
+    fill,
+    axpy,
+    sum_squares,
+    swiglu_fwd,
+    swiglu_bwd,
+    embedding_fwd,
+    embedding_bwd,
+    adamw,
+    rmsnorm_fwd,
+    rmsnorm_bwd,
+    rope,
+    cross_entropy,
+    attn_fwd_naive,
+    attn_bwd_naive,
+    lse_merge,
+);
+
+// SAFETY: module and function handles are immutable driver objects, valid on
+// any thread that has the owning context bound.
+unsafe impl Send for Kernels {}
+// SAFETY: as above.
+unsafe impl Sync for Kernels {}
+
+/// A kernel handle of a loaded module.
+#[derive(Debug, Clone, Copy)]
+pub struct Func(sys::CUfunction);
+
+fn get_function(module: sys::CUmodule, name: &str) -> Result<Func> {
+    let c = CString::new(name).expect("kernel names have no NUL");
+    // SAFETY: `module` is loaded and outlives the handle (unloaded only on drop of Kernels).
+    drv(
+        unsafe { result::module::get_function(module, c) },
+        &format!("cuModuleGetFunction({name})"),
+    )
+    .map(Func)
+}
+
+impl Kernels {
+    /// Compiles (or reads from the disk cache) and loads the kernels for `arch`.
+    /// The context must be bound to this thread.
+    pub fn load(arch: &str) -> Result<Kernels> {
+        let (cubin, source) = nvrtc::compile_cached(&full_source(), arch)?;
+        // SAFETY: `cubin` is a complete cubin image, alive for the call.
+        let module = drv(
+            unsafe { result::module::load_data(cubin.as_ptr().cast()) },
+            "cuModuleLoadData",
+        )
+        .map_err(|e| {
+            Error::Backend(format!(
+                "{e}; delete the kernel cache ({:?}) if it is stale",
+                nvrtc::cache_dir()
+            ))
+        })?;
+        Kernels::resolve(module, source)
+    }
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        // SAFETY: no launch can be in flight that the caller has not synchronised.
+        unsafe {
+            let _ = result::module::unload(self.module);
+        }
+    }
+}
+
+/// Kernel arguments, each in its own 8-byte slot (the driver reads only the
+/// parameter's size from each slot; x86-64 is little-endian).
+#[derive(Default)]
+pub struct Args(Vec<u64>);
+
+impl Args {
+    pub fn new() -> Self {
+        Args(Vec::with_capacity(32))
+    }
+    pub fn ptr(mut self, p: u64) -> Self {
+        self.0.push(p);
+        self
+    }
+    pub fn i64(mut self, v: i64) -> Self {
+        self.0.push(v as u64);
+        self
+    }
+    pub fn usize(self, v: usize) -> Self {
+        self.i64(v as i64)
+    }
+    pub fn i32(mut self, v: i32) -> Self {
+        self.0.push(v as u32 as u64);
+        self
+    }
+    pub fn f32(mut self, v: f32) -> Self {
+        self.0.push(v.to_bits() as u64);
+        self
+    }
+}
+
+/// Launches `f` on `stream`.
+pub fn launch(
+    stream: &CudaStream,
+    f: Func,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    mut args: Args,
+) -> Result<()> {
+    let mut ptrs: Vec<*mut c_void> = args.0.iter_mut().map(|a| (a as *mut u64).cast()).collect();
+    // SAFETY: `f` is a loaded kernel whose parameter list matches `args` (each
+    // call site mirrors the kernel's signature in kernels/*.cu); all device
+    // pointers are live allocations ordered on `stream`.
+    drv(
+        unsafe {
+            result::launch_kernel(
+                f.0,
+                grid,
+                (block, 1, 1),
+                smem,
+                stream.cu_stream(),
+                &mut ptrs,
+            )
+        },
+        "cuLaunchKernel",
+    )
+}
+
+/// A 1-D grid for `n` elements with grid-stride loops (capped).
+pub fn grid_for(n: usize, block: u32) -> (u32, u32, u32) {
+    let blocks = n.div_ceil(block as usize).clamp(1, 65_535 * 8);
+    (blocks as u32, 1, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Compiles the kernels whenever NVRTC can be found (no GPU needed), so a
+    /// syntax error shows up on any machine with the CUDA toolkit or the
+    /// `nvidia-cuda-nvrtc` wheel (`UPIPE_NVRTC_LIB=.../libnvrtc.so.13`).
+    #[test]
+    fn kernels_compile_with_nvrtc_when_available() {
+        match nvrtc::version() {
+            Err(Error::LibraryMissing(m)) => {
+                eprintln!("SKIP: NVRTC not available ({m})");
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => {
+                // Compile straight through NVRTC (not the cache) to catch errors now.
+                let src = full_source();
+                let (cubin, _) = nvrtc::compile_uncached_for_test(&src, "sm_90").unwrap();
+                assert!(cubin.len() > 1000);
+                for name in [
+                    "attn_fwd_naive",
+                    "attn_bwd_naive",
+                    "cross_entropy",
+                    "copy2d",
+                ] {
+                    assert!(
+                        cubin.windows(name.len()).any(|w| w == name.as_bytes()),
+                        "{name} missing from the cubin"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,96 @@
+// Copies, fills, axpy, reductions, SwiGLU, embedding, AdamW.
+
+extern "C" __global__ void copy2d(void* dst, int ddt, i64 doff, i64 drs, i64 dcs,
+                                  const void* src, int sdt, i64 soff, i64 srs, i64 scs,
+                                  i64 rows, i64 cols) {
+    GRID_STRIDE(idx, rows * cols) {
+        i64 i = idx / cols, j = idx - i * cols;
+        st(dst, doff + i * drs + j * dcs, ddt, ld(src, soff + i * srs + j * scs, sdt));
+    }
+}
+
+// p = beta * p on a strided 2-D view (beta == 0 writes exact zeros).
+extern "C" __global__ void scale2d(void* p, int dt, i64 off, i64 rs, i64 cs, i64 rows, i64 cols, float beta) {
+    GRID_STRIDE(idx, rows * cols) {
+        i64 i = idx / cols, j = idx - i * cols;
+        i64 o = off + i * rs + j * cs;
+        st(p, o, dt, beta == 0.0f ? 0.0f : beta * ld(p, o, dt));
+    }
+}
+
+extern "C" __global__ void fill(void* p, int dt, i64 n, float v) {
+    GRID_STRIDE(i, n) { st(p, i, dt, v); }
+}
+
+extern "C" __global__ void axpy(void* y, int ydt, const void* x, int xdt, i64 n, float alpha) {
+    GRID_STRIDE(i, n) { st(y, i, ydt, ld(y, i, ydt) + alpha * ld(x, i, xdt)); }
+}
+
+// out[0] += sum(x^2) in f64 (out must be zeroed by the caller).
+extern "C" __global__ void sum_squares(const void* x, int dt, i64 n, double* out) {
+    __shared__ double sh[32];
+    double acc = 0.0;
+    GRID_STRIDE(i, n) {
+        double v = (double)ld(x, i, dt);
+        acc += v * v;
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (l == 0) sh[w] = acc;
+    __syncthreads();
+    if (w == 0) {
+        acc = (l < nw) ? sh[l] : 0.0;
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (l == 0) atomicAdd(out, acc);
+    }
+}
+
+__device__ __forceinline__ float sigmoidf_(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+extern "C" __global__ void swiglu_fwd(const void* g, int gdt, const void* u, int udt, void* out, int odt, i64 n) {
+    GRID_STRIDE(i, n) {
+        float a = ld(g, i, gdt);
+        st(out, i, odt, a * sigmoidf_(a) * ld(u, i, udt));
+    }
+}
+
+extern "C" __global__ void swiglu_bwd(const void* g, int gdt, const void* u, int udt, const void* dy, int dydt,
+                                      void* dg, int dgdt, void* du, int dudt, i64 n) {
+    GRID_STRIDE(i, n) {
+        float a = ld(g, i, gdt), b = ld(u, i, udt), d = ld(dy, i, dydt);
+        float s = sigmoidf_(a);
+        st(du, i, dudt, d * a * s);
+        st(dg, i, dgdt, d * b * s * (1.0f + a * (1.0f - s)));
+    }
+}
+
+extern "C" __global__ void embedding_fwd(const void* table, int tdt, const unsigned* ids, void* out, int odt,
+                                         i64 n, i64 hidden) {
+    GRID_STRIDE(idx, n * hidden) {
+        i64 r = idx / hidden, c = idx - r * hidden;
+        st(out, idx, odt, ld(table, (i64)ids[r] * hidden + c, tdt));
+    }
+}
+
+extern "C" __global__ void embedding_bwd(const void* dout, int ddt, const unsigned* ids, float* dtable,
+                                         i64 n, i64 hidden) {
+    GRID_STRIDE(idx, n * hidden) {
+        i64 r = idx / hidden, c = idx - r * hidden;
+        atomicAdd(dtable + (i64)ids[r] * hidden + c, ld(dout, idx, ddt));
+    }
+}
+
+extern "C" __global__ void adamw(float* p, const void* g, int gdt, float* m, float* v, i64 n,
+                                 float lr, float b1, float b2, float eps, float wd,
+                                 float bc1, float bc2, float grad_scale) {
+    GRID_STRIDE(i, n) {
+        float gi = ld(g, i, gdt) * grad_scale;
+        float mi = b1 * m[i] + (1.0f - b1) * gi;
+        float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float mh = mi / bc1, vh = vi / bc2;
+        float pi = p[i];
+        p[i] = pi - lr * (mh / (sqrtf(vh) + eps) + wd * pi);
+    }
+}

@@ -1,0 +1,1058 @@
+//! The CUDA backend: one GPU, one stream, bf16 compute.
+//!
+//! - [`libs`]: finds and loads the CUDA libraries (never panics when one is missing);
+//! - [`device`]: driver queries (`upipe info`);
+//! - [`pool`]: the stream-ordered pool allocator behind every tensor;
+//! - [`nvrtc`] + [`kernels`]: our CUDA C kernels, compiled at run time to a
+//!   cubin for the device's arch and cached on disk;
+//! - [`gemm`]: cuBLASLt GEMM on row-major views;
+//! - [`attention`]: the attention kernels (interim; the flash module plugs in there).
+//!
+//! Every op is queued on the backend's stream; `to_host`, `sum_squares` and
+//! `synchronize` wait for it.
+
+pub mod attention;
+pub mod device;
+pub mod gemm;
+pub mod kernels;
+pub mod libs;
+pub mod nvrtc;
+pub mod pool;
+
+use self::attention::{AttnBwd, AttnFwd, dt_flag};
+use self::device::drv;
+use self::gemm::{Gemm, GemmPtrs};
+use self::kernels::{Args, Kernels, grid_for, launch};
+use self::pool::{AllocError, CudaStorage, Pool, PoolStats};
+use super::{
+    AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
+};
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaContext, CudaStream, result};
+use std::sync::{Arc, OnceLock};
+
+pub use pool::CudaStorage as Storage;
+
+const BLOCK: u32 = 256;
+/// Row-striding blocks of the RMSNorm backward (each adds its dw once).
+const RMS_BWD_MAX_BLOCKS: usize = 1024;
+
+/// The CUDA backend of one GPU.
+pub struct CudaBackend {
+    name: String,
+    arch: String,
+    ledger: Arc<MemoryLedger>,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    pool: Arc<Pool>,
+    kernels: Kernels,
+    gemm: Gemm,
+    /// cuBLASLt workspace, allocated on first GEMM (Workspace category).
+    gemm_ws: OnceLock<Tensor<CudaBackend>>,
+}
+
+fn same_numel(a: &Tensor<CudaBackend>, b: &Tensor<CudaBackend>, op: &str) -> Result<()> {
+    if a.numel() != b.numel() {
+        return Err(Error::Backend(format!(
+            "{op}: element counts differ ({:?} vs {:?})",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    Ok(())
+}
+
+fn need(t: &Tensor<CudaBackend>, d: DType, op: &str, what: &str) -> Result<()> {
+    if t.dtype() != d {
+        return Err(Error::Backend(format!(
+            "{op}: {what} must be {d:?}, got {:?} (see the Backend dtype contract)",
+            t.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// Device address of a tensor.
+fn ptr(t: &Tensor<CudaBackend>) -> u64 {
+    t.storage().ptr()
+}
+
+/// Device address of element `elem` of `t`.
+fn ptr_at(t: &Tensor<CudaBackend>, elem: usize) -> u64 {
+    ptr(t) + (elem * t.dtype().size()) as u64
+}
+
+fn dt(t: &Tensor<CudaBackend>) -> i32 {
+    dt_flag(t.dtype())
+}
+
+fn u32_grid(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::Backend(format!("{what}: {n} rows exceed one launch")))
+}
+
+/// Geometry of one attention call (mirrors the CPU checks).
+struct AttnGeom {
+    hq: usize,
+    hkv: usize,
+    d: usize,
+}
+
+fn attn_geom(
+    q: &Rows<'_, CudaBackend>,
+    k: &Rows<'_, CudaBackend>,
+    v: &Rows<'_, CudaBackend>,
+    causal: bool,
+) -> Result<AttnGeom> {
+    let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
+    if hkv == 0
+        || hq % hkv != 0
+        || k.head_dim() != d
+        || v.heads() != hkv
+        || v.head_dim() != d
+        || v.len() != k.len()
+    {
+        return Err(Error::Backend(format!(
+            "attention: q {:?}, k {:?}, v {:?} do not form a GQA triple",
+            q.t.shape(),
+            k.t.shape(),
+            v.t.shape()
+        )));
+    }
+    if causal && q.len() != k.len() {
+        return Err(Error::Backend(format!(
+            "attention: a causal block needs as many queries as keys ({} vs {})",
+            q.len(),
+            k.len()
+        )));
+    }
+    if d > kernels::ATT_MAX_D {
+        return Err(Error::Backend(format!(
+            "attention: head dim {d} exceeds {} supported by the CUDA kernels",
+            kernels::ATT_MAX_D
+        )));
+    }
+    if q.t.dtype() != k.t.dtype() || q.t.dtype() != v.t.dtype() {
+        return Err(Error::Backend(
+            "attention: q, k and v must share a dtype".into(),
+        ));
+    }
+    Ok(AttnGeom { hq, hkv, d })
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`: loads the libraries, creates the context, stream and
+    /// pool, and compiles (or loads cached) kernels. Errors (never panics) when
+    /// the driver, a library or the device is missing.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        device::init_driver()?;
+        let count = drv(result::device::get_count(), "cuDeviceGetCount")?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::Backend(format!(
+                "no CUDA device {ordinal}: the driver sees {count}; check CUDA_VISIBLE_DEVICES"
+            )));
+        }
+        let ctx = drv(CudaContext::new(ordinal), "create context")?;
+        let stream = drv(ctx.new_stream(), "create stream")?;
+        let (maj, min) = drv(ctx.compute_capability(), "compute capability")?;
+        let arch = std::env::var("UPIPE_CUDA_ARCH").unwrap_or_else(|_| format!("sm_{maj}{min}"));
+        let gpu_name = drv(ctx.name(), "device name")?;
+        let pool = Pool::new(ctx.clone(), stream.clone())?;
+        let kernels = Kernels::load(&arch)?;
+        let gemm = Gemm::new()?;
+        Ok(CudaBackend {
+            name: format!("cuda:{ordinal} ({gpu_name})"),
+            arch,
+            ledger: Arc::new(MemoryLedger::new()),
+            ctx,
+            stream,
+            pool,
+            kernels,
+            gemm,
+            gemm_ws: OnceLock::new(),
+        })
+    }
+
+    /// The stream every op is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    /// The device's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The arch kernels were compiled for (e.g. `sm_90`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+    /// Whether the kernels' cubin came from the disk cache.
+    pub fn kernels_from_cache(&self) -> bool {
+        self.kernels.source == nvrtc::CubinSource::DiskCache
+    }
+    /// Number of cached cuBLASLt plans.
+    pub fn gemm_plans(&self) -> usize {
+        self.gemm.cached_plans()
+    }
+    /// Device address of a tensor (for kernels launched outside the backend, e.g. flash).
+    pub fn device_ptr(&self, t: &Tensor<Self>) -> u64 {
+        ptr(t)
+    }
+    /// The pool's own counters (used / reserved, current and high-water), to
+    /// cross-check the ledger: after a sync, `used_high >= ledger.peak()`.
+    pub fn pool_stats(&self) -> Result<PoolStats> {
+        self.synchronize()?;
+        self.pool.stats()
+    }
+    /// Resets the pool's high-water marks (pair with `ledger().reset_peak()`).
+    pub fn reset_pool_peak(&self) -> Result<()> {
+        self.synchronize()?;
+        self.pool.reset_high()
+    }
+
+    fn bind(&self) -> Result<()> {
+        drv(self.ctx.bind_to_thread(), "bind context")
+    }
+
+    /// An uninitialised tensor.
+    pub fn alloc(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        match self.pool.alloc(bytes) {
+            Ok(p) => Ok(Tensor::from_parts(
+                CudaStorage::new(p, bytes, self.pool.clone()),
+                shape,
+                dtype,
+                cat,
+                self.ledger.clone(),
+            )),
+            Err(AllocError::OutOfMemory) => {
+                let s = self.ledger.stats();
+                let by = s
+                    .current_by_category
+                    .iter()
+                    .filter(|(_, b)| *b > 0)
+                    .map(|(c, b)| format!("{}: {}", c.name(), super::Bytes(*b)))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                Err(Error::OutOfMemory {
+                    device: self.name.clone(),
+                    requested: bytes,
+                    in_use: s.current,
+                    by_category: by,
+                })
+            }
+            Err(AllocError::Other(e)) => Err(e),
+        }
+    }
+
+    /// Uploads 32-bit ids into a workspace tensor (stored as 4-byte elements).
+    fn upload_ids(&self, ids: &[u32]) -> Result<Tensor<Self>> {
+        let t = self.alloc(&[ids.len()], DType::F32, Category::Workspace)?;
+        if !ids.is_empty() {
+            // SAFETY: `t` holds ids.len() 4-byte elements; the pageable source is
+            // staged before the call returns.
+            drv(
+                unsafe { result::memcpy_htod_async(ptr(&t), ids, self.stream.cu_stream()) },
+                "upload ids",
+            )?;
+        }
+        Ok(t)
+    }
+
+    fn launch1d(&self, f: kernels::Func, n: usize, args: Args) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        launch(&self.stream, f, grid_for(n, BLOCK), BLOCK, 0, args)
+    }
+
+    /// `y[..n] += alpha * x[..n]` on raw addresses.
+    fn axpy_raw(&self, y: u64, ydt: DType, x: u64, xdt: DType, n: usize, alpha: f32) -> Result<()> {
+        let args = Args::new()
+            .ptr(y)
+            .i32(dt_flag(ydt))
+            .ptr(x)
+            .i32(dt_flag(xdt))
+            .usize(n)
+            .f32(alpha);
+        self.launch1d(self.kernels.axpy, n, args)
+    }
+
+    fn workspace_ptr(&self) -> Result<u64> {
+        if let Some(t) = self.gemm_ws.get() {
+            return Ok(ptr(t));
+        }
+        let t = self.alloc(
+            &[gemm::WORKSPACE_BYTES / 4],
+            DType::F32,
+            Category::Workspace,
+        )?;
+        let p = ptr(&t);
+        match self.gemm_ws.set(t) {
+            Ok(()) => Ok(p),
+            // Another thread won the race; use its workspace (ours is freed).
+            Err(_) => Ok(ptr(self.gemm_ws.get().expect("set by the winner"))),
+        }
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.stream.synchronize();
+    }
+}
+
+impl Backend for CudaBackend {
+    type Storage = CudaStorage;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn ledger(&self) -> &Arc<MemoryLedger> {
+        &self.ledger
+    }
+    fn compute_dtype(&self) -> DType {
+        DType::BF16
+    }
+
+    fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        self.bind()?;
+        let t = self.alloc(shape, dtype, cat)?;
+        if t.bytes() > 0 {
+            // SAFETY: `t` owns `bytes` bytes, ordered on this stream.
+            drv(
+                unsafe { result::memset_d8_async(ptr(&t), 0, t.bytes(), self.stream.cu_stream()) },
+                "memset",
+            )?;
+        }
+        Ok(t)
+    }
+
+    fn from_host(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        cat: Category,
+    ) -> Result<Tensor<Self>> {
+        if data.len() != shape.iter().product::<usize>() {
+            return Err(Error::Backend(format!(
+                "from_host: {} values for shape {shape:?}",
+                data.len()
+            )));
+        }
+        self.bind()?;
+        let mut t = self.alloc(shape, dtype, cat)?;
+        self.upload(&mut t, data)?;
+        Ok(t)
+    }
+
+    fn upload(&self, t: &mut Tensor<Self>, data: &[f32]) -> Result<()> {
+        if data.len() != t.numel() {
+            return Err(Error::Backend(format!(
+                "upload: {} values into a tensor of shape {:?}",
+                data.len(),
+                t.shape()
+            )));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        let s = self.stream.cu_stream();
+        // SAFETY: `t` holds exactly data.len() elements of its dtype; pageable
+        // sources are staged before the copy call returns.
+        match t.dtype() {
+            DType::F32 => drv(
+                unsafe { result::memcpy_htod_async(ptr(t), data, s) },
+                "upload",
+            ),
+            DType::BF16 => {
+                let h: Vec<u16> = data
+                    .iter()
+                    .map(|&x| half::bf16::from_f32(x).to_bits())
+                    .collect();
+                drv(
+                    unsafe { result::memcpy_htod_async(ptr(t), &h, s) },
+                    "upload",
+                )
+            }
+        }
+    }
+
+    fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>> {
+        self.bind()?;
+        let n = t.numel();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let s = self.stream.cu_stream();
+        let out = match t.dtype() {
+            DType::F32 => {
+                let mut v = vec![0f32; n];
+                // SAFETY: `t` holds n f32 values; we wait for the stream below.
+                drv(
+                    unsafe { result::memcpy_dtoh_async(&mut v, ptr(t), s) },
+                    "download",
+                )?;
+                self.synchronize()?;
+                v
+            }
+            DType::BF16 => {
+                let mut v = vec![0u16; n];
+                // SAFETY: `t` holds n bf16 values; we wait for the stream below.
+                drv(
+                    unsafe { result::memcpy_dtoh_async(&mut v, ptr(t), s) },
+                    "download",
+                )?;
+                self.synchronize()?;
+                v.into_iter()
+                    .map(|b| half::bf16::from_bits(b).to_f32())
+                    .collect()
+            }
+        };
+        Ok(out)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        drv(self.stream.synchronize(), "stream synchronize")
+    }
+
+    fn gemm(
+        &self,
+        c: MatMut<'_, Self>,
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        let p = gemm::map_problem(&c.l, &a.l, &b.l)?;
+        let (ab, cd) = (a.t.dtype(), c.t.dtype());
+        if b.t.dtype() != ab || (cd != DType::F32 && cd != ab) {
+            return Err(Error::Backend(format!(
+                "gemm: a {ab:?}, b {:?}, c {cd:?}; a and b must share a dtype and c be F32 or that dtype",
+                b.t.dtype()
+            )));
+        }
+        self.bind()?;
+        let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            let (rs, cs) = c.l.strides();
+            let args = Args::new()
+                .ptr(ptr(c.t))
+                .i32(dt(c.t))
+                .usize(c.l.offset)
+                .usize(rs)
+                .usize(cs)
+                .usize(m)
+                .usize(n)
+                .f32(beta);
+            return self.launch1d(self.kernels.scale2d, m * n, args);
+        }
+        let ptrs = GemmPtrs {
+            a: ptr_at(a.t, a.l.offset),
+            b: ptr_at(b.t, b.l.offset),
+            c: ptr_at(c.t, c.l.offset),
+            workspace: self.workspace_ptr()?,
+        };
+        self.gemm.run(&self.stream, &p, ab, cd, &ptrs, alpha, beta)
+    }
+
+    fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
+        if dst.l.rows != src.l.rows || dst.l.cols != src.l.cols {
+            return Err(Error::Backend(format!(
+                "copy shapes: {:?} <- {:?}",
+                dst.l, src.l
+            )));
+        }
+        self.bind()?;
+        let (drs, dcs) = dst.l.strides();
+        let (srs, scs) = src.l.strides();
+        let args = Args::new()
+            .ptr(ptr(dst.t))
+            .i32(dt(dst.t))
+            .usize(dst.l.offset)
+            .usize(drs)
+            .usize(dcs)
+            .ptr(ptr(src.t))
+            .i32(dt(src.t))
+            .usize(src.l.offset)
+            .usize(srs)
+            .usize(scs)
+            .usize(src.l.rows)
+            .usize(src.l.cols);
+        self.launch1d(self.kernels.copy2d, src.l.rows * src.l.cols, args)
+    }
+
+    fn fill(&self, t: &mut Tensor<Self>, value: f32) -> Result<()> {
+        self.bind()?;
+        let args = Args::new()
+            .ptr(ptr(t))
+            .i32(dt(t))
+            .usize(t.numel())
+            .f32(value);
+        self.launch1d(self.kernels.fill, t.numel(), args)
+    }
+
+    fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()> {
+        same_numel(y, x, "axpy")?;
+        if y.dtype() != DType::F32 && y.dtype() != x.dtype() {
+            return Err(Error::Backend(
+                "axpy: y must be F32 or the dtype of x".into(),
+            ));
+        }
+        self.bind()?;
+        self.axpy_raw(ptr(y), y.dtype(), ptr(x), x.dtype(), x.numel(), alpha)
+    }
+
+    fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
+        self.bind()?;
+        let acc = self.zeros(&[2], DType::F32, Category::Workspace)?; // one f64
+        let n = t.numel();
+        let blocks = grid_for(n, BLOCK).0.min(1024);
+        if n > 0 {
+            let args = Args::new().ptr(ptr(t)).i32(dt(t)).usize(n).ptr(ptr(&acc));
+            launch(
+                &self.stream,
+                self.kernels.sum_squares,
+                (blocks, 1, 1),
+                BLOCK,
+                0,
+                args,
+            )?;
+        }
+        let mut out = [0f64; 1];
+        // SAFETY: `acc` holds 8 bytes; we wait for the stream below.
+        drv(
+            unsafe { result::memcpy_dtoh_async(&mut out, ptr(&acc), self.stream.cu_stream()) },
+            "download",
+        )?;
+        self.synchronize()?;
+        Ok(out[0])
+    }
+
+    fn rms_norm_fwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        eps: f32,
+        y: &mut Tensor<Self>,
+    ) -> Result<()> {
+        same_numel(x, y, "rms_norm_fwd")?;
+        let dim = w.numel();
+        if dim == 0 || !x.numel().is_multiple_of(dim) {
+            return Err(Error::Backend(format!(
+                "rms_norm_fwd: x {:?} is not rows of w's {dim}",
+                x.shape()
+            )));
+        }
+        self.bind()?;
+        let rows = x.numel() / dim;
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = Args::new()
+            .ptr(ptr(x))
+            .i32(dt(x))
+            .ptr(ptr(w))
+            .i32(dt(w))
+            .ptr(ptr(y))
+            .i32(dt(y))
+            .usize(rows)
+            .usize(dim)
+            .f32(eps);
+        launch(
+            &self.stream,
+            self.kernels.rmsnorm_fwd,
+            (u32_grid(rows, "rms_norm")?, 1, 1),
+            BLOCK,
+            0,
+            args,
+        )
+    }
+
+    fn rms_norm_bwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: &mut Tensor<Self>,
+    ) -> Result<()> {
+        same_numel(x, dy, "rms_norm_bwd")?;
+        same_numel(x, dx, "rms_norm_bwd")?;
+        same_numel(w, dw, "rms_norm_bwd")?;
+        need(dw, DType::F32, "rms_norm_bwd", "dw")?;
+        let dim = w.numel();
+        if dim == 0 || !x.numel().is_multiple_of(dim) {
+            return Err(Error::Backend(format!(
+                "rms_norm_bwd: x {:?} is not rows of w's {dim}",
+                x.shape()
+            )));
+        }
+        self.bind()?;
+        let rows = x.numel() / dim;
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = Args::new()
+            .ptr(ptr(x))
+            .i32(dt(x))
+            .ptr(ptr(w))
+            .i32(dt(w))
+            .ptr(ptr(dy))
+            .i32(dt(dy))
+            .ptr(ptr(dx))
+            .i32(dt(dx))
+            .ptr(ptr(dw))
+            .usize(rows)
+            .usize(dim)
+            .f32(eps);
+        // dw is summed per block in shared memory when it fits the default 48 KiB.
+        let smem_dw = dim * 4 <= 40 << 10;
+        let args = args.i32(smem_dw as i32);
+        let blocks = rows.min(RMS_BWD_MAX_BLOCKS) as u32;
+        let smem = if smem_dw { (dim * 4) as u32 } else { 0 };
+        launch(
+            &self.stream,
+            self.kernels.rmsnorm_bwd,
+            (blocks, 1, 1),
+            BLOCK,
+            smem,
+            args,
+        )
+    }
+
+    fn rope(
+        &self,
+        x: &mut Tensor<Self>,
+        cos: &Tensor<Self>,
+        sin: &Tensor<Self>,
+        inverse: bool,
+    ) -> Result<()> {
+        let (s, d) = (x.rows(), x.shape().get(2).copied().unwrap_or(0));
+        let heads = x.shape().get(1).copied().unwrap_or(0);
+        let half = d / 2;
+        if d % 2 != 0 || cos.numel() != s * half || sin.numel() != s * half {
+            return Err(Error::Backend(format!(
+                "rope: x {:?} needs cos/sin of [{s}, {half}], got {:?}",
+                x.shape(),
+                cos.shape()
+            )));
+        }
+        need(cos, DType::F32, "rope", "cos")?;
+        need(sin, DType::F32, "rope", "sin")?;
+        self.bind()?;
+        let args = Args::new()
+            .ptr(ptr(x))
+            .i32(dt(x))
+            .ptr(ptr(cos))
+            .ptr(ptr(sin))
+            .usize(s)
+            .usize(heads)
+            .usize(d)
+            .f32(if inverse { -1.0 } else { 1.0 });
+        self.launch1d(self.kernels.rope, s * heads * half, args)
+    }
+
+    fn attention_fwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        causal: bool,
+        o: RowsMut<'_, Self>,
+        lse: RowsMut<'_, Self>,
+    ) -> Result<()> {
+        let g = attn_geom(&q, &k, &v, causal)?;
+        need(lse.t, DType::F32, "attention_fwd", "lse")?;
+        if o.len() != q.len()
+            || o.heads() != g.hq
+            || o.head_dim() != g.d
+            || lse.len() != q.len()
+            || lse.t.row_len() != g.hq
+        {
+            return Err(Error::Backend(format!(
+                "attention_fwd: o {:?} / lse {:?} do not match q {:?}",
+                o.t.shape(),
+                lse.t.shape(),
+                q.t.shape()
+            )));
+        }
+        self.bind()?;
+        let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
+        let a = AttnFwd {
+            q: ptr_at(q.t, q.range.start * qrs),
+            k: ptr_at(k.t, k.range.start * krs),
+            v: ptr_at(v.t, v.range.start * krs),
+            dt: q.t.dtype(),
+            o: ptr_at(o.t, o.range.start * qrs),
+            o_dt: o.t.dtype(),
+            lse: ptr_at(lse.t, lse.range.start * g.hq),
+            q_rs: qrs,
+            k_rs: krs,
+            v_rs: krs,
+            o_rs: qrs,
+            lse_rs: g.hq,
+            sq: q.len(),
+            sk: k.len(),
+            hq: g.hq,
+            hkv: g.hkv,
+            d: g.d,
+            causal,
+        };
+        attention::fwd(&self.kernels, &self.stream, &a)
+    }
+
+    fn attention_bwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        o: Rows<'_, Self>,
+        d_o: Rows<'_, Self>,
+        lse: Rows<'_, Self>,
+        causal: bool,
+        dq: RowsMut<'_, Self>,
+        dk: RowsMut<'_, Self>,
+        dv: RowsMut<'_, Self>,
+    ) -> Result<()> {
+        let g = attn_geom(&q, &k, &v, causal)?;
+        need(lse.t, DType::F32, "attention_bwd", "lse")?;
+        let (sq, sk) = (q.len(), k.len());
+        let shapes_ok = o.len() == sq
+            && d_o.len() == sq
+            && lse.len() == sq
+            && dq.len() == sq
+            && dk.len() == sk
+            && dv.len() == sk
+            && o.t.row_len() == g.hq * g.d
+            && d_o.t.row_len() == g.hq * g.d
+            && lse.t.row_len() == g.hq
+            && dq.t.row_len() == g.hq * g.d
+            && dk.t.row_len() == g.hkv * g.d
+            && dv.t.row_len() == g.hkv * g.d;
+        if !shapes_ok {
+            return Err(Error::Backend(format!(
+                "attention_bwd: shapes do not match q {:?} / k {:?}",
+                q.t.shape(),
+                k.t.shape()
+            )));
+        }
+        self.bind()?;
+        let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
+        // The kernels accumulate in f32: gradients of another dtype go through
+        // f32 scratch that is added in afterwards.
+        let scratch = |rows: usize, rs: usize, t: &Tensor<Self>| -> Result<Option<Tensor<Self>>> {
+            if t.dtype() == DType::F32 {
+                Ok(None)
+            } else {
+                self.zeros(&[rows, rs], DType::F32, Category::Workspace)
+                    .map(Some)
+            }
+        };
+        let (sdq, sdk, sdv) = (
+            scratch(sq, qrs, dq.t)?,
+            scratch(sk, krs, dk.t)?,
+            scratch(sk, krs, dv.t)?,
+        );
+        let target = |s: &Option<Tensor<Self>>, t: &Tensor<Self>, start: usize, rs: usize| match s {
+            Some(s) => ptr(s),
+            None => ptr_at(t, start * rs),
+        };
+        let a = AttnBwd {
+            q: ptr_at(q.t, q.range.start * qrs),
+            k: ptr_at(k.t, k.range.start * krs),
+            v: ptr_at(v.t, v.range.start * krs),
+            dt: q.t.dtype(),
+            o: ptr_at(o.t, o.range.start * qrs),
+            o_dt: o.t.dtype(),
+            d_o: ptr_at(d_o.t, d_o.range.start * qrs),
+            d_o_dt: d_o.t.dtype(),
+            lse: ptr_at(lse.t, lse.range.start * g.hq),
+            dq: target(&sdq, dq.t, dq.range.start, qrs),
+            dk: target(&sdk, dk.t, dk.range.start, krs),
+            dv: target(&sdv, dv.t, dv.range.start, krs),
+            q_rs: qrs,
+            k_rs: krs,
+            v_rs: krs,
+            o_rs: qrs,
+            d_o_rs: qrs,
+            lse_rs: g.hq,
+            dq_rs: qrs,
+            dk_rs: krs,
+            dv_rs: krs,
+            sq,
+            sk,
+            hq: g.hq,
+            hkv: g.hkv,
+            d: g.d,
+            causal,
+        };
+        attention::bwd(&self.kernels, &self.stream, &a)?;
+        for (s, t, start, rows, rs) in [
+            (&sdq, &*dq.t, dq.range.start, sq, qrs),
+            (&sdk, &*dk.t, dk.range.start, sk, krs),
+            (&sdv, &*dv.t, dv.range.start, sk, krs),
+        ] {
+            if let Some(s) = s {
+                self.axpy_raw(
+                    ptr_at(t, start * rs),
+                    t.dtype(),
+                    ptr(s),
+                    DType::F32,
+                    rows * rs,
+                    1.0,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn lse_merge(
+        &self,
+        o_acc: RowsMut<'_, Self>,
+        lse_acc: RowsMut<'_, Self>,
+        o_blk: Rows<'_, Self>,
+        lse_blk: Rows<'_, Self>,
+    ) -> Result<()> {
+        let (h, d) = (o_acc.heads(), o_acc.head_dim());
+        if o_acc.len() != o_blk.len()
+            || o_blk.heads() != h
+            || o_blk.head_dim() != d
+            || lse_acc.len() != o_acc.len()
+            || lse_blk.len() != o_acc.len()
+            || lse_acc.t.row_len() != h
+            || lse_blk.t.row_len() != h
+        {
+            return Err(Error::Backend("lse_merge: block shapes differ".into()));
+        }
+        need(lse_acc.t, DType::F32, "lse_merge", "lse_acc")?;
+        need(lse_blk.t, DType::F32, "lse_merge", "lse_blk")?;
+        self.bind()?;
+        let rows = o_acc.len();
+        let args = Args::new()
+            .ptr(ptr_at(o_acc.t, o_acc.range.start * h * d))
+            .i32(dt(o_acc.t))
+            .ptr(ptr_at(lse_acc.t, lse_acc.range.start * h))
+            .ptr(ptr_at(o_blk.t, o_blk.range.start * h * d))
+            .i32(dt(o_blk.t))
+            .ptr(ptr_at(lse_blk.t, lse_blk.range.start * h))
+            .usize(rows)
+            .usize(h)
+            .usize(d);
+        self.launch1d(self.kernels.lse_merge, rows * h, args)
+    }
+
+    fn swiglu_fwd(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        same_numel(gate, up, "swiglu_fwd")?;
+        same_numel(gate, out, "swiglu_fwd")?;
+        self.bind()?;
+        let args = Args::new()
+            .ptr(ptr(gate))
+            .i32(dt(gate))
+            .ptr(ptr(up))
+            .i32(dt(up))
+            .ptr(ptr(out))
+            .i32(dt(out))
+            .usize(gate.numel());
+        self.launch1d(self.kernels.swiglu_fwd, gate.numel(), args)
+    }
+
+    fn swiglu_bwd(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        dout: &Tensor<Self>,
+        dgate: &mut Tensor<Self>,
+        dup: &mut Tensor<Self>,
+    ) -> Result<()> {
+        same_numel(gate, up, "swiglu_bwd")?;
+        same_numel(gate, dout, "swiglu_bwd")?;
+        same_numel(gate, dgate, "swiglu_bwd")?;
+        same_numel(gate, dup, "swiglu_bwd")?;
+        self.bind()?;
+        let args = Args::new()
+            .ptr(ptr(gate))
+            .i32(dt(gate))
+            .ptr(ptr(up))
+            .i32(dt(up))
+            .ptr(ptr(dout))
+            .i32(dt(dout))
+            .ptr(ptr(dgate))
+            .i32(dt(dgate))
+            .ptr(ptr(dup))
+            .i32(dt(dup))
+            .usize(gate.numel());
+        self.launch1d(self.kernels.swiglu_bwd, gate.numel(), args)
+    }
+
+    fn embedding_fwd(
+        &self,
+        table: &Tensor<Self>,
+        ids: &[u32],
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let (vocab, h) = (table.rows(), table.row_len());
+        if out.numel() != ids.len() * h {
+            return Err(Error::Backend(
+                "embedding_fwd: output is not [ids, hidden]".into(),
+            ));
+        }
+        if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(Error::Config(format!(
+                "token id {id} is outside the vocabulary of {vocab}; check the tokenizer matches the model"
+            )));
+        }
+        self.bind()?;
+        let idt = self.upload_ids(ids)?;
+        let args = Args::new()
+            .ptr(ptr(table))
+            .i32(dt(table))
+            .ptr(ptr(&idt))
+            .ptr(ptr(out))
+            .i32(dt(out))
+            .usize(ids.len())
+            .usize(h);
+        self.launch1d(self.kernels.embedding_fwd, ids.len() * h, args)
+    }
+
+    fn embedding_bwd(
+        &self,
+        dout: &Tensor<Self>,
+        ids: &[u32],
+        dtable: &mut Tensor<Self>,
+    ) -> Result<()> {
+        need(dtable, DType::F32, "embedding_bwd", "dtable")?;
+        let (vocab, h) = (dtable.rows(), dtable.row_len());
+        if dout.numel() != ids.len() * h {
+            return Err(Error::Backend(
+                "embedding_bwd: dout is not [ids, hidden]".into(),
+            ));
+        }
+        if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(Error::Config(format!(
+                "token id {id} is outside the vocabulary of {vocab}; check the tokenizer matches the model"
+            )));
+        }
+        self.bind()?;
+        let idt = self.upload_ids(ids)?;
+        let args = Args::new()
+            .ptr(ptr(dout))
+            .i32(dt(dout))
+            .ptr(ptr(&idt))
+            .ptr(ptr(dtable))
+            .usize(ids.len())
+            .usize(h);
+        self.launch1d(self.kernels.embedding_bwd, ids.len() * h, args)
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: &Tensor<Self>,
+        targets: &[u32],
+        grad_scale: f32,
+        dlogits: &mut Tensor<Self>,
+        loss_sum: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let v = logits.row_len();
+        if logits.rows() != targets.len() {
+            return Err(Error::Backend(
+                "cross_entropy: one target per logits row".into(),
+            ));
+        }
+        same_numel(logits, dlogits, "cross_entropy")?;
+        need(loss_sum, DType::F32, "cross_entropy", "loss_sum")?;
+        if let Some(&t) = targets.iter().find(|&&t| t != IGNORE && t as usize >= v) {
+            return Err(Error::Config(format!(
+                "target id {t} is outside the vocabulary of {v}; check the data matches the model"
+            )));
+        }
+        self.bind()?;
+        if targets.is_empty() {
+            return Ok(());
+        }
+        let tt = self.upload_ids(targets)?;
+        let args = Args::new()
+            .ptr(ptr(logits))
+            .i32(dt(logits))
+            .ptr(ptr(&tt))
+            .usize(targets.len())
+            .usize(v)
+            .f32(grad_scale)
+            .ptr(ptr(dlogits))
+            .i32(dt(dlogits))
+            .ptr(ptr(loss_sum));
+        let rows = u32_grid(targets.len(), "cross_entropy")?;
+        launch(
+            &self.stream,
+            self.kernels.cross_entropy,
+            (rows, 1, 1),
+            BLOCK,
+            0,
+            args,
+        )
+    }
+
+    fn adamw(
+        &self,
+        param: &mut Tensor<Self>,
+        grad: &Tensor<Self>,
+        m: &mut Tensor<Self>,
+        v: &mut Tensor<Self>,
+        hp: AdamWStep,
+    ) -> Result<()> {
+        same_numel(param, grad, "adamw")?;
+        same_numel(param, m, "adamw")?;
+        same_numel(param, v, "adamw")?;
+        for (t, what) in [(&*param, "param"), (&*m, "m"), (&*v, "v")] {
+            need(t, DType::F32, "adamw", what)?;
+        }
+        self.bind()?;
+        let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
+        let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
+        let n = param.numel();
+        let args = Args::new()
+            .ptr(ptr(param))
+            .ptr(ptr(grad))
+            .i32(dt(grad))
+            .ptr(ptr(m))
+            .ptr(ptr(v))
+            .usize(n)
+            .f32(hp.lr)
+            .f32(hp.beta1)
+            .f32(hp.beta2)
+            .f32(hp.eps)
+            .f32(hp.weight_decay)
+            .f32(bc1)
+            .f32(bc2)
+            .f32(hp.grad_scale);
+        self.launch1d(self.kernels.adamw, n, args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_cuda_is_an_error_not_a_panic() {
+        // On machines without a driver this must be LibraryMissing / Backend, never a panic;
+        // on GPU machines it must open device 0.
+        match CudaBackend::new(0) {
+            Ok(b) => assert!(b.name().starts_with("cuda:0")),
+            Err(Error::LibraryMissing(m)) => assert!(m.contains("searched"), "{m}"),
+            Err(Error::Backend(m)) => assert!(!m.is_empty()),
+            Err(e) => panic!("unexpected error kind: {e}"),
+        }
+    }
+}

@@ -1,0 +1,634 @@
+//! Every CUDA backend op against the CPU reference on fresh random inputs.
+//! Skipped (with a printed message) when no CUDA driver or GPU is present.
+//!
+//! Inputs are rounded to bf16 once and the same values are given to both
+//! backends; the check is max|gpu - cpu| / max|cpu| <= 1e-2.
+
+use std::sync::OnceLock;
+use upipe::Error;
+use upipe::backend::cpu::CpuBackend;
+use upipe::backend::cuda::CudaBackend;
+use upipe::backend::{AdamWStep, Backend, Category, DType, IGNORE, MatLayout, Tensor};
+
+const TOL: f64 = 1e-2;
+
+fn gpu() -> Option<&'static CudaBackend> {
+    static B: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    B.get_or_init(|| match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("SKIP gpu_backend: no usable CUDA GPU ({e})");
+            None
+        }
+    })
+    .as_ref()
+}
+
+/// xorshift64*, seeded from the clock (printed, so a failure can be replayed with UPIPE_TEST_SEED).
+struct Rng(u64);
+impl Rng {
+    fn new(tag: &str) -> Rng {
+        let seed = std::env::var("UPIPE_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(1)
+            });
+        eprintln!("{tag}: seed {seed}");
+        Rng(seed | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-scale, scale).
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
+            .collect()
+    }
+    fn below(&mut self, n: u32) -> u32 {
+        (self.next() % n as u64) as u32
+    }
+}
+
+fn round(v: &[f32], dt: DType) -> Vec<f32> {
+    match dt {
+        DType::F32 => v.to_vec(),
+        DType::BF16 => v
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect(),
+    }
+}
+
+/// The same (dtype-rounded) data on both backends.
+fn pair(
+    g: &CudaBackend,
+    c: &CpuBackend,
+    data: &[f32],
+    shape: &[usize],
+    dt: DType,
+) -> (Tensor<CudaBackend>, Tensor<CpuBackend>) {
+    let r = round(data, dt);
+    (
+        g.from_host(&r, shape, dt, Category::Workspace).unwrap(),
+        c.from_host(&r, shape, DType::F32, Category::Workspace)
+            .unwrap(),
+    )
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let mut diff = 0f64;
+    let mut max = 0f64;
+    for (&a, &b) in got.iter().zip(want) {
+        assert!(
+            a.is_finite() || !b.is_finite(),
+            "non-finite result {a} where reference is {b}"
+        );
+        diff = diff.max((a as f64 - b as f64).abs());
+        max = max.max((b as f64).abs());
+    }
+    if max == 0.0 { diff } else { diff / max }
+}
+
+fn check(
+    name: &str,
+    g: &CudaBackend,
+    gt: &Tensor<CudaBackend>,
+    c: &CpuBackend,
+    ct: &Tensor<CpuBackend>,
+) {
+    let got = g.to_host(gt).unwrap();
+    let want = c.to_host(ct).unwrap();
+    let e = rel_err(&got, &want);
+    eprintln!("{name}: rel err {e:.2e}");
+    assert!(e <= TOL, "{name}: rel err {e:.3e} > {TOL}");
+}
+
+#[test]
+fn gemm_all_transposes_bf16_into_f32_and_bf16() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("gemm");
+    let (m, k, n) = (96, 136, 72);
+    for ta in [false, true] {
+        for tb in [false, true] {
+            // a lives in a wider buffer (ld > cols) at an aligned offset.
+            let lda = if ta { m + 8 } else { k + 8 };
+            let la0 = if ta {
+                MatLayout::block(16, k, m, lda).t()
+            } else {
+                MatLayout::block(16, m, k, lda)
+            };
+            let lb0 = if tb {
+                MatLayout::block(0, n, k, k).t()
+            } else {
+                MatLayout::block(0, k, n, n)
+            };
+            let (ga, ca) = pair(
+                g,
+                &c,
+                &rng.vec(16 + lda * k.max(m), 1.0),
+                &[16 + lda * k.max(m)],
+                DType::BF16,
+            );
+            let (gb, cb) = pair(g, &c, &rng.vec(k * n, 1.0), &[k * n], DType::BF16);
+            // f32 output, beta = 1 accumulation (the weight-gradient case), inside a wider buffer.
+            let ldc = n + 8;
+            let lc = MatLayout::block(ldc, m, n, ldc);
+            let init = rng.vec(ldc * (m + 1), 1.0);
+            let (mut gc, mut cc) = pair(g, &c, &init, &[ldc * (m + 1)], DType::F32);
+            g.gemm(gc.view_mut(lc), ga.view(la0), gb.view(lb0), 0.5, 1.0)
+                .unwrap();
+            c.gemm(cc.view_mut(lc), ca.view(la0), cb.view(lb0), 0.5, 1.0)
+                .unwrap();
+            check(
+                &format!("gemm bf16->f32 beta=1 ta={ta} tb={tb}"),
+                g,
+                &gc,
+                &c,
+                &cc,
+            );
+            // bf16 output, beta = 0.
+            let (mut gc2, mut cc2) = pair(g, &c, &rng.vec(m * n, 1.0), &[m, n], DType::BF16);
+            g.gemm(gc2.mat_mut(), ga.view(la0), gb.view(lb0), 1.0, 0.0)
+                .unwrap();
+            c.gemm(cc2.mat_mut(), ca.view(la0), cb.view(lb0), 1.0, 0.0)
+                .unwrap();
+            check(
+                &format!("gemm bf16->bf16 ta={ta} tb={tb}"),
+                g,
+                &gc2,
+                &c,
+                &cc2,
+            );
+        }
+    }
+    assert!(g.gemm_plans() >= 8, "plans are cached per problem");
+}
+
+#[test]
+fn gemm_f32_and_odd_shapes() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("gemm_f32");
+    let (m, k, n) = (33, 65, 17);
+    let (ga, ca) = pair(g, &c, &rng.vec(m * k, 1.0), &[m, k], DType::F32);
+    let (gb, cb) = pair(g, &c, &rng.vec(n * k, 1.0), &[n, k], DType::F32);
+    let (mut gc, mut cc) = pair(g, &c, &rng.vec(m * n, 1.0), &[m, n], DType::F32);
+    g.gemm(gc.mat_mut(), ga.mat(), gb.mat().t(), 1.0, 0.0)
+        .unwrap();
+    c.gemm(cc.mat_mut(), ca.mat(), cb.mat().t(), 1.0, 0.0)
+        .unwrap();
+    check("gemm f32 x f32^T", g, &gc, &c, &cc);
+    // bf16 with odd sizes (2-byte aligned rows).
+    let (ga, ca) = pair(g, &c, &rng.vec(m * k, 1.0), &[m, k], DType::BF16);
+    let (gb, cb) = pair(g, &c, &rng.vec(k * n, 1.0), &[k, n], DType::BF16);
+    let (mut gc, mut cc) = pair(g, &c, &rng.vec(m * n, 1.0), &[m, n], DType::F32);
+    g.gemm(gc.mat_mut(), ga.mat(), gb.mat(), 1.0, 0.0).unwrap();
+    c.gemm(cc.mat_mut(), ca.mat(), cb.mat(), 1.0, 0.0).unwrap();
+    check("gemm bf16 odd", g, &gc, &c, &cc);
+    // k = 0 scales c by beta.
+    let (ga0, ca0) = pair(g, &c, &[], &[m, 0], DType::BF16);
+    let (gb0, cb0) = pair(g, &c, &[], &[0, n], DType::BF16);
+    g.gemm(gc.mat_mut(), ga0.mat(), gb0.mat(), 1.0, 0.5)
+        .unwrap();
+    c.gemm(cc.mat_mut(), ca0.mat(), cb0.mat(), 1.0, 0.5)
+        .unwrap();
+    check("gemm k=0", g, &gc, &c, &cc);
+    // mismatched dtypes are an error, not a wrong answer.
+    assert!(
+        g.gemm(gc.mat_mut(), ga.mat(), gc_like(g, k, n).mat(), 1.0, 0.0)
+            .is_err()
+    );
+}
+
+fn gc_like(g: &CudaBackend, r: usize, cols: usize) -> Tensor<CudaBackend> {
+    g.zeros(&[r, cols], DType::F32, Category::Workspace)
+        .unwrap()
+}
+
+#[test]
+fn copy_fill_axpy_sum_squares() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("copy");
+    let (r, cols) = (37, 53);
+    // bf16 transposed view -> f32 block of a wider buffer.
+    let (gs, cs) = pair(g, &c, &rng.vec(r * cols, 2.0), &[cols, r], DType::BF16);
+    let (mut gd, mut cd) = pair(
+        g,
+        &c,
+        &rng.vec((r + 2) * (cols + 3), 1.0),
+        &[r + 2, cols + 3],
+        DType::F32,
+    );
+    let ld = MatLayout::block(cols + 3 + 1, r, cols, cols + 3);
+    g.copy(gd.view_mut(ld), gs.mat().t()).unwrap();
+    c.copy(cd.view_mut(ld), cs.mat().t()).unwrap();
+    check("copy bf16^T -> f32 block", g, &gd, &c, &cd);
+    // f32 -> bf16.
+    let (mut gb, mut cb) = pair(
+        g,
+        &c,
+        &vec![0.0; (r + 2) * (cols + 3)],
+        &[r + 2, cols + 3],
+        DType::BF16,
+    );
+    g.copy(gb.mat_mut(), gd.mat()).unwrap();
+    c.copy(cb.mat_mut(), cd.mat()).unwrap();
+    check("copy f32 -> bf16", g, &gb, &c, &cb);
+
+    let fresh = rng.vec((r + 2) * (cols + 3), 1.0);
+    g.upload(&mut gb, &fresh).unwrap();
+    c.upload(&mut cb, &round(&fresh, DType::BF16)).unwrap();
+    check("upload bf16", g, &gb, &c, &cb);
+    assert!(
+        g.upload(&mut gb, &fresh[1..]).is_err(),
+        "upload checks the length"
+    );
+
+    g.fill(&mut gb, 0.375).unwrap();
+    c.fill(&mut cb, 0.375).unwrap();
+    check("fill", g, &gb, &c, &cb);
+
+    let x = rng.vec(4099, 1.0);
+    let (gx, cx) = pair(g, &c, &x, &[4099], DType::BF16);
+    for ydt in [DType::F32, DType::BF16] {
+        let (mut gy, mut cy) = pair(g, &c, &rng.vec(4099, 1.0), &[4099], ydt);
+        g.axpy(&mut gy, -0.75, &gx).unwrap();
+        c.axpy(&mut cy, -0.75, &cx).unwrap();
+        check(&format!("axpy y={ydt:?}"), g, &gy, &c, &cy);
+    }
+    let big = rng.vec(1 << 20, 1.0);
+    let (gbig, cbig) = pair(g, &c, &big, &[1 << 20], DType::BF16);
+    let (sg, sc) = (g.sum_squares(&gbig).unwrap(), c.sum_squares(&cbig).unwrap());
+    eprintln!("sum_squares {sg} vs {sc}");
+    assert!(((sg - sc) / sc).abs() < 1e-5, "sum_squares {sg} vs {sc}");
+}
+
+#[test]
+fn rms_norm_rope_swiglu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("norm");
+    // Shapes: one block per row; rows > blocks (row striding); dim too big for shared dw.
+    for (n, dim) in [(19, 1000), (3000, 512), (5, 12000)] {
+        let tag = format!("n={n} dim={dim}");
+        let (gx, cx) = pair(g, &c, &rng.vec(n * dim, 3.0), &[n, dim], DType::BF16);
+        let (gw, cw) = pair(g, &c, &rng.vec(dim, 1.0), &[dim], DType::BF16);
+        let (mut gy, mut cy) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
+        g.rms_norm_fwd(&gx, &gw, 1e-5, &mut gy).unwrap();
+        c.rms_norm_fwd(&cx, &cw, 1e-5, &mut cy).unwrap();
+        check(&format!("rms_norm_fwd {tag}"), g, &gy, &c, &cy);
+        let (gdy, cdy) = pair(g, &c, &rng.vec(n * dim, 1.0), &[n, dim], DType::BF16);
+        let (mut gdx, mut cdx) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
+        let dw0 = rng.vec(dim, 1.0);
+        let (mut gdw, mut cdw) = pair(g, &c, &dw0, &[dim], DType::F32);
+        g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut gdx, &mut gdw)
+            .unwrap();
+        c.rms_norm_bwd(&cx, &cw, &cdy, 1e-5, &mut cdx, &mut cdw)
+            .unwrap();
+        check(&format!("rms_norm_bwd dx {tag}"), g, &gdx, &c, &cdx);
+        check(
+            &format!("rms_norm_bwd dw (accumulated) {tag}"),
+            g,
+            &gdw,
+            &c,
+            &cdw,
+        );
+    }
+
+    let (s, h, d) = (23, 3, 64);
+    let ang: Vec<f32> = rng.vec(s * d / 2, 3.0);
+    let cos: Vec<f32> = ang.iter().map(|a| a.cos()).collect();
+    let sin: Vec<f32> = ang.iter().map(|a| a.sin()).collect();
+    let (gcos, ccos) = pair(g, &c, &cos, &[s, d / 2], DType::F32);
+    let (gsin, csin) = pair(g, &c, &sin, &[s, d / 2], DType::F32);
+    let (mut gq, mut cq) = pair(g, &c, &rng.vec(s * h * d, 1.0), &[s, h, d], DType::BF16);
+    for inverse in [false, true] {
+        g.rope(&mut gq, &gcos, &gsin, inverse).unwrap();
+        c.rope(&mut cq, &ccos, &csin, inverse).unwrap();
+        check(&format!("rope inverse={inverse}"), g, &gq, &c, &cq);
+    }
+
+    let m = 5000;
+    let (gg, cg) = pair(g, &c, &rng.vec(m, 4.0), &[m], DType::BF16);
+    let (gu, cu) = pair(g, &c, &rng.vec(m, 2.0), &[m], DType::BF16);
+    let (mut go, mut co) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
+    g.swiglu_fwd(&gg, &gu, &mut go).unwrap();
+    c.swiglu_fwd(&cg, &cu, &mut co).unwrap();
+    check("swiglu_fwd", g, &go, &c, &co);
+    let (gd, cd) = pair(g, &c, &rng.vec(m, 1.0), &[m], DType::BF16);
+    let (mut gdg, mut cdg) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
+    let (mut gdu, mut cdu) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
+    g.swiglu_bwd(&gg, &gu, &gd, &mut gdg, &mut gdu).unwrap();
+    c.swiglu_bwd(&cg, &cu, &cd, &mut cdg, &mut cdu).unwrap();
+    check("swiglu_bwd dgate", g, &gdg, &c, &cdg);
+    check("swiglu_bwd dup", g, &gdu, &c, &cdu);
+}
+
+#[test]
+fn embedding_cross_entropy_adamw() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("embed");
+    let (vocab, hidden, n) = (301, 96, 77);
+    let ids: Vec<u32> = (0..n).map(|_| rng.below(vocab as u32)).collect();
+    let (gt, ct) = pair(
+        g,
+        &c,
+        &rng.vec(vocab * hidden, 1.0),
+        &[vocab, hidden],
+        DType::BF16,
+    );
+    let (mut go, mut co) = pair(g, &c, &vec![0.0; n * hidden], &[n, hidden], DType::BF16);
+    g.embedding_fwd(&gt, &ids, &mut go).unwrap();
+    c.embedding_fwd(&ct, &ids, &mut co).unwrap();
+    check("embedding_fwd", g, &go, &c, &co);
+    let (gdo, cdo) = pair(g, &c, &rng.vec(n * hidden, 1.0), &[n, hidden], DType::BF16);
+    let (mut gdt, mut cdt) = pair(
+        g,
+        &c,
+        &rng.vec(vocab * hidden, 1.0),
+        &[vocab, hidden],
+        DType::F32,
+    );
+    g.embedding_bwd(&gdo, &ids, &mut gdt).unwrap();
+    c.embedding_bwd(&cdo, &ids, &mut cdt).unwrap();
+    check("embedding_bwd", g, &gdt, &c, &cdt);
+    match g.embedding_fwd(
+        &gt,
+        &[vocab as u32],
+        &mut g
+            .zeros(&[1, hidden], DType::BF16, Category::Workspace)
+            .unwrap(),
+    ) {
+        Err(Error::Config(_)) => {}
+        other => panic!("out-of-vocabulary id must be a Config error, got {other:?}"),
+    }
+
+    let v = 1543;
+    let rows = 21;
+    let mut targets: Vec<u32> = (0..rows).map(|_| rng.below(v as u32)).collect();
+    targets[3] = IGNORE;
+    let (gl, cl) = pair(g, &c, &rng.vec(rows * v, 6.0), &[rows, v], DType::BF16);
+    let (mut gdl, mut cdl) = pair(g, &c, &vec![0.0; rows * v], &[rows, v], DType::BF16);
+    let (mut gls, mut cls) = pair(g, &c, &[1.5], &[1], DType::F32);
+    g.cross_entropy(&gl, &targets, 0.25, &mut gdl, &mut gls)
+        .unwrap();
+    c.cross_entropy(&cl, &targets, 0.25, &mut cdl, &mut cls)
+        .unwrap();
+    check("cross_entropy dlogits", g, &gdl, &c, &cdl);
+    check("cross_entropy loss_sum", g, &gls, &c, &cls);
+    let dl = g.to_host(&gdl).unwrap();
+    assert!(
+        dl[3 * v..4 * v].iter().all(|&x| x == 0.0),
+        "ignored row has zero gradient"
+    );
+
+    let np = 10_007;
+    let (mut gp, mut cp) = pair(g, &c, &rng.vec(np, 1.0), &[np], DType::F32);
+    let (gm_g, cm_g) = pair(g, &c, &rng.vec(np, 0.1), &[np], DType::F32);
+    let (mut gm, mut cm) = pair(g, &c, &rng.vec(np, 0.01), &[np], DType::F32);
+    let vv: Vec<f32> = rng.vec(np, 0.01).iter().map(|x| x.abs()).collect();
+    let (mut gv, mut cv) = pair(g, &c, &vv, &[np], DType::F32);
+    for step in 1..=3 {
+        let hp = AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step,
+            grad_scale: 0.5,
+        };
+        g.adamw(&mut gp, &gm_g, &mut gm, &mut gv, hp).unwrap();
+        c.adamw(&mut cp, &cm_g, &mut cm, &mut cv, hp).unwrap();
+    }
+    check("adamw param", g, &gp, &c, &cp);
+    check("adamw m", g, &gm, &c, &cm);
+    check("adamw v", g, &gv, &c, &cv);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_case(
+    g: &CudaBackend,
+    c: &CpuBackend,
+    rng: &mut Rng,
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+    grad_dt: DType,
+) {
+    let tag =
+        format!("attn sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} causal={causal} grads={grad_dt:?}");
+    // Views start at row `off` of bigger tensors to exercise row ranges.
+    let off = 3;
+    let (gq, cq) = pair(
+        g,
+        c,
+        &rng.vec((sq + off) * hq * d, 1.5),
+        &[sq + off, hq, d],
+        DType::BF16,
+    );
+    let (gk, ck) = pair(
+        g,
+        c,
+        &rng.vec((sk + off) * hkv * d, 1.5),
+        &[sk + off, hkv, d],
+        DType::BF16,
+    );
+    let (gv, cv) = pair(
+        g,
+        c,
+        &rng.vec((sk + off) * hkv * d, 1.0),
+        &[sk + off, hkv, d],
+        DType::BF16,
+    );
+    let (mut go, mut co) = pair(
+        g,
+        c,
+        &vec![0.0; (sq + off) * hq * d],
+        &[sq + off, hq, d],
+        DType::BF16,
+    );
+    let (mut gl, mut cl) = pair(
+        g,
+        c,
+        &vec![0.0; (sq + off) * hq],
+        &[sq + off, hq],
+        DType::F32,
+    );
+    let (qr, kr) = (off..off + sq, off..off + sk);
+    g.attention_fwd(
+        gq.rows_view(qr.clone()),
+        gk.rows_view(kr.clone()),
+        gv.rows_view(kr.clone()),
+        causal,
+        go.rows_view_mut(qr.clone()),
+        gl.rows_view_mut(qr.clone()),
+    )
+    .unwrap();
+    c.attention_fwd(
+        cq.rows_view(qr.clone()),
+        ck.rows_view(kr.clone()),
+        cv.rows_view(kr.clone()),
+        causal,
+        co.rows_view_mut(qr.clone()),
+        cl.rows_view_mut(qr.clone()),
+    )
+    .unwrap();
+    check(&format!("{tag} o"), g, &go, c, &co);
+    check(&format!("{tag} lse"), g, &gl, c, &cl);
+    // Backward from the CPU's o/lse (bf16-rounded o on both sides).
+    let o_host = round(&c.to_host(&co).unwrap(), DType::BF16);
+    let (go2, co2) = pair(g, c, &o_host, &[sq + off, hq, d], DType::BF16);
+    let lse_host = c.to_host(&cl).unwrap();
+    let (gl2, cl2) = pair(g, c, &lse_host, &[sq + off, hq], DType::F32);
+    let (gdo, cdo) = pair(
+        g,
+        c,
+        &rng.vec((sq + off) * hq * d, 1.0),
+        &[sq + off, hq, d],
+        DType::BF16,
+    );
+    let init =
+        |n: usize, shape: &[usize], rng: &mut Rng| pair(g, c, &rng.vec(n, 0.1), shape, grad_dt);
+    let (mut gdq, mut cdq) = init((sq + off) * hq * d, &[sq + off, hq, d], rng);
+    let (mut gdk, mut cdk) = init((sk + off) * hkv * d, &[sk + off, hkv, d], rng);
+    let (mut gdv, mut cdv) = init((sk + off) * hkv * d, &[sk + off, hkv, d], rng);
+    g.attention_bwd(
+        gq.rows_view(qr.clone()),
+        gk.rows_view(kr.clone()),
+        gv.rows_view(kr.clone()),
+        go2.rows_view(qr.clone()),
+        gdo.rows_view(qr.clone()),
+        gl2.rows_view(qr.clone()),
+        causal,
+        gdq.rows_view_mut(qr.clone()),
+        gdk.rows_view_mut(kr.clone()),
+        gdv.rows_view_mut(kr.clone()),
+    )
+    .unwrap();
+    c.attention_bwd(
+        cq.rows_view(qr.clone()),
+        ck.rows_view(kr.clone()),
+        cv.rows_view(kr.clone()),
+        co2.rows_view(qr.clone()),
+        cdo.rows_view(qr.clone()),
+        cl2.rows_view(qr.clone()),
+        causal,
+        cdq.rows_view_mut(qr.clone()),
+        cdk.rows_view_mut(kr.clone()),
+        cdv.rows_view_mut(kr.clone()),
+    )
+    .unwrap();
+    check(&format!("{tag} dq"), g, &gdq, c, &cdq);
+    check(&format!("{tag} dk"), g, &gdk, c, &cdk);
+    check(&format!("{tag} dv"), g, &gdv, c, &cdv);
+}
+
+#[test]
+fn attention_fwd_bwd_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("attention");
+    attention_case(g, &c, &mut rng, 150, 150, 4, 4, 64, true, DType::F32);
+    attention_case(g, &c, &mut rng, 150, 150, 8, 2, 128, true, DType::BF16);
+    attention_case(g, &c, &mut rng, 70, 200, 6, 3, 32, false, DType::F32);
+    attention_case(g, &c, &mut rng, 129, 131, 2, 1, 256, false, DType::BF16);
+}
+
+#[test]
+fn lse_merge_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("lse_merge");
+    let (s, h, d) = (41, 5, 64);
+    let (mut goa, mut coa) = pair(g, &c, &rng.vec(s * h * d, 1.0), &[s, h, d], DType::BF16);
+    let (mut gla, mut cla) = pair(g, &c, &rng.vec(s * h, 3.0), &[s, h], DType::F32);
+    let (gob, cob) = pair(g, &c, &rng.vec(s * h * d, 1.0), &[s, h, d], DType::BF16);
+    let mut lb = rng.vec(s * h, 3.0);
+    lb[7] = f32::NEG_INFINITY; // an empty block contributes nothing
+    let (glb, clb) = pair(g, &c, &lb, &[s, h], DType::F32);
+    let r = 2..s;
+    g.lse_merge(
+        goa.rows_view_mut(r.clone()),
+        gla.rows_view_mut(r.clone()),
+        gob.rows_view(r.clone()),
+        glb.rows_view(r.clone()),
+    )
+    .unwrap();
+    c.lse_merge(
+        coa.rows_view_mut(r.clone()),
+        cla.rows_view_mut(r.clone()),
+        cob.rows_view(r.clone()),
+        clb.rows_view(r.clone()),
+    )
+    .unwrap();
+    check("lse_merge o", g, &goa, &c, &coa);
+    check("lse_merge lse", g, &gla, &c, &cla);
+}
+
+#[test]
+fn pool_and_ledger_agree_and_oom_is_an_error() {
+    if gpu().is_none() {
+        return;
+    }
+    // Its own backend so no other test's tensors are counted.
+    let g = CudaBackend::new(0).unwrap();
+    assert!(
+        g.kernels_from_cache(),
+        "the second backend reads the kernel cache"
+    );
+    g.reset_pool_peak().unwrap();
+    g.ledger().reset_peak();
+    let base = g.pool_stats().unwrap().used_current;
+    {
+        let a = g
+            .zeros(&[64 << 20], DType::BF16, Category::Activations)
+            .unwrap(); // 128 MiB
+        let b = g.zeros(&[32 << 20], DType::F32, Category::Weights).unwrap(); // 128 MiB
+        drop(a);
+        let _c = g
+            .zeros(&[16 << 20], DType::F32, Category::Workspace)
+            .unwrap(); // 64 MiB
+        let st = g.pool_stats().unwrap();
+        assert_eq!(g.ledger().current(), (128 + 64) << 20);
+        assert_eq!(g.ledger().peak(), 256 << 20);
+        eprintln!("pool {st:?}, ledger peak {}", g.ledger().peak());
+        let high = (st.used_high - base) as f64;
+        let peak = g.ledger().peak() as f64;
+        assert!(
+            high >= peak && high <= peak * 1.01,
+            "pool high-water {high} vs ledger peak {peak}"
+        );
+        drop(b);
+    }
+    assert_eq!(g.ledger().current(), 0);
+    assert_eq!(
+        g.pool_stats().unwrap().used_current,
+        base,
+        "drop returns device memory to the pool"
+    );
+    match g.zeros(&[1 << 36], DType::F32, Category::Activations) {
+        Err(Error::OutOfMemory { requested, .. }) => assert_eq!(requested, 4usize << 36),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    assert_eq!(
+        g.ledger().current(),
+        0,
+        "a failed allocation records nothing"
+    );
+}
