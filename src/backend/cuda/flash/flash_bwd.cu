@@ -1,9 +1,9 @@
 // upipe flash attention backward (FlashAttention-2 schedule, mma.sync m16n8k16 bf16).
 //
 // Preprocess: delta[i, h] = sum_d dO[i, h, d] * O[i, h, d]  (f32 workspace [sq, hq]).
-// Main: one block = 64 keys of one kv head; it loops over the group's query heads
+// Main: one block = 128 keys of one kv head; it loops over the group's query heads
 // and all query blocks of 64 rows, keeping dK and dV for its keys in registers
-// (4 warps, 16 keys each) and adding dQ into the f32 output with vector
+// (8 warps, 16 keys each) and adding dQ into the f32 output with vector
 // reductions. Q/dO/LSE/delta tiles are double-buffered with cp.async.
 
 struct FlashBwdParams {
@@ -14,8 +14,8 @@ struct FlashBwdParams {
 };
 
 #define BWD_BM 64
-#define BWD_BN 64
-#define BWD_NT 128
+#define BWD_BN 128
+#define BWD_NT 256
 
 // One warp per (row, head): delta = <dO, O> in f32.
 template <int D>
@@ -215,18 +215,10 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
         }
         __syncthreads();
 
-        // dQ += dS K: this warp's 16 queries x D, over the block's 64 keys.
-        u32 aq[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const int kr = kk * 16 + ((lane >> 4) << 3) + (lane & 7);
-            const int qch = warp * 2 + ((lane >> 3) & 1);
-            ldsm_x4_t(aq[kk], sdS + (u32)(kr * (BM * 2) + ((qch ^ (kr & 7)) << 4)));
-        }
-        float* gdq = (float*)p.dq + (i64)h * D;
-        const int qr0 = m0 + warp * 16 + (lane >> 2);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        // dQ += dS K over the block's 128 keys; warp w owns queries 16*(w&3).. and
+        // head-dim half (w>>2).
+        {
+            const int qg = warp & 3, dh = warp >> 2;
             float dq[NTD / 2][4];
 #pragma unroll
             for (int j = 0; j < NTD / 2; ++j)
@@ -234,20 +226,25 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                 for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
+                u32 aq[4];
+                const int kr = kk * 16 + ((lane >> 4) << 3) + (lane & 7);
+                const int qch = qg * 2 + ((lane >> 3) & 1);
+                ldsm_x4_t(aq, sdS + (u32)(kr * (BM * 2) + ((qch ^ (kr & 7)) << 4)));
 #pragma unroll
                 for (int j2 = 0; j2 < NTD / 4; ++j2) {
                     u32 b[4];
                     ldsm_x4_t(b, sK + tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7),
-                                                  half * (NTD / 2) + j2 * 2 + (lane >> 4)));
-                    mma_bf16(dq[2 * j2], aq[kk], b[0], b[1]);
-                    mma_bf16(dq[2 * j2 + 1], aq[kk], b[2], b[3]);
+                                                  dh * (NTD / 2) + j2 * 2 + (lane >> 4)));
+                    mma_bf16(dq[2 * j2], aq, b[0], b[1]);
+                    mma_bf16(dq[2 * j2 + 1], aq, b[2], b[3]);
                 }
             }
+            float* gdq = (float*)p.dq + (i64)h * D + dh * (D / 2) + ((lane & 3) << 1);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int qr = qr0 + r * 8;
+                const int qr = m0 + qg * 16 + (lane >> 2) + r * 8;
                 if (qr < p.sq) {
-                    float* row = gdq + (i64)qr * p.dq_stride + half * (D / 2) + ((lane & 3) << 1);
+                    float* row = gdq + (i64)qr * p.dq_stride;
 #pragma unroll
                     for (int j = 0; j < NTD / 2; ++j) red_add_v2(row + j * 8, dq[j][2 * r], dq[j][2 * r + 1]);
                 }
@@ -279,9 +276,9 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
 
 extern "C" __global__ void upipe_flash_bwd_pre_d64(const FlashBwdParams p) { flash_bwd_pre_impl<64>(p); }
 extern "C" __global__ void upipe_flash_bwd_pre_d128(const FlashBwdParams p) { flash_bwd_pre_impl<128>(p); }
-extern "C" __global__ void __launch_bounds__(BWD_NT, 2) upipe_flash_bwd_d64(const FlashBwdParams p) {
+extern "C" __global__ void __launch_bounds__(BWD_NT, 1) upipe_flash_bwd_d64(const FlashBwdParams p) {
     flash_bwd_impl<64>(p);
 }
-extern "C" __global__ void __launch_bounds__(BWD_NT, 2) upipe_flash_bwd_d128(const FlashBwdParams p) {
+extern "C" __global__ void __launch_bounds__(BWD_NT, 1) upipe_flash_bwd_d128(const FlashBwdParams p) {
     flash_bwd_impl<128>(p);
 }

@@ -42,7 +42,7 @@ __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
 
 // c += a * b, m16n8k16, bf16 inputs, f32 accumulators.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
