@@ -46,8 +46,10 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
     constexpr int NTD = D / 8;   // n8 tiles across the head dim
     constexpr int NTM = BM / 8;  // n8 tiles across a query block
 
-    const int n_block = blockIdx.x;  // small key blocks carry the most causal work: first
-    const int kh = blockIdx.y;
+    // Grid = key blocks x kv heads, heads fastest: the first key blocks carry the
+    // most causal work and start in the first wave for every head.
+    const int kh = blockIdx.x % p.hkv;
+    const int n_block = blockIdx.x / p.hkv;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int n0 = n_block * BN;
 
@@ -55,8 +57,8 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
     const u32 sV = sK + BN * D * 2;
     const u32 sQ = sV + BN * D * 2;     // 2 buffers
     const u32 sdO = sQ + 2 * BM * D * 2;  // 2 buffers
-    const u32 sdS = sdO + 2 * BM * D * 2; // [BN keys][BM queries] bf16, swizzled
-    float* sLse = (float*)(smem + (2 * BN * D + 4 * BM * D + BN * BM) * 2);  // [2][BM]
+    const u32 sdS = sdO + 2 * BM * D * 2; // 2 buffers of [BN keys][BM queries] bf16, swizzled
+    float* sLse = (float*)(smem + (2 * BN * D + 4 * BM * D + 2 * BN * BM) * 2);  // [2][BM]
     float* sDelta = sLse + 2 * BM;                                          // [2][BM]
 
     const bf16_t* gk = (const bf16_t*)p.k + (i64)kh * D;
@@ -87,11 +89,14 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
         const int m0 = mb * BM;
         load_tile<BM, D, NT>(sQ + buf * BM * D * 2, (const bf16_t*)p.q + (i64)h * D, p.q_stride, m0, p.sq, tid);
         load_tile<BM, D, NT>(sdO + buf * BM * D * 2, (const bf16_t*)p.d_o + (i64)h * D, p.do_stride, m0, p.sq, tid);
+        // Rows >= sq read as 0: their Q and dO rows are zero, so they add nothing.
         for (int i = tid; i < BM; i += NT) {
             const int r = m0 + i;
             const bool ok = r < p.sq;
-            sLse[buf * BM + i] = ok ? ((const float*)p.lse)[(i64)r * p.lse_stride + h] * FL_LOG2E : FL_INF;
-            sDelta[buf * BM + i] = ok ? ((const float*)p.delta)[(i64)r * p.hq + h] : 0.f;
+            const float* gl = (const float*)p.lse + (ok ? (i64)r * p.lse_stride + h : 0);
+            const float* gd = (const float*)p.delta + (ok ? (i64)r * p.hq + h : 0);
+            cp_async4(smem_addr(sLse + buf * BM + i), gl, ok ? 4 : 0);
+            cp_async4(smem_addr(sDelta + buf * BM + i), gd, ok ? 4 : 0);
         }
     };
     if (total > 0) issue(0, 0);
@@ -99,12 +104,47 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
 
     const int key_row0 = warp * 16;  // this warp's keys within the block
 
+    // dQ += dS K over the block's 128 keys for iteration `it` (its dS in `sdSb`);
+    // warp w owns queries 16*(w&3).. and head-dim half (w>>2).
+    auto dq_step = [&](int it, u32 sdSb) {
+        const int h = kh * p.group + it / n_m;
+        const int m0 = (m_begin + it % n_m) * BM;
+        const int qg = warp & 3, dh = warp >> 2;
+        float dq[NTD / 2][4];
+#pragma unroll
+        for (int j = 0; j < NTD / 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            u32 aq[4];
+            const int kr = kk * 16 + ((lane >> 4) << 3) + (lane & 7);
+            const int qch = qg * 2 + ((lane >> 3) & 1);
+            ldsm_x4_t(aq, sdSb + (u32)(kr * (BM * 2) + ((qch ^ (kr & 7)) << 4)));
+#pragma unroll
+            for (int j2 = 0; j2 < NTD / 4; ++j2) {
+                u32 b[4];
+                ldsm_x4_t(b, sK + tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7),
+                                              dh * (NTD / 2) + j2 * 2 + (lane >> 4)));
+                mma_bf16(dq[2 * j2], aq, b[0], b[1]);
+                mma_bf16(dq[2 * j2 + 1], aq, b[2], b[3]);
+            }
+        }
+        float* gdq = (float*)p.dq + (i64)h * D + dh * (D / 2) + ((lane & 3) << 1);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int qr = m0 + qg * 16 + (lane >> 2) + r * 8;
+            if (qr < p.sq) {
+                float* row = gdq + (i64)qr * p.dq_stride;
+#pragma unroll
+                for (int j = 0; j < NTD / 2; ++j) red_add_v2(row + j * 8, dq[j][2 * r], dq[j][2 * r + 1]);
+            }
+        }
+    };
+
     for (int it = 0; it < total; ++it) {
         const int buf = it & 1;
-        const int hg = it / n_m;
-        const int mb = m_begin + it % n_m;
-        const int h = kh * p.group + hg;
-        const int m0 = mb * BM;
+        const int m0 = (m_begin + it % n_m) * BM;
         cp_async_wait<0>();
         __syncthreads();
         if (it + 1 < total) {
@@ -113,8 +153,11 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
         }
         const u32 sQb = sQ + buf * BM * D * 2;
         const u32 sdOb = sdO + buf * BM * D * 2;
-        const float* lse2 = sLse + buf * BM;
+        const float* lse = sLse + buf * BM;
         const float* dlt = sDelta + buf * BM;
+        const u32 sdSb = sdS + buf * BN * BM * 2;
+        // dQ of the previous iteration (its dS is complete: barrier above).
+        if (it > 0) dq_step(it - 1, sdS + (buf ^ 1) * BN * BM * 2);
 
         // S^T = K Q^T: this warp's 16 keys x 64 queries.
         float st[NTM][4];
@@ -136,13 +179,13 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
         }
 
         // P^T = exp(scale * S^T - lse), zero where masked.
-        const bool need_mask = (p.causal && m0 < n0 + BN) || (n0 + BN > p.sk);
+        const bool need_mask = (p.causal && m0 < n0 + BN) || (n0 + BN > p.sk);  // query tails: see issue()
 #pragma unroll
         for (int j = 0; j < NTM; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int qc = j * 8 + ((lane & 3) << 1) + (e & 1);
-                float pv = fast_exp2(st[j][e] * p.scale_log2 - lse2[qc]);
+                float pv = fast_exp2(st[j][e] * p.scale_log2 - lse[qc] * FL_LOG2E);
                 if (need_mask) {
                     const int kr = n0 + key_row0 + (lane >> 2) + ((e >> 1) << 3);
                     if (kr >= p.sk || (p.causal && kr > m0 + qc)) pv = 0.f;
@@ -198,7 +241,7 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                 const u32 packed = pack_bf16(v0, v1);
                 ds[j >> 1][((j & 1) << 1) + r] = packed;
                 const int kr = key_row0 + (lane >> 2) + r * 8;
-                const u32 addr = sdS + (u32)(kr * (BM * 2) + (((qc >> 3) ^ (kr & 7)) << 4) + ((qc & 7) << 1));
+                const u32 addr = sdSb + (u32)(kr * (BM * 2) + (((qc >> 3) ^ (kr & 7)) << 4) + ((qc & 7) << 1));
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(packed));
             }
 
@@ -213,43 +256,10 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                 mma_bf16(acc_dk[2 * j2 + 1], ds[kk], b[2], b[3]);
             }
         }
+    }
+    if (total > 0) {
         __syncthreads();
-
-        // dQ += dS K over the block's 128 keys; warp w owns queries 16*(w&3).. and
-        // head-dim half (w>>2).
-        {
-            const int qg = warp & 3, dh = warp >> 2;
-            float dq[NTD / 2][4];
-#pragma unroll
-            for (int j = 0; j < NTD / 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                u32 aq[4];
-                const int kr = kk * 16 + ((lane >> 4) << 3) + (lane & 7);
-                const int qch = qg * 2 + ((lane >> 3) & 1);
-                ldsm_x4_t(aq, sdS + (u32)(kr * (BM * 2) + ((qch ^ (kr & 7)) << 4)));
-#pragma unroll
-                for (int j2 = 0; j2 < NTD / 4; ++j2) {
-                    u32 b[4];
-                    ldsm_x4_t(b, sK + tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7),
-                                                  dh * (NTD / 2) + j2 * 2 + (lane >> 4)));
-                    mma_bf16(dq[2 * j2], aq, b[0], b[1]);
-                    mma_bf16(dq[2 * j2 + 1], aq, b[2], b[3]);
-                }
-            }
-            float* gdq = (float*)p.dq + (i64)h * D + dh * (D / 2) + ((lane & 3) << 1);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int qr = m0 + qg * 16 + (lane >> 2) + r * 8;
-                if (qr < p.sq) {
-                    float* row = gdq + (i64)qr * p.dq_stride;
-#pragma unroll
-                    for (int j = 0; j < NTD / 2; ++j) red_add_v2(row + j * 8, dq[j][2 * r], dq[j][2 * r + 1]);
-                }
-            }
-        }
+        dq_step(total - 1, sdS + ((total - 1) & 1) * BN * BM * 2);
     }
 
     // dK, dV += (no other block touches these rows of this kv head).

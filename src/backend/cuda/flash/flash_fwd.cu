@@ -22,8 +22,11 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
     constexpr int NTD = D / 8;   // n8 tiles across the head dim
     constexpr int NTN = BN / 8;  // n8 tiles across a key block
 
-    const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (causal) blocks first
-    const int h = blockIdx.y;
+    // Grid = m blocks x heads, heads fastest and the longest (causal) rows first,
+    // so that the heaviest blocks of every head start in the first wave.
+    const int n_mblocks = (p.sq + BM - 1) / BM;
+    const int h = blockIdx.x % p.hq;
+    const int m_block = n_mblocks - 1 - (int)(blockIdx.x / p.hq);
     const int kh = h / p.group;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int m0 = m_block * BM;

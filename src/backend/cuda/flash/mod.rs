@@ -75,7 +75,7 @@ fn fwd_smem_bytes(d: usize) -> usize {
 }
 /// Dynamic shared memory of the backward kernel for head dim `d`.
 fn bwd_smem_bytes(d: usize) -> usize {
-    (2 * BWD_BN * d + 4 * BWD_BM * d + BWD_BN * BWD_BM) * 2 + 4 * BWD_BM * 4
+    (2 * BWD_BN * d + 4 * BWD_BM * d + 2 * BWD_BN * BWD_BM) * 2 + 4 * BWD_BM * 4
 }
 
 /// The loaded flash kernels of one module.
@@ -339,7 +339,7 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
     };
     let func = if a.d == 64 { &f.fwd64 } else { &f.fwd128 };
     let cfg = LaunchConfig {
-        grid_dim: (a.sq.div_ceil(FWD_BM) as u32, a.hq as u32, 1),
+        grid_dim: ((a.sq.div_ceil(FWD_BM) * a.hq) as u32, 1, 1),
         block_dim: (FWD_THREADS, 1, 1),
         shared_mem_bytes: fwd_smem_bytes(a.d) as u32,
     };
@@ -420,7 +420,7 @@ pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs)
         shared_mem_bytes: 0,
     };
     let cfg = LaunchConfig {
-        grid_dim: (a.sk.div_ceil(BWD_BN) as u32, a.hkv as u32, 1),
+        grid_dim: ((a.sk.div_ceil(BWD_BN) * a.hkv) as u32, 1, 1),
         block_dim: (BWD_THREADS, 1, 1),
         shared_mem_bytes: bwd_smem_bytes(a.d) as u32,
     };
