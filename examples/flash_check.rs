@@ -25,7 +25,17 @@ fn compile() -> Res<cudarc::nvrtc::Ptx> {
         options: NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
     };
-    let ptx = compile_ptx_with_opts(FLASH_SOURCE, opts)?;
+    // FLASH_DEFINES="A=1;B=0" overrides the kernels' compile-time tuning knobs.
+    let mut src = String::new();
+    if let Ok(defs) = std::env::var("FLASH_DEFINES") {
+        for d in defs.split(';').filter(|d| !d.is_empty()) {
+            let (k, v) = d.split_once('=').unwrap_or((d, "1"));
+            src.push_str(&format!("#define {k} {v}\n"));
+        }
+        eprintln!("variant: {defs}");
+    }
+    src.push_str(FLASH_SOURCE);
+    let ptx = compile_ptx_with_opts(&src, opts)?;
     eprintln!("nvrtc compile: {:.2} s", t.elapsed().as_secs_f64());
     Ok(ptx)
 }

@@ -2,9 +2,7 @@
 //! rayon parallelism and `matrixmultiply` GEMM. Every other backend and every
 //! context-parallel strategy is tested against this one.
 
-use super::{
-    AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
-};
+use super::{AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -121,13 +119,7 @@ impl Backend for CpuBackend {
         ))
     }
 
-    fn from_host(
-        &self,
-        host: &[f32],
-        shape: &[usize],
-        dtype: DType,
-        cat: Category,
-    ) -> Result<Tensor<Self>> {
+    fn from_host(&self, host: &[f32], shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
         check_f32(dtype)?;
         if host.len() != shape.iter().product::<usize>() {
             return Err(Error::Backend(format!(
@@ -152,14 +144,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn gemm(
-        &self,
-        c: MatMut<'_, Self>,
-        a: Mat<'_, Self>,
-        b: Mat<'_, Self>,
-        alpha: f32,
-        beta: f32,
-    ) -> Result<()> {
+    fn gemm(&self, c: MatMut<'_, Self>, a: Mat<'_, Self>, b: Mat<'_, Self>, alpha: f32, beta: f32) -> Result<()> {
         let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
         if b.l.rows != k || c.l.rows != m || c.l.cols != n || c.l.trans {
             return Err(Error::Backend(format!(
@@ -212,10 +197,7 @@ impl Backend for CpuBackend {
 
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
         if dst.l.rows != src.l.rows || dst.l.cols != src.l.cols {
-            return Err(Error::Backend(format!(
-                "copy shapes: {:?} <- {:?}",
-                dst.l, src.l
-            )));
+            return Err(Error::Backend(format!("copy shapes: {:?} <- {:?}", dst.l, src.l)));
         }
         let (rsd, csd) = dst.l.strides();
         let (rss, css) = src.l.strides();
@@ -251,13 +233,7 @@ impl Backend for CpuBackend {
         Ok(data(t).iter().map(|&x| (x as f64) * (x as f64)).sum())
     }
 
-    fn rms_norm_fwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        eps: f32,
-        y: &mut Tensor<Self>,
-    ) -> Result<()> {
+    fn rms_norm_fwd(&self, x: &Tensor<Self>, w: &Tensor<Self>, eps: f32, y: &mut Tensor<Self>) -> Result<()> {
         same_numel(x, y, "rms_norm_fwd")?;
         let dim = w.numel();
         let (xs, ws) = (data(x), data(w));
@@ -303,13 +279,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn rope(
-        &self,
-        x: &mut Tensor<Self>,
-        cos: &Tensor<Self>,
-        sin: &Tensor<Self>,
-        inverse: bool,
-    ) -> Result<()> {
+    fn rope(&self, x: &mut Tensor<Self>, cos: &Tensor<Self>, sin: &Tensor<Self>, inverse: bool) -> Result<()> {
         let (s, d) = (x.rows(), x.shape().get(2).copied().unwrap_or(0));
         let half = d / 2;
         if d % 2 != 0 || cos.numel() != s * half || sin.numel() != s * half {
@@ -322,20 +292,17 @@ impl Backend for CpuBackend {
         let (cs, ss) = (data(cos), data(sin));
         let sign = if inverse { -1.0 } else { 1.0 };
         let row = x.row_len();
-        data_mut(x)
-            .par_chunks_mut(row)
-            .enumerate()
-            .for_each(|(t, xr)| {
-                let (c, sn) = (&cs[t * half..(t + 1) * half], &ss[t * half..(t + 1) * half]);
-                for head in xr.chunks_mut(d) {
-                    for i in 0..half {
-                        let (a, b) = (head[i], head[i + half]);
-                        let si = sign * sn[i];
-                        head[i] = a * c[i] - b * si;
-                        head[i + half] = b * c[i] + a * si;
-                    }
+        data_mut(x).par_chunks_mut(row).enumerate().for_each(|(t, xr)| {
+            let (c, sn) = (&cs[t * half..(t + 1) * half], &ss[t * half..(t + 1) * half]);
+            for head in xr.chunks_mut(d) {
+                for i in 0..half {
+                    let (a, b) = (head[i], head[i + half]);
+                    let si = sign * sn[i];
+                    head[i] = a * c[i] - b * si;
+                    head[i + half] = b * c[i] + a * si;
                 }
-            });
+            }
+        });
         Ok(())
     }
 
@@ -406,14 +373,7 @@ impl Backend for CpuBackend {
         dv: RowsMut<'_, Self>,
     ) -> Result<()> {
         let g = attn_geom(&q, &k, causal)?;
-        let (qs, ks, vs, os, dos, ls) = (
-            data(q.t),
-            data(k.t),
-            data(v.t),
-            data(o.t),
-            data(d_o.t),
-            data(lse.t),
-        );
+        let (qs, ks, vs, os, dos, ls) = (data(q.t), data(k.t), data(v.t), data(o.t), data(d_o.t), data(lse.t));
         let (sq, sk) = (q.len(), k.len());
         let (q0, k0, o0, do0, l0) = (
             q.range.start,
@@ -527,12 +487,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn swiglu_fwd(
-        &self,
-        gate: &Tensor<Self>,
-        up: &Tensor<Self>,
-        out: &mut Tensor<Self>,
-    ) -> Result<()> {
+    fn swiglu_fwd(&self, gate: &Tensor<Self>, up: &Tensor<Self>, out: &mut Tensor<Self>) -> Result<()> {
         same_numel(gate, up, "swiglu_fwd")?;
         same_numel(gate, out, "swiglu_fwd")?;
         let (g, u) = (data(gate), data(up));
@@ -566,17 +521,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn embedding_fwd(
-        &self,
-        table: &Tensor<Self>,
-        ids: &[u32],
-        out: &mut Tensor<Self>,
-    ) -> Result<()> {
+    fn embedding_fwd(&self, table: &Tensor<Self>, ids: &[u32], out: &mut Tensor<Self>) -> Result<()> {
         let (vocab, h) = (table.rows(), table.row_len());
         if out.numel() != ids.len() * h {
-            return Err(Error::Backend(
-                "embedding_fwd: output is not [ids, hidden]".into(),
-            ));
+            return Err(Error::Backend("embedding_fwd: output is not [ids, hidden]".into()));
         }
         let t = data(table);
         for (row, &id) in data_mut(out).chunks_mut(h).zip(ids) {
@@ -591,12 +539,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn embedding_bwd(
-        &self,
-        dout: &Tensor<Self>,
-        ids: &[u32],
-        dtable: &mut Tensor<Self>,
-    ) -> Result<()> {
+    fn embedding_bwd(&self, dout: &Tensor<Self>, ids: &[u32], dtable: &mut Tensor<Self>) -> Result<()> {
         let h = dtable.row_len();
         let dy = data(dout);
         let dt = data_mut(dtable);
@@ -619,9 +562,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let v = logits.row_len();
         if logits.rows() != targets.len() {
-            return Err(Error::Backend(
-                "cross_entropy: one target per logits row".into(),
-            ));
+            return Err(Error::Backend("cross_entropy: one target per logits row".into()));
         }
         let lg = data(logits);
         let losses: Vec<f64> = data_mut(dlogits)

@@ -149,35 +149,22 @@ impl MemoryLedger {
 
     /// Bytes currently allocated on the device.
     pub fn current(&self) -> usize {
-        self.counters
-            .lock()
-            .expect("memory ledger poisoned")
-            .device_current
+        self.counters.lock().expect("memory ledger poisoned").device_current
     }
 
     /// Peak device bytes since the last reset.
     pub fn peak(&self) -> usize {
-        self.counters
-            .lock()
-            .expect("memory ledger poisoned")
-            .device_peak
+        self.counters.lock().expect("memory ledger poisoned").device_peak
     }
 
     /// Current bytes of one category.
     pub fn current_of(&self, cat: Category) -> usize {
-        self.counters
-            .lock()
-            .expect("memory ledger poisoned")
-            .current[cat.index()]
+        self.counters.lock().expect("memory ledger poisoned").current[cat.index()]
     }
 
     /// A consistent snapshot.
     pub fn stats(&self) -> MemoryStats {
-        let c = self
-            .counters
-            .lock()
-            .expect("memory ledger poisoned")
-            .clone();
+        let c = self.counters.lock().expect("memory ledger poisoned").clone();
         let zip = |a: &[usize; N]| Category::ALL.iter().map(|&k| (k, a[k.index()])).collect();
         MemoryStats {
             current: c.device_current,

@@ -61,27 +61,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Allocates a zero-filled tensor.
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>>;
     /// Creates a tensor from host f32 data (converted to `dtype`).
-    fn from_host(
-        &self,
-        data: &[f32],
-        shape: &[usize],
-        dtype: DType,
-        cat: Category,
-    ) -> Result<Tensor<Self>>;
+    #[allow(clippy::wrong_self_convention)]
+    fn from_host(&self, data: &[f32], shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>>;
     /// Copies a tensor to the host as f32.
     fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>>;
     /// Waits for all queued work on this device.
     fn synchronize(&self) -> Result<()>;
 
     /// `c = alpha * a @ b + beta * c` on matrix views (any of them may be transposed views).
-    fn gemm(
-        &self,
-        c: MatMut<'_, Self>,
-        a: Mat<'_, Self>,
-        b: Mat<'_, Self>,
-        alpha: f32,
-        beta: f32,
-    ) -> Result<()>;
+    fn gemm(&self, c: MatMut<'_, Self>, a: Mat<'_, Self>, b: Mat<'_, Self>, alpha: f32, beta: f32) -> Result<()>;
     /// Strided 2-D copy `dst = src` (same logical shape; converts dtype).
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()>;
     /// Sets every element to `value`.
@@ -92,13 +80,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64>;
 
     /// RMSNorm over the last dim: `y = x / rms(x) * w`; x, y `[n, dim]`, w `[dim]`.
-    fn rms_norm_fwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        eps: f32,
-        y: &mut Tensor<Self>,
-    ) -> Result<()>;
+    fn rms_norm_fwd(&self, x: &Tensor<Self>, w: &Tensor<Self>, eps: f32, y: &mut Tensor<Self>) -> Result<()>;
     /// RMSNorm backward: writes `dx`, accumulates `dw`.
     fn rms_norm_bwd(
         &self,
@@ -111,13 +93,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// Rotary embedding in place, HF "rotate half" convention. `x: [s, n_heads, d]`,
     /// `cos, sin: [s, d/2]` (f32). `inverse` rotates by the negative angle (the backward).
-    fn rope(
-        &self,
-        x: &mut Tensor<Self>,
-        cos: &Tensor<Self>,
-        sin: &Tensor<Self>,
-        inverse: bool,
-    ) -> Result<()>;
+    fn rope(&self, x: &mut Tensor<Self>, cos: &Tensor<Self>, sin: &Tensor<Self>, inverse: bool) -> Result<()>;
 
     /// Attention forward on token rows. `q: [sq, hq, d]`, `k, v: [sk, hkv, d]` with
     /// `hq % hkv == 0` (query head `h` uses kv head `h / (hq/hkv)`); writes
@@ -159,12 +135,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Result<()>;
 
     /// `out = silu(gate) * up`.
-    fn swiglu_fwd(
-        &self,
-        gate: &Tensor<Self>,
-        up: &Tensor<Self>,
-        out: &mut Tensor<Self>,
-    ) -> Result<()>;
+    fn swiglu_fwd(&self, gate: &Tensor<Self>, up: &Tensor<Self>, out: &mut Tensor<Self>) -> Result<()>;
     /// Writes `dgate`, `dup` from `dout`.
     fn swiglu_bwd(
         &self,
@@ -175,19 +146,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
         dup: &mut Tensor<Self>,
     ) -> Result<()>;
     /// `out[i] = table[ids[i]]`; table `[vocab, hidden]`, out `[n, hidden]`.
-    fn embedding_fwd(
-        &self,
-        table: &Tensor<Self>,
-        ids: &[u32],
-        out: &mut Tensor<Self>,
-    ) -> Result<()>;
+    fn embedding_fwd(&self, table: &Tensor<Self>, ids: &[u32], out: &mut Tensor<Self>) -> Result<()>;
     /// Accumulates `dtable[ids[i]] += dout[i]`.
-    fn embedding_bwd(
-        &self,
-        dout: &Tensor<Self>,
-        ids: &[u32],
-        dtable: &mut Tensor<Self>,
-    ) -> Result<()>;
+    fn embedding_bwd(&self, dout: &Tensor<Self>, ids: &[u32], dtable: &mut Tensor<Self>) -> Result<()>;
     /// Fused softmax cross-entropy on a chunk of logits `[n, vocab]`: accumulates the
     /// summed loss of rows whose target is not `IGNORE` into `loss_sum` (`[1]`, f32) and
     /// writes `dlogits = grad_scale * (softmax - onehot)` (zero rows for ignored targets).

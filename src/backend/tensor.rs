@@ -145,13 +145,7 @@ impl<B: Backend> Drop for Tensor<B> {
 
 impl<B: Backend> fmt::Debug for Tensor<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "Tensor{:?}<{:?}, {}>",
-            self.shape,
-            self.dtype,
-            self.category.name()
-        )
+        write!(f, "Tensor{:?}<{:?}, {}>", self.shape, self.dtype, self.category.name())
     }
 }
 
@@ -199,11 +193,7 @@ impl MatLayout {
     }
     /// Row and column strides in elements.
     pub fn strides(&self) -> (usize, usize) {
-        if self.trans {
-            (1, self.ld)
-        } else {
-            (self.ld, 1)
-        }
+        if self.trans { (1, self.ld) } else { (self.ld, 1) }
     }
     /// One past the last element touched.
     pub fn extent(&self) -> usize {
@@ -215,14 +205,8 @@ impl MatLayout {
     }
     fn check(&self, numel: usize) {
         let stored_cols = if self.trans { self.rows } else { self.cols };
-        assert!(
-            stored_cols <= self.ld,
-            "view wider than its leading dimension: {self:?}"
-        );
-        assert!(
-            self.extent() <= numel,
-            "view {self:?} exceeds {numel} elements"
-        );
+        assert!(stored_cols <= self.ld, "view wider than its leading dimension: {self:?}");
+        assert!(self.extent() <= numel, "view {self:?} exceeds {numel} elements");
     }
 }
 
@@ -235,10 +219,7 @@ pub struct Mat<'a, B: Backend> {
 impl<'a, B: Backend> Mat<'a, B> {
     /// The transposed view.
     pub fn t(self) -> Self {
-        Mat {
-            t: self.t,
-            l: self.l.t(),
-        }
+        Mat { t: self.t, l: self.l.t() }
     }
 }
 

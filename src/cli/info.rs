@@ -7,10 +7,7 @@ pub struct InfoArgs {}
 
 pub fn run(_args: InfoArgs) -> Result<i32> {
     println!("upipe {}", env!("CARGO_PKG_VERSION"));
-    println!(
-        "cpu backend: f32 reference, {} threads",
-        rayon::current_num_threads()
-    );
+    println!("cpu backend: f32 reference, {} threads", rayon::current_num_threads());
     println!("CUDA: not available (this build has no CUDA backend yet)");
     Ok(0)
 }

@@ -254,7 +254,7 @@ fn check_geometry(
             "flash attention supports head_dim 64 or 128, got {d}; use the cuDNN or CPU attention for other sizes"
         )));
     }
-    if hq == 0 || hkv == 0 || hq % hkv != 0 {
+    if hq == 0 || hkv == 0 || !hq.is_multiple_of(hkv) {
         return Err(Error::Config(format!(
             "flash attention: query heads ({hq}) must be a non-zero multiple of kv heads ({hkv})"
         )));
@@ -274,7 +274,7 @@ fn check_geometry(
 }
 
 fn check_ptr(name: &str, p: u64, align: u64) -> Result<()> {
-    if p == 0 || p % align != 0 {
+    if p == 0 || !p.is_multiple_of(align) {
         return Err(Error::Backend(format!(
             "flash attention: {name} pointer {p:#x} must be non-null and {align}-byte aligned"
         )));
@@ -283,7 +283,7 @@ fn check_ptr(name: &str, p: u64, align: u64) -> Result<()> {
 }
 
 fn check_stride(name: &str, stride: usize, min: usize, multiple: usize) -> Result<()> {
-    if stride < min || stride % multiple != 0 {
+    if stride < min || !stride.is_multiple_of(multiple) {
         return Err(Error::Backend(format!(
             "flash attention: {name} row stride {stride} must be >= {min} and a multiple of {multiple} elements"
         )));
