@@ -2,7 +2,10 @@
 //! the CPU f32 oracle, plus TFLOP/s at long sequences.
 //!
 //! `flash_check ptx <out.ptx>` only compiles the kernels with NVRTC (no GPU needed);
-//! `flash_check [check] [bench]` (default both) runs on GPU 0.
+//! `flash_check [check] [bench]` (default both) runs on GPU 0. NVRTC and the
+//! driver are opened at run time: put the directory of `libnvrtc.so.13` on
+//! `LD_LIBRARY_PATH`. `FLASH_DEFINES="BWD_HEADS_FASTEST=0"` (`;`-separated)
+//! overrides the kernels' compile-time tuning knobs.
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};

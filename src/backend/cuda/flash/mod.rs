@@ -11,7 +11,23 @@
 //!
 //! Use: compile the one entry of [`FLASH_SOURCES`] with NVRTC for
 //! [`NVRTC_ARCH`] and [`NVRTC_OPTIONS`], load it as a module, build
-//! [`FlashFunctions::load`] once, then call [`flash_fwd`] / [`flash_bwd`].
+//! [`FlashFunctions::load`] once, then call [`flash_fwd`] / [`flash_bwd`]
+//! (the backward needs [`flash_bwd_workspace_bytes`] of scratch). Both only
+//! enqueue work on the given stream.
+//!
+//! Design (FlashAttention-2 schedule on `mma.sync.m16n8k16` bf16 with
+//! `ldmatrix` and `cp.async`, XOR-swizzled shared-memory tiles):
+//! - forward: a block is 128 query rows of one head (4 warps x 32 rows), K/V
+//!   tiles of 64 keys double-buffered, online softmax in base 2, grid ordered
+//!   heads-fastest and longest causal rows first;
+//! - backward: a preprocessing kernel writes `delta = rowsum(dO * O)`; the main
+//!   kernel owns 128 keys of one kv head (8 warps), loops over the group's query
+//!   heads and 64-row query blocks, keeps dK/dV in registers and adds dQ with
+//!   vector `red.global.add` straight into the f32 output.
+//!
+//! Measured on one H200 (2026-11-30, d=128, H=16, causal): forward 295-304
+//! TFLOP/s, backward 251-265, forward+backward 262-275 (S = 16K / 64K);
+//! `examples/flash_check.rs` reproduces the table and checks against the CPU oracle.
 
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute_enum;
@@ -265,7 +281,9 @@ fn check_geometry(
         )));
     }
     let lim = i32::MAX as usize / 64;
-    if sq > lim || sk > lim || hq > 65535 || hkv > 65535 || sq.saturating_mul(hq) > lim {
+    let fwd_blocks = sq.div_ceil(FWD_BM).saturating_mul(hq);
+    let bwd_blocks = sk.div_ceil(BWD_BN).saturating_mul(hkv);
+    if sq > lim || sk > lim || sq.saturating_mul(hq) > lim || fwd_blocks > lim || bwd_blocks > lim {
         return Err(Error::Config(format!(
             "flash attention: sizes too large for one launch (sq={sq}, sk={sk}, hq={hq}); split the call"
         )));
@@ -470,6 +488,23 @@ mod tests {
         assert!(check_geometry(12, 12, 8, 8, 128, true).is_ok());
         assert!(check_stride("q", 100, 128, 8).is_err());
         assert!(check_ptr("q", 8, 16).is_err());
+    }
+
+    #[test]
+    fn tile_constants_match_the_cuda_source() {
+        for (name, value) in [
+            ("FWD_BM", FWD_BM),
+            ("FWD_BN", FWD_BN),
+            ("FWD_NT", FWD_THREADS as usize),
+            ("BWD_BM", BWD_BM),
+            ("BWD_BN", BWD_BN),
+            ("BWD_NT", BWD_THREADS as usize),
+        ] {
+            assert!(
+                FLASH_SOURCE.contains(&format!("#define {name} {value}\n")),
+                "{name} != {value} in the .cu files"
+            );
+        }
     }
 
     #[test]
