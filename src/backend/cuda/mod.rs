@@ -13,6 +13,7 @@
 
 pub mod attention;
 pub mod device;
+pub mod flash;
 pub mod gemm;
 pub mod kernels;
 pub mod libs;

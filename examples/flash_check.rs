@@ -1,0 +1,459 @@
+//! Correctness and speed check of the native flash attention kernels against
+//! the CPU f32 oracle, plus TFLOP/s at long sequences.
+//!
+//! `flash_check ptx <out.ptx>` only compiles the kernels with NVRTC (no GPU needed);
+//! `flash_check [check] [bench]` (default both) runs on GPU 0. NVRTC and the
+//! driver are opened at run time: put the directory of `libnvrtc.so.13` on
+//! `LD_LIBRARY_PATH`. `FLASH_DEFINES="BWD_HEADS_FASTEST=0"` (`;`-separated)
+//! overrides the kernels' compile-time tuning knobs.
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use half::bf16;
+use std::sync::Arc;
+use upipe::backend::cpu::CpuBackend;
+use upipe::backend::cuda::flash::{
+    FLASH_SOURCE, FlashBwdArgs, FlashFunctions, FlashFwdArgs, NVRTC_ARCH, NVRTC_OPTIONS, flash_bwd,
+    flash_bwd_workspace_bytes, flash_fwd,
+};
+use upipe::backend::{Backend, Category, DType};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn compile() -> Res<cudarc::nvrtc::Ptx> {
+    let t = std::time::Instant::now();
+    let opts = CompileOptions {
+        arch: Some(NVRTC_ARCH),
+        options: NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    };
+    // FLASH_DEFINES="A=1;B=0" overrides the kernels' compile-time tuning knobs.
+    let mut src = String::new();
+    if let Ok(defs) = std::env::var("FLASH_DEFINES") {
+        for d in defs.split(';').filter(|d| !d.is_empty()) {
+            let (k, v) = d.split_once('=').unwrap_or((d, "1"));
+            src.push_str(&format!("#define {k} {v}\n"));
+        }
+        eprintln!("variant: {defs}");
+    }
+    src.push_str(FLASH_SOURCE);
+    let ptx = compile_ptx_with_opts(&src, opts)?;
+    eprintln!("nvrtc compile: {:.2} s", t.elapsed().as_secs_f64());
+    Ok(ptx)
+}
+
+/// Deterministic uniform(-1, 1) generator (xorshift).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// bf16-representable values (so both sides see identical inputs).
+    fn vec_bf16(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| bf16::from_f32(self.next() * scale).to_f32())
+            .collect()
+    }
+}
+
+fn to_bits(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect()
+}
+
+struct Gpu {
+    stream: Arc<CudaStream>,
+    f: FlashFunctions,
+}
+
+impl Gpu {
+    fn up16(&self, x: &[f32]) -> Res<CudaSlice<u16>> {
+        Ok(self.stream.clone_htod(&to_bits(x))?)
+    }
+    fn up32(&self, x: &[f32]) -> Res<CudaSlice<f32>> {
+        Ok(self.stream.clone_htod(x)?)
+    }
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    let mut max_diff = 0.0f32;
+    let mut max_ref = 0.0f32;
+    for (a, b) in got.iter().zip(want) {
+        let d = (a - b).abs();
+        max_diff = if d.is_nan() {
+            f32::INFINITY
+        } else {
+            max_diff.max(d)
+        };
+        max_ref = max_ref.max(b.abs());
+    }
+    max_diff / max_ref.max(1e-20)
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+    /// Backward over keys `[key_from, sk)` only, with the lse of the full rows.
+    key_from: usize,
+}
+
+fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<[f32; 5]> {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(seed);
+    let (sq, sk, hq, hkv, d) = (c.sq, c.sk, c.hq, c.hkv, c.d);
+    let q = rng.vec_bf16(sq * hq * d, 1.5);
+    let k = rng.vec_bf16(sk * hkv * d, 1.5);
+    let v = rng.vec_bf16(sk * hkv * d, 1.0);
+    let d_o = rng.vec_bf16(sq * hq * d, 1.0);
+    let dq0 = rng.vec_bf16(sq * hq * d, 0.1);
+    let dk0 = rng.vec_bf16(sk * hkv * d, 0.1);
+    let dv0 = rng.vec_bf16(sk * hkv * d, 0.1);
+
+    // CPU oracle.
+    let t = |x: &[f32], s: usize, h: usize| {
+        cpu.from_host(x, &[s, h, d], DType::F32, Category::Activations)
+    };
+    let (cq, ck, cv, cdo) = (
+        t(&q, sq, hq)?,
+        t(&k, sk, hkv)?,
+        t(&v, sk, hkv)?,
+        t(&d_o, sq, hq)?,
+    );
+    let mut co = cpu.zeros(&[sq, hq, d], DType::F32, Category::Activations)?;
+    let mut clse = cpu.zeros(&[sq, hq], DType::F32, Category::Activations)?;
+    cpu.attention_fwd(
+        cq.all_rows(),
+        ck.all_rows(),
+        cv.all_rows(),
+        c.causal,
+        co.all_rows_mut(),
+        clse.all_rows_mut(),
+    )?;
+    let (mut cdq, mut cdk, mut cdv) = (t(&dq0, sq, hq)?, t(&dk0, sk, hkv)?, t(&dv0, sk, hkv)?);
+    let kr = c.key_from..sk;
+    cpu.attention_bwd(
+        cq.all_rows(),
+        ck.rows_view(kr.clone()),
+        cv.rows_view(kr.clone()),
+        co.all_rows(),
+        cdo.all_rows(),
+        clse.all_rows(),
+        c.causal && c.key_from == 0,
+        cdq.all_rows_mut(),
+        cdk.rows_view_mut(kr.clone()),
+        cdv.rows_view_mut(kr.clone()),
+    )?;
+
+    // GPU.
+    let (gq, gk, gv, gdo) = (g.up16(&q)?, g.up16(&k)?, g.up16(&v)?, g.up16(&d_o)?);
+    let go = g.stream.alloc_zeros::<u16>(sq * hq * d)?;
+    let glse = g.stream.alloc_zeros::<f32>(sq * hq)?;
+    flash_fwd(
+        &g.stream,
+        &g.f,
+        &FlashFwdArgs {
+            q: g.ptr(&gq),
+            k: g.ptr(&gk),
+            v: g.ptr(&gv),
+            o: g.ptr(&go),
+            lse: g.ptr(&glse),
+            q_stride: hq * d,
+            k_stride: hkv * d,
+            v_stride: hkv * d,
+            o_stride: hq * d,
+            lse_stride: hq,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            causal: c.causal,
+        },
+    )?;
+    let (gdq, gdk, gdv) = (g.up32(&dq0)?, g.up32(&dk0)?, g.up32(&dv0)?);
+    let ws = g
+        .stream
+        .alloc_zeros::<u8>(flash_bwd_workspace_bytes(sq, hq))?;
+    let koff = (c.key_from * hkv * d) as u64;
+    flash_bwd(
+        &g.stream,
+        &g.f,
+        &FlashBwdArgs {
+            q: g.ptr(&gq),
+            k: g.ptr(&gk) + 2 * koff,
+            v: g.ptr(&gv) + 2 * koff,
+            o: g.ptr(&go),
+            d_o: g.ptr(&gdo),
+            lse: g.ptr(&glse),
+            dq: g.ptr(&gdq),
+            dk: g.ptr(&gdk) + 4 * koff,
+            dv: g.ptr(&gdv) + 4 * koff,
+            workspace: g.ptr(&ws),
+            q_stride: hq * d,
+            k_stride: hkv * d,
+            v_stride: hkv * d,
+            o_stride: hq * d,
+            do_stride: hq * d,
+            lse_stride: hq,
+            dq_stride: hq * d,
+            dk_stride: hkv * d,
+            dv_stride: hkv * d,
+            sq,
+            sk: sk - c.key_from,
+            hq,
+            hkv,
+            d,
+            causal: c.causal && c.key_from == 0,
+        },
+    )?;
+    g.stream.synchronize()?;
+    let o: Vec<f32> = g
+        .stream
+        .clone_dtoh(&go)?
+        .iter()
+        .map(|&b| bf16::from_bits(b).to_f32())
+        .collect();
+    let lse = g.stream.clone_dtoh(&glse)?;
+    let dq = g.stream.clone_dtoh(&gdq)?;
+    let dk = g.stream.clone_dtoh(&gdk)?;
+    let dv = g.stream.clone_dtoh(&gdv)?;
+    Ok([
+        rel_err(&o, &cpu.to_host(&co)?),
+        rel_err(&lse, &cpu.to_host(&clse)?),
+        rel_err(&dq, &cpu.to_host(&cdq)?),
+        rel_err(&dk, &cpu.to_host(&cdk)?),
+        rel_err(&dv, &cpu.to_host(&cdv)?),
+    ])
+}
+
+fn check(g: &Gpu) -> Res<bool> {
+    let mut cases = Vec::new();
+    for d in [64, 128] {
+        for (hq, hkv) in [(4, 4), (8, 2)] {
+            for causal in [true, false] {
+                for s in [64, 333] {
+                    cases.push(Case {
+                        sq: s,
+                        sk: s,
+                        hq,
+                        hkv,
+                        d,
+                        causal,
+                        key_from: 0,
+                    });
+                }
+            }
+            cases.push(Case {
+                sq: 97,
+                sk: 300,
+                hq,
+                hkv,
+                d,
+                causal: false,
+                key_from: 0,
+            });
+            cases.push(Case {
+                sq: 200,
+                sk: 300,
+                hq,
+                hkv,
+                d,
+                causal: false,
+                key_from: 128,
+            });
+        }
+    }
+    cases.push(Case {
+        sq: 1,
+        sk: 1,
+        hq: 2,
+        hkv: 1,
+        d: 64,
+        causal: true,
+        key_from: 0,
+    });
+    cases.push(Case {
+        sq: 1000,
+        sk: 1000,
+        hq: 2,
+        hkv: 1,
+        d: 128,
+        causal: true,
+        key_from: 0,
+    });
+    println!("| sq | sk | hq | hkv | d | mask | keys | o | lse | dq | dk | dv | ok |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut all_ok = true;
+    for (i, c) in cases.iter().enumerate() {
+        let e = run_case(g, *c, 0x9e3779b97f4a7c15 ^ (i as u64 * 7919 + 1))?;
+        let ok = e.iter().all(|&x| x <= 1e-2);
+        all_ok &= ok;
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {}.. | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {} |",
+            c.sq,
+            c.sk,
+            c.hq,
+            c.hkv,
+            c.d,
+            if c.causal { "causal" } else { "full" },
+            c.key_from,
+            e[0],
+            e[1],
+            e[2],
+            e[3],
+            e[4],
+            if ok { "yes" } else { "NO" }
+        );
+    }
+    println!(
+        "correctness: {}",
+        if all_ok { "ALL PASS" } else { "FAILURES" }
+    );
+    Ok(all_ok)
+}
+
+fn bench(g: &Gpu, s: usize, h: usize, hkv: usize, d: usize) -> Res<()> {
+    let mut rng = Rng(42);
+    let n = s * h * d;
+    let nk = s * hkv * d;
+    let q = g.up16(&rng.vec_bf16(n, 1.0))?;
+    let k = g.up16(&rng.vec_bf16(nk, 1.0))?;
+    let v = g.up16(&rng.vec_bf16(nk, 1.0))?;
+    let d_o = g.up16(&rng.vec_bf16(n, 1.0))?;
+    let o = g.stream.alloc_zeros::<u16>(n)?;
+    let lse = g.stream.alloc_zeros::<f32>(s * h)?;
+    let dq = g.stream.alloc_zeros::<f32>(n)?;
+    let dk = g.stream.alloc_zeros::<f32>(nk)?;
+    let dv = g.stream.alloc_zeros::<f32>(nk)?;
+    let ws = g
+        .stream
+        .alloc_zeros::<u8>(flash_bwd_workspace_bytes(s, h))?;
+    let fa = FlashFwdArgs {
+        q: g.ptr(&q),
+        k: g.ptr(&k),
+        v: g.ptr(&v),
+        o: g.ptr(&o),
+        lse: g.ptr(&lse),
+        q_stride: h * d,
+        k_stride: hkv * d,
+        v_stride: hkv * d,
+        o_stride: h * d,
+        lse_stride: h,
+        sq: s,
+        sk: s,
+        hq: h,
+        hkv,
+        d,
+        causal: true,
+    };
+    let ba = FlashBwdArgs {
+        q: fa.q,
+        k: fa.k,
+        v: fa.v,
+        o: fa.o,
+        d_o: g.ptr(&d_o),
+        lse: fa.lse,
+        dq: g.ptr(&dq),
+        dk: g.ptr(&dk),
+        dv: g.ptr(&dv),
+        workspace: g.ptr(&ws),
+        q_stride: h * d,
+        k_stride: hkv * d,
+        v_stride: hkv * d,
+        o_stride: h * d,
+        do_stride: h * d,
+        lse_stride: h,
+        dq_stride: h * d,
+        dk_stride: hkv * d,
+        dv_stride: hkv * d,
+        sq: s,
+        sk: s,
+        hq: h,
+        hkv,
+        d,
+        causal: true,
+    };
+    let iters = if s >= 32768 { 3 } else { 10 };
+    let time = |f: &dyn Fn() -> Res<()>| -> Res<f64> {
+        f()?;
+        g.stream.synchronize()?;
+        let e0 = g
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        for _ in 0..iters {
+            f()?;
+        }
+        let e1 = g
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        e1.synchronize()?;
+        Ok(e0.elapsed_ms(&e1)? as f64 / iters as f64)
+    };
+    let t_fwd = time(&|| Ok(flash_fwd(&g.stream, &g.f, &fa)?))?;
+    let t_bwd = time(&|| Ok(flash_bwd(&g.stream, &g.f, &ba)?))?;
+    let flops = 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
+    let t_all = t_fwd + t_bwd;
+    println!(
+        "| {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} |",
+        s,
+        h,
+        hkv,
+        d,
+        t_fwd,
+        flops / t_fwd / 1e9,
+        t_bwd,
+        2.5 * flops / t_bwd / 1e9,
+        3.5 * flops / t_all / 1e9
+    );
+    Ok(())
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(|s| s.as_str()) == Some("ptx") {
+        let ptx = compile()?;
+        let out = args.get(1).cloned().unwrap_or_else(|| "flash.ptx".into());
+        std::fs::write(&out, ptx.to_src())?;
+        println!("wrote {out}");
+        return Ok(());
+    }
+    let do_check = args.is_empty() || args.iter().any(|a| a == "check");
+    let do_bench = args.is_empty() || args.iter().any(|a| a == "bench");
+    let ptx = compile()?;
+    let ctx = CudaContext::new(0)?;
+    // Raw pointers are used on one stream: no cross-stream tracking needed.
+    unsafe { ctx.disable_event_tracking() };
+    println!("device: {}", ctx.name()?);
+    let module = ctx.load_module(ptx)?;
+    let g = Gpu {
+        stream: ctx.default_stream(),
+        f: FlashFunctions::load(&module)?,
+    };
+    let mut ok = true;
+    if do_check {
+        ok = check(&g)?;
+    }
+    if do_bench {
+        println!("\ncausal, bf16; TFLOP/s with causal fwd = 2*S^2*H*d, bwd = 2.5x, fwd+bwd = 3.5x");
+        println!("| S | H | Hkv | d | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd+bwd TF/s |");
+        println!("|---|---|---|---|---|---|---|---|---|");
+        for (s, h, hkv) in [(16384, 16, 16), (65536, 16, 16), (16384, 32, 8)] {
+            bench(&g, s, h, hkv, 128)?;
+        }
+    }
+    if !ok {
+        std::process::exit(1);
+    }
+    Ok(())
+}

@@ -1,0 +1,522 @@
+//! Native FlashAttention-2-style forward and backward kernels for Hopper
+//! (sm_90), written in CUDA C and compiled at run time by NVRTC.
+//!
+//! Semantics are those of [`Backend::attention_fwd`](crate::backend::Backend::attention_fwd)
+//! and [`Backend::attention_bwd`](crate::backend::Backend::attention_bwd): q `[sq, hq, d]`,
+//! k, v `[sk, hkv, d]` in bf16 (row-major, each row `stride` elements apart, the
+//! pointer already at the first row), GQA (query head `h` uses kv head
+//! `h / (hq / hkv)`), causal (row `i` sees keys `0..=i`, needs `sq == sk`) or full,
+//! softmax scale `1/sqrt(d)`; o bf16 `[sq, hq, d]`, lse f32 `[sq, hq]` natural log.
+//! The backward takes the lse of the full row and *adds* into f32 dq, dk, dv.
+//!
+//! Use: compile the one entry of [`FLASH_SOURCES`] with NVRTC for
+//! [`NVRTC_ARCH`] and [`NVRTC_OPTIONS`], load it as a module, build
+//! [`FlashFunctions::load`] once, then call [`flash_fwd`] / [`flash_bwd`]
+//! (the backward needs [`flash_bwd_workspace_bytes`] of scratch). Both only
+//! enqueue work on the given stream.
+//!
+//! Design (FlashAttention-2 schedule on `mma.sync.m16n8k16` bf16 with
+//! `ldmatrix` and `cp.async`, XOR-swizzled shared-memory tiles):
+//! - forward: a block is 128 query rows of one head (4 warps x 32 rows), K/V
+//!   tiles of 64 keys double-buffered, online softmax in base 2, grid ordered
+//!   heads-fastest and longest causal rows first;
+//! - backward: a preprocessing kernel writes `delta = rowsum(dO * O)`; the main
+//!   kernel owns 128 keys of one kv head (8 warps), loops over the group's query
+//!   heads and 64-row query blocks, keeps dK/dV in registers and adds dQ with
+//!   vector `red.global.add` straight into the f32 output.
+//!
+//! Measured on one H200 (2026-11-30, d=128, H=16, causal): forward 295-304
+//! TFLOP/s, backward 251-265, forward+backward 262-275 (S = 16K / 64K);
+//! `examples/flash_check.rs` reproduces the table and checks against the CPU oracle.
+
+use crate::error::{Error, Result};
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use std::sync::Arc;
+
+/// The whole kernel source: shared helpers, forward, backward.
+pub const FLASH_SOURCE: &str = concat!(
+    include_str!("flash_common.cuh"),
+    "\n",
+    include_str!("flash_fwd.cu"),
+    "\n",
+    include_str!("flash_bwd.cu"),
+);
+
+/// `(module name, source)`: one module holding every flash kernel.
+pub const FLASH_SOURCES: &[(&str, &str)] = &[("upipe_flash", FLASH_SOURCE)];
+
+/// NVRTC target architecture of the kernels (mma.sync, ldmatrix, cp.async,
+/// vector `red` need sm_90).
+pub const NVRTC_ARCH: &str = "sm_90";
+/// Extra NVRTC options the source expects.
+pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17"];
+
+/// Forward kernel, head dim 64.
+pub const FWD_D64: &str = "upipe_flash_fwd_d64";
+/// Forward kernel, head dim 128.
+pub const FWD_D128: &str = "upipe_flash_fwd_d128";
+/// Backward preprocessing (delta = rowsum(dO * O)), head dim 64.
+pub const BWD_PRE_D64: &str = "upipe_flash_bwd_pre_d64";
+/// Backward preprocessing, head dim 128.
+pub const BWD_PRE_D128: &str = "upipe_flash_bwd_pre_d128";
+/// Backward kernel, head dim 64.
+pub const BWD_D64: &str = "upipe_flash_bwd_d64";
+/// Backward kernel, head dim 128.
+pub const BWD_D128: &str = "upipe_flash_bwd_d128";
+/// Every kernel name in the module.
+pub const KERNEL_NAMES: &[&str] = &[
+    FWD_D64,
+    FWD_D128,
+    BWD_PRE_D64,
+    BWD_PRE_D128,
+    BWD_D64,
+    BWD_D128,
+];
+
+// Tile shapes; must match the .cu files.
+const FWD_BM: usize = 128;
+const FWD_BN: usize = 64;
+const FWD_THREADS: u32 = 128;
+const BWD_BM: usize = 64;
+const BWD_BN: usize = 128;
+const BWD_THREADS: u32 = 256;
+const PRE_THREADS: u32 = 256;
+
+/// Dynamic shared memory of the forward kernel for head dim `d`.
+fn fwd_smem_bytes(d: usize) -> usize {
+    (FWD_BM * d + 4 * FWD_BN * d) * 2
+}
+/// Dynamic shared memory of the backward kernel for head dim `d`.
+fn bwd_smem_bytes(d: usize) -> usize {
+    (2 * BWD_BN * d + 4 * BWD_BM * d + 2 * BWD_BN * BWD_BM) * 2 + 4 * BWD_BM * 4
+}
+
+/// The loaded flash kernels of one module.
+#[derive(Debug, Clone)]
+pub struct FlashFunctions {
+    fwd64: CudaFunction,
+    fwd128: CudaFunction,
+    pre64: CudaFunction,
+    pre128: CudaFunction,
+    bwd64: CudaFunction,
+    bwd128: CudaFunction,
+}
+
+fn drv(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Backend(format!("flash attention: {what}: {e:?}"))
+}
+
+impl FlashFunctions {
+    /// Loads every kernel of [`KERNEL_NAMES`] from a module compiled from
+    /// [`FLASH_SOURCES`] and raises their dynamic shared-memory limits.
+    pub fn load(module: &Arc<CudaModule>) -> Result<Self> {
+        let get = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| drv(&format!("load {name}"), e))
+        };
+        let f = FlashFunctions {
+            fwd64: get(FWD_D64)?,
+            fwd128: get(FWD_D128)?,
+            pre64: get(BWD_PRE_D64)?,
+            pre128: get(BWD_PRE_D128)?,
+            bwd64: get(BWD_D64)?,
+            bwd128: get(BWD_D128)?,
+        };
+        let attr = CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        for (func, bytes) in [
+            (&f.fwd64, fwd_smem_bytes(64)),
+            (&f.fwd128, fwd_smem_bytes(128)),
+            (&f.bwd64, bwd_smem_bytes(64)),
+            (&f.bwd128, bwd_smem_bytes(128)),
+        ] {
+            func.set_attribute(attr, bytes as i32)
+                .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
+        }
+        Ok(f)
+    }
+}
+
+/// Arguments of [`flash_fwd`]. Pointers are device addresses of the first row;
+/// strides are in elements between consecutive rows.
+#[derive(Debug, Clone, Copy)]
+pub struct FlashFwdArgs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub q_stride: usize,
+    pub k_stride: usize,
+    pub v_stride: usize,
+    pub o_stride: usize,
+    pub lse_stride: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub causal: bool,
+}
+
+/// Arguments of [`flash_bwd`]. `dq`, `dk`, `dv` are f32 and accumulated into;
+/// `workspace` holds at least [`flash_bwd_workspace_bytes`] bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct FlashBwdArgs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub d_o: u64,
+    pub lse: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    pub workspace: u64,
+    pub q_stride: usize,
+    pub k_stride: usize,
+    pub v_stride: usize,
+    pub o_stride: usize,
+    pub do_stride: usize,
+    pub lse_stride: usize,
+    pub dq_stride: usize,
+    pub dk_stride: usize,
+    pub dv_stride: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub causal: bool,
+}
+
+/// Scratch bytes [`flash_bwd`] needs (the f32 `delta = rowsum(dO * O)` per query row and head).
+pub fn flash_bwd_workspace_bytes(sq: usize, hq: usize) -> usize {
+    (sq * hq * 4).div_ceil(256) * 256
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct FwdParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    lse: u64,
+    q_stride: i64,
+    k_stride: i64,
+    v_stride: i64,
+    o_stride: i64,
+    lse_stride: i64,
+    sq: i32,
+    sk: i32,
+    hq: i32,
+    hkv: i32,
+    group: i32,
+    causal: i32,
+    scale_log2: f32,
+    pad0: i32,
+}
+// SAFETY: plain-old-data with the exact C layout of `FlashFwdParams` in flash_fwd.cu.
+unsafe impl DeviceRepr for FwdParams {}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct BwdParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    d_o: u64,
+    lse: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    delta: u64,
+    q_stride: i64,
+    k_stride: i64,
+    v_stride: i64,
+    o_stride: i64,
+    do_stride: i64,
+    lse_stride: i64,
+    dq_stride: i64,
+    dk_stride: i64,
+    dv_stride: i64,
+    sq: i32,
+    sk: i32,
+    hq: i32,
+    hkv: i32,
+    group: i32,
+    causal: i32,
+    scale: f32,
+    scale_log2: f32,
+}
+// SAFETY: plain-old-data with the exact C layout of `FlashBwdParams` in flash_bwd.cu.
+unsafe impl DeviceRepr for BwdParams {}
+
+fn check_geometry(
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+) -> Result<()> {
+    if d != 64 && d != 128 {
+        return Err(Error::Config(format!(
+            "flash attention supports head_dim 64 or 128, got {d}; use the cuDNN or CPU attention for other sizes"
+        )));
+    }
+    if hq == 0 || hkv == 0 || !hq.is_multiple_of(hkv) {
+        return Err(Error::Config(format!(
+            "flash attention: query heads ({hq}) must be a non-zero multiple of kv heads ({hkv})"
+        )));
+    }
+    if causal && sq != sk {
+        return Err(Error::Config(format!(
+            "flash attention: a causal block needs as many queries as keys ({sq} vs {sk})"
+        )));
+    }
+    let lim = i32::MAX as usize / 64;
+    let fwd_blocks = sq.div_ceil(FWD_BM).saturating_mul(hq);
+    let bwd_blocks = sk.div_ceil(BWD_BN).saturating_mul(hkv);
+    if sq > lim || sk > lim || sq.saturating_mul(hq) > lim || fwd_blocks > lim || bwd_blocks > lim {
+        return Err(Error::Config(format!(
+            "flash attention: sizes too large for one launch (sq={sq}, sk={sk}, hq={hq}); split the call"
+        )));
+    }
+    Ok(())
+}
+
+fn check_ptr(name: &str, p: u64, align: u64) -> Result<()> {
+    if p == 0 || !p.is_multiple_of(align) {
+        return Err(Error::Backend(format!(
+            "flash attention: {name} pointer {p:#x} must be non-null and {align}-byte aligned"
+        )));
+    }
+    Ok(())
+}
+
+fn check_stride(name: &str, stride: usize, min: usize, multiple: usize) -> Result<()> {
+    if stride < min || !stride.is_multiple_of(multiple) {
+        return Err(Error::Backend(format!(
+            "flash attention: {name} row stride {stride} must be >= {min} and a multiple of {multiple} elements"
+        )));
+    }
+    Ok(())
+}
+
+fn launch_err(e: impl std::fmt::Debug) -> Error {
+    drv("kernel launch", e)
+}
+
+/// Attention forward: writes `o` and `lse` (see the module docs).
+pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs) -> Result<()> {
+    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, a.causal)?;
+    if a.sq == 0 {
+        return Ok(());
+    }
+    if a.sk == 0 {
+        return Err(Error::Config(
+            "flash attention forward: no keys (sk = 0); every query row needs at least one key"
+                .into(),
+        ));
+    }
+    for (n, p) in [("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o)] {
+        check_ptr(n, p, 16)?;
+    }
+    check_ptr("lse", a.lse, 4)?;
+    check_stride("q", a.q_stride, a.hq * a.d, 8)?;
+    check_stride("k", a.k_stride, a.hkv * a.d, 8)?;
+    check_stride("v", a.v_stride, a.hkv * a.d, 8)?;
+    check_stride("o", a.o_stride, a.hq * a.d, 8)?;
+    check_stride("lse", a.lse_stride, a.hq, 1)?;
+    let scale = 1.0 / (a.d as f32).sqrt();
+    let p = FwdParams {
+        q: a.q,
+        k: a.k,
+        v: a.v,
+        o: a.o,
+        lse: a.lse,
+        q_stride: a.q_stride as i64,
+        k_stride: a.k_stride as i64,
+        v_stride: a.v_stride as i64,
+        o_stride: a.o_stride as i64,
+        lse_stride: a.lse_stride as i64,
+        sq: a.sq as i32,
+        sk: a.sk as i32,
+        hq: a.hq as i32,
+        hkv: a.hkv as i32,
+        group: (a.hq / a.hkv) as i32,
+        causal: a.causal as i32,
+        scale_log2: scale * std::f32::consts::LOG2_E,
+        pad0: 0,
+    };
+    let func = if a.d == 64 { &f.fwd64 } else { &f.fwd128 };
+    let cfg = LaunchConfig {
+        grid_dim: ((a.sq.div_ceil(FWD_BM) * a.hq) as u32, 1, 1),
+        block_dim: (FWD_THREADS, 1, 1),
+        shared_mem_bytes: fwd_smem_bytes(a.d) as u32,
+    };
+    // SAFETY: the parameters were validated above; the caller guarantees the
+    // pointers address device buffers of the sizes the strides and lengths imply.
+    unsafe { stream.launch_builder(func).arg(&p).launch(cfg) }.map_err(launch_err)?;
+    Ok(())
+}
+
+/// Attention backward: adds into `dq`, `dk`, `dv` (see the module docs).
+pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs) -> Result<()> {
+    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, a.causal)?;
+    if a.sq == 0 || a.sk == 0 {
+        return Ok(());
+    }
+    for (n, p) in [
+        ("q", a.q),
+        ("k", a.k),
+        ("v", a.v),
+        ("o", a.o),
+        ("d_o", a.d_o),
+    ] {
+        check_ptr(n, p, 16)?;
+    }
+    for (n, p) in [("dq", a.dq), ("dk", a.dk), ("dv", a.dv)] {
+        check_ptr(n, p, 8)?;
+    }
+    check_ptr("lse", a.lse, 4)?;
+    check_ptr("workspace", a.workspace, 4)?;
+    check_stride("q", a.q_stride, a.hq * a.d, 8)?;
+    check_stride("k", a.k_stride, a.hkv * a.d, 8)?;
+    check_stride("v", a.v_stride, a.hkv * a.d, 8)?;
+    check_stride("o", a.o_stride, a.hq * a.d, 8)?;
+    check_stride("d_o", a.do_stride, a.hq * a.d, 8)?;
+    check_stride("lse", a.lse_stride, a.hq, 1)?;
+    check_stride("dq", a.dq_stride, a.hq * a.d, 2)?;
+    check_stride("dk", a.dk_stride, a.hkv * a.d, 2)?;
+    check_stride("dv", a.dv_stride, a.hkv * a.d, 2)?;
+    let scale = 1.0 / (a.d as f32).sqrt();
+    let p = BwdParams {
+        q: a.q,
+        k: a.k,
+        v: a.v,
+        o: a.o,
+        d_o: a.d_o,
+        lse: a.lse,
+        dq: a.dq,
+        dk: a.dk,
+        dv: a.dv,
+        delta: a.workspace,
+        q_stride: a.q_stride as i64,
+        k_stride: a.k_stride as i64,
+        v_stride: a.v_stride as i64,
+        o_stride: a.o_stride as i64,
+        do_stride: a.do_stride as i64,
+        lse_stride: a.lse_stride as i64,
+        dq_stride: a.dq_stride as i64,
+        dk_stride: a.dk_stride as i64,
+        dv_stride: a.dv_stride as i64,
+        sq: a.sq as i32,
+        sk: a.sk as i32,
+        hq: a.hq as i32,
+        hkv: a.hkv as i32,
+        group: (a.hq / a.hkv) as i32,
+        causal: a.causal as i32,
+        scale,
+        scale_log2: scale * std::f32::consts::LOG2_E,
+    };
+    let (pre, main) = if a.d == 64 {
+        (&f.pre64, &f.bwd64)
+    } else {
+        (&f.pre128, &f.bwd128)
+    };
+    let warps = a.sq * a.hq;
+    let pre_cfg = LaunchConfig {
+        grid_dim: ((warps * 32).div_ceil(PRE_THREADS as usize) as u32, 1, 1),
+        block_dim: (PRE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: ((a.sk.div_ceil(BWD_BN) * a.hkv) as u32, 1, 1),
+        block_dim: (BWD_THREADS, 1, 1),
+        shared_mem_bytes: bwd_smem_bytes(a.d) as u32,
+    };
+    // SAFETY: as in `flash_fwd`; the workspace holds `sq * hq` f32 (checked by the caller
+    // through `flash_bwd_workspace_bytes`).
+    unsafe {
+        stream
+            .launch_builder(pre)
+            .arg(&p)
+            .launch(pre_cfg)
+            .map_err(launch_err)?;
+        stream
+            .launch_builder(main)
+            .arg(&p)
+            .launch(cfg)
+            .map_err(launch_err)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smem_fits_hopper() {
+        // H100/H200: 228 KiB per SM, 227 KiB per block, 1 KiB reserved per block.
+        // Forward: two blocks per SM; backward (255 registers x 256 threads): one.
+        for d in [64, 128] {
+            assert!(2 * (fwd_smem_bytes(d) + 1024) <= 228 * 1024);
+            assert!(bwd_smem_bytes(d) + 1024 <= 227 * 1024);
+        }
+    }
+
+    #[test]
+    fn param_structs_have_c_layout() {
+        assert_eq!(std::mem::size_of::<FwdParams>(), 5 * 8 + 5 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<BwdParams>(), 10 * 8 + 9 * 8 + 8 * 4);
+    }
+
+    #[test]
+    fn geometry_is_validated() {
+        assert!(check_geometry(10, 10, 8, 2, 96, false).is_err());
+        assert!(check_geometry(10, 10, 8, 3, 64, false).is_err());
+        assert!(check_geometry(10, 12, 8, 2, 64, true).is_err());
+        assert!(check_geometry(10, 12, 8, 2, 64, false).is_ok());
+        assert!(check_geometry(12, 12, 8, 8, 128, true).is_ok());
+        assert!(check_stride("q", 100, 128, 8).is_err());
+        assert!(check_ptr("q", 8, 16).is_err());
+    }
+
+    #[test]
+    fn tile_constants_match_the_cuda_source() {
+        for (name, value) in [
+            ("FWD_BM", FWD_BM),
+            ("FWD_BN", FWD_BN),
+            ("FWD_NT", FWD_THREADS as usize),
+            ("BWD_BM", BWD_BM),
+            ("BWD_BN", BWD_BN),
+            ("BWD_NT", BWD_THREADS as usize),
+        ] {
+            assert!(
+                FLASH_SOURCE.contains(&format!("#define {name} {value}\n")),
+                "{name} != {value} in the .cu files"
+            );
+        }
+    }
+
+    #[test]
+    fn source_names_every_kernel() {
+        assert_eq!(FLASH_SOURCES.len(), 1);
+        for name in KERNEL_NAMES {
+            assert!(
+                FLASH_SOURCE.contains(&format!("void __launch_bounds__(FWD_NT, 2) {name}("))
+                    || FLASH_SOURCE.contains(&format!("void __launch_bounds__(BWD_NT, 1) {name}("))
+                    || FLASH_SOURCE.contains(&format!("void {name}(")),
+                "{name}"
+            );
+        }
+    }
+}
