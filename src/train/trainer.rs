@@ -88,10 +88,20 @@ pub fn train_cpu(
     tokens: Arc<[u32]>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
+    train_threads(cfg, tokens, CpuBackend::new, on_step)
+}
+
+/// Trains with ranks as threads, each on a backend from `make_backend`.
+pub fn train_threads<B: Backend>(
+    cfg: &TrainConfig,
+    tokens: Arc<[u32]>,
+    make_backend: impl Fn() -> B + Sync,
+    on_step: &(dyn Fn(&StepReport) + Sync),
+) -> Result<TrainSummary> {
     let plan = cfg.plan()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = plan.mesh_shape();
-    let out = run_ranks(shape, CpuBackend::new, |rank, b, mesh| {
+    let out = run_ranks(shape, make_backend, |rank, b, mesh| {
         run_rank(cfg, &plan, tokens.clone(), b.as_ref(), &mesh, rank, on_step)
     })?;
     let (reports, memory) = out.into_iter().next().expect("at least one rank");

@@ -1,0 +1,113 @@
+//! GPU (bf16) against the CPU f32 reference: a whole attention layer under
+//! `local` and under UPipe on thread ranks sharing one GPU, and a few training
+//! steps of the tiny model. Skipped with a message where no GPU exists.
+
+use std::sync::Arc;
+use upipe::attention::rope::RopeConfig;
+use upipe::attention::trial::{TrialInputs, run_trial};
+use upipe::attention::{AttnDims, CpPlan, Strategy};
+use upipe::backend::cpu::CpuBackend;
+use upipe::backend::cuda::CudaBackend;
+use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::train::optim::AdamWConfig;
+use upipe::train::trainer::{TrainConfig, train_threads};
+
+fn gpu_available() -> bool {
+    match CudaBackend::new(0) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIP gpu_layer: no usable CUDA GPU ({e})");
+            false
+        }
+    }
+}
+
+fn cuda() -> CudaBackend {
+    CudaBackend::new(0).expect("GPU was available a moment ago")
+}
+
+#[test]
+fn attention_layer_on_gpu_matches_cpu() {
+    if !gpu_available() {
+        return;
+    }
+    let d = AttnDims {
+        hidden: 256,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        qk_norm: true,
+        norm_eps: 1e-6,
+        rope: RopeConfig {
+            theta: 10000.0,
+            scaling: None,
+        },
+    };
+    let inputs = TrialInputs::random(&d, 256, 7);
+    let cpu_plan = CpPlan::new(Strategy::Local, &d, 256, 1, 1, None).unwrap();
+    let reference = run_trial(&cpu_plan, &d, &inputs, CpuBackend::new).unwrap();
+    for (s, pu, pr, u) in [
+        (Strategy::Local, 1, 1, None),
+        (Strategy::Upipe, 2, 1, None),
+        (Strategy::Upipe, 2, 2, Some(2)),
+    ] {
+        let plan = CpPlan::new(s, &d, 256, pu, pr, u).unwrap();
+        let got = run_trial(&plan, &d, &inputs, cuda).unwrap();
+        let errs = got.errors_against(&reference);
+        println!("gpu {s} {pu}x{pr}: {errs:?}");
+        for (name, e) in errs {
+            assert!(
+                e <= 1e-2,
+                "{s} {pu}x{pr}: {name} rel err {e:e} (bf16 vs f32)"
+            );
+        }
+    }
+}
+
+#[test]
+fn tiny_model_training_on_gpu_tracks_cpu() {
+    if !gpu_available() {
+        return;
+    }
+    let cfg = TrainConfig {
+        model: ModelConfig::resolve("tiny").unwrap(),
+        strategy: Strategy::Upipe,
+        ulysses: 2,
+        ring: 1,
+        chunk_heads: None,
+        seq: 128,
+        steps: 5,
+        optim: AdamWConfig {
+            lr: 3e-3,
+            min_lr: 3e-3,
+            warmup: 0,
+            total_steps: 5,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            clip: 1.0,
+        },
+        seed: 1,
+        policy: MemoryPolicy::default(),
+        init_from: None,
+        save_dir: None,
+        save_every: 0,
+        resume: false,
+    };
+    let tokens: Arc<[u32]> = upipe::train::data::ByteTokenizer
+        .encode(upipe::train::data::CORPUS)
+        .into();
+    let cpu = train_threads(&cfg, tokens.clone(), CpuBackend::new, &|_| {}).unwrap();
+    let gpu = train_threads(&cfg, tokens, cuda, &|_| {}).unwrap();
+    for (c, g) in cpu.reports.iter().zip(&gpu.reports) {
+        println!("step {}: cpu {:.5} gpu {:.5}", c.step, c.loss, g.loss);
+        assert!(
+            ((g.loss - c.loss) / c.loss).abs() <= 1e-2,
+            "step {}: gpu {} vs cpu {}",
+            c.step,
+            g.loss,
+            c.loss
+        );
+    }
+}
