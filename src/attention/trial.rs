@@ -194,9 +194,10 @@ pub fn run_rank<B: Backend>(
     let x = b.from_host(inputs.x, &[local, hidden], act, Category::Activations)?;
     let dy = b.from_host(inputs.dy, &[local, hidden], act, Category::Grads)?;
     let up = |k: usize| {
-        let (_, shape, values) = inputs.weights.get(k).ok_or_else(|| {
-            crate::error::Error::Config(format!("trial inputs lack weight #{k}"))
-        })?;
+        let (_, shape, values) = inputs
+            .weights
+            .get(k)
+            .ok_or_else(|| crate::error::Error::Config(format!("trial inputs lack weight #{k}")))?;
         b.from_host(values, shape, act, Category::Weights)
     };
     let w = AttentionWeights {
@@ -283,7 +284,14 @@ pub fn run_trial<B: Backend>(
             dy: &dy,
             weights: &inputs.weights,
         };
-        run_rank(plan, dims, rank_inputs, b.as_ref(), &mesh, &RankOptions::ONCE)
+        run_rank(
+            plan,
+            dims,
+            rank_inputs,
+            b.as_ref(),
+            &mesh,
+            &RankOptions::ONCE,
+        )
     })?;
     Ok(assemble(plan, dims.hidden, &runs))
 }
@@ -360,4 +368,35 @@ pub fn gather_runs(rv: &mut Rendezvous, mine: RankRun) -> Result<Vec<RankRun>> {
             Ok(run)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_wire_round_trip() {
+        let run = RankRun {
+            y: vec![1.0, -2.5, f32::MAX],
+            dx: vec![0.25],
+            grads: vec![("wq", vec![1.0])],
+            peak_bytes: 1 << 40,
+            act_bytes: 12345,
+            seconds: vec![0.5, 1e-9],
+        };
+        let back = decode_run(&encode_run(&run)).unwrap();
+        assert_eq!(back.y, run.y);
+        assert_eq!(back.dx, run.dx);
+        assert!(back.grads.is_empty(), "gradients do not travel");
+        assert_eq!(
+            (back.peak_bytes, back.act_bytes, back.seconds),
+            (run.peak_bytes, run.act_bytes, run.seconds.clone())
+        );
+        let bytes = encode_run(&run);
+        assert!(decode_run(&bytes[..bytes.len() - 1]).is_none());
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(decode_run(&longer).is_none());
+        assert!(decode_run(&[]).is_none());
+    }
 }

@@ -181,7 +181,15 @@ fn print_header(a: &AttnArgs, device: &str, throughput: bool) {
     );
     print!(
         "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>9} {:>9}",
-        "method", "mesh", "U", "stages", "max_rel_err", "peak/rank", "act/rank", "act/uly", "time_s"
+        "method",
+        "mesh",
+        "U",
+        "stages",
+        "max_rel_err",
+        "peak/rank",
+        "act/rank",
+        "act/uly",
+        "time_s"
     );
     if throughput {
         print!(" {:>10} {:>12}", "TF/s/GPU", "tok/s/GPU");

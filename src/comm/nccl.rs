@@ -121,7 +121,11 @@ pub fn exchange_unique_id(
     rv: &mut Rendezvous,
     make_id: impl FnOnce() -> Result<[u8; UNIQUE_ID_BYTES]>,
 ) -> Result<[u8; UNIQUE_ID_BYTES]> {
-    let mine = if rv.rank() == 0 { Some(make_id()?) } else { None };
+    let mine = if rv.rank() == 0 {
+        Some(make_id()?)
+    } else {
+        None
+    };
     let got = rv.broadcast_bytes(mine.as_ref().map(|m| &m[..]))?;
     got.as_slice().try_into().map_err(|_| {
         Error::Comm(format!(
@@ -139,7 +143,11 @@ fn new_unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
         internal: [0; UNIQUE_ID_BYTES],
     };
     // SAFETY: `id` is a valid out pointer; the library is loaded.
-    check(unsafe { sys::ncclGetUniqueId(&mut id) }, "ncclGetUniqueId", None)?;
+    check(
+        unsafe { sys::ncclGetUniqueId(&mut id) },
+        "ncclGetUniqueId",
+        None,
+    )?;
     Ok(id.internal.map(|c| c as u8))
 }
 
@@ -712,7 +720,10 @@ mod tests {
             Duration::from_millis(10),
         )
         .unwrap();
-        assert_eq!(exchange_unique_id(&mut rv, || Ok([9; 128])).unwrap(), [9; 128]);
+        assert_eq!(
+            exchange_unique_id(&mut rv, || Ok([9; 128])).unwrap(),
+            [9; 128]
+        );
         // a failing id source on rank 0 is reported, not panicked on
         let err = exchange_unique_id(&mut rv, || Err(Error::Comm("no nccl".into()))).unwrap_err();
         assert!(err.to_string().contains("no nccl"), "{err}");

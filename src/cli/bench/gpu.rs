@@ -168,7 +168,11 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
             median_seconds: median(&per_pass),
             world: world.size(),
         };
-        outcomes.push((m, Outcome::Ran(gpu.result.clone(), plan), Some(gpu.median_seconds)));
+        outcomes.push((
+            m,
+            Outcome::Ran(gpu.result.clone(), plan),
+            Some(gpu.median_seconds),
+        ));
     }
     if !lead {
         return Ok(0);
