@@ -138,7 +138,6 @@ fn memory_policies_leave_gradients_unchanged() {
 
 #[test]
 fn offload_moves_block_inputs_to_host() {
-    use upipe::attention::CpPlan;
     use upipe::train::trainer::{TrainConfig, train_cpu};
     let cfg = tiny(false);
     let mk = |checkpoint: bool, offload: bool| TrainConfig {
@@ -171,7 +170,6 @@ fn offload_moves_block_inputs_to_host() {
         save_every: 0,
         resume: false,
     };
-    let _ = CpPlan::new(Strategy::Local, &attn_dims(&cfg), 64, 1, 1, None).unwrap();
     let tokens: std::sync::Arc<[u32]> = data(4096, cfg.vocab).0.into();
     let plain = train_cpu(&mk(false, false), tokens.clone(), &|_| {}).unwrap();
     let ckpt = train_cpu(&mk(true, false), tokens.clone(), &|_| {}).unwrap();
