@@ -252,14 +252,23 @@ pub fn run_rank<B: Backend>(
 /// the global result: y and dx unsharded, gradients from rank 0 (already
 /// summed over the world), the highest peak/activation bytes, and the wall
 /// time of the first timed pass on the slowest rank.
+/// y and dx are empty unless every rank kept complete outputs.
 pub fn assemble(plan: &CpPlan, hidden: usize, runs: &[RankRun]) -> TrialResult {
-    let ys: Vec<Vec<f32>> = runs.iter().map(|r| r.y.clone()).collect();
-    let dxs: Vec<Vec<f32>> = runs.iter().map(|r| r.dx.clone()).collect();
+    let rows = plan.layout.local_len() * hidden;
+    let complete = runs.len() == plan.mesh_shape().world_size()
+        && runs.iter().all(|r| r.y.len() == rows && r.dx.len() == rows);
+    let unshard = |pick: fn(&RankRun) -> &Vec<f32>| {
+        if !complete {
+            return Vec::new();
+        }
+        let shards: Vec<Vec<f32>> = runs.iter().map(|r| pick(r).clone()).collect();
+        plan.layout.unshard_rows(&shards, hidden)
+    };
     TrialResult {
         strategy: plan.strategy,
         ranks: runs.len(),
-        y: plan.layout.unshard_rows(&ys, hidden),
-        dx: plan.layout.unshard_rows(&dxs, hidden),
+        y: unshard(|r| &r.y),
+        dx: unshard(|r| &r.dx),
         grads: runs.first().map(|r| r.grads.clone()).unwrap_or_default(),
         peak_bytes: runs.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
         act_bytes: runs.iter().map(|r| r.act_bytes).max().unwrap_or(0),
@@ -398,5 +407,44 @@ mod tests {
         longer.push(0);
         assert!(decode_run(&longer).is_none());
         assert!(decode_run(&[]).is_none());
+    }
+
+    #[test]
+    fn assemble_without_outputs_keeps_the_measurements() {
+        let dims = AttnDims {
+            hidden: 16,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 4,
+            qk_norm: false,
+            norm_eps: 1e-6,
+            rope: crate::attention::rope::RopeConfig {
+                theta: 10000.0,
+                scaling: None,
+            },
+        };
+        let plan = CpPlan::new(Strategy::Ulysses, &dims, 8, 2, 1, None).unwrap();
+        let runs = vec![
+            RankRun {
+                peak_bytes: 10,
+                act_bytes: 3,
+                seconds: vec![0.5, 0.25],
+                ..RankRun::default()
+            },
+            RankRun {
+                peak_bytes: 12,
+                act_bytes: 2,
+                seconds: vec![0.75, 0.1],
+                ..RankRun::default()
+            },
+        ];
+        let t = assemble(&plan, dims.hidden, &runs);
+        assert!(t.y.is_empty() && t.dx.is_empty());
+        assert_eq!((t.peak_bytes, t.act_bytes, t.seconds), (12, 3, 0.75));
+        // a rank with partial outputs is not unsharded either
+        let mut partial = runs.clone();
+        partial[0].y = vec![1.0; 4 * 16];
+        partial[0].dx = vec![1.0; 4 * 16];
+        assert!(assemble(&plan, dims.hidden, &partial).y.is_empty());
     }
 }

@@ -234,6 +234,9 @@ fn print_row(
                     "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
                     "act_vs_ulysses": ratio, "seconds": seconds,
                 });
+                if let Some(rf) = reference {
+                    row["errors"] = r.errors_against(rf).into_iter().collect();
+                }
                 if let Some((tf, tok, _)) = throughput {
                     row["tflops_per_gpu"] = json!(tf);
                     row["tokens_per_s_per_gpu"] = json!(tok);

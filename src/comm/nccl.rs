@@ -465,8 +465,16 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         drv_bind(&self.backend)?;
         let _g = lock(&self.comm)?;
         let c = self.comm.raw;
+        // This rank's own chunk is a device copy, not a message to itself.
+        let own = self.me * n * esz;
+        // SAFETY: chunk `me` lies inside both tensors.
+        self.copy_bytes(
+            unsafe { (r as *mut u8).add(own) } as *mut c_void,
+            unsafe { (s as *mut u8).add(own) } as *mut c_void,
+            n * esz,
+        )?;
         let g = GroupCall::start()?;
-        for j in 0..self.size {
+        for j in (0..self.size).filter(|&j| j != self.me) {
             // SAFETY: chunk j of each buffer is n elements inside the tensor;
             // the buffers stay alive until the stream has run the transfer
             // (the pool frees in stream order).
