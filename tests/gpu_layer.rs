@@ -71,6 +71,7 @@ fn tiny_model_training_on_gpu_tracks_cpu() {
     }
     let cfg = TrainConfig {
         model: ModelConfig::resolve("tiny").unwrap(),
+        data_parallel: 1,
         strategy: Strategy::Upipe,
         ulysses: 2,
         ring: 1,

@@ -117,7 +117,8 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
                 continue;
             }
             Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
-        };
+        }
+        .with_overlap(a.overlap && m != Strategy::Local);
         let ranks = plan.mesh_shape().world_size();
         if ranks != world.size() {
             let why = format!(
