@@ -8,6 +8,7 @@
 //! `cargo run --release --example gpu_bench [-- N [S,S,...]]`
 
 use std::time::Instant;
+use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{Backend, Category, DType, Tensor};
 
@@ -110,7 +111,7 @@ fn main() -> upipe::Result<()> {
         .nth(2)
         .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
         .unwrap_or_else(|| vec![16384, 65536]);
-    let b = match CudaBackend::new(0) {
+    let mut b = match CudaBackend::new(0) {
         Ok(b) => b,
         Err(e) => {
             println!("gpu_bench: skipped, no usable CUDA GPU ({e})");
@@ -179,26 +180,26 @@ fn main() -> upipe::Result<()> {
         t.elapsed().as_secs_f64()
     );
     let (h, d) = (16, 128);
-    for &s_len in &attn_lens {
-        let fwd_flops = 2.0 * (s_len as f64).powi(2) * h as f64 * d as f64;
-        let iters = if s_len >= 65536 { 5 } else { 20 };
-        let grads: &[DType] = if s_len <= 16384 {
-            &[DType::F32, DType::BF16]
-        } else {
-            &[DType::F32]
-        };
-        for &gdt in grads {
-            let (tf, tb) = attention_times(&b, s_len, h, d, gdt, iters)?;
-            let g = if gdt == DType::F32 { "f32" } else { "bf16" };
-            if gdt == DType::F32 {
-                rows.push((
-                    format!("attention fwd causal S={s_len} H={h} d={d}"),
-                    tf,
-                    fwd_flops / tf / 1e12,
-                ));
+    // our flash kernels, then the automatic choice (cuDNN where it serves)
+    for (kernel, label) in [(AttnKernel::Native, "native"), (AttnKernel::Auto, "auto")] {
+        b.set_attn_kernel(kernel);
+        if kernel == AttnKernel::Auto {
+            match b.cudnn_sdpa() {
+                Ok(c) => println!("auto: cuDNN {} ({})", c.version(), c.library()),
+                Err(e) => println!("auto: cuDNN unavailable ({e})"),
             }
+        }
+        for &s_len in &attn_lens {
+            let fwd_flops = 2.0 * (s_len as f64).powi(2) * h as f64 * d as f64;
+            let iters = if s_len >= 65536 { 5 } else { 20 };
+            let (tf, tb) = attention_times(&b, s_len, h, d, DType::F32, iters)?;
             rows.push((
-                format!("attention fwd+bwd causal S={s_len} H={h} d={d} {g} grads"),
+                format!("attention[{label}] fwd causal S={s_len} H={h} d={d}"),
+                tf,
+                fwd_flops / tf / 1e12,
+            ));
+            rows.push((
+                format!("attention[{label}] fwd+bwd causal S={s_len} H={h} d={d} f32 grads"),
                 tb,
                 3.5 * fwd_flops / tb / 1e12,
             ));

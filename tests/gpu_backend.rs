@@ -639,7 +639,8 @@ fn flash_pair() -> Option<&'static (CudaBackend, CudaBackend)> {
     static B: OnceLock<Option<(CudaBackend, CudaBackend)>> = OnceLock::new();
     gpu()?;
     B.get_or_init(|| {
-        let f = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+        let mut f = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+        f.set_attn_kernel(upipe::backend::cuda::cudnn::AttnKernel::Native);
         let n = CudaBackend::with_attention(0, AttentionKernels::Naive).unwrap();
         Some((f, n))
     })
@@ -898,7 +899,9 @@ fn attention_outside_the_flash_kernels_runs_naive() {
         return;
     }
     // Its own backend: exact call counts while other tests run.
-    let f = &CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    let mut f = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    f.set_attn_kernel(upipe::backend::cuda::cudnn::AttnKernel::Native);
+    let f = &f;
     let c = CpuBackend::new();
     let mut rng = Rng::new("attention routing");
     let before = f.attention_calls();

@@ -263,7 +263,9 @@ impl<'a, B: Backend> Staged<'a, B> {
         let sched = &self.plan.schedule;
         let AttnSaved { o, lse } = saved;
         b.gemm(g.wo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
-        let mut dx = b.zeros(&[s, self.dims.hidden], act, Category::Grads)?;
+        // dx gathers one GEMM per head block per stage: accumulate it in F32 so
+        // a many-stage schedule rounds once, not once per stage (bf16 compute).
+        let mut dx = b.zeros(&[s, self.dims.hidden], DType::F32, Category::Grads)?;
         let mut stage_index = 0;
         for phase in &sched.phases {
             let PhaseKv { k, k_raw, v } = self.kv_phase(w, x, phase, true)?;
@@ -313,7 +315,10 @@ impl<'a, B: Backend> Staged<'a, B> {
             let dv_local = self.exchange_back(dv, act)?;
             self.accumulate_proj_grads(x, &dv_local, &w.wv, &mut g.wv, &phase.kv_heads, &mut dx)?;
         }
-        Ok(dx)
+        if act == DType::F32 {
+            return Ok(dx);
+        }
+        crate::backend::cast(b, &dx, act, Category::Grads)
     }
 
     /// O's columns of every destination's heads, packed `[pu * s, u, d]`.

@@ -47,5 +47,25 @@ pub fn run(_args: InfoArgs) -> Result<i32> {
             Err(e) => println!("  {:<9} not available: {e}", lib.name()),
         }
     }
+    if driver.is_ok() {
+        attention_kernel_report();
+    }
     Ok(0)
+}
+
+/// Which attention kernel `auto` picks on GPU 0, and why.
+fn attention_kernel_report() {
+    match crate::backend::cuda::CudaBackend::new(0) {
+        Err(e) => println!("attention kernel: no CUDA backend on GPU 0 ({e})"),
+        Ok(b) => match b.cudnn_sdpa() {
+            Ok(c) => println!(
+                "attention kernel (UPIPE_ATTN_KERNEL=auto): cuDNN {} SDPA ({}) for bf16 with head_dim 64/128 where it supports the shape; native flash kernels otherwise",
+                c.version(),
+                c.library()
+            ),
+            Err(e) => println!(
+                "attention kernel (UPIPE_ATTN_KERNEL=auto): native flash kernels (cuDNN unavailable: {e})"
+            ),
+        },
+    }
 }

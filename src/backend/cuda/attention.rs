@@ -52,6 +52,7 @@ impl AttentionKernels {
 pub enum AttnPath {
     Flash,
     Naive,
+    Cudnn,
 }
 
 fn aligned(p: u64, a: u64) -> bool {

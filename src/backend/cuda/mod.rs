@@ -63,7 +63,11 @@ pub struct CudaBackend {
     /// first use; `Ok(None)` where they do not apply (pre-sm_90 or Naive).
     flash: OnceLock<std::result::Result<Option<flash::FlashFunctions>, String>>,
     /// Attention calls by path: flash fwd, flash bwd, naive fwd, naive bwd.
-    attn_calls: [AtomicU64; 4],
+    attn_calls: [AtomicU64; 6],
+    /// cuDNN SDPA vs our own kernels (`UPIPE_ATTN_KERNEL=auto|cudnn|native`).
+    attn_kernel: cudnn::AttnKernel,
+    /// cuDNN SDPA, created on first use; `Err` holds why it is unavailable.
+    cudnn: OnceLock<std::result::Result<cudnn::CudnnSdpa, String>>,
 }
 
 /// How many attention calls of a backend ran on which kernels.
@@ -73,6 +77,8 @@ pub struct AttentionCalls {
     pub flash_bwd: u64,
     pub naive_fwd: u64,
     pub naive_bwd: u64,
+    pub cudnn_fwd: u64,
+    pub cudnn_bwd: u64,
 }
 
 fn same_numel(a: &Tensor<CudaBackend>, b: &Tensor<CudaBackend>, op: &str) -> Result<()> {
@@ -205,6 +211,13 @@ impl CudaBackend {
             cc_major: maj,
             flash: OnceLock::new(),
             attn_calls: Default::default(),
+            // forcing the naive kernels means our own kernels, not cuDNN
+            attn_kernel: match (attn_kernels, std::env::var("UPIPE_ATTN_KERNEL")) {
+                (AttentionKernels::Naive, _) => cudnn::AttnKernel::Native,
+                (_, Ok(v)) => v.parse()?,
+                (_, Err(_)) => cudnn::AttnKernel::Auto,
+            },
+            cudnn: OnceLock::new(),
         })
     }
 
@@ -216,6 +229,8 @@ impl CudaBackend {
             flash_bwd: c(1),
             naive_fwd: c(2),
             naive_bwd: c(3),
+            cudnn_fwd: c(4),
+            cudnn_bwd: c(5),
         }
     }
 
@@ -223,8 +238,48 @@ impl CudaBackend {
         let i = match path {
             AttnPath::Flash => 0,
             AttnPath::Naive => 2,
+            AttnPath::Cudnn => 4,
         } + bwd as usize;
         self.attn_calls[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Chooses the backend's kernel for the attention selection
+    /// (`UPIPE_ATTN_KERNEL`), overriding the environment.
+    pub fn set_attn_kernel(&mut self, k: cudnn::AttnKernel) {
+        self.attn_kernel = k;
+    }
+
+    /// cuDNN SDPA of this backend, created on first use.
+    pub fn cudnn_sdpa(&self) -> std::result::Result<&cudnn::CudnnSdpa, String> {
+        self.cudnn
+            .get_or_init(|| cudnn::CudnnSdpa::new(self).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| e.clone())
+    }
+
+    /// Whether this call goes to cuDNN: `Ok(Some)` to use it, `Ok(None)` for
+    /// our kernels (the reason logged once per shape), `Err` when cuDNN was
+    /// demanded and cannot serve.
+    fn cudnn_for(&self, shape: &cudnn::SdpaShape, bwd: bool) -> Result<Option<&cudnn::CudnnSdpa>> {
+        use cudnn::select::{Choice, decide};
+        if self.attn_kernel == cudnn::AttnKernel::Native {
+            return Ok(None);
+        }
+        let sdpa = self.cudnn_sdpa();
+        let available = sdpa.as_ref().map(|c| c.version()).map_err(|e| e.clone());
+        let why = match decide(self.attn_kernel, available, shape, bwd)? {
+            Choice::Cudnn => match sdpa.as_ref().map(|c| (c, c.supports(shape, bwd))) {
+                Ok((c, Ok(()))) => return Ok(Some(c)),
+                Ok((_, Err(r))) => r,
+                Err(e) => e.clone(),
+            },
+            Choice::Native(why) => why,
+        };
+        if self.attn_kernel == cudnn::AttnKernel::Cudnn {
+            return Err(Error::Backend(format!("--attn-kernel cudnn: {why}")));
+        }
+        tracing::debug!("attention: native kernels for {shape:?} (bwd={bwd}): {why}");
+        Ok(None)
     }
 
     /// The attention kernels this backend was opened with.
@@ -851,6 +906,34 @@ impl Backend for CudaBackend {
             d: g.d,
             causal,
         };
+        if a.dt == DType::BF16 && a.o_dt == DType::BF16 && a.sq > 0 && a.hq > 0 {
+            let shape = cudnn::SdpaShape {
+                sq: a.sq,
+                sk: a.sk,
+                hq: a.hq,
+                hkv: a.hkv,
+                d: a.d,
+                causal,
+                q_rs: qrs,
+                k_rs: krs,
+                v_rs: krs,
+                o_rs: qrs,
+                lse_rs: g.hq,
+                lse_hs: 1,
+            };
+            if let Some(c) = self.cudnn_for(&shape, false)? {
+                self.count_attn(AttnPath::Cudnn, false);
+                let f = cudnn::SdpaFwd {
+                    q: a.q,
+                    k: a.k,
+                    v: a.v,
+                    o: a.o,
+                    lse: a.lse,
+                    shape,
+                };
+                return c.fwd(self, &f);
+            }
+        }
         let (path, why) = self.fwd_path(&a)?;
         tracing::debug!(
             "attention_fwd {path:?} sq={} sk={} hq={} hkv={} d={} causal={causal} {:?}{}",
@@ -912,6 +995,41 @@ impl Backend for CudaBackend {
         }
         self.bind()?;
         let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
+        let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
+        let one_grad_dt = dq.t.dtype() == dk.t.dtype() && dk.t.dtype() == dv.t.dtype();
+        if bf16_in && one_grad_dt && sq > 0 && sk > 0 && g.hq > 0 {
+            let shape = cudnn::SdpaShape {
+                sq,
+                sk,
+                hq: g.hq,
+                hkv: g.hkv,
+                d: g.d,
+                causal,
+                q_rs: qrs,
+                k_rs: krs,
+                v_rs: krs,
+                o_rs: qrs,
+                lse_rs: g.hq,
+                lse_hs: 1,
+            };
+            if let Some(c) = self.cudnn_for(&shape, true)? {
+                self.count_attn(AttnPath::Cudnn, true);
+                let b = cudnn::SdpaBwd {
+                    q: ptr_at(q.t, q.range.start * qrs),
+                    k: ptr_at(k.t, k.range.start * krs),
+                    v: ptr_at(v.t, v.range.start * krs),
+                    o: ptr_at(o.t, o.range.start * qrs),
+                    d_o: ptr_at(d_o.t, d_o.range.start * qrs),
+                    lse: ptr_at(lse.t, lse.range.start * g.hq),
+                    dq: ptr_at(dq.t, dq.range.start * qrs),
+                    dk: ptr_at(dk.t, dk.range.start * krs),
+                    dv: ptr_at(dv.t, dv.range.start * krs),
+                    grad_dt: dq.t.dtype(),
+                    shape,
+                };
+                return c.bwd(self, &b);
+            }
+        }
         // The kernels accumulate in f32: gradients of another dtype go through
         // f32 scratch that is added in afterwards.
         let scratch = |rows: usize, rs: usize, t: &Tensor<Self>| -> Result<Option<Tensor<Self>>> {
