@@ -8,6 +8,7 @@ use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Bytes;
 use crate::backend::cpu::CpuBackend;
 use crate::error::{Error, Result};
+use crate::plan::{DeviceKind, predict_attention_trial};
 use serde_json::json;
 
 #[derive(clap::Subcommand, Debug)]
@@ -68,7 +69,8 @@ pub fn run(cmd: BenchCommand) -> Result<i32> {
 const CPU_TOLERANCE: f64 = 1e-5;
 
 enum Outcome {
-    Ran(TrialResult, CpPlan),
+    /// The measured trial, its plan and the planner's predicted peak.
+    Ran(TrialResult, CpPlan, usize),
     Skipped(String),
 }
 
@@ -127,10 +129,11 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             (Strategy::Local, Some(r)) => r.clone(),
             _ => run_trial(&plan, &dims, &inputs, CpuBackend::new)?,
         };
-        outcomes.push((m, Outcome::Ran(result, plan)));
+        let predicted = predict_attention_trial(&plan, &dims, DeviceKind::Cpu)?.peak;
+        outcomes.push((m, Outcome::Ran(result, plan, predicted)));
     }
     let ulysses_act = outcomes.iter().find_map(|(m, o)| match o {
-        Outcome::Ran(r, _) if *m == Strategy::Ulysses => Some(r.act_bytes),
+        Outcome::Ran(r, _, _) if *m == Strategy::Ulysses => Some(r.act_bytes),
         _ => None,
     });
     let mut failed = false;
@@ -148,13 +151,14 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             a.ring
         );
         println!(
-            "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>9} {:>9}",
+            "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9}",
             "method",
             "mesh",
             "U",
             "stages",
             "max_rel_err",
             "peak/rank",
+            "predicted",
             "act/rank",
             "act/uly",
             "time_s"
@@ -172,7 +176,7 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
                     println!("{:<8} skipped: {why}", m.name());
                 }
             }
-            Outcome::Ran(r, plan) => {
+            Outcome::Ran(r, plan, predicted) => {
                 let err = reference.as_ref().map(|rf| r.max_rel_err(rf));
                 let ok = err.is_none_or(|e| e <= CPU_TOLERANCE);
                 failed |= a.check && !ok;
@@ -184,6 +188,7 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
                         json!({
                             "method": m.name(), "max_rel_err": err, "peak_bytes": r.peak_bytes,
                             "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
+                            "predicted_peak_bytes": predicted,
                             "ulysses": plan.layout.pu, "ring": plan.layout.pr,
                             "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
                             "act_vs_ulysses": ratio, "seconds": r.seconds,
@@ -191,13 +196,14 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
                     );
                 } else {
                     println!(
-                        "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
+                        "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
                         m.name(),
                         mesh,
                         plan.schedule.chunk,
                         plan.schedule.n_stages(),
                         err.map_or("-".into(), |e| format!("{e:.2e}")),
                         Bytes(r.peak_bytes).to_string(),
+                        Bytes(*predicted).to_string(),
                         Bytes(r.act_bytes).to_string(),
                         ratio.map_or("-".into(), |x| format!("{x:.3}")),
                         r.seconds

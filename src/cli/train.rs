@@ -179,12 +179,41 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     };
     let summary = train_cpu(&cfg, tokens.into(), &on_step)?;
     bar.finish();
+    let predicted = crate::plan::predict_step(&crate::plan::StepSpec {
+        model: cfg.model.clone(),
+        plan: plan.clone(),
+        data: 1,
+        policy: cfg.policy,
+        fsdp: false,
+        device: crate::plan::DeviceKind::Cpu,
+        optimizer: true,
+    })?;
+    let measured = summary.memory.peak;
+    let diff = 100.0 * (predicted.peak as f64 - measured as f64) / measured.max(1) as f64;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "predicted_peak_bytes": predicted.peak, "measured_peak_bytes": measured,
+                "predicted_host_bytes": predicted.host_peak,
+                "measured_host_bytes": summary.memory.host_peak,
+            })
+        );
+    }
     if !json {
         let first = summary.reports.first().map_or(f64::NAN, |r| r.loss);
         let last = summary.reports.last().map_or(f64::NAN, |r| r.loss);
         println!("loss {first:.4} -> {last:.4}");
+        println!(
+            "peak of rank 0: predicted {} (upipe plan), measured {} ({diff:+.2}%)",
+            Bytes(predicted.peak),
+            Bytes(measured)
+        );
         println!("memory of rank 0 (peak {}):", Bytes(summary.memory.peak));
-        println!("  {:<14} {:>12} {:>12}", "category", "at peak", "now");
+        println!(
+            "  {:<14} {:>12} {:>12} {:>12}",
+            "category", "at peak", "predicted", "now"
+        );
         for (cat, at_peak) in &summary.memory.at_peak_by_category {
             let now = summary
                 .memory
@@ -198,9 +227,10 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                 *at_peak
             };
             println!(
-                "  {:<14} {:>12} {:>12}",
+                "  {:<14} {:>12} {:>12} {:>12}",
                 cat.name(),
                 Bytes(peak).to_string(),
+                Bytes(predicted.at(*cat)).to_string(),
                 Bytes(now).to_string()
             );
         }

@@ -280,16 +280,28 @@ pub struct Budget {
 /// Why a length does not fit.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Limit {
-    /// Device memory; the category holding the most bytes at the peak.
+    /// Device memory: the category that grew most from the shortest length
+    /// to this one (what the length is paying for), and where the peak is.
     Device(Category, &'static str),
     /// Host memory for offloaded activations.
     Host,
 }
 
 impl Budget {
-    pub fn check(&self, p: &Prediction) -> Option<Limit> {
+    /// Whether `p` fits; `base` (a prediction at a short length) names the
+    /// category that grows with the length (without it: the largest at the peak).
+    pub fn check(&self, p: &Prediction, base: Option<&Prediction>) -> Option<Limit> {
         if p.peak > self.device {
-            return Some(Limit::Device(p.largest_category(), p.peak_at));
+            let growth =
+                |c: Category, bytes: usize| base.map_or(0, |b| bytes.saturating_sub(b.at(c)));
+            let cat = p
+                .at_peak
+                .iter()
+                .filter(|(c, _)| c.on_device())
+                .max_by_key(|(c, bytes)| growth(*c, *bytes))
+                .filter(|(c, bytes)| growth(*c, *bytes) > 0)
+                .map_or(p.largest_category(), |x| x.0);
+            return Some(Limit::Device(cat, p.peak_at));
         }
         match self.host {
             Some(h) if p.host_peak > h => Some(Limit::Host),
@@ -318,9 +330,10 @@ pub fn longest_context(
     predict: impl Fn(usize) -> Result<Prediction>,
 ) -> Result<Fit> {
     let step = step.max(1);
+    let base = predict(step)?;
     let fits = |k: usize| -> Result<(Prediction, Option<Limit>)> {
         let p = predict(k * step)?;
-        let l = budget.check(&p);
+        let l = budget.check(&p, Some(&base));
         Ok((p, l))
     };
     let (mut lo, mut hi) = (0usize, 1usize);
