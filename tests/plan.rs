@@ -41,7 +41,9 @@ fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
 
 #[test]
 fn attention_layer_prediction_equals_ledger_peak() {
-    let cases: &[(usize, usize, Strategy, usize, usize, Option<usize>)] = &[
+    // (heads, kv heads, strategy, Pu, Pr, U)
+    type Case = (usize, usize, Strategy, usize, usize, Option<usize>);
+    let cases: &[Case] = &[
         (8, 2, Strategy::Local, 1, 1, None),
         (8, 2, Strategy::Ulysses, 2, 1, None),
         (8, 2, Strategy::Ulysses, 4, 1, None), // kv heads replicated (Hkv < Pu)

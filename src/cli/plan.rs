@@ -262,7 +262,7 @@ pub fn run(a: PlanArgs) -> Result<i32> {
             }
         );
         if let Some(h) = host {
-            println!("host memory for offload: {} per rank", Bytes(h).to_string());
+            println!("host memory for offload: {} per rank", Bytes(h));
         }
     }
     match a.seq {
