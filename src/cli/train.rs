@@ -148,6 +148,17 @@ pub fn run(a: TrainArgs) -> Result<i32> {
             cfg.steps
         );
     }
+    // what `upipe plan` predicts for this run (rank 0's ledger peak)
+    let predicted = crate::plan::predict_step(&crate::plan::StepSpec {
+        model: cfg.model.clone(),
+        plan: plan.clone(),
+        data: 1,
+        policy: cfg.policy,
+        fsdp: false,
+        device: crate::plan::DeviceKind::Cpu,
+        optimizer: true,
+    })?;
+    let predicted_peak = predicted.peak;
     let bar = if a.json {
         ProgressBar::hidden()
     } else {
@@ -165,6 +176,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                 serde_json::json!({
                     "step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s,
                     "peak_bytes": r.peak_bytes, "lr": r.lr, "grad_norm": r.grad_norm,
+                    "predicted_peak_bytes": predicted_peak,
                 })
             );
         } else {
@@ -179,27 +191,8 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     };
     let summary = train_cpu(&cfg, tokens.into(), &on_step)?;
     bar.finish();
-    let predicted = crate::plan::predict_step(&crate::plan::StepSpec {
-        model: cfg.model.clone(),
-        plan: plan.clone(),
-        data: 1,
-        policy: cfg.policy,
-        fsdp: false,
-        device: crate::plan::DeviceKind::Cpu,
-        optimizer: true,
-    })?;
     let measured = summary.memory.peak;
     let diff = 100.0 * (predicted.peak as f64 - measured as f64) / measured.max(1) as f64;
-    if json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "predicted_peak_bytes": predicted.peak, "measured_peak_bytes": measured,
-                "predicted_host_bytes": predicted.host_peak,
-                "measured_host_bytes": summary.memory.host_peak,
-            })
-        );
-    }
     if !json {
         let first = summary.reports.first().map_or(f64::NAN, |r| r.loss);
         let last = summary.reports.last().map_or(f64::NAN, |r| r.loss);
