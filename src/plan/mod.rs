@@ -55,6 +55,14 @@ impl DeviceKind {
     pub fn master_weights(self) -> bool {
         self.act_bytes() != F32
     }
+    /// Bytes the backend allocates for itself through the ledger and keeps
+    /// (CUDA: the cuBLASLt workspace, allocated at the first GEMM).
+    pub fn backend_resident(self) -> usize {
+        match self {
+            DeviceKind::Cpu => 0,
+            DeviceKind::Cuda => crate::backend::cuda::gemm::WORKSPACE_BYTES,
+        }
+    }
     pub fn name(self) -> &'static str {
         match self {
             DeviceKind::Cpu => "cpu (f32)",
@@ -162,16 +170,23 @@ pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
     if spec.fsdp {
         sim.alloc(Category::Comm, 2 * unit * ab + unit * F32);
     }
+    sim.alloc(Category::Workspace, spec.device.backend_resident());
     DecoderWalk {
         cfg: &spec.model,
         policy: spec.policy,
         attn,
+        uploads_ids: spec.device == DeviceKind::Cuda,
     }
     .step(&mut sim);
     if spec.optimizer {
         // the trainer's all-reduced loss scalar
         sim.label("optimizer");
         let loss = sim.alloc(Category::Workspace, F32);
+        if spec.device == DeviceKind::Cuda {
+            // `sum_squares` accumulates the gradient norm in one f64
+            let acc = sim.alloc(Category::Workspace, 2 * F32);
+            sim.free(acc);
+        }
         sim.free(loss);
     }
     Ok(Prediction::from_sim(&sim))
@@ -199,6 +214,7 @@ pub fn predict_attention_trial(
     sim.alloc(Category::Grads, w * F32);
     sim.alloc(Category::Workspace, walk.rope_bytes());
     sim.reset_peak();
+    sim.alloc(Category::Workspace, device.backend_resident());
     sim.label("attention forward");
     let AttnFwd { o, lse, y } = walk.forward(&mut sim);
     sim.label("attention backward");

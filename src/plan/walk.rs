@@ -334,6 +334,8 @@ pub struct DecoderWalk<'a> {
     pub cfg: &'a ModelConfig,
     pub policy: MemoryPolicy,
     pub attn: AttnWalk,
+    /// The backend uploads token ids into a device buffer (CUDA: `upload_ids`).
+    pub uploads_ids: bool,
 }
 
 /// What one block keeps (`BlockSaved`).
@@ -443,6 +445,14 @@ impl DecoderWalk<'_> {
         dh
     }
 
+    /// A transient device copy of `n` token ids (embedding, cross-entropy).
+    fn ids(&self, sim: &mut Sim, n: usize) {
+        if self.uploads_ids {
+            let b = sim.alloc(Workspace, n * F32);
+            sim.free(b);
+        }
+    }
+
     /// `Decoder::fused_loss`: returns dhn.
     fn fused_loss(&self, sim: &mut Sim) -> Buf {
         sim.label("loss");
@@ -452,6 +462,7 @@ impl DecoderWalk<'_> {
         for r in distinct_lengths(&chunks) {
             let logits = sim.alloc(Workspace, r * self.cfg.vocab * self.ab());
             let dlogits = sim.alloc(Workspace, r * self.cfg.vocab * self.ab());
+            self.ids(sim, r);
             sim.free(logits);
             sim.free(dlogits);
         }
@@ -463,6 +474,7 @@ impl DecoderWalk<'_> {
     pub fn step(&self, sim: &mut Sim) {
         sim.label("forward: embedding");
         let mut x = self.hidden_buf(sim, Activations);
+        self.ids(sim, self.s());
         let mut kept: Vec<(Buf, Option<BlockSaved>)> = Vec::new();
         for _ in 0..self.cfg.layers {
             let (next, saved) = self.block_fwd(sim);
@@ -515,6 +527,7 @@ impl DecoderWalk<'_> {
             sim.free(input);
             sim.free_opt(host);
         }
+        self.ids(sim, self.s());
         sim.free(dx);
     }
 }
