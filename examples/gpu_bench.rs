@@ -1,12 +1,15 @@
 //! GPU micro-benchmarks of the CUDA backend: cuBLASLt bf16 GEMM (8192³ by
-//! default) and, for reference, the interim attention kernel. Prints a table
-//! and one JSON line. Exits 0 with a message when no GPU is present.
+//! default), attention through `CudaBackend::attention_fwd` / `attention_bwd`
+//! (the flash kernels; causal, H=16, d=128, S=16K and 64K; causal fwd flops =
+//! 2·S²·H·d, fwd+bwd = 3.5x that) and, for reference, the naive attention
+//! kernel. Prints a table and one JSON line. Exits 0 with a message when no
+//! GPU is present.
 //!
-//! `cargo run --release --example gpu_bench [-- N]`
+//! `cargo run --release --example gpu_bench [-- N [S,S,...]]`
 
 use std::time::Instant;
-use upipe::backend::cuda::CudaBackend;
-use upipe::backend::{Backend, Category, DType};
+use upipe::backend::cuda::{AttentionKernels, CudaBackend};
+use upipe::backend::{Backend, Category, DType, Tensor};
 
 fn time<F: FnMut() -> upipe::Result<()>>(
     b: &CudaBackend,
@@ -25,11 +28,88 @@ fn time<F: FnMut() -> upipe::Result<()>>(
     Ok(t.elapsed().as_secs_f64() / iters as f64)
 }
 
+/// Uniform(-scale, scale) values from a xorshift generator.
+fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// Seconds per attention forward and per forward+backward through the backend
+/// (causal, MHA, bf16 q/k/v/o/dO, gradients of `grad_dt`).
+fn attention_times(
+    b: &CudaBackend,
+    s: usize,
+    h: usize,
+    d: usize,
+    grad_dt: DType,
+    iters: usize,
+) -> upipe::Result<(f64, f64)> {
+    let n = s * h * d;
+    let up = |seed: u64, scale: f32| -> upipe::Result<Tensor<CudaBackend>> {
+        b.from_host(
+            &random(n, seed, scale),
+            &[s, h, d],
+            DType::BF16,
+            Category::Activations,
+        )
+    };
+    let (q, k, v, d_o) = (up(1, 2.0)?, up(2, 2.0)?, up(3, 1.0)?, up(4, 1.0)?);
+    let mut o = b.zeros(&[s, h, d], DType::BF16, Category::Activations)?;
+    let mut lse = b.zeros(&[s, h], DType::F32, Category::Activations)?;
+    let mut dq = b.zeros(&[s, h, d], grad_dt, Category::Grads)?;
+    let mut dk = b.zeros(&[s, h, d], grad_dt, Category::Grads)?;
+    let mut dv = b.zeros(&[s, h, d], grad_dt, Category::Grads)?;
+    let fwd = |o: &mut Tensor<CudaBackend>, lse: &mut Tensor<CudaBackend>| {
+        b.attention_fwd(
+            q.all_rows(),
+            k.all_rows(),
+            v.all_rows(),
+            true,
+            o.all_rows_mut(),
+            lse.all_rows_mut(),
+        )
+    };
+    let t_fwd = time(b, iters, || fwd(&mut o, &mut lse))?;
+    let t_both = time(b, iters, || {
+        fwd(&mut o, &mut lse)?;
+        b.attention_bwd(
+            q.all_rows(),
+            k.all_rows(),
+            v.all_rows(),
+            o.all_rows(),
+            d_o.all_rows(),
+            lse.all_rows(),
+            true,
+            dq.all_rows_mut(),
+            dk.all_rows_mut(),
+            dv.all_rows_mut(),
+        )
+    })?;
+    let l = b.to_host(&lse)?;
+    if l.iter().any(|x| !x.is_finite()) {
+        return Err(upipe::Error::Backend(
+            "attention benchmark: non-finite lse".into(),
+        ));
+    }
+    Ok((t_fwd, t_both))
+}
+
 fn main() -> upipe::Result<()> {
     let n: usize = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(8192);
+    let attn_lens: Vec<usize> = std::env::args()
+        .nth(2)
+        .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_else(|| vec![16384, 65536]);
     let b = match CudaBackend::new(0) {
         Ok(b) => b,
         Err(e) => {
@@ -90,14 +170,52 @@ fn main() -> upipe::Result<()> {
     );
     drop((a, w, c32));
 
-    // Interim attention kernel (correctness path; the flash kernels replace it).
+    // Attention through the backend (flash kernels where they apply).
+    let t = Instant::now();
+    let flash = b.flash_functions()?.is_some();
+    println!(
+        "flash kernels: {} ({:.2} s to load)",
+        if flash { "in use" } else { "not in use" },
+        t.elapsed().as_secs_f64()
+    );
+    let (h, d) = (16, 128);
+    for &s_len in &attn_lens {
+        let fwd_flops = 2.0 * (s_len as f64).powi(2) * h as f64 * d as f64;
+        let iters = if s_len >= 65536 { 5 } else { 20 };
+        let grads: &[DType] = if s_len <= 16384 {
+            &[DType::F32, DType::BF16]
+        } else {
+            &[DType::F32]
+        };
+        for &gdt in grads {
+            let (tf, tb) = attention_times(&b, s_len, h, d, gdt, iters)?;
+            let g = if gdt == DType::F32 { "f32" } else { "bf16" };
+            if gdt == DType::F32 {
+                rows.push((
+                    format!("attention fwd causal S={s_len} H={h} d={d}"),
+                    tf,
+                    fwd_flops / tf / 1e12,
+                ));
+            }
+            rows.push((
+                format!("attention fwd+bwd causal S={s_len} H={h} d={d} {g} grads"),
+                tb,
+                3.5 * fwd_flops / tb / 1e12,
+            ));
+        }
+    }
+    let calls = b.attention_calls();
+    println!("attention calls by kernel: {calls:?}");
+
+    // The naive kernels, for reference (the GPU oracle of the tests).
+    let nb = CudaBackend::with_attention(0, AttentionKernels::Naive)?;
     let (s_len, h, d) = (4096, 16, 128);
-    let mut q = b.zeros(&[s_len, h, d], DType::BF16, Category::Activations)?;
-    b.fill(&mut q, 0.1)?;
-    let mut o = b.zeros(&[s_len, h, d], DType::BF16, Category::Activations)?;
-    let mut lse = b.zeros(&[s_len, h], DType::F32, Category::Activations)?;
-    let st = time(&b, 3, || {
-        b.attention_fwd(
+    let mut q = nb.zeros(&[s_len, h, d], DType::BF16, Category::Activations)?;
+    nb.fill(&mut q, 0.1)?;
+    let mut o = nb.zeros(&[s_len, h, d], DType::BF16, Category::Activations)?;
+    let mut lse = nb.zeros(&[s_len, h], DType::F32, Category::Activations)?;
+    let st = time(&nb, 3, || {
+        nb.attention_fwd(
             q.all_rows(),
             q.all_rows(),
             q.all_rows(),
@@ -108,15 +226,16 @@ fn main() -> upipe::Result<()> {
     })?;
     let aflops = 2.0 * (s_len as f64).powi(2) * h as f64 * d as f64;
     rows.push((
-        format!("interim attention fwd causal s={s_len} h={h} d={d}"),
+        format!("naive attention fwd causal S={s_len} H={h} d={d}"),
         st,
         aflops / st / 1e12,
     ));
+    drop((q, o, lse, nb));
 
     let ps = b.pool_stats()?;
-    println!("{:<52} {:>10} {:>10}", "op", "ms", "TFLOP/s");
+    println!("{:<60} {:>10} {:>10}", "op", "ms", "TFLOP/s");
     for (name, s, tf) in &rows {
-        println!("{name:<52} {:>10.3} {:>10.1}", s * 1e3, tf);
+        println!("{name:<60} {:>10.3} {:>10.1}", s * 1e3, tf);
     }
     println!(
         "memory: ledger peak {} B, pool used high-water {} B, pool reserved high-water {} B",

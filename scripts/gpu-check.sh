@@ -63,7 +63,7 @@ for t in "$bin"/test-*; do
     table+=("$(printf '%-40s rc=%-3s %7sms  %s%s' "$name" "$rc" "$ms" "$res" "$([ "$skipped" -gt 0 ] && echo '  (SKIPPED: no GPU)')")")
     if [ "$rc" -ne 0 ] || [ "$name" = test-test-gpu_backend ]; then
         echo "== $name"
-        grep -E 'rel err|panicked|FAILED|failed|SKIP|sum_squares|pool ' "$log" | sort | head -120
+        grep -E 'rel err|panicked|FAILED|failed|SKIP|sum_squares|pool ' "$log" | sort | head -200
     fi
 done
 echo "== gpu_bench"

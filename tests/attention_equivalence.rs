@@ -124,3 +124,40 @@ fn mesh_2x2_and_four_rank_ring() {
 fn four_ranks_ulysses_gqa_qk_norm() {
     check_all(&dims(16, 4, 8, true), 16, 4, 1);
 }
+
+#[test]
+fn overlap_schedule_gives_identical_results_at_one_extra_stage_of_memory() {
+    for (d, seq, pu, pr, u) in [
+        (dims(32, 8, 4, true), 32, 4, 2, 4),
+        (dims(8, 2, 8, false), 16, 4, 1, 4),
+        (dims(16, 4, 8, true), 32, 2, 2, 2),
+    ] {
+        let inputs = TrialInputs::random(&d, seq, 8);
+        let plan = CpPlan::new(Strategy::Upipe, &d, seq, pu, pr, Some(u)).unwrap();
+        let plain = run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap();
+        let over = run_trial(
+            &plan.clone().with_overlap(true),
+            &d,
+            &inputs,
+            CpuBackend::new,
+        )
+        .unwrap();
+        for (name, err) in over.errors_against(&plain) {
+            assert_eq!(
+                err, 0.0,
+                "{name}: the prefetch order must not change any result"
+            );
+        }
+        // one extra stage of O, dO and Q buffers at most ([n, u, d] each, with exchange copies)
+        let stage = (seq / pr) * (u / pu) * d.head_dim * 4;
+        assert!(
+            over.act_bytes >= plain.act_bytes,
+            "prefetch holds more, not less"
+        );
+        assert!(
+            over.act_bytes <= plain.act_bytes + 6 * stage,
+            "prefetch costs {} > 6 stage buffers of {stage} bytes",
+            over.act_bytes - plain.act_bytes
+        );
+    }
+}

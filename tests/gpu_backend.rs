@@ -7,7 +7,7 @@
 use std::sync::OnceLock;
 use upipe::Error;
 use upipe::backend::cpu::CpuBackend;
-use upipe::backend::cuda::CudaBackend;
+use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{AdamWStep, Backend, Category, DType, IGNORE, MatLayout, Tensor};
 
 const TOL: f64 = 1e-2;
@@ -631,4 +631,291 @@ fn pool_and_ledger_agree_and_oom_is_an_error() {
         0,
         "a failed allocation records nothing"
     );
+}
+
+/// Backends of their own for the flash tests (exact call counters): one with
+/// the flash kernels, one forced onto the naive kernels (the GPU oracle).
+fn flash_pair() -> Option<&'static (CudaBackend, CudaBackend)> {
+    static B: OnceLock<Option<(CudaBackend, CudaBackend)>> = OnceLock::new();
+    gpu()?;
+    B.get_or_init(|| {
+        let f = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+        let n = CudaBackend::with_attention(0, AttentionKernels::Naive).unwrap();
+        Some((f, n))
+    })
+    .as_ref()
+}
+
+/// One attention problem on host data (bf16-representable values).
+struct AttnProblem {
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+    /// Rows of padding before each view (exercises row offsets).
+    off: usize,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    d_o: Vec<f32>,
+    /// Initial gradients (the backward accumulates into them).
+    dq0: Vec<f32>,
+    dk0: Vec<f32>,
+    dv0: Vec<f32>,
+}
+
+impl AttnProblem {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        rng: &mut Rng,
+        sq: usize,
+        sk: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        causal: bool,
+    ) -> AttnProblem {
+        let off = 5;
+        let r = |v: Vec<f32>| round(&v, DType::BF16);
+        let (nq, nk) = ((sq + off) * hq * d, (sk + off) * hkv * d);
+        AttnProblem {
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            causal,
+            off,
+            q: r(rng.vec(nq, 2.0)),
+            k: r(rng.vec(nk, 2.0)),
+            v: r(rng.vec(nk, 1.0)),
+            d_o: r(rng.vec(nq, 1.0)),
+            dq0: r(rng.vec(nq, 0.1)),
+            dk0: r(rng.vec(nk, 0.1)),
+            dv0: r(rng.vec(nk, 0.1)),
+        }
+    }
+    fn tag(&self) -> String {
+        format!(
+            "sq={} sk={} hq={} hkv={} d={} causal={}",
+            self.sq, self.sk, self.hq, self.hkv, self.d, self.causal
+        )
+    }
+}
+
+/// Forward on `b` with inputs of dtype `dt`: (o, lse) of the whole padded tensors.
+fn attn_fwd_on<B: Backend>(b: &B, dt: DType, p: &AttnProblem) -> (Vec<f32>, Vec<f32>) {
+    let (off, hq, hkv, d) = (p.off, p.hq, p.hkv, p.d);
+    let up = |x: &[f32], s: usize, h: usize| {
+        b.from_host(x, &[s + off, h, d], dt, Category::Workspace)
+            .unwrap()
+    };
+    let (q, k, v) = (up(&p.q, p.sq, hq), up(&p.k, p.sk, hkv), up(&p.v, p.sk, hkv));
+    let mut o = b
+        .zeros(&[p.sq + off, hq, d], dt, Category::Workspace)
+        .unwrap();
+    let mut lse = b
+        .zeros(&[p.sq + off, hq], DType::F32, Category::Workspace)
+        .unwrap();
+    let (qr, kr) = (off..off + p.sq, off..off + p.sk);
+    b.attention_fwd(
+        q.rows_view(qr.clone()),
+        k.rows_view(kr.clone()),
+        v.rows_view(kr),
+        p.causal,
+        o.rows_view_mut(qr.clone()),
+        lse.rows_view_mut(qr),
+    )
+    .unwrap();
+    (b.to_host(&o).unwrap(), b.to_host(&lse).unwrap())
+}
+
+/// Backward on `b` (inputs `dt`, gradients `grad_dt`) from the given o / lse of
+/// the full rows, one call per key block of `kblocks` (ranges of keys): the
+/// accumulated (dq, dk, dv) of the whole padded tensors.
+fn attn_bwd_on<B: Backend>(
+    b: &B,
+    dt: DType,
+    grad_dt: DType,
+    p: &AttnProblem,
+    o: &[f32],
+    lse: &[f32],
+    kblocks: &[std::ops::Range<usize>],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (off, hq, hkv, d) = (p.off, p.hq, p.hkv, p.d);
+    let up = |x: &[f32], s: usize, h: usize, dt: DType| {
+        b.from_host(x, &[s + off, h, d], dt, Category::Workspace)
+            .unwrap()
+    };
+    let (q, k, v) = (
+        up(&p.q, p.sq, hq, dt),
+        up(&p.k, p.sk, hkv, dt),
+        up(&p.v, p.sk, hkv, dt),
+    );
+    let (o, d_o) = (up(o, p.sq, hq, dt), up(&p.d_o, p.sq, hq, dt));
+    let lse = b
+        .from_host(lse, &[p.sq + off, hq], DType::F32, Category::Workspace)
+        .unwrap();
+    let mut dq = up(&p.dq0, p.sq, hq, grad_dt);
+    let mut dk = up(&p.dk0, p.sk, hkv, grad_dt);
+    let mut dv = up(&p.dv0, p.sk, hkv, grad_dt);
+    let qr = off..off + p.sq;
+    for kb in kblocks {
+        let kr = off + kb.start..off + kb.end;
+        b.attention_bwd(
+            q.rows_view(qr.clone()),
+            k.rows_view(kr.clone()),
+            v.rows_view(kr.clone()),
+            o.rows_view(qr.clone()),
+            d_o.rows_view(qr.clone()),
+            lse.rows_view(qr.clone()),
+            p.causal,
+            dq.rows_view_mut(qr.clone()),
+            dk.rows_view_mut(kr.clone()),
+            dv.rows_view_mut(kr),
+        )
+        .unwrap();
+    }
+    (
+        b.to_host(&dq).unwrap(),
+        b.to_host(&dk).unwrap(),
+        b.to_host(&dv).unwrap(),
+    )
+}
+
+fn close(name: &str, got: &[f32], want: &[f32]) {
+    let e = rel_err(got, want);
+    eprintln!("{name}: rel err {e:.2e}");
+    assert!(e <= TOL, "{name}: rel err {e:.3e} > {TOL}");
+}
+
+/// Flash forward and backward through the backend against the CPU reference
+/// and against the naive kernels (GPU oracle); `kblocks` splits the backward
+/// into key blocks that all use the full rows' o / lse.
+fn flash_case(
+    rng: &mut Rng,
+    dims: (usize, usize, usize, usize, usize),
+    causal: bool,
+    grad_dt: DType,
+    kblocks: &[std::ops::Range<usize>],
+) {
+    let (f, n) = flash_pair().expect("checked by the caller");
+    let c = CpuBackend::new();
+    let (sq, sk, hq, hkv, d) = dims;
+    let p = AttnProblem::new(rng, sq, sk, hq, hkv, d, causal);
+    let tag = format!("flash {} grads={grad_dt:?} blocks={kblocks:?}", p.tag());
+    let before = f.attention_calls();
+    let (fo, fl) = attn_fwd_on(f, DType::BF16, &p);
+    let (no, nl) = attn_fwd_on(n, DType::BF16, &p);
+    let (co, cl) = attn_fwd_on(&c, DType::F32, &p);
+    close(&format!("{tag} o vs cpu"), &fo, &co);
+    close(&format!("{tag} lse vs cpu"), &fl, &cl);
+    close(&format!("{tag} o vs naive"), &fo, &no);
+    close(&format!("{tag} lse vs naive"), &fl, &nl);
+    // Backward from the CPU's o / lse on every side (bf16-rounded o).
+    let co = round(&co, DType::BF16);
+    let fg = attn_bwd_on(f, DType::BF16, grad_dt, &p, &co, &cl, kblocks);
+    let ng = attn_bwd_on(n, DType::BF16, grad_dt, &p, &co, &cl, kblocks);
+    let cg = attn_bwd_on(&c, DType::F32, DType::F32, &p, &co, &cl, kblocks);
+    for (name, fx, nx, cx) in [
+        ("dq", &fg.0, &ng.0, &cg.0),
+        ("dk", &fg.1, &ng.1, &cg.1),
+        ("dv", &fg.2, &ng.2, &cg.2),
+    ] {
+        close(&format!("{tag} {name} vs cpu"), fx, cx);
+        close(&format!("{tag} {name} vs naive"), fx, nx);
+    }
+    let after = f.attention_calls();
+    assert_eq!(
+        after.flash_fwd - before.flash_fwd,
+        1,
+        "{tag}: forward ran on the flash kernels"
+    );
+    assert_eq!(
+        after.flash_bwd - before.flash_bwd,
+        kblocks.len() as u64,
+        "{tag}: backward ran on the flash kernels"
+    );
+    assert_eq!(
+        after.naive_fwd + after.naive_bwd,
+        before.naive_fwd + before.naive_bwd
+    );
+}
+
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
+fn flash_attention_through_the_backend_matches_cpu_and_naive() {
+    let Some((f, n)) = flash_pair() else { return };
+    let cc9 = f
+        .arch()
+        .trim_start_matches("sm_")
+        .parse::<u32>()
+        .unwrap_or(0)
+        >= 90;
+    if !cc9 {
+        eprintln!("SKIP flash attention: {} is below sm_90", f.arch());
+        return;
+    }
+    assert!(f.flash_functions().unwrap().is_some());
+    assert!(n.flash_functions().unwrap().is_none());
+    let mut rng = Rng::new("flash attention");
+    // (sq, sk, hq, hkv, d): odd lengths, GQA, both head dims, causal and full.
+    flash_case(&mut rng, (300, 300, 4, 4, 64), true, DType::F32, &[0..300]);
+    flash_case(
+        &mut rng,
+        (257, 257, 8, 2, 128),
+        true,
+        DType::BF16,
+        &[0..257],
+    );
+    flash_case(&mut rng, (77, 333, 6, 3, 64), false, DType::BF16, &[0..333]);
+    flash_case(&mut rng, (1, 129, 2, 1, 128), false, DType::F32, &[0..129]);
+    flash_case(&mut rng, (640, 640, 4, 1, 128), true, DType::F32, &[0..640]);
+    // Key-block backward (as ring attention does): the lse / o of the full rows,
+    // three key blocks of odd sizes accumulating into one dq.
+    flash_case(
+        &mut rng,
+        (200, 517, 4, 2, 128),
+        false,
+        DType::F32,
+        &[0..130, 130..131, 131..517],
+    );
+    flash_case(
+        &mut rng,
+        (150, 390, 8, 8, 64),
+        false,
+        DType::BF16,
+        &[0..256, 256..390],
+    );
+}
+
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
+fn attention_outside_the_flash_kernels_runs_naive() {
+    if gpu().is_none() {
+        return;
+    }
+    // Its own backend: exact call counts while other tests run.
+    let f = &CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("attention routing");
+    let before = f.attention_calls();
+    // f32 inputs and a head dim the flash kernels do not take.
+    for (dt, d) in [(DType::F32, 64), (DType::BF16, 96)] {
+        let p = AttnProblem::new(&mut rng, 70, 70, 4, 2, d, true);
+        let (fo, fl) = attn_fwd_on(f, dt, &p);
+        let (co, cl) = attn_fwd_on(&c, DType::F32, &p);
+        close(&format!("routing {dt:?} d={d} o"), &fo, &co);
+        close(&format!("routing {dt:?} d={d} lse"), &fl, &cl);
+        let g = attn_bwd_on(f, dt, DType::F32, &p, &co, &cl, &[0..70]);
+        let cg = attn_bwd_on(&c, DType::F32, DType::F32, &p, &co, &cl, &[0..70]);
+        close(&format!("routing {dt:?} d={d} dq"), &g.0, &cg.0);
+        close(&format!("routing {dt:?} d={d} dk"), &g.1, &cg.1);
+        close(&format!("routing {dt:?} d={d} dv"), &g.2, &cg.2);
+    }
+    let after = f.attention_calls();
+    assert_eq!(after.naive_fwd - before.naive_fwd, 2);
+    assert_eq!(after.naive_bwd - before.naive_bwd, 2);
 }

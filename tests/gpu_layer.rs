@@ -56,9 +56,15 @@ fn attention_layer_on_gpu_matches_cpu() {
         let errs = got.errors_against(&reference);
         println!("gpu {s} {pu}x{pr}: {errs:?}");
         for (name, e) in errs {
+            // The QK-norm weight gradients are sums over every (row, head) of
+            // products with bf16 dq / dk; the flash kernels round P and dS to
+            // bf16 before their matmuls (as FlashAttention-2 does), which moves
+            // these reductions to 1.0e-2..1.05e-2 (8.8e-3..9.6e-3 on the naive
+            // kernels, UPIPE_ATTENTION=naive; H200, 2026-11-30).
+            let tol = if name.ends_with("_norm") { 2e-2 } else { 1e-2 };
             assert!(
-                e <= 1e-2,
-                "{s} {pu}x{pr}: {name} rel err {e:e} (bf16 vs f32)"
+                e <= tol,
+                "{s} {pu}x{pr}: {name} rel err {e:e} > {tol:e} (bf16 vs f32)"
             );
         }
     }
@@ -71,6 +77,7 @@ fn tiny_model_training_on_gpu_tracks_cpu() {
     }
     let cfg = TrainConfig {
         model: ModelConfig::resolve("tiny").unwrap(),
+        data_parallel: 1,
         strategy: Strategy::Upipe,
         ulysses: 2,
         ring: 1,

@@ -138,11 +138,11 @@ fn memory_policies_leave_gradients_unchanged() {
 
 #[test]
 fn offload_moves_block_inputs_to_host() {
-    use upipe::attention::CpPlan;
     use upipe::train::trainer::{TrainConfig, train_cpu};
     let cfg = tiny(false);
     let mk = |checkpoint: bool, offload: bool| TrainConfig {
         model: cfg.clone(),
+        data_parallel: 1,
         strategy: Strategy::Local,
         ulysses: 1,
         ring: 1,
@@ -171,7 +171,6 @@ fn offload_moves_block_inputs_to_host() {
         save_every: 0,
         resume: false,
     };
-    let _ = CpPlan::new(Strategy::Local, &attn_dims(&cfg), 64, 1, 1, None).unwrap();
     let tokens: std::sync::Arc<[u32]> = data(4096, cfg.vocab).0.into();
     let plain = train_cpu(&mk(false, false), tokens.clone(), &|_| {}).unwrap();
     let ckpt = train_cpu(&mk(true, false), tokens.clone(), &|_| {}).unwrap();
@@ -185,4 +184,77 @@ fn offload_moves_block_inputs_to_host() {
         "offload lowers the device peak"
     );
     assert!(off.memory.host_peak > 0, "offloaded bytes are on the host");
+}
+
+#[test]
+fn data_parallel_replicas_average_their_sequences() {
+    use std::sync::Arc;
+    use upipe::train::data::SequenceSampler;
+    use upipe::train::trainer::{TrainConfig, train_cpu};
+    let cfg = tiny(false);
+    let seq = 32;
+    let tokens: Arc<[u32]> = data(2048, cfg.vocab).0.into();
+    let mk = |strategy: Strategy, ulysses: usize| TrainConfig {
+        model: cfg.clone(),
+        data_parallel: 2,
+        strategy,
+        ulysses,
+        ring: 1,
+        chunk_heads: None,
+        seq,
+        steps: 3,
+        optim: upipe::train::optim::AdamWConfig {
+            lr: 1e-3,
+            min_lr: 1e-3,
+            warmup: 0,
+            total_steps: 3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            clip: 1.0,
+        },
+        seed: 3,
+        policy: MemoryPolicy::default(),
+        init_from: None,
+        save_dir: None,
+        save_every: 0,
+        resume: false,
+    };
+    let dp_local = train_cpu(&mk(Strategy::Local, 1), tokens.clone(), &|_| {}).unwrap();
+    let dp_upipe = train_cpu(&mk(Strategy::Upipe, 2), tokens.clone(), &|_| {}).unwrap();
+    assert_eq!(dp_local.ranks, 2);
+    assert_eq!(dp_upipe.ranks, 4);
+    for (a, b) in dp_upipe.reports.iter().zip(&dp_local.reports) {
+        assert!(
+            ((a.loss - b.loss) / b.loss).abs() < 1e-5,
+            "step {}: {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    // step 1 loss = mean over the two replicas' windows (same initial weights, seed 3)
+    let plan = CpPlan::new(Strategy::Local, &attn_dims(&cfg), seq, 1, 1, None).unwrap();
+    let mut mean = 0.0;
+    for r in 0..2 {
+        let mut s = SequenceSampler::sharded(tokens.clone(), seq, 3, r, 2).unwrap();
+        let w = s.next_window();
+        let init = |b: &CpuBackend| ModelWeights::random(b, &cfg, 3);
+        let (loss, _) = loss_and_grads_cpu(
+            &cfg,
+            &plan,
+            MemoryPolicy::default(),
+            w.inputs(),
+            w.targets(),
+            &init,
+        )
+        .unwrap();
+        mean += loss / 2.0;
+    }
+    let first = dp_local.reports[0].loss;
+    assert!(
+        ((first - mean) / mean).abs() < 1e-5,
+        "data-parallel loss {first} vs mean of replicas {mean}"
+    );
 }

@@ -129,6 +129,10 @@ pub struct CpPlan {
     pub strategy: Strategy,
     pub layout: SeqLayout,
     pub schedule: StageSchedule,
+    /// Issue stage t+1's projections and exchanges before stage t's attention
+    /// (one extra stage of buffers) so that an asynchronous backend overlaps
+    /// communication with attention. Same results either way.
+    pub overlap: bool,
 }
 
 impl CpPlan {
@@ -165,8 +169,14 @@ impl CpPlan {
             strategy,
             layout,
             schedule,
+            overlap: false,
         })
     }
+    /// The same plan with the stage-prefetch schedule on or off.
+    pub fn with_overlap(self, overlap: bool) -> Self {
+        CpPlan { overlap, ..self }
+    }
+
     /// The mesh this plan runs on (one data replica).
     pub fn mesh_shape(&self) -> MeshShape {
         MeshShape {

@@ -33,6 +33,13 @@ struct PhaseKv<B: Backend> {
     v: Tensor<B>,
 }
 
+/// One backward stage's exchanged inputs.
+struct BwdStageInputs<B: Backend> {
+    o_att: Tensor<B>,
+    d_o: Tensor<B>,
+    q_raw: Tensor<B>,
+}
+
 /// One rank's view of the staged layer for one call.
 pub struct Staged<'a, B: Backend> {
     b: &'a B,
@@ -152,23 +159,55 @@ impl<'a, B: Backend> Staged<'a, B> {
         Ok(PhaseKv { k, k_raw, v })
     }
 
-    /// This stage's Q (normed, rotated) and its pre-norm copy if needed: `[n, u, d]`.
-    fn q_stage(
+    /// This stage's Q projected and exchanged, before norm and RoPE: `[n, u, d]`.
+    fn q_exchanged(
         &self,
         w: &AttentionWeights<B>,
         x: &Tensor<B>,
         q_heads: &[Range<usize>],
+    ) -> Result<Tensor<B>> {
+        self.exchange(self.project_packed(x, &w.wq, q_heads)?)
+    }
+
+    /// Q normed and rotated, and its pre-norm copy if needed.
+    fn q_ready(
+        &self,
+        w: &AttentionWeights<B>,
+        q_raw: Tensor<B>,
         keep_raw: bool,
     ) -> Result<(Tensor<B>, Option<Tensor<B>>)> {
-        let q = self.exchange(self.project_packed(x, &w.wq, q_heads)?)?;
         norm_rope(
             self.b,
-            q,
+            q_raw,
             w.q_norm.as_ref(),
             self.dims.norm_eps,
             self.rope,
             keep_raw,
         )
+    }
+
+    /// Whether the next stage's projections and exchanges are issued before
+    /// this stage's attention (one extra stage of buffers), so an asynchronous
+    /// backend overlaps them with it.
+    fn prefetch(&self) -> bool {
+        self.plan.overlap
+    }
+
+    /// What the attention backward of one stage needs, in the attention
+    /// layout: O, dO and the raw (pre-norm) Q.
+    fn bwd_stage_inputs(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+        o: &Tensor<B>,
+        dy: &Tensor<B>,
+        heads: &[Range<usize>],
+    ) -> Result<BwdStageInputs<B>> {
+        Ok(BwdStageInputs {
+            o_att: self.exchange(self.gather_heads(o, heads)?)?,
+            d_o: self.exchange(self.project_dout(dy, &w.wo, heads)?)?,
+            q_raw: self.q_exchanged(w, x, heads)?,
+        })
     }
 
     /// Forward: `x: [s, hidden]` → `y: [s, hidden]`.
@@ -184,8 +223,16 @@ impl<'a, B: Backend> Staged<'a, B> {
         let mut lses = Vec::with_capacity(sched.n_stages());
         for phase in &sched.phases {
             let PhaseKv { k, v, .. } = self.kv_phase(w, x, phase, false)?;
-            for stage in &phase.stages {
-                let (q, _) = self.q_stage(w, x, &stage.q_heads, false)?;
+            let mut prefetched: Option<Tensor<B>> = None;
+            for (t, stage) in phase.stages.iter().enumerate() {
+                let q_raw = match prefetched.take() {
+                    Some(q) => q,
+                    None => self.q_exchanged(w, x, &stage.q_heads)?,
+                };
+                let (q, _) = self.q_ready(w, q_raw, false)?;
+                if let (true, Some(next)) = (self.prefetch(), phase.stages.get(t + 1)) {
+                    prefetched = Some(self.q_exchanged(w, x, &next.q_heads)?);
+                }
                 let (o_att, lse) = ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v)?;
                 drop(q);
                 let back = self.exchange(o_att)?;
@@ -224,12 +271,18 @@ impl<'a, B: Backend> Staged<'a, B> {
             let PhaseKv { k, k_raw, v } = self.kv_phase(w, x, phase, true)?;
             let mut dk = b.zeros(k.shape(), DType::F32, Category::Workspace)?;
             let mut dv = b.zeros(v.shape(), DType::F32, Category::Workspace)?;
-            for stage in &phase.stages {
+            let mut prefetched: Option<BwdStageInputs<B>> = None;
+            for (t, stage) in phase.stages.iter().enumerate() {
                 let heads = &stage.q_heads;
-                // O and dO slices of this stage, moved to the attention layout.
-                let o_att = self.exchange(self.gather_heads(&o, heads)?)?;
-                let d_o = self.exchange(self.project_dout(dy, &w.wo, heads)?)?;
-                let (q, q_raw) = self.q_stage(w, x, heads, true)?;
+                // O, dO and Q of this stage, moved to the attention layout.
+                let BwdStageInputs { o_att, d_o, q_raw } = match prefetched.take() {
+                    Some(p) => p,
+                    None => self.bwd_stage_inputs(w, x, &o, dy, heads)?,
+                };
+                let (q, q_raw) = self.q_ready(w, q_raw, true)?;
+                if let (true, Some(next)) = (self.prefetch(), phase.stages.get(t + 1)) {
+                    prefetched = Some(self.bwd_stage_inputs(w, x, &o, dy, &next.q_heads)?);
+                }
                 let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
                 ring::backward(
                     b,

@@ -46,6 +46,10 @@ pub struct AttnArgs {
     /// Per-head RMSNorm of q and k (Qwen3).
     #[arg(long)]
     pub qk_norm: bool,
+    /// Issue each next stage's projections and exchanges before the current
+    /// stage's attention (overlap on asynchronous backends).
+    #[arg(long)]
+    pub overlap: bool,
     /// Comma-separated strategies, or `all`.
     #[arg(long, default_value = "all")]
     pub methods: String,
@@ -124,7 +128,8 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
                 continue;
             }
             Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
-        };
+        }
+        .with_overlap(a.overlap && m != Strategy::Local);
         let result = match (m, &reference) {
             (Strategy::Local, Some(r)) => r.clone(),
             _ => run_trial(&plan, &dims, &inputs, CpuBackend::new)?,
@@ -191,6 +196,7 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
                             "predicted_peak_bytes": predicted,
                             "ulysses": plan.layout.pu, "ring": plan.layout.pr,
                             "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
+                            "overlap": plan.overlap,
                             "act_vs_ulysses": ratio, "seconds": r.seconds,
                         })
                     );

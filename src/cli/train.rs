@@ -38,6 +38,9 @@ pub struct TrainArgs {
     /// UPipe heads per stage U (default Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
+    /// Data-parallel replicas (each runs its own context-parallel group).
+    #[arg(long, default_value_t = 1)]
+    pub data_parallel: usize,
     /// Tokens per sequence (global, before context sharding).
     #[arg(long, default_value_t = 256)]
     pub seq: usize,
@@ -103,6 +106,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     let tokens = load_tokens(a.data.as_deref(), &tokenizer)?;
     let cfg = TrainConfig {
         model,
+        data_parallel: a.data_parallel,
         strategy,
         ulysses,
         ring,
@@ -135,12 +139,13 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     let plan = cfg.plan()?;
     if !a.json {
         println!(
-            "training {} ({:.2}M params) on {} tokens: {} on {} CPU ranks (Pu {} x Pr {}, U {}), seq {}, {} steps",
+            "training {} ({:.2}M params) on {} tokens: {} on {} CPU ranks (data {} x Pu {} x Pr {}, U {}), seq {}, {} steps",
             cfg.model.name,
             cfg.model.param_count() as f64 / 1e6,
             tokens.len(),
             strategy,
-            plan.mesh_shape().world_size(),
+            plan.mesh_shape().world_size() * cfg.data_parallel,
+            cfg.data_parallel,
             plan.layout.pu,
             plan.layout.pr,
             plan.schedule.chunk,

@@ -8,8 +8,8 @@ use super::optim::{AdamW, AdamWConfig};
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats, Tensor};
-use crate::comm::Mesh;
 use crate::comm::local::run_ranks;
+use crate::comm::{Mesh, MeshShape};
 use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
@@ -22,6 +22,8 @@ use std::time::Instant;
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
     pub model: ModelConfig,
+    /// Data-parallel replicas; each replica's context group holds one sequence.
+    pub data_parallel: usize,
     pub strategy: Strategy,
     pub ulysses: usize,
     pub ring: usize,
@@ -70,6 +72,9 @@ impl TrainConfig {
         if self.steps == 0 {
             return crate::config_err!("--steps must be at least 1");
         }
+        if self.data_parallel == 0 {
+            return crate::config_err!("--data-parallel must be at least 1");
+        }
         CpPlan::new(
             self.strategy,
             &attn_dims(&self.model),
@@ -100,7 +105,10 @@ pub fn train_threads<B: Backend>(
 ) -> Result<TrainSummary> {
     let plan = cfg.plan()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
-    let shape = plan.mesh_shape();
+    let shape = MeshShape {
+        data: cfg.data_parallel,
+        ..plan.mesh_shape()
+    };
     let out = run_ranks(shape, make_backend, |rank, b, mesh| {
         run_rank(cfg, &plan, tokens.clone(), b.as_ref(), &mesh, rank, on_step)
     })?;
@@ -132,7 +140,10 @@ fn run_rank<B: Backend>(
     };
     let mut g = ModelWeights::zeros_grads(b, &cfg.model)?;
     let mut opt = AdamW::new(b, cfg.optim, &w)?;
-    let mut sampler = SequenceSampler::new(tokens, cfg.seq, cfg.seed)?;
+    // replicas draw disjoint windows; context ranks of one replica share one
+    let data_rank = mesh.shape.coords(mesh.rank).data;
+    let mut sampler =
+        SequenceSampler::sharded(tokens, cfg.seq, cfg.seed, data_rank, cfg.data_parallel)?;
     let mut first = 1;
     if let Some(dir) = cfg
         .save_dir
@@ -163,7 +174,9 @@ fn run_rank<B: Backend>(
     let positions = plan
         .layout
         .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
-    let grad_scale = 1.0 / cfg.seq as f32;
+    // the loss is the mean over every target of every replica
+    let targets_per_step = (cfg.seq * cfg.data_parallel) as f64;
+    let grad_scale = (1.0 / targets_per_step) as f32;
     let mut reports = Vec::new();
     for step in first..=cfg.steps {
         let start = Instant::now();
@@ -181,7 +194,7 @@ fn run_rank<B: Backend>(
         }
         let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
-        let loss = b.to_host(&loss)?[0] as f64 / cfg.seq as f64;
+        let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
         let (lr, grad_norm) = opt.step(b, &mut w, &g, step)?;
         b.synchronize()?;
         let report = StepReport {
@@ -189,7 +202,7 @@ fn run_rank<B: Backend>(
             loss,
             lr,
             grad_norm,
-            tokens_per_s: cfg.seq as f64 / start.elapsed().as_secs_f64(),
+            tokens_per_s: targets_per_step / start.elapsed().as_secs_f64(),
             peak_bytes: b.ledger().peak(),
         };
         if rank == 0 {

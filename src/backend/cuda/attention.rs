@@ -1,20 +1,169 @@
-//! Attention on raw device operands: the interim kernels from
-//! `kernels/attention.cu` (one block per (query row, head); correctness only).
+//! Attention on raw device operands, with two implementations:
 //!
-//! **Swap point for FlashAttention-2.** [`AttnFwd`] and [`AttnBwd`] carry
-//! exactly what the flash module takes (device pointers as `u64`, row strides
-//! in elements, `sq, sk, hq, hkv, d, causal`, bf16 q/k/v/o/dO, f32 lse
-//! `[s, h]`, f32 dq/dk/dv accumulated). To use it, in [`fwd`] and [`bwd`]
-//! replace the body with a call to `flash::flash_fwd(stream, &fns, &args)` /
-//! `flash::flash_bwd(...)` built from these fields (keep the naive path for
-//! non-bf16 inputs or `d` the flash kernels do not support), and load the
-//! flash functions next to [`Kernels`] in `CudaBackend::new`. The backend side
-//! (checks, row offsets, f32 scratch for bf16 gradients) stays as it is.
+//! - the native FlashAttention-2 kernels of [`flash`](super::flash) (bf16
+//!   q/k/v/o/dO, head dim 64 or 128, sm_90+), used whenever they apply;
+//! - the naive kernels of `kernels/attention.cu` (one block per (query row,
+//!   head)): every other case (f32 inputs, other head dims, an f32 `o`,
+//!   misaligned views, older GPUs), and the GPU oracle the flash path is tested
+//!   against ([`AttentionKernels::Naive`]).
+//!
+//! [`AttnFwd`] and [`AttnBwd`] carry what both take (device pointers as `u64`,
+//! row strides in elements, `sq, sk, hq, hkv, d, causal`, f32 lse `[s, h]`, f32
+//! dq/dk/dv accumulated into). The backend side (checks, row offsets, f32
+//! scratch for bf16 gradients, the flash backward's workspace) lives in
+//! `CudaBackend::attention_fwd` / `attention_bwd`, which pick the path with
+//! [`flash_fwd_unsupported`] / [`flash_bwd_unsupported`] and log it at debug level.
 
+use super::flash::{self, FlashBwdArgs, FlashFunctions, FlashFwdArgs};
 use super::kernels::{ATT_THREADS, Args, Kernels, launch};
 use crate::backend::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use cudarc::driver::CudaStream;
+use std::sync::Arc;
+
+/// Which attention kernels a [`CudaBackend`](super::CudaBackend) uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionKernels {
+    /// The flash kernels wherever they apply, the naive ones otherwise.
+    #[default]
+    Auto,
+    /// Always the naive kernels (slow; the GPU oracle of the flash path).
+    Naive,
+}
+
+impl AttentionKernels {
+    /// From `UPIPE_ATTENTION` (`auto`, the default, or `naive`).
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("UPIPE_ATTENTION") {
+            Err(_) => Ok(AttentionKernels::Auto),
+            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" | "flash" => Ok(AttentionKernels::Auto),
+                "naive" => Ok(AttentionKernels::Naive),
+                other => Err(Error::Config(format!(
+                    "UPIPE_ATTENTION={other}: expected `auto` (flash kernels where they apply) or `naive`"
+                ))),
+            },
+        }
+    }
+}
+
+/// The kernels one attention call ran on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnPath {
+    Flash,
+    Naive,
+}
+
+fn aligned(p: u64, a: u64) -> bool {
+    p != 0 && p.is_multiple_of(a)
+}
+
+/// Why the flash kernels cannot run this forward (`None`: they can).
+pub fn flash_fwd_unsupported(a: &AttnFwd) -> Option<String> {
+    if a.dt != DType::BF16 || a.o_dt != DType::BF16 {
+        return Some(format!(
+            "inputs {:?} / output {:?}, flash needs bf16",
+            a.dt, a.o_dt
+        ));
+    }
+    if a.sk == 0 {
+        return Some("no keys".into());
+    }
+    if let Err(e) = flash::check_supported(a.sq, a.sk, a.hq, a.hkv, a.d, a.causal) {
+        return Some(e.to_string());
+    }
+    let ptrs_ok = [a.q, a.k, a.v, a.o].iter().all(|&p| aligned(p, 16)) && aligned(a.lse, 4);
+    let strides_ok = [a.q_rs, a.k_rs, a.v_rs, a.o_rs].iter().all(|s| s % 8 == 0);
+    if !ptrs_ok || !strides_ok {
+        return Some("views not 16-byte aligned".into());
+    }
+    None
+}
+
+/// Why the flash kernels cannot run this backward (`None`: they can).
+pub fn flash_bwd_unsupported(a: &AttnBwd) -> Option<String> {
+    if a.dt != DType::BF16 || a.o_dt != DType::BF16 || a.d_o_dt != DType::BF16 {
+        return Some(format!(
+            "q/k/v {:?}, o {:?}, dO {:?}; flash needs bf16",
+            a.dt, a.o_dt, a.d_o_dt
+        ));
+    }
+    if let Err(e) = flash::check_supported(a.sq, a.sk, a.hq, a.hkv, a.d, a.causal) {
+        return Some(e.to_string());
+    }
+    let ptrs_ok = [a.q, a.k, a.v, a.o, a.d_o].iter().all(|&p| aligned(p, 16))
+        && [a.dq, a.dk, a.dv].iter().all(|&p| aligned(p, 8))
+        && aligned(a.lse, 4);
+    let strides_ok = [a.q_rs, a.k_rs, a.v_rs, a.o_rs, a.d_o_rs]
+        .iter()
+        .all(|s| s % 8 == 0)
+        && [a.dq_rs, a.dk_rs, a.dv_rs].iter().all(|s| s % 2 == 0);
+    if !ptrs_ok || !strides_ok {
+        return Some("views not aligned for vector loads".into());
+    }
+    None
+}
+
+/// Forward on the flash kernels (the caller checked [`flash_fwd_unsupported`]).
+pub fn fwd_flash(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &AttnFwd) -> Result<()> {
+    let args = FlashFwdArgs {
+        q: a.q,
+        k: a.k,
+        v: a.v,
+        o: a.o,
+        lse: a.lse,
+        q_stride: a.q_rs,
+        k_stride: a.k_rs,
+        v_stride: a.v_rs,
+        o_stride: a.o_rs,
+        lse_stride: a.lse_rs,
+        sq: a.sq,
+        sk: a.sk,
+        hq: a.hq,
+        hkv: a.hkv,
+        d: a.d,
+        causal: a.causal,
+    };
+    flash::flash_fwd(stream, f, &args)
+}
+
+/// Backward on the flash kernels (the caller checked [`flash_bwd_unsupported`]);
+/// `workspace` holds [`flash::flash_bwd_workspace_bytes`]`(a.sq, a.hq)` bytes.
+pub fn bwd_flash(
+    stream: &Arc<CudaStream>,
+    f: &FlashFunctions,
+    a: &AttnBwd,
+    workspace: u64,
+) -> Result<()> {
+    let args = FlashBwdArgs {
+        q: a.q,
+        k: a.k,
+        v: a.v,
+        o: a.o,
+        d_o: a.d_o,
+        lse: a.lse,
+        dq: a.dq,
+        dk: a.dk,
+        dv: a.dv,
+        workspace,
+        q_stride: a.q_rs,
+        k_stride: a.k_rs,
+        v_stride: a.v_rs,
+        o_stride: a.o_rs,
+        do_stride: a.d_o_rs,
+        lse_stride: a.lse_rs,
+        dq_stride: a.dq_rs,
+        dk_stride: a.dk_rs,
+        dv_stride: a.dv_rs,
+        sq: a.sq,
+        sk: a.sk,
+        hq: a.hq,
+        hkv: a.hkv,
+        d: a.d,
+        causal: a.causal,
+    };
+    flash::flash_bwd(stream, f, &args)
+}
 
 /// `0` for f32, `1` for bf16 (the `dt` flags of the kernels).
 pub fn dt_flag(d: DType) -> i32 {
@@ -86,12 +235,11 @@ fn scale(d: usize) -> f32 {
     1.0 / (d as f32).sqrt()
 }
 
-/// Attention forward (writes o and lse).
-pub fn fwd(k: &Kernels, stream: &CudaStream, a: &AttnFwd) -> Result<()> {
+/// Attention forward on the naive kernel (writes o and lse).
+pub fn fwd_naive(k: &Kernels, stream: &CudaStream, a: &AttnFwd) -> Result<()> {
     if a.sq == 0 || a.hq == 0 {
         return Ok(());
     }
-    // SWAP: `return flash::flash_fwd(stream, &flash_fns, &a.into())` when a.dt is BF16.
     let smem = ((a.d + ATT_THREADS as usize + 32) * 4) as u32;
     let args = Args::new()
         .ptr(a.q)
@@ -123,12 +271,11 @@ pub fn fwd(k: &Kernels, stream: &CudaStream, a: &AttnFwd) -> Result<()> {
     )
 }
 
-/// Attention backward (accumulates f32 dq, dk, dv).
-pub fn bwd(k: &Kernels, stream: &CudaStream, a: &AttnBwd) -> Result<()> {
+/// Attention backward on the naive kernel (accumulates f32 dq, dk, dv).
+pub fn bwd_naive(k: &Kernels, stream: &CudaStream, a: &AttnBwd) -> Result<()> {
     if a.sq == 0 || a.hq == 0 {
         return Ok(());
     }
-    // SWAP: `return flash::flash_bwd(stream, &flash_fns, &a.into())` when a.dt is BF16.
     let smem = ((2 * a.d + 2 * ATT_THREADS as usize + 32) * 4) as u32;
     let args = Args::new()
         .ptr(a.q)

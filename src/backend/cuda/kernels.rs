@@ -205,7 +205,8 @@ mod tests {
             Ok(_) => {
                 // Compile straight through NVRTC (not the cache) to catch errors now.
                 let src = full_source();
-                let (cubin, _) = nvrtc::compile_uncached_for_test(&src, "sm_90").unwrap();
+                let (cubin, _) =
+                    nvrtc::compile_uncached_for_test(&src, "sm_90", nvrtc::OPTIONS).unwrap();
                 assert!(cubin.len() > 1000);
                 for name in [
                     "attn_fwd_naive",

@@ -6,7 +6,9 @@
 //! - [`nvrtc`] + [`kernels`]: our CUDA C kernels, compiled at run time to a
 //!   cubin for the device's arch and cached on disk;
 //! - [`gemm`]: cuBLASLt GEMM on row-major views;
-//! - [`attention`]: the attention kernels (interim; the flash module plugs in there).
+//! - [`attention`] + [`flash`]: attention; the native FlashAttention-2 kernels
+//!   (compiled on first use, through the same disk cache) for bf16 with head
+//!   dim 64/128 on sm_90+, the naive kernels for everything else.
 //!
 //! Every op is queued on the backend's stream; `to_host`, `sum_squares` and
 //! `synchronize` wait for it.
@@ -20,7 +22,8 @@ pub mod libs;
 pub mod nvrtc;
 pub mod pool;
 
-use self::attention::{AttnBwd, AttnFwd, dt_flag};
+pub use self::attention::AttentionKernels;
+use self::attention::{AttnBwd, AttnFwd, AttnPath, dt_flag};
 use self::device::drv;
 use self::gemm::{Gemm, GemmPtrs};
 use self::kernels::{Args, Kernels, grid_for, launch};
@@ -30,6 +33,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 pub use pool::CudaStorage as Storage;
@@ -50,6 +54,24 @@ pub struct CudaBackend {
     gemm: Gemm,
     /// cuBLASLt workspace, allocated on first GEMM (Workspace category).
     gemm_ws: OnceLock<Tensor<CudaBackend>>,
+    /// Which attention kernels to use.
+    attn_kernels: AttentionKernels,
+    /// Compute capability major (the flash kernels need 9+).
+    cc_major: i32,
+    /// The flash kernels, compiled (or read from the disk cache) and loaded on
+    /// first use; `Ok(None)` where they do not apply (pre-sm_90 or Naive).
+    flash: OnceLock<std::result::Result<Option<flash::FlashFunctions>, String>>,
+    /// Attention calls by path: flash fwd, flash bwd, naive fwd, naive bwd.
+    attn_calls: [AtomicU64; 4],
+}
+
+/// How many attention calls of a backend ran on which kernels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttentionCalls {
+    pub flash_fwd: u64,
+    pub flash_bwd: u64,
+    pub naive_fwd: u64,
+    pub naive_bwd: u64,
 }
 
 fn same_numel(a: &Tensor<CudaBackend>, b: &Tensor<CudaBackend>, op: &str) -> Result<()> {
@@ -144,7 +166,15 @@ impl CudaBackend {
     /// Opens GPU `ordinal`: loads the libraries, creates the context, stream and
     /// pool, and compiles (or loads cached) kernels. Errors (never panics) when
     /// the driver, a library or the device is missing.
+    ///
+    /// Attention uses the flash kernels where they apply unless
+    /// `UPIPE_ATTENTION=naive` (see [`CudaBackend::with_attention`]).
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        Self::with_attention(ordinal, AttentionKernels::from_env()?)
+    }
+
+    /// As [`CudaBackend::new`] with an explicit choice of attention kernels.
+    pub fn with_attention(ordinal: usize, attn_kernels: AttentionKernels) -> Result<CudaBackend> {
         device::init_driver()?;
         let count = drv(result::device::get_count(), "cuDeviceGetCount")?;
         if ordinal >= count.max(0) as usize {
@@ -170,6 +200,109 @@ impl CudaBackend {
             kernels,
             gemm,
             gemm_ws: OnceLock::new(),
+            attn_kernels,
+            cc_major: maj,
+            flash: OnceLock::new(),
+            attn_calls: Default::default(),
+        })
+    }
+
+    /// Counts of attention calls (non-empty ones) by the kernels they ran on.
+    pub fn attention_calls(&self) -> AttentionCalls {
+        let c = |i: usize| self.attn_calls[i].load(Ordering::Relaxed);
+        AttentionCalls {
+            flash_fwd: c(0),
+            flash_bwd: c(1),
+            naive_fwd: c(2),
+            naive_bwd: c(3),
+        }
+    }
+
+    fn count_attn(&self, path: AttnPath, bwd: bool) {
+        let i = match path {
+            AttnPath::Flash => 0,
+            AttnPath::Naive => 2,
+        } + bwd as usize;
+        self.attn_calls[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The attention kernels this backend was opened with.
+    pub fn attention_kernels(&self) -> AttentionKernels {
+        self.attn_kernels
+    }
+
+    /// The flash kernels, compiling (or reading from the disk cache) and
+    /// loading them on the first call; `None` where they are not used
+    /// (compute capability below 9.0, or [`AttentionKernels::Naive`]).
+    /// Call it once up front to keep the compile out of a timed region.
+    pub fn flash_functions(&self) -> Result<Option<&flash::FlashFunctions>> {
+        let r = self.flash.get_or_init(|| {
+            if self.attn_kernels == AttentionKernels::Naive {
+                tracing::debug!("attention: naive kernels requested; flash kernels not loaded");
+                return Ok(None);
+            }
+            if self.cc_major < 9 {
+                tracing::debug!(
+                    "attention: {} is {}, flash kernels need sm_90+; using the naive kernels",
+                    self.name,
+                    self.arch
+                );
+                return Ok(None);
+            }
+            self.load_flash().map(Some).map_err(|e| {
+                format!(
+                    "{e} (set UPIPE_ATTENTION=naive to use the slow attention kernels meanwhile)"
+                )
+            })
+        });
+        match r {
+            Ok(f) => Ok(f.as_ref()),
+            Err(m) => Err(Error::Backend(m.clone())),
+        }
+    }
+
+    fn load_flash(&self) -> Result<flash::FlashFunctions> {
+        self.bind()?;
+        let t = std::time::Instant::now();
+        let (name, src) = flash::FLASH_SOURCES
+            .first()
+            .ok_or_else(|| Error::Backend("flash attention: no kernel source".into()))?;
+        let (cubin, from) = nvrtc::compile_cached_with(src, &self.arch, flash::NVRTC_OPTIONS)?;
+        let module = drv(
+            self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
+            "load the flash attention module",
+        )
+        .map_err(|e| {
+            Error::Backend(format!(
+                "{e}; delete the kernel cache ({:?}) if it is stale",
+                nvrtc::cache_dir()
+            ))
+        })?;
+        let f = flash::FlashFunctions::load(&module)?;
+        tracing::debug!(
+            "attention: flash module {name} for {} {} in {:.2} s",
+            self.arch,
+            if from == nvrtc::CubinSource::DiskCache {
+                "read from the disk cache"
+            } else {
+                "compiled"
+            },
+            t.elapsed().as_secs_f64()
+        );
+        Ok(f)
+    }
+
+    /// The kernels a forward with these operands runs on (and why not flash).
+    fn fwd_path(&self, a: &AttnFwd) -> Result<(AttnPath, String)> {
+        if a.sq == 0 || a.hq == 0 {
+            return Ok((AttnPath::Naive, "empty".into()));
+        }
+        if self.flash_functions()?.is_none() {
+            return Ok((AttnPath::Naive, "flash kernels not in use".into()));
+        }
+        Ok(match attention::flash_fwd_unsupported(a) {
+            None => (AttnPath::Flash, String::new()),
+            Some(why) => (AttnPath::Naive, why),
         })
     }
 
@@ -706,7 +839,28 @@ impl Backend for CudaBackend {
             d: g.d,
             causal,
         };
-        attention::fwd(&self.kernels, &self.stream, &a)
+        let (path, why) = self.fwd_path(&a)?;
+        tracing::debug!(
+            "attention_fwd {path:?} sq={} sk={} hq={} hkv={} d={} causal={causal} {:?}{}",
+            a.sq,
+            a.sk,
+            a.hq,
+            a.hkv,
+            a.d,
+            a.dt,
+            if why.is_empty() {
+                String::new()
+            } else {
+                format!(" ({why})")
+            }
+        );
+        if a.sq > 0 && a.hq > 0 {
+            self.count_attn(path, false);
+        }
+        match (path, self.flash_functions()?) {
+            (AttnPath::Flash, Some(f)) => attention::fwd_flash(&self.stream, f, &a),
+            _ => attention::fwd_naive(&self.kernels, &self.stream, &a),
+        }
     }
 
     fn attention_bwd(
@@ -794,7 +948,49 @@ impl Backend for CudaBackend {
             d: g.d,
             causal,
         };
-        attention::bwd(&self.kernels, &self.stream, &a)?;
+        let flash_fns = if sq == 0 || sk == 0 || g.hq == 0 {
+            None
+        } else {
+            self.flash_functions()?
+        };
+        let why = match flash_fns {
+            None => Some("flash kernels not in use".to_string()),
+            Some(_) => attention::flash_bwd_unsupported(&a),
+        };
+        tracing::debug!(
+            "attention_bwd {:?} sq={sq} sk={sk} hq={} hkv={} d={} causal={causal} {:?}{}",
+            if why.is_none() {
+                AttnPath::Flash
+            } else {
+                AttnPath::Naive
+            },
+            g.hq,
+            g.hkv,
+            g.d,
+            a.dt,
+            why.as_deref()
+                .map(|w| format!(" ({w})"))
+                .unwrap_or_default()
+        );
+        if sq > 0 && g.hq > 0 {
+            self.count_attn(
+                if why.is_none() {
+                    AttnPath::Flash
+                } else {
+                    AttnPath::Naive
+                },
+                true,
+            );
+        }
+        match (flash_fns, why) {
+            (Some(f), None) => {
+                // delta = rowsum(dO * O) per query row and head, freed (stream-ordered) on return.
+                let bytes = flash::flash_bwd_workspace_bytes(sq, g.hq);
+                let ws = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
+                attention::bwd_flash(&self.stream, f, &a, ptr(&ws))?;
+            }
+            _ => attention::bwd_naive(&self.kernels, &self.stream, &a)?,
+        }
         for (s, t, start, rows, rs) in [
             (&sdq, &*dq.t, dq.range.start, sq, qrs),
             (&sdk, &*dk.t, dk.range.start, sk, krs),

@@ -9,7 +9,7 @@ use std::ffi::CString;
 use std::path::PathBuf;
 
 /// Options passed to NVRTC besides the arch.
-const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
+pub const OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 
 /// 64-bit FNV-1a: a stable hash (std's `DefaultHasher` may change between releases).
 pub fn fnv1a(parts: &[&[u8]]) -> u64 {
@@ -37,10 +37,20 @@ pub fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/upipe/kernels"))
 }
 
-/// The cache key of one compilation.
+/// The cache key of one compilation with the default [`OPTIONS`].
 pub fn cache_key(src: &str, arch: &str, nvrtc_version: (i32, i32)) -> String {
+    cache_key_with(src, arch, OPTIONS, nvrtc_version)
+}
+
+/// The cache key of one compilation with `options`.
+pub fn cache_key_with(
+    src: &str,
+    arch: &str,
+    options: &[&str],
+    nvrtc_version: (i32, i32),
+) -> String {
     let v = format!("{}.{}", nvrtc_version.0, nvrtc_version.1);
-    let opts = OPTIONS.join(" ");
+    let opts = options.join(" ");
     format!(
         "{:016x}",
         fnv1a(&[
@@ -70,10 +80,20 @@ pub enum CubinSource {
     Compiled,
 }
 
-/// Compiles `src` for `arch` (e.g. `sm_90`) or reads the cached cubin.
+/// Compiles `src` for `arch` (e.g. `sm_90`) with the default [`OPTIONS`] or
+/// reads the cached cubin.
 pub fn compile_cached(src: &str, arch: &str) -> Result<(Vec<u8>, CubinSource)> {
+    compile_cached_with(src, arch, OPTIONS)
+}
+
+/// As [`compile_cached`] with explicit NVRTC `options` (besides `-arch`).
+pub fn compile_cached_with(
+    src: &str,
+    arch: &str,
+    options: &[&str],
+) -> Result<(Vec<u8>, CubinSource)> {
     let ver = version()?;
-    let key = cache_key(src, arch, ver);
+    let key = cache_key_with(src, arch, options, ver);
     let path = cache_dir().map(|d| d.join(format!("{key}.{arch}.cubin")));
     if let Some(p) = &path
         && let Ok(bytes) = std::fs::read(p)
@@ -81,7 +101,7 @@ pub fn compile_cached(src: &str, arch: &str) -> Result<(Vec<u8>, CubinSource)> {
     {
         return Ok((bytes, CubinSource::DiskCache));
     }
-    let cubin = compile(src, arch)?;
+    let cubin = compile(src, arch, options)?;
     if let Some(p) = &path
         && let Err(e) = write_atomic(p, &cubin)
     {
@@ -92,8 +112,12 @@ pub fn compile_cached(src: &str, arch: &str) -> Result<(Vec<u8>, CubinSource)> {
 
 /// Compiles without touching the disk cache (tests).
 #[cfg(test)]
-pub(crate) fn compile_uncached_for_test(src: &str, arch: &str) -> Result<(Vec<u8>, CubinSource)> {
-    compile(src, arch).map(|c| (c, CubinSource::Compiled))
+pub(crate) fn compile_uncached_for_test(
+    src: &str,
+    arch: &str,
+    options: &[&str],
+) -> Result<(Vec<u8>, CubinSource)> {
+    compile(src, arch, options).map(|c| (c, CubinSource::Compiled))
 }
 
 fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
@@ -105,13 +129,13 @@ fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-fn compile(src: &str, arch: &str) -> Result<Vec<u8>> {
+fn compile(src: &str, arch: &str, options: &[&str]) -> Result<Vec<u8>> {
     let csrc =
         CString::new(src).map_err(|_| Error::Backend("kernel source contains NUL".into()))?;
     let name = CString::new("upipe_kernels.cu").expect("static name");
     let prog = result::create_program(&csrc, Some(&name))
         .map_err(|e| Error::Backend(format!("nvrtcCreateProgram: {e:?}")))?;
-    let mut opts: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
+    let mut opts: Vec<String> = options.iter().map(|s| s.to_string()).collect();
     opts.push(format!("-arch={arch}"));
     // SAFETY: `prog` is a live program; it is destroyed on every path below.
     let out = unsafe {
@@ -167,6 +191,8 @@ mod tests {
         assert_ne!(k, cache_key("src2", "sm_90", (13, 0)));
         assert_ne!(k, cache_key("src", "sm_89", (13, 0)));
         assert_ne!(k, cache_key("src", "sm_90", (13, 1)));
+        assert_eq!(k, cache_key_with("src", "sm_90", OPTIONS, (13, 0)));
+        assert_ne!(k, cache_key_with("src", "sm_90", &["--std=c++17"], (13, 0)));
         assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
         assert_eq!(k.len(), 16);
     }

@@ -291,6 +291,19 @@ fn check_geometry(
     Ok(())
 }
 
+/// Errors when the flash kernels do not take this geometry (head dim, GQA
+/// ratio, causal shape, sizes of one launch).
+pub fn check_supported(
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+) -> Result<()> {
+    check_geometry(sq, sk, hq, hkv, d, causal)
+}
+
 fn check_ptr(name: &str, p: u64, align: u64) -> Result<()> {
     if p == 0 || !p.is_multiple_of(align) {
         return Err(Error::Backend(format!(
@@ -504,6 +517,29 @@ mod tests {
                 FLASH_SOURCE.contains(&format!("#define {name} {value}\n")),
                 "{name} != {value} in the .cu files"
             );
+        }
+    }
+
+    /// Compiles the flash module the way the backend does whenever NVRTC can
+    /// be found (no GPU needed; `UPIPE_NVRTC_LIB=.../libnvrtc.so.13`).
+    #[test]
+    fn flash_source_compiles_with_nvrtc_when_available() {
+        use crate::backend::cuda::nvrtc;
+        match nvrtc::version() {
+            Err(Error::LibraryMissing(m)) => eprintln!("SKIP: NVRTC not available ({m})"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => {
+                let (name, src) = FLASH_SOURCES[0];
+                assert_eq!(name, "upipe_flash");
+                let (cubin, _) =
+                    nvrtc::compile_uncached_for_test(src, NVRTC_ARCH, NVRTC_OPTIONS).unwrap();
+                for k in KERNEL_NAMES {
+                    assert!(
+                        cubin.windows(k.len()).any(|w| w == k.as_bytes()),
+                        "{k} missing from the cubin"
+                    );
+                }
+            }
         }
     }
 
