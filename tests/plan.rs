@@ -13,7 +13,7 @@ use upipe::model::decoder::attn_dims;
 use upipe::model::{MemoryPolicy, ModelConfig};
 use upipe::plan::{
     Budget, DeviceKind, Limit, StepSpec, longest_context, predict_attention_trial, predict_step,
-    resolve_plan,
+    predict_step_rank, resolve_plan,
 };
 use upipe::rng::Rng;
 use upipe::train::optim::AdamWConfig;
@@ -61,14 +61,17 @@ fn attention_layer_prediction_equals_ledger_peak() {
         (8, 4, Strategy::Upipe, 4, 2, Some(4)),
     ];
     let seq = 48;
-    for qk in [false, true] {
+    for (qk, overlap) in [(false, false), (true, false), (false, true), (true, true)] {
         for &(h, hkv, s, pu, pr, u) in cases {
             let d = dims(h, hkv, qk);
-            let plan = CpPlan::new(s, &d, seq, pu, pr, u).unwrap();
+            let plan = CpPlan::new(s, &d, seq, pu, pr, u)
+                .unwrap()
+                .with_overlap(overlap && s != Strategy::Local);
             let inputs = TrialInputs::random(&d, seq, 3);
             let measured = run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap();
             let pred = predict_attention_trial(&plan, &d, DeviceKind::Cpu).unwrap();
-            let what = format!("{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} qk_norm={qk}");
+            let what =
+                format!("{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} qk_norm={qk} overlap={overlap}");
             let e = rel(pred.peak, measured.peak_bytes);
             assert!(
                 e <= 0.05,
@@ -106,6 +109,7 @@ fn train_cfg(
 ) -> TrainConfig {
     TrainConfig {
         model: model.clone(),
+        data_parallel: 1,
         strategy: s,
         ulysses: pu,
         ring: pr,
@@ -154,29 +158,35 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
     let mut rng = Rng::new(4);
     let tokens: Arc<[u32]> = (0..4096).map(|_| rng.below(256) as u32).collect();
     let seq = 256; // 64 tokens per rank on 4 ranks: 2 MLP tiles of `hidden` rows
-    for (qk, s, pu, pr, u) in [
-        (false, Strategy::Upipe, 2, 2, None),
-        (true, Strategy::Upipe, 4, 1, Some(4)),
-        (false, Strategy::Ulysses, 4, 1, None),
-        (true, Strategy::Ring, 1, 4, None),
-        (false, Strategy::Local, 1, 1, None),
+    // (the trainer runs stages back to back; `overlap` is covered by the layer test)
+    for (qk, s, pu, pr, u, data_parallel) in [
+        (false, Strategy::Upipe, 2, 2, None, 1),
+        (true, Strategy::Upipe, 4, 1, Some(4), 1),
+        (true, Strategy::Upipe, 2, 2, Some(2), 1),
+        (false, Strategy::Ulysses, 4, 1, None, 1),
+        (true, Strategy::Ring, 1, 4, None, 1),
+        (false, Strategy::Local, 1, 1, None, 1),
+        (false, Strategy::Upipe, 2, 1, None, 2),
     ] {
         let model = tiny(qk);
         for policy in policies() {
-            let cfg = train_cfg(&model, s, pu, pr, u, seq, policy);
+            let mut cfg = train_cfg(&model, s, pu, pr, u, seq, policy);
+            cfg.data_parallel = data_parallel;
             let plan = cfg.plan().unwrap();
             let measured = train_cpu(&cfg, tokens.clone(), &|_| {}).unwrap().memory;
-            let pred = predict_step(&StepSpec {
+            let spec = StepSpec {
                 model: model.clone(),
                 plan,
-                data: 1,
+                data: data_parallel,
                 policy,
                 fsdp: false,
                 device: DeviceKind::Cpu,
                 optimizer: true,
-            })
-            .unwrap();
-            let what = format!("{s} {pu}x{pr} U={u:?} qk={qk} {policy:?}");
+            };
+            let pred = predict_step_rank(&spec, 0).unwrap();
+            // on CPU every ring rank allocates the same
+            assert_eq!(pred, predict_step(&spec).unwrap());
+            let what = format!("{s} {pu}x{pr} U={u:?} qk={qk} data={data_parallel} {policy:?}");
             let e = rel(pred.peak, measured.peak);
             assert!(
                 e <= 0.05,

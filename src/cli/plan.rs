@@ -50,6 +50,9 @@ pub struct PlanArgs {
     /// UPipe heads per stage U (default: Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
+    /// The staged engine's stage-prefetch (overlap) schedule: one extra stage of buffers.
+    #[arg(long)]
+    pub overlap: bool,
     /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`).
     #[arg(long, default_value = "none")]
     pub policies: String,
@@ -148,6 +151,7 @@ impl Ctx {
             self.a.ring,
             self.a.chunk_heads,
         )?;
+        let plan = plan.with_overlap(self.a.overlap && strategy != Strategy::Local);
         let spec = StepSpec {
             model: self.model.clone(),
             plan,

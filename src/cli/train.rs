@@ -154,15 +154,18 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         );
     }
     // what `upipe plan` predicts for this run (rank 0's ledger peak)
-    let predicted = crate::plan::predict_step(&crate::plan::StepSpec {
-        model: cfg.model.clone(),
-        plan: plan.clone(),
-        data: 1,
-        policy: cfg.policy,
-        fsdp: false,
-        device: crate::plan::DeviceKind::Cpu,
-        optimizer: true,
-    })?;
+    let predicted = crate::plan::predict_step_rank(
+        &crate::plan::StepSpec {
+            model: cfg.model.clone(),
+            plan: plan.clone(),
+            data: cfg.data_parallel,
+            policy: cfg.policy,
+            fsdp: false,
+            device: crate::plan::DeviceKind::Cpu,
+            optimizer: true,
+        },
+        0,
+    )?;
     let predicted_peak = predicted.peak;
     let bar = if a.json {
         ProgressBar::hidden()

@@ -141,15 +141,44 @@ fn param_units(cfg: &ModelConfig) -> (usize, usize) {
     (total, block.max(cfg.vocab * h))
 }
 
-/// Predicts the peak of one training step (`train_threads` / `loss_and_grads_cpu`).
+/// The attention walk of `plan` on `device` for ring rank `ring_rank`.
+fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usize) -> AttnWalk {
+    AttnWalk {
+        flash_ws: device == DeviceKind::Cuda,
+        ring_rank,
+        ..AttnWalk::new(plan, dims, device.act_bytes())
+    }
+}
+
+/// The highest of `f(ring_rank)` over the ring ranks (they differ only in
+/// which ring blocks their backward runs, which matters on the CUDA flash path).
+fn max_over_ring_ranks(pr: usize, f: impl Fn(usize) -> Result<Prediction>) -> Result<Prediction> {
+    let mut best: Option<Prediction> = None;
+    for i in 0..pr.max(1) {
+        let p = f(i)?;
+        if best.as_ref().is_none_or(|b| p.peak > b.peak) {
+            best = Some(p);
+        }
+    }
+    Ok(best.expect("at least one ring rank"))
+}
+
+/// Predicts the peak of one training step (`train_threads` /
+/// `loss_and_grads_cpu`) on the rank that needs the most.
 pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
+    max_over_ring_ranks(spec.plan.layout.pr, |i| predict_step_rank(spec, i))
+}
+
+/// Predicts the peak of one training step on ring rank `ring_rank` (the
+/// trainer reports ring rank 0's ledger).
+pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     spec.model.validate()?;
     spec.policy.validate()?;
     if spec.data == 0 {
         return crate::config_err!("the data-parallel degree must be at least 1");
     }
     let ab = spec.device.act_bytes();
-    let attn = AttnWalk::new(&spec.plan, &attn_dims(&spec.model), ab);
+    let attn = attn_walk(&spec.plan, &attn_dims(&spec.model), spec.device, ring_rank);
     let mut sim = Sim::new();
     sim.label("resident");
     // Decoder::new: RoPE tables for the positions this rank attends over.
@@ -192,8 +221,8 @@ pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
     Ok(Prediction::from_sim(&sim))
 }
 
-/// Predicts what `attention::trial::run_trial` measures on one rank: the
-/// ledger peak of one layer's forward+backward with the trial's resident
+/// Predicts what `attention::trial::run_trial` measures (the highest rank):
+/// the ledger peak of one layer's forward+backward with the trial's resident
 /// tensors (x, dy, weights, f32 gradients, RoPE tables).
 pub fn predict_attention_trial(
     plan: &CpPlan,
@@ -201,8 +230,19 @@ pub fn predict_attention_trial(
     device: DeviceKind,
 ) -> Result<Prediction> {
     dims.validate()?;
+    max_over_ring_ranks(plan.layout.pr, |i| {
+        attention_trial_rank(plan, dims, device, i)
+    })
+}
+
+fn attention_trial_rank(
+    plan: &CpPlan,
+    dims: &AttnDims,
+    device: DeviceKind,
+    ring_rank: usize,
+) -> Result<Prediction> {
     let ab = device.act_bytes();
-    let walk = AttnWalk::new(plan, dims, ab);
+    let walk = attn_walk(plan, dims, device, ring_rank);
     let mut sim = Sim::new();
     sim.label("resident");
     let io = walk.sh.s * dims.hidden;

@@ -25,6 +25,12 @@ pub struct AttnWalk {
     pub qk_norm: bool,
     /// Bytes per element of activations (the compute dtype).
     pub ab: usize,
+    /// The stage-prefetch schedule (`CpPlan::overlap`).
+    pub overlap: bool,
+    /// The backend's attention backward takes a transient workspace (CUDA flash path).
+    pub flash_ws: bool,
+    /// This rank's ring index (ring blocks differ by rank).
+    pub ring_rank: usize,
 }
 
 /// What the attention forward keeps (`AttnSaved`) and returns.
@@ -44,6 +50,30 @@ impl AttnWalk {
             stages_per_phase,
             qk_norm: dims.qk_norm,
             ab,
+            overlap: plan.overlap,
+            flash_ws: false,
+            ring_rank: 0,
+        }
+    }
+
+    /// `CudaBackend::attention_bwd` on the flash path: a transient
+    /// `flash_bwd_workspace_bytes(sq, hq)` buffer when the geometry is supported.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_bwd(
+        &self,
+        sim: &mut Sim,
+        sq: usize,
+        sk: usize,
+        hq: usize,
+        hkv: usize,
+        causal: bool,
+    ) {
+        use crate::backend::cuda::flash;
+        if self.flash_ws
+            && flash::check_supported(sq, sk, hq, hkv, self.sh.head_dim, causal).is_ok()
+        {
+            let ws = sim.alloc(Workspace, flash::flash_bwd_workspace_bytes(sq, hq));
+            sim.free(ws);
         }
     }
 
@@ -114,11 +144,19 @@ impl AttnWalk {
         (k, k_raw, v)
     }
 
-    /// `Staged::q_stage`.
-    fn q_stage(&self, sim: &mut Sim, keep_raw: bool) -> (Buf, Option<Buf>) {
+    /// `Staged::q_exchanged`.
+    fn q_exchanged(&self, sim: &mut Sim) -> Buf {
         let q = self.packed(sim, self.sh.u);
-        let q = self.exchange(sim, q);
-        self.norm_rope(sim, q, keep_raw)
+        self.exchange(sim, q)
+    }
+
+    /// `Staged::bwd_stage_inputs`: (O, dO, raw Q) of a stage.
+    fn bwd_stage_inputs(&self, sim: &mut Sim) -> (Buf, Buf, Buf) {
+        let o_att = self.packed(sim, self.sh.u);
+        let o_att = self.exchange(sim, o_att);
+        let d_o = self.packed(sim, self.sh.u);
+        let d_o = self.exchange(sim, d_o);
+        (o_att, d_o, self.q_exchanged(sim))
     }
 
     /// `ring::forward`: (O of the stage, its LSE).
@@ -151,14 +189,18 @@ impl AttnWalk {
 
     /// `ring::backward` (accumulators `dk`, `dv` are F32, shaped like K, V).
     fn ring_bwd(&self, sim: &mut Sim, k: Buf, v: Buf, dk: Buf) {
-        let p = self.sh.pr;
+        let (p, n, u, m) = (self.sh.pr, self.sh.n, self.sh.u, self.sh.m);
         if p == 1 {
+            self.attention_bwd(sim, n, n, u, m, true);
             return;
         }
         let mut dk_t = sim.alloc(Workspace, dk.bytes);
         let mut dv_t = sim.alloc(Workspace, dk.bytes);
         let mut kv: Option<(Buf, Buf)> = None;
         for step in 0..p {
+            let blk = crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2);
+            let (sq, sk) = (blk.q_rows.len(), blk.k_rows.len());
+            self.attention_bwd(sim, sq, sk, u, m, blk.causal);
             if step + 1 < p {
                 let kn = sim.alloc(Comm, k.bytes);
                 let vn = sim.alloc(Comm, v.bytes);
@@ -191,8 +233,16 @@ impl AttnWalk {
         let mut lse = Vec::new();
         for _ in 0..self.phases {
             let (k, _, v) = self.kv_phase(sim, false);
-            for _ in 0..self.stages_per_phase {
-                let (q, _) = self.q_stage(sim, false);
+            let mut prefetched: Option<Buf> = None;
+            for t in 0..self.stages_per_phase {
+                let q_raw = match prefetched.take() {
+                    Some(q) => q,
+                    None => self.q_exchanged(sim),
+                };
+                let (q, _) = self.norm_rope(sim, q_raw, false);
+                if self.overlap && t + 1 < self.stages_per_phase {
+                    prefetched = Some(self.q_exchanged(sim));
+                }
                 let (o_att, l) = self.ring_fwd(sim, q, k, v);
                 sim.free(q);
                 let back = self.exchange(sim, o_att);
@@ -214,12 +264,16 @@ impl AttnWalk {
             let kv_f32 = numel(self.sh.packed(self.sh.m)) * F32;
             let dk = sim.alloc(Workspace, kv_f32);
             let dv = sim.alloc(Workspace, kv_f32);
-            for _ in 0..self.stages_per_phase {
-                let o_att = self.packed(sim, self.sh.u);
-                let o_att = self.exchange(sim, o_att);
-                let d_o = self.packed(sim, self.sh.u);
-                let d_o = self.exchange(sim, d_o);
-                let (q, q_raw) = self.q_stage(sim, true);
+            let mut prefetched: Option<(Buf, Buf, Buf)> = None;
+            for t in 0..self.stages_per_phase {
+                let (o_att, d_o, q_raw) = match prefetched.take() {
+                    Some(p) => p,
+                    None => self.bwd_stage_inputs(sim),
+                };
+                let (q, q_raw) = self.norm_rope(sim, q_raw, true);
+                if self.overlap && t + 1 < self.stages_per_phase {
+                    prefetched = Some(self.bwd_stage_inputs(sim));
+                }
                 let dq = sim.alloc(Workspace, q.bytes / self.ab * F32);
                 self.ring_bwd(sim, k, v, dk);
                 sim.free(q);
@@ -284,6 +338,8 @@ impl AttnWalk {
         let dq = sim.alloc(Workspace, q.bytes / self.ab * F32);
         let dk = sim.alloc(Workspace, k.bytes / self.ab * F32);
         let dv = sim.alloc(Workspace, v.bytes / self.ab * F32);
+        let (s, h, hkv) = (self.sh.s, self.sh.heads, self.sh.kv_heads);
+        self.attention_bwd(sim, s, s, h, hkv, true);
         for b in [q, k, v, d_o, o] {
             sim.free(b);
         }
