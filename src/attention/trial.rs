@@ -1,5 +1,7 @@
-//! One attention layer, forward and backward, under one strategy on thread
-//! ranks: the harness behind the equivalence tests and `upipe bench attn`.
+//! One attention layer, forward and backward, under one strategy: the
+//! harness behind the equivalence tests and `upipe bench attn`. The per-rank
+//! body [`run_rank`] runs on thread ranks ([`run_trial`]) or on process ranks
+//! (one per GPU, results gathered with [`gather_runs`]).
 //!
 //! Activation bytes are measured by the ledger: the per-rank peak during
 //! forward+backward above what was resident before (weights, gradients, x,
@@ -8,7 +10,9 @@
 
 use super::{AttentionGrads, AttentionWeights, AttnDims, CpAttention, CpPlan, Strategy};
 use crate::backend::{Backend, Category, DType};
+use crate::comm::Mesh;
 use crate::comm::local::run_ranks;
+use crate::comm::rendezvous::Rendezvous;
 use crate::error::Result;
 use crate::rng::Rng;
 use std::time::Instant;
@@ -116,6 +120,165 @@ impl TrialResult {
     }
 }
 
+/// Host inputs of one rank: its shard of x and dy `[local_len, hidden]` and
+/// the full weights (as in [`TrialInputs::weights`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RankInputs<'a> {
+    pub x: &'a [f32],
+    pub dy: &'a [f32],
+    pub weights: &'a [(&'static str, Vec<usize>, Vec<f32>)],
+}
+
+impl TrialInputs {
+    /// The shard of rank `(ring i, ulysses r)` under `plan`'s layout.
+    pub fn shard(&self, plan: &CpPlan, hidden: usize, i: usize, r: usize) -> (Vec<f32>, Vec<f32>) {
+        (
+            plan.layout.shard_rows(&self.x, hidden, i, r),
+            plan.layout.shard_rows(&self.dy, hidden, i, r),
+        )
+    }
+}
+
+/// How one rank runs the layer.
+#[derive(Debug, Clone, Copy)]
+pub struct RankOptions {
+    /// Untimed forward+backward passes first.
+    pub warmup: usize,
+    /// Timed forward+backward passes (at least 1).
+    pub iters: usize,
+    /// Download y, dx and the (world-summed) gradients of the last pass.
+    pub keep_outputs: bool,
+}
+
+impl RankOptions {
+    /// One timed pass, outputs kept (the equivalence-test setting).
+    pub const ONCE: RankOptions = RankOptions {
+        warmup: 0,
+        iters: 1,
+        keep_outputs: true,
+    };
+}
+
+/// What one rank measured.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RankRun {
+    /// This rank's rows of y (empty unless `keep_outputs`).
+    pub y: Vec<f32>,
+    /// This rank's rows of dx (empty unless `keep_outputs`).
+    pub dx: Vec<f32>,
+    /// Gradients summed over the world (empty unless `keep_outputs`).
+    pub grads: Vec<(&'static str, Vec<f32>)>,
+    /// Highest ledger peak over all passes.
+    pub peak_bytes: usize,
+    /// Highest activation bytes over all passes (see module docs).
+    pub act_bytes: usize,
+    /// Wall time of each timed pass.
+    pub seconds: Vec<f64>,
+}
+
+/// The per-rank body shared by thread ranks ([`run_trial`]) and process
+/// ranks (`upipe bench attn --device cuda` under `upipe launch`): uploads
+/// this rank's inputs, runs `warmup + iters` forward+backward passes, and
+/// measures time and ledger memory of each.
+pub fn run_rank<B: Backend>(
+    plan: &CpPlan,
+    dims: &AttnDims,
+    inputs: RankInputs<'_>,
+    b: &B,
+    mesh: &Mesh<B>,
+    opts: &RankOptions,
+) -> Result<RankRun> {
+    let hidden = dims.hidden;
+    let local = plan.layout.local_len();
+    let act = b.compute_dtype();
+    let x = b.from_host(inputs.x, &[local, hidden], act, Category::Activations)?;
+    let dy = b.from_host(inputs.dy, &[local, hidden], act, Category::Grads)?;
+    let up = |k: usize| {
+        let (_, shape, values) = inputs
+            .weights
+            .get(k)
+            .ok_or_else(|| crate::error::Error::Config(format!("trial inputs lack weight #{k}")))?;
+        b.from_host(values, shape, act, Category::Weights)
+    };
+    let w = AttentionWeights {
+        wq: up(0)?,
+        wk: up(1)?,
+        wv: up(2)?,
+        wo: up(3)?,
+        q_norm: if dims.qk_norm { Some(up(4)?) } else { None },
+        k_norm: if dims.qk_norm { Some(up(5)?) } else { None },
+    };
+    let layer = CpAttention::new(b, *dims, plan.clone(), mesh)?;
+    let ledger = b.ledger();
+    let mut run = RankRun::default();
+    let mut last = None;
+    for pass in 0..opts.warmup + opts.iters.max(1) {
+        drop(last.take()); // free the previous pass's outputs first
+        let mut g = AttentionGrads::zeros(b, dims)?;
+        b.synchronize()?;
+        ledger.reset_peak();
+        let resident = ledger.current();
+        let start = Instant::now();
+        let (y, saved) = layer.forward(b, mesh, &w, &x)?;
+        let o_bytes = saved.o.bytes();
+        let dx = layer.backward(b, mesh, &w, &x, saved, &dy, &mut g)?;
+        b.synchronize()?;
+        let seconds = start.elapsed().as_secs_f64();
+        let peak = ledger.peak();
+        run.peak_bytes = run.peak_bytes.max(peak);
+        run.act_bytes = run
+            .act_bytes
+            .max(peak.saturating_sub(resident + o_bytes + y.bytes() + dx.bytes()));
+        if pass >= opts.warmup {
+            run.seconds.push(seconds);
+        }
+        last = Some((y, dx, g));
+    }
+    if opts.keep_outputs
+        && let Some((y, dx, g)) = last
+    {
+        for (name, t) in g.named() {
+            let mut t32 = crate::backend::cast(b, t, DType::F32, Category::Grads)?;
+            mesh.world.all_reduce(&mut t32)?;
+            run.grads.push((name, b.to_host(&t32)?));
+        }
+        run.y = b.to_host(&y)?;
+        run.dx = b.to_host(&dx)?;
+    }
+    Ok(run)
+}
+
+/// Joins per-rank runs (indexed by global rank of a one-replica mesh) into
+/// the global result: y and dx unsharded, gradients from rank 0 (already
+/// summed over the world), the highest peak/activation bytes, and the wall
+/// time of the first timed pass on the slowest rank.
+/// y and dx are empty unless every rank kept complete outputs.
+pub fn assemble(plan: &CpPlan, hidden: usize, runs: &[RankRun]) -> TrialResult {
+    let rows = plan.layout.local_len() * hidden;
+    let complete = runs.len() == plan.mesh_shape().world_size()
+        && runs.iter().all(|r| r.y.len() == rows && r.dx.len() == rows);
+    let unshard = |pick: fn(&RankRun) -> &Vec<f32>| {
+        if !complete {
+            return Vec::new();
+        }
+        let shards: Vec<Vec<f32>> = runs.iter().map(|r| pick(r).clone()).collect();
+        plan.layout.unshard_rows(&shards, hidden)
+    };
+    TrialResult {
+        strategy: plan.strategy,
+        ranks: runs.len(),
+        y: unshard(|r| &r.y),
+        dx: unshard(|r| &r.dx),
+        grads: runs.first().map(|r| r.grads.clone()).unwrap_or_default(),
+        peak_bytes: runs.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
+        act_bytes: runs.iter().map(|r| r.act_bytes).max().unwrap_or(0),
+        seconds: runs
+            .iter()
+            .filter_map(|r| r.seconds.first().copied())
+            .fold(0.0, f64::max),
+    }
+}
+
 /// Runs forward+backward of one layer under `plan` on `plan.mesh_shape()` thread ranks.
 pub fn run_trial<B: Backend>(
     plan: &CpPlan,
@@ -123,82 +286,165 @@ pub fn run_trial<B: Backend>(
     inputs: &TrialInputs,
     make_backend: impl Fn() -> B + Sync,
 ) -> Result<TrialResult> {
-    let shape = plan.mesh_shape();
-    let layout = plan.layout;
-    let hidden = dims.hidden;
-    let per_rank = run_ranks(shape, make_backend, |_rank, b, mesh| {
-        let b = b.as_ref();
-        let act = b.compute_dtype();
-        let (i, r) = (mesh.ring.rank(), mesh.ulysses.rank());
-        let x = b.from_host(
-            &layout.shard_rows(&inputs.x, hidden, i, r),
-            &[layout.local_len(), hidden],
-            act,
-            Category::Activations,
-        )?;
-        let dy = b.from_host(
-            &layout.shard_rows(&inputs.dy, hidden, i, r),
-            &[layout.local_len(), hidden],
-            act,
-            Category::Grads,
-        )?;
-        let up = |k: usize| {
-            b.from_host(
-                &inputs.weights[k].2,
-                &inputs.weights[k].1,
-                act,
-                Category::Weights,
-            )
+    let runs = run_ranks(plan.mesh_shape(), make_backend, |_rank, b, mesh| {
+        let (x, dy) = inputs.shard(plan, dims.hidden, mesh.ring.rank(), mesh.ulysses.rank());
+        let rank_inputs = RankInputs {
+            x: &x,
+            dy: &dy,
+            weights: &inputs.weights,
         };
-        let w = AttentionWeights {
-            wq: up(0)?,
-            wk: up(1)?,
-            wv: up(2)?,
-            wo: up(3)?,
-            q_norm: if dims.qk_norm { Some(up(4)?) } else { None },
-            k_norm: if dims.qk_norm { Some(up(5)?) } else { None },
-        };
-        let mut g = AttentionGrads::zeros(b, dims)?;
-        let layer = CpAttention::new(b, *dims, plan.clone(), &mesh)?;
-
-        b.synchronize()?;
-        let ledger = b.ledger();
-        ledger.reset_peak();
-        let resident = ledger.current();
-        let start = Instant::now();
-        let (y, saved) = layer.forward(b, &mesh, &w, &x)?;
-        let o_bytes = saved.o.bytes();
-        let dx = layer.backward(b, &mesh, &w, &x, saved, &dy, &mut g)?;
-        b.synchronize()?;
-        let seconds = start.elapsed().as_secs_f64();
-        let peak = ledger.peak();
-        let act_bytes = peak.saturating_sub(resident + o_bytes + y.bytes() + dx.bytes());
-
-        let mut grads = Vec::new();
-        for (name, t) in g.named() {
-            let mut t32 = crate::backend::cast(b, t, DType::F32, Category::Grads)?;
-            mesh.world.all_reduce(&mut t32)?;
-            grads.push((name, b.to_host(&t32)?));
-        }
-        Ok((
-            b.to_host(&y)?,
-            b.to_host(&dx)?,
-            grads,
-            peak,
-            act_bytes,
-            seconds,
-        ))
+        run_rank(
+            plan,
+            dims,
+            rank_inputs,
+            b.as_ref(),
+            &mesh,
+            &RankOptions::ONCE,
+        )
     })?;
-    let ys: Vec<Vec<f32>> = per_rank.iter().map(|p| p.0.clone()).collect();
-    let dxs: Vec<Vec<f32>> = per_rank.iter().map(|p| p.1.clone()).collect();
-    Ok(TrialResult {
-        strategy: plan.strategy,
-        ranks: shape.world_size(),
-        y: layout.unshard_rows(&ys, hidden),
-        dx: layout.unshard_rows(&dxs, hidden),
-        grads: per_rank[0].2.clone(),
-        peak_bytes: per_rank.iter().map(|p| p.3).max().unwrap_or(0),
-        act_bytes: per_rank.iter().map(|p| p.4).max().unwrap_or(0),
-        seconds: per_rank.iter().map(|p| p.5).fold(0.0, f64::max),
+    Ok(assemble(plan, dims.hidden, &runs))
+}
+
+/// Wire form of a [`RankRun`] without its gradients (those are identical on
+/// every rank), for gathering runs of process ranks over the rendezvous.
+pub fn encode_run(run: &RankRun) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut word = |x: u64| out.extend_from_slice(&x.to_le_bytes());
+    word(run.peak_bytes as u64);
+    word(run.act_bytes as u64);
+    word(run.seconds.len() as u64);
+    for s in &run.seconds {
+        word(s.to_bits());
+    }
+    word(run.y.len() as u64);
+    word(run.dx.len() as u64);
+    for v in run.y.iter().chain(&run.dx) {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// Inverse of [`encode_run`] (gradients empty); `None` when malformed.
+pub fn decode_run(bytes: &[u8]) -> Option<RankRun> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let s = bytes.get(at..at.checked_add(n)?)?;
+        at += n;
+        Some(s)
+    };
+    let mut word = || -> Option<u64> { Some(u64::from_le_bytes(take(8)?.try_into().ok()?)) };
+    let peak_bytes = word()? as usize;
+    let act_bytes = word()? as usize;
+    let n = word()? as usize;
+    let seconds = (0..n)
+        .map(|_| word().map(f64::from_bits))
+        .collect::<Option<Vec<_>>>()?;
+    let (ny, ndx) = (word()? as usize, word()? as usize);
+    let mut read = |n: usize| -> Option<Vec<f32>> {
+        let raw = bytes.get(at..at.checked_add(n.checked_mul(4)?)?)?;
+        at += n * 4;
+        Some(
+            raw.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )
+    };
+    let y = read(ny)?;
+    let dx = read(ndx)?;
+    (at == bytes.len()).then_some(RankRun {
+        y,
+        dx,
+        grads: Vec::new(),
+        peak_bytes,
+        act_bytes,
+        seconds,
     })
+}
+
+/// Every rank's run, in rank order, on every rank: gathered over the TCP
+/// rendezvous (host bytes; y and dx travel only when they were kept). The
+/// gradients of `mine` (world-summed, so the same everywhere) are put on
+/// every entry.
+pub fn gather_runs(rv: &mut Rendezvous, mine: RankRun) -> Result<Vec<RankRun>> {
+    let all = rv.all_gather_bytes(&encode_run(&mine))?;
+    all.iter()
+        .enumerate()
+        .map(|(r, bytes)| {
+            let mut run = decode_run(bytes).ok_or_else(|| {
+                crate::error::Error::Comm(format!("malformed trial result from rank {r}"))
+            })?;
+            run.grads = mine.grads.clone();
+            Ok(run)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_wire_round_trip() {
+        let run = RankRun {
+            y: vec![1.0, -2.5, f32::MAX],
+            dx: vec![0.25],
+            grads: vec![("wq", vec![1.0])],
+            peak_bytes: 1 << 40,
+            act_bytes: 12345,
+            seconds: vec![0.5, 1e-9],
+        };
+        let back = decode_run(&encode_run(&run)).unwrap();
+        assert_eq!(back.y, run.y);
+        assert_eq!(back.dx, run.dx);
+        assert!(back.grads.is_empty(), "gradients do not travel");
+        assert_eq!(
+            (back.peak_bytes, back.act_bytes, back.seconds),
+            (run.peak_bytes, run.act_bytes, run.seconds.clone())
+        );
+        let bytes = encode_run(&run);
+        assert!(decode_run(&bytes[..bytes.len() - 1]).is_none());
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(decode_run(&longer).is_none());
+        assert!(decode_run(&[]).is_none());
+    }
+
+    #[test]
+    fn assemble_without_outputs_keeps_the_measurements() {
+        let dims = AttnDims {
+            hidden: 16,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 4,
+            qk_norm: false,
+            norm_eps: 1e-6,
+            rope: crate::attention::rope::RopeConfig {
+                theta: 10000.0,
+                scaling: None,
+            },
+        };
+        let plan = CpPlan::new(Strategy::Ulysses, &dims, 8, 2, 1, None).unwrap();
+        let runs = vec![
+            RankRun {
+                peak_bytes: 10,
+                act_bytes: 3,
+                seconds: vec![0.5, 0.25],
+                ..RankRun::default()
+            },
+            RankRun {
+                peak_bytes: 12,
+                act_bytes: 2,
+                seconds: vec![0.75, 0.1],
+                ..RankRun::default()
+            },
+        ];
+        let t = assemble(&plan, dims.hidden, &runs);
+        assert!(t.y.is_empty() && t.dx.is_empty());
+        assert_eq!((t.peak_bytes, t.act_bytes, t.seconds), (12, 3, 0.75));
+        // a rank with partial outputs is not unsharded either
+        let mut partial = runs.clone();
+        partial[0].y = vec![1.0; 4 * 16];
+        partial[0].dx = vec![1.0; 4 * 16];
+        assert!(assemble(&plan, dims.hidden, &partial).y.is_empty());
+    }
 }

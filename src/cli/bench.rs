@@ -1,6 +1,9 @@
 //! `upipe bench attn`: one attention layer forward+backward under each
 //! strategy on the same C = Pu x Pr ranks, with errors against `local` and
-//! ledger-measured memory.
+//! ledger-measured memory. `--device cuda` runs one process per GPU over
+//! NCCL ([`gpu`]).
+
+mod gpu;
 
 use crate::attention::rope::RopeConfig;
 use crate::attention::trial::{TrialInputs, TrialResult, run_trial};
@@ -20,7 +23,8 @@ pub enum BenchCommand {
 /// Flags of `upipe bench attn`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct AttnArgs {
-    /// Device to run on (cpu: ranks as threads, f32).
+    /// Device to run on (cpu: ranks as threads, f32; cuda: one process per
+    /// GPU under `upipe launch`, bf16, NCCL).
     #[arg(long, default_value = "cpu")]
     pub device: String,
     #[arg(long, default_value_t = 256)]
@@ -61,6 +65,12 @@ pub struct AttnArgs {
     pub json: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Untimed passes before the timed ones (cuda).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Timed forward+backward passes; the median is reported (cuda).
+    #[arg(long, default_value_t = 3)]
+    pub iters: usize,
 }
 
 pub fn run(cmd: BenchCommand) -> Result<i32> {
@@ -71,21 +81,17 @@ pub fn run(cmd: BenchCommand) -> Result<i32> {
 
 /// Tolerance of the f32 CPU backend against the local reference.
 const CPU_TOLERANCE: f64 = 1e-5;
+/// Tolerance of bf16 on the GPU against the f32 CPU reference (as `tests/gpu_layer.rs`).
+const CUDA_TOLERANCE: f64 = 1e-2;
 
 enum Outcome {
-    /// The measured trial, its plan and the planner's predicted peak.
-    Ran(TrialResult, CpPlan, usize),
+    Ran(TrialResult, CpPlan),
     Skipped(String),
 }
 
-fn bench_attn(a: &AttnArgs) -> Result<i32> {
-    if a.device != "cpu" {
-        return Err(Error::Config(format!(
-            "--device {}: this build runs attention benchmarks on the cpu device only",
-            a.device
-        )));
-    }
-    let dims = AttnDims {
+/// The layer dimensions of the flags.
+fn attn_dims(a: &AttnArgs) -> AttnDims {
+    AttnDims {
         hidden: a.hidden,
         heads: a.heads,
         kv_heads: a.kv_heads,
@@ -96,8 +102,21 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             theta: 500000.0,
             scaling: None,
         },
-    };
+    }
+}
+
+fn bench_attn(a: &AttnArgs) -> Result<i32> {
+    let dims = attn_dims(a);
     dims.validate()?;
+    match a.device.as_str() {
+        "cpu" => {}
+        "cuda" => return gpu::bench_attn_cuda(a, &dims),
+        other => {
+            return Err(Error::Config(format!(
+                "--device {other}: use cpu (thread ranks) or cuda (one process per GPU)"
+            )));
+        }
+    }
     let (all, methods) = parse_methods(&a.methods)?;
     let inputs = TrialInputs::random(&dims, a.seq, a.seed);
     let need_reference = a.check || methods.contains(&Strategy::Local);
@@ -134,91 +153,142 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             (Strategy::Local, Some(r)) => r.clone(),
             _ => run_trial(&plan, &dims, &inputs, CpuBackend::new)?,
         };
-        let predicted = predict_attention_trial(&plan, &dims, DeviceKind::Cpu)?.peak;
-        outcomes.push((m, Outcome::Ran(result, plan, predicted)));
+        outcomes.push((m, Outcome::Ran(result, plan)));
     }
     let ulysses_act = outcomes.iter().find_map(|(m, o)| match o {
-        Outcome::Ran(r, _, _) if *m == Strategy::Ulysses => Some(r.act_bytes),
+        Outcome::Ran(r, _) if *m == Strategy::Ulysses => Some(r.act_bytes),
         _ => None,
     });
-    let mut failed = false;
     if !a.json {
-        println!(
-            "attention layer fwd+bwd on cpu-f32: hidden {} heads {} kv {} d {} seq {} qk_norm {} | C = {} ranks (Pu {} x Pr {})",
-            a.hidden,
-            a.heads,
-            a.kv_heads,
-            a.head_dim,
-            a.seq,
-            a.qk_norm,
-            a.ulysses * a.ring,
-            a.ulysses,
-            a.ring
-        );
-        println!(
-            "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9}",
-            "method",
-            "mesh",
-            "U",
-            "stages",
-            "max_rel_err",
-            "peak/rank",
-            "predicted",
-            "act/rank",
-            "act/uly",
-            "time_s"
-        );
+        print_header(a, "cpu-f32", false);
     }
+    let mut failed = false;
     for (m, o) in &outcomes {
-        match o {
-            Outcome::Skipped(why) => {
-                if a.json {
-                    println!(
-                        "{}",
-                        json!({"method": m.name(), "ok": false, "skipped": why})
-                    );
-                } else {
-                    println!("{:<8} skipped: {why}", m.name());
-                }
-            }
-            Outcome::Ran(r, plan, predicted) => {
-                let err = reference.as_ref().map(|rf| r.max_rel_err(rf));
-                let ok = err.is_none_or(|e| e <= CPU_TOLERANCE);
-                failed |= a.check && !ok;
-                let ratio = ulysses_act.map(|u| r.act_bytes as f64 / u.max(1) as f64);
-                let mesh = format!("{}x{}", plan.layout.pu, plan.layout.pr);
-                if a.json {
-                    println!(
-                        "{}",
-                        json!({
-                            "method": m.name(), "max_rel_err": err, "peak_bytes": r.peak_bytes,
-                            "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
-                            "predicted_peak_bytes": predicted,
-                            "ulysses": plan.layout.pu, "ring": plan.layout.pr,
-                            "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
-                            "overlap": plan.overlap,
-                            "act_vs_ulysses": ratio, "seconds": r.seconds,
-                        })
-                    );
-                } else {
-                    println!(
-                        "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
-                        m.name(),
-                        mesh,
-                        plan.schedule.chunk,
-                        plan.schedule.n_stages(),
-                        err.map_or("-".into(), |e| format!("{e:.2e}")),
-                        Bytes(r.peak_bytes).to_string(),
-                        Bytes(*predicted).to_string(),
-                        Bytes(r.act_bytes).to_string(),
-                        ratio.map_or("-".into(), |x| format!("{x:.3}")),
-                        r.seconds
-                    );
-                }
-            }
-        }
+        failed |= print_row(
+            a,
+            *m,
+            o,
+            reference.as_ref(),
+            ulysses_act,
+            CPU_TOLERANCE,
+            None,
+        );
     }
     Ok(if failed { 1 } else { 0 })
+}
+
+fn print_header(a: &AttnArgs, device: &str, throughput: bool) {
+    println!(
+        "attention layer fwd+bwd on {device}: hidden {} heads {} kv {} d {} seq {} qk_norm {} | C = {} ranks (Pu {} x Pr {})",
+        a.hidden,
+        a.heads,
+        a.kv_heads,
+        a.head_dim,
+        a.seq,
+        a.qk_norm,
+        a.ulysses * a.ring,
+        a.ulysses,
+        a.ring
+    );
+    print!(
+        "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9}",
+        "method",
+        "mesh",
+        "U",
+        "stages",
+        "max_rel_err",
+        "peak/rank",
+        "predicted",
+        "act/rank",
+        "act/uly",
+        "time_s"
+    );
+    if throughput {
+        print!(" {:>10} {:>12}", "TF/s/GPU", "tok/s/GPU");
+    }
+    println!();
+}
+
+/// Prints one strategy's row (table or JSON); returns whether `--check` fails it.
+/// `throughput` is `(tflops_per_gpu, tokens_per_s_per_gpu, median seconds)`.
+fn print_row(
+    a: &AttnArgs,
+    m: Strategy,
+    o: &Outcome,
+    reference: Option<&TrialResult>,
+    ulysses_act: Option<usize>,
+    tolerance: f64,
+    throughput: Option<(f64, f64, f64)>,
+) -> bool {
+    match o {
+        Outcome::Skipped(why) => {
+            if a.json {
+                println!(
+                    "{}",
+                    json!({"method": m.name(), "ok": false, "skipped": why})
+                );
+            } else {
+                println!("{:<8} skipped: {why}", m.name());
+            }
+            false
+        }
+        Outcome::Ran(r, plan) => {
+            let err = reference.map(|rf| r.max_rel_err(rf));
+            let ok = err.is_none_or(|e| e <= tolerance);
+            let ratio = ulysses_act.map(|u| r.act_bytes as f64 / u.max(1) as f64);
+            let mesh = format!("{}x{}", plan.layout.pu, plan.layout.pr);
+            let seconds = throughput.map_or(r.seconds, |t| t.2);
+            // what `upipe plan` predicts for this layer (the highest rank's ledger peak)
+            let device = if a.device == "cuda" {
+                DeviceKind::Cuda
+            } else {
+                DeviceKind::Cpu
+            };
+            let predicted = predict_attention_trial(plan, &attn_dims(a), device)
+                .ok()
+                .map(|p| p.peak);
+            if a.json {
+                let mut row = json!({
+                    "method": m.name(), "max_rel_err": err, "peak_bytes": r.peak_bytes,
+                    "predicted_peak_bytes": predicted,
+                    "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
+                    "ulysses": plan.layout.pu, "ring": plan.layout.pr,
+                    "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
+                    "overlap": plan.overlap,
+                    "act_vs_ulysses": ratio, "seconds": seconds,
+                });
+                if let Some(rf) = reference {
+                    row["errors"] = r.errors_against(rf).into_iter().collect();
+                }
+                if let Some((tf, tok, _)) = throughput {
+                    row["tflops_per_gpu"] = json!(tf);
+                    row["tokens_per_s_per_gpu"] = json!(tok);
+                    row["seq"] = json!(a.seq);
+                    row["device"] = json!(a.device);
+                }
+                println!("{row}");
+            } else {
+                print!(
+                    "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
+                    m.name(),
+                    mesh,
+                    plan.schedule.chunk,
+                    plan.schedule.n_stages(),
+                    err.map_or("-".into(), |e| format!("{e:.2e}")),
+                    Bytes(r.peak_bytes).to_string(),
+                    predicted.map_or("-".into(), |p| Bytes(p).to_string()),
+                    Bytes(r.act_bytes).to_string(),
+                    ratio.map_or("-".into(), |x| format!("{x:.3}")),
+                    seconds
+                );
+                if let Some((tf, tok, _)) = throughput {
+                    print!(" {tf:>10.1} {tok:>12.0}");
+                }
+                println!();
+            }
+            a.check && !ok
+        }
+    }
 }
 
 /// `(is_all, strategies)` from the `--methods` flag.

@@ -8,6 +8,7 @@
 pub mod env;
 pub mod local;
 pub mod mesh;
+pub mod nccl;
 pub mod rendezvous;
 
 pub use mesh::{GroupKind, MeshShape};

@@ -14,6 +14,7 @@
 //! `synchronize` wait for it.
 
 pub mod attention;
+pub mod cudnn;
 pub mod device;
 pub mod flash;
 pub mod gemm;
@@ -399,7 +400,18 @@ impl CudaBackend {
     }
 
     /// `y[..n] += alpha * x[..n]` on raw addresses.
-    fn axpy_raw(&self, y: u64, ydt: DType, x: u64, xdt: DType, n: usize, alpha: f32) -> Result<()> {
+    /// `y[i] += alpha * x[i]` for `n` elements at raw device addresses (any
+    /// dtype pair `axpy` accepts); queued on the backend's stream. Used by
+    /// kernels outside the backend (cuDNN) that overwrite instead of accumulating.
+    pub fn axpy_raw(
+        &self,
+        y: u64,
+        ydt: DType,
+        x: u64,
+        xdt: DType,
+        n: usize,
+        alpha: f32,
+    ) -> Result<()> {
         let args = Args::new()
             .ptr(y)
             .i32(dt_flag(ydt))

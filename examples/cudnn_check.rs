@@ -1,0 +1,429 @@
+//! Correctness and speed of cuDNN fused attention (`backend::cuda::cudnn`)
+//! against the CPU f32 oracle, plus TFLOP/s at long sequences.
+//!
+//! `cudnn_check [check] [bench]` (default both) runs on GPU 0 with the cuDNN
+//! that `libs.rs` finds; `UPIPE_CUDNN_LIB=/path/libcudnn.so.9` picks another
+//! (put its folder on `LD_LIBRARY_PATH` too, so its sub-libraries match).
+//! `CUDNN_BENCH_S=16384,65536` sets the benchmark lengths.
+
+use cudarc::driver::sys::CUevent_flags;
+use half::bf16;
+use upipe::backend::cpu::CpuBackend;
+use upipe::backend::cuda::CudaBackend;
+use upipe::backend::cuda::cudnn::{CudnnSdpa, SdpaBwd, SdpaFwd, SdpaShape};
+use upipe::backend::{Backend, Category, DType, Tensor};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Deterministic uniform(-1, 1) generator (xorshift).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// bf16-representable values (so both sides see identical inputs).
+    fn vec_bf16(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| bf16::from_f32(self.next() * scale).to_f32())
+            .collect()
+    }
+}
+
+/// max |got - want| / max |want|.
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    let (mut md, mut mr) = (0.0f32, 0.0f32);
+    for (a, b) in got.iter().zip(want) {
+        let d = (a - b).abs();
+        md = if d.is_nan() { f32::INFINITY } else { md.max(d) };
+        mr = mr.max(b.abs());
+    }
+    md / mr.max(1e-20)
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+    /// Rows of padding before the views (tests row offsets).
+    off: usize,
+    /// Gradients accumulated into bf16 (else f32) buffers.
+    bf16_grads: bool,
+}
+
+fn shape(c: &Case) -> SdpaShape {
+    SdpaShape {
+        sq: c.sq,
+        sk: c.sk,
+        hq: c.hq,
+        hkv: c.hkv,
+        d: c.d,
+        causal: c.causal,
+        q_rs: c.hq * c.d,
+        k_rs: c.hkv * c.d,
+        v_rs: c.hkv * c.d,
+        o_rs: c.hq * c.d,
+        lse_rs: c.hq,
+        lse_hs: 1,
+    }
+}
+
+/// Device address of row `row` of a `[rows, ...]` tensor.
+fn at(be: &CudaBackend, t: &Tensor<CudaBackend>, row: usize) -> u64 {
+    be.device_ptr(t) + (row * t.row_len() * t.dtype().size()) as u64
+}
+
+/// `[o, lse, dq, dk, dv]` errors, or `None` for the backward when it falls back.
+fn run_case(
+    be: &CudaBackend,
+    sdpa: &CudnnSdpa,
+    c: Case,
+    seed: u64,
+) -> Res<(Vec<f32>, Option<String>)> {
+    let cpu = CpuBackend::new();
+    let mut rng = Rng(seed);
+    let (sq, sk, hq, hkv, d, off) = (c.sq, c.sk, c.hq, c.hkv, c.d, c.off);
+    let q = rng.vec_bf16((off + sq) * hq * d, 1.5);
+    let k = rng.vec_bf16((off + sk) * hkv * d, 1.5);
+    let v = rng.vec_bf16((off + sk) * hkv * d, 1.0);
+    let d_o = rng.vec_bf16(sq * hq * d, 1.0);
+    let dq0 = rng.vec_bf16(sq * hq * d, 0.1);
+    let dk0 = rng.vec_bf16(sk * hkv * d, 0.1);
+    let dv0 = rng.vec_bf16(sk * hkv * d, 0.1);
+
+    // CPU oracle on the viewed rows.
+    let ct = |x: &[f32], s: usize, h: usize| {
+        cpu.from_host(x, &[s, h, d], DType::F32, Category::Activations)
+    };
+    let (cq, ck, cv, cdo) = (
+        ct(&q[off * hq * d..], sq, hq)?,
+        ct(&k[off * hkv * d..], sk, hkv)?,
+        ct(&v[off * hkv * d..], sk, hkv)?,
+        ct(&d_o, sq, hq)?,
+    );
+    let mut co = cpu.zeros(&[sq, hq, d], DType::F32, Category::Activations)?;
+    let mut clse = cpu.zeros(&[sq, hq], DType::F32, Category::Activations)?;
+    cpu.attention_fwd(
+        cq.all_rows(),
+        ck.all_rows(),
+        cv.all_rows(),
+        c.causal,
+        co.all_rows_mut(),
+        clse.all_rows_mut(),
+    )?;
+    let (mut cdq, mut cdk, mut cdv) = (ct(&dq0, sq, hq)?, ct(&dk0, sk, hkv)?, ct(&dv0, sk, hkv)?);
+    cpu.attention_bwd(
+        cq.all_rows(),
+        ck.all_rows(),
+        cv.all_rows(),
+        co.all_rows(),
+        cdo.all_rows(),
+        clse.all_rows(),
+        c.causal,
+        cdq.all_rows_mut(),
+        cdk.all_rows_mut(),
+        cdv.all_rows_mut(),
+    )?;
+
+    // GPU.
+    let gt = |x: &[f32], s: usize, h: usize, dt: DType| {
+        be.from_host(x, &[s, h, d], dt, Category::Activations)
+    };
+    let gq = gt(&q, off + sq, hq, DType::BF16)?;
+    let gk = gt(&k, off + sk, hkv, DType::BF16)?;
+    let gv = gt(&v, off + sk, hkv, DType::BF16)?;
+    let gdo = gt(&d_o, sq, hq, DType::BF16)?;
+    let go = be.zeros(&[off + sq, hq, d], DType::BF16, Category::Activations)?;
+    let glse = be.zeros(&[sq, hq], DType::F32, Category::Activations)?;
+    let s = shape(&c);
+    let fa = SdpaFwd {
+        q: at(be, &gq, off),
+        k: at(be, &gk, off),
+        v: at(be, &gv, off),
+        o: at(be, &go, off),
+        lse: be.device_ptr(&glse),
+        shape: s,
+    };
+    sdpa.fwd(be, &fa)?;
+    let o_all = be.to_host(&go)?;
+    let mut errs = vec![
+        rel_err(&o_all[off * hq * d..], &cpu.to_host(&co)?),
+        rel_err(&be.to_host(&glse)?, &cpu.to_host(&clse)?),
+    ];
+    let gdt = if c.bf16_grads {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let (gdq, gdk, gdv) = (
+        gt(&dq0, sq, hq, gdt)?,
+        gt(&dk0, sk, hkv, gdt)?,
+        gt(&dv0, sk, hkv, gdt)?,
+    );
+    let ba = SdpaBwd {
+        q: fa.q,
+        k: fa.k,
+        v: fa.v,
+        o: fa.o,
+        d_o: be.device_ptr(&gdo),
+        lse: fa.lse,
+        dq: be.device_ptr(&gdq),
+        dk: be.device_ptr(&gdk),
+        dv: be.device_ptr(&gdv),
+        grad_dt: gdt,
+        shape: s,
+    };
+    if let Err(reason) = sdpa.supports(&s, true) {
+        return Ok((errs, Some(reason)));
+    }
+    sdpa.bwd(be, &ba)?;
+    errs.push(rel_err(&be.to_host(&gdq)?, &cpu.to_host(&cdq)?));
+    errs.push(rel_err(&be.to_host(&gdk)?, &cpu.to_host(&cdk)?));
+    errs.push(rel_err(&be.to_host(&gdv)?, &cpu.to_host(&cdv)?));
+    Ok((errs, None))
+}
+
+fn check(be: &CudaBackend, sdpa: &CudnnSdpa) -> bool {
+    let c = |sq, sk, hq, hkv, d, causal, off| Case {
+        sq,
+        sk,
+        hq,
+        hkv,
+        d,
+        causal,
+        off,
+        bf16_grads: false,
+    };
+    let cases = [
+        c(256, 256, 4, 4, 64, false, 0),
+        c(256, 256, 4, 4, 64, true, 0),
+        c(384, 384, 8, 2, 128, true, 3),
+        c(384, 384, 8, 2, 128, false, 0),
+        c(128, 384, 4, 1, 64, false, 1),
+        c(1000, 1000, 4, 2, 64, true, 0),
+        c(333, 517, 2, 2, 128, false, 5),
+        c(1024, 1024, 4, 2, 128, true, 7),
+        Case {
+            bf16_grads: true,
+            ..c(512, 512, 4, 2, 64, true, 2)
+        },
+    ];
+    let tol = 1e-2;
+    let mut ok = true;
+    println!("| sq | sk | hq | hkv | d | causal | off | grads | o | lse | dq | dk | dv | |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for (i, cs) in cases.iter().enumerate() {
+        let head = format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            cs.sq,
+            cs.sk,
+            cs.hq,
+            cs.hkv,
+            cs.d,
+            cs.causal,
+            cs.off,
+            if cs.bf16_grads { "bf16" } else { "f32" }
+        );
+        match run_case(be, sdpa, *cs, 1234 + i as u64) {
+            Ok((errs, fallback)) => {
+                let pass = errs.iter().all(|e| *e <= tol);
+                ok &= pass;
+                let mut cols: Vec<String> = errs.iter().map(|e| format!("{e:.1e}")).collect();
+                let note = match &fallback {
+                    Some(r) => {
+                        cols.extend(["-".into(), "-".into(), "-".into()]);
+                        format!("bwd fallback: {r}")
+                    }
+                    None => String::new(),
+                };
+                println!(
+                    "{head} {} | {} {note} |",
+                    cols.join(" | "),
+                    if pass { "ok" } else { "FAIL" }
+                );
+            }
+            Err(e) => {
+                ok = false;
+                println!("{head} ERROR: {e} |");
+            }
+        }
+    }
+    // Unsupported shapes must give a reason, not crash.
+    for (name, s) in [
+        (
+            "d=96",
+            SdpaShape {
+                d: 96,
+                q_rs: 4 * 96,
+                k_rs: 2 * 96,
+                v_rs: 2 * 96,
+                o_rs: 4 * 96,
+                ..shape(&cases[0])
+            },
+        ),
+        (
+            "hq%hkv",
+            SdpaShape {
+                hq: 4,
+                hkv: 3,
+                k_rs: 3 * 64,
+                v_rs: 3 * 64,
+                ..shape(&cases[0])
+            },
+        ),
+        (
+            "causal sq!=sk",
+            SdpaShape {
+                causal: true,
+                ..shape(&cases[4])
+            },
+        ),
+    ] {
+        match sdpa.supports(&s, false) {
+            Err(r) => println!("unsupported {name}: fallback reason: {r}"),
+            Ok(()) => {
+                ok = false;
+                println!("unsupported {name}: WRONGLY accepted");
+            }
+        }
+    }
+    ok
+}
+
+fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, s: usize, h: usize, d: usize) -> Res<()> {
+    let mut rng = Rng(42);
+    let n = s * h * d;
+    let up = |x: Vec<f32>| be.from_host(&x, &[s, h, d], DType::BF16, Category::Activations);
+    let q = up(rng.vec_bf16(n, 1.0))?;
+    let k = up(rng.vec_bf16(n, 1.0))?;
+    let v = up(rng.vec_bf16(n, 1.0))?;
+    let d_o = up(rng.vec_bf16(n, 1.0))?;
+    let o = be.zeros(&[s, h, d], DType::BF16, Category::Activations)?;
+    let lse = be.zeros(&[s, h], DType::F32, Category::Activations)?;
+    let g = |dt| be.zeros(&[s, h, d], dt, Category::Activations);
+    let (dq, dk, dv) = (g(DType::F32)?, g(DType::F32)?, g(DType::F32)?);
+    let (bq, bk, bv) = (g(DType::BF16)?, g(DType::BF16)?, g(DType::BF16)?);
+    let c = Case {
+        sq: s,
+        sk: s,
+        hq: h,
+        hkv: h,
+        d,
+        causal: true,
+        off: 0,
+        bf16_grads: false,
+    };
+    let sh = shape(&c);
+    let p = |t: &Tensor<CudaBackend>| be.device_ptr(t);
+    let fa = SdpaFwd {
+        q: p(&q),
+        k: p(&k),
+        v: p(&v),
+        o: p(&o),
+        lse: p(&lse),
+        shape: sh,
+    };
+    let ba = SdpaBwd {
+        q: fa.q,
+        k: fa.k,
+        v: fa.v,
+        o: fa.o,
+        d_o: p(&d_o),
+        lse: fa.lse,
+        dq: p(&dq),
+        dk: p(&dk),
+        dv: p(&dv),
+        grad_dt: DType::F32,
+        shape: sh,
+    };
+    let iters = if s >= 32768 { 3 } else { 10 };
+    let stream = be.stream().clone();
+    let time = |f: &dyn Fn() -> Res<()>| -> Res<f64> {
+        f()?;
+        stream.synchronize()?;
+        let e0 = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        for _ in 0..iters {
+            f()?;
+        }
+        let e1 = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        e1.synchronize()?;
+        Ok(e0.elapsed_ms(&e1)? as f64 / iters as f64)
+    };
+    let t_fwd = time(&|| Ok(sdpa.fwd(be, &fa)?))?;
+    let t_bwd = time(&|| Ok(sdpa.bwd_overwrite(be, &ba, p(&bq), p(&bk), p(&bv))?))?;
+    let t_bwd_acc = time(&|| Ok(sdpa.bwd(be, &ba)?))?;
+    let flops = 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
+    println!(
+        "| {s} | {h} | {d} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |",
+        t_fwd,
+        flops / t_fwd / 1e9,
+        t_bwd,
+        2.5 * flops / t_bwd / 1e9,
+        3.5 * flops / (t_fwd + t_bwd) / 1e9,
+        3.5 * flops / (t_fwd + t_bwd_acc) / 1e9,
+    );
+    Ok(())
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let want = |w: &str| args.is_empty() || args.iter().any(|a| a == w);
+    let be = CudaBackend::new(0)?;
+    let sdpa = match CudnnSdpa::new(&be) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("cuDNN unavailable (fallback to native): {e}");
+            return Err(e.into());
+        }
+    };
+    println!("cuDNN {} from {}", sdpa.version(), sdpa.library());
+    let mut ok = true;
+    if want("check") {
+        ok &= check(&be, &sdpa);
+    }
+    if want("bench") {
+        let lens: Vec<usize> = std::env::var("CUDNN_BENCH_S")
+            .unwrap_or_else(|_| "16384,65536".into())
+            .split(',')
+            .filter_map(|x| x.trim().parse().ok())
+            .collect();
+        println!(
+            "| S | H | d | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd (accumulate) TFLOP/s |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|");
+        for s in lens {
+            if let Err(e) = bench(&be, &sdpa, s, 16, 128) {
+                ok = false;
+                println!("| {s} | 16 | 128 | ERROR: {e} |");
+            }
+        }
+    }
+    println!("plan builds (first call per shape):");
+    for b in sdpa.plan_builds() {
+        println!(
+            "  {} sq {} sk {} hq {} hkv {} d {} causal {}: {:.1} ms, workspace {} B, engine cfg #{} of {}",
+            if b.bwd { "bwd" } else { "fwd" },
+            b.shape.sq,
+            b.shape.sk,
+            b.shape.hq,
+            b.shape.hkv,
+            b.shape.d,
+            b.shape.causal,
+            b.build_ms,
+            b.workspace,
+            b.candidate.0,
+            b.candidate.1
+        );
+    }
+    if !ok {
+        return Err("some checks failed".into());
+    }
+    println!("all checks passed");
+    Ok(())
+}

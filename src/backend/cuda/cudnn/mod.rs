@@ -1,0 +1,341 @@
+//! cuDNN fused attention (SDPA) through the backend (graph) API.
+//!
+//! - [`desc`]: owned backend descriptors and typed attribute setters;
+//! - [`graph`]: operation-graph builder (tensors, pointwise, reduction, matmul, reshape);
+//! - [`sdpa_graph`]: the forward and backward SDPA graphs cuDNN fuses into flash kernels;
+//! - [`plan`]: heuristics → execution plan, workspace size, execution;
+//! - [`select`]: `--attn-kernel auto|cudnn|native` and the "auto" decision.
+//!
+//! [`CudnnSdpa`] is the function-level interface: one per [`CudaBackend`]
+//! (same stream), plans cached per [`SdpaShape`], one workspace from the
+//! backend pool (`Category::Workspace`) grown to the largest plan and reused.
+//! I/O is bf16 with f32 compute; LSE is f32 natural log of the scaled scores
+//! (`max + ln Σ exp(scale·q·k − max)`, the same convention as `CpuBackend`).
+
+pub mod desc;
+pub mod graph;
+pub mod plan;
+pub mod sdpa_graph;
+pub mod select;
+
+pub use sdpa_graph::SdpaShape;
+pub use select::{AttnKernel, Choice, decide, shape_supported};
+
+use self::desc::check;
+use self::plan::Plan;
+use super::CudaBackend;
+use super::libs::{self, Lib};
+use crate::backend::{Category, DType, Tensor};
+use crate::error::{Error, Result};
+use cudarc::cudnn::sys;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Operands of one forward: device addresses of the first row of each view.
+#[derive(Debug, Clone, Copy)]
+pub struct SdpaFwd {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub shape: SdpaShape,
+}
+
+/// Operands of one backward. `dq` (`[sq, hq·d]`), `dk`, `dv` (`[sk, hkv·d]`)
+/// are dense rows of `grad_dt` (F32 or BF16) and are **accumulated** into.
+#[derive(Debug, Clone, Copy)]
+pub struct SdpaBwd {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub d_o: u64,
+    pub lse: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    pub grad_dt: DType,
+    pub shape: SdpaShape,
+}
+
+/// One plan build, for reports.
+#[derive(Debug, Clone)]
+pub struct PlanBuild {
+    pub bwd: bool,
+    pub shape: SdpaShape,
+    pub build_ms: f64,
+    pub workspace: usize,
+    /// Which heuristic candidate finalized, of how many.
+    pub candidate: (usize, usize),
+}
+
+type Key = (bool, SdpaShape);
+
+struct Handle(sys::cudnnHandle_t);
+// SAFETY: the handle is only used under `CudnnSdpa::exec`'s lock.
+unsafe impl Send for Handle {}
+// SAFETY: see above.
+unsafe impl Sync for Handle {}
+
+/// cuDNN SDPA bound to one backend's stream.
+pub struct CudnnSdpa {
+    handle: Handle,
+    version: usize,
+    lib: String,
+    plans: Mutex<HashMap<Key, std::result::Result<Arc<Plan>, String>>>,
+    builds: Mutex<Vec<PlanBuild>>,
+    exec: Mutex<Option<Tensor<CudaBackend>>>,
+}
+
+impl Drop for CudnnSdpa {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreate, destroyed once.
+        unsafe {
+            sys::cudnnDestroy(self.handle.0);
+        }
+    }
+}
+
+fn align(x: usize) -> usize {
+    x.div_ceil(256) * 256
+}
+
+impl CudnnSdpa {
+    /// Loads cuDNN (see [`libs`]; `UPIPE_CUDNN_LIB` picks a file) and creates
+    /// a handle on `be`'s stream.
+    pub fn new(be: &CudaBackend) -> Result<CudnnSdpa> {
+        let loaded = libs::load(Lib::Cudnn)?;
+        // SAFETY: the library is loaded and bound (checked by `load`).
+        let version = unsafe { sys::cudnnGetVersion() };
+        // cudarc binds cuDNN by name (its first candidate is the unversioned
+        // `libcudnn.so`); when that name resolves to another installation than
+        // the file we opened (e.g. `UPIPE_CUDNN_LIB` names a pip wheel without
+        // an unversioned link while the system has one), the two copies' sub-
+        // libraries clash later. Refuse that mix here with a clear reason.
+        let bound = format!(
+            "{}.{}.{}",
+            version / 10000,
+            (version % 10000) / 100,
+            version % 100
+        );
+        if let Some(opened) = &loaded.api_version
+            && *opened != bound
+        {
+            return Err(Error::LibraryMissing(format!(
+                "cuDNN {opened} was opened from {} but cudarc bound cuDNN {bound} ({}): \
+                 put a folder holding `libcudnn.so -> {}` first on LD_LIBRARY_PATH",
+                loaded.path.display(),
+                loaded
+                    .bound_path
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "unknown file".into()),
+                loaded.path.display()
+            )));
+        }
+        if version < 90000 {
+            return Err(Error::LibraryMissing(format!(
+                "cuDNN {version} at {} is older than 9.0",
+                loaded.path.display()
+            )));
+        }
+        be.context()
+            .bind_to_thread()
+            .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
+        let mut h: sys::cudnnHandle_t = std::ptr::null_mut();
+        // SAFETY: `h` is a valid out-pointer; the context is current.
+        check(unsafe { sys::cudnnCreate(&mut h) }, "create handle")?;
+        let handle = Handle(h);
+        let stream = be.stream().cu_stream() as sys::cudaStream_t;
+        // SAFETY: the stream belongs to the current context and outlives the handle
+        // (the backend owns both; `CudnnSdpa` is dropped before it).
+        check(unsafe { sys::cudnnSetStream(h, stream) }, "set stream")?;
+        Ok(CudnnSdpa {
+            handle,
+            version,
+            lib: loaded.describe(),
+            plans: Mutex::new(HashMap::new()),
+            builds: Mutex::new(Vec::new()),
+            exec: Mutex::new(None),
+        })
+    }
+
+    /// `cudnnGetVersion()`, e.g. 91400 for 9.14.0.
+    pub fn version(&self) -> usize {
+        self.version
+    }
+
+    /// Where the library came from.
+    pub fn library(&self) -> &str {
+        &self.lib
+    }
+
+    /// Every plan built so far (first-call costs).
+    pub fn plan_builds(&self) -> Vec<PlanBuild> {
+        self.builds.lock().map(|b| b.clone()).unwrap_or_default()
+    }
+
+    /// `Ok` when this shape can run here (static rules, then a cached plan
+    /// build); `Err(reason)` otherwise. Never panics.
+    pub fn supports(&self, s: &SdpaShape, bwd: bool) -> std::result::Result<(), String> {
+        shape_supported(self.version, s, bwd)?;
+        self.plan(s, bwd).map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    fn plan(&self, s: &SdpaShape, bwd: bool) -> Result<Arc<Plan>> {
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| Error::Backend("cuDNN plan cache poisoned".into()))?;
+        if let Some(p) = plans.get(&(bwd, *s)) {
+            return p.clone().map_err(Error::Backend);
+        }
+        let built = (|| {
+            let g = if bwd {
+                sdpa_graph::backward(s)?
+            } else {
+                sdpa_graph::forward(s)?
+            };
+            Plan::build(self.handle.0, g)
+        })();
+        let entry = built.map(Arc::new).map_err(|e| e.to_string());
+        if let Ok(p) = &entry
+            && let Ok(mut b) = self.builds.lock()
+        {
+            b.push(PlanBuild {
+                bwd,
+                shape: *s,
+                build_ms: p.build_ms,
+                workspace: p.workspace,
+                candidate: p.candidate,
+            });
+        }
+        plans.insert((bwd, *s), entry.clone());
+        entry.map_err(Error::Backend)
+    }
+
+    /// Runs `plan` with a workspace of at least `bytes` (grown from the pool).
+    fn run(
+        &self,
+        be: &CudaBackend,
+        plan: &Plan,
+        bytes: usize,
+        bind: impl FnOnce(u64) -> Vec<(i64, *mut c_void)>,
+    ) -> Result<()> {
+        let mut ws = self
+            .exec
+            .lock()
+            .map_err(|_| Error::Backend("cuDNN workspace lock poisoned".into()))?;
+        let have = ws.as_ref().map(|t| t.bytes()).unwrap_or(0);
+        if have < bytes.max(1) {
+            // Drop the old one first (stream-ordered free), then take a larger one.
+            *ws = None;
+            *ws = Some(be.alloc(&[bytes.max(1).div_ceil(4)], DType::F32, Category::Workspace)?);
+        }
+        let base = be.device_ptr(ws.as_ref().expect("allocated above"));
+        let bindings = bind(base);
+        // SAFETY: the plan was built with this handle; the callers bind the
+        // operands of the graph they asked for (device buffers owned by the
+        // caller on the backend's stream, host scalars living on their stack
+        // until this returns) and the workspace holds `bytes` bytes.
+        unsafe { plan.execute(self.handle.0, &bindings, base as *mut c_void) }
+    }
+
+    /// Forward: writes `o` (bf16) and `lse` (f32, natural log).
+    pub fn fwd(&self, be: &CudaBackend, a: &SdpaFwd) -> Result<()> {
+        let s = &a.shape;
+        shape_supported(self.version, s, false).map_err(Error::Backend)?;
+        be.context()
+            .bind_to_thread()
+            .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
+        let plan = self.plan(s, false)?;
+        let scale = 1.0f32 / (s.d as f32).sqrt();
+        let neg_inf = f32::NEG_INFINITY;
+        let p = |x: u64| x as *mut c_void;
+        use sdpa_graph::uid;
+        self.run(be, &plan, plan.workspace, |_| {
+            let mut b = vec![
+                (uid::Q, p(a.q)),
+                (uid::K, p(a.k)),
+                (uid::V, p(a.v)),
+                (uid::O, p(a.o)),
+                (uid::STATS, p(a.lse)),
+                (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
+            ];
+            if s.causal {
+                b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
+            }
+            b
+        })
+    }
+
+    /// Backward into bf16 buffers (overwritten): `dq [sq, hq·d]`, `dk, dv [sk, hkv·d]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bwd_overwrite(
+        &self,
+        be: &CudaBackend,
+        a: &SdpaBwd,
+        dq: u64,
+        dk: u64,
+        dv: u64,
+    ) -> Result<()> {
+        let s = &a.shape;
+        shape_supported(self.version, s, true).map_err(Error::Backend)?;
+        be.context()
+            .bind_to_thread()
+            .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
+        let plan = self.plan(s, true)?;
+        let (acc_bytes, sum_bytes) = sdpa_graph::backward_scratch_bytes(s);
+        let acc_off = align(plan.workspace);
+        let sum_off = acc_off + align(acc_bytes);
+        let total = sum_off + align(sum_bytes);
+        let scale = 1.0f32 / (s.d as f32).sqrt();
+        let neg_inf = f32::NEG_INFINITY;
+        let one = 1.0f32;
+        let p = |x: u64| x as *mut c_void;
+        use sdpa_graph::uid;
+        self.run(be, &plan, total, |base| {
+            let mut b = vec![
+                (uid::Q, p(a.q)),
+                (uid::K, p(a.k)),
+                (uid::V, p(a.v)),
+                (uid::O, p(a.o)),
+                (uid::D_O, p(a.d_o)),
+                (uid::STATS, p(a.lse)),
+                (uid::DQ, p(dq)),
+                (uid::DK, p(dk)),
+                (uid::DV, p(dv)),
+                (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
+                (uid::ONE, (&one as *const f32).cast_mut().cast()),
+                (uid::DQ_ACCUM, p(base + acc_off as u64)),
+                (uid::SOFTMAX_SUM, p(base + sum_off as u64)),
+            ];
+            if s.causal {
+                b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
+            }
+            b
+        })
+    }
+
+    /// Backward with the backend's accumulate semantics: cuDNN overwrites, so
+    /// it writes bf16 scratch that is then added into `dq`, `dk`, `dv`.
+    pub fn bwd(&self, be: &CudaBackend, a: &SdpaBwd) -> Result<()> {
+        let s = &a.shape;
+        let (nq, nk) = (s.sq * s.hq * s.d, s.sk * s.hkv * s.d);
+        let sdq = be.alloc(&[nq], DType::BF16, Category::Workspace)?;
+        let sdk = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
+        let sdv = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
+        let (pq, pk, pv) = (
+            be.device_ptr(&sdq),
+            be.device_ptr(&sdk),
+            be.device_ptr(&sdv),
+        );
+        self.bwd_overwrite(be, a, pq, pk, pv)?;
+        be.axpy_raw(a.dq, a.grad_dt, pq, DType::BF16, nq, 1.0)?;
+        be.axpy_raw(a.dk, a.grad_dt, pk, DType::BF16, nk, 1.0)?;
+        be.axpy_raw(a.dv, a.grad_dt, pv, DType::BF16, nk, 1.0)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,264 @@
+//! `upipe bench attn --device cuda`: one process per GPU (started by `upipe
+//! launch`, torchrun or srun; a lone process is a world of one), each running
+//! its rank of the layer on `CudaBackend::new(LOCAL_RANK)` with an NCCL mesh.
+//! Rank 0 gathers the per-rank results over the rendezvous and prints them.
+//!
+//! Throughput counts the causal attention layer's flops (see
+//! [`layer_flops`]) over the median wall time of the timed passes (each pass's
+//! time is its slowest rank's).
+
+use super::{AttnArgs, CUDA_TOLERANCE, Outcome, parse_methods, print_header, print_row};
+use crate::attention::trial::{
+    RankInputs, RankOptions, TrialInputs, TrialResult, assemble, gather_runs, run_rank, run_trial,
+};
+use crate::attention::{AttnDims, CpPlan, Strategy};
+use crate::backend::Backend;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::CudaBackend;
+use crate::comm::env::{DEFAULT_MASTER_ADDR, DistEnv};
+use crate::comm::nccl::{self, NcclWorld};
+use crate::comm::rendezvous::Rendezvous;
+use crate::error::{Error, Result};
+use crate::rng::Rng;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long ranks wait for each other at the rendezvous.
+const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Flops of one causal attention layer forward+backward over `seq` tokens:
+/// attention core `2·S²·H·d` forward (QKᵀ and PV, halved by the causal mask),
+/// `3.5×` that for forward+backward, plus the projections
+/// `2·S·hidden·(H + 2·Hkv + H)·d` forward, `3×` for forward+backward.
+pub fn layer_flops(dims: &AttnDims, seq: usize) -> f64 {
+    let (s, h, hkv, d) = (
+        seq as f64,
+        dims.heads as f64,
+        dims.kv_heads as f64,
+        dims.head_dim as f64,
+    );
+    let core = 3.5 * 2.0 * s * s * h * d;
+    let proj = 3.0 * 2.0 * s * dims.hidden as f64 * (h + 2.0 * hkv + h) * d;
+    core + proj
+}
+
+/// Median of a non-empty list (mean of the middle two for even lengths).
+pub fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+/// One strategy's GPU measurement on rank 0.
+pub struct GpuRun {
+    pub result: TrialResult,
+    /// Median over timed passes of the slowest rank's time.
+    pub median_seconds: f64,
+    pub world: usize,
+}
+
+impl GpuRun {
+    pub fn tflops_per_gpu(&self, dims: &AttnDims, seq: usize) -> f64 {
+        layer_flops(dims, seq) / self.median_seconds / self.world as f64 / 1e12
+    }
+    pub fn tokens_per_s_per_gpu(&self, seq: usize) -> f64 {
+        seq as f64 / self.median_seconds / self.world as f64
+    }
+}
+
+pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
+    let env = DistEnv::from_env()?.unwrap_or(DistEnv {
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        local_world_size: 1,
+        master_addr: DEFAULT_MASTER_ADDR.into(),
+        master_port: 1,
+    });
+    if a.iters == 0 {
+        return Err(Error::Config("--iters must be at least 1".into()));
+    }
+    let mut rv = Rendezvous::connect(&env, RENDEZVOUS_TIMEOUT)?;
+    let backend = Arc::new(CudaBackend::new(env.local_rank)?);
+    let world = NcclWorld::connect(&env, &mut rv, backend.clone())?;
+    let lead = env.rank == 0;
+    let b = backend.as_ref();
+    let (all, methods) = parse_methods(&a.methods)?;
+    let full_inputs = a.check.then(|| TrialInputs::random(dims, a.seq, a.seed));
+    let weights = match &full_inputs {
+        Some(f) => f.weights.clone(),
+        None => TrialInputs::random(dims, 0, a.seed).weights,
+    };
+    let opts = RankOptions {
+        warmup: a.warmup,
+        iters: a.iters,
+        keep_outputs: a.check,
+    };
+    let mut outcomes: Vec<(Strategy, Outcome, Option<f64>)> = Vec::new();
+    for &m in &methods {
+        let chunk = if m == Strategy::Upipe {
+            a.chunk_heads
+        } else {
+            None
+        };
+        let (pu, pr) = if m == Strategy::Local {
+            (1, 1)
+        } else {
+            (a.ulysses, a.ring)
+        };
+        let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
+            Ok(p) => p,
+            Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
+                outcomes.push((m, Outcome::Skipped(e.to_string()), None));
+                continue;
+            }
+            Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
+        }
+        .with_overlap(a.overlap && m != Strategy::Local);
+        let ranks = plan.mesh_shape().world_size();
+        if ranks != world.size() {
+            let why = format!(
+                "{m} on {}x{} needs {ranks} processes, {} were launched",
+                plan.layout.pu,
+                plan.layout.pr,
+                world.size()
+            );
+            if all {
+                outcomes.push((m, Outcome::Skipped(why), None));
+                continue;
+            }
+            return Err(Error::Config(format!(
+                "{why}; start with `upipe launch --nproc-per-node {ranks} -- bench attn --device cuda ...`"
+            )));
+        }
+        let mesh = world.mesh(plan.mesh_shape())?;
+        let (i, r) = (mesh.ring.rank(), mesh.ulysses.rank());
+        let (x, dy) = match &full_inputs {
+            Some(f) => f.shard(&plan, dims.hidden, i, r),
+            None => {
+                // Timing only: this rank's rows, seeded per rank.
+                let n = plan.layout.local_len() * dims.hidden;
+                let mut rng = Rng::new(a.seed ^ (0x9e37_79b9_7f4a_7c15 ^ env.rank as u64));
+                (rng.normal_vec(n, 1.0), rng.normal_vec(n, 1.0))
+            }
+        };
+        let inputs = RankInputs {
+            x: &x,
+            dy: &dy,
+            weights: &weights,
+        };
+        let run = run_rank(&plan, dims, inputs, b, &mesh, &opts)?;
+        drop((x, dy));
+        b.synchronize()?;
+        drop(mesh);
+        let runs = gather_runs(&mut rv, run)?;
+        // Slowest rank per pass, then the median over passes.
+        let per_pass: Vec<f64> = (0..opts.iters)
+            .map(|k| {
+                runs.iter()
+                    .filter_map(|r| r.seconds.get(k).copied())
+                    .fold(0.0, f64::max)
+            })
+            .collect();
+        let gpu = GpuRun {
+            result: assemble(&plan, dims.hidden, &runs),
+            median_seconds: median(&per_pass),
+            world: world.size(),
+        };
+        outcomes.push((
+            m,
+            Outcome::Ran(gpu.result.clone(), plan),
+            Some(gpu.median_seconds),
+        ));
+    }
+    if !lead {
+        return Ok(0);
+    }
+    let reference = match &full_inputs {
+        Some(f) => {
+            let plan = CpPlan::new(Strategy::Local, dims, a.seq, 1, 1, None)?;
+            Some(run_trial(&plan, dims, f, CpuBackend::new)?)
+        }
+        None => None,
+    };
+    if !a.json {
+        let lib = nccl::library()?;
+        println!(
+            "device {} x {} processes | NCCL {}",
+            b.name(),
+            world.size(),
+            lib.describe()
+        );
+        print_header(a, "cuda-bf16", true);
+    }
+    let ulysses_act = outcomes.iter().find_map(|(m, o, _)| match o {
+        Outcome::Ran(r, _) if *m == Strategy::Ulysses => Some(r.act_bytes),
+        _ => None,
+    });
+    let mut failed = false;
+    for (m, o, median_s) in &outcomes {
+        let gpu = match (o, median_s) {
+            (Outcome::Ran(r, _), Some(s)) => Some(GpuRun {
+                result: r.clone(),
+                median_seconds: *s,
+                world: world.size(),
+            }),
+            _ => None,
+        };
+        let extra = gpu.as_ref().map(|g| {
+            (
+                g.tflops_per_gpu(dims, a.seq),
+                g.tokens_per_s_per_gpu(a.seq),
+                g.median_seconds,
+            )
+        });
+        failed |= print_row(
+            a,
+            *m,
+            o,
+            reference.as_ref(),
+            ulysses_act,
+            CUDA_TOLERANCE,
+            extra,
+        );
+    }
+    Ok(if failed { 1 } else { 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flops_formula() {
+        let dims = AttnDims {
+            hidden: 4096,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            qk_norm: false,
+            norm_eps: 1e-6,
+            rope: crate::attention::rope::RopeConfig {
+                theta: 500000.0,
+                scaling: None,
+            },
+        };
+        let s = 131072.0f64;
+        let core = 7.0 * s * s * 32.0 * 128.0;
+        let proj = 6.0 * s * 4096.0 * 80.0 * 128.0;
+        assert_eq!(layer_flops(&dims, 131072), core + proj);
+        // at 128K the attention core dominates (~0.94 of the total)
+        assert!(core / (core + proj) > 0.9);
+    }
+
+    #[test]
+    fn median_of_passes() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&[5.0]), 5.0);
+    }
+}

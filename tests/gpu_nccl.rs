@@ -1,0 +1,255 @@
+//! NCCL process groups on two GPUs, one process per GPU: every collective
+//! against its definition (bf16 and f32, world and sub-groups), and the
+//! attention layer under each strategy against the CPU f32 reference.
+//!
+//! The test re-runs its own binary as the two ranks (so it needs no `upipe`
+//! binary and works wherever the test binary is copied). Skipped with a
+//! message where fewer than two GPUs (or no NCCL) exist.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use upipe::attention::rope::RopeConfig;
+use upipe::attention::trial::{
+    RankInputs, RankOptions, TrialInputs, assemble, gather_runs, run_rank, run_trial,
+};
+use upipe::attention::{AttnDims, CpPlan, Strategy};
+use upipe::backend::cpu::CpuBackend;
+use upipe::backend::cuda::CudaBackend;
+use upipe::backend::{Backend, Category, DType};
+use upipe::comm::env::DistEnv;
+use upipe::comm::nccl::NcclWorld;
+use upipe::comm::rendezvous::Rendezvous;
+use upipe::comm::{MeshShape, ProcessGroup};
+
+/// Set in the children: which test body to run as a rank.
+const ROLE: &str = "UPIPE_GPU_NCCL_ROLE";
+
+fn gpus() -> usize {
+    match upipe::backend::cuda::device::gpus() {
+        Ok(g) => g.len(),
+        Err(e) => {
+            eprintln!("SKIP gpu_nccl: no CUDA driver ({e})");
+            0
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Parent: starts two ranks running `test` and checks both succeed.
+fn launch_two(test: &str) {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let n = gpus();
+    if n < 2 {
+        eprintln!("SKIP gpu_nccl::{test}: needs 2 GPUs, found {n}");
+        return;
+    }
+    if let Err(e) = upipe::comm::nccl::library() {
+        eprintln!("SKIP gpu_nccl::{test}: {e}");
+        return;
+    }
+    let port = free_port().to_string();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(&exe)
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(ROLE, test)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("NCCL_NVLS_ENABLE", "0")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut done = [None, None];
+    while done.iter().any(Option::is_none) {
+        for (i, c) in children.iter_mut().enumerate() {
+            if done[i].is_none() {
+                done[i] = c.try_wait().unwrap();
+            }
+        }
+        if done.iter().any(|s| s.is_some_and(|s| !s.success())) || Instant::now() > deadline {
+            for c in children.iter_mut() {
+                let _ = c.kill();
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut ok = true;
+    for (rank, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().unwrap();
+        println!(
+            "--- rank {rank} ({:?})\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ok &= out.status.success();
+    }
+    assert!(ok, "a rank failed (see its output above)");
+}
+
+/// Child: this rank's environment, rendezvous and NCCL world.
+fn join() -> (DistEnv, Rendezvous, NcclWorld) {
+    let env = DistEnv::from_env().unwrap().expect("RANK/WORLD_SIZE set");
+    let mut rv = Rendezvous::connect(&env, Duration::from_secs(60)).unwrap();
+    let b = Arc::new(CudaBackend::new(env.local_rank).unwrap());
+    let world = NcclWorld::connect(&env, &mut rv, b).unwrap();
+    (env, rv, world)
+}
+
+fn collectives_on(b: &CudaBackend, g: &dyn ProcessGroup<CudaBackend>, dt: DType) {
+    let (me, p) = (g.rank(), g.size());
+    let n = 4 * p;
+    let send: Vec<f32> = (0..n).map(|i| (me * 100 + i) as f32).collect();
+    let s = b.from_host(&send, &[n], dt, Category::Comm).unwrap();
+
+    let mut r = b.zeros(&[n], dt, Category::Comm).unwrap();
+    g.all_to_all(&s, &mut r).unwrap();
+    let expect: Vec<f32> = (0..p)
+        .flat_map(|j| (0..4).map(move |i| (j * 100 + me * 4 + i) as f32))
+        .collect();
+    assert_eq!(b.to_host(&r).unwrap(), expect, "all_to_all {dt:?}");
+
+    let mut ag = b.zeros(&[n * p], dt, Category::Comm).unwrap();
+    g.all_gather(&s, &mut ag).unwrap();
+    let expect: Vec<f32> = (0..p)
+        .flat_map(|j| (0..n).map(move |i| (j * 100 + i) as f32))
+        .collect();
+    assert_eq!(b.to_host(&ag).unwrap(), expect, "all_gather {dt:?}");
+
+    let mut rs = b.zeros(&[4], dt, Category::Comm).unwrap();
+    g.reduce_scatter(&s, &mut rs).unwrap();
+    let expect: Vec<f32> = (0..4)
+        .map(|i| (0..p).map(|j| (j * 100 + me * 4 + i) as f32).sum())
+        .collect();
+    assert_eq!(b.to_host(&rs).unwrap(), expect, "reduce_scatter {dt:?}");
+
+    let mut ar = b
+        .from_host(&[me as f32 + 1.0, 2.0], &[2], dt, Category::Comm)
+        .unwrap();
+    g.all_reduce(&mut ar).unwrap();
+    let tri = (p * (p + 1) / 2) as f32;
+    assert_eq!(
+        b.to_host(&ar).unwrap(),
+        vec![tri, 2.0 * p as f32],
+        "all_reduce {dt:?}"
+    );
+
+    let mut sr = b.zeros(&[n], dt, Category::Comm).unwrap();
+    g.send_recv(&s, (me + 1) % p, &mut sr, (me + p - 1) % p)
+        .unwrap();
+    let prev = (me + p - 1) % p;
+    let expect: Vec<f32> = (0..n).map(|i| (prev * 100 + i) as f32).collect();
+    assert_eq!(b.to_host(&sr).unwrap(), expect, "send_recv {dt:?}");
+
+    // mismatched dtypes are an error, not a crash
+    let other = if dt == DType::F32 {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let mut wrong = b.zeros(&[n], other, Category::Comm).unwrap();
+    let err = g.all_to_all(&s, &mut wrong).unwrap_err();
+    assert!(err.to_string().contains("all_to_all"), "{err}");
+}
+
+#[test]
+fn nccl_collectives_match_definitions() {
+    launch_two("nccl_collectives_match_definitions");
+    if std::env::var(ROLE).as_deref() != Ok("nccl_collectives_match_definitions") {
+        return;
+    }
+    let (env, _rv, world) = join();
+    let b = world.backend().clone();
+    for shape in [
+        MeshShape::new(1, 1, 2).unwrap(),
+        MeshShape::new(1, 2, 1).unwrap(),
+    ] {
+        let mesh = world.mesh(shape).unwrap();
+        for dt in [DType::F32, DType::BF16] {
+            for g in [
+                &mesh.world,
+                &mesh.ulysses,
+                &mesh.ring,
+                &mesh.context,
+                &mesh.data,
+            ] {
+                collectives_on(&b, g.as_ref(), dt);
+            }
+        }
+        println!("rank {} mesh {shape:?}: collectives ok", env.rank);
+    }
+}
+
+#[test]
+fn nccl_attention_layer_matches_cpu() {
+    launch_two("nccl_attention_layer_matches_cpu");
+    if std::env::var(ROLE).as_deref() != Ok("nccl_attention_layer_matches_cpu") {
+        return;
+    }
+    let (env, mut rv, world) = join();
+    let b = world.backend().clone();
+    let d = AttnDims {
+        hidden: 256,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        qk_norm: true,
+        norm_eps: 1e-6,
+        rope: RopeConfig {
+            theta: 10000.0,
+            scaling: None,
+        },
+    };
+    let seq = 256;
+    let inputs = TrialInputs::random(&d, seq, 7);
+    let reference = (env.rank == 0).then(|| {
+        let plan = CpPlan::new(Strategy::Local, &d, seq, 1, 1, None).unwrap();
+        run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap()
+    });
+    for (s, pu, pr, u) in [
+        (Strategy::Ulysses, 2, 1, None),
+        (Strategy::Ring, 2, 1, None),
+        (Strategy::Usp, 2, 1, None),
+        (Strategy::Upipe, 2, 1, None),
+        (Strategy::Upipe, 2, 1, Some(4)),
+    ] {
+        let plan = CpPlan::new(s, &d, seq, pu, pr, u).unwrap();
+        let mesh = world.mesh(plan.mesh_shape()).unwrap();
+        let (x, dy) = inputs.shard(&plan, d.hidden, mesh.ring.rank(), mesh.ulysses.rank());
+        let ri = RankInputs {
+            x: &x,
+            dy: &dy,
+            weights: &inputs.weights,
+        };
+        let run = run_rank(&plan, &d, ri, b.as_ref(), &mesh, &RankOptions::ONCE).unwrap();
+        drop(mesh);
+        let runs = gather_runs(&mut rv, run).unwrap();
+        if let Some(r) = &reference {
+            let got = assemble(&plan, d.hidden, &runs);
+            let errs = got.errors_against(r);
+            println!("nccl {s} {pu}x{pr} U={u:?}: {errs:?}");
+            for (name, e) in errs {
+                assert!(e <= 1e-2, "{s} {pu}x{pr}: {name} rel err {e:e}");
+            }
+        }
+    }
+}
