@@ -23,6 +23,7 @@ use super::{
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast_ref};
 use crate::comm::Mesh;
 use crate::error::Result;
+use crate::plan::shapes::StageShapes;
 use std::ops::Range;
 
 /// A kv phase's K (normed, rotated), its pre-norm copy when kept, and V: `[n, m, d]`.
@@ -48,6 +49,8 @@ pub struct Staged<'a, B: Backend> {
     rope: &'a RopeTables<B>,
     /// Local tokens of this rank.
     s: usize,
+    /// Buffer shapes (shared with the memory planner).
+    shapes: StageShapes,
 }
 
 impl<'a, B: Backend> Staged<'a, B> {
@@ -65,6 +68,7 @@ impl<'a, B: Backend> Staged<'a, B> {
             plan,
             rope,
             s: plan.layout.local_len(),
+            shapes: StageShapes::new(plan, dims),
         }
     }
 
@@ -98,11 +102,9 @@ impl<'a, B: Backend> Staged<'a, B> {
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
         let nh = heads[0].len();
-        let mut buf = self.b.zeros(
-            &[self.pu() * self.s, nh, self.dims.head_dim],
-            x.dtype(),
-            Category::Comm,
-        )?;
+        let mut buf = self
+            .b
+            .zeros(&self.shapes.packed(nh), x.dtype(), Category::Comm)?;
         for (j, h) in heads.iter().enumerate() {
             let c = self.packed_block(j, nh);
             self.b.gemm(
@@ -214,10 +216,10 @@ impl<'a, B: Backend> Staged<'a, B> {
         w: &AttentionWeights<B>,
         x: &Tensor<B>,
     ) -> Result<(Tensor<B>, AttnSaved<B>)> {
-        let (b, d, s) = (self.b, self.dims.head_dim, self.s);
+        let (b, s) = (self.b, self.s);
         let sched = &self.plan.schedule;
         let u = sched.u();
-        let mut o = b.zeros(&[s, self.dims.heads, d], x.dtype(), Category::Activations)?;
+        let mut o = b.zeros(&self.shapes.saved_o(), x.dtype(), Category::Activations)?;
         let mut lses = Vec::with_capacity(sched.n_stages());
         for phase in &sched.phases {
             let PhaseKv { k, v, .. } = self.kv_phase(w, x, phase, false)?;
@@ -244,7 +246,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                 lses.push(lse);
             }
         }
-        let mut y = b.zeros(&[s, self.dims.hidden], x.dtype(), Category::Activations)?;
+        let mut y = b.zeros(&self.shapes.layer_io(), x.dtype(), Category::Activations)?;
         b.gemm(y.mat_mut(), o.mat(), w.wo.mat().t(), 1.0, 0.0)?;
         Ok((y, AttnSaved { o, lse: lses }))
     }
@@ -258,14 +260,14 @@ impl<'a, B: Backend> Staged<'a, B> {
         dy: &Tensor<B>,
         g: &mut AttentionGrads<B>,
     ) -> Result<Tensor<B>> {
-        let (b, s, eps) = (self.b, self.s, self.dims.norm_eps);
+        let (b, eps) = (self.b, self.dims.norm_eps);
         let act = x.dtype();
         let sched = &self.plan.schedule;
         let AttnSaved { o, lse } = saved;
         b.gemm(g.wo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
         // dx gathers one GEMM per head block per stage: accumulate it in F32 so
         // a many-stage schedule rounds once, not once per stage (bf16 compute).
-        let mut dx = b.zeros(&[s, self.dims.hidden], DType::F32, Category::Grads)?;
+        let mut dx = b.zeros(&self.shapes.layer_io(), DType::F32, Category::Grads)?;
         let mut stage_index = 0;
         for phase in &sched.phases {
             let PhaseKv { k, k_raw, v } = self.kv_phase(w, x, phase, true)?;
@@ -315,6 +317,7 @@ impl<'a, B: Backend> Staged<'a, B> {
             let dv_local = self.exchange_back(dv, act)?;
             self.accumulate_proj_grads(x, &dv_local, &w.wv, &mut g.wv, &phase.kv_heads, &mut dx)?;
         }
+        drop((o, lse));
         if act == DType::F32 {
             return Ok(dx);
         }
@@ -324,11 +327,9 @@ impl<'a, B: Backend> Staged<'a, B> {
     /// O's columns of every destination's heads, packed `[pu * s, u, d]`.
     fn gather_heads(&self, o: &Tensor<B>, heads: &[Range<usize>]) -> Result<Tensor<B>> {
         let nh = heads[0].len();
-        let mut buf = self.b.zeros(
-            &[self.pu() * self.s, nh, self.dims.head_dim],
-            o.dtype(),
-            Category::Comm,
-        )?;
+        let mut buf = self
+            .b
+            .zeros(&self.shapes.packed(nh), o.dtype(), Category::Comm)?;
         for (j, h) in heads.iter().enumerate() {
             self.b.copy(
                 buf.view_mut(self.packed_block(j, nh)),
@@ -346,11 +347,9 @@ impl<'a, B: Backend> Staged<'a, B> {
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
         let nh = heads[0].len();
-        let mut buf = self.b.zeros(
-            &[self.pu() * self.s, nh, self.dims.head_dim],
-            dy.dtype(),
-            Category::Comm,
-        )?;
+        let mut buf = self
+            .b
+            .zeros(&self.shapes.packed(nh), dy.dtype(), Category::Comm)?;
         for (j, h) in heads.iter().enumerate() {
             let cols = self.head_cols(h, self.dims.hidden);
             self.b.gemm(

@@ -11,6 +11,7 @@ use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Bytes;
 use crate::backend::cpu::CpuBackend;
 use crate::error::{Error, Result};
+use crate::plan::{DeviceKind, predict_attention_trial};
 use serde_json::json;
 
 #[derive(clap::Subcommand, Debug)]
@@ -88,8 +89,9 @@ enum Outcome {
     Skipped(String),
 }
 
-fn bench_attn(a: &AttnArgs) -> Result<i32> {
-    let dims = AttnDims {
+/// The layer dimensions of the flags.
+fn attn_dims(a: &AttnArgs) -> AttnDims {
+    AttnDims {
         hidden: a.hidden,
         heads: a.heads,
         kv_heads: a.kv_heads,
@@ -100,7 +102,11 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             theta: 500000.0,
             scaling: None,
         },
-    };
+    }
+}
+
+fn bench_attn(a: &AttnArgs) -> Result<i32> {
+    let dims = attn_dims(a);
     dims.validate()?;
     match a.device.as_str() {
         "cpu" => {}
@@ -185,13 +191,14 @@ fn print_header(a: &AttnArgs, device: &str, throughput: bool) {
         a.ring
     );
     print!(
-        "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>9} {:>9}",
+        "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9}",
         "method",
         "mesh",
         "U",
         "stages",
         "max_rel_err",
         "peak/rank",
+        "predicted",
         "act/rank",
         "act/uly",
         "time_s"
@@ -231,9 +238,19 @@ fn print_row(
             let ratio = ulysses_act.map(|u| r.act_bytes as f64 / u.max(1) as f64);
             let mesh = format!("{}x{}", plan.layout.pu, plan.layout.pr);
             let seconds = throughput.map_or(r.seconds, |t| t.2);
+            // what `upipe plan` predicts for this layer (the highest rank's ledger peak)
+            let device = if a.device == "cuda" {
+                DeviceKind::Cuda
+            } else {
+                DeviceKind::Cpu
+            };
+            let predicted = predict_attention_trial(plan, &attn_dims(a), device)
+                .ok()
+                .map(|p| p.peak);
             if a.json {
                 let mut row = json!({
                     "method": m.name(), "max_rel_err": err, "peak_bytes": r.peak_bytes,
+                    "predicted_peak_bytes": predicted,
                     "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
                     "ulysses": plan.layout.pu, "ring": plan.layout.pr,
                     "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
@@ -252,13 +269,14 @@ fn print_row(
                 println!("{row}");
             } else {
                 print!(
-                    "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
+                    "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
                     m.name(),
                     mesh,
                     plan.schedule.chunk,
                     plan.schedule.n_stages(),
                     err.map_or("-".into(), |e| format!("{e:.2e}")),
                     Bytes(r.peak_bytes).to_string(),
+                    predicted.map_or("-".into(), |p| Bytes(p).to_string()),
                     Bytes(r.act_bytes).to_string(),
                     ratio.map_or("-".into(), |x| format!("{x:.3}")),
                     seconds

@@ -153,6 +153,20 @@ pub fn run(a: TrainArgs) -> Result<i32> {
             cfg.steps
         );
     }
+    // what `upipe plan` predicts for this run (rank 0's ledger peak)
+    let predicted = crate::plan::predict_step_rank(
+        &crate::plan::StepSpec {
+            model: cfg.model.clone(),
+            plan: plan.clone(),
+            data: cfg.data_parallel,
+            policy: cfg.policy,
+            fsdp: false,
+            device: crate::plan::DeviceKind::Cpu,
+            optimizer: true,
+        },
+        0,
+    )?;
+    let predicted_peak = predicted.peak;
     let bar = if a.json {
         ProgressBar::hidden()
     } else {
@@ -170,6 +184,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                 serde_json::json!({
                     "step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s,
                     "peak_bytes": r.peak_bytes, "lr": r.lr, "grad_norm": r.grad_norm,
+                    "predicted_peak_bytes": predicted_peak,
                 })
             );
         } else {
@@ -184,12 +199,22 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     };
     let summary = train_cpu(&cfg, tokens.into(), &on_step)?;
     bar.finish();
+    let measured = summary.memory.peak;
+    let diff = 100.0 * (predicted.peak as f64 - measured as f64) / measured.max(1) as f64;
     if !json {
         let first = summary.reports.first().map_or(f64::NAN, |r| r.loss);
         let last = summary.reports.last().map_or(f64::NAN, |r| r.loss);
         println!("loss {first:.4} -> {last:.4}");
+        println!(
+            "peak of rank 0: predicted {} (upipe plan), measured {} ({diff:+.2}%)",
+            Bytes(predicted.peak),
+            Bytes(measured)
+        );
         println!("memory of rank 0 (peak {}):", Bytes(summary.memory.peak));
-        println!("  {:<14} {:>12} {:>12}", "category", "at peak", "now");
+        println!(
+            "  {:<14} {:>12} {:>12} {:>12}",
+            "category", "at peak", "predicted", "now"
+        );
         for (cat, at_peak) in &summary.memory.at_peak_by_category {
             let now = summary
                 .memory
@@ -203,9 +228,10 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                 *at_peak
             };
             println!(
-                "  {:<14} {:>12} {:>12}",
+                "  {:<14} {:>12} {:>12} {:>12}",
                 cat.name(),
                 Bytes(peak).to_string(),
+                Bytes(predicted.at(*cat)).to_string(),
                 Bytes(now).to_string()
             );
         }

@@ -223,12 +223,7 @@ impl<B: Backend> Decoder<B> {
 
     /// Token tiles of the MLP: one tile, or tiles of about `hidden` rows.
     fn tiles(&self, rows: usize) -> Vec<std::ops::Range<usize>> {
-        let t = if self.policy.tiled_mlp {
-            self.cfg.hidden.max(1)
-        } else {
-            rows.max(1)
-        };
-        (0..rows).step_by(t).map(|r| r..(r + t).min(rows)).collect()
+        crate::plan::shapes::mlp_tiles(rows, self.cfg.hidden, self.policy.tiled_mlp)
     }
 
     /// Rows `r` of a `[s, hidden]` tensor as a new tensor.
@@ -354,8 +349,8 @@ impl<B: Backend> Decoder<B> {
         let (s, hid, v) = (hn.rows(), self.cfg.hidden, self.cfg.vocab);
         let mut dhn = b.zeros(hn.shape(), hn.dtype(), Category::Grads)?;
         let mut loss_sum = b.zeros(&[1], DType::F32, Category::Workspace)?;
-        for r0 in (0..s).step_by(self.policy.loss_chunk) {
-            let r = self.policy.loss_chunk.min(s - r0);
+        for chunk in crate::plan::shapes::loss_chunks(s, self.policy.loss_chunk) {
+            let (r0, r) = (chunk.start, chunk.len());
             let rows = MatLayout::block(r0 * hid, r, hid, hid);
             let mut logits = b.zeros(&[r, v], hn.dtype(), Category::Workspace)?;
             b.gemm(logits.mat_mut(), hn.view(rows), head.mat().t(), 1.0, 0.0)?;

@@ -1,1 +1,436 @@
-//! TODO
+//! The memory planner: peak bytes per rank of a training step, by ledger
+//! [`Category`], before anything runs, and the longest context that fits.
+//!
+//! One source of truth: the buffer shapes come from [`shapes`], which the
+//! engine itself allocates from (`attention::staged`, `attention::rope`,
+//! `model::decoder`), and [`walk`] replays the engine's allocation order
+//! through a memory-less ledger ([`sim::Sim`]) with the same peak rule as
+//! [`MemoryLedger`](crate::backend::MemoryLedger). On the CPU backend the
+//! prediction equals the measured ledger peak (tests/plan.rs).
+//!
+//! Dtypes follow the backend contract (`backend/mod.rs`): activations in the
+//! compute dtype (CPU f32, CUDA bf16), LSE, RoPE tables, parameter gradients
+//! and AdamW moments in f32, plus f32 master weights when the compute dtype
+//! is not f32 (`train/optim.rs`).
+//!
+//! FSDP (params, grads and optimizer state sharded over data × context ranks)
+//! is not implemented in the engine yet; [`StepSpec::fsdp`] models it as
+//! ZeRO-3 would run it: resident shards of 1/W of each, plus, in `comm`, two
+//! gathered units (the one computing and the one prefetched) in the compute
+//! dtype and one unit's unsharded f32 gradient waiting for its
+//! reduce-scatter, where a unit is a decoder block, the embedding or the LM head.
+
+pub mod shapes;
+pub mod sim;
+pub mod walk;
+
+use crate::attention::{AttnDims, CpPlan, Strategy};
+use crate::backend::Category;
+use crate::error::Result;
+use crate::model::decoder::attn_dims;
+use crate::model::{MemoryPolicy, ModelConfig};
+use sim::Sim;
+use walk::{AttnFwd, AttnWalk, DecoderWalk};
+
+const F32: usize = 4;
+
+/// Which backend's dtypes the prediction uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// CPU reference: everything f32.
+    Cpu,
+    /// CUDA: bf16 activations and weights, f32 gradients, moments and master weights.
+    Cuda,
+}
+
+impl DeviceKind {
+    /// Bytes per element of the compute dtype.
+    pub fn act_bytes(self) -> usize {
+        match self {
+            DeviceKind::Cpu => 4,
+            DeviceKind::Cuda => 2,
+        }
+    }
+    /// Whether AdamW keeps f32 master weights (compute dtype is not f32).
+    pub fn master_weights(self) -> bool {
+        self.act_bytes() != F32
+    }
+    /// Bytes the backend allocates for itself through the ledger and keeps
+    /// (CUDA: the cuBLASLt workspace, allocated at the first GEMM).
+    pub fn backend_resident(self) -> usize {
+        match self {
+            DeviceKind::Cpu => 0,
+            DeviceKind::Cuda => crate::backend::cuda::gemm::WORKSPACE_BYTES,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu (f32)",
+            DeviceKind::Cuda => "cuda (bf16 activations, f32 grads/optimizer/master)",
+        }
+    }
+}
+
+/// One training step of one rank, as `train::trainer` runs it.
+#[derive(Debug, Clone)]
+pub struct StepSpec {
+    pub model: ModelConfig,
+    pub plan: CpPlan,
+    /// Data-parallel degree (FSDP shards over `data × context` ranks).
+    pub data: usize,
+    pub policy: MemoryPolicy,
+    /// Shard parameters, gradients and optimizer state (modelled; not in the engine yet).
+    pub fsdp: bool,
+    pub device: DeviceKind,
+    /// Include AdamW state (a training step) or not (`loss_and_grads_cpu`).
+    pub optimizer: bool,
+}
+
+/// A predicted peak.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// Device bytes at the peak.
+    pub peak: usize,
+    /// Bytes of each category at the device peak.
+    pub at_peak: Vec<(Category, usize)>,
+    /// Highest host (offload) bytes.
+    pub host_peak: usize,
+    /// The part of the step where the device peak happens.
+    pub peak_at: &'static str,
+}
+
+impl Prediction {
+    fn from_sim(sim: &Sim) -> Self {
+        Prediction {
+            peak: sim.peak(),
+            at_peak: sim.at_peak(),
+            host_peak: sim.host_peak(),
+            peak_at: sim.peak_label(),
+        }
+    }
+    /// Bytes of `cat` at the device peak (`offload_host`: the host peak).
+    pub fn at(&self, cat: Category) -> usize {
+        if cat == Category::Offload {
+            return self.host_peak;
+        }
+        self.at_peak
+            .iter()
+            .find(|(c, _)| *c == cat)
+            .map_or(0, |x| x.1)
+    }
+    /// The device category holding the most bytes at the peak.
+    pub fn largest_category(&self) -> Category {
+        self.at_peak
+            .iter()
+            .filter(|(c, _)| c.on_device())
+            .max_by_key(|(_, b)| *b)
+            .map_or(Category::Activations, |x| x.0)
+    }
+}
+
+/// Parameters of `cfg`: (total, the largest FSDP unit: a block, the embedding or the head).
+fn param_units(cfg: &ModelConfig) -> (usize, usize) {
+    let total = cfg.param_count();
+    let (h, q, kv) = (
+        cfg.hidden,
+        cfg.heads * cfg.head_dim,
+        cfg.kv_heads * cfg.head_dim,
+    );
+    let norms = if cfg.qk_norm { 2 * cfg.head_dim } else { 0 };
+    let block = 2 * h + 2 * q * h + 2 * kv * h + norms + 3 * cfg.ffn * h;
+    (total, block.max(cfg.vocab * h))
+}
+
+/// The attention walk of `plan` on `device` for ring rank `ring_rank`.
+fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usize) -> AttnWalk {
+    AttnWalk {
+        flash_ws: device == DeviceKind::Cuda,
+        ring_rank,
+        ..AttnWalk::new(plan, dims, device.act_bytes())
+    }
+}
+
+/// The highest of `f(ring_rank)` over the ring ranks (they differ only in
+/// which ring blocks their backward runs, which matters on the CUDA flash path).
+fn max_over_ring_ranks(pr: usize, f: impl Fn(usize) -> Result<Prediction>) -> Result<Prediction> {
+    let mut best: Option<Prediction> = None;
+    for i in 0..pr.max(1) {
+        let p = f(i)?;
+        if best.as_ref().is_none_or(|b| p.peak > b.peak) {
+            best = Some(p);
+        }
+    }
+    Ok(best.expect("at least one ring rank"))
+}
+
+/// Predicts the peak of one training step (`train_threads` /
+/// `loss_and_grads_cpu`) on the rank that needs the most.
+pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
+    max_over_ring_ranks(spec.plan.layout.pr, |i| predict_step_rank(spec, i))
+}
+
+/// Predicts the peak of one training step on ring rank `ring_rank` (the
+/// trainer reports ring rank 0's ledger).
+pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
+    spec.model.validate()?;
+    spec.policy.validate()?;
+    if spec.data == 0 {
+        return crate::config_err!("the data-parallel degree must be at least 1");
+    }
+    let ab = spec.device.act_bytes();
+    let attn = attn_walk(&spec.plan, &attn_dims(&spec.model), spec.device, ring_rank);
+    let mut sim = Sim::new();
+    sim.label("resident");
+    // Decoder::new: RoPE tables for the positions this rank attends over.
+    sim.alloc(Category::Workspace, attn.rope_bytes());
+    let (params, unit) = param_units(&spec.model);
+    let world = spec.data * spec.plan.mesh_shape().world_size();
+    let shard = if spec.fsdp {
+        params.div_ceil(world)
+    } else {
+        params
+    };
+    sim.alloc(Category::Weights, shard * ab);
+    sim.alloc(Category::Grads, shard * F32);
+    if spec.optimizer {
+        let states = if spec.device.master_weights() { 3 } else { 2 };
+        sim.alloc(Category::OptimState, states * shard * F32);
+    }
+    if spec.fsdp {
+        sim.alloc(Category::Comm, 2 * unit * ab + unit * F32);
+    }
+    sim.alloc(Category::Workspace, spec.device.backend_resident());
+    DecoderWalk {
+        cfg: &spec.model,
+        policy: spec.policy,
+        attn,
+        uploads_ids: spec.device == DeviceKind::Cuda,
+    }
+    .step(&mut sim);
+    if spec.optimizer {
+        // the trainer's all-reduced loss scalar
+        sim.label("optimizer");
+        let loss = sim.alloc(Category::Workspace, F32);
+        if spec.device == DeviceKind::Cuda {
+            // `sum_squares` accumulates the gradient norm in one f64
+            let acc = sim.alloc(Category::Workspace, 2 * F32);
+            sim.free(acc);
+        }
+        sim.free(loss);
+    }
+    Ok(Prediction::from_sim(&sim))
+}
+
+/// Predicts what `attention::trial::run_trial` measures (the highest rank):
+/// the ledger peak of one layer's forward+backward with the trial's resident
+/// tensors (x, dy, weights, f32 gradients, RoPE tables).
+pub fn predict_attention_trial(
+    plan: &CpPlan,
+    dims: &AttnDims,
+    device: DeviceKind,
+) -> Result<Prediction> {
+    dims.validate()?;
+    max_over_ring_ranks(plan.layout.pr, |i| {
+        attention_trial_rank(plan, dims, device, i)
+    })
+}
+
+fn attention_trial_rank(
+    plan: &CpPlan,
+    dims: &AttnDims,
+    device: DeviceKind,
+    ring_rank: usize,
+) -> Result<Prediction> {
+    let ab = device.act_bytes();
+    let walk = attn_walk(plan, dims, device, ring_rank);
+    let mut sim = Sim::new();
+    sim.label("resident");
+    let io = walk.sh.s * dims.hidden;
+    sim.alloc(Category::Activations, io * ab);
+    sim.alloc(Category::Grads, io * ab);
+    let norms = if dims.qk_norm { 2 * dims.head_dim } else { 0 };
+    let w = 2 * dims.q_width() * dims.hidden + 2 * dims.kv_width() * dims.hidden + norms;
+    sim.alloc(Category::Weights, w * ab);
+    sim.alloc(Category::Grads, w * F32);
+    sim.alloc(Category::Workspace, walk.rope_bytes());
+    sim.reset_peak();
+    sim.alloc(Category::Workspace, device.backend_resident());
+    sim.label("attention forward");
+    let AttnFwd { o, lse, y } = walk.forward(&mut sim);
+    sim.label("attention backward");
+    let _dx = walk.backward(&mut sim, o, lse);
+    let _ = y;
+    Ok(Prediction::from_sim(&sim))
+}
+
+/// Resolves `strategy` on `gpus` GPUs: `(plan, data degree)`. Without an
+/// explicit mesh, all GPUs form the context group (ulysses/ring/upipe), and
+/// usp takes the largest Ulysses degree ≤ 8 (one node) that divides the heads.
+#[allow(clippy::too_many_arguments)]
+pub fn resolve_plan(
+    strategy: Strategy,
+    dims: &AttnDims,
+    seq: usize,
+    gpus: usize,
+    ulysses: Option<usize>,
+    ring: Option<usize>,
+    chunk_heads: Option<usize>,
+) -> Result<(CpPlan, usize)> {
+    if gpus == 0 {
+        return crate::config_err!("--gpus must be at least 1");
+    }
+    let (pu, pr) = match (strategy, ulysses, ring) {
+        (Strategy::Local, _, _) => (1, 1),
+        (_, Some(u), Some(r)) => (u, r),
+        (_, Some(u), None) => (u, 1),
+        (_, None, Some(r)) => (1, r),
+        (Strategy::Usp, None, None) => {
+            let pu = (1..=gpus.min(8))
+                .rev()
+                .find(|&p| gpus.is_multiple_of(p) && dims.heads.is_multiple_of(p))
+                .unwrap_or(1);
+            (pu, gpus / pu)
+        }
+        (Strategy::Ring, None, None) => (1, gpus),
+        (_, None, None) => (gpus, 1),
+    };
+    let c = pu * pr;
+    if c == 0 || !gpus.is_multiple_of(c) {
+        return crate::config_err!(
+            "{gpus} GPUs are not a multiple of the context mesh {pu} (ulysses) x {pr} (ring) = {c}; \
+             use --gpus {} or a mesh whose product divides {gpus}",
+            c.max(1) * (gpus / c.max(1)).max(1)
+        );
+    }
+    let chunk = if strategy == Strategy::Upipe {
+        chunk_heads
+    } else {
+        None
+    };
+    let plan = CpPlan::new(strategy, dims, seq, pu, pr, chunk)
+        .map_err(|e| crate::Error::Config(format!("{strategy}: {}", strip(&e))))?;
+    Ok((plan, gpus / c))
+}
+
+fn strip(e: &crate::Error) -> String {
+    let s = e.to_string();
+    s.strip_prefix("invalid configuration: ")
+        .map(str::to_string)
+        .unwrap_or(s)
+}
+
+/// The sequence-length granularity of a plan's layout (see `SeqLayout::new`).
+pub fn seq_unit(pu: usize, pr: usize) -> usize {
+    if pr > 1 { 2 * pr * pu } else { pu }
+}
+
+/// Memory available to one rank.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// Device bytes usable by the ledger.
+    pub device: usize,
+    /// Host bytes usable for offloaded activations by one rank (None: unchecked).
+    pub host: Option<usize>,
+}
+
+/// Why a length does not fit.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Limit {
+    /// Device memory: the category that grew most from the shortest length
+    /// to this one (what the length is paying for), and where the peak is.
+    Device(Category, &'static str),
+    /// Host memory for offloaded activations.
+    Host,
+}
+
+impl Budget {
+    /// Whether `p` fits; `base` (a prediction at a short length) names the
+    /// category that grows with the length (without it: the largest at the peak).
+    pub fn check(&self, p: &Prediction, base: Option<&Prediction>) -> Option<Limit> {
+        if p.peak > self.device {
+            let growth =
+                |c: Category, bytes: usize| base.map_or(0, |b| bytes.saturating_sub(b.at(c)));
+            let cat = p
+                .at_peak
+                .iter()
+                .filter(|(c, _)| c.on_device())
+                .max_by_key(|(c, bytes)| growth(*c, *bytes))
+                .filter(|(c, bytes)| growth(*c, *bytes) > 0)
+                .map_or(p.largest_category(), |x| x.0);
+            return Some(Limit::Device(cat, p.peak_at));
+        }
+        match self.host {
+            Some(h) if p.host_peak > h => Some(Limit::Host),
+            _ => None,
+        }
+    }
+}
+
+/// The longest context that fits.
+#[derive(Debug, Clone)]
+pub struct Fit {
+    /// Longest fitting length (0: not even one step of `step` tokens).
+    pub seq: usize,
+    /// The prediction at `seq` (None when nothing fits).
+    pub at_fit: Option<Prediction>,
+    /// The first length that does not fit, and why.
+    pub limit: Option<(usize, Limit, Prediction)>,
+}
+
+/// Binary search over multiples of `step` tokens (≤ `max`) for the longest
+/// length whose prediction fits `budget`. Peak bytes grow with the length.
+pub fn longest_context(
+    step: usize,
+    max: usize,
+    budget: Budget,
+    predict: impl Fn(usize) -> Result<Prediction>,
+) -> Result<Fit> {
+    let step = step.max(1);
+    let base = predict(step)?;
+    let fits = |k: usize| -> Result<(Prediction, Option<Limit>)> {
+        let p = predict(k * step)?;
+        let l = budget.check(&p, Some(&base));
+        Ok((p, l))
+    };
+    let (mut lo, mut hi) = (0usize, 1usize);
+    let mut best: Option<Prediction> = None;
+    let mut fail: Option<(usize, Limit, Prediction)> = None;
+    // grow until a length does not fit
+    loop {
+        if hi * step > max {
+            hi = max / step + 1;
+            break;
+        }
+        let (p, l) = fits(hi)?;
+        match l {
+            None => {
+                lo = hi;
+                best = Some(p);
+                hi *= 2;
+            }
+            Some(l) => {
+                fail = Some((hi * step, l, p));
+                break;
+            }
+        }
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        let (p, l) = fits(mid)?;
+        match l {
+            None => {
+                lo = mid;
+                best = Some(p);
+            }
+            Some(l) => {
+                hi = mid;
+                fail = Some((mid * step, l, p));
+            }
+        }
+    }
+    Ok(Fit {
+        seq: lo * step,
+        at_fit: best,
+        limit: fail,
+    })
+}

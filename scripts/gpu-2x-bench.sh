@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Two-GPU run of everything GPU-side: library report, GPU tests, kernel
+# benchmark (native flash vs auto = cuDNN), a correctness check of every
+# strategy over NCCL, and the Llama3-8B attention layer (hidden 4096, H 32,
+# Hkv 8, d 128) at 128K-512K for Ulysses and UPipe, overlap off and on.
+#
+#   scripts/gpu-check.sh build DIR        # here: binaries into DIR
+#   cp scripts/gpu-2x-bench.sh DIR/       # and this script
+#   BUDGET=400 bash DIR/gpu-2x-bench.sh   # on a 2-GPU machine
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+bin="$here/bin"
+out="${OUT:-/tmp/upipe-2x}"; mkdir -p "$out/logs"
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 UPIPE_KERNEL_CACHE=/tmp/upipe-kernels
+T0=$(date +%s)
+left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
+step() { # name timeout cmd...
+  local name=$1 lim=$2; shift 2
+  local l; l=$(left); [ "$l" -lt 15 ] && { echo "SKIP $name (time)"; return; }
+  [ "$lim" -gt "$l" ] && lim=$l
+  local s; s=$(date +%s%N)
+  timeout -k 5 "$lim" "$@" > "$out/logs/$name.log" 2>&1; local rc=$?
+  echo "## $name rc=$rc $(( ($(date +%s%N)-s)/1000000 ))ms"
+  grep -a '"method"' "$out/logs/$name.log" | sed 's/^\[rank 0\] //' | cut -c1-600
+  [ $rc -ne 0 ] && grep -a -iE "error|panick|FAILED" "$out/logs/$name.log" | head -4 | cut -c1-300
+}
+{ date -u; nvidia-smi -L; } | tee "$out/logs/machine.txt"
+"$bin/upipe" info 2>&1 | tail -9
+for t in gpu_backend gpu_layer; do
+  step "test_$t" 120 "$bin/test-test-$t" --test-threads=2
+  grep -a "test result" "$out/logs/test_$t.log"
+done
+step gpu_bench 90 "$bin/gpu_bench" 8192 16384,65536
+grep -a -E "attention\[|auto:" "$out/logs/gpu_bench.log"
+L=("$bin/upipe" launch --nproc-per-node 2 --master-port 29531 -- bench attn --device cuda --json)
+small=(--hidden 512 --heads 32 --kv-heads 8 --head-dim 128 --seq 1024 --check --warmup 0 --iters 1)
+step check_2x1 90 "${L[@]}" "${small[@]}" --ulysses 2 --methods ulysses,ring,usp,upipe
+step check_U4_1x2 60 "${L[@]}" "${small[@]}" --ulysses 1 --ring 2 --methods upipe --chunk-heads 4
+llama=(--hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ulysses 2 --warmup 1 --iters 2)
+for s in 131072 262144 524288; do
+  step "perf_${s}_ulysses" 120 "${L[@]}" "${llama[@]}" --seq $s --methods ulysses
+  step "perf_${s}_upipe_U2" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 2
+  step "perf_${s}_upipe_U2_overlap" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 2 --overlap
+  step "perf_${s}_upipe_U4" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 4
+done
+echo "total $(( $(date +%s) - T0 ))s"
+tar -C "$out" -czf "$out/logs.tgz" logs && rm -rf "$out/logs"

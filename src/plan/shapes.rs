@@ -1,0 +1,105 @@
+//! Buffer shapes of the engine, shared by the engine and the planner.
+//!
+//! The staged attention engine (`attention::staged`), the decoder
+//! (`model::decoder`) and the memory planner ([`super`]) all take the shapes
+//! of their buffers from here, so the planner's byte counts are the engine's
+//! own sizes, not a second description kept in sync by hand.
+
+use crate::attention::{AttnDims, CpPlan};
+use std::ops::Range;
+
+/// Shapes of one rank's staged attention layer under a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageShapes {
+    /// Local tokens of this rank (`seq / (pu * pr)`).
+    pub s: usize,
+    /// Tokens a rank attends over after the Ulysses exchange (`seq / pr`).
+    pub n: usize,
+    pub pu: usize,
+    pub pr: usize,
+    /// Query heads per rank per stage.
+    pub u: usize,
+    /// Kv heads per rank per phase.
+    pub m: usize,
+    pub head_dim: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub hidden: usize,
+}
+
+impl StageShapes {
+    /// The shapes of `plan` for a layer of `dims`.
+    pub fn new(plan: &CpPlan, dims: &AttnDims) -> Self {
+        StageShapes {
+            s: plan.layout.local_len(),
+            n: plan.layout.shard_len(),
+            pu: plan.layout.pu,
+            pr: plan.layout.pr,
+            u: plan.schedule.u(),
+            m: plan.schedule.m(),
+            head_dim: dims.head_dim,
+            heads: dims.heads,
+            kv_heads: dims.kv_heads,
+            hidden: dims.hidden,
+        }
+    }
+
+    /// A buffer of `nh` heads per destination rank, packed by destination:
+    /// `[pu * s, nh, d]`. After the all-to-all the same shape is `[n, nh, d]`.
+    pub fn packed(&self, nh: usize) -> [usize; 3] {
+        [self.pu * self.s, nh, self.head_dim]
+    }
+
+    /// The saved attention output in canonical head order: `[s, H, d]`.
+    pub fn saved_o(&self) -> [usize; 3] {
+        [self.s, self.heads, self.head_dim]
+    }
+
+    /// The layer's input, output and input gradient: `[s, hidden]`.
+    pub fn layer_io(&self) -> [usize; 2] {
+        [self.s, self.hidden]
+    }
+
+    /// One stage's LSE (F32): `[n, u]`.
+    pub fn stage_lse(&self) -> [usize; 2] {
+        [self.n, self.u]
+    }
+
+    /// Number of kv phases and stages per phase of the schedule.
+    pub fn phases_and_stages(plan: &CpPlan) -> (usize, usize) {
+        let s = &plan.schedule;
+        (s.phases.len(), s.phases[0].stages.len())
+    }
+}
+
+/// Token tiles of the decoder's MLP over `rows` local tokens: one tile, or
+/// tiles of `hidden` rows when tiled (the last one may be shorter).
+pub fn mlp_tiles(rows: usize, hidden: usize, tiled: bool) -> Vec<Range<usize>> {
+    let t = if tiled { hidden.max(1) } else { rows.max(1) };
+    (0..rows).step_by(t).map(|r| r..(r + t).min(rows)).collect()
+}
+
+/// Row chunks of the fused loss over `rows` local tokens.
+pub fn loss_chunks(rows: usize, chunk: usize) -> Vec<Range<usize>> {
+    (0..rows)
+        .step_by(chunk.max(1))
+        .map(|r| r..(r + chunk.max(1)).min(rows))
+        .collect()
+}
+
+/// The distinct lengths of `ranges`, in order of first appearance: a chunk
+/// loop repeats identical buffers, so the planner walks one of each length.
+pub fn distinct_lengths(ranges: &[Range<usize>]) -> Vec<usize> {
+    let mut out: Vec<usize> = Vec::new();
+    for r in ranges {
+        if !out.contains(&r.len()) {
+            out.push(r.len());
+        }
+    }
+    out
+}
+
+/// Rows of the RoPE tables a rank holds (`cos` and `sin`, `[n, d/2]` F32 each).
+pub fn rope_table(n: usize, head_dim: usize) -> [usize; 2] {
+    [n, head_dim / 2]
+}

@@ -1,0 +1,102 @@
+//! A byte ledger without memory: the planner walks the engine's allocation
+//! order through it, acquiring and releasing the engine's buffer sizes, and
+//! reads the peak exactly as [`MemoryLedger`](crate::backend::MemoryLedger)
+//! would record it (same peak rule, same per-category snapshot at the peak).
+
+use crate::backend::Category;
+
+const N: usize = Category::ALL.len();
+
+fn index(cat: Category) -> usize {
+    Category::ALL
+        .iter()
+        .position(|&c| c == cat)
+        .expect("every category is in Category::ALL")
+}
+
+/// One simulated allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buf {
+    pub cat: Category,
+    pub bytes: usize,
+}
+
+/// Simulated ledger of one rank.
+#[derive(Debug, Clone, Default)]
+pub struct Sim {
+    cur: [usize; N],
+    dev: usize,
+    peak: usize,
+    at_peak: [usize; N],
+    host_peak: usize,
+    label: &'static str,
+    peak_label: &'static str,
+}
+
+impl Sim {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Names the part of the step that follows (reported with the peak).
+    pub fn label(&mut self, l: &'static str) {
+        self.label = l;
+    }
+
+    pub fn alloc(&mut self, cat: Category, bytes: usize) -> Buf {
+        let i = index(cat);
+        self.cur[i] += bytes;
+        if cat.on_device() {
+            self.dev += bytes;
+            if self.dev > self.peak {
+                self.peak = self.dev;
+                self.at_peak = self.cur;
+                self.peak_label = self.label;
+            }
+        } else {
+            self.host_peak = self.host_peak.max(self.cur[i]);
+        }
+        Buf { cat, bytes }
+    }
+
+    pub fn free(&mut self, b: Buf) {
+        self.cur[index(b.cat)] -= b.bytes;
+        if b.cat.on_device() {
+            self.dev -= b.bytes;
+        }
+    }
+
+    pub fn free_opt(&mut self, b: Option<Buf>) {
+        if let Some(b) = b {
+            self.free(b);
+        }
+    }
+
+    /// Starts a new peak window at the current usage (as `MemoryLedger::reset_peak`).
+    pub fn reset_peak(&mut self) {
+        self.peak = self.dev;
+        self.at_peak = self.cur;
+        self.host_peak = self.cur[index(Category::Offload)];
+        self.peak_label = self.label;
+    }
+
+    pub fn current(&self) -> usize {
+        self.dev
+    }
+    pub fn peak(&self) -> usize {
+        self.peak
+    }
+    pub fn host_peak(&self) -> usize {
+        self.host_peak
+    }
+    pub fn peak_label(&self) -> &'static str {
+        self.peak_label
+    }
+    /// Bytes of each category at the device peak.
+    pub fn at_peak(&self) -> Vec<(Category, usize)> {
+        Category::ALL
+            .iter()
+            .map(|&c| (c, self.at_peak[index(c)]))
+            .collect()
+    }
+}

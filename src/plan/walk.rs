@@ -1,0 +1,595 @@
+//! The engine's allocation order, walked through a [`Sim`] with the engine's
+//! buffer sizes ([`super::shapes`]). Each function names the engine function it
+//! follows; the tests in `tests/plan.rs` hold every walk to the allocator
+//! ledger of a real run (exact on the CPU backend).
+
+use super::shapes::{StageShapes, distinct_lengths, loss_chunks, mlp_tiles};
+use super::sim::{Buf, Sim};
+use crate::attention::{AttnDims, CpPlan, Strategy};
+use crate::backend::Category::{self, Activations, Comm, Grads, Offload, Workspace};
+use crate::model::{MemoryPolicy, ModelConfig};
+
+const F32: usize = 4;
+
+fn numel<const K: usize>(shape: [usize; K]) -> usize {
+    shape.iter().product()
+}
+
+/// One attention layer of one rank, as the engine runs it.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnWalk {
+    pub sh: StageShapes,
+    pub strategy: Strategy,
+    pub phases: usize,
+    pub stages_per_phase: usize,
+    pub qk_norm: bool,
+    /// Bytes per element of activations (the compute dtype).
+    pub ab: usize,
+    /// The stage-prefetch schedule (`CpPlan::overlap`).
+    pub overlap: bool,
+    /// The backend's attention backward takes a transient workspace (CUDA flash path).
+    pub flash_ws: bool,
+    /// This rank's ring index (ring blocks differ by rank).
+    pub ring_rank: usize,
+}
+
+/// What the attention forward keeps (`AttnSaved`) and returns.
+pub struct AttnFwd {
+    pub o: Buf,
+    pub lse: Vec<Buf>,
+    pub y: Buf,
+}
+
+impl AttnWalk {
+    pub fn new(plan: &CpPlan, dims: &AttnDims, ab: usize) -> Self {
+        let (phases, stages_per_phase) = StageShapes::phases_and_stages(plan);
+        AttnWalk {
+            sh: StageShapes::new(plan, dims),
+            strategy: plan.strategy,
+            phases,
+            stages_per_phase,
+            qk_norm: dims.qk_norm,
+            ab,
+            overlap: plan.overlap,
+            flash_ws: false,
+            ring_rank: 0,
+        }
+    }
+
+    /// `CudaBackend::attention_bwd` on the flash path: a transient
+    /// `flash_bwd_workspace_bytes(sq, hq)` buffer when the geometry is supported.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_bwd(
+        &self,
+        sim: &mut Sim,
+        sq: usize,
+        sk: usize,
+        hq: usize,
+        hkv: usize,
+        causal: bool,
+    ) {
+        use crate::backend::cuda::flash;
+        if self.flash_ws
+            && flash::check_supported(sq, sk, hq, hkv, self.sh.head_dim, causal).is_ok()
+        {
+            let ws = sim.alloc(Workspace, flash::flash_bwd_workspace_bytes(sq, hq));
+            sim.free(ws);
+        }
+    }
+
+    fn act(&self, sim: &mut Sim, cat: Category, n: usize) -> Buf {
+        sim.alloc(cat, n * self.ab)
+    }
+
+    /// `attention::norm_rope`.
+    fn norm_rope(&self, sim: &mut Sim, t: Buf, keep_raw: bool) -> (Buf, Option<Buf>) {
+        if !self.qk_norm {
+            return (t, None);
+        }
+        let y = sim.alloc(Workspace, t.bytes);
+        if keep_raw {
+            (y, Some(t))
+        } else {
+            sim.free(t);
+            (y, None)
+        }
+    }
+
+    /// `attention::norm_rope_bwd` (gradients are F32).
+    fn norm_rope_bwd(&self, sim: &mut Sim, d_out: Buf, raw: Option<Buf>) -> Buf {
+        match (self.qk_norm, raw) {
+            (true, Some(_)) => {
+                let dx = sim.alloc(Workspace, d_out.bytes);
+                sim.free(d_out);
+                dx
+            }
+            _ => d_out,
+        }
+    }
+
+    // ---- staged engine (`attention::staged`) ----
+
+    fn packed(&self, sim: &mut Sim, nh: usize) -> Buf {
+        self.act(sim, Comm, numel(self.sh.packed(nh)))
+    }
+
+    /// `Staged::exchange`.
+    fn exchange(&self, sim: &mut Sim, send: Buf) -> Buf {
+        if self.sh.pu == 1 {
+            return send;
+        }
+        let recv = sim.alloc(Comm, send.bytes);
+        sim.free(send);
+        recv
+    }
+
+    /// `Staged::exchange_back`: an F32 gradient returned in the compute dtype.
+    fn exchange_back(&self, sim: &mut Sim, grad: Buf) -> Buf {
+        if self.ab == F32 {
+            return self.exchange(sim, grad);
+        }
+        let send = sim.alloc(Comm, grad.bytes / F32 * self.ab);
+        let recv = self.exchange(sim, send);
+        sim.free(grad);
+        recv
+    }
+
+    /// `Staged::kv_phase`: (K, K before norm, V).
+    fn kv_phase(&self, sim: &mut Sim, keep_raw: bool) -> (Buf, Option<Buf>, Buf) {
+        let k = self.packed(sim, self.sh.m);
+        let k = self.exchange(sim, k);
+        let v = self.packed(sim, self.sh.m);
+        let v = self.exchange(sim, v);
+        let (k, k_raw) = self.norm_rope(sim, k, keep_raw);
+        (k, k_raw, v)
+    }
+
+    /// `Staged::q_exchanged`.
+    fn q_exchanged(&self, sim: &mut Sim) -> Buf {
+        let q = self.packed(sim, self.sh.u);
+        self.exchange(sim, q)
+    }
+
+    /// `Staged::bwd_stage_inputs`: (O, dO, raw Q) of a stage.
+    fn bwd_stage_inputs(&self, sim: &mut Sim) -> (Buf, Buf, Buf) {
+        let o_att = self.packed(sim, self.sh.u);
+        let o_att = self.exchange(sim, o_att);
+        let d_o = self.packed(sim, self.sh.u);
+        let d_o = self.exchange(sim, d_o);
+        (o_att, d_o, self.q_exchanged(sim))
+    }
+
+    /// `ring::forward`: (O of the stage, its LSE).
+    fn ring_fwd(&self, sim: &mut Sim, q: Buf, k: Buf, v: Buf) -> (Buf, Buf) {
+        let lse_bytes = numel(self.sh.stage_lse()) * F32;
+        let o = sim.alloc(Workspace, q.bytes);
+        let lse = sim.alloc(Activations, lse_bytes);
+        if self.sh.pr == 1 {
+            return (o, lse);
+        }
+        let o_blk = sim.alloc(Workspace, q.bytes);
+        let lse_blk = sim.alloc(Workspace, lse_bytes);
+        let mut visiting: Option<(Buf, Buf)> = None;
+        for _step in 1..self.sh.pr {
+            let kn = sim.alloc(Comm, k.bytes);
+            let vn = sim.alloc(Comm, v.bytes);
+            if let Some((a, b)) = visiting.replace((kn, vn)) {
+                sim.free(a);
+                sim.free(b);
+            }
+        }
+        if let Some((a, b)) = visiting {
+            sim.free(a);
+            sim.free(b);
+        }
+        sim.free(o_blk);
+        sim.free(lse_blk);
+        (o, lse)
+    }
+
+    /// `ring::backward` (accumulators `dk`, `dv` are F32, shaped like K, V).
+    fn ring_bwd(&self, sim: &mut Sim, k: Buf, v: Buf, dk: Buf) {
+        let (p, n, u, m) = (self.sh.pr, self.sh.n, self.sh.u, self.sh.m);
+        if p == 1 {
+            self.attention_bwd(sim, n, n, u, m, true);
+            return;
+        }
+        let mut dk_t = sim.alloc(Workspace, dk.bytes);
+        let mut dv_t = sim.alloc(Workspace, dk.bytes);
+        let mut kv: Option<(Buf, Buf)> = None;
+        for step in 0..p {
+            let blk = crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2);
+            let (sq, sk) = (blk.q_rows.len(), blk.k_rows.len());
+            self.attention_bwd(sim, sq, sk, u, m, blk.causal);
+            if step + 1 < p {
+                let kn = sim.alloc(Comm, k.bytes);
+                let vn = sim.alloc(Comm, v.bytes);
+                let dkn = sim.alloc(Comm, dk_t.bytes);
+                let dvn = sim.alloc(Comm, dv_t.bytes);
+                sim.free(std::mem::replace(&mut dk_t, dkn));
+                sim.free(std::mem::replace(&mut dv_t, dvn));
+                if let Some((a, b)) = kv.replace((kn, vn)) {
+                    sim.free(a);
+                    sim.free(b);
+                }
+            } else {
+                if let Some((a, b)) = kv.take() {
+                    sim.free(a);
+                    sim.free(b);
+                }
+                let dkn = sim.alloc(Comm, dk_t.bytes);
+                let dvn = sim.alloc(Comm, dv_t.bytes);
+                sim.free(std::mem::replace(&mut dk_t, dkn));
+                sim.free(std::mem::replace(&mut dv_t, dvn));
+            }
+        }
+        sim.free(dk_t);
+        sim.free(dv_t);
+    }
+
+    /// `Staged::forward`.
+    fn staged_fwd(&self, sim: &mut Sim) -> AttnFwd {
+        let o = self.act(sim, Activations, numel(self.sh.saved_o()));
+        let mut lse = Vec::new();
+        for _ in 0..self.phases {
+            let (k, _, v) = self.kv_phase(sim, false);
+            let mut prefetched: Option<Buf> = None;
+            for t in 0..self.stages_per_phase {
+                let q_raw = match prefetched.take() {
+                    Some(q) => q,
+                    None => self.q_exchanged(sim),
+                };
+                let (q, _) = self.norm_rope(sim, q_raw, false);
+                if self.overlap && t + 1 < self.stages_per_phase {
+                    prefetched = Some(self.q_exchanged(sim));
+                }
+                let (o_att, l) = self.ring_fwd(sim, q, k, v);
+                sim.free(q);
+                let back = self.exchange(sim, o_att);
+                sim.free(back);
+                lse.push(l);
+            }
+            sim.free(k);
+            sim.free(v);
+        }
+        let y = self.act(sim, Activations, numel(self.sh.layer_io()));
+        AttnFwd { o, lse, y }
+    }
+
+    /// `Staged::backward`: consumes the saved state, returns dx.
+    fn staged_bwd(&self, sim: &mut Sim, o: Buf, lse: Vec<Buf>) -> Buf {
+        // dx accumulates in F32, cast to the compute dtype at the end
+        let dx = sim.alloc(Grads, numel(self.sh.layer_io()) * F32);
+        for _ in 0..self.phases {
+            let (k, k_raw, v) = self.kv_phase(sim, true);
+            let kv_f32 = numel(self.sh.packed(self.sh.m)) * F32;
+            let dk = sim.alloc(Workspace, kv_f32);
+            let dv = sim.alloc(Workspace, kv_f32);
+            let mut prefetched: Option<(Buf, Buf, Buf)> = None;
+            for t in 0..self.stages_per_phase {
+                let (o_att, d_o, q_raw) = match prefetched.take() {
+                    Some(p) => p,
+                    None => self.bwd_stage_inputs(sim),
+                };
+                let (q, q_raw) = self.norm_rope(sim, q_raw, true);
+                if self.overlap && t + 1 < self.stages_per_phase {
+                    prefetched = Some(self.bwd_stage_inputs(sim));
+                }
+                let dq = sim.alloc(Workspace, q.bytes / self.ab * F32);
+                self.ring_bwd(sim, k, v, dk);
+                sim.free(q);
+                sim.free(o_att);
+                sim.free(d_o);
+                let dq = self.norm_rope_bwd(sim, dq, q_raw);
+                sim.free_opt(q_raw);
+                let dq_local = self.exchange_back(sim, dq);
+                sim.free(dq_local);
+            }
+            sim.free(k);
+            sim.free(v);
+            let dk = self.norm_rope_bwd(sim, dk, k_raw);
+            sim.free_opt(k_raw);
+            let dk_local = self.exchange_back(sim, dk);
+            sim.free(dk_local);
+            let dv_local = self.exchange_back(sim, dv);
+            sim.free(dv_local);
+        }
+        sim.free(o);
+        for l in lse {
+            sim.free(l);
+        }
+        if self.ab == F32 {
+            return dx;
+        }
+        let out = self.act(sim, Grads, numel(self.sh.layer_io()));
+        sim.free(dx);
+        out
+    }
+
+    // ---- single-rank reference (`attention::local`) ----
+
+    fn local_proj(&self, sim: &mut Sim) -> (Buf, Buf, Buf) {
+        let (s, d) = (self.sh.s, self.sh.head_dim);
+        let q = self.act(sim, Workspace, s * self.sh.heads * d);
+        let k = self.act(sim, Workspace, s * self.sh.kv_heads * d);
+        let v = self.act(sim, Workspace, s * self.sh.kv_heads * d);
+        (q, k, v)
+    }
+
+    /// `local::forward`.
+    fn local_fwd(&self, sim: &mut Sim) -> AttnFwd {
+        let s = self.sh.s;
+        let (q, k, v) = self.local_proj(sim);
+        let (q, _) = self.norm_rope(sim, q, false);
+        let (k, _) = self.norm_rope(sim, k, false);
+        let o = self.act(sim, Activations, numel(self.sh.saved_o()));
+        let lse = sim.alloc(Activations, s * self.sh.heads * F32);
+        sim.free(q);
+        sim.free(k);
+        sim.free(v);
+        let y = self.act(sim, Activations, numel(self.sh.layer_io()));
+        AttnFwd {
+            o,
+            lse: vec![lse],
+            y,
+        }
+    }
+
+    /// `local::backward`.
+    fn local_bwd(&self, sim: &mut Sim, o: Buf, lse: Vec<Buf>) -> Buf {
+        let d_o = self.act(sim, Workspace, numel(self.sh.saved_o()));
+        let (q, k, v) = self.local_proj(sim);
+        let (q, q_raw) = self.norm_rope(sim, q, true);
+        let (k, k_raw) = self.norm_rope(sim, k, true);
+        let dq = sim.alloc(Workspace, q.bytes / self.ab * F32);
+        let dk = sim.alloc(Workspace, k.bytes / self.ab * F32);
+        let dv = sim.alloc(Workspace, v.bytes / self.ab * F32);
+        let (s, h, hkv) = (self.sh.s, self.sh.heads, self.sh.kv_heads);
+        self.attention_bwd(sim, s, s, h, hkv, true);
+        for b in [q, k, v, d_o, o] {
+            sim.free(b);
+        }
+        for l in lse {
+            sim.free(l);
+        }
+        let dq = self.norm_rope_bwd(sim, dq, q_raw);
+        let dk = self.norm_rope_bwd(sim, dk, k_raw);
+        let dx = self.act(sim, Grads, numel(self.sh.layer_io()));
+        for dp in [dq, dk, dv] {
+            if self.ab != F32 {
+                let c = sim.alloc(Workspace, dp.bytes / F32 * self.ab);
+                sim.free(c);
+            }
+        }
+        for b in [dq, dk, dv] {
+            sim.free(b);
+        }
+        sim.free_opt(q_raw);
+        sim.free_opt(k_raw);
+        dx
+    }
+
+    /// `CpAttention::forward`.
+    pub fn forward(&self, sim: &mut Sim) -> AttnFwd {
+        match self.strategy {
+            Strategy::Local => self.local_fwd(sim),
+            _ => self.staged_fwd(sim),
+        }
+    }
+
+    /// `CpAttention::backward`: consumes the saved state, returns dx.
+    pub fn backward(&self, sim: &mut Sim, o: Buf, lse: Vec<Buf>) -> Buf {
+        match self.strategy {
+            Strategy::Local => self.local_bwd(sim, o, lse),
+            _ => self.staged_bwd(sim, o, lse),
+        }
+    }
+
+    /// RoPE tables the layer holds for the whole run (`RopeTables::new`).
+    pub fn rope_bytes(&self) -> usize {
+        2 * numel(super::shapes::rope_table(self.sh.n, self.sh.head_dim)) * F32
+    }
+}
+
+/// One rank's decoder step (`Decoder::forward_backward`).
+pub struct DecoderWalk<'a> {
+    pub cfg: &'a ModelConfig,
+    pub policy: MemoryPolicy,
+    pub attn: AttnWalk,
+    /// The backend uploads token ids into a device buffer (CUDA: `upload_ids`).
+    pub uploads_ids: bool,
+}
+
+/// What one block keeps (`BlockSaved`).
+struct BlockSaved {
+    a: Buf,
+    o: Buf,
+    lse: Vec<Buf>,
+    h1: Buf,
+    mlp: Option<[Buf; 4]>,
+}
+
+impl DecoderWalk<'_> {
+    fn ab(&self) -> usize {
+        self.attn.ab
+    }
+    fn s(&self) -> usize {
+        self.attn.sh.s
+    }
+    fn hidden_buf(&self, sim: &mut Sim, cat: Category) -> Buf {
+        sim.alloc(cat, self.s() * self.cfg.hidden * self.ab())
+    }
+
+    /// `Decoder::mlp_fwd` of a tile of `r` rows: (m, gate, up, act).
+    fn mlp_fwd(&self, sim: &mut Sim, r: usize) -> [Buf; 4] {
+        let ab = self.ab();
+        let m = sim.alloc(Activations, r * self.cfg.hidden * ab);
+        let f = r * self.cfg.ffn * ab;
+        [
+            m,
+            sim.alloc(Activations, f),
+            sim.alloc(Activations, f),
+            sim.alloc(Activations, f),
+        ]
+    }
+
+    fn tile_lengths(&self) -> Vec<usize> {
+        distinct_lengths(&mlp_tiles(self.s(), self.cfg.hidden, self.policy.tiled_mlp))
+    }
+
+    /// `Decoder::block_fwd` on input `h`: (output, saved).
+    fn block_fwd(&self, sim: &mut Sim) -> (Buf, BlockSaved) {
+        sim.label("forward: attention");
+        let a = self.hidden_buf(sim, Activations);
+        let AttnFwd { o, lse, y } = self.attn.forward(sim);
+        sim.label("forward: mlp");
+        let h1 = self.hidden_buf(sim, Activations);
+        sim.free(y);
+        let out = self.hidden_buf(sim, Activations);
+        let mut mlp = None;
+        for r in self.tile_lengths() {
+            let x_t = sim.alloc(Workspace, r * self.cfg.hidden * self.ab());
+            let saved = self.mlp_fwd(sim, r);
+            if self.policy.tiled_mlp {
+                saved.into_iter().for_each(|b| sim.free(b));
+            } else {
+                mlp = Some(saved);
+            }
+            sim.free(x_t);
+        }
+        (out, BlockSaved { a, o, lse, h1, mlp })
+    }
+
+    /// `Decoder::block_bwd`: consumes `saved` and `d_out`, returns dh.
+    fn block_bwd(&self, sim: &mut Sim, saved: BlockSaved, d_out: Buf) -> Buf {
+        let BlockSaved {
+            a,
+            o,
+            lse,
+            h1,
+            mut mlp,
+        } = saved;
+        let (hid, ab) = (self.cfg.hidden, self.ab());
+        sim.label("backward: mlp");
+        let dh1 = self.hidden_buf(sim, Grads);
+        for r in self.tile_lengths() {
+            let x_t = sim.alloc(Workspace, r * hid * ab);
+            let s = match mlp.take() {
+                Some(s) => s,
+                None => self.mlp_fwd(sim, r),
+            };
+            let f = r * self.cfg.ffn * ab;
+            let dact = sim.alloc(Workspace, f);
+            let dgate = sim.alloc(Workspace, f);
+            let dup = sim.alloc(Workspace, f);
+            sim.free(dact);
+            let dm = sim.alloc(Workspace, r * hid * ab);
+            sim.free(dgate);
+            sim.free(dup);
+            s.into_iter().for_each(|b| sim.free(b));
+            let dx_t = sim.alloc(Workspace, r * hid * ab);
+            if r != self.s() {
+                let tile = sim.alloc(Workspace, r * hid * ab);
+                sim.free(tile);
+            }
+            sim.free(dm);
+            sim.free(dx_t);
+            sim.free(x_t);
+        }
+        sim.free(h1);
+        sim.free(d_out);
+        sim.label("backward: attention");
+        let da = self.attn.backward(sim, o, lse);
+        sim.free(a);
+        let dh = self.hidden_buf(sim, Grads);
+        sim.free(da);
+        sim.free(dh1);
+        dh
+    }
+
+    /// A transient device copy of `n` token ids (embedding, cross-entropy).
+    fn ids(&self, sim: &mut Sim, n: usize) {
+        if self.uploads_ids {
+            let b = sim.alloc(Workspace, n * F32);
+            sim.free(b);
+        }
+    }
+
+    /// `Decoder::fused_loss`: returns dhn.
+    fn fused_loss(&self, sim: &mut Sim) -> Buf {
+        sim.label("loss");
+        let dhn = self.hidden_buf(sim, Grads);
+        let loss_sum = sim.alloc(Workspace, F32);
+        let chunks = loss_chunks(self.s(), self.policy.loss_chunk);
+        for r in distinct_lengths(&chunks) {
+            let logits = sim.alloc(Workspace, r * self.cfg.vocab * self.ab());
+            let dlogits = sim.alloc(Workspace, r * self.cfg.vocab * self.ab());
+            self.ids(sim, r);
+            sim.free(logits);
+            sim.free(dlogits);
+        }
+        sim.free(loss_sum);
+        dhn
+    }
+
+    /// `Decoder::forward_backward` after the decoder and parameters exist.
+    pub fn step(&self, sim: &mut Sim) {
+        sim.label("forward: embedding");
+        let mut x = self.hidden_buf(sim, Activations);
+        self.ids(sim, self.s());
+        let mut kept: Vec<(Buf, Option<BlockSaved>)> = Vec::new();
+        for _ in 0..self.cfg.layers {
+            let (next, saved) = self.block_fwd(sim);
+            if self.policy.checkpoint {
+                let BlockSaved {
+                    a, o, lse, h1, mlp, ..
+                } = saved;
+                for b in [a, o, h1]
+                    .into_iter()
+                    .chain(lse)
+                    .chain(mlp.into_iter().flatten())
+                {
+                    sim.free(b);
+                }
+                if self.policy.offload {
+                    let host = sim.alloc(Offload, x.bytes);
+                    kept.push((host, None));
+                    sim.free(x);
+                } else {
+                    kept.push((x, None));
+                }
+            } else {
+                kept.push((x, Some(saved)));
+            }
+            x = next;
+        }
+        sim.label("loss");
+        let hn = self.hidden_buf(sim, Workspace);
+        let dhn = self.fused_loss(sim);
+        sim.free(hn);
+        let mut dx = self.hidden_buf(sim, Grads);
+        sim.free(dhn);
+        sim.free(x);
+        while let Some((input, saved)) = kept.pop() {
+            sim.label("backward: reload");
+            let (input, host) = if input.cat == Offload {
+                (sim.alloc(Activations, input.bytes), Some(input))
+            } else {
+                (input, None)
+            };
+            let saved = match saved {
+                Some(s) => s,
+                None => {
+                    let (out, s) = self.block_fwd(sim);
+                    sim.free(out);
+                    s
+                }
+            };
+            dx = self.block_bwd(sim, saved, dx);
+            sim.free(input);
+            sim.free_opt(host);
+        }
+        self.ids(sim, self.s());
+        sim.free(dx);
+    }
+}

@@ -1,0 +1,169 @@
+//! `upipe plan` through the real binary: its prediction equals what
+//! `upipe train` measures, the search ranks UPipe above Ulysses, and bad
+//! inputs are clear errors.
+
+use serde_json::Value;
+use std::process::Command;
+
+fn upipe(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+fn json_lines(s: &str) -> Vec<Value> {
+    s.lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn plan_predicts_the_peak_that_train_measures() {
+    let (ok, out, err) = upipe(&[
+        "train",
+        "--steps",
+        "1",
+        "--seq",
+        "256",
+        "--checkpoint",
+        "--offload",
+        "--tiled-mlp",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let last = json_lines(&out).pop().unwrap();
+    let measured = last["peak_bytes"].as_u64().unwrap();
+    assert_eq!(last["predicted_peak_bytes"].as_u64().unwrap(), measured);
+    let (ok, out, err) = upipe(&[
+        "plan",
+        "--model",
+        "tiny",
+        "--gpus",
+        "4",
+        "--device",
+        "cpu",
+        "--seq",
+        "256",
+        "--attn",
+        "upipe",
+        "--ulysses",
+        "2",
+        "--ring",
+        "2",
+        "--policies",
+        "checkpoint,offload,tiled-mlp",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v = json_lines(&out).pop().unwrap();
+    assert_eq!(v["peak_bytes"].as_u64().unwrap(), measured);
+    assert!(
+        v["host_bytes"].as_u64().unwrap() > 0,
+        "offloaded inputs on the host"
+    );
+    assert_eq!(v["fits"], Value::Bool(true));
+}
+
+#[test]
+fn search_finds_longer_contexts_for_upipe_and_names_the_limit() {
+    let (ok, out, err) = upipe(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "8",
+        "--gpu-mem",
+        "80",
+        "--policies",
+        "checkpoint,offload,tiled-mlp,fsdp",
+        "--attn",
+        "ulysses,upipe",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v = json_lines(&out);
+    let longest = |i: usize| v[i]["longest_seq"].as_u64().unwrap();
+    assert_eq!(v[0]["strategy"], "ulysses");
+    assert!(longest(1) > longest(0), "upipe beyond ulysses: {out}");
+    for x in &v {
+        let limit = &x["limit"];
+        assert!(limit["peak_bytes"].as_u64().unwrap() > x["peak_bytes"].as_u64().unwrap());
+        assert!(limit["reason"].as_str().unwrap().starts_with("gpu: "));
+    }
+    // a host that cannot hold the offloaded block inputs limits the length
+    let (ok, out, _) = upipe(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "8",
+        "--policies",
+        "checkpoint,offload,tiled-mlp,fsdp",
+        "--attn",
+        "upipe",
+        "--host-mem",
+        "256",
+        "--json",
+    ]);
+    assert!(ok);
+    let v = json_lines(&out).pop().unwrap();
+    assert_eq!(v["limit"]["reason"], "host: offload_host");
+    assert!(v["longest_seq"].as_u64().unwrap() < longest(1));
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    for (args, want) in [
+        (
+            vec!["plan", "--model", "nope", "--gpus", "8"],
+            "unknown model 'nope'",
+        ),
+        (
+            vec![
+                "plan",
+                "--model",
+                "llama3-8b",
+                "--gpus",
+                "12",
+                "--ulysses",
+                "8",
+            ],
+            "not a product of the mesh",
+        ),
+        (
+            vec![
+                "plan",
+                "--model",
+                "llama3-8b",
+                "--gpus",
+                "6",
+                "--attn",
+                "ulysses",
+            ],
+            "must divide the 32 query heads",
+        ),
+        (
+            vec![
+                "plan",
+                "--model",
+                "llama3-8b",
+                "--gpus",
+                "8",
+                "--policies",
+                "zero",
+            ],
+            "unknown policy 'zero'",
+        ),
+    ] {
+        let (ok, _, err) = upipe(&args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,158 @@
+//! The planner's bf16 predictions against the CUDA backend's ledger: one
+//! attention layer under each strategy and a tiny-model training step under
+//! each policy, thread ranks sharing one GPU. Skipped where no GPU exists.
+
+use std::sync::Arc;
+use upipe::attention::rope::RopeConfig;
+use upipe::attention::trial::{TrialInputs, run_trial};
+use upipe::attention::{AttnDims, CpPlan, Strategy};
+use upipe::backend::cuda::CudaBackend;
+use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::plan::{DeviceKind, StepSpec, predict_attention_trial, predict_step_rank};
+use upipe::train::optim::AdamWConfig;
+use upipe::train::trainer::{TrainConfig, train_threads};
+
+fn gpu_available() -> bool {
+    match CudaBackend::new(0) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIP gpu_plan: no usable CUDA GPU ({e})");
+            false
+        }
+    }
+}
+
+fn cuda() -> CudaBackend {
+    CudaBackend::new(0).expect("GPU was available a moment ago")
+}
+
+fn rel(pred: usize, measured: usize) -> f64 {
+    (pred as f64 - measured as f64).abs() / measured.max(1) as f64
+}
+
+#[test]
+fn attention_layer_prediction_matches_the_cuda_ledger() {
+    if !gpu_available() {
+        return;
+    }
+    for qk_norm in [false, true] {
+        let d = AttnDims {
+            hidden: 512,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            qk_norm,
+            norm_eps: 1e-6,
+            rope: RopeConfig {
+                theta: 10000.0,
+                scaling: None,
+            },
+        };
+        let seq = 1536;
+        let inputs = TrialInputs::random(&d, seq, 7);
+        for (s, pu, pr, u, overlap) in [
+            (Strategy::Local, 1, 1, None, false),
+            (Strategy::Ulysses, 2, 1, None, false),
+            (Strategy::Ring, 1, 2, None, false),
+            (Strategy::Upipe, 2, 1, Some(2), false),
+            (Strategy::Upipe, 2, 1, Some(2), true),
+            (Strategy::Upipe, 2, 2, Some(4), false),
+            (Strategy::Upipe, 2, 3, Some(2), true),
+        ] {
+            let plan = CpPlan::new(s, &d, seq, pu, pr, u)
+                .unwrap()
+                .with_overlap(overlap);
+            let what = format!("{s} {pu}x{pr} U={u:?} qk={qk_norm} overlap={overlap}");
+            let got = run_trial(&plan, &d, &inputs, cuda).unwrap();
+            let pred = predict_attention_trial(&plan, &d, DeviceKind::Cuda).unwrap();
+            let e = rel(pred.peak, got.peak_bytes);
+            println!(
+                "gpu attention {what}: predicted {} measured {} ({:+.3}%)",
+                pred.peak,
+                got.peak_bytes,
+                100.0 * e
+            );
+            assert!(e <= 0.05, "{what}: {:.2}%", 100.0 * e);
+            assert_eq!(pred.peak, got.peak_bytes, "{what}");
+        }
+    }
+}
+
+#[test]
+fn training_step_prediction_matches_the_cuda_ledger() {
+    if !gpu_available() {
+        return;
+    }
+    let tokens: Arc<[u32]> = upipe::train::data::ByteTokenizer
+        .encode(upipe::train::data::CORPUS)
+        .into();
+    let model = ModelConfig::resolve("tiny").unwrap();
+    for (checkpoint, offload, tiled_mlp) in [
+        (false, false, false),
+        (true, false, false),
+        (true, true, true),
+        (false, false, true),
+    ] {
+        let policy = MemoryPolicy {
+            checkpoint,
+            offload,
+            tiled_mlp,
+            loss_chunk: 256,
+        };
+        let cfg = TrainConfig {
+            model: model.clone(),
+            data_parallel: 1,
+            strategy: Strategy::Upipe,
+            ulysses: 2,
+            ring: 2,
+            chunk_heads: None,
+            seq: 1024,
+            steps: 1,
+            optim: AdamWConfig {
+                lr: 3e-3,
+                min_lr: 3e-3,
+                warmup: 0,
+                total_steps: 1,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                clip: 1.0,
+            },
+            seed: 1,
+            policy,
+            init_from: None,
+            save_dir: None,
+            save_every: 0,
+            resume: false,
+        };
+        let plan = cfg.plan().unwrap();
+        let got = train_threads(&cfg, tokens.clone(), cuda, &|_| {}).unwrap();
+        // the trainer reports ring rank 0's ledger
+        let pred = predict_step_rank(
+            &StepSpec {
+                model: model.clone(),
+                plan,
+                data: 1,
+                policy,
+                fsdp: false,
+                device: DeviceKind::Cuda,
+                optimizer: true,
+            },
+            0,
+        )
+        .unwrap();
+        let e = rel(pred.peak, got.memory.peak);
+        println!(
+            "gpu step {policy:?}: predicted {} measured {} ({:+.3}%), host {} vs {}",
+            pred.peak,
+            got.memory.peak,
+            100.0 * e,
+            pred.host_peak,
+            got.memory.host_peak
+        );
+        assert!(e <= 0.05, "{policy:?}: {:.2}%", 100.0 * e);
+        assert_eq!(pred.peak, got.memory.peak, "{policy:?}");
+        assert_eq!(pred.host_peak, got.memory.host_peak, "{policy:?}");
+    }
+}

@@ -1,0 +1,309 @@
+//! The memory planner against the allocator ledger: predictions of the
+//! attention layer (every strategy, several U, meshes, QK-norm on/off) and of
+//! whole tiny-model training steps (every policy combination) equal the
+//! measured per-rank peaks on the CPU backend.
+
+use std::sync::Arc;
+use upipe::attention::rope::RopeConfig;
+use upipe::attention::trial::{TrialInputs, run_trial};
+use upipe::attention::{AttnDims, CpPlan, Strategy};
+use upipe::backend::Category;
+use upipe::backend::cpu::CpuBackend;
+use upipe::model::decoder::attn_dims;
+use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::plan::{
+    Budget, DeviceKind, Limit, StepSpec, longest_context, predict_attention_trial, predict_step,
+    predict_step_rank, resolve_plan,
+};
+use upipe::rng::Rng;
+use upipe::train::optim::AdamWConfig;
+use upipe::train::trainer::{TrainConfig, train_cpu};
+
+/// Relative difference of a prediction from a measurement.
+fn rel(pred: usize, measured: usize) -> f64 {
+    (pred as f64 - measured as f64).abs() / measured.max(1) as f64
+}
+
+fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
+    AttnDims {
+        hidden: 32,
+        heads,
+        kv_heads,
+        head_dim: 8,
+        qk_norm,
+        norm_eps: 1e-6,
+        rope: RopeConfig {
+            theta: 10000.0,
+            scaling: None,
+        },
+    }
+}
+
+#[test]
+fn attention_layer_prediction_equals_ledger_peak() {
+    // (heads, kv heads, strategy, Pu, Pr, U)
+    type Case = (usize, usize, Strategy, usize, usize, Option<usize>);
+    let cases: &[Case] = &[
+        (8, 2, Strategy::Local, 1, 1, None),
+        (8, 2, Strategy::Ulysses, 2, 1, None),
+        (8, 2, Strategy::Ulysses, 4, 1, None), // kv heads replicated (Hkv < Pu)
+        (8, 8, Strategy::Ulysses, 8, 1, None),
+        (8, 2, Strategy::Ring, 1, 2, None),
+        (8, 2, Strategy::Ring, 1, 3, None),
+        (8, 2, Strategy::Usp, 2, 2, None),
+        (8, 2, Strategy::Upipe, 2, 1, Some(2)),
+        (8, 2, Strategy::Upipe, 2, 1, Some(4)),
+        (8, 2, Strategy::Upipe, 2, 1, Some(8)),
+        (8, 2, Strategy::Upipe, 4, 1, Some(4)),
+        (16, 4, Strategy::Upipe, 4, 1, Some(8)),
+        (8, 2, Strategy::Upipe, 2, 2, Some(2)),
+        (8, 2, Strategy::Upipe, 2, 3, Some(4)),
+        (8, 4, Strategy::Upipe, 4, 2, Some(4)),
+    ];
+    let seq = 48;
+    for (qk, overlap) in [(false, false), (true, false), (false, true), (true, true)] {
+        for &(h, hkv, s, pu, pr, u) in cases {
+            let d = dims(h, hkv, qk);
+            let plan = CpPlan::new(s, &d, seq, pu, pr, u)
+                .unwrap()
+                .with_overlap(overlap && s != Strategy::Local);
+            let inputs = TrialInputs::random(&d, seq, 3);
+            let measured = run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap();
+            let pred = predict_attention_trial(&plan, &d, DeviceKind::Cpu).unwrap();
+            let what =
+                format!("{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} qk_norm={qk} overlap={overlap}");
+            let e = rel(pred.peak, measured.peak_bytes);
+            assert!(
+                e <= 0.05,
+                "{what}: predicted {} vs measured {} ({:.1}%)",
+                pred.peak,
+                measured.peak_bytes,
+                100.0 * e
+            );
+            // On the CPU backend the walk replays the engine exactly.
+            assert_eq!(pred.peak, measured.peak_bytes, "{what}");
+        }
+    }
+}
+
+fn tiny(qk_norm: bool) -> ModelConfig {
+    let mut c = ModelConfig::resolve("tiny").unwrap();
+    c.qk_norm = qk_norm;
+    c.heads = 8;
+    c.kv_heads = 2;
+    c.head_dim = 8;
+    c.hidden = 32;
+    c.ffn = 48;
+    c.validate().unwrap();
+    c
+}
+
+fn train_cfg(
+    model: &ModelConfig,
+    s: Strategy,
+    pu: usize,
+    pr: usize,
+    u: Option<usize>,
+    seq: usize,
+    policy: MemoryPolicy,
+) -> TrainConfig {
+    TrainConfig {
+        model: model.clone(),
+        data_parallel: 1,
+        strategy: s,
+        ulysses: pu,
+        ring: pr,
+        chunk_heads: u,
+        seq,
+        steps: 1,
+        optim: AdamWConfig {
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup: 0,
+            total_steps: 1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            clip: 1.0,
+        },
+        seed: 0,
+        policy,
+        init_from: None,
+        save_dir: None,
+        save_every: 0,
+        resume: false,
+    }
+}
+
+fn policies() -> Vec<MemoryPolicy> {
+    let mut out = Vec::new();
+    for (checkpoint, offload) in [(false, false), (true, false), (true, true)] {
+        for tiled_mlp in [false, true] {
+            for loss_chunk in [256, 7] {
+                out.push(MemoryPolicy {
+                    checkpoint,
+                    offload,
+                    tiled_mlp,
+                    loss_chunk,
+                });
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn training_step_prediction_equals_ledger_peak_under_every_policy() {
+    let mut rng = Rng::new(4);
+    let tokens: Arc<[u32]> = (0..4096).map(|_| rng.below(256) as u32).collect();
+    let seq = 256; // 64 tokens per rank on 4 ranks: 2 MLP tiles of `hidden` rows
+    // (the trainer runs stages back to back; `overlap` is covered by the layer test)
+    for (qk, s, pu, pr, u, data_parallel) in [
+        (false, Strategy::Upipe, 2, 2, None, 1),
+        (true, Strategy::Upipe, 4, 1, Some(4), 1),
+        (true, Strategy::Upipe, 2, 2, Some(2), 1),
+        (false, Strategy::Ulysses, 4, 1, None, 1),
+        (true, Strategy::Ring, 1, 4, None, 1),
+        (false, Strategy::Local, 1, 1, None, 1),
+        (false, Strategy::Upipe, 2, 1, None, 2),
+    ] {
+        let model = tiny(qk);
+        for policy in policies() {
+            let mut cfg = train_cfg(&model, s, pu, pr, u, seq, policy);
+            cfg.data_parallel = data_parallel;
+            let plan = cfg.plan().unwrap();
+            let measured = train_cpu(&cfg, tokens.clone(), &|_| {}).unwrap().memory;
+            let spec = StepSpec {
+                model: model.clone(),
+                plan,
+                data: data_parallel,
+                policy,
+                fsdp: false,
+                device: DeviceKind::Cpu,
+                optimizer: true,
+            };
+            let pred = predict_step_rank(&spec, 0).unwrap();
+            // on CPU every ring rank allocates the same
+            assert_eq!(pred, predict_step(&spec).unwrap());
+            let what = format!("{s} {pu}x{pr} U={u:?} qk={qk} data={data_parallel} {policy:?}");
+            let e = rel(pred.peak, measured.peak);
+            assert!(
+                e <= 0.05,
+                "{what}: predicted {} vs measured {} ({:.1}%)",
+                pred.peak,
+                measured.peak,
+                100.0 * e
+            );
+            assert_eq!(pred.peak, measured.peak, "{what}: device peak");
+            assert_eq!(pred.host_peak, measured.host_peak, "{what}: host peak");
+            for cat in Category::ALL.into_iter().filter(|c| c.on_device()) {
+                assert_eq!(
+                    pred.at(cat),
+                    measured.at_peak(cat),
+                    "{what}: {} at the peak",
+                    cat.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn policies_and_fsdp_lower_the_predicted_peak() {
+    let model = ModelConfig::resolve("llama3-8b").unwrap();
+    let d = attn_dims(&model);
+    let seq = 1 << 20;
+    let (plan, data) = resolve_plan(Strategy::Upipe, &d, seq, 8, None, None, None).unwrap();
+    let spec = |policy, fsdp| StepSpec {
+        model: model.clone(),
+        plan: plan.clone(),
+        data,
+        policy,
+        fsdp,
+        device: DeviceKind::Cuda,
+        optimizer: true,
+    };
+    let plain = predict_step(&spec(MemoryPolicy::default(), false)).unwrap();
+    let all = MemoryPolicy {
+        checkpoint: true,
+        offload: true,
+        tiled_mlp: true,
+        loss_chunk: 256,
+    };
+    let ckpt = predict_step(&spec(
+        MemoryPolicy {
+            offload: false,
+            ..all
+        },
+        true,
+    ))
+    .unwrap();
+    let best = predict_step(&spec(all, true)).unwrap();
+    assert!(ckpt.peak < plain.peak && best.peak < ckpt.peak);
+    assert!(best.host_peak > 0 && ckpt.host_peak == 0);
+    // FSDP over 8 ranks: a bf16 weight shard is 1/8 of 2 bytes per parameter
+    let p = model.param_count();
+    assert_eq!(best.at(Category::Weights), (p.div_ceil(8)) * 2);
+    assert_eq!(best.at(Category::OptimState), (p.div_ceil(8)) * 12);
+}
+
+#[test]
+fn longest_context_is_the_boundary_of_the_budget() {
+    let model = ModelConfig::resolve("llama3-8b").unwrap();
+    let d = attn_dims(&model);
+    let policy = MemoryPolicy {
+        checkpoint: true,
+        offload: true,
+        tiled_mlp: true,
+        loss_chunk: 256,
+    };
+    let budget = Budget {
+        device: 80 << 30,
+        host: None,
+    };
+    let predict = |strategy: Strategy| {
+        let model = model.clone();
+        move |seq: usize| {
+            let (plan, data) = resolve_plan(strategy, &d, seq, 8, None, None, None)?;
+            predict_step(&StepSpec {
+                model: model.clone(),
+                plan,
+                data,
+                policy,
+                fsdp: true,
+                device: DeviceKind::Cuda,
+                optimizer: true,
+            })
+        }
+    };
+    let step = 8192;
+    let uly = longest_context(step, 1 << 30, budget, predict(Strategy::Ulysses)).unwrap();
+    let up = longest_context(step, 1 << 30, budget, predict(Strategy::Upipe)).unwrap();
+    for fit in [&uly, &up] {
+        assert!(fit.seq > 0);
+        assert!(fit.at_fit.as_ref().unwrap().peak <= budget.device);
+        let (next, limit, p) = fit.limit.clone().unwrap();
+        assert_eq!(next, fit.seq + step, "the next step up does not fit");
+        assert!(p.peak > budget.device);
+        assert!(matches!(limit, Limit::Device(..)));
+    }
+    assert!(up.seq > uly.seq, "UPipe fits a longer context than Ulysses");
+}
+
+#[test]
+fn bad_meshes_are_clear_errors() {
+    let d = attn_dims(&ModelConfig::resolve("llama3-8b").unwrap());
+    let e = resolve_plan(Strategy::Upipe, &d, 1 << 20, 12, Some(8), None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a multiple of the context mesh"), "{e}");
+    let e = resolve_plan(Strategy::Ulysses, &d, 1 << 20, 6, None, None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("must divide the 32 query heads"), "{e}");
+    let e = resolve_plan(Strategy::Upipe, &d, 1 << 20, 8, None, None, Some(3))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--chunk-heads 3"), "{e}");
+}
