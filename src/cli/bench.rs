@@ -50,6 +50,10 @@ pub struct AttnArgs {
     /// Per-head RMSNorm of q and k (Qwen3).
     #[arg(long)]
     pub qk_norm: bool,
+    /// Attention kernel on CUDA: auto (cuDNN SDPA where it supports the call,
+    /// else our flash kernels), cudnn (error where it cannot), native (ours).
+    #[arg(long, default_value = "auto")]
+    pub attn_kernel: String,
     /// Issue each next stage's projections and exchanges before the current
     /// stage's attention (overlap on asynchronous backends).
     #[arg(long)]
@@ -108,6 +112,8 @@ fn attn_dims(a: &AttnArgs) -> AttnDims {
 fn bench_attn(a: &AttnArgs) -> Result<i32> {
     let dims = attn_dims(a);
     dims.validate()?;
+    // checked here so a typo fails on every device
+    let _: crate::backend::cuda::cudnn::AttnKernel = a.attn_kernel.parse()?;
     match a.device.as_str() {
         "cpu" => {}
         "cuda" => return gpu::bench_attn_cuda(a, &dims),

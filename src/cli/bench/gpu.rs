@@ -83,7 +83,9 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         return Err(Error::Config("--iters must be at least 1".into()));
     }
     let mut rv = Rendezvous::connect(&env, RENDEZVOUS_TIMEOUT)?;
-    let backend = Arc::new(CudaBackend::new(env.local_rank)?);
+    let mut backend = CudaBackend::new(env.local_rank)?;
+    backend.set_attn_kernel(a.attn_kernel.parse()?);
+    let backend = Arc::new(backend);
     let world = NcclWorld::connect(&env, &mut rv, backend.clone())?;
     let lead = env.rank == 0;
     let b = backend.as_ref();
