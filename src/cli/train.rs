@@ -1,5 +1,6 @@
 //! `upipe train`: with no arguments, the embedded default — tiny model,
-//! bundled corpus, 4 CPU ranks (2 Ulysses x 2 ring) running UPipe.
+//! bundled corpus, 4 ranks (2 Ulysses x 2 ring) running UPipe — threads on
+//! the CPU, or on the visible GPUs when there are any.
 
 use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
@@ -80,21 +81,61 @@ pub struct TrainArgs {
     /// Resume from --save-dir when it holds a checkpoint.
     #[arg(long)]
     pub resume: bool,
-    /// Device: cpu (ranks as threads).
-    #[arg(long, default_value = "cpu")]
+    /// Device: auto (cuda when a GPU is visible, else cpu), cpu, or cuda. Ranks
+    /// are threads; on cuda they are spread over the visible GPUs and exchange
+    /// through host memory (multi-process NCCL training is not built yet).
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// One JSON object per step instead of a progress bar.
     #[arg(long)]
     pub json: bool,
 }
 
-pub fn run(a: TrainArgs) -> Result<i32> {
-    if a.device != "cpu" {
-        return Err(Error::Config(format!(
-            "--device {}: training runs on the cpu device in this build",
-            a.device
-        )));
+/// GPUs visible to the driver (none when CUDA is unavailable).
+/// Thread ranks spread round-robin over `gpus` devices.
+fn train_on_gpus(
+    cfg: &TrainConfig,
+    tokens: std::sync::Arc<[u32]>,
+    gpus: usize,
+    on_step: &(dyn Fn(&StepReport) + Sync),
+) -> Result<crate::train::trainer::TrainSummary> {
+    use crate::backend::cuda::CudaBackend;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // open every device once here, so a failure is an error rather than a
+    // failure inside a rank thread
+    for g in 0..gpus {
+        CudaBackend::new(g)?;
     }
+    let next = AtomicUsize::new(0);
+    let make = || {
+        let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
+        CudaBackend::new(g).expect("the device opened a moment ago")
+    };
+    crate::train::trainer::train_threads(cfg, tokens, make, on_step)
+}
+
+fn visible_gpus() -> usize {
+    crate::backend::cuda::device::gpus().map_or(0, |g| g.len())
+}
+
+pub fn run(a: TrainArgs) -> Result<i32> {
+    let gpus = match a.device.as_str() {
+        "cpu" => 0,
+        "auto" => visible_gpus(),
+        "cuda" => match visible_gpus() {
+            0 => {
+                return Err(Error::Config(
+                    "--device cuda: no GPU is visible (see `upipe info`); use --device cpu".into(),
+                ));
+            }
+            n => n,
+        },
+        other => {
+            return Err(Error::Config(format!(
+                "--device {other}: use auto, cpu or cuda"
+            )));
+        }
+    };
     let model = ModelConfig::resolve(&a.model)?;
     let strategy: Strategy = a.attn.parse()?;
     let (ulysses, ring) = if strategy == Strategy::Local {
@@ -139,12 +180,13 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     let plan = cfg.plan()?;
     if !a.json {
         println!(
-            "training {} ({:.2}M params) on {} tokens: {} on {} CPU ranks (data {} x Pu {} x Pr {}, U {}), seq {}, {} steps",
+            "training {} ({:.2}M params) on {} tokens: {} on {} {} ranks (data {} x Pu {} x Pr {}, U {}), seq {}, {} steps",
             cfg.model.name,
             cfg.model.param_count() as f64 / 1e6,
             tokens.len(),
             strategy,
             plan.mesh_shape().world_size() * cfg.data_parallel,
+            if gpus > 0 { "GPU thread" } else { "CPU" },
             cfg.data_parallel,
             plan.layout.pu,
             plan.layout.pr,
@@ -161,7 +203,11 @@ pub fn run(a: TrainArgs) -> Result<i32> {
             data: cfg.data_parallel,
             policy: cfg.policy,
             fsdp: false,
-            device: crate::plan::DeviceKind::Cpu,
+            device: if gpus > 0 {
+                crate::plan::DeviceKind::Cuda
+            } else {
+                crate::plan::DeviceKind::Cpu
+            },
             optimizer: true,
         },
         0,
@@ -197,7 +243,11 @@ pub fn run(a: TrainArgs) -> Result<i32> {
             ));
         }
     };
-    let summary = train_cpu(&cfg, tokens.into(), &on_step)?;
+    let summary = if gpus > 0 {
+        train_on_gpus(&cfg, tokens.into(), gpus, &on_step)?
+    } else {
+        train_cpu(&cfg, tokens.into(), &on_step)?
+    };
     bar.finish();
     let measured = summary.memory.peak;
     let diff = 100.0 * (predicted.peak as f64 - measured as f64) / measured.max(1) as f64;
