@@ -591,13 +591,9 @@ impl Backend for CpuBackend {
             ));
         }
         let t = data(table);
+        super::check_token_ids(ids, vocab)?;
         for (row, &id) in data_mut(out).chunks_mut(h).zip(ids) {
             let id = id as usize;
-            if id >= vocab {
-                return Err(Error::Config(format!(
-                    "token id {id} is outside the vocabulary of {vocab}; check the tokenizer matches the model"
-                )));
-            }
             row.copy_from_slice(&t[id * h..(id + 1) * h]);
         }
         Ok(())
@@ -610,6 +606,7 @@ impl Backend for CpuBackend {
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
         let h = dtable.row_len();
+        super::check_token_ids(ids, dtable.rows())?;
         let dy = data(dout);
         let dt = data_mut(dtable);
         for (row, &id) in dy.chunks(h).zip(ids) {

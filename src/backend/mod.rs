@@ -213,6 +213,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Result<()>;
 }
 
+/// Checks that every token id indexes a `vocab`-row embedding table.
+pub fn check_token_ids(ids: &[u32], vocab: usize) -> Result<()> {
+    match ids.iter().find(|&&i| i as usize >= vocab) {
+        Some(id) => Err(crate::Error::Config(format!(
+            "token id {id} is outside the vocabulary of {vocab}; check the tokenizer matches the model"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Target id that contributes no loss (e.g. the last token of a sequence).
 pub const IGNORE: u32 = u32::MAX;
 

@@ -1234,11 +1234,7 @@ impl Backend for CudaBackend {
                 "embedding_fwd: output is not [ids, hidden]".into(),
             ));
         }
-        if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(Error::Config(format!(
-                "token id {id} is outside the vocabulary of {vocab}; check the tokenizer matches the model"
-            )));
-        }
+        crate::backend::check_token_ids(ids, vocab)?;
         self.bind()?;
         let idt = self.upload_ids(ids)?;
         let args = Args::new()
@@ -1265,11 +1261,7 @@ impl Backend for CudaBackend {
                 "embedding_bwd: dout is not [ids, hidden]".into(),
             ));
         }
-        if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(Error::Config(format!(
-                "token id {id} is outside the vocabulary of {vocab}; check the tokenizer matches the model"
-            )));
-        }
+        crate::backend::check_token_ids(ids, vocab)?;
         self.bind()?;
         let idt = self.upload_ids(ids)?;
         let args = Args::new()
