@@ -20,7 +20,7 @@ use super::schedule::KvPhase;
 use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
 };
-use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast_ref};
+use crate::backend::{Backend, Category, DType, Mat, MatLayout, Tensor};
 use crate::comm::Mesh;
 use crate::error::Result;
 use crate::plan::shapes::StageShapes;
@@ -101,19 +101,53 @@ impl<'a, B: Backend> Staged<'a, B> {
         w: &Tensor<B>,
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
-        let nh = heads[0].len();
-        let mut buf = self
-            .b
-            .zeros(&self.shapes.packed(nh), x.dtype(), Category::Comm)?;
+        self.project_by_destination(x, heads, |h| w.view(self.head_rows(h)).t())
+    }
+
+    /// `input @ operand(heads[j])` for every destination `j`, packed
+    /// `[pu * s, nh, d]`; `operand(h)` is the `[hidden, nh*d]` weight view of heads `h`.
+    fn project_by_destination<'w>(
+        &self,
+        input: &Tensor<B>,
+        heads: &[Range<usize>],
+        operand: impl Fn(&Range<usize>) -> Mat<'w, B>,
+    ) -> Result<Tensor<B>>
+    where
+        B: 'w,
+    {
+        let (b, nh) = (self.b, heads[0].len());
+        let dtype = input.dtype();
+        if !self.shapes.merge_destinations(nh) {
+            let mut buf = b.zeros(&self.shapes.packed(nh), dtype, Category::Comm)?;
+            for (j, h) in heads.iter().enumerate() {
+                let c = self.packed_block(j, nh);
+                b.gemm(buf.view_mut(c), input.mat(), operand(h), 1.0, 0.0)?;
+            }
+            return Ok(buf);
+        }
+        // one GEMM over every destination's weights: the input is read once
+        let w_nh = nh * self.dims.head_dim;
+        let wide = self.pu() * w_nh;
+        let mut stacked = b.zeros(
+            &self.shapes.stacked_operands(nh),
+            dtype,
+            Category::Workspace,
+        )?;
         for (j, h) in heads.iter().enumerate() {
-            let c = self.packed_block(j, nh);
-            self.b.gemm(
-                buf.view_mut(c),
-                x.mat(),
-                w.view(self.head_rows(h)).t(),
-                1.0,
-                0.0,
-            )?;
+            let dst = MatLayout::block(j * w_nh, self.dims.hidden, w_nh, wide);
+            b.copy(stacked.view_mut(dst), operand(h))?;
+        }
+        let mut proj = b.zeros(
+            &self.shapes.stacked_projection(nh),
+            dtype,
+            Category::Workspace,
+        )?;
+        b.gemm(proj.mat_mut(), input.mat(), stacked.mat(), 1.0, 0.0)?;
+        drop(stacked);
+        let mut buf = b.zeros(&self.shapes.packed(nh), dtype, Category::Comm)?;
+        for j in 0..heads.len() {
+            let src = MatLayout::block(j * w_nh, self.s, w_nh, wide);
+            b.copy(buf.view_mut(self.packed_block(j, nh)), proj.view(src))?;
         }
         Ok(buf)
     }
@@ -252,6 +286,12 @@ impl<'a, B: Backend> Staged<'a, B> {
     }
 
     /// Backward; returns `dx` and accumulates this rank's partial weight gradients.
+    ///
+    /// The projection gradients of a whole kv phase (every stage's dQ, then
+    /// dK and dV) gather in one buffer for this rank's tokens before they
+    /// meet the weights: one GEMM per phase for `dx` and one per head block
+    /// for the weight gradients, instead of several per stage (each of which
+    /// would read and write all of `dx` and read all of `x`).
     pub fn backward(
         &self,
         w: &AttentionWeights<B>,
@@ -265,9 +305,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         let sched = &self.plan.schedule;
         let AttnSaved { o, lse } = saved;
         b.gemm(g.wo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
-        // dx gathers one GEMM per head block per stage: accumulate it in F32 so
-        // a many-stage schedule rounds once, not once per stage (bf16 compute).
-        let mut dx = b.zeros(&self.shapes.layer_io(), DType::F32, Category::Grads)?;
+        let mut dx = b.zeros(&self.shapes.layer_io(), act, Category::Grads)?;
         let mut stage_index = 0;
         for phase in &sched.phases {
             let PhaseKv { k, k_raw, v } = self.kv_phase(w, x, phase, true)?;
@@ -304,7 +342,13 @@ impl<'a, B: Backend> Staged<'a, B> {
                 let dq = norm_rope_bwd(b, dq, q_raw.as_ref(), norm, eps, self.rope)?;
                 drop(q_raw);
                 let dq_local = self.exchange_back(dq, act)?;
-                self.accumulate_proj_grads(x, &dq_local, &w.wq, &mut g.wq, heads, &mut dx)?;
+                let parts = [ProjGrad {
+                    grad: &dq_local,
+                    w: &w.wq,
+                    dw: &mut g.wq,
+                    heads,
+                }];
+                self.accumulate_proj_grads(x, parts, &mut dx)?;
                 stage_index += 1;
             }
             drop((k, v));
@@ -312,16 +356,66 @@ impl<'a, B: Backend> Staged<'a, B> {
             let dk = norm_rope_bwd(b, dk, k_raw.as_ref(), norm, eps, self.rope)?;
             drop(k_raw);
             let dk_local = self.exchange_back(dk, act)?;
-            self.accumulate_proj_grads(x, &dk_local, &w.wk, &mut g.wk, &phase.kv_heads, &mut dx)?;
-            drop(dk_local);
             let dv_local = self.exchange_back(dv, act)?;
-            self.accumulate_proj_grads(x, &dv_local, &w.wv, &mut g.wv, &phase.kv_heads, &mut dx)?;
+            let heads = &phase.kv_heads;
+            let parts = [
+                ProjGrad {
+                    grad: &dk_local,
+                    w: &w.wk,
+                    dw: &mut g.wk,
+                    heads,
+                },
+                ProjGrad {
+                    grad: &dv_local,
+                    w: &w.wv,
+                    dw: &mut g.wv,
+                    heads,
+                },
+            ];
+            self.accumulate_proj_grads(x, parts, &mut dx)?;
         }
         drop((o, lse));
-        if act == DType::F32 {
-            return Ok(dx);
+        Ok(dx)
+    }
+
+    /// For each part's gradient of projected heads (packed by source rank
+    /// `[pu * s, nh, d]`, block `j` = heads `heads[j]` for this rank's
+    /// tokens): `dW[heads[j]] += block_j^T x` and `dx += Σ block_j W[heads[j]]`.
+    /// The `dx` sum is one GEMM over the blocks side by side and the matching
+    /// weight rows stacked, so `dx` is read and written once, not once per block.
+    fn accumulate_proj_grads<const N: usize>(
+        &self,
+        x: &Tensor<B>,
+        parts: [ProjGrad<'_, B>; N],
+        dx: &mut Tensor<B>,
+    ) -> Result<()> {
+        let (b, d, hid) = (self.b, self.dims.head_dim, self.dims.hidden);
+        let nh: usize = parts.iter().map(|p| p.heads[0].len()).sum();
+        let mut gathered = b.zeros(
+            &self.shapes.gathered_grads(nh),
+            x.dtype(),
+            Category::Workspace,
+        )?;
+        let mut stacked = b.zeros(
+            &self.shapes.gathered_weights(nh),
+            x.dtype(),
+            Category::Workspace,
+        )?;
+        let mut col = 0;
+        for p in parts {
+            let pn = p.heads[0].len();
+            for (j, h) in p.heads.iter().enumerate() {
+                let blk = self.packed_block(j, pn);
+                let dw = p.dw.view_mut(self.head_rows(h));
+                b.gemm(dw, p.grad.view(blk).t(), x.mat(), 1.0, 1.0)?;
+                let to = MatLayout::block(col, self.s, pn * d, gathered.row_len());
+                b.copy(gathered.view_mut(to), p.grad.view(blk))?;
+                let rows = MatLayout::block(col * hid, pn * d, hid, hid);
+                b.copy(stacked.view_mut(rows), p.w.view(self.head_rows(h)))?;
+                col += pn * d;
+            }
         }
-        crate::backend::cast(b, &dx, act, Category::Grads)
+        b.gemm(dx.mat_mut(), gathered.mat(), stacked.mat(), 1.0, 1.0)
     }
 
     /// O's columns of every destination's heads, packed `[pu * s, u, d]`.
@@ -346,44 +440,17 @@ impl<'a, B: Backend> Staged<'a, B> {
         wo: &Tensor<B>,
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
-        let nh = heads[0].len();
-        let mut buf = self
-            .b
-            .zeros(&self.shapes.packed(nh), dy.dtype(), Category::Comm)?;
-        for (j, h) in heads.iter().enumerate() {
-            let cols = self.head_cols(h, self.dims.hidden);
-            self.b.gemm(
-                buf.view_mut(self.packed_block(j, nh)),
-                dy.mat(),
-                wo.view(cols),
-                1.0,
-                0.0,
-            )?;
-        }
-        Ok(buf)
+        let hidden = self.dims.hidden;
+        self.project_by_destination(dy, heads, |h| wo.view(self.head_cols(h, hidden)))
     }
+}
 
-    /// For gradients `dp` of projected heads (packed by source rank `[pu * s, nh, d]`,
-    /// block `j` = heads `heads[j]` for local tokens): `dW[heads] += dp^T x`, `dx += dp W[heads]`.
-    fn accumulate_proj_grads(
-        &self,
-        x: &Tensor<B>,
-        dp: &Tensor<B>,
-        w: &Tensor<B>,
-        dw: &mut Tensor<B>,
-        heads: &[Range<usize>],
-        dx: &mut Tensor<B>,
-    ) -> Result<()> {
-        let nh = heads[0].len();
-        let dp = cast_ref(self.b, dp, x.dtype())?;
-        for (j, h) in heads.iter().enumerate() {
-            let blk = dp.view(self.packed_block(j, nh));
-            self.b
-                .gemm(dw.view_mut(self.head_rows(h)), blk.t(), x.mat(), 1.0, 1.0)?;
-            let blk = dp.view(self.packed_block(j, nh));
-            self.b
-                .gemm(dx.mat_mut(), blk, w.view(self.head_rows(h)), 1.0, 1.0)?;
-        }
-        Ok(())
-    }
+/// One projection's gradient on its way to `dW` and `dx`.
+struct ProjGrad<'g, B: Backend> {
+    /// Packed by source rank: `[pu * s, nh, d]`.
+    grad: &'g Tensor<B>,
+    w: &'g Tensor<B>,
+    dw: &'g mut Tensor<B>,
+    /// `heads[j]`: the heads of block `j`.
+    heads: &'g [Range<usize>],
 }

@@ -134,11 +134,24 @@ impl AttnWalk {
         recv
     }
 
+    /// `Staged::project_by_destination`: the packed projection of `nh` heads.
+    fn project(&self, sim: &mut Sim, nh: usize) -> Buf {
+        if !self.sh.merge_destinations(nh) {
+            return self.packed(sim, nh);
+        }
+        let stacked = self.act(sim, Workspace, numel(self.sh.stacked_operands(nh)));
+        let proj = self.act(sim, Workspace, numel(self.sh.stacked_projection(nh)));
+        sim.free(stacked);
+        let buf = self.packed(sim, nh);
+        sim.free(proj);
+        buf
+    }
+
     /// `Staged::kv_phase`: (K, K before norm, V).
     fn kv_phase(&self, sim: &mut Sim, keep_raw: bool) -> (Buf, Option<Buf>, Buf) {
-        let k = self.packed(sim, self.sh.m);
+        let k = self.project(sim, self.sh.m);
         let k = self.exchange(sim, k);
-        let v = self.packed(sim, self.sh.m);
+        let v = self.project(sim, self.sh.m);
         let v = self.exchange(sim, v);
         let (k, k_raw) = self.norm_rope(sim, k, keep_raw);
         (k, k_raw, v)
@@ -146,7 +159,7 @@ impl AttnWalk {
 
     /// `Staged::q_exchanged`.
     fn q_exchanged(&self, sim: &mut Sim) -> Buf {
-        let q = self.packed(sim, self.sh.u);
+        let q = self.project(sim, self.sh.u);
         self.exchange(sim, q)
     }
 
@@ -154,7 +167,7 @@ impl AttnWalk {
     fn bwd_stage_inputs(&self, sim: &mut Sim) -> (Buf, Buf, Buf) {
         let o_att = self.packed(sim, self.sh.u);
         let o_att = self.exchange(sim, o_att);
-        let d_o = self.packed(sim, self.sh.u);
+        let d_o = self.project(sim, self.sh.u);
         let d_o = self.exchange(sim, d_o);
         (o_att, d_o, self.q_exchanged(sim))
     }
@@ -256,10 +269,17 @@ impl AttnWalk {
         AttnFwd { o, lse, y }
     }
 
+    /// `Staged::accumulate_proj_grads` over `nh` heads per destination.
+    fn proj_grads(&self, sim: &mut Sim, nh: usize) {
+        let gathered = self.act(sim, Workspace, numel(self.sh.gathered_grads(nh)));
+        let stacked = self.act(sim, Workspace, numel(self.sh.gathered_weights(nh)));
+        sim.free(gathered);
+        sim.free(stacked);
+    }
+
     /// `Staged::backward`: consumes the saved state, returns dx.
     fn staged_bwd(&self, sim: &mut Sim, o: Buf, lse: Vec<Buf>) -> Buf {
-        // dx accumulates in F32, cast to the compute dtype at the end
-        let dx = sim.alloc(Grads, numel(self.sh.layer_io()) * F32);
+        let dx = self.act(sim, Grads, numel(self.sh.layer_io()));
         for _ in 0..self.phases {
             let (k, k_raw, v) = self.kv_phase(sim, true);
             let kv_f32 = numel(self.sh.packed(self.sh.m)) * F32;
@@ -283,6 +303,7 @@ impl AttnWalk {
                 let dq = self.norm_rope_bwd(sim, dq, q_raw);
                 sim.free_opt(q_raw);
                 let dq_local = self.exchange_back(sim, dq);
+                self.proj_grads(sim, self.sh.u);
                 sim.free(dq_local);
             }
             sim.free(k);
@@ -290,20 +311,16 @@ impl AttnWalk {
             let dk = self.norm_rope_bwd(sim, dk, k_raw);
             sim.free_opt(k_raw);
             let dk_local = self.exchange_back(sim, dk);
-            sim.free(dk_local);
             let dv_local = self.exchange_back(sim, dv);
+            self.proj_grads(sim, 2 * self.sh.m);
+            sim.free(dk_local);
             sim.free(dv_local);
         }
         sim.free(o);
         for l in lse {
             sim.free(l);
         }
-        if self.ab == F32 {
-            return dx;
-        }
-        let out = self.act(sim, Grads, numel(self.sh.layer_io()));
-        sim.free(dx);
-        out
+        dx
     }
 
     // ---- single-rank reference (`attention::local`) ----
