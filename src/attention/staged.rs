@@ -21,7 +21,7 @@ use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
 };
 use crate::backend::{Backend, Category, DType, Mat, MatLayout, Tensor};
-use crate::comm::Mesh;
+use crate::comm::{Mesh, Pending};
 use crate::error::Result;
 use crate::plan::shapes::StageShapes;
 use std::ops::Range;
@@ -33,11 +33,11 @@ struct PhaseKv<B: Backend> {
     v: Tensor<B>,
 }
 
-/// One backward stage's exchanged inputs.
+/// One backward stage's exchanged inputs, possibly still in flight.
 struct BwdStageInputs<B: Backend> {
-    o_att: Tensor<B>,
-    d_o: Tensor<B>,
-    q_raw: Tensor<B>,
+    o_att: Pending<B>,
+    d_o: Pending<B>,
+    q_raw: Pending<B>,
 }
 
 /// One rank's view of the staged layer for one call.
@@ -154,12 +154,17 @@ impl<'a, B: Backend> Staged<'a, B> {
 
     /// All-to-all over the Ulysses group; consumes the send buffer.
     fn exchange(&self, send: Tensor<B>) -> Result<Tensor<B>> {
+        self.exchange_start(send)?.wait()
+    }
+
+    /// Starts the all-to-all of `send`; it runs beside the work queued until
+    /// [`Pending::wait`] (the send buffer lives until then).
+    fn exchange_start(&self, send: Tensor<B>) -> Result<Pending<B>> {
         if self.pu() == 1 {
-            return Ok(send);
+            return Ok(Pending::done(send));
         }
-        let mut recv = self.b.zeros(send.shape(), send.dtype(), Category::Comm)?;
-        self.mesh.ulysses.all_to_all(&send, &mut recv)?;
-        Ok(recv)
+        let recv = self.b.zeros(send.shape(), send.dtype(), Category::Comm)?;
+        self.mesh.ulysses.start_all_to_all(send, recv)
     }
 
     /// Exchanges a gradient back to the token owners in the compute dtype.
@@ -199,8 +204,8 @@ impl<'a, B: Backend> Staged<'a, B> {
         w: &AttentionWeights<B>,
         x: &Tensor<B>,
         q_heads: &[Range<usize>],
-    ) -> Result<Tensor<B>> {
-        self.exchange(self.project_packed(x, &w.wq, q_heads)?)
+    ) -> Result<Pending<B>> {
+        self.exchange_start(self.project_packed(x, &w.wq, q_heads)?)
     }
 
     /// Q normed and rotated, and its pre-norm copy if needed.
@@ -238,8 +243,8 @@ impl<'a, B: Backend> Staged<'a, B> {
         heads: &[Range<usize>],
     ) -> Result<BwdStageInputs<B>> {
         Ok(BwdStageInputs {
-            o_att: self.exchange(self.gather_heads(o, heads)?)?,
-            d_o: self.exchange(self.project_dout(dy, &w.wo, heads)?)?,
+            o_att: self.exchange_start(self.gather_heads(o, heads)?)?,
+            d_o: self.exchange_start(self.project_dout(dy, &w.wo, heads)?)?,
             q_raw: self.q_exchanged(w, x, heads)?,
         })
     }
@@ -257,12 +262,13 @@ impl<'a, B: Backend> Staged<'a, B> {
         let mut lses = Vec::with_capacity(sched.n_stages());
         for phase in &sched.phases {
             let PhaseKv { k, v, .. } = self.kv_phase(w, x, phase, false)?;
-            let mut prefetched: Option<Tensor<B>> = None;
+            let mut prefetched: Option<Pending<B>> = None;
             for (t, stage) in phase.stages.iter().enumerate() {
                 let q_raw = match prefetched.take() {
                     Some(q) => q,
                     None => self.q_exchanged(w, x, &stage.q_heads)?,
-                };
+                }
+                .wait()?;
                 let (q, _) = self.q_ready(w, q_raw, false)?;
                 if let (true, Some(next)) = (self.prefetch(), phase.stages.get(t + 1)) {
                     prefetched = Some(self.q_exchanged(w, x, &next.q_heads)?);
@@ -319,6 +325,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                     Some(p) => p,
                     None => self.bwd_stage_inputs(w, x, &o, dy, heads)?,
                 };
+                let (o_att, d_o, q_raw) = (o_att.wait()?, d_o.wait()?, q_raw.wait()?);
                 let (q, q_raw) = self.q_ready(w, q_raw, true)?;
                 if let (true, Some(next)) = (self.prefetch(), phase.stages.get(t + 1)) {
                     prefetched = Some(self.bwd_stage_inputs(w, x, &o, dy, &next.q_heads)?);

@@ -26,6 +26,22 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
     fn size(&self) -> usize;
     /// `recv[j] = send_of_rank_j[me]`: chunk `j` of `send` goes to rank `j`.
     fn all_to_all(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()>;
+    /// Starts `all_to_all(send, recv)` and returns before it finishes where
+    /// the group can run transfers beside compute (NCCL: on its own stream);
+    /// [`Pending::wait`] hands back `recv` once later work is ordered after
+    /// the transfer. Groups that cannot overlap finish it here. Either way
+    /// `send` is released at the wait, so memory use is the same on every
+    /// backend.
+    fn start_all_to_all(&self, send: Tensor<B>, mut recv: Tensor<B>) -> Result<Pending<B>> {
+        self.all_to_all(&send, &mut recv)?;
+        Ok(Pending::new(
+            recv,
+            Box::new(move || {
+                drop(send);
+                Ok(())
+            }),
+        ))
+    }
     /// `recv[j] = send_of_rank_j`.
     fn all_gather(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()>;
     /// `recv = sum_j send_of_rank_j[me]`.
@@ -40,6 +56,36 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
         recv: &mut Tensor<B>,
         from: usize,
     ) -> Result<()>;
+}
+
+/// A collective's result in flight (see [`ProcessGroup::start_all_to_all`]).
+pub struct Pending<B: Backend> {
+    recv: Tensor<B>,
+    /// Orders later work after the transfer and releases what it reads.
+    join: Option<Box<dyn FnOnce() -> Result<()>>>,
+}
+
+impl<B: Backend> Pending<B> {
+    /// A finished transfer.
+    pub fn done(recv: Tensor<B>) -> Self {
+        Pending { recv, join: None }
+    }
+
+    /// A transfer that `join` completes (in stream order, without host waits).
+    pub fn new(recv: Tensor<B>, join: Box<dyn FnOnce() -> Result<()>>) -> Self {
+        Pending {
+            recv,
+            join: Some(join),
+        }
+    }
+
+    /// The received tensor, usable by work queued from now on.
+    pub fn wait(mut self) -> Result<Tensor<B>> {
+        if let Some(join) = self.join.take() {
+            join()?;
+        }
+        Ok(self.recv)
+    }
 }
 
 /// The process groups one rank belongs to.

@@ -17,11 +17,12 @@
 
 use super::env::DistEnv;
 use super::rendezvous::Rendezvous;
-use super::{GroupKind, Mesh, MeshShape, ProcessGroup};
+use super::{GroupKind, Mesh, MeshShape, Pending, ProcessGroup};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::cuda::libs::{self, Lib, LoadedLib};
 use crate::backend::{DType, Tensor};
 use crate::error::{Error, Result};
+use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::sys;
 use std::ffi::{CStr, c_void};
 use std::sync::{Arc, Mutex};
@@ -183,6 +184,9 @@ impl Drop for Comm {
 /// This process's world communicator on its GPU; builds meshes.
 pub struct NcclWorld {
     backend: Arc<CudaBackend>,
+    /// Every collective of this process runs here, ordered against the
+    /// backend's compute stream by events.
+    comm_stream: Arc<CudaStream>,
     comm: Arc<Comm>,
     rank: usize,
     size: usize,
@@ -231,8 +235,13 @@ impl NcclWorld {
             "ncclCommInitRank (world)",
             None,
         )?;
+        let comm_stream = drv(
+            backend.context().new_stream(),
+            "create the communication stream",
+        )?;
         Ok(NcclWorld {
             backend,
+            comm_stream,
             comm: Arc::new(Comm {
                 raw,
                 lock: Mutex::new(()),
@@ -325,6 +334,7 @@ impl NcclWorld {
             .expect("split_specs puts the rank in its groups");
         Box::new(NcclGroup {
             backend: self.backend.clone(),
+            comm_stream: self.comm_stream.clone(),
             comm,
             me,
             size: members.len(),
@@ -347,6 +357,8 @@ fn lock(c: &Comm) -> Result<std::sync::MutexGuard<'_, ()>> {
 /// One group of an [`NcclWorld`] mesh.
 struct NcclGroup {
     backend: Arc<CudaBackend>,
+    /// The process's communication stream, shared by its groups.
+    comm_stream: Arc<CudaStream>,
     comm: Arc<Comm>,
     me: usize,
     size: usize,
@@ -378,8 +390,29 @@ impl Drop for GroupCall {
 }
 
 impl NcclGroup {
+    /// The communication stream, as NCCL takes it.
     fn stream(&self) -> sys::cudaStream_t {
-        self.backend.stream().cu_stream() as sys::cudaStream_t
+        self.comm_stream.cu_stream() as sys::cudaStream_t
+    }
+
+    /// Queues `f`'s transfers on the communication stream after everything
+    /// queued so far on the compute stream; returns the event that marks
+    /// their end. No host synchronisation.
+    fn issue(&self, kind: &'static str, f: impl FnOnce() -> Result<()>) -> Result<CudaEvent> {
+        drv_bind(&self.backend)?;
+        let ready = drv(self.backend.stream().record_event(None), "record event")?;
+        drv(self.comm_stream.wait(&ready), "stream wait")?;
+        {
+            let _span = self.backend.profile().span(kind, &self.comm_stream)?;
+            f()?;
+        }
+        drv(self.comm_stream.record_event(None), "record event")
+    }
+
+    /// `issue`, then orders the compute stream after the transfers.
+    fn ordered(&self, kind: &'static str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        let done = self.issue(kind, f)?;
+        drv(self.backend.stream().wait(&done), "stream wait")
     }
 
     fn ptr(&self, t: &Tensor<CudaBackend>) -> *mut c_void {
@@ -434,22 +467,21 @@ impl NcclGroup {
                 dst as u64,
                 src as u64,
                 bytes,
-                self.backend.stream().cu_stream(),
+                self.comm_stream.cu_stream(),
             )
         }
         .map_err(|e| Error::Backend(format!("CUDA driver: device copy: {e:?}")))
     }
 }
 
-impl ProcessGroup<CudaBackend> for NcclGroup {
-    fn rank(&self) -> usize {
-        self.me
-    }
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn all_to_all(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
+/// The collectives as queued on the communication stream (callers order
+/// them against the compute stream: [`NcclGroup::ordered`]).
+impl NcclGroup {
+    fn all_to_all_queued(
+        &self,
+        send: &Tensor<CudaBackend>,
+        recv: &mut Tensor<CudaBackend>,
+    ) -> Result<()> {
         let dt = self.same_dtype(send, recv, "all_to_all")?;
         let n = self.chunk(send, "all_to_all")?;
         if recv.numel() != send.numel() {
@@ -496,7 +528,11 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         g.end(c)
     }
 
-    fn all_gather(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
+    fn all_gather_queued(
+        &self,
+        send: &Tensor<CudaBackend>,
+        recv: &mut Tensor<CudaBackend>,
+    ) -> Result<()> {
         let dt = self.same_dtype(send, recv, "all_gather")?;
         if recv.numel() != send.numel() * self.size {
             return Err(Error::Comm(
@@ -526,7 +562,7 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         )
     }
 
-    fn reduce_scatter(
+    fn reduce_scatter_queued(
         &self,
         send: &Tensor<CudaBackend>,
         recv: &mut Tensor<CudaBackend>,
@@ -562,7 +598,7 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         )
     }
 
-    fn all_reduce(&self, t: &mut Tensor<CudaBackend>) -> Result<()> {
+    fn all_reduce_queued(&self, t: &mut Tensor<CudaBackend>) -> Result<()> {
         if self.size == 1 || t.numel() == 0 {
             return Ok(());
         }
@@ -588,7 +624,7 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         )
     }
 
-    fn send_recv(
+    fn send_recv_queued(
         &self,
         send: &Tensor<CudaBackend>,
         to: usize,
@@ -627,6 +663,62 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         }
         g.end(c)
     }
+}
+
+impl ProcessGroup<CudaBackend> for NcclGroup {
+    fn rank(&self) -> usize {
+        self.me
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn all_to_all(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
+        self.ordered("all_to_all", || self.all_to_all_queued(send, recv))
+    }
+    fn start_all_to_all(
+        &self,
+        send: Tensor<CudaBackend>,
+        mut recv: Tensor<CudaBackend>,
+    ) -> Result<Pending<CudaBackend>> {
+        let done = self.issue("all_to_all", || self.all_to_all_queued(&send, &mut recv))?;
+        let compute = self.backend.stream().clone();
+        Ok(Pending::new(
+            recv,
+            Box::new(move || {
+                drv(compute.wait(&done), "stream wait")?;
+                // the compute stream now follows the transfer, so the pool may
+                // reuse the send buffer for work queued after this point
+                drop(send);
+                Ok(())
+            }),
+        ))
+    }
+    fn all_gather(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
+        self.ordered("all_gather", || self.all_gather_queued(send, recv))
+    }
+    fn reduce_scatter(
+        &self,
+        send: &Tensor<CudaBackend>,
+        recv: &mut Tensor<CudaBackend>,
+    ) -> Result<()> {
+        self.ordered("reduce_scatter", || self.reduce_scatter_queued(send, recv))
+    }
+    fn all_reduce(&self, t: &mut Tensor<CudaBackend>) -> Result<()> {
+        self.ordered("all_reduce", || self.all_reduce_queued(t))
+    }
+    fn send_recv(
+        &self,
+        send: &Tensor<CudaBackend>,
+        to: usize,
+        recv: &mut Tensor<CudaBackend>,
+        from: usize,
+    ) -> Result<()> {
+        self.ordered("send_recv", || self.send_recv_queued(send, to, recv, from))
+    }
+}
+
+fn drv<T>(r: std::result::Result<T, cudarc::driver::DriverError>, what: &str) -> Result<T> {
+    r.map_err(|e| Error::Backend(format!("CUDA driver: {what}: {e:?}")))
 }
 
 #[cfg(test)]

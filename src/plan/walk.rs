@@ -115,11 +115,21 @@ impl AttnWalk {
 
     /// `Staged::exchange`.
     fn exchange(&self, sim: &mut Sim, send: Buf) -> Buf {
+        let p = self.exchange_start(sim, send);
+        self.wait(sim, p)
+    }
+
+    /// `Staged::exchange_start`: (receive buffer, send buffer held until the wait).
+    fn exchange_start(&self, sim: &mut Sim, send: Buf) -> (Buf, Option<Buf>) {
         if self.sh.pu == 1 {
-            return send;
+            return (send, None);
         }
-        let recv = sim.alloc(Comm, send.bytes);
-        sim.free(send);
+        (sim.alloc(Comm, send.bytes), Some(send))
+    }
+
+    /// `Pending::wait`.
+    fn wait(&self, sim: &mut Sim, (recv, send): (Buf, Option<Buf>)) -> Buf {
+        sim.free_opt(send);
         recv
     }
 
@@ -158,18 +168,18 @@ impl AttnWalk {
     }
 
     /// `Staged::q_exchanged`.
-    fn q_exchanged(&self, sim: &mut Sim) -> Buf {
+    fn q_exchanged(&self, sim: &mut Sim) -> (Buf, Option<Buf>) {
         let q = self.project(sim, self.sh.u);
-        self.exchange(sim, q)
+        self.exchange_start(sim, q)
     }
 
-    /// `Staged::bwd_stage_inputs`: (O, dO, raw Q) of a stage.
-    fn bwd_stage_inputs(&self, sim: &mut Sim) -> (Buf, Buf, Buf) {
+    /// `Staged::bwd_stage_inputs`: (O, dO, raw Q) of a stage, in flight.
+    fn bwd_stage_inputs(&self, sim: &mut Sim) -> [(Buf, Option<Buf>); 3] {
         let o_att = self.packed(sim, self.sh.u);
-        let o_att = self.exchange(sim, o_att);
+        let o_att = self.exchange_start(sim, o_att);
         let d_o = self.project(sim, self.sh.u);
-        let d_o = self.exchange(sim, d_o);
-        (o_att, d_o, self.q_exchanged(sim))
+        let d_o = self.exchange_start(sim, d_o);
+        [o_att, d_o, self.q_exchanged(sim)]
     }
 
     /// `ring::forward`: (O of the stage, its LSE).
@@ -246,12 +256,13 @@ impl AttnWalk {
         let mut lse = Vec::new();
         for _ in 0..self.phases {
             let (k, _, v) = self.kv_phase(sim, false);
-            let mut prefetched: Option<Buf> = None;
+            let mut prefetched: Option<(Buf, Option<Buf>)> = None;
             for t in 0..self.stages_per_phase {
                 let q_raw = match prefetched.take() {
                     Some(q) => q,
                     None => self.q_exchanged(sim),
                 };
+                let q_raw = self.wait(sim, q_raw);
                 let (q, _) = self.norm_rope(sim, q_raw, false);
                 if self.overlap && t + 1 < self.stages_per_phase {
                     prefetched = Some(self.q_exchanged(sim));
@@ -285,12 +296,15 @@ impl AttnWalk {
             let kv_f32 = numel(self.sh.packed(self.sh.m)) * F32;
             let dk = sim.alloc(Workspace, kv_f32);
             let dv = sim.alloc(Workspace, kv_f32);
-            let mut prefetched: Option<(Buf, Buf, Buf)> = None;
+            let mut prefetched: Option<[(Buf, Option<Buf>); 3]> = None;
             for t in 0..self.stages_per_phase {
-                let (o_att, d_o, q_raw) = match prefetched.take() {
+                let [o_att, d_o, q_raw] = match prefetched.take() {
                     Some(p) => p,
                     None => self.bwd_stage_inputs(sim),
                 };
+                let o_att = self.wait(sim, o_att);
+                let d_o = self.wait(sim, d_o);
+                let q_raw = self.wait(sim, q_raw);
                 let (q, q_raw) = self.norm_rope(sim, q_raw, true);
                 if self.overlap && t + 1 < self.stages_per_phase {
                     prefetched = Some(self.bwd_stage_inputs(sim));

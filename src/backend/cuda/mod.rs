@@ -22,6 +22,7 @@ pub mod kernels;
 pub mod libs;
 pub mod nvrtc;
 pub mod pool;
+pub mod profile;
 
 pub use self::attention::AttentionKernels;
 use self::attention::{AttnBwd, AttnFwd, AttnPath, dt_flag};
@@ -68,6 +69,8 @@ pub struct CudaBackend {
     attn_kernel: cudnn::AttnKernel,
     /// cuDNN SDPA, created on first use; `Err` holds why it is unavailable.
     cudnn: OnceLock<std::result::Result<cudnn::CudnnSdpa, String>>,
+    /// GPU time by op when `UPIPE_PROFILE` is set.
+    profile: profile::OpProfile,
 }
 
 /// How many attention calls of a backend ran on which kernels.
@@ -243,7 +246,19 @@ impl CudaBackend {
                 (_, Err(_)) => cudnn::AttnKernel::Auto,
             },
             cudnn: OnceLock::new(),
+            profile: profile::OpProfile::from_env(),
         })
+    }
+
+    /// Times the op about to be queued on the backend's stream (when
+    /// profiling is on); the span ends when the returned guard drops.
+    pub fn span(&self, kind: &'static str) -> Result<Option<profile::Span<'_>>> {
+        self.profile.span(kind, &self.stream)
+    }
+
+    /// The op profile (`UPIPE_PROFILE=1`), for spans on other streams and totals.
+    pub fn profile(&self) -> &profile::OpProfile {
+        &self.profile
     }
 
     /// Counts of attention calls (non-empty ones) by the kernels they ran on.
@@ -541,6 +556,7 @@ impl Backend for CudaBackend {
     }
 
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        let _span = self.span("memset")?;
         self.bind()?;
         let t = self.alloc(shape, dtype, cat)?;
         if t.bytes() > 0 {
@@ -652,6 +668,7 @@ impl Backend for CudaBackend {
         alpha: f32,
         beta: f32,
     ) -> Result<()> {
+        let _span = self.span("gemm")?;
         let p = gemm::map_problem(&c.l, &a.l, &b.l)?;
         let (ab, cd) = (a.t.dtype(), c.t.dtype());
         if b.t.dtype() != ab || (cd != DType::F32 && cd != ab) {
@@ -688,6 +705,7 @@ impl Backend for CudaBackend {
     }
 
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
+        let _span = self.span("copy")?;
         if dst.l.rows != src.l.rows || dst.l.cols != src.l.cols {
             return Err(Error::Backend(format!(
                 "copy shapes: {:?} <- {:?}",
@@ -714,6 +732,7 @@ impl Backend for CudaBackend {
     }
 
     fn fill(&self, t: &mut Tensor<Self>, value: f32) -> Result<()> {
+        let _span = self.span("fill")?;
         self.bind()?;
         let args = Args::new()
             .ptr(ptr(t))
@@ -724,6 +743,7 @@ impl Backend for CudaBackend {
     }
 
     fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()> {
+        let _span = self.span("axpy")?;
         same_numel(y, x, "axpy")?;
         if y.dtype() != DType::F32 && y.dtype() != x.dtype() {
             return Err(Error::Backend(
@@ -767,6 +787,7 @@ impl Backend for CudaBackend {
         eps: f32,
         y: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.span("rms_norm")?;
         same_numel(x, y, "rms_norm_fwd")?;
         let dim = w.numel();
         if dim == 0 || !x.numel().is_multiple_of(dim) {
@@ -809,6 +830,7 @@ impl Backend for CudaBackend {
         dx: &mut Tensor<Self>,
         dw: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.span("rms_norm_bwd")?;
         same_numel(x, dy, "rms_norm_bwd")?;
         same_numel(x, dx, "rms_norm_bwd")?;
         same_numel(w, dw, "rms_norm_bwd")?;
@@ -860,6 +882,7 @@ impl Backend for CudaBackend {
         sin: &Tensor<Self>,
         inverse: bool,
     ) -> Result<()> {
+        let _span = self.span("rope")?;
         let (s, d) = (x.rows(), x.shape().get(2).copied().unwrap_or(0));
         let heads = x.shape().get(1).copied().unwrap_or(0);
         let half = d / 2;
@@ -894,6 +917,7 @@ impl Backend for CudaBackend {
         o: RowsMut<'_, Self>,
         lse: RowsMut<'_, Self>,
     ) -> Result<()> {
+        let _span = self.span("attention_fwd")?;
         let g = attn_geom(&q, &k, &v, causal)?;
         need(lse.t, DType::F32, "attention_fwd", "lse")?;
         if o.len() != q.len()
@@ -983,6 +1007,7 @@ impl Backend for CudaBackend {
         dk: RowsMut<'_, Self>,
         dv: RowsMut<'_, Self>,
     ) -> Result<()> {
+        let _span = self.span("attention_bwd")?;
         let g = attn_geom(&q, &k, &v, causal)?;
         need(lse.t, DType::F32, "attention_bwd", "lse")?;
         let (sq, sk) = (q.len(), k.len());
@@ -1146,6 +1171,7 @@ impl Backend for CudaBackend {
         o_blk: Rows<'_, Self>,
         lse_blk: Rows<'_, Self>,
     ) -> Result<()> {
+        let _span = self.span("lse_merge")?;
         let (h, d) = (o_acc.heads(), o_acc.head_dim());
         if o_acc.len() != o_blk.len()
             || o_blk.heads() != h
@@ -1180,6 +1206,7 @@ impl Backend for CudaBackend {
         up: &Tensor<Self>,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.span("swiglu")?;
         same_numel(gate, up, "swiglu_fwd")?;
         same_numel(gate, out, "swiglu_fwd")?;
         self.bind()?;
@@ -1202,6 +1229,7 @@ impl Backend for CudaBackend {
         dgate: &mut Tensor<Self>,
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.span("swiglu_bwd")?;
         same_numel(gate, up, "swiglu_bwd")?;
         same_numel(gate, dout, "swiglu_bwd")?;
         same_numel(gate, dgate, "swiglu_bwd")?;
@@ -1228,6 +1256,7 @@ impl Backend for CudaBackend {
         ids: &[u32],
         out: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.span("embedding")?;
         let (vocab, h) = (table.rows(), table.row_len());
         if out.numel() != ids.len() * h {
             return Err(Error::Backend(
@@ -1254,6 +1283,7 @@ impl Backend for CudaBackend {
         ids: &[u32],
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.span("embedding_bwd")?;
         need(dtable, DType::F32, "embedding_bwd", "dtable")?;
         let (vocab, h) = (dtable.rows(), dtable.row_len());
         if dout.numel() != ids.len() * h {
@@ -1282,6 +1312,7 @@ impl Backend for CudaBackend {
         dlogits: &mut Tensor<Self>,
         loss_sum: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.span("cross_entropy")?;
         let v = logits.row_len();
         if logits.rows() != targets.len() {
             return Err(Error::Backend(
@@ -1329,6 +1360,7 @@ impl Backend for CudaBackend {
         v: &mut Tensor<Self>,
         hp: AdamWStep,
     ) -> Result<()> {
+        let _span = self.span("adamw")?;
         same_numel(param, grad, "adamw")?;
         same_numel(param, m, "adamw")?;
         same_numel(param, v, "adamw")?;
