@@ -2,7 +2,8 @@
 # Two-GPU run of everything GPU-side: library report, GPU tests, kernel
 # benchmark (native flash vs auto = cuDNN), a correctness check of every
 # strategy over NCCL, and the Llama3-8B attention layer (hidden 4096, H 32,
-# Hkv 8, d 128) at 128K-512K for Ulysses and UPipe, overlap off and on.
+# Hkv 8, d 128) at 128K-1M for Ulysses and UPipe, overlap off and on, with
+# a per-op GPU time profile at 128K.
 #
 #   scripts/gpu-check.sh build DIR        # here: binaries into DIR
 #   cp scripts/gpu-2x-bench.sh DIR/       # and this script
@@ -27,22 +28,23 @@ step() { # name timeout cmd...
 }
 { date -u; nvidia-smi -L; } | tee "$out/logs/machine.txt"
 "$bin/upipe" info 2>&1 | tail -9
-for t in gpu_backend gpu_layer; do
-  step "test_$t" 120 "$bin/test-test-$t" --test-threads=2
-  grep -a "test result" "$out/logs/test_$t.log"
+for t in gpu_backend gpu_layer gpu_nccl gpu_plan; do
+  step "test_$t" 150 "$bin/test-test-$t" --test-threads=2 --nocapture
+  grep -a -E "test result|^gpu |cuDNN [0-9(]|forward on cuDNN|FAILED|panicked" "$out/logs/test_$t.log" | cut -c1-300 | head -40
 done
-step gpu_bench 90 "$bin/gpu_bench" 8192 16384,65536
-grep -a -E "attention\[|auto:" "$out/logs/gpu_bench.log"
 L=("$bin/upipe" launch --nproc-per-node 2 --master-port 29531 -- bench attn --device cuda --json)
 small=(--hidden 512 --heads 32 --kv-heads 8 --head-dim 128 --seq 1024 --check --warmup 0 --iters 1)
-step check_2x1 90 "${L[@]}" "${small[@]}" --ulysses 2 --methods ulysses,ring,usp,upipe
-step check_U4_1x2 60 "${L[@]}" "${small[@]}" --ulysses 1 --ring 2 --methods upipe --chunk-heads 4
+step check_2x1 90 "${L[@]}" "${small[@]}" --ulysses 2 --methods ulysses,ring,usp,upipe --chunk-heads 2
+step check_2x1_overlap 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --overlap
 llama=(--hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ulysses 2 --warmup 1 --iters 2)
-for s in 131072 262144 524288; do
-  step "perf_${s}_ulysses" 120 "${L[@]}" "${llama[@]}" --seq $s --methods ulysses
-  step "perf_${s}_upipe_U2" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 2
-  step "perf_${s}_upipe_U2_overlap" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 2 --overlap
-  step "perf_${s}_upipe_U4" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 4
+# where the time goes: rank 0's GPU time by op (events add a little overhead)
+UPIPE_PROFILE=1 step profile_131072 90 "${L[@]}" "${llama[@]}" --iters 1 --seq 131072 --methods ulysses,upipe --chunk-heads 2 --overlap
+for s in 131072 262144; do
+  step "perf_${s}" 150 "${L[@]}" "${llama[@]}" --seq $s --methods ulysses,upipe --chunk-heads 2
+  step "perf_${s}_U2_overlap" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 2 --overlap
+  step "perf_${s}_U4_overlap" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 4 --overlap
 done
+step perf_524288 150 "${L[@]}" "${llama[@]}" --iters 1 --seq 524288 --methods ulysses,upipe --chunk-heads 2 --overlap
+step perf_1048576 240 "${L[@]}" "${llama[@]}" --iters 1 --seq 1048576 --methods ulysses,upipe --chunk-heads 2 --overlap
 echo "total $(( $(date +%s) - T0 ))s"
 tar -C "$out" -czf "$out/logs.tgz" logs && rm -rf "$out/logs"

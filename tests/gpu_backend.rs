@@ -7,6 +7,7 @@
 use std::sync::OnceLock;
 use upipe::Error;
 use upipe::backend::cpu::CpuBackend;
+use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{AdamWStep, Backend, Category, DType, IGNORE, MatLayout, Tensor};
 
@@ -921,4 +922,151 @@ fn attention_outside_the_flash_kernels_runs_naive() {
     let after = f.attention_calls();
     assert_eq!(after.naive_fwd - before.naive_fwd, 2);
     assert_eq!(after.naive_bwd - before.naive_bwd, 2);
+}
+
+/// (sq, sk, hq, hkv, d), causal, gradient dtype, key blocks of the backward.
+type CudnnCase = (
+    (usize, usize, usize, usize, usize),
+    bool,
+    DType,
+    &'static [std::ops::Range<usize>],
+);
+
+/// cuDNN SDPA through the backend (`--attn-kernel auto`) against the CPU
+/// reference and against our flash kernels, on the shapes the flash test
+/// uses; every call must run (cuDNN where it supports the shape, our kernels
+/// otherwise: never an error).
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
+fn cudnn_attention_through_the_backend_matches_cpu_and_native() {
+    let Some((native, _)) = flash_pair() else {
+        return;
+    };
+    let mut auto = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    auto.set_attn_kernel(AttnKernel::Auto);
+    match auto.cudnn_sdpa() {
+        Ok(s) => eprintln!("cuDNN {:?}", s.version()),
+        Err(e) => {
+            eprintln!("SKIP cuDNN attention: {e}");
+            return;
+        }
+    }
+    let (auto, c) = (&auto, CpuBackend::new());
+    let mut rng = Rng::new("cudnn attention");
+    let cases: [CudnnCase; 7] = [
+        ((300, 300, 4, 4, 64), true, DType::F32, &[0..300]),
+        ((257, 257, 8, 2, 128), true, DType::BF16, &[0..257]),
+        ((77, 333, 6, 3, 64), false, DType::BF16, &[0..333]),
+        ((1, 129, 2, 1, 128), false, DType::F32, &[0..129]),
+        ((640, 640, 4, 1, 128), true, DType::F32, &[0..640]),
+        ((512, 512, 8, 2, 64), false, DType::BF16, &[0..512]),
+        // ring attention's key blocks accumulating into one dq
+        (
+            (200, 517, 4, 2, 128),
+            false,
+            DType::F32,
+            &[0..130, 130..131, 131..517],
+        ),
+    ];
+    let mut on_cudnn = 0;
+    for ((sq, sk, hq, hkv, d), causal, grad_dt, kblocks) in cases {
+        let p = AttnProblem::new(&mut rng, sq, sk, hq, hkv, d, causal);
+        let tag = format!("cudnn {} grads={grad_dt:?} blocks={kblocks:?}", p.tag());
+        let before = auto.attention_calls();
+        let (go, gl) = attn_fwd_on(auto, DType::BF16, &p);
+        let (no, nl) = attn_fwd_on(native, DType::BF16, &p);
+        let (co, cl) = attn_fwd_on(&c, DType::F32, &p);
+        close(&format!("{tag} o vs cpu"), &go, &co);
+        close(&format!("{tag} lse vs cpu"), &gl, &cl);
+        close(&format!("{tag} o vs native"), &go, &no);
+        close(&format!("{tag} lse vs native"), &gl, &nl);
+        let co = round(&co, DType::BF16);
+        let gg = attn_bwd_on(auto, DType::BF16, grad_dt, &p, &co, &cl, kblocks);
+        let ng = attn_bwd_on(native, DType::BF16, grad_dt, &p, &co, &cl, kblocks);
+        let cg = attn_bwd_on(&c, DType::F32, DType::F32, &p, &co, &cl, kblocks);
+        for (name, gx, nx, cx) in [
+            ("dq", &gg.0, &ng.0, &cg.0),
+            ("dk", &gg.1, &ng.1, &cg.1),
+            ("dv", &gg.2, &ng.2, &cg.2),
+        ] {
+            close(&format!("{tag} {name} vs cpu"), gx, cx);
+            close(&format!("{tag} {name} vs native"), gx, nx);
+        }
+        let after = auto.attention_calls();
+        let (cf, cb) = (
+            after.cudnn_fwd - before.cudnn_fwd,
+            after.cudnn_bwd - before.cudnn_bwd,
+        );
+        let ours = (after.flash_fwd + after.naive_fwd) - (before.flash_fwd + before.naive_fwd);
+        let ours_b = (after.flash_bwd + after.naive_bwd) - (before.flash_bwd + before.naive_bwd);
+        eprintln!(
+            "{tag}: forward on cuDNN {cf}, ours {ours}; backward on cuDNN {cb}, ours {ours_b}"
+        );
+        assert_eq!(cf + ours, 1, "{tag}: one forward call");
+        assert_eq!(
+            cb + ours_b,
+            kblocks.len() as u64,
+            "{tag}: one call per key block"
+        );
+        on_cudnn += cf + cb;
+    }
+    assert!(on_cudnn > 0, "cuDNN served none of the shapes");
+}
+
+/// Shapes cuDNN cannot take fall back to our kernels under `auto` without
+/// an error; forcing `cudnn` on them is an error that names the flag.
+#[test]
+fn cudnn_unsupported_shapes_fall_back_or_name_the_flag() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut auto = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    auto.set_attn_kernel(AttnKernel::Auto);
+    if let Err(e) = auto.cudnn_sdpa() {
+        eprintln!("SKIP cuDNN fallback: {e}");
+        return;
+    }
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("cudnn fallback");
+    // head dim 96 (neither cuDNN's fused path here nor flash) and f32 inputs
+    for (dt, d) in [(DType::BF16, 96), (DType::F32, 64)] {
+        let p = AttnProblem::new(&mut rng, 70, 70, 4, 2, d, true);
+        let before = auto.attention_calls();
+        let (go, gl) = attn_fwd_on(&auto, dt, &p);
+        let (co, cl) = attn_fwd_on(&c, DType::F32, &p);
+        close(&format!("fallback {dt:?} d={d} o"), &go, &co);
+        close(&format!("fallback {dt:?} d={d} lse"), &gl, &cl);
+        let after = auto.attention_calls();
+        assert_eq!(
+            after.cudnn_fwd, before.cudnn_fwd,
+            "{dt:?} d={d} is not cuDNN's"
+        );
+    }
+    let mut forced = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    forced.set_attn_kernel(AttnKernel::Cudnn);
+    let p = AttnProblem::new(&mut rng, 70, 70, 4, 2, 96, true);
+    let q = forced
+        .from_host(&p.q, &[75, 4, 96], DType::BF16, Category::Workspace)
+        .unwrap();
+    let k = forced
+        .from_host(&p.k, &[75, 2, 96], DType::BF16, Category::Workspace)
+        .unwrap();
+    let mut o = forced
+        .zeros(&[75, 4, 96], DType::BF16, Category::Workspace)
+        .unwrap();
+    let mut lse = forced
+        .zeros(&[75, 4], DType::F32, Category::Workspace)
+        .unwrap();
+    let e = forced
+        .attention_fwd(
+            q.all_rows(),
+            k.all_rows(),
+            k.all_rows(),
+            true,
+            o.all_rows_mut(),
+            lse.all_rows_mut(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--attn-kernel cudnn"), "{e}");
 }

@@ -20,10 +20,13 @@ pub struct OpTime {
     pub calls: u64,
 }
 
+/// A finished op: its kind and start and end events.
+type Recorded = (&'static str, CudaEvent, CudaEvent);
+
 /// Recorded spans of one backend.
 pub struct OpProfile {
     enabled: bool,
-    spans: Mutex<Vec<(&'static str, CudaEvent, CudaEvent)>>,
+    spans: Mutex<Vec<Recorded>>,
 }
 
 /// An op in flight: records its end event when dropped.
@@ -91,7 +94,7 @@ impl OpProfile {
         Ok(out)
     }
 
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Vec<(&'static str, CudaEvent, CudaEvent)>>> {
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Vec<Recorded>>> {
         self.spans
             .lock()
             .map_err(|_| Error::Backend("profile: a thread panicked while recording".into()))

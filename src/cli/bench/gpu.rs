@@ -15,6 +15,7 @@ use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
+use crate::backend::cuda::profile::{self, OpTime};
 use crate::comm::env::{DEFAULT_MASTER_ADDR, DistEnv};
 use crate::comm::nccl::{self, NcclWorld};
 use crate::comm::rendezvous::Rendezvous;
@@ -101,6 +102,9 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         keep_outputs: a.check,
     };
     let mut outcomes: Vec<(Strategy, Outcome, Option<f64>)> = Vec::new();
+    // rank 0's GPU time by op per pass (UPIPE_PROFILE=1)
+    let mut profiles: Vec<(Strategy, Vec<OpTime>, f64)> = Vec::new();
+    b.profile().take()?;
     for &m in &methods {
         let chunk = if m == Strategy::Upipe {
             a.chunk_heads
@@ -156,6 +160,15 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         let run = run_rank(&plan, dims, inputs, b, &mesh, &opts)?;
         drop((x, dy));
         b.synchronize()?;
+        if b.profile().enabled() {
+            let passes = (opts.warmup + opts.iters) as f64;
+            let mut times = b.profile().take()?;
+            for t in &mut times {
+                t.ms /= passes;
+            }
+            let wall_ms = 1e3 * median(&run.seconds);
+            profiles.push((m, times, wall_ms));
+        }
         drop(mesh);
         let runs = gather_runs(&mut rv, run)?;
         // Slowest rank per pass, then the median over passes.
@@ -228,7 +241,29 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
             extra,
         );
     }
+    print_profiles(&profiles, a.json);
     Ok(if failed { 1 } else { 0 })
+}
+
+/// Rank 0's GPU time by op, per forward+backward pass.
+fn print_profiles(profiles: &[(Strategy, Vec<OpTime>, f64)], json: bool) {
+    for (m, times, wall_ms) in profiles {
+        if json {
+            let ops: serde_json::Map<String, serde_json::Value> = times
+                .iter()
+                .map(|t| (t.kind.to_string(), serde_json::json!(t.ms)))
+                .collect();
+            let row = serde_json::json!({
+                "method": m.to_string(),
+                "profile_ms_per_pass": ops,
+                "wall_ms_per_pass": wall_ms,
+            });
+            println!("{row}");
+        } else {
+            println!("\n{m}: rank 0 GPU time per pass (wall {wall_ms:.2} ms)");
+            print!("{}", profile::table(times, Some(*wall_ms)));
+        }
+    }
 }
 
 #[cfg(test)]
