@@ -76,6 +76,25 @@ fn launch_two(test: &str) {
                 .unwrap()
         })
         .collect();
+    // drain both pipes as the ranks run: a rank that fills a pipe the parent
+    // does not read blocks on its next write
+    let drains: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            let (mut out, mut err) = (c.stdout.take().unwrap(), c.stderr.take().unwrap());
+            let o = std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = std::io::Read::read_to_string(&mut out, &mut s);
+                s
+            });
+            let e = std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = std::io::Read::read_to_string(&mut err, &mut s);
+                s
+            });
+            (o, e)
+        })
+        .collect();
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut done = [None, None];
     while done.iter().any(Option::is_none) {
@@ -93,15 +112,11 @@ fn launch_two(test: &str) {
         std::thread::sleep(Duration::from_millis(50));
     }
     let mut ok = true;
-    for (rank, c) in children.into_iter().enumerate() {
-        let out = c.wait_with_output().unwrap();
-        println!(
-            "--- rank {rank} ({:?})\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        ok &= out.status.success();
+    for (rank, (mut c, (o, e))) in children.into_iter().zip(drains).enumerate() {
+        let status = c.wait().unwrap();
+        let (o, e) = (o.join().unwrap_or_default(), e.join().unwrap_or_default());
+        println!("--- rank {rank} ({status:?})\n{o}{e}");
+        ok &= status.success();
     }
     assert!(ok, "a rank failed (see its output above)");
 }
@@ -232,6 +247,7 @@ fn nccl_attention_layer_matches_cpu() {
         (Strategy::Upipe, 2, 1, None),
         (Strategy::Upipe, 2, 1, Some(4)),
     ] {
+        eprintln!("rank {}: {s} {pu}x{pr} U={u:?}", env.rank);
         let plan = CpPlan::new(s, &d, seq, pu, pr, u).unwrap();
         let mesh = world.mesh(plan.mesh_shape()).unwrap();
         let (x, dy) = inputs.shard(&plan, d.hidden, mesh.ring.rank(), mesh.ulysses.rank());
