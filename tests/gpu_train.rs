@@ -211,7 +211,8 @@ fn nccl_training_tracks_cpu_thread_ranks() {
         let cpu = train_threads(&cfg, tokens(), CpuBackend::new, &|_| {}).unwrap();
         let gpu: Vec<(u32, f64, f64)> = lead
             .lines()
-            .filter_map(|l| l.strip_prefix("STEP "))
+            // the test harness may print its `test ... ` on the same line
+            .filter_map(|l| l.split_once("STEP ").map(|(_, r)| r))
             .filter_map(|l| {
                 let f: Vec<&str> = l.split_whitespace().collect();
                 (f[0] == name).then(|| {
@@ -223,7 +224,11 @@ fn nccl_training_tracks_cpu_thread_ranks() {
                 })
             })
             .collect();
-        assert_eq!(gpu.len(), STEPS as usize, "{name}: rank 0 reports every step");
+        assert_eq!(
+            gpu.len(),
+            STEPS as usize,
+            "{name}: rank 0 reports every step"
+        );
         for (c, (step, loss, tps)) in cpu.reports.iter().zip(&gpu) {
             println!(
                 "{name} step {step}: cpu {:.5} gpu {loss:.5} ({tps:.0} tok/s on GPUs)",

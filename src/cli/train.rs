@@ -555,7 +555,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                 })
             );
         } else if lines {
-            if r.step % every == 0 || r.step == cfg.steps {
+            if r.step.is_multiple_of(every) || r.step == cfg.steps {
                 println!("step {}/{}  {msg}", r.step, cfg.steps);
             }
         } else {
