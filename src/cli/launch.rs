@@ -46,11 +46,37 @@ pub struct LaunchArgs {
 /// Starts the ranks of this node and supervises them; returns the exit
 /// status the launcher should exit with (the first failing rank's status).
 pub fn run(args: LaunchArgs) -> Result<i32> {
-    validate(&args)?;
+    run_with(&args, true)
+}
+
+/// Starts `nproc` ranks of `command` on this machine alone (rendezvous on a
+/// free loopback port) and supervises them as `upipe launch --nproc-per-node
+/// nproc -- command...` would, except that the ranks' stdout is passed
+/// through without the `[rank R]` prefix (only rank 0 writes it, so
+/// `--json` output stays JSON); stderr keeps the prefix. What `upipe train`
+/// uses to start one process per GPU by itself.
+pub fn run_local(nproc: usize, command: Vec<String>) -> Result<i32> {
+    let port = std::net::TcpListener::bind((DEFAULT_MASTER_ADDR, 0))
+        .and_then(|l| l.local_addr())
+        .map_err(|e| Error::io("finding a free port for the rendezvous", e))?
+        .port();
+    let args = LaunchArgs {
+        nproc_per_node: nproc,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: DEFAULT_MASTER_ADDR.into(),
+        master_port: port,
+        command,
+    };
+    run_with(&args, false)
+}
+
+fn run_with(args: &LaunchArgs, prefix_stdout: bool) -> Result<i32> {
+    validate(args)?;
     let exe = std::env::current_exe()
         .map_err(|e| Error::io("finding the upipe executable to launch", e))?;
     signals::install_stop_handlers();
-    let mut group = RankGroup::spawn(&exe, &args)?;
+    let mut group = RankGroup::spawn(&exe, args, prefix_stdout)?;
     let code = group.supervise();
     group.finish_output();
     Ok(code)
@@ -148,16 +174,19 @@ struct RankGroup {
     members: Vec<Member>,
     exits: Receiver<(usize, std::io::Result<ExitStatus>)>,
     forwarders: Vec<JoinHandle<()>>,
+    /// Whether stdout lines get the `[rank R] ` prefix (stderr always does).
+    prefix_stdout: bool,
 }
 
 impl RankGroup {
     /// Starts every local rank. If one cannot start, those already started are stopped.
-    fn spawn(exe: &std::path::Path, args: &LaunchArgs) -> Result<RankGroup> {
+    fn spawn(exe: &std::path::Path, args: &LaunchArgs, prefix_stdout: bool) -> Result<RankGroup> {
         let (report, exits) = mpsc::channel();
         let mut group = RankGroup {
             members: Vec::new(),
             exits,
             forwarders: Vec::new(),
+            prefix_stdout,
         };
         for local_rank in 0..args.nproc_per_node {
             let env = rank_env(args, local_rank);
@@ -187,11 +216,11 @@ impl RankGroup {
     ) {
         if let Some(out) = child.stdout.take() {
             self.forwarders
-                .push(output::forward(rank, out, Sink::Stdout));
+                .push(output::forward(rank, out, Sink::Stdout, self.prefix_stdout));
         }
         if let Some(err) = child.stderr.take() {
             self.forwarders
-                .push(output::forward(rank, err, Sink::Stderr));
+                .push(output::forward(rank, err, Sink::Stderr, true));
         }
         let index = self.members.len();
         self.members.push(Member {

@@ -21,7 +21,7 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Train a model (no arguments: tiny model, bundled data, 4 UPipe ranks as threads, on GPUs when present).
+    /// Train a model (no arguments: tiny model, bundled data, UPipe on 4 CPU thread ranks, or one NCCL process per GPU when 2+ GPUs are visible).
     Train(train::TrainArgs),
     /// Mean next-token cross-entropy of a model on a token file.
     Eval(eval::EvalArgs),

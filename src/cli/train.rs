@@ -1,14 +1,35 @@
 //! `upipe train`: with no arguments, the embedded default — tiny model,
-//! bundled corpus, 4 ranks (2 Ulysses x 2 ring) running UPipe — threads on
-//! the CPU, or on the visible GPUs when there are any.
+//! bundled corpus, UPipe — on the CPU as 4 thread ranks (2 Ulysses x 2 ring),
+//! or, where two or more GPUs are visible, as one process per GPU over NCCL
+//! (`upipe train` launches them itself, as `upipe launch` would).
+//!
+//! Where a run goes ([`route`]):
+//! - launched (`upipe launch`, torchrun, srun: `WORLD_SIZE` > 1): this
+//!   process is one rank on GPU `LOCAL_RANK` with an NCCL mesh; the world
+//!   size must equal the mesh size;
+//! - not launched, `G >= 2` GPUs, a mesh of `W` ranks with `1 < W <= G`:
+//!   starts `W` processes of itself, one per GPU (self-launch);
+//! - otherwise ranks are threads: on the CPU, or spread round-robin over the
+//!   visible GPUs with exchanges through host memory (`W > G`, one GPU, or
+//!   one rank).
+//!
+//! With no mesh flag (`--data-parallel`, `--ulysses`, `--ring`) the mesh is
+//! chosen for the ranks available ([`default_mesh`]): the launched world
+//! size, or the visible GPUs; on the CPU it is 2 Ulysses x 2 ring.
 
-use crate::attention::Strategy;
+use crate::attention::{CpPlan, Strategy};
 use crate::backend::{Bytes, Category};
+use crate::comm::MeshShape;
+use crate::comm::env::DistEnv;
 use crate::error::{Error, Result};
+use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::data::{Tokenizer, load_tokens};
 use crate::train::optim::AdamWConfig;
-use crate::train::trainer::{StepReport, TrainConfig, train_cpu};
+use crate::train::trainer::{
+    StepReport, TrainConfig, TrainSummary, check_local_rank, check_world_size, train_cpu,
+    train_process_rank,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
@@ -30,18 +51,19 @@ pub struct TrainArgs {
     /// Attention strategy: local, ulysses, ring, usp, upipe.
     #[arg(long, default_value = "upipe")]
     pub attn: String,
-    /// Ulysses degree Pu.
-    #[arg(long, default_value_t = 2)]
-    pub ulysses: usize,
-    /// Ring degree Pr.
-    #[arg(long, default_value_t = 2)]
-    pub ring: usize,
+    /// Ulysses degree Pu (default 2; with no mesh flag at all, the default mesh, see below).
+    #[arg(long)]
+    pub ulysses: Option<usize>,
+    /// Ring degree Pr (default 2; with no mesh flag at all, the default mesh).
+    #[arg(long)]
+    pub ring: Option<usize>,
     /// UPipe heads per stage U (default Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
-    /// Data-parallel replicas (each runs its own context-parallel group).
-    #[arg(long, default_value_t = 1)]
-    pub data_parallel: usize,
+    /// Data-parallel replicas, each its own context-parallel group (default 1;
+    /// with no mesh flag at all the mesh fits the GPUs: one process per GPU).
+    #[arg(long)]
+    pub data_parallel: Option<usize>,
     /// Tokens per sequence (global, before context sharding).
     #[arg(long, default_value_t = 256)]
     pub seq: usize,
@@ -81,9 +103,10 @@ pub struct TrainArgs {
     /// Resume from --save-dir when it holds a checkpoint.
     #[arg(long)]
     pub resume: bool,
-    /// Device: auto (cuda when a GPU is visible, else cpu), cpu, or cuda. Ranks
-    /// are threads; on cuda they are spread over the visible GPUs and exchange
-    /// through host memory (multi-process NCCL training is not built yet).
+    /// Device: auto (cuda when a GPU is visible, else cpu), cpu, or cuda. On
+    /// cuda with 2+ GPUs and a mesh of at most that many ranks, one process per
+    /// GPU (NCCL; started by itself, or by `upipe launch`/torchrun/srun);
+    /// otherwise ranks are threads (on GPUs: exchanges through host memory).
     #[arg(long, default_value = "auto")]
     pub device: String,
     /// One JSON object per step instead of a progress bar.
@@ -91,14 +114,267 @@ pub struct TrainArgs {
     pub json: bool,
 }
 
-/// GPUs visible to the driver (none when CUDA is unavailable).
+/// `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    /// cuda when a GPU is visible, else cpu.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl std::str::FromStr for Device {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Device> {
+        match s {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda),
+            other => crate::config_err!("--device {other}: use auto, cpu or cuda"),
+        }
+    }
+}
+
+/// The mesh flags as given (`None`: left out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MeshFlags {
+    pub data: Option<usize>,
+    pub ulysses: Option<usize>,
+    pub ring: Option<usize>,
+}
+
+/// Mesh degrees for a [`TrainConfig`]: data replicas, Ulysses and ring degree
+/// (as `--data-parallel`, `--ulysses`, `--ring`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MeshChoice {
+    pub data: usize,
+    pub ulysses: usize,
+    pub ring: usize,
+}
+
+impl MeshChoice {
+    /// Ranks of the mesh.
+    pub fn world_size(&self) -> usize {
+        self.data * self.ulysses * self.ring
+    }
+}
+
+/// The mesh of a run on the CPU, and the defaults of flags left out when
+/// some mesh flag is given: one replica, 2 Ulysses x 2 ring.
+pub const CPU_DEFAULT_MESH: MeshChoice = MeshChoice {
+    data: 1,
+    ulysses: 2,
+    ring: 2,
+};
+
+/// Divisors of `n`, ascending.
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// The default mesh of exactly `n` ranks for `strategy` on `model` at `seq`
+/// tokens, or `None` when no such mesh is valid.
+///
+/// Context parallelism first: the fewest data replicas, then, within one
+/// context group of `C` ranks, the largest Ulysses degree that divides the
+/// kv heads (no K/V replication), the ring taking the rest; larger Ulysses
+/// degrees (replicating K/V) and data replicas only when nothing else fits.
+/// `local` attention has no context group: `n` data replicas. For the tiny
+/// model (4 heads, 2 kv heads, seq 256) this gives 2 GPUs: Pu 2; 4 GPUs:
+/// Pu 2 x Pr 2 (the CPU default); 8 GPUs: Pu 2 x Pr 4; 3 GPUs: 3 replicas.
+pub fn default_mesh(
+    strategy: Strategy,
+    model: &ModelConfig,
+    seq: usize,
+    chunk_heads: Option<usize>,
+    n: usize,
+) -> Option<MeshChoice> {
+    if n == 0 {
+        return None;
+    }
+    if strategy == Strategy::Local {
+        return Some(MeshChoice {
+            data: n,
+            ulysses: 1,
+            ring: 1,
+        });
+    }
+    let dims = attn_dims(model);
+    for data in divisors(n) {
+        let c = n / data;
+        let mut pus = divisors(c);
+        // no K/V replication first, then the largest Ulysses degree
+        pus.sort_by_key(|&pu| (pu > model.kv_heads, std::cmp::Reverse(pu)));
+        for pu in pus {
+            let (ulysses, ring) = match strategy {
+                Strategy::Ulysses => (c, 1),
+                Strategy::Ring => (1, c),
+                _ => (pu, c / pu),
+            };
+            if CpPlan::new(strategy, &dims, seq, ulysses, ring, chunk_heads).is_ok() {
+                return Some(MeshChoice {
+                    data,
+                    ulysses,
+                    ring,
+                });
+            }
+        }
+    }
+    None
+}
+
+/// The mesh of a run. With any mesh flag given, the flags (left-out ones at
+/// [`CPU_DEFAULT_MESH`]); with none and `ranks` available (the launched
+/// world size, or the visible GPUs), [`default_mesh`] for them; otherwise
+/// the CPU default. `local` attention always has Ulysses and ring degree 1.
+pub fn resolve_mesh(
+    flags: MeshFlags,
+    strategy: Strategy,
+    model: &ModelConfig,
+    seq: usize,
+    chunk_heads: Option<usize>,
+    ranks: Option<usize>,
+) -> MeshChoice {
+    let given = flags.data.is_some() || flags.ulysses.is_some() || flags.ring.is_some();
+    let fitted = ranks
+        .filter(|_| !given)
+        .and_then(|n| default_mesh(strategy, model, seq, chunk_heads, n));
+    if let Some(m) = fitted {
+        return m;
+    }
+    let d = CPU_DEFAULT_MESH;
+    let mut m = MeshChoice {
+        data: flags.data.unwrap_or(d.data),
+        ulysses: flags.ulysses.unwrap_or(d.ulysses),
+        ring: flags.ring.unwrap_or(d.ring),
+    };
+    if strategy == Strategy::Local {
+        m.ulysses = 1;
+        m.ring = 1;
+    }
+    m
+}
+
+/// Where this process sits when a launcher started it with more than one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launched {
+    pub world_size: usize,
+    pub local_rank: usize,
+}
+
+impl Launched {
+    /// A launch of more than one process (a world of one trains like an
+    /// unlaunched process, e.g. `upipe train` inside a one-task `srun`).
+    pub fn from_env(env: Option<&DistEnv>) -> Option<Launched> {
+        env.filter(|e| e.world_size > 1).map(|e| Launched {
+            world_size: e.world_size,
+            local_rank: e.local_rank,
+        })
+    }
+}
+
+/// How a run executes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// Ranks as threads on the CPU.
+    CpuThreads,
+    /// Ranks as threads spread round-robin over `gpus` GPUs, exchanging
+    /// through host memory; `why` says why not one process per GPU.
+    GpuThreads { gpus: usize, why: String },
+    /// This process is one NCCL rank of a launched run.
+    ProcessRank,
+    /// Start `nproc` processes of this command, one per GPU.
+    SelfLaunch { nproc: usize },
+}
+
+/// Decides where a run of mesh `shape` goes (see the module docs), given the
+/// launch (if any), the visible GPUs and whether NCCL loads (asked only
+/// before a self-launch). Errors name the fix.
+pub fn route(
+    device: Device,
+    launched: Option<Launched>,
+    gpus: usize,
+    shape: MeshShape,
+    nccl: &dyn Fn() -> std::result::Result<(), String>,
+) -> Result<Route> {
+    if device == Device::Cuda && gpus == 0 {
+        return crate::config_err!(
+            "--device cuda: no GPU is visible (see `upipe info`); use --device cpu"
+        );
+    }
+    if let Some(l) = launched {
+        let how = format!(
+            "this process was launched as one of {} ranks (RANK/WORLD_SIZE or SLURM_PROCID set), \
+             and multi-process training runs one NCCL rank per GPU",
+            l.world_size
+        );
+        if device == Device::Cpu {
+            return crate::config_err!(
+                "--device cpu: {how}; CPU training runs its ranks as threads of one process: \
+                 run `upipe train --device cpu` without upipe launch/torchrun/srun"
+            );
+        }
+        if gpus == 0 {
+            return crate::config_err!(
+                "no GPU is visible (see `upipe info`), but {how}; run `upipe train` without \
+                 upipe launch/torchrun/srun to train with CPU thread ranks"
+            );
+        }
+        check_world_size(shape, l.world_size)?;
+        check_local_rank(l.local_rank, gpus)?;
+        return Ok(Route::ProcessRank);
+    }
+    let w = shape.world_size();
+    if device == Device::Cpu || gpus == 0 {
+        return Ok(Route::CpuThreads);
+    }
+    let threads = |why: String| Ok(Route::GpuThreads { gpus, why });
+    if w == 1 {
+        return threads("the mesh has one rank".into());
+    }
+    if gpus == 1 {
+        return threads(format!(
+            "one GPU is visible: the {w} thread ranks share it and exchange through host memory"
+        ));
+    }
+    if w > gpus {
+        return threads(format!(
+            "the mesh has {w} ranks but {gpus} GPUs are visible: thread ranks share the GPUs \
+             and exchange through host memory; a mesh of at most {gpus} ranks (or no mesh flag) \
+             runs one NCCL process per GPU"
+        ));
+    }
+    if let Err(e) = nccl() {
+        return threads(format!(
+            "NCCL is not available ({e}): thread ranks exchange through host memory"
+        ));
+    }
+    Ok(Route::SelfLaunch { nproc: w })
+}
+
+/// The arguments of the processes a self-launch starts: this command's own
+/// (`argv` after the program name, from `train` on), unchanged. Each child
+/// sees the launch and resolves the same mesh: the same flags, or, with no
+/// mesh flag, [`default_mesh`] for its world size, which is the parent's
+/// mesh size (a default mesh of `n` ranks has exactly `n`); the children
+/// check the world size against the mesh in any case.
+pub fn self_launch_args(argv: &[String]) -> Result<Vec<String>> {
+    if argv.first().map(String::as_str) != Some("train") {
+        return crate::config_err!(
+            "cannot start one process per GPU: expected `upipe train ...`, got {argv:?}; \
+             use `upipe launch --nproc-per-node N -- train ...`"
+        );
+    }
+    Ok(argv.to_vec())
+}
+
 /// Thread ranks spread round-robin over `gpus` devices.
 fn train_on_gpus(
     cfg: &TrainConfig,
     tokens: std::sync::Arc<[u32]>,
     gpus: usize,
     on_step: &(dyn Fn(&StepReport) + Sync),
-) -> Result<crate::train::trainer::TrainSummary> {
+) -> Result<TrainSummary> {
     use crate::backend::cuda::CudaBackend;
     use std::sync::atomic::{AtomicUsize, Ordering};
     // open every device once here, so a failure is an error rather than a
@@ -114,43 +390,40 @@ fn train_on_gpus(
     crate::train::trainer::train_threads(cfg, tokens, make, on_step)
 }
 
+/// GPUs visible to the driver (none when CUDA is unavailable).
 fn visible_gpus() -> usize {
     crate::backend::cuda::device::gpus().map_or(0, |g| g.len())
 }
 
 pub fn run(a: TrainArgs) -> Result<i32> {
-    let gpus = match a.device.as_str() {
-        "cpu" => 0,
-        "auto" => visible_gpus(),
-        "cuda" => match visible_gpus() {
-            0 => {
-                return Err(Error::Config(
-                    "--device cuda: no GPU is visible (see `upipe info`); use --device cpu".into(),
-                ));
-            }
-            n => n,
-        },
-        other => {
-            return Err(Error::Config(format!(
-                "--device {other}: use auto, cpu or cuda"
-            )));
-        }
+    let device: Device = a.device.parse()?;
+    let gpus = if device == Device::Cpu {
+        0
+    } else {
+        visible_gpus()
     };
+    let env = DistEnv::from_env()?;
+    let launched = Launched::from_env(env.as_ref());
     let model = ModelConfig::resolve(&a.model)?;
     let strategy: Strategy = a.attn.parse()?;
-    let (ulysses, ring) = if strategy == Strategy::Local {
-        (1, 1)
-    } else {
-        (a.ulysses, a.ring)
+    // ranks the default mesh should fill: the launched processes, or the GPUs
+    let ranks = match launched {
+        Some(l) => Some(l.world_size),
+        None if device != Device::Cpu && gpus >= 2 => Some(gpus),
+        None => None,
     };
-    let tokenizer = Tokenizer::resolve(&a.tokenizer)?;
-    let tokens = load_tokens(a.data.as_deref(), &tokenizer)?;
+    let flags = MeshFlags {
+        data: a.data_parallel,
+        ulysses: a.ulysses,
+        ring: a.ring,
+    };
+    let mesh = resolve_mesh(flags, strategy, &model, a.seq, a.chunk_heads, ranks);
     let cfg = TrainConfig {
         model,
-        data_parallel: a.data_parallel,
+        data_parallel: mesh.data,
         strategy,
-        ulysses,
-        ring,
+        ulysses: mesh.ulysses,
+        ring: mesh.ring,
         chunk_heads: a.chunk_heads,
         seq: a.seq,
         steps: a.steps,
@@ -178,15 +451,54 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         resume: a.resume,
     };
     let plan = cfg.plan()?;
-    if !a.json {
+    let shape = cfg.mesh_shape(&plan);
+    let nccl = || {
+        crate::comm::nccl::library()
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let route = route(device, launched, gpus, shape, &nccl)?;
+    match &route {
+        Route::SelfLaunch { nproc } => {
+            let argv = std::env::args_os()
+                .skip(1)
+                .map(|s| {
+                    s.into_string().map_err(|s| {
+                        Error::Config(format!("argument {s:?} is not UTF-8; use `upipe launch`"))
+                    })
+                })
+                .collect::<Result<Vec<String>>>()?;
+            let child = self_launch_args(&argv)?;
+            tracing::info!(
+                "{gpus} GPUs visible: starting {nproc} processes, one per GPU (NCCL), \
+                 mesh data {} x Pu {} x Pr {}",
+                shape.data,
+                shape.ulysses,
+                shape.ring
+            );
+            return crate::cli::launch::run_local(*nproc, child);
+        }
+        Route::GpuThreads { why, .. } => tracing::info!("thread ranks on GPUs: {why}"),
+        Route::CpuThreads | Route::ProcessRank => {}
+    }
+    // under a launch only rank 0 reports
+    let lead = route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0);
+    let tokenizer = Tokenizer::resolve(&a.tokenizer)?;
+    let tokens = load_tokens(a.data.as_deref(), &tokenizer)?;
+    let on_gpu = route != Route::CpuThreads;
+    if !a.json && lead {
         println!(
-            "training {} ({:.2}M params) on {} tokens: {} on {} {} ranks (data {} x Pu {} x Pr {}, U {}), seq {}, {} steps",
+            "training {} ({:.2}M params) on {} tokens: {} on {} {} (data {} x Pu {} x Pr {}, U {}), seq {}, {} steps",
             cfg.model.name,
             cfg.model.param_count() as f64 / 1e6,
             tokens.len(),
             strategy,
-            plan.mesh_shape().world_size() * cfg.data_parallel,
-            if gpus > 0 { "GPU thread" } else { "CPU" },
+            shape.world_size(),
+            match route {
+                Route::ProcessRank => "GPU process ranks (NCCL)",
+                Route::GpuThreads { .. } => "GPU thread ranks",
+                _ => "CPU thread ranks",
+            },
             cfg.data_parallel,
             plan.layout.pu,
             plan.layout.pr,
@@ -203,7 +515,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
             data: cfg.data_parallel,
             policy: cfg.policy,
             fsdp: false,
-            device: if gpus > 0 {
+            device: if on_gpu {
                 crate::plan::DeviceKind::Cuda
             } else {
                 crate::plan::DeviceKind::Cpu
@@ -213,7 +525,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         0,
     )?;
     let predicted_peak = predicted.peak;
-    let bar = if a.json {
+    let bar = if a.json || !lead {
         ProgressBar::hidden()
     } else {
         let b = ProgressBar::new(cfg.steps as u64);
@@ -222,8 +534,17 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         );
         b
     };
+    // without a terminal (e.g. under a launcher) progress goes out as lines
+    let lines = !a.json && lead && bar.is_hidden();
+    let every = (cfg.steps / 20).max(1);
     let json = a.json;
     let on_step = |r: &StepReport| {
+        let msg = format!(
+            "loss {:.4}  {:.0} tok/s  peak {}",
+            r.loss,
+            r.tokens_per_s,
+            Bytes(r.peak_bytes)
+        );
         if json {
             println!(
                 "{}",
@@ -233,58 +554,301 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                     "predicted_peak_bytes": predicted_peak,
                 })
             );
+        } else if lines {
+            if r.step.is_multiple_of(every) || r.step == cfg.steps {
+                println!("step {}/{}  {msg}", r.step, cfg.steps);
+            }
         } else {
             bar.set_position(r.step as u64);
-            bar.set_message(format!(
-                "loss {:.4}  {:.0} tok/s  peak {}",
-                r.loss,
-                r.tokens_per_s,
-                Bytes(r.peak_bytes)
-            ));
+            bar.set_message(msg);
         }
     };
-    let summary = if gpus > 0 {
-        train_on_gpus(&cfg, tokens.into(), gpus, &on_step)?
-    } else {
-        train_cpu(&cfg, tokens.into(), &on_step)?
+    let summary = match route {
+        Route::ProcessRank => {
+            let env = env.as_ref().expect("a launched run has its environment");
+            train_process_rank(&cfg, tokens.into(), env, &on_step)?
+        }
+        Route::GpuThreads { gpus, .. } => train_on_gpus(&cfg, tokens.into(), gpus, &on_step)?,
+        _ => train_cpu(&cfg, tokens.into(), &on_step)?,
     };
     bar.finish();
+    if json || !lead {
+        return Ok(0);
+    }
     let measured = summary.memory.peak;
     let diff = 100.0 * (predicted.peak as f64 - measured as f64) / measured.max(1) as f64;
-    if !json {
-        let first = summary.reports.first().map_or(f64::NAN, |r| r.loss);
-        let last = summary.reports.last().map_or(f64::NAN, |r| r.loss);
-        println!("loss {first:.4} -> {last:.4}");
+    let first = summary.reports.first().map_or(f64::NAN, |r| r.loss);
+    let last = summary.reports.last().map_or(f64::NAN, |r| r.loss);
+    println!("loss {first:.4} -> {last:.4}");
+    // the first step includes one-time setup (kernel compilation, NCCL)
+    let mut rates: Vec<f64> = summary
+        .reports
+        .iter()
+        .skip(1)
+        .map(|r| r.tokens_per_s)
+        .collect();
+    if !rates.is_empty() {
+        rates.sort_by(f64::total_cmp);
         println!(
-            "peak of rank 0: predicted {} (upipe plan), measured {} ({diff:+.2}%)",
-            Bytes(predicted.peak),
-            Bytes(measured)
+            "throughput: median {:.0} tok/s over steps 2..{} ({} ranks)",
+            rates[rates.len() / 2],
+            cfg.steps,
+            summary.ranks
         );
-        println!("memory of rank 0 (peak {}):", Bytes(summary.memory.peak));
+    }
+    println!(
+        "peak of rank 0: predicted {} (upipe plan), measured {} ({diff:+.2}%)",
+        Bytes(predicted.peak),
+        Bytes(measured)
+    );
+    println!("memory of rank 0 (peak {}):", Bytes(summary.memory.peak));
+    println!(
+        "  {:<14} {:>12} {:>12} {:>12}",
+        "category", "at peak", "predicted", "now"
+    );
+    for (cat, at_peak) in &summary.memory.at_peak_by_category {
+        let now = summary
+            .memory
+            .current_by_category
+            .iter()
+            .find(|(c, _)| c == cat)
+            .map_or(0, |x| x.1);
+        let peak = if *cat == Category::Offload {
+            summary.memory.host_peak
+        } else {
+            *at_peak
+        };
         println!(
             "  {:<14} {:>12} {:>12} {:>12}",
-            "category", "at peak", "predicted", "now"
+            cat.name(),
+            Bytes(peak).to_string(),
+            Bytes(predicted.at(*cat)).to_string(),
+            Bytes(now).to_string()
         );
-        for (cat, at_peak) in &summary.memory.at_peak_by_category {
-            let now = summary
-                .memory
-                .current_by_category
-                .iter()
-                .find(|(c, _)| c == cat)
-                .map_or(0, |x| x.1);
-            let peak = if *cat == Category::Offload {
-                summary.memory.host_peak
-            } else {
-                *at_peak
-            };
-            println!(
-                "  {:<14} {:>12} {:>12} {:>12}",
-                cat.name(),
-                Bytes(peak).to_string(),
-                Bytes(predicted.at(*cat)).to_string(),
-                Bytes(now).to_string()
-            );
-        }
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> ModelConfig {
+        ModelConfig::resolve("tiny").unwrap()
+    }
+
+    fn mesh(data: usize, ulysses: usize, ring: usize) -> MeshChoice {
+        MeshChoice {
+            data,
+            ulysses,
+            ring,
+        }
+    }
+
+    fn shape(data: usize, ring: usize, ulysses: usize) -> MeshShape {
+        MeshShape::new(data, ring, ulysses).unwrap()
+    }
+
+    fn no_nccl() -> std::result::Result<(), String> {
+        Err("libnccl.so.2 not found".into())
+    }
+
+    fn nccl_ok() -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    fn config_error(r: Result<Route>) -> String {
+        match r {
+            Err(Error::Config(m)) => m,
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn default_mesh_fills_the_gpus_within_the_tiny_models_heads() {
+        let m = tiny(); // 4 heads, 2 kv heads
+        let up = |n| default_mesh(Strategy::Upipe, &m, 256, None, n).unwrap();
+        assert_eq!(up(1), mesh(1, 1, 1));
+        assert_eq!(up(2), mesh(1, 2, 1));
+        assert_eq!(up(4), mesh(1, 2, 2), "the CPU default");
+        assert_eq!(up(8), mesh(1, 2, 4));
+        // 3 ranks: Pu 3 does not divide 4 heads, a ring of 3 not 256 tokens
+        // (2 x 3 zigzag chunks): three replicas
+        assert_eq!(up(3), mesh(3, 1, 1));
+        // the ring of 8 ranks needs 16 | seq; at seq 8 it is Pu 2 x Pr 2 x 2 replicas
+        assert_eq!(
+            default_mesh(Strategy::Upipe, &m, 8, None, 8),
+            Some(mesh(2, 2, 2))
+        );
+        // K/V replication (Pu 4 > 2 kv heads) when nothing else fits
+        assert_eq!(
+            default_mesh(Strategy::Ulysses, &m, 256, None, 4),
+            Some(mesh(1, 4, 1))
+        );
+        assert_eq!(
+            default_mesh(Strategy::Ring, &m, 256, None, 2),
+            Some(mesh(1, 1, 2))
+        );
+        assert_eq!(
+            default_mesh(Strategy::Local, &m, 256, None, 2),
+            Some(mesh(2, 1, 1))
+        );
+        // every default is a valid plan of exactly n ranks
+        for s in [
+            Strategy::Upipe,
+            Strategy::Usp,
+            Strategy::Ulysses,
+            Strategy::Ring,
+        ] {
+            for n in 1..=8 {
+                let c = default_mesh(s, &m, 256, None, n).unwrap();
+                assert_eq!(c.world_size(), n, "{s} {n}");
+                let plan = CpPlan::new(s, &attn_dims(&m), 256, c.ulysses, c.ring, None).unwrap();
+                assert_eq!(plan.mesh_shape().world_size() * c.data, n);
+            }
+        }
+        assert_eq!(default_mesh(Strategy::Upipe, &m, 256, None, 0), None);
+    }
+
+    #[test]
+    fn mesh_flags_win_over_the_default_mesh() {
+        let m = tiny();
+        let none = MeshFlags::default();
+        let r = |flags, ranks| resolve_mesh(flags, Strategy::Upipe, &m, 256, None, ranks);
+        assert_eq!(r(none, None), CPU_DEFAULT_MESH);
+        assert_eq!(r(none, Some(2)), mesh(1, 2, 1));
+        assert_eq!(r(none, Some(8)), mesh(1, 2, 4));
+        // any flag given: the flags, the rest at 1 x 2 x 2
+        let ring1 = MeshFlags {
+            ring: Some(1),
+            ..none
+        };
+        assert_eq!(r(ring1, Some(8)), mesh(1, 2, 1));
+        let data2 = MeshFlags {
+            data: Some(2),
+            ..none
+        };
+        assert_eq!(r(data2, Some(2)), mesh(2, 2, 2));
+        let local = resolve_mesh(data2, Strategy::Local, &m, 256, None, None);
+        assert_eq!(local, mesh(2, 1, 1));
+    }
+
+    #[test]
+    fn routes() {
+        let w2 = shape(1, 1, 2);
+        let w4 = shape(1, 2, 2);
+        let auto = |gpus, s| route(Device::Auto, None, gpus, s, &nccl_ok).unwrap();
+        assert_eq!(auto(0, w4), Route::CpuThreads);
+        assert_eq!(auto(2, w2), Route::SelfLaunch { nproc: 2 });
+        assert_eq!(auto(8, w4), Route::SelfLaunch { nproc: 4 });
+        assert_eq!(
+            route(Device::Cuda, None, 2, w2, &nccl_ok).unwrap(),
+            Route::SelfLaunch { nproc: 2 }
+        );
+        // --device cpu never launches
+        assert_eq!(
+            route(Device::Cpu, None, 0, w2, &nccl_ok).unwrap(),
+            Route::CpuThreads
+        );
+        let why = |r: Route| match r {
+            Route::GpuThreads { why, .. } => why,
+            other => panic!("expected thread ranks on GPUs, got {other:?}"),
+        };
+        let w = why(auto(2, w4));
+        assert!(w.contains("4 ranks but 2 GPUs"), "{w}");
+        assert!(why(auto(1, w2)).contains("one GPU"));
+        assert!(why(auto(2, shape(1, 1, 1))).contains("one rank"));
+        let w = why(route(Device::Auto, None, 2, w2, &no_nccl).unwrap());
+        assert!(w.contains("libnccl.so.2 not found"), "{w}");
+        let e = config_error(route(Device::Cuda, None, 0, w2, &nccl_ok));
+        assert!(e.contains("--device cpu"), "{e}");
+    }
+
+    #[test]
+    fn launched_ranks_and_their_errors() {
+        let l = |world_size, local_rank| {
+            Some(Launched {
+                world_size,
+                local_rank,
+            })
+        };
+        let w2 = shape(1, 1, 2);
+        let never = || -> std::result::Result<(), String> {
+            panic!("NCCL is not asked about under a launch")
+        };
+        assert_eq!(
+            route(Device::Auto, l(2, 1), 2, w2, &never).unwrap(),
+            Route::ProcessRank
+        );
+        let e = config_error(route(Device::Auto, l(2, 0), 2, shape(1, 2, 2), &never));
+        assert!(
+            e.contains("needs 4 processes, but 2 were launched")
+                && e.contains("--nproc-per-node 4"),
+            "{e}"
+        );
+        let e = config_error(route(Device::Auto, l(4, 3), 2, shape(1, 2, 2), &never));
+        assert!(
+            e.contains("LOCAL_RANK is 3") && e.contains("--nproc-per-node 2"),
+            "{e}"
+        );
+        let e = config_error(route(Device::Cpu, l(2, 0), 0, w2, &never));
+        assert!(
+            e.contains("--device cpu") && e.contains("without upipe launch"),
+            "{e}"
+        );
+        let e = config_error(route(Device::Auto, l(2, 0), 0, w2, &never));
+        assert!(e.contains("no GPU is visible"), "{e}");
+        // a world of one is no launch (one-task srun on a CPU node)
+        let env = DistEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+        };
+        assert_eq!(Launched::from_env(Some(&env)), None);
+        let env2 = DistEnv {
+            world_size: 2,
+            rank: 1,
+            local_rank: 1,
+            ..env
+        };
+        assert_eq!(Launched::from_env(Some(&env2)), l(2, 1));
+    }
+
+    #[test]
+    fn self_launched_children_resolve_the_parents_mesh() {
+        let argv: Vec<String> = ["train", "--steps", "3"].map(String::from).to_vec();
+        assert_eq!(self_launch_args(&argv).unwrap(), argv);
+        let e = self_launch_args(&["eval".to_string()]).unwrap_err();
+        assert!(e.to_string().contains("upipe launch"), "{e}");
+        let m = tiny();
+        for s in [Strategy::Upipe, Strategy::Ulysses, Strategy::Local] {
+            for flags in [
+                MeshFlags::default(),
+                MeshFlags {
+                    ring: Some(1),
+                    ..MeshFlags::default()
+                },
+            ] {
+                for gpus in 2..=8 {
+                    let parent = resolve_mesh(flags, s, &m, 256, None, Some(gpus));
+                    let w = parent.world_size();
+                    if w > 1 && w <= gpus {
+                        let child = resolve_mesh(flags, s, &m, 256, None, Some(w));
+                        assert_eq!(child, parent, "{s} {flags:?} on {gpus} GPUs");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn device_parses() {
+        assert_eq!("auto".parse::<Device>().unwrap(), Device::Auto);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda);
+        let e = "tpu".parse::<Device>().unwrap_err();
+        assert!(e.to_string().contains("auto, cpu or cuda"), "{e}");
+    }
 }

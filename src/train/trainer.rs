@@ -1,6 +1,8 @@
 //! The training loop: every context-parallel rank runs the same step on its
 //! token shard; gradients and loss are summed over ranks, clipped, and applied
-//! by AdamW identically everywhere. On CPU the ranks are threads.
+//! by AdamW identically everywhere. Ranks are threads of one process
+//! ([`train_threads`]: CPU, or GPUs with host-copy exchanges) or one process
+//! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
 use super::checkpoint::{HostTensor, load_hf_model, load_train_state, save_train_state};
 use super::data::{SamplerState, SequenceSampler};
@@ -8,6 +10,7 @@ use super::optim::{AdamW, AdamWConfig};
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats, Tensor};
+use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
 use crate::error::{Error, Result};
@@ -16,7 +19,10 @@ use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long process ranks wait for each other at the rendezvous.
+const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Everything a training run needs, validated by [`TrainConfig::plan`].
 #[derive(Debug, Clone)]
@@ -59,7 +65,7 @@ pub struct StepReport {
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
     pub reports: Vec<StepReport>,
-    /// Rank 0's memory at the end.
+    /// Rank 0's memory at the end (a process rank's own memory on that rank).
     pub memory: MemoryStats,
     pub ranks: usize,
 }
@@ -84,6 +90,44 @@ impl TrainConfig {
             self.chunk_heads,
         )
     }
+
+    /// The whole mesh of `plan` (data replicas x its context group).
+    pub fn mesh_shape(&self, plan: &CpPlan) -> MeshShape {
+        MeshShape {
+            data: self.data_parallel,
+            ..plan.mesh_shape()
+        }
+    }
+}
+
+/// Checks that `world_size` launched processes fit the mesh of `shape`;
+/// the error names both fixes (launch another number of processes, or
+/// change the mesh flags).
+pub fn check_world_size(shape: MeshShape, world_size: usize) -> Result<()> {
+    let want = shape.world_size();
+    if want == world_size {
+        return Ok(());
+    }
+    crate::config_err!(
+        "the mesh --data-parallel {} x --ring {} x --ulysses {} needs {want} processes, but {world_size} were launched; \
+         start `upipe launch --nproc-per-node {want} -- train ...` (one process per GPU), \
+         or choose --data-parallel/--ulysses/--ring with a product of {world_size} \
+         (leave all three out for a default mesh of {world_size} ranks)",
+        shape.data,
+        shape.ring,
+        shape.ulysses
+    )
+}
+
+/// Checks that this node's process `local_rank` has a GPU of its own.
+pub fn check_local_rank(local_rank: usize, gpus: usize) -> Result<()> {
+    if local_rank < gpus {
+        return Ok(());
+    }
+    crate::config_err!(
+        "LOCAL_RANK is {local_rank} but {gpus} GPU(s) are visible on this node: \
+         start at most {gpus} process(es) per node (one per GPU), e.g. `upipe launch --nproc-per-node {gpus}`"
+    )
 }
 
 /// Trains on `tokens` with ranks as threads on the CPU backend, calling
@@ -105,10 +149,7 @@ pub fn train_threads<B: Backend>(
 ) -> Result<TrainSummary> {
     let plan = cfg.plan()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
-    let shape = MeshShape {
-        data: cfg.data_parallel,
-        ..plan.mesh_shape()
-    };
+    let shape = cfg.mesh_shape(&plan);
     let out = run_ranks(shape, make_backend, |rank, b, mesh| {
         run_rank(cfg, &plan, tokens.clone(), b.as_ref(), &mesh, rank, on_step)
     })?;
@@ -118,6 +159,62 @@ pub fn train_threads<B: Backend>(
         memory,
         ranks: shape.world_size(),
     })
+}
+
+/// Trains as rank `mesh.rank` of a run whose process groups are `mesh` (one
+/// process per rank). Collective: every rank of the mesh calls it with the
+/// same `cfg` and `tokens`. Loss and gradient norm are global, so every rank
+/// returns the same reports (those [`train_threads`] returns); `on_step` runs
+/// on rank 0 only, and only rank 0 writes checkpoints.
+pub fn train_on_mesh<B: Backend>(
+    cfg: &TrainConfig,
+    tokens: Arc<[u32]>,
+    b: &B,
+    mesh: &Mesh<B>,
+    on_step: &(dyn Fn(&StepReport) + Sync),
+) -> Result<TrainSummary> {
+    let plan = cfg.plan()?;
+    super::data::check_vocab(&tokens, cfg.model.vocab)?;
+    let shape = cfg.mesh_shape(&plan);
+    if mesh.shape != shape {
+        return crate::config_err!(
+            "the training mesh is {shape:?} but the process groups were built for {:?}",
+            mesh.shape
+        );
+    }
+    let (reports, memory) = run_rank(cfg, &plan, tokens, b, mesh, mesh.rank, on_step)?;
+    Ok(TrainSummary {
+        reports,
+        memory,
+        ranks: shape.world_size(),
+    })
+}
+
+/// Trains as one process rank of a multi-GPU run started by `upipe launch`,
+/// torchrun or srun (`env`): opens `CudaBackend::new(LOCAL_RANK)`, meets the
+/// other ranks at the rendezvous, joins the NCCL world and splits the
+/// `data x ring x ulysses` mesh of `cfg` from it, then runs the per-rank loop
+/// of [`train_on_mesh`]. The world size must equal the mesh size.
+pub fn train_process_rank(
+    cfg: &TrainConfig,
+    tokens: Arc<[u32]>,
+    env: &DistEnv,
+    on_step: &(dyn Fn(&StepReport) + Sync),
+) -> Result<TrainSummary> {
+    use crate::backend::cuda::CudaBackend;
+    use crate::comm::nccl::NcclWorld;
+    use crate::comm::rendezvous::Rendezvous;
+    let plan = cfg.plan()?;
+    super::data::check_vocab(&tokens, cfg.model.vocab)?;
+    let shape = cfg.mesh_shape(&plan);
+    check_world_size(shape, env.world_size)?;
+    let gpus = crate::backend::cuda::device::gpus()?.len();
+    check_local_rank(env.local_rank, gpus)?;
+    let mut rv = Rendezvous::connect(env, RENDEZVOUS_TIMEOUT)?;
+    let b = Arc::new(CudaBackend::new(env.local_rank)?);
+    let world = NcclWorld::connect(env, &mut rv, b.clone())?;
+    let mesh = world.mesh(shape)?;
+    train_on_mesh(cfg, tokens, b.as_ref(), &mesh, on_step)
 }
 
 /// One rank's training loop.
@@ -338,4 +435,94 @@ pub fn loss_and_grads_cpu(
         Ok((b.to_host(&loss)?[0] as f64 / counted as f64, grads))
     })?;
     Ok(out.into_iter().next().expect("at least one rank"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(data: usize, ulysses: usize, ring: usize) -> TrainConfig {
+        TrainConfig {
+            model: ModelConfig::resolve("tiny").unwrap(),
+            data_parallel: data,
+            strategy: Strategy::Upipe,
+            ulysses,
+            ring,
+            chunk_heads: None,
+            seq: 64,
+            steps: 3,
+            optim: AdamWConfig {
+                lr: 3e-3,
+                min_lr: 3e-4,
+                warmup: 1,
+                total_steps: 3,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                clip: 1.0,
+            },
+            seed: 3,
+            policy: MemoryPolicy::default(),
+            init_from: None,
+            save_dir: None,
+            save_every: 0,
+            resume: false,
+        }
+    }
+
+    fn tokens() -> Arc<[u32]> {
+        super::super::data::ByteTokenizer
+            .encode(super::super::data::CORPUS)
+            .into()
+    }
+
+    /// The process-rank entry on meshes built by hand (thread-backed here)
+    /// runs the loop `train_threads` runs: the same reports on every rank.
+    #[test]
+    fn train_on_mesh_reproduces_the_thread_path() {
+        for c in [cfg(1, 2, 1), cfg(2, 1, 1)] {
+            let want = train_threads(&c, tokens(), CpuBackend::new, &|_| {}).unwrap();
+            let shape = c.mesh_shape(&c.plan().unwrap());
+            let calls = std::sync::atomic::AtomicUsize::new(0);
+            let on_step = |_: &StepReport| {
+                calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            };
+            let got = run_ranks(shape, CpuBackend::new, |_, b, mesh| {
+                train_on_mesh(&c, tokens(), b.as_ref(), &mesh, &on_step)
+            })
+            .unwrap();
+            assert_eq!(calls.into_inner(), 3, "on_step on rank 0 only");
+            for g in &got {
+                assert_eq!(g.ranks, 2);
+                for (x, y) in g.reports.iter().zip(&want.reports) {
+                    assert_eq!((x.step, x.loss, x.grad_norm), (y.step, y.loss, y.grad_norm));
+                }
+                assert_eq!(g.reports.len(), 3);
+            }
+        }
+    }
+
+    #[test]
+    fn world_and_mesh_mismatches_are_errors_naming_the_fix() {
+        let c = cfg(1, 2, 1);
+        let wrong = MeshShape::new(2, 1, 1).unwrap();
+        let err = run_ranks(wrong, CpuBackend::new, |_, b, mesh| {
+            train_on_mesh(&c, tokens(), b.as_ref(), &mesh, &|_| {})
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("process groups"), "{err}");
+        let shape = c.mesh_shape(&c.plan().unwrap());
+        check_world_size(shape, 2).unwrap();
+        let e = check_world_size(shape, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("needs 2 processes, but 3 were launched")
+                && e.contains("--nproc-per-node 2")
+                && e.contains("product of 3"),
+            "{e}"
+        );
+        check_local_rank(1, 2).unwrap();
+        let e = check_local_rank(2, 2).unwrap_err().to_string();
+        assert!(e.contains("LOCAL_RANK is 2"), "{e}");
+    }
 }

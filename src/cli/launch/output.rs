@@ -11,12 +11,21 @@ pub enum Sink {
 }
 
 /// Copies `source` to `sink` on a new thread, prefixing each line with
-/// `[rank R] `. Whole lines are written under the sink's lock, so lines of
+/// `[rank R] ` (when `prefix`). Whole lines are written under the sink's lock, so lines of
 /// different ranks never interleave. Write failures (closed terminal) are
 /// ignored while the source is still drained, so the child never blocks.
-pub fn forward(rank: usize, source: impl Read + Send + 'static, sink: Sink) -> JoinHandle<()> {
+pub fn forward(
+    rank: usize,
+    source: impl Read + Send + 'static,
+    sink: Sink,
+    prefix: bool,
+) -> JoinHandle<()> {
     std::thread::spawn(move || {
-        let prefix = format!("[rank {rank}] ");
+        let prefix = if prefix {
+            format!("[rank {rank}] ")
+        } else {
+            String::new()
+        };
         let mut reader = BufReader::new(source);
         let mut line = Vec::new();
         loop {
