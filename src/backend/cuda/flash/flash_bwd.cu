@@ -14,30 +14,9 @@ struct FlashBwdParams {
     float scale, scale_log2;
 };
 
-// Tuning knobs (compile-time; the defaults are the measured best). Every
-// variant passes `flash_check check`; on H200 (d=128, causal, 2026-11-30) each
-// non-default one was 1-7 % slower in the backward (docs/gpu-results.md).
+// Tuning knobs (compile-time; the defaults are the measured best).
 #ifndef BWD_HEADS_FASTEST
 #define BWD_HEADS_FASTEST 1
-#endif
-// 1: S, then P (stored), then dP and dS; 0: S and dP in one loop.
-#ifndef BWD_SPLIT
-#define BWD_SPLIT 0
-#endif
-// With BWD_SPLIT: keep P only as bf16 between the two matmuls (dS uses the
-// rounded P that dV uses too; frees 16 registers).
-#ifndef BWD_PBF16
-#define BWD_PBF16 0
-#endif
-// 1: dQ (with its global reductions) before dK/dV in each step.
-#ifndef BWD_DQ_FIRST
-#define BWD_DQ_FIRST 0
-#endif
-// dQ reductions. BWD_DQV4: pair lanes by shuffles and add 4 floats per red
-// (needs 16-byte aligned dq rows, checked in the kernel); 0: every thread
-// adds 2 floats per red.
-#ifndef BWD_DQV4
-#define BWD_DQV4 0
 #endif
 
 #define BWD_BM 64
@@ -101,9 +80,6 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
     const bf16_t* gk = (const bf16_t*)p.k + (i64)kh * D;
     const bf16_t* gv = (const bf16_t*)p.v + (i64)kh * D;
 
-#if BWD_DQV4
-    const bool dq_vec4 = ((p.dq & 15) == 0) && ((p.dq_stride & 3) == 0);
-#endif
     const int m_begin = p.causal ? (n0 / BM) : 0;
     const int m_end = (p.sq + BM - 1) / BM;
     const int n_m = m_end - m_begin;
@@ -160,112 +136,6 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
         // Phase 1: S = Q K^T and dP = dO V^T on 32 queries x 32 keys per warp.
         {
             const int wm = warp & 1, wn = warp >> 1;
-            const bool need_mask = (p.causal && m0 < n0 + BN) || (n0 + BN > p.sk);  // query tails: see issue()
-#if BWD_SPLIT
-            // S first, P = exp2(S * scale_log2 - lse * log2e) straight away (its
-            // MUFU work overlaps the dP matmuls below), then dP and dS.
-            float pf[2][4][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) pf[mt][j][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 a[2][4];
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-                    ldsm_x4(a[mt], sQb + tile_off<D>(wm * 32 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-#pragma unroll
-                for (int j2 = 0; j2 < 2; ++j2) {
-                    u32 b[4];
-                    const int kr = wn * 32 + j2 * 16 + ((lane >> 4) << 3) + (lane & 7);
-                    ldsm_x4(b, sK + tile_off<D>(kr, kk * 2 + ((lane >> 3) & 1)));
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        mma_bf16(pf[mt][2 * j2], a[mt], b[0], b[1]);
-                        mma_bf16(pf[mt][2 * j2 + 1], a[mt], b[2], b[3]);
-                    }
-                }
-            }
-#if BWD_PBF16
-            u32 pp[2][4][2];
-#endif
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int qr = wm * 32 + mt * 16 + (lane >> 2) + r * 8;  // within the block
-                    const float l2 = lse[qr] * FL_LOG2E;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const int kc = wn * 32 + j * 8 + ((lane & 3) << 1);  // within the block
-                        float p0 = fast_exp2(pf[mt][j][2 * r] * p.scale_log2 - l2);
-                        float p1 = fast_exp2(pf[mt][j][2 * r + 1] * p.scale_log2 - l2);
-                        if (need_mask) {
-                            const int gq = m0 + qr, gk0 = n0 + kc;
-                            if (gk0 >= p.sk || (p.causal && gk0 > gq)) p0 = 0.f;
-                            if (gk0 + 1 >= p.sk || (p.causal && gk0 + 1 > gq)) p1 = 0.f;
-                        }
-                        const u32 pk = pack_bf16(p0, p1);
-#if BWD_PBF16
-                        pp[mt][j][r] = pk;
-#else
-                        pf[mt][j][2 * r] = p0;
-                        pf[mt][j][2 * r + 1] = p1;
-#endif
-                        const u32 off = (u32)(qr * (BN * 2) + (((kc >> 3) ^ (qr & 7)) << 4) + ((kc & 7) << 1));
-                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + off), "r"(pk));
-                    }
-                }
-            float dp[2][4][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) dp[mt][j][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 c[2][4];
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-                    ldsm_x4(c[mt], sdOb + tile_off<D>(wm * 32 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-#pragma unroll
-                for (int j2 = 0; j2 < 2; ++j2) {
-                    u32 bv[4];
-                    const int kr = wn * 32 + j2 * 16 + ((lane >> 4) << 3) + (lane & 7);
-                    ldsm_x4(bv, sV + tile_off<D>(kr, kk * 2 + ((lane >> 3) & 1)));
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        mma_bf16(dp[mt][2 * j2], c[mt], bv[0], bv[1]);
-                        mma_bf16(dp[mt][2 * j2 + 1], c[mt], bv[2], bv[3]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int qr = wm * 32 + mt * 16 + (lane >> 2) + r * 8;
-                    const float dl = dlt[qr];
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const int kc = wn * 32 + j * 8 + ((lane & 3) << 1);
-#if BWD_PBF16
-                        const float p0 = __int_as_float(pp[mt][j][r] << 16);
-                        const float p1 = __int_as_float(pp[mt][j][r] & 0xffff0000u);
-#else
-                        const float p0 = pf[mt][j][2 * r], p1 = pf[mt][j][2 * r + 1];
-#endif
-                        const float d0 = p0 * (dp[mt][j][2 * r] - dl) * p.scale;
-                        const float d1 = p1 * (dp[mt][j][2 * r + 1] - dl) * p.scale;
-                        const u32 off = (u32)(qr * (BN * 2) + (((kc >> 3) ^ (qr & 7)) << 4) + ((kc & 7) << 1));
-                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + off), "r"(pack_bf16(d0, d1)));
-                    }
-                }
-#else
             float s[2][4][4], dp[2][4][4];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
@@ -299,6 +169,7 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                     }
                 }
             }
+            const bool need_mask = (p.causal && m0 < n0 + BN) || (n0 + BN > p.sk);  // query tails: see issue()
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -323,12 +194,10 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + off), "r"(pack_bf16(d0, d1)));
                     }
                 }
-#endif
         }
         __syncthreads();
 
         // Phase 2: dV += P^T dO, dK += dS^T Q on 32 keys x D/2 per warp.
-        auto phase2 = [&]() {
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
             u32 ap[2][4], as[2][4];
@@ -356,9 +225,8 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                 }
             }
         }
-        };
+
         // Phase 3: dQ += dS K on 32 queries x D/4 per warp.
-        auto phase3 = [&]() {
         {
             const int wq = warp & 1, w4 = warp >> 1;
             float dq[2][NTD / 4][4];
@@ -386,56 +254,19 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                     }
                 }
             }
-#if BWD_DQV4
-            if (dq_vec4) {
-                // Lanes 2i and 2i+1 hold columns c..c+1 and c+2..c+3 of rows r and
-                // r+8: swap halves so that the even lane adds row r, the odd lane
-                // row r+8, four floats each.
-                const bool odd = lane & 1;
-                float* gdq = (float*)p.dq + (i64)h * D + w4 * (D / 4) + (((lane & 3) >> 1) << 2);
+            float* gdq = (float*)p.dq + (i64)h * D + w4 * (D / 4) + ((lane & 3) << 1);
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    const int qr = m0 + wq * 32 + mt * 16 + (lane >> 2) + (odd ? 8 : 0);
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                    for (int j = 0; j < NTD / 4; ++j) {
-                        const float s0 = odd ? dq[mt][j][0] : dq[mt][j][2];
-                        const float s1 = odd ? dq[mt][j][1] : dq[mt][j][3];
-                        const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-                        const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-                        if (qr < p.sq) {
-                            float* a = gdq + (i64)qr * p.dq_stride + j * 8;
-                            if (odd)
-                                red_add_v4(a, r0, r1, dq[mt][j][2], dq[mt][j][3]);
-                            else
-                                red_add_v4(a, dq[mt][j][0], dq[mt][j][1], r0, r1);
-                        }
+                for (int r = 0; r < 2; ++r) {
+                    const int qr = m0 + wq * 32 + mt * 16 + (lane >> 2) + r * 8;
+                    if (qr < p.sq) {
+                        float* row = gdq + (i64)qr * p.dq_stride;
+#pragma unroll
+                        for (int j = 0; j < NTD / 4; ++j) red_add_v2(row + j * 8, dq[mt][j][2 * r], dq[mt][j][2 * r + 1]);
                     }
                 }
-            } else
-#endif
-            {
-                float* gdq = (float*)p.dq + (i64)h * D + w4 * (D / 4) + ((lane & 3) << 1);
-    #pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-    #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int qr = m0 + wq * 32 + mt * 16 + (lane >> 2) + r * 8;
-                        if (qr < p.sq) {
-                            float* row = gdq + (i64)qr * p.dq_stride;
-    #pragma unroll
-                            for (int j = 0; j < NTD / 4; ++j) red_add_v2(row + j * 8, dq[mt][j][2 * r], dq[mt][j][2 * r + 1]);
-                        }
-                    }
-            }
         }
-        };
-#if BWD_DQ_FIRST
-        phase3();
-        phase2();
-#else
-        phase2();
-        phase3();
-#endif
     }
 
     // dK, dV += (no other block touches these rows of this kv head).
