@@ -8,6 +8,7 @@
 #   scripts/gpu-check.sh build DIR        # here: binaries into DIR
 #   cp scripts/gpu-2x-bench.sh DIR/       # and this script
 #   BUDGET=400 bash DIR/gpu-2x-bench.sh   # on a 2-GPU machine
+#   (PARTS="tests profile long" TESTS="gpu_nccl" ... runs a subset)
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 bin="$here/bin"
@@ -15,6 +16,8 @@ out="${OUT:-/tmp/upipe-2x}"; mkdir -p "$out/logs"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 UPIPE_KERNEL_CACHE=/tmp/upipe-kernels
 T0=$(date +%s)
+# PARTS picks what runs (default all): tests check profile perf long
+want() { [[ " ${PARTS:-tests check profile perf long} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
 step() { # name timeout cmd...
   local name=$1 lim=$2; shift 2
@@ -28,23 +31,23 @@ step() { # name timeout cmd...
 }
 { date -u; nvidia-smi -L; } | tee "$out/logs/machine.txt"
 "$bin/upipe" info 2>&1 | tail -9
-for t in gpu_backend gpu_layer gpu_nccl gpu_plan; do
-  step "test_$t" 150 "$bin/test-test-$t" --test-threads=2 --nocapture
+want tests && for t in ${TESTS:-gpu_backend gpu_layer gpu_nccl gpu_plan gpu_train}; do
+  step "test_$t" 100 "$bin/test-test-$t" --test-threads=2 --nocapture
   grep -a -E "test result|^gpu |cuDNN [0-9(]|forward on cuDNN|FAILED|panicked" "$out/logs/test_$t.log" | cut -c1-300 | head -40
 done
 L=("$bin/upipe" launch --nproc-per-node 2 --master-port 29531 -- bench attn --device cuda --json)
 small=(--hidden 512 --heads 32 --kv-heads 8 --head-dim 128 --seq 1024 --check --warmup 0 --iters 1)
-step check_2x1 90 "${L[@]}" "${small[@]}" --ulysses 2 --methods ulysses,ring,usp,upipe --chunk-heads 2
-step check_2x1_overlap 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --overlap
-llama=(--hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ulysses 2 --warmup 1 --iters 2)
+want check && step check_2x1 90 "${L[@]}" "${small[@]}" --ulysses 2 --methods ulysses,ring,usp,upipe --chunk-heads 2
+want check && step check_2x1_overlap 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --overlap
+llama=(--hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --ulysses 2 --warmup 1)
 # where the time goes: rank 0's GPU time by op (events add a little overhead)
-UPIPE_PROFILE=1 step profile_131072 90 "${L[@]}" "${llama[@]}" --iters 1 --seq 131072 --methods ulysses,upipe --chunk-heads 2 --overlap
-for s in 131072 262144; do
-  step "perf_${s}" 150 "${L[@]}" "${llama[@]}" --seq $s --methods ulysses,upipe --chunk-heads 2
-  step "perf_${s}_U2_overlap" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 2 --overlap
-  step "perf_${s}_U4_overlap" 120 "${L[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 4 --overlap
+want profile && UPIPE_PROFILE=1 step profile_131072 90 "${L[@]}" "${llama[@]}" --iters 1 --seq 131072 --methods ulysses,upipe --chunk-heads 2 --overlap
+want perf && for s in 131072 262144; do
+  step "perf_${s}" 150 "${L[@]}" "${llama[@]}" --iters 2 --seq $s --methods ulysses,upipe --chunk-heads 2
+  step "perf_${s}_U2_overlap" 120 "${L[@]}" "${llama[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 2 --overlap
+  step "perf_${s}_U4_overlap" 120 "${L[@]}" "${llama[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 4 --overlap
 done
-step perf_524288 150 "${L[@]}" "${llama[@]}" --iters 1 --seq 524288 --methods ulysses,upipe --chunk-heads 2 --overlap
-step perf_1048576 240 "${L[@]}" "${llama[@]}" --iters 1 --seq 1048576 --methods ulysses,upipe --chunk-heads 2 --overlap
+want long && step perf_524288 150 "${L[@]}" "${llama[@]}" --iters 1 --seq 524288 --methods ulysses,upipe --chunk-heads 2 --overlap
+want long && step perf_1048576 240 "${L[@]}" "${llama[@]}" --iters 1 --seq 1048576 --methods ulysses,upipe --chunk-heads 2 --overlap
 echo "total $(( $(date +%s) - T0 ))s"
 tar -C "$out" -czf "$out/logs.tgz" logs && rm -rf "$out/logs"

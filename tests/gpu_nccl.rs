@@ -6,9 +6,10 @@
 //! binary and works wherever the test binary is copied). Skipped with a
 //! message where fewer than two GPUs (or no NCCL) exist.
 
-use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+mod common;
+
 use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{
     RankInputs, RankOptions, TrialInputs, assemble, gather_runs, run_rank, run_trial,
@@ -25,100 +26,20 @@ use upipe::comm::{MeshShape, ProcessGroup};
 /// Set in the children: which test body to run as a rank.
 const ROLE: &str = "UPIPE_GPU_NCCL_ROLE";
 
-fn gpus() -> usize {
-    match upipe::backend::cuda::device::gpus() {
-        Ok(g) => g.len(),
-        Err(e) => {
-            eprintln!("SKIP gpu_nccl: no CUDA driver ({e})");
-            0
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Parent: starts two ranks running `test` and checks both succeed.
 fn launch_two(test: &str) {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    let n = gpus();
-    if n < 2 {
-        eprintln!("SKIP gpu_nccl::{test}: needs 2 GPUs, found {n}");
+    if let Some(why) = common::two_gpus_missing() {
+        eprintln!("SKIP gpu_nccl::{test}: {why}");
         return;
     }
-    if let Err(e) = upipe::comm::nccl::library() {
-        eprintln!("SKIP gpu_nccl::{test}: {e}");
-        return;
-    }
-    let port = free_port().to_string();
-    let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..2)
-        .map(|rank| {
-            Command::new(&exe)
-                .args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(ROLE, test)
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("NCCL_NVLS_ENABLE", "0")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    // drain both pipes as the ranks run: a rank that fills a pipe the parent
-    // does not read blocks on its next write
-    let drains: Vec<_> = children
-        .iter_mut()
-        .map(|c| {
-            let (mut out, mut err) = (c.stdout.take().unwrap(), c.stderr.take().unwrap());
-            let o = std::thread::spawn(move || {
-                let mut s = String::new();
-                let _ = std::io::Read::read_to_string(&mut out, &mut s);
-                s
-            });
-            let e = std::thread::spawn(move || {
-                let mut s = String::new();
-                let _ = std::io::Read::read_to_string(&mut err, &mut s);
-                s
-            });
-            (o, e)
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let mut done = [None, None];
-    while done.iter().any(Option::is_none) {
-        for (i, c) in children.iter_mut().enumerate() {
-            if done[i].is_none() {
-                done[i] = c.try_wait().unwrap();
-            }
-        }
-        if done.iter().any(|s| s.is_some_and(|s| !s.success())) || Instant::now() > deadline {
-            for c in children.iter_mut() {
-                let _ = c.kill();
-            }
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let mut ok = true;
-    for (rank, (mut c, (o, e))) in children.into_iter().zip(drains).enumerate() {
-        let status = c.wait().unwrap();
-        let (o, e) = (o.join().unwrap_or_default(), e.join().unwrap_or_default());
-        println!("--- rank {rank} ({status:?})\n{o}{e}");
-        ok &= status.success();
-    }
-    assert!(ok, "a rank failed (see its output above)");
+    let ranks = common::run_two_ranks(test, ROLE, &[], Duration::from_secs(300));
+    assert!(
+        ranks.iter().all(|r| r.success),
+        "a rank failed (see its output above)"
+    );
 }
 
 /// Child: this rank's environment, rendezvous and NCCL world.

@@ -8,9 +8,10 @@
 //! does), so it works wherever the test binary is copied. Skipped with a
 //! message where fewer than two GPUs (or no NCCL) exist.
 
-use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+mod common;
+
 use upipe::attention::Strategy;
 use upipe::backend::cpu::CpuBackend;
 use upipe::comm::env::DistEnv;
@@ -86,86 +87,24 @@ fn tokens() -> Arc<[u32]> {
         .into()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Parent: starts two ranks of this test; returns rank 0's stdout, or
 /// `None` when the machine cannot run it.
 fn launch_two(test: &str, save: &std::path::Path) -> Option<String> {
-    let n = match upipe::backend::cuda::device::gpus() {
-        Ok(g) => g.len(),
-        Err(e) => {
-            eprintln!("SKIP gpu_train: no CUDA driver ({e})");
-            return None;
-        }
-    };
-    if n < 2 {
-        eprintln!("SKIP gpu_train::{test}: needs 2 GPUs, found {n}");
+    if let Some(why) = common::two_gpus_missing() {
+        eprintln!("SKIP gpu_train::{test}: {why}");
         return None;
     }
-    if let Err(e) = upipe::comm::nccl::library() {
-        eprintln!("SKIP gpu_train::{test}: {e}");
-        return None;
-    }
-    let ports: Vec<String> = configs().iter().map(|_| free_port().to_string()).collect();
-    let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..2)
-        .map(|rank| {
-            Command::new(&exe)
-                .args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(ROLE, test)
-                .env(PORTS, ports.join(","))
-                .env(SAVE, save)
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &ports[0])
-                .env("NCCL_NVLS_ENABLE", "0")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
+    let ports: Vec<String> = configs()
+        .iter()
+        .map(|_| common::free_port().to_string())
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let mut done = [None, None];
-    while done.iter().any(Option::is_none) {
-        for (i, c) in children.iter_mut().enumerate() {
-            if done[i].is_none() {
-                done[i] = c.try_wait().unwrap();
-            }
-        }
-        if done.iter().any(|s| s.is_some_and(|s| !s.success())) || Instant::now() > deadline {
-            for c in children.iter_mut() {
-                let _ = c.kill();
-            }
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let mut ok = true;
-    let mut lead = String::new();
-    for (rank, c) in children.into_iter().enumerate() {
-        let out = c.wait_with_output().unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        println!(
-            "--- rank {rank} ({:?})\n{stdout}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        ok &= out.status.success();
-        if rank == 0 {
-            lead = stdout;
-        }
-    }
-    assert!(ok, "a rank failed (see its output above)");
-    Some(lead)
+    let env = [(PORTS, ports.join(",")), (SAVE, save.display().to_string())];
+    let ranks = common::run_two_ranks(test, ROLE, &env, Duration::from_secs(300));
+    assert!(
+        ranks.iter().all(|r| r.success),
+        "a rank failed (see its output above)"
+    );
+    ranks.into_iter().next().map(|r| r.stdout)
 }
 
 /// Child: trains every configuration as one rank, rank 0 printing

@@ -1,0 +1,115 @@
+//! Shared by the multi-process GPU tests: re-run this test binary as two
+//! ranks (one per GPU) with torchrun-style variables, and collect what they
+//! printed.
+
+#![allow(dead_code)] // each test binary uses part of it
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// One finished rank.
+pub struct RankOutput {
+    pub success: bool,
+    pub status: String,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// A free loopback port for a rendezvous.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// Why two NCCL ranks cannot run here, if they cannot.
+pub fn two_gpus_missing() -> Option<String> {
+    let n = match upipe::backend::cuda::device::gpus() {
+        Ok(g) => g.len(),
+        Err(e) => return Some(format!("no CUDA driver ({e})")),
+    };
+    if n < 2 {
+        return Some(format!("needs 2 GPUs, found {n}"));
+    }
+    upipe::comm::nccl::library().err().map(|e| e.to_string())
+}
+
+/// Runs test `test` of this binary as ranks 0 and 1 (`role_var` set to the
+/// test's name, plus `env`), draining their output while they run; stops
+/// both when one fails or after `timeout`. Prints each rank's output.
+pub fn run_two_ranks(
+    test: &str,
+    role_var: &str,
+    env: &[(&str, String)],
+    timeout: Duration,
+) -> Vec<RankOutput> {
+    let port = free_port().to_string();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut c = Command::new(&exe);
+            c.args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(role_var, test)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("NCCL_NVLS_ENABLE", "0")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            c.spawn().unwrap()
+        })
+        .collect();
+    // a rank that fills a pipe nobody reads blocks on its next write
+    let drains: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            let (out, err) = (c.stdout.take().unwrap(), c.stderr.take().unwrap());
+            let read = |mut r: Box<dyn std::io::Read + Send>| {
+                std::thread::spawn(move || {
+                    let mut s = String::new();
+                    let _ = r.read_to_string(&mut s);
+                    s
+                })
+            };
+            (read(Box::new(out)), read(Box::new(err)))
+        })
+        .collect();
+    let deadline = Instant::now() + timeout;
+    let mut done = [None, None];
+    while done.iter().any(Option::is_none) {
+        for (i, c) in children.iter_mut().enumerate() {
+            if done[i].is_none() {
+                done[i] = c.try_wait().unwrap();
+            }
+        }
+        if done.iter().any(|s| s.is_some_and(|s| !s.success())) || Instant::now() > deadline {
+            for c in children.iter_mut() {
+                let _ = c.kill();
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    children
+        .into_iter()
+        .zip(drains)
+        .enumerate()
+        .map(|(rank, (mut c, (o, e)))| {
+            let status = c.wait().unwrap();
+            let (stdout, stderr) = (o.join().unwrap_or_default(), e.join().unwrap_or_default());
+            println!("--- rank {rank} ({status:?})\n{stdout}{stderr}");
+            RankOutput {
+                success: status.success(),
+                status: format!("{status:?}"),
+                stdout,
+                stderr,
+            }
+        })
+        .collect()
+}
