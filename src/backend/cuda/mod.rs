@@ -609,8 +609,9 @@ impl Backend for CudaBackend {
                 "upload",
             ),
             DType::BF16 => {
+                use rayon::prelude::*;
                 let h: Vec<u16> = data
-                    .iter()
+                    .par_iter()
                     .map(|&x| half::bf16::from_f32(x).to_bits())
                     .collect();
                 drv(
