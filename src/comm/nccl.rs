@@ -162,6 +162,9 @@ fn supports_split(version: &str) -> bool {
 /// An owned communicator; destroyed on drop.
 struct Comm {
     raw: sys::ncclComm_t,
+    /// The stream its collectives run on: drained before the communicator
+    /// is destroyed, so no transfer is in flight then.
+    stream: Arc<CudaStream>,
     /// Serialises enqueueing (NCCL communicators are not thread-safe).
     lock: Mutex<()>,
 }
@@ -173,6 +176,9 @@ unsafe impl Sync for Comm {}
 
 impl Drop for Comm {
     fn drop(&mut self) {
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!("NCCL communicator: draining its stream: {e:?}");
+        }
         // SAFETY: `raw` came from a successful init/split and is destroyed once.
         let r = unsafe { sys::ncclCommDestroy(self.raw) };
         if let Err(e) = check(r, "ncclCommDestroy", None) {
@@ -224,6 +230,10 @@ impl NcclWorld {
         let nranks = i32::try_from(env.world_size)
             .map_err(|_| Error::Config("world size exceeds NCCL's int".into()))?;
         drv_bind(&backend)?;
+        let comm_stream = drv(
+            backend.context().new_stream(),
+            "create the communication stream",
+        )?;
         let mut raw: sys::ncclComm_t = std::ptr::null_mut();
         let uid = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
@@ -235,17 +245,15 @@ impl NcclWorld {
             "ncclCommInitRank (world)",
             None,
         )?;
-        let comm_stream = drv(
-            backend.context().new_stream(),
-            "create the communication stream",
-        )?;
+        let comm = Arc::new(Comm {
+            raw,
+            stream: comm_stream.clone(),
+            lock: Mutex::new(()),
+        });
         Ok(NcclWorld {
             backend,
             comm_stream,
-            comm: Arc::new(Comm {
-                raw,
-                lock: Mutex::new(()),
-            }),
+            comm,
             rank: env.rank,
             size: env.world_size,
         })
@@ -308,6 +316,7 @@ impl NcclWorld {
             groups.push(self.group(
                 Arc::new(Comm {
                     raw,
+                    stream: self.comm_stream.clone(),
                     lock: Mutex::new(()),
                 }),
                 spec.members,
