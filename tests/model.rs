@@ -150,15 +150,8 @@ fn offload_moves_block_inputs_to_host() {
         seq: 64,
         steps: 1,
         optim: upipe::train::optim::AdamWConfig {
-            lr: 1e-3,
-            min_lr: 1e-4,
-            warmup: 0,
-            total_steps: 1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
             weight_decay: 0.0,
-            clip: 1.0,
+            ..upipe::train::optim::AdamWConfig::schedule(1e-3, 1e-4, 0, 1)
         },
         seed: 0,
         policy: MemoryPolicy {
@@ -204,15 +197,8 @@ fn data_parallel_replicas_average_their_sequences() {
         seq,
         steps: 3,
         optim: upipe::train::optim::AdamWConfig {
-            lr: 1e-3,
-            min_lr: 1e-3,
-            warmup: 0,
-            total_steps: 3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
             weight_decay: 0.0,
-            clip: 1.0,
+            ..upipe::train::optim::AdamWConfig::schedule(1e-3, 1e-3, 0, 3)
         },
         seed: 3,
         policy: MemoryPolicy::default(),

@@ -117,15 +117,8 @@ fn train_cfg(
         seq,
         steps: 1,
         optim: AdamWConfig {
-            lr: 1e-3,
-            min_lr: 1e-4,
-            warmup: 0,
-            total_steps: 1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
             weight_decay: 0.0,
-            clip: 1.0,
+            ..AdamWConfig::schedule(1e-3, 1e-4, 0, 1)
         },
         seed: 0,
         policy,

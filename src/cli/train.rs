@@ -428,15 +428,9 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         seq: a.seq,
         steps: a.steps,
         optim: AdamWConfig {
-            lr: a.lr,
-            min_lr: a.min_lr,
-            warmup: a.warmup,
-            total_steps: a.steps,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
             weight_decay: a.weight_decay,
             clip: a.clip,
+            ..AdamWConfig::schedule(a.lr, a.min_lr, a.warmup, a.steps)
         },
         seed: a.seed,
         policy: MemoryPolicy {

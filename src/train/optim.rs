@@ -21,6 +21,22 @@ pub struct AdamWConfig {
 }
 
 impl AdamWConfig {
+    /// The usual LLM settings (betas 0.9 / 0.95, eps 1e-8, weight decay 0.1,
+    /// clipping at 1.0) with a warmup + cosine schedule from `lr` to `min_lr`.
+    pub fn schedule(lr: f32, min_lr: f32, warmup: u32, total_steps: u32) -> Self {
+        AdamWConfig {
+            lr,
+            min_lr,
+            warmup,
+            total_steps,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            clip: 1.0,
+        }
+    }
+
     /// Linear warmup to `lr`, then cosine decay to `min_lr` at `total_steps` (1-based steps).
     pub fn lr_at(&self, step: u32) -> f32 {
         if self.warmup > 0 && step <= self.warmup {
@@ -124,17 +140,7 @@ mod tests {
 
     #[test]
     fn warmup_then_cosine_to_min() {
-        let c = AdamWConfig {
-            lr: 1.0,
-            min_lr: 0.1,
-            warmup: 10,
-            total_steps: 110,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            clip: 1.0,
-        };
+        let c = AdamWConfig::schedule(1.0, 0.1, 10, 110);
         assert!((c.lr_at(5) - 0.5).abs() < 1e-6);
         assert!((c.lr_at(10) - 1.0).abs() < 1e-6);
         assert!((c.lr_at(60) - 0.55).abs() < 1e-5);
