@@ -149,4 +149,11 @@ fn bad_configurations_name_the_fix() {
         String::from_utf8_lossy(&out.stderr).contains("tiny"),
         "lists the presets"
     );
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(["train", "--attn-kernel", "fastest", "--steps", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("auto, cudnn or native"), "{err}");
 }

@@ -14,6 +14,7 @@ mod common;
 
 use upipe::attention::Strategy;
 use upipe::backend::cpu::CpuBackend;
+use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::comm::env::DistEnv;
 use upipe::model::{MemoryPolicy, ModelConfig};
 use upipe::train::optim::AdamWConfig;
@@ -119,7 +120,7 @@ fn run_ranks() {
         let on_step = |r: &upipe::train::trainer::StepReport| {
             println!("STEP {name} {} {} {}", r.step, r.loss, r.tokens_per_s);
         };
-        let s = train_process_rank(&cfg, tokens(), &env, &on_step).unwrap();
+        let s = train_process_rank(&cfg, tokens(), &env, AttnKernel::Auto, &on_step).unwrap();
         assert_eq!(s.reports.len(), STEPS as usize);
         assert_eq!(s.ranks, 2);
     }

@@ -18,6 +18,7 @@
 //! size, or the visible GPUs; on the CPU it is 2 Ulysses x 2 ring.
 
 use crate::attention::{CpPlan, Strategy};
+use crate::backend::cuda::cudnn::AttnKernel;
 use crate::backend::{Bytes, Category};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
@@ -109,6 +110,10 @@ pub struct TrainArgs {
     /// otherwise ranks are threads (on GPUs: exchanges through host memory).
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Attention kernel on GPUs: auto (cuDNN SDPA where it supports the call,
+    /// else our kernels), cudnn (an error where it cannot), native (ours).
+    #[arg(long, default_value = "auto")]
+    pub attn_kernel: String,
     /// One JSON object per step instead of a progress bar.
     #[arg(long)]
     pub json: bool,
@@ -373,6 +378,7 @@ fn train_on_gpus(
     cfg: &TrainConfig,
     tokens: std::sync::Arc<[u32]>,
     gpus: usize,
+    kernel: AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     use crate::backend::cuda::CudaBackend;
@@ -385,7 +391,9 @@ fn train_on_gpus(
     let next = AtomicUsize::new(0);
     let make = || {
         let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
-        CudaBackend::new(g).expect("the device opened a moment ago")
+        let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
+        b.set_attn_kernel(kernel);
+        b
     };
     crate::train::trainer::train_threads(cfg, tokens, make, on_step)
 }
@@ -397,6 +405,7 @@ fn visible_gpus() -> usize {
 
 pub fn run(a: TrainArgs) -> Result<i32> {
     let device: Device = a.device.parse()?;
+    let kernel: AttnKernel = a.attn_kernel.parse()?;
     let gpus = if device == Device::Cpu {
         0
     } else {
@@ -560,9 +569,11 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     let summary = match route {
         Route::ProcessRank => {
             let env = env.as_ref().expect("a launched run has its environment");
-            train_process_rank(&cfg, tokens.into(), env, &on_step)?
+            train_process_rank(&cfg, tokens.into(), env, kernel, &on_step)?
         }
-        Route::GpuThreads { gpus, .. } => train_on_gpus(&cfg, tokens.into(), gpus, &on_step)?,
+        Route::GpuThreads { gpus, .. } => {
+            train_on_gpus(&cfg, tokens.into(), gpus, kernel, &on_step)?
+        }
         _ => train_cpu(&cfg, tokens.into(), &on_step)?,
     };
     bar.finish();

@@ -194,11 +194,13 @@ pub fn train_on_mesh<B: Backend>(
 /// torchrun or srun (`env`): opens `CudaBackend::new(LOCAL_RANK)`, meets the
 /// other ranks at the rendezvous, joins the NCCL world and splits the
 /// `data x ring x ulysses` mesh of `cfg` from it, then runs the per-rank loop
-/// of [`train_on_mesh`]. The world size must equal the mesh size.
+/// of [`train_on_mesh`]. The world size must equal the mesh size. `kernel`
+/// picks the attention kernels (`--attn-kernel`).
 pub fn train_process_rank(
     cfg: &TrainConfig,
     tokens: Arc<[u32]>,
     env: &DistEnv,
+    kernel: crate::backend::cuda::cudnn::AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     use crate::backend::cuda::CudaBackend;
@@ -211,7 +213,9 @@ pub fn train_process_rank(
     let gpus = crate::backend::cuda::device::gpus()?.len();
     check_local_rank(env.local_rank, gpus)?;
     let mut rv = Rendezvous::connect(env, RENDEZVOUS_TIMEOUT)?;
-    let b = Arc::new(CudaBackend::new(env.local_rank)?);
+    let mut b = CudaBackend::new(env.local_rank)?;
+    b.set_attn_kernel(kernel);
+    let b = Arc::new(b);
     let world = NcclWorld::connect(env, &mut rv, b.clone())?;
     let mesh = world.mesh(shape)?;
     train_on_mesh(cfg, tokens, b.as_ref(), &mesh, on_step)
