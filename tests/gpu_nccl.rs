@@ -163,6 +163,9 @@ fn nccl_attention_layer_matches_cpu() {
         let plan = CpPlan::new(Strategy::Local, &d, seq, 1, 1, None).unwrap();
         run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap()
     });
+    // a failing rank 0 must not stop early: rank 1 would wait for it in the
+    // next collective, and neither process would exit
+    let mut failures = Vec::new();
     for (s, pu, pr, u) in [
         (Strategy::Ulysses, 2, 1, None),
         (Strategy::Ring, 2, 1, None),
@@ -187,8 +190,11 @@ fn nccl_attention_layer_matches_cpu() {
             let errs = got.errors_against(r);
             println!("nccl {s} {pu}x{pr} U={u:?}: {errs:?}");
             for (name, e) in errs {
-                assert!(e <= 1e-2, "{s} {pu}x{pr}: {name} rel err {e:e}");
+                if e > common::bf16_tolerance(&name) {
+                    failures.push(format!("{s} {pu}x{pr} U={u:?}: {name} rel err {e:e}"));
+                }
             }
         }
     }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
