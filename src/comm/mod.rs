@@ -59,8 +59,10 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
 }
 
 /// A collective's result in flight (see [`ProcessGroup::start_all_to_all`]).
+/// Dropped without [`Pending::wait`] (an error path), it still orders later
+/// work after the transfer before releasing the buffers it reads.
 pub struct Pending<B: Backend> {
-    recv: Tensor<B>,
+    recv: Option<Tensor<B>>,
     /// Orders later work after the transfer and releases what it reads.
     join: Option<Box<dyn FnOnce() -> Result<()>>>,
 }
@@ -68,13 +70,16 @@ pub struct Pending<B: Backend> {
 impl<B: Backend> Pending<B> {
     /// A finished transfer.
     pub fn done(recv: Tensor<B>) -> Self {
-        Pending { recv, join: None }
+        Pending {
+            recv: Some(recv),
+            join: None,
+        }
     }
 
     /// A transfer that `join` completes (in stream order, without host waits).
     pub fn new(recv: Tensor<B>, join: Box<dyn FnOnce() -> Result<()>>) -> Self {
         Pending {
-            recv,
+            recv: Some(recv),
             join: Some(join),
         }
     }
@@ -84,7 +89,17 @@ impl<B: Backend> Pending<B> {
         if let Some(join) = self.join.take() {
             join()?;
         }
-        Ok(self.recv)
+        Ok(self.recv.take().expect("taken only here"))
+    }
+}
+
+impl<B: Backend> Drop for Pending<B> {
+    fn drop(&mut self) {
+        if let Some(join) = self.join.take()
+            && let Err(e) = join()
+        {
+            tracing::warn!("a dropped collective could not be joined: {e}");
+        }
     }
 }
 
