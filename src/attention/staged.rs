@@ -293,11 +293,10 @@ impl<'a, B: Backend> Staged<'a, B> {
 
     /// Backward; returns `dx` and accumulates this rank's partial weight gradients.
     ///
-    /// The projection gradients of a whole kv phase (every stage's dQ, then
-    /// dK and dV) gather in one buffer for this rank's tokens before they
-    /// meet the weights: one GEMM per phase for `dx` and one per head block
-    /// for the weight gradients, instead of several per stage (each of which
-    /// would read and write all of `dx` and read all of `x`).
+    /// Each stage's dQ (and each phase's dK with dV) meets the weights in one
+    /// `dx` GEMM over its head blocks side by side ([`Self::accumulate_proj_grads`]),
+    /// so `dx` (`[s, hidden]`, the largest operand) is read and written once
+    /// per stage, not once per head block.
     pub fn backward(
         &self,
         w: &AttentionWeights<B>,

@@ -261,6 +261,15 @@ impl CudaBackend {
         &self.profile
     }
 
+    /// Returns the attention kernels' kept workspace (cuDNN's, grown to its
+    /// largest call) to the pool, so a following workload's peak is its own.
+    pub fn release_attention_workspace(&self) -> Result<()> {
+        match self.cudnn.get() {
+            Some(Ok(sdpa)) => sdpa.release_workspace(),
+            _ => Ok(()),
+        }
+    }
+
     /// Counts of attention calls (non-empty ones) by the kernels they ran on.
     pub fn attention_calls(&self) -> AttentionCalls {
         let c = |i: usize| self.attn_calls[i].load(Ordering::Relaxed);

@@ -216,6 +216,17 @@ impl CudnnSdpa {
         entry.map_err(Error::Backend)
     }
 
+    /// Returns the execution workspace to the pool (it is kept between calls
+    /// and grows to the largest; the next call allocates what it needs).
+    pub fn release_workspace(&self) -> Result<()> {
+        let mut ws = self
+            .exec
+            .lock()
+            .map_err(|_| Error::Backend("cuDNN workspace lock poisoned".into()))?;
+        *ws = None;
+        Ok(())
+    }
+
     /// Runs `plan` with a workspace of at least `bytes` (grown from the pool).
     fn run(
         &self,
