@@ -7,7 +7,7 @@
 //! K/V gradients travel with their blocks and return home at the end.
 
 use crate::backend::{Backend, Category, DType, Tensor};
-use crate::comm::ProcessGroup;
+use crate::comm::{Pending, ProcessGroup};
 use crate::error::Result;
 use std::ops::Range;
 
@@ -55,6 +55,10 @@ pub fn ring_block(i: usize, step: usize, p: usize, half: usize) -> RingBlock {
 
 /// Ring attention forward. `q: [n, hq, d]`, `k, v: [n, hkv, d]` (this rank's
 /// shard); returns `o: [n, hq, d]` and `lse: [n, hq]` (F32).
+///
+/// Each K/V block is passed on to the next rank as soon as it arrives, so
+/// the transfer of the block for step `s + 1` runs beside step `s`'s
+/// attention where the group overlaps transfers (NCCL).
 pub fn forward<B: Backend>(
     b: &B,
     ring: &dyn ProcessGroup<B>,
@@ -67,6 +71,11 @@ pub fn forward<B: Backend>(
     let mut o = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
     // the LSE is kept for backward
     let mut lse = b.zeros(&[n, hq], DType::F32, Category::Activations)?;
+    let mut in_flight = if p > 1 {
+        Some(pass_on(b, ring, vec![copy_of(b, k)?, copy_of(b, v)?])?)
+    } else {
+        None
+    };
     b.attention_fwd(
         q.all_rows(),
         k.all_rows(),
@@ -78,22 +87,28 @@ pub fn forward<B: Backend>(
     if p == 1 {
         return Ok((o, lse));
     }
-    let mut visiting: Option<(Tensor<B>, Tensor<B>)> = None;
     let mut o_blk = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
     let mut lse_blk = b.zeros(&[n, hq], DType::F32, Category::Workspace)?;
     for step in 1..p {
-        let (ks, vs) = match &visiting {
-            Some((kk, vv)) => (kk, vv),
-            None => (k, v),
+        // (the block sent last step is released)
+        let arrived = in_flight
+            .take()
+            .expect("a block arrives every step")
+            .wait_all()?
+            .received;
+        // pass it on while attending to it (the last step keeps it)
+        let held;
+        let kv: &[Tensor<B>] = if step + 1 < p {
+            in_flight.insert(pass_on(b, ring, arrived)?).sending()
+        } else {
+            held = arrived;
+            &held
         };
-        let next = pass_on(b, ring, &[ks, vs])?;
-        let mut it = next.into_iter();
-        let (kn, vn) = (it.next().expect("k"), it.next().expect("v"));
         let blk = ring_block(i, step, p, n / 2);
         b.attention_fwd(
             q.rows_view(blk.q_rows.clone()),
-            kn.rows_view(blk.k_rows.clone()),
-            vn.rows_view(blk.k_rows.clone()),
+            kv[0].rows_view(blk.k_rows.clone()),
+            kv[1].rows_view(blk.k_rows.clone()),
             false,
             o_blk.rows_view_mut(blk.q_rows.clone()),
             lse_blk.rows_view_mut(blk.q_rows.clone()),
@@ -104,13 +119,17 @@ pub fn forward<B: Backend>(
             o_blk.rows_view(blk.q_rows.clone()),
             lse_blk.rows_view(blk.q_rows.clone()),
         )?;
-        visiting = Some((kn, vn));
     }
     Ok((o, lse))
 }
 
 /// Ring attention backward: accumulates `dq` for the local queries and `dk`,
 /// `dv` for the local K/V (all `[n, heads, d]`, F32 or compute dtype).
+///
+/// K/V blocks travel as in [`forward`] (passed on as they arrive, beside the
+/// step's attention backward); each block's dK/dV follow it one step behind,
+/// once the step that accumulates into them is done, and arrive home after
+/// the last step.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<B: Backend>(
     b: &B,
@@ -140,69 +159,89 @@ pub fn backward<B: Backend>(
             dv.all_rows_mut(),
         );
     }
-    // K/V of the block being visited and the gradients travelling with it.
-    let mut kv: Option<(Tensor<B>, Tensor<B>)> = None;
+    let mut in_flight = Some(pass_on(b, ring, vec![copy_of(b, k)?, copy_of(b, v)?])?);
+    // the gradients of the block being visited, travelling with it
     let mut dk_t = b.zeros(dk.shape(), dk.dtype(), Category::Workspace)?;
     let mut dv_t = b.zeros(dv.shape(), dv.dtype(), Category::Workspace)?;
-    for step in 0..p {
+    let mut step_bwd = |step: usize,
+                        ks: &Tensor<B>,
+                        vs: &Tensor<B>,
+                        dk_t: &mut Tensor<B>,
+                        dv_t: &mut Tensor<B>| {
         let blk = ring_block(i, step, p, n / 2);
-        {
-            let (ks, vs) = match &kv {
-                Some((kk, vv)) => (kk, vv),
-                None => (k, v),
-            };
-            b.attention_bwd(
-                q.rows_view(blk.q_rows.clone()),
-                ks.rows_view(blk.k_rows.clone()),
-                vs.rows_view(blk.k_rows.clone()),
-                o.rows_view(blk.q_rows.clone()),
-                d_o.rows_view(blk.q_rows.clone()),
-                lse.rows_view(blk.q_rows.clone()),
-                blk.causal,
-                dq.rows_view_mut(blk.q_rows.clone()),
-                dk_t.rows_view_mut(blk.k_rows.clone()),
-                dv_t.rows_view_mut(blk.k_rows.clone()),
-            )?;
-        }
-        // Pass the block on with its gradients; after the last step only the
-        // gradients move, arriving back at the block's owner.
-        if step + 1 < p {
-            let (ks, vs) = match &kv {
-                Some((kk, vv)) => (kk, vv),
-                None => (k, v),
-            };
-            let mut moved = pass_on(b, ring, &[ks, vs, &dk_t, &dv_t])?.into_iter();
-            let kn = moved.next().expect("k");
-            let vn = moved.next().expect("v");
-            dk_t = moved.next().expect("dk");
-            dv_t = moved.next().expect("dv");
-            kv = Some((kn, vn));
+        b.attention_bwd(
+            q.rows_view(blk.q_rows.clone()),
+            ks.rows_view(blk.k_rows.clone()),
+            vs.rows_view(blk.k_rows.clone()),
+            o.rows_view(blk.q_rows.clone()),
+            d_o.rows_view(blk.q_rows.clone()),
+            lse.rows_view(blk.q_rows.clone()),
+            blk.causal,
+            dq.rows_view_mut(blk.q_rows.clone()),
+            dk_t.rows_view_mut(blk.k_rows.clone()),
+            dv_t.rows_view_mut(blk.k_rows.clone()),
+        )
+    };
+    step_bwd(0, k, v, &mut dk_t, &mut dv_t)?;
+    for step in 1..p {
+        // the finished block's gradients follow it; this step's block's arrive
+        (dk_t, dv_t) = pass_grads(b, ring, dk_t, dv_t)?;
+        // (the block sent last step is released)
+        let arrived = in_flight
+            .take()
+            .expect("a block arrives every step")
+            .wait_all()?
+            .received;
+        let held;
+        let kv: &[Tensor<B>] = if step + 1 < p {
+            in_flight.insert(pass_on(b, ring, arrived)?).sending()
         } else {
-            kv = None;
-            let mut moved = pass_on(b, ring, &[&dk_t, &dv_t])?.into_iter();
-            dk_t = moved.next().expect("dk");
-            dv_t = moved.next().expect("dv");
-        }
+            held = arrived;
+            &held
+        };
+        step_bwd(step, &kv[0], &kv[1], &mut dk_t, &mut dv_t)?;
     }
+    // the last block's gradients go home
+    let (dk_t, dv_t) = pass_grads(b, ring, dk_t, dv_t)?;
     b.axpy(dk, 1.0, &dk_t)?;
     b.axpy(dv, 1.0, &dv_t)?;
     Ok(())
 }
 
-/// Sends tensors to the next ring rank and receives the previous rank's.
+/// A copy of `t` to send (the caller keeps the original).
+fn copy_of<B: Backend>(b: &B, t: &Tensor<B>) -> Result<Tensor<B>> {
+    let mut c = b.zeros(t.shape(), t.dtype(), Category::Comm)?;
+    b.copy(c.mat_mut(), t.mat())?;
+    Ok(c)
+}
+
+/// Starts sending `ts` to the next ring rank while receiving the previous
+/// rank's tensors of the same shapes.
 fn pass_on<B: Backend>(
     b: &B,
     ring: &dyn ProcessGroup<B>,
-    ts: &[&Tensor<B>],
-) -> Result<Vec<Tensor<B>>> {
+    ts: Vec<Tensor<B>>,
+) -> Result<Pending<B>> {
     let (p, i) = (ring.size(), ring.rank());
-    ts.iter()
-        .map(|t| {
-            let mut r = b.zeros(t.shape(), t.dtype(), Category::Comm)?;
-            ring.send_recv(t, (i + 1) % p, &mut r, (i + p - 1) % p)?;
-            Ok(r)
-        })
-        .collect()
+    let recv = ts
+        .iter()
+        .map(|t| b.zeros(t.shape(), t.dtype(), Category::Comm))
+        .collect::<Result<Vec<_>>>()?;
+    ring.start_send_recv(ts, (i + 1) % p, recv, (i + p - 1) % p)
+}
+
+/// Passes a block's dK, dV to the next ring rank and returns the previous
+/// rank's (the sent ones are released).
+fn pass_grads<B: Backend>(
+    b: &B,
+    ring: &dyn ProcessGroup<B>,
+    dk_t: Tensor<B>,
+    dv_t: Tensor<B>,
+) -> Result<(Tensor<B>, Tensor<B>)> {
+    let mut got = pass_on(b, ring, vec![dk_t, dv_t])?.wait_all()?.received;
+    let dv = got.pop().expect("two received");
+    let dk = got.pop().expect("two received");
+    Ok((dk, dv))
 }
 
 #[cfg(test)]

@@ -30,17 +30,11 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
     /// the group can run transfers beside compute (NCCL: on its own stream);
     /// [`Pending::wait`] hands back `recv` once later work is ordered after
     /// the transfer. Groups that cannot overlap finish it here. Either way
-    /// `send` is released at the wait, so memory use is the same on every
+    /// `send` is held until the wait, so memory use is the same on every
     /// backend.
     fn start_all_to_all(&self, send: Tensor<B>, mut recv: Tensor<B>) -> Result<Pending<B>> {
         self.all_to_all(&send, &mut recv)?;
-        Ok(Pending::new(
-            recv,
-            Box::new(move || {
-                drop(send);
-                Ok(())
-            }),
-        ))
+        Ok(Pending::in_flight(vec![recv], vec![send], None))
     }
     /// `recv[j] = send_of_rank_j`.
     fn all_gather(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()>;
@@ -56,40 +50,95 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
         recv: &mut Tensor<B>,
         from: usize,
     ) -> Result<()>;
+    /// Starts `send_recv` of each `send[j]` into `recv[j]` (one transfer) and
+    /// returns before it finishes where the group can overlap it (as
+    /// [`ProcessGroup::start_all_to_all`]); the sent tensors stay readable
+    /// through [`Pending::sending`] meanwhile and come back from
+    /// [`Pending::wait_all`].
+    fn start_send_recv(
+        &self,
+        send: Vec<Tensor<B>>,
+        to: usize,
+        mut recv: Vec<Tensor<B>>,
+        from: usize,
+    ) -> Result<Pending<B>> {
+        same_count(&send, &recv)?;
+        for (s, r) in send.iter().zip(recv.iter_mut()) {
+            self.send_recv(s, to, r, from)?;
+        }
+        Ok(Pending::in_flight(recv, send, None))
+    }
 }
 
-/// A collective's result in flight (see [`ProcessGroup::start_all_to_all`]).
-/// Dropped without [`Pending::wait`] (an error path), it still orders later
-/// work after the transfer before releasing the buffers it reads.
-pub struct Pending<B: Backend> {
-    recv: Option<Tensor<B>>,
-    /// Orders later work after the transfer and releases what it reads.
-    join: Option<Box<dyn FnOnce() -> Result<()>>>,
+/// A grouped transfer pairs each sent tensor with one received tensor.
+pub fn same_count<B: Backend>(send: &[Tensor<B>], recv: &[Tensor<B>]) -> Result<()> {
+    if send.len() != recv.len() {
+        return Err(crate::error::Error::Comm(format!(
+            "send_recv of {} tensors into {}",
+            send.len(),
+            recv.len()
+        )));
+    }
+    Ok(())
 }
+
+/// A collective in flight (see [`ProcessGroup::start_all_to_all`]): the
+/// tensors it receives into and the ones it sends from, which it holds until
+/// [`Pending::wait`] so no buffer a transfer uses returns to the pool early.
+/// Dropped without a wait (an error path), it still orders later work after
+/// the transfer before releasing them.
+pub struct Pending<B: Backend> {
+    recv: Vec<Tensor<B>>,
+    send: Vec<Tensor<B>>,
+    /// Orders later work after the transfer (`None`: already finished).
+    join: Option<Join>,
+}
+
+/// A finished transfer's buffers.
+pub struct Finished<B: Backend> {
+    pub received: Vec<Tensor<B>>,
+    pub sent: Vec<Tensor<B>>,
+}
+
+/// Makes later work wait for a transfer (in stream order, no host wait).
+pub type Join = Box<dyn FnOnce() -> Result<()>>;
 
 impl<B: Backend> Pending<B> {
-    /// A finished transfer.
+    /// A finished transfer that received `recv`.
     pub fn done(recv: Tensor<B>) -> Self {
-        Pending {
-            recv: Some(recv),
-            join: None,
-        }
+        Pending::in_flight(vec![recv], Vec::new(), None)
     }
 
-    /// A transfer that `join` completes (in stream order, without host waits).
-    pub fn new(recv: Tensor<B>, join: Box<dyn FnOnce() -> Result<()>>) -> Self {
-        Pending {
-            recv: Some(recv),
-            join: Some(join),
-        }
+    /// A transfer into `recv` from `send`; `join` makes later work wait for it.
+    pub fn in_flight(recv: Vec<Tensor<B>>, send: Vec<Tensor<B>>, join: Option<Join>) -> Self {
+        Pending { recv, send, join }
     }
 
-    /// The received tensor, usable by work queued from now on.
-    pub fn wait(mut self) -> Result<Tensor<B>> {
+    /// The tensors being sent: readable while they are in flight.
+    pub fn sending(&self) -> &[Tensor<B>] {
+        &self.send
+    }
+
+    /// The received tensors and the sent ones, usable by work queued from now on.
+    pub fn wait_all(mut self) -> Result<Finished<B>> {
         if let Some(join) = self.join.take() {
             join()?;
         }
-        Ok(self.recv.take().expect("taken only here"))
+        Ok(Finished {
+            received: std::mem::take(&mut self.recv),
+            sent: std::mem::take(&mut self.send),
+        })
+    }
+
+    /// The one received tensor (the sent ones are released).
+    pub fn wait(self) -> Result<Tensor<B>> {
+        let mut recv = self.wait_all()?.received;
+        match (recv.pop(), recv.is_empty()) {
+            (Some(t), true) => Ok(t),
+            _ => Err(crate::error::Error::Comm(
+                "Pending::wait on a transfer of several tensors; use wait_all".into(),
+            )),
+        }
     }
 }
 

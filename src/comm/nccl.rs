@@ -418,6 +418,13 @@ impl NcclGroup {
         drv(self.comm_stream.record_event(None), "record event")
     }
 
+    /// What makes the compute stream wait for transfers ending at `done`
+    /// (for a [`Pending`]; no host synchronisation).
+    fn join(&self, done: CudaEvent) -> super::Join {
+        let compute = self.backend.stream().clone();
+        Box::new(move || drv(compute.wait(&done), "stream wait"))
+    }
+
     /// `issue`, then orders the compute stream after the transfers.
     fn ordered(&self, kind: &'static str, f: impl FnOnce() -> Result<()>) -> Result<()> {
         let done = self.issue(kind, f)?;
@@ -690,17 +697,27 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         mut recv: Tensor<CudaBackend>,
     ) -> Result<Pending<CudaBackend>> {
         let done = self.issue("all_to_all", || self.all_to_all_queued(&send, &mut recv))?;
-        let compute = self.backend.stream().clone();
-        Ok(Pending::new(
-            recv,
-            Box::new(move || {
-                drv(compute.wait(&done), "stream wait")?;
-                // the compute stream now follows the transfer, so the pool may
-                // reuse the send buffer for work queued after this point
-                drop(send);
-                Ok(())
-            }),
+        Ok(Pending::in_flight(
+            vec![recv],
+            vec![send],
+            Some(self.join(done)),
         ))
+    }
+    fn start_send_recv(
+        &self,
+        send: Vec<Tensor<CudaBackend>>,
+        to: usize,
+        mut recv: Vec<Tensor<CudaBackend>>,
+        from: usize,
+    ) -> Result<Pending<CudaBackend>> {
+        super::same_count(&send, &recv)?;
+        let done = self.issue("send_recv", || {
+            for (s, r) in send.iter().zip(recv.iter_mut()) {
+                self.send_recv_queued(s, to, r, from)?;
+            }
+            Ok(())
+        })?;
+        Ok(Pending::in_flight(recv, send, Some(self.join(done))))
     }
     fn all_gather(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
         self.ordered("all_gather", || self.all_gather_queued(send, recv))

@@ -182,28 +182,35 @@ impl AttnWalk {
         [o_att, d_o, self.q_exchanged(sim)]
     }
 
+    /// `ring::pass_on`: receive buffers shaped like `sizes`, then the transfer
+    /// holds `sending` until it is waited for.
+    fn pass_on(&self, sim: &mut Sim, sizes: [usize; 2], sending: [Buf; 2]) -> ([Buf; 2], [Buf; 2]) {
+        let recv = sizes.map(|bytes| sim.alloc(Comm, bytes));
+        (recv, sending)
+    }
+
     /// `ring::forward`: (O of the stage, its LSE).
     fn ring_fwd(&self, sim: &mut Sim, q: Buf, k: Buf, v: Buf) -> (Buf, Buf) {
+        let p = self.sh.pr;
         let lse_bytes = numel(self.sh.stage_lse()) * F32;
         let o = sim.alloc(Workspace, q.bytes);
         let lse = sim.alloc(Activations, lse_bytes);
-        if self.sh.pr == 1 {
+        if p == 1 {
             return (o, lse);
         }
+        let kv = [k.bytes, v.bytes];
+        let copies = kv.map(|bytes| sim.alloc(Comm, bytes));
+        let mut in_flight = Some(self.pass_on(sim, kv, copies));
         let o_blk = sim.alloc(Workspace, q.bytes);
         let lse_blk = sim.alloc(Workspace, lse_bytes);
-        let mut visiting: Option<(Buf, Buf)> = None;
-        for _step in 1..self.sh.pr {
-            let kn = sim.alloc(Comm, k.bytes);
-            let vn = sim.alloc(Comm, v.bytes);
-            if let Some((a, b)) = visiting.replace((kn, vn)) {
-                sim.free(a);
-                sim.free(b);
+        for step in 1..p {
+            let (arrived, sent) = in_flight.take().expect("a block arrives every step");
+            sent.into_iter().for_each(|t| sim.free(t));
+            if step + 1 < p {
+                in_flight = Some(self.pass_on(sim, kv, arrived));
+            } else {
+                arrived.into_iter().for_each(|t| sim.free(t));
             }
-        }
-        if let Some((a, b)) = visiting {
-            sim.free(a);
-            sim.free(b);
         }
         sim.free(o_blk);
         sim.free(lse_blk);
@@ -217,37 +224,36 @@ impl AttnWalk {
             self.attention_bwd(sim, n, n, u, m, true);
             return;
         }
-        let mut dk_t = sim.alloc(Workspace, dk.bytes);
-        let mut dv_t = sim.alloc(Workspace, dk.bytes);
-        let mut kv: Option<(Buf, Buf)> = None;
-        for step in 0..p {
+        let kv = [k.bytes, v.bytes];
+        let copies = kv.map(|bytes| sim.alloc(Comm, bytes));
+        let mut in_flight = Some(self.pass_on(sim, kv, copies));
+        let mut grads = [dk.bytes; 2].map(|bytes| sim.alloc(Workspace, bytes));
+        // `ring::pass_grads`
+        let pass_grads = |sim: &mut Sim, grads: [Buf; 2]| {
+            let (recv, sent) = self.pass_on(sim, [dk.bytes; 2], grads);
+            sent.into_iter().for_each(|t| sim.free(t));
+            recv
+        };
+        let bwd = |sim: &mut Sim, step: usize| {
             let blk = crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2);
             let (sq, sk) = (blk.q_rows.len(), blk.k_rows.len());
             self.attention_bwd(sim, sq, sk, u, m, blk.causal);
+        };
+        bwd(sim, 0);
+        for step in 1..p {
+            grads = pass_grads(sim, grads);
+            let (arrived, sent) = in_flight.take().expect("a block arrives every step");
+            sent.into_iter().for_each(|t| sim.free(t));
             if step + 1 < p {
-                let kn = sim.alloc(Comm, k.bytes);
-                let vn = sim.alloc(Comm, v.bytes);
-                let dkn = sim.alloc(Comm, dk_t.bytes);
-                let dvn = sim.alloc(Comm, dv_t.bytes);
-                sim.free(std::mem::replace(&mut dk_t, dkn));
-                sim.free(std::mem::replace(&mut dv_t, dvn));
-                if let Some((a, b)) = kv.replace((kn, vn)) {
-                    sim.free(a);
-                    sim.free(b);
-                }
+                in_flight = Some(self.pass_on(sim, kv, arrived));
+                bwd(sim, step);
             } else {
-                if let Some((a, b)) = kv.take() {
-                    sim.free(a);
-                    sim.free(b);
-                }
-                let dkn = sim.alloc(Comm, dk_t.bytes);
-                let dvn = sim.alloc(Comm, dv_t.bytes);
-                sim.free(std::mem::replace(&mut dk_t, dkn));
-                sim.free(std::mem::replace(&mut dv_t, dvn));
+                bwd(sim, step);
+                arrived.into_iter().for_each(|t| sim.free(t));
             }
         }
-        sim.free(dk_t);
-        sim.free(dv_t);
+        let grads = pass_grads(sim, grads);
+        grads.into_iter().for_each(|t| sim.free(t));
     }
 
     /// `Staged::forward`.
