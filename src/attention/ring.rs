@@ -71,11 +71,8 @@ pub fn forward<B: Backend>(
     let mut o = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
     // the LSE is kept for backward
     let mut lse = b.zeros(&[n, hq], DType::F32, Category::Activations)?;
-    let mut in_flight = if p > 1 {
-        Some(pass_on(b, ring, vec![copy_of(b, k)?, copy_of(b, v)?])?)
-    } else {
-        None
-    };
+    // the local block starts travelling before the local attention
+    let relay = (p > 1).then(|| KvRelay::start(b, ring, k, v)).transpose()?;
     b.attention_fwd(
         q.all_rows(),
         k.all_rows(),
@@ -87,23 +84,11 @@ pub fn forward<B: Backend>(
     if p == 1 {
         return Ok((o, lse));
     }
+    let mut relay = relay.expect("started for p > 1");
     let mut o_blk = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
     let mut lse_blk = b.zeros(&[n, hq], DType::F32, Category::Workspace)?;
     for step in 1..p {
-        // (the block sent last step is released)
-        let arrived = in_flight
-            .take()
-            .expect("a block arrives every step")
-            .wait_all()?
-            .received;
-        // pass it on while attending to it (the last step keeps it)
-        let held;
-        let kv: &[Tensor<B>] = if step + 1 < p {
-            in_flight.insert(pass_on(b, ring, arrived)?).sending()
-        } else {
-            held = arrived;
-            &held
-        };
+        let kv = relay.advance(b, ring, step + 1 == p)?;
         let blk = ring_block(i, step, p, n / 2);
         b.attention_fwd(
             q.rows_view(blk.q_rows.clone()),
@@ -120,6 +105,7 @@ pub fn forward<B: Backend>(
             lse_blk.rows_view(blk.q_rows.clone()),
         )?;
     }
+    drop(relay);
     Ok((o, lse))
 }
 
@@ -159,7 +145,7 @@ pub fn backward<B: Backend>(
             dv.all_rows_mut(),
         );
     }
-    let mut in_flight = Some(pass_on(b, ring, vec![copy_of(b, k)?, copy_of(b, v)?])?);
+    let mut relay = KvRelay::start(b, ring, k, v)?;
     // the gradients of the block being visited, travelling with it
     let mut dk_t = b.zeros(dk.shape(), dk.dtype(), Category::Workspace)?;
     let mut dv_t = b.zeros(dv.shape(), dv.dtype(), Category::Workspace)?;
@@ -186,21 +172,10 @@ pub fn backward<B: Backend>(
     for step in 1..p {
         // the finished block's gradients follow it; this step's block's arrive
         (dk_t, dv_t) = pass_grads(b, ring, dk_t, dv_t)?;
-        // (the block sent last step is released)
-        let arrived = in_flight
-            .take()
-            .expect("a block arrives every step")
-            .wait_all()?
-            .received;
-        let held;
-        let kv: &[Tensor<B>] = if step + 1 < p {
-            in_flight.insert(pass_on(b, ring, arrived)?).sending()
-        } else {
-            held = arrived;
-            &held
-        };
+        let kv = relay.advance(b, ring, step + 1 == p)?;
         step_bwd(step, &kv[0], &kv[1], &mut dk_t, &mut dv_t)?;
     }
+    drop(relay);
     // the last block's gradients go home
     let (dk_t, dv_t) = pass_grads(b, ring, dk_t, dv_t)?;
     b.axpy(dk, 1.0, &dk_t)?;
@@ -208,11 +183,42 @@ pub fn backward<B: Backend>(
     Ok(())
 }
 
-/// A copy of `t` to send (the caller keeps the original).
-fn copy_of<B: Backend>(b: &B, t: &Tensor<B>) -> Result<Tensor<B>> {
-    let mut c = b.zeros(t.shape(), t.dtype(), Category::Comm)?;
-    b.copy(c.mat_mut(), t.mat())?;
-    Ok(c)
+/// K/V blocks travelling around the ring: each one is passed on to the next
+/// rank as soon as it arrives (except at the last step) and read meanwhile.
+struct KvRelay<B: Backend> {
+    in_flight: Option<Pending<B>>,
+    /// The last step's block, which goes no further.
+    last: Option<Vec<Tensor<B>>>,
+}
+
+impl<B: Backend> KvRelay<B> {
+    /// Starts passing a copy of the local block (the caller keeps K and V).
+    fn start(b: &B, ring: &dyn ProcessGroup<B>, k: &Tensor<B>, v: &Tensor<B>) -> Result<Self> {
+        let copy_of = |t: &Tensor<B>| {
+            let mut c = b.zeros(t.shape(), t.dtype(), Category::Comm)?;
+            b.copy(c.mat_mut(), t.mat())?;
+            Ok::<_, crate::error::Error>(c)
+        };
+        Ok(KvRelay {
+            in_flight: Some(pass_on(b, ring, vec![copy_of(k)?, copy_of(v)?])?),
+            last: None,
+        })
+    }
+
+    /// The next step's `[K, V]`: waits for it (releasing the block sent
+    /// before) and, unless this is the `last` step, passes it on.
+    fn advance(&mut self, b: &B, ring: &dyn ProcessGroup<B>, last: bool) -> Result<&[Tensor<B>]> {
+        let arrived = self
+            .in_flight
+            .take()
+            .expect("a block arrives every step")
+            .wait_all()?
+            .received;
+        if last {
+            return Ok(self.last.insert(arrived));
+        }
+        Ok(self.in_flight.insert(pass_on(b, ring, arrived)?).sending())
+    }
 }
 
 /// Starts sending `ts` to the next ring rank while receiving the previous
