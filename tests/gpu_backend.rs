@@ -793,6 +793,38 @@ fn close(name: &str, got: &[f32], want: &[f32]) {
     assert!(e <= TOL, "{name}: rel err {e:.3e} > {TOL}");
 }
 
+/// Forward and backward on `subject` against the CPU reference and against
+/// `oracle` (a GPU backend on other kernels), all in bf16 except the CPU; the
+/// backward starts from the CPU's o / lse (bf16-rounded o) on every side.
+fn compare_kernels(
+    tag: &str,
+    (subject, oracle, oracle_name): (&CudaBackend, &CudaBackend, &str),
+    p: &AttnProblem,
+    grad_dt: DType,
+    kblocks: &[std::ops::Range<usize>],
+) {
+    let c = CpuBackend::new();
+    let (so, sl) = attn_fwd_on(subject, DType::BF16, p);
+    let (oo, ol) = attn_fwd_on(oracle, DType::BF16, p);
+    let (co, cl) = attn_fwd_on(&c, DType::F32, p);
+    close(&format!("{tag} o vs cpu"), &so, &co);
+    close(&format!("{tag} lse vs cpu"), &sl, &cl);
+    close(&format!("{tag} o vs {oracle_name}"), &so, &oo);
+    close(&format!("{tag} lse vs {oracle_name}"), &sl, &ol);
+    let co = round(&co, DType::BF16);
+    let sg = attn_bwd_on(subject, DType::BF16, grad_dt, p, &co, &cl, kblocks);
+    let og = attn_bwd_on(oracle, DType::BF16, grad_dt, p, &co, &cl, kblocks);
+    let cg = attn_bwd_on(&c, DType::F32, DType::F32, p, &co, &cl, kblocks);
+    for (name, sx, ox, cx) in [
+        ("dq", &sg.0, &og.0, &cg.0),
+        ("dk", &sg.1, &og.1, &cg.1),
+        ("dv", &sg.2, &og.2, &cg.2),
+    ] {
+        close(&format!("{tag} {name} vs cpu"), sx, cx);
+        close(&format!("{tag} {name} vs {oracle_name}"), sx, ox);
+    }
+}
+
 /// Flash forward and backward through the backend against the CPU reference
 /// and against the naive kernels (GPU oracle); `kblocks` splits the backward
 /// into key blocks that all use the full rows' o / lse.
@@ -804,31 +836,11 @@ fn flash_case(
     kblocks: &[std::ops::Range<usize>],
 ) {
     let (f, n) = flash_pair().expect("checked by the caller");
-    let c = CpuBackend::new();
     let (sq, sk, hq, hkv, d) = dims;
     let p = AttnProblem::new(rng, sq, sk, hq, hkv, d, causal);
     let tag = format!("flash {} grads={grad_dt:?} blocks={kblocks:?}", p.tag());
     let before = f.attention_calls();
-    let (fo, fl) = attn_fwd_on(f, DType::BF16, &p);
-    let (no, nl) = attn_fwd_on(n, DType::BF16, &p);
-    let (co, cl) = attn_fwd_on(&c, DType::F32, &p);
-    close(&format!("{tag} o vs cpu"), &fo, &co);
-    close(&format!("{tag} lse vs cpu"), &fl, &cl);
-    close(&format!("{tag} o vs naive"), &fo, &no);
-    close(&format!("{tag} lse vs naive"), &fl, &nl);
-    // Backward from the CPU's o / lse on every side (bf16-rounded o).
-    let co = round(&co, DType::BF16);
-    let fg = attn_bwd_on(f, DType::BF16, grad_dt, &p, &co, &cl, kblocks);
-    let ng = attn_bwd_on(n, DType::BF16, grad_dt, &p, &co, &cl, kblocks);
-    let cg = attn_bwd_on(&c, DType::F32, DType::F32, &p, &co, &cl, kblocks);
-    for (name, fx, nx, cx) in [
-        ("dq", &fg.0, &ng.0, &cg.0),
-        ("dk", &fg.1, &ng.1, &cg.1),
-        ("dv", &fg.2, &ng.2, &cg.2),
-    ] {
-        close(&format!("{tag} {name} vs cpu"), fx, cx);
-        close(&format!("{tag} {name} vs naive"), fx, nx);
-    }
+    compare_kernels(&tag, (f, n, "naive"), &p, grad_dt, kblocks);
     let after = f.attention_calls();
     assert_eq!(
         after.flash_fwd - before.flash_fwd,
@@ -951,7 +963,7 @@ fn cudnn_attention_through_the_backend_matches_cpu_and_native() {
             return;
         }
     }
-    let (auto, c) = (&auto, CpuBackend::new());
+    let auto = &auto;
     let mut rng = Rng::new("cudnn attention");
     let cases: [CudnnCase; 7] = [
         ((300, 300, 4, 4, 64), true, DType::F32, &[0..300]),
@@ -973,25 +985,7 @@ fn cudnn_attention_through_the_backend_matches_cpu_and_native() {
         let p = AttnProblem::new(&mut rng, sq, sk, hq, hkv, d, causal);
         let tag = format!("cudnn {} grads={grad_dt:?} blocks={kblocks:?}", p.tag());
         let before = auto.attention_calls();
-        let (go, gl) = attn_fwd_on(auto, DType::BF16, &p);
-        let (no, nl) = attn_fwd_on(native, DType::BF16, &p);
-        let (co, cl) = attn_fwd_on(&c, DType::F32, &p);
-        close(&format!("{tag} o vs cpu"), &go, &co);
-        close(&format!("{tag} lse vs cpu"), &gl, &cl);
-        close(&format!("{tag} o vs native"), &go, &no);
-        close(&format!("{tag} lse vs native"), &gl, &nl);
-        let co = round(&co, DType::BF16);
-        let gg = attn_bwd_on(auto, DType::BF16, grad_dt, &p, &co, &cl, kblocks);
-        let ng = attn_bwd_on(native, DType::BF16, grad_dt, &p, &co, &cl, kblocks);
-        let cg = attn_bwd_on(&c, DType::F32, DType::F32, &p, &co, &cl, kblocks);
-        for (name, gx, nx, cx) in [
-            ("dq", &gg.0, &ng.0, &cg.0),
-            ("dk", &gg.1, &ng.1, &cg.1),
-            ("dv", &gg.2, &ng.2, &cg.2),
-        ] {
-            close(&format!("{tag} {name} vs cpu"), gx, cx);
-            close(&format!("{tag} {name} vs native"), gx, nx);
-        }
+        compare_kernels(&tag, (auto, native, "native"), &p, grad_dt, kblocks);
         let after = auto.attention_calls();
         let (cf, cb) = (
             after.cudnn_fwd - before.cudnn_fwd,
