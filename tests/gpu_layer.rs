@@ -11,7 +11,7 @@ use upipe::attention::{AttnDims, CpPlan, Strategy};
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
-use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::model::ModelConfig;
 use upipe::train::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, train_threads};
 
@@ -88,21 +88,15 @@ fn tiny_model_training_on_gpu_tracks_cpu() {
         return;
     }
     let cfg = TrainConfig {
-        model: ModelConfig::resolve("tiny").unwrap(),
-        data_parallel: 1,
         strategy: Strategy::Upipe,
         ulysses: 2,
-        ring: 1,
-        chunk_heads: None,
-        seq: 128,
-        steps: 5,
-        optim: AdamWConfig::schedule(3e-3, 3e-3, 0, 5),
         seed: 1,
-        policy: MemoryPolicy::default(),
-        init_from: None,
-        save_dir: None,
-        save_every: 0,
-        resume: false,
+        ..TrainConfig::new(
+            ModelConfig::resolve("tiny").unwrap(),
+            128,
+            5,
+            AdamWConfig::schedule(3e-3, 3e-3, 0, 5),
+        )
     };
     let tokens: Arc<[u32]> = upipe::train::data::ByteTokenizer
         .encode(upipe::train::data::CORPUS)

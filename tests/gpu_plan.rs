@@ -105,21 +105,17 @@ fn training_step_prediction_matches_the_cuda_ledger() {
             loss_chunk: 256,
         };
         let cfg = TrainConfig {
-            model: model.clone(),
-            data_parallel: 1,
             strategy: Strategy::Upipe,
             ulysses: 2,
             ring: 2,
-            chunk_heads: None,
-            seq: 1024,
-            steps: 1,
-            optim: AdamWConfig::schedule(3e-3, 3e-3, 0, 1),
             seed: 1,
             policy,
-            init_from: None,
-            save_dir: None,
-            save_every: 0,
-            resume: false,
+            ..TrainConfig::new(
+                model.clone(),
+                1024,
+                1,
+                AdamWConfig::schedule(3e-3, 3e-3, 0, 1),
+            )
         };
         let plan = cfg.plan().unwrap();
         let got = train_threads(&cfg, tokens.clone(), cuda, &|_| {}).unwrap();

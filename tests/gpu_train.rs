@@ -16,7 +16,7 @@ use upipe::attention::Strategy;
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::comm::env::DistEnv;
-use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::model::ModelConfig;
 use upipe::train::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, train_process_rank, train_threads};
 
@@ -33,21 +33,15 @@ const STEPS: u32 = 6;
 /// default mesh on two GPUs), UPipe on a ring of 2, two data replicas.
 fn configs() -> Vec<(&'static str, TrainConfig)> {
     let base = TrainConfig {
-        model: ModelConfig::resolve("tiny").unwrap(),
-        data_parallel: 1,
         strategy: Strategy::Upipe,
         ulysses: 2,
-        ring: 1,
-        chunk_heads: None,
-        seq: 128,
-        steps: STEPS,
-        optim: AdamWConfig::schedule(3e-3, 3e-4, 2, STEPS),
         seed: 1,
-        policy: MemoryPolicy::default(),
-        init_from: None,
-        save_dir: None,
-        save_every: 0,
-        resume: false,
+        ..TrainConfig::new(
+            ModelConfig::resolve("tiny").unwrap(),
+            128,
+            STEPS,
+            AdamWConfig::schedule(3e-3, 3e-4, 2, STEPS),
+        )
     };
     vec![
         ("upipe-pu2", base.clone()),

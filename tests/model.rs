@@ -141,28 +141,20 @@ fn offload_moves_block_inputs_to_host() {
     use upipe::train::trainer::{TrainConfig, train_cpu};
     let cfg = tiny(false);
     let mk = |checkpoint: bool, offload: bool| TrainConfig {
-        model: cfg.clone(),
-        data_parallel: 1,
-        strategy: Strategy::Local,
-        ulysses: 1,
-        ring: 1,
-        chunk_heads: None,
-        seq: 64,
-        steps: 1,
-        optim: upipe::train::optim::AdamWConfig {
-            weight_decay: 0.0,
-            ..upipe::train::optim::AdamWConfig::schedule(1e-3, 1e-4, 0, 1)
-        },
-        seed: 0,
         policy: MemoryPolicy {
             checkpoint,
             offload,
             ..Default::default()
         },
-        init_from: None,
-        save_dir: None,
-        save_every: 0,
-        resume: false,
+        ..TrainConfig::new(
+            cfg.clone(),
+            64,
+            1,
+            upipe::train::optim::AdamWConfig {
+                weight_decay: 0.0,
+                ..upipe::train::optim::AdamWConfig::schedule(1e-3, 1e-4, 0, 1)
+            },
+        )
     };
     let tokens: std::sync::Arc<[u32]> = data(4096, cfg.vocab).0.into();
     let plain = train_cpu(&mk(false, false), tokens.clone(), &|_| {}).unwrap();
@@ -188,24 +180,19 @@ fn data_parallel_replicas_average_their_sequences() {
     let seq = 32;
     let tokens: Arc<[u32]> = data(2048, cfg.vocab).0.into();
     let mk = |strategy: Strategy, ulysses: usize| TrainConfig {
-        model: cfg.clone(),
         data_parallel: 2,
         strategy,
         ulysses,
-        ring: 1,
-        chunk_heads: None,
-        seq,
-        steps: 3,
-        optim: upipe::train::optim::AdamWConfig {
-            weight_decay: 0.0,
-            ..upipe::train::optim::AdamWConfig::schedule(1e-3, 1e-3, 0, 3)
-        },
         seed: 3,
-        policy: MemoryPolicy::default(),
-        init_from: None,
-        save_dir: None,
-        save_every: 0,
-        resume: false,
+        ..TrainConfig::new(
+            cfg.clone(),
+            seq,
+            3,
+            upipe::train::optim::AdamWConfig {
+                weight_decay: 0.0,
+                ..upipe::train::optim::AdamWConfig::schedule(1e-3, 1e-3, 0, 3)
+            },
+        )
     };
     let dp_local = train_cpu(&mk(Strategy::Local, 1), tokens.clone(), &|_| {}).unwrap();
     let dp_upipe = train_cpu(&mk(Strategy::Upipe, 2), tokens.clone(), &|_| {}).unwrap();

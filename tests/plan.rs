@@ -108,24 +108,20 @@ fn train_cfg(
     policy: MemoryPolicy,
 ) -> TrainConfig {
     TrainConfig {
-        model: model.clone(),
-        data_parallel: 1,
         strategy: s,
         ulysses: pu,
         ring: pr,
         chunk_heads: u,
-        seq,
-        steps: 1,
-        optim: AdamWConfig {
-            weight_decay: 0.0,
-            ..AdamWConfig::schedule(1e-3, 1e-4, 0, 1)
-        },
-        seed: 0,
         policy,
-        init_from: None,
-        save_dir: None,
-        save_every: 0,
-        resume: false,
+        ..TrainConfig::new(
+            model.clone(),
+            seq,
+            1,
+            AdamWConfig {
+                weight_decay: 0.0,
+                ..AdamWConfig::schedule(1e-3, 1e-4, 0, 1)
+            },
+        )
     }
 }
 

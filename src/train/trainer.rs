@@ -71,6 +71,29 @@ pub struct TrainSummary {
 }
 
 impl TrainConfig {
+    /// `steps` steps of `model` on sequences of `seq` tokens with `optim`, on
+    /// one rank (`local`), seed 0, the default memory policy, no checkpoints;
+    /// change the rest with struct update syntax.
+    pub fn new(model: ModelConfig, seq: usize, steps: u32, optim: AdamWConfig) -> Self {
+        TrainConfig {
+            model,
+            data_parallel: 1,
+            strategy: Strategy::Local,
+            ulysses: 1,
+            ring: 1,
+            chunk_heads: None,
+            seq,
+            steps,
+            optim,
+            seed: 0,
+            policy: MemoryPolicy::default(),
+            init_from: None,
+            save_dir: None,
+            save_every: 0,
+            resume: false,
+        }
+    }
+
     /// Validates the configuration and resolves the attention plan.
     pub fn plan(&self) -> Result<CpPlan> {
         self.model.validate()?;
@@ -447,21 +470,17 @@ mod tests {
 
     fn cfg(data: usize, ulysses: usize, ring: usize) -> TrainConfig {
         TrainConfig {
-            model: ModelConfig::resolve("tiny").unwrap(),
             data_parallel: data,
             strategy: Strategy::Upipe,
             ulysses,
             ring,
-            chunk_heads: None,
-            seq: 64,
-            steps: 3,
-            optim: AdamWConfig::schedule(3e-3, 3e-4, 1, 3),
             seed: 3,
-            policy: MemoryPolicy::default(),
-            init_from: None,
-            save_dir: None,
-            save_every: 0,
-            resume: false,
+            ..TrainConfig::new(
+                ModelConfig::resolve("tiny").unwrap(),
+                64,
+                3,
+                AdamWConfig::schedule(3e-3, 3e-4, 1, 3),
+            )
         }
     }
 
