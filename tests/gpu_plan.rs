@@ -69,7 +69,7 @@ fn attention_layer_prediction_matches_the_cuda_ledger() {
                 .with_overlap(overlap);
             let what = format!("{s} {pu}x{pr} U={u:?} qk={qk_norm} overlap={overlap}");
             let got = run_trial(&plan, &d, &inputs, cuda).unwrap();
-            let pred = predict_attention_trial(&plan, &d, DeviceKind::Cuda).unwrap();
+            let pred = predict_attention_trial(&plan, &d, DeviceKind::CudaNative).unwrap();
             let e = rel(pred.peak, got.peak_bytes);
             println!(
                 "gpu attention {what}: predicted {} measured {} ({:+.3}%)",
@@ -127,7 +127,7 @@ fn training_step_prediction_matches_the_cuda_ledger() {
                 data: 1,
                 policy,
                 fsdp: false,
-                device: DeviceKind::Cuda,
+                device: DeviceKind::CudaNative,
                 optimizer: true,
             },
             0,

@@ -296,3 +296,67 @@ fn bad_meshes_are_clear_errors() {
         .to_string();
     assert!(e.contains("--chunk-heads 3"), "{e}");
 }
+
+/// The CUDA predictions against what the 2×H200 ledger measured for the
+/// Llama3-8B attention layer (hidden 4096, H 32, Hkv 8, d 128, Pu 2, 256K
+/// tokens, bf16, cuDNN 9.14; `bench attn --device cuda`, 2026-11-30,
+/// docs/multi-gpu.md). With cuDNN the walk counts its gradient scratch, dQ
+/// accumulator, softmax sums and cuDNN's plan workspace as measured there
+/// (`estimated_bwd_plan_workspace`: 2 GiB for Ulysses' GQA calls, none for
+/// UPipe's one-head calls).
+#[test]
+fn cuda_predictions_against_the_h200_ledger() {
+    let d = AttnDims {
+        hidden: 4096,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        qk_norm: false,
+        norm_eps: 1e-5,
+        rope: RopeConfig {
+            theta: 500000.0,
+            scaling: None,
+        },
+    };
+    let seq = 262144;
+    let ulysses = CpPlan::new(Strategy::Ulysses, &d, seq, 2, 1, None).unwrap();
+    let upipe = CpPlan::new(Strategy::Upipe, &d, seq, 2, 1, Some(2))
+        .unwrap()
+        .with_overlap(true);
+    let peak = |plan: &CpPlan, device| predict_attention_trial(plan, &d, device).unwrap().peak;
+    let (uly_measured, up_measured) = (18_706_596_096usize, 7_282_360_576usize);
+    // our own kernels' model, as the first run printed it
+    assert_eq!(peak(&ulysses, DeviceKind::CudaNative), 13_857_980_416);
+    assert_eq!(peak(&upipe, DeviceKind::CudaNative), 6_946_816_000);
+    let up = peak(&upipe, DeviceKind::Cuda);
+    assert!(rel(up, up_measured) < 1e-6, "UPipe: {up} vs {up_measured}");
+    let uly = peak(&ulysses, DeviceKind::Cuda);
+    assert!(
+        rel(uly, uly_measured) < 1e-6,
+        "Ulysses: {uly} vs {uly_measured}"
+    );
+    // tests/gpu_plan.rs's local layer (hidden 512, H 8, Hkv 2, d 64, 1536
+    // tokens) on cuDNN measured 61,571,328 B (one H200, the same day)
+    let d = AttnDims {
+        hidden: 512,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        rope: RopeConfig {
+            theta: 10000.0,
+            scaling: None,
+        },
+        ..d
+    };
+    let local = CpPlan::new(Strategy::Local, &d, 1536, 1, 1, None).unwrap();
+    let got = predict_attention_trial(&local, &d, DeviceKind::Cuda)
+        .unwrap()
+        .peak;
+    assert_eq!(
+        predict_attention_trial(&local, &d, DeviceKind::CudaNative)
+            .unwrap()
+            .peak,
+        52_920_320
+    );
+    assert!(rel(got, 61_571_328) < 1e-5, "local d64: {got} vs 61571328");
+}

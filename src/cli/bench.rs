@@ -245,10 +245,10 @@ fn print_row(
             let mesh = format!("{}x{}", plan.layout.pu, plan.layout.pr);
             let seconds = throughput.map_or(r.seconds, |t| t.2);
             // what `upipe plan` predicts for this layer (the highest rank's ledger peak)
-            let device = if a.device == "cuda" {
-                DeviceKind::Cuda
-            } else {
-                DeviceKind::Cpu
+            let device = match (a.device.as_str(), a.attn_kernel.parse()) {
+                ("cuda", Ok(kernel)) => DeviceKind::cuda_with(kernel),
+                ("cuda", Err(_)) => DeviceKind::Cuda,
+                _ => DeviceKind::Cpu,
             };
             let predicted = predict_attention_trial(plan, &attn_dims(a), device)
                 .ok()

@@ -62,6 +62,11 @@ pub struct PlanArgs {
     /// Dtypes to plan for: cuda (bf16 activations) or cpu (f32).
     #[arg(long, default_value = "cuda")]
     pub device: String,
+    /// Attention kernels on cuda: auto (cuDNN SDPA where it takes the call:
+    /// its backward workspace is counted, except cuDNN's own plan workspace,
+    /// which only a GPU knows) or native (our kernels, modelled exactly).
+    #[arg(long, default_value = "auto")]
+    pub attn_kernel: String,
     /// Longest length the search tries (tokens).
     #[arg(long, default_value_t = 1 << 28)]
     pub max_seq: usize,
@@ -212,7 +217,7 @@ pub fn run(a: PlanArgs) -> Result<i32> {
         return Err(Error::Config("--gpus-per-node must be at least 1".into()));
     }
     let device = match a.device.as_str() {
-        "cuda" => DeviceKind::Cuda,
+        "cuda" => DeviceKind::cuda_with(a.attn_kernel.parse()?),
         "cpu" => DeviceKind::Cpu,
         other => {
             return Err(Error::Config(format!(

@@ -519,7 +519,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
             policy: cfg.policy,
             fsdp: false,
             device: if on_gpu {
-                crate::plan::DeviceKind::Cuda
+                crate::plan::DeviceKind::cuda_with(kernel)
             } else {
                 crate::plan::DeviceKind::Cpu
             },

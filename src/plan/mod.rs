@@ -39,8 +39,12 @@ const F32: usize = 4;
 pub enum DeviceKind {
     /// CPU reference: everything f32.
     Cpu,
-    /// CUDA: bf16 activations and weights, f32 gradients, moments and master weights.
+    /// CUDA: bf16 activations and weights, f32 gradients, moments and master
+    /// weights; attention on cuDNN SDPA where it takes the call (the default
+    /// `--attn-kernel auto`), on our kernels otherwise.
     Cuda,
+    /// CUDA with our attention kernels only (`--attn-kernel native`).
+    CudaNative,
 }
 
 impl DeviceKind {
@@ -48,7 +52,18 @@ impl DeviceKind {
     pub fn act_bytes(self) -> usize {
         match self {
             DeviceKind::Cpu => 4,
-            DeviceKind::Cuda => 2,
+            DeviceKind::Cuda | DeviceKind::CudaNative => 2,
+        }
+    }
+    /// Whether this is a CUDA device (either attention kernel choice).
+    pub fn is_cuda(self) -> bool {
+        self != DeviceKind::Cpu
+    }
+    /// The device kind of the attention kernel choice `--attn-kernel`.
+    pub fn cuda_with(kernel: crate::backend::cuda::cudnn::AttnKernel) -> Self {
+        match kernel {
+            crate::backend::cuda::cudnn::AttnKernel::Native => DeviceKind::CudaNative,
+            _ => DeviceKind::Cuda,
         }
     }
     /// Whether AdamW keeps f32 master weights (compute dtype is not f32).
@@ -60,13 +75,20 @@ impl DeviceKind {
     pub fn backend_resident(self) -> usize {
         match self {
             DeviceKind::Cpu => 0,
-            DeviceKind::Cuda => crate::backend::cuda::gemm::WORKSPACE_BYTES,
+            DeviceKind::Cuda | DeviceKind::CudaNative => {
+                crate::backend::cuda::gemm::WORKSPACE_BYTES
+            }
         }
     }
     pub fn name(self) -> &'static str {
         match self {
             DeviceKind::Cpu => "cpu (f32)",
-            DeviceKind::Cuda => "cuda (bf16 activations, f32 grads/optimizer/master)",
+            DeviceKind::Cuda => {
+                "cuda (bf16 activations, f32 grads/optimizer/master; cuDNN attention where it applies)"
+            }
+            DeviceKind::CudaNative => {
+                "cuda (bf16 activations, f32 grads/optimizer/master; our attention kernels)"
+            }
         }
     }
 }
@@ -144,7 +166,8 @@ fn param_units(cfg: &ModelConfig) -> (usize, usize) {
 /// The attention walk of `plan` on `device` for ring rank `ring_rank`.
 fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usize) -> AttnWalk {
     AttnWalk {
-        flash_ws: device == DeviceKind::Cuda,
+        flash_ws: device.is_cuda(),
+        cudnn: device == DeviceKind::Cuda,
         ring_rank,
         ..AttnWalk::new(plan, dims, device.act_bytes())
     }
@@ -204,14 +227,14 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
         cfg: &spec.model,
         policy: spec.policy,
         attn,
-        uploads_ids: spec.device == DeviceKind::Cuda,
+        uploads_ids: spec.device.is_cuda(),
     }
     .step(&mut sim);
     if spec.optimizer {
         // the trainer's all-reduced loss scalar
         sim.label("optimizer");
         let loss = sim.alloc(Category::Workspace, F32);
-        if spec.device == DeviceKind::Cuda {
+        if spec.device.is_cuda() {
             // `sum_squares` accumulates the gradient norm in one f64
             let acc = sim.alloc(Category::Workspace, 2 * F32);
             sim.free(acc);

@@ -31,6 +31,8 @@ pub struct Sim {
     host_peak: usize,
     label: &'static str,
     peak_label: &'static str,
+    /// Buffers the backend keeps between calls, by name.
+    kept: Vec<(&'static str, Buf)>,
 }
 
 impl Sim {
@@ -64,6 +66,20 @@ impl Sim {
         if b.cat.on_device() {
             self.dev -= b.bytes;
         }
+    }
+
+    /// A buffer the backend keeps between calls and grows when a call needs
+    /// more: the old one is released first, then the larger one taken.
+    pub fn keep_at_least(&mut self, name: &'static str, cat: Category, bytes: usize) {
+        if let Some(i) = self.kept.iter().position(|(n, _)| *n == name) {
+            if self.kept[i].1.bytes >= bytes {
+                return;
+            }
+            let (_, old) = self.kept.remove(i);
+            self.free(old);
+        }
+        let b = self.alloc(cat, bytes);
+        self.kept.push((name, b));
     }
 
     pub fn free_opt(&mut self, b: Option<Buf>) {

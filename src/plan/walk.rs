@@ -11,6 +11,11 @@ use crate::model::{MemoryPolicy, ModelConfig};
 
 const F32: usize = 4;
 
+/// The cuDNN whose limits decide which calls the walk puts on cuDNN: the one
+/// on our H200 machine (9.14; its backward needs `s_kv % 128 == 0`, newer
+/// ones take more shapes).
+pub const PLANNED_CUDNN_VERSION: usize = 91400;
+
 fn numel<const K: usize>(shape: [usize; K]) -> usize {
     shape.iter().product()
 }
@@ -29,6 +34,8 @@ pub struct AttnWalk {
     pub overlap: bool,
     /// The backend's attention backward takes a transient workspace (CUDA flash path).
     pub flash_ws: bool,
+    /// Attention calls cuDNN takes run there (CUDA, `--attn-kernel auto`).
+    pub cudnn: bool,
     /// This rank's ring index (ring blocks differ by rank).
     pub ring_rank: usize,
 }
@@ -52,12 +59,38 @@ impl AttnWalk {
             ab,
             overlap: plan.overlap,
             flash_ws: false,
+            cudnn: false,
             ring_rank: 0,
         }
     }
 
-    /// `CudaBackend::attention_bwd` on the flash path: a transient
-    /// `flash_bwd_workspace_bytes(sq, hq)` buffer when the geometry is supported.
+    /// `CudaBackend::attention_fwd`: on cuDNN the call runs with the kept
+    /// workspace, which exists from the first call on (cuDNN's forward plan
+    /// workspace is counted as 0: what the H200 ledger shows).
+    fn attention_fwd(
+        &self,
+        sim: &mut Sim,
+        sq: usize,
+        sk: usize,
+        hq: usize,
+        hkv: usize,
+        causal: bool,
+    ) {
+        use crate::backend::cuda::cudnn;
+        let shape = cudnn::dense_shape(sq, sk, hq, hkv, self.sh.head_dim, causal);
+        if self.cudnn
+            && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
+        {
+            sim.keep_at_least("cudnn workspace", Workspace, cudnn::kept_workspace_bytes(0));
+        }
+    }
+
+    /// `CudaBackend::attention_bwd`. On cuDNN (`CudnnSdpa::bwd`): bf16 dQ,
+    /// dK, dV scratch during the call and the kept workspace grown to hold
+    /// cuDNN's plan workspace (known only once a plan is built on a GPU:
+    /// `estimated_bwd_plan_workspace`), the dQ accumulator and softmax sums.
+    /// On the flash path: a transient `flash_bwd_workspace_bytes(sq, hq)`
+    /// buffer when the geometry is supported.
     #[allow(clippy::too_many_arguments)]
     fn attention_bwd(
         &self,
@@ -68,10 +101,24 @@ impl AttnWalk {
         hkv: usize,
         causal: bool,
     ) {
-        use crate::backend::cuda::flash;
-        if self.flash_ws
-            && flash::check_supported(sq, sk, hq, hkv, self.sh.head_dim, causal).is_ok()
+        use crate::backend::cuda::{cudnn, flash};
+        let d = self.sh.head_dim;
+        let shape = cudnn::dense_shape(sq, sk, hq, hkv, d, causal);
+        if self.cudnn && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, true).is_ok()
         {
+            let (nq, nk) = cudnn::bwd_scratch_elems(&shape);
+            let scratch = [nq, nk, nk].map(|n| sim.alloc(Workspace, n * 2));
+            let plan_ws = cudnn::estimated_bwd_plan_workspace(&shape);
+            let need = cudnn::bwd_workspace_bytes(&shape, plan_ws);
+            sim.keep_at_least(
+                "cudnn workspace",
+                Workspace,
+                cudnn::kept_workspace_bytes(need),
+            );
+            scratch.into_iter().for_each(|t| sim.free(t));
+            return;
+        }
+        if self.flash_ws && flash::check_supported(sq, sk, hq, hkv, d, causal).is_ok() {
             let ws = sim.alloc(Workspace, flash::flash_bwd_workspace_bytes(sq, hq));
             sim.free(ws);
         }
@@ -193,24 +240,33 @@ impl AttnWalk {
     fn ring_fwd(&self, sim: &mut Sim, q: Buf, k: Buf, v: Buf) -> (Buf, Buf) {
         let p = self.sh.pr;
         let lse_bytes = numel(self.sh.stage_lse()) * F32;
+        let (n, u, m) = (self.sh.n, self.sh.u, self.sh.m);
         let o = sim.alloc(Workspace, q.bytes);
         let lse = sim.alloc(Activations, lse_bytes);
+        let kv = [k.bytes, v.bytes];
+        let mut in_flight = (p > 1).then(|| {
+            let copies = kv.map(|bytes| sim.alloc(Comm, bytes));
+            self.pass_on(sim, kv, copies)
+        });
+        self.attention_fwd(sim, n, n, u, m, true);
         if p == 1 {
             return (o, lse);
         }
-        let kv = [k.bytes, v.bytes];
-        let copies = kv.map(|bytes| sim.alloc(Comm, bytes));
-        let mut in_flight = Some(self.pass_on(sim, kv, copies));
         let o_blk = sim.alloc(Workspace, q.bytes);
         let lse_blk = sim.alloc(Workspace, lse_bytes);
         for step in 1..p {
             let (arrived, sent) = in_flight.take().expect("a block arrives every step");
             sent.into_iter().for_each(|t| sim.free(t));
-            if step + 1 < p {
-                in_flight = Some(self.pass_on(sim, kv, arrived));
+            let last = step + 1 == p;
+            let arrived = if last {
+                Some(arrived)
             } else {
-                arrived.into_iter().for_each(|t| sim.free(t));
-            }
+                in_flight = Some(self.pass_on(sim, kv, arrived));
+                None
+            };
+            let blk = crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2);
+            self.attention_fwd(sim, blk.q_rows.len(), blk.k_rows.len(), u, m, false);
+            arrived.into_iter().flatten().for_each(|t| sim.free(t));
         }
         sim.free(o_blk);
         sim.free(lse_blk);
@@ -361,6 +417,7 @@ impl AttnWalk {
         let (k, _) = self.norm_rope(sim, k, false);
         let o = self.act(sim, Activations, numel(self.sh.saved_o()));
         let lse = sim.alloc(Activations, s * self.sh.heads * F32);
+        self.attention_fwd(sim, s, s, self.sh.heads, self.sh.kv_heads, true);
         sim.free(q);
         sim.free(k);
         sim.free(v);

@@ -84,31 +84,6 @@ pub struct AttentionCalls {
     pub cudnn_bwd: u64,
 }
 
-/// cuDNN's view of our dense `[s, heads, d]` rows and `[s, hq]` LSE.
-fn dense_sdpa_shape(
-    sq: usize,
-    sk: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    causal: bool,
-) -> cudnn::SdpaShape {
-    cudnn::SdpaShape {
-        sq,
-        sk,
-        hq,
-        hkv,
-        d,
-        causal,
-        q_rs: hq * d,
-        k_rs: hkv * d,
-        v_rs: hkv * d,
-        o_rs: hq * d,
-        lse_rs: hq,
-        lse_hs: 1,
-    }
-}
-
 fn same_numel(a: &Tensor<CudaBackend>, b: &Tensor<CudaBackend>, op: &str) -> Result<()> {
     if a.numel() != b.numel() {
         return Err(Error::Backend(format!(
@@ -966,7 +941,7 @@ impl Backend for CudaBackend {
             causal,
         };
         if a.dt == DType::BF16 && a.o_dt == DType::BF16 && a.sq > 0 && a.hq > 0 {
-            let shape = dense_sdpa_shape(a.sq, a.sk, a.hq, a.hkv, a.d, causal);
+            let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, causal);
             if let Some(c) = self.cudnn_for(&shape, false)? {
                 self.count_attn(AttnPath::Cudnn, false);
                 let f = cudnn::SdpaFwd {
@@ -1045,7 +1020,7 @@ impl Backend for CudaBackend {
         let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
         let one_grad_dt = dq.t.dtype() == dk.t.dtype() && dk.t.dtype() == dv.t.dtype();
         if bf16_in && one_grad_dt && sq > 0 && sk > 0 && g.hq > 0 {
-            let shape = dense_sdpa_shape(sq, sk, g.hq, g.hkv, g.d, causal);
+            let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, causal);
             if let Some(c) = self.cudnn_for(&shape, true)? {
                 self.count_attn(AttnPath::Cudnn, true);
                 let b = cudnn::SdpaBwd {

@@ -102,6 +102,65 @@ fn align(x: usize) -> usize {
     x.div_ceil(256) * 256
 }
 
+/// Bytes of the workspace a backward of `s` needs (cuDNN's own
+/// `plan_workspace`, then our dQ accumulator and softmax sums). The
+/// workspace is kept between calls and grown to the largest need.
+pub fn bwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
+    let (acc_bytes, sum_bytes) = sdpa_graph::backward_scratch_bytes(s);
+    align(plan_workspace) + align(acc_bytes) + align(sum_bytes)
+}
+
+/// cuDNN's own backward plan workspace for `s` as measured on cuDNN 9.14
+/// (H200, 2026-11-30, exact to the byte on three shapes): with GQA inside
+/// the call (`hq > hkv`) it expands dK/dV to every query head in f32
+/// (`sk·hq·d·4`), plus under 256 bytes. Only a built plan knows the real
+/// figure; the memory planner, which runs without a GPU, uses this.
+pub fn estimated_bwd_plan_workspace(s: &SdpaShape) -> usize {
+    let gqa_expansion = if s.hq > s.hkv {
+        s.sk * s.hq * s.d * 4
+    } else {
+        0
+    };
+    gqa_expansion + 256
+}
+
+/// Bytes the kept workspace occupies once grown to `need` bytes.
+pub fn kept_workspace_bytes(need: usize) -> usize {
+    need.max(1).div_ceil(4) * 4
+}
+
+/// Elements of the bf16 dQ and of each of dK, dV that a backward writes to
+/// scratch before adding them into the caller's gradients (cuDNN overwrites).
+pub fn bwd_scratch_elems(s: &SdpaShape) -> (usize, usize) {
+    (s.sq * s.hq * s.d, s.sk * s.hkv * s.d)
+}
+
+/// The shape of a call on dense `[s, heads, d]` rows and `[sq, hq]` LSE (the
+/// layout our attention operands have).
+pub fn dense_shape(
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+) -> SdpaShape {
+    SdpaShape {
+        sq,
+        sk,
+        hq,
+        hkv,
+        d,
+        causal,
+        q_rs: hq * d,
+        k_rs: hkv * d,
+        v_rs: hkv * d,
+        o_rs: hq * d,
+        lse_rs: hq,
+        lse_hs: 1,
+    }
+}
+
 impl CudnnSdpa {
     /// Loads cuDNN (see [`libs`]; `UPIPE_CUDNN_LIB` picks a file) and creates
     /// a handle on `be`'s stream.
@@ -243,7 +302,11 @@ impl CudnnSdpa {
         if have < bytes.max(1) {
             // Drop the old one first (stream-ordered free), then take a larger one.
             *ws = None;
-            *ws = Some(be.alloc(&[bytes.max(1).div_ceil(4)], DType::F32, Category::Workspace)?);
+            *ws = Some(be.alloc(
+                &[kept_workspace_bytes(bytes) / 4],
+                DType::F32,
+                Category::Workspace,
+            )?);
         }
         let base = be.device_ptr(ws.as_ref().expect("allocated above"));
         let bindings = bind(base);
@@ -298,10 +361,10 @@ impl CudnnSdpa {
             .bind_to_thread()
             .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
         let plan = self.plan(s, true)?;
-        let (acc_bytes, sum_bytes) = sdpa_graph::backward_scratch_bytes(s);
+        let (acc_bytes, _) = sdpa_graph::backward_scratch_bytes(s);
         let acc_off = align(plan.workspace);
         let sum_off = acc_off + align(acc_bytes);
-        let total = sum_off + align(sum_bytes);
+        let total = bwd_workspace_bytes(s, plan.workspace);
         let scale = 1.0f32 / (s.d as f32).sqrt();
         let neg_inf = f32::NEG_INFINITY;
         let one = 1.0f32;
@@ -334,7 +397,7 @@ impl CudnnSdpa {
     /// it writes bf16 scratch that is then added into `dq`, `dk`, `dv`.
     pub fn bwd(&self, be: &CudaBackend, a: &SdpaBwd) -> Result<()> {
         let s = &a.shape;
-        let (nq, nk) = (s.sq * s.hq * s.d, s.sk * s.hkv * s.d);
+        let (nq, nk) = bwd_scratch_elems(s);
         let sdq = be.alloc(&[nq], DType::BF16, Category::Workspace)?;
         let sdk = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
         let sdv = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
