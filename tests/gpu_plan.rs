@@ -7,6 +7,7 @@ use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{TrialInputs, run_trial};
 use upipe::attention::{AttnDims, CpPlan, Strategy};
 use upipe::backend::cuda::CudaBackend;
+use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::model::{MemoryPolicy, ModelConfig};
 use upipe::plan::{DeviceKind, StepSpec, predict_attention_trial, predict_step_rank};
 use upipe::train::optim::AdamWConfig;
@@ -23,11 +24,13 @@ fn gpu_available() -> bool {
 }
 
 /// Our own attention kernels: the planner models their memory exactly.
-/// cuDNN's workspace (an f32 dQ accumulator, its plan workspace and bf16
-/// gradient scratch) is not modeled; see docs/memory-planner.md.
 fn cuda() -> CudaBackend {
+    cuda_with(AttnKernel::Native)
+}
+
+fn cuda_with(kernel: AttnKernel) -> CudaBackend {
     let mut b = CudaBackend::new(0).expect("GPU was available a moment ago");
-    b.set_attn_kernel(upipe::backend::cuda::cudnn::AttnKernel::Native);
+    b.set_attn_kernel(kernel);
     b
 }
 
@@ -79,6 +82,18 @@ fn attention_layer_prediction_matches_the_cuda_ledger() {
             );
             assert!(e <= 0.05, "{what}: {:.2}%", 100.0 * e);
             assert_eq!(pred.peak, got.peak_bytes, "{what}");
+            // cuDNN: its plan workspace is the H200-measured estimate, so
+            // within 1% rather than exact
+            let got = run_trial(&plan, &d, &inputs, || cuda_with(AttnKernel::Auto)).unwrap();
+            let pred = predict_attention_trial(&plan, &d, DeviceKind::Cuda).unwrap();
+            let e = rel(pred.peak, got.peak_bytes);
+            println!(
+                "gpu attention (cuDNN) {what}: predicted {} measured {} ({:+.3}%)",
+                pred.peak,
+                got.peak_bytes,
+                100.0 * e
+            );
+            assert!(e <= 0.01, "cuDNN {what}: {:.2}%", 100.0 * e);
         }
     }
 }
