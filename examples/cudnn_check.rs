@@ -7,41 +7,13 @@
 //! `CUDNN_BENCH_S=16384,65536` sets the benchmark lengths.
 
 use cudarc::driver::sys::CUevent_flags;
-use half::bf16;
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::{CudnnSdpa, SdpaBwd, SdpaFwd, SdpaShape};
 use upipe::backend::{Backend, Category, DType, Tensor};
 
-type Res<T> = Result<T, Box<dyn std::error::Error>>;
-
-/// Deterministic uniform(-1, 1) generator (xorshift).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    /// bf16-representable values (so both sides see identical inputs).
-    fn vec_bf16(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| bf16::from_f32(self.next() * scale).to_f32())
-            .collect()
-    }
-}
-
-/// max |got - want| / max |want|.
-fn rel_err(got: &[f32], want: &[f32]) -> f32 {
-    let (mut md, mut mr) = (0.0f32, 0.0f32);
-    for (a, b) in got.iter().zip(want) {
-        let d = (a - b).abs();
-        md = if d.is_nan() { f32::INFINITY } else { md.max(d) };
-        mr = mr.max(b.abs());
-    }
-    md / mr.max(1e-20)
-}
+mod support;
+use support::{Res, Rng, rel_err};
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -58,20 +30,7 @@ struct Case {
 }
 
 fn shape(c: &Case) -> SdpaShape {
-    SdpaShape {
-        sq: c.sq,
-        sk: c.sk,
-        hq: c.hq,
-        hkv: c.hkv,
-        d: c.d,
-        causal: c.causal,
-        q_rs: c.hq * c.d,
-        k_rs: c.hkv * c.d,
-        v_rs: c.hkv * c.d,
-        o_rs: c.hq * c.d,
-        lse_rs: c.hq,
-        lse_hs: 1,
-    }
+    upipe::backend::cuda::cudnn::dense_shape(c.sq, c.sk, c.hq, c.hkv, c.d, c.causal)
 }
 
 /// Device address of row `row` of a `[rows, ...]` tensor.

@@ -19,7 +19,8 @@ use upipe::backend::cuda::flash::{
 };
 use upipe::backend::{Backend, Category, DType};
 
-type Res<T> = Result<T, Box<dyn std::error::Error>>;
+mod support;
+use support::{Res, Rng, rel_err};
 
 fn compile() -> Res<cudarc::nvrtc::Ptx> {
     let t = std::time::Instant::now();
@@ -43,23 +44,6 @@ fn compile() -> Res<cudarc::nvrtc::Ptx> {
     Ok(ptx)
 }
 
-/// Deterministic uniform(-1, 1) generator (xorshift).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    /// bf16-representable values (so both sides see identical inputs).
-    fn vec_bf16(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| bf16::from_f32(self.next() * scale).to_f32())
-            .collect()
-    }
-}
-
 fn to_bits(x: &[f32]) -> Vec<u16> {
     x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect()
 }
@@ -79,21 +63,6 @@ impl Gpu {
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
         s.device_ptr(&self.stream).0
     }
-}
-
-fn rel_err(got: &[f32], want: &[f32]) -> f32 {
-    let mut max_diff = 0.0f32;
-    let mut max_ref = 0.0f32;
-    for (a, b) in got.iter().zip(want) {
-        let d = (a - b).abs();
-        max_diff = if d.is_nan() {
-            f32::INFINITY
-        } else {
-            max_diff.max(d)
-        };
-        max_ref = max_ref.max(b.abs());
-    }
-    max_diff / max_ref.max(1e-20)
 }
 
 #[derive(Clone, Copy, Debug)]
