@@ -168,3 +168,67 @@ pub struct Mesh<B: Backend> {
     /// Ranks holding the same sequence shard in different data replicas.
     pub data: Box<dyn ProcessGroup<B>>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::{Category, DType};
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    fn t(b: &CpuBackend, n: usize) -> Tensor<CpuBackend> {
+        b.zeros(&[n], DType::F32, Category::Comm).unwrap()
+    }
+
+    /// A join that counts its calls.
+    fn counting(calls: &Rc<Cell<u32>>) -> Join {
+        let c = calls.clone();
+        Box::new(move || {
+            c.set(c.get() + 1);
+            Ok(())
+        })
+    }
+
+    #[test]
+    fn pending_holds_its_buffers_until_the_wait_and_joins_once() {
+        let b = CpuBackend::new();
+        let calls = Rc::new(Cell::new(0));
+        let p = Pending::in_flight(vec![t(&b, 4)], vec![t(&b, 4)], Some(counting(&calls)));
+        assert_eq!(b.ledger().current(), 32, "send and receive held");
+        assert_eq!(p.sending().len(), 1);
+        let recv = p.wait().unwrap();
+        assert_eq!(calls.get(), 1);
+        assert_eq!(
+            b.ledger().current(),
+            16,
+            "the send buffer is released at the wait"
+        );
+        drop(recv);
+        let p = Pending::in_flight(vec![t(&b, 2), t(&b, 2)], vec![t(&b, 2), t(&b, 2)], None);
+        let done = p.wait_all().unwrap();
+        assert_eq!((done.received.len(), done.sent.len()), (2, 2));
+    }
+
+    #[test]
+    fn a_dropped_pending_still_joins_before_releasing() {
+        let b = CpuBackend::new();
+        let calls = Rc::new(Cell::new(0));
+        drop(Pending::in_flight(
+            vec![t(&b, 4)],
+            vec![t(&b, 4)],
+            Some(counting(&calls)),
+        ));
+        assert_eq!(calls.get(), 1);
+        assert_eq!(b.ledger().current(), 0);
+    }
+
+    #[test]
+    fn waiting_for_one_tensor_of_several_is_an_error() {
+        let b = CpuBackend::new();
+        let p = Pending::in_flight(vec![t(&b, 1), t(&b, 1)], Vec::new(), None);
+        assert!(p.wait().unwrap_err().to_string().contains("wait_all"));
+        let e = same_count(&[t(&b, 1)], &[]).unwrap_err().to_string();
+        assert!(e.contains("1 tensors into 0"), "{e}");
+    }
+}

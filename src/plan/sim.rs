@@ -116,3 +116,21 @@ impl Sim {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_buffers_grow_by_release_then_allocate() {
+        let mut sim = Sim::new();
+        sim.keep_at_least("ws", Category::Workspace, 100);
+        sim.keep_at_least("ws", Category::Workspace, 60); // big enough already
+        assert_eq!((sim.current(), sim.peak()), (100, 100));
+        sim.keep_at_least("ws", Category::Workspace, 300);
+        // the old one goes first, so the peak is the new size alone
+        assert_eq!((sim.current(), sim.peak()), (300, 300));
+        sim.keep_at_least("other", Category::Workspace, 5);
+        assert_eq!(sim.current(), 305);
+    }
+}

@@ -130,3 +130,40 @@ pub fn table(times: &[OpTime], wall_ms: Option<f64>) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_lists_kinds_with_their_share_of_the_wall_time() {
+        let times = [
+            OpTime {
+                kind: "attention_bwd",
+                ms: 30.0,
+                calls: 16,
+            },
+            OpTime {
+                kind: "gemm",
+                ms: 5.0,
+                calls: 96,
+            },
+        ];
+        let t = table(&times, Some(50.0));
+        let rows: Vec<&str> = t.lines().collect();
+        assert_eq!(rows.len(), 3);
+        assert!(
+            rows[1].starts_with("attention_bwd") && rows[1].ends_with("60.0%"),
+            "{t}"
+        );
+        assert!(rows[2].contains("96") && rows[2].ends_with("10.0%"), "{t}");
+        assert!(!table(&times, None).contains('%'));
+    }
+
+    #[test]
+    fn off_unless_asked() {
+        assert!(!OpProfile::new(false).enabled());
+        assert!(OpProfile::new(true).enabled());
+        assert!(OpProfile::new(false).take().unwrap().is_empty());
+    }
+}
