@@ -154,9 +154,31 @@ fn new_unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
 
 /// Whether an NCCL version string (`2.28.3`) has `ncclCommSplit` (2.18+).
 fn supports_split(version: &str) -> bool {
+    at_least(version, (2, 18))
+}
+
+/// Whether an NCCL version string (`2.28.3`) has `ncclAlltoAll` (2.28+).
+fn supports_alltoall(version: &str) -> bool {
+    at_least(version, (2, 28))
+}
+
+fn at_least(version: &str, want: (u32, u32)) -> bool {
     let mut it = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
     let (major, minor) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
-    (major, minor) >= (2, 18)
+    (major, minor) >= want
+}
+
+/// Whether all-to-all uses NCCL's own `ncclAlltoAll` (NCCL 2.28+, unless
+/// `UPIPE_NCCL_ALLTOALL=0`) rather than grouped sends and receives. Decided
+/// once per process from the loaded library's version: cudarc panics on a
+/// missing symbol, so the call is only made where the version has it.
+fn native_alltoall() -> bool {
+    static NATIVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *NATIVE.get_or_init(|| {
+        let off = std::env::var("UPIPE_NCCL_ALLTOALL").is_ok_and(|v| v == "0");
+        let version = library().ok().and_then(|l| l.api_version.clone());
+        !off && version.is_some_and(|v| supports_alltoall(&v))
+    })
 }
 
 /// An owned communicator; destroyed on drop.
@@ -513,6 +535,15 @@ impl NcclGroup {
         drv_bind(&self.backend)?;
         let _g = lock(&self.comm)?;
         let c = self.comm.raw;
+        if native_alltoall() {
+            // SAFETY: both buffers hold `size` chunks of `n` elements; they
+            // stay alive until the stream has run the transfer.
+            return check(
+                unsafe { sys::ncclAlltoAll(s, r, n, dt, c, self.stream()) },
+                "ncclAlltoAll",
+                Some(c),
+            );
+        }
         // This rank's own chunk is a device copy, not a message to itself.
         let own = self.me * n * esz;
         // SAFETY: chunk `me` lies inside both tensors.
@@ -830,6 +861,8 @@ mod tests {
         assert!(supports_split("3.0.0"));
         assert!(!supports_split("2.17.9"));
         assert!(!supports_split("garbage"));
+        assert!(supports_alltoall("2.28.3") && supports_alltoall("3.1"));
+        assert!(!supports_alltoall("2.27.7") && !supports_alltoall(""));
     }
 
     #[test]
