@@ -2,8 +2,6 @@
 //! `local` and under UPipe on thread ranks sharing one GPU, and a few training
 //! steps of the tiny model. Skipped with a message where no GPU exists.
 
-mod common;
-
 use std::sync::Arc;
 use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{TrialInputs, run_trial};
@@ -70,7 +68,7 @@ fn attention_layer_on_gpu_matches_cpu() {
             let errs = got.errors_against(&reference);
             println!("gpu {kernel:?} {s} {pu}x{pr}: {errs:?}");
             for (name, e) in errs {
-                let tol = common::bf16_tolerance(&name);
+                let tol = upipe::attention::trial::bf16_tolerance(&name);
                 if e > tol {
                     failures.push(format!(
                         "{kernel:?} {s} {pu}x{pr}: {name} rel err {e:e} > {tol:e} (bf16 vs f32)"

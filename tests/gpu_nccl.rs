@@ -190,7 +190,7 @@ fn nccl_attention_layer_matches_cpu() {
             let errs = got.errors_against(r);
             println!("nccl {s} {pu}x{pr} U={u:?}: {errs:?}");
             for (name, e) in errs {
-                if e > common::bf16_tolerance(&name) {
+                if e > upipe::attention::trial::bf16_tolerance(&name) {
                     failures.push(format!("{s} {pu}x{pr} U={u:?}: {name} rel err {e:e}"));
                 }
             }
