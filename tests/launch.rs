@@ -156,20 +156,26 @@ fn alive(pid: u32) -> bool {
     !state.starts_with('Z') && !state.starts_with('X')
 }
 
+/// `upipe launch --nproc-per-node N --master-port PORT -- rendezvous-check ARGS`.
+fn launch_check(nproc: usize, port: &str, args: &[&str]) -> Command {
+    let nproc = nproc.to_string();
+    let mut all = vec![
+        "launch",
+        "--nproc-per-node",
+        &nproc,
+        "--master-port",
+        port,
+        "--",
+        "rendezvous-check",
+    ];
+    all.extend_from_slice(args);
+    upipe(&all)
+}
+
 #[test]
 fn four_ranks_agree_on_ranks_and_id() {
     let port = free_port().to_string();
-    let cmd = upipe(&[
-        "launch",
-        "--nproc-per-node",
-        "4",
-        "--master-port",
-        &port,
-        "--",
-        "rendezvous-check",
-        "--timeout-ms",
-        "15000",
-    ]);
+    let cmd = launch_check(4, &port, &["--timeout-ms", "15000"]);
     let done = Running::start(cmd).finish(Duration::from_secs(20));
     assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
     let mut ids = Vec::new();
@@ -195,19 +201,7 @@ fn four_ranks_agree_on_ranks_and_id() {
 #[test]
 fn failing_rank_stops_the_others_and_sets_the_status() {
     let port = free_port().to_string();
-    let cmd = upipe(&[
-        "launch",
-        "--nproc-per-node",
-        "4",
-        "--master-port",
-        &port,
-        "--",
-        "rendezvous-check",
-        "--fail-rank",
-        "2",
-        "--timeout-ms",
-        "20000",
-    ]);
+    let cmd = launch_check(4, &port, &["--fail-rank", "2", "--timeout-ms", "20000"]);
     let done = Running::start(cmd).finish(Duration::from_secs(25));
     assert_eq!(done.code, Some(3), "stderr:\n{}", done.stderr);
     // The survivors sleep for 20 s unless the launcher stops them.
@@ -268,17 +262,7 @@ fn missing_rank_is_named_within_the_timeout() {
 fn port_in_use_is_reported_with_the_fix() {
     let held = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = held.local_addr().unwrap().port().to_string();
-    let cmd = upipe(&[
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        &port,
-        "--",
-        "rendezvous-check",
-        "--timeout-ms",
-        "20000",
-    ]);
+    let cmd = launch_check(2, &port, &["--timeout-ms", "20000"]);
     let done = Running::start(cmd).finish(Duration::from_secs(15));
     assert_ne!(done.code, Some(0));
     assert!(
@@ -298,19 +282,7 @@ fn port_in_use_is_reported_with_the_fix() {
 fn terminating_the_launcher_stops_the_ranks() {
     let port = free_port().to_string();
     // No rank 7 exists, so both ranks connect and then wait to be stopped.
-    let cmd = upipe(&[
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        &port,
-        "--",
-        "rendezvous-check",
-        "--fail-rank",
-        "7",
-        "--timeout-ms",
-        "20000",
-    ]);
+    let cmd = launch_check(2, &port, &["--fail-rank", "7", "--timeout-ms", "20000"]);
     let running = Running::start(cmd);
     let lines = running.wait_for_lines(2, Duration::from_secs(10), |l| {
         l.contains("waiting to be stopped")
@@ -363,19 +335,7 @@ fn invalid_flags_fail_before_starting_anything() {
 #[test]
 fn killing_the_launcher_outright_still_ends_the_ranks() {
     let port = free_port().to_string();
-    let cmd = upipe(&[
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        &port,
-        "--",
-        "rendezvous-check",
-        "--fail-rank",
-        "7",
-        "--timeout-ms",
-        "20000",
-    ]);
+    let cmd = launch_check(2, &port, &["--fail-rank", "7", "--timeout-ms", "20000"]);
     let mut running = Running::start(cmd);
     let lines = running.wait_for_lines(2, Duration::from_secs(10), |l| {
         l.contains("waiting to be stopped")

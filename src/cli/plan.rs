@@ -62,9 +62,9 @@ pub struct PlanArgs {
     /// Dtypes to plan for: cuda (bf16 activations) or cpu (f32).
     #[arg(long, default_value = "cuda")]
     pub device: String,
-    /// Attention kernels on cuda: auto (cuDNN SDPA where it takes the call:
-    /// its backward workspace is counted, except cuDNN's own plan workspace,
-    /// which only a GPU knows) or native (our kernels, modelled exactly).
+    /// Attention kernels on cuda: auto (cuDNN SDPA where it takes the call;
+    /// its plan workspace as cuDNN 9.14 took it on H200) or native (our
+    /// kernels, modelled exactly).
     #[arg(long, default_value = "auto")]
     pub attn_kernel: String,
     /// Longest length the search tries (tokens).

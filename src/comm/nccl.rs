@@ -212,9 +212,8 @@ impl Drop for Comm {
 /// This process's world communicator on its GPU; builds meshes.
 pub struct NcclWorld {
     backend: Arc<CudaBackend>,
-    /// Every collective of this process runs here, ordered against the
-    /// backend's compute stream by events.
-    comm_stream: Arc<CudaStream>,
+    /// The world communicator; its stream is the one every collective of
+    /// this process runs on, ordered against the compute stream by events.
     comm: Arc<Comm>,
     rank: usize,
     size: usize,
@@ -269,12 +268,11 @@ impl NcclWorld {
         )?;
         let comm = Arc::new(Comm {
             raw,
-            stream: comm_stream.clone(),
+            stream: comm_stream,
             lock: Mutex::new(()),
         });
         Ok(NcclWorld {
             backend,
-            comm_stream,
             comm,
             rank: env.rank,
             size: env.world_size,
@@ -338,7 +336,7 @@ impl NcclWorld {
             groups.push(self.group(
                 Arc::new(Comm {
                     raw,
-                    stream: self.comm_stream.clone(),
+                    stream: self.comm.stream.clone(),
                     lock: Mutex::new(()),
                 }),
                 spec.members,
@@ -365,7 +363,6 @@ impl NcclWorld {
             .expect("split_specs puts the rank in its groups");
         Box::new(NcclGroup {
             backend: self.backend.clone(),
-            comm_stream: self.comm_stream.clone(),
             comm,
             me,
             size: members.len(),
@@ -388,8 +385,6 @@ fn lock(c: &Comm) -> Result<std::sync::MutexGuard<'_, ()>> {
 /// One group of an [`NcclWorld`] mesh.
 struct NcclGroup {
     backend: Arc<CudaBackend>,
-    /// The process's communication stream, shared by its groups.
-    comm_stream: Arc<CudaStream>,
     comm: Arc<Comm>,
     me: usize,
     size: usize,
@@ -423,7 +418,7 @@ impl Drop for GroupCall {
 impl NcclGroup {
     /// The communication stream, as NCCL takes it.
     fn stream(&self) -> sys::cudaStream_t {
-        self.comm_stream.cu_stream() as sys::cudaStream_t
+        self.comm.stream.cu_stream() as sys::cudaStream_t
     }
 
     /// Queues `f`'s transfers on the communication stream after everything
@@ -432,12 +427,12 @@ impl NcclGroup {
     fn issue(&self, kind: &'static str, f: impl FnOnce() -> Result<()>) -> Result<CudaEvent> {
         drv_bind(&self.backend)?;
         let ready = drv(self.backend.stream().record_event(None), "record event")?;
-        drv(self.comm_stream.wait(&ready), "stream wait")?;
+        drv(self.comm.stream.wait(&ready), "stream wait")?;
         {
-            let _span = self.backend.profile().span(kind, &self.comm_stream)?;
+            let _span = self.backend.profile().span(kind, &self.comm.stream)?;
             f()?;
         }
-        drv(self.comm_stream.record_event(None), "record event")
+        drv(self.comm.stream.record_event(None), "record event")
     }
 
     /// What makes the compute stream wait for transfers ending at `done`
@@ -505,7 +500,7 @@ impl NcclGroup {
                 dst as u64,
                 src as u64,
                 bytes,
-                self.comm_stream.cu_stream(),
+                self.comm.stream.cu_stream(),
             )
         }
         .map_err(|e| Error::Backend(format!("CUDA driver: device copy: {e:?}")))
