@@ -118,7 +118,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         let (b, nh) = (self.b, heads[0].len());
         let dtype = input.dtype();
         if !self.shapes.merge_destinations(nh) {
-            let mut buf = b.zeros(&self.shapes.packed(nh), dtype, Category::Comm)?;
+            let mut buf = b.empty(&self.shapes.packed(nh), dtype, Category::Comm)?;
             for (j, h) in heads.iter().enumerate() {
                 let c = self.packed_block(j, nh);
                 b.gemm(buf.view_mut(c), input.mat(), operand(h), 1.0, 0.0)?;
@@ -128,7 +128,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         // one GEMM over every destination's weights: the input is read once
         let w_nh = nh * self.dims.head_dim;
         let wide = self.pu() * w_nh;
-        let mut stacked = b.zeros(
+        let mut stacked = b.empty(
             &self.shapes.stacked_operands(nh),
             dtype,
             Category::Workspace,
@@ -137,14 +137,14 @@ impl<'a, B: Backend> Staged<'a, B> {
             let dst = MatLayout::block(j * w_nh, self.dims.hidden, w_nh, wide);
             b.copy(stacked.view_mut(dst), operand(h))?;
         }
-        let mut proj = b.zeros(
+        let mut proj = b.empty(
             &self.shapes.stacked_projection(nh),
             dtype,
             Category::Workspace,
         )?;
         b.gemm(proj.mat_mut(), input.mat(), stacked.mat(), 1.0, 0.0)?;
         drop(stacked);
-        let mut buf = b.zeros(&self.shapes.packed(nh), dtype, Category::Comm)?;
+        let mut buf = b.empty(&self.shapes.packed(nh), dtype, Category::Comm)?;
         for j in 0..heads.len() {
             let src = MatLayout::block(j * w_nh, self.s, w_nh, wide);
             b.copy(buf.view_mut(self.packed_block(j, nh)), proj.view(src))?;
@@ -163,7 +163,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         if self.pu() == 1 {
             return Ok(Pending::done(send));
         }
-        let recv = self.b.zeros(send.shape(), send.dtype(), Category::Comm)?;
+        let recv = self.b.empty(send.shape(), send.dtype(), Category::Comm)?;
         self.mesh.ulysses.start_all_to_all(send, recv)
     }
 
@@ -258,7 +258,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         let (b, s) = (self.b, self.s);
         let sched = &self.plan.schedule;
         let u = sched.u();
-        let mut o = b.zeros(&self.shapes.saved_o(), x.dtype(), Category::Activations)?;
+        let mut o = b.empty(&self.shapes.saved_o(), x.dtype(), Category::Activations)?;
         let mut lses = Vec::with_capacity(sched.n_stages());
         for phase in &sched.phases {
             let PhaseKv { k, v, .. } = self.kv_phase(w, x, phase, false)?;
@@ -286,7 +286,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                 lses.push(lse);
             }
         }
-        let mut y = b.zeros(&self.shapes.layer_io(), x.dtype(), Category::Activations)?;
+        let mut y = b.empty(&self.shapes.layer_io(), x.dtype(), Category::Activations)?;
         b.gemm(y.mat_mut(), o.mat(), w.wo.mat().t(), 1.0, 0.0)?;
         Ok((y, AttnSaved { o, lse: lses }))
     }
@@ -397,12 +397,12 @@ impl<'a, B: Backend> Staged<'a, B> {
     ) -> Result<()> {
         let (b, d, hid) = (self.b, self.dims.head_dim, self.dims.hidden);
         let nh: usize = parts.iter().map(|p| p.heads[0].len()).sum();
-        let mut gathered = b.zeros(
+        let mut gathered = b.empty(
             &self.shapes.gathered_grads(nh),
             x.dtype(),
             Category::Workspace,
         )?;
-        let mut stacked = b.zeros(
+        let mut stacked = b.empty(
             &self.shapes.gathered_weights(nh),
             x.dtype(),
             Category::Workspace,
@@ -429,7 +429,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         let nh = heads[0].len();
         let mut buf = self
             .b
-            .zeros(&self.shapes.packed(nh), o.dtype(), Category::Comm)?;
+            .empty(&self.shapes.packed(nh), o.dtype(), Category::Comm)?;
         for (j, h) in heads.iter().enumerate() {
             self.b.copy(
                 buf.view_mut(self.packed_block(j, nh)),

@@ -89,13 +89,22 @@ pub struct TrialResult {
     pub seconds: f64,
 }
 
-/// `max |a - b| / max |b|`: error relative to the reference's scale.
+/// `max |a - b| / max |b|`: error relative to the reference's scale; a NaN
+/// or infinite difference (or a length mismatch) is an infinite error.
 pub fn rel_err(a: &[f32], reference: &[f32]) -> f64 {
+    if a.len() != reference.len() {
+        return f64::INFINITY;
+    }
     let scale = reference.iter().fold(0.0f64, |m, &x| m.max(x.abs() as f64));
-    let diff = a
-        .iter()
-        .zip(reference)
-        .fold(0.0f64, |m, (&x, &y)| m.max((x as f64 - y as f64).abs()));
+    let mut diff = 0.0f64;
+    for (&x, &y) in a.iter().zip(reference) {
+        let d = (x as f64 - y as f64).abs();
+        // `f64::max` drops NaN: a NaN or infinite result must fail, not vanish
+        if !d.is_finite() {
+            return f64::INFINITY;
+        }
+        diff = diff.max(d);
+    }
     if scale == 0.0 { diff } else { diff / scale }
 }
 
@@ -397,6 +406,15 @@ pub fn gather_runs(rv: &mut Rendezvous, mine: RankRun) -> Result<Vec<RankRun>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rel_err_counts_nan_and_mismatches_as_infinite() {
+        assert_eq!(rel_err(&[1.0, 2.5], &[1.0, 2.0]), 0.25);
+        assert_eq!(rel_err(&[f32::NAN, 2.0], &[1.0, 2.0]), f64::INFINITY);
+        assert_eq!(rel_err(&[1.0, f32::INFINITY], &[1.0, 2.0]), f64::INFINITY);
+        assert_eq!(rel_err(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+        assert_eq!(rel_err(&[0.5], &[0.0]), 0.5);
+    }
 
     #[test]
     fn run_wire_round_trip() {

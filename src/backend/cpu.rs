@@ -121,6 +121,18 @@ impl Backend for CpuBackend {
         ))
     }
 
+    fn empty(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        check_f32(dtype)?;
+        let n = shape.iter().product();
+        Ok(Tensor::from_parts(
+            CpuStorage(vec![f32::NAN; n]),
+            shape,
+            dtype,
+            cat,
+            self.ledger.clone(),
+        ))
+    }
+
     fn from_host(
         &self,
         host: &[f32],

@@ -60,6 +60,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// Allocates a zero-filled tensor.
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>>;
+    /// Allocates a tensor with unspecified contents, for a buffer whose every
+    /// element is written before it is read (saves the fill on devices). The
+    /// CPU reference fills it with NaN, so a read before the write poisons
+    /// the results the tests check.
+    fn empty(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        self.zeros(shape, dtype, cat)
+    }
     /// Creates a tensor from host f32 data (converted to `dtype`).
     #[allow(clippy::wrong_self_convention)]
     fn from_host(

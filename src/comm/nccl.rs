@@ -424,12 +424,20 @@ impl NcclGroup {
     /// Queues `f`'s transfers on the communication stream after everything
     /// queued so far on the compute stream; returns the event that marks
     /// their end. No host synchronisation.
-    fn issue(&self, kind: &'static str, f: impl FnOnce() -> Result<()>) -> Result<CudaEvent> {
+    fn issue(
+        &self,
+        kind: &'static str,
+        bytes: usize,
+        f: impl FnOnce() -> Result<()>,
+    ) -> Result<CudaEvent> {
         drv_bind(&self.backend)?;
         let ready = drv(self.backend.stream().record_event(None), "record event")?;
         drv(self.comm.stream.wait(&ready), "stream wait")?;
         {
-            let _span = self.backend.profile().span(kind, &self.comm.stream)?;
+            let _span = self
+                .backend
+                .profile()
+                .span_shaped(kind, &self.comm.stream, || format!("{bytes} B"))?;
             f()?;
         }
         drv(self.comm.stream.record_event(None), "record event")
@@ -443,8 +451,13 @@ impl NcclGroup {
     }
 
     /// `issue`, then orders the compute stream after the transfers.
-    fn ordered(&self, kind: &'static str, f: impl FnOnce() -> Result<()>) -> Result<()> {
-        let done = self.issue(kind, f)?;
+    fn ordered(
+        &self,
+        kind: &'static str,
+        bytes: usize,
+        f: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let done = self.issue(kind, bytes, f)?;
         drv(self.backend.stream().wait(&done), "stream wait")
     }
 
@@ -715,14 +728,18 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         self.size
     }
     fn all_to_all(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
-        self.ordered("all_to_all", || self.all_to_all_queued(send, recv))
+        self.ordered("all_to_all", send.bytes(), || {
+            self.all_to_all_queued(send, recv)
+        })
     }
     fn start_all_to_all(
         &self,
         send: Tensor<CudaBackend>,
         mut recv: Tensor<CudaBackend>,
     ) -> Result<Pending<CudaBackend>> {
-        let done = self.issue("all_to_all", || self.all_to_all_queued(&send, &mut recv))?;
+        let done = self.issue("all_to_all", send.bytes(), || {
+            self.all_to_all_queued(&send, &mut recv)
+        })?;
         Ok(Pending::in_flight(
             vec![recv],
             vec![send],
@@ -737,7 +754,8 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         from: usize,
     ) -> Result<Pending<CudaBackend>> {
         super::same_count(&send, &recv)?;
-        let done = self.issue("send_recv", || {
+        let bytes = send.iter().map(|t| t.bytes()).sum();
+        let done = self.issue("send_recv", bytes, || {
             for (s, r) in send.iter().zip(recv.iter_mut()) {
                 self.send_recv_queued(s, to, r, from)?;
             }
@@ -746,17 +764,21 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         Ok(Pending::in_flight(recv, send, Some(self.join(done))))
     }
     fn all_gather(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
-        self.ordered("all_gather", || self.all_gather_queued(send, recv))
+        self.ordered("all_gather", send.bytes(), || {
+            self.all_gather_queued(send, recv)
+        })
     }
     fn reduce_scatter(
         &self,
         send: &Tensor<CudaBackend>,
         recv: &mut Tensor<CudaBackend>,
     ) -> Result<()> {
-        self.ordered("reduce_scatter", || self.reduce_scatter_queued(send, recv))
+        self.ordered("reduce_scatter", send.bytes(), || {
+            self.reduce_scatter_queued(send, recv)
+        })
     }
     fn all_reduce(&self, t: &mut Tensor<CudaBackend>) -> Result<()> {
-        self.ordered("all_reduce", || self.all_reduce_queued(t))
+        self.ordered("all_reduce", t.bytes(), || self.all_reduce_queued(t))
     }
     fn send_recv(
         &self,
@@ -765,7 +787,9 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         recv: &mut Tensor<CudaBackend>,
         from: usize,
     ) -> Result<()> {
-        self.ordered("send_recv", || self.send_recv_queued(send, to, recv, from))
+        self.ordered("send_recv", send.bytes(), || {
+            self.send_recv_queued(send, to, recv, from)
+        })
     }
 }
 

@@ -57,6 +57,7 @@ macro_rules! kernel_table {
 
 kernel_table!(
     copy2d,
+    copy_rows16,
     scale2d,
     fill,
     axpy,

@@ -110,6 +110,30 @@ fn ptr(t: &Tensor<CudaBackend>) -> u64 {
     t.storage().ptr()
 }
 
+/// A copy of `rows` rows of `row_bytes` contiguous bytes each between two
+/// byte-strided places.
+#[derive(Debug, Clone, Copy)]
+struct RowCopy {
+    dst: u64,
+    dst_row: usize,
+    src: u64,
+    src_row: usize,
+    row_bytes: usize,
+}
+
+impl RowCopy {
+    /// Whether every row starts on a 16-byte boundary and is whole 16-byte
+    /// vectors, so the copy can move 16 bytes per thread (`copy_rows16`).
+    fn vectorizable(&self) -> bool {
+        self.row_bytes > 0
+            && self.row_bytes.is_multiple_of(16)
+            && self.dst.is_multiple_of(16)
+            && self.src.is_multiple_of(16)
+            && self.dst_row.is_multiple_of(16)
+            && self.src_row.is_multiple_of(16)
+    }
+}
+
 /// Device address of element `elem` of `t`.
 fn ptr_at(t: &Tensor<CudaBackend>, elem: usize) -> u64 {
     ptr(t) + (elem * t.dtype().size()) as u64
@@ -229,6 +253,15 @@ impl CudaBackend {
     /// profiling is on); the span ends when the returned guard drops.
     pub fn span(&self, kind: &'static str) -> Result<Option<profile::Span<'_>>> {
         self.profile.span(kind, &self.stream)
+    }
+
+    /// As [`Self::span`], with the op's shape for `UPIPE_PROFILE=shapes`.
+    pub fn span_shaped(
+        &self,
+        kind: &'static str,
+        shape: impl FnOnce() -> String,
+    ) -> Result<Option<profile::Span<'_>>> {
+        self.profile.span_shaped(kind, &self.stream, shape)
     }
 
     /// The op profile (`UPIPE_PROFILE=1`), for spans on other streams and totals.
@@ -553,6 +586,11 @@ impl Backend for CudaBackend {
         Ok(t)
     }
 
+    fn empty(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        self.bind()?;
+        self.alloc(shape, dtype, cat)
+    }
+
     fn from_host(
         &self,
         data: &[f32],
@@ -653,7 +691,16 @@ impl Backend for CudaBackend {
         alpha: f32,
         beta: f32,
     ) -> Result<()> {
-        let _span = self.span("gemm")?;
+        let _span = self.span_shaped("gemm", || {
+            format!(
+                "{}x{}x{} {:?}->{:?} beta {beta}",
+                a.l.rows,
+                b.l.cols,
+                a.l.cols,
+                a.t.dtype(),
+                c.t.dtype()
+            )
+        })?;
         let p = gemm::map_problem(&c.l, &a.l, &b.l)?;
         let (ab, cd) = (a.t.dtype(), c.t.dtype());
         if b.t.dtype() != ab || (cd != DType::F32 && cd != ab) {
@@ -690,7 +737,17 @@ impl Backend for CudaBackend {
     }
 
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
-        let _span = self.span("copy")?;
+        let _span = self.span_shaped("copy", || {
+            format!(
+                "{}x{} {:?}->{:?} strides {:?}->{:?}",
+                src.l.rows,
+                src.l.cols,
+                src.t.dtype(),
+                dst.t.dtype(),
+                src.l.strides(),
+                dst.l.strides()
+            )
+        })?;
         if dst.l.rows != src.l.rows || dst.l.cols != src.l.cols {
             return Err(Error::Backend(format!(
                 "copy shapes: {:?} <- {:?}",
@@ -700,6 +757,26 @@ impl Backend for CudaBackend {
         self.bind()?;
         let (drs, dcs) = dst.l.strides();
         let (srs, scs) = src.l.strides();
+        let esz = src.t.dtype().size();
+        let (d0, s0) = (ptr_at(dst.t, dst.l.offset), ptr_at(src.t, src.l.offset));
+        let rows16 = RowCopy {
+            dst: d0,
+            dst_row: drs * esz,
+            src: s0,
+            src_row: srs * esz,
+            row_bytes: src.l.cols * esz,
+        };
+        if dst.t.dtype() == src.t.dtype() && dcs == 1 && scs == 1 && rows16.vectorizable() {
+            let vecs = rows16.row_bytes / 16;
+            let args = Args::new()
+                .ptr(d0)
+                .usize(rows16.dst_row)
+                .ptr(s0)
+                .usize(rows16.src_row)
+                .usize(src.l.rows)
+                .usize(vecs);
+            return self.launch1d(self.kernels.copy_rows16, src.l.rows * vecs, args);
+        }
         let args = Args::new()
             .ptr(ptr(dst.t))
             .i32(dt(dst.t))
@@ -902,7 +979,9 @@ impl Backend for CudaBackend {
         o: RowsMut<'_, Self>,
         lse: RowsMut<'_, Self>,
     ) -> Result<()> {
-        let _span = self.span("attention_fwd")?;
+        let _span = self.span_shaped("attention_fwd", || {
+            format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
+        })?;
         let g = attn_geom(&q, &k, &v, causal)?;
         need(lse.t, DType::F32, "attention_fwd", "lse")?;
         if o.len() != q.len()
@@ -992,7 +1071,9 @@ impl Backend for CudaBackend {
         dk: RowsMut<'_, Self>,
         dv: RowsMut<'_, Self>,
     ) -> Result<()> {
-        let _span = self.span("attention_bwd")?;
+        let _span = self.span_shaped("attention_bwd", || {
+            format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
+        })?;
         let g = attn_geom(&q, &k, &v, causal)?;
         need(lse.t, DType::F32, "attention_bwd", "lse")?;
         let (sq, sk) = (q.len(), k.len());
@@ -1388,6 +1469,47 @@ mod tests {
             Err(Error::LibraryMissing(m)) => assert!(m.contains("searched"), "{m}"),
             Err(Error::Backend(m)) => assert!(!m.is_empty()),
             Err(e) => panic!("unexpected error kind: {e}"),
+        }
+    }
+
+    #[test]
+    fn row_copies_vectorize_only_on_whole_aligned_16_byte_rows() {
+        // a bf16 head block: 128 columns out of a 4096-wide row
+        let head = RowCopy {
+            dst: 1 << 20,
+            dst_row: 256,
+            src: (1 << 20) + 256,
+            src_row: 8192,
+            row_bytes: 256,
+        };
+        assert!(head.vectorizable());
+        for odd in [
+            RowCopy {
+                row_bytes: 24,
+                ..head
+            },
+            RowCopy {
+                row_bytes: 0,
+                ..head
+            },
+            RowCopy {
+                src: head.src + 2,
+                ..head
+            },
+            RowCopy {
+                dst: head.dst + 8,
+                ..head
+            },
+            RowCopy {
+                src_row: 8194,
+                ..head
+            },
+            RowCopy {
+                dst_row: 264,
+                ..head
+            },
+        ] {
+            assert!(!odd.vectorizable(), "{odd:?}");
         }
     }
 }

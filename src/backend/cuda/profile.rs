@@ -1,10 +1,13 @@
 //! GPU time by operation (`UPIPE_PROFILE=1`): a pair of CUDA events around
-//! each backend op and collective, summed by kind on request. Off by
+//! each backend op and collective, summed by kind on request; with
+//! `UPIPE_PROFILE=shapes` also by kind and shape (GEMM `m×n×k`, copy
+//! `rows×cols`, ...), to find which calls of a kind cost the time. Off by
 //! default, when it costs one branch per op.
 //!
 //! Times are each op's own stream time (end event minus start event), so
 //! with work on two streams at once (collectives beside kernels) the kinds
-//! add up to more than the wall time: that excess is the overlap.
+//! add up to more than the wall time: that excess is the overlap. A
+//! collective's time includes waiting for its peers.
 
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUevent_flags;
@@ -12,20 +15,59 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-/// One kind's total over the recorded ops.
+/// One kind's (or one kind and shape's) total over the recorded ops.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpTime {
-    pub kind: &'static str,
+    /// The op kind, followed by its shape in a by-shape total.
+    pub kind: String,
     pub ms: f64,
     pub calls: u64,
 }
 
-/// A finished op: its kind and start and end events.
-type Recorded = (&'static str, CudaEvent, CudaEvent);
+/// Totals of the recorded ops, largest first.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OpTotals {
+    pub by_kind: Vec<OpTime>,
+    /// Empty unless shapes are profiled (`UPIPE_PROFILE=shapes`).
+    pub by_shape: Vec<OpTime>,
+}
+
+impl OpTotals {
+    /// Divides every total by `passes` (per-pass figures).
+    pub fn per_pass(mut self, passes: f64) -> Self {
+        for t in self.by_kind.iter_mut().chain(self.by_shape.iter_mut()) {
+            t.ms /= passes;
+        }
+        self
+    }
+}
+
+/// How much is recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ProfileLevel {
+    Off,
+    Kinds,
+    Shapes,
+}
+
+impl ProfileLevel {
+    /// `UPIPE_PROFILE`: unset, empty or `0` = off, `shapes` = by shape too,
+    /// anything else = by kind.
+    pub fn parse(v: Option<&str>) -> Self {
+        match v {
+            None | Some("") | Some("0") => ProfileLevel::Off,
+            Some("shapes") => ProfileLevel::Shapes,
+            Some(_) => ProfileLevel::Kinds,
+        }
+    }
+}
+
+/// A finished op: its kind, its shape (when recorded) and start and end events.
+type Recorded = (&'static str, Option<String>, CudaEvent, CudaEvent);
 
 /// Recorded spans of one backend.
 pub struct OpProfile {
-    enabled: bool,
+    level: ProfileLevel,
     spans: Mutex<Vec<Recorded>>,
 }
 
@@ -33,26 +75,27 @@ pub struct OpProfile {
 pub struct Span<'a> {
     profile: &'a OpProfile,
     kind: &'static str,
+    shape: Option<String>,
     stream: &'a CudaStream,
     start: Option<CudaEvent>,
 }
 
 impl OpProfile {
-    /// Enabled when `UPIPE_PROFILE` is set to anything but `0` or empty.
+    /// The level `UPIPE_PROFILE` asks for.
     pub fn from_env() -> Self {
-        let on = std::env::var("UPIPE_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0");
-        OpProfile::new(on)
+        let v = std::env::var("UPIPE_PROFILE").ok();
+        OpProfile::new(ProfileLevel::parse(v.as_deref()))
     }
 
-    pub fn new(enabled: bool) -> Self {
+    pub fn new(level: ProfileLevel) -> Self {
         OpProfile {
-            enabled,
+            level,
             spans: Mutex::new(Vec::new()),
         }
     }
 
     pub fn enabled(&self) -> bool {
-        self.enabled
+        self.level > ProfileLevel::Off
     }
 
     /// Starts timing an op of `kind` queued next on `stream`; `None` when off.
@@ -61,37 +104,41 @@ impl OpProfile {
         kind: &'static str,
         stream: &'a CudaStream,
     ) -> Result<Option<Span<'a>>> {
-        if !self.enabled {
+        self.span_shaped(kind, stream, String::new)
+    }
+
+    /// As [`Self::span`], with the op's shape (made only when shapes are profiled).
+    pub fn span_shaped<'a>(
+        &'a self,
+        kind: &'static str,
+        stream: &'a CudaStream,
+        shape: impl FnOnce() -> String,
+    ) -> Result<Option<Span<'a>>> {
+        if !self.enabled() {
             return Ok(None);
         }
+        let shape = (self.level == ProfileLevel::Shapes).then(shape);
         let start = timing_event(stream)?;
         Ok(Some(Span {
             profile: self,
             kind,
+            shape,
             stream,
             start: Some(start),
         }))
     }
 
-    /// Waits for the recorded ops, returns their totals by kind (largest
-    /// first) and forgets them.
-    pub fn take(&self) -> Result<Vec<OpTime>> {
+    /// Waits for the recorded ops, returns their totals and forgets them.
+    pub fn take(&self) -> Result<OpTotals> {
         let spans = std::mem::take(&mut *self.lock()?);
-        let mut by_kind: BTreeMap<&'static str, (f64, u64)> = BTreeMap::new();
-        for (kind, start, end) in spans {
+        let mut timed = Vec::with_capacity(spans.len());
+        for (kind, shape, start, end) in spans {
             let ms = start
                 .elapsed_ms(&end)
                 .map_err(|e| Error::Backend(format!("profile: event timing: {e:?}")))?;
-            let e = by_kind.entry(kind).or_default();
-            e.0 += ms as f64;
-            e.1 += 1;
+            timed.push((kind, shape, ms as f64));
         }
-        let mut out: Vec<OpTime> = by_kind
-            .into_iter()
-            .map(|(kind, (ms, calls))| OpTime { kind, ms, calls })
-            .collect();
-        out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
-        Ok(out)
+        Ok(totals(timed))
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Vec<Recorded>>> {
@@ -101,13 +148,41 @@ impl OpProfile {
     }
 }
 
+/// Sums timed ops `(kind, shape, ms)` by kind and by kind and shape.
+fn totals(timed: Vec<(&'static str, Option<String>, f64)>) -> OpTotals {
+    let mut by_kind: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+    let mut by_shape: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+    for (kind, shape, ms) in timed {
+        let e = by_kind.entry(kind.to_string()).or_default();
+        e.0 += ms;
+        e.1 += 1;
+        if let Some(shape) = shape {
+            let e = by_shape.entry(format!("{kind} {shape}")).or_default();
+            e.0 += ms;
+            e.1 += 1;
+        }
+    }
+    let sorted = |m: BTreeMap<String, (f64, u64)>| {
+        let mut v: Vec<OpTime> = m
+            .into_iter()
+            .map(|(kind, (ms, calls))| OpTime { kind, ms, calls })
+            .collect();
+        v.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        v
+    };
+    OpTotals {
+        by_kind: sorted(by_kind),
+        by_shape: sorted(by_shape),
+    }
+}
+
 impl Drop for Span<'_> {
     fn drop(&mut self) {
         // a failed end event drops the span rather than failing the op
         if let (Some(start), Ok(end)) = (self.start.take(), timing_event(self.stream))
             && let Ok(mut spans) = self.profile.lock()
         {
-            spans.push((self.kind, start, end));
+            spans.push((self.kind, self.shape.take(), start, end));
         }
     }
 }
@@ -120,11 +195,17 @@ fn timing_event(stream: &CudaStream) -> Result<CudaEvent> {
 
 /// Formats totals as a table, with each kind's share of `wall_ms` when given.
 pub fn table(times: &[OpTime], wall_ms: Option<f64>) -> String {
-    let mut s = format!("{:<16} {:>10} {:>8} {:>7}\n", "op", "ms", "calls", "share");
+    let w = times
+        .iter()
+        .map(|t| t.kind.len())
+        .max()
+        .unwrap_or(0)
+        .max(16);
+    let mut s = format!("{:<w$} {:>10} {:>8} {:>7}\n", "op", "ms", "calls", "share");
     for t in times {
         let share = wall_ms.map_or(String::new(), |w| format!("{:.1}%", 100.0 * t.ms / w));
         s += &format!(
-            "{:<16} {:>10.2} {:>8} {:>7}\n",
+            "{:<w$} {:>10.2} {:>8} {:>7}\n",
             t.kind, t.ms, t.calls, share
         );
     }
@@ -139,12 +220,12 @@ mod tests {
     fn table_lists_kinds_with_their_share_of_the_wall_time() {
         let times = [
             OpTime {
-                kind: "attention_bwd",
+                kind: "attention_bwd".into(),
                 ms: 30.0,
                 calls: 16,
             },
             OpTime {
-                kind: "gemm",
+                kind: "gemm".into(),
                 ms: 5.0,
                 calls: 96,
             },
@@ -162,8 +243,38 @@ mod tests {
 
     #[test]
     fn off_unless_asked() {
-        assert!(!OpProfile::new(false).enabled());
-        assert!(OpProfile::new(true).enabled());
-        assert!(OpProfile::new(false).take().unwrap().is_empty());
+        assert_eq!(ProfileLevel::parse(None), ProfileLevel::Off);
+        assert_eq!(ProfileLevel::parse(Some("0")), ProfileLevel::Off);
+        assert_eq!(ProfileLevel::parse(Some("1")), ProfileLevel::Kinds);
+        assert_eq!(ProfileLevel::parse(Some("shapes")), ProfileLevel::Shapes);
+        assert!(!OpProfile::new(ProfileLevel::Off).enabled());
+        assert!(OpProfile::new(ProfileLevel::Kinds).enabled());
+        let none = OpProfile::new(ProfileLevel::Off).take().unwrap();
+        assert!(none.by_kind.is_empty() && none.by_shape.is_empty());
+    }
+
+    #[test]
+    fn totals_by_kind_and_by_shape() {
+        let t = totals(vec![
+            ("gemm", Some("8x8x8".into()), 1.0),
+            ("gemm", Some("4x4x4".into()), 2.0),
+            ("gemm", Some("8x8x8".into()), 4.0),
+            ("copy", None, 0.5),
+        ]);
+        let kinds: Vec<(&str, f64, u64)> = t
+            .by_kind
+            .iter()
+            .map(|o| (o.kind.as_str(), o.ms, o.calls))
+            .collect();
+        assert_eq!(kinds, [("gemm", 7.0, 3), ("copy", 0.5, 1)]);
+        let shapes: Vec<(&str, f64, u64)> = t
+            .by_shape
+            .iter()
+            .map(|o| (o.kind.as_str(), o.ms, o.calls))
+            .collect();
+        assert_eq!(shapes, [("gemm 8x8x8", 5.0, 2), ("gemm 4x4x4", 2.0, 1)]);
+        let per = t.per_pass(2.0);
+        assert_eq!(per.by_kind[0].ms, 3.5);
+        assert_eq!(per.by_shape[1].ms, 1.0);
     }
 }

@@ -15,7 +15,7 @@ use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::cuda::profile::{self, OpTime};
+use crate::backend::cuda::profile::{self, OpTotals};
 use crate::comm::env::{DEFAULT_MASTER_ADDR, DistEnv};
 use crate::comm::nccl::{self, NcclWorld};
 use crate::comm::rendezvous::Rendezvous;
@@ -103,7 +103,7 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
     };
     let mut outcomes: Vec<(Strategy, Outcome, Option<f64>)> = Vec::new();
     // rank 0's GPU time by op per pass (UPIPE_PROFILE=1)
-    let mut profiles: Vec<(Strategy, Vec<OpTime>, f64)> = Vec::new();
+    let mut profiles: Vec<(Strategy, OpTotals, f64)> = Vec::new();
     b.profile().take()?;
     for &m in &methods {
         let chunk = if m == Strategy::Upipe {
@@ -182,11 +182,7 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         drop((x, dy));
         b.synchronize()?;
         if b.profile().enabled() {
-            let passes = timed.iters as f64;
-            let mut times = b.profile().take()?;
-            for t in &mut times {
-                t.ms /= passes;
-            }
+            let times = b.profile().take()?.per_pass(timed.iters as f64);
             let wall_ms = 1e3 * median(&run.seconds);
             profiles.push((m, times, wall_ms));
         }
@@ -268,23 +264,38 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
     Ok(if failed { 1 } else { 0 })
 }
 
-/// Rank 0's GPU time by op, per forward+backward pass.
-fn print_profiles(profiles: &[(Strategy, Vec<OpTime>, f64)], json: bool) {
+/// Shapes listed per method under `UPIPE_PROFILE=shapes` (the costliest).
+const TOP_SHAPES: usize = 30;
+
+/// Rank 0's GPU time by op (and by op shape when profiled), per
+/// forward+backward pass.
+fn print_profiles(profiles: &[(Strategy, OpTotals, f64)], json: bool) {
     for (m, times, wall_ms) in profiles {
+        let shapes = &times.by_shape[..times.by_shape.len().min(TOP_SHAPES)];
         if json {
             let ops: serde_json::Map<String, serde_json::Value> = times
+                .by_kind
                 .iter()
-                .map(|t| (t.kind.to_string(), serde_json::json!(t.ms)))
+                .map(|t| (t.kind.clone(), serde_json::json!(t.ms)))
+                .collect();
+            let by_shape: Vec<serde_json::Value> = shapes
+                .iter()
+                .map(|t| serde_json::json!({"op": t.kind, "ms": t.ms, "calls": t.calls}))
                 .collect();
             let row = serde_json::json!({
                 "method": m.to_string(),
                 "profile_ms_per_pass": ops,
+                "profile_by_shape": by_shape,
                 "wall_ms_per_pass": wall_ms,
             });
             println!("{row}");
         } else {
             println!("\n{m}: rank 0 GPU time per pass (wall {wall_ms:.2} ms)");
-            print!("{}", profile::table(times, Some(*wall_ms)));
+            print!("{}", profile::table(&times.by_kind, Some(*wall_ms)));
+            if !shapes.is_empty() {
+                println!("by shape (costliest {TOP_SHAPES}):");
+                print!("{}", profile::table(shapes, Some(*wall_ms)));
+            }
         }
     }
 }

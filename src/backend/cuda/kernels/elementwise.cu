@@ -9,6 +9,17 @@ extern "C" __global__ void copy2d(void* dst, int ddt, i64 doff, i64 drs, i64 dcs
     }
 }
 
+// Rows of 16-byte vectors between two views of one dtype with unit column
+// stride (the caller checks alignment): row i of dst at dst + i * drs bytes,
+// of src at src + i * srs bytes, row_vecs vectors each. Most copies in the
+// attention layer (head blocks in and out of exchange buffers) take this path.
+extern "C" __global__ void copy_rows16(char* dst, i64 drs, const char* src, i64 srs, i64 rows, i64 row_vecs) {
+    GRID_STRIDE(idx, rows * row_vecs) {
+        i64 i = idx / row_vecs, j = idx - i * row_vecs;
+        reinterpret_cast<uint4*>(dst + i * drs)[j] = reinterpret_cast<const uint4*>(src + i * srs)[j];
+    }
+}
+
 // p = beta * p on a strided 2-D view (beta == 0 writes exact zeros).
 extern "C" __global__ void scale2d(void* p, int dt, i64 off, i64 rs, i64 cs, i64 rows, i64 cols, float beta) {
     GRID_STRIDE(idx, rows * cols) {
