@@ -42,7 +42,9 @@ want check && step check_2x1_overlap 60 "${L[@]}" "${small[@]}" --ulysses 2 --me
 llama=(--hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --warmup 1)
 uly=(--ulysses 2)
 # where the time goes: rank 0's GPU time by op (events add a little overhead)
-want profile && UPIPE_PROFILE=1 step profile_131072 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods ulysses,upipe --chunk-heads 2 --overlap
+# (by op shape: the costliest GEMM / copy / exchange shapes of each method)
+want profile && UPIPE_PROFILE=shapes step profile_131072 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods ulysses,upipe --chunk-heads 2
+want profile && UPIPE_PROFILE=shapes step profile_131072_overlap 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods upipe --chunk-heads 2 --overlap
 # 512K and 1M first: the lengths not measured yet
 want long && step perf_524288 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 524288 --methods ulysses,upipe --chunk-heads 4
 want long && step perf_1048576 240 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 1048576 --methods ulysses,upipe --chunk-heads 4

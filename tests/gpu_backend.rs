@@ -271,6 +271,41 @@ fn copy_fill_axpy_sum_squares() {
     assert!(((sg - sc) / sc).abs() < 1e-5, "sum_squares {sg} vs {sc}");
 }
 
+/// Copies the attention layer makes most (head blocks of wide rows, casts of
+/// gradients) take 16-byte vector paths when rows are aligned; misaligned
+/// views take the element path. Both against the CPU.
+#[test]
+fn vector_copies_and_casts_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("vector copies");
+    let (r, wide) = (37, 512);
+    for (sdt, ddt) in [
+        (DType::BF16, DType::BF16),
+        (DType::F32, DType::F32),
+        (DType::F32, DType::BF16),
+        (DType::BF16, DType::F32),
+    ] {
+        let (gs, cs) = pair(g, &c, &rng.vec(r * wide, 1.0), &[r, wide], sdt);
+        // (source column, destination column, columns): aligned head blocks,
+        // then a block starting one element off (element path)
+        for (sc, dc, cols) in [(128, 0, 128), (256, 64, 64), (1, 3, 64)] {
+            let (mut gd, mut cd) = pair(g, &c, &rng.vec(r * 192, 1.0), &[r, 192], ddt);
+            let from = MatLayout::block(sc, r, cols, wide);
+            let to = MatLayout::block(dc, r, cols, 192);
+            g.copy(gd.view_mut(to), gs.view(from)).unwrap();
+            c.copy(cd.view_mut(to), cs.view(from)).unwrap();
+            check(
+                &format!("copy {sdt:?}->{ddt:?} cols {sc}..+{cols} -> {dc}"),
+                g,
+                &gd,
+                &c,
+                &cd,
+            );
+        }
+    }
+}
+
 #[test]
 fn rms_norm_rope_swiglu() {
     let Some(g) = gpu() else { return };

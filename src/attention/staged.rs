@@ -33,6 +33,34 @@ struct PhaseKv<B: Backend> {
     v: Tensor<B>,
 }
 
+/// A kv phase's K and V projections on their way to the attention layout.
+struct KvInFlight<B: Backend> {
+    k: Pending<B>,
+    v: Pending<B>,
+}
+
+/// Which projection a gradient belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Proj {
+    Q,
+    K,
+    V,
+}
+
+/// A projection's gradient on its way back to the token owners: packed by
+/// source rank `[pu * s, nh, d]`, block `j` = heads `heads[j]`.
+struct GradInFlight<'h, B: Backend> {
+    grad: Pending<B>,
+    proj: Proj,
+    heads: &'h [Range<usize>],
+}
+
+/// One stage's attention output on its way back to the token owners.
+struct OutInFlight<'h, B: Backend> {
+    o_att: Pending<B>,
+    heads: &'h [Range<usize>],
+}
+
 /// One backward stage's exchanged inputs, possibly still in flight.
 struct BwdStageInputs<B: Backend> {
     o_att: Pending<B>,
@@ -152,11 +180,6 @@ impl<'a, B: Backend> Staged<'a, B> {
         Ok(buf)
     }
 
-    /// All-to-all over the Ulysses group; consumes the send buffer.
-    fn exchange(&self, send: Tensor<B>) -> Result<Tensor<B>> {
-        self.exchange_start(send)?.wait()
-    }
-
     /// Starts the all-to-all of `send`; it runs beside the work queued until
     /// [`Pending::wait`] (the send buffer lives until then).
     fn exchange_start(&self, send: Tensor<B>) -> Result<Pending<B>> {
@@ -167,26 +190,39 @@ impl<'a, B: Backend> Staged<'a, B> {
         self.mesh.ulysses.start_all_to_all(send, recv)
     }
 
-    /// Exchanges a gradient back to the token owners in the compute dtype.
-    fn exchange_back(&self, grad: Tensor<B>, dtype: DType) -> Result<Tensor<B>> {
+    /// Starts sending a gradient back to the token owners in the compute
+    /// dtype (an F32 gradient is freed once cast).
+    fn exchange_back_start(&self, grad: Tensor<B>, dtype: DType) -> Result<Pending<B>> {
         let send = if grad.dtype() == dtype {
             grad
         } else {
-            crate::backend::cast(self.b, &grad, dtype, Category::Comm)?
+            let send = crate::backend::cast(self.b, &grad, dtype, Category::Comm)?;
+            drop(grad);
+            send
         };
-        self.exchange(send)
+        self.exchange_start(send)
     }
 
-    /// This phase's K (normed, rotated), its pre-norm copy if needed, and V: `[n, m, d]`.
-    fn kv_phase(
+    /// Projects this phase's K and V heads and starts their exchanges.
+    fn kv_start(
         &self,
         w: &AttentionWeights<B>,
         x: &Tensor<B>,
         phase: &KvPhase,
+    ) -> Result<KvInFlight<B>> {
+        let k = self.exchange_start(self.project_packed(x, &w.wk, &phase.kv_heads)?)?;
+        let v = self.exchange_start(self.project_packed(x, &w.wv, &phase.kv_heads)?)?;
+        Ok(KvInFlight { k, v })
+    }
+
+    /// This phase's K (normed, rotated), its pre-norm copy if needed, and V: `[n, m, d]`.
+    fn kv_ready(
+        &self,
+        w: &AttentionWeights<B>,
+        kv: KvInFlight<B>,
         keep_raw: bool,
     ) -> Result<PhaseKv<B>> {
-        let k = self.exchange(self.project_packed(x, &w.wk, &phase.kv_heads)?)?;
-        let v = self.exchange(self.project_packed(x, &w.wv, &phase.kv_heads)?)?;
+        let (k, v) = (kv.k.wait()?, kv.v.wait()?);
         let (k, k_raw) = norm_rope(
             self.b,
             k,
@@ -225,9 +261,12 @@ impl<'a, B: Backend> Staged<'a, B> {
         )
     }
 
-    /// Whether the next stage's projections and exchanges are issued before
-    /// this stage's attention (one extra stage of buffers), so an asynchronous
-    /// backend overlaps them with it.
+    /// Whether transfers run beside attention (`--overlap`): the next stage's
+    /// projections and exchanges (at a phase's last stage, the next phase's
+    /// K/V too) are issued before this stage's attention, and this stage's
+    /// output (forward) or gradients (backward) are taken in only after the
+    /// next stage's attention is queued. Costs one extra stage (and kv phase)
+    /// of buffers.
     fn prefetch(&self) -> bool {
         self.plan.overlap
     }
@@ -249,42 +288,74 @@ impl<'a, B: Backend> Staged<'a, B> {
         })
     }
 
+    /// Writes a stage's returned attention output into O at its heads' columns.
+    fn take_output(&self, o: &mut Tensor<B>, out: OutInFlight<'_, B>) -> Result<()> {
+        let back = out.o_att.wait()?;
+        let u = out.heads[0].len();
+        for (j, h) in out.heads.iter().enumerate() {
+            self.b.copy(
+                o.view_mut(self.head_cols(h, self.s)),
+                back.view(self.packed_block(j, u)),
+            )?;
+        }
+        Ok(())
+    }
+
     /// Forward: `x: [s, hidden]` → `y: [s, hidden]`.
     pub fn forward(
         &self,
         w: &AttentionWeights<B>,
         x: &Tensor<B>,
     ) -> Result<(Tensor<B>, AttnSaved<B>)> {
-        let (b, s) = (self.b, self.s);
+        let b = self.b;
         let sched = &self.plan.schedule;
-        let u = sched.u();
         let mut o = b.empty(&self.shapes.saved_o(), x.dtype(), Category::Activations)?;
         let mut lses = Vec::with_capacity(sched.n_stages());
-        for phase in &sched.phases {
-            let PhaseKv { k, v, .. } = self.kv_phase(w, x, phase, false)?;
-            let mut prefetched: Option<Pending<B>> = None;
+        let mut next_kv: Option<KvInFlight<B>> = None;
+        let mut next_q: Option<Pending<B>> = None;
+        let mut out: Option<OutInFlight<'_, B>> = None;
+        for (p, phase) in sched.phases.iter().enumerate() {
+            let kv = match next_kv.take() {
+                Some(kv) => kv,
+                None => self.kv_start(w, x, phase)?,
+            };
+            let PhaseKv { k, v, .. } = self.kv_ready(w, kv, false)?;
             for (t, stage) in phase.stages.iter().enumerate() {
-                let q_raw = match prefetched.take() {
+                let q_raw = match next_q.take() {
                     Some(q) => q,
                     None => self.q_exchanged(w, x, &stage.q_heads)?,
                 }
                 .wait()?;
                 let (q, _) = self.q_ready(w, q_raw, false)?;
-                if let (true, Some(next)) = (self.prefetch(), phase.stages.get(t + 1)) {
-                    prefetched = Some(self.q_exchanged(w, x, &next.q_heads)?);
+                if self.prefetch() {
+                    if let Some(next) = phase.stages.get(t + 1) {
+                        next_q = Some(self.q_exchanged(w, x, &next.q_heads)?);
+                    } else if let Some(next) = sched.phases.get(p + 1) {
+                        next_kv = Some(self.kv_start(w, x, next)?);
+                        next_q = Some(self.q_exchanged(w, x, &next.stages[0].q_heads)?);
+                    }
                 }
                 let (o_att, lse) = ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v)?;
                 drop(q);
-                let back = self.exchange(o_att)?;
-                for (j, h) in stage.q_heads.iter().enumerate() {
-                    b.copy(
-                        o.view_mut(self.head_cols(h, s)),
-                        back.view(self.packed_block(j, u)),
-                    )?;
-                }
-                drop(back);
                 lses.push(lse);
+                let this = OutInFlight {
+                    o_att: self.exchange_start(o_att)?,
+                    heads: &stage.q_heads,
+                };
+                // with overlap the previous stage's output came back beside
+                // this stage's attention
+                if let Some(prev) = out.replace(this) {
+                    self.take_output(&mut o, prev)?;
+                }
+                if !self.prefetch()
+                    && let Some(this) = out.take()
+                {
+                    self.take_output(&mut o, this)?;
+                }
             }
+        }
+        if let Some(last) = out.take() {
+            self.take_output(&mut o, last)?;
         }
         let mut y = b.empty(&self.shapes.layer_io(), x.dtype(), Category::Activations)?;
         b.gemm(y.mat_mut(), o.mat(), w.wo.mat().t(), 1.0, 0.0)?;
@@ -293,10 +364,11 @@ impl<'a, B: Backend> Staged<'a, B> {
 
     /// Backward; returns `dx` and accumulates this rank's partial weight gradients.
     ///
-    /// Each stage's dQ (and each phase's dK with dV) meets the weights in one
-    /// `dx` GEMM over its head blocks side by side ([`Self::accumulate_proj_grads`]),
-    /// so `dx` (`[s, hidden]`, the largest operand) is read and written once
-    /// per stage, not once per head block.
+    /// Gradients return to the token owners through [`GradInFlight`]s, taken
+    /// in by [`Self::settle`]: at once, or (with overlap) after the next
+    /// stage's attention is queued. Each settlement meets the weights in one
+    /// `dx` GEMM over its head blocks side by side, so `dx` (`[s, hidden]`,
+    /// the largest operand) is read and written once per settlement.
     pub fn backward(
         &self,
         w: &AttentionWeights<B>,
@@ -308,26 +380,40 @@ impl<'a, B: Backend> Staged<'a, B> {
         let (b, eps) = (self.b, self.dims.norm_eps);
         let act = x.dtype();
         let sched = &self.plan.schedule;
+        // gradients left in flight after each settlement
+        let keep = usize::from(self.prefetch());
         let AttnSaved { o, lse } = saved;
         b.gemm(g.wo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
         let mut dx = b.zeros(&self.shapes.layer_io(), act, Category::Grads)?;
+        let mut in_flight: Vec<GradInFlight<'_, B>> = Vec::new();
+        let mut next_kv: Option<KvInFlight<B>> = None;
+        let mut next_inputs: Option<BwdStageInputs<B>> = None;
         let mut stage_index = 0;
-        for phase in &sched.phases {
-            let PhaseKv { k, k_raw, v } = self.kv_phase(w, x, phase, true)?;
+        for (p, phase) in sched.phases.iter().enumerate() {
+            let kv = match next_kv.take() {
+                Some(kv) => kv,
+                None => self.kv_start(w, x, phase)?,
+            };
+            let PhaseKv { k, k_raw, v } = self.kv_ready(w, kv, true)?;
             let mut dk = b.zeros(k.shape(), DType::F32, Category::Workspace)?;
             let mut dv = b.zeros(v.shape(), DType::F32, Category::Workspace)?;
-            let mut prefetched: Option<BwdStageInputs<B>> = None;
             for (t, stage) in phase.stages.iter().enumerate() {
                 let heads = &stage.q_heads;
                 // O, dO and Q of this stage, moved to the attention layout.
-                let BwdStageInputs { o_att, d_o, q_raw } = match prefetched.take() {
+                let BwdStageInputs { o_att, d_o, q_raw } = match next_inputs.take() {
                     Some(p) => p,
                     None => self.bwd_stage_inputs(w, x, &o, dy, heads)?,
                 };
                 let (o_att, d_o, q_raw) = (o_att.wait()?, d_o.wait()?, q_raw.wait()?);
                 let (q, q_raw) = self.q_ready(w, q_raw, true)?;
-                if let (true, Some(next)) = (self.prefetch(), phase.stages.get(t + 1)) {
-                    prefetched = Some(self.bwd_stage_inputs(w, x, &o, dy, &next.q_heads)?);
+                if self.prefetch() {
+                    if let Some(next) = phase.stages.get(t + 1) {
+                        next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, &next.q_heads)?);
+                    } else if let Some(next) = sched.phases.get(p + 1) {
+                        next_kv = Some(self.kv_start(w, x, next)?);
+                        let heads = &next.stages[0].q_heads;
+                        next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads)?);
+                    }
                 }
                 let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
                 ring::backward(
@@ -347,56 +433,56 @@ impl<'a, B: Backend> Staged<'a, B> {
                 let norm = w.q_norm.as_ref().zip(g.q_norm.as_mut());
                 let dq = norm_rope_bwd(b, dq, q_raw.as_ref(), norm, eps, self.rope)?;
                 drop(q_raw);
-                let dq_local = self.exchange_back(dq, act)?;
-                let parts = [ProjGrad {
-                    grad: &dq_local,
-                    w: &w.wq,
-                    dw: &mut g.wq,
+                in_flight.push(GradInFlight {
+                    grad: self.exchange_back_start(dq, act)?,
+                    proj: Proj::Q,
                     heads,
-                }];
-                self.accumulate_proj_grads(x, parts, &mut dx)?;
+                });
+                self.settle(&mut in_flight, keep, x, w, g, &mut dx)?;
                 stage_index += 1;
             }
             drop((k, v));
             let norm = w.k_norm.as_ref().zip(g.k_norm.as_mut());
             let dk = norm_rope_bwd(b, dk, k_raw.as_ref(), norm, eps, self.rope)?;
             drop(k_raw);
-            let dk_local = self.exchange_back(dk, act)?;
-            let dv_local = self.exchange_back(dv, act)?;
             let heads = &phase.kv_heads;
-            let parts = [
-                ProjGrad {
-                    grad: &dk_local,
-                    w: &w.wk,
-                    dw: &mut g.wk,
+            for (grad, proj) in [(dk, Proj::K), (dv, Proj::V)] {
+                in_flight.push(GradInFlight {
+                    grad: self.exchange_back_start(grad, act)?,
+                    proj,
                     heads,
-                },
-                ProjGrad {
-                    grad: &dv_local,
-                    w: &w.wv,
-                    dw: &mut g.wv,
-                    heads,
-                },
-            ];
-            self.accumulate_proj_grads(x, parts, &mut dx)?;
+                });
+            }
+            self.settle(&mut in_flight, 2 * keep, x, w, g, &mut dx)?;
         }
+        self.settle(&mut in_flight, 0, x, w, g, &mut dx)?;
         drop((o, lse));
         Ok(dx)
     }
 
-    /// For each part's gradient of projected heads (packed by source rank
-    /// `[pu * s, nh, d]`, block `j` = heads `heads[j]` for this rank's
-    /// tokens): `dW[heads[j]] += block_j^T x` and `dx += Σ block_j W[heads[j]]`.
-    /// The `dx` sum is one GEMM over the blocks side by side and the matching
-    /// weight rows stacked, so `dx` is read and written once, not once per block.
-    fn accumulate_proj_grads<const N: usize>(
+    /// Takes in every gradient in flight but the newest `keep`: for each,
+    /// `dW[heads[j]] += block_j^T x`, and `dx += Σ block_j W[heads[j]]` as one
+    /// GEMM over all their blocks side by side with the matching weight rows
+    /// stacked, so `dx` is read and written once, not once per block.
+    fn settle(
         &self,
+        in_flight: &mut Vec<GradInFlight<'_, B>>,
+        keep: usize,
         x: &Tensor<B>,
-        parts: [ProjGrad<'_, B>; N],
+        w: &AttentionWeights<B>,
+        g: &mut AttentionGrads<B>,
         dx: &mut Tensor<B>,
     ) -> Result<()> {
+        if in_flight.len() <= keep {
+            return Ok(());
+        }
+        let ready: Vec<GradInFlight<'_, B>> = in_flight.drain(..in_flight.len() - keep).collect();
+        let mut parts = Vec::with_capacity(ready.len());
+        for r in ready {
+            parts.push((r.grad.wait()?, r.proj, r.heads));
+        }
         let (b, d, hid) = (self.b, self.dims.head_dim, self.dims.hidden);
-        let nh: usize = parts.iter().map(|p| p.heads[0].len()).sum();
+        let nh: usize = parts.iter().map(|p| p.2[0].len()).sum();
         let mut gathered = b.empty(
             &self.shapes.gathered_grads(nh),
             x.dtype(),
@@ -408,19 +494,30 @@ impl<'a, B: Backend> Staged<'a, B> {
             Category::Workspace,
         )?;
         let mut col = 0;
-        for p in parts {
-            let pn = p.heads[0].len();
-            for (j, h) in p.heads.iter().enumerate() {
+        for (grad, proj, heads) in &parts {
+            let (wt, dw) = match proj {
+                Proj::Q => (&w.wq, &mut g.wq),
+                Proj::K => (&w.wk, &mut g.wk),
+                Proj::V => (&w.wv, &mut g.wv),
+            };
+            let pn = heads[0].len();
+            for (j, h) in heads.iter().enumerate() {
                 let blk = self.packed_block(j, pn);
-                let dw = p.dw.view_mut(self.head_rows(h));
-                b.gemm(dw, p.grad.view(blk).t(), x.mat(), 1.0, 1.0)?;
+                b.gemm(
+                    dw.view_mut(self.head_rows(h)),
+                    grad.view(blk).t(),
+                    x.mat(),
+                    1.0,
+                    1.0,
+                )?;
                 let to = MatLayout::block(col, self.s, pn * d, gathered.row_len());
-                b.copy(gathered.view_mut(to), p.grad.view(blk))?;
+                b.copy(gathered.view_mut(to), grad.view(blk))?;
                 let rows = MatLayout::block(col * hid, pn * d, hid, hid);
-                b.copy(stacked.view_mut(rows), p.w.view(self.head_rows(h)))?;
+                b.copy(stacked.view_mut(rows), wt.view(self.head_rows(h)))?;
                 col += pn * d;
             }
         }
+        drop(parts);
         b.gemm(dx.mat_mut(), gathered.mat(), stacked.mat(), 1.0, 1.0)
     }
 
@@ -449,14 +546,4 @@ impl<'a, B: Backend> Staged<'a, B> {
         let hidden = self.dims.hidden;
         self.project_by_destination(dy, heads, |h| wo.view(self.head_cols(h, hidden)))
     }
-}
-
-/// One projection's gradient on its way to `dW` and `dx`.
-struct ProjGrad<'g, B: Backend> {
-    /// Packed by source rank: `[pu * s, nh, d]`.
-    grad: &'g Tensor<B>,
-    w: &'g Tensor<B>,
-    dw: &'g mut Tensor<B>,
-    /// `heads[j]`: the heads of block `j`.
-    heads: &'g [Range<usize>],
 }

@@ -16,6 +16,9 @@ const F32: usize = 4;
 /// ones take more shapes).
 pub const PLANNED_CUDNN_VERSION: usize = 91400;
 
+/// A transfer in flight: (receive buffer, send buffer held until the wait).
+type InFlight = (Buf, Option<Buf>);
+
 fn numel<const K: usize>(shape: [usize; K]) -> usize {
     shape.iter().product()
 }
@@ -160,14 +163,8 @@ impl AttnWalk {
         self.act(sim, Comm, numel(self.sh.packed(nh)))
     }
 
-    /// `Staged::exchange`.
-    fn exchange(&self, sim: &mut Sim, send: Buf) -> Buf {
-        let p = self.exchange_start(sim, send);
-        self.wait(sim, p)
-    }
-
     /// `Staged::exchange_start`: (receive buffer, send buffer held until the wait).
-    fn exchange_start(&self, sim: &mut Sim, send: Buf) -> (Buf, Option<Buf>) {
+    fn exchange_start(&self, sim: &mut Sim, send: Buf) -> InFlight {
         if self.sh.pu == 1 {
             return (send, None);
         }
@@ -175,20 +172,20 @@ impl AttnWalk {
     }
 
     /// `Pending::wait`.
-    fn wait(&self, sim: &mut Sim, (recv, send): (Buf, Option<Buf>)) -> Buf {
+    fn wait(&self, sim: &mut Sim, (recv, send): InFlight) -> Buf {
         sim.free_opt(send);
         recv
     }
 
-    /// `Staged::exchange_back`: an F32 gradient returned in the compute dtype.
-    fn exchange_back(&self, sim: &mut Sim, grad: Buf) -> Buf {
+    /// `Staged::exchange_back_start`: an F32 gradient sent back in the
+    /// compute dtype (freed once cast).
+    fn exchange_back_start(&self, sim: &mut Sim, grad: Buf) -> InFlight {
         if self.ab == F32 {
-            return self.exchange(sim, grad);
+            return self.exchange_start(sim, grad);
         }
         let send = sim.alloc(Comm, grad.bytes / F32 * self.ab);
-        let recv = self.exchange(sim, send);
         sim.free(grad);
-        recv
+        self.exchange_start(sim, send)
     }
 
     /// `Staged::project_by_destination`: the packed projection of `nh` heads.
@@ -204,24 +201,36 @@ impl AttnWalk {
         buf
     }
 
-    /// `Staged::kv_phase`: (K, K before norm, V).
-    fn kv_phase(&self, sim: &mut Sim, keep_raw: bool) -> (Buf, Option<Buf>, Buf) {
+    /// `Staged::kv_start`: K and V in flight.
+    fn kv_start(&self, sim: &mut Sim) -> [InFlight; 2] {
         let k = self.project(sim, self.sh.m);
-        let k = self.exchange(sim, k);
+        let k = self.exchange_start(sim, k);
         let v = self.project(sim, self.sh.m);
-        let v = self.exchange(sim, v);
+        let v = self.exchange_start(sim, v);
+        [k, v]
+    }
+
+    /// `Staged::kv_ready`: (K, K before norm, V).
+    fn kv_ready(
+        &self,
+        sim: &mut Sim,
+        [k, v]: [InFlight; 2],
+        keep_raw: bool,
+    ) -> (Buf, Option<Buf>, Buf) {
+        let k = self.wait(sim, k);
+        let v = self.wait(sim, v);
         let (k, k_raw) = self.norm_rope(sim, k, keep_raw);
         (k, k_raw, v)
     }
 
     /// `Staged::q_exchanged`.
-    fn q_exchanged(&self, sim: &mut Sim) -> (Buf, Option<Buf>) {
+    fn q_exchanged(&self, sim: &mut Sim) -> InFlight {
         let q = self.project(sim, self.sh.u);
         self.exchange_start(sim, q)
     }
 
     /// `Staged::bwd_stage_inputs`: (O, dO, raw Q) of a stage, in flight.
-    fn bwd_stage_inputs(&self, sim: &mut Sim) -> [(Buf, Option<Buf>); 3] {
+    fn bwd_stage_inputs(&self, sim: &mut Sim) -> [InFlight; 3] {
         let o_att = self.packed(sim, self.sh.u);
         let o_att = self.exchange_start(sim, o_att);
         let d_o = self.project(sim, self.sh.u);
@@ -312,55 +321,103 @@ impl AttnWalk {
         grads.into_iter().for_each(|t| sim.free(t));
     }
 
+    /// `Staged::take_output`.
+    fn take_output(&self, sim: &mut Sim, out: InFlight) {
+        let back = self.wait(sim, out);
+        sim.free(back);
+    }
+
     /// `Staged::forward`.
     fn staged_fwd(&self, sim: &mut Sim) -> AttnFwd {
         let o = self.act(sim, Activations, numel(self.sh.saved_o()));
         let mut lse = Vec::new();
-        for _ in 0..self.phases {
-            let (k, _, v) = self.kv_phase(sim, false);
-            let mut prefetched: Option<(Buf, Option<Buf>)> = None;
+        let mut next_kv: Option<[InFlight; 2]> = None;
+        let mut next_q: Option<InFlight> = None;
+        let mut out: Option<InFlight> = None;
+        for p in 0..self.phases {
+            let kv = match next_kv.take() {
+                Some(kv) => kv,
+                None => self.kv_start(sim),
+            };
+            let (k, _, v) = self.kv_ready(sim, kv, false);
             for t in 0..self.stages_per_phase {
-                let q_raw = match prefetched.take() {
+                let q_raw = match next_q.take() {
                     Some(q) => q,
                     None => self.q_exchanged(sim),
                 };
                 let q_raw = self.wait(sim, q_raw);
                 let (q, _) = self.norm_rope(sim, q_raw, false);
-                if self.overlap && t + 1 < self.stages_per_phase {
-                    prefetched = Some(self.q_exchanged(sim));
+                if self.overlap {
+                    if t + 1 < self.stages_per_phase {
+                        next_q = Some(self.q_exchanged(sim));
+                    } else if p + 1 < self.phases {
+                        next_kv = Some(self.kv_start(sim));
+                        next_q = Some(self.q_exchanged(sim));
+                    }
                 }
                 let (o_att, l) = self.ring_fwd(sim, q, k, v);
                 sim.free(q);
-                let back = self.exchange(sim, o_att);
-                sim.free(back);
                 lse.push(l);
+                let this = self.exchange_start(sim, o_att);
+                if let Some(prev) = out.replace(this) {
+                    self.take_output(sim, prev);
+                }
+                if !self.overlap
+                    && let Some(this) = out.take()
+                {
+                    self.take_output(sim, this);
+                }
             }
             sim.free(k);
             sim.free(v);
+        }
+        if let Some(last) = out.take() {
+            self.take_output(sim, last);
         }
         let y = self.act(sim, Activations, numel(self.sh.layer_io()));
         AttnFwd { o, lse, y }
     }
 
-    /// `Staged::accumulate_proj_grads` over `nh` heads per destination.
-    fn proj_grads(&self, sim: &mut Sim, nh: usize) {
+    /// `Staged::settle`: takes in all but the newest `keep` gradients in
+    /// flight (each with its heads per destination).
+    fn settle(&self, sim: &mut Sim, in_flight: &mut Vec<(InFlight, usize)>, keep: usize) {
+        if in_flight.len() <= keep {
+            return;
+        }
+        let ready: Vec<(InFlight, usize)> = in_flight.drain(..in_flight.len() - keep).collect();
+        let mut nh = 0;
+        let mut got = Vec::with_capacity(ready.len());
+        for (grad, n) in ready {
+            got.push(self.wait(sim, grad));
+            nh += n;
+        }
         let gathered = self.act(sim, Workspace, numel(self.sh.gathered_grads(nh)));
         let stacked = self.act(sim, Workspace, numel(self.sh.gathered_weights(nh)));
+        for g in got {
+            sim.free(g);
+        }
         sim.free(gathered);
         sim.free(stacked);
     }
 
     /// `Staged::backward`: consumes the saved state, returns dx.
     fn staged_bwd(&self, sim: &mut Sim, o: Buf, lse: Vec<Buf>) -> Buf {
+        let keep = usize::from(self.overlap);
         let dx = self.act(sim, Grads, numel(self.sh.layer_io()));
-        for _ in 0..self.phases {
-            let (k, k_raw, v) = self.kv_phase(sim, true);
+        let mut in_flight: Vec<(InFlight, usize)> = Vec::new();
+        let mut next_kv: Option<[InFlight; 2]> = None;
+        let mut next_inputs: Option<[InFlight; 3]> = None;
+        for p in 0..self.phases {
+            let kv = match next_kv.take() {
+                Some(kv) => kv,
+                None => self.kv_start(sim),
+            };
+            let (k, k_raw, v) = self.kv_ready(sim, kv, true);
             let kv_f32 = numel(self.sh.packed(self.sh.m)) * F32;
             let dk = sim.alloc(Workspace, kv_f32);
             let dv = sim.alloc(Workspace, kv_f32);
-            let mut prefetched: Option<[(Buf, Option<Buf>); 3]> = None;
             for t in 0..self.stages_per_phase {
-                let [o_att, d_o, q_raw] = match prefetched.take() {
+                let [o_att, d_o, q_raw] = match next_inputs.take() {
                     Some(p) => p,
                     None => self.bwd_stage_inputs(sim),
                 };
@@ -368,8 +425,13 @@ impl AttnWalk {
                 let d_o = self.wait(sim, d_o);
                 let q_raw = self.wait(sim, q_raw);
                 let (q, q_raw) = self.norm_rope(sim, q_raw, true);
-                if self.overlap && t + 1 < self.stages_per_phase {
-                    prefetched = Some(self.bwd_stage_inputs(sim));
+                if self.overlap {
+                    if t + 1 < self.stages_per_phase {
+                        next_inputs = Some(self.bwd_stage_inputs(sim));
+                    } else if p + 1 < self.phases {
+                        next_kv = Some(self.kv_start(sim));
+                        next_inputs = Some(self.bwd_stage_inputs(sim));
+                    }
                 }
                 let dq = sim.alloc(Workspace, q.bytes / self.ab * F32);
                 self.ring_bwd(sim, k, v, dk);
@@ -378,20 +440,21 @@ impl AttnWalk {
                 sim.free(d_o);
                 let dq = self.norm_rope_bwd(sim, dq, q_raw);
                 sim.free_opt(q_raw);
-                let dq_local = self.exchange_back(sim, dq);
-                self.proj_grads(sim, self.sh.u);
-                sim.free(dq_local);
+                let dq = self.exchange_back_start(sim, dq);
+                in_flight.push((dq, self.sh.u));
+                self.settle(sim, &mut in_flight, keep);
             }
             sim.free(k);
             sim.free(v);
             let dk = self.norm_rope_bwd(sim, dk, k_raw);
             sim.free_opt(k_raw);
-            let dk_local = self.exchange_back(sim, dk);
-            let dv_local = self.exchange_back(sim, dv);
-            self.proj_grads(sim, 2 * self.sh.m);
-            sim.free(dk_local);
-            sim.free(dv_local);
+            for grad in [dk, dv] {
+                let grad = self.exchange_back_start(sim, grad);
+                in_flight.push((grad, self.sh.m));
+            }
+            self.settle(sim, &mut in_flight, 2 * keep);
         }
+        self.settle(sim, &mut in_flight, 0);
         sim.free(o);
         for l in lse {
             sim.free(l);

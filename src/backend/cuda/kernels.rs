@@ -58,6 +58,7 @@ macro_rules! kernel_table {
 kernel_table!(
     copy2d,
     copy_rows16,
+    cast_rows8,
     scale2d,
     fill,
     axpy,

@@ -110,7 +110,7 @@ fn ptr(t: &Tensor<CudaBackend>) -> u64 {
     t.storage().ptr()
 }
 
-/// A copy of `rows` rows of `row_bytes` contiguous bytes each between two
+/// A copy (or cast) of rows of `cols` contiguous elements between two
 /// byte-strided places.
 #[derive(Debug, Clone, Copy)]
 struct RowCopy {
@@ -118,19 +118,22 @@ struct RowCopy {
     dst_row: usize,
     src: u64,
     src_row: usize,
-    row_bytes: usize,
+    cols: usize,
 }
 
 impl RowCopy {
-    /// Whether every row starts on a 16-byte boundary and is whole 16-byte
-    /// vectors, so the copy can move 16 bytes per thread (`copy_rows16`).
-    fn vectorizable(&self) -> bool {
-        self.row_bytes > 0
-            && self.row_bytes.is_multiple_of(16)
-            && self.dst.is_multiple_of(16)
+    /// Whether every row on both sides starts on a 16-byte boundary, so the
+    /// copy can move whole 16-byte vectors (`copy_rows16`, `cast_rows8`).
+    fn aligned(&self) -> bool {
+        self.dst.is_multiple_of(16)
             && self.src.is_multiple_of(16)
             && self.dst_row.is_multiple_of(16)
             && self.src_row.is_multiple_of(16)
+    }
+
+    /// Whether rows are whole groups of `per` elements (and not empty).
+    fn whole_vectors(&self, per: usize) -> bool {
+        self.cols > 0 && self.cols.is_multiple_of(per)
     }
 }
 
@@ -757,25 +760,40 @@ impl Backend for CudaBackend {
         self.bind()?;
         let (drs, dcs) = dst.l.strides();
         let (srs, scs) = src.l.strides();
-        let esz = src.t.dtype().size();
+        let (sdt, ddt) = (src.t.dtype(), dst.t.dtype());
         let (d0, s0) = (ptr_at(dst.t, dst.l.offset), ptr_at(src.t, src.l.offset));
-        let rows16 = RowCopy {
+        let rows = RowCopy {
             dst: d0,
-            dst_row: drs * esz,
+            dst_row: drs * ddt.size(),
             src: s0,
-            src_row: srs * esz,
-            row_bytes: src.l.cols * esz,
+            src_row: srs * sdt.size(),
+            cols: src.l.cols,
         };
-        if dst.t.dtype() == src.t.dtype() && dcs == 1 && scs == 1 && rows16.vectorizable() {
-            let vecs = rows16.row_bytes / 16;
-            let args = Args::new()
-                .ptr(d0)
-                .usize(rows16.dst_row)
-                .ptr(s0)
-                .usize(rows16.src_row)
-                .usize(src.l.rows)
-                .usize(vecs);
-            return self.launch1d(self.kernels.copy_rows16, src.l.rows * vecs, args);
+        if dcs == 1 && scs == 1 && rows.aligned() {
+            if sdt == ddt && rows.whole_vectors(16 / sdt.size()) {
+                let vecs = rows.cols * sdt.size() / 16;
+                let args = Args::new()
+                    .ptr(d0)
+                    .usize(rows.dst_row)
+                    .ptr(s0)
+                    .usize(rows.src_row)
+                    .usize(src.l.rows)
+                    .usize(vecs);
+                return self.launch1d(self.kernels.copy_rows16, src.l.rows * vecs, args);
+            }
+            if sdt != ddt && rows.whole_vectors(8) {
+                let groups = rows.cols / 8;
+                let args = Args::new()
+                    .ptr(d0)
+                    .i32(dt_flag(ddt))
+                    .usize(rows.dst_row)
+                    .ptr(s0)
+                    .i32(dt_flag(sdt))
+                    .usize(rows.src_row)
+                    .usize(src.l.rows)
+                    .usize(groups);
+                return self.launch1d(self.kernels.cast_rows8, src.l.rows * groups, args);
+            }
         }
         let args = Args::new()
             .ptr(ptr(dst.t))
@@ -1480,18 +1498,12 @@ mod tests {
             dst_row: 256,
             src: (1 << 20) + 256,
             src_row: 8192,
-            row_bytes: 256,
+            cols: 128,
         };
-        assert!(head.vectorizable());
+        assert!(head.aligned() && head.whole_vectors(8));
+        assert!(!RowCopy { cols: 12, ..head }.whole_vectors(8));
+        assert!(!RowCopy { cols: 0, ..head }.whole_vectors(8));
         for odd in [
-            RowCopy {
-                row_bytes: 24,
-                ..head
-            },
-            RowCopy {
-                row_bytes: 0,
-                ..head
-            },
             RowCopy {
                 src: head.src + 2,
                 ..head
@@ -1509,7 +1521,7 @@ mod tests {
                 ..head
             },
         ] {
-            assert!(!odd.vectorizable(), "{odd:?}");
+            assert!(!odd.aligned(), "{odd:?}");
         }
     }
 }

@@ -20,6 +20,39 @@ extern "C" __global__ void copy_rows16(char* dst, i64 drs, const char* src, i64 
     }
 }
 
+// Rows of 8-element groups between an F32 and a BF16 view (either way) with
+// unit column stride and 16-byte aligned rows (the caller checks): 8 values
+// per thread, in 16-byte loads and stores. Gradients cast for the exchanges.
+extern "C" __global__ void cast_rows8(char* dst, int ddt, i64 drs, const char* src, int sdt, i64 srs, i64 rows,
+                                      i64 row_groups) {
+    GRID_STRIDE(idx, rows * row_groups) {
+        i64 i = idx / row_groups, j = idx - i * row_groups;
+        float v[8];
+        if (sdt == DT_F32) {
+            const float4* s = reinterpret_cast<const float4*>(src + i * srs) + 2 * j;
+            float4 a = s[0], b = s[1];
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+            v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        } else {
+            uint4 a = reinterpret_cast<const uint4*>(src + i * srs)[j];
+            unsigned w[4] = {a.x, a.y, a.z, a.w};
+            for (int k = 0; k < 4; k++) {
+                v[2 * k] = bf2f((bf16_t)(w[k] & 0xffffu));
+                v[2 * k + 1] = bf2f((bf16_t)(w[k] >> 16));
+            }
+        }
+        if (ddt == DT_F32) {
+            float4* d = reinterpret_cast<float4*>(dst + i * drs) + 2 * j;
+            d[0] = make_float4(v[0], v[1], v[2], v[3]);
+            d[1] = make_float4(v[4], v[5], v[6], v[7]);
+        } else {
+            unsigned w[4];
+            for (int k = 0; k < 4; k++) w[k] = (unsigned)f2bf(v[2 * k]) | ((unsigned)f2bf(v[2 * k + 1]) << 16);
+            reinterpret_cast<uint4*>(dst + i * drs)[j] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
 // p = beta * p on a strided 2-D view (beta == 0 writes exact zeros).
 extern "C" __global__ void scale2d(void* p, int dt, i64 off, i64 rs, i64 cs, i64 rows, i64 cols, float beta) {
     GRID_STRIDE(idx, rows * cols) {
