@@ -16,8 +16,8 @@ out="${OUT:-/tmp/upipe-2x}"; mkdir -p "$out/logs"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 UPIPE_KERNEL_CACHE=/tmp/upipe-kernels
 T0=$(date +%s)
-# PARTS picks what runs (default all): tests check profile perf long
-want() { [[ " ${PARTS:-tests check profile perf long} " == *" $1 "* ]]; }
+# PARTS picks what runs (default all): tests check profile long perf tune
+want() { [[ " ${PARTS:-tests check profile long perf tune} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
 step() { # name timeout cmd...
   local name=$1 lim=$2; shift 2
@@ -46,8 +46,13 @@ uly=(--ulysses 2)
 want profile && UPIPE_PROFILE=shapes step profile_131072 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods ulysses,upipe --chunk-heads 2
 want profile && UPIPE_PROFILE=shapes step profile_131072_overlap 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods upipe --chunk-heads 2 --overlap
 # 512K and 1M first: the lengths not measured yet
-want long && step perf_524288 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 524288 --methods ulysses,upipe --chunk-heads 4
-want long && step perf_1048576 240 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 1048576 --methods ulysses,upipe --chunk-heads 4
+want long && step perf_524288 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 524288 --methods ulysses,upipe --chunk-heads 2
+want long && step perf_1048576 240 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 1048576 --methods ulysses,upipe --chunk-heads 2
+# overlap variants and U=4 without overlap (PARTS=tune)
+want tune && step perf_131072_U2_overlap 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq 131072 --methods ulysses,upipe --chunk-heads 2 --overlap
+want tune && NCCL_MAX_CTAS=4 step perf_131072_U2_overlap_cta4 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq 131072 --methods upipe --chunk-heads 2 --overlap
+want tune && step perf_131072_U4 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq 131072 --methods upipe --chunk-heads 4
+want tune && step perf_262144_U4 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq 262144 --methods upipe --chunk-heads 4
 want perf && for s in 131072 262144; do
   step "perf_${s}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods ulysses,upipe --chunk-heads 2
   step "perf_${s}_U2_overlap" 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 2 --overlap

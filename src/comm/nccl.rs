@@ -251,8 +251,15 @@ impl NcclWorld {
         let nranks = i32::try_from(env.world_size)
             .map_err(|_| Error::Config("world size exceeds NCCL's int".into()))?;
         drv_bind(&backend)?;
+        // the highest priority the device has: when transfers run beside
+        // compute (`--overlap`), the block scheduler starts NCCL's blocks
+        // ahead of the compute kernels' pending ones
+        let (_, greatest) = drv(
+            cudarc::driver::result::stream::get_priority_range(),
+            "stream priority range",
+        )?;
         let comm_stream = drv(
-            backend.context().new_stream(),
+            backend.context().new_stream_with_priority(greatest),
             "create the communication stream",
         )?;
         let mut raw: sys::ncclComm_t = std::ptr::null_mut();
