@@ -15,6 +15,14 @@ bin="$here/bin"
 out="${OUT:-/tmp/upipe-2x}"; mkdir -p "$out/logs"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 UPIPE_KERNEL_CACHE=/tmp/upipe-kernels
+# CUDNN_PIP=1: torch's pip cuDNN (9.19 on our machine) instead of the system's
+# 9.14; cudarc binds `libcudnn.so` by name, so a link to the pip file goes first
+if [ "${CUDNN_PIP:-0}" = 1 ]; then
+  pip_cudnn=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib
+  mkdir -p /tmp/cudnn-link && ln -sf "$pip_cudnn/libcudnn.so.9" /tmp/cudnn-link/libcudnn.so
+  export UPIPE_CUDNN_LIB="$pip_cudnn/libcudnn.so.9"
+  export LD_LIBRARY_PATH=/tmp/cudnn-link:$pip_cudnn:$LD_LIBRARY_PATH
+fi
 T0=$(date +%s)
 # PARTS picks what runs (default all): tests check profile long perf tune
 want() { [[ " ${PARTS:-tests check profile long perf tune} " == *" $1 "* ]]; }
@@ -48,6 +56,8 @@ want profile && UPIPE_PROFILE=shapes step profile_131072_overlap 90 "${L[@]}" "$
 # 512K and 1M first: the lengths not measured yet
 want long && step perf_524288 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 524288 --methods ulysses,upipe --chunk-heads 2
 want long && step perf_1048576 240 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 1048576 --methods ulysses,upipe --chunk-heads 2
+# the longest lengths again (PARTS=long2: run with CUDNN_PIP=1 to compare cuDNN versions)
+want long2 && step perf_524288 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 524288 --methods ulysses,upipe --chunk-heads 2
 # overlap variants and U=4 without overlap (PARTS=tune)
 want tune && step perf_131072_U2_overlap 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq 131072 --methods ulysses,upipe --chunk-heads 2 --overlap
 want tune && NCCL_MAX_CTAS=4 step perf_131072_U2_overlap_cta4 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq 131072 --methods upipe --chunk-heads 2 --overlap

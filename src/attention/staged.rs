@@ -7,12 +7,14 @@
 //! (`[n, m, d]`, `n = pu * s`). Per stage the same happens for `u` query heads;
 //! attention (ring attention when `pr > 1`) produces `[n, u, d]`, which a
 //! second all-to-all returns to the token owners, who write it into O at the
-//! heads' canonical positions. Only one stage's buffers are alive at a time.
+//! heads' canonical positions. Only one stage's buffers are alive at a time
+//! (with `overlap`, the next stage's and the next kv phase's inputs and the
+//! previous stage's returning output or gradients too).
 //!
 //! Backward recomputes each phase's K/V and each stage's Q, fetches that
 //! stage's O and dO slices through the same exchanges, runs the attention
 //! backward, and sends dQ (per stage) and dK/dV (per phase) back to the token
-//! owners, where the weight gradients and dx accumulate. Replicated kv heads
+//! owners, where the weight gradients and dx accumulate (`Staged::settle`). Replicated kv heads
 //! (fewer kv heads than Ulysses ranks) sum their gradients there naturally.
 
 use super::rope::RopeTables;
@@ -364,8 +366,8 @@ impl<'a, B: Backend> Staged<'a, B> {
 
     /// Backward; returns `dx` and accumulates this rank's partial weight gradients.
     ///
-    /// Gradients return to the token owners through [`GradInFlight`]s, taken
-    /// in by [`Self::settle`]: at once, or (with overlap) after the next
+    /// Gradients return to the token owners in flight (`GradInFlight`), taken
+    /// in by `settle`: at once, or (with overlap) after the next
     /// stage's attention is queued. Each settlement meets the weights in one
     /// `dx` GEMM over its head blocks side by side, so `dx` (`[s, hidden]`,
     /// the largest operand) is read and written once per settlement.

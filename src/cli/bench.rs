@@ -1,7 +1,7 @@
 //! `upipe bench attn`: one attention layer forward+backward under each
 //! strategy on the same C = Pu x Pr ranks, with errors against `local` and
 //! ledger-measured memory. `--device cuda` runs one process per GPU over
-//! NCCL ([`gpu`]).
+//! NCCL (`gpu.rs`).
 
 mod gpu;
 
