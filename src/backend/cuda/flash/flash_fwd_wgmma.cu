@@ -13,15 +13,38 @@
 // Per key block j a warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}
 // back to back, then runs the softmax of S_j while the P V product is still on
 // the tensor cores (intra-warpgroup overlap). K/V stream through a WG_STAGES
-// cp.async ring; every thread fences its copies into the async proxy before
-// the block barrier that publishes a stage.
+// ring of shared-memory slots, filled with cp.async:
+// - WG_WS=1 (default): warp specialization. A third warpgroup only copies (Q,
+//   then K_g and V_{g-1} for every stage g) and gives most of its registers to
+//   the two consumer warpgroups (setmaxnreg); after its copies of a stage
+//   landed, each copy thread fences them into the async proxy and arrives on
+//   the stage's "full" mbarrier; each consumer thread waits on it and, once its
+//   wgmmas of the stage are done, arrives on the stage's "empty" mbarrier,
+//   which the copy threads wait on before refilling the slot. The two consumer warpgroups take
+//   turns issuing their wgmmas (two named barriers, FA3's "ping-pong"), so
+//   one's softmax runs while the other's products use the tensor cores.
+// - WG_WS=0: all 256 threads copy; one block barrier per stage publishes it.
 
 #define WG_BM 128
 #define WG_BN 128
 #define WG_NT 256
 #define WG_MAX_STAGES 3
+#ifndef WG_WS
+#define WG_WS 1
+#endif
 #ifndef WG_STAGES
+#if WG_WS
+#define WG_STAGES 3
+#else
 #define WG_STAGES 2
+#endif
+#endif
+#if WG_WS
+#define WG_THREADS (WG_NT + 128)
+#define WG_PRODUCER_REGS 72
+#define WG_CONSUMER_REGS 216
+#else
+#define WG_THREADS WG_NT
 #endif
 static_assert(WG_STAGES >= 2 && WG_STAGES <= WG_MAX_STAGES, "WG_STAGES: 2 ..= WG_MAX_STAGES");
 
@@ -32,6 +55,28 @@ __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` of the mbarrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWG_MBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WG_MBAR_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
 
 // Keeps the compiler from moving accesses of wgmma accumulators across the
 // (register-less) wait instructions.
@@ -83,12 +128,12 @@ __device__ __forceinline__ u32 wg_off(int r, int c) {
 }
 
 // Async load of rows [row0, row0 + ROWS) of a strided bf16 matrix (128 per
-// row) into a swizzled tile; rows >= nrows are zero-filled.
-template <int ROWS>
+// row) into a swizzled tile by NT threads; rows >= nrows are zero-filled.
+template <int ROWS, int NT = WG_NT>
 __device__ __forceinline__ void wg_load_tile(u32 s_base, const bf16_t* g, i64 stride, int row0, int nrows,
                                              int tid) {
-#pragma unroll
-    for (int i = tid; i < ROWS * 16; i += WG_NT) {
+#pragma unroll 8
+    for (int i = tid; i < ROWS * 16; i += NT) {
         const int r = i >> 4, c = i & 15;
         const int gr = row0 + r;
         const bool ok = gr < nrows;
@@ -97,7 +142,7 @@ __device__ __forceinline__ void wg_load_tile(u32 s_base, const bf16_t* g, i64 st
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WG_NT, 1) upipe_flash_fwd_wgmma_d128(const FlashFwdParams p) {
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmma_d128(const FlashFwdParams p) {
     extern __shared__ __align__(1024) unsigned char smem[];
     constexpr int BM = WG_BM, BN = WG_BN, D = 128, ST = WG_STAGES;
     constexpr u32 KV_TILE = BN * D * 2;
@@ -122,6 +167,42 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) upipe_flash_fwd_wgmma_d12
     const int kv_end = p.causal ? min(p.sk, m0 + BM) : p.sk;
     const int n_blocks = (kv_end + BN - 1) / BN;
 
+#if WG_WS
+    // Stage g (g = 0 ..= n_blocks) = K_g and V_{g-1} in slot g % ST (plus Q in stage 0).
+    const u32 bar_full = sV + ST * KV_TILE, bar_empty = bar_full + 8 * ST;
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < ST; ++i) {
+            mbar_init(bar_full + 8 * i, 128);
+            mbar_init(bar_empty + 8 * i, WG_NT);
+        }
+    }
+    __syncthreads();
+    if (tid >= WG_NT) {
+        // The copy warpgroup.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WG_PRODUCER_REGS));
+        const int pl = tid - WG_NT;
+        for (int g = 0; g <= n_blocks; ++g) {
+            const int slot = g % ST;
+            if (g >= ST) mbar_wait(bar_empty + 8 * slot, ((g / ST) - 1) & 1);
+            if (g == 0) wg_load_tile<BM, 128>(sQ, gq, p.q_stride, m0, p.sq, pl);
+            if (g < n_blocks) wg_load_tile<BN, 128>(sK + (u32)slot * KV_TILE, gk, p.k_stride, g * BN, p.sk, pl);
+            if (g >= 1) wg_load_tile<BN, 128>(sV + (u32)slot * KV_TILE, gv, p.v_stride, (g - 1) * BN, p.sk, pl);
+            cp_async_commit();
+            if (g >= 1) {
+                // Stage g - 1 landed: hand it to the async proxy, then to the consumers.
+                cp_async_wait<1>();
+                fence_proxy_async();
+                mbar_arrive(bar_full + 8 * ((g - 1) % ST));
+            }
+        }
+        cp_async_wait<0>();
+        fence_proxy_async();
+        mbar_arrive(bar_full + 8 * (n_blocks % ST));
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WG_CONSUMER_REGS));
+#else
     // Copy group g holds K_g and V_{g-1}; groups 0 .. ST-2 are in flight
     // before the loop, group j + ST - 1 is issued at the top of iteration j.
     auto load_group = [&](int g) {
@@ -133,6 +214,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) upipe_flash_fwd_wgmma_d12
     wg_load_tile<BM>(sQ, gq, p.q_stride, m0, p.sq, tid);
 #pragma unroll
     for (int g = 0; g < ST - 1; ++g) load_group(g);
+#endif
 
     float o[64], s[64];
     u32 pf[32];
@@ -149,6 +231,23 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) upipe_flash_fwd_wgmma_d12
     const int row_lo = wg_row0 + warp * 16 + (lane >> 2);  // this thread's rows: row_lo, row_lo + 8
     const u32 sQw = sQ + (u32)wg * 64 * 128;                 // this warpgroup's 64 rows in each half
 
+#if WG_WS
+    // Top of step j: wait for stage j, then for this warpgroup's turn on the tensor cores.
+    auto step_top = [&](int j) {
+        mbar_wait(bar_full + 8 * (j % ST), (j / ST) & 1);
+        fence_proxy_async();
+        named_bar_sync(1 + wg, 2 * 128);
+    };
+    // After issuing: the other warpgroup's turn (warpgroup 1 skips its last
+    // hand-over, so every named-barrier phase completes).
+    auto step_issued = [&](bool last) {
+        if (!(last && wg == 1)) named_bar_arrive(2 - wg, 2 * 128);
+    };
+    // After the wgmmas of step j are done: slot j % ST may be refilled.
+    auto step_done = [&](int j) { mbar_arrive(bar_empty + 8 * (j % ST)); };
+    auto v_slot = [&](int j) { return j % ST; };
+    if (wg == 1) named_bar_arrive(1, 2 * 128);  // warpgroup 0 goes first
+#else
     // Top of step j: publish copy group j (K_j, V_{j-1}) to every warp and the
     // async proxy, then start group j + ST - 1 into the slots freed by step j - 1.
     auto step_top = [&](int j) {
@@ -157,6 +256,10 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) upipe_flash_fwd_wgmma_d12
         __syncthreads();
         load_group(j + ST - 1);
     };
+    auto step_issued = [&](bool) {};
+    auto step_done = [&](int) {};
+    auto v_slot = [&](int j) { return (j - 1) % ST; };
+#endif
     // S = Q K_j^T (one commit group).
     auto issue_s = [&](int j) {
         const u32 kb = sK + (u32)(j % ST) * KV_TILE;
@@ -170,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) upipe_flash_fwd_wgmma_d12
     };
     // O += P V_{j-1} (one commit group).
     auto issue_pv = [&](int j) {
-        const u32 vb = sV + (u32)((j - 1) % ST) * KV_TILE;
+        const u32 vb = sV + (u32)v_slot(j) * KV_TILE;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
 #ifdef WG_V_SWAP
@@ -200,14 +303,13 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) upipe_flash_fwd_wgmma_d12
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
+            // max of the raw scores, scaled once (scale > 0)
+            float mr = FL_NEG_INF;
 #pragma unroll
-            for (int t = 0; t < BN / 8; ++t) {
-                mx = fmaxf(mx, s[t * 4 + 2 * r] * p.scale_log2);
-                mx = fmaxf(mx, s[t * 4 + 2 * r + 1] * p.scale_log2);
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            for (int t = 0; t < BN / 8; ++t) mr = fmaxf(mr, fmaxf(s[t * 4 + 2 * r], s[t * 4 + 2 * r + 1]));
+            mr = fmaxf(mr, __shfl_xor_sync(0xffffffffu, mr, 1));
+            mr = fmaxf(mr, __shfl_xor_sync(0xffffffffu, mr, 2));
+            const float mx = fmaxf(row_max[r], mr * p.scale_log2);
             const float m_use = (mx == FL_NEG_INF) ? 0.f : mx;
             alpha[r] = fast_exp2(row_max[r] - m_use);
             row_max[r] = mx;
@@ -247,9 +349,11 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) upipe_flash_fwd_wgmma_d12
     step_top(0);
     wg_fence();
     issue_s(0);
+    step_issued(false);
     wg_wait<0>();
     wg_pin(s);
     softmax(0);
+    step_done(0);
     rescale_pack();
     // Steady state: S_j and P_{j-1} V_{j-1} on the tensor cores, softmax of S_j
     // overlapping the P V product.
@@ -258,17 +362,20 @@ extern "C" __global__ void __launch_bounds__(WG_NT, 1) upipe_flash_fwd_wgmma_d12
         wg_fence();
         issue_s(j);
         issue_pv(j);
+        step_issued(false);
         wg_wait<1>();
         wg_pin(s);
         softmax(j);
         wg_wait<0>();
         wg_pin(o);
+        step_done(j);
         rescale_pack();
     }
     // Last step: P_{n-1} V_{n-1}.
     step_top(n_blocks);
     wg_fence();
     issue_pv(n_blocks);
+    step_issued(true);
     wg_wait<0>();
     wg_pin(o);
 

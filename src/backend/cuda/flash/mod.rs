@@ -27,9 +27,10 @@
 //!
 //! - forward on Hopper proper (`sm_90a`, head dim 128): a second module,
 //!   [`FLASH_WGMMA_SOURCE`], holds a warpgroup-MMA (wgmma) forward in the
-//!   FlashAttention-3 style (2 warpgroups x 64 query rows, 128-key tiles, S and
-//!   P V on `wgmma.mma_async` with shared-memory descriptors, the softmax of a
-//!   block overlapping the P V product of the previous one). Load it with
+//!   FlashAttention-3 style (2 consumer warpgroups x 64 query rows taking turns
+//!   on the tensor cores, a copy warpgroup feeding 128-key K/V tiles through
+//!   mbarriers, S and P V on `wgmma.mma_async` with shared-memory descriptors,
+//!   the softmax of a block overlapping the P V product of the previous one). Load it with
 //!   [`FlashFunctions::with_wgmma`]; [`flash_fwd`] then runs it for head dim
 //!   128 unless [`FwdKernel::Mma`] is chosen (`UPIPE_FLASH_FWD=mma`, see
 //!   [`fwd_kernel_from_env`]).
@@ -110,6 +111,9 @@ const BWD_THREADS: u32 = 256;
 const PRE_THREADS: u32 = 256;
 const WG_BM: usize = 128;
 const WG_BN: usize = 128;
+/// Consumer threads of the wgmma forward (2 warpgroups); the kernel's block
+/// also has a copy warpgroup unless compiled with `WG_WS=0`, so the block size
+/// is read from the loaded function (its `__launch_bounds__`).
 const WG_THREADS: u32 = 256;
 /// Deepest K/V pipeline the wgmma forward may be compiled with (`WG_STAGES`
 /// <= `WG_MAX_STAGES` in the .cu file); its shared memory is sized for it (the
@@ -121,9 +125,10 @@ fn fwd_smem_bytes(d: usize) -> usize {
     (FWD_BM * d + 4 * FWD_BN * d) * 2
 }
 /// Dynamic shared memory of the wgmma forward (head dim 128): Q, `WG_MAX_STAGES`
-/// K and V tiles, and 1 KiB to align the tiles to the 1024-byte swizzle period.
+/// K and V tiles, 1 KiB to align the tiles to the 1024-byte swizzle period and
+/// 128 bytes of mbarriers.
 fn wgmma_smem_bytes() -> usize {
-    (WG_BM * 128 + 2 * WG_MAX_STAGES * WG_BN * 128) * 2 + 1024
+    (WG_BM * 128 + 2 * WG_MAX_STAGES * WG_BN * 128) * 2 + 1024 + 128
 }
 /// Dynamic shared memory of the backward kernel for head dim `d`.
 fn bwd_smem_bytes(d: usize) -> usize {
@@ -172,7 +177,8 @@ pub struct FlashFunctions {
     pre128: CudaFunction,
     bwd64: CudaFunction,
     bwd128: CudaFunction,
-    fwd128_wgmma: Option<CudaFunction>,
+    /// The wgmma forward and its block size.
+    fwd128_wgmma: Option<(CudaFunction, u32)>,
     fwd_kernel: FwdKernel,
 }
 
@@ -224,7 +230,17 @@ impl FlashFunctions {
             bytes as i32,
         )
         .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
-        self.fwd128_wgmma = Some(func);
+        let threads = func
+            .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+            .map_err(|e| drv(&format!("block size of {FWD_WGMMA_D128}"), e))?;
+        let threads = u32::try_from(threads).unwrap_or(0);
+        if threads != WG_THREADS && threads != WG_THREADS + 128 {
+            return Err(Error::Backend(format!(
+                "flash attention: {FWD_WGMMA_D128} allows {threads} threads per block; expected {WG_THREADS} or {}",
+                WG_THREADS + 128
+            )));
+        }
+        self.fwd128_wgmma = Some((func, threads));
         Ok(self)
     }
 
@@ -480,11 +496,11 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
         pad0: 0,
     };
     let (func, cfg) = match (f.fwd_kernel_for(a.d)?, &f.fwd128_wgmma) {
-        (FwdKernel::Wgmma, Some(func)) => (
+        (FwdKernel::Wgmma, Some((func, threads))) => (
             func,
             LaunchConfig {
                 grid_dim: ((a.sq.div_ceil(WG_BM) * a.hq) as u32, 1, 1),
-                block_dim: (WG_THREADS, 1, 1),
+                block_dim: (*threads, 1, 1),
                 shared_mem_bytes: wgmma_smem_bytes() as u32,
             },
         ),
@@ -663,7 +679,7 @@ mod tests {
             );
         }
         assert!(FLASH_WGMMA_SOURCE.contains(&format!(
-            "void __launch_bounds__(WG_NT, 1) {FWD_WGMMA_D128}("
+            "void __launch_bounds__(WG_THREADS, 1) {FWD_WGMMA_D128}("
         )));
     }
 
