@@ -39,6 +39,12 @@
 #define WG_STAGES 2
 #endif
 #endif
+// WG_LATE_RESCALE=1: O is rescaled by the previous block's factor right before
+// the next P V product is issued (while S runs on the tensor cores), not
+// between the P V wait and the next step (off the critical path, as FA3).
+#ifndef WG_LATE_RESCALE
+#define WG_LATE_RESCALE 1
+#endif
 #if WG_WS
 #define WG_THREADS (WG_NT + 128)
 #define WG_PRODUCER_REGS 72
@@ -303,32 +309,31 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            // max of the raw scores, scaled once (scale > 0)
-            float mr = FL_NEG_INF;
+            // max of the raw scores (4 independent chains), scaled once (scale > 0)
+            float m4[4] = {FL_NEG_INF, FL_NEG_INF, FL_NEG_INF, FL_NEG_INF};
 #pragma unroll
-            for (int t = 0; t < BN / 8; ++t) mr = fmaxf(mr, fmaxf(s[t * 4 + 2 * r], s[t * 4 + 2 * r + 1]));
+            for (int t = 0; t < BN / 8; ++t)
+                m4[t & 3] = fmaxf(m4[t & 3], fmaxf(s[t * 4 + 2 * r], s[t * 4 + 2 * r + 1]));
+            float mr = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
             mr = fmaxf(mr, __shfl_xor_sync(0xffffffffu, mr, 1));
             mr = fmaxf(mr, __shfl_xor_sync(0xffffffffu, mr, 2));
             const float mx = fmaxf(row_max[r], mr * p.scale_log2);
             const float m_use = (mx == FL_NEG_INF) ? 0.f : mx;
             alpha[r] = fast_exp2(row_max[r] - m_use);
             row_max[r] = mx;
-            float sum = 0.f;
+            float sum4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int t = 0; t < BN / 8; ++t) {
                 const float p0 = fast_exp2(fmaf(s[t * 4 + 2 * r], p.scale_log2, -m_use));
                 const float p1 = fast_exp2(fmaf(s[t * 4 + 2 * r + 1], p.scale_log2, -m_use));
                 s[t * 4 + 2 * r] = p0;
                 s[t * 4 + 2 * r + 1] = p1;
-                sum += p0 + p1;
+                sum4[t & 3] += p0 + p1;
             }
-            bsum[r] = sum;
+            bsum[r] = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
         }
     };
-    // After the P V product in flight is done: rescale O, pack P_j (bf16 A fragments).
-    auto rescale_pack = [&]() {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * alpha[r] + bsum[r];
+    auto rescale_o = [&]() {
 #pragma unroll
         for (int t = 0; t < D / 8; ++t) {
             o[t * 4 + 0] *= alpha[0];
@@ -336,6 +341,15 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
             o[t * 4 + 2] *= alpha[1];
             o[t * 4 + 3] *= alpha[1];
         }
+    };
+    // After the P V product in flight is done: row sums, P_j (bf16 A fragments)
+    // and, without WG_LATE_RESCALE, the O rescale.
+    auto rescale_pack = [&]() {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * alpha[r] + bsum[r];
+#if !WG_LATE_RESCALE
+        rescale_o();
+#endif
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             pf[4 * kk + 0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
@@ -361,6 +375,10 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
         step_top(j);
         wg_fence();
         issue_s(j);
+#if WG_LATE_RESCALE
+        rescale_o();  // by alpha of block j - 1, before P_{j-1} V_{j-1} adds to O
+        wg_fence();
+#endif
         issue_pv(j);
         step_issued(false);
         wg_wait<1>();
@@ -373,6 +391,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
     }
     // Last step: P_{n-1} V_{n-1}.
     step_top(n_blocks);
+#if WG_LATE_RESCALE
+    rescale_o();
+#endif
     wg_fence();
     issue_pv(n_blocks);
     step_issued(true);
