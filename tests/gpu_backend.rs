@@ -854,7 +854,10 @@ fn flash_attention_through_the_backend_matches_cpu_and_naive() {
 fn flash_forward_kernel_choice() {
     use upipe::backend::cuda::flash::{FwdKernel, fwd_kernel_from_env};
     let Some((f, _)) = flash_pair() else { return };
-    let funcs = f.flash_functions().unwrap().expect("flash kernels on sm_90+");
+    let Some(funcs) = f.flash_functions().unwrap() else {
+        eprintln!("SKIP: no flash kernels on {}", f.arch());
+        return;
+    };
     let choice = fwd_kernel_from_env().unwrap();
     eprintln!(
         "{}: UPIPE_FLASH_FWD={choice:?}, wgmma forward loaded: {}",

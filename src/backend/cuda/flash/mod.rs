@@ -35,9 +35,10 @@
 //!   128 unless [`FwdKernel::Mma`] is chosen (`UPIPE_FLASH_FWD=mma`, see
 //!   [`fwd_kernel_from_env`]).
 //!
-//! Measured on one H200 (2026-11-30, d=128, H=16, causal), mma.sync kernels:
-//! forward 295-304 TFLOP/s, backward 251-265, forward+backward 262-275
-//! (S = 16K / 64K); the wgmma forward: see `docs/gpu-results.md`.
+//! Measured on one H200 (2026-11-30, d=128, H=16, causal, S = 16K / 64K):
+//! mma.sync forward 295-304 TFLOP/s, backward 251-265, forward+backward
+//! 262-275; wgmma forward 457-476, forward+backward 289-300
+//! (`docs/gpu-results.md`).
 //! `examples/flash_check.rs` reproduces the table and checks against the CPU oracle.
 
 use crate::error::{Error, Result};
