@@ -1,11 +1,14 @@
 //! Correctness and speed check of the native flash attention kernels against
 //! the CPU f32 oracle, plus TFLOP/s at long sequences.
 //!
-//! `flash_check ptx <out.ptx>` only compiles the kernels with NVRTC (no GPU needed);
-//! `flash_check [check] [bench]` (default both) runs on GPU 0. NVRTC and the
-//! driver are opened at run time: put the directory of `libnvrtc.so.13` on
-//! `LD_LIBRARY_PATH`. `FLASH_DEFINES="BWD_HEADS_FASTEST=0"` (`;`-separated)
-//! overrides the kernels' compile-time tuning knobs.
+//! `flash_check ptx <out.ptx>` only compiles the kernels with NVRTC (no GPU needed;
+//! the wgmma module goes to `<out.ptx>.wgmma.ptx`);
+//! `flash_check [check] [bench]` (default both) runs on GPU 0. Every check case
+//! and bench row runs with both forward kernels, the mma.sync one and (on
+//! sm_90a devices) the wgmma one; the backward consumes that forward's O and LSE.
+//! NVRTC and the driver are opened at run time: put the directory of
+//! `libnvrtc.so.13` on `LD_LIBRARY_PATH`. `FLASH_DEFINES="BWD_HEADS_FASTEST=0"`
+//! (`;`-separated) overrides the kernels' compile-time tuning knobs.
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
@@ -14,18 +17,18 @@ use half::bf16;
 use std::sync::Arc;
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::flash::{
-    FLASH_SOURCE, FlashBwdArgs, FlashFunctions, FlashFwdArgs, NVRTC_ARCH, NVRTC_OPTIONS, flash_bwd,
-    flash_bwd_workspace_bytes, flash_fwd,
+    FLASH_SOURCE, FLASH_WGMMA_SOURCE, FlashBwdArgs, FlashFunctions, FlashFwdArgs, FwdKernel,
+    NVRTC_ARCH, NVRTC_OPTIONS, WGMMA_NVRTC_ARCH, flash_bwd, flash_bwd_workspace_bytes, flash_fwd,
 };
 use upipe::backend::{Backend, Category, DType};
 
 mod support;
 use support::{Res, Rng, rel_err};
 
-fn compile() -> Res<cudarc::nvrtc::Ptx> {
+fn compile(source: &str, arch: &'static str) -> Res<cudarc::nvrtc::Ptx> {
     let t = std::time::Instant::now();
     let opts = CompileOptions {
-        arch: Some(NVRTC_ARCH),
+        arch: Some(arch),
         options: NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
     };
@@ -38,9 +41,9 @@ fn compile() -> Res<cudarc::nvrtc::Ptx> {
         }
         eprintln!("variant: {defs}");
     }
-    src.push_str(FLASH_SOURCE);
+    src.push_str(source);
     let ptx = compile_ptx_with_opts(&src, opts)?;
-    eprintln!("nvrtc compile: {:.2} s", t.elapsed().as_secs_f64());
+    eprintln!("nvrtc compile ({arch}): {:.2} s", t.elapsed().as_secs_f64());
     Ok(ptx)
 }
 
@@ -51,6 +54,16 @@ fn to_bits(x: &[f32]) -> Vec<u16> {
 struct Gpu {
     stream: Arc<CudaStream>,
     f: FlashFunctions,
+    /// The forward kernels to run (mma, and wgmma where loaded).
+    kernels: Vec<FwdKernel>,
+}
+
+fn kernel_name(k: FwdKernel) -> &'static str {
+    match k {
+        FwdKernel::Mma => "mma",
+        FwdKernel::Wgmma => "wgmma",
+        FwdKernel::Auto => "auto",
+    }
 }
 
 impl Gpu {
@@ -77,7 +90,7 @@ struct Case {
     key_from: usize,
 }
 
-fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<[f32; 5]> {
+fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<(FwdKernel, [f32; 5])>> {
     let cpu = CpuBackend::new();
     let mut rng = Rng(seed);
     let (sq, sk, hq, hkv, d) = (c.sq, c.sk, c.hq, c.hkv, c.d);
@@ -124,13 +137,47 @@ fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<[f32; 5]> {
         cdv.rows_view_mut(kr.clone()),
     )?;
 
-    // GPU.
-    let (gq, gk, gv, gdo) = (g.up16(&q)?, g.up16(&k)?, g.up16(&v)?, g.up16(&d_o)?);
+    let (co, clse, cdq, cdk, cdv) = (
+        cpu.to_host(&co)?,
+        cpu.to_host(&clse)?,
+        cpu.to_host(&cdq)?,
+        cpu.to_host(&cdk)?,
+        cpu.to_host(&cdv)?,
+    );
+    let mut out = Vec::new();
+    for &kernel in &g.kernels {
+        let mut f = g.f.clone();
+        f.set_fwd_kernel(kernel);
+        // The kernel that really runs (head dim 64 has no wgmma kernel).
+        let kernel = f.fwd_kernel_for(c.d)?;
+        if out.iter().any(|(k, _)| *k == kernel) {
+            continue;
+        }
+        let e = run_gpu(g, &f, c, [&q, &k, &v, &d_o, &dq0, &dk0, &dv0])?;
+        out.push((
+            kernel,
+            [
+                rel_err(&e[0], &co),
+                rel_err(&e[1], &clse),
+                rel_err(&e[2], &cdq),
+                rel_err(&e[3], &cdk),
+                rel_err(&e[4], &cdv),
+            ],
+        ));
+    }
+    Ok(out)
+}
+
+/// Forward then backward on the GPU; returns o, lse, dq, dk, dv.
+fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32>; 5]> {
+    let (sq, sk, hq, hkv, d) = (c.sq, c.sk, c.hq, c.hkv, c.d);
+    let [q, k, v, d_o, dq0, dk0, dv0] = x;
+    let (gq, gk, gv, gdo) = (g.up16(q)?, g.up16(k)?, g.up16(v)?, g.up16(d_o)?);
     let go = g.stream.alloc_zeros::<u16>(sq * hq * d)?;
     let glse = g.stream.alloc_zeros::<f32>(sq * hq)?;
     flash_fwd(
         &g.stream,
-        &g.f,
+        f,
         &FlashFwdArgs {
             q: g.ptr(&gq),
             k: g.ptr(&gk),
@@ -150,14 +197,14 @@ fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<[f32; 5]> {
             causal: c.causal,
         },
     )?;
-    let (gdq, gdk, gdv) = (g.up32(&dq0)?, g.up32(&dk0)?, g.up32(&dv0)?);
+    let (gdq, gdk, gdv) = (g.up32(dq0)?, g.up32(dk0)?, g.up32(dv0)?);
     let ws = g
         .stream
         .alloc_zeros::<u8>(flash_bwd_workspace_bytes(sq, hq))?;
     let koff = (c.key_from * hkv * d) as u64;
     flash_bwd(
         &g.stream,
-        &g.f,
+        f,
         &FlashBwdArgs {
             q: g.ptr(&gq),
             k: g.ptr(&gk) + 2 * koff,
@@ -197,13 +244,7 @@ fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<[f32; 5]> {
     let dq = g.stream.clone_dtoh(&gdq)?;
     let dk = g.stream.clone_dtoh(&gdk)?;
     let dv = g.stream.clone_dtoh(&gdv)?;
-    Ok([
-        rel_err(&o, &cpu.to_host(&co)?),
-        rel_err(&lse, &cpu.to_host(&clse)?),
-        rel_err(&dq, &cpu.to_host(&cdq)?),
-        rel_err(&dk, &cpu.to_host(&cdk)?),
-        rel_err(&dv, &cpu.to_host(&cdv)?),
-    ])
+    Ok([o, lse, dq, dk, dv])
 }
 
 fn check(g: &Gpu) -> Res<bool> {
@@ -261,29 +302,41 @@ fn check(g: &Gpu) -> Res<bool> {
         causal: true,
         key_from: 0,
     });
-    println!("| sq | sk | hq | hkv | d | mask | keys | o | lse | dq | dk | dv | ok |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    // Several key blocks of the wgmma pipeline, a query tail, more keys than queries.
+    cases.push(Case {
+        sq: 300,
+        sk: 1100,
+        hq: 4,
+        hkv: 2,
+        d: 128,
+        causal: false,
+        key_from: 0,
+    });
+    println!("| sq | sk | hq | hkv | d | mask | keys | fwd | o | lse | dq | dk | dv | ok |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut all_ok = true;
     for (i, c) in cases.iter().enumerate() {
-        let e = run_case(g, *c, 0x9e3779b97f4a7c15 ^ (i as u64 * 7919 + 1))?;
-        let ok = e.iter().all(|&x| x <= 1e-2);
-        all_ok &= ok;
-        println!(
-            "| {} | {} | {} | {} | {} | {} | {}.. | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {} |",
-            c.sq,
-            c.sk,
-            c.hq,
-            c.hkv,
-            c.d,
-            if c.causal { "causal" } else { "full" },
-            c.key_from,
-            e[0],
-            e[1],
-            e[2],
-            e[3],
-            e[4],
-            if ok { "yes" } else { "NO" }
-        );
+        for (kernel, e) in run_case(g, *c, 0x9e3779b97f4a7c15 ^ (i as u64 * 7919 + 1))? {
+            let ok = e.iter().all(|&x| x <= 1e-2);
+            all_ok &= ok;
+            println!(
+                "| {} | {} | {} | {} | {} | {} | {}.. | {} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {} |",
+                c.sq,
+                c.sk,
+                c.hq,
+                c.hkv,
+                c.d,
+                if c.causal { "causal" } else { "full" },
+                c.key_from,
+                kernel_name(kernel),
+                e[0],
+                e[1],
+                e[2],
+                e[3],
+                e[4],
+                if ok { "yes" } else { "NO" }
+            );
+        }
     }
     println!(
         "correctness: {}",
@@ -292,7 +345,10 @@ fn check(g: &Gpu) -> Res<bool> {
     Ok(all_ok)
 }
 
-fn bench(g: &Gpu, s: usize, h: usize, hkv: usize, d: usize) -> Res<()> {
+fn bench(g: &Gpu, kernel: FwdKernel, s: usize, h: usize, hkv: usize, d: usize) -> Res<()> {
+    let mut f = g.f.clone();
+    f.set_fwd_kernel(kernel);
+    let f = &f;
     let mut rng = Rng(42);
     let n = s * h * d;
     let nk = s * hkv * d;
@@ -369,12 +425,13 @@ fn bench(g: &Gpu, s: usize, h: usize, hkv: usize, d: usize) -> Res<()> {
         e1.synchronize()?;
         Ok(e0.elapsed_ms(&e1)? as f64 / iters as f64)
     };
-    let t_fwd = time(&|| Ok(flash_fwd(&g.stream, &g.f, &fa)?))?;
-    let t_bwd = time(&|| Ok(flash_bwd(&g.stream, &g.f, &ba)?))?;
+    let t_fwd = time(&|| Ok(flash_fwd(&g.stream, f, &fa)?))?;
+    let t_bwd = time(&|| Ok(flash_bwd(&g.stream, f, &ba)?))?;
     let flops = 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
     let t_all = t_fwd + t_bwd;
     println!(
-        "| {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} |",
+        "| {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} |",
+        kernel_name(f.fwd_kernel_for(d)?),
         s,
         h,
         hkv,
@@ -391,23 +448,35 @@ fn bench(g: &Gpu, s: usize, h: usize, hkv: usize, d: usize) -> Res<()> {
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(|s| s.as_str()) == Some("ptx") {
-        let ptx = compile()?;
+        let ptx = compile(FLASH_SOURCE, NVRTC_ARCH)?;
         let out = args.get(1).cloned().unwrap_or_else(|| "flash.ptx".into());
         std::fs::write(&out, ptx.to_src())?;
-        println!("wrote {out}");
+        let wg = compile(FLASH_WGMMA_SOURCE, WGMMA_NVRTC_ARCH)?;
+        std::fs::write(format!("{out}.wgmma.ptx"), wg.to_src())?;
+        println!("wrote {out} and {out}.wgmma.ptx");
         return Ok(());
     }
     let do_check = args.is_empty() || args.iter().any(|a| a == "check");
     let do_bench = args.is_empty() || args.iter().any(|a| a == "bench");
-    let ptx = compile()?;
+    let ptx = compile(FLASH_SOURCE, NVRTC_ARCH)?;
     let ctx = CudaContext::new(0)?;
     // Raw pointers are used on one stream: no cross-stream tracking needed.
     unsafe { ctx.disable_event_tracking() };
     println!("device: {}", ctx.name()?);
     let module = ctx.load_module(ptx)?;
+    let mut f = FlashFunctions::load(&module)?;
+    let mut kernels = vec![FwdKernel::Mma];
+    if ctx.compute_capability()? == (9, 0) {
+        let wg = ctx.load_module(compile(FLASH_WGMMA_SOURCE, WGMMA_NVRTC_ARCH)?)?;
+        f = f.with_wgmma(&wg)?;
+        kernels.push(FwdKernel::Wgmma);
+    } else {
+        println!("not an sm_90 device: the wgmma forward is skipped");
+    }
     let g = Gpu {
         stream: ctx.default_stream(),
-        f: FlashFunctions::load(&module)?,
+        f,
+        kernels,
     };
     let mut ok = true;
     if do_check {
@@ -415,10 +484,14 @@ fn main() -> Res<()> {
     }
     if do_bench {
         println!("\ncausal, bf16; TFLOP/s with causal fwd = 2*S^2*H*d, bwd = 2.5x, fwd+bwd = 3.5x");
-        println!("| S | H | Hkv | d | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd+bwd TF/s |");
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!(
+            "| fwd | S | H | Hkv | d | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd+bwd TF/s |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|");
         for (s, h, hkv) in [(16384, 16, 16), (65536, 16, 16), (16384, 32, 8)] {
-            bench(&g, s, h, hkv, 128)?;
+            for &k in &g.kernels {
+                bench(&g, k, s, h, hkv, 128)?;
+            }
         }
     }
     if !ok {

@@ -847,6 +847,32 @@ fn flash_attention_through_the_backend_matches_cpu_and_naive() {
     );
 }
 
+/// On compute capability 9.0 the backend loads the wgmma forward and runs it
+/// for head dim 128 (unless `UPIPE_FLASH_FWD=mma`); the mma.sync forward stays
+/// for head dim 64.
+#[test]
+fn flash_forward_kernel_choice() {
+    use upipe::backend::cuda::flash::{FwdKernel, fwd_kernel_from_env};
+    let Some((f, _)) = flash_pair() else { return };
+    let Some(funcs) = f.flash_functions().unwrap() else {
+        eprintln!("SKIP: no flash kernels on {}", f.arch());
+        return;
+    };
+    let choice = fwd_kernel_from_env().unwrap();
+    eprintln!(
+        "{}: UPIPE_FLASH_FWD={choice:?}, wgmma forward loaded: {}",
+        f.arch(),
+        funcs.has_wgmma()
+    );
+    assert_eq!(funcs.fwd_kernel_for(64).unwrap(), FwdKernel::Mma);
+    let want = if f.arch() == "sm_90" && choice != FwdKernel::Mma {
+        FwdKernel::Wgmma
+    } else {
+        FwdKernel::Mma
+    };
+    assert_eq!(funcs.fwd_kernel_for(128).unwrap(), want);
+}
+
 #[test]
 #[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
 fn attention_outside_the_flash_kernels_runs_naive() {

@@ -394,7 +394,7 @@ impl CudaBackend {
                 nvrtc::cache_dir()
             ))
         })?;
-        let f = flash::FlashFunctions::load(&module)?;
+        let mut f = flash::FlashFunctions::load(&module)?;
         tracing::debug!(
             "attention: flash module {name} for {} {} in {:.2} s",
             self.arch,
@@ -405,7 +405,29 @@ impl CudaBackend {
             },
             t.elapsed().as_secs_f64()
         );
+        let choice = flash::fwd_kernel_from_env()?;
+        f.set_fwd_kernel(choice);
+        // The wgmma forward: compute capability 9.0 exactly (sm_90a code runs nowhere else).
+        if choice != flash::FwdKernel::Mma && (self.arch == "sm_90" || self.arch == "sm_90a") {
+            match self.load_flash_wgmma() {
+                Ok(module) => f = f.with_wgmma(&module)?,
+                Err(e) if choice == flash::FwdKernel::Wgmma => return Err(e),
+                Err(e) => tracing::warn!(
+                    "attention: wgmma forward unavailable, using the mma.sync forward: {e}"
+                ),
+            }
+        }
         Ok(f)
+    }
+
+    fn load_flash_wgmma(&self) -> Result<Arc<cudarc::driver::CudaModule>> {
+        let arch = flash::WGMMA_NVRTC_ARCH;
+        let (cubin, _) =
+            nvrtc::compile_cached_with(flash::FLASH_WGMMA_SOURCE, arch, flash::NVRTC_OPTIONS)?;
+        drv(
+            self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
+            "load the wgmma flash attention module",
+        )
     }
 
     /// The kernels a forward with these operands runs on (and why not flash).

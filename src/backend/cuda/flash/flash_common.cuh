@@ -13,6 +13,15 @@ typedef long long i64;
 #define FL_LOG2E 1.4426950408889634f
 #define FL_LN2 0.6931471805599453f
 
+// Forward parameters (shared by the mma.sync and the wgmma forward kernels).
+struct FlashFwdParams {
+    u64 q, k, v, o, lse;
+    i64 q_stride, k_stride, v_stride, o_stride, lse_stride;
+    int sq, sk, hq, hkv, group, causal;
+    float scale_log2;
+    int pad0;
+};
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));

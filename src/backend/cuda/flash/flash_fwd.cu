@@ -3,14 +3,6 @@
 // (two m16 tiles). K/V tiles of 64 keys stream through a double-buffered
 // cp.async pipeline; the online softmax runs in base 2.
 
-struct FlashFwdParams {
-    u64 q, k, v, o, lse;
-    i64 q_stride, k_stride, v_stride, o_stride, lse_stride;
-    int sq, sk, hq, hkv, group, causal;
-    float scale_log2;
-    int pad0;
-};
-
 #define FWD_BM 128
 #define FWD_BN 64
 #define FWD_NT 128

@@ -25,8 +25,20 @@
 //!   heads and 64-row query blocks, keeps dK/dV in registers and adds dQ with
 //!   vector `red.global.add` straight into the f32 output.
 //!
-//! Measured on one H200 (2026-11-30, d=128, H=16, causal): forward 295-304
-//! TFLOP/s, backward 251-265, forward+backward 262-275 (S = 16K / 64K);
+//! - forward on Hopper proper (`sm_90a`, head dim 128): a second module,
+//!   [`FLASH_WGMMA_SOURCE`], holds a warpgroup-MMA (wgmma) forward in the
+//!   FlashAttention-3 style (2 consumer warpgroups x 64 query rows taking turns
+//!   on the tensor cores, a copy warpgroup feeding 128-key K/V tiles through
+//!   mbarriers, S and P V on `wgmma.mma_async` with shared-memory descriptors,
+//!   the softmax of a block overlapping the P V product of the previous one). Load it with
+//!   [`FlashFunctions::with_wgmma`]; [`flash_fwd`] then runs it for head dim
+//!   128 unless [`FwdKernel::Mma`] is chosen (`UPIPE_FLASH_FWD=mma`, see
+//!   [`fwd_kernel_from_env`]).
+//!
+//! Measured on one H200 (2026-11-30, d=128, H=16, causal, S = 16K / 64K):
+//! mma.sync forward 295-304 TFLOP/s, backward 251-265, forward+backward
+//! 262-275; wgmma forward 457-476, forward+backward 289-300
+//! (`docs/gpu-results.md`).
 //! `examples/flash_check.rs` reproduces the table and checks against the CPU oracle.
 
 use crate::error::{Error, Result};
@@ -47,6 +59,20 @@ pub const FLASH_SOURCE: &str = concat!(
 
 /// `(module name, source)`: one module holding every flash kernel.
 pub const FLASH_SOURCES: &[(&str, &str)] = &[("upipe_flash", FLASH_SOURCE)];
+
+/// The wgmma forward (shared helpers + kernel), compiled separately for
+/// [`WGMMA_NVRTC_ARCH`]: wgmma exists only on the arch-specific `sm_90a` target.
+pub const FLASH_WGMMA_SOURCE: &str = concat!(
+    include_str!("flash_common.cuh"),
+    "\n",
+    include_str!("flash_fwd_wgmma.cu"),
+);
+/// Module name of [`FLASH_WGMMA_SOURCE`].
+pub const FLASH_WGMMA_MODULE: &str = "upipe_flash_wgmma";
+/// NVRTC target of [`FLASH_WGMMA_SOURCE`] (runs on compute capability 9.0 only).
+pub const WGMMA_NVRTC_ARCH: &str = "sm_90a";
+/// The wgmma forward kernel, head dim 128.
+pub const FWD_WGMMA_D128: &str = "upipe_flash_fwd_wgmma_d128";
 
 /// NVRTC target architecture of the kernels (mma.sync, ldmatrix, cp.async,
 /// vector `red` need sm_90).
@@ -84,17 +110,66 @@ const BWD_BM: usize = 64;
 const BWD_BN: usize = 128;
 const BWD_THREADS: u32 = 256;
 const PRE_THREADS: u32 = 256;
+const WG_BM: usize = 128;
+const WG_BN: usize = 128;
+/// Consumer threads of the wgmma forward (2 warpgroups); the kernel's block
+/// also has a copy warpgroup unless compiled with `WG_WS=0`, so the block size
+/// is read from the loaded function (its `__launch_bounds__`).
+const WG_THREADS: u32 = 256;
+/// Deepest K/V pipeline the wgmma forward may be compiled with (`WG_STAGES`
+/// <= `WG_MAX_STAGES` in the .cu file); its shared memory is sized for it (the
+/// kernel's registers allow one block per SM anyway).
+const WG_MAX_STAGES: usize = 3;
 
 /// Dynamic shared memory of the forward kernel for head dim `d`.
 fn fwd_smem_bytes(d: usize) -> usize {
     (FWD_BM * d + 4 * FWD_BN * d) * 2
+}
+/// Dynamic shared memory of the wgmma forward (head dim 128): Q, `WG_MAX_STAGES`
+/// K and V tiles, 1 KiB to align the tiles to the 1024-byte swizzle period and
+/// 128 bytes of mbarriers.
+fn wgmma_smem_bytes() -> usize {
+    (WG_BM * 128 + 2 * WG_MAX_STAGES * WG_BN * 128) * 2 + 1024 + 128
 }
 /// Dynamic shared memory of the backward kernel for head dim `d`.
 fn bwd_smem_bytes(d: usize) -> usize {
     (2 * BWD_BN * d + 4 * BWD_BM * d + 2 * BWD_BN * BWD_BM) * 2 + 4 * BWD_BM * 4
 }
 
-/// The loaded flash kernels of one module.
+/// Which forward kernel [`flash_fwd`] runs for head dim 128.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FwdKernel {
+    /// The wgmma kernel where it is loaded, the mma.sync kernel otherwise.
+    Auto,
+    /// The FlashAttention-2 mma.sync kernel (every head dim, sm_90+).
+    Mma,
+    /// The wgmma kernel (sm_90a, head dim 128; head dim 64 runs the mma.sync kernel).
+    Wgmma,
+}
+
+impl std::str::FromStr for FwdKernel {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(FwdKernel::Auto),
+            "mma" => Ok(FwdKernel::Mma),
+            "wgmma" => Ok(FwdKernel::Wgmma),
+            other => Err(Error::Config(format!(
+                "UPIPE_FLASH_FWD={other}: expected auto, mma or wgmma"
+            ))),
+        }
+    }
+}
+
+/// The forward kernel chosen by `UPIPE_FLASH_FWD` (`auto` when unset).
+pub fn fwd_kernel_from_env() -> Result<FwdKernel> {
+    match std::env::var("UPIPE_FLASH_FWD") {
+        Ok(v) => v.parse(),
+        Err(_) => Ok(FwdKernel::Auto),
+    }
+}
+
+/// The loaded flash kernels of one module (plus the wgmma forward, when loaded).
 #[derive(Debug, Clone)]
 pub struct FlashFunctions {
     fwd64: CudaFunction,
@@ -103,6 +178,9 @@ pub struct FlashFunctions {
     pre128: CudaFunction,
     bwd64: CudaFunction,
     bwd128: CudaFunction,
+    /// The wgmma forward and its block size.
+    fwd128_wgmma: Option<(CudaFunction, u32)>,
+    fwd_kernel: FwdKernel,
 }
 
 fn drv(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -125,6 +203,8 @@ impl FlashFunctions {
             pre128: get(BWD_PRE_D128)?,
             bwd64: get(BWD_D64)?,
             bwd128: get(BWD_D128)?,
+            fwd128_wgmma: None,
+            fwd_kernel: FwdKernel::Auto,
         };
         let attr = CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         for (func, bytes) in [
@@ -137,6 +217,54 @@ impl FlashFunctions {
                 .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
         }
         Ok(f)
+    }
+
+    /// Adds the wgmma forward from a module compiled from
+    /// [`FLASH_WGMMA_SOURCE`] for [`WGMMA_NVRTC_ARCH`].
+    pub fn with_wgmma(mut self, module: &Arc<CudaModule>) -> Result<Self> {
+        let func = module
+            .load_function(FWD_WGMMA_D128)
+            .map_err(|e| drv(&format!("load {FWD_WGMMA_D128}"), e))?;
+        let bytes = wgmma_smem_bytes();
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
+        let threads = func
+            .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+            .map_err(|e| drv(&format!("block size of {FWD_WGMMA_D128}"), e))?;
+        let threads = u32::try_from(threads).unwrap_or(0);
+        if threads != WG_THREADS && threads != WG_THREADS + 128 {
+            return Err(Error::Backend(format!(
+                "flash attention: {FWD_WGMMA_D128} allows {threads} threads per block; expected {WG_THREADS} or {}",
+                WG_THREADS + 128
+            )));
+        }
+        self.fwd128_wgmma = Some((func, threads));
+        Ok(self)
+    }
+
+    /// Whether the wgmma forward is loaded.
+    pub fn has_wgmma(&self) -> bool {
+        self.fwd128_wgmma.is_some()
+    }
+
+    /// Chooses the forward kernel (default [`FwdKernel::Auto`]).
+    pub fn set_fwd_kernel(&mut self, k: FwdKernel) {
+        self.fwd_kernel = k;
+    }
+
+    /// The forward kernel [`flash_fwd`] runs for head dim `d` (never `Auto`);
+    /// errors when the wgmma kernel is asked for but not loaded.
+    pub fn fwd_kernel_for(&self, d: usize) -> Result<FwdKernel> {
+        match (self.fwd_kernel, d, self.has_wgmma()) {
+            (FwdKernel::Mma, _, _) | (_, 64, _) | (FwdKernel::Auto, _, false) => Ok(FwdKernel::Mma),
+            (_, _, true) => Ok(FwdKernel::Wgmma),
+            (FwdKernel::Wgmma, _, false) => Err(Error::Config(
+                "flash attention: the wgmma forward was asked for (UPIPE_FLASH_FWD=wgmma) but is not loaded; it needs an sm_90a device (H100/H200)".into(),
+            )),
+        }
     }
 }
 
@@ -368,11 +496,23 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
         scale_log2: scale * std::f32::consts::LOG2_E,
         pad0: 0,
     };
-    let func = if a.d == 64 { &f.fwd64 } else { &f.fwd128 };
-    let cfg = LaunchConfig {
-        grid_dim: ((a.sq.div_ceil(FWD_BM) * a.hq) as u32, 1, 1),
-        block_dim: (FWD_THREADS, 1, 1),
-        shared_mem_bytes: fwd_smem_bytes(a.d) as u32,
+    let (func, cfg) = match (f.fwd_kernel_for(a.d)?, &f.fwd128_wgmma) {
+        (FwdKernel::Wgmma, Some((func, threads))) => (
+            func,
+            LaunchConfig {
+                grid_dim: ((a.sq.div_ceil(WG_BM) * a.hq) as u32, 1, 1),
+                block_dim: (*threads, 1, 1),
+                shared_mem_bytes: wgmma_smem_bytes() as u32,
+            },
+        ),
+        _ => (
+            if a.d == 64 { &f.fwd64 } else { &f.fwd128 },
+            LaunchConfig {
+                grid_dim: ((a.sq.div_ceil(FWD_BM) * a.hq) as u32, 1, 1),
+                block_dim: (FWD_THREADS, 1, 1),
+                shared_mem_bytes: fwd_smem_bytes(a.d) as u32,
+            },
+        ),
     };
     // SAFETY: the parameters were validated above; the caller guarantees the
     // pointers address device buffers of the sizes the strides and lengths imply.
@@ -484,6 +624,16 @@ mod tests {
             assert!(2 * (fwd_smem_bytes(d) + 1024) <= 228 * 1024);
             assert!(bwd_smem_bytes(d) + 1024 <= 227 * 1024);
         }
+        // wgmma forward: one block per SM.
+        assert!(wgmma_smem_bytes() <= 227 * 1024);
+    }
+
+    #[test]
+    fn fwd_kernel_choice() {
+        assert_eq!("mma".parse::<FwdKernel>().unwrap(), FwdKernel::Mma);
+        assert_eq!(" WGMMA ".parse::<FwdKernel>().unwrap(), FwdKernel::Wgmma);
+        assert_eq!("".parse::<FwdKernel>().unwrap(), FwdKernel::Auto);
+        assert!("fa3".parse::<FwdKernel>().is_err());
     }
 
     #[test]
@@ -518,6 +668,20 @@ mod tests {
                 "{name} != {value} in the .cu files"
             );
         }
+        for (name, value) in [
+            ("WG_BM", WG_BM),
+            ("WG_BN", WG_BN),
+            ("WG_NT", WG_THREADS as usize),
+            ("WG_MAX_STAGES", WG_MAX_STAGES),
+        ] {
+            assert!(
+                FLASH_WGMMA_SOURCE.contains(&format!("#define {name} {value}\n")),
+                "{name} != {value} in flash_fwd_wgmma.cu"
+            );
+        }
+        assert!(FLASH_WGMMA_SOURCE.contains(&format!(
+            "void __launch_bounds__(WG_THREADS, 1) {FWD_WGMMA_D128}("
+        )));
     }
 
     /// Compiles the flash module the way the backend does whenever NVRTC can
@@ -539,6 +703,14 @@ mod tests {
                         "{k} missing from the cubin"
                     );
                 }
+                let (cubin, _) = nvrtc::compile_uncached_for_test(
+                    FLASH_WGMMA_SOURCE,
+                    WGMMA_NVRTC_ARCH,
+                    NVRTC_OPTIONS,
+                )
+                .unwrap();
+                let k = FWD_WGMMA_D128.as_bytes();
+                assert!(cubin.windows(k.len()).any(|w| w == k));
             }
         }
     }
