@@ -24,8 +24,8 @@ if [ "${CUDNN_PIP:-0}" = 1 ]; then
   export LD_LIBRARY_PATH=/tmp/cudnn-link:$pip_cudnn:$LD_LIBRARY_PATH
 fi
 T0=$(date +%s)
-# PARTS picks what runs (default all): tests check profile long perf tune
-want() { [[ " ${PARTS:-tests check profile long perf tune} " == *" $1 "* ]]; }
+# PARTS picks what runs (default all): kernel tests check profile long perf tune
+want() { [[ " ${PARTS:-kernel tests check profile long perf tune} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
 step() { # name timeout cmd...
   local name=$1 lim=$2; shift 2
@@ -39,6 +39,9 @@ step() { # name timeout cmd...
 }
 { date -u; nvidia-smi -L; } | tee "$out/logs/machine.txt"
 "$bin/upipe" info 2>&1 | tail -9
+# native flash kernels alone (one GPU): every case against a CPU reference, then speed
+want kernel && step flash_check 120 "$bin/flash_check" check bench
+want kernel && grep -a -E "ALL PASS|FAIL|^\| (mma|wgmma) \|" "$out/logs/flash_check.log" | head -12
 want tests && for t in ${TESTS:-gpu_backend gpu_layer gpu_nccl gpu_plan gpu_train}; do
   step "test_$t" 100 "$bin/test-test-$t" --test-threads=2 --nocapture
   grep -a -E "test result|^gpu |cuDNN [0-9(]|forward on cuDNN|FAILED|panicked" "$out/logs/test_$t.log" | cut -c1-300 | head -40

@@ -33,6 +33,7 @@ for line in sys.stdin:
     done < "$dest/tests.tsv"
     cargo build --release --examples --bins
     cp target/release/examples/gpu_bench "$dest/bin/gpu_bench"
+    cp target/release/examples/flash_check "$dest/bin/flash_check"
     cp target/release/upipe "$dest/bin/upipe"
     strip "$dest"/bin/* || true
     cp "$0" "$dest/gpu-check.sh"
