@@ -54,8 +54,11 @@ pub struct AttnArgs {
     /// else our flash kernels), cudnn (error where it cannot), native (ours).
     #[arg(long, default_value = "auto")]
     pub attn_kernel: String,
-    /// Issue each next stage's projections and exchanges before the current
-    /// stage's attention (overlap on asynchronous backends).
+    /// Run transfers beside attention: each next stage's projections and
+    /// exchanges before the current stage's attention, each stage's output and
+    /// gradients back beside the next one's. Costs a stage and a kv phase of
+    /// buffers; slower on 2×H200 with NCCL today (its transfer kernels compete
+    /// with attention for SMs; docs/multi-gpu.md).
     #[arg(long)]
     pub overlap: bool,
     /// Comma-separated strategies, or `all`.

@@ -50,7 +50,8 @@ pub struct PlanArgs {
     /// UPipe heads per stage U (default: Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
-    /// The staged engine's stage-prefetch (overlap) schedule: one extra stage of buffers.
+    /// The staged engine's overlap schedule (`bench attn --overlap`): one
+    /// extra stage and kv phase of buffers.
     #[arg(long)]
     pub overlap: bool,
     /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`).
