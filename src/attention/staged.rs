@@ -163,16 +163,31 @@ impl<'a, B: Backend> Staged<'a, B> {
             dtype,
             Category::Workspace,
         )?;
+        // Weight rows seen transposed (Q/K/V) are stacked as rows (whole
+        // contiguous rows copied) and multiplied by the stack's transpose;
+        // column blocks (Wo for dO) are stacked side by side.
+        let hidden = self.dims.hidden;
+        let rows_stacked = operand(&heads[0]).l.trans;
         for (j, h) in heads.iter().enumerate() {
-            let dst = MatLayout::block(j * w_nh, self.dims.hidden, w_nh, wide);
-            b.copy(stacked.view_mut(dst), operand(h))?;
+            if rows_stacked {
+                let dst = MatLayout::block(j * w_nh * hidden, w_nh, hidden, hidden);
+                b.copy(stacked.view_mut(dst), operand(h).t())?;
+            } else {
+                let dst = MatLayout::block(j * w_nh, hidden, w_nh, wide);
+                b.copy(stacked.view_mut(dst), operand(h))?;
+            }
         }
+        let rhs = if rows_stacked {
+            stacked.view(MatLayout::row_major(wide, hidden)).t()
+        } else {
+            stacked.mat()
+        };
         let mut proj = b.empty(
             &self.shapes.stacked_projection(nh),
             dtype,
             Category::Workspace,
         )?;
-        b.gemm(proj.mat_mut(), input.mat(), stacked.mat(), 1.0, 0.0)?;
+        b.gemm(proj.mat_mut(), input.mat(), rhs, 1.0, 0.0)?;
         drop(stacked);
         let mut buf = b.empty(&self.shapes.packed(nh), dtype, Category::Comm)?;
         for j in 0..heads.len() {

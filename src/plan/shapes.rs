@@ -75,7 +75,8 @@ impl StageShapes {
     }
 
     /// The `[hidden, nh * d]` weight operands of `nh` heads for every
-    /// destination, side by side: `[hidden, pu * nh * d]`.
+    /// destination, side by side: `[hidden, pu * nh * d]` (for weight rows,
+    /// the same bytes hold the rows stacked, `[pu * nh * d, hidden]`).
     pub fn stacked_operands(&self, nh: usize) -> [usize; 2] {
         [self.hidden, self.pu * nh * self.head_dim]
     }
