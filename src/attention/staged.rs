@@ -14,8 +14,9 @@
 //! Backward recomputes each phase's K/V and each stage's Q, fetches that
 //! stage's O and dO slices through the same exchanges, runs the attention
 //! backward, and sends dQ (per stage) and dK/dV (per phase) back to the token
-//! owners, where the weight gradients and dx accumulate (`Staged::settle`). Replicated kv heads
-//! (fewer kv heads than Ulysses ranks) sum their gradients there naturally.
+//! owners, where the weight gradients and dx accumulate (`Staged::settle`).
+//! Replicated kv heads (fewer kv heads than Ulysses ranks) sum their
+//! gradients there naturally.
 
 use super::rope::RopeTables;
 use super::schedule::KvPhase;
