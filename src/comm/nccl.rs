@@ -251,9 +251,10 @@ impl NcclWorld {
         let nranks = i32::try_from(env.world_size)
             .map_err(|_| Error::Config("world size exceeds NCCL's int".into()))?;
         drv_bind(&backend)?;
-        // the highest priority the device has: when transfers run beside
-        // compute (`--overlap`), the block scheduler starts NCCL's blocks
-        // ahead of the compute kernels' pending ones
+        // the highest priority the device has, so that beside compute
+        // (`--overlap`) the block scheduler prefers NCCL's blocks to the
+        // compute kernels' pending ones (on 2×H200 this did not make overlap
+        // pay: docs/multi-gpu.md); collectives not beside compute are unaffected
         let (_, greatest) = drv(
             cudarc::driver::result::stream::get_priority_range(),
             "stream priority range",
