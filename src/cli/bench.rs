@@ -24,7 +24,8 @@ pub enum BenchCommand {
 #[derive(clap::Args, Debug, Clone)]
 pub struct AttnArgs {
     /// Device to run on (cpu: ranks as threads, f32; cuda: one process per
-    /// GPU under `upipe launch`, bf16, NCCL).
+    /// GPU, bf16, NCCL: started by itself when the mesh fits the visible
+    /// GPUs, or under `upipe launch`, torchrun or srun).
     #[arg(long, default_value = "cpu")]
     pub device: String,
     #[arg(long, default_value_t = 256)]

@@ -49,6 +49,33 @@ pub fn run(args: LaunchArgs) -> Result<i32> {
     run_with(&args, true)
 }
 
+/// This process's own command line after the program name, checked to be
+/// `upipe subcommand ...`: what a self-launch passes to each rank.
+pub fn own_command(subcommand: &str) -> Result<Vec<String>> {
+    let argv = std::env::args_os()
+        .skip(1)
+        .map(|s| {
+            s.into_string().map_err(|s| {
+                Error::Config(format!("argument {s:?} is not UTF-8; use `upipe launch`"))
+            })
+        })
+        .collect::<Result<Vec<String>>>()?;
+    rank_command(&argv, subcommand)
+}
+
+/// `argv` (a command line after the program name) if it is `subcommand ...`:
+/// the ranks of a self-launch run it unchanged, so each resolves the same
+/// mesh from the same flags and checks it against its world size.
+pub fn rank_command(argv: &[String], subcommand: &str) -> Result<Vec<String>> {
+    if argv.first().map(String::as_str) != Some(subcommand) {
+        return config_err!(
+            "cannot start one process per GPU: expected `upipe {subcommand} ...`, got {argv:?}; \
+             use `upipe launch --nproc-per-node N -- {subcommand} ...`"
+        );
+    }
+    Ok(argv.to_vec())
+}
+
 /// Starts `nproc` ranks of `command` on this machine alone (rendezvous on a
 /// free loopback port) and supervises them as `upipe launch --nproc-per-node
 /// nproc -- command...` would, except that the ranks' stdout is passed

@@ -357,22 +357,6 @@ pub fn route(
     Ok(Route::SelfLaunch { nproc: w })
 }
 
-/// The arguments of the processes a self-launch starts: this command's own
-/// (`argv` after the program name, from `train` on), unchanged. Each child
-/// sees the launch and resolves the same mesh: the same flags, or, with no
-/// mesh flag, [`default_mesh`] for its world size, which is the parent's
-/// mesh size (a default mesh of `n` ranks has exactly `n`); the children
-/// check the world size against the mesh in any case.
-pub fn self_launch_args(argv: &[String]) -> Result<Vec<String>> {
-    if argv.first().map(String::as_str) != Some("train") {
-        return crate::config_err!(
-            "cannot start one process per GPU: expected `upipe train ...`, got {argv:?}; \
-             use `upipe launch --nproc-per-node N -- train ...`"
-        );
-    }
-    Ok(argv.to_vec())
-}
-
 /// Thread ranks spread round-robin over `gpus` devices.
 fn train_on_gpus(
     cfg: &TrainConfig,
@@ -399,7 +383,7 @@ fn train_on_gpus(
 }
 
 /// GPUs visible to the driver (none when CUDA is unavailable).
-fn visible_gpus() -> usize {
+pub fn visible_gpus() -> usize {
     crate::backend::cuda::device::gpus().map_or(0, |g| g.len())
 }
 
@@ -463,15 +447,9 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     let route = route(device, launched, gpus, shape, &nccl)?;
     match &route {
         Route::SelfLaunch { nproc } => {
-            let argv = std::env::args_os()
-                .skip(1)
-                .map(|s| {
-                    s.into_string().map_err(|s| {
-                        Error::Config(format!("argument {s:?} is not UTF-8; use `upipe launch`"))
-                    })
-                })
-                .collect::<Result<Vec<String>>>()?;
-            let child = self_launch_args(&argv)?;
+            // each child resolves the same mesh: the same flags, or with no
+            // mesh flag `default_mesh` for its world size, the parent's mesh size
+            let child = crate::cli::launch::own_command("train")?;
             tracing::info!(
                 "{gpus} GPUs visible: starting {nproc} processes, one per GPU (NCCL), \
                  mesh data {} x Pu {} x Pr {}",
@@ -637,6 +615,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::launch::rank_command;
 
     fn tiny() -> ModelConfig {
         ModelConfig::resolve("tiny").unwrap()
@@ -825,8 +804,8 @@ mod tests {
     #[test]
     fn self_launched_children_resolve_the_parents_mesh() {
         let argv: Vec<String> = ["train", "--steps", "3"].map(String::from).to_vec();
-        assert_eq!(self_launch_args(&argv).unwrap(), argv);
-        let e = self_launch_args(&["eval".to_string()]).unwrap_err();
+        assert_eq!(rank_command(&argv, "train").unwrap(), argv);
+        let e = rank_command(&["eval".to_string()], "train").unwrap_err();
         assert!(e.to_string().contains("upipe launch"), "{e}");
         let m = tiny();
         for s in [Strategy::Upipe, Strategy::Ulysses, Strategy::Local] {

@@ -1,5 +1,6 @@
 //! `upipe bench attn --device cuda`: one process per GPU (started by `upipe
-//! launch`, torchrun or srun; a lone process is a world of one), each running
+//! launch`, torchrun or srun, or by a plain run itself when the mesh fits the
+//! visible GPUs: [`bench_route`]; otherwise a world of one), each running
 //! its rank of the layer on `CudaBackend::new(LOCAL_RANK)` with an NCCL mesh.
 //! Rank 0 gathers the per-rank results over the rendezvous and prints them.
 //!
@@ -71,8 +72,62 @@ impl GpuRun {
     }
 }
 
+/// Where a `bench attn --device cuda` run goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BenchRoute {
+    /// This process runs (a launched rank, or a world of one).
+    Here,
+    /// Start this many processes of this command, one per GPU.
+    SelfLaunch(usize),
+}
+
+/// Ranks the strategies of `methods` need: `local` one, the others the mesh
+/// `ulysses × ring`.
+pub fn ranks_needed(methods: &[Strategy], ulysses: usize, ring: usize) -> usize {
+    let mesh = |m: &Strategy| {
+        if *m == Strategy::Local {
+            1
+        } else {
+            ulysses * ring
+        }
+    };
+    methods.iter().map(mesh).max().unwrap_or(1)
+}
+
+/// Decides how a run needing `ranks` processes starts: under a launch, with
+/// one rank, or with fewer GPUs than ranks here (a world of one: the
+/// strategies that need more ranks are skipped, or with `--methods` named,
+/// refused, saying how many processes they need); otherwise one process per
+/// GPU started by this one, which needs NCCL (an error naming the fix when
+/// it does not load).
+pub fn bench_route(
+    launched: bool,
+    gpus: usize,
+    ranks: usize,
+    nccl: &dyn Fn() -> std::result::Result<(), String>,
+) -> Result<BenchRoute> {
+    if launched || ranks <= 1 || gpus < ranks {
+        return Ok(BenchRoute::Here);
+    }
+    if let Err(e) = nccl() {
+        return Err(Error::Config(format!(
+            "{ranks} GPU ranks need NCCL, which does not load ({e}); see `upipe info`"
+        )));
+    }
+    Ok(BenchRoute::SelfLaunch(ranks))
+}
+
 pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
-    let env = DistEnv::from_env()?.unwrap_or(DistEnv {
+    let launched = DistEnv::from_env()?;
+    let (_, methods) = parse_methods(&a.methods)?;
+    let ranks = ranks_needed(&methods, a.ulysses, a.ring);
+    let nccl = || nccl::library().map(|_| ()).map_err(|e| e.to_string());
+    let gpus = crate::cli::train::visible_gpus();
+    if let BenchRoute::SelfLaunch(n) = bench_route(launched.is_some(), gpus, ranks, &nccl)? {
+        tracing::info!("{gpus} GPUs visible: starting {n} processes, one per GPU (NCCL)");
+        return crate::cli::launch::run_local(n, crate::cli::launch::own_command("bench")?);
+    }
+    let env = launched.unwrap_or(DistEnv {
         rank: 0,
         world_size: 1,
         local_rank: 0,
@@ -303,6 +358,31 @@ fn print_profiles(profiles: &[(Strategy, OpTotals, f64)], json: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_plain_run_starts_one_process_per_gpu_when_the_mesh_fits() {
+        let ok = || Ok(());
+        let no_nccl = || Err("libnccl.so.2 not found".to_string());
+        let (u, r) = (Strategy::Upipe, Strategy::Ulysses);
+        assert_eq!(ranks_needed(&[Strategy::Local], 4, 2), 1);
+        assert_eq!(ranks_needed(&[Strategy::Local, u], 2, 2), 4);
+        assert_eq!(ranks_needed(&[r], 2, 1), 2);
+        // launched ranks and one-rank runs stay here
+        assert_eq!(bench_route(true, 8, 4, &ok).unwrap(), BenchRoute::Here);
+        assert_eq!(bench_route(false, 0, 1, &ok).unwrap(), BenchRoute::Here);
+        assert_eq!(
+            bench_route(false, 2, 2, &ok).unwrap(),
+            BenchRoute::SelfLaunch(2)
+        );
+        assert_eq!(
+            bench_route(false, 8, 4, &ok).unwrap(),
+            BenchRoute::SelfLaunch(4)
+        );
+        // more ranks than GPUs: a world of one here (its strategies say why)
+        assert_eq!(bench_route(false, 2, 4, &ok).unwrap(), BenchRoute::Here);
+        let e = bench_route(false, 2, 2, &no_nccl).unwrap_err().to_string();
+        assert!(e.contains("NCCL") && e.contains("libnccl"), "{e}");
+    }
 
     #[test]
     fn flops_formula() {
