@@ -174,9 +174,40 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
+/// What the stage loop prefetches after stage `t` of phase `p` starts
+/// (`overlap`): the next stage of the same phase, the first stage of the next
+/// phase together with that phase's K/V, or nothing after the last stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upcoming {
+    Stage,
+    PhaseStart,
+    End,
+}
+
+/// [`Upcoming`] after stage `t` of phase `p`, for `phases` phases of which
+/// phase `p` has `stages` stages.
+pub fn upcoming(p: usize, t: usize, phases: usize, stages: usize) -> Upcoming {
+    if t + 1 < stages {
+        Upcoming::Stage
+    } else if p + 1 < phases {
+        Upcoming::PhaseStart
+    } else {
+        Upcoming::End
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn upcoming_walks_stages_then_phases() {
+        assert_eq!(upcoming(0, 0, 2, 3), Upcoming::Stage);
+        assert_eq!(upcoming(0, 2, 2, 3), Upcoming::PhaseStart);
+        assert_eq!(upcoming(1, 1, 2, 3), Upcoming::Stage);
+        assert_eq!(upcoming(1, 2, 2, 3), Upcoming::End);
+        assert_eq!(upcoming(0, 0, 1, 1), Upcoming::End);
+    }
     use proptest::prelude::*;
 
     fn check_cover(s: &StageSchedule) {

@@ -19,7 +19,7 @@
 //! gradients there naturally.
 
 use super::rope::RopeTables;
-use super::schedule::KvPhase;
+use super::schedule::{KvPhase, Upcoming, upcoming};
 use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
 };
@@ -289,6 +289,16 @@ impl<'a, B: Backend> Staged<'a, B> {
         self.plan.overlap
     }
 
+    /// What to prefetch once stage `t` of phase `p` has its inputs:
+    /// [`Upcoming::End`] (nothing) unless overlapping.
+    fn upcoming(&self, p: usize, t: usize) -> Upcoming {
+        if !self.prefetch() {
+            return Upcoming::End;
+        }
+        let phases = &self.plan.schedule.phases;
+        upcoming(p, t, phases.len(), phases[p].stages.len())
+    }
+
     /// What the attention backward of one stage needs, in the attention
     /// layout: O, dO and the raw (pre-norm) Q.
     fn bwd_stage_inputs(
@@ -345,13 +355,17 @@ impl<'a, B: Backend> Staged<'a, B> {
                 }
                 .wait()?;
                 let (q, _) = self.q_ready(w, q_raw, false)?;
-                if self.prefetch() {
-                    if let Some(next) = phase.stages.get(t + 1) {
+                match self.upcoming(p, t) {
+                    Upcoming::Stage => {
+                        let next = &phase.stages[t + 1];
                         next_q = Some(self.q_exchanged(w, x, &next.q_heads)?);
-                    } else if let Some(next) = sched.phases.get(p + 1) {
+                    }
+                    Upcoming::PhaseStart => {
+                        let next = &sched.phases[p + 1];
                         next_kv = Some(self.kv_start(w, x, next)?);
                         next_q = Some(self.q_exchanged(w, x, &next.stages[0].q_heads)?);
                     }
+                    Upcoming::End => {}
                 }
                 let (o_att, lse) = ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v)?;
                 drop(q);
@@ -424,14 +438,18 @@ impl<'a, B: Backend> Staged<'a, B> {
                 };
                 let (o_att, d_o, q_raw) = (o_att.wait()?, d_o.wait()?, q_raw.wait()?);
                 let (q, q_raw) = self.q_ready(w, q_raw, true)?;
-                if self.prefetch() {
-                    if let Some(next) = phase.stages.get(t + 1) {
-                        next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, &next.q_heads)?);
-                    } else if let Some(next) = sched.phases.get(p + 1) {
+                match self.upcoming(p, t) {
+                    Upcoming::Stage => {
+                        let heads = &phase.stages[t + 1].q_heads;
+                        next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads)?);
+                    }
+                    Upcoming::PhaseStart => {
+                        let next = &sched.phases[p + 1];
                         next_kv = Some(self.kv_start(w, x, next)?);
                         let heads = &next.stages[0].q_heads;
                         next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads)?);
                     }
+                    Upcoming::End => {}
                 }
                 let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
                 ring::backward(

@@ -5,6 +5,7 @@
 
 use super::shapes::{StageShapes, distinct_lengths, loss_chunks, mlp_tiles};
 use super::sim::{Buf, Sim};
+use crate::attention::schedule::{Upcoming, upcoming};
 use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Category::{self, Activations, Comm, Grads, Offload, Workspace};
 use crate::model::{MemoryPolicy, ModelConfig};
@@ -321,6 +322,14 @@ impl AttnWalk {
         grads.into_iter().for_each(|t| sim.free(t));
     }
 
+    /// `Staged::upcoming`.
+    fn upcoming(&self, p: usize, t: usize) -> Upcoming {
+        if !self.overlap {
+            return Upcoming::End;
+        }
+        upcoming(p, t, self.phases, self.stages_per_phase)
+    }
+
     /// `Staged::take_output`.
     fn take_output(&self, sim: &mut Sim, out: InFlight) {
         let back = self.wait(sim, out);
@@ -347,13 +356,13 @@ impl AttnWalk {
                 };
                 let q_raw = self.wait(sim, q_raw);
                 let (q, _) = self.norm_rope(sim, q_raw, false);
-                if self.overlap {
-                    if t + 1 < self.stages_per_phase {
-                        next_q = Some(self.q_exchanged(sim));
-                    } else if p + 1 < self.phases {
+                match self.upcoming(p, t) {
+                    Upcoming::Stage => next_q = Some(self.q_exchanged(sim)),
+                    Upcoming::PhaseStart => {
                         next_kv = Some(self.kv_start(sim));
                         next_q = Some(self.q_exchanged(sim));
                     }
+                    Upcoming::End => {}
                 }
                 let (o_att, l) = self.ring_fwd(sim, q, k, v);
                 sim.free(q);
@@ -425,13 +434,13 @@ impl AttnWalk {
                 let d_o = self.wait(sim, d_o);
                 let q_raw = self.wait(sim, q_raw);
                 let (q, q_raw) = self.norm_rope(sim, q_raw, true);
-                if self.overlap {
-                    if t + 1 < self.stages_per_phase {
-                        next_inputs = Some(self.bwd_stage_inputs(sim));
-                    } else if p + 1 < self.phases {
+                match self.upcoming(p, t) {
+                    Upcoming::Stage => next_inputs = Some(self.bwd_stage_inputs(sim)),
+                    Upcoming::PhaseStart => {
                         next_kv = Some(self.kv_start(sim));
                         next_inputs = Some(self.bwd_stage_inputs(sim));
                     }
+                    Upcoming::End => {}
                 }
                 let dq = sim.alloc(Workspace, q.bytes / self.ab * F32);
                 self.ring_bwd(sim, k, v, dk);
