@@ -891,9 +891,24 @@ fn flash_backward_kernel_choice() {
         funcs.has_wgmma_bwd()
     );
     assert_eq!(funcs.bwd_kernel_for(64).unwrap(), BwdKernel::Mma);
-    let want = if f.arch() == "sm_90" && choice == BwdKernel::Wgmma {
-        BwdKernel::Wgmma
-    } else if choice == BwdKernel::Auto && funcs.has_wgmma_bwd() {
+    if choice == BwdKernel::Wgmma && f.arch() == "sm_90" {
+        assert!(
+            funcs.has_wgmma_bwd(),
+            "UPIPE_FLASH_BWD=wgmma must load the kernel"
+        );
+    }
+    if choice == BwdKernel::Mma {
+        assert!(
+            !funcs.has_wgmma_bwd(),
+            "the wgmma backward is off by default"
+        );
+    }
+    if choice == BwdKernel::Wgmma && !funcs.has_wgmma_bwd() {
+        // Not an sm_90 device: asking for the wgmma backward is an error.
+        assert!(funcs.bwd_kernel_for(128).is_err());
+        return;
+    }
+    let want = if choice != BwdKernel::Mma && funcs.has_wgmma_bwd() {
         BwdKernel::Wgmma
     } else {
         BwdKernel::Mma
