@@ -30,7 +30,7 @@
 #define WB_NT 256
 #define WB_MAX_STAGES 3
 #ifndef WB_STAGES
-#define WB_STAGES 2
+#define WB_STAGES 3
 #endif
 #define WB_THREADS (WB_NT + 128)
 #ifndef WB_PRODUCER_REGS
