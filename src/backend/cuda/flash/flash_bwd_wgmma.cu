@@ -40,7 +40,10 @@
 #define WB_CONSUMER_REGS 232
 #endif
 static_assert(WB_STAGES >= 2 && WB_STAGES <= WB_MAX_STAGES, "WB_STAGES: 2 ..= WB_MAX_STAGES");
-static_assert(WB_PRODUCER_REGS * 128 + WB_CONSUMER_REGS * WB_NT <= 65536, "register budget");
+// setmaxnreg moves registers within the block's launch allocation: 168 per
+// thread for 384 threads (65536 / 384 rounded down to a multiple of 8).
+static_assert(WB_PRODUCER_REGS * 128 + WB_CONSUMER_REGS * WB_NT <= 168 * WB_THREADS, "register budget");
+static_assert(WB_PRODUCER_REGS % 8 == 0 && WB_CONSUMER_REGS % 8 == 0, "setmaxnreg takes multiples of 8");
 
 #define WB_ACC32 WG_ACC8(0), WG_ACC8(8), WG_ACC8(16), WG_ACC8(24)
 #define WB_D32                                                                          \
