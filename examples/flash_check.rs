@@ -2,10 +2,13 @@
 //! the CPU f32 oracle, plus TFLOP/s at long sequences.
 //!
 //! `flash_check ptx <out.ptx>` only compiles the kernels with NVRTC (no GPU needed;
-//! the wgmma module goes to `<out.ptx>.wgmma.ptx`);
+//! the wgmma modules go to `<out.ptx>.wgmma.ptx` and `<out.ptx>.wgmma_bwd.ptx`);
 //! `flash_check [check] [bench]` (default both) runs on GPU 0. Every check case
 //! and bench row runs with both forward kernels, the mma.sync one and (on
-//! sm_90a devices) the wgmma one; the backward consumes that forward's O and LSE.
+//! sm_90a devices) the wgmma one, and each forward's O and LSE feed both
+//! backward kernels, the mma.sync one and (on sm_90a devices, unless
+//! `UPIPE_FLASH_BWD=mma`) the wgmma one; `UPIPE_FLASH_BWD=wgmma` makes a
+//! failure to build the wgmma backward an error instead of a note.
 //! NVRTC and the driver are opened at run time: put the directory of
 //! `libnvrtc.so.13` on `LD_LIBRARY_PATH`. `FLASH_DEFINES="BWD_HEADS_FASTEST=0"`
 //! (`;`-separated) overrides the kernels' compile-time tuning knobs.
@@ -17,8 +20,9 @@ use half::bf16;
 use std::sync::Arc;
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::flash::{
-    FLASH_SOURCE, FLASH_WGMMA_SOURCE, FlashBwdArgs, FlashFunctions, FlashFwdArgs, FwdKernel,
-    NVRTC_ARCH, NVRTC_OPTIONS, WGMMA_NVRTC_ARCH, flash_bwd, flash_bwd_workspace_bytes, flash_fwd,
+    BwdKernel, FLASH_SOURCE, FLASH_WGMMA_BWD_SOURCE, FLASH_WGMMA_SOURCE, FlashBwdArgs,
+    FlashFunctions, FlashFwdArgs, FwdKernel, NVRTC_ARCH, NVRTC_OPTIONS, WGMMA_NVRTC_ARCH,
+    bwd_kernel_from_env, flash_bwd, flash_bwd_workspace_bytes, flash_fwd,
 };
 use upipe::backend::{Backend, Category, DType};
 
@@ -56,6 +60,8 @@ struct Gpu {
     f: FlashFunctions,
     /// The forward kernels to run (mma, and wgmma where loaded).
     kernels: Vec<FwdKernel>,
+    /// The backward kernels to run (mma, and wgmma where loaded).
+    bwd_kernels: Vec<BwdKernel>,
 }
 
 fn kernel_name(k: FwdKernel) -> &'static str {
@@ -63,6 +69,14 @@ fn kernel_name(k: FwdKernel) -> &'static str {
         FwdKernel::Mma => "mma",
         FwdKernel::Wgmma => "wgmma",
         FwdKernel::Auto => "auto",
+    }
+}
+
+fn bwd_kernel_name(k: BwdKernel) -> &'static str {
+    match k {
+        BwdKernel::Mma => "mma",
+        BwdKernel::Wgmma => "wgmma",
+        BwdKernel::Auto => "auto",
     }
 }
 
@@ -90,7 +104,9 @@ struct Case {
     key_from: usize,
 }
 
-fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<(FwdKernel, [f32; 5])>> {
+type CaseResult = ((FwdKernel, BwdKernel), [f32; 5]);
+
+fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<CaseResult>> {
     let cpu = CpuBackend::new();
     let mut rng = Rng(seed);
     let (sq, sk, hq, hkv, d) = (c.sq, c.sk, c.hq, c.hkv, c.d);
@@ -145,17 +161,22 @@ fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<(FwdKernel, [f32; 5])>> {
         cpu.to_host(&cdv)?,
     );
     let mut out = Vec::new();
-    for &kernel in &g.kernels {
+    for (&kernel, &bwd) in g
+        .kernels
+        .iter()
+        .flat_map(|k| g.bwd_kernels.iter().map(move |b| (k, b)))
+    {
         let mut f = g.f.clone();
         f.set_fwd_kernel(kernel);
-        // The kernel that really runs (head dim 64 has no wgmma kernel).
-        let kernel = f.fwd_kernel_for(c.d)?;
-        if out.iter().any(|(k, _)| *k == kernel) {
+        f.set_bwd_kernel(bwd);
+        // The kernels that really run (head dim 64 has no wgmma kernels).
+        let kernels = (f.fwd_kernel_for(c.d)?, f.bwd_kernel_for(c.d)?);
+        if out.iter().any(|(k, _)| *k == kernels) {
             continue;
         }
         let e = run_gpu(g, &f, c, [&q, &k, &v, &d_o, &dq0, &dk0, &dv0])?;
         out.push((
-            kernel,
+            kernels,
             [
                 rel_err(&e[0], &co),
                 rel_err(&e[1], &clse),
@@ -312,15 +333,15 @@ fn check(g: &Gpu) -> Res<bool> {
         causal: false,
         key_from: 0,
     });
-    println!("| sq | sk | hq | hkv | d | mask | keys | fwd | o | lse | dq | dk | dv | ok |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| sq | sk | hq | hkv | d | mask | keys | fwd | bwd | o | lse | dq | dk | dv | ok |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut all_ok = true;
     for (i, c) in cases.iter().enumerate() {
-        for (kernel, e) in run_case(g, *c, 0x9e3779b97f4a7c15 ^ (i as u64 * 7919 + 1))? {
+        for ((kernel, bwd), e) in run_case(g, *c, 0x9e3779b97f4a7c15 ^ (i as u64 * 7919 + 1))? {
             let ok = e.iter().all(|&x| x <= 1e-2);
             all_ok &= ok;
             println!(
-                "| {} | {} | {} | {} | {} | {} | {}.. | {} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {}.. | {} | {} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {:.1e} | {} |",
                 c.sq,
                 c.sk,
                 c.hq,
@@ -329,6 +350,7 @@ fn check(g: &Gpu) -> Res<bool> {
                 if c.causal { "causal" } else { "full" },
                 c.key_from,
                 kernel_name(kernel),
+                bwd_kernel_name(bwd),
                 e[0],
                 e[1],
                 e[2],
@@ -345,9 +367,17 @@ fn check(g: &Gpu) -> Res<bool> {
     Ok(all_ok)
 }
 
-fn bench(g: &Gpu, kernel: FwdKernel, s: usize, h: usize, hkv: usize, d: usize) -> Res<()> {
+fn bench(
+    g: &Gpu,
+    (kernel, bwd): (FwdKernel, BwdKernel),
+    s: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+) -> Res<()> {
     let mut f = g.f.clone();
     f.set_fwd_kernel(kernel);
+    f.set_bwd_kernel(bwd);
     let f = &f;
     let mut rng = Rng(42);
     let n = s * h * d;
@@ -430,8 +460,9 @@ fn bench(g: &Gpu, kernel: FwdKernel, s: usize, h: usize, hkv: usize, d: usize) -
     let flops = 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
     let t_all = t_fwd + t_bwd;
     println!(
-        "| {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} |",
+        "| {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} |",
         kernel_name(f.fwd_kernel_for(d)?),
+        bwd_kernel_name(f.bwd_kernel_for(d)?),
         s,
         h,
         hkv,
@@ -453,7 +484,9 @@ fn main() -> Res<()> {
         std::fs::write(&out, ptx.to_src())?;
         let wg = compile(FLASH_WGMMA_SOURCE, WGMMA_NVRTC_ARCH)?;
         std::fs::write(format!("{out}.wgmma.ptx"), wg.to_src())?;
-        println!("wrote {out} and {out}.wgmma.ptx");
+        let wb = compile(FLASH_WGMMA_BWD_SOURCE, WGMMA_NVRTC_ARCH)?;
+        std::fs::write(format!("{out}.wgmma_bwd.ptx"), wb.to_src())?;
+        println!("wrote {out}, {out}.wgmma.ptx and {out}.wgmma_bwd.ptx");
         return Ok(());
     }
     let do_check = args.is_empty() || args.iter().any(|a| a == "check");
@@ -466,17 +499,33 @@ fn main() -> Res<()> {
     let module = ctx.load_module(ptx)?;
     let mut f = FlashFunctions::load(&module)?;
     let mut kernels = vec![FwdKernel::Mma];
+    let mut bwd_kernels = vec![BwdKernel::Mma];
+    let bwd_choice = bwd_kernel_from_env()?;
     if ctx.compute_capability()? == (9, 0) {
         let wg = ctx.load_module(compile(FLASH_WGMMA_SOURCE, WGMMA_NVRTC_ARCH)?)?;
         f = f.with_wgmma(&wg)?;
         kernels.push(FwdKernel::Wgmma);
+        if std::env::var("UPIPE_FLASH_BWD").as_deref() != Ok("mma") {
+            let wb = compile(FLASH_WGMMA_BWD_SOURCE, WGMMA_NVRTC_ARCH)
+                .and_then(|ptx| Ok(ctx.load_module(ptx)?))
+                .and_then(|m| Ok(f.clone().with_wgmma_bwd(&m)?));
+            match wb {
+                Ok(g) => {
+                    f = g;
+                    bwd_kernels.push(BwdKernel::Wgmma);
+                }
+                Err(e) if bwd_choice == BwdKernel::Wgmma => return Err(e),
+                Err(e) => println!("the wgmma backward is skipped: {e}"),
+            }
+        }
     } else {
-        println!("not an sm_90 device: the wgmma forward is skipped");
+        println!("not an sm_90 device: the wgmma forward and backward are skipped");
     }
     let g = Gpu {
         stream: ctx.default_stream(),
         f,
         kernels,
+        bwd_kernels,
     };
     let mut ok = true;
     if do_check {
@@ -485,12 +534,14 @@ fn main() -> Res<()> {
     if do_bench {
         println!("\ncausal, bf16; TFLOP/s with causal fwd = 2*S^2*H*d, bwd = 2.5x, fwd+bwd = 3.5x");
         println!(
-            "| fwd | S | H | Hkv | d | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd+bwd TF/s |"
+            "| fwd | bwd | S | H | Hkv | d | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd+bwd TF/s |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         for (s, h, hkv) in [(16384, 16, 16), (65536, 16, 16), (16384, 32, 8)] {
             for &k in &g.kernels {
-                bench(&g, k, s, h, hkv, 128)?;
+                for &b in &g.bwd_kernels {
+                    bench(&g, (k, b), s, h, hkv, 128)?;
+                }
             }
         }
     }

@@ -873,6 +873,49 @@ fn flash_forward_kernel_choice() {
     assert_eq!(funcs.fwd_kernel_for(128).unwrap(), want);
 }
 
+/// The wgmma backward is loaded only when asked for (`UPIPE_FLASH_BWD=wgmma`
+/// or `auto`, compute capability 9.0) and then runs for head dim 128; the
+/// default is the mma.sync backward.
+#[test]
+fn flash_backward_kernel_choice() {
+    use upipe::backend::cuda::flash::{BwdKernel, bwd_kernel_from_env};
+    let Some((f, _)) = flash_pair() else { return };
+    let Some(funcs) = f.flash_functions().unwrap() else {
+        eprintln!("SKIP: no flash kernels on {}", f.arch());
+        return;
+    };
+    let choice = bwd_kernel_from_env().unwrap();
+    eprintln!(
+        "{}: UPIPE_FLASH_BWD={choice:?}, wgmma backward loaded: {}",
+        f.arch(),
+        funcs.has_wgmma_bwd()
+    );
+    assert_eq!(funcs.bwd_kernel_for(64).unwrap(), BwdKernel::Mma);
+    if choice == BwdKernel::Wgmma && f.arch() == "sm_90" {
+        assert!(
+            funcs.has_wgmma_bwd(),
+            "UPIPE_FLASH_BWD=wgmma must load the kernel"
+        );
+    }
+    if choice == BwdKernel::Mma {
+        assert!(
+            !funcs.has_wgmma_bwd(),
+            "the wgmma backward is off by default"
+        );
+    }
+    if choice == BwdKernel::Wgmma && !funcs.has_wgmma_bwd() {
+        // Not an sm_90 device: asking for the wgmma backward is an error.
+        assert!(funcs.bwd_kernel_for(128).is_err());
+        return;
+    }
+    let want = if choice != BwdKernel::Mma && funcs.has_wgmma_bwd() {
+        BwdKernel::Wgmma
+    } else {
+        BwdKernel::Mma
+    };
+    assert_eq!(funcs.bwd_kernel_for(128).unwrap(), want);
+}
+
 #[test]
 #[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
 fn attention_outside_the_flash_kernels_runs_naive() {

@@ -417,16 +417,35 @@ impl CudaBackend {
                 ),
             }
         }
+        // The wgmma backward: only when asked for (UPIPE_FLASH_BWD=wgmma|auto).
+        let bwd = flash::bwd_kernel_from_env()?;
+        f.set_bwd_kernel(bwd);
+        if bwd != flash::BwdKernel::Mma && (self.arch == "sm_90" || self.arch == "sm_90a") {
+            let loaded = self
+                .load_flash_module(flash::FLASH_WGMMA_BWD_SOURCE, "wgmma flash backward")
+                .and_then(|m| f.clone().with_wgmma_bwd(&m));
+            match loaded {
+                Ok(g) => f = g,
+                Err(e) if bwd == flash::BwdKernel::Wgmma => return Err(e),
+                Err(e) => tracing::warn!(
+                    "attention: wgmma backward unavailable, using the mma.sync backward: {e}"
+                ),
+            }
+        }
         Ok(f)
     }
 
     fn load_flash_wgmma(&self) -> Result<Arc<cudarc::driver::CudaModule>> {
+        self.load_flash_module(flash::FLASH_WGMMA_SOURCE, "wgmma flash attention")
+    }
+
+    /// Compiles (or reads from the disk cache) an `sm_90a` flash module and loads it.
+    fn load_flash_module(&self, src: &str, what: &str) -> Result<Arc<cudarc::driver::CudaModule>> {
         let arch = flash::WGMMA_NVRTC_ARCH;
-        let (cubin, _) =
-            nvrtc::compile_cached_with(flash::FLASH_WGMMA_SOURCE, arch, flash::NVRTC_OPTIONS)?;
+        let (cubin, _) = nvrtc::compile_cached_with(src, arch, flash::NVRTC_OPTIONS)?;
         drv(
             self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
-            "load the wgmma flash attention module",
+            &format!("load the {what} module"),
         )
     }
 

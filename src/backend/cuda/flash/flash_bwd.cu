@@ -7,12 +7,7 @@
 // workspace, no conversion pass). Q/dO/LSE/delta tiles are double-buffered with
 // cp.async; P and dS pass through shared memory.
 
-struct FlashBwdParams {
-    u64 q, k, v, o, d_o, lse, dq, dk, dv, delta;
-    i64 q_stride, k_stride, v_stride, o_stride, do_stride, lse_stride, dq_stride, dk_stride, dv_stride;
-    int sq, sk, hq, hkv, group, causal;
-    float scale, scale_log2;
-};
+// FlashBwdParams: flash_common.cuh (shared with the wgmma backward).
 
 // Tuning knobs (compile-time; the defaults are the measured best).
 #ifndef BWD_HEADS_FASTEST

@@ -22,6 +22,14 @@ struct FlashFwdParams {
     int pad0;
 };
 
+// Backward parameters (shared by the mma.sync and the wgmma backward kernels).
+struct FlashBwdParams {
+    u64 q, k, v, o, d_o, lse, dq, dk, dv, delta;
+    i64 q_stride, k_stride, v_stride, o_stride, do_stride, lse_stride, dq_stride, dk_stride, dv_stride;
+    int sq, sk, hq, hkv, group, causal;
+    float scale, scale_log2;
+};
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));

@@ -35,6 +35,15 @@
 //!   128 unless [`FwdKernel::Mma`] is chosen (`UPIPE_FLASH_FWD=mma`, see
 //!   [`fwd_kernel_from_env`]).
 //!
+//! - backward on Hopper proper (`sm_90a`, head dim 128): a third module,
+//!   [`FLASH_WGMMA_BWD_SOURCE`], holds a wgmma backward (`flash_bwd_wgmma.cu`:
+//!   128 keys per block = 2 consumer warpgroups x 64 keys, a copy warpgroup
+//!   feeding 64-row Q/dO/lse/delta tiles through mbarriers; S^T, dP^T, dV, dK
+//!   and dQ on `wgmma.mma_async`). Off by default: `UPIPE_FLASH_BWD=wgmma`
+//!   (or `auto`) loads it with [`FlashFunctions::with_wgmma_bwd`] and
+//!   [`flash_bwd`] runs it for head dim 128 (see [`bwd_kernel_from_env`]).
+//!   Not yet run on a GPU (2026-11-30): correctness and speed unmeasured.
+//!
 //! Measured on one H200 (2026-11-30, d=128, H=16, causal, S = 16K / 64K):
 //! mma.sync forward 295-304 TFLOP/s, backward 251-265, forward+backward
 //! 262-275; wgmma forward 457-476, forward+backward 289-300
@@ -67,6 +76,20 @@ pub const FLASH_WGMMA_SOURCE: &str = concat!(
     "\n",
     include_str!("flash_fwd_wgmma.cu"),
 );
+/// The wgmma backward (shared helpers, the wgmma forward whose wgmma/mbarrier
+/// helpers it uses, the backward kernel), its own module for [`WGMMA_NVRTC_ARCH`]
+/// so that a failure to build it never costs the forward.
+pub const FLASH_WGMMA_BWD_SOURCE: &str = concat!(
+    include_str!("flash_common.cuh"),
+    "\n",
+    include_str!("flash_fwd_wgmma.cu"),
+    "\n",
+    include_str!("flash_bwd_wgmma.cu"),
+);
+/// Module name of [`FLASH_WGMMA_BWD_SOURCE`].
+pub const FLASH_WGMMA_BWD_MODULE: &str = "upipe_flash_wgmma_bwd";
+/// The wgmma backward kernel, head dim 128 (its preprocessing is [`BWD_PRE_D128`]).
+pub const BWD_WGMMA_D128: &str = "upipe_flash_bwd_wgmma_d128";
 /// Module name of [`FLASH_WGMMA_SOURCE`].
 pub const FLASH_WGMMA_MODULE: &str = "upipe_flash_wgmma";
 /// NVRTC target of [`FLASH_WGMMA_SOURCE`] (runs on compute capability 9.0 only).
@@ -120,6 +143,12 @@ const WG_THREADS: u32 = 256;
 /// <= `WG_MAX_STAGES` in the .cu file); its shared memory is sized for it (the
 /// kernel's registers allow one block per SM anyway).
 const WG_MAX_STAGES: usize = 3;
+/// wgmma backward: query rows per step, keys per block, consumer threads
+/// (the block adds a copy warpgroup), deepest Q/dO ring it may be compiled with.
+const WB_BM: usize = 64;
+const WB_BN: usize = 128;
+const WB_NT: u32 = 256;
+const WB_MAX_STAGES: usize = 3;
 
 /// Dynamic shared memory of the forward kernel for head dim `d`.
 fn fwd_smem_bytes(d: usize) -> usize {
@@ -130,6 +159,14 @@ fn fwd_smem_bytes(d: usize) -> usize {
 /// 128 bytes of mbarriers.
 fn wgmma_smem_bytes() -> usize {
     (WG_BM * 128 + 2 * WG_MAX_STAGES * WG_BN * 128) * 2 + 1024 + 128
+}
+/// Dynamic shared memory of the wgmma backward (head dim 128): K and V, the
+/// Q/dO ring, two dS^T buffers, lse/delta rows, mbarriers, 1 KiB of alignment.
+fn wgmma_bwd_smem_bytes() -> usize {
+    (2 * WB_BN * 128 + 2 * WB_MAX_STAGES * WB_BM * 128 + 2 * WB_BN * WB_BM) * 2
+        + WB_MAX_STAGES * 2 * WB_BM * 4
+        + 16 * WB_MAX_STAGES
+        + 1024
 }
 /// Dynamic shared memory of the backward kernel for head dim `d`.
 fn bwd_smem_bytes(d: usize) -> usize {
@@ -169,6 +206,39 @@ pub fn fwd_kernel_from_env() -> Result<FwdKernel> {
     }
 }
 
+/// Which backward kernel [`flash_bwd`] runs for head dim 128.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BwdKernel {
+    /// The FlashAttention-2 mma.sync kernel (the default).
+    Mma,
+    /// The wgmma kernel where it is loaded, the mma.sync kernel otherwise.
+    Auto,
+    /// The wgmma kernel (sm_90a, head dim 128; head dim 64 runs the mma.sync kernel).
+    Wgmma,
+}
+
+impl std::str::FromStr for BwdKernel {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "mma" => Ok(BwdKernel::Mma),
+            "auto" => Ok(BwdKernel::Auto),
+            "wgmma" => Ok(BwdKernel::Wgmma),
+            other => Err(Error::Config(format!(
+                "UPIPE_FLASH_BWD={other}: expected mma, auto or wgmma"
+            ))),
+        }
+    }
+}
+
+/// The backward kernel chosen by `UPIPE_FLASH_BWD` (`mma` when unset).
+pub fn bwd_kernel_from_env() -> Result<BwdKernel> {
+    match std::env::var("UPIPE_FLASH_BWD") {
+        Ok(v) => v.parse(),
+        Err(_) => Ok(BwdKernel::Mma),
+    }
+}
+
 /// The loaded flash kernels of one module (plus the wgmma forward, when loaded).
 #[derive(Debug, Clone)]
 pub struct FlashFunctions {
@@ -181,6 +251,9 @@ pub struct FlashFunctions {
     /// The wgmma forward and its block size.
     fwd128_wgmma: Option<(CudaFunction, u32)>,
     fwd_kernel: FwdKernel,
+    /// The wgmma backward.
+    bwd128_wgmma: Option<CudaFunction>,
+    bwd_kernel: BwdKernel,
 }
 
 fn drv(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -205,6 +278,8 @@ impl FlashFunctions {
             bwd128: get(BWD_D128)?,
             fwd128_wgmma: None,
             fwd_kernel: FwdKernel::Auto,
+            bwd128_wgmma: None,
+            bwd_kernel: BwdKernel::Mma,
         };
         let attr = CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         for (func, bytes) in [
@@ -243,6 +318,53 @@ impl FlashFunctions {
         }
         self.fwd128_wgmma = Some((func, threads));
         Ok(self)
+    }
+
+    /// Adds the wgmma backward from a module compiled from
+    /// [`FLASH_WGMMA_BWD_SOURCE`] for [`WGMMA_NVRTC_ARCH`].
+    pub fn with_wgmma_bwd(mut self, module: &Arc<CudaModule>) -> Result<Self> {
+        let func = module
+            .load_function(BWD_WGMMA_D128)
+            .map_err(|e| drv(&format!("load {BWD_WGMMA_D128}"), e))?;
+        let bytes = wgmma_bwd_smem_bytes();
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
+        let threads = func
+            .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+            .map_err(|e| drv(&format!("block size of {BWD_WGMMA_D128}"), e))?;
+        if threads != (WB_NT + 128) as i32 {
+            return Err(Error::Backend(format!(
+                "flash attention: {BWD_WGMMA_D128} allows {threads} threads per block; expected {}",
+                WB_NT + 128
+            )));
+        }
+        self.bwd128_wgmma = Some(func);
+        Ok(self)
+    }
+
+    /// Whether the wgmma backward is loaded.
+    pub fn has_wgmma_bwd(&self) -> bool {
+        self.bwd128_wgmma.is_some()
+    }
+
+    /// Chooses the backward kernel (default [`BwdKernel::Mma`]).
+    pub fn set_bwd_kernel(&mut self, k: BwdKernel) {
+        self.bwd_kernel = k;
+    }
+
+    /// The backward kernel [`flash_bwd`] runs for head dim `d` (never `Auto`);
+    /// errors when the wgmma kernel is asked for but not loaded.
+    pub fn bwd_kernel_for(&self, d: usize) -> Result<BwdKernel> {
+        match (self.bwd_kernel, d, self.has_wgmma_bwd()) {
+            (BwdKernel::Mma, _, _) | (_, 64, _) | (BwdKernel::Auto, _, false) => Ok(BwdKernel::Mma),
+            (_, _, true) => Ok(BwdKernel::Wgmma),
+            (BwdKernel::Wgmma, _, false) => Err(Error::Config(
+                "flash attention: the wgmma backward was asked for (UPIPE_FLASH_BWD=wgmma) but is not loaded; it needs an sm_90a device (H100/H200)".into(),
+            )),
+        }
     }
 
     /// Whether the wgmma forward is loaded.
@@ -579,21 +701,31 @@ pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs)
         scale,
         scale_log2: scale * std::f32::consts::LOG2_E,
     };
-    let (pre, main) = if a.d == 64 {
-        (&f.pre64, &f.bwd64)
-    } else {
-        (&f.pre128, &f.bwd128)
+    let (pre, main, cfg) = match (f.bwd_kernel_for(a.d)?, &f.bwd128_wgmma) {
+        (BwdKernel::Wgmma, Some(func)) => (
+            &f.pre128,
+            func,
+            LaunchConfig {
+                grid_dim: ((a.sk.div_ceil(WB_BN) * a.hkv) as u32, 1, 1),
+                block_dim: (WB_NT + 128, 1, 1),
+                shared_mem_bytes: wgmma_bwd_smem_bytes() as u32,
+            },
+        ),
+        _ => (
+            if a.d == 64 { &f.pre64 } else { &f.pre128 },
+            if a.d == 64 { &f.bwd64 } else { &f.bwd128 },
+            LaunchConfig {
+                grid_dim: ((a.sk.div_ceil(BWD_BN) * a.hkv) as u32, 1, 1),
+                block_dim: (BWD_THREADS, 1, 1),
+                shared_mem_bytes: bwd_smem_bytes(a.d) as u32,
+            },
+        ),
     };
     let warps = a.sq * a.hq;
     let pre_cfg = LaunchConfig {
         grid_dim: ((warps * 32).div_ceil(PRE_THREADS as usize) as u32, 1, 1),
         block_dim: (PRE_THREADS, 1, 1),
         shared_mem_bytes: 0,
-    };
-    let cfg = LaunchConfig {
-        grid_dim: ((a.sk.div_ceil(BWD_BN) * a.hkv) as u32, 1, 1),
-        block_dim: (BWD_THREADS, 1, 1),
-        shared_mem_bytes: bwd_smem_bytes(a.d) as u32,
     };
     // SAFETY: as in `flash_fwd`; the workspace holds `sq * hq` f32 (checked by the caller
     // through `flash_bwd_workspace_bytes`).
@@ -624,8 +756,9 @@ mod tests {
             assert!(2 * (fwd_smem_bytes(d) + 1024) <= 228 * 1024);
             assert!(bwd_smem_bytes(d) + 1024 <= 227 * 1024);
         }
-        // wgmma forward: one block per SM.
+        // wgmma forward and backward: one block per SM.
         assert!(wgmma_smem_bytes() <= 227 * 1024);
+        assert!(wgmma_bwd_smem_bytes() <= 227 * 1024);
     }
 
     #[test]
@@ -634,6 +767,10 @@ mod tests {
         assert_eq!(" WGMMA ".parse::<FwdKernel>().unwrap(), FwdKernel::Wgmma);
         assert_eq!("".parse::<FwdKernel>().unwrap(), FwdKernel::Auto);
         assert!("fa3".parse::<FwdKernel>().is_err());
+        assert_eq!("".parse::<BwdKernel>().unwrap(), BwdKernel::Mma);
+        assert_eq!("Auto".parse::<BwdKernel>().unwrap(), BwdKernel::Auto);
+        assert_eq!("wgmma".parse::<BwdKernel>().unwrap(), BwdKernel::Wgmma);
+        assert!("fa3".parse::<BwdKernel>().is_err());
     }
 
     #[test]
@@ -682,6 +819,20 @@ mod tests {
         assert!(FLASH_WGMMA_SOURCE.contains(&format!(
             "void __launch_bounds__(WG_THREADS, 1) {FWD_WGMMA_D128}("
         )));
+        for (name, value) in [
+            ("WB_BM", WB_BM),
+            ("WB_BN", WB_BN),
+            ("WB_NT", WB_NT as usize),
+            ("WB_MAX_STAGES", WB_MAX_STAGES),
+        ] {
+            assert!(
+                FLASH_WGMMA_BWD_SOURCE.contains(&format!("#define {name} {value}\n")),
+                "{name} != {value} in flash_bwd_wgmma.cu"
+            );
+        }
+        assert!(FLASH_WGMMA_BWD_SOURCE.contains(&format!(
+            "void __launch_bounds__(WB_THREADS, 1) {BWD_WGMMA_D128}("
+        )));
     }
 
     /// Compiles the flash module the way the backend does whenever NVRTC can
@@ -710,6 +861,14 @@ mod tests {
                 )
                 .unwrap();
                 let k = FWD_WGMMA_D128.as_bytes();
+                assert!(cubin.windows(k.len()).any(|w| w == k));
+                let (cubin, _) = nvrtc::compile_uncached_for_test(
+                    FLASH_WGMMA_BWD_SOURCE,
+                    WGMMA_NVRTC_ARCH,
+                    NVRTC_OPTIONS,
+                )
+                .unwrap();
+                let k = BWD_WGMMA_D128.as_bytes();
                 assert!(cubin.windows(k.len()).any(|w| w == k));
             }
         }
