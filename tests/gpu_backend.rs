@@ -873,9 +873,9 @@ fn flash_forward_kernel_choice() {
     assert_eq!(funcs.fwd_kernel_for(128).unwrap(), want);
 }
 
-/// The wgmma backward is loaded only when asked for (`UPIPE_FLASH_BWD=wgmma`
-/// or `auto`, compute capability 9.0) and then runs for head dim 128; the
-/// default is the mma.sync backward.
+/// The wgmma backward is loaded on compute capability 9.0 unless
+/// `UPIPE_FLASH_BWD=mma`, and then runs for head dim 128 (`auto`, the
+/// default, and `wgmma`).
 #[test]
 fn flash_backward_kernel_choice() {
     use upipe::backend::cuda::flash::{BwdKernel, bwd_kernel_from_env};
@@ -891,16 +891,16 @@ fn flash_backward_kernel_choice() {
         funcs.has_wgmma_bwd()
     );
     assert_eq!(funcs.bwd_kernel_for(64).unwrap(), BwdKernel::Mma);
-    if choice == BwdKernel::Wgmma && f.arch() == "sm_90" {
+    if choice != BwdKernel::Mma && f.arch() == "sm_90" {
         assert!(
             funcs.has_wgmma_bwd(),
-            "UPIPE_FLASH_BWD=wgmma must load the kernel"
+            "UPIPE_FLASH_BWD={choice:?} must load the kernel on sm_90"
         );
     }
     if choice == BwdKernel::Mma {
         assert!(
             !funcs.has_wgmma_bwd(),
-            "the wgmma backward is off by default"
+            "UPIPE_FLASH_BWD=mma must not load the wgmma backward"
         );
     }
     if choice == BwdKernel::Wgmma && !funcs.has_wgmma_bwd() {

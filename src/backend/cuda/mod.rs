@@ -417,7 +417,7 @@ impl CudaBackend {
                 ),
             }
         }
-        // The wgmma backward: only when asked for (UPIPE_FLASH_BWD=wgmma|auto).
+        // The wgmma backward: compute capability 9.0 exactly, unless UPIPE_FLASH_BWD=mma.
         let bwd = flash::bwd_kernel_from_env()?;
         f.set_bwd_kernel(bwd);
         if bwd != flash::BwdKernel::Mma && (self.arch == "sm_90" || self.arch == "sm_90a") {

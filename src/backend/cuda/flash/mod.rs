@@ -39,15 +39,15 @@
 //!   [`FLASH_WGMMA_BWD_SOURCE`], holds a wgmma backward (`flash_bwd_wgmma.cu`:
 //!   128 keys per block = 2 consumer warpgroups x 64 keys, a copy warpgroup
 //!   feeding 64-row Q/dO/lse/delta tiles through mbarriers; S^T, dP^T, dV, dK
-//!   and dQ on `wgmma.mma_async`). Off by default: `UPIPE_FLASH_BWD=wgmma`
-//!   (or `auto`) loads it with [`FlashFunctions::with_wgmma_bwd`] and
-//!   [`flash_bwd`] runs it for head dim 128 (see [`bwd_kernel_from_env`]).
-//!   Not yet run on a GPU (2026-11-30): correctness and speed unmeasured.
+//!   and dQ on `wgmma.mma_async`). Loaded with
+//!   [`FlashFunctions::with_wgmma_bwd`]; [`flash_bwd`] runs it for head dim
+//!   128 unless [`BwdKernel::Mma`] is chosen (`UPIPE_FLASH_BWD=mma`, see
+//!   [`bwd_kernel_from_env`]).
 //!
 //! Measured on one H200 (2026-11-30, d=128, H=16, causal, S = 16K / 64K):
 //! mma.sync forward 295-304 TFLOP/s, backward 251-265, forward+backward
-//! 262-275; wgmma forward 457-476, forward+backward 289-300
-//! (`docs/gpu-results.md`).
+//! 262-275; wgmma forward 465-473, wgmma backward 383-397, both wgmma
+//! forward+backward 405-414 (`docs/gpu-results.md`).
 //! `examples/flash_check.rs` reproduces the table and checks against the CPU oracle.
 
 use crate::error::{Error, Result};
@@ -209,9 +209,9 @@ pub fn fwd_kernel_from_env() -> Result<FwdKernel> {
 /// Which backward kernel [`flash_bwd`] runs for head dim 128.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BwdKernel {
-    /// The FlashAttention-2 mma.sync kernel (the default).
+    /// The FlashAttention-2 mma.sync kernel.
     Mma,
-    /// The wgmma kernel where it is loaded, the mma.sync kernel otherwise.
+    /// The wgmma kernel where it is loaded, the mma.sync kernel otherwise (the default).
     Auto,
     /// The wgmma kernel (sm_90a, head dim 128; head dim 64 runs the mma.sync kernel).
     Wgmma,
@@ -221,21 +221,21 @@ impl std::str::FromStr for BwdKernel {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "" | "mma" => Ok(BwdKernel::Mma),
-            "auto" => Ok(BwdKernel::Auto),
+            "" | "auto" => Ok(BwdKernel::Auto),
+            "mma" => Ok(BwdKernel::Mma),
             "wgmma" => Ok(BwdKernel::Wgmma),
             other => Err(Error::Config(format!(
-                "UPIPE_FLASH_BWD={other}: expected mma, auto or wgmma"
+                "UPIPE_FLASH_BWD={other}: expected auto, mma or wgmma"
             ))),
         }
     }
 }
 
-/// The backward kernel chosen by `UPIPE_FLASH_BWD` (`mma` when unset).
+/// The backward kernel chosen by `UPIPE_FLASH_BWD` (`auto` when unset).
 pub fn bwd_kernel_from_env() -> Result<BwdKernel> {
     match std::env::var("UPIPE_FLASH_BWD") {
         Ok(v) => v.parse(),
-        Err(_) => Ok(BwdKernel::Mma),
+        Err(_) => Ok(BwdKernel::Auto),
     }
 }
 
@@ -279,7 +279,7 @@ impl FlashFunctions {
             fwd128_wgmma: None,
             fwd_kernel: FwdKernel::Auto,
             bwd128_wgmma: None,
-            bwd_kernel: BwdKernel::Mma,
+            bwd_kernel: BwdKernel::Auto,
         };
         let attr = CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         for (func, bytes) in [
@@ -350,7 +350,7 @@ impl FlashFunctions {
         self.bwd128_wgmma.is_some()
     }
 
-    /// Chooses the backward kernel (default [`BwdKernel::Mma`]).
+    /// Chooses the backward kernel (default [`BwdKernel::Auto`]).
     pub fn set_bwd_kernel(&mut self, k: BwdKernel) {
         self.bwd_kernel = k;
     }
