@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{TrialInputs, run_trial};
-use upipe::attention::{AttnDims, CpPlan, Strategy};
+use upipe::attention::{AttnDims, CpPlan, Settle, Strategy};
 use upipe::backend::Category;
 use upipe::backend::cpu::CpuBackend;
 use upipe::model::decoder::attn_dims;
@@ -61,17 +61,27 @@ fn attention_layer_prediction_equals_ledger_peak() {
         (8, 4, Strategy::Upipe, 4, 2, Some(4)),
     ];
     let seq = 48;
-    for (qk, overlap) in [(false, false), (true, false), (false, true), (true, true)] {
+    let (stage, phase) = (Settle::Stage, Settle::Phase);
+    for (qk, overlap, settle) in [
+        (false, false, stage),
+        (true, false, stage),
+        (false, true, stage),
+        (true, true, stage),
+        (false, false, phase),
+        (true, true, phase),
+    ] {
         for &(h, hkv, s, pu, pr, u) in cases {
             let d = dims(h, hkv, qk);
             let plan = CpPlan::new(s, &d, seq, pu, pr, u)
                 .unwrap()
-                .with_overlap(overlap && s != Strategy::Local);
+                .with_overlap(overlap && s != Strategy::Local)
+                .with_settle(settle);
             let inputs = TrialInputs::random(&d, seq, 3);
             let measured = run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap();
             let pred = predict_attention_trial(&plan, &d, DeviceKind::Cpu).unwrap();
-            let what =
-                format!("{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} qk_norm={qk} overlap={overlap}");
+            let what = format!(
+                "{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} qk_norm={qk} overlap={overlap} settle every {settle}"
+            );
             let e = rel(pred.peak, measured.peak_bytes);
             assert!(
                 e <= 0.05,

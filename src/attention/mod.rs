@@ -23,6 +23,7 @@ pub mod local;
 pub mod ring;
 pub mod rope;
 pub mod schedule;
+pub mod settle;
 pub mod staged;
 pub mod trial;
 
@@ -133,6 +134,49 @@ pub struct CpPlan {
     /// (one extra stage of buffers) so that an asynchronous backend overlaps
     /// communication with attention. Same results either way.
     pub overlap: bool,
+    /// When backward takes in the query gradients: per stage, or per kv
+    /// phase (one dx GEMM and per-destination dW GEMMs for the whole phase,
+    /// holding the phase's dQ until then). Same results either way.
+    pub settle_every: Settle,
+}
+
+/// When the staged backward takes in returning query gradients (`--settle-every`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Settle {
+    /// After each stage: the least memory.
+    #[default]
+    Stage,
+    /// After each kv phase, with its K/V gradients: fewer, larger GEMMs and
+    /// one `dx` read-modify-write per phase, for the phase's dQ buffers.
+    Phase,
+}
+
+impl Settle {
+    pub fn name(self) -> &'static str {
+        match self {
+            Settle::Stage => "stage",
+            Settle::Phase => "phase",
+        }
+    }
+}
+
+impl fmt::Display for Settle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Settle {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "stage" => Ok(Settle::Stage),
+            "phase" => Ok(Settle::Phase),
+            _ => Err(crate::Error::Config(format!(
+                "unknown --settle-every '{s}'; use stage (least memory) or phase (fewer, larger gradient GEMMs)"
+            ))),
+        }
+    }
 }
 
 impl CpPlan {
@@ -170,11 +214,20 @@ impl CpPlan {
             layout,
             schedule,
             overlap: false,
+            settle_every: Settle::Stage,
         })
     }
     /// The same plan with the stage-prefetch schedule on or off.
     pub fn with_overlap(self, overlap: bool) -> Self {
         CpPlan { overlap, ..self }
+    }
+
+    /// The same plan taking in query gradients per stage or per kv phase.
+    pub fn with_settle(self, settle: Settle) -> Self {
+        CpPlan {
+            settle_every: settle,
+            ..self
+        }
     }
 
     /// The mesh this plan runs on (one data replica).

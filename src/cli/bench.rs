@@ -7,7 +7,7 @@ mod gpu;
 
 use crate::attention::rope::RopeConfig;
 use crate::attention::trial::{TrialInputs, TrialResult, run_trial};
-use crate::attention::{AttnDims, CpPlan, Strategy};
+use crate::attention::{AttnDims, CpPlan, Settle, Strategy};
 use crate::backend::Bytes;
 use crate::backend::cpu::CpuBackend;
 use crate::error::{Error, Result};
@@ -62,6 +62,11 @@ pub struct AttnArgs {
     /// with attention for SMs; docs/multi-gpu.md).
     #[arg(long)]
     pub overlap: bool,
+    /// When backward takes in query gradients: `stage` (least memory) or
+    /// `phase` (the phase's dQ held until its end, then one dx GEMM and one
+    /// dW GEMM per destination: fewer, larger GEMMs).
+    #[arg(long, default_value = "stage")]
+    pub settle_every: Settle,
     /// Comma-separated strategies, or `all`.
     #[arg(long, default_value = "all")]
     pub methods: String,
@@ -161,7 +166,8 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             }
             Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
         }
-        .with_overlap(a.overlap && m != Strategy::Local);
+        .with_overlap(a.overlap && m != Strategy::Local)
+        .with_settle(a.settle_every);
         let result = match (m, &reference) {
             (Strategy::Local, Some(r)) => r.clone(),
             _ => run_trial(&plan, &dims, &inputs, CpuBackend::new)?,
@@ -271,7 +277,7 @@ fn print_row(
                     "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
                     "ulysses": plan.layout.pu, "ring": plan.layout.pr,
                     "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
-                    "overlap": plan.overlap,
+                    "overlap": plan.overlap, "settle_every": plan.settle_every.name(),
                     "act_vs_ulysses": ratio, "seconds": seconds,
                 });
                 if let Some(rf) = reference {

@@ -1,7 +1,7 @@
 //! `upipe plan`: predicted per-rank memory of a training step by category,
 //! or the longest context that fits for each strategy (see `crate::plan`).
 
-use crate::attention::Strategy;
+use crate::attention::{Settle, Strategy};
 use crate::backend::{Bytes, Category};
 use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
@@ -54,6 +54,11 @@ pub struct PlanArgs {
     /// extra stage and kv phase of buffers.
     #[arg(long)]
     pub overlap: bool,
+    /// When backward takes in query gradients: `stage` (least memory) or
+    /// `phase` (the phase's dQ held until its end, then one dx GEMM and one
+    /// dW GEMM per destination: fewer, larger GEMMs).
+    #[arg(long, default_value = "stage")]
+    pub settle_every: Settle,
     /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`).
     #[arg(long, default_value = "none")]
     pub policies: String,
@@ -157,7 +162,9 @@ impl Ctx {
             self.a.ring,
             self.a.chunk_heads,
         )?;
-        let plan = plan.with_overlap(self.a.overlap && strategy != Strategy::Local);
+        let plan = plan
+            .with_overlap(self.a.overlap && strategy != Strategy::Local)
+            .with_settle(self.a.settle_every);
         let spec = StepSpec {
             model: self.model.clone(),
             plan,

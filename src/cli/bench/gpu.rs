@@ -179,7 +179,8 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
             }
             Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
         }
-        .with_overlap(a.overlap && m != Strategy::Local);
+        .with_overlap(a.overlap && m != Strategy::Local)
+        .with_settle(a.settle_every);
         let ranks = plan.mesh_shape().world_size();
         if ranks != world.size() {
             let why = format!(
