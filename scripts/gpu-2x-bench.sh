@@ -75,22 +75,26 @@ want perf && for s in 131072 262144; do
   step "perf_${s}_U2_overlap" 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 2 --overlap
   step "perf_${s}_U4_overlap" 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 4 --overlap
 done
-# query gradients settled per kv phase against per stage, same session (PARTS=settle)
+# query gradients settled every stage, every 2 stages (default) and per kv
+# phase, same session (PARTS=settle)
 want settle && for s in 131072 262144; do
   step "perf_${s}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods ulysses,upipe --chunk-heads 2
-  step "perf_${s}_phase" 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 2 --settle-every phase
+  for e in stage phase; do
+    step "perf_${s}_${e}" 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 2 --settle-every $e
+  done
 done
-want settle && UPIPE_PROFILE=shapes step profile_131072_phase 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods upipe --chunk-heads 2 --settle-every phase
+want settle && UPIPE_PROFILE=shapes step profile_131072_settle 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods upipe --chunk-heads 2
 # the same on one GPU (PARTS=settle1): the staged engine with Pu 1, so the
 # stages' compute alone (U=1: one head per stage, 4 stages per kv phase, as
 # each rank of UPipe U=2 on 2 GPUs)
 one=("$bin/upipe" bench attn --device cuda --json --ulysses 1)
 want settle1 && for s in 65536 131072; do
   step "one_${s}" 150 "${one[@]}" "${llama[@]}" --iters 2 --seq $s --methods ulysses,upipe --chunk-heads 1
-  step "one_${s}_phase" 120 "${one[@]}" "${llama[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 1 --settle-every phase
+  for e in stage phase; do
+    step "one_${s}_${e}" 120 "${one[@]}" "${llama[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 1 --settle-every $e
+  done
 done
-want settle1 && UPIPE_PROFILE=shapes step one_profile_65536 90 "${one[@]}" "${llama[@]}" --iters 1 --seq 65536 --methods ulysses,upipe --chunk-heads 1
-want settle1 && UPIPE_PROFILE=shapes step one_profile_65536_phase 90 "${one[@]}" "${llama[@]}" --iters 1 --seq 65536 --methods upipe --chunk-heads 1 --settle-every phase
+want settle1 && UPIPE_PROFILE=shapes step one_profile_65536 90 "${one[@]}" "${llama[@]}" --iters 1 --seq 65536 --methods upipe --chunk-heads 1
 # ring (and usp = ulysses on one node) at 128K, K/V passes overlapped with attention
 want perf && step perf_131072_ring 150 "${L[@]}" "${llama[@]}" --iters 2 --seq 131072 --ulysses 1 --ring 2 --methods ring
 echo "total $(( $(date +%s) - T0 ))s"

@@ -33,6 +33,7 @@ use crate::error::Result;
 use layout::SeqLayout;
 use rope::{RopeConfig, RopeTables};
 use schedule::StageSchedule;
+pub use settle::Settle;
 use std::fmt;
 use std::str::FromStr;
 
@@ -140,45 +141,6 @@ pub struct CpPlan {
     pub settle_every: Settle,
 }
 
-/// When the staged backward takes in returning query gradients (`--settle-every`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Settle {
-    /// After each stage: the least memory.
-    #[default]
-    Stage,
-    /// After each kv phase, with its K/V gradients: fewer, larger GEMMs and
-    /// one `dx` read-modify-write per phase, for the phase's dQ buffers.
-    Phase,
-}
-
-impl Settle {
-    pub fn name(self) -> &'static str {
-        match self {
-            Settle::Stage => "stage",
-            Settle::Phase => "phase",
-        }
-    }
-}
-
-impl fmt::Display for Settle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Settle {
-    type Err = crate::Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "stage" => Ok(Settle::Stage),
-            "phase" => Ok(Settle::Phase),
-            _ => Err(crate::Error::Config(format!(
-                "unknown --settle-every '{s}'; use stage (least memory) or phase (fewer, larger gradient GEMMs)"
-            ))),
-        }
-    }
-}
-
 impl CpPlan {
     /// Resolves `strategy` on `ulysses x ring` ranks (ulysses/ring strategies use all
     /// of them as one group). `chunk_heads` is UPipe's U (default: the Ulysses degree).
@@ -214,7 +176,7 @@ impl CpPlan {
             layout,
             schedule,
             overlap: false,
-            settle_every: Settle::Stage,
+            settle_every: Settle::default(),
         })
     }
     /// The same plan with the stage-prefetch schedule on or off.

@@ -22,8 +22,7 @@ use super::rope::RopeTables;
 use super::schedule::{KvPhase, Upcoming, upcoming};
 use super::settle::{Proj, settle_layout};
 use super::{
-    AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, Settle, norm_rope,
-    norm_rope_bwd, ring,
+    AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
 };
 use crate::backend::{Backend, Category, DType, Mat, MatLayout, Tensor};
 use crate::comm::{Mesh, Pending};
@@ -468,7 +467,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                     proj: Proj::Q,
                     heads,
                 });
-                if self.plan.settle_every == Settle::Stage {
+                if self.plan.settle_every.after_stage(t) {
                     self.settle(&mut in_flight, keep, x, w, g, &mut dx)?;
                 }
                 stage_index += 1;

@@ -62,10 +62,10 @@ pub struct AttnArgs {
     /// with attention for SMs; docs/multi-gpu.md).
     #[arg(long)]
     pub overlap: bool,
-    /// When backward takes in query gradients: `stage` (least memory) or
-    /// `phase` (the phase's dQ held until its end, then one dx GEMM and one
-    /// dW GEMM per destination: fewer, larger GEMMs).
-    #[arg(long, default_value = "stage")]
+    /// When backward takes in query gradients: every `stage` (least
+    /// memory), every N stages, or once per kv `phase` (one dx GEMM and one
+    /// dW GEMM per destination: fewest, largest GEMMs, holding the phase's dQ).
+    #[arg(long, default_value_t = Settle::default())]
     pub settle_every: Settle,
     /// Comma-separated strategies, or `all`.
     #[arg(long, default_value = "all")]
@@ -277,7 +277,7 @@ fn print_row(
                     "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
                     "ulysses": plan.layout.pu, "ring": plan.layout.pr,
                     "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
-                    "overlap": plan.overlap, "settle_every": plan.settle_every.name(),
+                    "overlap": plan.overlap, "settle_every": plan.settle_every.to_string(),
                     "act_vs_ulysses": ratio, "seconds": seconds,
                 });
                 if let Some(rf) = reference {

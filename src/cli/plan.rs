@@ -54,10 +54,10 @@ pub struct PlanArgs {
     /// extra stage and kv phase of buffers.
     #[arg(long)]
     pub overlap: bool,
-    /// When backward takes in query gradients: `stage` (least memory) or
-    /// `phase` (the phase's dQ held until its end, then one dx GEMM and one
-    /// dW GEMM per destination: fewer, larger GEMMs).
-    #[arg(long, default_value = "stage")]
+    /// When backward takes in query gradients: every `stage` (least
+    /// memory), every N stages, or once per kv `phase` (one dx GEMM and one
+    /// dW GEMM per destination: fewest, largest GEMMs, holding the phase's dQ).
+    #[arg(long, default_value_t = Settle::default())]
     pub settle_every: Settle,
     /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`).
     #[arg(long, default_value = "none")]

@@ -454,7 +454,7 @@ impl AttnWalk {
                 sim.free_opt(q_raw);
                 let dq = self.exchange_back_start(sim, dq);
                 in_flight.push((dq, self.sh.u));
-                if self.settle_every == Settle::Stage {
+                if self.settle_every.after_stage(t) {
                     self.settle(sim, &mut in_flight, keep);
                 }
             }

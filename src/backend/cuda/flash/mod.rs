@@ -767,8 +767,9 @@ mod tests {
         assert_eq!(" WGMMA ".parse::<FwdKernel>().unwrap(), FwdKernel::Wgmma);
         assert_eq!("".parse::<FwdKernel>().unwrap(), FwdKernel::Auto);
         assert!("fa3".parse::<FwdKernel>().is_err());
-        assert_eq!("".parse::<BwdKernel>().unwrap(), BwdKernel::Mma);
+        assert_eq!("".parse::<BwdKernel>().unwrap(), BwdKernel::Auto);
         assert_eq!("Auto".parse::<BwdKernel>().unwrap(), BwdKernel::Auto);
+        assert_eq!("mma".parse::<BwdKernel>().unwrap(), BwdKernel::Mma);
         assert_eq!("wgmma".parse::<BwdKernel>().unwrap(), BwdKernel::Wgmma);
         assert!("fa3".parse::<BwdKernel>().is_err());
     }
