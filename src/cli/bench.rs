@@ -7,9 +7,10 @@ mod gpu;
 
 use crate::attention::rope::RopeConfig;
 use crate::attention::trial::{TrialInputs, TrialResult, run_trial};
-use crate::attention::{AttnDims, CpPlan, Settle, Strategy};
+use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Bytes;
 use crate::backend::cpu::CpuBackend;
+use crate::cli::schedule::ScheduleArgs;
 use crate::error::{Error, Result};
 use crate::plan::{DeviceKind, predict_attention_trial};
 use serde_json::json;
@@ -55,18 +56,8 @@ pub struct AttnArgs {
     /// else our flash kernels), cudnn (error where it cannot), native (ours).
     #[arg(long, default_value = "auto")]
     pub attn_kernel: String,
-    /// Run transfers beside attention: each next stage's projections and
-    /// exchanges before the current stage's attention, each stage's output and
-    /// gradients back beside the next one's. Costs a stage and a kv phase of
-    /// buffers; slower on 2×H200 with NCCL today (its transfer kernels compete
-    /// with attention for SMs; docs/multi-gpu.md).
-    #[arg(long)]
-    pub overlap: bool,
-    /// When backward takes in query gradients: every `stage` (least
-    /// memory), every N stages, or once per kv `phase` (one dx GEMM and one
-    /// dW GEMM per destination: fewest, largest GEMMs, holding the phase's dQ).
-    #[arg(long, default_value_t = Settle::default())]
-    pub settle_every: Settle,
+    #[command(flatten)]
+    pub schedule: ScheduleArgs,
     /// Comma-separated strategies, or `all`.
     #[arg(long, default_value = "all")]
     pub methods: String,
@@ -158,16 +149,14 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             (a.ulysses, a.ring)
         };
         let plan = match CpPlan::new(m, &dims, a.seq, pu, pr, chunk) {
-            Ok(p) => p,
+            Ok(p) => a.schedule.apply(p),
             // with `all`, ulysses and ring (which put all C ranks in one group) may not fit
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
                 outcomes.push((m, Outcome::Skipped(e.to_string())));
                 continue;
             }
             Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
-        }
-        .with_overlap(a.overlap && m != Strategy::Local)
-        .with_settle(a.settle_every);
+        };
         let result = match (m, &reference) {
             (Strategy::Local, Some(r)) => r.clone(),
             _ => run_trial(&plan, &dims, &inputs, CpuBackend::new)?,

@@ -1,8 +1,9 @@
 //! `upipe plan`: predicted per-rank memory of a training step by category,
 //! or the longest context that fits for each strategy (see `crate::plan`).
 
-use crate::attention::{Settle, Strategy};
+use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
+use crate::cli::schedule::ScheduleArgs;
 use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
@@ -50,15 +51,8 @@ pub struct PlanArgs {
     /// UPipe heads per stage U (default: Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
-    /// The staged engine's overlap schedule (`bench attn --overlap`): one
-    /// extra stage and kv phase of buffers.
-    #[arg(long)]
-    pub overlap: bool,
-    /// When backward takes in query gradients: every `stage` (least
-    /// memory), every N stages, or once per kv `phase` (one dx GEMM and one
-    /// dW GEMM per destination: fewest, largest GEMMs, holding the phase's dQ).
-    #[arg(long, default_value_t = Settle::default())]
-    pub settle_every: Settle,
+    #[command(flatten)]
+    pub schedule: ScheduleArgs,
     /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`).
     #[arg(long, default_value = "none")]
     pub policies: String,
@@ -162,9 +156,7 @@ impl Ctx {
             self.a.ring,
             self.a.chunk_heads,
         )?;
-        let plan = plan
-            .with_overlap(self.a.overlap && strategy != Strategy::Local)
-            .with_settle(self.a.settle_every);
+        let plan = self.a.schedule.apply(plan);
         let spec = StepSpec {
             model: self.model.clone(),
             plan,

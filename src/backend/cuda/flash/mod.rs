@@ -262,6 +262,34 @@ fn drv(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Backend(format!("flash attention: {what}: {e:?}"))
 }
 
+/// Loads kernel `name`, raises its dynamic shared memory to `smem` bytes and
+/// checks that its block size (set by `__launch_bounds__` / `setmaxnreg`
+/// in the source) is one of `threads`; returns it with that block size.
+fn load_sized(
+    module: &Arc<CudaModule>,
+    name: &str,
+    smem: usize,
+    threads: &[u32],
+) -> Result<(CudaFunction, u32)> {
+    let func = module
+        .load_function(name)
+        .map_err(|e| drv(&format!("load {name}"), e))?;
+    func.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| drv(&format!("raise shared memory to {smem} bytes"), e))?;
+    let got = func
+        .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+        .map_err(|e| drv(&format!("block size of {name}"), e))?;
+    match u32::try_from(got) {
+        Ok(t) if threads.contains(&t) => Ok((func, t)),
+        _ => Err(Error::Backend(format!(
+            "flash attention: {name} allows {got} threads per block; expected one of {threads:?}"
+        ))),
+    }
+}
+
 impl FlashFunctions {
     /// Loads every kernel of [`KERNEL_NAMES`] from a module compiled from
     /// [`FLASH_SOURCES`] and raises their dynamic shared-memory limits.
@@ -299,25 +327,8 @@ impl FlashFunctions {
     /// Adds the wgmma forward from a module compiled from
     /// [`FLASH_WGMMA_SOURCE`] for [`WGMMA_NVRTC_ARCH`].
     pub fn with_wgmma(mut self, module: &Arc<CudaModule>) -> Result<Self> {
-        let func = module
-            .load_function(FWD_WGMMA_D128)
-            .map_err(|e| drv(&format!("load {FWD_WGMMA_D128}"), e))?;
-        let bytes = wgmma_smem_bytes();
-        func.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
-        let threads = func
-            .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
-            .map_err(|e| drv(&format!("block size of {FWD_WGMMA_D128}"), e))?;
-        let threads = u32::try_from(threads).unwrap_or(0);
-        if threads != WG_THREADS && threads != WG_THREADS + 128 {
-            return Err(Error::Backend(format!(
-                "flash attention: {FWD_WGMMA_D128} allows {threads} threads per block; expected {WG_THREADS} or {}",
-                WG_THREADS + 128
-            )));
-        }
+        let expected = [WG_THREADS, WG_THREADS + 128];
+        let (func, threads) = load_sized(module, FWD_WGMMA_D128, wgmma_smem_bytes(), &expected)?;
         self.fwd128_wgmma = Some((func, threads));
         Ok(self)
     }
@@ -325,24 +336,8 @@ impl FlashFunctions {
     /// Adds the wgmma backward from a module compiled from
     /// [`FLASH_WGMMA_BWD_SOURCE`] for [`WGMMA_NVRTC_ARCH`].
     pub fn with_wgmma_bwd(mut self, module: &Arc<CudaModule>) -> Result<Self> {
-        let func = module
-            .load_function(BWD_WGMMA_D128)
-            .map_err(|e| drv(&format!("load {BWD_WGMMA_D128}"), e))?;
-        let bytes = wgmma_bwd_smem_bytes();
-        func.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
-        let threads = func
-            .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
-            .map_err(|e| drv(&format!("block size of {BWD_WGMMA_D128}"), e))?;
-        if threads != (WB_NT + 128) as i32 {
-            return Err(Error::Backend(format!(
-                "flash attention: {BWD_WGMMA_D128} allows {threads} threads per block; expected {}",
-                WB_NT + 128
-            )));
-        }
+        let expected = [WB_NT + 128];
+        let (func, _) = load_sized(module, BWD_WGMMA_D128, wgmma_bwd_smem_bytes(), &expected)?;
         self.bwd128_wgmma = Some(func);
         Ok(self)
     }
