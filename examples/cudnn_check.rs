@@ -4,7 +4,10 @@
 //! `cudnn_check [check] [bench]` (default both) runs on GPU 0 with the cuDNN
 //! that `libs.rs` finds; `UPIPE_CUDNN_LIB=/path/libcudnn.so.9` picks another
 //! (put its folder on `LD_LIBRARY_PATH` too, so its sub-libraries match).
-//! `CUDNN_BENCH_S=16384,65536` sets the benchmark lengths.
+//! `CUDNN_BENCH_S=16384,65536` sets the benchmark lengths, `CUDNN_BENCH_H=16,1`
+//! the head counts. `CUDNN_BENCH_PAIR=1` also times two forwards of the same
+//! shape back to back on one stream against side by side on two streams
+//! (the cost of each call's last partial wave, when few heads leave SMs idle).
 
 use cudarc::driver::sys::CUevent_flags;
 use upipe::backend::cpu::CpuBackend;
@@ -330,6 +333,91 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, s: usize, h: usize, d: usize) -> Re
     Ok(())
 }
 
+/// Two forwards of `[s, h, d]` (causal): back to back on `be`'s stream, then
+/// side by side on `be`'s and `other`'s streams; prints both times.
+fn bench_pair(
+    be: &CudaBackend,
+    sdpa: &CudnnSdpa,
+    other: &CudaBackend,
+    other_sdpa: &CudnnSdpa,
+    s: usize,
+    h: usize,
+    d: usize,
+) -> Res<()> {
+    let mut rng = Rng(7);
+    let n = s * h * d;
+    let c = Case {
+        sq: s,
+        sk: s,
+        hq: h,
+        hkv: h,
+        d,
+        causal: true,
+        off: 0,
+        bf16_grads: false,
+    };
+    let mut sets = Vec::new();
+    for _ in 0..2 {
+        let up = |x: Vec<f32>| be.from_host(&x, &[s, h, d], DType::BF16, Category::Activations);
+        let (q, k, v) = (
+            up(rng.vec_bf16(n, 1.0))?,
+            up(rng.vec_bf16(n, 1.0))?,
+            up(rng.vec_bf16(n, 1.0))?,
+        );
+        let o = be.zeros(&[s, h, d], DType::BF16, Category::Activations)?;
+        let lse = be.zeros(&[s, h], DType::F32, Category::Activations)?;
+        let p = |t: &Tensor<CudaBackend>| be.device_ptr(t);
+        let args = SdpaFwd {
+            q: p(&q),
+            k: p(&k),
+            v: p(&v),
+            o: p(&o),
+            lse: p(&lse),
+            shape: shape(&c),
+        };
+        sets.push((args, [q, k, v, o, lse]));
+    }
+    let (a, b) = (sets[0].0, sets[1].0);
+    let (s1, s2) = (be.stream().clone(), other.stream().clone());
+    let ev = |st: &std::sync::Arc<cudarc::driver::CudaStream>| {
+        st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+    };
+    // warm both plans (one per handle)
+    sdpa.fwd(be, &a)?;
+    other_sdpa.fwd(other, &b)?;
+    s1.synchronize()?;
+    s2.synchronize()?;
+    let iters = 3;
+    let e0 = ev(&s1)?;
+    for _ in 0..iters {
+        sdpa.fwd(be, &a)?;
+        sdpa.fwd(be, &b)?;
+    }
+    let e1 = ev(&s1)?;
+    e1.synchronize()?;
+    let serial = e0.elapsed_ms(&e1)? as f64 / iters as f64;
+    let e0 = ev(&s1)?;
+    for _ in 0..iters {
+        let start = ev(&s1)?;
+        s2.wait(&start)?;
+        sdpa.fwd(be, &a)?;
+        other_sdpa.fwd(other, &b)?;
+        let done = ev(&s2)?;
+        s1.wait(&done)?;
+    }
+    let e1 = ev(&s1)?;
+    e1.synchronize()?;
+    let paired = e0.elapsed_ms(&e1)? as f64 / iters as f64;
+    let flops = 2.0 * 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
+    println!(
+        "| {s} | {h} | {d} | {serial:.2} | {:.1} | {paired:.2} | {:.1} | {:.3} |",
+        flops / serial / 1e9,
+        flops / paired / 1e9,
+        serial / paired
+    );
+    Ok(())
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let want = |w: &str| args.is_empty() || args.iter().any(|a| a == w);
@@ -356,10 +444,32 @@ fn main() -> Res<()> {
             "| S | H | d | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd (accumulate) TFLOP/s |"
         );
         println!("|---|---|---|---|---|---|---|---|---|");
-        for s in lens {
-            if let Err(e) = bench(&be, &sdpa, s, 16, 128) {
-                ok = false;
-                println!("| {s} | 16 | 128 | ERROR: {e} |");
+        let heads: Vec<usize> = std::env::var("CUDNN_BENCH_H")
+            .unwrap_or_else(|_| "16".into())
+            .split(',')
+            .filter_map(|x| x.trim().parse().ok())
+            .collect();
+        for &s in &lens {
+            for &h in &heads {
+                if let Err(e) = bench(&be, &sdpa, s, h, 128) {
+                    ok = false;
+                    println!("| {s} | {h} | 128 | ERROR: {e} |");
+                }
+            }
+        }
+        if std::env::var("CUDNN_BENCH_PAIR").as_deref() == Ok("1") {
+            let other = CudaBackend::new(0)?;
+            let other_sdpa = CudnnSdpa::new(&other)?;
+            println!("\ntwo causal forwards: back to back on one stream vs side by side on two");
+            println!("| S | H | d | serial ms | serial TFLOP/s | paired ms | paired TFLOP/s | speedup |");
+            println!("|---|---|---|---|---|---|---|---|");
+            for &s in &lens {
+                for &h in &heads {
+                    if let Err(e) = bench_pair(&be, &sdpa, &other, &other_sdpa, s, h, 128) {
+                        ok = false;
+                        println!("| {s} | {h} | 128 | ERROR: {e} |");
+                    }
+                }
             }
         }
     }
