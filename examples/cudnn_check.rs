@@ -5,7 +5,9 @@
 //! that `libs.rs` finds; `UPIPE_CUDNN_LIB=/path/libcudnn.so.9` picks another
 //! (put its folder on `LD_LIBRARY_PATH` too, so its sub-libraries match).
 //! `CUDNN_BENCH_S=16384,65536` sets the benchmark lengths, `CUDNN_BENCH_H=16,1`
-//! the head counts. `CUDNN_BENCH_PAIR=1` also times two forwards of the same
+//! the head counts, `CUDNN_BENCH_GROUP=4` query heads per kv head,
+//! `CUDNN_BENCH_LAYOUT=tokens,heads` the storage (token rows `[s, h, d]`, ours,
+//! or head by head `[h, s, d]`). `CUDNN_BENCH_PAIR=1` also times two forwards of the same
 //! shape back to back on one stream against side by side on two streams
 //! (the cost of each call's last partial wave, when few heads leave SMs idle).
 
@@ -258,30 +260,61 @@ fn check(be: &CudaBackend, sdpa: &CudnnSdpa) -> bool {
     ok
 }
 
-fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, s: usize, h: usize, d: usize) -> Res<()> {
+/// One benchmark shape: `h` query heads sharing kv heads in groups of
+/// `group`, stored as token rows or (`head_major`) head by head.
+#[derive(Clone, Copy)]
+struct BenchShape {
+    s: usize,
+    h: usize,
+    group: usize,
+    d: usize,
+    head_major: bool,
+}
+
+fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
+    let BenchShape { s, h, d, .. } = b;
+    let hkv = h / b.group;
     let mut rng = Rng(42);
-    let n = s * h * d;
-    let up = |x: Vec<f32>| be.from_host(&x, &[s, h, d], DType::BF16, Category::Activations);
-    let q = up(rng.vec_bf16(n, 1.0))?;
-    let k = up(rng.vec_bf16(n, 1.0))?;
-    let v = up(rng.vec_bf16(n, 1.0))?;
-    let d_o = up(rng.vec_bf16(n, 1.0))?;
+    let (n, nkv) = (s * h * d, s * hkv * d);
+    let up =
+        |x: Vec<f32>, heads| be.from_host(&x, &[s, heads, d], DType::BF16, Category::Activations);
+    let q = up(rng.vec_bf16(n, 1.0), h)?;
+    let k = up(rng.vec_bf16(nkv, 1.0), hkv)?;
+    let v = up(rng.vec_bf16(nkv, 1.0), hkv)?;
+    let d_o = up(rng.vec_bf16(n, 1.0), h)?;
     let o = be.zeros(&[s, h, d], DType::BF16, Category::Activations)?;
     let lse = be.zeros(&[s, h], DType::F32, Category::Activations)?;
-    let g = |dt| be.zeros(&[s, h, d], dt, Category::Activations);
-    let (dq, dk, dv) = (g(DType::F32)?, g(DType::F32)?, g(DType::F32)?);
-    let (bq, bk, bv) = (g(DType::BF16)?, g(DType::BF16)?, g(DType::BF16)?);
+    let g = |dt, heads| be.zeros(&[s, heads, d], dt, Category::Activations);
+    let (dq, dk, dv) = (g(DType::F32, h)?, g(DType::F32, hkv)?, g(DType::F32, hkv)?);
+    let (bq, bk, bv) = (
+        g(DType::BF16, h)?,
+        g(DType::BF16, hkv)?,
+        g(DType::BF16, hkv)?,
+    );
     let c = Case {
         sq: s,
         sk: s,
         hq: h,
-        hkv: h,
+        hkv,
         d,
         causal: true,
         off: 0,
         bf16_grads: false,
     };
-    let sh = shape(&c);
+    let sh = if b.head_major {
+        SdpaShape {
+            q_rs: d,
+            k_rs: d,
+            v_rs: d,
+            o_rs: d,
+            lse_rs: 1,
+            lse_hs: s,
+            head_major: true,
+            ..shape(&c)
+        }
+    } else {
+        shape(&c)
+    };
     let p = |t: &Tensor<CudaBackend>| be.device_ptr(t);
     let fa = SdpaFwd {
         q: p(&q),
@@ -321,8 +354,9 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, s: usize, h: usize, d: usize) -> Re
     let t_bwd = time(&|| Ok(sdpa.bwd_overwrite(be, &ba, p(&bq), p(&bk), p(&bv))?))?;
     let t_bwd_acc = time(&|| Ok(sdpa.bwd(be, &ba)?))?;
     let flops = 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
+    let layout = if b.head_major { "heads" } else { "tokens" };
     println!(
-        "| {s} | {h} | {d} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |",
+        "| {s} | {h} | {hkv} | {layout} | {d} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |",
         t_fwd,
         flops / t_fwd / 1e9,
         t_bwd,
@@ -440,10 +474,19 @@ fn main() -> Res<()> {
             .split(',')
             .filter_map(|x| x.trim().parse().ok())
             .collect();
+        let group: usize = std::env::var("CUDNN_BENCH_GROUP")
+            .ok()
+            .and_then(|g| g.parse().ok())
+            .unwrap_or(1);
+        let layouts: Vec<bool> = std::env::var("CUDNN_BENCH_LAYOUT")
+            .unwrap_or_else(|_| "tokens".into())
+            .split(',')
+            .map(|l| l.trim() == "heads")
+            .collect();
         println!(
-            "| S | H | d | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd (accumulate) TFLOP/s |"
+            "| S | H | Hkv | layout | d | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd (accumulate) TFLOP/s |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         let heads: Vec<usize> = std::env::var("CUDNN_BENCH_H")
             .unwrap_or_else(|_| "16".into())
             .split(',')
@@ -451,9 +494,18 @@ fn main() -> Res<()> {
             .collect();
         for &s in &lens {
             for &h in &heads {
-                if let Err(e) = bench(&be, &sdpa, s, h, 128) {
-                    ok = false;
-                    println!("| {s} | {h} | 128 | ERROR: {e} |");
+                for &head_major in &layouts {
+                    let b = BenchShape {
+                        s,
+                        h,
+                        group: group.min(h),
+                        d: 128,
+                        head_major,
+                    };
+                    if let Err(e) = bench(&be, &sdpa, b) {
+                        ok = false;
+                        println!("| {s} | {h} | 128 | ERROR: {e} |");
+                    }
                 }
             }
         }
@@ -461,7 +513,9 @@ fn main() -> Res<()> {
             let other = CudaBackend::new(0)?;
             let other_sdpa = CudnnSdpa::new(&other)?;
             println!("\ntwo causal forwards: back to back on one stream vs side by side on two");
-            println!("| S | H | d | serial ms | serial TFLOP/s | paired ms | paired TFLOP/s | speedup |");
+            println!(
+                "| S | H | d | serial ms | serial TFLOP/s | paired ms | paired TFLOP/s | speedup |"
+            );
             println!("|---|---|---|---|---|---|---|---|");
             for &s in &lens {
                 for &h in &heads {
