@@ -10,6 +10,7 @@
 //! or head by head `[h, s, d]`). `CUDNN_BENCH_PAIR=1` also times two forwards of the same
 //! shape back to back on one stream against side by side on two streams
 //! (the cost of each call's last partial wave, when few heads leave SMs idle).
+//! `CUDNN_BENCH_PARTS=1` splits the accumulate backward into its parts.
 
 use cudarc::driver::sys::CUevent_flags;
 use upipe::backend::cpu::CpuBackend;
@@ -353,6 +354,28 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
     let t_fwd = time(&|| Ok(sdpa.fwd(be, &fa)?))?;
     let t_bwd = time(&|| Ok(sdpa.bwd_overwrite(be, &ba, p(&bq), p(&bk), p(&bv))?))?;
     let t_bwd_acc = time(&|| Ok(sdpa.bwd(be, &ba)?))?;
+    if std::env::var("CUDNN_BENCH_PARTS").as_deref() == Ok("1") {
+        // where the accumulate path's extra time goes
+        let (nq, nk) = (s * h * d, s * hkv * d);
+        let scratch = || -> Res<()> {
+            let a = be.alloc(&[nq], DType::BF16, Category::Workspace)?;
+            let b = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
+            let c = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
+            drop((a, b, c));
+            Ok(())
+        };
+        let t_scratch = time(&scratch)?;
+        let t_axpy = time(&|| {
+            be.axpy_raw(p(&dq), DType::F32, p(&bq), DType::BF16, nq, 1.0)?;
+            be.axpy_raw(p(&dk), DType::F32, p(&bk), DType::BF16, nk, 1.0)?;
+            be.axpy_raw(p(&dv), DType::F32, p(&bv), DType::BF16, nk, 1.0)?;
+            Ok(())
+        })?;
+        let t_bwd2 = time(&|| Ok(sdpa.bwd_overwrite(be, &ba, p(&bq), p(&bk), p(&bv))?))?;
+        println!(
+            "parts S={s} H={h}: bwd overwrite {t_bwd:.3} ms, accumulate {t_bwd_acc:.3}, scratch alloc+free {t_scratch:.3}, 3 axpy {t_axpy:.3}, overwrite again {t_bwd2:.3}"
+        );
+    }
     let flops = 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
     let layout = if b.head_major { "heads" } else { "tokens" };
     println!(
