@@ -11,6 +11,8 @@
 //! shape back to back on one stream against side by side on two streams
 //! (the cost of each call's last partial wave, when few heads leave SMs idle).
 //! `CUDNN_BENCH_PARTS=1` splits the accumulate backward into its parts.
+//! `UPIPE_CUDNN_PLAN=fastest` times every engine configuration on each
+//! shape's first call (listed under "plan builds" at the end).
 
 use cudarc::driver::sys::CUevent_flags;
 use upipe::backend::cpu::CpuBackend;
@@ -553,7 +555,7 @@ fn main() -> Res<()> {
     println!("plan builds (first call per shape):");
     for b in sdpa.plan_builds() {
         println!(
-            "  {} sq {} sk {} hq {} hkv {} d {} causal {}: {:.1} ms, workspace {} B, engine cfg #{} of {}",
+            "  {} sq {} sk {} hq {} hkv {} d {} causal {}: {:.1} ms, workspace {} B, engine cfg #{} of {} ({})",
             if b.bwd { "bwd" } else { "fwd" },
             b.shape.sq,
             b.shape.sk,
@@ -564,8 +566,12 @@ fn main() -> Res<()> {
             b.build_ms,
             b.workspace,
             b.candidate.0,
-            b.candidate.1
+            b.candidate.1,
+            b.engine
         );
+        for (k, engine, ms) in &b.timings {
+            println!("    candidate #{k} ({engine}): {ms:.3} ms");
+        }
     }
     if !ok {
         return Err("some checks failed".into());

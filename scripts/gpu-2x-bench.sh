@@ -24,8 +24,9 @@ if [ "${CUDNN_PIP:-0}" = 1 ]; then
   export LD_LIBRARY_PATH=/tmp/cudnn-link:$pip_cudnn:$LD_LIBRARY_PATH
 fi
 T0=$(date +%s)
-# PARTS picks what runs (default all but settle1): kernel tests check profile
-# long perf tune settle; settle1 is the one-GPU version of settle
+# PARTS picks what runs (default all but settle1 and rounds): kernel tests
+# check profile long perf tune settle; settle1 is the one-GPU version of
+# settle; rounds alternates Ulysses and UPipe (ROUNDS=4 rounds)
 want() { [[ " ${PARTS:-kernel tests check profile long perf tune settle} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
 step() { # name timeout cmd...
@@ -95,6 +96,13 @@ want settle1 && for s in 65536 131072; do
   done
 done
 want settle1 && UPIPE_PROFILE=shapes step one_profile_65536 90 "${one[@]}" "${llama[@]}" --iters 1 --seq 65536 --methods upipe --chunk-heads 1
+# Ulysses and UPipe in alternating rounds (A B B A ...: a clock drift over the
+# run weighs on both alike), the default settle and per phase (PARTS=rounds)
+want rounds && for s in 131072 262144; do
+  for e in 2 phase; do
+    step "rounds_${s}_${e}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds ${ROUNDS:-4} --seq $s --methods ulysses,upipe --chunk-heads 2 --settle-every $e
+  done
+done
 # ring (and usp = ulysses on one node) at 128K, K/V passes overlapped with attention
 want perf && step perf_131072_ring 150 "${L[@]}" "${llama[@]}" --iters 2 --seq 131072 --ulysses 1 --ring 2 --methods ring
 echo "total $(( $(date +%s) - T0 ))s"

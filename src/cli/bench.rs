@@ -75,6 +75,12 @@ pub struct AttnArgs {
     /// Timed forward+backward passes; the median is reported (cuda).
     #[arg(long, default_value_t = 3)]
     pub iters: usize,
+    /// Rounds over the strategies (cuda): each round runs every strategy's
+    /// warm-up and timed passes, in reverse order every other round (A B,
+    /// B A, ...) so clocks that drift during a run favour no strategy; the
+    /// median pools the timed passes of all rounds.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
 }
 
 pub fn run(cmd: BenchCommand) -> Result<i32> {

@@ -55,9 +55,19 @@ pub fn median(xs: &[f64]) -> f64 {
     }
 }
 
-/// One strategy's GPU measurement on rank 0.
+/// Indices of `n` strategies in the order round `round` runs them: as given
+/// in even rounds, reversed in odd ones, so a drift over the run (clocks,
+/// temperature) weighs on every strategy alike.
+pub fn round_order(n: usize, round: usize) -> Vec<usize> {
+    if round.is_multiple_of(2) {
+        (0..n).collect()
+    } else {
+        (0..n).rev().collect()
+    }
+}
+
+/// One strategy's GPU timing on rank 0.
 pub struct GpuRun {
-    pub result: TrialResult,
     /// Median over timed passes of the slowest rank's time.
     pub median_seconds: f64,
     pub world: usize,
@@ -135,8 +145,10 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         master_addr: DEFAULT_MASTER_ADDR.into(),
         master_port: 1,
     });
-    if a.iters == 0 {
-        return Err(Error::Config("--iters must be at least 1".into()));
+    if a.iters == 0 || a.rounds == 0 {
+        return Err(Error::Config(
+            "--iters and --rounds must be at least 1".into(),
+        ));
     }
     let mut rv = Rendezvous::connect(&env, RENDEZVOUS_TIMEOUT)?;
     let mut backend = CudaBackend::new(env.local_rank)?;
@@ -156,10 +168,8 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         iters: a.iters,
         keep_outputs: a.check,
     };
-    let mut outcomes: Vec<(Strategy, Outcome, Option<f64>)> = Vec::new();
-    // rank 0's GPU time by op per pass (UPIPE_PROFILE=1)
-    let mut profiles: Vec<(Strategy, OpTotals, f64)> = Vec::new();
-    b.profile().take()?;
+    // Each strategy's plan, or why it is skipped.
+    let mut planned: Vec<(Strategy, std::result::Result<CpPlan, String>)> = Vec::new();
     for &m in &methods {
         let chunk = if m == Strategy::Upipe {
             a.chunk_heads
@@ -174,7 +184,7 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
             Ok(p) => a.schedule.apply(p),
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
-                outcomes.push((m, Outcome::Skipped(e.to_string()), None));
+                planned.push((m, Err(e.to_string())));
                 continue;
             }
             Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
@@ -188,81 +198,96 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
                 world.size()
             );
             if all {
-                outcomes.push((m, Outcome::Skipped(why), None));
+                planned.push((m, Err(why)));
                 continue;
             }
             return Err(Error::Config(format!(
                 "{why}; start with `upipe launch --nproc-per-node {ranks} -- bench attn --device cuda ...`"
             )));
         }
-        let mesh = world.mesh(plan.mesh_shape())?;
-        let (i, r) = (mesh.ring.rank(), mesh.ulysses.rank());
-        let (x, dy) = match &full_inputs {
-            Some(f) => f.shard(&plan, dims.hidden, i, r),
-            None => {
-                // Timing only: this rank's rows, seeded per rank.
-                // (parallel: at 1M tokens each is 2G values per rank)
-                let n = plan.layout.local_len() * dims.hidden;
-                let seed = a.seed ^ (0x9e37_79b9_7f4a_7c15 ^ env.rank as u64);
-                (normal_vec_par(seed, n, 1.0), normal_vec_par(!seed, n, 1.0))
-            }
-        };
-        let inputs = RankInputs {
-            x: &x,
-            dy: &dy,
-            weights: &weights,
-        };
-        if b.profile().enabled() {
-            // warm up outside the profile: first calls build cuDNN plans while
-            // the stream idles, which events would count as op time
-            let warm = RankOptions {
-                warmup: 0,
-                iters: opts.warmup.max(1),
-                keep_outputs: false,
+        planned.push((m, Ok(plan)));
+    }
+    // rank 0's GPU time by op per pass (UPIPE_PROFILE=1; first round)
+    let mut profiles: Vec<(Strategy, OpTotals, f64)> = Vec::new();
+    b.profile().take()?;
+    // per strategy: the last round's result and every round's pass times
+    // (each the slowest rank's)
+    let mut measured: Vec<Option<(TrialResult, Vec<f64>)>> = vec![None; planned.len()];
+    for round in 0..a.rounds {
+        for i in round_order(planned.len(), round) {
+            let (m, Ok(plan)) = (&planned[i].0, &planned[i].1) else {
+                continue;
             };
-            run_rank(&plan, dims, inputs, b, &mesh, &warm)?;
+            let m = *m;
+            let mesh = world.mesh(plan.mesh_shape())?;
+            let (ri, rr) = (mesh.ring.rank(), mesh.ulysses.rank());
+            let (x, dy) = match &full_inputs {
+                Some(f) => f.shard(plan, dims.hidden, ri, rr),
+                None => {
+                    // Timing only: this rank's rows, seeded per rank.
+                    // (parallel: at 1M tokens each is 2G values per rank)
+                    let n = plan.layout.local_len() * dims.hidden;
+                    let seed = a.seed ^ (0x9e37_79b9_7f4a_7c15 ^ env.rank as u64);
+                    (normal_vec_par(seed, n, 1.0), normal_vec_par(!seed, n, 1.0))
+                }
+            };
+            let inputs = RankInputs {
+                x: &x,
+                dy: &dy,
+                weights: &weights,
+            };
+            let profiled = b.profile().enabled() && round == 0;
+            if profiled {
+                // warm up outside the profile: first calls build cuDNN plans while
+                // the stream idles, which events would count as op time
+                let warm = RankOptions {
+                    warmup: 0,
+                    iters: opts.warmup.max(1),
+                    keep_outputs: false,
+                };
+                run_rank(plan, dims, inputs, b, &mesh, &warm)?;
+                b.synchronize()?;
+                b.profile().take()?;
+            }
+            let timed = RankOptions {
+                warmup: if profiled { 0 } else { opts.warmup },
+                ..opts
+            };
+            let run = run_rank(plan, dims, inputs, b, &mesh, &timed)?;
+            drop((x, dy));
             b.synchronize()?;
-            b.profile().take()?;
-        }
-        let timed = RankOptions {
-            warmup: if b.profile().enabled() {
-                0
-            } else {
-                opts.warmup
-            },
-            ..opts
-        };
-        let run = run_rank(&plan, dims, inputs, b, &mesh, &timed)?;
-        drop((x, dy));
-        b.synchronize()?;
-        if b.profile().enabled() {
-            let times = b.profile().take()?.per_pass(timed.iters as f64);
-            let wall_ms = 1e3 * median(&run.seconds);
-            profiles.push((m, times, wall_ms));
-        }
-        drop(mesh);
-        // the next method's peak must not include this one's cuDNN workspace
-        b.release_attention_workspace()?;
-        let runs = gather_runs(&mut rv, run)?;
-        // Slowest rank per pass, then the median over passes.
-        let per_pass: Vec<f64> = (0..opts.iters)
-            .map(|k| {
+            let times = b.profile().take()?;
+            if profiled {
+                let wall_ms = 1e3 * median(&run.seconds);
+                profiles.push((m, times.per_pass(timed.iters as f64), wall_ms));
+            }
+            drop(mesh);
+            // the next method's peak must not include this one's cuDNN workspace
+            b.release_attention_workspace()?;
+            let runs = gather_runs(&mut rv, run)?;
+            // Slowest rank per pass.
+            let per_pass = (0..opts.iters).map(|k| {
                 runs.iter()
                     .filter_map(|r| r.seconds.get(k).copied())
                     .fold(0.0, f64::max)
-            })
-            .collect();
-        let gpu = GpuRun {
-            result: assemble(&plan, dims.hidden, &runs),
-            median_seconds: median(&per_pass),
-            world: world.size(),
-        };
-        outcomes.push((
-            m,
-            Outcome::Ran(gpu.result.clone(), plan),
-            Some(gpu.median_seconds),
-        ));
+            });
+            let result = assemble(plan, dims.hidden, &runs);
+            let entry = measured[i].get_or_insert_with(|| (result.clone(), Vec::new()));
+            entry.0 = result;
+            entry.1.extend(per_pass);
+        }
     }
+    let outcomes: Vec<(Strategy, Outcome, Option<f64>)> = planned
+        .into_iter()
+        .zip(measured)
+        .map(|((m, plan), got)| match (plan, got) {
+            (Ok(plan), Some((result, passes))) => {
+                (m, Outcome::Ran(result, plan), Some(median(&passes)))
+            }
+            (Err(why), _) => (m, Outcome::Skipped(why), None),
+            (Ok(_), None) => (m, Outcome::Skipped("--rounds 0".into()), None),
+        })
+        .collect();
     if !lead {
         return Ok(0);
     }
@@ -290,8 +315,7 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
     let mut failed = false;
     for (m, o, median_s) in &outcomes {
         let gpu = match (o, median_s) {
-            (Outcome::Ran(r, _), Some(s)) => Some(GpuRun {
-                result: r.clone(),
+            (Outcome::Ran(..), Some(s)) => Some(GpuRun {
                 median_seconds: *s,
                 world: world.size(),
             }),
@@ -403,6 +427,23 @@ mod tests {
         assert_eq!(layer_flops(&dims, 131072), core + proj);
         // at 128K the attention core dominates (~0.94 of the total)
         assert!(core / (core + proj) > 0.9);
+    }
+
+    #[test]
+    fn rounds_alternate_the_order() {
+        assert_eq!(round_order(3, 0), vec![0, 1, 2]);
+        assert_eq!(round_order(3, 1), vec![2, 1, 0]);
+        assert_eq!(round_order(3, 2), vec![0, 1, 2]);
+        assert!(round_order(0, 1).is_empty());
+        // over two rounds every strategy sits at every position once
+        for n in 1..6 {
+            for pos in 0..n {
+                let mut at: Vec<usize> = (0..2).map(|r| round_order(n, r)[pos]).collect();
+                at.sort();
+                at.dedup();
+                assert_eq!(at.len(), if 2 * pos + 1 == n { 1 } else { 2 });
+            }
+        }
     }
 
     #[test]

@@ -171,6 +171,27 @@ impl Desc {
         Ok(v)
     }
 
+    /// Reads one knob-type attribute (a C enum) as its number.
+    pub fn get_knob_type(&self, a: Attr) -> Result<u32> {
+        let mut v: u32 = 0;
+        let mut n: i64 = 0;
+        // SAFETY: room for one C enum (4 bytes), the size of `cudnnBackendKnobType_t`.
+        check(
+            unsafe {
+                sys::cudnnBackendGetAttribute(
+                    self.raw,
+                    a,
+                    Ty::CUDNN_TYPE_KNOB_TYPE,
+                    1,
+                    &mut n,
+                    (&mut v as *mut u32).cast(),
+                )
+            },
+            &format!("get {:?}.{a:?}", self.kind),
+        )?;
+        Ok(v)
+    }
+
     /// Reads up to `out.len()` descriptors into pre-created `out`; returns how many were written.
     pub fn get_descs(&self, a: Attr, out: &[Desc]) -> Result<usize> {
         let mut raws: Vec<sys::cudnnBackendDescriptor_t> = out.iter().map(|d| d.raw).collect();

@@ -25,7 +25,7 @@ use self::desc::check;
 use self::plan::Plan;
 use super::CudaBackend;
 use super::libs::{self, Lib};
-use crate::backend::{Category, DType, Tensor};
+use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::{Error, Result};
 use cudarc::cudnn::sys;
 use std::collections::HashMap;
@@ -67,8 +67,66 @@ pub struct PlanBuild {
     pub shape: SdpaShape,
     pub build_ms: f64,
     pub workspace: usize,
-    /// Which heuristic candidate finalized, of how many.
+    /// Which heuristic candidate runs, of how many.
     pub candidate: (usize, usize),
+    /// Its engine and knobs (`Plan::engine`).
+    pub engine: String,
+    /// Under `UPIPE_CUDNN_PLAN=fastest`: each timed candidate's index,
+    /// engine and time of one call in ms (empty otherwise).
+    pub timings: Vec<(usize, String, f64)>,
+}
+
+/// Which of the heuristics' engine configurations a shape's plan uses
+/// (`UPIPE_CUDNN_PLAN`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanPick {
+    /// The heuristics' first choice that finalizes (default).
+    First,
+    /// Time every candidate that needs no more workspace than the first, on
+    /// the shape's first call with its real operands, and keep the fastest.
+    Fastest,
+    /// The candidate at this heuristic index (for experiments).
+    Index(usize),
+}
+
+impl std::str::FromStr for PlanPick {
+    type Err = Error;
+    fn from_str(v: &str) -> Result<PlanPick> {
+        match v.trim() {
+            "" | "first" => Ok(PlanPick::First),
+            "fastest" => Ok(PlanPick::Fastest),
+            n => n.parse().map(PlanPick::Index).map_err(|_| {
+                Error::Config(format!(
+                    "UPIPE_CUDNN_PLAN={v}: use `first`, `fastest` or a candidate index such as 1"
+                ))
+            }),
+        }
+    }
+}
+
+impl PlanPick {
+    /// From `UPIPE_CUDNN_PLAN` (unset: `first`).
+    pub fn from_env() -> Result<PlanPick> {
+        std::env::var("UPIPE_CUDNN_PLAN").unwrap_or_default().parse()
+    }
+}
+
+/// Index of the fastest of `times_ms` (the first on ties; `None` when empty).
+pub fn fastest(times_ms: &[f64]) -> Option<usize> {
+    (0..times_ms.len()).reduce(|best, i| {
+        if times_ms[i] < times_ms[best] {
+            i
+        } else {
+            best
+        }
+    })
+}
+
+/// A cached plan; `tuned` once `PlanPick::Fastest` has timed its candidates.
+#[derive(Clone)]
+struct Entry {
+    plan: Arc<Plan>,
+    tuned: bool,
 }
 
 type Key = (bool, SdpaShape);
@@ -84,7 +142,8 @@ pub struct CudnnSdpa {
     handle: Handle,
     version: usize,
     lib: String,
-    plans: Mutex<HashMap<Key, std::result::Result<Arc<Plan>, String>>>,
+    pick: PlanPick,
+    plans: Mutex<HashMap<Key, std::result::Result<Entry, String>>>,
     builds: Mutex<Vec<PlanBuild>>,
     exec: Mutex<Option<Tensor<CudaBackend>>>,
 }
@@ -166,6 +225,7 @@ impl CudnnSdpa {
     /// Loads cuDNN (see [`libs`]; `UPIPE_CUDNN_LIB` picks a file) and creates
     /// a handle on `be`'s stream.
     pub fn new(be: &CudaBackend) -> Result<CudnnSdpa> {
+        let pick = PlanPick::from_env()?;
         let loaded = libs::load(Lib::Cudnn)?;
         // SAFETY: the library is loaded and bound (checked by `load`).
         let version = unsafe { sys::cudnnGetVersion() };
@@ -216,6 +276,7 @@ impl CudnnSdpa {
             handle,
             version,
             lib: loaded.describe(),
+            pick,
             plans: Mutex::new(HashMap::new()),
             builds: Mutex::new(Vec::new()),
             exec: Mutex::new(None),
@@ -244,36 +305,125 @@ impl CudnnSdpa {
         self.plan(s, bwd).map(|_| ()).map_err(|e| e.to_string())
     }
 
+    fn graph(s: &SdpaShape, bwd: bool) -> Result<graph::Graph> {
+        if bwd {
+            sdpa_graph::backward(s)
+        } else {
+            sdpa_graph::forward(s)
+        }
+    }
+
+    /// The plan of `s` without running it: the cached one, else the first
+    /// candidate (or the `PlanPick::Index` one). Tuning waits for a call.
     fn plan(&self, s: &SdpaShape, bwd: bool) -> Result<Arc<Plan>> {
         let mut plans = self
             .plans
             .lock()
             .map_err(|_| Error::Backend("cuDNN plan cache poisoned".into()))?;
-        if let Some(p) = plans.get(&(bwd, *s)) {
-            return p.clone().map_err(Error::Backend);
+        if let Some(e) = plans.get(&(bwd, *s)) {
+            return e.clone().map(|e| e.plan).map_err(Error::Backend);
         }
         let built = (|| {
-            let g = if bwd {
-                sdpa_graph::backward(s)?
-            } else {
-                sdpa_graph::forward(s)?
-            };
-            Plan::build(self.handle.0, g)
+            let g = Self::graph(s, bwd)?;
+            match self.pick {
+                PlanPick::Index(k) => {
+                    let all = Plan::build_candidates(self.handle.0, g, usize::MAX)?;
+                    let n = all.len();
+                    all.into_iter().find(|p| p.candidate.0 == k).ok_or_else(|| {
+                        Error::Backend(format!(
+                            "UPIPE_CUDNN_PLAN={k}: candidate {k} does not finalize for this \
+                             shape ({n} do; unset UPIPE_CUDNN_PLAN for the first)"
+                        ))
+                    })
+                }
+                _ => Plan::build(self.handle.0, g),
+            }
         })();
-        let entry = built.map(Arc::new).map_err(|e| e.to_string());
-        if let Ok(p) = &entry
-            && let Ok(mut b) = self.builds.lock()
-        {
+        let entry = built
+            .map(|p| Entry {
+                plan: Arc::new(p),
+                tuned: false,
+            })
+            .map_err(|e| e.to_string());
+        if let Ok(e) = &entry {
+            self.record(bwd, s, &e.plan, Vec::new());
+        }
+        plans.insert((bwd, *s), entry.clone());
+        entry.map(|e| e.plan).map_err(Error::Backend)
+    }
+
+    fn record(&self, bwd: bool, s: &SdpaShape, p: &Plan, timings: Vec<(usize, String, f64)>) {
+        if let Ok(mut b) = self.builds.lock() {
             b.push(PlanBuild {
                 bwd,
                 shape: *s,
                 build_ms: p.build_ms,
                 workspace: p.workspace,
                 candidate: p.candidate,
+                engine: p.engine.clone(),
+                timings,
             });
         }
-        plans.insert((bwd, *s), entry.clone());
-        entry.map_err(Error::Backend)
+    }
+
+    /// The plan a call of `s` runs. Under `PlanPick::Fastest` the shape's
+    /// first call times every candidate through `exec` (the call itself, so
+    /// on its real operands: one warm-up and one timed run each) and caches
+    /// the fastest; candidates needing more workspace than the first are
+    /// skipped, so tuning never raises the memory the planner predicts.
+    fn plan_for_call(
+        &self,
+        be: &CudaBackend,
+        s: &SdpaShape,
+        bwd: bool,
+        exec: &dyn Fn(&Plan) -> Result<()>,
+    ) -> Result<Arc<Plan>> {
+        let first = self.plan(s, bwd)?;
+        if self.pick != PlanPick::Fastest {
+            return Ok(first);
+        }
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| Error::Backend("cuDNN plan cache poisoned".into()))?;
+        if let Some(Ok(e)) = plans.get(&(bwd, *s))
+            && e.tuned
+        {
+            return Ok(e.plan.clone());
+        }
+        let candidates =
+            Plan::build_candidates(self.handle.0, Self::graph(s, bwd)?, usize::MAX)?;
+        let candidates: Vec<Plan> = candidates
+            .into_iter()
+            .filter(|p| p.workspace <= first.workspace)
+            .collect();
+        let mut times = Vec::with_capacity(candidates.len());
+        for p in &candidates {
+            exec(p)?;
+            be.synchronize()?;
+            let t0 = std::time::Instant::now();
+            exec(p)?;
+            be.synchronize()?;
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let timings: Vec<(usize, String, f64)> = candidates
+            .iter()
+            .zip(&times)
+            .map(|(p, &ms)| (p.candidate.0, p.engine.clone(), ms))
+            .collect();
+        let best = match fastest(&times) {
+            Some(i) => Arc::new(candidates.into_iter().nth(i).expect("index of times")),
+            None => first,
+        };
+        self.record(bwd, s, &best, timings);
+        plans.insert(
+            (bwd, *s),
+            Ok(Entry {
+                plan: best.clone(),
+                tuned: true,
+            }),
+        );
+        Ok(best)
     }
 
     /// Returns the execution workspace to the pool (it is kept between calls
@@ -325,25 +475,28 @@ impl CudnnSdpa {
         be.context()
             .bind_to_thread()
             .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
-        let plan = self.plan(s, false)?;
         let scale = 1.0f32 / (s.d as f32).sqrt();
         let neg_inf = f32::NEG_INFINITY;
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
-        self.run(be, &plan, plan.workspace, |_| {
-            let mut b = vec![
-                (uid::Q, p(a.q)),
-                (uid::K, p(a.k)),
-                (uid::V, p(a.v)),
-                (uid::O, p(a.o)),
-                (uid::STATS, p(a.lse)),
-                (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
-            ];
-            if s.causal {
-                b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
-            }
-            b
-        })
+        let exec = |plan: &Plan| {
+            self.run(be, plan, plan.workspace, |_| {
+                let mut b = vec![
+                    (uid::Q, p(a.q)),
+                    (uid::K, p(a.k)),
+                    (uid::V, p(a.v)),
+                    (uid::O, p(a.o)),
+                    (uid::STATS, p(a.lse)),
+                    (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
+                ];
+                if s.causal {
+                    b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
+                }
+                b
+            })
+        };
+        let plan = self.plan_for_call(be, s, false, &exec)?;
+        exec(&plan)
     }
 
     /// Backward into bf16 buffers (overwritten): `dq [sq, hq·d]`, `dk, dv [sk, hkv·d]`.
@@ -361,37 +514,40 @@ impl CudnnSdpa {
         be.context()
             .bind_to_thread()
             .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
-        let plan = self.plan(s, true)?;
-        let (acc_bytes, _) = sdpa_graph::backward_scratch_bytes(s);
-        let acc_off = align(plan.workspace);
-        let sum_off = acc_off + align(acc_bytes);
-        let total = bwd_workspace_bytes(s, plan.workspace);
         let scale = 1.0f32 / (s.d as f32).sqrt();
         let neg_inf = f32::NEG_INFINITY;
         let one = 1.0f32;
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
-        self.run(be, &plan, total, |base| {
-            let mut b = vec![
-                (uid::Q, p(a.q)),
-                (uid::K, p(a.k)),
-                (uid::V, p(a.v)),
-                (uid::O, p(a.o)),
-                (uid::D_O, p(a.d_o)),
-                (uid::STATS, p(a.lse)),
-                (uid::DQ, p(dq)),
-                (uid::DK, p(dk)),
-                (uid::DV, p(dv)),
-                (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
-                (uid::ONE, (&one as *const f32).cast_mut().cast()),
-                (uid::DQ_ACCUM, p(base + acc_off as u64)),
-                (uid::SOFTMAX_SUM, p(base + sum_off as u64)),
-            ];
-            if s.causal {
-                b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
-            }
-            b
-        })
+        let (acc_bytes, _) = sdpa_graph::backward_scratch_bytes(s);
+        let exec = |plan: &Plan| {
+            let acc_off = align(plan.workspace);
+            let sum_off = acc_off + align(acc_bytes);
+            let total = bwd_workspace_bytes(s, plan.workspace);
+            self.run(be, plan, total, |base| {
+                let mut b = vec![
+                    (uid::Q, p(a.q)),
+                    (uid::K, p(a.k)),
+                    (uid::V, p(a.v)),
+                    (uid::O, p(a.o)),
+                    (uid::D_O, p(a.d_o)),
+                    (uid::STATS, p(a.lse)),
+                    (uid::DQ, p(dq)),
+                    (uid::DK, p(dk)),
+                    (uid::DV, p(dv)),
+                    (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
+                    (uid::ONE, (&one as *const f32).cast_mut().cast()),
+                    (uid::DQ_ACCUM, p(base + acc_off as u64)),
+                    (uid::SOFTMAX_SUM, p(base + sum_off as u64)),
+                ];
+                if s.causal {
+                    b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
+                }
+                b
+            })
+        };
+        let plan = self.plan_for_call(be, s, true, &exec)?;
+        exec(&plan)
     }
 
     /// Backward with the backend's accumulate semantics: cuDNN overwrites, so
