@@ -71,6 +71,9 @@ pub struct CudaBackend {
     cudnn: OnceLock<std::result::Result<cudnn::CudnnSdpa, String>>,
     /// GPU time by op when `UPIPE_PROFILE` is set.
     profile: profile::OpProfile,
+    /// The first fatal communication error on this GPU (set by the NCCL
+    /// watchdog, `comm::nccl`); every later synchronisation returns it.
+    comm_fault: Arc<OnceLock<String>>,
 }
 
 /// How many attention calls of a backend ran on which kernels.
@@ -249,6 +252,7 @@ impl CudaBackend {
             },
             cudnn: OnceLock::new(),
             profile: profile::OpProfile::from_env(),
+            comm_fault: Arc::new(OnceLock::new()),
         })
     }
 
@@ -470,6 +474,12 @@ impl CudaBackend {
     /// The device's context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+    /// Where a fatal communication error is recorded (once): after it is set,
+    /// [`Backend::synchronize`] (and so every download) returns it as
+    /// [`Error::Comm`], since data received since then is not to be trusted.
+    pub fn comm_fault(&self) -> &Arc<OnceLock<String>> {
+        &self.comm_fault
     }
     /// The arch kernels were compiled for (e.g. `sm_90`).
     pub fn arch(&self) -> &str {
@@ -724,7 +734,11 @@ impl Backend for CudaBackend {
 
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        drv(self.stream.synchronize(), "stream synchronize")
+        drv(self.stream.synchronize(), "stream synchronize")?;
+        match self.comm_fault.get() {
+            Some(m) => Err(Error::Comm(m.clone())),
+            None => Ok(()),
+        }
     }
 
     fn gemm(
