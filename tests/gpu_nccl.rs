@@ -218,7 +218,13 @@ const WATCHDOG_OK: &str = "WATCHDOG_REPORTED";
 #[test]
 fn nccl_watchdog_fails_a_collective_whose_peer_left() {
     let test = "nccl_watchdog_fails_a_collective_whose_peer_left";
-    if let Some(ranks) = launch_two_with(test, &[("UPIPE_NCCL_TIMEOUT_S", "5".into())]) {
+    let env = [
+        ("UPIPE_NCCL_TIMEOUT_S", "5".to_string()),
+        // the watchdog's own log and NCCL's warnings, for a failure's diagnosis
+        ("RUST_LOG", "upipe=info".to_string()),
+        ("NCCL_DEBUG", "WARN".to_string()),
+    ];
+    if let Some(ranks) = launch_two_with(test, &env) {
         // both exited 0: rank 0 got the error (its assertions passed) and
         // rank 1 left cleanly; rank 0 says so
         assert!(
@@ -234,6 +240,10 @@ fn nccl_watchdog_fails_a_collective_whose_peer_left() {
     if std::env::var(ROLE).as_deref() != Ok(test) {
         return;
     }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
     let (env, _rv, world) = join();
     assert_eq!(world.timeout(), Some(Duration::from_secs(5)));
     let b = world.backend().clone();
@@ -246,11 +256,13 @@ fn nccl_watchdog_fails_a_collective_whose_peer_left() {
     world.health().unwrap();
     if env.rank == 1 {
         // never joins the second all_reduce: stays alive past rank 0's
-        // timeout (a hung peer), then leaves
-        std::thread::sleep(Duration::from_secs(12));
+        // timeout (a hung peer), then leaves (destroying its communicators,
+        // which lets rank 0's NCCL finish freeing its aborted ones)
+        std::thread::sleep(Duration::from_secs(8));
         println!("rank 1: left without the second all_reduce");
         return;
     }
+    eprintln!("rank 0: second all_reduce, which rank 1 never joins");
     let start = Instant::now();
     // the collective is only queued; the download waits for it
     let got = mesh.world.all_reduce(&mut t).and_then(|()| b.to_host(&t));

@@ -372,7 +372,7 @@ impl Watch {
 
     /// Acts on `f`: logs it, records it as the backend's fault (before
     /// anything returns early because of the abort) and aborts every
-    /// communicator, newest first.
+    /// communicator ([`abort_all`]).
     fn fail(&self, f: &Failure, fault: &OnceLock<String>, timeout: Duration) {
         let msg = f.to_string();
         tracing::error!(
@@ -381,9 +381,7 @@ impl Watch {
             "{msg}; aborting this rank's NCCL communicators"
         );
         let _ = fault.set(msg);
-        for c in self.live().iter().rev() {
-            abort(c);
-        }
+        abort_all(&self.live());
     }
 }
 
@@ -419,16 +417,16 @@ fn async_error(comms: &[Arc<Comm>]) -> Option<String> {
     None
 }
 
-/// Aborts `c` with `ncclCommAbort`, under its enqueue lock if its owner
-/// lets go within [`ABORT_LOCK_WAIT`] (it then finds the fault and enqueues
-/// nothing more); otherwise without it, as a thread blocked inside NCCL on a
-/// dead peer is what the abort is there to release.
-fn abort(c: &Comm) {
+/// `c`'s enqueue lock if its owner lets go within [`ABORT_LOCK_WAIT`]
+/// (it then finds the fault and enqueues nothing more); `None` otherwise, as
+/// a thread blocked inside NCCL on a dead peer is what the abort is there to
+/// release.
+fn lock_for_abort(c: &Comm) -> Option<MutexGuard<'_, ()>> {
     let until = Instant::now() + ABORT_LOCK_WAIT;
-    let _guard: Option<MutexGuard<'_, ()>> = loop {
+    loop {
         match c.lock.try_lock() {
-            Ok(g) => break Some(g),
-            Err(TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+            Ok(g) => return Some(g),
+            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
             Err(TryLockError::WouldBlock) if Instant::now() < until => {
                 std::thread::sleep(Duration::from_millis(5))
             }
@@ -437,28 +435,71 @@ fn abort(c: &Comm) {
                     "NCCL watchdog: group {} is busy in NCCL; aborting it anyway",
                     c.name
                 );
-                break None;
+                return None;
             }
         }
-    };
-    if c.aborted.swap(true, Ordering::AcqRel) {
+    }
+}
+
+/// Aborts every communicator in `comms` with `ncclCommAbort`, all in one
+/// NCCL group. The group matters: each abort first raises its
+/// communicator's abort flag (which makes its kernels exit) and then frees
+/// its resources, which waits for the device; every communicator queues its
+/// kernels on the one communication stream, so freeing one while another's
+/// kernel still spins (its flag not yet raised) would wait forever. Inside a
+/// group NCCL raises every flag at the call and frees at `ncclGroupEnd`.
+///
+/// The enqueue locks are held while the communicators are marked aborted and
+/// the flags raised, and released before `ncclGroupEnd`: freeing waits for
+/// the peers to close their connections to this rank's proxy (NCCL's proxy
+/// thread outlives its communicator until they do), which a hung peer never
+/// does, and the owner must meanwhile find the fault, not wait on a lock.
+fn abort_all(comms: &[Arc<Comm>]) {
+    let guards: Vec<_> = comms.iter().map(|c| lock_for_abort(c)).collect();
+    let todo: Vec<&Arc<Comm>> = comms
+        .iter()
+        .filter(|c| !c.aborted.swap(true, Ordering::AcqRel))
+        .collect();
+    if todo.is_empty() {
         return;
     }
-    // SAFETY: `raw` is alive (`c` holds it, it was not aborted before) and is
-    // never used again after this (every use checks `aborted` or the fault).
-    let r = unsafe { sys::ncclCommAbort(c.raw) };
-    match check(r, &format!("ncclCommAbort (group {})", c.name), None) {
-        Ok(()) => tracing::info!(
-            "NCCL watchdog: aborted the communicator of group {}",
-            c.name
-        ),
+    // SAFETY: no arguments; closed by the ncclGroupEnd below.
+    if let Err(e) = check(unsafe { sys::ncclGroupStart() }, "ncclGroupStart", None) {
+        tracing::warn!("{e}; aborting the communicators one by one");
+    }
+    for c in &todo {
+        // SAFETY: `raw` is alive (`comms` holds it, it was not aborted
+        // before) and never used again (every use checks `aborted` or the
+        // fault, both set before this).
+        let r = unsafe { sys::ncclCommAbort(c.raw) };
+        if let Err(e) = check(r, &format!("ncclCommAbort (group {})", c.name), None) {
+            tracing::warn!("{e}");
+        }
+    }
+    drop(guards);
+    tracing::info!(
+        "NCCL watchdog: abort flags raised on {} communicators; freeing them \
+         (waits for the peers to close their connections)",
+        todo.len()
+    );
+    // SAFETY: closes the group opened above (a failed start leaves depth 0,
+    // where ncclGroupEnd reports an error and does nothing).
+    match check(unsafe { sys::ncclGroupEnd() }, "ncclGroupEnd (abort)", None) {
+        Ok(()) => tracing::info!("NCCL watchdog: communicators aborted and freed"),
         Err(e) => tracing::warn!("{e}"),
     }
 }
 
+/// How long dropping a world waits for a watchdog thread that is still
+/// freeing aborted communicators ([`abort_all`]: it waits for the peers)
+/// before leaving it to finish alone (or to end with the process).
+const WATCH_JOIN_WAIT: Duration = Duration::from_secs(10);
+
 /// The watchdog thread of a world: stopped and joined on drop.
 struct WatchThread {
     stop: Option<mpsc::Sender<()>>,
+    /// Disconnected when the thread's closure returns.
+    ended: mpsc::Receiver<()>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -470,10 +511,12 @@ impl WatchThread {
         timeout: Duration,
     ) -> Result<WatchThread> {
         let (stop, stopped) = mpsc::channel::<()>();
+        let (ending, ended) = mpsc::channel::<()>();
         let every = watchdog::poll_interval(timeout);
         let handle = std::thread::Builder::new()
             .name(format!("nccl-watchdog-{}", watch.rank))
             .spawn(move || {
+                let _ending = ending;
                 // cuEventQuery and NCCL need the GPU's context on this thread
                 if let Err(e) = ctx.bind_to_thread() {
                     tracing::error!(
@@ -491,6 +534,7 @@ impl WatchThread {
             .map_err(|e| Error::io("start the NCCL watchdog thread", e))?;
         Ok(WatchThread {
             stop: Some(stop),
+            ended,
             handle: Some(handle),
         })
     }
@@ -499,9 +543,20 @@ impl WatchThread {
 impl Drop for WatchThread {
     fn drop(&mut self) {
         drop(self.stop.take());
-        if let Some(h) = self.handle.take()
-            && h.join().is_err()
-        {
+        let Some(h) = self.handle.take() else {
+            return;
+        };
+        // a poll ends within its interval; freeing aborted communicators
+        // can take until the peers are gone
+        if let Err(mpsc::RecvTimeoutError::Timeout) = self.ended.recv_timeout(WATCH_JOIN_WAIT) {
+            tracing::warn!(
+                "the NCCL watchdog is still freeing the aborted communicators after {} s \
+                 (NCCL waits for the peer ranks to close their connections); leaving it",
+                WATCH_JOIN_WAIT.as_secs()
+            );
+            return;
+        }
+        if h.join().is_err() {
             tracing::warn!("the NCCL watchdog thread panicked");
         }
     }
