@@ -4,7 +4,13 @@
 //! `cudnn_check [check] [bench]` (default both) runs on GPU 0 with the cuDNN
 //! that `libs.rs` finds; `UPIPE_CUDNN_LIB=/path/libcudnn.so.9` picks another
 //! (put its folder on `LD_LIBRARY_PATH` too, so its sub-libraries match).
-//! `CUDNN_BENCH_S=16384,65536` sets the benchmark lengths.
+//! `CUDNN_BENCH_S=16384,65536` sets the benchmark lengths, `CUDNN_BENCH_H=16,1`
+//! the head counts, `CUDNN_BENCH_GROUP=4` query heads per kv head,
+//! `CUDNN_BENCH_LAYOUT=tokens,heads` the storage (token rows `[s, h, d]`, ours,
+//! or head by head `[h, s, d]`). `CUDNN_BENCH_PAIR=1` also times two forwards of the same
+//! shape back to back on one stream against side by side on two streams
+//! (the cost of each call's last partial wave, when few heads leave SMs idle).
+//! `CUDNN_BENCH_PARTS=1` splits the accumulate backward into its parts.
 
 use cudarc::driver::sys::CUevent_flags;
 use upipe::backend::cpu::CpuBackend;
@@ -255,30 +261,61 @@ fn check(be: &CudaBackend, sdpa: &CudnnSdpa) -> bool {
     ok
 }
 
-fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, s: usize, h: usize, d: usize) -> Res<()> {
+/// One benchmark shape: `h` query heads sharing kv heads in groups of
+/// `group`, stored as token rows or (`head_major`) head by head.
+#[derive(Clone, Copy)]
+struct BenchShape {
+    s: usize,
+    h: usize,
+    group: usize,
+    d: usize,
+    head_major: bool,
+}
+
+fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
+    let BenchShape { s, h, d, .. } = b;
+    let hkv = h / b.group;
     let mut rng = Rng(42);
-    let n = s * h * d;
-    let up = |x: Vec<f32>| be.from_host(&x, &[s, h, d], DType::BF16, Category::Activations);
-    let q = up(rng.vec_bf16(n, 1.0))?;
-    let k = up(rng.vec_bf16(n, 1.0))?;
-    let v = up(rng.vec_bf16(n, 1.0))?;
-    let d_o = up(rng.vec_bf16(n, 1.0))?;
+    let (n, nkv) = (s * h * d, s * hkv * d);
+    let up =
+        |x: Vec<f32>, heads| be.from_host(&x, &[s, heads, d], DType::BF16, Category::Activations);
+    let q = up(rng.vec_bf16(n, 1.0), h)?;
+    let k = up(rng.vec_bf16(nkv, 1.0), hkv)?;
+    let v = up(rng.vec_bf16(nkv, 1.0), hkv)?;
+    let d_o = up(rng.vec_bf16(n, 1.0), h)?;
     let o = be.zeros(&[s, h, d], DType::BF16, Category::Activations)?;
     let lse = be.zeros(&[s, h], DType::F32, Category::Activations)?;
-    let g = |dt| be.zeros(&[s, h, d], dt, Category::Activations);
-    let (dq, dk, dv) = (g(DType::F32)?, g(DType::F32)?, g(DType::F32)?);
-    let (bq, bk, bv) = (g(DType::BF16)?, g(DType::BF16)?, g(DType::BF16)?);
+    let g = |dt, heads| be.zeros(&[s, heads, d], dt, Category::Activations);
+    let (dq, dk, dv) = (g(DType::F32, h)?, g(DType::F32, hkv)?, g(DType::F32, hkv)?);
+    let (bq, bk, bv) = (
+        g(DType::BF16, h)?,
+        g(DType::BF16, hkv)?,
+        g(DType::BF16, hkv)?,
+    );
     let c = Case {
         sq: s,
         sk: s,
         hq: h,
-        hkv: h,
+        hkv,
         d,
         causal: true,
         off: 0,
         bf16_grads: false,
     };
-    let sh = shape(&c);
+    let sh = if b.head_major {
+        SdpaShape {
+            q_rs: d,
+            k_rs: d,
+            v_rs: d,
+            o_rs: d,
+            lse_rs: 1,
+            lse_hs: s,
+            head_major: true,
+            ..shape(&c)
+        }
+    } else {
+        shape(&c)
+    };
     let p = |t: &Tensor<CudaBackend>| be.device_ptr(t);
     let fa = SdpaFwd {
         q: p(&q),
@@ -317,15 +354,123 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, s: usize, h: usize, d: usize) -> Re
     let t_fwd = time(&|| Ok(sdpa.fwd(be, &fa)?))?;
     let t_bwd = time(&|| Ok(sdpa.bwd_overwrite(be, &ba, p(&bq), p(&bk), p(&bv))?))?;
     let t_bwd_acc = time(&|| Ok(sdpa.bwd(be, &ba)?))?;
+    if std::env::var("CUDNN_BENCH_PARTS").as_deref() == Ok("1") {
+        // where the accumulate path's extra time goes
+        let (nq, nk) = (s * h * d, s * hkv * d);
+        let scratch = || -> Res<()> {
+            let a = be.alloc(&[nq], DType::BF16, Category::Workspace)?;
+            let b = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
+            let c = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
+            drop((a, b, c));
+            Ok(())
+        };
+        let t_scratch = time(&scratch)?;
+        let t_axpy = time(&|| {
+            be.axpy_raw(p(&dq), DType::F32, p(&bq), DType::BF16, nq, 1.0)?;
+            be.axpy_raw(p(&dk), DType::F32, p(&bk), DType::BF16, nk, 1.0)?;
+            be.axpy_raw(p(&dv), DType::F32, p(&bv), DType::BF16, nk, 1.0)?;
+            Ok(())
+        })?;
+        let t_bwd2 = time(&|| Ok(sdpa.bwd_overwrite(be, &ba, p(&bq), p(&bk), p(&bv))?))?;
+        println!(
+            "parts S={s} H={h}: bwd overwrite {t_bwd:.3} ms, accumulate {t_bwd_acc:.3}, scratch alloc+free {t_scratch:.3}, 3 axpy {t_axpy:.3}, overwrite again {t_bwd2:.3}"
+        );
+    }
     let flops = 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
+    let layout = if b.head_major { "heads" } else { "tokens" };
     println!(
-        "| {s} | {h} | {d} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |",
+        "| {s} | {h} | {hkv} | {layout} | {d} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} |",
         t_fwd,
         flops / t_fwd / 1e9,
         t_bwd,
         2.5 * flops / t_bwd / 1e9,
         3.5 * flops / (t_fwd + t_bwd) / 1e9,
         3.5 * flops / (t_fwd + t_bwd_acc) / 1e9,
+    );
+    Ok(())
+}
+
+/// Two forwards of `[s, h, d]` (causal): back to back on `be`'s stream, then
+/// side by side on `be`'s and `other`'s streams; prints both times.
+fn bench_pair(
+    be: &CudaBackend,
+    sdpa: &CudnnSdpa,
+    other: &CudaBackend,
+    other_sdpa: &CudnnSdpa,
+    s: usize,
+    h: usize,
+    d: usize,
+) -> Res<()> {
+    let mut rng = Rng(7);
+    let n = s * h * d;
+    let c = Case {
+        sq: s,
+        sk: s,
+        hq: h,
+        hkv: h,
+        d,
+        causal: true,
+        off: 0,
+        bf16_grads: false,
+    };
+    let mut sets = Vec::new();
+    for _ in 0..2 {
+        let up = |x: Vec<f32>| be.from_host(&x, &[s, h, d], DType::BF16, Category::Activations);
+        let (q, k, v) = (
+            up(rng.vec_bf16(n, 1.0))?,
+            up(rng.vec_bf16(n, 1.0))?,
+            up(rng.vec_bf16(n, 1.0))?,
+        );
+        let o = be.zeros(&[s, h, d], DType::BF16, Category::Activations)?;
+        let lse = be.zeros(&[s, h], DType::F32, Category::Activations)?;
+        let p = |t: &Tensor<CudaBackend>| be.device_ptr(t);
+        let args = SdpaFwd {
+            q: p(&q),
+            k: p(&k),
+            v: p(&v),
+            o: p(&o),
+            lse: p(&lse),
+            shape: shape(&c),
+        };
+        sets.push((args, [q, k, v, o, lse]));
+    }
+    let (a, b) = (sets[0].0, sets[1].0);
+    let (s1, s2) = (be.stream().clone(), other.stream().clone());
+    let ev = |st: &std::sync::Arc<cudarc::driver::CudaStream>| {
+        st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+    };
+    // warm both plans (one per handle)
+    sdpa.fwd(be, &a)?;
+    other_sdpa.fwd(other, &b)?;
+    s1.synchronize()?;
+    s2.synchronize()?;
+    let iters = 3;
+    let e0 = ev(&s1)?;
+    for _ in 0..iters {
+        sdpa.fwd(be, &a)?;
+        sdpa.fwd(be, &b)?;
+    }
+    let e1 = ev(&s1)?;
+    e1.synchronize()?;
+    let serial = e0.elapsed_ms(&e1)? as f64 / iters as f64;
+    let e0 = ev(&s1)?;
+    for _ in 0..iters {
+        let start = ev(&s1)?;
+        s2.wait(&start)?;
+        sdpa.fwd(be, &a)?;
+        other_sdpa.fwd(other, &b)?;
+        let done = ev(&s2)?;
+        s1.wait(&done)?;
+    }
+    let e1 = ev(&s1)?;
+    e1.synchronize()?;
+    let paired = e0.elapsed_ms(&e1)? as f64 / iters as f64;
+    let flops = 2.0 * 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
+    println!(
+        "| {s} | {h} | {d} | {serial:.2} | {:.1} | {paired:.2} | {:.1} | {:.3} |",
+        flops / serial / 1e9,
+        flops / paired / 1e9,
+        serial / paired
     );
     Ok(())
 }
@@ -352,14 +497,56 @@ fn main() -> Res<()> {
             .split(',')
             .filter_map(|x| x.trim().parse().ok())
             .collect();
+        let group: usize = std::env::var("CUDNN_BENCH_GROUP")
+            .ok()
+            .and_then(|g| g.parse().ok())
+            .unwrap_or(1);
+        let layouts: Vec<bool> = std::env::var("CUDNN_BENCH_LAYOUT")
+            .unwrap_or_else(|_| "tokens".into())
+            .split(',')
+            .map(|l| l.trim() == "heads")
+            .collect();
         println!(
-            "| S | H | d | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd (accumulate) TFLOP/s |"
+            "| S | H | Hkv | layout | d | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd (accumulate) TFLOP/s |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|");
-        for s in lens {
-            if let Err(e) = bench(&be, &sdpa, s, 16, 128) {
-                ok = false;
-                println!("| {s} | 16 | 128 | ERROR: {e} |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        let heads: Vec<usize> = std::env::var("CUDNN_BENCH_H")
+            .unwrap_or_else(|_| "16".into())
+            .split(',')
+            .filter_map(|x| x.trim().parse().ok())
+            .collect();
+        for &s in &lens {
+            for &h in &heads {
+                for &head_major in &layouts {
+                    let b = BenchShape {
+                        s,
+                        h,
+                        group: group.min(h),
+                        d: 128,
+                        head_major,
+                    };
+                    if let Err(e) = bench(&be, &sdpa, b) {
+                        ok = false;
+                        println!("| {s} | {h} | 128 | ERROR: {e} |");
+                    }
+                }
+            }
+        }
+        if std::env::var("CUDNN_BENCH_PAIR").as_deref() == Ok("1") {
+            let other = CudaBackend::new(0)?;
+            let other_sdpa = CudnnSdpa::new(&other)?;
+            println!("\ntwo causal forwards: back to back on one stream vs side by side on two");
+            println!(
+                "| S | H | d | serial ms | serial TFLOP/s | paired ms | paired TFLOP/s | speedup |"
+            );
+            println!("|---|---|---|---|---|---|---|---|");
+            for &s in &lens {
+                for &h in &heads {
+                    if let Err(e) = bench_pair(&be, &sdpa, &other, &other_sdpa, s, h, 128) {
+                        ok = false;
+                        println!("| {s} | {h} | 128 | ERROR: {e} |");
+                    }
+                }
             }
         }
     }

@@ -20,9 +20,9 @@ use half::bf16;
 use std::sync::Arc;
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::flash::{
-    BwdKernel, FLASH_SOURCE, FLASH_WGMMA_BWD_SOURCE, FLASH_WGMMA_SOURCE, FlashBwdArgs,
-    FlashFunctions, FlashFwdArgs, FwdKernel, NVRTC_ARCH, NVRTC_OPTIONS, WGMMA_NVRTC_ARCH,
-    bwd_kernel_from_env, flash_bwd, flash_bwd_workspace_bytes, flash_fwd,
+    FLASH_SOURCE, FLASH_WGMMA_BWD_SOURCE, FLASH_WGMMA_SOURCE, FlashBwdArgs, FlashFunctions,
+    FlashFwdArgs, FlashKernel, NVRTC_ARCH, NVRTC_OPTIONS, WGMMA_NVRTC_ARCH, bwd_kernel_from_env,
+    flash_bwd, flash_bwd_workspace_bytes, flash_fwd,
 };
 use upipe::backend::{Backend, Category, DType};
 
@@ -59,25 +59,9 @@ struct Gpu {
     stream: Arc<CudaStream>,
     f: FlashFunctions,
     /// The forward kernels to run (mma, and wgmma where loaded).
-    kernels: Vec<FwdKernel>,
+    kernels: Vec<FlashKernel>,
     /// The backward kernels to run (mma, and wgmma where loaded).
-    bwd_kernels: Vec<BwdKernel>,
-}
-
-fn kernel_name(k: FwdKernel) -> &'static str {
-    match k {
-        FwdKernel::Mma => "mma",
-        FwdKernel::Wgmma => "wgmma",
-        FwdKernel::Auto => "auto",
-    }
-}
-
-fn bwd_kernel_name(k: BwdKernel) -> &'static str {
-    match k {
-        BwdKernel::Mma => "mma",
-        BwdKernel::Wgmma => "wgmma",
-        BwdKernel::Auto => "auto",
-    }
+    bwd_kernels: Vec<FlashKernel>,
 }
 
 impl Gpu {
@@ -104,7 +88,7 @@ struct Case {
     key_from: usize,
 }
 
-type CaseResult = ((FwdKernel, BwdKernel), [f32; 5]);
+type CaseResult = ((FlashKernel, FlashKernel), [f32; 5]);
 
 fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<CaseResult>> {
     let cpu = CpuBackend::new();
@@ -349,8 +333,8 @@ fn check(g: &Gpu) -> Res<bool> {
                 c.d,
                 if c.causal { "causal" } else { "full" },
                 c.key_from,
-                kernel_name(kernel),
-                bwd_kernel_name(bwd),
+                kernel.name(),
+                bwd.name(),
                 e[0],
                 e[1],
                 e[2],
@@ -369,7 +353,7 @@ fn check(g: &Gpu) -> Res<bool> {
 
 fn bench(
     g: &Gpu,
-    (kernel, bwd): (FwdKernel, BwdKernel),
+    (kernel, bwd): (FlashKernel, FlashKernel),
     s: usize,
     h: usize,
     hkv: usize,
@@ -461,8 +445,8 @@ fn bench(
     let t_all = t_fwd + t_bwd;
     println!(
         "| {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.1} | {:.1} |",
-        kernel_name(f.fwd_kernel_for(d)?),
-        bwd_kernel_name(f.bwd_kernel_for(d)?),
+        f.fwd_kernel_for(d)?.name(),
+        f.bwd_kernel_for(d)?.name(),
         s,
         h,
         hkv,
@@ -498,13 +482,13 @@ fn main() -> Res<()> {
     println!("device: {}", ctx.name()?);
     let module = ctx.load_module(ptx)?;
     let mut f = FlashFunctions::load(&module)?;
-    let mut kernels = vec![FwdKernel::Mma];
-    let mut bwd_kernels = vec![BwdKernel::Mma];
+    let mut kernels = vec![FlashKernel::Mma];
+    let mut bwd_kernels = vec![FlashKernel::Mma];
     let bwd_choice = bwd_kernel_from_env()?;
     if ctx.compute_capability()? == (9, 0) {
         let wg = ctx.load_module(compile(FLASH_WGMMA_SOURCE, WGMMA_NVRTC_ARCH)?)?;
         f = f.with_wgmma(&wg)?;
-        kernels.push(FwdKernel::Wgmma);
+        kernels.push(FlashKernel::Wgmma);
         if std::env::var("UPIPE_FLASH_BWD").as_deref() != Ok("mma") {
             let wb = compile(FLASH_WGMMA_BWD_SOURCE, WGMMA_NVRTC_ARCH)
                 .and_then(|ptx| Ok(ctx.load_module(ptx)?))
@@ -512,9 +496,9 @@ fn main() -> Res<()> {
             match wb {
                 Ok(g) => {
                     f = g;
-                    bwd_kernels.push(BwdKernel::Wgmma);
+                    bwd_kernels.push(FlashKernel::Wgmma);
                 }
-                Err(e) if bwd_choice == BwdKernel::Wgmma => return Err(e),
+                Err(e) if bwd_choice == FlashKernel::Wgmma => return Err(e),
                 Err(e) => println!("the wgmma backward is skipped: {e}"),
             }
         }

@@ -24,8 +24,9 @@ if [ "${CUDNN_PIP:-0}" = 1 ]; then
   export LD_LIBRARY_PATH=/tmp/cudnn-link:$pip_cudnn:$LD_LIBRARY_PATH
 fi
 T0=$(date +%s)
-# PARTS picks what runs (default all): kernel tests check profile long perf tune
-want() { [[ " ${PARTS:-kernel tests check profile long perf tune} " == *" $1 "* ]]; }
+# PARTS picks what runs (default all but settle1): kernel tests check profile
+# long perf tune settle; settle1 is the one-GPU version of settle
+want() { [[ " ${PARTS:-kernel tests check profile long perf tune settle} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
 step() { # name timeout cmd...
   local name=$1 lim=$2; shift 2
@@ -50,6 +51,7 @@ L=("$bin/upipe" launch --nproc-per-node 2 --master-port 29531 -- bench attn --de
 small=(--hidden 512 --heads 32 --kv-heads 8 --head-dim 128 --seq 1024 --check --warmup 0 --iters 1)
 want check && step check_2x1 90 "${L[@]}" "${small[@]}" --ulysses 2 --methods ulysses,ring,usp,upipe --chunk-heads 2
 want check && step check_2x1_overlap 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --overlap
+want check && step check_2x1_settle_phase 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --settle-every phase
 # a plain run (no launcher) starts its 2 processes by itself
 want check && step check_self_launch 60 "$bin/upipe" bench attn --device cuda --json "${small[@]}" --ulysses 2 --methods ulysses,upipe --chunk-heads 2
 llama=(--hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --warmup 1)
@@ -73,6 +75,26 @@ want perf && for s in 131072 262144; do
   step "perf_${s}_U2_overlap" 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 2 --overlap
   step "perf_${s}_U4_overlap" 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 4 --overlap
 done
+# query gradients settled every stage, every 2 stages (default) and per kv
+# phase, same session (PARTS=settle)
+want settle && for s in 131072 262144; do
+  step "perf_${s}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods ulysses,upipe --chunk-heads 2
+  for e in stage phase; do
+    step "perf_${s}_${e}" 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 2 --settle-every $e
+  done
+done
+want settle && UPIPE_PROFILE=shapes step profile_131072_settle 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods upipe --chunk-heads 2
+# the same on one GPU (PARTS=settle1): the staged engine with Pu 1, so the
+# stages' compute alone (U=1: one head per stage, 4 stages per kv phase, as
+# each rank of UPipe U=2 on 2 GPUs)
+one=("$bin/upipe" bench attn --device cuda --json --ulysses 1)
+want settle1 && for s in 65536 131072; do
+  step "one_${s}" 150 "${one[@]}" "${llama[@]}" --iters 2 --seq $s --methods ulysses,upipe --chunk-heads 1
+  for e in stage phase; do
+    step "one_${s}_${e}" 120 "${one[@]}" "${llama[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 1 --settle-every $e
+  done
+done
+want settle1 && UPIPE_PROFILE=shapes step one_profile_65536 90 "${one[@]}" "${llama[@]}" --iters 1 --seq 65536 --methods upipe --chunk-heads 1
 # ring (and usp = ulysses on one node) at 128K, K/V passes overlapped with attention
 want perf && step perf_131072_ring 150 "${L[@]}" "${llama[@]}" --iters 2 --seq 131072 --ulysses 1 --ring 2 --methods ring
 echo "total $(( $(date +%s) - T0 ))s"

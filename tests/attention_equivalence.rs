@@ -3,7 +3,7 @@
 
 use upipe::attention::rope::{RopeConfig, RopeScaling};
 use upipe::attention::trial::{TrialInputs, TrialResult, run_trial};
-use upipe::attention::{AttnDims, CpPlan, Strategy};
+use upipe::attention::{AttnDims, CpPlan, Settle, Strategy};
 use upipe::backend::cpu::CpuBackend;
 
 fn dims(heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool) -> AttnDims {
@@ -143,7 +143,12 @@ fn overlap_schedule_gives_identical_results_within_a_stage_and_a_phase_of_extra_
         (dims(16, 4, 8, true), 32, 2, 2, 2),
     ] {
         let inputs = TrialInputs::random(&d, seq, 8);
-        let plan = CpPlan::new(Strategy::Upipe, &d, seq, pu, pr, Some(u)).unwrap();
+        // per stage, overlap settles the same groups of gradients in the same
+        // order, so results are bit-identical (per phase it groups them
+        // differently: see the settling test below)
+        let plan = CpPlan::new(Strategy::Upipe, &d, seq, pu, pr, Some(u))
+            .unwrap()
+            .with_settle(Settle::Stages(1));
         let plain = run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap();
         let over = run_trial(
             &plan.clone().with_overlap(true),
@@ -177,6 +182,62 @@ fn overlap_schedule_gives_identical_results_within_a_stage_and_a_phase_of_extra_
         assert!(
             extra <= bound,
             "overlap costs {extra} > 8 stage + 8 phase buffers ({bound} bytes)"
+        );
+    }
+}
+
+#[test]
+fn settling_every_n_stages_or_per_phase_gives_the_same_layer_for_at_most_a_phase_of_query_gradients()
+ {
+    for (d, seq, pu, pr, u, overlap) in [
+        (dims(32, 8, 4, true), 32, 4, 2, 4, false),
+        (dims(32, 8, 4, true), 32, 4, 2, 4, true),
+        (dims(8, 2, 8, false), 16, 4, 1, 4, false),
+        (dims(16, 4, 8, true), 32, 2, 2, 2, true),
+        (dims(16, 2, 8, false), 32, 2, 1, 2, false),
+    ] {
+        let inputs = TrialInputs::random(&d, seq, 9);
+        let reference = reference(&d, &inputs);
+        let plan = CpPlan::new(Strategy::Upipe, &d, seq, pu, pr, Some(u))
+            .unwrap()
+            .with_overlap(overlap)
+            .with_settle(Settle::Stages(1));
+        let per_stage = run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap();
+        let what = format!("pu {pu} pr {pr} u {u} overlap {overlap}");
+        for every in [Settle::Stages(2), Settle::Stages(3)] {
+            let got = run_trial(
+                &plan.clone().with_settle(every),
+                &d,
+                &inputs,
+                CpuBackend::new,
+            )
+            .unwrap();
+            for (name, err) in got.errors_against(&reference) {
+                assert!(err <= 1e-5, "{what} every {every}: {name} rel err {err:e}");
+            }
+        }
+        let per_phase = run_trial(
+            &plan.clone().with_settle(Settle::Phase),
+            &d,
+            &inputs,
+            CpuBackend::new,
+        )
+        .unwrap();
+        for (name, err) in per_phase.errors_against(&reference) {
+            assert!(err <= 1e-5, "{what}: {name} rel err {err:e}");
+        }
+        // The phase's query gradients wait for its end (one [n, u, d] f32
+        // buffer per stage before the exchange, bf16/f32 packed after it),
+        // and the settlement's gathered blocks and weight rows grow with them.
+        let sh = upipe::plan::shapes::StageShapes::new(&plan, &d);
+        let stages = plan.schedule.phases[0].stages.len();
+        let stage = sh.n * sh.u * d.head_dim * 4;
+        let bound = 3 * stages * stage + stages * sh.u * pu * d.head_dim * d.hidden * 4;
+        let extra = per_phase.act_bytes.saturating_sub(per_stage.act_bytes);
+        eprintln!("{what}: {extra} more bytes ({stages} stages per phase of {stage})");
+        assert!(
+            extra <= bound,
+            "{what}: settling per phase costs {extra} > {bound} bytes"
         );
     }
 }

@@ -852,7 +852,7 @@ fn flash_attention_through_the_backend_matches_cpu_and_naive() {
 /// for head dim 64.
 #[test]
 fn flash_forward_kernel_choice() {
-    use upipe::backend::cuda::flash::{FwdKernel, fwd_kernel_from_env};
+    use upipe::backend::cuda::flash::{FlashKernel, fwd_kernel_from_env};
     let Some((f, _)) = flash_pair() else { return };
     let Some(funcs) = f.flash_functions().unwrap() else {
         eprintln!("SKIP: no flash kernels on {}", f.arch());
@@ -864,11 +864,11 @@ fn flash_forward_kernel_choice() {
         f.arch(),
         funcs.has_wgmma()
     );
-    assert_eq!(funcs.fwd_kernel_for(64).unwrap(), FwdKernel::Mma);
-    let want = if f.arch() == "sm_90" && choice != FwdKernel::Mma {
-        FwdKernel::Wgmma
+    assert_eq!(funcs.fwd_kernel_for(64).unwrap(), FlashKernel::Mma);
+    let want = if f.arch() == "sm_90" && choice != FlashKernel::Mma {
+        FlashKernel::Wgmma
     } else {
-        FwdKernel::Mma
+        FlashKernel::Mma
     };
     assert_eq!(funcs.fwd_kernel_for(128).unwrap(), want);
 }
@@ -878,7 +878,7 @@ fn flash_forward_kernel_choice() {
 /// default, and `wgmma`).
 #[test]
 fn flash_backward_kernel_choice() {
-    use upipe::backend::cuda::flash::{BwdKernel, bwd_kernel_from_env};
+    use upipe::backend::cuda::flash::{FlashKernel, bwd_kernel_from_env};
     let Some((f, _)) = flash_pair() else { return };
     let Some(funcs) = f.flash_functions().unwrap() else {
         eprintln!("SKIP: no flash kernels on {}", f.arch());
@@ -890,28 +890,28 @@ fn flash_backward_kernel_choice() {
         f.arch(),
         funcs.has_wgmma_bwd()
     );
-    assert_eq!(funcs.bwd_kernel_for(64).unwrap(), BwdKernel::Mma);
-    if choice != BwdKernel::Mma && f.arch() == "sm_90" {
+    assert_eq!(funcs.bwd_kernel_for(64).unwrap(), FlashKernel::Mma);
+    if choice != FlashKernel::Mma && f.arch() == "sm_90" {
         assert!(
             funcs.has_wgmma_bwd(),
             "UPIPE_FLASH_BWD={choice:?} must load the kernel on sm_90"
         );
     }
-    if choice == BwdKernel::Mma {
+    if choice == FlashKernel::Mma {
         assert!(
             !funcs.has_wgmma_bwd(),
             "UPIPE_FLASH_BWD=mma must not load the wgmma backward"
         );
     }
-    if choice == BwdKernel::Wgmma && !funcs.has_wgmma_bwd() {
+    if choice == FlashKernel::Wgmma && !funcs.has_wgmma_bwd() {
         // Not an sm_90 device: asking for the wgmma backward is an error.
         assert!(funcs.bwd_kernel_for(128).is_err());
         return;
     }
-    let want = if choice != BwdKernel::Mma && funcs.has_wgmma_bwd() {
-        BwdKernel::Wgmma
+    let want = if choice != FlashKernel::Mma && funcs.has_wgmma_bwd() {
+        FlashKernel::Wgmma
     } else {
-        BwdKernel::Mma
+        FlashKernel::Mma
     };
     assert_eq!(funcs.bwd_kernel_for(128).unwrap(), want);
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{TrialInputs, run_trial};
-use upipe::attention::{AttnDims, CpPlan, Strategy};
+use upipe::attention::{AttnDims, CpPlan, Settle, Strategy};
 use upipe::backend::Category;
 use upipe::backend::cpu::CpuBackend;
 use upipe::model::decoder::attn_dims;
@@ -61,17 +61,29 @@ fn attention_layer_prediction_equals_ledger_peak() {
         (8, 4, Strategy::Upipe, 4, 2, Some(4)),
     ];
     let seq = 48;
-    for (qk, overlap) in [(false, false), (true, false), (false, true), (true, true)] {
+    let (stage, phase) = (Settle::Stages(1), Settle::Phase);
+    for (qk, overlap, settle) in [
+        (false, false, stage),
+        (true, false, stage),
+        (false, true, stage),
+        (true, true, stage),
+        (false, false, phase),
+        (true, true, phase),
+        (true, false, Settle::Stages(2)),
+        (false, true, Settle::Stages(3)),
+    ] {
         for &(h, hkv, s, pu, pr, u) in cases {
             let d = dims(h, hkv, qk);
             let plan = CpPlan::new(s, &d, seq, pu, pr, u)
                 .unwrap()
-                .with_overlap(overlap && s != Strategy::Local);
+                .with_overlap(overlap && s != Strategy::Local)
+                .with_settle(settle);
             let inputs = TrialInputs::random(&d, seq, 3);
             let measured = run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap();
             let pred = predict_attention_trial(&plan, &d, DeviceKind::Cpu).unwrap();
-            let what =
-                format!("{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} qk_norm={qk} overlap={overlap}");
+            let what = format!(
+                "{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} qk_norm={qk} overlap={overlap} settle every {settle}"
+            );
             let e = rel(pred.peak, measured.peak_bytes);
             assert!(
                 e <= 0.05,
@@ -320,7 +332,9 @@ fn cuda_predictions_against_the_h200_ledger() {
     };
     let seq = 262144;
     let ulysses = CpPlan::new(Strategy::Ulysses, &d, seq, 2, 1, None).unwrap();
-    let plain = CpPlan::new(Strategy::Upipe, &d, seq, 2, 1, Some(2)).unwrap();
+    let plain = CpPlan::new(Strategy::Upipe, &d, seq, 2, 1, Some(2))
+        .unwrap()
+        .with_settle(Settle::Stages(1));
     let upipe = plain.clone().with_overlap(true);
     let peak = |plan: &CpPlan, device| predict_attention_trial(plan, &d, device).unwrap().peak;
     // measured in the third session (engine with deferred outputs/gradients)
@@ -341,6 +355,36 @@ fn cuda_predictions_against_the_h200_ledger() {
         rel(uly, uly_measured) < 1e-6,
         "Ulysses: {uly} vs {uly_measured}"
     );
+    // the fourth session, one H200 (Pu 1, so the staged engine's compute
+    // alone): UPipe U=1 settling per stage and per phase, and U=H
+    for (seq, u, settle, measured) in [
+        (65536, 32, Settle::Stages(1), 9_462_350_080usize),
+        (65536, 1, Settle::Stages(1), 3_280_208_128),
+        (65536, 1, Settle::Phase, 3_330_539_776),
+        (131072, 1, Settle::Stages(1), 6_275_203_328),
+        (131072, 1, Settle::Phase, 6_375_866_624),
+    ] {
+        let plan = CpPlan::new(Strategy::Upipe, &d, seq, 1, 1, Some(u))
+            .unwrap()
+            .with_settle(settle);
+        let got = peak(&plan, DeviceKind::Cuda);
+        eprintln!("one GPU seq {seq} U={u} settle every {settle}: {got} vs {measured}");
+        assert!(
+            rel(got, measured) < 1e-6,
+            "seq {seq} U={u} {settle}: {got} vs {measured}"
+        );
+    }
+    for seq in [131072, 262144] {
+        for settle in [Settle::Stages(1), Settle::Stages(2), Settle::Phase] {
+            let plan = CpPlan::new(Strategy::Upipe, &d, seq, 2, 1, Some(2))
+                .unwrap()
+                .with_settle(settle);
+            eprintln!(
+                "2 GPUs seq {seq} settle every {settle}: {}",
+                peak(&plan, DeviceKind::Cuda)
+            );
+        }
+    }
     // tests/gpu_plan.rs's local layer (hidden 512, H 8, Hkv 2, d 64, 1536
     // tokens) on cuDNN measured 61,571,328 B (one H200, the same day)
     let d = AttnDims {

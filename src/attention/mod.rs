@@ -23,6 +23,7 @@ pub mod local;
 pub mod ring;
 pub mod rope;
 pub mod schedule;
+pub mod settle;
 pub mod staged;
 pub mod trial;
 
@@ -32,6 +33,7 @@ use crate::error::Result;
 use layout::SeqLayout;
 use rope::{RopeConfig, RopeTables};
 use schedule::StageSchedule;
+pub use settle::Settle;
 use std::fmt;
 use std::str::FromStr;
 
@@ -133,6 +135,10 @@ pub struct CpPlan {
     /// (one extra stage of buffers) so that an asynchronous backend overlaps
     /// communication with attention. Same results either way.
     pub overlap: bool,
+    /// When backward takes in the query gradients: per stage, or per kv
+    /// phase (one dx GEMM and per-destination dW GEMMs for the whole phase,
+    /// holding the phase's dQ until then). Same results either way.
+    pub settle_every: Settle,
 }
 
 impl CpPlan {
@@ -170,11 +176,20 @@ impl CpPlan {
             layout,
             schedule,
             overlap: false,
+            settle_every: Settle::default(),
         })
     }
     /// The same plan with the stage-prefetch schedule on or off.
     pub fn with_overlap(self, overlap: bool) -> Self {
         CpPlan { overlap, ..self }
+    }
+
+    /// The same plan taking in query gradients per stage or per kv phase.
+    pub fn with_settle(self, settle: Settle) -> Self {
+        CpPlan {
+            settle_every: settle,
+            ..self
+        }
     }
 
     /// The mesh this plan runs on (one data replica).

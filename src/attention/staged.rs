@@ -20,6 +20,7 @@
 
 use super::rope::RopeTables;
 use super::schedule::{KvPhase, Upcoming, upcoming};
+use super::settle::{Proj, settle_layout};
 use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
 };
@@ -40,14 +41,6 @@ struct PhaseKv<B: Backend> {
 struct KvInFlight<B: Backend> {
     k: Pending<B>,
     v: Pending<B>,
-}
-
-/// Which projection a gradient belongs to.
-#[derive(Debug, Clone, Copy)]
-enum Proj {
-    Q,
-    K,
-    V,
 }
 
 /// A projection's gradient on its way back to the token owners: packed by
@@ -474,7 +467,9 @@ impl<'a, B: Backend> Staged<'a, B> {
                     proj: Proj::Q,
                     heads,
                 });
-                self.settle(&mut in_flight, keep, x, w, g, &mut dx)?;
+                if self.plan.settle_every.after_stage(t) {
+                    self.settle(&mut in_flight, keep, x, w, g, &mut dx)?;
+                }
                 stage_index += 1;
             }
             drop((k, v));
@@ -496,10 +491,10 @@ impl<'a, B: Backend> Staged<'a, B> {
         Ok(dx)
     }
 
-    /// Takes in every gradient in flight but the newest `keep`: for each,
-    /// `dW[heads[j]] += block_j^T x`, and `dx += Σ block_j W[heads[j]]` as one
-    /// GEMM over all their blocks side by side with the matching weight rows
-    /// stacked, so `dx` is read and written once, not once per block.
+    /// Takes in every gradient in flight but the newest `keep`: their blocks
+    /// side by side (`settle_layout`), `dW[run] += gathered[run]^T x` per run
+    /// of contiguous heads, and `dx += gathered W[stacked rows]` as one GEMM,
+    /// so `dx` is read and written once per settlement, not once per block.
     fn settle(
         &self,
         in_flight: &mut Vec<GradInFlight<'_, B>>,
@@ -518,42 +513,45 @@ impl<'a, B: Backend> Staged<'a, B> {
             parts.push((r.grad.wait()?, r.proj, r.heads));
         }
         let (b, d, hid) = (self.b, self.dims.head_dim, self.dims.hidden);
-        let nh: usize = parts.iter().map(|p| p.2[0].len()).sum();
-        let mut gathered = b.empty(
-            &self.shapes.gathered_grads(nh),
-            x.dtype(),
-            Category::Workspace,
-        )?;
-        let mut stacked = b.empty(
-            &self.shapes.gathered_weights(nh),
-            x.dtype(),
-            Category::Workspace,
-        )?;
-        let mut col = 0;
+        // every block: (projection, heads, its packed tensor, block index)
+        let mut blocks = Vec::new();
         for (grad, proj, heads) in &parts {
-            let (wt, dw) = match proj {
+            for (j, h) in heads.iter().enumerate() {
+                blocks.push((*proj, h.clone(), grad, self.packed_block(j, heads[0].len())));
+            }
+        }
+        let layout = settle_layout(
+            &blocks
+                .iter()
+                .map(|(p, h, ..)| (*p, h.clone()))
+                .collect::<Vec<_>>(),
+        );
+        let width = layout.width * d;
+        let mut gathered = b.empty(&[self.s, width], x.dtype(), Category::Workspace)?;
+        let mut stacked = b.empty(&[width, hid], x.dtype(), Category::Workspace)?;
+        for (i, (_, h, grad, blk)) in blocks.iter().enumerate() {
+            let to = MatLayout::block(layout.col[i] * d, self.s, h.len() * d, width);
+            b.copy(gathered.view_mut(to), grad.view(*blk))?;
+        }
+        drop(blocks);
+        drop(parts);
+        for run in &layout.runs {
+            let (wt, dw) = match run.proj {
                 Proj::Q => (&w.wq, &mut g.wq),
                 Proj::K => (&w.wk, &mut g.wk),
                 Proj::V => (&w.wv, &mut g.wv),
             };
-            let pn = heads[0].len();
-            for (j, h) in heads.iter().enumerate() {
-                let blk = self.packed_block(j, pn);
-                b.gemm(
-                    dw.view_mut(self.head_rows(h)),
-                    grad.view(blk).t(),
-                    x.mat(),
-                    1.0,
-                    1.0,
-                )?;
-                let to = MatLayout::block(col, self.s, pn * d, gathered.row_len());
-                b.copy(gathered.view_mut(to), grad.view(blk))?;
-                let rows = MatLayout::block(col * hid, pn * d, hid, hid);
-                b.copy(stacked.view_mut(rows), wt.view(self.head_rows(h)))?;
-                col += pn * d;
-            }
+            let cols = MatLayout::block(run.col * d, self.s, run.heads.len() * d, width);
+            b.gemm(
+                dw.view_mut(self.head_rows(&run.heads)),
+                gathered.view(cols).t(),
+                x.mat(),
+                1.0,
+                1.0,
+            )?;
+            let rows = MatLayout::block(run.col * d * hid, run.heads.len() * d, hid, hid);
+            b.copy(stacked.view_mut(rows), wt.view(self.head_rows(&run.heads)))?;
         }
-        drop(parts);
         b.gemm(dx.mat_mut(), gathered.mat(), stacked.mat(), 1.0, 1.0)
     }
 

@@ -10,6 +10,7 @@ use crate::attention::trial::{TrialInputs, TrialResult, run_trial};
 use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Bytes;
 use crate::backend::cpu::CpuBackend;
+use crate::cli::schedule::ScheduleArgs;
 use crate::error::{Error, Result};
 use crate::plan::{DeviceKind, predict_attention_trial};
 use serde_json::json;
@@ -55,13 +56,8 @@ pub struct AttnArgs {
     /// else our flash kernels), cudnn (error where it cannot), native (ours).
     #[arg(long, default_value = "auto")]
     pub attn_kernel: String,
-    /// Run transfers beside attention: each next stage's projections and
-    /// exchanges before the current stage's attention, each stage's output and
-    /// gradients back beside the next one's. Costs a stage and a kv phase of
-    /// buffers; slower on 2×H200 with NCCL today (its transfer kernels compete
-    /// with attention for SMs; docs/multi-gpu.md).
-    #[arg(long)]
-    pub overlap: bool,
+    #[command(flatten)]
+    pub schedule: ScheduleArgs,
     /// Comma-separated strategies, or `all`.
     #[arg(long, default_value = "all")]
     pub methods: String,
@@ -153,15 +149,14 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             (a.ulysses, a.ring)
         };
         let plan = match CpPlan::new(m, &dims, a.seq, pu, pr, chunk) {
-            Ok(p) => p,
+            Ok(p) => a.schedule.apply(p),
             // with `all`, ulysses and ring (which put all C ranks in one group) may not fit
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
                 outcomes.push((m, Outcome::Skipped(e.to_string())));
                 continue;
             }
             Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
-        }
-        .with_overlap(a.overlap && m != Strategy::Local);
+        };
         let result = match (m, &reference) {
             (Strategy::Local, Some(r)) => r.clone(),
             _ => run_trial(&plan, &dims, &inputs, CpuBackend::new)?,
@@ -271,7 +266,7 @@ fn print_row(
                     "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
                     "ulysses": plan.layout.pu, "ring": plan.layout.pr,
                     "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
-                    "overlap": plan.overlap,
+                    "overlap": plan.overlap, "settle_every": plan.settle_every.to_string(),
                     "act_vs_ulysses": ratio, "seconds": seconds,
                 });
                 if let Some(rf) = reference {

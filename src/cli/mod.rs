@@ -7,6 +7,7 @@ pub mod info;
 pub mod launch;
 pub mod plan;
 pub mod rendezvous_check;
+pub mod schedule;
 pub mod train;
 
 use clap::{Parser, Subcommand};

@@ -3,6 +3,7 @@
 
 use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
+use crate::cli::schedule::ScheduleArgs;
 use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
@@ -50,10 +51,8 @@ pub struct PlanArgs {
     /// UPipe heads per stage U (default: Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
-    /// The staged engine's overlap schedule (`bench attn --overlap`): one
-    /// extra stage and kv phase of buffers.
-    #[arg(long)]
-    pub overlap: bool,
+    #[command(flatten)]
+    pub schedule: ScheduleArgs,
     /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`).
     #[arg(long, default_value = "none")]
     pub policies: String,
@@ -157,7 +156,7 @@ impl Ctx {
             self.a.ring,
             self.a.chunk_heads,
         )?;
-        let plan = plan.with_overlap(self.a.overlap && strategy != Strategy::Local);
+        let plan = self.a.schedule.apply(plan);
         let spec = StepSpec {
             model: self.model.clone(),
             plan,

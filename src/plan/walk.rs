@@ -6,7 +6,7 @@
 use super::shapes::{StageShapes, distinct_lengths, loss_chunks, mlp_tiles};
 use super::sim::{Buf, Sim};
 use crate::attention::schedule::{Upcoming, upcoming};
-use crate::attention::{AttnDims, CpPlan, Strategy};
+use crate::attention::{AttnDims, CpPlan, Settle, Strategy};
 use crate::backend::Category::{self, Activations, Comm, Grads, Offload, Workspace};
 use crate::model::{MemoryPolicy, ModelConfig};
 
@@ -36,6 +36,8 @@ pub struct AttnWalk {
     pub ab: usize,
     /// The stage-prefetch schedule (`CpPlan::overlap`).
     pub overlap: bool,
+    /// When query gradients are taken in (`CpPlan::settle_every`).
+    pub settle_every: Settle,
     /// The backend's attention backward takes a transient workspace (CUDA flash path).
     pub flash_ws: bool,
     /// Attention calls cuDNN takes run there (CUDA, `--attn-kernel auto`).
@@ -62,6 +64,7 @@ impl AttnWalk {
             qk_norm: dims.qk_norm,
             ab,
             overlap: plan.overlap,
+            settle_every: plan.settle_every,
             flash_ws: false,
             cudnn: false,
             ring_rank: 0,
@@ -451,7 +454,9 @@ impl AttnWalk {
                 sim.free_opt(q_raw);
                 let dq = self.exchange_back_start(sim, dq);
                 in_flight.push((dq, self.sh.u));
-                self.settle(sim, &mut in_flight, keep);
+                if self.settle_every.after_stage(t) {
+                    self.settle(sim, &mut in_flight, keep);
+                }
             }
             sim.free(k);
             sim.free(v);

@@ -412,10 +412,10 @@ impl CudaBackend {
         let choice = flash::fwd_kernel_from_env()?;
         f.set_fwd_kernel(choice);
         // The wgmma forward: compute capability 9.0 exactly (sm_90a code runs nowhere else).
-        if choice != flash::FwdKernel::Mma && (self.arch == "sm_90" || self.arch == "sm_90a") {
+        if choice != flash::FlashKernel::Mma && (self.arch == "sm_90" || self.arch == "sm_90a") {
             match self.load_flash_wgmma() {
                 Ok(module) => f = f.with_wgmma(&module)?,
-                Err(e) if choice == flash::FwdKernel::Wgmma => return Err(e),
+                Err(e) if choice == flash::FlashKernel::Wgmma => return Err(e),
                 Err(e) => tracing::warn!(
                     "attention: wgmma forward unavailable, using the mma.sync forward: {e}"
                 ),
@@ -424,13 +424,13 @@ impl CudaBackend {
         // The wgmma backward: compute capability 9.0 exactly, unless UPIPE_FLASH_BWD=mma.
         let bwd = flash::bwd_kernel_from_env()?;
         f.set_bwd_kernel(bwd);
-        if bwd != flash::BwdKernel::Mma && (self.arch == "sm_90" || self.arch == "sm_90a") {
+        if bwd != flash::FlashKernel::Mma && (self.arch == "sm_90" || self.arch == "sm_90a") {
             let loaded = self
                 .load_flash_module(flash::FLASH_WGMMA_BWD_SOURCE, "wgmma flash backward")
                 .and_then(|m| f.clone().with_wgmma_bwd(&m));
             match loaded {
                 Ok(g) => f = g,
-                Err(e) if bwd == flash::BwdKernel::Wgmma => return Err(e),
+                Err(e) if bwd == flash::FlashKernel::Wgmma => return Err(e),
                 Err(e) => tracing::warn!(
                     "attention: wgmma backward unavailable, using the mma.sync backward: {e}"
                 ),

@@ -172,14 +172,13 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
             (a.ulysses, a.ring)
         };
         let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
-            Ok(p) => p,
+            Ok(p) => a.schedule.apply(p),
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
                 outcomes.push((m, Outcome::Skipped(e.to_string()), None));
                 continue;
             }
             Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
-        }
-        .with_overlap(a.overlap && m != Strategy::Local);
+        };
         let ranks = plan.mesh_shape().world_size();
         if ranks != world.size() {
             let why = format!(

@@ -158,6 +158,7 @@ pub fn dense_shape(
         o_rs: hq * d,
         lse_rs: hq,
         lse_hs: 1,
+        head_major: false,
     }
 }
 

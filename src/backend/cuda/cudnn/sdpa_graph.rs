@@ -11,7 +11,8 @@
 //! formed per query head and reduced over each group.
 //!
 //! All tensors are `[b=1, h, s, d]` views of our `[s, h, d]` token rows:
-//! strides `(s·rs, d, rs, 1)`.
+//! strides `(s·rs, d, rs, 1)`; or, with `head_major`, of dense `[h, s, d]`
+//! head blocks: strides `(h·s·d, s·d, d, 1)` (row strides are then `d`).
 
 use super::graph::{Dt, Graph, Pw, Red, Role, packed};
 use crate::error::Result;
@@ -34,6 +35,8 @@ pub struct SdpaShape {
     /// LSE strides in f32 elements: between tokens, between heads.
     pub lse_rs: usize,
     pub lse_hs: usize,
+    /// Q, K, V, O, dO and the gradients stored head by head (`[h, s, d]`).
+    pub head_major: bool,
 }
 
 /// Unique ids of the tensors we bind in the variant pack.
@@ -61,26 +64,27 @@ fn i(x: usize) -> i64 {
     x as i64
 }
 
-/// `[1, h, s, d]` view of token rows with row stride `rs`.
-fn bhsd(g: &mut Graph, id: i64, h: usize, s: usize, d: usize, rs: usize) -> Result<usize> {
-    g.tensor(
-        id,
-        BF16,
-        &[1, i(h), i(s), i(d)],
-        &[i(s * rs), i(d), i(rs), 1],
-        Role::Io,
-    )
+/// Strides `(batch, head, token)` of `h` heads of `s` tokens stored as token
+/// rows with row stride `rs`, or head by head.
+fn strides(h: usize, s: usize, d: usize, rs: usize, head_major: bool) -> [i64; 3] {
+    if head_major {
+        [i(h * s * d), i(s * d), i(d)]
+    } else {
+        [i(s * rs), i(d), i(rs)]
+    }
 }
 
-/// `[1, h, d, s]` transposed view (Kᵀ or Vᵀ) of token rows with row stride `rs`.
-fn bhds(g: &mut Graph, id: i64, h: usize, s: usize, d: usize, rs: usize) -> Result<usize> {
-    g.tensor(
-        id,
-        BF16,
-        &[1, i(h), i(d), i(s)],
-        &[i(s * rs), i(d), 1, i(rs)],
-        Role::Io,
-    )
+/// `[1, h, s, d]` view of token rows with row stride `rs` (or of head blocks).
+fn bhsd(g: &mut Graph, id: i64, h: usize, s: usize, d: usize, rs: (usize, bool)) -> Result<usize> {
+    let [b, hs, ts] = strides(h, s, d, rs.0, rs.1);
+    g.tensor(id, BF16, &[1, i(h), i(s), i(d)], &[b, hs, ts, 1], Role::Io)
+}
+
+/// `[1, h, d, s]` transposed view (Kᵀ or Vᵀ) of token rows with row stride
+/// `rs` (or of head blocks).
+fn bhds(g: &mut Graph, id: i64, h: usize, s: usize, d: usize, rs: (usize, bool)) -> Result<usize> {
+    let [b, hs, ts] = strides(h, s, d, rs.0, rs.1);
+    g.tensor(id, BF16, &[1, i(h), i(d), i(s)], &[b, hs, 1, ts], Role::Io)
 }
 
 fn stats(g: &mut Graph, s: &SdpaShape) -> Result<usize> {
@@ -143,10 +147,10 @@ fn causal_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
 /// The forward graph (writes O and Stats = ln Σ exp(scale·q·k), natural log).
 pub fn forward(s: &SdpaShape) -> Result<Graph> {
     let mut g = Graph::new();
-    let q = bhsd(&mut g, uid::Q, s.hq, s.sq, s.d, s.q_rs)?;
-    let kt = bhds(&mut g, uid::K, s.hkv, s.sk, s.d, s.k_rs)?;
-    let v = bhsd(&mut g, uid::V, s.hkv, s.sk, s.d, s.v_rs)?;
-    let o = bhsd(&mut g, uid::O, s.hq, s.sq, s.d, s.o_rs)?;
+    let q = bhsd(&mut g, uid::Q, s.hq, s.sq, s.d, (s.q_rs, s.head_major))?;
+    let kt = bhds(&mut g, uid::K, s.hkv, s.sk, s.d, (s.k_rs, s.head_major))?;
+    let v = bhsd(&mut g, uid::V, s.hkv, s.sk, s.d, (s.v_rs, s.head_major))?;
+    let o = bhsd(&mut g, uid::O, s.hq, s.sq, s.d, (s.o_rs, s.head_major))?;
     let st = stats(&mut g, s)?;
     let sdims = [1, i(s.hq), i(s.sq), i(s.sk)];
     let rdims = [1, i(s.hq), i(s.sq), 1];
@@ -188,15 +192,15 @@ pub fn backward_scratch_bytes(s: &SdpaShape) -> (usize, usize) {
 pub fn backward(s: &SdpaShape) -> Result<Graph> {
     let mut g = Graph::new();
     let (hq, hkv, sq, sk, d) = (s.hq, s.hkv, s.sq, s.sk, s.d);
-    let q = bhsd(&mut g, uid::Q, hq, sq, d, s.q_rs)?;
-    let kt = bhds(&mut g, uid::K, hkv, sk, d, s.k_rs)?;
-    let vt = bhds(&mut g, uid::V, hkv, sk, d, s.v_rs)?;
-    let o = bhsd(&mut g, uid::O, hq, sq, d, s.o_rs)?;
-    let d_o = bhsd(&mut g, uid::D_O, hq, sq, d, s.o_rs)?;
+    let q = bhsd(&mut g, uid::Q, hq, sq, d, (s.q_rs, s.head_major))?;
+    let kt = bhds(&mut g, uid::K, hkv, sk, d, (s.k_rs, s.head_major))?;
+    let vt = bhds(&mut g, uid::V, hkv, sk, d, (s.v_rs, s.head_major))?;
+    let o = bhsd(&mut g, uid::O, hq, sq, d, (s.o_rs, s.head_major))?;
+    let d_o = bhsd(&mut g, uid::D_O, hq, sq, d, (s.o_rs, s.head_major))?;
     let st = stats(&mut g, s)?;
-    let dq = bhsd(&mut g, uid::DQ, hq, sq, d, hq * d)?;
-    let dk = bhsd(&mut g, uid::DK, hkv, sk, d, hkv * d)?;
-    let dv = bhsd(&mut g, uid::DV, hkv, sk, d, hkv * d)?;
+    let dq = bhsd(&mut g, uid::DQ, hq, sq, d, (hq * d, s.head_major))?;
+    let dk = bhsd(&mut g, uid::DK, hkv, sk, d, (hkv * d, s.head_major))?;
+    let dv = bhsd(&mut g, uid::DV, hkv, sk, d, (hkv * d, s.head_major))?;
     let sdims = [1, i(hq), i(sq), i(sk)];
     let rdims = [1, i(hq), i(sq), 1];
     let tdims = [1, i(hq), i(sk), i(sq)];

@@ -120,6 +120,7 @@ mod tests {
             o_rs: 8 * d,
             lse_rs: 8,
             lse_hs: 1,
+            head_major: false,
         }
     }
 

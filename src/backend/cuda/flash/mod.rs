@@ -32,7 +32,7 @@
 //!   mbarriers, S and P V on `wgmma.mma_async` with shared-memory descriptors,
 //!   the softmax of a block overlapping the P V product of the previous one). Load it with
 //!   [`FlashFunctions::with_wgmma`]; [`flash_fwd`] then runs it for head dim
-//!   128 unless [`FwdKernel::Mma`] is chosen (`UPIPE_FLASH_FWD=mma`, see
+//!   128 unless [`FlashKernel::Mma`] is chosen (`UPIPE_FLASH_FWD=mma`, see
 //!   [`fwd_kernel_from_env`]).
 //!
 //! - backward on Hopper proper (`sm_90a`, head dim 128): a third module,
@@ -41,7 +41,7 @@
 //!   feeding 64-row Q/dO/lse/delta tiles through mbarriers; S^T, dP^T, dV, dK
 //!   and dQ on `wgmma.mma_async`). Loaded with
 //!   [`FlashFunctions::with_wgmma_bwd`]; [`flash_bwd`] runs it for head dim
-//!   128 unless [`BwdKernel::Mma`] is chosen (`UPIPE_FLASH_BWD=mma`, see
+//!   128 unless [`FlashKernel::Mma`] is chosen (`UPIPE_FLASH_BWD=mma`, see
 //!   [`bwd_kernel_from_env`]).
 //!
 //! Measured on one H200 (2026-11-30, d=128, H=16, causal, S = 16K / 64K):
@@ -173,10 +173,11 @@ fn bwd_smem_bytes(d: usize) -> usize {
     (2 * BWD_BN * d + 4 * BWD_BM * d + 2 * BWD_BN * BWD_BM) * 2 + 4 * BWD_BM * 4
 }
 
-/// Which forward kernel [`flash_fwd`] runs for head dim 128.
+/// Which kernel [`flash_fwd`] or [`flash_bwd`] runs for head dim 128
+/// (`UPIPE_FLASH_FWD`, `UPIPE_FLASH_BWD`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FwdKernel {
-    /// The wgmma kernel where it is loaded, the mma.sync kernel otherwise.
+pub enum FlashKernel {
+    /// The wgmma kernel where it is loaded, the mma.sync kernel otherwise (the default).
     Auto,
     /// The FlashAttention-2 mma.sync kernel (every head dim, sm_90+).
     Mma,
@@ -184,59 +185,60 @@ pub enum FwdKernel {
     Wgmma,
 }
 
-impl std::str::FromStr for FwdKernel {
+impl std::str::FromStr for FlashKernel {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(FwdKernel::Auto),
-            "mma" => Ok(FwdKernel::Mma),
-            "wgmma" => Ok(FwdKernel::Wgmma),
+            "" | "auto" => Ok(FlashKernel::Auto),
+            "mma" => Ok(FlashKernel::Mma),
+            "wgmma" => Ok(FlashKernel::Wgmma),
             other => Err(Error::Config(format!(
-                "UPIPE_FLASH_FWD={other}: expected auto, mma or wgmma"
+                "flash kernel '{other}': expected auto, mma or wgmma"
             ))),
         }
+    }
+}
+
+impl FlashKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashKernel::Auto => "auto",
+            FlashKernel::Mma => "mma",
+            FlashKernel::Wgmma => "wgmma",
+        }
+    }
+
+    /// The kernel that runs for head dim `d` when the wgmma one is `loaded`
+    /// (never `Auto`); an error when wgmma was asked for (through `var`) but
+    /// is not loaded.
+    fn resolve(self, d: usize, loaded: bool, var: &str) -> Result<FlashKernel> {
+        match (self, d, loaded) {
+            (FlashKernel::Mma, _, _) | (_, 64, _) | (FlashKernel::Auto, _, false) => {
+                Ok(FlashKernel::Mma)
+            }
+            (_, _, true) => Ok(FlashKernel::Wgmma),
+            (FlashKernel::Wgmma, _, false) => Err(Error::Config(format!(
+                "flash attention: the wgmma kernel was asked for ({var}=wgmma) but is not loaded; it needs an sm_90a device (H100/H200)"
+            ))),
+        }
+    }
+}
+
+fn kernel_from_env(var: &str) -> Result<FlashKernel> {
+    match std::env::var(var) {
+        Ok(v) => v.parse().map_err(|e| Error::Config(format!("{var}: {e}"))),
+        Err(_) => Ok(FlashKernel::Auto),
     }
 }
 
 /// The forward kernel chosen by `UPIPE_FLASH_FWD` (`auto` when unset).
-pub fn fwd_kernel_from_env() -> Result<FwdKernel> {
-    match std::env::var("UPIPE_FLASH_FWD") {
-        Ok(v) => v.parse(),
-        Err(_) => Ok(FwdKernel::Auto),
-    }
-}
-
-/// Which backward kernel [`flash_bwd`] runs for head dim 128.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BwdKernel {
-    /// The FlashAttention-2 mma.sync kernel.
-    Mma,
-    /// The wgmma kernel where it is loaded, the mma.sync kernel otherwise (the default).
-    Auto,
-    /// The wgmma kernel (sm_90a, head dim 128; head dim 64 runs the mma.sync kernel).
-    Wgmma,
-}
-
-impl std::str::FromStr for BwdKernel {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(BwdKernel::Auto),
-            "mma" => Ok(BwdKernel::Mma),
-            "wgmma" => Ok(BwdKernel::Wgmma),
-            other => Err(Error::Config(format!(
-                "UPIPE_FLASH_BWD={other}: expected auto, mma or wgmma"
-            ))),
-        }
-    }
+pub fn fwd_kernel_from_env() -> Result<FlashKernel> {
+    kernel_from_env("UPIPE_FLASH_FWD")
 }
 
 /// The backward kernel chosen by `UPIPE_FLASH_BWD` (`auto` when unset).
-pub fn bwd_kernel_from_env() -> Result<BwdKernel> {
-    match std::env::var("UPIPE_FLASH_BWD") {
-        Ok(v) => v.parse(),
-        Err(_) => Ok(BwdKernel::Auto),
-    }
+pub fn bwd_kernel_from_env() -> Result<FlashKernel> {
+    kernel_from_env("UPIPE_FLASH_BWD")
 }
 
 /// The loaded flash kernels of one module (plus the wgmma forward, when loaded).
@@ -250,14 +252,42 @@ pub struct FlashFunctions {
     bwd128: CudaFunction,
     /// The wgmma forward and its block size.
     fwd128_wgmma: Option<(CudaFunction, u32)>,
-    fwd_kernel: FwdKernel,
+    fwd_kernel: FlashKernel,
     /// The wgmma backward.
     bwd128_wgmma: Option<CudaFunction>,
-    bwd_kernel: BwdKernel,
+    bwd_kernel: FlashKernel,
 }
 
 fn drv(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Backend(format!("flash attention: {what}: {e:?}"))
+}
+
+/// Loads kernel `name`, raises its dynamic shared memory to `smem` bytes and
+/// checks that its block size (set by `__launch_bounds__` / `setmaxnreg`
+/// in the source) is one of `threads`; returns it with that block size.
+fn load_sized(
+    module: &Arc<CudaModule>,
+    name: &str,
+    smem: usize,
+    threads: &[u32],
+) -> Result<(CudaFunction, u32)> {
+    let func = module
+        .load_function(name)
+        .map_err(|e| drv(&format!("load {name}"), e))?;
+    func.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| drv(&format!("raise shared memory to {smem} bytes"), e))?;
+    let got = func
+        .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+        .map_err(|e| drv(&format!("block size of {name}"), e))?;
+    match u32::try_from(got) {
+        Ok(t) if threads.contains(&t) => Ok((func, t)),
+        _ => Err(Error::Backend(format!(
+            "flash attention: {name} allows {got} threads per block; expected one of {threads:?}"
+        ))),
+    }
 }
 
 impl FlashFunctions {
@@ -277,9 +307,9 @@ impl FlashFunctions {
             bwd64: get(BWD_D64)?,
             bwd128: get(BWD_D128)?,
             fwd128_wgmma: None,
-            fwd_kernel: FwdKernel::Auto,
+            fwd_kernel: FlashKernel::Auto,
             bwd128_wgmma: None,
-            bwd_kernel: BwdKernel::Auto,
+            bwd_kernel: FlashKernel::Auto,
         };
         let attr = CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         for (func, bytes) in [
@@ -297,25 +327,8 @@ impl FlashFunctions {
     /// Adds the wgmma forward from a module compiled from
     /// [`FLASH_WGMMA_SOURCE`] for [`WGMMA_NVRTC_ARCH`].
     pub fn with_wgmma(mut self, module: &Arc<CudaModule>) -> Result<Self> {
-        let func = module
-            .load_function(FWD_WGMMA_D128)
-            .map_err(|e| drv(&format!("load {FWD_WGMMA_D128}"), e))?;
-        let bytes = wgmma_smem_bytes();
-        func.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
-        let threads = func
-            .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
-            .map_err(|e| drv(&format!("block size of {FWD_WGMMA_D128}"), e))?;
-        let threads = u32::try_from(threads).unwrap_or(0);
-        if threads != WG_THREADS && threads != WG_THREADS + 128 {
-            return Err(Error::Backend(format!(
-                "flash attention: {FWD_WGMMA_D128} allows {threads} threads per block; expected {WG_THREADS} or {}",
-                WG_THREADS + 128
-            )));
-        }
+        let expected = [WG_THREADS, WG_THREADS + 128];
+        let (func, threads) = load_sized(module, FWD_WGMMA_D128, wgmma_smem_bytes(), &expected)?;
         self.fwd128_wgmma = Some((func, threads));
         Ok(self)
     }
@@ -323,24 +336,8 @@ impl FlashFunctions {
     /// Adds the wgmma backward from a module compiled from
     /// [`FLASH_WGMMA_BWD_SOURCE`] for [`WGMMA_NVRTC_ARCH`].
     pub fn with_wgmma_bwd(mut self, module: &Arc<CudaModule>) -> Result<Self> {
-        let func = module
-            .load_function(BWD_WGMMA_D128)
-            .map_err(|e| drv(&format!("load {BWD_WGMMA_D128}"), e))?;
-        let bytes = wgmma_bwd_smem_bytes();
-        func.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
-        let threads = func
-            .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
-            .map_err(|e| drv(&format!("block size of {BWD_WGMMA_D128}"), e))?;
-        if threads != (WB_NT + 128) as i32 {
-            return Err(Error::Backend(format!(
-                "flash attention: {BWD_WGMMA_D128} allows {threads} threads per block; expected {}",
-                WB_NT + 128
-            )));
-        }
+        let expected = [WB_NT + 128];
+        let (func, _) = load_sized(module, BWD_WGMMA_D128, wgmma_bwd_smem_bytes(), &expected)?;
         self.bwd128_wgmma = Some(func);
         Ok(self)
     }
@@ -350,21 +347,16 @@ impl FlashFunctions {
         self.bwd128_wgmma.is_some()
     }
 
-    /// Chooses the backward kernel (default [`BwdKernel::Auto`]).
-    pub fn set_bwd_kernel(&mut self, k: BwdKernel) {
+    /// Chooses the backward kernel (default [`FlashKernel::Auto`]).
+    pub fn set_bwd_kernel(&mut self, k: FlashKernel) {
         self.bwd_kernel = k;
     }
 
     /// The backward kernel [`flash_bwd`] runs for head dim `d` (never `Auto`);
     /// errors when the wgmma kernel is asked for but not loaded.
-    pub fn bwd_kernel_for(&self, d: usize) -> Result<BwdKernel> {
-        match (self.bwd_kernel, d, self.has_wgmma_bwd()) {
-            (BwdKernel::Mma, _, _) | (_, 64, _) | (BwdKernel::Auto, _, false) => Ok(BwdKernel::Mma),
-            (_, _, true) => Ok(BwdKernel::Wgmma),
-            (BwdKernel::Wgmma, _, false) => Err(Error::Config(
-                "flash attention: the wgmma backward was asked for (UPIPE_FLASH_BWD=wgmma) but is not loaded; it needs an sm_90a device (H100/H200)".into(),
-            )),
-        }
+    pub fn bwd_kernel_for(&self, d: usize) -> Result<FlashKernel> {
+        self.bwd_kernel
+            .resolve(d, self.has_wgmma_bwd(), "UPIPE_FLASH_BWD")
     }
 
     /// Whether the wgmma forward is loaded.
@@ -372,21 +364,16 @@ impl FlashFunctions {
         self.fwd128_wgmma.is_some()
     }
 
-    /// Chooses the forward kernel (default [`FwdKernel::Auto`]).
-    pub fn set_fwd_kernel(&mut self, k: FwdKernel) {
+    /// Chooses the forward kernel (default [`FlashKernel::Auto`]).
+    pub fn set_fwd_kernel(&mut self, k: FlashKernel) {
         self.fwd_kernel = k;
     }
 
     /// The forward kernel [`flash_fwd`] runs for head dim `d` (never `Auto`);
     /// errors when the wgmma kernel is asked for but not loaded.
-    pub fn fwd_kernel_for(&self, d: usize) -> Result<FwdKernel> {
-        match (self.fwd_kernel, d, self.has_wgmma()) {
-            (FwdKernel::Mma, _, _) | (_, 64, _) | (FwdKernel::Auto, _, false) => Ok(FwdKernel::Mma),
-            (_, _, true) => Ok(FwdKernel::Wgmma),
-            (FwdKernel::Wgmma, _, false) => Err(Error::Config(
-                "flash attention: the wgmma forward was asked for (UPIPE_FLASH_FWD=wgmma) but is not loaded; it needs an sm_90a device (H100/H200)".into(),
-            )),
-        }
+    pub fn fwd_kernel_for(&self, d: usize) -> Result<FlashKernel> {
+        self.fwd_kernel
+            .resolve(d, self.has_wgmma(), "UPIPE_FLASH_FWD")
     }
 }
 
@@ -619,7 +606,7 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
         pad0: 0,
     };
     let (func, cfg) = match (f.fwd_kernel_for(a.d)?, &f.fwd128_wgmma) {
-        (FwdKernel::Wgmma, Some((func, threads))) => (
+        (FlashKernel::Wgmma, Some((func, threads))) => (
             func,
             LaunchConfig {
                 grid_dim: ((a.sq.div_ceil(WG_BM) * a.hq) as u32, 1, 1),
@@ -702,7 +689,7 @@ pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs)
         scale_log2: scale * std::f32::consts::LOG2_E,
     };
     let (pre, main, cfg) = match (f.bwd_kernel_for(a.d)?, &f.bwd128_wgmma) {
-        (BwdKernel::Wgmma, Some(func)) => (
+        (FlashKernel::Wgmma, Some(func)) => (
             &f.pre128,
             func,
             LaunchConfig {
@@ -762,15 +749,26 @@ mod tests {
     }
 
     #[test]
-    fn fwd_kernel_choice() {
-        assert_eq!("mma".parse::<FwdKernel>().unwrap(), FwdKernel::Mma);
-        assert_eq!(" WGMMA ".parse::<FwdKernel>().unwrap(), FwdKernel::Wgmma);
-        assert_eq!("".parse::<FwdKernel>().unwrap(), FwdKernel::Auto);
-        assert!("fa3".parse::<FwdKernel>().is_err());
-        assert_eq!("".parse::<BwdKernel>().unwrap(), BwdKernel::Mma);
-        assert_eq!("Auto".parse::<BwdKernel>().unwrap(), BwdKernel::Auto);
-        assert_eq!("wgmma".parse::<BwdKernel>().unwrap(), BwdKernel::Wgmma);
-        assert!("fa3".parse::<BwdKernel>().is_err());
+    fn kernel_choice() {
+        assert_eq!("mma".parse::<FlashKernel>().unwrap(), FlashKernel::Mma);
+        assert_eq!(
+            " WGMMA ".parse::<FlashKernel>().unwrap(),
+            FlashKernel::Wgmma
+        );
+        assert_eq!("".parse::<FlashKernel>().unwrap(), FlashKernel::Auto);
+        assert_eq!("Auto".parse::<FlashKernel>().unwrap(), FlashKernel::Auto);
+        assert!("fa3".parse::<FlashKernel>().is_err());
+        let (auto, mma, wgmma) = (FlashKernel::Auto, FlashKernel::Mma, FlashKernel::Wgmma);
+        for loaded in [false, true] {
+            assert_eq!(auto.resolve(64, loaded, "V").unwrap(), mma);
+            assert_eq!(wgmma.resolve(64, loaded, "V").unwrap(), mma);
+            assert_eq!(mma.resolve(128, loaded, "V").unwrap(), mma);
+        }
+        assert_eq!(auto.resolve(128, true, "V").unwrap(), wgmma);
+        assert_eq!(auto.resolve(128, false, "V").unwrap(), mma);
+        assert_eq!(wgmma.resolve(128, true, "V").unwrap(), wgmma);
+        let e = wgmma.resolve(128, false, "UPIPE_FLASH_BWD").unwrap_err();
+        assert!(e.to_string().contains("UPIPE_FLASH_BWD=wgmma"), "{e}");
     }
 
     #[test]
