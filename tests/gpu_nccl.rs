@@ -221,7 +221,7 @@ fn nccl_watchdog_fails_a_collective_whose_peer_left() {
     let env = [
         ("UPIPE_NCCL_TIMEOUT_S", "5".to_string()),
         // the watchdog's own log and NCCL's warnings, for a failure's diagnosis
-        ("RUST_LOG", "upipe=info".to_string()),
+        ("RUST_LOG", "upipe=info,upipe::comm::nccl=trace".to_string()),
         ("NCCL_DEBUG", "WARN".to_string()),
     ];
     if let Some(ranks) = launch_two_with(test, &env) {

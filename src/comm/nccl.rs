@@ -396,6 +396,7 @@ fn async_error(comms: &[Arc<Comm>]) -> Option<String> {
             continue;
         };
         let mut state = sys::ncclResult_t::ncclSuccess;
+        tracing::trace!("NCCL watchdog: ncclCommGetAsyncError on group {}", c.name);
         // SAFETY: `raw` is alive (not aborted, and `c` holds it) and `state`
         // is a valid out pointer.
         let r = unsafe { sys::ncclCommGetAsyncError(c.raw, &mut state) };
@@ -524,7 +525,13 @@ impl WatchThread {
                     );
                     return;
                 }
+                let mut reported = Instant::now();
                 while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
+                    if reported.elapsed() >= Duration::from_secs(1) {
+                        reported = Instant::now();
+                        let n = watch.dog.lock().map(|d| d.len()).unwrap_or(0);
+                        tracing::debug!(rank = watch.rank, "NCCL watchdog: {n} collectives in flight");
+                    }
                     if let Some(f) = watch.poll() {
                         watch.fail(&f, &fault, timeout);
                         return;
