@@ -374,16 +374,23 @@ fn cuda_predictions_against_the_h200_ledger() {
             "seq {seq} U={u} {settle}: {got} vs {measured}"
         );
     }
-    for seq in [131072, 262144] {
-        for settle in [Settle::Stages(1), Settle::Stages(2), Settle::Phase] {
-            let plan = CpPlan::new(Strategy::Upipe, &d, seq, 2, 1, Some(2))
-                .unwrap()
-                .with_settle(settle);
-            eprintln!(
-                "2 GPUs seq {seq} settle every {settle}: {}",
-                peak(&plan, DeviceKind::Cuda)
-            );
-        }
+    // the fourth session, 2×H200 (Pu 2, U 2), every settling
+    for (seq, settle, measured) in [
+        (131072, Settle::Stages(1), 3_582_460_160usize),
+        (131072, Settle::Stages(2), 3_649_569_024),
+        (131072, Settle::Phase, 3_783_786_752),
+        (262144, Settle::Stages(1), 6_879_707_392),
+        (262144, Settle::Stages(2), 7_013_925_120),
+        (262144, Settle::Phase, 7_282_360_576),
+    ] {
+        let plan = CpPlan::new(Strategy::Upipe, &d, seq, 2, 1, Some(2))
+            .unwrap()
+            .with_settle(settle);
+        let got = peak(&plan, DeviceKind::Cuda);
+        assert!(
+            rel(got, measured) < 1e-6,
+            "2 GPUs seq {seq} settle every {settle}: {got} vs {measured}"
+        );
     }
     // tests/gpu_plan.rs's local layer (hidden 512, H 8, Hkv 2, d 64, 1536
     // tokens) on cuDNN measured 61,571,328 B (one H200, the same day)

@@ -24,10 +24,12 @@ use std::str::FromStr;
 /// Each settlement reads and writes `dx` once and runs one weight-gradient
 /// GEMM per run of contiguous heads, so fewer settlements mean fewer, larger
 /// GEMMs; the price is holding the stages' returned dQ until then. Measured
-/// on one H200 (Llama3-8B layer, Pu 1, U 1, 4 stages per phase): `Phase` is
-/// 3.8 % faster than `Stages(1)` at 64K and 2.3 % at 128K for 1.5 % more peak
-/// memory (docs/multi-gpu.md). With one kv phase per layer (kv heads = Pu)
-/// `Phase` holds every head's dQ, as Ulysses does.
+/// on the Llama3-8B layer (docs/attention-memory.md, docs/multi-gpu.md):
+/// one H200 (Pu 1, U 1): `Phase` 2.3-4 % faster than `Stages(1)` at 64K and
+/// 128K for 1.5 % more peak; 2×H200 (Pu 2, U 2): `Phase` +1.8 % at 128K and
+/// +0.5 % at 256K for 5.6-5.9 % more peak, `Stages(2)` (the default) +1.1 %
+/// and 0 % for 1.9 %. With one kv phase per layer (kv heads = Pu) `Phase`
+/// holds every head's dQ, as Ulysses does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settle {
     /// Every `k ≥ 1` stages of a phase (`Stages(1)`, "stage": least memory).

@@ -182,6 +182,7 @@ fn mesh_json(spec: &StepSpec) -> Value {
     json!({
         "data": spec.data, "ulysses": spec.plan.layout.pu, "ring": spec.plan.layout.pr,
         "chunk_heads": spec.plan.schedule.chunk, "stages": spec.plan.schedule.n_stages(),
+        "overlap": spec.plan.overlap, "settle_every": spec.plan.settle_every.to_string(),
     })
 }
 

@@ -409,38 +409,47 @@ impl CudaBackend {
             },
             t.elapsed().as_secs_f64()
         );
-        let choice = flash::fwd_kernel_from_env()?;
-        f.set_fwd_kernel(choice);
-        // The wgmma forward: compute capability 9.0 exactly (sm_90a code runs nowhere else).
-        if choice != flash::FlashKernel::Mma && (self.arch == "sm_90" || self.arch == "sm_90a") {
-            match self.load_flash_wgmma() {
-                Ok(module) => f = f.with_wgmma(&module)?,
-                Err(e) if choice == flash::FlashKernel::Wgmma => return Err(e),
-                Err(e) => tracing::warn!(
-                    "attention: wgmma forward unavailable, using the mma.sync forward: {e}"
-                ),
-            }
+        // The wgmma kernels: compute capability 9.0 exactly (sm_90a code runs
+        // nowhere else), unless UPIPE_FLASH_FWD / UPIPE_FLASH_BWD is `mma`;
+        // with `auto` a kernel that fails to load falls back to mma.sync.
+        let hopper = self.arch == "sm_90" || self.arch == "sm_90a";
+        let fwd = flash::fwd_kernel_from_env()?;
+        f.set_fwd_kernel(fwd);
+        if fwd != flash::FlashKernel::Mma && hopper {
+            let loaded = self
+                .load_flash_module(flash::FLASH_WGMMA_SOURCE, "wgmma flash attention")
+                .and_then(|m| f.clone().with_wgmma(&m));
+            f = Self::or_mma(f, loaded, fwd, "forward")?;
         }
-        // The wgmma backward: compute capability 9.0 exactly, unless UPIPE_FLASH_BWD=mma.
         let bwd = flash::bwd_kernel_from_env()?;
         f.set_bwd_kernel(bwd);
-        if bwd != flash::FlashKernel::Mma && (self.arch == "sm_90" || self.arch == "sm_90a") {
+        if bwd != flash::FlashKernel::Mma && hopper {
             let loaded = self
                 .load_flash_module(flash::FLASH_WGMMA_BWD_SOURCE, "wgmma flash backward")
                 .and_then(|m| f.clone().with_wgmma_bwd(&m));
-            match loaded {
-                Ok(g) => f = g,
-                Err(e) if bwd == flash::FlashKernel::Wgmma => return Err(e),
-                Err(e) => tracing::warn!(
-                    "attention: wgmma backward unavailable, using the mma.sync backward: {e}"
-                ),
-            }
+            f = Self::or_mma(f, loaded, bwd, "backward")?;
         }
         Ok(f)
     }
 
-    fn load_flash_wgmma(&self) -> Result<Arc<cudarc::driver::CudaModule>> {
-        self.load_flash_module(flash::FLASH_WGMMA_SOURCE, "wgmma flash attention")
+    /// The functions with a wgmma kernel `loaded`, or (`auto`) without it
+    /// and a warning; asked for explicitly (`wgmma`), a failure is an error.
+    fn or_mma(
+        without: flash::FlashFunctions,
+        loaded: Result<flash::FlashFunctions>,
+        choice: flash::FlashKernel,
+        pass: &str,
+    ) -> Result<flash::FlashFunctions> {
+        match loaded {
+            Ok(with) => Ok(with),
+            Err(e) if choice == flash::FlashKernel::Wgmma => Err(e),
+            Err(e) => {
+                tracing::warn!(
+                    "attention: wgmma {pass} unavailable, using the mma.sync {pass}: {e}"
+                );
+                Ok(without)
+            }
+        }
     }
 
     /// Compiles (or reads from the disk cache) an `sm_90a` flash module and loads it.
