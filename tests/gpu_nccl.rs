@@ -4,10 +4,12 @@
 //!
 //! The test re-runs its own binary as the two ranks (so it needs no `upipe`
 //! binary and works wherever the test binary is copied). Skipped with a
-//! message where fewer than two GPUs (or no NCCL) exist.
+//! message where fewer than two GPUs (or no NCCL) exist. The watchdog test
+//! has a rank leave a collective its peer is in, and checks the peer gets
+//! the watchdog's error instead of waiting forever.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 mod common;
 
 use upipe::attention::rope::RopeConfig;
@@ -28,20 +30,31 @@ const ROLE: &str = "UPIPE_GPU_NCCL_ROLE";
 
 /// Parent: starts two ranks running `test` and checks both succeed.
 fn launch_two(test: &str) {
+    launch_two_with(test, &[]);
+}
+
+/// Parent: starts two ranks running `test` with `env` added, checks both
+/// exit successfully, and returns what they printed (`None` in a child, or
+/// where the test is skipped).
+fn launch_two_with(test: &str, env: &[(&str, String)]) -> Option<Vec<common::RankOutput>> {
     if std::env::var(ROLE).is_ok() {
-        return;
+        return None;
     }
     if let Some(why) = common::two_gpus_missing() {
         eprintln!("SKIP gpu_nccl::{test}: {why}");
-        return;
+        return None;
     }
     // well under the GPU script's limit for the whole test, so a hung rank's
     // output is still printed
-    let ranks = common::run_two_ranks(test, ROLE, &[], Duration::from_secs(80));
-    assert!(
-        ranks.iter().all(|r| r.success),
-        "a rank failed (see its output above)"
-    );
+    let ranks = common::run_two_ranks(test, ROLE, env, Duration::from_secs(80));
+    for (rank, r) in ranks.iter().enumerate() {
+        assert!(
+            r.success,
+            "rank {rank} failed ({}; see its output above)",
+            r.status
+        );
+    }
+    Some(ranks)
 }
 
 /// Child: this rank's environment, rendezvous and NCCL world.
@@ -197,4 +210,88 @@ fn nccl_attention_layer_matches_cpu() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// What rank 0 prints once the watchdog failed its collective as expected.
+const WATCHDOG_OK: &str = "WATCHDOG_REPORTED";
+
+#[test]
+fn nccl_watchdog_fails_a_collective_whose_peer_left() {
+    let test = "nccl_watchdog_fails_a_collective_whose_peer_left";
+    let env = [
+        ("UPIPE_NCCL_TIMEOUT_S", "5".to_string()),
+        // the watchdog's own log and NCCL's warnings, for a failure's diagnosis
+        ("RUST_LOG", "upipe=info,upipe::comm::nccl=trace".to_string()),
+        ("NCCL_DEBUG", "WARN".to_string()),
+    ];
+    if let Some(ranks) = launch_two_with(test, &env) {
+        // both exited 0: rank 0 got the error (its assertions passed) and
+        // rank 1 left cleanly; rank 0 says so
+        assert!(
+            ranks[0].stdout.contains(WATCHDOG_OK),
+            "rank 0 did not report the watchdog's error"
+        );
+        assert!(
+            ranks[1].stdout.contains("rank 1: left"),
+            "rank 1 did not leave"
+        );
+        return;
+    }
+    if std::env::var(ROLE).as_deref() != Ok(test) {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    let (env, _rv, world) = join();
+    assert_eq!(world.timeout(), Some(Duration::from_secs(5)));
+    let b = world.backend().clone();
+    let mesh = world.mesh(MeshShape::new(1, 1, 2).unwrap()).unwrap();
+    let mut t = b
+        .from_host(&[env.rank as f32 + 1.0], &[1], DType::F32, Category::Comm)
+        .unwrap();
+    mesh.world.all_reduce(&mut t).unwrap();
+    assert_eq!(b.to_host(&t).unwrap(), vec![3.0], "the good all_reduce");
+    world.health().unwrap();
+    if env.rank == 1 {
+        // never joins the second all_reduce: stays alive past rank 0's
+        // timeout (a hung peer), then leaves (destroying its communicators,
+        // which lets rank 0's NCCL finish freeing its aborted ones)
+        std::thread::sleep(Duration::from_secs(8));
+        println!("rank 1: left without the second all_reduce");
+        // a dead peer: leave without destroying the communicators (that
+        // would wait for rank 0, which is inside the collective)
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        std::process::exit(0);
+    }
+    eprintln!("rank 0: second all_reduce, which rank 1 never joins");
+    let start = Instant::now();
+    // the collective is only queued; the download waits for it
+    let got = mesh.world.all_reduce(&mut t).and_then(|()| b.to_host(&t));
+    let waited = start.elapsed();
+    let err = got.expect_err("rank 1 never joined").to_string();
+    for want in [
+        "all_reduce 4 B on group world",
+        "UPIPE_NCCL_TIMEOUT_S",
+        "peer rank likely died or hung",
+    ] {
+        assert!(err.contains(want), "{want:?} missing from: {err}");
+    }
+    assert!(
+        waited >= Duration::from_millis(4900) && waited < Duration::from_secs(20),
+        "reported after {waited:?}, expected about 5 s"
+    );
+    // from now on every collective fails at once, the split groups' too
+    let again = Instant::now();
+    let e2 = mesh.ulysses.all_reduce(&mut t).unwrap_err().to_string();
+    assert!(e2.contains("UPIPE_NCCL_TIMEOUT_S"), "{e2}");
+    let e3 = mesh
+        .world
+        .all_gather(&t, &mut b.zeros(&[2], DType::F32, Category::Comm).unwrap());
+    assert!(e3.is_err());
+    assert!(world.health().is_err());
+    assert!(again.elapsed() < Duration::from_secs(1));
+    println!("{WATCHDOG_OK} after {waited:?}: {err}");
 }

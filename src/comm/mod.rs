@@ -3,13 +3,14 @@
 //! Ranks form a 3-D mesh `data x ring x ulysses` (Ulysses fastest, so a
 //! Ulysses group is consecutive ranks, i.e. GPUs of one node). Strategies talk
 //! to [`ProcessGroup`]s; `local` runs ranks as threads in one process, `nccl`
-//! runs one process per GPU.
+//! runs one process per GPU (`watchdog`: its collective-timeout policy).
 
 pub mod env;
 pub mod local;
 pub mod mesh;
 pub mod nccl;
 pub mod rendezvous;
+pub mod watchdog;
 
 pub use mesh::{GroupKind, MeshShape};
 

@@ -14,18 +14,32 @@
 //! order with the kernels around it; nothing waits on the host. An error
 //! returned by NCCL names the call, NCCL's error string and the
 //! communicator's last error message.
+//!
+//! A watchdog thread per [`NcclWorld`] (`UPIPE_NCCL_TIMEOUT_S`, default
+//! 600 s, 0 = off; policy in [`super::watchdog`]) follows every issued
+//! collective by its end event (`cuEventQuery`) and every communicator by
+//! `ncclCommGetAsyncError`. When a collective outlives the timeout or NCCL
+//! reports an error it logs which collective of which group, records the
+//! failure in the backend's [`CudaBackend::comm_fault`], and aborts every
+//! communicator (`ncclCommAbort`), so NCCL kernels waiting for a dead peer
+//! exit and the stream syncs blocked behind them return; from then on every
+//! collective, every [`Pending`] wait and every backend sync returns
+//! [`Error::Comm`] with the watchdog's message.
 
 use super::env::DistEnv;
 use super::rendezvous::Rendezvous;
+use super::watchdog::{self, Failure, InFlight, Watchdog};
 use super::{GroupKind, Mesh, MeshShape, Pending, ProcessGroup};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::cuda::libs::{self, Lib, LoadedLib};
 use crate::backend::{DType, Tensor};
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys;
 use std::ffi::{CStr, c_void};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak, mpsc};
+use std::time::{Duration, Instant};
 
 /// Bytes of an NCCL unique id.
 pub const UNIQUE_ID_BYTES: usize = 128;
@@ -38,12 +52,21 @@ pub fn library() -> Result<&'static LoadedLib> {
 /// Converts an NCCL result into ours: the call, NCCL's string for the code,
 /// and (when a communicator is known) its last error message.
 fn check(r: sys::ncclResult_t, what: &str, comm: Option<sys::ncclComm_t>) -> Result<()> {
-    if matches!(
-        r,
-        sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-    ) {
+    if is_ok(r) {
         return Ok(());
     }
+    Err(Error::Comm(nccl_message(r, what, comm)))
+}
+
+fn is_ok(r: sys::ncclResult_t) -> bool {
+    matches!(
+        r,
+        sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+    )
+}
+
+/// The text of [`check`]'s error.
+fn nccl_message(r: sys::ncclResult_t, what: &str, comm: Option<sys::ncclComm_t>) -> String {
     // SAFETY: both functions return pointers to static or communicator-owned
     // NUL-terminated strings (or null), read immediately.
     let text = |p: *const std::ffi::c_char| {
@@ -60,7 +83,7 @@ fn check(r: sys::ncclResult_t, what: &str, comm: Option<sys::ncclComm_t>) -> Res
         msg.push_str(&format!(": {l}"));
     }
     msg.push_str("; set NCCL_DEBUG=WARN for NCCL's own log");
-    Err(Error::Comm(msg))
+    msg
 }
 
 /// The NCCL element type of a tensor dtype.
@@ -181,23 +204,61 @@ fn native_alltoall() -> bool {
     })
 }
 
-/// An owned communicator; destroyed on drop.
+/// An owned communicator; destroyed on drop (unless the watchdog aborted it).
 struct Comm {
     raw: sys::ncclComm_t,
+    /// Its group, for messages: `world`, `ulysses [0, 1]`, ...
+    name: Arc<str>,
     /// The stream its collectives run on: drained before the communicator
     /// is destroyed, so no transfer is in flight then.
     stream: Arc<CudaStream>,
-    /// Serialises enqueueing (NCCL communicators are not thread-safe).
+    /// Serialises enqueueing (NCCL communicators are not thread-safe); the
+    /// watchdog takes it too before aborting, when it can ([`abort`]).
     lock: Mutex<()>,
+    /// The backend's communication fault: once set, nothing is enqueued.
+    fault: Arc<OnceLock<String>>,
+    /// `ncclCommAbort` ran: `raw` is freed, never to be used again.
+    aborted: AtomicBool,
 }
 
 // SAFETY: the handle is only used under `lock`, and NCCL allows a
 // communicator to be used from any thread as long as calls do not overlap.
+// The exceptions are the watchdog's `ncclCommGetAsyncError` (an atomic read
+// of the communicator's error state, made to be polled from another thread;
+// the watchdog still takes `lock` with `try_lock` around it) and
+// `ncclCommAbort`, which NCCL provides to release a thread blocked in NCCL.
 unsafe impl Send for Comm {}
 unsafe impl Sync for Comm {}
 
+impl Comm {
+    fn new(
+        raw: sys::ncclComm_t,
+        name: &str,
+        stream: Arc<CudaStream>,
+        fault: Arc<OnceLock<String>>,
+    ) -> Comm {
+        Comm {
+            raw,
+            name: name.into(),
+            stream,
+            lock: Mutex::new(()),
+            fault,
+            aborted: AtomicBool::new(false),
+        }
+    }
+}
+
 impl Drop for Comm {
     fn drop(&mut self) {
+        if self.aborted.load(Ordering::Acquire) {
+            // ncclCommAbort freed it; its stream may hold transfers that
+            // never finish correctly, so neither drain nor destroy
+            tracing::debug!(
+                "NCCL communicator of group {} was aborted; not destroyed",
+                self.name
+            );
+            return;
+        }
         if let Err(e) = self.stream.synchronize() {
             tracing::warn!("NCCL communicator: draining its stream: {e:?}");
         }
@@ -209,6 +270,329 @@ impl Drop for Comm {
     }
 }
 
+/// Capacity of the watchdog's queue (see [`Watchdog::push`] for a full one).
+const WATCH_CAPACITY: usize = 4096;
+
+/// How long the watchdog waits for a communicator's enqueue lock before
+/// aborting it anyway (a thread stuck inside NCCL holds it forever).
+const ABORT_LOCK_WAIT: Duration = Duration::from_secs(2);
+
+/// End of an issued collective: an event recorded on the communication
+/// stream after its transfers, once they are all enqueued.
+struct EndMark {
+    event: CudaEvent,
+    state: AtomicU8,
+}
+
+/// [`EndMark::state`]: being enqueued (not finished, whatever the event says).
+const ENQUEUEING: u8 = 0;
+/// [`EndMark::state`]: the event is recorded; it tells.
+const RECORDED: u8 = 1;
+/// [`EndMark::state`]: enqueueing failed, nothing to wait for.
+const ABANDONED: u8 = 2;
+
+/// Marks an [`EndMark`] abandoned if it is dropped before being recorded.
+struct AbandonUnlessRecorded(Arc<EndMark>);
+
+impl Drop for AbandonUnlessRecorded {
+    fn drop(&mut self) {
+        let _ = self.0.state.compare_exchange(
+            ENQUEUEING,
+            ABANDONED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+}
+
+/// A collective the watchdog follows.
+struct Issued {
+    kind: &'static str,
+    bytes: usize,
+    group: Arc<str>,
+    end: Arc<EndMark>,
+}
+
+impl InFlight for Issued {
+    fn finished(&self) -> std::result::Result<bool, String> {
+        match self.end.state.load(Ordering::Acquire) {
+            ENQUEUEING => Ok(false),
+            RECORDED => self
+                .end
+                .event
+                .try_is_complete()
+                .map_err(|e| format!("cuEventQuery: {e:?}")),
+            _ => Ok(true),
+        }
+    }
+    fn describe(&self) -> String {
+        format!("{} {} B on group {}", self.kind, self.bytes, self.group)
+    }
+}
+
+/// What the collectives and the watchdog thread of one world share.
+struct Watch {
+    dog: Mutex<Watchdog<Issued>>,
+    /// Every communicator of the world, in creation order (world first).
+    comms: Mutex<Vec<Weak<Comm>>>,
+    rank: usize,
+}
+
+impl Watch {
+    fn follow(&self, work: Issued) {
+        // a poisoned queue (a panic while polling) only loses the watchdog
+        if let Ok(mut d) = self.dog.lock() {
+            d.push(work, Instant::now());
+        }
+    }
+
+    fn register(&self, c: &Arc<Comm>) {
+        if let Ok(mut v) = self.comms.lock() {
+            v.retain(|w| w.strong_count() > 0);
+            v.push(Arc::downgrade(c));
+        }
+    }
+
+    /// The communicators still alive.
+    fn live(&self) -> Vec<Arc<Comm>> {
+        match self.comms.lock() {
+            Ok(v) => v.iter().filter_map(Weak::upgrade).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// One watchdog step: the failure to act on, if any.
+    fn poll(&self) -> Option<Failure> {
+        // `live` may hold the last reference to a communicator being dropped
+        // meanwhile: it is then destroyed here, after the queue is released
+        let comms = self.live();
+        let mut dog = self.dog.lock().ok()?;
+        dog.poll(Instant::now(), || async_error(&comms))
+    }
+
+    /// Acts on `f`: logs it, records it as the backend's fault (before
+    /// anything returns early because of the abort) and aborts every
+    /// communicator ([`abort_all`]).
+    fn fail(&self, f: &Failure, fault: &OnceLock<String>, timeout: Duration) {
+        let msg = f.to_string();
+        tracing::error!(
+            rank = self.rank,
+            timeout_s = timeout.as_secs_f64(),
+            "{msg}; aborting this rank's NCCL communicators"
+        );
+        let _ = fault.set(msg);
+        abort_all(&self.live());
+    }
+}
+
+/// NCCL's own error state of each communicator, first error first.
+fn async_error(comms: &[Arc<Comm>]) -> Option<String> {
+    for c in comms {
+        if c.aborted.load(Ordering::Acquire) {
+            continue;
+        }
+        // the owner is enqueueing: ask next step
+        let Ok(_g) = c.lock.try_lock() else {
+            continue;
+        };
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        tracing::trace!("NCCL watchdog: ncclCommGetAsyncError on group {}", c.name);
+        // SAFETY: `raw` is alive (not aborted, and `c` holds it) and `state`
+        // is a valid out pointer.
+        let r = unsafe { sys::ncclCommGetAsyncError(c.raw, &mut state) };
+        if !is_ok(r) {
+            return Some(nccl_message(
+                r,
+                &format!("ncclCommGetAsyncError (group {})", c.name),
+                Some(c.raw),
+            ));
+        }
+        if !is_ok(state) {
+            return Some(nccl_message(
+                state,
+                &format!("communicator of group {}", c.name),
+                Some(c.raw),
+            ));
+        }
+    }
+    None
+}
+
+/// `c`'s enqueue lock if its owner lets go within [`ABORT_LOCK_WAIT`]
+/// (it then finds the fault and enqueues nothing more); `None` otherwise, as
+/// a thread blocked inside NCCL on a dead peer is what the abort is there to
+/// release.
+fn lock_for_abort(c: &Comm) -> Option<MutexGuard<'_, ()>> {
+    let until = Instant::now() + ABORT_LOCK_WAIT;
+    loop {
+        match c.lock.try_lock() {
+            Ok(g) => return Some(g),
+            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(TryLockError::WouldBlock) => {
+                tracing::warn!(
+                    "NCCL watchdog: group {} is busy in NCCL; aborting it anyway",
+                    c.name
+                );
+                return None;
+            }
+        }
+    }
+}
+
+/// Aborts every communicator in `comms` with `ncclCommAbort`, all in one
+/// NCCL group. The group matters: each abort first raises its
+/// communicator's abort flag (which makes its kernels exit) and then frees
+/// its resources, which waits for the device; every communicator queues its
+/// kernels on the one communication stream, so freeing one while another's
+/// kernel still spins (its flag not yet raised) would wait forever. Inside a
+/// group NCCL raises every flag at the call and frees at `ncclGroupEnd`.
+///
+/// The enqueue locks are held while the communicators are marked aborted and
+/// the flags raised, and released before `ncclGroupEnd`: freeing waits for
+/// the peers to close their connections to this rank's proxy (NCCL's proxy
+/// thread outlives its communicator until they do), which a hung peer never
+/// does, and the owner must meanwhile find the fault, not wait on a lock.
+fn abort_all(comms: &[Arc<Comm>]) {
+    let guards: Vec<_> = comms.iter().map(|c| lock_for_abort(c)).collect();
+    let todo: Vec<&Arc<Comm>> = comms
+        .iter()
+        .filter(|c| !c.aborted.swap(true, Ordering::AcqRel))
+        .collect();
+    if todo.is_empty() {
+        return;
+    }
+    // SAFETY: no arguments; closed by the ncclGroupEnd below.
+    if let Err(e) = check(unsafe { sys::ncclGroupStart() }, "ncclGroupStart", None) {
+        tracing::warn!("{e}; aborting the communicators one by one");
+    }
+    for c in &todo {
+        // SAFETY: `raw` is alive (`comms` holds it, it was not aborted
+        // before) and never used again (every use checks `aborted` or the
+        // fault, both set before this).
+        let r = unsafe { sys::ncclCommAbort(c.raw) };
+        if let Err(e) = check(r, &format!("ncclCommAbort (group {})", c.name), None) {
+            tracing::warn!("{e}");
+        }
+    }
+    drop(guards);
+    tracing::info!(
+        "NCCL watchdog: abort flags raised on {} communicators; freeing them \
+         (waits for the peers to close their connections)",
+        todo.len()
+    );
+    // SAFETY: closes the group opened above (a failed start leaves depth 0,
+    // where ncclGroupEnd reports an error and does nothing).
+    match check(unsafe { sys::ncclGroupEnd() }, "ncclGroupEnd (abort)", None) {
+        Ok(()) => tracing::info!("NCCL watchdog: communicators aborted and freed"),
+        Err(e) => tracing::warn!("{e}"),
+    }
+}
+
+/// How long dropping a world waits for a watchdog thread that is still
+/// freeing aborted communicators ([`abort_all`]: it waits for the peers)
+/// before leaving it to finish alone (or to end with the process).
+const WATCH_JOIN_WAIT: Duration = Duration::from_secs(10);
+
+/// The watchdog thread of a world: stopped and joined on drop.
+struct WatchThread {
+    stop: Option<mpsc::Sender<()>>,
+    /// Disconnected when the thread's closure returns.
+    ended: mpsc::Receiver<()>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl WatchThread {
+    fn spawn(
+        watch: Arc<Watch>,
+        ctx: Arc<CudaContext>,
+        fault: Arc<OnceLock<String>>,
+        timeout: Duration,
+    ) -> Result<WatchThread> {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let (ending, ended) = mpsc::channel::<()>();
+        let every = watchdog::poll_interval(timeout);
+        let handle = std::thread::Builder::new()
+            .name(format!("nccl-watchdog-{}", watch.rank))
+            .spawn(move || {
+                let _ending = ending;
+                // cuEventQuery and NCCL need the GPU's context on this thread
+                if let Err(e) = ctx.bind_to_thread() {
+                    tracing::error!(
+                        "NCCL watchdog: bind the CUDA context: {e:?}; collectives are not watched"
+                    );
+                    return;
+                }
+                let mut reported = Instant::now();
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
+                    if reported.elapsed() >= Duration::from_secs(1) {
+                        reported = Instant::now();
+                        let n = watch.dog.lock().map(|d| d.len()).unwrap_or(0);
+                        tracing::debug!(
+                            rank = watch.rank,
+                            "NCCL watchdog: {n} collectives in flight"
+                        );
+                    }
+                    if let Some(f) = watch.poll() {
+                        watch.fail(&f, &fault, timeout);
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| Error::io("start the NCCL watchdog thread", e))?;
+        Ok(WatchThread {
+            stop: Some(stop),
+            ended,
+            handle: Some(handle),
+        })
+    }
+}
+
+impl Drop for WatchThread {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        let Some(h) = self.handle.take() else {
+            return;
+        };
+        // a poll ends within its interval; freeing aborted communicators
+        // can take until the peers are gone
+        if let Err(mpsc::RecvTimeoutError::Timeout) = self.ended.recv_timeout(WATCH_JOIN_WAIT) {
+            tracing::warn!(
+                "the NCCL watchdog is still freeing the aborted communicators after {} s \
+                 (NCCL waits for the peer ranks to close their connections); leaving it",
+                WATCH_JOIN_WAIT.as_secs()
+            );
+            return;
+        }
+        if h.join().is_err() {
+            tracing::warn!("the NCCL watchdog thread panicked");
+        }
+    }
+}
+
+/// `ncclCommGetAsyncError` and `ncclCommAbort` are in the loaded libnccl
+/// (cudarc panics on a missing symbol at its first call, so look first).
+fn require_watchdog_symbols() -> Result<()> {
+    let lib = library()?;
+    // SAFETY: `library()` succeeded, so cudarc's loader resolves libnccl and
+    // `culib` returns it without reaching its panic; the symbols are only looked up.
+    let h = unsafe { sys::culib() };
+    for name in ["ncclCommGetAsyncError", "ncclCommAbort"] {
+        let sym = format!("{name}\0");
+        if let Err(e) = unsafe { h.get::<*const c_void>(sym.as_bytes()) } {
+            return Err(Error::LibraryMissing(format!(
+                "{} lacks {name} ({e}), which the NCCL watchdog needs; set UPIPE_NCCL_LIB to NCCL 2.18 or newer, \
+                 or {}=0 to run without the watchdog",
+                lib.path.display(),
+                watchdog::TIMEOUT_VAR
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// This process's world communicator on its GPU; builds meshes.
 pub struct NcclWorld {
     backend: Arc<CudaBackend>,
@@ -217,12 +601,18 @@ pub struct NcclWorld {
     comm: Arc<Comm>,
     rank: usize,
     size: usize,
+    /// The collectives and communicators the watchdog follows (`None`: off).
+    watch: Option<Arc<Watch>>,
+    /// Its thread, stopped and joined first on drop.
+    watch_thread: Option<WatchThread>,
+    timeout: Option<Duration>,
 }
 
 impl NcclWorld {
     /// Joins the world of `env` on `backend`'s GPU: loads libnccl (logging the
     /// file), exchanges the unique id through `rv` and initialises the
-    /// communicator. Collective over all ranks.
+    /// communicator. Collective over all ranks. Starts the watchdog unless
+    /// `UPIPE_NCCL_TIMEOUT_S=0` (a bad value is an error here).
     pub fn connect(
         env: &DistEnv,
         rv: &mut Rendezvous,
@@ -230,6 +620,10 @@ impl NcclWorld {
     ) -> Result<NcclWorld> {
         let lib = library()?;
         tracing::info!(rank = env.rank, "NCCL: {}", lib.describe());
+        let timeout = watchdog::timeout_from_env()?;
+        if timeout.is_some() {
+            require_watchdog_symbols()?;
+        }
         if let Some(v) = &lib.api_version
             && !supports_split(v)
         {
@@ -274,17 +668,49 @@ impl NcclWorld {
             "ncclCommInitRank (world)",
             None,
         )?;
-        let comm = Arc::new(Comm {
-            raw,
-            stream: comm_stream,
-            lock: Mutex::new(()),
-        });
+        let fault = backend.comm_fault().clone();
+        let comm = Arc::new(Comm::new(raw, "world", comm_stream, fault.clone()));
+        let (watch, thread) = match timeout {
+            None => {
+                tracing::info!(
+                    rank = env.rank,
+                    "NCCL watchdog off ({}=0)",
+                    watchdog::TIMEOUT_VAR
+                );
+                (None, None)
+            }
+            Some(t) => {
+                let watch = Arc::new(Watch {
+                    dog: Mutex::new(Watchdog::new(t, WATCH_CAPACITY)),
+                    comms: Mutex::new(Vec::new()),
+                    rank: env.rank,
+                });
+                watch.register(&comm);
+                let thread =
+                    WatchThread::spawn(watch.clone(), backend.context().clone(), fault, t)?;
+                (Some(watch), Some(thread))
+            }
+        };
         Ok(NcclWorld {
             backend,
             comm,
             rank: env.rank,
             size: env.world_size,
+            watch,
+            watch_thread: thread,
+            timeout,
         })
+    }
+
+    /// The watchdog's timeout (`None`: off).
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// `Err` with the watchdog's message once it has failed a collective
+    /// (the same error every later collective and sync returns).
+    pub fn health(&self) -> Result<()> {
+        fault_check(self.backend.comm_fault())
     }
 
     /// This process's global rank.
@@ -341,14 +767,25 @@ impl NcclWorld {
                     spec.kind, spec.members
                 )));
             }
-            groups.push(self.group(
-                Arc::new(Comm {
-                    raw,
-                    stream: self.comm.stream.clone(),
-                    lock: Mutex::new(()),
-                }),
-                spec.members,
+            let name = format!(
+                "{} {:?}",
+                format!("{:?}", spec.kind).to_lowercase(),
+                spec.members
+            );
+            let comm = Arc::new(Comm::new(
+                raw,
+                &name,
+                self.comm.stream.clone(),
+                self.backend.comm_fault().clone(),
             ));
+            // A communicator of one rank has no peer to fail, and on the
+            // 2xH200 run (NCCL 2.28.3) the watchdog's first
+            // ncclCommGetAsyncError on a fresh one-rank split never returned:
+            // its collectives are still timed by their end events.
+            if let Some(w) = self.watch.as_ref().filter(|_| spec.members.len() > 1) {
+                w.register(&comm);
+            }
+            groups.push(self.group(comm, spec.members));
         }
         let mut it = groups.into_iter();
         let mut next = || it.next().expect("four splits");
@@ -374,7 +811,23 @@ impl NcclWorld {
             comm,
             me,
             size: members.len(),
+            watch: self.watch.clone(),
         })
+    }
+}
+
+impl Drop for NcclWorld {
+    fn drop(&mut self) {
+        // stop watching before the communicators go
+        drop(self.watch_thread.take());
+    }
+}
+
+/// `Err` with the recorded communication fault, if there is one.
+fn fault_check(fault: &OnceLock<String>) -> Result<()> {
+    match fault.get() {
+        Some(m) => Err(Error::Comm(m.clone())),
+        None => Ok(()),
     }
 }
 
@@ -384,10 +837,22 @@ fn drv_bind(b: &CudaBackend) -> Result<()> {
         .map_err(|e| Error::Backend(format!("CUDA driver: bind context: {e:?}")))
 }
 
-fn lock(c: &Comm) -> Result<std::sync::MutexGuard<'_, ()>> {
-    c.lock
+/// The enqueue lock of a communicator that may still be used: `Err` once the
+/// watchdog has failed (checked under the lock, so that no enqueue overlaps
+/// or follows the abort).
+fn lock(c: &Comm) -> Result<MutexGuard<'_, ()>> {
+    let g = c
+        .lock
         .lock()
-        .map_err(|_| Error::Comm("an NCCL communicator was poisoned by a panic".into()))
+        .map_err(|_| Error::Comm("an NCCL communicator was poisoned by a panic".into()))?;
+    fault_check(&c.fault)?;
+    if c.aborted.load(Ordering::Acquire) {
+        return Err(Error::Comm(format!(
+            "the NCCL communicator of group {} was aborted",
+            c.name
+        )));
+    }
+    Ok(g)
 }
 
 /// One group of an [`NcclWorld`] mesh.
@@ -396,6 +861,7 @@ struct NcclGroup {
     comm: Arc<Comm>,
     me: usize,
     size: usize,
+    watch: Option<Arc<Watch>>,
 }
 
 /// A grouped NCCL call in flight: `ncclGroupEnd` runs even on early error.
@@ -431,14 +897,30 @@ impl NcclGroup {
 
     /// Queues `f`'s transfers on the communication stream after everything
     /// queued so far on the compute stream; returns the event that marks
-    /// their end. No host synchronisation.
+    /// their end. No host synchronisation: the watchdog follows the
+    /// collective from here (pushed before `f`, so a hang inside NCCL's
+    /// enqueue is timed too) by that event, queried on its own thread.
     fn issue(
         &self,
         kind: &'static str,
         bytes: usize,
         f: impl FnOnce() -> Result<()>,
-    ) -> Result<CudaEvent> {
+    ) -> Result<Arc<EndMark>> {
+        fault_check(&self.comm.fault)?;
         drv_bind(&self.backend)?;
+        let end = Arc::new(EndMark {
+            event: drv(self.backend.context().new_event(None), "create event")?,
+            state: AtomicU8::new(ENQUEUEING),
+        });
+        let _abandon = AbandonUnlessRecorded(end.clone());
+        if let Some(w) = &self.watch {
+            w.follow(Issued {
+                kind,
+                bytes,
+                group: self.comm.name.clone(),
+                end: end.clone(),
+            });
+        }
         let ready = drv(self.backend.stream().record_event(None), "record event")?;
         drv(self.comm.stream.wait(&ready), "stream wait")?;
         {
@@ -448,14 +930,21 @@ impl NcclGroup {
                 .span_shaped(kind, &self.comm.stream, || format!("{bytes} B"))?;
             f()?;
         }
-        drv(self.comm.stream.record_event(None), "record event")
+        drv(end.event.record(&self.comm.stream), "record event")?;
+        end.state.store(RECORDED, Ordering::Release);
+        Ok(end)
     }
 
     /// What makes the compute stream wait for transfers ending at `done`
-    /// (for a [`Pending`]; no host synchronisation).
-    fn join(&self, done: CudaEvent) -> super::Join {
+    /// (for a [`Pending`]; no host synchronisation). `Err` once the
+    /// watchdog has failed: what was received is not to be trusted.
+    fn join(&self, done: Arc<EndMark>) -> super::Join {
         let compute = self.backend.stream().clone();
-        Box::new(move || drv(compute.wait(&done), "stream wait"))
+        let fault = self.comm.fault.clone();
+        Box::new(move || {
+            drv(compute.wait(&done.event), "stream wait")?;
+            fault_check(&fault)
+        })
     }
 
     /// `issue`, then orders the compute stream after the transfers.
@@ -466,7 +955,7 @@ impl NcclGroup {
         f: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
         let done = self.issue(kind, bytes, f)?;
-        drv(self.backend.stream().wait(&done), "stream wait")
+        drv(self.backend.stream().wait(&done.event), "stream wait")
     }
 
     fn ptr(&self, t: &Tensor<CudaBackend>) -> *mut c_void {

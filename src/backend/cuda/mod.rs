@@ -71,6 +71,9 @@ pub struct CudaBackend {
     cudnn: OnceLock<std::result::Result<cudnn::CudnnSdpa, String>>,
     /// GPU time by op when `UPIPE_PROFILE` is set.
     profile: profile::OpProfile,
+    /// The first fatal communication error on this GPU (set by the NCCL
+    /// watchdog, `comm::nccl`); every later synchronisation returns it.
+    comm_fault: Arc<OnceLock<String>>,
 }
 
 /// How many attention calls of a backend ran on which kernels.
@@ -249,6 +252,7 @@ impl CudaBackend {
             },
             cudnn: OnceLock::new(),
             profile: profile::OpProfile::from_env(),
+            comm_fault: Arc::new(OnceLock::new()),
         })
     }
 
@@ -480,6 +484,40 @@ impl CudaBackend {
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+    /// Where a fatal communication error is recorded (once): after it is set,
+    /// [`Backend::synchronize`] (and so every download) returns it as
+    /// [`Error::Comm`], since data received since then is not to be trusted.
+    /// Waits until the stream's queued work is done by polling an event, not
+    /// by blocking inside the driver: a thread blocked in a CUDA call can hold
+    /// locks the NCCL watchdog's event queries need (2×H200, NCCL 2.28.3: a
+    /// download waiting on a collective whose peer had left stalled the
+    /// watchdog thread until the process was killed). Returns the
+    /// communication fault as soon as the watchdog records one.
+    fn wait_idle(&self) -> Result<()> {
+        let done = drv(
+            self.stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)),
+            "record event",
+        )?;
+        let start = std::time::Instant::now();
+        loop {
+            if drv(done.try_is_complete(), "query event")? {
+                return Ok(());
+            }
+            if let Some(m) = self.comm_fault.get() {
+                return Err(Error::Comm(m.clone()));
+            }
+            if start.elapsed() < std::time::Duration::from_micros(200) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+
+    pub fn comm_fault(&self) -> &Arc<OnceLock<String>> {
+        &self.comm_fault
+    }
     /// The arch kernels were compiled for (e.g. `sm_90`).
     pub fn arch(&self) -> &str {
         &self.arch
@@ -703,6 +741,9 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(Vec::new());
         }
+        // the copy into pageable memory blocks inside the driver until the
+        // stream reaches it: let queued work (maybe a collective) finish first
+        self.wait_idle()?;
         let s = self.stream.cu_stream();
         let out = match t.dtype() {
             DType::F32 => {
@@ -733,7 +774,11 @@ impl Backend for CudaBackend {
 
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        drv(self.stream.synchronize(), "stream synchronize")
+        self.wait_idle()?;
+        match self.comm_fault.get() {
+            Some(m) => Err(Error::Comm(m.clone())),
+            None => Ok(()),
+        }
     }
 
     fn gemm(
