@@ -570,3 +570,27 @@ impl CudnnSdpa {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_pick_parses_and_names_the_fix() {
+        assert_eq!("".parse::<PlanPick>().unwrap(), PlanPick::First);
+        assert_eq!("first".parse::<PlanPick>().unwrap(), PlanPick::First);
+        assert_eq!(" fastest ".parse::<PlanPick>().unwrap(), PlanPick::Fastest);
+        assert_eq!("1".parse::<PlanPick>().unwrap(), PlanPick::Index(1));
+        let e = "quickest".parse::<PlanPick>().unwrap_err().to_string();
+        assert!(e.contains("UPIPE_CUDNN_PLAN=quickest") && e.contains("fastest"), "{e}");
+    }
+
+    #[test]
+    fn fastest_candidate_is_the_minimum_first_on_ties() {
+        assert_eq!(fastest(&[]), None);
+        assert_eq!(fastest(&[3.0]), Some(0));
+        assert_eq!(fastest(&[7.0, 13.5]), Some(0));
+        assert_eq!(fastest(&[13.5, 7.0, 9.0]), Some(1));
+        assert_eq!(fastest(&[2.0, 1.0, 1.0]), Some(1));
+    }
+}
