@@ -11,6 +11,7 @@
 //! shape back to back on one stream against side by side on two streams
 //! (the cost of each call's last partial wave, when few heads leave SMs idle).
 //! `CUDNN_BENCH_PARTS=1` splits the accumulate backward into its parts.
+//! `CUDNN_BENCH_CONTEXT=1` times one forward after other work (`context`).
 //! `UPIPE_CUDNN_PLAN=fastest` times every engine configuration on each
 //! shape's first call (listed under "plan builds" at the end).
 
@@ -378,6 +379,9 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
             "parts S={s} H={h}: bwd overwrite {t_bwd:.3} ms, accumulate {t_bwd_acc:.3}, scratch alloc+free {t_scratch:.3}, 3 axpy {t_axpy:.3}, overwrite again {t_bwd2:.3}"
         );
     }
+    if std::env::var("CUDNN_BENCH_CONTEXT").as_deref() == Ok("1") {
+        context(be, sdpa, &fa, s)?;
+    }
     let flops = 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
     let layout = if b.head_major { "heads" } else { "tokens" };
     println!(
@@ -388,6 +392,55 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
         2.5 * flops / t_bwd / 1e9,
         3.5 * flops / (t_fwd + t_bwd) / 1e9,
         3.5 * flops / (t_fwd + t_bwd_acc) / 1e9,
+    );
+    Ok(())
+}
+
+/// One forward's time (events around the call alone) in three settings, 16
+/// calls each: back to back; each after a projection GEMM of one UPipe stage
+/// (`[s/2, 4096] x [4096, 256]`, random bf16); each after a 64 MiB copy. Tells
+/// whether the work around a call in the layer slows the call itself.
+fn context(be: &CudaBackend, sdpa: &CudnnSdpa, fa: &SdpaFwd, s: usize) -> Res<()> {
+    let stream = be.stream().clone();
+    let ev = || stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+    let rows = s / 2;
+    let up = |n: usize, shape: &[usize], seed: u64| {
+        let v = upipe::rng::normal_vec_par(seed, n, 1.0);
+        be.from_host(&v, shape, DType::BF16, Category::Workspace)
+    };
+    let x = up(rows * 4096, &[rows, 4096], 1)?;
+    let w = up(256 * 4096, &[256, 4096], 2)?;
+    let mut y = be.zeros(&[rows, 256], DType::BF16, Category::Workspace)?;
+    let src = up(32 << 20, &[32 << 20], 3)?;
+    let mut dst = be.zeros(&[32 << 20], DType::BF16, Category::Workspace)?;
+    let run = |before: &mut dyn FnMut() -> Res<()>| -> Res<f64> {
+        sdpa.fwd(be, fa)?;
+        stream.synchronize()?;
+        let mut total = 0.0;
+        for _ in 0..16 {
+            before()?;
+            let (e0, e1) = (ev()?, {
+                sdpa.fwd(be, fa)?;
+                ev()?
+            });
+            e1.synchronize()?;
+            total += e0.elapsed_ms(&e1)? as f64;
+        }
+        Ok(total / 16.0)
+    };
+    let alone = run(&mut || Ok(()))?;
+    let after_gemm = run(&mut || Ok(be.gemm(y.mat_mut(), x.mat(), w.mat().t(), 1.0, 0.0)?))?;
+    let after_copy = run(&mut || {
+        let n = 32 << 20;
+        Ok(be.copy(
+            dst.view_mut(upipe::backend::MatLayout::row_major(1, n)),
+            src.view(upipe::backend::MatLayout::row_major(1, n)),
+        )?)
+    })?;
+    let alone_again = run(&mut || Ok(()))?;
+    println!(
+        "context S={s} H={}: fwd ms back to back {alone:.3}, after a GEMM {after_gemm:.3}, after a 64 MiB copy {after_copy:.3}, back to back again {alone_again:.3}",
+        fa.shape.hq
     );
     Ok(())
 }

@@ -26,7 +26,8 @@ fi
 T0=$(date +%s)
 # PARTS picks what runs (default all but settle1 and rounds): kernel tests
 # check profile long perf tune settle; settle1 is the one-GPU version of
-# settle; rounds alternates Ulysses and UPipe (ROUNDS=4 rounds)
+# settle; rounds alternates Ulysses and UPipe (ROUNDS=4 rounds); power
+# samples clocks and power under each
 want() { [[ " ${PARTS:-kernel tests check profile long perf tune settle} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
 step() { # name timeout cmd...
@@ -102,6 +103,12 @@ want rounds && for s in 131072 262144; do
   for e in 2 phase; do
     step "rounds_${s}_${e}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds ${ROUNDS:-4} --seq $s --methods ulysses,upipe --chunk-heads 2 --settle-every $e
   done
+done
+# clocks and power under each strategy alone, 8 passes at 128K (PARTS=power;
+# needs power-sample.sh next to this script)
+want power && for m in ulysses upipe; do
+  step "power_131072_$m" 90 bash "$here/power-sample.sh" "$m" "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 8 --seq 131072 --methods $m --chunk-heads 2
+  grep -a "^power " "$out/logs/power_131072_$m.log"
 done
 # ring (and usp = ulysses on one node) at 128K, K/V passes overlapped with attention
 want perf && step perf_131072_ring 150 "${L[@]}" "${llama[@]}" --iters 2 --seq 131072 --ulysses 1 --ring 2 --methods ring

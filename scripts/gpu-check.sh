@@ -34,6 +34,7 @@ for line in sys.stdin:
     cargo build --release --examples --bins
     cp target/release/examples/gpu_bench "$dest/bin/gpu_bench"
     cp target/release/examples/flash_check "$dest/bin/flash_check"
+    cp target/release/examples/cudnn_check "$dest/bin/cudnn_check"
     cp target/release/upipe "$dest/bin/upipe"
     strip "$dest"/bin/* || true
     cp "$0" "$dest/gpu-check.sh"

@@ -495,8 +495,9 @@ impl CudaBackend {
     /// communication fault as soon as the watchdog records one.
     fn wait_idle(&self) -> Result<()> {
         let done = drv(
-            self.stream
-                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)),
+            self.stream.record_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            )),
             "record event",
         )?;
         let start = std::time::Instant::now();

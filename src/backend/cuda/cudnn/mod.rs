@@ -107,7 +107,9 @@ impl std::str::FromStr for PlanPick {
 impl PlanPick {
     /// From `UPIPE_CUDNN_PLAN` (unset: `first`).
     pub fn from_env() -> Result<PlanPick> {
-        std::env::var("UPIPE_CUDNN_PLAN").unwrap_or_default().parse()
+        std::env::var("UPIPE_CUDNN_PLAN")
+            .unwrap_or_default()
+            .parse()
     }
 }
 
@@ -288,6 +290,11 @@ impl CudnnSdpa {
         self.version
     }
 
+    /// Which engine configuration plans use (`UPIPE_CUDNN_PLAN`).
+    pub fn plan_pick(&self) -> PlanPick {
+        self.pick
+    }
+
     /// Where the library came from.
     pub fn library(&self) -> &str {
         &self.lib
@@ -391,8 +398,7 @@ impl CudnnSdpa {
         {
             return Ok(e.plan.clone());
         }
-        let candidates =
-            Plan::build_candidates(self.handle.0, Self::graph(s, bwd)?, usize::MAX)?;
+        let candidates = Plan::build_candidates(self.handle.0, Self::graph(s, bwd)?, usize::MAX)?;
         let candidates: Vec<Plan> = candidates
             .into_iter()
             .filter(|p| p.workspace <= first.workspace)
@@ -582,7 +588,10 @@ mod tests {
         assert_eq!(" fastest ".parse::<PlanPick>().unwrap(), PlanPick::Fastest);
         assert_eq!("1".parse::<PlanPick>().unwrap(), PlanPick::Index(1));
         let e = "quickest".parse::<PlanPick>().unwrap_err().to_string();
-        assert!(e.contains("UPIPE_CUDNN_PLAN=quickest") && e.contains("fastest"), "{e}");
+        assert!(
+            e.contains("UPIPE_CUDNN_PLAN=quickest") && e.contains("fastest"),
+            "{e}"
+        );
     }
 
     #[test]
