@@ -99,9 +99,10 @@ done
 want settle1 && UPIPE_PROFILE=shapes step one_profile_65536 90 "${one[@]}" "${llama[@]}" --iters 1 --seq 65536 --methods upipe --chunk-heads 1
 # Ulysses and UPipe in alternating rounds (A B B A ...: a clock drift over the
 # run weighs on both alike), the default settle and per phase (PARTS=rounds)
-want rounds && for s in 131072 262144; do
-  for e in 2 phase; do
-    step "rounds_${s}_${e}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds ${ROUNDS:-4} --seq $s --methods ulysses,upipe --chunk-heads 2 --settle-every $e
+# (SEQS, SETTLES and CHUNK=U pick the rows)
+want rounds && for s in ${SEQS:-131072 262144}; do
+  for e in ${SETTLES:-2 phase}; do
+    step "rounds_${s}_U${CHUNK:-2}_${e}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds ${ROUNDS:-4} --seq $s --methods ulysses,upipe --chunk-heads ${CHUNK:-2} --settle-every $e
   done
 done
 # clocks and power under each strategy alone, 8 passes at 128K (PARTS=power;
