@@ -97,6 +97,7 @@ fn run_case(
         cdq.all_rows_mut(),
         cdk.all_rows_mut(),
         cdv.all_rows_mut(),
+        upipe::backend::AttnGradWrites::ADD,
     )?;
 
     // GPU.
@@ -144,13 +145,14 @@ fn run_case(
         dq: be.device_ptr(&gdq),
         dk: be.device_ptr(&gdk),
         dv: be.device_ptr(&gdv),
-        grad_dt: gdt,
+        dq_dt: gdt,
+        dkv_dt: gdt,
         shape: s,
     };
     if let Err(reason) = sdpa.supports(&s, true) {
         return Ok((errs, Some(reason)));
     }
-    sdpa.bwd(be, &ba)?;
+    sdpa.bwd(be, &ba, upipe::backend::AttnGradWrites::ADD)?;
     errs.push(rel_err(&be.to_host(&gdq)?, &cpu.to_host(&cdq)?));
     errs.push(rel_err(&be.to_host(&gdk)?, &cpu.to_host(&cdk)?));
     errs.push(rel_err(&be.to_host(&gdv)?, &cpu.to_host(&cdv)?));
@@ -338,7 +340,8 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
         dq: p(&dq),
         dk: p(&dk),
         dv: p(&dv),
-        grad_dt: DType::F32,
+        dq_dt: DType::F32,
+        dkv_dt: DType::F32,
         shape: sh,
     };
     let iters = if s >= 32768 { 3 } else { 10 };
@@ -356,7 +359,7 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
     };
     let t_fwd = time(&|| Ok(sdpa.fwd(be, &fa)?))?;
     let t_bwd = time(&|| Ok(sdpa.bwd_overwrite(be, &ba, p(&bq), p(&bk), p(&bv))?))?;
-    let t_bwd_acc = time(&|| Ok(sdpa.bwd(be, &ba)?))?;
+    let t_bwd_acc = time(&|| Ok(sdpa.bwd(be, &ba, upipe::backend::AttnGradWrites::ADD)?))?;
     if std::env::var("CUDNN_BENCH_PARTS").as_deref() == Ok("1") {
         // where the accumulate path's extra time goes
         let (nq, nk) = (s * h * d, s * hkv * d);

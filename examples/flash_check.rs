@@ -135,6 +135,7 @@ fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<CaseResult>> {
         cdq.all_rows_mut(),
         cdk.rows_view_mut(kr.clone()),
         cdv.rows_view_mut(kr.clone()),
+        upipe::backend::AttnGradWrites::ADD,
     )?;
 
     let (co, clse, cdq, cdk, cdv) = (

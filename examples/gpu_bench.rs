@@ -91,6 +91,7 @@ fn attention_times(
             dq.all_rows_mut(),
             dk.all_rows_mut(),
             dv.all_rows_mut(),
+            upipe::backend::AttnGradWrites::ADD,
         )
     })?;
     let l = b.to_host(&lse)?;

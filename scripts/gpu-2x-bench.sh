@@ -27,7 +27,7 @@ T0=$(date +%s)
 # PARTS picks what runs (default all but settle1 and rounds): kernel tests
 # check profile long perf tune settle; settle1 is the one-GPU version of
 # settle; rounds alternates Ulysses and UPipe (ROUNDS=4 rounds); power
-# samples clocks and power under each
+# samples clocks and power under each; pins measures the peaks tests/plan.rs pins
 want() { [[ " ${PARTS:-kernel tests check profile long perf tune settle} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
 step() { # name timeout cmd...
@@ -105,6 +105,25 @@ want rounds && for s in ${SEQS:-131072 262144}; do
     step "rounds_${s}_U${CHUNK:-2}_${e}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds ${ROUNDS:-4} --seq $s --methods ulysses,upipe --chunk-heads ${CHUNK:-2} --settle-every $e
   done
 done
+# the peaks tests/plan.rs pins as measured (cuda_predictions_against_the_h200_ledger;
+# PARTS=pins): 2 GPUs at 256K and 128K, one GPU at 64K and 128K
+want pins && {
+  one1=("$bin/upipe" bench attn --device cuda --json --ulysses 1 --iters 1)
+  step pins_256K_uly_stage 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 262144 --methods ulysses,upipe --chunk-heads 2 --settle-every stage
+  step pins_256K_overlap 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 262144 --methods upipe --chunk-heads 2 --settle-every stage --overlap
+  for e in 2 phase; do
+    step "pins_256K_$e" 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 262144 --methods upipe --chunk-heads 2 --settle-every $e
+  done
+  for e in stage 2 phase; do
+    step "pins_128K_$e" 60 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods upipe --chunk-heads 2 --settle-every $e
+  done
+  step pins_one_64K_U32 60 "${one1[@]}" "${llama[@]}" --seq 65536 --methods upipe --chunk-heads 32 --settle-every stage
+  for s in 65536 131072; do
+    for e in stage phase; do
+      step "pins_one_${s}_U1_$e" 60 "${one1[@]}" "${llama[@]}" --seq $s --methods upipe --chunk-heads 1 --settle-every $e
+    done
+  done
+}
 # clocks and power under each strategy alone, 8 passes at 128K (PARTS=power;
 # needs power-sample.sh next to this script)
 want power && for m in ulysses upipe; do

@@ -9,7 +9,9 @@ use upipe::Error;
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
-use upipe::backend::{AdamWStep, Backend, Category, DType, IGNORE, MatLayout, Tensor};
+use upipe::backend::{
+    AdamWStep, AttnGradWrites, Backend, Category, DType, GradWrite, IGNORE, MatLayout, Tensor,
+};
 
 const TOL: f64 = 1e-2;
 
@@ -475,11 +477,13 @@ fn attention_case(
     let co = round(&co, DType::BF16);
     #[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
     let kblocks = [0..sk];
-    let gg = attn_bwd_on(g, DType::BF16, grad_dt, &p, &co, &cl, &kblocks);
-    let cg = attn_bwd_on(c, DType::F32, DType::F32, &p, &co, &cl, &kblocks);
-    close(&format!("{tag} dq"), &gg.0, &cg.0);
-    close(&format!("{tag} dk"), &gg.1, &cg.1);
-    close(&format!("{tag} dv"), &gg.2, &cg.2);
+    for w in BWD_WRITES {
+        let gg = attn_bwd_on(g, DType::BF16, grad_dt, &p, &co, &cl, &kblocks, w);
+        let cg = attn_bwd_on(c, DType::F32, DType::F32, &p, &co, &cl, &kblocks, w);
+        close(&format!("{tag} {w:?} dq"), &gg.0, &cg.0);
+        close(&format!("{tag} {w:?} dk"), &gg.1, &cg.1);
+        close(&format!("{tag} {w:?} dv"), &gg.2, &cg.2);
+    }
 }
 
 #[test]
@@ -676,9 +680,22 @@ fn attn_fwd_on<B: Backend>(b: &B, dt: DType, p: &AttnProblem) -> (Vec<f32>, Vec<
     (b.to_host(&o).unwrap(), b.to_host(&lse).unwrap())
 }
 
+/// The gradient writes every backward check runs: adding into the initial
+/// gradients, and overwriting them with the first key block's call (later
+/// blocks add, as ring attention's steps do).
+const BWD_WRITES: [AttnGradWrites; 2] = [
+    AttnGradWrites::ADD,
+    AttnGradWrites {
+        dq: GradWrite::Overwrite,
+        dkv: GradWrite::Overwrite,
+    },
+];
+
 /// Backward on `b` (inputs `dt`, gradients `grad_dt`) from the given o / lse of
-/// the full rows, one call per key block of `kblocks` (ranges of keys): the
-/// accumulated (dq, dk, dv) of the whole padded tensors.
+/// the full rows, one call per key block of `kblocks` (ranges of keys), the
+/// first with `writes`, the others adding: the (dq, dk, dv) of the whole
+/// padded tensors.
+#[allow(clippy::too_many_arguments)]
 fn attn_bwd_on<B: Backend>(
     b: &B,
     dt: DType,
@@ -687,6 +704,7 @@ fn attn_bwd_on<B: Backend>(
     o: &[f32],
     lse: &[f32],
     kblocks: &[std::ops::Range<usize>],
+    writes: AttnGradWrites,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (off, hq, hkv, d) = (p.off, p.hq, p.hkv, p.d);
     let up = |x: &[f32], s: usize, h: usize, dt: DType| {
@@ -706,7 +724,7 @@ fn attn_bwd_on<B: Backend>(
     let mut dk = up(&p.dk0, p.sk, hkv, grad_dt);
     let mut dv = up(&p.dv0, p.sk, hkv, grad_dt);
     let qr = off..off + p.sq;
-    for kb in kblocks {
+    for (i, kb) in kblocks.iter().enumerate() {
         let kr = off + kb.start..off + kb.end;
         b.attention_bwd(
             q.rows_view(qr.clone()),
@@ -719,6 +737,7 @@ fn attn_bwd_on<B: Backend>(
             dq.rows_view_mut(qr.clone()),
             dk.rows_view_mut(kr.clone()),
             dv.rows_view_mut(kr),
+            if i == 0 { writes } else { AttnGradWrites::ADD },
         )
         .unwrap();
     }
@@ -754,16 +773,18 @@ fn compare_kernels(
     close(&format!("{tag} o vs {oracle_name}"), &so, &oo);
     close(&format!("{tag} lse vs {oracle_name}"), &sl, &ol);
     let co = round(&co, DType::BF16);
-    let sg = attn_bwd_on(subject, DType::BF16, grad_dt, p, &co, &cl, kblocks);
-    let og = attn_bwd_on(oracle, DType::BF16, grad_dt, p, &co, &cl, kblocks);
-    let cg = attn_bwd_on(&c, DType::F32, DType::F32, p, &co, &cl, kblocks);
-    for (name, sx, ox, cx) in [
-        ("dq", &sg.0, &og.0, &cg.0),
-        ("dk", &sg.1, &og.1, &cg.1),
-        ("dv", &sg.2, &og.2, &cg.2),
-    ] {
-        close(&format!("{tag} {name} vs cpu"), sx, cx);
-        close(&format!("{tag} {name} vs {oracle_name}"), sx, ox);
+    for w in BWD_WRITES {
+        let sg = attn_bwd_on(subject, DType::BF16, grad_dt, p, &co, &cl, kblocks, w);
+        let og = attn_bwd_on(oracle, DType::BF16, grad_dt, p, &co, &cl, kblocks, w);
+        let cg = attn_bwd_on(&c, DType::F32, DType::F32, p, &co, &cl, kblocks, w);
+        for (name, sx, ox, cx) in [
+            ("dq", &sg.0, &og.0, &cg.0),
+            ("dk", &sg.1, &og.1, &cg.1),
+            ("dv", &sg.2, &og.2, &cg.2),
+        ] {
+            close(&format!("{tag} {w:?} {name} vs cpu"), sx, cx);
+            close(&format!("{tag} {w:?} {name} vs {oracle_name}"), sx, ox);
+        }
     }
 }
 
@@ -791,7 +812,7 @@ fn flash_case(
     );
     assert_eq!(
         after.flash_bwd - before.flash_bwd,
-        kblocks.len() as u64,
+        (BWD_WRITES.len() * kblocks.len()) as u64,
         "{tag}: backward ran on the flash kernels"
     );
     assert_eq!(
@@ -936,8 +957,9 @@ fn attention_outside_the_flash_kernels_runs_naive() {
         let (co, cl) = attn_fwd_on(&c, DType::F32, &p);
         close(&format!("routing {dt:?} d={d} o"), &fo, &co);
         close(&format!("routing {dt:?} d={d} lse"), &fl, &cl);
-        let g = attn_bwd_on(f, dt, DType::F32, &p, &co, &cl, &[0..70]);
-        let cg = attn_bwd_on(&c, DType::F32, DType::F32, &p, &co, &cl, &[0..70]);
+        let add = AttnGradWrites::ADD;
+        let g = attn_bwd_on(f, dt, DType::F32, &p, &co, &cl, &[0..70], add);
+        let cg = attn_bwd_on(&c, DType::F32, DType::F32, &p, &co, &cl, &[0..70], add);
         close(&format!("routing {dt:?} d={d} dq"), &g.0, &cg.0);
         close(&format!("routing {dt:?} d={d} dk"), &g.1, &cg.1);
         close(&format!("routing {dt:?} d={d} dv"), &g.2, &cg.2);
@@ -1015,8 +1037,8 @@ fn cudnn_attention_through_the_backend_matches_cpu_and_native() {
         assert_eq!(cf + ours, 1, "{tag}: one forward call");
         assert_eq!(
             cb + ours_b,
-            kblocks.len() as u64,
-            "{tag}: one call per key block"
+            (BWD_WRITES.len() * kblocks.len()) as u64,
+            "{tag}: one call per key block and gradient write"
         );
         on_cudnn += cf + cb;
     }

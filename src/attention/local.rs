@@ -3,7 +3,7 @@
 
 use super::rope::RopeTables;
 use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, norm_rope_bwd};
-use crate::backend::{Backend, Category, DType, Tensor};
+use crate::backend::{AttnGradWrites, Backend, Category, DType, Tensor};
 use crate::error::Result;
 
 /// `x @ w^T` for a `[rows, hidden]` input and `[heads*d, hidden]` weight, shaped `[rows, heads, d]`.
@@ -86,6 +86,7 @@ pub fn backward<B: Backend>(
         dq.all_rows_mut(),
         dk.all_rows_mut(),
         dv.all_rows_mut(),
+        AttnGradWrites::ADD,
     )?;
     drop((q, k, v, d_o, o, lse));
     let dq = norm_rope_bwd(

@@ -6,7 +6,7 @@
 //! blocks, and partial results are merged by log-sum-exp. In backward the
 //! K/V gradients travel with their blocks and return home at the end.
 
-use crate::backend::{Backend, Category, DType, Tensor};
+use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Tensor};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::Result;
 use std::ops::Range;
@@ -109,8 +109,11 @@ pub fn forward<B: Backend>(
     Ok((o, lse))
 }
 
-/// Ring attention backward: accumulates `dq` for the local queries and `dk`,
-/// `dv` for the local K/V (all `[n, heads, d]`, F32 or compute dtype).
+/// Ring attention backward: `dq` for the local queries and `dk`, `dv` for the
+/// local K/V (all `[n, heads, d]`, F32 or compute dtype), added into or
+/// overwritten as `writes` says (later ring steps add into what the first
+/// wrote, so overwrite only tensors whose dtype can accumulate: F32 when
+/// there is more than one step).
 ///
 /// K/V blocks travel as in [`forward`] (passed on as they arrive, beside the
 /// step's attention backward); each block's dK/dV follow it one step behind,
@@ -129,6 +132,7 @@ pub fn backward<B: Backend>(
     dq: &mut Tensor<B>,
     dk: &mut Tensor<B>,
     dv: &mut Tensor<B>,
+    writes: AttnGradWrites,
 ) -> Result<()> {
     let (p, i, n) = (ring.size(), ring.rank(), q.rows());
     if p == 1 {
@@ -143,6 +147,7 @@ pub fn backward<B: Backend>(
             dq.all_rows_mut(),
             dk.all_rows_mut(),
             dv.all_rows_mut(),
+            writes,
         );
     }
     let mut relay = KvRelay::start(b, ring, k, v)?;
@@ -166,6 +171,12 @@ pub fn backward<B: Backend>(
             dq.rows_view_mut(blk.q_rows.clone()),
             dk_t.rows_view_mut(blk.k_rows.clone()),
             dv_t.rows_view_mut(blk.k_rows.clone()),
+            AttnGradWrites {
+                // the first step's query block covers every local query row
+                // (zigzag: a rank's own block), later steps add in
+                dq: if step == 0 { writes.dq } else { GradWrite::Add },
+                dkv: GradWrite::Add,
+            },
         )
     };
     step_bwd(0, k, v, &mut dk_t, &mut dv_t)?;
@@ -178,8 +189,12 @@ pub fn backward<B: Backend>(
     drop(relay);
     // the last block's gradients go home
     let (dk_t, dv_t) = pass_grads(b, ring, dk_t, dv_t)?;
-    b.axpy(dk, 1.0, &dk_t)?;
-    b.axpy(dv, 1.0, &dv_t)?;
+    for (dst, src) in [(dk, &dk_t), (dv, &dv_t)] {
+        match writes.dkv {
+            GradWrite::Add => b.axpy(dst, 1.0, src)?,
+            GradWrite::Overwrite => b.copy(dst.mat_mut(), src.mat())?,
+        }
+    }
     Ok(())
 }
 

@@ -14,6 +14,7 @@
 //! Every rank's heads in a stage are a contiguous range in canonical (HF)
 //! order, so projections use a contiguous block of weight rows.
 
+use crate::backend::GradWrite;
 use crate::error::Result;
 use std::ops::Range;
 
@@ -196,9 +197,30 @@ pub fn upcoming(p: usize, t: usize, phases: usize, stages: usize) -> Upcoming {
     }
 }
 
+/// How the staged backward's attention calls write a gradient that `calls`
+/// stages contribute to on a ring of `pr` ranks: overwritten (in the compute
+/// dtype) when one call makes it whole and no per-head norm's backward
+/// (`normed`, kept in F32) follows; otherwise added up in F32.
+pub fn grad_write(calls: usize, pr: usize, normed: bool) -> GradWrite {
+    if calls == 1 && pr == 1 && !normed {
+        GradWrite::Overwrite
+    } else {
+        GradWrite::Add
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_call_without_ring_or_norm_overwrites() {
+        assert_eq!(grad_write(1, 1, false), GradWrite::Overwrite);
+        // ring steps, later stages of a kv phase, and a norm's F32 backward add
+        assert_eq!(grad_write(1, 2, false), GradWrite::Add);
+        assert_eq!(grad_write(4, 1, false), GradWrite::Add);
+        assert_eq!(grad_write(1, 1, true), GradWrite::Add);
+    }
 
     #[test]
     fn upcoming_walks_stages_then_phases() {

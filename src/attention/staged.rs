@@ -19,12 +19,12 @@
 //! gradients there naturally.
 
 use super::rope::RopeTables;
-use super::schedule::{KvPhase, Upcoming, upcoming};
+use super::schedule::{KvPhase, Upcoming, grad_write, upcoming};
 use super::settle::{Proj, settle_layout};
 use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
 };
-use crate::backend::{Backend, Category, DType, Mat, MatLayout, Tensor};
+use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Mat, MatLayout, Tensor};
 use crate::comm::{Mesh, Pending};
 use crate::error::Result;
 use crate::plan::shapes::StageShapes;
@@ -272,6 +272,23 @@ impl<'a, B: Backend> Staged<'a, B> {
         )
     }
 
+    /// [`grad_write`] of a gradient `calls` stages contribute to.
+    fn grad_write(&self, calls: usize, normed: bool) -> GradWrite {
+        grad_write(calls, self.plan.layout.pr, normed)
+    }
+
+    /// A gradient buffer of one attention backward for `write`: unfilled in
+    /// the compute dtype (overwritten), or zeroed F32 (added into).
+    fn attention_grad(&self, shape: &[usize], write: GradWrite) -> Result<Tensor<B>> {
+        match write {
+            GradWrite::Overwrite => {
+                self.b
+                    .empty(shape, self.b.compute_dtype(), Category::Workspace)
+            }
+            GradWrite::Add => self.b.zeros(shape, DType::F32, Category::Workspace),
+        }
+    }
+
     /// Whether transfers run beside attention (`--overlap`): the next stage's
     /// projections and exchanges (at a phase's last stage, the next phase's
     /// K/V too) are issued before this stage's attention, and this stage's
@@ -420,8 +437,12 @@ impl<'a, B: Backend> Staged<'a, B> {
                 None => self.kv_start(w, x, phase)?,
             };
             let PhaseKv { k, k_raw, v } = self.kv_ready(w, kv, true)?;
-            let mut dk = b.zeros(k.shape(), DType::F32, Category::Workspace)?;
-            let mut dv = b.zeros(v.shape(), DType::F32, Category::Workspace)?;
+            let kv_write = self.grad_write(phase.stages.len(), w.k_norm.is_some());
+            let (mut dk, mut dv) = (
+                self.attention_grad(k.shape(), kv_write)?,
+                self.attention_grad(v.shape(), kv_write)?,
+            );
+            let q_write = self.grad_write(1, w.q_norm.is_some());
             for (t, stage) in phase.stages.iter().enumerate() {
                 let heads = &stage.q_heads;
                 // O, dO and Q of this stage, moved to the attention layout.
@@ -444,7 +465,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                     }
                     Upcoming::End => {}
                 }
-                let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
+                let mut dq = self.attention_grad(q.shape(), q_write)?;
                 ring::backward(
                     b,
                     self.mesh.ring.as_ref(),
@@ -457,6 +478,11 @@ impl<'a, B: Backend> Staged<'a, B> {
                     &mut dq,
                     &mut dk,
                     &mut dv,
+                    AttnGradWrites {
+                        dq: q_write,
+                        // a kv phase's later stages add into the first's
+                        dkv: if t == 0 { kv_write } else { GradWrite::Add },
+                    },
                 )?;
                 drop((q, o_att, d_o));
                 let norm = w.q_norm.as_ref().zip(g.q_norm.as_mut());

@@ -3,7 +3,8 @@
 //! context-parallel strategy is tested against this one.
 
 use super::{
-    AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
+    AdamWStep, AttnGradWrites, Backend, Category, DType, GradWrite, IGNORE, Mat, MatMut,
+    MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -428,6 +429,7 @@ impl Backend for CpuBackend {
         dq: RowsMut<'_, Self>,
         dk: RowsMut<'_, Self>,
         dv: RowsMut<'_, Self>,
+        writes: AttnGradWrites,
     ) -> Result<()> {
         let g = attn_geom(&q, &k, causal)?;
         let (qs, ks, vs, os, dos, ls) = (
@@ -490,24 +492,33 @@ impl Backend for CpuBackend {
             .collect();
         let (dq0, dk0, dv0) = (dq.range.start, dk.range.start, dv.range.start);
         let (dqd, dkd, dvd) = (data_mut(dq.t), data_mut(dk.t), data_mut(dv.t));
+        // every element of the rows is written once per call, so overwriting
+        // it leaves nothing of what was there
+        let put = |w: GradWrite| -> fn(&mut f32, f32) {
+            match w {
+                GradWrite::Add => |a, b| *a += b,
+                GradWrite::Overwrite => |a, b| *a = b,
+            }
+        };
+        let (put_q, put_kv) = (put(writes.dq), put(writes.dkv));
         for (kh, (dq_l, dk_l, dv_l)) in per_kv.iter().enumerate() {
             for hg in 0..g.group {
                 let h = kh * g.group + hg;
                 for i in 0..sq {
                     let dst = &mut dqd[((dq0 + i) * g.hq + h) * d..][..d];
                     for (a, b) in dst.iter_mut().zip(&dq_l[(hg * sq + i) * d..][..d]) {
-                        *a += b;
+                        put_q(a, *b);
                     }
                 }
             }
             for j in 0..sk {
                 let base = ((dk0 + j) * g.hkv + kh) * d;
                 for (a, b) in dkd[base..base + d].iter_mut().zip(&dk_l[j * d..][..d]) {
-                    *a += b;
+                    put_kv(a, *b);
                 }
                 let base = ((dv0 + j) * g.hkv + kh) * d;
                 for (a, b) in dvd[base..base + d].iter_mut().zip(&dv_l[j * d..][..d]) {
-                    *a += b;
+                    put_kv(a, *b);
                 }
             }
         }

@@ -32,6 +32,32 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+/// How [`Backend::attention_bwd`] writes one gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradWrite {
+    /// `grad += ...`: ring steps and the stages of a kv phase add up.
+    Add,
+    /// `grad = ...`: the call is the gradient's only contribution, so its
+    /// buffer needs no zeroing and can be in the compute dtype (on cuDNN the
+    /// kernel writes it directly, with no scratch and no add).
+    Overwrite,
+}
+
+/// How [`Backend::attention_bwd`] writes `dq` and `dk`/`dv`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnGradWrites {
+    pub dq: GradWrite,
+    pub dkv: GradWrite,
+}
+
+impl AttnGradWrites {
+    /// Every gradient added into.
+    pub const ADD: AttnGradWrites = AttnGradWrites {
+        dq: GradWrite::Add,
+        dkv: GradWrite::Add,
+    };
+}
+
 /// The ops upipe needs from a device. All tensors passed to one backend's ops
 /// were allocated by that backend. Ops that "accumulate" add into their output
 /// (`out += ...`); all others overwrite it.
@@ -43,7 +69,7 @@ pub struct AdamWStep {
 /// - `gemm`: `a` and `b` share a dtype, `c` is F32 or that dtype (accumulating
 ///   bf16 x bf16 into F32 weight gradients is the common case);
 /// - `copy` converts between dtypes; `axpy` takes `y` F32 or the dtype of `x`;
-/// - `attention_bwd` accumulates into `dq`, `dk`, `dv` of F32 or compute dtype;
+/// - `attention_bwd` adds into or overwrites `dq`, `dk`, `dv` of F32 or compute dtype;
 /// - `rms_norm_bwd` writes `dx` in the dtype of `dy` and accumulates F32 `dw`;
 ///   `embedding_bwd` accumulates an F32 `dtable`; norm/embedding weights used
 ///   in forward are in the compute dtype.
@@ -143,7 +169,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
         lse: RowsMut<'_, Self>,
     ) -> Result<()>;
     /// Attention backward given the final `o` and `lse` of the full row (also when
-    /// this call covers only one key block of it). Accumulates `dq`, `dk`, `dv`.
+    /// this call covers only one key block of it). Adds into or overwrites
+    /// `dq` and `dk`, `dv` as `writes` says.
     #[allow(clippy::too_many_arguments)]
     fn attention_bwd(
         &self,
@@ -157,6 +184,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         dq: RowsMut<'_, Self>,
         dk: RowsMut<'_, Self>,
         dv: RowsMut<'_, Self>,
+        writes: AttnGradWrites,
     ) -> Result<()>;
     /// Merges a partial attention result into a running one by log-sum-exp:
     /// `o_acc, lse_acc <- merge((o_acc, lse_acc), (o_blk, lse_blk))`.

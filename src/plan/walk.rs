@@ -5,9 +5,10 @@
 
 use super::shapes::{StageShapes, distinct_lengths, loss_chunks, mlp_tiles};
 use super::sim::{Buf, Sim};
-use crate::attention::schedule::{Upcoming, upcoming};
+use crate::attention::schedule::{Upcoming, grad_write, upcoming};
 use crate::attention::{AttnDims, CpPlan, Settle, Strategy};
 use crate::backend::Category::{self, Activations, Comm, Grads, Offload, Workspace};
+use crate::backend::{AttnGradWrites, GradWrite};
 use crate::model::{MemoryPolicy, ModelConfig};
 
 const F32: usize = 4;
@@ -22,6 +23,24 @@ type InFlight = (Buf, Option<Buf>);
 
 fn numel<const K: usize>(shape: [usize; K]) -> usize {
     shape.iter().product()
+}
+
+/// The gradients of one attention backward: bytes per element of dQ and of
+/// dK/dV, and how the call writes them.
+#[derive(Debug, Clone, Copy)]
+struct BwdGrads {
+    dq_eb: usize,
+    dkv_eb: usize,
+    writes: AttnGradWrites,
+}
+
+impl BwdGrads {
+    /// F32 gradients added into.
+    const F32_ADD: BwdGrads = BwdGrads {
+        dq_eb: F32,
+        dkv_eb: F32,
+        writes: AttnGradWrites::ADD,
+    };
 }
 
 /// One attention layer of one rank, as the engine runs it.
@@ -92,12 +111,15 @@ impl AttnWalk {
         }
     }
 
-    /// `CudaBackend::attention_bwd`. On cuDNN (`CudnnSdpa::bwd`): bf16 dQ,
-    /// dK, dV scratch during the call and the kept workspace grown to hold
+    /// `CudaBackend::attention_bwd` with gradients of `g.dq_eb`, `g.dkv_eb`
+    /// bytes per element written as `g.writes` says. On cuDNN
+    /// (`CudnnSdpa::bwd`): bf16 scratch during the call for each gradient
+    /// cuDNN does not write in place, and the kept workspace grown to hold
     /// cuDNN's plan workspace (known only once a plan is built on a GPU:
     /// `estimated_bwd_plan_workspace`), the dQ accumulator and softmax sums.
-    /// On the flash path: a transient `flash_bwd_workspace_bytes(sq, hq)`
-    /// buffer when the geometry is supported.
+    /// On our kernels: F32 scratch for each gradient of another dtype, and a
+    /// transient `flash_bwd_workspace_bytes(sq, hq)` buffer when the flash
+    /// kernels take the geometry.
     #[allow(clippy::too_many_arguments)]
     fn attention_bwd(
         &self,
@@ -107,14 +129,26 @@ impl AttnWalk {
         hq: usize,
         hkv: usize,
         causal: bool,
+        g: BwdGrads,
     ) {
+        use crate::backend::DType;
         use crate::backend::cuda::{cudnn, flash};
         let d = self.sh.head_dim;
         let shape = cudnn::dense_shape(sq, sk, hq, hkv, d, causal);
+        let dtype = |eb: usize| if eb == F32 { DType::F32 } else { DType::BF16 };
+        let (nq, nk) = cudnn::bwd_scratch_elems(&shape);
+        let grads = [
+            (nq, g.dq_eb, g.writes.dq),
+            (nk, g.dkv_eb, g.writes.dkv),
+            (nk, g.dkv_eb, g.writes.dkv),
+        ];
         if self.cudnn && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, true).is_ok()
         {
-            let (nq, nk) = cudnn::bwd_scratch_elems(&shape);
-            let scratch = [nq, nk, nk].map(|n| sim.alloc(Workspace, n * 2));
+            let scratch: Vec<Buf> = grads
+                .iter()
+                .filter(|&&(_, eb, w)| !cudnn::bwd_writes_in_place(w, dtype(eb)))
+                .map(|&(n, _, _)| sim.alloc(Workspace, n * 2))
+                .collect();
             let plan_ws = cudnn::estimated_bwd_plan_workspace(&shape);
             let need = cudnn::bwd_workspace_bytes(&shape, plan_ws);
             sim.keep_at_least(
@@ -125,10 +159,16 @@ impl AttnWalk {
             scratch.into_iter().for_each(|t| sim.free(t));
             return;
         }
+        let scratch: Vec<Buf> = grads
+            .iter()
+            .filter(|&&(_, eb, _)| eb != F32)
+            .map(|&(n, _, _)| sim.alloc(Workspace, n * F32))
+            .collect();
         if self.flash_ws && flash::check_supported(sq, sk, hq, hkv, d, causal).is_ok() {
             let ws = sim.alloc(Workspace, flash::flash_bwd_workspace_bytes(sq, hq));
             sim.free(ws);
         }
+        scratch.into_iter().for_each(|t| sim.free(t));
     }
 
     fn act(&self, sim: &mut Sim, cat: Category, n: usize) -> Buf {
@@ -183,11 +223,11 @@ impl AttnWalk {
 
     /// `Staged::exchange_back_start`: an F32 gradient sent back in the
     /// compute dtype (freed once cast).
-    fn exchange_back_start(&self, sim: &mut Sim, grad: Buf) -> InFlight {
-        if self.ab == F32 {
+    fn exchange_back_start(&self, sim: &mut Sim, grad: Buf, grad_eb: usize) -> InFlight {
+        if grad_eb == self.ab {
             return self.exchange_start(sim, grad);
         }
-        let send = sim.alloc(Comm, grad.bytes / F32 * self.ab);
+        let send = sim.alloc(Comm, grad.bytes / grad_eb * self.ab);
         sim.free(grad);
         self.exchange_start(sim, send)
     }
@@ -286,11 +326,12 @@ impl AttnWalk {
         (o, lse)
     }
 
-    /// `ring::backward` (accumulators `dk`, `dv` are F32, shaped like K, V).
-    fn ring_bwd(&self, sim: &mut Sim, k: Buf, v: Buf, dk: Buf) {
+    /// `ring::backward` (`dk`, `dv` shaped like K, V, of `g.dkv_eb` bytes
+    /// per element).
+    fn ring_bwd(&self, sim: &mut Sim, k: Buf, v: Buf, dk: Buf, g: BwdGrads) {
         let (p, n, u, m) = (self.sh.pr, self.sh.n, self.sh.u, self.sh.m);
         if p == 1 {
-            self.attention_bwd(sim, n, n, u, m, true);
+            self.attention_bwd(sim, n, n, u, m, true, g);
             return;
         }
         let kv = [k.bytes, v.bytes];
@@ -306,7 +347,15 @@ impl AttnWalk {
         let bwd = |sim: &mut Sim, step: usize| {
             let blk = crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2);
             let (sq, sk) = (blk.q_rows.len(), blk.k_rows.len());
-            self.attention_bwd(sim, sq, sk, u, m, blk.causal);
+            let writes = AttnGradWrites {
+                dq: if step == 0 {
+                    g.writes.dq
+                } else {
+                    GradWrite::Add
+                },
+                dkv: GradWrite::Add,
+            };
+            self.attention_bwd(sim, sq, sk, u, m, blk.causal, BwdGrads { writes, ..g });
         };
         bwd(sim, 0);
         for step in 1..p {
@@ -425,9 +474,16 @@ impl AttnWalk {
                 None => self.kv_start(sim),
             };
             let (k, k_raw, v) = self.kv_ready(sim, kv, true);
-            let kv_f32 = numel(self.sh.packed(self.sh.m)) * F32;
-            let dk = sim.alloc(Workspace, kv_f32);
-            let dv = sim.alloc(Workspace, kv_f32);
+            let kv_write = grad_write(self.stages_per_phase, self.sh.pr, self.qk_norm);
+            let q_write = grad_write(1, self.sh.pr, self.qk_norm);
+            let eb = |w: GradWrite| match w {
+                GradWrite::Overwrite => self.ab,
+                GradWrite::Add => F32,
+            };
+            let (q_eb, kv_eb) = (eb(q_write), eb(kv_write));
+            let kv_bytes = numel(self.sh.packed(self.sh.m)) * kv_eb;
+            let dk = sim.alloc(Workspace, kv_bytes);
+            let dv = sim.alloc(Workspace, kv_bytes);
             for t in 0..self.stages_per_phase {
                 let [o_att, d_o, q_raw] = match next_inputs.take() {
                     Some(p) => p,
@@ -445,14 +501,23 @@ impl AttnWalk {
                     }
                     Upcoming::End => {}
                 }
-                let dq = sim.alloc(Workspace, q.bytes / self.ab * F32);
-                self.ring_bwd(sim, k, v, dk);
+                let dq = sim.alloc(Workspace, q.bytes / self.ab * q_eb);
+                let writes = AttnGradWrites {
+                    dq: q_write,
+                    dkv: if t == 0 { kv_write } else { GradWrite::Add },
+                };
+                let g = BwdGrads {
+                    dq_eb: q_eb,
+                    dkv_eb: kv_eb,
+                    writes,
+                };
+                self.ring_bwd(sim, k, v, dk, g);
                 sim.free(q);
                 sim.free(o_att);
                 sim.free(d_o);
                 let dq = self.norm_rope_bwd(sim, dq, q_raw);
                 sim.free_opt(q_raw);
-                let dq = self.exchange_back_start(sim, dq);
+                let dq = self.exchange_back_start(sim, dq, q_eb);
                 in_flight.push((dq, self.sh.u));
                 if self.settle_every.after_stage(t) {
                     self.settle(sim, &mut in_flight, keep);
@@ -463,7 +528,7 @@ impl AttnWalk {
             let dk = self.norm_rope_bwd(sim, dk, k_raw);
             sim.free_opt(k_raw);
             for grad in [dk, dv] {
-                let grad = self.exchange_back_start(sim, grad);
+                let grad = self.exchange_back_start(sim, grad, kv_eb);
                 in_flight.push((grad, self.sh.m));
             }
             self.settle(sim, &mut in_flight, 2 * keep);
@@ -516,7 +581,7 @@ impl AttnWalk {
         let dk = sim.alloc(Workspace, k.bytes / self.ab * F32);
         let dv = sim.alloc(Workspace, v.bytes / self.ab * F32);
         let (s, h, hkv) = (self.sh.s, self.sh.heads, self.sh.kv_heads);
-        self.attention_bwd(sim, s, s, h, hkv, true);
+        self.attention_bwd(sim, s, s, h, hkv, true, BwdGrads::F32_ADD);
         for b in [q, k, v, d_o, o] {
             sim.free(b);
         }

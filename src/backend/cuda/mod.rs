@@ -31,7 +31,8 @@ use self::gemm::{Gemm, GemmPtrs};
 use self::kernels::{Args, Kernels, grid_for, launch};
 use self::pool::{AllocError, CudaStorage, Pool, PoolStats};
 use super::{
-    AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
+    AdamWStep, AttnGradWrites, Backend, Category, DType, GradWrite, IGNORE, Mat, MatMut,
+    MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
@@ -603,7 +604,21 @@ impl CudaBackend {
         launch(&self.stream, f, grid_for(n, BLOCK), BLOCK, 0, args)
     }
 
-    /// `y[..n] += alpha * x[..n]` on raw addresses.
+    /// Zeroes `bytes` bytes at a raw device address, queued on the stream.
+    pub fn zero_raw(&self, p: u64, bytes: usize) -> Result<()> {
+        let _span = self.span("memset")?;
+        self.bind()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: callers pass an address inside a live allocation of this
+        // backend with `bytes` bytes after it, ordered on this stream.
+        drv(
+            unsafe { result::memset_d8_async(p, 0, bytes, self.stream.cu_stream()) },
+            "memset",
+        )
+    }
+
     /// `y[i] += alpha * x[i]` for `n` elements at raw device addresses (any
     /// dtype pair `axpy` accepts); queued on the backend's stream. Used by
     /// kernels outside the backend (cuDNN) that overwrite instead of accumulating.
@@ -1184,6 +1199,7 @@ impl Backend for CudaBackend {
         dq: RowsMut<'_, Self>,
         dk: RowsMut<'_, Self>,
         dv: RowsMut<'_, Self>,
+        writes: AttnGradWrites,
     ) -> Result<()> {
         let _span = self.span_shaped("attention_bwd", || {
             format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
@@ -1213,8 +1229,8 @@ impl Backend for CudaBackend {
         self.bind()?;
         let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
         let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
-        let one_grad_dt = dq.t.dtype() == dk.t.dtype() && dk.t.dtype() == dv.t.dtype();
-        if bf16_in && one_grad_dt && sq > 0 && sk > 0 && g.hq > 0 {
+        let one_kv_grad_dt = dk.t.dtype() == dv.t.dtype();
+        if bf16_in && one_kv_grad_dt && sq > 0 && sk > 0 && g.hq > 0 {
             let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, causal);
             if let Some(c) = self.cudnn_for(&shape, true)? {
                 self.count_attn(AttnPath::Cudnn, true);
@@ -1228,10 +1244,23 @@ impl Backend for CudaBackend {
                     dq: ptr_at(dq.t, dq.range.start * qrs),
                     dk: ptr_at(dk.t, dk.range.start * krs),
                     dv: ptr_at(dv.t, dv.range.start * krs),
-                    grad_dt: dq.t.dtype(),
+                    dq_dt: dq.t.dtype(),
+                    dkv_dt: dk.t.dtype(),
                     shape,
                 };
-                return c.bwd(self, &b);
+                return c.bwd(self, &b, writes);
+            }
+        }
+        // The kernels below add into their gradients: an overwritten one
+        // is zeroed first (its rows are contiguous in the dense tensor).
+        for (w, t, rows, rs) in [
+            (writes.dq, &dq, &dq.range, qrs),
+            (writes.dkv, &dk, &dk.range, krs),
+            (writes.dkv, &dv, &dv.range, krs),
+        ] {
+            if w == GradWrite::Overwrite {
+                let el = t.t.dtype().size();
+                self.zero_raw(ptr_at(t.t, rows.start * rs), rows.len() * rs * el)?;
             }
         }
         // The kernels accumulate in f32: gradients of another dtype go through

@@ -25,7 +25,7 @@ use self::desc::check;
 use self::plan::Plan;
 use super::CudaBackend;
 use super::libs::{self, Lib};
-use crate::backend::{Backend, Category, DType, Tensor};
+use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Tensor};
 use crate::error::{Error, Result};
 use cudarc::cudnn::sys;
 use std::collections::HashMap;
@@ -43,8 +43,9 @@ pub struct SdpaFwd {
     pub shape: SdpaShape,
 }
 
-/// Operands of one backward. `dq` (`[sq, hq·d]`), `dk`, `dv` (`[sk, hkv·d]`)
-/// are dense rows of `grad_dt` (F32 or BF16) and are **accumulated** into.
+/// Operands of one backward. `dq` (`[sq, hq·d]`, of `dq_dt`), `dk`, `dv`
+/// (`[sk, hkv·d]`, of `dkv_dt`) are dense rows of F32 or BF16, added into or
+/// overwritten as the call's `AttnGradWrites` say.
 #[derive(Debug, Clone, Copy)]
 pub struct SdpaBwd {
     pub q: u64,
@@ -56,7 +57,8 @@ pub struct SdpaBwd {
     pub dq: u64,
     pub dk: u64,
     pub dv: u64,
-    pub grad_dt: DType,
+    pub dq_dt: DType,
+    pub dkv_dt: DType,
     pub shape: SdpaShape,
 }
 
@@ -188,6 +190,12 @@ pub fn estimated_bwd_plan_workspace(s: &SdpaShape) -> usize {
 /// Bytes the kept workspace occupies once grown to `need` bytes.
 pub fn kept_workspace_bytes(need: usize) -> usize {
     need.max(1).div_ceil(4) * 4
+}
+
+/// Whether cuDNN's backward writes a gradient straight into the caller's
+/// buffer: an overwritten bf16 one. Any other goes through bf16 scratch.
+pub fn bwd_writes_in_place(w: GradWrite, dt: DType) -> bool {
+    w == GradWrite::Overwrite && dt == DType::BF16
 }
 
 /// Elements of the bf16 dQ and of each of dK, dV that a backward writes to
@@ -556,23 +564,41 @@ impl CudnnSdpa {
         exec(&plan)
     }
 
-    /// Backward with the backend's accumulate semantics: cuDNN overwrites, so
-    /// it writes bf16 scratch that is then added into `dq`, `dk`, `dv`.
-    pub fn bwd(&self, be: &CudaBackend, a: &SdpaBwd) -> Result<()> {
+    /// Backward with the backend's semantics. cuDNN overwrites bf16 buffers,
+    /// so an overwritten bf16 gradient is written in place; every other one
+    /// goes through bf16 scratch that is then added in (an overwritten F32
+    /// gradient is zeroed first).
+    pub fn bwd(&self, be: &CudaBackend, a: &SdpaBwd, writes: AttnGradWrites) -> Result<()> {
         let s = &a.shape;
         let (nq, nk) = bwd_scratch_elems(s);
-        let sdq = be.alloc(&[nq], DType::BF16, Category::Workspace)?;
-        let sdk = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
-        let sdv = be.alloc(&[nk], DType::BF16, Category::Workspace)?;
-        let (pq, pk, pv) = (
-            be.device_ptr(&sdq),
-            be.device_ptr(&sdk),
-            be.device_ptr(&sdv),
-        );
-        self.bwd_overwrite(be, a, pq, pk, pv)?;
-        be.axpy_raw(a.dq, a.grad_dt, pq, DType::BF16, nq, 1.0)?;
-        be.axpy_raw(a.dk, a.grad_dt, pk, DType::BF16, nk, 1.0)?;
-        be.axpy_raw(a.dv, a.grad_dt, pv, DType::BF16, nk, 1.0)?;
+        let grads = [
+            (a.dq, a.dq_dt, writes.dq, nq),
+            (a.dk, a.dkv_dt, writes.dkv, nk),
+            (a.dv, a.dkv_dt, writes.dkv, nk),
+        ];
+        let scratch = grads
+            .iter()
+            .map(|&(_, dt, w, n)| {
+                if bwd_writes_in_place(w, dt) {
+                    Ok(None)
+                } else {
+                    be.alloc(&[n], DType::BF16, Category::Workspace).map(Some)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let target = |i: usize| match &scratch[i] {
+            Some(t) => be.device_ptr(t),
+            None => grads[i].0,
+        };
+        self.bwd_overwrite(be, a, target(0), target(1), target(2))?;
+        for (&(dst, dt, w, n), s) in grads.iter().zip(&scratch) {
+            if let Some(s) = s {
+                if w == GradWrite::Overwrite {
+                    be.zero_raw(dst, n * dt.size())?;
+                }
+                be.axpy_raw(dst, dt, be.device_ptr(s), DType::BF16, n, 1.0)?;
+            }
+        }
         Ok(())
     }
 }
