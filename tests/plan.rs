@@ -337,12 +337,14 @@ fn cuda_predictions_against_the_h200_ledger() {
         .with_settle(Settle::Stages(1));
     let upipe = plain.clone().with_overlap(true);
     let peak = |plan: &CpPlan, device| predict_attention_trial(plan, &d, device).unwrap().peak;
-    // measured in the third session (engine with deferred outputs/gradients)
-    let (uly_measured, up_measured) = (18_706_596_096usize, 7_685_013_760usize);
-    let plain_measured = 6_879_707_392usize;
+    // measured in the fifth session (gradients a single attention call makes
+    // whole are overwritten in bf16; Ulysses' peak is now its second pass's
+    // forward, beside the cuDNN workspace its first backward grew)
+    let (uly_measured, up_measured) = (17_632_854_272usize, 7_550_796_032usize);
+    let plain_measured = 6_745_489_664usize;
     // our own kernels' model (no GPU run behind these: a change detector)
-    assert_eq!(peak(&ulysses, DeviceKind::CudaNative), 13_857_980_416);
-    assert_eq!(peak(&upipe, DeviceKind::CudaNative), 7_349_469_184);
+    assert_eq!(peak(&ulysses, DeviceKind::CudaNative), 14_411_628_544);
+    assert_eq!(peak(&upipe, DeviceKind::CudaNative), 7_416_578_048);
     let up = peak(&upipe, DeviceKind::Cuda);
     assert!(rel(up, up_measured) < 1e-6, "UPipe: {up} vs {up_measured}");
     let pl = peak(&plain, DeviceKind::Cuda);
@@ -355,14 +357,14 @@ fn cuda_predictions_against_the_h200_ledger() {
         rel(uly, uly_measured) < 1e-6,
         "Ulysses: {uly} vs {uly_measured}"
     );
-    // the fourth session, one H200 (Pu 1, so the staged engine's compute
-    // alone): UPipe U=1 settling per stage and per phase, and U=H
+    // one H200 (Pu 1, so the staged engine's compute alone): UPipe U=1
+    // settling per stage and per phase, and U=H (measured in the fifth session)
     for (seq, u, settle, measured) in [
-        (65536, 32, Settle::Stages(1), 9_462_350_080usize),
-        (65536, 1, Settle::Stages(1), 3_280_208_128),
-        (65536, 1, Settle::Phase, 3_330_539_776),
-        (131072, 1, Settle::Stages(1), 6_275_203_328),
-        (131072, 1, Settle::Phase, 6_375_866_624),
+        (65536, 32, Settle::Stages(1), 7_851_737_344usize),
+        (65536, 1, Settle::Stages(1), 3_246_653_696),
+        (65536, 1, Settle::Phase, 3_296_985_344),
+        (131072, 1, Settle::Stages(1), 6_208_094_464),
+        (131072, 1, Settle::Phase, 6_308_757_760),
     ] {
         let plan = CpPlan::new(Strategy::Upipe, &d, seq, 1, 1, Some(u))
             .unwrap()
@@ -374,14 +376,14 @@ fn cuda_predictions_against_the_h200_ledger() {
             "seq {seq} U={u} {settle}: {got} vs {measured}"
         );
     }
-    // the fourth session, 2×H200 (Pu 2, U 2), every settling
+    // 2×H200 (Pu 2, U 2), every settling (measured in the fifth session)
     for (seq, settle, measured) in [
-        (131072, Settle::Stages(1), 3_582_460_160usize),
-        (131072, Settle::Stages(2), 3_649_569_024),
-        (131072, Settle::Phase, 3_783_786_752),
-        (262144, Settle::Stages(1), 6_879_707_392),
-        (262144, Settle::Stages(2), 7_013_925_120),
-        (262144, Settle::Phase, 7_282_360_576),
+        (131072, Settle::Stages(1), 3_515_351_296usize),
+        (131072, Settle::Stages(2), 3_582_460_160),
+        (131072, Settle::Phase, 3_716_677_888),
+        (262144, Settle::Stages(1), 6_745_489_664),
+        (262144, Settle::Stages(2), 6_879_707_392),
+        (262144, Settle::Phase, 7_148_142_848),
     ] {
         let plan = CpPlan::new(Strategy::Upipe, &d, seq, 2, 1, Some(2))
             .unwrap()

@@ -82,6 +82,14 @@ impl Sim {
         self.kept.push((name, b));
     }
 
+    /// Grows this ledger's kept buffers to `other`'s (what a later pass
+    /// starts with, once an earlier one grew them).
+    pub fn keep_as(&mut self, other: &Sim) {
+        for &(name, b) in &other.kept {
+            self.keep_at_least(name, b.cat, b.bytes);
+        }
+    }
+
     pub fn free_opt(&mut self, b: Option<Buf>) {
         if let Some(b) = b {
             self.free(b);
@@ -120,6 +128,19 @@ impl Sim {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_later_pass_starts_with_the_kept_buffers() {
+        let mut first = Sim::new();
+        first.alloc(Category::Weights, 10);
+        let mut later = first.clone();
+        first.keep_at_least("ws", Category::Workspace, 40);
+        first.keep_at_least("ws", Category::Workspace, 70);
+        later.keep_as(&first);
+        assert_eq!(later.current(), 80);
+        later.keep_at_least("ws", Category::Workspace, 50); // already big enough
+        assert_eq!(later.current(), 80);
+    }
 
     #[test]
     fn kept_buffers_grow_by_release_then_allocate() {
