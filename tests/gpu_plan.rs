@@ -72,7 +72,7 @@ fn attention_layer_prediction_matches_the_cuda_ledger() {
                 .with_overlap(overlap);
             let what = format!("{s} {pu}x{pr} U={u:?} qk={qk_norm} overlap={overlap}");
             let got = run_trial(&plan, &d, &inputs, cuda).unwrap();
-            let pred = predict_attention_trial(&plan, &d, DeviceKind::CudaNative).unwrap();
+            let pred = predict_attention_trial(&plan, &d, DeviceKind::CudaNative, 1).unwrap();
             let e = rel(pred.peak, got.peak_bytes);
             println!(
                 "gpu attention {what}: predicted {} measured {} ({:+.3}%)",
@@ -85,7 +85,7 @@ fn attention_layer_prediction_matches_the_cuda_ledger() {
             // cuDNN: its plan workspace is the H200-measured estimate, so
             // within 1% rather than exact
             let got = run_trial(&plan, &d, &inputs, || cuda_with(AttnKernel::Auto)).unwrap();
-            let pred = predict_attention_trial(&plan, &d, DeviceKind::Cuda).unwrap();
+            let pred = predict_attention_trial(&plan, &d, DeviceKind::Cuda, 1).unwrap();
             let e = rel(pred.peak, got.peak_bytes);
             println!(
                 "gpu attention (cuDNN) {what}: predicted {} measured {} ({:+.3}%)",

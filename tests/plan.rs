@@ -80,7 +80,7 @@ fn attention_layer_prediction_equals_ledger_peak() {
                 .with_settle(settle);
             let inputs = TrialInputs::random(&d, seq, 3);
             let measured = run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap();
-            let pred = predict_attention_trial(&plan, &d, DeviceKind::Cpu).unwrap();
+            let pred = predict_attention_trial(&plan, &d, DeviceKind::Cpu, 1).unwrap();
             let what = format!(
                 "{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} qk_norm={qk} overlap={overlap} settle every {settle}"
             );
@@ -336,7 +336,13 @@ fn cuda_predictions_against_the_h200_ledger() {
         .unwrap()
         .with_settle(Settle::Stages(1));
     let upipe = plain.clone().with_overlap(true);
-    let peak = |plan: &CpPlan, device| predict_attention_trial(plan, &d, device).unwrap().peak;
+    // measured by `bench attn --device cuda` (a warm-up and a timed pass, or more)
+    let passes = 2;
+    let peak = |plan: &CpPlan, device| {
+        predict_attention_trial(plan, &d, device, passes)
+            .unwrap()
+            .peak
+    };
     // measured in the fifth session (gradients a single attention call makes
     // whole are overwritten in bf16; Ulysses' peak is now its second pass's
     // forward, beside the cuDNN workspace its first backward grew)
@@ -408,11 +414,11 @@ fn cuda_predictions_against_the_h200_ledger() {
         ..d
     };
     let local = CpPlan::new(Strategy::Local, &d, 1536, 1, 1, None).unwrap();
-    let got = predict_attention_trial(&local, &d, DeviceKind::Cuda)
+    let got = predict_attention_trial(&local, &d, DeviceKind::Cuda, 1)
         .unwrap()
         .peak;
     assert_eq!(
-        predict_attention_trial(&local, &d, DeviceKind::CudaNative)
+        predict_attention_trial(&local, &d, DeviceKind::CudaNative, 1)
             .unwrap()
             .peak,
         52_920_320

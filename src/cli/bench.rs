@@ -262,7 +262,14 @@ fn print_row(
                 ("cuda", Err(_)) => DeviceKind::Cuda,
                 _ => DeviceKind::Cpu,
             };
-            let predicted = predict_attention_trial(plan, &attn_dims(a), device)
+            // the CPU trial runs one pass; the GPU one warm-up, timed and
+            // (profiled) extra passes, which start with cuDNN's kept workspace
+            let passes = if a.device == "cuda" {
+                a.warmup + a.iters
+            } else {
+                1
+            };
+            let predicted = predict_attention_trial(plan, &attn_dims(a), device, passes)
                 .ok()
                 .map(|p| p.peak);
             if a.json {

@@ -246,15 +246,17 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
 
 /// Predicts what `attention::trial::run_trial` measures (the highest rank):
 /// the ledger peak of one layer's forward+backward with the trial's resident
-/// tensors (x, dy, weights, f32 gradients, RoPE tables).
+/// tensors (x, dy, weights, f32 gradients, RoPE tables), over `passes`
+/// passes (`run_trial`: 1; `bench attn --device cuda`: warm-up + timed).
 pub fn predict_attention_trial(
     plan: &CpPlan,
     dims: &AttnDims,
     device: DeviceKind,
+    passes: usize,
 ) -> Result<Prediction> {
     dims.validate()?;
     max_over_ring_ranks(plan.layout.pr, |i| {
-        attention_trial_rank(plan, dims, device, i)
+        attention_trial_rank(plan, dims, device, i, passes)
     })
 }
 
@@ -263,6 +265,7 @@ fn attention_trial_rank(
     dims: &AttnDims,
     device: DeviceKind,
     ring_rank: usize,
+    passes: usize,
 ) -> Result<Prediction> {
     let ab = device.act_bytes();
     let walk = attn_walk(plan, dims, device, ring_rank);
@@ -290,6 +293,9 @@ fn attention_trial_rank(
     // the first grew it to, which can make a later forward the peak.
     let mut first = sim.clone();
     pass(&mut first);
+    if passes <= 1 {
+        return Ok(Prediction::from_sim(&first));
+    }
     sim.label("kept from the previous pass");
     sim.keep_as(&first);
     pass(&mut sim);
