@@ -199,10 +199,13 @@ pub fn upcoming(p: usize, t: usize, phases: usize, stages: usize) -> Upcoming {
 
 /// How the staged backward's attention calls write a gradient that `calls`
 /// stages contribute to on a ring of `pr` ranks: overwritten (in the compute
-/// dtype) when one call makes it whole and no per-head norm's backward
-/// (`normed`, kept in F32) follows; otherwise added up in F32.
-pub fn grad_write(calls: usize, pr: usize, normed: bool) -> GradWrite {
-    if calls == 1 && pr == 1 && !normed {
+/// dtype) when one call makes it whole, no per-head norm's backward
+/// (`normed`, kept in F32) follows, and the backend writes such a gradient
+/// in place (`in_place`: cuDNN, or a backend whose compute dtype is F32; our
+/// CUDA kernels add in F32 and would need F32 scratch beside it); otherwise
+/// added up in F32.
+pub fn grad_write(calls: usize, pr: usize, normed: bool, in_place: bool) -> GradWrite {
+    if calls == 1 && pr == 1 && !normed && in_place {
         GradWrite::Overwrite
     } else {
         GradWrite::Add
@@ -214,12 +217,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn one_call_without_ring_or_norm_overwrites() {
-        assert_eq!(grad_write(1, 1, false), GradWrite::Overwrite);
-        // ring steps, later stages of a kv phase, and a norm's F32 backward add
-        assert_eq!(grad_write(1, 2, false), GradWrite::Add);
-        assert_eq!(grad_write(4, 1, false), GradWrite::Add);
-        assert_eq!(grad_write(1, 1, true), GradWrite::Add);
+    fn one_call_without_ring_norm_or_scratch_overwrites() {
+        assert_eq!(grad_write(1, 1, false, true), GradWrite::Overwrite);
+        // ring steps, later stages of a kv phase, a norm's F32 backward, and
+        // kernels that would need F32 scratch add
+        assert_eq!(grad_write(1, 2, false, true), GradWrite::Add);
+        assert_eq!(grad_write(4, 1, false, true), GradWrite::Add);
+        assert_eq!(grad_write(1, 1, true, true), GradWrite::Add);
+        assert_eq!(grad_write(1, 1, false, false), GradWrite::Add);
     }
 
     #[test]

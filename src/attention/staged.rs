@@ -273,8 +273,8 @@ impl<'a, B: Backend> Staged<'a, B> {
     }
 
     /// [`grad_write`] of a gradient `calls` stages contribute to.
-    fn grad_write(&self, calls: usize, normed: bool) -> GradWrite {
-        grad_write(calls, self.plan.layout.pr, normed)
+    fn grad_write(&self, calls: usize, normed: bool, in_place: bool) -> GradWrite {
+        grad_write(calls, self.plan.layout.pr, normed, in_place)
     }
 
     /// A gradient buffer of one attention backward for `write`: unfilled in
@@ -437,12 +437,18 @@ impl<'a, B: Backend> Staged<'a, B> {
                 None => self.kv_start(w, x, phase)?,
             };
             let PhaseKv { k, k_raw, v } = self.kv_ready(w, kv, true)?;
-            let kv_write = self.grad_write(phase.stages.len(), w.k_norm.is_some());
+            // one attention call's shape on this rank: [n, u, d] over [n, m, d]
+            let in_place = {
+                let [n, m, d] = [k.shape()[0], k.shape()[1], k.shape()[2]];
+                let u = self.shapes.u;
+                b.attention_bwd_in_place(n, u, m, d)
+            };
+            let kv_write = self.grad_write(phase.stages.len(), w.k_norm.is_some(), in_place);
             let (mut dk, mut dv) = (
                 self.attention_grad(k.shape(), kv_write)?,
                 self.attention_grad(v.shape(), kv_write)?,
             );
-            let q_write = self.grad_write(1, w.q_norm.is_some());
+            let q_write = self.grad_write(1, w.q_norm.is_some(), in_place);
             for (t, stage) in phase.stages.iter().enumerate() {
                 let heads = &stage.q_heads;
                 // O, dO and Q of this stage, moved to the attention layout.

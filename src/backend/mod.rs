@@ -186,6 +186,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
         dv: RowsMut<'_, Self>,
         writes: AttnGradWrites,
     ) -> Result<()>;
+    /// Whether [`attention_bwd`](Backend::attention_bwd) of causal
+    /// `[s, hq, d]` queries over `[s, hkv, d]` keys, all in the compute
+    /// dtype, writes an overwritten compute-dtype gradient in place, with no
+    /// F32 scratch: then a caller whose one call makes a gradient whole keeps
+    /// it in the compute dtype for free. True where the compute dtype is F32.
+    fn attention_bwd_in_place(&self, _s: usize, _hq: usize, _hkv: usize, _d: usize) -> bool {
+        self.compute_dtype() == DType::F32
+    }
     /// Merges a partial attention result into a running one by log-sum-exp:
     /// `o_acc, lse_acc <- merge((o_acc, lse_acc), (o_blk, lse_blk))`.
     fn lse_merge(

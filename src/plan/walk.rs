@@ -171,6 +171,19 @@ impl AttnWalk {
         scratch.into_iter().for_each(|t| sim.free(t));
     }
 
+    /// `Backend::attention_bwd_in_place` for one stage's call (`[n, u, d]`
+    /// over `[n, m, d]`): always where activations are F32 (the CPU), on CUDA
+    /// where cuDNN takes the call.
+    fn attention_bwd_in_place(&self) -> bool {
+        use crate::backend::cuda::cudnn;
+        if self.ab == F32 {
+            return true;
+        }
+        let (n, u, m, d) = (self.sh.n, self.sh.u, self.sh.m, self.sh.head_dim);
+        let shape = cudnn::dense_shape(n, n, u, m, d, true);
+        self.cudnn && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, true).is_ok()
+    }
+
     fn act(&self, sim: &mut Sim, cat: Category, n: usize) -> Buf {
         sim.alloc(cat, n * self.ab)
     }
@@ -474,8 +487,9 @@ impl AttnWalk {
                 None => self.kv_start(sim),
             };
             let (k, k_raw, v) = self.kv_ready(sim, kv, true);
-            let kv_write = grad_write(self.stages_per_phase, self.sh.pr, self.qk_norm);
-            let q_write = grad_write(1, self.sh.pr, self.qk_norm);
+            let in_place = self.attention_bwd_in_place();
+            let kv_write = grad_write(self.stages_per_phase, self.sh.pr, self.qk_norm, in_place);
+            let q_write = grad_write(1, self.sh.pr, self.qk_norm, in_place);
             let eb = |w: GradWrite| match w {
                 GradWrite::Overwrite => self.ab,
                 GradWrite::Add => F32,

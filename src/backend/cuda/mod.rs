@@ -1187,6 +1187,12 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn attention_bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize) -> bool {
+        // cuDNN writes bf16 gradients itself; our kernels add into F32
+        let shape = cudnn::dense_shape(s, s, hq, hkv, d, true);
+        s > 0 && hq > 0 && matches!(self.cudnn_for(&shape, true), Ok(Some(_)))
+    }
+
     fn attention_bwd(
         &self,
         q: Rows<'_, Self>,
