@@ -150,46 +150,34 @@ impl Desc {
         Ok(self)
     }
 
-    /// Reads one INT64 attribute.
-    pub fn get_i64(&self, a: Attr) -> Result<i64> {
-        let mut v: i64 = 0;
+    /// Reads one attribute of cuDNN type `ty` into a `T`.
+    ///
+    /// # Safety
+    /// `T` is the C type `ty` names (`i64` for INT64, a 4-byte C enum for
+    /// KNOB_TYPE): cuDNN writes one such element into it.
+    unsafe fn get_one<T: Default>(&self, a: Attr, ty: Ty) -> Result<T> {
+        let mut v = T::default();
         let mut n: i64 = 0;
-        // SAFETY: room for one INT64.
+        // SAFETY: room for one element of `ty` (the caller's contract).
         check(
             unsafe {
-                sys::cudnnBackendGetAttribute(
-                    self.raw,
-                    a,
-                    Ty::CUDNN_TYPE_INT64,
-                    1,
-                    &mut n,
-                    (&mut v as *mut i64).cast(),
-                )
+                sys::cudnnBackendGetAttribute(self.raw, a, ty, 1, &mut n, (&mut v as *mut T).cast())
             },
             &format!("get {:?}.{a:?}", self.kind),
         )?;
         Ok(v)
     }
 
+    /// Reads one INT64 attribute.
+    pub fn get_i64(&self, a: Attr) -> Result<i64> {
+        // SAFETY: INT64 is an `i64`.
+        unsafe { self.get_one(a, Ty::CUDNN_TYPE_INT64) }
+    }
+
     /// Reads one knob-type attribute (a C enum) as its number.
     pub fn get_knob_type(&self, a: Attr) -> Result<u32> {
-        let mut v: u32 = 0;
-        let mut n: i64 = 0;
-        // SAFETY: room for one C enum (4 bytes), the size of `cudnnBackendKnobType_t`.
-        check(
-            unsafe {
-                sys::cudnnBackendGetAttribute(
-                    self.raw,
-                    a,
-                    Ty::CUDNN_TYPE_KNOB_TYPE,
-                    1,
-                    &mut n,
-                    (&mut v as *mut u32).cast(),
-                )
-            },
-            &format!("get {:?}.{a:?}", self.kind),
-        )?;
-        Ok(v)
+        // SAFETY: `cudnnBackendKnobType_t` is a 4-byte C enum.
+        unsafe { self.get_one(a, Ty::CUDNN_TYPE_KNOB_TYPE) }
     }
 
     /// Reads up to `out.len()` descriptors into pre-created `out`; returns how many were written.
