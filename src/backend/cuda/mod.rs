@@ -485,9 +485,6 @@ impl CudaBackend {
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
-    /// Where a fatal communication error is recorded (once): after it is set,
-    /// [`Backend::synchronize`] (and so every download) returns it as
-    /// [`Error::Comm`], since data received since then is not to be trusted.
     /// Waits until the stream's queued work is done by polling an event, not
     /// by blocking inside the driver: a thread blocked in a CUDA call can hold
     /// locks the NCCL watchdog's event queries need (2×H200, NCCL 2.28.3: a
@@ -517,6 +514,9 @@ impl CudaBackend {
         }
     }
 
+    /// Where a fatal communication error is recorded (once): after it is set,
+    /// [`Backend::synchronize`] (and so every download) returns it as
+    /// [`Error::Comm`], since data received since then is not to be trusted.
     pub fn comm_fault(&self) -> &Arc<OnceLock<String>> {
         &self.comm_fault
     }

@@ -272,9 +272,13 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
                     .fold(0.0, f64::max)
             });
             let result = assemble(plan, dims.hidden, &runs);
-            let entry = measured[i].get_or_insert_with(|| (result.clone(), Vec::new()));
-            entry.0 = result;
-            entry.1.extend(per_pass);
+            match &mut measured[i] {
+                Some((last, passes)) => {
+                    *last = result;
+                    passes.extend(per_pass);
+                }
+                none => *none = Some((result, per_pass.collect())),
+            }
         }
     }
     let outcomes: Vec<(Strategy, Outcome, Option<f64>)> = planned

@@ -411,22 +411,29 @@ impl CudnnSdpa {
             .into_iter()
             .filter(|p| p.workspace <= first.workspace)
             .collect();
-        let mut times = Vec::with_capacity(candidates.len());
-        for p in &candidates {
+        // a candidate that fails to run is left out (the first one ran before)
+        let time = |p: &Plan| -> Result<f64> {
             exec(p)?;
             be.synchronize()?;
             let t0 = std::time::Instant::now();
             exec(p)?;
             be.synchronize()?;
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            Ok(t0.elapsed().as_secs_f64() * 1e3)
+        };
+        let mut timed: Vec<(Plan, f64)> = Vec::with_capacity(candidates.len());
+        for p in candidates {
+            match time(&p) {
+                Ok(ms) => timed.push((p, ms)),
+                Err(e) => tracing::debug!("cuDNN candidate #{} ({}): {e}", p.candidate.0, p.engine),
+            }
         }
-        let timings: Vec<(usize, String, f64)> = candidates
+        let timings: Vec<(usize, String, f64)> = timed
             .iter()
-            .zip(&times)
-            .map(|(p, &ms)| (p.candidate.0, p.engine.clone(), ms))
+            .map(|(p, ms)| (p.candidate.0, p.engine.clone(), *ms))
             .collect();
+        let times: Vec<f64> = timed.iter().map(|t| t.1).collect();
         let best = match fastest(&times) {
-            Some(i) => Arc::new(candidates.into_iter().nth(i).expect("index of times")),
+            Some(i) => Arc::new(timed.swap_remove(i).0),
             None => first,
         };
         self.record(bwd, s, &best, timings);
