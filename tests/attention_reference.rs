@@ -68,3 +68,88 @@ fn reference_gradients_match_finite_differences() {
         }
     }
 }
+
+/// The CPU reference's gradient writes: overwriting (into unfilled buffers,
+/// which the CPU fills with NaN) gives what adding into zeros gives, for a
+/// whole-range call and for key blocks where the first block overwrites and
+/// the rest add (as ring attention's steps do).
+#[test]
+fn overwritten_gradients_equal_gradients_added_into_zeros() {
+    use upipe::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Tensor};
+    let b = CpuBackend::new();
+    let (s, hq, hkv, d) = (37, 4, 2, 8);
+    let mut rng = Rng::new(11);
+    let mut t = |shape: &[usize]| {
+        let n = shape.iter().product();
+        b.from_host(
+            &rng.normal_vec(n, 1.0),
+            shape,
+            DType::F32,
+            Category::Workspace,
+        )
+        .unwrap()
+    };
+    let (q, k, v, d_o) = (
+        t(&[s, hq, d]),
+        t(&[s, hkv, d]),
+        t(&[s, hkv, d]),
+        t(&[s, hq, d]),
+    );
+    let mut o = b
+        .zeros(&[s, hq, d], DType::F32, Category::Workspace)
+        .unwrap();
+    let mut lse = b.zeros(&[s, hq], DType::F32, Category::Workspace).unwrap();
+    b.attention_fwd(
+        q.all_rows(),
+        k.all_rows(),
+        v.all_rows(),
+        true,
+        o.all_rows_mut(),
+        lse.all_rows_mut(),
+    )
+    .unwrap();
+    let overwrite = AttnGradWrites {
+        dq: GradWrite::Overwrite,
+        dkv: GradWrite::Overwrite,
+    };
+    // (writes of the first key block, key blocks) -> dq, dk, dv
+    let grads = |first: AttnGradWrites, unfilled: bool, blocks: &[std::ops::Range<usize>]| {
+        let buf = |shape: &[usize]| -> Tensor<CpuBackend> {
+            if unfilled {
+                b.empty(shape, DType::F32, Category::Workspace).unwrap()
+            } else {
+                b.zeros(shape, DType::F32, Category::Workspace).unwrap()
+            }
+        };
+        let (mut dq, mut dk, mut dv) = (buf(&[s, hq, d]), buf(&[s, hkv, d]), buf(&[s, hkv, d]));
+        for (i, kr) in blocks.iter().enumerate() {
+            b.attention_bwd(
+                q.all_rows(),
+                k.rows_view(kr.clone()),
+                v.rows_view(kr.clone()),
+                o.all_rows(),
+                d_o.all_rows(),
+                lse.all_rows(),
+                false,
+                dq.all_rows_mut(),
+                dk.rows_view_mut(kr.clone()),
+                dv.rows_view_mut(kr.clone()),
+                if i == 0 { first } else { AttnGradWrites::ADD },
+            )
+            .unwrap();
+        }
+        [dq, dk, dv].map(|g| b.to_host(&g).unwrap())
+    };
+    for blocks in [vec![0..s], vec![0..s / 2, s / 2..s]] {
+        let want = grads(AttnGradWrites::ADD, false, &blocks);
+        // dk/dv rows outside the first block are written by the later ones
+        let got = grads(overwrite, blocks.len() == 1, &blocks);
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                g.iter().all(|x| x.is_finite()),
+                "an element was never written"
+            );
+            assert_eq!(g, w, "blocks {blocks:?}");
+        }
+    }
+}
