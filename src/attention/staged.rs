@@ -431,24 +431,21 @@ impl<'a, B: Backend> Staged<'a, B> {
         let mut next_kv: Option<KvInFlight<B>> = None;
         let mut next_inputs: Option<BwdStageInputs<B>> = None;
         let mut stage_index = 0;
+        // every stage's attention call on this rank: [n, u, d] over [n, m, d]
+        let sh = &self.shapes;
+        let in_place = b.attention_bwd_in_place(sh.n, sh.u, sh.m, sh.head_dim);
+        let q_write = self.grad_write(1, w.q_norm.is_some(), in_place);
         for (p, phase) in sched.phases.iter().enumerate() {
             let kv = match next_kv.take() {
                 Some(kv) => kv,
                 None => self.kv_start(w, x, phase)?,
             };
             let PhaseKv { k, k_raw, v } = self.kv_ready(w, kv, true)?;
-            // one attention call's shape on this rank: [n, u, d] over [n, m, d]
-            let in_place = {
-                let [n, m, d] = [k.shape()[0], k.shape()[1], k.shape()[2]];
-                let u = self.shapes.u;
-                b.attention_bwd_in_place(n, u, m, d)
-            };
             let kv_write = self.grad_write(phase.stages.len(), w.k_norm.is_some(), in_place);
             let (mut dk, mut dv) = (
                 self.attention_grad(k.shape(), kv_write)?,
                 self.attention_grad(v.shape(), kv_write)?,
             );
-            let q_write = self.grad_write(1, w.q_norm.is_some(), in_place);
             for (t, stage) in phase.stages.iter().enumerate() {
                 let heads = &stage.q_heads;
                 // O, dO and Q of this stage, moved to the attention layout.

@@ -481,20 +481,20 @@ impl AttnWalk {
         let mut in_flight: Vec<(InFlight, usize)> = Vec::new();
         let mut next_kv: Option<[InFlight; 2]> = None;
         let mut next_inputs: Option<[InFlight; 3]> = None;
+        let in_place = self.attention_bwd_in_place();
+        let kv_write = grad_write(self.stages_per_phase, self.sh.pr, self.qk_norm, in_place);
+        let q_write = grad_write(1, self.sh.pr, self.qk_norm, in_place);
+        let eb = |w: GradWrite| match w {
+            GradWrite::Overwrite => self.ab,
+            GradWrite::Add => F32,
+        };
+        let (q_eb, kv_eb) = (eb(q_write), eb(kv_write));
         for p in 0..self.phases {
             let kv = match next_kv.take() {
                 Some(kv) => kv,
                 None => self.kv_start(sim),
             };
             let (k, k_raw, v) = self.kv_ready(sim, kv, true);
-            let in_place = self.attention_bwd_in_place();
-            let kv_write = grad_write(self.stages_per_phase, self.sh.pr, self.qk_norm, in_place);
-            let q_write = grad_write(1, self.sh.pr, self.qk_norm, in_place);
-            let eb = |w: GradWrite| match w {
-                GradWrite::Overwrite => self.ab,
-                GradWrite::Add => F32,
-            };
-            let (q_eb, kv_eb) = (eb(q_write), eb(kv_write));
             let kv_bytes = numel(self.sh.packed(self.sh.m)) * kv_eb;
             let dk = sim.alloc(Workspace, kv_bytes);
             let dv = sim.alloc(Workspace, kv_bytes);

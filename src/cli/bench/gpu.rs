@@ -284,12 +284,12 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
     let outcomes: Vec<(Strategy, Outcome, Option<f64>)> = planned
         .into_iter()
         .zip(measured)
-        .map(|((m, plan), got)| match (plan, got) {
-            (Ok(plan), Some((result, passes))) => {
+        .map(|((m, plan), got)| match plan {
+            Ok(plan) => {
+                let (result, passes) = got.expect("every planned strategy ran (rounds ≥ 1)");
                 (m, Outcome::Ran(result, plan), Some(median(&passes)))
             }
-            (Err(why), _) => (m, Outcome::Skipped(why), None),
-            (Ok(_), None) => (m, Outcome::Skipped("--rounds 0".into()), None),
+            Err(why) => (m, Outcome::Skipped(why), None),
         })
         .collect();
     if !lead {
