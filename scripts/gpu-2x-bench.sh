@@ -53,6 +53,7 @@ L=("$bin/upipe" launch --nproc-per-node 2 --master-port 29531 -- bench attn --de
 small=(--hidden 512 --heads 32 --kv-heads 8 --head-dim 128 --seq 1024 --check --warmup 0 --iters 1)
 want check && step check_2x1 90 "${L[@]}" "${small[@]}" --ulysses 2 --methods ulysses,ring,usp,upipe --chunk-heads 2
 want check && step check_2x1_overlap 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --overlap
+want check && step check_2x1_fwd8 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --fwd-chunk-heads 8
 want check && step check_2x1_settle_phase 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --settle-every phase
 # a plain run (no launcher) starts its 2 processes by itself
 want check && step check_self_launch 60 "$bin/upipe" bench attn --device cuda --json "${small[@]}" --ulysses 2 --methods ulysses,upipe --chunk-heads 2
@@ -99,10 +100,13 @@ done
 want settle1 && UPIPE_PROFILE=shapes step one_profile_65536 90 "${one[@]}" "${llama[@]}" --iters 1 --seq 65536 --methods upipe --chunk-heads 1
 # Ulysses and UPipe in alternating rounds (A B B A ...: a clock drift over the
 # run weighs on both alike), the default settle and per phase (PARTS=rounds)
-# (SEQS, SETTLES and CHUNK=U pick the rows)
+# (SEQS, SETTLES, CHUNK=U and FWDS = forward stage sizes, "-" for U, pick the rows)
 want rounds && for s in ${SEQS:-131072 262144}; do
   for e in ${SETTLES:-2 phase}; do
-    step "rounds_${s}_U${CHUNK:-2}_${e}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds ${ROUNDS:-4} --seq $s --methods ulysses,upipe --chunk-heads ${CHUNK:-2} --settle-every $e
+    for f in ${FWDS:--}; do
+      fw=(); [ "$f" != - ] && fw=(--fwd-chunk-heads "$f")
+      step "rounds_${s}_U${CHUNK:-2}f${f}_${e}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds ${ROUNDS:-4} --seq $s --methods ulysses,upipe --chunk-heads ${CHUNK:-2} --settle-every $e "${fw[@]}"
+    done
   done
 done
 # the peaks tests/plan.rs pins as measured (cuda_predictions_against_the_h200_ledger;

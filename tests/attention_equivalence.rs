@@ -43,11 +43,19 @@ fn check(
 ) {
     let plan = CpPlan::new(strategy, d, inputs.seq, pu, pr, chunk)
         .unwrap_or_else(|e| panic!("{strategy} {pu}x{pr} U={chunk:?}: {e}"));
+    check_plan(d, inputs, reference, plan);
+}
+
+fn check_plan(d: &AttnDims, inputs: &TrialInputs, reference: &TrialResult, plan: CpPlan) {
     let got = run_trial(&plan, d, inputs, CpuBackend::new).unwrap();
     for (name, err) in got.errors_against(reference) {
         assert!(
             err <= 1e-5,
-            "{strategy} pu={pu} pr={pr} U={chunk:?} H={} Hkv={} qk_norm={}: {name} rel err {err:e}",
+            "{} {}x{} U={} H={} Hkv={} qk_norm={}: {name} rel err {err:e}",
+            plan.strategy,
+            plan.layout.pu,
+            plan.layout.pr,
+            plan.chunk_text(),
             d.heads,
             d.kv_heads,
             d.qk_norm
@@ -69,6 +77,16 @@ fn check_all(d: &AttnDims, seq: usize, pu: usize, pr: usize) {
         if upipe::attention::schedule::valid_chunks(d.heads, d.kv_heads, pu).contains(&u) {
             check(d, &inputs, &r, Strategy::Upipe, pu, pr, Some(u));
         }
+    }
+    // UPipe at U = Pu with its forward in every wider stage size it allows
+    let plan = CpPlan::new(Strategy::Upipe, d, seq, pu, pr, Some(pu)).unwrap();
+    for uf in upipe::attention::schedule::valid_fwd_chunks(&plan.schedule)
+        .into_iter()
+        .skip(1)
+    {
+        let wide = plan.clone().with_fwd_chunk(Some(uf)).unwrap();
+        check_plan(d, &inputs, &r, wide.clone());
+        check_plan(d, &inputs, &r, wide.with_overlap(true));
     }
 }
 

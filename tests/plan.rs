@@ -41,24 +41,37 @@ fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
 
 #[test]
 fn attention_layer_prediction_equals_ledger_peak() {
-    // (heads, kv heads, strategy, Pu, Pr, U)
-    type Case = (usize, usize, Strategy, usize, usize, Option<usize>);
+    // (heads, kv heads, strategy, Pu, Pr, U, forward U)
+    type Case = (
+        usize,
+        usize,
+        Strategy,
+        usize,
+        usize,
+        Option<usize>,
+        Option<usize>,
+    );
     let cases: &[Case] = &[
-        (8, 2, Strategy::Local, 1, 1, None),
-        (8, 2, Strategy::Ulysses, 2, 1, None),
-        (8, 2, Strategy::Ulysses, 4, 1, None), // kv heads replicated (Hkv < Pu)
-        (8, 8, Strategy::Ulysses, 8, 1, None),
-        (8, 2, Strategy::Ring, 1, 2, None),
-        (8, 2, Strategy::Ring, 1, 3, None),
-        (8, 2, Strategy::Usp, 2, 2, None),
-        (8, 2, Strategy::Upipe, 2, 1, Some(2)),
-        (8, 2, Strategy::Upipe, 2, 1, Some(4)),
-        (8, 2, Strategy::Upipe, 2, 1, Some(8)),
-        (8, 2, Strategy::Upipe, 4, 1, Some(4)),
-        (16, 4, Strategy::Upipe, 4, 1, Some(8)),
-        (8, 2, Strategy::Upipe, 2, 2, Some(2)),
-        (8, 2, Strategy::Upipe, 2, 3, Some(4)),
-        (8, 4, Strategy::Upipe, 4, 2, Some(4)),
+        (8, 2, Strategy::Local, 1, 1, None, None),
+        (8, 2, Strategy::Ulysses, 2, 1, None, None),
+        (8, 2, Strategy::Ulysses, 4, 1, None, None), // kv heads replicated (Hkv < Pu)
+        (8, 8, Strategy::Ulysses, 8, 1, None, None),
+        (8, 2, Strategy::Ring, 1, 2, None, None),
+        (8, 2, Strategy::Ring, 1, 3, None, None),
+        (8, 2, Strategy::Usp, 2, 2, None, None),
+        (8, 2, Strategy::Upipe, 2, 1, Some(2), None),
+        (8, 2, Strategy::Upipe, 2, 1, Some(4), None),
+        (8, 2, Strategy::Upipe, 2, 1, Some(8), None),
+        (8, 2, Strategy::Upipe, 4, 1, Some(4), None),
+        (16, 4, Strategy::Upipe, 4, 1, Some(8), None),
+        (8, 2, Strategy::Upipe, 2, 2, Some(2), None),
+        (8, 2, Strategy::Upipe, 2, 3, Some(4), None),
+        (8, 4, Strategy::Upipe, 4, 2, Some(4), None),
+        // forward in wider stages than the backward
+        (8, 2, Strategy::Upipe, 2, 1, Some(2), Some(8)),
+        (8, 2, Strategy::Upipe, 2, 1, Some(2), Some(4)),
+        (16, 4, Strategy::Upipe, 4, 1, Some(4), Some(8)),
+        (8, 2, Strategy::Upipe, 2, 3, Some(2), Some(8)),
     ];
     let seq = 48;
     let (stage, phase) = (Settle::Stages(1), Settle::Phase);
@@ -72,9 +85,11 @@ fn attention_layer_prediction_equals_ledger_peak() {
         (true, false, Settle::Stages(2)),
         (false, true, Settle::Stages(3)),
     ] {
-        for &(h, hkv, s, pu, pr, u) in cases {
+        for &(h, hkv, s, pu, pr, u, uf) in cases {
             let d = dims(h, hkv, qk);
             let plan = CpPlan::new(s, &d, seq, pu, pr, u)
+                .unwrap()
+                .with_fwd_chunk(uf)
                 .unwrap()
                 .with_overlap(overlap && s != Strategy::Local)
                 .with_settle(settle);
@@ -82,7 +97,7 @@ fn attention_layer_prediction_equals_ledger_peak() {
             let measured = run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap();
             let pred = predict_attention_trial(&plan, &d, DeviceKind::Cpu, 1).unwrap();
             let what = format!(
-                "{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} qk_norm={qk} overlap={overlap} settle every {settle}"
+                "{s} H={h} Hkv={hkv} {pu}x{pr} U={u:?} forward U={uf:?} qk_norm={qk} overlap={overlap} settle every {settle}"
             );
             let e = rel(pred.peak, measured.peak_bytes);
             assert!(

@@ -131,6 +131,13 @@ pub struct CpPlan {
     pub strategy: Strategy,
     pub layout: SeqLayout,
     pub schedule: StageSchedule,
+    /// The forward's stages: the backward's, or wider ones (`--fwd-chunk-heads`)
+    /// where every rank keeps its query heads ([`schedule::lse_pieces`]).
+    /// The forward holds fewer buffers than the backward, so wider forward
+    /// stages can run fewer, larger attention calls under the same peak.
+    pub fwd_schedule: StageSchedule,
+    /// For each forward stage, the backward stages whose LSE it computes.
+    pub lse_pieces: Vec<Vec<schedule::LsePiece>>,
     /// Issue stage t+1's projections and exchanges before stage t's attention
     /// (one extra stage of buffers) so that an asynchronous backend overlaps
     /// communication with attention. Same results either way.
@@ -171,14 +178,58 @@ impl CpPlan {
         }
         let schedule = StageSchedule::new(dims.heads, dims.kv_heads, pu, u)?;
         let layout = SeqLayout::new(seq, pu, pr)?;
+        let lse_pieces = schedule::lse_pieces(&schedule, &schedule)?;
         Ok(CpPlan {
             strategy,
             layout,
+            fwd_schedule: schedule.clone(),
+            lse_pieces,
             schedule,
             overlap: false,
             settle_every: Settle::default(),
         })
     }
+    /// The same plan running its forward in stages of `fwd_chunk` heads
+    /// (`None`: the backward's). UPipe only; the value must be one of
+    /// [`schedule::valid_fwd_chunks`], which the error lists.
+    pub fn with_fwd_chunk(self, fwd_chunk: Option<usize>) -> Result<Self> {
+        let Some(c) = fwd_chunk else {
+            return Ok(self);
+        };
+        if self.strategy != Strategy::Upipe {
+            return crate::config_err!(
+                "--fwd-chunk-heads applies to upipe only, not {}",
+                self.strategy
+            );
+        }
+        let valid = schedule::valid_fwd_chunks(&self.schedule);
+        let bwd = &self.schedule;
+        let fwd = StageSchedule::new(bwd.heads, bwd.kv_heads, bwd.pu, c)
+            .and_then(|fwd| Ok((schedule::lse_pieces(&fwd, bwd)?, fwd)));
+        match fwd {
+            Ok((lse_pieces, fwd_schedule)) => Ok(CpPlan {
+                fwd_schedule,
+                lse_pieces,
+                ..self
+            }),
+            Err(e) => crate::config_err!(
+                "--fwd-chunk-heads {c}: {e}; valid values with --chunk-heads {}: {valid:?}",
+                bwd.chunk
+            ),
+        }
+    }
+
+    /// U as tables print it: `2`, or `2f8` when the forward runs in wider
+    /// stages (of 8 heads).
+    pub fn chunk_text(&self) -> String {
+        let (u, uf) = (self.schedule.chunk, self.fwd_schedule.chunk);
+        if u == uf {
+            u.to_string()
+        } else {
+            format!("{u}f{uf}")
+        }
+    }
+
     /// The same plan with the stage-prefetch schedule on or off.
     pub fn with_overlap(self, overlap: bool) -> Self {
         CpPlan { overlap, ..self }

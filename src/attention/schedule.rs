@@ -175,6 +175,78 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
+/// One backward stage's LSE inside a forward stage's `[n, u_f]` LSE: the
+/// columns `cols` (this rank's query heads of backward stage `bwd_stage`,
+/// counted from the forward stage's first head).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LsePiece {
+    pub bwd_stage: usize,
+    pub cols: Range<usize>,
+}
+
+/// How a forward run in wider stages (`fwd`) hands the backward's stages
+/// (`bwd`) their LSE: for each forward stage (in order), the backward
+/// stages it computes, as column pieces of its LSE. The forward may run in
+/// wider stages only where every rank keeps the same query heads: each
+/// backward stage's heads on every rank lie inside one forward stage's heads
+/// on that rank, at the same offset on every rank. An error says why not.
+pub fn lse_pieces(fwd: &StageSchedule, bwd: &StageSchedule) -> Result<Vec<Vec<LsePiece>>> {
+    if (fwd.heads, fwd.kv_heads, fwd.pu) != (bwd.heads, bwd.kv_heads, bwd.pu) {
+        return crate::config_err!(
+            "forward and backward stages must split the same heads over the same ranks"
+        );
+    }
+    if !fwd.chunk.is_multiple_of(bwd.chunk) {
+        return crate::config_err!(
+            "forward stages of {} heads must be a multiple of the {} heads of a backward stage",
+            fwd.chunk,
+            bwd.chunk
+        );
+    }
+    let fwd_stages: Vec<&Stage> = fwd.phases.iter().flat_map(|p| &p.stages).collect();
+    let mut pieces = vec![Vec::new(); fwd_stages.len()];
+    for (b, stage) in bwd.phases.iter().flat_map(|p| &p.stages).enumerate() {
+        let inside = |f: &Stage| {
+            let off = stage.q_heads[0].start.checked_sub(f.q_heads[0].start)?;
+            stage
+                .q_heads
+                .iter()
+                .zip(&f.q_heads)
+                .all(|(q, fq)| q.start >= fq.start && q.end <= fq.end && q.start - fq.start == off)
+                .then_some(off)
+        };
+        let Some((f, off)) = fwd_stages
+            .iter()
+            .enumerate()
+            .find_map(|(f, st)| inside(st).map(|off| (f, off)))
+        else {
+            return crate::config_err!(
+                "forward stages of {} heads move query heads to other ranks than backward stages of {} heads do, so the backward would lack its LSE",
+                fwd.chunk,
+                bwd.chunk
+            );
+        };
+        pieces[f].push(LsePiece {
+            bwd_stage: b,
+            cols: off..off + bwd.u(),
+        });
+    }
+    Ok(pieces)
+}
+
+/// The forward stage sizes that serve backward stages of `bwd`
+/// ([`lse_pieces`]), smallest first (the first is `bwd.chunk` itself).
+pub fn valid_fwd_chunks(bwd: &StageSchedule) -> Vec<usize> {
+    valid_chunks(bwd.heads, bwd.kv_heads, bwd.pu)
+        .into_iter()
+        .filter(|&c| {
+            StageSchedule::new(bwd.heads, bwd.kv_heads, bwd.pu, c)
+                .and_then(|f| lse_pieces(&f, bwd))
+                .is_ok()
+        })
+        .collect()
+}
+
 /// What the stage loop prefetches after stage `t` of phase `p` starts
 /// (`overlap`): the next stage of the same phase, the first stage of the next
 /// phase together with that phase's K/V, or nothing after the last stage.
@@ -309,6 +381,69 @@ mod tests {
         assert_eq!(s.phases.len(), 2);
         assert_eq!(s.phases[1].kv_heads, vec![1..2; 4]);
         check_cover(&s);
+    }
+
+    #[test]
+    fn llama3_8b_forward_stages_up_to_one_per_kv_head() {
+        // U=2 on 2 ranks: one head per rank per stage, 4 stages per kv head
+        let bwd = StageSchedule::new(32, 8, 2, 2).unwrap();
+        assert_eq!(valid_fwd_chunks(&bwd), vec![2, 4, 8]);
+        let fwd = StageSchedule::new(32, 8, 2, 8).unwrap();
+        let pieces = lse_pieces(&fwd, &bwd).unwrap();
+        assert_eq!(pieces.len(), 4);
+        assert_eq!(
+            pieces[1],
+            (4..8)
+                .map(|b| LsePiece {
+                    bwd_stage: b,
+                    cols: b - 4..b - 3
+                })
+                .collect::<Vec<_>>()
+        );
+        // 16-head stages give rank 0 the heads rank 1 holds at U=2
+        let wide = StageSchedule::new(32, 8, 2, 16).unwrap();
+        let e = lse_pieces(&wide, &bwd).unwrap_err().to_string();
+        assert!(e.contains("other ranks"), "{e}");
+        let e = lse_pieces(
+            &StageSchedule::new(32, 8, 2, 4).unwrap(),
+            &StageSchedule::new(32, 8, 2, 8).unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("multiple"), "{e}");
+    }
+
+    proptest! {
+        #[test]
+        fn forward_pieces_cover_every_backward_stage_once(kv in 1usize..9, g in 1usize..9, pu in 1usize..9, c in 1usize..65) {
+            let heads = kv * g;
+            if let Ok(bwd) = StageSchedule::new(heads, kv, pu, c) {
+                let valid = valid_fwd_chunks(&bwd);
+                prop_assert_eq!(valid.first().copied(), Some(c));
+                for f in valid {
+                    let fwd = StageSchedule::new(heads, kv, pu, f).unwrap();
+                    let pieces = lse_pieces(&fwd, &bwd).unwrap();
+                    let mut seen = vec![0usize; bwd.n_stages()];
+                    let bwd_stages: Vec<&Stage> = bwd.phases.iter().flat_map(|p| &p.stages).collect();
+                    for (fs, ps) in fwd.phases.iter().flat_map(|p| &p.stages).zip(&pieces) {
+                        // the pieces tile the forward stage's columns
+                        prop_assert_eq!(ps.len(), fwd.u() / bwd.u());
+                        let mut cols: Vec<usize> = ps.iter().flat_map(|p| p.cols.clone()).collect();
+                        cols.sort_unstable();
+                        prop_assert_eq!(cols, (0..fwd.u()).collect::<Vec<_>>());
+                        for p in ps {
+                            seen[p.bwd_stage] += 1;
+                            for r in 0..pu {
+                                let h = &bwd_stages[p.bwd_stage].q_heads[r];
+                                prop_assert_eq!(h.start, fs.q_heads[r].start + p.cols.start);
+                                prop_assert_eq!(h.len(), p.cols.len());
+                            }
+                        }
+                    }
+                    prop_assert!(seen.iter().all(|&n| n == 1));
+                }
+            }
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //! gradients there naturally.
 
 use super::rope::RopeTables;
-use super::schedule::{KvPhase, Upcoming, grad_write, upcoming};
+use super::schedule::{KvPhase, LsePiece, StageSchedule, Upcoming, grad_write, upcoming};
 use super::settle::{Proj, settle_layout};
 use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
@@ -299,13 +299,13 @@ impl<'a, B: Backend> Staged<'a, B> {
         self.plan.overlap
     }
 
-    /// What to prefetch once stage `t` of phase `p` has its inputs:
+    /// What to prefetch once stage `t` of phase `p` of `sched` has its inputs:
     /// [`Upcoming::End`] (nothing) unless overlapping.
-    fn upcoming(&self, p: usize, t: usize) -> Upcoming {
+    fn upcoming(&self, sched: &StageSchedule, p: usize, t: usize) -> Upcoming {
         if !self.prefetch() {
             return Upcoming::End;
         }
-        let phases = &self.plan.schedule.phases;
+        let phases = &sched.phases;
         upcoming(p, t, phases.len(), phases[p].stages.len())
     }
 
@@ -346,9 +346,12 @@ impl<'a, B: Backend> Staged<'a, B> {
         x: &Tensor<B>,
     ) -> Result<(Tensor<B>, AttnSaved<B>)> {
         let b = self.b;
-        let sched = &self.plan.schedule;
+        let sched = &self.plan.fwd_schedule;
         let mut o = b.empty(&self.shapes.saved_o(), x.dtype(), Category::Activations)?;
-        let mut lses = Vec::with_capacity(sched.n_stages());
+        // one LSE per backward stage
+        let mut lses: Vec<Option<Tensor<B>>> =
+            (0..self.plan.schedule.n_stages()).map(|_| None).collect();
+        let mut fwd_stage = 0;
         let mut next_kv: Option<KvInFlight<B>> = None;
         let mut next_q: Option<Pending<B>> = None;
         let mut out: Option<OutInFlight<'_, B>> = None;
@@ -365,7 +368,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                 }
                 .wait()?;
                 let (q, _) = self.q_ready(w, q_raw, false)?;
-                match self.upcoming(p, t) {
+                match self.upcoming(sched, p, t) {
                     Upcoming::Stage => {
                         let next = &phase.stages[t + 1];
                         next_q = Some(self.q_exchanged(w, x, &next.q_heads)?);
@@ -379,7 +382,8 @@ impl<'a, B: Backend> Staged<'a, B> {
                 }
                 let (o_att, lse) = ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v)?;
                 drop(q);
-                lses.push(lse);
+                self.split_lse(lse, &self.plan.lse_pieces[fwd_stage], &mut lses)?;
+                fwd_stage += 1;
                 let this = OutInFlight {
                     o_att: self.exchange_start(o_att)?,
                     heads: &stage.q_heads,
@@ -401,7 +405,51 @@ impl<'a, B: Backend> Staged<'a, B> {
         }
         let mut y = b.empty(&self.shapes.layer_io(), x.dtype(), Category::Activations)?;
         b.gemm(y.mat_mut(), o.mat(), w.wo.mat().t(), 1.0, 0.0)?;
-        Ok((y, AttnSaved { o, lse: lses }))
+        let lse = lses
+            .into_iter()
+            .enumerate()
+            .map(|(i, l)| {
+                l.ok_or_else(|| {
+                    crate::error::Error::Backend(format!(
+                        "no forward stage computed backward stage {i}'s LSE"
+                    ))
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok((y, AttnSaved { o, lse }))
+    }
+
+    /// Hands a forward stage's LSE (`[n, u_f]` F32) to the backward stages
+    /// it serves: whole when it serves one, else one `[n, u]` copy of its
+    /// columns per backward stage.
+    fn split_lse(
+        &self,
+        lse: Tensor<B>,
+        pieces: &[LsePiece],
+        out: &mut [Option<Tensor<B>>],
+    ) -> Result<()> {
+        let &[n, width] = lse.shape() else {
+            return Err(crate::error::Error::Backend(format!(
+                "a stage's LSE is [n, heads], not {:?}",
+                lse.shape()
+            )));
+        };
+        if let [one] = pieces
+            && one.cols.len() == width
+        {
+            out[one.bwd_stage] = Some(lse);
+            return Ok(());
+        }
+        for piece in pieces {
+            let u = piece.cols.len();
+            let mut part = self.b.empty(&[n, u], DType::F32, Category::Activations)?;
+            self.b.copy(
+                part.mat_mut(),
+                lse.view(MatLayout::block(piece.cols.start, n, u, width)),
+            )?;
+            out[piece.bwd_stage] = Some(part);
+        }
+        Ok(())
     }
 
     /// Backward; returns `dx` and accumulates this rank's partial weight gradients.
@@ -455,7 +503,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                 };
                 let (o_att, d_o, q_raw) = (o_att.wait()?, d_o.wait()?, q_raw.wait()?);
                 let (q, q_raw) = self.q_ready(w, q_raw, true)?;
-                match self.upcoming(p, t) {
+                match self.upcoming(sched, p, t) {
                     Upcoming::Stage => {
                         let heads = &phase.stages[t + 1].q_heads;
                         next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads)?);

@@ -155,7 +155,7 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             (a.ulysses, a.ring)
         };
         let plan = match CpPlan::new(m, &dims, a.seq, pu, pr, chunk) {
-            Ok(p) => a.schedule.apply(p),
+            Ok(p) => a.schedule.apply(p)?,
             // with `all`, ulysses and ring (which put all C ranks in one group) may not fit
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
                 outcomes.push((m, Outcome::Skipped(e.to_string())));
@@ -278,7 +278,7 @@ fn print_row(
                     "predicted_peak_bytes": predicted,
                     "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
                     "ulysses": plan.layout.pu, "ring": plan.layout.pr,
-                    "chunk_heads": plan.schedule.chunk, "stages": plan.schedule.n_stages(),
+                    "chunk_heads": plan.schedule.chunk, "fwd_chunk_heads": plan.fwd_schedule.chunk, "stages": plan.schedule.n_stages(),
                     "overlap": plan.overlap, "settle_every": plan.settle_every.to_string(),
                     "act_vs_ulysses": ratio, "seconds": seconds,
                 });
@@ -297,7 +297,7 @@ fn print_row(
                     "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
                     m.name(),
                     mesh,
-                    plan.schedule.chunk,
+                    plan.chunk_text(),
                     plan.schedule.n_stages(),
                     err.map_or("-".into(), |e| format!("{e:.2e}")),
                     Bytes(r.peak_bytes).to_string(),

@@ -156,7 +156,7 @@ impl Ctx {
             self.a.ring,
             self.a.chunk_heads,
         )?;
-        let plan = self.a.schedule.apply(plan);
+        let plan = self.a.schedule.apply(plan)?;
         let spec = StepSpec {
             model: self.model.clone(),
             plan,
@@ -181,7 +181,7 @@ fn by_category(p: &Prediction) -> Value {
 fn mesh_json(spec: &StepSpec) -> Value {
     json!({
         "data": spec.data, "ulysses": spec.plan.layout.pu, "ring": spec.plan.layout.pr,
-        "chunk_heads": spec.plan.schedule.chunk, "stages": spec.plan.schedule.n_stages(),
+        "chunk_heads": spec.plan.schedule.chunk, "fwd_chunk_heads": spec.plan.fwd_schedule.chunk, "stages": spec.plan.schedule.n_stages(),
         "overlap": spec.plan.overlap, "settle_every": spec.plan.settle_every.to_string(),
     })
 }
@@ -344,7 +344,7 @@ fn breakdown(
                 "{:<8} {:>9} {:>4}",
                 s.name(),
                 mesh_text(&spec),
-                spec.plan.schedule.chunk
+                spec.plan.chunk_text()
             );
             for c in Category::ALL {
                 line += &format!(" {:>12}", Bytes(p.at(c)).to_string());
@@ -403,7 +403,7 @@ fn search(ctx: &Ctx, all: bool, strategies: &[Strategy], budget: Budget) -> Resu
                 "{:<8} {:>9} {:>4} {:>19} {:>12}  {}",
                 s.name(),
                 mesh_text(&spec),
-                spec.plan.schedule.chunk,
+                spec.plan.chunk_text(),
                 format!("{} ({})", fit.seq, fmt_tokens(fit.seq)),
                 fit.at_fit
                     .as_ref()

@@ -1,6 +1,7 @@
 //! The staged engine's schedule flags, shared by `bench attn` and `plan`.
 
 use crate::attention::{CpPlan, Settle, Strategy};
+use crate::error::Result;
 
 /// How the staged engine orders its work (`--overlap`, `--settle-every`).
 #[derive(clap::Args, Debug, Clone)]
@@ -18,13 +19,27 @@ pub struct ScheduleArgs {
     /// docs/attention-memory.md).
     #[arg(long, default_value_t = Settle::default())]
     pub settle_every: Settle,
+    /// UPipe: run the forward in stages of this many heads (a multiple of
+    /// --chunk-heads that keeps every rank's query heads; the error lists
+    /// the valid values). The backward holds more buffers than the forward,
+    /// so wider forward stages make fewer, larger attention calls without
+    /// raising the peak as long as the forward stays below the backward
+    /// (`upipe plan` and `bench attn` report both). Default: --chunk-heads.
+    #[arg(long)]
+    pub fwd_chunk_heads: Option<usize>,
 }
 
 impl ScheduleArgs {
-    /// `plan` with this schedule (`local` has no stages to overlap).
-    pub fn apply(&self, plan: CpPlan) -> CpPlan {
+    /// `plan` with this schedule (`local` has no stages to overlap; only
+    /// `upipe` has forward stages to widen).
+    pub fn apply(&self, plan: CpPlan) -> Result<CpPlan> {
         let staged = plan.strategy != Strategy::Local;
-        plan.with_overlap(self.overlap && staged)
+        let fwd_chunk = self
+            .fwd_chunk_heads
+            .filter(|_| plan.strategy == Strategy::Upipe);
+        Ok(plan
+            .with_overlap(self.overlap && staged)
             .with_settle(self.settle_every)
+            .with_fwd_chunk(fwd_chunk)?)
     }
 }

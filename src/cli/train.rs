@@ -61,6 +61,9 @@ pub struct TrainArgs {
     /// UPipe heads per stage U (default Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
+    /// UPipe heads per forward stage (default U; see `bench attn --help`).
+    #[arg(long)]
+    pub fwd_chunk_heads: Option<usize>,
     /// Data-parallel replicas, each its own context-parallel group (default 1;
     /// with no mesh flag at all the mesh fits the GPUs: one process per GPU).
     #[arg(long)]
@@ -418,6 +421,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         ulysses: mesh.ulysses,
         ring: mesh.ring,
         chunk_heads: a.chunk_heads,
+        fwd_chunk_heads: a.fwd_chunk_heads,
         seq: a.seq,
         steps: a.steps,
         optim: AdamWConfig {

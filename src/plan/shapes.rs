@@ -5,6 +5,7 @@
 //! of their buffers from here, so the planner's byte counts are the engine's
 //! own sizes, not a second description kept in sync by hand.
 
+use crate::attention::schedule::StageSchedule;
 use crate::attention::{AttnDims, CpPlan};
 use std::ops::Range;
 
@@ -28,15 +29,24 @@ pub struct StageShapes {
 }
 
 impl StageShapes {
-    /// The shapes of `plan` for a layer of `dims`.
+    /// The shapes of `plan`'s (backward) stages for a layer of `dims`.
     pub fn new(plan: &CpPlan, dims: &AttnDims) -> Self {
+        Self::of(&plan.schedule, plan, dims)
+    }
+
+    /// The shapes of `plan`'s forward stages (`CpPlan::fwd_schedule`).
+    pub fn forward(plan: &CpPlan, dims: &AttnDims) -> Self {
+        Self::of(&plan.fwd_schedule, plan, dims)
+    }
+
+    fn of(schedule: &StageSchedule, plan: &CpPlan, dims: &AttnDims) -> Self {
         StageShapes {
             s: plan.layout.local_len(),
             n: plan.layout.shard_len(),
             pu: plan.layout.pu,
             pr: plan.layout.pr,
-            u: plan.schedule.u(),
-            m: plan.schedule.m(),
+            u: schedule.u(),
+            m: schedule.m(),
             head_dim: dims.head_dim,
             heads: dims.heads,
             kv_heads: dims.kv_heads,
@@ -97,9 +107,8 @@ impl StageShapes {
         [self.pu * nh * self.head_dim, self.hidden]
     }
 
-    /// Number of kv phases and stages per phase of the schedule.
-    pub fn phases_and_stages(plan: &CpPlan) -> (usize, usize) {
-        let s = &plan.schedule;
+    /// Number of kv phases and stages per phase of a schedule.
+    pub fn phases_and_stages(s: &StageSchedule) -> (usize, usize) {
         (s.phases.len(), s.phases[0].stages.len())
     }
 }

@@ -46,10 +46,16 @@ impl BwdGrads {
 /// One attention layer of one rank, as the engine runs it.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnWalk {
+    /// Shapes of the (backward) stages.
     pub sh: StageShapes,
     pub strategy: Strategy,
     pub phases: usize,
     pub stages_per_phase: usize,
+    /// The forward's stages (`CpPlan::fwd_schedule`): shapes, kv phases and
+    /// stages per phase.
+    pub fwd_sh: StageShapes,
+    pub fwd_phases: usize,
+    pub fwd_stages_per_phase: usize,
     pub qk_norm: bool,
     /// Bytes per element of activations (the compute dtype).
     pub ab: usize,
@@ -74,12 +80,16 @@ pub struct AttnFwd {
 
 impl AttnWalk {
     pub fn new(plan: &CpPlan, dims: &AttnDims, ab: usize) -> Self {
-        let (phases, stages_per_phase) = StageShapes::phases_and_stages(plan);
+        let (phases, stages_per_phase) = StageShapes::phases_and_stages(&plan.schedule);
+        let (fwd_phases, fwd_stages_per_phase) = StageShapes::phases_and_stages(&plan.fwd_schedule);
         AttnWalk {
             sh: StageShapes::new(plan, dims),
             strategy: plan.strategy,
             phases,
             stages_per_phase,
+            fwd_sh: StageShapes::forward(plan, dims),
+            fwd_phases,
+            fwd_stages_per_phase,
             qk_norm: dims.qk_norm,
             ab,
             overlap: plan.overlap,
@@ -401,54 +411,78 @@ impl AttnWalk {
         sim.free(back);
     }
 
-    /// `Staged::forward`.
+    /// This walk with the forward's stages in place of the backward's.
+    fn forward_stages(&self) -> AttnWalk {
+        AttnWalk {
+            sh: self.fwd_sh,
+            phases: self.fwd_phases,
+            stages_per_phase: self.fwd_stages_per_phase,
+            ..*self
+        }
+    }
+
+    /// `Staged::split_lse`: a forward stage's LSE, whole or as one `[n, u]`
+    /// copy per backward stage it serves.
+    fn split_lse(&self, sim: &mut Sim, l: Buf, lse: &mut Vec<Buf>) {
+        let pieces = self.fwd_sh.u / self.sh.u;
+        if pieces == 1 {
+            lse.push(l);
+            return;
+        }
+        let bytes = numel(self.sh.stage_lse()) * F32;
+        lse.extend((0..pieces).map(|_| sim.alloc(Activations, bytes)));
+        sim.free(l);
+    }
+
+    /// `Staged::forward` (its stages: [`Self::forward_stages`]).
     fn staged_fwd(&self, sim: &mut Sim) -> AttnFwd {
-        let o = self.act(sim, Activations, numel(self.sh.saved_o()));
+        let f = self.forward_stages();
+        let o = f.act(sim, Activations, numel(f.sh.saved_o()));
         let mut lse = Vec::new();
         let mut next_kv: Option<[InFlight; 2]> = None;
         let mut next_q: Option<InFlight> = None;
         let mut out: Option<InFlight> = None;
-        for p in 0..self.phases {
+        for p in 0..f.phases {
             let kv = match next_kv.take() {
                 Some(kv) => kv,
-                None => self.kv_start(sim),
+                None => f.kv_start(sim),
             };
-            let (k, _, v) = self.kv_ready(sim, kv, false);
-            for t in 0..self.stages_per_phase {
+            let (k, _, v) = f.kv_ready(sim, kv, false);
+            for t in 0..f.stages_per_phase {
                 let q_raw = match next_q.take() {
                     Some(q) => q,
-                    None => self.q_exchanged(sim),
+                    None => f.q_exchanged(sim),
                 };
-                let q_raw = self.wait(sim, q_raw);
-                let (q, _) = self.norm_rope(sim, q_raw, false);
-                match self.upcoming(p, t) {
-                    Upcoming::Stage => next_q = Some(self.q_exchanged(sim)),
+                let q_raw = f.wait(sim, q_raw);
+                let (q, _) = f.norm_rope(sim, q_raw, false);
+                match f.upcoming(p, t) {
+                    Upcoming::Stage => next_q = Some(f.q_exchanged(sim)),
                     Upcoming::PhaseStart => {
-                        next_kv = Some(self.kv_start(sim));
-                        next_q = Some(self.q_exchanged(sim));
+                        next_kv = Some(f.kv_start(sim));
+                        next_q = Some(f.q_exchanged(sim));
                     }
                     Upcoming::End => {}
                 }
-                let (o_att, l) = self.ring_fwd(sim, q, k, v);
+                let (o_att, l) = f.ring_fwd(sim, q, k, v);
                 sim.free(q);
-                lse.push(l);
-                let this = self.exchange_start(sim, o_att);
+                self.split_lse(sim, l, &mut lse);
+                let this = f.exchange_start(sim, o_att);
                 if let Some(prev) = out.replace(this) {
-                    self.take_output(sim, prev);
+                    f.take_output(sim, prev);
                 }
-                if !self.overlap
+                if !f.overlap
                     && let Some(this) = out.take()
                 {
-                    self.take_output(sim, this);
+                    f.take_output(sim, this);
                 }
             }
             sim.free(k);
             sim.free(v);
         }
         if let Some(last) = out.take() {
-            self.take_output(sim, last);
+            f.take_output(sim, last);
         }
-        let y = self.act(sim, Activations, numel(self.sh.layer_io()));
+        let y = f.act(sim, Activations, numel(f.sh.layer_io()));
         AttnFwd { o, lse, y }
     }
 

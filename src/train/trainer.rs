@@ -34,6 +34,8 @@ pub struct TrainConfig {
     pub ulysses: usize,
     pub ring: usize,
     pub chunk_heads: Option<usize>,
+    /// UPipe: heads per forward stage (`CpPlan::with_fwd_chunk`; default U).
+    pub fwd_chunk_heads: Option<usize>,
     pub seq: usize,
     pub steps: u32,
     pub optim: AdamWConfig,
@@ -82,6 +84,7 @@ impl TrainConfig {
             ulysses: 1,
             ring: 1,
             chunk_heads: None,
+            fwd_chunk_heads: None,
             seq,
             steps,
             optim,
@@ -111,7 +114,8 @@ impl TrainConfig {
             self.ulysses,
             self.ring,
             self.chunk_heads,
-        )
+        )?
+        .with_fwd_chunk(self.fwd_chunk_heads)
     }
 
     /// The whole mesh of `plan` (data replicas x its context group).
