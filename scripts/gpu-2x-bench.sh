@@ -61,7 +61,7 @@ llama=(--hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --warmup 1)
 uly=(--ulysses 2)
 # where the time goes: rank 0's GPU time by op (events add a little overhead)
 # (by op shape: the costliest GEMM / copy / exchange shapes of each method)
-want profile && UPIPE_PROFILE=shapes step profile_131072 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods ulysses,upipe --chunk-heads 2
+want profile && UPIPE_PROFILE=shapes step profile_131072 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods ulysses,upipe --chunk-heads ${CHUNK:-2} ${FWD:+--fwd-chunk-heads $FWD}
 want profile && UPIPE_PROFILE=shapes step profile_131072_overlap 90 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 131072 --methods upipe --chunk-heads 2 --overlap
 # 512K and 1M first: the lengths not measured yet
 want long && step perf_524288 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 1 --seq 524288 --methods ulysses,upipe --chunk-heads 2

@@ -322,6 +322,21 @@ fn bad_meshes_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("--chunk-heads 3"), "{e}");
+    // a forward stage size that moves query heads to other ranks names the valid ones
+    let plan = CpPlan::new(Strategy::Upipe, &d, 1 << 20, 2, 1, Some(2)).unwrap();
+    let e = plan
+        .clone()
+        .with_fwd_chunk(Some(16))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--fwd-chunk-heads 16") && e.contains("[2, 4, 8]"),
+        "{e}"
+    );
+    let ulysses = CpPlan::new(Strategy::Ulysses, &d, 1 << 20, 2, 1, None).unwrap();
+    let e = ulysses.with_fwd_chunk(Some(32)).unwrap_err().to_string();
+    assert!(e.contains("upipe only"), "{e}");
+    assert_eq!(plan.with_fwd_chunk(Some(8)).unwrap().chunk_text(), "2f8");
 }
 
 /// The CUDA predictions against what the 2×H200 ledger measured for the

@@ -98,7 +98,7 @@ fn cpu_tolerance(_output: &str) -> f64 {
 const CUDA_TOLERANCE: fn(&str) -> f64 = crate::attention::trial::bf16_tolerance;
 
 enum Outcome {
-    Ran(TrialResult, CpPlan),
+    Ran(TrialResult, Box<CpPlan>),
     Skipped(String),
 }
 
@@ -167,7 +167,7 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             (Strategy::Local, Some(r)) => r.clone(),
             _ => run_trial(&plan, &dims, &inputs, CpuBackend::new)?,
         };
-        outcomes.push((m, Outcome::Ran(result, plan)));
+        outcomes.push((m, Outcome::Ran(result, Box::new(plan))));
     }
     let ulysses_act = outcomes.iter().find_map(|(m, o)| match o {
         Outcome::Ran(r, _) if *m == Strategy::Ulysses => Some(r.act_bytes),

@@ -37,9 +37,8 @@ impl ScheduleArgs {
         let fwd_chunk = self
             .fwd_chunk_heads
             .filter(|_| plan.strategy == Strategy::Upipe);
-        Ok(plan
-            .with_overlap(self.overlap && staged)
+        plan.with_overlap(self.overlap && staged)
             .with_settle(self.settle_every)
-            .with_fwd_chunk(fwd_chunk)?)
+            .with_fwd_chunk(fwd_chunk)
     }
 }

@@ -287,7 +287,11 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         .map(|((m, plan), got)| match plan {
             Ok(plan) => {
                 let (result, passes) = got.expect("every planned strategy ran (rounds ≥ 1)");
-                (m, Outcome::Ran(result, plan), Some(median(&passes)))
+                (
+                    m,
+                    Outcome::Ran(result, Box::new(plan)),
+                    Some(median(&passes)),
+                )
             }
             Err(why) => (m, Outcome::Skipped(why), None),
         })
