@@ -157,3 +157,58 @@ fn bad_configurations_name_the_fix() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("auto, cudnn or native"), "{err}");
 }
+
+#[test]
+fn upipe_forward_in_wider_stages_trains_the_same() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--attn",
+            "upipe",
+            "--ulysses",
+            "2",
+            "--ring",
+            "1",
+            "--chunk-heads",
+            "2",
+            "--steps",
+            "3",
+            "--json",
+            "--device",
+            "cpu",
+        ];
+        args.extend_from_slice(extra);
+        losses(&upipe(&args))
+    };
+    let plain = run(&[]);
+    let wide = run(&["--fwd-chunk-heads", "4"]);
+    assert_eq!(plain.len(), 3);
+    for (a, b) in plain.iter().zip(&wide) {
+        assert!((a - b).abs() <= 1e-6 * a.abs(), "{plain:?} vs {wide:?}");
+    }
+    // a forward stage that is not a multiple of U names the valid values
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args([
+            "train",
+            "--attn",
+            "upipe",
+            "--ulysses",
+            "2",
+            "--ring",
+            "1",
+            "--chunk-heads",
+            "4",
+            "--fwd-chunk-heads",
+            "2",
+            "--steps",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--fwd-chunk-heads 2") && err.contains("[4]"),
+        "{err}"
+    );
+}

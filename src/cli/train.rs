@@ -487,7 +487,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
             cfg.data_parallel,
             plan.layout.pu,
             plan.layout.pr,
-            plan.schedule.chunk,
+            plan.chunk_text(),
             cfg.seq,
             cfg.steps
         );
