@@ -175,19 +175,22 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
     let tokens: Arc<[u32]> = (0..4096).map(|_| rng.below(256) as u32).collect();
     let seq = 256; // 64 tokens per rank on 4 ranks: 2 MLP tiles of `hidden` rows
     // (the trainer runs stages back to back; `overlap` is covered by the layer test)
-    for (qk, s, pu, pr, u, data_parallel) in [
-        (false, Strategy::Upipe, 2, 2, None, 1),
-        (true, Strategy::Upipe, 4, 1, Some(4), 1),
-        (true, Strategy::Upipe, 2, 2, Some(2), 1),
-        (false, Strategy::Ulysses, 4, 1, None, 1),
-        (true, Strategy::Ring, 1, 4, None, 1),
-        (false, Strategy::Local, 1, 1, None, 1),
-        (false, Strategy::Upipe, 2, 1, None, 2),
+    // (QK-norm, strategy, Pu, Pr, U, forward U, data replicas)
+    for (qk, s, pu, pr, u, uf, data_parallel) in [
+        (false, Strategy::Upipe, 2, 2, None, None, 1),
+        (true, Strategy::Upipe, 4, 1, Some(4), None, 1),
+        (true, Strategy::Upipe, 2, 2, Some(2), None, 1),
+        (true, Strategy::Upipe, 2, 2, Some(2), Some(8), 1),
+        (false, Strategy::Ulysses, 4, 1, None, None, 1),
+        (true, Strategy::Ring, 1, 4, None, None, 1),
+        (false, Strategy::Local, 1, 1, None, None, 1),
+        (false, Strategy::Upipe, 2, 1, None, None, 2),
     ] {
         let model = tiny(qk);
         for policy in policies() {
             let mut cfg = train_cfg(&model, s, pu, pr, u, seq, policy);
             cfg.data_parallel = data_parallel;
+            cfg.fwd_chunk_heads = uf;
             let plan = cfg.plan().unwrap();
             let measured = train_cpu(&cfg, tokens.clone(), &|_| {}).unwrap().memory;
             let spec = StepSpec {
@@ -202,7 +205,9 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
             let pred = predict_step_rank(&spec, 0).unwrap();
             // on CPU every ring rank allocates the same
             assert_eq!(pred, predict_step(&spec).unwrap());
-            let what = format!("{s} {pu}x{pr} U={u:?} qk={qk} data={data_parallel} {policy:?}");
+            let what = format!(
+                "{s} {pu}x{pr} U={u:?} forward U={uf:?} qk={qk} data={data_parallel} {policy:?}"
+            );
             let e = rel(pred.peak, measured.peak);
             assert!(
                 e <= 0.05,
