@@ -15,6 +15,16 @@ fn upipe(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Runs `upipe args`, which must fail, and returns its stderr.
+fn upipe_error(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "upipe {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 fn losses(stdout: &str) -> Vec<f64> {
     stdout
         .lines()
@@ -117,58 +127,36 @@ fn resume_continues_exactly() {
 
 #[test]
 fn bad_configurations_name_the_fix() {
-    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-        .args([
-            "bench",
-            "attn",
-            "--heads",
-            "32",
-            "--kv-heads",
-            "8",
-            "--ulysses",
-            "4",
-            "--methods",
-            "upipe",
-            "--chunk-heads",
-            "6",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = upipe_error(&[
+        "bench",
+        "attn",
+        "--heads",
+        "32",
+        "--kv-heads",
+        "8",
+        "--ulysses",
+        "4",
+        "--methods",
+        "upipe",
+        "--chunk-heads",
+        "6",
+    ]);
     assert!(
         err.contains("multiple of the Ulysses degree 4") && err.contains("[4, 8, 16, 32]"),
         "{err}"
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-        .args(["train", "--model", "no-such-model"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("tiny"),
-        "lists the presets"
-    );
-    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-        .args(["train", "--attn-kernel", "fastest", "--steps", "1"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = upipe_error(&["train", "--model", "no-such-model"]);
+    assert!(err.contains("tiny"), "lists the presets");
+    let err = upipe_error(&["train", "--attn-kernel", "fastest", "--steps", "1"]);
     assert!(err.contains("auto, cudnn or native"), "{err}");
 }
 
 #[test]
 fn upipe_forward_in_wider_stages_trains_the_same() {
+    let upipe_on_2 = ["train", "--attn", "upipe", "--ulysses", "2", "--ring", "1"];
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "train",
-            "--attn",
-            "upipe",
-            "--ulysses",
-            "2",
-            "--ring",
-            "1",
+        let mut args = upipe_on_2.to_vec();
+        args.extend_from_slice(&[
             "--chunk-heads",
             "2",
             "--steps",
@@ -176,7 +164,7 @@ fn upipe_forward_in_wider_stages_trains_the_same() {
             "--json",
             "--device",
             "cpu",
-        ];
+        ]);
         args.extend_from_slice(extra);
         losses(&upipe(&args))
     };
@@ -187,26 +175,16 @@ fn upipe_forward_in_wider_stages_trains_the_same() {
         assert!((a - b).abs() <= 1e-6 * a.abs(), "{plain:?} vs {wide:?}");
     }
     // a forward stage that is not a multiple of U names the valid values
-    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-        .args([
-            "train",
-            "--attn",
-            "upipe",
-            "--ulysses",
-            "2",
-            "--ring",
-            "1",
-            "--chunk-heads",
-            "4",
-            "--fwd-chunk-heads",
-            "2",
-            "--steps",
-            "1",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let mut args = upipe_on_2.to_vec();
+    args.extend_from_slice(&[
+        "--chunk-heads",
+        "4",
+        "--fwd-chunk-heads",
+        "2",
+        "--steps",
+        "1",
+    ]);
+    let err = upipe_error(&args);
     assert!(
         err.contains("--fwd-chunk-heads 2") && err.contains("[4]"),
         "{err}"

@@ -23,8 +23,8 @@ pub struct ScheduleArgs {
     /// --chunk-heads that keeps every rank's query heads; the error lists
     /// the valid values). The backward holds more buffers than the forward,
     /// so wider forward stages make fewer, larger attention calls without
-    /// raising the peak as long as the forward stays below the backward
-    /// (`upipe plan` and `bench attn` report both). Default: --chunk-heads.
+    /// raising the peak while the forward stays below the backward (`upipe
+    /// plan` and `bench attn` predict the peak with it). Default: --chunk-heads.
     #[arg(long)]
     pub fwd_chunk_heads: Option<usize>,
 }
