@@ -100,7 +100,7 @@ done
 want settle1 && UPIPE_PROFILE=shapes step one_profile_65536 90 "${one[@]}" "${llama[@]}" --iters 1 --seq 65536 --methods upipe --chunk-heads 1
 # Ulysses and UPipe in alternating rounds (A B B A ...: a clock drift over the
 # run weighs on both alike), the default settle and per phase (PARTS=rounds)
-# (SEQS, SETTLES, CHUNK=U and FWDS = forward stage sizes, "-" for U, pick the rows)
+# (SEQS, SETTLES, CHUNK=U and FWDS = forward stage sizes, "-" for the default auto, pick the rows)
 want rounds && for s in ${SEQS:-131072 262144}; do
   for e in ${SETTLES:-2 phase}; do
     for f in ${FWDS:--}; do

@@ -168,11 +168,13 @@ fn upipe_forward_in_wider_stages_trains_the_same() {
         args.extend_from_slice(extra);
         losses(&upipe(&args))
     };
-    let plain = run(&[]);
-    let wide = run(&["--fwd-chunk-heads", "4"]);
+    let plain = run(&["--fwd-chunk-heads", "2"]);
     assert_eq!(plain.len(), 3);
-    for (a, b) in plain.iter().zip(&wide) {
-        assert!((a - b).abs() <= 1e-6 * a.abs(), "{plain:?} vs {wide:?}");
+    // 4 heads, and `auto` (the default)
+    for wide in [run(&["--fwd-chunk-heads", "4"]), run(&[])] {
+        for (a, b) in plain.iter().zip(&wide) {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "{plain:?} vs {wide:?}");
+        }
     }
     // a forward stage that is not a multiple of U names the valid values
     let mut args = upipe_on_2.to_vec();

@@ -13,7 +13,7 @@ use upipe::model::decoder::attn_dims;
 use upipe::model::{MemoryPolicy, ModelConfig};
 use upipe::plan::{
     Budget, DeviceKind, Limit, StepSpec, longest_context, predict_attention_trial, predict_step,
-    predict_step_rank, resolve_plan,
+    predict_step_rank, resolve_plan, widest_free_forward,
 };
 use upipe::rng::Rng;
 use upipe::train::optim::AdamWConfig;
@@ -342,6 +342,27 @@ fn bad_meshes_are_clear_errors() {
     let e = ulysses.with_fwd_chunk(Some(32)).unwrap_err().to_string();
     assert!(e.contains("upipe only"), "{e}");
     assert_eq!(plan.with_fwd_chunk(Some(8)).unwrap().chunk_text(), "2f8");
+}
+
+#[test]
+fn auto_forward_stages_are_the_widest_that_keep_the_peak() {
+    let d = attn_dims(&ModelConfig::resolve("llama3-8b").unwrap());
+    let plan = CpPlan::new(Strategy::Upipe, &d, 131072, 2, 1, Some(2)).unwrap();
+    let trial = |p: &CpPlan| Ok(predict_attention_trial(p, &d, DeviceKind::Cuda, 2)?.peak);
+    // the layer's peak is in the backward: one forward stage per kv head is free
+    let wide = widest_free_forward(plan.clone(), trial).unwrap();
+    assert_eq!(wide.fwd_schedule.chunk, 8);
+    assert_eq!(trial(&wide).unwrap(), trial(&plan).unwrap());
+    // a peak that grows with the forward's width keeps the backward's stages
+    let grows = |p: &CpPlan| Ok(p.fwd_schedule.chunk);
+    assert_eq!(widest_free_forward(plan.clone(), grows).unwrap(), plan);
+    // and one that is free up to 4 heads stops there
+    let up_to_4 = |p: &CpPlan| Ok(usize::from(p.fwd_schedule.chunk > 4));
+    let four = widest_free_forward(plan, up_to_4).unwrap();
+    assert_eq!(four.fwd_schedule.chunk, 4);
+    // other strategies have no stages to widen
+    let uly = CpPlan::new(Strategy::Ulysses, &d, 131072, 2, 1, None).unwrap();
+    assert_eq!(widest_free_forward(uly.clone(), grows).unwrap(), uly);
 }
 
 /// The CUDA predictions against what the 2×H200 ledger measured for the

@@ -155,7 +155,7 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             (a.ulysses, a.ring)
         };
         let plan = match CpPlan::new(m, &dims, a.seq, pu, pr, chunk) {
-            Ok(p) => a.schedule.apply(p)?,
+            Ok(p) => a.schedule.apply(p, |p| predicted_peak(a, p))?,
             // with `all`, ulysses and ring (which put all C ranks in one group) may not fit
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
                 outcomes.push((m, Outcome::Skipped(e.to_string())));
@@ -225,6 +225,23 @@ fn print_header(a: &AttnArgs, device: &str, throughput: bool) {
 
 /// Prints one strategy's row (table or JSON); returns whether `--check` fails it.
 /// `throughput` is `(tflops_per_gpu, tokens_per_s_per_gpu, median seconds)`.
+/// What `upipe plan` predicts this run's layer peaks at (the highest rank's
+/// ledger peak): the CPU trial runs one pass; the GPU one warm-up, timed and
+/// (profiled) extra passes, which start with cuDNN's kept workspace.
+pub(crate) fn predicted_peak(a: &AttnArgs, plan: &CpPlan) -> Result<usize> {
+    let device = match (a.device.as_str(), a.attn_kernel.parse()) {
+        ("cuda", Ok(kernel)) => DeviceKind::cuda_with(kernel),
+        ("cuda", Err(_)) => DeviceKind::Cuda,
+        _ => DeviceKind::Cpu,
+    };
+    let passes = if a.device == "cuda" {
+        a.warmup + a.iters
+    } else {
+        1
+    };
+    Ok(predict_attention_trial(plan, &attn_dims(a), device, passes)?.peak)
+}
+
 fn print_row(
     a: &AttnArgs,
     m: Strategy,
@@ -257,21 +274,7 @@ fn print_row(
             let mesh = format!("{}x{}", plan.layout.pu, plan.layout.pr);
             let seconds = throughput.map_or(r.seconds, |t| t.2);
             // what `upipe plan` predicts for this layer (the highest rank's ledger peak)
-            let device = match (a.device.as_str(), a.attn_kernel.parse()) {
-                ("cuda", Ok(kernel)) => DeviceKind::cuda_with(kernel),
-                ("cuda", Err(_)) => DeviceKind::Cuda,
-                _ => DeviceKind::Cpu,
-            };
-            // the CPU trial runs one pass; the GPU one warm-up, timed and
-            // (profiled) extra passes, which start with cuDNN's kept workspace
-            let passes = if a.device == "cuda" {
-                a.warmup + a.iters
-            } else {
-                1
-            };
-            let predicted = predict_attention_trial(plan, &attn_dims(a), device, passes)
-                .ok()
-                .map(|p| p.peak);
+            let predicted = predicted_peak(a, plan).ok();
             if a.json {
                 let mut row = json!({
                     "method": m.name(), "max_rel_err": err, "peak_bytes": r.peak_bytes,

@@ -156,16 +156,20 @@ impl Ctx {
             self.a.ring,
             self.a.chunk_heads,
         )?;
-        let plan = self.a.schedule.apply(plan)?;
-        let spec = StepSpec {
+        let spec = |plan: &crate::attention::CpPlan| StepSpec {
             model: self.model.clone(),
-            plan,
+            plan: plan.clone(),
             data,
             policy: self.policy,
             fsdp: self.fsdp,
             device: self.device,
             optimizer: true,
         };
+        let plan = self
+            .a
+            .schedule
+            .apply(plan, |p| Ok(predict_step(&spec(p))?.peak))?;
+        let spec = spec(&plan);
         Ok((predict_step(&spec)?, spec))
     }
 }

@@ -2,6 +2,9 @@
 
 use crate::attention::{CpPlan, Settle, Strategy};
 use crate::error::Result;
+use crate::plan::widest_free_forward;
+use std::fmt;
+use std::str::FromStr;
 
 /// How the staged engine orders its work (`--overlap`, `--settle-every`).
 #[derive(clap::Args, Debug, Clone)]
@@ -19,26 +22,68 @@ pub struct ScheduleArgs {
     /// docs/attention-memory.md).
     #[arg(long, default_value_t = Settle::default())]
     pub settle_every: Settle,
-    /// UPipe: run the forward in stages of this many heads (a multiple of
-    /// --chunk-heads that keeps every rank's query heads; the error lists
-    /// the valid values). The backward holds more buffers than the forward,
-    /// so wider forward stages make fewer, larger attention calls without
-    /// raising the peak while the forward stays below the backward (`upipe
-    /// plan` and `bench attn` predict the peak with it). Default: --chunk-heads.
-    #[arg(long)]
-    pub fwd_chunk_heads: Option<usize>,
+    /// UPipe heads per forward stage: `auto` (the widest whose predicted
+    /// peak is no higher than with the backward's stages) or a number (a
+    /// multiple of --chunk-heads that keeps every rank's query heads; the
+    /// error lists the valid values). The backward holds more buffers than
+    /// the forward, so wider forward stages make fewer, larger attention
+    /// calls, usually at no memory cost.
+    #[arg(long, default_value_t = FwdChunk::Auto)]
+    pub fwd_chunk_heads: FwdChunk,
+}
+
+/// `--fwd-chunk-heads`: `auto` or a number of heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FwdChunk {
+    /// The widest forward stages that keep the planned peak
+    /// ([`widest_free_forward`]).
+    Auto,
+    Heads(usize),
+}
+
+impl fmt::Display for FwdChunk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FwdChunk::Auto => f.write_str("auto"),
+            FwdChunk::Heads(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl FromStr for FwdChunk {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(FwdChunk::Auto),
+            n => n
+                .parse()
+                .map(FwdChunk::Heads)
+                .map_err(|_| format!("{s}: use auto or a number of heads")),
+        }
+    }
+}
+
+impl FwdChunk {
+    /// `plan` with its forward stages set: `auto` asks `peak` (the planner's
+    /// prediction for the run) which widths are free; a number applies to
+    /// UPipe plans only, so one flag serves a run of several strategies.
+    pub fn apply(self, plan: CpPlan, peak: impl Fn(&CpPlan) -> Result<usize>) -> Result<CpPlan> {
+        match self {
+            FwdChunk::Auto => widest_free_forward(plan, peak),
+            FwdChunk::Heads(n) if plan.strategy == Strategy::Upipe => plan.with_fwd_chunk(Some(n)),
+            FwdChunk::Heads(_) => Ok(plan),
+        }
+    }
 }
 
 impl ScheduleArgs {
     /// `plan` with this schedule (`local` has no stages to overlap; only
-    /// `upipe` has forward stages to widen).
-    pub fn apply(&self, plan: CpPlan) -> Result<CpPlan> {
+    /// `upipe` has forward stages to widen, judged by `peak`: [`FwdChunk::apply`]).
+    pub fn apply(&self, plan: CpPlan, peak: impl Fn(&CpPlan) -> Result<usize>) -> Result<CpPlan> {
         let staged = plan.strategy != Strategy::Local;
-        let fwd_chunk = self
-            .fwd_chunk_heads
-            .filter(|_| plan.strategy == Strategy::Upipe);
-        plan.with_overlap(self.overlap && staged)
-            .with_settle(self.settle_every)
-            .with_fwd_chunk(fwd_chunk)
+        let plan = plan
+            .with_overlap(self.overlap && staged)
+            .with_settle(self.settle_every);
+        self.fwd_chunk_heads.apply(plan, peak)
     }
 }

@@ -20,6 +20,7 @@
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::backend::{Bytes, Category};
+use crate::cli::schedule::FwdChunk;
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
 use crate::error::{Error, Result};
@@ -61,9 +62,10 @@ pub struct TrainArgs {
     /// UPipe heads per stage U (default Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
-    /// UPipe heads per forward stage (default U; see `bench attn --help`).
-    #[arg(long)]
-    pub fwd_chunk_heads: Option<usize>,
+    /// UPipe heads per forward stage: `auto` (the widest that keeps the
+    /// planned peak of this run's step) or a number (see `bench attn --help`).
+    #[arg(long, default_value_t = FwdChunk::Auto)]
+    pub fwd_chunk_heads: FwdChunk,
     /// Data-parallel replicas, each its own context-parallel group (default 1;
     /// with no mesh flag at all the mesh fits the GPUs: one process per GPU).
     #[arg(long)]
@@ -414,14 +416,17 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         ring: a.ring,
     };
     let mesh = resolve_mesh(flags, strategy, &model, a.seq, a.chunk_heads, ranks);
-    let cfg = TrainConfig {
+    let mut cfg = TrainConfig {
         model,
         data_parallel: mesh.data,
         strategy,
         ulysses: mesh.ulysses,
         ring: mesh.ring,
         chunk_heads: a.chunk_heads,
-        fwd_chunk_heads: a.fwd_chunk_heads,
+        fwd_chunk_heads: match a.fwd_chunk_heads {
+            FwdChunk::Heads(n) => Some(n),
+            FwdChunk::Auto => None,
+        },
         seq: a.seq,
         steps: a.steps,
         optim: AdamWConfig {
@@ -441,7 +446,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         save_every: a.save_every,
         resume: a.resume,
     };
-    let plan = cfg.plan()?;
+    let mut plan = cfg.plan()?;
     let shape = cfg.mesh_shape(&plan);
     let nccl = || {
         crate::comm::nccl::library()
@@ -471,6 +476,34 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     let tokenizer = Tokenizer::resolve(&a.tokenizer)?;
     let tokens = load_tokens(a.data.as_deref(), &tokenizer)?;
     let on_gpu = route != Route::CpuThreads;
+    // what `upipe plan` predicts for a step of `plan` here (rank 0's ledger peak)
+    let predict = |plan: &CpPlan| {
+        crate::plan::predict_step_rank(
+            &crate::plan::StepSpec {
+                model: cfg.model.clone(),
+                plan: plan.clone(),
+                data: cfg.data_parallel,
+                policy: cfg.policy,
+                fsdp: false,
+                device: if on_gpu {
+                    crate::plan::DeviceKind::cuda_with(kernel)
+                } else {
+                    crate::plan::DeviceKind::Cpu
+                },
+                optimizer: true,
+            },
+            0,
+        )
+    };
+    if a.fwd_chunk_heads == FwdChunk::Auto {
+        let wide = a
+            .fwd_chunk_heads
+            .apply(plan.clone(), |p| Ok(predict(p)?.peak))?;
+        if wide.strategy == Strategy::Upipe {
+            cfg.fwd_chunk_heads = Some(wide.fwd_schedule.chunk);
+        }
+        plan = wide;
+    }
     if !a.json && lead {
         println!(
             "training {} ({:.2}M params) on {} tokens: {} on {} {} (data {} x Pu {} x Pr {}, U {}), seq {}, {} steps",
@@ -492,23 +525,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
             cfg.steps
         );
     }
-    // what `upipe plan` predicts for this run (rank 0's ledger peak)
-    let predicted = crate::plan::predict_step_rank(
-        &crate::plan::StepSpec {
-            model: cfg.model.clone(),
-            plan: plan.clone(),
-            data: cfg.data_parallel,
-            policy: cfg.policy,
-            fsdp: false,
-            device: if on_gpu {
-                crate::plan::DeviceKind::cuda_with(kernel)
-            } else {
-                crate::plan::DeviceKind::Cpu
-            },
-            optimizer: true,
-        },
-        0,
-    )?;
+    let predicted = predict(&plan)?;
     let predicted_peak = predicted.peak;
     let bar = if a.json || !lead {
         ProgressBar::hidden()

@@ -306,6 +306,37 @@ fn attention_trial_rank(
     }))
 }
 
+/// `plan` with its forward in the widest stages ([`valid_fwd_chunks`]) whose
+/// `peak` is no higher than with forward stages equal to the backward's:
+/// fewer, larger attention calls at no memory cost (`--fwd-chunk-heads
+/// auto`). `peak` is the planner's prediction for the run at hand (the
+/// attention trial, or a training step under its policy). Plans other than
+/// UPipe come back unchanged.
+///
+/// [`valid_fwd_chunks`]: crate::attention::schedule::valid_fwd_chunks
+pub fn widest_free_forward(
+    plan: CpPlan,
+    peak: impl Fn(&CpPlan) -> Result<usize>,
+) -> Result<CpPlan> {
+    if plan.strategy != Strategy::Upipe {
+        return Ok(plan);
+    }
+    let chunk = plan.schedule.chunk;
+    let plan = plan.with_fwd_chunk(Some(chunk))?;
+    let base = peak(&plan)?;
+    for c in crate::attention::schedule::valid_fwd_chunks(&plan.schedule)
+        .into_iter()
+        .rev()
+        .filter(|&c| c != plan.schedule.chunk)
+    {
+        let wide = plan.clone().with_fwd_chunk(Some(c))?;
+        if peak(&wide)? <= base {
+            return Ok(wide);
+        }
+    }
+    Ok(plan)
+}
+
 /// Resolves `strategy` on `gpus` GPUs: `(plan, data degree)`. Without an
 /// explicit mesh, all GPUs form the context group (ulysses/ring/upipe), and
 /// usp takes the largest Ulysses degree ≤ 8 (one node) that divides the heads.

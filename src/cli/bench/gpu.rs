@@ -182,7 +182,7 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
             (a.ulysses, a.ring)
         };
         let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
-            Ok(p) => a.schedule.apply(p)?,
+            Ok(p) => a.schedule.apply(p, |p| super::predicted_peak(a, p))?,
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
                 planned.push((m, Err(e.to_string())));
                 continue;
