@@ -223,25 +223,42 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
         sim.alloc(Category::Comm, 2 * unit * ab + unit * F32);
     }
     sim.alloc(Category::Workspace, spec.device.backend_resident());
-    DecoderWalk {
-        cfg: &spec.model,
-        policy: spec.policy,
-        attn,
-        uploads_ids: spec.device.is_cuda(),
-    }
-    .step(&mut sim);
-    if spec.optimizer {
-        // the trainer's all-reduced loss scalar
-        sim.label("optimizer");
-        let loss = sim.alloc(Category::Workspace, F32);
-        if spec.device.is_cuda() {
-            // `sum_squares` accumulates the gradient norm in one f64
-            let acc = sim.alloc(Category::Workspace, 2 * F32);
-            sim.free(acc);
+    let step = |sim: &mut Sim| {
+        DecoderWalk {
+            cfg: &spec.model,
+            policy: spec.policy,
+            attn,
+            uploads_ids: spec.device.is_cuda(),
         }
-        sim.free(loss);
+        .step(sim);
+        if spec.optimizer {
+            // the trainer's all-reduced loss scalar
+            sim.label("optimizer");
+            let loss = sim.alloc(Category::Workspace, F32);
+            if spec.device.is_cuda() {
+                // `sum_squares` accumulates the gradient norm in one f64
+                let acc = sim.alloc(Category::Workspace, 2 * F32);
+                sim.free(acc);
+            }
+            sim.free(loss);
+        }
+    };
+    // The ledger's peak covers every step. Steps after the first start with
+    // what the backend keeps between calls (cuDNN's workspace) at the size
+    // the first grew it to, beside which the next forward may peak.
+    let mut first = sim.clone();
+    step(&mut first);
+    if !first.keeps_any() {
+        return Ok(Prediction::from_sim(&first));
     }
-    Ok(Prediction::from_sim(&sim))
+    sim.label("kept from the previous step");
+    sim.keep_as(&first);
+    step(&mut sim);
+    Ok(Prediction::from_sim(if first.peak() > sim.peak() {
+        &first
+    } else {
+        &sim
+    }))
 }
 
 /// Predicts what `attention::trial::run_trial` measures (the highest rank):

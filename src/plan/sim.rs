@@ -90,6 +90,11 @@ impl Sim {
         }
     }
 
+    /// Whether the backend keeps any buffer between calls.
+    pub fn keeps_any(&self) -> bool {
+        !self.kept.is_empty()
+    }
+
     pub fn free_opt(&mut self, b: Option<Buf>) {
         if let Some(b) = b {
             self.free(b);
