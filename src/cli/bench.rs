@@ -223,8 +223,6 @@ fn print_header(a: &AttnArgs, device: &str, throughput: bool) {
     println!();
 }
 
-/// Prints one strategy's row (table or JSON); returns whether `--check` fails it.
-/// `throughput` is `(tflops_per_gpu, tokens_per_s_per_gpu, median seconds)`.
 /// What `upipe plan` predicts this run's layer peaks at (the highest rank's
 /// ledger peak): the CPU trial runs one pass; the GPU one warm-up, timed and
 /// (profiled) extra passes, which start with cuDNN's kept workspace.
@@ -242,6 +240,8 @@ pub(crate) fn predicted_peak(a: &AttnArgs, plan: &CpPlan) -> Result<usize> {
     Ok(predict_attention_trial(plan, &attn_dims(a), device, passes)?.peak)
 }
 
+/// Prints one strategy's row (table or JSON); returns whether `--check` fails it.
+/// `throughput` is `(tflops_per_gpu, tokens_per_s_per_gpu, median seconds)`.
 fn print_row(
     a: &AttnArgs,
     m: Strategy,

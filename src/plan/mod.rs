@@ -243,22 +243,38 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
             sim.free(loss);
         }
     };
-    // The ledger's peak covers every step. Steps after the first start with
-    // what the backend keeps between calls (cuDNN's workspace) at the size
-    // the first grew it to, beside which the next forward may peak.
+    // The ledger's peak covers every step of a run.
+    Ok(peak_over_repeats(
+        sim,
+        true,
+        "kept from the previous step",
+        step,
+    ))
+}
+
+/// The higher peak of `pass` walked from `sim`, and (when `repeated` and
+/// the backend then keeps buffers between calls) of a second `pass` that
+/// starts with those buffers at the size the first grew them to: a later
+/// pass's forward runs beside cuDNN's kept workspace and may be the peak.
+fn peak_over_repeats(
+    mut sim: Sim,
+    repeated: bool,
+    kept_label: &'static str,
+    pass: impl Fn(&mut Sim),
+) -> Prediction {
     let mut first = sim.clone();
-    step(&mut first);
-    if !first.keeps_any() {
-        return Ok(Prediction::from_sim(&first));
+    pass(&mut first);
+    if !repeated || !first.keeps_any() {
+        return Prediction::from_sim(&first);
     }
-    sim.label("kept from the previous step");
+    sim.label(kept_label);
     sim.keep_as(&first);
-    step(&mut sim);
-    Ok(Prediction::from_sim(if first.peak() > sim.peak() {
+    pass(&mut sim);
+    Prediction::from_sim(if first.peak() > sim.peak() {
         &first
     } else {
         &sim
-    }))
+    })
 }
 
 /// Predicts what `attention::trial::run_trial` measures (the highest rank):
@@ -305,22 +321,13 @@ fn attention_trial_rank(
         let _dx = walk.backward(sim, o, lse);
         let _ = y;
     };
-    // The trial reports its highest pass. Passes after the first start with
-    // what the backend keeps between calls (cuDNN's workspace) at the size
-    // the first grew it to, which can make a later forward the peak.
-    let mut first = sim.clone();
-    pass(&mut first);
-    if passes <= 1 {
-        return Ok(Prediction::from_sim(&first));
-    }
-    sim.label("kept from the previous pass");
-    sim.keep_as(&first);
-    pass(&mut sim);
-    Ok(Prediction::from_sim(if first.peak() > sim.peak() {
-        &first
-    } else {
-        &sim
-    }))
+    // the trial reports its highest pass
+    Ok(peak_over_repeats(
+        sim,
+        passes > 1,
+        "kept from the previous pass",
+        pass,
+    ))
 }
 
 /// `plan` with its forward in the widest stages ([`valid_fwd_chunks`]) whose
