@@ -69,7 +69,11 @@ impl FwdChunk {
     /// UPipe plans only, so one flag serves a run of several strategies.
     pub fn apply(self, plan: CpPlan, peak: impl Fn(&CpPlan) -> Result<usize>) -> Result<CpPlan> {
         match self {
-            FwdChunk::Auto => widest_free_forward(plan, peak),
+            // the prediction only picks a speed-up: without one, run F = U
+            FwdChunk::Auto => widest_free_forward(plan.clone(), peak).or_else(|e| {
+                tracing::warn!("--fwd-chunk-heads auto: no prediction ({e}); forward stages = U");
+                Ok(plan)
+            }),
             FwdChunk::Heads(n) if plan.strategy == Strategy::Upipe => plan.with_fwd_chunk(Some(n)),
             FwdChunk::Heads(_) => Ok(plan),
         }
