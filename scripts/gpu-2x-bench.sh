@@ -40,7 +40,9 @@ step() { # name timeout cmd...
   grep -a '"method"' "$out/logs/$name.log" | sed 's/^\[rank 0\] //' | cut -c1-600
   [ $rc -ne 0 ] && grep -a -iE "error|panick|FAILED" "$out/logs/$name.log" | head -4 | cut -c1-300
 }
-{ date -u; nvidia-smi -L; } | tee "$out/logs/machine.txt"
+{ date -u; nvidia-smi -L
+  nvidia-smi --query-gpu=index,power.limit,power.max_limit,clocks.max.sm,temperature.gpu --format=csv
+} | tee "$out/logs/machine.txt"
 "$bin/upipe" info 2>&1 | tail -9
 # native flash kernels alone (one GPU): every case against a CPU reference, then speed
 want kernel && step flash_check 120 "$bin/flash_check" check bench
