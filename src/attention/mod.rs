@@ -136,8 +136,6 @@ pub struct CpPlan {
     /// The forward holds fewer buffers than the backward, so wider forward
     /// stages can run fewer, larger attention calls under the same peak.
     pub fwd_schedule: StageSchedule,
-    /// For each forward stage, the backward stages whose LSE it computes.
-    pub lse_pieces: Vec<Vec<schedule::LsePiece>>,
     /// Issue stage t+1's projections and exchanges before stage t's attention
     /// (one extra stage of buffers) so that an asynchronous backend overlaps
     /// communication with attention. Same results either way.
@@ -178,12 +176,10 @@ impl CpPlan {
         }
         let schedule = StageSchedule::new(dims.heads, dims.kv_heads, pu, u)?;
         let layout = SeqLayout::new(seq, pu, pr)?;
-        let lse_pieces = schedule::lse_pieces(&schedule, &schedule)?;
         Ok(CpPlan {
             strategy,
             layout,
             fwd_schedule: schedule.clone(),
-            lse_pieces,
             schedule,
             overlap: false,
             settle_every: Settle::default(),
@@ -202,19 +198,18 @@ impl CpPlan {
                 self.strategy
             );
         }
-        let valid = schedule::valid_fwd_chunks(&self.schedule);
         let bwd = &self.schedule;
         let fwd = StageSchedule::new(bwd.heads, bwd.kv_heads, bwd.pu, c)
-            .and_then(|fwd| Ok((schedule::lse_pieces(&fwd, bwd)?, fwd)));
+            .and_then(|fwd| schedule::lse_pieces(&fwd, bwd).map(|_| fwd));
         match fwd {
-            Ok((lse_pieces, fwd_schedule)) => Ok(CpPlan {
+            Ok(fwd_schedule) => Ok(CpPlan {
                 fwd_schedule,
-                lse_pieces,
                 ..self
             }),
             Err(e) => crate::config_err!(
-                "--fwd-chunk-heads {c}: {e}; valid values with --chunk-heads {}: {valid:?}",
-                bwd.chunk
+                "--fwd-chunk-heads {c}: {e}; valid values with --chunk-heads {}: {:?}",
+                bwd.chunk,
+                schedule::valid_fwd_chunks(bwd)
             ),
         }
     }

@@ -351,6 +351,9 @@ impl<'a, B: Backend> Staged<'a, B> {
         // one LSE per backward stage
         let mut lses: Vec<Option<Tensor<B>>> =
             (0..self.plan.schedule.n_stages()).map(|_| None).collect();
+        // for each forward stage, the backward stages whose LSE it computes
+        // (the plan was validated against this when it was built)
+        let pieces = super::schedule::lse_pieces(sched, &self.plan.schedule)?;
         let mut fwd_stage = 0;
         let mut next_kv: Option<KvInFlight<B>> = None;
         let mut next_q: Option<Pending<B>> = None;
@@ -382,7 +385,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                 }
                 let (o_att, lse) = ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v)?;
                 drop(q);
-                self.split_lse(lse, &self.plan.lse_pieces[fwd_stage], &mut lses)?;
+                self.split_lse(lse, &pieces[fwd_stage], &mut lses)?;
                 fwd_stage += 1;
                 let this = OutInFlight {
                     o_att: self.exchange_start(o_att)?,
