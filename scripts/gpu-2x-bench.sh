@@ -55,7 +55,7 @@ L=("$bin/upipe" launch --nproc-per-node 2 --master-port 29531 -- bench attn --de
 small=(--hidden 512 --heads 32 --kv-heads 8 --head-dim 128 --seq 1024 --check --warmup 0 --iters 1)
 want check && step check_2x1 90 "${L[@]}" "${small[@]}" --ulysses 2 --methods ulysses,ring,usp,upipe --chunk-heads 2
 want check && step check_2x1_overlap 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --overlap
-want check && step check_2x1_fwd8 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --fwd-chunk-heads 8
+want check && step check_2x1_fwd16 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --fwd-chunk-heads 16
 want check && step check_2x1_settle_phase 60 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --settle-every phase
 # a plain run (no launcher) starts its 2 processes by itself
 want check && step check_self_launch 60 "$bin/upipe" bench attn --device cuda --json "${small[@]}" --ulysses 2 --methods ulysses,upipe --chunk-heads 2

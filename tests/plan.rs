@@ -327,21 +327,21 @@ fn bad_meshes_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("--chunk-heads 3"), "{e}");
-    // a forward stage size that moves query heads to other ranks names the valid ones
-    let plan = CpPlan::new(Strategy::Upipe, &d, 1 << 20, 2, 1, Some(2)).unwrap();
+    // a forward stage size that splits backward stages names the valid ones
+    let plan = CpPlan::new(Strategy::Upipe, &d, 1 << 20, 2, 1, Some(4)).unwrap();
     let e = plan
         .clone()
-        .with_fwd_chunk(Some(16))
+        .with_fwd_chunk(Some(2))
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("--fwd-chunk-heads 16") && e.contains("[2, 4, 8]"),
+        e.contains("--fwd-chunk-heads 2") && e.contains("[4, 8, 16, 32]"),
         "{e}"
     );
     let ulysses = CpPlan::new(Strategy::Ulysses, &d, 1 << 20, 2, 1, None).unwrap();
     let e = ulysses.with_fwd_chunk(Some(32)).unwrap_err().to_string();
     assert!(e.contains("upipe only"), "{e}");
-    assert_eq!(plan.with_fwd_chunk(Some(8)).unwrap().chunk_text(), "2f8");
+    assert_eq!(plan.with_fwd_chunk(Some(8)).unwrap().chunk_text(), "4f8");
 }
 
 #[test]
@@ -349,9 +349,10 @@ fn auto_forward_stages_are_the_widest_that_keep_the_peak() {
     let d = attn_dims(&ModelConfig::resolve("llama3-8b").unwrap());
     let plan = CpPlan::new(Strategy::Upipe, &d, 131072, 2, 1, Some(2)).unwrap();
     let trial = |p: &CpPlan| Ok(predict_attention_trial(p, &d, DeviceKind::Cuda, 2)?.peak);
-    // the layer's peak is in the backward: one forward stage per kv head is free
+    // the layer's peak is in the backward: a forward of all heads at once
+    // (as Ulysses runs it) is free
     let wide = widest_free_forward(plan.clone(), trial).unwrap();
-    assert_eq!(wide.fwd_schedule.chunk, 8);
+    assert_eq!(wide.fwd_schedule.chunk, 32);
     assert_eq!(trial(&wide).unwrap(), trial(&plan).unwrap());
     // a peak that grows with the forward's width keeps the backward's stages
     let grows = |p: &CpPlan| Ok(p.fwd_schedule.chunk);

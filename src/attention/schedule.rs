@@ -5,14 +5,24 @@
 //! `g = heads / kv_heads`, `chunk` = U heads per stage (a multiple of `pu`),
 //! `u = U / pu` heads per rank per stage.
 //!
+//! Rank r owns the same contiguous block of heads as under Ulysses (query
+//! heads `[r*H/pu, +H/pu)`) and the stages walk through it:
+//!
 //! - `kv_heads >= pu`: a kv phase gives rank r the kv heads
-//!   `[(k*pu + r)*m, +m)` with `m = max(1, u/g)`; its query heads are those kv
-//!   heads' groups in order, `u` per stage. K/V are exchanged once per phase.
-//! - `kv_heads < pu`: stage t gives rank r the query heads `[t*U + r*u, +u)`
-//!   and the one kv head they share; K/V (replicated) are exchanged per stage.
+//!   `[r*kv_heads/pu + k*m, +m)` with `m = max(1, u/g)`; its query heads are
+//!   those kv heads' groups in order, `u` per stage. K/V are exchanged once
+//!   per phase.
+//! - `kv_heads < pu`: stage t gives rank r the query heads
+//!   `[r*H/pu + t*u, +u)` and the one kv head they share; K/V (replicated)
+//!   are exchanged per stage.
 //!
 //! Every rank's heads in a stage are a contiguous range in canonical (HF)
-//! order, so projections use a contiguous block of weight rows.
+//! order, so projections use a contiguous block of weight rows. DESIGN.md §4
+//! deals phase k's kv heads out round-robin (rank r gets `(k*pu + r)*m`);
+//! owning blocks instead costs the same memory and traffic, and lets the
+//! forward run in stages of any valid width (a union of consecutive backward
+//! stages is then still one range per rank, at the same offset on every
+//! rank: [`lse_pieces`]).
 
 use crate::backend::GradWrite;
 use crate::error::Result;
@@ -79,16 +89,18 @@ impl StageSchedule {
         let phases = if kv_heads >= pu {
             let m = (u / g).max(1);
             let stages_per_phase = m * g / u;
+            // rank r's kv heads in phase k
+            let kv_first = |k: usize, r: usize| r * (kv_heads / pu) + k * m;
             (0..kv_heads / (pu * m))
                 .map(|k| KvPhase {
                     kv_heads: (0..pu)
-                        .map(|r| (k * pu + r) * m..(k * pu + r + 1) * m)
+                        .map(|r| kv_first(k, r)..kv_first(k, r) + m)
                         .collect(),
                     stages: (0..stages_per_phase)
                         .map(|j| Stage {
                             q_heads: (0..pu)
                                 .map(|r| {
-                                    let first = (k * pu + r) * m * g + j * u;
+                                    let first = kv_first(k, r) * g + j * u;
                                     first..first + u
                                 })
                                 .collect(),
@@ -100,7 +112,10 @@ impl StageSchedule {
             (0..heads / chunk)
                 .map(|t| {
                     let q_heads: Vec<Range<usize>> = (0..pu)
-                        .map(|r| t * chunk + r * u..t * chunk + (r + 1) * u)
+                        .map(|r| {
+                            let first = r * (heads / pu) + t * u;
+                            first..first + u
+                        })
                         .collect();
                     KvPhase {
                         kv_heads: q_heads
@@ -379,15 +394,16 @@ mod tests {
     fn replicated_kv_when_fewer_kv_heads_than_ranks() {
         let s = StageSchedule::new(8, 2, 4, 4).unwrap();
         assert_eq!(s.phases.len(), 2);
-        assert_eq!(s.phases[1].kv_heads, vec![1..2; 4]);
+        // ranks 0-1 own heads 0..4 (kv head 0), ranks 2-3 heads 4..8 (kv head 1)
+        assert_eq!(s.phases[1].kv_heads, vec![0..1, 0..1, 1..2, 1..2]);
+        assert_eq!(s.phases[1].stages[0].q_heads, vec![1..2, 3..4, 5..6, 7..8]);
         check_cover(&s);
     }
 
     #[test]
-    fn llama3_8b_forward_stages_up_to_one_per_kv_head() {
+    fn llama3_8b_forward_stages_of_any_wider_valid_size() {
         // U=2 on 2 ranks: one head per rank per stage, 4 stages per kv head
         let bwd = StageSchedule::new(32, 8, 2, 2).unwrap();
-        assert_eq!(valid_fwd_chunks(&bwd), vec![2, 4, 8]);
         let fwd = StageSchedule::new(32, 8, 2, 8).unwrap();
         let pieces = lse_pieces(&fwd, &bwd).unwrap();
         assert_eq!(pieces.len(), 4);
@@ -400,9 +416,19 @@ mod tests {
                 })
                 .collect::<Vec<_>>()
         );
-        // 16-head stages give rank 0 the heads rank 1 holds at U=2
-        let wide = StageSchedule::new(32, 8, 2, 16).unwrap();
-        let e = lse_pieces(&wide, &bwd).unwrap_err().to_string();
+        // every rank keeps its block of heads, so every wider stage serves,
+        // up to one stage of all heads (the Ulysses forward)
+        assert_eq!(valid_fwd_chunks(&bwd), vec![2, 4, 8, 16, 32]);
+        let whole = StageSchedule::new(32, 8, 2, 32).unwrap();
+        assert_eq!(whole.phases[0].stages[0].q_heads, vec![0..16, 16..32]);
+        let pieces = lse_pieces(&whole, &bwd).unwrap();
+        assert_eq!(pieces[0].len(), 16);
+        assert_eq!(pieces[0][5].cols, 5..6);
+        // a forward that moved heads to other ranks would leave the backward
+        // without its LSE
+        let mut swapped = whole.clone();
+        swapped.phases[0].stages[0].q_heads.reverse();
+        let e = lse_pieces(&swapped, &bwd).unwrap_err().to_string();
         assert!(e.contains("other ranks"), "{e}");
         let e = lse_pieces(
             &StageSchedule::new(32, 8, 2, 4).unwrap(),
@@ -419,6 +445,12 @@ mod tests {
             let heads = kv * g;
             if let Ok(bwd) = StageSchedule::new(heads, kv, pu, c) {
                 let valid = valid_fwd_chunks(&bwd);
+                // every valid stage size that unions whole backward stages serves
+                let wider: Vec<usize> = valid_chunks(heads, kv, pu)
+                    .into_iter()
+                    .filter(|f| f.is_multiple_of(c))
+                    .collect();
+                prop_assert_eq!(&valid, &wider);
                 prop_assert_eq!(valid.first().copied(), Some(c));
                 for f in valid {
                     let fwd = StageSchedule::new(heads, kv, pu, f).unwrap();
