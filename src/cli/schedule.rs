@@ -24,10 +24,10 @@ pub struct ScheduleArgs {
     pub settle_every: Settle,
     /// UPipe heads per forward stage: `auto` (the widest whose predicted
     /// peak is no higher than with the backward's stages) or a number (a
-    /// multiple of --chunk-heads that keeps every rank's query heads; the
-    /// error lists the valid values). The backward holds more buffers than
-    /// the forward, so wider forward stages make fewer, larger attention
-    /// calls, usually at no memory cost.
+    /// multiple of --chunk-heads that is itself a valid stage size, up to
+    /// all heads; the error lists the valid values). The backward holds
+    /// more buffers than the forward, so wider forward stages make fewer,
+    /// larger attention calls, usually at no memory cost.
     #[arg(long, default_value_t = FwdChunk::Auto)]
     pub fwd_chunk_heads: FwdChunk,
 }
