@@ -225,6 +225,7 @@ impl CudaBackend {
         }
         let ctx = drv(CudaContext::new(ordinal), "create context")?;
         let stream = drv(ctx.new_stream(), "create stream")?;
+        let profile = profile::OpProfile::from_env().with_idle_of(&stream);
         let (maj, min) = drv(ctx.compute_capability(), "compute capability")?;
         let arch = std::env::var("UPIPE_CUDA_ARCH").unwrap_or_else(|_| format!("sm_{maj}{min}"));
         let gpu_name = drv(ctx.name(), "device name")?;
@@ -252,7 +253,7 @@ impl CudaBackend {
                 (_, Err(_)) => cudnn::AttnKernel::Auto,
             },
             cudnn: OnceLock::new(),
-            profile: profile::OpProfile::from_env(),
+            profile,
             comm_fault: Arc::new(OnceLock::new()),
         })
     }

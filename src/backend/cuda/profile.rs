@@ -7,7 +7,9 @@
 //! Times are each op's own stream time (end event minus start event), so
 //! with work on two streams at once (collectives beside kernels) the kinds
 //! add up to more than the wall time: that excess is the overlap. A
-//! collective's time includes waiting for its peers.
+//! collective's time includes waiting for its peers. The compute stream's
+//! gaps between its ops are summed too (`OpTotals::idle_ms`): time it
+//! waited for transfers it joins, or for the host.
 
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUevent_flags;
@@ -30,6 +32,10 @@ pub struct OpTotals {
     pub by_kind: Vec<OpTime>,
     /// Empty unless shapes are profiled (`UPIPE_PROFILE=shapes`).
     pub by_shape: Vec<OpTime>,
+    /// Time the stream asked about sat between its recorded ops, from the
+    /// first op's start to the last one's end: waiting for transfers it
+    /// joins, for the host, or running work no span covers.
+    pub idle_ms: f64,
 }
 
 impl OpTotals {
@@ -38,6 +44,7 @@ impl OpTotals {
         for t in self.by_kind.iter_mut().chain(self.by_shape.iter_mut()) {
             t.ms /= passes;
         }
+        self.idle_ms /= passes;
         self
     }
 }
@@ -62,13 +69,22 @@ impl ProfileLevel {
     }
 }
 
-/// A finished op: its kind, its shape (when recorded) and start and end events.
-type Recorded = (&'static str, Option<String>, CudaEvent, CudaEvent);
+/// A finished op: its kind, its shape (when recorded), start and end events
+/// and the stream they were recorded on.
+struct Recorded {
+    kind: &'static str,
+    shape: Option<String>,
+    start: CudaEvent,
+    end: CudaEvent,
+    stream: usize,
+}
 
 /// Recorded spans of one backend.
 pub struct OpProfile {
     level: ProfileLevel,
     spans: Mutex<Vec<Recorded>>,
+    /// The stream whose gaps between ops [`OpTotals::idle_ms`] sums.
+    idle_stream: Option<usize>,
 }
 
 /// An op in flight: records its end event when dropped.
@@ -91,6 +107,15 @@ impl OpProfile {
         OpProfile {
             level,
             spans: Mutex::new(Vec::new()),
+            idle_stream: None,
+        }
+    }
+
+    /// The same profile, summing the gaps between the ops of `stream`.
+    pub fn with_idle_of(self, stream: &CudaStream) -> Self {
+        OpProfile {
+            idle_stream: Some(stream.cu_stream() as usize),
+            ..self
         }
     }
 
@@ -128,17 +153,31 @@ impl OpProfile {
         }))
     }
 
-    /// Waits for the recorded ops, returns their totals and forgets them.
+    /// Waits for the recorded ops, returns their totals (with the idle time
+    /// of the stream given to [`Self::with_idle_of`]) and forgets them.
     pub fn take(&self) -> Result<OpTotals> {
         let spans = std::mem::take(&mut *self.lock()?);
-        let mut timed = Vec::with_capacity(spans.len());
-        for (kind, shape, start, end) in spans {
-            let ms = start
-                .elapsed_ms(&end)
-                .map_err(|e| Error::Backend(format!("profile: event timing: {e:?}")))?;
-            timed.push((kind, shape, ms as f64));
+        let ms = |from: &CudaEvent, to: &CudaEvent| {
+            from.elapsed_ms(to)
+                .map(f64::from)
+                .map_err(|e| Error::Backend(format!("profile: event timing: {e:?}")))
+        };
+        let mut idle_ms = 0.0;
+        let mut prev_end: Option<&CudaEvent> = None;
+        for r in spans.iter().filter(|r| Some(r.stream) == self.idle_stream) {
+            if let Some(end) = prev_end {
+                idle_ms += ms(end, &r.start)?.max(0.0);
+            }
+            prev_end = Some(&r.end);
         }
-        Ok(totals(timed))
+        let mut timed = Vec::with_capacity(spans.len());
+        for r in &spans {
+            timed.push((r.kind, r.shape.clone(), ms(&r.start, &r.end)?));
+        }
+        Ok(OpTotals {
+            idle_ms,
+            ..totals(timed)
+        })
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Vec<Recorded>>> {
@@ -173,6 +212,7 @@ fn totals(timed: Vec<(&'static str, Option<String>, f64)>) -> OpTotals {
     OpTotals {
         by_kind: sorted(by_kind),
         by_shape: sorted(by_shape),
+        idle_ms: 0.0,
     }
 }
 
@@ -182,7 +222,13 @@ impl Drop for Span<'_> {
         if let (Some(start), Ok(end)) = (self.start.take(), timing_event(self.stream))
             && let Ok(mut spans) = self.profile.lock()
         {
-            spans.push((self.kind, self.shape.take(), start, end));
+            spans.push(Recorded {
+                kind: self.kind,
+                shape: self.shape.take(),
+                start,
+                end,
+                stream: self.stream.cu_stream() as usize,
+            });
         }
     }
 }

@@ -372,12 +372,17 @@ fn print_profiles(profiles: &[(Strategy, OpTotals, f64)], json: bool) {
                 "method": m.to_string(),
                 "profile_ms_per_pass": ops,
                 "profile_by_shape": by_shape,
+                "idle_ms_per_pass": times.idle_ms,
                 "wall_ms_per_pass": wall_ms,
             });
             println!("{row}");
         } else {
             println!("\n{m}: rank 0 GPU time per pass (wall {wall_ms:.2} ms)");
             print!("{}", profile::table(&times.by_kind, Some(*wall_ms)));
+            println!(
+                "compute stream idle between ops: {:.2} ms per pass",
+                times.idle_ms
+            );
             if !shapes.is_empty() {
                 println!("by shape (costliest {TOP_SHAPES}):");
                 print!("{}", profile::table(shapes, Some(*wall_ms)));
