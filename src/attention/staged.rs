@@ -319,10 +319,12 @@ impl<'a, B: Backend> Staged<'a, B> {
         dy: &Tensor<B>,
         heads: &[Range<usize>],
     ) -> Result<BwdStageInputs<B>> {
+        // Q leaves first: its norm and RoPE run while O and dO travel
+        let q_raw = self.q_exchanged(w, x, heads)?;
         Ok(BwdStageInputs {
+            q_raw,
             o_att: self.exchange_start(self.gather_heads(o, heads)?)?,
             d_o: self.exchange_start(self.project_dout(dy, &w.wo, heads)?)?,
-            q_raw: self.q_exchanged(w, x, heads)?,
         })
     }
 
@@ -491,6 +493,11 @@ impl<'a, B: Backend> Staged<'a, B> {
                 Some(kv) => kv,
                 None => self.kv_start(w, x, phase)?,
             };
+            // the phase's first stage inputs are made while its K/V travel
+            if next_inputs.is_none() {
+                let heads = &phase.stages[0].q_heads;
+                next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads)?);
+            }
             let PhaseKv { k, k_raw, v } = self.kv_ready(w, kv, true)?;
             let kv_write = self.grad_write(phase.stages.len(), w.k_norm.is_some(), in_place);
             let (mut dk, mut dv) = (
@@ -504,8 +511,8 @@ impl<'a, B: Backend> Staged<'a, B> {
                     Some(p) => p,
                     None => self.bwd_stage_inputs(w, x, &o, dy, heads)?,
                 };
-                let (o_att, d_o, q_raw) = (o_att.wait()?, d_o.wait()?, q_raw.wait()?);
-                let (q, q_raw) = self.q_ready(w, q_raw, true)?;
+                let (q, q_raw) = self.q_ready(w, q_raw.wait()?, true)?;
+                let (o_att, d_o) = (o_att.wait()?, d_o.wait()?);
                 match self.upcoming(sched, p, t) {
                     Upcoming::Stage => {
                         let heads = &phase.stages[t + 1].q_heads;

@@ -298,11 +298,12 @@ impl AttnWalk {
 
     /// `Staged::bwd_stage_inputs`: (O, dO, raw Q) of a stage, in flight.
     fn bwd_stage_inputs(&self, sim: &mut Sim) -> [InFlight; 3] {
+        let q_raw = self.q_exchanged(sim);
         let o_att = self.packed(sim, self.sh.u);
         let o_att = self.exchange_start(sim, o_att);
         let d_o = self.project(sim, self.sh.u);
         let d_o = self.exchange_start(sim, d_o);
-        [o_att, d_o, self.q_exchanged(sim)]
+        [o_att, d_o, q_raw]
     }
 
     /// `ring::pass_on`: receive buffers shaped like `sizes`, then the transfer
@@ -528,6 +529,9 @@ impl AttnWalk {
                 Some(kv) => kv,
                 None => self.kv_start(sim),
             };
+            if next_inputs.is_none() {
+                next_inputs = Some(self.bwd_stage_inputs(sim));
+            }
             let (k, k_raw, v) = self.kv_ready(sim, kv, true);
             let kv_bytes = numel(self.sh.packed(self.sh.m)) * kv_eb;
             let dk = sim.alloc(Workspace, kv_bytes);
@@ -537,10 +541,10 @@ impl AttnWalk {
                     Some(p) => p,
                     None => self.bwd_stage_inputs(sim),
                 };
-                let o_att = self.wait(sim, o_att);
-                let d_o = self.wait(sim, d_o);
                 let q_raw = self.wait(sim, q_raw);
                 let (q, q_raw) = self.norm_rope(sim, q_raw, true);
+                let o_att = self.wait(sim, o_att);
+                let d_o = self.wait(sim, d_o);
                 match self.upcoming(p, t) {
                     Upcoming::Stage => next_inputs = Some(self.bwd_stage_inputs(sim)),
                     Upcoming::PhaseStart => {
