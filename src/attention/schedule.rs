@@ -354,6 +354,17 @@ mod tests {
             seen.iter().all(|&c| c == 1),
             "every query head exactly once: {seen:?}"
         );
+        // each rank walks through the block of heads Ulysses gives it, in order
+        let block = s.heads / s.pu;
+        for r in 0..s.pu {
+            let walked: Vec<usize> = s
+                .phases
+                .iter()
+                .flat_map(|p| &p.stages)
+                .flat_map(|st| st.q_heads[r].clone())
+                .collect();
+            assert_eq!(walked, (r * block..(r + 1) * block).collect::<Vec<_>>());
+        }
         if s.kv_heads >= s.pu {
             let mut kv_seen = vec![0usize; s.kv_heads];
             for p in &s.phases {
