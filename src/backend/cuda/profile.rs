@@ -171,8 +171,8 @@ impl OpProfile {
             prev_end = Some(&r.end);
         }
         let mut timed = Vec::with_capacity(spans.len());
-        for r in &spans {
-            timed.push((r.kind, r.shape.clone(), ms(&r.start, &r.end)?));
+        for r in spans {
+            timed.push((r.kind, r.shape, ms(&r.start, &r.end)?));
         }
         Ok(OpTotals {
             idle_ms,
