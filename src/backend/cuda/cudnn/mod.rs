@@ -489,14 +489,20 @@ impl CudnnSdpa {
         unsafe { plan.execute(self.handle.0, &bindings, base as *mut c_void) }
     }
 
-    /// Forward: writes `o` (bf16) and `lse` (f32, natural log).
-    pub fn fwd(&self, be: &CudaBackend, a: &SdpaFwd) -> Result<()> {
-        let s = &a.shape;
-        shape_supported(self.version, s, false).map_err(Error::Backend)?;
+    /// Checks that cuDNN takes the call (`backward` or forward), binds the
+    /// backend's context to this thread, and returns the softmax scale.
+    fn prepare(&self, be: &CudaBackend, s: &SdpaShape, backward: bool) -> Result<f32> {
+        shape_supported(self.version, s, backward).map_err(Error::Backend)?;
         be.context()
             .bind_to_thread()
             .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
-        let scale = 1.0f32 / (s.d as f32).sqrt();
+        Ok(1.0 / (s.d as f32).sqrt())
+    }
+
+    /// Forward: writes `o` (bf16) and `lse` (f32, natural log).
+    pub fn fwd(&self, be: &CudaBackend, a: &SdpaFwd) -> Result<()> {
+        let s = &a.shape;
+        let scale = self.prepare(be, s, false)?;
         let neg_inf = f32::NEG_INFINITY;
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
@@ -531,11 +537,7 @@ impl CudnnSdpa {
         dv: u64,
     ) -> Result<()> {
         let s = &a.shape;
-        shape_supported(self.version, s, true).map_err(Error::Backend)?;
-        be.context()
-            .bind_to_thread()
-            .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
-        let scale = 1.0f32 / (s.d as f32).sqrt();
+        let scale = self.prepare(be, s, true)?;
         let neg_inf = f32::NEG_INFINITY;
         let one = 1.0f32;
         let p = |x: u64| x as *mut c_void;
