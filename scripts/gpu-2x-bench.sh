@@ -26,7 +26,8 @@ fi
 T0=$(date +%s)
 # PARTS picks what runs (default all but settle1 and rounds): kernel tests
 # check profile long perf tune settle; settle1 is the one-GPU version of
-# settle; rounds alternates Ulysses and UPipe (ROUNDS=4 rounds); power
+# settle; rounds alternates Ulysses and UPipe (ROUNDS=4 rounds); ce compares
+# copy-engine exchanges (CE_MB, CE_REPS, SEQS); power
 # samples clocks and power under each; pins measures the peaks tests/plan.rs pins
 want() { [[ " ${PARTS:-kernel tests check profile long perf tune settle} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
@@ -111,6 +112,24 @@ want rounds && for s in ${SEQS:-131072 262144}; do
     done
   done
 done
+# copy-engine exchanges (PARTS=ce): the same layer in separate processes
+# without and with the exchange window (UPIPE_CE_EXCHANGE_MB=CE_MB), with
+# and without overlap, alternating (CE_REPS times) on one machine; first a
+# --check against the CPU layer through the window
+want ce && {
+  UPIPE_CE_EXCHANGE_MB=${CE_MB:-4096} NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT step ce_check 45 "${L[@]}" "${small[@]}" --ulysses 2 --methods ulysses,upipe --chunk-heads 2
+  grep -a -m2 -E "Init CE|exchange window" "$out/logs/ce_check.log" | cut -c1-200
+  UPIPE_CE_EXCHANGE_MB=${CE_MB:-4096} step ce_check_overlap 45 "${L[@]}" "${small[@]}" --ulysses 2 --methods upipe --chunk-heads 2 --overlap
+  grep -a -q '"method":"upipe"' "$out/logs/ce_check.log" || echo "ce_check did not finish: no timed runs"
+  grep -a -q '"method":"upipe"' "$out/logs/ce_check.log" && for r in $(seq ${CE_REPS:-2}); do
+    for s in ${SEQS:-131072}; do
+      step "ce_${s}_pool_$r" 100 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds 2 --seq $s --methods ulysses,upipe --chunk-heads ${CHUNK:-2} --settle-every ${SETTLE:-2}
+      UPIPE_CE_EXCHANGE_MB=${CE_MB:-4096} step "ce_${s}_window_$r" 100 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds 2 --seq $s --methods ulysses,upipe --chunk-heads ${CHUNK:-2} --settle-every ${SETTLE:-2}
+      UPIPE_CE_EXCHANGE_MB=${CE_MB:-4096} step "ce_${s}_window_overlap_$r" 100 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --rounds 2 --seq $s --methods ulysses,upipe --chunk-heads ${CHUNK:-2} --settle-every ${SETTLE:-2} --overlap
+    done
+  done
+  grep -a -h "exchange window" "$out"/logs/ce_*.log | sort | uniq -c | head -6
+}
 # the peaks tests/plan.rs pins as measured (cuda_predictions_against_the_h200_ledger;
 # PARTS=pins): 2 GPUs at 256K and 128K, one GPU at 64K and 128K
 want pins && {

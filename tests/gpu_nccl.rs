@@ -157,6 +157,108 @@ fn nccl_attention_layer_matches_cpu() {
         return;
     }
     let (env, mut rv, world) = join();
+    layer_matches_cpu(
+        &env,
+        &mut rv,
+        &world,
+        &[
+            (Strategy::Ulysses, 2, 1, None, false),
+            (Strategy::Ring, 2, 1, None, false),
+            (Strategy::Usp, 2, 1, None, false),
+            (Strategy::Upipe, 2, 1, None, false),
+            (Strategy::Upipe, 2, 1, Some(4), false),
+        ],
+    );
+}
+
+/// With an exchange window (`UPIPE_CE_EXCHANGE_MB`) the Ulysses group's
+/// all-to-alls run on copy engines (NCCL logs its copy-engine init, which
+/// only the zero-CTA path does): collectives on the window's buffers keep
+/// their definitions, and the layer still matches the CPU reference, with
+/// and without overlap; a buffer larger than the window is an error naming
+/// the fix.
+#[test]
+fn nccl_copy_engine_exchanges_match_cpu() {
+    let test = "nccl_copy_engine_exchanges_match_cpu";
+    let env = [
+        ("UPIPE_CE_EXCHANGE_MB", "2".to_string()),
+        ("NCCL_DEBUG", "INFO".to_string()),
+        ("NCCL_DEBUG_SUBSYS", "INIT".to_string()),
+        ("RUST_LOG", "upipe=info".to_string()),
+    ];
+    if let Some(ranks) = launch_two_with(test, &env) {
+        for (rank, r) in ranks.iter().enumerate() {
+            let log = format!("{}{}", r.stdout, r.stderr);
+            assert!(
+                log.contains("Init CE"),
+                "rank {rank}: NCCL never set up its copy-engine collectives"
+            );
+            assert!(
+                log.contains("buffers handed out"),
+                "rank {rank}: no exchange window report"
+            );
+        }
+        return;
+    }
+    if std::env::var(ROLE).as_deref() != Ok(test) {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    let (env, mut rv, world) = join();
+    {
+        let b = world.backend().clone();
+        let mesh = world.mesh(MeshShape::new(1, 1, 2).unwrap()).unwrap();
+        for dt in [DType::F32, DType::BF16] {
+            let (me, p) = (mesh.ulysses.rank(), mesh.ulysses.size());
+            let n = 4096 * p;
+            // small integers: exact in bf16
+            let host: Vec<f32> = (0..n).map(|i| (me * 128 + i % 97) as f32).collect();
+            let mut s = mesh
+                .ulysses
+                .exchange_buffer(&[n], dt)
+                .unwrap()
+                .expect("window buffer");
+            let staged = b.from_host(&host, &[n], dt, Category::Comm).unwrap();
+            b.copy(s.mat_mut(), staged.mat()).unwrap();
+            let mut r = mesh
+                .ulysses
+                .exchange_buffer(&[n], dt)
+                .unwrap()
+                .expect("window buffer");
+            mesh.ulysses.all_to_all(&s, &mut r).unwrap();
+            let expect: Vec<f32> = (0..p)
+                .flat_map(|j| (0..4096).map(move |i| (j * 128 + (me * 4096 + i) % 97) as f32))
+                .collect();
+            assert_eq!(b.to_host(&r).unwrap(), expect, "window all_to_all {dt:?}");
+            // larger than the whole window: an error that names the fix
+            let full = mesh.ulysses.exchange_buffer(&[1 << 21], dt).unwrap_err();
+            assert!(full.to_string().contains("UPIPE_CE_EXCHANGE_MB"), "{full}");
+        }
+    }
+    layer_matches_cpu(
+        &env,
+        &mut rv,
+        &world,
+        &[
+            (Strategy::Ulysses, 2, 1, None, false),
+            (Strategy::Upipe, 2, 1, None, false),
+            (Strategy::Upipe, 2, 1, None, true),
+            (Strategy::Upipe, 2, 1, Some(4), false),
+        ],
+    );
+}
+
+/// Child body: the Llama-like layer (GQA, QK norm) under each
+/// `(strategy, pu, pr, U, overlap)` over NCCL against the CPU f32 layer.
+fn layer_matches_cpu(
+    env: &DistEnv,
+    rv: &mut Rendezvous,
+    world: &NcclWorld,
+    cases: &[(Strategy, usize, usize, Option<usize>, bool)],
+) {
     let b = world.backend().clone();
     let d = AttnDims {
         hidden: 256,
@@ -179,15 +281,11 @@ fn nccl_attention_layer_matches_cpu() {
     // a failing rank 0 must not stop early: rank 1 would wait for it in the
     // next collective, and neither process would exit
     let mut failures = Vec::new();
-    for (s, pu, pr, u) in [
-        (Strategy::Ulysses, 2, 1, None),
-        (Strategy::Ring, 2, 1, None),
-        (Strategy::Usp, 2, 1, None),
-        (Strategy::Upipe, 2, 1, None),
-        (Strategy::Upipe, 2, 1, Some(4)),
-    ] {
-        eprintln!("rank {}: {s} {pu}x{pr} U={u:?}", env.rank);
-        let plan = CpPlan::new(s, &d, seq, pu, pr, u).unwrap();
+    for &(s, pu, pr, u, overlap) in cases {
+        eprintln!("rank {}: {s} {pu}x{pr} U={u:?} overlap={overlap}", env.rank);
+        let plan = CpPlan::new(s, &d, seq, pu, pr, u)
+            .unwrap()
+            .with_overlap(overlap);
         let mesh = world.mesh(plan.mesh_shape()).unwrap();
         let (x, dy) = inputs.shard(&plan, d.hidden, mesh.ring.rank(), mesh.ulysses.rank());
         let ri = RankInputs {
@@ -197,14 +295,16 @@ fn nccl_attention_layer_matches_cpu() {
         };
         let run = run_rank(&plan, &d, ri, b.as_ref(), &mesh, &RankOptions::ONCE).unwrap();
         drop(mesh);
-        let runs = gather_runs(&mut rv, run).unwrap();
+        let runs = gather_runs(rv, run).unwrap();
         if let Some(r) = &reference {
             let got = assemble(&plan, d.hidden, &runs);
             let errs = got.errors_against(r);
-            println!("nccl {s} {pu}x{pr} U={u:?}: {errs:?}");
+            println!("nccl {s} {pu}x{pr} U={u:?} overlap={overlap}: {errs:?}");
             for (name, e) in errs {
                 if e > upipe::attention::trial::bf16_tolerance(&name) {
-                    failures.push(format!("{s} {pu}x{pr} U={u:?}: {name} rel err {e:e}"));
+                    failures.push(format!(
+                        "{s} {pu}x{pr} U={u:?} overlap={overlap}: {name} rel err {e:e}"
+                    ));
                 }
             }
         }

@@ -142,7 +142,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         let (b, nh) = (self.b, heads[0].len());
         let dtype = input.dtype();
         if !self.shapes.merge_destinations(nh) {
-            let mut buf = b.empty(&self.shapes.packed(nh), dtype, Category::Comm)?;
+            let mut buf = self.exchange_buffer(&self.shapes.packed(nh), dtype)?;
             for (j, h) in heads.iter().enumerate() {
                 let c = self.packed_block(j, nh);
                 b.gemm(buf.view_mut(c), input.mat(), operand(h), 1.0, 0.0)?;
@@ -183,12 +183,21 @@ impl<'a, B: Backend> Staged<'a, B> {
         )?;
         b.gemm(proj.mat_mut(), input.mat(), rhs, 1.0, 0.0)?;
         drop(stacked);
-        let mut buf = b.empty(&self.shapes.packed(nh), dtype, Category::Comm)?;
+        let mut buf = self.exchange_buffer(&self.shapes.packed(nh), dtype)?;
         for j in 0..heads.len() {
             let src = MatLayout::block(j * w_nh, self.s, w_nh, wide);
             b.copy(buf.view_mut(self.packed_block(j, nh)), proj.view(src))?;
         }
         Ok(buf)
+    }
+
+    /// A send or receive buffer of a Ulysses exchange: from the group's
+    /// exchange window where it has one, else the backend's pool.
+    fn exchange_buffer(&self, shape: &[usize], dtype: DType) -> Result<Tensor<B>> {
+        match self.mesh.ulysses.exchange_buffer(shape, dtype)? {
+            Some(t) => Ok(t),
+            None => self.b.empty(shape, dtype, Category::Comm),
+        }
     }
 
     /// Starts the all-to-all of `send`; it runs beside the work queued until
@@ -197,8 +206,29 @@ impl<'a, B: Backend> Staged<'a, B> {
         if self.pu() == 1 {
             return Ok(Pending::done(send));
         }
-        let recv = self.b.empty(send.shape(), send.dtype(), Category::Comm)?;
+        let (send, recv) = self.exchange_pair(send)?;
         self.mesh.ulysses.start_all_to_all(send, recv)
+    }
+
+    /// The send and receive buffers of one exchange: with an exchange
+    /// window both lie in it (a send made elsewhere, such as an attention
+    /// output, is copied in), so NCCL moves every exchange on copy engines;
+    /// without one the receive buffer comes from the pool. (On NCCL 2.28.3
+    /// an all-to-all with only its receive buffer in the window ran NCCL's
+    /// kernels and hung, so the two never mix.)
+    fn exchange_pair(&self, send: Tensor<B>) -> Result<(Tensor<B>, Tensor<B>)> {
+        let group = &self.mesh.ulysses;
+        let (shape, dtype) = (send.shape().to_vec(), send.dtype());
+        let Some(recv) = group.exchange_buffer(&shape, dtype)? else {
+            let recv = self.b.empty(&shape, dtype, Category::Comm)?;
+            return Ok((send, recv));
+        };
+        if group.in_exchange_window(&send) {
+            return Ok((send, recv));
+        }
+        let mut staged = self.exchange_buffer(&shape, dtype)?;
+        self.b.copy(staged.mat_mut(), send.mat())?;
+        Ok((staged, recv))
     }
 
     /// Starts sending a gradient back to the token owners in the compute
@@ -207,7 +237,8 @@ impl<'a, B: Backend> Staged<'a, B> {
         let send = if grad.dtype() == dtype {
             grad
         } else {
-            let send = crate::backend::cast(self.b, &grad, dtype, Category::Comm)?;
+            let mut send = self.exchange_buffer(grad.shape(), dtype)?;
+            self.b.copy(send.mat_mut(), grad.mat())?;
             drop(grad);
             send
         };
@@ -645,9 +676,7 @@ impl<'a, B: Backend> Staged<'a, B> {
     /// O's columns of every destination's heads, packed `[pu * s, u, d]`.
     fn gather_heads(&self, o: &Tensor<B>, heads: &[Range<usize>]) -> Result<Tensor<B>> {
         let nh = heads[0].len();
-        let mut buf = self
-            .b
-            .empty(&self.shapes.packed(nh), o.dtype(), Category::Comm)?;
+        let mut buf = self.exchange_buffer(&self.shapes.packed(nh), o.dtype())?;
         for (j, h) in heads.iter().enumerate() {
             self.b.copy(
                 buf.view_mut(self.packed_block(j, nh)),

@@ -5,7 +5,9 @@
 //! to [`ProcessGroup`]s; `local` runs ranks as threads in one process, `nccl`
 //! runs one process per GPU (`watchdog`: its collective-timeout policy).
 
+pub mod arena;
 pub mod env;
+pub mod exchange_window;
 pub mod local;
 pub mod mesh;
 pub mod nccl;
@@ -14,7 +16,7 @@ pub mod watchdog;
 
 pub use mesh::{GroupKind, MeshShape};
 
-use crate::backend::{Backend, Tensor};
+use crate::backend::{Backend, DType, Tensor};
 use crate::error::Result;
 
 /// A group of ranks that run collectives together. Every member must call the
@@ -27,6 +29,21 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
     fn size(&self) -> usize;
     /// `recv[j] = send_of_rank_j[me]`: chunk `j` of `send` goes to rank `j`.
     fn all_to_all(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()>;
+    /// An uninitialised buffer for this group's all-to-all (send or
+    /// receive side) in memory the transport moves without SMs (NCCL: the
+    /// symmetric copy-engine window, `UPIPE_CE_EXCHANGE_MB`), or `None` where
+    /// the group has no such memory (take it from the backend as usual); an
+    /// error names the fix when the window is full. Every member must ask
+    /// for the same buffers in the same order (as for collectives), and an
+    /// all-to-all takes both its buffers from the window or neither.
+    fn exchange_buffer(&self, _shape: &[usize], _dtype: DType) -> Result<Option<Tensor<B>>> {
+        Ok(None)
+    }
+    /// Whether `t` lies in this group's exchange window (always false
+    /// without one).
+    fn in_exchange_window(&self, _t: &Tensor<B>) -> bool {
+        false
+    }
     /// Starts `all_to_all(send, recv)` and returns before it finishes where
     /// the group can run transfers beside compute (NCCL: on its own stream);
     /// [`Pending::wait`] hands back `recv` once later work is ordered after

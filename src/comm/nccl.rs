@@ -27,6 +27,7 @@
 //! [`Error::Comm`] with the watchdog's message.
 
 use super::env::DistEnv;
+use super::exchange_window::{self, ExchangeWindow};
 use super::rendezvous::Rendezvous;
 use super::watchdog::{self, Failure, InFlight, Watchdog};
 use super::{GroupKind, Mesh, MeshShape, Pending, ProcessGroup};
@@ -51,7 +52,7 @@ pub fn library() -> Result<&'static LoadedLib> {
 
 /// Converts an NCCL result into ours: the call, NCCL's string for the code,
 /// and (when a communicator is known) its last error message.
-fn check(r: sys::ncclResult_t, what: &str, comm: Option<sys::ncclComm_t>) -> Result<()> {
+pub(super) fn check(r: sys::ncclResult_t, what: &str, comm: Option<sys::ncclComm_t>) -> Result<()> {
     if is_ok(r) {
         return Ok(());
     }
@@ -205,20 +206,20 @@ fn native_alltoall() -> bool {
 }
 
 /// An owned communicator; destroyed on drop (unless the watchdog aborted it).
-struct Comm {
-    raw: sys::ncclComm_t,
+pub(super) struct Comm {
+    pub(super) raw: sys::ncclComm_t,
     /// Its group, for messages: `world`, `ulysses [0, 1]`, ...
-    name: Arc<str>,
+    pub(super) name: Arc<str>,
     /// The stream its collectives run on: drained before the communicator
     /// is destroyed, so no transfer is in flight then.
-    stream: Arc<CudaStream>,
+    pub(super) stream: Arc<CudaStream>,
     /// Serialises enqueueing (NCCL communicators are not thread-safe); the
     /// watchdog takes it too before aborting, when it can ([`abort`]).
     lock: Mutex<()>,
     /// The backend's communication fault: once set, nothing is enqueued.
     fault: Arc<OnceLock<String>>,
     /// `ncclCommAbort` ran: `raw` is freed, never to be used again.
-    aborted: AtomicBool,
+    pub(super) aborted: AtomicBool,
 }
 
 // SAFETY: the handle is only used under `lock`, and NCCL allows a
@@ -741,26 +742,50 @@ impl NcclWorld {
                 self.size
             )));
         }
+        let window_bytes = exchange_window::size_from_env()?;
+        if window_bytes.is_some() {
+            let version = library()?.api_version.clone().unwrap_or_default();
+            if std::env::var("UPIPE_NCCL_ALLTOALL").is_ok_and(|v| v == "0") {
+                return Err(Error::Config(format!(
+                    "{} moves all-to-alls with ncclAlltoAll on copy engines; unset UPIPE_NCCL_ALLTOALL=0 or {}",
+                    exchange_window::SIZE_VAR,
+                    exchange_window::SIZE_VAR
+                )));
+            }
+            if !supports_alltoall(&version) {
+                return Err(Error::LibraryMissing(format!(
+                    "{} needs NCCL 2.28 or newer (copy-engine all-to-all), this is {version:?}; \
+                     unset it or set UPIPE_NCCL_LIB to a newer libnccl.so.2",
+                    exchange_window::SIZE_VAR
+                )));
+            }
+        }
         drv_bind(&self.backend)?;
         let mut groups = Vec::new();
         for spec in split_specs(shape, self.rank)? {
             let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+            // the Ulysses group moves its all-to-alls on copy engines when
+            // it has an exchange window (zero-CTA policy)
+            let window =
+                window_bytes.filter(|_| spec.kind == GroupKind::Ulysses && spec.members.len() > 1);
+            let mut config = zero_cta_config();
+            let config_ptr = if window.is_some() {
+                &mut config as *mut sys::ncclConfig_t
+            } else {
+                std::ptr::null_mut()
+            };
             let _g = lock(&self.comm)?;
             // SAFETY: the world communicator is valid; a null config inherits
-            // the parent's; every rank makes the same sequence of splits.
+            // the parent's; every rank makes the same sequence of splits
+            // with the same configs.
             check(
                 unsafe {
-                    sys::ncclCommSplit(
-                        self.comm.raw,
-                        spec.color,
-                        spec.key,
-                        &mut raw,
-                        std::ptr::null_mut(),
-                    )
+                    sys::ncclCommSplit(self.comm.raw, spec.color, spec.key, &mut raw, config_ptr)
                 },
                 &format!("ncclCommSplit ({:?} group {:?})", spec.kind, spec.members),
                 Some(self.comm.raw),
             )?;
+            drop(_g);
             if raw.is_null() {
                 return Err(Error::Comm(format!(
                     "NCCL returned no communicator for the {:?} group {:?}",
@@ -785,7 +810,15 @@ impl NcclWorld {
             if let Some(w) = self.watch.as_ref().filter(|_| spec.members.len() > 1) {
                 w.register(&comm);
             }
-            groups.push(self.group(comm, spec.members));
+            let window = match window {
+                Some(bytes) => Some(ExchangeWindow::register(
+                    comm.clone(),
+                    self.backend.clone(),
+                    bytes,
+                )?),
+                None => None,
+            };
+            groups.push(self.group_with_window(comm, spec.members, window));
         }
         let mut it = groups.into_iter();
         let mut next = || it.next().expect("four splits");
@@ -802,6 +835,15 @@ impl NcclWorld {
     }
 
     fn group(&self, comm: Arc<Comm>, members: Vec<usize>) -> Box<dyn ProcessGroup<CudaBackend>> {
+        self.group_with_window(comm, members, None)
+    }
+
+    fn group_with_window(
+        &self,
+        comm: Arc<Comm>,
+        members: Vec<usize>,
+        window: Option<Arc<ExchangeWindow>>,
+    ) -> Box<dyn ProcessGroup<CudaBackend>> {
         let me = members
             .iter()
             .position(|&r| r == self.rank)
@@ -812,6 +854,7 @@ impl NcclWorld {
             me,
             size: members.len(),
             watch: self.watch.clone(),
+            window,
         })
     }
 }
@@ -831,7 +874,7 @@ fn fault_check(fault: &OnceLock<String>) -> Result<()> {
     }
 }
 
-fn drv_bind(b: &CudaBackend) -> Result<()> {
+pub(super) fn drv_bind(b: &CudaBackend) -> Result<()> {
     b.context()
         .bind_to_thread()
         .map_err(|e| Error::Backend(format!("CUDA driver: bind context: {e:?}")))
@@ -840,7 +883,7 @@ fn drv_bind(b: &CudaBackend) -> Result<()> {
 /// The enqueue lock of a communicator that may still be used: `Err` once the
 /// watchdog has failed (checked under the lock, so that no enqueue overlaps
 /// or follows the abort).
-fn lock(c: &Comm) -> Result<MutexGuard<'_, ()>> {
+pub(super) fn lock(c: &Comm) -> Result<MutexGuard<'_, ()>> {
     let g = c
         .lock
         .lock()
@@ -862,6 +905,35 @@ struct NcclGroup {
     me: usize,
     size: usize,
     watch: Option<Arc<Watch>>,
+    /// Where its all-to-all buffers come from when they move on copy
+    /// engines (`UPIPE_CE_EXCHANGE_MB`, Ulysses groups only).
+    window: Option<Arc<ExchangeWindow>>,
+}
+
+/// A communicator config of NCCL 2.28's layout with every field unset but
+/// the CTA policy: zero-CTA, so that collectives NCCL can run on copy
+/// engines do (the rest keep their kernels).
+fn zero_cta_config() -> sys::ncclConfig_t {
+    const UNDEF: i32 = i32::MIN;
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 22800,
+        blocking: UNDEF,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: exchange_window::NCCL_CTA_POLICY_ZERO,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+    }
 }
 
 /// A grouped NCCL call in flight: `ncclGroupEnd` runs even on early error.
@@ -908,6 +980,7 @@ impl NcclGroup {
     ) -> Result<Arc<EndMark>> {
         fault_check(&self.comm.fault)?;
         drv_bind(&self.backend)?;
+        tracing::trace!("issue {kind} {bytes} B on group {}", self.comm.name);
         let end = Arc::new(EndMark {
             event: drv(self.backend.context().new_event(None), "create event")?,
             state: AtomicU8::new(ENQUEUEING),
@@ -1223,6 +1296,21 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
     }
     fn size(&self) -> usize {
         self.size
+    }
+    fn exchange_buffer(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Option<Tensor<CudaBackend>>> {
+        self.window
+            .as_ref()
+            .map(|w| w.buffer(shape, dtype))
+            .transpose()
+    }
+    fn in_exchange_window(&self, t: &Tensor<CudaBackend>) -> bool {
+        self.window
+            .as_ref()
+            .is_some_and(|w| w.contains(self.backend.device_ptr(t), t.bytes()))
     }
     fn all_to_all(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
         self.ordered("all_to_all", send.bytes(), || {

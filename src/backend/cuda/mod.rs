@@ -584,6 +584,32 @@ impl CudaBackend {
         }
     }
 
+    /// A tensor over `bytes` of device memory that `owner` lends (an
+    /// exchange window); counted by the ledger like any tensor of `cat`.
+    pub fn adopt(
+        &self,
+        ptr: u64,
+        bytes: usize,
+        owner: Arc<dyn pool::BlockOwner>,
+        shape: &[usize],
+        dtype: DType,
+        cat: Category,
+    ) -> Result<Tensor<Self>> {
+        let need = shape.iter().product::<usize>() * dtype.size();
+        if need != bytes {
+            return Err(Error::Backend(format!(
+                "adopt: {shape:?} {dtype:?} needs {need} bytes, the block has {bytes}"
+            )));
+        }
+        Ok(Tensor::from_parts(
+            CudaStorage::borrowed(ptr, bytes, owner),
+            shape,
+            dtype,
+            cat,
+            self.ledger.clone(),
+        ))
+    }
+
     /// Uploads 32-bit ids into a workspace tensor (stored as 4-byte elements).
     fn upload_ids(&self, ids: &[u32]) -> Result<Tensor<Self>> {
         let t = self.alloc(&[ids.len()], DType::F32, Category::Workspace)?;

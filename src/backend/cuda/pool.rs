@@ -159,16 +159,41 @@ impl Drop for Pool {
     }
 }
 
-/// Device bytes of one tensor; returned to the pool on drop.
+/// Memory outside the pool that tensors borrow (an exchange window): told
+/// when each tensor is dropped.
+pub trait BlockOwner: Send + Sync {
+    /// The `bytes` at `ptr` are free again (in stream order, as for the pool).
+    fn release(&self, ptr: u64, bytes: usize);
+}
+
+/// Where a tensor's bytes go back to.
+enum Home {
+    Pool(Arc<Pool>),
+    Owner(Arc<dyn BlockOwner>),
+}
+
+/// Device bytes of one tensor; returned to the pool (or their owner) on drop.
 pub struct CudaStorage {
     ptr: u64,
     bytes: usize,
-    pool: Arc<Pool>,
+    home: Home,
 }
 
 impl CudaStorage {
     pub(crate) fn new(ptr: u64, bytes: usize, pool: Arc<Pool>) -> Self {
-        CudaStorage { ptr, bytes, pool }
+        CudaStorage {
+            ptr,
+            bytes,
+            home: Home::Pool(pool),
+        }
+    }
+    /// Bytes borrowed from `owner`, handed back to it on drop.
+    pub(crate) fn borrowed(ptr: u64, bytes: usize, owner: Arc<dyn BlockOwner>) -> Self {
+        CudaStorage {
+            ptr,
+            bytes,
+            home: Home::Owner(owner),
+        }
     }
     /// The device address (0 for an empty tensor).
     pub fn ptr(&self) -> u64 {
@@ -182,6 +207,9 @@ impl CudaStorage {
 
 impl Drop for CudaStorage {
     fn drop(&mut self) {
-        self.pool.free(self.ptr);
+        match &self.home {
+            Home::Pool(pool) => pool.free(self.ptr),
+            Home::Owner(owner) => owner.release(self.ptr, self.bytes),
+        }
     }
 }
