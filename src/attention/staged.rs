@@ -219,15 +219,20 @@ impl<'a, B: Backend> Staged<'a, B> {
     fn exchange_pair(&self, send: Tensor<B>) -> Result<(Tensor<B>, Tensor<B>)> {
         let group = &self.mesh.ulysses;
         let (shape, dtype) = (send.shape().to_vec(), send.dtype());
-        let Some(recv) = group.exchange_buffer(&shape, dtype)? else {
+        if group.in_exchange_window(&send) {
+            let recv = self.exchange_buffer(&shape, dtype)?;
+            return Ok((send, recv));
+        }
+        let Some(mut staged) = group.exchange_buffer(&shape, dtype)? else {
+            // no window: both from the pool
             let recv = self.b.empty(&shape, dtype, Category::Comm)?;
             return Ok((send, recv));
         };
-        if group.in_exchange_window(&send) {
-            return Ok((send, recv));
-        }
-        let mut staged = self.exchange_buffer(&shape, dtype)?;
         self.b.copy(staged.mat_mut(), send.mat())?;
+        // freed before the receive buffer is taken: at most two of the
+        // three are alive at once
+        drop(send);
+        let recv = self.exchange_buffer(&shape, dtype)?;
         Ok((staged, recv))
     }
 
