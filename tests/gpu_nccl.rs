@@ -66,6 +66,18 @@ fn join() -> (DistEnv, Rendezvous, NcclWorld) {
     (env, rv, world)
 }
 
+/// Child of `test` only: its log (`RUST_LOG`) on stderr, then [`join`].
+fn join_logging(test: &str) -> Option<(DistEnv, Rendezvous, NcclWorld)> {
+    if std::env::var(ROLE).as_deref() != Ok(test) {
+        return None;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    Some(join())
+}
+
 fn collectives_on(b: &CudaBackend, g: &dyn ProcessGroup<CudaBackend>, dt: DType) {
     let (me, p) = (g.rank(), g.size());
     let n = 4 * p;
@@ -200,14 +212,9 @@ fn nccl_copy_engine_exchanges_match_cpu() {
         }
         return;
     }
-    if std::env::var(ROLE).as_deref() != Ok(test) {
+    let Some((env, mut rv, world)) = join_logging(test) else {
         return;
-    }
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .try_init();
-    let (env, mut rv, world) = join();
+    };
     {
         let b = world.backend().clone();
         let mesh = world.mesh(MeshShape::new(1, 1, 2).unwrap()).unwrap();
@@ -337,14 +344,9 @@ fn nccl_watchdog_fails_a_collective_whose_peer_left() {
         );
         return;
     }
-    if std::env::var(ROLE).as_deref() != Ok(test) {
+    let Some((env, _rv, world)) = join_logging(test) else {
         return;
-    }
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .try_init();
-    let (env, _rv, world) = join();
+    };
     assert_eq!(world.timeout(), Some(Duration::from_secs(5)));
     let b = world.backend().clone();
     let mesh = world.mesh(MeshShape::new(1, 1, 2).unwrap()).unwrap();
