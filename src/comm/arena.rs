@@ -27,6 +27,8 @@ pub struct ArenaMap {
     free: BTreeMap<usize, usize>,
     /// Bytes handed out and not yet given back.
     used: usize,
+    /// The most `used` has been.
+    high: usize,
 }
 
 impl ArenaMap {
@@ -44,6 +46,7 @@ impl ArenaMap {
             align,
             free,
             used: 0,
+            high: 0,
         }
     }
 
@@ -54,6 +57,12 @@ impl ArenaMap {
     /// Bytes handed out and not yet given back (rounded up to the alignment).
     pub fn used(&self) -> usize {
         self.used
+    }
+
+    /// The most bytes ever handed out at once: what the arena must hold
+    /// for the requests it has seen.
+    pub fn high(&self) -> usize {
+        self.high
     }
 
     /// `bytes` rounded up to the alignment (at least one unit).
@@ -71,6 +80,7 @@ impl ArenaMap {
             self.free.insert(off + want, len - want);
         }
         self.used += want;
+        self.high = self.high.max(self.used);
         Some(off)
     }
 
@@ -119,6 +129,8 @@ mod tests {
         assert_eq!(a.take(50), Some(104));
         assert_eq!(a.take(200), Some(312));
         assert_eq!(a.take(1000), None);
+        // x, z, the 56-byte hole's request and the 200: the most at once
+        assert_eq!(a.high(), 104 + 104 + 56 + 200);
     }
 
     #[test]
@@ -168,6 +180,7 @@ mod tests {
                         prop_assert!(s % 64 == 0 && e <= a.capacity());
                     }
                     prop_assert_eq!(a.used(), spans.iter().map(|(s, e)| e - s).sum::<usize>());
+                    prop_assert!(a.high() >= a.used());
                 }
                 for (o, b) in live.drain(..) {
                     a.give(o, b);

@@ -180,11 +180,13 @@ impl BlockOwner for ExchangeWindow {
 
 impl Drop for ExchangeWindow {
     fn drop(&mut self) {
+        let high = self.map.lock().map(|m| m.high()).unwrap_or(0);
         tracing::info!(
-            "exchange window of group {} ({} MiB): {} buffers handed out",
+            "exchange window of group {} ({} MiB): {} buffers handed out, at most {:.1} MiB at once",
             self.comm.name,
             self.bytes >> 20,
-            self.handed_out.load(Ordering::Relaxed)
+            self.handed_out.load(Ordering::Relaxed),
+            high as f64 / (1 << 20) as f64
         );
         if self.comm.aborted.load(Ordering::Acquire) {
             return; // the communicator is gone; the process is failing anyway
