@@ -40,15 +40,27 @@ const GRANULE: usize = 2 << 20;
 
 /// The window's size from [`SIZE_VAR`]: `None` when unset or 0.
 pub fn size_from_env() -> Result<Option<usize>> {
-    let Ok(v) = std::env::var(SIZE_VAR) else {
+    window_bytes(std::env::var(SIZE_VAR).ok().as_deref())
+}
+
+/// Bytes of a window of `mib` MiB (the variable's text), rounded up to
+/// `ncclMemAlloc`'s granularity: `None` when unset or 0, an error naming the
+/// variable when it is not a number.
+fn window_bytes(mib: Option<&str>) -> Result<Option<usize>> {
+    let Some(v) = mib else {
         return Ok(None);
     };
-    let mib: usize = v.trim().parse().map_err(|_| {
+    let n: usize = v.trim().parse().map_err(|_| {
         Error::Config(format!(
             "{SIZE_VAR}={v:?} is not a size in MiB; set e.g. {SIZE_VAR}=2048, or 0 for NCCL's kernels"
         ))
     })?;
-    Ok((mib > 0).then(|| (mib << 20).div_ceil(GRANULE) * GRANULE))
+    let bytes = n.checked_mul(1 << 20).ok_or_else(|| {
+        Error::Config(format!(
+            "{SIZE_VAR}={n} MiB does not fit in memory addresses"
+        ))
+    })?;
+    Ok((n > 0).then(|| bytes.div_ceil(GRANULE) * GRANULE))
 }
 
 /// One rank's registered window and the offsets handed out in it.
@@ -215,3 +227,21 @@ const NCCL_WIN_COLL_SYMMETRIC: i32 = 0x01;
 
 /// `NCCL_CTA_POLICY_ZERO` (nccl.h, 2.28+).
 pub(super) const NCCL_CTA_POLICY_ZERO: i32 = 0x02;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_size_parses_mib_and_names_the_variable_when_bad() {
+        assert_eq!(window_bytes(None).unwrap(), None);
+        assert_eq!(window_bytes(Some("0")).unwrap(), None);
+        assert_eq!(window_bytes(Some(" 4096 ")).unwrap(), Some(4096 << 20));
+        // 1 MiB rounds up to ncclMemAlloc's 2 MiB
+        assert_eq!(window_bytes(Some("1")).unwrap(), Some(2 << 20));
+        for bad in ["2G", "-1", "", "1e3"] {
+            let e = window_bytes(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(SIZE_VAR), "{bad:?}: {e}");
+        }
+    }
+}

@@ -747,8 +747,7 @@ impl NcclWorld {
             let version = library()?.api_version.clone().unwrap_or_default();
             if std::env::var("UPIPE_NCCL_ALLTOALL").is_ok_and(|v| v == "0") {
                 return Err(Error::Config(format!(
-                    "{} moves all-to-alls with ncclAlltoAll on copy engines; unset UPIPE_NCCL_ALLTOALL=0 or {}",
-                    exchange_window::SIZE_VAR,
+                    "{} needs ncclAlltoAll (copy engines), which UPIPE_NCCL_ALLTOALL=0 turns off; unset one of them",
                     exchange_window::SIZE_VAR
                 )));
             }
@@ -774,7 +773,7 @@ impl NcclWorld {
             } else {
                 std::ptr::null_mut()
             };
-            let _g = lock(&self.comm)?;
+            let world_lock = lock(&self.comm)?;
             // SAFETY: the world communicator is valid; a null config inherits
             // the parent's; every rank makes the same sequence of splits
             // with the same configs.
@@ -785,7 +784,7 @@ impl NcclWorld {
                 &format!("ncclCommSplit ({:?} group {:?})", spec.kind, spec.members),
                 Some(self.comm.raw),
             )?;
-            drop(_g);
+            drop(world_lock);
             if raw.is_null() {
                 return Err(Error::Comm(format!(
                     "NCCL returned no communicator for the {:?} group {:?}",
