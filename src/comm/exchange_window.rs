@@ -63,6 +63,14 @@ fn window_bytes(mib: Option<&str>) -> Result<Option<usize>> {
     Ok((n > 0).then(|| bytes.div_ceil(GRANULE) * GRANULE))
 }
 
+/// Whether the global ranks `members` share one node of `per_node`
+/// consecutive ranks (where NCCL's copy-engine all-to-all can serve them;
+/// across nodes it would run its kernels on window buffers, the mix that hung).
+pub fn one_node(members: &[usize], per_node: usize) -> bool {
+    let node = |r: usize| r / per_node.max(1);
+    members.iter().all(|&r| node(r) == node(members[0]))
+}
+
 /// One rank's registered window and the offsets handed out in it.
 pub struct ExchangeWindow {
     comm: Arc<Comm>,
@@ -231,6 +239,15 @@ pub(super) const NCCL_CTA_POLICY_ZERO: i32 = 0x02;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_node_means_the_same_block_of_consecutive_ranks() {
+        assert!(one_node(&[0, 1], 8));
+        assert!(one_node(&[8, 9, 10, 11, 12, 13, 14, 15], 8));
+        assert!(!one_node(&[6, 7, 8, 9], 8));
+        assert!(!one_node(&[0, 1], 1));
+        assert!(one_node(&[3], 1));
+    }
 
     #[test]
     fn window_size_parses_mib_and_names_the_variable_when_bad() {

@@ -602,6 +602,8 @@ pub struct NcclWorld {
     comm: Arc<Comm>,
     rank: usize,
     size: usize,
+    /// Ranks per node (consecutive global ranks share a node).
+    local_world_size: usize,
     /// The collectives and communicators the watchdog follows (`None`: off).
     watch: Option<Arc<Watch>>,
     /// Its thread, stopped and joined first on drop.
@@ -697,6 +699,7 @@ impl NcclWorld {
             comm,
             rank: env.rank,
             size: env.world_size,
+            local_world_size: env.local_world_size,
             watch,
             watch_thread: thread,
             timeout,
@@ -767,6 +770,16 @@ impl NcclWorld {
             // it has an exchange window (zero-CTA policy)
             let window =
                 window_bytes.filter(|_| spec.kind == GroupKind::Ulysses && spec.members.len() > 1);
+            if window.is_some() && !exchange_window::one_node(&spec.members, self.local_world_size)
+            {
+                return Err(Error::Config(format!(
+                    "{} needs each Ulysses group on one node (copy engines reach NVLink peers only), \
+                     but group {:?} spans nodes of {} ranks; unset it or keep --ulysses within a node",
+                    exchange_window::SIZE_VAR,
+                    spec.members,
+                    self.local_world_size
+                )));
+            }
             let mut config = zero_cta_config();
             let config_ptr = if window.is_some() {
                 &mut config as *mut sys::ncclConfig_t
