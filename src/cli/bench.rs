@@ -293,6 +293,11 @@ fn print_row(
                     row["tokens_per_s_per_gpu"] = json!(tok);
                     row["seq"] = json!(a.seq);
                     row["device"] = json!(a.device);
+                    // the Ulysses exchanges' copy-engine window (NCCL ranks only)
+                    let window = (a.device == "cuda")
+                        .then(|| crate::comm::exchange_window::size_from_env().ok().flatten())
+                        .flatten();
+                    row["exchange_window_mib"] = json!(window.map(|b| b >> 20));
                 }
                 println!("{row}");
             } else {
