@@ -107,8 +107,8 @@ impl ExchangeWindow {
             Some(comm.raw),
         )?;
         let mut win: sys::ncclWindow_t = std::ptr::null_mut();
-        let registered = {
-            let _g = lock(&comm)?;
+        // (a failure to lock, too, frees the allocation below)
+        let registered = lock(&comm).and_then(|_g| {
             // SAFETY: `base` holds `bytes` bytes from ncclMemAlloc; every
             // member registers a window of the same size in the same order.
             check(
@@ -124,7 +124,7 @@ impl ExchangeWindow {
                 "ncclCommWindowRegister (exchange window)",
                 Some(comm.raw),
             )
-        };
+        });
         if let Err(e) = registered {
             // SAFETY: `base` came from ncclMemAlloc and is not registered.
             let _ = unsafe { sys::ncclMemFree(base) };
@@ -181,9 +181,7 @@ impl ExchangeWindow {
             Category::Comm,
         )
     }
-}
 
-impl ExchangeWindow {
     /// Whether `bytes` at `ptr` lie inside the window.
     pub(super) fn contains(&self, ptr: u64, bytes: usize) -> bool {
         ptr >= self.base && ptr + bytes as u64 <= self.base + self.bytes as u64
