@@ -746,21 +746,15 @@ impl NcclWorld {
             )));
         }
         let window_bytes = exchange_window::size_from_env()?;
-        if window_bytes.is_some() {
+        if window_bytes.is_some() && !native_alltoall() {
             let version = library()?.api_version.clone().unwrap_or_default();
-            if std::env::var("UPIPE_NCCL_ALLTOALL").is_ok_and(|v| v == "0") {
-                return Err(Error::Config(format!(
-                    "{} needs ncclAlltoAll (copy engines), which UPIPE_NCCL_ALLTOALL=0 turns off; unset one of them",
-                    exchange_window::SIZE_VAR
-                )));
-            }
-            if !supports_alltoall(&version) {
-                return Err(Error::LibraryMissing(format!(
-                    "{} needs NCCL 2.28 or newer (copy-engine all-to-all), this is {version:?}; \
-                     unset it or set UPIPE_NCCL_LIB to a newer libnccl.so.2",
-                    exchange_window::SIZE_VAR
-                )));
-            }
+            return Err(Error::Config(format!(
+                "{} needs ncclAlltoAll (copy engines): NCCL 2.28 or newer (this is {version:?}; \
+                 UPIPE_NCCL_LIB picks another libnccl.so.2) and UPIPE_NCCL_ALLTOALL not 0; \
+                 or unset {}",
+                exchange_window::SIZE_VAR,
+                exchange_window::SIZE_VAR
+            )));
         }
         drv_bind(&self.backend)?;
         let mut groups = Vec::new();
@@ -780,12 +774,10 @@ impl NcclWorld {
                     self.local_world_size
                 )));
             }
-            let mut config = zero_cta_config();
-            let config_ptr = if window.is_some() {
-                &mut config as *mut sys::ncclConfig_t
-            } else {
-                std::ptr::null_mut()
-            };
+            let mut config = window.map(|_| zero_cta_config());
+            let config_ptr = config
+                .as_mut()
+                .map_or(std::ptr::null_mut(), |c| c as *mut sys::ncclConfig_t);
             let world_lock = lock(&self.comm)?;
             // SAFETY: the world communicator is valid; a null config inherits
             // the parent's; every rank makes the same sequence of splits
