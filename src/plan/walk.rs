@@ -255,17 +255,10 @@ impl AttnWalk {
         self.exchange_start(sim, send)
     }
 
-    /// `Staged::project_by_destination`: the packed projection of `nh` heads.
+    /// `Staged::project_by_destination`: the packed projection of `nh` heads
+    /// (GEMMs write it directly).
     fn project(&self, sim: &mut Sim, nh: usize) -> Buf {
-        if !self.sh.merge_destinations(nh) {
-            return self.packed(sim, nh);
-        }
-        let stacked = self.act(sim, Workspace, numel(self.sh.stacked_operands(nh)));
-        let proj = self.act(sim, Workspace, numel(self.sh.stacked_projection(nh)));
-        sim.free(stacked);
-        let buf = self.packed(sim, nh);
-        sim.free(proj);
-        buf
+        self.packed(sim, nh)
     }
 
     /// `Staged::kv_start`: K and V in flight.
