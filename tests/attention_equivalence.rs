@@ -107,7 +107,17 @@ fn one_rank_equals_local() {
 
 #[test]
 fn mha_two_ranks() {
-    check_all(&dims(4, 4, 8, false), 16, 2, 1);
+    let d = dims(4, 4, 8, false);
+    // these dims take both projection paths of the engine: one GEMM per
+    // destination (Ulysses' 2 heads per rank) and one GEMM over stacked
+    // weights (UPipe's 1 head per rank per stage)
+    let shapes = |u| {
+        let plan = CpPlan::new(Strategy::Upipe, &d, 16, 2, 1, Some(u)).unwrap();
+        upipe::plan::shapes::StageShapes::new(&plan, &d)
+    };
+    assert!(!shapes(4).merge_destinations(2));
+    assert!(shapes(2).merge_destinations(1));
+    check_all(&d, 16, 2, 1);
 }
 
 #[test]

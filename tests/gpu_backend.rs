@@ -10,8 +10,7 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{
-    AdamWStep, AttnGradWrites, Backend, Category, DType, GemmBatch, GradWrite, IGNORE, MatLayout,
-    Tensor,
+    AdamWStep, AttnGradWrites, Backend, Category, DType, GradWrite, IGNORE, MatLayout, Tensor,
 };
 
 const TOL: f64 = 1e-2;
@@ -207,102 +206,6 @@ fn gemm_f32_and_odd_shapes() {
     assert!(
         g.gemm(gc.mat_mut(), ga.mat(), gc_like(g, k, n).mat(), 1.0, 0.0)
             .is_err()
-    );
-}
-
-/// The staged engine's projections as strided batches: every destination's
-/// block of a packed buffer from one call, the input shared (stride 0), the
-/// weights as transposed row blocks (`x @ W[heads]^T`) or column blocks
-/// (`dy @ Wo[:, heads]`) a fixed number of heads apart.
-#[test]
-fn gemm_batched_projections_match_cpu() {
-    let Some(g) = gpu() else { return };
-    let c = CpuBackend::new();
-    let mut rng = Rng::new("gemm_batched");
-    let (s, hidden, heads, d, pu, nh) = (192, 256, 8, 16, 2, 2);
-    let (w_nh, q_width, first) = (nh * d, heads * d, 1);
-    let step = heads / pu; // heads between destinations
-    let (gx, cx) = pair(g, &c, &rng.vec(s * hidden, 1.0), &[s, hidden], DType::BF16);
-    let w = rng.vec(q_width * hidden, 1.0);
-    let (gw, cw) = pair(g, &c, &w, &[q_width, hidden], DType::BF16);
-    let (gwo, cwo) = pair(g, &c, &w, &[hidden, q_width], DType::BF16);
-    let rows = MatLayout::block(first * d * hidden, w_nh, hidden, hidden).t();
-    let cols = MatLayout::block(first * d, hidden, w_nh, q_width);
-    for (name, lw, stride, transposed) in [
-        ("rows", rows, step * d * hidden, true),
-        ("cols", cols, step * d, false),
-    ] {
-        let batch = GemmBatch {
-            count: pu,
-            a: 0,
-            b: stride,
-            c: s * w_nh,
-        };
-        let (gwt, cwt) = if transposed { (&gw, &cw) } else { (&gwo, &cwo) };
-        let block = MatLayout::row_major(s, w_nh);
-        // bf16 packed output, overwritten
-        let (mut gp, mut cp) = pair(
-            g,
-            &c,
-            &rng.vec(pu * s * w_nh, 1.0),
-            &[pu * s, nh, d],
-            DType::BF16,
-        );
-        g.gemm_batched(gp.view_mut(block), gx.mat(), gwt.view(lw), batch, 1.0, 0.0)
-            .unwrap();
-        c.gemm_batched(cp.view_mut(block), cx.mat(), cwt.view(lw), batch, 1.0, 0.0)
-            .unwrap();
-        check(&format!("gemm_batched {name} bf16"), g, &gp, &c, &cp);
-        // F32 output, accumulated
-        let (mut gf, mut cf) = pair(
-            g,
-            &c,
-            &rng.vec(pu * s * w_nh, 1.0),
-            &[pu * s, w_nh],
-            DType::F32,
-        );
-        g.gemm_batched(gf.view_mut(block), gx.mat(), gwt.view(lw), batch, 0.5, 1.0)
-            .unwrap();
-        c.gemm_batched(cf.view_mut(block), cx.mat(), cwt.view(lw), batch, 0.5, 1.0)
-            .unwrap();
-        check(&format!("gemm_batched {name} f32 beta=1"), g, &gf, &c, &cf);
-        // the CPU reference is one GEMM per block: block 1 by hand
-        let mut one = c
-            .zeros(&[s, w_nh], DType::F32, Category::Workspace)
-            .unwrap();
-        let l1 = MatLayout {
-            offset: lw.offset + stride,
-            ..lw
-        };
-        c.gemm(one.mat_mut(), cx.mat(), cwt.view(l1), 1.0, 0.0)
-            .unwrap();
-        let packed = c.to_host(&cp).unwrap();
-        close(
-            &format!("{name} block 1"),
-            &packed[s * w_nh..],
-            &c.to_host(&one).unwrap(),
-        );
-        // outputs closer than one block apart are refused
-        let overlapping = GemmBatch {
-            c: s * w_nh - 1,
-            ..batch
-        };
-        assert!(
-            g.gemm_batched(
-                gp.view_mut(block),
-                gx.mat(),
-                gwt.view(lw),
-                overlapping,
-                1.0,
-                0.0
-            )
-            .is_err()
-        );
-    }
-    assert_eq!(
-        g.gemm_problems_without_algorithm(),
-        0,
-        "cuBLASLt ran every batch as one call"
     );
 }
 

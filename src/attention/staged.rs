@@ -24,10 +24,7 @@ use super::settle::{Proj, settle_layout};
 use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
 };
-use crate::backend::batch::uniform_stride;
-use crate::backend::{
-    AttnGradWrites, Backend, Category, DType, GemmBatch, GradWrite, Mat, MatLayout, Tensor,
-};
+use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Mat, MatLayout, Tensor};
 use crate::comm::{Mesh, Pending};
 use crate::error::Result;
 use crate::plan::shapes::StageShapes;
@@ -132,11 +129,7 @@ impl<'a, B: Backend> Staged<'a, B> {
     }
 
     /// `input @ operand(heads[j])` for every destination `j`, packed
-    /// `[pu * s, nh, d]`; `operand(h)` is the `[hidden, nh*d]` weight view of
-    /// heads `h`. Destinations' heads lie evenly spaced in the weight (the
-    /// schedule gives rank r the same heads of its own block), so one strided
-    /// batch of GEMMs writes every destination's block, with the input shared
-    /// (batch stride 0); otherwise one GEMM per destination.
+    /// `[pu * s, nh, d]`; `operand(h)` is the `[hidden, nh*d]` weight view of heads `h`.
     fn project_by_destination<'w>(
         &self,
         input: &Tensor<B>,
@@ -147,25 +140,53 @@ impl<'a, B: Backend> Staged<'a, B> {
         B: 'w,
     {
         let (b, nh) = (self.b, heads[0].len());
-        let mut buf = self.exchange_buffer(&self.shapes.packed(nh), input.dtype())?;
-        let offsets: Vec<usize> = heads.iter().map(|h| operand(h).l.offset).collect();
-        match uniform_stride(&offsets) {
-            Some(stride) => {
-                let batch = GemmBatch {
-                    count: heads.len(),
-                    a: 0,
-                    b: stride,
-                    c: self.s * nh * self.dims.head_dim,
-                };
-                let c = buf.view_mut(self.packed_block(0, nh));
-                b.gemm_batched(c, input.mat(), operand(&heads[0]), batch, 1.0, 0.0)?;
+        let dtype = input.dtype();
+        if !self.shapes.merge_destinations(nh) {
+            let mut buf = self.exchange_buffer(&self.shapes.packed(nh), dtype)?;
+            for (j, h) in heads.iter().enumerate() {
+                let c = self.packed_block(j, nh);
+                b.gemm(buf.view_mut(c), input.mat(), operand(h), 1.0, 0.0)?;
             }
-            None => {
-                for (j, h) in heads.iter().enumerate() {
-                    let c = self.packed_block(j, nh);
-                    b.gemm(buf.view_mut(c), input.mat(), operand(h), 1.0, 0.0)?;
-                }
+            return Ok(buf);
+        }
+        // one GEMM over every destination's weights: the input is read once
+        let w_nh = nh * self.dims.head_dim;
+        let wide = self.pu() * w_nh;
+        let mut stacked = b.empty(
+            &self.shapes.stacked_operands(nh),
+            dtype,
+            Category::Workspace,
+        )?;
+        // Weight rows seen transposed (Q/K/V) are stacked as rows (whole
+        // contiguous rows copied) and multiplied by the stack's transpose;
+        // column blocks (Wo for dO) are stacked side by side.
+        let hidden = self.dims.hidden;
+        let rows_stacked = operand(&heads[0]).l.trans;
+        for (j, h) in heads.iter().enumerate() {
+            if rows_stacked {
+                let dst = MatLayout::block(j * w_nh * hidden, w_nh, hidden, hidden);
+                b.copy(stacked.view_mut(dst), operand(h).t())?;
+            } else {
+                let dst = MatLayout::block(j * w_nh, hidden, w_nh, wide);
+                b.copy(stacked.view_mut(dst), operand(h))?;
             }
+        }
+        let rhs = if rows_stacked {
+            stacked.view(MatLayout::row_major(wide, hidden)).t()
+        } else {
+            stacked.mat()
+        };
+        let mut proj = b.empty(
+            &self.shapes.stacked_projection(nh),
+            dtype,
+            Category::Workspace,
+        )?;
+        b.gemm(proj.mat_mut(), input.mat(), rhs, 1.0, 0.0)?;
+        drop(stacked);
+        let mut buf = self.exchange_buffer(&self.shapes.packed(nh), dtype)?;
+        for j in 0..heads.len() {
+            let src = MatLayout::block(j * w_nh, self.s, w_nh, wide);
+            b.copy(buf.view_mut(self.packed_block(j, nh)), proj.view(src))?;
         }
         Ok(buf)
     }

@@ -6,13 +6,11 @@
 //! trait; the CPU f32 backend is the reference every other backend is tested
 //! against.
 
-pub mod batch;
 pub mod cpu;
 pub mod cuda;
 pub mod memory;
 pub mod tensor;
 
-pub use batch::{GemmBatch, gemm_each};
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};
 pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor, TensorRef};
 
@@ -120,22 +118,6 @@ pub trait Backend: Send + Sync + Sized + 'static {
         alpha: f32,
         beta: f32,
     ) -> Result<()>;
-    /// `c_i = alpha * a_i @ b_i + beta * c_i` for each problem `i` of a
-    /// strided batch: `a_i` is `a` moved by `i * batch.a` elements, likewise
-    /// `b_i` and `c_i` (a stride of 0 shares an operand; outputs must follow
-    /// one another, [`GemmBatch::check`]). The default runs the problems one
-    /// by one through [`Backend::gemm`]; devices run them in one call.
-    fn gemm_batched(
-        &self,
-        c: MatMut<'_, Self>,
-        a: Mat<'_, Self>,
-        b: Mat<'_, Self>,
-        batch: GemmBatch,
-        alpha: f32,
-        beta: f32,
-    ) -> Result<()> {
-        batch::gemm_each(self, c, a, b, batch, alpha, beta)
-    }
     /// Strided 2-D copy `dst = src` (same logical shape; converts dtype).
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()>;
     /// Sets every element to `value`.

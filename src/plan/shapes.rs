@@ -75,6 +75,27 @@ impl StageShapes {
         [self.n, self.u]
     }
 
+    /// Whether a projection for `nh` heads per destination runs as one GEMM
+    /// over stacked weight rows (its `[s, pu * nh * d]` result then copied
+    /// into the packed blocks) instead of one GEMM per destination. Merging
+    /// saves `pu - 1` reads of the `[s, hidden]` input and costs one write and
+    /// one read of the result, so it pays for small stages.
+    pub fn merge_destinations(&self, nh: usize) -> bool {
+        self.pu > 1 && 2 * self.pu * nh * self.head_dim < (self.pu - 1) * self.hidden
+    }
+
+    /// The `[hidden, nh * d]` weight operands of `nh` heads for every
+    /// destination, side by side: `[hidden, pu * nh * d]` (for weight rows,
+    /// the same bytes hold the rows stacked, `[pu * nh * d, hidden]`).
+    pub fn stacked_operands(&self, nh: usize) -> [usize; 2] {
+        [self.hidden, self.pu * nh * self.head_dim]
+    }
+
+    /// One projection over stacked weights before it is packed: `[s, pu * nh * d]`.
+    pub fn stacked_projection(&self, nh: usize) -> [usize; 2] {
+        [self.s, self.pu * nh * self.head_dim]
+    }
+
     /// Projection gradients of `nh` heads per destination for this rank's
     /// tokens, side by side for one `dx` GEMM: `[s, pu * nh * d]`.
     pub fn gathered_grads(&self, nh: usize) -> [usize; 2] {

@@ -255,10 +255,17 @@ impl AttnWalk {
         self.exchange_start(sim, send)
     }
 
-    /// `Staged::project_by_destination`: the packed projection of `nh` heads
-    /// (GEMMs write it directly).
+    /// `Staged::project_by_destination`: the packed projection of `nh` heads.
     fn project(&self, sim: &mut Sim, nh: usize) -> Buf {
-        self.packed(sim, nh)
+        if !self.sh.merge_destinations(nh) {
+            return self.packed(sim, nh);
+        }
+        let stacked = self.act(sim, Workspace, numel(self.sh.stacked_operands(nh)));
+        let proj = self.act(sim, Workspace, numel(self.sh.stacked_projection(nh)));
+        sim.free(stacked);
+        let buf = self.packed(sim, nh);
+        sim.free(proj);
+        buf
     }
 
     /// `Staged::kv_start`: K and V in flight.

@@ -6,13 +6,12 @@
 //! so `C = A·B` is computed as `C^T = B^T·A^T` with cuBLASLt's A := our B and
 //! cuBLASLt's B := our A, each stored operand flagged `T` exactly when our view
 //! is a transposed one. No copies. Descriptors, layouts and the heuristic's
-//! algorithm are cached per problem (shapes, leading dims, dtypes, alignment,
-//! batch); the workspace is allocated once by the backend. A strided batch
-//! sets cuBLASLt's batch count and per-operand batch offsets on the layouts.
+//! algorithm are cached per problem (shapes, leading dims, dtypes, alignment);
+//! the workspace is allocated once by the backend.
 
 use super::device::drv;
 use super::libs::{self, Lib};
-use crate::backend::{DType, GemmBatch, MatLayout};
+use crate::backend::{DType, MatLayout};
 use crate::error::{Error, Result};
 use cudarc::cublaslt::sys as lt;
 use cudarc::driver::CudaStream;
@@ -46,16 +45,6 @@ pub struct LtProblem {
     pub c: LtOperand,
     /// cuBLASLt's (m, n, k) = our (n, m, k).
     pub mnk: (u64, u64, u64),
-    pub batch: LtBatch,
-}
-
-/// A strided batch in cuBLASLt's terms (its A is our b, its B our a).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct LtBatch {
-    pub count: i32,
-    pub a: i64,
-    pub b: i64,
-    pub c: i64,
 }
 
 /// The stored column-major matrix of a row-major view.
@@ -86,32 +75,6 @@ pub fn map_problem(c: &MatLayout, a: &MatLayout, b: &MatLayout) -> Result<LtProb
         b: stored(a),
         c: stored(c),
         mnk: (n as u64, m as u64, k as u64),
-        batch: LtBatch {
-            count: 1,
-            a: 0,
-            b: 0,
-            c: 0,
-        },
-    })
-}
-
-/// [`map_problem`] for a strided batch of problems.
-pub fn map_batched(
-    c: &MatLayout,
-    a: &MatLayout,
-    b: &MatLayout,
-    batch: &GemmBatch,
-) -> Result<LtProblem> {
-    let count = i32::try_from(batch.count)
-        .map_err(|_| Error::Backend(format!("GEMM batch of {} problems", batch.count)))?;
-    Ok(LtProblem {
-        batch: LtBatch {
-            count,
-            a: batch.b as i64,
-            b: batch.a as i64,
-            c: batch.c as i64,
-        },
-        ..map_problem(c, a, b)?
     })
 }
 
@@ -171,8 +134,7 @@ impl Drop for Plan {
 /// A cuBLASLt handle with its plan cache.
 pub struct Gemm {
     handle: lt::cublasLtHandle_t,
-    /// `None`: the heuristic has no algorithm for the problem.
-    plans: Mutex<HashMap<Key, Option<Plan>>>,
+    plans: Mutex<HashMap<Key, Plan>>,
 }
 
 // SAFETY: the handle is thread-safe for use with distinct streams per cuBLASLt's
@@ -203,22 +165,10 @@ impl Gemm {
 
     /// Number of cached plans (one per distinct problem).
     pub fn cached_plans(&self) -> usize {
-        self.plans
-            .lock()
-            .map(|p| p.values().flatten().count())
-            .unwrap_or(0)
+        self.plans.lock().map(|p| p.len()).unwrap_or(0)
     }
 
-    /// Number of distinct problems the heuristic had no algorithm for.
-    pub fn problems_without_algorithm(&self) -> usize {
-        self.plans
-            .lock()
-            .map(|p| p.values().filter(|plan| plan.is_none()).count())
-            .unwrap_or(0)
-    }
-
-    /// The plan of `key`, or `None` when the heuristic has no algorithm.
-    fn build(&self, key: &Key, ab: DType, cd: DType) -> Result<Option<Plan>> {
+    fn build(&self, key: &Key, ab: DType, cd: DType) -> Result<Plan> {
         let p = &key.p;
         // SAFETY: every handle is created here and owned by the returned plan (or
         // destroyed by its Drop if a later step fails).
@@ -250,33 +200,6 @@ impl Gemm {
             plan.la = layout(&p.a, ab)?;
             plan.lb = layout(&p.b, ab)?;
             plan.lc = layout(&p.c, cd)?;
-            if p.batch.count > 1 {
-                use lt::cublasLtMatrixLayoutAttribute_t as L;
-                for (l, stride) in [
-                    (plan.la, p.batch.a),
-                    (plan.lb, p.batch.b),
-                    (plan.lc, p.batch.c),
-                ] {
-                    ok(
-                        lt::cublasLtMatrixLayoutSetAttribute(
-                            l,
-                            L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                            (&p.batch.count as *const i32).cast(),
-                            4,
-                        ),
-                        "batch count",
-                    )?;
-                    ok(
-                        lt::cublasLtMatrixLayoutSetAttribute(
-                            l,
-                            L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                            (&stride as *const i64).cast(),
-                            8,
-                        ),
-                        "batch offset",
-                    )?;
-                }
-            }
             for (attr, t) in [
                 (
                     lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
@@ -359,10 +282,13 @@ impl Gemm {
             lt::cublasLtMatmulPreferenceDestroy(pref);
             r?;
             if found == 0 {
-                return Ok(None);
+                return Err(Error::Backend(format!(
+                    "cuBLASLt has no algorithm for {:?} x {:?} -> {:?} with {p:?}",
+                    ab, ab, cd
+                )));
             }
             plan.algo = heur.algo;
-            Ok(Some(plan))
+            Ok(plan)
         }
     }
 
@@ -378,39 +304,12 @@ impl Gemm {
         alpha: f32,
         beta: f32,
     ) -> Result<()> {
-        if self.try_run(stream, p, ab, c, ptrs, alpha, beta)? {
-            return Ok(());
-        }
-        Err(Error::Backend(format!(
-            "cuBLASLt has no algorithm for {ab:?} x {ab:?} -> {c:?} with {p:?}"
-        )))
-    }
-
-    /// [`Gemm::run`], or `false` (nothing queued) when cuBLASLt's heuristic
-    /// has no algorithm for the problem.
-    #[allow(clippy::too_many_arguments)]
-    pub fn try_run(
-        &self,
-        stream: &CudaStream,
-        p: &LtProblem,
-        ab: DType,
-        c: DType,
-        ptrs: &GemmPtrs,
-        alpha: f32,
-        beta: f32,
-    ) -> Result<bool> {
-        // cuBLASLt's A is our b and its B our a; every problem of a batch
-        // starts a whole number of strides after the first
-        let bytes = |stride: i64, d: DType| stride as u64 * d.size() as u64;
+        // cuBLASLt's A is our b and its B our a.
         let key = Key {
             p: *p,
             ab: ab.size(),
             c: c.size(),
-            align: (
-                alignment(ptrs.b | bytes(p.batch.a, ab)),
-                alignment(ptrs.a | bytes(p.batch.b, ab)),
-                alignment(ptrs.c | bytes(p.batch.c, c)),
-            ),
+            align: (alignment(ptrs.b), alignment(ptrs.a), alignment(ptrs.c)),
         };
         let mut plans = self
             .plans
@@ -420,9 +319,7 @@ impl Gemm {
             let plan = self.build(&key, ab, c)?;
             e.insert(plan);
         }
-        let Some(plan) = &plans[&key] else {
-            return Ok(false);
-        };
+        let plan = &plans[&key];
         drv(stream.context().bind_to_thread(), "bind context")?;
         // SAFETY: the plan matches these operands' shapes, dtypes and alignment;
         // all pointers are live device allocations ordered on `stream`.
@@ -446,7 +343,7 @@ impl Gemm {
                 stream.cu_stream() as lt::cudaStream_t,
             )
         };
-        ok(s, "matmul").map(|()| true)
+        ok(s, "matmul")
     }
 }
 

@@ -31,8 +31,8 @@ use self::gemm::{Gemm, GemmPtrs};
 use self::kernels::{Args, Kernels, grid_for, launch};
 use self::pool::{AllocError, CudaStorage, Pool, PoolStats};
 use super::{
-    AdamWStep, AttnGradWrites, Backend, Category, DType, GemmBatch, GradWrite, IGNORE, Mat, MatMut,
-    MemoryLedger, Rows, RowsMut, Tensor, gemm_each,
+    AdamWStep, AttnGradWrites, Backend, Category, DType, GradWrite, IGNORE, Mat, MatMut,
+    MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
@@ -144,23 +144,6 @@ impl RowCopy {
 /// Device address of element `elem` of `t`.
 fn ptr_at(t: &Tensor<CudaBackend>, elem: usize) -> u64 {
     ptr(t) + (elem * t.dtype().size()) as u64
-}
-
-/// The operand and output dtypes of a GEMM: `a` and `b` share one, `c` is
-/// F32 or that one.
-fn gemm_dtypes(
-    c: &MatMut<'_, CudaBackend>,
-    a: &Mat<'_, CudaBackend>,
-    b: &Mat<'_, CudaBackend>,
-) -> Result<(DType, DType)> {
-    let (ab, cd) = (a.t.dtype(), c.t.dtype());
-    if b.t.dtype() != ab || (cd != DType::F32 && cd != ab) {
-        return Err(Error::Backend(format!(
-            "gemm: a {ab:?}, b {:?}, c {cd:?}; a and b must share a dtype and c be F32 or that dtype",
-            b.t.dtype()
-        )));
-    }
-    Ok((ab, cd))
 }
 
 fn dt(t: &Tensor<CudaBackend>) -> i32 {
@@ -550,11 +533,6 @@ impl CudaBackend {
     pub fn gemm_plans(&self) -> usize {
         self.gemm.cached_plans()
     }
-    /// Distinct GEMM problems cuBLASLt had no algorithm for (a strided batch
-    /// among them ran as one GEMM per problem).
-    pub fn gemm_problems_without_algorithm(&self) -> usize {
-        self.gemm.problems_without_algorithm()
-    }
     /// Device address of a tensor (for kernels launched outside the backend, e.g. flash).
     pub fn device_ptr(&self, t: &Tensor<Self>) -> u64 {
         ptr(t)
@@ -865,7 +843,13 @@ impl Backend for CudaBackend {
             )
         })?;
         let p = gemm::map_problem(&c.l, &a.l, &b.l)?;
-        let (ab, cd) = gemm_dtypes(&c, &a, &b)?;
+        let (ab, cd) = (a.t.dtype(), c.t.dtype());
+        if b.t.dtype() != ab || (cd != DType::F32 && cd != ab) {
+            return Err(Error::Backend(format!(
+                "gemm: a {ab:?}, b {:?}, c {cd:?}; a and b must share a dtype and c be F32 or that dtype",
+                b.t.dtype()
+            )));
+        }
         self.bind()?;
         let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
         if m == 0 || n == 0 {
@@ -891,46 +875,6 @@ impl Backend for CudaBackend {
             workspace: self.workspace_ptr()?,
         };
         self.gemm.run(&self.stream, &p, ab, cd, &ptrs, alpha, beta)
-    }
-
-    fn gemm_batched(
-        &self,
-        c: MatMut<'_, Self>,
-        a: Mat<'_, Self>,
-        b: Mat<'_, Self>,
-        batch: GemmBatch,
-        alpha: f32,
-        beta: f32,
-    ) -> Result<()> {
-        let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
-        if batch.count == 1 || m == 0 || n == 0 || k == 0 {
-            return gemm_each(self, c, a, b, batch, alpha, beta);
-        }
-        batch.check((&c.l, &a.l, &b.l), (c.t.numel(), a.t.numel(), b.t.numel()))?;
-        let p = gemm::map_batched(&c.l, &a.l, &b.l, &batch)?;
-        let (ab, cd) = gemm_dtypes(&c, &a, &b)?;
-        let ran = {
-            let _span = self.span_shaped("gemm", || {
-                format!("{}x({m}x{n}x{k}) {ab:?}->{cd:?} beta {beta}", batch.count)
-            })?;
-            self.bind()?;
-            let ptrs = GemmPtrs {
-                a: ptr_at(a.t, a.l.offset),
-                b: ptr_at(b.t, b.l.offset),
-                c: ptr_at(c.t, c.l.offset),
-                workspace: self.workspace_ptr()?,
-            };
-            self.gemm
-                .try_run(&self.stream, &p, ab, cd, &ptrs, alpha, beta)?
-        };
-        if ran {
-            return Ok(());
-        }
-        tracing::debug!(
-            "cuBLASLt has no batched algorithm for {}x({m}x{n}x{k}) {ab:?}->{cd:?}: one GEMM per problem",
-            batch.count
-        );
-        gemm_each(self, c, a, b, batch, alpha, beta)
     }
 
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
