@@ -27,7 +27,8 @@ T0=$(date +%s)
 # PARTS picks what runs (default all but settle1 and rounds): kernel tests
 # check profile long perf tune settle; settle1 is the one-GPU version of
 # settle; rounds alternates Ulysses and UPipe (ROUNDS=4 rounds); ce compares
-# copy-engine exchanges (CE_MB, CE_REPS, SEQS); power
+# copy-engine exchanges (CE_MB, CE_REPS, SEQS); ab compares an old build
+# (bin/upipe-old) with this one, abprofile profiles both; power
 # samples clocks and power under each; pins measures the peaks tests/plan.rs pins
 want() { [[ " ${PARTS:-kernel tests check profile long perf tune settle} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
@@ -130,6 +131,24 @@ want ce && {
   done
   grep -a -h "exchange window" "$out"/logs/ce_*.log | sort | uniq -c | head -6
 }
+# an old build against this one (PARTS=ab; needs bin/upipe-old, e.g. the
+# release binary of the commit before a change): separate processes in
+# A B B A order (AB_REPS pairs), Ulysses and UPipe in each, SEQS lengths
+want ab && [ ! -x "$bin/upipe-old" ] && echo "SKIP ab: no $bin/upipe-old"
+want ab && [ -x "$bin/upipe-old" ] && for r in $(seq ${AB_REPS:-2}); do
+  order="upipe-old upipe"; [ $((r % 2)) = 0 ] && order="upipe upipe-old"
+  for s in ${SEQS:-131072}; do
+    for b in $order; do
+      step "ab_${s}_${b}_$r" 100 "$bin/$b" launch --nproc-per-node 2 --master-port 29531 -- bench attn --device cuda --json "${llama[@]}" "${uly[@]}" --iters 2 --rounds 2 --seq $s --methods ulysses,upipe --chunk-heads ${CHUNK:-2} --settle-every ${SETTLE:-2}
+    done
+  done
+done
+# and where their time goes: one profiled process per build (PARTS=abprofile,
+# METHODS picks the strategies, UPipe by default)
+want abprofile && [ -x "$bin/upipe-old" ] && for r in 1 2 3 4; do
+  b=upipe; [ $((r % 2)) = 1 ] && b=upipe-old
+  UPIPE_PROFILE=shapes step "abprofile_${r}_$b" 90 "$bin/$b" launch --nproc-per-node 2 --master-port 29531 -- bench attn --device cuda --json "${llama[@]}" "${uly[@]}" --iters 2 --seq ${SEQS:-131072} --methods ${METHODS:-upipe} --chunk-heads ${CHUNK:-2} --settle-every ${SETTLE:-2}
+done
 # the peaks tests/plan.rs pins as measured (cuda_predictions_against_the_h200_ledger;
 # PARTS=pins): 2 GPUs at 256K and 128K, one GPU at 64K and 128K
 want pins && {
