@@ -9,7 +9,9 @@
 //! add up to more than the wall time: that excess is the overlap. A
 //! collective's time includes waiting for its peers. The compute stream's
 //! gaps between its ops are summed too (`OpTotals::idle_ms`): time it
-//! waited for transfers it joins, or for the host.
+//! waited for transfers it joins, or for the host. The host's share is the
+//! part of each gap before the next op was even queued (host clock against
+//! the events' clock, both counted from the first op: [`stream_gaps`]).
 
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUevent_flags;
@@ -36,6 +38,11 @@ pub struct OpTotals {
     /// first op's start to the last one's end: waiting for transfers it
     /// joins, for the host, or running work no span covers.
     pub idle_ms: f64,
+    /// The part of `idle_ms` when the next op was not queued yet: the
+    /// stream waited for the host.
+    pub host_wait_ms: f64,
+    /// `idle_ms` by the kind of op each gap came before, largest first.
+    pub idle_before: Vec<OpTime>,
 }
 
 impl OpTotals {
@@ -44,7 +51,11 @@ impl OpTotals {
         for t in self.by_kind.iter_mut().chain(self.by_shape.iter_mut()) {
             t.ms /= passes;
         }
+        for t in self.idle_before.iter_mut() {
+            t.ms /= passes;
+        }
         self.idle_ms /= passes;
+        self.host_wait_ms /= passes;
         self
     }
 }
@@ -77,6 +88,8 @@ struct Recorded {
     start: CudaEvent,
     end: CudaEvent,
     stream: usize,
+    /// When the host queued it.
+    queued: std::time::Instant,
 }
 
 /// Recorded spans of one backend.
@@ -94,6 +107,7 @@ pub struct Span<'a> {
     shape: Option<String>,
     stream: &'a CudaStream,
     start: Option<CudaEvent>,
+    queued: std::time::Instant,
 }
 
 impl OpProfile {
@@ -143,6 +157,7 @@ impl OpProfile {
             return Ok(None);
         }
         let shape = (self.level == ProfileLevel::Shapes).then(shape);
+        let queued = std::time::Instant::now();
         let start = timing_event(stream)?;
         Ok(Some(Span {
             profile: self,
@@ -150,6 +165,7 @@ impl OpProfile {
             shape,
             stream,
             start: Some(start),
+            queued,
         }))
     }
 
@@ -162,20 +178,30 @@ impl OpProfile {
                 .map(f64::from)
                 .map_err(|e| Error::Backend(format!("profile: event timing: {e:?}")))
         };
-        let mut idle_ms = 0.0;
-        let mut prev_end: Option<&CudaEvent> = None;
-        for r in spans.iter().filter(|r| Some(r.stream) == self.idle_stream) {
-            if let Some(end) = prev_end {
-                idle_ms += ms(end, &r.start)?.max(0.0);
+        let watched: Vec<&Recorded> = spans
+            .iter()
+            .filter(|r| Some(r.stream) == self.idle_stream)
+            .collect();
+        let mut placed = Vec::with_capacity(watched.len());
+        if let Some(first) = watched.first() {
+            for r in &watched {
+                placed.push(Placed {
+                    kind: r.kind,
+                    start: ms(&first.start, &r.start)?,
+                    end: ms(&first.start, &r.end)?,
+                    queued: 1e3 * r.queued.duration_since(first.queued).as_secs_f64(),
+                });
             }
-            prev_end = Some(&r.end);
         }
+        let gaps = stream_gaps(&placed);
         let mut timed = Vec::with_capacity(spans.len());
         for r in spans {
             timed.push((r.kind, r.shape, ms(&r.start, &r.end)?));
         }
         Ok(OpTotals {
-            idle_ms,
+            idle_ms: gaps.idle_ms,
+            host_wait_ms: gaps.host_wait_ms,
+            idle_before: gaps.idle_before,
             ..totals(timed)
         })
     }
@@ -184,6 +210,54 @@ impl OpProfile {
         self.spans
             .lock()
             .map_err(|_| Error::Backend("profile: a thread panicked while recording".into()))
+    }
+}
+
+/// One op of the watched stream, in ms: its GPU start and end from the
+/// first op's start, and when the host queued it from the first op's queueing.
+struct Placed {
+    kind: &'static str,
+    start: f64,
+    end: f64,
+    queued: f64,
+}
+
+/// The watched stream's gaps between consecutive ops.
+struct Gaps {
+    idle_ms: f64,
+    host_wait_ms: f64,
+    idle_before: Vec<OpTime>,
+}
+
+/// Sums the gaps between consecutive ops, and the part of each gap before
+/// the next op was queued (the stream then waited for the host). The two
+/// clocks are aligned at the first op, so when the stream was still busy as
+/// that op was queued, the host's share is underestimated, never over.
+fn stream_gaps(ops: &[Placed]) -> Gaps {
+    let mut before: BTreeMap<&'static str, (f64, u64)> = BTreeMap::new();
+    let (mut idle_ms, mut host_wait_ms) = (0.0, 0.0);
+    for w in ops.windows(2) {
+        let (prev, next) = (&w[0], &w[1]);
+        let gap = (next.start - prev.end).max(0.0);
+        idle_ms += gap;
+        host_wait_ms += (next.queued - prev.end).clamp(0.0, gap);
+        let e = before.entry(next.kind).or_default();
+        e.0 += gap;
+        e.1 += 1;
+    }
+    let mut idle_before: Vec<OpTime> = before
+        .into_iter()
+        .map(|(kind, (ms, calls))| OpTime {
+            kind: kind.to_string(),
+            ms,
+            calls,
+        })
+        .collect();
+    idle_before.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    Gaps {
+        idle_ms,
+        host_wait_ms,
+        idle_before,
     }
 }
 
@@ -212,7 +286,7 @@ fn totals(timed: Vec<(&'static str, Option<String>, f64)>) -> OpTotals {
     OpTotals {
         by_kind: sorted(by_kind),
         by_shape: sorted(by_shape),
-        idle_ms: 0.0,
+        ..OpTotals::default()
     }
 }
 
@@ -228,6 +302,7 @@ impl Drop for Span<'_> {
                 start,
                 end,
                 stream: self.stream.cu_stream() as usize,
+                queued: self.queued,
             });
         }
     }
@@ -297,6 +372,36 @@ mod tests {
         assert!(OpProfile::new(ProfileLevel::Kinds).enabled());
         let none = OpProfile::new(ProfileLevel::Off).take().unwrap();
         assert!(none.by_kind.is_empty() && none.by_shape.is_empty());
+    }
+
+    #[test]
+    fn gaps_split_into_waiting_for_the_host_and_for_other_streams() {
+        let op = |kind, start, end, queued| Placed {
+            kind,
+            start,
+            end,
+            queued,
+        };
+        let g = stream_gaps(&[
+            op("gemm", 0.0, 1.0, 0.0),
+            // queued long before the gemm ended: a 0.5 ms wait for a transfer
+            op("copy", 1.5, 2.0, 0.1),
+            // queued 0.25 ms after the copy ended, started 0.3 ms after it
+            op("gemm", 2.3, 3.0, 2.25),
+            // back to back
+            op("copy", 3.0, 3.5, 0.2),
+        ]);
+        assert!((g.idle_ms - 0.8).abs() < 1e-12);
+        assert!((g.host_wait_ms - 0.25).abs() < 1e-12);
+        let before: Vec<(&str, u64)> = g
+            .idle_before
+            .iter()
+            .map(|o| (o.kind.as_str(), o.calls))
+            .collect();
+        assert_eq!(before, [("copy", 2), ("gemm", 1)]);
+        assert!((g.idle_before[0].ms - 0.5).abs() < 1e-12);
+        let none = stream_gaps(&[]);
+        assert_eq!((none.idle_ms, none.host_wait_ms), (0.0, 0.0));
     }
 
     #[test]

@@ -373,6 +373,12 @@ fn print_profiles(profiles: &[(Strategy, OpTotals, f64)], json: bool) {
                 "profile_ms_per_pass": ops,
                 "profile_by_shape": by_shape,
                 "idle_ms_per_pass": times.idle_ms,
+                "host_wait_ms_per_pass": times.host_wait_ms,
+                "idle_before_ms_per_pass": times
+                    .idle_before
+                    .iter()
+                    .map(|t| (t.kind.clone(), serde_json::json!(t.ms)))
+                    .collect::<serde_json::Map<String, serde_json::Value>>(),
                 "wall_ms_per_pass": wall_ms,
             });
             println!("{row}");
@@ -380,9 +386,13 @@ fn print_profiles(profiles: &[(Strategy, OpTotals, f64)], json: bool) {
             println!("\n{m}: rank 0 GPU time per pass (wall {wall_ms:.2} ms)");
             print!("{}", profile::table(&times.by_kind, Some(*wall_ms)));
             println!(
-                "compute stream idle between ops: {:.2} ms per pass",
-                times.idle_ms
+                "compute stream idle between ops: {:.2} ms per pass, {:.2} of it waiting for the host",
+                times.idle_ms, times.host_wait_ms
             );
+            if !times.idle_before.is_empty() {
+                println!("idle by the op after the gap:");
+                print!("{}", profile::table(&times.idle_before, Some(*wall_ms)));
+            }
             if !shapes.is_empty() {
                 println!("by shape (costliest {TOP_SHAPES}):");
                 print!("{}", profile::table(shapes, Some(*wall_ms)));
