@@ -594,6 +594,20 @@ fn flash_pair() -> Option<&'static (CudaBackend, CudaBackend)> {
     .as_ref()
 }
 
+/// The flash backend and its loaded kernels; `None` (a skip) without a GPU
+/// or on a device the flash kernels do not run on.
+fn flash_kernels() -> Option<(
+    &'static CudaBackend,
+    &'static upipe::backend::cuda::flash::FlashFunctions,
+)> {
+    let (f, _) = flash_pair()?;
+    let funcs = f.flash_functions().unwrap();
+    if funcs.is_none() {
+        eprintln!("SKIP: no flash kernels on {}", f.arch());
+    }
+    Some((f, funcs?))
+}
+
 /// One attention problem on host data (bf16-representable values).
 struct AttnProblem {
     sq: usize,
@@ -874,9 +888,7 @@ fn flash_attention_through_the_backend_matches_cpu_and_naive() {
 #[test]
 fn flash_forward_kernel_choice() {
     use upipe::backend::cuda::flash::{FlashKernel, fwd_kernel_from_env};
-    let Some((f, _)) = flash_pair() else { return };
-    let Some(funcs) = f.flash_functions().unwrap() else {
-        eprintln!("SKIP: no flash kernels on {}", f.arch());
+    let Some((f, funcs)) = flash_kernels() else {
         return;
     };
     let choice = fwd_kernel_from_env().unwrap();
@@ -900,9 +912,7 @@ fn flash_forward_kernel_choice() {
 #[test]
 fn flash_backward_kernel_choice() {
     use upipe::backend::cuda::flash::{FlashKernel, bwd_kernel_from_env};
-    let Some((f, _)) = flash_pair() else { return };
-    let Some(funcs) = f.flash_functions().unwrap() else {
-        eprintln!("SKIP: no flash kernels on {}", f.arch());
+    let Some((f, funcs)) = flash_kernels() else {
         return;
     };
     let choice = bwd_kernel_from_env().unwrap();
