@@ -80,10 +80,10 @@ impl StageShapes {
     /// into the packed blocks) instead of one GEMM per destination. Merging
     /// saves `pu - 1` reads of the `[s, hidden]` input and costs one write and
     /// one read of the result, so it pays for small stages. (A strided batch
-    /// of GEMMs writing the packed blocks directly, input shared, reads the
-    /// input once per destination too: on 2×H200 at 128K its 2×(65536×128×4096)
-    /// took 0.31 ms against 0.23 ms for the merged GEMM, more than the copies
-    /// it saves; docs/multi-gpu.md.)
+    /// of GEMMs that writes the packed blocks directly, with the input shared,
+    /// still reads the input once per destination: on 2×H200 at 128K its
+    /// 2×(65536×128×4096) took 0.31 ms against 0.23 ms for the merged GEMM,
+    /// more than the copies it saves; docs/multi-gpu.md.)
     pub fn merge_destinations(&self, nh: usize) -> bool {
         self.pu > 1 && 2 * self.pu * nh * self.head_dim < (self.pu - 1) * self.hidden
     }
