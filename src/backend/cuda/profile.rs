@@ -11,7 +11,8 @@
 //! gaps between its ops are summed too (`OpTotals::idle_ms`): time it
 //! waited for transfers it joins, or for the host. The host's share is the
 //! part of each gap before the next op was even queued (host clock against
-//! the events' clock, both counted from the first op: [`stream_gaps`]).
+//! the events' clock, both counted from the first op; an upper bound:
+//! [`stream_gaps`]).
 
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUevent_flags;
@@ -231,8 +232,10 @@ struct Gaps {
 
 /// Sums the gaps between consecutive ops, and the part of each gap before
 /// the next op was queued (the stream then waited for the host). The two
-/// clocks are aligned at the first op, so when the stream was still busy as
-/// that op was queued, the host's share is underestimated, never over.
+/// clocks are aligned as if the first op started the moment it was queued;
+/// it starts later (by the launch latency, or more if the stream was still
+/// busy), and every op's host share is overstated by that much, never
+/// understated: an upper bound.
 fn stream_gaps(ops: &[Placed]) -> Gaps {
     let mut before: BTreeMap<&'static str, (f64, u64)> = BTreeMap::new();
     let (mut idle_ms, mut host_wait_ms) = (0.0, 0.0);
