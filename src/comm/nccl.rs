@@ -1352,6 +1352,42 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         })?;
         Ok(Pending::in_flight(recv, send, Some(self.join(done))))
     }
+    fn start_all_gather(
+        &self,
+        send: Tensor<CudaBackend>,
+        mut recv: Tensor<CudaBackend>,
+    ) -> Result<Pending<CudaBackend>> {
+        let done = self.issue("all_gather", send.bytes(), || {
+            self.all_gather_queued(&send, &mut recv)
+        })?;
+        Ok(Pending::in_flight(
+            vec![recv],
+            vec![send],
+            Some(self.join(done)),
+        ))
+    }
+    fn start_reduce_scatter(
+        &self,
+        send: Tensor<CudaBackend>,
+        mut recv: Tensor<CudaBackend>,
+    ) -> Result<Pending<CudaBackend>> {
+        let done = self.issue("reduce_scatter", send.bytes(), || {
+            self.reduce_scatter_queued(&send, &mut recv)
+        })?;
+        Ok(Pending::in_flight(
+            vec![recv],
+            vec![send],
+            Some(self.join(done)),
+        ))
+    }
+    fn start_all_reduce(&self, mut t: Tensor<CudaBackend>) -> Result<Pending<CudaBackend>> {
+        let done = self.issue("all_reduce", t.bytes(), || self.all_reduce_queued(&mut t))?;
+        Ok(Pending::in_flight(
+            vec![t],
+            Vec::new(),
+            Some(self.join(done)),
+        ))
+    }
     fn all_gather(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
         self.ordered("all_gather", send.bytes(), || {
             self.all_gather_queued(send, recv)

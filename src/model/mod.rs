@@ -3,8 +3,10 @@
 
 pub mod config;
 pub mod decoder;
+pub mod store;
 pub mod weights;
 
 pub use config::ModelConfig;
 pub use decoder::{Decoder, MemoryPolicy};
-pub use weights::{BlockWeights, ModelWeights};
+pub use store::{HeadView, ParamStore, Unit};
+pub use weights::{BlockWeights, ModelWeights, RandomInit};

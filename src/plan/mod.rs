@@ -150,6 +150,14 @@ impl Prediction {
     }
 }
 
+/// Bytes of the whole model's states on one rank without FSDP: parameters
+/// in the compute dtype, F32 gradients, AdamW moments and (on GPUs) F32
+/// master weights.
+pub fn model_state_bytes(cfg: &ModelConfig, gpu: bool) -> usize {
+    let per_param = if gpu { 2 + 4 + 3 * 4 } else { 4 + 4 + 2 * 4 };
+    cfg.param_count() * per_param
+}
+
 /// Parameters of `cfg`: (total, the largest FSDP unit: a block, the embedding or the head).
 fn param_units(cfg: &ModelConfig) -> (usize, usize) {
     let total = cfg.param_count();
