@@ -186,11 +186,17 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
         (false, Strategy::Local, 1, 1, None, None, 1),
         (false, Strategy::Upipe, 2, 1, None, None, 2),
     ] {
-        let model = tiny(qk);
-        for policy in policies() {
+        // FSDP on every mesh; a tied embedding (Qwen3-style) where QK-norm is on
+        for (policy, fsdp) in policies()
+            .into_iter()
+            .flat_map(|p| [(p, false), (p, true)])
+        {
+            let mut model = tiny(qk);
+            model.tie_embeddings = qk && fsdp;
             let mut cfg = train_cfg(&model, s, pu, pr, u, seq, policy);
             cfg.data_parallel = data_parallel;
             cfg.fwd_chunk_heads = uf;
+            cfg.fsdp = fsdp;
             let plan = cfg.plan().unwrap();
             let measured = train_cpu(&cfg, tokens.clone(), &|_| {}).unwrap().memory;
             let spec = StepSpec {
@@ -198,7 +204,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
                 plan,
                 data: data_parallel,
                 policy,
-                fsdp: false,
+                fsdp,
                 device: DeviceKind::Cpu,
                 optimizer: true,
             };
@@ -206,7 +212,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
             // on CPU every ring rank allocates the same
             assert_eq!(pred, predict_step(&spec).unwrap());
             let what = format!(
-                "{s} {pu}x{pr} U={u:?} forward U={uf:?} qk={qk} data={data_parallel} {policy:?}"
+                "{s} {pu}x{pr} U={u:?} forward U={uf:?} qk={qk} data={data_parallel} fsdp={fsdp} {policy:?}"
             );
             let e = rel(pred.peak, measured.peak);
             assert!(
@@ -263,10 +269,16 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
     let best = predict_step(&spec(all, true)).unwrap();
     assert!(ckpt.peak < plain.peak && best.peak < ckpt.peak);
     assert!(best.host_peak > 0 && ckpt.host_peak == 0);
-    // FSDP over 8 ranks: a bf16 weight shard is 1/8 of 2 bytes per parameter
-    let p = model.param_count();
-    assert_eq!(best.at(Category::Weights), (p.div_ceil(8)) * 2);
-    assert_eq!(best.at(Category::OptimState), (p.div_ceil(8)) * 12);
+    // FSDP over 8 ranks: each unit's shard is 1/8 of it (padded), bf16
+    // weights plus at most two gathered units, f32 master and moments
+    let layouts = upipe::train::fsdp::model_layouts(&model, 8);
+    let shard: usize = layouts.iter().map(|u| u.shard).sum();
+    assert!(8 * shard >= model.param_count() && 8 * shard < model.param_count() + 8 * 34);
+    assert_eq!(best.at(Category::OptimState), shard * 12);
+    assert_eq!(best.at(Category::Grads) % 4, 0);
+    let largest = layouts.iter().map(|u| u.numel).max().unwrap();
+    let w = best.at(Category::Weights);
+    assert!(w >= shard * 2 && w <= shard * 2 + 2 * largest * 2, "{w}");
 }
 
 #[test]

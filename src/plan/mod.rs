@@ -22,6 +22,7 @@
 
 pub mod shapes;
 pub mod sim;
+pub mod store_walk;
 pub mod walk;
 
 use crate::attention::{AttnDims, CpPlan, Strategy};
@@ -30,6 +31,7 @@ use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use sim::Sim;
+use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
 use walk::{AttnFwd, AttnWalk, DecoderWalk};
 
 const F32: usize = 4;
@@ -158,19 +160,6 @@ pub fn model_state_bytes(cfg: &ModelConfig, gpu: bool) -> usize {
     cfg.param_count() * per_param
 }
 
-/// Parameters of `cfg`: (total, the largest FSDP unit: a block, the embedding or the head).
-fn param_units(cfg: &ModelConfig) -> (usize, usize) {
-    let total = cfg.param_count();
-    let (h, q, kv) = (
-        cfg.hidden,
-        cfg.heads * cfg.head_dim,
-        cfg.kv_heads * cfg.head_dim,
-    );
-    let norms = if cfg.qk_norm { 2 * cfg.head_dim } else { 0 };
-    let block = 2 * h + 2 * q * h + 2 * kv * h + norms + 3 * cfg.ffn * h;
-    (total, block.max(cfg.vocab * h))
-}
-
 /// The attention walk of `plan` on `device` for ring rank `ring_rank`.
 fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usize) -> AttnWalk {
     AttnWalk {
@@ -214,39 +203,53 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
     sim.label("resident");
     // Decoder::new: RoPE tables for the positions this rank attends over.
     sim.alloc(Category::Workspace, attn.rope_bytes());
-    let (params, unit) = param_units(&spec.model);
     let world = spec.data * spec.plan.mesh_shape().world_size();
-    let shard = if spec.fsdp {
-        params.div_ceil(world)
+    let states = if !spec.optimizer {
+        0
+    } else if spec.device.master_weights() {
+        3
     } else {
-        params
+        2
     };
-    sim.alloc(Category::Weights, shard * ab);
-    sim.alloc(Category::Grads, shard * F32);
-    if spec.optimizer {
-        let states = if spec.device.master_weights() { 3 } else { 2 };
-        sim.alloc(Category::OptimState, states * shard * F32);
-    }
     if spec.fsdp {
-        sim.alloc(Category::Comm, 2 * unit * ab + unit * F32);
+        FsdpWalk::resident(&spec.model, world, ab, states, &mut sim);
+    } else {
+        let params = spec.model.param_count();
+        sim.alloc(Category::Weights, params * ab);
+        sim.alloc(Category::Grads, params * F32);
+        if states > 0 {
+            sim.alloc(Category::OptimState, states * params * F32);
+        }
     }
     sim.alloc(Category::Workspace, spec.device.backend_resident());
     let step = |sim: &mut Sim| {
+        let mut store: Box<dyn StoreWalk> = if spec.fsdp {
+            Box::new(FsdpWalk::new(&spec.model, world, ab))
+        } else {
+            Box::new(ReplicatedWalk::new(&spec.model, world))
+        };
         DecoderWalk {
             cfg: &spec.model,
             policy: spec.policy,
             attn,
             uploads_ids: spec.device.is_cuda(),
         }
-        .step(sim);
+        .step(sim, store.as_mut());
         if spec.optimizer {
             // the trainer's all-reduced loss scalar
             sim.label("optimizer");
             let loss = sim.alloc(Category::Workspace, F32);
             if spec.device.is_cuda() {
-                // `sum_squares` accumulates the gradient norm in one f64
+                // `sum_squares` accumulates each tensor's squares in one f64
                 let acc = sim.alloc(Category::Workspace, 2 * F32);
                 sim.free(acc);
+            }
+            if spec.fsdp {
+                // `ShardedAdamW::grad_norm`: every rank's sum as two f32 words
+                let send = sim.alloc(Category::Workspace, 2 * F32);
+                let recv = sim.alloc(Category::Workspace, 2 * world * F32);
+                sim.free(recv);
+                sim.free(send);
             }
             sim.free(loss);
         }
