@@ -444,9 +444,9 @@ fn embedding_cross_entropy_adamw() {
             step,
             grad_scale: 0.5,
         };
-        g.adamw(&mut gp, &gm_g, &mut gm, &mut gv, 0..gp.numel(), hp)
+        g.adamw(&mut gp, &gm_g, &mut gm, &mut gv, 0..np, hp)
             .unwrap();
-        c.adamw(&mut cp, &cm_g, &mut cm, &mut cv, 0..cp.numel(), hp)
+        c.adamw(&mut cp, &cm_g, &mut cm, &mut cv, 0..np, hp)
             .unwrap();
         // a sub-range (an FSDP shard's segment) leaves the rest untouched
         g.adamw(&mut gp, &gm_g, &mut gm, &mut gv, 100..5_003, hp)
