@@ -187,10 +187,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
         (false, Strategy::Upipe, 2, 1, None, None, 2),
     ] {
         // FSDP on every mesh; a tied embedding (Qwen3-style) where QK-norm is on
-        for (policy, fsdp) in policies()
-            .into_iter()
-            .flat_map(|p| [(p, false), (p, true)])
-        {
+        for (policy, fsdp) in policies().into_iter().flat_map(|p| [(p, false), (p, true)]) {
             let mut model = tiny(qk);
             model.tie_embeddings = qk && fsdp;
             let mut cfg = train_cfg(&model, s, pu, pr, u, seq, policy);

@@ -261,7 +261,7 @@ pub fn run(a: PlanArgs) -> Result<i32> {
     };
     if !a.json {
         println!(
-            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}{}",
+            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}",
             ctx.model.name,
             ctx.model.param_count() as f64 / 1e9,
             a.gpus,
@@ -269,11 +269,6 @@ pub fn run(a: PlanArgs) -> Result<i32> {
             a.reserve,
             device.name(),
             a.policies,
-            if fsdp {
-                " (FSDP modelled: not in the engine yet)"
-            } else {
-                ""
-            }
         );
         if let Some(h) = host {
             println!("host memory for offload: {} per rank", Bytes(h));

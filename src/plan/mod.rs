@@ -13,12 +13,12 @@
 //! and AdamW moments in f32, plus f32 master weights when the compute dtype
 //! is not f32 (`train/optim.rs`).
 //!
-//! FSDP (params, grads and optimizer state sharded over data × context ranks)
-//! is not implemented in the engine yet; [`StepSpec::fsdp`] models it as
-//! ZeRO-3 would run it: resident shards of 1/W of each, plus, in `comm`, two
-//! gathered units (the one computing and the one prefetched) in the compute
-//! dtype and one unit's unsharded f32 gradient waiting for its
-//! reduce-scatter, where a unit is a decoder block, the embedding or the LM head.
+//! The parameter store's allocations ([`store_walk`]) are walked the same
+//! way: without FSDP the whole model and one F32 gradient bucket per unit;
+//! with FSDP ([`StepSpec::fsdp`]) each rank's shards of every unit, the
+//! gathered units (at most two, one of them prefetched), a unit's full F32
+//! gradients and its reduce-scatter buffers, exactly as
+//! `train::fsdp::store` allocates them.
 
 pub mod shapes;
 pub mod sim;
@@ -103,7 +103,7 @@ pub struct StepSpec {
     /// Data-parallel degree (FSDP shards over `data × context` ranks).
     pub data: usize,
     pub policy: MemoryPolicy,
-    /// Shard parameters, gradients and optimizer state (modelled; not in the engine yet).
+    /// Shard parameters, gradients and optimizer state over every rank (FSDP).
     pub fsdp: bool,
     pub device: DeviceKind,
     /// Include AdamW state (a training step) or not (`loss_and_grads_cpu`).

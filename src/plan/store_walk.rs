@@ -108,12 +108,21 @@ impl FsdpWalk {
 
     /// The resident shards (`FsdpStore::new`, `ShardedAdamW::new`): parameters,
     /// F32 gradients and `optim_states` F32 optimizer tensors per unit.
-    pub fn resident(cfg: &ModelConfig, world: usize, ab: usize, optim_states: usize, sim: &mut Sim) {
+    pub fn resident(
+        cfg: &ModelConfig,
+        world: usize,
+        ab: usize,
+        optim_states: usize,
+        sim: &mut Sim,
+    ) {
         let shard: usize = model_layouts(cfg, world).iter().map(|u| u.shard).sum();
         sim.alloc(Weights, shard * ab);
         sim.alloc(Grads, shard * F32);
         if optim_states > 0 {
-            sim.alloc(crate::backend::Category::OptimState, optim_states * shard * F32);
+            sim.alloc(
+                crate::backend::Category::OptimState,
+                optim_states * shard * F32,
+            );
         }
     }
 
@@ -137,7 +146,10 @@ impl FsdpWalk {
     }
 
     fn grads(&self, sim: &mut Sim, numels: impl IntoIterator<Item = usize>) -> Vec<Buf> {
-        numels.into_iter().map(|n| sim.alloc(Grads, n * F32)).collect()
+        numels
+            .into_iter()
+            .map(|n| sim.alloc(Grads, n * F32))
+            .collect()
     }
 }
 
