@@ -136,6 +136,46 @@ fn fsdp_equals_the_unsharded_run_on_every_mesh() {
     }
 }
 
+/// HSDP: shards over groups of 2 ranks, replicated twice, equal the
+/// unsharded run too; each rank holds half of the model states.
+#[test]
+fn hsdp_replicas_equal_the_unsharded_run() {
+    let m = model(true);
+    let mesh = (1, Strategy::Upipe, 2, 2);
+    let off = config(&m, mesh, 4, false);
+    let hsdp = TrainConfig {
+        fsdp_replicas: 2,
+        ..config(&m, mesh, 4, true)
+    };
+    let a = train_cpu(&off, tokens(m.vocab), &|_| {}).unwrap();
+    let b = train_cpu(&hsdp, tokens(m.vocab), &|_| {}).unwrap();
+    assert_same_run(&a, &b, 1e-6, "hsdp 2x2");
+    let shard: usize = model_layouts(&m, 2).iter().map(|u| u.shard).sum();
+    let grads = b
+        .memory
+        .current_by_category
+        .iter()
+        .find(|x| x.0 == Category::Grads)
+        .unwrap()
+        .1;
+    assert_eq!(
+        grads,
+        shard * 4,
+        "a shard group of 2 ranks: half the gradients"
+    );
+    let bad = TrainConfig {
+        fsdp_replicas: 3,
+        ..config(&m, mesh, 1, true)
+    };
+    let e = train_cpu(&bad, tokens(m.vocab), &|_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--fsdp-replicate 3") && e.contains("[1, 2, 4]"),
+        "{e}"
+    );
+}
+
 /// Per rank the ledger holds 1/W of the parameters, gradients and AdamW
 /// state (plus padding) between steps, and never more than two gathered
 /// units beside them.

@@ -146,6 +146,7 @@ fn training_step_prediction_matches_the_cuda_ledger() {
                 data: 1,
                 policy,
                 fsdp,
+                fsdp_replicas: 1,
                 device: DeviceKind::CudaNative,
                 optimizer: true,
             },

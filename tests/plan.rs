@@ -202,6 +202,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
                 data: data_parallel,
                 policy,
                 fsdp,
+                fsdp_replicas: 1,
                 device: DeviceKind::Cpu,
                 optimizer: true,
             };
@@ -245,6 +246,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         data,
         policy,
         fsdp,
+        fsdp_replicas: 1,
         device: DeviceKind::Cuda,
         optimizer: true,
     };
@@ -302,6 +304,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
                 data,
                 policy,
                 fsdp: true,
+                fsdp_replicas: 1,
                 device: DeviceKind::Cuda,
                 optimizer: true,
             })

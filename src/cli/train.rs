@@ -124,6 +124,11 @@ pub struct TrainArgs {
     /// the whole model's states do not fit the device's memory; on; off.
     #[arg(long, default_value = "auto")]
     pub fsdp: String,
+    /// HSDP (multi-node): shard inside groups of world/R consecutive ranks
+    /// (one node each, typically) and replicate across the R groups;
+    /// gradients are all-reduced across replicas after the reduce-scatter.
+    #[arg(long, default_value_t = 1)]
+    pub fsdp_replicate: usize,
     /// One JSON object per step instead of a progress bar.
     #[arg(long)]
     pub json: bool,
@@ -522,6 +527,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         save_every: a.save_every,
         resume: a.resume,
         fsdp: false,
+        fsdp_replicas: 1,
     };
     let mut plan = cfg.plan()?;
     let shape = cfg.mesh_shape(&plan);
@@ -562,6 +568,16 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     let states = crate::plan::model_state_bytes(&cfg.model, on_gpu);
     let (fsdp, note) = fsdp_mode.resolve(shape.world_size(), states, budget);
     cfg.fsdp = fsdp;
+    if a.fsdp_replicate != 1 {
+        if !fsdp {
+            return crate::config_err!(
+                "--fsdp-replicate {} needs sharding: add --fsdp on (this run resolved to unsharded)",
+                a.fsdp_replicate
+            );
+        }
+        cfg.fsdp_replicas = a.fsdp_replicate;
+        cfg.plan()?;
+    }
     if let (Some(note), true) = (note, lead) {
         tracing::warn!("{note}");
     }
@@ -574,6 +590,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                 data: cfg.data_parallel,
                 policy: cfg.policy,
                 fsdp: cfg.fsdp,
+                fsdp_replicas: cfg.fsdp_replicas,
                 device: if on_gpu {
                     crate::plan::DeviceKind::cuda_with(kernel)
                 } else {

@@ -201,6 +201,11 @@ pub struct Mesh<B: Backend> {
     pub context: Box<dyn ProcessGroup<B>>,
     /// Ranks holding the same sequence shard in different data replicas.
     pub data: Box<dyn ProcessGroup<B>>,
+    /// The ranks this rank's FSDP shards are spread over (the world, or a
+    /// group of `world / fsdp_replicas` consecutive ranks under HSDP).
+    pub shard: Box<dyn ProcessGroup<B>>,
+    /// The ranks holding the same FSDP shards in the other replicas.
+    pub replica: Box<dyn ProcessGroup<B>>,
 }
 
 #[cfg(test)]

@@ -120,6 +120,8 @@ pub fn split_specs(shape: MeshShape, rank: usize) -> Result<Vec<SplitSpec>> {
         GroupKind::Ring,
         GroupKind::Context,
         GroupKind::Data,
+        GroupKind::Shard,
+        GroupKind::Replica,
     ]
     .into_iter()
     .map(|kind| {
@@ -825,8 +827,9 @@ impl NcclWorld {
             groups.push(self.group_with_window(comm, spec.members, window));
         }
         let mut it = groups.into_iter();
-        let mut next = || it.next().expect("four splits");
+        let mut next = || it.next().expect("six splits");
         let (ulysses, ring, context, data) = (next(), next(), next(), next());
+        let (shard, replica) = (next(), next());
         Ok(Mesh {
             shape,
             rank: self.rank,
@@ -835,6 +838,8 @@ impl NcclWorld {
             ring,
             context,
             data,
+            shard,
+            replica,
         })
     }
 
@@ -1429,11 +1434,20 @@ mod tests {
 
     #[test]
     fn splits_match_mesh_membership() {
-        for (d, r, u) in [(1, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 2), (2, 1, 4)] {
-            let shape = MeshShape::new(d, r, u).unwrap();
+        for (d, r, u, replicas) in [
+            (1, 1, 2, 1),
+            (1, 2, 1, 2),
+            (1, 2, 2, 2),
+            (2, 2, 2, 4),
+            (2, 1, 4, 1),
+        ] {
+            let shape = MeshShape::new(d, r, u)
+                .unwrap()
+                .with_fsdp_replicas(replicas)
+                .unwrap();
             for rank in 0..shape.world_size() {
                 let specs = split_specs(shape, rank).unwrap();
-                assert_eq!(specs.len(), 4);
+                assert_eq!(specs.len(), 6);
                 for s in &specs {
                     assert_eq!(s.members, shape.members(s.kind, rank));
                     assert_eq!(s.members[s.key as usize], rank);

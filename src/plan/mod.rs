@@ -105,6 +105,8 @@ pub struct StepSpec {
     pub policy: MemoryPolicy,
     /// Shard parameters, gradients and optimizer state over every rank (FSDP).
     pub fsdp: bool,
+    /// HSDP: shard groups of `world / fsdp_replicas` ranks (1: the world).
+    pub fsdp_replicas: usize,
     pub device: DeviceKind,
     /// Include AdamW state (a training step) or not (`loss_and_grads_cpu`).
     pub optimizer: bool,
@@ -211,8 +213,9 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
     } else {
         2
     };
+    let shard_world = world / spec.fsdp_replicas.max(1);
     if spec.fsdp {
-        FsdpWalk::resident(&spec.model, world, ab, states, &mut sim);
+        FsdpWalk::resident(&spec.model, shard_world, ab, states, &mut sim);
     } else {
         let params = spec.model.param_count();
         sim.alloc(Category::Weights, params * ab);
@@ -224,7 +227,7 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
     sim.alloc(Category::Workspace, spec.device.backend_resident());
     let step = |sim: &mut Sim| {
         let mut store: Box<dyn StoreWalk> = if spec.fsdp {
-            Box::new(FsdpWalk::new(&spec.model, world, ab))
+            Box::new(FsdpWalk::new(&spec.model, shard_world, ab))
         } else {
             Box::new(ReplicatedWalk::new(&spec.model, world))
         };
@@ -247,7 +250,7 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
             if spec.fsdp {
                 // `ShardedAdamW::grad_norm`: every rank's sum as two f32 words
                 let send = sim.alloc(Category::Workspace, 2 * F32);
-                let recv = sim.alloc(Category::Workspace, 2 * world * F32);
+                let recv = sim.alloc(Category::Workspace, 2 * shard_world * F32);
                 sim.free(recv);
                 sim.free(send);
             }

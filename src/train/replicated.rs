@@ -5,9 +5,7 @@
 use super::checkpoint::{load_hf_model, load_train_state, save_train_state};
 use super::optim::AdamW;
 use super::state::RankModel;
-use super::trainer::{
-    TrainConfig, into_tensors, tensors_to_host, weights_from_host, weights_to_host,
-};
+use super::trainer::{TrainConfig, tensors_to_host, weights_from_host, weights_to_host};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
@@ -187,10 +185,19 @@ impl<'a, B: Backend> Replicated<'a, B> {
             let st = load_train_state(dir)?;
             let w = weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
             let mut opt = AdamW::new(b, cfg.optim, &w)?;
-            let m = weights_from_host(b, model, &st.adam_m, DType::F32, Category::OptimState)?;
-            let v = weights_from_host(b, model, &st.adam_v, DType::F32, Category::OptimState)?;
-            opt.m = into_tensors(m);
-            opt.v = into_tensors(v);
+            // into the moments AdamW::new made: no second copy at start-up
+            for (k, (name, _)) in w.named().into_iter().enumerate() {
+                let missing =
+                    || Error::Checkpoint(format!("{}: no moments of {name}", dir.display()));
+                b.upload(
+                    &mut opt.m[k],
+                    &st.adam_m.get(&name).ok_or_else(missing)?.data,
+                )?;
+                b.upload(
+                    &mut opt.v[k],
+                    &st.adam_v.get(&name).ok_or_else(missing)?.data,
+                )?;
+            }
             let store = ReplicatedStore::new(b, model, w, group)?;
             let resumed = Resumed {
                 step: st.step,

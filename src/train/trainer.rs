@@ -55,6 +55,9 @@ pub struct TrainConfig {
     /// Shard parameters, gradients and optimizer state over every rank of
     /// the mesh (FSDP); otherwise every rank holds the whole model.
     pub fsdp: bool,
+    /// HSDP: shard inside `world / fsdp_replicas` consecutive ranks,
+    /// replicate across the groups (1: shard over every rank).
+    pub fsdp_replicas: usize,
 }
 
 /// What one step did (rank 0's view; loss and gradients are global).
@@ -101,6 +104,7 @@ impl TrainConfig {
             save_every: 0,
             resume: false,
             fsdp: false,
+            fsdp_replicas: 1,
         }
     }
 
@@ -121,7 +125,7 @@ impl TrainConfig {
         if self.data_parallel == 0 {
             return crate::config_err!("--data-parallel must be at least 1");
         }
-        CpPlan::new(
+        let plan = CpPlan::new(
             self.strategy,
             &attn_dims(&self.model),
             self.seq,
@@ -129,13 +133,28 @@ impl TrainConfig {
             self.ring,
             self.chunk_heads,
         )?
-        .with_fwd_chunk(self.fwd_chunk_heads)
+        .with_fwd_chunk(self.fwd_chunk_heads)?;
+        if self.fsdp_replicas != 1 {
+            if !self.fsdp {
+                return crate::config_err!(
+                    "--fsdp-replicate {} replicates FSDP shard groups: add --fsdp on",
+                    self.fsdp_replicas
+                );
+            }
+            MeshShape {
+                data: self.data_parallel,
+                ..plan.mesh_shape()
+            }
+            .with_fsdp_replicas(self.fsdp_replicas)?;
+        }
+        Ok(plan)
     }
 
     /// The whole mesh of `plan` (data replicas x its context group).
     pub fn mesh_shape(&self, plan: &CpPlan) -> MeshShape {
         MeshShape {
             data: self.data_parallel,
+            fsdp_replicas: self.fsdp_replicas,
             ..plan.mesh_shape()
         }
     }
@@ -274,7 +293,7 @@ fn run_rank<B: Backend>(
 ) -> Result<(Vec<StepReport>, MemoryStats)> {
     let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
     let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {
-        let (m, r) = Sharded::open(b, cfg, mesh.world.as_ref())?;
+        let (m, r) = Sharded::open(b, cfg, mesh)?;
         (Box::new(m), r)
     } else {
         let (m, r) = Replicated::open(b, cfg, mesh.world.as_ref())?;
@@ -385,27 +404,6 @@ pub fn weights_from_host<B: Backend>(
         }
         Ok(t.data.clone())
     })
-}
-
-pub(crate) fn into_tensors<B: Backend>(w: ModelWeights<B>) -> Vec<Tensor<B>> {
-    let ModelWeights {
-        embed,
-        blocks,
-        final_norm,
-        lm_head,
-    } = w;
-    let mut v = vec![embed];
-    for blk in blocks {
-        v.push(blk.attn_norm);
-        let a = blk.attn;
-        v.extend([a.wq, a.wk, a.wv, a.wo]);
-        v.extend(a.q_norm);
-        v.extend(a.k_norm);
-        v.extend([blk.mlp_norm, blk.gate, blk.up, blk.down]);
-    }
-    v.push(final_norm);
-    v.extend(lm_head);
-    v
 }
 
 /// Loss (mean over `targets`) and reduced parameter gradients of one sequence

@@ -20,6 +20,8 @@ use std::path::Path;
 pub struct Sharded<'a, B: Backend> {
     pub store: FsdpStore<'a, B>,
     pub opt: ShardedAdamW<B>,
+    /// Every rank (checkpoint barriers).
+    world: &'a dyn ProcessGroup<B>,
 }
 
 impl<'a, B: Backend> Sharded<'a, B> {
@@ -27,12 +29,9 @@ impl<'a, B: Backend> Sharded<'a, B> {
     /// directory (`--init-from`), or resumed from `save_dir` (re-sharded
     /// when it was saved on another world size); each rank reads only the
     /// ranges it owns.
-    pub fn open(
-        b: &B,
-        cfg: &TrainConfig,
-        group: &'a dyn ProcessGroup<B>,
-    ) -> Result<(Self, Option<Resumed>)> {
+    pub fn open(b: &B, cfg: &TrainConfig, mesh: &'a Mesh<B>) -> Result<(Self, Option<Resumed>)> {
         let model = &cfg.model;
+        let (group, replica) = (mesh.shard.as_ref(), mesh.replica.as_ref());
         let source = cfg.resume_dir().or(cfg.init_from.as_deref());
         let store = match source {
             Some(dir) => {
@@ -40,16 +39,25 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 for (name, shape) in model.hf_param_shapes() {
                     hf.check(&name, &shape)?;
                 }
-                FsdpStore::new(b, model, group, |name, elems| hf.read(name, elems))?
+                FsdpStore::new(b, model, group, replica, |name, elems| hf.read(name, elems))?
             }
             None => {
                 let init = RandomInit::new(model, cfg.seed);
-                FsdpStore::new(b, model, group, |name, elems| Ok(init.values(name, elems)))?
+                FsdpStore::new(b, model, group, replica, |name, elems| {
+                    Ok(init.values(name, elems))
+                })?
             }
         };
         let mut opt = ShardedAdamW::new(b, cfg.optim, &store)?;
         let Some(dir) = cfg.resume_dir() else {
-            return Ok((Sharded { store, opt }, None));
+            return Ok((
+                Sharded {
+                    store,
+                    opt,
+                    world: mesh.world.as_ref(),
+                },
+                None,
+            ));
         };
         let saved = SavedOptimizer::open(dir)?;
         let rank = group.rank();
@@ -67,7 +75,14 @@ impl<'a, B: Backend> Sharded<'a, B> {
             })?,
             extra: state.get("extra").cloned().unwrap_or(Value::Null),
         };
-        Ok((Sharded { store, opt }, Some(resumed)))
+        Ok((
+            Sharded {
+                store,
+                opt,
+                world: mesh.world.as_ref(),
+            },
+            Some(resumed),
+        ))
     }
 
     /// All-gathers unit `i`'s parameters and returns them by name on the
@@ -139,7 +154,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
     /// Waits until every rank of the group gets here.
     fn barrier(&self, b: &B) -> Result<()> {
         let mut t = b.zeros(&[1], DType::F32, Category::Workspace)?;
-        self.store.group.all_reduce(&mut t)?;
+        self.world.all_reduce(&mut t)?;
         b.synchronize()
     }
 }
@@ -168,7 +183,10 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         }
         self.barrier(b)?;
         self.save_weights(b, dir, lead)?;
-        self.save_optimizer(b, dir)?;
+        // replicas hold the same shards: the first one writes them
+        if self.store.replica.rank() == 0 {
+            self.save_optimizer(b, dir)?;
+        }
         // every rank's files are complete before state.json marks the checkpoint
         self.barrier(b)?;
         if lead {

@@ -35,6 +35,8 @@ pub struct FsdpStore<'a, B: Backend> {
     pub(crate) layouts: Vec<UnitLayout>,
     pub(crate) rank: usize,
     pub(crate) group: &'a dyn ProcessGroup<B>,
+    /// The same shards in other replicas (HSDP); a group of one without.
+    pub(crate) replica: &'a dyn ProcessGroup<B>,
     /// Owned parameter shards `[shard]` (compute dtype); `None` while one
     /// is the send buffer of a gather in flight.
     pub(crate) params: Vec<Option<Tensor<B>>>,
@@ -53,12 +55,14 @@ pub struct FsdpStore<'a, B: Backend> {
 }
 
 impl<'a, B: Backend> FsdpStore<'a, B> {
-    /// The shards of rank `group.rank()` over `group`, each parameter's
-    /// owned elements from `init(hf_name, elems)` (flattened, row-major).
+    /// The shards of rank `group.rank()` over `group` (gradients also summed
+    /// over `replica`), each parameter's owned elements from
+    /// `init(hf_name, elems)` (flattened, row-major).
     pub fn new(
         b: &B,
         cfg: &ModelConfig,
         group: &'a dyn ProcessGroup<B>,
+        replica: &'a dyn ProcessGroup<B>,
         mut init: impl FnMut(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
     ) -> Result<Self> {
         let (world, rank) = (group.size(), group.rank());
@@ -95,6 +99,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
             layouts,
             rank,
             group,
+            replica,
             params,
             grads,
             grad_written: vec![false; n],
@@ -197,7 +202,11 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         let Some(r) = self.reducing.take() else {
             return Ok(());
         };
-        let recv = r.pending.wait()?;
+        let mut recv = r.pending.wait()?;
+        // HSDP: each shard is summed over the replicas after the reduce-scatter
+        if self.replica.size() > 1 {
+            self.replica.all_reduce(&mut recv)?;
+        }
         if r.overwrite {
             self.grads[r.unit] = Some(recv);
         } else {
