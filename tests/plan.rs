@@ -381,7 +381,7 @@ fn auto_forward_stages_are_the_widest_that_keep_the_peak() {
 /// The CUDA predictions against what the 2×H200 ledger measured for the
 /// Llama3-8B attention layer (hidden 4096, H 32, Hkv 8, d 128, Pu 2, 256K
 /// tokens, bf16, cuDNN 9.14; `bench attn --device cuda`, 2026-11-30,
-/// docs/multi-gpu.md). With cuDNN the walk counts its gradient scratch, dQ
+/// docs/results-log.md). With cuDNN the walk counts its gradient scratch, dQ
 /// accumulator, softmax sums and cuDNN's plan workspace as measured there
 /// (`estimated_bwd_plan_workspace`: 2 GiB for Ulysses' GQA calls, none for
 /// UPipe's one-head calls).
@@ -412,7 +412,7 @@ fn cuda_predictions_against_the_h200_ledger() {
             .unwrap()
             .peak
     };
-    // measured in the fifth session (gradients a single attention call makes
+    // measured 2026-11-30 on 2×H200 (gradients a single attention call makes
     // whole are overwritten in bf16; Ulysses' peak is now its second pass's
     // forward, beside the cuDNN workspace its first backward grew)
     let (uly_measured, up_measured) = (17_632_854_272usize, 7_550_796_032usize);
@@ -433,7 +433,7 @@ fn cuda_predictions_against_the_h200_ledger() {
         "Ulysses: {uly} vs {uly_measured}"
     );
     // one H200 (Pu 1, so the staged engine's compute alone): UPipe U=1
-    // settling per stage and per phase, and U=H (measured in the fifth session)
+    // settling per stage and per phase, and U=H (measured 2026-11-30 on 1×H200)
     for (seq, u, settle, measured) in [
         (65536, 32, Settle::Stages(1), 7_851_737_344usize),
         (65536, 1, Settle::Stages(1), 3_246_653_696),
@@ -451,7 +451,7 @@ fn cuda_predictions_against_the_h200_ledger() {
             "seq {seq} U={u} {settle}: {got} vs {measured}"
         );
     }
-    // 2×H200 (Pu 2, U 2), every settling (measured in the fifth session)
+    // 2×H200 (Pu 2, U 2), every settling (measured 2026-11-30)
     for (seq, settle, measured) in [
         (131072, Settle::Stages(1), 3_515_351_296usize),
         (131072, Settle::Stages(2), 3_582_460_160),
