@@ -528,6 +528,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         resume: a.resume,
         fsdp: false,
         fsdp_replicas: 1,
+        max_file_bytes: crate::train::fsdp::checkpoint::FILE_BYTES,
     };
     let mut plan = cfg.plan()?;
     let shape = cfg.mesh_shape(&plan);

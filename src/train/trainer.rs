@@ -58,6 +58,9 @@ pub struct TrainConfig {
     /// HSDP: shard inside `world / fsdp_replicas` consecutive ranks,
     /// replicate across the groups (1: shard over every rank).
     pub fsdp_replicas: usize,
+    /// The largest weight file a sharded checkpoint writes (HF's
+    /// `max_shard_size`); more weights spread over several files and an index.
+    pub max_file_bytes: usize,
 }
 
 /// What one step did (rank 0's view; loss and gradients are global).
@@ -105,6 +108,7 @@ impl TrainConfig {
             resume: false,
             fsdp: false,
             fsdp_replicas: 1,
+            max_file_bytes: super::fsdp::checkpoint::FILE_BYTES,
         }
     }
 

@@ -22,6 +22,8 @@ pub struct Sharded<'a, B: Backend> {
     pub opt: ShardedAdamW<B>,
     /// Every rank (checkpoint barriers).
     world: &'a dyn ProcessGroup<B>,
+    /// The largest weight file a checkpoint writes.
+    max_file_bytes: usize,
 }
 
 impl<'a, B: Backend> Sharded<'a, B> {
@@ -55,6 +57,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                     store,
                     opt,
                     world: mesh.world.as_ref(),
+                    max_file_bytes: cfg.max_file_bytes,
                 },
                 None,
             ));
@@ -80,6 +83,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 store,
                 opt,
                 world: mesh.world.as_ref(),
+                max_file_bytes: cfg.max_file_bytes,
             },
             Some(resumed),
         ))
@@ -114,7 +118,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
     fn save_weights(&self, b: &B, dir: &Path, lead: bool) -> Result<()> {
         let layouts = &self.store.layouts;
         let bytes: Vec<usize> = layouts.iter().map(|u| u.numel * 4).collect();
-        let groups = ckpt::file_groups(&bytes, ckpt::FILE_BYTES);
+        let groups = ckpt::file_groups(&bytes, self.max_file_bytes);
         let mut index = Vec::new();
         for (k, g) in groups.iter().enumerate() {
             let mut tensors = Vec::new();
