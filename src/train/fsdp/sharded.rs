@@ -11,7 +11,7 @@ use crate::model::{Decoder, RandomInit};
 use crate::train::checkpoint::HostTensor;
 use crate::train::ranged::RangedModel;
 use crate::train::replicated::Resumed;
-use crate::train::state::RankModel;
+use crate::train::state::{Micro, RankModel};
 use crate::train::trainer::TrainConfig;
 use serde_json::Value;
 use std::path::Path;
@@ -172,8 +172,11 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         ids: &[u32],
         targets: &[u32],
         grad_scale: f32,
+        micro: Micro,
     ) -> Result<f64> {
-        self.store.begin_step(true);
+        // each sequence's reduce-scatter adds into the shards (ZeRO-3's way:
+        // no rank ever holds the whole model's gradients)
+        self.store.begin_step(micro.first);
         decoder.forward_backward(b, mesh, &mut self.store, ids, targets, grad_scale)
     }
 
