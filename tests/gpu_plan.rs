@@ -107,20 +107,25 @@ fn training_step_prediction_matches_the_cuda_ledger() {
         .encode(upipe::train::data::CORPUS)
         .into();
     let model = ModelConfig::resolve("tiny").unwrap();
-    for (checkpoint, offload, tiled_mlp, fsdp) in [
-        (false, false, false, false),
-        (true, false, false, false),
-        (true, true, true, false),
-        (false, false, true, false),
-        (false, false, false, true),
-        (true, false, false, true),
-        (true, true, true, true),
+    // (checkpoint, offload, tiled MLP, FSDP, blocks keeping their attention output)
+    for (checkpoint, offload, tiled_mlp, fsdp, save_attention) in [
+        (false, false, false, false, 0),
+        (true, false, false, false, 0),
+        (true, false, false, false, 1),
+        (true, true, true, false, 0),
+        (true, false, true, false, 2),
+        (false, false, true, false, 0),
+        (false, false, false, true, 0),
+        (true, false, false, true, 0),
+        (true, true, true, true, 0),
+        (true, true, true, true, 1),
     ] {
         let policy = MemoryPolicy {
             checkpoint,
             offload,
             tiled_mlp,
             loss_chunk: 256,
+            save_attention,
         };
         let cfg = TrainConfig {
             strategy: Strategy::Upipe,

@@ -127,6 +127,7 @@ fn memory_policies_leave_gradients_unchanged() {
             offload: true,
             tiled_mlp: true,
             loss_chunk: 7,
+            save_attention: 0,
         },
     ] {
         let got = run(&cfg, Strategy::Local, 1, 1, None, policy, seq);

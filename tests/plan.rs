@@ -153,16 +153,27 @@ fn train_cfg(
 }
 
 fn policies() -> Vec<MemoryPolicy> {
+    let layers = tiny(false).layers;
     let mut out = Vec::new();
     for (checkpoint, offload) in [(false, false), (true, false), (true, true)] {
         for tiled_mlp in [false, true] {
             for loss_chunk in [256, 7] {
-                out.push(MemoryPolicy {
-                    checkpoint,
-                    offload,
-                    tiled_mlp,
-                    loss_chunk,
-                });
+                // under checkpointing, no block, the last one or every block
+                // keeps its attention output (`--save-attention none|1|all`)
+                let saves = if checkpoint && loss_chunk == 256 {
+                    vec![0, 1, layers]
+                } else {
+                    vec![0]
+                };
+                for save_attention in saves {
+                    out.push(MemoryPolicy {
+                        checkpoint,
+                        offload,
+                        tiled_mlp,
+                        loss_chunk,
+                        save_attention,
+                    });
+                }
             }
         }
     }
@@ -258,6 +269,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         offload: true,
         tiled_mlp: true,
         loss_chunk: 256,
+        save_attention: 0,
     };
     let ckpt = predict_step(&spec(
         MemoryPolicy {
@@ -291,6 +303,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
         offload: true,
         tiled_mlp: true,
         loss_chunk: 256,
+        save_attention: 0,
     };
     let budget = Budget {
         device: 80 << 30,

@@ -44,8 +44,7 @@ pub fn forward<B: Backend>(
         lse.all_rows_mut(),
     )?;
     drop((q, k, v));
-    let mut y = b.zeros(&[s, dims.hidden], x.dtype(), Category::Activations)?;
-    b.gemm(y.mat_mut(), o.mat(), w.wo.mat().t(), 1.0, 0.0)?;
+    let y = super::output_projection(b, &o, &w.wo)?;
     Ok((y, AttnSaved { o, lse: vec![lse] }))
 }
 

@@ -369,6 +369,15 @@ impl<B: Backend> CpAttention<B> {
     }
 }
 
+/// The output projection `y = O·Woᵀ`: `o: [s, H, d]` → `y: [s, hidden]`
+/// (`Activations`). Forward and a checkpointed block's recompute from a kept
+/// O call this one function, so both give the same `y`.
+pub fn output_projection<B: Backend>(b: &B, o: &Tensor<B>, wo: &Tensor<B>) -> Result<Tensor<B>> {
+    let mut y = b.empty(&[o.rows(), wo.rows()], o.dtype(), Category::Activations)?;
+    b.gemm(y.mat_mut(), o.mat(), wo.mat().t(), 1.0, 0.0)?;
+    Ok(y)
+}
+
 /// Applies optional per-head RMSNorm then RoPE to `t: [n, heads, d]`.
 /// Returns the rotated tensor and, when normalised, the pre-norm input (for backward).
 pub(crate) fn norm_rope<B: Backend>(

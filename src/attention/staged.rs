@@ -444,8 +444,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         if let Some(last) = out.take() {
             self.take_output(&mut o, last)?;
         }
-        let mut y = b.empty(&self.shapes.layer_io(), x.dtype(), Category::Activations)?;
-        b.gemm(y.mat_mut(), o.mat(), w.wo.mat().t(), 1.0, 0.0)?;
+        let y = super::output_projection(b, &o, &w.wo)?;
         let lse = lses
             .into_iter()
             .enumerate()

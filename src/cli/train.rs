@@ -525,6 +525,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
             offload: a.offload,
             tiled_mlp: a.tiled_mlp,
             loss_chunk: a.loss_chunk,
+            save_attention: 0,
         },
         init_from: a.init_from.clone(),
         save_dir: a.save_dir.clone(),

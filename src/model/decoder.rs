@@ -8,12 +8,19 @@
 //! - `offload`: hold those block inputs in host memory (ledger category `Offload`);
 //! - `tiled_mlp`: run post-attention RMSNorm + MLP in token tiles of about
 //!   `hidden` rows, recomputed per tile in backward, so no `[tokens, ffn]`
-//!   intermediate ever exists for the whole shard.
+//!   intermediate ever exists for the whole shard;
+//! - `save_attention`: under `checkpoint`, the last N blocks also keep their
+//!   attention output O and LSEs, so their backward recomputes only
+//!   `y = O·Woᵀ` instead of the whole attention forward.
+//!
+//! A checkpointed block's backward recomputes its forward only up to
+//! `h1 = h + attn(RMSNorm(h))`: the block output is not needed, and a tiled
+//! MLP runs each tile's forward once, inside the tiled backward.
 
 use super::config::ModelConfig;
 use super::store::{ParamStore, Unit};
 use super::weights::BlockWeights;
-use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan};
+use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan, output_projection};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
 use crate::comm::Mesh;
 use crate::error::{Error, Result};
@@ -26,6 +33,13 @@ pub struct MemoryPolicy {
     pub tiled_mlp: bool,
     /// Rows of logits computed at once by the fused loss.
     pub loss_chunk: usize,
+    /// Under `checkpoint`: how many blocks, the last ones, keep their
+    /// attention output O and LSEs from forward (`--save-attention`), so
+    /// their backward skips the attention forward. The last blocks because
+    /// their kept tensors live shortest: backward frees them first, so at
+    /// every point of the step at most as many are alive as for any other
+    /// choice of the same number of blocks.
+    pub save_attention: usize,
 }
 
 impl Default for MemoryPolicy {
@@ -35,6 +49,7 @@ impl Default for MemoryPolicy {
             offload: false,
             tiled_mlp: false,
             loss_chunk: 256,
+            save_attention: 0,
         }
     }
 }
@@ -50,7 +65,37 @@ impl MemoryPolicy {
         if self.loss_chunk == 0 {
             return crate::config_err!("--loss-chunk must be at least 1");
         }
-        Ok(())
+        self.check_save_attention(&self.save_attention.to_string(), None)
+    }
+
+    /// Checks the policy against a model of `layers` blocks.
+    pub fn validate_for(&self, layers: usize) -> Result<()> {
+        self.validate()?;
+        self.check_save_attention(&self.save_attention.to_string(), Some(layers))
+    }
+
+    /// Checks `save_attention`, given as `--save-attention {given}`, against
+    /// the policy and (when known) the model's `layers` blocks.
+    pub fn check_save_attention(&self, given: &str, layers: Option<usize>) -> Result<()> {
+        if self.save_attention > 0 && !self.checkpoint {
+            return crate::config_err!(
+                "--save-attention {given} keeps the attention outputs of checkpointed blocks so \
+                 that their backward skips the attention recompute; without --checkpoint every \
+                 block keeps them already: add --checkpoint, or use --save-attention none"
+            );
+        }
+        match layers {
+            Some(l) if self.save_attention > l => crate::config_err!(
+                "--save-attention {given}: the model has {l} blocks; use at most {l} (or all)"
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether block `l` of `layers` keeps its attention output and LSEs
+    /// under checkpointing: the last `save_attention` blocks.
+    pub fn keeps_attention(&self, l: usize, layers: usize) -> bool {
+        self.checkpoint && l + self.save_attention >= layers
     }
 }
 
@@ -81,6 +126,16 @@ struct BlockSaved<B: Backend> {
     mlp: Option<MlpSaved<B>>,
 }
 
+/// What the forward keeps of a block besides its input.
+enum Kept<B: Backend> {
+    /// Everything (no checkpointing).
+    Block(Box<BlockSaved<B>>),
+    /// The attention output and LSEs (checkpointing, `--save-attention`).
+    Attention(AttnSaved<B>),
+    /// Nothing (checkpointing).
+    Input,
+}
+
 struct MlpSaved<B: Backend> {
     m: Tensor<B>,
     gate: Tensor<B>,
@@ -103,7 +158,7 @@ impl<B: Backend> Decoder<B> {
         mesh: &Mesh<B>,
         policy: MemoryPolicy,
     ) -> Result<Self> {
-        policy.validate()?;
+        policy.validate_for(cfg.layers)?;
         let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh)?;
         Ok(Decoder { cfg, policy, attn })
     }
@@ -137,38 +192,49 @@ impl<B: Backend> Decoder<B> {
         b.embedding_fwd(store.embed()?, ids, &mut x)?;
         store.release(Unit::Embed)?;
 
-        // Forward, keeping per block either its input only (checkpoint) or everything.
-        let mut kept: Vec<(Tensor<B>, Option<BlockSaved<B>>)> = Vec::with_capacity(self.cfg.layers);
+        // Forward, keeping per block its input and either everything or,
+        // under checkpointing, its attention state or nothing more.
+        let mut kept: Vec<(Tensor<B>, Kept<B>)> = Vec::with_capacity(self.cfg.layers);
         for l in 0..self.cfg.layers {
             store.acquire(b, Unit::Block(l))?;
             let (next, saved) = self.block_fwd(b, mesh, store.block(l)?, &x)?;
             store.release(Unit::Block(l))?;
             let entry = if self.policy.checkpoint {
-                drop(saved);
+                let BlockSaved { a, attn, h1, mlp } = saved;
+                drop((a, h1, mlp));
+                let keep = if self.policy.keeps_attention(l, self.cfg.layers) {
+                    Kept::Attention(attn)
+                } else {
+                    drop(attn);
+                    Kept::Input
+                };
                 let input = if self.policy.offload {
                     cast(b, &x, act, Category::Offload)?
                 } else {
                     x
                 };
-                (input, None)
+                (input, keep)
             } else {
-                (x, Some(saved))
+                (x, Kept::Block(Box::new(saved)))
             };
             kept.push(entry);
             x = next;
         }
 
         let (loss, mut dx) = self.head_fwd_bwd(b, store, x, targets, grad_scale)?;
-        for (l, (input, saved)) in kept.into_iter().enumerate().rev() {
+        for (l, (input, keep)) in kept.into_iter().enumerate().rev() {
             let input = if input.category() == Category::Offload {
                 cast(b, &input, act, Category::Activations)?
             } else {
                 input
             };
             store.acquire(b, Unit::Block(l))?;
-            let saved = match saved {
-                Some(s) => s,
-                None => self.block_fwd(b, mesh, store.block(l)?, &input)?.1,
+            let saved = match keep {
+                Kept::Block(s) => *s,
+                Kept::Attention(attn) => {
+                    self.recompute(b, mesh, store.block(l)?, &input, Some(attn))?
+                }
+                Kept::Input => self.recompute(b, mesh, store.block(l)?, &input, None)?,
             };
             let (w, g) = store.block_grads(b, l)?;
             dx = self.block_bwd(b, mesh, w, g, &input, saved, dx)?;
@@ -223,12 +289,7 @@ impl<B: Backend> Decoder<B> {
         w: &BlockWeights<B>,
         h: &Tensor<B>,
     ) -> Result<(Tensor<B>, BlockSaved<B>)> {
-        let mut a = b.zeros(h.shape(), h.dtype(), Category::Activations)?;
-        b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
-        let (y, attn) = self.attn.forward(b, mesh, &w.attn, &a)?;
-        let mut h1 = cast(b, h, h.dtype(), Category::Activations)?;
-        b.axpy(&mut h1, 1.0, &y)?;
-        drop(y);
+        let (a, attn, h1) = self.attn_fwd(b, mesh, w, h, None)?;
         let mut out = cast(b, &h1, h.dtype(), Category::Activations)?;
         let mut mlp = None;
         for rows in self.tiles(h.rows()) {
@@ -249,6 +310,50 @@ impl<B: Backend> Decoder<B> {
             }
         }
         Ok((out, BlockSaved { a, attn, h1, mlp }))
+    }
+
+    /// The attention half of a block: `a = RMSNorm(h)`, the attention state
+    /// (its forward run, or `kept` from an earlier one) and `h1 = h + O·Woᵀ`.
+    fn attn_fwd(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &BlockWeights<B>,
+        h: &Tensor<B>,
+        kept: Option<AttnSaved<B>>,
+    ) -> Result<(Tensor<B>, AttnSaved<B>, Tensor<B>)> {
+        let mut a = b.zeros(h.shape(), h.dtype(), Category::Activations)?;
+        b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
+        let (y, attn) = match kept {
+            Some(attn) => (output_projection(b, &attn.o, &w.attn.wo)?, attn),
+            None => self.attn.forward(b, mesh, &w.attn, &a)?,
+        };
+        let mut h1 = cast(b, h, h.dtype(), Category::Activations)?;
+        b.axpy(&mut h1, 1.0, &y)?;
+        drop(y);
+        Ok((a, attn, h1))
+    }
+
+    /// A checkpointed block's forward again, up to what its backward reads:
+    /// the attention half (from `kept` when the block saved its attention
+    /// state) and, untiled, the MLP intermediates. The block output is not
+    /// recomputed, and a tiled MLP's tiles run their forward in the tiled
+    /// backward only.
+    fn recompute(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &BlockWeights<B>,
+        h: &Tensor<B>,
+        kept: Option<AttnSaved<B>>,
+    ) -> Result<BlockSaved<B>> {
+        let (a, attn, h1) = self.attn_fwd(b, mesh, w, h, kept)?;
+        let mlp = if self.policy.tiled_mlp {
+            None
+        } else {
+            Some(self.mlp_fwd(b, w, &h1)?)
+        };
+        Ok(BlockSaved { a, attn, h1, mlp })
     }
 
     /// Token tiles of the MLP: one tile, or tiles of about `hidden` rows.

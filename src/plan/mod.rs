@@ -36,6 +36,10 @@ use walk::{AttnFwd, AttnWalk, DecoderWalk};
 
 const F32: usize = 4;
 
+/// Device bytes per GPU outside the ledger that a run leaves free by
+/// default (`upipe plan --reserve`'s default, `--save-attention auto`).
+pub const GPU_RESERVE_BYTES: usize = 1 << 30;
+
 /// Which backend's dtypes the prediction uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceKind {
@@ -80,6 +84,25 @@ impl DeviceKind {
             DeviceKind::Cuda | DeviceKind::CudaNative => {
                 crate::backend::cuda::gemm::WORKSPACE_BYTES
             }
+        }
+    }
+    /// The device of a run on the CPU or, with `cuda`, on GPUs with the
+    /// attention kernels `kernel` (`--attn-kernel`).
+    pub fn of_run(cuda: bool, kernel: crate::backend::cuda::cudnn::AttnKernel) -> Self {
+        if cuda {
+            Self::cuda_with(kernel)
+        } else {
+            DeviceKind::Cpu
+        }
+    }
+    /// Of `memory` bytes per rank, what the ledger may use: on CUDA
+    /// [`GPU_RESERVE_BYTES`] stay outside it (the CUDA context, library
+    /// handles, pool slack).
+    pub fn ledger_budget(self, memory: usize) -> usize {
+        if self.is_cuda() {
+            memory.saturating_sub(GPU_RESERVE_BYTES)
+        } else {
+            memory
         }
     }
     pub fn name(self) -> &'static str {
@@ -197,7 +220,7 @@ pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
 /// trainer reports ring rank 0's ledger).
 pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     spec.model.validate()?;
-    spec.policy.validate()?;
+    spec.policy.validate_for(spec.model.layers)?;
     if spec.data == 0 {
         return crate::config_err!("the data-parallel degree must be at least 1");
     }
@@ -273,6 +296,115 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
         "kept from the previous step",
         step,
     ))
+}
+
+/// `--save-attention`: which checkpointed blocks keep their attention output
+/// O and LSEs from forward, so that their backward skips the attention
+/// forward (the last blocks: [`MemoryPolicy::save_attention`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveAttention {
+    /// As many as fit the device budget beside everything else
+    /// ([`save_attention_auto`]); none without checkpointing.
+    Auto,
+    /// Every block.
+    All,
+    /// The last N blocks (`none`: 0).
+    Blocks(usize),
+}
+
+impl std::fmt::Display for SaveAttention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SaveAttention::Auto => f.write_str("auto"),
+            SaveAttention::All => f.write_str("all"),
+            SaveAttention::Blocks(0) => f.write_str("none"),
+            SaveAttention::Blocks(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for SaveAttention {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(SaveAttention::Auto),
+            "all" => Ok(SaveAttention::All),
+            "none" => Ok(SaveAttention::Blocks(0)),
+            n => n.parse().map(SaveAttention::Blocks).map_err(|_| {
+                crate::Error::Config(format!(
+                    "--save-attention {n}: use none, all, a number of blocks, or auto"
+                ))
+            }),
+        }
+    }
+}
+
+impl SaveAttention {
+    /// Checks a number or `all` against `policy` and a model of `layers`
+    /// blocks, before any budget is known: without checkpointing, or above
+    /// the model's blocks, it is an error naming the fix.
+    pub fn check(self, policy: MemoryPolicy, layers: usize) -> Result<()> {
+        let n = match self {
+            SaveAttention::Auto => 0,
+            SaveAttention::All => layers,
+            SaveAttention::Blocks(n) => n,
+        };
+        MemoryPolicy {
+            save_attention: n,
+            ..policy
+        }
+        .check_save_attention(&self.to_string(), Some(layers))
+    }
+
+    /// The number of blocks that keep their attention state in a step of
+    /// `spec` (its `policy.save_attention` is ignored) when the ledger may
+    /// use `budget` bytes per rank (`None`: unknown, and `auto` keeps none;
+    /// [`DeviceKind::ledger_budget`] turns a device's memory into this).
+    /// Errors as [`check`](Self::check).
+    pub fn resolve(self, spec: &StepSpec, budget: Option<usize>) -> Result<usize> {
+        let layers = spec.model.layers;
+        self.check(spec.policy, layers)?;
+        Ok(match self {
+            SaveAttention::Auto if !spec.policy.checkpoint => 0,
+            SaveAttention::Auto => budget.map_or(Ok(0), |b| save_attention_auto(spec, b))?,
+            SaveAttention::All => layers,
+            SaveAttention::Blocks(n) => n,
+        })
+    }
+}
+
+/// The most blocks (the last ones) that can keep their attention output and
+/// LSEs under checkpointing with the step's predicted peak within `budget`
+/// device bytes per rank: from 0 (when even that does not fit; the caller
+/// decides what then) to every block. `spec.policy.save_attention` is
+/// ignored. Each kept block adds its O and LSEs from its forward to its
+/// backward and removes the transients of its attention recompute, so the
+/// peak grows with the count; the search bisects on that, and the count it
+/// returns has been predicted to fit.
+pub fn save_attention_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
+    if !spec.policy.checkpoint {
+        return Ok(0);
+    }
+    let peak = |n: usize| -> Result<usize> {
+        let mut s = spec.clone();
+        s.policy.save_attention = n;
+        Ok(predict_step(&s)?.peak)
+    };
+    let layers = spec.model.layers;
+    if peak(layers)? <= budget {
+        return Ok(layers);
+    }
+    // peak(lo) fits (or lo is 0), peak(hi) does not
+    let (mut lo, mut hi) = (0, layers);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if peak(mid)? <= budget {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo)
 }
 
 /// The higher peak of `pass` walked from `sim`, and (when `repeated` and

@@ -698,6 +698,13 @@ struct BlockSaved {
     mlp: Option<[Buf; 4]>,
 }
 
+/// What the forward keeps of a block besides its input (`decoder::Kept`).
+enum Kept {
+    Block(BlockSaved),
+    Attention(Buf, Vec<Buf>),
+    Input,
+}
+
 impl DecoderWalk<'_> {
     fn ab(&self) -> usize {
         self.attn.ab
@@ -728,12 +735,7 @@ impl DecoderWalk<'_> {
 
     /// `Decoder::block_fwd` on input `h`: (output, saved).
     fn block_fwd(&self, sim: &mut Sim) -> (Buf, BlockSaved) {
-        sim.label("forward: attention");
-        let a = self.hidden_buf(sim, Activations);
-        let AttnFwd { o, lse, y } = self.attn.forward(sim);
-        sim.label("forward: mlp");
-        let h1 = self.hidden_buf(sim, Activations);
-        sim.free(y);
+        let (a, o, lse, h1) = self.attn_fwd(sim, None);
         let out = self.hidden_buf(sim, Activations);
         let mut mlp = None;
         for r in self.tile_lengths() {
@@ -747,6 +749,33 @@ impl DecoderWalk<'_> {
             sim.free(x_t);
         }
         (out, BlockSaved { a, o, lse, h1, mlp })
+    }
+
+    /// `Decoder::attn_fwd`: (a, O, LSEs, h1), the attention run or its kept
+    /// O and LSEs projected.
+    fn attn_fwd(&self, sim: &mut Sim, kept: Option<(Buf, Vec<Buf>)>) -> (Buf, Buf, Vec<Buf>, Buf) {
+        sim.label("forward: attention");
+        let a = self.hidden_buf(sim, Activations);
+        let (o, lse, y) = match kept {
+            // `attention::output_projection`
+            Some((o, lse)) => (o, lse, self.hidden_buf(sim, Activations)),
+            None => {
+                let AttnFwd { o, lse, y } = self.attn.forward(sim);
+                (o, lse, y)
+            }
+        };
+        sim.label("forward: mlp");
+        let h1 = self.hidden_buf(sim, Activations);
+        sim.free(y);
+        (a, o, lse, h1)
+    }
+
+    /// `Decoder::recompute`: a checkpointed block's forward up to what its
+    /// backward reads.
+    fn recompute(&self, sim: &mut Sim, kept: Option<(Buf, Vec<Buf>)>) -> BlockSaved {
+        let (a, o, lse, h1) = self.attn_fwd(sim, kept);
+        let mlp = (!self.policy.tiled_mlp).then(|| self.mlp_fwd(sim, self.s()));
+        BlockSaved { a, o, lse, h1, mlp }
     }
 
     /// `Decoder::block_bwd`: consumes `saved` and `d_out`, returns dh.
@@ -829,36 +858,37 @@ impl DecoderWalk<'_> {
         store.acquire(sim, Unit::Embed);
         self.ids(sim, self.s());
         store.release(sim, Unit::Embed);
-        let mut kept: Vec<(Buf, Option<BlockSaved>)> = Vec::new();
-        for l in 0..self.cfg.layers {
+        let mut kept: Vec<(Buf, Kept)> = Vec::new();
+        let layers = self.cfg.layers;
+        for l in 0..layers {
             store.acquire(sim, Unit::Block(l));
             let (next, saved) = self.block_fwd(sim);
             store.release(sim, Unit::Block(l));
             if self.policy.checkpoint {
-                let BlockSaved {
-                    a, o, lse, h1, mlp, ..
-                } = saved;
-                for b in [a, o, h1]
-                    .into_iter()
-                    .chain(lse)
-                    .chain(mlp.into_iter().flatten())
-                {
+                let BlockSaved { a, o, lse, h1, mlp } = saved;
+                for b in [a, h1].into_iter().chain(mlp.into_iter().flatten()) {
                     sim.free(b);
                 }
+                let keep = if self.policy.keeps_attention(l, layers) {
+                    Kept::Attention(o, lse)
+                } else {
+                    std::iter::once(o).chain(lse).for_each(|b| sim.free(b));
+                    Kept::Input
+                };
                 if self.policy.offload {
                     let host = sim.alloc(Offload, x.bytes);
-                    kept.push((host, None));
+                    kept.push((host, keep));
                     sim.free(x);
                 } else {
-                    kept.push((x, None));
+                    kept.push((x, keep));
                 }
             } else {
-                kept.push((x, Some(saved)));
+                kept.push((x, Kept::Block(saved)));
             }
             x = next;
         }
         let mut dx = self.head(sim, store, x);
-        while let Some((input, saved)) = kept.pop() {
+        while let Some((input, keep)) = kept.pop() {
             let l = kept.len();
             sim.label("backward: reload");
             let (input, host) = if input.cat == Offload {
@@ -867,13 +897,10 @@ impl DecoderWalk<'_> {
                 (input, None)
             };
             store.acquire(sim, Unit::Block(l));
-            let saved = match saved {
-                Some(s) => s,
-                None => {
-                    let (out, s) = self.block_fwd(sim);
-                    sim.free(out);
-                    s
-                }
+            let saved = match keep {
+                Kept::Block(s) => s,
+                Kept::Attention(o, lse) => self.recompute(sim, Some((o, lse))),
+                Kept::Input => self.recompute(sim, None),
             };
             store.block_grads(sim, l);
             dx = self.block_bwd(sim, saved, dx);

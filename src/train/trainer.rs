@@ -127,7 +127,7 @@ impl TrainConfig {
     /// Validates the configuration and resolves the attention plan.
     pub fn plan(&self) -> Result<CpPlan> {
         self.model.validate()?;
-        self.policy.validate()?;
+        self.policy.validate_for(self.model.layers)?;
         if self.steps == 0 {
             return crate::config_err!("--steps must be at least 1");
         }
@@ -160,6 +160,26 @@ impl TrainConfig {
             .with_fsdp_replicas(self.fsdp_replicas)?;
         }
         Ok(plan)
+    }
+
+    /// The planner's view of one training step of this run under `plan`
+    /// on `device` (`crate::plan::predict_step`).
+    pub fn step_spec(
+        &self,
+        plan: &CpPlan,
+        device: crate::plan::DeviceKind,
+    ) -> crate::plan::StepSpec {
+        crate::plan::StepSpec {
+            model: self.model.clone(),
+            plan: plan.clone(),
+            data: self.data_parallel,
+            policy: self.policy,
+            fsdp: self.fsdp,
+            fsdp_replicas: self.fsdp_replicas,
+            grad_accum: self.grad_accum,
+            device,
+            optimizer: true,
+        }
     }
 
     /// The whole mesh of `plan` (data replicas x its context group).
