@@ -69,6 +69,98 @@ fn plan_predicts_the_peak_that_train_measures() {
         "offloaded inputs on the host"
     );
     assert_eq!(v["fits"], Value::Bool(true));
+    // `--save-attention auto` (the default of both) keeps both tiny blocks'
+    // attention outputs; train and plan agree on any explicit setting too
+    assert_eq!(v["save_attention"], 2);
+    for save in ["none", "1"] {
+        let (ok, out, err) = upipe(&[
+            "train",
+            "--steps",
+            "1",
+            "--seq",
+            "256",
+            "--checkpoint",
+            "--tiled-mlp",
+            "--save-attention",
+            save,
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        assert!(
+            err.contains(&format!("--save-attention {save}: the last")),
+            "{err}"
+        );
+        let measured = json_lines(&out).pop().unwrap()["peak_bytes"]
+            .as_u64()
+            .unwrap();
+        let (ok, out, err) = upipe(&[
+            "plan",
+            "--model",
+            "tiny",
+            "--gpus",
+            "4",
+            "--device",
+            "cpu",
+            "--seq",
+            "256",
+            "--attn",
+            "upipe",
+            "--ulysses",
+            "2",
+            "--ring",
+            "2",
+            "--policies",
+            "checkpoint,tiled-mlp",
+            "--save-attention",
+            save,
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        let v = json_lines(&out).pop().unwrap();
+        assert_eq!(
+            v["peak_bytes"].as_u64().unwrap(),
+            measured,
+            "--save-attention {save}"
+        );
+    }
+}
+
+#[test]
+fn plan_shows_what_save_attention_auto_keeps() {
+    let plan = |seq: &str, save: &str| {
+        let (ok, out, err) = upipe(&[
+            "plan",
+            "--model",
+            "llama3.2-1b",
+            "--gpus",
+            "1",
+            "--gpu-mem",
+            "139",
+            "--attn",
+            "upipe",
+            "--ulysses",
+            "1",
+            "--policies",
+            "checkpoint",
+            "--seq",
+            seq,
+            "--save-attention",
+            save,
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        json_lines(&out).pop().unwrap()
+    };
+    // all 16 blocks' outputs fit beside a 128K step, 12 beside a 512K one
+    let v = plan("131072", "auto");
+    assert_eq!(v["save_attention"], 16);
+    assert_eq!(v["peak_bytes"], plan("131072", "all")["peak_bytes"]);
+    let v = plan("524288", "auto");
+    let n = v["save_attention"].as_u64().unwrap();
+    assert!(0 < n && n < 16, "{n}");
+    assert_eq!(v["fits"], Value::Bool(true));
+    assert_eq!(plan("524288", "all")["fits"], Value::Bool(false));
+    assert!(plan("524288", "none")["peak_bytes"].as_u64() < v["peak_bytes"].as_u64());
 }
 
 #[test]
@@ -160,6 +252,36 @@ fn bad_inputs_are_clear_errors() {
                 "zero",
             ],
             "unknown policy 'zero'",
+        ),
+        (
+            vec![
+                "plan",
+                "--model",
+                "tiny",
+                "--gpus",
+                "4",
+                "--save-attention",
+                "all",
+            ],
+            "--save-attention all keeps the attention outputs of checkpointed blocks",
+        ),
+        (
+            vec![
+                "plan",
+                "--model",
+                "tiny",
+                "--gpus",
+                "4",
+                "--policies",
+                "checkpoint",
+                "--save-attention",
+                "3",
+            ],
+            "the model has 2 blocks",
+        ),
+        (
+            vec!["train", "--steps", "1", "--save-attention", "1"],
+            "add --checkpoint",
         ),
     ] {
         let (ok, _, err) = upipe(&args);

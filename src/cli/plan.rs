@@ -8,8 +8,8 @@ use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::plan::{
-    Budget, DeviceKind, Fit, Limit, Prediction, StepSpec, longest_context, predict_step,
-    resolve_plan, seq_unit,
+    Budget, DeviceKind, Fit, Limit, Prediction, SaveAttention, StepSpec, longest_context,
+    predict_step, resolve_plan, seq_unit,
 };
 use serde_json::{Value, json};
 
@@ -62,6 +62,12 @@ pub struct PlanArgs {
     /// Rows of logits per fused-loss chunk.
     #[arg(long, default_value_t = 256)]
     pub loss_chunk: usize,
+    /// With checkpoint: blocks (the last ones) that keep their attention
+    /// output and LSEs: none, all, N, or auto (as many as fit --gpu-mem
+    /// minus --reserve at that length, as `upipe train` chooses; the search
+    /// finds the longest length with none and shows what auto keeps there).
+    #[arg(long, default_value_t = SaveAttention::Auto)]
+    pub save_attention: SaveAttention,
     /// Dtypes to plan for: cuda (bf16 activations) or cpu (f32).
     #[arg(long, default_value = "cuda")]
     pub device: String,
@@ -145,11 +151,21 @@ struct Ctx {
     policy: MemoryPolicy,
     fsdp: bool,
     device: DeviceKind,
+    /// Device bytes per rank the ledger may use.
+    usable: usize,
     a: PlanArgs,
 }
 
 impl Ctx {
-    fn predict(&self, strategy: Strategy, seq: usize) -> Result<(Prediction, StepSpec)> {
+    /// The step of `strategy` at `seq` with `save` blocks keeping their
+    /// attention state, resolved as `upipe train` resolves it (before the
+    /// forward stages are widened).
+    fn predict(
+        &self,
+        strategy: Strategy,
+        seq: usize,
+        save: SaveAttention,
+    ) -> Result<(Prediction, StepSpec)> {
         let (plan, data) = resolve_plan(
             strategy,
             &attn_dims(&self.model),
@@ -159,24 +175,42 @@ impl Ctx {
             self.a.ring,
             self.a.chunk_heads,
         )?;
-        let spec = |plan: &crate::attention::CpPlan| StepSpec {
+        let spec = |plan: &crate::attention::CpPlan, policy: MemoryPolicy| StepSpec {
             model: self.model.clone(),
             plan: plan.clone(),
             data,
-            policy: self.policy,
+            policy,
             fsdp: self.fsdp,
             fsdp_replicas: self.a.fsdp_replicate,
             grad_accum: 1,
             device: self.device,
             optimizer: true,
         };
+        let policy = MemoryPolicy {
+            save_attention: save.resolve(&spec(&plan, self.policy), Some(self.usable))?,
+            ..self.policy
+        };
         let plan = self
             .a
             .schedule
-            .apply(plan, |p| Ok(predict_step(&spec(p))?.peak))?;
-        let spec = spec(&plan);
+            .apply(plan, |p| Ok(predict_step(&spec(p, policy))?.peak))?;
+        let spec = spec(&plan, policy);
         Ok((predict_step(&spec)?, spec))
     }
+
+    /// What the search holds fixed: `auto` searches with none (at a length
+    /// where none fits, auto fits too), a number or `all` as given.
+    fn search_save(&self) -> SaveAttention {
+        match self.a.save_attention {
+            SaveAttention::Auto => SaveAttention::Blocks(0),
+            given => given,
+        }
+    }
+}
+
+/// Blocks keeping their attention state, as tables print it: `3/16`.
+fn saved_text(spec: &StepSpec) -> String {
+    format!("{}/{}", spec.policy.save_attention, spec.model.layers)
 }
 
 fn by_category(p: &Prediction) -> Value {
@@ -236,6 +270,7 @@ pub fn run(a: PlanArgs) -> Result<i32> {
         }
     };
     let (policy, fsdp) = parse_policies(&a.policies, a.loss_chunk)?;
+    a.save_attention.check(policy, model.layers)?;
     if a.fsdp_replicate == 0
         || !a.gpus.is_multiple_of(a.fsdp_replicate)
         || (a.fsdp_replicate > 1 && !fsdp)
@@ -271,11 +306,12 @@ pub fn run(a: PlanArgs) -> Result<i32> {
         policy,
         fsdp,
         device,
+        usable,
         a: a.clone(),
     };
     if !a.json {
         println!(
-            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}",
+            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}; save-attention {}",
             ctx.model.name,
             ctx.model.param_count() as f64 / 1e9,
             a.gpus,
@@ -283,6 +319,7 @@ pub fn run(a: PlanArgs) -> Result<i32> {
             a.reserve,
             device.name(),
             a.policies,
+            a.save_attention,
         );
         if let Some(h) = host {
             println!("host memory for offload: {} per rank", Bytes(h));
@@ -319,7 +356,7 @@ fn breakdown(
 ) -> Result<i32> {
     let json = ctx.a.json;
     if !json {
-        let mut head = format!("{:<8} {:>9} {:>4}", "method", "mesh", "U");
+        let mut head = format!("{:<8} {:>9} {:>4} {:>6}", "method", "mesh", "U", "saved");
         for c in Category::ALL {
             head += &format!(" {:>12}", c.name());
         }
@@ -331,33 +368,33 @@ fn breakdown(
         println!("{head}");
     }
     for &s in strategies {
-        let (p, spec) = match ctx.predict(s, seq) {
+        let (p, spec) = match ctx.predict(s, seq, ctx.a.save_attention) {
             Ok(x) => x,
             Err(e) => {
                 skip_or_fail(all, s, e, json)?;
                 continue;
             }
         };
-        let base = ctx
-            .predict(s, seq_unit(spec.plan.layout.pu, spec.plan.layout.pr))?
-            .0;
+        let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
+        let base = ctx.predict(s, unit, ctx.search_save())?.0;
         let fits = budget.check(&p, Some(&base));
         if json {
             println!(
                 "{}",
                 json!({
                     "strategy": s.name(), "seq": seq, "mesh": mesh_json(&spec),
-                    "peak_bytes": p.peak, "host_bytes": p.host_peak,
+                    "save_attention": spec.policy.save_attention, "peak_bytes": p.peak, "host_bytes": p.host_peak,
                     "by_category": by_category(&p), "peak_at": p.peak_at,
                     "fits": fits.is_none(), "limit": fits.as_ref().map(limit_text),
                 })
             );
         } else {
             let mut line = format!(
-                "{:<8} {:>9} {:>4}",
+                "{:<8} {:>9} {:>4} {:>6}",
                 s.name(),
                 mesh_text(&spec),
-                spec.plan.chunk_text()
+                spec.plan.chunk_text(),
+                saved_text(&spec)
             );
             for c in Category::ALL {
                 line += &format!(" {:>12}", Bytes(p.at(c)).to_string());
@@ -378,14 +415,14 @@ fn search(ctx: &Ctx, all: bool, strategies: &[Strategy], budget: Budget) -> Resu
     let json = ctx.a.json;
     if !json {
         println!(
-            "{:<8} {:>9} {:>4} {:>19} {:>12}  limit at the next length",
-            "method", "mesh", "U", "longest", "gpu peak"
+            "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  limit at the next length",
+            "method", "mesh", "U", "longest", "gpu peak", "saved"
         );
     }
     for &s in strategies {
         // any length that is a multiple of 2 x gpus x 1024 resolves the mesh
         let probe = 2 * ctx.a.gpus * 1024;
-        let spec = match ctx.predict(s, probe) {
+        let spec = match ctx.predict(s, probe, ctx.search_save()) {
             Ok((_, spec)) => spec,
             Err(e) => {
                 skip_or_fail(all, s, e, json)?;
@@ -395,14 +432,20 @@ fn search(ctx: &Ctx, all: bool, strategies: &[Strategy], budget: Budget) -> Resu
         let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
         let step = unit / gcd(unit, 1024) * 1024;
         let fit: Fit = longest_context(step, ctx.a.max_seq, budget, |seq| {
-            ctx.predict(s, seq).map(|x| x.0)
+            ctx.predict(s, seq, ctx.search_save()).map(|x| x.0)
         })?;
+        // what the given --save-attention keeps at the longest length
+        let saved = match fit.seq {
+            0 => None,
+            seq => Some(ctx.predict(s, seq, ctx.a.save_attention)?.1),
+        };
         let limit = fit.limit.as_ref();
         if json {
             println!(
                 "{}",
                 json!({
                     "strategy": s.name(), "mesh": mesh_json(&spec), "longest_seq": fit.seq,
+                    "save_attention": saved.as_ref().map(|s| s.policy.save_attention),
                     "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),
                     "by_category": fit.at_fit.as_ref().map(by_category),
                     "limit": limit.map(|(seq, l, p)| json!({
@@ -413,7 +456,7 @@ fn search(ctx: &Ctx, all: bool, strategies: &[Strategy], budget: Budget) -> Resu
             );
         } else {
             println!(
-                "{:<8} {:>9} {:>4} {:>19} {:>12}  {}",
+                "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  {}",
                 s.name(),
                 mesh_text(&spec),
                 spec.plan.chunk_text(),
@@ -421,6 +464,7 @@ fn search(ctx: &Ctx, all: bool, strategies: &[Strategy], budget: Budget) -> Resu
                 fit.at_fit
                     .as_ref()
                     .map_or("-".into(), |p| Bytes(p.peak).to_string()),
+                saved.as_ref().map_or("-".into(), saved_text),
                 limit.map_or(
                     format!("none up to --max-seq {}", ctx.a.max_seq),
                     |(seq, l, p)| { format!("{seq} needs {}: {}", Bytes(p.peak), limit_text(l)) }

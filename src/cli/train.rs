@@ -26,6 +26,7 @@ use crate::comm::env::DistEnv;
 use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
+use crate::plan::{DeviceKind, SaveAttention};
 use crate::train::data::{Tokenizer, load_tokens};
 use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{
@@ -100,6 +101,12 @@ pub struct TrainArgs {
     /// Rows of logits per fused-loss chunk.
     #[arg(long, default_value_t = 256)]
     pub loss_chunk: usize,
+    /// With --checkpoint: blocks (the last ones) that keep their attention
+    /// output and LSEs, so their backward skips the attention recompute:
+    /// none, all, N, or auto (as many as fit this GPU's memory, or this
+    /// host's per rank, beside the rest of the planned step).
+    #[arg(long, default_value_t = SaveAttention::Auto)]
+    pub save_attention: SaveAttention,
     /// Directory for training checkpoints (safetensors + optimizer state).
     #[arg(long)]
     pub save_dir: Option<PathBuf>,
@@ -537,6 +544,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         grad_accum: a.grad_accum,
     };
     let mut plan = cfg.plan()?;
+    a.save_attention.check(cfg.policy, cfg.model.layers)?;
     let shape = cfg.mesh_shape(&plan);
     let fsdp_mode: FsdpMode = a.fsdp.parse()?;
     let nccl = || {
@@ -587,6 +595,19 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     }
     if let (Some(note), true) = (note, lead) {
         tracing::warn!("{note}");
+    }
+    let kind = DeviceKind::of_run(on_gpu, kernel);
+    let room = budget.map(|b| kind.ledger_budget(b));
+    cfg.policy.save_attention = a
+        .save_attention
+        .resolve(&cfg.step_spec(&plan, kind), room)?;
+    if cfg.policy.checkpoint && lead {
+        tracing::info!(
+            "--save-attention {}: the last {} of {} blocks keep their attention output",
+            a.save_attention,
+            cfg.policy.save_attention,
+            cfg.model.layers
+        );
     }
     // what `upipe plan` predicts for a step of `plan` here (rank 0's ledger peak)
     let predict = |plan: &CpPlan| {
