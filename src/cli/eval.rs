@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::checkpoint::load_hf_model;
-use crate::train::data::{check_vocab, read_u32_tokens};
+use crate::train::data::Tokens;
 use crate::train::trainer::{loss_and_grads_cpu, weights_from_host};
 use std::path::PathBuf;
 
@@ -18,7 +18,7 @@ pub struct EvalArgs {
     /// HF model directory (config.json + model.safetensors or a sharded index).
     #[arg(long)]
     pub model_dir: PathBuf,
-    /// Token ids as raw little-endian u32 (`.u32`).
+    /// Token ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16).
     #[arg(long)]
     pub tokens: PathBuf,
     /// Attention strategy.
@@ -34,8 +34,8 @@ pub struct EvalArgs {
 
 pub fn run(a: EvalArgs) -> Result<i32> {
     let cfg = ModelConfig::resolve(&a.model_dir.to_string_lossy())?;
-    let tokens = read_u32_tokens(&a.tokens)?;
-    check_vocab(&tokens, cfg.vocab)?;
+    let tokens = Tokens::open_checked(&a.tokens, cfg.vocab)?;
+    let tokens = tokens.read(0..tokens.len());
     if tokens.len() < 2 {
         return Err(Error::Config(format!(
             "{} holds {} tokens; at least 2 are needed to predict one",

@@ -3,4 +3,5 @@
 pub mod checkpoint;
 pub mod data;
 pub mod optim;
+pub mod tokens;
 pub mod trainer;
