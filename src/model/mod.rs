@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod decoder;
+pub mod forward;
 pub mod weights;
 
 pub use config::ModelConfig;
