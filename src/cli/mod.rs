@@ -24,7 +24,7 @@ pub struct Cli {
 pub enum Command {
     /// Train a model (no arguments: tiny model, bundled data, UPipe on 4 CPU thread ranks, or one NCCL process per GPU when 2+ GPUs are visible).
     Train(train::TrainArgs),
-    /// Mean next-token cross-entropy of a model on a token file.
+    /// Next-token cross-entropy of a model on a token file (forward only; by position with --buckets).
     Eval(eval::EvalArgs),
     /// Benchmarks (attention layer across strategies).
     #[command(subcommand)]

@@ -310,6 +310,18 @@ pub fn route(
     shape: MeshShape,
     nccl: &dyn Fn() -> std::result::Result<(), String>,
 ) -> Result<Route> {
+    route_for("train", device, launched, gpus, shape, nccl)
+}
+
+/// [`route`] for the subcommand `command` (`train`, `eval`), named in its errors.
+pub fn route_for(
+    command: &str,
+    device: Device,
+    launched: Option<Launched>,
+    gpus: usize,
+    shape: MeshShape,
+    nccl: &dyn Fn() -> std::result::Result<(), String>,
+) -> Result<Route> {
     if device == Device::Cuda && gpus == 0 {
         return crate::config_err!(
             "--device cuda: no GPU is visible (see `upipe info`); use --device cpu"
@@ -318,19 +330,19 @@ pub fn route(
     if let Some(l) = launched {
         let how = format!(
             "this process was launched as one of {} ranks (RANK/WORLD_SIZE or SLURM_PROCID set), \
-             and multi-process training runs one NCCL rank per GPU",
+             and a multi-process `upipe {command}` runs one NCCL rank per GPU",
             l.world_size
         );
         if device == Device::Cpu {
             return crate::config_err!(
-                "--device cpu: {how}; CPU training runs its ranks as threads of one process: \
-                 run `upipe train --device cpu` without upipe launch/torchrun/srun"
+                "--device cpu: {how}; on the CPU the ranks are threads of one process: \
+                 run `upipe {command} --device cpu` without upipe launch/torchrun/srun"
             );
         }
         if gpus == 0 {
             return crate::config_err!(
-                "no GPU is visible (see `upipe info`), but {how}; run `upipe train` without \
-                 upipe launch/torchrun/srun to train with CPU thread ranks"
+                "no GPU is visible (see `upipe info`), but {how}; run `upipe {command}` without \
+                 upipe launch/torchrun/srun to run with CPU thread ranks"
             );
         }
         check_world_size(shape, l.world_size)?;

@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod eval;
 pub mod optim;
 pub mod tokens;
 pub mod trainer;
