@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::process::Command;
 use upipe::attention::{CpPlan, Strategy};
-use upipe::backend::{Category, DType, IGNORE};
+use upipe::backend::{Backend, Category, DType, IGNORE};
 use upipe::model::decoder::attn_dims;
 use upipe::model::{MemoryPolicy, ModelConfig};
 use upipe::rng::Rng;
@@ -348,4 +348,47 @@ fn eval_command_reports_windows_and_buckets() {
         "{e}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The forward-only pass allocates no gradient, keeps nothing once it
+/// returns, and peaks well below a training pass's forward and backward.
+#[test]
+fn forward_only_pass_keeps_no_gradients_or_saved_activations() {
+    use upipe::comm::MeshShape;
+    use upipe::comm::local::run_ranks;
+    use upipe::model::{Decoder, ModelWeights};
+    let cfg = model();
+    let host = host_weights(&cfg, 9);
+    let seq = 512;
+    let ids = random_tokens(seq + 1, cfg.vocab, 10);
+    let (inputs, targets) = (&ids[..seq], &ids[1..]);
+    let plan = CpPlan::new(Strategy::Local, &attn_dims(&cfg), seq, 1, 1, None).unwrap();
+    let shape = MeshShape::new(1, 1, 1).unwrap();
+    let peaks = run_ranks(shape, upipe::backend::cpu::CpuBackend::new, |_, b, mesh| {
+        let b = b.as_ref();
+        let policy = MemoryPolicy::default();
+        let decoder = Decoder::new(b, cfg.clone(), plan.clone(), &mesh, policy)?;
+        let w = weights_from_host(b, &cfg, &host, DType::F32, Category::Weights)?;
+        let weights = b.ledger().current();
+        let groups = vec![0; seq];
+        let sums = decoder.forward_loss(b, &mesh, &w, inputs, targets, &groups, 1)?;
+        let eval = b.ledger().stats();
+        assert_eq!(
+            eval.current, weights,
+            "nothing outlives the forward-only pass"
+        );
+        for cat in [Category::Grads, Category::OptimState] {
+            assert_eq!(eval.at_peak(cat), 0, "{cat:?}");
+        }
+        b.ledger().reset_peak();
+        let mut g = ModelWeights::zeros_grads(b, &cfg)?;
+        let grads = b.ledger().current() - weights;
+        let loss = decoder.forward_backward(b, &mesh, &w, inputs, targets, 1.0, &mut g)?;
+        assert!(rel(sums[0], loss) <= 1e-6, "{} vs {loss}", sums[0]);
+        Ok((eval.peak - weights, b.ledger().peak() - weights - grads))
+    })
+    .unwrap();
+    let (eval, train) = peaks[0];
+    println!("above the weights: forward only {eval} B, training pass {train} B (grads aside)");
+    assert!(4 * eval < train, "forward only {eval} vs training {train}");
 }
