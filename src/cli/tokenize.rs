@@ -12,8 +12,9 @@ use std::path::PathBuf;
 /// Flags of `upipe tokenize`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct TokenizeArgs {
-    /// Input files: plain text (each file one document) or JSONL (`.jsonl`,
-    /// `.ndjson`: one document per line, its text under --field).
+    /// Input files: plain text (each file one document, read whole) or JSONL
+    /// (`.jsonl`, `.ndjson`: one document per line, its text under --field,
+    /// streamed).
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
     /// An HF tokenizer.json (or a directory holding one), or `byte`.
