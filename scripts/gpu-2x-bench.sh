@@ -83,7 +83,7 @@ want perf && for s in 131072 262144; do
   step "perf_${s}_U4_overlap" 120 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods upipe --chunk-heads 4 --overlap
 done
 # query gradients settled every stage, every 2 stages (default) and per kv
-# phase, same session (PARTS=settle)
+# phase, in one run (PARTS=settle)
 want settle && for s in 131072 262144; do
   step "perf_${s}" 150 "${L[@]}" "${llama[@]}" "${uly[@]}" --iters 2 --seq $s --methods ulysses,upipe --chunk-heads 2
   for e in stage phase; do

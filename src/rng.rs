@@ -18,6 +18,15 @@ impl Rng {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
+    /// Skips the next `n` values of [`next_u64`](Self::next_u64) (SplitMix64
+    /// is a counter: O(1)).
+    pub fn skip(&mut self, n: u64) {
+        self.0 = self.0.wrapping_add(n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    }
+    /// Skips the next `n` values of [`normal`](Self::normal) (two draws each).
+    pub fn skip_normals(&mut self, n: u64) {
+        self.skip(2 * n);
+    }
     /// Uniform in [0, 1).
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
@@ -55,6 +64,22 @@ pub fn normal_vec_par(seed: u64, n: usize, std: f32) -> Vec<f32> {
             }
         });
     out
+}
+
+#[cfg(test)]
+mod skip_tests {
+    use super::Rng;
+
+    #[test]
+    fn skipping_normals_lands_where_drawing_them_would() {
+        let mut a = Rng::new(7);
+        let all = a.normal_vec(50, 1.0);
+        for k in [0usize, 1, 17, 49] {
+            let mut b = Rng::new(7);
+            b.skip_normals(k as u64);
+            assert_eq!(b.normal_vec(50 - k, 1.0), all[k..].to_vec());
+        }
+    }
 }
 
 /// Values per independently seeded block of [`normal_vec_par`].

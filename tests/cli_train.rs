@@ -192,3 +192,47 @@ fn upipe_forward_in_wider_stages_trains_the_same() {
         "{err}"
     );
 }
+
+/// `--fsdp on` trains the default model sharded with the same losses as
+/// `--fsdp off`; one rank has nothing to shard (said on stderr); a replica
+/// count that does not divide the mesh is refused naming the choices.
+#[test]
+fn fsdp_flags() {
+    let common = [
+        "train", "--steps", "3", "--json", "--seq", "64", "--device", "cpu",
+    ];
+    let on = losses(&upipe(&[&common[..], &["--fsdp", "on"]].concat()));
+    let off = losses(&upipe(&[&common[..], &["--fsdp", "off"]].concat()));
+    for (a, b) in on.iter().zip(&off) {
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "fsdp on {a} vs off {b}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(
+            [
+                &common[..],
+                &[
+                    "--attn",
+                    "local",
+                    "--ulysses",
+                    "1",
+                    "--ring",
+                    "1",
+                    "--fsdp",
+                    "on",
+                ],
+            ]
+            .concat(),
+        )
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("nothing to shard"), "{err}");
+    let e = upipe_error(&[&common[..], &["--fsdp", "on", "--fsdp-replicate", "3"]].concat());
+    assert!(
+        e.contains("--fsdp-replicate 3") && e.contains("[1, 2, 4]"),
+        "{e}"
+    );
+    let e = upipe_error(&[&common[..], &["--fsdp", "maybe"]].concat());
+    assert!(e.contains("auto, on or off"), "{e}");
+}

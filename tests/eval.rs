@@ -356,7 +356,8 @@ fn eval_command_reports_windows_and_buckets() {
 fn forward_only_pass_keeps_no_gradients_or_saved_activations() {
     use upipe::comm::MeshShape;
     use upipe::comm::local::run_ranks;
-    use upipe::model::{Decoder, ModelWeights};
+    use upipe::model::Decoder;
+    use upipe::train::replicated::ReplicatedStore;
     let cfg = model();
     let host = host_weights(&cfg, 9);
     let seq = 512;
@@ -381,11 +382,11 @@ fn forward_only_pass_keeps_no_gradients_or_saved_activations() {
             assert_eq!(eval.at_peak(cat), 0, "{cat:?}");
         }
         b.ledger().reset_peak();
-        let mut g = ModelWeights::zeros_grads(b, &cfg)?;
-        let grads = b.ledger().current() - weights;
-        let loss = decoder.forward_backward(b, &mesh, &w, inputs, targets, 1.0, &mut g)?;
+        let mut store = ReplicatedStore::new(b, &cfg, w, mesh.world.as_ref())?;
+        let held = b.ledger().current();
+        let loss = decoder.forward_backward(b, &mesh, &mut store, inputs, targets, 1.0)?;
         assert!(rel(sums[0], loss) <= 1e-6, "{} vs {loss}", sums[0]);
-        Ok((eval.peak - weights, b.ledger().peak() - weights - grads))
+        Ok((eval.peak - weights, b.ledger().peak() - held))
     })
     .unwrap();
     let (eval, train) = peaks[0];

@@ -444,8 +444,15 @@ fn embedding_cross_entropy_adamw() {
             step,
             grad_scale: 0.5,
         };
-        g.adamw(&mut gp, &gm_g, &mut gm, &mut gv, hp).unwrap();
-        c.adamw(&mut cp, &cm_g, &mut cm, &mut cv, hp).unwrap();
+        g.adamw(&mut gp, &gm_g, &mut gm, &mut gv, 0..np, hp)
+            .unwrap();
+        c.adamw(&mut cp, &cm_g, &mut cm, &mut cv, 0..np, hp)
+            .unwrap();
+        // a sub-range (an FSDP shard's segment) leaves the rest untouched
+        g.adamw(&mut gp, &gm_g, &mut gm, &mut gv, 100..5_003, hp)
+            .unwrap();
+        c.adamw(&mut cp, &cm_g, &mut cm, &mut cv, 100..5_003, hp)
+            .unwrap();
     }
     check("adamw param", g, &gp, &c, &cp);
     check("adamw m", g, &gm, &c, &cm);

@@ -107,11 +107,14 @@ fn training_step_prediction_matches_the_cuda_ledger() {
         .encode(upipe::train::data::CORPUS)
         .into();
     let model = ModelConfig::resolve("tiny").unwrap();
-    for (checkpoint, offload, tiled_mlp) in [
-        (false, false, false),
-        (true, false, false),
-        (true, true, true),
-        (false, false, true),
+    for (checkpoint, offload, tiled_mlp, fsdp) in [
+        (false, false, false, false),
+        (true, false, false, false),
+        (true, true, true, false),
+        (false, false, true, false),
+        (false, false, false, true),
+        (true, false, false, true),
+        (true, true, true, true),
     ] {
         let policy = MemoryPolicy {
             checkpoint,
@@ -125,6 +128,7 @@ fn training_step_prediction_matches_the_cuda_ledger() {
             ring: 2,
             seed: 1,
             policy,
+            fsdp,
             ..TrainConfig::new(
                 model.clone(),
                 1024,
@@ -141,7 +145,8 @@ fn training_step_prediction_matches_the_cuda_ledger() {
                 plan,
                 data: 1,
                 policy,
-                fsdp: false,
+                fsdp,
+                fsdp_replicas: 1,
                 device: DeviceKind::CudaNative,
                 optimizer: true,
             },
@@ -150,15 +155,18 @@ fn training_step_prediction_matches_the_cuda_ledger() {
         .unwrap();
         let e = rel(pred.peak, got.memory.peak);
         println!(
-            "gpu step {policy:?}: predicted {} measured {} ({:+.3}%), host {} vs {}",
+            "gpu step {policy:?} fsdp {fsdp}: predicted {} measured {} ({:+.3}%), host {} vs {}",
             pred.peak,
             got.memory.peak,
             100.0 * e,
             pred.host_peak,
             got.memory.host_peak
         );
-        assert!(e <= 0.05, "{policy:?}: {:.2}%", 100.0 * e);
-        assert_eq!(pred.peak, got.memory.peak, "{policy:?}");
-        assert_eq!(pred.host_peak, got.memory.host_peak, "{policy:?}");
+        assert!(e <= 0.05, "{policy:?} fsdp {fsdp}: {:.2}%", 100.0 * e);
+        assert_eq!(pred.peak, got.memory.peak, "{policy:?} fsdp {fsdp}");
+        assert_eq!(
+            pred.host_peak, got.memory.host_peak,
+            "{policy:?} fsdp {fsdp}"
+        );
     }
 }

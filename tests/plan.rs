@@ -186,11 +186,14 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
         (false, Strategy::Local, 1, 1, None, None, 1),
         (false, Strategy::Upipe, 2, 1, None, None, 2),
     ] {
-        let model = tiny(qk);
-        for policy in policies() {
+        // FSDP on every mesh; a tied embedding (Qwen3-style) where QK-norm is on
+        for (policy, fsdp) in policies().into_iter().flat_map(|p| [(p, false), (p, true)]) {
+            let mut model = tiny(qk);
+            model.tie_embeddings = qk && fsdp;
             let mut cfg = train_cfg(&model, s, pu, pr, u, seq, policy);
             cfg.data_parallel = data_parallel;
             cfg.fwd_chunk_heads = uf;
+            cfg.fsdp = fsdp;
             let plan = cfg.plan().unwrap();
             let measured = train_cpu(&cfg, tokens.clone(), &|_| {}).unwrap().memory;
             let spec = StepSpec {
@@ -198,7 +201,8 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
                 plan,
                 data: data_parallel,
                 policy,
-                fsdp: false,
+                fsdp,
+                fsdp_replicas: 1,
                 device: DeviceKind::Cpu,
                 optimizer: true,
             };
@@ -206,7 +210,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
             // on CPU every ring rank allocates the same
             assert_eq!(pred, predict_step(&spec).unwrap());
             let what = format!(
-                "{s} {pu}x{pr} U={u:?} forward U={uf:?} qk={qk} data={data_parallel} {policy:?}"
+                "{s} {pu}x{pr} U={u:?} forward U={uf:?} qk={qk} data={data_parallel} fsdp={fsdp} {policy:?}"
             );
             let e = rel(pred.peak, measured.peak);
             assert!(
@@ -242,6 +246,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         data,
         policy,
         fsdp,
+        fsdp_replicas: 1,
         device: DeviceKind::Cuda,
         optimizer: true,
     };
@@ -263,10 +268,16 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
     let best = predict_step(&spec(all, true)).unwrap();
     assert!(ckpt.peak < plain.peak && best.peak < ckpt.peak);
     assert!(best.host_peak > 0 && ckpt.host_peak == 0);
-    // FSDP over 8 ranks: a bf16 weight shard is 1/8 of 2 bytes per parameter
-    let p = model.param_count();
-    assert_eq!(best.at(Category::Weights), (p.div_ceil(8)) * 2);
-    assert_eq!(best.at(Category::OptimState), (p.div_ceil(8)) * 12);
+    // FSDP over 8 ranks: each unit's shard is 1/8 of it (padded), bf16
+    // weights plus at most two gathered units, f32 master and moments
+    let layouts = upipe::train::fsdp::model_layouts(&model, 8);
+    let shard: usize = layouts.iter().map(|u| u.shard).sum();
+    assert!(8 * shard >= model.param_count() && 8 * shard < model.param_count() + 8 * 34);
+    assert_eq!(best.at(Category::OptimState), shard * 12);
+    assert_eq!(best.at(Category::Grads) % 4, 0);
+    let largest = layouts.iter().map(|u| u.numel).max().unwrap();
+    let w = best.at(Category::Weights);
+    assert!(w >= shard * 2 && w <= shard * 2 + 2 * largest * 2, "{w}");
 }
 
 #[test]
@@ -293,6 +304,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
                 data,
                 policy,
                 fsdp: true,
+                fsdp_replicas: 1,
                 device: DeviceKind::Cuda,
                 optimizer: true,
             })
@@ -369,7 +381,7 @@ fn auto_forward_stages_are_the_widest_that_keep_the_peak() {
 /// The CUDA predictions against what the 2×H200 ledger measured for the
 /// Llama3-8B attention layer (hidden 4096, H 32, Hkv 8, d 128, Pu 2, 256K
 /// tokens, bf16, cuDNN 9.14; `bench attn --device cuda`, 2026-11-30,
-/// docs/multi-gpu.md). With cuDNN the walk counts its gradient scratch, dQ
+/// docs/results-log.md). With cuDNN the walk counts its gradient scratch, dQ
 /// accumulator, softmax sums and cuDNN's plan workspace as measured there
 /// (`estimated_bwd_plan_workspace`: 2 GiB for Ulysses' GQA calls, none for
 /// UPipe's one-head calls).
@@ -400,7 +412,7 @@ fn cuda_predictions_against_the_h200_ledger() {
             .unwrap()
             .peak
     };
-    // measured in the fifth session (gradients a single attention call makes
+    // measured 2026-11-30 on 2×H200 (gradients a single attention call makes
     // whole are overwritten in bf16; Ulysses' peak is now its second pass's
     // forward, beside the cuDNN workspace its first backward grew)
     let (uly_measured, up_measured) = (17_632_854_272usize, 7_550_796_032usize);
@@ -421,7 +433,7 @@ fn cuda_predictions_against_the_h200_ledger() {
         "Ulysses: {uly} vs {uly_measured}"
     );
     // one H200 (Pu 1, so the staged engine's compute alone): UPipe U=1
-    // settling per stage and per phase, and U=H (measured in the fifth session)
+    // settling per stage and per phase, and U=H (measured 2026-11-30 on 1×H200)
     for (seq, u, settle, measured) in [
         (65536, 32, Settle::Stages(1), 7_851_737_344usize),
         (65536, 1, Settle::Stages(1), 3_246_653_696),
@@ -439,7 +451,7 @@ fn cuda_predictions_against_the_h200_ledger() {
             "seq {seq} U={u} {settle}: {got} vs {measured}"
         );
     }
-    // 2×H200 (Pu 2, U 2), every settling (measured in the fifth session)
+    // 2×H200 (Pu 2, U 2), every settling (measured 2026-11-30)
     for (seq, settle, measured) in [
         (131072, Settle::Stages(1), 3_515_351_296usize),
         (131072, Settle::Stages(2), 3_582_460_160),

@@ -244,6 +244,7 @@ impl CpPlan {
             data: 1,
             ring: self.layout.pr,
             ulysses: self.layout.pu,
+            fsdp_replicas: 1,
         }
     }
 }

@@ -685,14 +685,20 @@ impl Backend for CpuBackend {
         grad: &Tensor<Self>,
         m: &mut Tensor<Self>,
         v: &mut Tensor<Self>,
+        elems: std::ops::Range<usize>,
         hp: AdamWStep,
     ) -> Result<()> {
         same_numel(param, grad, "adamw")?;
+        same_numel(param, m, "adamw")?;
+        same_numel(param, v, "adamw")?;
+        super::check_elems(&elems, param.numel(), "adamw")?;
         let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
         let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
         let g = data(grad);
         let (ms, vs) = (data_mut(m), data_mut(v));
-        for (i, p) in data_mut(param).iter_mut().enumerate() {
+        let start = elems.start;
+        for (i, p) in data_mut(param)[elems].iter_mut().enumerate() {
+            let i = start + i;
             let gi = g[i] * hp.grad_scale;
             ms[i] = hp.beta1 * ms[i] + (1.0 - hp.beta1) * gi;
             vs[i] = hp.beta2 * vs[i] + (1.0 - hp.beta2) * gi * gi;

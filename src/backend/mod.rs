@@ -245,13 +245,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
         dlogits: &mut Tensor<Self>,
         loss_sum: &mut Tensor<Self>,
     ) -> Result<()>;
-    /// One AdamW update of `param` (f32) with `grad`, moments `m`, `v` (f32).
+    /// One AdamW update of elements `elems` of `param` (f32) with `grad`,
+    /// moments `m`, `v` (f32): four tensors of one length, of which only
+    /// that range is read and written (a flat FSDP shard holds parameters
+    /// with different weight decay side by side).
     fn adamw(
         &self,
         param: &mut Tensor<Self>,
         grad: &Tensor<Self>,
         m: &mut Tensor<Self>,
         v: &mut Tensor<Self>,
+        elems: std::ops::Range<usize>,
         hp: AdamWStep,
     ) -> Result<()>;
 }
@@ -264,6 +268,16 @@ pub fn check_token_ids(ids: &[u32], vocab: usize) -> Result<()> {
         ))),
         None => Ok(()),
     }
+}
+
+/// Checks that `elems` lies inside a tensor of `numel` elements (`op` names the caller).
+pub fn check_elems(elems: &std::ops::Range<usize>, numel: usize, op: &str) -> Result<()> {
+    if elems.start > elems.end || elems.end > numel {
+        return Err(crate::Error::Backend(format!(
+            "{op}: elements {elems:?} are outside a tensor of {numel}"
+        )));
+    }
+    Ok(())
 }
 
 /// Target id that contributes no loss (e.g. the last token of a sequence).

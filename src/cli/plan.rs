@@ -53,6 +53,9 @@ pub struct PlanArgs {
     pub chunk_heads: Option<usize>,
     #[command(flatten)]
     pub schedule: ScheduleArgs,
+    /// HSDP: with `fsdp`, shard inside groups of gpus/R ranks, replicated R times.
+    #[arg(long, default_value_t = 1)]
+    pub fsdp_replicate: usize,
     /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`).
     #[arg(long, default_value = "none")]
     pub policies: String,
@@ -162,6 +165,7 @@ impl Ctx {
             data,
             policy: self.policy,
             fsdp: self.fsdp,
+            fsdp_replicas: self.a.fsdp_replicate,
             device: self.device,
             optimizer: true,
         };
@@ -231,6 +235,15 @@ pub fn run(a: PlanArgs) -> Result<i32> {
         }
     };
     let (policy, fsdp) = parse_policies(&a.policies, a.loss_chunk)?;
+    if a.fsdp_replicate == 0
+        || !a.gpus.is_multiple_of(a.fsdp_replicate)
+        || (a.fsdp_replicate > 1 && !fsdp)
+    {
+        return Err(Error::Config(format!(
+            "--fsdp-replicate {} needs the fsdp policy and must divide --gpus {}",
+            a.fsdp_replicate, a.gpus
+        )));
+    }
     let (all, strategies) = parse_attn(&a.attn, a.gpus)?;
     if a.ulysses.is_some() || a.ring.is_some() {
         let c = a.ulysses.unwrap_or(1) * a.ring.unwrap_or(1);
@@ -261,7 +274,7 @@ pub fn run(a: PlanArgs) -> Result<i32> {
     };
     if !a.json {
         println!(
-            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}{}",
+            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}",
             ctx.model.name,
             ctx.model.param_count() as f64 / 1e9,
             a.gpus,
@@ -269,11 +282,6 @@ pub fn run(a: PlanArgs) -> Result<i32> {
             a.reserve,
             device.name(),
             a.policies,
-            if fsdp {
-                " (FSDP modelled: not in the engine yet)"
-            } else {
-                ""
-            }
         );
         if let Some(h) = host {
             println!("host memory for offload: {} per rank", Bytes(h));

@@ -13,13 +13,13 @@ pub struct ScheduleArgs {
     /// exchanges before the current stage's attention, each stage's output and
     /// gradients back beside the next one's. Costs a stage and a kv phase of
     /// buffers; slower on 2×H200 with NCCL today (its transfer kernels compete
-    /// with attention for SMs; docs/multi-gpu.md).
+    /// with attention for SMs; docs/strategies.md).
     #[arg(long)]
     pub overlap: bool,
     /// When backward takes in query gradients: every `stage` (least
     /// memory), every N stages, or once per kv `phase` (one dx GEMM and one
     /// dW GEMM per destination: fewest, largest GEMMs, holding the phase's dQ;
-    /// docs/attention-memory.md).
+    /// docs/strategies.md).
     #[arg(long, default_value_t = Settle::default())]
     pub settle_every: Settle,
     /// UPipe heads per forward stage: `auto` (the widest whose predicted

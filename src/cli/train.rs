@@ -122,9 +122,90 @@ pub struct TrainArgs {
     /// else our kernels), cudnn (an error where it cannot), native (ours).
     #[arg(long, default_value = "auto")]
     pub attn_kernel: String,
+    /// FSDP: shard parameters, gradients and optimizer state over every
+    /// rank of the mesh. auto: on when the mesh has more than one rank and
+    /// the whole model's states do not fit the device's memory; on; off.
+    #[arg(long, default_value = "auto")]
+    pub fsdp: String,
+    /// HSDP (multi-node): shard inside groups of world/R consecutive ranks
+    /// (one node each, typically) and replicate across the R groups;
+    /// gradients are all-reduced across replicas after the reduce-scatter.
+    #[arg(long, default_value_t = 1)]
+    pub fsdp_replicate: usize,
     /// One JSON object per step instead of a progress bar.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--fsdp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsdpMode {
+    Auto,
+    On,
+    Off,
+}
+
+impl std::str::FromStr for FsdpMode {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(FsdpMode::Auto),
+            "on" => Ok(FsdpMode::On),
+            "off" => Ok(FsdpMode::Off),
+            other => crate::config_err!("--fsdp {other}: use auto, on or off"),
+        }
+    }
+}
+
+impl FsdpMode {
+    /// Whether a run of `world` ranks shards, given the bytes of the whole
+    /// model's states per rank and the memory each rank has (`None`:
+    /// unknown); with a note to log when the choice needs saying.
+    pub fn resolve(
+        self,
+        world: usize,
+        states: usize,
+        budget: Option<usize>,
+    ) -> (bool, Option<String>) {
+        match (self, world) {
+            (FsdpMode::Off, _) => (false, None),
+            (FsdpMode::On, 1) => (
+                false,
+                Some(
+                    "--fsdp on with one rank: there is nothing to shard, training unsharded".into(),
+                ),
+            ),
+            (FsdpMode::On, _) => (true, None),
+            (FsdpMode::Auto, 1) => (false, None),
+            (FsdpMode::Auto, _) => match budget {
+                Some(b) if states <= b / 2 => (false, None),
+                _ => (
+                    true,
+                    Some(format!(
+                        "--fsdp auto: sharding over {world} ranks (the whole model's states are {} per rank)",
+                        Bytes(states)
+                    )),
+                ),
+            },
+        }
+    }
+}
+
+/// Device memory per rank: a GPU's memory, shared by the thread ranks on it.
+fn gpu_memory_per_rank(world: usize, gpus: usize) -> Option<usize> {
+    let mem = crate::backend::cuda::device::gpus()
+        .ok()?
+        .first()?
+        .total_mem;
+    Some(mem / world.div_ceil(gpus.max(1)))
+}
+
+/// `MemAvailable` of `/proc/meminfo` (Linux), in bytes.
+pub fn host_available_bytes() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// `--device`.
@@ -460,9 +541,12 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         save_dir: a.save_dir.clone(),
         save_every: a.save_every,
         resume: a.resume,
+        fsdp: false,
+        fsdp_replicas: 1,
     };
     let mut plan = cfg.plan()?;
     let shape = cfg.mesh_shape(&plan);
+    let fsdp_mode: FsdpMode = a.fsdp.parse()?;
     let nccl = || {
         crate::comm::nccl::library()
             .map(|_| ())
@@ -490,6 +574,27 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     let lead = route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0);
     let tokens = load_tokens(a.data.as_deref(), a.tokenizer.as_deref(), cfg.model.vocab)?;
     let on_gpu = route != Route::CpuThreads;
+    let budget = if on_gpu {
+        gpu_memory_per_rank(shape.world_size(), gpus)
+    } else {
+        host_available_bytes().map(|b| b / shape.world_size())
+    };
+    let states = crate::plan::model_state_bytes(&cfg.model, on_gpu);
+    let (fsdp, note) = fsdp_mode.resolve(shape.world_size(), states, budget);
+    cfg.fsdp = fsdp;
+    if a.fsdp_replicate != 1 {
+        if !fsdp {
+            return crate::config_err!(
+                "--fsdp-replicate {} needs sharding: add --fsdp on (this run resolved to unsharded)",
+                a.fsdp_replicate
+            );
+        }
+        cfg.fsdp_replicas = a.fsdp_replicate;
+        cfg.plan()?;
+    }
+    if let (Some(note), true) = (note, lead) {
+        tracing::warn!("{note}");
+    }
     // what `upipe plan` predicts for a step of `plan` here (rank 0's ledger peak)
     let predict = |plan: &CpPlan| {
         crate::plan::predict_step_rank(
@@ -498,7 +603,8 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                 plan: plan.clone(),
                 data: cfg.data_parallel,
                 policy: cfg.policy,
-                fsdp: false,
+                fsdp: cfg.fsdp,
+                fsdp_replicas: cfg.fsdp_replicas,
                 device: if on_gpu {
                     crate::plan::DeviceKind::cuda_with(kernel)
                 } else {

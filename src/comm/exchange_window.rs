@@ -1,7 +1,7 @@
 //! The Ulysses group's exchange window: all-to-all over copy engines.
 //!
 //! NCCL's all-to-all kernels need SMs; beside attention and GEMMs they slow
-//! both (docs/multi-gpu.md, "Overlap"). NCCL 2.28 can move an all-to-all
+//! both (docs/strategies.md, "Overlap"). NCCL 2.28 can move an all-to-all
 //! with the GPUs' copy engines instead, using no SMs, when the communicator's
 //! CTA policy is `NCCL_CTA_POLICY_ZERO`, the GPUs of the group are NVLink
 //! peers of one node, and both buffers lie in a window registered with

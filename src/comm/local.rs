@@ -91,6 +91,8 @@ impl LocalWorld {
             ring: group(GroupKind::Ring),
             context: group(GroupKind::Context),
             data: group(GroupKind::Data),
+            shard: group(GroupKind::Shard),
+            replica: group(GroupKind::Replica),
         }
     }
 }

@@ -8,6 +8,10 @@ pub struct MeshShape {
     pub data: usize,
     pub ring: usize,
     pub ulysses: usize,
+    /// FSDP replicas (HSDP): parameters are sharded inside groups of
+    /// `world / fsdp_replicas` consecutive ranks and replicated across the
+    /// groups (1: sharded over the whole world).
+    pub fsdp_replicas: usize,
 }
 
 /// The kinds of group a rank belongs to.
@@ -18,6 +22,10 @@ pub enum GroupKind {
     Ring,
     Context,
     Data,
+    /// The ranks sharing one FSDP shard set (consecutive global ranks).
+    Shard,
+    /// The ranks holding the same FSDP shard in different replicas.
+    Replica,
 }
 
 /// A rank's coordinates in the mesh.
@@ -40,7 +48,27 @@ impl MeshShape {
             data,
             ring,
             ulysses,
+            fsdp_replicas: 1,
         })
+    }
+    /// The same mesh with FSDP replicated over `r` groups (HSDP); `r` must
+    /// divide the world size.
+    pub fn with_fsdp_replicas(self, r: usize) -> crate::error::Result<Self> {
+        let w = self.world_size();
+        if r == 0 || !w.is_multiple_of(r) {
+            let divisors: Vec<usize> = (1..=w).filter(|d| w.is_multiple_of(*d)).collect();
+            return crate::config_err!(
+                "--fsdp-replicate {r} must divide the {w} ranks of the mesh (shard groups of equal size); use one of {divisors:?}"
+            );
+        }
+        Ok(MeshShape {
+            fsdp_replicas: r,
+            ..self
+        })
+    }
+    /// Ranks in one FSDP shard group.
+    pub fn shard_size(&self) -> usize {
+        self.world_size() / self.fsdp_replicas.max(1)
     }
     /// Ranks in the whole mesh.
     pub fn world_size(&self) -> usize {
@@ -74,6 +102,8 @@ impl MeshShape {
                 GroupKind::Ring => o.data == c.data && o.ulysses == c.ulysses,
                 GroupKind::Context => o.data == c.data,
                 GroupKind::Data => o.ring == c.ring && o.ulysses == c.ulysses,
+                GroupKind::Shard => r / self.shard_size() == rank / self.shard_size(),
+                GroupKind::Replica => r % self.shard_size() == rank % self.shard_size(),
             }
         })
         .collect()

@@ -56,6 +56,22 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
     }
     /// `recv[j] = send_of_rank_j`.
     fn all_gather(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()>;
+    /// Starts `all_gather(send, recv)` (as [`ProcessGroup::start_all_to_all`]:
+    /// beside compute where the group can, both buffers held until the wait).
+    fn start_all_gather(&self, send: Tensor<B>, mut recv: Tensor<B>) -> Result<Pending<B>> {
+        self.all_gather(&send, &mut recv)?;
+        Ok(Pending::in_flight(vec![recv], vec![send], None))
+    }
+    /// Starts `reduce_scatter(send, recv)` (as [`ProcessGroup::start_all_gather`]).
+    fn start_reduce_scatter(&self, send: Tensor<B>, mut recv: Tensor<B>) -> Result<Pending<B>> {
+        self.reduce_scatter(&send, &mut recv)?;
+        Ok(Pending::in_flight(vec![recv], vec![send], None))
+    }
+    /// Starts `all_reduce(t)` in place; the wait hands `t` back.
+    fn start_all_reduce(&self, mut t: Tensor<B>) -> Result<Pending<B>> {
+        self.all_reduce(&mut t)?;
+        Ok(Pending::done(t))
+    }
     /// `recv = sum_j send_of_rank_j[me]`.
     fn reduce_scatter(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()>;
     /// `t = sum_j t_of_rank_j`, identical on every rank.
@@ -185,6 +201,11 @@ pub struct Mesh<B: Backend> {
     pub context: Box<dyn ProcessGroup<B>>,
     /// Ranks holding the same sequence shard in different data replicas.
     pub data: Box<dyn ProcessGroup<B>>,
+    /// The ranks this rank's FSDP shards are spread over (the world, or a
+    /// group of `world / fsdp_replicas` consecutive ranks under HSDP).
+    pub shard: Box<dyn ProcessGroup<B>>,
+    /// The ranks holding the same FSDP shards in the other replicas.
+    pub replica: Box<dyn ProcessGroup<B>>,
 }
 
 #[cfg(test)]

@@ -120,6 +120,8 @@ pub fn split_specs(shape: MeshShape, rank: usize) -> Result<Vec<SplitSpec>> {
         GroupKind::Ring,
         GroupKind::Context,
         GroupKind::Data,
+        GroupKind::Shard,
+        GroupKind::Replica,
     ]
     .into_iter()
     .map(|kind| {
@@ -651,7 +653,7 @@ impl NcclWorld {
         // the highest priority the device has, so that beside compute
         // (`--overlap`) the block scheduler prefers NCCL's blocks to the
         // compute kernels' pending ones (on 2×H200 this did not make overlap
-        // pay: docs/multi-gpu.md); collectives not beside compute are unaffected
+        // pay: docs/results-log.md); collectives not beside compute are unaffected
         let (_, greatest) = drv(
             cudarc::driver::result::stream::get_priority_range(),
             "stream priority range",
@@ -825,8 +827,9 @@ impl NcclWorld {
             groups.push(self.group_with_window(comm, spec.members, window));
         }
         let mut it = groups.into_iter();
-        let mut next = || it.next().expect("four splits");
+        let mut next = || it.next().expect("six splits");
         let (ulysses, ring, context, data) = (next(), next(), next(), next());
+        let (shard, replica) = (next(), next());
         Ok(Mesh {
             shape,
             rank: self.rank,
@@ -835,6 +838,8 @@ impl NcclWorld {
             ring,
             context,
             data,
+            shard,
+            replica,
         })
     }
 
@@ -1352,6 +1357,42 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         })?;
         Ok(Pending::in_flight(recv, send, Some(self.join(done))))
     }
+    fn start_all_gather(
+        &self,
+        send: Tensor<CudaBackend>,
+        mut recv: Tensor<CudaBackend>,
+    ) -> Result<Pending<CudaBackend>> {
+        let done = self.issue("all_gather", send.bytes(), || {
+            self.all_gather_queued(&send, &mut recv)
+        })?;
+        Ok(Pending::in_flight(
+            vec![recv],
+            vec![send],
+            Some(self.join(done)),
+        ))
+    }
+    fn start_reduce_scatter(
+        &self,
+        send: Tensor<CudaBackend>,
+        mut recv: Tensor<CudaBackend>,
+    ) -> Result<Pending<CudaBackend>> {
+        let done = self.issue("reduce_scatter", send.bytes(), || {
+            self.reduce_scatter_queued(&send, &mut recv)
+        })?;
+        Ok(Pending::in_flight(
+            vec![recv],
+            vec![send],
+            Some(self.join(done)),
+        ))
+    }
+    fn start_all_reduce(&self, mut t: Tensor<CudaBackend>) -> Result<Pending<CudaBackend>> {
+        let done = self.issue("all_reduce", t.bytes(), || self.all_reduce_queued(&mut t))?;
+        Ok(Pending::in_flight(
+            vec![t],
+            Vec::new(),
+            Some(self.join(done)),
+        ))
+    }
     fn all_gather(&self, send: &Tensor<CudaBackend>, recv: &mut Tensor<CudaBackend>) -> Result<()> {
         self.ordered("all_gather", send.bytes(), || {
             self.all_gather_queued(send, recv)
@@ -1393,11 +1434,20 @@ mod tests {
 
     #[test]
     fn splits_match_mesh_membership() {
-        for (d, r, u) in [(1, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 2), (2, 1, 4)] {
-            let shape = MeshShape::new(d, r, u).unwrap();
+        for (d, r, u, replicas) in [
+            (1, 1, 2, 1),
+            (1, 2, 1, 2),
+            (1, 2, 2, 2),
+            (2, 2, 2, 4),
+            (2, 1, 4, 1),
+        ] {
+            let shape = MeshShape::new(d, r, u)
+                .unwrap()
+                .with_fsdp_replicas(replicas)
+                .unwrap();
             for rank in 0..shape.world_size() {
                 let specs = split_specs(shape, rank).unwrap();
-                assert_eq!(specs.len(), 4);
+                assert_eq!(specs.len(), 6);
                 for s in &specs {
                     assert_eq!(s.members, shape.members(s.kind, rank));
                     assert_eq!(s.members[s.key as usize], rank);

@@ -11,7 +11,8 @@
 //!   intermediate ever exists for the whole shard.
 
 use super::config::ModelConfig;
-use super::weights::{BlockWeights, ModelWeights};
+use super::store::{ParamStore, Unit};
+use super::weights::BlockWeights;
 use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
 use crate::comm::Mesh;
@@ -112,19 +113,19 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Forward and backward over this rank's tokens `ids` (targets aligned, `IGNORE`
-    /// for none). Accumulates partial gradients into `g` with the loss scaled by
+    /// for none), with parameters from `store` one unit at a time. Accumulates
+    /// partial gradients into the store's buffers with the loss scaled by
     /// `grad_scale` (1 / global target count gives the mean) and returns this
     /// rank's summed (unscaled) loss.
     #[allow(clippy::too_many_arguments)]
-    pub fn forward_backward(
+    pub fn forward_backward<S: ParamStore<B> + ?Sized>(
         &self,
         b: &B,
         mesh: &Mesh<B>,
-        w: &ModelWeights<B>,
+        store: &mut S,
         ids: &[u32],
         targets: &[u32],
         grad_scale: f32,
-        g: &mut ModelWeights<B>,
     ) -> Result<f64> {
         if ids.len() != targets.len() {
             return Err(Error::Config("one target per input token".into()));
@@ -132,12 +133,16 @@ impl<B: Backend> Decoder<B> {
         let act = b.compute_dtype();
         let (s, h) = (ids.len(), self.cfg.hidden);
         let mut x = b.zeros(&[s, h], act, Category::Activations)?;
-        b.embedding_fwd(&w.embed, ids, &mut x)?;
+        store.acquire(b, Unit::Embed)?;
+        b.embedding_fwd(store.embed()?, ids, &mut x)?;
+        store.release(Unit::Embed)?;
 
         // Forward, keeping per block either its input only (checkpoint) or everything.
-        let mut kept: Vec<(Tensor<B>, Option<BlockSaved<B>>)> = Vec::with_capacity(w.blocks.len());
-        for blk in &w.blocks {
-            let (next, saved) = self.block_fwd(b, mesh, blk, &x)?;
+        let mut kept: Vec<(Tensor<B>, Option<BlockSaved<B>>)> = Vec::with_capacity(self.cfg.layers);
+        for l in 0..self.cfg.layers {
+            store.acquire(b, Unit::Block(l))?;
+            let (next, saved) = self.block_fwd(b, mesh, store.block(l)?, &x)?;
+            store.release(Unit::Block(l))?;
             let entry = if self.policy.checkpoint {
                 drop(saved);
                 let input = if self.policy.offload {
@@ -153,36 +158,61 @@ impl<B: Backend> Decoder<B> {
             x = next;
         }
 
-        // Final norm + fused chunked loss: dhn is ready when forward ends.
-        let mut hn = b.zeros(x.shape(), act, Category::Workspace)?;
-        b.rms_norm_fwd(&x, &w.final_norm, self.eps(), &mut hn)?;
-        let (loss, dhn) = self.fused_loss(b, w.head(), g.head_mut(), &hn, targets, grad_scale)?;
-        drop(hn);
-        let mut dx = b.zeros(x.shape(), act, Category::Grads)?;
-        b.rms_norm_bwd(
-            &x,
-            &w.final_norm,
-            &dhn,
-            self.eps(),
-            &mut dx,
-            &mut g.final_norm,
-        )?;
-        drop((dhn, x));
-
+        let (loss, mut dx) = self.head_fwd_bwd(b, store, x, targets, grad_scale)?;
         for (l, (input, saved)) in kept.into_iter().enumerate().rev() {
             let input = if input.category() == Category::Offload {
                 cast(b, &input, act, Category::Activations)?
             } else {
                 input
             };
+            store.acquire(b, Unit::Block(l))?;
             let saved = match saved {
                 Some(s) => s,
-                None => self.block_fwd(b, mesh, &w.blocks[l], &input)?.1,
+                None => self.block_fwd(b, mesh, store.block(l)?, &input)?.1,
             };
-            dx = self.block_bwd(b, mesh, &w.blocks[l], &mut g.blocks[l], &input, saved, dx)?;
+            let (w, g) = store.block_grads(b, l)?;
+            dx = self.block_bwd(b, mesh, w, g, &input, saved, dx)?;
+            store.release(Unit::Block(l))?;
+            store.grads_done(b, Unit::Block(l))?;
         }
-        b.embedding_bwd(&dx, ids, &mut g.embed)?;
+        b.embedding_bwd(&dx, ids, store.embed_grads(b)?)?;
+        store.grads_done(b, Unit::Embed)?;
+        store.finish(b)?;
         Ok(loss)
+    }
+
+    /// Final norm + fused chunked loss on the last block's output `x` (dhn is
+    /// ready when forward ends); returns the summed loss and dL/dx.
+    fn head_fwd_bwd<S: ParamStore<B> + ?Sized>(
+        &self,
+        b: &B,
+        store: &mut S,
+        x: Tensor<B>,
+        targets: &[u32],
+        grad_scale: f32,
+    ) -> Result<(f64, Tensor<B>)> {
+        let tied = self.cfg.tie_embeddings;
+        store.acquire(b, Unit::Head)?;
+        if tied {
+            store.acquire(b, Unit::Embed)?;
+        }
+        let mut hn = b.zeros(x.shape(), x.dtype(), Category::Workspace)?;
+        b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
+        let head = store.head_grads(b)?;
+        let (loss, dhn) = self.fused_loss(b, head.head, head.d_head, &hn, targets, grad_scale)?;
+        drop(hn);
+        let mut dx = b.zeros(x.shape(), x.dtype(), Category::Grads)?;
+        b.rms_norm_bwd(&x, head.norm, &dhn, self.eps(), &mut dx, head.d_norm)?;
+        drop((dhn, x));
+        if tied {
+            store.release(Unit::Embed)?;
+        }
+        store.release(Unit::Head)?;
+        store.grads_done(b, Unit::Head)?;
+        if tied {
+            store.grads_done(b, Unit::Embed)?;
+        }
+        Ok((loss, dx))
     }
 
     /// One block forward: returns its output and what backward needs.

@@ -4,8 +4,10 @@
 pub mod config;
 pub mod decoder;
 pub mod forward;
+pub mod store;
 pub mod weights;
 
 pub use config::ModelConfig;
 pub use decoder::{Decoder, MemoryPolicy};
-pub use weights::{BlockWeights, ModelWeights};
+pub use store::{HeadView, ParamStore, Unit};
+pub use weights::{BlockWeights, ModelWeights, RandomInit};

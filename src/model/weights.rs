@@ -2,6 +2,7 @@
 //! F32 gradients (same shapes).
 
 use super::config::ModelConfig;
+use super::store::Unit;
 use crate::attention::AttentionWeights;
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
@@ -32,6 +33,73 @@ pub struct ModelWeights<B: Backend> {
     pub lm_head: Option<Tensor<B>>,
 }
 
+impl<B: Backend> BlockWeights<B> {
+    /// Block `i` of `cfg`, each tensor from `t(hf_name, shape)`, in HF order.
+    pub fn build_with(
+        cfg: &ModelConfig,
+        i: usize,
+        t: &mut impl FnMut(String, &[usize]) -> Result<Tensor<B>>,
+    ) -> Result<Self> {
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        Ok(BlockWeights {
+            attn_norm: t(p("input_layernorm.weight"), &[h])?,
+            attn: AttentionWeights {
+                wq: t(p("self_attn.q_proj.weight"), &[q, h])?,
+                wk: t(p("self_attn.k_proj.weight"), &[kv, h])?,
+                wv: t(p("self_attn.v_proj.weight"), &[kv, h])?,
+                wo: t(p("self_attn.o_proj.weight"), &[h, q])?,
+                q_norm: if cfg.qk_norm {
+                    Some(t(p("self_attn.q_norm.weight"), &[hd])?)
+                } else {
+                    None
+                },
+                k_norm: if cfg.qk_norm {
+                    Some(t(p("self_attn.k_norm.weight"), &[hd])?)
+                } else {
+                    None
+                },
+            },
+            mlp_norm: t(p("post_attention_layernorm.weight"), &[h])?,
+            gate: t(p("mlp.gate_proj.weight"), &[cfg.ffn, h])?,
+            up: t(p("mlp.up_proj.weight"), &[cfg.ffn, h])?,
+            down: t(p("mlp.down_proj.weight"), &[h, cfg.ffn])?,
+        })
+    }
+
+    /// Zero F32 gradients of block `i`.
+    pub fn zeros_grads(b: &B, cfg: &ModelConfig, i: usize) -> Result<Self> {
+        Self::build_with(cfg, i, &mut |_, s| b.zeros(s, DType::F32, Category::Grads))
+    }
+
+    /// Every tensor with its name inside the block (`input_layernorm.weight`, ...), in HF order.
+    pub fn named(&self) -> Vec<(String, &Tensor<B>)> {
+        let mut v = vec![("input_layernorm.weight".to_string(), &self.attn_norm)];
+        for (short, t) in self.attn.named() {
+            v.push((attn_name(short), t));
+        }
+        v.push(("post_attention_layernorm.weight".into(), &self.mlp_norm));
+        v.push(("mlp.gate_proj.weight".into(), &self.gate));
+        v.push(("mlp.up_proj.weight".into(), &self.up));
+        v.push(("mlp.down_proj.weight".into(), &self.down));
+        v
+    }
+
+    /// Every tensor, mutable, in the order of [`named`](Self::named).
+    pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<B>)> {
+        let mut v = vec![("input_layernorm.weight".to_string(), &mut self.attn_norm)];
+        for (short, t) in self.attn.named_mut() {
+            v.push((attn_name(short), t));
+        }
+        v.push(("post_attention_layernorm.weight".into(), &mut self.mlp_norm));
+        v.push(("mlp.gate_proj.weight".into(), &mut self.gate));
+        v.push(("mlp.up_proj.weight".into(), &mut self.up));
+        v.push(("mlp.down_proj.weight".into(), &mut self.down));
+        v
+    }
+}
+
 impl<B: Backend> ModelWeights<B> {
     /// Builds every tensor from `init(hf_name, shape)`.
     pub fn build(
@@ -41,40 +109,23 @@ impl<B: Backend> ModelWeights<B> {
         cat: Category,
         mut init: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
     ) -> Result<Self> {
-        let (h, hd) = (cfg.hidden, cfg.head_dim);
-        let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
         let mut t = |name: String, shape: &[usize]| -> Result<Tensor<B>> {
             let v = init(&name, shape)?;
             b.from_host(&v, shape, dtype, cat)
         };
+        Self::build_with(cfg, &mut t)
+    }
+
+    /// Builds every tensor from `t(hf_name, shape)`, in HF order.
+    pub fn build_with(
+        cfg: &ModelConfig,
+        t: &mut impl FnMut(String, &[usize]) -> Result<Tensor<B>>,
+    ) -> Result<Self> {
+        let h = cfg.hidden;
         let embed = t("model.embed_tokens.weight".into(), &[cfg.vocab, h])?;
-        let mut blocks = Vec::with_capacity(cfg.layers);
-        for i in 0..cfg.layers {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            blocks.push(BlockWeights {
-                attn_norm: t(p("input_layernorm.weight"), &[h])?,
-                attn: AttentionWeights {
-                    wq: t(p("self_attn.q_proj.weight"), &[q, h])?,
-                    wk: t(p("self_attn.k_proj.weight"), &[kv, h])?,
-                    wv: t(p("self_attn.v_proj.weight"), &[kv, h])?,
-                    wo: t(p("self_attn.o_proj.weight"), &[h, q])?,
-                    q_norm: if cfg.qk_norm {
-                        Some(t(p("self_attn.q_norm.weight"), &[hd])?)
-                    } else {
-                        None
-                    },
-                    k_norm: if cfg.qk_norm {
-                        Some(t(p("self_attn.k_norm.weight"), &[hd])?)
-                    } else {
-                        None
-                    },
-                },
-                mlp_norm: t(p("post_attention_layernorm.weight"), &[h])?,
-                gate: t(p("mlp.gate_proj.weight"), &[cfg.ffn, h])?,
-                up: t(p("mlp.up_proj.weight"), &[cfg.ffn, h])?,
-                down: t(p("mlp.down_proj.weight"), &[h, cfg.ffn])?,
-            });
-        }
+        let blocks = (0..cfg.layers)
+            .map(|i| BlockWeights::build_with(cfg, i, t))
+            .collect::<Result<Vec<_>>>()?;
         let final_norm = t("model.norm.weight".into(), &[h])?;
         let lm_head = if cfg.tie_embeddings {
             None
@@ -98,20 +149,13 @@ impl<B: Backend> ModelWeights<B> {
 
     /// Seeded random initialisation (normal(0, 0.02) matrices, unit norms), HF style.
     pub fn random(b: &B, cfg: &ModelConfig, seed: u64) -> Result<Self> {
-        let mut rng = crate::rng::Rng::new(seed);
+        let init = RandomInit::new(cfg, seed);
         Self::build(
             b,
             cfg,
             b.compute_dtype(),
             Category::Weights,
-            |name, shape| {
-                let n = shape.iter().product();
-                Ok(if shape.len() == 1 && name.ends_with("norm.weight") {
-                    vec![1.0; n]
-                } else {
-                    rng.normal_vec(n, 0.02)
-                })
-            },
+            |name, shape| Ok(init.values(name, 0..shape.iter().product())),
         )
     }
 
@@ -124,19 +168,58 @@ impl<B: Backend> ModelWeights<B> {
         self.lm_head.as_mut().unwrap_or(&mut self.embed)
     }
 
+    /// The tensors of `unit` with their HF names, in HF order (a tied
+    /// embedding belongs to [`Unit::Embed`] only).
+    pub fn unit_named(&self, unit: Unit) -> Vec<(String, &Tensor<B>)> {
+        match unit {
+            Unit::Embed => vec![("model.embed_tokens.weight".into(), &self.embed)],
+            Unit::Block(l) => self.blocks[l]
+                .named()
+                .into_iter()
+                .map(|(n, t)| (format!("model.layers.{l}.{n}"), t))
+                .collect(),
+            Unit::Head => {
+                let mut v = vec![("model.norm.weight".to_string(), &self.final_norm)];
+                v.extend(
+                    self.lm_head
+                        .iter()
+                        .map(|t| ("lm_head.weight".to_string(), t)),
+                );
+                v
+            }
+        }
+    }
+
+    /// The tensors of `unit`, mutable, in the order of [`unit_named`](Self::unit_named).
+    pub fn unit_named_mut(&mut self, unit: Unit) -> Vec<(String, &mut Tensor<B>)> {
+        match unit {
+            Unit::Embed => vec![("model.embed_tokens.weight".into(), &mut self.embed)],
+            Unit::Block(l) => self.blocks[l]
+                .named_mut()
+                .into_iter()
+                .map(|(n, t)| (format!("model.layers.{l}.{n}"), t))
+                .collect(),
+            Unit::Head => {
+                let mut v = vec![("model.norm.weight".to_string(), &mut self.final_norm)];
+                v.extend(
+                    self.lm_head
+                        .iter_mut()
+                        .map(|t| ("lm_head.weight".to_string(), t)),
+                );
+                v
+            }
+        }
+    }
+
     /// Every tensor with its HF name, in model order.
     pub fn named(&self) -> Vec<(String, &Tensor<B>)> {
         let mut v = vec![("model.embed_tokens.weight".to_string(), &self.embed)];
         for (i, blk) in self.blocks.iter().enumerate() {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            v.push((p("input_layernorm.weight"), &blk.attn_norm));
-            for (short, t) in blk.attn.named() {
-                v.push((p(&attn_name(short)), t));
-            }
-            v.push((p("post_attention_layernorm.weight"), &blk.mlp_norm));
-            v.push((p("mlp.gate_proj.weight"), &blk.gate));
-            v.push((p("mlp.up_proj.weight"), &blk.up));
-            v.push((p("mlp.down_proj.weight"), &blk.down));
+            v.extend(
+                blk.named()
+                    .into_iter()
+                    .map(|(n, t)| (format!("model.layers.{i}.{n}"), t)),
+            );
         }
         v.push(("model.norm.weight".to_string(), &self.final_norm));
         if let Some(t) = &self.lm_head {
@@ -149,15 +232,11 @@ impl<B: Backend> ModelWeights<B> {
     pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<B>)> {
         let mut v = vec![("model.embed_tokens.weight".to_string(), &mut self.embed)];
         for (i, blk) in self.blocks.iter_mut().enumerate() {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            v.push((p("input_layernorm.weight"), &mut blk.attn_norm));
-            for (short, t) in blk.attn.named_mut() {
-                v.push((p(&attn_name(short)), t));
-            }
-            v.push((p("post_attention_layernorm.weight"), &mut blk.mlp_norm));
-            v.push((p("mlp.gate_proj.weight"), &mut blk.gate));
-            v.push((p("mlp.up_proj.weight"), &mut blk.up));
-            v.push((p("mlp.down_proj.weight"), &mut blk.down));
+            v.extend(
+                blk.named_mut()
+                    .into_iter()
+                    .map(|(n, t)| (format!("model.layers.{i}.{n}"), t)),
+            );
         }
         v.push(("model.norm.weight".to_string(), &mut self.final_norm));
         if let Some(t) = self.lm_head.as_mut() {
@@ -165,6 +244,47 @@ impl<B: Backend> ModelWeights<B> {
         }
         v
     }
+}
+
+/// The seeded initial values of [`ModelWeights::random`], for any range of
+/// any parameter: one normal stream runs through the matrices in HF order
+/// (norm weights are ones and draw nothing), so a shard of a parameter is
+/// drawn without drawing the rest of the model.
+pub struct RandomInit {
+    seed: u64,
+    /// Normal values drawn before each matrix, by HF name.
+    drawn_before: std::collections::HashMap<String, u64>,
+}
+
+impl RandomInit {
+    pub fn new(cfg: &ModelConfig, seed: u64) -> Self {
+        let mut drawn = 0u64;
+        let mut drawn_before = std::collections::HashMap::new();
+        for (name, shape) in cfg.hf_param_shapes() {
+            if !is_norm(&name, &shape) {
+                drawn_before.insert(name, drawn);
+                drawn += shape.iter().product::<usize>() as u64;
+            }
+        }
+        RandomInit { seed, drawn_before }
+    }
+
+    /// Elements `elems` (flattened, row-major) of parameter `name`.
+    pub fn values(&self, name: &str, elems: std::ops::Range<usize>) -> Vec<f32> {
+        match self.drawn_before.get(name) {
+            None => vec![1.0; elems.len()],
+            Some(&before) => {
+                let mut rng = crate::rng::Rng::new(self.seed);
+                rng.skip_normals(before + elems.start as u64);
+                rng.normal_vec(elems.len(), 0.02)
+            }
+        }
+    }
+}
+
+/// Norm weights start at one (1-D tensors named `...norm.weight`).
+fn is_norm(name: &str, shape: &[usize]) -> bool {
+    shape.len() == 1 && name.ends_with("norm.weight")
 }
 
 /// HF name of an attention tensor inside a layer.

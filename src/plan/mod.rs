@@ -13,15 +13,16 @@
 //! and AdamW moments in f32, plus f32 master weights when the compute dtype
 //! is not f32 (`train/optim.rs`).
 //!
-//! FSDP (params, grads and optimizer state sharded over data × context ranks)
-//! is not implemented in the engine yet; [`StepSpec::fsdp`] models it as
-//! ZeRO-3 would run it: resident shards of 1/W of each, plus, in `comm`, two
-//! gathered units (the one computing and the one prefetched) in the compute
-//! dtype and one unit's unsharded f32 gradient waiting for its
-//! reduce-scatter, where a unit is a decoder block, the embedding or the LM head.
+//! The parameter store's allocations ([`store_walk`]) are walked the same
+//! way: without FSDP the whole model and one F32 gradient bucket per unit;
+//! with FSDP ([`StepSpec::fsdp`]) each rank's shards of every unit, the
+//! gathered units (at most two, one of them prefetched), a unit's full F32
+//! gradients and its reduce-scatter buffers, exactly as
+//! `train::fsdp::store` allocates them.
 
 pub mod shapes;
 pub mod sim;
+pub mod store_walk;
 pub mod walk;
 
 use crate::attention::{AttnDims, CpPlan, Strategy};
@@ -30,6 +31,7 @@ use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use sim::Sim;
+use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
 use walk::{AttnFwd, AttnWalk, DecoderWalk};
 
 const F32: usize = 4;
@@ -101,8 +103,10 @@ pub struct StepSpec {
     /// Data-parallel degree (FSDP shards over `data × context` ranks).
     pub data: usize,
     pub policy: MemoryPolicy,
-    /// Shard parameters, gradients and optimizer state (modelled; not in the engine yet).
+    /// Shard parameters, gradients and optimizer state over every rank (FSDP).
     pub fsdp: bool,
+    /// HSDP: shard groups of `world / fsdp_replicas` ranks (1: the world).
+    pub fsdp_replicas: usize,
     pub device: DeviceKind,
     /// Include AdamW state (a training step) or not (`loss_and_grads_cpu`).
     pub optimizer: bool,
@@ -150,17 +154,12 @@ impl Prediction {
     }
 }
 
-/// Parameters of `cfg`: (total, the largest FSDP unit: a block, the embedding or the head).
-fn param_units(cfg: &ModelConfig) -> (usize, usize) {
-    let total = cfg.param_count();
-    let (h, q, kv) = (
-        cfg.hidden,
-        cfg.heads * cfg.head_dim,
-        cfg.kv_heads * cfg.head_dim,
-    );
-    let norms = if cfg.qk_norm { 2 * cfg.head_dim } else { 0 };
-    let block = 2 * h + 2 * q * h + 2 * kv * h + norms + 3 * cfg.ffn * h;
-    (total, block.max(cfg.vocab * h))
+/// Bytes of the whole model's states on one rank without FSDP: parameters
+/// in the compute dtype, F32 gradients, AdamW moments and (on GPUs) F32
+/// master weights.
+pub fn model_state_bytes(cfg: &ModelConfig, gpu: bool) -> usize {
+    let per_param = if gpu { 2 + 4 + 3 * 4 } else { 4 + 4 + 2 * 4 };
+    cfg.param_count() * per_param
 }
 
 /// The attention walk of `plan` on `device` for ring rank `ring_rank`.
@@ -206,39 +205,54 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
     sim.label("resident");
     // Decoder::new: RoPE tables for the positions this rank attends over.
     sim.alloc(Category::Workspace, attn.rope_bytes());
-    let (params, unit) = param_units(&spec.model);
     let world = spec.data * spec.plan.mesh_shape().world_size();
-    let shard = if spec.fsdp {
-        params.div_ceil(world)
+    let states = if !spec.optimizer {
+        0
+    } else if spec.device.master_weights() {
+        3
     } else {
-        params
+        2
     };
-    sim.alloc(Category::Weights, shard * ab);
-    sim.alloc(Category::Grads, shard * F32);
-    if spec.optimizer {
-        let states = if spec.device.master_weights() { 3 } else { 2 };
-        sim.alloc(Category::OptimState, states * shard * F32);
-    }
+    let shard_world = world / spec.fsdp_replicas.max(1);
     if spec.fsdp {
-        sim.alloc(Category::Comm, 2 * unit * ab + unit * F32);
+        FsdpWalk::resident(&spec.model, shard_world, ab, states, &mut sim);
+    } else {
+        let params = spec.model.param_count();
+        sim.alloc(Category::Weights, params * ab);
+        sim.alloc(Category::Grads, params * F32);
+        if states > 0 {
+            sim.alloc(Category::OptimState, states * params * F32);
+        }
     }
     sim.alloc(Category::Workspace, spec.device.backend_resident());
     let step = |sim: &mut Sim| {
+        let mut store: Box<dyn StoreWalk> = if spec.fsdp {
+            Box::new(FsdpWalk::new(&spec.model, shard_world, ab))
+        } else {
+            Box::new(ReplicatedWalk::new(&spec.model, world))
+        };
         DecoderWalk {
             cfg: &spec.model,
             policy: spec.policy,
             attn,
             uploads_ids: spec.device.is_cuda(),
         }
-        .step(sim);
+        .step(sim, store.as_mut());
         if spec.optimizer {
             // the trainer's all-reduced loss scalar
             sim.label("optimizer");
             let loss = sim.alloc(Category::Workspace, F32);
             if spec.device.is_cuda() {
-                // `sum_squares` accumulates the gradient norm in one f64
+                // `sum_squares` accumulates each tensor's squares in one f64
                 let acc = sim.alloc(Category::Workspace, 2 * F32);
                 sim.free(acc);
+            }
+            if spec.fsdp {
+                // `ShardedAdamW::grad_norm`: every rank's sum as two f32 words
+                let send = sim.alloc(Category::Workspace, 2 * F32);
+                let recv = sim.alloc(Category::Workspace, 2 * shard_world * F32);
+                sim.free(recv);
+                sim.free(send);
             }
             sim.free(loss);
         }

@@ -5,11 +5,12 @@
 
 use super::shapes::{StageShapes, distinct_lengths, loss_chunks, mlp_tiles};
 use super::sim::{Buf, Sim};
+use super::store_walk::StoreWalk;
 use crate::attention::schedule::{Upcoming, grad_write, upcoming};
 use crate::attention::{AttnDims, CpPlan, Settle, Strategy};
 use crate::backend::Category::{self, Activations, Comm, Grads, Offload, Workspace};
 use crate::backend::{AttnGradWrites, GradWrite};
-use crate::model::{MemoryPolicy, ModelConfig};
+use crate::model::{MemoryPolicy, ModelConfig, Unit};
 
 const F32: usize = 4;
 
@@ -820,14 +821,19 @@ impl DecoderWalk<'_> {
         dhn
     }
 
-    /// `Decoder::forward_backward` after the decoder and parameters exist.
-    pub fn step(&self, sim: &mut Sim) {
+    /// `Decoder::forward_backward` after the decoder and parameters exist,
+    /// with the parameter store's allocations from `store`.
+    pub fn step(&self, sim: &mut Sim, store: &mut dyn StoreWalk) {
         sim.label("forward: embedding");
         let mut x = self.hidden_buf(sim, Activations);
+        store.acquire(sim, Unit::Embed);
         self.ids(sim, self.s());
+        store.release(sim, Unit::Embed);
         let mut kept: Vec<(Buf, Option<BlockSaved>)> = Vec::new();
-        for _ in 0..self.cfg.layers {
+        for l in 0..self.cfg.layers {
+            store.acquire(sim, Unit::Block(l));
             let (next, saved) = self.block_fwd(sim);
+            store.release(sim, Unit::Block(l));
             if self.policy.checkpoint {
                 let BlockSaved {
                     a, o, lse, h1, mlp, ..
@@ -851,20 +857,16 @@ impl DecoderWalk<'_> {
             }
             x = next;
         }
-        sim.label("loss");
-        let hn = self.hidden_buf(sim, Workspace);
-        let dhn = self.fused_loss(sim);
-        sim.free(hn);
-        let mut dx = self.hidden_buf(sim, Grads);
-        sim.free(dhn);
-        sim.free(x);
+        let mut dx = self.head(sim, store, x);
         while let Some((input, saved)) = kept.pop() {
+            let l = kept.len();
             sim.label("backward: reload");
             let (input, host) = if input.cat == Offload {
                 (sim.alloc(Activations, input.bytes), Some(input))
             } else {
                 (input, None)
             };
+            store.acquire(sim, Unit::Block(l));
             let saved = match saved {
                 Some(s) => s,
                 None => {
@@ -873,11 +875,43 @@ impl DecoderWalk<'_> {
                     s
                 }
             };
+            store.block_grads(sim, l);
             dx = self.block_bwd(sim, saved, dx);
+            store.release(sim, Unit::Block(l));
+            store.grads_done(sim, Unit::Block(l));
             sim.free(input);
             sim.free_opt(host);
         }
+        store.embed_grads(sim);
         self.ids(sim, self.s());
+        store.grads_done(sim, Unit::Embed);
+        store.finish(sim);
         sim.free(dx);
+    }
+
+    /// `Decoder::head_fwd_bwd` on the last block's output `x`: returns dx.
+    fn head(&self, sim: &mut Sim, store: &mut dyn StoreWalk, x: Buf) -> Buf {
+        let tied = self.cfg.tie_embeddings;
+        sim.label("loss");
+        store.acquire(sim, Unit::Head);
+        if tied {
+            store.acquire(sim, Unit::Embed);
+        }
+        let hn = self.hidden_buf(sim, Workspace);
+        store.head_grads(sim);
+        let dhn = self.fused_loss(sim);
+        sim.free(hn);
+        let dx = self.hidden_buf(sim, Grads);
+        sim.free(dhn);
+        sim.free(x);
+        if tied {
+            store.release(sim, Unit::Embed);
+        }
+        store.release(sim, Unit::Head);
+        store.grads_done(sim, Unit::Head);
+        if tied {
+            store.grads_done(sim, Unit::Embed);
+        }
+        dx
     }
 }

@@ -102,35 +102,45 @@ impl<B: Backend> AdamW<B> {
         let lr = self.cfg.lr_at(step);
         let grads = g.named();
         for (k, (name, p)) in w.named_mut().into_iter().enumerate() {
-            let hp = AdamWStep {
-                lr,
-                beta1: self.cfg.beta1,
-                beta2: self.cfg.beta2,
-                eps: self.cfg.eps,
-                // no decay on norms
-                weight_decay: if name.ends_with("norm.weight") {
-                    0.0
-                } else {
-                    self.cfg.weight_decay
-                },
-                step,
-                grad_scale: clip,
-            };
+            let hp = hyper(&self.cfg, &name, lr, step, clip);
             match self.master.as_mut() {
                 Some(master) => {
+                    let n = master[k].numel();
                     b.adamw(
                         &mut master[k],
                         grads[k].1,
                         &mut self.m[k],
                         &mut self.v[k],
+                        0..n,
                         hp,
                     )?;
                     b.copy(p.mat_mut(), master[k].mat())?;
                 }
-                None => b.adamw(p, grads[k].1, &mut self.m[k], &mut self.v[k], hp)?,
+                None => {
+                    let n = p.numel();
+                    b.adamw(p, grads[k].1, &mut self.m[k], &mut self.v[k], 0..n, hp)?
+                }
             }
         }
         Ok((lr, norm))
+    }
+}
+
+/// The update of parameter `name` at 1-based `step` with learning rate `lr`
+/// and gradient multiplier `clip`: no weight decay on norm weights.
+pub fn hyper(cfg: &AdamWConfig, name: &str, lr: f32, step: u32, clip: f32) -> AdamWStep {
+    AdamWStep {
+        lr,
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        eps: cfg.eps,
+        weight_decay: if name.ends_with("norm.weight") {
+            0.0
+        } else {
+            cfg.weight_decay
+        },
+        step,
+        grad_scale: clip,
     }
 }
 

@@ -4,9 +4,12 @@
 //! ([`train_threads`]: CPU, or GPUs with host-copy exchanges) or one process
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
-use super::checkpoint::{HostTensor, load_hf_model, load_train_state, save_train_state};
+use super::checkpoint::HostTensor;
 use super::data::{SamplerState, SequenceSampler, Tokens};
-use super::optim::{AdamW, AdamWConfig};
+use super::fsdp::Sharded;
+use super::optim::AdamWConfig;
+use super::replicated::{Replicated, ReplicatedStore};
+use super::state::RankModel;
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats, Tensor};
@@ -49,6 +52,12 @@ pub struct TrainConfig {
     pub save_every: u32,
     /// Resume from `save_dir` if it holds a checkpoint.
     pub resume: bool,
+    /// Shard parameters, gradients and optimizer state over every rank of
+    /// the mesh (FSDP); otherwise every rank holds the whole model.
+    pub fsdp: bool,
+    /// HSDP: shard inside `world / fsdp_replicas` consecutive ranks,
+    /// replicate across the groups (1: shard over every rank).
+    pub fsdp_replicas: usize,
 }
 
 /// What one step did (rank 0's view; loss and gradients are global).
@@ -94,7 +103,16 @@ impl TrainConfig {
             save_dir: None,
             save_every: 0,
             resume: false,
+            fsdp: false,
+            fsdp_replicas: 1,
         }
+    }
+
+    /// The checkpoint directory to resume from, when resuming and one is there.
+    pub fn resume_dir(&self) -> Option<&std::path::Path> {
+        self.save_dir
+            .as_deref()
+            .filter(|d| self.resume && d.join("state.json").exists())
     }
 
     /// Validates the configuration and resolves the attention plan.
@@ -107,7 +125,7 @@ impl TrainConfig {
         if self.data_parallel == 0 {
             return crate::config_err!("--data-parallel must be at least 1");
         }
-        CpPlan::new(
+        let plan = CpPlan::new(
             self.strategy,
             &attn_dims(&self.model),
             self.seq,
@@ -115,13 +133,28 @@ impl TrainConfig {
             self.ring,
             self.chunk_heads,
         )?
-        .with_fwd_chunk(self.fwd_chunk_heads)
+        .with_fwd_chunk(self.fwd_chunk_heads)?;
+        if self.fsdp_replicas != 1 {
+            if !self.fsdp {
+                return crate::config_err!(
+                    "--fsdp-replicate {} replicates FSDP shard groups: add --fsdp on",
+                    self.fsdp_replicas
+                );
+            }
+            MeshShape {
+                data: self.data_parallel,
+                ..plan.mesh_shape()
+            }
+            .with_fsdp_replicas(self.fsdp_replicas)?;
+        }
+        Ok(plan)
     }
 
     /// The whole mesh of `plan` (data replicas x its context group).
     pub fn mesh_shape(&self, plan: &CpPlan) -> MeshShape {
         MeshShape {
             data: self.data_parallel,
+            fsdp_replicas: self.fsdp_replicas,
             ..plan.mesh_shape()
         }
     }
@@ -262,44 +295,26 @@ fn run_rank<B: Backend>(
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<(Vec<StepReport>, MemoryStats)> {
     let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
-    let mut w = match &cfg.init_from {
-        Some(dir) => {
-            let host = load_hf_model(dir, &cfg.model)?;
-            weights_from_host(b, &cfg.model, &host, b.compute_dtype(), Category::Weights)?
-        }
-        None => ModelWeights::random(b, &cfg.model, cfg.seed)?,
+    let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {
+        let (m, r) = Sharded::open(b, cfg, mesh)?;
+        (Box::new(m), r)
+    } else {
+        let (m, r) = Replicated::open(b, cfg, mesh.world.as_ref())?;
+        (Box::new(m), r)
     };
-    let mut g = ModelWeights::zeros_grads(b, &cfg.model)?;
-    let mut opt = AdamW::new(b, cfg.optim, &w)?;
     // replicas draw disjoint windows; context ranks of one replica share one
     let data_rank = mesh.shape.coords(mesh.rank).data;
     let mut sampler =
         SequenceSampler::sharded(tokens, cfg.seq, cfg.seed, data_rank, cfg.data_parallel)?;
     let mut first = 1;
-    if let Some(dir) = cfg
-        .save_dir
-        .as_ref()
-        .filter(|d| cfg.resume && d.join("state.json").exists())
-    {
-        let st = load_train_state(dir)?;
-        w = weights_from_host(
-            b,
-            &cfg.model,
-            &st.params,
-            b.compute_dtype(),
-            Category::Weights,
-        )?;
-        opt = AdamW::new(b, cfg.optim, &w)?;
-        let m = weights_from_host(b, &cfg.model, &st.adam_m, DType::F32, Category::OptimState)?;
-        let v = weights_from_host(b, &cfg.model, &st.adam_v, DType::F32, Category::OptimState)?;
-        opt.m = into_tensors(m);
-        opt.v = into_tensors(v);
-        let sampler_state: SamplerState = serde_json::from_value(st.extra["sampler"].clone())
+    if let Some(r) = resumed {
+        let dir = cfg.resume_dir().expect("resumed from a directory");
+        let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
             .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
         sampler.restore(sampler_state)?;
-        first = st.step as u32 + 1;
+        first = r.step as u32 + 1;
         if rank == 0 {
-            tracing::info!("resumed from {} at step {}", dir.display(), st.step);
+            tracing::info!("resumed from {} at step {}", dir.display(), r.step);
         }
     }
     let positions = plan
@@ -315,18 +330,11 @@ fn run_rank<B: Backend>(
         let ids: Vec<u32> = positions.iter().map(|&p| window.inputs()[p]).collect();
         let targets: Vec<u32> = positions.iter().map(|&p| window.targets()[p]).collect();
         debug_assert!(!targets.contains(&IGNORE));
-        for (_, t) in g.named_mut() {
-            b.fill(t, 0.0)?;
-        }
-        let local_loss =
-            decoder.forward_backward(b, mesh, &w, &ids, &targets, grad_scale, &mut g)?;
-        for (_, t) in g.named_mut() {
-            mesh.world.all_reduce(t)?;
-        }
+        let local_loss = model.forward_backward(b, &decoder, mesh, &ids, &targets, grad_scale)?;
         let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
         let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
-        let (lr, grad_norm) = opt.step(b, &mut w, &g, step)?;
+        let (lr, grad_norm) = model.optimizer_step(b, step)?;
         b.synchronize()?;
         let report = StepReport {
             step,
@@ -341,20 +349,15 @@ fn run_rank<B: Backend>(
         }
         reports.push(report);
         let save_now = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
-        if let (Some(dir), true, 0) = (&cfg.save_dir, save_now, rank) {
+        if let (Some(dir), true) = (&cfg.save_dir, save_now) {
             let extra = serde_json::json!({ "sampler": sampler.state(), "seed": cfg.seed });
-            save_train_state(
-                dir,
-                step as u64,
-                &weights_to_host(b, &w)?,
-                &tensors_to_host(b, &w, &opt.m)?,
-                &tensors_to_host(b, &w, &opt.v)?,
-                &extra,
-            )?;
-            // config.json beside model.safetensors makes the directory an HF model dir
-            let path = dir.join("config.json");
-            std::fs::write(&path, cfg.model.to_hf_json())
-                .map_err(|e| Error::io(path.display().to_string(), e))?;
+            model.save(b, dir, step as u64, &extra, rank == 0)?;
+            if rank == 0 {
+                // config.json beside the weights makes the directory an HF model dir
+                let path = dir.join("config.json");
+                std::fs::write(&path, cfg.model.to_hf_json())
+                    .map_err(|e| Error::io(path.display().to_string(), e))?;
+            }
         }
     }
     Ok((reports, b.ledger().stats()))
@@ -372,7 +375,7 @@ pub fn weights_to_host<B: Backend>(
 }
 
 /// Host copies of per-parameter state tensors (moments), named like `w`.
-fn tensors_to_host<B: Backend>(
+pub(crate) fn tensors_to_host<B: Backend>(
     b: &B,
     w: &ModelWeights<B>,
     ts: &[Tensor<B>],
@@ -406,27 +409,6 @@ pub fn weights_from_host<B: Backend>(
     })
 }
 
-fn into_tensors<B: Backend>(w: ModelWeights<B>) -> Vec<Tensor<B>> {
-    let ModelWeights {
-        embed,
-        blocks,
-        final_norm,
-        lm_head,
-    } = w;
-    let mut v = vec![embed];
-    for blk in blocks {
-        v.push(blk.attn_norm);
-        let a = blk.attn;
-        v.extend([a.wq, a.wk, a.wv, a.wo]);
-        v.extend(a.q_norm);
-        v.extend(a.k_norm);
-        v.extend([blk.mlp_norm, blk.gate, blk.up, blk.down]);
-    }
-    v.push(final_norm);
-    v.extend(lm_head);
-    v
-}
-
 /// Loss (mean over `targets`) and reduced parameter gradients of one sequence
 /// under `plan`, on CPU thread ranks, from weights built by `weights` on each
 /// rank. The engine of the equivalence tests and of `upipe eval`.
@@ -451,19 +433,18 @@ pub fn loss_and_grads_cpu(
         let b = b.as_ref();
         let decoder = Decoder::new(b, model.clone(), plan.clone(), &mesh, policy)?;
         let w = weights(b)?;
-        let mut g = ModelWeights::zeros_grads(b, model)?;
+        let mut store = ReplicatedStore::new(b, model, w, mesh.world.as_ref())?;
         let pos = plan
             .layout
             .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
         let ids: Vec<u32> = pos.iter().map(|&p| ids[p]).collect();
         let tg: Vec<u32> = pos.iter().map(|&p| targets[p]).collect();
-        let loss =
-            decoder.forward_backward(b, &mesh, &w, &ids, &tg, 1.0 / counted as f32, &mut g)?;
+        let scale = 1.0 / counted as f32;
+        let loss = decoder.forward_backward(b, &mesh, &mut store, &ids, &tg, scale)?;
         let mut loss = b.from_host(&[loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
         let mut grads = BTreeMap::new();
-        for (name, t) in g.named_mut() {
-            mesh.world.all_reduce(t)?;
+        for (name, t) in store.g.named() {
             grads.insert(name, b.to_host(t)?);
         }
         Ok((b.to_host(&loss)?[0] as f64 / counted as f64, grads))

@@ -1600,25 +1600,35 @@ impl Backend for CudaBackend {
         grad: &Tensor<Self>,
         m: &mut Tensor<Self>,
         v: &mut Tensor<Self>,
+        elems: std::ops::Range<usize>,
         hp: AdamWStep,
     ) -> Result<()> {
         let _span = self.span("adamw")?;
         same_numel(param, grad, "adamw")?;
         same_numel(param, m, "adamw")?;
         same_numel(param, v, "adamw")?;
+        crate::backend::check_elems(&elems, param.numel(), "adamw")?;
         for (t, what) in [(&*param, "param"), (&*m, "m"), (&*v, "v")] {
             need(t, DType::F32, "adamw", what)?;
+        }
+        let n = elems.len();
+        if n == 0 {
+            return Ok(());
         }
         self.bind()?;
         let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
         let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
-        let n = param.numel();
+        // byte offsets of the range: f32 state, grad in its own dtype
+        let (f32_off, g_off) = (
+            (elems.start * 4) as u64,
+            (elems.start * grad.dtype().size()) as u64,
+        );
         let args = Args::new()
-            .ptr(ptr(param))
-            .ptr(ptr(grad))
+            .ptr(ptr(param) + f32_off)
+            .ptr(ptr(grad) + g_off)
             .i32(dt(grad))
-            .ptr(ptr(m))
-            .ptr(ptr(v))
+            .ptr(ptr(m) + f32_off)
+            .ptr(ptr(v) + f32_off)
             .usize(n)
             .f32(hp.lr)
             .f32(hp.beta1)

@@ -1,0 +1,119 @@
+//! Where the decoder gets its parameters and sends its gradients, one unit
+//! (the embedding, a block, the final norm + LM head) at a time.
+//!
+//! The decoder asks for a unit just before it uses it and gives it back
+//! right after, so a store may hold the whole model ([`crate::train`]'s
+//! replicated store) or only a shard of every unit, gathering each unit on
+//! demand (FSDP): the decoder's arithmetic is the same either way.
+
+use super::weights::BlockWeights;
+use crate::backend::{Backend, Tensor};
+use crate::error::Result;
+
+/// A unit of parameters: what FSDP gathers at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Unit {
+    /// `model.embed_tokens` (also the LM head when the embeddings are tied).
+    Embed,
+    /// Decoder block `l`.
+    Block(usize),
+    /// `model.norm` and `lm_head` (the final norm only when tied).
+    Head,
+}
+
+impl Unit {
+    /// Every unit of a `layers`-block model, in model order.
+    pub fn all(layers: usize) -> Vec<Unit> {
+        let mut v = vec![Unit::Embed];
+        v.extend((0..layers).map(Unit::Block));
+        v.push(Unit::Head);
+        v
+    }
+
+    /// Position in [`Unit::all`].
+    pub fn index(self, layers: usize) -> usize {
+        match self {
+            Unit::Embed => 0,
+            Unit::Block(l) => 1 + l,
+            Unit::Head => layers + 1,
+        }
+    }
+
+    /// The units one step gathers, in the order it uses them: forward
+    /// (embedding, blocks, head — and the embedding again as a tied head),
+    /// then backward (blocks in reverse; the embedding's backward needs no
+    /// parameters).
+    pub fn step_order(layers: usize, tied: bool) -> Vec<Unit> {
+        let mut v = vec![Unit::Embed];
+        v.extend((0..layers).map(Unit::Block));
+        v.push(Unit::Head);
+        if tied {
+            v.push(Unit::Embed);
+        }
+        v.extend((0..layers).rev().map(Unit::Block));
+        v
+    }
+}
+
+/// The head's parameters and gradients at the loss: `model.norm` and the LM
+/// head matrix (the embedding when tied), with their F32 gradients.
+pub struct HeadView<'a, B: Backend> {
+    pub norm: &'a Tensor<B>,
+    pub head: &'a Tensor<B>,
+    pub d_norm: &'a mut Tensor<B>,
+    pub d_head: &'a mut Tensor<B>,
+}
+
+/// Parameters and gradients of one training step, one unit at a time.
+///
+/// Call order within a step: [`acquire`](ParamStore::acquire) a unit, read
+/// it, [`release`](ParamStore::release) it; in backward take its gradient
+/// buffers, accumulate, then [`grads_done`](ParamStore::grads_done); at the
+/// end [`finish`](ParamStore::finish). Units are acquired in
+/// [`Unit::step_order`], so a store may prefetch the next one.
+pub trait ParamStore<B: Backend> {
+    /// Makes `unit`'s parameters readable until [`release`](ParamStore::release).
+    fn acquire(&mut self, b: &B, unit: Unit) -> Result<()>;
+    /// The decoder is done reading `unit` for now.
+    fn release(&mut self, unit: Unit) -> Result<()>;
+    /// The embedding table `[vocab, hidden]` (acquired as [`Unit::Embed`]).
+    fn embed(&self) -> Result<&Tensor<B>>;
+    /// Block `l`'s parameters (acquired as [`Unit::Block`]).
+    fn block(&self, l: usize) -> Result<&BlockWeights<B>>;
+    /// `model.norm` (acquired as [`Unit::Head`]).
+    fn final_norm(&self) -> Result<&Tensor<B>>;
+    /// Block `l`'s parameters with its F32 gradient buffers to add into.
+    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)>;
+    /// The head's parameters with their gradient buffers (a tied head's
+    /// gradient is the embedding's: [`Unit::Embed`] must be acquired too).
+    fn head_grads(&mut self, b: &B) -> Result<HeadView<'_, B>>;
+    /// The embedding's F32 gradient buffer (its backward reads no parameters).
+    fn embed_grads(&mut self, b: &B) -> Result<&mut Tensor<B>>;
+    /// `unit`'s gradients of this use are complete (a tied embedding is
+    /// used twice: by the head, then by the embedding's backward).
+    fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()>;
+    /// Every gradient of the step has been handed over: wait for whatever
+    /// is still being reduced.
+    fn finish(&mut self, b: &B) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_order_visits_every_block_twice_and_a_tied_embedding_twice() {
+        let untied = Unit::step_order(3, false);
+        assert_eq!(untied.len(), 2 + 2 * 3);
+        assert_eq!(untied[..5].to_vec(), Unit::all(3));
+        assert_eq!(
+            untied[5..].to_vec(),
+            vec![Unit::Block(2), Unit::Block(1), Unit::Block(0)]
+        );
+        let tied = Unit::step_order(3, true);
+        assert_eq!(tied[5], Unit::Embed);
+        for (i, u) in Unit::all(4).into_iter().enumerate() {
+            assert_eq!(u.index(4), i);
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! AdamW on the owned shards: the same per-element update, decay rule and
+//! schedule as [`crate::train::optim::AdamW`], over each rank's slice of
+//! every unit; the gradient norm is the sum of every rank's shard squares.
+
+use super::store::FsdpStore;
+use crate::backend::{Backend, Category, DType, Tensor, cast};
+use crate::error::{Error, Result};
+use crate::train::optim::{AdamWConfig, hyper};
+
+/// Moments (and F32 master shards when the model computes in a lower
+/// precision), `[shard]` per unit.
+pub struct ShardedAdamW<B: Backend> {
+    pub cfg: AdamWConfig,
+    pub m: Vec<Tensor<B>>,
+    pub v: Vec<Tensor<B>>,
+    pub master: Option<Vec<Tensor<B>>>,
+}
+
+impl<B: Backend> ShardedAdamW<B> {
+    /// Zero moments (and master copies of the current shards) for `store`.
+    pub fn new(b: &B, cfg: AdamWConfig, store: &FsdpStore<'_, B>) -> Result<Self> {
+        let shards = store
+            .params
+            .iter()
+            .map(|p| p.as_ref().ok_or_else(|| busy()))
+            .collect::<Result<Vec<_>>>()?;
+        let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
+        let m = shards.iter().map(|t| z(t)).collect::<Result<_>>()?;
+        let v = shards.iter().map(|t| z(t)).collect::<Result<_>>()?;
+        let master = if b.compute_dtype() != DType::F32 {
+            Some(
+                shards
+                    .iter()
+                    .map(|t| cast(b, t, DType::F32, Category::OptimState))
+                    .collect::<Result<_>>()?,
+            )
+        } else {
+            None
+        };
+        Ok(ShardedAdamW { cfg, m, v, master })
+    }
+
+    /// The global gradient norm: every rank's sum of squares, gathered and
+    /// added in rank order on the host (the same value on every rank).
+    pub fn grad_norm(b: &B, store: &FsdpStore<'_, B>) -> Result<f64> {
+        let mut own = 0.0f64;
+        for g in &store.grads {
+            own += b.sum_squares(g.as_ref().ok_or_else(busy)?)?;
+        }
+        // f64 carried as two f32 words (high part, rest) so no precision is lost
+        let hi = own as f32;
+        let lo = (own - hi as f64) as f32;
+        let send = b.from_host(&[hi, lo], &[2], DType::F32, Category::Workspace)?;
+        let world = store.group.size();
+        let mut recv = b.empty(&[2 * world], DType::F32, Category::Workspace)?;
+        store.group.all_gather(&send, &mut recv)?;
+        let words = b.to_host(&recv)?;
+        let total: f64 = words.chunks(2).map(|w| w[0] as f64 + w[1] as f64).sum();
+        Ok(total.sqrt())
+    }
+
+    /// One update at 1-based `step` of every owned shard; returns `(lr, grad_norm)`.
+    pub fn step(&mut self, b: &B, store: &mut FsdpStore<'_, B>, step: u32) -> Result<(f32, f64)> {
+        let norm = Self::grad_norm(b, store)?;
+        let clip = if self.cfg.clip > 0.0 && norm > self.cfg.clip as f64 {
+            (self.cfg.clip as f64 / norm) as f32
+        } else {
+            1.0
+        };
+        let lr = self.cfg.lr_at(step);
+        for (i, layout) in store.layouts.iter().enumerate() {
+            let grad = store.grads[i].as_ref().ok_or_else(busy)?;
+            let param = store.params[i].as_mut().ok_or_else(busy)?;
+            for s in layout.segments(store.rank) {
+                let name = &layout.params[s.param].name;
+                let hp = hyper(&self.cfg, name, lr, step, clip);
+                let elems = s.at..s.at + s.elems.len();
+                let target = match self.master.as_mut() {
+                    Some(master) => &mut master[i],
+                    None => &mut *param,
+                };
+                b.adamw(target, grad, &mut self.m[i], &mut self.v[i], elems, hp)?;
+            }
+            if let Some(master) = &self.master {
+                b.copy(param.mat_mut(), master[i].mat())?;
+            }
+        }
+        Ok((lr, norm))
+    }
+}
+
+fn busy() -> Error {
+    Error::Backend("FSDP: a shard is still in a collective when the optimizer runs".into())
+}

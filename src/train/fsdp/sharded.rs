@@ -1,0 +1,197 @@
+//! A rank's sharded model with its optimizer: how a sharded run starts
+//! (random, `--init-from`, `--resume`), steps and saves.
+
+use super::checkpoint::{self as ckpt, SavedOptimizer};
+use super::layout::unit_key;
+use super::{FsdpStore, ShardedAdamW};
+use crate::backend::{Backend, Category, DType, Tensor};
+use crate::comm::{Mesh, ProcessGroup};
+use crate::error::{Error, Result};
+use crate::model::{Decoder, RandomInit};
+use crate::train::checkpoint::HostTensor;
+use crate::train::ranged::RangedModel;
+use crate::train::replicated::Resumed;
+use crate::train::state::RankModel;
+use crate::train::trainer::TrainConfig;
+use serde_json::Value;
+use std::path::Path;
+
+/// FSDP shards and their AdamW state.
+pub struct Sharded<'a, B: Backend> {
+    pub store: FsdpStore<'a, B>,
+    pub opt: ShardedAdamW<B>,
+    /// Every rank (checkpoint barriers).
+    world: &'a dyn ProcessGroup<B>,
+}
+
+impl<'a, B: Backend> Sharded<'a, B> {
+    /// This rank's shards of `cfg`'s model over `group`: random, from an HF
+    /// directory (`--init-from`), or resumed from `save_dir` (re-sharded
+    /// when it was saved on another world size); each rank reads only the
+    /// ranges it owns.
+    pub fn open(b: &B, cfg: &TrainConfig, mesh: &'a Mesh<B>) -> Result<(Self, Option<Resumed>)> {
+        let model = &cfg.model;
+        let (group, replica) = (mesh.shard.as_ref(), mesh.replica.as_ref());
+        let source = cfg.resume_dir().or(cfg.init_from.as_deref());
+        let store = match source {
+            Some(dir) => {
+                let hf = RangedModel::open(dir)?;
+                for (name, shape) in model.hf_param_shapes() {
+                    hf.check(&name, &shape)?;
+                }
+                FsdpStore::new(b, model, group, replica, |name, elems| hf.read(name, elems))?
+            }
+            None => {
+                let init = RandomInit::new(model, cfg.seed);
+                FsdpStore::new(b, model, group, replica, |name, elems| {
+                    Ok(init.values(name, elems))
+                })?
+            }
+        };
+        let mut opt = ShardedAdamW::new(b, cfg.optim, &store)?;
+        let Some(dir) = cfg.resume_dir() else {
+            return Ok((
+                Sharded {
+                    store,
+                    opt,
+                    world: mesh.world.as_ref(),
+                },
+                None,
+            ));
+        };
+        let saved = SavedOptimizer::open(dir)?;
+        let rank = group.rank();
+        for (i, u) in store.layouts.iter().enumerate() {
+            b.upload(&mut opt.m[i], &saved.shard("exp_avg", u, rank)?)?;
+            b.upload(&mut opt.v[i], &saved.shard("exp_avg_sq", u, rank)?)?;
+            if let (Some(master), true) = (opt.master.as_mut(), saved.has_master(u)) {
+                b.upload(&mut master[i], &saved.shard("master", u, rank)?)?;
+            }
+        }
+        let state = ckpt::read_state(dir)?;
+        let resumed = Resumed {
+            step: state.get("step").and_then(Value::as_u64).ok_or_else(|| {
+                Error::Checkpoint(format!("{}: state.json has no step", dir.display()))
+            })?,
+            extra: state.get("extra").cloned().unwrap_or(Value::Null),
+        };
+        Ok((
+            Sharded {
+                store,
+                opt,
+                world: mesh.world.as_ref(),
+            },
+            Some(resumed),
+        ))
+    }
+
+    /// All-gathers unit `i`'s parameters and returns them by name on the
+    /// lead rank (collective; the other ranks get an empty list).
+    fn gather_to_host(&self, b: &B, i: usize, lead: bool) -> Result<Vec<(String, HostTensor)>> {
+        let layout = &self.store.layouts[i];
+        let shard = self.store.params[i].as_ref().ok_or_else(|| {
+            Error::Backend("FSDP: a shard is in a collective while saving".into())
+        })?;
+        let mut flat = b.empty(&[layout.padded()], shard.dtype(), Category::Comm)?;
+        self.store.group.all_gather(shard, &mut flat)?;
+        if !lead {
+            return Ok(Vec::new());
+        }
+        let host = b.to_host(&flat)?;
+        layout
+            .params
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.name.clone(),
+                    HostTensor::new(p.shape.clone(), host[p.range()].to_vec())?,
+                ))
+            })
+            .collect()
+    }
+
+    /// Writes the weights as an HF directory, one file's units at a time.
+    fn save_weights(&self, b: &B, dir: &Path, lead: bool) -> Result<()> {
+        let layouts = &self.store.layouts;
+        let bytes: Vec<usize> = layouts.iter().map(|u| u.numel * 4).collect();
+        let groups = ckpt::file_groups(&bytes, ckpt::FILE_BYTES);
+        let mut index = Vec::new();
+        for (k, g) in groups.iter().enumerate() {
+            let mut tensors = Vec::new();
+            for i in g.clone() {
+                tensors.extend(self.gather_to_host(b, i, lead)?);
+            }
+            if lead {
+                let file = ckpt::weight_file_name(k, groups.len());
+                ckpt::write_weight_file(&dir.join(&file), &tensors)?;
+                index.push((file, tensors.into_iter().map(|(n, _)| n).collect()));
+            }
+        }
+        if lead && groups.len() > 1 {
+            ckpt::write_index(dir, &index, bytes.iter().sum())?;
+        }
+        Ok(())
+    }
+
+    /// Writes this rank's optimizer shards.
+    fn save_optimizer(&self, b: &B, dir: &Path) -> Result<()> {
+        let mut tensors: Vec<(String, HostTensor)> = Vec::new();
+        let host = |t: &Tensor<B>| -> Result<HostTensor> {
+            HostTensor::new(vec![t.numel()], b.to_host(t)?)
+        };
+        for (i, u) in self.store.layouts.iter().enumerate() {
+            let key = unit_key(u.unit);
+            tensors.push((format!("exp_avg.{key}"), host(&self.opt.m[i])?));
+            tensors.push((format!("exp_avg_sq.{key}"), host(&self.opt.v[i])?));
+            if let Some(master) = &self.opt.master {
+                tensors.push((format!("master.{key}"), host(&master[i])?));
+            }
+        }
+        let (rank, world) = (self.store.group.rank(), self.store.group.size());
+        ckpt::write_weight_file(&ckpt::optimizer_file(dir, rank, world), &tensors)
+    }
+
+    /// Waits until every rank of the group gets here.
+    fn barrier(&self, b: &B) -> Result<()> {
+        let mut t = b.zeros(&[1], DType::F32, Category::Workspace)?;
+        self.world.all_reduce(&mut t)?;
+        b.synchronize()
+    }
+}
+
+impl<B: Backend> RankModel<B> for Sharded<'_, B> {
+    fn forward_backward(
+        &mut self,
+        b: &B,
+        decoder: &Decoder<B>,
+        mesh: &Mesh<B>,
+        ids: &[u32],
+        targets: &[u32],
+        grad_scale: f32,
+    ) -> Result<f64> {
+        self.store.begin_step(true);
+        decoder.forward_backward(b, mesh, &mut self.store, ids, targets, grad_scale)
+    }
+
+    fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)> {
+        self.opt.step(b, &mut self.store, step)
+    }
+
+    fn save(&mut self, b: &B, dir: &Path, step: u64, extra: &Value, lead: bool) -> Result<()> {
+        if lead {
+            ckpt::begin_write(dir)?;
+        }
+        self.barrier(b)?;
+        self.save_weights(b, dir, lead)?;
+        // replicas hold the same shards: the first one writes them
+        if self.store.replica.rank() == 0 {
+            self.save_optimizer(b, dir)?;
+        }
+        // every rank's files are complete before state.json marks the checkpoint
+        self.barrier(b)?;
+        if lead {
+            ckpt::write_state(dir, step, self.store.group.size(), extra)?;
+        }
+        self.barrier(b)
+    }
+}

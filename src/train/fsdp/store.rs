@@ -1,0 +1,418 @@
+//! The sharded parameter store (FSDP / ZeRO-3): each rank owns one
+//! contiguous shard of every unit's flat buffer (parameters in the compute
+//! dtype, F32 gradients). A unit is all-gathered just before use — the next
+//! unit of [`Unit::step_order`] prefetched beside the current one's compute,
+//! at most two gathered units alive — and freed after; its gradients are
+//! reduce-scattered to their owners right after its backward, beside the
+//! next unit's backward.
+
+use super::layout::{UnitLayout, model_layouts};
+use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
+use crate::comm::{Pending, ProcessGroup};
+use crate::error::{Error, Result};
+use crate::model::{BlockWeights, HeadView, ModelConfig, ParamStore, Unit};
+use std::collections::VecDeque;
+
+/// A gathered unit's parameters, one tensor each.
+enum Gathered<B: Backend> {
+    Embed(Tensor<B>),
+    Block(BlockWeights<B>),
+    /// `model.norm` and `lm_head` (none when tied).
+    Head(Tensor<B>, Option<Tensor<B>>),
+}
+
+/// A reduce-scatter in flight: the unit, whether it overwrites the owned
+/// gradient shard (its first contribution this step) or adds to it.
+struct Reducing<B: Backend> {
+    unit: usize,
+    overwrite: bool,
+    pending: Pending<B>,
+}
+
+/// One rank's shards and the step's gathered units and gradients.
+pub struct FsdpStore<'a, B: Backend> {
+    cfg: ModelConfig,
+    pub(crate) layouts: Vec<UnitLayout>,
+    pub(crate) rank: usize,
+    pub(crate) group: &'a dyn ProcessGroup<B>,
+    /// The same shards in other replicas (HSDP); a group of one without.
+    pub(crate) replica: &'a dyn ProcessGroup<B>,
+    /// Owned parameter shards `[shard]` (compute dtype); `None` while one
+    /// is the send buffer of a gather in flight.
+    pub(crate) params: Vec<Option<Tensor<B>>>,
+    /// Owned F32 gradient shards `[shard]`; `None` while one receives.
+    pub(crate) grads: Vec<Option<Tensor<B>>>,
+    /// Whether a gradient shard holds a contribution of this step.
+    grad_written: Vec<bool>,
+    gathered: Vec<Option<Gathered<B>>>,
+    prefetch: Option<(usize, Pending<B>)>,
+    /// Gathers still to come this step.
+    order: VecDeque<Unit>,
+    block_g: Option<(usize, BlockWeights<B>)>,
+    embed_g: Option<Tensor<B>>,
+    head_g: Option<(Tensor<B>, Option<Tensor<B>>)>,
+    reducing: Option<Reducing<B>>,
+}
+
+impl<'a, B: Backend> FsdpStore<'a, B> {
+    /// The shards of rank `group.rank()` over `group` (gradients also summed
+    /// over `replica`), each parameter's owned elements from
+    /// `init(hf_name, elems)` (flattened, row-major).
+    pub fn new(
+        b: &B,
+        cfg: &ModelConfig,
+        group: &'a dyn ProcessGroup<B>,
+        replica: &'a dyn ProcessGroup<B>,
+        mut init: impl FnMut(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
+        let (world, rank) = (group.size(), group.rank());
+        let layouts = model_layouts(cfg, world);
+        let mut params = Vec::with_capacity(layouts.len());
+        let mut grads = Vec::with_capacity(layouts.len());
+        for u in &layouts {
+            let mut host = vec![0.0f32; u.shard];
+            for s in u.segments(rank) {
+                let p = &u.params[s.param];
+                let v = init(&p.name, s.elems.clone())?;
+                if v.len() != s.elems.len() {
+                    return Err(Error::Checkpoint(format!(
+                        "{}: {} values for elements {:?}",
+                        p.name,
+                        v.len(),
+                        s.elems
+                    )));
+                }
+                host[s.at..s.at + v.len()].copy_from_slice(&v);
+            }
+            let dt = b.compute_dtype();
+            params.push(Some(b.from_host(
+                &host,
+                &[u.shard],
+                dt,
+                Category::Weights,
+            )?));
+            grads.push(Some(b.zeros(&[u.shard], DType::F32, Category::Grads)?));
+        }
+        let n = layouts.len();
+        let mut s = FsdpStore {
+            cfg: cfg.clone(),
+            layouts,
+            rank,
+            group,
+            replica,
+            params,
+            grads,
+            grad_written: vec![false; n],
+            gathered: (0..n).map(|_| None).collect(),
+            prefetch: None,
+            order: VecDeque::new(),
+            block_g: None,
+            embed_g: None,
+            head_g: None,
+            reducing: None,
+        };
+        s.begin_step(true);
+        Ok(s)
+    }
+
+    /// Prepares a step: the gathers to prefetch and, with `fresh_grads`,
+    /// gradient shards that the step's first reduce-scatters overwrite
+    /// (without it they add: gradient accumulation).
+    pub fn begin_step(&mut self, fresh_grads: bool) {
+        self.order = Unit::step_order(self.cfg.layers, self.cfg.tie_embeddings).into();
+        if fresh_grads {
+            self.grad_written.iter_mut().for_each(|w| *w = false);
+        }
+    }
+
+    fn index(&self, unit: Unit) -> usize {
+        unit.index(self.cfg.layers)
+    }
+
+    /// Starts the all-gather of unit `i`: its shard is the send buffer.
+    fn start_gather(&mut self, b: &B, i: usize) -> Result<Pending<B>> {
+        let send = self.params[i]
+            .take()
+            .ok_or_else(|| internal(format!("unit {i} is gathered twice at once")))?;
+        let recv = b.empty(&[self.layouts[i].padded()], send.dtype(), Category::Comm)?;
+        self.group.start_all_gather(send, recv)
+    }
+
+    /// Waits for unit `i`'s gather and splits it into parameter tensors.
+    fn finish_gather(&mut self, b: &B, i: usize, pending: Pending<B>) -> Result<()> {
+        let mut done = pending.wait_all()?;
+        self.params[i] = done.sent.pop();
+        let flat = done
+            .received
+            .pop()
+            .ok_or_else(|| internal("an all-gather received nothing".into()))?;
+        let layout = &self.layouts[i];
+        let mut take = |name: String, shape: &[usize]| -> Result<Tensor<B>> {
+            let slot = layout
+                .params
+                .iter()
+                .find(|p| p.name == name)
+                .ok_or_else(|| internal(format!("{name} is not in its unit")))?;
+            let mut t = b.empty(shape, flat.dtype(), Category::Weights)?;
+            let l = MatLayout::block(slot.offset, t.rows(), t.row_len(), t.row_len());
+            b.copy(t.mat_mut(), flat.view(l))?;
+            Ok(t)
+        };
+        let g = match layout.unit {
+            Unit::Embed => Gathered::Embed(take(
+                "model.embed_tokens.weight".into(),
+                &[self.cfg.vocab, self.cfg.hidden],
+            )?),
+            Unit::Block(l) => Gathered::Block(BlockWeights::build_with(&self.cfg, l, &mut take)?),
+            Unit::Head => {
+                let h = self.cfg.hidden;
+                let norm = take("model.norm.weight".into(), &[h])?;
+                let head = match self.cfg.tie_embeddings {
+                    true => None,
+                    false => Some(take("lm_head.weight".into(), &[self.cfg.vocab, h])?),
+                };
+                Gathered::Head(norm, head)
+            }
+        };
+        drop(flat);
+        self.gathered[i] = Some(g);
+        Ok(())
+    }
+
+    /// Gathered units plus the one in flight.
+    fn live(&self) -> usize {
+        self.gathered.iter().filter(|g| g.is_some()).count() + usize::from(self.prefetch.is_some())
+    }
+
+    /// Prefetches the next unit of the step when fewer than two are alive.
+    fn maybe_prefetch(&mut self, b: &B) -> Result<()> {
+        let Some(&next) = self.order.front() else {
+            return Ok(());
+        };
+        let j = self.index(next);
+        if self.live() < 2 && self.gathered[j].is_none() {
+            let p = self.start_gather(b, j)?;
+            self.prefetch = Some((j, p));
+        }
+        Ok(())
+    }
+
+    /// Hands a finished reduce-scatter's shard to its owner.
+    fn wait_reduce(&mut self, b: &B) -> Result<()> {
+        let Some(r) = self.reducing.take() else {
+            return Ok(());
+        };
+        let mut recv = r.pending.wait()?;
+        // HSDP: each shard is summed over the replicas after the reduce-scatter
+        if self.replica.size() > 1 {
+            self.replica.all_reduce(&mut recv)?;
+        }
+        if r.overwrite {
+            self.grads[r.unit] = Some(recv);
+        } else {
+            let shard = self.grads[r.unit]
+                .as_mut()
+                .ok_or_else(|| internal("a gradient shard is missing".into()))?;
+            b.axpy(shard, 1.0, &recv)?;
+        }
+        self.grad_written[r.unit] = true;
+        Ok(())
+    }
+
+    /// Takes the gradients of this use of `unit` out of the step's buffers.
+    fn take_grads(&mut self, unit: Unit) -> Result<Vec<Tensor<B>>> {
+        let missing = || internal(format!("no gradients of {unit:?} to reduce"));
+        Ok(match unit {
+            Unit::Embed => vec![self.embed_g.take().ok_or_else(missing)?],
+            Unit::Block(l) => match self.block_g.take() {
+                Some((k, g)) if k == l => g_tensors(g),
+                _ => return Err(missing()),
+            },
+            Unit::Head => {
+                let (norm, head) = self.head_g.take().ok_or_else(missing)?;
+                std::iter::once(norm).chain(head).collect()
+            }
+        })
+    }
+
+    /// The gathered unit `i`, or an error naming the decoder's mistake.
+    fn gathered(&self, unit: Unit) -> Result<&Gathered<B>> {
+        self.gathered[self.index(unit)]
+            .as_ref()
+            .ok_or_else(|| internal(format!("{unit:?} is used before it is acquired")))
+    }
+}
+
+/// A block's gradient tensors in HF order.
+fn g_tensors<B: Backend>(g: BlockWeights<B>) -> Vec<Tensor<B>> {
+    let BlockWeights {
+        attn_norm,
+        attn,
+        mlp_norm,
+        gate,
+        up,
+        down,
+    } = g;
+    let mut v = vec![attn_norm, attn.wq, attn.wk, attn.wv, attn.wo];
+    v.extend(attn.q_norm);
+    v.extend(attn.k_norm);
+    v.extend([mlp_norm, gate, up, down]);
+    v
+}
+
+fn internal(why: String) -> Error {
+    Error::Backend(format!("FSDP: {why}"))
+}
+
+fn zeros_f32<B: Backend>(b: &B, shape: &[usize]) -> Result<Tensor<B>> {
+    b.zeros(shape, DType::F32, Category::Grads)
+}
+
+impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
+    fn acquire(&mut self, b: &B, unit: Unit) -> Result<()> {
+        let i = self.index(unit);
+        if self.gathered[i].is_some() {
+            return Err(internal(format!("{unit:?} is acquired twice")));
+        }
+        if let Some(pos) = self.order.iter().position(|u| *u == unit) {
+            self.order.drain(..=pos);
+        }
+        let pending = match self.prefetch.take() {
+            Some((j, p)) if j == i => p,
+            Some((j, p)) => {
+                // not the unit expected next: put that one back
+                let mut done = p.wait_all()?;
+                self.params[j] = done.sent.pop();
+                self.start_gather(b, i)?
+            }
+            None => self.start_gather(b, i)?,
+        };
+        self.finish_gather(b, i, pending)?;
+        self.maybe_prefetch(b)
+    }
+
+    fn release(&mut self, unit: Unit) -> Result<()> {
+        let i = self.index(unit);
+        if self.gathered[i].take().is_none() {
+            return Err(internal(format!("{unit:?} is released but not acquired")));
+        }
+        Ok(())
+    }
+
+    fn embed(&self) -> Result<&Tensor<B>> {
+        match self.gathered(Unit::Embed)? {
+            Gathered::Embed(t) => Ok(t),
+            _ => Err(internal("the embedding unit holds another unit".into())),
+        }
+    }
+
+    fn block(&self, l: usize) -> Result<&BlockWeights<B>> {
+        match self.gathered(Unit::Block(l))? {
+            Gathered::Block(w) => Ok(w),
+            _ => Err(internal(format!("block {l} holds another unit"))),
+        }
+    }
+
+    fn final_norm(&self) -> Result<&Tensor<B>> {
+        match self.gathered(Unit::Head)? {
+            Gathered::Head(norm, _) => Ok(norm),
+            _ => Err(internal("the head unit holds another unit".into())),
+        }
+    }
+
+    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)> {
+        if !matches!(&self.block_g, Some((k, _)) if *k == l) {
+            if self.block_g.is_some() {
+                return Err(internal(format!(
+                    "block {l}'s gradients start before the last block's are reduced"
+                )));
+            }
+            self.block_g = Some((l, BlockWeights::zeros_grads(b, &self.cfg, l)?));
+        }
+        let i = self.index(Unit::Block(l));
+        match (&self.gathered[i], &mut self.block_g) {
+            (Some(Gathered::Block(w)), Some((_, g))) => Ok((w, g)),
+            _ => Err(internal(format!("block {l} is used before it is acquired"))),
+        }
+    }
+
+    fn head_grads(&mut self, b: &B) -> Result<HeadView<'_, B>> {
+        let (v, h) = (self.cfg.vocab, self.cfg.hidden);
+        let tied = self.cfg.tie_embeddings;
+        if self.head_g.is_none() {
+            let head = if tied {
+                None
+            } else {
+                Some(zeros_f32(b, &[v, h])?)
+            };
+            self.head_g = Some((zeros_f32(b, &[h])?, head));
+        }
+        if tied && self.embed_g.is_none() {
+            self.embed_g = Some(zeros_f32(b, &[v, h])?);
+        }
+        let (ih, ie) = (self.index(Unit::Head), self.index(Unit::Embed));
+        let (Some(Gathered::Head(norm, head)), Some((d_norm, d_head))) =
+            (&self.gathered[ih], &mut self.head_g)
+        else {
+            return Err(internal("the head is used before it is acquired".into()));
+        };
+        let (head, d_head) = match (head, d_head.as_mut()) {
+            (Some(w), Some(g)) => (w, g),
+            _ => match (&self.gathered[ie], self.embed_g.as_mut()) {
+                (Some(Gathered::Embed(w)), Some(g)) => (w, g),
+                _ => return Err(internal("a tied head needs the embedding acquired".into())),
+            },
+        };
+        Ok(HeadView {
+            norm,
+            head,
+            d_norm,
+            d_head,
+        })
+    }
+
+    fn embed_grads(&mut self, b: &B) -> Result<&mut Tensor<B>> {
+        if self.embed_g.is_none() {
+            self.embed_g = Some(zeros_f32(b, &[self.cfg.vocab, self.cfg.hidden])?);
+        }
+        Ok(self.embed_g.as_mut().expect("set above"))
+    }
+
+    fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()> {
+        let i = self.index(unit);
+        let grads = self.take_grads(unit)?;
+        self.wait_reduce(b)?;
+        let mut flat = b.zeros(&[self.layouts[i].padded()], DType::F32, Category::Comm)?;
+        let mut off = 0;
+        for t in grads {
+            let l = MatLayout::block(off, t.rows(), t.row_len(), t.row_len());
+            b.copy(flat.view_mut(l), t.mat())?;
+            off += t.numel();
+        }
+        let overwrite = !self.grad_written[i];
+        let recv = if overwrite {
+            self.grads[i]
+                .take()
+                .ok_or_else(|| internal("a gradient shard is missing".into()))?
+        } else {
+            b.empty(&[self.layouts[i].shard], DType::F32, Category::Comm)?
+        };
+        let pending = self.group.start_reduce_scatter(flat, recv)?;
+        self.reducing = Some(Reducing {
+            unit: i,
+            overwrite,
+            pending,
+        });
+        Ok(())
+    }
+
+    fn finish(&mut self, b: &B) -> Result<()> {
+        self.wait_reduce(b)?;
+        if self.live() > 0 || self.block_g.is_some() || self.embed_g.is_some() {
+            return Err(internal(
+                "the step ended with units or gradients still held".into(),
+            ));
+        }
+        Ok(())
+    }
+}

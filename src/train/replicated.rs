@@ -1,0 +1,272 @@
+//! The unsharded parameter store: every rank holds the whole model and its
+//! F32 gradients; each unit's gradients are summed over the ranks in one
+//! bucket as soon as its backward is done, beside the next unit's backward.
+
+use super::checkpoint::{load_hf_model, load_train_state, save_train_state};
+use super::optim::AdamW;
+use super::state::RankModel;
+use super::trainer::{TrainConfig, tensors_to_host, weights_from_host, weights_to_host};
+use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
+use crate::comm::Mesh;
+use crate::comm::{Pending, ProcessGroup};
+use crate::error::{Error, Result};
+use crate::model::{BlockWeights, Decoder, HeadView, ModelConfig, ModelWeights, ParamStore, Unit};
+
+/// Whole-model parameters and gradients of one rank.
+pub struct ReplicatedStore<'a, B: Backend> {
+    pub w: ModelWeights<B>,
+    /// F32 gradients, summed over `group` once a step's backward finishes.
+    pub g: ModelWeights<B>,
+    group: &'a dyn ProcessGroup<B>,
+    /// Uses of the embedding's gradient left in this step (2 when tied).
+    embed_uses_left: usize,
+    /// The bucket being summed, with the unit it holds.
+    reducing: Option<(Unit, Pending<B>)>,
+}
+
+impl<'a, B: Backend> ReplicatedStore<'a, B> {
+    /// A store of `w` with zero gradients, reducing over `group`.
+    pub fn new(
+        b: &B,
+        cfg: &ModelConfig,
+        w: ModelWeights<B>,
+        group: &'a dyn ProcessGroup<B>,
+    ) -> Result<Self> {
+        let g = ModelWeights::zeros_grads(b, cfg)?;
+        let mut s = ReplicatedStore {
+            w,
+            g,
+            group,
+            embed_uses_left: 0,
+            reducing: None,
+        };
+        s.embed_uses_left = s.embed_uses();
+        Ok(s)
+    }
+
+    fn embed_uses(&self) -> usize {
+        1 + usize::from(self.w.lm_head.is_none())
+    }
+
+    /// Zeroes every gradient for the next step.
+    pub fn zero_grads(&mut self, b: &B) -> Result<()> {
+        for (_, t) in self.g.named_mut() {
+            b.fill(t, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Starts summing `unit`'s gradients over the group in one F32 bucket
+    /// (after the previous bucket has come back).
+    fn reduce(&mut self, b: &B, unit: Unit) -> Result<()> {
+        self.wait_bucket(b)?;
+        let grads = self.g.unit_named(unit);
+        let numel = grads.iter().map(|(_, t)| t.numel()).sum();
+        let mut bucket = b.empty(&[numel], DType::F32, Category::Comm)?;
+        let mut off = 0;
+        for (_, t) in grads {
+            b.copy(bucket.view_mut(flat_block(off, t)), t.mat())?;
+            off += t.numel();
+        }
+        self.reducing = Some((unit, self.group.start_all_reduce(bucket)?));
+        Ok(())
+    }
+
+    /// Copies the summed bucket back into its unit's gradients.
+    fn wait_bucket(&mut self, b: &B) -> Result<()> {
+        let Some((unit, pending)) = self.reducing.take() else {
+            return Ok(());
+        };
+        let bucket = pending.wait()?;
+        let mut off = 0;
+        for (_, t) in self.g.unit_named_mut(unit) {
+            let n = t.numel();
+            let l = flat_block(off, t);
+            b.copy(t.mat_mut(), bucket.view(l))?;
+            off += n;
+        }
+        Ok(())
+    }
+}
+
+/// The `[rows, row_len]` block of a flat buffer at element `off` that holds `t`.
+pub fn flat_block<B: Backend>(off: usize, t: &Tensor<B>) -> MatLayout {
+    MatLayout::block(off, t.rows(), t.row_len(), t.row_len())
+}
+
+impl<B: Backend> ParamStore<B> for ReplicatedStore<'_, B> {
+    fn acquire(&mut self, _b: &B, _unit: Unit) -> Result<()> {
+        Ok(())
+    }
+    fn release(&mut self, _unit: Unit) -> Result<()> {
+        Ok(())
+    }
+    fn embed(&self) -> Result<&Tensor<B>> {
+        Ok(&self.w.embed)
+    }
+    fn block(&self, l: usize) -> Result<&BlockWeights<B>> {
+        self.w
+            .blocks
+            .get(l)
+            .ok_or_else(|| Error::Config(format!("the model has no block {l}")))
+    }
+    fn final_norm(&self) -> Result<&Tensor<B>> {
+        Ok(&self.w.final_norm)
+    }
+    fn block_grads(
+        &mut self,
+        _b: &B,
+        l: usize,
+    ) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)> {
+        match (self.w.blocks.get(l), self.g.blocks.get_mut(l)) {
+            (Some(w), Some(g)) => Ok((w, g)),
+            _ => Err(Error::Config(format!("the model has no block {l}"))),
+        }
+    }
+    fn head_grads(&mut self, _b: &B) -> Result<HeadView<'_, B>> {
+        let ModelWeights {
+            embed,
+            final_norm,
+            lm_head,
+            ..
+        } = &mut self.g;
+        Ok(HeadView {
+            norm: &self.w.final_norm,
+            head: self.w.head(),
+            d_norm: final_norm,
+            d_head: lm_head.as_mut().unwrap_or(embed),
+        })
+    }
+    fn embed_grads(&mut self, _b: &B) -> Result<&mut Tensor<B>> {
+        Ok(&mut self.g.embed)
+    }
+    fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()> {
+        if unit == Unit::Embed {
+            self.embed_uses_left = self.embed_uses_left.saturating_sub(1);
+            if self.embed_uses_left > 0 {
+                return Ok(());
+            }
+        }
+        if self.group.size() > 1 {
+            self.reduce(b, unit)?;
+        }
+        Ok(())
+    }
+    fn finish(&mut self, b: &B) -> Result<()> {
+        self.wait_bucket(b)?;
+        self.embed_uses_left = self.embed_uses();
+        Ok(())
+    }
+}
+
+/// A rank's whole model with its optimizer (training without FSDP).
+pub struct Replicated<'a, B: Backend> {
+    pub store: ReplicatedStore<'a, B>,
+    pub opt: AdamW<B>,
+}
+
+/// Where a resumed run continues: the checkpoint's step and caller state.
+pub struct Resumed {
+    pub step: u64,
+    pub extra: serde_json::Value,
+}
+
+impl<'a, B: Backend> Replicated<'a, B> {
+    /// The model of `cfg` (random, `--init-from`, or resumed from
+    /// `save_dir`), reducing gradients over `group`.
+    pub fn open(
+        b: &B,
+        cfg: &TrainConfig,
+        group: &'a dyn ProcessGroup<B>,
+    ) -> Result<(Self, Option<Resumed>)> {
+        let model = &cfg.model;
+        if let Some(dir) = cfg.resume_dir() {
+            check_not_sharded(dir)?;
+            let st = load_train_state(dir)?;
+            let w = weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
+            let mut opt = AdamW::new(b, cfg.optim, &w)?;
+            // into the moments AdamW::new made: no second copy at start-up
+            for (k, (name, _)) in w.named().into_iter().enumerate() {
+                let missing =
+                    || Error::Checkpoint(format!("{}: no moments of {name}", dir.display()));
+                b.upload(
+                    &mut opt.m[k],
+                    &st.adam_m.get(&name).ok_or_else(missing)?.data,
+                )?;
+                b.upload(
+                    &mut opt.v[k],
+                    &st.adam_v.get(&name).ok_or_else(missing)?.data,
+                )?;
+            }
+            let store = ReplicatedStore::new(b, model, w, group)?;
+            let resumed = Resumed {
+                step: st.step,
+                extra: st.extra,
+            };
+            return Ok((Replicated { store, opt }, Some(resumed)));
+        }
+        let w = match &cfg.init_from {
+            Some(dir) => {
+                let host = load_hf_model(dir, model)?;
+                weights_from_host(b, model, &host, b.compute_dtype(), Category::Weights)?
+            }
+            None => ModelWeights::random(b, model, cfg.seed)?,
+        };
+        let opt = AdamW::new(b, cfg.optim, &w)?;
+        let store = ReplicatedStore::new(b, model, w, group)?;
+        Ok((Replicated { store, opt }, None))
+    }
+}
+
+/// A checkpoint written under FSDP resumes under FSDP.
+fn check_not_sharded(dir: &std::path::Path) -> Result<()> {
+    if crate::train::fsdp::checkpoint::is_sharded(dir) {
+        return crate::config_err!(
+            "{} holds a sharded (--fsdp on) checkpoint: resume it with --fsdp on",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+impl<B: Backend> RankModel<B> for Replicated<'_, B> {
+    fn forward_backward(
+        &mut self,
+        b: &B,
+        decoder: &Decoder<B>,
+        mesh: &Mesh<B>,
+        ids: &[u32],
+        targets: &[u32],
+        grad_scale: f32,
+    ) -> Result<f64> {
+        self.store.zero_grads(b)?;
+        decoder.forward_backward(b, mesh, &mut self.store, ids, targets, grad_scale)
+    }
+
+    fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)> {
+        let ReplicatedStore { w, g, .. } = &mut self.store;
+        self.opt.step(b, w, g, step)
+    }
+
+    fn save(
+        &mut self,
+        b: &B,
+        dir: &std::path::Path,
+        step: u64,
+        extra: &serde_json::Value,
+        lead: bool,
+    ) -> Result<()> {
+        if !lead {
+            return Ok(());
+        }
+        let w = &self.store.w;
+        save_train_state(
+            dir,
+            step,
+            &weights_to_host(b, w)?,
+            &tensors_to_host(b, w, &self.opt.m)?,
+            &tensors_to_host(b, w, &self.opt.v)?,
+            extra,
+        )
+    }
+}

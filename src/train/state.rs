@@ -1,0 +1,38 @@
+//! One rank's model state during training — parameters, gradients and
+//! optimizer — replicated on every rank or sharded (FSDP). The trainer's
+//! loop is written once against [`RankModel`].
+
+use crate::backend::Backend;
+use crate::comm::Mesh;
+use crate::error::Result;
+use crate::model::Decoder;
+use std::path::Path;
+
+/// What the training loop needs from a rank's model state.
+pub trait RankModel<B: Backend> {
+    /// Forward and backward of one sequence shard; gradients are complete
+    /// (summed over the ranks, or reduce-scattered to their owners) when it
+    /// returns. Returns this rank's summed loss.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_backward(
+        &mut self,
+        b: &B,
+        decoder: &Decoder<B>,
+        mesh: &Mesh<B>,
+        ids: &[u32],
+        targets: &[u32],
+        grad_scale: f32,
+    ) -> Result<f64>;
+    /// One AdamW step at 1-based `step`; returns `(lr, grad_norm)`.
+    fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)>;
+    /// Writes a checkpoint of `step` into `dir` (collective: every rank
+    /// calls it; `lead` is the rank that writes shared files).
+    fn save(
+        &mut self,
+        b: &B,
+        dir: &Path,
+        step: u64,
+        extra: &serde_json::Value,
+        lead: bool,
+    ) -> Result<()>;
+}
