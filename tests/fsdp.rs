@@ -136,6 +136,51 @@ fn fsdp_equals_the_unsharded_run_on_every_mesh() {
     }
 }
 
+/// A sharded checkpoint spread over several weight files (with an index)
+/// reads back through the HF loader as the unsharded run's weights, and
+/// `--init-from` it starts a sharded run where an unsharded one starts.
+#[test]
+fn sharded_weights_spread_over_files_and_load_by_ranges() {
+    let m = model(false);
+    let mesh = (1, Strategy::Upipe, 2, 1);
+    let (many, one) = (temp("many"), temp("one"));
+    let mut a = config(&m, mesh, 2, true);
+    a.save_dir = Some(many.clone());
+    a.max_file_bytes = 40_000;
+    train_cpu(&a, tokens(m.vocab), &|_| {}).unwrap();
+    let mut b = config(&m, mesh, 2, false);
+    b.save_dir = Some(one.clone());
+    train_cpu(&b, tokens(m.vocab), &|_| {}).unwrap();
+    let files: Vec<String> = std::fs::read_dir(&many)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|f| f.starts_with("model-"))
+        .collect();
+    assert!(files.len() > 1, "several weight files: {files:?}");
+    assert!(many.join("model.safetensors.index.json").exists());
+    let loaded = upipe::train::checkpoint::load_hf_model(&many, &m).unwrap();
+    for (name, t) in weights(&one) {
+        let err = upipe::attention::trial::rel_err(&loaded[&name].data, &t.data);
+        assert!(err <= 1e-6, "{name}: {err}");
+    }
+    // start from it, sharded and not
+    let from = |fsdp: bool| {
+        let mut c = config(&m, mesh, 2, fsdp);
+        c.init_from = Some(many.clone());
+        train_cpu(&c, tokens(m.vocab), &|_| {}).unwrap()
+    };
+    assert_same_run(
+        &from(true),
+        &from(false),
+        1e-6,
+        "init-from a sharded checkpoint",
+    );
+    let _ = (
+        std::fs::remove_dir_all(&many),
+        std::fs::remove_dir_all(&one),
+    );
+}
+
 /// HSDP: shards over groups of 2 ranks, replicated twice, equal the
 /// unsharded run too; each rank holds half of the model states.
 #[test]

@@ -147,6 +147,7 @@ fn training_step_prediction_matches_the_cuda_ledger() {
                 policy,
                 fsdp,
                 fsdp_replicas: 1,
+                grad_accum: 1,
                 device: DeviceKind::CudaNative,
                 optimizer: true,
             },

@@ -30,7 +30,8 @@ const SAVE: &str = "UPIPE_GPU_TRAIN_SAVE";
 const STEPS: u32 = 6;
 
 /// The configurations, all of two ranks: UPipe on 2 Ulysses ranks (the
-/// default mesh on two GPUs), UPipe on a ring of 2, two data replicas.
+/// default mesh on two GPUs), UPipe on a ring of 2, two data replicas, and
+/// FSDP under UPipe, a ring, and Ulysses with a Qwen3-style model.
 fn configs() -> Vec<(&'static str, TrainConfig)> {
     let base = TrainConfig {
         strategy: Strategy::Upipe,
@@ -60,10 +61,44 @@ fn configs() -> Vec<(&'static str, TrainConfig)> {
                 ulysses: 1,
                 ring: 1,
                 data_parallel: 2,
+                ..base.clone()
+            },
+        ),
+        // FSDP over NCCL: gathers and reduce-scatters on the communication stream
+        (
+            "fsdp-upipe-pu2",
+            TrainConfig {
+                fsdp: true,
+                ..base.clone()
+            },
+        ),
+        (
+            "fsdp-ring2",
+            TrainConfig {
+                fsdp: true,
+                ulysses: 1,
+                ring: 2,
+                ..base.clone()
+            },
+        ),
+        (
+            "fsdp-qwen-ulysses2",
+            TrainConfig {
+                fsdp: true,
+                strategy: Strategy::Ulysses,
+                model: qwen_style(),
                 ..base
             },
         ),
     ]
+}
+
+/// QK-norm and tied embeddings, as Qwen3's small models.
+fn qwen_style() -> ModelConfig {
+    let mut c = ModelConfig::resolve("tiny").unwrap();
+    c.qk_norm = true;
+    c.tie_embeddings = true;
+    c
 }
 
 fn tokens() -> Arc<[u32]> {

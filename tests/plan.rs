@@ -203,6 +203,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
                 policy,
                 fsdp,
                 fsdp_replicas: 1,
+                grad_accum: 1,
                 device: DeviceKind::Cpu,
                 optimizer: true,
             };
@@ -247,6 +248,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         policy,
         fsdp,
         fsdp_replicas: 1,
+        grad_accum: 1,
         device: DeviceKind::Cuda,
         optimizer: true,
     };
@@ -305,6 +307,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
                 policy,
                 fsdp: true,
                 fsdp_replicas: 1,
+                grad_accum: 1,
                 device: DeviceKind::Cuda,
                 optimizer: true,
             })

@@ -166,6 +166,7 @@ impl Ctx {
             policy: self.policy,
             fsdp: self.fsdp,
             fsdp_replicas: self.a.fsdp_replicate,
+            grad_accum: 1,
             device: self.device,
             optimizer: true,
         };

@@ -132,6 +132,10 @@ pub struct TrainArgs {
     /// gradients are all-reduced across replicas after the reduce-scatter.
     #[arg(long, default_value_t = 1)]
     pub fsdp_replicate: usize,
+    /// Sequences per optimizer step (per data replica): gradients
+    /// accumulate over them, the loss is the mean over the step's tokens.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
     /// One JSON object per step instead of a progress bar.
     #[arg(long)]
     pub json: bool,
@@ -543,6 +547,8 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         resume: a.resume,
         fsdp: false,
         fsdp_replicas: 1,
+        max_file_bytes: crate::train::fsdp::checkpoint::FILE_BYTES,
+        grad_accum: a.grad_accum,
     };
     let mut plan = cfg.plan()?;
     let shape = cfg.mesh_shape(&plan);
@@ -605,6 +611,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                 policy: cfg.policy,
                 fsdp: cfg.fsdp,
                 fsdp_replicas: cfg.fsdp_replicas,
+                grad_accum: cfg.grad_accum,
                 device: if on_gpu {
                     crate::plan::DeviceKind::cuda_with(kernel)
                 } else {
@@ -673,6 +680,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
                 serde_json::json!({
                     "step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s,
                     "peak_bytes": r.peak_bytes, "lr": r.lr, "grad_norm": r.grad_norm,
+                    "tokens": r.tokens,
                     "predicted_peak_bytes": predicted_peak,
                 })
             );

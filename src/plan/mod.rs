@@ -107,6 +107,8 @@ pub struct StepSpec {
     pub fsdp: bool,
     /// HSDP: shard groups of `world / fsdp_replicas` ranks (1: the world).
     pub fsdp_replicas: usize,
+    /// Sequences per optimizer step (`--grad-accum`).
+    pub grad_accum: usize,
     pub device: DeviceKind,
     /// Include AdamW state (a training step) or not (`loss_and_grads_cpu`).
     pub optimizer: bool,
@@ -226,18 +228,25 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
     }
     sim.alloc(Category::Workspace, spec.device.backend_resident());
     let step = |sim: &mut Sim| {
-        let mut store: Box<dyn StoreWalk> = if spec.fsdp {
-            Box::new(FsdpWalk::new(&spec.model, shard_world, ab))
-        } else {
-            Box::new(ReplicatedWalk::new(&spec.model, world))
-        };
-        DecoderWalk {
-            cfg: &spec.model,
-            policy: spec.policy,
-            attn,
-            uploads_ids: spec.device.is_cuda(),
+        for i in 0..spec.grad_accum.max(1) {
+            let mut store: Box<dyn StoreWalk> = if spec.fsdp {
+                // later sequences of a step add their reduce-scatters into the shards
+                Box::new(FsdpWalk::new(&spec.model, shard_world, ab, i == 0))
+            } else {
+                Box::new(ReplicatedWalk::new(
+                    &spec.model,
+                    world,
+                    i + 1 == spec.grad_accum.max(1),
+                ))
+            };
+            DecoderWalk {
+                cfg: &spec.model,
+                policy: spec.policy,
+                attn,
+                uploads_ids: spec.device.is_cuda(),
+            }
+            .step(sim, store.as_mut());
         }
-        .step(sim, store.as_mut());
         if spec.optimizer {
             // the trainer's all-reduced loss scalar
             sim.label("optimizer");

@@ -33,11 +33,12 @@ pub struct ReplicatedWalk {
 }
 
 impl ReplicatedWalk {
-    pub fn new(cfg: &ModelConfig, world: usize) -> Self {
+    /// `reduce`: whether this pass sums the gradients (a step's last sequence).
+    pub fn new(cfg: &ModelConfig, world: usize, reduce: bool) -> Self {
         ReplicatedWalk {
             layers: cfg.layers,
             numel: model_layouts(cfg, 1).iter().map(|u| u.numel).collect(),
-            world,
+            world: if reduce { world } else { 1 },
             embed_uses_left: 1 + usize::from(cfg.tie_embeddings),
             bucket: None,
         }
@@ -88,7 +89,9 @@ pub struct FsdpWalk {
 }
 
 impl FsdpWalk {
-    pub fn new(cfg: &ModelConfig, world: usize, ab: usize) -> Self {
+    /// `fresh`: the step's first sequence (its reduce-scatters overwrite the
+    /// gradient shards; later ones add through a receive buffer).
+    pub fn new(cfg: &ModelConfig, world: usize, ab: usize, fresh: bool) -> Self {
         let layouts = model_layouts(cfg, world);
         let n = layouts.len();
         FsdpWalk {
@@ -101,7 +104,7 @@ impl FsdpWalk {
             block_g: None,
             embed_g: None,
             head_g: None,
-            grad_written: vec![false; n],
+            grad_written: vec![!fresh; n],
             reducing: None,
         }
     }

@@ -4,7 +4,7 @@
 
 use super::checkpoint::{load_hf_model, load_train_state, save_train_state};
 use super::optim::AdamW;
-use super::state::RankModel;
+use super::state::{Micro, RankModel};
 use super::trainer::{TrainConfig, tensors_to_host, weights_from_host, weights_to_host};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::Mesh;
@@ -22,6 +22,9 @@ pub struct ReplicatedStore<'a, B: Backend> {
     embed_uses_left: usize,
     /// The bucket being summed, with the unit it holds.
     reducing: Option<(Unit, Pending<B>)>,
+    /// Whether this pass sums each unit's gradients over the group (off for
+    /// all but the last sequence of a `--grad-accum` step).
+    pub reduce: bool,
 }
 
 impl<'a, B: Backend> ReplicatedStore<'a, B> {
@@ -39,6 +42,7 @@ impl<'a, B: Backend> ReplicatedStore<'a, B> {
             group,
             embed_uses_left: 0,
             reducing: None,
+            reduce: true,
         };
         s.embed_uses_left = s.embed_uses();
         Ok(s)
@@ -147,7 +151,7 @@ impl<B: Backend> ParamStore<B> for ReplicatedStore<'_, B> {
                 return Ok(());
             }
         }
-        if self.group.size() > 1 {
+        if self.reduce && self.group.size() > 1 {
             self.reduce(b, unit)?;
         }
         Ok(())
@@ -238,8 +242,13 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         ids: &[u32],
         targets: &[u32],
         grad_scale: f32,
+        micro: Micro,
     ) -> Result<f64> {
-        self.store.zero_grads(b)?;
+        if micro.first {
+            self.store.zero_grads(b)?;
+        }
+        // sequences before the step's last only accumulate: one reduction per step
+        self.store.reduce = micro.last;
         decoder.forward_backward(b, mesh, &mut self.store, ids, targets, grad_scale)
     }
 

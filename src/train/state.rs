@@ -8,11 +8,31 @@ use crate::error::Result;
 use crate::model::Decoder;
 use std::path::Path;
 
+/// Where a sequence falls in an optimizer step of `--grad-accum` sequences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Micro {
+    /// The step's first sequence: gradients start from zero.
+    pub first: bool,
+    /// The step's last sequence: gradients are reduced over the ranks.
+    pub last: bool,
+}
+
+impl Micro {
+    /// Sequence `i` of a step of `n`.
+    pub fn of(i: usize, n: usize) -> Self {
+        Micro {
+            first: i == 0,
+            last: i + 1 == n,
+        }
+    }
+}
+
 /// What the training loop needs from a rank's model state.
 pub trait RankModel<B: Backend> {
-    /// Forward and backward of one sequence shard; gradients are complete
-    /// (summed over the ranks, or reduce-scattered to their owners) when it
-    /// returns. Returns this rank's summed loss.
+    /// Forward and backward of one sequence shard, adding to the step's
+    /// gradients (`micro`: from zero for the first sequence); after the
+    /// last sequence of a step they are complete (summed over the ranks,
+    /// or reduce-scattered to their owners). Returns this rank's summed loss.
     #[allow(clippy::too_many_arguments)]
     fn forward_backward(
         &mut self,
@@ -22,6 +42,7 @@ pub trait RankModel<B: Backend> {
         ids: &[u32],
         targets: &[u32],
         grad_scale: f32,
+        micro: Micro,
     ) -> Result<f64>;
     /// One AdamW step at 1-based `step`; returns `(lr, grad_norm)`.
     fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)>;

@@ -9,7 +9,7 @@ use super::data::{SamplerState, SequenceSampler, Tokens};
 use super::fsdp::Sharded;
 use super::optim::AdamWConfig;
 use super::replicated::{Replicated, ReplicatedStore};
-use super::state::RankModel;
+use super::state::{Micro, RankModel};
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats, Tensor};
@@ -58,6 +58,11 @@ pub struct TrainConfig {
     /// HSDP: shard inside `world / fsdp_replicas` consecutive ranks,
     /// replicate across the groups (1: shard over every rank).
     pub fsdp_replicas: usize,
+    /// The largest weight file a sharded checkpoint writes (HF's
+    /// `max_shard_size`); more weights spread over several files and an index.
+    pub max_file_bytes: usize,
+    /// Sequences per optimizer step (per data replica), gradients accumulated.
+    pub grad_accum: usize,
 }
 
 /// What one step did (rank 0's view; loss and gradients are global).
@@ -70,6 +75,8 @@ pub struct StepReport {
     pub tokens_per_s: f64,
     /// Rank 0's ledger peak so far.
     pub peak_bytes: usize,
+    /// Tokens the step trained on (every sequence of every replica).
+    pub tokens: usize,
 }
 
 /// The outcome of a run.
@@ -105,6 +112,8 @@ impl TrainConfig {
             resume: false,
             fsdp: false,
             fsdp_replicas: 1,
+            max_file_bytes: super::fsdp::checkpoint::FILE_BYTES,
+            grad_accum: 1,
         }
     }
 
@@ -124,6 +133,9 @@ impl TrainConfig {
         }
         if self.data_parallel == 0 {
             return crate::config_err!("--data-parallel must be at least 1");
+        }
+        if self.grad_accum == 0 {
+            return crate::config_err!("--grad-accum must be at least 1 (sequences per step)");
         }
         let plan = CpPlan::new(
             self.strategy,
@@ -320,17 +332,22 @@ fn run_rank<B: Backend>(
     let positions = plan
         .layout
         .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
-    // the loss is the mean over every target of every replica
-    let targets_per_step = (cfg.seq * cfg.data_parallel) as f64;
+    // the loss is the mean over every target of every sequence of every replica
+    let targets_per_step = (cfg.seq * cfg.data_parallel * cfg.grad_accum) as f64;
     let grad_scale = (1.0 / targets_per_step) as f32;
     let mut reports = Vec::new();
     for step in first..=cfg.steps {
         let start = Instant::now();
-        let window = sampler.next_window();
-        let ids: Vec<u32> = positions.iter().map(|&p| window.inputs()[p]).collect();
-        let targets: Vec<u32> = positions.iter().map(|&p| window.targets()[p]).collect();
-        debug_assert!(!targets.contains(&IGNORE));
-        let local_loss = model.forward_backward(b, &decoder, mesh, &ids, &targets, grad_scale)?;
+        let mut local_loss = 0.0;
+        for i in 0..cfg.grad_accum {
+            let window = sampler.next_window();
+            let ids: Vec<u32> = positions.iter().map(|&p| window.inputs()[p]).collect();
+            let targets: Vec<u32> = positions.iter().map(|&p| window.targets()[p]).collect();
+            debug_assert!(!targets.contains(&IGNORE));
+            let micro = Micro::of(i, cfg.grad_accum);
+            local_loss +=
+                model.forward_backward(b, &decoder, mesh, &ids, &targets, grad_scale, micro)?;
+        }
         let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
         let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
@@ -343,6 +360,7 @@ fn run_rank<B: Backend>(
             grad_norm,
             tokens_per_s: targets_per_step / start.elapsed().as_secs_f64(),
             peak_bytes: b.ledger().peak(),
+            tokens: targets_per_step as usize,
         };
         if rank == 0 {
             on_step(&report);

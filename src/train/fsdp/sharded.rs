@@ -11,7 +11,7 @@ use crate::model::{Decoder, RandomInit};
 use crate::train::checkpoint::HostTensor;
 use crate::train::ranged::RangedModel;
 use crate::train::replicated::Resumed;
-use crate::train::state::RankModel;
+use crate::train::state::{Micro, RankModel};
 use crate::train::trainer::TrainConfig;
 use serde_json::Value;
 use std::path::Path;
@@ -22,6 +22,8 @@ pub struct Sharded<'a, B: Backend> {
     pub opt: ShardedAdamW<B>,
     /// Every rank (checkpoint barriers).
     world: &'a dyn ProcessGroup<B>,
+    /// The largest weight file a checkpoint writes.
+    max_file_bytes: usize,
 }
 
 impl<'a, B: Backend> Sharded<'a, B> {
@@ -55,6 +57,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                     store,
                     opt,
                     world: mesh.world.as_ref(),
+                    max_file_bytes: cfg.max_file_bytes,
                 },
                 None,
             ));
@@ -80,6 +83,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 store,
                 opt,
                 world: mesh.world.as_ref(),
+                max_file_bytes: cfg.max_file_bytes,
             },
             Some(resumed),
         ))
@@ -114,7 +118,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
     fn save_weights(&self, b: &B, dir: &Path, lead: bool) -> Result<()> {
         let layouts = &self.store.layouts;
         let bytes: Vec<usize> = layouts.iter().map(|u| u.numel * 4).collect();
-        let groups = ckpt::file_groups(&bytes, ckpt::FILE_BYTES);
+        let groups = ckpt::file_groups(&bytes, self.max_file_bytes);
         let mut index = Vec::new();
         for (k, g) in groups.iter().enumerate() {
             let mut tensors = Vec::new();
@@ -168,8 +172,11 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         ids: &[u32],
         targets: &[u32],
         grad_scale: f32,
+        micro: Micro,
     ) -> Result<f64> {
-        self.store.begin_step(true);
+        // each sequence's reduce-scatter adds into the shards (ZeRO-3's way:
+        // no rank ever holds the whole model's gradients)
+        self.store.begin_step(micro.first);
         decoder.forward_backward(b, mesh, &mut self.store, ids, targets, grad_scale)
     }
 
