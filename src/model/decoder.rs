@@ -115,7 +115,7 @@ struct MlpSaved<B: Backend> {
 pub struct Decoder<B: Backend> {
     pub cfg: ModelConfig,
     pub policy: MemoryPolicy,
-    attn: CpAttention<B>,
+    pub(crate) attn: CpAttention<B>,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -131,7 +131,7 @@ impl<B: Backend> Decoder<B> {
         Ok(Decoder { cfg, policy, attn })
     }
 
-    fn eps(&self) -> f32 {
+    pub(crate) fn eps(&self) -> f32 {
         self.cfg.rms_norm_eps
     }
 
@@ -293,7 +293,12 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Rows `r` of a `[s, hidden]` tensor as a new tensor.
-    fn rows_of(&self, b: &B, t: &Tensor<B>, r: &std::ops::Range<usize>) -> Result<Tensor<B>> {
+    pub(crate) fn rows_of(
+        &self,
+        b: &B,
+        t: &Tensor<B>,
+        r: &std::ops::Range<usize>,
+    ) -> Result<Tensor<B>> {
         let hid = t.row_len();
         let mut out = b.zeros(&[r.len(), hid], t.dtype(), Category::Workspace)?;
         b.copy(
