@@ -507,7 +507,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     // ranks the default mesh should fill: the launched processes, or the GPUs
     let ranks = match launched {
         Some(l) => Some(l.world_size),
-        None if device != Device::Cpu && gpus >= 2 => Some(gpus),
+        None if device != Device::Cpu && gpus >= 1 => Some(gpus),
         None => None,
     };
     let flags = MeshFlags {
