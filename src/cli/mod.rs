@@ -8,6 +8,7 @@ pub mod launch;
 pub mod plan;
 pub mod rendezvous_check;
 pub mod schedule;
+pub mod tokenize;
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -24,8 +25,10 @@ pub struct Cli {
 pub enum Command {
     /// Train a model (no arguments: tiny model, bundled data, UPipe on 4 CPU thread ranks, or one NCCL process per GPU when 2+ GPUs are visible).
     Train(train::TrainArgs),
-    /// Mean next-token cross-entropy of a model on a token file.
+    /// Next-token cross-entropy of a model on a token file (forward only; by position with --buckets).
     Eval(eval::EvalArgs),
+    /// Tokenize text/JSONL files into a .u32 (or .u16/.bin) token file with a tokenizer.json.
+    Tokenize(tokenize::TokenizeArgs),
     /// Benchmarks (attention layer across strategies).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -47,6 +50,7 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Command::Train(a) => train::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Tokenize(a) => tokenize::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Launch(a) => launch::run(a),

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::plan::{DeviceKind, SaveAttention};
-use crate::train::data::{Tokenizer, load_tokens};
+use crate::train::data::{Tokens, load_tokens};
 use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{
     StepReport, TrainConfig, TrainSummary, check_local_rank, check_world_size, train_cpu,
@@ -42,12 +42,15 @@ pub struct TrainArgs {
     /// Preset name (tiny, llama3.2-1b, llama3-8b, llama3-70b, qwen3-32b), config.json, or HF model dir.
     #[arg(long, default_value = "tiny")]
     pub model: String,
-    /// Training data: a text file (tokenized) or pre-tokenized `.u32` ids. Default: the bundled corpus.
+    /// Training data: a text file (tokenized with --tokenizer), or pre-tokenized
+    /// ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16), memory-mapped
+    /// and checked against the model's vocab_size. Default: the bundled corpus.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Tokenizer for text data: `byte` or a path to an HF tokenizer.json.
-    #[arg(long, default_value = "byte")]
-    pub tokenizer: String,
+    /// Tokenizer for text data: `byte` (the default) or a path to an HF
+    /// tokenizer.json; ignored, with a warning, for pre-tokenized data.
+    #[arg(long)]
+    pub tokenizer: Option<String>,
     /// Start from the weights of an HF model directory (config.json + safetensors).
     #[arg(long)]
     pub init_from: Option<PathBuf>,
@@ -399,6 +402,18 @@ pub fn route(
     shape: MeshShape,
     nccl: &dyn Fn() -> std::result::Result<(), String>,
 ) -> Result<Route> {
+    route_for("train", device, launched, gpus, shape, nccl)
+}
+
+/// [`route`] for the subcommand `command` (`train`, `eval`), named in its errors.
+pub fn route_for(
+    command: &str,
+    device: Device,
+    launched: Option<Launched>,
+    gpus: usize,
+    shape: MeshShape,
+    nccl: &dyn Fn() -> std::result::Result<(), String>,
+) -> Result<Route> {
     if device == Device::Cuda && gpus == 0 {
         return crate::config_err!(
             "--device cuda: no GPU is visible (see `upipe info`); use --device cpu"
@@ -407,19 +422,19 @@ pub fn route(
     if let Some(l) = launched {
         let how = format!(
             "this process was launched as one of {} ranks (RANK/WORLD_SIZE or SLURM_PROCID set), \
-             and multi-process training runs one NCCL rank per GPU",
+             and a multi-process `upipe {command}` runs one NCCL rank per GPU",
             l.world_size
         );
         if device == Device::Cpu {
             return crate::config_err!(
-                "--device cpu: {how}; CPU training runs its ranks as threads of one process: \
-                 run `upipe train --device cpu` without upipe launch/torchrun/srun"
+                "--device cpu: {how}; on the CPU the ranks are threads of one process: \
+                 run `upipe {command} --device cpu` without upipe launch/torchrun/srun"
             );
         }
         if gpus == 0 {
             return crate::config_err!(
-                "no GPU is visible (see `upipe info`), but {how}; run `upipe train` without \
-                 upipe launch/torchrun/srun to train with CPU thread ranks"
+                "no GPU is visible (see `upipe info`), but {how}; run `upipe {command}` without \
+                 upipe launch/torchrun/srun to run with CPU thread ranks"
             );
         }
         check_world_size(shape, l.world_size)?;
@@ -457,7 +472,7 @@ pub fn route(
 /// Thread ranks spread round-robin over `gpus` devices.
 fn train_on_gpus(
     cfg: &TrainConfig,
-    tokens: std::sync::Arc<[u32]>,
+    tokens: Tokens,
     gpus: usize,
     kernel: AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
@@ -499,7 +514,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     // ranks the default mesh should fill: the launched processes, or the GPUs
     let ranks = match launched {
         Some(l) => Some(l.world_size),
-        None if device != Device::Cpu && gpus >= 2 => Some(gpus),
+        None if device != Device::Cpu && gpus >= 1 => Some(gpus),
         None => None,
     };
     let flags = MeshFlags {
@@ -572,8 +587,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     }
     // under a launch only rank 0 reports
     let lead = route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0);
-    let tokenizer = Tokenizer::resolve(&a.tokenizer)?;
-    let tokens = load_tokens(a.data.as_deref(), &tokenizer)?;
+    let tokens = load_tokens(a.data.as_deref(), a.tokenizer.as_deref(), cfg.model.vocab)?;
     let on_gpu = route != Route::CpuThreads;
     let budget = if on_gpu {
         gpu_memory_per_rank(shape.world_size(), gpus)
@@ -704,12 +718,10 @@ pub fn run(a: TrainArgs) -> Result<i32> {
     let summary = match route {
         Route::ProcessRank => {
             let env = env.as_ref().expect("a launched run has its environment");
-            train_process_rank(&cfg, tokens.into(), env, kernel, &on_step)?
+            train_process_rank(&cfg, tokens, env, kernel, &on_step)?
         }
-        Route::GpuThreads { gpus, .. } => {
-            train_on_gpus(&cfg, tokens.into(), gpus, kernel, &on_step)?
-        }
-        _ => train_cpu(&cfg, tokens.into(), &on_step)?,
+        Route::GpuThreads { gpus, .. } => train_on_gpus(&cfg, tokens, gpus, kernel, &on_step)?,
+        _ => train_cpu(&cfg, tokens, &on_step)?,
     };
     bar.finish();
     if json || !lead {

@@ -850,6 +850,20 @@ impl DecoderWalk<'_> {
         dhn
     }
 
+    /// `Decoder::keep_checkpointed`.
+    fn keep_checkpointed(&self, sim: &mut Sim, l: usize, saved: BlockSaved) -> Kept {
+        let BlockSaved { a, o, lse, h1, mlp } = saved;
+        for b in [a, h1].into_iter().chain(mlp.into_iter().flatten()) {
+            sim.free(b);
+        }
+        if self.policy.keeps_attention(l, self.cfg.layers) {
+            Kept::Attention(o, lse)
+        } else {
+            std::iter::once(o).chain(lse).for_each(|b| sim.free(b));
+            Kept::Input
+        }
+    }
+
     /// `Decoder::forward_backward` after the decoder and parameters exist,
     /// with the parameter store's allocations from `store`.
     pub fn step(&self, sim: &mut Sim, store: &mut dyn StoreWalk) {
@@ -859,26 +873,18 @@ impl DecoderWalk<'_> {
         self.ids(sim, self.s());
         store.release(sim, Unit::Embed);
         let mut kept: Vec<(Buf, Kept)> = Vec::new();
-        let layers = self.cfg.layers;
-        for l in 0..layers {
+        // an offloaded input's device copy, released after the next block
+        let mut leaving: Option<Buf> = None;
+        for l in 0..self.cfg.layers {
             store.acquire(sim, Unit::Block(l));
             let (next, saved) = self.block_fwd(sim);
             store.release(sim, Unit::Block(l));
             if self.policy.checkpoint {
-                let BlockSaved { a, o, lse, h1, mlp } = saved;
-                for b in [a, h1].into_iter().chain(mlp.into_iter().flatten()) {
-                    sim.free(b);
-                }
-                let keep = if self.policy.keeps_attention(l, layers) {
-                    Kept::Attention(o, lse)
-                } else {
-                    std::iter::once(o).chain(lse).for_each(|b| sim.free(b));
-                    Kept::Input
-                };
+                let keep = self.keep_checkpointed(sim, l, saved);
                 if self.policy.offload {
                     let host = sim.alloc(Offload, x.bytes);
                     kept.push((host, keep));
-                    sim.free(x);
+                    sim.free_opt(leaving.replace(x));
                 } else {
                     kept.push((x, keep));
                 }
@@ -887,15 +893,22 @@ impl DecoderWalk<'_> {
             }
             x = next;
         }
+        sim.free_opt(leaving.take());
+        // the last block's offloaded input comes back beside the loss
+        let reload = |sim: &mut Sim, k: Option<&(Buf, Kept)>| {
+            k.filter(|k| k.0.cat == Offload)
+                .map(|k| sim.alloc(Activations, k.0.bytes))
+        };
+        let mut coming = reload(sim, kept.last());
         let mut dx = self.head(sim, store, x);
-        while let Some((input, keep)) = kept.pop() {
+        while let Some((kept_input, keep)) = kept.pop() {
             let l = kept.len();
             sim.label("backward: reload");
-            let (input, host) = if input.cat == Offload {
-                (sim.alloc(Activations, input.bytes), Some(input))
-            } else {
-                (input, None)
+            let (input, host) = match coming.take() {
+                Some(dev) => (dev, Some(kept_input)),
+                None => (kept_input, None),
             };
+            coming = reload(sim, kept.last());
             store.acquire(sim, Unit::Block(l));
             let saved = match keep {
                 Kept::Block(s) => s,

@@ -5,7 +5,7 @@
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
 use super::checkpoint::HostTensor;
-use super::data::{SamplerState, SequenceSampler};
+use super::data::{SamplerState, SequenceSampler, Tokens};
 use super::fsdp::Sharded;
 use super::optim::AdamWConfig;
 use super::replicated::{Replicated, ReplicatedStore};
@@ -226,7 +226,7 @@ pub fn check_local_rank(local_rank: usize, gpus: usize) -> Result<()> {
 /// `on_step` after every step.
 pub fn train_cpu(
     cfg: &TrainConfig,
-    tokens: Arc<[u32]>,
+    tokens: impl Into<Tokens>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     train_threads(cfg, tokens, CpuBackend::new, on_step)
@@ -235,10 +235,11 @@ pub fn train_cpu(
 /// Trains with ranks as threads, each on a backend from `make_backend`.
 pub fn train_threads<B: Backend>(
     cfg: &TrainConfig,
-    tokens: Arc<[u32]>,
+    tokens: impl Into<Tokens>,
     make_backend: impl Fn() -> B + Sync,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
+    let tokens = tokens.into();
     let plan = cfg.plan()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
@@ -260,11 +261,12 @@ pub fn train_threads<B: Backend>(
 /// on rank 0 only, and only rank 0 writes checkpoints.
 pub fn train_on_mesh<B: Backend>(
     cfg: &TrainConfig,
-    tokens: Arc<[u32]>,
+    tokens: impl Into<Tokens>,
     b: &B,
     mesh: &Mesh<B>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
+    let tokens = tokens.into();
     let plan = cfg.plan()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
@@ -290,7 +292,7 @@ pub fn train_on_mesh<B: Backend>(
 /// picks the attention kernels (`--attn-kernel`).
 pub fn train_process_rank(
     cfg: &TrainConfig,
-    tokens: Arc<[u32]>,
+    tokens: impl Into<Tokens>,
     env: &DistEnv,
     kernel: crate::backend::cuda::cudnn::AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
@@ -298,6 +300,7 @@ pub fn train_process_rank(
     use crate::backend::cuda::CudaBackend;
     use crate::comm::nccl::NcclWorld;
     use crate::comm::rendezvous::Rendezvous;
+    let tokens = tokens.into();
     let plan = cfg.plan()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
@@ -317,7 +320,7 @@ pub fn train_process_rank(
 fn run_rank<B: Backend>(
     cfg: &TrainConfig,
     plan: &CpPlan,
-    tokens: Arc<[u32]>,
+    tokens: Tokens,
     b: &B,
     mesh: &Mesh<B>,
     rank: usize,
