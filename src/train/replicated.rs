@@ -10,6 +10,7 @@ use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
+use crate::model::progress::Progress;
 use crate::model::{BlockWeights, Decoder, HeadView, ModelConfig, ModelWeights, ParamStore, Unit};
 
 /// Whole-model parameters and gradients of one rank.
@@ -249,7 +250,10 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         }
         // sequences before the step's last only accumulate: one reduction per step
         self.store.reduce = micro.last;
-        decoder.forward_backward(b, mesh, &mut self.store, ids, targets, grad_scale)
+        let lead = mesh.rank == 0;
+        let layers = decoder.cfg.layers;
+        let mut store = Progress::new(&mut self.store, layers, decoder.policy.checkpoint, lead);
+        decoder.forward_backward(b, mesh, &mut store, ids, targets, grad_scale)
     }
 
     fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)> {
