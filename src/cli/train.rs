@@ -139,6 +139,10 @@ pub struct TrainArgs {
     /// gradients are all-reduced across replicas after the reduce-scatter.
     #[arg(long, default_value_t = 1)]
     pub fsdp_replicate: usize,
+    /// Host memory for offloaded tensors, GiB per node (default: the host's
+    /// available memory, read at start); shared by the node's ranks.
+    #[arg(long)]
+    pub host_mem: Option<f64>,
     /// Sequences per optimizer step (per data replica): gradients
     /// accumulate over them, the loss is the mean over the step's tokens.
     #[arg(long, default_value_t = 1)]
@@ -200,6 +204,45 @@ impl FsdpMode {
             },
         }
     }
+}
+
+/// Refuses, before anything is allocated, a run the planner says cannot fit
+/// the memory each rank has (GPU less what lies outside the ledger, or the
+/// host's share on the CPU), and sets the pinned-host budget of GPU runs.
+#[allow(clippy::too_many_arguments)]
+fn preflight(
+    spec: &crate::plan::StepSpec,
+    predicted: &crate::plan::Prediction,
+    budget: Option<usize>,
+    host_mem_gib: Option<f64>,
+    cfg: &mut TrainConfig,
+    on_gpu: bool,
+    shape: MeshShape,
+    gpus: usize,
+) -> Result<()> {
+    use crate::plan::preflight::{RankMemory, check};
+    let per_node = shape.world_size().min(gpus.max(1));
+    let host = match host_mem_gib {
+        Some(g) if g.is_finite() && g > 0.0 => Some((g * (1u64 << 30) as f64) as usize / per_node),
+        Some(g) => return crate::config_err!("--host-mem {g}: give GiB per node, more than 0"),
+        None => host_available_bytes().map(|b| b / per_node),
+    };
+    let Some(device) = budget else {
+        return Ok(());
+    };
+    if on_gpu {
+        cfg.host_budget = host;
+        // the CUDA context, cuBLAS and cuDNN handles lie outside the ledger
+        let mem = RankMemory {
+            device: device.saturating_sub((1 << 30) / shape.world_size().div_ceil(gpus.max(1))),
+            host,
+        };
+        return check(spec, predicted, mem);
+    }
+    // on the CPU the offloaded tensors share the same memory
+    let mut whole = predicted.clone();
+    whole.peak += predicted.host_peak;
+    check(spec, &whole, RankMemory { device, host: None })
 }
 
 /// Device memory per rank: a GPU's memory, shared by the thread ranks on it.
@@ -489,6 +532,7 @@ fn train_on_gpus(
         let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
         let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
         b.set_attn_kernel(kernel);
+        b.set_host_budget(cfg.host_budget);
         b
     };
     crate::train::trainer::train_threads(cfg, tokens, make, on_step)
@@ -557,6 +601,7 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         fsdp_replicas: 1,
         max_file_bytes: crate::train::fsdp::checkpoint::FILE_BYTES,
         grad_accum: a.grad_accum,
+        host_budget: None,
     };
     let mut plan = cfg.plan()?;
     a.save_attention.check(cfg.policy, cfg.model.layers)?;
@@ -624,26 +669,22 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         );
     }
     // what `upipe plan` predicts for a step of `plan` here (rank 0's ledger peak)
-    let predict = |plan: &CpPlan| {
-        crate::plan::predict_step_rank(
-            &crate::plan::StepSpec {
-                model: cfg.model.clone(),
-                plan: plan.clone(),
-                data: cfg.data_parallel,
-                policy: cfg.policy,
-                fsdp: cfg.fsdp,
-                fsdp_replicas: cfg.fsdp_replicas,
-                grad_accum: cfg.grad_accum,
-                device: if on_gpu {
-                    crate::plan::DeviceKind::cuda_with(kernel)
-                } else {
-                    crate::plan::DeviceKind::Cpu
-                },
-                optimizer: true,
-            },
-            0,
-        )
+    let spec_of = |plan: &CpPlan| crate::plan::StepSpec {
+        model: cfg.model.clone(),
+        plan: plan.clone(),
+        data: cfg.data_parallel,
+        policy: cfg.policy,
+        fsdp: cfg.fsdp,
+        fsdp_replicas: cfg.fsdp_replicas,
+        grad_accum: cfg.grad_accum,
+        device: if on_gpu {
+            crate::plan::DeviceKind::cuda_with(kernel)
+        } else {
+            crate::plan::DeviceKind::Cpu
+        },
+        optimizer: true,
     };
+    let predict = |plan: &CpPlan| crate::plan::predict_step_rank(&spec_of(plan), 0);
     if a.fwd_chunk_heads == FwdChunk::Auto {
         let wide = a
             .fwd_chunk_heads
@@ -675,6 +716,16 @@ pub fn run(a: TrainArgs) -> Result<i32> {
         );
     }
     let predicted = predict(&plan)?;
+    preflight(
+        &spec_of(&plan),
+        &predicted,
+        budget,
+        a.host_mem,
+        &mut cfg,
+        on_gpu,
+        shape,
+        gpus,
+    )?;
     let predicted_peak = predicted.peak;
     let bar = if a.json || !lead {
         ProgressBar::hidden()

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod decoder;
 pub mod forward;
+pub mod progress;
 pub mod store;
 pub mod weights;
 

@@ -63,6 +63,8 @@ pub struct TrainConfig {
     pub max_file_bytes: usize,
     /// Sequences per optimizer step (per data replica), gradients accumulated.
     pub grad_accum: usize,
+    /// Pinned host memory each rank may use for offloaded tensors (None: unlimited).
+    pub host_budget: Option<usize>,
 }
 
 /// What one step did (rank 0's view; loss and gradients are global).
@@ -114,6 +116,7 @@ impl TrainConfig {
             fsdp_replicas: 1,
             max_file_bytes: super::fsdp::checkpoint::FILE_BYTES,
             grad_accum: 1,
+            host_budget: None,
         }
     }
 
@@ -310,6 +313,7 @@ pub fn train_process_rank(
     let mut rv = Rendezvous::connect(env, RENDEZVOUS_TIMEOUT)?;
     let mut b = CudaBackend::new(env.local_rank)?;
     b.set_attn_kernel(kernel);
+    b.set_host_budget(cfg.host_budget);
     let b = Arc::new(b);
     let world = NcclWorld::connect(env, &mut rv, b.clone())?;
     let mesh = world.mesh(shape)?;
