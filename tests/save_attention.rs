@@ -14,6 +14,7 @@ use upipe::model::decoder::attn_dims;
 use upipe::model::{
     BlockWeights, Decoder, HeadView, MemoryPolicy, ModelConfig, ModelWeights, ParamStore, Unit,
 };
+use upipe::plan::preflight::{self, RankMemory};
 use upipe::plan::{
     DeviceKind, SaveAttention, StepSpec, predict_step, resolve_plan, save_attention_auto,
 };
@@ -273,7 +274,7 @@ fn auto_keeps_the_most_blocks_that_fit() {
     };
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let h200 = DeviceKind::Cuda.ledger_budget(139 << 30);
-    for seq in [32768, 131072, 262144] {
+    for seq in [32768, 131072, 262144, 524288] {
         let s = spec(seq, false);
         let n = save_attention_auto(&s, h200).unwrap();
         eprintln!(
@@ -288,6 +289,20 @@ fn auto_keeps_the_most_blocks_that_fit() {
             "seq {seq}: {n} is not the most"
         );
     }
+    // an explicit `all` that does not fit is refused before anything is
+    // allocated, naming auto
+    let mut s = spec(524288, false);
+    s.policy.save_attention = layers;
+    let pred = predict_step(&s).unwrap();
+    let mem = RankMemory {
+        device: h200,
+        host: None,
+    };
+    let e = preflight::check(&s, &pred, mem).unwrap_err().to_string();
+    assert!(e.contains("Adding --save-attention auto fits"), "{e}");
+    s.policy.save_attention = save_attention_auto(&s, h200).unwrap();
+    preflight::check(&s, &predict_step(&s).unwrap(), mem).unwrap();
+
     let s = spec(131072, true);
     let (none, all) = (peak(&s, 0), peak(&s, layers));
     assert!(none < all, "kept outputs cost memory");

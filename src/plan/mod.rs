@@ -170,6 +170,15 @@ impl Prediction {
             .find(|(c, _)| *c == cat)
             .map_or(0, |x| x.1)
     }
+    /// The bytes a rank needs of its memory: the device peak, and on the
+    /// CPU the offloaded (host) bytes too, which share that memory.
+    pub fn rank_bytes(&self, device: DeviceKind) -> usize {
+        if device.is_cuda() {
+            self.peak
+        } else {
+            self.peak + self.host_peak
+        }
+    }
     /// The device category holding the most bytes at the peak.
     pub fn largest_category(&self) -> Category {
         self.at_peak
@@ -376,7 +385,8 @@ impl SaveAttention {
 
 /// The most blocks (the last ones) that can keep their attention output and
 /// LSEs under checkpointing with the step's predicted peak within `budget`
-/// device bytes per rank: from 0 (when even that does not fit; the caller
+/// bytes per rank ([`Prediction::rank_bytes`]: on the CPU the offloaded
+/// bytes count too, as in `upipe train`'s preflight): from 0 (when even that does not fit; the caller
 /// decides what then) to every block. `spec.policy.save_attention` is
 /// ignored. Each kept block adds its O and LSEs from its forward to its
 /// backward and removes the transients of its attention recompute, so the
@@ -389,7 +399,7 @@ pub fn save_attention_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
     let peak = |n: usize| -> Result<usize> {
         let mut s = spec.clone();
         s.policy.save_attention = n;
-        Ok(predict_step(&s)?.peak)
+        Ok(predict_step(&s)?.rank_bytes(spec.device))
     };
     let layers = spec.model.layers;
     if peak(layers)? <= budget {

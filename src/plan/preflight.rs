@@ -24,7 +24,12 @@ struct Change {
 }
 
 /// The changes tried, cheapest in speed first.
-const CHANGES: [Change; 5] = [
+const CHANGES: [Change; 6] = [
+    Change {
+        // what `auto` falls back to: if none fits, auto fits
+        flags: "--save-attention auto",
+        apply: |s| s.policy.save_attention = 0,
+    },
     Change {
         flags: "--fsdp on",
         apply: |s| s.fsdp = true,
