@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod decoder;
+pub mod flops;
 pub mod shapes;
 pub mod store;
 pub mod weights;
