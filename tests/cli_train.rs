@@ -236,3 +236,27 @@ fn fsdp_flags() {
     let e = upipe_error(&[&common[..], &["--fsdp", "maybe"]].concat());
     assert!(e.contains("auto, on or off"), "{e}");
 }
+
+/// A run the planner says cannot fit is refused before anything is
+/// allocated, with the per-category breakdown and what to change.
+#[test]
+fn a_run_that_cannot_fit_is_refused_before_it_allocates() {
+    let e = upipe_error(&[
+        "train",
+        "--model",
+        "llama3-70b",
+        "--seq",
+        "65536",
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+    ]);
+    assert!(
+        e.contains("cannot fit") && e.contains("nothing was allocated"),
+        "{e}"
+    );
+    assert!(e.contains("optim_state") && e.contains("weights"), "{e}");
+    let e = upipe_error(&["train", "--steps", "1", "--device", "cpu", "--host-mem=0"]);
+    assert!(e.contains("--host-mem"), "{e}");
+}

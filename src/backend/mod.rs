@@ -6,6 +6,7 @@
 //! trait; the CPU f32 backend is the reference every other backend is tested
 //! against.
 
+pub mod arena;
 pub mod cpu;
 pub mod cuda;
 pub mod memory;
@@ -118,6 +119,19 @@ pub trait Backend: Send + Sync + Sized + 'static {
         alpha: f32,
         beta: f32,
     ) -> Result<()>;
+    /// Starts `dst = src` (whole tensors of one shape and dtype, e.g. device
+    /// memory to host memory) on the device's copy stream where it has one,
+    /// after the work queued so far, and returns before it finishes. Both
+    /// tensors must stay alive until [`copy_wait`](Backend::copy_wait) of
+    /// the returned token. The CPU copies at once.
+    fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {
+        self.copy(dst.mat_mut(), src.mat())?;
+        Ok(CopyDone::finished())
+    }
+    /// Orders work queued from now on after the copy (no host wait).
+    fn copy_wait(&self, done: CopyDone) -> Result<()> {
+        done.join()
+    }
     /// Strided 2-D copy `dst = src` (same logical shape; converts dtype).
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()>;
     /// Sets every element to `value`.
@@ -267,6 +281,24 @@ pub fn check_token_ids(ids: &[u32], vocab: usize) -> Result<()> {
             "token id {id} is outside the vocabulary of {vocab}; check the tokenizer matches the model"
         ))),
         None => Ok(()),
+    }
+}
+
+/// Orders later work on a device after a copy started by
+/// [`Backend::copy_start`] (no host wait); `None`: the copy is done.
+pub struct CopyDone(Option<Box<dyn FnOnce() -> Result<()> + Send>>);
+
+impl CopyDone {
+    /// A copy that has already finished.
+    pub fn finished() -> Self {
+        CopyDone(None)
+    }
+    /// A copy in flight; `join` makes later work wait for it.
+    pub fn in_flight(join: Box<dyn FnOnce() -> Result<()> + Send>) -> Self {
+        CopyDone(Some(join))
+    }
+    fn join(self) -> Result<()> {
+        self.0.map_or(Ok(()), |j| j())
     }
 }
 

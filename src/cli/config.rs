@@ -143,6 +143,10 @@ pub struct PlanKeys {
 pub struct EvalKeys {
     pub model_dir: Option<PathBuf>,
     pub tokens: Option<PathBuf>,
+    /// Inputs per window (the run's `[data] seq` is its training length).
+    pub seq: Option<usize>,
+    pub buckets: Option<usize>,
+    pub fwd_chunk_heads: Option<usize>,
     pub metrics: Option<PathBuf>,
 }
 
@@ -433,7 +437,8 @@ mod tests {
         ];
         for a in all.iter().flat_map(|k| k.iter()) {
             for b in all.iter().flat_map(|k| k.iter()) {
-                if a.0 == b.0 && !matches!(a.0, "device" | "warmup" | "metrics") {
+                let own = ["device", "warmup", "metrics", "seq", "fwd_chunk_heads"];
+                if a.0 == b.0 && !own.contains(&a.0) {
                     assert_eq!(a, b, "--{} maps to two keys", a.0);
                 }
             }

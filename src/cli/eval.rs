@@ -1,21 +1,27 @@
-//! `upipe eval`: mean next-token cross-entropy of an HF checkpoint on a token
-//! file taken as one sequence, under any strategy — for checking against
-//! other frameworks on the same weights.
+//! `upipe eval`: the mean next-token cross-entropy of an HF checkpoint on a
+//! token file, forward only, under any strategy and mesh, overall and by
+//! position within the window — for checking against other frameworks on
+//! the same weights, and for long-context evaluation.
+//!
+//! Runs go where `upipe train`'s would ([`route_for`]): on the CPU (f32) as
+//! thread ranks; on GPUs (bf16) as one process per GPU (started by itself,
+//! or by `upipe launch`/torchrun/srun), or as thread ranks spread over the
+//! GPUs when the mesh has more ranks than GPUs.
 
-use crate::attention::{CpPlan, Strategy};
-use crate::backend::{Category, IGNORE, MemoryStats};
-use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
+use crate::attention::Strategy;
+use crate::backend::cuda::cudnn::AttnKernel;
+use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
 use crate::cli::metrics::{MetricsFile, StepMetrics, by_category};
+use crate::cli::train::{Device, Launched, MeshChoice, Route, default_mesh, route_for};
+use crate::comm::env::DistEnv;
 use crate::error::{Error, Result};
-use crate::model::decoder::attn_dims;
+use crate::model::ModelConfig;
 use crate::model::flops::forward_flops_per_token;
-use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::checkpoint::load_hf_model;
-use crate::train::data::{check_vocab, read_u32_tokens};
-use crate::train::trainer::{loss_grads_and_memory_cpu, weights_from_host};
+use crate::train::data::Tokens;
+use crate::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_process_rank, eval_threads};
 use clap::ArgMatches;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 /// Flags of `upipe eval`.
 #[derive(clap::Args, Debug, Clone)]
@@ -27,20 +33,49 @@ pub struct EvalArgs {
     /// HF model directory (config.json + model.safetensors or a sharded index).
     #[arg(long)]
     pub model_dir: Option<PathBuf>,
-    /// Token ids as raw little-endian u32 (`.u32`).
+    /// Token ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16),
+    /// memory-mapped and checked against the model's vocab_size.
     #[arg(long)]
     pub tokens: Option<PathBuf>,
-    /// Attention strategy.
+    /// Inputs per window: the file is evaluated as consecutive windows of this
+    /// many tokens (default: the whole file as one sequence).
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Also report the loss over this many equal ranges of positions within
+    /// the window (`by_position`).
+    #[arg(long, default_value_t = 1)]
+    pub buckets: usize,
+    /// Attention strategy: local, ulysses, ring, usp, upipe.
     #[arg(long, default_value = "upipe")]
     pub attn: String,
-    #[arg(long, default_value_t = 1)]
-    pub ulysses: usize,
-    #[arg(long, default_value_t = 1)]
-    pub ring: usize,
+    /// Ulysses degree Pu (default 1; with no mesh flag on 2+ GPUs or under a
+    /// launch, the mesh fits the ranks as `upipe train`'s does).
+    #[arg(long)]
+    pub ulysses: Option<usize>,
+    /// Ring degree Pr (default 1).
+    #[arg(long)]
+    pub ring: Option<usize>,
+    /// Data replicas, each evaluating every N-th window (default 1).
+    #[arg(long)]
+    pub data_parallel: Option<usize>,
+    /// UPipe heads per stage U (default Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
+    /// UPipe heads per forward stage (default U).
+    #[arg(long)]
+    pub fwd_chunk_heads: Option<usize>,
+    /// Rows of logits computed at once.
+    #[arg(long, default_value_t = 256)]
+    pub loss_chunk: usize,
+    /// Device: auto (cuda when a GPU is visible, else cpu), cpu (f32), or cuda
+    /// (bf16; one process per GPU as `upipe train`).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Attention kernel on GPUs: auto, cudnn, native (see `upipe train --help`).
+    #[arg(long, default_value = "auto")]
+    pub attn_kernel: String,
     /// Write the evaluation as one JSON line (loss, tokens/s, model TFLOP/s
-    /// of the forward, memory by category; as `train --metrics`).
+    /// of the forward, memory by category; as `train --metrics` writes steps).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
 }
@@ -50,10 +85,17 @@ impl EvalArgs {
         model_dir => eval.model_dir,
         tokens => eval.tokens,
         metrics => eval.metrics,
+        seq => eval.seq,
+        buckets => eval.buckets,
         attn => parallel.attn,
         ulysses => parallel.ulysses,
         ring => parallel.ring,
+        data_parallel => parallel.data_parallel,
         chunk_heads => parallel.chunk_heads,
+        fwd_chunk_heads => eval.fwd_chunk_heads,
+        loss_chunk => memory.loss_chunk,
+        device => run.device,
+        attn_kernel => run.attn_kernel,
     }
 }
 
@@ -85,102 +127,146 @@ fn required<'a>(p: &'a Option<PathBuf>, id: &str) -> Result<&'a Path> {
     })
 }
 
+/// The mesh: the flags (left-out ones 1), or with none given and `ranks`
+/// available, `upipe train`'s default mesh for them.
+fn eval_mesh(
+    a: &EvalArgs,
+    strategy: Strategy,
+    model: &ModelConfig,
+    seq: usize,
+    ranks: Option<usize>,
+) -> MeshChoice {
+    let given = a.data_parallel.is_some() || a.ulysses.is_some() || a.ring.is_some();
+    // a length every mesh of n ranks divides, since eval pads the window
+    let fitted = ranks.filter(|_| !given).and_then(|n| {
+        default_mesh(
+            strategy,
+            model,
+            seq.next_multiple_of(2 * n),
+            a.chunk_heads,
+            n,
+        )
+    });
+    fitted.unwrap_or(MeshChoice {
+        data: a.data_parallel.unwrap_or(1),
+        ulysses: a.ulysses.unwrap_or(1),
+        ring: a.ring.unwrap_or(1),
+    })
+}
+
 pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
     let a = config::resolve(a, m)?;
+    let k = EvalArgs::KEYS;
     let model_dir = required(&a.model_dir, "model_dir")?;
     let tokens_path = required(&a.tokens, "tokens")?;
-    at_least(EvalArgs::KEYS, "ulysses", a.ulysses, 1)?;
-    at_least(EvalArgs::KEYS, "ring", a.ring, 1)?;
-    let strategy: Strategy = for_key(EvalArgs::KEYS, "attn", a.attn.parse())?;
-    let cfg = ModelConfig::resolve(&model_dir.to_string_lossy())?;
-    let tokens = read_u32_tokens(tokens_path)?;
-    check_vocab(&tokens, cfg.vocab)?;
-    if tokens.len() < 2 {
-        return Err(Error::Config(format!(
-            "{} holds {} tokens; at least 2 are needed to predict one",
-            tokens_path.display(),
-            tokens.len()
-        )));
+    let device: Device = for_key(k, "device", a.device.parse())?;
+    let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
+    let gpus = match device {
+        Device::Cpu => 0,
+        _ => crate::cli::train::visible_gpus(),
+    };
+    let env = DistEnv::from_env()?;
+    let launched = Launched::from_env(env.as_ref());
+    let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
+    let tokens = Tokens::open_checked(tokens_path, model.vocab)?;
+    let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
+    let mut cfg = EvalConfig {
+        strategy,
+        chunk_heads: a.chunk_heads,
+        fwd_chunk_heads: a.fwd_chunk_heads,
+        seq: a.seq,
+        buckets: a.buckets,
+        loss_chunk: a.loss_chunk,
+        ..EvalConfig::new(model.clone())
+    };
+    let seq = cfg.windows(&tokens)?.seq;
+    let ranks = match launched {
+        Some(l) => Some(l.world_size),
+        None if device != Device::Cpu && gpus >= 2 => Some(gpus),
+        None => None,
+    };
+    let mesh = eval_mesh(&a, strategy, &model, seq, ranks);
+    (cfg.data_parallel, cfg.ulysses, cfg.ring) = (mesh.data, mesh.ulysses, mesh.ring);
+    let shape = cfg.mesh_shape(&cfg.plan(seq)?);
+    let nccl = || {
+        crate::comm::nccl::library()
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let route = route_for("eval", device, launched, gpus, shape, &nccl)?;
+    if let Route::SelfLaunch { nproc } = route {
+        tracing::info!("{gpus} GPUs visible: starting {nproc} processes, one per GPU (NCCL)");
+        let child = crate::cli::launch::own_command("eval")?;
+        return crate::cli::launch::run_local(nproc, child);
     }
-    let (pu, pr) = if strategy == Strategy::Local {
-        (1, 1)
-    } else {
-        (a.ulysses, a.ring)
+    let host = load_hf_model(model_dir, &model)?;
+    let report: EvalReport = match &route {
+        Route::ProcessRank => {
+            let env = env.as_ref().expect("a launched run has its environment");
+            eval_process_rank(&cfg, &tokens, &host, env, kernel)?
+        }
+        Route::GpuThreads { gpus, why } => {
+            tracing::info!("thread ranks on GPUs: {why}");
+            eval_on_gpus(&cfg, &tokens, &host, *gpus, kernel)?
+        }
+        _ => eval_cpu(&cfg, &tokens, &host)?,
     };
-    let (ids, targets) = padded_sequence(&tokens, pu, pr);
-    let (n, seq) = (tokens.len() - 1, ids.len());
-    let plan = CpPlan::new(strategy, &attn_dims(&cfg), seq, pu, pr, a.chunk_heads)?;
-    let host = load_hf_model(model_dir, &cfg)?;
-    let weights = |b: &crate::backend::cpu::CpuBackend| {
-        weights_from_host(
-            b,
-            &cfg,
-            &host,
-            crate::backend::DType::F32,
-            Category::Weights,
-        )
-    };
-    let start = Instant::now();
-    let (loss, _, memory) = loss_grads_and_memory_cpu(
-        &cfg,
-        &plan,
-        MemoryPolicy::default(),
-        &ids,
-        &targets,
-        &weights,
-    )?;
-    let seconds = start.elapsed().as_secs_f64();
-    println!("{}", serde_json::json!({ "loss": loss, "tokens": n }));
-    if let Some(path) = &a.metrics {
-        let line = eval_metrics(&cfg, &plan, n, loss, seconds, &memory);
-        let file = MetricsFile::create(path)?;
-        file.write(&line);
-        file.finish()?;
+    if route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0) {
+        let text = serde_json::to_string(&report).expect("a report always serialises");
+        println!("{text}");
+        if let Some(path) = &a.metrics {
+            write_metrics(path, &cfg, &report, shape.world_size())?;
+        }
     }
     Ok(0)
 }
 
-/// Inputs and targets of `tokens` as one sequence, padded to a length a
-/// mesh of `pu` x `pr` accepts; padded positions come last, so causal
-/// attention keeps them out of every real prediction.
-fn padded_sequence(tokens: &[u32], pu: usize, pr: usize) -> (Vec<u32>, Vec<u32>) {
-    let n = tokens.len() - 1;
-    let unit = if pr > 1 { 2 * pr * pu } else { pu };
-    let seq = n.div_ceil(unit) * unit;
-    let mut ids = tokens[..n].to_vec();
-    let mut targets = tokens[1..].to_vec();
-    ids.resize(seq, 0);
-    targets.resize(seq, IGNORE);
-    (ids, targets)
-}
-
-/// The metrics line of an evaluation of `n` tokens under `plan` that took
-/// `seconds` (model FLOPs of the forward only).
-fn eval_metrics(
-    cfg: &ModelConfig,
-    plan: &CpPlan,
-    n: usize,
-    loss: f64,
-    seconds: f64,
-    memory: &MemoryStats,
-) -> StepMetrics {
-    let ranks = plan.mesh_shape().world_size();
-    let seq = plan.layout.seq;
-    let tokens_per_s = seq as f64 / seconds;
-    let tflops = forward_flops_per_token(cfg, seq) * tokens_per_s / 1e12;
-    StepMetrics {
+/// `--metrics`: the evaluation as one metrics line (step 0; model FLOPs of
+/// the forward only).
+fn write_metrics(path: &Path, cfg: &EvalConfig, r: &EvalReport, ranks: usize) -> Result<()> {
+    let seq = r.tokens / r.windows.max(1);
+    let tflops = forward_flops_per_token(&cfg.model, seq) * r.tokens_per_s / 1e12;
+    let line = StepMetrics {
         step: 0,
-        loss,
+        loss: r.loss,
         lr: None,
         grad_norm: None,
-        tokens: n,
-        tokens_per_s,
+        tokens: r.tokens,
+        tokens_per_s: r.tokens_per_s,
         tflops,
-        tflops_per_rank: tflops / ranks as f64,
+        tflops_per_rank: tflops / ranks.max(1) as f64,
         ranks,
-        peak_bytes: memory.peak,
-        peak_by_category: by_category(&memory.at_peak_by_category, memory.host_peak),
+        peak_bytes: r.peak_bytes,
+        peak_by_category: by_category(&r.at_peak_by_category, r.host_peak_bytes),
         predicted_peak_bytes: None,
         predicted_by_category: None,
+    };
+    let file = MetricsFile::create(path)?;
+    file.write(&line);
+    file.finish()
+}
+
+/// Thread ranks spread round-robin over `gpus` devices.
+fn eval_on_gpus(
+    cfg: &EvalConfig,
+    tokens: &Tokens,
+    host: &std::collections::BTreeMap<String, crate::train::checkpoint::HostTensor>,
+    gpus: usize,
+    kernel: AttnKernel,
+) -> Result<EvalReport> {
+    use crate::backend::cuda::CudaBackend;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // open every device once here, so a failure is an error rather than a
+    // failure inside a rank thread
+    for g in 0..gpus {
+        CudaBackend::new(g)?;
     }
+    let next = AtomicUsize::new(0);
+    let make = || {
+        let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
+        let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
+        b.set_attn_kernel(kernel);
+        b
+    };
+    eval_threads(cfg, tokens, host, make)
 }

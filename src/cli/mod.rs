@@ -12,6 +12,7 @@ pub mod rendezvous_check;
 pub mod report;
 pub mod schedule;
 pub mod svg;
+pub mod tokenize;
 pub mod train;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -28,8 +29,10 @@ pub struct Cli {
 pub enum Command {
     /// Train a model (no arguments: tiny model, bundled data, UPipe on 4 CPU thread ranks, or one NCCL process per GPU when 2+ GPUs are visible).
     Train(train::TrainArgs),
-    /// Mean next-token cross-entropy of a model on a token file.
+    /// Next-token cross-entropy of a model on a token file (forward only; by position with --buckets).
     Eval(eval::EvalArgs),
+    /// Tokenize text/JSONL files into a .u32 (or .u16/.bin) token file with a tokenizer.json.
+    Tokenize(tokenize::TokenizeArgs),
     /// Benchmarks (attention layer across strategies).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -56,6 +59,7 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Command::Train(a) => train::run(a, sub),
         Command::Eval(a) => eval::run(a, sub),
+        Command::Tokenize(a) => tokenize::run(a),
         Command::Bench(a) => bench::run(a, sub),
         Command::Plan(a) => plan::run(a, sub),
         Command::Report(a) => report::run(a),

@@ -405,7 +405,7 @@ fn plan_device(a: &PlanArgs) -> Result<DeviceKind> {
 
 /// GPUs: `--gpus`, or the product of the mesh flags given; with neither,
 /// the ranks `upipe train` fits its mesh to here (the second value: the
-/// visible GPUs when 2 or more, else `None`, the CPU default mesh).
+/// visible GPUs, else `None`, the CPU default mesh).
 fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
     let mesh = [a.data_parallel, a.ulysses, a.ring];
     let (gpus, fitted) = match a.gpus {
@@ -414,7 +414,7 @@ fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
             (mesh.iter().map(|d| d.unwrap_or(1)).product(), None)
         }
         None => match crate::cli::train::visible_gpus() {
-            g if g >= 2 => (g, Some(Some(g))),
+            g if g >= 1 => (g, Some(Some(g))),
             _ => (CPU_DEFAULT_MESH.world_size(), Some(None)),
         },
     };

@@ -27,26 +27,28 @@
 
 mod args;
 mod mesh;
+mod preflight;
 mod progress;
 mod route;
 mod summary;
 
 pub use args::{Choices, Device, FsdpMode, TrainArgs};
 pub use mesh::{CPU_DEFAULT_MESH, MeshChoice, MeshFlags, default_mesh, resolve_mesh};
-pub use route::{Launched, Route, gpu_memory_per_rank, host_available_bytes, route, visible_gpus};
+pub use route::{
+    Launched, Route, gpu_memory_per_rank, host_available_bytes, route, route_for, visible_gpus,
+};
 
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::cli::config;
-use crate::cli::metrics::{MetricsFile, RunFacts};
 use crate::cli::schedule::FwdChunk;
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::flops::train_flops_per_token;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::plan::Prediction;
-use crate::train::data::{Tokenizer, load_tokens};
+use crate::train::data::{Tokens, load_tokens};
 use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
 use clap::ArgMatches;
@@ -64,16 +66,19 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     if let Route::SelfLaunch { nproc } = run.route {
         return self_launch(&run, nproc);
     }
-    let tokenizer = Tokenizer::resolve(&a.tokenizer)?;
-    let tokens = load_tokens(a.data.as_deref(), &tokenizer)?;
+    let tokens = load_tokens(
+        a.data.as_deref(),
+        a.tokenizer.as_deref(),
+        run.cfg.model.vocab,
+    )?;
     run.shard(a.fsdp_replicate)?;
     let predicted = run.fit_forward_stages(a.fwd_chunk_heads)?;
     run.cfg.run_file = Some(run_file(&a, &run)?);
-    let progress = preflight(&a, &run, &predicted)?;
+    let progress = preflight::preflight(&a, &mut run, &predicted)?;
     if run.lead && !a.json {
         announce(&run, tokens.len());
     }
-    let summary = execute(&run, tokens.into(), &progress)?;
+    let summary = execute(&run, tokens, &progress)?;
     progress.finish()?;
     if run.lead && !a.json {
         let flops = train_flops_per_token(&run.cfg.model, run.cfg.seq);
@@ -92,6 +97,8 @@ struct Built {
     fsdp: FsdpMode,
     env: Option<DistEnv>,
     gpus: usize,
+    /// Memory each rank has (`None`: unknown), set by [`Built::shard`].
+    budget: Option<usize>,
     /// Whether this process reports (under a launch only rank 0 does).
     lead: bool,
 }
@@ -109,7 +116,7 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     // ranks the default mesh should fill: the launched processes, or the GPUs
     let ranks = match launched {
         Some(l) => Some(l.world_size),
-        None if c.device != Device::Cpu && gpus >= 2 => Some(gpus),
+        None if c.device != Device::Cpu && gpus >= 1 => Some(gpus),
         None => None,
     };
     let flags = MeshFlags {
@@ -140,6 +147,7 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
         fsdp: c.fsdp,
         env,
         gpus,
+        budget: None,
         lead,
     })
 }
@@ -186,6 +194,7 @@ fn train_config(
         fsdp_replicas: 1,
         max_file_bytes: crate::train::fsdp::checkpoint::FILE_BYTES,
         run_file: None,
+        host_budget: None,
     }
 }
 
@@ -198,13 +207,13 @@ impl Built {
     /// memory) and applies `--fsdp-replicate`.
     fn shard(&mut self, replicate: usize) -> Result<()> {
         let world = self.shape.world_size();
-        let budget = if self.on_gpu() {
+        self.budget = if self.on_gpu() {
             gpu_memory_per_rank(world, self.gpus)
         } else {
             host_available_bytes().map(|b| b / world)
         };
         let states = crate::plan::model_state_bytes(&self.cfg.model, self.on_gpu());
-        let (fsdp, note) = self.fsdp.resolve(world, states, budget);
+        let (fsdp, note) = self.fsdp.resolve(world, states, self.budget);
         self.cfg.fsdp = fsdp;
         if replicate != 1 {
             if !fsdp {
@@ -222,14 +231,14 @@ impl Built {
         Ok(())
     }
 
-    /// What `upipe plan` predicts for a step of `plan` here (rank 0's ledger peak).
-    fn predict(&self, plan: &CpPlan) -> Result<Prediction> {
+    /// The planner's description of a step of `plan` here.
+    fn spec(&self, plan: &CpPlan) -> crate::plan::StepSpec {
         let device = if self.on_gpu() {
             crate::plan::DeviceKind::cuda_with(self.kernel)
         } else {
             crate::plan::DeviceKind::Cpu
         };
-        let spec = crate::plan::StepSpec {
+        crate::plan::StepSpec {
             model: self.cfg.model.clone(),
             plan: plan.clone(),
             data: self.cfg.data_parallel,
@@ -239,8 +248,12 @@ impl Built {
             grad_accum: self.cfg.grad_accum,
             device,
             optimizer: true,
-        };
-        crate::plan::predict_step_rank(&spec, 0)
+        }
+    }
+
+    /// What `upipe plan` predicts for a step of `plan` here (rank 0's ledger peak).
+    fn predict(&self, plan: &CpPlan) -> Result<Prediction> {
+        crate::plan::predict_step_rank(&self.spec(plan), 0)
     }
 
     /// Applies `--fwd-chunk-heads auto` (the widest forward stages at no
@@ -269,25 +282,6 @@ fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
         r.fwd_chunk_heads = FwdChunk::Heads(n);
     }
     config::resolved_toml(&r)
-}
-
-/// Checks made before any weights are allocated, and the outputs they
-/// open: the checkpoint directory and the metrics file can be created.
-fn preflight(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progress> {
-    if let (Some(dir), true) = (&run.cfg.save_dir, run.lead) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("creating --save-dir {}", dir.display()), e))?;
-    }
-    let facts = RunFacts {
-        flops_per_token: train_flops_per_token(&run.cfg.model, run.cfg.seq),
-        ranks: run.shape.world_size(),
-        predicted: Some(predicted.clone()),
-    };
-    let progress = Progress::new(a.json, run.lead, run.cfg.steps, facts);
-    match (&a.metrics, run.lead) {
-        (Some(path), true) => Ok(progress.with_metrics(MetricsFile::create(path)?)),
-        _ => Ok(progress),
-    }
 }
 
 /// Starts one process per GPU, each running this command.
@@ -330,11 +324,7 @@ fn announce(run: &Built, tokens: usize) {
 }
 
 /// Trains where the route says, showing every step.
-fn execute(
-    run: &Built,
-    tokens: std::sync::Arc<[u32]>,
-    progress: &Progress,
-) -> Result<TrainSummary> {
+fn execute(run: &Built, tokens: Tokens, progress: &Progress) -> Result<TrainSummary> {
     let on_step = |r: &StepReport| progress.on_step(r);
     match run.route {
         Route::ProcessRank => {

@@ -18,8 +18,8 @@
 //! is device memory beside the pool (the pool's own counters do not see
 //! them).
 
-use super::arena::ArenaMap;
 use super::nccl::{Comm, check, drv_bind, lock};
+use crate::backend::arena::ArenaMap;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::cuda::pool::BlockOwner;
 use crate::backend::{Backend, Category, DType, Tensor};

@@ -5,7 +5,6 @@
 //! to [`ProcessGroup`]s; `local` runs ranks as threads in one process, `nccl`
 //! runs one process per GPU (`watchdog`: its collective-timeout policy).
 
-pub mod arena;
 pub mod env;
 pub mod exchange_window;
 pub mod local;

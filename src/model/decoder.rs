@@ -14,7 +14,7 @@ use super::config::ModelConfig;
 use super::store::{ParamStore, Unit};
 use super::weights::BlockWeights;
 use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan};
-use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
+use crate::backend::{Backend, Category, CopyDone, DType, MatLayout, Tensor, cast};
 use crate::comm::Mesh;
 use crate::error::{Error, Result};
 
@@ -70,6 +70,29 @@ pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
     }
 }
 
+/// Releases an offloaded block input's device copy once its copy to host
+/// memory is done (in stream order: no host wait).
+fn settle_copy<B: Backend>(b: &B, leaving: Option<(Tensor<B>, CopyDone)>) -> Result<()> {
+    if let Some((device, done)) = leaving {
+        b.copy_wait(done)?;
+        drop(device);
+    }
+    Ok(())
+}
+
+/// Starts copying an offloaded block input back to the device (`None` for
+/// an input that stayed there).
+fn reload<B: Backend>(b: &B, kept: Option<&Tensor<B>>) -> Result<Option<(Tensor<B>, CopyDone)>> {
+    match kept {
+        Some(host) if host.category() == Category::Offload => {
+            let mut dev = b.empty(host.shape(), host.dtype(), Category::Activations)?;
+            let done = b.copy_start(&mut dev, host)?;
+            Ok(Some((dev, done)))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// What one block keeps from forward for backward (when not recomputed).
 struct BlockSaved<B: Backend> {
     /// Attention input `RMSNorm(h)`.
@@ -92,7 +115,7 @@ struct MlpSaved<B: Backend> {
 pub struct Decoder<B: Backend> {
     pub cfg: ModelConfig,
     pub policy: MemoryPolicy,
-    attn: CpAttention<B>,
+    pub(crate) attn: CpAttention<B>,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -108,7 +131,7 @@ impl<B: Backend> Decoder<B> {
         Ok(Decoder { cfg, policy, attn })
     }
 
-    fn eps(&self) -> f32 {
+    pub(crate) fn eps(&self) -> f32 {
         self.cfg.rms_norm_eps
     }
 
@@ -137,34 +160,47 @@ impl<B: Backend> Decoder<B> {
         b.embedding_fwd(store.embed()?, ids, &mut x)?;
         store.release(Unit::Embed)?;
 
-        // Forward, keeping per block either its input only (checkpoint) or everything.
+        // Forward, keeping per block either its input only (checkpoint) or
+        // everything; an offloaded input is copied to host memory beside the
+        // next block's forward, its device copy released after that block.
         let mut kept: Vec<(Tensor<B>, Option<BlockSaved<B>>)> = Vec::with_capacity(self.cfg.layers);
+        let mut leaving: Option<(Tensor<B>, CopyDone)> = None;
         for l in 0..self.cfg.layers {
             store.acquire(b, Unit::Block(l))?;
             let (next, saved) = self.block_fwd(b, mesh, store.block(l)?, &x)?;
             store.release(Unit::Block(l))?;
             let entry = if self.policy.checkpoint {
                 drop(saved);
-                let input = if self.policy.offload {
-                    cast(b, &x, act, Category::Offload)?
+                if self.policy.offload {
+                    let mut host = b.empty(x.shape(), act, Category::Offload)?;
+                    let done = b.copy_start(&mut host, &x)?;
+                    settle_copy(b, leaving.replace((x, done)))?;
+                    (host, None)
                 } else {
-                    x
-                };
-                (input, None)
+                    (x, None)
+                }
             } else {
                 (x, Some(saved))
             };
             kept.push(entry);
             x = next;
         }
+        settle_copy(b, leaving.take())?;
+        // the last block's input comes back beside the loss
+        let mut coming = reload(b, kept.last().map(|k| &k.0))?;
 
         let (loss, mut dx) = self.head_fwd_bwd(b, store, x, targets, grad_scale)?;
-        for (l, (input, saved)) in kept.into_iter().enumerate().rev() {
-            let input = if input.category() == Category::Offload {
-                cast(b, &input, act, Category::Activations)?
-            } else {
-                input
+        while let Some((kept_input, saved)) = kept.pop() {
+            let l = kept.len();
+            let input = match coming.take() {
+                Some((dev, done)) => {
+                    b.copy_wait(done)?;
+                    dev
+                }
+                None => kept_input,
             };
+            // prefetch the next block's offloaded input one block ahead
+            coming = reload(b, kept.last().map(|k| &k.0))?;
             store.acquire(b, Unit::Block(l))?;
             let saved = match saved {
                 Some(s) => s,
@@ -257,7 +293,12 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Rows `r` of a `[s, hidden]` tensor as a new tensor.
-    fn rows_of(&self, b: &B, t: &Tensor<B>, r: &std::ops::Range<usize>) -> Result<Tensor<B>> {
+    pub(crate) fn rows_of(
+        &self,
+        b: &B,
+        t: &Tensor<B>,
+        r: &std::ops::Range<usize>,
+    ) -> Result<Tensor<B>> {
         let hid = t.row_len();
         let mut out = b.zeros(&[r.len(), hid], t.dtype(), Category::Workspace)?;
         b.copy(

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod decoder;
 pub mod flops;
+pub mod forward;
 pub mod shapes;
 pub mod store;
 pub mod weights;

@@ -20,6 +20,7 @@
 //! gradients and its reduce-scatter buffers, exactly as
 //! `train::fsdp::store` allocates them.
 
+pub mod preflight;
 pub mod shapes;
 pub mod sim;
 pub mod store_walk;

@@ -830,6 +830,8 @@ impl DecoderWalk<'_> {
         self.ids(sim, self.s());
         store.release(sim, Unit::Embed);
         let mut kept: Vec<(Buf, Option<BlockSaved>)> = Vec::new();
+        // an offloaded input's device copy, released after the next block
+        let mut leaving: Option<Buf> = None;
         for l in 0..self.cfg.layers {
             store.acquire(sim, Unit::Block(l));
             let (next, saved) = self.block_fwd(sim);
@@ -848,7 +850,7 @@ impl DecoderWalk<'_> {
                 if self.policy.offload {
                     let host = sim.alloc(Offload, x.bytes);
                     kept.push((host, None));
-                    sim.free(x);
+                    sim.free_opt(leaving.replace(x));
                 } else {
                     kept.push((x, None));
                 }
@@ -857,15 +859,22 @@ impl DecoderWalk<'_> {
             }
             x = next;
         }
+        sim.free_opt(leaving.take());
+        // the last block's offloaded input comes back beside the loss
+        let reload = |sim: &mut Sim, k: Option<&(Buf, Option<BlockSaved>)>| {
+            k.filter(|k| k.0.cat == Offload)
+                .map(|k| sim.alloc(Activations, k.0.bytes))
+        };
+        let mut coming = reload(sim, kept.last());
         let mut dx = self.head(sim, store, x);
-        while let Some((input, saved)) = kept.pop() {
+        while let Some((kept_input, saved)) = kept.pop() {
             let l = kept.len();
             sim.label("backward: reload");
-            let (input, host) = if input.cat == Offload {
-                (sim.alloc(Activations, input.bytes), Some(input))
-            } else {
-                (input, None)
+            let (input, host) = match coming.take() {
+                Some(dev) => (dev, Some(kept_input)),
+                None => (kept_input, None),
             };
+            coming = reload(sim, kept.last());
             store.acquire(sim, Unit::Block(l));
             let saved = match saved {
                 Some(s) => s,

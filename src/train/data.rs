@@ -1,10 +1,12 @@
 //! Training data: the bundled corpus, tokenizers (bytes or HF `tokenizer.json`),
-//! pre-tokenized `.u32` files, and a deterministic sampler of training windows.
+//! loading text or pre-tokenized files as [`Tokens`], and a deterministic
+//! sampler of training windows.
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use std::sync::Arc;
+
+pub use super::tokens::{TokenFormat, Tokens};
 
 /// The bundled English corpus (see `assets/README.md` for its provenance).
 pub const CORPUS: &str = include_str!("../../assets/corpus.txt");
@@ -134,56 +136,56 @@ fn config_msg(e: &Error) -> String {
     }
 }
 
-/// Reads a pre-tokenized file of raw little-endian `u32` ids.
-pub fn read_u32_tokens(path: &Path) -> Result<Vec<u32>> {
-    let bytes =
-        std::fs::read(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-    if bytes.len() % 4 != 0 {
-        return Err(Error::Config(format!(
-            "{} has {} bytes, not a multiple of 4: a .u32 token file holds raw little-endian uint32 ids",
-            path.display(),
-            bytes.len()
-        )));
-    }
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
-
 /// Writes ids as raw little-endian `u32` (the `.u32` format).
 pub fn write_u32_tokens(path: &Path, tokens: &[u32]) -> Result<()> {
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
     std::fs::write(path, bytes).map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
-/// Loads training tokens: the bundled corpus when `path` is `None`, a `.u32`
-/// file as is, any other file as UTF-8 text through `tokenizer`. Every id is
-/// checked to be below `tokenizer.vocab_size()`.
-pub fn load_tokens(path: Option<&Path>, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+/// Loads training tokens for a model of `vocab` ids.
+///
+/// - pre-tokenized files (`.u32`, `.u16`, `.bin`) are memory-mapped and their
+///   ids checked against `vocab`; a `tokenizer` given with them is ignored
+///   with a warning (the ids are already tokens);
+/// - otherwise `tokenizer` (`byte` when `None`) tokenizes the file, or the
+///   bundled corpus when `path` is `None`; a tokenizer with more ids than the
+///   model's vocabulary is an error.
+pub fn load_tokens(path: Option<&Path>, tokenizer: Option<&str>, vocab: usize) -> Result<Tokens> {
+    if let Some(p) = path.filter(|p| TokenFormat::of_path(p).is_some()) {
+        if let Some(t) = tokenizer {
+            tracing::warn!(
+                "--tokenizer {t} is ignored: {} is pre-tokenized, and its ids are checked against \
+                 the model's vocabulary of {vocab}",
+                p.display()
+            );
+        }
+        return Tokens::open_checked(p, vocab);
+    }
+    let arg = tokenizer.unwrap_or("byte");
+    let tok = Tokenizer::resolve(arg)?;
+    if tok.vocab_size() > vocab {
+        return crate::config_err!(
+            "tokenizer {arg} has {} ids but the model's vocabulary has {vocab}: its ids would not \
+             all index the embedding; use the model's own tokenizer.json (or a model whose vocab_size covers it)",
+            tok.vocab_size()
+        );
+    }
     let tokens = match path {
-        None => tokenizer.encode(CORPUS)?,
-        Some(p) if p.extension().is_some_and(|e| e == "u32") => read_u32_tokens(p)?,
+        None => Tokens::from_ids(tok.encode(CORPUS)?, "the bundled corpus"),
         Some(p) => {
             let text = std::fs::read_to_string(p)
                 .map_err(|e| Error::io(format!("reading text {}", p.display()), e))?;
-            tokenizer.encode(&text)?
+            Tokens::from_ids(tok.encode(&text)?, &format!("{} (tokenized)", p.display()))
         }
     };
-    check_vocab(&tokens, tokenizer.vocab_size())?;
+    tokens.check_vocab(vocab)?;
     Ok(tokens)
 }
 
-/// Errors if any id is `>= vocab`, naming the first such id and its position.
-pub fn check_vocab(tokens: &[u32], vocab: usize) -> Result<()> {
-    match tokens.iter().position(|&t| t as usize >= vocab) {
-        None => Ok(()),
-        Some(i) => Err(Error::Config(format!(
-            "token id {} at position {i} is outside the vocabulary of {vocab}; \
-             use the tokenizer the data was made with and a model whose vocab covers it",
-            tokens[i]
-        ))),
-    }
+/// Errors if any id is `>= vocab`, naming the ids' source, the first such id
+/// and its position ([`Tokens::check_vocab`]).
+pub fn check_vocab(tokens: &Tokens, vocab: usize) -> Result<()> {
+    tokens.check_vocab(vocab)
 }
 
 /// One training window of `L + 1` consecutive tokens.
@@ -240,7 +242,7 @@ pub struct SamplerState {
 /// every `world`-th window of the shared order, so ranks never overlap.
 #[derive(Debug, Clone)]
 pub struct SequenceSampler {
-    tokens: Arc<[u32]>,
+    tokens: Tokens,
     seq_len: usize,
     seed: u64,
     rank: usize,
@@ -248,17 +250,19 @@ pub struct SequenceSampler {
     state: SamplerState,
     offset: usize,
     order: Vec<usize>,
+    /// The current window's ids, read from `tokens`.
+    window: Vec<u32>,
 }
 
 impl SequenceSampler {
     /// A sampler over `tokens` with windows of `seq_len + 1` tokens, for one rank.
-    pub fn new(tokens: impl Into<Arc<[u32]>>, seq_len: usize, seed: u64) -> Result<Self> {
+    pub fn new(tokens: impl Into<Tokens>, seq_len: usize, seed: u64) -> Result<Self> {
         Self::sharded(tokens, seq_len, seed, 0, 1)
     }
 
     /// A sampler for data-parallel rank `rank` of `world`.
     pub fn sharded(
-        tokens: impl Into<Arc<[u32]>>,
+        tokens: impl Into<Tokens>,
         seq_len: usize,
         seed: u64,
         rank: usize,
@@ -304,6 +308,7 @@ impl SequenceSampler {
             },
             offset: 0,
             order: Vec::new(),
+            window: Vec::with_capacity(seq_len + 1),
         };
         s.start_epoch(0);
         Ok(s)
@@ -345,9 +350,11 @@ impl SequenceSampler {
         }
         let start = self.offset + self.order[self.state.cursor] * self.seq_len;
         self.state.cursor += 1;
+        self.tokens
+            .read_into(start..start + self.seq_len + 1, &mut self.window);
         Window {
             start,
-            tokens: &self.tokens[start..start + self.seq_len + 1],
+            tokens: &self.window,
         }
     }
 
@@ -420,8 +427,9 @@ mod tests {
     fn corpus_is_bundled_prose() {
         assert!((100_000..=300_000).contains(&CORPUS.len()));
         assert!(CORPUS.contains("Alice"));
-        let tokens = load_tokens(None, &Tokenizer::byte()).unwrap();
+        let tokens = load_tokens(None, None, 256).unwrap();
         assert_eq!(tokens.len(), CORPUS.len());
+        assert!(!tokens.is_mapped());
     }
 
     #[test]
@@ -438,35 +446,46 @@ mod tests {
     }
 
     #[test]
-    fn u32_files_round_trip_and_bad_sizes_are_refused() {
+    fn u32_files_round_trip_and_are_mapped() {
         let path = temp_file("round.u32");
         let tokens = vec![0, 1, 255, 65_536, u32::MAX];
         write_u32_tokens(&path, &tokens).unwrap();
         assert_eq!(std::fs::read(&path).unwrap()[..8], [0, 0, 0, 0, 1, 0, 0, 0]);
-        assert_eq!(read_u32_tokens(&path).unwrap(), tokens);
-        std::fs::write(&path, [1u8, 2, 3, 4, 5, 6]).unwrap();
-        let err = read_u32_tokens(&path).unwrap_err().to_string();
-        assert!(
-            err.contains("6 bytes") && err.contains("multiple of 4"),
-            "{err}"
-        );
+        let t = Tokens::open(&path).unwrap();
+        assert!(t.is_mapped());
+        assert_eq!(t.read(0..t.len()), tokens);
         std::fs::remove_file(&path).unwrap();
     }
 
     #[test]
-    fn load_tokens_checks_the_vocabulary() {
+    fn load_tokens_checks_the_models_vocabulary() {
         let path = temp_file("vocab.u32");
-        write_u32_tokens(&path, &[1, 2, 256]).unwrap();
-        let err = load_tokens(Some(&path), &Tokenizer::byte())
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("token id 256 at position 2"), "{err}");
+        write_u32_tokens(&path, &[1, 2, 256, 999]).unwrap();
+        // the ids of a .u32 file index the model's vocabulary, not the byte tokenizer's
+        let t = load_tokens(Some(&path), None, 1000).unwrap();
+        assert!(t.is_mapped());
+        assert_eq!(t.read(0..4), [1, 2, 256, 999]);
+        // a tokenizer given with pre-tokenized data is ignored (with a warning)
+        load_tokens(Some(&path), Some("/no/such/tokenizer.json"), 1000).unwrap();
+        let err = load_tokens(Some(&path), None, 999).unwrap_err().to_string();
+        assert!(
+            err.contains(&path.display().to_string())
+                && err.contains("token id 999 at position 3")
+                && err.contains("vocabulary of 999"),
+            "{err}"
+        );
         std::fs::remove_file(&path).unwrap();
         let text = temp_file("text.txt");
         std::fs::write(&text, "abc").unwrap();
-        assert_eq!(
-            load_tokens(Some(&text), &Tokenizer::byte()).unwrap(),
-            vec![97, 98, 99]
+        let t = load_tokens(Some(&text), None, 256).unwrap();
+        assert_eq!(t.read(0..3), vec![97, 98, 99]);
+        // the byte tokenizer's 256 ids do not fit a model of 100
+        let err = load_tokens(Some(&text), Some("byte"), 100)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tokenizer byte has 256 ids") && err.contains("vocabulary has 100"),
+            "{err}"
         );
         std::fs::remove_file(&text).unwrap();
     }

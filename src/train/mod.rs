@@ -1,11 +1,16 @@
-//! Training: data, checkpoints, the optimizer, parameter stores (replicated
-//! or FSDP-sharded) and the loop.
+//! Training: data (tokenizers, token sources, corpus tokenizing), checkpoints,
+//! the optimizer, parameter stores (replicated or FSDP-sharded), the loop,
+//! and evaluation.
 
 pub mod checkpoint;
 pub mod data;
+pub mod documents;
+pub mod eval;
 pub mod fsdp;
 pub mod optim;
 pub mod ranged;
 pub mod replicated;
 pub mod state;
+pub mod tokenize;
+pub mod tokens;
 pub mod trainer;

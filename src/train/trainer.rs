@@ -5,7 +5,7 @@
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
 use super::checkpoint::HostTensor;
-use super::data::{SamplerState, SequenceSampler};
+use super::data::{SamplerState, SequenceSampler, Tokens};
 use super::fsdp::Sharded;
 use super::optim::AdamWConfig;
 use super::replicated::{Replicated, ReplicatedStore};
@@ -66,6 +66,8 @@ pub struct TrainConfig {
     /// The run file that repeats this run, written as `run.toml` beside
     /// every checkpoint (`upipe train --config DIR/run.toml`).
     pub run_file: Option<String>,
+    /// Pinned host memory each rank may use for offloaded tensors (None: unlimited).
+    pub host_budget: Option<usize>,
 }
 
 /// What one step did (rank 0's view; loss and gradients are global).
@@ -122,6 +124,7 @@ impl TrainConfig {
             max_file_bytes: super::fsdp::checkpoint::FILE_BYTES,
             grad_accum: 1,
             run_file: None,
+            host_budget: None,
         }
     }
 
@@ -214,7 +217,7 @@ pub fn check_local_rank(local_rank: usize, gpus: usize) -> Result<()> {
 /// `on_step` after every step.
 pub fn train_cpu(
     cfg: &TrainConfig,
-    tokens: Arc<[u32]>,
+    tokens: impl Into<Tokens>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     train_threads(cfg, tokens, CpuBackend::new, on_step)
@@ -223,10 +226,11 @@ pub fn train_cpu(
 /// Trains with ranks as threads, each on a backend from `make_backend`.
 pub fn train_threads<B: Backend>(
     cfg: &TrainConfig,
-    tokens: Arc<[u32]>,
+    tokens: impl Into<Tokens>,
     make_backend: impl Fn() -> B + Sync,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
+    let tokens = tokens.into();
     let plan = cfg.plan()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
@@ -248,11 +252,12 @@ pub fn train_threads<B: Backend>(
 /// on rank 0 only, and only rank 0 writes checkpoints.
 pub fn train_on_mesh<B: Backend>(
     cfg: &TrainConfig,
-    tokens: Arc<[u32]>,
+    tokens: impl Into<Tokens>,
     b: &B,
     mesh: &Mesh<B>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
+    let tokens = tokens.into();
     let plan = cfg.plan()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
@@ -278,7 +283,7 @@ pub fn train_on_mesh<B: Backend>(
 /// picks the attention kernels (`--attn-kernel`).
 pub fn train_process_rank(
     cfg: &TrainConfig,
-    tokens: Arc<[u32]>,
+    tokens: impl Into<Tokens>,
     env: &DistEnv,
     kernel: crate::backend::cuda::cudnn::AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
@@ -286,6 +291,7 @@ pub fn train_process_rank(
     use crate::backend::cuda::CudaBackend;
     use crate::comm::nccl::NcclWorld;
     use crate::comm::rendezvous::Rendezvous;
+    let tokens = tokens.into();
     let plan = cfg.plan()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
@@ -295,6 +301,7 @@ pub fn train_process_rank(
     let mut rv = Rendezvous::connect(env, RENDEZVOUS_TIMEOUT)?;
     let mut b = CudaBackend::new(env.local_rank)?;
     b.set_attn_kernel(kernel);
+    b.set_host_budget(cfg.host_budget);
     let b = Arc::new(b);
     let world = NcclWorld::connect(env, &mut rv, b.clone())?;
     let mesh = world.mesh(shape)?;
@@ -305,7 +312,7 @@ pub fn train_process_rank(
 fn run_rank<B: Backend>(
     cfg: &TrainConfig,
     plan: &CpPlan,
-    tokens: Arc<[u32]>,
+    tokens: Tokens,
     b: &B,
     mesh: &Mesh<B>,
     rank: usize,
@@ -451,19 +458,6 @@ pub fn loss_and_grads_cpu(
     targets: &[u32],
     weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
 ) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
-    let (loss, grads, _) = loss_grads_and_memory_cpu(model, plan, policy, ids, targets, weights)?;
-    Ok((loss, grads))
-}
-
-/// [`loss_and_grads_cpu`], with rank 0's memory at the end.
-pub fn loss_grads_and_memory_cpu(
-    model: &ModelConfig,
-    plan: &CpPlan,
-    policy: MemoryPolicy,
-    ids: &[u32],
-    targets: &[u32],
-    weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
-) -> Result<(f64, BTreeMap<String, Vec<f32>>, MemoryStats)> {
     if ids.len() != plan.layout.seq || targets.len() != plan.layout.seq {
         return crate::config_err!(
             "{} input tokens and {} targets for a plan of {} tokens",
@@ -491,8 +485,7 @@ pub fn loss_grads_and_memory_cpu(
         for (name, t) in store.g.named() {
             grads.insert(name, b.to_host(t)?);
         }
-        let loss = b.to_host(&loss)?[0] as f64 / counted as f64;
-        Ok((loss, grads, b.ledger().stats()))
+        Ok((b.to_host(&loss)?[0] as f64 / counted as f64, grads))
     })?;
     Ok(out.into_iter().next().expect("at least one rank"))
 }

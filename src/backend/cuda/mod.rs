@@ -18,6 +18,7 @@ pub mod cudnn;
 pub mod device;
 pub mod flash;
 pub mod gemm;
+pub mod host_pool;
 pub mod kernels;
 pub mod libs;
 pub mod nvrtc;
@@ -31,7 +32,7 @@ use self::gemm::{Gemm, GemmPtrs};
 use self::kernels::{Args, Kernels, grid_for, launch};
 use self::pool::{AllocError, CudaStorage, Pool, PoolStats};
 use super::{
-    AdamWStep, AttnGradWrites, Backend, Category, DType, GradWrite, IGNORE, Mat, MatMut,
+    AdamWStep, AttnGradWrites, Backend, Category, CopyDone, DType, GradWrite, IGNORE, Mat, MatMut,
     MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
@@ -53,6 +54,10 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     pool: Arc<Pool>,
+    /// Device-host copies (`copy_start`), beside compute.
+    copy_stream: Arc<CudaStream>,
+    /// Pinned host memory of `Category::Offload` tensors.
+    host_pool: Arc<host_pool::HostPool>,
     kernels: Kernels,
     gemm: Gemm,
     /// cuBLASLt workspace, allocated on first GEMM (Workspace category).
@@ -230,6 +235,8 @@ impl CudaBackend {
         let arch = std::env::var("UPIPE_CUDA_ARCH").unwrap_or_else(|_| format!("sm_{maj}{min}"));
         let gpu_name = drv(ctx.name(), "device name")?;
         let pool = Pool::new(ctx.clone(), stream.clone())?;
+        let copy_stream = drv(ctx.new_stream(), "create copy stream")?;
+        let host_pool = host_pool::HostPool::new(ctx.clone(), copy_stream.clone());
         let kernels = Kernels::load(&arch)?;
         let gemm = Gemm::new()?;
         Ok(CudaBackend {
@@ -239,6 +246,8 @@ impl CudaBackend {
             ctx,
             stream,
             pool,
+            copy_stream,
+            host_pool,
             kernels,
             gemm,
             gemm_ws: OnceLock::new(),
@@ -553,9 +562,25 @@ impl CudaBackend {
         drv(self.ctx.bind_to_thread(), "bind context")
     }
 
-    /// An uninitialised tensor.
+    /// Limits the pinned host memory offloaded tensors may take (`None`: no limit).
+    pub fn set_host_budget(&self, bytes: Option<usize>) {
+        self.host_pool.set_budget(bytes);
+    }
+
+    /// Pinned host bytes held for offloaded tensors.
+    pub fn host_pinned(&self) -> usize {
+        self.host_pool.pinned()
+    }
+
+    /// An uninitialised tensor; `Category::Offload` tensors live in pinned
+    /// host memory (only `copy_start` may touch them).
     pub fn alloc(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
         let bytes = shape.iter().product::<usize>() * dtype.size();
+        if cat == Category::Offload {
+            let p = self.host_pool.alloc(bytes)?;
+            let owner: Arc<dyn pool::BlockOwner> = self.host_pool.clone();
+            return self.adopt(p, bytes, owner, shape, dtype, cat);
+        }
         match self.pool.alloc(bytes) {
             Ok(p) => Ok(Tensor::from_parts(
                 CudaStorage::new(p, bytes, self.pool.clone()),
@@ -704,6 +729,42 @@ impl Backend for CudaBackend {
     }
     fn compute_dtype(&self) -> DType {
         DType::BF16
+    }
+
+    fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {
+        if dst.shape() != src.shape() || dst.dtype() != src.dtype() {
+            return Err(Error::Backend(format!(
+                "copy_start: {:?} {:?} <- {:?} {:?} (whole tensors of one shape and dtype)",
+                dst.shape(),
+                dst.dtype(),
+                src.shape(),
+                src.dtype()
+            )));
+        }
+        if src.bytes() == 0 {
+            return Ok(CopyDone::finished());
+        }
+        self.bind()?;
+        // the copy runs after the compute queued so far, on the copy stream
+        let ready = drv(self.stream.record_event(None), "record event")?;
+        drv(self.copy_stream.wait(&ready), "stream wait")?;
+        // SAFETY: both tensors hold `bytes` bytes (checked above) and stay
+        // alive until `copy_wait` (the caller's contract); unified addressing
+        // lets cuMemcpyAsync take pinned host and device addresses alike.
+        let rc = unsafe {
+            cudarc::driver::sys::cuMemcpyAsync(
+                ptr(dst),
+                ptr(src),
+                src.bytes(),
+                self.copy_stream.cu_stream(),
+            )
+        };
+        drv(rc.result(), "cuMemcpyAsync (copy stream)")?;
+        let done = drv(self.copy_stream.record_event(None), "record event")?;
+        let compute = self.stream.clone();
+        Ok(CopyDone::in_flight(Box::new(move || {
+            drv(compute.wait(&done), "stream wait")
+        })))
     }
 
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {

@@ -22,12 +22,15 @@ pub struct TrainArgs {
     /// Preset name (tiny, llama3.2-1b, llama3-8b, llama3-70b, qwen3-32b), config.json, or HF model dir.
     #[arg(long, default_value = "tiny")]
     pub model: String,
-    /// Training data: a text file (tokenized) or pre-tokenized `.u32` ids. Default: the bundled corpus.
+    /// Training data: a text file (tokenized with --tokenizer), or pre-tokenized
+    /// ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16), memory-mapped
+    /// and checked against the model's vocab_size. Default: the bundled corpus.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Tokenizer for text data: `byte` or a path to an HF tokenizer.json.
-    #[arg(long, default_value = "byte")]
-    pub tokenizer: String,
+    /// Tokenizer for text data: `byte` (the default) or a path to an HF
+    /// tokenizer.json; ignored, with a warning, for pre-tokenized data.
+    #[arg(long)]
+    pub tokenizer: Option<String>,
     /// Start from the weights of an HF model directory (config.json + safetensors).
     #[arg(long)]
     pub init_from: Option<PathBuf>,
@@ -116,6 +119,10 @@ pub struct TrainArgs {
     /// gradients are all-reduced across replicas after the reduce-scatter.
     #[arg(long, default_value_t = 1)]
     pub fsdp_replicate: usize,
+    /// Host memory for offloaded tensors, GiB per node (default: the host's
+    /// available memory, read at start); shared by the node's ranks.
+    #[arg(long)]
+    pub host_mem: Option<f64>,
     /// Sequences per optimizer step (per data replica): gradients
     /// accumulate over them, the loss is the mean over the step's tokens.
     #[arg(long, default_value_t = 1)]
@@ -146,6 +153,7 @@ impl TrainArgs {
         fwd_chunk_heads => parallel.fwd_chunk_heads,
         fsdp => parallel.fsdp,
         fsdp_replicate => parallel.fsdp_replicate,
+        host_mem => hardware.host_mem,
         checkpoint => memory.checkpoint,
         offload => memory.offload,
         tiled_mlp => memory.tiled_mlp,

@@ -6,6 +6,7 @@ use crate::backend::cuda::cudnn::AttnKernel;
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
 use crate::error::Result;
+use crate::train::data::Tokens;
 use crate::train::trainer::{
     StepReport, TrainConfig, TrainSummary, check_local_rank, check_world_size,
 };
@@ -71,6 +72,18 @@ pub fn route(
     shape: MeshShape,
     nccl: &dyn Fn() -> std::result::Result<(), String>,
 ) -> Result<Route> {
+    route_for("train", device, launched, gpus, shape, nccl)
+}
+
+/// [`route`] for the subcommand `command` (`train`, `eval`), named in its errors.
+pub fn route_for(
+    command: &str,
+    device: Device,
+    launched: Option<Launched>,
+    gpus: usize,
+    shape: MeshShape,
+    nccl: &dyn Fn() -> std::result::Result<(), String>,
+) -> Result<Route> {
     if device == Device::Cuda && gpus == 0 {
         return crate::config_err!(
             "--device cuda: no GPU is visible (see `upipe info`); use --device cpu"
@@ -79,19 +92,19 @@ pub fn route(
     if let Some(l) = launched {
         let how = format!(
             "this process was launched as one of {} ranks (RANK/WORLD_SIZE or SLURM_PROCID set), \
-             and multi-process training runs one NCCL rank per GPU",
+             and a multi-process `upipe {command}` runs one NCCL rank per GPU",
             l.world_size
         );
         if device == Device::Cpu {
             return crate::config_err!(
-                "--device cpu: {how}; CPU training runs its ranks as threads of one process: \
-                 run `upipe train --device cpu` without upipe launch/torchrun/srun"
+                "--device cpu: {how}; on the CPU the ranks are threads of one process: \
+                 run `upipe {command} --device cpu` without upipe launch/torchrun/srun"
             );
         }
         if gpus == 0 {
             return crate::config_err!(
-                "no GPU is visible (see `upipe info`), but {how}; run `upipe train` without \
-                 upipe launch/torchrun/srun to train with CPU thread ranks"
+                "no GPU is visible (see `upipe info`), but {how}; run `upipe {command}` without \
+                 upipe launch/torchrun/srun to run with CPU thread ranks"
             );
         }
         check_world_size(shape, l.world_size)?;
@@ -129,7 +142,7 @@ pub fn route(
 /// Thread ranks spread round-robin over `gpus` devices.
 pub(super) fn train_on_gpus(
     cfg: &TrainConfig,
-    tokens: std::sync::Arc<[u32]>,
+    tokens: Tokens,
     gpus: usize,
     kernel: AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
@@ -146,6 +159,7 @@ pub(super) fn train_on_gpus(
         let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
         let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
         b.set_attn_kernel(kernel);
+        b.set_host_budget(cfg.host_budget);
         b
     };
     crate::train::trainer::train_threads(cfg, tokens, make, on_step)

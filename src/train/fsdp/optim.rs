@@ -22,7 +22,7 @@ impl<B: Backend> ShardedAdamW<B> {
         let shards = store
             .params
             .iter()
-            .map(|p| p.as_ref().ok_or_else(|| busy()))
+            .map(|p| p.as_ref().ok_or_else(busy))
             .collect::<Result<Vec<_>>>()?;
         let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
         let m = shards.iter().map(|t| z(t)).collect::<Result<_>>()?;

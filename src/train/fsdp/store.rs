@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 /// A gathered unit's parameters, one tensor each.
 enum Gathered<B: Backend> {
     Embed(Tensor<B>),
-    Block(BlockWeights<B>),
+    Block(Box<BlockWeights<B>>),
     /// `model.norm` and `lm_head` (none when tied).
     Head(Tensor<B>, Option<Tensor<B>>),
 }
@@ -163,7 +163,9 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
                 "model.embed_tokens.weight".into(),
                 &[self.cfg.vocab, self.cfg.hidden],
             )?),
-            Unit::Block(l) => Gathered::Block(BlockWeights::build_with(&self.cfg, l, &mut take)?),
+            Unit::Block(l) => {
+                Gathered::Block(Box::new(BlockWeights::build_with(&self.cfg, l, &mut take)?))
+            }
             Unit::Head => {
                 let h = self.cfg.hidden;
                 let norm = take("model.norm.weight".into(), &[h])?;

@@ -1,4 +1,5 @@
-//! Offsets inside a fixed exchange arena (pure index math, no device).
+//! Offsets inside a fixed arena (pure index math, no memory): the NCCL
+//! exchange window and the pinned host pool lay out their blocks with it.
 //!
 //! NCCL's copy-engine all-to-all writes each chunk straight into the peer's
 //! receive buffer at the *same offset* in the peer's registered window as the

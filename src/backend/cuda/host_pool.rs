@@ -1,0 +1,139 @@
+//! Pinned (page-locked) host memory for offloaded tensors: allocated in
+//! large chunks once (`cuMemHostAlloc`), laid out first-fit inside them
+//! ([`ArenaMap`]) and reused, never pinned per tensor. The device's copy
+//! engines move it at full PCIe speed, beside compute.
+//!
+//! Blocks are given back in host order. That is safe because every GPU
+//! access to this memory is a copy on the backend's one copy stream, which
+//! runs its copies in the order they were queued: a block reused by a later
+//! copy is only touched after the earlier copy that used it.
+
+use super::pool::BlockOwner;
+use crate::backend::Bytes;
+use crate::backend::arena::ArenaMap;
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaContext, CudaStream, result};
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Bytes pinned at a time (a larger request gets a chunk of its own size).
+const CHUNK: usize = 1 << 30;
+const ALIGN: usize = 256;
+
+struct Chunk {
+    base: u64,
+    map: ArenaMap,
+}
+
+struct Inner {
+    chunks: Vec<Chunk>,
+    pinned: usize,
+}
+
+/// One GPU's pinned host pool.
+pub struct HostPool {
+    ctx: Arc<CudaContext>,
+    /// The one stream whose copies touch this memory.
+    copy_stream: Arc<CudaStream>,
+    inner: Mutex<Inner>,
+    /// The most bytes this pool may pin (`--host-mem`), if limited.
+    budget: Mutex<Option<usize>>,
+}
+
+impl HostPool {
+    pub fn new(ctx: Arc<CudaContext>, copy_stream: Arc<CudaStream>) -> Arc<Self> {
+        Arc::new(HostPool {
+            ctx,
+            copy_stream,
+            inner: Mutex::new(Inner {
+                chunks: Vec::new(),
+                pinned: 0,
+            }),
+            budget: Mutex::new(None),
+        })
+    }
+
+    /// Limits the bytes pinned from now on.
+    pub fn set_budget(&self, bytes: Option<usize>) {
+        *self.budget.lock().expect("host pool poisoned") = bytes;
+    }
+
+    /// Bytes pinned so far.
+    pub fn pinned(&self) -> usize {
+        self.inner.lock().expect("host pool poisoned").pinned
+    }
+
+    /// A block of `bytes` pinned host bytes (its address; 0 for none).
+    pub fn alloc(&self, bytes: usize) -> Result<u64> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let mut g = self.inner.lock().expect("host pool poisoned");
+        for c in g.chunks.iter_mut() {
+            if let Some(off) = c.map.take(bytes) {
+                return Ok(c.base + off as u64);
+            }
+        }
+        let size = CHUNK.max(bytes.div_ceil(ALIGN) * ALIGN);
+        if let Some(budget) = *self.budget.lock().expect("host pool poisoned")
+            && g.pinned + size > budget
+        {
+            return Err(Error::Config(format!(
+                "pinned host memory: {} more would exceed the host budget of {} ({} pinned); \
+                 raise --host-mem, offload fewer blocks, or shorten --seq",
+                Bytes(size),
+                Bytes(budget),
+                Bytes(g.pinned)
+            )));
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::Backend(format!("CUDA driver: bind context: {e:?}")))?;
+        // SAFETY: a fresh allocation of `size` bytes, freed in Drop.
+        let p = unsafe {
+            result::malloc_host(
+                size,
+                cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE
+                    | cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        }
+        .map_err(|e| Error::Backend(format!("cuMemHostAlloc of {}: {e:?}", Bytes(size))))?;
+        let mut map = ArenaMap::new(size, ALIGN);
+        let off = map.take(bytes).expect("a fresh chunk holds the request");
+        let base = p as u64;
+        g.chunks.push(Chunk { base, map });
+        g.pinned += size;
+        Ok(base + off as u64)
+    }
+}
+
+impl BlockOwner for HostPool {
+    fn release(&self, ptr: u64, bytes: usize) {
+        if ptr == 0 {
+            return;
+        }
+        let mut g = self.inner.lock().expect("host pool poisoned");
+        if let Some(c) = g
+            .chunks
+            .iter_mut()
+            .find(|c| ptr >= c.base && ptr < c.base + c.map.capacity() as u64)
+        {
+            c.map.give((ptr - c.base) as usize, bytes);
+        }
+    }
+}
+
+impl Drop for HostPool {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.copy_stream.synchronize();
+        let g = self.inner.get_mut().expect("host pool poisoned");
+        for c in g.chunks.drain(..) {
+            // SAFETY: every block was given back (each tensor holds an Arc
+            // to the pool) and the copy stream, the only GPU user, is idle.
+            unsafe {
+                let _ = result::free_host(c.base as *mut c_void);
+            }
+        }
+    }
+}

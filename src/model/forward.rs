@@ -1,0 +1,168 @@
+//! The decoder's forward-only pass, for evaluation: no gradient buffers and
+//! nothing kept for a backward. Each block's activations live only while the
+//! block runs (the attention's saved O and LSE are dropped as soon as the
+//! layer returns), the MLP always runs in token tiles of about `hidden` rows
+//! (free without a backward, since nothing is recomputed), and logits exist
+//! one chunk of rows at a time. The loss is summed per group of rows (the
+//! caller's position buckets), each chunk lying inside one group.
+//!
+//! The summed-loss op also writes a chunk's `dlogits`; here that goes to a
+//! chunk-sized scratch with a gradient scale of 0, so no new kernel is needed.
+
+use super::decoder::Decoder;
+use super::weights::{BlockWeights, ModelWeights};
+use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
+use crate::comm::Mesh;
+use crate::error::Result;
+use std::ops::Range;
+
+/// Splits `rows` rows whose groups are `group_of_row` into runs of one group
+/// of at most `chunk` rows each, in row order: `(rows, group)`.
+pub fn loss_runs(group_of_row: &[usize], chunk: usize) -> Vec<(Range<usize>, usize)> {
+    let chunk = chunk.max(1);
+    let mut runs = Vec::new();
+    let mut start = 0;
+    for r in 1..=group_of_row.len() {
+        let end_of_group = r == group_of_row.len() || group_of_row[r] != group_of_row[start];
+        if end_of_group || r - start == chunk {
+            runs.push((start..r, group_of_row[start]));
+            start = r;
+        }
+    }
+    runs
+}
+
+impl<B: Backend> Decoder<B> {
+    /// Forward only over this rank's tokens `ids` (targets aligned, `IGNORE`
+    /// for none): returns the summed next-token loss of each of `groups`
+    /// groups of rows, row `i` belonging to group `group_of_row[i]`. Under
+    /// context parallelism these are this rank's partial sums.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_loss(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &ModelWeights<B>,
+        ids: &[u32],
+        targets: &[u32],
+        group_of_row: &[usize],
+        groups: usize,
+    ) -> Result<Vec<f64>> {
+        if ids.len() != targets.len() || ids.len() != group_of_row.len() {
+            return crate::config_err!("one target and one group per input token");
+        }
+        if let Some(g) = group_of_row.iter().find(|&&g| g >= groups) {
+            return crate::config_err!("row group {g} is not below the {groups} groups");
+        }
+        let act = b.compute_dtype();
+        let mut x = b.zeros(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
+        b.embedding_fwd(&w.embed, ids, &mut x)?;
+        for blk in &w.blocks {
+            x = self.block_forward_only(b, mesh, blk, &x)?;
+        }
+        let mut hn = b.zeros(x.shape(), act, Category::Activations)?;
+        b.rms_norm_fwd(&x, &w.final_norm, self.eps(), &mut hn)?;
+        drop(x);
+        self.grouped_loss(b, w.head(), &hn, targets, group_of_row, groups)
+    }
+
+    /// One block forward, keeping nothing: RMSNorm → attention → residual →
+    /// (per token tile) RMSNorm → SwiGLU MLP → residual, in place.
+    fn block_forward_only(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &BlockWeights<B>,
+        h: &Tensor<B>,
+    ) -> Result<Tensor<B>> {
+        let mut a = b.zeros(h.shape(), h.dtype(), Category::Activations)?;
+        b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
+        let (y, saved) = self.attn.forward(b, mesh, &w.attn, &a)?;
+        drop((saved, a));
+        let mut out = cast(b, h, h.dtype(), Category::Activations)?;
+        b.axpy(&mut out, 1.0, &y)?;
+        drop(y);
+        let hid = self.cfg.hidden;
+        for rows in crate::plan::shapes::mlp_tiles(h.rows(), hid, true) {
+            // the tile's input is copied out before its rows are overwritten
+            let x_t = self.rows_of(b, &out, &rows)?;
+            let act_t = self.mlp_forward_only(b, w, &x_t)?;
+            drop(x_t);
+            let dst = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
+            b.gemm(out.view_mut(dst), act_t.mat(), w.down.mat().t(), 1.0, 1.0)?;
+        }
+        Ok(out)
+    }
+
+    /// `silu(RMSNorm(x) Wgᵀ) * (RMSNorm(x) Wuᵀ)` of one tile, freeing each
+    /// intermediate once used.
+    fn mlp_forward_only(&self, b: &B, w: &BlockWeights<B>, x: &Tensor<B>) -> Result<Tensor<B>> {
+        let (r, f, dt) = (x.rows(), self.cfg.ffn, x.dtype());
+        let mut m = b.zeros(x.shape(), dt, Category::Activations)?;
+        b.rms_norm_fwd(x, &w.mlp_norm, self.eps(), &mut m)?;
+        let mut gate = b.zeros(&[r, f], dt, Category::Activations)?;
+        b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
+        let mut up = b.zeros(&[r, f], dt, Category::Activations)?;
+        b.gemm(up.mat_mut(), m.mat(), w.up.mat().t(), 1.0, 0.0)?;
+        drop(m);
+        let mut act = b.zeros(&[r, f], dt, Category::Activations)?;
+        b.swiglu_fwd(&gate, &up, &mut act)?;
+        Ok(act)
+    }
+
+    /// LM head + summed cross-entropy per group, one run of rows (one group,
+    /// at most `loss_chunk` rows) at a time.
+    fn grouped_loss(
+        &self,
+        b: &B,
+        head: &Tensor<B>,
+        hn: &Tensor<B>,
+        targets: &[u32],
+        group_of_row: &[usize],
+        groups: usize,
+    ) -> Result<Vec<f64>> {
+        let (hid, v) = (self.cfg.hidden, self.cfg.vocab);
+        let mut sums = (0..groups)
+            .map(|_| b.zeros(&[1], DType::F32, Category::Workspace))
+            .collect::<Result<Vec<_>>>()?;
+        for (rows, group) in loss_runs(group_of_row, self.policy.loss_chunk) {
+            let (r0, r) = (rows.start, rows.len());
+            let mut logits = b.zeros(&[r, v], hn.dtype(), Category::Workspace)?;
+            let src = MatLayout::block(r0 * hid, r, hid, hid);
+            b.gemm(logits.mat_mut(), hn.view(src), head.mat().t(), 1.0, 0.0)?;
+            // the op's gradient output, unused: a scale of 0 writes zeros
+            let mut scratch = b.empty(&[r, v], hn.dtype(), Category::Workspace)?;
+            b.cross_entropy(&logits, &targets[rows], 0.0, &mut scratch, &mut sums[group])?;
+        }
+        sums.iter()
+            .map(|t| Ok(f64::from(b.to_host(t)?[0])))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loss_runs_split_at_groups_and_chunks() {
+        assert_eq!(
+            loss_runs(&[0, 0, 0, 0, 0], 2),
+            vec![(0..2, 0), (2..4, 0), (4..5, 0)]
+        );
+        assert_eq!(
+            loss_runs(&[0, 0, 1, 1, 1, 2], 2),
+            vec![(0..2, 0), (2..4, 1), (4..5, 1), (5..6, 2)]
+        );
+        // groups may come back (a zigzag shard holds two ranges of positions)
+        assert_eq!(loss_runs(&[3, 3, 0, 0], 8), vec![(0..2, 3), (2..4, 0)]);
+        assert!(loss_runs(&[], 4).is_empty());
+        // one group: exactly the training loss's chunks
+        let rows = vec![0; 1000];
+        let want: Vec<_> = crate::plan::shapes::loss_chunks(1000, 256)
+            .into_iter()
+            .map(|r| (r, 0))
+            .collect();
+        assert_eq!(loss_runs(&rows, 256), want);
+    }
+}

@@ -1,0 +1,173 @@
+//! The preflight of a training run: before anything is allocated, the
+//! planner's prediction is held against the device's memory and the host's,
+//! and a run that cannot fit is refused with its breakdown and the smallest
+//! change that fits.
+
+use super::{Prediction, StepSpec, predict_step_rank};
+use crate::backend::{Bytes, Category};
+use crate::error::{Error, Result};
+
+/// The memory one rank may use.
+#[derive(Debug, Clone, Copy)]
+pub struct RankMemory {
+    /// Device bytes (a GPU's, less what lies outside the ledger; on the CPU
+    /// the host's available memory shared by the thread ranks).
+    pub device: usize,
+    /// Host bytes for offloaded tensors (None: unchecked).
+    pub host: Option<usize>,
+}
+
+/// A change to the run and the flags that make it.
+struct Change {
+    flags: &'static str,
+    apply: fn(&mut StepSpec),
+}
+
+/// The changes tried, cheapest in speed first.
+const CHANGES: [Change; 5] = [
+    Change {
+        flags: "--fsdp on",
+        apply: |s| s.fsdp = true,
+    },
+    Change {
+        flags: "--checkpoint",
+        apply: |s| s.policy.checkpoint = true,
+    },
+    Change {
+        flags: "--checkpoint --tiled-mlp",
+        apply: |s| {
+            s.policy.checkpoint = true;
+            s.policy.tiled_mlp = true;
+        },
+    },
+    Change {
+        flags: "--checkpoint --offload",
+        apply: |s| {
+            s.policy.checkpoint = true;
+            s.policy.offload = true;
+        },
+    },
+    Change {
+        flags: "--checkpoint --tiled-mlp --offload",
+        apply: |s| {
+            s.policy.checkpoint = true;
+            s.policy.tiled_mlp = true;
+            s.policy.offload = true;
+        },
+    },
+];
+
+/// `Err` naming the breakdown and a fix when `pred` (of `spec`) does not fit `mem`.
+pub fn check(spec: &StepSpec, pred: &Prediction, mem: RankMemory) -> Result<()> {
+    let over_device = pred.peak > mem.device;
+    let over_host = mem.host.is_some_and(|h| pred.host_peak > h);
+    if !over_device && !over_host {
+        return Ok(());
+    }
+    let by: Vec<String> = pred
+        .at_peak
+        .iter()
+        .filter(|(c, b)| *b > 0 && c.on_device())
+        .map(|(c, b)| format!("{} {}", c.name(), Bytes(*b)))
+        .collect();
+    let what = if over_device {
+        format!(
+            "the planner predicts a peak of {} per rank ({}; at {}), but {} is usable",
+            Bytes(pred.peak),
+            by.join(", "),
+            pred.peak_at,
+            Bytes(mem.device)
+        )
+    } else {
+        format!(
+            "the planner predicts {} of host memory per rank ({} {}), but {} is usable (--host-mem)",
+            Bytes(pred.host_peak),
+            Category::Offload.name(),
+            Bytes(pred.host_peak),
+            Bytes(mem.host.unwrap_or(0))
+        )
+    };
+    Err(Error::Config(format!(
+        "this run cannot fit, so nothing was allocated: {what}. {}",
+        suggest(spec, mem)
+    )))
+}
+
+/// The first change of [`CHANGES`] that fits, or a shorter `--seq`.
+fn suggest(spec: &StepSpec, mem: RankMemory) -> String {
+    let world = spec.data * spec.plan.mesh_shape().world_size();
+    let fits = |s: &StepSpec| {
+        predict_step_rank(s, 0)
+            .is_ok_and(|p| p.peak <= mem.device && mem.host.is_none_or(|h| p.host_peak <= h))
+    };
+    for c in &CHANGES {
+        let mut s = spec.clone();
+        (c.apply)(&mut s);
+        if c.flags.contains("fsdp") && world == 1 {
+            continue;
+        }
+        if (s.policy != spec.policy || s.fsdp != spec.fsdp) && fits(&s) {
+            return format!(
+                "Adding {} fits (`upipe plan` shows the breakdown).",
+                c.flags
+            );
+        }
+    }
+    "No memory policy alone makes it fit: shorten --seq, add GPUs (a larger mesh), \
+     or lower --chunk-heads (UPipe); `upipe plan --seq ...` shows what fits."
+        .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::{CpPlan, Strategy};
+    use crate::model::decoder::attn_dims;
+    use crate::model::{MemoryPolicy, ModelConfig};
+    use crate::plan::DeviceKind;
+
+    fn spec(seq: usize, policy: MemoryPolicy) -> StepSpec {
+        let model = ModelConfig::resolve("llama3.2-1b").unwrap();
+        let plan = CpPlan::new(Strategy::Upipe, &attn_dims(&model), seq, 1, 1, None).unwrap();
+        StepSpec {
+            model,
+            plan,
+            data: 1,
+            policy,
+            fsdp: false,
+            fsdp_replicas: 1,
+            grad_accum: 1,
+            device: DeviceKind::Cuda,
+            optimizer: true,
+        }
+    }
+
+    #[test]
+    fn a_run_that_cannot_fit_is_refused_naming_the_change_that_fits() {
+        let mem = RankMemory {
+            device: 80 << 30,
+            host: None,
+        };
+        let plain = spec(65536, MemoryPolicy::default());
+        let pred = predict_step_rank(&plain, 0).unwrap();
+        assert!(pred.peak > mem.device, "the test needs a run over 80 GiB");
+        let e = check(&plain, &pred, mem).unwrap_err().to_string();
+        assert!(
+            e.contains("cannot fit") && e.contains("Adding --checkpoint fits"),
+            "{e}"
+        );
+        let ckpt = spec(
+            65536,
+            MemoryPolicy {
+                checkpoint: true,
+                ..MemoryPolicy::default()
+            },
+        );
+        check(&ckpt, &predict_step_rank(&ckpt, 0).unwrap(), mem).unwrap();
+        let huge = spec(1 << 22, MemoryPolicy::default());
+        let e = check(&huge, &predict_step_rank(&huge, 0).unwrap(), mem)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shorten --seq"), "{e}");
+    }
+}

@@ -1,0 +1,359 @@
+//! Evaluation: the mean next-token cross-entropy of a model over a token
+//! file cut into consecutive windows, also by position within the window,
+//! forward only ([`Decoder::forward_loss`]) on any strategy and mesh.
+//!
+//! Windows of `L` inputs take `L + 1` tokens and overlap by one, so every
+//! token after the first is a target once: `(N - 1) / L` windows of a file of
+//! `N` tokens, the tail past the last whole window left out. A window is
+//! padded to a length the layout accepts; padded positions come last, so
+//! causal attention keeps them out of every real prediction, and their
+//! targets are `IGNORE`. Data replicas take windows round-robin; the sums of
+//! every rank are reduced over the world at the end. Ranks are threads
+//! ([`eval_threads`]) or one process per GPU ([`eval_process_rank`]).
+
+use super::checkpoint::HostTensor;
+use super::data::Tokens;
+use super::trainer::{check_local_rank, check_world_size, weights_from_host};
+use crate::attention::{CpPlan, Strategy};
+use crate::backend::{Backend, Category, DType, IGNORE};
+use crate::comm::env::DistEnv;
+use crate::comm::local::run_ranks;
+use crate::comm::{Mesh, MeshShape};
+use crate::error::Result;
+use crate::model::decoder::attn_dims;
+use crate::model::{Decoder, MemoryPolicy, ModelConfig};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+/// How long process ranks wait for each other at the rendezvous.
+const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// What an evaluation runs: the model, its mesh and how the data is cut.
+#[derive(Debug, Clone)]
+pub struct EvalConfig {
+    pub model: ModelConfig,
+    pub strategy: Strategy,
+    /// Data replicas, each evaluating every `data_parallel`-th window.
+    pub data_parallel: usize,
+    pub ulysses: usize,
+    pub ring: usize,
+    pub chunk_heads: Option<usize>,
+    /// UPipe: heads per forward stage (default U).
+    pub fwd_chunk_heads: Option<usize>,
+    /// Inputs per window (`None`: the whole file as one window).
+    pub seq: Option<usize>,
+    /// Equal ranges of positions the loss is also reported for.
+    pub buckets: usize,
+    /// Rows of logits at once.
+    pub loss_chunk: usize,
+}
+
+/// The windows an [`EvalConfig`] cuts a token file into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvalWindows {
+    /// Inputs (and targets) per window, `L`.
+    pub seq: usize,
+    /// Number of windows.
+    pub count: usize,
+}
+
+/// The loss over one range of positions within the windows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BucketLoss {
+    /// First position (0-based, of the window's targets).
+    pub from: usize,
+    /// One past the last position.
+    pub to: usize,
+    /// Mean next-token cross-entropy over these positions of every window.
+    pub loss: f64,
+}
+
+/// The result of an evaluation (every rank returns the same).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalReport {
+    /// Mean next-token cross-entropy over every target.
+    pub loss: f64,
+    /// Targets evaluated (`windows * L`).
+    pub tokens: usize,
+    pub windows: usize,
+    pub by_position: Vec<BucketLoss>,
+    /// Targets per second (see [`eval_on_mesh`]).
+    pub tokens_per_s: f64,
+    /// Rank 0's ledger peak (this rank's, for a process rank).
+    pub peak_bytes: usize,
+    /// Rank 0's bytes of each category at that peak (not printed).
+    #[serde(skip)]
+    pub at_peak_by_category: Vec<(crate::backend::Category, usize)>,
+    /// Rank 0's highest host (offload) bytes (not printed).
+    #[serde(skip)]
+    pub host_peak_bytes: usize,
+}
+
+impl EvalConfig {
+    /// `model` on one rank (`local`), the whole file as one window, one bucket.
+    pub fn new(model: ModelConfig) -> Self {
+        EvalConfig {
+            model,
+            strategy: Strategy::Local,
+            data_parallel: 1,
+            ulysses: 1,
+            ring: 1,
+            chunk_heads: None,
+            fwd_chunk_heads: None,
+            seq: None,
+            buckets: 1,
+            loss_chunk: MemoryPolicy::default().loss_chunk,
+        }
+    }
+
+    /// The windows of `tokens`; errors name the fix.
+    pub fn windows(&self, tokens: &Tokens) -> Result<EvalWindows> {
+        let n = tokens.len();
+        if n < 2 {
+            return crate::config_err!(
+                "{} holds {n} tokens; at least 2 are needed to predict one",
+                tokens.name()
+            );
+        }
+        let seq = self.seq.unwrap_or(n - 1);
+        if seq == 0 {
+            return crate::config_err!("--seq must be at least 1");
+        }
+        if seq > n - 1 {
+            return crate::config_err!(
+                "--seq {seq} is longer than {} allows: its {n} tokens make windows of at most {} \
+                 inputs (each window needs one more token for its last target); use a shorter --seq",
+                tokens.name(),
+                n - 1
+            );
+        }
+        if self.buckets == 0 || self.buckets > seq {
+            return crate::config_err!(
+                "--buckets {} must be between 1 and the window length {seq}",
+                self.buckets
+            );
+        }
+        Ok(EvalWindows {
+            seq,
+            count: (n - 1) / seq,
+        })
+    }
+
+    /// `(Pu, Pr)`: 1 and 1 for `local`.
+    fn degrees(&self) -> (usize, usize) {
+        match self.strategy {
+            Strategy::Local => (1, 1),
+            _ => (self.ulysses, self.ring),
+        }
+    }
+
+    /// The attention plan for windows of `seq` inputs, padded to a length the
+    /// layout accepts.
+    pub fn plan(&self, seq: usize) -> Result<CpPlan> {
+        self.model.validate()?;
+        if self.data_parallel == 0 {
+            return crate::config_err!("--data-parallel must be at least 1");
+        }
+        if self.loss_chunk == 0 {
+            return crate::config_err!("--loss-chunk must be at least 1");
+        }
+        let (pu, pr) = self.degrees();
+        let unit = if pr > 1 { 2 * pr * pu } else { pu.max(1) };
+        let padded = seq.div_ceil(unit) * unit;
+        let dims = attn_dims(&self.model);
+        CpPlan::new(self.strategy, &dims, padded, pu, pr, self.chunk_heads)?
+            .with_fwd_chunk(self.fwd_chunk_heads)
+    }
+
+    /// The whole mesh of `plan` (data replicas x its context group).
+    pub fn mesh_shape(&self, plan: &CpPlan) -> MeshShape {
+        MeshShape {
+            data: self.data_parallel,
+            ..plan.mesh_shape()
+        }
+    }
+
+    /// The buckets' position ranges over windows of `seq` targets.
+    pub fn bucket_ranges(&self, seq: usize) -> Vec<Range<usize>> {
+        let k = self.buckets.max(1);
+        (0..k).map(|i| i * seq / k..(i + 1) * seq / k).collect()
+    }
+}
+
+/// Evaluates on ranks as threads, each on a backend from `make_backend`,
+/// with weights from `host` (by HF name). Returns rank 0's report.
+pub fn eval_threads<B: Backend>(
+    cfg: &EvalConfig,
+    tokens: &Tokens,
+    host: &BTreeMap<String, HostTensor>,
+    make_backend: impl Fn() -> B + Sync,
+) -> Result<EvalReport> {
+    tokens.check_vocab(cfg.model.vocab)?;
+    let plan = cfg.plan(cfg.windows(tokens)?.seq)?;
+    let out = run_ranks(cfg.mesh_shape(&plan), make_backend, |_, b, mesh| {
+        eval_on_mesh(cfg, tokens, host, b.as_ref(), &mesh)
+    })?;
+    Ok(out.into_iter().next().expect("at least one rank"))
+}
+
+/// [`eval_threads`] on the CPU reference backend (f32).
+pub fn eval_cpu(
+    cfg: &EvalConfig,
+    tokens: &Tokens,
+    host: &BTreeMap<String, HostTensor>,
+) -> Result<EvalReport> {
+    eval_threads(cfg, tokens, host, crate::backend::cpu::CpuBackend::new)
+}
+
+/// Evaluates as one process rank of a multi-GPU run started by `upipe
+/// launch`, torchrun or srun (`env`): as `train_process_rank` does, opens
+/// GPU `LOCAL_RANK`, meets the other ranks at the rendezvous, joins the NCCL
+/// world and splits the mesh from it. The world size must equal the mesh size.
+pub fn eval_process_rank(
+    cfg: &EvalConfig,
+    tokens: &Tokens,
+    host: &BTreeMap<String, HostTensor>,
+    env: &DistEnv,
+    kernel: crate::backend::cuda::cudnn::AttnKernel,
+) -> Result<EvalReport> {
+    use crate::backend::cuda::CudaBackend;
+    use crate::comm::nccl::NcclWorld;
+    use crate::comm::rendezvous::Rendezvous;
+    tokens.check_vocab(cfg.model.vocab)?;
+    let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(tokens)?.seq)?);
+    check_world_size(shape, env.world_size)?;
+    let gpus = crate::backend::cuda::device::gpus()?.len();
+    check_local_rank(env.local_rank, gpus)?;
+    let mut rv = Rendezvous::connect(env, RENDEZVOUS_TIMEOUT)?;
+    let mut b = CudaBackend::new(env.local_rank)?;
+    b.set_attn_kernel(kernel);
+    let b = std::sync::Arc::new(b);
+    let world = NcclWorld::connect(env, &mut rv, b.clone())?;
+    let mesh = world.mesh(shape)?;
+    eval_on_mesh(cfg, tokens, host, b.as_ref(), &mesh)
+}
+
+/// One rank's evaluation; collective over `mesh` (every rank calls it with
+/// the same arguments). `tokens_per_s` counts every target from the first
+/// window to the final reduction on this rank's clock, leaving out the first
+/// round of windows (kernel compilation, first allocations) when every
+/// replica has at least two.
+pub fn eval_on_mesh<B: Backend>(
+    cfg: &EvalConfig,
+    tokens: &Tokens,
+    host: &BTreeMap<String, HostTensor>,
+    b: &B,
+    mesh: &Mesh<B>,
+) -> Result<EvalReport> {
+    let win = cfg.windows(tokens)?;
+    let plan = cfg.plan(win.seq)?;
+    let shape = cfg.mesh_shape(&plan);
+    if mesh.shape != shape {
+        return crate::config_err!(
+            "the evaluation mesh is {shape:?} but the process groups were built for {:?}",
+            mesh.shape
+        );
+    }
+    let policy = MemoryPolicy {
+        loss_chunk: cfg.loss_chunk,
+        ..MemoryPolicy::default()
+    };
+    let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, policy)?;
+    let w = weights_from_host(b, &cfg.model, host, b.compute_dtype(), Category::Weights)?;
+    let ranges = cfg.bucket_ranges(win.seq);
+    let positions = plan
+        .layout
+        .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
+    // the ranges are contiguous; padded positions go with the last bucket
+    let bucket_of: Vec<usize> = positions
+        .iter()
+        .map(|&p| ranges.partition_point(|r| r.end <= p).min(ranges.len() - 1))
+        .collect();
+    let replica = shape.coords(mesh.rank).data;
+    let mut sums = vec![0f64; ranges.len()];
+    let mut window = Vec::with_capacity(win.seq + 1);
+    let start = Instant::now();
+    let mut timed_from = None;
+    for (round, wi) in (replica..win.count).step_by(shape.data).enumerate() {
+        tokens.read_into(wi * win.seq..(wi + 1) * win.seq + 1, &mut window);
+        let (ids, targets) = shard(&window, &positions);
+        let s = decoder.forward_loss(b, mesh, &w, &ids, &targets, &bucket_of, ranges.len())?;
+        sums.iter_mut().zip(s).for_each(|(a, x)| *a += x);
+        if round == 0 {
+            timed_from = Some(Instant::now());
+        }
+    }
+    let sums = reduce_sums(b, mesh, &sums)?;
+    let per_replica = win.count / shape.data;
+    let (elapsed, timed_windows) = match timed_from {
+        Some(t) if per_replica >= 2 => (t.elapsed(), win.count - shape.data),
+        _ => (start.elapsed(), win.count),
+    };
+    Ok(report(&win, &ranges, &sums, timed_windows, elapsed, b))
+}
+
+/// The inputs and targets at `positions` of a window of `L + 1` tokens;
+/// positions past `L` (padding) get input 0 and target `IGNORE`.
+fn shard(window: &[u32], positions: &[usize]) -> (Vec<u32>, Vec<u32>) {
+    let seq = window.len() - 1;
+    positions
+        .iter()
+        .map(|&p| match p < seq {
+            true => (window[p], window[p + 1]),
+            false => (0, IGNORE),
+        })
+        .unzip()
+}
+
+/// The report of sums reduced over the world.
+fn report<B: Backend>(
+    win: &EvalWindows,
+    ranges: &[Range<usize>],
+    sums: &[f64],
+    timed_windows: usize,
+    elapsed: Duration,
+    b: &B,
+) -> EvalReport {
+    let tokens = win.count * win.seq;
+    let by_position = ranges
+        .iter()
+        .zip(sums)
+        .map(|(r, s)| BucketLoss {
+            from: r.start,
+            to: r.end,
+            loss: s / (r.len() * win.count) as f64,
+        })
+        .collect();
+    EvalReport {
+        loss: sums.iter().sum::<f64>() / tokens as f64,
+        tokens,
+        windows: win.count,
+        by_position,
+        tokens_per_s: (timed_windows * win.seq) as f64 / elapsed.as_secs_f64().max(1e-9),
+        peak_bytes: b.ledger().peak(),
+        at_peak_by_category: b.ledger().stats().at_peak_by_category,
+        host_peak_bytes: b.ledger().stats().host_peak,
+    }
+}
+
+/// Sums `local` over every rank of the world. Each value travels as an f32
+/// pair (value, rounding remainder), so the f64 sums keep their precision
+/// through the f32 reduction.
+fn reduce_sums<B: Backend>(b: &B, mesh: &Mesh<B>, local: &[f64]) -> Result<Vec<f64>> {
+    let pairs: Vec<f32> = local
+        .iter()
+        .flat_map(|&x| {
+            let hi = x as f32;
+            [hi, (x - f64::from(hi)) as f32]
+        })
+        .collect();
+    let mut t = b.from_host(&pairs, &[pairs.len()], DType::F32, Category::Workspace)?;
+    mesh.world.all_reduce(&mut t)?;
+    let got = b.to_host(&t)?;
+    Ok(got
+        .chunks_exact(2)
+        .map(|p| f64::from(p[0]) + f64::from(p[1]))
+        .collect())
+}

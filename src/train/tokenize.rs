@@ -1,0 +1,311 @@
+//! `upipe tokenize`'s engine: a corpus of text and JSONL files
+//! ([`Documents`]) to one pre-tokenized file, documents separated by the
+//! end-of-sequence id.
+//!
+//! Streaming: documents are read in batches of about `batch_bytes`, each
+//! batch tokenized in parallel (rayon, the caller's pool) and written in
+//! document order, so memory holds one batch and the output is the same for
+//! any number of threads. The output goes to `OUT.partial` first and is
+//! renamed when complete.
+
+use super::data::Tokenizer;
+use super::documents::Documents;
+use super::tokens::TokenFormat;
+use crate::error::{Error, Result};
+use rayon::prelude::*;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Names of end-of-sequence special tokens, in the order they are looked for.
+pub const EOS_NAMES: [&str; 5] = [
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "</s>",
+    "<eos>",
+    "<|eos|>",
+];
+
+/// `--eos`: an id, or found from the tokenizer's files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Eos {
+    Auto,
+    Id(u32),
+}
+
+impl std::str::FromStr for Eos {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Eos> {
+        match s {
+            "auto" => Ok(Eos::Auto),
+            n => n
+                .parse()
+                .map(Eos::Id)
+                .map_err(|_| Error::Config(format!("--eos {n}: use a token id or auto"))),
+        }
+    }
+}
+
+/// The end-of-sequence id of `tok`, loaded from `path` (`tokenizer.json` or
+/// its directory): `Eos::Id` as given (checked against the vocabulary), or
+/// for `Eos::Auto` the first of: `eos_token_id` of a `config.json` beside it
+/// (the first of a list), `eos_token` of a `tokenizer_config.json` beside
+/// it, a special token of `tokenizer.json` named as in [`EOS_NAMES`].
+pub fn resolve_eos(tok: &Tokenizer, path: &Path, eos: Eos) -> Result<u32> {
+    let vocab = tok.vocab_size();
+    let checked = |id: u32, from: &str| match (id as usize) < vocab {
+        true => Ok(id),
+        false => crate::config_err!(
+            "end-of-sequence id {id} ({from}) is outside the tokenizer's vocabulary of {vocab}"
+        ),
+    };
+    if let Eos::Id(id) = eos {
+        return checked(id, "--eos");
+    }
+    if matches!(tok, Tokenizer::Byte(_)) {
+        return crate::config_err!(
+            "the byte tokenizer has no end-of-sequence token: pass --eos ID (the id that separates documents)"
+        );
+    }
+    let dir = if path.is_dir() {
+        path.to_path_buf()
+    } else {
+        path.parent().map(Path::to_path_buf).unwrap_or_default()
+    };
+    let config = dir.join("config.json");
+    if let Some(v) = read_json(&config)?.and_then(|v| v.get("eos_token_id").cloned()) {
+        let first = v.as_array().and_then(|a| a.first().cloned()).unwrap_or(v);
+        let Some(id) = first.as_u64().and_then(|i| u32::try_from(i).ok()) else {
+            return crate::config_err!(
+                "{}: eos_token_id is not a token id; pass --eos ID",
+                config.display()
+            );
+        };
+        return checked(id, &config.display().to_string());
+    }
+    let tok_config = dir.join("tokenizer_config.json");
+    if let Some(v) = read_json(&tok_config)?.and_then(|v| v.get("eos_token").cloned()) {
+        let name = v.get("content").unwrap_or(&v).as_str().map(str::to_string);
+        if let Some(id) = name.as_deref().and_then(|n| special_id(tok, n, false)) {
+            return checked(id, &tok_config.display().to_string());
+        }
+    }
+    if let Some(id) = EOS_NAMES.iter().find_map(|n| special_id(tok, n, true)) {
+        return Ok(id);
+    }
+    crate::config_err!(
+        "no end-of-sequence token found for {}: no config.json with eos_token_id beside it, no \
+         tokenizer_config.json with eos_token, and no special token named {} in the tokenizer; \
+         pass --eos ID (the id that separates documents)",
+        path.display(),
+        EOS_NAMES.join(", ")
+    )
+}
+
+/// The JSON in `path`, `None` when there is no such file.
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::Config(format!("{} is not valid JSON: {e}", path.display())))
+}
+
+/// The id of token `name` of an HF tokenizer (only a special added token
+/// when `special_only`).
+fn special_id(tok: &Tokenizer, name: &str, special_only: bool) -> Option<u32> {
+    let Tokenizer::Hf(t) = tok else {
+        return None;
+    };
+    if !special_only {
+        return t.token_to_id(name);
+    }
+    t.get_added_tokens_decoder()
+        .iter()
+        .find(|(_, a)| a.special && a.content == name)
+        .map(|(&id, _)| id)
+}
+
+/// Tokens per document, kept as a histogram (exact percentiles in memory
+/// bounded by the number of distinct lengths).
+#[derive(Debug, Clone, Default)]
+struct Lengths {
+    counts: BTreeMap<usize, u64>,
+    documents: u64,
+    tokens: u64,
+}
+
+impl Lengths {
+    fn add(&mut self, n: usize) {
+        *self.counts.entry(n).or_default() += 1;
+        self.documents += 1;
+        self.tokens += n as u64;
+    }
+
+    /// The nearest-rank `p`-th percentile (0 when empty).
+    fn percentile(&self, p: f64) -> usize {
+        let rank = ((p / 100.0) * self.documents as f64).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (&len, &c) in &self.counts {
+            seen += c;
+            if seen >= rank {
+                return len;
+            }
+        }
+        0
+    }
+}
+
+/// What [`tokenize_files`] wrote.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenizeSummary {
+    pub documents: u64,
+    /// Ids written, end-of-sequence separators included.
+    pub tokens: u64,
+    pub eos: u32,
+    /// Tokens per document (separators not counted): p50, p90, p99, max.
+    pub p50: usize,
+    pub p90: usize,
+    pub p99: usize,
+    pub max: usize,
+}
+
+/// Tokenizes the documents of `inputs` (a JSONL line's text under `field`)
+/// with `tok` into `out` (`.u32`, or `.u16`/`.bin` for a vocabulary of at
+/// most 65,536), `eos` between documents; `progress` gets the input bytes
+/// of each batch done.
+pub fn tokenize_files(
+    inputs: &[PathBuf],
+    field: &str,
+    tok: &Tokenizer,
+    eos: u32,
+    out: &Path,
+    batch_bytes: usize,
+    progress: &dyn Fn(u64),
+) -> Result<TokenizeSummary> {
+    let Some(format) = TokenFormat::of_path(out) else {
+        return crate::config_err!(
+            "--out {}: name the output .u32 (uint32 ids) or .u16/.bin (uint16 ids)",
+            out.display()
+        );
+    };
+    if tok.vocab_size() > format.max_vocab() {
+        return crate::config_err!(
+            "--out {}: the tokenizer has {} ids, more than 16-bit ids hold; name the output .u32",
+            out.display(),
+            tok.vocab_size()
+        );
+    }
+    let mut docs = Documents::new(inputs, field)?;
+    let partial = PathBuf::from(format!("{}.partial", out.display()));
+    let result = write_all(&mut docs, tok, eos, format, &partial, batch_bytes, progress);
+    let lengths = match result {
+        Ok(l) => l,
+        Err(e) => {
+            // best effort: the error is what matters
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&partial, out).map_err(|e| {
+        Error::io(
+            format!("renaming {} to {}", partial.display(), out.display()),
+            e,
+        )
+    })?;
+    Ok(TokenizeSummary {
+        documents: lengths.documents,
+        tokens: lengths.tokens + lengths.documents.saturating_sub(1),
+        eos,
+        p50: lengths.percentile(50.0),
+        p90: lengths.percentile(90.0),
+        p99: lengths.percentile(99.0),
+        max: lengths.counts.keys().next_back().copied().unwrap_or(0),
+    })
+}
+
+/// The batch loop: read, tokenize in parallel, write in order.
+fn write_all(
+    docs: &mut Documents,
+    tok: &Tokenizer,
+    eos: u32,
+    format: TokenFormat,
+    path: &Path,
+    batch_bytes: usize,
+    progress: &dyn Fn(u64),
+) -> Result<Lengths> {
+    let io = |e| Error::io(format!("writing {}", path.display()), e);
+    let file = std::fs::File::create(path).map_err(io)?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    let mut lengths = Lengths::default();
+    let mut bytes = Vec::new();
+    loop {
+        let (batch, used) = read_batch(docs, batch_bytes)?;
+        if batch.is_empty() {
+            break;
+        }
+        let ids: Vec<Vec<u32>> = batch
+            .par_iter()
+            .map(|d| tok.encode(d))
+            .collect::<Result<_>>()?;
+        bytes.clear();
+        for doc in &ids {
+            if lengths.documents > 0 {
+                format.encode_into(&[eos], &mut bytes)?;
+            }
+            format.encode_into(doc, &mut bytes)?;
+            lengths.add(doc.len());
+        }
+        w.write_all(&bytes).map_err(io)?;
+        progress(used);
+    }
+    w.flush().map_err(io)?;
+    Ok(lengths)
+}
+
+/// Documents until about `batch_bytes` of text (at least one), and the input bytes they used.
+fn read_batch(docs: &mut Documents, batch_bytes: usize) -> Result<(Vec<String>, u64)> {
+    let (mut batch, mut text, mut used) = (Vec::new(), 0, 0);
+    while text < batch_bytes.max(1) {
+        let Some((doc, n)) = docs.next_doc()? else {
+            break;
+        };
+        text += doc.len();
+        used += n;
+        batch.push(doc);
+    }
+    Ok((batch, used))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let mut l = Lengths::default();
+        for n in 1..=100 {
+            l.add(n);
+        }
+        assert_eq!(
+            (l.percentile(50.0), l.percentile(90.0), l.percentile(99.0)),
+            (50, 90, 99)
+        );
+        let mut one = Lengths::default();
+        one.add(7);
+        assert_eq!(one.percentile(50.0), 7);
+        assert_eq!(Lengths::default().percentile(50.0), 0);
+    }
+
+    #[test]
+    fn eos_flag_parses() {
+        assert_eq!("auto".parse::<Eos>().unwrap(), Eos::Auto);
+        assert_eq!("2".parse::<Eos>().unwrap(), Eos::Id(2));
+        let e = "end".parse::<Eos>().unwrap_err().to_string();
+        assert!(e.contains("token id or auto"), "{e}");
+    }
+}

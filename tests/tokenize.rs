@@ -1,0 +1,324 @@
+//! `upipe tokenize`: text and JSONL documents through a byte-level BPE
+//! tokenizer (built here) to a token file that decodes back to the
+//! documents, with the end-of-sequence id between them; the same bytes for
+//! any number of threads and batch size; the EOS found from the tokenizer's
+//! files; bad input refused with errors naming the fix.
+
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use upipe::train::data::{Tokenizer, Tokens};
+use upipe::train::tokenize::{Eos, resolve_eos, tokenize_files};
+
+/// A byte-level BPE `tokenizer.json`: the 256 byte symbols, one token per
+/// merge, then the special tokens.
+fn byte_level_json(merges: &[(&str, &str)], specials: &[&str]) -> String {
+    let mut alphabet: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
+        .into_iter()
+        .collect();
+    alphabet.sort_unstable();
+    let mut vocab = serde_json::Map::new();
+    for c in alphabet {
+        let id = vocab.len();
+        vocab.insert(c.to_string(), json!(id));
+    }
+    for (a, b) in merges {
+        let id = vocab.len();
+        vocab.insert(format!("{a}{b}"), json!(id));
+    }
+    let added: Vec<Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            json!({"id": vocab.len() + i, "content": s, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
+                            "trim_offsets": true, "use_regex": true});
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "vocab": vocab,
+                  "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()}
+    })
+    .to_string()
+}
+
+const MERGES: [(&str, &str); 5] = [
+    ("t", "h"),
+    ("th", "e"),
+    ("\u{120}", "the"),
+    ("a", "n"),
+    ("\u{120}", "an"),
+];
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("upipe-tok-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The corpus: one text file, one JSONL file (with a blank line and an empty document).
+fn corpus(dir: &Path) -> (Vec<PathBuf>, Vec<String>) {
+    let docs: Vec<String> = [
+        "The cat and the hat.\nÜber naïve — 東京, then the end.\n",
+        "the answer",
+        "an other\nline  with  spaces",
+        "",
+        "last one: the",
+    ]
+    .map(String::from)
+    .to_vec();
+    let txt = dir.join("a.txt");
+    std::fs::write(&txt, &docs[0]).unwrap();
+    let jsonl = dir.join("b.jsonl");
+    let lines: Vec<String> = docs[1..]
+        .iter()
+        .map(|d| json!({"text": d, "meta": 1}).to_string())
+        .collect();
+    std::fs::write(
+        &jsonl,
+        format!("{}\n{}\n\n{}\n{}\n", lines[0], lines[1], lines[2], lines[3]),
+    )
+    .unwrap();
+    (vec![txt, jsonl], docs)
+}
+
+fn split_on(ids: &[u32], eos: u32) -> Vec<Vec<u32>> {
+    ids.split(|&t| t == eos).map(<[u32]>::to_vec).collect()
+}
+
+#[test]
+fn documents_round_trip_with_eos_between_them_for_any_thread_count() {
+    let dir = temp_dir("round");
+    let tok_path = dir.join("tokenizer.json");
+    std::fs::write(&tok_path, byte_level_json(&MERGES, &["<|endoftext|>"])).unwrap();
+    let tok = Tokenizer::from_hf_file(&tok_path).unwrap();
+    let eos = resolve_eos(&tok, &tok_path, Eos::Auto).unwrap();
+    assert_eq!(eos, 261, "the special token after 256 bytes and 5 merges");
+    let (inputs, docs) = corpus(&dir);
+    let mut outputs = Vec::new();
+    for (threads, batch) in [(1, 1 << 20), (3, 1 << 20), (3, 8), (1, 1)] {
+        let out = dir.join(format!("t{threads}-{batch}.u32"));
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let s = pool
+            .install(|| tokenize_files(&inputs, "text", &tok, eos, &out, batch, &|_| {}))
+            .unwrap();
+        assert_eq!(s.documents, 5);
+        assert_eq!(s.eos, eos);
+        assert!(!dir.join(format!("t{threads}-{batch}.u32.partial")).exists());
+        outputs.push((std::fs::read(&out).unwrap(), s, out));
+    }
+    for (bytes, s, _) in &outputs[1..] {
+        assert_eq!(
+            bytes, &outputs[0].0,
+            "output independent of threads and batches"
+        );
+        assert_eq!(s, &outputs[0].1);
+    }
+    let (_, summary, path) = &outputs[0];
+    let ids = Tokens::open(path).unwrap();
+    let ids = ids.read(0..ids.len());
+    assert_eq!(summary.tokens, ids.len() as u64);
+    assert!(
+        ids.iter().any(|&t| (256..261).contains(&t)),
+        "merges were used"
+    );
+    let pieces = split_on(&ids, eos);
+    assert_eq!(pieces.len(), 5, "one EOS between each pair of documents");
+    assert_ne!(ids.last(), Some(&eos));
+    let mut lengths: Vec<usize> = pieces.iter().map(Vec::len).collect();
+    for (piece, doc) in pieces.iter().zip(&docs) {
+        assert_eq!(&tok.decode(piece).unwrap(), doc);
+        assert_eq!(piece, &tok.encode(doc).unwrap());
+    }
+    lengths.sort_unstable();
+    assert_eq!(summary.max, lengths[4]);
+    assert_eq!(summary.p50, lengths[2]);
+    assert_eq!((summary.p90, summary.p99), (lengths[4], lengths[4]));
+    // a 16-bit output holds the same ids
+    let out16 = dir.join("t.u16");
+    tokenize_files(&inputs, "text", &tok, eos, &out16, 64, &|_| {}).unwrap();
+    let t16 = Tokens::open(&out16).unwrap();
+    assert_eq!(t16.read(0..t16.len()), ids);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn eos_comes_from_the_files_beside_the_tokenizer() {
+    let dir = temp_dir("eos");
+    let tok_path = dir.join("tokenizer.json");
+    std::fs::write(
+        &tok_path,
+        byte_level_json(&MERGES, &["<|endoftext|>", "<|im_end|>"]),
+    )
+    .unwrap();
+    let tok = Tokenizer::resolve(dir.to_str().unwrap()).unwrap();
+    assert_eq!(resolve_eos(&tok, &dir, Eos::Auto).unwrap(), 261);
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"eos_token": {"content": "<|im_end|>"}}"#,
+    )
+    .unwrap();
+    assert_eq!(resolve_eos(&tok, &tok_path, Eos::Auto).unwrap(), 262);
+    std::fs::write(dir.join("config.json"), r#"{"eos_token_id": [100, 262]}"#).unwrap();
+    assert_eq!(resolve_eos(&tok, &tok_path, Eos::Auto).unwrap(), 100);
+    std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 7}"#).unwrap();
+    assert_eq!(resolve_eos(&tok, &tok_path, Eos::Auto).unwrap(), 7);
+    assert_eq!(resolve_eos(&tok, &tok_path, Eos::Id(5)).unwrap(), 5);
+    let e = resolve_eos(&tok, &tok_path, Eos::Id(263))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("263") && e.contains("vocabulary of 263"), "{e}");
+    std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 9999}"#).unwrap();
+    let e = resolve_eos(&tok, &tok_path, Eos::Auto)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("9999") && e.contains("config.json"), "{e}");
+
+    let bare = temp_dir("eos-none");
+    let bare_path = bare.join("tokenizer.json");
+    std::fs::write(&bare_path, byte_level_json(&MERGES, &["<pad>"])).unwrap();
+    let tok = Tokenizer::from_hf_file(&bare_path).unwrap();
+    let e = resolve_eos(&tok, &bare_path, Eos::Auto)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no end-of-sequence token found")
+            && e.contains("<|endoftext|>")
+            && e.contains("pass --eos ID"),
+        "{e}"
+    );
+    let e = resolve_eos(&Tokenizer::byte(), Path::new("byte"), Eos::Auto)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("pass --eos ID"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&bare).unwrap();
+}
+
+fn upipe(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stderr_of_failure(args: &[&str]) -> String {
+    let out = upipe(args);
+    assert!(!out.status.success(), "upipe {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A WordLevel tokenizer.json of `n` ids.
+fn word_level_json(n: usize) -> String {
+    let vocab: serde_json::Map<String, Value> =
+        (0..n).map(|i| (format!("w{i}"), json!(i))).collect();
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}
+    })
+    .to_string()
+}
+
+#[test]
+fn tokenize_command_writes_and_summarises_or_names_the_fix() {
+    let dir = temp_dir("cli");
+    let tok_path = dir.join("tokenizer.json");
+    std::fs::write(&tok_path, byte_level_json(&MERGES, &["<|endoftext|>"])).unwrap();
+    let (inputs, _) = corpus(&dir);
+    let (a, b, t) = (
+        inputs[0].to_str().unwrap(),
+        inputs[1].to_str().unwrap(),
+        tok_path.to_str().unwrap(),
+    );
+    let out = dir.join("corpus.u32");
+    let o = out.to_str().unwrap();
+    let run = upipe(&[
+        "tokenize",
+        a,
+        b,
+        "--tokenizer",
+        t,
+        "--out",
+        o,
+        "--threads",
+        "2",
+    ]);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let text = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        text.contains("5 documents") && text.contains("p50") && text.contains("p99"),
+        "{text}"
+    );
+    let run = upipe(&[
+        "tokenize",
+        a,
+        b,
+        "--tokenizer",
+        t,
+        "--out",
+        o,
+        "--json",
+        "--eos",
+        "3",
+    ]);
+    assert!(run.status.success());
+    let v: Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(
+        (v["documents"].as_u64(), v["eos"].as_u64()),
+        (Some(5), Some(3))
+    );
+    let len = Tokens::open(&out).unwrap().len() as u64;
+    assert_eq!(v["tokens"].as_u64(), Some(len));
+
+    std::fs::write(
+        &inputs[1],
+        "{\"text\": \"fine\"}\n{\"body\": \"no text\"}\n",
+    )
+    .unwrap();
+    let e = stderr_of_failure(&["tokenize", b, "--tokenizer", t, "--out", o]);
+    assert!(
+        e.contains(&format!("{b} line 2")) && e.contains("no field \"text\""),
+        "{e}"
+    );
+    assert!(
+        !dir.join("corpus.u32.partial").exists(),
+        "the partial output is removed"
+    );
+    let e = stderr_of_failure(&["tokenize", a, "--tokenizer", t, "--out", "x.txt"]);
+    assert!(e.contains("--out x.txt") && e.contains(".u32"), "{e}");
+    let e = stderr_of_failure(&["tokenize", a, "--tokenizer", t, "--out", o, "--eos", "end"]);
+    assert!(e.contains("--eos end"), "{e}");
+    let e = stderr_of_failure(&["tokenize", "/no/such.txt", "--tokenizer", t, "--out", o]);
+    assert!(e.contains("/no/such.txt"), "{e}");
+    let big = dir.join("big.json");
+    std::fs::write(&big, word_level_json(70_000)).unwrap();
+    let big = big.to_str().unwrap();
+    let e = stderr_of_failure(&[
+        "tokenize",
+        a,
+        "--tokenizer",
+        big,
+        "--out",
+        "x.u16",
+        "--eos",
+        "1",
+    ]);
+    assert!(e.contains("70000 ids") && e.contains(".u32"), "{e}");
+    let e = stderr_of_failure(&["tokenize", a, "--tokenizer", big, "--out", o]);
+    assert!(e.contains("pass --eos ID"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
