@@ -4,7 +4,7 @@
 
 use super::checkpoint::{load_hf_model, load_train_state, save_train_state};
 use super::optim::AdamW;
-use super::state::{Micro, RankModel};
+use super::state::{Micro, RankModel, pass};
 use super::trainer::{TrainConfig, tensors_to_host, weights_from_host, weights_to_host};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::Mesh;
@@ -249,7 +249,7 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         }
         // sequences before the step's last only accumulate: one reduction per step
         self.store.reduce = micro.last;
-        decoder.forward_backward(b, mesh, &mut self.store, ids, targets, grad_scale)
+        pass(b, decoder, mesh, &mut self.store, ids, targets, grad_scale)
     }
 
     fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)> {

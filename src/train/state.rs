@@ -5,7 +5,8 @@
 use crate::backend::Backend;
 use crate::comm::Mesh;
 use crate::error::Result;
-use crate::model::Decoder;
+use crate::model::progress::Progress;
+use crate::model::{Decoder, ParamStore};
 use std::path::Path;
 
 /// Where a sequence falls in an optimizer step of `--grad-accum` sequences.
@@ -56,4 +57,21 @@ pub trait RankModel<B: Backend> {
         extra: &serde_json::Value,
         lead: bool,
     ) -> Result<()>;
+}
+
+/// One sequence's forward and backward with parameters from `store`,
+/// logging progress through a long step on rank 0.
+#[allow(clippy::too_many_arguments)]
+pub fn pass<B: Backend, S: ParamStore<B>>(
+    b: &B,
+    decoder: &Decoder<B>,
+    mesh: &Mesh<B>,
+    store: &mut S,
+    ids: &[u32],
+    targets: &[u32],
+    grad_scale: f32,
+) -> Result<f64> {
+    let (layers, checkpoint) = (decoder.cfg.layers, decoder.policy.checkpoint);
+    let mut store = Progress::new(store, layers, checkpoint, mesh.rank == 0);
+    decoder.forward_backward(b, mesh, &mut store, ids, targets, grad_scale)
 }

@@ -11,7 +11,7 @@ use crate::model::{Decoder, RandomInit};
 use crate::train::checkpoint::HostTensor;
 use crate::train::ranged::RangedModel;
 use crate::train::replicated::Resumed;
-use crate::train::state::{Micro, RankModel};
+use crate::train::state::{Micro, RankModel, pass};
 use crate::train::trainer::TrainConfig;
 use serde_json::Value;
 use std::path::Path;
@@ -177,7 +177,7 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         // each sequence's reduce-scatter adds into the shards (ZeRO-3's way:
         // no rank ever holds the whole model's gradients)
         self.store.begin_step(micro.first);
-        decoder.forward_backward(b, mesh, &mut self.store, ids, targets, grad_scale)
+        pass(b, decoder, mesh, &mut self.store, ids, targets, grad_scale)
     }
 
     fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)> {

@@ -1,0 +1,120 @@
+//! Progress inside a long training step: a [`ParamStore`] wrapper that logs,
+//! at most every few seconds, which block the step has reached and an
+//! estimate of the step's time, so a user at 1M tokens sees it working.
+
+use super::store::{HeadView, ParamStore, Unit};
+use super::weights::BlockWeights;
+use crate::backend::{Backend, Tensor};
+use crate::error::Result;
+use std::time::{Duration, Instant};
+
+/// How often progress is logged.
+const EVERY: Duration = Duration::from_secs(10);
+
+/// `inner`, logging progress through the step (on the lead rank only).
+pub struct Progress<'s, S: ?Sized> {
+    inner: &'s mut S,
+    layers: usize,
+    /// Backward blocks cost this many forward blocks (recompute included).
+    bwd_cost: f64,
+    /// Blocks acquired so far: forward ones, then backward ones.
+    seen: usize,
+    start: Instant,
+    last: Instant,
+    lead: bool,
+}
+
+impl<'s, S: ?Sized> Progress<'s, S> {
+    pub fn new(inner: &'s mut S, layers: usize, checkpoint: bool, lead: bool) -> Self {
+        let now = Instant::now();
+        Progress {
+            inner,
+            layers,
+            bwd_cost: if checkpoint { 3.0 } else { 2.0 },
+            seen: 0,
+            start: now,
+            last: now,
+            lead,
+        }
+    }
+
+    /// The share of the step's work done after `seen` blocks.
+    fn done(&self) -> f64 {
+        let l = self.layers as f64;
+        let fwd = self.seen.min(self.layers) as f64;
+        let bwd = self.seen.saturating_sub(self.layers) as f64;
+        (fwd + self.bwd_cost * bwd) / (l + self.bwd_cost * l)
+    }
+
+    fn tick(&mut self, unit: Unit) {
+        let Unit::Block(l) = unit else { return };
+        self.seen += 1;
+        if !self.lead || self.last.elapsed() < EVERY {
+            return;
+        }
+        self.last = Instant::now();
+        let t = self.start.elapsed().as_secs_f64();
+        let pass = if self.seen <= self.layers {
+            "forward"
+        } else {
+            "backward"
+        };
+        let done = self.done().max(1e-9);
+        tracing::info!(
+            "step in progress: {pass} block {}/{} after {t:.0} s (about {:.0} s for the step)",
+            l + 1,
+            self.layers,
+            t / done
+        );
+    }
+}
+
+impl<B: Backend, S: ParamStore<B> + ?Sized> ParamStore<B> for Progress<'_, S> {
+    fn acquire(&mut self, b: &B, unit: Unit) -> Result<()> {
+        self.tick(unit);
+        self.inner.acquire(b, unit)
+    }
+    fn release(&mut self, unit: Unit) -> Result<()> {
+        self.inner.release(unit)
+    }
+    fn embed(&self) -> Result<&Tensor<B>> {
+        self.inner.embed()
+    }
+    fn block(&self, l: usize) -> Result<&BlockWeights<B>> {
+        self.inner.block(l)
+    }
+    fn final_norm(&self) -> Result<&Tensor<B>> {
+        self.inner.final_norm()
+    }
+    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)> {
+        self.inner.block_grads(b, l)
+    }
+    fn head_grads(&mut self, b: &B) -> Result<HeadView<'_, B>> {
+        self.inner.head_grads(b)
+    }
+    fn embed_grads(&mut self, b: &B) -> Result<&mut Tensor<B>> {
+        self.inner.embed_grads(b)
+    }
+    fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()> {
+        self.inner.grads_done(b, unit)
+    }
+    fn finish(&mut self, b: &B) -> Result<()> {
+        self.inner.finish(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_share_done_counts_backward_blocks_as_recompute_plus_backward() {
+        let mut unit = ();
+        let mut p = Progress::new(&mut unit, 4, true, false);
+        assert_eq!(p.done(), 0.0);
+        p.seen = 4;
+        assert!((p.done() - 0.25).abs() < 1e-12, "forward is 1 of 4 units");
+        p.seen = 8;
+        assert!((p.done() - 1.0).abs() < 1e-12);
+    }
+}
