@@ -24,6 +24,7 @@ pub mod ring;
 pub mod rope;
 pub mod schedule;
 pub mod settle;
+pub mod shapes;
 pub mod staged;
 pub mod trial;
 

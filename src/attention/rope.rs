@@ -76,7 +76,7 @@ impl<B: Backend> RopeTables<B> {
     /// Uploads tables for `positions` (category `Workspace`: they live as long as the layer setup).
     pub fn new(b: &B, cfg: &RopeConfig, head_dim: usize, positions: &[usize]) -> Result<Self> {
         let (cos, sin) = cfg.tables(head_dim, positions);
-        let shape = crate::plan::shapes::rope_table(positions.len(), head_dim);
+        let shape = super::shapes::rope_table(positions.len(), head_dim);
         Ok(RopeTables {
             cos: b.from_host(&cos, &shape, DType::F32, Category::Workspace)?,
             sin: b.from_host(&sin, &shape, DType::F32, Category::Workspace)?,

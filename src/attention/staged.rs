@@ -21,13 +21,13 @@
 use super::rope::RopeTables;
 use super::schedule::{KvPhase, LsePiece, StageSchedule, Upcoming, grad_write, upcoming};
 use super::settle::{Proj, settle_layout};
+use super::shapes::StageShapes;
 use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
 };
 use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Mat, MatLayout, Tensor};
 use crate::comm::{Mesh, Pending};
 use crate::error::Result;
-use crate::plan::shapes::StageShapes;
 use std::ops::Range;
 
 /// A kv phase's K (normed, rotated), its pre-norm copy when kept, and V: `[n, m, d]`.

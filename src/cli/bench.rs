@@ -10,10 +10,13 @@ use crate::attention::trial::{TrialInputs, TrialResult, run_trial};
 use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Bytes;
 use crate::backend::cpu::CpuBackend;
+use crate::cli::config::{self, Given, RunArgs, RunFile, run_keys};
 use crate::cli::schedule::ScheduleArgs;
 use crate::error::{Error, Result};
 use crate::plan::{DeviceKind, predict_attention_trial};
+use clap::ArgMatches;
 use serde_json::json;
+use std::path::{Path, PathBuf};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum BenchCommand {
@@ -24,6 +27,10 @@ pub enum BenchCommand {
 /// Flags of `upipe bench attn`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct AttnArgs {
+    /// A run file (TOML): the keys of `[bench]`, `[parallel]`, `[data] seq`
+    /// and `[run]` this command has flags for; flags given here win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
     /// Device to run on (cpu: ranks as threads, f32; cuda: one process per
     /// GPU, bf16, NCCL: started by itself when the mesh fits the visible
     /// GPUs, or under `upipe launch`, torchrun or srun).
@@ -50,7 +57,8 @@ pub struct AttnArgs {
     #[arg(long)]
     pub chunk_heads: Option<usize>,
     /// Per-head RMSNorm of q and k (Qwen3).
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
     pub qk_norm: bool,
     /// Attention kernel on CUDA: auto (cuDNN SDPA where it supports the call,
     /// else our flash kernels), cudnn (error where it cannot), native (ours).
@@ -62,10 +70,12 @@ pub struct AttnArgs {
     #[arg(long, default_value = "all")]
     pub methods: String,
     /// Fail (exit 1) if any strategy differs from `local` by more than the tolerance.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
     pub check: bool,
     /// Print one JSON object per strategy instead of a table.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
     pub json: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -83,9 +93,52 @@ pub struct AttnArgs {
     pub rounds: usize,
 }
 
-pub fn run(cmd: BenchCommand) -> Result<i32> {
+impl AttnArgs {
+    run_keys! {
+        device => bench.device,
+        hidden => bench.hidden,
+        heads => bench.heads,
+        kv_heads => bench.kv_heads,
+        head_dim => bench.head_dim,
+        qk_norm => bench.qk_norm,
+        methods => bench.methods,
+        check => bench.check,
+        warmup => bench.warmup,
+        iters => bench.iters,
+        rounds => bench.rounds,
+        seq => data.seq,
+        ulysses => parallel.ulysses,
+        ring => parallel.ring,
+        chunk_heads => parallel.chunk_heads,
+        attn_kernel => run.attn_kernel,
+        json => run.json,
+        seed => run.seed,
+    }
+}
+
+impl RunArgs for AttnArgs {
+    fn config_path(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+    fn take_file(&mut self, file: &RunFile, given: &Given) {
+        self.take_keys(file, given);
+        self.schedule.take_keys(file, given);
+    }
+    fn to_file(&self) -> RunFile {
+        let mut f = RunFile::default();
+        self.put_keys(&mut f);
+        self.schedule.put_keys(&mut f);
+        f
+    }
+}
+
+/// `upipe bench` with the bench command's matches `m`.
+pub fn run(cmd: BenchCommand, m: &ArgMatches) -> Result<i32> {
     match cmd {
-        BenchCommand::Attn(a) => bench_attn(&a),
+        BenchCommand::Attn(a) => {
+            let sub = m.subcommand_matches("attn").unwrap_or(m);
+            bench_attn(&config::resolve(a, sub)?)
+        }
     }
 }
 

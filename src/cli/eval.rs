@@ -10,25 +10,33 @@
 
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
+use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
+use crate::cli::metrics::{MetricsFile, StepMetrics, by_category};
 use crate::cli::train::{Device, Launched, MeshChoice, Route, default_mesh, route_for};
 use crate::comm::env::DistEnv;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::ModelConfig;
+use crate::model::flops::forward_flops_per_token;
 use crate::train::checkpoint::load_hf_model;
 use crate::train::data::Tokens;
 use crate::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_process_rank, eval_threads};
-use std::path::PathBuf;
+use clap::ArgMatches;
+use std::path::{Path, PathBuf};
 
 /// Flags of `upipe eval`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EvalArgs {
+    /// A run file (TOML); the model directory defaults to its
+    /// `[checkpoint] save-dir`, what the run wrote. Flags given here win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
     /// HF model directory (config.json + model.safetensors or a sharded index).
     #[arg(long)]
-    pub model_dir: PathBuf,
+    pub model_dir: Option<PathBuf>,
     /// Token ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16),
     /// memory-mapped and checked against the model's vocab_size.
     #[arg(long)]
-    pub tokens: PathBuf,
+    pub tokens: Option<PathBuf>,
     /// Inputs per window: the file is evaluated as consecutive windows of this
     /// many tokens (default: the whole file as one sequence).
     #[arg(long)]
@@ -66,6 +74,57 @@ pub struct EvalArgs {
     /// Attention kernel on GPUs: auto, cudnn, native (see `upipe train --help`).
     #[arg(long, default_value = "auto")]
     pub attn_kernel: String,
+    /// Write the evaluation as one JSON line (loss, tokens/s, model TFLOP/s
+    /// of the forward, memory by category; as `train --metrics` writes steps).
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+}
+
+impl EvalArgs {
+    run_keys! {
+        model_dir => eval.model_dir,
+        tokens => eval.tokens,
+        metrics => eval.metrics,
+        seq => eval.seq,
+        buckets => eval.buckets,
+        attn => parallel.attn,
+        ulysses => parallel.ulysses,
+        ring => parallel.ring,
+        data_parallel => parallel.data_parallel,
+        chunk_heads => parallel.chunk_heads,
+        fwd_chunk_heads => eval.fwd_chunk_heads,
+        loss_chunk => memory.loss_chunk,
+        device => run.device,
+        attn_kernel => run.attn_kernel,
+    }
+}
+
+impl RunArgs for EvalArgs {
+    fn config_path(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+    fn take_file(&mut self, file: &RunFile, given: &Given) {
+        self.take_keys(file, given);
+        if self.model_dir.is_none() {
+            self.model_dir.clone_from(&file.checkpoint.save_dir);
+        }
+    }
+    fn to_file(&self) -> RunFile {
+        let mut f = RunFile::default();
+        self.put_keys(&mut f);
+        f
+    }
+}
+
+/// A required path: the flag or its key.
+fn required<'a>(p: &'a Option<PathBuf>, id: &str) -> Result<&'a Path> {
+    p.as_deref().ok_or_else(|| {
+        Error::Config(format!(
+            "upipe eval needs --{} (or {} in --config)",
+            id.replace('_', "-"),
+            config::key_name(EvalArgs::KEYS, id)
+        ))
+    })
 }
 
 /// The mesh: the flags (left-out ones 1), or with none given and `ranks`
@@ -95,18 +154,22 @@ fn eval_mesh(
     })
 }
 
-pub fn run(a: EvalArgs) -> Result<i32> {
-    let device: Device = a.device.parse()?;
-    let kernel: AttnKernel = a.attn_kernel.parse()?;
+pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
+    let a = config::resolve(a, m)?;
+    let k = EvalArgs::KEYS;
+    let model_dir = required(&a.model_dir, "model_dir")?;
+    let tokens_path = required(&a.tokens, "tokens")?;
+    let device: Device = for_key(k, "device", a.device.parse())?;
+    let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
     let gpus = match device {
         Device::Cpu => 0,
         _ => crate::cli::train::visible_gpus(),
     };
     let env = DistEnv::from_env()?;
     let launched = Launched::from_env(env.as_ref());
-    let model = ModelConfig::resolve(&a.model_dir.to_string_lossy())?;
-    let tokens = Tokens::open_checked(&a.tokens, model.vocab)?;
-    let strategy: Strategy = a.attn.parse()?;
+    let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
+    let tokens = Tokens::open_checked(tokens_path, model.vocab)?;
+    let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
     let mut cfg = EvalConfig {
         strategy,
         chunk_heads: a.chunk_heads,
@@ -136,7 +199,7 @@ pub fn run(a: EvalArgs) -> Result<i32> {
         let child = crate::cli::launch::own_command("eval")?;
         return crate::cli::launch::run_local(nproc, child);
     }
-    let host = load_hf_model(&a.model_dir, &model)?;
+    let host = load_hf_model(model_dir, &model)?;
     let report: EvalReport = match &route {
         Route::ProcessRank => {
             let env = env.as_ref().expect("a launched run has its environment");
@@ -151,8 +214,36 @@ pub fn run(a: EvalArgs) -> Result<i32> {
     if route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0) {
         let text = serde_json::to_string(&report).expect("a report always serialises");
         println!("{text}");
+        if let Some(path) = &a.metrics {
+            write_metrics(path, &cfg, &report, shape.world_size())?;
+        }
     }
     Ok(0)
+}
+
+/// `--metrics`: the evaluation as one metrics line (step 0; model FLOPs of
+/// the forward only).
+fn write_metrics(path: &Path, cfg: &EvalConfig, r: &EvalReport, ranks: usize) -> Result<()> {
+    let seq = r.tokens / r.windows.max(1);
+    let tflops = forward_flops_per_token(&cfg.model, seq) * r.tokens_per_s / 1e12;
+    let line = StepMetrics {
+        step: 0,
+        loss: r.loss,
+        lr: None,
+        grad_norm: None,
+        tokens: r.tokens,
+        tokens_per_s: r.tokens_per_s,
+        tflops,
+        tflops_per_rank: tflops / ranks.max(1) as f64,
+        ranks,
+        peak_bytes: r.peak_bytes,
+        peak_by_category: by_category(&r.at_peak_by_category, r.host_peak_bytes),
+        predicted_peak_bytes: None,
+        predicted_by_category: None,
+    };
+    let file = MetricsFile::create(path)?;
+    file.write(&line);
+    file.finish()
 }
 
 /// Thread ranks spread round-robin over `gpus` devices.

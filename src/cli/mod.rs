@@ -2,16 +2,20 @@
 //! subcommand lives in its own file and validates its flags once, here at the edge.
 
 pub mod bench;
+pub mod config;
 pub mod eval;
 pub mod info;
 pub mod launch;
+pub mod metrics;
 pub mod plan;
 pub mod rendezvous_check;
+pub mod report;
 pub mod schedule;
+pub mod svg;
 pub mod tokenize;
 pub mod train;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Long-context transformer training with UPipe context parallelism.
 #[derive(Parser, Debug)]
@@ -36,6 +40,8 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Start one process per local rank (torchrun-style) and supervise them.
     Launch(launch::LaunchArgs),
+    /// Draw a metrics file (`train --metrics`) as one SVG: loss, throughput, memory at the peak.
+    Report(report::ReportArgs),
     /// Show devices and which GPU libraries were found.
     Info(info::InfoArgs),
     /// Test the rendezvous between real processes (run under `upipe launch`).
@@ -45,14 +51,18 @@ pub enum Command {
 
 /// Entry point of the binary; returns the process exit status.
 pub fn main() -> i32 {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_logging();
+    // each subcommand's own matches: which flags the command line gave
+    let (_, sub) = matches.subcommand().expect("clap requires a subcommand");
     let result = match cli.command {
-        Command::Train(a) => train::run(a),
-        Command::Eval(a) => eval::run(a),
+        Command::Train(a) => train::run(a, sub),
+        Command::Eval(a) => eval::run(a, sub),
         Command::Tokenize(a) => tokenize::run(a),
-        Command::Bench(a) => bench::run(a),
-        Command::Plan(a) => plan::run(a),
+        Command::Bench(a) => bench::run(a, sub),
+        Command::Plan(a) => plan::run(a, sub),
+        Command::Report(a) => report::run(a),
         Command::Launch(a) => launch::run(a),
         Command::Info(a) => info::run(a),
         Command::RendezvousCheck(a) => rendezvous_check::run(a),

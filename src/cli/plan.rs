@@ -3,27 +3,39 @@
 
 use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
+use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::schedule::ScheduleArgs;
+use crate::cli::svg::{Area, Bar, Svg, stacked_bars};
+use crate::cli::train::{CPU_DEFAULT_MESH, FsdpMode, MeshFlags, resolve_mesh};
 use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
+use crate::plan::SaveAttention;
 use crate::plan::{
-    Budget, DeviceKind, Fit, Limit, Prediction, SaveAttention, StepSpec, longest_context,
-    predict_step, resolve_plan, seq_unit,
+    Budget, DeviceKind, Fit, Limit, Prediction, StepSpec, longest_context, predict_step,
+    resolve_plan, seq_unit,
 };
+use clap::ArgMatches;
 use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Flags of `upipe plan`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlanArgs {
+    /// A run file (TOML, as `upipe train --config` reads): plans that run;
+    /// flags given here win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
     /// Preset name (tiny, llama3.2-1b, llama3-8b, llama3-70b, qwen3-32b), config.json, or HF model dir.
-    #[arg(long)]
+    #[arg(long, default_value = "tiny")]
     pub model: String,
-    /// Number of GPUs (data x ulysses x ring).
+    /// Number of GPUs (data x ulysses x ring; default: the product of the
+    /// mesh flags given, or with none the mesh `upipe train` would fit here:
+    /// to the visible GPUs, or on the CPU 2 Ulysses x 2 ring).
     #[arg(long)]
-    pub gpus: usize,
+    pub gpus: Option<usize>,
     /// Memory of one GPU in GiB.
     #[arg(long, default_value_t = 80.0)]
     pub gpu_mem: f64,
@@ -39,9 +51,15 @@ pub struct PlanArgs {
     /// Global sequence length: print the per-category breakdown at this length.
     #[arg(long)]
     pub seq: Option<usize>,
+    /// Sequences per optimizer step (`train --grad-accum`).
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
     /// Strategies, comma-separated (ulysses, ring, usp, upipe, local), or `all`.
     #[arg(long, default_value = "all")]
     pub attn: String,
+    /// Data-parallel replicas (default: what the GPUs leave beside the context group).
+    #[arg(long)]
+    pub data_parallel: Option<usize>,
     /// Ulysses degree Pu (default: all GPUs; usp: up to 8).
     #[arg(long)]
     pub ulysses: Option<usize>,
@@ -53,22 +71,39 @@ pub struct PlanArgs {
     pub chunk_heads: Option<usize>,
     #[command(flatten)]
     pub schedule: ScheduleArgs,
+    /// FSDP as `train --fsdp`: auto (on when the model's states take more
+    /// than half of a GPU's usable memory and there is more than one GPU), on, off.
+    #[arg(long, default_value = "off")]
+    pub fsdp: String,
     /// HSDP: with `fsdp`, shard inside groups of gpus/R ranks, replicated R times.
     #[arg(long, default_value_t = 1)]
     pub fsdp_replicate: usize,
-    /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`).
+    /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`);
+    /// added to --checkpoint, --offload, --tiled-mlp and --fsdp.
     #[arg(long, default_value = "none")]
     pub policies: String,
+    /// Full activation checkpointing (as `train --checkpoint`).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub checkpoint: bool,
+    /// Checkpointed block inputs in host memory (as `train --offload`).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub offload: bool,
+    /// Tiled MLP/RMSNorm (as `train --tiled-mlp`).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub tiled_mlp: bool,
     /// Rows of logits per fused-loss chunk.
     #[arg(long, default_value_t = 256)]
     pub loss_chunk: usize,
     /// With checkpoint: blocks (the last ones) that keep their attention
     /// output and LSEs: none, all, N, or auto (as many as fit --gpu-mem
-    /// minus --reserve at that length, as `upipe train` chooses; the search
-    /// finds the longest length with none and shows what auto keeps there).
+    /// minus --reserve at each length, as `upipe train` chooses).
     #[arg(long, default_value_t = SaveAttention::Auto)]
     pub save_attention: SaveAttention,
-    /// Dtypes to plan for: cuda (bf16 activations) or cpu (f32).
+    /// Dtypes to plan for: cuda (bf16 activations), cpu (f32), or auto (as
+    /// `train --device auto` would run here: cuda when a GPU is visible).
     #[arg(long, default_value = "cuda")]
     pub device: String,
     /// Attention kernels on cuda: auto (cuDNN SDPA where it takes the call;
@@ -80,32 +115,105 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 1 << 28)]
     pub max_seq: usize,
     /// One JSON object per strategy instead of a table.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
     pub json: bool,
+    /// With --seq: also draw each strategy's per-rank memory by category as
+    /// stacked bars in this SVG file.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
 }
 
-/// Parsed `--policies`: (memory policy, fsdp).
-fn parse_policies(s: &str, loss_chunk: usize) -> Result<(MemoryPolicy, bool)> {
+impl PlanArgs {
+    run_keys! {
+        model => model.model,
+        gpus => hardware.gpus,
+        gpu_mem => hardware.gpu_mem,
+        reserve => hardware.reserve,
+        host_mem => hardware.host_mem,
+        gpus_per_node => hardware.gpus_per_node,
+        seq => data.seq,
+        grad_accum => data.grad_accum,
+        attn => parallel.attn,
+        data_parallel => parallel.data_parallel,
+        ulysses => parallel.ulysses,
+        ring => parallel.ring,
+        chunk_heads => parallel.chunk_heads,
+        fsdp => parallel.fsdp,
+        fsdp_replicate => parallel.fsdp_replicate,
+        policies => memory.policies,
+        checkpoint => memory.checkpoint,
+        offload => memory.offload,
+        tiled_mlp => memory.tiled_mlp,
+        loss_chunk => memory.loss_chunk,
+        save_attention => memory.save_attention,
+        device => run.device,
+        attn_kernel => run.attn_kernel,
+        json => run.json,
+        max_seq => plan.max_seq,
+        svg => plan.svg,
+    }
+}
+
+impl RunArgs for PlanArgs {
+    fn config_path(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+    fn take_file(&mut self, file: &RunFile, given: &Given) {
+        self.take_keys(file, given);
+        self.schedule.take_keys(file, given);
+    }
+    fn to_file(&self) -> RunFile {
+        let mut f = RunFile::default();
+        self.put_keys(&mut f);
+        self.schedule.put_keys(&mut f);
+        f
+    }
+}
+
+/// The memory policy and whether to shard: `--policies` added to
+/// `--checkpoint`, `--offload`, `--tiled-mlp` and `--fsdp` (`auto` decided
+/// as `train` decides it, from `usable` bytes per GPU).
+fn policies(
+    a: &PlanArgs,
+    model: &ModelConfig,
+    device: DeviceKind,
+    usable: usize,
+    gpus: usize,
+) -> Result<(MemoryPolicy, bool)> {
     let mut p = MemoryPolicy {
-        loss_chunk,
-        ..Default::default()
+        checkpoint: a.checkpoint,
+        offload: a.offload,
+        tiled_mlp: a.tiled_mlp,
+        loss_chunk: a.loss_chunk,
+        save_attention: 0,
     };
-    let mut fsdp = false;
-    for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+    let mut fsdp: FsdpMode = for_key(PlanArgs::KEYS, "fsdp", a.fsdp.parse())?;
+    for item in a
+        .policies
+        .split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+    {
         match item {
             "none" => {}
             "checkpoint" => p.checkpoint = true,
             "offload" => p.offload = true,
             "tiled-mlp" | "tiled_mlp" => p.tiled_mlp = true,
-            "fsdp" => fsdp = true,
+            "fsdp" => fsdp = FsdpMode::On,
             other => {
                 return Err(Error::Config(format!(
-                    "unknown policy '{other}' in --policies; use checkpoint, offload, tiled-mlp, fsdp (comma-separated) or none"
+                    "unknown policy '{other}' in --policies ([memory] policies); use checkpoint, offload, tiled-mlp, fsdp (comma-separated) or none"
                 )));
             }
         }
     }
     p.validate()?;
+    let states = crate::plan::model_state_bytes(model, device != DeviceKind::Cpu);
+    let (fsdp, note) = fsdp.resolve(gpus, states, Some(usable));
+    if let (Some(note), false) = (note, a.json) {
+        println!("{note}");
+    }
     Ok((p, fsdp))
 }
 
@@ -151,66 +259,64 @@ struct Ctx {
     policy: MemoryPolicy,
     fsdp: bool,
     device: DeviceKind,
-    /// Device bytes per rank the ledger may use.
-    usable: usize,
+    gpus: usize,
+    /// With neither `--gpus` nor a mesh flag: each strategy's mesh as
+    /// `upipe train` fits it ([`resolve_mesh`]) to these ranks.
+    fitted: Option<Option<usize>>,
+    /// `--attn all` (strategies that do not fit the mesh are skipped).
+    all: bool,
+    strategies: Vec<Strategy>,
+    budget: Budget,
     a: PlanArgs,
 }
 
 impl Ctx {
-    /// The step of `strategy` at `seq` with `save` blocks keeping their
-    /// attention state, resolved as `upipe train` resolves it (before the
-    /// forward stages are widened).
-    fn predict(
-        &self,
-        strategy: Strategy,
-        seq: usize,
-        save: SaveAttention,
-    ) -> Result<(Prediction, StepSpec)> {
+    fn predict(&self, strategy: Strategy, seq: usize) -> Result<(Prediction, StepSpec)> {
+        let (gpus, ulysses, ring, replicas) = match self.fitted {
+            Some(ranks) => {
+                let flags = MeshFlags::default();
+                let chunk = self.a.chunk_heads;
+                let m = resolve_mesh(flags, strategy, &self.model, seq, chunk, ranks);
+                (m.world_size(), Some(m.ulysses), Some(m.ring), m.data)
+            }
+            // replicas given: the context group has the GPUs one replica leaves
+            None => {
+                let replicas = self.a.data_parallel.unwrap_or(1);
+                (self.gpus, self.a.ulysses, self.a.ring, replicas)
+            }
+        };
         let (plan, data) = resolve_plan(
             strategy,
             &attn_dims(&self.model),
             seq,
-            self.a.gpus,
-            self.a.ulysses,
-            self.a.ring,
+            gpus / replicas,
+            ulysses,
+            ring,
             self.a.chunk_heads,
         )?;
-        let spec = |plan: &crate::attention::CpPlan, policy: MemoryPolicy| StepSpec {
+        let spec = |plan: &crate::attention::CpPlan| StepSpec {
             model: self.model.clone(),
             plan: plan.clone(),
-            data,
-            policy,
+            data: data * replicas,
+            policy: self.policy,
             fsdp: self.fsdp,
             fsdp_replicas: self.a.fsdp_replicate,
-            grad_accum: 1,
+            grad_accum: self.a.grad_accum,
             device: self.device,
             optimizer: true,
-        };
-        let policy = MemoryPolicy {
-            save_attention: save.resolve(&spec(&plan, self.policy), Some(self.usable))?,
-            ..self.policy
         };
         let plan = self
             .a
             .schedule
-            .apply(plan, |p| Ok(predict_step(&spec(p, policy))?.peak))?;
-        let spec = spec(&plan, policy);
+            .apply(plan, |p| Ok(predict_step(&spec(p))?.peak))?;
+        let mut spec = spec(&plan);
+        // what `train --save-attention` keeps here (auto: what fits this length)
+        spec.policy.save_attention = self
+            .a
+            .save_attention
+            .resolve(&spec, Some(self.budget.device))?;
         Ok((predict_step(&spec)?, spec))
     }
-
-    /// What the search holds fixed: `auto` searches with none (at a length
-    /// where none fits, auto fits too), a number or `all` as given.
-    fn search_save(&self) -> SaveAttention {
-        match self.a.save_attention {
-            SaveAttention::Auto => SaveAttention::Blocks(0),
-            given => given,
-        }
-    }
-}
-
-/// Blocks keeping their attention state, as tables print it: `3/16`.
-fn saved_text(spec: &StepSpec) -> String {
-    format!("{}/{}", spec.policy.save_attention, spec.model.layers)
 }
 
 fn by_category(p: &Prediction) -> Value {
@@ -252,83 +358,148 @@ fn fmt_tokens(n: usize) -> String {
     }
 }
 
-pub fn run(a: PlanArgs) -> Result<i32> {
-    let model = ModelConfig::resolve(&a.model)?;
-    if a.gpus == 0 {
-        return Err(Error::Config("--gpus must be at least 1".into()));
-    }
-    if a.gpus_per_node == 0 {
-        return Err(Error::Config("--gpus-per-node must be at least 1".into()));
-    }
-    let device = match a.device.as_str() {
-        "cuda" => DeviceKind::cuda_with(a.attn_kernel.parse()?),
-        "cpu" => DeviceKind::Cpu,
-        other => {
-            return Err(Error::Config(format!(
-                "--device {other}: plan for cuda (bf16) or cpu (f32)"
-            )));
+pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
+    let a = config::resolve(a, m)?;
+    let ctx = validate(a)?;
+    if !ctx.a.json {
+        println!(
+            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}",
+            ctx.model.name,
+            ctx.model.param_count() as f64 / 1e9,
+            ctx.gpus,
+            ctx.a.gpu_mem,
+            ctx.a.reserve,
+            ctx.device.name(),
+            policy_text(&ctx),
+        );
+        if let Some(h) = ctx.budget.host {
+            println!("host memory for offload: {} per rank", Bytes(h));
         }
+    }
+    match ctx.a.seq {
+        Some(seq) => breakdown(&ctx, seq),
+        None if ctx.a.svg.is_some() => crate::config_err!(
+            "--svg draws the memory at one length: add --seq (or [data] seq in --config)"
+        ),
+        None => search(&ctx),
+    }
+}
+
+/// The policies in effect, as `--policies` lists them.
+fn policy_text(ctx: &Ctx) -> String {
+    let p = &ctx.policy;
+    let on = [
+        (p.checkpoint, "checkpoint"),
+        (p.offload, "offload"),
+        (p.tiled_mlp, "tiled-mlp"),
+        (ctx.fsdp, "fsdp"),
+    ];
+    let v: Vec<&str> = on.iter().filter(|x| x.0).map(|x| x.1).collect();
+    if v.is_empty() {
+        "none".into()
+    } else {
+        v.join(",")
+    }
+}
+
+/// The device to plan for: `auto` as `train --device auto` decides it here.
+fn plan_device(a: &PlanArgs) -> Result<DeviceKind> {
+    let kernel = for_key(PlanArgs::KEYS, "attn_kernel", a.attn_kernel.parse())?;
+    match a.device.as_str() {
+        "cuda" => Ok(DeviceKind::cuda_with(kernel)),
+        "cpu" => Ok(DeviceKind::Cpu),
+        "auto" if crate::cli::train::visible_gpus() > 0 => Ok(DeviceKind::cuda_with(kernel)),
+        "auto" => Ok(DeviceKind::Cpu),
+        other => crate::config_err!(
+            "--device {other} ([run] device): plan for cuda (bf16), cpu (f32) or auto"
+        ),
+    }
+}
+
+/// GPUs: `--gpus`, or the product of the mesh flags given; with neither,
+/// the ranks `upipe train` fits its mesh to here (the second value: the
+/// visible GPUs, else `None`, the CPU default mesh).
+fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
+    let mesh = [a.data_parallel, a.ulysses, a.ring];
+    let (gpus, fitted) = match a.gpus {
+        Some(g) => (g, None),
+        None if mesh.iter().any(Option::is_some) => {
+            (mesh.iter().map(|d| d.unwrap_or(1)).product(), None)
+        }
+        None => match crate::cli::train::visible_gpus() {
+            g if g >= 1 => (g, Some(Some(g))),
+            _ => (CPU_DEFAULT_MESH.world_size(), Some(None)),
+        },
     };
-    let (policy, fsdp) = parse_policies(&a.policies, a.loss_chunk)?;
-    a.save_attention.check(policy, model.layers)?;
+    at_least(PlanArgs::KEYS, "gpus", gpus, 1)?;
+    if let Some(d) = a.data_parallel {
+        at_least(PlanArgs::KEYS, "data_parallel", d, 1)?;
+        if !gpus.is_multiple_of(d) {
+            return crate::config_err!("--gpus {gpus} is not a multiple of --data-parallel {d}");
+        }
+    }
+    Ok((gpus, fitted))
+}
+
+/// The flags parsed and checked.
+fn validate(a: PlanArgs) -> Result<Ctx> {
+    let k = PlanArgs::KEYS;
+    let model = for_key(k, "model", ModelConfig::resolve(&a.model))?;
+    let (gpus, fitted) = plan_gpus(&a)?;
+    at_least(k, "gpus_per_node", a.gpus_per_node, 1)?;
+    at_least(k, "grad_accum", a.grad_accum, 1)?;
+    at_least(k, "loss_chunk", a.loss_chunk, 1)?;
+    let device = plan_device(&a)?;
+    let usable = gib(a.gpu_mem, "--gpu-mem")?.saturating_sub(gib(a.reserve, "--reserve")?);
+    let (policy, fsdp) = policies(&a, &model, device, usable, gpus)?;
     if a.fsdp_replicate == 0
-        || !a.gpus.is_multiple_of(a.fsdp_replicate)
+        || !gpus.is_multiple_of(a.fsdp_replicate)
         || (a.fsdp_replicate > 1 && !fsdp)
     {
         return Err(Error::Config(format!(
-            "--fsdp-replicate {} needs the fsdp policy and must divide --gpus {}",
-            a.fsdp_replicate, a.gpus
+            "--fsdp-replicate {} needs the fsdp policy and must divide --gpus {gpus}",
+            a.fsdp_replicate
         )));
     }
-    let (all, strategies) = parse_attn(&a.attn, a.gpus)?;
-    if a.ulysses.is_some() || a.ring.is_some() {
-        let c = a.ulysses.unwrap_or(1) * a.ring.unwrap_or(1);
-        if c == 0 || !a.gpus.is_multiple_of(c) {
-            return Err(Error::Config(format!(
-                "--gpus {} is not a product of the mesh: data x {} (ulysses) x {} (ring) needs a multiple of {c} GPUs",
-                a.gpus,
-                a.ulysses.unwrap_or(1),
-                a.ring.unwrap_or(1)
-            )));
-        }
-    }
-    let usable = gib(a.gpu_mem, "--gpu-mem")?.saturating_sub(gib(a.reserve, "--reserve")?);
+    let (all, strategies) = for_key(k, "attn", parse_attn(&a.attn, gpus))?;
+    check_mesh(&a, gpus)?;
     let host = match a.host_mem {
-        Some(h) => Some(gib(h, "--host-mem")? / a.gpus.min(a.gpus_per_node)),
+        Some(h) => Some(gib(h, "--host-mem")? / gpus.min(a.gpus_per_node)),
         None => None,
     };
     let budget = Budget {
         device: usable,
         host,
     };
-    let ctx = Ctx {
+    Ok(Ctx {
         model,
         policy,
         fsdp,
         device,
-        usable,
-        a: a.clone(),
-    };
-    if !a.json {
-        println!(
-            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}; save-attention {}",
-            ctx.model.name,
-            ctx.model.param_count() as f64 / 1e9,
-            a.gpus,
-            a.gpu_mem,
-            a.reserve,
-            device.name(),
-            a.policies,
-            a.save_attention,
+        gpus,
+        fitted,
+        all,
+        strategies,
+        budget,
+        a,
+    })
+}
+
+/// The mesh flags divide the GPUs.
+fn check_mesh(a: &PlanArgs, gpus: usize) -> Result<()> {
+    if a.ulysses.is_none() && a.ring.is_none() {
+        return Ok(());
+    }
+    let c = a.ulysses.unwrap_or(1) * a.ring.unwrap_or(1) * a.data_parallel.unwrap_or(1);
+    if c == 0 || !gpus.is_multiple_of(c) {
+        return crate::config_err!(
+            "--gpus {gpus} is not a product of the mesh: {} (data) x {} (ulysses) x {} (ring) needs a multiple of {c} GPUs",
+            a.data_parallel.unwrap_or(1),
+            a.ulysses.unwrap_or(1),
+            a.ring.unwrap_or(1)
         );
-        if let Some(h) = host {
-            println!("host memory for offload: {} per rank", Bytes(h));
-        }
     }
-    match a.seq {
-        Some(seq) => breakdown(&ctx, all, &strategies, seq, budget),
-        None => search(&ctx, all, &strategies, budget),
-    }
+    Ok(())
 }
 
 /// `Err` of a strategy: skipped (with `all`) or fatal.
@@ -347,16 +518,10 @@ fn skip_or_fail(all: bool, s: Strategy, e: Error, json: bool) -> Result<()> {
     Ok(())
 }
 
-fn breakdown(
-    ctx: &Ctx,
-    all: bool,
-    strategies: &[Strategy],
-    seq: usize,
-    budget: Budget,
-) -> Result<i32> {
+fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
     let json = ctx.a.json;
     if !json {
-        let mut head = format!("{:<8} {:>9} {:>4} {:>6}", "method", "mesh", "U", "saved");
+        let mut head = format!("{:<8} {:>9} {:>4}", "method", "mesh", "U");
         for c in Category::ALL {
             head += &format!(" {:>12}", c.name());
         }
@@ -367,85 +532,125 @@ fn breakdown(
         );
         println!("{head}");
     }
-    for &s in strategies {
-        let (p, spec) = match ctx.predict(s, seq, ctx.a.save_attention) {
+    let mut bars = Vec::new();
+    for &s in &ctx.strategies {
+        let (p, spec) = match ctx.predict(s, seq) {
             Ok(x) => x,
             Err(e) => {
-                skip_or_fail(all, s, e, json)?;
+                skip_or_fail(ctx.all, s, e, json)?;
                 continue;
             }
         };
-        let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
-        let base = ctx.predict(s, unit, ctx.search_save())?.0;
-        let fits = budget.check(&p, Some(&base));
+        let base = ctx
+            .predict(s, seq_unit(spec.plan.layout.pu, spec.plan.layout.pr))?
+            .0;
+        let fits = ctx.budget.check(&p, Some(&base));
         if json {
             println!(
                 "{}",
                 json!({
                     "strategy": s.name(), "seq": seq, "mesh": mesh_json(&spec),
-                    "save_attention": spec.policy.save_attention, "peak_bytes": p.peak, "host_bytes": p.host_peak,
+                    "peak_bytes": p.peak, "host_bytes": p.host_peak,
                     "by_category": by_category(&p), "peak_at": p.peak_at,
                     "fits": fits.is_none(), "limit": fits.as_ref().map(limit_text),
                 })
             );
         } else {
-            let mut line = format!(
-                "{:<8} {:>9} {:>4} {:>6}",
-                s.name(),
-                mesh_text(&spec),
-                spec.plan.chunk_text(),
-                saved_text(&spec)
-            );
-            for c in Category::ALL {
-                line += &format!(" {:>12}", Bytes(p.at(c)).to_string());
-            }
-            line += &format!(
-                " {:>12} {:>5}  {}",
-                Bytes(p.peak).to_string(),
-                if fits.is_none() { "fits" } else { "OOM" },
-                p.peak_at
-            );
-            println!("{line}");
+            println!("{}", breakdown_line(s, &spec, &p, fits.is_none()));
         }
+        bars.push(category_bar(s, &spec, &p));
+    }
+    if let Some(path) = &ctx.a.svg {
+        write_svg(path, ctx, seq, &bars)?;
     }
     Ok(0)
 }
 
-fn search(ctx: &Ctx, all: bool, strategies: &[Strategy], budget: Budget) -> Result<i32> {
+/// One strategy's row of the breakdown table.
+fn breakdown_line(s: Strategy, spec: &StepSpec, p: &Prediction, fits: bool) -> String {
+    let mut line = format!(
+        "{:<8} {:>9} {:>4}",
+        s.name(),
+        mesh_text(spec),
+        spec.plan.chunk_text()
+    );
+    for c in Category::ALL {
+        line += &format!(" {:>12}", Bytes(p.at(c)).to_string());
+    }
+    line += &format!(
+        " {:>12} {:>5}  {}",
+        Bytes(p.peak).to_string(),
+        if fits { "fits" } else { "OOM" },
+        p.peak_at
+    );
+    line
+}
+
+/// A strategy's device bytes at its peak by category (GiB), as a bar.
+fn category_bar(s: Strategy, spec: &StepSpec, p: &Prediction) -> Bar {
+    let segments = Category::ALL
+        .iter()
+        .filter(|&&c| c != Category::Offload)
+        .map(|&c| (c.name().to_string(), p.at(c) as f64 / GIB))
+        .collect();
+    Bar {
+        label: format!("{} {}", s.name(), mesh_text(spec)),
+        segments,
+    }
+}
+
+/// `upipe plan --svg`: the breakdown's bars against the usable memory.
+fn write_svg(path: &Path, ctx: &Ctx, seq: usize, bars: &[Bar]) -> Result<()> {
+    let height = 120.0 + 40.0 * bars.len() as f64;
+    let mut svg = Svg::new(900.0, height);
+    let area = Area {
+        x: 20.0,
+        y: 50.0,
+        w: 840.0,
+        h: height - 90.0,
+    };
+    let title = format!(
+        "{} on {} GPUs at seq {} ({}): device GiB per rank at the peak, by category",
+        ctx.model.name,
+        ctx.gpus,
+        seq,
+        fmt_tokens(seq)
+    );
+    let usable = ctx.budget.device as f64 / GIB;
+    stacked_bars(&mut svg, area, &title, bars, Some((usable, "usable")));
+    std::fs::write(path, svg.finish())
+        .map_err(|e| Error::io(format!("writing --svg {}", path.display()), e))
+}
+
+fn search(ctx: &Ctx) -> Result<i32> {
     let json = ctx.a.json;
     if !json {
         println!(
-            "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  limit at the next length",
-            "method", "mesh", "U", "longest", "gpu peak", "saved"
+            "{:<8} {:>9} {:>4} {:>19} {:>12}  limit at the next length",
+            "method", "mesh", "U", "longest", "gpu peak"
         );
     }
-    for &s in strategies {
+    for &s in &ctx.strategies {
         // any length that is a multiple of 2 x gpus x 1024 resolves the mesh
-        let probe = 2 * ctx.a.gpus * 1024;
-        let spec = match ctx.predict(s, probe, ctx.search_save()) {
+        let probe = 2 * ctx.gpus * 1024;
+        let spec = match ctx.predict(s, probe) {
             Ok((_, spec)) => spec,
             Err(e) => {
-                skip_or_fail(all, s, e, json)?;
+                skip_or_fail(ctx.all, s, e, json)?;
                 continue;
             }
         };
         let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
         let step = unit / gcd(unit, 1024) * 1024;
-        let fit: Fit = longest_context(step, ctx.a.max_seq, budget, |seq| {
-            ctx.predict(s, seq, ctx.search_save()).map(|x| x.0)
+        let fit: Fit = longest_context(step, ctx.a.max_seq, ctx.budget, |seq| {
+            ctx.predict(s, seq).map(|x| x.0)
         })?;
-        // what the given --save-attention keeps at the longest length
-        let saved = match fit.seq {
-            0 => None,
-            seq => Some(ctx.predict(s, seq, ctx.a.save_attention)?.1),
-        };
         let limit = fit.limit.as_ref();
         if json {
             println!(
                 "{}",
                 json!({
                     "strategy": s.name(), "mesh": mesh_json(&spec), "longest_seq": fit.seq,
-                    "save_attention": saved.as_ref().map(|s| s.policy.save_attention),
                     "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),
                     "by_category": fit.at_fit.as_ref().map(by_category),
                     "limit": limit.map(|(seq, l, p)| json!({
@@ -456,7 +661,7 @@ fn search(ctx: &Ctx, all: bool, strategies: &[Strategy], budget: Budget) -> Resu
             );
         } else {
             println!(
-                "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  {}",
+                "{:<8} {:>9} {:>4} {:>19} {:>12}  {}",
                 s.name(),
                 mesh_text(&spec),
                 spec.plan.chunk_text(),
@@ -464,7 +669,6 @@ fn search(ctx: &Ctx, all: bool, strategies: &[Strategy], budget: Budget) -> Resu
                 fit.at_fit
                     .as_ref()
                     .map_or("-".into(), |p| Bytes(p.peak).to_string()),
-                saved.as_ref().map_or("-".into(), saved_text),
                 limit.map_or(
                     format!("none up to --max-seq {}", ctx.a.max_seq),
                     |(seq, l, p)| { format!("{seq} needs {}: {}", Bytes(p.peak), limit_text(l)) }

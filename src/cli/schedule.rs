@@ -14,7 +14,8 @@ pub struct ScheduleArgs {
     /// gradients back beside the next one's. Costs a stage and a kv phase of
     /// buffers; slower on 2×H200 with NCCL today (its transfer kernels compete
     /// with attention for SMs; docs/strategies.md).
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
     pub overlap: bool,
     /// When backward takes in query gradients: every `stage` (least
     /// memory), every N stages, or once per kv `phase` (one dx GEMM and one
@@ -81,6 +82,12 @@ impl FwdChunk {
 }
 
 impl ScheduleArgs {
+    crate::cli::config::run_keys! {
+        overlap => parallel.overlap,
+        settle_every => parallel.settle_every,
+        fwd_chunk_heads => parallel.fwd_chunk_heads,
+    }
+
     /// `plan` with this schedule (`local` has no stages to overlap; only
     /// `upipe` has forward stages to widen, judged by `peak`: [`FwdChunk::apply`]).
     pub fn apply(&self, plan: CpPlan, peak: impl Fn(&CpPlan) -> Result<usize>) -> Result<CpPlan> {

@@ -400,7 +400,7 @@ impl<B: Backend> Decoder<B> {
 
     /// Token tiles of the MLP: one tile, or tiles of about `hidden` rows.
     fn tiles(&self, rows: usize) -> Vec<std::ops::Range<usize>> {
-        crate::plan::shapes::mlp_tiles(rows, self.cfg.hidden, self.policy.tiled_mlp)
+        super::shapes::mlp_tiles(rows, self.cfg.hidden, self.policy.tiled_mlp)
     }
 
     /// Rows `r` of a `[s, hidden]` tensor as a new tensor.
@@ -531,7 +531,7 @@ impl<B: Backend> Decoder<B> {
         let (s, hid, v) = (hn.rows(), self.cfg.hidden, self.cfg.vocab);
         let mut dhn = b.zeros(hn.shape(), hn.dtype(), Category::Grads)?;
         let mut loss_sum = b.zeros(&[1], DType::F32, Category::Workspace)?;
-        for chunk in crate::plan::shapes::loss_chunks(s, self.policy.loss_chunk) {
+        for chunk in super::shapes::loss_chunks(s, self.policy.loss_chunk) {
             let (r0, r) = (chunk.start, chunk.len());
             let rows = MatLayout::block(r0 * hid, r, hid, hid);
             let mut logits = b.zeros(&[r, v], hn.dtype(), Category::Workspace)?;

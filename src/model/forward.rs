@@ -83,7 +83,7 @@ impl<B: Backend> Decoder<B> {
         b.axpy(&mut out, 1.0, &y)?;
         drop(y);
         let hid = self.cfg.hidden;
-        for rows in crate::plan::shapes::mlp_tiles(h.rows(), hid, true) {
+        for rows in super::shapes::mlp_tiles(h.rows(), hid, true) {
             // the tile's input is copied out before its rows are overwritten
             let x_t = self.rows_of(b, &out, &rows)?;
             let act_t = self.mlp_forward_only(b, w, &x_t)?;
@@ -159,7 +159,7 @@ mod tests {
         assert!(loss_runs(&[], 4).is_empty());
         // one group: exactly the training loss's chunks
         let rows = vec![0; 1000];
-        let want: Vec<_> = crate::plan::shapes::loss_chunks(1000, 256)
+        let want: Vec<_> = crate::model::shapes::loss_chunks(1000, 256)
             .into_iter()
             .map(|r| (r, 0))
             .collect();

@@ -3,8 +3,10 @@
 
 pub mod config;
 pub mod decoder;
+pub mod flops;
 pub mod forward;
 pub mod progress;
+pub mod shapes;
 pub mod store;
 pub mod weights;
 

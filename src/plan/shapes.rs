@@ -1,136 +1,10 @@
-//! Buffer shapes of the engine, shared by the engine and the planner.
-//!
-//! The staged attention engine (`attention::staged`), the decoder
-//! (`model::decoder`) and the memory planner ([`super`]) all take the shapes
-//! of their buffers from here, so the planner's byte counts are the engine's
-//! own sizes, not a second description kept in sync by hand.
+//! Buffer shapes of the engine, as the planner reads them: the engine's own
+//! shape functions (`attention::shapes`, `model::shapes`, which sit below
+//! the planner) and the planner's helpers over them.
 
-use crate::attention::schedule::StageSchedule;
-use crate::attention::{AttnDims, CpPlan};
+pub use crate::attention::shapes::{StageShapes, rope_table};
+pub use crate::model::shapes::{loss_chunks, mlp_tiles};
 use std::ops::Range;
-
-/// Shapes of one rank's staged attention layer under a plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StageShapes {
-    /// Local tokens of this rank (`seq / (pu * pr)`).
-    pub s: usize,
-    /// Tokens a rank attends over after the Ulysses exchange (`seq / pr`).
-    pub n: usize,
-    pub pu: usize,
-    pub pr: usize,
-    /// Query heads per rank per stage.
-    pub u: usize,
-    /// Kv heads per rank per phase.
-    pub m: usize,
-    pub head_dim: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub hidden: usize,
-}
-
-impl StageShapes {
-    /// The shapes of `plan`'s (backward) stages for a layer of `dims`.
-    pub fn new(plan: &CpPlan, dims: &AttnDims) -> Self {
-        Self::of(&plan.schedule, plan, dims)
-    }
-
-    /// The shapes of `plan`'s forward stages (`CpPlan::fwd_schedule`).
-    pub fn forward(plan: &CpPlan, dims: &AttnDims) -> Self {
-        Self::of(&plan.fwd_schedule, plan, dims)
-    }
-
-    fn of(schedule: &StageSchedule, plan: &CpPlan, dims: &AttnDims) -> Self {
-        StageShapes {
-            s: plan.layout.local_len(),
-            n: plan.layout.shard_len(),
-            pu: plan.layout.pu,
-            pr: plan.layout.pr,
-            u: schedule.u(),
-            m: schedule.m(),
-            head_dim: dims.head_dim,
-            heads: dims.heads,
-            kv_heads: dims.kv_heads,
-            hidden: dims.hidden,
-        }
-    }
-
-    /// A buffer of `nh` heads per destination rank, packed by destination:
-    /// `[pu * s, nh, d]`. After the all-to-all the same shape is `[n, nh, d]`.
-    pub fn packed(&self, nh: usize) -> [usize; 3] {
-        [self.pu * self.s, nh, self.head_dim]
-    }
-
-    /// The saved attention output in canonical head order: `[s, H, d]`.
-    pub fn saved_o(&self) -> [usize; 3] {
-        [self.s, self.heads, self.head_dim]
-    }
-
-    /// The layer's input, output and input gradient: `[s, hidden]`.
-    pub fn layer_io(&self) -> [usize; 2] {
-        [self.s, self.hidden]
-    }
-
-    /// One stage's LSE (F32): `[n, u]`.
-    pub fn stage_lse(&self) -> [usize; 2] {
-        [self.n, self.u]
-    }
-
-    /// Whether a projection for `nh` heads per destination runs as one GEMM
-    /// over stacked weight rows (its `[s, pu * nh * d]` result then copied
-    /// into the packed blocks) instead of one GEMM per destination. Merging
-    /// saves `pu - 1` reads of the `[s, hidden]` input and costs one write and
-    /// one read of the result, so it pays for small stages. (A strided batch
-    /// of GEMMs that writes the packed blocks directly, with the input shared,
-    /// still reads the input once per destination: on 2×H200 at 128K its
-    /// 2×(65536×128×4096) took 0.31 ms against 0.23 ms for the merged GEMM,
-    /// more than the copies it saves; docs/results-log.md.)
-    pub fn merge_destinations(&self, nh: usize) -> bool {
-        self.pu > 1 && 2 * self.pu * nh * self.head_dim < (self.pu - 1) * self.hidden
-    }
-
-    /// The `[hidden, nh * d]` weight operands of `nh` heads for every
-    /// destination, side by side: `[hidden, pu * nh * d]` (for weight rows,
-    /// the same bytes hold the rows stacked, `[pu * nh * d, hidden]`).
-    pub fn stacked_operands(&self, nh: usize) -> [usize; 2] {
-        [self.hidden, self.pu * nh * self.head_dim]
-    }
-
-    /// One projection over stacked weights before it is packed: `[s, pu * nh * d]`.
-    pub fn stacked_projection(&self, nh: usize) -> [usize; 2] {
-        [self.s, self.pu * nh * self.head_dim]
-    }
-
-    /// Projection gradients of `nh` heads per destination for this rank's
-    /// tokens, side by side for one `dx` GEMM: `[s, pu * nh * d]`.
-    pub fn gathered_grads(&self, nh: usize) -> [usize; 2] {
-        [self.s, self.pu * nh * self.head_dim]
-    }
-
-    /// The weight rows matching [`Self::gathered_grads`]: `[pu * nh * d, hidden]`.
-    pub fn gathered_weights(&self, nh: usize) -> [usize; 2] {
-        [self.pu * nh * self.head_dim, self.hidden]
-    }
-
-    /// Number of kv phases and stages per phase of a schedule.
-    pub fn phases_and_stages(s: &StageSchedule) -> (usize, usize) {
-        (s.phases.len(), s.phases[0].stages.len())
-    }
-}
-
-/// Token tiles of the decoder's MLP over `rows` local tokens: one tile, or
-/// tiles of `hidden` rows when tiled (the last one may be shorter).
-pub fn mlp_tiles(rows: usize, hidden: usize, tiled: bool) -> Vec<Range<usize>> {
-    let t = if tiled { hidden.max(1) } else { rows.max(1) };
-    (0..rows).step_by(t).map(|r| r..(r + t).min(rows)).collect()
-}
-
-/// Row chunks of the fused loss over `rows` local tokens.
-pub fn loss_chunks(rows: usize, chunk: usize) -> Vec<Range<usize>> {
-    (0..rows)
-        .step_by(chunk.max(1))
-        .map(|r| r..(r + chunk.max(1)).min(rows))
-        .collect()
-}
 
 /// The distinct lengths of `ranges`, in order of first appearance: a chunk
 /// loop repeats identical buffers, so the planner walks one of each length.
@@ -142,9 +16,4 @@ pub fn distinct_lengths(ranges: &[Range<usize>]) -> Vec<usize> {
         }
     }
     out
-}
-
-/// Rows of the RoPE tables a rank holds (`cos` and `sin`, `[n, d/2]` F32 each).
-pub fn rope_table(n: usize, head_dim: usize) -> [usize; 2] {
-    [n, head_dim / 2]
 }

@@ -83,6 +83,12 @@ pub struct EvalReport {
     pub tokens_per_s: f64,
     /// Rank 0's ledger peak (this rank's, for a process rank).
     pub peak_bytes: usize,
+    /// Rank 0's bytes of each category at that peak (not printed).
+    #[serde(skip)]
+    pub at_peak_by_category: Vec<(crate::backend::Category, usize)>,
+    /// Rank 0's highest host (offload) bytes (not printed).
+    #[serde(skip)]
+    pub host_peak_bytes: usize,
 }
 
 impl EvalConfig {
@@ -327,6 +333,8 @@ fn report<B: Backend>(
         by_position,
         tokens_per_s: (timed_windows * win.seq) as f64 / elapsed.as_secs_f64().max(1e-9),
         peak_bytes: b.ledger().peak(),
+        at_peak_by_category: b.ledger().stats().at_peak_by_category,
+        host_peak_bytes: b.ledger().stats().host_peak,
     }
 }
 

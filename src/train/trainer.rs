@@ -63,6 +63,9 @@ pub struct TrainConfig {
     pub max_file_bytes: usize,
     /// Sequences per optimizer step (per data replica), gradients accumulated.
     pub grad_accum: usize,
+    /// The run file that repeats this run, written as `run.toml` beside
+    /// every checkpoint (`upipe train --config DIR/run.toml`).
+    pub run_file: Option<String>,
     /// Pinned host memory each rank may use for offloaded tensors (None: unlimited).
     pub host_budget: Option<usize>,
 }
@@ -77,6 +80,10 @@ pub struct StepReport {
     pub tokens_per_s: f64,
     /// Rank 0's ledger peak so far.
     pub peak_bytes: usize,
+    /// Rank 0's bytes of each category at that peak.
+    pub at_peak_by_category: Vec<(Category, usize)>,
+    /// Rank 0's highest host (offload) bytes so far.
+    pub host_peak_bytes: usize,
     /// Tokens the step trained on (every sequence of every replica).
     pub tokens: usize,
 }
@@ -116,6 +123,7 @@ impl TrainConfig {
             fsdp_replicas: 1,
             max_file_bytes: super::fsdp::checkpoint::FILE_BYTES,
             grad_accum: 1,
+            run_file: None,
             host_budget: None,
         }
     }
@@ -377,13 +385,16 @@ fn run_rank<B: Backend>(
         let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
         let (lr, grad_norm) = model.optimizer_step(b, step)?;
         b.synchronize()?;
+        let memory = b.ledger().stats();
         let report = StepReport {
             step,
             loss,
             lr,
             grad_norm,
             tokens_per_s: targets_per_step / start.elapsed().as_secs_f64(),
-            peak_bytes: b.ledger().peak(),
+            peak_bytes: memory.peak,
+            at_peak_by_category: memory.at_peak_by_category,
+            host_peak_bytes: memory.host_peak,
             tokens: targets_per_step as usize,
         };
         if rank == 0 {
@@ -399,6 +410,11 @@ fn run_rank<B: Backend>(
                 let path = dir.join("config.json");
                 std::fs::write(&path, cfg.model.to_hf_json())
                     .map_err(|e| Error::io(path.display().to_string(), e))?;
+                if let Some(text) = &cfg.run_file {
+                    let path = dir.join("run.toml");
+                    std::fs::write(&path, text)
+                        .map_err(|e| Error::io(path.display().to_string(), e))?;
+                }
             }
         }
     }

@@ -10,7 +10,8 @@
 
 use super::{AttnArgs, CUDA_TOLERANCE, Outcome, parse_methods, print_header, print_row};
 use crate::attention::trial::{
-    RankInputs, RankOptions, TrialInputs, TrialResult, assemble, gather_runs, run_rank, run_trial,
+    RankInputs, RankOptions, RankRun, TrialInputs, TrialResult, assemble, gather_runs, run_rank,
+    run_trial,
 };
 use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Backend;
@@ -127,9 +128,31 @@ pub fn bench_route(
     Ok(BenchRoute::SelfLaunch(ranks))
 }
 
+/// Each strategy's plan on a world of `world` processes, or why it is skipped.
+type Planned = Vec<(Strategy, std::result::Result<CpPlan, String>)>;
+
+/// Per strategy: the last round's result and every round's pass times
+/// (each the slowest rank's).
+type Measured = Vec<Option<(TrialResult, Vec<f64>)>>;
+
+/// Rank 0's GPU time by op per pass and median wall time (ms), by strategy.
+type Profiles = Vec<(Strategy, OpTotals, f64)>;
+
+/// Every rank's run of one strategy, and this rank's profile when profiled.
+type MethodRun = (Vec<RankRun>, Option<(OpTotals, f64)>);
+
+/// The processes of one GPU bench: this rank's backend, the NCCL world and
+/// the rendezvous (rank 0 gathers results over it).
+struct Ranks {
+    env: DistEnv,
+    rv: Rendezvous,
+    backend: Arc<CudaBackend>,
+    world: NcclWorld,
+}
+
 pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
     let launched = DistEnv::from_env()?;
-    let (_, methods) = parse_methods(&a.methods)?;
+    let (all, methods) = parse_methods(&a.methods)?;
     let ranks = ranks_needed(&methods, a.ulysses, a.ring);
     let nccl = || nccl::library().map(|_| ()).map_err(|e| e.to_string());
     let gpus = crate::cli::train::visible_gpus();
@@ -137,6 +160,40 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         tracing::info!("{gpus} GPUs visible: starting {n} processes, one per GPU (NCCL)");
         return crate::cli::launch::run_local(n, crate::cli::launch::own_command("bench")?);
     }
+    if a.iters == 0 || a.rounds == 0 {
+        return Err(Error::Config(
+            "--iters and --rounds must be at least 1".into(),
+        ));
+    }
+    let mut ranks = connect(a, launched)?;
+    let full_inputs = a.check.then(|| TrialInputs::random(dims, a.seq, a.seed));
+    let planned = plan_methods(a, dims, all, &methods, ranks.world.size())?;
+    let (measured, profiles) = measure(a, dims, &mut ranks, &planned, full_inputs.as_ref())?;
+    let outcomes: Vec<(Strategy, Outcome, Option<f64>)> = planned
+        .into_iter()
+        .zip(measured)
+        .map(|((m, plan), got)| match plan {
+            Ok(plan) => {
+                let (result, passes) = got.expect("every planned strategy ran (rounds ≥ 1)");
+                (
+                    m,
+                    Outcome::Ran(result, Box::new(plan)),
+                    Some(median(&passes)),
+                )
+            }
+            Err(why) => (m, Outcome::Skipped(why), None),
+        })
+        .collect();
+    if ranks.env.rank != 0 {
+        return Ok(0);
+    }
+    let failed = report(a, dims, &ranks, &outcomes, full_inputs.as_ref())?;
+    print_profiles(&profiles, a.json);
+    Ok(if failed { 1 } else { 0 })
+}
+
+/// Joins the rendezvous and the NCCL world (a world of one when not launched).
+fn connect(a: &AttnArgs, launched: Option<DistEnv>) -> Result<Ranks> {
     let env = launched.unwrap_or(DistEnv {
         rank: 0,
         world_size: 1,
@@ -145,32 +202,30 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         master_addr: DEFAULT_MASTER_ADDR.into(),
         master_port: 1,
     });
-    if a.iters == 0 || a.rounds == 0 {
-        return Err(Error::Config(
-            "--iters and --rounds must be at least 1".into(),
-        ));
-    }
     let mut rv = Rendezvous::connect(&env, RENDEZVOUS_TIMEOUT)?;
     let mut backend = CudaBackend::new(env.local_rank)?;
     backend.set_attn_kernel(a.attn_kernel.parse()?);
     let backend = Arc::new(backend);
     let world = NcclWorld::connect(&env, &mut rv, backend.clone())?;
-    let lead = env.rank == 0;
-    let b = backend.as_ref();
-    let (all, methods) = parse_methods(&a.methods)?;
-    let full_inputs = a.check.then(|| TrialInputs::random(dims, a.seq, a.seed));
-    let weights = match &full_inputs {
-        Some(f) => f.weights.clone(),
-        None => TrialInputs::random(dims, 0, a.seed).weights,
-    };
-    let opts = RankOptions {
-        warmup: a.warmup,
-        iters: a.iters,
-        keep_outputs: a.check,
-    };
-    // Each strategy's plan, or why it is skipped.
-    let mut planned: Vec<(Strategy, std::result::Result<CpPlan, String>)> = Vec::new();
-    for &m in &methods {
+    Ok(Ranks {
+        env,
+        rv,
+        backend,
+        world,
+    })
+}
+
+/// Each strategy's plan, or why it is skipped (with `all`); a strategy
+/// given by name that cannot run on `world` processes is an error.
+fn plan_methods(
+    a: &AttnArgs,
+    dims: &AttnDims,
+    all: bool,
+    methods: &[Strategy],
+    world: usize,
+) -> Result<Planned> {
+    let mut planned: Planned = Vec::new();
+    for &m in methods {
         let chunk = if m == Strategy::Upipe {
             a.chunk_heads
         } else {
@@ -190,12 +245,10 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
             Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
         };
         let ranks = plan.mesh_shape().world_size();
-        if ranks != world.size() {
+        if ranks != world {
             let why = format!(
-                "{m} on {}x{} needs {ranks} processes, {} were launched",
-                plan.layout.pu,
-                plan.layout.pr,
-                world.size()
+                "{m} on {}x{} needs {ranks} processes, {world} were launched",
+                plan.layout.pu, plan.layout.pr,
             );
             if all {
                 planned.push((m, Err(why)));
@@ -207,66 +260,36 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         }
         planned.push((m, Ok(plan)));
     }
-    // rank 0's GPU time by op per pass (UPIPE_PROFILE=1; first round)
-    let mut profiles: Vec<(Strategy, OpTotals, f64)> = Vec::new();
-    b.profile().take()?;
-    // per strategy: the last round's result and every round's pass times
-    // (each the slowest rank's)
-    let mut measured: Vec<Option<(TrialResult, Vec<f64>)>> = vec![None; planned.len()];
+    Ok(planned)
+}
+
+/// Runs every planned strategy `--rounds` times; with rank 0's GPU time by
+/// op per pass (`UPIPE_PROFILE=1`; first round).
+fn measure(
+    a: &AttnArgs,
+    dims: &AttnDims,
+    ranks: &mut Ranks,
+    planned: &Planned,
+    full_inputs: Option<&TrialInputs>,
+) -> Result<(Measured, Profiles)> {
+    let weights = match full_inputs {
+        Some(f) => f.weights.clone(),
+        None => TrialInputs::random(dims, 0, a.seed).weights,
+    };
+    let mut profiles = Vec::new();
+    ranks.backend.profile().take()?;
+    let mut measured: Measured = vec![None; planned.len()];
     for round in 0..a.rounds {
         for i in round_order(planned.len(), round) {
             let (m, Ok(plan)) = (&planned[i].0, &planned[i].1) else {
                 continue;
             };
-            let m = *m;
-            let mesh = world.mesh(plan.mesh_shape())?;
-            let (ri, rr) = (mesh.ring.rank(), mesh.ulysses.rank());
-            let (x, dy) = match &full_inputs {
-                Some(f) => f.shard(plan, dims.hidden, ri, rr),
-                None => {
-                    // Timing only: this rank's rows, seeded per rank.
-                    // (parallel: at 1M tokens each is 2G values per rank)
-                    let n = plan.layout.local_len() * dims.hidden;
-                    let seed = a.seed ^ (0x9e37_79b9_7f4a_7c15 ^ env.rank as u64);
-                    (normal_vec_par(seed, n, 1.0), normal_vec_par(!seed, n, 1.0))
-                }
-            };
-            let inputs = RankInputs {
-                x: &x,
-                dy: &dy,
-                weights: &weights,
-            };
-            let profiled = b.profile().enabled() && round == 0;
-            if profiled {
-                // warm up outside the profile: first calls build cuDNN plans while
-                // the stream idles, which events would count as op time
-                let warm = RankOptions {
-                    warmup: 0,
-                    iters: opts.warmup.max(1),
-                    keep_outputs: false,
-                };
-                run_rank(plan, dims, inputs, b, &mesh, &warm)?;
-                b.synchronize()?;
-                b.profile().take()?;
+            let (runs, profile) = run_method(a, dims, ranks, plan, full_inputs, &weights, round)?;
+            if let Some((times, wall_ms)) = profile {
+                profiles.push((*m, times, wall_ms));
             }
-            let timed = RankOptions {
-                warmup: if profiled { 0 } else { opts.warmup },
-                ..opts
-            };
-            let run = run_rank(plan, dims, inputs, b, &mesh, &timed)?;
-            drop((x, dy));
-            b.synchronize()?;
-            let times = b.profile().take()?;
-            if profiled {
-                let wall_ms = 1e3 * median(&run.seconds);
-                profiles.push((m, times.per_pass(timed.iters as f64), wall_ms));
-            }
-            drop(mesh);
-            // the next method's peak must not include this one's cuDNN workspace
-            b.release_attention_workspace()?;
-            let runs = gather_runs(&mut rv, run)?;
             // Slowest rank per pass.
-            let per_pass = (0..opts.iters).map(|k| {
+            let per_pass = (0..a.iters).map(|k| {
                 runs.iter()
                     .filter_map(|r| r.seconds.get(k).copied())
                     .fold(0.0, f64::max)
@@ -281,37 +304,99 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
             }
         }
     }
-    let outcomes: Vec<(Strategy, Outcome, Option<f64>)> = planned
-        .into_iter()
-        .zip(measured)
-        .map(|((m, plan), got)| match plan {
-            Ok(plan) => {
-                let (result, passes) = got.expect("every planned strategy ran (rounds ≥ 1)");
-                (
-                    m,
-                    Outcome::Ran(result, Box::new(plan)),
-                    Some(median(&passes)),
-                )
-            }
-            Err(why) => (m, Outcome::Skipped(why), None),
-        })
-        .collect();
-    if !lead {
-        return Ok(0);
+    Ok((measured, profiles))
+}
+
+/// One strategy's passes on every rank: the ranks' runs (gathered on rank
+/// 0) and, when profiled, this rank's GPU time by op per pass and the
+/// median wall time (ms).
+#[allow(clippy::too_many_arguments)]
+fn run_method(
+    a: &AttnArgs,
+    dims: &AttnDims,
+    ranks: &mut Ranks,
+    plan: &CpPlan,
+    full_inputs: Option<&TrialInputs>,
+    weights: &[(&'static str, Vec<usize>, Vec<f32>)],
+    round: usize,
+) -> Result<MethodRun> {
+    let b = ranks.backend.as_ref();
+    let opts = RankOptions {
+        warmup: a.warmup,
+        iters: a.iters,
+        keep_outputs: a.check,
+    };
+    let mesh = ranks.world.mesh(plan.mesh_shape())?;
+    let (ri, rr) = (mesh.ring.rank(), mesh.ulysses.rank());
+    let (x, dy) = match full_inputs {
+        Some(f) => f.shard(plan, dims.hidden, ri, rr),
+        None => {
+            // Timing only: this rank's rows, seeded per rank.
+            // (parallel: at 1M tokens each is 2G values per rank)
+            let n = plan.layout.local_len() * dims.hidden;
+            let seed = a.seed ^ (0x9e37_79b9_7f4a_7c15 ^ ranks.env.rank as u64);
+            (normal_vec_par(seed, n, 1.0), normal_vec_par(!seed, n, 1.0))
+        }
+    };
+    let inputs = RankInputs {
+        x: &x,
+        dy: &dy,
+        weights,
+    };
+    let profiled = b.profile().enabled() && round == 0;
+    if profiled {
+        // warm up outside the profile: first calls build cuDNN plans while
+        // the stream idles, which events would count as op time
+        let warm = RankOptions {
+            warmup: 0,
+            iters: opts.warmup.max(1),
+            keep_outputs: false,
+        };
+        run_rank(plan, dims, inputs, b, &mesh, &warm)?;
+        b.synchronize()?;
+        b.profile().take()?;
     }
-    let reference = match &full_inputs {
+    let timed = RankOptions {
+        warmup: if profiled { 0 } else { opts.warmup },
+        ..opts
+    };
+    let run = run_rank(plan, dims, inputs, b, &mesh, &timed)?;
+    drop((x, dy));
+    b.synchronize()?;
+    let times = b.profile().take()?;
+    let profile = profiled.then(|| {
+        (
+            times.per_pass(timed.iters as f64),
+            1e3 * median(&run.seconds),
+        )
+    });
+    drop(mesh);
+    // the next method's peak must not include this one's cuDNN workspace
+    b.release_attention_workspace()?;
+    Ok((gather_runs(&mut ranks.rv, run)?, profile))
+}
+
+/// Rank 0's table or JSON lines; whether `--check` fails a strategy.
+fn report(
+    a: &AttnArgs,
+    dims: &AttnDims,
+    ranks: &Ranks,
+    outcomes: &[(Strategy, Outcome, Option<f64>)],
+    full_inputs: Option<&TrialInputs>,
+) -> Result<bool> {
+    let reference = match full_inputs {
         Some(f) => {
             let plan = CpPlan::new(Strategy::Local, dims, a.seq, 1, 1, None)?;
             Some(run_trial(&plan, dims, f, CpuBackend::new)?)
         }
         None => None,
     };
+    let world = ranks.world.size();
     if !a.json {
         let lib = nccl::library()?;
         println!(
-            "device {} x {} processes | NCCL {}",
-            b.name(),
-            world.size(),
+            "device {} x {world} processes | NCCL {}",
+            ranks.backend.name(),
             lib.describe()
         );
         print_header(a, "cuda-bf16", true);
@@ -321,33 +406,25 @@ pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
         _ => None,
     });
     let mut failed = false;
-    for (m, o, median_s) in &outcomes {
-        let gpu = match (o, median_s) {
-            (Outcome::Ran(..), Some(s)) => Some(GpuRun {
-                median_seconds: *s,
-                world: world.size(),
-            }),
+    for (m, o, median_s) in outcomes {
+        let extra = match (o, median_s) {
+            (Outcome::Ran(..), Some(s)) => {
+                let g = GpuRun {
+                    median_seconds: *s,
+                    world,
+                };
+                Some((
+                    g.tflops_per_gpu(dims, a.seq),
+                    g.tokens_per_s_per_gpu(a.seq),
+                    *s,
+                ))
+            }
             _ => None,
         };
-        let extra = gpu.as_ref().map(|g| {
-            (
-                g.tflops_per_gpu(dims, a.seq),
-                g.tokens_per_s_per_gpu(a.seq),
-                g.median_seconds,
-            )
-        });
-        failed |= print_row(
-            a,
-            *m,
-            o,
-            reference.as_ref(),
-            ulysses_act,
-            CUDA_TOLERANCE,
-            extra,
-        );
+        let tolerance = CUDA_TOLERANCE;
+        failed |= print_row(a, *m, o, reference.as_ref(), ulysses_act, tolerance, extra);
     }
-    print_profiles(&profiles, a.json);
-    Ok(if failed { 1 } else { 0 })
+    Ok(failed)
 }
 
 /// Shapes listed per method under `UPIPE_PROFILE=shapes` (the costliest).

@@ -1,0 +1,243 @@
+//! `--metrics FILE.jsonl`: one JSON object per training step (or one per
+//! evaluation), written as the run goes; `--json` prints the same objects,
+//! and `upipe report` draws them.
+
+use crate::backend::Category;
+use crate::error::{Error, Result};
+use crate::plan::Prediction;
+use crate::train::trainer::StepReport;
+use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// One line of a metrics file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: u32,
+    /// Mean next-token cross-entropy over the step's tokens (nats).
+    #[serde(deserialize_with = "nan_if_null")]
+    pub loss: f64,
+    /// Learning rate of the step (none for an evaluation).
+    pub lr: Option<f64>,
+    /// Global gradient norm before clipping (none for an evaluation).
+    pub grad_norm: Option<f64>,
+    /// Tokens of the step (every sequence of every data replica).
+    pub tokens: usize,
+    #[serde(deserialize_with = "nan_if_null")]
+    pub tokens_per_s: f64,
+    /// Model TFLOP/s of the whole run (`model::flops`: 6·N plus causal
+    /// attention per trained token; forward only for an evaluation).
+    #[serde(deserialize_with = "nan_if_null")]
+    pub tflops: f64,
+    /// `tflops` over the ranks.
+    #[serde(deserialize_with = "nan_if_null")]
+    pub tflops_per_rank: f64,
+    pub ranks: usize,
+    /// Rank 0's device peak so far (ledger bytes).
+    pub peak_bytes: usize,
+    /// Rank 0's bytes by category at that peak (`offload_host`: its host peak).
+    pub peak_by_category: BTreeMap<String, usize>,
+    /// What `upipe plan` predicts for rank 0's peak (none when it cannot).
+    pub predicted_peak_bytes: Option<usize>,
+    pub predicted_by_category: Option<BTreeMap<String, usize>>,
+}
+
+/// serde_json writes a NaN as `null`: read it back as NaN.
+fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// What every line of one run shares.
+#[derive(Debug, Clone)]
+pub struct RunFacts {
+    /// Model FLOPs per token (`model::flops`).
+    pub flops_per_token: f64,
+    pub ranks: usize,
+    pub predicted: Option<Prediction>,
+}
+
+/// `bytes` by category name, with `offload_host` taken from `host`.
+pub fn by_category(bytes: &[(Category, usize)], host: usize) -> BTreeMap<String, usize> {
+    Category::ALL
+        .iter()
+        .map(|&c| {
+            let b = if c == Category::Offload {
+                host
+            } else {
+                bytes.iter().find(|(x, _)| *x == c).map_or(0, |x| x.1)
+            };
+            (c.name().to_string(), b)
+        })
+        .collect()
+}
+
+impl StepMetrics {
+    /// The line of training step `r`.
+    pub fn of_step(r: &StepReport, facts: &RunFacts) -> Self {
+        let tflops = facts.flops_per_token * r.tokens_per_s / 1e12;
+        StepMetrics {
+            step: r.step,
+            loss: r.loss,
+            lr: Some(r.lr as f64),
+            grad_norm: Some(r.grad_norm),
+            tokens: r.tokens,
+            tokens_per_s: r.tokens_per_s,
+            tflops,
+            tflops_per_rank: tflops / facts.ranks.max(1) as f64,
+            ranks: facts.ranks,
+            peak_bytes: r.peak_bytes,
+            peak_by_category: by_category(&r.at_peak_by_category, r.host_peak_bytes),
+            predicted_peak_bytes: facts.predicted.as_ref().map(|p| p.peak),
+            predicted_by_category: facts
+                .predicted
+                .as_ref()
+                .map(|p| by_category(&p.at_peak, p.host_peak)),
+        }
+    }
+
+    /// One JSON line.
+    pub fn to_line(&self) -> String {
+        serde_json::to_string(self).expect("metrics serialize")
+    }
+}
+
+/// Model FLOP/s for people: TFLOP/s, or GFLOP/s below one TFLOP/s.
+pub fn flops_text(tflops: f64) -> String {
+    if tflops >= 1.0 {
+        format!("{tflops:.1} TFLOP/s")
+    } else {
+        format!("{:.1} GFLOP/s", tflops * 1e3)
+    }
+}
+
+/// A metrics file being written: one line per call, flushed, so a run that
+/// stops leaves every finished step behind. Write errors are kept and
+/// returned by [`MetricsFile::finish`] (steps report through a callback
+/// that cannot fail).
+pub struct MetricsFile {
+    path: PathBuf,
+    out: Mutex<(std::fs::File, Option<std::io::Error>)>,
+}
+
+impl MetricsFile {
+    /// Creates (or truncates) `path`; a missing parent directory is created.
+    pub fn create(path: &Path) -> Result<Self> {
+        let what = || format!("creating --metrics {}", path.display());
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(what(), e))?;
+        }
+        let file = std::fs::File::create(path).map_err(|e| Error::io(what(), e))?;
+        Ok(MetricsFile {
+            path: path.to_path_buf(),
+            out: Mutex::new((file, None)),
+        })
+    }
+
+    /// Appends one line.
+    pub fn write(&self, m: &StepMetrics) {
+        let mut out = self.out.lock().expect("metrics file poisoned");
+        if out.1.is_none() {
+            let line = m.to_line() + "\n";
+            if let Err(e) = out.0.write_all(line.as_bytes()) {
+                out.1 = Some(e);
+            }
+        }
+    }
+
+    /// The first write error, if any.
+    pub fn finish(self) -> Result<()> {
+        let (_, err) = self.out.into_inner().expect("metrics file poisoned");
+        match err {
+            Some(e) => Err(Error::io(format!("writing {}", self.path.display()), e)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Reads a metrics file; a malformed line is an error naming it.
+pub fn read(path: &Path) -> Result<Vec<StepMetrics>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let m = serde_json::from_str(line).map_err(|e| {
+            Error::Config(format!(
+                "{} line {}: not a metrics line of `upipe train --metrics` ({e})",
+                path.display(),
+                i + 1
+            ))
+        })?;
+        out.push(m);
+    }
+    if out.is_empty() {
+        return crate::config_err!("{} holds no metrics lines", path.display());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(step: u32) -> StepReport {
+        StepReport {
+            step,
+            loss: 2.5,
+            lr: 1e-3,
+            grad_norm: 0.5,
+            tokens_per_s: 1000.0,
+            peak_bytes: 300,
+            at_peak_by_category: vec![(Category::Weights, 200), (Category::Activations, 100)],
+            host_peak_bytes: 64,
+            tokens: 512,
+        }
+    }
+
+    #[test]
+    fn a_line_holds_the_step_its_flops_and_memory_and_reads_back() {
+        let facts = RunFacts {
+            flops_per_token: 3e9,
+            ranks: 4,
+            predicted: None,
+        };
+        let m = StepMetrics::of_step(&report(7), &facts);
+        // 3 GFLOP per token at 1000 tokens/s: 3 TFLOP/s, 0.75 per rank
+        assert!((m.tflops - 3.0).abs() < 1e-12 && (m.tflops_per_rank - 0.75).abs() < 1e-12);
+        assert_eq!(m.peak_by_category["weights"], 200);
+        assert_eq!(m.peak_by_category["offload_host"], 64);
+        assert_eq!(m.peak_by_category.len(), Category::ALL.len());
+        let back: StepMetrics = serde_json::from_str(&m.to_line()).unwrap();
+        assert_eq!(back, m);
+        let mut diverged = m.clone();
+        diverged.loss = f64::NAN;
+        let back: StepMetrics = serde_json::from_str(&diverged.to_line()).unwrap();
+        assert!(back.loss.is_nan());
+    }
+
+    #[test]
+    fn a_file_is_written_line_by_line_and_bad_lines_are_named() {
+        let dir = std::env::temp_dir().join(format!("upipe-metrics-{}", std::process::id()));
+        let path = dir.join("sub").join("m.jsonl");
+        let f = MetricsFile::create(&path).unwrap();
+        let facts = RunFacts {
+            flops_per_token: 1.0,
+            ranks: 1,
+            predicted: None,
+        };
+        for s in 1..=3 {
+            f.write(&StepMetrics::of_step(&report(s), &facts));
+        }
+        f.finish().unwrap();
+        let lines = read(&path).unwrap();
+        assert_eq!(lines.iter().map(|m| m.step).collect::<Vec<_>>(), [1, 2, 3]);
+        std::fs::write(&path, "{\"step\": 1}\n").unwrap();
+        let e = read(&path).unwrap_err().to_string();
+        assert!(e.contains("line 1"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

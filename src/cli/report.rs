@@ -1,0 +1,167 @@
+//! `upipe report FILE.jsonl [--out report.svg]`: a metrics file
+//! (`train --metrics`, `eval --metrics`) as one SVG: loss, throughput and
+//! model TFLOP/s per rank by step (one curve each), and rank 0's memory by
+//! category at its peak, measured beside `upipe plan`'s prediction.
+
+use crate::backend::Category;
+use crate::cli::metrics::{self, StepMetrics};
+use crate::cli::svg::{Area, Bar, Series, Svg, line_chart, stacked_bars};
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Flags of `upipe report`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ReportArgs {
+    /// A metrics file written by `upipe train --metrics` (JSON Lines).
+    pub metrics: PathBuf,
+    /// Where the SVG goes (default: the metrics file with `.svg`).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// The curves a report draws, one `<polyline>` each, in order.
+pub const SERIES: [&str; 3] = ["loss", "tokens/s", "model TFLOP/s per rank"];
+
+pub fn run(a: ReportArgs) -> Result<i32> {
+    let lines = metrics::read(&a.metrics)?;
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| a.metrics.with_extension("svg"));
+    let title = a.metrics.display().to_string();
+    std::fs::write(&out, draw(&lines, &title))
+        .map_err(|e| Error::io(format!("writing {}", out.display()), e))?;
+    println!("{} steps -> {}", lines.len(), out.display());
+    Ok(0)
+}
+
+/// The report of `lines` as an SVG document.
+pub fn draw(lines: &[StepMetrics], title: &str) -> String {
+    let mut svg = Svg::new(1000.0, 720.0);
+    svg.text(
+        500.0,
+        24.0,
+        16.0,
+        "middle",
+        &format!("upipe report: {title}"),
+    );
+    let curve = |name, f: fn(&StepMetrics) -> f64| Series {
+        name,
+        points: lines.iter().map(|m| (m.step as f64, f(m))).collect(),
+    };
+    let area = |x, y| Area {
+        x,
+        y,
+        w: 380.0,
+        h: 220.0,
+    };
+    let charts = [
+        (area(80.0, 60.0), curve(SERIES[0], |m| m.loss)),
+        (area(560.0, 60.0), curve(SERIES[1], |m| m.tokens_per_s)),
+        (area(80.0, 380.0), curve(SERIES[2], |m| m.tflops_per_rank)),
+    ];
+    for (at, series) in charts {
+        let name = series.name;
+        line_chart(&mut svg, at, name, "step", &[series]);
+    }
+    if let Some(peak) = lines.iter().max_by_key(|m| m.peak_bytes) {
+        let mut bars = vec![bar("measured", &peak.peak_by_category)];
+        if let Some(p) = &peak.predicted_by_category {
+            bars.push(bar("predicted", p));
+        }
+        let at = Area {
+            x: 560.0,
+            y: 380.0,
+            w: 400.0,
+            h: 220.0,
+        };
+        let title = format!("memory of rank 0 at its peak (step {}), MB", peak.step);
+        stacked_bars(&mut svg, at, &title, &bars, None);
+    }
+    svg.finish()
+}
+
+/// A bar of bytes by category (MB), in [`Category::ALL`] order.
+fn bar(label: &str, bytes: &BTreeMap<String, usize>) -> Bar {
+    Bar {
+        label: label.into(),
+        segments: Category::ALL
+            .iter()
+            .map(|c| {
+                let b = bytes.get(c.name()).copied().unwrap_or(0);
+                (c.name().to_string(), b as f64 / 1e6)
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(step: u32, loss: f64) -> StepMetrics {
+        let cats = |scale| {
+            Category::ALL
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.name().to_string(), scale * (i + 1)))
+                .collect()
+        };
+        StepMetrics {
+            step,
+            loss,
+            lr: Some(1e-3),
+            grad_norm: Some(1.0),
+            tokens: 256,
+            tokens_per_s: 1000.0 + step as f64,
+            tflops: 1.0,
+            tflops_per_rank: 0.25,
+            ranks: 4,
+            peak_bytes: 1000 * step as usize,
+            peak_by_category: cats(step as usize),
+            predicted_peak_bytes: Some(5000),
+            predicted_by_category: Some(cats(1)),
+        }
+    }
+
+    #[test]
+    fn one_curve_per_series_and_two_bars_at_the_peak() {
+        let lines: Vec<_> = (1..=5).map(|s| line(s, 5.0 - s as f64 * 0.5)).collect();
+        let svg = draw(&lines, "m.jsonl");
+        assert_eq!(svg.matches("<polyline").count(), SERIES.len());
+        // every category of both bars (measured, predicted) is a rect with a tooltip
+        assert_eq!(
+            svg.matches("<title>measured: ").count(),
+            Category::ALL.len()
+        );
+        assert_eq!(
+            svg.matches("<title>predicted: ").count(),
+            Category::ALL.len()
+        );
+        assert!(
+            svg.contains("at its peak (step 5)"),
+            "the peak is the last step"
+        );
+        // five points on the loss curve
+        let loss = svg
+            .lines()
+            .find(|l| l.contains("<title>loss</title>"))
+            .unwrap();
+        let points = loss.split('"').nth(1).unwrap();
+        assert_eq!(points.split(' ').count(), 5);
+    }
+
+    #[test]
+    fn a_diverged_step_leaves_its_point_out() {
+        let mut lines: Vec<_> = (1..=3).map(|s| line(s, 2.0)).collect();
+        lines[1].loss = f64::NAN;
+        let svg = draw(&lines, "m.jsonl");
+        let loss = svg
+            .lines()
+            .find(|l| l.contains("<title>loss</title>"))
+            .unwrap();
+        assert_eq!(loss.split('"').nth(1).unwrap().split(' ').count(), 2);
+        assert!(!svg.contains("NaN"));
+    }
+}

@@ -1,0 +1,338 @@
+//! The flags of `upipe train`, their run-file keys, and their parsed form.
+
+use crate::attention::Strategy;
+use crate::backend::Bytes;
+use crate::backend::cuda::cudnn::AttnKernel;
+use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
+use crate::cli::schedule::FwdChunk;
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use crate::plan::SaveAttention;
+use std::path::{Path, PathBuf};
+
+/// Flags of `upipe train`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// A run file (TOML): every flag below is a key in one of its sections
+    /// (`upipe train --print-config` shows them); flags given here win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Print the resolved run file (defaults, --config, flags) and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// Preset name (tiny, llama3.2-1b, llama3-8b, llama3-70b, qwen3-32b), config.json, or HF model dir.
+    #[arg(long, default_value = "tiny")]
+    pub model: String,
+    /// Training data: a text file (tokenized with --tokenizer), or pre-tokenized
+    /// ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16), memory-mapped
+    /// and checked against the model's vocab_size. Default: the bundled corpus.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Tokenizer for text data: `byte` (the default) or a path to an HF
+    /// tokenizer.json; ignored, with a warning, for pre-tokenized data.
+    #[arg(long)]
+    pub tokenizer: Option<String>,
+    /// Start from the weights of an HF model directory (config.json + safetensors).
+    #[arg(long)]
+    pub init_from: Option<PathBuf>,
+    /// Attention strategy: local, ulysses, ring, usp, upipe.
+    #[arg(long, default_value = "upipe")]
+    pub attn: String,
+    /// Ulysses degree Pu (default 2; with no mesh flag at all, the default mesh, see below).
+    #[arg(long)]
+    pub ulysses: Option<usize>,
+    /// Ring degree Pr (default 2; with no mesh flag at all, the default mesh).
+    #[arg(long)]
+    pub ring: Option<usize>,
+    /// UPipe heads per stage U (default Pu).
+    #[arg(long)]
+    pub chunk_heads: Option<usize>,
+    /// UPipe heads per forward stage: `auto` (the widest that keeps the
+    /// planned peak of this run's step) or a number (see `bench attn --help`).
+    #[arg(long, default_value_t = FwdChunk::Auto)]
+    pub fwd_chunk_heads: FwdChunk,
+    /// Data-parallel replicas, each its own context-parallel group (default 1;
+    /// with no mesh flag at all the mesh fits the GPUs: one process per GPU).
+    #[arg(long)]
+    pub data_parallel: Option<usize>,
+    /// Tokens per sequence (global, before context sharding).
+    #[arg(long, default_value_t = 256)]
+    pub seq: usize,
+    #[arg(long, default_value_t = 300)]
+    pub steps: u32,
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 3e-4)]
+    pub min_lr: f64,
+    #[arg(long, default_value_t = 20)]
+    pub warmup: u32,
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Full activation checkpointing per block (`--checkpoint=false` turns
+    /// off what a run file turned on; so for every on/off flag).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub checkpoint: bool,
+    /// Hold checkpointed block inputs in host memory (needs --checkpoint).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub offload: bool,
+    /// Tiled MLP/RMSNorm (token tiles of about `hidden` rows).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub tiled_mlp: bool,
+    /// Rows of logits per fused-loss chunk.
+    #[arg(long, default_value_t = 256)]
+    pub loss_chunk: usize,
+    /// With --checkpoint: blocks (the last ones) that keep their attention
+    /// output and LSEs, so their backward skips the attention recompute:
+    /// none, all, N, or auto (as many as fit this GPU's memory, or this
+    /// host's per rank, beside the rest of the planned step).
+    #[arg(long, default_value_t = SaveAttention::Auto)]
+    pub save_attention: SaveAttention,
+    /// Directory for training checkpoints (safetensors + optimizer state,
+    /// and the resolved run file `run.toml` that repeats the run).
+    #[arg(long)]
+    pub save_dir: Option<PathBuf>,
+    /// Checkpoint every N steps (0: at the end only).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u32,
+    /// Resume from --save-dir when it holds a checkpoint.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub resume: bool,
+    /// Device: auto (cuda when a GPU is visible, else cpu), cpu, or cuda. On
+    /// cuda with 2+ GPUs and a mesh of at most that many ranks, one process per
+    /// GPU (NCCL; started by itself, or by `upipe launch`/torchrun/srun);
+    /// otherwise ranks are threads (on GPUs: exchanges through host memory).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Attention kernel on GPUs: auto (cuDNN SDPA where it supports the call,
+    /// else our kernels), cudnn (an error where it cannot), native (ours).
+    #[arg(long, default_value = "auto")]
+    pub attn_kernel: String,
+    /// FSDP: shard parameters, gradients and optimizer state over every
+    /// rank of the mesh. auto: on when the mesh has more than one rank and
+    /// the whole model's states do not fit the device's memory; on; off.
+    #[arg(long, default_value = "auto")]
+    pub fsdp: String,
+    /// HSDP (multi-node): shard inside groups of world/R consecutive ranks
+    /// (one node each, typically) and replicate across the R groups;
+    /// gradients are all-reduced across replicas after the reduce-scatter.
+    #[arg(long, default_value_t = 1)]
+    pub fsdp_replicate: usize,
+    /// Host memory for offloaded tensors, GiB per node (default: the host's
+    /// available memory, read at start); shared by the node's ranks.
+    #[arg(long)]
+    pub host_mem: Option<f64>,
+    /// Sequences per optimizer step (per data replica): gradients
+    /// accumulate over them, the loss is the mean over the step's tokens.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
+    /// One JSON object per step instead of a progress bar.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub json: bool,
+    /// Write one JSON object per step to this file (JSON Lines: loss, lr,
+    /// throughput, model TFLOP/s, memory by category; `upipe report` draws it).
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+}
+
+impl TrainArgs {
+    run_keys! {
+        model => model.model,
+        init_from => model.init_from,
+        data => data.data,
+        tokenizer => data.tokenizer,
+        seq => data.seq,
+        grad_accum => data.grad_accum,
+        attn => parallel.attn,
+        data_parallel => parallel.data_parallel,
+        ulysses => parallel.ulysses,
+        ring => parallel.ring,
+        chunk_heads => parallel.chunk_heads,
+        fwd_chunk_heads => parallel.fwd_chunk_heads,
+        fsdp => parallel.fsdp,
+        fsdp_replicate => parallel.fsdp_replicate,
+        host_mem => hardware.host_mem,
+        checkpoint => memory.checkpoint,
+        offload => memory.offload,
+        tiled_mlp => memory.tiled_mlp,
+        loss_chunk => memory.loss_chunk,
+        save_attention => memory.save_attention,
+        lr => optim.lr,
+        min_lr => optim.min_lr,
+        warmup => optim.warmup,
+        weight_decay => optim.weight_decay,
+        clip => optim.clip,
+        save_dir => checkpoint.save_dir,
+        save_every => checkpoint.save_every,
+        resume => checkpoint.resume,
+        steps => run.steps,
+        seed => run.seed,
+        device => run.device,
+        attn_kernel => run.attn_kernel,
+        json => run.json,
+        metrics => run.metrics,
+    }
+
+    /// The flags' values parsed and checked; errors name the flag and its
+    /// run-file key.
+    pub fn validate(&self) -> Result<Choices> {
+        let k = Self::KEYS;
+        at_least(k, "steps", self.steps, 1)?;
+        at_least(k, "seq", self.seq, 1)?;
+        at_least(k, "grad_accum", self.grad_accum, 1)?;
+        at_least(k, "loss_chunk", self.loss_chunk, 1)?;
+        at_least(k, "fsdp_replicate", self.fsdp_replicate, 1)?;
+        for (id, v) in [
+            ("ulysses", self.ulysses),
+            ("ring", self.ring),
+            ("data_parallel", self.data_parallel),
+            ("chunk_heads", self.chunk_heads),
+        ] {
+            if let Some(v) = v {
+                at_least(k, id, v, 1)?;
+            }
+        }
+        for (id, v) in [
+            ("lr", self.lr),
+            ("min_lr", self.min_lr),
+            ("weight_decay", self.weight_decay),
+            ("clip", self.clip),
+        ] {
+            if !v.is_finite() {
+                return crate::config_err!(
+                    "{} is {v}: must be a finite number",
+                    config::key_name(k, id)
+                );
+            }
+            at_least(k, id, v, 0.0)?;
+        }
+        Ok(Choices {
+            device: for_key(k, "device", self.device.parse())?,
+            kernel: for_key(k, "attn_kernel", self.attn_kernel.parse())?,
+            strategy: for_key(k, "attn", self.attn.parse())?,
+            fsdp: for_key(k, "fsdp", self.fsdp.parse())?,
+            model: for_key(k, "model", ModelConfig::resolve(&self.model))?,
+        })
+    }
+}
+
+impl RunArgs for TrainArgs {
+    fn config_path(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+    fn take_file(&mut self, file: &RunFile, given: &Given) {
+        self.take_keys(file, given);
+    }
+    fn to_file(&self) -> RunFile {
+        let mut f = RunFile::default();
+        self.put_keys(&mut f);
+        f
+    }
+}
+
+/// The flags of a run, parsed.
+#[derive(Debug, Clone)]
+pub struct Choices {
+    pub device: Device,
+    pub kernel: AttnKernel,
+    pub strategy: Strategy,
+    pub fsdp: FsdpMode,
+    pub model: ModelConfig,
+}
+
+/// `--fsdp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsdpMode {
+    Auto,
+    On,
+    Off,
+}
+
+impl std::str::FromStr for FsdpMode {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(FsdpMode::Auto),
+            "on" => Ok(FsdpMode::On),
+            "off" => Ok(FsdpMode::Off),
+            other => crate::config_err!("--fsdp {other}: use auto, on or off"),
+        }
+    }
+}
+
+impl FsdpMode {
+    /// Whether a run of `world` ranks shards, given the bytes of the whole
+    /// model's states per rank and the memory each rank has (`None`:
+    /// unknown); with a note to log when the choice needs saying.
+    pub fn resolve(
+        self,
+        world: usize,
+        states: usize,
+        budget: Option<usize>,
+    ) -> (bool, Option<String>) {
+        match (self, world) {
+            (FsdpMode::Off, _) => (false, None),
+            (FsdpMode::On, 1) => (
+                false,
+                Some(
+                    "--fsdp on with one rank: there is nothing to shard, training unsharded".into(),
+                ),
+            ),
+            (FsdpMode::On, _) => (true, None),
+            (FsdpMode::Auto, 1) => (false, None),
+            (FsdpMode::Auto, _) => match budget {
+                Some(b) if states <= b / 2 => (false, None),
+                _ => (
+                    true,
+                    Some(format!(
+                        "--fsdp auto: sharding over {world} ranks (the whole model's states are {} per rank)",
+                        Bytes(states)
+                    )),
+                ),
+            },
+        }
+    }
+}
+
+/// `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    /// cuda when a GPU is visible, else cpu.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl std::str::FromStr for Device {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Device> {
+        match s {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda),
+            other => crate::config_err!("--device {other}: use auto, cpu or cuda"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_parses() {
+        assert_eq!("auto".parse::<Device>().unwrap(), Device::Auto);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda);
+        let e = "tpu".parse::<Device>().unwrap_err();
+        assert!(e.to_string().contains("auto, cpu or cuda"), "{e}");
+    }
+}

@@ -1,0 +1,72 @@
+//! The checks a training run makes once it is built and before anything is
+//! allocated: the planner's prediction against the memory each rank has (a
+//! run that cannot fit is refused with its breakdown and the smallest
+//! change that fits, `plan::preflight`), the pinned-host budget of GPU
+//! runs, and the outputs it opens (checkpoint directory, metrics file).
+
+use super::progress::Progress;
+use super::{Built, TrainArgs, host_available_bytes};
+use crate::cli::metrics::{MetricsFile, RunFacts};
+use crate::error::{Error, Result};
+use crate::model::flops::train_flops_per_token;
+use crate::plan::Prediction;
+
+/// Every check, in order; the run's per-step output on success.
+pub(super) fn preflight(
+    a: &TrainArgs,
+    run: &mut Built,
+    predicted: &Prediction,
+) -> Result<Progress> {
+    memory(run, predicted, a.host_mem)?;
+    outputs(a, run, predicted)
+}
+
+/// Refuses a run the planner says cannot fit the memory each rank has (GPU
+/// less what lies outside the ledger, or the host's share on the CPU), and
+/// sets the pinned-host budget of GPU runs (`--host-mem`, GiB per node).
+fn memory(run: &mut Built, predicted: &Prediction, host_mem_gib: Option<f64>) -> Result<()> {
+    use crate::plan::preflight::{RankMemory, check};
+    let (world, gpus) = (run.shape.world_size(), run.gpus.max(1));
+    let per_node = world.min(gpus);
+    let host = match host_mem_gib {
+        Some(g) if g.is_finite() && g > 0.0 => Some((g * (1u64 << 30) as f64) as usize / per_node),
+        Some(g) => return crate::config_err!("--host-mem {g}: give GiB per node, more than 0"),
+        None => host_available_bytes().map(|b| b / per_node),
+    };
+    let Some(device) = run.budget else {
+        return Ok(());
+    };
+    let spec = run.spec(&run.plan);
+    if run.on_gpu() {
+        run.cfg.host_budget = host;
+        // the CUDA context, cuBLAS and cuDNN handles lie outside the ledger
+        let mem = RankMemory {
+            device: device.saturating_sub((1 << 30) / world.div_ceil(gpus)),
+            host,
+        };
+        return check(&spec, predicted, mem);
+    }
+    // on the CPU the offloaded tensors share the same memory
+    let mut whole = predicted.clone();
+    whole.peak += predicted.host_peak;
+    check(&spec, &whole, RankMemory { device, host: None })
+}
+
+/// The checkpoint directory and the metrics file can be created; the
+/// per-step output (bar, lines or JSON, and the metrics file).
+fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progress> {
+    if let (Some(dir), true) = (&run.cfg.save_dir, run.lead) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating --save-dir {}", dir.display()), e))?;
+    }
+    let facts = RunFacts {
+        flops_per_token: train_flops_per_token(&run.cfg.model, run.cfg.seq),
+        ranks: run.shape.world_size(),
+        predicted: Some(predicted.clone()),
+    };
+    let progress = Progress::new(a.json, run.lead, run.cfg.steps, facts);
+    match (&a.metrics, run.lead) {
+        (Some(path), true) => Ok(progress.with_metrics(MetricsFile::create(path)?)),
+        _ => Ok(progress),
+    }
+}

@@ -1,0 +1,67 @@
+//! The lines a training run ends with: loss, throughput, and rank 0's
+//! measured peak memory by category beside `upipe plan`'s prediction.
+
+use crate::backend::{Bytes, Category};
+use crate::cli::metrics::flops_text;
+use crate::plan::Prediction;
+use crate::train::trainer::TrainSummary;
+
+/// Prints the end of a run of `steps` steps predicted as `predicted`.
+pub fn print(summary: &TrainSummary, predicted: &Prediction, steps: u32, flops_per_token: f64) {
+    let first = summary.reports.first().map_or(f64::NAN, |r| r.loss);
+    let last = summary.reports.last().map_or(f64::NAN, |r| r.loss);
+    println!("loss {first:.4} -> {last:.4}");
+    // the first step includes one-time setup (kernel compilation, NCCL)
+    let mut rates: Vec<f64> = summary
+        .reports
+        .iter()
+        .skip(1)
+        .map(|r| r.tokens_per_s)
+        .collect();
+    if !rates.is_empty() {
+        rates.sort_by(f64::total_cmp);
+        let median = rates[rates.len() / 2];
+        println!(
+            "throughput: median {median:.0} tok/s over steps 2..{steps} ({} ranks), {} per rank (model FLOPs)",
+            summary.ranks,
+            flops_text(flops_per_token * median / 1e12 / summary.ranks.max(1) as f64)
+        );
+    }
+    memory_table(summary, predicted);
+}
+
+/// Rank 0's peak against the prediction, then by category.
+fn memory_table(summary: &TrainSummary, predicted: &Prediction) {
+    let measured = summary.memory.peak;
+    let diff = 100.0 * (predicted.peak as f64 - measured as f64) / measured.max(1) as f64;
+    println!(
+        "peak of rank 0: predicted {} (upipe plan), measured {} ({diff:+.2}%)",
+        Bytes(predicted.peak),
+        Bytes(measured)
+    );
+    println!("memory of rank 0 (peak {}):", Bytes(measured));
+    println!(
+        "  {:<14} {:>12} {:>12} {:>12}",
+        "category", "at peak", "predicted", "now"
+    );
+    for (cat, at_peak) in &summary.memory.at_peak_by_category {
+        let now = summary
+            .memory
+            .current_by_category
+            .iter()
+            .find(|(c, _)| c == cat)
+            .map_or(0, |x| x.1);
+        let peak = if *cat == Category::Offload {
+            summary.memory.host_peak
+        } else {
+            *at_peak
+        };
+        println!(
+            "  {:<14} {:>12} {:>12} {:>12}",
+            cat.name(),
+            Bytes(peak).to_string(),
+            Bytes(predicted.at(*cat)).to_string(),
+            Bytes(now).to_string()
+        );
+    }
+}

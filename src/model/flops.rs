@@ -1,0 +1,87 @@
+//! Model FLOPs: the arithmetic a model needs per token, whatever the engine
+//! recomputes (activation checkpointing's second forward is not counted),
+//! so model TFLOP/s compare runs under any memory policy.
+//!
+//! For a decoder of `L` layers, `H` query heads of width `d`, trained on
+//! sequences of `S` tokens:
+//!
+//! - matrix multiplies: `N` parameters that multiply activations, every
+//!   parameter but the input embedding table (a tied LM head counts the
+//!   shared matrix once, as the head). A multiply-add per parameter and
+//!   token is 2 FLOPs forward and 4 backward: **6·N per token**.
+//! - causal attention: `Q·Kᵀ` and `P·V` are `2·S²·d` FLOPs each per head and
+//!   layer, halved by the causal mask: **2·S²·H·d per layer forward**, and
+//!   forward plus backward counted as 3.5 forwards (the backward's five
+//!   `S²` products, two of them recomputing the forward's): per token
+//!   `3.5 · 2·S·H·d · L = 7·S·H·d·L`.
+//!
+//! Training: `6·N + 7·L·S·H·d` per token. Forward only (`upipe eval`):
+//! `2·N + 2·L·S·H·d`.
+
+use super::ModelConfig;
+
+/// Parameters that multiply activations (`N` in the module docs).
+pub fn matmul_params(cfg: &ModelConfig) -> usize {
+    let table = if cfg.tie_embeddings {
+        0
+    } else {
+        cfg.vocab * cfg.hidden
+    };
+    cfg.param_count() - table
+}
+
+/// Causal attention FLOPs of one layer's forward over `seq` tokens:
+/// `2·S²·H·d`.
+pub fn attention_forward_flops(cfg: &ModelConfig, seq: usize) -> f64 {
+    2.0 * (seq as f64).powi(2) * (cfg.heads * cfg.head_dim) as f64
+}
+
+/// Model FLOPs per trained token (forward and backward) on sequences of
+/// `seq` tokens: `6·N + 3.5 · L · 2·S·H·d`.
+pub fn train_flops_per_token(cfg: &ModelConfig, seq: usize) -> f64 {
+    let attention = 3.5 * cfg.layers as f64 * attention_forward_flops(cfg, seq) / seq.max(1) as f64;
+    6.0 * matmul_params(cfg) as f64 + attention
+}
+
+/// Model FLOPs per token of a forward pass over sequences of `seq` tokens:
+/// `2·N + L · 2·S·H·d`.
+pub fn forward_flops_per_token(cfg: &ModelConfig, seq: usize) -> f64 {
+    let attention = cfg.layers as f64 * attention_forward_flops(cfg, seq) / seq.max(1) as f64;
+    2.0 * matmul_params(cfg) as f64 + attention
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_8b_at_128k_by_hand() {
+        let m = ModelConfig::preset("llama3-8b").unwrap();
+        // 8.03B parameters, untied: the 128256 x 4096 input table is left out
+        assert_eq!(m.param_count(), 8_030_261_248);
+        let n = 8_030_261_248 - 128_256 * 4096;
+        assert_eq!(matmul_params(&m), n);
+        let s = 131_072.0;
+        // 2·S²·H·d with H·d = 32·128 = 4096
+        assert_eq!(attention_forward_flops(&m, 131_072), 2.0 * s * s * 4096.0);
+        let want = 6.0 * n as f64 + 7.0 * s * 4096.0 * 32.0;
+        assert_eq!(train_flops_per_token(&m, 131_072), want);
+        // attention dominates at 128K: 120 GFLOP of 165 per token
+        assert!((train_flops_per_token(&m, 131_072) / 1e9 - 165.0).abs() < 1.0);
+        let fwd = 2.0 * n as f64 + 2.0 * s * 4096.0 * 32.0;
+        assert_eq!(forward_flops_per_token(&m, 131_072), fwd);
+    }
+
+    #[test]
+    fn a_tied_head_counts_the_shared_matrix() {
+        let m = ModelConfig::preset("llama3.2-1b").unwrap();
+        assert!(m.tie_embeddings);
+        assert_eq!(matmul_params(&m), m.param_count());
+        // short sequences: the 6·N term alone, nearly
+        let per_token = train_flops_per_token(&m, 1);
+        assert_eq!(
+            per_token,
+            6.0 * m.param_count() as f64 + 7.0 * 2048.0 * 16.0
+        );
+    }
+}
