@@ -99,7 +99,8 @@ pub struct PlanArgs {
     pub loss_chunk: usize,
     /// With checkpoint: blocks (the last ones) that keep their attention
     /// output and LSEs: none, all, N, or auto (as many as fit --gpu-mem
-    /// minus --reserve at each length, as `upipe train` chooses).
+    /// minus --reserve at that length, as `upipe train` chooses; the search
+    /// finds the longest length with none and shows what auto keeps there).
     #[arg(long, default_value_t = SaveAttention::Auto)]
     pub save_attention: SaveAttention,
     /// Dtypes to plan for: cuda (bf16 activations), cpu (f32), or auto (as
@@ -209,6 +210,7 @@ fn policies(
         }
     }
     p.validate()?;
+    a.save_attention.check(p, model.layers)?;
     let states = crate::plan::model_state_bytes(model, device != DeviceKind::Cpu);
     let (fsdp, note) = fsdp.resolve(gpus, states, Some(usable));
     if let (Some(note), false) = (note, a.json) {
@@ -271,7 +273,19 @@ struct Ctx {
 }
 
 impl Ctx {
+    /// The step of `strategy` at `seq` with `--save-attention` resolved as
+    /// `upipe train` resolves it (before the forward stages are widened).
     fn predict(&self, strategy: Strategy, seq: usize) -> Result<(Prediction, StepSpec)> {
+        self.predict_saving(strategy, seq, self.a.save_attention)
+    }
+
+    /// [`Self::predict`] with `save` blocks keeping their attention state.
+    fn predict_saving(
+        &self,
+        strategy: Strategy,
+        seq: usize,
+        save: SaveAttention,
+    ) -> Result<(Prediction, StepSpec)> {
         let (gpus, ulysses, ring, replicas) = match self.fitted {
             Some(ranks) => {
                 let flags = MeshFlags::default();
@@ -294,29 +308,43 @@ impl Ctx {
             ring,
             self.a.chunk_heads,
         )?;
-        let spec = |plan: &crate::attention::CpPlan| StepSpec {
+        let spec = |plan: &crate::attention::CpPlan, policy: MemoryPolicy| StepSpec {
             model: self.model.clone(),
             plan: plan.clone(),
             data: data * replicas,
-            policy: self.policy,
+            policy,
             fsdp: self.fsdp,
             fsdp_replicas: self.a.fsdp_replicate,
             grad_accum: self.a.grad_accum,
             device: self.device,
             optimizer: true,
         };
+        // what `train --save-attention` keeps here (auto: what fits this length)
+        let policy = MemoryPolicy {
+            save_attention: save.resolve(&spec(&plan, self.policy), Some(self.budget.device))?,
+            ..self.policy
+        };
         let plan = self
             .a
             .schedule
-            .apply(plan, |p| Ok(predict_step(&spec(p))?.peak))?;
-        let mut spec = spec(&plan);
-        // what `train --save-attention` keeps here (auto: what fits this length)
-        spec.policy.save_attention = self
-            .a
-            .save_attention
-            .resolve(&spec, Some(self.budget.device))?;
+            .apply(plan, |p| Ok(predict_step(&spec(p, policy))?.peak))?;
+        let spec = spec(&plan, policy);
         Ok((predict_step(&spec)?, spec))
     }
+
+    /// What the search holds fixed: `auto` searches with none (wherever none
+    /// fits, auto fits too), a number or `all` as given.
+    fn search_save(&self) -> SaveAttention {
+        match self.a.save_attention {
+            SaveAttention::Auto => SaveAttention::Blocks(0),
+            given => given,
+        }
+    }
+}
+
+/// Blocks keeping their attention state, as tables print it: `3/16`.
+fn saved_text(spec: &StepSpec) -> String {
+    format!("{}/{}", spec.policy.save_attention, spec.model.layers)
 }
 
 fn by_category(p: &Prediction) -> Value {
@@ -363,7 +391,7 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
     let ctx = validate(a)?;
     if !ctx.a.json {
         println!(
-            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}",
+            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}; save-attention {}",
             ctx.model.name,
             ctx.model.param_count() as f64 / 1e9,
             ctx.gpus,
@@ -371,6 +399,7 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
             ctx.a.reserve,
             ctx.device.name(),
             policy_text(&ctx),
+            ctx.a.save_attention,
         );
         if let Some(h) = ctx.budget.host {
             println!("host memory for offload: {} per rank", Bytes(h));
@@ -521,7 +550,7 @@ fn skip_or_fail(all: bool, s: Strategy, e: Error, json: bool) -> Result<()> {
 fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
     let json = ctx.a.json;
     if !json {
-        let mut head = format!("{:<8} {:>9} {:>4}", "method", "mesh", "U");
+        let mut head = format!("{:<8} {:>9} {:>4} {:>6}", "method", "mesh", "U", "saved");
         for c in Category::ALL {
             head += &format!(" {:>12}", c.name());
         }
@@ -541,15 +570,15 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                 continue;
             }
         };
-        let base = ctx
-            .predict(s, seq_unit(spec.plan.layout.pu, spec.plan.layout.pr))?
-            .0;
+        let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
+        let base = ctx.predict_saving(s, unit, ctx.search_save())?.0;
         let fits = ctx.budget.check(&p, Some(&base));
         if json {
             println!(
                 "{}",
                 json!({
                     "strategy": s.name(), "seq": seq, "mesh": mesh_json(&spec),
+                    "save_attention": spec.policy.save_attention,
                     "peak_bytes": p.peak, "host_bytes": p.host_peak,
                     "by_category": by_category(&p), "peak_at": p.peak_at,
                     "fits": fits.is_none(), "limit": fits.as_ref().map(limit_text),
@@ -569,10 +598,11 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
 /// One strategy's row of the breakdown table.
 fn breakdown_line(s: Strategy, spec: &StepSpec, p: &Prediction, fits: bool) -> String {
     let mut line = format!(
-        "{:<8} {:>9} {:>4}",
+        "{:<8} {:>9} {:>4} {:>6}",
         s.name(),
         mesh_text(spec),
-        spec.plan.chunk_text()
+        spec.plan.chunk_text(),
+        saved_text(spec)
     );
     for c in Category::ALL {
         line += &format!(" {:>12}", Bytes(p.at(c)).to_string());
@@ -626,14 +656,14 @@ fn search(ctx: &Ctx) -> Result<i32> {
     let json = ctx.a.json;
     if !json {
         println!(
-            "{:<8} {:>9} {:>4} {:>19} {:>12}  limit at the next length",
-            "method", "mesh", "U", "longest", "gpu peak"
+            "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  limit at the next length",
+            "method", "mesh", "U", "longest", "gpu peak", "saved"
         );
     }
     for &s in &ctx.strategies {
         // any length that is a multiple of 2 x gpus x 1024 resolves the mesh
         let probe = 2 * ctx.gpus * 1024;
-        let spec = match ctx.predict(s, probe) {
+        let spec = match ctx.predict_saving(s, probe, ctx.search_save()) {
             Ok((_, spec)) => spec,
             Err(e) => {
                 skip_or_fail(ctx.all, s, e, json)?;
@@ -643,14 +673,20 @@ fn search(ctx: &Ctx) -> Result<i32> {
         let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
         let step = unit / gcd(unit, 1024) * 1024;
         let fit: Fit = longest_context(step, ctx.a.max_seq, ctx.budget, |seq| {
-            ctx.predict(s, seq).map(|x| x.0)
+            ctx.predict_saving(s, seq, ctx.search_save()).map(|x| x.0)
         })?;
+        // what the given --save-attention keeps at the longest length
+        let saved = match fit.seq {
+            0 => None,
+            seq => Some(ctx.predict(s, seq)?.1),
+        };
         let limit = fit.limit.as_ref();
         if json {
             println!(
                 "{}",
                 json!({
                     "strategy": s.name(), "mesh": mesh_json(&spec), "longest_seq": fit.seq,
+                    "save_attention": saved.as_ref().map(|s| s.policy.save_attention),
                     "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),
                     "by_category": fit.at_fit.as_ref().map(by_category),
                     "limit": limit.map(|(seq, l, p)| json!({
@@ -661,7 +697,7 @@ fn search(ctx: &Ctx) -> Result<i32> {
             );
         } else {
             println!(
-                "{:<8} {:>9} {:>4} {:>19} {:>12}  {}",
+                "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  {}",
                 s.name(),
                 mesh_text(&spec),
                 spec.plan.chunk_text(),
@@ -669,6 +705,7 @@ fn search(ctx: &Ctx) -> Result<i32> {
                 fit.at_fit
                     .as_ref()
                     .map_or("-".into(), |p| Bytes(p.peak).to_string()),
+                saved.as_ref().map_or("-".into(), saved_text),
                 limit.map_or(
                     format!("none up to --max-seq {}", ctx.a.max_seq),
                     |(seq, l, p)| { format!("{seq} needs {}: {}", Bytes(p.peak), limit_text(l)) }

@@ -128,6 +128,8 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     let mesh = resolve_mesh(flags, c.strategy, &c.model, a.seq, a.chunk_heads, ranks);
     let cfg = train_config(a, c.model, c.strategy, mesh);
     let plan = cfg.plan()?;
+    // a number or `all` without --checkpoint fails here, before any launch
+    a.save_attention.check(cfg.policy, cfg.model.layers)?;
     let shape = cfg.mesh_shape(&plan);
     let nccl = || {
         crate::comm::nccl::library()
