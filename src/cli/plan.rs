@@ -481,6 +481,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let device = plan_device(&a)?;
     let usable = gib(a.gpu_mem, "--gpu-mem")?.saturating_sub(gib(a.reserve, "--reserve")?);
     let (policy, fsdp) = policies(&a, &model, device, usable, gpus)?;
+    a.save_attention.check(policy, model.layers)?;
     if a.fsdp_replicate == 0
         || !gpus.is_multiple_of(a.fsdp_replicate)
         || (a.fsdp_replicate > 1 && !fsdp)
@@ -582,6 +583,7 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                     "peak_bytes": p.peak, "host_bytes": p.host_peak,
                     "by_category": by_category(&p), "peak_at": p.peak_at,
                     "fits": fits.is_none(), "limit": fits.as_ref().map(limit_text),
+                    "save_attention": spec.policy.save_attention,
                 })
             );
         } else {
