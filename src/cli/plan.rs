@@ -210,7 +210,6 @@ fn policies(
         }
     }
     p.validate()?;
-    a.save_attention.check(p, model.layers)?;
     let states = crate::plan::model_state_bytes(model, device != DeviceKind::Cpu);
     let (fsdp, note) = fsdp.resolve(gpus, states, Some(usable));
     if let (Some(note), false) = (note, a.json) {
@@ -579,7 +578,6 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                 "{}",
                 json!({
                     "strategy": s.name(), "seq": seq, "mesh": mesh_json(&spec),
-                    "save_attention": spec.policy.save_attention,
                     "peak_bytes": p.peak, "host_bytes": p.host_peak,
                     "by_category": by_category(&p), "peak_at": p.peak_at,
                     "fits": fits.is_none(), "limit": fits.as_ref().map(limit_text),
