@@ -107,22 +107,27 @@ fn training_step_prediction_matches_the_cuda_ledger() {
         .encode(upipe::train::data::CORPUS)
         .into();
     let model = ModelConfig::resolve("tiny").unwrap();
-    // (checkpoint, offload, tiled MLP, FSDP, blocks keeping their attention output)
-    for (checkpoint, offload, tiled_mlp, fsdp, save_attention) in [
-        (false, false, false, false, 0),
-        (true, false, false, false, 0),
-        (true, false, false, false, 1),
-        (true, true, true, false, 0),
-        (true, false, true, false, 2),
-        (false, false, true, false, 0),
-        (false, false, false, true, 0),
-        (true, false, false, true, 0),
-        (true, true, true, true, 0),
-        (true, true, true, true, 1),
+    // (checkpoint, blocks offloaded, optimizer offloaded, tiled MLP, FSDP,
+    // blocks keeping their attention output)
+    for (checkpoint, offload, offload_optimizer, tiled_mlp, fsdp, save_attention) in [
+        (false, 0, false, false, false, 0),
+        (true, 0, false, false, false, 0),
+        (true, 0, false, false, false, 1),
+        (true, 2, false, true, false, 0),
+        (true, 1, true, false, false, 0),
+        (true, 0, false, true, false, 2),
+        (false, 0, false, true, false, 0),
+        (false, 0, true, false, false, 0),
+        (false, 0, false, false, true, 0),
+        (true, 0, false, false, true, 0),
+        (true, 2, false, true, true, 0),
+        (true, 2, false, true, true, 1),
+        (true, 1, true, true, true, 0),
     ] {
         let policy = MemoryPolicy {
             checkpoint,
             offload,
+            offload_optimizer,
             tiled_mlp,
             loss_chunk: 256,
             save_attention,

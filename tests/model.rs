@@ -115,7 +115,7 @@ fn memory_policies_leave_gradients_unchanged() {
         },
         MemoryPolicy {
             checkpoint: true,
-            offload: true,
+            offload: cfg.layers,
             ..Default::default()
         },
         MemoryPolicy {
@@ -124,7 +124,8 @@ fn memory_policies_leave_gradients_unchanged() {
         },
         MemoryPolicy {
             checkpoint: true,
-            offload: true,
+            offload: 1,
+            offload_optimizer: false,
             tiled_mlp: true,
             loss_chunk: 7,
             save_attention: 0,
@@ -144,7 +145,7 @@ fn offload_moves_block_inputs_to_host() {
     let mk = |checkpoint: bool, offload: bool| TrainConfig {
         policy: MemoryPolicy {
             checkpoint,
-            offload,
+            offload: if offload { cfg.layers } else { 0 },
             ..Default::default()
         },
         ..TrainConfig::new(

@@ -155,9 +155,19 @@ fn train_cfg(
 fn policies() -> Vec<MemoryPolicy> {
     let layers = tiny(false).layers;
     let mut out = Vec::new();
-    for (checkpoint, offload) in [(false, false), (true, false), (true, true)] {
+    // (checkpoint, blocks offloaded, optimizer offloaded)
+    for (checkpoint, offload, offload_optimizer) in [
+        (false, 0, false),
+        (true, 0, false),
+        (true, layers, false),
+        (true, 1, true),
+        (false, 0, true),
+    ] {
         for tiled_mlp in [false, true] {
             for loss_chunk in [256, 7] {
+                if offload_optimizer && (tiled_mlp || loss_chunk != 256) {
+                    continue;
+                }
                 // under checkpointing, no block, the last one or every block
                 // keeps its attention output (`--save-attention none|1|all`)
                 let saves = if checkpoint && loss_chunk == 256 {
@@ -169,6 +179,7 @@ fn policies() -> Vec<MemoryPolicy> {
                     out.push(MemoryPolicy {
                         checkpoint,
                         offload,
+                        offload_optimizer,
                         tiled_mlp,
                         loss_chunk,
                         save_attention,
@@ -266,19 +277,13 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
     let plain = predict_step(&spec(MemoryPolicy::default(), false)).unwrap();
     let all = MemoryPolicy {
         checkpoint: true,
-        offload: true,
+        offload: model.layers,
+        offload_optimizer: false,
         tiled_mlp: true,
         loss_chunk: 256,
         save_attention: 0,
     };
-    let ckpt = predict_step(&spec(
-        MemoryPolicy {
-            offload: false,
-            ..all
-        },
-        true,
-    ))
-    .unwrap();
+    let ckpt = predict_step(&spec(MemoryPolicy { offload: 0, ..all }, true)).unwrap();
     let best = predict_step(&spec(all, true)).unwrap();
     assert!(ckpt.peak < plain.peak && best.peak < ckpt.peak);
     assert!(best.host_peak > 0 && ckpt.host_peak == 0);
@@ -300,7 +305,8 @@ fn longest_context_is_the_boundary_of_the_budget() {
     let d = attn_dims(&model);
     let policy = MemoryPolicy {
         checkpoint: true,
-        offload: true,
+        offload: model.layers,
+        offload_optimizer: false,
         tiled_mlp: true,
         loss_chunk: 256,
         save_attention: 0,

@@ -679,6 +679,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn host_f32<'t>(&self, t: &'t Tensor<Self>) -> Result<&'t [f32]> {
+        Ok(data(t))
+    }
+
+    fn host_f32_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]> {
+        Ok(data_mut(t))
+    }
+
     fn adamw(
         &self,
         param: &mut Tensor<Self>,
@@ -692,20 +700,12 @@ impl Backend for CpuBackend {
         same_numel(param, m, "adamw")?;
         same_numel(param, v, "adamw")?;
         super::check_elems(&elems, param.numel(), "adamw")?;
-        let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
-        let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
-        let g = data(grad);
-        let (ms, vs) = (data_mut(m), data_mut(v));
-        let start = elems.start;
-        for (i, p) in data_mut(param)[elems].iter_mut().enumerate() {
-            let i = start + i;
-            let gi = g[i] * hp.grad_scale;
-            ms[i] = hp.beta1 * ms[i] + (1.0 - hp.beta1) * gi;
-            vs[i] = hp.beta2 * vs[i] + (1.0 - hp.beta2) * gi * gi;
-            let mh = ms[i] / bc1;
-            let vh = vs[i] / bc2;
-            *p -= hp.lr * (mh / (vh.sqrt() + hp.eps) + hp.weight_decay * *p);
-        }
+        let g = &data(grad)[elems.clone()];
+        let (m, v) = (
+            &mut data_mut(m)[elems.clone()],
+            &mut data_mut(v)[elems.clone()],
+        );
+        super::host_adamw::adamw_serial(&mut data_mut(param)[elems], g, m, v, hp);
         Ok(())
     }
 }

@@ -9,6 +9,7 @@
 pub mod arena;
 pub mod cpu;
 pub mod cuda;
+pub mod host_adamw;
 pub mod memory;
 pub mod tensor;
 
@@ -132,6 +133,18 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn copy_wait(&self, done: CopyDone) -> Result<()> {
         done.join()
     }
+    /// Waits on the host until the copy is done (before host code reads or
+    /// writes a host-resident tensor the copy touches).
+    fn copy_finish(&self, done: CopyDone) -> Result<()> {
+        done.finish()
+    }
+    /// The elements of a host-resident F32 tensor (`Category::Offload`;
+    /// on the CPU every tensor), for compute on the host. Every copy into
+    /// it must have finished ([`copy_finish`](Backend::copy_finish)).
+    fn host_f32<'t>(&self, t: &'t Tensor<Self>) -> Result<&'t [f32]>;
+    /// [`host_f32`](Backend::host_f32), writable. No copy out of it may be
+    /// in flight.
+    fn host_f32_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]>;
     /// Strided 2-D copy `dst = src` (same logical shape; converts dtype).
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()>;
     /// Sets every element to `value`.
@@ -284,21 +297,33 @@ pub fn check_token_ids(ids: &[u32], vocab: usize) -> Result<()> {
     }
 }
 
-/// Orders later work on a device after a copy started by
-/// [`Backend::copy_start`] (no host wait); `None`: the copy is done.
-pub struct CopyDone(Option<Box<dyn FnOnce() -> Result<()> + Send>>);
+/// A copy started by [`Backend::copy_start`]: later device work is ordered
+/// after it ([`Backend::copy_wait`], no host wait) or the host waits for it
+/// ([`Backend::copy_finish`]); `None`: the copy is done.
+pub struct CopyDone(Option<Box<dyn InFlight>>);
+
+/// What a device's copy in flight can be asked.
+pub trait InFlight: Send {
+    /// Makes later work on the device wait for the copy.
+    fn join(self: Box<Self>) -> Result<()>;
+    /// Blocks the host until the copy is done.
+    fn finish(self: Box<Self>) -> Result<()>;
+}
 
 impl CopyDone {
     /// A copy that has already finished.
     pub fn finished() -> Self {
         CopyDone(None)
     }
-    /// A copy in flight; `join` makes later work wait for it.
-    pub fn in_flight(join: Box<dyn FnOnce() -> Result<()> + Send>) -> Self {
-        CopyDone(Some(join))
+    /// A copy in flight.
+    pub fn in_flight(copy: Box<dyn InFlight>) -> Self {
+        CopyDone(Some(copy))
     }
     fn join(self) -> Result<()> {
-        self.0.map_or(Ok(()), |j| j())
+        self.0.map_or(Ok(()), |c| c.join())
+    }
+    fn finish(self) -> Result<()> {
+        self.0.map_or(Ok(()), |c| c.finish())
     }
 }
 

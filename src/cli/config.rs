@@ -15,7 +15,7 @@
 use crate::attention::Settle;
 use crate::cli::schedule::FwdChunk;
 use crate::error::{Error, Result};
-use crate::plan::SaveAttention;
+use crate::plan::{OffloadBlocks, SaveAttention};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use serde::{Deserialize, Serialize};
@@ -79,7 +79,8 @@ pub struct ParallelKeys {
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct MemoryKeys {
     pub checkpoint: Option<bool>,
-    pub offload: Option<bool>,
+    pub offload: Option<OffloadBlocks>,
+    pub offload_optimizer: Option<bool>,
     pub tiled_mlp: Option<bool>,
     pub loss_chunk: Option<usize>,
     pub save_attention: Option<SaveAttention>,
@@ -366,7 +367,7 @@ macro_rules! serde_via_text {
     )*};
 }
 
-serde_via_text!(FwdChunk, Settle, SaveAttention);
+serde_via_text!(FwdChunk, Settle, SaveAttention, OffloadBlocks);
 
 /// Reads a string or an integer through `T::from_str`.
 struct TextVisitor<T>(std::marker::PhantomData<T>);
@@ -387,6 +388,9 @@ where
     }
     fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<T, E> {
         self.visit_str(&v.to_string())
+    }
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> std::result::Result<T, E> {
+        self.visit_str(if v { "true" } else { "false" })
     }
 }
 

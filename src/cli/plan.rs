@@ -10,11 +10,11 @@ use crate::cli::train::{CPU_DEFAULT_MESH, FsdpMode, MeshFlags, resolve_mesh};
 use crate::error::{Error, Result};
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
-use crate::plan::SaveAttention;
 use crate::plan::{
     Budget, DeviceKind, Fit, Limit, Prediction, StepSpec, longest_context, predict_step,
     resolve_plan, seq_unit,
 };
+use crate::plan::{OffloadBlocks, SaveAttention};
 use clap::ArgMatches;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -78,18 +78,24 @@ pub struct PlanArgs {
     /// HSDP: with `fsdp`, shard inside groups of gpus/R ranks, replicated R times.
     #[arg(long, default_value_t = 1)]
     pub fsdp_replicate: usize,
-    /// Memory policies, comma-separated: checkpoint, offload, tiled-mlp, fsdp (or `none`);
-    /// added to --checkpoint, --offload, --tiled-mlp and --fsdp.
+    /// Memory policies, comma-separated: checkpoint, offload, offload-auto,
+    /// offload-optimizer, tiled-mlp, fsdp (or `none`); added to
+    /// --checkpoint, --offload, --offload-optimizer, --tiled-mlp and --fsdp.
     #[arg(long, default_value = "none")]
     pub policies: String,
     /// Full activation checkpointing (as `train --checkpoint`).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub checkpoint: bool,
-    /// Checkpointed block inputs in host memory (as `train --offload`).
+    /// Checkpointed block inputs in host memory (as `train --offload`):
+    /// all (the flag alone), N first blocks, auto, none.
+    #[arg(long, num_args = 0..=1, default_missing_value = "all",
+          default_value_t = OffloadBlocks::Blocks(0))]
+    pub offload: OffloadBlocks,
+    /// Optimizer state in host memory (as `train --offload-optimizer`).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
-    pub offload: bool,
+    pub offload_optimizer: bool,
     /// Tiled MLP/RMSNorm (as `train --tiled-mlp`).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
@@ -145,6 +151,7 @@ impl PlanArgs {
         policies => memory.policies,
         checkpoint => memory.checkpoint,
         offload => memory.offload,
+        offload_optimizer => memory.offload_optimizer,
         tiled_mlp => memory.tiled_mlp,
         loss_chunk => memory.loss_chunk,
         save_attention => memory.save_attention,
@@ -182,9 +189,15 @@ fn policies(
     usable: usize,
     gpus: usize,
 ) -> Result<(MemoryPolicy, bool)> {
+    let layers = model.layers;
     let mut p = MemoryPolicy {
         checkpoint: a.checkpoint,
-        offload: a.offload,
+        // `auto` is resolved at each length ([`Ctx::predict_saving`])
+        offload: match a.offload {
+            OffloadBlocks::Blocks(n) => n,
+            OffloadBlocks::All | OffloadBlocks::Auto => layers,
+        },
+        offload_optimizer: a.offload_optimizer,
         tiled_mlp: a.tiled_mlp,
         loss_chunk: a.loss_chunk,
         save_attention: 0,
@@ -199,17 +212,18 @@ fn policies(
         match item {
             "none" => {}
             "checkpoint" => p.checkpoint = true,
-            "offload" => p.offload = true,
+            "offload" | "offload-auto" => p.offload = layers,
+            "offload-optimizer" => p.offload_optimizer = true,
             "tiled-mlp" | "tiled_mlp" => p.tiled_mlp = true,
             "fsdp" => fsdp = FsdpMode::On,
             other => {
                 return Err(Error::Config(format!(
-                    "unknown policy '{other}' in --policies ([memory] policies); use checkpoint, offload, tiled-mlp, fsdp (comma-separated) or none"
+                    "unknown policy '{other}' in --policies ([memory] policies); use checkpoint, offload, offload-auto, offload-optimizer, tiled-mlp, fsdp (comma-separated) or none"
                 )));
             }
         }
     }
-    p.validate()?;
+    p.validate_for(layers)?;
     let states = crate::plan::model_state_bytes(model, device != DeviceKind::Cpu);
     let (fsdp, note) = fsdp.resolve(gpus, states, Some(usable));
     if let (Some(note), false) = (note, a.json) {
@@ -268,6 +282,9 @@ struct Ctx {
     all: bool,
     strategies: Vec<Strategy>,
     budget: Budget,
+    /// `--offload auto` (or `offload-auto` in --policies): the blocks
+    /// offloaded are resolved at each length as `train` resolves them.
+    offload_auto: bool,
     a: PlanArgs,
 }
 
@@ -318,10 +335,18 @@ impl Ctx {
             device: self.device,
             optimizer: true,
         };
-        // what `train --save-attention` keeps here (auto: what fits this length)
+        // what `train --offload auto` moves here, then what `--save-attention` keeps
+        let mut policy = self.policy;
+        if self.offload_auto {
+            policy.offload = OffloadBlocks::Auto.resolve(
+                &spec(&plan, policy),
+                Some(self.budget.device),
+                self.budget.host,
+            )?;
+        }
         let policy = MemoryPolicy {
-            save_attention: save.resolve(&spec(&plan, self.policy), Some(self.budget.device))?,
-            ..self.policy
+            save_attention: save.resolve(&spec(&plan, policy), Some(self.budget.device))?,
+            ..policy
         };
         let plan = self
             .a
@@ -341,9 +366,14 @@ impl Ctx {
     }
 }
 
-/// Blocks keeping their attention state, as tables print it: `3/16`.
+/// Blocks keeping their attention state, as tables print it: `3/16`
+/// (and, when some are offloaded, the blocks offloaded: `3/16 o12`).
 fn saved_text(spec: &StepSpec) -> String {
-    format!("{}/{}", spec.policy.save_attention, spec.model.layers)
+    let (p, l) = (&spec.policy, spec.model.layers);
+    match p.offload {
+        0 => format!("{}/{l}", p.save_attention),
+        n => format!("{}/{l} o{n}", p.save_attention),
+    }
 }
 
 fn by_category(p: &Prediction) -> Value {
@@ -418,7 +448,9 @@ fn policy_text(ctx: &Ctx) -> String {
     let p = &ctx.policy;
     let on = [
         (p.checkpoint, "checkpoint"),
-        (p.offload, "offload"),
+        (p.offload > 0 && !ctx.offload_auto, "offload"),
+        (ctx.offload_auto, "offload-auto"),
+        (p.offload_optimizer, "offload-optimizer"),
         (p.tiled_mlp, "tiled-mlp"),
         (ctx.fsdp, "fsdp"),
     ];
@@ -500,6 +532,8 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         device: usable,
         host,
     };
+    let offload_auto = a.offload == OffloadBlocks::Auto
+        || a.policies.split(',').any(|x| x.trim() == "offload-auto");
     Ok(Ctx {
         model,
         policy,
@@ -510,6 +544,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         all,
         strategies,
         budget,
+        offload_auto,
         a,
     })
 }
@@ -582,6 +617,7 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                     "by_category": by_category(&p), "peak_at": p.peak_at,
                     "fits": fits.is_none(), "limit": fits.as_ref().map(limit_text),
                     "save_attention": spec.policy.save_attention,
+                    "offload_blocks": spec.policy.offload,
                 })
             );
         } else {
@@ -687,6 +723,7 @@ fn search(ctx: &Ctx) -> Result<i32> {
                 json!({
                     "strategy": s.name(), "mesh": mesh_json(&spec), "longest_seq": fit.seq,
                     "save_attention": saved.as_ref().map(|s| s.policy.save_attention),
+                    "offload_blocks": saved.as_ref().map(|s| s.policy.offload),
                     "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),
                     "by_category": fit.at_fit.as_ref().map(by_category),
                     "limit": limit.map(|(seq, l, p)| json!({

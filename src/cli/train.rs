@@ -47,7 +47,7 @@ use crate::comm::env::DistEnv;
 use crate::error::Result;
 use crate::model::flops::train_flops_per_token;
 use crate::model::{MemoryPolicy, ModelConfig};
-use crate::plan::{Prediction, SaveAttention};
+use crate::plan::{OffloadBlocks, Prediction, SaveAttention};
 use crate::train::data::{Tokens, load_tokens};
 use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
@@ -72,6 +72,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         run.cfg.model.vocab,
     )?;
     run.shard(a.fsdp_replicate)?;
+    run.offload(a.offload, a.host_mem)?;
     run.save_attention(a.save_attention)?;
     let predicted = run.fit_forward_stages(a.fwd_chunk_heads)?;
     run.cfg.run_file = Some(run_file(&a, &run)?);
@@ -130,6 +131,12 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     let plan = cfg.plan()?;
     // a number or `all` without --checkpoint fails here, before any launch
     a.save_attention.check(cfg.policy, cfg.model.layers)?;
+    if a.offload == OffloadBlocks::Auto && !cfg.policy.checkpoint {
+        return crate::config_err!(
+            "--offload auto moves checkpointed block inputs to the host: add --checkpoint"
+        );
+    }
+    cfg.policy.validate_for(cfg.model.layers)?;
     let shape = cfg.mesh_shape(&plan);
     let nccl = || {
         crate::comm::nccl::library()
@@ -163,6 +170,7 @@ fn train_config(
     strategy: Strategy,
     mesh: MeshChoice,
 ) -> TrainConfig {
+    let layers = model.layers;
     TrainConfig {
         model,
         data_parallel: mesh.data,
@@ -184,7 +192,13 @@ fn train_config(
         seed: a.seed,
         policy: MemoryPolicy {
             checkpoint: a.checkpoint,
-            offload: a.offload,
+            // a number or `all` now (checked before any launch), `auto` once the budget is known
+            offload: match a.offload {
+                OffloadBlocks::Blocks(n) => n,
+                OffloadBlocks::All => layers,
+                OffloadBlocks::Auto => 0,
+            },
+            offload_optimizer: a.offload_optimizer,
             tiled_mlp: a.tiled_mlp,
             loss_chunk: a.loss_chunk,
             save_attention: 0,
@@ -231,6 +245,27 @@ impl Built {
         }
         if let (Some(note), true) = (note, self.lead) {
             tracing::warn!("{note}");
+        }
+        Ok(())
+    }
+
+    /// Resolves `--offload` (auto: the fewest blocks that make the step fit
+    /// each rank's memory).
+    fn offload(&mut self, choice: OffloadBlocks, host_mem: Option<f64>) -> Result<()> {
+        let kind = crate::plan::DeviceKind::of_run(self.on_gpu(), self.kernel);
+        let room = self.budget.map(|b| kind.ledger_budget(b));
+        let host = if self.on_gpu() {
+            preflight::host_per_rank(self, host_mem)?
+        } else {
+            None
+        };
+        self.cfg.policy.offload = choice.resolve(&self.spec(&self.plan), room, host)?;
+        if choice == OffloadBlocks::Auto && self.cfg.policy.checkpoint && self.lead {
+            tracing::info!(
+                "--offload auto: the first {} of {} blocks keep their checkpointed input in host memory",
+                self.cfg.policy.offload,
+                self.cfg.model.layers
+            );
         }
         Ok(())
     }

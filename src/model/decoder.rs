@@ -29,7 +29,13 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryPolicy {
     pub checkpoint: bool,
-    pub offload: bool,
+    /// Under `checkpoint`: how many blocks, the first ones, keep their
+    /// checkpointed input in host memory (`--offload`; the first because
+    /// their inputs wait longest for backward).
+    pub offload: usize,
+    /// F32 master weights and AdamW moments in host memory, updated on the
+    /// host (`--offload-optimizer`).
+    pub offload_optimizer: bool,
     pub tiled_mlp: bool,
     /// Rows of logits computed at once by the fused loss.
     pub loss_chunk: usize,
@@ -46,7 +52,8 @@ impl Default for MemoryPolicy {
     fn default() -> Self {
         MemoryPolicy {
             checkpoint: false,
-            offload: false,
+            offload: 0,
+            offload_optimizer: false,
             tiled_mlp: false,
             loss_chunk: 256,
             save_attention: 0,
@@ -57,7 +64,7 @@ impl Default for MemoryPolicy {
 impl MemoryPolicy {
     /// Checks combinations once.
     pub fn validate(&self) -> Result<()> {
-        if self.offload && !self.checkpoint {
+        if self.offload > 0 && !self.checkpoint {
             return crate::config_err!(
                 "--offload moves checkpointed block inputs to the host: add --checkpoint"
             );
@@ -68,9 +75,20 @@ impl MemoryPolicy {
         self.check_save_attention(&self.save_attention.to_string(), None)
     }
 
+    /// Whether block `l`'s checkpointed input goes to host memory.
+    pub fn offloads(&self, l: usize) -> bool {
+        l < self.offload
+    }
+
     /// Checks the policy against a model of `layers` blocks.
     pub fn validate_for(&self, layers: usize) -> Result<()> {
         self.validate()?;
+        if self.offload > layers {
+            return crate::config_err!(
+                "--offload {}: the model has {layers} blocks; use at most {layers}, all, or auto",
+                self.offload
+            );
+        }
         self.check_save_attention(&self.save_attention.to_string(), Some(layers))
     }
 
@@ -227,7 +245,7 @@ impl<B: Backend> Decoder<B> {
             store.release(Unit::Block(l))?;
             let entry = if self.policy.checkpoint {
                 let keep = self.keep_checkpointed(l, saved);
-                if self.policy.offload {
+                if self.policy.offloads(l) {
                     let mut host = b.empty(x.shape(), act, Category::Offload)?;
                     let done = b.copy_start(&mut host, &x)?;
                     settle_copy(b, leaving.replace((x, done)))?;

@@ -20,6 +20,8 @@
 //! gradients and its reduce-scatter buffers, exactly as
 //! `train::fsdp::store` allocates them.
 
+pub mod offload;
+pub mod offload_optim;
 pub mod preflight;
 pub mod shapes;
 pub mod sim;
@@ -31,6 +33,9 @@ use crate::backend::Category;
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
+use crate::train::fsdp::model_layouts;
+pub use offload::OffloadBlocks;
+use offload_optim::tensor_numels;
 use sim::Sim;
 use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
 use walk::{AttnFwd, AttnWalk, DecoderWalk};
@@ -249,13 +254,30 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
         2
     };
     let shard_world = world / spec.fsdp_replicas.max(1);
+    let on_host = spec.optimizer && spec.policy.offload_optimizer;
+    // the optimizer's slots: parameter tensors, or each unit's shard
+    let slots: Vec<usize> = if spec.fsdp {
+        model_layouts(&spec.model, shard_world)
+            .iter()
+            .map(|u| u.shard)
+            .collect()
+    } else {
+        tensor_numels(&spec.model)
+    };
     if spec.fsdp {
-        FsdpWalk::resident(&spec.model, shard_world, ab, states, &mut sim);
+        let device_states = if on_host { 0 } else { states };
+        FsdpWalk::resident(&spec.model, shard_world, ab, device_states, &mut sim);
+        if on_host {
+            offload_optim::host_state(&mut sim, &slots, ab);
+        }
     } else {
         let params = spec.model.param_count();
         sim.alloc(Category::Weights, params * ab);
+        if on_host {
+            offload_optim::host_state(&mut sim, &slots, ab);
+        }
         sim.alloc(Category::Grads, params * F32);
-        if states > 0 {
+        if states > 0 && !on_host {
             sim.alloc(Category::OptimState, states * params * F32);
         }
     }
@@ -295,6 +317,9 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
                 let recv = sim.alloc(Category::Workspace, 2 * shard_world * F32);
                 sim.free(recv);
                 sim.free(send);
+            }
+            if on_host {
+                offload_optim::host_step(sim, &slots, ab);
             }
             sim.free(loss);
         }

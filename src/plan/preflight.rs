@@ -23,8 +23,9 @@ struct Change {
     apply: fn(&mut StepSpec),
 }
 
-/// The changes tried, cheapest in speed first.
-const CHANGES: [Change; 6] = [
+/// The changes tried, cheapest in speed first (`--offload auto` stands for
+/// offloading every block here: auto then picks the fewest that fit).
+const CHANGES: [Change; 9] = [
     Change {
         // what `auto` falls back to: if none fits, auto fits
         flags: "--save-attention auto",
@@ -46,18 +47,39 @@ const CHANGES: [Change; 6] = [
         },
     },
     Change {
-        flags: "--checkpoint --offload",
+        flags: "--checkpoint --offload auto",
         apply: |s| {
             s.policy.checkpoint = true;
-            s.policy.offload = true;
+            s.policy.offload = s.model.layers;
         },
     },
     Change {
-        flags: "--checkpoint --tiled-mlp --offload",
+        flags: "--checkpoint --tiled-mlp --offload auto",
         apply: |s| {
             s.policy.checkpoint = true;
             s.policy.tiled_mlp = true;
-            s.policy.offload = true;
+            s.policy.offload = s.model.layers;
+        },
+    },
+    Change {
+        flags: "--offload-optimizer",
+        apply: |s| s.policy.offload_optimizer = true,
+    },
+    Change {
+        flags: "--checkpoint --offload auto --offload-optimizer",
+        apply: |s| {
+            s.policy.checkpoint = true;
+            s.policy.offload = s.model.layers;
+            s.policy.offload_optimizer = true;
+        },
+    },
+    Change {
+        flags: "--checkpoint --tiled-mlp --offload auto --offload-optimizer",
+        apply: |s| {
+            s.policy.checkpoint = true;
+            s.policy.tiled_mlp = true;
+            s.policy.offload = s.model.layers;
+            s.policy.offload_optimizer = true;
         },
     },
 ];

@@ -881,7 +881,7 @@ impl DecoderWalk<'_> {
             store.release(sim, Unit::Block(l));
             if self.policy.checkpoint {
                 let keep = self.keep_checkpointed(sim, l, saved);
-                if self.policy.offload {
+                if self.policy.offloads(l) {
                     let host = sim.alloc(Offload, x.bytes);
                     kept.push((host, keep));
                     sim.free_opt(leaving.replace(x));

@@ -7,6 +7,7 @@ pub mod data;
 pub mod documents;
 pub mod eval;
 pub mod fsdp;
+pub mod offload_optim;
 pub mod optim;
 pub mod ranged;
 pub mod replicated;

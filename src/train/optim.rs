@@ -4,6 +4,7 @@
 use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::ModelWeights;
+use crate::train::offload_optim::{HostSlot, host_master, host_zeros, step_on_host};
 
 /// Optimizer hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -18,6 +19,10 @@ pub struct AdamWConfig {
     pub weight_decay: f32,
     /// Clip the global gradient norm to this (0 = off).
     pub clip: f32,
+    /// Keep the F32 master weights and moments in pinned host memory and
+    /// update them on host threads (`--offload-optimizer`; a training run
+    /// sets it from its memory policy, `TrainConfig::adamw`).
+    pub offload: bool,
 }
 
 impl AdamWConfig {
@@ -34,6 +39,7 @@ impl AdamWConfig {
             eps: 1e-8,
             weight_decay: 0.1,
             clip: 1.0,
+            offload: false,
         }
     }
 
@@ -48,7 +54,8 @@ impl AdamWConfig {
     }
 }
 
-/// Moments (and fp32 master weights when the model computes in a lower precision).
+/// Moments (and fp32 master weights when the model computes in a lower
+/// precision, or always when they live on the host: `cfg.offload`).
 pub struct AdamW<B: Backend> {
     pub cfg: AdamWConfig,
     pub m: Vec<Tensor<B>>,
@@ -60,6 +67,9 @@ impl<B: Backend> AdamW<B> {
     /// Zero moments for every parameter of `w`.
     pub fn new(b: &B, cfg: AdamWConfig, w: &ModelWeights<B>) -> Result<Self> {
         let named = w.named();
+        if cfg.offload {
+            return Self::on_host(b, cfg, &named);
+        }
         let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
         let m = named.iter().map(|(_, t)| z(t)).collect::<Result<_>>()?;
         let v = named.iter().map(|(_, t)| z(t)).collect::<Result<_>>()?;
@@ -74,6 +84,22 @@ impl<B: Backend> AdamW<B> {
             None
         };
         Ok(AdamW { cfg, m, v, master })
+    }
+
+    /// The state in host memory, each parameter's master, m and v in turn.
+    fn on_host(b: &B, cfg: AdamWConfig, named: &[(String, &Tensor<B>)]) -> Result<Self> {
+        let (mut m, mut v, mut master) = (Vec::new(), Vec::new(), Vec::new());
+        for (_, t) in named {
+            master.push(host_master(b, t)?);
+            m.push(host_zeros(b, t.shape())?);
+            v.push(host_zeros(b, t.shape())?);
+        }
+        Ok(AdamW {
+            cfg,
+            m,
+            v,
+            master: Some(master),
+        })
     }
 
     /// Global gradient norm (gradients must already be reduced over ranks).
@@ -101,6 +127,10 @@ impl<B: Backend> AdamW<B> {
         };
         let lr = self.cfg.lr_at(step);
         let grads = g.named();
+        if self.cfg.offload {
+            self.step_on_host(b, w, &grads, lr, step, clip)?;
+            return Ok((lr, norm));
+        }
         for (k, (name, p)) in w.named_mut().into_iter().enumerate() {
             let hp = hyper(&self.cfg, &name, lr, step, clip);
             match self.master.as_mut() {
@@ -124,6 +154,41 @@ impl<B: Backend> AdamW<B> {
         }
         Ok((lr, norm))
     }
+}
+
+impl<B: Backend> AdamW<B> {
+    /// [`AdamW::step`] with the state in host memory, one tensor at a time.
+    fn step_on_host(
+        &mut self,
+        b: &B,
+        w: &mut ModelWeights<B>,
+        grads: &[(String, &Tensor<B>)],
+        lr: f32,
+        step: u32,
+        clip: f32,
+    ) -> Result<()> {
+        let cfg = self.cfg;
+        let master = self.master.as_mut().ok_or_else(no_master)?;
+        let slots = w
+            .named_mut()
+            .into_iter()
+            .zip(grads)
+            .zip(master.iter_mut().zip(&mut self.m).zip(&mut self.v))
+            .map(|(((name, param), (_, grad)), ((master, m), v))| HostSlot {
+                updates: vec![(0..param.numel(), hyper(&cfg, &name, lr, step, clip))],
+                param,
+                grad,
+                master,
+                m,
+                v,
+            })
+            .collect();
+        step_on_host(b, slots)
+    }
+}
+
+fn no_master() -> crate::Error {
+    crate::Error::Backend("AdamW: host-resident state without master weights".into())
 }
 
 /// The update of parameter `name` at 1-based `step` with learning rate `lr`

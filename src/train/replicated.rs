@@ -188,7 +188,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
             check_not_sharded(dir)?;
             let st = load_train_state(dir)?;
             let w = weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
-            let mut opt = AdamW::new(b, cfg.optim, &w)?;
+            let mut opt = AdamW::new(b, cfg.adamw(), &w)?;
             // into the moments AdamW::new made: no second copy at start-up
             for (k, (name, _)) in w.named().into_iter().enumerate() {
                 let missing =
@@ -216,7 +216,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
             }
             None => ModelWeights::random(b, model, cfg.seed)?,
         };
-        let opt = AdamW::new(b, cfg.optim, &w)?;
+        let opt = AdamW::new(b, cfg.adamw(), &w)?;
         let store = ReplicatedStore::new(b, model, w, group)?;
         Ok((Replicated { store, opt }, None))
     }

@@ -98,6 +98,15 @@ pub struct TrainSummary {
 }
 
 impl TrainConfig {
+    /// The optimizer's settings, its state kept where the memory policy
+    /// says (`--offload-optimizer`).
+    pub fn adamw(&self) -> AdamWConfig {
+        AdamWConfig {
+            offload: self.policy.offload_optimizer,
+            ..self.optim
+        }
+    }
+
     /// `steps` steps of `model` on sequences of `seq` tokens with `optim`, on
     /// one rank (`local`), seed 0, the default memory policy, no checkpoints;
     /// change the rest with struct update syntax.

@@ -115,6 +115,33 @@ fn need(t: &Tensor<CudaBackend>, d: DType, op: &str, what: &str) -> Result<()> {
 }
 
 /// Device address of a tensor.
+/// A copy on the copy stream, finished when `done` fires.
+struct CopyEvent {
+    done: cudarc::driver::CudaEvent,
+    compute: Arc<CudaStream>,
+}
+
+impl crate::backend::InFlight for CopyEvent {
+    fn join(self: Box<Self>) -> Result<()> {
+        drv(self.compute.wait(&self.done), "stream wait")
+    }
+    fn finish(self: Box<Self>) -> Result<()> {
+        drv(self.done.synchronize(), "event synchronize")
+    }
+}
+
+/// Checks that `t` is an F32 tensor in pinned host memory.
+fn host_resident(t: &Tensor<CudaBackend>) -> Result<()> {
+    if t.category() != Category::Offload || t.dtype() != DType::F32 {
+        return Err(Error::Backend(format!(
+            "host access to a {:?} {} tensor: only F32 host-resident (offload) tensors",
+            t.dtype(),
+            t.category().name()
+        )));
+    }
+    Ok(())
+}
+
 fn ptr(t: &Tensor<CudaBackend>) -> u64 {
     t.storage().ptr()
 }
@@ -761,10 +788,31 @@ impl Backend for CudaBackend {
         };
         drv(rc.result(), "cuMemcpyAsync (copy stream)")?;
         let done = drv(self.copy_stream.record_event(None), "record event")?;
-        let compute = self.stream.clone();
-        Ok(CopyDone::in_flight(Box::new(move || {
-            drv(compute.wait(&done), "stream wait")
+        Ok(CopyDone::in_flight(Box::new(CopyEvent {
+            done,
+            compute: self.stream.clone(),
         })))
+    }
+
+    fn host_f32<'t>(&self, t: &'t Tensor<Self>) -> Result<&'t [f32]> {
+        host_resident(t)?;
+        if t.numel() == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: an Offload tensor is `numel` f32 of pinned host memory
+        // (checked above) that lives as long as `t`; the caller has waited
+        // for the copies into it.
+        Ok(unsafe { std::slice::from_raw_parts(ptr(t) as *const f32, t.numel()) })
+    }
+
+    fn host_f32_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]> {
+        host_resident(t)?;
+        if t.numel() == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `host_f32`; `t` is borrowed mutably, so this is the
+        // only view, and no copy out of it is in flight (the caller's contract).
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr(t) as *mut f32, t.numel()) })
     }
 
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
@@ -817,6 +865,13 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.bind()?;
+        if t.category() == Category::Offload {
+            // host memory: written here once no copy out of it is in flight
+            self.synchronize()?;
+            drv(self.copy_stream.synchronize(), "copy stream synchronize")?;
+            self.host_f32_mut(t)?.copy_from_slice(data);
+            return Ok(());
+        }
         let s = self.stream.cu_stream();
         // SAFETY: `t` holds exactly data.len() elements of its dtype; pageable
         // sources are staged before the copy call returns.
@@ -844,6 +899,12 @@ impl Backend for CudaBackend {
         let n = t.numel();
         if n == 0 {
             return Ok(Vec::new());
+        }
+        if t.category() == Category::Offload {
+            // host memory already: once the copies into it are done
+            self.synchronize()?;
+            drv(self.copy_stream.synchronize(), "copy stream synchronize")?;
+            return Ok(self.host_f32(t)?.to_vec());
         }
         // the copy into pageable memory blocks inside the driver until the
         // stream reaches it: let queued work (maybe a collective) finish first

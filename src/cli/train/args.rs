@@ -7,7 +7,7 @@ use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_k
 use crate::cli::schedule::FwdChunk;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use crate::plan::SaveAttention;
+use crate::plan::{OffloadBlocks, SaveAttention};
 use std::path::{Path, PathBuf};
 
 /// Flags of `upipe train`.
@@ -78,10 +78,17 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub checkpoint: bool,
-    /// Hold checkpointed block inputs in host memory (needs --checkpoint).
+    /// With --checkpoint: blocks (the first ones) whose checkpointed input
+    /// is held in host memory: all (the flag alone), N, auto (the fewest
+    /// that make this --seq fit the GPU, or the most the host holds), none.
+    #[arg(long, num_args = 0..=1, default_missing_value = "all",
+          default_value_t = OffloadBlocks::Blocks(0))]
+    pub offload: OffloadBlocks,
+    /// F32 master weights and AdamW moments in pinned host memory, updated
+    /// on the host's threads; gradients stream to the host at the step.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
-    pub offload: bool,
+    pub offload_optimizer: bool,
     /// Tiled MLP/RMSNorm (token tiles of about `hidden` rows).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
@@ -163,6 +170,7 @@ impl TrainArgs {
         host_mem => hardware.host_mem,
         checkpoint => memory.checkpoint,
         offload => memory.offload,
+        offload_optimizer => memory.offload_optimizer,
         tiled_mlp => memory.tiled_mlp,
         loss_chunk => memory.loss_chunk,
         save_attention => memory.save_attention,

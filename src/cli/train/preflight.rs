@@ -27,12 +27,7 @@ pub(super) fn preflight(
 fn memory(run: &mut Built, predicted: &Prediction, host_mem_gib: Option<f64>) -> Result<()> {
     use crate::plan::preflight::{RankMemory, check};
     let (world, gpus) = (run.shape.world_size(), run.gpus.max(1));
-    let per_node = world.min(gpus);
-    let host = match host_mem_gib {
-        Some(g) if g.is_finite() && g > 0.0 => Some((g * (1u64 << 30) as f64) as usize / per_node),
-        Some(g) => return crate::config_err!("--host-mem {g}: give GiB per node, more than 0"),
-        None => host_available_bytes().map(|b| b / per_node),
-    };
+    let host = host_per_rank(run, host_mem_gib)?;
     let Some(device) = run.budget else {
         return Ok(());
     };
@@ -50,6 +45,19 @@ fn memory(run: &mut Built, predicted: &Prediction, host_mem_gib: Option<f64>) ->
     let mut whole = predicted.clone();
     whole.peak += predicted.host_peak;
     check(&spec, &whole, RankMemory { device, host: None })
+}
+
+/// Host memory each rank of a GPU run may pin: `--host-mem` (GiB per node)
+/// or the host's available memory, shared by the node's ranks.
+pub(super) fn host_per_rank(run: &Built, host_mem_gib: Option<f64>) -> Result<Option<usize>> {
+    let per_node = run.shape.world_size().min(run.gpus.max(1));
+    match host_mem_gib {
+        Some(g) if g.is_finite() && g > 0.0 => {
+            Ok(Some((g * (1u64 << 30) as f64) as usize / per_node))
+        }
+        Some(g) => crate::config_err!("--host-mem {g}: give GiB per node, more than 0"),
+        None => Ok(host_available_bytes().map(|b| b / per_node)),
+    }
 }
 
 /// The checkpoint directory and the metrics file can be created; the

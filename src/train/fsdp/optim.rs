@@ -5,6 +5,7 @@
 use super::store::FsdpStore;
 use crate::backend::{Backend, Category, DType, Tensor, cast};
 use crate::error::{Error, Result};
+use crate::train::offload_optim::{HostSlot, host_master, host_zeros, step_on_host};
 use crate::train::optim::{AdamWConfig, hyper};
 
 /// Moments (and F32 master shards when the model computes in a lower
@@ -24,6 +25,9 @@ impl<B: Backend> ShardedAdamW<B> {
             .iter()
             .map(|p| p.as_ref().ok_or_else(busy))
             .collect::<Result<Vec<_>>>()?;
+        if cfg.offload {
+            return Self::on_host(b, cfg, &shards);
+        }
         let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
         let m = shards.iter().map(|t| z(t)).collect::<Result<_>>()?;
         let v = shards.iter().map(|t| z(t)).collect::<Result<_>>()?;
@@ -38,6 +42,22 @@ impl<B: Backend> ShardedAdamW<B> {
             None
         };
         Ok(ShardedAdamW { cfg, m, v, master })
+    }
+
+    /// The state of each shard in host memory: its master, m and v in turn.
+    fn on_host(b: &B, cfg: AdamWConfig, shards: &[&Tensor<B>]) -> Result<Self> {
+        let (mut m, mut v, mut master) = (Vec::new(), Vec::new(), Vec::new());
+        for t in shards {
+            master.push(host_master(b, t)?);
+            m.push(host_zeros(b, t.shape())?);
+            v.push(host_zeros(b, t.shape())?);
+        }
+        Ok(ShardedAdamW {
+            cfg,
+            m,
+            v,
+            master: Some(master),
+        })
     }
 
     /// The global gradient norm: every rank's sum of squares, gathered and
@@ -68,6 +88,10 @@ impl<B: Backend> ShardedAdamW<B> {
             1.0
         };
         let lr = self.cfg.lr_at(step);
+        if self.cfg.offload {
+            self.step_on_host(b, store, lr, step, clip)?;
+            return Ok((lr, norm));
+        }
         for (i, layout) in store.layouts.iter().enumerate() {
             let grad = store.grads[i].as_ref().ok_or_else(busy)?;
             let param = store.params[i].as_mut().ok_or_else(busy)?;
@@ -86,6 +110,50 @@ impl<B: Backend> ShardedAdamW<B> {
             }
         }
         Ok((lr, norm))
+    }
+}
+
+impl<B: Backend> ShardedAdamW<B> {
+    /// [`ShardedAdamW::step`] with the state in host memory, a unit's shard
+    /// at a time.
+    fn step_on_host(
+        &mut self,
+        b: &B,
+        store: &mut FsdpStore<'_, B>,
+        lr: f32,
+        step: u32,
+        clip: f32,
+    ) -> Result<()> {
+        let cfg = self.cfg;
+        let rank = store.rank;
+        let master = self.master.as_mut().ok_or_else(busy)?;
+        let mut slots = Vec::new();
+        let states = master.iter_mut().zip(&mut self.m).zip(&mut self.v);
+        let shards = store.params.iter_mut().zip(&store.grads);
+        for ((layout, (param, grad)), ((master, m), v)) in
+            store.layouts.iter().zip(shards).zip(states)
+        {
+            let updates = layout
+                .segments(rank)
+                .into_iter()
+                .map(|s| {
+                    let name = &layout.params[s.param].name;
+                    (
+                        s.at..s.at + s.elems.len(),
+                        hyper(&cfg, name, lr, step, clip),
+                    )
+                })
+                .collect();
+            slots.push(HostSlot {
+                param: param.as_mut().ok_or_else(busy)?,
+                grad: grad.as_ref().ok_or_else(busy)?,
+                master,
+                m,
+                v,
+                updates,
+            });
+        }
+        step_on_host(b, slots)
     }
 }
 

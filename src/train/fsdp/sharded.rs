@@ -50,7 +50,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 })?
             }
         };
-        let mut opt = ShardedAdamW::new(b, cfg.optim, &store)?;
+        let mut opt = ShardedAdamW::new(b, cfg.adamw(), &store)?;
         let Some(dir) = cfg.resume_dir() else {
             return Ok((
                 Sharded {

@@ -1,0 +1,195 @@
+//! Host offload on the CPU reference: offloading checkpointed block inputs
+//! (all or the first N blocks) and the optimizer state leaves losses,
+//! gradient norms and parameters bit-identical to keeping them on the
+//! device, with and without FSDP; the ledger holds the optimizer state in
+//! host memory; resume continues exactly; bad choices are clear errors.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use upipe::attention::Strategy;
+use upipe::backend::Category;
+use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::rng::Rng;
+use upipe::train::checkpoint::{HostTensor, load_safetensors};
+use upipe::train::optim::AdamWConfig;
+use upipe::train::trainer::{TrainConfig, TrainSummary, train_cpu};
+
+fn model(qwen: bool) -> ModelConfig {
+    let mut c = ModelConfig::resolve("tiny").unwrap();
+    c.heads = 8;
+    c.kv_heads = 2;
+    c.head_dim = 8;
+    c.hidden = 32;
+    c.ffn = 48;
+    c.layers = 3;
+    c.qk_norm = qwen;
+    c.tie_embeddings = qwen;
+    c.validate().unwrap();
+    c
+}
+
+fn tokens(vocab: usize) -> Arc<[u32]> {
+    let mut rng = Rng::new(3);
+    (0..4096)
+        .map(|_| rng.below(vocab as u64) as u32)
+        .collect::<Vec<_>>()
+        .into()
+}
+
+fn config(m: &ModelConfig, fsdp: bool, policy: MemoryPolicy, dir: &Path) -> TrainConfig {
+    TrainConfig {
+        data_parallel: 2,
+        strategy: Strategy::Upipe,
+        ulysses: 2,
+        ring: 1,
+        seed: 9,
+        fsdp,
+        policy,
+        save_dir: Some(dir.to_path_buf()),
+        ..TrainConfig::new(m.clone(), 32, 5, AdamWConfig::schedule(3e-3, 3e-4, 1, 5))
+    }
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("upipe-offload-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn weights(dir: &Path) -> BTreeMap<String, HostTensor> {
+    load_safetensors(&dir.join("model.safetensors")).unwrap()
+}
+
+fn assert_identical(a: &TrainSummary, b: &TrainSummary, what: &str) {
+    assert_eq!(a.reports.len(), b.reports.len());
+    for (x, y) in a.reports.iter().zip(&b.reports) {
+        assert_eq!(
+            x.loss.to_bits(),
+            y.loss.to_bits(),
+            "{what} step {} loss",
+            x.step
+        );
+        assert_eq!(
+            x.grad_norm.to_bits(),
+            y.grad_norm.to_bits(),
+            "{what} step {} grad norm",
+            x.step
+        );
+    }
+}
+
+fn assert_identical_weights(a: &Path, b: &Path, what: &str) {
+    let (wa, wb) = (weights(a), weights(b));
+    assert_eq!(wa.len(), wb.len(), "{what}");
+    for (name, x) in &wa {
+        let same = x
+            .data
+            .iter()
+            .zip(&wb[name].data)
+            .all(|(p, q)| p.to_bits() == q.to_bits());
+        assert!(same, "{what}: {name} differs");
+    }
+}
+
+fn policy(offload: usize, offload_optimizer: bool) -> MemoryPolicy {
+    MemoryPolicy {
+        checkpoint: true,
+        offload,
+        offload_optimizer,
+        ..MemoryPolicy::default()
+    }
+}
+
+/// Every offload mode, with and without FSDP and with a tied embedding,
+/// gives the bits of the run that offloads nothing, over 5 AdamW steps.
+#[test]
+fn every_offload_mode_is_bit_identical_to_no_offload() {
+    for (qwen, fsdp) in [(false, false), (true, false), (false, true), (true, true)] {
+        let m = model(qwen);
+        let base_dir = temp("base");
+        let base = train_cpu(
+            &config(&m, fsdp, policy(0, false), &base_dir),
+            tokens(m.vocab),
+            &|_| {},
+        )
+        .unwrap();
+        for (blocks, opt) in [(m.layers, false), (1, false), (0, true), (2, true)] {
+            let what = format!("qwen={qwen} fsdp={fsdp} --offload {blocks} optimizer={opt}");
+            let dir = temp("mode");
+            let run = train_cpu(
+                &config(&m, fsdp, policy(blocks, opt), &dir),
+                tokens(m.vocab),
+                &|_| {},
+            )
+            .unwrap();
+            assert_identical(&base, &run, &what);
+            assert_identical_weights(&base_dir, &dir, &what);
+            if opt {
+                // master + two moments in host memory, none on the device
+                let mem = &run.memory;
+                assert_eq!(mem.at_peak(Category::OptimState), 0, "{what}");
+                assert!(run.reports[0].host_peak_bytes > 0, "{what}");
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let _ = std::fs::remove_dir_all(&base_dir);
+    }
+}
+
+/// A run with the optimizer offloaded resumes from its checkpoint exactly
+/// where an uninterrupted run is, on the device or the host.
+#[test]
+fn offloaded_optimizer_resumes_exactly() {
+    let m = model(false);
+    let whole_dir = temp("whole");
+    let whole = train_cpu(
+        &config(&m, false, policy(0, false), &whole_dir),
+        tokens(m.vocab),
+        &|_| {},
+    )
+    .unwrap();
+    let dir = temp("resume");
+    let mut first = config(&m, false, policy(0, true), &dir);
+    first.steps = 3;
+    train_cpu(&first, tokens(m.vocab), &|_| {}).unwrap();
+    let mut rest = config(&m, false, policy(0, true), &dir);
+    rest.resume = true;
+    let resumed = train_cpu(&rest, tokens(m.vocab), &|_| {}).unwrap();
+    let tail = &whole.reports[3..];
+    assert_eq!(resumed.reports.len(), tail.len());
+    for (x, y) in tail.iter().zip(&resumed.reports) {
+        assert_eq!(x.step, y.step);
+        assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {}", x.step);
+    }
+    assert_identical_weights(&whole_dir, &dir, "resumed");
+    let _ = (
+        std::fs::remove_dir_all(&whole_dir),
+        std::fs::remove_dir_all(&dir),
+    );
+}
+
+/// `--offload N` beyond the model's blocks and offload without
+/// checkpointing are errors naming the fix.
+#[test]
+fn bad_offload_choices_name_the_fix() {
+    let m = model(false);
+    let dir = temp("bad");
+    let too_many = train_cpu(
+        &config(&m, false, policy(m.layers + 1, false), &dir),
+        tokens(m.vocab),
+        &|_| {},
+    );
+    let e = too_many.err().expect("refused").to_string();
+    assert!(e.contains("--offload 4") && e.contains("3 blocks"), "{e}");
+    let no_ckpt = MemoryPolicy {
+        checkpoint: false,
+        ..policy(1, false)
+    };
+    let e = train_cpu(&config(&m, false, no_ckpt, &dir), tokens(m.vocab), &|_| {})
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("add --checkpoint"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
