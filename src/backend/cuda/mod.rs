@@ -37,7 +37,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 pub use pool::CudaStorage as Storage;
@@ -80,6 +80,10 @@ pub struct CudaBackend {
     /// The first fatal communication error on this GPU (set by the NCCL
     /// watchdog, `comm::nccl`); every later synchronisation returns it.
     comm_fault: Arc<OnceLock<String>>,
+    /// Every op allocates as it would and launches nothing
+    /// (`Backend::set_rehearse`): the gate sits right before each launch,
+    /// copy and memset, after the op's allocations and checks.
+    rehearse: AtomicBool,
 }
 
 /// How many attention calls of a backend ran on which kernels.
@@ -264,6 +268,7 @@ impl CudaBackend {
             cudnn: OnceLock::new(),
             profile,
             comm_fault: Arc::new(OnceLock::new()),
+            rehearse: AtomicBool::new(false),
         })
     }
 
@@ -590,20 +595,7 @@ impl CudaBackend {
                 self.ledger.clone(),
             )),
             Err(AllocError::OutOfMemory) => {
-                let s = self.ledger.stats();
-                let by = s
-                    .current_by_category
-                    .iter()
-                    .filter(|(_, b)| *b > 0)
-                    .map(|(c, b)| format!("{}: {}", c.name(), super::Bytes(*b)))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                Err(Error::OutOfMemory {
-                    device: self.name.clone(),
-                    requested: bytes,
-                    in_use: s.current,
-                    by_category: by,
-                })
+                Err(super::out_of_memory(&self.name, &self.ledger, bytes))
             }
             Err(AllocError::Other(e)) => Err(e),
         }
@@ -638,7 +630,7 @@ impl CudaBackend {
     /// Uploads 32-bit ids into a workspace tensor (stored as 4-byte elements).
     fn upload_ids(&self, ids: &[u32]) -> Result<Tensor<Self>> {
         let t = self.alloc(&[ids.len()], DType::F32, Category::Workspace)?;
-        if !ids.is_empty() {
+        if !ids.is_empty() && !self.rehearsing() {
             // SAFETY: `t` holds ids.len() 4-byte elements; the pageable source is
             // staged before the call returns.
             drv(
@@ -650,7 +642,7 @@ impl CudaBackend {
     }
 
     fn launch1d(&self, f: kernels::Func, n: usize, args: Args) -> Result<()> {
-        if n == 0 {
+        if n == 0 || self.rehearsing() {
             return Ok(());
         }
         launch(&self.stream, f, grid_for(n, BLOCK), BLOCK, 0, args)
@@ -660,7 +652,7 @@ impl CudaBackend {
     pub fn zero_raw(&self, p: u64, bytes: usize) -> Result<()> {
         let _span = self.span("memset")?;
         self.bind()?;
-        if bytes == 0 {
+        if bytes == 0 || self.rehearsing() {
             return Ok(());
         }
         // SAFETY: callers pass an address inside a live allocation of this
@@ -730,6 +722,15 @@ impl Backend for CudaBackend {
     fn compute_dtype(&self) -> DType {
         DType::BF16
     }
+    fn set_rehearse(&self, on: bool) {
+        self.rehearse.store(on, Ordering::Relaxed);
+    }
+    fn rehearsing(&self) -> bool {
+        self.rehearse.load(Ordering::Relaxed)
+    }
+    fn reserved_peak(&self) -> Result<Option<usize>> {
+        Ok(Some(self.pool_stats()?.reserved_high as usize))
+    }
 
     fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {
         if dst.shape() != src.shape() || dst.dtype() != src.dtype() {
@@ -741,7 +742,7 @@ impl Backend for CudaBackend {
                 src.dtype()
             )));
         }
-        if src.bytes() == 0 {
+        if src.bytes() == 0 || self.rehearsing() {
             return Ok(CopyDone::finished());
         }
         self.bind()?;
@@ -771,7 +772,7 @@ impl Backend for CudaBackend {
         let _span = self.span("memset")?;
         self.bind()?;
         let t = self.alloc(shape, dtype, cat)?;
-        if t.bytes() > 0 {
+        if t.bytes() > 0 && !self.rehearsing() {
             // SAFETY: `t` owns `bytes` bytes, ordered on this stream.
             drv(
                 unsafe { result::memset_d8_async(ptr(&t), 0, t.bytes(), self.stream.cu_stream()) },
@@ -813,7 +814,7 @@ impl Backend for CudaBackend {
                 t.shape()
             )));
         }
-        if data.is_empty() {
+        if data.is_empty() || self.rehearsing() {
             return Ok(());
         }
         self.bind()?;
@@ -844,6 +845,9 @@ impl Backend for CudaBackend {
         let n = t.numel();
         if n == 0 {
             return Ok(Vec::new());
+        }
+        if self.rehearsing() {
+            return Ok(vec![0.0; n]);
         }
         // the copy into pageable memory blocks inside the driver until the
         // stream reaches it: let queued work (maybe a collective) finish first
@@ -935,6 +939,9 @@ impl Backend for CudaBackend {
             c: ptr_at(c.t, c.l.offset),
             workspace: self.workspace_ptr()?,
         };
+        if self.rehearsing() {
+            return Ok(());
+        }
         self.gemm.run(&self.stream, &p, ab, cd, &ptrs, alpha, beta)
     }
 
@@ -1036,6 +1043,9 @@ impl Backend for CudaBackend {
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
         self.bind()?;
         let acc = self.zeros(&[2], DType::F32, Category::Workspace)?; // one f64
+        if self.rehearsing() {
+            return Ok(0.0);
+        }
         let n = t.numel();
         let blocks = grid_for(n, BLOCK).0.min(1024);
         if n > 0 {
@@ -1077,7 +1087,7 @@ impl Backend for CudaBackend {
         }
         self.bind()?;
         let rows = x.numel() / dim;
-        if rows == 0 {
+        if rows == 0 || self.rehearsing() {
             return Ok(());
         }
         let args = Args::new()
@@ -1123,7 +1133,7 @@ impl Backend for CudaBackend {
         }
         self.bind()?;
         let rows = x.numel() / dim;
-        if rows == 0 {
+        if rows == 0 || self.rehearsing() {
             return Ok(());
         }
         let args = Args::new()
@@ -1269,7 +1279,11 @@ impl Backend for CudaBackend {
         if a.sq > 0 && a.hq > 0 {
             self.count_attn(path, false);
         }
-        match (path, self.flash_functions()?) {
+        let flash_fns = self.flash_functions()?;
+        if self.rehearsing() {
+            return Ok(());
+        }
+        match (path, flash_fns) {
             (AttnPath::Flash, Some(f)) => attention::fwd_flash(&self.stream, f, &a),
             _ => attention::fwd_naive(&self.kernels, &self.stream, &a),
         }
@@ -1444,8 +1458,11 @@ impl Backend for CudaBackend {
                 // delta = rowsum(dO * O) per query row and head, freed (stream-ordered) on return.
                 let bytes = flash::flash_bwd_workspace_bytes(sq, g.hq);
                 let ws = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
-                attention::bwd_flash(&self.stream, f, &a, ptr(&ws))?;
+                if !self.rehearsing() {
+                    attention::bwd_flash(&self.stream, f, &a, ptr(&ws))?;
+                }
             }
+            _ if self.rehearsing() => {}
             _ => attention::bwd_naive(&self.kernels, &self.stream, &a)?,
         }
         for (s, t, start, rows, rs) in [
@@ -1634,6 +1651,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let tt = self.upload_ids(targets)?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let args = Args::new()
             .ptr(ptr(logits))
             .i32(dt(logits))
