@@ -341,3 +341,51 @@ impl Report {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::{CpPlan, Strategy};
+    use crate::model::decoder::attn_dims;
+    use crate::model::{MemoryPolicy, ModelConfig};
+    use crate::plan::{DeviceKind, StepSpec, predict_step_rank};
+
+    #[test]
+    fn a_failed_allocation_is_reported_as_the_preflight_reports_a_run_that_cannot_fit() {
+        let model = ModelConfig::resolve("llama3.2-1b").unwrap();
+        let plan = CpPlan::new(Strategy::Upipe, &attn_dims(&model), 65536, 1, 1, None).unwrap();
+        let spec = StepSpec {
+            model,
+            plan,
+            data: 1,
+            policy: MemoryPolicy::default(),
+            fsdp: false,
+            fsdp_replicas: 1,
+            grad_accum: 1,
+            device: DeviceKind::Cuda,
+            optimizer: true,
+        };
+        let pred = predict_step_rank(&spec, 0).unwrap();
+        let e = Error::OutOfMemory {
+            device: "cuda:0 (NVIDIA H200)".into(),
+            requested: 1 << 30,
+            in_use: 70 << 30,
+            by_category: "weights: 2.30 GiB, activations: 60.00 GiB".into(),
+        };
+        let mem = RankMemory {
+            device: 80 << 30,
+            host: None,
+        };
+        let text = out_of_memory(&e, &spec, &pred, Some(mem));
+        for want in [
+            "cannot fit",
+            "ran out of memory on cuda:0",
+            "asking for 1.00 GiB with 70.00 GiB in use",
+            "activations: 60.00 GiB",
+            "the planner predicts a peak of",
+            "Adding --checkpoint fits",
+        ] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
+    }
+}
