@@ -33,7 +33,10 @@ pub(super) fn run(a: &TrainArgs, m: &ArgMatches, run: &mut Built) -> Result<i32>
     let held = preflight::held(run, &predicted);
     let refusal = mem
         .and_then(|mem| crate::plan::preflight::check(&run.spec(&run.plan), &held, mem).err())
-        .map(|e| e.to_string());
+        .map(|e| match e {
+            Error::Config(m) => m,
+            e => e.to_string(),
+        });
     if run.lead && !a.json {
         header(run, &predicted, mem, refusal.as_deref());
     }
