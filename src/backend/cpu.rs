@@ -9,6 +9,7 @@ use super::{
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Host storage of a CPU tensor.
 pub struct CpuStorage(Vec<f32>);
@@ -16,6 +17,9 @@ pub struct CpuStorage(Vec<f32>);
 /// CPU f32 backend. One instance per rank; each has its own ledger.
 pub struct CpuBackend {
     ledger: Arc<MemoryLedger>,
+    /// Ops check their arguments and return (`Backend::set_rehearse`);
+    /// buffers are zeroed pages the kernel maps only when written.
+    rehearse: AtomicBool,
 }
 
 impl Default for CpuBackend {
@@ -28,7 +32,34 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend {
             ledger: Arc::new(MemoryLedger::new()),
+            rehearse: AtomicBool::new(false),
         }
+    }
+
+    /// `n` zeros, or an out-of-memory error: a zeroed allocation (calloc)
+    /// whose untouched pages cost no memory, so a rehearsal of a model
+    /// larger than the host's memory allocates all of it without using it.
+    fn lazy_zeros(&self, n: usize) -> Result<Vec<f32>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let oom = || super::out_of_memory(&self.name(), &self.ledger, n.saturating_mul(4));
+        let layout = std::alloc::Layout::array::<f32>(n).map_err(|_| oom())?;
+        // SAFETY: `layout` has a non-zero size (n > 0).
+        let p = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
+        if p.is_null() {
+            return Err(oom());
+        }
+        // SAFETY: `p` was allocated by the global allocator with the layout
+        // of `n` f32s, all of them initialised (zero bits are 0.0).
+        Ok(unsafe { Vec::from_raw_parts(p, n, n) })
+    }
+
+    fn storage(&self, n: usize, fill: f32) -> Result<CpuStorage> {
+        if self.rehearsing() {
+            return Ok(CpuStorage(self.lazy_zeros(n)?));
+        }
+        Ok(CpuStorage(vec![fill; n]))
     }
 }
 
@@ -109,12 +140,18 @@ impl Backend for CpuBackend {
     fn compute_dtype(&self) -> DType {
         DType::F32
     }
+    fn set_rehearse(&self, on: bool) {
+        self.rehearse.store(on, Ordering::Relaxed);
+    }
+    fn rehearsing(&self) -> bool {
+        self.rehearse.load(Ordering::Relaxed)
+    }
 
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
         check_f32(dtype)?;
         let n = shape.iter().product();
         Ok(Tensor::from_parts(
-            CpuStorage(vec![0.0; n]),
+            self.storage(n, 0.0)?,
             shape,
             dtype,
             cat,
@@ -126,7 +163,7 @@ impl Backend for CpuBackend {
         check_f32(dtype)?;
         let n = shape.iter().product();
         Ok(Tensor::from_parts(
-            CpuStorage(vec![f32::NAN; n]),
+            self.storage(n, f32::NAN)?,
             shape,
             dtype,
             cat,
@@ -148,8 +185,13 @@ impl Backend for CpuBackend {
                 host.len()
             )));
         }
+        let storage = if self.rehearsing() {
+            self.storage(host.len(), 0.0)?
+        } else {
+            CpuStorage(host.to_vec())
+        };
         Ok(Tensor::from_parts(
-            CpuStorage(host.to_vec()),
+            storage,
             shape,
             dtype,
             cat,
@@ -165,11 +207,16 @@ impl Backend for CpuBackend {
                 t.shape()
             )));
         }
-        data_mut(t).copy_from_slice(host);
+        if !self.rehearsing() {
+            data_mut(t).copy_from_slice(host);
+        }
         Ok(())
     }
 
     fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>> {
+        if self.rehearsing() {
+            return self.lazy_zeros(t.numel());
+        }
         Ok(data(t).to_vec())
     }
 
@@ -191,6 +238,9 @@ impl Backend for CpuBackend {
                 "gemm shapes: c {:?} = a {:?} @ b {:?}",
                 c.l, a.l, b.l
             )));
+        }
+        if self.rehearsing() {
+            return Ok(());
         }
         let (rsa, csa) = a.l.strides();
         let (rsb, csb) = b.l.strides();
@@ -242,6 +292,9 @@ impl Backend for CpuBackend {
                 dst.l, src.l
             )));
         }
+        if self.rehearsing() {
+            return Ok(());
+        }
         let (rsd, csd) = dst.l.strides();
         let (rss, css) = src.l.strides();
         let s = data(src.t);
@@ -260,12 +313,18 @@ impl Backend for CpuBackend {
     }
 
     fn fill(&self, t: &mut Tensor<Self>, value: f32) -> Result<()> {
+        if self.rehearsing() {
+            return Ok(());
+        }
         data_mut(t).fill(value);
         Ok(())
     }
 
     fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()> {
         same_numel(y, x, "axpy")?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         for (a, b) in data_mut(y).iter_mut().zip(data(x)) {
             *a += alpha * b;
         }
@@ -273,6 +332,9 @@ impl Backend for CpuBackend {
     }
 
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
+        if self.rehearsing() {
+            return Ok(0.0);
+        }
         Ok(data(t).iter().map(|&x| (x as f64) * (x as f64)).sum())
     }
 
@@ -284,6 +346,9 @@ impl Backend for CpuBackend {
         y: &mut Tensor<Self>,
     ) -> Result<()> {
         same_numel(x, y, "rms_norm_fwd")?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let dim = w.numel();
         let (xs, ws) = (data(x), data(w));
         data_mut(y)
@@ -309,6 +374,9 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         same_numel(x, dy, "rms_norm_bwd")?;
         same_numel(x, dx, "rms_norm_bwd")?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let dim = w.numel();
         let (xs, ws, dys) = (data(x), data(w), data(dy));
         let dwv = data_mut(dw);
@@ -344,6 +412,9 @@ impl Backend for CpuBackend {
                 cos.shape()
             )));
         }
+        if self.rehearsing() {
+            return Ok(());
+        }
         let (cs, ss) = (data(cos), data(sin));
         let sign = if inverse { -1.0 } else { 1.0 };
         let row = x.row_len();
@@ -374,6 +445,9 @@ impl Backend for CpuBackend {
         lse: RowsMut<'_, Self>,
     ) -> Result<()> {
         let g = attn_geom(&q, &k, causal)?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let (qs, ks, vs) = (data(q.t), data(k.t), data(v.t));
         let (q0, k0, sk) = (q.range.start, k.range.start, k.len());
         let (o_range, l_range) = (o.range.clone(), lse.range.clone());
@@ -432,6 +506,9 @@ impl Backend for CpuBackend {
         writes: AttnGradWrites,
     ) -> Result<()> {
         let g = attn_geom(&q, &k, causal)?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let (qs, ks, vs, os, dos, ls) = (
             data(q.t),
             data(k.t),
@@ -536,6 +613,9 @@ impl Backend for CpuBackend {
         if o_acc.len() != o_blk.len() || o_blk.heads() != h {
             return Err(Error::Backend("lse_merge: block shapes differ".into()));
         }
+        if self.rehearsing() {
+            return Ok(());
+        }
         let (ob, lb) = (data(o_blk.t), data(lse_blk.t));
         let (ob0, lb0) = (o_blk.range.start, lse_blk.range.start);
         let (oa0, la0) = (o_acc.range.start, lse_acc.range.start);
@@ -570,6 +650,9 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         same_numel(gate, up, "swiglu_fwd")?;
         same_numel(gate, out, "swiglu_fwd")?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let (g, u) = (data(gate), data(up));
         data_mut(out)
             .par_iter_mut()
@@ -587,6 +670,9 @@ impl Backend for CpuBackend {
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
         same_numel(gate, dout, "swiglu_bwd")?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let (g, u, dy) = (data(gate), data(up), data(dout));
         data_mut(dgate)
             .par_iter_mut()
@@ -613,8 +699,11 @@ impl Backend for CpuBackend {
                 "embedding_fwd: output is not [ids, hidden]".into(),
             ));
         }
-        let t = data(table);
         super::check_token_ids(ids, vocab)?;
+        if self.rehearsing() {
+            return Ok(());
+        }
+        let t = data(table);
         for (row, &id) in data_mut(out).chunks_mut(h).zip(ids) {
             let id = id as usize;
             row.copy_from_slice(&t[id * h..(id + 1) * h]);
@@ -630,6 +719,9 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let h = dtable.row_len();
         super::check_token_ids(ids, dtable.rows())?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let dy = data(dout);
         let dt = data_mut(dtable);
         for (row, &id) in dy.chunks(h).zip(ids) {
@@ -654,6 +746,9 @@ impl Backend for CpuBackend {
             return Err(Error::Backend(
                 "cross_entropy: one target per logits row".into(),
             ));
+        }
+        if self.rehearsing() {
+            return Ok(());
         }
         let lg = data(logits);
         let losses: Vec<f64> = data_mut(dlogits)
@@ -700,6 +795,9 @@ impl Backend for CpuBackend {
         same_numel(param, m, "adamw")?;
         same_numel(param, v, "adamw")?;
         super::check_elems(&elems, param.numel(), "adamw")?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let g = &data(grad)[elems.clone()];
         let (m, v) = (
             &mut data_mut(m)[elems.clone()],

@@ -86,6 +86,23 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Element type of activations and compute copies of weights.
     fn compute_dtype(&self) -> DType;
 
+    /// Turns rehearsal on or off (`upipe train --rehearse`): while on, every
+    /// allocation happens exactly as it would (same sizes, same order, same
+    /// ledger records, and on devices the same pools, plans and workspaces),
+    /// but ops only check their arguments and return without computing or
+    /// launching anything; buffers keep whatever they held. Host reads
+    /// (`to_host`, `sum_squares`) return zeros. Set before the first
+    /// allocation of the workload it rehearses.
+    fn set_rehearse(&self, on: bool);
+    /// Whether ops are rehearsed (see [`set_rehearse`](Backend::set_rehearse)).
+    fn rehearsing(&self) -> bool;
+    /// The most bytes the device allocator held from the device (its reserved
+    /// high-water, fragmentation included) since the last reset; `None`
+    /// where there is no pool beside the ledger (the CPU).
+    fn reserved_peak(&self) -> Result<Option<usize>> {
+        Ok(None)
+    }
+
     /// Allocates a zero-filled tensor.
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>>;
     /// Allocates a tensor with unspecified contents, for a buffer whose every
@@ -335,6 +352,25 @@ pub fn check_elems(elems: &std::ops::Range<usize>, numel: usize, op: &str) -> Re
         )));
     }
     Ok(())
+}
+
+/// The error of an allocation of `requested` bytes that `device` could not
+/// make, with the bytes its ledger holds by category.
+pub fn out_of_memory(device: &str, ledger: &MemoryLedger, requested: usize) -> crate::Error {
+    let s = ledger.stats();
+    let by = s
+        .current_by_category
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .map(|(c, b)| format!("{}: {}", c.name(), Bytes(*b)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    crate::Error::OutOfMemory {
+        device: device.to_string(),
+        requested,
+        in_use: s.current,
+        by_category: by,
+    }
 }
 
 /// Target id that contributes no loss (e.g. the last token of a sequence).

@@ -118,6 +118,7 @@ pub struct RunKeys {
     pub attn_kernel: Option<String>,
     pub json: Option<bool>,
     pub metrics: Option<PathBuf>,
+    pub rehearse: Option<bool>,
 }
 
 /// `[hardware]`: the machines `upipe plan` plans for.

@@ -29,6 +29,7 @@ mod args;
 mod mesh;
 mod preflight;
 mod progress;
+mod rehearse;
 mod route;
 mod summary;
 
@@ -52,7 +53,6 @@ use crate::train::data::{Tokens, load_tokens};
 use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
 use clap::ArgMatches;
-use progress::Progress;
 
 /// `upipe train` with flags `a`, parsed from the command line `m`.
 pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
@@ -66,21 +66,21 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     if let Route::SelfLaunch { nproc } = run.route {
         return self_launch(&run, nproc);
     }
+    if a.rehearse {
+        return rehearse::run(&a, m, &mut run);
+    }
     let tokens = load_tokens(
         a.data.as_deref(),
         a.tokenizer.as_deref(),
         run.cfg.model.vocab,
     )?;
-    run.shard(a.fsdp_replicate)?;
-    run.offload(a.offload, a.host_mem)?;
-    run.save_attention(a.save_attention)?;
-    let predicted = run.fit_forward_stages(a.fwd_chunk_heads)?;
+    let predicted = run.resolve(&a)?;
     run.cfg.run_file = Some(run_file(&a, &run)?);
     let progress = preflight::preflight(&a, &mut run, &predicted)?;
     if run.lead && !a.json {
         announce(&run, tokens.len());
     }
-    let summary = execute(&run, tokens, &progress)?;
+    let summary = execute(&run, tokens, &|r| progress.on_step(r))?;
     progress.finish()?;
     if run.lead && !a.json {
         let flops = train_flops_per_token(&run.cfg.model, run.cfg.seq);
@@ -213,12 +213,22 @@ fn train_config(
         max_file_bytes: crate::train::fsdp::checkpoint::FILE_BYTES,
         run_file: None,
         host_budget: None,
+        rehearse: a.rehearse,
     }
 }
 
 impl Built {
     fn on_gpu(&self) -> bool {
         self.route != Route::CpuThreads
+    }
+
+    /// Sharding, `--save-attention` and the forward stages resolved as the
+    /// run will use them; the planner's prediction of its step.
+    fn resolve(&mut self, a: &TrainArgs) -> Result<Prediction> {
+        self.shard(a.fsdp_replicate)?;
+        self.offload(a.offload, a.host_mem)?;
+        self.save_attention(a.save_attention)?;
+        self.fit_forward_stages(a.fwd_chunk_heads)
     }
 
     /// Decides `--fsdp` (auto: from the model's states and each rank's
@@ -379,20 +389,23 @@ fn announce(run: &Built, tokens: usize) {
     );
 }
 
-/// Trains where the route says, showing every step.
-fn execute(run: &Built, tokens: Tokens, progress: &Progress) -> Result<TrainSummary> {
-    let on_step = |r: &StepReport| progress.on_step(r);
+/// Trains where the route says, calling `on_step` after every step.
+fn execute(
+    run: &Built,
+    tokens: Tokens,
+    on_step: &(dyn Fn(&StepReport) + Sync),
+) -> Result<TrainSummary> {
     match run.route {
         Route::ProcessRank => {
             let env = run
                 .env
                 .as_ref()
                 .expect("a launched run has its environment");
-            train_process_rank(&run.cfg, tokens, env, run.kernel, &on_step)
+            train_process_rank(&run.cfg, tokens, env, run.kernel, on_step)
         }
         Route::GpuThreads { gpus, .. } => {
-            route::train_on_gpus(&run.cfg, tokens, gpus, run.kernel, &on_step)
+            route::train_on_gpus(&run.cfg, tokens, gpus, run.kernel, on_step)
         }
-        _ => train_cpu(&run.cfg, tokens, &on_step),
+        _ => train_cpu(&run.cfg, tokens, on_step),
     }
 }

@@ -19,6 +19,8 @@ pub struct LocalWorld {
     boxes: Mutex<HashMap<Key, VecDeque<Vec<f32>>>>,
     arrived: Condvar,
     timeout: Duration,
+    /// The first rank whose work failed: the others stop waiting for it.
+    failed: Mutex<Option<usize>>,
 }
 
 impl LocalWorld {
@@ -29,7 +31,23 @@ impl LocalWorld {
             boxes: Mutex::new(HashMap::new()),
             arrived: Condvar::new(),
             timeout: Duration::from_secs(600),
+            failed: Mutex::new(None),
         })
+    }
+
+    /// Records that `rank` failed (the first one stays) and wakes every
+    /// rank waiting for a message, which then fails too.
+    fn fail(&self, rank: usize) {
+        self.failed
+            .lock()
+            .expect("failure record poisoned")
+            .get_or_insert(rank);
+        let _boxes = self.boxes.lock().expect("mailboxes poisoned");
+        self.arrived.notify_all();
+    }
+
+    fn first_failed(&self) -> Option<usize> {
+        *self.failed.lock().expect("failure record poisoned")
     }
 
     fn post(&self, tag: u64, src: usize, dst: usize, data: Vec<f32>) {
@@ -43,6 +61,11 @@ impl LocalWorld {
         loop {
             if let Some(m) = boxes.get_mut(&(tag, src, dst)).and_then(|q| q.pop_front()) {
                 return Ok(m);
+            }
+            if let Some(r) = self.first_failed() {
+                return Err(Error::Comm(format!(
+                    "rank {r} failed, so rank {dst} stopped waiting for a message from rank {src}"
+                )));
             }
             let (b, wait) = self
                 .arrived
@@ -125,17 +148,26 @@ where
                 s.spawn(move || {
                     let b = Arc::new(make_backend());
                     let mesh = world.mesh(shape, rank, b.clone());
-                    f(rank, b, mesh)
+                    let out = f(rank, b, mesh);
+                    if out.is_err() {
+                        world.fail(rank);
+                    }
+                    out
                 })
             })
             .collect();
-        handles
+        let mut out: Vec<Result<T>> = handles
             .into_iter()
             .map(|h| {
                 h.join()
                     .map_err(|_| Error::Comm("a rank thread panicked".into()))?
             })
-            .collect()
+            .collect();
+        // the first rank to fail says why; the others only stopped waiting
+        if let Some(r) = world.first_failed() {
+            return Err(out.swap_remove(r).err().expect("the rank failed"));
+        }
+        out.into_iter().collect()
     })
 }
 
@@ -155,6 +187,47 @@ impl<B: Backend> LocalGroup<B> {
     fn recv(&self, from: usize) -> Result<Vec<f32>> {
         self.world
             .take(self.tag, self.members[from], self.members[self.me])
+    }
+    /// Whether the backend rehearses (`Backend::set_rehearse`): then every
+    /// message is empty and nothing is copied, but the messages still pair
+    /// the ranks' collectives as they would.
+    fn rehearsing(&self) -> bool {
+        self.backend.rehearsing()
+    }
+    /// A host copy of `t` to send (empty when rehearsing).
+    fn host(&self, t: &Tensor<B>) -> Result<Vec<f32>> {
+        if self.rehearsing() {
+            return Ok(Vec::new());
+        }
+        self.backend.to_host(t)
+    }
+    /// Sends `host`'s chunk `j` of `n` elements to every rank `j`.
+    fn scatter(&self, host: &[f32], n: usize) {
+        for j in 0..self.size() {
+            let chunk = host.get(j * n..(j + 1) * n).unwrap_or_default();
+            self.send(j, chunk.to_vec());
+        }
+    }
+    /// Writes the received `data` into `t` (nothing when rehearsing).
+    fn put(&self, t: &mut Tensor<B>, data: &[f32]) -> Result<()> {
+        if self.rehearsing() {
+            return Ok(());
+        }
+        self.backend.upload(t, data)
+    }
+    /// The sum of one message from every rank, in rank order.
+    fn sum_from_all(&self, n: usize) -> Result<Vec<f32>> {
+        let mut acc = if self.rehearsing() {
+            Vec::new()
+        } else {
+            vec![0.0f32; n]
+        };
+        for j in 0..self.size() {
+            for (a, b) in acc.iter_mut().zip(self.recv(j)?) {
+                *a += b;
+            }
+        }
+        Ok(acc)
     }
     fn chunks(&self, t: &Tensor<B>, what: &str) -> Result<usize> {
         let p = self.members.len();
@@ -183,15 +256,12 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
                 "all_to_all: send and receive sizes differ".into(),
             ));
         }
-        let host = self.backend.to_host(send)?;
-        for j in 0..self.size() {
-            self.send(j, host[j * n..(j + 1) * n].to_vec());
-        }
-        let mut out = Vec::with_capacity(send.numel());
+        self.scatter(&self.host(send)?, n);
+        let mut out = Vec::with_capacity(if self.rehearsing() { 0 } else { send.numel() });
         for j in 0..self.size() {
             out.extend(self.recv(j)?);
         }
-        self.backend.upload(recv, &out)
+        self.put(recv, &out)
     }
 
     fn all_gather(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()> {
@@ -200,15 +270,15 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
                 "all_gather: receive must hold size x send".into(),
             ));
         }
-        let host = self.backend.to_host(send)?;
+        let host = self.host(send)?;
         for j in 0..self.size() {
             self.send(j, host.clone());
         }
-        let mut out = Vec::with_capacity(recv.numel());
+        let mut out = Vec::with_capacity(if self.rehearsing() { 0 } else { recv.numel() });
         for j in 0..self.size() {
             out.extend(self.recv(j)?);
         }
-        self.backend.upload(recv, &out)
+        self.put(recv, &out)
     }
 
     fn reduce_scatter(&self, send: &Tensor<B>, recv: &mut Tensor<B>) -> Result<()> {
@@ -218,34 +288,21 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
                 "reduce_scatter: receive must hold one chunk".into(),
             ));
         }
-        let host = self.backend.to_host(send)?;
-        for j in 0..self.size() {
-            self.send(j, host[j * n..(j + 1) * n].to_vec());
-        }
-        let mut acc = vec![0.0f32; n];
-        for j in 0..self.size() {
-            for (a, b) in acc.iter_mut().zip(self.recv(j)?) {
-                *a += b;
-            }
-        }
-        self.backend.upload(recv, &acc)
+        self.scatter(&self.host(send)?, n);
+        let acc = self.sum_from_all(n)?;
+        self.put(recv, &acc)
     }
 
     fn all_reduce(&self, t: &mut Tensor<B>) -> Result<()> {
         if self.size() == 1 {
             return Ok(());
         }
-        let host = self.backend.to_host(t)?;
+        let host = self.host(t)?;
         for j in 0..self.size() {
             self.send(j, host.clone());
         }
-        let mut acc = vec![0.0f32; t.numel()];
-        for j in 0..self.size() {
-            for (a, b) in acc.iter_mut().zip(self.recv(j)?) {
-                *a += b;
-            }
-        }
-        self.backend.upload(t, &acc)
+        let acc = self.sum_from_all(t.numel())?;
+        self.put(t, &acc)
     }
 
     fn send_recv(
@@ -255,8 +312,11 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
         recv: &mut Tensor<B>,
         from: usize,
     ) -> Result<()> {
-        self.send(to, self.backend.to_host(send)?);
+        self.send(to, self.host(send)?);
         let got = self.recv(from)?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         if got.len() != recv.numel() {
             return Err(Error::Comm(format!(
                 "send_recv: expected {} elements from rank {from}, got {}",

@@ -33,7 +33,7 @@ use super::watchdog::{self, Failure, InFlight, Watchdog};
 use super::{GroupKind, Mesh, MeshShape, Pending, ProcessGroup};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::cuda::libs::{self, Lib, LoadedLib};
-use crate::backend::{DType, Tensor};
+use crate::backend::{Backend, DType, Tensor};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys;
@@ -1081,6 +1081,13 @@ impl NcclGroup {
         Ok(r as i32)
     }
 
+    /// Whether the backend rehearses (`Backend::set_rehearse`): collectives
+    /// check their buffers, which are allocated as in a real step, and move
+    /// nothing; the events that order them are still recorded.
+    fn rehearsing(&self) -> bool {
+        self.backend.rehearsing()
+    }
+
     /// Device-to-device copy on the stream (groups of one rank).
     fn copy_bytes(&self, dst: *mut c_void, src: *mut c_void, bytes: usize) -> Result<()> {
         if bytes == 0 || dst == src {
@@ -1113,6 +1120,9 @@ impl NcclGroup {
             return Err(Error::Comm(
                 "all_to_all: send and receive sizes differ".into(),
             ));
+        }
+        if self.rehearsing() {
+            return Ok(());
         }
         let esz = send.dtype().size();
         let (s, r) = (self.ptr(send), self.ptr(recv));
@@ -1173,6 +1183,9 @@ impl NcclGroup {
                 "all_gather: receive must hold size x send".into(),
             ));
         }
+        if self.rehearsing() {
+            return Ok(());
+        }
         if self.size == 1 {
             return self.copy_bytes(self.ptr(recv), self.ptr(send), send.bytes());
         }
@@ -1208,6 +1221,9 @@ impl NcclGroup {
                 "reduce_scatter: receive must hold one chunk".into(),
             ));
         }
+        if self.rehearsing() {
+            return Ok(());
+        }
         if self.size == 1 {
             return self.copy_bytes(self.ptr(recv), self.ptr(send), recv.bytes());
         }
@@ -1233,7 +1249,7 @@ impl NcclGroup {
     }
 
     fn all_reduce_queued(&self, t: &mut Tensor<CudaBackend>) -> Result<()> {
-        if self.size == 1 || t.numel() == 0 {
+        if self.size == 1 || t.numel() == 0 || self.rehearsing() {
             return Ok(());
         }
         drv_bind(&self.backend)?;
@@ -1275,7 +1291,13 @@ impl NcclGroup {
                     recv.numel()
                 )));
             }
+            if self.rehearsing() {
+                return Ok(());
+            }
             return self.copy_bytes(self.ptr(recv), self.ptr(send), send.bytes());
+        }
+        if self.rehearsing() {
+            return Ok(());
         }
         drv_bind(&self.backend)?;
         let _g = lock(&self.comm)?;

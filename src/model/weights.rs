@@ -101,7 +101,9 @@ impl<B: Backend> BlockWeights<B> {
 }
 
 impl<B: Backend> ModelWeights<B> {
-    /// Builds every tensor from `init(hf_name, shape)`.
+    /// Builds every tensor from `init(hf_name, shape)`; a rehearsing
+    /// backend (`Backend::set_rehearse`) allocates them unwritten, and
+    /// `init` is not called.
     pub fn build(
         b: &B,
         cfg: &ModelConfig,
@@ -110,6 +112,9 @@ impl<B: Backend> ModelWeights<B> {
         mut init: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
     ) -> Result<Self> {
         let mut t = |name: String, shape: &[usize]| -> Result<Tensor<B>> {
+            if b.rehearsing() {
+                return b.empty(shape, dtype, cat);
+            }
             let v = init(&name, shape)?;
             b.from_host(&v, shape, dtype, cat)
         };

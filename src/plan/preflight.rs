@@ -120,8 +120,9 @@ pub fn check(spec: &StepSpec, pred: &Prediction, mem: RankMemory) -> Result<()> 
     )))
 }
 
-/// The first change of [`CHANGES`] that fits, or a shorter `--seq`.
-fn suggest(spec: &StepSpec, mem: RankMemory) -> String {
+/// The first change of [`CHANGES`] that fits `mem` (the smallest in
+/// speed), or a shorter `--seq`: a sentence naming the flags.
+pub fn suggest(spec: &StepSpec, mem: RankMemory) -> String {
     let world = spec.data * spec.plan.mesh_shape().world_size();
     let fits = |s: &StepSpec| {
         predict_step_rank(s, 0)

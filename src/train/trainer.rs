@@ -68,6 +68,12 @@ pub struct TrainConfig {
     pub run_file: Option<String>,
     /// Pinned host memory each rank may use for offloaded tensors (None: unlimited).
     pub host_budget: Option<usize>,
+    /// Rehearse one step instead of training (`upipe train --rehearse`):
+    /// every rank's backend allocates what the step allocates, in the same
+    /// order, and computes nothing (`Backend::set_rehearse`); the weights
+    /// are allocated unwritten, one step runs whatever `steps` says, and
+    /// the reports carry no loss or gradient norm (NaN).
+    pub rehearse: bool,
 }
 
 /// What one step did (rank 0's view; loss and gradients are global).
@@ -95,6 +101,9 @@ pub struct TrainSummary {
     /// Rank 0's memory at the end (a process rank's own memory on that rank).
     pub memory: MemoryStats,
     pub ranks: usize,
+    /// The most device memory rank 0's allocator held (the CUDA pool's
+    /// reserved high-water, fragmentation included); `None` on the CPU.
+    pub reserved_peak: Option<usize>,
 }
 
 impl TrainConfig {
@@ -134,6 +143,7 @@ impl TrainConfig {
             grad_accum: 1,
             run_file: None,
             host_budget: None,
+            rehearse: false,
         }
     }
 
@@ -156,6 +166,17 @@ impl TrainConfig {
         }
         if self.grad_accum == 0 {
             return crate::config_err!("--grad-accum must be at least 1 (sequences per step)");
+        }
+        if self.rehearse && (self.save_dir.is_some() || self.resume) {
+            let flag = if self.resume {
+                "--resume"
+            } else {
+                "--save-dir"
+            };
+            return crate::config_err!(
+                "--rehearse computes and trains nothing, so there is nothing for {flag} to save or resume: \
+                 drop {flag} (or --rehearse)"
+            );
         }
         let plan = CpPlan::new(
             self.strategy,
@@ -266,11 +287,12 @@ pub fn train_threads<B: Backend>(
     let out = run_ranks(shape, make_backend, |rank, b, mesh| {
         run_rank(cfg, &plan, tokens.clone(), b.as_ref(), &mesh, rank, on_step)
     })?;
-    let (reports, memory) = out.into_iter().next().expect("at least one rank");
+    let (reports, memory, reserved_peak) = out.into_iter().next().expect("at least one rank");
     Ok(TrainSummary {
         reports,
         memory,
         ranks: shape.world_size(),
+        reserved_peak,
     })
 }
 
@@ -296,11 +318,13 @@ pub fn train_on_mesh<B: Backend>(
             mesh.shape
         );
     }
-    let (reports, memory) = run_rank(cfg, &plan, tokens, b, mesh, mesh.rank, on_step)?;
+    let (reports, memory, reserved_peak) =
+        run_rank(cfg, &plan, tokens, b, mesh, mesh.rank, on_step)?;
     Ok(TrainSummary {
         reports,
         memory,
         ranks: shape.world_size(),
+        reserved_peak,
     })
 }
 
@@ -346,7 +370,9 @@ fn run_rank<B: Backend>(
     mesh: &Mesh<B>,
     rank: usize,
     on_step: &(dyn Fn(&StepReport) + Sync),
-) -> Result<(Vec<StepReport>, MemoryStats)> {
+) -> Result<RankOutcome> {
+    // before the first allocation: the rehearsal allocates all of them
+    b.set_rehearse(cfg.rehearse);
     let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
     let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {
         let (m, r) = Sharded::open(b, cfg, mesh)?;
@@ -377,7 +403,8 @@ fn run_rank<B: Backend>(
     let targets_per_step = (cfg.seq * cfg.data_parallel * cfg.grad_accum) as f64;
     let grad_scale = (1.0 / targets_per_step) as f32;
     let mut reports = Vec::new();
-    for step in first..=cfg.steps {
+    let last = if cfg.rehearse { first } else { cfg.steps };
+    for step in first..=last {
         let start = Instant::now();
         let mut local_loss = 0.0;
         for i in 0..cfg.grad_accum {
@@ -393,6 +420,11 @@ fn run_rank<B: Backend>(
         mesh.world.all_reduce(&mut loss)?;
         let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
         let (lr, grad_norm) = model.optimizer_step(b, step)?;
+        // a rehearsal computed neither
+        let (loss, grad_norm) = match cfg.rehearse {
+            true => (f64::NAN, f64::NAN),
+            false => (loss, grad_norm),
+        };
         b.synchronize()?;
         let memory = b.ledger().stats();
         let report = StepReport {
@@ -427,8 +459,12 @@ fn run_rank<B: Backend>(
             }
         }
     }
-    Ok((reports, b.ledger().stats()))
+    Ok((reports, b.ledger().stats(), b.reserved_peak()?))
 }
+
+/// What one rank's loop returns: its reports, its memory at the end, and
+/// its allocator's reserved high-water (`Backend::reserved_peak`).
+type RankOutcome = (Vec<StepReport>, MemoryStats, Option<usize>);
 
 /// Copies every parameter to the host by HF name.
 pub fn weights_to_host<B: Backend>(

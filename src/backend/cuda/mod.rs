@@ -37,7 +37,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 pub use pool::CudaStorage as Storage;
@@ -80,6 +80,10 @@ pub struct CudaBackend {
     /// The first fatal communication error on this GPU (set by the NCCL
     /// watchdog, `comm::nccl`); every later synchronisation returns it.
     comm_fault: Arc<OnceLock<String>>,
+    /// Every op allocates as it would and launches nothing
+    /// (`Backend::set_rehearse`): the gate sits right before each launch,
+    /// copy and memset, after the op's allocations and checks.
+    rehearse: AtomicBool,
 }
 
 /// How many attention calls of a backend ran on which kernels.
@@ -291,6 +295,7 @@ impl CudaBackend {
             cudnn: OnceLock::new(),
             profile,
             comm_fault: Arc::new(OnceLock::new()),
+            rehearse: AtomicBool::new(false),
         })
     }
 
@@ -617,20 +622,7 @@ impl CudaBackend {
                 self.ledger.clone(),
             )),
             Err(AllocError::OutOfMemory) => {
-                let s = self.ledger.stats();
-                let by = s
-                    .current_by_category
-                    .iter()
-                    .filter(|(_, b)| *b > 0)
-                    .map(|(c, b)| format!("{}: {}", c.name(), super::Bytes(*b)))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                Err(Error::OutOfMemory {
-                    device: self.name.clone(),
-                    requested: bytes,
-                    in_use: s.current,
-                    by_category: by,
-                })
+                Err(super::out_of_memory(&self.name, &self.ledger, bytes))
             }
             Err(AllocError::Other(e)) => Err(e),
         }
@@ -665,7 +657,7 @@ impl CudaBackend {
     /// Uploads 32-bit ids into a workspace tensor (stored as 4-byte elements).
     fn upload_ids(&self, ids: &[u32]) -> Result<Tensor<Self>> {
         let t = self.alloc(&[ids.len()], DType::F32, Category::Workspace)?;
-        if !ids.is_empty() {
+        if !ids.is_empty() && !self.rehearsing() {
             // SAFETY: `t` holds ids.len() 4-byte elements; the pageable source is
             // staged before the call returns.
             drv(
@@ -677,7 +669,7 @@ impl CudaBackend {
     }
 
     fn launch1d(&self, f: kernels::Func, n: usize, args: Args) -> Result<()> {
-        if n == 0 {
+        if n == 0 || self.rehearsing() {
             return Ok(());
         }
         launch(&self.stream, f, grid_for(n, BLOCK), BLOCK, 0, args)
@@ -687,7 +679,7 @@ impl CudaBackend {
     pub fn zero_raw(&self, p: u64, bytes: usize) -> Result<()> {
         let _span = self.span("memset")?;
         self.bind()?;
-        if bytes == 0 {
+        if bytes == 0 || self.rehearsing() {
             return Ok(());
         }
         // SAFETY: callers pass an address inside a live allocation of this
@@ -757,6 +749,15 @@ impl Backend for CudaBackend {
     fn compute_dtype(&self) -> DType {
         DType::BF16
     }
+    fn set_rehearse(&self, on: bool) {
+        self.rehearse.store(on, Ordering::Relaxed);
+    }
+    fn rehearsing(&self) -> bool {
+        self.rehearse.load(Ordering::Relaxed)
+    }
+    fn reserved_peak(&self) -> Result<Option<usize>> {
+        Ok(Some(self.pool_stats()?.reserved_high as usize))
+    }
 
     fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {
         if dst.shape() != src.shape() || dst.dtype() != src.dtype() {
@@ -768,7 +769,7 @@ impl Backend for CudaBackend {
                 src.dtype()
             )));
         }
-        if src.bytes() == 0 {
+        if src.bytes() == 0 || self.rehearsing() {
             return Ok(CopyDone::finished());
         }
         self.bind()?;
@@ -819,7 +820,7 @@ impl Backend for CudaBackend {
         let _span = self.span("memset")?;
         self.bind()?;
         let t = self.alloc(shape, dtype, cat)?;
-        if t.bytes() > 0 {
+        if t.bytes() > 0 && !self.rehearsing() {
             // SAFETY: `t` owns `bytes` bytes, ordered on this stream.
             drv(
                 unsafe { result::memset_d8_async(ptr(&t), 0, t.bytes(), self.stream.cu_stream()) },
@@ -861,7 +862,7 @@ impl Backend for CudaBackend {
                 t.shape()
             )));
         }
-        if data.is_empty() {
+        if data.is_empty() || self.rehearsing() {
             return Ok(());
         }
         self.bind()?;
@@ -899,6 +900,9 @@ impl Backend for CudaBackend {
         let n = t.numel();
         if n == 0 {
             return Ok(Vec::new());
+        }
+        if self.rehearsing() {
+            return Ok(vec![0.0; n]);
         }
         if t.category() == Category::Offload {
             // host memory already: once the copies into it are done
@@ -996,6 +1000,9 @@ impl Backend for CudaBackend {
             c: ptr_at(c.t, c.l.offset),
             workspace: self.workspace_ptr()?,
         };
+        if self.rehearsing() {
+            return Ok(());
+        }
         self.gemm.run(&self.stream, &p, ab, cd, &ptrs, alpha, beta)
     }
 
@@ -1097,6 +1104,9 @@ impl Backend for CudaBackend {
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
         self.bind()?;
         let acc = self.zeros(&[2], DType::F32, Category::Workspace)?; // one f64
+        if self.rehearsing() {
+            return Ok(0.0);
+        }
         let n = t.numel();
         let blocks = grid_for(n, BLOCK).0.min(1024);
         if n > 0 {
@@ -1138,7 +1148,7 @@ impl Backend for CudaBackend {
         }
         self.bind()?;
         let rows = x.numel() / dim;
-        if rows == 0 {
+        if rows == 0 || self.rehearsing() {
             return Ok(());
         }
         let args = Args::new()
@@ -1184,7 +1194,7 @@ impl Backend for CudaBackend {
         }
         self.bind()?;
         let rows = x.numel() / dim;
-        if rows == 0 {
+        if rows == 0 || self.rehearsing() {
             return Ok(());
         }
         let args = Args::new()
@@ -1330,7 +1340,11 @@ impl Backend for CudaBackend {
         if a.sq > 0 && a.hq > 0 {
             self.count_attn(path, false);
         }
-        match (path, self.flash_functions()?) {
+        let flash_fns = self.flash_functions()?;
+        if self.rehearsing() {
+            return Ok(());
+        }
+        match (path, flash_fns) {
             (AttnPath::Flash, Some(f)) => attention::fwd_flash(&self.stream, f, &a),
             _ => attention::fwd_naive(&self.kernels, &self.stream, &a),
         }
@@ -1505,8 +1519,11 @@ impl Backend for CudaBackend {
                 // delta = rowsum(dO * O) per query row and head, freed (stream-ordered) on return.
                 let bytes = flash::flash_bwd_workspace_bytes(sq, g.hq);
                 let ws = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
-                attention::bwd_flash(&self.stream, f, &a, ptr(&ws))?;
+                if !self.rehearsing() {
+                    attention::bwd_flash(&self.stream, f, &a, ptr(&ws))?;
+                }
             }
+            _ if self.rehearsing() => {}
             _ => attention::bwd_naive(&self.kernels, &self.stream, &a)?,
         }
         for (s, t, start, rows, rs) in [
@@ -1695,6 +1712,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let tt = self.upload_ids(targets)?;
+        if self.rehearsing() {
+            return Ok(());
+        }
         let args = Args::new()
             .ptr(ptr(logits))
             .i32(dt(logits))

@@ -149,6 +149,15 @@ pub struct TrainArgs {
     /// throughput, model TFLOP/s, memory by category; `upipe report` draws it).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Rehearse one step at full size instead of training: every tensor
+    /// through the real allocators (GPU pool, pinned host pool, cuDNN plans
+    /// and workspaces, NCCL communicators), no kernel or collective
+    /// launched, nothing computed; prints the measured device and host
+    /// peaks beside the planner's. Runs even where the preflight would
+    /// refuse the run; exits 1 when it does not fit.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub rehearse: bool,
 }
 
 impl TrainArgs {
@@ -188,6 +197,7 @@ impl TrainArgs {
         attn_kernel => run.attn_kernel,
         json => run.json,
         metrics => run.metrics,
+        rehearse => run.rehearse,
     }
 
     /// The flags' values parsed and checked; errors name the flag and its

@@ -10,6 +10,7 @@ use crate::cli::metrics::{MetricsFile, RunFacts};
 use crate::error::{Error, Result};
 use crate::model::flops::train_flops_per_token;
 use crate::plan::Prediction;
+use crate::plan::preflight::RankMemory;
 
 /// Every check, in order; the run's per-step output on success.
 pub(super) fn preflight(
@@ -25,26 +26,44 @@ pub(super) fn preflight(
 /// less what lies outside the ledger, or the host's share on the CPU), and
 /// sets the pinned-host budget of GPU runs (`--host-mem`, GiB per node).
 fn memory(run: &mut Built, predicted: &Prediction, host_mem_gib: Option<f64>) -> Result<()> {
-    use crate::plan::preflight::{RankMemory, check};
+    match rank_memory(run, host_mem_gib)? {
+        Some(mem) => {
+            crate::plan::preflight::check(&run.spec(&run.plan), &held(run, predicted), mem)
+        }
+        None => Ok(()),
+    }
+}
+
+/// The memory each rank may use (`None`: unknown), as the preflight holds
+/// the prediction against it; sets the pinned-host budget of GPU runs.
+pub(super) fn rank_memory(
+    run: &mut Built,
+    host_mem_gib: Option<f64>,
+) -> Result<Option<RankMemory>> {
     let (world, gpus) = (run.shape.world_size(), run.gpus.max(1));
     let host = host_per_rank(run, host_mem_gib)?;
     let Some(device) = run.budget else {
-        return Ok(());
+        return Ok(None);
     };
-    let spec = run.spec(&run.plan);
-    if run.on_gpu() {
-        run.cfg.host_budget = host;
-        // the CUDA context, cuBLAS and cuDNN handles lie outside the ledger
-        let mem = RankMemory {
-            device: device.saturating_sub((1 << 30) / world.div_ceil(gpus)),
-            host,
-        };
-        return check(&spec, predicted, mem);
+    if !run.on_gpu() {
+        return Ok(Some(RankMemory { device, host: None }));
     }
-    // on the CPU the offloaded tensors share the same memory
+    run.cfg.host_budget = host;
+    // the CUDA context, cuBLAS and cuDNN handles lie outside the ledger
+    Ok(Some(RankMemory {
+        device: device.saturating_sub((1 << 30) / world.div_ceil(gpus)),
+        host,
+    }))
+}
+
+/// `predicted` as it is held against [`rank_memory`]: on the CPU the
+/// offloaded tensors share the same memory.
+pub(super) fn held(run: &Built, predicted: &Prediction) -> Prediction {
     let mut whole = predicted.clone();
-    whole.peak += predicted.host_peak;
-    check(&spec, &whole, RankMemory { device, host: None })
+    if !run.on_gpu() {
+        whole.peak += predicted.host_peak;
+    }
+    whole
 }
 
 /// Host memory each rank of a GPU run may pin: `--host-mem` (GiB per node)

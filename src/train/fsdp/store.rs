@@ -57,7 +57,8 @@ pub struct FsdpStore<'a, B: Backend> {
 impl<'a, B: Backend> FsdpStore<'a, B> {
     /// The shards of rank `group.rank()` over `group` (gradients also summed
     /// over `replica`), each parameter's owned elements from
-    /// `init(hf_name, elems)` (flattened, row-major).
+    /// `init(hf_name, elems)` (flattened, row-major); a rehearsing backend
+    /// (`Backend::set_rehearse`) allocates them unwritten, without `init`.
     pub fn new(
         b: &B,
         cfg: &ModelConfig,
@@ -69,28 +70,15 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         let layouts = model_layouts(cfg, world);
         let mut params = Vec::with_capacity(layouts.len());
         let mut grads = Vec::with_capacity(layouts.len());
+        let dt = b.compute_dtype();
         for u in &layouts {
-            let mut host = vec![0.0f32; u.shard];
-            for s in u.segments(rank) {
-                let p = &u.params[s.param];
-                let v = init(&p.name, s.elems.clone())?;
-                if v.len() != s.elems.len() {
-                    return Err(Error::Checkpoint(format!(
-                        "{}: {} values for elements {:?}",
-                        p.name,
-                        v.len(),
-                        s.elems
-                    )));
-                }
-                host[s.at..s.at + v.len()].copy_from_slice(&v);
-            }
-            let dt = b.compute_dtype();
-            params.push(Some(b.from_host(
-                &host,
-                &[u.shard],
-                dt,
-                Category::Weights,
-            )?));
+            let shard = if b.rehearsing() {
+                b.empty(&[u.shard], dt, Category::Weights)?
+            } else {
+                let host = shard_values(u, rank, &mut init)?;
+                b.from_host(&host, &[u.shard], dt, Category::Weights)?
+            };
+            params.push(Some(shard));
             grads.push(Some(b.zeros(&[u.shard], DType::F32, Category::Grads)?));
         }
         let n = layouts.len();
@@ -264,6 +252,30 @@ fn g_tensors<B: Backend>(g: BlockWeights<B>) -> Vec<Tensor<B>> {
 
 fn internal(why: String) -> Error {
     Error::Backend(format!("FSDP: {why}"))
+}
+
+/// Rank `rank`'s shard of unit layout `u`, each owned range from
+/// `init(hf_name, elems)` (the padding zero).
+fn shard_values(
+    u: &UnitLayout,
+    rank: usize,
+    init: &mut impl FnMut(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    let mut host = vec![0.0f32; u.shard];
+    for s in u.segments(rank) {
+        let p = &u.params[s.param];
+        let v = init(&p.name, s.elems.clone())?;
+        if v.len() != s.elems.len() {
+            return Err(Error::Checkpoint(format!(
+                "{}: {} values for elements {:?}",
+                p.name,
+                v.len(),
+                s.elems
+            )));
+        }
+        host[s.at..s.at + v.len()].copy_from_slice(&v);
+    }
+    Ok(host)
 }
 
 fn zeros_f32<B: Backend>(b: &B, shape: &[usize]) -> Result<Tensor<B>> {
