@@ -117,6 +117,8 @@ pub struct RunKeys {
     pub attn_kernel: Option<String>,
     pub json: Option<bool>,
     pub metrics: Option<PathBuf>,
+    pub profile: Option<bool>,
+    pub trace: Option<PathBuf>,
 }
 
 /// `[hardware]`: the machines `upipe plan` plans for.

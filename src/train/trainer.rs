@@ -12,6 +12,7 @@ use super::replicated::{Replicated, ReplicatedStore};
 use super::state::{Micro, RankModel};
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cpu::CpuBackend;
+use crate::backend::profile::ClassTotals;
 use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats, Tensor};
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
@@ -68,6 +69,12 @@ pub struct TrainConfig {
     pub run_file: Option<String>,
     /// Pinned host memory each rank may use for offloaded tensors (None: unlimited).
     pub host_budget: Option<usize>,
+    /// Time every op of every step by class (`--profile`; the backends'
+    /// op profile, `backend::profile`).
+    pub profile: bool,
+    /// Write rank 0's last step as a Chrome/Perfetto trace here (`--trace`;
+    /// needs `profile`).
+    pub trace: Option<PathBuf>,
 }
 
 /// What one step did (rank 0's view; loss and gradients are global).
@@ -86,6 +93,8 @@ pub struct StepReport {
     pub host_peak_bytes: usize,
     /// Tokens the step trained on (every sequence of every replica).
     pub tokens: usize,
+    /// Rank 0's time of the step by op class, when profiled.
+    pub profile: Option<ClassTotals>,
 }
 
 /// The outcome of a run.
@@ -125,6 +134,8 @@ impl TrainConfig {
             grad_accum: 1,
             run_file: None,
             host_budget: None,
+            profile: false,
+            trace: None,
         }
     }
 
@@ -368,7 +379,12 @@ fn run_rank<B: Backend>(
     let targets_per_step = (cfg.seq * cfg.data_parallel * cfg.grad_accum) as f64;
     let grad_scale = (1.0 / targets_per_step) as f32;
     let mut reports = Vec::new();
+    if cfg.profile {
+        b.enable_profile();
+    }
     for step in first..=cfg.steps {
+        // what ran before the step (setup, the last step's checkpoint) is not its own
+        b.take_profile()?;
         let start = Instant::now();
         let mut local_loss = 0.0;
         for i in 0..cfg.grad_accum {
@@ -385,17 +401,20 @@ fn run_rank<B: Backend>(
         let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
         let (lr, grad_norm) = model.optimizer_step(b, step)?;
         b.synchronize()?;
+        let seconds = start.elapsed().as_secs_f64();
+        let profile = step_profile(cfg, b, step, rank)?;
         let memory = b.ledger().stats();
         let report = StepReport {
             step,
             loss,
             lr,
             grad_norm,
-            tokens_per_s: targets_per_step / start.elapsed().as_secs_f64(),
+            tokens_per_s: targets_per_step / seconds,
             peak_bytes: memory.peak,
             at_peak_by_category: memory.at_peak_by_category,
             host_peak_bytes: memory.host_peak,
             tokens: targets_per_step as usize,
+            profile,
         };
         if rank == 0 {
             on_step(&report);
@@ -419,6 +438,23 @@ fn run_rank<B: Backend>(
         }
     }
     Ok((reports, b.ledger().stats()))
+}
+
+/// The step's op profile by class (when profiled); rank 0 writes the last
+/// step's trace (`cfg.trace`).
+fn step_profile<B: Backend>(
+    cfg: &TrainConfig,
+    b: &B,
+    step: u32,
+    rank: usize,
+) -> Result<Option<ClassTotals>> {
+    let Some(p) = b.take_profile()? else {
+        return Ok(None);
+    };
+    if let (Some(path), true, 0) = (&cfg.trace, step == cfg.steps, rank) {
+        p.write_trace(path, rank)?;
+    }
+    Ok(Some(p.totals()))
 }
 
 /// Copies every parameter to the host by HF name.
