@@ -898,6 +898,9 @@ impl Backend for CudaBackend {
         self.profile.set_phase(phase);
     }
     fn take_profile(&self) -> Result<Option<crate::backend::profile::StepProfile>> {
+        if !self.profile.enabled() {
+            return Ok(None);
+        }
         self.bind()?;
         self.profile.take_step()
     }
