@@ -8,7 +8,7 @@ use super::checkpoint::HostTensor;
 use super::data::{SamplerState, SequenceSampler, Tokens};
 use super::fsdp::Sharded;
 use super::optim::AdamWConfig;
-use super::replicated::{Replicated, ReplicatedStore};
+use super::replicated::{Replicated, ReplicatedStore, Resumed};
 use super::state::{Micro, RankModel};
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cpu::CpuBackend;
@@ -361,17 +361,10 @@ fn run_rank<B: Backend>(
     let data_rank = mesh.shape.coords(mesh.rank).data;
     let mut sampler =
         SequenceSampler::sharded(tokens, cfg.seq, cfg.seed, data_rank, cfg.data_parallel)?;
-    let mut first = 1;
-    if let Some(r) = resumed {
-        let dir = cfg.resume_dir().expect("resumed from a directory");
-        let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
-            .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
-        sampler.restore(sampler_state)?;
-        first = r.step as u32 + 1;
-        if rank == 0 {
-            tracing::info!("resumed from {} at step {}", dir.display(), r.step);
-        }
-    }
+    let first = match resumed {
+        Some(r) => resume(cfg, &mut sampler, r, rank)?,
+        None => 1,
+    };
     let positions = plan
         .layout
         .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
@@ -423,21 +416,52 @@ fn run_rank<B: Backend>(
         let save_now = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
         if let (Some(dir), true) = (&cfg.save_dir, save_now) {
             let extra = serde_json::json!({ "sampler": sampler.state(), "seed": cfg.seed });
-            model.save(b, dir, step as u64, &extra, rank == 0)?;
-            if rank == 0 {
-                // config.json beside the weights makes the directory an HF model dir
-                let path = dir.join("config.json");
-                std::fs::write(&path, cfg.model.to_hf_json())
-                    .map_err(|e| Error::io(path.display().to_string(), e))?;
-                if let Some(text) = &cfg.run_file {
-                    let path = dir.join("run.toml");
-                    std::fs::write(&path, text)
-                        .map_err(|e| Error::io(path.display().to_string(), e))?;
-                }
-            }
+            save(cfg, b, model.as_mut(), dir, step, &extra, rank)?;
         }
     }
     Ok((reports, b.ledger().stats()))
+}
+
+/// Restores the sampler of a resumed run; the first step to run.
+fn resume(
+    cfg: &TrainConfig,
+    sampler: &mut SequenceSampler,
+    r: Resumed,
+    rank: usize,
+) -> Result<u32> {
+    let dir = cfg.resume_dir().expect("resumed from a directory");
+    let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
+        .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
+    sampler.restore(sampler_state)?;
+    if rank == 0 {
+        tracing::info!("resumed from {} at step {}", dir.display(), r.step);
+    }
+    Ok(r.step as u32 + 1)
+}
+
+/// Writes the checkpoint of `step` into `dir` (rank 0 adds `config.json`,
+/// which makes it an HF model directory, and the run file).
+fn save<B: Backend>(
+    cfg: &TrainConfig,
+    b: &B,
+    model: &mut (dyn RankModel<B> + '_),
+    dir: &std::path::Path,
+    step: u32,
+    extra: &serde_json::Value,
+    rank: usize,
+) -> Result<()> {
+    model.save(b, dir, step as u64, extra, rank == 0)?;
+    if rank != 0 {
+        return Ok(());
+    }
+    let path = dir.join("config.json");
+    std::fs::write(&path, cfg.model.to_hf_json())
+        .map_err(|e| Error::io(path.display().to_string(), e))?;
+    if let Some(text) = &cfg.run_file {
+        let path = dir.join("run.toml");
+        std::fs::write(&path, text).map_err(|e| Error::io(path.display().to_string(), e))?;
+    }
+    Ok(())
 }
 
 /// The step's op profile by class (when profiled); rank 0 writes the last

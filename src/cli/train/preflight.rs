@@ -65,10 +65,10 @@ fn trace_file(path: &std::path::Path) -> Result<()> {
     if path.is_dir() {
         return bad("is a directory".into());
     }
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        if let Err(e) = std::fs::create_dir_all(dir) {
-            return bad(format!("cannot create its directory ({e})"));
-        }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
+        && let Err(e) = std::fs::create_dir_all(dir)
+    {
+        return bad(format!("cannot create its directory ({e})"));
     }
     match std::fs::File::create(path) {
         Ok(_) => Ok(()),
