@@ -2,8 +2,9 @@
 //! rayon parallelism and `matrixmultiply` GEMM. Every other backend and every
 //! context-parallel strategy is tested against this one.
 
+use super::profile::{HostProfile, Phase, StepProfile, Track};
 use super::{
-    AdamWStep, AttnGradWrites, Backend, Category, DType, GradWrite, IGNORE, Mat, MatMut,
+    AdamWStep, AttnGradWrites, Backend, Category, CopyDone, DType, GradWrite, IGNORE, Mat, MatMut,
     MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
@@ -17,6 +18,8 @@ pub struct CpuStorage(Vec<f32>);
 /// CPU f32 backend. One instance per rank; each has its own ledger.
 pub struct CpuBackend {
     ledger: Arc<MemoryLedger>,
+    /// Host wall-clock time of each op, once enabled (`--profile`).
+    profile: HostProfile,
     /// Ops check their arguments and return (`Backend::set_rehearse`);
     /// buffers are zeroed pages the kernel maps only when written.
     rehearse: AtomicBool,
@@ -32,6 +35,7 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend {
             ledger: Arc::new(MemoryLedger::new()),
+            profile: HostProfile::default(),
             rehearse: AtomicBool::new(false),
         }
     }
@@ -148,6 +152,7 @@ impl Backend for CpuBackend {
     }
 
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        let _span = self.profile.span("memset", Track::Compute);
         check_f32(dtype)?;
         let n = shape.iter().product();
         Ok(Tensor::from_parts(
@@ -178,6 +183,7 @@ impl Backend for CpuBackend {
         dtype: DType,
         cat: Category,
     ) -> Result<Tensor<Self>> {
+        let _span = self.profile.span("upload", Track::Compute);
         check_f32(dtype)?;
         if host.len() != shape.iter().product::<usize>() {
             return Err(Error::Backend(format!(
@@ -200,6 +206,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, t: &mut Tensor<Self>, host: &[f32]) -> Result<()> {
+        let _span = self.profile.span("upload", Track::Compute);
         if host.len() != t.numel() {
             return Err(Error::Backend(format!(
                 "upload: {} values into a tensor of shape {:?}",
@@ -214,6 +221,7 @@ impl Backend for CpuBackend {
     }
 
     fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>> {
+        let _span = self.profile.span("download", Track::Compute);
         if self.rehearsing() {
             return self.lazy_zeros(t.numel());
         }
@@ -224,6 +232,23 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn enable_profile(&self) {
+        self.profile.enable();
+    }
+    fn set_phase(&self, phase: Phase) {
+        self.profile.set_phase(phase);
+    }
+    fn take_profile(&self) -> Result<Option<StepProfile>> {
+        self.profile.take()
+    }
+
+    /// Copies at once, timed on the copy track (the device's copy stream).
+    fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {
+        let _span = self.profile.span("copy_start", Track::Copy);
+        self.copy(dst.mat_mut(), src.mat())?;
+        Ok(CopyDone::finished())
+    }
+
     fn gemm(
         &self,
         c: MatMut<'_, Self>,
@@ -232,6 +257,7 @@ impl Backend for CpuBackend {
         alpha: f32,
         beta: f32,
     ) -> Result<()> {
+        let _span = self.profile.span("gemm", Track::Compute);
         let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
         if b.l.rows != k || c.l.rows != m || c.l.cols != n || c.l.trans {
             return Err(Error::Backend(format!(
@@ -286,6 +312,7 @@ impl Backend for CpuBackend {
     }
 
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
+        let _span = self.profile.span("copy", Track::Compute);
         if dst.l.rows != src.l.rows || dst.l.cols != src.l.cols {
             return Err(Error::Backend(format!(
                 "copy shapes: {:?} <- {:?}",
@@ -313,6 +340,7 @@ impl Backend for CpuBackend {
     }
 
     fn fill(&self, t: &mut Tensor<Self>, value: f32) -> Result<()> {
+        let _span = self.profile.span("fill", Track::Compute);
         if self.rehearsing() {
             return Ok(());
         }
@@ -321,6 +349,7 @@ impl Backend for CpuBackend {
     }
 
     fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()> {
+        let _span = self.profile.span("axpy", Track::Compute);
         same_numel(y, x, "axpy")?;
         if self.rehearsing() {
             return Ok(());
@@ -332,6 +361,7 @@ impl Backend for CpuBackend {
     }
 
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
+        let _span = self.profile.span("sum_squares", Track::Compute);
         if self.rehearsing() {
             return Ok(0.0);
         }
@@ -345,6 +375,7 @@ impl Backend for CpuBackend {
         eps: f32,
         y: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.profile.span("rms_norm", Track::Compute);
         same_numel(x, y, "rms_norm_fwd")?;
         if self.rehearsing() {
             return Ok(());
@@ -372,6 +403,7 @@ impl Backend for CpuBackend {
         dx: &mut Tensor<Self>,
         dw: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.profile.span("rms_norm_bwd", Track::Compute);
         same_numel(x, dy, "rms_norm_bwd")?;
         same_numel(x, dx, "rms_norm_bwd")?;
         if self.rehearsing() {
@@ -403,6 +435,7 @@ impl Backend for CpuBackend {
         sin: &Tensor<Self>,
         inverse: bool,
     ) -> Result<()> {
+        let _span = self.profile.span("rope", Track::Compute);
         let (s, d) = (x.rows(), x.shape().get(2).copied().unwrap_or(0));
         let half = d / 2;
         if d % 2 != 0 || cos.numel() != s * half || sin.numel() != s * half {
@@ -444,6 +477,7 @@ impl Backend for CpuBackend {
         o: RowsMut<'_, Self>,
         lse: RowsMut<'_, Self>,
     ) -> Result<()> {
+        let _span = self.profile.span("attention_fwd", Track::Compute);
         let g = attn_geom(&q, &k, causal)?;
         if self.rehearsing() {
             return Ok(());
@@ -505,6 +539,7 @@ impl Backend for CpuBackend {
         dv: RowsMut<'_, Self>,
         writes: AttnGradWrites,
     ) -> Result<()> {
+        let _span = self.profile.span("attention_bwd", Track::Compute);
         let g = attn_geom(&q, &k, causal)?;
         if self.rehearsing() {
             return Ok(());
@@ -609,6 +644,7 @@ impl Backend for CpuBackend {
         o_blk: Rows<'_, Self>,
         lse_blk: Rows<'_, Self>,
     ) -> Result<()> {
+        let _span = self.profile.span("lse_merge", Track::Compute);
         let (h, d) = (o_acc.heads(), o_acc.head_dim());
         if o_acc.len() != o_blk.len() || o_blk.heads() != h {
             return Err(Error::Backend("lse_merge: block shapes differ".into()));
@@ -648,6 +684,7 @@ impl Backend for CpuBackend {
         up: &Tensor<Self>,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.profile.span("swiglu", Track::Compute);
         same_numel(gate, up, "swiglu_fwd")?;
         same_numel(gate, out, "swiglu_fwd")?;
         if self.rehearsing() {
@@ -669,6 +706,7 @@ impl Backend for CpuBackend {
         dgate: &mut Tensor<Self>,
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.profile.span("swiglu_bwd", Track::Compute);
         same_numel(gate, dout, "swiglu_bwd")?;
         if self.rehearsing() {
             return Ok(());
@@ -693,6 +731,7 @@ impl Backend for CpuBackend {
         ids: &[u32],
         out: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.profile.span("embedding", Track::Compute);
         let (vocab, h) = (table.rows(), table.row_len());
         if out.numel() != ids.len() * h {
             return Err(Error::Backend(
@@ -717,6 +756,7 @@ impl Backend for CpuBackend {
         ids: &[u32],
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.profile.span("embedding_bwd", Track::Compute);
         let h = dtable.row_len();
         super::check_token_ids(ids, dtable.rows())?;
         if self.rehearsing() {
@@ -741,6 +781,7 @@ impl Backend for CpuBackend {
         dlogits: &mut Tensor<Self>,
         loss_sum: &mut Tensor<Self>,
     ) -> Result<()> {
+        let _span = self.profile.span("cross_entropy", Track::Compute);
         let v = logits.row_len();
         if logits.rows() != targets.len() {
             return Err(Error::Backend(
@@ -791,6 +832,7 @@ impl Backend for CpuBackend {
         elems: std::ops::Range<usize>,
         hp: AdamWStep,
     ) -> Result<()> {
+        let _span = self.profile.span("adamw", Track::Compute);
         same_numel(param, grad, "adamw")?;
         same_numel(param, m, "adamw")?;
         same_numel(param, v, "adamw")?;

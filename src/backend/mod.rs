@@ -11,6 +11,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod host_adamw;
 pub mod memory;
+pub mod profile;
 pub mod tensor;
 
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};
@@ -127,6 +128,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>>;
     /// Waits for all queued work on this device.
     fn synchronize(&self) -> Result<()>;
+
+    /// Turns the op profile on (`upipe train --profile`); a backend that
+    /// records none ignores it.
+    fn enable_profile(&self) {}
+    /// Tags the ops queued from now on with `phase` in the profile.
+    fn set_phase(&self, _phase: profile::Phase) {}
+    /// Waits for the ops recorded since the last call and returns them,
+    /// forgetting them here; `None` when the profile is off.
+    fn take_profile(&self) -> Result<Option<profile::StepProfile>> {
+        Ok(None)
+    }
 
     /// `c = alpha * a @ b + beta * c` on matrix views (any of them may be transposed views).
     fn gemm(

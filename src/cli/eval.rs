@@ -240,6 +240,7 @@ fn write_metrics(path: &Path, cfg: &EvalConfig, r: &EvalReport, ranks: usize) ->
         peak_by_category: by_category(&r.at_peak_by_category, r.host_peak_bytes),
         predicted_peak_bytes: None,
         predicted_by_category: None,
+        profile: None,
     };
     let file = MetricsFile::create(path)?;
     file.write(&line);

@@ -42,6 +42,10 @@ pub struct StepMetrics {
     /// What `upipe plan` predicts for rank 0's peak (none when it cannot).
     pub predicted_peak_bytes: Option<usize>,
     pub predicted_by_category: Option<BTreeMap<String, usize>>,
+    /// Rank 0's time of the step by op class, ms (`--profile`):
+    /// `gemm_ms`, `attn_fwd_ms`, ..., `idle_ms`, and the step's `wall_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<BTreeMap<String, f64>>,
 }
 
 /// serde_json writes a NaN as `null`: read it back as NaN.
@@ -94,6 +98,11 @@ impl StepMetrics {
                 .predicted
                 .as_ref()
                 .map(|p| by_category(&p.at_peak, p.host_peak)),
+            profile: r.profile.map(|p| {
+                let mut m = p.to_map();
+                m.insert("wall_ms".into(), step_ms(r));
+                m
+            }),
         }
     }
 
@@ -101,6 +110,11 @@ impl StepMetrics {
     pub fn to_line(&self) -> String {
         serde_json::to_string(self).expect("metrics serialize")
     }
+}
+
+/// The wall time of step `r`, ms.
+pub fn step_ms(r: &StepReport) -> f64 {
+    1e3 * r.tokens as f64 / r.tokens_per_s
 }
 
 /// Model FLOP/s for people: TFLOP/s, or GFLOP/s below one TFLOP/s.
@@ -195,6 +209,7 @@ mod tests {
             at_peak_by_category: vec![(Category::Weights, 200), (Category::Activations, 100)],
             host_peak_bytes: 64,
             tokens: 512,
+            profile: None,
         }
     }
 

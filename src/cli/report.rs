@@ -122,6 +122,7 @@ mod tests {
             peak_by_category: cats(step as usize),
             predicted_peak_bytes: Some(5000),
             predicted_by_category: Some(cats(1)),
+            profile: None,
         }
     }
 

@@ -86,6 +86,9 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         let flops = train_flops_per_token(&run.cfg.model, run.cfg.seq);
         summary::print(&summary, &predicted, run.cfg.steps, flops);
     }
+    if run.lead {
+        summary::print_profile(&summary, a.json);
+    }
     Ok(0)
 }
 
@@ -213,8 +216,16 @@ fn train_config(
         max_file_bytes: crate::train::fsdp::checkpoint::FILE_BYTES,
         run_file: None,
         host_budget: None,
+        profile: a.profile || a.trace.is_some() || profile_env(),
+        trace: a.trace.clone(),
         rehearse: a.rehearse,
     }
+}
+
+/// Whether `UPIPE_PROFILE` asks for the op profile (as `--profile` does).
+fn profile_env() -> bool {
+    let v = std::env::var("UPIPE_PROFILE").ok();
+    !matches!(v.as_deref(), None | Some("") | Some("0"))
 }
 
 impl Built {

@@ -16,11 +16,13 @@
 //! A checkpointed block's backward recomputes its forward only up to
 //! `h1 = h + attn(RMSNorm(h))`: the block output is not needed, and a tiled
 //! MLP runs each tile's forward once, inside the tiled backward.
+//! Both reruns are tagged `Phase::Recompute` for the op profile.
 
 use super::config::ModelConfig;
 use super::store::{ParamStore, Unit};
 use super::weights::BlockWeights;
 use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan, output_projection};
+use crate::backend::profile::{Phase, PhaseGuard};
 use crate::backend::{Backend, Category, CopyDone, DType, MatLayout, Tensor, cast};
 use crate::comm::Mesh;
 use crate::error::{Error, Result};
@@ -407,6 +409,7 @@ impl<B: Backend> Decoder<B> {
         h: &Tensor<B>,
         kept: Option<AttnSaved<B>>,
     ) -> Result<BlockSaved<B>> {
+        let _phase = PhaseGuard::enter(b, Phase::Recompute);
         let (a, attn, h1) = self.attn_fwd(b, mesh, w, h, kept)?;
         let mlp = if self.policy.tiled_mlp {
             None
@@ -477,7 +480,10 @@ impl<B: Backend> Decoder<B> {
             let x_t = self.rows_of(b, &h1, &rows)?;
             let s = match mlp.take() {
                 Some(s) => s,
-                None => self.mlp_fwd(b, w, &x_t)?,
+                None => {
+                    let _phase = PhaseGuard::enter(b, Phase::Recompute);
+                    self.mlp_fwd(b, w, &x_t)?
+                }
             };
             let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
             b.gemm(g.down.mat_mut(), d_t.t(), s.act.mat(), 1.0, 1.0)?;

@@ -8,10 +8,11 @@ use super::checkpoint::HostTensor;
 use super::data::{SamplerState, SequenceSampler, Tokens};
 use super::fsdp::Sharded;
 use super::optim::AdamWConfig;
-use super::replicated::{Replicated, ReplicatedStore};
+use super::replicated::{Replicated, ReplicatedStore, Resumed};
 use super::state::{Micro, RankModel};
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cpu::CpuBackend;
+use crate::backend::profile::ClassTotals;
 use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats, Tensor};
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
@@ -68,6 +69,12 @@ pub struct TrainConfig {
     pub run_file: Option<String>,
     /// Pinned host memory each rank may use for offloaded tensors (None: unlimited).
     pub host_budget: Option<usize>,
+    /// Time every op of every step by class (`--profile`; the backends'
+    /// op profile, `backend::profile`).
+    pub profile: bool,
+    /// Write rank 0's last step as a Chrome/Perfetto trace here (`--trace`;
+    /// needs `profile`).
+    pub trace: Option<PathBuf>,
     /// Rehearse one step instead of training (`upipe train --rehearse`):
     /// every rank's backend allocates what the step allocates, in the same
     /// order, and computes nothing (`Backend::set_rehearse`); the weights
@@ -92,6 +99,8 @@ pub struct StepReport {
     pub host_peak_bytes: usize,
     /// Tokens the step trained on (every sequence of every replica).
     pub tokens: usize,
+    /// Rank 0's time of the step by op class, when profiled.
+    pub profile: Option<ClassTotals>,
 }
 
 /// The outcome of a run.
@@ -143,6 +152,8 @@ impl TrainConfig {
             grad_accum: 1,
             run_file: None,
             host_budget: None,
+            profile: false,
+            trace: None,
             rehearse: false,
         }
     }
@@ -385,17 +396,10 @@ fn run_rank<B: Backend>(
     let data_rank = mesh.shape.coords(mesh.rank).data;
     let mut sampler =
         SequenceSampler::sharded(tokens, cfg.seq, cfg.seed, data_rank, cfg.data_parallel)?;
-    let mut first = 1;
-    if let Some(r) = resumed {
-        let dir = cfg.resume_dir().expect("resumed from a directory");
-        let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
-            .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
-        sampler.restore(sampler_state)?;
-        first = r.step as u32 + 1;
-        if rank == 0 {
-            tracing::info!("resumed from {} at step {}", dir.display(), r.step);
-        }
-    }
+    let first = match resumed {
+        Some(r) => resume(cfg, &mut sampler, r, rank)?,
+        None => 1,
+    };
     let positions = plan
         .layout
         .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
@@ -403,8 +407,13 @@ fn run_rank<B: Backend>(
     let targets_per_step = (cfg.seq * cfg.data_parallel * cfg.grad_accum) as f64;
     let grad_scale = (1.0 / targets_per_step) as f32;
     let mut reports = Vec::new();
+    if cfg.profile {
+        b.enable_profile();
+    }
     let last = if cfg.rehearse { first } else { cfg.steps };
     for step in first..=last {
+        // what ran before the step (setup, the last step's checkpoint) is not its own
+        b.take_profile()?;
         let start = Instant::now();
         let mut local_loss = 0.0;
         for i in 0..cfg.grad_accum {
@@ -426,17 +435,20 @@ fn run_rank<B: Backend>(
             false => (loss, grad_norm),
         };
         b.synchronize()?;
+        let seconds = start.elapsed().as_secs_f64();
+        let profile = step_profile(cfg, b, step, rank)?;
         let memory = b.ledger().stats();
         let report = StepReport {
             step,
             loss,
             lr,
             grad_norm,
-            tokens_per_s: targets_per_step / start.elapsed().as_secs_f64(),
+            tokens_per_s: targets_per_step / seconds,
             peak_bytes: memory.peak,
             at_peak_by_category: memory.at_peak_by_category,
             host_peak_bytes: memory.host_peak,
             tokens: targets_per_step as usize,
+            profile,
         };
         if rank == 0 {
             on_step(&report);
@@ -445,23 +457,70 @@ fn run_rank<B: Backend>(
         let save_now = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
         if let (Some(dir), true) = (&cfg.save_dir, save_now) {
             let extra = serde_json::json!({ "sampler": sampler.state(), "seed": cfg.seed });
-            model.save(b, dir, step as u64, &extra, rank == 0)?;
-            if rank == 0 {
-                // config.json beside the weights makes the directory an HF model dir
-                let path = dir.join("config.json");
-                std::fs::write(&path, cfg.model.to_hf_json())
-                    .map_err(|e| Error::io(path.display().to_string(), e))?;
-                if let Some(text) = &cfg.run_file {
-                    let path = dir.join("run.toml");
-                    std::fs::write(&path, text)
-                        .map_err(|e| Error::io(path.display().to_string(), e))?;
-                }
-            }
+            save(cfg, b, model.as_mut(), dir, step, &extra, rank)?;
         }
     }
     Ok((reports, b.ledger().stats(), b.reserved_peak()?))
 }
 
+/// Restores the sampler of a resumed run; the first step to run.
+fn resume(
+    cfg: &TrainConfig,
+    sampler: &mut SequenceSampler,
+    r: Resumed,
+    rank: usize,
+) -> Result<u32> {
+    let dir = cfg.resume_dir().expect("resumed from a directory");
+    let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
+        .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
+    sampler.restore(sampler_state)?;
+    if rank == 0 {
+        tracing::info!("resumed from {} at step {}", dir.display(), r.step);
+    }
+    Ok(r.step as u32 + 1)
+}
+
+/// Writes the checkpoint of `step` into `dir` (rank 0 adds `config.json`,
+/// which makes it an HF model directory, and the run file).
+fn save<B: Backend>(
+    cfg: &TrainConfig,
+    b: &B,
+    model: &mut (dyn RankModel<B> + '_),
+    dir: &std::path::Path,
+    step: u32,
+    extra: &serde_json::Value,
+    rank: usize,
+) -> Result<()> {
+    model.save(b, dir, step as u64, extra, rank == 0)?;
+    if rank != 0 {
+        return Ok(());
+    }
+    let path = dir.join("config.json");
+    std::fs::write(&path, cfg.model.to_hf_json())
+        .map_err(|e| Error::io(path.display().to_string(), e))?;
+    if let Some(text) = &cfg.run_file {
+        let path = dir.join("run.toml");
+        std::fs::write(&path, text).map_err(|e| Error::io(path.display().to_string(), e))?;
+    }
+    Ok(())
+}
+
+/// The step's op profile by class (when profiled); rank 0 writes the last
+/// step's trace (`cfg.trace`).
+fn step_profile<B: Backend>(
+    cfg: &TrainConfig,
+    b: &B,
+    step: u32,
+    rank: usize,
+) -> Result<Option<ClassTotals>> {
+    let Some(p) = b.take_profile()? else {
+        return Ok(None);
+    };
+    if let (Some(path), true, 0) = (&cfg.trace, step == cfg.steps, rank) {
+        p.write_trace(path, rank)?;
+    }
+    Ok(Some(p.totals()))
+}
 /// What one rank's loop returns: its reports, its memory at the end, and
 /// its allocator's reserved high-water (`Backend::reserved_peak`).
 type RankOutcome = (Vec<StepReport>, MemoryStats, Option<usize>);

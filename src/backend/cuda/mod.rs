@@ -261,12 +261,14 @@ impl CudaBackend {
         }
         let ctx = drv(CudaContext::new(ordinal), "create context")?;
         let stream = drv(ctx.new_stream(), "create stream")?;
-        let profile = profile::OpProfile::from_env().with_idle_of(&stream);
         let (maj, min) = drv(ctx.compute_capability(), "compute capability")?;
         let arch = std::env::var("UPIPE_CUDA_ARCH").unwrap_or_else(|_| format!("sm_{maj}{min}"));
         let gpu_name = drv(ctx.name(), "device name")?;
         let pool = Pool::new(ctx.clone(), stream.clone())?;
         let copy_stream = drv(ctx.new_stream(), "create copy stream")?;
+        let profile = profile::OpProfile::from_env()
+            .with_idle_of(&stream)
+            .with_copy_stream(&copy_stream);
         let host_pool = host_pool::HostPool::new(ctx.clone(), copy_stream.clone());
         let kernels = Kernels::load(&arch)?;
         let gemm = Gemm::new()?;
@@ -776,6 +778,7 @@ impl Backend for CudaBackend {
         // the copy runs after the compute queued so far, on the copy stream
         let ready = drv(self.stream.record_event(None), "record event")?;
         drv(self.copy_stream.wait(&ready), "stream wait")?;
+        let span = self.profile.span("copy_start", &self.copy_stream)?;
         // SAFETY: both tensors hold `bytes` bytes (checked above) and stay
         // alive until `copy_wait` (the caller's contract); unified addressing
         // lets cuMemcpyAsync take pinned host and device addresses alike.
@@ -788,6 +791,7 @@ impl Backend for CudaBackend {
             )
         };
         drv(rc.result(), "cuMemcpyAsync (copy stream)")?;
+        drop(span);
         let done = drv(self.copy_stream.record_event(None), "record event")?;
         Ok(CopyDone::in_flight(Box::new(CopyEvent {
             done,
@@ -866,6 +870,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.bind()?;
+        let _span = self.span("upload")?;
         if t.category() == Category::Offload {
             // host memory: written here once no copy out of it is in flight
             self.synchronize()?;
@@ -913,6 +918,7 @@ impl Backend for CudaBackend {
         // the copy into pageable memory blocks inside the driver until the
         // stream reaches it: let queued work (maybe a collective) finish first
         self.wait_idle()?;
+        let _span = self.span("download")?;
         let s = self.stream.cu_stream();
         let out = match t.dtype() {
             DType::F32 => {
@@ -948,6 +954,20 @@ impl Backend for CudaBackend {
             Some(m) => Err(Error::Comm(m.clone())),
             None => Ok(()),
         }
+    }
+
+    fn enable_profile(&self) {
+        self.profile.enable();
+    }
+    fn set_phase(&self, phase: crate::backend::profile::Phase) {
+        self.profile.set_phase(phase);
+    }
+    fn take_profile(&self) -> Result<Option<crate::backend::profile::StepProfile>> {
+        if !self.profile.enabled() {
+            return Ok(None);
+        }
+        self.bind()?;
+        self.profile.take_step()
     }
 
     fn gemm(
@@ -1103,6 +1123,7 @@ impl Backend for CudaBackend {
 
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
         self.bind()?;
+        let span = self.span("sum_squares")?;
         let acc = self.zeros(&[2], DType::F32, Category::Workspace)?; // one f64
         if self.rehearsing() {
             return Ok(0.0);
@@ -1126,6 +1147,7 @@ impl Backend for CudaBackend {
             unsafe { result::memcpy_dtoh_async(&mut out, ptr(&acc), self.stream.cu_stream()) },
             "download",
         )?;
+        drop(span);
         self.synchronize()?;
         Ok(out[0])
     }

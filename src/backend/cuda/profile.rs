@@ -13,12 +13,20 @@
 //! part of each gap before the next op was even queued (host clock against
 //! the events' clock, both counted from the first op; an upper bound:
 //! [`stream_gaps`]).
+//!
+//! An op another op runs inside its span is part of the outer span, not one
+//! of its own (`backend::profile::Outermost`). [`OpProfile::take_step`]
+//! hands a whole step's spans to `backend::profile` (op classes, the
+//! table, the trace), with the compute, copy and communication streams as
+//! their own tracks.
 
+use crate::backend::profile::{Outermost, Phase, RawSpan, StepProfile, Track};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// One kind's (or one kind and shape's) total over the recorded ops.
 #[derive(Debug, Clone, PartialEq)]
@@ -63,10 +71,11 @@ impl OpTotals {
 
 /// How much is recorded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u8)]
 pub enum ProfileLevel {
-    Off,
-    Kinds,
-    Shapes,
+    Off = 0,
+    Kinds = 1,
+    Shapes = 2,
 }
 
 impl ProfileLevel {
@@ -77,6 +86,14 @@ impl ProfileLevel {
             None | Some("") | Some("0") => ProfileLevel::Off,
             Some("shapes") => ProfileLevel::Shapes,
             Some(_) => ProfileLevel::Kinds,
+        }
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => ProfileLevel::Off,
+            1 => ProfileLevel::Kinds,
+            _ => ProfileLevel::Shapes,
         }
     }
 }
@@ -91,14 +108,22 @@ struct Recorded {
     stream: usize,
     /// When the host queued it.
     queued: std::time::Instant,
+    /// The backend's phase then.
+    phase: Phase,
 }
 
 /// Recorded spans of one backend.
 pub struct OpProfile {
-    level: ProfileLevel,
+    /// A [`ProfileLevel`]: set at creation, raised by [`OpProfile::enable`].
+    level: AtomicU8,
+    /// A [`Phase`], tagging the spans started now.
+    phase: AtomicU8,
     spans: Mutex<Vec<Recorded>>,
-    /// The stream whose gaps between ops [`OpTotals::idle_ms`] sums.
+    /// The stream whose gaps between ops [`OpTotals::idle_ms`] sums (the
+    /// compute stream).
     idle_stream: Option<usize>,
+    /// The copy stream, a track of its own in [`OpProfile::take_step`].
+    copy_stream: Option<usize>,
 }
 
 /// An op in flight: records its end event when dropped.
@@ -109,6 +134,8 @@ pub struct Span<'a> {
     stream: &'a CudaStream,
     start: Option<CudaEvent>,
     queued: std::time::Instant,
+    phase: Phase,
+    _outer: Outermost,
 }
 
 impl OpProfile {
@@ -120,10 +147,35 @@ impl OpProfile {
 
     pub fn new(level: ProfileLevel) -> Self {
         OpProfile {
-            level,
+            level: AtomicU8::new(level as u8),
+            phase: AtomicU8::new(Phase::Step as u8),
             spans: Mutex::new(Vec::new()),
             idle_stream: None,
+            copy_stream: None,
         }
+    }
+
+    /// The same profile, with `stream` as the copy stream's track.
+    pub fn with_copy_stream(self, stream: &CudaStream) -> Self {
+        OpProfile {
+            copy_stream: Some(stream.cu_stream() as usize),
+            ..self
+        }
+    }
+
+    /// Records by kind from now on, unless already recording (`--profile`).
+    pub fn enable(&self) {
+        self.level
+            .fetch_max(ProfileLevel::Kinds as u8, Ordering::Relaxed);
+    }
+
+    /// Tags the spans started from now on with `phase`.
+    pub fn set_phase(&self, phase: Phase) {
+        self.phase.store(phase as u8, Ordering::Relaxed);
+    }
+
+    fn level(&self) -> ProfileLevel {
+        ProfileLevel::from_u8(self.level.load(Ordering::Relaxed))
     }
 
     /// The same profile, summing the gaps between the ops of `stream`.
@@ -135,7 +187,7 @@ impl OpProfile {
     }
 
     pub fn enabled(&self) -> bool {
-        self.level > ProfileLevel::Off
+        self.level() > ProfileLevel::Off
     }
 
     /// Starts timing an op of `kind` queued next on `stream`; `None` when off.
@@ -157,7 +209,10 @@ impl OpProfile {
         if !self.enabled() {
             return Ok(None);
         }
-        let shape = (self.level == ProfileLevel::Shapes).then(shape);
+        let Some(outer) = Outermost::enter() else {
+            return Ok(None);
+        };
+        let shape = (self.level() == ProfileLevel::Shapes).then(shape);
         let queued = std::time::Instant::now();
         let start = timing_event(stream)?;
         Ok(Some(Span {
@@ -167,7 +222,52 @@ impl OpProfile {
             stream,
             start: Some(start),
             queued,
+            phase: Phase::from_u8(self.phase.load(Ordering::Relaxed)),
+            _outer: outer,
         }))
+    }
+
+    /// Waits for the recorded ops and returns them as one step (times
+    /// from the events, compute, copy and other streams as their own
+    /// tracks), forgetting them; `None` when off.
+    pub fn take_step(&self) -> Result<Option<StepProfile>> {
+        if !self.enabled() {
+            return Ok(None);
+        }
+        let spans = std::mem::take(&mut *self.lock()?);
+        let Some(first) = spans.first() else {
+            return Ok(Some(StepProfile::default()));
+        };
+        let ms = |to: &CudaEvent| {
+            first
+                .start
+                .elapsed_ms(to)
+                .map(f64::from)
+                .map_err(|e| Error::Backend(format!("profile: event timing: {e:?}")))
+        };
+        let mut comm: Vec<usize> = Vec::new();
+        let mut raw = Vec::with_capacity(spans.len());
+        for r in &spans {
+            let track = if Some(r.stream) == self.idle_stream {
+                Track::Compute
+            } else if Some(r.stream) == self.copy_stream {
+                Track::Copy
+            } else {
+                let n = comm.iter().position(|&s| s == r.stream).unwrap_or_else(|| {
+                    comm.push(r.stream);
+                    comm.len() - 1
+                });
+                Track::Comm(n)
+            };
+            raw.push(RawSpan {
+                kind: r.kind,
+                phase: r.phase,
+                track,
+                start_ms: ms(&r.start)?,
+                end_ms: ms(&r.end)?,
+            });
+        }
+        Ok(Some(StepProfile::from_spans(raw)))
     }
 
     /// Waits for the recorded ops, returns their totals (with the idle time
@@ -306,6 +406,7 @@ impl Drop for Span<'_> {
                 end,
                 stream: self.stream.cu_stream() as usize,
                 queued: self.queued,
+                phase: self.phase,
             });
         }
     }

@@ -149,6 +149,17 @@ pub struct TrainArgs {
     /// throughput, model TFLOP/s, memory by category; `upipe report` draws it).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Time every op of every step by class (GEMM, attention, recompute,
+    /// elementwise, loss, optimizer, copies, collectives, idle): rank 0's
+    /// table after the last step, and a `profile` object in every `--json`
+    /// and `--metrics` line (`UPIPE_PROFILE=1` does the same).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub profile: bool,
+    /// Write rank 0's last step as a Chrome trace-event JSON file (one track
+    /// per stream; open it in ui.perfetto.dev); implies --profile.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
     /// Rehearse one step at full size instead of training: every tensor
     /// through the real allocators (GPU pool, pinned host pool, cuDNN plans
     /// and workspaces, NCCL communicators), no kernel or collective
@@ -197,6 +208,8 @@ impl TrainArgs {
         attn_kernel => run.attn_kernel,
         json => run.json,
         metrics => run.metrics,
+        profile => run.profile,
+        trace => run.trace,
         rehearse => run.rehearse,
     }
 

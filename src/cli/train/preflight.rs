@@ -2,7 +2,8 @@
 //! allocated: the planner's prediction against the memory each rank has (a
 //! run that cannot fit is refused with its breakdown and the smallest
 //! change that fits, `plan::preflight`), the pinned-host budget of GPU
-//! runs, and the outputs it opens (checkpoint directory, metrics file).
+//! runs, and the outputs it opens (checkpoint directory, metrics file,
+//! trace file).
 
 use super::progress::Progress;
 use super::{Built, TrainArgs, host_available_bytes};
@@ -79,12 +80,38 @@ pub(super) fn host_per_rank(run: &Built, host_mem_gib: Option<f64>) -> Result<Op
     }
 }
 
+/// `--trace PATH` names a file that can be written (created now, empty;
+/// the run's last step fills it); a missing parent directory is created.
+fn trace_file(path: &std::path::Path) -> Result<()> {
+    let bad = |why: String| {
+        crate::config_err!(
+            "--trace {}: {why}; give a file to write, e.g. --trace step.json",
+            path.display()
+        )
+    };
+    if path.is_dir() {
+        return bad("is a directory".into());
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
+        && let Err(e) = std::fs::create_dir_all(dir)
+    {
+        return bad(format!("cannot create its directory ({e})"));
+    }
+    match std::fs::File::create(path) {
+        Ok(_) => Ok(()),
+        Err(e) => bad(format!("cannot write it ({e})")),
+    }
+}
+
 /// The checkpoint directory and the metrics file can be created; the
 /// per-step output (bar, lines or JSON, and the metrics file).
 fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progress> {
     if let (Some(dir), true) = (&run.cfg.save_dir, run.lead) {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating --save-dir {}", dir.display()), e))?;
+    }
+    if let (Some(path), true) = (&run.cfg.trace, run.lead) {
+        trace_file(path)?;
     }
     let facts = RunFacts {
         flops_per_token: train_flops_per_token(&run.cfg.model, run.cfg.seq),

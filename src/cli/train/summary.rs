@@ -2,7 +2,7 @@
 //! measured peak memory by category beside `upipe plan`'s prediction.
 
 use crate::backend::{Bytes, Category};
-use crate::cli::metrics::flops_text;
+use crate::cli::metrics::{flops_text, step_ms};
 use crate::plan::Prediction;
 use crate::train::trainer::TrainSummary;
 
@@ -28,6 +28,29 @@ pub fn print(summary: &TrainSummary, predicted: &Prediction, steps: u32, flops_p
         );
     }
     memory_table(summary, predicted);
+}
+
+/// Rank 0's time of the last step by op class (`--profile`), on stdout, or
+/// on stderr beside `--json` lines.
+pub fn print_profile(summary: &TrainSummary, json: bool) {
+    let Some((r, p)) = summary
+        .reports
+        .last()
+        .and_then(|r| r.profile.map(|p| (r, p)))
+    else {
+        return;
+    };
+    let wall = step_ms(r);
+    let text = format!(
+        "time of step {} on rank 0 by op class (wall {wall:.2} ms; classes on other streams overlap compute):\n{}",
+        r.step,
+        p.table(wall)
+    );
+    if json {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
+    }
 }
 
 /// Rank 0's peak against the prediction, then by category.
