@@ -530,7 +530,9 @@ fn every_shell_block_in_the_docs_runs() {
                         let failed = r.is_err();
                         let name = match (k, at.len()) {
                             (0, 1) => b.at(),
-                            (0, _) => format!("{} (also {})", b.at(), at[1..].join(", ")),
+                            (0, _) => {
+                                format!("{} (the same block: {})", b.at(), at[1..].join(", "))
+                            }
                             _ => format!("{} (after {})", b.at(), chain[0].at()),
                         };
                         results.lock().unwrap().push((name, r));
@@ -559,7 +561,7 @@ fn every_shell_block_in_the_docs_runs() {
     }
     let failures: Vec<String> = results
         .into_iter()
-        .filter_map(|(name, r)| r.err().map(|e| format!("{name}:\n{e}")))
+        .filter_map(|(name, r)| r.err().map(|e| format!("[{name}] {e}")))
         .collect();
     if failures.is_empty() {
         let _ = std::fs::remove_dir_all(&base);
