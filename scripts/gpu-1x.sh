@@ -9,7 +9,12 @@
 # PARTS (default "tests offload"): tests = gpu_backend, gpu_plan, gpu_fsdp,
 # gpu_eval, gpu_layer; offload = `train --checkpoint` against
 # `--checkpoint --offload` at SEQS (default "131072 262144"), STEPS (2) each,
-# printing step 2's tokens/s, GPU peak and host peak; eval = scripts/gpu-eval-long.sh.
+# printing step 2's tokens/s, GPU peak and host peak; eval = scripts/gpu-eval-long.sh;
+# optim = the tiny model with the optimizer on the host and on the GPU; rehearse =
+# `--rehearse` around the planner's longest contexts (REHEARSALS: lines of
+# "model seq flags"); profile = Llama 3.2 1B at 128K with --profile and --trace;
+# 8b = Llama3-8B (random init) at SEQ8B (65536) with --offload-optimizer
+# --offload auto --checkpoint --tiled-mlp, UPipe on one GPU and local, STEPS8B (3).
 set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-1x.sh build DIR}"
@@ -77,6 +82,67 @@ if [[ " $parts " == *" offload "* ]]; then
             table+=("$(printf 'seq %-7s %-24s rc=%s %8.0f tok/s  peak %6.2f GB (planned %6.2f)  %s' "$seq" "$pol" "$rc" \
                 "$(f tokens_per_s)" "$(f peak_bytes | awk '{print $1/1e9}')" "$(f predicted_peak_bytes | awk '{print $1/1e9}')" "$host")")
         done
+    done
+fi
+corpus() { # the bundled corpus repeated past $1 bytes, at /tmp/upipe-1x-corpus.txt
+    data=/tmp/upipe-1x-corpus.txt
+    : > "$data"
+    while [ "$(stat -c %s "$data")" -le "$1" ]; do cat assets/corpus.txt >> "$data"; done
+}
+field() { echo "$1" | grep -o "\"$2\":[0-9.e+-]*" | head -1 | cut -d: -f2; }
+gb() { awk '{printf "%.2f", $1/1e9}'; }
+if [[ " $parts " == *" optim "* ]]; then
+    # the optimizer on the host against on the GPU, 5 steps of the tiny model
+    for pol in "--checkpoint" "--checkpoint --offload-optimizer" "--checkpoint --offload 1 --offload-optimizer"; do
+        read -r -a p <<< "$pol"
+        losses=$("$bin/upipe" train --model tiny --steps 5 "${p[@]}" --json 2>&1 | grep -a '"step"' |
+            grep -o '"loss":[0-9.]*' | cut -d: -f2 | tr '\n' ' ')
+        table+=("$(printf 'tiny %-46s losses %s' "$pol" "$losses")")
+    done
+fi
+if [[ " $parts " == *" rehearse "* ]]; then
+    # rehearsals around the planner's longest contexts (nothing computed)
+    while read -r model seq pol; do
+        [ -z "$model" ] && continue
+        read -r -a p <<< "$pol"
+        log="$out/rehearse-$model-$seq.log"
+        "$bin/upipe" train --model "$model" --seq "$seq" --attn upipe --ulysses 1 --ring 1 "${p[@]}" \
+            --rehearse --json > "$log" 2>&1
+        rc=$?
+        j=$(grep -a '"fits"' "$log" | tail -1 | grep -o '"device_peak":{[^}]*}\|"host_peak":{[^}]*}\|"fits":[a-z]*' | tr '\n' ' ')
+        table+=("$(printf 'rehearse %-12s %8s rc=%s %-60s %s' "$model" "$seq" "$rc" "$pol" "$(echo "$j" | cut -c1-300)")")
+    done <<< "${REHEARSALS:-llama3-8b 430080 --checkpoint --tiled-mlp --offload auto --offload-optimizer --host-mem 120
+llama3-8b 458752 --checkpoint --tiled-mlp --offload auto --offload-optimizer --host-mem 120
+llama3.2-1b 926720 --checkpoint --offload auto --host-mem 120
+llama3.2-1b 651264 --checkpoint
+llama3.2-1b 671744 --checkpoint}"
+fi
+if [[ " $parts " == *" profile "* ]]; then
+    corpus 262144
+    log="$out/profile-1b.log"
+    "$bin/upipe" train --model llama3.2-1b --data "$data" --seq 131072 --steps 2 --warmup 1 \
+        --checkpoint --trace "$out/trace-1b-128k.json" > "$log" 2>&1 || status=1
+    tail -20 "$log"
+fi
+if [[ " $parts " == *" 8b "* ]]; then
+    corpus 140000
+    for attn in "upipe --ulysses 1 --ring 1" "local"; do
+        read -r -a at <<< "$attn"
+        log="$out/train-8b-${at[0]}.log"
+        s=$(date +%s)
+        "$bin/upipe" train --model llama3-8b --data "$data" --seq "${SEQ8B:-65536}" --steps "${STEPS8B:-3}" \
+            --warmup 1 --attn "${at[@]}" --checkpoint --tiled-mlp --offload auto --offload-optimizer \
+            --profile --json > "$log" 2>&1
+        rc=$?
+        [ "$rc" -ne 0 ] && { status=1; grep -aiE "error|panick" "$log" | head -5; }
+        grep -aE "offload auto|save-attention" "$log" | head -2
+        grep -aE "^(gemm|attn|recompute|elementwise|loss|optimizer|copy|collective|idle|class|step)" "$log" | tail -14
+        losses=$(grep -a '"step"' "$log" | grep -o '"loss":[0-9.]*' | cut -d: -f2 | tr '\n' ' ')
+        last=$(grep -a '"step"' "$log" | tail -1)
+        table+=("$(printf '8b %-28s rc=%s %5ss %7.0f tok/s %5.0f TFLOP/s peak %s GB (planned %s) host %s GB losses %s' \
+            "$attn" "$rc" "$(( $(date +%s) - s ))" "$(field "$last" tokens_per_s)" "$(field "$last" tflops)" \
+            "$(field "$last" peak_bytes | gb)" "$(field "$last" predicted_peak_bytes | gb)" \
+            "$(field "$last" offload_host | gb)" "$losses")")
     done
 fi
 if [[ " $parts " == *" eval "* ]]; then

@@ -41,7 +41,13 @@ fn config(model: &ModelConfig, policy: MemoryPolicy, fsdp: bool) -> TrainConfig 
     }
 }
 
-fn policy(checkpoint: bool, tiled_mlp: bool, offload: bool, save_attention: usize) -> MemoryPolicy {
+/// `offload`: blocks whose input goes to the host (`--offload N`).
+fn policy(
+    checkpoint: bool,
+    tiled_mlp: bool,
+    offload: usize,
+    save_attention: usize,
+) -> MemoryPolicy {
     MemoryPolicy {
         checkpoint,
         tiled_mlp,
@@ -70,13 +76,18 @@ fn a_rehearsed_step_allocates_what_a_real_step_and_the_planner_do() {
     let mut rng = Rng::new(7);
     let tokens: Arc<[u32]> = (0..2048).map(|_| rng.below(256) as u32).collect();
     let policies = [
-        policy(false, false, false, 0),
-        policy(true, false, false, 0),
-        policy(true, true, false, 0),
-        policy(true, false, true, 0),
-        policy(true, false, false, 1),
-        policy(true, false, false, layers),
-        policy(true, true, true, layers),
+        policy(false, false, 0, 0),
+        policy(true, false, 0, 0),
+        policy(true, true, 0, 0),
+        policy(true, false, layers, 0),
+        policy(true, false, 1, 0),
+        policy(true, false, 0, 1),
+        policy(true, false, 0, layers),
+        policy(true, true, layers, layers),
+        MemoryPolicy {
+            offload_optimizer: true,
+            ..policy(true, false, 1, 1)
+        },
     ];
     for p in policies {
         for fsdp in [false, true] {
@@ -134,7 +145,7 @@ fn a_model_far_larger_than_memory_rehearses_without_using_it() {
     let cfg = TrainConfig {
         strategy: Strategy::Local,
         rehearse: true,
-        policy: policy(true, false, false, 0),
+        policy: policy(true, false, 0, 0),
         ..TrainConfig::new(model, 2048, 1, AdamWConfig::schedule(1e-3, 1e-4, 0, 1))
     };
     let tokens: Arc<[u32]> = vec![0; 2049].into();
