@@ -16,13 +16,31 @@ use cudarc::driver::{CudaContext, CudaStream, result};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-/// Bytes pinned at a time (a larger request gets a chunk of its own size).
+/// Bytes pinned at a time for small requests, which share such chunks.
 const CHUNK: usize = 1 << 30;
+/// Requests of at least this many bytes get a chunk of their own size:
+/// packed into shared chunks they would strand up to their size at the end
+/// of each (a 224 MiB moment leaves 128 MiB of every 1 GiB chunk unused).
+const OWN: usize = CHUNK / 32;
 const ALIGN: usize = 256;
+
+/// The chunk a request of `bytes` lives in: `(bytes pinned for a new
+/// chunk, whether small requests share it)`. A shared chunk's unused tail
+/// is below `OWN`; an own chunk holds exactly one request of its size.
+fn chunk_for(bytes: usize) -> (usize, bool) {
+    let rounded = bytes.div_ceil(ALIGN) * ALIGN;
+    if rounded >= OWN {
+        (rounded, false)
+    } else {
+        (CHUNK, true)
+    }
+}
 
 struct Chunk {
     base: u64,
     map: ArenaMap,
+    /// Small requests share it; otherwise it holds one request of its size.
+    shared: bool,
 }
 
 struct Inner {
@@ -69,12 +87,14 @@ impl HostPool {
             return Ok(0);
         }
         let mut g = self.inner.lock().expect("host pool poisoned");
-        for c in g.chunks.iter_mut() {
+        let (size, shared) = chunk_for(bytes);
+        // a large request reuses a free chunk of its own size; small ones share
+        let fits = |c: &Chunk| c.shared == shared && (shared || c.map.capacity() == size);
+        for c in g.chunks.iter_mut().filter(|c| fits(c)) {
             if let Some(off) = c.map.take(bytes) {
                 return Ok(c.base + off as u64);
             }
         }
-        let size = CHUNK.max(bytes.div_ceil(ALIGN) * ALIGN);
         if let Some(budget) = *self.budget.lock().expect("host pool poisoned")
             && g.pinned + size > budget
         {
@@ -101,7 +121,7 @@ impl HostPool {
         let mut map = ArenaMap::new(size, ALIGN);
         let off = map.take(bytes).expect("a fresh chunk holds the request");
         let base = p as u64;
-        g.chunks.push(Chunk { base, map });
+        g.chunks.push(Chunk { base, map, shared });
         g.pinned += size;
         Ok(base + off as u64)
     }
@@ -133,6 +153,28 @@ impl Drop for HostPool {
             // to the pool) and the copy stream, the only GPU user, is idle.
             unsafe {
                 let _ = result::free_host(c.base as *mut c_void);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Large requests are pinned at their own (aligned) size; small ones
+        /// share chunks in which each strands less than `OWN` bytes.
+        #[test]
+        fn chunks_waste_little(bytes in 1usize..(3usize << 30)) {
+            let (size, shared) = chunk_for(bytes);
+            prop_assert!(size >= bytes);
+            if shared {
+                prop_assert_eq!(size, CHUNK);
+                prop_assert!(bytes < OWN);
+            } else {
+                prop_assert!(size - bytes < ALIGN);
             }
         }
     }
