@@ -278,14 +278,28 @@ impl RandomInit {
     pub fn values(&self, name: &str, elems: std::ops::Range<usize>) -> Vec<f32> {
         match self.drawn_before.get(name) {
             None => vec![1.0; elems.len()],
+            // the generator is a counter: each block of values starts where it
+            // falls in the draw, so blocks drawn in parallel give the serial values
             Some(&before) => {
-                let mut rng = crate::rng::Rng::new(self.seed);
-                rng.skip_normals(before + elems.start as u64);
-                rng.normal_vec(elems.len(), 0.02)
+                use rayon::prelude::*;
+                let mut out = vec![0.0f32; elems.len()];
+                out.par_chunks_mut(INIT_BLOCK)
+                    .enumerate()
+                    .for_each(|(i, block)| {
+                        let mut rng = crate::rng::Rng::new(self.seed);
+                        rng.skip_normals(before + (elems.start + i * INIT_BLOCK) as u64);
+                        for v in block {
+                            *v = rng.normal() as f32 * 0.02;
+                        }
+                    });
+                out
             }
         }
     }
 }
+
+/// Values of a parameter drawn per parallel task (`RandomInit::values`).
+const INIT_BLOCK: usize = 1 << 18;
 
 /// Norm weights start at one (1-D tensors named `...norm.weight`).
 fn is_norm(name: &str, shape: &[usize]) -> bool {
@@ -300,5 +314,30 @@ fn attn_name(short: &str) -> String {
         "wv" => "self_attn.v_proj.weight".into(),
         "wo" => "self_attn.o_proj.weight".into(),
         other => format!("self_attn.{other}.weight"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Any range of a parameter's initial values, drawn in parallel blocks,
+    /// equals that part of the serial draw from the parameter's offset.
+    #[test]
+    fn random_init_ranges_equal_the_serial_draw() {
+        let mut cfg = ModelConfig::resolve("tiny").unwrap();
+        cfg.vocab = 3 * INIT_BLOCK / cfg.hidden + 1; // the embedding spans 3+ blocks
+        let init = RandomInit::new(&cfg, 7);
+        let name = "model.embed_tokens.weight";
+        let n = cfg.vocab * cfg.hidden;
+        let whole = init.values(name, 0..n);
+        let before = init.drawn_before[name];
+        let mut rng = crate::rng::Rng::new(7);
+        rng.skip_normals(before);
+        assert_eq!(whole, rng.normal_vec(n, 0.02));
+        for r in [3..INIT_BLOCK + 5, n / 2..n, INIT_BLOCK..2 * INIT_BLOCK] {
+            let r = r.start.min(n)..r.end.min(n);
+            assert_eq!(init.values(name, r.clone()), whole[r]);
+        }
     }
 }
