@@ -6,7 +6,7 @@
 #                                   # it runs and `upipe`, stripped, into DIR/bin
 #   bash DIR/gpu-1x.sh [PARTS]      # on the GPU machine, from the repository root
 #
-# PARTS (default "tests offload"): tests = gpu_backend, gpu_plan, gpu_fsdp,
+# PARTS (default "tests offload"): tests = gpu_backend, gpu_plan, gpu_fsdp, gpu_offload,
 # gpu_eval, gpu_layer; offload = `train --checkpoint` against
 # `--checkpoint --offload` at SEQS (default "131072 262144"), STEPS (2) each,
 # printing step 2's tokens/s, GPU peak and host peak; eval = scripts/gpu-eval-long.sh;
@@ -24,7 +24,7 @@ if [ "${1:-}" = build ]; then
     cargo test --release --no-run --message-format=json 2>/dev/null |
         python3 -c '
 import json, sys
-want = {"gpu_backend", "gpu_plan", "gpu_fsdp", "gpu_eval", "gpu_layer"}
+want = {"gpu_backend", "gpu_plan", "gpu_fsdp", "gpu_eval", "gpu_layer", "gpu_offload"}
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -42,7 +42,16 @@ for line in sys.stdin:
 fi
 here="$(cd "$(dirname "$0")" && pwd)"
 bin="$here/bin"
-out="${OUT:-/tmp}"
+# every log goes to one folder, packed into $OUT/logs.tgz when the script
+# ends or is stopped (a device call brings back few files); each result row
+# is printed as soon as it exists, so a run stopped by its time limit still
+# shows what it measured
+out=/tmp/upipe-1x-logs
+mkdir -p "$out"
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C "$out" . 2>/dev/null; }
+trap pack EXIT
+trap 'pack; exit 124' TERM INT
+row() { table+=("$1"); echo "ROW $1"; }
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 UPIPE_KERNEL_CACHE=${UPIPE_KERNEL_CACHE:-/tmp/upipe-kernels}
 parts="${1:-tests offload}"
@@ -59,7 +68,7 @@ if [[ " $parts " == *" tests "* ]]; then
         rc=$?
         [ "$rc" -ne 0 ] && status=1
         res="$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //; s/; finished.*//')"
-        table+=("$(printf '%-22s rc=%-3s %5ss  %s' "$name" "$rc" "$(( $(date +%s) - s ))" "$res")")
+        row "$(printf '%-22s rc=%-3s %5ss  %s' "$name" "$rc" "$(( $(date +%s) - s ))" "$res")"
         grep -E "panicked|FAILED|SKIP|gpu step|fsdp|GPU peak|step [0-9]:|eval" "$log" | head -60
     done
 fi
@@ -79,8 +88,8 @@ if [[ " $parts " == *" offload "* ]]; then
             last=$(grep -a '"step"' "$log" | tail -1)
             f() { echo "$last" | grep -o "\"$1\":[0-9.e+-]*" | cut -d: -f2; }
             host=$(grep -a "offload_host" "$log" | tail -1 | tr -s ' ' | cut -c1-80)
-            table+=("$(printf 'seq %-7s %-24s rc=%s %8.0f tok/s  peak %6.2f GB (planned %6.2f)  %s' "$seq" "$pol" "$rc" \
-                "$(f tokens_per_s)" "$(f peak_bytes | awk '{print $1/1e9}')" "$(f predicted_peak_bytes | awk '{print $1/1e9}')" "$host")")
+            row "$(printf 'seq %-7s %-24s rc=%s %8.0f tok/s  peak %6.2f GB (planned %6.2f)  %s' "$seq" "$pol" "$rc" \
+                "$(f tokens_per_s)" "$(f peak_bytes | awk '{print $1/1e9}')" "$(f predicted_peak_bytes | awk '{print $1/1e9}')" "$host")"
         done
     done
 fi
@@ -97,7 +106,7 @@ if [[ " $parts " == *" optim "* ]]; then
         read -r -a p <<< "$pol"
         losses=$("$bin/upipe" train --model tiny --steps 5 "${p[@]}" --json 2>&1 | grep -a '"step"' |
             grep -o '"loss":[0-9.]*' | cut -d: -f2 | tr '\n' ' ')
-        table+=("$(printf 'tiny %-46s losses %s' "$pol" "$losses")")
+        row "$(printf 'tiny %-46s losses %s' "$pol" "$losses")"
     done
 fi
 if [[ " $parts " == *" rehearse "* ]]; then
@@ -110,7 +119,7 @@ if [[ " $parts " == *" rehearse "* ]]; then
             --rehearse --json > "$log" 2>&1
         rc=$?
         j=$(grep -a '"fits"' "$log" | tail -1 | grep -o '"device_peak":{[^}]*}\|"host_peak":{[^}]*}\|"fits":[a-z]*' | tr '\n' ' ')
-        table+=("$(printf 'rehearse %-12s %8s rc=%s %-60s %s' "$model" "$seq" "$rc" "$pol" "$(echo "$j" | cut -c1-300)")")
+        row "$(printf 'rehearse %-12s %8s rc=%s %-60s %s' "$model" "$seq" "$rc" "$pol" "$(echo "$j" | cut -c1-300)")"
     done <<< "${REHEARSALS:-llama3-8b 430080 --checkpoint --tiled-mlp --offload auto --offload-optimizer --host-mem 120
 llama3-8b 458752 --checkpoint --tiled-mlp --offload auto --offload-optimizer --host-mem 120
 llama3.2-1b 926720 --checkpoint --offload auto --host-mem 120
@@ -139,10 +148,10 @@ if [[ " $parts " == *" 8b "* ]]; then
         grep -aE "^(gemm|attn|recompute|elementwise|loss|optimizer|copy|collective|idle|class|step)" "$log" | tail -14
         losses=$(grep -a '"step"' "$log" | grep -o '"loss":[0-9.]*' | cut -d: -f2 | tr '\n' ' ')
         last=$(grep -a '"step"' "$log" | tail -1)
-        table+=("$(printf '8b %-28s rc=%s %5ss %7.0f tok/s %5.0f TFLOP/s peak %s GB (planned %s) host %s GB losses %s' \
+        row "$(printf '8b %-28s rc=%s %5ss %7.0f tok/s %5.0f TFLOP/s peak %s GB (planned %s) host %s GB losses %s' \
             "$attn" "$rc" "$(( $(date +%s) - s ))" "$(field "$last" tokens_per_s)" "$(field "$last" tflops)" \
             "$(field "$last" peak_bytes | gb)" "$(field "$last" predicted_peak_bytes | gb)" \
-            "$(field "$last" offload_host | gb)" "$losses")")
+            "$(field "$last" offload_host | gb)" "$losses")"
     done
 fi
 if [[ " $parts " == *" eval "* ]]; then
