@@ -180,16 +180,24 @@ fn bad_offload_choices_name_the_fix() {
         tokens(m.vocab),
         &|_| {},
     );
-    let e = too_many.err().expect("refused").to_string();
+    let e = refusal(too_many);
     assert!(e.contains("--offload 4") && e.contains("3 blocks"), "{e}");
     let no_ckpt = MemoryPolicy {
         checkpoint: false,
         ..policy(1, false)
     };
-    let e = train_cpu(&config(&m, false, no_ckpt, &dir), tokens(m.vocab), &|_| {})
-        .err()
-        .expect("refused")
-        .to_string();
+    let e = refusal(train_cpu(
+        &config(&m, false, no_ckpt, &dir),
+        tokens(m.vocab),
+        &|_| {},
+    ));
     assert!(e.contains("add --checkpoint"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn refusal<T>(r: upipe::Result<T>) -> String {
+    match r {
+        Ok(_) => panic!("the run should have been refused"),
+        Err(e) => e.to_string(),
+    }
 }
