@@ -260,3 +260,60 @@ fn a_run_that_cannot_fit_is_refused_before_it_allocates() {
     let e = upipe_error(&["train", "--steps", "1", "--device", "cpu", "--host-mem=0"]);
     assert!(e.contains("--host-mem"), "{e}");
 }
+
+/// A sharded checkpoint of 2 ranks resumes on one rank (its shards
+/// gathered into one) and that one-rank checkpoint on 2 ranks again.
+#[test]
+fn sharded_checkpoint_resumes_on_one_rank_and_back() {
+    let dir = std::env::temp_dir().join(format!("upipe-cli-one-rank-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let run = |steps: &str, mesh: &[&str], resume: bool| {
+        let mut args = vec![
+            "train",
+            "--device",
+            "cpu",
+            "--seq",
+            "64",
+            "--json",
+            "--fsdp",
+            "on",
+            "--save-dir",
+            d,
+            "--steps",
+            steps,
+        ];
+        args.extend_from_slice(mesh);
+        if resume {
+            args.push("--resume");
+        }
+        Command::new(env!("CARGO_BIN_EXE_upipe"))
+            .args(&args)
+            .output()
+            .unwrap()
+    };
+    let two = ["--attn", "ulysses", "--ulysses", "2", "--ring", "1"];
+    let one = ["--attn", "local", "--ulysses", "1", "--ring", "1"];
+    assert!(run("2", &two, false).status.success());
+    let out = run("4", &one, true);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("gathered into one"), "{err}");
+    assert_eq!(
+        losses(&String::from_utf8_lossy(&out.stdout)).len(),
+        2,
+        "steps 3 and 4"
+    );
+    let back = run("6", &two, true);
+    assert!(
+        back.status.success(),
+        "{}",
+        String::from_utf8_lossy(&back.stderr)
+    );
+    assert_eq!(
+        losses(&String::from_utf8_lossy(&back.stdout)).len(),
+        2,
+        "steps 5 and 6"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -268,19 +268,21 @@ fn ledger_holds_one_shard_and_at_most_two_gathered_units() {
 }
 
 /// Saved on 4 ranks, resumed on 4 (bit-identical to the uninterrupted run)
-/// and on 2 (re-sharded: the same within float rounding of another mesh).
+/// and on 2 or 1 (re-sharded: the same within float rounding of another mesh).
 #[test]
 fn resume_reshards_across_world_sizes() {
     let m = model(true);
     let four = (1, Strategy::Upipe, 2, 2);
     let two = (1, Strategy::Upipe, 2, 1);
+    // one rank: the shards gathered into one (what `--resume` does on one GPU)
+    let one = (1, Strategy::Local, 1, 1);
     let full = train_cpu(&config(&m, four, 6, true), tokens(m.vocab), &|_| {}).unwrap();
     let dir = temp("resume");
     let mut first = config(&m, four, 3, true);
     first.optim = config(&m, four, 6, true).optim;
     first.save_dir = Some(dir.clone());
     train_cpu(&first, tokens(m.vocab), &|_| {}).unwrap();
-    for (mesh, tol) in [(four, 0.0), (two, 1e-5)] {
+    for (mesh, tol) in [(four, 0.0), (two, 1e-5), (one, 1e-5)] {
         let mut again = config(&m, mesh, 6, true);
         again.save_dir = Some(dir.join("../resume-copy"));
         copy_dir(&dir, again.save_dir.as_ref().unwrap());

@@ -252,7 +252,20 @@ impl Built {
             host_available_bytes().map(|b| b / world)
         };
         let states = crate::plan::model_state_bytes(&self.cfg.model, self.on_gpu());
-        let (fsdp, note) = self.fsdp.resolve(world, states, self.budget);
+        let (mut fsdp, mut note) = self.fsdp.resolve(world, states, self.budget);
+        self.cfg.recover_checkpoint()?;
+        let sharded_resume = self
+            .cfg
+            .resume_dir()
+            .is_some_and(crate::train::fsdp::checkpoint::is_sharded);
+        if world == 1 && sharded_resume && self.fsdp != FsdpMode::Off {
+            // one rank holds every shard: the checkpoint's shards gathered into one
+            fsdp = true;
+            note = Some(
+                "resuming a sharded checkpoint on one rank: its shards are gathered into one (FSDP over 1 rank)"
+                    .into(),
+            );
+        }
         self.cfg.fsdp = fsdp;
         if replicate != 1 {
             if !fsdp {

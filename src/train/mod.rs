@@ -9,6 +9,7 @@ pub mod eval;
 pub mod fsdp;
 pub mod offload_optim;
 pub mod optim;
+pub mod publish;
 pub mod ranged;
 pub mod replicated;
 pub mod state;

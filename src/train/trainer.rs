@@ -158,11 +158,22 @@ impl TrainConfig {
         }
     }
 
-    /// The checkpoint directory to resume from, when resuming and one is there.
+    /// The checkpoint directory a `--resume` continues from, if it holds
+    /// one (after [`recover`](super::publish::recover)ing an interrupted
+    /// swap, which the trainer's entry points do first).
     pub fn resume_dir(&self) -> Option<&std::path::Path> {
         self.save_dir
             .as_deref()
             .filter(|d| self.resume && d.join("state.json").exists())
+    }
+
+    /// Before a `--resume`: puts back the previous checkpoint of a run that
+    /// died while swapping in a new one (`train::publish::recover`).
+    pub fn recover_checkpoint(&self) -> Result<()> {
+        match (&self.save_dir, self.resume) {
+            (Some(dir), true) => super::publish::recover(dir),
+            _ => Ok(()),
+        }
     }
 
     /// Validates the configuration and resolves the attention plan.
@@ -293,6 +304,7 @@ pub fn train_threads<B: Backend>(
 ) -> Result<TrainSummary> {
     let tokens = tokens.into();
     let plan = cfg.plan()?;
+    cfg.recover_checkpoint()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let out = run_ranks(shape, make_backend, |rank, b, mesh| {
@@ -357,6 +369,7 @@ pub fn train_process_rank(
     use crate::comm::rendezvous::Rendezvous;
     let tokens = tokens.into();
     let plan = cfg.plan()?;
+    cfg.recover_checkpoint()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     check_world_size(shape, env.world_size)?;
@@ -491,18 +504,20 @@ fn save<B: Backend>(
     extra: &serde_json::Value,
     rank: usize,
 ) -> Result<()> {
-    model.save(b, dir, step as u64, extra, rank == 0)?;
+    // written beside `dir`, then swapped in whole (`train::publish`)
+    let staged = super::publish::partial(dir);
+    model.save(b, &staged, step as u64, extra, rank == 0)?;
     if rank != 0 {
         return Ok(());
     }
-    let path = dir.join("config.json");
+    let path = staged.join("config.json");
     std::fs::write(&path, cfg.model.to_hf_json())
         .map_err(|e| Error::io(path.display().to_string(), e))?;
     if let Some(text) = &cfg.run_file {
-        let path = dir.join("run.toml");
+        let path = staged.join("run.toml");
         std::fs::write(&path, text).map_err(|e| Error::io(path.display().to_string(), e))?;
     }
-    Ok(())
+    super::publish::publish(dir)
 }
 
 /// The step's op profile by class (when profiled); rank 0 writes the last

@@ -106,6 +106,17 @@ fn trace_file(path: &std::path::Path) -> Result<()> {
 /// The checkpoint directory and the metrics file can be created; the
 /// per-step output (bar, lines or JSON, and the metrics file).
 fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progress> {
+    if let Some(dir) = &run.cfg.save_dir {
+        for (flag, path) in [("--metrics", &a.metrics), ("--trace", &a.trace)] {
+            if let Some(p) = path.as_deref().filter(|p| inside(p, dir)) {
+                return crate::config_err!(
+                    "{flag} {} lies inside --save-dir {}, which each checkpoint replaces whole: write it outside",
+                    p.display(),
+                    dir.display()
+                );
+            }
+        }
+    }
     if let (Some(dir), true) = (&run.cfg.save_dir, run.lead) {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating --save-dir {}", dir.display()), e))?;
@@ -123,4 +134,10 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
         (Some(path), true) => Ok(progress.with_metrics(MetricsFile::create(path)?)),
         _ => Ok(progress),
     }
+}
+
+/// Whether `path` lies under `dir` (compared as given, and as absolute paths).
+fn inside(path: &std::path::Path, dir: &std::path::Path) -> bool {
+    let abs = |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    path.starts_with(dir) || abs(path).starts_with(abs(dir))
 }
