@@ -180,15 +180,14 @@ fn bad_offload_choices_name_the_fix() {
         tokens(m.vocab),
         &|_| {},
     );
-    let e = too_many.err().expect("refused").to_string();
+    let e = too_many.expect_err("refused").to_string();
     assert!(e.contains("--offload 4") && e.contains("3 blocks"), "{e}");
     let no_ckpt = MemoryPolicy {
         checkpoint: false,
         ..policy(1, false)
     };
     let e = train_cpu(&config(&m, false, no_ckpt, &dir), tokens(m.vocab), &|_| {})
-        .err()
-        .expect("refused")
+        .expect_err("refused")
         .to_string();
     assert!(e.contains("add --checkpoint"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
