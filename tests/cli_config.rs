@@ -138,6 +138,78 @@ fn printed_config_reads_back_to_the_same_config_and_flags_win() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The `[memory]` section of a printed run file.
+fn memory_section(text: &str) -> String {
+    let start = text.find("[memory]\n").expect("a [memory] section");
+    let rest = &text[start..];
+    let end = rest[1..].find("\n[").map_or(rest.len(), |e| e + 1);
+    rest[..end].trim_end().to_string()
+}
+
+#[test]
+fn train_and_plan_share_the_memory_flags_and_their_section() {
+    let dir = scratch("memory");
+    let memory = [
+        "--checkpoint",
+        "--offload=1",
+        "--offload-optimizer",
+        "--tiled-mlp",
+        "--loss-chunk",
+        "64",
+        "--save-attention",
+        "1",
+    ];
+    let printed = ok(&[&["train", "--print-config"], &memory[..]].concat());
+    assert_eq!(
+        memory_section(&printed),
+        "[memory]\ncheckpoint = true\noffload = 1\noffload-optimizer = true\n\
+         tiled-mlp = true\nloss-chunk = 64\nsave-attention = 1",
+        "{printed}"
+    );
+    // `plan` (no --print-config of its own) plans the same policy from the
+    // flags as from the section `train` wrote
+    let file = dir.join("memory.toml");
+    std::fs::write(&file, memory_section(&printed) + "\n").unwrap();
+    let at = ["--device", "cpu", "--gpus", "4", "--seq", "4096", "--json"];
+    let from_flags = ok(&[&["plan"], &memory[..], &at[..]].concat());
+    let from_file = ok(&[&["plan", "--config", file.to_str().unwrap()], &at[..]].concat());
+    assert_eq!(from_flags, from_file);
+    assert!(
+        from_flags.contains("\"offload_blocks\":1") && from_flags.contains("\"save_attention\":1"),
+        "{from_flags}"
+    );
+    // both subcommands list every memory flag
+    for cmd in ["train", "plan"] {
+        let help = ok(&[cmd, "--help"]);
+        for flag in memory.iter().filter(|f| f.starts_with("--")) {
+            let name = flag.split('=').next().unwrap();
+            assert!(help.contains(name), "{cmd} --help lacks {name}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_run_file_printed_by_an_earlier_train_resolves_the_same() {
+    // `upipe train --print-config --checkpoint --offload 3 --tiled-mlp
+    // --save-attention 2 --loss-chunk 64 --offload-optimizer`, as printed
+    // before the memory flags were one group shared with `plan`
+    let earlier = "[model]\nmodel = \"tiny\"\n\n[data]\nseq = 256\ngrad-accum = 1\n\n\
+        [parallel]\nattn = \"upipe\"\nfwd-chunk-heads = \"auto\"\nfsdp = \"auto\"\nfsdp-replicate = 1\n\n\
+        [memory]\ncheckpoint = true\noffload = 3\noffload-optimizer = true\ntiled-mlp = true\n\
+        loss-chunk = 64\nsave-attention = 2\n\n\
+        [optim]\nlr = 0.003\nmin-lr = 0.0003\nwarmup = 20\nweight-decay = 0.1\nclip = 1.0\n\n\
+        [checkpoint]\nsave-every = 0\nresume = false\n\n\
+        [run]\nsteps = 300\nseed = 0\ndevice = \"auto\"\nattn-kernel = \"auto\"\njson = false\n\
+        profile = false\nrehearse = false\n";
+    let dir = scratch("earlier");
+    let file = dir.join("run.toml");
+    std::fs::write(&file, earlier).unwrap();
+    let f = file.to_str().unwrap();
+    assert_eq!(ok(&["train", "--config", f, "--print-config"]), earlier);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_config_files_fail_naming_the_key() {
     let dir = scratch("bad");

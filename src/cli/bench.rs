@@ -112,7 +112,8 @@ impl AttnArgs {
         chunk_heads => parallel.chunk_heads,
         attn_kernel => run.attn_kernel,
         json => run.json,
-        seed => run.seed,
+        seed => run.seed;
+        flatten schedule
     }
 }
 
@@ -122,12 +123,10 @@ impl RunArgs for AttnArgs {
     }
     fn take_file(&mut self, file: &RunFile, given: &Given) {
         self.take_keys(file, given);
-        self.schedule.take_keys(file, given);
     }
     fn to_file(&self) -> RunFile {
         let mut f = RunFile::default();
         self.put_keys(&mut f);
-        self.schedule.put_keys(&mut f);
         f
     }
 }
@@ -194,34 +193,7 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
     } else {
         None
     };
-    let mut outcomes = Vec::new();
-    for &m in &methods {
-        let chunk = if m == Strategy::Upipe {
-            a.chunk_heads
-        } else {
-            None
-        };
-        // local runs on one rank; every other strategy on the same C ranks
-        let (pu, pr) = if m == Strategy::Local {
-            (1, 1)
-        } else {
-            (a.ulysses, a.ring)
-        };
-        let plan = match CpPlan::new(m, &dims, a.seq, pu, pr, chunk) {
-            Ok(p) => a.schedule.apply(p, |p| predicted_peak(a, p))?,
-            // with `all`, ulysses and ring (which put all C ranks in one group) may not fit
-            Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
-                outcomes.push((m, Outcome::Skipped(e.to_string())));
-                continue;
-            }
-            Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
-        };
-        let result = match (m, &reference) {
-            (Strategy::Local, Some(r)) => r.clone(),
-            _ => run_trial(&plan, &dims, &inputs, CpuBackend::new)?,
-        };
-        outcomes.push((m, Outcome::Ran(result, Box::new(plan))));
-    }
+    let outcomes = cpu_outcomes(a, &dims, &inputs, all, &methods, reference.as_ref())?;
     let ulysses_act = outcomes.iter().find_map(|(m, o)| match o {
         Outcome::Ran(r, _) if *m == Strategy::Ulysses => Some(r.act_bytes),
         _ => None,
@@ -242,6 +214,47 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
         );
     }
     Ok(if failed { 1 } else { 0 })
+}
+
+/// Each strategy's CPU trial on thread ranks (`local`'s is the `reference`
+/// when there is one), or why it is skipped (with `all`).
+fn cpu_outcomes(
+    a: &AttnArgs,
+    dims: &AttnDims,
+    inputs: &TrialInputs,
+    all: bool,
+    methods: &[Strategy],
+    reference: Option<&TrialResult>,
+) -> Result<Vec<(Strategy, Outcome)>> {
+    let mut outcomes = Vec::new();
+    for &m in methods {
+        let chunk = if m == Strategy::Upipe {
+            a.chunk_heads
+        } else {
+            None
+        };
+        // local runs on one rank; every other strategy on the same C ranks
+        let (pu, pr) = if m == Strategy::Local {
+            (1, 1)
+        } else {
+            (a.ulysses, a.ring)
+        };
+        let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
+            Ok(p) => a.schedule.apply(p, |p| predicted_peak(a, p))?,
+            // with `all`, ulysses and ring (which put all C ranks in one group) may not fit
+            Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
+                outcomes.push((m, Outcome::Skipped(e.to_string())));
+                continue;
+            }
+            Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
+        };
+        let result = match (m, reference) {
+            (Strategy::Local, Some(r)) => r.clone(),
+            _ => run_trial(&plan, dims, inputs, CpuBackend::new)?,
+        };
+        outcomes.push((m, Outcome::Ran(result, Box::new(plan))));
+    }
+    Ok(outcomes)
 }
 
 fn print_header(a: &AttnArgs, device: &str, throughput: bool) {
@@ -317,64 +330,102 @@ fn print_row(
             false
         }
         Outcome::Ran(r, plan) => {
-            let err = reference.map(|rf| r.max_rel_err(rf));
-            let ok = reference.is_none_or(|rf| {
-                r.errors_against(rf)
-                    .iter()
-                    .all(|(name, e)| *e <= tolerance(name))
-            });
-            let ratio = ulysses_act.map(|u| r.act_bytes as f64 / u.max(1) as f64);
-            let mesh = format!("{}x{}", plan.layout.pu, plan.layout.pr);
-            let seconds = throughput.map_or(r.seconds, |t| t.2);
-            // what `upipe plan` predicts for this layer (the highest rank's ledger peak)
-            let predicted = predicted_peak(a, plan).ok();
+            let row = Row {
+                err: reference.map(|rf| r.max_rel_err(rf)),
+                ok: reference.is_none_or(|rf| {
+                    r.errors_against(rf)
+                        .iter()
+                        .all(|(name, e)| *e <= tolerance(name))
+                }),
+                ratio: ulysses_act.map(|u| r.act_bytes as f64 / u.max(1) as f64),
+                seconds: throughput.map_or(r.seconds, |t| t.2),
+                // what `upipe plan` predicts for this layer (the highest rank's ledger peak)
+                predicted: predicted_peak(a, plan).ok(),
+            };
             if a.json {
-                let mut row = json!({
-                    "method": m.name(), "max_rel_err": err, "peak_bytes": r.peak_bytes,
-                    "predicted_peak_bytes": predicted,
-                    "act_bytes": r.act_bytes, "ok": ok, "ranks": r.ranks,
-                    "ulysses": plan.layout.pu, "ring": plan.layout.pr,
-                    "chunk_heads": plan.schedule.chunk, "fwd_chunk_heads": plan.fwd_schedule.chunk, "stages": plan.schedule.n_stages(),
-                    "overlap": plan.overlap, "settle_every": plan.settle_every.to_string(),
-                    "act_vs_ulysses": ratio, "seconds": seconds,
-                });
-                if let Some(rf) = reference {
-                    row["errors"] = r.errors_against(rf).into_iter().collect();
-                }
-                if let Some((tf, tok, _)) = throughput {
-                    row["tflops_per_gpu"] = json!(tf);
-                    row["tokens_per_s_per_gpu"] = json!(tok);
-                    row["seq"] = json!(a.seq);
-                    row["device"] = json!(a.device);
-                    // the Ulysses exchanges' copy-engine window (NCCL ranks only)
-                    let window = (a.device == "cuda")
-                        .then(|| crate::comm::exchange_window::size_from_env().ok().flatten())
-                        .flatten();
-                    row["exchange_window_mib"] = json!(window.map(|b| b >> 20));
-                }
-                println!("{row}");
+                println!("{}", json_row(a, m, r, plan, &row, reference, throughput));
             } else {
-                print!(
-                    "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
-                    m.name(),
-                    mesh,
-                    plan.chunk_text(),
-                    plan.schedule.n_stages(),
-                    err.map_or("-".into(), |e| format!("{e:.2e}")),
-                    Bytes(r.peak_bytes).to_string(),
-                    predicted.map_or("-".into(), |p| Bytes(p).to_string()),
-                    Bytes(r.act_bytes).to_string(),
-                    ratio.map_or("-".into(), |x| format!("{x:.3}")),
-                    seconds
-                );
-                if let Some((tf, tok, _)) = throughput {
-                    print!(" {tf:>10.1} {tok:>12.0}");
-                }
-                println!();
+                println!("{}", table_row(m, r, plan, &row, throughput));
             }
-            a.check && !ok
+            a.check && !row.ok
         }
     }
+}
+
+/// What a strategy's row shows beside its trial's own numbers.
+struct Row {
+    /// Largest relative error against the reference.
+    err: Option<f64>,
+    /// Every output within the tolerance (or no reference).
+    ok: bool,
+    /// Activation bytes against Ulysses'.
+    ratio: Option<f64>,
+    seconds: f64,
+    /// The planner's peak for this layer.
+    predicted: Option<usize>,
+}
+
+/// One strategy's JSON line.
+fn json_row(
+    a: &AttnArgs,
+    m: Strategy,
+    r: &TrialResult,
+    plan: &CpPlan,
+    row: &Row,
+    reference: Option<&TrialResult>,
+    throughput: Option<(f64, f64, f64)>,
+) -> serde_json::Value {
+    let mut line = json!({
+        "method": m.name(), "max_rel_err": row.err, "peak_bytes": r.peak_bytes,
+        "predicted_peak_bytes": row.predicted,
+        "act_bytes": r.act_bytes, "ok": row.ok, "ranks": r.ranks,
+        "ulysses": plan.layout.pu, "ring": plan.layout.pr,
+        "chunk_heads": plan.schedule.chunk, "fwd_chunk_heads": plan.fwd_schedule.chunk, "stages": plan.schedule.n_stages(),
+        "overlap": plan.overlap, "settle_every": plan.settle_every.to_string(),
+        "act_vs_ulysses": row.ratio, "seconds": row.seconds,
+    });
+    if let Some(rf) = reference {
+        line["errors"] = r.errors_against(rf).into_iter().collect();
+    }
+    if let Some((tf, tok, _)) = throughput {
+        line["tflops_per_gpu"] = json!(tf);
+        line["tokens_per_s_per_gpu"] = json!(tok);
+        line["seq"] = json!(a.seq);
+        line["device"] = json!(a.device);
+        // the Ulysses exchanges' copy-engine window (NCCL ranks only)
+        let window = (a.device == "cuda")
+            .then(|| crate::comm::exchange_window::size_from_env().ok().flatten())
+            .flatten();
+        line["exchange_window_mib"] = json!(window.map(|b| b >> 20));
+    }
+    line
+}
+
+/// One strategy's row of the table.
+fn table_row(
+    m: Strategy,
+    r: &TrialResult,
+    plan: &CpPlan,
+    row: &Row,
+    throughput: Option<(f64, f64, f64)>,
+) -> String {
+    let mut line = format!(
+        "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9.3}",
+        m.name(),
+        format!("{}x{}", plan.layout.pu, plan.layout.pr),
+        plan.chunk_text(),
+        plan.schedule.n_stages(),
+        row.err.map_or("-".into(), |e| format!("{e:.2e}")),
+        Bytes(r.peak_bytes).to_string(),
+        row.predicted.map_or("-".into(), |p| Bytes(p).to_string()),
+        Bytes(r.act_bytes).to_string(),
+        row.ratio.map_or("-".into(), |x| format!("{x:.3}")),
+        row.seconds
+    );
+    if let Some((tf, tok, _)) = throughput {
+        line += &format!(" {tf:>10.1} {tok:>12.0}");
+    }
+    line
 }
 
 /// `(is_all, strategies)` from the `--methods` flag.

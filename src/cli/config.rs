@@ -215,10 +215,13 @@ impl<T: Clone> Key<T> for Option<T> {
 }
 
 /// Maps a subcommand's flags onto run-file keys: `field => section.key`
-/// for each flag (its clap id is the field's name). Defines `KEYS`,
-/// `take_keys` (the file's keys for the flags not given) and `put_keys`.
+/// for each flag (its clap id is the field's name), then optionally
+/// `; flatten a, b` for the fields holding flattened flag groups with
+/// their own keys. Defines `KEYS` (this struct's own flags), `take_keys`
+/// (the file's keys for the flags not given) and `put_keys`, both through
+/// the flattened groups too.
 macro_rules! run_keys {
-    ($($field:ident => $section:ident . $key:ident),* $(,)?) => {
+    ($($field:ident => $section:ident . $key:ident),* $(,)? $(; flatten $($group:ident),+ $(,)?)?) => {
         /// `(flag id, section, key)` of every flag with a run-file key.
         pub const KEYS: &'static [(&'static str, &'static str, &'static str)] =
             &[$((stringify!($field), stringify!($section), stringify!($key))),*];
@@ -234,11 +237,13 @@ macro_rules! run_keys {
                     $crate::cli::config::Key::take(&mut self.$field, &file.$section.$key);
                 }
             )*
+            $($( self.$group.take_keys(file, given); )+)?
         }
 
         /// Writes every flag's value under its key.
         pub fn put_keys(&self, file: &mut $crate::cli::config::RunFile) {
             $( file.$section.$key = $crate::cli::config::Key::put(&self.$field); )*
+            $($( self.$group.put_keys(file); )+)?
         }
     };
 }
@@ -402,8 +407,9 @@ mod tests {
     use super::*;
     use crate::cli::bench::AttnArgs;
     use crate::cli::eval::EvalArgs;
+    use crate::cli::memory::MemoryArgs;
     use crate::cli::plan::PlanArgs;
-    use crate::cli::schedule::ScheduleArgs;
+    use crate::cli::schedule::{FwdChunkArgs, ScheduleArgs};
     use crate::cli::train::TrainArgs;
     use clap::{Args, Command, FromArgMatches};
 
@@ -429,10 +435,11 @@ mod tests {
 
     #[test]
     fn every_flag_of_every_subcommand_has_a_key() {
-        every_flag_has_a_key::<TrainArgs>(&[TrainArgs::KEYS]);
+        let (memory, schedule, fwd) = (MemoryArgs::KEYS, ScheduleArgs::KEYS, FwdChunkArgs::KEYS);
+        every_flag_has_a_key::<TrainArgs>(&[TrainArgs::KEYS, memory, fwd]);
         every_flag_has_a_key::<EvalArgs>(&[EvalArgs::KEYS]);
-        every_flag_has_a_key::<PlanArgs>(&[PlanArgs::KEYS, ScheduleArgs::KEYS]);
-        every_flag_has_a_key::<AttnArgs>(&[AttnArgs::KEYS, ScheduleArgs::KEYS]);
+        every_flag_has_a_key::<PlanArgs>(&[PlanArgs::KEYS, schedule, fwd, memory]);
+        every_flag_has_a_key::<AttnArgs>(&[AttnArgs::KEYS, schedule, fwd]);
     }
 
     #[test]
@@ -442,6 +449,8 @@ mod tests {
             EvalArgs::KEYS,
             PlanArgs::KEYS,
             ScheduleArgs::KEYS,
+            FwdChunkArgs::KEYS,
+            MemoryArgs::KEYS,
             AttnArgs::KEYS,
         ];
         for a in all.iter().flat_map(|k| k.iter()) {
@@ -463,7 +472,7 @@ mod tests {
         a.take_file(&file, &Given(&m));
         assert_eq!((a.seq, a.steps, a.seed), (512, 3, 4));
         assert!(
-            !a.checkpoint,
+            !a.memory.checkpoint,
             "--checkpoint=false turns off the file's checkpoint"
         );
         assert_eq!(a.lr, 3e-3, "a key the file leaves out keeps its default");
@@ -471,7 +480,7 @@ mod tests {
         let (mut b, m) = args::<TrainArgs>(&[]);
         b.take_file(&file, &Given(&m));
         assert_eq!(b.steps, 9);
-        assert!(b.checkpoint);
+        assert!(b.memory.checkpoint);
     }
 
     fn parse_ok(text: &str) -> RunFile {

@@ -13,6 +13,7 @@ use crate::backend::cuda::cudnn::AttnKernel;
 use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
 use crate::cli::metrics::{MetricsFile, StepMetrics, by_category};
 use crate::cli::train::{Device, Launched, MeshChoice, Route, default_mesh, route_for};
+use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
@@ -154,8 +155,42 @@ fn eval_mesh(
     })
 }
 
+/// `upipe eval` with flags `a`, parsed from the command line `m`.
 pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
     let a = config::resolve(a, m)?;
+    let run = build(&a)?;
+    if let Route::SelfLaunch { nproc } = run.route {
+        let gpus = run.gpus;
+        tracing::info!("{gpus} GPUs visible: starting {nproc} processes, one per GPU (NCCL)");
+        let child = crate::cli::launch::own_command("eval")?;
+        return crate::cli::launch::run_local(nproc, child);
+    }
+    let report = execute(&run)?;
+    if run.route != Route::ProcessRank || run.env.as_ref().is_none_or(|e| e.rank == 0) {
+        let text = serde_json::to_string(&report).expect("a report always serialises");
+        println!("{text}");
+        if let Some(path) = &a.metrics {
+            write_metrics(path, &run.cfg, &report, run.shape.world_size())?;
+        }
+    }
+    Ok(0)
+}
+
+/// An evaluation built from its flags, up to the moment it runs.
+struct Built {
+    cfg: EvalConfig,
+    model_dir: PathBuf,
+    tokens: Tokens,
+    kernel: AttnKernel,
+    env: Option<DistEnv>,
+    gpus: usize,
+    shape: MeshShape,
+    route: Route,
+}
+
+/// The flags parsed and checked, the token file opened, the mesh chosen
+/// and where the ranks run decided.
+fn build(a: &EvalArgs) -> Result<Built> {
     let k = EvalArgs::KEYS;
     let model_dir = required(&a.model_dir, "model_dir")?;
     let tokens_path = required(&a.tokens, "tokens")?;
@@ -185,7 +220,7 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
         None if device != Device::Cpu && gpus >= 2 => Some(gpus),
         None => None,
     };
-    let mesh = eval_mesh(&a, strategy, &model, seq, ranks);
+    let mesh = eval_mesh(a, strategy, &model, seq, ranks);
     (cfg.data_parallel, cfg.ulysses, cfg.ring) = (mesh.data, mesh.ulysses, mesh.ring);
     let shape = cfg.mesh_shape(&cfg.plan(seq)?);
     let nccl = || {
@@ -194,31 +229,36 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
             .map_err(|e| e.to_string())
     };
     let route = route_for("eval", device, launched, gpus, shape, &nccl)?;
-    if let Route::SelfLaunch { nproc } = route {
-        tracing::info!("{gpus} GPUs visible: starting {nproc} processes, one per GPU (NCCL)");
-        let child = crate::cli::launch::own_command("eval")?;
-        return crate::cli::launch::run_local(nproc, child);
-    }
-    let host = load_hf_model(model_dir, &model)?;
-    let report: EvalReport = match &route {
+    Ok(Built {
+        cfg,
+        model_dir: model_dir.to_path_buf(),
+        tokens,
+        kernel,
+        env,
+        gpus,
+        shape,
+        route,
+    })
+}
+
+/// Loads the weights and evaluates where the route says.
+fn execute(run: &Built) -> Result<EvalReport> {
+    let (cfg, tokens, kernel) = (&run.cfg, &run.tokens, run.kernel);
+    let host = load_hf_model(&run.model_dir, &cfg.model)?;
+    match &run.route {
         Route::ProcessRank => {
-            let env = env.as_ref().expect("a launched run has its environment");
-            eval_process_rank(&cfg, &tokens, &host, env, kernel)?
+            let env = run
+                .env
+                .as_ref()
+                .expect("a launched run has its environment");
+            eval_process_rank(cfg, tokens, &host, env, kernel)
         }
         Route::GpuThreads { gpus, why } => {
             tracing::info!("thread ranks on GPUs: {why}");
-            eval_on_gpus(&cfg, &tokens, &host, *gpus, kernel)?
+            eval_on_gpus(cfg, tokens, &host, *gpus, kernel)
         }
-        _ => eval_cpu(&cfg, &tokens, &host)?,
-    };
-    if route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0) {
-        let text = serde_json::to_string(&report).expect("a report always serialises");
-        println!("{text}");
-        if let Some(path) = &a.metrics {
-            write_metrics(path, &cfg, &report, shape.world_size())?;
-        }
+        _ => eval_cpu(cfg, tokens, &host),
     }
-    Ok(0)
 }
 
 /// `--metrics`: the evaluation as one metrics line (step 0; model FLOPs of

@@ -6,6 +6,7 @@ pub mod config;
 pub mod eval;
 pub mod info;
 pub mod launch;
+pub mod memory;
 pub mod metrics;
 pub mod plan;
 pub mod rendezvous_check;

@@ -4,6 +4,7 @@
 use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
+use crate::cli::memory::MemoryArgs;
 use crate::cli::schedule::ScheduleArgs;
 use crate::cli::svg::{Area, Bar, Svg, stacked_bars};
 use crate::cli::train::{CPU_DEFAULT_MESH, FsdpMode, MeshFlags, resolve_mesh};
@@ -83,32 +84,8 @@ pub struct PlanArgs {
     /// --checkpoint, --offload, --offload-optimizer, --tiled-mlp and --fsdp.
     #[arg(long, default_value = "none")]
     pub policies: String,
-    /// Full activation checkpointing (as `train --checkpoint`).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
-    pub checkpoint: bool,
-    /// Checkpointed block inputs in host memory (as `train --offload`):
-    /// all (the flag alone), N first blocks, auto, none.
-    #[arg(long, num_args = 0..=1, default_missing_value = "all",
-          default_value_t = OffloadBlocks::Blocks(0))]
-    pub offload: OffloadBlocks,
-    /// Optimizer state in host memory (as `train --offload-optimizer`).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
-    pub offload_optimizer: bool,
-    /// Tiled MLP/RMSNorm (as `train --tiled-mlp`).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
-    pub tiled_mlp: bool,
-    /// Rows of logits per fused-loss chunk.
-    #[arg(long, default_value_t = 256)]
-    pub loss_chunk: usize,
-    /// With checkpoint: blocks (the last ones) that keep their attention
-    /// output and LSEs: none, all, N, or auto (as many as fit --gpu-mem
-    /// minus --reserve at that length, as `upipe train` chooses; the search
-    /// finds the longest length with none and shows what auto keeps there).
-    #[arg(long, default_value_t = SaveAttention::Auto)]
-    pub save_attention: SaveAttention,
+    #[command(flatten)]
+    pub memory: MemoryArgs,
     /// Dtypes to plan for: cuda (bf16 activations), cpu (f32), or auto (as
     /// `train --device auto` would run here: cuda when a GPU is visible).
     #[arg(long, default_value = "cuda")]
@@ -149,17 +126,12 @@ impl PlanArgs {
         fsdp => parallel.fsdp,
         fsdp_replicate => parallel.fsdp_replicate,
         policies => memory.policies,
-        checkpoint => memory.checkpoint,
-        offload => memory.offload,
-        offload_optimizer => memory.offload_optimizer,
-        tiled_mlp => memory.tiled_mlp,
-        loss_chunk => memory.loss_chunk,
-        save_attention => memory.save_attention,
         device => run.device,
         attn_kernel => run.attn_kernel,
         json => run.json,
         max_seq => plan.max_seq,
-        svg => plan.svg,
+        svg => plan.svg;
+        flatten schedule, memory
     }
 }
 
@@ -169,12 +141,10 @@ impl RunArgs for PlanArgs {
     }
     fn take_file(&mut self, file: &RunFile, given: &Given) {
         self.take_keys(file, given);
-        self.schedule.take_keys(file, given);
     }
     fn to_file(&self) -> RunFile {
         let mut f = RunFile::default();
         self.put_keys(&mut f);
-        self.schedule.put_keys(&mut f);
         f
     }
 }
@@ -190,18 +160,8 @@ fn policies(
     gpus: usize,
 ) -> Result<(MemoryPolicy, bool)> {
     let layers = model.layers;
-    let mut p = MemoryPolicy {
-        checkpoint: a.checkpoint,
-        // `auto` is resolved at each length ([`Ctx::predict_saving`])
-        offload: match a.offload {
-            OffloadBlocks::Blocks(n) => n,
-            OffloadBlocks::All | OffloadBlocks::Auto => layers,
-        },
-        offload_optimizer: a.offload_optimizer,
-        tiled_mlp: a.tiled_mlp,
-        loss_chunk: a.loss_chunk,
-        save_attention: 0,
-    };
+    // `auto` is resolved at each length ([`Ctx::predict_saving`])
+    let mut p = a.memory.policy(layers, layers);
     let mut fsdp: FsdpMode = for_key(PlanArgs::KEYS, "fsdp", a.fsdp.parse())?;
     for item in a
         .policies
@@ -292,7 +252,7 @@ impl Ctx {
     /// The step of `strategy` at `seq` with `--save-attention` resolved as
     /// `upipe train` resolves it (before the forward stages are widened).
     fn predict(&self, strategy: Strategy, seq: usize) -> Result<(Prediction, StepSpec)> {
-        self.predict_saving(strategy, seq, self.a.save_attention)
+        self.predict_saving(strategy, seq, self.a.memory.save_attention)
     }
 
     /// [`Self::predict`] with `save` blocks keeping their attention state.
@@ -359,7 +319,7 @@ impl Ctx {
     /// What the search holds fixed: `auto` searches with none (wherever none
     /// fits, auto fits too), a number or `all` as given.
     fn search_save(&self) -> SaveAttention {
-        match self.a.save_attention {
+        match self.a.memory.save_attention {
             SaveAttention::Auto => SaveAttention::Blocks(0),
             given => given,
         }
@@ -428,7 +388,7 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
             ctx.a.reserve,
             ctx.device.name(),
             policy_text(&ctx),
-            ctx.a.save_attention,
+            ctx.a.memory.save_attention,
         );
         if let Some(h) = ctx.budget.host {
             println!("host memory for offload: {} per rank", Bytes(h));
@@ -508,11 +468,11 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let (gpus, fitted) = plan_gpus(&a)?;
     at_least(k, "gpus_per_node", a.gpus_per_node, 1)?;
     at_least(k, "grad_accum", a.grad_accum, 1)?;
-    at_least(k, "loss_chunk", a.loss_chunk, 1)?;
+    a.memory.validate()?;
     let device = plan_device(&a)?;
     let usable = gib(a.gpu_mem, "--gpu-mem")?.saturating_sub(gib(a.reserve, "--reserve")?);
     let (policy, fsdp) = policies(&a, &model, device, usable, gpus)?;
-    a.save_attention.check(policy, model.layers)?;
+    a.memory.save_attention.check(policy, model.layers)?;
     if a.fsdp_replicate == 0
         || !gpus.is_multiple_of(a.fsdp_replicate)
         || (a.fsdp_replicate > 1 && !fsdp)
@@ -532,7 +492,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         device: usable,
         host,
     };
-    let offload_auto = a.offload == OffloadBlocks::Auto
+    let offload_auto = a.memory.offload == OffloadBlocks::Auto
         || a.policies.split(',').any(|x| x.trim() == "offload-auto");
     Ok(Ctx {
         model,
@@ -716,39 +676,45 @@ fn search(ctx: &Ctx) -> Result<i32> {
             0 => None,
             seq => Some(ctx.predict(s, seq)?.1),
         };
-        let limit = fit.limit.as_ref();
-        if json {
-            println!(
-                "{}",
-                json!({
-                    "strategy": s.name(), "mesh": mesh_json(&spec), "longest_seq": fit.seq,
-                    "save_attention": saved.as_ref().map(|s| s.policy.save_attention),
-                    "offload_blocks": saved.as_ref().map(|s| s.policy.offload),
-                    "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),
-                    "by_category": fit.at_fit.as_ref().map(by_category),
-                    "limit": limit.map(|(seq, l, p)| json!({
-                        "seq": seq, "reason": limit_text(l), "peak_bytes": p.peak,
-                        "by_category": by_category(p),
-                    })),
-                })
-            );
-        } else {
-            println!(
-                "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  {}",
-                s.name(),
-                mesh_text(&spec),
-                spec.plan.chunk_text(),
-                format!("{} ({})", fit.seq, fmt_tokens(fit.seq)),
-                fit.at_fit
-                    .as_ref()
-                    .map_or("-".into(), |p| Bytes(p.peak).to_string()),
-                saved.as_ref().map_or("-".into(), saved_text),
-                limit.map_or(
-                    format!("none up to --max-seq {}", ctx.a.max_seq),
-                    |(seq, l, p)| { format!("{seq} needs {}: {}", Bytes(p.peak), limit_text(l)) }
-                )
-            );
-        }
+        print_longest(ctx, s, &spec, &fit, saved.as_ref());
     }
     Ok(0)
+}
+
+/// One strategy's result of the search: a JSON line or a row of the table;
+/// `saved` is the step at the longest length (none when nothing fits).
+fn print_longest(ctx: &Ctx, s: Strategy, spec: &StepSpec, fit: &Fit, saved: Option<&StepSpec>) {
+    let limit = fit.limit.as_ref();
+    if ctx.a.json {
+        println!(
+            "{}",
+            json!({
+                "strategy": s.name(), "mesh": mesh_json(spec), "longest_seq": fit.seq,
+                "save_attention": saved.map(|s| s.policy.save_attention),
+                "offload_blocks": saved.map(|s| s.policy.offload),
+                "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),
+                "by_category": fit.at_fit.as_ref().map(by_category),
+                "limit": limit.map(|(seq, l, p)| json!({
+                    "seq": seq, "reason": limit_text(l), "peak_bytes": p.peak,
+                    "by_category": by_category(p),
+                })),
+            })
+        );
+    } else {
+        println!(
+            "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  {}",
+            s.name(),
+            mesh_text(spec),
+            spec.plan.chunk_text(),
+            format!("{} ({})", fit.seq, fmt_tokens(fit.seq)),
+            fit.at_fit
+                .as_ref()
+                .map_or("-".into(), |p| Bytes(p.peak).to_string()),
+            saved.map_or("-".into(), saved_text),
+            limit.map_or(
+                format!("none up to --max-seq {}", ctx.a.max_seq),
+                |(seq, l, p)| { format!("{seq} needs {}: {}", Bytes(p.peak), limit_text(l)) }
+            )
+        );
+    }
 }

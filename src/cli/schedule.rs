@@ -1,4 +1,5 @@
-//! The staged engine's schedule flags, shared by `bench attn` and `plan`.
+//! The staged engine's schedule flags, shared by `bench attn` and `plan`
+//! (`--fwd-chunk-heads` by `train` too).
 
 use crate::attention::{CpPlan, Settle, Strategy};
 use crate::error::Result;
@@ -23,6 +24,13 @@ pub struct ScheduleArgs {
     /// docs/strategies.md).
     #[arg(long, default_value_t = Settle::default())]
     pub settle_every: Settle,
+    #[command(flatten)]
+    pub fwd: FwdChunkArgs,
+}
+
+/// `--fwd-chunk-heads` (also a flag of `train`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct FwdChunkArgs {
     /// UPipe heads per forward stage: `auto` (the widest whose predicted
     /// peak is no higher than with the backward's stages) or a number (a
     /// multiple of --chunk-heads that is itself a valid stage size, up to
@@ -31,6 +39,12 @@ pub struct ScheduleArgs {
     /// larger attention calls, usually at no memory cost.
     #[arg(long, default_value_t = FwdChunk::Auto)]
     pub fwd_chunk_heads: FwdChunk,
+}
+
+impl FwdChunkArgs {
+    crate::cli::config::run_keys! {
+        fwd_chunk_heads => parallel.fwd_chunk_heads,
+    }
 }
 
 /// `--fwd-chunk-heads`: `auto` or a number of heads.
@@ -84,8 +98,8 @@ impl FwdChunk {
 impl ScheduleArgs {
     crate::cli::config::run_keys! {
         overlap => parallel.overlap,
-        settle_every => parallel.settle_every,
-        fwd_chunk_heads => parallel.fwd_chunk_heads,
+        settle_every => parallel.settle_every;
+        flatten fwd
     }
 
     /// `plan` with this schedule (`local` has no stages to overlap; only
@@ -95,6 +109,6 @@ impl ScheduleArgs {
         let plan = plan
             .with_overlap(self.overlap && staged)
             .with_settle(self.settle_every);
-        self.fwd_chunk_heads.apply(plan, peak)
+        self.fwd.fwd_chunk_heads.apply(plan, peak)
     }
 }

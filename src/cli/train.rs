@@ -46,8 +46,8 @@ use crate::cli::schedule::FwdChunk;
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
 use crate::error::Result;
+use crate::model::ModelConfig;
 use crate::model::flops::train_flops_per_token;
-use crate::model::{MemoryPolicy, ModelConfig};
 use crate::plan::{OffloadBlocks, Prediction, SaveAttention};
 use crate::train::data::{Tokens, load_tokens};
 use crate::train::optim::AdamWConfig;
@@ -133,8 +133,10 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     let cfg = train_config(a, c.model, c.strategy, mesh);
     let plan = cfg.plan()?;
     // a number or `all` without --checkpoint fails here, before any launch
-    a.save_attention.check(cfg.policy, cfg.model.layers)?;
-    if a.offload == OffloadBlocks::Auto && !cfg.policy.checkpoint {
+    a.memory
+        .save_attention
+        .check(cfg.policy, cfg.model.layers)?;
+    if a.memory.offload == OffloadBlocks::Auto && !cfg.policy.checkpoint {
         return crate::config_err!(
             "--offload auto moves checkpointed block inputs to the host: add --checkpoint"
         );
@@ -181,7 +183,7 @@ fn train_config(
         ulysses: mesh.ulysses,
         ring: mesh.ring,
         chunk_heads: a.chunk_heads,
-        fwd_chunk_heads: match a.fwd_chunk_heads {
+        fwd_chunk_heads: match a.fwd.fwd_chunk_heads {
             FwdChunk::Heads(n) => Some(n),
             FwdChunk::Auto => None,
         },
@@ -193,19 +195,8 @@ fn train_config(
             ..AdamWConfig::schedule(a.lr as f32, a.min_lr as f32, a.warmup, a.steps)
         },
         seed: a.seed,
-        policy: MemoryPolicy {
-            checkpoint: a.checkpoint,
-            // a number or `all` now (checked before any launch), `auto` once the budget is known
-            offload: match a.offload {
-                OffloadBlocks::Blocks(n) => n,
-                OffloadBlocks::All => layers,
-                OffloadBlocks::Auto => 0,
-            },
-            offload_optimizer: a.offload_optimizer,
-            tiled_mlp: a.tiled_mlp,
-            loss_chunk: a.loss_chunk,
-            save_attention: 0,
-        },
+        // a number or `all` now (checked before any launch), `auto` once the budget is known
+        policy: a.memory.policy(layers, 0),
         init_from: a.init_from.clone(),
         save_dir: a.save_dir.clone(),
         save_every: a.save_every,
@@ -237,9 +228,9 @@ impl Built {
     /// run will use them; the planner's prediction of its step.
     fn resolve(&mut self, a: &TrainArgs) -> Result<Prediction> {
         self.shard(a.fsdp_replicate)?;
-        self.offload(a.offload, a.host_mem)?;
-        self.save_attention(a.save_attention)?;
-        self.fit_forward_stages(a.fwd_chunk_heads)
+        self.offload(a.memory.offload, a.host_mem)?;
+        self.save_attention(a.memory.save_attention)?;
+        self.fit_forward_stages(a.fwd.fwd_chunk_heads)
     }
 
     /// Decides `--fsdp` (auto: from the model's states and each rank's
@@ -369,7 +360,7 @@ fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
     r.ring = Some(run.cfg.ring);
     r.fsdp = if run.cfg.fsdp { "on" } else { "off" }.into();
     if let Some(n) = run.cfg.fwd_chunk_heads {
-        r.fwd_chunk_heads = FwdChunk::Heads(n);
+        r.fwd.fwd_chunk_heads = FwdChunk::Heads(n);
     }
     config::resolved_toml(&r)
 }

@@ -13,7 +13,7 @@
 
 use super::checkpoint::HostTensor;
 use super::data::Tokens;
-use super::trainer::{check_local_rank, check_world_size, weights_from_host};
+use super::trainer::{ProcessRank, weights_from_host};
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::{Backend, Category, DType, IGNORE};
 use crate::comm::env::DistEnv;
@@ -26,9 +26,6 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::time::{Duration, Instant};
-
-/// How long process ranks wait for each other at the rendezvous.
-const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// What an evaluation runs: the model, its mesh and how the data is cut.
 #[derive(Debug, Clone)]
@@ -208,9 +205,8 @@ pub fn eval_cpu(
 }
 
 /// Evaluates as one process rank of a multi-GPU run started by `upipe
-/// launch`, torchrun or srun (`env`): as `train_process_rank` does, opens
-/// GPU `LOCAL_RANK`, meets the other ranks at the rendezvous, joins the NCCL
-/// world and splits the mesh from it. The world size must equal the mesh size.
+/// launch`, torchrun or srun (`env`), joined as `train_process_rank` joins
+/// ([`ProcessRank::join`]). The world size must equal the mesh size.
 pub fn eval_process_rank(
     cfg: &EvalConfig,
     tokens: &Tokens,
@@ -218,21 +214,10 @@ pub fn eval_process_rank(
     env: &DistEnv,
     kernel: crate::backend::cuda::cudnn::AttnKernel,
 ) -> Result<EvalReport> {
-    use crate::backend::cuda::CudaBackend;
-    use crate::comm::nccl::NcclWorld;
-    use crate::comm::rendezvous::Rendezvous;
     tokens.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(tokens)?.seq)?);
-    check_world_size(shape, env.world_size)?;
-    let gpus = crate::backend::cuda::device::gpus()?.len();
-    check_local_rank(env.local_rank, gpus)?;
-    let mut rv = Rendezvous::connect(env, RENDEZVOUS_TIMEOUT)?;
-    let mut b = CudaBackend::new(env.local_rank)?;
-    b.set_attn_kernel(kernel);
-    let b = std::sync::Arc::new(b);
-    let world = NcclWorld::connect(env, &mut rv, b.clone())?;
-    let mesh = world.mesh(shape)?;
-    eval_on_mesh(cfg, tokens, host, b.as_ref(), &mesh)
+    let rank = ProcessRank::join("eval", env, shape, kernel, None)?;
+    eval_on_mesh(cfg, tokens, host, rank.backend.as_ref(), &rank.mesh)
 }
 
 /// One rank's evaluation; collective over `mesh` (every rank calls it with

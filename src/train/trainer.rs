@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long process ranks wait for each other at the rendezvous.
-const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Everything a training run needs, validated by [`TrainConfig::plan`].
 #[derive(Debug, Clone)]
@@ -255,17 +255,17 @@ impl TrainConfig {
     }
 }
 
-/// Checks that `world_size` launched processes fit the mesh of `shape`;
-/// the error names both fixes (launch another number of processes, or
-/// change the mesh flags).
-pub fn check_world_size(shape: MeshShape, world_size: usize) -> Result<()> {
+/// Checks that `world_size` launched processes fit the mesh of `shape` of
+/// the subcommand `command` (`train`, `eval`); the error names both fixes
+/// (launch another number of processes, or change the mesh flags).
+pub fn check_world_size(command: &str, shape: MeshShape, world_size: usize) -> Result<()> {
     let want = shape.world_size();
     if want == world_size {
         return Ok(());
     }
     crate::config_err!(
         "the mesh --data-parallel {} x --ring {} x --ulysses {} needs {want} processes, but {world_size} were launched; \
-         start `upipe launch --nproc-per-node {want} -- train ...` (one process per GPU), \
+         start `upipe launch --nproc-per-node {want} -- {command} ...` (one process per GPU), \
          or choose --data-parallel/--ulysses/--ring with a product of {world_size} \
          (leave all three out for a default mesh of {world_size} ranks)",
         shape.data,
@@ -364,25 +364,59 @@ pub fn train_process_rank(
     kernel: crate::backend::cuda::cudnn::AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
-    use crate::backend::cuda::CudaBackend;
-    use crate::comm::nccl::NcclWorld;
-    use crate::comm::rendezvous::Rendezvous;
     let tokens = tokens.into();
     let plan = cfg.plan()?;
     cfg.recover_checkpoint()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
-    check_world_size(shape, env.world_size)?;
-    let gpus = crate::backend::cuda::device::gpus()?.len();
-    check_local_rank(env.local_rank, gpus)?;
-    let mut rv = Rendezvous::connect(env, RENDEZVOUS_TIMEOUT)?;
-    let mut b = CudaBackend::new(env.local_rank)?;
-    b.set_attn_kernel(kernel);
-    b.set_host_budget(cfg.host_budget);
-    let b = Arc::new(b);
-    let world = NcclWorld::connect(env, &mut rv, b.clone())?;
-    let mesh = world.mesh(shape)?;
-    train_on_mesh(cfg, tokens, b.as_ref(), &mesh, on_step)
+    let rank = ProcessRank::join("train", env, shape, kernel, cfg.host_budget)?;
+    train_on_mesh(cfg, tokens, rank.backend.as_ref(), &rank.mesh, on_step)
+}
+
+/// One process rank of a multi-GPU run (`upipe train`, `upipe eval`): its
+/// mesh, the NCCL world and GPU it runs on, and the rendezvous it met the
+/// other ranks at, all held for the run (dropped in this order).
+pub struct ProcessRank {
+    pub mesh: Mesh<crate::backend::cuda::CudaBackend>,
+    _world: crate::comm::nccl::NcclWorld,
+    pub backend: Arc<crate::backend::cuda::CudaBackend>,
+    _rv: crate::comm::rendezvous::Rendezvous,
+}
+
+impl ProcessRank {
+    /// Joins the run of the subcommand `command` (named in errors) that
+    /// `env` describes: checks that the world size is the size of `shape`
+    /// and that `LOCAL_RANK` has a GPU of its own, opens that GPU with the
+    /// attention `kernel` and the pinned-host budget `host_budget`, meets
+    /// the other ranks at the rendezvous, joins the NCCL world and splits
+    /// the `data x ring x ulysses` mesh from it.
+    pub fn join(
+        command: &str,
+        env: &DistEnv,
+        shape: MeshShape,
+        kernel: crate::backend::cuda::cudnn::AttnKernel,
+        host_budget: Option<usize>,
+    ) -> Result<ProcessRank> {
+        use crate::backend::cuda::CudaBackend;
+        use crate::comm::nccl::NcclWorld;
+        use crate::comm::rendezvous::Rendezvous;
+        check_world_size(command, shape, env.world_size)?;
+        let gpus = crate::backend::cuda::device::gpus()?.len();
+        check_local_rank(env.local_rank, gpus)?;
+        let mut rv = Rendezvous::connect(env, RENDEZVOUS_TIMEOUT)?;
+        let mut b = CudaBackend::new(env.local_rank)?;
+        b.set_attn_kernel(kernel);
+        b.set_host_budget(host_budget);
+        let backend = Arc::new(b);
+        let world = NcclWorld::connect(env, &mut rv, backend.clone())?;
+        let mesh = world.mesh(shape)?;
+        Ok(ProcessRank {
+            mesh,
+            _world: world,
+            backend,
+            _rv: rv,
+        })
+    }
 }
 
 /// One rank's training loop.
@@ -691,14 +725,17 @@ mod tests {
         .unwrap_err();
         assert!(err.to_string().contains("process groups"), "{err}");
         let shape = c.mesh_shape(&c.plan().unwrap());
-        check_world_size(shape, 2).unwrap();
-        let e = check_world_size(shape, 3).unwrap_err().to_string();
+        check_world_size("train", shape, 2).unwrap();
+        let e = check_world_size("train", shape, 3).unwrap_err().to_string();
         assert!(
             e.contains("needs 2 processes, but 3 were launched")
-                && e.contains("--nproc-per-node 2")
+                && e.contains("--nproc-per-node 2 -- train ...")
                 && e.contains("product of 3"),
             "{e}"
         );
+        // `upipe eval` under a launch names itself in the fix
+        let e = check_world_size("eval", shape, 3).unwrap_err().to_string();
+        assert!(e.contains("--nproc-per-node 2 -- eval ..."), "{e}");
         check_local_rank(1, 2).unwrap();
         let e = check_local_rank(2, 2).unwrap_err().to_string();
         assert!(e.contains("LOCAL_RANK is 2"), "{e}");

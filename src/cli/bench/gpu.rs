@@ -23,11 +23,8 @@ use crate::comm::nccl::{self, NcclWorld};
 use crate::comm::rendezvous::Rendezvous;
 use crate::error::{Error, Result};
 use crate::rng::normal_vec_par;
+use crate::train::trainer::RENDEZVOUS_TIMEOUT;
 use std::sync::Arc;
-use std::time::Duration;
-
-/// How long ranks wait for each other at the rendezvous.
-const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Flops of one causal attention layer forward+backward over `seq` tokens:
 /// attention core `2·S²·H·d` forward (QKᵀ and PV, halved by the causal mask),

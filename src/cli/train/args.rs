@@ -4,10 +4,10 @@ use crate::attention::Strategy;
 use crate::backend::Bytes;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
-use crate::cli::schedule::FwdChunk;
+use crate::cli::memory::MemoryArgs;
+use crate::cli::schedule::FwdChunkArgs;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use crate::plan::{OffloadBlocks, SaveAttention};
 use std::path::{Path, PathBuf};
 
 /// Flags of `upipe train`.
@@ -47,10 +47,8 @@ pub struct TrainArgs {
     /// UPipe heads per stage U (default Pu).
     #[arg(long)]
     pub chunk_heads: Option<usize>,
-    /// UPipe heads per forward stage: `auto` (the widest that keeps the
-    /// planned peak of this run's step) or a number (see `bench attn --help`).
-    #[arg(long, default_value_t = FwdChunk::Auto)]
-    pub fwd_chunk_heads: FwdChunk,
+    #[command(flatten)]
+    pub fwd: FwdChunkArgs,
     /// Data-parallel replicas, each its own context-parallel group (default 1;
     /// with no mesh flag at all the mesh fits the GPUs: one process per GPU).
     #[arg(long)]
@@ -73,35 +71,8 @@ pub struct TrainArgs {
     pub clip: f64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Full activation checkpointing per block (`--checkpoint=false` turns
-    /// off what a run file turned on; so for every on/off flag).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
-    pub checkpoint: bool,
-    /// With --checkpoint: blocks (the first ones) whose checkpointed input
-    /// is held in host memory: all (the flag alone), N, auto (the fewest
-    /// that make this --seq fit the GPU, or the most the host holds), none.
-    #[arg(long, num_args = 0..=1, default_missing_value = "all",
-          default_value_t = OffloadBlocks::Blocks(0))]
-    pub offload: OffloadBlocks,
-    /// F32 master weights and AdamW moments in pinned host memory, updated
-    /// on the host's threads; gradients stream to the host at the step.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
-    pub offload_optimizer: bool,
-    /// Tiled MLP/RMSNorm (token tiles of about `hidden` rows).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
-    pub tiled_mlp: bool,
-    /// Rows of logits per fused-loss chunk.
-    #[arg(long, default_value_t = 256)]
-    pub loss_chunk: usize,
-    /// With --checkpoint: blocks (the last ones) that keep their attention
-    /// output and LSEs, so their backward skips the attention recompute:
-    /// none, all, N, or auto (as many as fit this GPU's memory, or this
-    /// host's per rank, beside the rest of the planned step).
-    #[arg(long, default_value_t = SaveAttention::Auto)]
-    pub save_attention: SaveAttention,
+    #[command(flatten)]
+    pub memory: MemoryArgs,
     /// Directory for training checkpoints (safetensors + optimizer state,
     /// and the resolved run file `run.toml` that repeats the run).
     #[arg(long)]
@@ -184,16 +155,9 @@ impl TrainArgs {
         ulysses => parallel.ulysses,
         ring => parallel.ring,
         chunk_heads => parallel.chunk_heads,
-        fwd_chunk_heads => parallel.fwd_chunk_heads,
         fsdp => parallel.fsdp,
         fsdp_replicate => parallel.fsdp_replicate,
         host_mem => hardware.host_mem,
-        checkpoint => memory.checkpoint,
-        offload => memory.offload,
-        offload_optimizer => memory.offload_optimizer,
-        tiled_mlp => memory.tiled_mlp,
-        loss_chunk => memory.loss_chunk,
-        save_attention => memory.save_attention,
         lr => optim.lr,
         min_lr => optim.min_lr,
         warmup => optim.warmup,
@@ -210,7 +174,8 @@ impl TrainArgs {
         metrics => run.metrics,
         profile => run.profile,
         trace => run.trace,
-        rehearse => run.rehearse,
+        rehearse => run.rehearse;
+        flatten memory, fwd
     }
 
     /// The flags' values parsed and checked; errors name the flag and its
@@ -220,7 +185,7 @@ impl TrainArgs {
         at_least(k, "steps", self.steps, 1)?;
         at_least(k, "seq", self.seq, 1)?;
         at_least(k, "grad_accum", self.grad_accum, 1)?;
-        at_least(k, "loss_chunk", self.loss_chunk, 1)?;
+        self.memory.validate()?;
         at_least(k, "fsdp_replicate", self.fsdp_replicate, 1)?;
         for (id, v) in [
             ("ulysses", self.ulysses),

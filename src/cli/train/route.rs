@@ -107,7 +107,7 @@ pub fn route_for(
                  upipe launch/torchrun/srun to run with CPU thread ranks"
             );
         }
-        check_world_size(shape, l.world_size)?;
+        check_world_size(command, shape, l.world_size)?;
         check_local_rank(l.local_rank, gpus)?;
         return Ok(Route::ProcessRank);
     }

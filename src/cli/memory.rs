@@ -1,0 +1,129 @@
+//! The memory-policy flags shared by `train` and `plan` (run-file section
+//! `[memory]`), and the [`MemoryPolicy`] they describe.
+
+use crate::cli::config::{at_least, run_keys};
+use crate::error::Result;
+use crate::model::MemoryPolicy;
+use crate::plan::{OffloadBlocks, SaveAttention};
+
+/// What a step keeps, recomputes and moves to the host.
+#[derive(clap::Args, Debug, Clone)]
+pub struct MemoryArgs {
+    /// Full activation checkpointing per block (`--checkpoint=false` turns
+    /// off what a run file turned on; so for every on/off flag).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub checkpoint: bool,
+    /// With --checkpoint: blocks (the first ones) whose checkpointed input
+    /// is held in host memory: all (the flag alone), N, auto (the fewest
+    /// that make this --seq fit the GPU, or the most the host holds; `plan`
+    /// resolves it at each length it predicts), none.
+    #[arg(long, num_args = 0..=1, default_missing_value = "all",
+          default_value_t = OffloadBlocks::Blocks(0))]
+    pub offload: OffloadBlocks,
+    /// F32 master weights and AdamW moments in pinned host memory, updated
+    /// on the host's threads; gradients stream to the host at the step.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub offload_optimizer: bool,
+    /// Tiled MLP/RMSNorm (token tiles of about `hidden` rows).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub tiled_mlp: bool,
+    /// Rows of logits per fused-loss chunk.
+    #[arg(long, default_value_t = 256)]
+    pub loss_chunk: usize,
+    /// With --checkpoint: blocks (the last ones) that keep their attention
+    /// output and LSEs, so their backward skips the attention recompute:
+    /// none, all, N, or auto (as many as fit this GPU's memory, or this
+    /// host's per rank, beside the rest of the planned step; `plan` fits
+    /// them in --gpu-mem minus --reserve at that length, and its search
+    /// finds the longest length with none and shows what auto keeps there).
+    #[arg(long, default_value_t = SaveAttention::Auto)]
+    pub save_attention: SaveAttention,
+}
+
+impl MemoryArgs {
+    run_keys! {
+        checkpoint => memory.checkpoint,
+        offload => memory.offload,
+        offload_optimizer => memory.offload_optimizer,
+        tiled_mlp => memory.tiled_mlp,
+        loss_chunk => memory.loss_chunk,
+        save_attention => memory.save_attention,
+    }
+
+    /// The flags' ranges, errors naming the flag and its key.
+    pub fn validate(&self) -> Result<()> {
+        at_least(Self::KEYS, "loss_chunk", self.loss_chunk, 1)
+    }
+
+    /// The policy of a model of `layers` blocks: `--offload all` is every
+    /// block, `--offload auto` is `auto_blocks` until the caller resolves it
+    /// against a budget; `--save-attention` is resolved by the caller too
+    /// (none here).
+    pub fn policy(&self, layers: usize, auto_blocks: usize) -> MemoryPolicy {
+        MemoryPolicy {
+            checkpoint: self.checkpoint,
+            offload: match self.offload {
+                OffloadBlocks::Blocks(n) => n,
+                OffloadBlocks::All => layers,
+                OffloadBlocks::Auto => auto_blocks,
+            },
+            offload_optimizer: self.offload_optimizer,
+            tiled_mlp: self.tiled_mlp,
+            loss_chunk: self.loss_chunk,
+            save_attention: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cli::config::{Given, RunArgs, parse};
+    use crate::cli::plan::PlanArgs;
+    use crate::cli::train::TrainArgs;
+    use clap::{Args, Command, FromArgMatches};
+
+    /// `A` parsed from `argv` (after the subcommand), with its matches.
+    fn args<A: Args + FromArgMatches>(argv: &[&str]) -> (A, clap::ArgMatches) {
+        let cmd = A::augment_args(Command::new("x").no_binary_name(true));
+        let m = cmd.try_get_matches_from(argv).unwrap();
+        (A::from_arg_matches(&m).unwrap(), m)
+    }
+
+    const FLAGS: &[&str] = &[
+        "--checkpoint",
+        "--offload=2",
+        "--offload-optimizer",
+        "--tiled-mlp",
+        "--loss-chunk",
+        "64",
+        "--save-attention",
+        "1",
+    ];
+
+    #[test]
+    fn train_and_plan_write_and_read_the_same_memory_keys() {
+        let (t, _) = args::<TrainArgs>(FLAGS);
+        let (p, _) = args::<PlanArgs>(FLAGS);
+        let (tm, mut pm) = (t.to_file().memory, p.to_file().memory);
+        assert_eq!(pm.policies.take().as_deref(), Some("none"));
+        assert_eq!(tm, pm);
+        assert_eq!(t.memory.policy(4, 0), p.memory.policy(4, 0));
+        // the section `train` writes is what `plan` reads
+        let file = parse(&crate::cli::config::resolved_toml(&t).unwrap()).unwrap();
+        let (mut q, m) = args::<PlanArgs>(&[]);
+        q.take_file(&file, &Given(&m));
+        assert_eq!(q.to_file().memory, p.to_file().memory);
+    }
+
+    #[test]
+    fn offload_all_is_every_block_and_auto_waits_for_a_budget() {
+        let (t, _) = args::<TrainArgs>(&["--checkpoint", "--offload"]);
+        assert_eq!(t.memory.policy(6, 0).offload, 6);
+        let (t, _) = args::<TrainArgs>(&["--checkpoint", "--offload=auto"]);
+        assert_eq!(t.memory.policy(6, 0).offload, 0);
+        assert_eq!(t.memory.policy(6, 6).offload, 6);
+    }
+}
