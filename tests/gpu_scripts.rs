@@ -61,7 +61,11 @@ fn gpu_multi_dry_correct_runs_on_the_cpu() {
         .filter(|l| l.starts_with("{\"result\""))
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect();
-    assert_eq!(results.len(), 2, "the run and the resume chain: {results:?}");
+    assert_eq!(
+        results.len(),
+        2,
+        "the run and the resume chain: {results:?}"
+    );
     assert!(results.iter().all(|r| r["ok"] == "ok"), "{results:?}");
     std::fs::remove_dir_all(&out_dir).ok();
 }
