@@ -75,10 +75,10 @@ pub struct TrainConfig {
     /// Write rank 0's last step as a Chrome/Perfetto trace here (`--trace`;
     /// needs `profile`).
     pub trace: Option<PathBuf>,
-    /// Rehearse one step instead of training (`upipe train --rehearse`):
+    /// Rehearse two steps instead of training (`upipe train --rehearse`):
     /// every rank's backend allocates what the step allocates, in the same
     /// order, and computes nothing (`Backend::set_rehearse`); the weights
-    /// are allocated unwritten, one step runs whatever `steps` says, and
+    /// are allocated unwritten, two steps run whatever `steps` says, and
     /// the reports carry no loss or gradient norm (NaN).
     pub rehearse: bool,
 }
@@ -457,7 +457,9 @@ fn run_rank<B: Backend>(
     if cfg.profile {
         b.enable_profile();
     }
-    let last = if cfg.rehearse { first } else { cfg.steps };
+    // a rehearsal's second step starts with what the first kept (cuDNN's
+    // grown workspace), as every later step of a run does
+    let last = if cfg.rehearse { first + 1 } else { cfg.steps };
     for step in first..=last {
         // what ran before the step (setup, the last step's checkpoint) is not its own
         b.take_profile()?;

@@ -131,7 +131,7 @@ pub struct TrainArgs {
     /// per stream; open it in ui.perfetto.dev); implies --profile.
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Rehearse one step at full size instead of training: every tensor
+    /// Rehearse two steps at full size instead of training: every tensor
     /// through the real allocators (GPU pool, pinned host pool, cuDNN plans
     /// and workspaces, NCCL communicators), no kernel or collective
     /// launched, nothing computed; prints the measured device and host

@@ -1,4 +1,4 @@
-//! `upipe train --rehearse`: one step of the run at full size through the
+//! `upipe train --rehearse`: two steps of the run at full size through the
 //! real allocators (the GPU pool, the pinned host pool, cuDNN plans and
 //! workspaces, NCCL communicators where launched) with no kernel or
 //! collective launched (`Backend::set_rehearse`), and its measured peaks
@@ -67,8 +67,11 @@ pub(super) fn run(a: &TrainArgs, m: &ArgMatches, run: &mut Built) -> Result<i32>
 
 /// What a rehearsal leaves out of the flags it was given.
 fn notes(a: &TrainArgs, m: &ArgMatches) {
-    if Given(m).has("steps") && a.steps != 1 {
-        tracing::info!("--rehearse runs one step: --steps {} is ignored", a.steps);
+    if Given(m).has("steps") && a.steps != 2 {
+        tracing::info!(
+            "--rehearse runs two steps (the second starts with what the first kept): --steps {} is ignored",
+            a.steps
+        );
     }
     if let Some(p) = &a.metrics {
         tracing::info!(
@@ -89,7 +92,7 @@ fn header(run: &Built, predicted: &Prediction, mem: Option<RankMemory>, refusal:
     let cfg = &run.cfg;
     println!("{BANNER}");
     println!(
-        "one step of {} ({:.2}M params): {} on {} {} (data {} x Pu {} x Pr {}, U {}), seq {}",
+        "two steps of {} ({:.2}M params): {} on {} {} (data {} x Pu {} x Pr {}, U {}), seq {}",
         cfg.model.name,
         cfg.model.param_count() as f64 / 1e6,
         cfg.strategy,
@@ -260,7 +263,7 @@ impl Report {
             );
             return;
         };
-        println!("memory of rank 0 in one step:");
+        println!("memory of rank 0 over two steps:");
         println!("  {:<16} {:>12} {:>12}", "category", "measured", "planned");
         for &(cat, bytes) in &m.by_category {
             let (a, b) = (Bytes(bytes).to_string(), Bytes(p.at(cat)).to_string());
