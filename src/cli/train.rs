@@ -220,6 +220,32 @@ fn profile_env() -> bool {
 }
 
 impl Built {
+    /// `llama3-8b (8030.26M params)`.
+    fn model_text(&self) -> String {
+        let m = &self.cfg.model;
+        format!("{} ({:.2}M params)", m.name, m.param_count() as f64 / 1e6)
+    }
+
+    /// Where and how the ranks run: `upipe on 4 CPU thread ranks (data 1 x
+    /// Pu 2 x Pr 2, U 2f4), seq 256`.
+    fn layout_text(&self) -> String {
+        let where_ = match self.route {
+            Route::ProcessRank => "GPU process ranks (NCCL)",
+            Route::GpuThreads { .. } => "GPU thread ranks",
+            _ => "CPU thread ranks",
+        };
+        format!(
+            "{} on {} {where_} (data {} x Pu {} x Pr {}, U {}), seq {}",
+            self.cfg.strategy,
+            self.shape.world_size(),
+            self.cfg.data_parallel,
+            self.plan.layout.pu,
+            self.plan.layout.pr,
+            self.plan.chunk_text(),
+            self.cfg.seq
+        )
+    }
+
     fn on_gpu(&self) -> bool {
         self.route != Route::CpuThreads
     }
@@ -383,24 +409,11 @@ fn self_launch(run: &Built, nproc: usize) -> Result<i32> {
 
 /// The line a run starts with.
 fn announce(run: &Built, tokens: usize) {
-    let cfg = &run.cfg;
     println!(
-        "training {} ({:.2}M params) on {tokens} tokens: {} on {} {} (data {} x Pu {} x Pr {}, U {}), seq {}, {} steps",
-        cfg.model.name,
-        cfg.model.param_count() as f64 / 1e6,
-        cfg.strategy,
-        run.shape.world_size(),
-        match run.route {
-            Route::ProcessRank => "GPU process ranks (NCCL)",
-            Route::GpuThreads { .. } => "GPU thread ranks",
-            _ => "CPU thread ranks",
-        },
-        cfg.data_parallel,
-        run.plan.layout.pu,
-        run.plan.layout.pr,
-        run.plan.chunk_text(),
-        cfg.seq,
-        cfg.steps
+        "training {} on {tokens} tokens: {}, {} steps",
+        run.model_text(),
+        run.layout_text(),
+        run.cfg.steps
     );
 }
 

@@ -89,25 +89,8 @@ fn notes(a: &TrainArgs, m: &ArgMatches) {
 
 /// The lines before the step: what is rehearsed and the preflight's view.
 fn header(run: &Built, predicted: &Prediction, mem: Option<RankMemory>, refusal: Option<&str>) {
-    let cfg = &run.cfg;
     println!("{BANNER}");
-    println!(
-        "two steps of {} ({:.2}M params): {} on {} {} (data {} x Pu {} x Pr {}, U {}), seq {}",
-        cfg.model.name,
-        cfg.model.param_count() as f64 / 1e6,
-        cfg.strategy,
-        run.shape.world_size(),
-        match run.route {
-            Route::ProcessRank => "GPU process ranks (NCCL)",
-            Route::GpuThreads { .. } => "GPU thread ranks",
-            _ => "CPU thread ranks",
-        },
-        cfg.data_parallel,
-        run.plan.layout.pu,
-        run.plan.layout.pr,
-        run.plan.chunk_text(),
-        cfg.seq
-    );
+    println!("two steps of {}: {}", run.model_text(), run.layout_text());
     let usable = match mem {
         Some(m) => format!("{} usable", Bytes(m.device)),
         None => "usable memory unknown".into(),
