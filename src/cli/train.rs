@@ -215,8 +215,9 @@ fn train_config(
 
 /// Whether `UPIPE_PROFILE` asks for the op profile (as `--profile` does).
 fn profile_env() -> bool {
+    use crate::backend::cuda::profile::ProfileLevel;
     let v = std::env::var("UPIPE_PROFILE").ok();
-    !matches!(v.as_deref(), None | Some("") | Some("0"))
+    ProfileLevel::parse(v.as_deref()) != ProfileLevel::Off
 }
 
 impl Built {
