@@ -12,9 +12,10 @@
 # printing step 2's tokens/s, GPU peak and host peak; eval = scripts/gpu-eval-long.sh;
 # optim = the tiny model with the optimizer on the host and on the GPU; rehearse =
 # `--rehearse` around the planner's longest contexts (REHEARSALS: lines of
-# "model seq flags"); profile = Llama 3.2 1B at 128K with --profile and --trace;
-# 8b = Llama3-8B (random init) at SEQ8B (65536) with --offload-optimizer
-# --offload auto --checkpoint --tiled-mlp, UPipe on one GPU and local, STEPS8B (3).
+# "model seq flags", the mesh among the flags); profile = Llama 3.2 1B at PROFILE_SEQ
+# (131072) with PROFILE_FLAGS (--checkpoint) and --trace; 8b = Llama3-8B (random init)
+# at SEQ8B (65536) with --offload-optimizer --offload auto --checkpoint --tiled-mlp and
+# --lr LR8B (1e-4), STEPS8B (3) steps, under each line of ATTNS8B (UPipe on one GPU, local).
 set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-1x.sh build DIR}"
@@ -114,33 +115,34 @@ if [[ " $parts " == *" rehearse "* ]]; then
     while read -r model seq pol; do
         [ -z "$model" ] && continue
         read -r -a p <<< "$pol"
-        log="$out/rehearse-$model-$seq.log"
-        "$bin/upipe" train --model "$model" --seq "$seq" --attn upipe --ulysses 1 --ring 1 "${p[@]}" \
-            --rehearse --json > "$log" 2>&1
+        log="$out/rehearse-$model-$seq-${#p[@]}.log"
+        "$bin/upipe" train --model "$model" --seq "$seq" "${p[@]}" --rehearse --json > "$log" 2>&1
         rc=$?
         j=$(grep -a '"fits"' "$log" | tail -1 | grep -o '"device_peak":{[^}]*}\|"host_peak":{[^}]*}\|"fits":[a-z]*' | tr '\n' ' ')
         row "$(printf 'rehearse %-12s %8s rc=%s %-60s %s' "$model" "$seq" "$rc" "$pol" "$(echo "$j" | cut -c1-300)")"
-    done <<< "${REHEARSALS:-llama3-8b 430080 --checkpoint --tiled-mlp --offload auto --offload-optimizer --host-mem 120
-llama3-8b 458752 --checkpoint --tiled-mlp --offload auto --offload-optimizer --host-mem 120
-llama3.2-1b 926720 --checkpoint --offload auto --host-mem 120
-llama3.2-1b 651264 --checkpoint
-llama3.2-1b 671744 --checkpoint}"
+    done <<< "${REHEARSALS:-llama3-8b 430080 --attn upipe --ulysses 1 --ring 1 --checkpoint --tiled-mlp --offload auto --offload-optimizer --host-mem 120
+llama3-8b 347136 --attn local --checkpoint --tiled-mlp --offload auto --offload-optimizer --host-mem 120
+llama3.2-1b 926720 --attn upipe --ulysses 1 --ring 1 --checkpoint --offload auto --host-mem 120
+llama3.2-1b 651264 --attn upipe --ulysses 1 --ring 1 --checkpoint}"
 fi
 if [[ " $parts " == *" profile "* ]]; then
     corpus 262144
-    log="$out/profile-1b.log"
-    "$bin/upipe" train --model llama3.2-1b --data "$data" --seq 131072 --steps 2 --warmup 1 \
-        --checkpoint --trace "$out/trace-1b-128k.json" > "$log" 2>&1 || status=1
+    read -r -a p <<< "${PROFILE_FLAGS:---checkpoint}"
+    pseq="${PROFILE_SEQ:-131072}"
+    log="$out/profile-1b-$pseq.log"
+    "$bin/upipe" train --model llama3.2-1b --data "$data" --seq "$pseq" --steps 3 --warmup 1 \
+        "${p[@]}" --trace "$out/trace-1b-$pseq.json" > "$log" 2>&1 || status=1
     tail -20 "$log"
 fi
 if [[ " $parts " == *" 8b "* ]]; then
-    corpus 140000
-    for attn in "upipe --ulysses 1 --ring 1" "local"; do
+    corpus $(( ${SEQ8B:-65536} * 2 + 8192 ))
+    while read -r attn; do
+        [ -z "$attn" ] && continue
         read -r -a at <<< "$attn"
         log="$out/train-8b-${at[0]}.log"
         s=$(date +%s)
         "$bin/upipe" train --model llama3-8b --data "$data" --seq "${SEQ8B:-65536}" --steps "${STEPS8B:-3}" \
-            --warmup 1 --attn "${at[@]}" --checkpoint --tiled-mlp --offload auto --offload-optimizer \
+            --warmup 1 --lr "${LR8B:-1e-4}" --attn "${at[@]}" --checkpoint --tiled-mlp --offload auto --offload-optimizer \
             --profile --json > "$log" 2>&1
         rc=$?
         [ "$rc" -ne 0 ] && { status=1; grep -aiE "error|panick" "$log" | head -5; }
@@ -152,7 +154,8 @@ if [[ " $parts " == *" 8b "* ]]; then
             "$attn" "$rc" "$(( $(date +%s) - s ))" "$(field "$last" tokens_per_s)" "$(field "$last" tflops)" \
             "$(field "$last" peak_bytes | gb)" "$(field "$last" predicted_peak_bytes | gb)" \
             "$(field "$last" offload_host | gb)" "$losses")"
-    done
+    done <<< "${ATTNS8B:-upipe --ulysses 1 --ring 1
+local}"
 fi
 if [[ " $parts " == *" eval "* ]]; then
     bash "$here/gpu-eval-long.sh" 2>&1 | tail -8

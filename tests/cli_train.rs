@@ -149,6 +149,25 @@ fn bad_configurations_name_the_fix() {
     assert!(err.contains("tiny"), "lists the presets");
     let err = upipe_error(&["train", "--attn-kernel", "fastest", "--steps", "1"]);
     assert!(err.contains("auto, cudnn or native"), "{err}");
+    let err = upipe_error(&["train", "--lr", "1e-4", "--min-lr", "3e-4", "--steps", "1"]);
+    assert!(err.contains("lower --min-lr"), "{err}");
+}
+
+#[test]
+fn the_schedule_decays_to_a_tenth_of_lr_unless_min_lr_is_given() {
+    let lrs = |extra: &[&str]| -> Vec<f64> {
+        let mut args = vec!["train", "--steps", "3", "--warmup", "1", "--json"];
+        args.extend_from_slice(&["--device", "cpu", "--seq", "64", "--lr", "1e-4"]);
+        args.extend_from_slice(extra);
+        upipe(&args)
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"].as_f64().unwrap())
+            .collect()
+    };
+    let tenth = lrs(&[]);
+    assert!((tenth[0] - 1e-4).abs() < 1e-9 && (tenth[2] - 1e-5).abs() < 1e-9, "{tenth:?}");
+    let given = lrs(&["--min-lr", "5e-5"]);
+    assert!((given[2] - 5e-5).abs() < 1e-9, "{given:?}");
 }
 
 #[test]

@@ -192,7 +192,7 @@ fn train_config(
         optim: AdamWConfig {
             weight_decay: a.weight_decay as f32,
             clip: a.clip as f32,
-            ..AdamWConfig::schedule(a.lr as f32, a.min_lr as f32, a.warmup, a.steps)
+            ..AdamWConfig::schedule(a.lr as f32, a.min_lr() as f32, a.warmup, a.steps)
         },
         seed: a.seed,
         // a number or `all` now (checked before any launch), `auto` once the budget is known

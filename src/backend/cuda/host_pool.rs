@@ -1,5 +1,5 @@
 //! Pinned (page-locked) host memory for offloaded tensors: allocated in
-//! large chunks once (`cuMemHostAlloc`), laid out first-fit inside them
+//! large chunks once ([`PinnedRegion`]), laid out first-fit inside them
 //! ([`ArenaMap`]) and reused, never pinned per tensor. The device's copy
 //! engines move it at full PCIe speed, beside compute.
 //!
@@ -8,12 +8,12 @@
 //! runs its copies in the order they were queued: a block reused by a later
 //! copy is only touched after the earlier copy that used it.
 
+use super::pinned::PinnedRegion;
 use super::pool::BlockOwner;
 use crate::backend::Bytes;
 use crate::backend::arena::ArenaMap;
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaContext, CudaStream, result};
-use std::ffi::c_void;
+use cudarc::driver::{CudaContext, CudaStream};
 use std::sync::{Arc, Mutex};
 
 /// Bytes pinned at a time for small requests, which share such chunks.
@@ -37,7 +37,7 @@ fn chunk_for(bytes: usize) -> (usize, bool) {
 }
 
 struct Chunk {
-    base: u64,
+    region: PinnedRegion,
     map: ArenaMap,
     /// Small requests share it; otherwise it holds one request of its size.
     shared: bool,
@@ -92,7 +92,7 @@ impl HostPool {
         let fits = |c: &Chunk| c.shared == shared && (shared || c.map.capacity() == size);
         for c in g.chunks.iter_mut().filter(|c| fits(c)) {
             if let Some(off) = c.map.take(bytes) {
-                return Ok(c.base + off as u64);
+                return Ok(c.region.addr() + off as u64);
             }
         }
         if let Some(budget) = *self.budget.lock().expect("host pool poisoned")
@@ -109,21 +109,17 @@ impl HostPool {
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::Backend(format!("CUDA driver: bind context: {e:?}")))?;
-        // SAFETY: a fresh allocation of `size` bytes, freed in Drop.
-        let p = unsafe {
-            result::malloc_host(
-                size,
-                cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE
-                    | cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP,
-            )
-        }
-        .map_err(|e| Error::Backend(format!("cuMemHostAlloc of {}: {e:?}", Bytes(size))))?;
+        let region = PinnedRegion::new(size)?;
         let mut map = ArenaMap::new(size, ALIGN);
         let off = map.take(bytes).expect("a fresh chunk holds the request");
-        let base = p as u64;
-        g.chunks.push(Chunk { base, map, shared });
+        let addr = region.addr() + off as u64;
+        g.chunks.push(Chunk {
+            region,
+            map,
+            shared,
+        });
         g.pinned += size;
-        Ok(base + off as u64)
+        Ok(addr)
     }
 }
 
@@ -136,9 +132,9 @@ impl BlockOwner for HostPool {
         if let Some(c) = g
             .chunks
             .iter_mut()
-            .find(|c| ptr >= c.base && ptr < c.base + c.map.capacity() as u64)
+            .find(|c| ptr >= c.region.addr() && ptr < c.region.addr() + c.map.capacity() as u64)
         {
-            c.map.give((ptr - c.base) as usize, bytes);
+            c.map.give((ptr - c.region.addr()) as usize, bytes);
         }
     }
 }
@@ -147,14 +143,9 @@ impl Drop for HostPool {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         let _ = self.copy_stream.synchronize();
-        let g = self.inner.get_mut().expect("host pool poisoned");
-        for c in g.chunks.drain(..) {
-            // SAFETY: every block was given back (each tensor holds an Arc
-            // to the pool) and the copy stream, the only GPU user, is idle.
-            unsafe {
-                let _ = result::free_host(c.base as *mut c_void);
-            }
-        }
+        // every block was given back (each tensor holds an Arc to the pool)
+        // and the copy stream, the only GPU user, is idle
+        self.inner.get_mut().expect("host pool poisoned").chunks.clear();
     }
 }
 

@@ -60,8 +60,9 @@ pub struct TrainArgs {
     pub steps: u32,
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
-    #[arg(long, default_value_t = 3e-4)]
-    pub min_lr: f64,
+    /// The learning rate the cosine decay ends at (default: --lr / 10).
+    #[arg(long)]
+    pub min_lr: Option<f64>,
     #[arg(long, default_value_t = 20)]
     pub warmup: u32,
     #[arg(long, default_value_t = 0.1)]
@@ -143,6 +144,11 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// `--min-lr`, or a tenth of `--lr` when it is not given.
+    pub fn min_lr(&self) -> f64 {
+        self.min_lr.unwrap_or(self.lr / 10.0)
+    }
+
     run_keys! {
         model => model.model,
         init_from => model.init_from,
@@ -199,7 +205,7 @@ impl TrainArgs {
         }
         for (id, v) in [
             ("lr", self.lr),
-            ("min_lr", self.min_lr),
+            ("min_lr", self.min_lr()),
             ("weight_decay", self.weight_decay),
             ("clip", self.clip),
         ] {
@@ -210,6 +216,16 @@ impl TrainArgs {
                 );
             }
             at_least(k, id, v, 0.0)?;
+        }
+        if self.min_lr() > self.lr {
+            return crate::config_err!(
+                "{} {} is above {} {}: the schedule decays from --lr down to --min-lr; \
+                 lower --min-lr, or leave it out for --lr / 10",
+                config::key_name(k, "min_lr"),
+                self.min_lr(),
+                config::key_name(k, "lr"),
+                self.lr
+            );
         }
         Ok(Choices {
             device: for_key(k, "device", self.device.parse())?,
