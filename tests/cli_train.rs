@@ -161,11 +161,18 @@ fn the_schedule_decays_to_a_tenth_of_lr_unless_min_lr_is_given() {
         args.extend_from_slice(extra);
         upipe(&args)
             .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"].as_f64().unwrap())
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"]
+                    .as_f64()
+                    .unwrap()
+            })
             .collect()
     };
     let tenth = lrs(&[]);
-    assert!((tenth[0] - 1e-4).abs() < 1e-9 && (tenth[2] - 1e-5).abs() < 1e-9, "{tenth:?}");
+    assert!(
+        (tenth[0] - 1e-4).abs() < 1e-9 && (tenth[2] - 1e-5).abs() < 1e-9,
+        "{tenth:?}"
+    );
     let given = lrs(&["--min-lr", "5e-5"]);
     assert!((given[2] - 5e-5).abs() < 1e-9, "{given:?}");
 }

@@ -1139,7 +1139,9 @@ fn pinned_host_memory_round_trips() {
         (n * 4) as f64 / secs / 1e9
     );
     let vals: Vec<f32> = (0..n).map(|i| (i % 65_521) as f32 - 7.5).collect();
-    let dev = g.from_host(&vals, &[n], DType::F32, Category::Workspace).unwrap();
+    let dev = g
+        .from_host(&vals, &[n], DType::F32, Category::Workspace)
+        .unwrap();
     let done = g.copy_start(&mut host, &dev).unwrap();
     g.copy_finish(done).unwrap();
     assert_eq!(g.host_f32(&host).unwrap(), &vals[..]);

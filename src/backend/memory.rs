@@ -59,6 +59,12 @@ impl Category {
     }
 }
 
+/// Host bytes plans leave out of the pinned budget for the pool's own
+/// slack: the free tails of the 64 MiB chunks that small offloaded tensors
+/// share (a step's small tensors fill one or two), as the GPU's reserve is
+/// left out of its memory.
+pub const PINNED_SLACK: usize = 128 << 20;
+
 const N: usize = Category::ALL.len();
 
 #[derive(Debug, Clone, Default)]

@@ -485,7 +485,11 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let (all, strategies) = for_key(k, "attn", parse_attn(&a.attn, gpus))?;
     check_mesh(&a, gpus)?;
     let host = match a.host_mem {
-        Some(h) => Some(gib(h, "--host-mem")? / gpus.min(a.gpus_per_node)),
+        // the pinned pool's slack is left out, as `train` leaves it out
+        Some(h) => Some(
+            (gib(h, "--host-mem")? / gpus.min(a.gpus_per_node))
+                .saturating_sub(crate::backend::memory::PINNED_SLACK),
+        ),
         None => None,
     };
     let budget = Budget {

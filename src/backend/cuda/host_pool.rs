@@ -7,20 +7,29 @@
 //! access to this memory is a copy on the backend's one copy stream, which
 //! runs its copies in the order they were queued: a block reused by a later
 //! copy is only touched after the earlier copy that used it.
+//!
+//! A chunk stays pinned when its blocks are given back, so a later step
+//! finds it again. When a request would pass the host budget, the chunks
+//! that hold nothing are unpinned first (after the copy stream drains):
+//! own-size chunks of one step's sizes would otherwise strand memory that
+//! the next step asks for in other sizes. What stays pinned beyond the live
+//! tensors is then at most the free tails of the shared chunks, which
+//! plans leave out of the budget ([`PINNED_SLACK`]).
 
 use super::pinned::PinnedRegion;
 use super::pool::BlockOwner;
 use crate::backend::Bytes;
 use crate::backend::arena::ArenaMap;
+use crate::backend::memory::PINNED_SLACK;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream};
 use std::sync::{Arc, Mutex};
 
 /// Bytes pinned at a time for small requests, which share such chunks.
-const CHUNK: usize = 1 << 30;
+const CHUNK: usize = PINNED_SLACK / 2;
 /// Requests of at least this many bytes get a chunk of their own size:
 /// packed into shared chunks they would strand up to their size at the end
-/// of each (a 224 MiB moment leaves 128 MiB of every 1 GiB chunk unused).
+/// of each.
 const OWN: usize = CHUNK / 32;
 const ALIGN: usize = 256;
 
@@ -95,7 +104,11 @@ impl HostPool {
                 return Ok(c.region.addr() + off as u64);
             }
         }
-        if let Some(budget) = *self.budget.lock().expect("host pool poisoned")
+        let budget = *self.budget.lock().expect("host pool poisoned");
+        if budget.is_some_and(|b| g.pinned + size > b) {
+            self.unpin_empty(&mut g)?;
+        }
+        if let Some(budget) = budget
             && g.pinned + size > budget
         {
             return Err(Error::Config(format!(
@@ -123,6 +136,27 @@ impl HostPool {
     }
 }
 
+impl HostPool {
+    /// Unpins every chunk no block lives in, once no copy can touch it.
+    fn unpin_empty(&self, g: &mut Inner) -> Result<()> {
+        if g.chunks.iter().all(|c| c.map.used() > 0) {
+            return Ok(());
+        }
+        self.ctx
+            .bind_to_thread()
+            .and_then(|_| self.copy_stream.synchronize())
+            .map_err(|e| Error::Backend(format!("CUDA driver: copy stream synchronize: {e:?}")))?;
+        let before = g.pinned;
+        g.chunks.retain(|c| c.map.used() > 0);
+        g.pinned = g.chunks.iter().map(|c| c.map.capacity()).sum();
+        tracing::debug!(
+            "pinned host memory: unpinned {} of empty chunks",
+            Bytes(before - g.pinned)
+        );
+        Ok(())
+    }
+}
+
 impl BlockOwner for HostPool {
     fn release(&self, ptr: u64, bytes: usize) {
         if ptr == 0 {
@@ -145,7 +179,11 @@ impl Drop for HostPool {
         let _ = self.copy_stream.synchronize();
         // every block was given back (each tensor holds an Arc to the pool)
         // and the copy stream, the only GPU user, is idle
-        self.inner.get_mut().expect("host pool poisoned").chunks.clear();
+        self.inner
+            .get_mut()
+            .expect("host pool poisoned")
+            .chunks
+            .clear();
     }
 }
 

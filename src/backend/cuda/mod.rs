@@ -19,10 +19,10 @@ pub mod device;
 pub mod flash;
 pub mod gemm;
 pub mod host_pool;
-pub mod pinned;
 pub mod kernels;
 pub mod libs;
 pub mod nvrtc;
+pub mod pinned;
 pub mod pool;
 pub mod profile;
 

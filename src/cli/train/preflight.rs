@@ -50,11 +50,17 @@ pub(super) fn rank_memory(
         return Ok(Some(RankMemory { device, host: None }));
     }
     run.cfg.host_budget = host;
-    // the CUDA context, cuBLAS and cuDNN handles lie outside the ledger
+    // the CUDA context, cuBLAS and cuDNN handles lie outside the ledger, the
+    // pinned pool's slack outside the host's tensors
     Ok(Some(RankMemory {
         device: device.saturating_sub((1 << 30) / world.div_ceil(gpus)),
-        host,
+        host: host.map(planned_host),
     }))
+}
+
+/// Of a rank's pinned budget, the bytes its planned host tensors may fill.
+pub(super) fn planned_host(pinned_budget: usize) -> usize {
+    pinned_budget.saturating_sub(crate::backend::memory::PINNED_SLACK)
 }
 
 /// `predicted` as it is held against [`rank_memory`]: on the CPU the
