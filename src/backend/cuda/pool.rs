@@ -80,6 +80,18 @@ impl Pool {
             return Ok(0);
         }
         drv(self.ctx.bind_to_thread(), "bind context").map_err(AllocError::Other)?;
+        match self.alloc_once(bytes) {
+            Err(AllocError::OutOfMemory) => {
+                // free blocks of other sizes may hold the memory: once the
+                // stream has run its frees, give them back and ask again
+                self.trim().map_err(AllocError::Other)?;
+                self.alloc_once(bytes)
+            }
+            r => r,
+        }
+    }
+
+    fn alloc_once(&self, bytes: usize) -> std::result::Result<u64, AllocError> {
         // SAFETY: pool and stream are alive; the memory is only used on this stream.
         match unsafe { result::mem_pool::alloc_async(self.pool, bytes, self.stream.cu_stream()) } {
             Ok(p) => Ok(p),
@@ -90,6 +102,26 @@ impl Pool {
                 "cuMemAllocFromPoolAsync({bytes}): {e:?}"
             )))),
         }
+    }
+
+    /// Returns the pool's free memory to the driver (after the stream's
+    /// queued frees), so that it can be mapped again in the sizes asked.
+    fn trim(&self) -> Result<()> {
+        drv(self.stream.synchronize(), "stream synchronize")?;
+        let before = self.stats()?;
+        // SAFETY: the pool is alive; trimming only releases unused memory.
+        drv(
+            unsafe { result::mem_pool::trim_to(self.pool, 0) },
+            "cuMemPoolTrimTo",
+        )?;
+        let after = self.stats()?;
+        tracing::debug!(
+            "device pool: {} reserved for {} in use; trimmed to {}",
+            crate::backend::Bytes(before.reserved_current as usize),
+            crate::backend::Bytes(before.used_current as usize),
+            crate::backend::Bytes(after.reserved_current as usize)
+        );
+        Ok(())
     }
 
     /// Returns `ptr` to the pool (stream-ordered after all queued work).
