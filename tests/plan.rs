@@ -140,13 +140,16 @@ fn train_cfg(
         ring: pr,
         chunk_heads: u,
         policy,
+        // two steps: the second runs the first's deferred host updates
+        // (`--offload-optimizer`) in its forward, and the planner's peak
+        // covers every step
         ..TrainConfig::new(
             model.clone(),
             seq,
-            1,
+            2,
             AdamWConfig {
                 weight_decay: 0.0,
-                ..AdamWConfig::schedule(1e-3, 1e-4, 0, 1)
+                ..AdamWConfig::schedule(1e-3, 1e-4, 0, 2)
             },
         )
     }

@@ -35,7 +35,7 @@ use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::fsdp::model_layouts;
 pub use offload::OffloadBlocks;
-use offload_optim::tensor_numels;
+use offload_optim::{PendingStep, SettlingWalk, slot_ends, tensor_numels};
 use sim::Sim;
 use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
 use walk::{AttnFwd, AttnWalk, DecoderWalk};
@@ -282,7 +282,12 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
         }
     }
     sim.alloc(Category::Workspace, spec.device.backend_resident());
+    let ends = slot_ends(&spec.model, spec.fsdp);
+    // the first step's forward has no host updates of a step before it
+    let steps_walked = std::cell::Cell::new(0);
     let step = |sim: &mut Sim| {
+        let after_a_step = steps_walked.replace(steps_walked.get() + 1) > 0;
+        let mut pending = (on_host && after_a_step).then(|| PendingStep::new(&slots, &ends, ab));
         for i in 0..spec.grad_accum.max(1) {
             let mut store: Box<dyn StoreWalk> = if spec.fsdp {
                 // later sequences of a step add their reduce-scatters into the shards
@@ -294,13 +299,18 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
                     i + 1 == spec.grad_accum.max(1),
                 ))
             };
+            let mut settling = SettlingWalk {
+                inner: store.as_mut(),
+                pending: &mut pending,
+                layers: spec.model.layers,
+            };
             DecoderWalk {
                 cfg: &spec.model,
                 policy: spec.policy,
                 attn,
                 uploads_ids: spec.device.is_cuda(),
             }
-            .step(sim, store.as_mut());
+            .step(sim, &mut settling);
         }
         if spec.optimizer {
             // the trainer's all-reduced loss scalar
@@ -318,16 +328,16 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
                 sim.free(recv);
                 sim.free(send);
             }
-            if on_host {
-                offload_optim::host_step(sim, &slots, ab);
-            }
+            // with the optimizer on the host the update runs in the next forward
             sim.free(loss);
         }
     };
-    // The ledger's peak covers every step of a run.
+    // The ledger's peak covers every step of a run; a step after another
+    // also runs the host updates the optimizer deferred
     Ok(peak_over_repeats(
         sim,
         true,
+        on_host,
         "kept from the previous step",
         step,
     ))
@@ -444,18 +454,20 @@ pub fn save_attention_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
 }
 
 /// The higher peak of `pass` walked from `sim`, and (when `repeated` and
-/// the backend then keeps buffers between calls) of a second `pass` that
+/// the backend then keeps buffers between calls, or `second_differs`: the
+/// second pass allocates more than the first) of a second `pass` that
 /// starts with those buffers at the size the first grew them to: a later
 /// pass's forward runs beside cuDNN's kept workspace and may be the peak.
 fn peak_over_repeats(
     mut sim: Sim,
     repeated: bool,
+    second_differs: bool,
     kept_label: &'static str,
     pass: impl Fn(&mut Sim),
 ) -> Prediction {
     let mut first = sim.clone();
     pass(&mut first);
-    if !repeated || !first.keeps_any() {
+    if !repeated || !(first.keeps_any() || second_differs) {
         return Prediction::from_sim(&first);
     }
     sim.label(kept_label);
@@ -516,6 +528,7 @@ fn attention_trial_rank(
     Ok(peak_over_repeats(
         sim,
         passes > 1,
+        false,
         "kept from the previous pass",
         pass,
     ))

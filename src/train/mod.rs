@@ -12,6 +12,7 @@ pub mod optim;
 pub mod publish;
 pub mod ranged;
 pub mod replicated;
+pub mod settling;
 pub mod state;
 pub mod tokenize;
 pub mod tokens;

@@ -1,10 +1,16 @@
 //! `--offload-optimizer`: the F32 master weights and both AdamW moments live
 //! in pinned host memory and the update runs on host threads. Gradients stay
 //! on the device through the backward (the global norm needs all of them
-//! before any update); at the step each slot's F32 gradient streams
-//! device→host one slot ahead of the host's update of the slot before, and
-//! the updated master goes host→device into the parameter (cast to the
-//! compute dtype on the device, as the on-device optimizer casts).
+//! before any update); then each slot's F32 gradient streams device→host one
+//! slot ahead of the host's update of the slot before, and the updated
+//! master goes host→device into the parameter (cast to the compute dtype on
+//! the device, as the on-device optimizer casts).
+//!
+//! The updates are deferred ([`HostStep`]): the optimizer step only fixes
+//! the learning rate and the clipping factor, and each unit's slots are
+//! updated when the next step's forward asks for the unit
+//! ([`super::settling::Settling`]), while the GPU runs the unit before. A
+//! gradient is zeroed once its download is done, for the next backward.
 //!
 //! A slot is one parameter tensor (whole model on every rank) or one unit's
 //! shard (FSDP). The per-element arithmetic is the CPU reference's
@@ -21,8 +27,8 @@ use std::ops::Range;
 pub struct HostSlot<'a, B: Backend> {
     /// `[..]` in the compute dtype, on the device.
     pub param: &'a mut Tensor<B>,
-    /// `[..]` F32, on the device.
-    pub grad: &'a Tensor<B>,
+    /// `[..]` F32, on the device (zeroed once it is on the host).
+    pub grad: &'a mut Tensor<B>,
     /// F32 master, first and second moments: host memory, `param`'s shape.
     pub master: &'a mut Tensor<B>,
     pub m: &'a mut Tensor<B>,
@@ -53,30 +59,70 @@ pub fn host_zeros<B: Backend>(b: &B, shape: &[usize]) -> Result<Tensor<B>> {
     Ok(t)
 }
 
-/// One optimizer step over `slots`, in order: slot k+1's gradient is on its
-/// way to the host while the host updates slot k.
-pub fn step_on_host<B: Backend>(b: &B, mut slots: Vec<HostSlot<'_, B>>) -> Result<()> {
-    let mut next = match slots.first() {
-        Some(s) => Some(start_download(b, s.grad)?),
-        None => None,
-    };
-    for k in 0..slots.len() {
-        let Some((grad, done)) = next.take() else {
-            break;
-        };
-        if let Some(s) = slots.get(k + 1) {
-            next = Some(start_download(b, s.grad)?);
+/// An optimizer step whose host updates are still to run, slot by slot in
+/// order: slot k+1's gradient is on its way to the host while the host
+/// updates slot k.
+pub struct HostStep<B: Backend> {
+    /// The step's learning rate, 1-based step and gradient multiplier.
+    pub lr: f32,
+    pub step: u32,
+    pub clip: f32,
+    /// The first slot not yet updated.
+    next: usize,
+    /// Slot `next`'s gradient on its way to the host.
+    inflight: Option<(Tensor<B>, CopyDone)>,
+}
+
+impl<B: Backend> HostStep<B> {
+    pub fn new(lr: f32, step: u32, clip: f32) -> Self {
+        HostStep {
+            lr,
+            step,
+            clip,
+            next: 0,
+            inflight: None,
         }
-        b.copy_finish(done)?;
-        // a rehearsal computes nothing (and touches no host page)
-        if !b.rehearsing() {
-            update(b, &mut slots[k], &grad)?;
-        }
-        drop(grad);
-        let slot = &mut slots[k];
-        upload(b, slot.param, slot.master)?;
     }
-    Ok(())
+
+    /// Slots updated so far.
+    pub fn done(&self) -> usize {
+        self.next
+    }
+
+    /// Updates `slots`, the slots `done()..done() + slots.len()`, in order,
+    /// zeroing each gradient once it is on the host; `ahead` is the next
+    /// slot's gradient, downloaded while the last of them is updated.
+    pub fn run(
+        &mut self,
+        b: &B,
+        slots: &mut [HostSlot<'_, B>],
+        ahead: Option<&Tensor<B>>,
+    ) -> Result<()> {
+        for k in 0..slots.len() {
+            let (grad, done) = match self.inflight.take() {
+                Some(x) => x,
+                None => start_download(b, slots[k].grad)?,
+            };
+            let next = match slots.get(k + 1) {
+                Some(s) => Some(&*s.grad),
+                None => ahead,
+            };
+            if let Some(g) = next {
+                self.inflight = Some(start_download(b, g)?);
+            }
+            b.copy_finish(done)?;
+            let slot = &mut slots[k];
+            b.fill(slot.grad, 0.0)?;
+            // a rehearsal computes nothing (and touches no host page)
+            if !b.rehearsing() {
+                update(b, slot, &grad)?;
+            }
+            drop(grad);
+            upload(b, slot.param, slot.master)?;
+            self.next += 1;
+        }
+        Ok(())
+    }
 }
 
 /// Starts copying `grad` into a fresh host buffer.

@@ -3,8 +3,8 @@
 
 use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
-use crate::model::ModelWeights;
-use crate::train::offload_optim::{HostSlot, host_master, host_zeros, step_on_host};
+use crate::model::{ModelWeights, Unit};
+use crate::train::offload_optim::{HostSlot, HostStep, host_master, host_zeros};
 
 /// Optimizer hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -61,6 +61,8 @@ pub struct AdamW<B: Backend> {
     pub m: Vec<Tensor<B>>,
     pub v: Vec<Tensor<B>>,
     master: Option<Vec<Tensor<B>>>,
+    /// The last step's host updates not yet run (`cfg.offload`).
+    pending: Option<HostStep<B>>,
 }
 
 impl<B: Backend> AdamW<B> {
@@ -83,7 +85,13 @@ impl<B: Backend> AdamW<B> {
         } else {
             None
         };
-        Ok(AdamW { cfg, m, v, master })
+        Ok(AdamW {
+            cfg,
+            m,
+            v,
+            master,
+            pending: None,
+        })
     }
 
     /// The state in host memory, each parameter's master, m and v in turn.
@@ -99,6 +107,7 @@ impl<B: Backend> AdamW<B> {
             m,
             v,
             master: Some(master),
+            pending: None,
         })
     }
 
@@ -111,12 +120,14 @@ impl<B: Backend> AdamW<B> {
         Ok(s.sqrt())
     }
 
-    /// One update at 1-based `step`; returns `(lr, grad_norm)`.
+    /// One update at 1-based `step`; returns `(lr, grad_norm)`. With the
+    /// state on the host the update is deferred: [`settle`](Self::settle)
+    /// runs it (the next step's forward does, unit by unit).
     pub fn step(
         &mut self,
         b: &B,
         w: &mut ModelWeights<B>,
-        g: &ModelWeights<B>,
+        g: &mut ModelWeights<B>,
         step: u32,
     ) -> Result<(f32, f64)> {
         let norm = Self::grad_norm(b, g)?;
@@ -126,11 +137,12 @@ impl<B: Backend> AdamW<B> {
             1.0
         };
         let lr = self.cfg.lr_at(step);
-        let grads = g.named();
         if self.cfg.offload {
-            self.step_on_host(b, w, &grads, lr, step, clip)?;
+            self.settle(b, w, g, usize::MAX)?;
+            self.pending = Some(HostStep::new(lr, step, clip));
             return Ok((lr, norm));
         }
+        let grads = g.named();
         for (k, (name, p)) in w.named_mut().into_iter().enumerate() {
             let hp = hyper(&self.cfg, &name, lr, step, clip);
             match self.master.as_mut() {
@@ -157,23 +169,37 @@ impl<B: Backend> AdamW<B> {
 }
 
 impl<B: Backend> AdamW<B> {
-    /// [`AdamW::step`] with the state in host memory, one tensor at a time.
-    fn step_on_host(
+    /// Whether a step's host updates are still to run.
+    pub fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Runs the deferred host updates of the tensors before `upto` (in
+    /// `ModelWeights::named` order; `usize::MAX`: all of them).
+    pub fn settle(
         &mut self,
         b: &B,
         w: &mut ModelWeights<B>,
-        grads: &[(String, &Tensor<B>)],
-        lr: f32,
-        step: u32,
-        clip: f32,
+        g: &mut ModelWeights<B>,
+        upto: usize,
     ) -> Result<()> {
+        let Some(pending) = self.pending.as_mut() else {
+            return Ok(());
+        };
         let cfg = self.cfg;
+        let (lr, step, clip) = (pending.lr, pending.step, pending.clip);
         let master = self.master.as_mut().ok_or_else(no_master)?;
-        let slots = w
+        let total = master.len();
+        let (from, upto) = (pending.done(), upto.min(total));
+        let mut tensors = w
             .named_mut()
             .into_iter()
-            .zip(grads)
+            .zip(g.named_mut())
             .zip(master.iter_mut().zip(&mut self.m).zip(&mut self.v))
+            .skip(from);
+        let mut slots: Vec<HostSlot<'_, B>> = tensors
+            .by_ref()
+            .take(upto.saturating_sub(from))
             .map(|(((name, param), (_, grad)), ((master, m), v))| HostSlot {
                 updates: vec![(0..param.numel(), hyper(&cfg, &name, lr, step, clip))],
                 param,
@@ -183,8 +209,24 @@ impl<B: Backend> AdamW<B> {
                 v,
             })
             .collect();
-        step_on_host(b, slots)
+        let ahead = tensors.next().map(|((_, (_, grad)), _)| grad);
+        pending.run(b, &mut slots, ahead.as_deref())?;
+        if pending.done() == total {
+            self.pending = None;
+        }
+        Ok(())
     }
+}
+
+/// The tensors of every unit up to and including `unit`, in
+/// `ModelWeights::named` order (which is unit order).
+pub fn tensors_through<B: Backend>(w: &ModelWeights<B>, unit: Unit) -> usize {
+    let layers = w.blocks.len();
+    Unit::all(layers)
+        .into_iter()
+        .take(unit.index(layers) + 1)
+        .map(|u| w.unit_named(u).len())
+        .sum()
 }
 
 fn no_master() -> crate::Error {

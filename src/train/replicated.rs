@@ -3,7 +3,8 @@
 //! bucket as soon as its backward is done, beside the next unit's backward.
 
 use super::checkpoint::{load_hf_model, load_train_state, save_train_state};
-use super::optim::AdamW;
+use super::optim::{AdamW, tensors_through};
+use super::settling::{Deferred, Settling};
 use super::state::{Micro, RankModel, pass};
 use super::trainer::{TrainConfig, tensors_to_host, weights_from_host, weights_to_host};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
@@ -233,6 +234,18 @@ fn check_not_sharded(dir: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+impl<'a, B: Backend> Deferred<B, ReplicatedStore<'a, B>> for AdamW<B> {
+    fn settle_through(
+        &mut self,
+        b: &B,
+        store: &mut ReplicatedStore<'a, B>,
+        unit: Unit,
+    ) -> Result<()> {
+        let upto = tensors_through(&store.w, unit);
+        self.settle(b, &mut store.w, &mut store.g, upto)
+    }
+}
+
 impl<B: Backend> RankModel<B> for Replicated<'_, B> {
     fn forward_backward(
         &mut self,
@@ -244,17 +257,24 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         grad_scale: f32,
         micro: Micro,
     ) -> Result<f64> {
-        if micro.first {
+        // the last step's pending host updates zero each gradient they read
+        if micro.first && !self.opt.has_pending() {
             self.store.zero_grads(b)?;
         }
         // sequences before the step's last only accumulate: one reduction per step
         self.store.reduce = micro.last;
-        pass(b, decoder, mesh, &mut self.store, ids, targets, grad_scale)
+        let mut store = Settling::new(&mut self.store, &mut self.opt, decoder.cfg.layers);
+        pass(b, decoder, mesh, &mut store, ids, targets, grad_scale)
     }
 
     fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)> {
         let ReplicatedStore { w, g, .. } = &mut self.store;
         self.opt.step(b, w, g, step)
+    }
+
+    fn settle(&mut self, b: &B) -> Result<()> {
+        let ReplicatedStore { w, g, .. } = &mut self.store;
+        self.opt.settle(b, w, g, usize::MAX)
     }
 
     fn save(
@@ -265,6 +285,7 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         extra: &serde_json::Value,
         lead: bool,
     ) -> Result<()> {
+        self.settle(b)?;
         if !lead {
             return Ok(());
         }

@@ -45,8 +45,13 @@ pub trait RankModel<B: Backend> {
         grad_scale: f32,
         micro: Micro,
     ) -> Result<f64>;
-    /// One AdamW step at 1-based `step`; returns `(lr, grad_norm)`.
+    /// One AdamW step at 1-based `step`; returns `(lr, grad_norm)`. With
+    /// the optimizer on the host its updates run in the next forward
+    /// (`train::settling`), or at [`settle`](RankModel::settle).
     fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)>;
+    /// Runs every optimizer update still pending: the parameters are then
+    /// those of the last step (a checkpoint does this itself).
+    fn settle(&mut self, b: &B) -> Result<()>;
     /// Writes a checkpoint of `step` into `dir` (collective: every rank
     /// calls it; `lead` is the rank that writes shared files).
     fn save(

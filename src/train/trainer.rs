@@ -509,6 +509,7 @@ fn run_rank<B: Backend>(
             save(cfg, b, model.as_mut(), dir, step, &extra, rank)?;
         }
     }
+    model.settle(b)?;
     Ok((reports, b.ledger().stats(), b.reserved_peak()?))
 }
 

@@ -5,7 +5,7 @@
 use super::store::FsdpStore;
 use crate::backend::{Backend, Category, DType, Tensor, cast};
 use crate::error::{Error, Result};
-use crate::train::offload_optim::{HostSlot, host_master, host_zeros, step_on_host};
+use crate::train::offload_optim::{HostSlot, HostStep, host_master, host_zeros};
 use crate::train::optim::{AdamWConfig, hyper};
 
 /// Moments (and F32 master shards when the model computes in a lower
@@ -15,6 +15,8 @@ pub struct ShardedAdamW<B: Backend> {
     pub m: Vec<Tensor<B>>,
     pub v: Vec<Tensor<B>>,
     pub master: Option<Vec<Tensor<B>>>,
+    /// The last step's host updates not yet run (`cfg.offload`).
+    pending: Option<HostStep<B>>,
 }
 
 impl<B: Backend> ShardedAdamW<B> {
@@ -41,7 +43,13 @@ impl<B: Backend> ShardedAdamW<B> {
         } else {
             None
         };
-        Ok(ShardedAdamW { cfg, m, v, master })
+        Ok(ShardedAdamW {
+            cfg,
+            m,
+            v,
+            master,
+            pending: None,
+        })
     }
 
     /// The state of each shard in host memory: its master, m and v in turn.
@@ -57,6 +65,7 @@ impl<B: Backend> ShardedAdamW<B> {
             m,
             v,
             master: Some(master),
+            pending: None,
         })
     }
 
@@ -79,7 +88,9 @@ impl<B: Backend> ShardedAdamW<B> {
         Ok(total.sqrt())
     }
 
-    /// One update at 1-based `step` of every owned shard; returns `(lr, grad_norm)`.
+    /// One update at 1-based `step` of every owned shard; returns `(lr,
+    /// grad_norm)`. With the state on the host the update is deferred:
+    /// [`settle`](Self::settle) runs it (the next forward does, unit by unit).
     pub fn step(&mut self, b: &B, store: &mut FsdpStore<'_, B>, step: u32) -> Result<(f32, f64)> {
         let norm = Self::grad_norm(b, store)?;
         let clip = if self.cfg.clip > 0.0 && norm > self.cfg.clip as f64 {
@@ -89,7 +100,8 @@ impl<B: Backend> ShardedAdamW<B> {
         };
         let lr = self.cfg.lr_at(step);
         if self.cfg.offload {
-            self.step_on_host(b, store, lr, step, clip)?;
+            self.settle(b, store, usize::MAX)?;
+            self.pending = Some(HostStep::new(lr, step, clip));
             return Ok((lr, norm));
         }
         for (i, layout) in store.layouts.iter().enumerate() {
@@ -114,25 +126,30 @@ impl<B: Backend> ShardedAdamW<B> {
 }
 
 impl<B: Backend> ShardedAdamW<B> {
-    /// [`ShardedAdamW::step`] with the state in host memory, a unit's shard
-    /// at a time.
-    fn step_on_host(
-        &mut self,
-        b: &B,
-        store: &mut FsdpStore<'_, B>,
-        lr: f32,
-        step: u32,
-        clip: f32,
-    ) -> Result<()> {
+    /// Whether a step's host updates are still to run.
+    pub fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Runs the deferred host updates of the units' shards before `upto`
+    /// (unit order; `usize::MAX`: all of them).
+    pub fn settle(&mut self, b: &B, store: &mut FsdpStore<'_, B>, upto: usize) -> Result<()> {
+        let Some(pending) = self.pending.as_mut() else {
+            return Ok(());
+        };
         let cfg = self.cfg;
+        let (lr, step, clip) = (pending.lr, pending.step, pending.clip);
         let rank = store.rank;
         let master = self.master.as_mut().ok_or_else(busy)?;
+        let total = master.len();
+        let (from, upto) = (pending.done(), upto.min(total));
         let mut slots = Vec::new();
         let states = master.iter_mut().zip(&mut self.m).zip(&mut self.v);
-        let shards = store.params.iter_mut().zip(&store.grads);
-        for ((layout, (param, grad)), ((master, m), v)) in
-            store.layouts.iter().zip(shards).zip(states)
-        {
+        // the shards updated now, and the gradient after them (downloaded meanwhile)
+        let (grads, later) = store.grads.split_at_mut(upto);
+        let shards = store.params.iter_mut().zip(grads);
+        let units = store.layouts.iter().zip(shards).zip(states);
+        for ((layout, (param, grad)), ((master, m), v)) in units.skip(from) {
             let updates = layout
                 .segments(rank)
                 .into_iter()
@@ -146,14 +163,19 @@ impl<B: Backend> ShardedAdamW<B> {
                 .collect();
             slots.push(HostSlot {
                 param: param.as_mut().ok_or_else(busy)?,
-                grad: grad.as_ref().ok_or_else(busy)?,
+                grad: grad.as_mut().ok_or_else(busy)?,
                 master,
                 m,
                 v,
                 updates,
             });
         }
-        step_on_host(b, slots)
+        let ahead = later.first().and_then(|g| g.as_ref());
+        pending.run(b, &mut slots, ahead)?;
+        if pending.done() == total {
+            self.pending = None;
+        }
+        Ok(())
     }
 }
 

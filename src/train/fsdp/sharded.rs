@@ -7,10 +7,11 @@ use super::{FsdpStore, ShardedAdamW};
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::model::{Decoder, RandomInit};
+use crate::model::{Decoder, RandomInit, Unit};
 use crate::train::checkpoint::HostTensor;
 use crate::train::ranged::RangedModel;
 use crate::train::replicated::Resumed;
+use crate::train::settling::{Deferred, Settling};
 use crate::train::state::{Micro, RankModel, pass};
 use crate::train::trainer::TrainConfig;
 use serde_json::Value;
@@ -163,6 +164,16 @@ impl<'a, B: Backend> Sharded<'a, B> {
     }
 }
 
+impl<'a, B: Backend> Deferred<B, FsdpStore<'a, B>> for ShardedAdamW<B> {
+    fn settle_through(&mut self, b: &B, store: &mut FsdpStore<'a, B>, unit: Unit) -> Result<()> {
+        if !self.has_pending() {
+            return Ok(());
+        }
+        let upto = store.unit_index(unit) + 1;
+        self.settle(b, store, upto)
+    }
+}
+
 impl<B: Backend> RankModel<B> for Sharded<'_, B> {
     fn forward_backward(
         &mut self,
@@ -177,14 +188,20 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         // each sequence's reduce-scatter adds into the shards (ZeRO-3's way:
         // no rank ever holds the whole model's gradients)
         self.store.begin_step(micro.first);
-        pass(b, decoder, mesh, &mut self.store, ids, targets, grad_scale)
+        let mut store = Settling::new(&mut self.store, &mut self.opt, decoder.cfg.layers);
+        pass(b, decoder, mesh, &mut store, ids, targets, grad_scale)
     }
 
     fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)> {
         self.opt.step(b, &mut self.store, step)
     }
 
+    fn settle(&mut self, b: &B) -> Result<()> {
+        self.opt.settle(b, &mut self.store, usize::MAX)
+    }
+
     fn save(&mut self, b: &B, dir: &Path, step: u64, extra: &Value, lead: bool) -> Result<()> {
+        self.settle(b)?;
         if lead {
             ckpt::begin_write(dir)?;
         }

@@ -117,6 +117,11 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         unit.index(self.cfg.layers)
     }
 
+    /// Position of `unit`'s shard, state and layout (`Unit::all` order).
+    pub fn unit_index(&self, unit: Unit) -> usize {
+        self.index(unit)
+    }
+
     /// Starts the all-gather of unit `i`: its shard is the send buffer.
     fn start_gather(&mut self, b: &B, i: usize) -> Result<Pending<B>> {
         let send = self.params[i]

@@ -1,0 +1,97 @@
+//! The last step's host updates (`--offload-optimizer`) run inside the next
+//! step's forward: a [`ParamStore`] wrapper that, before the decoder asks
+//! for a unit, updates the slots of every unit through the one after it.
+//! The GPU meanwhile runs the unit the decoder asked for before, so the
+//! host's AdamW runs behind the forward instead of between the steps. The
+//! one after is settled too because a store may start gathering it (FSDP's
+//! prefetch) when this one is acquired.
+//!
+//! The arithmetic is unchanged: each slot gets the same update from the
+//! same gradient, only later; every slot is settled before the backward
+//! writes gradients (the forward acquires every unit), before a checkpoint
+//! is written and when training ends.
+
+use crate::backend::{Backend, Tensor};
+use crate::error::Result;
+use crate::model::{BlockWeights, HeadView, ParamStore, Unit};
+
+/// An optimizer whose step's host updates may still be pending for `S`.
+pub trait Deferred<B: Backend, S> {
+    /// Runs the pending updates of every unit up to and including `unit`.
+    fn settle_through(&mut self, b: &B, store: &mut S, unit: Unit) -> Result<()>;
+}
+
+/// The unit the forward asks for after `unit` (the head asks for none).
+pub fn next_in_forward(unit: Unit, layers: usize) -> Unit {
+    match unit {
+        Unit::Embed if layers > 0 => Unit::Block(0),
+        Unit::Block(l) if l + 1 < layers => Unit::Block(l + 1),
+        _ => Unit::Head,
+    }
+}
+
+/// `store`, with `optimizer`'s pending updates settled ahead of each unit.
+pub struct Settling<'s, S, O> {
+    store: &'s mut S,
+    optimizer: &'s mut O,
+    layers: usize,
+}
+
+impl<'s, S, O> Settling<'s, S, O> {
+    pub fn new(store: &'s mut S, optimizer: &'s mut O, layers: usize) -> Self {
+        Settling {
+            store,
+            optimizer,
+            layers,
+        }
+    }
+}
+
+impl<B: Backend, S: ParamStore<B>, O: Deferred<B, S>> ParamStore<B> for Settling<'_, S, O> {
+    fn acquire(&mut self, b: &B, unit: Unit) -> Result<()> {
+        let through = next_in_forward(unit, self.layers);
+        self.optimizer.settle_through(b, self.store, through)?;
+        self.store.acquire(b, unit)
+    }
+    fn release(&mut self, unit: Unit) -> Result<()> {
+        self.store.release(unit)
+    }
+    fn embed(&self) -> Result<&Tensor<B>> {
+        self.store.embed()
+    }
+    fn block(&self, l: usize) -> Result<&BlockWeights<B>> {
+        self.store.block(l)
+    }
+    fn final_norm(&self) -> Result<&Tensor<B>> {
+        self.store.final_norm()
+    }
+    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)> {
+        self.store.block_grads(b, l)
+    }
+    fn head_grads(&mut self, b: &B) -> Result<HeadView<'_, B>> {
+        self.store.head_grads(b)
+    }
+    fn embed_grads(&mut self, b: &B) -> Result<&mut Tensor<B>> {
+        self.store.embed_grads(b)
+    }
+    fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()> {
+        self.store.grads_done(b, unit)
+    }
+    fn finish(&mut self, b: &B) -> Result<()> {
+        self.store.finish(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_next_unit_follows_the_forward() {
+        assert_eq!(next_in_forward(Unit::Embed, 2), Unit::Block(0));
+        assert_eq!(next_in_forward(Unit::Block(0), 2), Unit::Block(1));
+        assert_eq!(next_in_forward(Unit::Block(1), 2), Unit::Head);
+        assert_eq!(next_in_forward(Unit::Head, 2), Unit::Head);
+        assert_eq!(next_in_forward(Unit::Embed, 0), Unit::Head);
+    }
+}
