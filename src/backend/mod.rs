@@ -158,6 +158,24 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.copy(dst.mat_mut(), src.mat())?;
         Ok(CopyDone::finished())
     }
+    /// A point in the order of the work queued so far, which a later
+    /// [`copy_start_from`](Backend::copy_start_from) follows instead of all
+    /// the work queued by then. The CPU has no work in flight.
+    fn compute_point(&self) -> Result<ComputePoint> {
+        Ok(ComputePoint::none())
+    }
+    /// [`copy_start`](Backend::copy_start), ordered only after `since`
+    /// (`src` must not have been written since then): the copy need not
+    /// wait for the work queued after that point.
+    fn copy_start_from(
+        &self,
+        dst: &mut Tensor<Self>,
+        src: &Tensor<Self>,
+        since: &ComputePoint,
+    ) -> Result<CopyDone> {
+        let _ = since;
+        self.copy_start(dst, src)
+    }
     /// Orders work queued from now on after the copy (no host wait).
     fn copy_wait(&self, done: CopyDone) -> Result<()> {
         done.join()
@@ -330,6 +348,25 @@ pub fn check_token_ids(ids: &[u32], vocab: usize) -> Result<()> {
 /// after it ([`Backend::copy_wait`], no host wait) or the host waits for it
 /// ([`Backend::copy_finish`]); `None`: the copy is done.
 pub struct CopyDone(Option<Box<dyn InFlight>>);
+
+/// A point in a device's order of queued work ([`Backend::compute_point`]):
+/// the device's own marker (a CUDA event), or none on the CPU.
+pub struct ComputePoint(Option<Box<dyn std::any::Any + Send>>);
+
+impl ComputePoint {
+    /// No work in flight to follow.
+    pub fn none() -> Self {
+        ComputePoint(None)
+    }
+    /// A device's marker.
+    pub fn marker(m: Box<dyn std::any::Any + Send>) -> Self {
+        ComputePoint(Some(m))
+    }
+    /// The device's marker, if it is a `T`.
+    pub fn get<T: 'static>(&self) -> Option<&T> {
+        self.0.as_ref().and_then(|m| m.downcast_ref::<T>())
+    }
+}
 
 /// What a device's copy in flight can be asked.
 pub trait InFlight: Send {

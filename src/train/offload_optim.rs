@@ -17,7 +17,7 @@
 //! (`backend::host_adamw`), so results equal the on-device optimizer's.
 
 use crate::backend::host_adamw::adamw_parallel;
-use crate::backend::{AdamWStep, Backend, Category, CopyDone, DType, Tensor, cast};
+use crate::backend::{AdamWStep, Backend, Category, ComputePoint, CopyDone, DType, Tensor, cast};
 use crate::error::Result;
 use std::ops::Range;
 
@@ -67,6 +67,9 @@ pub struct HostStep<B: Backend> {
     pub lr: f32,
     pub step: u32,
     pub clip: f32,
+    /// The end of the step's backward: gradient downloads follow it, not
+    /// the next forward's work queued since.
+    grads_final: ComputePoint,
     /// The first slot not yet updated.
     next: usize,
     /// Slot `next`'s gradient on its way to the host.
@@ -74,14 +77,17 @@ pub struct HostStep<B: Backend> {
 }
 
 impl<B: Backend> HostStep<B> {
-    pub fn new(lr: f32, step: u32, clip: f32) -> Self {
-        HostStep {
+    /// The step's updates, pending from the work queued so far (the
+    /// step's backward, whose gradients they read).
+    pub fn new(b: &B, lr: f32, step: u32, clip: f32) -> Result<Self> {
+        Ok(HostStep {
             lr,
             step,
             clip,
+            grads_final: b.compute_point()?,
             next: 0,
             inflight: None,
-        }
+        })
     }
 
     /// Slots updated so far.
@@ -101,14 +107,14 @@ impl<B: Backend> HostStep<B> {
         for k in 0..slots.len() {
             let (grad, done) = match self.inflight.take() {
                 Some(x) => x,
-                None => start_download(b, slots[k].grad)?,
+                None => self.download(b, slots[k].grad)?,
             };
             let next = match slots.get(k + 1) {
                 Some(s) => Some(&*s.grad),
                 None => ahead,
             };
             if let Some(g) = next {
-                self.inflight = Some(start_download(b, g)?);
+                self.inflight = Some(self.download(b, g)?);
             }
             b.copy_finish(done)?;
             let slot = &mut slots[k];
@@ -125,11 +131,14 @@ impl<B: Backend> HostStep<B> {
     }
 }
 
-/// Starts copying `grad` into a fresh host buffer.
-fn start_download<B: Backend>(b: &B, grad: &Tensor<B>) -> Result<(Tensor<B>, CopyDone)> {
-    let mut host = b.empty(grad.shape(), DType::F32, Category::Offload)?;
-    let done = b.copy_start(&mut host, grad)?;
-    Ok((host, done))
+impl<B: Backend> HostStep<B> {
+    /// Starts copying `grad` into a fresh host buffer, after the backward
+    /// that wrote it (not after the forward queued since).
+    fn download(&self, b: &B, grad: &Tensor<B>) -> Result<(Tensor<B>, CopyDone)> {
+        let mut host = b.empty(grad.shape(), DType::F32, Category::Offload)?;
+        let done = b.copy_start_from(&mut host, grad, &self.grads_final)?;
+        Ok((host, done))
+    }
 }
 
 /// The host's AdamW update of one slot from its downloaded gradient.

@@ -139,7 +139,7 @@ impl<B: Backend> AdamW<B> {
         let lr = self.cfg.lr_at(step);
         if self.cfg.offload {
             self.settle(b, w, g, usize::MAX)?;
-            self.pending = Some(HostStep::new(lr, step, clip));
+            self.pending = Some(HostStep::new(b, lr, step, clip)?);
             return Ok((lr, norm));
         }
         let grads = g.named();

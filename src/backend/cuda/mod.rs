@@ -33,8 +33,8 @@ use self::gemm::{Gemm, GemmPtrs};
 use self::kernels::{Args, Kernels, grid_for, launch};
 use self::pool::{AllocError, CudaStorage, Pool, PoolStats};
 use super::{
-    AdamWStep, AttnGradWrites, Backend, Category, CopyDone, DType, GradWrite, IGNORE, Mat, MatMut,
-    MemoryLedger, Rows, RowsMut, Tensor,
+    AdamWStep, AttnGradWrites, Backend, Category, ComputePoint, CopyDone, DType, GradWrite, IGNORE,
+    Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
@@ -133,6 +133,52 @@ impl crate::backend::InFlight for CopyEvent {
     fn finish(self: Box<Self>) -> Result<()> {
         drv(self.done.synchronize(), "event synchronize")
     }
+}
+
+impl CudaBackend {
+    /// Queues `dst = src` on the copy stream after `ready` (an event of the
+    /// compute stream).
+    fn copy_after(
+        &self,
+        dst: &mut Tensor<Self>,
+        src: &Tensor<Self>,
+        ready: &cudarc::driver::CudaEvent,
+    ) -> Result<CopyDone> {
+        drv(self.copy_stream.wait(ready), "stream wait")?;
+        let span = self.profile.span("copy_start", &self.copy_stream)?;
+        // SAFETY: both tensors hold `bytes` bytes (`check_copy`) and stay
+        // alive until `copy_wait` (the caller's contract); unified addressing
+        // lets cuMemcpyAsync take pinned host and device addresses alike.
+        let rc = unsafe {
+            cudarc::driver::sys::cuMemcpyAsync(
+                ptr(dst),
+                ptr(src),
+                src.bytes(),
+                self.copy_stream.cu_stream(),
+            )
+        };
+        drv(rc.result(), "cuMemcpyAsync (copy stream)")?;
+        drop(span);
+        let done = drv(self.copy_stream.record_event(None), "record event")?;
+        Ok(CopyDone::in_flight(Box::new(CopyEvent {
+            done,
+            compute: self.stream.clone(),
+        })))
+    }
+}
+
+/// A copy takes whole tensors of one shape and dtype.
+fn check_copy(dst: &Tensor<CudaBackend>, src: &Tensor<CudaBackend>) -> Result<()> {
+    if dst.shape() != src.shape() || dst.dtype() != src.dtype() {
+        return Err(Error::Backend(format!(
+            "copy_start: {:?} {:?} <- {:?} {:?} (whole tensors of one shape and dtype)",
+            dst.shape(),
+            dst.dtype(),
+            src.shape(),
+            src.dtype()
+        )));
+    }
+    Ok(())
 }
 
 /// Checks that `t` is an F32 tensor in pinned host memory.
@@ -763,41 +809,40 @@ impl Backend for CudaBackend {
     }
 
     fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {
-        if dst.shape() != src.shape() || dst.dtype() != src.dtype() {
-            return Err(Error::Backend(format!(
-                "copy_start: {:?} {:?} <- {:?} {:?} (whole tensors of one shape and dtype)",
-                dst.shape(),
-                dst.dtype(),
-                src.shape(),
-                src.dtype()
-            )));
-        }
+        check_copy(dst, src)?;
         if src.bytes() == 0 || self.rehearsing() {
             return Ok(CopyDone::finished());
         }
         self.bind()?;
         // the copy runs after the compute queued so far, on the copy stream
         let ready = drv(self.stream.record_event(None), "record event")?;
-        drv(self.copy_stream.wait(&ready), "stream wait")?;
-        let span = self.profile.span("copy_start", &self.copy_stream)?;
-        // SAFETY: both tensors hold `bytes` bytes (checked above) and stay
-        // alive until `copy_wait` (the caller's contract); unified addressing
-        // lets cuMemcpyAsync take pinned host and device addresses alike.
-        let rc = unsafe {
-            cudarc::driver::sys::cuMemcpyAsync(
-                ptr(dst),
-                ptr(src),
-                src.bytes(),
-                self.copy_stream.cu_stream(),
-            )
+        self.copy_after(dst, src, &ready)
+    }
+
+    fn compute_point(&self) -> Result<ComputePoint> {
+        if self.rehearsing() {
+            return Ok(ComputePoint::none());
+        }
+        self.bind()?;
+        let now = drv(self.stream.record_event(None), "record event")?;
+        Ok(ComputePoint::marker(Box::new(now)))
+    }
+
+    fn copy_start_from(
+        &self,
+        dst: &mut Tensor<Self>,
+        src: &Tensor<Self>,
+        since: &ComputePoint,
+    ) -> Result<CopyDone> {
+        let Some(point) = since.get::<cudarc::driver::CudaEvent>() else {
+            return self.copy_start(dst, src);
         };
-        drv(rc.result(), "cuMemcpyAsync (copy stream)")?;
-        drop(span);
-        let done = drv(self.copy_stream.record_event(None), "record event")?;
-        Ok(CopyDone::in_flight(Box::new(CopyEvent {
-            done,
-            compute: self.stream.clone(),
-        })))
+        check_copy(dst, src)?;
+        if src.bytes() == 0 || self.rehearsing() {
+            return Ok(CopyDone::finished());
+        }
+        self.bind()?;
+        self.copy_after(dst, src, point)
     }
 
     fn host_f32<'t>(&self, t: &'t Tensor<Self>) -> Result<&'t [f32]> {

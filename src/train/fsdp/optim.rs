@@ -101,7 +101,7 @@ impl<B: Backend> ShardedAdamW<B> {
         let lr = self.cfg.lr_at(step);
         if self.cfg.offload {
             self.settle(b, store, usize::MAX)?;
-            self.pending = Some(HostStep::new(lr, step, clip));
+            self.pending = Some(HostStep::new(b, lr, step, clip)?);
             return Ok((lr, norm));
         }
         for (i, layout) in store.layouts.iter().enumerate() {
