@@ -180,6 +180,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn copy_wait(&self, done: CopyDone) -> Result<()> {
         done.join()
     }
+    /// [`copy_wait`](Backend::copy_wait), keeping the token for a later
+    /// [`copy_finish`](Backend::copy_finish) (the host reuses the copy's
+    /// source only after that).
+    fn copy_order(&self, done: &CopyDone) -> Result<()> {
+        done.order()
+    }
     /// Waits on the host until the copy is done (before host code reads or
     /// writes a host-resident tensor the copy touches).
     fn copy_finish(&self, done: CopyDone) -> Result<()> {
@@ -192,6 +198,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// [`host_f32`](Backend::host_f32), writable. No copy out of it may be
     /// in flight.
     fn host_f32_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]>;
+    /// The bf16 bits of a host-resident BF16 tensor, writable (no copy out
+    /// of it may be in flight). The CPU keeps every tensor in f32.
+    fn host_bf16_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [u16]> {
+        Err(crate::Error::Backend(format!(
+            "host access to a {:?} tensor of shape {:?}: this backend keeps no bf16 host tensors",
+            t.dtype(),
+            t.shape()
+        )))
+    }
     /// Strided 2-D copy `dst = src` (same logical shape; converts dtype).
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()>;
     /// Sets every element to `value`.
@@ -371,7 +386,11 @@ impl ComputePoint {
 /// What a device's copy in flight can be asked.
 pub trait InFlight: Send {
     /// Makes later work on the device wait for the copy.
-    fn join(self: Box<Self>) -> Result<()>;
+    fn join(self: Box<Self>) -> Result<()> {
+        self.order()
+    }
+    /// [`join`](InFlight::join), keeping the copy to wait for later.
+    fn order(&self) -> Result<()>;
     /// Blocks the host until the copy is done.
     fn finish(self: Box<Self>) -> Result<()>;
 }
@@ -387,6 +406,9 @@ impl CopyDone {
     }
     fn join(self) -> Result<()> {
         self.0.map_or(Ok(()), |c| c.join())
+    }
+    fn order(&self) -> Result<()> {
+        self.0.as_ref().map_or(Ok(()), |c| c.order())
     }
     fn finish(self) -> Result<()> {
         self.0.map_or(Ok(()), |c| c.finish())

@@ -35,7 +35,7 @@ use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::fsdp::model_layouts;
 pub use offload::OffloadBlocks;
-use offload_optim::{PendingStep, SettlingWalk, slot_ends, tensor_numels};
+use offload_optim::{PendingStep, SettlingWalk, tensor_numels, update_slots};
 use sim::Sim;
 use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
 use walk::{AttnFwd, AttnWalk, DecoderWalk};
@@ -282,12 +282,12 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
         }
     }
     sim.alloc(Category::Workspace, spec.device.backend_resident());
-    let ends = slot_ends(&spec.model, spec.fsdp);
+    let (update, ends) = update_slots(&spec.model, spec.fsdp, &slots);
     // the first step's forward has no host updates of a step before it
     let steps_walked = std::cell::Cell::new(0);
     let step = |sim: &mut Sim| {
         let after_a_step = steps_walked.replace(steps_walked.get() + 1) > 0;
-        let mut pending = (on_host && after_a_step).then(|| PendingStep::new(&slots, &ends, ab));
+        let mut pending = (on_host && after_a_step).then(|| PendingStep::new(&update, &ends, ab));
         for i in 0..spec.grad_accum.max(1) {
             let mut store: Box<dyn StoreWalk> = if spec.fsdp {
                 // later sequences of a step add their reduce-scatters into the shards

@@ -8,7 +8,7 @@ use super::store_walk::StoreWalk;
 use crate::backend::Category::{Offload, Workspace};
 use crate::model::{ModelConfig, Unit};
 use crate::train::fsdp::model_layouts;
-use crate::train::settling::next_in_forward;
+use crate::train::settling::{next_in_forward, update_index, update_order};
 
 const F32: usize = 4;
 
@@ -34,28 +34,41 @@ pub fn host_state(sim: &mut Sim, slots: &[usize], ab: usize) {
     }
 }
 
-/// For each unit (`Unit::all` order), the optimizer slots through it:
-/// parameter tensors, or with FSDP one shard per unit.
-pub fn slot_ends(cfg: &ModelConfig, fsdp: bool) -> Vec<usize> {
-    let mut end = 0;
-    model_layouts(cfg, 1)
+/// `slots` (tensors in `ModelWeights::named` order, or one shard per unit)
+/// in the order a deferred step updates them (`train::settling::
+/// update_order`: the head's first), and for each unit in that order the
+/// slots through it.
+pub fn update_slots(cfg: &ModelConfig, fsdp: bool, slots: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let per_unit: Vec<usize> = model_layouts(cfg, 1)
         .iter()
+        .map(|u| if fsdp { 1 } else { u.params.len() })
+        .collect();
+    let head = *per_unit.last().expect("a model has a head unit");
+    let mut ordered = slots.to_vec();
+    ordered.rotate_right(head);
+    let mut end = 0;
+    let ends = update_order(cfg.layers)
+        .into_iter()
         .map(|u| {
-            end += if fsdp { 1 } else { u.params.len() };
+            end += per_unit[u.index(cfg.layers)];
             end
         })
-        .collect()
+        .collect();
+    (ordered, ends)
 }
 
-/// A step's host updates still to run: slot k+1's gradient downloaded
-/// while slot k is updated; each updated master goes back through a device
-/// F32 buffer when the compute dtype (`ab` bytes) is narrower.
+/// A step's host updates still to run (`slots` and `ends` from
+/// [`update_slots`]): slot k+1's gradient downloaded
+/// while slot k is updated; each updated master goes back directly, or
+/// when the compute dtype (`ab` bytes) is narrower through a pinned buffer
+/// of that dtype, which lives until the next slot's upload.
 pub struct PendingStep<'s> {
     slots: &'s [usize],
     ends: &'s [usize],
     ab: usize,
     next: usize,
     inflight: Option<Buf>,
+    uploading: Option<Buf>,
 }
 
 impl<'s> PendingStep<'s> {
@@ -66,12 +79,14 @@ impl<'s> PendingStep<'s> {
             ab,
             next: 0,
             inflight: None,
+            uploading: None,
         }
     }
 
-    /// Updates the slots through unit `unit_index`'s; whether all are done.
-    fn settle_through(&mut self, sim: &mut Sim, unit_index: usize) -> bool {
-        let upto = self.ends[unit_index].min(self.slots.len());
+    /// Updates the slots through `unit`'s (in update order); whether all
+    /// are done.
+    fn settle_through(&mut self, sim: &mut Sim, unit: Unit, layers: usize) -> bool {
+        let upto = self.ends[update_index(unit, layers)].min(self.slots.len());
         while self.next < upto {
             let k = self.next;
             let grad = match self.inflight.take() {
@@ -81,12 +96,16 @@ impl<'s> PendingStep<'s> {
             self.inflight = self.slots.get(k + 1).map(|&m| sim.alloc(Offload, m * F32));
             sim.free(grad);
             if self.ab != F32 {
-                let wide = sim.alloc(Workspace, self.slots[k] * F32);
-                sim.free(wide);
+                sim.free_opt(self.uploading.take());
+                self.uploading = Some(sim.alloc(Offload, self.slots[k] * self.ab));
             }
             self.next += 1;
         }
-        self.next == self.slots.len()
+        let done = self.next == self.slots.len();
+        if done {
+            sim.free_opt(self.uploading.take());
+        }
+        done
     }
 }
 
@@ -101,8 +120,8 @@ pub struct SettlingWalk<'a, 's> {
 impl StoreWalk for SettlingWalk<'_, '_> {
     fn acquire(&mut self, sim: &mut Sim, unit: Unit) {
         if let Some(p) = self.pending.as_mut() {
-            let through = next_in_forward(unit, self.layers).index(self.layers);
-            if p.settle_through(sim, through) {
+            let through = next_in_forward(unit, self.layers);
+            if p.settle_through(sim, through, self.layers) {
                 *self.pending = None;
             }
         }

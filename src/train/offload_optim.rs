@@ -3,8 +3,8 @@
 //! on the device through the backward (the global norm needs all of them
 //! before any update); then each slot's F32 gradient streams device→host one
 //! slot ahead of the host's update of the slot before, and the updated
-//! master goes host→device into the parameter (cast to the compute dtype on
-//! the device, as the on-device optimizer casts).
+//! master goes host→device into the parameter (rounded to the compute dtype
+//! on the host, to nearest even as the device's cast rounds).
 //!
 //! The updates are deferred ([`HostStep`]): the optimizer step only fixes
 //! the learning rate and the clipping factor, and each unit's slots are
@@ -74,6 +74,9 @@ pub struct HostStep<B: Backend> {
     next: usize,
     /// Slot `next`'s gradient on its way to the host.
     inflight: Option<(Tensor<B>, CopyDone)>,
+    /// The last slot's parameter on its way to the device, from this
+    /// pinned buffer.
+    uploading: Option<(Tensor<B>, CopyDone)>,
 }
 
 impl<B: Backend> HostStep<B> {
@@ -87,6 +90,7 @@ impl<B: Backend> HostStep<B> {
             grads_final: b.compute_point()?,
             next: 0,
             inflight: None,
+            uploading: None,
         })
     }
 
@@ -124,8 +128,12 @@ impl<B: Backend> HostStep<B> {
                 update(b, slot, &grad)?;
             }
             drop(grad);
-            upload(b, slot.param, slot.master)?;
+            self.upload(b, slot.param, slot.master)?;
             self.next += 1;
+        }
+        if ahead.is_none() {
+            // the step's last slot
+            self.finish_upload(b)?;
         }
         Ok(())
     }
@@ -160,15 +168,52 @@ fn update<B: Backend>(b: &B, slot: &mut HostSlot<'_, B>, grad: &Tensor<B>) -> Re
     Ok(())
 }
 
-/// `param = master`: a direct copy for F32 parameters, else through a
-/// device F32 buffer cast on the device.
-fn upload<B: Backend>(b: &B, param: &mut Tensor<B>, master: &Tensor<B>) -> Result<()> {
-    if param.dtype() == DType::F32 {
-        let done = b.copy_start(param, master)?;
-        return b.copy_wait(done);
+impl<B: Backend> HostStep<B> {
+    /// `param = master`: a direct copy for F32 parameters; else cast to the
+    /// parameter's dtype on the host (round to nearest even, as the
+    /// device's cast rounds) into a pinned buffer that is copied into the
+    /// parameter. The copy follows the backward, not the forward queued
+    /// since (nothing has read the parameter since the backward); the
+    /// buffer lives until the next upload, or the step's last, has waited
+    /// for it.
+    fn upload(&mut self, b: &B, param: &mut Tensor<B>, master: &Tensor<B>) -> Result<()> {
+        if param.dtype() == DType::F32 {
+            let done = b.copy_start_from(param, master, &self.grads_final)?;
+            return b.copy_wait(done);
+        }
+        self.finish_upload(b)?;
+        let mut narrow = b.empty(param.shape(), param.dtype(), Category::Offload)?;
+        if !b.rehearsing() {
+            to_bf16(b.host_f32(master)?, b.host_bf16_mut(&mut narrow)?);
+        }
+        let done = b.copy_start_from(param, &narrow, &self.grads_final)?;
+        b.copy_order(&done)?;
+        self.uploading = Some((narrow, done));
+        Ok(())
     }
-    let mut wide = b.empty(param.shape(), DType::F32, Category::Workspace)?;
-    let done = b.copy_start(&mut wide, master)?;
-    b.copy_wait(done)?;
-    b.copy(param.mat_mut(), wide.mat())
+
+    /// Waits for the upload in flight, freeing its buffer.
+    fn finish_upload(&mut self, b: &B) -> Result<()> {
+        match self.uploading.take() {
+            Some((narrow, done)) => {
+                b.copy_finish(done)?;
+                drop(narrow);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// `dst = src` rounded to bf16 (nearest even; NaN stays NaN), over the
+/// host's threads.
+fn to_bf16(src: &[f32], dst: &mut [u16]) {
+    use rayon::prelude::*;
+    dst.par_chunks_mut(1 << 16)
+        .zip(src.par_chunks(1 << 16))
+        .for_each(|(d, s)| {
+            for (d, &x) in d.iter_mut().zip(s) {
+                *d = half::bf16::from_f32(x).to_bits();
+            }
+        });
 }

@@ -5,6 +5,7 @@ use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::{ModelWeights, Unit};
 use crate::train::offload_optim::{HostSlot, HostStep, host_master, host_zeros};
+use crate::train::settling::{update_index, update_order};
 
 /// Optimizer hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -175,6 +176,7 @@ impl<B: Backend> AdamW<B> {
     }
 
     /// Runs the deferred host updates of the tensors before `upto` (in
+    /// update order, [`update_order`]: the head's tensors, then
     /// `ModelWeights::named` order; `usize::MAX`: all of them).
     pub fn settle(
         &mut self,
@@ -191,12 +193,16 @@ impl<B: Backend> AdamW<B> {
         let master = self.master.as_mut().ok_or_else(no_master)?;
         let total = master.len();
         let (from, upto) = (pending.done(), upto.min(total));
-        let mut tensors = w
+        let head = w.unit_named(Unit::Head).len();
+        let mut tensors: Vec<_> = w
             .named_mut()
             .into_iter()
             .zip(g.named_mut())
             .zip(master.iter_mut().zip(&mut self.m).zip(&mut self.v))
-            .skip(from);
+            .collect();
+        // the head's tensors are last in `named` order, first to update
+        tensors.rotate_right(head);
+        let mut tensors = tensors.into_iter().skip(from);
         let mut slots: Vec<HostSlot<'_, B>> = tensors
             .by_ref()
             .take(upto.saturating_sub(from))
@@ -218,13 +224,13 @@ impl<B: Backend> AdamW<B> {
     }
 }
 
-/// The tensors of every unit up to and including `unit`, in
-/// `ModelWeights::named` order (which is unit order).
+/// The tensors of every unit up to and including `unit` in update order
+/// ([`update_order`]).
 pub fn tensors_through<B: Backend>(w: &ModelWeights<B>, unit: Unit) -> usize {
     let layers = w.blocks.len();
-    Unit::all(layers)
+    update_order(layers)
         .into_iter()
-        .take(unit.index(layers) + 1)
+        .take(update_index(unit, layers) + 1)
         .map(|u| w.unit_named(u).len())
         .sum()
 }

@@ -241,6 +241,9 @@ impl<'a, B: Backend> Deferred<B, ReplicatedStore<'a, B>> for AdamW<B> {
         store: &mut ReplicatedStore<'a, B>,
         unit: Unit,
     ) -> Result<()> {
+        if !self.has_pending() {
+            return Ok(());
+        }
         let upto = tensors_through(&store.w, unit);
         self.settle(b, &mut store.w, &mut store.g, upto)
     }

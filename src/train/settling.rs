@@ -6,6 +6,11 @@
 //! one after is settled too because a store may start gathering it (FSDP's
 //! prefetch) when this one is acquired.
 //!
+//! A step's units are updated head first ([`update_order`]): the head's
+//! gradient and its pinned upload buffer (the LM head's are the largest)
+//! then lie beside none of the forward's offloaded activations, which are
+//! all on the host by the time the forward reaches the head.
+//!
 //! The arithmetic is unchanged: each slot gets the same update from the
 //! same gradient, only later; every slot is settled before the backward
 //! writes gradients (the forward acquires every unit), before a checkpoint
@@ -19,6 +24,26 @@ use crate::model::{BlockWeights, HeadView, ParamStore, Unit};
 pub trait Deferred<B: Backend, S> {
     /// Runs the pending updates of every unit up to and including `unit`.
     fn settle_through(&mut self, b: &B, store: &mut S, unit: Unit) -> Result<()>;
+}
+
+/// The order a deferred step updates its units in: the head, then the
+/// forward's order (embedding, blocks).
+pub fn update_order(layers: usize) -> Vec<Unit> {
+    let mut v = vec![Unit::Head, Unit::Embed];
+    v.extend((0..layers).map(Unit::Block));
+    v
+}
+
+/// `unit`'s position in [`update_order`].
+pub fn update_index(unit: Unit, layers: usize) -> usize {
+    match unit {
+        Unit::Head => 0,
+        Unit::Embed => 1,
+        Unit::Block(l) => {
+            debug_assert!(l < layers);
+            2 + l
+        }
+    }
 }
 
 /// The unit the forward asks for after `unit` (the head asks for none).
@@ -85,6 +110,16 @@ impl<B: Backend, S: ParamStore<B>, O: Deferred<B, S>> ParamStore<B> for Settling
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn units_are_updated_head_first() {
+        let order = update_order(3);
+        assert_eq!(order[0], Unit::Head);
+        assert_eq!(order[1..].to_vec(), Unit::all(3)[..4].to_vec());
+        for (i, u) in order.into_iter().enumerate() {
+            assert_eq!(update_index(u, 3), i);
+        }
+    }
 
     #[test]
     fn the_next_unit_follows_the_forward() {

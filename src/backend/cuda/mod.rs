@@ -127,7 +127,7 @@ struct CopyEvent {
 }
 
 impl crate::backend::InFlight for CopyEvent {
-    fn join(self: Box<Self>) -> Result<()> {
+    fn order(&self) -> Result<()> {
         drv(self.compute.wait(&self.done), "stream wait")
     }
     fn finish(self: Box<Self>) -> Result<()> {
@@ -854,6 +854,23 @@ impl Backend for CudaBackend {
         // (checked above) that lives as long as `t`; the caller has waited
         // for the copies into it.
         Ok(unsafe { std::slice::from_raw_parts(ptr(t) as *const f32, t.numel()) })
+    }
+
+    fn host_bf16_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [u16]> {
+        if t.category() != Category::Offload || t.dtype() != DType::BF16 {
+            return Err(Error::Backend(format!(
+                "host bf16 access to a {:?} {} tensor: only BF16 host-resident (offload) tensors",
+                t.dtype(),
+                t.category().name()
+            )));
+        }
+        if t.numel() == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: a BF16 Offload tensor is `numel` u16 of pinned host memory
+        // that lives as long as `t`, borrowed mutably here; no copy out of
+        // it is in flight (the caller's contract).
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr(t) as *mut u16, t.numel()) })
     }
 
     fn host_f32_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]> {

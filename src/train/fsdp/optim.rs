@@ -132,7 +132,8 @@ impl<B: Backend> ShardedAdamW<B> {
     }
 
     /// Runs the deferred host updates of the units' shards before `upto`
-    /// (unit order; `usize::MAX`: all of them).
+    /// (update order, `train::settling::update_order`: the head, then unit
+    /// order; `usize::MAX`: all of them).
     pub fn settle(&mut self, b: &B, store: &mut FsdpStore<'_, B>, upto: usize) -> Result<()> {
         let Some(pending) = self.pending.as_mut() else {
             return Ok(());
@@ -143,13 +144,16 @@ impl<B: Backend> ShardedAdamW<B> {
         let master = self.master.as_mut().ok_or_else(busy)?;
         let total = master.len();
         let (from, upto) = (pending.done(), upto.min(total));
-        let mut slots = Vec::new();
         let states = master.iter_mut().zip(&mut self.m).zip(&mut self.v);
-        // the shards updated now, and the gradient after them (downloaded meanwhile)
-        let (grads, later) = store.grads.split_at_mut(upto);
-        let shards = store.params.iter_mut().zip(grads);
-        let units = store.layouts.iter().zip(shards).zip(states);
-        for ((layout, (param, grad)), ((master, m), v)) in units.skip(from) {
+        let shards = store.params.iter_mut().zip(&mut store.grads);
+        let mut units: Vec<_> = store.layouts.iter().zip(shards).zip(states).collect();
+        // update order: the head (the last unit) first
+        units.rotate_right(1);
+        let mut units = units.into_iter().skip(from);
+        let mut slots = Vec::new();
+        for ((layout, (param, grad)), ((master, m), v)) in
+            units.by_ref().take(upto.saturating_sub(from))
+        {
             let updates = layout
                 .segments(rank)
                 .into_iter()
@@ -170,7 +174,8 @@ impl<B: Backend> ShardedAdamW<B> {
                 updates,
             });
         }
-        let ahead = later.first().and_then(|g| g.as_ref());
+        // the gradient after them, downloaded meanwhile
+        let ahead = units.next().and_then(|((_, (_, grad)), _)| grad.as_ref());
         pending.run(b, &mut slots, ahead)?;
         if pending.done() == total {
             self.pending = None;

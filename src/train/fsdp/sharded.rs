@@ -11,7 +11,7 @@ use crate::model::{Decoder, RandomInit, Unit};
 use crate::train::checkpoint::HostTensor;
 use crate::train::ranged::RangedModel;
 use crate::train::replicated::Resumed;
-use crate::train::settling::{Deferred, Settling};
+use crate::train::settling::{Deferred, Settling, update_index};
 use crate::train::state::{Micro, RankModel, pass};
 use crate::train::trainer::TrainConfig;
 use serde_json::Value;
@@ -169,7 +169,7 @@ impl<'a, B: Backend> Deferred<B, FsdpStore<'a, B>> for ShardedAdamW<B> {
         if !self.has_pending() {
             return Ok(());
         }
-        let upto = store.unit_index(unit) + 1;
+        let upto = update_index(unit, store.layers()) + 1;
         self.settle(b, store, upto)
     }
 }

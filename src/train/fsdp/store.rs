@@ -117,9 +117,9 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         unit.index(self.cfg.layers)
     }
 
-    /// Position of `unit`'s shard, state and layout (`Unit::all` order).
-    pub fn unit_index(&self, unit: Unit) -> usize {
-        self.index(unit)
+    /// The model's decoder blocks.
+    pub fn layers(&self) -> usize {
+        self.cfg.layers
     }
 
     /// Starts the all-gather of unit `i`: its shard is the send buffer.
