@@ -28,8 +28,8 @@ use std::sync::{Arc, Mutex};
 /// Bytes pinned at a time for small requests, which share such chunks.
 const CHUNK: usize = PINNED_SLACK / 2;
 /// Requests of at least this many bytes get a chunk of their own size:
-/// packed into shared chunks they would strand up to their size at the end
-/// of each.
+/// packed into shared chunks, each would strand up to its size at the end
+/// of a chunk.
 const OWN: usize = CHUNK / 32;
 const ALIGN: usize = 256;
 
@@ -134,9 +134,7 @@ impl HostPool {
         g.pinned += size;
         Ok(addr)
     }
-}
 
-impl HostPool {
     /// Unpins every chunk no block lives in, once no copy can touch it.
     fn unpin_empty(&self, g: &mut Inner) -> Result<()> {
         if g.chunks.iter().all(|c| c.map.used() > 0) {
