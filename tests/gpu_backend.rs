@@ -1154,3 +1154,50 @@ fn pinned_host_memory_round_trips() {
     assert_eq!(got[..12_345], vals[..12_345]);
     assert_eq!(got[12_346..], vals[12_346..]);
 }
+
+/// The deferred optimizer's upload: f32 values rounded to bf16 on the host
+/// into pinned memory and copied into a device tensor after a compute
+/// point equal the device's own cast of the same values (both round to
+/// nearest even), ties and extremes included.
+#[test]
+fn host_rounded_bf16_uploads_equal_the_device_cast() {
+    let Some(g) = gpu() else {
+        return;
+    };
+    let mut rng = Rng::new("bf16-upload");
+    let mut vals = rng.vec(1 << 20, 3.0);
+    // halfway between two bf16 values (both directions of the tie), the
+    // largest finite f32, a subnormal, signed zeros, infinities
+    let special = [
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::from_bits(0xbf80_8000),
+        f32::MAX,
+        1e-40,
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+    ];
+    vals[..special.len()].copy_from_slice(&special);
+    let n = vals.len();
+    let wide = g
+        .from_host(&vals, &[n], DType::F32, Category::Workspace)
+        .unwrap();
+    let device_cast = upipe::backend::cast(g, &wide, DType::BF16, Category::Workspace).unwrap();
+    let point = g.compute_point().unwrap();
+    let mut host = g.empty(&[n], DType::BF16, Category::Offload).unwrap();
+    for (d, &x) in g.host_bf16_mut(&mut host).unwrap().iter_mut().zip(&vals) {
+        *d = half::bf16::from_f32(x).to_bits();
+    }
+    let mut dst = g.zeros(&[n], DType::BF16, Category::Workspace).unwrap();
+    let done = g.copy_start_from(&mut dst, &host, &point).unwrap();
+    g.copy_order(&done).unwrap();
+    g.copy_finish(done).unwrap();
+    let (got, want) = (g.to_host(&dst).unwrap(), g.to_host(&device_cast).unwrap());
+    let same = got
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "host and device rounding differ");
+}
