@@ -486,10 +486,9 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     check_mesh(&a, gpus)?;
     let host = match a.host_mem {
         // the pinned pool's slack is left out, as `train` leaves it out
-        Some(h) => Some(
-            (gib(h, "--host-mem")? / gpus.min(a.gpus_per_node))
-                .saturating_sub(crate::backend::memory::PINNED_SLACK),
-        ),
+        Some(h) => Some(crate::plan::preflight::planned_host(
+            gib(h, "--host-mem")? / gpus.min(a.gpus_per_node),
+        )),
         None => None,
     };
     let budget = Budget {

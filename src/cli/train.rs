@@ -307,7 +307,7 @@ impl Built {
         let kind = crate::plan::DeviceKind::of_run(self.on_gpu(), self.kernel);
         let room = self.budget.map(|b| kind.ledger_budget(b));
         let host = if self.on_gpu() {
-            preflight::host_per_rank(self, host_mem)?.map(preflight::planned_host)
+            preflight::host_per_rank(self, host_mem)?.map(crate::plan::preflight::planned_host)
         } else {
             None
         };

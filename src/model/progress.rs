@@ -2,9 +2,8 @@
 //! at most every few seconds, which block the step has reached and an
 //! estimate of the step's time, so a user at 1M tokens sees it working.
 
-use super::store::{HeadView, ParamStore, Unit};
-use super::weights::BlockWeights;
-use crate::backend::{Backend, Tensor};
+use super::store::{ParamStore, Unit};
+use crate::backend::Backend;
 use crate::error::Result;
 use std::time::{Duration, Instant};
 
@@ -74,33 +73,7 @@ impl<B: Backend, S: ParamStore<B> + ?Sized> ParamStore<B> for Progress<'_, S> {
         self.tick(unit);
         self.inner.acquire(b, unit)
     }
-    fn release(&mut self, unit: Unit) -> Result<()> {
-        self.inner.release(unit)
-    }
-    fn embed(&self) -> Result<&Tensor<B>> {
-        self.inner.embed()
-    }
-    fn block(&self, l: usize) -> Result<&BlockWeights<B>> {
-        self.inner.block(l)
-    }
-    fn final_norm(&self) -> Result<&Tensor<B>> {
-        self.inner.final_norm()
-    }
-    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)> {
-        self.inner.block_grads(b, l)
-    }
-    fn head_grads(&mut self, b: &B) -> Result<HeadView<'_, B>> {
-        self.inner.head_grads(b)
-    }
-    fn embed_grads(&mut self, b: &B) -> Result<&mut Tensor<B>> {
-        self.inner.embed_grads(b)
-    }
-    fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()> {
-        self.inner.grads_done(b, unit)
-    }
-    fn finish(&mut self, b: &B) -> Result<()> {
-        self.inner.finish(b)
-    }
+    super::store::delegate_param_store!(inner);
 }
 
 #[cfg(test)]

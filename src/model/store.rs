@@ -97,6 +97,49 @@ pub trait ParamStore<B: Backend> {
     fn finish(&mut self, b: &B) -> Result<()>;
 }
 
+/// The [`ParamStore`] methods other than `acquire`, each passed on to the
+/// wrapped store in field `$inner`: for wrappers that only add work before
+/// a unit is acquired (`model::progress`, `train::settling`).
+macro_rules! delegate_param_store {
+    ($inner:ident) => {
+        fn release(&mut self, unit: $crate::model::Unit) -> $crate::error::Result<()> {
+            self.$inner.release(unit)
+        }
+        fn embed(&self) -> $crate::error::Result<&$crate::backend::Tensor<B>> {
+            self.$inner.embed()
+        }
+        fn block(&self, l: usize) -> $crate::error::Result<&$crate::model::BlockWeights<B>> {
+            self.$inner.block(l)
+        }
+        fn final_norm(&self) -> $crate::error::Result<&$crate::backend::Tensor<B>> {
+            self.$inner.final_norm()
+        }
+        fn block_grads(
+            &mut self,
+            b: &B,
+            l: usize,
+        ) -> $crate::error::Result<(
+            &$crate::model::BlockWeights<B>,
+            &mut $crate::model::BlockWeights<B>,
+        )> {
+            self.$inner.block_grads(b, l)
+        }
+        fn head_grads(&mut self, b: &B) -> $crate::error::Result<$crate::model::HeadView<'_, B>> {
+            self.$inner.head_grads(b)
+        }
+        fn embed_grads(&mut self, b: &B) -> $crate::error::Result<&mut $crate::backend::Tensor<B>> {
+            self.$inner.embed_grads(b)
+        }
+        fn grads_done(&mut self, b: &B, unit: $crate::model::Unit) -> $crate::error::Result<()> {
+            self.$inner.grads_done(b, unit)
+        }
+        fn finish(&mut self, b: &B) -> $crate::error::Result<()> {
+            self.$inner.finish(b)
+        }
+    };
+}
+pub(crate) use delegate_param_store;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -84,6 +84,13 @@ const CHANGES: [Change; 9] = [
     },
 ];
 
+/// Of a rank's pinned host budget, the bytes its planned host tensors may
+/// fill: the pinned pool's slack (`backend::memory::PINNED_SLACK`) is left
+/// out, as the GPU's reserve is left out of its memory.
+pub fn planned_host(pinned_budget: usize) -> usize {
+    pinned_budget.saturating_sub(crate::backend::memory::PINNED_SLACK)
+}
+
 /// `Err` naming the breakdown and a fix when `pred` (of `spec`) does not fit `mem`.
 pub fn check(spec: &StepSpec, pred: &Prediction, mem: RankMemory) -> Result<()> {
     let over_device = pred.peak > mem.device;

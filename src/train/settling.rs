@@ -16,9 +16,9 @@
 //! writes gradients (the forward acquires every unit), before a checkpoint
 //! is written and when training ends.
 
-use crate::backend::{Backend, Tensor};
+use crate::backend::Backend;
 use crate::error::Result;
-use crate::model::{BlockWeights, HeadView, ParamStore, Unit};
+use crate::model::{ParamStore, Unit};
 
 /// An optimizer whose step's host updates may still be pending for `S`.
 pub trait Deferred<B: Backend, S> {
@@ -78,33 +78,7 @@ impl<B: Backend, S: ParamStore<B>, O: Deferred<B, S>> ParamStore<B> for Settling
         self.optimizer.settle_through(b, self.store, through)?;
         self.store.acquire(b, unit)
     }
-    fn release(&mut self, unit: Unit) -> Result<()> {
-        self.store.release(unit)
-    }
-    fn embed(&self) -> Result<&Tensor<B>> {
-        self.store.embed()
-    }
-    fn block(&self, l: usize) -> Result<&BlockWeights<B>> {
-        self.store.block(l)
-    }
-    fn final_norm(&self) -> Result<&Tensor<B>> {
-        self.store.final_norm()
-    }
-    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)> {
-        self.store.block_grads(b, l)
-    }
-    fn head_grads(&mut self, b: &B) -> Result<HeadView<'_, B>> {
-        self.store.head_grads(b)
-    }
-    fn embed_grads(&mut self, b: &B) -> Result<&mut Tensor<B>> {
-        self.store.embed_grads(b)
-    }
-    fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()> {
-        self.store.grads_done(b, unit)
-    }
-    fn finish(&mut self, b: &B) -> Result<()> {
-        self.store.finish(b)
-    }
+    crate::model::store::delegate_param_store!(store);
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use crate::cli::metrics::{MetricsFile, RunFacts};
 use crate::error::{Error, Result};
 use crate::model::flops::train_flops_per_token;
 use crate::plan::Prediction;
-use crate::plan::preflight::RankMemory;
+use crate::plan::preflight::{RankMemory, planned_host};
 
 /// Every check, in order; the run's per-step output on success.
 pub(super) fn preflight(
@@ -56,11 +56,6 @@ pub(super) fn rank_memory(
         device: device.saturating_sub((1 << 30) / world.div_ceil(gpus)),
         host: host.map(planned_host),
     }))
-}
-
-/// Of a rank's pinned budget, the bytes its planned host tensors may fill.
-pub(super) fn planned_host(pinned_budget: usize) -> usize {
-    pinned_budget.saturating_sub(crate::backend::memory::PINNED_SLACK)
 }
 
 /// `predicted` as it is held against [`rank_memory`]: on the CPU the
