@@ -7,7 +7,7 @@
 #   bash DIR/gpu-1x.sh [PARTS]      # on the GPU machine, from the repository root
 #
 # PARTS (default "tests offload"): tests = gpu_backend, gpu_plan, gpu_fsdp, gpu_offload,
-# gpu_eval, gpu_layer; offload = `train --checkpoint` against
+# gpu_eval, gpu_layer (TESTS: a space-separated subset); offload = `train --checkpoint` against
 # `--checkpoint --offload` at SEQS (default "131072 262144"), STEPS (2) each,
 # printing step 2's tokens/s, GPU peak and host peak; eval = scripts/gpu-eval-long.sh;
 # optim = the tiny model with the optimizer on the host and on the GPU; rehearse =
@@ -15,7 +15,9 @@
 # "model seq flags", the mesh among the flags); profile = Llama 3.2 1B at PROFILE_SEQ
 # (131072) with PROFILE_FLAGS (--checkpoint) and --trace; 8b = Llama3-8B (random init)
 # at SEQ8B (65536) with --offload-optimizer --offload auto --checkpoint --tiled-mlp and
-# --lr LR8B (1e-4), STEPS8B (3) steps, under each line of ATTNS8B (UPipe on one GPU, local).
+# --lr LR8B (1e-4) and EXTRA8B (more flags, e.g. --host-mem 112), STEPS8B (3) steps, under
+# each line of ATTNS8B (UPipe on one GPU, local). MEMLOG=1 samples the cgroup's and upipe's
+# host memory every 5 s into memory.log.
 set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-1x.sh build DIR}"
@@ -60,9 +62,23 @@ parts="${1:-tests offload}"
 "$bin/upipe" info 2>&1 | grep -iE "cudnn|nccl|driver|cuda" | head -8
 declare -a table
 status=0
+if [ -n "${MEMLOG:-}" ]; then
+    # the container's limit and use beside upipe's resident and pinned memory
+    cg=/sys/fs/cgroup
+    { echo "memory.max $(cat $cg/memory.max 2>/dev/null || cat $cg/memory/memory.limit_in_bytes 2>/dev/null)"
+      grep -E "MemTotal|MemAvailable" /proc/meminfo; } | tee "$out/memory.log"
+    ( while sleep 5; do
+        p=$(pgrep -x upipe | head -1)
+        echo "$(date +%T) cgroup $(cat $cg/memory.current 2>/dev/null || cat $cg/memory/memory.usage_in_bytes 2>/dev/null)" \
+            "$( [ -n "$p" ] && grep -E "VmRSS|VmPin|VmLck" /proc/$p/status | tr -s ' \n' ' ')"
+    done >> "$out/memory.log" 2>&1 ) &
+    memlog=$!
+    trap 'kill $memlog 2>/dev/null; pack' EXIT
+fi
 if [[ " $parts " == *" tests "* ]]; then
     for t in "$bin"/test-*; do
         name="$(basename "$t")"
+        [ -n "${TESTS:-}" ] && [[ " $TESTS " != *" ${name#test-} "* ]] && continue
         log="$out/$name.log"
         s=$(date +%s)
         "$t" --test-threads=1 --nocapture > "$log" 2>&1
@@ -143,7 +159,7 @@ if [[ " $parts " == *" 8b "* ]]; then
         s=$(date +%s)
         "$bin/upipe" train --model llama3-8b --data "$data" --seq "${SEQ8B:-65536}" --steps "${STEPS8B:-3}" \
             --warmup 1 --lr "${LR8B:-1e-4}" --attn "${at[@]}" --checkpoint --tiled-mlp --offload auto --offload-optimizer \
-            --profile --json > "$log" 2>&1
+            ${EXTRA8B:-} --profile --json > "$log" 2>&1
         rc=$?
         [ "$rc" -ne 0 ] && { status=1; grep -aiE "error|panick" "$log" | head -5; }
         grep -aE "offload auto|save-attention" "$log" | head -2

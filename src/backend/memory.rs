@@ -65,6 +65,22 @@ impl Category {
 /// left out of its memory.
 pub const PINNED_SLACK: usize = 128 << 20;
 
+/// The pinned-host budget of a run given no `--host-mem`: the host's
+/// available memory less a tenth of it (at least 8 GiB, at most 32 GiB) for
+/// the OS, the driver and the process's own unpinned memory. Pinned pages
+/// cannot be swapped or reclaimed, so a pool that pins nearly all of
+/// `MemAvailable` gets the process killed: on a host of 125.8 GiB (125.4
+/// available) a run pinning 119.8 GiB was killed, one pinning 111.2 GiB
+/// ran (docs/memory.md).
+pub fn default_pinned_budget(available: usize) -> usize {
+    available.saturating_sub(host_reserve(available))
+}
+
+/// What [`default_pinned_budget`] keeps back of `available` host bytes.
+pub fn host_reserve(available: usize) -> usize {
+    (available / 10).clamp(8 << 30, 32 << 30)
+}
+
 const N: usize = Category::ALL.len();
 
 #[derive(Debug, Clone, Default)]
@@ -218,6 +234,25 @@ impl fmt::Display for Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_pinned_budget_keeps_a_bounded_share_back() {
+        const GIB: usize = 1 << 30;
+        // a 128 GiB host: a tenth, 12.5 GiB, is kept
+        let avail = 125 * GIB + GIB / 2;
+        assert_eq!(default_pinned_budget(avail), avail - avail / 10);
+        // small hosts keep 8 GiB, or everything below it
+        assert_eq!(default_pinned_budget(40 * GIB), 32 * GIB);
+        assert_eq!(default_pinned_budget(6 * GIB), 0);
+        // large hosts keep 32 GiB
+        assert_eq!(default_pinned_budget(2048 * GIB), 2016 * GIB);
+        for a in (0..4096).map(|k| k * GIB / 3) {
+            let r = host_reserve(a);
+            assert!((8 * GIB..=32 * GIB).contains(&r));
+            assert!(default_pinned_budget(a) + r >= a);
+            assert!(default_pinned_budget(a) <= a);
+        }
+    }
 
     #[test]
     fn peak_tracks_high_water_and_categories_at_peak() {

@@ -105,8 +105,10 @@ pub struct TrainArgs {
     /// gradients are all-reduced across replicas after the reduce-scatter.
     #[arg(long, default_value_t = 1)]
     pub fsdp_replicate: usize,
-    /// Host memory for offloaded tensors, GiB per node (default: the host's
-    /// available memory, read at start); shared by the node's ranks.
+    /// Pinned host memory for offloaded tensors, GiB per node, shared by the
+    /// node's ranks (default: the host's available memory at start less a
+    /// tenth, 8 to 32 GiB, kept for the system: pinned pages cannot be
+    /// reclaimed).
     #[arg(long)]
     pub host_mem: Option<f64>,
     /// Sequences per optimizer step (per data replica): gradients

@@ -7,6 +7,7 @@
 
 use super::progress::Progress;
 use super::{Built, TrainArgs, host_available_bytes};
+use crate::backend::memory::{default_pinned_budget, host_reserve};
 use crate::cli::metrics::{MetricsFile, RunFacts};
 use crate::error::{Error, Result};
 use crate::model::flops::train_flops_per_token;
@@ -50,6 +51,9 @@ pub(super) fn rank_memory(
         return Ok(Some(RankMemory { device, host: None }));
     }
     run.cfg.host_budget = host;
+    if run.lead {
+        log_host_budget(host, host_mem_gib);
+    }
     // the CUDA context, cuBLAS and cuDNN handles lie outside the ledger, the
     // pinned pool's slack outside the host's tensors
     Ok(Some(RankMemory {
@@ -69,7 +73,8 @@ pub(super) fn held(run: &Built, predicted: &Prediction) -> Prediction {
 }
 
 /// Host memory each rank of a GPU run may pin: `--host-mem` (GiB per node)
-/// or the host's available memory, shared by the node's ranks.
+/// or the host's available memory less what the system keeps
+/// ([`default_pinned_budget`]), shared by the node's ranks.
 pub(super) fn host_per_rank(run: &Built, host_mem_gib: Option<f64>) -> Result<Option<usize>> {
     let per_node = run.shape.world_size().min(run.gpus.max(1));
     match host_mem_gib {
@@ -77,7 +82,33 @@ pub(super) fn host_per_rank(run: &Built, host_mem_gib: Option<f64>) -> Result<Op
             Ok(Some((g * (1u64 << 30) as f64) as usize / per_node))
         }
         Some(g) => crate::config_err!("--host-mem {g}: give GiB per node, more than 0"),
-        None => Ok(host_available_bytes().map(|b| b / per_node)),
+        None => Ok(host_available_bytes().map(|b| default_pinned_budget(b) / per_node)),
+    }
+}
+
+/// Says where the pinned-host budget of a GPU run came from.
+fn log_host_budget(per_rank: Option<usize>, host_mem_gib: Option<f64>) {
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    match (per_rank, host_mem_gib) {
+        (Some(b), Some(g)) => {
+            tracing::info!(
+                "pinned host budget: {:.2} GiB per rank (--host-mem {g})",
+                gib(b)
+            )
+        }
+        (Some(b), None) => {
+            let avail = host_available_bytes().unwrap_or(0);
+            tracing::info!(
+                "pinned host budget: {:.2} GiB per rank (MemAvailable {:.2} GiB at start, less {:.2} GiB \
+                 kept for the system and unpinned memory; --host-mem sets it)",
+                gib(b),
+                gib(avail),
+                gib(host_reserve(avail))
+            )
+        }
+        (None, _) => tracing::info!(
+            "pinned host budget: unknown (no /proc/meminfo); give --host-mem to plan host memory"
+        ),
     }
 }
 
