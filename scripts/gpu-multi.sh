@@ -47,23 +47,7 @@ set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-multi.sh build DIR}"
     set -e
-    mkdir -p "$dest/bin"
-    rm -f "$dest"/bin/*
-    cargo test --release --no-run --test gpu_train --test gpu_nccl --test gpu_fsdp --message-format=json 2>/dev/null |
-        python3 -c '
-import json, sys
-want = {"gpu_train", "gpu_nccl", "gpu_fsdp"}
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
-        print(m["target"]["name"] + "\t" + m["executable"])
-' | while IFS=$'\t' read -r name exe; do cp "$exe" "$dest/bin/test-$name"; done
-    cargo build --release --bin upipe
-    cp target/release/upipe "$dest/bin/upipe"
-    strip "$dest"/bin/* || true
+    bash "$(dirname "$0")/bundle.sh" "$dest" gpu_train gpu_nccl gpu_fsdp
     cp "$0" "$dest/"
     du -sh "$dest"
     exit 0

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds what a GPU script runs on a machine without Rust:
+#
+#   scripts/bundle.sh DIR TEST...   # the release binaries of the integration
+#                                   # tests named (tests/TEST.rs) as DIR/bin/test-TEST,
+#                                   # and `upipe` as DIR/bin/upipe, stripped
+#
+# Test binaries are located from cargo's JSON messages (`--message-format=json`).
+set -eu
+dest="${1:?usage: bundle.sh DIR TEST...}"
+shift
+mkdir -p "$dest/bin"
+rm -f "$dest"/bin/*
+args=()
+for t in "$@"; do args+=(--test "$t"); done
+cargo test --release --no-run "${args[@]}" --message-format=json 2>/dev/null |
+    WANT="$*" python3 -c '
+import json, os, sys
+want = set(os.environ["WANT"].split())
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
+        print(m["target"]["name"] + "\t" + m["executable"])
+' | while IFS=$'\t' read -r name exe; do cp "$exe" "$dest/bin/test-$name"; done
+for t in "$@"; do
+    [ -x "$dest/bin/test-$t" ] || { echo "bundle.sh: no test binary for $t" >&2; exit 1; }
+done
+cargo build --release --bin upipe
+cp target/release/upipe "$dest/bin/upipe"
+strip "$dest"/bin/* || true
