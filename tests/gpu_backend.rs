@@ -313,8 +313,10 @@ fn rms_norm_rope_swiglu() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut rng = Rng::new("norm");
-    // Shapes: one block per row; rows > blocks (row striding); dim too big for shared dw.
-    for (n, dim) in [(19, 1000), (3000, 512), (5, 12000)] {
+    // Shapes: one block per row; rows > blocks (row striding); dim too big for
+    // shared dw; a dim that is no multiple of 8 (element by element, the others
+    // move 8 bf16 per load).
+    for (n, dim) in [(19, 1000), (3000, 512), (5, 12000), (7, 1001)] {
         let tag = format!("n={n} dim={dim}");
         let (gx, cx) = pair(g, &c, &rng.vec(n * dim, 3.0), &[n, dim], DType::BF16);
         let (gw, cw) = pair(g, &c, &rng.vec(dim, 1.0), &[dim], DType::BF16);
@@ -353,20 +355,22 @@ fn rms_norm_rope_swiglu() {
         check(&format!("rope inverse={inverse}"), g, &gq, &c, &cq);
     }
 
-    let m = 5000;
-    let (gg, cg) = pair(g, &c, &rng.vec(m, 4.0), &[m], DType::BF16);
-    let (gu, cu) = pair(g, &c, &rng.vec(m, 2.0), &[m], DType::BF16);
-    let (mut go, mut co) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
-    g.swiglu_fwd(&gg, &gu, &mut go).unwrap();
-    c.swiglu_fwd(&cg, &cu, &mut co).unwrap();
-    check("swiglu_fwd", g, &go, &c, &co);
-    let (gd, cd) = pair(g, &c, &rng.vec(m, 1.0), &[m], DType::BF16);
-    let (mut gdg, mut cdg) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
-    let (mut gdu, mut cdu) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
-    g.swiglu_bwd(&gg, &gu, &gd, &mut gdg, &mut gdu).unwrap();
-    c.swiglu_bwd(&cg, &cu, &cd, &mut cdg, &mut cdu).unwrap();
-    check("swiglu_bwd dgate", g, &gdg, &c, &cdg);
-    check("swiglu_bwd dup", g, &gdu, &c, &cdu);
+    // 5000: 8 bf16 per load; 5001: element by element
+    for m in [5000, 5001] {
+        let (gg, cg) = pair(g, &c, &rng.vec(m, 4.0), &[m], DType::BF16);
+        let (gu, cu) = pair(g, &c, &rng.vec(m, 2.0), &[m], DType::BF16);
+        let (mut go, mut co) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
+        g.swiglu_fwd(&gg, &gu, &mut go).unwrap();
+        c.swiglu_fwd(&cg, &cu, &mut co).unwrap();
+        check(&format!("swiglu_fwd {m}"), g, &go, &c, &co);
+        let (gd, cd) = pair(g, &c, &rng.vec(m, 1.0), &[m], DType::BF16);
+        let (mut gdg, mut cdg) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
+        let (mut gdu, mut cdu) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
+        g.swiglu_bwd(&gg, &gu, &gd, &mut gdg, &mut gdu).unwrap();
+        c.swiglu_bwd(&cg, &cu, &cd, &mut cdg, &mut cdu).unwrap();
+        check(&format!("swiglu_bwd dgate {m}"), g, &gdg, &c, &cdg);
+        check(&format!("swiglu_bwd dup {m}"), g, &gdu, &c, &cdu);
+    }
 }
 
 #[test]

@@ -229,6 +229,14 @@ fn ptr_at(t: &Tensor<CudaBackend>, elem: usize) -> u64 {
     ptr(t) + (elem * t.dtype().size()) as u64
 }
 
+/// Whether an elementwise kernel over `ts` may move 8 elements per load and
+/// store: every tensor bf16 and 16-byte aligned, the count a multiple of 8.
+fn vec8(ts: &[&Tensor<CudaBackend>]) -> bool {
+    ts.iter().all(|t| {
+        t.dtype() == DType::BF16 && t.numel().is_multiple_of(8) && ptr(t).is_multiple_of(16)
+    })
+}
+
 fn dt(t: &Tensor<CudaBackend>) -> i32 {
     dt_flag(t.dtype())
 }
@@ -1245,7 +1253,8 @@ impl Backend for CudaBackend {
             .i32(dt(y))
             .usize(rows)
             .usize(dim)
-            .f32(eps);
+            .f32(eps)
+            .i32(vec8(&[x, w, y]) as i32);
         launch(
             &self.stream,
             self.kernels.rmsnorm_fwd,
@@ -1297,7 +1306,7 @@ impl Backend for CudaBackend {
             .f32(eps);
         // dw is summed per block in shared memory when it fits the default 48 KiB.
         let smem_dw = dim * 4 <= 40 << 10;
-        let args = args.i32(smem_dw as i32);
+        let args = args.i32(smem_dw as i32).i32(vec8(&[x, w, dy, dx]) as i32);
         let blocks = rows.min(RMS_BWD_MAX_BLOCKS) as u32;
         let smem = if smem_dw { (dim * 4) as u32 } else { 0 };
         launch(
@@ -1684,7 +1693,9 @@ impl Backend for CudaBackend {
             .ptr(ptr(out))
             .i32(dt(out))
             .usize(gate.numel());
-        self.launch1d(self.kernels.swiglu_fwd, gate.numel(), args)
+        let vec = vec8(&[gate, up, out]);
+        let threads = if vec { gate.numel() / 8 } else { gate.numel() };
+        self.launch1d(self.kernels.swiglu_fwd, threads, args.i32(vec as i32))
     }
 
     fn swiglu_bwd(
@@ -1713,7 +1724,9 @@ impl Backend for CudaBackend {
             .ptr(ptr(dup))
             .i32(dt(dup))
             .usize(gate.numel());
-        self.launch1d(self.kernels.swiglu_bwd, gate.numel(), args)
+        let vec = vec8(&[gate, up, dout, dgate, dup]);
+        let threads = if vec { gate.numel() / 8 } else { gate.numel() };
+        self.launch1d(self.kernels.swiglu_bwd, threads, args.i32(vec as i32))
     }
 
     fn embedding_fwd(

@@ -27,6 +27,21 @@ __device__ __forceinline__ void st(void* p, i64 i, int dt, float v) {
     else ((bf16_t*)p)[i] = f2bf(v);
 }
 
+// The 8 floats of 8 bf16 packed in a uint4 (element 0 in the low half of x).
+__device__ __forceinline__ void unpack8(uint4 q, float* f) {
+    unsigned w[4] = {q.x, q.y, q.z, q.w};
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    unsigned w[4];
+    for (int i = 0; i < 4; i++) w[i] = (unsigned)f2bf(f[2 * i]) | ((unsigned)f2bf(f[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -26,21 +26,6 @@ __device__ __forceinline__ void online_add8(const float* f, float& m, float& s) 
     for (int i = 0; i < 8; i++) s += expf(f[i] - m);
 }
 
-// The 8 floats of 8 bf16 packed in a uint4 (element 0 in the low half of x).
-__device__ __forceinline__ void unpack8(uint4 q, float* f) {
-    unsigned w[4] = {q.x, q.y, q.z, q.w};
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ uint4 pack8(const float* f) {
-    unsigned w[4];
-    for (int i = 0; i < 4; i++) w[i] = (unsigned)f2bf(f[2 * i]) | ((unsigned)f2bf(f[2 * i + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 // The row's log-sum-exp from each thread's running (m, s).
 __device__ float block_lse(float m, float s, float* sh) {
     float mx = block_max(m, sh);

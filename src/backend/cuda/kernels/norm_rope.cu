@@ -1,11 +1,35 @@
 // RMSNorm forward/backward (one block per row) and rotary embedding.
 
+// With `vec8` (x, w and y bf16, 16-byte aligned, dim a multiple of 8) each
+// thread moves 8 elements per load and store.
 extern "C" __global__ void rmsnorm_fwd(const void* x, int xdt, const void* w, int wdt, void* y, int ydt,
-                                       i64 rows, i64 dim, float eps) {
+                                       i64 rows, i64 dim, float eps, int vec8) {
     __shared__ float sh[32];
     i64 r = blockIdx.x;
     if (r >= rows) return;
     const i64 base = r * dim;
+    if (vec8) {
+        const uint4* xv = (const uint4*)((const bf16_t*)x + base);
+        const uint4* wv = (const uint4*)w;
+        uint4* yv = (uint4*)((bf16_t*)y + base);
+        const int nv = (int)(dim >> 3);
+        float ss = 0.0f;
+        for (int k = threadIdx.x; k < nv; k += blockDim.x) {
+            float a[8];
+            unpack8(xv[k], a);
+            for (int i = 0; i < 8; i++) ss += a[i] * a[i];
+        }
+        ss = block_sum(ss, sh);
+        float rinv = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int k = threadIdx.x; k < nv; k += blockDim.x) {
+            float a[8], g[8];
+            unpack8(xv[k], a);
+            unpack8(wv[k], g);
+            for (int i = 0; i < 8; i++) a[i] = a[i] * rinv * g[i];
+            yv[k] = pack8(a);
+        }
+        return;
+    }
     float ss = 0.0f;
     for (i64 j = threadIdx.x; j < dim; j += blockDim.x) {
         float a = ld(x, base + j, xdt);
@@ -17,16 +41,67 @@ extern "C" __global__ void rmsnorm_fwd(const void* x, int xdt, const void* w, in
         st(y, base + j, ydt, ld(x, base + j, xdt) * rinv * ld(w, j, wdt));
 }
 
+// One row of rmsnorm_bwd with 8 bf16 per load (x, w, dy, dx bf16, aligned):
+// thread t takes the columns 8k..8k+7 for k = t, t + blockDim, ...
+__device__ void rmsnorm_bwd_row8(const bf16_t* x, const bf16_t* w, const bf16_t* dy, bf16_t* dx, float* dw,
+                                 float* dws, int nv, float dim, float eps, float* sh) {
+    const uint4 *xv = (const uint4*)x, *wv = (const uint4*)w, *dv = (const uint4*)dy;
+    float ss = 0.0f, s = 0.0f;
+    for (int k = threadIdx.x; k < nv; k += blockDim.x) {
+        float a[8], g[8], d[8];
+        unpack8(xv[k], a);
+        unpack8(wv[k], g);
+        unpack8(dv[k], d);
+        for (int i = 0; i < 8; i++) {
+            ss += a[i] * a[i];
+            s += d[i] * g[i] * a[i];
+        }
+    }
+    ss = block_sum(ss, sh);
+    s = block_sum(s, sh);
+    float rinv = 1.0f / sqrtf(ss / dim + eps);
+    float c = rinv * rinv * rinv * s / dim;
+    for (int k = threadIdx.x; k < nv; k += blockDim.x) {
+        float a[8], g[8], d[8], o[8];
+        unpack8(xv[k], a);
+        unpack8(wv[k], g);
+        unpack8(dv[k], d);
+        for (int i = 0; i < 8; i++) {
+            o[i] = rinv * d[i] * g[i] - c * a[i];
+            if (dws) dws[8 * k + i] += d[i] * a[i] * rinv;
+            else atomicAdd(dw + 8 * k + i, d[i] * a[i] * rinv);
+        }
+        ((uint4*)dx)[k] = pack8(o);
+    }
+}
+
 // dx = r*dy*w - (r^3 * sum(dy*w*x) / dim) * x ; dw += dy*x*r.
 // Blocks stride over rows. With `smem_dw`, each block sums its rows' dw in
 // shared memory (dim floats) and adds it to the f32 global dw once per column;
 // otherwise (dim too large for shared memory) it adds per element.
-// Every thread touches the same columns j = tid + k*blockDim in all loops, so
-// the shared accumulator needs no barriers.
+// Every thread touches the same columns in all loops (j = tid + k*blockDim,
+// or with `vec8` the 8 columns from 8*(tid + k*blockDim)), so the shared
+// accumulator needs no barriers.
 extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, int wdt, const void* dy, int dydt,
-                                       void* dx, int dxdt, float* dw, i64 rows, i64 dim, float eps, int smem_dw) {
+                                       void* dx, int dxdt, float* dw, i64 rows, i64 dim, float eps, int smem_dw,
+                                       int vec8) {
     extern __shared__ float dws[];
     __shared__ float sh[32];
+    if (vec8) {
+        const int nv = (int)(dim >> 3);
+        if (smem_dw)
+            for (int k = threadIdx.x; k < nv; k += blockDim.x)
+                for (int i = 0; i < 8; i++) dws[8 * k + i] = 0.0f;
+        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+            const i64 base = r * dim;
+            rmsnorm_bwd_row8((const bf16_t*)x + base, (const bf16_t*)w, (const bf16_t*)dy + base,
+                             (bf16_t*)dx + base, dw, smem_dw ? dws : nullptr, nv, (float)dim, eps, sh);
+        }
+        if (smem_dw)
+            for (int k = threadIdx.x; k < nv; k += blockDim.x)
+                for (int i = 0; i < 8; i++) atomicAdd(dw + 8 * k + i, dws[8 * k + i]);
+        return;
+    }
     if (smem_dw)
         for (i64 j = threadIdx.x; j < dim; j += blockDim.x) dws[j] = 0.0f;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
