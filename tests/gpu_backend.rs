@@ -258,13 +258,15 @@ fn copy_fill_axpy_sum_squares() {
     c.fill(&mut cb, 0.375).unwrap();
     check("fill", g, &gb, &c, &cb);
 
-    let x = rng.vec(4099, 1.0);
-    let (gx, cx) = pair(g, &c, &x, &[4099], DType::BF16);
-    for ydt in [DType::F32, DType::BF16] {
-        let (mut gy, mut cy) = pair(g, &c, &rng.vec(4099, 1.0), &[4099], ydt);
-        g.axpy(&mut gy, -0.75, &gx).unwrap();
-        c.axpy(&mut cy, -0.75, &cx).unwrap();
-        check(&format!("axpy y={ydt:?}"), g, &gy, &c, &cy);
+    // 4099: element by element; 4096 (bf16 both): 8 per load
+    for n in [4099, 4096] {
+        let (gx, cx) = pair(g, &c, &rng.vec(n, 1.0), &[n], DType::BF16);
+        for ydt in [DType::F32, DType::BF16] {
+            let (mut gy, mut cy) = pair(g, &c, &rng.vec(n, 1.0), &[n], ydt);
+            g.axpy(&mut gy, -0.75, &gx).unwrap();
+            c.axpy(&mut cy, -0.75, &cx).unwrap();
+            check(&format!("axpy n={n} y={ydt:?}"), g, &gy, &c, &cy);
+        }
     }
     let big = rng.vec(1 << 20, 1.0);
     let (gbig, cbig) = pair(g, &c, &big, &[1 << 20], DType::BF16);

@@ -759,14 +759,20 @@ impl CudaBackend {
         n: usize,
         alpha: f32,
     ) -> Result<()> {
+        let vec = ydt == DType::BF16
+            && xdt == DType::BF16
+            && n.is_multiple_of(8)
+            && y.is_multiple_of(16)
+            && x.is_multiple_of(16);
         let args = Args::new()
             .ptr(y)
             .i32(dt_flag(ydt))
             .ptr(x)
             .i32(dt_flag(xdt))
             .usize(n)
-            .f32(alpha);
-        self.launch1d(self.kernels.axpy, n, args)
+            .f32(alpha)
+            .i32(vec as i32);
+        self.launch1d(self.kernels.axpy, if vec { n / 8 } else { n }, args)
     }
 
     fn workspace_ptr(&self) -> Result<u64> {

@@ -66,7 +66,18 @@ extern "C" __global__ void fill(void* p, int dt, i64 n, float v) {
     GRID_STRIDE(i, n) { st(p, i, dt, v); }
 }
 
-extern "C" __global__ void axpy(void* y, int ydt, const void* x, int xdt, i64 n, float alpha) {
+// `vec8` as in swiglu_fwd (y and x bf16).
+extern "C" __global__ void axpy(void* y, int ydt, const void* x, int xdt, i64 n, float alpha, int vec8) {
+    if (vec8) {
+        GRID_STRIDE(k, n >> 3) {
+            float a[8], b[8];
+            unpack8(((const uint4*)y)[k], a);
+            unpack8(((const uint4*)x)[k], b);
+            for (int i = 0; i < 8; i++) a[i] = a[i] + alpha * b[i];
+            ((uint4*)y)[k] = pack8(a);
+        }
+        return;
+    }
     GRID_STRIDE(i, n) { st(y, i, ydt, ld(y, i, ydt) + alpha * ld(x, i, xdt)); }
 }
 
