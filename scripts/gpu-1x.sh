@@ -13,7 +13,7 @@
 # optim = the tiny model with the optimizer on the host and on the GPU; rehearse =
 # `--rehearse` around the planner's longest contexts (REHEARSALS: lines of
 # "model seq flags", the mesh among the flags); profile = Llama 3.2 1B at PROFILE_SEQ
-# (131072) with PROFILE_FLAGS (--checkpoint) and --trace; 8b = Llama3-8B (random init)
+# (131072) with PROFILE_FLAGS (--checkpoint when unset; empty: none) and --trace; 8b = Llama3-8B (random init)
 # at SEQ8B (65536) with --offload-optimizer --offload auto --checkpoint --tiled-mlp and
 # --lr LR8B (1e-4) and EXTRA8B (more flags, e.g. --host-mem 112), STEPS8B (3) steps, under
 # each line of ATTNS8B (UPipe on one GPU, local). MEMLOG=1 samples the cgroup's and upipe's
@@ -127,7 +127,7 @@ llama3.2-1b 651264 --attn upipe --ulysses 1 --ring 1 --checkpoint}"
 fi
 if [[ " $parts " == *" profile "* ]]; then
     corpus 262144
-    read -r -a p <<< "${PROFILE_FLAGS:---checkpoint}"
+    read -r -a p <<< "${PROFILE_FLAGS---checkpoint}"
     pseq="${PROFILE_SEQ:-131072}"
     log="$out/profile-1b-$pseq.log"
     "$bin/upipe" train --model llama3.2-1b --data "$data" --seq "$pseq" --steps 3 --warmup 1 \
