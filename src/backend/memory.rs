@@ -238,7 +238,7 @@ mod tests {
     #[test]
     fn the_default_pinned_budget_keeps_a_bounded_share_back() {
         const GIB: usize = 1 << 30;
-        // a 128 GiB host: a tenth, 12.5 GiB, is kept
+        // a 128 GiB host (125.5 GiB available): a tenth, 12.55 GiB, is kept
         let avail = 125 * GIB + GIB / 2;
         assert_eq!(default_pinned_budget(avail), avail - avail / 10);
         // small hosts keep 8 GiB, or everything below it
