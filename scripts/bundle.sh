@@ -4,6 +4,8 @@
 #   scripts/bundle.sh DIR TEST...   # the release binaries of the integration
 #                                   # tests named (tests/TEST.rs) as DIR/bin/test-TEST,
 #                                   # and `upipe` as DIR/bin/upipe, stripped
+#   OLD=COMMIT scripts/bundle.sh ...  # also that commit's `upipe` as DIR/bin/upipe-old
+#                                   # (built in a worktree), for A/B runs
 #
 # Test binaries are located from cargo's JSON messages (`--message-format=json`).
 set -eu
@@ -30,4 +32,12 @@ for t in "$@"; do
 done
 cargo build --release --bin upipe
 cp target/release/upipe "$dest/bin/upipe"
+if [ -n "${OLD:-}" ]; then
+    tree="${TMPDIR:-/tmp}/upipe-old-src"
+    git worktree remove --force "$tree" 2>/dev/null || rm -rf "$tree"
+    git worktree add --detach "$tree" "$OLD"
+    (cd "$tree" && cargo build --release --bin upipe)
+    cp "$tree/target/release/upipe" "$dest/bin/upipe-old"
+    git worktree remove --force "$tree"
+fi
 strip "$dest"/bin/* || true

@@ -17,10 +17,10 @@
 # at SEQ8B (65536) with --offload-optimizer --offload auto --checkpoint --tiled-mlp and
 # --lr LR8B (1e-4) and EXTRA8B (more flags, e.g. --host-mem 112), STEPS8B (3) steps, under
 # each line of ATTNS8B (UPipe on one GPU, local). MEMLOG=1 samples the cgroup's and upipe's
-# host memory every 5 s into memory.log.
+# host memory every 5 s into memory.log; ab = an old build against this one (below).
 set -u
 if [ "${1:-}" = build ]; then
-    dest="${2:?usage: gpu-1x.sh build DIR}"
+    dest="${2:?usage: gpu-1x.sh build DIR}"   # OLD=COMMIT adds bin/upipe-old
     set -e
     bash "$(dirname "$0")/bundle.sh" "$dest" gpu_backend gpu_plan gpu_fsdp gpu_eval gpu_layer gpu_offload
     cp "$0" scripts/gpu-eval-long.sh "$dest/"
@@ -156,6 +156,29 @@ if [[ " $parts " == *" 8b "* ]]; then
             "$(field "$last" offload_host | gb)" "$losses")"
     done <<< "${ATTNS8B:-upipe --ulysses 1 --ring 1
 local}"
+fi
+if [[ " $parts " == *" ab "* ]]; then
+    # an old build (bin/upipe-old: OLD=COMMIT at build) against this one, the same
+    # training run in A B B A order, AB_REPS pairs: Llama 3.2 1B at AB_SEQ (32768)
+    # with AB_FLAGS (none), AB_STEPS (3) steps, the last step's tok/s
+    if [ ! -x "$bin/upipe-old" ]; then
+        row "SKIP ab: no $bin/upipe-old (build with OLD=COMMIT)"
+    else
+        corpus $(( ${AB_SEQ:-32768} * 2 + 8192 ))
+        read -r -a p <<< "${AB_FLAGS:-}"
+        for r in $(seq "${AB_REPS:-2}"); do
+            order="upipe-old upipe"; [ $((r % 2)) = 0 ] && order="upipe upipe-old"
+            for b in $order; do
+                log="$out/ab-$b-$r.log"
+                "$bin/$b" train --model llama3.2-1b --data "$data" --seq "${AB_SEQ:-32768}" \
+                    --steps "${AB_STEPS:-3}" --warmup 1 "${p[@]}" --profile --json > "$log" 2>&1 || status=1
+                last=$(grep -a '"step"' "$log" | tail -1)
+                row "$(printf 'ab %-9s round %s seq %s %8.0f tok/s  loss %s  peak %s GB' "$b" "$r" "${AB_SEQ:-32768}" \
+                    "$(field "$last" tokens_per_s)" "$(field "$last" loss)" "$(field "$last" peak_bytes | gb)")"
+                grep -aE "^(gemm|attn|elementwise|loss|copy|idle) " "$log" | tail -6 | tr -s ' ' | tr '\n' ';'; echo
+            done
+        done
+    fi
 fi
 if [[ " $parts " == *" eval "* ]]; then
     bash "$here/gpu-eval-long.sh" 2>&1 | tail -8
