@@ -219,6 +219,63 @@ fn upipe_forward_in_wider_stages_trains_the_same() {
     );
 }
 
+/// `--chunk-heads auto` takes the widest stages that fit (all 4 heads of the
+/// tiny model, on a CPU's memory) and trains exactly as that U given; the
+/// commands that cannot choose refuse it, naming `train`.
+#[test]
+fn chunk_heads_auto_takes_the_widest_stages_that_fit() {
+    let run = |chunk: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+            .args([
+                "train",
+                "--attn",
+                "upipe",
+                "--ulysses",
+                "2",
+                "--ring",
+                "1",
+                "--chunk-heads",
+                chunk,
+                "--steps",
+                "2",
+                "--json",
+                "--device",
+                "cpu",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        (
+            losses(&stdout),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (auto, log) = run("auto");
+    assert!(
+        log.contains("--chunk-heads auto: stages of 4 of 4 heads"),
+        "{log}"
+    );
+    let (four, _) = run("4");
+    assert_eq!(auto, four, "same U, same arithmetic");
+    let (two, _) = run("2");
+    assert_eq!(two.len(), 2);
+    let err = upipe_error(&[
+        "plan",
+        "--attn",
+        "upipe",
+        "--gpus",
+        "2",
+        "--chunk-heads",
+        "auto",
+    ]);
+    assert!(err.contains("chosen by `upipe train`"), "{err}");
+}
+
 /// `--fsdp on` trains the default model sharded with the same losses as
 /// `--fsdp off`; one rank has nothing to shard (said on stderr); a replica
 /// count that does not divide the mesh is refused naming the choices.

@@ -53,9 +53,9 @@ pub struct AttnArgs {
     /// Ring degree Pr.
     #[arg(long, default_value_t = 1)]
     pub ring: usize,
-    /// UPipe heads per stage U (default: Pu).
+    /// UPipe heads per stage U (default: Pu; `auto` only on `train`).
     #[arg(long)]
-    pub chunk_heads: Option<usize>,
+    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
     /// Per-head RMSNorm of q and k (Qwen3).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
@@ -229,7 +229,7 @@ fn cpu_outcomes(
     let mut outcomes = Vec::new();
     for &m in methods {
         let chunk = if m == Strategy::Upipe {
-            a.chunk_heads
+            crate::cli::schedule::ChunkHeads::fixed(a.chunk_heads, "bench attn")?
         } else {
             None
         };

@@ -13,7 +13,7 @@
 //! sections.
 
 use crate::attention::Settle;
-use crate::cli::schedule::FwdChunk;
+use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::error::{Error, Result};
 use crate::plan::{OffloadBlocks, SaveAttention};
 use clap::ArgMatches;
@@ -66,7 +66,7 @@ pub struct ParallelKeys {
     pub data_parallel: Option<usize>,
     pub ulysses: Option<usize>,
     pub ring: Option<usize>,
-    pub chunk_heads: Option<usize>,
+    pub chunk_heads: Option<ChunkHeads>,
     pub fwd_chunk_heads: Option<FwdChunk>,
     pub overlap: Option<bool>,
     pub settle_every: Option<Settle>,
@@ -375,7 +375,7 @@ macro_rules! serde_via_text {
     )*};
 }
 
-serde_via_text!(FwdChunk, Settle, SaveAttention, OffloadBlocks);
+serde_via_text!(ChunkHeads, FwdChunk, Settle, SaveAttention, OffloadBlocks);
 
 /// Reads a string or an integer through `T::from_str`.
 struct TextVisitor<T>(std::marker::PhantomData<T>);

@@ -12,6 +12,7 @@ use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
 use crate::cli::metrics::{MetricsFile, StepMetrics, by_category};
+use crate::cli::schedule::ChunkHeads;
 use crate::cli::train::{Device, Launched, MeshChoice, Route, default_mesh, route_for};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
@@ -59,9 +60,9 @@ pub struct EvalArgs {
     /// Data replicas, each evaluating every N-th window (default 1).
     #[arg(long)]
     pub data_parallel: Option<usize>,
-    /// UPipe heads per stage U (default Pu).
+    /// UPipe heads per stage U (default: Pu; `auto` only on `train`).
     #[arg(long)]
-    pub chunk_heads: Option<usize>,
+    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
     /// UPipe heads per forward stage (default U).
     #[arg(long)]
     pub fwd_chunk_heads: Option<usize>,
@@ -144,7 +145,7 @@ fn eval_mesh(
             strategy,
             model,
             seq.next_multiple_of(2 * n),
-            a.chunk_heads,
+            ChunkHeads::start(a.chunk_heads),
             n,
         )
     });
@@ -207,7 +208,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
     let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
     let mut cfg = EvalConfig {
         strategy,
-        chunk_heads: a.chunk_heads,
+        chunk_heads: ChunkHeads::fixed(a.chunk_heads, "eval")?,
         fwd_chunk_heads: a.fwd_chunk_heads,
         seq: a.seq,
         buckets: a.buckets,

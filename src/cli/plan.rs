@@ -5,7 +5,7 @@ use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::memory::MemoryArgs;
-use crate::cli::schedule::ScheduleArgs;
+use crate::cli::schedule::{ChunkHeads, ScheduleArgs};
 use crate::cli::svg::{Area, Bar, Svg, stacked_bars};
 use crate::cli::train::{CPU_DEFAULT_MESH, FsdpMode, MeshFlags, resolve_mesh};
 use crate::error::{Error, Result};
@@ -67,9 +67,9 @@ pub struct PlanArgs {
     /// Ring degree Pr (default: 1; ring: all GPUs).
     #[arg(long)]
     pub ring: Option<usize>,
-    /// UPipe heads per stage U (default: Pu).
+    /// UPipe heads per stage U (default: Pu; `auto` only on `train`).
     #[arg(long)]
-    pub chunk_heads: Option<usize>,
+    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
     #[command(flatten)]
     pub schedule: ScheduleArgs,
     /// FSDP as `train --fsdp`: auto (on when the model's states take more
@@ -265,7 +265,7 @@ impl Ctx {
         let (gpus, ulysses, ring, replicas) = match self.fitted {
             Some(ranks) => {
                 let flags = MeshFlags::default();
-                let chunk = self.a.chunk_heads;
+                let chunk = ChunkHeads::start(self.a.chunk_heads);
                 let m = resolve_mesh(flags, strategy, &self.model, seq, chunk, ranks);
                 (m.world_size(), Some(m.ulysses), Some(m.ring), m.data)
             }
@@ -282,7 +282,7 @@ impl Ctx {
             gpus / replicas,
             ulysses,
             ring,
-            self.a.chunk_heads,
+            ChunkHeads::fixed(self.a.chunk_heads, "plan")?,
         )?;
         let spec = |plan: &crate::attention::CpPlan, policy: MemoryPolicy| StepSpec {
             model: self.model.clone(),

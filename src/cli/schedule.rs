@@ -47,6 +47,60 @@ impl FwdChunkArgs {
     }
 }
 
+/// `--chunk-heads`: UPipe's heads per (backward) stage U, a number or, on
+/// `train`, `auto`: the widest stages whose predicted peak fits each rank's
+/// memory beside what the run already decided (offload, kept attention).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkHeads {
+    Auto,
+    Heads(usize),
+}
+
+impl fmt::Display for ChunkHeads {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ChunkHeads::Auto => f.write_str("auto"),
+            ChunkHeads::Heads(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl FromStr for ChunkHeads {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(ChunkHeads::Auto),
+            n => n
+                .parse()
+                .map(ChunkHeads::Heads)
+                .map_err(|_| format!("{s}: use auto or a number of heads")),
+        }
+    }
+}
+
+impl ChunkHeads {
+    /// The fixed U of `chunk` for a subcommand that cannot choose one
+    /// (`None`: U = Pu); `auto` is an error naming `train`.
+    pub fn fixed(chunk: Option<ChunkHeads>, command: &str) -> Result<Option<usize>> {
+        match chunk {
+            Some(ChunkHeads::Heads(n)) => Ok(Some(n)),
+            None => Ok(None),
+            Some(ChunkHeads::Auto) => crate::config_err!(
+                "--chunk-heads auto is chosen by `upipe train` from the memory it has; \
+                 `upipe {command}` needs a number (default: the Ulysses degree)"
+            ),
+        }
+    }
+
+    /// The U a run starts from: the number, or for `auto` (and by default) Pu.
+    pub fn start(chunk: Option<ChunkHeads>) -> Option<usize> {
+        match chunk {
+            Some(ChunkHeads::Heads(n)) => Some(n),
+            _ => None,
+        }
+    }
+}
+
 /// `--fwd-chunk-heads`: `auto` or a number of heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FwdChunk {

@@ -42,7 +42,7 @@ pub use route::{
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::cli::config;
-use crate::cli::schedule::FwdChunk;
+use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
 use crate::error::Result;
@@ -129,7 +129,8 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
         ulysses: a.ulysses,
         ring: a.ring,
     };
-    let mesh = resolve_mesh(flags, c.strategy, &c.model, a.seq, a.chunk_heads, ranks);
+    let chunk = ChunkHeads::start(a.chunk_heads);
+    let mesh = resolve_mesh(flags, c.strategy, &c.model, a.seq, chunk, ranks);
     let cfg = train_config(a, c.model, c.strategy, mesh);
     let plan = cfg.plan()?;
     // a number or `all` without --checkpoint fails here, before any launch
@@ -182,7 +183,7 @@ fn train_config(
         strategy,
         ulysses: mesh.ulysses,
         ring: mesh.ring,
-        chunk_heads: a.chunk_heads,
+        chunk_heads: ChunkHeads::start(a.chunk_heads),
         fwd_chunk_heads: match a.fwd.fwd_chunk_heads {
             FwdChunk::Heads(n) => Some(n),
             FwdChunk::Auto => None,
@@ -257,6 +258,7 @@ impl Built {
         self.shard(a.fsdp_replicate)?;
         self.offload(a.memory.offload, a.host_mem)?;
         self.save_attention(a.memory.save_attention)?;
+        self.widen_stages(a.chunk_heads)?;
         self.fit_forward_stages(a.fwd.fwd_chunk_heads)
     }
 
@@ -364,6 +366,47 @@ impl Built {
         crate::plan::predict_step_rank(&self.spec(plan), 0)
     }
 
+    /// Resolves `--chunk-heads auto` (UPipe): the widest backward stages
+    /// whose predicted peak fits each rank's memory beside what the run
+    /// decided before; stays at Pu when none wider fits or the memory is
+    /// unknown.
+    fn widen_stages(&mut self, chunk: Option<ChunkHeads>) -> Result<()> {
+        if chunk != Some(ChunkHeads::Auto) {
+            return Ok(());
+        }
+        if self.plan.strategy != Strategy::Upipe {
+            return crate::config_err!(
+                "--chunk-heads applies to upipe only, not {}",
+                self.plan.strategy
+            );
+        }
+        let kind = crate::plan::DeviceKind::of_run(self.on_gpu(), self.kernel);
+        let Some(room) = self.budget.map(|b| kind.ledger_budget(b)) else {
+            return Ok(());
+        };
+        let (heads, pu) = (self.cfg.model.heads, self.plan.schedule.pu);
+        let mut cfg = self.cfg.clone();
+        let widest = crate::plan::widest_fitting(heads, pu, |u| {
+            cfg.chunk_heads = Some(u);
+            // a width the heads or a fixed --fwd-chunk-heads do not allow is skipped
+            let Ok(plan) = cfg.plan() else {
+                return Ok(None);
+            };
+            Ok((self.predict(&plan)?.peak <= room).then_some(plan))
+        })?;
+        if let Some((u, plan)) = widest {
+            self.cfg.chunk_heads = Some(u);
+            self.plan = plan;
+        }
+        if self.lead {
+            tracing::info!(
+                "--chunk-heads auto: stages of {} of {heads} heads",
+                self.plan.schedule.chunk
+            );
+        }
+        Ok(())
+    }
+
     /// Applies `--fwd-chunk-heads auto` (the widest forward stages at no
     /// extra predicted peak) and returns the run's prediction.
     fn fit_forward_stages(&mut self, fwd: FwdChunk) -> Result<Prediction> {
@@ -379,13 +422,16 @@ impl Built {
 }
 
 /// The run file that repeats this run exactly: the flags as resolved, with
-/// what the run decided for itself (mesh, sharding, forward stages).
+/// what the run decided for itself (mesh, sharding, backward and forward stages).
 fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
     let mut r = a.clone();
     r.data_parallel = Some(run.cfg.data_parallel);
     r.ulysses = Some(run.cfg.ulysses);
     r.ring = Some(run.cfg.ring);
     r.fsdp = if run.cfg.fsdp { "on" } else { "off" }.into();
+    if let Some(u) = run.cfg.chunk_heads {
+        r.chunk_heads = Some(ChunkHeads::Heads(u));
+    }
     if let Some(n) = run.cfg.fwd_chunk_heads {
         r.fwd.fwd_chunk_heads = FwdChunk::Heads(n);
     }

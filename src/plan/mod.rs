@@ -565,6 +565,24 @@ pub fn widest_free_forward(
     Ok(plan)
 }
 
+/// The widest UPipe backward stage U, a multiple of `pu` from `heads` down
+/// to `pu`, for which `fits` gives a plan (`Ok(None)`: that width does not
+/// fit, or is not a valid stage; `--chunk-heads auto`): `(U, plan)`, or
+/// `None` when no width does.
+pub fn widest_fitting<T>(
+    heads: usize,
+    pu: usize,
+    mut fits: impl FnMut(usize) -> Result<Option<T>>,
+) -> Result<Option<(usize, T)>> {
+    let pu = pu.max(1);
+    for u in (pu..=heads).rev().filter(|u| u.is_multiple_of(pu)) {
+        if let Some(plan) = fits(u)? {
+            return Ok(Some((u, plan)));
+        }
+    }
+    Ok(None)
+}
+
 /// Resolves `strategy` on `gpus` GPUs: `(plan, data degree)`. Without an
 /// explicit mesh, all GPUs form the context group (ulysses/ring/upipe), and
 /// usp takes the largest Ulysses degree ≤ 8 (one node) that divides the heads.
@@ -735,4 +753,25 @@ pub fn longest_context(
         at_fit: best,
         limit: fail,
     })
+}
+
+#[cfg(test)]
+mod widest_tests {
+    use super::widest_fitting;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The answer is the widest multiple of Pu that fits, or none.
+        #[test]
+        fn widest_fitting_is_the_widest_multiple_of_pu_that_fits(
+            heads in 1usize..64, pu in 1usize..9, limit in 0usize..70,
+        ) {
+            let got = widest_fitting(heads, pu, |u| Ok((u <= limit).then_some(u))).unwrap();
+            let want = (pu..=heads).rev().find(|u| u % pu == 0 && *u <= limit);
+            prop_assert_eq!(got.map(|(u, _)| u), want);
+            if let Some((u, plan)) = got {
+                prop_assert_eq!(u, plan);
+            }
+        }
+    }
 }

@@ -224,7 +224,7 @@ fn plan_methods(
     let mut planned: Planned = Vec::new();
     for &m in methods {
         let chunk = if m == Strategy::Upipe {
-            a.chunk_heads
+            crate::cli::schedule::ChunkHeads::fixed(a.chunk_heads, "bench attn")?
         } else {
             None
         };

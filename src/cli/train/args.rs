@@ -5,6 +5,7 @@ use crate::backend::Bytes;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::memory::MemoryArgs;
+use crate::cli::schedule::ChunkHeads;
 use crate::cli::schedule::FwdChunkArgs;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
@@ -44,9 +45,11 @@ pub struct TrainArgs {
     /// Ring degree Pr (default 2; with no mesh flag at all, the default mesh).
     #[arg(long)]
     pub ring: Option<usize>,
-    /// UPipe heads per stage U (default Pu).
+    /// UPipe heads per backward stage U (default Pu), or `auto`: the widest
+    /// stages whose predicted peak fits each rank's memory beside what the run
+    /// decided before (offloaded blocks, kept attention), at least Pu.
     #[arg(long)]
-    pub chunk_heads: Option<usize>,
+    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
     #[command(flatten)]
     pub fwd: FwdChunkArgs,
     /// Data-parallel replicas, each its own context-parallel group (default 1;
@@ -199,7 +202,7 @@ impl TrainArgs {
             ("ulysses", self.ulysses),
             ("ring", self.ring),
             ("data_parallel", self.data_parallel),
-            ("chunk_heads", self.chunk_heads),
+            ("chunk_heads", ChunkHeads::start(self.chunk_heads)),
         ] {
             if let Some(v) = v {
                 at_least(k, id, v, 1)?;
