@@ -3,16 +3,18 @@
 use std::process::Command;
 
 fn upipe(args: &[&str]) -> String {
+    upipe_with_log(args).0
+}
+
+/// Runs `upipe args`, which must succeed: its stdout and stderr.
+fn upipe_with_log(args: &[&str]) -> (String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
         .args(args)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "upipe {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    let log = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "upipe {args:?} failed: {log}");
+    (String::from_utf8(out.stdout).unwrap(), log)
 }
 
 /// Runs `upipe args`, which must fail, and returns its stderr.
@@ -225,35 +227,23 @@ fn upipe_forward_in_wider_stages_trains_the_same() {
 #[test]
 fn chunk_heads_auto_takes_the_widest_stages_that_fit() {
     let run = |chunk: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-            .args([
-                "train",
-                "--attn",
-                "upipe",
-                "--ulysses",
-                "2",
-                "--ring",
-                "1",
-                "--chunk-heads",
-                chunk,
-                "--steps",
-                "2",
-                "--json",
-                "--device",
-                "cpu",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stdout = String::from_utf8(out.stdout).unwrap();
-        (
-            losses(&stdout),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        let (stdout, log) = upipe_with_log(&[
+            "train",
+            "--attn",
+            "upipe",
+            "--ulysses",
+            "2",
+            "--ring",
+            "1",
+            "--chunk-heads",
+            chunk,
+            "--steps",
+            "2",
+            "--json",
+            "--device",
+            "cpu",
+        ]);
+        (losses(&stdout), log)
     };
     let (auto, log) = run("auto");
     assert!(

@@ -56,28 +56,6 @@ pub enum ChunkHeads {
     Heads(usize),
 }
 
-impl fmt::Display for ChunkHeads {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ChunkHeads::Auto => f.write_str("auto"),
-            ChunkHeads::Heads(n) => write!(f, "{n}"),
-        }
-    }
-}
-
-impl FromStr for ChunkHeads {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "auto" => Ok(ChunkHeads::Auto),
-            n => n
-                .parse()
-                .map(ChunkHeads::Heads)
-                .map_err(|_| format!("{s}: use auto or a number of heads")),
-        }
-    }
-}
-
 impl ChunkHeads {
     /// The fixed U of `chunk` for a subcommand that cannot choose one
     /// (`None`: U = Pu); `auto` is an error naming `train`.
@@ -110,27 +88,34 @@ pub enum FwdChunk {
     Heads(usize),
 }
 
-impl fmt::Display for FwdChunk {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            FwdChunk::Auto => f.write_str("auto"),
-            FwdChunk::Heads(n) => write!(f, "{n}"),
+/// `Display` and `FromStr` of a flag that is `auto` or a number of heads.
+macro_rules! auto_or_heads_text {
+    ($($t:ident),*) => {$(
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match self {
+                    $t::Auto => f.write_str("auto"),
+                    $t::Heads(n) => write!(f, "{n}"),
+                }
+            }
         }
-    }
+
+        impl FromStr for $t {
+            type Err = String;
+            fn from_str(s: &str) -> std::result::Result<Self, String> {
+                match s {
+                    "auto" => Ok($t::Auto),
+                    n => n
+                        .parse()
+                        .map($t::Heads)
+                        .map_err(|_| format!("{s}: use auto or a number of heads")),
+                }
+            }
+        }
+    )*};
 }
 
-impl FromStr for FwdChunk {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "auto" => Ok(FwdChunk::Auto),
-            n => n
-                .parse()
-                .map(FwdChunk::Heads)
-                .map_err(|_| format!("{s}: use auto or a number of heads")),
-        }
-    }
-}
+auto_or_heads_text!(ChunkHeads, FwdChunk);
 
 impl FwdChunk {
     /// `plan` with its forward stages set: `auto` asks `peak` (the planner's

@@ -104,6 +104,9 @@ struct Built {
     gpus: usize,
     /// Memory each rank has (`None`: unknown), set by [`Built::shard`].
     budget: Option<usize>,
+    /// The host's `MemAvailable` as the run read it at start, once: every
+    /// host budget of the run derives from this one reading.
+    host_available: Option<usize>,
     /// Whether this process reports (under a launch only rank 0 does).
     lead: bool,
 }
@@ -164,6 +167,7 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
         env,
         gpus,
         budget: None,
+        host_available: host_available_bytes(),
         lead,
     })
 }
@@ -269,7 +273,7 @@ impl Built {
         self.budget = if self.on_gpu() {
             gpu_memory_per_rank(world, self.gpus)
         } else {
-            host_available_bytes().map(|b| b / world)
+            self.host_available.map(|b| b / world)
         };
         let states = crate::plan::model_state_bytes(&self.cfg.model, self.on_gpu());
         let (mut fsdp, mut note) = self.fsdp.resolve(world, states, self.budget);

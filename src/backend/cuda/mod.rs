@@ -232,9 +232,12 @@ fn ptr_at(t: &Tensor<CudaBackend>, elem: usize) -> u64 {
 /// Whether an elementwise kernel over `ts` may move 8 elements per load and
 /// store: every tensor bf16 and 16-byte aligned, the count a multiple of 8.
 fn vec8(ts: &[&Tensor<CudaBackend>]) -> bool {
-    ts.iter().all(|t| {
-        t.dtype() == DType::BF16 && t.numel().is_multiple_of(8) && ptr(t).is_multiple_of(16)
-    })
+    ts.iter().all(|t| vec8_part(t.dtype(), ptr(t), t.numel()))
+}
+
+/// [`vec8`] of one operand of `n` elements of `dtype` at device address `p`.
+fn vec8_part(dtype: DType, p: u64, n: usize) -> bool {
+    dtype == DType::BF16 && n.is_multiple_of(8) && p.is_multiple_of(16)
 }
 
 fn dt(t: &Tensor<CudaBackend>) -> i32 {
@@ -759,11 +762,7 @@ impl CudaBackend {
         n: usize,
         alpha: f32,
     ) -> Result<()> {
-        let vec = ydt == DType::BF16
-            && xdt == DType::BF16
-            && n.is_multiple_of(8)
-            && y.is_multiple_of(16)
-            && x.is_multiple_of(16);
+        let vec = vec8_part(ydt, y, n) && vec8_part(xdt, x, n);
         let args = Args::new()
             .ptr(y)
             .i32(dt_flag(ydt))

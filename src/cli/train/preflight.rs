@@ -6,7 +6,7 @@
 //! trace file).
 
 use super::progress::Progress;
-use super::{Built, TrainArgs, host_available_bytes};
+use super::{Built, TrainArgs};
 use crate::backend::memory::{default_pinned_budget, host_reserve};
 use crate::cli::metrics::{MetricsFile, RunFacts};
 use crate::error::{Error, Result};
@@ -52,7 +52,7 @@ pub(super) fn rank_memory(
     }
     run.cfg.host_budget = host;
     if run.lead {
-        log_host_budget(host, host_mem_gib);
+        log_host_budget(host, host_mem_gib, run.host_available);
     }
     // the CUDA context, cuBLAS and cuDNN handles lie outside the ledger, the
     // pinned pool's slack outside the host's tensors
@@ -82,12 +82,14 @@ pub(super) fn host_per_rank(run: &Built, host_mem_gib: Option<f64>) -> Result<Op
             Ok(Some((g * (1u64 << 30) as f64) as usize / per_node))
         }
         Some(g) => crate::config_err!("--host-mem {g}: give GiB per node, more than 0"),
-        None => Ok(host_available_bytes().map(|b| default_pinned_budget(b) / per_node)),
+        None => Ok(run
+            .host_available
+            .map(|b| default_pinned_budget(b) / per_node)),
     }
 }
 
 /// Says where the pinned-host budget of a GPU run came from.
-fn log_host_budget(per_rank: Option<usize>, host_mem_gib: Option<f64>) {
+fn log_host_budget(per_rank: Option<usize>, host_mem_gib: Option<f64>, available: Option<usize>) {
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     match (per_rank, host_mem_gib) {
         (Some(b), Some(g)) => {
@@ -97,7 +99,7 @@ fn log_host_budget(per_rank: Option<usize>, host_mem_gib: Option<f64>) {
             )
         }
         (Some(b), None) => {
-            let avail = host_available_bytes().unwrap_or(0);
+            let avail = available.unwrap_or(0);
             tracing::info!(
                 "pinned host budget: {:.2} GiB per rank (MemAvailable {:.2} GiB at start, less {:.2} GiB \
                  kept for the system and unpinned memory; --host-mem sets it)",
