@@ -17,13 +17,15 @@
 # at SEQ8B (65536) with --offload-optimizer --offload auto --checkpoint --tiled-mlp and
 # --lr LR8B (1e-4) and EXTRA8B (more flags, e.g. --host-mem 112), STEPS8B (3) steps, under
 # each line of ATTNS8B (UPipe on one GPU, local). MEMLOG=1 samples the cgroup's and upipe's
-# host memory every 5 s into memory.log; ab = an old build against this one (below).
+# host memory every 5 s into memory.log; ab = an old build against this one (below);
+# peer = the HF transformers + PyTorch step (hf_peer_step.py) beside upipe's default policy
+# at each line of PEERS ("seq steps [--checkpoint]").
 set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-1x.sh build DIR}"   # OLD=COMMIT adds bin/upipe-old
     set -e
     bash "$(dirname "$0")/bundle.sh" "$dest" gpu_backend gpu_plan gpu_fsdp gpu_eval gpu_layer gpu_offload
-    cp "$0" scripts/gpu-eval-long.sh "$dest/"
+    cp "$0" scripts/gpu-eval-long.sh scripts/hf_peer_step.py "$dest/"
     du -sh "$dest"
     exit 0
 fi
@@ -179,6 +181,27 @@ if [[ " $parts " == *" ab "* ]]; then
             done
         done
     fi
+fi
+if [[ " $parts " == *" peer "* ]]; then
+    # the peer's step and upipe's default policy for the same length, one after the other
+    while read -r seq steps pol; do
+        [ -z "$seq" ] && continue
+        log="$out/peer-$seq.log"
+        python3 "$here/hf_peer_step.py" --seq "$seq" --steps "$steps" $pol > "$log" 2>&1 || status=1
+        last=$(grep -a '"peer"' "$log" | tail -1)
+        [ -z "$last" ] && tail -5 "$log"
+        row "$(printf 'peer hf   seq %-7s %-13s %8s tok/s  peak %s GB  loss %s' "$seq" "${pol:-none}" \
+            "$(field "$last" tokens_per_s)" "$(field "$last" peak_bytes | gb)" "$(field "$last" loss)")"
+        corpus $(( seq * 2 + 8192 ))
+        log="$out/peer-upipe-$seq.log"
+        "$bin/upipe" train --model llama3.2-1b --data "$data" --seq "$seq" --steps "$steps" --warmup 1 \
+            $pol --profile --json > "$log" 2>&1 || status=1
+        last=$(grep -a '"step"' "$log" | tail -1)
+        grep -aE "^(class|gemm|attn|recompute|elementwise|loss|optimizer|copy|collective|idle) " "$log" | tail -11
+        row "$(printf 'peer upipe seq %-7s %-13s %8.0f tok/s  peak %s GB  loss %s' "$seq" "${pol:-none}" \
+            "$(field "$last" tokens_per_s)" "$(field "$last" peak_bytes | gb)" "$(field "$last" loss)")"
+    done <<< "${PEERS:-32768 3
+262144 2 --checkpoint}"
 fi
 if [[ " $parts " == *" eval "* ]]; then
     bash "$here/gpu-eval-long.sh" 2>&1 | tail -8

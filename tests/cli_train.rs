@@ -221,48 +221,45 @@ fn upipe_forward_in_wider_stages_trains_the_same() {
     );
 }
 
-/// `--chunk-heads auto` takes the widest stages that fit (all 4 heads of the
-/// tiny model, on a CPU's memory) and trains exactly as that U given; the
-/// commands that cannot choose refuse it, naming `train`.
+/// `--chunk-heads auto`, the default, takes the widest stages that fit (all
+/// 4 heads of the tiny model, on a CPU's memory) and trains exactly as that U
+/// given; `upipe plan` shows the same pick; a command that cannot choose
+/// refuses it, naming `train`.
 #[test]
 fn chunk_heads_auto_takes_the_widest_stages_that_fit() {
-    let run = |chunk: &str| {
-        let (stdout, log) = upipe_with_log(&[
-            "train",
-            "--attn",
-            "upipe",
-            "--ulysses",
-            "2",
-            "--ring",
-            "1",
-            "--chunk-heads",
-            chunk,
-            "--steps",
-            "2",
-            "--json",
-            "--device",
-            "cpu",
-        ]);
+    let upipe_on_2 = ["--attn", "upipe", "--ulysses", "2", "--ring", "1"];
+    let run = |chunk: &[&str]| {
+        let mut args = vec!["train"];
+        args.extend_from_slice(&upipe_on_2);
+        args.extend_from_slice(chunk);
+        args.extend_from_slice(&["--steps", "2", "--json", "--device", "cpu"]);
+        let (stdout, log) = upipe_with_log(&args);
         (losses(&stdout), log)
     };
-    let (auto, log) = run("auto");
-    assert!(
-        log.contains("--chunk-heads auto: stages of 4 of 4 heads"),
-        "{log}"
-    );
-    let (four, _) = run("4");
-    assert_eq!(auto, four, "same U, same arithmetic");
-    let (two, _) = run("2");
+    for flags in [&["--chunk-heads", "auto"][..], &[]] {
+        let (auto, log) = run(flags);
+        assert!(
+            log.contains("--chunk-heads auto: stages of 4 of 4 heads"),
+            "{flags:?}: {log}"
+        );
+        let (four, _) = run(&["--chunk-heads", "4"]);
+        assert_eq!(auto, four, "same U, same arithmetic");
+    }
+    let (two, log) = run(&["--chunk-heads", "2"]);
     assert_eq!(two.len(), 2);
-    let err = upipe_error(&[
-        "plan",
-        "--attn",
-        "upipe",
-        "--gpus",
-        "2",
-        "--chunk-heads",
-        "auto",
-    ]);
+    assert!(!log.contains("--chunk-heads auto"), "{log}");
+    let plan_u = |chunk: &[&str]| {
+        let mut args = vec!["plan", "--gpus", "2", "--seq", "4096", "--json"];
+        args.extend_from_slice(&upipe_on_2);
+        args.extend_from_slice(chunk);
+        let out = upipe(&args);
+        let line: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+        line["mesh"]["chunk_heads"].as_u64().unwrap()
+    };
+    assert_eq!(plan_u(&[]), 4);
+    assert_eq!(plan_u(&["--chunk-heads", "auto"]), 4);
+    assert_eq!(plan_u(&["--chunk-heads", "2"]), 2);
+    let err = upipe_error(&["bench", "attn", "--chunk-heads", "auto"]);
     assert!(err.contains("chosen by `upipe train`"), "{err}");
 }
 

@@ -67,7 +67,8 @@ pub struct PlanArgs {
     /// Ring degree Pr (default: 1; ring: all GPUs).
     #[arg(long)]
     pub ring: Option<usize>,
-    /// UPipe heads per stage U (default: Pu; `auto` only on `train`).
+    /// UPipe heads per backward stage U, or `auto` (the default): the widest
+    /// stages that fit, as `upipe train` picks them at this length.
     #[arg(long)]
     pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
     #[command(flatten)]
@@ -160,7 +161,7 @@ fn policies(
     gpus: usize,
 ) -> Result<(MemoryPolicy, bool)> {
     let layers = model.layers;
-    // `auto` is resolved at each length ([`Ctx::predict_saving`])
+    // `auto` is resolved at each length ([`Ctx::predict_resolved`])
     let mut p = a.memory.policy(layers, layers);
     let mut fsdp: FsdpMode = for_key(PlanArgs::KEYS, "fsdp", a.fsdp.parse())?;
     for item in a
@@ -249,18 +250,20 @@ struct Ctx {
 }
 
 impl Ctx {
-    /// The step of `strategy` at `seq` with `--save-attention` resolved as
-    /// `upipe train` resolves it (before the forward stages are widened).
+    /// The step of `strategy` at `seq` with `--save-attention` and
+    /// `--chunk-heads` resolved as `upipe train` resolves them.
     fn predict(&self, strategy: Strategy, seq: usize) -> Result<(Prediction, StepSpec)> {
-        self.predict_saving(strategy, seq, self.a.memory.save_attention)
+        self.predict_resolved(strategy, seq, false)
     }
 
-    /// [`Self::predict`] with `save` blocks keeping their attention state.
-    fn predict_saving(
+    /// [`Self::predict`], or with `searching` what the search for the
+    /// longest context holds fixed ([`Self::search_save`], stages of Pu
+    /// heads for `auto`): wherever that fits, the resolved run fits too.
+    fn predict_resolved(
         &self,
         strategy: Strategy,
         seq: usize,
-        save: SaveAttention,
+        searching: bool,
     ) -> Result<(Prediction, StepSpec)> {
         let (gpus, ulysses, ring, replicas) = match self.fitted {
             Some(ranks) => {
@@ -275,15 +278,11 @@ impl Ctx {
                 (self.gpus, self.a.ulysses, self.a.ring, replicas)
             }
         };
-        let (plan, data) = resolve_plan(
-            strategy,
-            &attn_dims(&self.model),
-            seq,
-            gpus / replicas,
-            ulysses,
-            ring,
-            ChunkHeads::fixed(self.a.chunk_heads, "plan")?,
-        )?;
+        let resolve = |chunk: Option<usize>| {
+            let dims = attn_dims(&self.model);
+            resolve_plan(strategy, &dims, seq, gpus / replicas, ulysses, ring, chunk)
+        };
+        let (plan, data) = resolve(ChunkHeads::start(self.a.chunk_heads))?;
         let spec = |plan: &crate::attention::CpPlan, policy: MemoryPolicy| StepSpec {
             model: self.model.clone(),
             plan: plan.clone(),
@@ -304,14 +303,39 @@ impl Ctx {
                 self.budget.host,
             )?;
         }
+        let save = match searching {
+            true => self.search_save(),
+            false => self.a.memory.save_attention,
+        };
         let policy = MemoryPolicy {
             save_attention: save.resolve(&spec(&plan, policy), Some(self.budget.device))?,
             ..policy
         };
-        let plan = self
-            .a
-            .schedule
-            .apply(plan, |p| Ok(predict_step(&spec(p, policy))?.peak))?;
+        // the forward stages (`--fwd-chunk-heads`), after the widest backward
+        // stages that fit (`--chunk-heads auto`); a width that the heads or a
+        // fixed forward stage do not allow is skipped
+        let staged = |plan| {
+            self.a
+                .schedule
+                .apply(plan, |p| Ok(predict_step(&spec(p, policy))?.peak))
+        };
+        let widen = strategy == Strategy::Upipe
+            && !searching
+            && !matches!(self.a.chunk_heads, Some(ChunkHeads::Heads(_)));
+        let widest = match widen {
+            false => None,
+            true => crate::plan::widest_fitting(self.model.heads, plan.layout.pu, |u| {
+                let Ok(wide) = resolve(Some(u)).and_then(|(wide, _)| staged(wide)) else {
+                    return Ok(None);
+                };
+                let peak = predict_step(&spec(&wide, policy))?.peak;
+                Ok((peak <= self.budget.device).then_some(wide))
+            })?,
+        };
+        let plan = match widest {
+            Some((_, wide)) => wide,
+            None => staged(plan)?,
+        };
         let spec = spec(&plan, policy);
         Ok((predict_step(&spec)?, spec))
     }
@@ -569,7 +593,7 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
             }
         };
         let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
-        let base = ctx.predict_saving(s, unit, ctx.search_save())?.0;
+        let base = ctx.predict_resolved(s, unit, true)?.0;
         let fits = ctx.budget.check(&p, Some(&base));
         if json {
             println!(
@@ -662,7 +686,7 @@ fn search(ctx: &Ctx) -> Result<i32> {
     for &s in &ctx.strategies {
         // any length that is a multiple of 2 x gpus x 1024 resolves the mesh
         let probe = 2 * ctx.gpus * 1024;
-        let spec = match ctx.predict_saving(s, probe, ctx.search_save()) {
+        let spec = match ctx.predict_resolved(s, probe, true) {
             Ok((_, spec)) => spec,
             Err(e) => {
                 skip_or_fail(ctx.all, s, e, json)?;
@@ -672,7 +696,7 @@ fn search(ctx: &Ctx) -> Result<i32> {
         let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
         let step = unit / gcd(unit, 1024) * 1024;
         let fit: Fit = longest_context(step, ctx.a.max_seq, ctx.budget, |seq| {
-            ctx.predict_saving(s, seq, ctx.search_save()).map(|x| x.0)
+            ctx.predict_resolved(s, seq, true).map(|x| x.0)
         })?;
         // what the given --save-attention keeps at the longest length
         let saved = match fit.seq {

@@ -48,8 +48,9 @@ impl FwdChunkArgs {
 }
 
 /// `--chunk-heads`: UPipe's heads per (backward) stage U, a number or, on
-/// `train`, `auto`: the widest stages whose predicted peak fits each rank's
-/// memory beside what the run already decided (offload, kept attention).
+/// `train` and `plan`, `auto` (their default): the widest stages whose
+/// predicted peak fits each rank's memory beside what the run already decided
+/// (offload, kept attention).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChunkHeads {
     Auto,
@@ -64,8 +65,9 @@ impl ChunkHeads {
             Some(ChunkHeads::Heads(n)) => Ok(Some(n)),
             None => Ok(None),
             Some(ChunkHeads::Auto) => crate::config_err!(
-                "--chunk-heads auto is chosen by `upipe train` from the memory it has; \
-                 `upipe {command}` needs a number (default: the Ulysses degree)"
+                "--chunk-heads auto is chosen by `upipe train` from the memory it has \
+                 (`upipe plan` shows its pick); `upipe {command}` needs a number \
+                 (default: the Ulysses degree)"
             ),
         }
     }

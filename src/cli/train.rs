@@ -370,19 +370,22 @@ impl Built {
         crate::plan::predict_step_rank(&self.spec(plan), 0)
     }
 
-    /// Resolves `--chunk-heads auto` (UPipe): the widest backward stages
-    /// whose predicted peak fits each rank's memory beside what the run
-    /// decided before; stays at Pu when none wider fits or the memory is
-    /// unknown.
+    /// Resolves `--chunk-heads auto` (UPipe; also what no `--chunk-heads`
+    /// means): the widest backward stages whose predicted peak fits each
+    /// rank's memory beside what the run decided before; stays at Pu when
+    /// none wider fits or the memory is unknown.
     fn widen_stages(&mut self, chunk: Option<ChunkHeads>) -> Result<()> {
-        if chunk != Some(ChunkHeads::Auto) {
-            return Ok(());
-        }
-        if self.plan.strategy != Strategy::Upipe {
-            return crate::config_err!(
-                "--chunk-heads applies to upipe only, not {}",
-                self.plan.strategy
-            );
+        match chunk {
+            Some(ChunkHeads::Heads(_)) => return Ok(()),
+            // the default: other strategies have no stages to widen
+            None if self.plan.strategy != Strategy::Upipe => return Ok(()),
+            Some(ChunkHeads::Auto) if self.plan.strategy != Strategy::Upipe => {
+                return crate::config_err!(
+                    "--chunk-heads applies to upipe only, not {}",
+                    self.plan.strategy
+                );
+            }
+            _ => {}
         }
         let kind = crate::plan::DeviceKind::of_run(self.on_gpu(), self.kernel);
         let Some(room) = self.budget.map(|b| kind.ledger_budget(b)) else {

@@ -45,9 +45,10 @@ pub struct TrainArgs {
     /// Ring degree Pr (default 2; with no mesh flag at all, the default mesh).
     #[arg(long)]
     pub ring: Option<usize>,
-    /// UPipe heads per backward stage U (default Pu), or `auto`: the widest
+    /// UPipe heads per backward stage U, or `auto` (the default): the widest
     /// stages whose predicted peak fits each rank's memory beside what the run
-    /// decided before (offloaded blocks, kept attention), at least Pu.
+    /// decided before (offloaded blocks, kept attention), at least Pu. Wider
+    /// stages run larger GEMMs; narrower ones hold less of the layer.
     #[arg(long)]
     pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
     #[command(flatten)]
