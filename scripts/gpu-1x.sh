@@ -177,7 +177,7 @@ if [[ " $parts " == *" ab "* ]]; then
                 last=$(grep -a '"step"' "$log" | tail -1)
                 row "$(printf 'ab %-9s round %s seq %s %8.0f tok/s  loss %s  peak %s GB' "$b" "$r" "${AB_SEQ:-32768}" \
                     "$(field "$last" tokens_per_s)" "$(field "$last" loss)" "$(field "$last" peak_bytes | gb)")"
-                grep -aE "^(gemm|attn|elementwise|loss|copy|idle) " "$log" | tail -6 | tr -s ' ' | tr '\n' ';'; echo
+                grep -aE "^(gemm|attn_fwd|attn_bwd|elementwise|loss|copy|idle) " "$log" | tail -7 | tr -s ' ' | tr '\n' ';'; echo
             done
         done
     fi
@@ -197,7 +197,7 @@ if [[ " $parts " == *" peer "* ]]; then
         "$bin/upipe" train --model llama3.2-1b --data "$data" --seq "$seq" --steps "$steps" --warmup 1 \
             $pol --profile --json > "$log" 2>&1 || status=1
         last=$(grep -a '"step"' "$log" | tail -1)
-        grep -aE "^(class|gemm|attn|recompute|elementwise|loss|optimizer|copy|collective|idle) " "$log" | tail -11
+        grep -aE "^(class|gemm|attn_fwd|attn_bwd|recompute|elementwise|loss|optimizer|copy|collective|idle) " "$log" | tail -11
         row "$(printf 'peer upipe seq %-7s %-13s %8.0f tok/s  peak %s GB  loss %s' "$seq" "${pol:-none}" \
             "$(field "$last" tokens_per_s)" "$(field "$last" peak_bytes | gb)" "$(field "$last" loss)")"
     done <<< "${PEERS:-32768 3
