@@ -75,11 +75,15 @@ if [[ " $parts " == *" tests "* ]]; then
         grep -E "panicked|FAILED|SKIP|gpu step|fsdp|GPU peak|step [0-9]:|eval" "$log" | head -60
     done
 fi
-if [[ " $parts " == *" offload "* ]]; then
+corpus() { # the bundled corpus repeated past $1 bytes, at /tmp/upipe-1x-corpus.txt
     data=/tmp/upipe-1x-corpus.txt
     : > "$data"
-    big=$(echo ${SEQS:-131072 262144} | tr ' ' '\n' | sort -n | tail -1)
-    while [ "$(stat -c %s "$data")" -le "$big" ]; do cat assets/corpus.txt >> "$data"; done
+    while [ "$(stat -c %s "$data")" -le "$1" ]; do cat assets/corpus.txt >> "$data"; done
+}
+field() { echo "$1" | grep -o "\"$2\":[0-9.e+-]*" | head -1 | cut -d: -f2; }
+gb() { awk '{printf "%.2f", $1/1e9}'; }
+if [[ " $parts " == *" offload "* ]]; then
+    corpus "$(echo ${SEQS:-131072 262144} | tr ' ' '\n' | sort -n | tail -1)"
     for seq in ${SEQS:-131072 262144}; do
         for pol in "--checkpoint" "--checkpoint --offload"; do
             read -r -a p <<< "$pol"
@@ -89,20 +93,12 @@ if [[ " $parts " == *" offload "* ]]; then
             rc=$?
             [ "$rc" -ne 0 ] && { status=1; grep -aiE "error|panick" "$log" | head -5; }
             last=$(grep -a '"step"' "$log" | tail -1)
-            f() { echo "$last" | grep -o "\"$1\":[0-9.e+-]*" | cut -d: -f2; }
             host=$(grep -a "offload_host" "$log" | tail -1 | tr -s ' ' | cut -c1-80)
             row "$(printf 'seq %-7s %-24s rc=%s %8.0f tok/s  peak %6.2f GB (planned %6.2f)  %s' "$seq" "$pol" "$rc" \
-                "$(f tokens_per_s)" "$(f peak_bytes | awk '{print $1/1e9}')" "$(f predicted_peak_bytes | awk '{print $1/1e9}')" "$host")"
+                "$(field "$last" tokens_per_s)" "$(field "$last" peak_bytes | gb)" "$(field "$last" predicted_peak_bytes | gb)" "$host")"
         done
     done
 fi
-corpus() { # the bundled corpus repeated past $1 bytes, at /tmp/upipe-1x-corpus.txt
-    data=/tmp/upipe-1x-corpus.txt
-    : > "$data"
-    while [ "$(stat -c %s "$data")" -le "$1" ]; do cat assets/corpus.txt >> "$data"; done
-}
-field() { echo "$1" | grep -o "\"$2\":[0-9.e+-]*" | head -1 | cut -d: -f2; }
-gb() { awk '{printf "%.2f", $1/1e9}'; }
 if [[ " $parts " == *" optim "* ]]; then
     # the optimizer on the host against on the GPU, 5 steps of the tiny model
     for pol in "--checkpoint" "--checkpoint --offload-optimizer" "--checkpoint --offload 1 --offload-optimizer"; do

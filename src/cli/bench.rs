@@ -53,7 +53,7 @@ pub struct AttnArgs {
     /// Ring degree Pr.
     #[arg(long, default_value_t = 1)]
     pub ring: usize,
-    /// UPipe heads per stage U (default: Pu; `auto` only on `train`).
+    /// UPipe heads per stage U (default: Pu; `auto` only on `train` and `plan`).
     #[arg(long)]
     pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
     /// Per-head RMSNorm of q and k (Qwen3).

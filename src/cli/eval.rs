@@ -60,7 +60,7 @@ pub struct EvalArgs {
     /// Data replicas, each evaluating every N-th window (default 1).
     #[arg(long)]
     pub data_parallel: Option<usize>,
-    /// UPipe heads per stage U (default: Pu; `auto` only on `train`).
+    /// UPipe heads per stage U (default: Pu; `auto` only on `train` and `plan`).
     #[arg(long)]
     pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
     /// UPipe heads per forward stage (default U).
