@@ -125,7 +125,7 @@ fn memory_policies_leave_gradients_unchanged() {
         MemoryPolicy {
             checkpoint: true,
             offload: 1,
-            offload_optimizer: false,
+            offload_optimizer: 0,
             tiled_mlp: true,
             loss_chunk: 7,
             save_attention: 0,

@@ -92,11 +92,12 @@ fn assert_identical_weights(a: &Path, b: &Path, what: &str) {
     }
 }
 
-fn policy(offload: usize, offload_optimizer: bool) -> MemoryPolicy {
+/// `--offload offload --offload-optimizer host_units`.
+fn policy(offload: usize, host_units: usize) -> MemoryPolicy {
     MemoryPolicy {
         checkpoint: true,
         offload,
-        offload_optimizer,
+        offload_optimizer: host_units,
         ..MemoryPolicy::default()
     }
 }
@@ -109,13 +110,17 @@ fn every_offload_mode_is_bit_identical_to_no_offload() {
         let m = model(qwen);
         let base_dir = temp("base");
         let base = train_cpu(
-            &config(&m, fsdp, policy(0, false), &base_dir),
+            &config(&m, fsdp, policy(0, 0), &base_dir),
             tokens(m.vocab),
             &|_| {},
         )
         .unwrap();
-        for (blocks, opt) in [(m.layers, false), (1, false), (0, true), (2, true)] {
-            let what = format!("qwen={qwen} fsdp={fsdp} --offload {blocks} optimizer={opt}");
+        let all = MemoryPolicy::optimizer_units(m.layers);
+        // (blocks offloaded, units whose optimizer state is on the host):
+        // all, the last block, every block and the embedding, ...
+        let modes = [(m.layers, 0), (1, 0), (0, all), (2, all), (0, 1), (1, m.layers + 1)];
+        for (blocks, opt) in modes {
+            let what = format!("qwen={qwen} fsdp={fsdp} --offload {blocks} --offload-optimizer {opt}");
             let dir = temp("mode");
             let run = train_cpu(
                 &config(&m, fsdp, policy(blocks, opt), &dir),
@@ -125,11 +130,17 @@ fn every_offload_mode_is_bit_identical_to_no_offload() {
             .unwrap();
             assert_identical(&base, &run, &what);
             assert_identical_weights(&base_dir, &dir, &what);
-            if opt {
+            let mem = &run.memory;
+            if opt == all {
                 // master + two moments in host memory, none on the device
-                let mem = &run.memory;
                 assert_eq!(mem.at_peak(Category::OptimState), 0, "{what}");
+            }
+            if opt > 0 {
                 assert!(run.reports[0].host_peak_bytes > 0, "{what}");
+            }
+            if 0 < opt && opt < all {
+                // the head's moments stay on the device
+                assert!(mem.at_peak(Category::OptimState) > 0, "{what}");
             }
             let _ = std::fs::remove_dir_all(&dir);
         }
@@ -144,7 +155,7 @@ fn every_offload_mode_is_bit_identical_to_no_offload() {
 fn accumulated_steps_with_the_optimizer_on_the_host_are_bit_identical() {
     let m = model(false);
     for fsdp in [false, true] {
-        let run = |opt: bool, dir: &Path| {
+        let run = |opt: usize, dir: &Path| {
             let cfg = TrainConfig {
                 grad_accum: 2,
                 ..config(&m, fsdp, policy(0, opt), dir)
@@ -152,12 +163,16 @@ fn accumulated_steps_with_the_optimizer_on_the_host_are_bit_identical() {
             train_cpu(&cfg, tokens(m.vocab), &|_| {}).unwrap()
         };
         let (base_dir, dir) = (temp("accum-base"), temp("accum-host"));
-        let (base, host) = (run(false, &base_dir), run(true, &dir));
-        let what = format!("fsdp={fsdp} --grad-accum 2");
-        assert_identical(&base, &host, &what);
-        assert_identical_weights(&base_dir, &dir, &what);
+        let base = run(0, &base_dir);
+        // every unit's state on the host, and the last two units'
+        for opt in [MemoryPolicy::optimizer_units(m.layers), 2] {
+            let host = run(opt, &dir);
+            let what = format!("fsdp={fsdp} --grad-accum 2 --offload-optimizer {opt}");
+            assert_identical(&base, &host, &what);
+            assert_identical_weights(&base_dir, &dir, &what);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
         let _ = std::fs::remove_dir_all(&base_dir);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
@@ -168,39 +183,41 @@ fn offloaded_optimizer_resumes_exactly() {
     let m = model(false);
     let whole_dir = temp("whole");
     let whole = train_cpu(
-        &config(&m, false, policy(0, false), &whole_dir),
+        &config(&m, false, policy(0, 0), &whole_dir),
         tokens(m.vocab),
         &|_| {},
     )
     .unwrap();
-    let dir = temp("resume");
-    let mut first = config(&m, false, policy(0, true), &dir);
-    first.steps = 3;
-    train_cpu(&first, tokens(m.vocab), &|_| {}).unwrap();
-    let mut rest = config(&m, false, policy(0, true), &dir);
-    rest.resume = true;
-    let resumed = train_cpu(&rest, tokens(m.vocab), &|_| {}).unwrap();
-    let tail = &whole.reports[3..];
-    assert_eq!(resumed.reports.len(), tail.len());
-    for (x, y) in tail.iter().zip(&resumed.reports) {
-        assert_eq!(x.step, y.step);
-        assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {}", x.step);
+    // every unit's state on the host, and only the last two units'
+    for opt in [MemoryPolicy::optimizer_units(m.layers), 2] {
+        let dir = temp("resume");
+        let mut first = config(&m, false, policy(0, opt), &dir);
+        first.steps = 3;
+        train_cpu(&first, tokens(m.vocab), &|_| {}).unwrap();
+        let mut rest = config(&m, false, policy(0, opt), &dir);
+        rest.resume = true;
+        let resumed = train_cpu(&rest, tokens(m.vocab), &|_| {}).unwrap();
+        let tail = &whole.reports[3..];
+        assert_eq!(resumed.reports.len(), tail.len());
+        for (x, y) in tail.iter().zip(&resumed.reports) {
+            assert_eq!(x.step, y.step);
+            assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {} opt {opt}", x.step);
+        }
+        assert_identical_weights(&whole_dir, &dir, &format!("resumed, opt {opt}"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
-    assert_identical_weights(&whole_dir, &dir, "resumed");
-    let _ = (
-        std::fs::remove_dir_all(&whole_dir),
-        std::fs::remove_dir_all(&dir),
-    );
+    let _ = std::fs::remove_dir_all(&whole_dir);
 }
 
-/// `--offload N` beyond the model's blocks and offload without
-/// checkpointing are errors naming the fix.
+/// `--offload N` beyond the model's blocks, offload without checkpointing
+/// and `--offload-optimizer N` beyond the model's units are errors naming
+/// the fix.
 #[test]
 fn bad_offload_choices_name_the_fix() {
     let m = model(false);
     let dir = temp("bad");
     let too_many = train_cpu(
-        &config(&m, false, policy(m.layers + 1, false), &dir),
+        &config(&m, false, policy(m.layers + 1, 0), &dir),
         tokens(m.vocab),
         &|_| {},
     );
@@ -208,7 +225,7 @@ fn bad_offload_choices_name_the_fix() {
     assert!(e.contains("--offload 4") && e.contains("3 blocks"), "{e}");
     let no_ckpt = MemoryPolicy {
         checkpoint: false,
-        ..policy(1, false)
+        ..policy(1, 0)
     };
     let e = refusal(train_cpu(
         &config(&m, false, no_ckpt, &dir),
@@ -216,6 +233,12 @@ fn bad_offload_choices_name_the_fix() {
         &|_| {},
     ));
     assert!(e.contains("add --checkpoint"), "{e}");
+    let e = refusal(train_cpu(
+        &config(&m, false, policy(0, m.layers + 3), &dir),
+        tokens(m.vocab),
+        &|_| {},
+    ));
+    assert!(e.contains("--offload-optimizer 6") && e.contains("5 units"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

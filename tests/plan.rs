@@ -158,17 +158,21 @@ fn train_cfg(
 fn policies() -> Vec<MemoryPolicy> {
     let layers = tiny(false).layers;
     let mut out = Vec::new();
-    // (checkpoint, blocks offloaded, optimizer offloaded)
+    let all = MemoryPolicy::optimizer_units(layers);
+    // (checkpoint, blocks offloaded, units whose optimizer state is on the
+    // host: every unit, the last block's, the blocks' and the embedding's)
     for (checkpoint, offload, offload_optimizer) in [
-        (false, 0, false),
-        (true, 0, false),
-        (true, layers, false),
-        (true, 1, true),
-        (false, 0, true),
+        (false, 0, 0),
+        (true, 0, 0),
+        (true, layers, 0),
+        (true, 1, all),
+        (false, 0, all),
+        (true, 0, 1),
+        (false, 0, layers + 1),
     ] {
         for tiled_mlp in [false, true] {
             for loss_chunk in [256, 7] {
-                if offload_optimizer && (tiled_mlp || loss_chunk != 256) {
+                if offload_optimizer > 0 && (tiled_mlp || loss_chunk != 256) {
                     continue;
                 }
                 // under checkpointing, no block, the last one or every block
@@ -281,7 +285,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
     let all = MemoryPolicy {
         checkpoint: true,
         offload: model.layers,
-        offload_optimizer: false,
+        offload_optimizer: 0,
         tiled_mlp: true,
         loss_chunk: 256,
         save_attention: 0,
@@ -309,7 +313,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
     let policy = MemoryPolicy {
         checkpoint: true,
         offload: model.layers,
-        offload_optimizer: false,
+        offload_optimizer: 0,
         tiled_mlp: true,
         loss_chunk: 256,
         save_attention: 0,

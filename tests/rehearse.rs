@@ -85,8 +85,12 @@ fn a_rehearsed_step_allocates_what_a_real_step_and_the_planner_do() {
         policy(true, false, 0, layers),
         policy(true, true, layers, layers),
         MemoryPolicy {
-            offload_optimizer: true,
+            offload_optimizer: MemoryPolicy::optimizer_units(layers),
             ..policy(true, false, 1, 1)
+        },
+        MemoryPolicy {
+            offload_optimizer: 1,
+            ..policy(true, false, 0, 1)
         },
     ];
     for p in policies {

@@ -15,7 +15,7 @@
 use crate::attention::Settle;
 use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::error::{Error, Result};
-use crate::plan::{OffloadBlocks, SaveAttention};
+use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use serde::{Deserialize, Serialize};
@@ -80,7 +80,7 @@ pub struct ParallelKeys {
 pub struct MemoryKeys {
     pub checkpoint: Option<bool>,
     pub offload: Option<OffloadBlocks>,
-    pub offload_optimizer: Option<bool>,
+    pub offload_optimizer: Option<OptimizerOffload>,
     pub tiled_mlp: Option<bool>,
     pub loss_chunk: Option<usize>,
     pub save_attention: Option<SaveAttention>,
@@ -375,7 +375,14 @@ macro_rules! serde_via_text {
     )*};
 }
 
-serde_via_text!(ChunkHeads, FwdChunk, Settle, SaveAttention, OffloadBlocks);
+serde_via_text!(
+    ChunkHeads,
+    FwdChunk,
+    Settle,
+    SaveAttention,
+    OffloadBlocks,
+    OptimizerOffload
+);
 
 /// Reads a string or an integer through `T::from_str`.
 struct TextVisitor<T>(std::marker::PhantomData<T>);

@@ -4,7 +4,7 @@
 use crate::cli::config::{at_least, run_keys};
 use crate::error::Result;
 use crate::model::MemoryPolicy;
-use crate::plan::{OffloadBlocks, SaveAttention};
+use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
 
 /// What a step keeps, recomputes and moves to the host.
 #[derive(clap::Args, Debug, Clone)]
@@ -21,11 +21,16 @@ pub struct MemoryArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "all",
           default_value_t = OffloadBlocks::Blocks(0))]
     pub offload: OffloadBlocks,
-    /// F32 master weights and AdamW moments in pinned host memory, updated
-    /// on the host's threads; gradients stream to the host at the step.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
-    pub offload_optimizer: bool,
+    /// Units (the embedding, each block, the head) whose F32 master
+    /// weights and AdamW moments live in pinned host memory, updated on the
+    /// host's threads while the next forward runs: all (the flag alone), N
+    /// (the last N blocks first, then the embedding and the head), auto (the
+    /// fewest that make this --seq fit the GPU beside everything else the
+    /// run decides; `plan` resolves it at each length), none. The others
+    /// keep theirs on the GPU and update there.
+    #[arg(long, num_args = 0..=1, default_missing_value = "all",
+          default_value_t = OptimizerOffload::Units(0))]
+    pub offload_optimizer: OptimizerOffload,
     /// Tiled MLP/RMSNorm (token tiles of about `hidden` rows).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
@@ -60,7 +65,8 @@ impl MemoryArgs {
 
     /// The policy of a model of `layers` blocks: `--offload all` is every
     /// block, `--offload auto` is `auto_blocks` until the caller resolves it
-    /// against a budget; `--save-attention` is resolved by the caller too
+    /// against a budget; `--offload-optimizer auto` is every unit until the
+    /// caller resolves it; `--save-attention` is resolved by the caller too
     /// (none here).
     pub fn policy(&self, layers: usize, auto_blocks: usize) -> MemoryPolicy {
         MemoryPolicy {
@@ -70,7 +76,7 @@ impl MemoryArgs {
                 OffloadBlocks::All => layers,
                 OffloadBlocks::Auto => auto_blocks,
             },
-            offload_optimizer: self.offload_optimizer,
+            offload_optimizer: self.offload_optimizer.units(layers),
             tiled_mlp: self.tiled_mlp,
             loss_chunk: self.loss_chunk,
             save_attention: 0,

@@ -15,7 +15,7 @@ use crate::plan::{
     Budget, DeviceKind, Fit, Limit, Prediction, StepSpec, longest_context, predict_step,
     resolve_plan, seq_unit,
 };
-use crate::plan::{OffloadBlocks, SaveAttention};
+use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
 use clap::ArgMatches;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -174,7 +174,7 @@ fn policies(
             "none" => {}
             "checkpoint" => p.checkpoint = true,
             "offload" | "offload-auto" => p.offload = layers,
-            "offload-optimizer" => p.offload_optimizer = true,
+            "offload-optimizer" => p.offload_optimizer = MemoryPolicy::optimizer_units(layers),
             "tiled-mlp" | "tiled_mlp" => p.tiled_mlp = true,
             "fsdp" => fsdp = FsdpMode::On,
             other => {
@@ -336,6 +336,13 @@ impl Ctx {
             Some((_, wide)) => wide,
             None => staged(plan)?,
         };
+        // then the units `--offload-optimizer auto` keeps on the host; the
+        // search holds every unit there (wherever that fits, auto fits)
+        let mut policy = policy;
+        if self.a.memory.offload_optimizer == OptimizerOffload::Auto && !searching {
+            policy.offload_optimizer = OptimizerOffload::Auto
+                .resolve(&spec(&plan, policy), Some(self.budget.device))?;
+        }
         let spec = spec(&plan, policy);
         Ok((predict_step(&spec)?, spec))
     }
@@ -351,13 +358,18 @@ impl Ctx {
 }
 
 /// Blocks keeping their attention state, as tables print it: `3/16`
-/// (and, when some are offloaded, the blocks offloaded: `3/16 o12`).
+/// (and, when some are offloaded, the blocks offloaded: `3/16 o12`; when
+/// units keep their optimizer state on the host, how many: `3/16 o12 h9`).
 fn saved_text(spec: &StepSpec) -> String {
     let (p, l) = (&spec.policy, spec.model.layers);
-    match p.offload {
-        0 => format!("{}/{l}", p.save_attention),
-        n => format!("{}/{l} o{n}", p.save_attention),
+    let mut text = format!("{}/{l}", p.save_attention);
+    if p.offload > 0 {
+        text += &format!(" o{}", p.offload);
     }
+    if p.offload_optimizer > 0 {
+        text += &format!(" h{}", p.offload_optimizer);
+    }
+    text
 }
 
 fn by_category(p: &Prediction) -> Value {
@@ -434,7 +446,7 @@ fn policy_text(ctx: &Ctx) -> String {
         (p.checkpoint, "checkpoint"),
         (p.offload > 0 && !ctx.offload_auto, "offload"),
         (ctx.offload_auto, "offload-auto"),
-        (p.offload_optimizer, "offload-optimizer"),
+        (p.offload_optimizer > 0, "offload-optimizer"),
         (p.tiled_mlp, "tiled-mlp"),
         (ctx.fsdp, "fsdp"),
     ];
@@ -605,6 +617,7 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                     "fits": fits.is_none(), "limit": fits.as_ref().map(limit_text),
                     "save_attention": spec.policy.save_attention,
                     "offload_blocks": spec.policy.offload,
+                    "optimizer_host_units": spec.policy.offload_optimizer,
                 })
             );
         } else {
@@ -719,6 +732,7 @@ fn print_longest(ctx: &Ctx, s: Strategy, spec: &StepSpec, fit: &Fit, saved: Opti
                 "strategy": s.name(), "mesh": mesh_json(spec), "longest_seq": fit.seq,
                 "save_attention": saved.map(|s| s.policy.save_attention),
                 "offload_blocks": saved.map(|s| s.policy.offload),
+                "optimizer_host_units": saved.map(|s| s.policy.offload_optimizer),
                 "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),
                 "by_category": fit.at_fit.as_ref().map(by_category),
                 "limit": limit.map(|(seq, l, p)| json!({

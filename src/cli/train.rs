@@ -48,7 +48,7 @@ use crate::comm::env::DistEnv;
 use crate::error::Result;
 use crate::model::ModelConfig;
 use crate::model::flops::train_flops_per_token;
-use crate::plan::{OffloadBlocks, Prediction, SaveAttention};
+use crate::plan::{OffloadBlocks, OptimizerOffload, Prediction, SaveAttention};
 use crate::train::data::{Tokens, load_tokens};
 use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
@@ -263,6 +263,7 @@ impl Built {
         self.offload(a.memory.offload, a.host_mem)?;
         self.save_attention(a.memory.save_attention)?;
         self.widen_stages(a.chunk_heads)?;
+        self.offload_optimizer(a.memory.offload_optimizer)?;
         self.fit_forward_stages(a.fwd.fwd_chunk_heads)
     }
 
@@ -340,6 +341,23 @@ impl Built {
                 "--save-attention {save}: the last {} of {} blocks keep their attention output",
                 self.cfg.policy.save_attention,
                 self.cfg.model.layers
+            );
+        }
+        Ok(())
+    }
+
+    /// Resolves `--offload-optimizer` (auto: the fewest units whose state
+    /// on the host makes the step fit each rank's memory beside what the
+    /// run decided before, which assumed every unit's there).
+    fn offload_optimizer(&mut self, choice: OptimizerOffload) -> Result<()> {
+        let kind = crate::plan::DeviceKind::of_run(self.on_gpu(), self.kernel);
+        let room = self.budget.map(|b| kind.ledger_budget(b));
+        let n = choice.resolve(&self.spec(&self.plan), room)?;
+        self.cfg.policy.offload_optimizer = n;
+        if choice == OptimizerOffload::Auto && self.lead {
+            let units = crate::model::MemoryPolicy::optimizer_units(self.cfg.model.layers);
+            tracing::info!(
+                "--offload-optimizer auto: {n} of {units} units keep their optimizer state in host memory"
             );
         }
         Ok(())

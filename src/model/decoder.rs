@@ -35,9 +35,14 @@ pub struct MemoryPolicy {
     /// checkpointed input in host memory (`--offload`; the first because
     /// their inputs wait longest for backward).
     pub offload: usize,
-    /// F32 master weights and AdamW moments in host memory, updated on the
-    /// host (`--offload-optimizer`).
-    pub offload_optimizer: bool,
+    /// How many units (the embedding, each block, the head) keep their F32
+    /// master weights and AdamW moments in host memory, updated on the host
+    /// (`--offload-optimizer`): the last ones of the optimizer's update
+    /// order (`train::settling::update_order`: the head, the embedding,
+    /// then the blocks), so the last blocks first. The units the next
+    /// forward asks for first keep their state on the device, where their
+    /// update runs at the step and nothing waits for the host.
+    pub offload_optimizer: usize,
     pub tiled_mlp: bool,
     /// Rows of logits computed at once by the fused loss.
     pub loss_chunk: usize,
@@ -55,7 +60,7 @@ impl Default for MemoryPolicy {
         MemoryPolicy {
             checkpoint: false,
             offload: 0,
-            offload_optimizer: false,
+            offload_optimizer: 0,
             tiled_mlp: false,
             loss_chunk: 256,
             save_attention: 0,
@@ -91,7 +96,22 @@ impl MemoryPolicy {
                 self.offload
             );
         }
+        if self.offload_optimizer > Self::optimizer_units(layers) {
+            return crate::config_err!(
+                "--offload-optimizer {}: the model has {} units (the embedding, {layers} blocks, \
+                 the head); use at most {}, all, or auto",
+                self.offload_optimizer,
+                Self::optimizer_units(layers),
+                Self::optimizer_units(layers)
+            );
+        }
         self.check_save_attention(&self.save_attention.to_string(), Some(layers))
+    }
+
+    /// The units whose optimizer state `--offload-optimizer` places: the
+    /// embedding, `layers` blocks and the head.
+    pub fn optimizer_units(layers: usize) -> usize {
+        layers + 2
     }
 
     /// Checks `save_attention`, given as `--save-attention {given}`, against

@@ -33,9 +33,9 @@ use crate::backend::Category;
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
-use crate::train::fsdp::model_layouts;
 pub use offload::OffloadBlocks;
-use offload_optim::{PendingStep, SettlingWalk, tensor_numels, update_slots};
+pub use offload_optim::OptimizerOffload;
+use offload_optim::{PendingStep, SettlingWalk, split_state, unit_slots, update_slots};
 use sim::Sim;
 use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
 use walk::{AttnFwd, AttnWalk, DecoderWalk};
@@ -254,35 +254,31 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
         2
     };
     let shard_world = world / spec.fsdp_replicas.max(1);
-    let on_host = spec.optimizer && spec.policy.offload_optimizer;
-    // the optimizer's slots: parameter tensors, or each unit's shard
-    let slots: Vec<usize> = if spec.fsdp {
-        model_layouts(&spec.model, shard_world)
-            .iter()
-            .map(|u| u.shard)
-            .collect()
+    let layers = spec.model.layers;
+    let host_units = if spec.optimizer {
+        spec.policy.offload_optimizer
     } else {
-        tensor_numels(&spec.model)
+        0
     };
+    let on_host = host_units > 0;
+    // the optimizer's slots (parameter tensors, or each unit's shard), on
+    // the device or the host
+    let units = unit_slots(&spec.model, spec.fsdp, shard_world);
+    let (device_elems, host_slots) = split_state(&units, layers, host_units);
     if spec.fsdp {
-        let device_states = if on_host { 0 } else { states };
-        FsdpWalk::resident(&spec.model, shard_world, ab, device_states, &mut sim);
-        if on_host {
-            offload_optim::host_state(&mut sim, &slots, ab);
-        }
+        FsdpWalk::resident(&spec.model, shard_world, ab, states * device_elems, &mut sim);
+        offload_optim::host_state(&mut sim, &host_slots, ab);
     } else {
         let params = spec.model.param_count();
         sim.alloc(Category::Weights, params * ab);
-        if on_host {
-            offload_optim::host_state(&mut sim, &slots, ab);
+        if states > 0 && device_elems > 0 {
+            sim.alloc(Category::OptimState, states * device_elems * F32);
         }
+        offload_optim::host_state(&mut sim, &host_slots, ab);
         sim.alloc(Category::Grads, params * F32);
-        if states > 0 && !on_host {
-            sim.alloc(Category::OptimState, states * params * F32);
-        }
     }
     sim.alloc(Category::Workspace, spec.device.backend_resident());
-    let (update, ends) = update_slots(&spec.model, spec.fsdp, &slots);
+    let (update, ends) = update_slots(&units, layers, host_units);
     // the first step's forward has no host updates of a step before it
     let steps_walked = std::cell::Cell::new(0);
     let step = |sim: &mut Sim| {

@@ -1,26 +1,157 @@
-//! The allocations of `--offload-optimizer` (`train::offload_optim`): the
-//! host-resident state as it is built, and a step's gradient downloads
-//! (one slot ahead) and parameter uploads, which run in the next step's
-//! forward ahead of each unit (`train::settling`).
+//! `--offload-optimizer` (`train::offload_optim`): how many units keep
+//! their optimizer state on the host, `auto` (the fewest that make the
+//! step fit), and the allocations: the host-resident state as it is built,
+//! and a step's gradient downloads (one slot ahead) and parameter uploads,
+//! which run in the next step's forward ahead of each unit
+//! (`train::settling`).
 
 use super::sim::{Buf, Sim};
 use super::store_walk::StoreWalk;
+use super::{StepSpec, predict_step};
 use crate::backend::Category::{Offload, Workspace};
-use crate::model::{ModelConfig, Unit};
+use crate::error::Result;
+use crate::model::{MemoryPolicy, ModelConfig, Unit};
 use crate::train::fsdp::model_layouts;
-use crate::train::settling::{next_in_forward, update_index, update_order};
+use crate::train::settling::{next_in_forward, state_on_host, update_index, update_order};
 
 const F32: usize = 4;
 
-/// Elements of every parameter tensor, in `ModelWeights::named` order.
-pub fn tensor_numels(cfg: &ModelConfig) -> Vec<usize> {
-    model_layouts(cfg, 1)
+/// The `--offload-optimizer` choice: units (the embedding, each block, the
+/// head) whose F32 master weights and moments live in host memory, the
+/// last ones of update order (`MemoryPolicy::offload_optimizer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerOffload {
+    /// The fewest units that make the step fit the device budget beside
+    /// everything else the run decided ([`optimizer_auto`]).
+    Auto,
+    /// Every unit.
+    All,
+    /// The last N units (`none`: 0).
+    Units(usize),
+}
+
+impl std::fmt::Display for OptimizerOffload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OptimizerOffload::Auto => f.write_str("auto"),
+            OptimizerOffload::All => f.write_str("all"),
+            OptimizerOffload::Units(0) => f.write_str("none"),
+            OptimizerOffload::Units(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for OptimizerOffload {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(OptimizerOffload::Auto),
+            "all" | "true" => Ok(OptimizerOffload::All),
+            "none" | "false" => Ok(OptimizerOffload::Units(0)),
+            n => n.parse().map(OptimizerOffload::Units).map_err(|_| {
+                crate::Error::Config(format!(
+                    "--offload-optimizer {n}: use all (the flag alone), a number of units \
+                     (the last blocks first, then the embedding and the head), auto, or none"
+                ))
+            }),
+        }
+    }
+}
+
+impl OptimizerOffload {
+    /// The units of a `layers`-block model on the host before any budget
+    /// is known: `auto` starts from every unit (the most room for the
+    /// choices resolved before it).
+    pub fn units(self, layers: usize) -> usize {
+        match self {
+            OptimizerOffload::Auto | OptimizerOffload::All => MemoryPolicy::optimizer_units(layers),
+            OptimizerOffload::Units(n) => n,
+        }
+    }
+
+    /// The units on the host in a step of `spec` (its
+    /// `policy.offload_optimizer` is ignored) with `budget` device bytes
+    /// per rank (`None`: unknown; `auto` then keeps every unit's state on
+    /// the host). A number above the model's units is an error naming the
+    /// fix.
+    pub fn resolve(self, spec: &StepSpec, budget: Option<usize>) -> Result<usize> {
+        let layers = spec.model.layers;
+        let n = match (self, budget) {
+            (OptimizerOffload::Auto, Some(b)) if spec.optimizer => optimizer_auto(spec, b)?,
+            (OptimizerOffload::Auto, _) if !spec.optimizer => 0,
+            (choice, _) => choice.units(layers),
+        };
+        let mut policy = spec.policy;
+        policy.offload_optimizer = n;
+        policy.validate_for(layers)?;
+        Ok(n)
+    }
+}
+
+/// The fewest units whose optimizer state on the host brings the step's
+/// predicted device peak within `budget`; every unit when even that does
+/// not (the preflight then reports the closest run). Each unit moved to
+/// the host takes its state off the device, so the peak falls with the
+/// count: the search bisects.
+pub fn optimizer_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
+    let all = MemoryPolicy::optimizer_units(spec.model.layers);
+    let fits = |n: usize| -> Result<bool> {
+        let mut s = spec.clone();
+        s.policy.offload_optimizer = n;
+        Ok(predict_step(&s)?.rank_bytes(s.device) <= budget)
+    };
+    if fits(0)? {
+        return Ok(0);
+    }
+    if !fits(all)? {
+        return Ok(all);
+    }
+    // fits(lo) is false, fits(hi) true
+    let (mut lo, mut hi) = (0, all);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid)? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Ok(hi)
+}
+
+/// The optimizer's slots of each unit, in model order: the elements of
+/// each parameter tensor (`ModelWeights::named` order), or with `fsdp` the
+/// unit's shard over `shard_world` ranks.
+pub fn unit_slots(cfg: &ModelConfig, fsdp: bool, shard_world: usize) -> Vec<(Unit, Vec<usize>)> {
+    let world = if fsdp { shard_world } else { 1 };
+    model_layouts(cfg, world)
         .iter()
-        .flat_map(|u| u.params.iter().map(|p| p.numel()))
+        .map(|u| {
+            let slots = match fsdp {
+                true => vec![u.shard],
+                false => u.params.iter().map(|p| p.numel()).collect(),
+            };
+            (u.unit, slots)
+        })
         .collect()
 }
 
-/// Each slot's F32 master (through a device F32 copy when the compute
+/// Where the optimizer's state of `units` (from [`unit_slots`]) lives when
+/// the last `host_units` units of update order keep theirs on the host:
+/// `(elements per state on the device, host slots in model order)`.
+pub fn split_state(units: &[(Unit, Vec<usize>)], layers: usize, host_units: usize) -> (usize, Vec<usize>) {
+    let mut device = 0;
+    let mut host = Vec::new();
+    for (u, slots) in units {
+        match state_on_host(*u, layers, host_units) {
+            true => host.extend_from_slice(slots),
+            false => device += slots.iter().sum::<usize>(),
+        }
+    }
+    (device, host)
+}
+
+/// Each host slot's F32 master (through a device F32 copy when the compute
 /// dtype of `ab` bytes is narrower), then its two moments, in host memory.
 pub fn host_state(sim: &mut Sim, slots: &[usize], ab: usize) {
     for &n in slots {
@@ -34,24 +165,22 @@ pub fn host_state(sim: &mut Sim, slots: &[usize], ab: usize) {
     }
 }
 
-/// `slots` (tensors in `ModelWeights::named` order, or one shard per unit)
-/// in the order a deferred step updates them (`train::settling::
-/// update_order`: the head's first), and for each unit in that order the
-/// slots through it.
-pub fn update_slots(cfg: &ModelConfig, fsdp: bool, slots: &[usize]) -> (Vec<usize>, Vec<usize>) {
-    let per_unit: Vec<usize> = model_layouts(cfg, 1)
-        .iter()
-        .map(|u| if fsdp { 1 } else { u.params.len() })
-        .collect();
-    let head = *per_unit.last().expect("a model has a head unit");
-    let mut ordered = slots.to_vec();
-    ordered.rotate_right(head);
-    let mut end = 0;
-    let ends = update_order(cfg.layers)
+/// The host slots of `units` (from [`unit_slots`]) in the order a deferred
+/// step updates them (`train::settling::update_order`: the head's first),
+/// and for each unit in that order the host slots through it.
+pub fn update_slots(
+    units: &[(Unit, Vec<usize>)],
+    layers: usize,
+    host_units: usize,
+) -> (Vec<usize>, Vec<usize>) {
+    let mut ordered = Vec::new();
+    let ends = update_order(layers)
         .into_iter()
         .map(|u| {
-            end += per_unit[u.index(cfg.layers)];
-            end
+            if state_on_host(u, layers, host_units) {
+                ordered.extend_from_slice(&units[u.index(layers)].1);
+            }
+            ordered.len()
         })
         .collect();
     (ordered, ends)

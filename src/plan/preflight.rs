@@ -24,7 +24,8 @@ struct Change {
 }
 
 /// The changes tried, cheapest in speed first (`--offload auto` stands for
-/// offloading every block here: auto then picks the fewest that fit).
+/// offloading every block here, `--offload-optimizer auto` for every
+/// unit's optimizer state on the host: auto then picks the fewest that fit).
 const CHANGES: [Change; 9] = [
     Change {
         // what `auto` falls back to: if none fits, auto fits
@@ -62,27 +63,33 @@ const CHANGES: [Change; 9] = [
         },
     },
     Change {
-        flags: "--offload-optimizer",
-        apply: |s| s.policy.offload_optimizer = true,
+        flags: "--offload-optimizer auto",
+        apply: |s| s.policy.offload_optimizer = all_units(s),
     },
     Change {
-        flags: "--checkpoint --offload auto --offload-optimizer",
+        flags: "--checkpoint --offload auto --offload-optimizer auto",
         apply: |s| {
             s.policy.checkpoint = true;
             s.policy.offload = s.model.layers;
-            s.policy.offload_optimizer = true;
+            s.policy.offload_optimizer = all_units(s);
         },
     },
     Change {
-        flags: "--checkpoint --tiled-mlp --offload auto --offload-optimizer",
+        flags: "--checkpoint --tiled-mlp --offload auto --offload-optimizer auto",
         apply: |s| {
             s.policy.checkpoint = true;
             s.policy.tiled_mlp = true;
             s.policy.offload = s.model.layers;
-            s.policy.offload_optimizer = true;
+            s.policy.offload_optimizer = all_units(s);
         },
     },
 ];
+
+/// Every unit's optimizer state on the host (what `--offload-optimizer
+/// auto` falls back to: wherever it fits, auto fits).
+fn all_units(s: &StepSpec) -> usize {
+    crate::model::MemoryPolicy::optimizer_units(s.model.layers)
+}
 
 /// Of a rank's pinned host budget, the bytes its planned host tensors may
 /// fill: the pinned pool's slack (`backend::memory::PINNED_SLACK`) is left

@@ -110,22 +110,20 @@ impl FsdpWalk {
     }
 
     /// The resident shards (`FsdpStore::new`, `ShardedAdamW::new`): parameters,
-    /// F32 gradients and `optim_states` F32 optimizer tensors per unit.
+    /// F32 gradients and `optim_elems` F32 elements of optimizer state on
+    /// the device (every state of the units that keep theirs there).
     pub fn resident(
         cfg: &ModelConfig,
         world: usize,
         ab: usize,
-        optim_states: usize,
+        optim_elems: usize,
         sim: &mut Sim,
     ) {
         let shard: usize = model_layouts(cfg, world).iter().map(|u| u.shard).sum();
         sim.alloc(Weights, shard * ab);
         sim.alloc(Grads, shard * F32);
-        if optim_states > 0 {
-            sim.alloc(
-                crate::backend::Category::OptimState,
-                optim_states * shard * F32,
-            );
+        if optim_elems > 0 {
+            sim.alloc(crate::backend::Category::OptimState, optim_elems * F32);
         }
     }
 

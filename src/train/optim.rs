@@ -5,7 +5,7 @@ use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::{ModelWeights, Unit};
 use crate::train::offload_optim::{HostSlot, HostStep, host_master, host_zeros};
-use crate::train::settling::{update_index, update_order};
+use crate::train::settling::{state_on_host, update_index, update_order};
 
 /// Optimizer hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -20,10 +20,12 @@ pub struct AdamWConfig {
     pub weight_decay: f32,
     /// Clip the global gradient norm to this (0 = off).
     pub clip: f32,
-    /// Keep the F32 master weights and moments in pinned host memory and
-    /// update them on host threads (`--offload-optimizer`; a training run
-    /// sets it from its memory policy, `TrainConfig::adamw`).
-    pub offload: bool,
+    /// How many units, the last of update order
+    /// (`train::settling::state_on_host`), keep their F32 master weights
+    /// and moments in pinned host memory, updated on host threads
+    /// (`--offload-optimizer`; a training run sets it from its memory
+    /// policy, `TrainConfig::adamw`).
+    pub host_units: usize,
 }
 
 impl AdamWConfig {
@@ -40,7 +42,7 @@ impl AdamWConfig {
             eps: 1e-8,
             weight_decay: 0.1,
             clip: 1.0,
-            offload: false,
+            host_units: 0,
         }
     }
 
@@ -55,59 +57,67 @@ impl AdamWConfig {
     }
 }
 
-/// Moments (and fp32 master weights when the model computes in a lower
-/// precision, or always when they live on the host: `cfg.offload`).
+/// Moments and F32 master weights, per parameter tensor in
+/// `ModelWeights::named` order: on the device (the master only when the
+/// model computes in a lower precision), or for the units
+/// `cfg.host_units` names in pinned host memory (master always).
 pub struct AdamW<B: Backend> {
     pub cfg: AdamWConfig,
     pub m: Vec<Tensor<B>>,
     pub v: Vec<Tensor<B>>,
-    master: Option<Vec<Tensor<B>>>,
-    /// The last step's host updates not yet run (`cfg.offload`).
+    master: Vec<Option<Tensor<B>>>,
+    /// Whether each tensor's state lives on the host: the tensors of the
+    /// last `cfg.host_units` units of update order.
+    on_host: Vec<bool>,
+    /// The last step's host updates not yet run.
     pending: Option<HostStep<B>>,
 }
 
+/// The unit of each tensor of `w`, in `ModelWeights::named` order.
+fn tensor_units<B: Backend>(w: &ModelWeights<B>) -> Vec<Unit> {
+    Unit::all(w.blocks.len())
+        .into_iter()
+        .flat_map(|u| std::iter::repeat_n(u, w.unit_named(u).len()))
+        .collect()
+}
+
 impl<B: Backend> AdamW<B> {
-    /// Zero moments for every parameter of `w`.
+    /// Zero moments for every parameter of `w`: the device's state first,
+    /// then the host's, each tensor's master, m and v in turn.
     pub fn new(b: &B, cfg: AdamWConfig, w: &ModelWeights<B>) -> Result<Self> {
         let named = w.named();
-        if cfg.offload {
-            return Self::on_host(b, cfg, &named);
-        }
+        let layers = w.blocks.len();
+        let on_host: Vec<bool> = tensor_units(w)
+            .into_iter()
+            .map(|u| state_on_host(u, layers, cfg.host_units))
+            .collect();
+        let count = named.len();
+        let (mut m, mut v, mut master) = (empty(count), empty(count), empty(count));
+        let device: Vec<usize> = (0..count).filter(|&k| !on_host[k]).collect();
         let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
-        let m = named.iter().map(|(_, t)| z(t)).collect::<Result<_>>()?;
-        let v = named.iter().map(|(_, t)| z(t)).collect::<Result<_>>()?;
-        let master = if named.iter().any(|(_, t)| t.dtype() != DType::F32) {
-            Some(
-                named
-                    .iter()
-                    .map(|(_, t)| cast(b, t, DType::F32, Category::OptimState))
-                    .collect::<Result<_>>()?,
-            )
-        } else {
-            None
-        };
-        Ok(AdamW {
-            cfg,
-            m,
-            v,
-            master,
-            pending: None,
-        })
-    }
-
-    /// The state in host memory, each parameter's master, m and v in turn.
-    fn on_host(b: &B, cfg: AdamWConfig, named: &[(String, &Tensor<B>)]) -> Result<Self> {
-        let (mut m, mut v, mut master) = (Vec::new(), Vec::new(), Vec::new());
-        for (_, t) in named {
-            master.push(host_master(b, t)?);
-            m.push(host_zeros(b, t.shape())?);
-            v.push(host_zeros(b, t.shape())?);
+        for &k in &device {
+            m[k] = Some(z(named[k].1)?);
+        }
+        for &k in &device {
+            v[k] = Some(z(named[k].1)?);
+        }
+        if named.iter().any(|(_, t)| t.dtype() != DType::F32) {
+            for &k in &device {
+                master[k] = Some(cast(b, named[k].1, DType::F32, Category::OptimState)?);
+            }
+        }
+        for k in (0..count).filter(|&k| on_host[k]) {
+            let t = named[k].1;
+            master[k] = Some(host_master(b, t)?);
+            m[k] = Some(host_zeros(b, t.shape())?);
+            v[k] = Some(host_zeros(b, t.shape())?);
         }
         Ok(AdamW {
             cfg,
-            m,
-            v,
-            master: Some(master),
+            m: m.into_iter().map(|t| t.expect("every tensor has moments")).collect(),
+            v: v.into_iter().map(|t| t.expect("every tensor has moments")).collect(),
+            master,
+            on_host,
             pending: None,
         })
     }
@@ -121,9 +131,11 @@ impl<B: Backend> AdamW<B> {
         Ok(s.sqrt())
     }
 
-    /// One update at 1-based `step`; returns `(lr, grad_norm)`. With the
-    /// state on the host the update is deferred: [`settle`](Self::settle)
-    /// runs it (the next step's forward does, unit by unit).
+    /// One update at 1-based `step`; returns `(lr, grad_norm)`. The
+    /// device's state is updated now; the host's update is deferred:
+    /// [`settle`](Self::settle) runs it (the next step's forward does, unit
+    /// by unit), and zeroes each gradient it reads, so the device's
+    /// gradients are zeroed here too.
     pub fn step(
         &mut self,
         b: &B,
@@ -138,35 +150,39 @@ impl<B: Backend> AdamW<B> {
             1.0
         };
         let lr = self.cfg.lr_at(step);
-        if self.cfg.offload {
+        let deferred = self.on_host.iter().any(|&h| h);
+        if deferred {
             self.settle(b, w, g, usize::MAX)?;
-            self.pending = Some(HostStep::new(b, lr, step, clip)?);
-            return Ok((lr, norm));
         }
-        let grads = g.named();
-        for (k, (name, p)) in w.named_mut().into_iter().enumerate() {
-            let hp = hyper(&self.cfg, &name, lr, step, clip);
-            match self.master.as_mut() {
-                Some(master) => {
-                    let n = master[k].numel();
-                    b.adamw(
-                        &mut master[k],
-                        grads[k].1,
-                        &mut self.m[k],
-                        &mut self.v[k],
-                        0..n,
-                        hp,
-                    )?;
-                    b.copy(p.mat_mut(), master[k].mat())?;
-                }
-                None => {
-                    let n = p.numel();
-                    b.adamw(p, grads[k].1, &mut self.m[k], &mut self.v[k], 0..n, hp)?
-                }
+        let tensors = w.named_mut().into_iter().zip(g.named_mut());
+        for (k, ((name, p), (_, grad))) in tensors.enumerate() {
+            if self.on_host[k] {
+                continue;
             }
+            let hp = hyper(&self.cfg, &name, lr, step, clip);
+            let n = p.numel();
+            let (m, v) = (&mut self.m[k], &mut self.v[k]);
+            match self.master[k].as_mut() {
+                Some(master) => {
+                    b.adamw(master, grad, m, v, 0..n, hp)?;
+                    b.copy(p.mat_mut(), master.mat())?;
+                }
+                None => b.adamw(p, grad, m, v, 0..n, hp)?,
+            }
+            if deferred {
+                b.fill(grad, 0.0)?;
+            }
+        }
+        if deferred {
+            self.pending = Some(HostStep::new(b, lr, step, clip)?);
         }
         Ok((lr, norm))
     }
+}
+
+/// `count` empty places.
+fn empty<T>(count: usize) -> Vec<Option<T>> {
+    (0..count).map(|_| None).collect()
 }
 
 impl<B: Backend> AdamW<B> {
@@ -177,7 +193,9 @@ impl<B: Backend> AdamW<B> {
 
     /// Runs the deferred host updates of the tensors before `upto` (in
     /// update order, [`update_order`]: the head's tensors, then
-    /// `ModelWeights::named` order; `usize::MAX`: all of them).
+    /// `ModelWeights::named` order; `usize::MAX`: all of them). The
+    /// tensors whose state is on the device, the first of that order, have
+    /// none.
     pub fn settle(
         &mut self,
         b: &B,
@@ -190,31 +208,38 @@ impl<B: Backend> AdamW<B> {
         };
         let cfg = self.cfg;
         let (lr, step, clip) = (pending.lr, pending.step, pending.clip);
-        let master = self.master.as_mut().ok_or_else(no_master)?;
-        let total = master.len();
-        let (from, upto) = (pending.done(), upto.min(total));
         let head = w.unit_named(Unit::Head).len();
         let mut tensors: Vec<_> = w
             .named_mut()
             .into_iter()
             .zip(g.named_mut())
-            .zip(master.iter_mut().zip(&mut self.m).zip(&mut self.v))
+            .zip(self.master.iter_mut().zip(&mut self.m).zip(&mut self.v))
+            .zip(&self.on_host)
+            .filter(|(_, on_host)| **on_host)
+            .map(|(t, _)| t)
             .collect();
-        // the head's tensors are last in `named` order, first to update
-        tensors.rotate_right(head);
+        let total = tensors.len();
+        let on_device = self.on_host.len() - total;
+        // the head's tensors are last in `named` order, first to update (the
+        // head is on the host only when every unit is)
+        if on_device == 0 {
+            tensors.rotate_right(head);
+        }
+        let (from, upto) = (pending.done(), upto.saturating_sub(on_device).min(total));
         let mut tensors = tensors.into_iter().skip(from);
-        let mut slots: Vec<HostSlot<'_, B>> = tensors
-            .by_ref()
-            .take(upto.saturating_sub(from))
-            .map(|(((name, param), (_, grad)), ((master, m), v))| HostSlot {
+        let mut slots = Vec::new();
+        for (((name, param), (_, grad)), ((master, m), v)) in
+            tensors.by_ref().take(upto.saturating_sub(from))
+        {
+            slots.push(HostSlot {
                 updates: vec![(0..param.numel(), hyper(&cfg, &name, lr, step, clip))],
                 param,
                 grad,
-                master,
+                master: master.as_mut().ok_or_else(no_master)?,
                 m,
                 v,
-            })
-            .collect();
+            });
+        }
         let ahead = tensors.next().map(|((_, (_, grad)), _)| grad);
         pending.run(b, &mut slots, ahead.as_deref())?;
         if pending.done() == total {

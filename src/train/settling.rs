@@ -46,6 +46,13 @@ pub fn update_index(unit: Unit, layers: usize) -> usize {
     }
 }
 
+/// Whether `unit`'s optimizer state lives on the host when the last
+/// `host_units` units of [`update_order`] keep theirs there
+/// (`MemoryPolicy::offload_optimizer`).
+pub fn state_on_host(unit: Unit, layers: usize, host_units: usize) -> bool {
+    update_index(unit, layers) + host_units >= layers + 2
+}
+
 /// The unit the forward asks for after `unit` (the head asks for none).
 pub fn next_in_forward(unit: Unit, layers: usize) -> Unit {
     match unit {
@@ -93,6 +100,20 @@ mod tests {
         for (i, u) in order.into_iter().enumerate() {
             assert_eq!(update_index(u, 3), i);
         }
+    }
+
+    #[test]
+    fn the_host_holds_the_last_units_of_update_order() {
+        let on_host = |n| {
+            update_order(3)
+                .into_iter()
+                .filter(|&u| state_on_host(u, 3, n))
+                .collect::<Vec<_>>()
+        };
+        assert!(on_host(0).is_empty());
+        assert_eq!(on_host(1), vec![Unit::Block(2)]);
+        assert_eq!(on_host(4), vec![Unit::Embed, Unit::Block(0), Unit::Block(1), Unit::Block(2)]);
+        assert_eq!(on_host(5), update_order(3));
     }
 
     #[test]

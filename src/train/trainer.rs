@@ -120,7 +120,7 @@ impl TrainConfig {
     /// says (`--offload-optimizer`).
     pub fn adamw(&self) -> AdamWConfig {
         AdamWConfig {
-            offload: self.policy.offload_optimizer,
+            host_units: self.policy.offload_optimizer,
             ..self.optim
         }
     }

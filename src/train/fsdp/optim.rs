@@ -7,64 +7,66 @@ use crate::backend::{Backend, Category, DType, Tensor, cast};
 use crate::error::{Error, Result};
 use crate::train::offload_optim::{HostSlot, HostStep, host_master, host_zeros};
 use crate::train::optim::{AdamWConfig, hyper};
+use crate::train::settling::state_on_host;
 
-/// Moments (and F32 master shards when the model computes in a lower
-/// precision), `[shard]` per unit.
+/// Moments and F32 master shards, `[shard]` per unit: on the device (the
+/// master only when the model computes in a lower precision), or for the
+/// units `cfg.host_units` names in pinned host memory (master always).
 pub struct ShardedAdamW<B: Backend> {
     pub cfg: AdamWConfig,
     pub m: Vec<Tensor<B>>,
     pub v: Vec<Tensor<B>>,
-    pub master: Option<Vec<Tensor<B>>>,
-    /// The last step's host updates not yet run (`cfg.offload`).
+    pub master: Vec<Option<Tensor<B>>>,
+    /// Whether each unit's state lives on the host.
+    on_host: Vec<bool>,
+    /// The last step's host updates not yet run.
     pending: Option<HostStep<B>>,
 }
 
 impl<B: Backend> ShardedAdamW<B> {
-    /// Zero moments (and master copies of the current shards) for `store`.
+    /// Zero moments (and master copies of the current shards) for `store`:
+    /// the device's state first, then the host's, each shard's master, m
+    /// and v in turn.
     pub fn new(b: &B, cfg: AdamWConfig, store: &FsdpStore<'_, B>) -> Result<Self> {
         let shards = store
             .params
             .iter()
             .map(|p| p.as_ref().ok_or_else(busy))
             .collect::<Result<Vec<_>>>()?;
-        if cfg.offload {
-            return Self::on_host(b, cfg, &shards);
-        }
+        let layers = store.layers();
+        let on_host: Vec<bool> = store
+            .layouts
+            .iter()
+            .map(|u| state_on_host(u.unit, layers, cfg.host_units))
+            .collect();
+        let count = shards.len();
+        let none = || (0..count).map(|_| None).collect::<Vec<Option<Tensor<B>>>>();
+        let (mut m, mut v, mut master) = (none(), none(), none());
+        let device: Vec<usize> = (0..count).filter(|&i| !on_host[i]).collect();
         let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
-        let m = shards.iter().map(|t| z(t)).collect::<Result<_>>()?;
-        let v = shards.iter().map(|t| z(t)).collect::<Result<_>>()?;
-        let master = if b.compute_dtype() != DType::F32 {
-            Some(
-                shards
-                    .iter()
-                    .map(|t| cast(b, t, DType::F32, Category::OptimState))
-                    .collect::<Result<_>>()?,
-            )
-        } else {
-            None
-        };
-        Ok(ShardedAdamW {
-            cfg,
-            m,
-            v,
-            master,
-            pending: None,
-        })
-    }
-
-    /// The state of each shard in host memory: its master, m and v in turn.
-    fn on_host(b: &B, cfg: AdamWConfig, shards: &[&Tensor<B>]) -> Result<Self> {
-        let (mut m, mut v, mut master) = (Vec::new(), Vec::new(), Vec::new());
-        for t in shards {
-            master.push(host_master(b, t)?);
-            m.push(host_zeros(b, t.shape())?);
-            v.push(host_zeros(b, t.shape())?);
+        for &i in &device {
+            m[i] = Some(z(shards[i])?);
         }
+        for &i in &device {
+            v[i] = Some(z(shards[i])?);
+        }
+        if b.compute_dtype() != DType::F32 {
+            for &i in &device {
+                master[i] = Some(cast(b, shards[i], DType::F32, Category::OptimState)?);
+            }
+        }
+        for i in (0..count).filter(|&i| on_host[i]) {
+            master[i] = Some(host_master(b, shards[i])?);
+            m[i] = Some(host_zeros(b, shards[i].shape())?);
+            v[i] = Some(host_zeros(b, shards[i].shape())?);
+        }
+        let every = |t: Vec<Option<Tensor<B>>>| t.into_iter().map(|t| t.expect("moments")).collect();
         Ok(ShardedAdamW {
             cfg,
-            m,
-            v,
-            master: Some(master),
+            m: every(m),
+            v: every(v),
+            master,
+            on_host,
             pending: None,
         })
     }
@@ -89,8 +91,9 @@ impl<B: Backend> ShardedAdamW<B> {
     }
 
     /// One update at 1-based `step` of every owned shard; returns `(lr,
-    /// grad_norm)`. With the state on the host the update is deferred:
-    /// [`settle`](Self::settle) runs it (the next forward does, unit by unit).
+    /// grad_norm)`. The device's shards are updated now; the host's update
+    /// is deferred: [`settle`](Self::settle) runs it (the next forward
+    /// does, unit by unit).
     pub fn step(&mut self, b: &B, store: &mut FsdpStore<'_, B>, step: u32) -> Result<(f32, f64)> {
         let norm = Self::grad_norm(b, store)?;
         let clip = if self.cfg.clip > 0.0 && norm > self.cfg.clip as f64 {
@@ -99,27 +102,32 @@ impl<B: Backend> ShardedAdamW<B> {
             1.0
         };
         let lr = self.cfg.lr_at(step);
-        if self.cfg.offload {
+        let deferred = self.on_host.iter().any(|&h| h);
+        if deferred {
             self.settle(b, store, usize::MAX)?;
-            self.pending = Some(HostStep::new(b, lr, step, clip)?);
-            return Ok((lr, norm));
         }
         for (i, layout) in store.layouts.iter().enumerate() {
+            if self.on_host[i] {
+                continue;
+            }
             let grad = store.grads[i].as_ref().ok_or_else(busy)?;
             let param = store.params[i].as_mut().ok_or_else(busy)?;
             for s in layout.segments(store.rank) {
                 let name = &layout.params[s.param].name;
                 let hp = hyper(&self.cfg, name, lr, step, clip);
                 let elems = s.at..s.at + s.elems.len();
-                let target = match self.master.as_mut() {
-                    Some(master) => &mut master[i],
+                let target = match self.master[i].as_mut() {
+                    Some(master) => master,
                     None => &mut *param,
                 };
                 b.adamw(target, grad, &mut self.m[i], &mut self.v[i], elems, hp)?;
             }
-            if let Some(master) = &self.master {
-                b.copy(param.mat_mut(), master[i].mat())?;
+            if let Some(master) = &self.master[i] {
+                b.copy(param.mat_mut(), master.mat())?;
             }
+        }
+        if deferred {
+            self.pending = Some(HostStep::new(b, lr, step, clip)?);
         }
         Ok((lr, norm))
     }
@@ -133,7 +141,8 @@ impl<B: Backend> ShardedAdamW<B> {
 
     /// Runs the deferred host updates of the units' shards before `upto`
     /// (update order, `train::settling::update_order`: the head, then unit
-    /// order; `usize::MAX`: all of them).
+    /// order; `usize::MAX`: all of them). The units whose state is on the
+    /// device, the first of that order, have none.
     pub fn settle(&mut self, b: &B, store: &mut FsdpStore<'_, B>, upto: usize) -> Result<()> {
         let Some(pending) = self.pending.as_mut() else {
             return Ok(());
@@ -141,14 +150,24 @@ impl<B: Backend> ShardedAdamW<B> {
         let cfg = self.cfg;
         let (lr, step, clip) = (pending.lr, pending.step, pending.clip);
         let rank = store.rank;
-        let master = self.master.as_mut().ok_or_else(busy)?;
-        let total = master.len();
-        let (from, upto) = (pending.done(), upto.min(total));
-        let states = master.iter_mut().zip(&mut self.m).zip(&mut self.v);
+        let states = self.master.iter_mut().zip(&mut self.m).zip(&mut self.v);
         let shards = store.params.iter_mut().zip(&mut store.grads);
-        let mut units: Vec<_> = store.layouts.iter().zip(shards).zip(states).collect();
-        // update order: the head (the last unit) first
-        units.rotate_right(1);
+        let mut units: Vec<_> = store
+            .layouts
+            .iter()
+            .zip(shards)
+            .zip(states)
+            .zip(&self.on_host)
+            .filter(|(_, on_host)| **on_host)
+            .map(|(u, _)| u)
+            .collect();
+        let total = units.len();
+        let on_device = self.on_host.len() - total;
+        // update order: the head (the last unit) first, when it is on the host
+        if on_device == 0 {
+            units.rotate_right(1);
+        }
+        let (from, upto) = (pending.done(), upto.saturating_sub(on_device).min(total));
         let mut units = units.into_iter().skip(from);
         let mut slots = Vec::new();
         for ((layout, (param, grad)), ((master, m), v)) in
@@ -168,7 +187,7 @@ impl<B: Backend> ShardedAdamW<B> {
             slots.push(HostSlot {
                 param: param.as_mut().ok_or_else(busy)?,
                 grad: grad.as_mut().ok_or_else(busy)?,
-                master,
+                master: master.as_mut().ok_or_else(busy)?,
                 m,
                 v,
                 updates,

@@ -68,8 +68,8 @@ impl<'a, B: Backend> Sharded<'a, B> {
         for (i, u) in store.layouts.iter().enumerate() {
             b.upload(&mut opt.m[i], &saved.shard("exp_avg", u, rank)?)?;
             b.upload(&mut opt.v[i], &saved.shard("exp_avg_sq", u, rank)?)?;
-            if let (Some(master), true) = (opt.master.as_mut(), saved.has_master(u)) {
-                b.upload(&mut master[i], &saved.shard("master", u, rank)?)?;
+            if let (Some(master), true) = (opt.master[i].as_mut(), saved.has_master(u)) {
+                b.upload(master, &saved.shard("master", u, rank)?)?;
             }
         }
         let state = ckpt::read_state(dir)?;
@@ -148,8 +148,8 @@ impl<'a, B: Backend> Sharded<'a, B> {
             let key = unit_key(u.unit);
             tensors.push((format!("exp_avg.{key}"), host(&self.opt.m[i])?));
             tensors.push((format!("exp_avg_sq.{key}"), host(&self.opt.v[i])?));
-            if let Some(master) = &self.opt.master {
-                tensors.push((format!("master.{key}"), host(&master[i])?));
+            if let Some(master) = &self.opt.master[i] {
+                tensors.push((format!("master.{key}"), host(master)?));
             }
         }
         let (rank, world) = (self.store.group.rank(), self.store.group.size());
