@@ -14,12 +14,13 @@
 # `--rehearse` around the planner's longest contexts (REHEARSALS: lines of
 # "model seq flags", the mesh among the flags); profile = Llama 3.2 1B at PROFILE_SEQ
 # (131072) with PROFILE_FLAGS (--checkpoint when unset; empty: none) and --trace; 8b = Llama3-8B (random init)
-# at SEQ8B (65536) with --offload-optimizer --offload auto --checkpoint --tiled-mlp and
-# --lr LR8B (1e-4) and EXTRA8B (more flags, e.g. --host-mem 112), STEPS8B (3) steps, under
-# each line of ATTNS8B (UPipe on one GPU, local). MEMLOG=1 samples the cgroup's and upipe's
+# at SEQ8B (65536) with --offload-optimizer OPT8B (auto; a line's own wins) --offload auto
+# --checkpoint --tiled-mlp and --lr LR8B (1e-4) and EXTRA8B (more flags, e.g. --host-mem 112),
+# STEPS8B (3) steps, under each line of ATTNS8B (UPipe on one GPU, local). MEMLOG=1 samples the cgroup's and upipe's
 # host memory every 5 s into memory.log; ab = an old build against this one (below);
 # peer = the HF transformers + PyTorch step (hf_peer_step.py) beside upipe's default policy
-# at each line of PEERS ("seq steps [--checkpoint]").
+# at each line of PEERS ("seq steps [--checkpoint]"); runs = upipe training runs, one per
+# line of RUNS ("model seq steps flags...").
 set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-1x.sh build DIR}"   # OLD=COMMIT adds bin/upipe-old
@@ -134,17 +135,22 @@ if [[ " $parts " == *" profile "* ]]; then
 fi
 if [[ " $parts " == *" 8b "* ]]; then
     corpus $(( ${SEQ8B:-65536} * 2 + 8192 ))
+    k=0
     while read -r attn; do
         [ -z "$attn" ] && continue
         read -r -a at <<< "$attn"
-        log="$out/train-8b-${at[0]}.log"
+        k=$((k + 1))
+        log="$out/train-8b-$k-${at[0]}.log"
+        # a line's own --offload-optimizer wins over OPT8B
+        opt=(--offload-optimizer "${OPT8B:-auto}")
+        [[ "$attn" == *--offload-optimizer* ]] && opt=()
         s=$(date +%s)
         "$bin/upipe" train --model llama3-8b --data "$data" --seq "${SEQ8B:-65536}" --steps "${STEPS8B:-3}" \
-            --warmup 1 --lr "${LR8B:-1e-4}" --attn "${at[@]}" --checkpoint --tiled-mlp --offload auto --offload-optimizer \
+            --warmup 1 --lr "${LR8B:-1e-4}" --attn "${at[@]}" --checkpoint --tiled-mlp --offload auto "${opt[@]}" \
             ${EXTRA8B:-} --profile --json > "$log" 2>&1
         rc=$?
         [ "$rc" -ne 0 ] && { status=1; grep -aiE "error|panick" "$log" | head -5; }
-        grep -aE "offload auto|save-attention" "$log" | head -2
+        grep -aE "offload auto|offload-optimizer auto|save-attention|chunk-heads auto" "$log" | head -4
         grep -aE "^(gemm|attn|recompute|elementwise|loss|optimizer|copy|collective|idle|class|step)" "$log" | tail -14
         losses=$(grep -a '"step"' "$log" | grep -o '"loss":[0-9.]*' | cut -d: -f2 | tr '\n' ' ')
         last=$(grep -a '"step"' "$log" | tail -1)
@@ -198,6 +204,25 @@ if [[ " $parts " == *" peer "* ]]; then
             "$(field "$last" tokens_per_s)" "$(field "$last" peak_bytes | gb)" "$(field "$last" loss)")"
     done <<< "${PEERS:-32768 3
 262144 2 --checkpoint}"
+fi
+if [[ " $parts " == *" runs "* ]]; then
+    # upipe training runs, one per line of RUNS ("model seq steps flags..."), in order
+    k=0
+    while read -r model seq steps flags; do
+        [ -z "$model" ] && continue
+        k=$((k + 1))
+        corpus $(( seq * 2 + 8192 ))
+        log="$out/run-$k-$model-$seq.log"
+        "$bin/upipe" train --model "$model" --data "$data" --seq "$seq" --steps "$steps" --warmup 1 \
+            $flags --profile --json > "$log" 2>&1 || { status=1; grep -aiE "error|panick" "$log" | head -5; }
+        last=$(grep -a '"step"' "$log" | tail -1)
+        grep -aE "auto:" "$log" | head -4
+        grep -aE "^(class|gemm|attn_fwd|attn_bwd|recompute|elementwise|loss|optimizer|copy|collective|idle) " "$log" | tail -11
+        row "$(printf 'run %-11s seq %-7s %-40s %8.0f tok/s %5.0f TFLOP/s peak %s GB (planned %s) loss %s' "$model" "$seq" \
+            "${flags:-default}" "$(field "$last" tokens_per_s)" "$(field "$last" tflops)" "$(field "$last" peak_bytes | gb)" \
+            "$(field "$last" predicted_peak_bytes | gb)" "$(field "$last" loss)")"
+    done <<< "${RUNS:-llama3.2-1b 131072 3 --checkpoint
+llama3.2-1b 131072 3 --checkpoint --tiled-mlp}"
 fi
 if [[ " $parts " == *" eval "* ]]; then
     bash "$here/gpu-eval-long.sh" 2>&1 | tail -8

@@ -163,6 +163,51 @@ fn plan_shows_what_save_attention_auto_keeps() {
     assert!(plan("524288", "none")["peak_bytes"].as_u64() < v["peak_bytes"].as_u64());
 }
 
+/// `--offload-optimizer auto` keeps on the host the fewest units that
+/// make the step fit beside the rest (fixed here): one fewer does not fit,
+/// and a step too long for any unit's state on the GPU keeps every unit's
+/// on the host.
+#[test]
+fn plan_shows_what_offload_optimizer_auto_keeps_on_the_host() {
+    let plan = |seq: &str, units: &str| {
+        let (ok, out, err) = upipe(&[
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--gpus",
+            "1",
+            "--gpu-mem",
+            "139",
+            "--attn",
+            "local",
+            "--policies",
+            "checkpoint,tiled-mlp",
+            "--save-attention",
+            "all",
+            "--seq",
+            seq,
+            "--offload-optimizer",
+            units,
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        json_lines(&out).pop().unwrap()
+    };
+    let v = plan("65536", "auto");
+    let n = v["optimizer_host_units"].as_u64().unwrap();
+    assert!(0 < n && n < 34, "{n} of 34 units on the host at 64K");
+    assert_eq!(v["fits"], Value::Bool(true));
+    assert_eq!(v["peak_bytes"], plan("65536", &n.to_string())["peak_bytes"]);
+    assert_eq!(
+        plan("65536", &(n - 1).to_string())["fits"],
+        Value::Bool(false)
+    );
+    assert_eq!(plan("65536", "none")["fits"], Value::Bool(false));
+    assert!(plan("65536", "all")["peak_bytes"].as_u64() < v["peak_bytes"].as_u64());
+    // at 160K the kept attention outputs leave no room for any unit's state
+    assert_eq!(plan("163840", "auto")["optimizer_host_units"], 34);
+}
+
 #[test]
 fn search_finds_longer_contexts_for_upipe_and_names_the_limit() {
     let (ok, out, err) = upipe(&[

@@ -263,6 +263,41 @@ fn chunk_heads_auto_takes_the_widest_stages_that_fit() {
     assert!(err.contains("chosen by `upipe train`"), "{err}");
 }
 
+/// `--offload-optimizer` takes all, a number of units or auto; on the CPU
+/// auto keeps every unit's state where it is (moving it to host memory
+/// frees nothing there), and every choice trains the same bits.
+#[test]
+fn offload_optimizer_takes_units_or_auto() {
+    let run = |opt: &[&str]| {
+        let mut args = vec![
+            "train", "--steps", "2", "--json", "--device", "cpu", "--seq", "128",
+        ];
+        args.extend_from_slice(opt);
+        let (stdout, log) = upipe_with_log(&args);
+        (losses(&stdout), log)
+    };
+    let (none, _) = run(&[]);
+    let (auto, log) = run(&["--offload-optimizer", "auto"]);
+    assert!(
+        log.contains(
+            "--offload-optimizer auto: 0 of 4 units keep their optimizer state in host memory"
+        ),
+        "{log}"
+    );
+    assert_eq!(auto, none);
+    for given in [&["--offload-optimizer"][..], &["--offload-optimizer", "1"]] {
+        let (got, _) = run(given);
+        assert_eq!(got, none, "{given:?}");
+    }
+    let err = upipe_error(&["train", "--device", "cpu", "--offload-optimizer", "5"]);
+    assert!(
+        err.contains("--offload-optimizer 5") && err.contains("4 units"),
+        "{err}"
+    );
+    let err = upipe_error(&["train", "--device", "cpu", "--offload-optimizer", "some"]);
+    assert!(err.contains("a number of units"), "{err}");
+}
+
 /// `--fsdp on` trains the default model sharded with the same losses as
 /// `--fsdp off`; one rank has nothing to shard (said on stderr); a replica
 /// count that does not divide the mesh is refused naming the choices.

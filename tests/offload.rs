@@ -118,9 +118,17 @@ fn every_offload_mode_is_bit_identical_to_no_offload() {
         let all = MemoryPolicy::optimizer_units(m.layers);
         // (blocks offloaded, units whose optimizer state is on the host):
         // all, the last block, every block and the embedding, ...
-        let modes = [(m.layers, 0), (1, 0), (0, all), (2, all), (0, 1), (1, m.layers + 1)];
+        let modes = [
+            (m.layers, 0),
+            (1, 0),
+            (0, all),
+            (2, all),
+            (0, 1),
+            (1, m.layers + 1),
+        ];
         for (blocks, opt) in modes {
-            let what = format!("qwen={qwen} fsdp={fsdp} --offload {blocks} --offload-optimizer {opt}");
+            let what =
+                format!("qwen={qwen} fsdp={fsdp} --offload {blocks} --offload-optimizer {opt}");
             let dir = temp("mode");
             let run = train_cpu(
                 &config(&m, fsdp, policy(blocks, opt), &dir),
@@ -201,7 +209,12 @@ fn offloaded_optimizer_resumes_exactly() {
         assert_eq!(resumed.reports.len(), tail.len());
         for (x, y) in tail.iter().zip(&resumed.reports) {
             assert_eq!(x.step, y.step);
-            assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {} opt {opt}", x.step);
+            assert_eq!(
+                x.loss.to_bits(),
+                y.loss.to_bits(),
+                "step {} opt {opt}",
+                x.step
+            );
         }
         assert_identical_weights(&whole_dir, &dir, &format!("resumed, opt {opt}"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -238,7 +251,10 @@ fn bad_offload_choices_name_the_fix() {
         tokens(m.vocab),
         &|_| {},
     ));
-    assert!(e.contains("--offload-optimizer 6") && e.contains("5 units"), "{e}");
+    assert!(
+        e.contains("--offload-optimizer 6") && e.contains("5 units"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -340,8 +340,8 @@ impl Ctx {
         // search holds every unit there (wherever that fits, auto fits)
         let mut policy = policy;
         if self.a.memory.offload_optimizer == OptimizerOffload::Auto && !searching {
-            policy.offload_optimizer = OptimizerOffload::Auto
-                .resolve(&spec(&plan, policy), Some(self.budget.device))?;
+            policy.offload_optimizer =
+                OptimizerOffload::Auto.resolve(&spec(&plan, policy), Some(self.budget.device))?;
         }
         let spec = spec(&plan, policy);
         Ok((predict_step(&spec)?, spec))

@@ -266,7 +266,13 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
     let units = unit_slots(&spec.model, spec.fsdp, shard_world);
     let (device_elems, host_slots) = split_state(&units, layers, host_units);
     if spec.fsdp {
-        FsdpWalk::resident(&spec.model, shard_world, ab, states * device_elems, &mut sim);
+        FsdpWalk::resident(
+            &spec.model,
+            shard_world,
+            ab,
+            states * device_elems,
+            &mut sim,
+        );
         offload_optim::host_state(&mut sim, &host_slots, ab);
     } else {
         let params = spec.model.param_count();

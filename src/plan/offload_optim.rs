@@ -139,7 +139,11 @@ pub fn unit_slots(cfg: &ModelConfig, fsdp: bool, shard_world: usize) -> Vec<(Uni
 /// Where the optimizer's state of `units` (from [`unit_slots`]) lives when
 /// the last `host_units` units of update order keep theirs on the host:
 /// `(elements per state on the device, host slots in model order)`.
-pub fn split_state(units: &[(Unit, Vec<usize>)], layers: usize, host_units: usize) -> (usize, Vec<usize>) {
+pub fn split_state(
+    units: &[(Unit, Vec<usize>)],
+    layers: usize,
+    host_units: usize,
+) -> (usize, Vec<usize>) {
     let mut device = 0;
     let mut host = Vec::new();
     for (u, slots) in units {

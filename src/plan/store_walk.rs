@@ -112,13 +112,7 @@ impl FsdpWalk {
     /// The resident shards (`FsdpStore::new`, `ShardedAdamW::new`): parameters,
     /// F32 gradients and `optim_elems` F32 elements of optimizer state on
     /// the device (every state of the units that keep theirs there).
-    pub fn resident(
-        cfg: &ModelConfig,
-        world: usize,
-        ab: usize,
-        optim_elems: usize,
-        sim: &mut Sim,
-    ) {
+    pub fn resident(cfg: &ModelConfig, world: usize, ab: usize, optim_elems: usize, sim: &mut Sim) {
         let shard: usize = model_layouts(cfg, world).iter().map(|u| u.shard).sum();
         sim.alloc(Weights, shard * ab);
         sim.alloc(Grads, shard * F32);

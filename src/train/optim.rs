@@ -114,8 +114,12 @@ impl<B: Backend> AdamW<B> {
         }
         Ok(AdamW {
             cfg,
-            m: m.into_iter().map(|t| t.expect("every tensor has moments")).collect(),
-            v: v.into_iter().map(|t| t.expect("every tensor has moments")).collect(),
+            m: m.into_iter()
+                .map(|t| t.expect("every tensor has moments"))
+                .collect(),
+            v: v.into_iter()
+                .map(|t| t.expect("every tensor has moments"))
+                .collect(),
             master,
             on_host,
             pending: None,

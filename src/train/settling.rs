@@ -112,7 +112,10 @@ mod tests {
         };
         assert!(on_host(0).is_empty());
         assert_eq!(on_host(1), vec![Unit::Block(2)]);
-        assert_eq!(on_host(4), vec![Unit::Embed, Unit::Block(0), Unit::Block(1), Unit::Block(2)]);
+        assert_eq!(
+            on_host(4),
+            vec![Unit::Embed, Unit::Block(0), Unit::Block(1), Unit::Block(2)]
+        );
         assert_eq!(on_host(5), update_order(3));
     }
 

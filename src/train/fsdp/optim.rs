@@ -60,7 +60,8 @@ impl<B: Backend> ShardedAdamW<B> {
             m[i] = Some(host_zeros(b, shards[i].shape())?);
             v[i] = Some(host_zeros(b, shards[i].shape())?);
         }
-        let every = |t: Vec<Option<Tensor<B>>>| t.into_iter().map(|t| t.expect("moments")).collect();
+        let every =
+            |t: Vec<Option<Tensor<B>>>| t.into_iter().map(|t| t.expect("moments")).collect();
         Ok(ShardedAdamW {
             cfg,
             m: every(m),
