@@ -1,7 +1,7 @@
 //! The decoder's forward-only pass, for evaluation: no gradient buffers and
 //! nothing kept for a backward. Each block's activations live only while the
 //! block runs (the attention's saved O and LSE are dropped as soon as the
-//! layer returns), the MLP always runs in token tiles of about `hidden` rows
+//! layer returns), the MLP always runs in token tiles (`shapes::mlp_tiles`)
 //! (free without a backward, since nothing is recomputed), and logits exist
 //! one chunk of rows at a time. The loss is summed per group of rows (the
 //! caller's position buckets), each chunk lying inside one group.
