@@ -31,7 +31,7 @@ pub struct MemoryArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "all",
           default_value_t = OptimizerOffload::Units(0))]
     pub offload_optimizer: OptimizerOffload,
-    /// Tiled MLP/RMSNorm (token tiles of `hidden` to 4·`hidden` rows, about 16 per block).
+    /// Tiled MLP/RMSNorm (token tiles of a quarter of the rows, hidden to 4·hidden).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub tiled_mlp: bool,

@@ -6,8 +6,9 @@
 //! Memory policies (each leaves gradients unchanged):
 //! - `checkpoint`: keep only each block's input; recompute the block in backward;
 //! - `offload`: hold those block inputs in host memory (ledger category `Offload`);
-//! - `tiled_mlp`: run post-attention RMSNorm + MLP in token tiles of `hidden`
-//!   to 4·`hidden` rows (`shapes::mlp_tile_rows`), recomputed per tile in
+//! - `tiled_mlp`: run post-attention RMSNorm + MLP in token tiles of a
+//!   quarter of the rows, `hidden` to 4·`hidden` (`shapes::mlp_tile_rows`),
+//!   recomputed per tile in
 //!   backward, so no `[tokens, ffn]`
 //!   intermediate ever exists for the whole shard;
 //! - `save_attention`: under `checkpoint`, the last N blocks also keep their
@@ -440,7 +441,7 @@ impl<B: Backend> Decoder<B> {
         Ok(BlockSaved { a, attn, h1, mlp })
     }
 
-    /// Token tiles of the MLP: one tile, or tiles of `hidden` to 4·`hidden` rows.
+    /// Token tiles of the MLP: one tile, or `shapes::mlp_tile_rows` each.
     fn tiles(&self, rows: usize) -> Vec<std::ops::Range<usize>> {
         super::shapes::mlp_tiles(rows, self.cfg.hidden, self.policy.tiled_mlp)
     }
