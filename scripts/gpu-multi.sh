@@ -21,7 +21,8 @@
 #              checkpoint of GPUS ranks resumed on 1 rank (and, where that is
 #              refused, on 4 thread ranks of one GPU) and back on GPUS ranks,
 #              on the GPUs and on the CPU
-#   llama8b    Llama3-8B, --fsdp on --checkpoint --tiled-mlp --offload auto,
+#   llama8b    Llama3-8B, --fsdp on --checkpoint --tiled-mlp --offload auto
+#              --offload-optimizer OFFLOAD_OPTIMIZER (auto; all, none),
 #              UPipe (U = Pu) against Ulysses at SEQS (131072 262144 524288),
 #              the order alternating per length, STEPS (2) each, last step
 #   throughput the same with UPipe, Ulysses, ring and USP at SEQS (131072
@@ -325,15 +326,13 @@ speed() { # strategies, lengths
             read -r -a m <<< "$(mesh_of "$st")"
             flags=(--model "$(model_arg "$MODEL8B")" --data "$data" --seq "$s" --steps "$STEPS" --warmup 1 --fsdp on
                 --checkpoint --tiled-mlp --offload auto --profile --json --device "$DEV" "${m[@]}")
-            off=""
-            [ "${OFFLOAD_OPTIMIZER:-auto}" = 1 ] && off=--offload-optimizer
+            # auto: the fewest units' optimizer state on the host that fit (none when all fit)
+            case "${OFFLOAD_OPTIMIZER:-auto}" in
+                1 | all) off="--offload-optimizer all" ;;
+                0 | none) off="" ;;
+                *) off="--offload-optimizer auto" ;;
+            esac
             run "$name" "$(est_train "$s" "$MODEL8B" "$STEPS")" "$U" train "${flags[@]}" $off
-            # refused by the preflight: again with the optimizer on the host
-            if [ "$RC" != 0 ] && [ -z "$off" ] && [ "${OFFLOAD_OPTIMIZER:-auto}" = auto ] &&
-                grep -aqiE "cannot fit|out of memory" "$work/$name.out"; then
-                off=--offload-optimizer
-                run "$name" "$(est_train "$s" "$MODEL8B" "$STEPS")" "$U" train "${flags[@]}" $off
-            fi
             [ "$RC" = 0 ] || status=1
             last=$(steplines "$name" | tail -1)
             tps=$(field "$last" tokens_per_s)
@@ -347,7 +346,7 @@ speed() { # strategies, lengths
                 predicted_peak_bytes "$(field "$last" predicted_peak_bytes)" \
                 peak_by_category "$(obj "$last" peak_by_category)" \
                 predicted_by_category "$(obj "$last" predicted_by_category)" \
-                profile "$(obj "$last" profile)" offload_optimizer "${off:+1}" mesh "${m[*]}"
+                profile "$(obj "$last" profile)" offload_optimizer "${OFFLOAD_OPTIMIZER:-auto}" mesh "${m[*]}"
         done
         i=$((i + 1))
     done
