@@ -8,9 +8,8 @@
 //! - `offload`: hold those block inputs in host memory (ledger category `Offload`);
 //! - `tiled_mlp`: run post-attention RMSNorm + MLP in token tiles of a
 //!   quarter of the rows, `hidden` to 4·`hidden` (`shapes::mlp_tile_rows`),
-//!   recomputed per tile in
-//!   backward, so no `[tokens, ffn]`
-//!   intermediate ever exists for the whole shard;
+//!   recomputed per tile in backward, so no `[tokens, ffn]` intermediate
+//!   ever exists for the whole shard;
 //! - `save_attention`: under `checkpoint`, the last N blocks also keep their
 //!   attention output O and LSEs, so their backward recomputes only
 //!   `y = O·Woᵀ` instead of the whole attention forward.

@@ -91,35 +91,13 @@ impl<B: Backend> AdamW<B> {
             .into_iter()
             .map(|u| state_on_host(u, layers, cfg.host_units))
             .collect();
-        let count = named.len();
-        let (mut m, mut v, mut master) = (empty(count), empty(count), empty(count));
-        let device: Vec<usize> = (0..count).filter(|&k| !on_host[k]).collect();
-        let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
-        for &k in &device {
-            m[k] = Some(z(named[k].1)?);
-        }
-        for &k in &device {
-            v[k] = Some(z(named[k].1)?);
-        }
-        if named.iter().any(|(_, t)| t.dtype() != DType::F32) {
-            for &k in &device {
-                master[k] = Some(cast(b, named[k].1, DType::F32, Category::OptimState)?);
-            }
-        }
-        for k in (0..count).filter(|&k| on_host[k]) {
-            let t = named[k].1;
-            master[k] = Some(host_master(b, t)?);
-            m[k] = Some(host_zeros(b, t.shape())?);
-            v[k] = Some(host_zeros(b, t.shape())?);
-        }
+        let tensors: Vec<&Tensor<B>> = named.iter().map(|(_, t)| *t).collect();
+        let narrow = tensors.iter().any(|t| t.dtype() != DType::F32);
+        let (m, v, master) = build_state(b, &tensors, &on_host, narrow)?;
         Ok(AdamW {
             cfg,
-            m: m.into_iter()
-                .map(|t| t.expect("every tensor has moments"))
-                .collect(),
-            v: v.into_iter()
-                .map(|t| t.expect("every tensor has moments"))
-                .collect(),
+            m,
+            v,
             master,
             on_host,
             pending: None,
@@ -184,9 +162,44 @@ impl<B: Backend> AdamW<B> {
     }
 }
 
-/// `count` empty places.
-fn empty<T>(count: usize) -> Vec<Option<T>> {
-    (0..count).map(|_| None).collect()
+/// Zero moments and F32 masters for `tensors`, `on_host[k]` saying where
+/// tensor k's state lives: the device's first (every m, every v, then with
+/// `device_master` the masters), then the host's, each tensor's master, m
+/// and v in turn (the planner walks this order). Returns `(m, v, master)`.
+#[allow(clippy::type_complexity)]
+pub(crate) fn build_state<B: Backend>(
+    b: &B,
+    tensors: &[&Tensor<B>],
+    on_host: &[bool],
+    device_master: bool,
+) -> Result<(Vec<Tensor<B>>, Vec<Tensor<B>>, Vec<Option<Tensor<B>>>)> {
+    let count = tensors.len();
+    let none = || (0..count).map(|_| None).collect::<Vec<Option<Tensor<B>>>>();
+    let (mut m, mut v, mut master) = (none(), none(), none());
+    let device: Vec<usize> = (0..count).filter(|&k| !on_host[k]).collect();
+    let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
+    for &k in &device {
+        m[k] = Some(z(tensors[k])?);
+    }
+    for &k in &device {
+        v[k] = Some(z(tensors[k])?);
+    }
+    if device_master {
+        for &k in &device {
+            master[k] = Some(cast(b, tensors[k], DType::F32, Category::OptimState)?);
+        }
+    }
+    for k in (0..count).filter(|&k| on_host[k]) {
+        master[k] = Some(host_master(b, tensors[k])?);
+        m[k] = Some(host_zeros(b, tensors[k].shape())?);
+        v[k] = Some(host_zeros(b, tensors[k].shape())?);
+    }
+    let every = |t: Vec<Option<Tensor<B>>>| {
+        t.into_iter()
+            .map(|t| t.expect("every tensor has moments"))
+            .collect()
+    };
+    Ok((every(m), every(v), master))
 }
 
 impl<B: Backend> AdamW<B> {

@@ -3,10 +3,10 @@
 //! every unit; the gradient norm is the sum of every rank's shard squares.
 
 use super::store::FsdpStore;
-use crate::backend::{Backend, Category, DType, Tensor, cast};
+use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::{Error, Result};
-use crate::train::offload_optim::{HostSlot, HostStep, host_master, host_zeros};
-use crate::train::optim::{AdamWConfig, hyper};
+use crate::train::offload_optim::{HostSlot, HostStep};
+use crate::train::optim::{AdamWConfig, build_state, hyper};
 use crate::train::settling::state_on_host;
 
 /// Moments and F32 master shards, `[shard]` per unit: on the device (the
@@ -39,33 +39,12 @@ impl<B: Backend> ShardedAdamW<B> {
             .iter()
             .map(|u| state_on_host(u.unit, layers, cfg.host_units))
             .collect();
-        let count = shards.len();
-        let none = || (0..count).map(|_| None).collect::<Vec<Option<Tensor<B>>>>();
-        let (mut m, mut v, mut master) = (none(), none(), none());
-        let device: Vec<usize> = (0..count).filter(|&i| !on_host[i]).collect();
-        let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
-        for &i in &device {
-            m[i] = Some(z(shards[i])?);
-        }
-        for &i in &device {
-            v[i] = Some(z(shards[i])?);
-        }
-        if b.compute_dtype() != DType::F32 {
-            for &i in &device {
-                master[i] = Some(cast(b, shards[i], DType::F32, Category::OptimState)?);
-            }
-        }
-        for i in (0..count).filter(|&i| on_host[i]) {
-            master[i] = Some(host_master(b, shards[i])?);
-            m[i] = Some(host_zeros(b, shards[i].shape())?);
-            v[i] = Some(host_zeros(b, shards[i].shape())?);
-        }
-        let every =
-            |t: Vec<Option<Tensor<B>>>| t.into_iter().map(|t| t.expect("moments")).collect();
+        let narrow = b.compute_dtype() != DType::F32;
+        let (m, v, master) = build_state(b, &shards, &on_host, narrow)?;
         Ok(ShardedAdamW {
             cfg,
-            m: every(m),
-            v: every(v),
+            m,
+            v,
             master,
             on_host,
             pending: None,
