@@ -263,6 +263,47 @@ fn chunk_heads_auto_takes_the_widest_stages_that_fit() {
     assert!(err.contains("chosen by `upipe train`"), "{err}");
 }
 
+/// What a run decides for itself is logged as the flags that repeat it
+/// (process ranks compare these before they train): given back, they train
+/// the same bits and decide nothing new.
+#[test]
+fn decided_flags_repeat_the_run() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--steps",
+            "2",
+            "--json",
+            "--device",
+            "cpu",
+            "--seq",
+            "128",
+            "--ulysses",
+            "2",
+            "--ring",
+            "1",
+            "--checkpoint",
+        ];
+        args.extend_from_slice(extra);
+        let (stdout, log) = upipe_with_log(&args);
+        let prefix = "decided from this machine's memory: ";
+        let at = log.find(prefix).unwrap_or_else(|| panic!("{log}")) + prefix.len();
+        let decided = log[at..].lines().next().unwrap().trim().to_string();
+        (losses(&stdout), decided)
+    };
+    let (auto, decided) = run(&["--offload", "auto", "--offload-optimizer", "auto"]);
+    assert!(
+        decided.starts_with("--fsdp off --chunk-heads 4 --fwd-chunk-heads")
+            && decided.contains("--save-attention 2")
+            && decided.ends_with("--offload-optimizer 0"),
+        "{decided}"
+    );
+    let flags: Vec<&str> = decided.split_whitespace().collect();
+    let (again, decided_again) = run(&flags);
+    assert_eq!(again, auto);
+    assert_eq!(decided_again, decided);
+}
+
 /// `--offload-optimizer` takes all, a number of units or auto; on the CPU
 /// auto keeps every unit's state where it is (moving it to host memory
 /// frees nothing there), and every choice trains the same bits.

@@ -75,6 +75,10 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         run.cfg.model.vocab,
     )?;
     let predicted = run.resolve(&a)?;
+    if run.lead {
+        let decided = run.cfg.decided_flags();
+        tracing::info!("decided from this machine's memory: {decided}");
+    }
     run.cfg.run_file = Some(run_file(&a, &run)?);
     let progress = preflight::preflight(&a, &mut run, &predicted)?;
     if run.lead && !a.json {

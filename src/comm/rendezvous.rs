@@ -154,6 +154,22 @@ impl Rendezvous {
         }
     }
 
+    /// Checks that every rank decided `mine` alike (`what` names it: a
+    /// choice each process makes on its own, from what it reads of its
+    /// machine). When they differ every rank fails alike, with rank 0's
+    /// value, the first rank that differs and its value, and `fix`.
+    pub fn agree(&mut self, what: &str, mine: &str, fix: &str) -> Result<()> {
+        let all = self.all_gather_bytes(mine.as_bytes())?;
+        match first_disagreement(&all) {
+            None => Ok(()),
+            Some(r) => Err(Error::Config(format!(
+                "the ranks resolved {what} differently: rank 0 {}, rank {r} {}; {fix}",
+                String::from_utf8_lossy(&all[0]),
+                String::from_utf8_lossy(&all[r]),
+            ))),
+        }
+    }
+
     /// Returns once every rank has called `barrier`.
     pub fn barrier(&mut self) -> Result<()> {
         let rank = self.rank;
@@ -171,6 +187,12 @@ impl Rendezvous {
             }
         }
     }
+}
+
+/// The first rank whose bytes differ from rank 0's (`None`: all agree).
+fn first_disagreement(all: &[Vec<u8>]) -> Option<usize> {
+    let first = all.first()?;
+    all.iter().position(|b| b != first)
 }
 
 // ---- rank 0: accepting -------------------------------------------------
@@ -601,6 +623,30 @@ mod tests {
             assert_eq!(id, b"id-xyz");
             assert_eq!(n, 4);
         }
+    }
+
+    #[test]
+    fn ranks_that_decided_differently_all_fail_naming_the_fix() {
+        let agreed = run_ranks(3, &[2, 0, 1], Duration::from_secs(10), |rv| {
+            rv.unwrap().agree("U", "4", "pass --chunk-heads").is_ok()
+        });
+        assert_eq!(agreed, vec![true; 3]);
+        let errors = run_ranks(3, &[1, 2, 0], Duration::from_secs(10), |rv| {
+            let mut rv = rv.unwrap();
+            let mine = if rv.rank() == 2 { "2" } else { "4" };
+            rv.agree("U", mine, "pass --chunk-heads")
+                .unwrap_err()
+                .to_string()
+        });
+        for e in errors {
+            assert!(e.contains("rank 0 4, rank 2 2; pass --chunk-heads"), "{e}");
+        }
+        assert_eq!(first_disagreement(&[]), None);
+        assert_eq!(first_disagreement(&[vec![1], vec![1]]), None);
+        assert_eq!(
+            first_disagreement(&[vec![1], vec![1], vec![], vec![2]]),
+            Some(2)
+        );
     }
 
     #[test]

@@ -216,7 +216,8 @@ pub fn eval_process_rank(
 ) -> Result<EvalReport> {
     tokens.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(tokens)?.seq)?);
-    let rank = ProcessRank::join("eval", env, shape, kernel, None)?;
+    // eval takes every choice from its flags: nothing of its own to agree on
+    let rank = ProcessRank::join("eval", env, shape, kernel, None, "")?;
     eval_on_mesh(cfg, tokens, host, rank.backend.as_ref(), &rank.mesh)
 }
 

@@ -116,6 +116,27 @@ pub struct TrainSummary {
 }
 
 impl TrainConfig {
+    /// What this process decided on its own (the `auto` choices of
+    /// `train`, resolved from its GPU's and its host's memory), as the flags
+    /// that repeat it. Process ranks check that they agree before they
+    /// train ([`ProcessRank::join`]).
+    pub fn decided_flags(&self) -> String {
+        let mut f = vec![format!("--fsdp {}", if self.fsdp { "on" } else { "off" })];
+        if let Some(u) = self.chunk_heads {
+            f.push(format!("--chunk-heads {u}"));
+        }
+        if let Some(n) = self.fwd_chunk_heads {
+            f.push(format!("--fwd-chunk-heads {n}"));
+        }
+        let p = self.policy;
+        if p.checkpoint {
+            f.push(format!("--offload {}", p.offload));
+            f.push(format!("--save-attention {}", p.save_attention));
+        }
+        f.push(format!("--offload-optimizer {}", p.offload_optimizer));
+        f.join(" ")
+    }
+
     /// The optimizer's settings, its state kept where the memory policy
     /// says (`--offload-optimizer`).
     pub fn adamw(&self) -> AdamWConfig {
@@ -369,7 +390,8 @@ pub fn train_process_rank(
     cfg.recover_checkpoint()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
-    let rank = ProcessRank::join("train", env, shape, kernel, cfg.host_budget)?;
+    let decided = cfg.decided_flags();
+    let rank = ProcessRank::join("train", env, shape, kernel, cfg.host_budget, &decided)?;
     train_on_mesh(cfg, tokens, rank.backend.as_ref(), &rank.mesh, on_step)
 }
 
@@ -389,13 +411,16 @@ impl ProcessRank {
     /// and that `LOCAL_RANK` has a GPU of its own, opens that GPU with the
     /// attention `kernel` and the pinned-host budget `host_budget`, meets
     /// the other ranks at the rendezvous, joins the NCCL world and splits
-    /// the `data x ring x ulysses` mesh from it.
+    /// the `data x ring x ulysses` mesh from it. `decided` is what this
+    /// rank chose on its own, as flags: every rank must have chosen alike,
+    /// or all of them fail before the first GPU allocation.
     pub fn join(
         command: &str,
         env: &DistEnv,
         shape: MeshShape,
         kernel: crate::backend::cuda::cudnn::AttnKernel,
         host_budget: Option<usize>,
+        decided: &str,
     ) -> Result<ProcessRank> {
         use crate::backend::cuda::CudaBackend;
         use crate::comm::nccl::NcclWorld;
@@ -404,6 +429,11 @@ impl ProcessRank {
         let gpus = crate::backend::cuda::device::gpus()?.len();
         check_local_rank(env.local_rank, gpus)?;
         let mut rv = Rendezvous::connect(env, RENDEZVOUS_TIMEOUT)?;
+        rv.agree(
+            &format!("`{command}`'s memory choices"),
+            decided,
+            "pass rank 0's flags to every rank, or the same --host-mem on every node",
+        )?;
         let mut b = CudaBackend::new(env.local_rank)?;
         b.set_attn_kernel(kernel);
         b.set_host_budget(host_budget);
