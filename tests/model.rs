@@ -141,11 +141,17 @@ fn memory_policies_leave_gradients_unchanged() {
 #[test]
 fn offload_moves_block_inputs_to_host() {
     use upipe::train::trainer::{TrainConfig, train_cpu};
-    let cfg = tiny(false);
+    // enough blocks that the host holds some while backward fetches others
+    let cfg = ModelConfig {
+        layers: 4,
+        ..tiny(false)
+    };
     let mk = |checkpoint: bool, offload: bool| TrainConfig {
         policy: MemoryPolicy {
             checkpoint,
             offload: if offload { cfg.layers } else { 0 },
+            // the tiny model's logits would outweigh its activations
+            loss_chunk: 8,
             ..Default::default()
         },
         ..TrainConfig::new(

@@ -775,10 +775,9 @@ impl Backend for CpuBackend {
 
     fn cross_entropy(
         &self,
-        logits: &Tensor<Self>,
+        logits: &mut Tensor<Self>,
         targets: &[u32],
         grad_scale: f32,
-        dlogits: &mut Tensor<Self>,
         loss_sum: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("cross_entropy", Track::Compute);
@@ -791,24 +790,23 @@ impl Backend for CpuBackend {
         if self.rehearsing() {
             return Ok(());
         }
-        let lg = data(logits);
-        let losses: Vec<f64> = data_mut(dlogits)
+        let losses: Vec<f64> = data_mut(logits)
             .par_chunks_mut(v)
-            .zip(lg.par_chunks(v))
             .zip(targets.par_iter())
-            .map(|((dr, lr), &t)| {
+            .map(|(row, &t)| {
                 if t == IGNORE {
-                    dr.fill(0.0);
+                    row.fill(0.0);
                     return 0.0;
                 }
-                let m = lr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let s: f32 = lr.iter().map(|&x| (x - m).exp()).sum();
+                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let s: f32 = row.iter().map(|&x| (x - m).exp()).sum();
                 let lse = m + s.ln();
-                for (dx, &x) in dr.iter_mut().zip(lr) {
-                    *dx = grad_scale * (x - lse).exp();
+                let loss = (lse - row[t as usize]) as f64;
+                for x in row.iter_mut() {
+                    *x = grad_scale * (*x - lse).exp();
                 }
-                dr[t as usize] -= grad_scale;
-                (lse - lr[t as usize]) as f64
+                row[t as usize] -= grad_scale;
+                loss
             })
             .collect();
         data_mut(loss_sum)[0] += losses.iter().sum::<f64>() as f32;

@@ -323,15 +323,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
         ids: &[u32],
         dtable: &mut Tensor<Self>,
     ) -> Result<()>;
-    /// Fused softmax cross-entropy on a chunk of logits `[n, vocab]`: accumulates the
-    /// summed loss of rows whose target is not `IGNORE` into `loss_sum` (`[1]`, f32) and
-    /// writes `dlogits = grad_scale * (softmax - onehot)` (zero rows for ignored targets).
+    /// Fused softmax cross-entropy on a chunk of logits `[n, vocab]`, in
+    /// place: accumulates the summed loss of rows whose target is not
+    /// `IGNORE` into `loss_sum` (`[1]`, f32) and overwrites `logits` with
+    /// `dlogits = grad_scale * (softmax - onehot)` (zero rows for ignored
+    /// targets), so a chunk's logits and their gradient share one buffer.
     fn cross_entropy(
         &self,
-        logits: &Tensor<Self>,
+        logits: &mut Tensor<Self>,
         targets: &[u32],
         grad_scale: f32,
-        dlogits: &mut Tensor<Self>,
         loss_sum: &mut Tensor<Self>,
     ) -> Result<()>;
     /// One AdamW update of elements `elems` of `param` (f32) with `grad`,

@@ -67,7 +67,7 @@ pub struct EvalArgs {
     #[arg(long)]
     pub fwd_chunk_heads: Option<usize>,
     /// Rows of logits computed at once.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = crate::model::DEFAULT_LOSS_CHUNK)]
     pub loss_chunk: usize,
     /// Device: auto (cuda when a GPU is visible, else cpu), cpu (f32), or cuda
     /// (bf16; one process per GPU as `upipe train`).

@@ -35,8 +35,9 @@ pub struct MemoryArgs {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub tiled_mlp: bool,
-    /// Rows of logits per fused-loss chunk.
-    #[arg(long, default_value_t = 256)]
+    /// Rows of logits per fused-loss chunk (one `[rows, vocab]` buffer:
+    /// fewer rows save memory, more keep the head's GEMMs efficient).
+    #[arg(long, default_value_t = crate::model::DEFAULT_LOSS_CHUNK)]
     pub loss_chunk: usize,
     /// With --checkpoint: blocks (the last ones) that keep their attention
     /// output and LSEs, so their backward skips the attention recompute:

@@ -11,6 +11,6 @@ pub mod store;
 pub mod weights;
 
 pub use config::ModelConfig;
-pub use decoder::{Decoder, MemoryPolicy};
+pub use decoder::{DEFAULT_LOSS_CHUNK, Decoder, MemoryPolicy};
 pub use store::{HeadView, ParamStore, Unit};
 pub use weights::{BlockWeights, ModelWeights, RandomInit};

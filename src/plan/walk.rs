@@ -840,11 +840,10 @@ impl DecoderWalk<'_> {
         let loss_sum = sim.alloc(Workspace, F32);
         let chunks = loss_chunks(self.s(), self.policy.loss_chunk);
         for r in distinct_lengths(&chunks) {
+            // the logits, overwritten by their gradient
             let logits = sim.alloc(Workspace, r * self.cfg.vocab * self.ab());
-            let dlogits = sim.alloc(Workspace, r * self.cfg.vocab * self.ab());
             self.ids(sim, r);
             sim.free(logits);
-            sim.free(dlogits);
         }
         sim.free(loss_sum);
         dhn

@@ -1790,10 +1790,9 @@ impl Backend for CudaBackend {
 
     fn cross_entropy(
         &self,
-        logits: &Tensor<Self>,
+        logits: &mut Tensor<Self>,
         targets: &[u32],
         grad_scale: f32,
-        dlogits: &mut Tensor<Self>,
         loss_sum: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("cross_entropy")?;
@@ -1803,7 +1802,6 @@ impl Backend for CudaBackend {
                 "cross_entropy: one target per logits row".into(),
             ));
         }
-        same_numel(logits, dlogits, "cross_entropy")?;
         need(loss_sum, DType::F32, "cross_entropy", "loss_sum")?;
         if let Some(&t) = targets.iter().find(|&&t| t != IGNORE && t as usize >= v) {
             return Err(Error::Config(format!(
@@ -1825,8 +1823,10 @@ impl Backend for CudaBackend {
             .usize(targets.len())
             .usize(v)
             .f32(grad_scale)
-            .ptr(ptr(dlogits))
-            .i32(dt(dlogits))
+            // the gradient overwrites the logits (the kernel reads each
+            // element before it writes it)
+            .ptr(ptr(logits))
+            .i32(dt(logits))
             .ptr(ptr(loss_sum));
         let rows = u32_grid(targets.len(), "cross_entropy")?;
         launch(
