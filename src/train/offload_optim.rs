@@ -59,6 +59,16 @@ pub fn host_zeros<B: Backend>(b: &B, shape: &[usize]) -> Result<Tensor<B>> {
     Ok(t)
 }
 
+/// The host slots to update when everything through item `upto` of update
+/// order must be settled, as positions among the `on_host` slots: the
+/// `on_device` items come first in update order (updated at the step), and
+/// the first `done` host slots are already updated. Empty when nothing new
+/// is due.
+pub fn settle_window(on_host: usize, on_device: usize, done: usize, upto: usize) -> Range<usize> {
+    let end = upto.saturating_sub(on_device).min(on_host);
+    done..end.max(done)
+}
+
 /// An optimizer step whose host updates are still to run, slot by slot in
 /// order: slot k+1's gradient is on its way to the host while the host
 /// updates slot k.
@@ -97,6 +107,12 @@ impl<B: Backend> HostStep<B> {
     /// Slots updated so far.
     pub fn done(&self) -> usize {
         self.next
+    }
+
+    /// The host slots a settle through item `upto` of update order runs
+    /// ([`settle_window`]), of `on_host` slots behind `on_device` items.
+    pub fn window(&self, on_host: usize, on_device: usize, upto: usize) -> Range<usize> {
+        settle_window(on_host, on_device, self.next, upto)
     }
 
     /// Updates `slots`, the slots `done()..done() + slots.len()`, in order,
@@ -216,4 +232,34 @@ fn to_bf16(src: &[f32], dst: &mut [u16]) {
                 *d = half::bf16::from_f32(x).to_bits();
             }
         });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::settle_window;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Settling through ever later items updates every host slot once,
+        /// in order, none before its item is due.
+        #[test]
+        fn settles_cover_the_host_slots_once_in_order(
+            on_host in 0usize..12,
+            on_device in 0usize..12,
+            mut uptos in proptest::collection::vec(0usize..30, 0..8),
+        ) {
+            uptos.sort_unstable();
+            uptos.push(on_host + on_device);
+            let mut done = 0;
+            for upto in uptos {
+                let due = settle_window(on_host, on_device, done, upto);
+                prop_assert_eq!(due.start, done);
+                prop_assert!(due.end <= on_host);
+                // host slot k is item on_device + k of update order
+                prop_assert!(due.end == done || on_device + due.end <= upto);
+                done = due.end;
+            }
+            prop_assert_eq!(done, on_host);
+        }
+    }
 }

@@ -242,12 +242,10 @@ impl<B: Backend> AdamW<B> {
         if on_device == 0 {
             tensors.rotate_right(head);
         }
-        let (from, upto) = (pending.done(), upto.saturating_sub(on_device).min(total));
-        let mut tensors = tensors.into_iter().skip(from);
+        let due = pending.window(total, on_device, upto);
+        let mut tensors = tensors.into_iter().skip(due.start);
         let mut slots = Vec::new();
-        for (((name, param), (_, grad)), ((master, m), v)) in
-            tensors.by_ref().take(upto.saturating_sub(from))
-        {
+        for (((name, param), (_, grad)), ((master, m), v)) in tensors.by_ref().take(due.len()) {
             slots.push(HostSlot {
                 updates: vec![(0..param.numel(), hyper(&cfg, &name, lr, step, clip))],
                 param,

@@ -147,12 +147,10 @@ impl<B: Backend> ShardedAdamW<B> {
         if on_device == 0 {
             units.rotate_right(1);
         }
-        let (from, upto) = (pending.done(), upto.saturating_sub(on_device).min(total));
-        let mut units = units.into_iter().skip(from);
+        let due = pending.window(total, on_device, upto);
+        let mut units = units.into_iter().skip(due.start);
         let mut slots = Vec::new();
-        for ((layout, (param, grad)), ((master, m), v)) in
-            units.by_ref().take(upto.saturating_sub(from))
-        {
+        for ((layout, (param, grad)), ((master, m), v)) in units.by_ref().take(due.len()) {
             let updates = layout
                 .segments(rank)
                 .into_iter()
