@@ -391,7 +391,7 @@ pub(crate) fn norm_rope<B: Backend>(
 ) -> Result<(Tensor<B>, Option<Tensor<B>>)> {
     let (mut out, raw) = match norm {
         Some(w) => {
-            let mut y = b.zeros(t.shape(), t.dtype(), Category::Workspace)?;
+            let mut y = b.empty(t.shape(), t.dtype(), Category::Workspace)?;
             b.rms_norm_fwd(&t, w, eps, &mut y)?;
             (y, if keep_raw { Some(t) } else { None })
         }
@@ -414,7 +414,7 @@ pub(crate) fn norm_rope_bwd<B: Backend>(
     b.rope(&mut d_out, &rope.cos, &rope.sin, true)?;
     match (norm, raw) {
         (Some((w, dw)), Some(raw)) => {
-            let mut dx = b.zeros(d_out.shape(), d_out.dtype(), Category::Workspace)?;
+            let mut dx = b.empty(d_out.shape(), d_out.dtype(), Category::Workspace)?;
             b.rms_norm_bwd(raw, w, &d_out, eps, &mut dx, dw)?;
             Ok(dx)
         }

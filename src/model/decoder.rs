@@ -260,7 +260,7 @@ impl<B: Backend> Decoder<B> {
         }
         let act = b.compute_dtype();
         let (s, h) = (ids.len(), self.cfg.hidden);
-        let mut x = b.zeros(&[s, h], act, Category::Activations)?;
+        let mut x = b.empty(&[s, h], act, Category::Activations)?;
         store.acquire(b, Unit::Embed)?;
         b.embedding_fwd(store.embed()?, ids, &mut x)?;
         store.release(Unit::Embed)?;
@@ -354,12 +354,12 @@ impl<B: Backend> Decoder<B> {
         if tied {
             store.acquire(b, Unit::Embed)?;
         }
-        let mut hn = b.zeros(x.shape(), x.dtype(), Category::Workspace)?;
+        let mut hn = b.empty(x.shape(), x.dtype(), Category::Workspace)?;
         b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
         let head = store.head_grads(b)?;
         let (loss, dhn) = self.fused_loss(b, head.head, head.d_head, &hn, targets, grad_scale)?;
         drop(hn);
-        let mut dx = b.zeros(x.shape(), x.dtype(), Category::Grads)?;
+        let mut dx = b.empty(x.shape(), x.dtype(), Category::Grads)?;
         b.rms_norm_bwd(&x, head.norm, &dhn, self.eps(), &mut dx, head.d_norm)?;
         drop((dhn, x));
         if tied {
@@ -414,7 +414,7 @@ impl<B: Backend> Decoder<B> {
         h: &Tensor<B>,
         kept: Option<AttnSaved<B>>,
     ) -> Result<(Tensor<B>, AttnSaved<B>, Tensor<B>)> {
-        let mut a = b.zeros(h.shape(), h.dtype(), Category::Activations)?;
+        let mut a = b.empty(h.shape(), h.dtype(), Category::Activations)?;
         b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
         let (y, attn) = match kept {
             Some(attn) => (output_projection(b, &attn.o, &w.attn.wo)?, attn),
@@ -462,7 +462,7 @@ impl<B: Backend> Decoder<B> {
         r: &std::ops::Range<usize>,
     ) -> Result<Tensor<B>> {
         let hid = t.row_len();
-        let mut out = b.zeros(&[r.len(), hid], t.dtype(), Category::Workspace)?;
+        let mut out = b.empty(&[r.len(), hid], t.dtype(), Category::Workspace)?;
         b.copy(
             out.mat_mut(),
             t.view(MatLayout::block(r.start * hid, r.len(), hid, hid)),
@@ -474,13 +474,13 @@ impl<B: Backend> Decoder<B> {
     fn mlp_fwd(&self, b: &B, w: &BlockWeights<B>, x: &Tensor<B>) -> Result<MlpSaved<B>> {
         let (r, f) = (x.rows(), self.cfg.ffn);
         let dt = x.dtype();
-        let mut m = b.zeros(x.shape(), dt, Category::Activations)?;
+        let mut m = b.empty(x.shape(), dt, Category::Activations)?;
         b.rms_norm_fwd(x, &w.mlp_norm, self.eps(), &mut m)?;
-        let mut gate = b.zeros(&[r, f], dt, Category::Activations)?;
+        let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
-        let mut up = b.zeros(&[r, f], dt, Category::Activations)?;
+        let mut up = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(up.mat_mut(), m.mat(), w.up.mat().t(), 1.0, 0.0)?;
-        let mut act = b.zeros(&[r, f], dt, Category::Activations)?;
+        let mut act = b.empty(&[r, f], dt, Category::Activations)?;
         b.swiglu_fwd(&gate, &up, &mut act)?;
         Ok(MlpSaved { m, gate, up, act })
     }
@@ -517,20 +517,20 @@ impl<B: Backend> Decoder<B> {
             };
             let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
             b.gemm(g.down.mat_mut(), d_t.t(), s.act.mat(), 1.0, 1.0)?;
-            let mut dact = b.zeros(s.act.shape(), s.act.dtype(), Category::Workspace)?;
+            let mut dact = b.empty(s.act.shape(), s.act.dtype(), Category::Workspace)?;
             let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
             b.gemm(dact.mat_mut(), d_t, w.down.mat(), 1.0, 0.0)?;
-            let mut dgate = b.zeros(s.gate.shape(), s.gate.dtype(), Category::Workspace)?;
-            let mut dup = b.zeros(s.up.shape(), s.up.dtype(), Category::Workspace)?;
+            let mut dgate = b.empty(s.gate.shape(), s.gate.dtype(), Category::Workspace)?;
+            let mut dup = b.empty(s.up.shape(), s.up.dtype(), Category::Workspace)?;
             b.swiglu_bwd(&s.gate, &s.up, &dact, &mut dgate, &mut dup)?;
             drop(dact);
             b.gemm(g.gate.mat_mut(), dgate.mat().t(), s.m.mat(), 1.0, 1.0)?;
             b.gemm(g.up.mat_mut(), dup.mat().t(), s.m.mat(), 1.0, 1.0)?;
-            let mut dm = b.zeros(s.m.shape(), s.m.dtype(), Category::Workspace)?;
+            let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
             b.gemm(dm.mat_mut(), dgate.mat(), w.gate.mat(), 1.0, 0.0)?;
             b.gemm(dm.mat_mut(), dup.mat(), w.up.mat(), 1.0, 1.0)?;
             drop((dgate, dup, s));
-            let mut dx_t = b.zeros(x_t.shape(), x_t.dtype(), Category::Workspace)?;
+            let mut dx_t = b.empty(x_t.shape(), x_t.dtype(), Category::Workspace)?;
             b.rms_norm_bwd(
                 &x_t,
                 &w.mlp_norm,
@@ -547,7 +547,7 @@ impl<B: Backend> Decoder<B> {
             .attn
             .backward(b, mesh, &w.attn, &a, attn, &dh1, &mut g.attn)?;
         drop(a);
-        let mut dh = b.zeros(h.shape(), h.dtype(), Category::Grads)?;
+        let mut dh = b.empty(h.shape(), h.dtype(), Category::Grads)?;
         b.rms_norm_bwd(h, &w.attn_norm, &da, self.eps(), &mut dh, &mut g.attn_norm)?;
         b.axpy(&mut dh, 1.0, &dh1)?;
         Ok(dh)

@@ -55,12 +55,12 @@ impl<B: Backend> Decoder<B> {
             return crate::config_err!("row group {g} is not below the {groups} groups");
         }
         let act = b.compute_dtype();
-        let mut x = b.zeros(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
+        let mut x = b.empty(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
         b.embedding_fwd(&w.embed, ids, &mut x)?;
         for blk in &w.blocks {
             x = self.block_forward_only(b, mesh, blk, &x)?;
         }
-        let mut hn = b.zeros(x.shape(), act, Category::Activations)?;
+        let mut hn = b.empty(x.shape(), act, Category::Activations)?;
         b.rms_norm_fwd(&x, &w.final_norm, self.eps(), &mut hn)?;
         drop(x);
         self.grouped_loss(b, w.head(), &hn, targets, group_of_row, groups)
@@ -75,7 +75,7 @@ impl<B: Backend> Decoder<B> {
         w: &BlockWeights<B>,
         h: &Tensor<B>,
     ) -> Result<Tensor<B>> {
-        let mut a = b.zeros(h.shape(), h.dtype(), Category::Activations)?;
+        let mut a = b.empty(h.shape(), h.dtype(), Category::Activations)?;
         b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
         let (y, saved) = self.attn.forward(b, mesh, &w.attn, &a)?;
         drop((saved, a));
@@ -98,14 +98,14 @@ impl<B: Backend> Decoder<B> {
     /// intermediate once used.
     fn mlp_forward_only(&self, b: &B, w: &BlockWeights<B>, x: &Tensor<B>) -> Result<Tensor<B>> {
         let (r, f, dt) = (x.rows(), self.cfg.ffn, x.dtype());
-        let mut m = b.zeros(x.shape(), dt, Category::Activations)?;
+        let mut m = b.empty(x.shape(), dt, Category::Activations)?;
         b.rms_norm_fwd(x, &w.mlp_norm, self.eps(), &mut m)?;
-        let mut gate = b.zeros(&[r, f], dt, Category::Activations)?;
+        let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
-        let mut up = b.zeros(&[r, f], dt, Category::Activations)?;
+        let mut up = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(up.mat_mut(), m.mat(), w.up.mat().t(), 1.0, 0.0)?;
         drop(m);
-        let mut act = b.zeros(&[r, f], dt, Category::Activations)?;
+        let mut act = b.empty(&[r, f], dt, Category::Activations)?;
         b.swiglu_fwd(&gate, &up, &mut act)?;
         Ok(act)
     }
