@@ -32,6 +32,10 @@ pub enum Error {
     /// A weights or checkpoint file is malformed or does not match the model.
     #[error("checkpoint error: {0}")]
     Checkpoint(String),
+    /// Training stopped at a step whose loss or gradient norm is not
+    /// finite; the message names the step, the last checkpoint and the causes.
+    #[error("training diverged: {0}")]
+    Diverged(String),
     /// Filesystem or socket failure.
     #[error("I/O error: {context}: {source}")]
     Io {

@@ -97,6 +97,7 @@ pub struct OptimKeys {
     pub warmup: Option<u32>,
     pub weight_decay: Option<f64>,
     pub clip: Option<f64>,
+    pub skip_nonfinite: Option<u32>,
 }
 
 /// `[checkpoint]`: where training checkpoints go.
@@ -106,6 +107,7 @@ pub struct CheckpointKeys {
     pub save_dir: Option<PathBuf>,
     pub save_every: Option<u32>,
     pub resume: Option<bool>,
+    pub overwrite: Option<bool>,
 }
 
 /// `[run]`: length, seed, device and output of a run.

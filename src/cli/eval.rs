@@ -271,6 +271,7 @@ fn write_metrics(path: &Path, cfg: &EvalConfig, r: &EvalReport, ranks: usize) ->
         step: 0,
         loss: r.loss,
         lr: None,
+        skipped_steps: None,
         grad_norm: None,
         tokens: r.tokens,
         tokens_per_s: r.tokens_per_s,

@@ -21,6 +21,10 @@ pub struct StepMetrics {
     pub loss: f64,
     /// Learning rate of the step (none for an evaluation).
     pub lr: Option<f64>,
+    /// Steps of the run so far whose loss or gradient norm was not finite,
+    /// so not applied (`--skip-nonfinite`; none for an evaluation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u32>,
     /// Global gradient norm before clipping (none for an evaluation).
     pub grad_norm: Option<f64>,
     /// Tokens of the step (every sequence of every data replica).
@@ -85,6 +89,7 @@ impl StepMetrics {
             step: r.step,
             loss: r.loss,
             lr: Some(r.lr as f64),
+            skipped_steps: Some(r.skipped),
             grad_norm: Some(r.grad_norm),
             tokens: r.tokens,
             tokens_per_s: r.tokens_per_s,
@@ -204,6 +209,7 @@ mod tests {
             loss: 2.5,
             lr: 1e-3,
             grad_norm: 0.5,
+            skipped: 0,
             tokens_per_s: 1000.0,
             peak_bytes: 300,
             at_peak_by_category: vec![(Category::Weights, 200), (Category::Activations, 100)],

@@ -112,6 +112,7 @@ mod tests {
             step,
             loss,
             lr: Some(1e-3),
+            skipped_steps: None,
             grad_norm: Some(1.0),
             tokens: 256,
             tokens_per_s: 1000.0 + step as f64,

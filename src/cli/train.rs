@@ -210,6 +210,8 @@ fn train_config(
         save_dir: a.save_dir.clone(),
         save_every: a.save_every,
         resume: a.resume,
+        overwrite: a.overwrite,
+        skip_nonfinite: a.skip_nonfinite,
         grad_accum: a.grad_accum,
         fsdp: false,
         fsdp_replicas: 1,
@@ -282,7 +284,11 @@ impl Built {
         };
         let states = crate::plan::model_state_bytes(&self.cfg.model, self.on_gpu());
         let (mut fsdp, mut note) = self.fsdp.resolve(world, states, self.budget);
-        self.cfg.recover_checkpoint()?;
+        if self.lead {
+            // a killed run's half-moved save finished, so `resume_dir` sees it;
+            // the trainer takes the directory again for the run
+            drop(self.cfg.take_save_dir()?);
+        }
         let sharded_resume = self
             .cfg
             .resume_dir()

@@ -4,14 +4,15 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod divergence;
 pub mod documents;
 pub mod eval;
 pub mod fsdp;
 pub mod offload_optim;
 pub mod optim;
-pub mod publish;
 pub mod ranged;
 pub mod replicated;
+pub mod save_dir;
 pub mod settling;
 pub mod state;
 pub mod tokenize;

@@ -46,6 +46,15 @@ impl AdamWConfig {
         }
     }
 
+    /// The factor that clips gradients of global norm `norm` to `clip`.
+    pub fn clip_scale(&self, norm: f64) -> f32 {
+        if self.clip > 0.0 && norm > self.clip as f64 {
+            (self.clip as f64 / norm) as f32
+        } else {
+            1.0
+        }
+    }
+
     /// Linear warmup to `lr`, then cosine decay to `min_lr` at `total_steps` (1-based steps).
     pub fn lr_at(&self, step: u32) -> f32 {
         if self.warmup > 0 && step <= self.warmup {
@@ -54,6 +63,42 @@ impl AdamWConfig {
         let span = self.total_steps.saturating_sub(self.warmup).max(1) as f32;
         let t = ((step - self.warmup) as f32 / span).min(1.0);
         self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f32::consts::PI * t).cos())
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Update {
+    /// The step's learning rate.
+    pub lr: f32,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Whether the update was applied: a step whose loss or gradient norm
+    /// is not finite changes no weight and no optimizer state.
+    pub applied: bool,
+}
+
+impl Update {
+    /// Whether a step with this loss (finite or not) and gradient norm may
+    /// change the model. Every rank decides alike: both are global.
+    pub fn applies(loss_finite: bool, grad_norm: f64) -> bool {
+        loss_finite && grad_norm.is_finite()
+    }
+
+    pub(crate) fn applied(lr: f32, grad_norm: f64) -> Self {
+        Update {
+            lr,
+            grad_norm,
+            applied: true,
+        }
+    }
+
+    pub(crate) fn skipped(lr: f32, grad_norm: f64) -> Self {
+        Update {
+            lr,
+            grad_norm,
+            applied: false,
+        }
     }
 }
 
@@ -113,7 +158,8 @@ impl<B: Backend> AdamW<B> {
         Ok(s.sqrt())
     }
 
-    /// One update at 1-based `step`; returns `(lr, grad_norm)`. The
+    /// One update at 1-based `step` (none when `loss_finite` is false or
+    /// the gradient norm is not finite: [`Update::applies`]). The
     /// device's state is updated now; the host's update is deferred:
     /// [`settle`](Self::settle) runs it (the next step's forward does, unit
     /// by unit), and zeroes each gradient it reads, so the device's
@@ -124,17 +170,17 @@ impl<B: Backend> AdamW<B> {
         w: &mut ModelWeights<B>,
         g: &mut ModelWeights<B>,
         step: u32,
-    ) -> Result<(f32, f64)> {
+        loss_finite: bool,
+    ) -> Result<Update> {
         let norm = Self::grad_norm(b, g)?;
-        let clip = if self.cfg.clip > 0.0 && norm > self.cfg.clip as f64 {
-            (self.cfg.clip as f64 / norm) as f32
-        } else {
-            1.0
-        };
+        let clip = self.cfg.clip_scale(norm);
         let lr = self.cfg.lr_at(step);
         let deferred = self.on_host.iter().any(|&h| h);
         if deferred {
             self.settle(b, w, g, usize::MAX)?;
+        }
+        if !Update::applies(loss_finite, norm) {
+            return Ok(Update::skipped(lr, norm));
         }
         let tensors = w.named_mut().into_iter().zip(g.named_mut());
         for (k, ((name, p), (_, grad))) in tensors.enumerate() {
@@ -158,7 +204,7 @@ impl<B: Backend> AdamW<B> {
         if deferred {
             self.pending = Some(HostStep::new(b, lr, step, clip)?);
         }
-        Ok((lr, norm))
+        Ok(Update::applied(lr, norm))
     }
 }
 

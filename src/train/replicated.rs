@@ -3,7 +3,7 @@
 //! bucket as soon as its backward is done, beside the next unit's backward.
 
 use super::checkpoint::{load_hf_model, load_train_state, save_train_state};
-use super::optim::{AdamW, tensors_through};
+use super::optim::{AdamW, Update, tensors_through};
 use super::settling::{Deferred, Settling};
 use super::state::{Micro, RankModel, pass};
 use super::trainer::{TrainConfig, tensors_to_host, weights_from_host, weights_to_host};
@@ -270,9 +270,9 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         pass(b, decoder, mesh, &mut store, ids, targets, grad_scale)
     }
 
-    fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)> {
+    fn optimizer_step(&mut self, b: &B, step: u32, loss_finite: bool) -> Result<Update> {
         let ReplicatedStore { w, g, .. } = &mut self.store;
-        self.opt.step(b, w, g, step)
+        self.opt.step(b, w, g, step, loss_finite)
     }
 
     fn settle(&mut self, b: &B) -> Result<()> {

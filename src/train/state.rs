@@ -7,6 +7,7 @@ use crate::comm::Mesh;
 use crate::error::Result;
 use crate::model::progress::Progress;
 use crate::model::{Decoder, ParamStore};
+use crate::train::optim::Update;
 use std::path::Path;
 
 /// Where a sequence falls in an optimizer step of `--grad-accum` sequences.
@@ -45,10 +46,12 @@ pub trait RankModel<B: Backend> {
         grad_scale: f32,
         micro: Micro,
     ) -> Result<f64>;
-    /// One AdamW step at 1-based `step`; returns `(lr, grad_norm)`. With
-    /// the optimizer on the host its updates run in the next forward
-    /// (`train::settling`), or at [`settle`](RankModel::settle).
-    fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)>;
+    /// One AdamW step at 1-based `step`, applied only when `loss_finite`
+    /// and the gradient norm is finite (`Update::applies`: otherwise no
+    /// weight and no optimizer state changes). With the optimizer on the
+    /// host its updates run in the next forward (`train::settling`), or at
+    /// [`settle`](RankModel::settle).
+    fn optimizer_step(&mut self, b: &B, step: u32, loss_finite: bool) -> Result<Update>;
     /// Runs every optimizer update still pending: the parameters are then
     /// those of the last step (a checkpoint does this itself).
     fn settle(&mut self, b: &B) -> Result<()>;

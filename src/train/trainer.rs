@@ -6,9 +6,11 @@
 
 use super::checkpoint::HostTensor;
 use super::data::{SamplerState, SequenceSampler, Tokens};
+use super::divergence::DivergenceGuard;
 use super::fsdp::Sharded;
 use super::optim::AdamWConfig;
 use super::replicated::{Replicated, ReplicatedStore, Resumed};
+use super::save_dir::SaveDir;
 use super::state::{Micro, RankModel};
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cpu::CpuBackend;
@@ -53,6 +55,12 @@ pub struct TrainConfig {
     pub save_every: u32,
     /// Resume from `save_dir` if it holds a checkpoint.
     pub resume: bool,
+    /// Save into a `save_dir` that holds files upipe did not write
+    /// (`--overwrite`; `train::save_dir`).
+    pub overwrite: bool,
+    /// Steps whose loss or gradient norm is not finite that the run may
+    /// skip (not applied, counted) before it stops (`--skip-nonfinite`).
+    pub skip_nonfinite: u32,
     /// Shard parameters, gradients and optimizer state over every rank of
     /// the mesh (FSDP); otherwise every rank holds the whole model.
     pub fsdp: bool,
@@ -90,6 +98,9 @@ pub struct StepReport {
     pub loss: f64,
     pub lr: f32,
     pub grad_norm: f64,
+    /// Steps of the run so far (this one included) whose loss or gradient
+    /// norm was not finite, so not applied (`--skip-nonfinite`).
+    pub skipped: u32,
     pub tokens_per_s: f64,
     /// Rank 0's ledger peak so far.
     pub peak_bytes: usize,
@@ -167,6 +178,8 @@ impl TrainConfig {
             save_dir: None,
             save_every: 0,
             resume: false,
+            overwrite: false,
+            skip_nonfinite: 0,
             fsdp: false,
             fsdp_replicas: 1,
             max_file_bytes: super::fsdp::checkpoint::FILE_BYTES,
@@ -180,21 +193,24 @@ impl TrainConfig {
     }
 
     /// The checkpoint directory a `--resume` continues from, if it holds
-    /// one (after [`recover`](super::publish::recover)ing an interrupted
-    /// swap, which the trainer's entry points do first).
+    /// one (after [`take_save_dir`](Self::take_save_dir) finished a save
+    /// that a killed run left half moved in, which the trainer's entry
+    /// points do first).
     pub fn resume_dir(&self) -> Option<&std::path::Path> {
         self.save_dir
             .as_deref()
             .filter(|d| self.resume && d.join("state.json").exists())
     }
 
-    /// Before a `--resume`: puts back the previous checkpoint of a run that
-    /// died while swapping in a new one (`train::publish::recover`).
-    pub fn recover_checkpoint(&self) -> Result<()> {
-        match (&self.save_dir, self.resume) {
-            (Some(dir), true) => super::publish::recover(dir),
-            _ => Ok(()),
-        }
+    /// Takes the save directory for this run (once per run, before any
+    /// rank reads or writes it): locked for the run's life, a killed run's
+    /// save finished, its staging removed, and its files checked to be
+    /// upipe's unless `overwrite` (`train::save_dir::SaveDir::acquire`).
+    pub fn take_save_dir(&self) -> Result<Option<SaveDir>> {
+        self.save_dir
+            .as_deref()
+            .map(|dir| SaveDir::acquire(dir, self.overwrite))
+            .transpose()
     }
 
     /// Validates the configuration and resolves the attention plan.
@@ -325,7 +341,7 @@ pub fn train_threads<B: Backend>(
 ) -> Result<TrainSummary> {
     let tokens = tokens.into();
     let plan = cfg.plan()?;
-    cfg.recover_checkpoint()?;
+    let _held = cfg.take_save_dir()?;
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let out = run_ranks(shape, make_backend, |rank, b, mesh| {
@@ -344,7 +360,8 @@ pub fn train_threads<B: Backend>(
 /// process per rank). Collective: every rank of the mesh calls it with the
 /// same `cfg` and `tokens`. Loss and gradient norm are global, so every rank
 /// returns the same reports (those [`train_threads`] returns); `on_step` runs
-/// on rank 0 only, and only rank 0 writes checkpoints.
+/// on rank 0 only, and only rank 0 writes checkpoints. The caller has taken
+/// the save directory ([`TrainConfig::take_save_dir`]) before any rank runs.
 pub fn train_on_mesh<B: Backend>(
     cfg: &TrainConfig,
     tokens: impl Into<Tokens>,
@@ -387,7 +404,11 @@ pub fn train_process_rank(
 ) -> Result<TrainSummary> {
     let tokens = tokens.into();
     let plan = cfg.plan()?;
-    cfg.recover_checkpoint()?;
+    // rank 0 takes it before the rendezvous, so before any rank reads it
+    let _held = match env.rank {
+        0 => cfg.take_save_dir()?,
+        _ => None,
+    };
     super::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let decided = cfg.decided_flags();
@@ -490,6 +511,8 @@ fn run_rank<B: Backend>(
     // a rehearsal's second step starts with what the first kept (cuDNN's
     // grown workspace), as every later step of a run does
     let last = if cfg.rehearse { first + 1 } else { cfg.steps };
+    let resumed_from = (first > 1).then_some(first - 1);
+    let mut guard = DivergenceGuard::new(cfg.skip_nonfinite, cfg.save_dir.clone(), resumed_from);
     for step in first..=last {
         // what ran before the step (setup, the last step's checkpoint) is not its own
         b.take_profile()?;
@@ -507,11 +530,12 @@ fn run_rank<B: Backend>(
         let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
         let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
-        let (lr, grad_norm) = model.optimizer_step(b, step)?;
+        // a step whose loss or gradient norm is not finite changes nothing
+        let update = model.optimizer_step(b, step, cfg.rehearse || loss.is_finite())?;
         // a rehearsal computed neither
         let (loss, grad_norm) = match cfg.rehearse {
             true => (f64::NAN, f64::NAN),
-            false => (loss, grad_norm),
+            false => (loss, update.grad_norm),
         };
         b.synchronize()?;
         let seconds = start.elapsed().as_secs_f64();
@@ -520,8 +544,9 @@ fn run_rank<B: Backend>(
         let report = StepReport {
             step,
             loss,
-            lr,
+            lr: update.lr,
             grad_norm,
+            skipped: guard.skipped() + u32::from(!update.applied),
             tokens_per_s: targets_per_step / seconds,
             peak_bytes: memory.peak,
             at_peak_by_category: memory.at_peak_by_category,
@@ -533,10 +558,13 @@ fn run_rank<B: Backend>(
             on_step(&report);
         }
         reports.push(report);
+        // every rank stops alike: the loss and the gradient norm are global
+        guard.after_step(step, loss, &update)?;
         let save_now = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
         if let (Some(dir), true) = (&cfg.save_dir, save_now) {
             let extra = serde_json::json!({ "sampler": sampler.state(), "seed": cfg.seed });
             save(cfg, b, model.as_mut(), dir, step, &extra, rank)?;
+            guard.saved(step);
         }
     }
     model.settle(b)?;
@@ -571,8 +599,8 @@ fn save<B: Backend>(
     extra: &serde_json::Value,
     rank: usize,
 ) -> Result<()> {
-    // written beside `dir`, then swapped in whole (`train::publish`)
-    let staged = super::publish::partial(dir);
+    // written into the directory's staging, then moved in (`train::save_dir`)
+    let staged = super::save_dir::staging(dir);
     model.save(b, &staged, step as u64, extra, rank == 0)?;
     if rank != 0 {
         return Ok(());
@@ -584,7 +612,7 @@ fn save<B: Backend>(
         let path = staged.join("run.toml");
         std::fs::write(&path, text).map_err(|e| Error::io(path.display().to_string(), e))?;
     }
-    super::publish::publish(dir)
+    super::save_dir::publish(dir)
 }
 
 /// The step's op profile by class (when profiled); rank 0 writes the last

@@ -89,6 +89,18 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub resume: bool,
+    /// Save into a --save-dir that holds files upipe did not write: each
+    /// checkpoint replaces config.json, model*.safetensors,
+    /// optimizer*.safetensors, state.json and run.toml there and leaves
+    /// every other file as it is (without it such a directory is refused).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub overwrite: bool,
+    /// Steps whose loss or gradient norm is not finite that the run may skip
+    /// (the update not applied, counted in the metrics) before it stops
+    /// with an error; 0: stop at the first.
+    #[arg(long, default_value_t = 0)]
+    pub skip_nonfinite: u32,
     /// Device: auto (cuda when a GPU is visible, else cpu), cpu, or cuda. On
     /// cuda with 2+ GPUs and a mesh of at most that many ranks, one process per
     /// GPU (NCCL; started by itself, or by `upipe launch`/torchrun/srun);
@@ -178,6 +190,8 @@ impl TrainArgs {
         save_dir => checkpoint.save_dir,
         save_every => checkpoint.save_every,
         resume => checkpoint.resume,
+        overwrite => checkpoint.overwrite,
+        skip_nonfinite => optim.skip_nonfinite,
         steps => run.steps,
         seed => run.seed,
         device => run.device,

@@ -9,10 +9,12 @@ use super::progress::Progress;
 use super::{Built, TrainArgs};
 use crate::backend::memory::{default_pinned_budget, host_reserve};
 use crate::cli::metrics::{MetricsFile, RunFacts};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::flops::train_flops_per_token;
 use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, planned_host};
+use crate::train::save_dir;
+use crate::train::trainer::TrainConfig;
 
 /// Every check, in order; the run's per-step output on success.
 pub(super) fn preflight(
@@ -137,23 +139,12 @@ fn trace_file(path: &std::path::Path) -> Result<()> {
     }
 }
 
-/// The checkpoint directory and the metrics file can be created; the
-/// per-step output (bar, lines or JSON, and the metrics file).
+/// The checkpoint directory can take the run's checkpoints
+/// (`train::save_dir::check`) and the metrics and trace files can be
+/// created; the per-step output (bar, lines or JSON, and the metrics file).
 fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progress> {
-    if let Some(dir) = &run.cfg.save_dir {
-        for (flag, path) in [("--metrics", &a.metrics), ("--trace", &a.trace)] {
-            if let Some(p) = path.as_deref().filter(|p| inside(p, dir)) {
-                return crate::config_err!(
-                    "{flag} {} lies inside --save-dir {}, which each checkpoint replaces whole: write it outside",
-                    p.display(),
-                    dir.display()
-                );
-            }
-        }
-    }
     if let (Some(dir), true) = (&run.cfg.save_dir, run.lead) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("creating --save-dir {}", dir.display()), e))?;
+        save_dir::check(dir, run.cfg.overwrite, checkpoint_bytes(&run.cfg))?;
     }
     if let (Some(path), true) = (&run.cfg.trace, run.lead) {
         trace_file(path)?;
@@ -170,8 +161,8 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
     }
 }
 
-/// Whether `path` lies under `dir` (compared as given, and as absolute paths).
-fn inside(path: &std::path::Path, dir: &std::path::Path) -> bool {
-    let abs = |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-    path.starts_with(dir) || abs(path).starts_with(abs(dir))
+/// The bytes of one checkpoint of `cfg`: weights and both AdamW moments in
+/// F32, and a MiB for the JSON and TOML files beside them.
+fn checkpoint_bytes(cfg: &TrainConfig) -> u64 {
+    cfg.model.param_count() as u64 * 12 + (1 << 20)
 }

@@ -6,7 +6,7 @@ use super::store::FsdpStore;
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::{Error, Result};
 use crate::train::offload_optim::{HostSlot, HostStep};
-use crate::train::optim::{AdamWConfig, build_state, hyper};
+use crate::train::optim::{AdamWConfig, Update, build_state, hyper};
 use crate::train::settling::state_on_host;
 
 /// Moments and F32 master shards, `[shard]` per unit: on the device (the
@@ -70,21 +70,27 @@ impl<B: Backend> ShardedAdamW<B> {
         Ok(total.sqrt())
     }
 
-    /// One update at 1-based `step` of every owned shard; returns `(lr,
-    /// grad_norm)`. The device's shards are updated now; the host's update
+    /// One update at 1-based `step` of every owned shard (none when
+    /// `loss_finite` is false or the global gradient norm is not finite:
+    /// `Update::applies`). The device's shards are updated now; the host's update
     /// is deferred: [`settle`](Self::settle) runs it (the next forward
     /// does, unit by unit).
-    pub fn step(&mut self, b: &B, store: &mut FsdpStore<'_, B>, step: u32) -> Result<(f32, f64)> {
+    pub fn step(
+        &mut self,
+        b: &B,
+        store: &mut FsdpStore<'_, B>,
+        step: u32,
+        loss_finite: bool,
+    ) -> Result<Update> {
         let norm = Self::grad_norm(b, store)?;
-        let clip = if self.cfg.clip > 0.0 && norm > self.cfg.clip as f64 {
-            (self.cfg.clip as f64 / norm) as f32
-        } else {
-            1.0
-        };
+        let clip = self.cfg.clip_scale(norm);
         let lr = self.cfg.lr_at(step);
         let deferred = self.on_host.iter().any(|&h| h);
         if deferred {
             self.settle(b, store, usize::MAX)?;
+        }
+        if !Update::applies(loss_finite, norm) {
+            return Ok(Update::skipped(lr, norm));
         }
         for (i, layout) in store.layouts.iter().enumerate() {
             if self.on_host[i] {
@@ -109,7 +115,7 @@ impl<B: Backend> ShardedAdamW<B> {
         if deferred {
             self.pending = Some(HostStep::new(b, lr, step, clip)?);
         }
-        Ok((lr, norm))
+        Ok(Update::applied(lr, norm))
     }
 }
 

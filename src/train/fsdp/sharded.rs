@@ -9,6 +9,7 @@ use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, RandomInit, Unit};
 use crate::train::checkpoint::HostTensor;
+use crate::train::optim::Update;
 use crate::train::ranged::RangedModel;
 use crate::train::replicated::Resumed;
 use crate::train::settling::{Deferred, Settling, update_index};
@@ -192,8 +193,8 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         pass(b, decoder, mesh, &mut store, ids, targets, grad_scale)
     }
 
-    fn optimizer_step(&mut self, b: &B, step: u32) -> Result<(f32, f64)> {
-        self.opt.step(b, &mut self.store, step)
+    fn optimizer_step(&mut self, b: &B, step: u32, loss_finite: bool) -> Result<Update> {
+        self.opt.step(b, &mut self.store, step, loss_finite)
     }
 
     fn settle(&mut self, b: &B) -> Result<()> {

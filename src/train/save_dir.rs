@@ -1,0 +1,486 @@
+//! A checkpoint directory shared with its owner: upipe replaces exactly the
+//! files it wrote and never touches the others (a tokenizer copied in,
+//! notes, a metrics file).
+//!
+//! Layout of a save directory `DIR`:
+//! - the checkpoint's files (an HF model directory, the optimizer's state,
+//!   `state.json`, `run.toml`), each listed in
+//! - `.upipe/manifest.json`: what upipe wrote; a save replaces or removes
+//!   only these;
+//! - `.upipe/lock`: an advisory lock held by the run that saves here for its
+//!   whole life (released by the kernel when the process dies), naming it;
+//! - `.upipe/staging/`: the next checkpoint while the ranks write it;
+//! - `.upipe/commit.json`: the journal of a save being moved into place.
+//!
+//! A save ([`publish`]): every file written into staging (`state.json` last)
+//! is flushed to disk, the journal (new files, old files to remove) is
+//! written durably, and then rolled forward: the old `state.json` goes
+//! first (so `DIR` is never a complete mix of two steps), the new files are
+//! renamed over the old, stale old files are removed, the new `state.json`
+//! comes last, then the manifest. A run killed at any point leaves either
+//! the old checkpoint (no journal yet) or a journal that the next
+//! [`SaveDir::acquire`] rolls forward to the new one.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+const WORK: &str = ".upipe";
+const MANIFEST: &str = "manifest.json";
+const JOURNAL: &str = "commit.json";
+const STAGING: &str = "staging";
+const LOCK: &str = "lock";
+const STATE_FILE: &str = "state.json";
+
+/// Whether `name` is a file an upipe checkpoint writes: the HF model files
+/// (`config.json`, `model.safetensors`, `model-0000k-of-0000n.safetensors`
+/// and their index), the optimizer's files, `state.json` and `run.toml`.
+/// Only these are adopted from a directory upipe did not list
+/// (`--overwrite`, or a checkpoint copied without its `.upipe`).
+pub fn is_checkpoint_file(name: &str) -> bool {
+    matches!(
+        name,
+        "config.json" | "model.safetensors.index.json" | STATE_FILE | "run.toml"
+    ) || (name.ends_with(".safetensors")
+        && (name.starts_with("model") || name.starts_with("optimizer")))
+}
+
+/// Where the ranks write the next checkpoint of `dir` before [`publish`].
+pub fn staging(dir: &Path) -> PathBuf {
+    dir.join(WORK).join(STAGING)
+}
+
+fn work(dir: &Path) -> PathBuf {
+    dir.join(WORK)
+}
+
+fn io(what: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |e| Error::io(what, e)
+}
+
+/// What `.upipe/manifest.json` and `.upipe/commit.json` hold.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
+struct Listing {
+    /// The checkpoint's files, by name inside `DIR`.
+    files: Vec<String>,
+    /// (journal only) the old checkpoint's files that the new one lacks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    remove: Vec<String>,
+}
+
+/// Who a save directory belongs to, as found on disk.
+#[derive(Debug, Clone, PartialEq)]
+enum Owner {
+    /// Missing, or empty but for upipe's own work area.
+    Empty,
+    /// upipe's: the files of its last checkpoint.
+    Upipe(Vec<String>),
+    /// Files upipe did not list (sorted names).
+    Foreign(Vec<String>),
+}
+
+/// The names in `dir` other than upipe's work area, sorted.
+fn entries(dir: &Path) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    let read = std::fs::read_dir(dir).map_err(io(format!("reading {}", dir.display())))?;
+    for e in read {
+        let e = e.map_err(io(format!("reading {}", dir.display())))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name != WORK {
+            names.push(name);
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+fn read_listing(path: &Path) -> Result<Option<Listing>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
+    };
+    let listing: Listing = serde_json::from_str(&text).map_err(|e| {
+        Error::Checkpoint(format!(
+            "{} is malformed ({e}); it lists upipe's files in that directory: \
+             remove the `.upipe` folder and pass --overwrite to start over",
+            path.display()
+        ))
+    })?;
+    match listing
+        .files
+        .iter()
+        .chain(&listing.remove)
+        .find(|f| !plain(f))
+    {
+        Some(f) => Err(Error::Checkpoint(format!(
+            "{} names '{f}', which is not a file of that directory",
+            path.display()
+        ))),
+        None => Ok(Some(listing)),
+    }
+}
+
+/// Whether `f` names a file directly inside a directory.
+fn plain(f: &str) -> bool {
+    !f.is_empty() && f != "." && f != ".." && f != WORK && !f.contains(['/', '\\'])
+}
+
+fn ownership(dir: &Path) -> Result<Owner> {
+    if !dir.exists() {
+        return Ok(Owner::Empty);
+    }
+    if let Some(m) = read_listing(&work(dir).join(MANIFEST))? {
+        return Ok(Owner::Upipe(m.files));
+    }
+    let names = entries(dir)?;
+    if names.is_empty() {
+        return Ok(Owner::Empty);
+    }
+    // a checkpoint written before manifests, or copied without `.upipe`
+    let complete = names.iter().any(|n| n == STATE_FILE);
+    if complete && names.iter().all(|n| is_checkpoint_file(n)) {
+        return Ok(Owner::Upipe(names));
+    }
+    Ok(Owner::Foreign(names))
+}
+
+/// The error for a directory holding files upipe did not write.
+fn foreign_error(dir: &Path, names: &[String]) -> Error {
+    let shown: Vec<&str> = names.iter().take(4).map(String::as_str).collect();
+    let more = match names.len() {
+        n if n > 4 => format!(" and {} more", n - 4),
+        _ => String::new(),
+    };
+    Error::Config(format!(
+        "--save-dir {} holds files upipe did not write ({}{more}); upipe saves into an empty \
+         directory or one it saved into before, so nothing of yours is replaced: give a new \
+         --save-dir, or add --overwrite to save beside those files (the checkpoint then replaces \
+         config.json, model*.safetensors, optimizer*.safetensors, state.json and run.toml there \
+         and leaves every other file as it is)",
+        dir.display(),
+        shown.join(", ")
+    ))
+}
+
+/// Checks, before a run allocates anything, that `dir` can take its
+/// checkpoints: it is (or can be made) a writable directory, it holds no
+/// files upipe did not write unless `overwrite`, and its filesystem has
+/// room for one more checkpoint of `checkpoint_bytes` beside the last.
+/// Creates `dir` and its work area; changes nothing else.
+pub fn check(dir: &Path, overwrite: bool, checkpoint_bytes: u64) -> Result<()> {
+    let bad = |why: String| {
+        crate::config_err!(
+            "--save-dir {}: {why}; give a directory this run can write",
+            dir.display()
+        )
+    };
+    if dir.exists() && !dir.is_dir() {
+        return bad("is not a directory".into());
+    }
+    if let Err(e) = std::fs::create_dir_all(work(dir)) {
+        return bad(format!("cannot create it ({e})"));
+    }
+    let probe = work(dir).join(format!("probe-{}", std::process::id()));
+    if let Err(e) = std::fs::write(&probe, b"") {
+        return bad(format!("cannot write into it ({e})"));
+    }
+    let _ = std::fs::remove_file(&probe);
+    if let (Owner::Foreign(names), false) = (ownership(dir)?, overwrite) {
+        return Err(foreign_error(dir, &names));
+    }
+    match free_bytes(dir) {
+        Some(free) if free < checkpoint_bytes => bad(format!(
+            "its filesystem has {:.2} GiB free, and a checkpoint of this run takes {:.2} GiB \
+             (weights and AdamW moments in F32) beside the last one until it replaces it; \
+             free some space",
+            gib(free),
+            gib(checkpoint_bytes)
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+/// Bytes an unprivileged process can still write on `dir`'s filesystem.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut s = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is NUL-terminated and `s` is a valid out-pointer.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), s.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled `s`.
+    let s = unsafe { s.assume_init() };
+    Some(s.f_bavail as u64 * s.f_frsize as u64)
+}
+
+/// A save directory taken by one run for its lifetime: its lock is held
+/// until this is dropped (or the process dies).
+#[derive(Debug)]
+pub struct SaveDir {
+    _lock: File,
+}
+
+impl SaveDir {
+    /// Takes `dir` for a run (rank 0 of a run, once): locks it (a second run
+    /// is refused naming the holder), rolls forward a save that a killed run
+    /// left half moved in, removes a dead run's staging, and checks who owns
+    /// the files there: files upipe did not write are refused unless
+    /// `overwrite`, which adopts the checkpoint-named ones among them
+    /// ([`is_checkpoint_file`]) as the previous checkpoint.
+    pub fn acquire(dir: &Path, overwrite: bool) -> Result<SaveDir> {
+        std::fs::create_dir_all(work(dir))
+            .map_err(io(format!("creating --save-dir {}", dir.display())))?;
+        let lock = lock(dir)?;
+        recover(dir)?;
+        let names = match ownership(dir)? {
+            Owner::Foreign(names) if !overwrite => return Err(foreign_error(dir, &names)),
+            Owner::Foreign(names) | Owner::Upipe(names) => names,
+            Owner::Empty => vec![],
+        };
+        let manifest = work(dir).join(MANIFEST);
+        let files: Vec<String> = names
+            .into_iter()
+            .filter(|n| is_checkpoint_file(n))
+            .collect();
+        if read_listing(&manifest)?.map(|l| l.files) != Some(files.clone()) {
+            write_listing(
+                &manifest,
+                &Listing {
+                    files,
+                    remove: vec![],
+                },
+            )?;
+        }
+        Ok(SaveDir { _lock: lock })
+    }
+}
+
+/// Who holds a save directory's lock.
+#[derive(Debug, Serialize, Deserialize)]
+struct Holder {
+    pid: u32,
+    host: String,
+    /// Seconds since the Unix epoch.
+    started: u64,
+}
+
+fn lock(dir: &Path) -> Result<File> {
+    let path = work(dir).join(LOCK);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io(format!("opening {}", path.display())))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => return Err(in_use(dir, &path)),
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(Error::io(format!("locking {}", path.display()), e));
+        }
+    }
+    let me = Holder {
+        pid: std::process::id(),
+        host: hostname(),
+        started: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    };
+    use std::io::Write;
+    let text = serde_json::to_string(&me).expect("a holder always serialises");
+    file.set_len(0)
+        .and_then(|()| file.write_all(text.as_bytes()))
+        .map_err(io(format!("writing {}", path.display())))?;
+    Ok(file)
+}
+
+/// The error for a save directory another run holds.
+fn in_use(dir: &Path, lock: &Path) -> Error {
+    let holder = std::fs::read_to_string(lock)
+        .ok()
+        .and_then(|t| serde_json::from_str::<Holder>(&t).ok());
+    let who = match holder {
+        Some(h) => {
+            let age = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+                .saturating_sub(h.started);
+            format!(
+                "process {} on host {}, started {age} s ago (at {} s after the Unix epoch)",
+                h.pid, h.host, h.started
+            )
+        }
+        None => "another process".to_string(),
+    };
+    Error::Config(format!(
+        "--save-dir {} is in use by another upipe run ({who}): two runs saving into one \
+         directory would overwrite each other's checkpoints; wait for that run to end, or give \
+         this one another --save-dir",
+        dir.display()
+    ))
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Finishes a save a killed run left journaled, and removes a dead run's
+/// staging (never published: its files may be of any step, or partial).
+fn recover(dir: &Path) -> Result<()> {
+    if let Some(journal) = read_listing(&work(dir).join(JOURNAL))? {
+        roll_forward(dir, &journal, &mut Unlimited)?;
+    }
+    remove_dir_if_exists(&staging(dir))
+}
+
+/// Moves the complete checkpoint written into [`staging`] into `dir`
+/// (rank 0, after every rank wrote its files): flushed, journaled, rolled
+/// forward. The files of the previous checkpoint that the new one lacks are
+/// removed; no other file of `dir` is touched.
+pub fn publish(dir: &Path) -> Result<()> {
+    publish_steps(dir, &mut Unlimited)
+}
+
+/// Counts a save's filesystem changes: tests stop a save after any one of
+/// them, as a crash would.
+trait Steps {
+    fn next(&mut self) -> Result<()>;
+}
+
+struct Unlimited;
+
+impl Steps for Unlimited {
+    fn next(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn publish_steps(dir: &Path, steps: &mut dyn Steps) -> Result<()> {
+    let staged = staging(dir);
+    if !staged.join(STATE_FILE).is_file() {
+        return Err(Error::Checkpoint(format!(
+            "{}: no {STATE_FILE}, so the checkpoint written there is incomplete",
+            staged.display()
+        )));
+    }
+    let files = entries(&staged)?;
+    for f in &files {
+        sync_file(&staged.join(f))?;
+    }
+    sync_dir(&staged)?;
+    let old = read_listing(&work(dir).join(MANIFEST))?.unwrap_or_default();
+    let remove = old
+        .files
+        .into_iter()
+        .filter(|f| !files.contains(f))
+        .collect();
+    let journal = Listing { files, remove };
+    steps.next()?;
+    write_listing(&work(dir).join(JOURNAL), &journal)?;
+    roll_forward(dir, &journal, steps)
+}
+
+/// Carries out `journal`; every change is idempotent, so a roll forward
+/// cut short by a crash is finished by running it again.
+fn roll_forward(dir: &Path, journal: &Listing, steps: &mut dyn Steps) -> Result<()> {
+    let staged = staging(dir);
+    // the old checkpoint stops being complete before any of its files change
+    if staged.join(STATE_FILE).exists() {
+        steps.next()?;
+        remove_file_if_exists(&dir.join(STATE_FILE))?;
+    }
+    let last = journal.files.iter().filter(|f| *f != STATE_FILE);
+    for f in last.chain(std::iter::once(&STATE_FILE.to_string())) {
+        if f == STATE_FILE {
+            for stale in &journal.remove {
+                steps.next()?;
+                remove_file_if_exists(&dir.join(stale))?;
+            }
+        }
+        let from = staged.join(f);
+        if from.exists() {
+            steps.next()?;
+            std::fs::rename(&from, dir.join(f)).map_err(io(format!(
+                "moving {} into {}",
+                from.display(),
+                dir.display()
+            )))?;
+        }
+    }
+    sync_dir(dir)?;
+    steps.next()?;
+    write_listing(
+        &work(dir).join(MANIFEST),
+        &Listing {
+            files: journal.files.clone(),
+            remove: vec![],
+        },
+    )?;
+    steps.next()?;
+    remove_file_if_exists(&work(dir).join(JOURNAL))?;
+    remove_dir_if_exists(&staged)?;
+    sync_dir(&work(dir))
+}
+
+/// Writes `listing` to `path` durably: a flushed temporary file renamed
+/// into place, and the directory flushed.
+fn write_listing(path: &Path, listing: &Listing) -> Result<()> {
+    use std::io::Write;
+    let text = serde_json::to_string_pretty(listing).expect("a listing always serialises");
+    let tmp = path.with_extension("json.tmp");
+    let mut f = File::create(&tmp).map_err(io(format!("writing {}", tmp.display())))?;
+    f.write_all(text.as_bytes())
+        .and_then(|()| f.sync_all())
+        .map_err(io(format!("writing {}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(io(format!("renaming {}", tmp.display())))?;
+    sync_dir(path.parent().expect("a listing lives in a directory"))
+}
+
+/// Flushes a written file's data to disk.
+fn sync_file(path: &Path) -> Result<()> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(format!("flushing {}", path.display())))
+}
+
+/// Flushes a directory's entries (renames, new files) to disk.
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(io(format!("flushing {}", dir.display())))
+}
+
+fn remove_file_if_exists(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(Error::io(format!("removing {}", path.display()), e))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn remove_dir_if_exists(path: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(Error::io(format!("removing {}", path.display()), e))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests;
