@@ -18,6 +18,8 @@ pub struct DivergenceGuard {
     /// Where checkpoints go, and the step of the last one there.
     save_dir: Option<PathBuf>,
     last_saved: Option<u32>,
+    /// Whether this rank logs the skipped steps (rank 0).
+    lead: bool,
 }
 
 impl DivergenceGuard {
@@ -29,6 +31,15 @@ impl DivergenceGuard {
             skipped: 0,
             save_dir,
             last_saved,
+            lead: true,
+        }
+    }
+
+    /// The same guard on a rank that does not log (every rank but rank 0).
+    pub fn quiet(self, quiet: bool) -> Self {
+        DivergenceGuard {
+            lead: !quiet,
+            ..self
         }
     }
 
@@ -46,6 +57,9 @@ impl DivergenceGuard {
         }
         self.skipped += 1;
         if self.skipped <= self.allowed {
+            if !self.lead {
+                return Ok(());
+            }
             tracing::warn!(
                 "step {step}: loss {loss}, gradient norm {}: not applied ({} of --skip-nonfinite {} skipped)",
                 update.grad_norm,

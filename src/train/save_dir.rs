@@ -170,35 +170,45 @@ fn foreign_error(dir: &Path, names: &[String]) -> Error {
 /// room for one more checkpoint of `checkpoint_bytes` beside the last.
 /// Creates `dir` and its work area; changes nothing else.
 pub fn check(dir: &Path, overwrite: bool, checkpoint_bytes: u64) -> Result<()> {
-    let bad = |why: String| {
-        crate::config_err!(
-            "--save-dir {}: {why}; give a directory this run can write",
-            dir.display()
-        )
-    };
-    if dir.exists() && !dir.is_dir() {
-        return bad("is not a directory".into());
-    }
-    if let Err(e) = std::fs::create_dir_all(work(dir)) {
-        return bad(format!("cannot create it ({e})"));
-    }
+    make_work_area(dir)?;
     let probe = work(dir).join(format!("probe-{}", std::process::id()));
     if let Err(e) = std::fs::write(&probe, b"") {
-        return bad(format!("cannot write into it ({e})"));
+        return unusable(dir, format!("cannot write into it ({e})"));
     }
     let _ = std::fs::remove_file(&probe);
     if let (Owner::Foreign(names), false) = (ownership(dir)?, overwrite) {
         return Err(foreign_error(dir, &names));
     }
     match free_bytes(dir) {
-        Some(free) if free < checkpoint_bytes => bad(format!(
-            "its filesystem has {:.2} GiB free, and a checkpoint of this run takes {:.2} GiB \
+        Some(free) if free < checkpoint_bytes => unusable(
+            dir,
+            format!(
+                "its filesystem has {:.2} GiB free, and a checkpoint of this run takes {:.2} GiB \
              (weights and AdamW moments in F32) beside the last one until it replaces it; \
              free some space",
-            gib(free),
-            gib(checkpoint_bytes)
-        )),
+                gib(free),
+                gib(checkpoint_bytes)
+            ),
+        ),
         _ => Ok(()),
+    }
+}
+
+fn unusable(dir: &Path, why: String) -> Result<()> {
+    crate::config_err!(
+        "--save-dir {}: {why}; give a directory this run can write",
+        dir.display()
+    )
+}
+
+/// Creates `dir` and its work area, or says why it cannot be.
+fn make_work_area(dir: &Path) -> Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        return unusable(dir, "is not a directory".into());
+    }
+    match std::fs::create_dir_all(work(dir)) {
+        Ok(()) => Ok(()),
+        Err(e) => unusable(dir, format!("cannot create it ({e})")),
     }
 }
 
@@ -236,8 +246,7 @@ impl SaveDir {
     /// `overwrite`, which adopts the checkpoint-named ones among them
     /// ([`is_checkpoint_file`]) as the previous checkpoint.
     pub fn acquire(dir: &Path, overwrite: bool) -> Result<SaveDir> {
-        std::fs::create_dir_all(work(dir))
-            .map_err(io(format!("creating --save-dir {}", dir.display())))?;
+        make_work_area(dir)?;
         let lock = lock(dir)?;
         recover(dir)?;
         let names = match ownership(dir)? {

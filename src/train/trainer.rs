@@ -512,7 +512,8 @@ fn run_rank<B: Backend>(
     // grown workspace), as every later step of a run does
     let last = if cfg.rehearse { first + 1 } else { cfg.steps };
     let resumed_from = (first > 1).then_some(first - 1);
-    let mut guard = DivergenceGuard::new(cfg.skip_nonfinite, cfg.save_dir.clone(), resumed_from);
+    let mut guard = DivergenceGuard::new(cfg.skip_nonfinite, cfg.save_dir.clone(), resumed_from)
+        .quiet(rank != 0);
     for step in first..=last {
         // what ran before the step (setup, the last step's checkpoint) is not its own
         b.take_profile()?;
