@@ -202,6 +202,15 @@ pub fn model_state_bytes(cfg: &ModelConfig, gpu: bool) -> usize {
     cfg.param_count() * per_param
 }
 
+/// Bytes of one training checkpoint of `cfg` on disk: F32 weights and both
+/// AdamW moments (and the F32 masters, which a sharded run in a lower
+/// precision keeps beside them: `masters`), and a MiB for the JSON and TOML
+/// files.
+pub fn checkpoint_bytes(cfg: &ModelConfig, masters: bool) -> u64 {
+    let per_param = if masters { 16 } else { 12 };
+    cfg.param_count() as u64 * per_param + (1 << 20)
+}
+
 /// The attention walk of `plan` on `device` for ring rank `ring_rank`.
 fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usize) -> AttnWalk {
     AttnWalk {

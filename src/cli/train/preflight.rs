@@ -14,7 +14,6 @@ use crate::model::flops::train_flops_per_token;
 use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, planned_host};
 use crate::train::save_dir;
-use crate::train::trainer::TrainConfig;
 
 /// Every check, in order; the run's per-step output on success.
 pub(super) fn preflight(
@@ -144,7 +143,9 @@ fn trace_file(path: &std::path::Path) -> Result<()> {
 /// created; the per-step output (bar, lines or JSON, and the metrics file).
 fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progress> {
     if let (Some(dir), true) = (&run.cfg.save_dir, run.lead) {
-        save_dir::check(dir, run.cfg.overwrite, checkpoint_bytes(&run.cfg))?;
+        let masters = run.cfg.fsdp && run.on_gpu();
+        let bytes = crate::plan::checkpoint_bytes(&run.cfg.model, masters);
+        save_dir::check(dir, run.cfg.overwrite, bytes)?;
     }
     if let (Some(path), true) = (&run.cfg.trace, run.lead) {
         trace_file(path)?;
@@ -159,10 +160,4 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
         (Some(path), true) => Ok(progress.with_metrics(MetricsFile::create(path)?)),
         _ => Ok(progress),
     }
-}
-
-/// The bytes of one checkpoint of `cfg`: weights and both AdamW moments in
-/// F32, and a MiB for the JSON and TOML files beside them.
-fn checkpoint_bytes(cfg: &TrainConfig) -> u64 {
-    cfg.model.param_count() as u64 * 12 + (1 << 20)
 }
