@@ -206,6 +206,15 @@ fn make_work_area(dir: &Path) -> Result<()> {
     if dir.exists() && !dir.is_dir() {
         return unusable(dir, "is not a directory".into());
     }
+    if work(dir).exists() && !work(dir).is_dir() {
+        return unusable(
+            dir,
+            format!(
+                "{} is not upipe's folder (a file of that name is there)",
+                work(dir).display()
+            ),
+        );
+    }
     match std::fs::create_dir_all(work(dir)) {
         Ok(()) => Ok(()),
         Err(e) => unusable(dir, format!("cannot create it ({e})")),
