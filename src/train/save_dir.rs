@@ -21,6 +21,7 @@
 //! the old checkpoint (no journal yet) or a journal that the next
 //! [`SaveDir::acquire`] rolls forward to the new one.
 
+use crate::backend::Bytes;
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -183,11 +184,11 @@ pub fn check(dir: &Path, overwrite: bool, checkpoint_bytes: u64) -> Result<()> {
         Some(free) if free < checkpoint_bytes => unusable(
             dir,
             format!(
-                "its filesystem has {:.2} GiB free, and a checkpoint of this run takes {:.2} GiB \
-             (weights and AdamW moments in F32) beside the last one until it replaces it; \
-             free some space",
-                gib(free),
-                gib(checkpoint_bytes)
+                "its filesystem has {} free, and a checkpoint of this run takes {} (weights \
+                 and AdamW moments in F32) beside the last one until it replaces it (free some \
+                 space there)",
+                Bytes(free as usize),
+                Bytes(checkpoint_bytes as usize)
             ),
         ),
         _ => Ok(()),
@@ -219,10 +220,6 @@ fn make_work_area(dir: &Path) -> Result<()> {
         Ok(()) => Ok(()),
         Err(e) => unusable(dir, format!("cannot create it ({e})")),
     }
-}
-
-fn gib(b: u64) -> f64 {
-    b as f64 / (1u64 << 30) as f64
 }
 
 /// Bytes an unprivileged process can still write on `dir`'s filesystem.
