@@ -394,7 +394,11 @@ fn json_row(
         line["device"] = json!(a.device);
         // the Ulysses exchanges' copy-engine window (NCCL ranks only)
         let window = (a.device == "cuda")
-            .then(|| crate::comm::exchange_window::size_from_env().ok().flatten())
+            .then(|| {
+                crate::comm::nccl::exchange_window::size_from_env()
+                    .ok()
+                    .flatten()
+            })
             .flatten();
         line["exchange_window_mib"] = json!(window.map(|b| b >> 20));
     }

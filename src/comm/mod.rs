@@ -6,7 +6,6 @@
 //! runs one process per GPU (`watchdog`: its collective-timeout policy).
 
 pub mod env;
-pub mod exchange_window;
 pub mod local;
 pub mod mesh;
 pub mod nccl;

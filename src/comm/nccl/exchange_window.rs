@@ -18,7 +18,7 @@
 //! is device memory beside the pool (the pool's own counters do not see
 //! them).
 
-use super::nccl::{Comm, check, drv_bind, lock};
+use super::{Comm, check, drv_bind, lock};
 use crate::backend::arena::ArenaMap;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::cuda::pool::BlockOwner;
