@@ -487,7 +487,8 @@ mod tests {
             include_str!("cpu.rs"),
             include_str!("cuda/mod.rs"),
             include_str!("cuda/attention.rs"),
-            include_str!("../comm/nccl.rs"),
+            include_str!("../comm/nccl/group.rs"),
+            include_str!("../comm/nccl/exchange_window.rs"),
         ];
         let found: Vec<String> = sources.iter().flat_map(|s| recorded(s)).collect();
         assert!(found.len() > 40, "{found:?}");

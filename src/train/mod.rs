@@ -3,11 +3,13 @@
 //! and evaluation.
 
 pub mod checkpoint;
+pub mod config;
 pub mod data;
 pub mod divergence;
 pub mod documents;
 pub mod eval;
 pub mod fsdp;
+pub mod host_weights;
 pub mod offload_optim;
 pub mod optim;
 pub mod ranged;

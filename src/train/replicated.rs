@@ -3,10 +3,11 @@
 //! bucket as soon as its backward is done, beside the next unit's backward.
 
 use super::checkpoint::{load_hf_model, load_train_state, save_train_state};
+use super::config::TrainConfig;
+use super::host_weights::{tensors_to_host, weights_from_host, weights_to_host};
 use super::optim::{AdamW, Update, tensors_through};
 use super::settling::{Deferred, Settling};
 use super::state::{Micro, RankModel, pass};
-use super::trainer::{TrainConfig, tensors_to_host, weights_from_host, weights_to_host};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};

@@ -234,7 +234,7 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     }
     // SAFETY: statvfs returned 0, so it filled `s`.
     let s = unsafe { s.assume_init() };
-    Some(s.f_bavail as u64 * s.f_frsize as u64)
+    Some(s.f_bavail.saturating_mul(s.f_frsize))
 }
 
 /// A save directory taken by one run for its lifetime: its lock is held

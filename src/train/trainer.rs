@@ -4,92 +4,28 @@
 //! ([`train_threads`]: CPU, or GPUs with host-copy exchanges) or one process
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
-use super::checkpoint::HostTensor;
+pub use super::config::TrainConfig;
 use super::data::{SamplerState, SequenceSampler, Tokens};
 use super::divergence::DivergenceGuard;
 use super::fsdp::Sharded;
-use super::optim::AdamWConfig;
+pub use super::host_weights::{weights_from_host, weights_to_host};
 use super::replicated::{Replicated, ReplicatedStore, Resumed};
-use super::save_dir::SaveDir;
 use super::state::{Micro, RankModel};
-use crate::attention::{CpPlan, Strategy};
+use crate::attention::CpPlan;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::profile::ClassTotals;
-use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats, Tensor};
+use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats};
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
 use crate::error::{Error, Result};
-use crate::model::decoder::attn_dims;
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long process ranks wait for each other at the rendezvous.
 pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Everything a training run needs, validated by [`TrainConfig::plan`].
-#[derive(Debug, Clone)]
-pub struct TrainConfig {
-    pub model: ModelConfig,
-    /// Data-parallel replicas; each replica's context group holds one sequence.
-    pub data_parallel: usize,
-    pub strategy: Strategy,
-    pub ulysses: usize,
-    pub ring: usize,
-    pub chunk_heads: Option<usize>,
-    /// UPipe: heads per forward stage (`CpPlan::with_fwd_chunk`; default U).
-    pub fwd_chunk_heads: Option<usize>,
-    pub seq: usize,
-    pub steps: u32,
-    pub optim: AdamWConfig,
-    pub seed: u64,
-    pub policy: MemoryPolicy,
-    /// Start from an HF model directory instead of random weights.
-    pub init_from: Option<PathBuf>,
-    /// Where training checkpoints go (and are resumed from).
-    pub save_dir: Option<PathBuf>,
-    /// Save every this many steps (0: only at the end).
-    pub save_every: u32,
-    /// Resume from `save_dir` if it holds a checkpoint.
-    pub resume: bool,
-    /// Save into a `save_dir` that holds files upipe did not write
-    /// (`--overwrite`; `train::save_dir`).
-    pub overwrite: bool,
-    /// Steps whose loss or gradient norm is not finite that the run may
-    /// skip (not applied, counted) before it stops (`--skip-nonfinite`).
-    pub skip_nonfinite: u32,
-    /// Shard parameters, gradients and optimizer state over every rank of
-    /// the mesh (FSDP); otherwise every rank holds the whole model.
-    pub fsdp: bool,
-    /// HSDP: shard inside `world / fsdp_replicas` consecutive ranks,
-    /// replicate across the groups (1: shard over every rank).
-    pub fsdp_replicas: usize,
-    /// The largest weight file a sharded checkpoint writes (HF's
-    /// `max_shard_size`); more weights spread over several files and an index.
-    pub max_file_bytes: usize,
-    /// Sequences per optimizer step (per data replica), gradients accumulated.
-    pub grad_accum: usize,
-    /// The run file that repeats this run, written as `run.toml` beside
-    /// every checkpoint (`upipe train --config DIR/run.toml`).
-    pub run_file: Option<String>,
-    /// Pinned host memory each rank may use for offloaded tensors (None: unlimited).
-    pub host_budget: Option<usize>,
-    /// Time every op of every step by class (`--profile`; the backends'
-    /// op profile, `backend::profile`).
-    pub profile: bool,
-    /// Write rank 0's last step as a Chrome/Perfetto trace here (`--trace`;
-    /// needs `profile`).
-    pub trace: Option<PathBuf>,
-    /// Rehearse two steps instead of training (`upipe train --rehearse`):
-    /// every rank's backend allocates what the step allocates, in the same
-    /// order, and computes nothing (`Backend::set_rehearse`); the weights
-    /// are allocated unwritten, two steps run whatever `steps` says, and
-    /// the reports carry no loss or gradient norm (NaN).
-    pub rehearse: bool,
-}
 
 /// What one step did (rank 0's view; loss and gradients are global).
 #[derive(Debug, Clone, PartialEq)]
@@ -124,172 +60,6 @@ pub struct TrainSummary {
     /// The most device memory rank 0's allocator held (the CUDA pool's
     /// reserved high-water, fragmentation included); `None` on the CPU.
     pub reserved_peak: Option<usize>,
-}
-
-impl TrainConfig {
-    /// What this process decided on its own (the `auto` choices of
-    /// `train`, resolved from its GPU's and its host's memory), as the flags
-    /// that repeat it. Process ranks check that they agree before they
-    /// train ([`ProcessRank::join`]).
-    pub fn decided_flags(&self) -> String {
-        let mut f = vec![format!("--fsdp {}", if self.fsdp { "on" } else { "off" })];
-        if let Some(u) = self.chunk_heads {
-            f.push(format!("--chunk-heads {u}"));
-        }
-        if let Some(n) = self.fwd_chunk_heads {
-            f.push(format!("--fwd-chunk-heads {n}"));
-        }
-        let p = self.policy;
-        if p.checkpoint {
-            f.push(format!("--offload {}", p.offload));
-            f.push(format!("--save-attention {}", p.save_attention));
-        }
-        f.push(format!("--offload-optimizer {}", p.offload_optimizer));
-        f.join(" ")
-    }
-
-    /// The optimizer's settings, its state kept where the memory policy
-    /// says (`--offload-optimizer`).
-    pub fn adamw(&self) -> AdamWConfig {
-        AdamWConfig {
-            host_units: self.policy.offload_optimizer,
-            ..self.optim
-        }
-    }
-
-    /// `steps` steps of `model` on sequences of `seq` tokens with `optim`, on
-    /// one rank (`local`), seed 0, the default memory policy, no checkpoints;
-    /// change the rest with struct update syntax.
-    pub fn new(model: ModelConfig, seq: usize, steps: u32, optim: AdamWConfig) -> Self {
-        TrainConfig {
-            model,
-            data_parallel: 1,
-            strategy: Strategy::Local,
-            ulysses: 1,
-            ring: 1,
-            chunk_heads: None,
-            fwd_chunk_heads: None,
-            seq,
-            steps,
-            optim,
-            seed: 0,
-            policy: MemoryPolicy::default(),
-            init_from: None,
-            save_dir: None,
-            save_every: 0,
-            resume: false,
-            overwrite: false,
-            skip_nonfinite: 0,
-            fsdp: false,
-            fsdp_replicas: 1,
-            max_file_bytes: super::fsdp::checkpoint::FILE_BYTES,
-            grad_accum: 1,
-            run_file: None,
-            host_budget: None,
-            profile: false,
-            trace: None,
-            rehearse: false,
-        }
-    }
-
-    /// The checkpoint directory a `--resume` continues from, if it holds
-    /// one (after [`take_save_dir`](Self::take_save_dir) finished a save
-    /// that a killed run left half moved in, which the trainer's entry
-    /// points do first).
-    pub fn resume_dir(&self) -> Option<&std::path::Path> {
-        self.save_dir
-            .as_deref()
-            .filter(|d| self.resume && d.join("state.json").exists())
-    }
-
-    /// Takes the save directory for this run (once per run, before any
-    /// rank reads or writes it): locked for the run's life, a killed run's
-    /// save finished, its staging removed, and its files checked to be
-    /// upipe's unless `overwrite` (`train::save_dir::SaveDir::acquire`).
-    pub fn take_save_dir(&self) -> Result<Option<SaveDir>> {
-        self.save_dir
-            .as_deref()
-            .map(|dir| SaveDir::acquire(dir, self.overwrite))
-            .transpose()
-    }
-
-    /// Validates the configuration and resolves the attention plan.
-    pub fn plan(&self) -> Result<CpPlan> {
-        self.model.validate()?;
-        self.policy.validate_for(self.model.layers)?;
-        if self.steps == 0 {
-            return crate::config_err!("--steps must be at least 1");
-        }
-        if self.data_parallel == 0 {
-            return crate::config_err!("--data-parallel must be at least 1");
-        }
-        if self.grad_accum == 0 {
-            return crate::config_err!("--grad-accum must be at least 1 (sequences per step)");
-        }
-        if self.rehearse && (self.save_dir.is_some() || self.resume) {
-            let flag = if self.resume {
-                "--resume"
-            } else {
-                "--save-dir"
-            };
-            return crate::config_err!(
-                "--rehearse computes and trains nothing, so there is nothing for {flag} to save or resume: \
-                 drop {flag} (or --rehearse)"
-            );
-        }
-        let plan = CpPlan::new(
-            self.strategy,
-            &attn_dims(&self.model),
-            self.seq,
-            self.ulysses,
-            self.ring,
-            self.chunk_heads,
-        )?
-        .with_fwd_chunk(self.fwd_chunk_heads)?;
-        if self.fsdp_replicas != 1 {
-            if !self.fsdp {
-                return crate::config_err!(
-                    "--fsdp-replicate {} replicates FSDP shard groups: add --fsdp on",
-                    self.fsdp_replicas
-                );
-            }
-            MeshShape {
-                data: self.data_parallel,
-                ..plan.mesh_shape()
-            }
-            .with_fsdp_replicas(self.fsdp_replicas)?;
-        }
-        Ok(plan)
-    }
-
-    /// The planner's view of one training step of this run under `plan`
-    /// on `device` (`crate::plan::predict_step`).
-    pub fn step_spec(
-        &self,
-        plan: &CpPlan,
-        device: crate::plan::DeviceKind,
-    ) -> crate::plan::StepSpec {
-        crate::plan::StepSpec {
-            model: self.model.clone(),
-            plan: plan.clone(),
-            data: self.data_parallel,
-            policy: self.policy,
-            fsdp: self.fsdp,
-            fsdp_replicas: self.fsdp_replicas,
-            grad_accum: self.grad_accum,
-            device,
-            optimizer: true,
-        }
-    }
-
-    /// The whole mesh of `plan` (data replicas x its context group).
-    pub fn mesh_shape(&self, plan: &CpPlan) -> MeshShape {
-        MeshShape {
-            data: self.data_parallel,
-            fsdp_replicas: self.fsdp_replicas,
-            ..plan.mesh_shape()
-        }
-    }
 }
 
 /// Checks that `world_size` launched processes fit the mesh of `shape` of
@@ -646,52 +416,6 @@ fn step_profile<B: Backend>(
 /// its allocator's reserved high-water (`Backend::reserved_peak`).
 type RankOutcome = (Vec<StepReport>, MemoryStats, Option<usize>);
 
-/// Copies every parameter to the host by HF name.
-pub fn weights_to_host<B: Backend>(
-    b: &B,
-    w: &ModelWeights<B>,
-) -> Result<BTreeMap<String, HostTensor>> {
-    w.named()
-        .into_iter()
-        .map(|(n, t)| Ok((n, HostTensor::new(t.shape().to_vec(), b.to_host(t)?)?)))
-        .collect()
-}
-
-/// Host copies of per-parameter state tensors (moments), named like `w`.
-pub(crate) fn tensors_to_host<B: Backend>(
-    b: &B,
-    w: &ModelWeights<B>,
-    ts: &[Tensor<B>],
-) -> Result<BTreeMap<String, HostTensor>> {
-    w.named()
-        .into_iter()
-        .zip(ts)
-        .map(|((n, _), t)| Ok((n, HostTensor::new(t.shape().to_vec(), b.to_host(t)?)?)))
-        .collect()
-}
-
-/// Builds weights from host tensors by HF name (shapes were checked when loading).
-pub fn weights_from_host<B: Backend>(
-    b: &B,
-    cfg: &ModelConfig,
-    host: &BTreeMap<String, HostTensor>,
-    dtype: DType,
-    cat: Category,
-) -> Result<ModelWeights<B>> {
-    ModelWeights::build(b, cfg, dtype, cat, |name, shape| {
-        let t = host
-            .get(name)
-            .ok_or_else(|| Error::Checkpoint(format!("tensor {name} is missing")))?;
-        if t.shape != shape {
-            return Err(Error::Checkpoint(format!(
-                "tensor {name} has shape {:?}, the model needs {shape:?}",
-                t.shape
-            )));
-        }
-        Ok(t.data.clone())
-    })
-}
-
 /// Loss (mean over `targets`) and reduced parameter gradients of one sequence
 /// under `plan`, on CPU thread ranks, from weights built by `weights` on each
 /// rank. The engine of the equivalence tests and of `upipe eval`.
@@ -738,6 +462,8 @@ pub fn loss_and_grads_cpu(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::Strategy;
+    use crate::train::optim::AdamWConfig;
 
     fn cfg(data: usize, ulysses: usize, ring: usize) -> TrainConfig {
         TrainConfig {

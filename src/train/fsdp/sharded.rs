@@ -9,12 +9,12 @@ use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, RandomInit, Unit};
 use crate::train::checkpoint::HostTensor;
+use crate::train::config::TrainConfig;
 use crate::train::optim::Update;
 use crate::train::ranged::RangedModel;
 use crate::train::replicated::Resumed;
 use crate::train::settling::{Deferred, Settling, update_index};
 use crate::train::state::{Micro, RankModel, pass};
-use crate::train::trainer::TrainConfig;
 use serde_json::Value;
 use std::path::Path;
 
