@@ -486,6 +486,10 @@ mod tests {
         let sources = [
             include_str!("cpu.rs"),
             include_str!("cuda/mod.rs"),
+            include_str!("cuda/memory_ops.rs"),
+            include_str!("cuda/attention_ops.rs"),
+            include_str!("cuda/elementwise_ops.rs"),
+            include_str!("cuda/gemm.rs"),
             include_str!("cuda/attention.rs"),
             include_str!("../comm/nccl/group.rs"),
             include_str!("../comm/nccl/exchange_window.rs"),

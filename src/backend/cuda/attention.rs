@@ -11,8 +11,9 @@
 //! row strides in elements, `sq, sk, hq, hkv, d, causal`, f32 lse `[s, h]`, f32
 //! dq/dk/dv accumulated into). The backend side (checks, row offsets, f32
 //! scratch for bf16 gradients, the flash backward's workspace) lives in
-//! `CudaBackend::attention_fwd` / `attention_bwd`, which pick the path with
-//! [`flash_fwd_unsupported`] / [`flash_bwd_unsupported`] and log it at debug level.
+//! `CudaBackend::attention_fwd` / `attention_bwd` (in `attention_ops.rs`),
+//! which pick the path with [`flash_fwd_unsupported`] /
+//! [`flash_bwd_unsupported`] and log it at debug level.
 
 use super::flash::{self, FlashBwdArgs, FlashFunctions, FlashFwdArgs};
 use super::kernels::{ATT_THREADS, Args, Kernels, launch};

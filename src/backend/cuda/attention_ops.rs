@@ -1,0 +1,608 @@
+//! `CudaBackend`'s attention ops: `attention_fwd` / `attention_bwd` (checks,
+//! row offsets, f32 scratch for other-dtype gradients, and the route: cuDNN
+//! SDPA, then our flash kernels, then the naive ones), `lse_merge`, loading the
+//! flash modules and counting calls by path. The launches on raw device
+//! operands are in [`super::attention`], [`super::flash`] and [`super::cudnn`].
+
+use super::attention::{self, AttentionKernels, AttnBwd, AttnFwd, AttnPath};
+use super::device::drv;
+use super::kernels::{self, Args};
+use super::{CudaBackend, cudnn, dt, flash, need, nvrtc, ptr, ptr_at};
+use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Rows, RowsMut, Tensor};
+use crate::error::{Error, Result};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+/// How many attention calls of a backend ran on which kernels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttentionCalls {
+    pub flash_fwd: u64,
+    pub flash_bwd: u64,
+    pub naive_fwd: u64,
+    pub naive_bwd: u64,
+    pub cudnn_fwd: u64,
+    pub cudnn_bwd: u64,
+}
+
+/// Geometry of one attention call (mirrors the CPU checks).
+struct AttnGeom {
+    hq: usize,
+    hkv: usize,
+    d: usize,
+}
+
+fn attn_geom(
+    q: &Rows<'_, CudaBackend>,
+    k: &Rows<'_, CudaBackend>,
+    v: &Rows<'_, CudaBackend>,
+    causal: bool,
+) -> Result<AttnGeom> {
+    let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
+    if hkv == 0
+        || hq % hkv != 0
+        || k.head_dim() != d
+        || v.heads() != hkv
+        || v.head_dim() != d
+        || v.len() != k.len()
+    {
+        return Err(Error::Backend(format!(
+            "attention: q {:?}, k {:?}, v {:?} do not form a GQA triple",
+            q.t.shape(),
+            k.t.shape(),
+            v.t.shape()
+        )));
+    }
+    if causal && q.len() != k.len() {
+        return Err(Error::Backend(format!(
+            "attention: a causal block needs as many queries as keys ({} vs {})",
+            q.len(),
+            k.len()
+        )));
+    }
+    if d > kernels::ATT_MAX_D {
+        return Err(Error::Backend(format!(
+            "attention: head dim {d} exceeds {} supported by the CUDA kernels",
+            kernels::ATT_MAX_D
+        )));
+    }
+    if q.t.dtype() != k.t.dtype() || q.t.dtype() != v.t.dtype() {
+        return Err(Error::Backend(
+            "attention: q, k and v must share a dtype".into(),
+        ));
+    }
+    Ok(AttnGeom { hq, hkv, d })
+}
+
+impl CudaBackend {
+    /// Returns the attention kernels' kept workspace (cuDNN's, grown to its
+    /// largest call) to the pool, so a following workload's peak is its own.
+    pub fn release_attention_workspace(&self) -> Result<()> {
+        match self.cudnn.get() {
+            Some(Ok(sdpa)) => sdpa.release_workspace(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Counts of attention calls (non-empty ones) by the kernels they ran on.
+    pub fn attention_calls(&self) -> AttentionCalls {
+        let c = |i: usize| self.attn_calls[i].load(Ordering::Relaxed);
+        AttentionCalls {
+            flash_fwd: c(0),
+            flash_bwd: c(1),
+            naive_fwd: c(2),
+            naive_bwd: c(3),
+            cudnn_fwd: c(4),
+            cudnn_bwd: c(5),
+        }
+    }
+
+    fn count_attn(&self, path: AttnPath, bwd: bool) {
+        let i = match path {
+            AttnPath::Flash => 0,
+            AttnPath::Naive => 2,
+            AttnPath::Cudnn => 4,
+        } + bwd as usize;
+        self.attn_calls[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Chooses the backend's kernel for the attention selection
+    /// (`UPIPE_ATTN_KERNEL`), overriding the environment.
+    pub fn set_attn_kernel(&mut self, k: cudnn::AttnKernel) {
+        self.attn_kernel = k;
+    }
+
+    /// cuDNN SDPA of this backend, created on first use.
+    pub fn cudnn_sdpa(&self) -> std::result::Result<&cudnn::CudnnSdpa, String> {
+        self.cudnn
+            .get_or_init(|| cudnn::CudnnSdpa::new(self).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| e.clone())
+    }
+
+    /// Whether this call goes to cuDNN: `Ok(Some)` to use it, `Ok(None)` for
+    /// our kernels (the reason logged once per shape), `Err` when cuDNN was
+    /// demanded and cannot serve.
+    fn cudnn_for(&self, shape: &cudnn::SdpaShape, bwd: bool) -> Result<Option<&cudnn::CudnnSdpa>> {
+        use cudnn::select::{Choice, decide};
+        if self.attn_kernel == cudnn::AttnKernel::Native {
+            return Ok(None);
+        }
+        let sdpa = self.cudnn_sdpa();
+        let available = sdpa.as_ref().map(|c| c.version()).map_err(|e| e.clone());
+        let why = match decide(self.attn_kernel, available, shape, bwd)? {
+            Choice::Cudnn => match sdpa.as_ref().map(|c| (c, c.supports(shape, bwd))) {
+                Ok((c, Ok(()))) => return Ok(Some(c)),
+                Ok((_, Err(r))) => r,
+                Err(e) => e.clone(),
+            },
+            Choice::Native(why) => why,
+        };
+        if self.attn_kernel == cudnn::AttnKernel::Cudnn {
+            return Err(Error::Backend(format!("--attn-kernel cudnn: {why}")));
+        }
+        tracing::debug!("attention: native kernels for {shape:?} (bwd={bwd}): {why}");
+        Ok(None)
+    }
+
+    /// The attention kernels this backend was opened with.
+    pub fn attention_kernels(&self) -> AttentionKernels {
+        self.attn_kernels
+    }
+
+    /// The flash kernels, compiling (or reading from the disk cache) and
+    /// loading them on the first call; `None` where they are not used
+    /// (compute capability below 9.0, or [`AttentionKernels::Naive`]).
+    /// Call it once up front to keep the compile out of a timed region.
+    pub fn flash_functions(&self) -> Result<Option<&flash::FlashFunctions>> {
+        let r = self.flash.get_or_init(|| {
+            if self.attn_kernels == AttentionKernels::Naive {
+                tracing::debug!("attention: naive kernels requested; flash kernels not loaded");
+                return Ok(None);
+            }
+            if self.cc_major < 9 {
+                tracing::debug!(
+                    "attention: {} is {}, flash kernels need sm_90+; using the naive kernels",
+                    self.name,
+                    self.arch
+                );
+                return Ok(None);
+            }
+            self.load_flash().map(Some).map_err(|e| {
+                format!(
+                    "{e} (set UPIPE_ATTENTION=naive to use the slow attention kernels meanwhile)"
+                )
+            })
+        });
+        match r {
+            Ok(f) => Ok(f.as_ref()),
+            Err(m) => Err(Error::Backend(m.clone())),
+        }
+    }
+
+    fn load_flash(&self) -> Result<flash::FlashFunctions> {
+        self.bind()?;
+        let t = std::time::Instant::now();
+        let (name, src) = flash::FLASH_SOURCES
+            .first()
+            .ok_or_else(|| Error::Backend("flash attention: no kernel source".into()))?;
+        let (cubin, from) = nvrtc::compile_cached_with(src, &self.arch, flash::NVRTC_OPTIONS)?;
+        let module = drv(
+            self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
+            "load the flash attention module",
+        )
+        .map_err(|e| {
+            Error::Backend(format!(
+                "{e}; delete the kernel cache ({:?}) if it is stale",
+                nvrtc::cache_dir()
+            ))
+        })?;
+        let mut f = flash::FlashFunctions::load(&module)?;
+        tracing::debug!(
+            "attention: flash module {name} for {} {} in {:.2} s",
+            self.arch,
+            if from == nvrtc::CubinSource::DiskCache {
+                "read from the disk cache"
+            } else {
+                "compiled"
+            },
+            t.elapsed().as_secs_f64()
+        );
+        // The wgmma kernels: compute capability 9.0 exactly (sm_90a code runs
+        // nowhere else), unless UPIPE_FLASH_FWD / UPIPE_FLASH_BWD is `mma`;
+        // with `auto` a kernel that fails to load falls back to mma.sync.
+        let hopper = self.arch == "sm_90" || self.arch == "sm_90a";
+        let fwd = flash::fwd_kernel_from_env()?;
+        f.set_fwd_kernel(fwd);
+        if fwd != flash::FlashKernel::Mma && hopper {
+            let loaded = self
+                .load_flash_module(flash::FLASH_WGMMA_SOURCE, "wgmma flash attention")
+                .and_then(|m| f.clone().with_wgmma(&m));
+            f = Self::or_mma(f, loaded, fwd, "forward")?;
+        }
+        let bwd = flash::bwd_kernel_from_env()?;
+        f.set_bwd_kernel(bwd);
+        if bwd != flash::FlashKernel::Mma && hopper {
+            let loaded = self
+                .load_flash_module(flash::FLASH_WGMMA_BWD_SOURCE, "wgmma flash backward")
+                .and_then(|m| f.clone().with_wgmma_bwd(&m));
+            f = Self::or_mma(f, loaded, bwd, "backward")?;
+        }
+        Ok(f)
+    }
+
+    /// The functions with a wgmma kernel `loaded`, or (`auto`) without it
+    /// and a warning; asked for explicitly (`wgmma`), a failure is an error.
+    fn or_mma(
+        without: flash::FlashFunctions,
+        loaded: Result<flash::FlashFunctions>,
+        choice: flash::FlashKernel,
+        pass: &str,
+    ) -> Result<flash::FlashFunctions> {
+        match loaded {
+            Ok(with) => Ok(with),
+            Err(e) if choice == flash::FlashKernel::Wgmma => Err(e),
+            Err(e) => {
+                tracing::warn!(
+                    "attention: wgmma {pass} unavailable, using the mma.sync {pass}: {e}"
+                );
+                Ok(without)
+            }
+        }
+    }
+
+    /// Compiles (or reads from the disk cache) an `sm_90a` flash module and loads it.
+    fn load_flash_module(&self, src: &str, what: &str) -> Result<Arc<cudarc::driver::CudaModule>> {
+        let arch = flash::WGMMA_NVRTC_ARCH;
+        let (cubin, _) = nvrtc::compile_cached_with(src, arch, flash::NVRTC_OPTIONS)?;
+        drv(
+            self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
+            &format!("load the {what} module"),
+        )
+    }
+
+    /// The kernels a forward with these operands runs on (and why not flash).
+    fn fwd_path(&self, a: &AttnFwd) -> Result<(AttnPath, String)> {
+        if a.sq == 0 || a.hq == 0 {
+            return Ok((AttnPath::Naive, "empty".into()));
+        }
+        if self.flash_functions()?.is_none() {
+            return Ok((AttnPath::Naive, "flash kernels not in use".into()));
+        }
+        Ok(match attention::flash_fwd_unsupported(a) {
+            None => (AttnPath::Flash, String::new()),
+            Some(why) => (AttnPath::Naive, why),
+        })
+    }
+
+    pub(super) fn attention_fwd_impl(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        causal: bool,
+        o: RowsMut<'_, Self>,
+        lse: RowsMut<'_, Self>,
+    ) -> Result<()> {
+        let _span = self.span_shaped("attention_fwd", || {
+            format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
+        })?;
+        let g = attn_geom(&q, &k, &v, causal)?;
+        need(lse.t, DType::F32, "attention_fwd", "lse")?;
+        if o.len() != q.len()
+            || o.heads() != g.hq
+            || o.head_dim() != g.d
+            || lse.len() != q.len()
+            || lse.t.row_len() != g.hq
+        {
+            return Err(Error::Backend(format!(
+                "attention_fwd: o {:?} / lse {:?} do not match q {:?}",
+                o.t.shape(),
+                lse.t.shape(),
+                q.t.shape()
+            )));
+        }
+        self.bind()?;
+        let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
+        let a = AttnFwd {
+            q: ptr_at(q.t, q.range.start * qrs),
+            k: ptr_at(k.t, k.range.start * krs),
+            v: ptr_at(v.t, v.range.start * krs),
+            dt: q.t.dtype(),
+            o: ptr_at(o.t, o.range.start * qrs),
+            o_dt: o.t.dtype(),
+            lse: ptr_at(lse.t, lse.range.start * g.hq),
+            q_rs: qrs,
+            k_rs: krs,
+            v_rs: krs,
+            o_rs: qrs,
+            lse_rs: g.hq,
+            sq: q.len(),
+            sk: k.len(),
+            hq: g.hq,
+            hkv: g.hkv,
+            d: g.d,
+            causal,
+        };
+        if a.dt == DType::BF16 && a.o_dt == DType::BF16 && a.sq > 0 && a.hq > 0 {
+            let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, causal);
+            if let Some(c) = self.cudnn_for(&shape, false)? {
+                self.count_attn(AttnPath::Cudnn, false);
+                let f = cudnn::SdpaFwd {
+                    q: a.q,
+                    k: a.k,
+                    v: a.v,
+                    o: a.o,
+                    lse: a.lse,
+                    shape,
+                };
+                return c.fwd(self, &f);
+            }
+        }
+        let (path, why) = self.fwd_path(&a)?;
+        tracing::debug!(
+            "attention_fwd {path:?} sq={} sk={} hq={} hkv={} d={} causal={causal} {:?}{}",
+            a.sq,
+            a.sk,
+            a.hq,
+            a.hkv,
+            a.d,
+            a.dt,
+            if why.is_empty() {
+                String::new()
+            } else {
+                format!(" ({why})")
+            }
+        );
+        if a.sq > 0 && a.hq > 0 {
+            self.count_attn(path, false);
+        }
+        let flash_fns = self.flash_functions()?;
+        if self.rehearsing() {
+            return Ok(());
+        }
+        match (path, flash_fns) {
+            (AttnPath::Flash, Some(f)) => attention::fwd_flash(&self.stream, f, &a),
+            _ => attention::fwd_naive(&self.kernels, &self.stream, &a),
+        }
+    }
+
+    pub(super) fn attention_bwd_in_place_impl(
+        &self,
+        s: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+    ) -> bool {
+        // cuDNN writes bf16 gradients itself; our kernels add into F32
+        let shape = cudnn::dense_shape(s, s, hq, hkv, d, true);
+        s > 0 && hq > 0 && matches!(self.cudnn_for(&shape, true), Ok(Some(_)))
+    }
+
+    // One body: the checks, the cuDNN route and the native route with its f32
+    // scratch share the views and strides; split, each step takes every operand.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_bwd_impl(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        o: Rows<'_, Self>,
+        d_o: Rows<'_, Self>,
+        lse: Rows<'_, Self>,
+        causal: bool,
+        dq: RowsMut<'_, Self>,
+        dk: RowsMut<'_, Self>,
+        dv: RowsMut<'_, Self>,
+        writes: AttnGradWrites,
+    ) -> Result<()> {
+        let _span = self.span_shaped("attention_bwd", || {
+            format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
+        })?;
+        let g = attn_geom(&q, &k, &v, causal)?;
+        need(lse.t, DType::F32, "attention_bwd", "lse")?;
+        let (sq, sk) = (q.len(), k.len());
+        let shapes_ok = o.len() == sq
+            && d_o.len() == sq
+            && lse.len() == sq
+            && dq.len() == sq
+            && dk.len() == sk
+            && dv.len() == sk
+            && o.t.row_len() == g.hq * g.d
+            && d_o.t.row_len() == g.hq * g.d
+            && lse.t.row_len() == g.hq
+            && dq.t.row_len() == g.hq * g.d
+            && dk.t.row_len() == g.hkv * g.d
+            && dv.t.row_len() == g.hkv * g.d;
+        if !shapes_ok {
+            return Err(Error::Backend(format!(
+                "attention_bwd: shapes do not match q {:?} / k {:?}",
+                q.t.shape(),
+                k.t.shape()
+            )));
+        }
+        self.bind()?;
+        let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
+        let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
+        let one_kv_grad_dt = dk.t.dtype() == dv.t.dtype();
+        if bf16_in && one_kv_grad_dt && sq > 0 && sk > 0 && g.hq > 0 {
+            let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, causal);
+            if let Some(c) = self.cudnn_for(&shape, true)? {
+                self.count_attn(AttnPath::Cudnn, true);
+                let b = cudnn::SdpaBwd {
+                    q: ptr_at(q.t, q.range.start * qrs),
+                    k: ptr_at(k.t, k.range.start * krs),
+                    v: ptr_at(v.t, v.range.start * krs),
+                    o: ptr_at(o.t, o.range.start * qrs),
+                    d_o: ptr_at(d_o.t, d_o.range.start * qrs),
+                    lse: ptr_at(lse.t, lse.range.start * g.hq),
+                    dq: ptr_at(dq.t, dq.range.start * qrs),
+                    dk: ptr_at(dk.t, dk.range.start * krs),
+                    dv: ptr_at(dv.t, dv.range.start * krs),
+                    dq_dt: dq.t.dtype(),
+                    dkv_dt: dk.t.dtype(),
+                    shape,
+                };
+                return c.bwd(self, &b, writes);
+            }
+        }
+        // The kernels below add into their gradients: an overwritten one
+        // is zeroed first (its rows are contiguous in the dense tensor).
+        for (w, t, rows, rs) in [
+            (writes.dq, &dq, &dq.range, qrs),
+            (writes.dkv, &dk, &dk.range, krs),
+            (writes.dkv, &dv, &dv.range, krs),
+        ] {
+            if w == GradWrite::Overwrite {
+                let el = t.t.dtype().size();
+                self.zero_raw(ptr_at(t.t, rows.start * rs), rows.len() * rs * el)?;
+            }
+        }
+        // The kernels accumulate in f32: gradients of another dtype go through
+        // f32 scratch that is added in afterwards.
+        let scratch = |rows: usize, rs: usize, t: &Tensor<Self>| -> Result<Option<Tensor<Self>>> {
+            if t.dtype() == DType::F32 {
+                Ok(None)
+            } else {
+                self.zeros(&[rows, rs], DType::F32, Category::Workspace)
+                    .map(Some)
+            }
+        };
+        let (sdq, sdk, sdv) = (
+            scratch(sq, qrs, dq.t)?,
+            scratch(sk, krs, dk.t)?,
+            scratch(sk, krs, dv.t)?,
+        );
+        let target = |s: &Option<Tensor<Self>>, t: &Tensor<Self>, start: usize, rs: usize| match s {
+            Some(s) => ptr(s),
+            None => ptr_at(t, start * rs),
+        };
+        let a = AttnBwd {
+            q: ptr_at(q.t, q.range.start * qrs),
+            k: ptr_at(k.t, k.range.start * krs),
+            v: ptr_at(v.t, v.range.start * krs),
+            dt: q.t.dtype(),
+            o: ptr_at(o.t, o.range.start * qrs),
+            o_dt: o.t.dtype(),
+            d_o: ptr_at(d_o.t, d_o.range.start * qrs),
+            d_o_dt: d_o.t.dtype(),
+            lse: ptr_at(lse.t, lse.range.start * g.hq),
+            dq: target(&sdq, dq.t, dq.range.start, qrs),
+            dk: target(&sdk, dk.t, dk.range.start, krs),
+            dv: target(&sdv, dv.t, dv.range.start, krs),
+            q_rs: qrs,
+            k_rs: krs,
+            v_rs: krs,
+            o_rs: qrs,
+            d_o_rs: qrs,
+            lse_rs: g.hq,
+            dq_rs: qrs,
+            dk_rs: krs,
+            dv_rs: krs,
+            sq,
+            sk,
+            hq: g.hq,
+            hkv: g.hkv,
+            d: g.d,
+            causal,
+        };
+        let flash_fns = if sq == 0 || sk == 0 || g.hq == 0 {
+            None
+        } else {
+            self.flash_functions()?
+        };
+        let why = match flash_fns {
+            None => Some("flash kernels not in use".to_string()),
+            Some(_) => attention::flash_bwd_unsupported(&a),
+        };
+        tracing::debug!(
+            "attention_bwd {:?} sq={sq} sk={sk} hq={} hkv={} d={} causal={causal} {:?}{}",
+            if why.is_none() {
+                AttnPath::Flash
+            } else {
+                AttnPath::Naive
+            },
+            g.hq,
+            g.hkv,
+            g.d,
+            a.dt,
+            why.as_deref()
+                .map(|w| format!(" ({w})"))
+                .unwrap_or_default()
+        );
+        if sq > 0 && g.hq > 0 {
+            self.count_attn(
+                if why.is_none() {
+                    AttnPath::Flash
+                } else {
+                    AttnPath::Naive
+                },
+                true,
+            );
+        }
+        match (flash_fns, why) {
+            (Some(f), None) => {
+                // delta = rowsum(dO * O) per query row and head, freed (stream-ordered) on return.
+                let bytes = flash::flash_bwd_workspace_bytes(sq, g.hq);
+                let ws = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
+                if !self.rehearsing() {
+                    attention::bwd_flash(&self.stream, f, &a, ptr(&ws))?;
+                }
+            }
+            _ if self.rehearsing() => {}
+            _ => attention::bwd_naive(&self.kernels, &self.stream, &a)?,
+        }
+        for (s, t, start, rows, rs) in [
+            (&sdq, &*dq.t, dq.range.start, sq, qrs),
+            (&sdk, &*dk.t, dk.range.start, sk, krs),
+            (&sdv, &*dv.t, dv.range.start, sk, krs),
+        ] {
+            if let Some(s) = s {
+                self.axpy_raw(
+                    ptr_at(t, start * rs),
+                    t.dtype(),
+                    ptr(s),
+                    DType::F32,
+                    rows * rs,
+                    1.0,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn lse_merge_impl(
+        &self,
+        o_acc: RowsMut<'_, Self>,
+        lse_acc: RowsMut<'_, Self>,
+        o_blk: Rows<'_, Self>,
+        lse_blk: Rows<'_, Self>,
+    ) -> Result<()> {
+        let _span = self.span("lse_merge")?;
+        let (h, d) = (o_acc.heads(), o_acc.head_dim());
+        if o_acc.len() != o_blk.len()
+            || o_blk.heads() != h
+            || o_blk.head_dim() != d
+            || lse_acc.len() != o_acc.len()
+            || lse_blk.len() != o_acc.len()
+            || lse_acc.t.row_len() != h
+            || lse_blk.t.row_len() != h
+        {
+            return Err(Error::Backend("lse_merge: block shapes differ".into()));
+        }
+        need(lse_acc.t, DType::F32, "lse_merge", "lse_acc")?;
+        need(lse_blk.t, DType::F32, "lse_merge", "lse_blk")?;
+        self.bind()?;
+        let rows = o_acc.len();
+        let args = Args::new()
+            .ptr(ptr_at(o_acc.t, o_acc.range.start * h * d))
+            .i32(dt(o_acc.t))
+            .ptr(ptr_at(lse_acc.t, lse_acc.range.start * h))
+            .ptr(ptr_at(o_blk.t, o_blk.range.start * h * d))
+            .i32(dt(o_blk.t))
+            .ptr(ptr_at(lse_blk.t, lse_blk.range.start * h))
+            .usize(rows)
+            .usize(h)
+            .usize(d);
+        self.launch1d(self.kernels.lse_merge, rows * h, args)
+    }
+}

@@ -1,0 +1,461 @@
+//! `CudaBackend`'s elementwise and row-wise ops: `fill`, `axpy` (and
+//! `axpy_raw` on raw addresses), `sum_squares`, RMSNorm forward and backward,
+//! RoPE, SwiGLU forward and backward, embedding forward and backward, the fused
+//! cross-entropy and AdamW.
+
+use super::attention::dt_flag;
+use super::device::drv;
+use super::kernels::{Args, grid_for, launch};
+use super::{BLOCK, CudaBackend, dt, need, ptr};
+use crate::backend::{AdamWStep, Backend, Category, DType, IGNORE, Tensor};
+use crate::error::{Error, Result};
+use cudarc::driver::result;
+
+/// Row-striding blocks of the RMSNorm backward (each adds its dw once).
+const RMS_BWD_MAX_BLOCKS: usize = 1024;
+
+fn same_numel(a: &Tensor<CudaBackend>, b: &Tensor<CudaBackend>, op: &str) -> Result<()> {
+    if a.numel() != b.numel() {
+        return Err(Error::Backend(format!(
+            "{op}: element counts differ ({:?} vs {:?})",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    Ok(())
+}
+
+/// Whether an elementwise kernel over `ts` may move 8 elements per load and
+/// store: every tensor bf16 and 16-byte aligned, the count a multiple of 8.
+fn vec8(ts: &[&Tensor<CudaBackend>]) -> bool {
+    ts.iter().all(|t| vec8_part(t.dtype(), ptr(t), t.numel()))
+}
+
+/// [`vec8`] of one operand of `n` elements of `dtype` at device address `p`.
+fn vec8_part(dtype: DType, p: u64, n: usize) -> bool {
+    dtype == DType::BF16 && n.is_multiple_of(8) && p.is_multiple_of(16)
+}
+
+fn u32_grid(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::Backend(format!("{what}: {n} rows exceed one launch")))
+}
+
+impl CudaBackend {
+    /// `y[i] += alpha * x[i]` for `n` elements at raw device addresses (any
+    /// dtype pair `axpy` accepts); queued on the backend's stream. Used by
+    /// kernels outside the backend (cuDNN) that overwrite instead of accumulating.
+    pub fn axpy_raw(
+        &self,
+        y: u64,
+        ydt: DType,
+        x: u64,
+        xdt: DType,
+        n: usize,
+        alpha: f32,
+    ) -> Result<()> {
+        let vec = vec8_part(ydt, y, n) && vec8_part(xdt, x, n);
+        let args = Args::new()
+            .ptr(y)
+            .i32(dt_flag(ydt))
+            .ptr(x)
+            .i32(dt_flag(xdt))
+            .usize(n)
+            .f32(alpha)
+            .i32(vec as i32);
+        self.launch1d(self.kernels.axpy, if vec { n / 8 } else { n }, args)
+    }
+
+    pub(super) fn fill_impl(&self, t: &mut Tensor<Self>, value: f32) -> Result<()> {
+        let _span = self.span("fill")?;
+        self.bind()?;
+        let args = Args::new()
+            .ptr(ptr(t))
+            .i32(dt(t))
+            .usize(t.numel())
+            .f32(value);
+        self.launch1d(self.kernels.fill, t.numel(), args)
+    }
+
+    pub(super) fn axpy_impl(
+        &self,
+        y: &mut Tensor<Self>,
+        alpha: f32,
+        x: &Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.span("axpy")?;
+        same_numel(y, x, "axpy")?;
+        if y.dtype() != DType::F32 && y.dtype() != x.dtype() {
+            return Err(Error::Backend(
+                "axpy: y must be F32 or the dtype of x".into(),
+            ));
+        }
+        self.bind()?;
+        self.axpy_raw(ptr(y), y.dtype(), ptr(x), x.dtype(), x.numel(), alpha)
+    }
+
+    pub(super) fn sum_squares_impl(&self, t: &Tensor<Self>) -> Result<f64> {
+        self.bind()?;
+        let span = self.span("sum_squares")?;
+        let acc = self.zeros(&[2], DType::F32, Category::Workspace)?; // one f64
+        if self.rehearsing() {
+            return Ok(0.0);
+        }
+        let n = t.numel();
+        let blocks = grid_for(n, BLOCK).0.min(1024);
+        if n > 0 {
+            let args = Args::new().ptr(ptr(t)).i32(dt(t)).usize(n).ptr(ptr(&acc));
+            launch(
+                &self.stream,
+                self.kernels.sum_squares,
+                (blocks, 1, 1),
+                BLOCK,
+                0,
+                args,
+            )?;
+        }
+        let mut out = [0f64; 1];
+        // SAFETY: `acc` holds 8 bytes; we wait for the stream below.
+        drv(
+            unsafe { result::memcpy_dtoh_async(&mut out, ptr(&acc), self.stream.cu_stream()) },
+            "download",
+        )?;
+        drop(span);
+        self.synchronize()?;
+        Ok(out[0])
+    }
+
+    pub(super) fn rms_norm_fwd_impl(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        eps: f32,
+        y: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.span("rms_norm")?;
+        same_numel(x, y, "rms_norm_fwd")?;
+        let dim = w.numel();
+        if dim == 0 || !x.numel().is_multiple_of(dim) {
+            return Err(Error::Backend(format!(
+                "rms_norm_fwd: x {:?} is not rows of w's {dim}",
+                x.shape()
+            )));
+        }
+        self.bind()?;
+        let rows = x.numel() / dim;
+        if rows == 0 || self.rehearsing() {
+            return Ok(());
+        }
+        let args = Args::new()
+            .ptr(ptr(x))
+            .i32(dt(x))
+            .ptr(ptr(w))
+            .i32(dt(w))
+            .ptr(ptr(y))
+            .i32(dt(y))
+            .usize(rows)
+            .usize(dim)
+            .f32(eps)
+            .i32(vec8(&[x, w, y]) as i32);
+        launch(
+            &self.stream,
+            self.kernels.rmsnorm_fwd,
+            (u32_grid(rows, "rms_norm")?, 1, 1),
+            BLOCK,
+            0,
+            args,
+        )
+    }
+
+    pub(super) fn rms_norm_bwd_impl(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.span("rms_norm_bwd")?;
+        same_numel(x, dy, "rms_norm_bwd")?;
+        same_numel(x, dx, "rms_norm_bwd")?;
+        same_numel(w, dw, "rms_norm_bwd")?;
+        need(dw, DType::F32, "rms_norm_bwd", "dw")?;
+        let dim = w.numel();
+        if dim == 0 || !x.numel().is_multiple_of(dim) {
+            return Err(Error::Backend(format!(
+                "rms_norm_bwd: x {:?} is not rows of w's {dim}",
+                x.shape()
+            )));
+        }
+        self.bind()?;
+        let rows = x.numel() / dim;
+        if rows == 0 || self.rehearsing() {
+            return Ok(());
+        }
+        let args = Args::new()
+            .ptr(ptr(x))
+            .i32(dt(x))
+            .ptr(ptr(w))
+            .i32(dt(w))
+            .ptr(ptr(dy))
+            .i32(dt(dy))
+            .ptr(ptr(dx))
+            .i32(dt(dx))
+            .ptr(ptr(dw))
+            .usize(rows)
+            .usize(dim)
+            .f32(eps);
+        // dw is summed per block in shared memory when it fits the default 48 KiB.
+        let smem_dw = dim * 4 <= 40 << 10;
+        let args = args.i32(smem_dw as i32).i32(vec8(&[x, w, dy, dx]) as i32);
+        let blocks = rows.min(RMS_BWD_MAX_BLOCKS) as u32;
+        let smem = if smem_dw { (dim * 4) as u32 } else { 0 };
+        launch(
+            &self.stream,
+            self.kernels.rmsnorm_bwd,
+            (blocks, 1, 1),
+            BLOCK,
+            smem,
+            args,
+        )
+    }
+
+    pub(super) fn rope_impl(
+        &self,
+        x: &mut Tensor<Self>,
+        cos: &Tensor<Self>,
+        sin: &Tensor<Self>,
+        inverse: bool,
+    ) -> Result<()> {
+        let _span = self.span("rope")?;
+        let (s, d) = (x.rows(), x.shape().get(2).copied().unwrap_or(0));
+        let heads = x.shape().get(1).copied().unwrap_or(0);
+        let half = d / 2;
+        if d % 2 != 0 || cos.numel() != s * half || sin.numel() != s * half {
+            return Err(Error::Backend(format!(
+                "rope: x {:?} needs cos/sin of [{s}, {half}], got {:?}",
+                x.shape(),
+                cos.shape()
+            )));
+        }
+        need(cos, DType::F32, "rope", "cos")?;
+        need(sin, DType::F32, "rope", "sin")?;
+        self.bind()?;
+        let args = Args::new()
+            .ptr(ptr(x))
+            .i32(dt(x))
+            .ptr(ptr(cos))
+            .ptr(ptr(sin))
+            .usize(s)
+            .usize(heads)
+            .usize(d)
+            .f32(if inverse { -1.0 } else { 1.0 });
+        self.launch1d(self.kernels.rope, s * heads * half, args)
+    }
+
+    pub(super) fn swiglu_fwd_impl(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.span("swiglu")?;
+        same_numel(gate, up, "swiglu_fwd")?;
+        same_numel(gate, out, "swiglu_fwd")?;
+        self.bind()?;
+        let args = Args::new()
+            .ptr(ptr(gate))
+            .i32(dt(gate))
+            .ptr(ptr(up))
+            .i32(dt(up))
+            .ptr(ptr(out))
+            .i32(dt(out))
+            .usize(gate.numel());
+        let vec = vec8(&[gate, up, out]);
+        let threads = if vec { gate.numel() / 8 } else { gate.numel() };
+        self.launch1d(self.kernels.swiglu_fwd, threads, args.i32(vec as i32))
+    }
+
+    pub(super) fn swiglu_bwd_impl(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        dout: &Tensor<Self>,
+        dgate: &mut Tensor<Self>,
+        dup: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.span("swiglu_bwd")?;
+        same_numel(gate, up, "swiglu_bwd")?;
+        same_numel(gate, dout, "swiglu_bwd")?;
+        same_numel(gate, dgate, "swiglu_bwd")?;
+        same_numel(gate, dup, "swiglu_bwd")?;
+        self.bind()?;
+        let args = Args::new()
+            .ptr(ptr(gate))
+            .i32(dt(gate))
+            .ptr(ptr(up))
+            .i32(dt(up))
+            .ptr(ptr(dout))
+            .i32(dt(dout))
+            .ptr(ptr(dgate))
+            .i32(dt(dgate))
+            .ptr(ptr(dup))
+            .i32(dt(dup))
+            .usize(gate.numel());
+        let vec = vec8(&[gate, up, dout, dgate, dup]);
+        let threads = if vec { gate.numel() / 8 } else { gate.numel() };
+        self.launch1d(self.kernels.swiglu_bwd, threads, args.i32(vec as i32))
+    }
+
+    pub(super) fn embedding_fwd_impl(
+        &self,
+        table: &Tensor<Self>,
+        ids: &[u32],
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.span("embedding")?;
+        let (vocab, h) = (table.rows(), table.row_len());
+        if out.numel() != ids.len() * h {
+            return Err(Error::Backend(
+                "embedding_fwd: output is not [ids, hidden]".into(),
+            ));
+        }
+        crate::backend::check_token_ids(ids, vocab)?;
+        self.bind()?;
+        let idt = self.upload_ids(ids)?;
+        let args = Args::new()
+            .ptr(ptr(table))
+            .i32(dt(table))
+            .ptr(ptr(&idt))
+            .ptr(ptr(out))
+            .i32(dt(out))
+            .usize(ids.len())
+            .usize(h);
+        self.launch1d(self.kernels.embedding_fwd, ids.len() * h, args)
+    }
+
+    pub(super) fn embedding_bwd_impl(
+        &self,
+        dout: &Tensor<Self>,
+        ids: &[u32],
+        dtable: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.span("embedding_bwd")?;
+        need(dtable, DType::F32, "embedding_bwd", "dtable")?;
+        let (vocab, h) = (dtable.rows(), dtable.row_len());
+        if dout.numel() != ids.len() * h {
+            return Err(Error::Backend(
+                "embedding_bwd: dout is not [ids, hidden]".into(),
+            ));
+        }
+        crate::backend::check_token_ids(ids, vocab)?;
+        self.bind()?;
+        let idt = self.upload_ids(ids)?;
+        let args = Args::new()
+            .ptr(ptr(dout))
+            .i32(dt(dout))
+            .ptr(ptr(&idt))
+            .ptr(ptr(dtable))
+            .usize(ids.len())
+            .usize(h);
+        self.launch1d(self.kernels.embedding_bwd, ids.len() * h, args)
+    }
+
+    pub(super) fn cross_entropy_impl(
+        &self,
+        logits: &mut Tensor<Self>,
+        targets: &[u32],
+        grad_scale: f32,
+        loss_sum: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.span("cross_entropy")?;
+        let v = logits.row_len();
+        if logits.rows() != targets.len() {
+            return Err(Error::Backend(
+                "cross_entropy: one target per logits row".into(),
+            ));
+        }
+        need(loss_sum, DType::F32, "cross_entropy", "loss_sum")?;
+        if let Some(&t) = targets.iter().find(|&&t| t != IGNORE && t as usize >= v) {
+            return Err(Error::Config(format!(
+                "target id {t} is outside the vocabulary of {v}; check the data matches the model"
+            )));
+        }
+        self.bind()?;
+        if targets.is_empty() {
+            return Ok(());
+        }
+        let tt = self.upload_ids(targets)?;
+        if self.rehearsing() {
+            return Ok(());
+        }
+        let args = Args::new()
+            .ptr(ptr(logits))
+            .i32(dt(logits))
+            .ptr(ptr(&tt))
+            .usize(targets.len())
+            .usize(v)
+            .f32(grad_scale)
+            // the gradient overwrites the logits (the kernel reads each
+            // element before it writes it)
+            .ptr(ptr(logits))
+            .i32(dt(logits))
+            .ptr(ptr(loss_sum));
+        let rows = u32_grid(targets.len(), "cross_entropy")?;
+        launch(
+            &self.stream,
+            self.kernels.cross_entropy,
+            (rows, 1, 1),
+            BLOCK,
+            0,
+            args,
+        )
+    }
+
+    pub(super) fn adamw_impl(
+        &self,
+        param: &mut Tensor<Self>,
+        grad: &Tensor<Self>,
+        m: &mut Tensor<Self>,
+        v: &mut Tensor<Self>,
+        elems: std::ops::Range<usize>,
+        hp: AdamWStep,
+    ) -> Result<()> {
+        let _span = self.span("adamw")?;
+        same_numel(param, grad, "adamw")?;
+        same_numel(param, m, "adamw")?;
+        same_numel(param, v, "adamw")?;
+        crate::backend::check_elems(&elems, param.numel(), "adamw")?;
+        for (t, what) in [(&*param, "param"), (&*m, "m"), (&*v, "v")] {
+            need(t, DType::F32, "adamw", what)?;
+        }
+        let n = elems.len();
+        if n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
+        let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
+        // byte offsets of the range: f32 state, grad in its own dtype
+        let (f32_off, g_off) = (
+            (elems.start * 4) as u64,
+            (elems.start * grad.dtype().size()) as u64,
+        );
+        let args = Args::new()
+            .ptr(ptr(param) + f32_off)
+            .ptr(ptr(grad) + g_off)
+            .i32(dt(grad))
+            .ptr(ptr(m) + f32_off)
+            .ptr(ptr(v) + f32_off)
+            .usize(n)
+            .f32(hp.lr)
+            .f32(hp.beta1)
+            .f32(hp.beta2)
+            .f32(hp.eps)
+            .f32(hp.weight_decay)
+            .f32(bc1)
+            .f32(bc2)
+            .f32(hp.grad_scale);
+        self.launch1d(self.kernels.adamw, n, args)
+    }
+}
