@@ -383,6 +383,28 @@ fn plan_fails_when_nothing_can_be_planned_and_stays_bounded() {
     );
     let (ok, _, err, _) = upipe_within(&["plan", "--gpus", "8192", "--attn", "ring"], limit);
     assert!(!ok && err.contains("--data-parallel"), "{err}");
+    // mesh flags of 0 or of many digits name the flag
+    for (args, want) in [
+        (
+            &["plan", "--data-parallel", "0"][..],
+            "--data-parallel / [parallel] data-parallel is 0",
+        ),
+        (
+            &["plan", "--ring", "0", "--gpus", "4"][..],
+            "--ring / [parallel] ring is 0",
+        ),
+        (
+            &["plan", "--gpus", "4611686018427387904"][..],
+            "plan at most 16777216 GPUs",
+        ),
+        (
+            &["plan", "--ring", "4611686018427387904"][..],
+            "--ring is 4611686018427387904",
+        ),
+    ] {
+        let (ok, _, err, _) = upipe_within(args, limit);
+        assert!(!ok && err.contains(want), "{args:?}: {err}");
+    }
     // a ring of 4096 is planned (it took minutes before the planner walked
     // one ring rank of each kind)
     let (ok, out, err, _) = upipe_within(&["plan", "--gpus", "4096", "--attn", "ring"], limit);

@@ -141,6 +141,14 @@ fn validate(args: &LaunchArgs) -> Result<()> {
     if args.nnodes == 0 {
         return config_err!("--nnodes must be at least 1");
     }
+    if args.nnodes.checked_mul(args.nproc_per_node).is_none() {
+        return config_err!(
+            "--nnodes {} x --nproc-per-node {} is more ranks than can be counted; give the \
+             number of nodes of the run",
+            args.nnodes,
+            args.nproc_per_node
+        );
+    }
     if args.node_rank >= args.nnodes {
         return config_err!(
             "--node-rank {} is not below --nnodes {}; nodes are numbered 0..{}",
@@ -513,6 +521,18 @@ mod tests {
         let msg = error_of(&["--nnodes", "2", "--", "train"]);
         assert!(msg.contains("--master-addr"), "{msg}");
         assert!(error_of(&["--master-port", "0", "--", "train"]).contains("--master-port"));
+        let nodes = usize::MAX.to_string();
+        let msg = error_of(&[
+            "--nnodes",
+            &nodes,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "10.0.0.1",
+            "--",
+            "train",
+        ]);
+        assert!(msg.contains("more ranks than can be counted"), "{msg}");
         assert!(error_of(&["--", "launch", "--", "train"]).contains("nest"));
     }
 

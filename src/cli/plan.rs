@@ -478,10 +478,19 @@ fn plan_device(a: &PlanArgs) -> Result<DeviceKind> {
 /// visible GPUs, else `None`, the CPU default mesh).
 fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
     let mesh = [a.data_parallel, a.ulysses, a.ring];
+    for (id, degree) in ["data_parallel", "ulysses", "ring"].into_iter().zip(mesh) {
+        if let Some(d) = degree {
+            at_least(PlanArgs::KEYS, id, d, 1)?;
+            at_most_planned(&format!("--{}", id.replace('_', "-")), d)?;
+        }
+    }
     let (gpus, fitted) = match a.gpus {
         Some(g) => (g, None),
         None if mesh.iter().any(Option::is_some) => {
-            (mesh.iter().map(|d| d.unwrap_or(1)).product(), None)
+            let product = mesh
+                .iter()
+                .try_fold(1usize, |p, d| p.checked_mul(d.unwrap_or(1)));
+            (product.unwrap_or(usize::MAX), None)
         }
         None => match crate::cli::train::visible_gpus() {
             g if g >= 1 => (g, Some(Some(g))),
@@ -489,8 +498,8 @@ fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
         },
     };
     at_least(PlanArgs::KEYS, "gpus", gpus, 1)?;
+    at_most_planned("the GPUs (--gpus, or the product of the mesh flags)", gpus)?;
     if let Some(d) = a.data_parallel {
-        at_least(PlanArgs::KEYS, "data_parallel", d, 1)?;
         if !gpus.is_multiple_of(d) {
             return crate::config_err!("--gpus {gpus} is not a multiple of --data-parallel {d}");
         }
@@ -558,7 +567,11 @@ fn check_mesh(a: &PlanArgs, gpus: usize) -> Result<()> {
     if a.ulysses.is_none() && a.ring.is_none() {
         return Ok(());
     }
-    let c = a.ulysses.unwrap_or(1) * a.ring.unwrap_or(1) * a.data_parallel.unwrap_or(1);
+    let c = a
+        .ulysses
+        .unwrap_or(1)
+        .saturating_mul(a.ring.unwrap_or(1))
+        .saturating_mul(a.data_parallel.unwrap_or(1));
     if c == 0 || !gpus.is_multiple_of(c) {
         return crate::config_err!(
             "--gpus {gpus} is not a product of the mesh: {} (data) x {} (ulysses) x {} (ring) needs a multiple of {c} GPUs",
@@ -568,6 +581,22 @@ fn check_mesh(a: &PlanArgs, gpus: usize) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Most GPUs `plan` plans for: far beyond any cluster (the largest hold
+/// about 10^5 GPUs), and few enough that the lengths derived from them
+/// (2 x GPUs x 1024 tokens) stay countable.
+const MAX_PLANNED_GPUS: usize = 1 << 24;
+
+/// Refuses `what` (`value` GPUs) beyond [`MAX_PLANNED_GPUS`].
+fn at_most_planned(what: &str, value: usize) -> Result<()> {
+    if value <= MAX_PLANNED_GPUS {
+        return Ok(());
+    }
+    crate::config_err!(
+        "{what} is {value}: plan at most {MAX_PLANNED_GPUS} GPUs (no cluster has more); give \
+         the GPUs of the run you mean"
+    )
 }
 
 /// The longest ring `plan` walks. A prediction walks every step of the
