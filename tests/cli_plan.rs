@@ -401,6 +401,21 @@ fn plan_fails_when_nothing_can_be_planned_and_stays_bounded() {
             &["plan", "--ring", "4611686018427387904"][..],
             "--ring is 4611686018427387904",
         ),
+        // lengths whose walk takes minutes (or forever, doubling towards 2^64)
+        (
+            &["plan", "--seq", "1099511627776"][..],
+            "at most 4294967296",
+        ),
+        (
+            &[
+                "plan",
+                "--max-seq",
+                "18446744073709551615",
+                "--gpu-mem",
+                "1e12",
+            ][..],
+            "--max-seq",
+        ),
     ] {
         let (ok, _, err, _) = upipe_within(args, limit);
         assert!(!ok && err.contains(want), "{args:?}: {err}");

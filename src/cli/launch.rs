@@ -162,6 +162,11 @@ fn validate(args: &LaunchArgs) -> Result<()> {
             "--master-port must be a TCP port in 1..=65535 (e.g. {DEFAULT_MASTER_PORT})"
         );
     }
+    if args.master_addr.trim().is_empty() {
+        return config_err!(
+            "--master-addr is empty: give the address of node 0 (e.g. {DEFAULT_MASTER_ADDR} on one node)"
+        );
+    }
     if args.nnodes > 1 && is_loopback_name(&args.master_addr) {
         return config_err!(
             "--master-addr {} only reaches this machine, but --nnodes is {}; set --master-addr \
@@ -521,6 +526,8 @@ mod tests {
         let msg = error_of(&["--nnodes", "2", "--", "train"]);
         assert!(msg.contains("--master-addr"), "{msg}");
         assert!(error_of(&["--master-port", "0", "--", "train"]).contains("--master-port"));
+        let msg = error_of(&["--master-addr", " ", "--", "train"]);
+        assert!(msg.contains("--master-addr is empty"), "{msg}");
         let nodes = usize::MAX.to_string();
         let msg = error_of(&[
             "--nnodes",

@@ -499,10 +499,10 @@ fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
     };
     at_least(PlanArgs::KEYS, "gpus", gpus, 1)?;
     at_most_planned("the GPUs (--gpus, or the product of the mesh flags)", gpus)?;
-    if let Some(d) = a.data_parallel {
-        if !gpus.is_multiple_of(d) {
-            return crate::config_err!("--gpus {gpus} is not a multiple of --data-parallel {d}");
-        }
+    if let Some(d) = a.data_parallel
+        && !gpus.is_multiple_of(d)
+    {
+        return crate::config_err!("--gpus {gpus} is not a multiple of --data-parallel {d}");
     }
     Ok((gpus, fitted))
 }
@@ -516,8 +516,10 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     at_least(k, "grad_accum", a.grad_accum, 1)?;
     if let Some(seq) = a.seq {
         at_least(k, "seq", seq, 1)?;
+        at_most_tokens("--seq", seq)?;
     }
     at_least(k, "max_seq", a.max_seq, 1)?;
+    at_most_tokens("--max-seq", a.max_seq)?;
     a.memory.validate()?;
     let device = plan_device(&a)?;
     let usable = gib(a.gpu_mem, "--gpu-mem")?.saturating_sub(gib(a.reserve, "--reserve")?);
@@ -596,6 +598,24 @@ fn at_most_planned(what: &str, value: usize) -> Result<()> {
     crate::config_err!(
         "{what} is {value}: plan at most {MAX_PLANNED_GPUS} GPUs (no cluster has more); give \
          the GPUs of the run you mean"
+    )
+}
+
+/// The longest sequence `plan` walks. A prediction's time grows with the
+/// length (the MLP tiles and loss chunks it walks): the tiny model's search
+/// up to 2^32 tokens took 0.4 s, 2^34 3 s, one prediction at 2^40 over a
+/// minute (2-core machine). 2^32 is 16 times the default --max-seq and far
+/// beyond any context trained.
+const MAX_PLANNED_SEQ: usize = 1 << 32;
+
+/// Refuses a length (`flag`) beyond [`MAX_PLANNED_SEQ`], naming the fix.
+fn at_most_tokens(flag: &str, seq: usize) -> Result<()> {
+    if seq <= MAX_PLANNED_SEQ {
+        return Ok(());
+    }
+    crate::config_err!(
+        "{flag} {seq} is longer than the {MAX_PLANNED_SEQ} tokens the planner walks (its time \
+         grows with the length); give a length of at most {MAX_PLANNED_SEQ}"
     )
 }
 

@@ -737,7 +737,7 @@ pub fn longest_context(
     let mut fail: Option<(usize, Limit, Prediction)> = None;
     // grow until a length does not fit
     loop {
-        if hi * step > max {
+        if hi.checked_mul(step).is_none_or(|len| len > max) {
             hi = max / step + 1;
             break;
         }
