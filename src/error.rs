@@ -56,6 +56,16 @@ impl Error {
             source,
         }
     }
+
+    /// A thread for `what` could not be started (the process or the
+    /// machine ran out of threads, processes or memory): names the fix.
+    pub fn thread_spawn(what: impl std::fmt::Display, source: std::io::Error) -> Self {
+        Error::Config(format!(
+            "cannot start a thread for {what}: {source}; this machine's thread/process limits \
+             are reached: run fewer ranks, stop other processes, or raise the limits \
+             (`ulimit -u`, `ulimit -v`, kernel.pid_max, kernel.threads-max)"
+        ))
+    }
 }
 
 /// Shorthand for `Err(Error::Config(..))` with `format!` arguments.

@@ -334,3 +334,95 @@ fn bad_inputs_are_clear_errors() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// `upipe args` within `limit` (killed after it): (success, stdout, stderr, seconds).
+fn upipe_within(args: &[&str], limit: std::time::Duration) -> (bool, String, String, f64) {
+    use std::process::Stdio;
+    let started = std::time::Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("upipe {args:?} still running after {limit:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+        started.elapsed().as_secs_f64(),
+    )
+}
+
+/// Nothing to plan is an error (every strategy skipped, or a length of 0),
+/// and the search on many GPUs ends in seconds: a ring beyond the planner's
+/// limit is refused with the fix instead of being walked for minutes.
+#[test]
+fn plan_fails_when_nothing_can_be_planned_and_stays_bounded() {
+    let limit = std::time::Duration::from_secs(60);
+    let (ok, _, err, _) = upipe_within(&["plan", "--seq", "0"], limit);
+    assert!(
+        !ok && err.contains("--seq") && err.contains("at least 1"),
+        "{err}"
+    );
+    // 10^6 GPUs: every strategy's ring (or Ulysses degree) is refused
+    let (ok, out, err, _) = upipe_within(&["plan", "--gpus", "1000000"], limit);
+    assert!(!ok, "{out}");
+    assert!(err.contains("nothing to plan"), "{err}");
+    assert!(
+        out.contains("longer than the 4096 the planner walks"),
+        "{out}"
+    );
+    let (ok, _, err, _) = upipe_within(&["plan", "--gpus", "8192", "--attn", "ring"], limit);
+    assert!(!ok && err.contains("--data-parallel"), "{err}");
+    // mesh flags of 0 or of many digits name the flag
+    for (args, want) in [
+        (
+            &["plan", "--data-parallel", "0"][..],
+            "--data-parallel / [parallel] data-parallel is 0",
+        ),
+        (
+            &["plan", "--ring", "0", "--gpus", "4"][..],
+            "--ring / [parallel] ring is 0",
+        ),
+        (
+            &["plan", "--gpus", "4611686018427387904"][..],
+            "plan at most 16777216 GPUs",
+        ),
+        (
+            &["plan", "--ring", "4611686018427387904"][..],
+            "--ring is 4611686018427387904",
+        ),
+        // lengths whose walk takes minutes (or forever, doubling towards 2^64)
+        (
+            &["plan", "--seq", "1099511627776"][..],
+            "at most 4294967296",
+        ),
+        (
+            &[
+                "plan",
+                "--max-seq",
+                "18446744073709551615",
+                "--gpu-mem",
+                "1e12",
+            ][..],
+            "--max-seq",
+        ),
+    ] {
+        let (ok, _, err, _) = upipe_within(args, limit);
+        assert!(!ok && err.contains(want), "{args:?}: {err}");
+    }
+    // a ring of 4096 is planned (it took minutes before the planner walked
+    // one ring rank of each kind)
+    let (ok, out, err, _) = upipe_within(&["plan", "--gpus", "4096", "--attn", "ring"], limit);
+    assert!(ok, "{err}");
+    assert!(out.contains("1x1x4096"), "{out}");
+}

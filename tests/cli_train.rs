@@ -463,3 +463,50 @@ fn sharded_checkpoint_resumes_on_one_rank_and_back() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A thread mesh beyond the cap is refused before anything is allocated
+/// (128 thread ranks took 2.7 GB of host memory outside the plan, 512
+/// aborted), for train, eval and bench alike.
+#[test]
+fn thread_meshes_beyond_the_cap_are_refused_with_the_fix() {
+    let mesh = ["--ulysses", "4", "--ring", "4", "--data-parallel", "8"];
+    let tokens = std::env::temp_dir().join(format!("upipe-mesh-cap-{}.u32", std::process::id()));
+    std::fs::write(&tokens, [1u8, 0, 0, 0].repeat(4096)).unwrap();
+    let tokens = tokens.to_str().unwrap();
+    let eval = ["eval", "--model-dir", "tiny", "--tokens", tokens];
+    for command in [&["train", "--steps", "1"][..], &eval[..]] {
+        let args = [command, &["--device", "cpu"][..], &mesh[..]].concat();
+        let err = upipe_error(&args);
+        assert!(
+            err.contains("mesh of 128 ranks") && err.contains("at most 64"),
+            "{command:?}: {err}"
+        );
+        assert!(err.contains("upipe launch --nproc-per-node N"), "{err}");
+    }
+    let _ = std::fs::remove_file(tokens);
+    let err = upipe_error(&["bench", "attn", "--ulysses", "16", "--ring", "8"]);
+    assert!(err.contains("mesh of 128 ranks"), "{err}");
+}
+
+/// Mesh degrees of many digits are errors naming the flags, not panics
+/// (2 x ring x Ulysses overflowed into a division by zero).
+#[test]
+fn mesh_degrees_beyond_counting_are_errors() {
+    let tokens = std::env::temp_dir().join(format!("upipe-mesh-huge-{}.u32", std::process::id()));
+    std::fs::write(&tokens, [1u8, 0, 0, 0].repeat(4096)).unwrap();
+    let tokens = tokens.to_str().unwrap();
+    let huge = (1usize << 63).to_string();
+    let eval = ["eval", "--model-dir", "tiny", "--tokens", tokens];
+    for command in [&["train", "--steps", "1"][..], &eval[..]] {
+        for mesh in [
+            ["--ring", huge.as_str(), "--ulysses", "1"],
+            ["--ulysses", "4294967296", "--ring", "4294967296"],
+        ] {
+            let args = [command, &["--device", "cpu"][..], &mesh[..]].concat();
+            let err = upipe_error(&args);
+            assert!(!err.contains("panicked"), "{args:?}: {err}");
+            assert!(err.contains("invalid configuration"), "{args:?}: {err}");
+        }
+    }
+    let _ = std::fs::remove_file(tokens);
+}

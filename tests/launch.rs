@@ -354,3 +354,51 @@ fn killing_the_launcher_outright_still_ends_the_ranks() {
     }
     running.finish(Duration::from_secs(10));
 }
+
+#[test]
+fn terminating_the_launcher_while_it_starts_many_ranks_ends_it_within_seconds() {
+    let port = free_port().to_string();
+    // 1000 ranks take about a minute to start on 2 cores; SIGTERM comes
+    // as soon as the first one runs
+    let cmd = launch_check(1000, &port, &["--timeout-ms", "60000"]);
+    let running = Running::start(cmd);
+    let lines = running.wait_for_lines(1, Duration::from_secs(20), |l| l.contains(" joining "));
+    let signalled = Instant::now();
+    let status = Command::new("kill")
+        .args(["-TERM", &running.child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+    let done = running.finish(Duration::from_secs(60));
+    assert_eq!(done.code, Some(128 + 15), "stderr:\n{}", done.stderr);
+    assert!(
+        signalled.elapsed() < Duration::from_secs(20),
+        "took {:?} after SIGTERM",
+        signalled.elapsed()
+    );
+    let all: Vec<String> = lines.into_iter().chain(done.stdout).collect();
+    let pids = pids(&all);
+    assert!(
+        !pids.is_empty() && pids.len() < 1000,
+        "{} ranks",
+        pids.len()
+    );
+    for pid in pids {
+        assert!(!alive(pid), "rank process {pid} survived the launcher");
+    }
+}
+
+#[test]
+fn absurd_process_counts_are_refused_at_once() {
+    let port = free_port().to_string();
+    let cmd = launch_check(100_000, &port, &["--timeout-ms", "1000"]);
+    let done = Running::start(cmd).finish(Duration::from_secs(20));
+    assert_eq!(done.code, Some(2), "stderr:\n{}", done.stderr);
+    assert!(
+        done.stderr
+            .contains("--nproc-per-node 100000 is more than 1024"),
+        "{}",
+        done.stderr
+    );
+    assert!(done.stdout.is_empty(), "{:#?}", done.stdout);
+}

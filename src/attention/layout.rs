@@ -19,7 +19,17 @@ pub struct SeqLayout {
 impl SeqLayout {
     /// Validates divisibility, naming a valid sequence length if it fails.
     pub fn new(seq: usize, pu: usize, pr: usize) -> Result<Self> {
-        let unit = if pr > 1 { 2 * pr * pu } else { pu };
+        let unit = match pr {
+            0 | 1 => Some(pu),
+            _ => pr.checked_mul(pu).and_then(|c| c.checked_mul(2)),
+        };
+        let Some(unit) = unit.filter(|&unit| unit > 0) else {
+            return crate::config_err!(
+                "a sequence cannot be split over ring degree {pr} x Ulysses degree {pu} \
+                 (more ranks than can be counted, or none); give degrees of at least 1 whose \
+                 product is at most the sequence length"
+            );
+        };
         if seq == 0 || !seq.is_multiple_of(unit) {
             let what = if pr > 1 {
                 format!("2 x ring degree {pr} x Ulysses degree {pu} = {unit} (zigzag chunks)")
@@ -101,6 +111,18 @@ mod tests {
             }
             all.sort();
             prop_assert_eq!(all, (0..seq).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn degrees_beyond_counting_are_an_error_not_a_panic() {
+        for (pu, pr) in [(1, 1 << 63), (1 << 32, 1 << 32), (0, 1), (0, 2)] {
+            match SeqLayout::new(256, pu, pr) {
+                Err(crate::error::Error::Config(msg)) => {
+                    assert!(msg.contains("at least 1"), "{msg}")
+                }
+                other => panic!("pu {pu} pr {pr}: expected a configuration error, got {other:?}"),
+            }
         }
     }
 

@@ -159,7 +159,12 @@ impl CpPlan {
         chunk_heads: Option<usize>,
     ) -> Result<Self> {
         dims.validate()?;
-        let c = ulysses * ring;
+        let Some(c) = ulysses.checked_mul(ring) else {
+            return crate::config_err!(
+                "Ulysses degree {ulysses} x ring degree {ring} is more ranks than can be counted; \
+                 give degrees whose product is at most the sequence length"
+            );
+        };
         let (pu, pr, u) = match strategy {
             Strategy::Local => {
                 if c != 1 {

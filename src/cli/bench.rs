@@ -176,7 +176,9 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
     // checked here so a typo fails on every device
     let _: crate::backend::cuda::cudnn::AttnKernel = a.attn_kernel.parse()?;
     match a.device.as_str() {
-        "cpu" => {}
+        "cpu" => {
+            crate::cli::train::check_thread_ranks("bench attn", a.ulysses.saturating_mul(a.ring))?
+        }
         "cuda" => return gpu::bench_attn_cuda(a, &dims),
         other => {
             return Err(Error::Config(format!(

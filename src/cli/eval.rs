@@ -222,6 +222,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
         None => None,
     };
     let mesh = eval_mesh(a, strategy, &model, seq, ranks);
+    mesh.check_countable()?;
     (cfg.data_parallel, cfg.ulysses, cfg.ring) = (mesh.data, mesh.ulysses, mesh.ring);
     let shape = cfg.mesh_shape(&cfg.plan(seq)?);
     let nccl = || {

@@ -6,6 +6,7 @@
 mod output;
 mod signals;
 
+use std::io::Read;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::thread::JoinHandle;
@@ -20,6 +21,15 @@ use output::Sink;
 const STOP_GRACE: Duration = Duration::from_secs(5);
 /// How often the supervisor checks for a stop signal.
 const SIGNAL_POLL: Duration = Duration::from_millis(20);
+/// Stack of the launcher's helper threads (3 per rank: two output
+/// forwarders and an exit waiter), which only copy lines or wait.
+const HELPER_STACK: usize = 256 * 1024;
+/// Most processes one launcher starts. A rank is one process per GPU, and
+/// the largest nodes hold 8 to 16 GPUs; far beyond that a typo (an extra
+/// zero) would start thousands of processes and threads (3 per rank here):
+/// 1024 ranks took 52 s to start on a 2-core machine, and 100000 exhaust
+/// the default pid space (32768).
+const MAX_NPROC_PER_NODE: usize = 1024;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct LaunchArgs {
@@ -103,7 +113,13 @@ fn run_with(args: &LaunchArgs, prefix_stdout: bool) -> Result<i32> {
     let exe = std::env::current_exe()
         .map_err(|e| Error::io("finding the upipe executable to launch", e))?;
     signals::install_stop_handlers();
-    let mut group = RankGroup::spawn(&exe, args, prefix_stdout)?;
+    let mut group = RankGroup::new(prefix_stdout, HELPER_STACK);
+    if let Err(e) = group.start_all(&exe, args) {
+        group.stop_all(signals::SIGKILL);
+        group.wait_all();
+        group.finish_output();
+        return Err(e);
+    }
     let code = group.supervise();
     group.finish_output();
     Ok(code)
@@ -114,8 +130,24 @@ fn validate(args: &LaunchArgs) -> Result<()> {
     if args.nproc_per_node == 0 {
         return config_err!("--nproc-per-node must be at least 1 (one process per GPU)");
     }
+    if args.nproc_per_node > MAX_NPROC_PER_NODE {
+        return config_err!(
+            "--nproc-per-node {} is more than {MAX_NPROC_PER_NODE}: upipe launch starts one \
+             process per GPU of this node (see `upipe info`), and no node holds that many; \
+             give the GPUs of one node, and --nnodes for more nodes",
+            args.nproc_per_node
+        );
+    }
     if args.nnodes == 0 {
         return config_err!("--nnodes must be at least 1");
+    }
+    if args.nnodes.checked_mul(args.nproc_per_node).is_none() {
+        return config_err!(
+            "--nnodes {} x --nproc-per-node {} is more ranks than can be counted; give the \
+             number of nodes of the run",
+            args.nnodes,
+            args.nproc_per_node
+        );
     }
     if args.node_rank >= args.nnodes {
         return config_err!(
@@ -128,6 +160,11 @@ fn validate(args: &LaunchArgs) -> Result<()> {
     if args.master_port == 0 {
         return config_err!(
             "--master-port must be a TCP port in 1..=65535 (e.g. {DEFAULT_MASTER_PORT})"
+        );
+    }
+    if args.master_addr.trim().is_empty() {
+        return config_err!(
+            "--master-addr is empty: give the address of node 0 (e.g. {DEFAULT_MASTER_ADDR} on one node)"
         );
     }
     if args.nnodes > 1 && is_loopback_name(&args.master_addr) {
@@ -194,87 +231,135 @@ struct Member {
     exited: bool,
 }
 
+/// A channel end on which a rank's waiter reports its exit.
+type ExitReport = mpsc::Sender<(usize, std::io::Result<ExitStatus>)>;
+
 /// The children of this launcher: their pids, a channel on which a waiter
 /// thread per child reports its exit (in exit order), and the threads that
 /// forward their output.
 struct RankGroup {
     members: Vec<Member>,
+    report: ExitReport,
     exits: Receiver<(usize, std::io::Result<ExitStatus>)>,
     forwarders: Vec<JoinHandle<()>>,
     /// Whether stdout lines get the `[rank R] ` prefix (stderr always does).
     prefix_stdout: bool,
+    /// Stack bytes of each helper thread.
+    helper_stack: usize,
 }
 
 impl RankGroup {
-    /// Starts every local rank. If one cannot start, those already started are stopped.
-    fn spawn(exe: &std::path::Path, args: &LaunchArgs, prefix_stdout: bool) -> Result<RankGroup> {
+    fn new(prefix_stdout: bool, helper_stack: usize) -> RankGroup {
         let (report, exits) = mpsc::channel();
-        let mut group = RankGroup {
+        RankGroup {
             members: Vec::new(),
+            report,
             exits,
             forwarders: Vec::new(),
             prefix_stdout,
-        };
-        for local_rank in 0..args.nproc_per_node {
-            let env = rank_env(args, local_rank);
-            let rank = args.node_rank * args.nproc_per_node + local_rank;
-            let child = match start_child(exe, &args.command, &env) {
-                Ok(child) => child,
-                Err(e) => {
-                    group.stop_all(signals::SIGKILL);
-                    group.wait_all();
-                    return Err(Error::io(
-                        format!("starting rank {rank} ({})", exe.display()),
-                        e,
-                    ));
-                }
-            };
-            group.adopt(rank, child, report.clone());
+            helper_stack,
         }
-        Ok(group)
     }
 
-    /// Takes ownership of a started child: forwards its output and waits for it.
-    fn adopt(
-        &mut self,
-        rank: usize,
-        mut child: Child,
-        report: mpsc::Sender<(usize, std::io::Result<ExitStatus>)>,
-    ) {
-        if let Some(out) = child.stdout.take() {
-            self.forwarders
-                .push(output::forward(rank, out, Sink::Stdout, self.prefix_stdout));
+    /// Starts every local rank, one by one, unless a stop signal arrives
+    /// first (then [`Self::supervise`] stops those started). On an error
+    /// the ranks started so far keep running: the caller stops them.
+    fn start_all(&mut self, exe: &std::path::Path, args: &LaunchArgs) -> Result<()> {
+        for local_rank in 0..args.nproc_per_node {
+            if signals::received().is_some() {
+                return Ok(());
+            }
+            let env = rank_env(args, local_rank);
+            let rank = args.node_rank * args.nproc_per_node + local_rank;
+            let child = start_child(exe, &args.command, &env)
+                .map_err(|e| start_error(e, rank, args, exe))?;
+            self.adopt(rank, child)?;
         }
-        if let Some(err) = child.stderr.take() {
-            self.forwarders
-                .push(output::forward(rank, err, Sink::Stderr, true));
+        Ok(())
+    }
+
+    /// Takes ownership of a started child: forwards its output and waits
+    /// for it. When a thread for it cannot be started, the child is killed.
+    fn adopt(&mut self, rank: usize, mut child: Child) -> Result<()> {
+        let streams = [
+            (
+                child
+                    .stdout
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn Read + Send>),
+                Sink::Stdout,
+            ),
+            (
+                child
+                    .stderr
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn Read + Send>),
+                Sink::Stderr,
+            ),
+        ];
+        let mut started = Ok(());
+        for (stream, sink) in streams {
+            let Some(stream) = stream else { continue };
+            let prefix = matches!(sink, Sink::Stderr) || self.prefix_stdout;
+            match output::forward(rank, stream, sink, prefix, self.helper_stack) {
+                Ok(handle) => self.forwarders.push(handle),
+                Err(e) => {
+                    started = Err(e);
+                    break;
+                }
+            }
         }
         let index = self.members.len();
+        let report = self.report.clone();
+        // the child is handed over once the waiter runs, so that it is
+        // still here to kill if the waiter cannot start
+        let (hand_over, handed) = mpsc::channel::<Child>();
+        let waiter = started.and_then(|()| {
+            std::thread::Builder::new()
+                .name(format!("rank {rank} waiter"))
+                .stack_size(self.helper_stack)
+                .spawn(move || {
+                    if let Ok(mut child) = handed.recv() {
+                        let _ = report.send((index, child.wait()));
+                    }
+                })
+        });
+        if let Err(e) = waiter {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(Error::thread_spawn(
+                format!("rank {rank} of upipe launch"),
+                e,
+            ));
+        }
         self.members.push(Member {
             rank,
             pid: child.id(),
             exited: false,
         });
-        std::thread::spawn(move || {
-            let _ = report.send((index, child.wait()));
-        });
+        // the waiter holds the receiving end until it has the child
+        let _ = hand_over.send(child);
+        Ok(())
     }
 
     /// Waits until every rank succeeded (0), one failed (its status), or a
     /// stop signal arrived (128 + signal); in the latter two cases the other
     /// ranks are stopped first.
     fn supervise(&mut self) -> i32 {
-        while self.running() > 0 {
+        loop {
             if let Some(signum) = signals::received() {
                 tracing::warn!("upipe launch: received signal {signum}; stopping all ranks");
                 self.stop_all(signals::SIGTERM);
                 self.wait_all_with_grace();
                 return 128 + signum;
             }
+            if self.running() == 0 {
+                return 0;
+            }
             let (index, status) = match self.exits.recv_timeout(SIGNAL_POLL) {
                 Ok(exit) => exit,
                 Err(RecvTimeoutError::Timeout) => continue,
-                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Disconnected) => return 0,
             };
             self.members[index].exited = true;
             let rank = self.members[index].rank;
@@ -295,7 +380,6 @@ impl RankGroup {
                 return code;
             }
         }
-        0
     }
 
     fn running(&self) -> usize {
@@ -355,6 +439,21 @@ impl RankGroup {
             let _ = forwarder.join();
         }
     }
+}
+
+/// Why rank `rank` could not start, with the fix: out of processes or
+/// memory (fewer ranks), or another failure of starting `exe`.
+fn start_error(e: std::io::Error, rank: usize, args: &LaunchArgs, exe: &std::path::Path) -> Error {
+    use std::io::ErrorKind;
+    if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::OutOfMemory) {
+        return Error::Config(format!(
+            "cannot start rank {rank} of --nproc-per-node {} ({e}): this machine's process \
+             limits are reached; start fewer processes (one per GPU), stop other processes, \
+             or raise the limits (`ulimit -u`, kernel.pid_max)",
+            args.nproc_per_node
+        ));
+    }
+    Error::io(format!("starting rank {rank} ({})", exe.display()), e)
 }
 
 /// Starts one rank: this executable with `command` and the rank's environment.
@@ -427,7 +526,55 @@ mod tests {
         let msg = error_of(&["--nnodes", "2", "--", "train"]);
         assert!(msg.contains("--master-addr"), "{msg}");
         assert!(error_of(&["--master-port", "0", "--", "train"]).contains("--master-port"));
+        let msg = error_of(&["--master-addr", " ", "--", "train"]);
+        assert!(msg.contains("--master-addr is empty"), "{msg}");
+        let nodes = usize::MAX.to_string();
+        let msg = error_of(&[
+            "--nnodes",
+            &nodes,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "10.0.0.1",
+            "--",
+            "train",
+        ]);
+        assert!(msg.contains("more ranks than can be counted"), "{msg}");
         assert!(error_of(&["--", "launch", "--", "train"]).contains("nest"));
+    }
+
+    /// A helper thread that cannot start (a stack no machine can map stands
+    /// in for a process out of threads) is an error naming the fix, not a
+    /// panic, and the rank it was for is killed and reaped.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_helper_thread_that_cannot_start_is_an_error_with_the_fix() {
+        let mut group = RankGroup::new(true, 1 << 62);
+        let args = parse(&["--nproc-per-node", "3", "--", "30"]);
+        let started = Instant::now();
+        let got = group.start_all(std::path::Path::new("/bin/sleep"), &args);
+        match got {
+            Err(Error::Config(msg)) => {
+                assert!(msg.contains("rank 0 of upipe launch"), "{msg}");
+                assert!(msg.contains("run fewer ranks"), "{msg}");
+            }
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+        assert!(group.members.is_empty(), "the rank was not killed");
+        group.stop_all(signals::SIGKILL);
+        group.wait_all();
+        group.finish_output();
+        assert!(started.elapsed() < Duration::from_secs(20));
+    }
+
+    #[test]
+    fn absurd_process_counts_are_refused() {
+        let msg = error_of(&["--nproc-per-node", "100000", "--", "train"]);
+        assert!(
+            msg.contains("more than 1024") && msg.contains("one process per GPU"),
+            "{msg}"
+        );
+        validate(&parse(&["--nproc-per-node", "1024", "--", "train"])).unwrap();
     }
 
     #[test]

@@ -283,6 +283,7 @@ impl Ctx {
             resolve_plan(strategy, &dims, seq, gpus / replicas, ulysses, ring, chunk)
         };
         let (plan, data) = resolve(ChunkHeads::start(self.a.chunk_heads))?;
+        check_ring(plan.layout.pr)?;
         let spec = |plan: &crate::attention::CpPlan, policy: MemoryPolicy| StepSpec {
             model: self.model.clone(),
             plan: plan.clone(),
@@ -477,10 +478,19 @@ fn plan_device(a: &PlanArgs) -> Result<DeviceKind> {
 /// visible GPUs, else `None`, the CPU default mesh).
 fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
     let mesh = [a.data_parallel, a.ulysses, a.ring];
+    for (id, degree) in ["data_parallel", "ulysses", "ring"].into_iter().zip(mesh) {
+        if let Some(d) = degree {
+            at_least(PlanArgs::KEYS, id, d, 1)?;
+            at_most_planned(&format!("--{}", id.replace('_', "-")), d)?;
+        }
+    }
     let (gpus, fitted) = match a.gpus {
         Some(g) => (g, None),
         None if mesh.iter().any(Option::is_some) => {
-            (mesh.iter().map(|d| d.unwrap_or(1)).product(), None)
+            let product = mesh
+                .iter()
+                .try_fold(1usize, |p, d| p.checked_mul(d.unwrap_or(1)));
+            (product.unwrap_or(usize::MAX), None)
         }
         None => match crate::cli::train::visible_gpus() {
             g if g >= 1 => (g, Some(Some(g))),
@@ -488,11 +498,11 @@ fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
         },
     };
     at_least(PlanArgs::KEYS, "gpus", gpus, 1)?;
-    if let Some(d) = a.data_parallel {
-        at_least(PlanArgs::KEYS, "data_parallel", d, 1)?;
-        if !gpus.is_multiple_of(d) {
-            return crate::config_err!("--gpus {gpus} is not a multiple of --data-parallel {d}");
-        }
+    at_most_planned("the GPUs (--gpus, or the product of the mesh flags)", gpus)?;
+    if let Some(d) = a.data_parallel
+        && !gpus.is_multiple_of(d)
+    {
+        return crate::config_err!("--gpus {gpus} is not a multiple of --data-parallel {d}");
     }
     Ok((gpus, fitted))
 }
@@ -504,6 +514,12 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let (gpus, fitted) = plan_gpus(&a)?;
     at_least(k, "gpus_per_node", a.gpus_per_node, 1)?;
     at_least(k, "grad_accum", a.grad_accum, 1)?;
+    if let Some(seq) = a.seq {
+        at_least(k, "seq", seq, 1)?;
+        at_most_tokens("--seq", seq)?;
+    }
+    at_least(k, "max_seq", a.max_seq, 1)?;
+    at_most_tokens("--max-seq", a.max_seq)?;
     a.memory.validate()?;
     let device = plan_device(&a)?;
     let usable = gib(a.gpu_mem, "--gpu-mem")?.saturating_sub(gib(a.reserve, "--reserve")?);
@@ -553,7 +569,11 @@ fn check_mesh(a: &PlanArgs, gpus: usize) -> Result<()> {
     if a.ulysses.is_none() && a.ring.is_none() {
         return Ok(());
     }
-    let c = a.ulysses.unwrap_or(1) * a.ring.unwrap_or(1) * a.data_parallel.unwrap_or(1);
+    let c = a
+        .ulysses
+        .unwrap_or(1)
+        .saturating_mul(a.ring.unwrap_or(1))
+        .saturating_mul(a.data_parallel.unwrap_or(1));
     if c == 0 || !gpus.is_multiple_of(c) {
         return crate::config_err!(
             "--gpus {gpus} is not a product of the mesh: {} (data) x {} (ulysses) x {} (ring) needs a multiple of {c} GPUs",
@@ -563,6 +583,70 @@ fn check_mesh(a: &PlanArgs, gpus: usize) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Most GPUs `plan` plans for: far beyond any cluster (the largest hold
+/// about 10^5 GPUs), and few enough that the lengths derived from them
+/// (2 x GPUs x 1024 tokens) stay countable.
+const MAX_PLANNED_GPUS: usize = 1 << 24;
+
+/// Refuses `what` (`value` GPUs) beyond [`MAX_PLANNED_GPUS`].
+fn at_most_planned(what: &str, value: usize) -> Result<()> {
+    if value <= MAX_PLANNED_GPUS {
+        return Ok(());
+    }
+    crate::config_err!(
+        "{what} is {value}: plan at most {MAX_PLANNED_GPUS} GPUs (no cluster has more); give \
+         the GPUs of the run you mean"
+    )
+}
+
+/// The longest sequence `plan` walks. A prediction's time grows with the
+/// length (the MLP tiles and loss chunks it walks): the tiny model's search
+/// up to 2^32 tokens took 0.4 s, 2^34 3 s, one prediction at 2^40 over a
+/// minute (2-core machine). 2^32 is 16 times the default --max-seq and far
+/// beyond any context trained.
+const MAX_PLANNED_SEQ: usize = 1 << 32;
+
+/// Refuses a length (`flag`) beyond [`MAX_PLANNED_SEQ`], naming the fix.
+fn at_most_tokens(flag: &str, seq: usize) -> Result<()> {
+    if seq <= MAX_PLANNED_SEQ {
+        return Ok(());
+    }
+    crate::config_err!(
+        "{flag} {seq} is longer than the {MAX_PLANNED_SEQ} tokens the planner walks (its time \
+         grows with the length); give a length of at most {MAX_PLANNED_SEQ}"
+    )
+}
+
+/// The longest ring `plan` walks. A prediction walks every step of the
+/// ring in every layer, so its time grows with the ring degree: the search
+/// of the tiny model took 1.6 s at a ring of 8192, 9 s at 65536, and
+/// llama3-70b's 6 s at 1024 (2-core machine). No run uses a longer ring:
+/// Ulysses and data-parallel replicas take the GPUs beyond it.
+const MAX_PLANNED_RING: usize = 4096;
+
+/// Refuses a ring degree beyond [`MAX_PLANNED_RING`], naming the fix.
+fn check_ring(pr: usize) -> Result<()> {
+    if pr <= MAX_PLANNED_RING {
+        return Ok(());
+    }
+    crate::config_err!(
+        "a ring of {pr} ranks is longer than the {MAX_PLANNED_RING} the planner walks (its \
+         time grows with the ring); plan fewer GPUs per context group: give --data-parallel \
+         (replicas) or --ulysses/--ring so that the ring has at most {MAX_PLANNED_RING} ranks"
+    )
+}
+
+/// The end of a plan in which every strategy was skipped (their reasons
+/// printed above): an error, since nothing was planned.
+fn nothing_planned(ctx: &Ctx) -> Result<i32> {
+    crate::config_err!(
+        "nothing to plan: every strategy was skipped on {} GPUs (the reasons are above); \
+         choose a number of GPUs or mesh flags (--ulysses, --ring, --data-parallel) that a \
+         strategy of --attn accepts",
+        ctx.gpus
+    )
 }
 
 /// `Err` of a strategy: skipped (with `all`) or fatal.
@@ -624,6 +708,9 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
             println!("{}", breakdown_line(s, &spec, &p, fits.is_none()));
         }
         bars.push(category_bar(s, &spec, &p));
+    }
+    if bars.is_empty() {
+        return nothing_planned(ctx);
     }
     if let Some(path) = &ctx.a.svg {
         write_svg(path, ctx, seq, &bars)?;
@@ -696,6 +783,7 @@ fn search(ctx: &Ctx) -> Result<i32> {
             "method", "mesh", "U", "longest", "gpu peak", "saved"
         );
     }
+    let mut planned = 0;
     for &s in &ctx.strategies {
         // any length that is a multiple of 2 x gpus x 1024 resolves the mesh
         let probe = 2 * ctx.gpus * 1024;
@@ -717,6 +805,10 @@ fn search(ctx: &Ctx) -> Result<i32> {
             seq => Some(ctx.predict(s, seq)?.1),
         };
         print_longest(ctx, s, &spec, &fit, saved.as_ref());
+        planned += 1;
+    }
+    if planned == 0 {
+        return nothing_planned(ctx);
     }
     Ok(0)
 }

@@ -34,7 +34,10 @@ mod route;
 mod summary;
 
 pub use args::{Choices, Device, FsdpMode, TrainArgs};
-pub use mesh::{CPU_DEFAULT_MESH, MeshChoice, MeshFlags, default_mesh, resolve_mesh};
+pub use mesh::{
+    CPU_DEFAULT_MESH, MAX_THREAD_RANKS, MeshChoice, MeshFlags, check_thread_ranks, default_mesh,
+    resolve_mesh,
+};
 pub use route::{
     Launched, Route, gpu_memory_per_rank, host_available_bytes, route, route_for, visible_gpus,
 };
@@ -138,6 +141,7 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     };
     let chunk = ChunkHeads::start(a.chunk_heads);
     let mesh = resolve_mesh(flags, c.strategy, &c.model, a.seq, chunk, ranks);
+    mesh.check_countable()?;
     let cfg = train_config(a, c.model, c.strategy, mesh);
     let plan = cfg.plan()?;
     // a number or `all` without --checkpoint fails here, before any launch

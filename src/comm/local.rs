@@ -129,7 +129,9 @@ fn group_tag(members: &[usize]) -> u64 {
 }
 
 /// Runs `f(rank, mesh)` on one thread per rank, each with its own backend from
-/// `make_backend`, and returns the per-rank results in rank order.
+/// `make_backend`, and returns the per-rank results in rank order. When a
+/// rank's thread cannot be started, the ranks already running are woken
+/// (as for a failed rank) and the error names the fix.
 pub fn run_ranks<B, T, F>(
     shape: MeshShape,
     make_backend: impl Fn() -> B + Sync,
@@ -140,22 +142,54 @@ where
     T: Send,
     F: Fn(usize, Arc<B>, Mesh<B>) -> Result<T> + Sync,
 {
+    run_ranks_on(shape, rank_thread, make_backend, f)
+}
+
+/// The thread of a rank (the same for every rank).
+fn rank_thread(_rank: usize) -> std::thread::Builder {
+    std::thread::Builder::new()
+}
+
+/// [`run_ranks`] with each rank's thread built by `thread_of(rank)`.
+fn run_ranks_on<B, T, F>(
+    shape: MeshShape,
+    thread_of: impl Fn(usize) -> std::thread::Builder,
+    make_backend: impl Fn() -> B + Sync,
+    f: F,
+) -> Result<Vec<T>>
+where
+    B: Backend,
+    T: Send,
+    F: Fn(usize, Arc<B>, Mesh<B>) -> Result<T> + Sync,
+{
     let world = LocalWorld::new(shape.world_size());
     std::thread::scope(|s| {
-        let handles: Vec<_> = (0..shape.world_size())
-            .map(|rank| {
-                let (world, f, make_backend) = (&world, &f, &make_backend);
-                s.spawn(move || {
-                    let b = Arc::new(make_backend());
-                    let mesh = world.mesh(shape, rank, b.clone());
-                    let out = f(rank, b, mesh);
-                    if out.is_err() {
-                        world.fail(rank);
-                    }
-                    out
-                })
-            })
-            .collect();
+        let mut handles = Vec::with_capacity(shape.world_size());
+        let mut not_started = None;
+        for rank in 0..shape.world_size() {
+            let (world, f, make_backend) = (&world, &f, &make_backend);
+            let started = thread_of(rank).spawn_scoped(s, move || {
+                let b = Arc::new(make_backend());
+                let mesh = world.mesh(shape, rank, b.clone());
+                let out = f(rank, b, mesh);
+                if out.is_err() {
+                    world.fail(rank);
+                }
+                out
+            });
+            match started {
+                Ok(handle) => handles.push(handle),
+                Err(e) => {
+                    // the running ranks would wait for this one: wake them
+                    world.fail(rank);
+                    not_started = Some(Error::thread_spawn(
+                        format!("rank {rank} of {} thread ranks", shape.world_size()),
+                        e,
+                    ));
+                    break;
+                }
+            }
+        }
         let mut out: Vec<Result<T>> = handles
             .into_iter()
             .map(|h| {
@@ -163,6 +197,9 @@ where
                     .map_err(|_| Error::Comm("a rank thread panicked".into()))?
             })
             .collect();
+        if let Some(e) = not_started {
+            return Err(e);
+        }
         // the first rank to fail says why; the others only stopped waiting
         if let Some(r) = world.first_failed() {
             return Err(out.swap_remove(r).err().expect("the rank failed"));
@@ -381,5 +418,31 @@ mod tests {
                 (0..8).map(|i| (prev * 100 + i) as f32).collect::<Vec<_>>()
             );
         }
+    }
+
+    /// A rank whose thread cannot start (a stack no machine can map stands
+    /// in for a process out of threads) fails the run with an error naming
+    /// the fix, and the ranks already waiting for it stop at once instead
+    /// of waiting for the 600 s message timeout.
+    #[test]
+    fn a_rank_thread_that_cannot_start_fails_the_run_with_the_fix() {
+        let shape = MeshShape::new(1, 1, 4).unwrap();
+        let thread_of = |rank: usize| match rank {
+            2 => std::thread::Builder::new().stack_size(1 << 62),
+            _ => std::thread::Builder::new(),
+        };
+        let started = std::time::Instant::now();
+        let got = run_ranks_on(shape, thread_of, CpuBackend::new, |_, b, mesh| {
+            let mut t = b.from_host(&[1.0], &[1], DType::F32, Category::Comm)?;
+            mesh.world.all_reduce(&mut t)
+        });
+        match got {
+            Err(Error::Config(msg)) => {
+                assert!(msg.contains("rank 2 of 4 thread ranks"), "{msg}");
+                assert!(msg.contains("run fewer ranks"), "{msg}");
+            }
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(60));
     }
 }

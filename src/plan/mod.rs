@@ -222,16 +222,34 @@ fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usiz
 }
 
 /// The highest of `f(ring_rank)` over the ring ranks (they differ only in
-/// which ring blocks their backward runs, which matters on the CUDA flash path).
+/// which ring blocks their backward runs, which matters on the CUDA flash
+/// path), the first of equals: walked on [`distinct_ring_ranks`] only.
 fn max_over_ring_ranks(pr: usize, f: impl Fn(usize) -> Result<Prediction>) -> Result<Prediction> {
     let mut best: Option<Prediction> = None;
-    for i in 0..pr.max(1) {
+    for i in distinct_ring_ranks(pr) {
         let p = f(i)?;
         if best.as_ref().is_none_or(|b| p.peak > b.peak) {
             best = Some(p);
         }
     }
     Ok(best.expect("at least one ring rank"))
+}
+
+/// The ring ranks whose walks can differ, one of each kind (the first):
+/// after step 0, ring rank i's steps `1..=i` take a block of the full
+/// queries and half the keys (`ring::ring_block`), and the rest `p - 1 - i`
+/// half the queries and all keys; a walk repeats a step of the kind before
+/// it exactly (its kept buffers already grown), so only which kind comes
+/// first and last, and whether the last is the first of its kind, tell the
+/// ranks apart: 0, 1 (standing for `1..p-2`), p - 2 and p - 1. Walking
+/// these instead of all p keeps a prediction linear in the ring degree.
+fn distinct_ring_ranks(pr: usize) -> Vec<usize> {
+    let mut ranks: Vec<usize> = [0, 1, pr.saturating_sub(2), pr.saturating_sub(1)]
+        .into_iter()
+        .filter(|&i| i < pr.max(1))
+        .collect();
+    ranks.dedup();
+    ranks
 }
 
 /// Predicts the peak of one training step (`train_threads` /
@@ -728,7 +746,7 @@ pub fn longest_context(
     let mut fail: Option<(usize, Limit, Prediction)> = None;
     // grow until a length does not fit
     loop {
-        if hi * step > max {
+        if hi.checked_mul(step).is_none_or(|len| len > max) {
             hi = max / step + 1;
             break;
         }
@@ -782,6 +800,70 @@ mod widest_tests {
             prop_assert_eq!(got.map(|(u, _)| u), want);
             if let Some((u, plan)) = got {
                 prop_assert_eq!(u, plan);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod ring_rank_tests {
+    use super::*;
+
+    /// Walking one ring rank of each kind finds the prediction that walking
+    /// every ring rank finds (the same rank's, so the same categories).
+    #[test]
+    fn distinct_ring_ranks_find_the_highest_of_all() {
+        for (name, prs) in [("tiny", 1..=9), ("llama3.2-1b", 1..=5)] {
+            let model = ModelConfig::preset(name).unwrap();
+            check_ring_ranks(&model, prs);
+        }
+    }
+
+    fn check_ring_ranks(model: &ModelConfig, prs: std::ops::RangeInclusive<usize>) {
+        let dims = attn_dims(model);
+        for device in [DeviceKind::Cpu, DeviceKind::Cuda, DeviceKind::CudaNative] {
+            for (strategy, pu) in [
+                (Strategy::Ring, 1),
+                (Strategy::Upipe, 2),
+                (Strategy::Usp, 2),
+            ] {
+                for pr in prs.clone() {
+                    for seq in [2 * pu * pr * 64, 2 * pu * pr * 200] {
+                        let plan = CpPlan::new(strategy, &dims, seq, pu, pr, None).unwrap();
+                        let spec = StepSpec {
+                            model: model.clone(),
+                            plan: plan.clone(),
+                            data: 1,
+                            policy: MemoryPolicy::default(),
+                            fsdp: false,
+                            fsdp_replicas: 1,
+                            grad_accum: 1,
+                            device,
+                            optimizer: true,
+                        };
+                        let all = (0..pr)
+                            .map(|i| predict_step_rank(&spec, i).unwrap())
+                            .fold(None::<Prediction>, |best, p| match best {
+                                Some(b) if p.peak <= b.peak => Some(b),
+                                _ => Some(p),
+                            })
+                            .unwrap();
+                        let got = predict_step(&spec).unwrap();
+                        let why = format!("{device:?} {strategy} pr {pr} seq {seq}");
+                        assert_eq!((got.peak, got.peak_at), (all.peak, all.peak_at), "{why}");
+                        assert_eq!(got.at_peak, all.at_peak, "{why}");
+                        let trial = |i| {
+                            attention_trial_rank(&plan, &dims, device, i, 2)
+                                .unwrap()
+                                .peak
+                        };
+                        let want = (0..pr).map(trial).max().unwrap();
+                        let got = predict_attention_trial(&plan, &dims, device, 2)
+                            .unwrap()
+                            .peak;
+                        assert_eq!(got, want, "trial: {why}");
+                    }
+                }
             }
         }
     }

@@ -10,17 +10,23 @@ pub enum Sink {
     Stderr,
 }
 
-/// Copies `source` to `sink` on a new thread, prefixing each line with
-/// `[rank R] ` (when `prefix`). Whole lines are written under the sink's lock, so lines of
-/// different ranks never interleave. Write failures (closed terminal) are
-/// ignored while the source is still drained, so the child never blocks.
+/// Copies `source` to `sink` on a new thread of `stack` bytes of stack,
+/// prefixing each line with `[rank R] ` (when `prefix`). Whole lines are
+/// written under the sink's lock, so lines of different ranks never
+/// interleave. Write failures (closed terminal) are ignored while the source
+/// is still drained, so the child never blocks. Fails (and `source` is
+/// dropped) when the thread cannot be started.
 pub fn forward(
     rank: usize,
     source: impl Read + Send + 'static,
     sink: Sink,
     prefix: bool,
-) -> JoinHandle<()> {
-    std::thread::spawn(move || {
+    stack: usize,
+) -> std::io::Result<JoinHandle<()>> {
+    let thread = std::thread::Builder::new()
+        .name(format!("rank {rank} {sink:?}"))
+        .stack_size(stack);
+    thread.spawn(move || {
         let prefix = if prefix {
             format!("[rank {rank}] ")
         } else {

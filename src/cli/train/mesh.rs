@@ -27,6 +27,24 @@ impl MeshChoice {
     pub fn world_size(&self) -> usize {
         self.data * self.ulysses * self.ring
     }
+
+    /// Checks that the mesh has at most [`MAX_MESH_RANKS`] ranks (a typo of
+    /// many digits), before the sizes derived from it (2 x ring x Ulysses
+    /// tokens, ...) could overflow.
+    pub fn check_countable(&self) -> crate::error::Result<()> {
+        let ranks = self.data.checked_mul(self.ulysses);
+        let ranks = ranks.and_then(|r| r.checked_mul(self.ring));
+        if ranks.is_some_and(|r| r <= MAX_MESH_RANKS) {
+            return Ok(());
+        }
+        crate::config_err!(
+            "--data-parallel {} x --ulysses {} x --ring {} is more than {MAX_MESH_RANKS} ranks, \
+             more GPUs than any cluster holds; give the mesh of the run you mean",
+            self.data,
+            self.ulysses,
+            self.ring
+        )
+    }
 }
 
 /// The mesh of a run on the CPU, and the defaults of flags left out when
@@ -36,6 +54,36 @@ pub const CPU_DEFAULT_MESH: MeshChoice = MeshChoice {
     ulysses: 2,
     ring: 2,
 };
+
+/// Most ranks of any mesh: no cluster comes near 2^32 GPUs, and sizes
+/// derived from the mesh (2 x ring x Ulysses tokens, ...) stay countable.
+pub const MAX_MESH_RANKS: usize = 1 << 32;
+
+/// Most ranks a run puts on threads of one process (`--device cpu`, or
+/// thread ranks sharing GPUs). Their exchanges go through host mailboxes
+/// (`comm/local.rs`) that the memory planner does not walk, and an
+/// all-reduce leaves a copy of the buffer from every member at every member
+/// (ranks² copies). Measured (maximum RSS, `/usr/bin/time -v`) of `upipe
+/// train --device cpu --steps 1` on the tiny model, whose planner predicts
+/// 2.16 MiB per rank: 16 ranks 87 MB, 32 207 MB, 64 590 MB, 128 2.7 GB,
+/// 256 10.6 GB, 512 aborted ("memory allocation failed"). At 64 the process
+/// stays under 1 GB; larger meshes are for one process per GPU.
+pub const MAX_THREAD_RANKS: usize = 64;
+
+/// Checks that a mesh of `ranks` thread ranks is within [`MAX_THREAD_RANKS`];
+/// the error names the fix (`command`: the subcommand, e.g. `train`).
+pub fn check_thread_ranks(command: &str, ranks: usize) -> crate::error::Result<()> {
+    if ranks <= MAX_THREAD_RANKS {
+        return Ok(());
+    }
+    crate::config_err!(
+        "a mesh of {ranks} ranks would run as threads of one process, which takes at most \
+         {MAX_THREAD_RANKS}: their exchanges grow with ranks² in host memory outside the memory \
+         plan; give a mesh (--data-parallel x --ulysses x --ring) of at most {MAX_THREAD_RANKS} \
+         ranks, or run one process per GPU (`upipe launch --nproc-per-node N -- {command} \
+         --device cuda`)"
+    )
+}
 
 /// Divisors of `n`, ascending.
 fn divisors(n: usize) -> Vec<usize> {

@@ -113,9 +113,13 @@ pub fn route_for(
     }
     let w = shape.world_size();
     if device == Device::Cpu || gpus == 0 {
+        super::mesh::check_thread_ranks(command, w)?;
         return Ok(Route::CpuThreads);
     }
-    let threads = |why: String| Ok(Route::GpuThreads { gpus, why });
+    let threads = |why: String| {
+        super::mesh::check_thread_ranks(command, w)?;
+        Ok(Route::GpuThreads { gpus, why })
+    };
     if w == 1 {
         return threads("the mesh has one rank".into());
     }
@@ -223,6 +227,27 @@ mod tests {
         assert!(w.contains("libnccl.so.2 not found"), "{w}");
         let e = config_error(route(Device::Cuda, None, 0, w2, &nccl_ok));
         assert!(e.contains("--device cpu"), "{e}");
+    }
+
+    #[test]
+    fn thread_meshes_beyond_the_cap_are_refused_with_the_fix() {
+        let cap = super::super::mesh::MAX_THREAD_RANKS;
+        let at_cap = shape(cap / 4, 2, 2);
+        let over = shape(cap / 2, 2, 2);
+        assert_eq!(
+            route(Device::Cpu, None, 0, at_cap, &nccl_ok).unwrap(),
+            Route::CpuThreads
+        );
+        let e = config_error(route(Device::Cpu, None, 0, over, &nccl_ok));
+        assert!(
+            e.contains(&format!("mesh of {} ranks", 2 * cap))
+                && e.contains(&format!("at most {cap}"))
+                && e.contains("upipe launch --nproc-per-node"),
+            "{e}"
+        );
+        // thread ranks sharing GPUs too (more ranks than GPUs), and for eval
+        let e = config_error(route_for("eval", Device::Auto, None, 2, over, &nccl_ok));
+        assert!(e.contains("-- eval --device cuda"), "{e}");
     }
 
     #[test]
