@@ -207,8 +207,13 @@ fn a_run_file_printed_by_an_earlier_train_resolves_the_same() {
     std::fs::write(&file, earlier).unwrap();
     let f = file.to_str().unwrap();
     // the same run; `--offload-optimizer` took a count of units since, so
-    // its `true` now reads as `all`
-    let now = earlier.replace("offload-optimizer = true", "offload-optimizer = \"all\"");
+    // its `true` now reads as `all`; `allow-extra-tensors` came since
+    let now = earlier
+        .replace("offload-optimizer = true", "offload-optimizer = \"all\"")
+        .replace(
+            "model = \"tiny\"\n",
+            "model = \"tiny\"\nallow-extra-tensors = false\n",
+        );
     assert_eq!(ok(&["train", "--config", f, "--print-config"]), now);
     std::fs::remove_dir_all(&dir).unwrap();
 }
