@@ -196,13 +196,13 @@ fn read_text_data(path: &Path) -> Result<String> {
             path.display()
         );
     }
-    String::from_utf8(bytes).or_else(|e| {
-        crate::config_err!(
+    String::from_utf8(bytes).map_err(|e| {
+        Error::Config(format!(
             "--data {} is not UTF-8 text (byte {} is not valid UTF-8): text data is read as UTF-8; \
              pre-tokenized ids need the extension .u32 (uint32) or .u16/.bin (uint16)",
             path.display(),
             e.utf8_error().valid_up_to()
-        )
+        ))
     })
 }
 
