@@ -338,3 +338,29 @@ fn absurd_model_configs_fail_fast_without_a_panic() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn stage_flags_without_upipe_name_what_they_need() {
+    let bench = [
+        "bench",
+        "attn",
+        "--device",
+        "cpu",
+        "--methods",
+        "ring",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+    ];
+    for flag in [["--chunk-heads", "2"], ["--fwd-chunk-heads", "2"]] {
+        let args: Vec<&str> = bench.iter().chain(&flag).copied().collect();
+        let e = failure(&args);
+        assert!(e.contains(flag[0]) && e.contains("no upipe"), "{e}");
+    }
+    let e = failure(&strs(&train_with(&["--save-every", "5"])));
+    assert!(
+        e.contains("--save-every") && e.contains("add --save-dir"),
+        "{e}"
+    );
+}
