@@ -9,6 +9,7 @@ pub mod backend;
 pub mod cli;
 pub mod comm;
 pub mod error;
+pub mod input_path;
 pub mod model;
 pub mod plan;
 pub mod rng;

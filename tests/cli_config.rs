@@ -207,10 +207,13 @@ fn a_run_file_printed_by_an_earlier_train_resolves_the_same() {
     std::fs::write(&file, earlier).unwrap();
     let f = file.to_str().unwrap();
     // the same run; `--offload-optimizer` took a count of units since, so
-    // its `true` now reads as `all`
-    let now = earlier.replace("offload-optimizer = true", "offload-optimizer = \"all\"");
-    // and keys added since print their defaults
-    let now = now
+    // its `true` now reads as `all`; keys added since print their defaults
+    let now = earlier
+        .replace("offload-optimizer = true", "offload-optimizer = \"all\"")
+        .replace(
+            "model = \"tiny\"\n",
+            "model = \"tiny\"\nallow-extra-tensors = false\n",
+        )
         .replace("clip = 1.0\n", "clip = 1.0\nskip-nonfinite = 0\n")
         .replace("resume = false\n", "resume = false\noverwrite = false\n");
     assert_eq!(ok(&["train", "--config", f, "--print-config"]), now);

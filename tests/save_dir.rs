@@ -323,35 +323,3 @@ fn a_run_killed_at_any_moment_resumes_bit_exactly() {
         );
     }
 }
-
-#[test]
-fn resuming_past_steps_is_an_error_and_at_steps_says_nothing_is_left() {
-    let t = Tmp::new("past");
-    let dir = t.path("run");
-    let d = dir.to_str().unwrap();
-    ok(&t.0, &["--steps", "3", "--save-dir", d]);
-    let (stdout, err) = fails(&t.0, &["--steps", "2", "--save-dir", d, "--resume"]);
-    assert!(stdout.is_empty(), "{stdout}");
-    assert!(err.contains("is of step 3, past --steps 2"), "{err}");
-    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-        .args([
-            "train",
-            "--device",
-            "cpu",
-            "--seq",
-            "64",
-            "--steps",
-            "3",
-            "--save-dir",
-            d,
-        ])
-        .arg("--resume")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("nothing left to train"),
-        "{stdout}"
-    );
-    assert!(!stdout.contains("NaN"), "{stdout}");
-}

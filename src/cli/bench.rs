@@ -186,7 +186,7 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
             )));
         }
     }
-    let (all, methods) = parse_methods(&a.methods)?;
+    let (all, methods) = methods_of(a)?;
     let inputs = TrialInputs::random(&dims, a.seq, a.seed);
     let need_reference = a.check || methods.contains(&Strategy::Local);
     let reference = if need_reference {
@@ -432,6 +432,26 @@ fn table_row(
         line += &format!(" {tf:>10.1} {tok:>12.0}");
     }
     line
+}
+
+/// `(is_all, strategies)` of `--methods`; UPipe's stage flags given
+/// without upipe among them are an error (they would do nothing).
+fn methods_of(a: &AttnArgs) -> Result<(bool, Vec<Strategy>)> {
+    let (all, methods) = parse_methods(&a.methods)?;
+    let fwd_given = a.schedule.fwd.fwd_chunk_heads != crate::cli::schedule::FwdChunk::Auto;
+    let flag = match (a.chunk_heads.is_some(), fwd_given) {
+        (true, _) => "--chunk-heads",
+        (false, true) => "--fwd-chunk-heads",
+        (false, false) => return Ok((all, methods)),
+    };
+    if !methods.contains(&Strategy::Upipe) {
+        return crate::config_err!(
+            "{flag} sets UPipe's stages, and --methods {} has no upipe: add upipe to \
+             --methods, or leave {flag} out",
+            a.methods
+        );
+    }
+    Ok((all, methods))
 }
 
 /// `(is_all, strategies)` from the `--methods` flag.

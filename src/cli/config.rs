@@ -46,6 +46,7 @@ pub struct RunFile {
 pub struct ModelKeys {
     pub model: Option<String>,
     pub init_from: Option<PathBuf>,
+    pub allow_extra_tensors: Option<bool>,
 }
 
 /// `[data]`: tokens and sequences.
@@ -287,6 +288,7 @@ pub fn at_least<T: PartialOrd + std::fmt::Display>(
 /// Reads and checks a run file: a syntax error, an unknown key or a value
 /// of the wrong type is an error naming the file, the key and what it takes.
 pub fn load(path: &Path) -> Result<RunFile> {
+    crate::input_path::check_file(path, "--config")?;
     let text = std::fs::read_to_string(path)
         .map_err(|e| Error::io(format!("reading --config {}", path.display()), e))?;
     parse(&text).map_err(|m| Error::Config(format!("--config {}: {m}", path.display())))
@@ -536,6 +538,58 @@ mod tests {
         let text = resolved_toml(&p).unwrap();
         assert!(text.contains("settle-every = \"phase\""), "{text}");
         assert_eq!(parse_ok(&text).parallel.settle_every, Some(Settle::Phase));
+    }
+
+    #[test]
+    fn a_flag_that_needs_another_names_it() {
+        let e = |argv: &[&str]| {
+            args::<TrainArgs>(argv)
+                .0
+                .validate()
+                .unwrap_err()
+                .to_string()
+        };
+        let m = e(&["--save-every", "5"]);
+        assert!(
+            m.contains("--save-every / [checkpoint] save-every does nothing without --save-dir"),
+            "{m}"
+        );
+        let m = e(&["--resume"]);
+        assert!(
+            m.contains("--resume") && m.contains("add --save-dir"),
+            "{m}"
+        );
+        let m = e(&["--allow-extra-tensors"]);
+        assert!(m.contains("without --init-from"), "{m}");
+        let (mut a, m) = args::<TrainArgs>(&[]);
+        a.take_file(&parse_ok("[checkpoint]\nsave-every = 3\n"), &Given(&m));
+        let m = a.validate().unwrap_err().to_string();
+        assert!(m.contains("[checkpoint] save-every"), "{m}");
+        assert!(
+            args::<TrainArgs>(&["--save-every", "0"])
+                .0
+                .validate()
+                .is_ok()
+        );
+        let with_dir = ["--save-every", "5", "--resume", "--save-dir", "/tmp/x"];
+        assert!(args::<TrainArgs>(&with_dir).0.validate().is_ok());
+    }
+
+    #[test]
+    fn non_finite_and_negative_numbers_are_refused() {
+        for (text, key) in [
+            ("[optim]\nlr = nan\n", "[optim] lr"),
+            ("[optim]\nmin-lr = -1e-4\n", "[optim] min-lr"),
+            ("[optim]\nweight-decay = inf\n", "[optim] weight-decay"),
+            ("[optim]\nclip = -1.0\n", "[optim] clip"),
+            ("[hardware]\nhost-mem = nan\n", "[hardware] host-mem"),
+            ("[hardware]\nhost-mem = -2.0\n", "[hardware] host-mem"),
+        ] {
+            let (mut a, m) = args::<TrainArgs>(&[]);
+            a.take_file(&parse_ok(text), &Given(&m));
+            let e = a.validate().unwrap_err().to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
     }
 
     #[test]

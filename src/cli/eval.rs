@@ -19,7 +19,7 @@ use crate::comm::env::DistEnv;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::flops::forward_flops_per_token;
-use crate::train::checkpoint::load_hf_model;
+use crate::train::checkpoint::{ExtraTensors, load_hf_model_with};
 use crate::train::data::Tokens;
 use crate::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_process_rank, eval_threads};
 use clap::ArgMatches;
@@ -35,6 +35,12 @@ pub struct EvalArgs {
     /// HF model directory (config.json + model.safetensors or a sharded index).
     #[arg(long)]
     pub model_dir: Option<PathBuf>,
+    /// Load the weights even when they hold tensors the model has no
+    /// parameter for (an error otherwise); they are ignored, and named in a
+    /// warning.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub allow_extra_tensors: bool,
     /// Token ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16),
     /// memory-mapped and checked against the model's vocab_size.
     #[arg(long)]
@@ -85,6 +91,7 @@ pub struct EvalArgs {
 impl EvalArgs {
     run_keys! {
         model_dir => eval.model_dir,
+        allow_extra_tensors => model.allow_extra_tensors,
         tokens => eval.tokens,
         metrics => eval.metrics,
         seq => eval.seq,
@@ -181,6 +188,7 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
 struct Built {
     cfg: EvalConfig,
     model_dir: PathBuf,
+    extra_tensors: ExtraTensors,
     tokens: Tokens,
     kernel: AttnKernel,
     env: Option<DistEnv>,
@@ -234,6 +242,11 @@ fn build(a: &EvalArgs) -> Result<Built> {
     Ok(Built {
         cfg,
         model_dir: model_dir.to_path_buf(),
+        extra_tensors: if a.allow_extra_tensors {
+            ExtraTensors::Ignore
+        } else {
+            ExtraTensors::Refuse
+        },
         tokens,
         kernel,
         env,
@@ -246,7 +259,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
 /// Loads the weights and evaluates where the route says.
 fn execute(run: &Built) -> Result<EvalReport> {
     let (cfg, tokens, kernel) = (&run.cfg, &run.tokens, run.kernel);
-    let host = load_hf_model(&run.model_dir, &cfg.model)?;
+    let host = load_hf_model_with(&run.model_dir, &cfg.model, run.extra_tensors)?;
     match &run.route {
         Route::ProcessRank => {
             let env = run

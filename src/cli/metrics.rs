@@ -177,6 +177,7 @@ impl MetricsFile {
 
 /// Reads a metrics file; a malformed line is an error naming it.
 pub fn read(path: &Path) -> Result<Vec<StepMetrics>> {
+    crate::input_path::check_file(path, "metrics file")?;
     let text = std::fs::read_to_string(path)
         .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
     let mut out = Vec::new();

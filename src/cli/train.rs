@@ -52,6 +52,7 @@ use crate::error::Result;
 use crate::model::ModelConfig;
 use crate::model::flops::train_flops_per_token;
 use crate::plan::{OffloadBlocks, OptimizerOffload, Prediction, SaveAttention};
+use crate::train::checkpoint::ExtraTensors;
 use crate::train::data::{Tokens, load_tokens};
 use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
@@ -60,11 +61,12 @@ use clap::ArgMatches;
 /// `upipe train` with flags `a`, parsed from the command line `m`.
 pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     let a = config::resolve(a, m)?;
+    // what --print-config prints is a run file `train` accepts
+    let choices = a.validate()?;
     if a.print_config {
         print!("{}", config::resolved_toml(&a)?);
         return Ok(0);
     }
-    let choices = a.validate()?;
     let mut run = build(&a, choices)?;
     if let Route::SelfLaunch { nproc } = run.route {
         return self_launch(&run, nproc);
@@ -78,6 +80,12 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         run.cfg.model.vocab,
     )?;
     let predicted = run.resolve(&a)?;
+    if let Some(done) = finished_checkpoint(&run.cfg)? {
+        if run.lead {
+            println!("{done}");
+        }
+        return Ok(0);
+    }
     if run.lead {
         let decided = run.cfg.decided_flags();
         tracing::info!("decided from this machine's memory: {decided}");
@@ -211,6 +219,11 @@ fn train_config(
         // a number or `all` now (checked before any launch), `auto` once the budget is known
         policy: a.memory.policy(layers, 0),
         init_from: a.init_from.clone(),
+        extra_tensors: if a.allow_extra_tensors {
+            ExtraTensors::Ignore
+        } else {
+            ExtraTensors::Refuse
+        },
         save_dir: a.save_dir.clone(),
         save_every: a.save_every,
         resume: a.resume,
@@ -475,6 +488,34 @@ fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
         r.fwd.fwd_chunk_heads = FwdChunk::Heads(n);
     }
     config::resolved_toml(&r)
+}
+
+/// What to say when the checkpoint `--resume` continues from has already
+/// reached `--steps`; a checkpoint past `--steps` is an error (its
+/// learning-rate schedule ran past the end of this one).
+fn finished_checkpoint(cfg: &TrainConfig) -> Result<Option<String>> {
+    let Some(dir) = cfg.resume_dir() else {
+        return Ok(None);
+    };
+    let state = crate::train::fsdp::checkpoint::read_state(dir)?;
+    let Some(step) = state.get("step").and_then(serde_json::Value::as_u64) else {
+        return Ok(None); // the loader names what is missing
+    };
+    let steps = u64::from(cfg.steps);
+    if step > steps {
+        return crate::config_err!(
+            "--resume: the checkpoint in {} is at step {step}, past --steps {steps}; give \
+             --steps above {step} to continue it, or another --save-dir to start afresh",
+            dir.display()
+        );
+    }
+    Ok((step == steps).then(|| {
+        format!(
+            "the checkpoint in {} is at step {step} of --steps {steps}: nothing is left to \
+             train (give a larger --steps to continue it)",
+            dir.display()
+        )
+    }))
 }
 
 /// Starts one process per GPU, each running this command.

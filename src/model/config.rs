@@ -51,6 +51,9 @@ pub const PRESETS: &[&str] = &[
 ];
 
 /// The RoPE scaling Meta publishes for the Llama 3.1 / 3.2 models.
+/// The most layers a model may have ([`ModelConfig::validate`]).
+pub const MAX_LAYERS: usize = 1024;
+
 fn llama31_rope_scaling(factor: f32) -> RopeScaling {
     RopeScaling {
         factor,
@@ -143,6 +146,10 @@ impl ModelConfig {
         } else {
             path.to_path_buf()
         };
+        if file.exists() {
+            // a FIFO or a device exists too: refused before it is opened
+            crate::input_path::check_file(&file, "--model")?;
+        }
         if !file.is_file() {
             return Err(Error::Config(format!(
                 "unknown model '{arg}': not a preset ({}) nor a config.json or a directory containing one",
@@ -241,12 +248,57 @@ impl ModelConfig {
                 self.head_dim + 1
             )));
         }
+        self.validate_size()?;
         positive_finite(self, "rope_theta", self.rope_theta)?;
         positive_finite(self, "rms_norm_eps", self.rms_norm_eps)?;
         if let Some(s) = &self.rope_scaling {
             self.validate_rope_scaling(s)?;
         }
         Ok(())
+    }
+
+    /// A model small enough to count: at most [`MAX_LAYERS`] layers (a
+    /// config.json with a typo of millions would take the planner hours),
+    /// and parameters whose bytes (weights, gradients and two moments in
+    /// f32) fit a `usize`, so no size computed from them overflows.
+    fn validate_size(&self) -> Result<()> {
+        if self.layers > MAX_LAYERS {
+            return Err(self.err(format!(
+                "{} layers (num_hidden_layers), above the {MAX_LAYERS} upipe accepts; published \
+                 models have at most a few hundred: check config.json",
+                self.layers
+            )));
+        }
+        if self
+            .checked_param_count()
+            .and_then(|n| n.checked_mul(16))
+            .is_none()
+        {
+            return Err(self.err(format!(
+                "its parameters (hidden {}, heads {} x head_dim {}, ffn {}, vocab {}, {} layers) \
+                 are too many to count in memory; check config.json",
+                self.hidden, self.heads, self.head_dim, self.ffn, self.vocab, self.layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`ModelConfig::param_count`] without overflow (`None` where it would).
+    fn checked_param_count(&self) -> Option<usize> {
+        let (h, hd) = (self.hidden, self.head_dim);
+        let q = self.heads.checked_mul(hd)?.checked_mul(h)?;
+        let kv = self.kv_heads.checked_mul(hd)?.checked_mul(h)?;
+        let mlp = self.ffn.checked_mul(h)?.checked_mul(3)?;
+        let norms = h.checked_add(hd)?.checked_mul(2)?;
+        let layer = q.checked_mul(2)?.checked_add(kv.checked_mul(2)?)?;
+        let layer = layer.checked_add(mlp)?.checked_add(norms)?;
+        let embed = self.vocab.checked_mul(h)?;
+        let head = if self.tie_embeddings { 0 } else { embed };
+        layer
+            .checked_mul(self.layers)?
+            .checked_add(embed)?
+            .checked_add(head)?
+            .checked_add(h)
     }
 
     fn validate_rope_scaling(&self, s: &RopeScaling) -> Result<()> {
@@ -720,6 +772,45 @@ mod tests {
         let negative =
             LLAMA31_JSON.replace("\"num_hidden_layers\": 32", "\"num_hidden_layers\": -2");
         assert!(config_error(&negative).contains("num_hidden_layers"));
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_before_anything_counts_them() {
+        let base = ModelConfig::preset("tiny").unwrap();
+        let msg = |cfg: ModelConfig| cfg.validate().unwrap_err().to_string();
+        let m = msg(ModelConfig {
+            layers: 100_000_000,
+            ..base.clone()
+        });
+        assert!(m.contains("100000000 layers") && m.contains("1024"), "{m}");
+        let ok = ModelConfig {
+            layers: MAX_LAYERS,
+            ..base.clone()
+        };
+        assert!(ok.validate().is_ok());
+        for huge in [
+            ModelConfig {
+                ffn: usize::MAX,
+                ..base.clone()
+            },
+            ModelConfig {
+                vocab: 1 << 62,
+                ..base.clone()
+            },
+            ModelConfig {
+                heads: 1 << 40,
+                kv_heads: 1 << 40,
+                head_dim: 1 << 30,
+                ..base.clone()
+            },
+        ] {
+            assert!(msg(huge).contains("too many to count"));
+        }
+        let json = LLAMA31_JSON.replace(
+            "\"intermediate_size\": 14336",
+            "\"intermediate_size\": 18446744073709551615",
+        );
+        assert!(config_error(&json).contains("too many to count"));
     }
 
     #[test]

@@ -132,6 +132,16 @@ pub fn load_safetensors_filtered(
     path: &Path,
     want: impl Fn(&str) -> bool,
 ) -> Result<BTreeMap<String, HostTensor>> {
+    Ok(read_safetensors(path, want)?.0)
+}
+
+/// The tensors of a safetensors file whose names pass `want`, as f32 (each
+/// checked finite), and the names of the others.
+fn read_safetensors(
+    path: &Path,
+    want: impl Fn(&str) -> bool,
+) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
+    crate::input_path::check_file(path, "checkpoint file")?;
     let bytes =
         std::fs::read(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
@@ -141,20 +151,42 @@ pub fn load_safetensors_filtered(
         ))
     })?;
     let mut out = BTreeMap::new();
-    for (name, view) in st.iter().filter(|(name, _)| want(name)) {
+    let mut skipped = Vec::new();
+    for (name, view) in st.iter() {
+        if !want(name) {
+            skipped.push(name.to_string());
+            continue;
+        }
         let data = decode(view.dtype(), view.data()).map_err(|dtype| {
             Error::Checkpoint(format!(
                 "tensor '{name}' in {} has dtype {dtype:?}; upipe reads F32, BF16 and F16",
                 path.display()
             ))
         })?;
+        check_finite(&data, name, path, 0)?;
         let tensor = HostTensor {
             shape: view.shape().to_vec(),
             data,
         };
         out.insert(name.to_string(), tensor);
     }
-    Ok(out)
+    Ok((out, skipped))
+}
+
+/// Errors at the first NaN or infinity of `values`, elements `first..` of
+/// tensor `name` in `file`: one such weight makes every loss NaN.
+pub fn check_finite(values: &[f32], name: &str, file: &Path, first: usize) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Error::Checkpoint(format!(
+            "tensor '{name}' in {} holds {} at element {} (flat, row-major): a weight or \
+             optimizer state must be finite; the file is corrupt or was saved from a diverged \
+             run, so load an earlier checkpoint",
+            file.display(),
+            values[i],
+            first + i
+        ))),
+    }
 }
 
 /// Little-endian bytes of `dtype` as f32 values; an unsupported dtype is returned as the error.
@@ -179,23 +211,46 @@ fn decode(dtype: StDtype, bytes: &[u8]) -> std::result::Result<Vec<f32>, StDtype
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
+/// What a load does with tensors the model has no parameter for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExtraTensors {
+    /// An error naming them (the default: the checkpoint is probably of
+    /// another architecture, e.g. one with biases upipe would drop).
+    #[default]
+    Refuse,
+    /// Skipped, with a warning naming them (`--allow-extra-tensors`).
+    Ignore,
+}
+
+/// [`load_hf_model_with`], refusing extra tensors.
+pub fn load_hf_model(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, HostTensor>> {
+    load_hf_model_with(dir, cfg, ExtraTensors::Refuse)
+}
+
 /// Loads the weights of an HF model directory (`model.safetensors`, or the
 /// shards listed in `model.safetensors.index.json`) and checks them against
-/// `cfg`: every expected tensor must be present with its exact shape. Extra
-/// tensors (e.g. `rotary_emb.inv_freq`, or `lm_head.weight` of a tied model)
-/// are ignored.
-pub fn load_hf_model(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, HostTensor>> {
+/// `cfg`: every expected tensor must be present with its exact shape and
+/// finite values; a tensor `cfg` has no parameter for is an error or
+/// skipped as `extras` says ([`check_extra_tensors`]).
+pub fn load_hf_model_with(
+    dir: &Path,
+    cfg: &ModelConfig,
+    extras: ExtraTensors,
+) -> Result<BTreeMap<String, HostTensor>> {
     let expected = cfg.hf_param_shapes();
     let wanted: HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
     let mut loaded = BTreeMap::new();
     let mut source: HashMap<String, PathBuf> = HashMap::new();
-    for (file, names) in weight_files(dir, &wanted)? {
-        let part = load_safetensors_filtered(&file, |n| names.contains(n))?;
+    let (files, mut unwanted) = weight_files(dir, &wanted)?;
+    for (file, names) in files {
+        let (part, skipped) = read_safetensors(&file, |n| names.contains(n))?;
+        unwanted.extend(skipped);
         for name in part.keys() {
             source.insert(name.clone(), file.clone());
         }
         loaded.extend(part);
     }
+    check_extra_tensors(dir, cfg, unwanted.iter().map(String::as_str), extras)?;
     for (name, shape) in &expected {
         let Some(t) = loaded.get(name) else {
             return Err(missing_tensor(dir, name, shape, cfg));
@@ -212,6 +267,60 @@ pub fn load_hf_model(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, H
     Ok(loaded)
 }
 
+/// Tensors `transformers` writes that carry no parameter: a model's RoPE
+/// frequencies (`*.rotary_emb.inv_freq`, a buffer older versions saved),
+/// and the LM head of a model whose head is tied to the embeddings (the
+/// same values as `model.embed_tokens.weight`, which is what upipe reads).
+fn is_parameterless(name: &str, cfg: &ModelConfig) -> bool {
+    name.ends_with(".rotary_emb.inv_freq") || (cfg.tie_embeddings && name == "lm_head.weight")
+}
+
+/// Checks `names` (every tensor a checkpoint in `dir` holds, or any subset
+/// including the ones not loaded) against `cfg`'s parameters: a tensor
+/// that is not one, and not [`is_parameterless`], is an error naming the
+/// first few, or with [`ExtraTensors::Ignore`] a warning (once per process).
+pub fn check_extra_tensors<'a>(
+    dir: &Path,
+    cfg: &ModelConfig,
+    names: impl IntoIterator<Item = &'a str>,
+    extras: ExtraTensors,
+) -> Result<()> {
+    let params: HashSet<String> = cfg.hf_param_shapes().into_iter().map(|(n, _)| n).collect();
+    let mut extra: Vec<&str> = names
+        .into_iter()
+        .filter(|n| !params.contains(*n) && !is_parameterless(n, cfg))
+        .collect();
+    extra.sort_unstable();
+    extra.dedup();
+    if extra.is_empty() {
+        return Ok(());
+    }
+    const SHOWN: usize = 5;
+    let mut list = extra[..extra.len().min(SHOWN)].join(", ");
+    if extra.len() > SHOWN {
+        list.push_str(&format!(" and {} more", extra.len() - SHOWN));
+    }
+    let (model, dir) = (&cfg.name, dir.display());
+    let n = match extra.len() {
+        1 => "1 tensor".to_string(),
+        n => format!("{n} tensors"),
+    };
+    if extras == ExtraTensors::Ignore {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(
+                "--allow-extra-tensors: ignoring {n} of {dir} that model '{model}' has no parameter for: {list}"
+            );
+        });
+        return Ok(());
+    }
+    Err(Error::Checkpoint(format!(
+        "{dir} holds {n} that model '{model}' has no parameter for: {list}. Is the \
+         checkpoint of another architecture (give its directory to --model too)? To load the \
+         model's parameters and ignore these, add --allow-extra-tensors"
+    )))
+}
+
 fn missing_tensor(dir: &Path, name: &str, shape: &[usize], cfg: &ModelConfig) -> Error {
     let hint = if name == "lm_head.weight" {
         "; if the checkpoint ties the LM head to the embeddings, set tie_word_embeddings true"
@@ -225,14 +334,19 @@ fn missing_tensor(dir: &Path, name: &str, shape: &[usize], cfg: &ModelConfig) ->
     ))
 }
 
+/// A directory's weight files, each with the tensor names to take from it.
+type WeightFiles<'a> = Vec<(PathBuf, HashSet<&'a str>)>;
+
 /// The safetensors files of an HF model directory, each with the wanted
-/// tensor names to take from it (the ones the index assigns to it, if sharded).
+/// tensor names to take from it (the ones the index assigns to it, if
+/// sharded), and the names the index lists that are not wanted.
 fn weight_files<'a>(
     dir: &Path,
     wanted: &HashSet<&'a str>,
-) -> Result<Vec<(PathBuf, HashSet<&'a str>)>> {
+) -> Result<(WeightFiles<'a>, Vec<String>)> {
+    crate::input_path::check_dir(dir, "model directory")?;
     let index = dir.join(INDEX_FILE);
-    if index.is_file() {
+    if index.exists() {
         let map = read_weight_map(&index)?;
         let mut by_file: BTreeMap<&str, HashSet<&'a str>> = BTreeMap::new();
         for name in wanted {
@@ -240,14 +354,16 @@ fn weight_files<'a>(
                 by_file.entry(file.as_str()).or_default().insert(name);
             }
         }
-        return Ok(by_file
+        let files = by_file
             .into_iter()
             .map(|(file, names)| (dir.join(file), names))
-            .collect());
+            .collect();
+        let unwanted = map.into_keys().filter(|n| !wanted.contains(n.as_str()));
+        return Ok((files, unwanted.collect()));
     }
     let single = dir.join(SINGLE_FILE);
-    if single.is_file() {
-        return Ok(vec![(single, wanted.clone())]);
+    if single.exists() {
+        return Ok((vec![(single, wanted.clone())], Vec::new()));
     }
     Err(Error::Checkpoint(format!(
         "{} has neither {SINGLE_FILE} nor {INDEX_FILE}; point at an HF model directory",
@@ -255,8 +371,10 @@ fn weight_files<'a>(
     )))
 }
 
-/// The `weight_map` (tensor name → shard file name) of a sharded index.
-fn read_weight_map(index: &Path) -> Result<HashMap<String, String>> {
+/// The `weight_map` (tensor name → shard file name) of a sharded index;
+/// a file name that is not directly inside the directory is an error.
+pub(crate) fn read_weight_map(index: &Path) -> Result<HashMap<String, String>> {
+    crate::input_path::check_file(index, "checkpoint index")?;
     let text = std::fs::read_to_string(index)
         .map_err(|e| Error::io(format!("reading {}", index.display()), e))?;
     let bad = |why: String| Error::Checkpoint(format!("{} is malformed: {why}", index.display()));
@@ -391,6 +509,7 @@ pub fn save_train_state(
 /// Loads a checkpoint written by [`save_train_state`].
 pub fn load_train_state(dir: &Path) -> Result<TrainState> {
     let state_path = dir.join(STATE_FILE);
+    crate::input_path::check_file(&state_path, "checkpoint state")?;
     let text = std::fs::read_to_string(&state_path).map_err(|e| {
         Error::io(
             format!(
@@ -745,7 +864,7 @@ mod tests {
     }
 
     #[test]
-    fn hf_load_ignores_extras_and_tied_heads() {
+    fn hf_load_refuses_extras_unless_allowed_but_not_parameterless_tensors() {
         let cfg = small_qwen();
         let dir = TempDir::new("hf-extra");
         let mut weights = random_model(&cfg);
@@ -759,14 +878,89 @@ mod tests {
         ));
         list.push(("lm_head.weight".into(), &head));
         save_safetensors(&dir.0.join(SINGLE_FILE), &list, DType::F32).unwrap();
+        // written by transformers, no parameter: accepted silently
         assert_eq!(load_hf_model(&dir.0, &cfg).unwrap(), weights);
+
+        // biases upipe has no parameter for: named, counted, the fix said
+        let bias = HostTensor::zeros(vec![64]);
+        let biases: Vec<String> = (0..7)
+            .map(|l| format!("model.layers.{l}.self_attn.q_proj.bias"))
+            .collect();
+        list.extend(biases.iter().map(|n| (n.clone(), &bias)));
+        save_safetensors(&dir.0.join(SINGLE_FILE), &list, DType::F32).unwrap();
+        let m = checkpoint_error(load_hf_model(&dir.0, &cfg));
+        assert!(
+            m.contains("7 tensors")
+                && m.contains(&biases[0])
+                && m.contains("and 2 more")
+                && m.contains("--allow-extra-tensors"),
+            "{m}"
+        );
+        let ignored = load_hf_model_with(&dir.0, &cfg, ExtraTensors::Ignore).unwrap();
+        assert_eq!(ignored, weights);
 
         let untied = ModelConfig {
             tie_embeddings: false,
             ..cfg.clone()
         };
         weights.insert("lm_head.weight".into(), head.clone());
-        assert_eq!(load_hf_model(&dir.0, &untied).unwrap(), weights);
+        let loaded = load_hf_model_with(&dir.0, &untied, ExtraTensors::Ignore).unwrap();
+        assert_eq!(loaded, weights);
+    }
+
+    #[test]
+    fn extras_listed_only_by_a_sharded_index_are_refused_too() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let dir = TempDir::new("hf-extra-index");
+        let weights = random_model(&cfg);
+        let list: Vec<(String, &HostTensor)> =
+            weights.iter().map(|(n, t)| (n.clone(), t)).collect();
+        let file = "model-00001-of-00002.safetensors";
+        save_safetensors(&dir.0.join(file), &list, DType::F32).unwrap();
+        let extra = HostTensor::zeros(vec![64]);
+        let other = "model-00002-of-00002.safetensors";
+        save_safetensors(&dir.0.join(other), &[("x.bias".into(), &extra)], DType::F32).unwrap();
+        let mut map: serde_json::Map<String, Value> =
+            weights.keys().map(|n| (n.clone(), json!(file))).collect();
+        map.insert("x.bias".into(), json!(other));
+        let index = json!({ "weight_map": map });
+        std::fs::write(dir.0.join(INDEX_FILE), index.to_string()).unwrap();
+        let m = checkpoint_error(load_hf_model(&dir.0, &cfg));
+        assert!(m.contains("1 tensor ") && m.contains("x.bias"), "{m}");
+        let loaded = load_hf_model_with(&dir.0, &cfg, ExtraTensors::Ignore).unwrap();
+        assert_eq!(loaded, weights);
+    }
+
+    #[test]
+    fn non_finite_weights_and_moments_are_refused_naming_tensor_file_and_index() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let dir = TempDir::new("nan");
+        let params = random_model(&cfg);
+        let name = "model.layers.1.mlp.up_proj.weight";
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut broken = params.clone();
+            broken.get_mut(name).unwrap().data[77] = bad;
+            save_hf_model(&dir.0, &cfg, &broken, DType::BF16).unwrap();
+            let m = checkpoint_error(load_hf_model(&dir.0, &cfg));
+            assert!(
+                m.contains(name) && m.contains(SINGLE_FILE) && m.contains("element 77"),
+                "{m}"
+            );
+            let f = crate::train::ranged::RangedFile::open(&dir.0.join(SINGLE_FILE)).unwrap();
+            let m = checkpoint_error(f.read(name, 50..100));
+            assert!(m.contains(name) && m.contains("element 77"), "{m}");
+            assert!(f.read(name, 0..77).is_ok(), "the finite part reads");
+        }
+        let mut v = params.clone();
+        v.get_mut("model.norm.weight").unwrap().data[3] = f32::NAN;
+        save_train_state(&dir.0, 1, &params, &params, &v, &json!(null)).unwrap();
+        let m = checkpoint_error(load_train_state(&dir.0));
+        assert!(
+            m.contains("exp_avg_sq.model.norm.weight")
+                && m.contains(OPTIMIZER_FILE)
+                && m.contains("element 3"),
+            "{m}"
+        );
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub struct TrainConfig {
     pub policy: MemoryPolicy,
     /// Start from an HF model directory instead of random weights.
     pub init_from: Option<PathBuf>,
+    /// What loading weights does with tensors the model has no parameter
+    /// for (`--allow-extra-tensors`: ignores them).
+    pub extra_tensors: super::checkpoint::ExtraTensors,
     /// Where training checkpoints go (and are resumed from).
     pub save_dir: Option<PathBuf>,
     /// Save every this many steps (0: only at the end).
@@ -121,6 +124,7 @@ impl TrainConfig {
             seed: 0,
             policy: MemoryPolicy::default(),
             init_from: None,
+            extra_tensors: super::checkpoint::ExtraTensors::Refuse,
             save_dir: None,
             save_every: 0,
             resume: false,

@@ -3,6 +3,7 @@
 //! sampler of training windows.
 
 use crate::error::{Error, Result};
+use crate::input_path::{check_file, check_file_or_dir};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -67,11 +68,13 @@ impl Tokenizer {
 
     /// Loads a Hugging Face `tokenizer.json` (or the one inside a directory).
     pub fn from_hf_file(path: &Path) -> Result<Self> {
+        check_file_or_dir(path, "tokenizer")?;
         let file = if path.is_dir() {
             path.join("tokenizer.json")
         } else {
             path.to_path_buf()
         };
+        check_file(&file, "tokenizer")?;
         let bytes = std::fs::read(&file)
             .map_err(|e| Error::io(format!("reading {}", file.display()), e))?;
         Self::from_hf_bytes(&bytes)
@@ -173,13 +176,34 @@ pub fn load_tokens(path: Option<&Path>, tokenizer: Option<&str>, vocab: usize) -
     let tokens = match path {
         None => Tokens::from_ids(tok.encode(CORPUS)?, "the bundled corpus"),
         Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .map_err(|e| Error::io(format!("reading text {}", p.display()), e))?;
+            let text = read_text_data(p)?;
             Tokens::from_ids(tok.encode(&text)?, &format!("{} (tokenized)", p.display()))
         }
     };
     tokens.check_vocab(vocab)?;
     Ok(tokens)
+}
+
+/// The text of `--data` file `path`: a regular file holding UTF-8 text,
+/// not empty; the errors say what the file is instead.
+fn read_text_data(path: &Path) -> Result<String> {
+    check_file(path, "--data")?;
+    let bytes = std::fs::read(path)
+        .map_err(|e| Error::io(format!("reading text {}", path.display()), e))?;
+    if bytes.is_empty() {
+        return crate::config_err!(
+            "--data {} is empty: give a file of UTF-8 text, or pre-tokenized ids (.u32, .u16, .bin)",
+            path.display()
+        );
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        Error::Config(format!(
+            "--data {} is not UTF-8 text (byte {} is not valid UTF-8): text data is read as UTF-8; \
+             pre-tokenized ids need the extension .u32 (uint32) or .u16/.bin (uint16)",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
 }
 
 /// Errors if any id is `>= vocab`, naming the ids' source, the first such id

@@ -50,9 +50,7 @@ impl Documents {
             return crate::config_err!("no input files: name text or JSONL files to tokenize");
         }
         for p in inputs {
-            if !p.is_file() {
-                return crate::config_err!("input {} is not a readable file", p.display());
-            }
+            crate::input_path::check_file(p, "input")?;
         }
         Ok(Documents {
             inputs: inputs.to_vec(),

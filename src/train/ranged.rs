@@ -3,6 +3,7 @@
 //! reading (or holding) whole files.
 
 use crate::error::{Error, Result};
+use crate::train::checkpoint::{check_finite, read_weight_map};
 use half::{bf16, f16};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
@@ -15,9 +16,16 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone)]
 struct Entry {
     dtype: String,
+    /// Dimensions whose product fits `usize` ([`parse_entry`] checks).
     shape: Vec<usize>,
     /// Byte range in the data section.
     bytes: Range<u64>,
+}
+
+impl Entry {
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
 }
 
 /// A safetensors file whose header has been read and checked.
@@ -34,6 +42,7 @@ impl RangedFile {
     /// the file: a truncated file is an error here, not at the first read).
     pub fn open(path: &Path) -> Result<Self> {
         let bad = |why: String| Error::Checkpoint(format!("{}: {why}", path.display()));
+        crate::input_path::check_file(path, "checkpoint file")?;
         let mut f =
             File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
         let len = f
@@ -101,8 +110,10 @@ impl RangedFile {
                 )));
             }
         };
-        let numel: usize = e.shape.iter().product();
-        if elems.end > numel || e.bytes.end - e.bytes.start != numel as u64 * size {
+        let numel = e.numel();
+        if elems.end > numel
+            || (numel as u64).checked_mul(size) != Some(e.bytes.end - e.bytes.start)
+        {
             return Err(bad(format!(
                 "tensor '{name}': elements {elems:?} of {numel}, or a size that does not match its shape"
             )));
@@ -114,7 +125,7 @@ impl RangedFile {
         f.seek(SeekFrom::Start(at))
             .and_then(|_| f.read_exact(&mut buf))
             .map_err(|x| Error::io(format!("reading {}", self.path.display()), x))?;
-        Ok(match e.dtype.as_str() {
+        let values: Vec<f32> = match e.dtype.as_str() {
             "F32" => buf
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -127,7 +138,9 @@ impl RangedFile {
                 .chunks_exact(2)
                 .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-        })
+        };
+        check_finite(&values, name, &self.path, elems.start)?;
+        Ok(values)
     }
 }
 
@@ -139,6 +152,9 @@ fn parse_entry(v: &Value) -> Option<Entry> {
         .iter()
         .map(|d| d.as_u64().map(|d| d as usize))
         .collect::<Option<Vec<_>>>()?;
+    // a shape whose element count overflows is malformed, as the
+    // safetensors crate itself says of it
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
     let off = v.get("data_offsets")?.as_array()?;
     let (a, b) = (off.first()?.as_u64()?, off.get(1)?.as_u64()?);
     (a <= b).then_some(Entry {
@@ -158,22 +174,11 @@ pub struct RangedModel {
 impl RangedModel {
     /// Opens every weight file of `dir` (headers only).
     pub fn open(dir: &Path) -> Result<Self> {
+        crate::input_path::check_dir(dir, "model directory")?;
         let index = dir.join("model.safetensors.index.json");
         let names: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index)
-                .map_err(|e| Error::io(format!("reading {}", index.display()), e))?;
-            let v: Value = serde_json::from_str(&text)
-                .map_err(|e| Error::Checkpoint(format!("{}: {e}", index.display())))?;
-            let map = v
-                .get("weight_map")
-                .and_then(Value::as_object)
-                .ok_or_else(|| {
-                    Error::Checkpoint(format!("{} has no \"weight_map\"", index.display()))
-                })?;
-            let mut files: Vec<String> = map
-                .values()
-                .filter_map(|f| f.as_str().map(String::from))
-                .collect();
+            // the files the index names, each inside the directory
+            let mut files: Vec<String> = read_weight_map(&index)?.into_values().collect();
             files.sort();
             files.dedup();
             files.into_iter().map(|f| dir.join(f)).collect()
@@ -191,6 +196,11 @@ impl RangedModel {
             }
         }
         Ok(RangedModel { files, by_name })
+    }
+
+    /// The names of every tensor of every file.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.by_name.keys().map(String::as_str)
     }
 
     /// Checks that `name` is there with `shape`.
@@ -250,6 +260,23 @@ mod tests {
             let e = RangedFile::open(&path).unwrap_err().to_string();
             assert!(e.contains("truncated"), "{e}");
         }
+        // a shape whose element count overflows is refused at the header
+        let header =
+            br#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,0]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        let path = dir.join("overflow.safetensors");
+        std::fs::write(&path, &bytes).unwrap();
+        let e = RangedFile::open(&path).unwrap_err().to_string();
+        assert!(e.contains("bad header entry for 'a'"), "{e}");
+        // an index naming a file outside the directory is refused
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            r#"{"weight_map": {"a": "../t.safetensors"}}"#,
+        )
+        .unwrap();
+        let e = RangedModel::open(&dir).err().unwrap().to_string();
+        assert!(e.contains("not a file name in the directory"), "{e}");
         let e = RangedFile::open(&dir.join("none.safetensors"))
             .unwrap_err()
             .to_string();

@@ -2,7 +2,9 @@
 //! F32 gradients; each unit's gradients are summed over the ranks in one
 //! bucket as soon as its backward is done, beside the next unit's backward.
 
-use super::checkpoint::{load_hf_model, load_train_state, save_train_state};
+use super::checkpoint::{
+    check_extra_tensors, load_hf_model_with, load_train_state, save_train_state,
+};
 use super::config::TrainConfig;
 use super::host_weights::{tensors_to_host, weights_from_host, weights_to_host};
 use super::optim::{AdamW, Update, tensors_through};
@@ -189,6 +191,8 @@ impl<'a, B: Backend> Replicated<'a, B> {
         if let Some(dir) = cfg.resume_dir() {
             check_not_sharded(dir)?;
             let st = load_train_state(dir)?;
+            let names = st.params.keys().map(String::as_str);
+            check_extra_tensors(dir, model, names, cfg.extra_tensors)?;
             let w = weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
             let mut opt = AdamW::new(b, cfg.adamw(), &w)?;
             // into the moments AdamW::new made: no second copy at start-up
@@ -213,7 +217,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
         }
         let w = match &cfg.init_from {
             Some(dir) => {
-                let host = load_hf_model(dir, model)?;
+                let host = load_hf_model_with(dir, model, cfg.extra_tensors)?;
                 weights_from_host(b, model, &host, b.compute_dtype(), Category::Weights)?
             }
             None => ModelWeights::random(b, model, cfg.seed)?,

@@ -200,6 +200,15 @@ pub fn tokenize_files(
             tok.vocab_size()
         );
     }
+    // a file of ids read as text is noise, and would be the output itself
+    // when named as --out too (replaced by the tokens of its own bytes)
+    if let Some(ids) = inputs.iter().find(|p| TokenFormat::of_path(p).is_some()) {
+        return crate::config_err!(
+            "input {} is pre-tokenized (by its extension): upipe tokenize reads text and JSONL \
+             files; train on it with --data {0}, or give the text it was made from",
+            ids.display()
+        );
+    }
     let mut docs = Documents::new(inputs, field)?;
     let partial = PathBuf::from(format!("{}.partial", out.display()));
     let result = write_all(&mut docs, tok, eos, format, &partial, batch_bytes, progress);

@@ -150,6 +150,7 @@ impl Tokens {
                 path.display()
             );
         };
+        crate::input_path::check_file(path, "token file")?;
         let file = std::fs::File::open(path)
             .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
         let len = file

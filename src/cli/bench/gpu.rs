@@ -8,7 +8,7 @@
 //! [`layer_flops`]) over the median wall time of the timed passes (each pass's
 //! time is its slowest rank's).
 
-use super::{AttnArgs, CUDA_TOLERANCE, Outcome, parse_methods, print_header, print_row};
+use super::{AttnArgs, CUDA_TOLERANCE, Outcome, methods_of, print_header, print_row};
 use crate::attention::trial::{
     RankInputs, RankOptions, RankRun, TrialInputs, TrialResult, assemble, gather_runs, run_rank,
     run_trial,
@@ -149,7 +149,7 @@ struct Ranks {
 
 pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
     let launched = DistEnv::from_env()?;
-    let (all, methods) = parse_methods(&a.methods)?;
+    let (all, methods) = methods_of(a)?;
     let ranks = ranks_needed(&methods, a.ulysses, a.ring);
     let nccl = || nccl::library().map(|_| ()).map_err(|e| e.to_string());
     let gpus = crate::cli::train::visible_gpus();

@@ -36,6 +36,12 @@ pub struct TrainArgs {
     /// Start from the weights of an HF model directory (config.json + safetensors).
     #[arg(long)]
     pub init_from: Option<PathBuf>,
+    /// Load the weights of --init-from (or --resume) even when they hold
+    /// tensors the model has no parameter for (an error otherwise); they
+    /// are ignored, and named in a warning.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub allow_extra_tensors: bool,
     /// Attention strategy: local, ulysses, ring, usp, upipe.
     #[arg(long, default_value = "upipe")]
     pub attn: String,
@@ -170,6 +176,7 @@ impl TrainArgs {
     run_keys! {
         model => model.model,
         init_from => model.init_from,
+        allow_extra_tensors => model.allow_extra_tensors,
         data => data.data,
         tokenizer => data.tokenizer,
         seq => data.seq,
@@ -208,6 +215,8 @@ impl TrainArgs {
     /// run-file key.
     pub fn validate(&self) -> Result<Choices> {
         let k = Self::KEYS;
+        self.check_needed_flags()?;
+        self.check_input_paths()?;
         at_least(k, "steps", self.steps, 1)?;
         at_least(k, "seq", self.seq, 1)?;
         at_least(k, "grad_accum", self.grad_accum, 1)?;
@@ -237,6 +246,14 @@ impl TrainArgs {
             }
             at_least(k, id, v, 0.0)?;
         }
+        if let Some(gib) = self.host_mem
+            && !(gib.is_finite() && gib > 0.0)
+        {
+            return crate::config_err!(
+                "--host-mem / {} is {gib}: give GiB per node, a finite number above 0",
+                config::key_name(k, "host_mem")
+            );
+        }
         if self.min_lr() > self.lr {
             return crate::config_err!(
                 "{} {} is above {} {}: the schedule decays from --lr down to --min-lr; \
@@ -254,6 +271,62 @@ impl TrainArgs {
             fsdp: for_key(k, "fsdp", self.fsdp.parse())?,
             model: for_key(k, "model", ModelConfig::resolve(&self.model))?,
         })
+    }
+}
+
+impl TrainArgs {
+    /// A flag that does nothing without another is an error naming the
+    /// other (rather than silently nothing).
+    fn check_needed_flags(&self) -> Result<()> {
+        let k = Self::KEYS;
+        let no_save_dir = self.save_dir.is_none();
+        // (whether flag is given without needed, flag, needed, what needed does for it)
+        let unneeded = [
+            (
+                no_save_dir && self.save_every > 0,
+                "save_every",
+                "save_dir",
+                "checkpoints are written there",
+            ),
+            (
+                no_save_dir && self.resume,
+                "resume",
+                "save_dir",
+                "the checkpoint to resume is read there",
+            ),
+            (
+                self.allow_extra_tensors && self.init_from.is_none() && !self.resume,
+                "allow_extra_tensors",
+                "init_from",
+                "it names the weights to load (or --resume does)",
+            ),
+        ];
+        let Some((_, flag, needed, why)) = unneeded.into_iter().find(|u| u.0) else {
+            return Ok(());
+        };
+        let flag_name = |id: &str| format!("--{}", id.replace('_', "-"));
+        crate::config_err!(
+            "{} / {} does nothing without {} / {} ({why}): add {}, or leave {} out",
+            flag_name(flag),
+            config::key_name(k, flag),
+            flag_name(needed),
+            config::key_name(k, needed),
+            flag_name(needed),
+            flag_name(flag)
+        )
+    }
+
+    /// The paths the run reads are what they must be (a FIFO or a device
+    /// is refused before anything opens it, and before the run is planned).
+    fn check_input_paths(&self) -> Result<()> {
+        use crate::input_path::{check_dir, check_file};
+        if let Some(data) = &self.data {
+            check_file(data, "--data")?;
+        }
+        if let Some(dir) = &self.init_from {
+            check_dir(dir, "--init-from")?;
+        }
+        Ok(())
     }
 }
 

@@ -8,14 +8,6 @@ use crate::train::trainer::TrainSummary;
 
 /// Prints the end of a run of `steps` steps predicted as `predicted`.
 pub fn print(summary: &TrainSummary, predicted: &Prediction, steps: u32, flops_per_token: f64) {
-    if summary.reports.is_empty() {
-        // a resumed run whose checkpoint is of its last step
-        println!(
-            "nothing left to train: the checkpoint resumed is of step {steps}, the last of --steps {steps}; \
-             give a larger --steps to train on"
-        );
-        return;
-    }
     let first = summary.reports.first().map_or(f64::NAN, |r| r.loss);
     let last = summary.reports.last().map_or(f64::NAN, |r| r.loss);
     println!("loss {first:.4} -> {last:.4}");

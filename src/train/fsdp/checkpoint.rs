@@ -110,6 +110,7 @@ pub fn begin_write(dir: &Path) -> Result<()> {
 /// Reads `state.json`.
 pub fn read_state(dir: &Path) -> Result<Value> {
     let path = dir.join(STATE_FILE);
+    crate::input_path::check_file(&path, "checkpoint state")?;
     let text = std::fs::read_to_string(&path).map_err(|e| {
         Error::io(
             format!(

@@ -8,7 +8,7 @@ use crate::backend::{Backend, Category, DType, Tensor};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, RandomInit, Unit};
-use crate::train::checkpoint::HostTensor;
+use crate::train::checkpoint::{HostTensor, check_extra_tensors};
 use crate::train::config::TrainConfig;
 use crate::train::optim::Update;
 use crate::train::ranged::RangedModel;
@@ -43,6 +43,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 for (name, shape) in model.hf_param_shapes() {
                     hf.check(&name, &shape)?;
                 }
+                check_extra_tensors(dir, model, hf.names(), cfg.extra_tensors)?;
                 FsdpStore::new(b, model, group, replica, |name, elems| hf.read(name, elems))?
             }
             None => {
