@@ -510,3 +510,14 @@ fn mesh_degrees_beyond_counting_are_errors() {
     }
     let _ = std::fs::remove_file(tokens);
 }
+
+#[test]
+fn train_refuses_lengths_beyond_the_planner() {
+    // 2^40 tokens hung in the preflight's prediction before
+    let seq = (1usize << 40).to_string();
+    let err = upipe_error(&["train", "--device", "cpu", "--steps", "1", "--seq", &seq]);
+    assert!(
+        err.contains("--seq") && err.contains("at most 4294967296"),
+        "{err}"
+    );
+}

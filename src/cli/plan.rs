@@ -601,15 +601,10 @@ fn at_most_planned(what: &str, value: usize) -> Result<()> {
     )
 }
 
-/// The longest sequence `plan` walks. A prediction's time grows with the
-/// length (the MLP tiles and loss chunks it walks): the tiny model's search
-/// up to 2^32 tokens took 0.4 s, 2^34 3 s, one prediction at 2^40 over a
-/// minute (2-core machine). 2^32 is 16 times the default --max-seq and far
-/// beyond any context trained.
-const MAX_PLANNED_SEQ: usize = 1 << 32;
+use crate::plan::MAX_PLANNED_SEQ;
 
 /// Refuses a length (`flag`) beyond [`MAX_PLANNED_SEQ`], naming the fix.
-fn at_most_tokens(flag: &str, seq: usize) -> Result<()> {
+pub(crate) fn at_most_tokens(flag: &str, seq: usize) -> Result<()> {
     if seq <= MAX_PLANNED_SEQ {
         return Ok(());
     }

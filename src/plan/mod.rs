@@ -202,6 +202,13 @@ pub fn model_state_bytes(cfg: &ModelConfig, gpu: bool) -> usize {
     cfg.param_count() * per_param
 }
 
+/// The longest sequence the planner walks (`plan`, and `train`'s preflight). A prediction's time grows with the
+/// length (the MLP tiles and loss chunks it walks): the tiny model's search
+/// up to 2^32 tokens took 0.4 s, 2^34 3 s, one prediction at 2^40 over a
+/// minute (2-core machine). 2^32 is 16 times the default --max-seq and far
+/// beyond any context trained.
+pub const MAX_PLANNED_SEQ: usize = 1 << 32;
+
 /// Bytes of one training checkpoint of `cfg` on disk: F32 weights and both
 /// AdamW moments (and the F32 masters, which a sharded run in a lower
 /// precision keeps beside them: `masters`), and a MiB for the JSON and TOML

@@ -219,6 +219,7 @@ impl TrainArgs {
         self.check_input_paths()?;
         at_least(k, "steps", self.steps, 1)?;
         at_least(k, "seq", self.seq, 1)?;
+        crate::cli::plan::at_most_tokens("--seq", self.seq)?;
         at_least(k, "grad_accum", self.grad_accum, 1)?;
         self.memory.validate()?;
         at_least(k, "fsdp_replicate", self.fsdp_replicate, 1)?;
