@@ -237,6 +237,7 @@ pub fn load_hf_model_with(
     cfg: &ModelConfig,
     extras: ExtraTensors,
 ) -> Result<BTreeMap<String, HostTensor>> {
+    super::save_dir::finish_for_reading(dir)?;
     let expected = cfg.hf_param_shapes();
     let wanted: HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
     let mut loaded = BTreeMap::new();

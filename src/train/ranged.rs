@@ -175,6 +175,7 @@ impl RangedModel {
     /// Opens every weight file of `dir` (headers only).
     pub fn open(dir: &Path) -> Result<Self> {
         crate::input_path::check_dir(dir, "model directory")?;
+        crate::train::save_dir::finish_for_reading(dir)?;
         let index = dir.join("model.safetensors.index.json");
         let names: Vec<PathBuf> = if index.exists() {
             // the files the index names, each inside the directory

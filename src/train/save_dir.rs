@@ -353,6 +353,27 @@ fn hostname() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// Before `dir` is read as a model directory (`--init-from`, `eval
+/// --model-dir`): when a killed run left a save there half moved in,
+/// finishes it (under the directory's lock, so never beside a live run),
+/// so the files read are all of one step. A directory that is no save
+/// directory is left as it is.
+pub fn finish_for_reading(dir: &Path) -> Result<()> {
+    if !work(dir).join(JOURNAL).is_file() {
+        return Ok(());
+    }
+    let held = lock(dir).map_err(|e| match e {
+        Error::Config(why) => Error::Config(format!(
+            "{why} (it is in the middle of a save; read {} once that save is done)",
+            dir.display()
+        )),
+        other => other,
+    })?;
+    recover(dir)?;
+    drop(held);
+    Ok(())
+}
+
 /// Finishes a save a killed run left journaled, and removes a dead run's
 /// staging (never published: its files may be of any step, or partial).
 fn recover(dir: &Path) -> Result<()> {

@@ -230,3 +230,24 @@ fn check_refuses_what_cannot_hold_a_checkpoint() {
     assert!(is_checkpoint_file("model-00001-of-00003.safetensors"));
     assert!(!is_checkpoint_file("tokenizer.json") && !is_checkpoint_file("notes.txt"));
 }
+
+#[test]
+fn a_reader_finishes_a_killed_save_but_never_one_in_progress() {
+    let t = Tmp::new("reader");
+    let dir = t.0.join("run");
+    drop(SaveDir::acquire(&dir, false).unwrap());
+    save(&dir, 1, true);
+    stage(&dir, 2, false);
+    // killed after the journal and the first change of the roll forward
+    assert!(publish_steps(&dir, &mut CrashAfter(2)).is_err());
+    assert!(!dir.join(STATE_FILE).exists(), "half moved in");
+    let live = lock(&dir).unwrap();
+    let e = finish_for_reading(&dir).unwrap_err().to_string();
+    assert!(e.contains("in the middle of a save"), "{e}");
+    drop(live);
+    finish_for_reading(&dir).unwrap();
+    assert_eq!(step_of(&dir), "2");
+    assert!(!dir.join("model.safetensors.index.json").exists());
+    // a plain model directory is read as it is
+    finish_for_reading(&t.0).unwrap();
+}
