@@ -9,7 +9,7 @@ use upipe::attention::Strategy;
 use upipe::backend::Category;
 use upipe::backend::MemoryStats;
 use upipe::model::{MemoryPolicy, ModelConfig};
-use upipe::plan::{DeviceKind, predict_step_rank};
+use upipe::plan::{DeviceKind, StepSpec, predict_step_rank};
 use upipe::rng::Rng;
 use upipe::train::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_cpu};
@@ -105,7 +105,7 @@ fn a_rehearsed_step_allocates_what_a_real_step_and_the_planner_do() {
             };
             let real = train_cpu(&two, tokens.clone(), &|_| {}).unwrap();
             let rehearsed = rehearse(&cfg, tokens.clone());
-            let spec = cfg.step_spec(&cfg.plan().unwrap(), DeviceKind::Cpu);
+            let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cpu);
             let pred = predict_step_rank(&spec, 0).unwrap();
             assert_eq!(
                 peaks(&rehearsed.memory),
@@ -160,7 +160,7 @@ fn a_model_far_larger_than_memory_rehearses_without_using_it() {
     };
     let tokens: Arc<[u32]> = vec![0; 2049].into();
     let got = train_cpu(&cfg, tokens, &|_| {}).unwrap();
-    let spec = cfg.step_spec(&cfg.plan().unwrap(), DeviceKind::Cpu);
+    let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cpu);
     let pred = predict_step_rank(&spec, 0).unwrap();
     assert_eq!(got.memory.peak, pred.peak);
     assert!(

@@ -397,17 +397,7 @@ impl Built {
         } else {
             crate::plan::DeviceKind::Cpu
         };
-        crate::plan::StepSpec {
-            model: self.cfg.model.clone(),
-            plan: plan.clone(),
-            data: self.cfg.data_parallel,
-            policy: self.cfg.policy,
-            fsdp: self.cfg.fsdp,
-            fsdp_replicas: self.cfg.fsdp_replicas,
-            grad_accum: self.cfg.grad_accum,
-            device,
-            optimizer: true,
-        }
+        crate::plan::StepSpec::of_run(&self.cfg, plan, device)
     }
 
     /// What `upipe plan` predicts for a step of `plan` here (rank 0's ledger peak).

@@ -8,6 +8,7 @@ pub mod forward;
 pub mod progress;
 pub mod shapes;
 pub mod store;
+pub mod unit;
 pub mod weights;
 
 pub use config::ModelConfig;

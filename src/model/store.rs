@@ -6,54 +6,10 @@
 //! replicated store) or only a shard of every unit, gathering each unit on
 //! demand (FSDP): the decoder's arithmetic is the same either way.
 
+pub use super::unit::Unit;
 use super::weights::BlockWeights;
 use crate::backend::{Backend, Tensor};
 use crate::error::Result;
-
-/// A unit of parameters: what FSDP gathers at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Unit {
-    /// `model.embed_tokens` (also the LM head when the embeddings are tied).
-    Embed,
-    /// Decoder block `l`.
-    Block(usize),
-    /// `model.norm` and `lm_head` (the final norm only when tied).
-    Head,
-}
-
-impl Unit {
-    /// Every unit of a `layers`-block model, in model order.
-    pub fn all(layers: usize) -> Vec<Unit> {
-        let mut v = vec![Unit::Embed];
-        v.extend((0..layers).map(Unit::Block));
-        v.push(Unit::Head);
-        v
-    }
-
-    /// Position in [`Unit::all`].
-    pub fn index(self, layers: usize) -> usize {
-        match self {
-            Unit::Embed => 0,
-            Unit::Block(l) => 1 + l,
-            Unit::Head => layers + 1,
-        }
-    }
-
-    /// The units one step gathers, in the order it uses them: forward
-    /// (embedding, blocks, head — and the embedding again as a tied head),
-    /// then backward (blocks in reverse; the embedding's backward needs no
-    /// parameters).
-    pub fn step_order(layers: usize, tied: bool) -> Vec<Unit> {
-        let mut v = vec![Unit::Embed];
-        v.extend((0..layers).map(Unit::Block));
-        v.push(Unit::Head);
-        if tied {
-            v.push(Unit::Embed);
-        }
-        v.extend((0..layers).rev().map(Unit::Block));
-        v
-    }
-}
 
 /// The head's parameters and gradients at the loss: `model.norm` and the LM
 /// head matrix (the embedding when tied), with their F32 gradients.
@@ -139,24 +95,3 @@ macro_rules! delegate_param_store {
     };
 }
 pub(crate) use delegate_param_store;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn step_order_visits_every_block_twice_and_a_tied_embedding_twice() {
-        let untied = Unit::step_order(3, false);
-        assert_eq!(untied.len(), 2 + 2 * 3);
-        assert_eq!(untied[..5].to_vec(), Unit::all(3));
-        assert_eq!(
-            untied[5..].to_vec(),
-            vec![Unit::Block(2), Unit::Block(1), Unit::Block(0)]
-        );
-        let tied = Unit::step_order(3, true);
-        assert_eq!(tied[5], Unit::Embed);
-        for (i, u) in Unit::all(4).into_iter().enumerate() {
-            assert_eq!(u.index(4), i);
-        }
-    }
-}

@@ -2,7 +2,7 @@
 //! F32 gradients (same shapes).
 
 use super::config::ModelConfig;
-use super::store::Unit;
+use super::unit::Unit;
 use crate::attention::AttentionWeights;
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;

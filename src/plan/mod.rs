@@ -33,6 +33,7 @@ use crate::backend::Category;
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
+use crate::train::config::TrainConfig;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
 use offload_optim::{PendingStep, SettlingWalk, split_state, unit_slots, update_slots};
@@ -141,6 +142,23 @@ pub struct StepSpec {
     pub device: DeviceKind,
     /// Include AdamW state (a training step) or not (`loss_and_grads_cpu`).
     pub optimizer: bool,
+}
+
+impl StepSpec {
+    /// The step of the training run `cfg` under `plan` on `device`.
+    pub fn of_run(cfg: &TrainConfig, plan: &CpPlan, device: DeviceKind) -> Self {
+        StepSpec {
+            model: cfg.model.clone(),
+            plan: plan.clone(),
+            data: cfg.data_parallel,
+            policy: cfg.policy,
+            fsdp: cfg.fsdp,
+            fsdp_replicas: cfg.fsdp_replicas,
+            grad_accum: cfg.grad_accum,
+            device,
+            optimizer: true,
+        }
+    }
 }
 
 /// A predicted peak.

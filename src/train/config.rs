@@ -212,26 +212,6 @@ impl TrainConfig {
         Ok(plan)
     }
 
-    /// The planner's view of one training step of this run under `plan`
-    /// on `device` (`crate::plan::predict_step`).
-    pub fn step_spec(
-        &self,
-        plan: &CpPlan,
-        device: crate::plan::DeviceKind,
-    ) -> crate::plan::StepSpec {
-        crate::plan::StepSpec {
-            model: self.model.clone(),
-            plan: plan.clone(),
-            data: self.data_parallel,
-            policy: self.policy,
-            fsdp: self.fsdp,
-            fsdp_replicas: self.fsdp_replicas,
-            grad_accum: self.grad_accum,
-            device,
-            optimizer: true,
-        }
-    }
-
     /// The whole mesh of `plan` (data replicas x its context group).
     pub fn mesh_shape(&self, plan: &CpPlan) -> MeshShape {
         MeshShape {
