@@ -561,6 +561,11 @@ mod tests {
         );
         let m = e(&["--allow-extra-tensors"]);
         assert!(m.contains("without --init-from"), "{m}");
+        let m = e(&["--overwrite"]);
+        assert!(
+            m.contains("--overwrite") && m.contains("add --save-dir"),
+            "{m}"
+        );
         let (mut a, m) = args::<TrainArgs>(&[]);
         a.take_file(&parse_ok("[checkpoint]\nsave-every = 3\n"), &Given(&m));
         let m = a.validate().unwrap_err().to_string();

@@ -171,15 +171,12 @@ fn foreign_error(dir: &Path, names: &[String]) -> Error {
 /// room for one more checkpoint of `checkpoint_bytes` beside the last.
 /// Creates `dir` and its work area; changes nothing else.
 pub fn check(dir: &Path, overwrite: bool, checkpoint_bytes: u64) -> Result<()> {
-    make_work_area(dir)?;
+    make_work_area(dir, overwrite)?;
     let probe = work(dir).join(format!("probe-{}", std::process::id()));
     if let Err(e) = std::fs::write(&probe, b"") {
         return unusable(dir, format!("cannot write into it ({e})"));
     }
     let _ = std::fs::remove_file(&probe);
-    if let (Owner::Foreign(names), false) = (ownership(dir)?, overwrite) {
-        return Err(foreign_error(dir, &names));
-    }
     match free_bytes(dir) {
         Some(free) if free < checkpoint_bytes => unusable(
             dir,
@@ -202,8 +199,10 @@ fn unusable(dir: &Path, why: String) -> Result<()> {
     )
 }
 
-/// Creates `dir` and its work area, or says why it cannot be.
-fn make_work_area(dir: &Path) -> Result<()> {
+/// Creates `dir` and its work area, or says why it cannot be; a directory
+/// of files upipe did not write is refused, unless `overwrite`, before
+/// anything is created in it.
+fn make_work_area(dir: &Path, overwrite: bool) -> Result<()> {
     if dir.exists() && !dir.is_dir() {
         return unusable(dir, "is not a directory".into());
     }
@@ -215,6 +214,9 @@ fn make_work_area(dir: &Path) -> Result<()> {
                 work(dir).display()
             ),
         );
+    }
+    if let (Owner::Foreign(names), false) = (ownership(dir)?, overwrite) {
+        return Err(foreign_error(dir, &names));
     }
     match std::fs::create_dir_all(work(dir)) {
         Ok(()) => Ok(()),
@@ -252,7 +254,7 @@ impl SaveDir {
     /// `overwrite`, which adopts the checkpoint-named ones among them
     /// ([`is_checkpoint_file`]) as the previous checkpoint.
     pub fn acquire(dir: &Path, overwrite: bool) -> Result<SaveDir> {
-        make_work_area(dir)?;
+        make_work_area(dir, overwrite)?;
         let lock = lock(dir)?;
         recover(dir)?;
         let names = match ownership(dir)? {

@@ -296,6 +296,12 @@ impl TrainArgs {
                 "the checkpoint to resume is read there",
             ),
             (
+                no_save_dir && self.overwrite,
+                "overwrite",
+                "save_dir",
+                "it lets checkpoints go there beside files upipe did not write",
+            ),
+            (
                 self.allow_extra_tensors && self.init_from.is_none() && !self.resume,
                 "allow_extra_tensors",
                 "init_from",

@@ -90,6 +90,10 @@ fn a_directory_of_foreign_files_is_refused_unless_overwrite() {
     assert!(e.contains("main.rs") && e.contains("--overwrite"), "{e}");
     let e = check(&dir, false, 0).unwrap_err().to_string();
     assert!(e.contains("did not write"), "{e}");
+    assert!(
+        !work(&dir).exists(),
+        "nothing is created in a refused directory"
+    );
     check(&dir, true, 0).unwrap();
     // --overwrite adopts the checkpoint-named files and keeps the rest
     let held = SaveDir::acquire(&dir, true).unwrap();
