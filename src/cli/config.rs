@@ -13,7 +13,7 @@
 //! sections.
 
 use crate::attention::Settle;
-use crate::cli::schedule::{ChunkHeads, FwdChunk};
+use crate::cli::stage_width::{ChunkHeads, FwdChunk};
 use crate::error::{Error, Result};
 use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
 use clap::ArgMatches;
