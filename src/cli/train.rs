@@ -491,14 +491,8 @@ fn finished_checkpoint(cfg: &TrainConfig) -> Result<Option<String>> {
     let Some(step) = state.get("step").and_then(serde_json::Value::as_u64) else {
         return Ok(None); // the loader names what is missing
     };
+    cfg.check_resume_step(dir, step)?;
     let steps = u64::from(cfg.steps);
-    if step > steps {
-        return crate::config_err!(
-            "--resume: the checkpoint in {} is at step {step}, past --steps {steps}; give \
-             --steps above {step} to continue it, or another --save-dir to start afresh",
-            dir.display()
-        );
-    }
     Ok((step == steps).then(|| {
         format!(
             "the checkpoint in {} is at step {step} of --steps {steps}: nothing is left to \

@@ -395,7 +395,7 @@ pub(crate) fn read_weight_map(index: &Path) -> Result<HashMap<String, String>> {
 }
 
 /// Whether `f` names a file directly inside the directory (no separators, no `..`).
-fn is_plain_file_name(f: &str) -> bool {
+pub(crate) fn is_plain_file_name(f: &str) -> bool {
     !f.is_empty() && f != "." && f != ".." && !f.contains(['/', '\\'])
 }
 
@@ -617,7 +617,7 @@ fn create_dir(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))
 }
 
-fn remove_if_exists(path: &Path) -> Result<()> {
+pub(crate) fn remove_if_exists(path: &Path) -> Result<()> {
     match std::fs::remove_file(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
             Err(Error::io(format!("removing {}", path.display()), e))

@@ -152,6 +152,20 @@ impl TrainConfig {
             .filter(|d| self.resume && d.join("state.json").exists())
     }
 
+    /// Checks that a checkpoint of `step` in `dir` can be resumed by this
+    /// run: one past `--steps` cannot (its schedule ran past this one's end).
+    pub fn check_resume_step(&self, dir: &std::path::Path, step: u64) -> Result<()> {
+        let steps = u64::from(self.steps);
+        if step <= steps {
+            return Ok(());
+        }
+        crate::config_err!(
+            "--resume: the checkpoint in {} is at step {step}, past --steps {steps}; give \
+             --steps above {step} to continue it, or another --save-dir to start afresh",
+            dir.display()
+        )
+    }
+
     /// Takes the save directory for this run (once per run, before any
     /// rank reads or writes it): locked for the run's life, a killed run's
     /// save finished, its staging removed, and its files checked to be

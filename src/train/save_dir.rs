@@ -21,6 +21,7 @@
 //! the old checkpoint (no journal yet) or a journal that the next
 //! [`SaveDir::acquire`] rolls forward to the new one.
 
+use super::checkpoint::{is_plain_file_name, remove_if_exists};
 use crate::backend::Bytes;
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -123,9 +124,9 @@ fn read_listing(path: &Path) -> Result<Option<Listing>> {
     }
 }
 
-/// Whether `f` names a file directly inside a directory.
+/// Whether `f` names a file directly inside a directory, other than upipe's work area.
 fn plain(f: &str) -> bool {
-    !f.is_empty() && f != "." && f != ".." && f != WORK && !f.contains(['/', '\\'])
+    is_plain_file_name(f) && f != WORK
 }
 
 fn ownership(dir: &Path) -> Result<Owner> {
@@ -439,14 +440,14 @@ fn roll_forward(dir: &Path, journal: &Listing, steps: &mut dyn Steps) -> Result<
     // the old checkpoint stops being complete before any of its files change
     if staged.join(STATE_FILE).exists() {
         steps.next()?;
-        remove_file_if_exists(&dir.join(STATE_FILE))?;
+        remove_if_exists(&dir.join(STATE_FILE))?;
     }
     let last = journal.files.iter().filter(|f| *f != STATE_FILE);
     for f in last.chain(std::iter::once(&STATE_FILE.to_string())) {
         if f == STATE_FILE {
             for stale in &journal.remove {
                 steps.next()?;
-                remove_file_if_exists(&dir.join(stale))?;
+                remove_if_exists(&dir.join(stale))?;
             }
         }
         let from = staged.join(f);
@@ -469,7 +470,7 @@ fn roll_forward(dir: &Path, journal: &Listing, steps: &mut dyn Steps) -> Result<
         },
     )?;
     steps.next()?;
-    remove_file_if_exists(&work(dir).join(JOURNAL))?;
+    remove_if_exists(&work(dir).join(JOURNAL))?;
     remove_dir_if_exists(&staged)?;
     sync_dir(&work(dir))
 }
@@ -500,15 +501,6 @@ fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(io(format!("flushing {}", dir.display())))
-}
-
-fn remove_file_if_exists(path: &Path) -> Result<()> {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(Error::io(format!("removing {}", path.display()), e))
-        }
-        _ => Ok(()),
-    }
 }
 
 fn remove_dir_if_exists(path: &Path) -> Result<()> {

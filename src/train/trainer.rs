@@ -350,16 +350,7 @@ fn resume(
     rank: usize,
 ) -> Result<u32> {
     let dir = cfg.resume_dir().expect("resumed from a directory");
-    if r.step > u64::from(cfg.steps) {
-        return crate::config_err!(
-            "the checkpoint in {} is of step {}, past --steps {}: give --steps above {} to train on \
-             from it (the schedule then stretches to the new --steps), or another --save-dir",
-            dir.display(),
-            r.step,
-            cfg.steps,
-            r.step
-        );
-    }
+    cfg.check_resume_step(dir, r.step)?;
     let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
         .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
     sampler.restore(sampler_state)?;
