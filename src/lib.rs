@@ -6,11 +6,14 @@
 
 pub mod attention;
 pub mod backend;
+pub mod checkpoint;
 pub mod cli;
 pub mod comm;
+pub mod data;
 pub mod error;
 pub mod input_path;
 pub mod model;
+pub mod optim;
 pub mod plan;
 pub mod rng;
 pub mod train;

@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use upipe::backend::DType;
+use upipe::checkpoint::{HostTensor, save_hf_model};
+use upipe::data::{SequenceSampler, TokenFormat, Tokens, write_u32_tokens};
 use upipe::model::ModelConfig;
 use upipe::rng::Rng;
-use upipe::train::checkpoint::{HostTensor, save_hf_model};
-use upipe::train::data::{SequenceSampler, TokenFormat, Tokens, write_u32_tokens};
 
 const VOCAB: usize = 1000;
 

@@ -8,11 +8,11 @@ use std::ops::Range;
 use std::process::Command;
 use upipe::attention::{CpPlan, Strategy};
 use upipe::backend::{Backend, Category, DType, IGNORE};
+use upipe::checkpoint::{HostTensor, save_hf_model};
+use upipe::data::{Tokens, write_u32_tokens};
 use upipe::model::decoder::attn_dims;
 use upipe::model::{MemoryPolicy, ModelConfig};
 use upipe::rng::Rng;
-use upipe::train::checkpoint::{HostTensor, save_hf_model};
-use upipe::train::data::{Tokens, write_u32_tokens};
 use upipe::train::eval::{EvalConfig, eval_cpu};
 use upipe::train::trainer::{loss_and_grads_cpu, weights_from_host};
 

@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use upipe::attention::Strategy;
 use upipe::backend::Category;
+use upipe::checkpoint::{HostTensor, load_safetensors};
 use upipe::model::ModelConfig;
+use upipe::optim::AdamWConfig;
 use upipe::rng::Rng;
-use upipe::train::checkpoint::{HostTensor, load_safetensors};
 use upipe::train::fsdp::model_layouts;
-use upipe::train::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_cpu};
 
 /// A tiny Llama (`qwen`: QK-norm and tied embeddings, as Qwen3's small models).
@@ -158,7 +158,7 @@ fn sharded_weights_spread_over_files_and_load_by_ranges() {
         .collect();
     assert!(files.len() > 1, "several weight files: {files:?}");
     assert!(many.join("model.safetensors.index.json").exists());
-    let loaded = upipe::train::checkpoint::load_hf_model(&many, &m).unwrap();
+    let loaded = upipe::checkpoint::load_hf_model(&many, &m).unwrap();
     for (name, t) in weights(&one) {
         let err = upipe::attention::trial::rel_err(&loaded[&name].data, &t.data);
         assert!(err <= 1e-6, "{name}: {err}");

@@ -10,11 +10,11 @@ use std::time::Duration;
 use upipe::attention::Strategy;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
+use upipe::checkpoint::HostTensor;
 use upipe::comm::env::DistEnv;
+use upipe::data::Tokens;
 use upipe::model::ModelConfig;
 use upipe::rng::Rng;
-use upipe::train::checkpoint::HostTensor;
-use upipe::train::data::Tokens;
 use upipe::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_process_rank, eval_threads};
 mod common;
 

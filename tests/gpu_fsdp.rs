@@ -10,7 +10,7 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::model::ModelConfig;
-use upipe::train::optim::AdamWConfig;
+use upipe::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, train_threads};
 
 fn cuda() -> CudaBackend {
@@ -33,8 +33,8 @@ fn fsdp_on_thread_ranks_of_one_gpu_tracks_the_cpu() {
         eprintln!("SKIP gpu_fsdp: no usable CUDA GPU ({e})");
         return;
     }
-    let tokens: Arc<[u32]> = upipe::train::data::ByteTokenizer
-        .encode(upipe::train::data::CORPUS)
+    let tokens: Arc<[u32]> = upipe::data::ByteTokenizer
+        .encode(upipe::data::CORPUS)
         .into();
     let steps = 6;
     // (name, model, data, strategy, Pu, Pr)

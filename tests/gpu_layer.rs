@@ -10,7 +10,7 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::model::ModelConfig;
-use upipe::train::optim::AdamWConfig;
+use upipe::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, train_threads};
 
 fn gpu_available() -> bool {
@@ -96,8 +96,8 @@ fn tiny_model_training_on_gpu_tracks_cpu() {
             AdamWConfig::schedule(3e-3, 3e-3, 0, 5),
         )
     };
-    let tokens: Arc<[u32]> = upipe::train::data::ByteTokenizer
-        .encode(upipe::train::data::CORPUS)
+    let tokens: Arc<[u32]> = upipe::data::ByteTokenizer
+        .encode(upipe::data::CORPUS)
         .into();
     let cpu = train_threads(&cfg, tokens.clone(), CpuBackend::new, &|_| {}).unwrap();
     let gpu = train_threads(&cfg, tokens, cuda, &|_| {}).unwrap();

@@ -9,7 +9,7 @@ use upipe::attention::Strategy;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::model::{MemoryPolicy, ModelConfig};
-use upipe::train::optim::AdamWConfig;
+use upipe::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_threads};
 
 fn cuda() -> CudaBackend {
@@ -20,8 +20,8 @@ fn cuda() -> CudaBackend {
 
 /// `--offload offload --offload-optimizer host_units` on tiny (4 units).
 fn run(fsdp: bool, offload: usize, host_units: usize) -> TrainSummary {
-    let tokens: Arc<[u32]> = upipe::train::data::ByteTokenizer
-        .encode(upipe::train::data::CORPUS)
+    let tokens: Arc<[u32]> = upipe::data::ByteTokenizer
+        .encode(upipe::data::CORPUS)
         .into();
     let model = ModelConfig::resolve("tiny").unwrap();
     let cfg = TrainConfig {

@@ -9,8 +9,8 @@ use upipe::attention::{AttnDims, CpPlan, Strategy};
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::optim::AdamWConfig;
 use upipe::plan::{DeviceKind, StepSpec, predict_attention_trial, predict_step_rank};
-use upipe::train::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, train_threads};
 
 fn gpu_available() -> bool {
@@ -103,8 +103,8 @@ fn training_step_prediction_matches_the_cuda_ledger() {
     if !gpu_available() {
         return;
     }
-    let tokens: Arc<[u32]> = upipe::train::data::ByteTokenizer
-        .encode(upipe::train::data::CORPUS)
+    let tokens: Arc<[u32]> = upipe::data::ByteTokenizer
+        .encode(upipe::data::CORPUS)
         .into();
     let model = ModelConfig::resolve("tiny").unwrap();
     // (checkpoint, blocks offloaded, units whose optimizer state is on the

@@ -17,7 +17,7 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::comm::env::DistEnv;
 use upipe::model::ModelConfig;
-use upipe::train::optim::AdamWConfig;
+use upipe::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, train_process_rank, train_threads};
 
 /// Set in the children: they run the ranks.
@@ -102,8 +102,8 @@ fn qwen_style() -> ModelConfig {
 }
 
 fn tokens() -> Arc<[u32]> {
-    upipe::train::data::ByteTokenizer
-        .encode(upipe::train::data::CORPUS)
+    upipe::data::ByteTokenizer
+        .encode(upipe::data::CORPUS)
         .into()
 }
 

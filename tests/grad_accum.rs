@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use upipe::attention::Strategy;
 use upipe::backend::cpu::CpuBackend;
+use upipe::data::SequenceSampler;
 use upipe::model::{MemoryPolicy, ModelConfig, ModelWeights};
+use upipe::optim::AdamWConfig;
 use upipe::plan::{DeviceKind, StepSpec, predict_step_rank};
 use upipe::rng::Rng;
-use upipe::train::data::SequenceSampler;
-use upipe::train::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu, train_cpu};
 
 fn model() -> ModelConfig {

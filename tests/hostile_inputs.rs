@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use upipe::backend::DType;
-use upipe::train::checkpoint::{HostTensor, load_safetensors, save_safetensors};
+use upipe::checkpoint::{HostTensor, load_safetensors, save_safetensors};
 
 /// Runs `upipe args`: whether it succeeded, its stdout and stderr. A run
 /// longer than a minute is a hang: killed, and the test fails.
@@ -152,7 +152,7 @@ fn extra_tensors_are_refused_unless_allowed_and_then_named() {
         t.push((inv_freq.into(), HostTensor::zeros(vec![8])));
     });
     let tokens = dir.join("t.u32");
-    upipe::train::data::write_u32_tokens(&tokens, &[7; 200]).unwrap();
+    upipe::data::write_u32_tokens(&tokens, &[7; 200]).unwrap();
     for fsdp in ["off", "on"] {
         let args = train_with(&["--init-from", s(&ckpt), "--fsdp", fsdp]);
         let e = failure(&strs(&args));
@@ -287,7 +287,7 @@ fn bad_text_data_names_what_is_wrong() {
 fn tokenize_refuses_pre_tokenized_inputs_and_keeps_them() {
     let dir = scratch("tokenize");
     let ids = dir.join("ids.u32");
-    upipe::train::data::write_u32_tokens(&ids, &[65, 66, 67, 10]).unwrap();
+    upipe::data::write_u32_tokens(&ids, &[65, 66, 67, 10]).unwrap();
     let before = std::fs::read(&ids).unwrap();
     let args = [
         "tokenize",

@@ -158,9 +158,9 @@ fn offload_moves_block_inputs_to_host() {
             cfg.clone(),
             64,
             1,
-            upipe::train::optim::AdamWConfig {
+            upipe::optim::AdamWConfig {
                 weight_decay: 0.0,
-                ..upipe::train::optim::AdamWConfig::schedule(1e-3, 1e-4, 0, 1)
+                ..upipe::optim::AdamWConfig::schedule(1e-3, 1e-4, 0, 1)
             },
         )
     };
@@ -182,7 +182,7 @@ fn offload_moves_block_inputs_to_host() {
 #[test]
 fn data_parallel_replicas_average_their_sequences() {
     use std::sync::Arc;
-    use upipe::train::data::SequenceSampler;
+    use upipe::data::SequenceSampler;
     use upipe::train::trainer::{TrainConfig, train_cpu};
     let cfg = tiny(false);
     let seq = 32;
@@ -196,9 +196,9 @@ fn data_parallel_replicas_average_their_sequences() {
             cfg.clone(),
             seq,
             3,
-            upipe::train::optim::AdamWConfig {
+            upipe::optim::AdamWConfig {
                 weight_decay: 0.0,
-                ..upipe::train::optim::AdamWConfig::schedule(1e-3, 1e-3, 0, 3)
+                ..upipe::optim::AdamWConfig::schedule(1e-3, 1e-3, 0, 3)
             },
         )
     };

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use upipe::attention::Strategy;
 use upipe::error::Error;
 use upipe::model::{MemoryPolicy, ModelConfig};
-use upipe::train::optim::AdamWConfig;
+use upipe::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, train_cpu};
 
 fn model() -> ModelConfig {

@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use upipe::attention::Strategy;
 use upipe::backend::Category;
+use upipe::checkpoint::{HostTensor, load_safetensors};
 use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::optim::AdamWConfig;
 use upipe::rng::Rng;
-use upipe::train::checkpoint::{HostTensor, load_safetensors};
-use upipe::train::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_cpu};
 
 fn model(qwen: bool) -> ModelConfig {

@@ -11,12 +11,12 @@ use upipe::backend::Category;
 use upipe::backend::cpu::CpuBackend;
 use upipe::model::decoder::attn_dims;
 use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::optim::AdamWConfig;
 use upipe::plan::{
     Budget, DeviceKind, Limit, StepSpec, longest_context, predict_attention_trial, predict_step,
     predict_step_rank, resolve_plan, widest_free_forward,
 };
 use upipe::rng::Rng;
-use upipe::train::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, train_cpu};
 
 /// Relative difference of a prediction from a measurement.

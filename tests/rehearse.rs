@@ -9,9 +9,9 @@ use upipe::attention::Strategy;
 use upipe::backend::Category;
 use upipe::backend::MemoryStats;
 use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::optim::AdamWConfig;
 use upipe::plan::{DeviceKind, StepSpec, predict_step_rank};
 use upipe::rng::Rng;
-use upipe::train::optim::AdamWConfig;
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_cpu};
 
 fn tiny() -> ModelConfig {

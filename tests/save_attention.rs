@@ -14,12 +14,12 @@ use upipe::model::decoder::attn_dims;
 use upipe::model::{
     BlockWeights, Decoder, HeadView, MemoryPolicy, ModelConfig, ModelWeights, ParamStore, Unit,
 };
+use upipe::optim::AdamWConfig;
 use upipe::plan::preflight::{self, RankMemory};
 use upipe::plan::{
     DeviceKind, SaveAttention, StepSpec, predict_step, resolve_plan, save_attention_auto,
 };
 use upipe::rng::Rng;
-use upipe::train::optim::AdamWConfig;
 use upipe::train::replicated::ReplicatedStore;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu, train_cpu};
 

@@ -7,8 +7,8 @@
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use upipe::train::data::{Tokenizer, Tokens};
-use upipe::train::tokenize::{Eos, resolve_eos, tokenize_files};
+use upipe::data::tokenize::{Eos, resolve_eos, tokenize_files};
+use upipe::data::{Tokenizer, Tokens};
 
 /// A byte-level BPE `tokenizer.json`: the 256 byte symbols, one token per
 /// merge, then the special tokens.

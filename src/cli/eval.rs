@@ -10,17 +10,17 @@
 
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
+use crate::checkpoint::{ExtraTensors, load_hf_model_with};
 use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
 use crate::cli::metrics::{MetricsFile, StepMetrics, by_category};
 use crate::cli::schedule::ChunkHeads;
 use crate::cli::train::{Device, Launched, MeshChoice, Route, default_mesh, route_for};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
+use crate::data::Tokens;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::flops::forward_flops_per_token;
-use crate::train::checkpoint::{ExtraTensors, load_hf_model_with};
-use crate::train::data::Tokens;
 use crate::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_process_rank, eval_threads};
 use clap::ArgMatches;
 use std::path::{Path, PathBuf};
@@ -307,7 +307,7 @@ fn write_metrics(path: &Path, cfg: &EvalConfig, r: &EvalReport, ranks: usize) ->
 fn eval_on_gpus(
     cfg: &EvalConfig,
     tokens: &Tokens,
-    host: &std::collections::BTreeMap<String, crate::train::checkpoint::HostTensor>,
+    host: &std::collections::BTreeMap<String, crate::checkpoint::HostTensor>,
     gpus: usize,
     kernel: AttnKernel,
 ) -> Result<EvalReport> {

@@ -2,10 +2,10 @@
 //! `.u16`/`.bin`) file with a model's tokenizer, documents separated by its
 //! end-of-sequence id, in parallel and streaming; prints a summary.
 
+use crate::data::Tokenizer;
+use crate::data::documents::input_bytes;
+use crate::data::tokenize::{Eos, TokenizeSummary, resolve_eos, tokenize_files};
 use crate::error::{Error, Result};
-use crate::train::data::Tokenizer;
-use crate::train::documents::input_bytes;
-use crate::train::tokenize::{Eos, TokenizeSummary, resolve_eos, tokenize_files};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 

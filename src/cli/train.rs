@@ -44,17 +44,17 @@ pub use route::{
 
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cuda::cudnn::AttnKernel;
+use crate::checkpoint::ExtraTensors;
 use crate::cli::config;
 use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
+use crate::data::{Tokens, load_tokens};
 use crate::error::Result;
 use crate::model::ModelConfig;
 use crate::model::flops::train_flops_per_token;
+use crate::optim::AdamWConfig;
 use crate::plan::{OffloadBlocks, OptimizerOffload, Prediction, SaveAttention};
-use crate::train::checkpoint::ExtraTensors;
-use crate::train::data::{Tokens, load_tokens};
-use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
 use clap::ArgMatches;
 
@@ -232,7 +232,7 @@ fn train_config(
         grad_accum: a.grad_accum,
         fsdp: false,
         fsdp_replicas: 1,
-        max_file_bytes: crate::train::fsdp::checkpoint::FILE_BYTES,
+        max_file_bytes: crate::checkpoint::sharded::FILE_BYTES,
         run_file: None,
         host_budget: None,
         profile: a.profile || a.trace.is_some() || profile_env(),
@@ -309,7 +309,7 @@ impl Built {
         let sharded_resume = self
             .cfg
             .resume_dir()
-            .is_some_and(crate::train::fsdp::checkpoint::is_sharded);
+            .is_some_and(crate::checkpoint::sharded::is_sharded);
         if world == 1 && sharded_resume && self.fsdp != FsdpMode::Off {
             // one rank holds every shard: the checkpoint's shards gathered into one
             fsdp = true;
@@ -487,7 +487,7 @@ fn finished_checkpoint(cfg: &TrainConfig) -> Result<Option<String>> {
     let Some(dir) = cfg.resume_dir() else {
         return Ok(None);
     };
-    let state = crate::train::fsdp::checkpoint::read_state(dir)?;
+    let state = crate::checkpoint::sharded::read_state(dir)?;
     let Some(step) = state.get("step").and_then(serde_json::Value::as_u64) else {
         return Ok(None); // the loader names what is missing
     };

@@ -39,7 +39,7 @@ pub struct MemoryPolicy {
     /// How many units (the embedding, each block, the head) keep their F32
     /// master weights and AdamW moments in host memory, updated on the host
     /// (`--offload-optimizer`): the last ones of the optimizer's update
-    /// order (`train::settling::update_order`: the head, the embedding,
+    /// order (`optim::settling::update_order`: the head, the embedding,
     /// then the blocks), so the last blocks first. The units the next
     /// forward asks for first keep their state on the device, where their
     /// update runs at the step and nothing waits for the host.

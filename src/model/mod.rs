@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod decoder;
+pub mod flat_layout;
 pub mod flops;
 pub mod forward;
 pub mod progress;

@@ -55,7 +55,7 @@ pub trait ParamStore<B: Backend> {
 
 /// The [`ParamStore`] methods other than `acquire`, each passed on to the
 /// wrapped store in field `$inner`: for wrappers that only add work before
-/// a unit is acquired (`model::progress`, `train::settling`).
+/// a unit is acquired (`model::progress`, `optim::settling`).
 macro_rules! delegate_param_store {
     ($inner:ident) => {
         fn release(&mut self, unit: $crate::model::Unit) -> $crate::error::Result<()> {

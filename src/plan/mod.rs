@@ -11,7 +11,7 @@
 //! Dtypes follow the backend contract (`backend/mod.rs`): activations in the
 //! compute dtype (CPU f32, CUDA bf16), LSE, RoPE tables, parameter gradients
 //! and AdamW moments in f32, plus f32 master weights when the compute dtype
-//! is not f32 (`train/optim.rs`).
+//! is not f32 (`optim/adamw.rs`).
 //!
 //! The parameter store's allocations ([`store_walk`]) are walked the same
 //! way: without FSDP the whole model and one F32 gradient bucket per unit;

@@ -1,9 +1,9 @@
-//! `--offload-optimizer` (`train::offload_optim`): how many units keep
+//! `--offload-optimizer` (`optim::host`): how many units keep
 //! their optimizer state on the host, `auto` (the fewest that make the
 //! step fit), and the allocations: the host-resident state as it is built,
 //! and a step's gradient downloads (one slot ahead) and parameter uploads,
 //! which run in the next step's forward ahead of each unit
-//! (`train::settling`).
+//! (`optim::settling`).
 
 use super::sim::{Buf, Sim};
 use super::store_walk::StoreWalk;
@@ -11,8 +11,8 @@ use super::{StepSpec, predict_step};
 use crate::backend::Category::{Offload, Workspace};
 use crate::error::Result;
 use crate::model::{MemoryPolicy, ModelConfig, Unit};
+use crate::optim::settling::{next_in_forward, state_on_host, update_index, update_order};
 use crate::train::fsdp::model_layouts;
-use crate::train::settling::{next_in_forward, state_on_host, update_index, update_order};
 
 const F32: usize = 4;
 
@@ -170,7 +170,7 @@ pub fn host_state(sim: &mut Sim, slots: &[usize], ab: usize) {
 }
 
 /// The host slots of `units` (from [`unit_slots`]) in the order a deferred
-/// step updates them (`train::settling::update_order`: the head's first),
+/// step updates them (`optim::settling::update_order`: the head's first),
 /// and for each unit in that order the host slots through it.
 pub fn update_slots(
     units: &[(Unit, Vec<usize>)],
@@ -243,7 +243,7 @@ impl<'s> PendingStep<'s> {
 }
 
 /// `inner`, with the last step's pending host updates run ahead of each
-/// unit the forward acquires (as `train::settling::Settling` runs them).
+/// unit the forward acquires (as `optim::settling::Settling` runs them).
 pub struct SettlingWalk<'a, 's> {
     pub inner: &'a mut dyn StoreWalk,
     pub pending: &'a mut Option<PendingStep<'s>>,

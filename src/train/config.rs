@@ -2,13 +2,13 @@
 //! ([`TrainConfig::plan`]), and what follows from it alone (the attention
 //! plan, the mesh, the optimizer's settings, the save directory).
 
-use super::optim::AdamWConfig;
-use super::save_dir::SaveDir;
 use crate::attention::{CpPlan, Strategy};
+use crate::checkpoint::save_dir::SaveDir;
 use crate::comm::MeshShape;
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
+use crate::optim::AdamWConfig;
 use std::path::PathBuf;
 
 /// Everything a training run needs, validated by [`TrainConfig::plan`].
@@ -32,7 +32,7 @@ pub struct TrainConfig {
     pub init_from: Option<PathBuf>,
     /// What loading weights does with tensors the model has no parameter
     /// for (`--allow-extra-tensors`: ignores them).
-    pub extra_tensors: super::checkpoint::ExtraTensors,
+    pub extra_tensors: crate::checkpoint::ExtraTensors,
     /// Where training checkpoints go (and are resumed from).
     pub save_dir: Option<PathBuf>,
     /// Save every this many steps (0: only at the end).
@@ -40,7 +40,7 @@ pub struct TrainConfig {
     /// Resume from `save_dir` if it holds a checkpoint.
     pub resume: bool,
     /// Save into a `save_dir` that holds files upipe did not write
-    /// (`--overwrite`; `train::save_dir`).
+    /// (`--overwrite`; `checkpoint::save_dir`).
     pub overwrite: bool,
     /// Steps whose loss or gradient norm is not finite that the run may
     /// skip (not applied, counted) before it stops (`--skip-nonfinite`).
@@ -124,7 +124,7 @@ impl TrainConfig {
             seed: 0,
             policy: MemoryPolicy::default(),
             init_from: None,
-            extra_tensors: super::checkpoint::ExtraTensors::Refuse,
+            extra_tensors: crate::checkpoint::ExtraTensors::Refuse,
             save_dir: None,
             save_every: 0,
             resume: false,
@@ -132,7 +132,7 @@ impl TrainConfig {
             skip_nonfinite: 0,
             fsdp: false,
             fsdp_replicas: 1,
-            max_file_bytes: super::fsdp::checkpoint::FILE_BYTES,
+            max_file_bytes: crate::checkpoint::sharded::FILE_BYTES,
             grad_accum: 1,
             run_file: None,
             host_budget: None,
@@ -169,7 +169,7 @@ impl TrainConfig {
     /// Takes the save directory for this run (once per run, before any
     /// rank reads or writes it): locked for the run's life, a killed run's
     /// save finished, its staging removed, and its files checked to be
-    /// upipe's unless `overwrite` (`train::save_dir::SaveDir::acquire`).
+    /// upipe's unless `overwrite` (`checkpoint::save_dir::SaveDir::acquire`).
     pub fn take_save_dir(&self) -> Result<Option<SaveDir>> {
         self.save_dir
             .as_deref()

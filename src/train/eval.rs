@@ -11,14 +11,14 @@
 //! every rank are reduced over the world at the end. Ranks are threads
 //! ([`eval_threads`]) or one process per GPU ([`eval_process_rank`]).
 
-use super::checkpoint::HostTensor;
-use super::data::Tokens;
 use super::trainer::{ProcessRank, weights_from_host};
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::{Backend, Category, DType, IGNORE};
+use crate::checkpoint::HostTensor;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
+use crate::data::Tokens;
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{Decoder, MemoryPolicy, ModelConfig};

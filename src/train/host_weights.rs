@@ -2,8 +2,8 @@
 //! between a backend and host tensors named by their HF names: what
 //! checkpoints are written from and loaded into.
 
-use super::checkpoint::HostTensor;
 use crate::backend::{Backend, Category, DType, Tensor};
+use crate::checkpoint::HostTensor;
 use crate::error::{Error, Result};
 use crate::model::{ModelConfig, ModelWeights};
 use std::collections::BTreeMap;

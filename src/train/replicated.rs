@@ -2,19 +2,19 @@
 //! F32 gradients; each unit's gradients are summed over the ranks in one
 //! bucket as soon as its backward is done, beside the next unit's backward.
 
-use super::checkpoint::{
-    check_extra_tensors, load_hf_model_with, load_train_state, save_train_state,
-};
 use super::config::TrainConfig;
 use super::host_weights::{tensors_to_host, weights_from_host, weights_to_host};
-use super::optim::{AdamW, Update, tensors_through};
-use super::settling::{Deferred, Settling};
 use super::state::{Micro, RankModel, pass};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
+use crate::checkpoint::{
+    check_extra_tensors, load_hf_model_with, load_train_state, save_train_state,
+};
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::{BlockWeights, Decoder, HeadView, ModelConfig, ModelWeights, ParamStore, Unit};
+use crate::optim::settling::{Deferred, Settling};
+use crate::optim::{AdamW, Update, tensors_through};
 
 /// Whole-model parameters and gradients of one rank.
 pub struct ReplicatedStore<'a, B: Backend> {
@@ -230,7 +230,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
 
 /// A checkpoint written under FSDP resumes under FSDP.
 fn check_not_sharded(dir: &std::path::Path) -> Result<()> {
-    if crate::train::fsdp::checkpoint::is_sharded(dir) {
+    if crate::checkpoint::sharded::is_sharded(dir) {
         return crate::config_err!(
             "{} holds a sharded (--fsdp on) checkpoint: resume it with --fsdp on",
             dir.display()

@@ -7,7 +7,7 @@ use crate::comm::Mesh;
 use crate::error::Result;
 use crate::model::progress::Progress;
 use crate::model::{Decoder, ParamStore};
-use crate::train::optim::Update;
+use crate::optim::Update;
 use std::path::Path;
 
 /// Where a sequence falls in an optimizer step of `--grad-accum` sequences.
@@ -49,7 +49,7 @@ pub trait RankModel<B: Backend> {
     /// One AdamW step at 1-based `step`, applied only when `loss_finite`
     /// and the gradient norm is finite (`Update::applies`: otherwise no
     /// weight and no optimizer state changes). With the optimizer on the
-    /// host its updates run in the next forward (`train::settling`), or at
+    /// host its updates run in the next forward (`optim::settling`), or at
     /// [`settle`](RankModel::settle).
     fn optimizer_step(&mut self, b: &B, step: u32, loss_finite: bool) -> Result<Update>;
     /// Runs every optimizer update still pending: the parameters are then

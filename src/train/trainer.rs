@@ -5,8 +5,6 @@
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
 pub use super::config::TrainConfig;
-use super::data::{SamplerState, SequenceSampler, Tokens};
-use super::divergence::DivergenceGuard;
 use super::fsdp::Sharded;
 pub use super::host_weights::{weights_from_host, weights_to_host};
 use super::replicated::{Replicated, ReplicatedStore, Resumed};
@@ -18,8 +16,10 @@ use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats};
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
+use crate::data::{SamplerState, SequenceSampler, Tokens};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
+use crate::optim::divergence::DivergenceGuard;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -112,7 +112,7 @@ pub fn train_threads<B: Backend>(
     let tokens = tokens.into();
     let plan = cfg.plan()?;
     let _held = cfg.take_save_dir()?;
-    super::data::check_vocab(&tokens, cfg.model.vocab)?;
+    crate::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let out = run_ranks(shape, make_backend, |rank, b, mesh| {
         run_rank(cfg, &plan, tokens.clone(), b.as_ref(), &mesh, rank, on_step)
@@ -141,7 +141,7 @@ pub fn train_on_mesh<B: Backend>(
 ) -> Result<TrainSummary> {
     let tokens = tokens.into();
     let plan = cfg.plan()?;
-    super::data::check_vocab(&tokens, cfg.model.vocab)?;
+    crate::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     if mesh.shape != shape {
         return crate::config_err!(
@@ -179,7 +179,7 @@ pub fn train_process_rank(
         0 => cfg.take_save_dir()?,
         _ => None,
     };
-    super::data::check_vocab(&tokens, cfg.model.vocab)?;
+    crate::data::check_vocab(&tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let decided = cfg.decided_flags();
     let rank = ProcessRank::join("train", env, shape, kernel, cfg.host_budget, &decided)?;
@@ -371,8 +371,8 @@ fn save<B: Backend>(
     extra: &serde_json::Value,
     rank: usize,
 ) -> Result<()> {
-    // written into the directory's staging, then moved in (`train::save_dir`)
-    let staged = super::save_dir::staging(dir);
+    // written into the directory's staging, then moved in (`checkpoint::save_dir`)
+    let staged = crate::checkpoint::save_dir::staging(dir);
     model.save(b, &staged, step as u64, extra, rank == 0)?;
     if rank != 0 {
         return Ok(());
@@ -384,7 +384,7 @@ fn save<B: Backend>(
         let path = staged.join("run.toml");
         std::fs::write(&path, text).map_err(|e| Error::io(path.display().to_string(), e))?;
     }
-    super::save_dir::publish(dir)
+    crate::checkpoint::save_dir::publish(dir)
 }
 
 /// The step's op profile by class (when profiled); rank 0 writes the last
@@ -454,7 +454,7 @@ pub fn loss_and_grads_cpu(
 mod tests {
     use super::*;
     use crate::attention::Strategy;
-    use crate::train::optim::AdamWConfig;
+    use crate::optim::AdamWConfig;
 
     fn cfg(data: usize, ulysses: usize, ring: usize) -> TrainConfig {
         TrainConfig {
@@ -473,8 +473,8 @@ mod tests {
     }
 
     fn tokens() -> Arc<[u32]> {
-        super::super::data::ByteTokenizer
-            .encode(super::super::data::CORPUS)
+        crate::data::ByteTokenizer
+            .encode(crate::data::CORPUS)
             .into()
     }
 

@@ -8,12 +8,12 @@
 use super::progress::Progress;
 use super::{Built, TrainArgs};
 use crate::backend::memory::{default_pinned_budget, host_reserve};
+use crate::checkpoint::save_dir;
 use crate::cli::metrics::{MetricsFile, RunFacts};
 use crate::error::Result;
 use crate::model::flops::train_flops_per_token;
 use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, planned_host};
-use crate::train::save_dir;
 
 /// Every check, in order; the run's per-step output on success.
 pub(super) fn preflight(
@@ -139,7 +139,7 @@ fn trace_file(path: &std::path::Path) -> Result<()> {
 }
 
 /// The checkpoint directory can take the run's checkpoints
-/// (`train::save_dir::check`) and the metrics and trace files can be
+/// (`checkpoint::save_dir::check`) and the metrics and trace files can be
 /// created; the per-step output (bar, lines or JSON, and the metrics file).
 fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progress> {
     if let (Some(dir), true) = (&run.cfg.save_dir, run.lead) {

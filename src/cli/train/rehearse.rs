@@ -13,10 +13,10 @@
 use super::{Built, Route, TrainArgs, preflight};
 use crate::backend::{Bytes, Category};
 use crate::cli::config::Given;
+use crate::data::Tokens;
 use crate::error::{Error, Result};
 use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, suggest};
-use crate::train::data::Tokens;
 use crate::train::trainer::TrainSummary;
 use clap::ArgMatches;
 

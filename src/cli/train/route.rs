@@ -5,8 +5,8 @@
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
+use crate::data::Tokens;
 use crate::error::Result;
-use crate::train::data::Tokens;
 use crate::train::trainer::{
     StepReport, TrainConfig, TrainSummary, check_local_rank, check_world_size,
 };

@@ -1,19 +1,19 @@
 //! A rank's sharded model with its optimizer: how a sharded run starts
 //! (random, `--init-from`, `--resume`), steps and saves.
 
-use super::checkpoint::{self as ckpt, SavedOptimizer};
-use super::layout::unit_key;
 use super::{FsdpStore, ShardedAdamW};
 use crate::backend::{Backend, Category, DType, Tensor};
+use crate::checkpoint::ranged::RangedModel;
+use crate::checkpoint::sharded::{self as ckpt, SavedOptimizer};
+use crate::checkpoint::{HostTensor, check_extra_tensors};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
+use crate::model::flat_layout::unit_key;
 use crate::model::{Decoder, RandomInit, Unit};
-use crate::train::checkpoint::{HostTensor, check_extra_tensors};
+use crate::optim::Update;
+use crate::optim::settling::{Deferred, Settling, update_index};
 use crate::train::config::TrainConfig;
-use crate::train::optim::Update;
-use crate::train::ranged::RangedModel;
 use crate::train::replicated::Resumed;
-use crate::train::settling::{Deferred, Settling, update_index};
 use crate::train::state::{Micro, RankModel, pass};
 use serde_json::Value;
 use std::path::Path;

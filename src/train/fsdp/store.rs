@@ -6,10 +6,10 @@
 //! reduce-scattered to their owners right after its backward, beside the
 //! next unit's backward.
 
-use super::layout::{UnitLayout, model_layouts};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
+use crate::model::flat_layout::{UnitLayout, model_layouts};
 use crate::model::{BlockWeights, HeadView, ModelConfig, ParamStore, Unit};
 use std::collections::VecDeque;
 

@@ -4,8 +4,8 @@
 use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::{ModelWeights, Unit};
-use crate::train::offload_optim::{HostSlot, HostStep, host_master, host_zeros};
-use crate::train::settling::{state_on_host, update_index, update_order};
+use crate::optim::host::{HostSlot, HostStep, host_master, host_zeros};
+use crate::optim::settling::{state_on_host, update_index, update_order};
 
 /// Optimizer hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -21,7 +21,7 @@ pub struct AdamWConfig {
     /// Clip the global gradient norm to this (0 = off).
     pub clip: f32,
     /// How many units, the last of update order
-    /// (`train::settling::state_on_host`), keep their F32 master weights
+    /// (`optim::settling::state_on_host`), keep their F32 master weights
     /// and moments in pinned host memory, updated on host threads
     /// (`--offload-optimizer`; a training run sets it from its memory
     /// policy, `TrainConfig::adamw`).

@@ -10,14 +10,14 @@
 //! - `state.json` last, with the world size: a directory whose state.json is
 //!   present has all its files. Resuming on another world size re-shards by
 //!   reading, for each new shard, the ranges of the old files it overlaps
-//!   ([`super::layout::pieces`]); a checkpoint written without FSDP
+//!   ([`crate::model::flat_layout::pieces`]); a checkpoint written without FSDP
 //!   (`optimizer.safetensors`, whole tensors) resumes sharded too.
 
-use super::layout::{UnitLayout, pieces, unit_key};
 use crate::backend::DType;
+use crate::checkpoint::ranged::RangedFile;
+use crate::checkpoint::{HostTensor, save_safetensors};
 use crate::error::{Error, Result};
-use crate::train::checkpoint::{HostTensor, save_safetensors};
-use crate::train::ranged::RangedFile;
+use crate::model::flat_layout::{UnitLayout, pieces, unit_key};
 use serde_json::{Value, json};
 use std::ops::Range;
 use std::path::{Path, PathBuf};

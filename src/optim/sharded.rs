@@ -1,13 +1,13 @@
 //! AdamW on the owned shards: the same per-element update, decay rule and
-//! schedule as [`crate::train::optim::AdamW`], over each rank's slice of
+//! schedule as [`crate::optim::AdamW`], over each rank's slice of
 //! every unit; the gradient norm is the sum of every rank's shard squares.
 
-use super::store::FsdpStore;
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::{Error, Result};
-use crate::train::offload_optim::{HostSlot, HostStep};
-use crate::train::optim::{AdamWConfig, Update, build_state, hyper};
-use crate::train::settling::state_on_host;
+use crate::optim::host::{HostSlot, HostStep};
+use crate::optim::settling::state_on_host;
+use crate::optim::{AdamWConfig, Update, build_state, hyper};
+use crate::train::fsdp::FsdpStore;
 
 /// Moments and F32 master shards, `[shard]` per unit: on the device (the
 /// master only when the model computes in a lower precision), or for the
@@ -126,7 +126,7 @@ impl<B: Backend> ShardedAdamW<B> {
     }
 
     /// Runs the deferred host updates of the units' shards before `upto`
-    /// (update order, `train::settling::update_order`: the head, then unit
+    /// (update order, `optim::settling::update_order`: the head, then unit
     /// order; `usize::MAX`: all of them). The units whose state is on the
     /// device, the first of that order, have none.
     pub fn settle(&mut self, b: &B, store: &mut FsdpStore<'_, B>, upto: usize) -> Result<()> {

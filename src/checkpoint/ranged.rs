@@ -2,8 +2,8 @@
 //! asked for are read, so each rank loads its shard of a checkpoint without
 //! reading (or holding) whole files.
 
+use crate::checkpoint::{check_finite, read_weight_map};
 use crate::error::{Error, Result};
-use crate::train::checkpoint::{check_finite, read_weight_map};
 use half::{bf16, f16};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
@@ -175,7 +175,7 @@ impl RangedModel {
     /// Opens every weight file of `dir` (headers only).
     pub fn open(dir: &Path) -> Result<Self> {
         crate::input_path::check_dir(dir, "model directory")?;
-        crate::train::save_dir::finish_for_reading(dir)?;
+        crate::checkpoint::save_dir::finish_for_reading(dir)?;
         let index = dir.join("model.safetensors.index.json");
         let names: Vec<PathBuf> = if index.exists() {
             // the files the index names, each inside the directory
@@ -234,7 +234,7 @@ impl RangedModel {
 mod tests {
     use super::*;
     use crate::backend::DType;
-    use crate::train::checkpoint::{HostTensor, save_safetensors};
+    use crate::checkpoint::{HostTensor, save_safetensors};
 
     #[test]
     fn ranges_read_what_the_whole_file_holds_and_truncation_is_named() {

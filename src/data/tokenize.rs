@@ -8,7 +8,7 @@
 //! any number of threads. The output goes to `OUT.partial` first and is
 //! renamed when complete.
 
-use super::data::Tokenizer;
+use super::corpus::Tokenizer;
 use super::documents::Documents;
 use super::tokens::TokenFormat;
 use crate::error::{Error, Result};

@@ -947,7 +947,7 @@ mod tests {
                 m.contains(name) && m.contains(SINGLE_FILE) && m.contains("element 77"),
                 "{m}"
             );
-            let f = crate::train::ranged::RangedFile::open(&dir.0.join(SINGLE_FILE)).unwrap();
+            let f = crate::checkpoint::ranged::RangedFile::open(&dir.0.join(SINGLE_FILE)).unwrap();
             let m = checkpoint_error(f.read(name, 50..100));
             assert!(m.contains(name) && m.contains("element 77"), "{m}");
             assert!(f.read(name, 0..77).is_ok(), "the finite part reads");
