@@ -1,0 +1,205 @@
+//! Safetensors files on host memory: [`HostTensor`] (dense row-major f32),
+//! saved in F32/BF16/F16 and read back with every value checked finite.
+
+use super::fs::{rename, temp_path};
+use crate::backend::tensor::DType;
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+/// A dense row-major f32 tensor in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    /// Dimensions, outermost first.
+    pub shape: Vec<usize>,
+    /// `shape.iter().product()` values.
+    pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    /// A tensor from its shape and data; errors if the lengths disagree.
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Result<Self> {
+        let numel: usize = shape.iter().product();
+        if numel != data.len() {
+            return Err(Error::Checkpoint(format!(
+                "shape {shape:?} holds {numel} values but {} were given",
+                data.len()
+            )));
+        }
+        Ok(HostTensor { shape, data })
+    }
+
+    /// A tensor of zeros.
+    pub fn zeros(shape: Vec<usize>) -> Self {
+        let numel = shape.iter().product();
+        HostTensor {
+            shape,
+            data: vec![0.0; numel],
+        }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// A host tensor viewed as safetensors data in a chosen dtype; converted when written.
+struct Encoded<'a> {
+    tensor: &'a HostTensor,
+    dtype: DType,
+}
+
+impl View for Encoded<'_> {
+    fn dtype(&self) -> StDtype {
+        match self.dtype {
+            DType::F32 => StDtype::F32,
+            DType::BF16 => StDtype::BF16,
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.tensor.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let d = &self.tensor.data;
+        let bytes = match self.dtype {
+            DType::F32 => d.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            DType::BF16 => d
+                .iter()
+                .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        };
+        Cow::Owned(bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.tensor.data.len() * self.dtype.size()
+    }
+}
+
+/// Writes `tensors` to a safetensors file in `dtype` (bf16 rounds to nearest
+/// even), atomically: a temporary file is written, then renamed over `path`.
+pub fn save_safetensors(
+    path: &Path,
+    tensors: &[(String, &HostTensor)],
+    dtype: DType,
+) -> Result<()> {
+    let mut seen = HashSet::new();
+    for (name, t) in tensors {
+        if !seen.insert(name.as_str()) {
+            return Err(Error::Checkpoint(format!(
+                "tensor '{name}' is given twice for {}",
+                path.display()
+            )));
+        }
+        if t.shape.iter().product::<usize>() != t.data.len() {
+            return Err(Error::Checkpoint(format!(
+                "tensor '{name}' has shape {:?} but {} values",
+                t.shape,
+                t.data.len()
+            )));
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(name, t)| (name.as_str(), Encoded { tensor: t, dtype }));
+    // transformers refuses safetensors files without a recognised "format".
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let tmp = temp_path(path);
+    safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::Checkpoint(format!("writing {}: {e}", path.display()))
+    })?;
+    rename(&tmp, path)
+}
+
+/// Reads every tensor of a safetensors file as f32 (from F32, BF16 or F16).
+pub fn load_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    load_safetensors_filtered(path, |_| true)
+}
+
+/// Reads the tensors of a safetensors file whose names pass `want`, as f32.
+pub fn load_safetensors_filtered(
+    path: &Path,
+    want: impl Fn(&str) -> bool,
+) -> Result<BTreeMap<String, HostTensor>> {
+    Ok(read_safetensors(path, want)?.0)
+}
+
+/// The tensors of a safetensors file whose names pass `want`, as f32 (each
+/// checked finite), and the names of the others.
+pub(super) fn read_safetensors(
+    path: &Path,
+    want: impl Fn(&str) -> bool,
+) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
+    crate::input_path::check_file(path, "checkpoint file")?;
+    let bytes =
+        std::fs::read(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        Error::Checkpoint(format!(
+            "{} is not a valid safetensors file: {e}",
+            path.display()
+        ))
+    })?;
+    let mut out = BTreeMap::new();
+    let mut skipped = Vec::new();
+    for (name, view) in st.iter() {
+        if !want(name) {
+            skipped.push(name.to_string());
+            continue;
+        }
+        let data = decode(view.dtype(), view.data()).map_err(|dtype| {
+            Error::Checkpoint(format!(
+                "tensor '{name}' in {} has dtype {dtype:?}; upipe reads F32, BF16 and F16",
+                path.display()
+            ))
+        })?;
+        check_finite(&data, name, path, 0)?;
+        let tensor = HostTensor {
+            shape: view.shape().to_vec(),
+            data,
+        };
+        out.insert(name.to_string(), tensor);
+    }
+    Ok((out, skipped))
+}
+
+/// Errors at the first NaN or infinity of `values`, elements `first..` of
+/// tensor `name` in `file`: one such weight makes every loss NaN.
+pub fn check_finite(values: &[f32], name: &str, file: &Path, first: usize) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Error::Checkpoint(format!(
+            "tensor '{name}' in {} holds {} at element {} (flat, row-major): a weight or \
+             optimizer state must be finite; the file is corrupt or was saved from a diverged \
+             run, so load an earlier checkpoint",
+            file.display(),
+            values[i],
+            first + i
+        ))),
+    }
+}
+
+/// Little-endian bytes of `dtype` as f32 values; an unsupported dtype is returned as the error.
+fn decode(dtype: StDtype, bytes: &[u8]) -> std::result::Result<Vec<f32>, StDtype> {
+    Ok(match dtype {
+        StDtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        StDtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        StDtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => return Err(other),
+    })
+}
