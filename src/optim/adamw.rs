@@ -1,11 +1,14 @@
-//! AdamW with fp32 state, global-norm gradient clipping, and a warmup +
-//! cosine learning-rate schedule.
+//! AdamW with fp32 state over any parameter store's slots, global-norm
+//! gradient clipping, and a warmup + cosine learning-rate schedule.
 
 use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
-use crate::model::{ModelWeights, Unit};
+use crate::model::Unit;
 use crate::optim::host::{HostSlot, HostStep, host_master, host_zeros};
-use crate::optim::settling::{state_on_host, update_index, update_order};
+use crate::optim::settling::state_on_host;
+#[cfg(doc)]
+use crate::optim::settling::update_order;
+use crate::optim::{Lent, Optimizer, Slot, StateKind};
 
 /// Optimizer hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -102,109 +105,210 @@ impl Update {
     }
 }
 
-/// Moments and F32 master weights, per parameter tensor in
-/// `ModelWeights::named` order: on the device (the master only when the
-/// model computes in a lower precision), or for the units
-/// `cfg.host_units` names in pinned host memory (master always).
+/// AdamW's state of one optimizer, slot by slot ([`Slot`]): moments and
+/// F32 master weights on the device (the master only when the model
+/// computes in a lower precision), or for the units `cfg.host_units` names
+/// in pinned host memory (master always), updated on host threads and
+/// deferred into the next forward ([`HostStep`]).
 pub struct AdamW<B: Backend> {
     pub cfg: AdamWConfig,
-    pub m: Vec<Tensor<B>>,
-    pub v: Vec<Tensor<B>>,
+    slots: Vec<Slot>,
+    m: Vec<Tensor<B>>,
+    v: Vec<Tensor<B>>,
     master: Vec<Option<Tensor<B>>>,
-    /// Whether each tensor's state lives on the host: the tensors of the
-    /// last `cfg.host_units` units of update order.
+    /// Whether each slot's state lives on the host: the slots of the last
+    /// `cfg.host_units` units of update order.
     on_host: Vec<bool>,
     /// The last step's host updates not yet run.
     pending: Option<HostStep<B>>,
-}
-
-/// The unit of each tensor of `w`, in `ModelWeights::named` order.
-fn tensor_units<B: Backend>(w: &ModelWeights<B>) -> Vec<Unit> {
-    Unit::all(w.blocks.len())
-        .into_iter()
-        .flat_map(|u| std::iter::repeat_n(u, w.unit_named(u).len()))
-        .collect()
+    /// Whether a step with deferred host updates zeroes the gradients it
+    /// reads on the device (a store whose backward adds into gradients
+    /// zeroed only when no host update is pending).
+    zero_device_grads: bool,
 }
 
 impl<B: Backend> AdamW<B> {
-    /// Zero moments for every parameter of `w`: the device's state first,
-    /// then the host's, each tensor's master, m and v in turn.
-    pub fn new(b: &B, cfg: AdamWConfig, w: &ModelWeights<B>) -> Result<Self> {
-        let named = w.named();
-        let layers = w.blocks.len();
-        let on_host: Vec<bool> = tensor_units(w)
-            .into_iter()
-            .map(|u| state_on_host(u, layers, cfg.host_units))
+    /// Zero moments (and F32 masters) for `slots`, whose current values are
+    /// `params` (`[k]`: slot k's tensor), in a model of `layers` blocks: the
+    /// device's state first, then the host's, each slot's master, m and v in
+    /// turn.
+    pub fn new(
+        b: &B,
+        cfg: AdamWConfig,
+        slots: Vec<Slot>,
+        params: &[&Tensor<B>],
+        layers: usize,
+    ) -> Result<Self> {
+        let on_host: Vec<bool> = slots
+            .iter()
+            .map(|s| state_on_host(s.unit, layers, cfg.host_units))
             .collect();
-        let tensors: Vec<&Tensor<B>> = named.iter().map(|(_, t)| *t).collect();
-        let narrow = tensors.iter().any(|t| t.dtype() != DType::F32);
-        let (m, v, master) = build_state(b, &tensors, &on_host, narrow)?;
+        let narrow = params.iter().any(|t| t.dtype() != DType::F32);
+        let (m, v, master) = build_state(b, params, &on_host, narrow)?;
         Ok(AdamW {
             cfg,
+            slots,
             m,
             v,
             master,
             on_host,
             pending: None,
+            zero_device_grads: false,
         })
     }
 
-    /// Global gradient norm (gradients must already be reduced over ranks).
-    pub fn grad_norm(b: &B, g: &ModelWeights<B>) -> Result<f64> {
-        let mut s = 0.0;
-        for (_, t) in g.named() {
-            s += b.sum_squares(t)?;
-        }
-        Ok(s.sqrt())
+    /// A step with deferred host updates also zeroes the device slots'
+    /// gradients (as the host's are zeroed once read).
+    pub fn zeroing_device_grads(mut self) -> Self {
+        self.zero_device_grads = true;
+        self
     }
+}
 
+/// F32 elements of state AdamW keeps per parameter element of a device
+/// slot: two moments, and a master copy when the parameters are in a lower
+/// precision (`narrow`). A host slot keeps all three in host memory. (What
+/// the planner counts: `plan::predict_step`.)
+pub fn device_states_per_element(narrow: bool) -> usize {
+    if narrow { 3 } else { 2 }
+}
+
+impl<B: Backend> Optimizer<B> for AdamW<B> {
     /// One update at 1-based `step` (none when `loss_finite` is false or
-    /// the gradient norm is not finite: [`Update::applies`]). The
-    /// device's state is updated now; the host's update is deferred:
-    /// [`settle`](Self::settle) runs it (the next step's forward does, unit
-    /// by unit), and zeroes each gradient it reads, so the device's
-    /// gradients are zeroed here too.
-    pub fn step(
+    /// the gradient norm is not finite: [`Update::applies`]). The device's
+    /// slots are updated now; the host's update is deferred:
+    /// [`settle`](Optimizer::settle) runs it (the next step's forward does,
+    /// unit by unit), zeroing each gradient it reads.
+    fn step(
         &mut self,
         b: &B,
-        w: &mut ModelWeights<B>,
-        g: &mut ModelWeights<B>,
+        lent: &mut Lent<'_, B>,
+        grad_norm: f64,
         step: u32,
         loss_finite: bool,
     ) -> Result<Update> {
-        let norm = Self::grad_norm(b, g)?;
-        let clip = self.cfg.clip_scale(norm);
+        let clip = self.cfg.clip_scale(grad_norm);
         let lr = self.cfg.lr_at(step);
         let deferred = self.on_host.iter().any(|&h| h);
         if deferred {
-            self.settle(b, w, g, usize::MAX)?;
+            self.settle(b, lent, usize::MAX)?;
         }
-        if !Update::applies(loss_finite, norm) {
-            return Ok(Update::skipped(lr, norm));
+        if !Update::applies(loss_finite, grad_norm) {
+            return Ok(Update::skipped(lr, grad_norm));
         }
-        let tensors = w.named_mut().into_iter().zip(g.named_mut());
-        for (k, ((name, p), (_, grad))) in tensors.enumerate() {
-            if self.on_host[k] {
-                continue;
+        for k in (0..self.slots.len()).filter(|&k| !self.on_host[k]) {
+            let param = lent.params[k].as_deref_mut().ok_or_else(|| busy(k))?;
+            let grad = lent.grads[k].as_deref_mut().ok_or_else(|| busy(k))?;
+            for piece in &self.slots[k].pieces {
+                let hp = hyper(&self.cfg, &piece.name, lr, step, clip);
+                let target = match self.master[k].as_mut() {
+                    Some(master) => master,
+                    None => &mut *param,
+                };
+                b.adamw(
+                    target,
+                    grad,
+                    &mut self.m[k],
+                    &mut self.v[k],
+                    piece.at.clone(),
+                    hp,
+                )?;
             }
-            let hp = hyper(&self.cfg, &name, lr, step, clip);
-            let n = p.numel();
-            let (m, v) = (&mut self.m[k], &mut self.v[k]);
-            match self.master[k].as_mut() {
-                Some(master) => {
-                    b.adamw(master, grad, m, v, 0..n, hp)?;
-                    b.copy(p.mat_mut(), master.mat())?;
-                }
-                None => b.adamw(p, grad, m, v, 0..n, hp)?,
+            if let Some(master) = &self.master[k] {
+                b.copy(param.mat_mut(), master.mat())?;
             }
-            if deferred {
+            if deferred && self.zero_device_grads {
                 b.fill(grad, 0.0)?;
             }
         }
         if deferred {
             self.pending = Some(HostStep::new(b, lr, step, clip)?);
         }
-        Ok(Update::applied(lr, norm))
+        Ok(Update::applied(lr, grad_norm))
+    }
+
+    fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Runs the deferred host updates of the slots before `upto` (in update
+    /// order, [`update_order`]: the head's slots, then slot order;
+    /// `usize::MAX`: all of them). The slots whose state is on the device,
+    /// the first of that order, have none.
+    fn settle(&mut self, b: &B, lent: &mut Lent<'_, B>, upto: usize) -> Result<()> {
+        let Some(pending) = self.pending.as_mut() else {
+            return Ok(());
+        };
+        let cfg = self.cfg;
+        let (lr, step, clip) = (pending.lr, pending.step, pending.clip);
+        let head = self.slots.iter().filter(|s| s.unit == Unit::Head).count();
+        let states = self.master.iter_mut().zip(&mut self.m).zip(&mut self.v);
+        let tensors = lent.params.iter_mut().zip(lent.grads.iter_mut());
+        let mut due_slots: Vec<_> = self
+            .slots
+            .iter()
+            .enumerate()
+            .zip(tensors)
+            .zip(states)
+            .zip(&self.on_host)
+            .filter(|(_, on_host)| **on_host)
+            .map(|(t, _)| t)
+            .collect();
+        let total = due_slots.len();
+        let on_device = self.on_host.len() - total;
+        // the head's slots are last in slot order, first to update (the
+        // head is on the host only when every unit is)
+        if on_device == 0 {
+            due_slots.rotate_right(head);
+        }
+        let due = pending.window(total, on_device, upto);
+        let mut rest = due_slots.into_iter().skip(due.start);
+        let mut host_slots = Vec::new();
+        for (((k, slot), (param, grad)), ((master, m), v)) in rest.by_ref().take(due.len()) {
+            let updates = slot
+                .pieces
+                .iter()
+                .map(|p| (p.at.clone(), hyper(&cfg, &p.name, lr, step, clip)))
+                .collect();
+            host_slots.push(HostSlot {
+                param: param.as_deref_mut().ok_or_else(|| busy(k))?,
+                grad: grad.as_deref_mut().ok_or_else(|| busy(k))?,
+                master: master.as_mut().ok_or_else(no_master)?,
+                m,
+                v,
+                updates,
+            });
+        }
+        // the gradient after them, downloaded meanwhile
+        let ahead = rest.next().and_then(|((_, (_, grad)), _)| grad.as_deref());
+        pending.run(b, &mut host_slots, ahead)?;
+        if pending.done() == total {
+            self.pending = None;
+        }
+        Ok(())
+    }
+
+    fn slots(&self) -> &[Slot] {
+        &self.slots
+    }
+
+    fn state(&self, slot: usize) -> Vec<(StateKind, &Tensor<B>)> {
+        let mut kept = vec![
+            (StateKind::ExpAvg, &self.m[slot]),
+            (StateKind::ExpAvgSq, &self.v[slot]),
+        ];
+        if let Some(master) = &self.master[slot] {
+            kept.push((StateKind::Master, master));
+        }
+        kept
+    }
+
+    fn state_mut(&mut self, slot: usize, kind: StateKind) -> Option<&mut Tensor<B>> {
+        match kind {
+            StateKind::ExpAvg => self.m.get_mut(slot),
+            StateKind::ExpAvgSq => self.v.get_mut(slot),
+            StateKind::Master => self.master.get_mut(slot)?.as_mut(),
+        }
     }
 }
 
@@ -213,7 +317,7 @@ impl<B: Backend> AdamW<B> {
 /// `device_master` the masters), then the host's, each tensor's master, m
 /// and v in turn (the planner walks this order). Returns `(m, v, master)`.
 #[allow(clippy::type_complexity)]
-pub(crate) fn build_state<B: Backend>(
+fn build_state<B: Backend>(
     b: &B,
     tensors: &[&Tensor<B>],
     on_host: &[bool],
@@ -248,77 +352,10 @@ pub(crate) fn build_state<B: Backend>(
     Ok((every(m), every(v), master))
 }
 
-impl<B: Backend> AdamW<B> {
-    /// Whether a step's host updates are still to run.
-    pub fn has_pending(&self) -> bool {
-        self.pending.is_some()
-    }
-
-    /// Runs the deferred host updates of the tensors before `upto` (in
-    /// update order, [`update_order`]: the head's tensors, then
-    /// `ModelWeights::named` order; `usize::MAX`: all of them). The
-    /// tensors whose state is on the device, the first of that order, have
-    /// none.
-    pub fn settle(
-        &mut self,
-        b: &B,
-        w: &mut ModelWeights<B>,
-        g: &mut ModelWeights<B>,
-        upto: usize,
-    ) -> Result<()> {
-        let Some(pending) = self.pending.as_mut() else {
-            return Ok(());
-        };
-        let cfg = self.cfg;
-        let (lr, step, clip) = (pending.lr, pending.step, pending.clip);
-        let head = w.unit_named(Unit::Head).len();
-        let mut tensors: Vec<_> = w
-            .named_mut()
-            .into_iter()
-            .zip(g.named_mut())
-            .zip(self.master.iter_mut().zip(&mut self.m).zip(&mut self.v))
-            .zip(&self.on_host)
-            .filter(|(_, on_host)| **on_host)
-            .map(|(t, _)| t)
-            .collect();
-        let total = tensors.len();
-        let on_device = self.on_host.len() - total;
-        // the head's tensors are last in `named` order, first to update (the
-        // head is on the host only when every unit is)
-        if on_device == 0 {
-            tensors.rotate_right(head);
-        }
-        let due = pending.window(total, on_device, upto);
-        let mut tensors = tensors.into_iter().skip(due.start);
-        let mut slots = Vec::new();
-        for (((name, param), (_, grad)), ((master, m), v)) in tensors.by_ref().take(due.len()) {
-            slots.push(HostSlot {
-                updates: vec![(0..param.numel(), hyper(&cfg, &name, lr, step, clip))],
-                param,
-                grad,
-                master: master.as_mut().ok_or_else(no_master)?,
-                m,
-                v,
-            });
-        }
-        let ahead = tensors.next().map(|((_, (_, grad)), _)| grad);
-        pending.run(b, &mut slots, ahead.as_deref())?;
-        if pending.done() == total {
-            self.pending = None;
-        }
-        Ok(())
-    }
-}
-
-/// The tensors of every unit up to and including `unit` in update order
-/// ([`update_order`]).
-pub fn tensors_through<B: Backend>(w: &ModelWeights<B>, unit: Unit) -> usize {
-    let layers = w.blocks.len();
-    update_order(layers)
-        .into_iter()
-        .take(update_index(unit, layers) + 1)
-        .map(|u| w.unit_named(u).len())
-        .sum()
+fn busy(slot: usize) -> crate::Error {
+    crate::Error::Backend(format!(
+        "optimizer: slot {slot}'s parameter or gradient is still in a collective"
+    ))
 }
 
 fn no_master() -> crate::Error {

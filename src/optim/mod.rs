@@ -1,13 +1,76 @@
-//! Optimizers: AdamW with its schedule and clipping on the device
-//! (`adamw.rs`), its state in pinned host memory with the update deferred
-//! into the next forward (`host.rs`, `settling.rs`), AdamW on FSDP shards
-//! (`sharded.rs`), and the guard that stops a diverged run
-//! (`divergence.rs`).
+//! Optimizers over a rank's parameters, whatever store holds them: the
+//! [`Optimizer`] trait, its [`Slot`]s (a whole parameter, or a rank's FSDP
+//! shard of a unit), AdamW with its schedule and clipping (`adamw.rs`),
+//! its state in pinned host memory with the update deferred into the next
+//! forward (`host.rs`, `settling.rs`), and the guard that stops a diverged
+//! run (`divergence.rs`).
 
 pub mod adamw;
 pub mod divergence;
 pub mod host;
 pub mod settling;
-pub mod sharded;
+pub mod slot;
 
 pub use adamw::*;
+pub use slot::{Lent, Piece, Slot, slots_through};
+
+use crate::backend::{Backend, Tensor};
+use crate::error::Result;
+
+/// One kind of per-slot state an optimizer keeps, named as PyTorch's AdamW
+/// names it in checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateKind {
+    /// First moment.
+    ExpAvg,
+    /// Second moment.
+    ExpAvgSq,
+    /// F32 master copy of a lower-precision parameter.
+    Master,
+}
+
+impl StateKind {
+    /// The name checkpoints use (`exp_avg.<param>`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            StateKind::ExpAvg => "exp_avg",
+            StateKind::ExpAvgSq => "exp_avg_sq",
+            StateKind::Master => "master",
+        }
+    }
+}
+
+/// An optimizer of a rank's parameters: it updates the slots the parameter
+/// store lends it ([`Lent`]), given the global gradient norm the store
+/// computed (a store knows how its gradients are spread over ranks).
+pub trait Optimizer<B: Backend> {
+    /// One update at 1-based `step`; none when `loss_finite` is false or
+    /// `grad_norm` is not finite ([`Update::applies`]).
+    fn step(
+        &mut self,
+        b: &B,
+        lent: &mut Lent<'_, B>,
+        grad_norm: f64,
+        step: u32,
+        loss_finite: bool,
+    ) -> Result<Update>;
+    /// Whether updates of the last step are still to run.
+    fn has_pending(&self) -> bool;
+    /// Runs the deferred updates of the first `upto` slots of update order
+    /// (`usize::MAX`: all).
+    fn settle(&mut self, b: &B, lent: &mut Lent<'_, B>, upto: usize) -> Result<()>;
+    /// The slots it updates.
+    fn slots(&self) -> &[Slot];
+    /// The state it keeps for slot `slot` (what a checkpoint saves).
+    fn state(&self, slot: usize) -> Vec<(StateKind, &Tensor<B>)>;
+    /// Slot `slot`'s state of one kind, to restore it (None: not kept).
+    fn state_mut(&mut self, slot: usize, kind: StateKind) -> Option<&mut Tensor<B>>;
+
+    /// Slot `slot`'s state of one kind (None: not kept).
+    fn kept(&self, slot: usize, kind: StateKind) -> Option<&Tensor<B>> {
+        self.state(slot)
+            .into_iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, t)| t)
+    }
+}

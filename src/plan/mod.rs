@@ -298,12 +298,10 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
     // Decoder::new: RoPE tables for the positions this rank attends over.
     sim.alloc(Category::Workspace, attn.rope_bytes());
     let world = spec.data * spec.plan.mesh_shape().world_size();
-    let states = if !spec.optimizer {
-        0
-    } else if spec.device.master_weights() {
-        3
+    let states = if spec.optimizer {
+        crate::optim::device_states_per_element(spec.device.master_weights())
     } else {
-        2
+        0
     };
     let shard_world = world / spec.fsdp_replicas.max(1);
     let layers = spec.model.layers;
@@ -376,7 +374,7 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
                 sim.free(acc);
             }
             if spec.fsdp {
-                // `ShardedAdamW::grad_norm`: every rank's sum as two f32 words
+                // `FsdpStore::grad_norm`: every rank's sum as two f32 words
                 let send = sim.alloc(Category::Workspace, 2 * F32);
                 let recv = sim.alloc(Category::Workspace, 2 * shard_world * F32);
                 sim.free(recv);

@@ -109,7 +109,7 @@ impl FsdpWalk {
         }
     }
 
-    /// The resident shards (`FsdpStore::new`, `ShardedAdamW::new`): parameters,
+    /// The resident shards (`FsdpStore::new`, `AdamW::new` over its slots): parameters,
     /// F32 gradients and `optim_elems` F32 elements of optimizer state on
     /// the device (every state of the units that keep theirs there).
     pub fn resident(cfg: &ModelConfig, world: usize, ab: usize, optim_elems: usize, sim: &mut Sim) {

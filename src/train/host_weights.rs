@@ -19,16 +19,22 @@ pub fn weights_to_host<B: Backend>(
         .collect()
 }
 
-/// Host copies of per-parameter state tensors (moments), named like `w`.
-pub(crate) fn tensors_to_host<B: Backend>(
+/// Host copies of one kind of per-parameter optimizer state, named like
+/// `w`: `state(k)` is the state of `w`'s k-th tensor in
+/// `ModelWeights::named` order.
+pub(crate) fn tensors_to_host<'t, B: Backend>(
     b: &B,
     w: &ModelWeights<B>,
-    ts: &[Tensor<B>],
+    state: impl Fn(usize) -> Option<&'t Tensor<B>>,
 ) -> Result<BTreeMap<String, HostTensor>> {
     w.named()
         .into_iter()
-        .zip(ts)
-        .map(|((n, _), t)| Ok((n, HostTensor::new(t.shape().to_vec(), b.to_host(t)?)?)))
+        .enumerate()
+        .map(|(k, (n, _))| {
+            let missing = || Error::Backend(format!("the optimizer keeps no state for {n}"));
+            let t = state(k).ok_or_else(missing)?;
+            Ok((n, HostTensor::new(t.shape().to_vec(), b.to_host(t)?)?))
+        })
         .collect()
 }
 

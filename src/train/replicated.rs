@@ -14,7 +14,7 @@ use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::{BlockWeights, Decoder, HeadView, ModelConfig, ModelWeights, ParamStore, Unit};
 use crate::optim::settling::{Deferred, Settling};
-use crate::optim::{AdamW, Update, tensors_through};
+use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
 
 /// Whole-model parameters and gradients of one rank.
 pub struct ReplicatedStore<'a, B: Backend> {
@@ -170,7 +170,7 @@ impl<B: Backend> ParamStore<B> for ReplicatedStore<'_, B> {
 /// A rank's whole model with its optimizer (training without FSDP).
 pub struct Replicated<'a, B: Backend> {
     pub store: ReplicatedStore<'a, B>,
-    pub opt: AdamW<B>,
+    pub opt: Box<dyn Optimizer<B>>,
 }
 
 /// Where a resumed run continues: the checkpoint's step and caller state.
@@ -194,19 +194,18 @@ impl<'a, B: Backend> Replicated<'a, B> {
             let names = st.params.keys().map(String::as_str);
             check_extra_tensors(dir, model, names, cfg.extra_tensors)?;
             let w = weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
-            let mut opt = AdamW::new(b, cfg.adamw(), &w)?;
-            // into the moments AdamW::new made: no second copy at start-up
+            let mut opt = optimizer(b, cfg, &w)?;
+            // into the moments the optimizer made: no second copy at start-up
             for (k, (name, _)) in w.named().into_iter().enumerate() {
                 let missing =
                     || Error::Checkpoint(format!("{}: no moments of {name}", dir.display()));
-                b.upload(
-                    &mut opt.m[k],
-                    &st.adam_m.get(&name).ok_or_else(missing)?.data,
-                )?;
-                b.upload(
-                    &mut opt.v[k],
-                    &st.adam_v.get(&name).ok_or_else(missing)?.data,
-                )?;
+                for (kind, saved) in [
+                    (StateKind::ExpAvg, &st.adam_m),
+                    (StateKind::ExpAvgSq, &st.adam_v),
+                ] {
+                    let t = opt.state_mut(k, kind).ok_or_else(missing)?;
+                    b.upload(t, &saved.get(&name).ok_or_else(missing)?.data)?;
+                }
             }
             let store = ReplicatedStore::new(b, model, w, group)?;
             let resumed = Resumed {
@@ -222,10 +221,46 @@ impl<'a, B: Backend> Replicated<'a, B> {
             }
             None => ModelWeights::random(b, model, cfg.seed)?,
         };
-        let opt = AdamW::new(b, cfg.adamw(), &w)?;
+        let opt = optimizer(b, cfg, &w)?;
         let store = ReplicatedStore::new(b, model, w, group)?;
         Ok((Replicated { store, opt }, None))
     }
+}
+
+/// AdamW over every parameter tensor of `w` (one slot each, in
+/// `ModelWeights::named` order).
+fn optimizer<B: Backend>(
+    b: &B,
+    cfg: &TrainConfig,
+    w: &ModelWeights<B>,
+) -> Result<Box<dyn Optimizer<B>>> {
+    let layers = w.blocks.len();
+    let mut slots = Vec::new();
+    for unit in Unit::all(layers) {
+        for (name, t) in w.unit_named(unit) {
+            slots.push(Slot::whole(unit, name, t.numel()));
+        }
+    }
+    let params: Vec<&Tensor<B>> = w.named().into_iter().map(|(_, t)| t).collect();
+    let opt = AdamW::new(b, cfg.adamw(), slots, &params, layers)?;
+    Ok(Box::new(opt.zeroing_device_grads()))
+}
+
+/// Every parameter and its gradient, lent to the optimizer.
+fn lend<'s, B: Backend>(w: &'s mut ModelWeights<B>, g: &'s mut ModelWeights<B>) -> Lent<'s, B> {
+    Lent {
+        params: w.named_mut().into_iter().map(|(_, t)| Some(t)).collect(),
+        grads: g.named_mut().into_iter().map(|(_, t)| Some(t)).collect(),
+    }
+}
+
+/// The global gradient norm (gradients already reduced over ranks).
+fn grad_norm<B: Backend>(b: &B, g: &ModelWeights<B>) -> Result<f64> {
+    let mut s = 0.0;
+    for (_, t) in g.named() {
+        s += b.sum_squares(t)?;
+    }
+    Ok(s.sqrt())
 }
 
 /// A checkpoint written under FSDP resumes under FSDP.
@@ -239,7 +274,7 @@ fn check_not_sharded(dir: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-impl<'a, B: Backend> Deferred<B, ReplicatedStore<'a, B>> for AdamW<B> {
+impl<'a, B: Backend> Deferred<B, ReplicatedStore<'a, B>> for Box<dyn Optimizer<B>> {
     fn settle_through(
         &mut self,
         b: &B,
@@ -249,8 +284,8 @@ impl<'a, B: Backend> Deferred<B, ReplicatedStore<'a, B>> for AdamW<B> {
         if !self.has_pending() {
             return Ok(());
         }
-        let upto = tensors_through(&store.w, unit);
-        self.settle(b, &mut store.w, &mut store.g, upto)
+        let upto = slots_through(self.slots(), unit, store.w.blocks.len());
+        self.settle(b, &mut lend(&mut store.w, &mut store.g), upto)
     }
 }
 
@@ -276,13 +311,14 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
     }
 
     fn optimizer_step(&mut self, b: &B, step: u32, loss_finite: bool) -> Result<Update> {
+        let norm = grad_norm(b, &self.store.g)?;
         let ReplicatedStore { w, g, .. } = &mut self.store;
-        self.opt.step(b, w, g, step, loss_finite)
+        self.opt.step(b, &mut lend(w, g), norm, step, loss_finite)
     }
 
     fn settle(&mut self, b: &B) -> Result<()> {
         let ReplicatedStore { w, g, .. } = &mut self.store;
-        self.opt.settle(b, w, g, usize::MAX)
+        self.opt.settle(b, &mut lend(w, g), usize::MAX)
     }
 
     fn save(
@@ -302,8 +338,8 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
             dir,
             step,
             &weights_to_host(b, w)?,
-            &tensors_to_host(b, w, &self.opt.m)?,
-            &tensors_to_host(b, w, &self.opt.v)?,
+            &tensors_to_host(b, w, |k| self.opt.kept(k, StateKind::ExpAvg))?,
+            &tensors_to_host(b, w, |k| self.opt.kept(k, StateKind::ExpAvgSq))?,
             extra,
         )
     }

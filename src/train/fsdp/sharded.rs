@@ -1,7 +1,7 @@
 //! A rank's sharded model with its optimizer: how a sharded run starts
 //! (random, `--init-from`, `--resume`), steps and saves.
 
-use super::{FsdpStore, ShardedAdamW};
+use super::FsdpStore;
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::checkpoint::ranged::RangedModel;
 use crate::checkpoint::sharded::{self as ckpt, SavedOptimizer};
@@ -10,18 +10,18 @@ use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::flat_layout::unit_key;
 use crate::model::{Decoder, RandomInit, Unit};
-use crate::optim::Update;
-use crate::optim::settling::{Deferred, Settling, update_index};
+use crate::optim::settling::{Deferred, Settling};
+use crate::optim::{AdamW, Optimizer, StateKind, Update, slots_through};
 use crate::train::config::TrainConfig;
 use crate::train::replicated::Resumed;
 use crate::train::state::{Micro, RankModel, pass};
 use serde_json::Value;
 use std::path::Path;
 
-/// FSDP shards and their AdamW state.
+/// FSDP shards and their optimizer.
 pub struct Sharded<'a, B: Backend> {
     pub store: FsdpStore<'a, B>,
-    pub opt: ShardedAdamW<B>,
+    pub opt: Box<dyn Optimizer<B>>,
     /// Every rank (checkpoint barriers).
     world: &'a dyn ProcessGroup<B>,
     /// The largest weight file a checkpoint writes.
@@ -53,7 +53,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 })?
             }
         };
-        let mut opt = ShardedAdamW::new(b, cfg.adamw(), &store)?;
+        let mut opt = optimizer(b, cfg, &store)?;
         let Some(dir) = cfg.resume_dir() else {
             return Ok((
                 Sharded {
@@ -68,10 +68,13 @@ impl<'a, B: Backend> Sharded<'a, B> {
         let saved = SavedOptimizer::open(dir)?;
         let rank = group.rank();
         for (i, u) in store.layouts.iter().enumerate() {
-            b.upload(&mut opt.m[i], &saved.shard("exp_avg", u, rank)?)?;
-            b.upload(&mut opt.v[i], &saved.shard("exp_avg_sq", u, rank)?)?;
-            if let (Some(master), true) = (opt.master[i].as_mut(), saved.has_master(u)) {
-                b.upload(master, &saved.shard("master", u, rank)?)?;
+            for kind in [StateKind::ExpAvg, StateKind::ExpAvgSq, StateKind::Master] {
+                if kind == StateKind::Master && !saved.has_master(u) {
+                    continue;
+                }
+                if let Some(t) = opt.state_mut(i, kind) {
+                    b.upload(t, &saved.shard(kind.name(), u, rank)?)?;
+                }
             }
         }
         let state = ckpt::read_state(dir)?;
@@ -148,10 +151,8 @@ impl<'a, B: Backend> Sharded<'a, B> {
         };
         for (i, u) in self.store.layouts.iter().enumerate() {
             let key = unit_key(u.unit);
-            tensors.push((format!("exp_avg.{key}"), host(&self.opt.m[i])?));
-            tensors.push((format!("exp_avg_sq.{key}"), host(&self.opt.v[i])?));
-            if let Some(master) = &self.opt.master[i] {
-                tensors.push((format!("master.{key}"), host(master)?));
+            for (kind, t) in self.opt.state(i) {
+                tensors.push((format!("{}.{key}", kind.name()), host(t)?));
             }
         }
         let (rank, world) = (self.store.group.rank(), self.store.group.size());
@@ -166,14 +167,31 @@ impl<'a, B: Backend> Sharded<'a, B> {
     }
 }
 
-impl<'a, B: Backend> Deferred<B, FsdpStore<'a, B>> for ShardedAdamW<B> {
+impl<'a, B: Backend> Deferred<B, FsdpStore<'a, B>> for Box<dyn Optimizer<B>> {
     fn settle_through(&mut self, b: &B, store: &mut FsdpStore<'a, B>, unit: Unit) -> Result<()> {
         if !self.has_pending() {
             return Ok(());
         }
-        let upto = update_index(unit, store.layers()) + 1;
-        self.settle(b, store, upto)
+        let upto = slots_through(self.slots(), unit, store.layers());
+        self.settle(b, &mut store.lend(), upto)
     }
+}
+
+/// AdamW over the rank's shards (zero moments, F32 masters of the current
+/// shards when they are in a lower precision).
+fn optimizer<B: Backend>(
+    b: &B,
+    cfg: &TrainConfig,
+    store: &FsdpStore<'_, B>,
+) -> Result<Box<dyn Optimizer<B>>> {
+    let busy = || Error::Backend("FSDP: a shard is in a collective at start-up".into());
+    let shards = store
+        .params
+        .iter()
+        .map(|p| p.as_ref().ok_or_else(busy))
+        .collect::<Result<Vec<_>>>()?;
+    let opt = AdamW::new(b, cfg.adamw(), store.slots(), &shards, store.layers())?;
+    Ok(Box::new(opt))
 }
 
 impl<B: Backend> RankModel<B> for Sharded<'_, B> {
@@ -195,11 +213,13 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
     }
 
     fn optimizer_step(&mut self, b: &B, step: u32, loss_finite: bool) -> Result<Update> {
-        self.opt.step(b, &mut self.store, step, loss_finite)
+        let norm = self.store.grad_norm(b)?;
+        self.opt
+            .step(b, &mut self.store.lend(), norm, step, loss_finite)
     }
 
     fn settle(&mut self, b: &B) -> Result<()> {
-        self.opt.settle(b, &mut self.store, usize::MAX)
+        self.opt.settle(b, &mut self.store.lend(), usize::MAX)
     }
 
     fn save(&mut self, b: &B, dir: &Path, step: u64, extra: &Value, lead: bool) -> Result<()> {

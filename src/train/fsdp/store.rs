@@ -9,8 +9,9 @@
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::model::flat_layout::{UnitLayout, model_layouts};
+use crate::model::flat_layout::{Segment, UnitLayout, model_layouts};
 use crate::model::{BlockWeights, HeadView, ModelConfig, ParamStore, Unit};
+use crate::optim::{Lent, Piece, Slot};
 use std::collections::VecDeque;
 
 /// A gathered unit's parameters, one tensor each.
@@ -120,6 +121,55 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
     /// The model's decoder blocks.
     pub fn layers(&self) -> usize {
         self.cfg.layers
+    }
+
+    /// The optimizer's slots: this rank's shard of every unit, with the
+    /// pieces of the unit's parameters it holds.
+    pub fn slots(&self) -> Vec<Slot> {
+        let piece = |l: &UnitLayout, s: Segment| Piece {
+            name: l.params[s.param].name.clone(),
+            at: s.at..s.at + s.elems.len(),
+        };
+        let slot = |l: &UnitLayout| Slot {
+            unit: l.unit,
+            pieces: l
+                .segments(self.rank)
+                .into_iter()
+                .map(|s| piece(l, s))
+                .collect(),
+        };
+        self.layouts.iter().map(slot).collect()
+    }
+
+    /// The shards and gradient shards, lent to the optimizer (a unit's
+    /// are absent while in a collective).
+    pub fn lend(&mut self) -> Lent<'_, B> {
+        Lent {
+            params: self.params.iter_mut().map(Option::as_mut).collect(),
+            grads: self.grads.iter_mut().map(Option::as_mut).collect(),
+        }
+    }
+
+    /// The global gradient norm: every rank's sum of squares, gathered and
+    /// added in rank order on the host (the same value on every rank).
+    pub fn grad_norm(&self, b: &B) -> Result<f64> {
+        let mut own = 0.0f64;
+        for g in &self.grads {
+            let g = g.as_ref().ok_or_else(|| {
+                internal("a gradient shard is in a collective at the optimizer step".into())
+            })?;
+            own += b.sum_squares(g)?;
+        }
+        // f64 carried as two f32 words (high part, rest) so no precision is lost
+        let hi = own as f32;
+        let lo = (own - hi as f64) as f32;
+        let send = b.from_host(&[hi, lo], &[2], DType::F32, Category::Workspace)?;
+        let world = self.group.size();
+        let mut recv = b.empty(&[2 * world], DType::F32, Category::Workspace)?;
+        self.group.all_gather(&send, &mut recv)?;
+        let words = b.to_host(&recv)?;
+        let total: f64 = words.chunks(2).map(|w| w[0] as f64 + w[1] as f64).sum();
+        Ok(total.sqrt())
     }
 
     /// Starts the all-gather of unit `i`: its shard is the send buffer.
