@@ -410,7 +410,7 @@ fn auto_forward_stages_are_the_widest_that_keep_the_peak() {
 /// The CUDA predictions against what the 2×H200 ledger measured for the
 /// Llama3-8B attention layer (hidden 4096, H 32, Hkv 8, d 128, Pu 2, 256K
 /// tokens, bf16, cuDNN 9.14; `bench attn --device cuda`, 2026-11-30,
-/// docs/results-log.md). With cuDNN the walk counts its gradient scratch, dQ
+/// RESULTS.md). With cuDNN the walk counts its gradient scratch, dQ
 /// accumulator, softmax sums and cuDNN's plan workspace as measured there
 /// (`estimated_bwd_plan_workspace`: 2 GiB for Ulysses' GQA calls, none for
 /// UPipe's one-head calls).

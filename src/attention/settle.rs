@@ -24,7 +24,7 @@ use std::str::FromStr;
 /// Each settlement reads and writes `dx` once and runs one weight-gradient
 /// GEMM per run of contiguous heads, so fewer settlements mean fewer, larger
 /// GEMMs; the price is holding the stages' returned dQ until then. Measured
-/// on the Llama3-8B layer (docs/strategies.md, docs/results-log.md):
+/// on the Llama3-8B layer (docs/strategies.md, RESULTS.md):
 /// one H200 (Pu 1, U 1): `Phase` 2.3-4 % faster than `Stages(1)` at 64K and
 /// 128K for 1.5 % more peak; 2×H200 (Pu 2, U 2): `Phase` +1.8 % at 128K and
 /// +0.5 % at 256K for 5.6-5.9 % more peak, `Stages(2)` (the default) +1.1 %

@@ -83,7 +83,7 @@ impl StageShapes {
     /// of GEMMs that writes the packed blocks directly, with the input shared,
     /// still reads the input once per destination: on 2×H200 at 128K its
     /// 2×(65536×128×4096) took 0.31 ms against 0.23 ms for the merged GEMM,
-    /// more than the copies it saves; docs/results-log.md.)
+    /// more than the copies it saves; RESULTS.md.)
     pub fn merge_destinations(&self, nh: usize) -> bool {
         self.pu > 1 && 2 * self.pu * nh * self.head_dim < (self.pu - 1) * self.hidden
     }

@@ -58,7 +58,7 @@ impl NcclWorld {
         // the highest priority the device has, so that beside compute
         // (`--overlap`) the block scheduler prefers NCCL's blocks to the
         // compute kernels' pending ones (on 2×H200 this did not make overlap
-        // pay: docs/results-log.md); collectives not beside compute are unaffected
+        // pay: RESULTS.md); collectives not beside compute are unaffected
         let (_, greatest) = drv(
             cudarc::driver::result::stream::get_priority_range(),
             "stream priority range",

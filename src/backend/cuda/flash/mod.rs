@@ -47,7 +47,7 @@
 //! Measured on one H200 (2026-11-30, d=128, H=16, causal, S = 16K / 64K):
 //! mma.sync forward 295-304 TFLOP/s, backward 251-265, forward+backward
 //! 262-275; wgmma forward 465-473, wgmma backward 383-397, both wgmma
-//! forward+backward 405-414 (`docs/results-log.md`).
+//! forward+backward 405-414 (`RESULTS.md`).
 //! `examples/flash_check.rs` reproduces the table and checks against the CPU oracle.
 
 use crate::error::{Error, Result};
