@@ -40,3 +40,8 @@ pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::write(&tmp, bytes).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
     rename(&tmp, path)
 }
+
+/// Whether `f` names a file directly inside the directory (no separators, no `..`).
+pub(super) fn is_plain_file_name(f: &str) -> bool {
+    !f.is_empty() && f != "." && f != ".." && !f.contains(['/', '\\'])
+}

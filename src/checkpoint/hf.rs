@@ -2,7 +2,7 @@
 //! sharded (`model.safetensors.index.json`) or not. Tensors keep their HF
 //! names and layouts; nothing is permuted.
 
-use super::fs::{create_dir, write_atomic};
+use super::fs::{create_dir, is_plain_file_name, write_atomic};
 use super::tensor_file::{HostTensor, read_safetensors, save_safetensors};
 use crate::backend::tensor::DType;
 use crate::error::{Error, Result};
@@ -195,11 +195,6 @@ pub(crate) fn read_weight_map(index: &Path) -> Result<HashMap<String, String>> {
             ))),
         })
         .collect()
-}
-
-/// Whether `f` names a file directly inside the directory (no separators, no `..`).
-pub(crate) fn is_plain_file_name(f: &str) -> bool {
-    !f.is_empty() && f != "." && f != ".." && !f.contains(['/', '\\'])
 }
 
 /// Writes an HF model directory: `config.json` and `model.safetensors` in

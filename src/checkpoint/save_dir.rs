@@ -21,8 +21,7 @@
 //! the old checkpoint (no journal yet) or a journal that the next
 //! [`SaveDir::acquire`] rolls forward to the new one.
 
-use super::fs::remove_if_exists;
-use super::hf::is_plain_file_name;
+use super::fs::{is_plain_file_name, remove_if_exists};
 use crate::backend::Bytes;
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
