@@ -9,7 +9,7 @@
 //! O, output y, input gradient dx).
 
 use super::{AttentionGrads, AttentionWeights, AttnDims, CpAttention, CpPlan, Strategy};
-use crate::backend::{Backend, Category, DType};
+use crate::backend::{AttnMask, Backend, Category, DType};
 use crate::comm::Mesh;
 use crate::comm::local::run_ranks;
 use crate::comm::rendezvous::Rendezvous;
@@ -232,7 +232,7 @@ pub fn run_rank<B: Backend>(
         q_norm: if dims.qk_norm { Some(up(4)?) } else { None },
         k_norm: if dims.qk_norm { Some(up(5)?) } else { None },
     };
-    let layer = CpAttention::new(b, *dims, plan.clone(), mesh)?;
+    let layer = CpAttention::new(b, *dims, plan.clone(), mesh, AttnMask::Causal)?;
     let ledger = b.ledger();
     let mut run = RankRun::default();
     let mut last = None;

@@ -232,7 +232,7 @@ impl<B: Backend> Decoder<B> {
         policy: MemoryPolicy,
     ) -> Result<Self> {
         policy.validate_for(cfg.layers)?;
-        let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh)?;
+        let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh, super::WINDOW_MASK)?;
         Ok(Decoder { cfg, policy, attn })
     }
 

@@ -12,7 +12,15 @@ pub mod store;
 pub mod unit;
 pub mod weights;
 
+use crate::attention::AttnMask;
+
 pub use config::ModelConfig;
 pub use decoder::{DEFAULT_LOSS_CHUNK, Decoder, MemoryPolicy};
 pub use store::{HeadView, ParamStore, Unit};
 pub use weights::{BlockWeights, ModelWeights, RandomInit};
+
+/// The attention mask of a training or evaluation window: causal over the
+/// whole window, which is one sequence. The decoder's layers and the model
+/// FLOP counts read it here; document masks (DESIGN.md §7) will come with
+/// each window instead, beside its ids.
+pub const WINDOW_MASK: AttnMask = AttnMask::Causal;
