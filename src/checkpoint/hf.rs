@@ -6,6 +6,7 @@
 
 use crate::backend::tensor::DType;
 use crate::error::{Error, Result};
+use crate::model::Param;
 use crate::model::config::ModelConfig;
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
@@ -271,9 +272,10 @@ pub fn load_hf_model_with(
 /// Tensors `transformers` writes that carry no parameter: a model's RoPE
 /// frequencies (`*.rotary_emb.inv_freq`, a buffer older versions saved),
 /// and the LM head of a model whose head is tied to the embeddings (the
-/// same values as `model.embed_tokens.weight`, which is what upipe reads).
+/// same values as the embedding, which is what upipe reads); the family
+/// names them ([`ModelConfig::is_parameterless`]).
 fn is_parameterless(name: &str, cfg: &ModelConfig) -> bool {
-    name.ends_with(".rotary_emb.inv_freq") || (cfg.tie_embeddings && name == "lm_head.weight")
+    cfg.is_parameterless(name)
 }
 
 /// Checks `names` (every tensor a checkpoint in `dir` holds, or any subset
@@ -323,7 +325,7 @@ pub fn check_extra_tensors<'a>(
 }
 
 fn missing_tensor(dir: &Path, name: &str, shape: &[usize], cfg: &ModelConfig) -> Error {
-    let hint = if name == "lm_head.weight" {
+    let hint = if name == cfg.hf_name(Param::LmHead) {
         "; if the checkpoint ties the LM head to the embeddings, set tie_word_embeddings true"
     } else {
         ""
@@ -703,7 +705,7 @@ mod tests {
     fn small_qwen() -> ModelConfig {
         ModelConfig {
             name: "small-qwen".into(),
-            qk_norm: true,
+            family: crate::model::Family::Qwen3,
             tie_embeddings: true,
             ..ModelConfig::preset("tiny").unwrap()
         }

@@ -1,8 +1,10 @@
-//! The Llama-family decoder: configs, weights in HF layout, and an explicit
-//! forward/backward with the memory policies long-context training needs.
+//! The Llama-family decoder: configs (`config.rs`; families, one file each,
+//! in `families/`), weights in HF layout, and an explicit forward/backward
+//! with the memory policies long-context training needs.
 
 pub mod config;
 pub mod decoder;
+pub mod families;
 pub mod flat_layout;
 pub mod flops;
 pub mod forward;
@@ -16,6 +18,7 @@ use crate::attention::AttnMask;
 
 pub use config::ModelConfig;
 pub use decoder::{DEFAULT_LOSS_CHUNK, Decoder, MemoryPolicy};
+pub use families::{BlockParam, Family, Param};
 pub use store::{HeadView, ParamStore, Unit};
 pub use weights::{BlockWeights, ModelWeights, RandomInit};
 
