@@ -11,9 +11,10 @@ use serde_json::{Map, Value, json};
 /// Keys whose `true` asks for what no family's decoder implements yet.
 const UNIMPLEMENTED_FLAGS: [&str; 3] = ["attention_bias", "mlp_bias", "use_sliding_window"];
 
-/// The decoder fields of a `config.json` object of `family` (not yet
-/// validated); a flag asking for an unimplemented feature is an error.
-pub(super) fn decoder_fields(obj: &Map<String, Value>, family: Family) -> Result<ModelConfig> {
+/// Refuses a `config.json` whose `attention_bias`, `mlp_bias` or
+/// `use_sliding_window` is true (a family that implements one checks the
+/// others only).
+pub(super) fn refuse_unimplemented(obj: &Map<String, Value>) -> Result<()> {
     for key in UNIMPLEMENTED_FLAGS {
         if obj.get(key).and_then(Value::as_bool) == Some(true) {
             return config_err_str(&format!(
@@ -21,6 +22,12 @@ pub(super) fn decoder_fields(obj: &Map<String, Value>, family: Family) -> Result
             ));
         }
     }
+    Ok(())
+}
+
+/// The decoder fields of a `config.json` object of `family` (not yet
+/// validated), with `transformers`' defaults for the optional ones.
+pub(super) fn decoder_fields(obj: &Map<String, Value>, family: Family) -> Result<ModelConfig> {
     let hidden = req_usize(obj, "hidden_size")?;
     let heads = req_usize(obj, "num_attention_heads")?;
     let head_dim = match obj.get("head_dim") {

@@ -15,6 +15,7 @@ pub(super) const ARCHITECTURE: &str = "LlamaForCausalLM";
 
 /// A Llama `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
+    hf::refuse_unimplemented(obj)?;
     hf::decoder_fields(obj, Family::Llama)
 }
 

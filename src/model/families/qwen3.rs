@@ -14,6 +14,7 @@ pub(super) const ARCHITECTURE: &str = "Qwen3ForCausalLM";
 
 /// A Qwen3 `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
+    hf::refuse_unimplemented(obj)?;
     hf::decoder_fields(obj, Family::Qwen3)
 }
 
