@@ -19,7 +19,7 @@ use cudarc::driver::sys::CUevent_flags;
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::{CudnnSdpa, SdpaBwd, SdpaFwd, SdpaShape};
-use upipe::backend::{Backend, Category, DType, Tensor};
+use upipe::backend::{AttnMask, Backend, Category, DType, Tensor};
 
 mod support;
 use support::{Res, Rng, rel_err};
@@ -38,8 +38,17 @@ struct Case {
     bf16_grads: bool,
 }
 
+/// The mask of a case's `causal` column.
+fn mask(causal: bool) -> AttnMask {
+    if causal {
+        AttnMask::Causal
+    } else {
+        AttnMask::Full
+    }
+}
+
 fn shape(c: &Case) -> SdpaShape {
-    upipe::backend::cuda::cudnn::dense_shape(c.sq, c.sk, c.hq, c.hkv, c.d, c.causal)
+    upipe::backend::cuda::cudnn::dense_shape(c.sq, c.sk, c.hq, c.hkv, c.d, mask(c.causal))
 }
 
 /// Device address of row `row` of a `[rows, ...]` tensor.
@@ -81,7 +90,7 @@ fn run_case(
         cq.all_rows(),
         ck.all_rows(),
         cv.all_rows(),
-        c.causal,
+        &mask(c.causal),
         co.all_rows_mut(),
         clse.all_rows_mut(),
     )?;
@@ -93,7 +102,7 @@ fn run_case(
         co.all_rows(),
         cdo.all_rows(),
         clse.all_rows(),
-        c.causal,
+        &mask(c.causal),
         cdq.all_rows_mut(),
         cdk.all_rows_mut(),
         cdv.all_rows_mut(),
@@ -250,7 +259,7 @@ fn check(be: &CudaBackend, sdpa: &CudnnSdpa) -> bool {
         (
             "causal sq!=sk",
             SdpaShape {
-                causal: true,
+                mask: AttnMask::Causal,
                 ..shape(&cases[4])
             },
         ),
@@ -611,14 +620,14 @@ fn main() -> Res<()> {
     println!("plan builds (first call per shape):");
     for b in sdpa.plan_builds() {
         println!(
-            "  {} sq {} sk {} hq {} hkv {} d {} causal {}: {:.1} ms, workspace {} B, engine cfg #{} of {} ({})",
+            "  {} sq {} sk {} hq {} hkv {} d {} mask {}: {:.1} ms, workspace {} B, engine cfg #{} of {} ({})",
             if b.bwd { "bwd" } else { "fwd" },
             b.shape.sq,
             b.shape.sk,
             b.shape.hq,
             b.shape.hkv,
             b.shape.d,
-            b.shape.causal,
+            b.shape.mask,
             b.build_ms,
             b.workspace,
             b.candidate.0,

@@ -24,7 +24,7 @@ use upipe::backend::cuda::flash::{
     FlashFwdArgs, FlashKernel, NVRTC_ARCH, NVRTC_OPTIONS, WGMMA_NVRTC_ARCH, bwd_kernel_from_env,
     flash_bwd, flash_bwd_workspace_bytes, flash_fwd,
 };
-use upipe::backend::{Backend, Category, DType};
+use upipe::backend::{AttnMask, Backend, Category, DType};
 
 mod support;
 use support::{Res, Rng, rel_err};
@@ -88,6 +88,15 @@ struct Case {
     key_from: usize,
 }
 
+/// The mask of a case's `causal` column.
+fn mask(causal: bool) -> AttnMask {
+    if causal {
+        AttnMask::Causal
+    } else {
+        AttnMask::Full
+    }
+}
+
 type CaseResult = ((FlashKernel, FlashKernel), [f32; 5]);
 
 fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<CaseResult>> {
@@ -118,7 +127,7 @@ fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<CaseResult>> {
         cq.all_rows(),
         ck.all_rows(),
         cv.all_rows(),
-        c.causal,
+        &mask(c.causal),
         co.all_rows_mut(),
         clse.all_rows_mut(),
     )?;
@@ -131,7 +140,7 @@ fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<CaseResult>> {
         co.all_rows(),
         cdo.all_rows(),
         clse.all_rows(),
-        c.causal && c.key_from == 0,
+        &mask(c.causal && c.key_from == 0),
         cdq.all_rows_mut(),
         cdk.rows_view_mut(kr.clone()),
         cdv.rows_view_mut(kr.clone()),
@@ -200,7 +209,7 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
             hq,
             hkv,
             d,
-            causal: c.causal,
+            mask: mask(c.causal),
         },
     )?;
     let (gdq, gdk, gdv) = (g.up32(dq0)?, g.up32(dk0)?, g.up32(dv0)?);
@@ -236,7 +245,7 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
             hq,
             hkv,
             d,
-            causal: c.causal && c.key_from == 0,
+            mask: mask(c.causal && c.key_from == 0),
         },
     )?;
     g.stream.synchronize()?;
@@ -395,7 +404,7 @@ fn bench(
         hq: h,
         hkv,
         d,
-        causal: true,
+        mask: AttnMask::Causal,
     };
     let ba = FlashBwdArgs {
         q: fa.q,
@@ -422,7 +431,7 @@ fn bench(
         hq: h,
         hkv,
         d,
-        causal: true,
+        mask: AttnMask::Causal,
     };
     let iters = if s >= 32768 { 3 } else { 10 };
     let time = |f: &dyn Fn() -> Res<()>| -> Res<f64> {

@@ -10,7 +10,7 @@
 use std::time::Instant;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
-use upipe::backend::{Backend, Category, DType, Tensor};
+use upipe::backend::{AttnMask, Backend, Category, DType, Tensor};
 
 fn time<F: FnMut() -> upipe::Result<()>>(
     b: &CudaBackend,
@@ -72,7 +72,7 @@ fn attention_times(
             q.all_rows(),
             k.all_rows(),
             v.all_rows(),
-            true,
+            &AttnMask::Causal,
             o.all_rows_mut(),
             lse.all_rows_mut(),
         )
@@ -87,7 +87,7 @@ fn attention_times(
             o.all_rows(),
             d_o.all_rows(),
             lse.all_rows(),
-            true,
+            &AttnMask::Causal,
             dq.all_rows_mut(),
             dk.all_rows_mut(),
             dv.all_rows_mut(),
@@ -221,7 +221,7 @@ fn main() -> upipe::Result<()> {
             q.all_rows(),
             q.all_rows(),
             q.all_rows(),
-            true,
+            &AttnMask::Causal,
             o.all_rows_mut(),
             lse.all_rows_mut(),
         )

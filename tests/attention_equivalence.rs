@@ -259,3 +259,38 @@ fn settling_every_n_stages_or_per_phase_gives_the_same_layer_for_at_most_a_phase
         );
     }
 }
+
+/// A full (bidirectional) mask over the sequence goes through every
+/// strategy as the causal one does: each equals `local` under the same
+/// mask, and the mask is honoured (the full layer differs from the causal).
+#[test]
+fn a_full_mask_gives_every_strategy_the_local_layer() {
+    use upipe::attention::AttnMask;
+    use upipe::attention::trial::run_trial_masked;
+    let d = dims(8, 4, 8, true);
+    let inputs = TrialInputs::random(&d, 24, 9);
+    let run = |plan: &CpPlan, mask| run_trial_masked(plan, &d, &inputs, mask, CpuBackend::new);
+    let local = CpPlan::new(Strategy::Local, &d, inputs.seq, 1, 1, None).unwrap();
+    let reference = run(&local, AttnMask::Full).unwrap();
+    let causal = run(&local, AttnMask::Causal).unwrap();
+    let differs = causal
+        .errors_against(&reference)
+        .iter()
+        .any(|(_, e)| *e > 1e-3);
+    assert!(differs, "the full mask's layer equals the causal one");
+    for (strategy, pu, pr, u) in [
+        (Strategy::Ulysses, 2, 1, None),
+        (Strategy::Ring, 1, 3, None),
+        (Strategy::Usp, 2, 2, None),
+        (Strategy::Upipe, 2, 2, Some(2)),
+    ] {
+        let plan = CpPlan::new(strategy, &d, inputs.seq, pu, pr, u).unwrap();
+        let got = run(&plan, AttnMask::Full).unwrap();
+        for (name, err) in got.errors_against(&reference) {
+            assert!(
+                err <= 1e-5,
+                "{strategy} {pu}x{pr} U={u:?}: {name} rel err {err:e}"
+            );
+        }
+    }
+}

@@ -75,7 +75,7 @@ fn reference_gradients_match_finite_differences() {
 /// the rest add (as ring attention's steps do).
 #[test]
 fn overwritten_gradients_equal_gradients_added_into_zeros() {
-    use upipe::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Tensor};
+    use upipe::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Tensor};
     let b = CpuBackend::new();
     let (s, hq, hkv, d) = (37, 4, 2, 8);
     let mut rng = Rng::new(11);
@@ -103,7 +103,7 @@ fn overwritten_gradients_equal_gradients_added_into_zeros() {
         q.all_rows(),
         k.all_rows(),
         v.all_rows(),
-        true,
+        &AttnMask::Causal,
         o.all_rows_mut(),
         lse.all_rows_mut(),
     )
@@ -130,7 +130,7 @@ fn overwritten_gradients_equal_gradients_added_into_zeros() {
                 o.all_rows(),
                 d_o.all_rows(),
                 lse.all_rows(),
-                false,
+                &AttnMask::Full,
                 dq.all_rows_mut(),
                 dk.rows_view_mut(kr.clone()),
                 dv.rows_view_mut(kr.clone()),

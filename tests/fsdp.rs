@@ -23,7 +23,11 @@ fn model(qwen: bool) -> ModelConfig {
     c.hidden = 32;
     c.ffn = 48;
     c.layers = 2;
-    c.qk_norm = qwen;
+    c.family = if qwen {
+        upipe::model::Family::Qwen3
+    } else {
+        upipe::model::Family::Llama
+    };
     c.tie_embeddings = qwen;
     c.validate().unwrap();
     c

@@ -10,7 +10,8 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{
-    AdamWStep, AttnGradWrites, Backend, Category, DType, GradWrite, IGNORE, MatLayout, Tensor,
+    AdamWStep, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, IGNORE, MatLayout,
+    Tensor,
 };
 
 const TOL: f64 = 1e-2;
@@ -673,6 +674,13 @@ impl AttnProblem {
             dv0: r(rng.vec(nk, 0.1)),
         }
     }
+    fn mask(&self) -> AttnMask {
+        if self.causal {
+            AttnMask::Causal
+        } else {
+            AttnMask::Full
+        }
+    }
     fn tag(&self) -> String {
         format!(
             "sq={} sk={} hq={} hkv={} d={} causal={}",
@@ -700,7 +708,7 @@ fn attn_fwd_on<B: Backend>(b: &B, dt: DType, p: &AttnProblem) -> (Vec<f32>, Vec<
         q.rows_view(qr.clone()),
         k.rows_view(kr.clone()),
         v.rows_view(kr),
-        p.causal,
+        &p.mask(),
         o.rows_view_mut(qr.clone()),
         lse.rows_view_mut(qr),
     )
@@ -761,7 +769,7 @@ fn attn_bwd_on<B: Backend>(
             o.rows_view(qr.clone()),
             d_o.rows_view(qr.clone()),
             lse.rows_view(qr.clone()),
-            p.causal,
+            &p.mask(),
             dq.rows_view_mut(qr.clone()),
             dk.rows_view_mut(kr.clone()),
             dv.rows_view_mut(kr),
@@ -1118,7 +1126,7 @@ fn cudnn_unsupported_shapes_fall_back_or_name_the_flag() {
             q.all_rows(),
             k.all_rows(),
             k.all_rows(),
-            true,
+            &AttnMask::Causal,
             o.all_rows_mut(),
             lse.all_rows_mut(),
         )

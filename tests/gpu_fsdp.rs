@@ -21,7 +21,7 @@ fn cuda() -> CudaBackend {
 
 fn qwen_style() -> ModelConfig {
     let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.qk_norm = true;
+    c.family = upipe::model::Family::Qwen3;
     c.tie_embeddings = true;
     c.validate().unwrap();
     c

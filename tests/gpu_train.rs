@@ -96,7 +96,7 @@ fn configs() -> Vec<(&'static str, TrainConfig)> {
 /// QK-norm and tied embeddings, as Qwen3's small models.
 fn qwen_style() -> ModelConfig {
     let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.qk_norm = true;
+    c.family = upipe::model::Family::Qwen3;
     c.tie_embeddings = true;
     c
 }

@@ -11,7 +11,11 @@ use upipe::train::trainer::loss_and_grads_cpu;
 
 fn tiny(qk_norm: bool) -> ModelConfig {
     let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.qk_norm = qk_norm;
+    c.family = if qk_norm {
+        upipe::model::Family::Qwen3
+    } else {
+        upipe::model::Family::Llama
+    };
     c.heads = 8;
     c.kv_heads = 2;
     c.head_dim = 8;

@@ -115,7 +115,11 @@ fn attention_layer_prediction_equals_ledger_peak() {
 
 fn tiny(qk_norm: bool) -> ModelConfig {
     let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.qk_norm = qk_norm;
+    c.family = if qk_norm {
+        upipe::model::Family::Qwen3
+    } else {
+        upipe::model::Family::Llama
+    };
     c.heads = 8;
     c.kv_heads = 2;
     c.head_dim = 8;

@@ -26,7 +26,11 @@ use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu, train_cpu};
 /// The tiny model with 8 heads (2 kv heads) and 3 blocks.
 fn tiny(qk_norm: bool) -> ModelConfig {
     let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.qk_norm = qk_norm;
+    c.family = if qk_norm {
+        upipe::model::Family::Qwen3
+    } else {
+        upipe::model::Family::Llama
+    };
     c.heads = 8;
     c.kv_heads = 2;
     c.head_dim = 8;

@@ -3,7 +3,7 @@
 
 use super::rope::RopeTables;
 use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, norm_rope_bwd};
-use crate::backend::{AttnGradWrites, Backend, Category, DType, Tensor};
+use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, Tensor};
 use crate::error::Result;
 
 /// `x @ w^T` for a `[rows, hidden]` input and `[heads*d, hidden]` weight, shaped `[rows, heads, d]`.
@@ -19,11 +19,12 @@ fn project<B: Backend>(
     Ok(out)
 }
 
-/// Forward on the whole sequence.
+/// Forward on the whole sequence under its `mask`.
 pub fn forward<B: Backend>(
     b: &B,
     dims: &AttnDims,
     rope: &RopeTables<B>,
+    mask: &AttnMask,
     w: &AttentionWeights<B>,
     x: &Tensor<B>,
 ) -> Result<(Tensor<B>, AttnSaved<B>)> {
@@ -39,7 +40,7 @@ pub fn forward<B: Backend>(
         q.all_rows(),
         k.all_rows(),
         v.all_rows(),
-        true,
+        mask,
         o.all_rows_mut(),
         lse.all_rows_mut(),
     )?;
@@ -48,12 +49,13 @@ pub fn forward<B: Backend>(
     Ok((y, AttnSaved { o, lse: vec![lse] }))
 }
 
-/// Backward on the whole sequence; returns `dx`.
+/// Backward on the whole sequence under its `mask`; returns `dx`.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<B: Backend>(
     b: &B,
     dims: &AttnDims,
     rope: &RopeTables<B>,
+    mask: &AttnMask,
     w: &AttentionWeights<B>,
     x: &Tensor<B>,
     saved: AttnSaved<B>,
@@ -81,7 +83,7 @@ pub fn backward<B: Backend>(
         o.all_rows(),
         d_o.all_rows(),
         lse[0].all_rows(),
-        true,
+        mask,
         dq.all_rows_mut(),
         dk.all_rows_mut(),
         dv.all_rows_mut(),

@@ -1,6 +1,8 @@
 //! Context-parallel attention: the attention layer (Q/K/V projection,
-//! optional QK RMSNorm, RoPE, causal attention, output projection) with an
-//! explicit backward, under five strategies.
+//! optional QK RMSNorm, RoPE, masked attention, output projection) with an
+//! explicit backward, under five strategies. The mask is an [`AttnMask`]
+//! value (defined in `backend/`, which the kernels read; re-exported here)
+//! carried from the caller through every strategy to the kernels.
 //!
 //! `local` is the single-device reference ([`local`]). `ulysses`, `ring`,
 //! `usp` and `upipe` are one staged engine ([`staged`]) with different
@@ -28,6 +30,7 @@ pub mod shapes;
 pub mod staged;
 pub mod trial;
 
+pub use crate::backend::AttnMask;
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::comm::{Mesh, MeshShape};
 use crate::error::Result;
@@ -331,14 +334,33 @@ pub struct CpAttention<B: Backend> {
     pub plan: CpPlan,
     /// RoPE tables for the positions this rank attends over (its ring shard).
     rope: RopeTables<B>,
+    /// The mask over the whole sequence (each strategy cuts it into its
+    /// calls' masks).
+    pub mask: AttnMask,
 }
 
 impl<B: Backend> CpAttention<B> {
-    /// Prepares the layer for the rank `mesh.rank` of `plan.mesh_shape()`.
-    pub fn new(b: &B, dims: AttnDims, plan: CpPlan, mesh: &Mesh<B>) -> Result<Self> {
+    /// Prepares the layer for the rank `mesh.rank` of `plan.mesh_shape()`,
+    /// attending under `mask` over the whole sequence.
+    pub fn new(
+        b: &B,
+        dims: AttnDims,
+        plan: CpPlan,
+        mesh: &Mesh<B>,
+        mask: AttnMask,
+    ) -> Result<Self> {
         let positions = plan.layout.ring_shard_positions(mesh.ring.rank());
         let rope = RopeTables::new(b, &dims.rope, dims.head_dim, &positions)?;
-        Ok(CpAttention { dims, plan, rope })
+        Ok(CpAttention {
+            dims,
+            plan,
+            rope,
+            mask,
+        })
+    }
+
+    fn staged<'a>(&'a self, b: &'a B, mesh: &'a Mesh<B>) -> staged::Staged<'a, B> {
+        staged::Staged::new(b, mesh, &self.dims, &self.plan, &self.rope, &self.mask)
     }
 
     /// `x: [s_local, hidden]` → `y: [s_local, hidden]` and the saved state.
@@ -350,8 +372,8 @@ impl<B: Backend> CpAttention<B> {
         x: &Tensor<B>,
     ) -> Result<(Tensor<B>, AttnSaved<B>)> {
         match self.plan.strategy {
-            Strategy::Local => local::forward(b, &self.dims, &self.rope, w, x),
-            _ => staged::Staged::new(b, mesh, &self.dims, &self.plan, &self.rope).forward(w, x),
+            Strategy::Local => local::forward(b, &self.dims, &self.rope, &self.mask, w, x),
+            _ => self.staged(b, mesh).forward(w, x),
         }
     }
 
@@ -368,9 +390,11 @@ impl<B: Backend> CpAttention<B> {
         grads: &mut AttentionGrads<B>,
     ) -> Result<Tensor<B>> {
         match self.plan.strategy {
-            Strategy::Local => local::backward(b, &self.dims, &self.rope, w, x, saved, dy, grads),
-            _ => staged::Staged::new(b, mesh, &self.dims, &self.plan, &self.rope)
-                .backward(w, x, saved, dy, grads),
+            Strategy::Local => {
+                let (dims, rope, mask) = (&self.dims, &self.rope, &self.mask);
+                local::backward(b, dims, rope, mask, w, x, saved, dy, grads)
+            }
+            _ => self.staged(b, mesh).backward(w, x, saved, dy, grads),
         }
     }
 }

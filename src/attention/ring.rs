@@ -3,10 +3,12 @@
 //! Each ring rank holds queries and keys of its ring shard: zigzag chunks
 //! `i` and `2P-1-i`, each `half` tokens. K/V blocks travel around the ring;
 //! step 0 is causal on the local pair, later steps are non-causal on half
-//! blocks, and partial results are merged by log-sum-exp. In backward the
-//! K/V gradients travel with their blocks and return home at the end.
+//! blocks (under a full mask every step is whole blocks), and partial results
+//! are merged by log-sum-exp. Each block's mask comes from the sequence's
+//! ([`ring_block`]). In backward the K/V gradients travel with their blocks
+//! and return home at the end.
 
-use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Tensor};
+use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Tensor};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::Result;
 use std::ops::Range;
@@ -20,19 +22,37 @@ pub struct RingBlock {
     pub q_rows: Range<usize>,
     /// Key rows of the visiting block taking part.
     pub k_rows: Range<usize>,
-    pub causal: bool,
+    /// The block's mask in its own rows (`q_rows` × `k_rows`).
+    pub mask: AttnMask,
 }
 
-/// The block computed by ring rank `i` at step `step` of `p` (shard of `2*half` tokens).
-pub fn ring_block(i: usize, step: usize, p: usize, half: usize) -> RingBlock {
+/// The block computed by ring rank `i` at step `step` of `p` (shard of
+/// `2*half` tokens) when the whole sequence's mask is `seq_mask`.
+pub fn ring_block(i: usize, step: usize, p: usize, half: usize, seq_mask: &AttnMask) -> RingBlock {
     let src = (i + p - step % p) % p;
     let all = 0..2 * half;
+    match seq_mask {
+        AttnMask::Full => RingBlock {
+            src,
+            q_rows: all.clone(),
+            k_rows: all,
+            mask: AttnMask::Full,
+        },
+        AttnMask::Causal => causal_ring_block(i, step, src, half),
+    }
+}
+
+/// [`ring_block`] of a causal sequence, visiting ring rank `src`'s block.
+fn causal_ring_block(i: usize, step: usize, src: usize, half: usize) -> RingBlock {
+    let all = 0..2 * half;
     if step == 0 {
+        // the local pair's rows are in sequence order (chunk i, then
+        // chunk 2P-1-i), so the causal mask holds on them as is
         RingBlock {
             src,
             q_rows: all.clone(),
             k_rows: all,
-            causal: true,
+            mask: AttnMask::Causal,
         }
     } else if src < i {
         // the visitor's first chunk precedes both local chunks; its second follows both
@@ -40,7 +60,7 @@ pub fn ring_block(i: usize, step: usize, p: usize, half: usize) -> RingBlock {
             src,
             q_rows: all,
             k_rows: 0..half,
-            causal: false,
+            mask: AttnMask::Full,
         }
     } else {
         // only the local second chunk comes after the visitor's two chunks
@@ -48,13 +68,14 @@ pub fn ring_block(i: usize, step: usize, p: usize, half: usize) -> RingBlock {
             src,
             q_rows: half..2 * half,
             k_rows: all,
-            causal: false,
+            mask: AttnMask::Full,
         }
     }
 }
 
-/// Ring attention forward. `q: [n, hq, d]`, `k, v: [n, hkv, d]` (this rank's
-/// shard); returns `o: [n, hq, d]` and `lse: [n, hq]` (F32).
+/// Ring attention forward under the sequence's `mask`. `q: [n, hq, d]`,
+/// `k, v: [n, hkv, d]` (this rank's shard); returns `o: [n, hq, d]` and
+/// `lse: [n, hq]` (F32).
 ///
 /// Each K/V block is passed on to the next rank as soon as it arrives, so
 /// the transfer of the block for step `s + 1` runs beside step `s`'s
@@ -65,6 +86,7 @@ pub fn forward<B: Backend>(
     q: &Tensor<B>,
     k: &Tensor<B>,
     v: &Tensor<B>,
+    mask: &AttnMask,
 ) -> Result<(Tensor<B>, Tensor<B>)> {
     let (n, hq) = (q.rows(), q.shape()[1]);
     let (p, i) = (ring.size(), ring.rank());
@@ -73,11 +95,13 @@ pub fn forward<B: Backend>(
     let mut lse = b.zeros(&[n, hq], DType::F32, Category::Activations)?;
     // the local block starts travelling before the local attention
     let relay = (p > 1).then(|| KvRelay::start(b, ring, k, v)).transpose()?;
+    // step 0: every local row against the local block, under the sequence's
+    // mask (the local rows are in sequence order)
     b.attention_fwd(
         q.all_rows(),
         k.all_rows(),
         v.all_rows(),
-        true,
+        mask,
         o.all_rows_mut(),
         lse.all_rows_mut(),
     )?;
@@ -89,12 +113,12 @@ pub fn forward<B: Backend>(
     let mut lse_blk = b.zeros(&[n, hq], DType::F32, Category::Workspace)?;
     for step in 1..p {
         let kv = relay.advance(b, ring, step + 1 == p)?;
-        let blk = ring_block(i, step, p, n / 2);
+        let blk = ring_block(i, step, p, n / 2, mask);
         b.attention_fwd(
             q.rows_view(blk.q_rows.clone()),
             kv[0].rows_view(blk.k_rows.clone()),
             kv[1].rows_view(blk.k_rows.clone()),
-            false,
+            &blk.mask,
             o_blk.rows_view_mut(blk.q_rows.clone()),
             lse_blk.rows_view_mut(blk.q_rows.clone()),
         )?;
@@ -109,7 +133,7 @@ pub fn forward<B: Backend>(
     Ok((o, lse))
 }
 
-/// Ring attention backward: `dq` for the local queries and `dk`, `dv` for the
+/// Ring attention backward under the sequence's `mask`: `dq` for the local queries and `dk`, `dv` for the
 /// local K/V (all `[n, heads, d]`, F32 or compute dtype), added into or
 /// overwritten as `writes` says (later ring steps add into what the first
 /// wrote, so overwrite only tensors whose dtype can accumulate: F32 when
@@ -133,6 +157,7 @@ pub fn backward<B: Backend>(
     dk: &mut Tensor<B>,
     dv: &mut Tensor<B>,
     writes: AttnGradWrites,
+    mask: &AttnMask,
 ) -> Result<()> {
     let (p, i, n) = (ring.size(), ring.rank(), q.rows());
     if p == 1 {
@@ -143,7 +168,7 @@ pub fn backward<B: Backend>(
             o.all_rows(),
             d_o.all_rows(),
             lse.all_rows(),
-            true,
+            mask,
             dq.all_rows_mut(),
             dk.all_rows_mut(),
             dv.all_rows_mut(),
@@ -159,7 +184,7 @@ pub fn backward<B: Backend>(
                         vs: &Tensor<B>,
                         dk_t: &mut Tensor<B>,
                         dv_t: &mut Tensor<B>| {
-        let blk = ring_block(i, step, p, n / 2);
+        let blk = ring_block(i, step, p, n / 2, mask);
         b.attention_bwd(
             q.rows_view(blk.q_rows.clone()),
             ks.rows_view(blk.k_rows.clone()),
@@ -167,7 +192,7 @@ pub fn backward<B: Backend>(
             o.rows_view(blk.q_rows.clone()),
             d_o.rows_view(blk.q_rows.clone()),
             lse.rows_view(blk.q_rows.clone()),
-            blk.causal,
+            &blk.mask,
             dq.rows_view_mut(blk.q_rows.clone()),
             dk_t.rows_view_mut(blk.k_rows.clone()),
             dv_t.rows_view_mut(blk.k_rows.clone()),
@@ -269,30 +294,34 @@ fn pass_grads<B: Backend>(
 mod tests {
     use super::*;
 
-    /// Block masks equal the plain causal mask on global positions.
+    /// Block masks equal the sequence's mask on global positions: every
+    /// pair it allows once, and no other.
     #[test]
-    fn ring_blocks_cover_exactly_the_causal_pairs() {
-        for p in 1..6 {
-            let half = 3;
-            let l = crate::attention::layout::SeqLayout::new(2 * p * half, 1, p).unwrap();
-            for i in 0..p {
-                let qpos = l.ring_shard_positions(i);
-                let mut seen = std::collections::HashSet::new();
-                for step in 0..p {
-                    let blk = ring_block(i, step, p, half);
-                    let kpos = l.ring_shard_positions(blk.src);
-                    for a in blk.q_rows.clone() {
-                        for bb in blk.k_rows.clone() {
-                            let visible = !blk.causal || bb <= a;
-                            if visible {
-                                assert!(kpos[bb] <= qpos[a], "future key attended");
-                                assert!(seen.insert((qpos[a], kpos[bb])), "pair twice");
+    fn ring_blocks_cover_exactly_the_allowed_pairs() {
+        for mask in [AttnMask::Causal, AttnMask::Full] {
+            for p in 1..6 {
+                let half = 3;
+                let l = crate::attention::layout::SeqLayout::new(2 * p * half, 1, p).unwrap();
+                for i in 0..p {
+                    let qpos = l.ring_shard_positions(i);
+                    let mut seen = std::collections::HashSet::new();
+                    for step in 0..p {
+                        let blk = ring_block(i, step, p, half, &mask);
+                        let kpos = l.ring_shard_positions(blk.src);
+                        for a in blk.q_rows.clone() {
+                            for bb in blk.k_rows.clone() {
+                                let (qa, kb) = (a - blk.q_rows.start, bb - blk.k_rows.start);
+                                if blk.mask.allows(qa, kb) {
+                                    assert!(mask.allows(qpos[a], kpos[bb]), "hidden key attended");
+                                    assert!(seen.insert((qpos[a], kpos[bb])), "pair twice");
+                                }
                             }
                         }
                     }
+                    let n = 2 * p * half;
+                    let want: usize = qpos.iter().map(|&x| mask.visible_keys(x, n).len()).sum();
+                    assert_eq!(seen.len(), want, "every {mask} pair once (p={p}, i={i})");
                 }
-                let want: usize = qpos.iter().map(|&x| x + 1).sum();
-                assert_eq!(seen.len(), want, "every causal pair once (p={p}, i={i})");
             }
         }
     }

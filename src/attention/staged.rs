@@ -25,7 +25,9 @@ use super::shapes::StageShapes;
 use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
 };
-use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Mat, MatLayout, Tensor};
+use crate::backend::{
+    AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Mat, MatLayout, Tensor,
+};
 use crate::comm::{Mesh, Pending};
 use crate::error::Result;
 use std::ops::Range;
@@ -71,6 +73,8 @@ pub struct Staged<'a, B: Backend> {
     dims: &'a AttnDims,
     plan: &'a CpPlan,
     rope: &'a RopeTables<B>,
+    /// The whole sequence's mask (every stage attends over all of it).
+    mask: &'a AttnMask,
     /// Local tokens of this rank.
     s: usize,
     /// Buffer shapes (shared with the memory planner).
@@ -84,6 +88,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         dims: &'a AttnDims,
         plan: &'a CpPlan,
         rope: &'a RopeTables<B>,
+        mask: &'a AttnMask,
     ) -> Self {
         Staged {
             b,
@@ -91,6 +96,7 @@ impl<'a, B: Backend> Staged<'a, B> {
             dims,
             plan,
             rope,
+            mask,
             s: plan.layout.local_len(),
             shapes: StageShapes::new(plan, dims),
         }
@@ -421,7 +427,8 @@ impl<'a, B: Backend> Staged<'a, B> {
                     }
                     Upcoming::End => {}
                 }
-                let (o_att, lse) = ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v)?;
+                let (o_att, lse) =
+                    ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v, self.mask)?;
                 drop(q);
                 self.split_lse(lse, &pieces[fwd_stage], &mut lses)?;
                 fwd_stage += 1;
@@ -521,7 +528,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         let mut stage_index = 0;
         // every stage's attention call on this rank: [n, u, d] over [n, m, d]
         let sh = &self.shapes;
-        let in_place = b.attention_bwd_in_place(sh.n, sh.u, sh.m, sh.head_dim);
+        let in_place = b.attention_bwd_in_place(sh.n, sh.u, sh.m, sh.head_dim, self.mask);
         let q_write = self.grad_write(1, w.q_norm.is_some(), in_place);
         for (p, phase) in sched.phases.iter().enumerate() {
             let kv = match next_kv.take() {
@@ -579,6 +586,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                         // a kv phase's later stages add into the first's
                         dkv: if t == 0 { kv_write } else { GradWrite::Add },
                     },
+                    self.mask,
                 )?;
                 drop((q, o_att, d_o));
                 let norm = w.q_norm.as_ref().zip(g.q_norm.as_mut());

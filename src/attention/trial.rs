@@ -9,7 +9,7 @@
 //! O, output y, input gradient dx).
 
 use super::{AttentionGrads, AttentionWeights, AttnDims, CpAttention, CpPlan, Strategy};
-use crate::backend::{Backend, Category, DType};
+use crate::backend::{AttnMask, Backend, Category, DType};
 use crate::comm::Mesh;
 use crate::comm::local::run_ranks;
 use crate::comm::rendezvous::Rendezvous;
@@ -202,8 +202,8 @@ pub struct RankRun {
 
 /// The per-rank body shared by thread ranks ([`run_trial`]) and process
 /// ranks (`upipe bench attn --device cuda` under `upipe launch`): uploads
-/// this rank's inputs, runs `warmup + iters` forward+backward passes, and
-/// measures time and ledger memory of each.
+/// this rank's inputs, runs `warmup + iters` forward+backward passes of the
+/// causal layer, and measures time and ledger memory of each.
 pub fn run_rank<B: Backend>(
     plan: &CpPlan,
     dims: &AttnDims,
@@ -211,6 +211,19 @@ pub fn run_rank<B: Backend>(
     b: &B,
     mesh: &Mesh<B>,
     opts: &RankOptions,
+) -> Result<RankRun> {
+    run_rank_masked(plan, dims, inputs, b, mesh, opts, AttnMask::Causal)
+}
+
+/// [`run_rank`] with the layer attending under `mask` over the sequence.
+pub fn run_rank_masked<B: Backend>(
+    plan: &CpPlan,
+    dims: &AttnDims,
+    inputs: RankInputs<'_>,
+    b: &B,
+    mesh: &Mesh<B>,
+    opts: &RankOptions,
+    mask: AttnMask,
 ) -> Result<RankRun> {
     let hidden = dims.hidden;
     let local = plan.layout.local_len();
@@ -232,7 +245,7 @@ pub fn run_rank<B: Backend>(
         q_norm: if dims.qk_norm { Some(up(4)?) } else { None },
         k_norm: if dims.qk_norm { Some(up(5)?) } else { None },
     };
-    let layer = CpAttention::new(b, *dims, plan.clone(), mesh)?;
+    let layer = CpAttention::new(b, *dims, plan.clone(), mesh, mask)?;
     let ledger = b.ledger();
     let mut run = RankRun::default();
     let mut last = None;
@@ -303,11 +316,23 @@ pub fn assemble(plan: &CpPlan, hidden: usize, runs: &[RankRun]) -> TrialResult {
     }
 }
 
-/// Runs forward+backward of one layer under `plan` on `plan.mesh_shape()` thread ranks.
+/// Runs forward+backward of one causal layer under `plan` on
+/// `plan.mesh_shape()` thread ranks.
 pub fn run_trial<B: Backend>(
     plan: &CpPlan,
     dims: &AttnDims,
     inputs: &TrialInputs,
+    make_backend: impl Fn() -> B + Sync,
+) -> Result<TrialResult> {
+    run_trial_masked(plan, dims, inputs, AttnMask::Causal, make_backend)
+}
+
+/// [`run_trial`] with the layer attending under `mask` over the sequence.
+pub fn run_trial_masked<B: Backend>(
+    plan: &CpPlan,
+    dims: &AttnDims,
+    inputs: &TrialInputs,
+    mask: AttnMask,
     make_backend: impl Fn() -> B + Sync,
 ) -> Result<TrialResult> {
     let runs = run_ranks(plan.mesh_shape(), make_backend, |_rank, b, mesh| {
@@ -317,14 +342,8 @@ pub fn run_trial<B: Backend>(
             dy: &dy,
             weights: &inputs.weights,
         };
-        run_rank(
-            plan,
-            dims,
-            rank_inputs,
-            b.as_ref(),
-            &mesh,
-            &RankOptions::ONCE,
-        )
+        let once = &RankOptions::ONCE;
+        run_rank_masked(plan, dims, rank_inputs, b.as_ref(), &mesh, once, mask)
     })?;
     Ok(assemble(plan, dims.hidden, &runs))
 }

@@ -4,8 +4,8 @@
 
 use super::profile::{HostProfile, Phase, StepProfile, Track};
 use super::{
-    AdamWStep, AttnGradWrites, Backend, Category, CopyDone, DType, GradWrite, IGNORE, Mat, MatMut,
-    MemoryLedger, Rows, RowsMut, Tensor,
+    AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, GradWrite, IGNORE,
+    Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -107,7 +107,11 @@ struct AttnGeom {
     scale: f32,
 }
 
-fn attn_geom(q: &Rows<'_, CpuBackend>, k: &Rows<'_, CpuBackend>, causal: bool) -> Result<AttnGeom> {
+fn attn_geom(
+    q: &Rows<'_, CpuBackend>,
+    k: &Rows<'_, CpuBackend>,
+    mask: &AttnMask,
+) -> Result<AttnGeom> {
     let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
     if hkv == 0 || hq % hkv != 0 || k.head_dim() != d {
         return Err(Error::Backend(format!(
@@ -116,12 +120,8 @@ fn attn_geom(q: &Rows<'_, CpuBackend>, k: &Rows<'_, CpuBackend>, causal: bool) -
             k.t.shape()
         )));
     }
-    if causal && q.len() != k.len() {
-        return Err(Error::Backend(format!(
-            "attention: a causal block needs as many queries as keys ({} vs {})",
-            q.len(),
-            k.len()
-        )));
+    if let Err(why) = mask.check_shape(q.len(), k.len()) {
+        return Err(Error::Backend(format!("attention: {why}")));
     }
     Ok(AttnGeom {
         hq,
@@ -473,12 +473,12 @@ impl Backend for CpuBackend {
         q: Rows<'_, Self>,
         k: Rows<'_, Self>,
         v: Rows<'_, Self>,
-        causal: bool,
+        mask: &AttnMask,
         o: RowsMut<'_, Self>,
         lse: RowsMut<'_, Self>,
     ) -> Result<()> {
         let _span = self.profile.span("attention_fwd", Track::Compute);
-        let g = attn_geom(&q, &k, causal)?;
+        let g = attn_geom(&q, &k, mask)?;
         if self.rehearsing() {
             return Ok(());
         }
@@ -492,13 +492,13 @@ impl Backend for CpuBackend {
             .zip(l_rows.par_chunks_mut(g.hq))
             .enumerate()
             .for_each(|(i, (orow, lrow))| {
-                let n_keys = if causal { i + 1 } else { sk };
-                let mut p = vec![0.0f32; n_keys];
+                let keys = mask.visible_keys(i, sk);
+                let mut p = vec![0.0f32; keys.len()];
                 for h in 0..g.hq {
                     let kh = h / g.group;
                     let qv = &qs[((q0 + i) * g.hq + h) * g.d..][..g.d];
                     let mut m = f32::NEG_INFINITY;
-                    for (j, pj) in p.iter_mut().enumerate() {
+                    for (pj, j) in p.iter_mut().zip(keys.clone()) {
                         let kv = &ks[((k0 + j) * g.hkv + kh) * g.d..][..g.d];
                         *pj = g.scale * dot(qv, kv);
                         m = m.max(*pj);
@@ -510,7 +510,7 @@ impl Backend for CpuBackend {
                     }
                     let out = &mut orow[h * g.d..(h + 1) * g.d];
                     out.fill(0.0);
-                    for (j, pj) in p.iter().enumerate() {
+                    for (pj, j) in p.iter().zip(keys.clone()) {
                         let vv = &vs[((k0 + j) * g.hkv + kh) * g.d..][..g.d];
                         for (x, y) in out.iter_mut().zip(vv) {
                             *x += pj * y;
@@ -533,14 +533,14 @@ impl Backend for CpuBackend {
         o: Rows<'_, Self>,
         d_o: Rows<'_, Self>,
         lse: Rows<'_, Self>,
-        causal: bool,
+        mask: &AttnMask,
         dq: RowsMut<'_, Self>,
         dk: RowsMut<'_, Self>,
         dv: RowsMut<'_, Self>,
         writes: AttnGradWrites,
     ) -> Result<()> {
         let _span = self.profile.span("attention_bwd", Track::Compute);
-        let g = attn_geom(&q, &k, causal)?;
+        let g = attn_geom(&q, &k, mask)?;
         if self.rehearsing() {
             return Ok(());
         }
@@ -572,18 +572,18 @@ impl Backend for CpuBackend {
                 for hg in 0..g.group {
                     let h = kh * g.group + hg;
                     for i in 0..sq {
-                        let n_keys = if causal { i + 1 } else { sk };
+                        let keys = mask.visible_keys(i, sk);
                         let qv = &qs[((q0 + i) * g.hq + h) * d..][..d];
                         let ov = &os[((o0 + i) * g.hq + h) * d..][..d];
                         let dov = &dos[((do0 + i) * g.hq + h) * d..][..d];
                         let l = ls[(l0 + i) * g.hq + h];
                         let delta = dot(dov, ov);
                         let dqr = &mut dq_l[(hg * sq + i) * d..][..d];
-                        for (j, pj) in p.iter_mut().enumerate().take(n_keys) {
+                        for (pj, j) in p[keys.clone()].iter_mut().zip(keys.clone()) {
                             let kv = &ks[((k0 + j) * g.hkv + kh) * d..][..d];
                             *pj = (g.scale * dot(qv, kv) - l).exp();
                         }
-                        for (j, &pj) in p.iter().enumerate().take(n_keys) {
+                        for (&pj, j) in p[keys.clone()].iter().zip(keys.clone()) {
                             let kv = &ks[((k0 + j) * g.hkv + kh) * d..][..d];
                             let vv = &vs[((k0 + j) * g.hkv + kh) * d..][..d];
                             let ds = pj * (dot(dov, vv) - delta) * g.scale;

@@ -10,10 +10,12 @@ pub mod arena;
 pub mod cpu;
 pub mod cuda;
 pub mod host_adamw;
+pub mod mask;
 pub mod memory;
 pub mod profile;
 pub mod tensor;
 
+pub use mask::AttnMask;
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};
 pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor, TensorRef};
 
@@ -246,14 +248,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// Attention forward on token rows. `q: [sq, hq, d]`, `k, v: [sk, hkv, d]` with
     /// `hq % hkv == 0` (query head `h` uses kv head `h / (hq/hkv)`); writes
-    /// `o: [sq, hq, d]` and `lse: [sq, hq]` (natural log). `causal` requires
-    /// `sq == sk` and lets row `i` see keys `0..=i`.
+    /// `o: [sq, hq, d]` and `lse: [sq, hq]` (natural log). Row `i` sees the
+    /// keys `mask` allows (`mask.visible_keys(i, sk)`; a causal mask needs
+    /// `sq == sk`, [`AttnMask::check_shape`]).
     fn attention_fwd(
         &self,
         q: Rows<'_, Self>,
         k: Rows<'_, Self>,
         v: Rows<'_, Self>,
-        causal: bool,
+        mask: &AttnMask,
         o: RowsMut<'_, Self>,
         lse: RowsMut<'_, Self>,
     ) -> Result<()>;
@@ -269,18 +272,25 @@ pub trait Backend: Send + Sync + Sized + 'static {
         o: Rows<'_, Self>,
         d_o: Rows<'_, Self>,
         lse: Rows<'_, Self>,
-        causal: bool,
+        mask: &AttnMask,
         dq: RowsMut<'_, Self>,
         dk: RowsMut<'_, Self>,
         dv: RowsMut<'_, Self>,
         writes: AttnGradWrites,
     ) -> Result<()>;
-    /// Whether [`attention_bwd`](Backend::attention_bwd) of causal
+    /// Whether [`attention_bwd`](Backend::attention_bwd) under `mask` of
     /// `[s, hq, d]` queries over `[s, hkv, d]` keys, all in the compute
     /// dtype, writes an overwritten compute-dtype gradient in place, with no
     /// F32 scratch: then a caller whose one call makes a gradient whole keeps
     /// it in the compute dtype for free. True where the compute dtype is F32.
-    fn attention_bwd_in_place(&self, _s: usize, _hq: usize, _hkv: usize, _d: usize) -> bool {
+    fn attention_bwd_in_place(
+        &self,
+        _s: usize,
+        _hq: usize,
+        _hkv: usize,
+        _d: usize,
+        _mask: &AttnMask,
+    ) -> bool {
         self.compute_dtype() == DType::F32
     }
     /// Merges a partial attention result into a running one by log-sum-exp:

@@ -6,6 +6,7 @@ use super::fs::{create_dir, is_plain_file_name, write_atomic};
 use super::tensor_file::{HostTensor, read_safetensors, save_safetensors};
 use crate::backend::tensor::DType;
 use crate::error::{Error, Result};
+use crate::model::Param;
 use crate::model::config::ModelConfig;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -74,9 +75,10 @@ pub fn load_hf_model_with(
 /// Tensors `transformers` writes that carry no parameter: a model's RoPE
 /// frequencies (`*.rotary_emb.inv_freq`, a buffer older versions saved),
 /// and the LM head of a model whose head is tied to the embeddings (the
-/// same values as `model.embed_tokens.weight`, which is what upipe reads).
+/// same values as the embedding, which is what upipe reads); the family
+/// names them ([`ModelConfig::is_parameterless`]).
 fn is_parameterless(name: &str, cfg: &ModelConfig) -> bool {
-    name.ends_with(".rotary_emb.inv_freq") || (cfg.tie_embeddings && name == "lm_head.weight")
+    cfg.is_parameterless(name)
 }
 
 /// Checks `names` (every tensor a checkpoint in `dir` holds, or any subset
@@ -126,7 +128,7 @@ pub fn check_extra_tensors<'a>(
 }
 
 fn missing_tensor(dir: &Path, name: &str, shape: &[usize], cfg: &ModelConfig) -> Error {
-    let hint = if name == "lm_head.weight" {
+    let hint = if name == cfg.hf_name(Param::LmHead) {
         "; if the checkpoint ties the LM head to the embeddings, set tie_word_embeddings true"
     } else {
         ""

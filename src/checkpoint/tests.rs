@@ -60,7 +60,7 @@ fn random_model(cfg: &ModelConfig) -> BTreeMap<String, HostTensor> {
 fn small_qwen() -> ModelConfig {
     ModelConfig {
         name: "small-qwen".into(),
-        qk_norm: true,
+        family: crate::model::Family::Qwen3,
         tie_embeddings: true,
         ..ModelConfig::preset("tiny").unwrap()
     }

@@ -1,9 +1,11 @@
-//! Model configurations of the Llama / Qwen3 decoder family: built-in presets,
-//! Hugging Face `config.json` parsing and writing, validation, and the exact
-//! HF parameter names and shapes that checkpoints must carry.
+//! [`ModelConfig`], the validated configuration everyone reads: resolving a
+//! preset or a Hugging Face `config.json` (each parsed by its family,
+//! `families/`), validation, and the parameters with the exact HF names and
+//! shapes that checkpoints must carry.
 
+use super::families::{FAMILIES, Family, Param};
 use crate::error::{Error, Result};
-use serde_json::{Map, Value, json};
+use serde_json::Value;
 use std::path::Path;
 
 pub use crate::attention::rope::RopeScaling;
@@ -13,6 +15,9 @@ pub use crate::attention::rope::RopeScaling;
 pub struct ModelConfig {
     /// A human-readable name (preset name or HF `_name_or_path`).
     pub name: String,
+    /// The family: its `config.json` schema, parameter names and quirks
+    /// (QK-norm: [`ModelConfig::qk_norm`]).
+    pub family: Family,
     /// Model (residual stream) width.
     pub hidden: usize,
     /// Number of decoder layers.
@@ -33,10 +38,8 @@ pub struct ModelConfig {
     pub rope_scaling: Option<RopeScaling>,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
-    /// Whether the LM head shares the embedding matrix.
+    /// Whether the LM head shares the embedding matrix (`tie_word_embeddings`).
     pub tie_embeddings: bool,
-    /// Whether q and k are RMS-normalised per head before RoPE (Qwen3).
-    pub qk_norm: bool,
     /// The longest context the model is configured for.
     pub max_position: usize,
 }
@@ -50,88 +53,14 @@ pub const PRESETS: &[&str] = &[
     "qwen3-32b",
 ];
 
-/// The RoPE scaling Meta publishes for the Llama 3.1 / 3.2 models.
 /// The most layers a model may have ([`ModelConfig::validate`]).
 pub const MAX_LAYERS: usize = 1024;
 
-fn llama31_rope_scaling(factor: f32) -> RopeScaling {
-    RopeScaling {
-        factor,
-        low_freq_factor: 1.0,
-        high_freq_factor: 4.0,
-        original_max_position_embeddings: 8192,
-    }
-}
-
-/// A Llama 3.x config with the dims that differ between sizes.
-fn llama3(name: &str, hidden: usize, layers: usize, heads: usize, ffn: usize) -> ModelConfig {
-    ModelConfig {
-        name: name.to_string(),
-        hidden,
-        layers,
-        heads,
-        kv_heads: 8,
-        head_dim: hidden / heads,
-        ffn,
-        vocab: 128_256,
-        rope_theta: 500_000.0,
-        rope_scaling: Some(llama31_rope_scaling(8.0)),
-        rms_norm_eps: 1e-5,
-        tie_embeddings: false,
-        qk_norm: false,
-        max_position: 131_072,
-    }
-}
-
 impl ModelConfig {
-    /// The built-in preset called `name`, if there is one.
-    ///
-    /// `llama3-8b` and `llama3-70b` carry the Llama 3.1 RoPE settings (scaling
-    /// factor 8, 128K context); their weights have the same shapes as Llama 3.0.
+    /// The built-in preset called `name`, if there is one (each family
+    /// holds its own).
     pub fn preset(name: &str) -> Option<ModelConfig> {
-        let cfg = match name {
-            "tiny" => ModelConfig {
-                name: "tiny".to_string(),
-                hidden: 64,
-                layers: 2,
-                heads: 4,
-                kv_heads: 2,
-                head_dim: 16,
-                ffn: 172,
-                vocab: 256,
-                rope_theta: 10_000.0,
-                rope_scaling: None,
-                rms_norm_eps: 1e-5,
-                tie_embeddings: false,
-                qk_norm: false,
-                max_position: 1 << 20,
-            },
-            "llama3.2-1b" => ModelConfig {
-                rope_scaling: Some(llama31_rope_scaling(32.0)),
-                tie_embeddings: true,
-                ..llama3(name, 2048, 16, 32, 8192)
-            },
-            "llama3-8b" => llama3(name, 4096, 32, 32, 14_336),
-            "llama3-70b" => llama3(name, 8192, 80, 64, 28_672),
-            "qwen3-32b" => ModelConfig {
-                name: name.to_string(),
-                hidden: 5120,
-                layers: 64,
-                heads: 64,
-                kv_heads: 8,
-                head_dim: 128,
-                ffn: 25_600,
-                vocab: 151_936,
-                rope_theta: 1_000_000.0,
-                rope_scaling: None,
-                rms_norm_eps: 1e-6,
-                tie_embeddings: false,
-                qk_norm: true,
-                max_position: 40_960,
-            },
-            _ => return None,
-        };
-        Some(cfg)
+        FAMILIES.iter().find_map(|f| f.preset(name))
     }
 
     /// Resolves a user argument: a preset name, a path to a `config.json`, or a
@@ -162,58 +91,26 @@ impl ModelConfig {
             .map_err(|e| Error::Config(format!("{}: {}", file.display(), strip_prefix(&e))))
     }
 
-    /// Parses a Hugging Face `config.json` of the Llama / Qwen3 family and validates it.
+    /// Parses a Hugging Face `config.json` of a family upipe reads (its
+    /// `model_type`: [`Family::from_model_type`]) and validates it.
     pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         let value: Value = serde_json::from_str(text)
             .map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
         let obj = value
             .as_object()
             .ok_or_else(|| Error::Config("config.json must be a JSON object".to_string()))?;
-        let cfg = parse_hf_object(obj)?;
+        let model_type = obj.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let cfg = Family::from_model_type(model_type)?.parse_hf(obj)?;
         cfg.validate()?;
         Ok(cfg)
     }
 
     /// Writes this config as a Hugging Face `config.json` that
     /// [`ModelConfig::from_hf_json`] reads back to an equal config and
-    /// `transformers` loads as `LlamaForCausalLM` / `Qwen3ForCausalLM`.
+    /// `transformers` loads as its family's architecture
+    /// (`LlamaForCausalLM` / `Qwen3ForCausalLM`).
     pub fn to_hf_json(&self) -> String {
-        let (model_type, arch) = if self.qk_norm {
-            ("qwen3", "Qwen3ForCausalLM")
-        } else {
-            ("llama", "LlamaForCausalLM")
-        };
-        let rope_scaling = match &self.rope_scaling {
-            None => Value::Null,
-            Some(s) => json!({
-                "rope_type": "llama3",
-                "factor": clean_f32(s.factor),
-                "low_freq_factor": clean_f32(s.low_freq_factor),
-                "high_freq_factor": clean_f32(s.high_freq_factor),
-                "original_max_position_embeddings": s.original_max_position_embeddings,
-            }),
-        };
-        let value = json!({
-            "_name_or_path": self.name,
-            "architectures": [arch],
-            "model_type": model_type,
-            "hidden_act": "silu",
-            "hidden_size": self.hidden,
-            "intermediate_size": self.ffn,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab,
-            "rope_theta": clean_f32(self.rope_theta),
-            "rope_scaling": rope_scaling,
-            "rms_norm_eps": clean_f32(self.rms_norm_eps),
-            "tie_word_embeddings": self.tie_embeddings,
-            "max_position_embeddings": self.max_position,
-            "attention_bias": false,
-            "mlp_bias": false,
-        });
-        serde_json::to_string_pretty(&value).expect("a JSON value always serialises")
+        super::families::to_hf_json(self)
     }
 
     /// Checks the config once, at the edge; every error names the fix.
@@ -336,178 +233,48 @@ impl ModelConfig {
             .sum()
     }
 
-    /// Every parameter with its exact Hugging Face name and shape, in model order.
-    pub fn hf_param_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let (h, hd) = (self.hidden, self.head_dim);
-        let (q, kv) = (self.heads * hd, self.kv_heads * hd);
-        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
-        for i in 0..self.layers {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            out.push((p("input_layernorm.weight"), vec![h]));
-            out.push((p("self_attn.q_proj.weight"), vec![q, h]));
-            out.push((p("self_attn.k_proj.weight"), vec![kv, h]));
-            out.push((p("self_attn.v_proj.weight"), vec![kv, h]));
-            out.push((p("self_attn.o_proj.weight"), vec![h, q]));
-            if self.qk_norm {
-                out.push((p("self_attn.q_norm.weight"), vec![hd]));
-                out.push((p("self_attn.k_norm.weight"), vec![hd]));
-            }
-            out.push((p("post_attention_layernorm.weight"), vec![h]));
-            out.push((p("mlp.gate_proj.weight"), vec![self.ffn, h]));
-            out.push((p("mlp.up_proj.weight"), vec![self.ffn, h]));
-            out.push((p("mlp.down_proj.weight"), vec![h, self.ffn]));
+    /// Whether q and k are RMS-normalised per head before RoPE (the
+    /// family's quirk: Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.family.qk_norm()
+    }
+
+    /// The HF name of parameter `p` in this model's family.
+    pub fn hf_name(&self, p: Param) -> String {
+        self.family.hf_name(p)
+    }
+
+    /// Every parameter by role with its shape, in model (HF) order: the
+    /// embedding, each block's [`Family::block_params`], the final norm and
+    /// the LM head unless tied.
+    pub fn params(&self) -> Vec<(Param, Vec<usize>)> {
+        let (h, v) = (self.hidden, self.vocab);
+        let mut out = vec![(Param::Embed, vec![v, h])];
+        for l in 0..self.layers {
+            let block = self.family.block_params().iter();
+            out.extend(block.map(|&bp| (Param::Block(l, bp), bp.shape(self))));
         }
-        out.push(("model.norm.weight".to_string(), vec![h]));
+        out.push((Param::FinalNorm, vec![h]));
         if !self.tie_embeddings {
-            out.push(("lm_head.weight".to_string(), vec![self.vocab, h]));
+            out.push((Param::LmHead, vec![v, h]));
         }
         out
     }
-}
 
-/// Builds a config from the fields of an HF `config.json` object (not yet validated).
-fn parse_hf_object(obj: &Map<String, Value>) -> Result<ModelConfig> {
-    let model_type = obj.get("model_type").and_then(Value::as_str).unwrap_or("");
-    let qk_norm = match model_type {
-        "llama" => false,
-        "qwen3" => true,
-        "qwen2" => {
-            return config_err_str(
-                "model_type 'qwen2' uses biases on the q/k/v projections, which upipe's decoder does not \
-                 implement; use a Llama or Qwen3 checkpoint",
-            );
-        }
-        other => {
-            return config_err_str(&format!(
-                "unsupported model_type '{other}'; upipe reads Llama ('llama') and Qwen3 ('qwen3') configs"
-            ));
-        }
-    };
-    for key in ["attention_bias", "mlp_bias", "use_sliding_window"] {
-        if obj.get(key).and_then(Value::as_bool) == Some(true) {
-            return config_err_str(&format!(
-                "{key} is true; upipe's decoder has no projection biases and uses full causal attention"
-            ));
-        }
+    /// Every parameter with its exact Hugging Face name and shape, in model order.
+    pub fn hf_param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.params()
+            .into_iter()
+            .map(|(p, shape)| (self.hf_name(p), shape))
+            .collect()
     }
-    let hidden = req_usize(obj, "hidden_size")?;
-    let heads = req_usize(obj, "num_attention_heads")?;
-    let head_dim = match obj.get("head_dim") {
-        None | Some(Value::Null) => hidden.checked_div(heads).unwrap_or(0),
-        Some(_) => req_usize(obj, "head_dim")?,
-    };
-    // Newer transformers move rope_theta into a `rope_parameters` object.
-    let rope_params = obj
-        .get("rope_parameters")
-        .and_then(Value::as_object)
-        .filter(|r| r.contains_key("rope_theta"));
-    let rope_theta = match (opt_f32(obj, "rope_theta")?, rope_params) {
-        (Some(theta), _) => theta,
-        (None, Some(r)) => req_f32(r, "rope_theta")?,
-        (None, None) => 10_000.0,
-    };
-    let scaling_value = obj
-        .get("rope_scaling")
-        .or_else(|| obj.get("rope_parameters"));
-    Ok(ModelConfig {
-        name: obj
-            .get("_name_or_path")
-            .and_then(Value::as_str)
-            .filter(|s| !s.is_empty())
-            .unwrap_or(model_type)
-            .to_string(),
-        hidden,
-        layers: req_usize(obj, "num_hidden_layers")?,
-        heads,
-        kv_heads: opt_usize(obj, "num_key_value_heads")?.unwrap_or(heads),
-        head_dim,
-        ffn: req_usize(obj, "intermediate_size")?,
-        vocab: req_usize(obj, "vocab_size")?,
-        rope_theta,
-        rope_scaling: parse_rope_scaling(scaling_value)?,
-        rms_norm_eps: opt_f32(obj, "rms_norm_eps")?.unwrap_or(1e-6),
-        tie_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
-        qk_norm,
-        max_position: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
-    })
-}
 
-/// Parses `rope_scaling` (or `rope_parameters`): absent, null and `"default"` mean none.
-fn parse_rope_scaling(value: Option<&Value>) -> Result<Option<RopeScaling>> {
-    let obj = match value {
-        None | Some(Value::Null) => return Ok(None),
-        Some(Value::Object(o)) => o,
-        Some(other) => {
-            return config_err_str(&format!(
-                "rope_scaling must be an object or null, got {other}"
-            ));
-        }
-    };
-    let kind = obj
-        .get("rope_type")
-        .or_else(|| obj.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    match kind {
-        "default" => Ok(None),
-        "llama3" => Ok(Some(RopeScaling {
-            factor: req_f32(obj, "factor")?,
-            low_freq_factor: req_f32(obj, "low_freq_factor")?,
-            high_freq_factor: req_f32(obj, "high_freq_factor")?,
-            original_max_position_embeddings: req_usize(obj, "original_max_position_embeddings")?,
-        })),
-        other => config_err_str(&format!(
-            "rope_scaling type '{other}' is not supported; upipe implements 'llama3' scaling \
-             (or none: remove rope_scaling)"
-        )),
+    /// Whether a tensor a checkpoint holds under `name` carries no
+    /// parameter: a buffer of the family ([`Family::is_buffer`]), or the LM
+    /// head of a model whose head is tied to the embeddings.
+    pub fn is_parameterless(&self, name: &str) -> bool {
+        self.family.is_buffer(name) || (self.tie_embeddings && name == self.hf_name(Param::LmHead))
     }
-}
-
-fn config_err_str<T>(msg: &str) -> Result<T> {
-    Err(Error::Config(msg.to_string()))
-}
-
-fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| usize::try_from(n).ok())
-            .map(Some)
-            .ok_or_else(|| Error::Config(format!("{key} must be a non-negative integer, got {v}"))),
-    }
-}
-
-fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
-    opt_usize(obj, key)?.ok_or_else(|| missing(key))
-}
-
-fn opt_f32(obj: &Map<String, Value>, key: &str) -> Result<Option<f32>> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(|x| Some(x as f32))
-            .ok_or_else(|| Error::Config(format!("{key} must be a number, got {v}"))),
-    }
-}
-
-fn req_f32(obj: &Map<String, Value>, key: &str) -> Result<f32> {
-    opt_f32(obj, key)?.ok_or_else(|| missing(key))
-}
-
-fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_bool()
-            .map(Some)
-            .ok_or_else(|| Error::Config(format!("{key} must be true or false, got {v}"))),
-    }
-}
-
-fn missing(key: &str) -> Error {
-    Error::Config(format!("config.json lacks the required key '{key}'"))
 }
 
 fn positive_finite(cfg: &ModelConfig, what: &str, v: f32) -> Result<()> {
@@ -526,11 +293,6 @@ fn largest_divisor_at_most(n: usize, k: usize) -> usize {
         .rev()
         .find(|&d| n.is_multiple_of(d))
         .unwrap_or(1)
-}
-
-/// An f32 as the f64 with the same shortest decimal form, so JSON shows `1e-5`, not `9.99999974e-6`.
-fn clean_f32(x: f32) -> f64 {
-    x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 /// The message of a `Config` error without its "invalid configuration: " prefix.
@@ -704,7 +466,7 @@ mod tests {
         assert_eq!(cfg.kv_heads, 4);
         assert_eq!(cfg.head_dim, 16);
         assert_eq!(cfg.rope_theta, 10_000.0);
-        assert!(!cfg.tie_embeddings && !cfg.qk_norm);
+        assert!(!cfg.tie_embeddings && !cfg.qk_norm());
         assert_eq!(cfg.rope_scaling.unwrap().factor, 2.0);
     }
 
@@ -874,7 +636,7 @@ mod tests {
         let from_dir = ModelConfig::resolve(dir.to_str().unwrap()).unwrap();
         let from_file = ModelConfig::resolve(dir.join("config.json").to_str().unwrap()).unwrap();
         assert_eq!(from_dir, from_file);
-        assert!(from_dir.qk_norm);
+        assert!(from_dir.qk_norm());
         std::fs::write(dir.join("config.json"), "{}").unwrap();
         let m = ModelConfig::resolve(dir.to_str().unwrap())
             .unwrap_err()

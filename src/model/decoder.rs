@@ -156,7 +156,7 @@ pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
         heads: cfg.heads,
         kv_heads: cfg.kv_heads,
         head_dim: cfg.head_dim,
-        qk_norm: cfg.qk_norm,
+        qk_norm: cfg.qk_norm(),
         norm_eps: cfg.rms_norm_eps,
         rope: crate::attention::rope::RopeConfig {
             theta: cfg.rope_theta,
@@ -232,7 +232,7 @@ impl<B: Backend> Decoder<B> {
         policy: MemoryPolicy,
     ) -> Result<Self> {
         policy.validate_for(cfg.layers)?;
-        let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh)?;
+        let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh, super::WINDOW_MASK)?;
         Ok(Decoder { cfg, policy, attn })
     }
 

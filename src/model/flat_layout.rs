@@ -106,14 +106,10 @@ impl UnitLayout {
 
 /// The parameters of `unit`, with HF names and shapes, in HF order.
 pub fn unit_params(cfg: &ModelConfig, unit: Unit) -> Vec<(String, Vec<usize>)> {
-    let block = |l: usize| format!("model.layers.{l}.");
-    cfg.hf_param_shapes()
+    cfg.params()
         .into_iter()
-        .filter(|(name, _)| match unit {
-            Unit::Embed => name == "model.embed_tokens.weight",
-            Unit::Block(l) => name.starts_with(&block(l)),
-            Unit::Head => name == "model.norm.weight" || name == "lm_head.weight",
-        })
+        .filter(|(p, _)| p.unit() == unit)
+        .map(|(p, shape)| (cfg.hf_name(p), shape))
         .collect()
 }
 

@@ -10,7 +10,9 @@
 //!   shared matrix once, as the head). A multiply-add per parameter and
 //!   token is 2 FLOPs forward and 4 backward: **6·N per token**.
 //! - causal attention: `Q·Kᵀ` and `P·V` are `2·S²·d` FLOPs each per head and
-//!   layer, halved by the causal mask: **2·S²·H·d per layer forward**, and
+//!   layer, times the mask's share of the `S²` scores
+//!   ([`AttnMask::flop_fraction`], ½ for the causal
+//!   [`WINDOW_MASK`](super::WINDOW_MASK)): **2·S²·H·d per layer forward**, and
 //!   forward plus backward counted as 3.5 forwards (the backward's five
 //!   `S²` products, two of them recomputing the forward's): per token
 //!   `3.5 · 2·S·H·d · L = 7·S·H·d·L`.
@@ -18,7 +20,8 @@
 //! Training: `6·N + 7·L·S·H·d` per token. Forward only (`upipe eval`):
 //! `2·N + 2·L·S·H·d`.
 
-use super::ModelConfig;
+use super::{ModelConfig, WINDOW_MASK};
+use crate::attention::AttnMask;
 
 /// Parameters that multiply activations (`N` in the module docs).
 pub fn matmul_params(cfg: &ModelConfig) -> usize {
@@ -30,10 +33,17 @@ pub fn matmul_params(cfg: &ModelConfig) -> usize {
     cfg.param_count() - table
 }
 
-/// Causal attention FLOPs of one layer's forward over `seq` tokens:
-/// `2·S²·H·d`.
+/// Attention FLOPs of one layer's forward over `seq` tokens under the
+/// window's mask: `4·S²·H·d` times its FLOP fraction (`2·S²·H·d` causal).
 pub fn attention_forward_flops(cfg: &ModelConfig, seq: usize) -> f64 {
-    2.0 * (seq as f64).powi(2) * (cfg.heads * cfg.head_dim) as f64
+    masked_attention_forward_flops(cfg, seq, &WINDOW_MASK)
+}
+
+/// Attention FLOPs of one layer's forward over `seq` tokens under `mask`:
+/// `Q·Kᵀ` and `P·V`, `2·S²·d` each per head, times `mask.flop_fraction`.
+pub fn masked_attention_forward_flops(cfg: &ModelConfig, seq: usize, mask: &AttnMask) -> f64 {
+    let full = 4.0 * (seq as f64).powi(2) * (cfg.heads * cfg.head_dim) as f64;
+    full * mask.flop_fraction(seq)
 }
 
 /// Model FLOPs per trained token (forward and backward) on sequences of
@@ -70,6 +80,15 @@ mod tests {
         assert!((train_flops_per_token(&m, 131_072) / 1e9 - 165.0).abs() < 1.0);
         let fwd = 2.0 * n as f64 + 2.0 * s * 4096.0 * 32.0;
         assert_eq!(forward_flops_per_token(&m, 131_072), fwd);
+    }
+
+    #[test]
+    fn the_mask_scales_the_attention_flops() {
+        let m = ModelConfig::preset("llama3-8b").unwrap();
+        let causal = masked_attention_forward_flops(&m, 4096, &AttnMask::Causal);
+        assert_eq!(causal, attention_forward_flops(&m, 4096));
+        let full = masked_attention_forward_flops(&m, 4096, &AttnMask::Full);
+        assert_eq!(full, 2.0 * causal);
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! Decoder parameters in Hugging Face layout and naming. The same struct holds
-//! F32 gradients (same shapes).
+//! Decoder parameters in Hugging Face layout, named by the model's family
+//! ([`Family::hf_name`]). The same struct holds F32 gradients (same shapes).
 
 use super::config::ModelConfig;
+use super::families::{BlockParam, Family, Param};
 use super::unit::Unit;
 use crate::attention::AttentionWeights;
 use crate::backend::{Backend, Category, DType, Tensor};
@@ -31,6 +32,8 @@ pub struct ModelWeights<B: Backend> {
     pub final_norm: Tensor<B>,
     /// `[vocab, hidden]`; `None` when tied to `embed`.
     pub lm_head: Option<Tensor<B>>,
+    /// The family that names the tensors.
+    pub family: Family,
 }
 
 impl<B: Backend> BlockWeights<B> {
@@ -40,31 +43,23 @@ impl<B: Backend> BlockWeights<B> {
         i: usize,
         t: &mut impl FnMut(String, &[usize]) -> Result<Tensor<B>>,
     ) -> Result<Self> {
-        let (h, hd) = (cfg.hidden, cfg.head_dim);
-        let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
-        let p = |s: &str| format!("model.layers.{i}.{s}");
+        // each tensor under its family's name, with its shape
+        let mut p = |bp: BlockParam| t(cfg.hf_name(Param::Block(i, bp)), &bp.shape(cfg));
+        let qk_norm = cfg.qk_norm();
         Ok(BlockWeights {
-            attn_norm: t(p("input_layernorm.weight"), &[h])?,
+            attn_norm: p(BlockParam::AttnNorm)?,
             attn: AttentionWeights {
-                wq: t(p("self_attn.q_proj.weight"), &[q, h])?,
-                wk: t(p("self_attn.k_proj.weight"), &[kv, h])?,
-                wv: t(p("self_attn.v_proj.weight"), &[kv, h])?,
-                wo: t(p("self_attn.o_proj.weight"), &[h, q])?,
-                q_norm: if cfg.qk_norm {
-                    Some(t(p("self_attn.q_norm.weight"), &[hd])?)
-                } else {
-                    None
-                },
-                k_norm: if cfg.qk_norm {
-                    Some(t(p("self_attn.k_norm.weight"), &[hd])?)
-                } else {
-                    None
-                },
+                wq: p(BlockParam::Wq)?,
+                wk: p(BlockParam::Wk)?,
+                wv: p(BlockParam::Wv)?,
+                wo: p(BlockParam::Wo)?,
+                q_norm: qk_norm.then(|| p(BlockParam::QNorm)).transpose()?,
+                k_norm: qk_norm.then(|| p(BlockParam::KNorm)).transpose()?,
             },
-            mlp_norm: t(p("post_attention_layernorm.weight"), &[h])?,
-            gate: t(p("mlp.gate_proj.weight"), &[cfg.ffn, h])?,
-            up: t(p("mlp.up_proj.weight"), &[cfg.ffn, h])?,
-            down: t(p("mlp.down_proj.weight"), &[h, cfg.ffn])?,
+            mlp_norm: p(BlockParam::MlpNorm)?,
+            gate: p(BlockParam::Gate)?,
+            up: p(BlockParam::Up)?,
+            down: p(BlockParam::Down)?,
         })
     }
 
@@ -73,29 +68,29 @@ impl<B: Backend> BlockWeights<B> {
         Self::build_with(cfg, i, &mut |_, s| b.zeros(s, DType::F32, Category::Grads))
     }
 
-    /// Every tensor with its name inside the block (`input_layernorm.weight`, ...), in HF order.
-    pub fn named(&self) -> Vec<(String, &Tensor<B>)> {
-        let mut v = vec![("input_layernorm.weight".to_string(), &self.attn_norm)];
+    /// Every tensor by role (`AttnNorm`, ...), in HF order.
+    pub fn params(&self) -> Vec<(BlockParam, &Tensor<B>)> {
+        let mut v = vec![(BlockParam::AttnNorm, &self.attn_norm)];
         for (short, t) in self.attn.named() {
-            v.push((attn_name(short), t));
+            v.push((attn_param(short), t));
         }
-        v.push(("post_attention_layernorm.weight".into(), &self.mlp_norm));
-        v.push(("mlp.gate_proj.weight".into(), &self.gate));
-        v.push(("mlp.up_proj.weight".into(), &self.up));
-        v.push(("mlp.down_proj.weight".into(), &self.down));
+        v.push((BlockParam::MlpNorm, &self.mlp_norm));
+        v.push((BlockParam::Gate, &self.gate));
+        v.push((BlockParam::Up, &self.up));
+        v.push((BlockParam::Down, &self.down));
         v
     }
 
-    /// Every tensor, mutable, in the order of [`named`](Self::named).
-    pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<B>)> {
-        let mut v = vec![("input_layernorm.weight".to_string(), &mut self.attn_norm)];
+    /// Every tensor, mutable, in the order of [`params`](Self::params).
+    pub fn params_mut(&mut self) -> Vec<(BlockParam, &mut Tensor<B>)> {
+        let mut v = vec![(BlockParam::AttnNorm, &mut self.attn_norm)];
         for (short, t) in self.attn.named_mut() {
-            v.push((attn_name(short), t));
+            v.push((attn_param(short), t));
         }
-        v.push(("post_attention_layernorm.weight".into(), &mut self.mlp_norm));
-        v.push(("mlp.gate_proj.weight".into(), &mut self.gate));
-        v.push(("mlp.up_proj.weight".into(), &mut self.up));
-        v.push(("mlp.down_proj.weight".into(), &mut self.down));
+        v.push((BlockParam::MlpNorm, &mut self.mlp_norm));
+        v.push((BlockParam::Gate, &mut self.gate));
+        v.push((BlockParam::Up, &mut self.up));
+        v.push((BlockParam::Down, &mut self.down));
         v
     }
 }
@@ -126,22 +121,23 @@ impl<B: Backend> ModelWeights<B> {
         cfg: &ModelConfig,
         t: &mut impl FnMut(String, &[usize]) -> Result<Tensor<B>>,
     ) -> Result<Self> {
-        let h = cfg.hidden;
-        let embed = t("model.embed_tokens.weight".into(), &[cfg.vocab, h])?;
+        let (h, name) = (cfg.hidden, |p: Param| cfg.hf_name(p));
+        let embed = t(name(Param::Embed), &[cfg.vocab, h])?;
         let blocks = (0..cfg.layers)
             .map(|i| BlockWeights::build_with(cfg, i, t))
             .collect::<Result<Vec<_>>>()?;
-        let final_norm = t("model.norm.weight".into(), &[h])?;
+        let final_norm = t(name(Param::FinalNorm), &[h])?;
         let lm_head = if cfg.tie_embeddings {
             None
         } else {
-            Some(t("lm_head.weight".into(), &[cfg.vocab, h])?)
+            Some(t(name(Param::LmHead), &[cfg.vocab, h])?)
         };
         Ok(ModelWeights {
             embed,
             blocks,
             final_norm,
             lm_head,
+            family: cfg.family,
         })
     }
 
@@ -173,81 +169,66 @@ impl<B: Backend> ModelWeights<B> {
         self.lm_head.as_mut().unwrap_or(&mut self.embed)
     }
 
+    /// Every tensor by role, in model (HF) order.
+    pub fn params(&self) -> Vec<(Param, &Tensor<B>)> {
+        let mut v = vec![(Param::Embed, &self.embed)];
+        for (l, blk) in self.blocks.iter().enumerate() {
+            v.extend(
+                blk.params()
+                    .into_iter()
+                    .map(|(bp, t)| (Param::Block(l, bp), t)),
+            );
+        }
+        v.push((Param::FinalNorm, &self.final_norm));
+        v.extend(self.lm_head.iter().map(|t| (Param::LmHead, t)));
+        v
+    }
+
+    /// Every tensor by role, mutable, in the order of [`params`](Self::params).
+    pub fn params_mut(&mut self) -> Vec<(Param, &mut Tensor<B>)> {
+        let mut v = vec![(Param::Embed, &mut self.embed)];
+        for (l, blk) in self.blocks.iter_mut().enumerate() {
+            let block = blk.params_mut().into_iter();
+            v.extend(block.map(|(bp, t)| (Param::Block(l, bp), t)));
+        }
+        v.push((Param::FinalNorm, &mut self.final_norm));
+        v.extend(self.lm_head.iter_mut().map(|t| (Param::LmHead, t)));
+        v
+    }
+
     /// The tensors of `unit` with their HF names, in HF order (a tied
     /// embedding belongs to [`Unit::Embed`] only).
     pub fn unit_named(&self, unit: Unit) -> Vec<(String, &Tensor<B>)> {
-        match unit {
-            Unit::Embed => vec![("model.embed_tokens.weight".into(), &self.embed)],
-            Unit::Block(l) => self.blocks[l]
-                .named()
-                .into_iter()
-                .map(|(n, t)| (format!("model.layers.{l}.{n}"), t))
-                .collect(),
-            Unit::Head => {
-                let mut v = vec![("model.norm.weight".to_string(), &self.final_norm)];
-                v.extend(
-                    self.lm_head
-                        .iter()
-                        .map(|t| ("lm_head.weight".to_string(), t)),
-                );
-                v
-            }
-        }
+        let family = self.family;
+        self.params()
+            .into_iter()
+            .filter(|(p, _)| p.unit() == unit)
+            .map(|(p, t)| (family.hf_name(p), t))
+            .collect()
     }
 
     /// The tensors of `unit`, mutable, in the order of [`unit_named`](Self::unit_named).
     pub fn unit_named_mut(&mut self, unit: Unit) -> Vec<(String, &mut Tensor<B>)> {
-        match unit {
-            Unit::Embed => vec![("model.embed_tokens.weight".into(), &mut self.embed)],
-            Unit::Block(l) => self.blocks[l]
-                .named_mut()
-                .into_iter()
-                .map(|(n, t)| (format!("model.layers.{l}.{n}"), t))
-                .collect(),
-            Unit::Head => {
-                let mut v = vec![("model.norm.weight".to_string(), &mut self.final_norm)];
-                v.extend(
-                    self.lm_head
-                        .iter_mut()
-                        .map(|t| ("lm_head.weight".to_string(), t)),
-                );
-                v
-            }
-        }
+        let family = self.family;
+        self.params_mut()
+            .into_iter()
+            .filter(|(p, _)| p.unit() == unit)
+            .map(|(p, t)| (family.hf_name(p), t))
+            .collect()
     }
 
     /// Every tensor with its HF name, in model order.
     pub fn named(&self) -> Vec<(String, &Tensor<B>)> {
-        let mut v = vec![("model.embed_tokens.weight".to_string(), &self.embed)];
-        for (i, blk) in self.blocks.iter().enumerate() {
-            v.extend(
-                blk.named()
-                    .into_iter()
-                    .map(|(n, t)| (format!("model.layers.{i}.{n}"), t)),
-            );
-        }
-        v.push(("model.norm.weight".to_string(), &self.final_norm));
-        if let Some(t) = &self.lm_head {
-            v.push(("lm_head.weight".to_string(), t));
-        }
-        v
+        let family = self.family;
+        let params = self.params().into_iter();
+        params.map(|(p, t)| (family.hf_name(p), t)).collect()
     }
 
     /// Every tensor, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<B>)> {
-        let mut v = vec![("model.embed_tokens.weight".to_string(), &mut self.embed)];
-        for (i, blk) in self.blocks.iter_mut().enumerate() {
-            v.extend(
-                blk.named_mut()
-                    .into_iter()
-                    .map(|(n, t)| (format!("model.layers.{i}.{n}"), t)),
-            );
-        }
-        v.push(("model.norm.weight".to_string(), &mut self.final_norm));
-        if let Some(t) = self.lm_head.as_mut() {
-            v.push(("lm_head.weight".to_string(), t));
-        }
-        v
+        let family = self.family;
+        let params = self.params_mut().into_iter();
+        params.map(|(p, t)| (family.hf_name(p), t)).collect()
     }
 }
 
@@ -306,14 +287,17 @@ fn is_norm(name: &str, shape: &[usize]) -> bool {
     shape.len() == 1 && name.ends_with("norm.weight")
 }
 
-/// HF name of an attention tensor inside a layer.
-fn attn_name(short: &str) -> String {
+/// The block parameter of an attention tensor's short name
+/// ([`AttentionWeights::named`]).
+fn attn_param(short: &str) -> BlockParam {
     match short {
-        "wq" => "self_attn.q_proj.weight".into(),
-        "wk" => "self_attn.k_proj.weight".into(),
-        "wv" => "self_attn.v_proj.weight".into(),
-        "wo" => "self_attn.o_proj.weight".into(),
-        other => format!("self_attn.{other}.weight"),
+        "wq" => BlockParam::Wq,
+        "wk" => BlockParam::Wk,
+        "wv" => BlockParam::Wv,
+        "wo" => BlockParam::Wo,
+        "q_norm" => BlockParam::QNorm,
+        "k_norm" => BlockParam::KNorm,
+        other => unreachable!("AttentionWeights names no tensor '{other}'"),
     }
 }
 

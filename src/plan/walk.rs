@@ -9,8 +9,8 @@ use super::store_walk::StoreWalk;
 use crate::attention::schedule::{Upcoming, grad_write, upcoming};
 use crate::attention::{AttnDims, CpPlan, Settle, Strategy};
 use crate::backend::Category::{self, Activations, Comm, Grads, Offload, Workspace};
-use crate::backend::{AttnGradWrites, GradWrite};
-use crate::model::{MemoryPolicy, ModelConfig, Unit};
+use crate::backend::{AttnGradWrites, AttnMask, GradWrite};
+use crate::model::{MemoryPolicy, ModelConfig, Unit, WINDOW_MASK};
 
 const F32: usize = 4;
 
@@ -111,10 +111,10 @@ impl AttnWalk {
         sk: usize,
         hq: usize,
         hkv: usize,
-        causal: bool,
+        mask: &AttnMask,
     ) {
         use crate::backend::cuda::cudnn;
-        let shape = cudnn::dense_shape(sq, sk, hq, hkv, self.sh.head_dim, causal);
+        let shape = cudnn::dense_shape(sq, sk, hq, hkv, self.sh.head_dim, *mask);
         if self.cudnn
             && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
         {
@@ -139,13 +139,13 @@ impl AttnWalk {
         sk: usize,
         hq: usize,
         hkv: usize,
-        causal: bool,
+        mask: &AttnMask,
         g: BwdGrads,
     ) {
         use crate::backend::DType;
         use crate::backend::cuda::{cudnn, flash};
         let d = self.sh.head_dim;
-        let shape = cudnn::dense_shape(sq, sk, hq, hkv, d, causal);
+        let shape = cudnn::dense_shape(sq, sk, hq, hkv, d, *mask);
         let dtype = |eb: usize| if eb == F32 { DType::F32 } else { DType::BF16 };
         let (nq, nk) = cudnn::bwd_scratch_elems(&shape);
         let grads = [
@@ -175,7 +175,7 @@ impl AttnWalk {
             .filter(|&&(_, eb, _)| eb != F32)
             .map(|&(n, _, _)| sim.alloc(Workspace, n * F32))
             .collect();
-        if self.flash_ws && flash::check_supported(sq, sk, hq, hkv, d, causal).is_ok() {
+        if self.flash_ws && flash::check_supported(sq, sk, hq, hkv, d, mask).is_ok() {
             let ws = sim.alloc(Workspace, flash::flash_bwd_workspace_bytes(sq, hq));
             sim.free(ws);
         }
@@ -191,7 +191,7 @@ impl AttnWalk {
             return true;
         }
         let (n, u, m, d) = (self.sh.n, self.sh.u, self.sh.m, self.sh.head_dim);
-        let shape = cudnn::dense_shape(n, n, u, m, d, true);
+        let shape = cudnn::dense_shape(n, n, u, m, d, WINDOW_MASK);
         self.cudnn && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, true).is_ok()
     }
 
@@ -326,7 +326,7 @@ impl AttnWalk {
             let copies = kv.map(|bytes| sim.alloc(Comm, bytes));
             self.pass_on(sim, kv, copies)
         });
-        self.attention_fwd(sim, n, n, u, m, true);
+        self.attention_fwd(sim, n, n, u, m, &WINDOW_MASK);
         if p == 1 {
             return (o, lse);
         }
@@ -342,8 +342,9 @@ impl AttnWalk {
                 in_flight = Some(self.pass_on(sim, kv, arrived));
                 None
             };
-            let blk = crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2);
-            self.attention_fwd(sim, blk.q_rows.len(), blk.k_rows.len(), u, m, false);
+            let blk =
+                crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2, &WINDOW_MASK);
+            self.attention_fwd(sim, blk.q_rows.len(), blk.k_rows.len(), u, m, &blk.mask);
             arrived.into_iter().flatten().for_each(|t| sim.free(t));
         }
         sim.free(o_blk);
@@ -356,7 +357,7 @@ impl AttnWalk {
     fn ring_bwd(&self, sim: &mut Sim, k: Buf, v: Buf, dk: Buf, g: BwdGrads) {
         let (p, n, u, m) = (self.sh.pr, self.sh.n, self.sh.u, self.sh.m);
         if p == 1 {
-            self.attention_bwd(sim, n, n, u, m, true, g);
+            self.attention_bwd(sim, n, n, u, m, &WINDOW_MASK, g);
             return;
         }
         let kv = [k.bytes, v.bytes];
@@ -370,7 +371,8 @@ impl AttnWalk {
             recv
         };
         let bwd = |sim: &mut Sim, step: usize| {
-            let blk = crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2);
+            let blk =
+                crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2, &WINDOW_MASK);
             let (sq, sk) = (blk.q_rows.len(), blk.k_rows.len());
             let writes = AttnGradWrites {
                 dq: if step == 0 {
@@ -380,7 +382,7 @@ impl AttnWalk {
                 },
                 dkv: GradWrite::Add,
             };
-            self.attention_bwd(sim, sq, sk, u, m, blk.causal, BwdGrads { writes, ..g });
+            self.attention_bwd(sim, sq, sk, u, m, &blk.mask, BwdGrads { writes, ..g });
         };
         bwd(sim, 0);
         for step in 1..p {
@@ -612,7 +614,7 @@ impl AttnWalk {
         let (k, _) = self.norm_rope(sim, k, false);
         let o = self.act(sim, Activations, numel(self.sh.saved_o()));
         let lse = sim.alloc(Activations, s * self.sh.heads * F32);
-        self.attention_fwd(sim, s, s, self.sh.heads, self.sh.kv_heads, true);
+        self.attention_fwd(sim, s, s, self.sh.heads, self.sh.kv_heads, &WINDOW_MASK);
         sim.free(q);
         sim.free(k);
         sim.free(v);
@@ -634,7 +636,7 @@ impl AttnWalk {
         let dk = sim.alloc(Workspace, k.bytes / self.ab * F32);
         let dv = sim.alloc(Workspace, v.bytes / self.ab * F32);
         let (s, h, hkv) = (self.sh.s, self.sh.heads, self.sh.kv_heads);
-        self.attention_bwd(sim, s, s, h, hkv, true, BwdGrads::F32_ADD);
+        self.attention_bwd(sim, s, s, h, hkv, &WINDOW_MASK, BwdGrads::F32_ADD);
         for b in [q, k, v, d_o, o] {
             sim.free(b);
         }

@@ -8,7 +8,7 @@
 //!   against ([`AttentionKernels::Naive`]).
 //!
 //! [`AttnFwd`] and [`AttnBwd`] carry what both take (device pointers as `u64`,
-//! row strides in elements, `sq, sk, hq, hkv, d, causal`, f32 lse `[s, h]`, f32
+//! row strides in elements, `sq, sk, hq, hkv, d, mask`, f32 lse `[s, h]`, f32
 //! dq/dk/dv accumulated into). The backend side (checks, row offsets, f32
 //! scratch for bf16 gradients, the flash backward's workspace) lives in
 //! `CudaBackend::attention_fwd` / `attention_bwd` (in `attention_ops.rs`),
@@ -17,7 +17,7 @@
 
 use super::flash::{self, FlashBwdArgs, FlashFunctions, FlashFwdArgs};
 use super::kernels::{ATT_THREADS, Args, Kernels, launch};
-use crate::backend::DType;
+use crate::backend::{AttnMask, DType};
 use crate::error::{Error, Result};
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
@@ -71,7 +71,7 @@ pub fn flash_fwd_unsupported(a: &AttnFwd) -> Option<String> {
     if a.sk == 0 {
         return Some("no keys".into());
     }
-    if let Err(e) = flash::check_supported(a.sq, a.sk, a.hq, a.hkv, a.d, a.causal) {
+    if let Err(e) = flash::check_supported(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask) {
         return Some(e.to_string());
     }
     let ptrs_ok = [a.q, a.k, a.v, a.o].iter().all(|&p| aligned(p, 16)) && aligned(a.lse, 4);
@@ -90,7 +90,7 @@ pub fn flash_bwd_unsupported(a: &AttnBwd) -> Option<String> {
             a.dt, a.o_dt, a.d_o_dt
         ));
     }
-    if let Err(e) = flash::check_supported(a.sq, a.sk, a.hq, a.hkv, a.d, a.causal) {
+    if let Err(e) = flash::check_supported(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask) {
         return Some(e.to_string());
     }
     let ptrs_ok = [a.q, a.k, a.v, a.o, a.d_o].iter().all(|&p| aligned(p, 16))
@@ -124,7 +124,7 @@ pub fn fwd_flash(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &AttnFwd) -> R
         hq: a.hq,
         hkv: a.hkv,
         d: a.d,
-        causal: a.causal,
+        mask: a.mask,
     };
     flash::flash_fwd(stream, f, &args)
 }
@@ -162,7 +162,7 @@ pub fn bwd_flash(
         hq: a.hq,
         hkv: a.hkv,
         d: a.d,
-        causal: a.causal,
+        mask: a.mask,
     };
     flash::flash_bwd(stream, f, &args)
 }
@@ -198,7 +198,7 @@ pub struct AttnFwd {
     pub hq: usize,
     pub hkv: usize,
     pub d: usize,
-    pub causal: bool,
+    pub mask: AttnMask,
 }
 
 /// Operands of one attention backward; `dq`, `dk`, `dv` are f32 and accumulated.
@@ -230,7 +230,7 @@ pub struct AttnBwd {
     pub hq: usize,
     pub hkv: usize,
     pub d: usize,
-    pub causal: bool,
+    pub mask: AttnMask,
 }
 
 fn scale(d: usize) -> f32 {
@@ -261,7 +261,7 @@ pub fn fwd_naive(k: &Kernels, stream: &CudaStream, a: &AttnFwd) -> Result<()> {
         .usize(a.hq)
         .usize(a.hkv)
         .usize(a.d)
-        .i32(a.causal as i32)
+        .i32(flash::causal_flag(&a.mask))
         .f32(scale(a.d));
     launch(
         stream,
@@ -306,7 +306,7 @@ pub fn bwd_naive(k: &Kernels, stream: &CudaStream, a: &AttnBwd) -> Result<()> {
         .usize(a.hq)
         .usize(a.hkv)
         .usize(a.d)
-        .i32(a.causal as i32)
+        .i32(flash::causal_flag(&a.mask))
         .f32(scale(a.d));
     launch(
         stream,

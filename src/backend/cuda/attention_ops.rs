@@ -8,7 +8,9 @@ use super::attention::{self, AttentionKernels, AttnBwd, AttnFwd, AttnPath};
 use super::device::drv;
 use super::kernels::{self, Args};
 use super::{CudaBackend, cudnn, dt, flash, need, nvrtc, ptr, ptr_at};
-use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Rows, RowsMut, Tensor};
+use crate::backend::{
+    AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Rows, RowsMut, Tensor,
+};
 use crate::error::{Error, Result};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -35,7 +37,7 @@ fn attn_geom(
     q: &Rows<'_, CudaBackend>,
     k: &Rows<'_, CudaBackend>,
     v: &Rows<'_, CudaBackend>,
-    causal: bool,
+    mask: &AttnMask,
 ) -> Result<AttnGeom> {
     let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
     if hkv == 0
@@ -52,12 +54,8 @@ fn attn_geom(
             v.t.shape()
         )));
     }
-    if causal && q.len() != k.len() {
-        return Err(Error::Backend(format!(
-            "attention: a causal block needs as many queries as keys ({} vs {})",
-            q.len(),
-            k.len()
-        )));
+    if let Err(why) = mask.check_shape(q.len(), k.len()) {
+        return Err(Error::Backend(format!("attention: {why}")));
     }
     if d > kernels::ATT_MAX_D {
         return Err(Error::Backend(format!(
@@ -279,14 +277,14 @@ impl CudaBackend {
         q: Rows<'_, Self>,
         k: Rows<'_, Self>,
         v: Rows<'_, Self>,
-        causal: bool,
+        mask: &AttnMask,
         o: RowsMut<'_, Self>,
         lse: RowsMut<'_, Self>,
     ) -> Result<()> {
         let _span = self.span_shaped("attention_fwd", || {
             format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
         })?;
-        let g = attn_geom(&q, &k, &v, causal)?;
+        let g = attn_geom(&q, &k, &v, mask)?;
         need(lse.t, DType::F32, "attention_fwd", "lse")?;
         if o.len() != q.len()
             || o.heads() != g.hq
@@ -321,10 +319,10 @@ impl CudaBackend {
             hq: g.hq,
             hkv: g.hkv,
             d: g.d,
-            causal,
+            mask: *mask,
         };
         if a.dt == DType::BF16 && a.o_dt == DType::BF16 && a.sq > 0 && a.hq > 0 {
-            let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, causal);
+            let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, *mask);
             if let Some(c) = self.cudnn_for(&shape, false)? {
                 self.count_attn(AttnPath::Cudnn, false);
                 let f = cudnn::SdpaFwd {
@@ -340,7 +338,7 @@ impl CudaBackend {
         }
         let (path, why) = self.fwd_path(&a)?;
         tracing::debug!(
-            "attention_fwd {path:?} sq={} sk={} hq={} hkv={} d={} causal={causal} {:?}{}",
+            "attention_fwd {path:?} sq={} sk={} hq={} hkv={} d={} mask={mask} {:?}{}",
             a.sq,
             a.sk,
             a.hq,
@@ -372,9 +370,10 @@ impl CudaBackend {
         hq: usize,
         hkv: usize,
         d: usize,
+        mask: &AttnMask,
     ) -> bool {
         // cuDNN writes bf16 gradients itself; our kernels add into F32
-        let shape = cudnn::dense_shape(s, s, hq, hkv, d, true);
+        let shape = cudnn::dense_shape(s, s, hq, hkv, d, *mask);
         s > 0 && hq > 0 && matches!(self.cudnn_for(&shape, true), Ok(Some(_)))
     }
 
@@ -389,7 +388,7 @@ impl CudaBackend {
         o: Rows<'_, Self>,
         d_o: Rows<'_, Self>,
         lse: Rows<'_, Self>,
-        causal: bool,
+        mask: &AttnMask,
         dq: RowsMut<'_, Self>,
         dk: RowsMut<'_, Self>,
         dv: RowsMut<'_, Self>,
@@ -398,7 +397,7 @@ impl CudaBackend {
         let _span = self.span_shaped("attention_bwd", || {
             format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
         })?;
-        let g = attn_geom(&q, &k, &v, causal)?;
+        let g = attn_geom(&q, &k, &v, mask)?;
         need(lse.t, DType::F32, "attention_bwd", "lse")?;
         let (sq, sk) = (q.len(), k.len());
         let shapes_ok = o.len() == sq
@@ -425,7 +424,7 @@ impl CudaBackend {
         let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
         let one_kv_grad_dt = dk.t.dtype() == dv.t.dtype();
         if bf16_in && one_kv_grad_dt && sq > 0 && sk > 0 && g.hq > 0 {
-            let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, causal);
+            let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, *mask);
             if let Some(c) = self.cudnn_for(&shape, true)? {
                 self.count_attn(AttnPath::Cudnn, true);
                 let b = cudnn::SdpaBwd {
@@ -503,7 +502,7 @@ impl CudaBackend {
             hq: g.hq,
             hkv: g.hkv,
             d: g.d,
-            causal,
+            mask: *mask,
         };
         let flash_fns = if sq == 0 || sk == 0 || g.hq == 0 {
             None
@@ -515,7 +514,7 @@ impl CudaBackend {
             Some(_) => attention::flash_bwd_unsupported(&a),
         };
         tracing::debug!(
-            "attention_bwd {:?} sq={sq} sk={sk} hq={} hkv={} d={} causal={causal} {:?}{}",
+            "attention_bwd {:?} sq={sq} sk={sk} hq={} hkv={} d={} mask={mask} {:?}{}",
             if why.is_none() {
                 AttnPath::Flash
             } else {

@@ -43,8 +43,8 @@ use self::gemm::Gemm;
 use self::kernels::{Args, Kernels, grid_for, launch};
 use self::pool::{CudaStorage, Pool, PoolStats};
 use super::{
-    AdamWStep, AttnGradWrites, Backend, Category, ComputePoint, CopyDone, DType, Mat, MatMut,
-    MemoryLedger, Rows, RowsMut, Tensor,
+    AdamWStep, AttnGradWrites, AttnMask, Backend, Category, ComputePoint, CopyDone, DType, Mat,
+    MatMut, MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
@@ -456,15 +456,22 @@ impl Backend for CudaBackend {
         q: Rows<'_, Self>,
         k: Rows<'_, Self>,
         v: Rows<'_, Self>,
-        causal: bool,
+        mask: &AttnMask,
         o: RowsMut<'_, Self>,
         lse: RowsMut<'_, Self>,
     ) -> Result<()> {
-        self.attention_fwd_impl(q, k, v, causal, o, lse)
+        self.attention_fwd_impl(q, k, v, mask, o, lse)
     }
 
-    fn attention_bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize) -> bool {
-        self.attention_bwd_in_place_impl(s, hq, hkv, d)
+    fn attention_bwd_in_place(
+        &self,
+        s: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        mask: &AttnMask,
+    ) -> bool {
+        self.attention_bwd_in_place_impl(s, hq, hkv, d, mask)
     }
 
     fn attention_bwd(
@@ -475,13 +482,13 @@ impl Backend for CudaBackend {
         o: Rows<'_, Self>,
         d_o: Rows<'_, Self>,
         lse: Rows<'_, Self>,
-        causal: bool,
+        mask: &AttnMask,
         dq: RowsMut<'_, Self>,
         dk: RowsMut<'_, Self>,
         dv: RowsMut<'_, Self>,
         writes: AttnGradWrites,
     ) -> Result<()> {
-        self.attention_bwd_impl(q, k, v, o, d_o, lse, causal, dq, dk, dv, writes)
+        self.attention_bwd_impl(q, k, v, o, d_o, lse, mask, dq, dk, dv, writes)
     }
 
     fn lse_merge(

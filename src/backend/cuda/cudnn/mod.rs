@@ -25,7 +25,7 @@ use self::desc::check;
 use self::plan::Plan;
 use super::CudaBackend;
 use super::libs::{self, Lib};
-use crate::backend::{AttnGradWrites, Backend, Category, DType, GradWrite, Tensor};
+use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Tensor};
 use crate::error::{Error, Result};
 use cudarc::cudnn::sys;
 use std::collections::HashMap;
@@ -212,7 +212,7 @@ pub fn dense_shape(
     hq: usize,
     hkv: usize,
     d: usize,
-    causal: bool,
+    mask: AttnMask,
 ) -> SdpaShape {
     SdpaShape {
         sq,
@@ -220,7 +220,7 @@ pub fn dense_shape(
         hq,
         hkv,
         d,
-        causal,
+        mask,
         q_rs: hq * d,
         k_rs: hkv * d,
         v_rs: hkv * d,
@@ -520,7 +520,7 @@ impl CudnnSdpa {
                     (uid::STATS, p(a.lse)),
                     (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
                 ];
-                if s.causal {
+                if sdpa_graph::reads_neg_inf(&s.mask) {
                     b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
                 }
                 b
@@ -567,7 +567,7 @@ impl CudnnSdpa {
                     (uid::DQ_ACCUM, p(base + acc_off as u64)),
                     (uid::SOFTMAX_SUM, p(base + sum_off as u64)),
                 ];
-                if s.causal {
+                if sdpa_graph::reads_neg_inf(&s.mask) {
                     b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
                 }
                 b

@@ -15,6 +15,7 @@
 //! head blocks: strides `(h·s·d, s·d, d, 1)` (row strides are then `d`).
 
 use super::graph::{Dt, Graph, Pw, Red, Role, packed};
+use crate::backend::AttnMask;
 use crate::error::Result;
 
 /// Geometry and strides of one SDPA call (also the plan-cache key).
@@ -25,7 +26,7 @@ pub struct SdpaShape {
     pub hq: usize,
     pub hkv: usize,
     pub d: usize,
-    pub causal: bool,
+    pub mask: AttnMask,
     /// Elements between consecutive tokens of q / dq.
     pub q_rs: usize,
     pub k_rs: usize,
@@ -97,6 +98,24 @@ fn stats(g: &mut Graph, s: &SdpaShape) -> Result<usize> {
     )
 }
 
+/// Whether the graph of `mask` reads the `NEG_INF` scalar (a mask that
+/// puts −∞ on the scores it hides).
+pub fn reads_neg_inf(mask: &AttnMask) -> bool {
+    match mask {
+        AttnMask::Full => false,
+        AttnMask::Causal => true,
+    }
+}
+
+/// Applies `mask` to the scores `x` (`[1, hq, sq, sk]` f32); returns the
+/// masked tensor (`x` itself when the mask hides nothing).
+fn apply_mask(g: &mut Graph, x: usize, mask: &AttnMask, dims: &[i64]) -> Result<usize> {
+    match mask {
+        AttnMask::Full => Ok(x),
+        AttnMask::Causal => causal_mask(g, x, dims),
+    }
+}
+
 /// Applies the top-left causal mask to `x` (`[1, hq, sq, sk]` f32): keeps
 /// `row >= col`, puts −∞ elsewhere. Returns the masked tensor.
 fn causal_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
@@ -160,9 +179,7 @@ pub fn forward(s: &SdpaShape) -> Result<Graph> {
     let scale = g.scalar(uid::SCALE, F32)?;
     let mut sc = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_MUL, s0, scale, sc)?;
-    if s.causal {
-        sc = causal_mask(&mut g, sc, &sdims)?;
-    }
+    sc = apply_mask(&mut g, sc, &s.mask, &sdims)?;
     let mx = g.virt(F32, &rdims)?;
     g.reduction(Red::CUDNN_REDUCE_TENSOR_MAX, sc, mx)?;
     let sub = g.virt(F32, &sdims)?;
@@ -224,9 +241,7 @@ pub fn backward(s: &SdpaShape) -> Result<Graph> {
     g.binary(Pw::CUDNN_POINTWISE_MUL, s0, scale, s1)?;
     let mut s2 = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_SUB, s1, st, s2)?;
-    if s.causal {
-        s2 = causal_mask(&mut g, s2, &sdims)?;
-    }
+    s2 = apply_mask(&mut g, s2, &s.mask, &sdims)?;
     let p = g.virt(F32, &sdims)?;
     g.unary(Pw::CUDNN_POINTWISE_EXP, s2, p)?;
 

@@ -59,9 +59,7 @@ pub fn shape_supported(
     if s.sq == 1 && s.sk == 1 {
         return Err("s_q = s_kv = 1 is not supported by cuDNN SDPA".into());
     }
-    if s.causal && s.sq != s.sk {
-        return Err(format!("causal with sq {} != sk {}", s.sq, s.sk));
-    }
+    s.mask.check_shape(s.sq, s.sk)?;
     // 16-byte alignment of every bf16 row (and so of every head's start).
     for (name, rs) in [("q", s.q_rs), ("k", s.k_rs), ("v", s.v_rs), ("o", s.o_rs)] {
         if !rs.is_multiple_of(8) {
@@ -105,15 +103,21 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::AttnMask;
 
     fn shape(s: usize, d: usize, causal: bool) -> SdpaShape {
+        let mask = if causal {
+            AttnMask::Causal
+        } else {
+            AttnMask::Full
+        };
         SdpaShape {
             sq: s,
             sk: s,
             hq: 8,
             hkv: 2,
             d,
-            causal,
+            mask,
             q_rs: 8 * d,
             k_rs: 2 * d,
             v_rs: 2 * d,

@@ -5,7 +5,7 @@
 //! and [`Backend::attention_bwd`](crate::backend::Backend::attention_bwd): q `[sq, hq, d]`,
 //! k, v `[sk, hkv, d]` in bf16 (row-major, each row `stride` elements apart, the
 //! pointer already at the first row), GQA (query head `h` uses kv head
-//! `h / (hq / hkv)`), causal (row `i` sees keys `0..=i`, needs `sq == sk`) or full,
+//! `h / (hq / hkv)`), an [`AttnMask`]: causal (row `i` sees keys `0..=i`, needs `sq == sk`) or full,
 //! softmax scale `1/sqrt(d)`; o bf16 `[sq, hq, d]`, lse f32 `[sq, hq]` natural log.
 //! The backward takes the lse of the full row and *adds* into f32 dq, dk, dv.
 //!
@@ -50,6 +50,7 @@
 //! forward+backward 405-414 (`RESULTS.md`).
 //! `examples/flash_check.rs` reproduces the table and checks against the CPU oracle.
 
+use crate::backend::AttnMask;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
@@ -396,7 +397,7 @@ pub struct FlashFwdArgs {
     pub hq: usize,
     pub hkv: usize,
     pub d: usize,
-    pub causal: bool,
+    pub mask: AttnMask,
 }
 
 /// Arguments of [`flash_bwd`]. `dq`, `dk`, `dv` are f32 and accumulated into;
@@ -427,7 +428,7 @@ pub struct FlashBwdArgs {
     pub hq: usize,
     pub hkv: usize,
     pub d: usize,
-    pub causal: bool,
+    pub mask: AttnMask,
 }
 
 /// Scratch bytes [`flash_bwd`] needs (the f32 `delta = rowsum(dO * O)` per query row and head).
@@ -500,7 +501,7 @@ fn check_geometry(
     hq: usize,
     hkv: usize,
     d: usize,
-    causal: bool,
+    mask: &AttnMask,
 ) -> Result<()> {
     if d != 64 && d != 128 {
         return Err(Error::Config(format!(
@@ -512,10 +513,8 @@ fn check_geometry(
             "flash attention: query heads ({hq}) must be a non-zero multiple of kv heads ({hkv})"
         )));
     }
-    if causal && sq != sk {
-        return Err(Error::Config(format!(
-            "flash attention: a causal block needs as many queries as keys ({sq} vs {sk})"
-        )));
+    if let Err(why) = mask.check_shape(sq, sk) {
+        return Err(Error::Config(format!("flash attention: {why}")));
     }
     let lim = i32::MAX as usize / 64;
     let fwd_blocks = sq.div_ceil(FWD_BM).saturating_mul(hq);
@@ -529,16 +528,27 @@ fn check_geometry(
 }
 
 /// Errors when the flash kernels do not take this geometry (head dim, GQA
-/// ratio, causal shape, sizes of one launch).
+/// ratio, the mask's shape, sizes of one launch).
 pub fn check_supported(
     sq: usize,
     sk: usize,
     hq: usize,
     hkv: usize,
     d: usize,
-    causal: bool,
+    mask: &AttnMask,
 ) -> Result<()> {
-    check_geometry(sq, sk, hq, hkv, d, causal)
+    check_geometry(sq, sk, hq, hkv, d, mask)
+}
+
+/// The kernels' `causal` parameter for `mask` (the naive kernels of
+/// `kernels/attention.cu` take the same flag): 1 keeps keys `0..=i` of row
+/// `i`, 0 keeps every key. A mask they cannot express is refused by
+/// [`check_supported`] before any launch.
+pub fn causal_flag(mask: &AttnMask) -> i32 {
+    match mask {
+        AttnMask::Full => 0,
+        AttnMask::Causal => 1,
+    }
 }
 
 fn check_ptr(name: &str, p: u64, align: u64) -> Result<()> {
@@ -565,7 +575,7 @@ fn launch_err(e: impl std::fmt::Debug) -> Error {
 
 /// Attention forward: writes `o` and `lse` (see the module docs).
 pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs) -> Result<()> {
-    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, a.causal)?;
+    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask)?;
     if a.sq == 0 {
         return Ok(());
     }
@@ -601,7 +611,7 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
         hq: a.hq as i32,
         hkv: a.hkv as i32,
         group: (a.hq / a.hkv) as i32,
-        causal: a.causal as i32,
+        causal: causal_flag(&a.mask),
         scale_log2: scale * std::f32::consts::LOG2_E,
         pad0: 0,
     };
@@ -631,7 +641,7 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
 
 /// Attention backward: adds into `dq`, `dk`, `dv` (see the module docs).
 pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs) -> Result<()> {
-    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, a.causal)?;
+    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask)?;
     if a.sq == 0 || a.sk == 0 {
         return Ok(());
     }
@@ -684,7 +694,7 @@ pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs)
         hq: a.hq as i32,
         hkv: a.hkv as i32,
         group: (a.hq / a.hkv) as i32,
-        causal: a.causal as i32,
+        causal: causal_flag(&a.mask),
         scale,
         scale_log2: scale * std::f32::consts::LOG2_E,
     };
@@ -779,11 +789,11 @@ mod tests {
 
     #[test]
     fn geometry_is_validated() {
-        assert!(check_geometry(10, 10, 8, 2, 96, false).is_err());
-        assert!(check_geometry(10, 10, 8, 3, 64, false).is_err());
-        assert!(check_geometry(10, 12, 8, 2, 64, true).is_err());
-        assert!(check_geometry(10, 12, 8, 2, 64, false).is_ok());
-        assert!(check_geometry(12, 12, 8, 8, 128, true).is_ok());
+        assert!(check_geometry(10, 10, 8, 2, 96, &AttnMask::Full).is_err());
+        assert!(check_geometry(10, 10, 8, 3, 64, &AttnMask::Full).is_err());
+        assert!(check_geometry(10, 12, 8, 2, 64, &AttnMask::Causal).is_err());
+        assert!(check_geometry(10, 12, 8, 2, 64, &AttnMask::Full).is_ok());
+        assert!(check_geometry(12, 12, 8, 8, 128, &AttnMask::Causal).is_ok());
         assert!(check_stride("q", 100, 128, 8).is_err());
         assert!(check_ptr("q", 8, 16).is_err());
     }

@@ -1,0 +1,173 @@
+//! [`AttnMask`]: which keys each query of an attention call may see.
+//!
+//! One value carried from where a sequence's mask is known (the decoder,
+//! `model::WINDOW_MASK`) through the strategies (`attention/`,
+//! which re-exports it: the ring derives each block's mask from the
+//! sequence's) down to every kernel ([`Backend::attention_fwd`] /
+//! [`attention_bwd`](Backend::attention_bwd)) and the planner's FLOP counts
+//! (`model/flops.rs`). Kernels and the planner ask the mask
+//! ([`allows`](AttnMask::allows), [`visible_keys`](AttnMask::visible_keys),
+//! [`flop_fraction`](AttnMask::flop_fraction)) instead of branching on a flag.
+//!
+//! [`Backend::attention_fwd`]: super::Backend::attention_fwd
+//! [`Backend`]: super::Backend
+
+use std::fmt;
+use std::ops::Range;
+
+/// The attention mask of one call (or of one sequence, before a strategy
+/// cuts it into calls), in the call's row coordinates: query row `q` of
+/// `sq`, key row `k` of `sk`.
+///
+/// Today's masks:
+/// - [`Full`](AttnMask::Full): every query sees every key (bidirectional);
+///   the zigzag ring's blocks whose keys all precede their queries.
+/// - [`Causal`](AttnMask::Causal): top-left causal, query `q` sees keys
+///   `0..=q`; needs `sq == sk`. A training window's mask.
+///
+/// Where the next ones go (DESIGN.md §7): documents (block-diagonal causal
+/// over document starts, positions restarting per document) and sliding
+/// windows (Mistral's `sliding_window`) are both *causal with a lower bound
+/// per query*: `q` sees keys `lo(q)..=q` with
+/// `lo(q) = max(start of q's document, q − window + 1)`. They go in as one
+/// variant holding the document starts and the window, each optional, so
+/// that they compose; [`visible_keys`](Self::visible_keys) then returns
+/// `lo(q)..q + 1`, [`allows`](Self::allows) follows from it, and
+/// [`flop_fraction`](Self::flop_fraction) sums the rows' widths. The CPU
+/// reference loops over `visible_keys` already; the CUDA kernels get `lo`
+/// per row (and its min/max per tile, to skip tiles), cuDNN its ragged or
+/// band masks; a kernel that cannot run a variant refuses it in its
+/// `check_supported` (its match on the mask has no wildcard arm, so the
+/// compiler names every such place). The backend takes the mask by
+/// reference, so a variant holding the starts changes no signature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttnMask {
+    /// Every query sees every key.
+    Full,
+    /// Query row `q` sees key rows `0..=q` (`sq == sk`).
+    Causal,
+}
+
+impl AttnMask {
+    /// Whether query row `q` may see key row `k`.
+    pub fn allows(&self, q: usize, k: usize) -> bool {
+        match self {
+            AttnMask::Full => true,
+            AttnMask::Causal => k <= q,
+        }
+    }
+
+    /// The key rows query row `q` sees among `sk` keys: one contiguous range
+    /// (empty for none). Kernels loop over it.
+    pub fn visible_keys(&self, q: usize, sk: usize) -> Range<usize> {
+        match self {
+            AttnMask::Full => 0..sk,
+            AttnMask::Causal => 0..(q + 1).min(sk),
+        }
+    }
+
+    /// Checks that a call of `sq` query rows over `sk` key rows can carry
+    /// this mask: a causal mask is top-left aligned and needs `sq == sk`.
+    /// The error says why, for the caller to prefix with the kernel's name.
+    pub fn check_shape(&self, sq: usize, sk: usize) -> Result<(), String> {
+        match self {
+            AttnMask::Full => Ok(()),
+            AttnMask::Causal if sq == sk => Ok(()),
+            AttnMask::Causal => Err(format!(
+                "a causal block needs as many queries as keys ({sq} vs {sk})"
+            )),
+        }
+    }
+
+    /// The fraction of a layer's `seq × seq` score matrix that model FLOPs
+    /// count as computed over a sequence of `seq` tokens: 1 for
+    /// [`Full`](Self::Full); ½ for [`Causal`](Self::Causal), whatever `seq`
+    /// (the convention of published model TFLOP/s, which ignores the
+    /// diagonal's half). A mask with a lower bound per query would return
+    /// its rows' mean width over `seq`.
+    pub fn flop_fraction(&self, seq: usize) -> f64 {
+        let _ = seq;
+        match self {
+            AttnMask::Full => 1.0,
+            AttnMask::Causal => 0.5,
+        }
+    }
+
+    /// Query/key pairs of an `sq × sk` call this mask allows: the sum of the
+    /// rows' [`visible_keys`](Self::visible_keys).
+    pub fn visible_pairs(&self, sq: usize, sk: usize) -> usize {
+        (0..sq).map(|q| self.visible_keys(q, sk).len()).sum()
+    }
+
+    /// The mask's name in logs and tables: `full`, `causal`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            AttnMask::Full => "full",
+            AttnMask::Causal => "causal",
+        }
+    }
+}
+
+impl fmt::Display for AttnMask {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MASKS: [AttnMask; 2] = [AttnMask::Full, AttnMask::Causal];
+
+    /// `visible_keys` is exactly the set `allows` admits, row by row.
+    #[test]
+    fn visible_keys_are_the_allowed_keys() {
+        for mask in MASKS {
+            for s in 0..7 {
+                for q in 0..s {
+                    let want: Vec<usize> = (0..s).filter(|&k| mask.allows(q, k)).collect();
+                    let got: Vec<usize> = mask.visible_keys(q, s).collect();
+                    assert_eq!(got, want, "{mask} q={q} s={s}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn causal_sees_the_past_and_itself() {
+        let m = AttnMask::Causal;
+        assert!(m.allows(3, 0) && m.allows(3, 3) && !m.allows(3, 4));
+        assert_eq!(m.visible_keys(0, 5), 0..1);
+        assert_eq!(m.visible_keys(4, 5), 0..5);
+        assert_eq!(m.visible_pairs(4, 4), 10);
+        assert!(AttnMask::Full.allows(0, 9));
+        assert_eq!(AttnMask::Full.visible_pairs(3, 5), 15);
+    }
+
+    #[test]
+    fn only_causal_needs_a_square_block() {
+        assert!(AttnMask::Causal.check_shape(4, 4).is_ok());
+        let e = AttnMask::Causal.check_shape(4, 8).unwrap_err();
+        assert_eq!(e, "a causal block needs as many queries as keys (4 vs 8)");
+        assert!(AttnMask::Full.check_shape(4, 8).is_ok());
+    }
+
+    /// The FLOP fraction is the allowed share of the square, up to the
+    /// causal diagonal's half row the convention leaves out.
+    #[test]
+    fn flop_fraction_is_the_allowed_share() {
+        for s in [1usize, 2, 16, 1000] {
+            let exact = AttnMask::Causal.visible_pairs(s, s) as f64 / (s * s) as f64;
+            let diagonal = 0.5 / s as f64;
+            assert!((AttnMask::Causal.flop_fraction(s) - (exact - diagonal)).abs() < 1e-12);
+            assert_eq!(AttnMask::Full.flop_fraction(s), 1.0);
+        }
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(AttnMask::Causal.to_string(), "causal");
+        assert_eq!(AttnMask::Full.to_string(), "full");
+    }
+}

@@ -1,0 +1,211 @@
+//! The `config.json` keys every Llama-like family shares: reading them into
+//! a [`ModelConfig`] (defaults as `transformers` has them), the rope-scaling
+//! types, writing them back, and the `transformers` Llama parameter names.
+
+use super::{BlockParam, Family, Param};
+use crate::attention::rope::RopeScaling;
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use serde_json::{Map, Value, json};
+
+/// Keys whose `true` asks for what no family's decoder implements yet.
+const UNIMPLEMENTED_FLAGS: [&str; 3] = ["attention_bias", "mlp_bias", "use_sliding_window"];
+
+/// Refuses a `config.json` whose `attention_bias`, `mlp_bias` or
+/// `use_sliding_window` is true (a family that implements one checks the
+/// others only).
+pub(super) fn refuse_unimplemented(obj: &Map<String, Value>) -> Result<()> {
+    for key in UNIMPLEMENTED_FLAGS {
+        if obj.get(key).and_then(Value::as_bool) == Some(true) {
+            return config_err_str(&format!(
+                "{key} is true; upipe's decoder has no projection biases and uses full causal attention"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The decoder fields of a `config.json` object of `family` (not yet
+/// validated), with `transformers`' defaults for the optional ones.
+pub(super) fn decoder_fields(obj: &Map<String, Value>, family: Family) -> Result<ModelConfig> {
+    let hidden = req_usize(obj, "hidden_size")?;
+    let heads = req_usize(obj, "num_attention_heads")?;
+    let head_dim = match obj.get("head_dim") {
+        None | Some(Value::Null) => hidden.checked_div(heads).unwrap_or(0),
+        Some(_) => req_usize(obj, "head_dim")?,
+    };
+    // Newer transformers move rope_theta into a `rope_parameters` object.
+    let rope_params = obj
+        .get("rope_parameters")
+        .and_then(Value::as_object)
+        .filter(|r| r.contains_key("rope_theta"));
+    let rope_theta = match (opt_f32(obj, "rope_theta")?, rope_params) {
+        (Some(theta), _) => theta,
+        (None, Some(r)) => req_f32(r, "rope_theta")?,
+        (None, None) => 10_000.0,
+    };
+    let scaling_value = obj
+        .get("rope_scaling")
+        .or_else(|| obj.get("rope_parameters"));
+    Ok(ModelConfig {
+        name: obj
+            .get("_name_or_path")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .unwrap_or(family.model_type())
+            .to_string(),
+        family,
+        hidden,
+        layers: req_usize(obj, "num_hidden_layers")?,
+        heads,
+        kv_heads: opt_usize(obj, "num_key_value_heads")?.unwrap_or(heads),
+        head_dim,
+        ffn: req_usize(obj, "intermediate_size")?,
+        vocab: req_usize(obj, "vocab_size")?,
+        rope_theta,
+        rope_scaling: parse_rope_scaling(scaling_value)?,
+        rms_norm_eps: opt_f32(obj, "rms_norm_eps")?.unwrap_or(1e-6),
+        tie_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
+        max_position: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
+    })
+}
+
+/// Parses `rope_scaling` (or `rope_parameters`): absent, null and `"default"`
+/// mean none; `"llama3"` is Llama 3's (the next types, such as Qwen2's
+/// `"yarn"`, go here).
+fn parse_rope_scaling(value: Option<&Value>) -> Result<Option<RopeScaling>> {
+    let obj = match value {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(other) => {
+            return config_err_str(&format!(
+                "rope_scaling must be an object or null, got {other}"
+            ));
+        }
+    };
+    let kind = obj
+        .get("rope_type")
+        .or_else(|| obj.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(None),
+        "llama3" => super::llama::rope_scaling_from_hf(obj).map(Some),
+        other => config_err_str(&format!(
+            "rope_scaling type '{other}' is not supported; upipe implements 'llama3' scaling \
+             (or none: remove rope_scaling)"
+        )),
+    }
+}
+
+/// `cfg` as a Hugging Face `config.json` that [`decoder_fields`] reads back
+/// to an equal config and `transformers` loads as its family's architecture.
+pub(in crate::model) fn to_hf_json(cfg: &ModelConfig) -> String {
+    let rope_scaling = match &cfg.rope_scaling {
+        None => Value::Null,
+        Some(s) => super::llama::rope_scaling_json(s),
+    };
+    let value = json!({
+        "_name_or_path": cfg.name,
+        "architectures": [cfg.family.architecture()],
+        "model_type": cfg.family.model_type(),
+        "hidden_act": "silu",
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.ffn,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab,
+        "rope_theta": clean_f32(cfg.rope_theta),
+        "rope_scaling": rope_scaling,
+        "rms_norm_eps": clean_f32(cfg.rms_norm_eps),
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_position,
+        "attention_bias": false,
+        "mlp_bias": false,
+    });
+    serde_json::to_string_pretty(&value).expect("a JSON value always serialises")
+}
+
+/// A block parameter's name inside a block of `transformers`' Llama layout.
+pub(super) fn llama_block_name(p: BlockParam) -> &'static str {
+    match p {
+        BlockParam::AttnNorm => "input_layernorm.weight",
+        BlockParam::Wq => "self_attn.q_proj.weight",
+        BlockParam::Wk => "self_attn.k_proj.weight",
+        BlockParam::Wv => "self_attn.v_proj.weight",
+        BlockParam::Wo => "self_attn.o_proj.weight",
+        BlockParam::QNorm => "self_attn.q_norm.weight",
+        BlockParam::KNorm => "self_attn.k_norm.weight",
+        BlockParam::MlpNorm => "post_attention_layernorm.weight",
+        BlockParam::Gate => "mlp.gate_proj.weight",
+        BlockParam::Up => "mlp.up_proj.weight",
+        BlockParam::Down => "mlp.down_proj.weight",
+    }
+}
+
+/// A parameter's name in `transformers`' Llama layout (a block's is
+/// `model.layers.{l}.` and its [`llama_block_name`]).
+pub(super) fn llama_name(p: Param) -> String {
+    match p {
+        Param::Embed => "model.embed_tokens.weight".into(),
+        Param::Block(l, bp) => format!("model.layers.{l}.{}", llama_block_name(bp)),
+        Param::FinalNorm => "model.norm.weight".into(),
+        Param::LmHead => "lm_head.weight".into(),
+    }
+}
+
+fn config_err_str<T>(msg: &str) -> Result<T> {
+    Err(Error::Config(msg.to_string()))
+}
+
+fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| Error::Config(format!("{key} must be a non-negative integer, got {v}"))),
+    }
+}
+
+/// The non-negative integer under `key`, which must be there.
+pub(super) fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
+    opt_usize(obj, key)?.ok_or_else(|| missing(key))
+}
+
+fn opt_f32(obj: &Map<String, Value>, key: &str) -> Result<Option<f32>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(|x| Some(x as f32))
+            .ok_or_else(|| Error::Config(format!("{key} must be a number, got {v}"))),
+    }
+}
+
+/// The number under `key`, which must be there.
+pub(super) fn req_f32(obj: &Map<String, Value>, key: &str) -> Result<f32> {
+    opt_f32(obj, key)?.ok_or_else(|| missing(key))
+}
+
+fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| Error::Config(format!("{key} must be true or false, got {v}"))),
+    }
+}
+
+fn missing(key: &str) -> Error {
+    Error::Config(format!("config.json lacks the required key '{key}'"))
+}
+
+/// An f32 as the f64 with the same shortest decimal form, so JSON shows `1e-5`, not `9.99999974e-6`.
+pub(super) fn clean_f32(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}

@@ -1,0 +1,105 @@
+//! Llama 3.x (`model_type` `llama`, `LlamaForCausalLM`): the plain decoder,
+//! RoPE with Meta's `llama3` frequency scaling; presets `tiny` (a small
+//! Llama for tests and CPU runs), `llama3.2-1b`, `llama3-8b`, `llama3-70b`.
+
+use super::{Family, hf};
+use crate::attention::rope::RopeScaling;
+use crate::error::Result;
+use crate::model::ModelConfig;
+use serde_json::{Map, Value, json};
+
+/// Its `config.json`'s `model_type`.
+pub(super) const MODEL_TYPE: &str = "llama";
+/// The class `transformers` loads it as.
+pub(super) const ARCHITECTURE: &str = "LlamaForCausalLM";
+
+/// A Llama `config.json` object as a config (not yet validated).
+pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
+    hf::refuse_unimplemented(obj)?;
+    hf::decoder_fields(obj, Family::Llama)
+}
+
+/// The fields of a `rope_scaling` object of type `llama3`.
+pub(super) fn rope_scaling_from_hf(obj: &Map<String, Value>) -> Result<RopeScaling> {
+    Ok(RopeScaling {
+        factor: hf::req_f32(obj, "factor")?,
+        low_freq_factor: hf::req_f32(obj, "low_freq_factor")?,
+        high_freq_factor: hf::req_f32(obj, "high_freq_factor")?,
+        original_max_position_embeddings: hf::req_usize(obj, "original_max_position_embeddings")?,
+    })
+}
+
+/// `s` as the `rope_scaling` object of a `config.json` (type `llama3`).
+pub(super) fn rope_scaling_json(s: &RopeScaling) -> Value {
+    json!({
+        "rope_type": "llama3",
+        "factor": hf::clean_f32(s.factor),
+        "low_freq_factor": hf::clean_f32(s.low_freq_factor),
+        "high_freq_factor": hf::clean_f32(s.high_freq_factor),
+        "original_max_position_embeddings": s.original_max_position_embeddings,
+    })
+}
+
+/// The RoPE scaling Meta publishes for the Llama 3.1 / 3.2 models.
+fn llama31_rope_scaling(factor: f32) -> RopeScaling {
+    RopeScaling {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    }
+}
+
+/// A Llama 3.x config with the dims that differ between sizes.
+fn llama3(name: &str, hidden: usize, layers: usize, heads: usize, ffn: usize) -> ModelConfig {
+    ModelConfig {
+        name: name.to_string(),
+        family: Family::Llama,
+        hidden,
+        layers,
+        heads,
+        kv_heads: 8,
+        head_dim: hidden / heads,
+        ffn,
+        vocab: 128_256,
+        rope_theta: 500_000.0,
+        rope_scaling: Some(llama31_rope_scaling(8.0)),
+        rms_norm_eps: 1e-5,
+        tie_embeddings: false,
+        max_position: 131_072,
+    }
+}
+
+/// The Llama preset called `name`, if there is one.
+///
+/// `llama3-8b` and `llama3-70b` carry the Llama 3.1 RoPE settings (scaling
+/// factor 8, 128K context); their weights have the same shapes as Llama 3.0.
+pub(super) fn preset(name: &str) -> Option<ModelConfig> {
+    let cfg = match name {
+        "tiny" => ModelConfig {
+            name: "tiny".to_string(),
+            family: Family::Llama,
+            hidden: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            ffn: 172,
+            vocab: 256,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            rms_norm_eps: 1e-5,
+            tie_embeddings: false,
+            max_position: 1 << 20,
+        },
+        "llama3.2-1b" => ModelConfig {
+            rope_scaling: Some(llama31_rope_scaling(32.0)),
+            tie_embeddings: true,
+            ..llama3(name, 2048, 16, 32, 8192)
+        },
+        "llama3-8b" => llama3(name, 4096, 32, 32, 14_336),
+        "llama3-70b" => llama3(name, 8192, 80, 64, 28_672),
+        _ => return None,
+    };
+    Some(cfg)
+}
