@@ -484,7 +484,7 @@ mod tests {
             assert_eq!(op_class(kind), *class, "{kind}");
         }
         let sources = [
-            include_str!("cpu.rs"),
+            include_str!("cpu/mod.rs"),
             include_str!("cuda/mod.rs"),
             include_str!("cuda/memory_ops.rs"),
             include_str!("cuda/attention_ops.rs"),
