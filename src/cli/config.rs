@@ -13,8 +13,8 @@
 //! sections.
 
 use crate::attention::Settle;
-use crate::cli::stage_width::{ChunkHeads, FwdChunk};
 use crate::error::{Error, Result};
+use crate::plan::stage_width::{ChunkHeads, FwdChunk};
 use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
 use clap::ArgMatches;
 use clap::parser::ValueSource;

@@ -12,7 +12,6 @@ pub mod plan;
 pub mod rendezvous_check;
 pub mod report;
 pub mod schedule;
-pub mod stage_width;
 pub mod svg;
 pub mod tokenize;
 pub mod train;

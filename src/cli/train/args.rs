@@ -1,7 +1,6 @@
 //! The flags of `upipe train`, their run-file keys, and their parsed form.
 
 use crate::attention::Strategy;
-use crate::backend::Bytes;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::memory::MemoryArgs;
@@ -9,6 +8,7 @@ use crate::cli::schedule::ChunkHeads;
 use crate::cli::schedule::FwdChunkArgs;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
+pub use crate::plan::FsdpMode;
 use std::path::{Path, PathBuf};
 
 /// Flags of `upipe train`.
@@ -359,60 +359,6 @@ pub struct Choices {
     pub strategy: Strategy,
     pub fsdp: FsdpMode,
     pub model: ModelConfig,
-}
-
-/// `--fsdp`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FsdpMode {
-    Auto,
-    On,
-    Off,
-}
-
-impl std::str::FromStr for FsdpMode {
-    type Err = crate::Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(FsdpMode::Auto),
-            "on" => Ok(FsdpMode::On),
-            "off" => Ok(FsdpMode::Off),
-            other => crate::config_err!("--fsdp {other}: use auto, on or off"),
-        }
-    }
-}
-
-impl FsdpMode {
-    /// Whether a run of `world` ranks shards, given the bytes of the whole
-    /// model's states per rank and the memory each rank has (`None`:
-    /// unknown); with a note to log when the choice needs saying.
-    pub fn resolve(
-        self,
-        world: usize,
-        states: usize,
-        budget: Option<usize>,
-    ) -> (bool, Option<String>) {
-        match (self, world) {
-            (FsdpMode::Off, _) => (false, None),
-            (FsdpMode::On, 1) => (
-                false,
-                Some(
-                    "--fsdp on with one rank: there is nothing to shard, training unsharded".into(),
-                ),
-            ),
-            (FsdpMode::On, _) => (true, None),
-            (FsdpMode::Auto, 1) => (false, None),
-            (FsdpMode::Auto, _) => match budget {
-                Some(b) if states <= b / 2 => (false, None),
-                _ => (
-                    true,
-                    Some(format!(
-                        "--fsdp auto: sharding over {world} ranks (the whole model's states are {} per rank)",
-                        Bytes(states)
-                    )),
-                ),
-            },
-        }
-    }
 }
 
 /// `--device`.
