@@ -7,6 +7,7 @@ pub mod eval;
 pub mod info;
 pub mod launch;
 pub mod memory;
+pub mod mesh;
 pub mod metrics;
 pub mod plan;
 pub mod rendezvous_check;

@@ -5,6 +5,7 @@ use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::memory::MemoryArgs;
+use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::{ChunkHeads, ScheduleArgs};
 use crate::cli::svg::{Area, Bar, Svg, stacked_bars};
 use crate::cli::train::CPU_DEFAULT_MESH;
@@ -12,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::decoder::attn_dims;
 use crate::plan::mesh::{MeshChoice, MeshFlags, resolve_mesh};
-use crate::plan::resolve::host_share;
+use crate::plan::resolve::{Strategies, host_share};
 use crate::plan::{
     Budget, Depth, DeviceKind, Fit, FsdpMode, Limit, MemoryChoices, Prediction, RankBudget,
     RunRequest, StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
@@ -60,19 +61,8 @@ pub struct PlanArgs {
     /// Strategies, comma-separated (ulysses, ring, usp, upipe, local), or `all`.
     #[arg(long, default_value = "all")]
     pub attn: String,
-    /// Data-parallel replicas (default: what the GPUs leave beside the context group).
-    #[arg(long)]
-    pub data_parallel: Option<usize>,
-    /// Ulysses degree Pu (default: all GPUs; usp: up to 8).
-    #[arg(long)]
-    pub ulysses: Option<usize>,
-    /// Ring degree Pr (default: 1; ring: all GPUs).
-    #[arg(long)]
-    pub ring: Option<usize>,
-    /// UPipe heads per backward stage U, or `auto` (the default): the widest
-    /// stages that fit, as `upipe train` picks them at this length.
-    #[arg(long)]
-    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
     #[command(flatten)]
     pub schedule: ScheduleArgs,
     /// FSDP as `train --fsdp`, whose default it shares: auto (on when
@@ -123,10 +113,6 @@ impl PlanArgs {
         seq => data.seq,
         grad_accum => data.grad_accum,
         attn => parallel.attn,
-        data_parallel => parallel.data_parallel,
-        ulysses => parallel.ulysses,
-        ring => parallel.ring,
-        chunk_heads => parallel.chunk_heads,
         fsdp => parallel.fsdp,
         fsdp_replicate => parallel.fsdp_replicate,
         policies => memory.policies,
@@ -135,7 +121,7 @@ impl PlanArgs {
         json => run.json,
         max_seq => plan.max_seq,
         svg => plan.svg;
-        flatten schedule, memory
+        flatten mesh, schedule, memory
     }
 }
 
@@ -189,28 +175,25 @@ fn memory_choices(a: &PlanArgs, layers: usize) -> Result<(MemoryChoices, FsdpMod
     Ok((m, fsdp))
 }
 
+/// `--attn`: `(is_all, strategies)`; `all` is `local` on one GPU, else
+/// every context-parallel strategy.
 fn parse_attn(s: &str, gpus: usize) -> Result<(bool, Vec<Strategy>)> {
-    if s == "all" {
-        let v = if gpus == 1 {
-            vec![Strategy::Local]
-        } else {
-            vec![
+    match s.parse()? {
+        Strategies::All if gpus == 1 => Ok((true, vec![Strategy::Local])),
+        Strategies::All => {
+            let parallel = [
                 Strategy::Ulysses,
                 Strategy::Ring,
                 Strategy::Usp,
                 Strategy::Upipe,
-            ]
-        };
-        return Ok((true, v));
+            ];
+            Ok((true, parallel.to_vec()))
+        }
+        Strategies::Listed(v) if v.is_empty() => {
+            Err(Error::Config("--attn needs at least one strategy".into()))
+        }
+        Strategies::Listed(v) => Ok((false, v)),
     }
-    let v: Vec<Strategy> = s
-        .split(',')
-        .map(|x| x.trim().parse())
-        .collect::<Result<_>>()?;
-    if v.is_empty() {
-        return Err(Error::Config("--attn needs at least one strategy".into()));
-    }
-    Ok((false, v))
 }
 
 fn gib(x: f64, what: &str) -> Result<usize> {
@@ -275,7 +258,7 @@ impl Ctx {
     /// here, or on `--gpus` with the mesh flags given (the context group
     /// takes the GPUs the replicas leave).
     fn mesh(&self, strategy: Strategy, seq: usize) -> Result<MeshChoice> {
-        let chunk = ChunkHeads::start(self.a.chunk_heads);
+        let chunk = ChunkHeads::start(self.a.mesh.chunk_heads);
         let (gpus, ulysses, ring, replicas) = match self.fitted {
             Some(ranks) => {
                 let flags = MeshFlags::default();
@@ -283,8 +266,8 @@ impl Ctx {
                 (m.world_size(), Some(m.ulysses), Some(m.ring), m.data)
             }
             None => {
-                let replicas = self.a.data_parallel.unwrap_or(1);
-                (self.gpus, self.a.ulysses, self.a.ring, replicas)
+                let replicas = self.a.mesh.data_parallel.unwrap_or(1);
+                (self.gpus, self.a.mesh.ulysses, self.a.mesh.ring, replicas)
             }
         };
         let dims = attn_dims(&self.model);
@@ -307,7 +290,7 @@ impl Ctx {
             mesh: self.mesh(strategy, seq)?,
             seq,
             stages: StageChoices {
-                chunk_heads: a.chunk_heads,
+                chunk_heads: a.mesh.chunk_heads,
                 fwd: a.schedule.fwd.fwd_chunk_heads,
                 overlap: a.schedule.overlap,
                 settle: a.schedule.settle_every,
@@ -453,10 +436,10 @@ fn plan_device(a: &PlanArgs) -> Result<DeviceKind> {
 /// the ranks `upipe train` fits its mesh to here (the second value: the
 /// visible GPUs, else `None`, the CPU default mesh).
 fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
-    let mesh = [a.data_parallel, a.ulysses, a.ring];
+    a.mesh.validate()?;
+    let mesh = [a.mesh.data_parallel, a.mesh.ulysses, a.mesh.ring];
     for (id, degree) in ["data_parallel", "ulysses", "ring"].into_iter().zip(mesh) {
         if let Some(d) = degree {
-            at_least(PlanArgs::KEYS, id, d, 1)?;
             at_most_planned(&format!("--{}", id.replace('_', "-")), d)?;
         }
     }
@@ -475,7 +458,7 @@ fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
     };
     at_least(PlanArgs::KEYS, "gpus", gpus, 1)?;
     at_most_planned("the GPUs (--gpus, or the product of the mesh flags)", gpus)?;
-    if let Some(d) = a.data_parallel
+    if let Some(d) = a.mesh.data_parallel
         && !gpus.is_multiple_of(d)
     {
         return crate::config_err!("--gpus {gpus} is not a multiple of --data-parallel {d}");
@@ -553,20 +536,21 @@ fn plan_budget(a: &PlanArgs, gpus: usize) -> Result<(Budget, RankBudget)> {
 
 /// The mesh flags divide the GPUs.
 fn check_mesh(a: &PlanArgs, gpus: usize) -> Result<()> {
-    if a.ulysses.is_none() && a.ring.is_none() {
+    if a.mesh.ulysses.is_none() && a.mesh.ring.is_none() {
         return Ok(());
     }
     let c = a
+        .mesh
         .ulysses
         .unwrap_or(1)
-        .saturating_mul(a.ring.unwrap_or(1))
-        .saturating_mul(a.data_parallel.unwrap_or(1));
+        .saturating_mul(a.mesh.ring.unwrap_or(1))
+        .saturating_mul(a.mesh.data_parallel.unwrap_or(1));
     if c == 0 || !gpus.is_multiple_of(c) {
         return crate::config_err!(
             "--gpus {gpus} is not a product of the mesh: {} (data) x {} (ulysses) x {} (ring) needs a multiple of {c} GPUs",
-            a.data_parallel.unwrap_or(1),
-            a.ulysses.unwrap_or(1),
-            a.ring.unwrap_or(1)
+            a.mesh.data_parallel.unwrap_or(1),
+            a.mesh.ulysses.unwrap_or(1),
+            a.mesh.ring.unwrap_or(1)
         );
     }
     Ok(())

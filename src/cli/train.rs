@@ -146,17 +146,13 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
         None if c.device != Device::Cpu && gpus >= 1 => Some(gpus),
         None => None,
     };
-    let flags = MeshFlags {
-        data: a.data_parallel,
-        ulysses: a.ulysses,
-        ring: a.ring,
-    };
-    let chunk = ChunkHeads::start(a.chunk_heads);
+    let flags = a.mesh.flags();
+    let chunk = ChunkHeads::start(a.mesh.chunk_heads);
     let mesh = resolve_mesh(flags, c.strategy, &c.model, a.seq, chunk, ranks);
     mesh.check_countable()?;
     let cfg = train_config(a, c.model, c.strategy, mesh);
     let plan = cfg.plan()?;
-    if a.chunk_heads == Some(ChunkHeads::Auto) && c.strategy != Strategy::Upipe {
+    if a.mesh.chunk_heads == Some(ChunkHeads::Auto) && c.strategy != Strategy::Upipe {
         return crate::config_err!("--chunk-heads applies to upipe only, not {}", c.strategy);
     }
     // a number or `all` without --checkpoint fails here, before any launch
@@ -210,7 +206,7 @@ pub fn train_config(
         strategy,
         ulysses: mesh.ulysses,
         ring: mesh.ring,
-        chunk_heads: ChunkHeads::start(a.chunk_heads),
+        chunk_heads: ChunkHeads::start(a.mesh.chunk_heads),
         fwd_chunk_heads: match a.fwd.fwd_chunk_heads {
             FwdChunk::Heads(n) => Some(n),
             FwdChunk::Auto => None,
@@ -381,7 +377,7 @@ pub fn run_request(
         },
         seq: cfg.seq,
         stages: StageChoices {
-            chunk_heads: a.chunk_heads,
+            chunk_heads: a.mesh.chunk_heads,
             fwd: a.fwd.fwd_chunk_heads,
             ..StageChoices::default()
         },
@@ -399,12 +395,12 @@ pub fn run_request(
 /// what the run decided for itself (mesh, sharding, backward and forward stages).
 fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
     let mut r = a.clone();
-    r.data_parallel = Some(run.cfg.data_parallel);
-    r.ulysses = Some(run.cfg.ulysses);
-    r.ring = Some(run.cfg.ring);
+    r.mesh.data_parallel = Some(run.cfg.data_parallel);
+    r.mesh.ulysses = Some(run.cfg.ulysses);
+    r.mesh.ring = Some(run.cfg.ring);
     r.fsdp = if run.cfg.fsdp { "on" } else { "off" }.into();
     if let Some(u) = run.cfg.chunk_heads {
-        r.chunk_heads = Some(ChunkHeads::Heads(u));
+        r.mesh.chunk_heads = Some(ChunkHeads::Heads(u));
     }
     if let Some(n) = run.cfg.fwd_chunk_heads {
         r.fwd.fwd_chunk_heads = FwdChunk::Heads(n);

@@ -218,6 +218,7 @@ pub struct Decisions {
     pub fwd_chunk_heads: Option<usize>,
     /// The memory policy, every count decided.
     pub policy: MemoryPolicy,
+    /// Data replicas and the plan's Ulysses and ring degrees.
     pub mesh: MeshChoice,
     /// Heads per backward and forward stage of the plan.
     pub stages: (usize, usize),
@@ -460,7 +461,13 @@ impl<'a> Resolution<'a> {
             chunk_heads: self.chunk_heads,
             fwd_chunk_heads: self.fwd_chunk_heads,
             policy: self.policy,
-            mesh: self.req.mesh,
+            // as the plan runs it: ulysses and ring put every rank of the
+            // context group on their one axis
+            mesh: MeshChoice {
+                data: self.req.mesh.data,
+                ulysses: self.plan.layout.pu,
+                ring: self.plan.layout.pr,
+            },
             stages: (self.plan.schedule.chunk, self.plan.fwd_schedule.chunk),
         };
         Ok(ResolvedRun {
@@ -470,5 +477,29 @@ impl<'a> Resolution<'a> {
             fsdp_note: self.fsdp_note,
             notes: self.notes,
         })
+    }
+}
+
+/// A list of strategies as `plan --attn` and `bench attn --methods` take
+/// it: `all`, or names separated by commas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Strategies {
+    /// Every strategy that fits (`all`).
+    All,
+    /// The strategies listed, in order.
+    Listed(Vec<Strategy>),
+}
+
+impl std::str::FromStr for Strategies {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        if s.trim() == "all" {
+            return Ok(Strategies::All);
+        }
+        let list: Vec<Strategy> = s
+            .split(',')
+            .map(|x| x.trim().parse())
+            .collect::<Result<_>>()?;
+        Ok(Strategies::Listed(list))
     }
 }

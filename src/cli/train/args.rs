@@ -4,7 +4,7 @@ use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::memory::MemoryArgs;
-use crate::cli::schedule::ChunkHeads;
+use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::FwdChunkArgs;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
@@ -45,24 +45,10 @@ pub struct TrainArgs {
     /// Attention strategy: local, ulysses, ring, usp, upipe.
     #[arg(long, default_value = "upipe")]
     pub attn: String,
-    /// Ulysses degree Pu (default 2; with no mesh flag at all, the default mesh, see below).
-    #[arg(long)]
-    pub ulysses: Option<usize>,
-    /// Ring degree Pr (default 2; with no mesh flag at all, the default mesh).
-    #[arg(long)]
-    pub ring: Option<usize>,
-    /// UPipe heads per backward stage U, or `auto` (the default): the widest
-    /// stages whose predicted peak fits each rank's memory beside what the run
-    /// decided before (offloaded blocks, kept attention), at least Pu. Wider
-    /// stages run larger GEMMs; narrower ones hold less of the layer.
-    #[arg(long)]
-    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
     #[command(flatten)]
     pub fwd: FwdChunkArgs,
-    /// Data-parallel replicas, each its own context-parallel group (default 1;
-    /// with no mesh flag at all the mesh fits the GPUs: one process per GPU).
-    #[arg(long)]
-    pub data_parallel: Option<usize>,
     /// Tokens per sequence (global, before context sharding).
     #[arg(long, default_value_t = 256)]
     pub seq: usize,
@@ -182,10 +168,6 @@ impl TrainArgs {
         seq => data.seq,
         grad_accum => data.grad_accum,
         attn => parallel.attn,
-        data_parallel => parallel.data_parallel,
-        ulysses => parallel.ulysses,
-        ring => parallel.ring,
-        chunk_heads => parallel.chunk_heads,
         fsdp => parallel.fsdp,
         fsdp_replicate => parallel.fsdp_replicate,
         host_mem => hardware.host_mem,
@@ -208,7 +190,7 @@ impl TrainArgs {
         profile => run.profile,
         trace => run.trace,
         rehearse => run.rehearse;
-        flatten memory, fwd
+        flatten memory, mesh, fwd
     }
 
     /// The flags' values parsed and checked; errors name the flag and its
@@ -223,16 +205,7 @@ impl TrainArgs {
         at_least(k, "grad_accum", self.grad_accum, 1)?;
         self.memory.validate()?;
         at_least(k, "fsdp_replicate", self.fsdp_replicate, 1)?;
-        for (id, v) in [
-            ("ulysses", self.ulysses),
-            ("ring", self.ring),
-            ("data_parallel", self.data_parallel),
-            ("chunk_heads", ChunkHeads::start(self.chunk_heads)),
-        ] {
-            if let Some(v) = v {
-                at_least(k, id, v, 1)?;
-            }
-        }
+        self.mesh.validate()?;
         for (id, v) in [
             ("lr", self.lr),
             ("min_lr", self.min_lr()),
