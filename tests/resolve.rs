@@ -8,7 +8,7 @@ use clap::{Args, Command, FromArgMatches};
 use upipe::attention::Strategy;
 use upipe::cli::plan::{PlanArgs, plan_request};
 use upipe::cli::train::{MeshFlags, TrainArgs, resolve_mesh, run_request, train_config};
-use upipe::plan::resolve::host_share;
+use upipe::plan::resolve::{Decisions, host_share};
 use upipe::plan::{Depth, DeviceKind, RankBudget, RunRequest, resolve_run};
 
 const GIB: usize = 1 << 30;
@@ -104,8 +104,8 @@ impl Case<'_> {
     }
 }
 
-/// Both commands' requests resolve alike.
-fn check(case: &Case) {
+/// Both commands' requests resolve alike; what they decided.
+fn check(case: &Case) -> Decisions {
     let what = format!(
         "{} {} mesh {:?} seq {} {:?}",
         case.model, case.strategy, case.mesh, case.seq, case.policy
@@ -115,6 +115,7 @@ fn check(case: &Case) {
     assert_eq!(train.decisions, plan.decisions, "{what}");
     assert_eq!(train.prediction, plan.prediction, "{what}");
     assert_eq!(train.spec.fsdp_replicas, plan.spec.fsdp_replicas, "{what}");
+    plan.decisions
 }
 
 const POLICIES: &[&[&str]] = &[
@@ -162,6 +163,7 @@ fn plan_resolves_what_train_resolves_on_the_tiny_model() {
 
 #[test]
 fn plan_resolves_what_train_resolves_on_llama_models() {
+    let mut decided = Vec::new();
     for model in ["llama3.2-1b", "llama3-8b"] {
         for mesh in [(1, 8, 1), (1, 2, 2)] {
             for policy in POLICIES {
@@ -174,8 +176,12 @@ fn plan_resolves_what_train_resolves_on_llama_models() {
                     host_mem_gib: 256,
                     policy,
                 };
-                check(&case);
+                decided.push(check(&case));
             }
         }
     }
+    // the cases make the `auto`s choose differently
+    assert!(decided.iter().any(|d| d.fsdp) && decided.iter().any(|d| !d.fsdp));
+    assert!(decided.iter().any(|d| d.chunk_heads.is_some()));
+    assert!(decided.iter().any(|d| d.policy.save_attention > 0));
 }

@@ -15,13 +15,20 @@ use crate::model::decoder::attn_dims;
 use crate::plan::mesh::{MeshChoice, MeshFlags, resolve_mesh};
 use crate::plan::resolve::{Strategies, host_share};
 use crate::plan::{
-    Budget, Depth, DeviceKind, Fit, FsdpMode, Limit, MemoryChoices, Prediction, RankBudget,
-    RunRequest, StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
+    Budget, Depth, DeviceKind, Fit, FsdpMode, MemoryChoices, Prediction, RankBudget, RunRequest,
+    StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
 };
 use crate::plan::{OffloadBlocks, OptimizerOffload};
 use clap::ArgMatches;
-use serde_json::{Value, json};
+use serde_json::json;
 use std::path::{Path, PathBuf};
+
+mod output;
+
+use output::{
+    breakdown_line, by_category, category_bar, fmt_tokens, limit_text, mesh_json, mesh_text,
+    saved_text,
+};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -310,60 +317,6 @@ impl Ctx {
 /// at `seq` tokens (what it predicts at that length is [`resolve_run`]'s).
 pub fn plan_request(a: PlanArgs, strategy: Strategy, seq: usize) -> Result<RunRequest> {
     validate(a)?.request(strategy, seq)
-}
-
-/// Blocks keeping their attention state, as tables print it: `3/16`
-/// (and, when some are offloaded, the blocks offloaded: `3/16 o12`; when
-/// units keep their optimizer state on the host, how many: `3/16 o12 h9`).
-fn saved_text(spec: &StepSpec) -> String {
-    let (p, l) = (&spec.policy, spec.model.layers);
-    let mut text = format!("{}/{l}", p.save_attention);
-    if p.offload > 0 {
-        text += &format!(" o{}", p.offload);
-    }
-    if p.offload_optimizer > 0 {
-        text += &format!(" h{}", p.offload_optimizer);
-    }
-    text
-}
-
-fn by_category(p: &Prediction) -> Value {
-    let mut m = serde_json::Map::new();
-    for c in Category::ALL {
-        m.insert(c.name().to_string(), json!(p.at(c)));
-    }
-    Value::Object(m)
-}
-
-fn mesh_json(spec: &StepSpec) -> Value {
-    json!({
-        "data": spec.data, "ulysses": spec.plan.layout.pu, "ring": spec.plan.layout.pr,
-        "chunk_heads": spec.plan.schedule.chunk, "fwd_chunk_heads": spec.plan.fwd_schedule.chunk, "stages": spec.plan.schedule.n_stages(),
-        "overlap": spec.plan.overlap, "settle_every": spec.plan.settle_every.to_string(),
-    })
-}
-
-fn mesh_text(spec: &StepSpec) -> String {
-    format!(
-        "{}x{}x{}",
-        spec.data, spec.plan.layout.pu, spec.plan.layout.pr
-    )
-}
-
-fn limit_text(l: &Limit) -> String {
-    match l {
-        Limit::Device(c, at) => format!("gpu: {} ({at})", c.name()),
-        Limit::Host => "host: offload_host".to_string(),
-    }
-}
-
-fn fmt_tokens(n: usize) -> String {
-    let m = n as f64 / (1u64 << 20) as f64;
-    if m >= 1.0 {
-        format!("{m:.2}M")
-    } else {
-        format!("{:.0}K", n as f64 / 1024.0)
-    }
 }
 
 pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
@@ -682,40 +635,6 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
         write_svg(path, ctx, seq, &bars)?;
     }
     Ok(0)
-}
-
-/// One strategy's row of the breakdown table.
-fn breakdown_line(s: Strategy, spec: &StepSpec, p: &Prediction, fits: bool) -> String {
-    let mut line = format!(
-        "{:<8} {:>9} {:>4} {:>6}",
-        s.name(),
-        mesh_text(spec),
-        spec.plan.chunk_text(),
-        saved_text(spec)
-    );
-    for c in Category::ALL {
-        line += &format!(" {:>12}", Bytes(p.at(c)).to_string());
-    }
-    line += &format!(
-        " {:>12} {:>5}  {}",
-        Bytes(p.peak).to_string(),
-        if fits { "fits" } else { "OOM" },
-        p.peak_at
-    );
-    line
-}
-
-/// A strategy's device bytes at its peak by category (GiB), as a bar.
-fn category_bar(s: Strategy, spec: &StepSpec, p: &Prediction) -> Bar {
-    let segments = Category::ALL
-        .iter()
-        .filter(|&&c| c != Category::Offload)
-        .map(|&c| (c.name().to_string(), p.at(c) as f64 / GIB))
-        .collect();
-    Bar {
-        label: format!("{} {}", s.name(), mesh_text(spec)),
-        segments,
-    }
 }
 
 /// `upipe plan --svg`: the breakdown's bars against the usable memory.

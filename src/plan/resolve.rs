@@ -438,14 +438,8 @@ impl<'a> Resolution<'a> {
         if self.req.stages.fwd != FwdChunk::Auto {
             return Ok(());
         }
-        let spec = self.spec();
-        let peak = |p: &CpPlan| {
-            let s = StepSpec {
-                plan: p.clone(),
-                ..spec.clone()
-            };
-            Ok(predict_step(&s)?.peak)
-        };
+        let (req, policy, fsdp) = (self.req, self.policy, self.fsdp);
+        let peak = |p: &CpPlan| Ok(predict_step(&req.spec(p, policy, fsdp))?.peak);
         let wide = FwdChunk::Auto.apply(self.plan.clone(), peak)?;
         if wide.strategy == Strategy::Upipe {
             self.fwd_chunk_heads = Some(wide.fwd_schedule.chunk);
