@@ -16,15 +16,20 @@ use crate::plan::stage_width::ChunkHeads;
 /// the GPUs the replicas leave, and `bench attn` runs Pu 4 × Pr 1.
 #[derive(clap::Args, Debug, Clone, Default, PartialEq, Eq)]
 pub struct MeshArgs {
-    /// Data-parallel replicas, each its own context-parallel group (not on
-    /// `bench attn`, which runs one group).
+    /// Data-parallel replicas, each its own context-parallel group
+    /// (default: `train` and `eval` 1, `plan` what the GPUs leave beside the
+    /// context group; with no mesh flag the mesh fits the ranks). Not on
+    /// `bench attn`, which runs one group.
     #[arg(long)]
     pub data_parallel: Option<usize>,
-    /// Ulysses degree Pu (`plan`: with --gpus and no --ring, all GPUs the
-    /// replicas leave; usp up to 8).
+    /// Ulysses degree Pu (default: `train` 2, `eval` 1, `plan` all the GPUs
+    /// the replicas leave, usp up to 8, `bench attn` 4; with no mesh flag on
+    /// `train`, `eval` and `plan` the mesh fits the ranks).
     #[arg(long)]
     pub ulysses: Option<usize>,
-    /// Ring degree Pr (`plan`: with --gpus and no --ulysses, 1; ring: all).
+    /// Ring degree Pr (default: `train` 2, `eval` 1, `plan` 1 or for ring
+    /// all GPUs, `bench attn` 1; with no mesh flag on `train`, `eval` and
+    /// `plan` the mesh fits the ranks).
     #[arg(long)]
     pub ring: Option<usize>,
     /// UPipe heads per backward stage U. On `train` and `plan`, `auto` (the
