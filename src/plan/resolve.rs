@@ -98,11 +98,17 @@ impl FsdpMode {
 /// `--save-attention`), its `auto` choices not yet decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryChoices {
+    /// `--checkpoint`: full activation checkpointing per block.
     pub checkpoint: bool,
+    /// `--offload`: blocks whose checkpointed input lives on the host.
     pub offload: OffloadBlocks,
+    /// `--offload-optimizer`: units whose optimizer state lives on the host.
     pub offload_optimizer: OptimizerOffload,
+    /// `--tiled-mlp`: the MLP in token tiles.
     pub tiled_mlp: bool,
+    /// `--loss-chunk`: rows of logits per fused-loss chunk.
     pub loss_chunk: usize,
+    /// `--save-attention`: blocks that keep their attention output.
     pub save_attention: SaveAttention,
 }
 
@@ -134,8 +140,11 @@ pub struct StageChoices {
     /// Heads per backward stage (`None`: the default, `auto` where a
     /// budget is known, otherwise Pu).
     pub chunk_heads: Option<ChunkHeads>,
+    /// Heads per forward stage (`--fwd-chunk-heads`).
     pub fwd: FwdChunk,
+    /// `--overlap`: transfers beside attention (`plan`, `bench attn`).
     pub overlap: bool,
+    /// `--settle-every`: when backward takes in query gradients.
     pub settle: Settle,
 }
 
@@ -176,22 +185,30 @@ pub fn host_share(node_bytes: usize, ranks_on_node: usize) -> usize {
 /// Everything a run decides from: its typed choices and its budgets.
 #[derive(Debug, Clone)]
 pub struct RunRequest {
+    /// The model trained or planned.
     pub model: ModelConfig,
+    /// The attention strategy (`--attn`).
     pub strategy: Strategy,
     /// The mesh, resolved ([`crate::plan::mesh::resolve_mesh`] or `plan`'s `--gpus`).
     pub mesh: MeshChoice,
     /// Tokens per sequence (global).
     pub seq: usize,
+    /// Stage widths and the staged engine's order.
     pub stages: StageChoices,
+    /// `--fsdp`.
     pub fsdp: FsdpMode,
     /// `--fsdp-replicate`: shard groups of `world / fsdp_replicas` ranks.
     pub fsdp_replicas: usize,
     /// The run resumes a sharded checkpoint (on one rank it is gathered by
     /// sharding over that rank, unless `--fsdp off`).
     pub sharded_resume: bool,
+    /// Sequences per optimizer step (`--grad-accum`).
     pub grad_accum: usize,
+    /// The memory policy chosen.
     pub memory: MemoryChoices,
+    /// The dtypes and attention kernels predicted for.
     pub device: DeviceKind,
+    /// Each rank's memory.
     pub budget: RankBudget,
 }
 
@@ -211,6 +228,7 @@ pub enum Depth {
 /// What a run decided for itself, as the flags that repeat it say it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decisions {
+    /// Whether the run shards (FSDP).
     pub fsdp: bool,
     /// `--chunk-heads` decided (`None`: the default, Pu).
     pub chunk_heads: Option<usize>,
@@ -231,6 +249,7 @@ pub struct ResolvedRun {
     pub spec: StepSpec,
     /// The planner's prediction of the step on the rank that needs the most.
     pub prediction: Prediction,
+    /// What the run decided for itself.
     pub decisions: Decisions,
     /// What `--fsdp auto` (or a one-rank `--fsdp on`) decided, when that
     /// needs saying (a warning).
