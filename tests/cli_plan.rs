@@ -426,3 +426,23 @@ fn plan_fails_when_nothing_can_be_planned_and_stays_bounded() {
     assert!(ok, "{err}");
     assert!(out.contains("1x1x4096"), "{out}");
 }
+
+#[test]
+fn plan_without_policies_resolves_fsdp_as_train_does() {
+    // `train` on 8 GPUs of 80 GiB shards Llama3-8B by itself (--fsdp auto,
+    // the default of both): so does `plan`, and UPipe fits a context
+    let (ok, out, err) = upipe(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "8",
+        "--attn",
+        "upipe",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v = json_lines(&out).pop().unwrap();
+    assert_eq!(v["strategy"], "upipe", "{out}");
+    assert!(v["longest_seq"].as_u64().unwrap() > 0, "{out}");
+}

@@ -11,8 +11,10 @@ use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Bytes;
 use crate::backend::cpu::CpuBackend;
 use crate::cli::config::{self, Given, RunArgs, RunFile, run_keys};
+use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::ScheduleArgs;
 use crate::error::{Error, Result};
+use crate::plan::resolve::Strategies;
 use crate::plan::{DeviceKind, predict_attention_trial};
 use clap::ArgMatches;
 use serde_json::json;
@@ -47,15 +49,8 @@ pub struct AttnArgs {
     /// Global sequence length (tokens).
     #[arg(long, default_value_t = 256)]
     pub seq: usize,
-    /// Ulysses degree Pu.
-    #[arg(long, default_value_t = 4)]
-    pub ulysses: usize,
-    /// Ring degree Pr.
-    #[arg(long, default_value_t = 1)]
-    pub ring: usize,
-    /// UPipe heads per stage U (default: Pu; `auto` only on `train` and `plan`).
-    #[arg(long)]
-    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
     /// Per-head RMSNorm of q and k (Qwen3).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
@@ -107,13 +102,34 @@ impl AttnArgs {
         iters => bench.iters,
         rounds => bench.rounds,
         seq => data.seq,
-        ulysses => parallel.ulysses,
-        ring => parallel.ring,
-        chunk_heads => parallel.chunk_heads,
         attn_kernel => run.attn_kernel,
         json => run.json,
         seed => run.seed;
-        flatten schedule
+        flatten mesh, schedule
+    }
+}
+
+impl AttnArgs {
+    /// The Ulysses degree Pu (`--ulysses`, default 4).
+    pub fn ulysses(&self) -> usize {
+        self.mesh.ulysses.unwrap_or(4)
+    }
+
+    /// The ring degree Pr (`--ring`, default 1).
+    pub fn ring(&self) -> usize {
+        self.mesh.ring.unwrap_or(1)
+    }
+
+    /// The mesh flags this command takes: one context group, so no data
+    /// replicas.
+    fn check_mesh(&self) -> Result<()> {
+        match self.mesh.data_parallel {
+            None | Some(1) => Ok(()),
+            Some(d) => crate::config_err!(
+                "--data-parallel {d}: `bench attn` runs one context group (--ulysses x --ring); \
+                 leave --data-parallel out"
+            ),
+        }
     }
 }
 
@@ -171,14 +187,16 @@ fn attn_dims(a: &AttnArgs) -> AttnDims {
 }
 
 fn bench_attn(a: &AttnArgs) -> Result<i32> {
+    a.check_mesh()?;
     let dims = attn_dims(a);
     dims.validate()?;
     // checked here so a typo fails on every device
     let _: crate::backend::cuda::cudnn::AttnKernel = a.attn_kernel.parse()?;
     match a.device.as_str() {
-        "cpu" => {
-            crate::cli::train::check_thread_ranks("bench attn", a.ulysses.saturating_mul(a.ring))?
-        }
+        "cpu" => crate::cli::train::check_thread_ranks(
+            "bench attn",
+            a.ulysses().saturating_mul(a.ring()),
+        )?,
         "cuda" => return gpu::bench_attn_cuda(a, &dims),
         other => {
             return Err(Error::Config(format!(
@@ -231,7 +249,7 @@ fn cpu_outcomes(
     let mut outcomes = Vec::new();
     for &m in methods {
         let chunk = if m == Strategy::Upipe {
-            crate::cli::schedule::ChunkHeads::fixed(a.chunk_heads, "bench attn")?
+            crate::cli::schedule::ChunkHeads::fixed(a.mesh.chunk_heads, "bench attn")?
         } else {
             None
         };
@@ -239,7 +257,7 @@ fn cpu_outcomes(
         let (pu, pr) = if m == Strategy::Local {
             (1, 1)
         } else {
-            (a.ulysses, a.ring)
+            (a.ulysses(), a.ring())
         };
         let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
             Ok(p) => a.schedule.apply(p, |p| predicted_peak(a, p))?,
@@ -268,9 +286,9 @@ fn print_header(a: &AttnArgs, device: &str, throughput: bool) {
         a.head_dim,
         a.seq,
         a.qk_norm,
-        a.ulysses * a.ring,
-        a.ulysses,
-        a.ring
+        a.ulysses() * a.ring(),
+        a.ulysses(),
+        a.ring()
     );
     print!(
         "{:<8} {:>6} {:>4} {:>7} {:>12} {:>12} {:>12} {:>12} {:>9} {:>9}",
@@ -439,7 +457,7 @@ fn table_row(
 fn methods_of(a: &AttnArgs) -> Result<(bool, Vec<Strategy>)> {
     let (all, methods) = parse_methods(&a.methods)?;
     let fwd_given = a.schedule.fwd.fwd_chunk_heads != crate::cli::schedule::FwdChunk::Auto;
-    let flag = match (a.chunk_heads.is_some(), fwd_given) {
+    let flag = match (a.mesh.chunk_heads.is_some(), fwd_given) {
         (true, _) => "--chunk-heads",
         (false, true) => "--fwd-chunk-heads",
         (false, false) => return Ok((all, methods)),
@@ -456,17 +474,11 @@ fn methods_of(a: &AttnArgs) -> Result<(bool, Vec<Strategy>)> {
 
 /// `(is_all, strategies)` from the `--methods` flag.
 fn parse_methods(s: &str) -> Result<(bool, Vec<Strategy>)> {
-    if s == "all" {
-        return Ok((true, Strategy::ALL.to_vec()));
-    }
-    let list: Vec<Strategy> = s
-        .split(',')
-        .map(|x| x.trim().parse())
-        .collect::<Result<_>>()?;
-    if list.is_empty() {
-        return Err(Error::Config(
+    match s.parse()? {
+        Strategies::All => Ok((true, Strategy::ALL.to_vec())),
+        Strategies::Listed(list) if list.is_empty() => Err(Error::Config(
             "--methods needs at least one strategy".into(),
-        ));
+        )),
+        Strategies::Listed(list) => Ok((false, list)),
     }
-    Ok((false, list))
 }

@@ -13,8 +13,8 @@
 //! sections.
 
 use crate::attention::Settle;
-use crate::cli::stage_width::{ChunkHeads, FwdChunk};
 use crate::error::{Error, Result};
+use crate::plan::stage_width::{ChunkHeads, FwdChunk};
 use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
@@ -419,6 +419,7 @@ mod tests {
     use crate::cli::bench::AttnArgs;
     use crate::cli::eval::EvalArgs;
     use crate::cli::memory::MemoryArgs;
+    use crate::cli::mesh::MeshArgs;
     use crate::cli::plan::PlanArgs;
     use crate::cli::schedule::{FwdChunkArgs, ScheduleArgs};
     use crate::cli::train::TrainArgs;
@@ -447,10 +448,11 @@ mod tests {
     #[test]
     fn every_flag_of_every_subcommand_has_a_key() {
         let (memory, schedule, fwd) = (MemoryArgs::KEYS, ScheduleArgs::KEYS, FwdChunkArgs::KEYS);
-        every_flag_has_a_key::<TrainArgs>(&[TrainArgs::KEYS, memory, fwd]);
-        every_flag_has_a_key::<EvalArgs>(&[EvalArgs::KEYS]);
-        every_flag_has_a_key::<PlanArgs>(&[PlanArgs::KEYS, schedule, fwd, memory]);
-        every_flag_has_a_key::<AttnArgs>(&[AttnArgs::KEYS, schedule, fwd]);
+        let mesh = MeshArgs::KEYS;
+        every_flag_has_a_key::<TrainArgs>(&[TrainArgs::KEYS, memory, mesh, fwd]);
+        every_flag_has_a_key::<EvalArgs>(&[EvalArgs::KEYS, mesh]);
+        every_flag_has_a_key::<PlanArgs>(&[PlanArgs::KEYS, mesh, schedule, fwd, memory]);
+        every_flag_has_a_key::<AttnArgs>(&[AttnArgs::KEYS, mesh, schedule, fwd]);
     }
 
     #[test]
@@ -462,6 +464,7 @@ mod tests {
             ScheduleArgs::KEYS,
             FwdChunkArgs::KEYS,
             MemoryArgs::KEYS,
+            MeshArgs::KEYS,
             AttnArgs::KEYS,
         ];
         for a in all.iter().flat_map(|k| k.iter()) {

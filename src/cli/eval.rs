@@ -12,6 +12,7 @@ use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::checkpoint::{ExtraTensors, load_hf_model_with};
 use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
+use crate::cli::mesh::MeshArgs;
 use crate::cli::metrics::{MetricsFile, StepMetrics, by_category};
 use crate::cli::schedule::ChunkHeads;
 use crate::cli::train::{Device, Launched, MeshChoice, Route, default_mesh, route_for};
@@ -56,19 +57,8 @@ pub struct EvalArgs {
     /// Attention strategy: local, ulysses, ring, usp, upipe.
     #[arg(long, default_value = "upipe")]
     pub attn: String,
-    /// Ulysses degree Pu (default 1; with no mesh flag on 2+ GPUs or under a
-    /// launch, the mesh fits the ranks as `upipe train`'s does).
-    #[arg(long)]
-    pub ulysses: Option<usize>,
-    /// Ring degree Pr (default 1).
-    #[arg(long)]
-    pub ring: Option<usize>,
-    /// Data replicas, each evaluating every N-th window (default 1).
-    #[arg(long)]
-    pub data_parallel: Option<usize>,
-    /// UPipe heads per stage U (default: Pu; `auto` only on `train` and `plan`).
-    #[arg(long)]
-    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
     /// UPipe heads per forward stage (default U).
     #[arg(long)]
     pub fwd_chunk_heads: Option<usize>,
@@ -97,14 +87,11 @@ impl EvalArgs {
         seq => eval.seq,
         buckets => eval.buckets,
         attn => parallel.attn,
-        ulysses => parallel.ulysses,
-        ring => parallel.ring,
-        data_parallel => parallel.data_parallel,
-        chunk_heads => parallel.chunk_heads,
         fwd_chunk_heads => eval.fwd_chunk_heads,
         loss_chunk => memory.loss_chunk,
         device => run.device,
-        attn_kernel => run.attn_kernel,
+        attn_kernel => run.attn_kernel;
+        flatten mesh
     }
 }
 
@@ -145,21 +132,21 @@ fn eval_mesh(
     seq: usize,
     ranks: Option<usize>,
 ) -> MeshChoice {
-    let given = a.data_parallel.is_some() || a.ulysses.is_some() || a.ring.is_some();
+    let given = a.mesh.any_given();
     // a length every mesh of n ranks divides, since eval pads the window
     let fitted = ranks.filter(|_| !given).and_then(|n| {
         default_mesh(
             strategy,
             model,
             seq.next_multiple_of(2 * n),
-            ChunkHeads::start(a.chunk_heads),
+            ChunkHeads::start(a.mesh.chunk_heads),
             n,
         )
     });
     fitted.unwrap_or(MeshChoice {
-        data: a.data_parallel.unwrap_or(1),
-        ulysses: a.ulysses.unwrap_or(1),
-        ring: a.ring.unwrap_or(1),
+        data: a.mesh.data_parallel.unwrap_or(1),
+        ulysses: a.mesh.ulysses.unwrap_or(1),
+        ring: a.mesh.ring.unwrap_or(1),
     })
 }
 
@@ -216,7 +203,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
     let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
     let mut cfg = EvalConfig {
         strategy,
-        chunk_heads: ChunkHeads::fixed(a.chunk_heads, "eval")?,
+        chunk_heads: ChunkHeads::fixed(a.mesh.chunk_heads, "eval")?,
         fwd_chunk_heads: a.fwd_chunk_heads,
         seq: a.seq,
         buckets: a.buckets,

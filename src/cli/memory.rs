@@ -1,10 +1,10 @@
 //! The memory-policy flags shared by `train` and `plan` (run-file section
-//! `[memory]`), and the [`MemoryPolicy`] they describe.
+//! `[memory]`), and the [`MemoryChoices`] they make.
 
 use crate::cli::config::{at_least, run_keys};
 use crate::error::Result;
 use crate::model::MemoryPolicy;
-use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
+use crate::plan::{MemoryChoices, OffloadBlocks, OptimizerOffload, SaveAttention};
 
 /// What a step keeps, recomputes and moves to the host.
 #[derive(clap::Args, Debug, Clone)]
@@ -64,24 +64,21 @@ impl MemoryArgs {
         at_least(Self::KEYS, "loss_chunk", self.loss_chunk, 1)
     }
 
-    /// The policy of a model of `layers` blocks: `--offload all` is every
-    /// block, `--offload auto` is `auto_blocks` until the caller resolves it
-    /// against a budget; `--offload-optimizer auto` is every unit until the
-    /// caller resolves it; `--save-attention` is resolved by the caller too
-    /// (none here).
-    pub fn policy(&self, layers: usize, auto_blocks: usize) -> MemoryPolicy {
-        MemoryPolicy {
+    /// The choices these flags make, their `auto`s undecided.
+    pub fn choices(&self) -> MemoryChoices {
+        MemoryChoices {
             checkpoint: self.checkpoint,
-            offload: match self.offload {
-                OffloadBlocks::Blocks(n) => n,
-                OffloadBlocks::All => layers,
-                OffloadBlocks::Auto => auto_blocks,
-            },
-            offload_optimizer: self.offload_optimizer.units(layers),
+            offload: self.offload,
+            offload_optimizer: self.offload_optimizer,
             tiled_mlp: self.tiled_mlp,
             loss_chunk: self.loss_chunk,
-            save_attention: 0,
+            save_attention: self.save_attention,
         }
+    }
+
+    /// The policy of a model of `layers` blocks ([`MemoryChoices::policy`]).
+    pub fn policy(&self, layers: usize, auto_blocks: usize) -> MemoryPolicy {
+        self.choices().policy(layers, auto_blocks)
     }
 }
 

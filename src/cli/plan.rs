@@ -5,20 +5,30 @@ use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::memory::MemoryArgs;
+use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::{ChunkHeads, ScheduleArgs};
 use crate::cli::svg::{Area, Bar, Svg, stacked_bars};
-use crate::cli::train::{CPU_DEFAULT_MESH, FsdpMode, MeshFlags, resolve_mesh};
+use crate::cli::train::CPU_DEFAULT_MESH;
 use crate::error::{Error, Result};
+use crate::model::ModelConfig;
 use crate::model::decoder::attn_dims;
-use crate::model::{MemoryPolicy, ModelConfig};
+use crate::plan::mesh::{MeshChoice, MeshFlags, resolve_mesh};
+use crate::plan::resolve::{Strategies, host_share};
 use crate::plan::{
-    Budget, DeviceKind, Fit, Limit, Prediction, StepSpec, longest_context, predict_step,
-    resolve_plan, seq_unit,
+    Budget, Depth, DeviceKind, Fit, FsdpMode, MemoryChoices, Prediction, RankBudget, RunRequest,
+    StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
 };
-use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
+use crate::plan::{OffloadBlocks, OptimizerOffload};
 use clap::ArgMatches;
-use serde_json::{Value, json};
+use serde_json::json;
 use std::path::{Path, PathBuf};
+
+mod output;
+
+use output::{
+    breakdown_line, by_category, category_bar, fmt_tokens, limit_text, mesh_json, mesh_text,
+    saved_text,
+};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -58,24 +68,14 @@ pub struct PlanArgs {
     /// Strategies, comma-separated (ulysses, ring, usp, upipe, local), or `all`.
     #[arg(long, default_value = "all")]
     pub attn: String,
-    /// Data-parallel replicas (default: what the GPUs leave beside the context group).
-    #[arg(long)]
-    pub data_parallel: Option<usize>,
-    /// Ulysses degree Pu (default: all GPUs; usp: up to 8).
-    #[arg(long)]
-    pub ulysses: Option<usize>,
-    /// Ring degree Pr (default: 1; ring: all GPUs).
-    #[arg(long)]
-    pub ring: Option<usize>,
-    /// UPipe heads per backward stage U, or `auto` (the default): the widest
-    /// stages that fit, as `upipe train` picks them at this length.
-    #[arg(long)]
-    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
     #[command(flatten)]
     pub schedule: ScheduleArgs,
-    /// FSDP as `train --fsdp`: auto (on when the model's states take more
-    /// than half of a GPU's usable memory and there is more than one GPU), on, off.
-    #[arg(long, default_value = "off")]
+    /// FSDP as `train --fsdp`, whose default it shares: auto (on when
+    /// there is more than one GPU and the whole model's states take more
+    /// than half of a GPU's memory), on, off.
+    #[arg(long, default_value = "auto")]
     pub fsdp: String,
     /// HSDP: with `fsdp`, shard inside groups of gpus/R ranks, replicated R times.
     #[arg(long, default_value_t = 1)]
@@ -120,10 +120,6 @@ impl PlanArgs {
         seq => data.seq,
         grad_accum => data.grad_accum,
         attn => parallel.attn,
-        data_parallel => parallel.data_parallel,
-        ulysses => parallel.ulysses,
-        ring => parallel.ring,
-        chunk_heads => parallel.chunk_heads,
         fsdp => parallel.fsdp,
         fsdp_replicate => parallel.fsdp_replicate,
         policies => memory.policies,
@@ -132,7 +128,7 @@ impl PlanArgs {
         json => run.json,
         max_seq => plan.max_seq,
         svg => plan.svg;
-        flatten schedule, memory
+        flatten mesh, schedule, memory
     }
 }
 
@@ -150,19 +146,12 @@ impl RunArgs for PlanArgs {
     }
 }
 
-/// The memory policy and whether to shard: `--policies` added to
-/// `--checkpoint`, `--offload`, `--tiled-mlp` and `--fsdp` (`auto` decided
-/// as `train` decides it, from `usable` bytes per GPU).
-fn policies(
-    a: &PlanArgs,
-    model: &ModelConfig,
-    device: DeviceKind,
-    usable: usize,
-    gpus: usize,
-) -> Result<(MemoryPolicy, bool)> {
-    let layers = model.layers;
-    // `auto` is resolved at each length ([`Ctx::predict_resolved`])
-    let mut p = a.memory.policy(layers, layers);
+/// The memory choices and the FSDP mode: `--policies` added to
+/// `--checkpoint`, `--offload`, `--offload-optimizer`, `--tiled-mlp` and
+/// `--fsdp` (an `auto` given stays `auto`: each is resolved at each length
+/// as `train` resolves it).
+fn memory_choices(a: &PlanArgs, layers: usize) -> Result<(MemoryChoices, FsdpMode)> {
+    let mut m = a.memory.choices();
     let mut fsdp: FsdpMode = for_key(PlanArgs::KEYS, "fsdp", a.fsdp.parse())?;
     for item in a
         .policies
@@ -172,10 +161,15 @@ fn policies(
     {
         match item {
             "none" => {}
-            "checkpoint" => p.checkpoint = true,
-            "offload" | "offload-auto" => p.offload = layers,
-            "offload-optimizer" => p.offload_optimizer = MemoryPolicy::optimizer_units(layers),
-            "tiled-mlp" | "tiled_mlp" => p.tiled_mlp = true,
+            "checkpoint" => m.checkpoint = true,
+            "offload" if m.offload != OffloadBlocks::Auto => m.offload = OffloadBlocks::All,
+            "offload" => {}
+            "offload-auto" => m.offload = OffloadBlocks::Auto,
+            "offload-optimizer" if m.offload_optimizer != OptimizerOffload::Auto => {
+                m.offload_optimizer = OptimizerOffload::All
+            }
+            "offload-optimizer" => {}
+            "tiled-mlp" | "tiled_mlp" => m.tiled_mlp = true,
             "fsdp" => fsdp = FsdpMode::On,
             other => {
                 return Err(Error::Config(format!(
@@ -184,37 +178,29 @@ fn policies(
             }
         }
     }
-    p.validate_for(layers)?;
-    let states = crate::plan::model_state_bytes(model, device != DeviceKind::Cpu);
-    let (fsdp, note) = fsdp.resolve(gpus, states, Some(usable));
-    if let (Some(note), false) = (note, a.json) {
-        println!("{note}");
-    }
-    Ok((p, fsdp))
+    m.policy(layers, layers).validate_for(layers)?;
+    Ok((m, fsdp))
 }
 
+/// `--attn`: `(is_all, strategies)`; `all` is `local` on one GPU, else
+/// every context-parallel strategy.
 fn parse_attn(s: &str, gpus: usize) -> Result<(bool, Vec<Strategy>)> {
-    if s == "all" {
-        let v = if gpus == 1 {
-            vec![Strategy::Local]
-        } else {
-            vec![
+    match s.parse()? {
+        Strategies::All if gpus == 1 => Ok((true, vec![Strategy::Local])),
+        Strategies::All => {
+            let parallel = [
                 Strategy::Ulysses,
                 Strategy::Ring,
                 Strategy::Usp,
                 Strategy::Upipe,
-            ]
-        };
-        return Ok((true, v));
+            ];
+            Ok((true, parallel.to_vec()))
+        }
+        Strategies::Listed(v) if v.is_empty() => {
+            Err(Error::Config("--attn needs at least one strategy".into()))
+        }
+        Strategies::Listed(v) => Ok((false, v)),
     }
-    let v: Vec<Strategy> = s
-        .split(',')
-        .map(|x| x.trim().parse())
-        .collect::<Result<_>>()?;
-    if v.is_empty() {
-        return Err(Error::Config("--attn needs at least one strategy".into()));
-    }
-    Ok((false, v))
 }
 
 fn gib(x: f64, what: &str) -> Result<usize> {
@@ -230,10 +216,16 @@ fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
+/// `upipe plan`'s flags, parsed and checked.
 struct Ctx {
     model: ModelConfig,
-    policy: MemoryPolicy,
+    /// The memory policy chosen (`--policies` added), `auto`s undecided.
+    memory: MemoryChoices,
+    fsdp_mode: FsdpMode,
+    /// Whether the run shards (for the header; each request decides it too).
     fsdp: bool,
+    /// What `--fsdp auto` decided, when that needs saying.
+    fsdp_note: Option<String>,
     device: DeviceKind,
     gpus: usize,
     /// With neither `--gpus` nor a mesh flag: each strategy's mesh as
@@ -243,178 +235,96 @@ struct Ctx {
     all: bool,
     strategies: Vec<Strategy>,
     budget: Budget,
-    /// `--offload auto` (or `offload-auto` in --policies): the blocks
-    /// offloaded are resolved at each length as `train` resolves them.
-    offload_auto: bool,
+    /// The same budget as the resolver takes it.
+    rank_budget: RankBudget,
     a: PlanArgs,
 }
 
 impl Ctx {
-    /// The step of `strategy` at `seq` with `--save-attention` and
-    /// `--chunk-heads` resolved as `upipe train` resolves them.
+    /// The step of `strategy` at `seq` with every `auto` resolved as
+    /// `upipe train` resolves it at that length.
     fn predict(&self, strategy: Strategy, seq: usize) -> Result<(Prediction, StepSpec)> {
         self.predict_resolved(strategy, seq, false)
     }
 
     /// [`Self::predict`], or with `searching` what the search for the
-    /// longest context holds fixed ([`Self::search_save`], stages of Pu
-    /// heads for `auto`): wherever that fits, the resolved run fits too.
+    /// longest context holds fixed ([`Depth::Search`]): wherever that
+    /// fits, the resolved run fits too.
     fn predict_resolved(
         &self,
         strategy: Strategy,
         seq: usize,
         searching: bool,
     ) -> Result<(Prediction, StepSpec)> {
+        let depth = if searching { Depth::Search } else { Depth::Run };
+        let resolved = resolve_run(&self.request(strategy, seq)?, depth)?;
+        Ok((resolved.prediction, resolved.spec))
+    }
+
+    /// The mesh of `strategy` at `seq`: as `train` fits it to the ranks
+    /// here, or on `--gpus` with the mesh flags given (the context group
+    /// takes the GPUs the replicas leave).
+    fn mesh(&self, strategy: Strategy, seq: usize) -> Result<MeshChoice> {
+        let chunk = ChunkHeads::start(self.a.mesh.chunk_heads);
         let (gpus, ulysses, ring, replicas) = match self.fitted {
             Some(ranks) => {
                 let flags = MeshFlags::default();
-                let chunk = ChunkHeads::start(self.a.chunk_heads);
                 let m = resolve_mesh(flags, strategy, &self.model, seq, chunk, ranks);
                 (m.world_size(), Some(m.ulysses), Some(m.ring), m.data)
             }
-            // replicas given: the context group has the GPUs one replica leaves
             None => {
-                let replicas = self.a.data_parallel.unwrap_or(1);
-                (self.gpus, self.a.ulysses, self.a.ring, replicas)
+                let replicas = self.a.mesh.data_parallel.unwrap_or(1);
+                (self.gpus, self.a.mesh.ulysses, self.a.mesh.ring, replicas)
             }
         };
-        let resolve = |chunk: Option<usize>| {
-            let dims = attn_dims(&self.model);
-            resolve_plan(strategy, &dims, seq, gpus / replicas, ulysses, ring, chunk)
-        };
-        let (plan, data) = resolve(ChunkHeads::start(self.a.chunk_heads))?;
+        let dims = attn_dims(&self.model);
+        let (plan, data) =
+            resolve_plan(strategy, &dims, seq, gpus / replicas, ulysses, ring, chunk)?;
         check_ring(plan.layout.pr)?;
-        let spec = |plan: &crate::attention::CpPlan, policy: MemoryPolicy| StepSpec {
-            model: self.model.clone(),
-            plan: plan.clone(),
+        Ok(MeshChoice {
             data: data * replicas,
-            policy,
-            fsdp: self.fsdp,
-            fsdp_replicas: self.a.fsdp_replicate,
-            grad_accum: self.a.grad_accum,
+            ulysses: plan.layout.pu,
+            ring: plan.layout.pr,
+        })
+    }
+
+    /// The resolver's request of `strategy` at `seq` tokens.
+    fn request(&self, strategy: Strategy, seq: usize) -> Result<RunRequest> {
+        let a = &self.a;
+        Ok(RunRequest {
+            model: self.model.clone(),
+            strategy,
+            mesh: self.mesh(strategy, seq)?,
+            seq,
+            stages: StageChoices {
+                chunk_heads: a.mesh.chunk_heads,
+                fwd: a.schedule.fwd.fwd_chunk_heads,
+                overlap: a.schedule.overlap,
+                settle: a.schedule.settle_every,
+            },
+            fsdp: self.fsdp_mode,
+            fsdp_replicas: a.fsdp_replicate,
+            sharded_resume: false,
+            grad_accum: a.grad_accum,
+            memory: self.memory,
             device: self.device,
-            optimizer: true,
-        };
-        // what `train --offload auto` moves here, then what `--save-attention` keeps
-        let mut policy = self.policy;
-        if self.offload_auto {
-            policy.offload = OffloadBlocks::Auto.resolve(
-                &spec(&plan, policy),
-                Some(self.budget.device),
-                self.budget.host,
-            )?;
-        }
-        let save = match searching {
-            true => self.search_save(),
-            false => self.a.memory.save_attention,
-        };
-        let policy = MemoryPolicy {
-            save_attention: save.resolve(&spec(&plan, policy), Some(self.budget.device))?,
-            ..policy
-        };
-        // the forward stages (`--fwd-chunk-heads`), after the widest backward
-        // stages that fit (`--chunk-heads auto`); a width that the heads or a
-        // fixed forward stage do not allow is skipped
-        let staged = |plan| {
-            self.a
-                .schedule
-                .apply(plan, |p| Ok(predict_step(&spec(p, policy))?.peak))
-        };
-        let widen = strategy == Strategy::Upipe
-            && !searching
-            && !matches!(self.a.chunk_heads, Some(ChunkHeads::Heads(_)));
-        let widest = match widen {
-            false => None,
-            true => crate::plan::widest_fitting(self.model.heads, plan.layout.pu, |u| {
-                let Ok(wide) = resolve(Some(u)).and_then(|(wide, _)| staged(wide)) else {
-                    return Ok(None);
-                };
-                let peak = predict_step(&spec(&wide, policy))?.peak;
-                Ok((peak <= self.budget.device).then_some(wide))
-            })?,
-        };
-        let plan = match widest {
-            Some((_, wide)) => wide,
-            None => staged(plan)?,
-        };
-        // then the units `--offload-optimizer auto` keeps on the host; the
-        // search holds every unit there (wherever that fits, auto fits)
-        let mut policy = policy;
-        if self.a.memory.offload_optimizer == OptimizerOffload::Auto && !searching {
-            policy.offload_optimizer =
-                OptimizerOffload::Auto.resolve(&spec(&plan, policy), Some(self.budget.device))?;
-        }
-        let spec = spec(&plan, policy);
-        Ok((predict_step(&spec)?, spec))
-    }
-
-    /// What the search holds fixed: `auto` searches with none (wherever none
-    /// fits, auto fits too), a number or `all` as given.
-    fn search_save(&self) -> SaveAttention {
-        match self.a.memory.save_attention {
-            SaveAttention::Auto => SaveAttention::Blocks(0),
-            given => given,
-        }
+            budget: self.rank_budget,
+        })
     }
 }
 
-/// Blocks keeping their attention state, as tables print it: `3/16`
-/// (and, when some are offloaded, the blocks offloaded: `3/16 o12`; when
-/// units keep their optimizer state on the host, how many: `3/16 o12 h9`).
-fn saved_text(spec: &StepSpec) -> String {
-    let (p, l) = (&spec.policy, spec.model.layers);
-    let mut text = format!("{}/{l}", p.save_attention);
-    if p.offload > 0 {
-        text += &format!(" o{}", p.offload);
-    }
-    if p.offload_optimizer > 0 {
-        text += &format!(" h{}", p.offload_optimizer);
-    }
-    text
-}
-
-fn by_category(p: &Prediction) -> Value {
-    let mut m = serde_json::Map::new();
-    for c in Category::ALL {
-        m.insert(c.name().to_string(), json!(p.at(c)));
-    }
-    Value::Object(m)
-}
-
-fn mesh_json(spec: &StepSpec) -> Value {
-    json!({
-        "data": spec.data, "ulysses": spec.plan.layout.pu, "ring": spec.plan.layout.pr,
-        "chunk_heads": spec.plan.schedule.chunk, "fwd_chunk_heads": spec.plan.fwd_schedule.chunk, "stages": spec.plan.schedule.n_stages(),
-        "overlap": spec.plan.overlap, "settle_every": spec.plan.settle_every.to_string(),
-    })
-}
-
-fn mesh_text(spec: &StepSpec) -> String {
-    format!(
-        "{}x{}x{}",
-        spec.data, spec.plan.layout.pu, spec.plan.layout.pr
-    )
-}
-
-fn limit_text(l: &Limit) -> String {
-    match l {
-        Limit::Device(c, at) => format!("gpu: {} ({at})", c.name()),
-        Limit::Host => "host: offload_host".to_string(),
-    }
-}
-
-fn fmt_tokens(n: usize) -> String {
-    let m = n as f64 / (1u64 << 20) as f64;
-    if m >= 1.0 {
-        format!("{m:.2}M")
-    } else {
-        format!("{:.0}K", n as f64 / 1024.0)
-    }
+/// The resolver's request `upipe plan` with flags `a` makes for `strategy`
+/// at `seq` tokens (what it predicts at that length is [`resolve_run`]'s).
+pub fn plan_request(a: PlanArgs, strategy: Strategy, seq: usize) -> Result<RunRequest> {
+    validate(a)?.request(strategy, seq)
 }
 
 pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
     let a = config::resolve(a, m)?;
     let ctx = validate(a)?;
+    if let (Some(note), false) = (&ctx.fsdp_note, ctx.a.json) {
+        println!("{note}");
+    }
     if !ctx.a.json {
         println!(
             "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}; save-attention {}",
@@ -442,11 +352,13 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
 
 /// The policies in effect, as `--policies` lists them.
 fn policy_text(ctx: &Ctx) -> String {
-    let p = &ctx.policy;
+    let m = &ctx.memory;
+    let offload_auto = m.offload == OffloadBlocks::Auto;
+    let p = m.policy(ctx.model.layers, ctx.model.layers);
     let on = [
         (p.checkpoint, "checkpoint"),
-        (p.offload > 0 && !ctx.offload_auto, "offload"),
-        (ctx.offload_auto, "offload-auto"),
+        (p.offload > 0 && !offload_auto, "offload"),
+        (offload_auto, "offload-auto"),
         (p.offload_optimizer > 0, "offload-optimizer"),
         (p.tiled_mlp, "tiled-mlp"),
         (ctx.fsdp, "fsdp"),
@@ -477,10 +389,10 @@ fn plan_device(a: &PlanArgs) -> Result<DeviceKind> {
 /// the ranks `upipe train` fits its mesh to here (the second value: the
 /// visible GPUs, else `None`, the CPU default mesh).
 fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
-    let mesh = [a.data_parallel, a.ulysses, a.ring];
+    a.mesh.validate()?;
+    let mesh = [a.mesh.data_parallel, a.mesh.ulysses, a.mesh.ring];
     for (id, degree) in ["data_parallel", "ulysses", "ring"].into_iter().zip(mesh) {
         if let Some(d) = degree {
-            at_least(PlanArgs::KEYS, id, d, 1)?;
             at_most_planned(&format!("--{}", id.replace('_', "-")), d)?;
         }
     }
@@ -499,7 +411,7 @@ fn plan_gpus(a: &PlanArgs) -> Result<(usize, Option<Option<usize>>)> {
     };
     at_least(PlanArgs::KEYS, "gpus", gpus, 1)?;
     at_most_planned("the GPUs (--gpus, or the product of the mesh flags)", gpus)?;
-    if let Some(d) = a.data_parallel
+    if let Some(d) = a.mesh.data_parallel
         && !gpus.is_multiple_of(d)
     {
         return crate::config_err!("--gpus {gpus} is not a multiple of --data-parallel {d}");
@@ -522,9 +434,13 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     at_most_tokens("--max-seq", a.max_seq)?;
     a.memory.validate()?;
     let device = plan_device(&a)?;
-    let usable = gib(a.gpu_mem, "--gpu-mem")?.saturating_sub(gib(a.reserve, "--reserve")?);
-    let (policy, fsdp) = policies(&a, &model, device, usable, gpus)?;
+    let (budget, rank_budget) = plan_budget(&a, gpus)?;
+    let (memory, fsdp_mode) = memory_choices(&a, model.layers)?;
+    let policy = memory.policy(model.layers, model.layers);
     a.memory.save_attention.check(policy, model.layers)?;
+    // as every request decides it (the same GPUs, the same budget)
+    let states = crate::plan::model_state_bytes(&model, device.is_cuda());
+    let (fsdp, fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
     if a.fsdp_replicate == 0
         || !gpus.is_multiple_of(a.fsdp_replicate)
         || (a.fsdp_replicate > 1 && !fsdp)
@@ -536,50 +452,58 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     }
     let (all, strategies) = for_key(k, "attn", parse_attn(&a.attn, gpus))?;
     check_mesh(&a, gpus)?;
-    let host = match a.host_mem {
-        // the pinned pool's slack is left out, as `train` leaves it out
-        Some(h) => Some(crate::plan::preflight::planned_host(
-            gib(h, "--host-mem")? / gpus.min(a.gpus_per_node),
-        )),
-        None => None,
-    };
-    let budget = Budget {
-        device: usable,
-        host,
-    };
-    let offload_auto = a.memory.offload == OffloadBlocks::Auto
-        || a.policies.split(',').any(|x| x.trim() == "offload-auto");
     Ok(Ctx {
         model,
-        policy,
+        memory,
+        fsdp_mode,
         fsdp,
+        fsdp_note,
         device,
         gpus,
         fitted,
         all,
         strategies,
         budget,
-        offload_auto,
+        rank_budget,
         a,
     })
 }
 
+/// Each rank's memory: `--gpu-mem` less `--reserve` for the ledger, and
+/// its share of `--host-mem` for offloaded tensors, as the checks and as
+/// the resolver take it.
+fn plan_budget(a: &PlanArgs, gpus: usize) -> Result<(Budget, RankBudget)> {
+    let memory = gib(a.gpu_mem, "--gpu-mem")?;
+    let reserve = gib(a.reserve, "--reserve")?;
+    let host = match a.host_mem {
+        Some(h) => Some(host_share(gib(h, "--host-mem")?, gpus.min(a.gpus_per_node))),
+        None => None,
+    };
+    let rank = RankBudget::with_reserve(memory, reserve, host);
+    let budget = Budget {
+        device: memory.saturating_sub(reserve),
+        host,
+    };
+    Ok((budget, rank))
+}
+
 /// The mesh flags divide the GPUs.
 fn check_mesh(a: &PlanArgs, gpus: usize) -> Result<()> {
-    if a.ulysses.is_none() && a.ring.is_none() {
+    if a.mesh.ulysses.is_none() && a.mesh.ring.is_none() {
         return Ok(());
     }
     let c = a
+        .mesh
         .ulysses
         .unwrap_or(1)
-        .saturating_mul(a.ring.unwrap_or(1))
-        .saturating_mul(a.data_parallel.unwrap_or(1));
+        .saturating_mul(a.mesh.ring.unwrap_or(1))
+        .saturating_mul(a.mesh.data_parallel.unwrap_or(1));
     if c == 0 || !gpus.is_multiple_of(c) {
         return crate::config_err!(
             "--gpus {gpus} is not a product of the mesh: {} (data) x {} (ulysses) x {} (ring) needs a multiple of {c} GPUs",
-            a.data_parallel.unwrap_or(1),
-            a.ulysses.unwrap_or(1),
-            a.ring.unwrap_or(1)
+            a.mesh.data_parallel.unwrap_or(1),
+            a.mesh.ulysses.unwrap_or(1),
+            a.mesh.ring.unwrap_or(1)
         );
     }
     Ok(())
@@ -711,40 +635,6 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
         write_svg(path, ctx, seq, &bars)?;
     }
     Ok(0)
-}
-
-/// One strategy's row of the breakdown table.
-fn breakdown_line(s: Strategy, spec: &StepSpec, p: &Prediction, fits: bool) -> String {
-    let mut line = format!(
-        "{:<8} {:>9} {:>4} {:>6}",
-        s.name(),
-        mesh_text(spec),
-        spec.plan.chunk_text(),
-        saved_text(spec)
-    );
-    for c in Category::ALL {
-        line += &format!(" {:>12}", Bytes(p.at(c)).to_string());
-    }
-    line += &format!(
-        " {:>12} {:>5}  {}",
-        Bytes(p.peak).to_string(),
-        if fits { "fits" } else { "OOM" },
-        p.peak_at
-    );
-    line
-}
-
-/// A strategy's device bytes at its peak by category (GiB), as a bar.
-fn category_bar(s: Strategy, spec: &StepSpec, p: &Prediction) -> Bar {
-    let segments = Category::ALL
-        .iter()
-        .filter(|&&c| c != Category::Offload)
-        .map(|&c| (c.name().to_string(), p.at(c) as f64 / GIB))
-        .collect();
-    Bar {
-        label: format!("{} {}", s.name(), mesh_text(spec)),
-        segments,
-    }
 }
 
 /// `upipe plan --svg`: the breakdown's bars against the usable memory.

@@ -1,10 +1,9 @@
 //! The staged engine's schedule flags, shared by `bench attn` and `plan`
 //! (`--fwd-chunk-heads` by `train` too).
 
-pub use super::stage_width::{ChunkHeads, FwdChunk};
 use crate::attention::{CpPlan, Settle, Strategy};
 use crate::error::Result;
-use crate::plan::widest_free_forward;
+pub use crate::plan::stage_width::{ChunkHeads, FwdChunk};
 
 /// How the staged engine orders its work (`--overlap`, `--settle-every`).
 #[derive(clap::Args, Debug, Clone)]
@@ -43,23 +42,6 @@ pub struct FwdChunkArgs {
 impl FwdChunkArgs {
     crate::cli::config::run_keys! {
         fwd_chunk_heads => parallel.fwd_chunk_heads,
-    }
-}
-
-impl FwdChunk {
-    /// `plan` with its forward stages set: `auto` asks `peak` (the planner's
-    /// prediction for the run) which widths are free; a number applies to
-    /// UPipe plans only, so one flag serves a run of several strategies.
-    pub fn apply(self, plan: CpPlan, peak: impl Fn(&CpPlan) -> Result<usize>) -> Result<CpPlan> {
-        match self {
-            // the prediction only picks a speed-up: without one, run F = U
-            FwdChunk::Auto => widest_free_forward(plan.clone(), peak).or_else(|e| {
-                tracing::warn!("--fwd-chunk-heads auto: no prediction ({e}); forward stages = U");
-                Ok(plan)
-            }),
-            FwdChunk::Heads(n) if plan.strategy == Strategy::Upipe => plan.with_fwd_chunk(Some(n)),
-            FwdChunk::Heads(_) => Ok(plan),
-        }
     }
 }
 

@@ -54,7 +54,11 @@ use crate::error::Result;
 use crate::model::ModelConfig;
 use crate::model::flops::train_flops_per_token;
 use crate::optim::AdamWConfig;
-use crate::plan::{OffloadBlocks, OptimizerOffload, Prediction, SaveAttention};
+use crate::plan::preflight::planned_host;
+use crate::plan::{
+    Depth, DeviceKind, OffloadBlocks, Prediction, RankBudget, ResolvedRun, RunRequest,
+    StageChoices, resolve_run,
+};
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
 use clap::ArgMatches;
 
@@ -117,7 +121,7 @@ struct Built {
     fsdp: FsdpMode,
     env: Option<DistEnv>,
     gpus: usize,
-    /// Memory each rank has (`None`: unknown), set by [`Built::shard`].
+    /// Memory each rank has (`None`: unknown), set by [`Built::resolve`].
     budget: Option<usize>,
     /// The host's `MemAvailable` as the run read it at start, once: every
     /// host budget of the run derives from this one reading.
@@ -142,16 +146,15 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
         None if c.device != Device::Cpu && gpus >= 1 => Some(gpus),
         None => None,
     };
-    let flags = MeshFlags {
-        data: a.data_parallel,
-        ulysses: a.ulysses,
-        ring: a.ring,
-    };
-    let chunk = ChunkHeads::start(a.chunk_heads);
+    let flags = a.mesh.flags();
+    let chunk = ChunkHeads::start(a.mesh.chunk_heads);
     let mesh = resolve_mesh(flags, c.strategy, &c.model, a.seq, chunk, ranks);
     mesh.check_countable()?;
     let cfg = train_config(a, c.model, c.strategy, mesh);
     let plan = cfg.plan()?;
+    if a.mesh.chunk_heads == Some(ChunkHeads::Auto) && c.strategy != Strategy::Upipe {
+        return crate::config_err!("--chunk-heads applies to upipe only, not {}", c.strategy);
+    }
     // a number or `all` without --checkpoint fails here, before any launch
     a.memory
         .save_attention
@@ -188,9 +191,9 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     })
 }
 
-/// The [`TrainConfig`] of the flags on `mesh` (unsharded until
-/// [`Built::shard`] decides).
-fn train_config(
+/// The [`TrainConfig`] of the flags on `mesh` (unsharded, its `auto`
+/// choices undecided until [`resolve_run`] decides them).
+pub fn train_config(
     a: &TrainArgs,
     model: ModelConfig,
     strategy: Strategy,
@@ -203,7 +206,7 @@ fn train_config(
         strategy,
         ulysses: mesh.ulysses,
         ring: mesh.ring,
-        chunk_heads: ChunkHeads::start(a.chunk_heads),
+        chunk_heads: ChunkHeads::start(a.mesh.chunk_heads),
         fwd_chunk_heads: match a.fwd.fwd_chunk_heads {
             FwdChunk::Heads(n) => Some(n),
             FwdChunk::Auto => None,
@@ -279,28 +282,22 @@ impl Built {
         self.route != Route::CpuThreads
     }
 
-    /// Sharding, `--save-attention` and the forward stages resolved as the
-    /// run will use them; the planner's prediction of its step.
-    fn resolve(&mut self, a: &TrainArgs) -> Result<Prediction> {
-        self.shard(a.fsdp_replicate)?;
-        self.offload(a.memory.offload, a.host_mem)?;
-        self.save_attention(a.memory.save_attention)?;
-        self.widen_stages(a.chunk_heads)?;
-        self.offload_optimizer(a.memory.offload_optimizer)?;
-        self.fit_forward_stages(a.fwd.fwd_chunk_heads)
+    /// The device the planner predicts for.
+    fn device_kind(&self) -> DeviceKind {
+        DeviceKind::of_run(self.on_gpu(), self.kernel)
     }
 
-    /// Decides `--fsdp` (auto: from the model's states and each rank's
-    /// memory) and applies `--fsdp-replicate`.
-    fn shard(&mut self, replicate: usize) -> Result<()> {
+    /// Every `auto` of the run resolved as it will use it (the one
+    /// resolver, [`resolve_run`]: FSDP, offload, kept attention, backward
+    /// stages, optimizer offload, forward stages); the planner's prediction
+    /// of rank 0's step.
+    fn resolve(&mut self, a: &TrainArgs) -> Result<Prediction> {
         let world = self.shape.world_size();
         self.budget = if self.on_gpu() {
             gpu_memory_per_rank(world, self.gpus)
         } else {
             self.host_available.map(|b| b / world)
         };
-        let states = crate::plan::model_state_bytes(&self.cfg.model, self.on_gpu());
-        let (mut fsdp, mut note) = self.fsdp.resolve(world, states, self.budget);
         if self.lead {
             // a killed run's half-moved save finished, so `resume_dir` sees it;
             // the trainer takes the directory again for the run
@@ -310,156 +307,87 @@ impl Built {
             .cfg
             .resume_dir()
             .is_some_and(crate::checkpoint::sharded::is_sharded);
-        if world == 1 && sharded_resume && self.fsdp != FsdpMode::Off {
-            // one rank holds every shard: the checkpoint's shards gathered into one
-            fsdp = true;
-            note = Some(
-                "resuming a sharded checkpoint on one rank: its shards are gathered into one (FSDP over 1 rank)"
-                    .into(),
-            );
-        }
-        self.cfg.fsdp = fsdp;
-        if replicate != 1 {
-            if !fsdp {
-                return crate::config_err!(
-                    "--fsdp-replicate {replicate} needs sharding: add --fsdp on (this run resolved to unsharded)"
-                );
-            }
-            self.cfg.fsdp_replicas = replicate;
-            self.cfg.plan()?;
-            self.shape = self.cfg.mesh_shape(&self.plan);
-        }
-        if let (Some(note), true) = (note, self.lead) {
-            tracing::warn!("{note}");
-        }
-        Ok(())
-    }
-
-    /// Resolves `--offload` (auto: the fewest blocks that make the step fit
-    /// each rank's memory).
-    fn offload(&mut self, choice: OffloadBlocks, host_mem: Option<f64>) -> Result<()> {
-        let kind = crate::plan::DeviceKind::of_run(self.on_gpu(), self.kernel);
-        let room = self.budget.map(|b| kind.ledger_budget(b));
-        let host = if self.on_gpu() {
-            preflight::host_per_rank(self, host_mem)?.map(crate::plan::preflight::planned_host)
-        } else {
-            None
+        let host = match self.on_gpu() {
+            true => preflight::host_per_rank(self, a.host_mem)?.map(planned_host),
+            false => None,
         };
-        self.cfg.policy.offload = choice.resolve(&self.spec(&self.plan), room, host)?;
-        if choice == OffloadBlocks::Auto && self.cfg.policy.checkpoint && self.lead {
-            tracing::info!(
-                "--offload auto: the first {} of {} blocks keep their checkpointed input in host memory",
-                self.cfg.policy.offload,
-                self.cfg.model.layers
-            );
+        let kind = self.device_kind();
+        let budget = RankBudget {
+            memory: self.budget,
+            ledger: self.budget.map(|b| kind.ledger_budget(b)),
+            host,
+        };
+        let mut request = run_request(a, &self.cfg, self.fsdp, kind, budget);
+        request.sharded_resume = sharded_resume;
+        let resolved = resolve_run(&request, Depth::Run)?;
+        self.apply(&resolved)?;
+        match self.plan.layout.pr {
+            1 => Ok(resolved.prediction),
+            _ => crate::plan::predict_step_rank(&self.spec(&self.plan), 0),
         }
-        Ok(())
     }
 
-    /// Resolves `--save-attention` (auto: the most blocks the planner fits
-    /// in each rank's memory beside the rest of the step).
-    fn save_attention(&mut self, save: SaveAttention) -> Result<()> {
-        save.check(self.cfg.policy, self.cfg.model.layers)?;
-        let kind = crate::plan::DeviceKind::of_run(self.on_gpu(), self.kernel);
-        let room = self.budget.map(|b| kind.ledger_budget(b));
-        self.cfg.policy.save_attention = save.resolve(&self.spec(&self.plan), room)?;
-        if self.cfg.policy.checkpoint && self.lead {
-            tracing::info!(
-                "--save-attention {save}: the last {} of {} blocks keep their attention output",
-                self.cfg.policy.save_attention,
-                self.cfg.model.layers
-            );
+    /// Takes what the resolver decided into the run's config and plan,
+    /// saying what it decided.
+    fn apply(&mut self, resolved: &ResolvedRun) -> Result<()> {
+        if self.lead {
+            if let Some(note) = &resolved.fsdp_note {
+                tracing::warn!("{note}");
+            }
+            for note in &resolved.notes {
+                tracing::info!("{note}");
+            }
         }
-        Ok(())
-    }
-
-    /// Resolves `--offload-optimizer` (auto: the fewest units whose state
-    /// on the host makes the step fit each rank's memory beside what the
-    /// run decided before, which assumed every unit's there).
-    fn offload_optimizer(&mut self, choice: OptimizerOffload) -> Result<()> {
-        let kind = crate::plan::DeviceKind::of_run(self.on_gpu(), self.kernel);
-        let room = self.budget.map(|b| kind.ledger_budget(b));
-        let n = choice.resolve(&self.spec(&self.plan), room)?;
-        self.cfg.policy.offload_optimizer = n;
-        if choice == OptimizerOffload::Auto && self.lead {
-            let units = crate::model::MemoryPolicy::optimizer_units(self.cfg.model.layers);
-            tracing::info!(
-                "--offload-optimizer auto: {n} of {units} units keep their optimizer state in host memory"
-            );
-        }
+        let d = resolved.decisions;
+        self.cfg.fsdp = d.fsdp;
+        self.cfg.fsdp_replicas = resolved.spec.fsdp_replicas;
+        self.cfg.policy = d.policy;
+        self.cfg.chunk_heads = d.chunk_heads;
+        self.cfg.fwd_chunk_heads = d.fwd_chunk_heads;
+        self.plan = resolved.spec.plan.clone();
+        // checks the shard groups of --fsdp-replicate against the mesh
+        self.cfg.plan()?;
+        self.shape = self.cfg.mesh_shape(&self.plan);
         Ok(())
     }
 
     /// The planner's description of a step of `plan` here.
     fn spec(&self, plan: &CpPlan) -> crate::plan::StepSpec {
-        let device = if self.on_gpu() {
-            crate::plan::DeviceKind::cuda_with(self.kernel)
-        } else {
-            crate::plan::DeviceKind::Cpu
-        };
-        crate::plan::StepSpec::of_run(&self.cfg, plan, device)
+        crate::plan::StepSpec::of_run(&self.cfg, plan, self.device_kind())
     }
+}
 
-    /// What `upipe plan` predicts for a step of `plan` here (rank 0's ledger peak).
-    fn predict(&self, plan: &CpPlan) -> Result<Prediction> {
-        crate::plan::predict_step_rank(&self.spec(plan), 0)
-    }
-
-    /// Resolves `--chunk-heads auto` (UPipe; also what no `--chunk-heads`
-    /// means): the widest backward stages whose predicted peak fits each
-    /// rank's memory beside what the run decided before; stays at Pu when
-    /// none wider fits or the memory is unknown.
-    fn widen_stages(&mut self, chunk: Option<ChunkHeads>) -> Result<()> {
-        match chunk {
-            Some(ChunkHeads::Heads(_)) => return Ok(()),
-            // the default: other strategies have no stages to widen
-            None if self.plan.strategy != Strategy::Upipe => return Ok(()),
-            Some(ChunkHeads::Auto) if self.plan.strategy != Strategy::Upipe => {
-                return crate::config_err!(
-                    "--chunk-heads applies to upipe only, not {}",
-                    self.plan.strategy
-                );
-            }
-            _ => {}
-        }
-        let kind = crate::plan::DeviceKind::of_run(self.on_gpu(), self.kernel);
-        let Some(room) = self.budget.map(|b| kind.ledger_budget(b)) else {
-            return Ok(());
-        };
-        let (heads, pu) = (self.cfg.model.heads, self.plan.schedule.pu);
-        let mut cfg = self.cfg.clone();
-        let widest = crate::plan::widest_fitting(heads, pu, |u| {
-            cfg.chunk_heads = Some(u);
-            // a width the heads or a fixed --fwd-chunk-heads do not allow is skipped
-            let Ok(plan) = cfg.plan() else {
-                return Ok(None);
-            };
-            Ok((self.predict(&plan)?.peak <= room).then_some(plan))
-        })?;
-        if let Some((u, plan)) = widest {
-            self.cfg.chunk_heads = Some(u);
-            self.plan = plan;
-        }
-        if self.lead {
-            tracing::info!(
-                "--chunk-heads auto: stages of {} of {heads} heads",
-                self.plan.schedule.chunk
-            );
-        }
-        Ok(())
-    }
-
-    /// Applies `--fwd-chunk-heads auto` (the widest forward stages at no
-    /// extra predicted peak) and returns the run's prediction.
-    fn fit_forward_stages(&mut self, fwd: FwdChunk) -> Result<Prediction> {
-        if fwd == FwdChunk::Auto {
-            let wide = fwd.apply(self.plan.clone(), |p| Ok(self.predict(p)?.peak))?;
-            if wide.strategy == Strategy::Upipe {
-                self.cfg.fwd_chunk_heads = Some(wide.fwd_schedule.chunk);
-            }
-            self.plan = wide;
-        }
-        self.predict(&self.plan)
+/// The resolver's request for the run `cfg`, built from the flags `a`
+/// (its `--fsdp` parsed as `fsdp`), on `device` with `budget` per rank:
+/// what `upipe train` decides its `auto` choices from ([`resolve_run`]).
+pub fn run_request(
+    a: &TrainArgs,
+    cfg: &TrainConfig,
+    fsdp: FsdpMode,
+    device: DeviceKind,
+    budget: RankBudget,
+) -> RunRequest {
+    RunRequest {
+        model: cfg.model.clone(),
+        strategy: cfg.strategy,
+        mesh: MeshChoice {
+            data: cfg.data_parallel,
+            ulysses: cfg.ulysses,
+            ring: cfg.ring,
+        },
+        seq: cfg.seq,
+        stages: StageChoices {
+            chunk_heads: a.mesh.chunk_heads,
+            fwd: a.fwd.fwd_chunk_heads,
+            ..StageChoices::default()
+        },
+        fsdp,
+        fsdp_replicas: a.fsdp_replicate,
+        sharded_resume: false,
+        grad_accum: cfg.grad_accum,
+        memory: a.memory.choices(),
+        device,
+        budget,
     }
 }
 
@@ -467,12 +395,12 @@ impl Built {
 /// what the run decided for itself (mesh, sharding, backward and forward stages).
 fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
     let mut r = a.clone();
-    r.data_parallel = Some(run.cfg.data_parallel);
-    r.ulysses = Some(run.cfg.ulysses);
-    r.ring = Some(run.cfg.ring);
+    r.mesh.data_parallel = Some(run.cfg.data_parallel);
+    r.mesh.ulysses = Some(run.cfg.ulysses);
+    r.mesh.ring = Some(run.cfg.ring);
     r.fsdp = if run.cfg.fsdp { "on" } else { "off" }.into();
     if let Some(u) = run.cfg.chunk_heads {
-        r.chunk_heads = Some(ChunkHeads::Heads(u));
+        r.mesh.chunk_heads = Some(ChunkHeads::Heads(u));
     }
     if let Some(n) = run.cfg.fwd_chunk_heads {
         r.fwd.fwd_chunk_heads = FwdChunk::Heads(n);

@@ -20,11 +20,14 @@
 //! gradients and its reduce-scatter buffers, exactly as
 //! `train::fsdp::store` allocates them.
 
+pub mod mesh;
 pub mod offload;
 pub mod offload_optim;
 pub mod preflight;
+pub mod resolve;
 pub mod shapes;
 pub mod sim;
+pub mod stage_width;
 pub mod store_walk;
 pub mod walk;
 
@@ -37,6 +40,9 @@ use crate::train::config::TrainConfig;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
 use offload_optim::{PendingStep, SettlingWalk, split_state, unit_slots, update_slots};
+pub use resolve::{
+    Depth, FsdpMode, MemoryChoices, RankBudget, ResolvedRun, RunRequest, StageChoices, resolve_run,
+};
 use sim::Sim;
 use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
 use walk::{AttnFwd, AttnWalk, DecoderWalk};

@@ -150,7 +150,7 @@ struct Ranks {
 pub fn bench_attn_cuda(a: &AttnArgs, dims: &AttnDims) -> Result<i32> {
     let launched = DistEnv::from_env()?;
     let (all, methods) = methods_of(a)?;
-    let ranks = ranks_needed(&methods, a.ulysses, a.ring);
+    let ranks = ranks_needed(&methods, a.ulysses(), a.ring());
     let nccl = || nccl::library().map(|_| ()).map_err(|e| e.to_string());
     let gpus = crate::cli::train::visible_gpus();
     if let BenchRoute::SelfLaunch(n) = bench_route(launched.is_some(), gpus, ranks, &nccl)? {
@@ -224,14 +224,14 @@ fn plan_methods(
     let mut planned: Planned = Vec::new();
     for &m in methods {
         let chunk = if m == Strategy::Upipe {
-            crate::cli::schedule::ChunkHeads::fixed(a.chunk_heads, "bench attn")?
+            crate::cli::schedule::ChunkHeads::fixed(a.mesh.chunk_heads, "bench attn")?
         } else {
             None
         };
         let (pu, pr) = if m == Strategy::Local {
             (1, 1)
         } else {
-            (a.ulysses, a.ring)
+            (a.ulysses(), a.ring())
         };
         let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
             Ok(p) => a.schedule.apply(p, |p| super::predicted_peak(a, p))?,

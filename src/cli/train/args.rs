@@ -1,14 +1,14 @@
 //! The flags of `upipe train`, their run-file keys, and their parsed form.
 
 use crate::attention::Strategy;
-use crate::backend::Bytes;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::memory::MemoryArgs;
-use crate::cli::schedule::ChunkHeads;
+use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::FwdChunkArgs;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
+pub use crate::plan::FsdpMode;
 use std::path::{Path, PathBuf};
 
 /// Flags of `upipe train`.
@@ -45,24 +45,10 @@ pub struct TrainArgs {
     /// Attention strategy: local, ulysses, ring, usp, upipe.
     #[arg(long, default_value = "upipe")]
     pub attn: String,
-    /// Ulysses degree Pu (default 2; with no mesh flag at all, the default mesh, see below).
-    #[arg(long)]
-    pub ulysses: Option<usize>,
-    /// Ring degree Pr (default 2; with no mesh flag at all, the default mesh).
-    #[arg(long)]
-    pub ring: Option<usize>,
-    /// UPipe heads per backward stage U, or `auto` (the default): the widest
-    /// stages whose predicted peak fits each rank's memory beside what the run
-    /// decided before (offloaded blocks, kept attention), at least Pu. Wider
-    /// stages run larger GEMMs; narrower ones hold less of the layer.
-    #[arg(long)]
-    pub chunk_heads: Option<crate::cli::schedule::ChunkHeads>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
     #[command(flatten)]
     pub fwd: FwdChunkArgs,
-    /// Data-parallel replicas, each its own context-parallel group (default 1;
-    /// with no mesh flag at all the mesh fits the GPUs: one process per GPU).
-    #[arg(long)]
-    pub data_parallel: Option<usize>,
     /// Tokens per sequence (global, before context sharding).
     #[arg(long, default_value_t = 256)]
     pub seq: usize,
@@ -182,10 +168,6 @@ impl TrainArgs {
         seq => data.seq,
         grad_accum => data.grad_accum,
         attn => parallel.attn,
-        data_parallel => parallel.data_parallel,
-        ulysses => parallel.ulysses,
-        ring => parallel.ring,
-        chunk_heads => parallel.chunk_heads,
         fsdp => parallel.fsdp,
         fsdp_replicate => parallel.fsdp_replicate,
         host_mem => hardware.host_mem,
@@ -208,7 +190,7 @@ impl TrainArgs {
         profile => run.profile,
         trace => run.trace,
         rehearse => run.rehearse;
-        flatten memory, fwd
+        flatten memory, mesh, fwd
     }
 
     /// The flags' values parsed and checked; errors name the flag and its
@@ -223,16 +205,7 @@ impl TrainArgs {
         at_least(k, "grad_accum", self.grad_accum, 1)?;
         self.memory.validate()?;
         at_least(k, "fsdp_replicate", self.fsdp_replicate, 1)?;
-        for (id, v) in [
-            ("ulysses", self.ulysses),
-            ("ring", self.ring),
-            ("data_parallel", self.data_parallel),
-            ("chunk_heads", ChunkHeads::start(self.chunk_heads)),
-        ] {
-            if let Some(v) = v {
-                at_least(k, id, v, 1)?;
-            }
-        }
+        self.mesh.validate()?;
         for (id, v) in [
             ("lr", self.lr),
             ("min_lr", self.min_lr()),
@@ -359,60 +332,6 @@ pub struct Choices {
     pub strategy: Strategy,
     pub fsdp: FsdpMode,
     pub model: ModelConfig,
-}
-
-/// `--fsdp`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FsdpMode {
-    Auto,
-    On,
-    Off,
-}
-
-impl std::str::FromStr for FsdpMode {
-    type Err = crate::Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(FsdpMode::Auto),
-            "on" => Ok(FsdpMode::On),
-            "off" => Ok(FsdpMode::Off),
-            other => crate::config_err!("--fsdp {other}: use auto, on or off"),
-        }
-    }
-}
-
-impl FsdpMode {
-    /// Whether a run of `world` ranks shards, given the bytes of the whole
-    /// model's states per rank and the memory each rank has (`None`:
-    /// unknown); with a note to log when the choice needs saying.
-    pub fn resolve(
-        self,
-        world: usize,
-        states: usize,
-        budget: Option<usize>,
-    ) -> (bool, Option<String>) {
-        match (self, world) {
-            (FsdpMode::Off, _) => (false, None),
-            (FsdpMode::On, 1) => (
-                false,
-                Some(
-                    "--fsdp on with one rank: there is nothing to shard, training unsharded".into(),
-                ),
-            ),
-            (FsdpMode::On, _) => (true, None),
-            (FsdpMode::Auto, 1) => (false, None),
-            (FsdpMode::Auto, _) => match budget {
-                Some(b) if states <= b / 2 => (false, None),
-                _ => (
-                    true,
-                    Some(format!(
-                        "--fsdp auto: sharding over {world} ranks (the whole model's states are {} per rank)",
-                        Bytes(states)
-                    )),
-                ),
-            },
-        }
-    }
 }
 
 /// `--device`.

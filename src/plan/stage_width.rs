@@ -2,7 +2,9 @@
 //! take it: `auto` or a number of heads (`--chunk-heads`,
 //! `--fwd-chunk-heads`), with its text form for flags and run files.
 
+use crate::attention::{CpPlan, Strategy};
 use crate::error::Result;
+use crate::plan::widest_free_forward;
 use std::fmt;
 use std::str::FromStr;
 
@@ -41,12 +43,30 @@ impl ChunkHeads {
 }
 
 /// `--fwd-chunk-heads`: `auto` or a number of heads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FwdChunk {
     /// The widest forward stages that keep the planned peak
     /// ([`crate::plan::widest_free_forward`]).
+    #[default]
     Auto,
     Heads(usize),
+}
+
+impl FwdChunk {
+    /// `plan` with its forward stages set: `auto` asks `peak` (the planner's
+    /// prediction for the run) which widths are free; a number applies to
+    /// UPipe plans only, so one flag serves a run of several strategies.
+    pub fn apply(self, plan: CpPlan, peak: impl Fn(&CpPlan) -> Result<usize>) -> Result<CpPlan> {
+        match self {
+            // the prediction only picks a speed-up: without one, run F = U
+            FwdChunk::Auto => widest_free_forward(plan.clone(), peak).or_else(|e| {
+                tracing::warn!("--fwd-chunk-heads auto: no prediction ({e}); forward stages = U");
+                Ok(plan)
+            }),
+            FwdChunk::Heads(n) if plan.strategy == Strategy::Upipe => plan.with_fwd_chunk(Some(n)),
+            FwdChunk::Heads(_) => Ok(plan),
+        }
+    }
 }
 
 /// `Display` and `FromStr` of a flag that is `auto` or a number of heads.

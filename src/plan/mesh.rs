@@ -1,0 +1,235 @@
+//! The mesh of a run: the degrees given (`--data-parallel`, `--ulysses`,
+//! `--ring`), or a default mesh that fills the ranks available
+//! ([`default_mesh`]); shared by `train`, `plan`, `eval` and `bench`.
+
+use crate::attention::{CpPlan, Strategy};
+use crate::model::ModelConfig;
+use crate::model::decoder::attn_dims;
+
+/// The mesh flags as given (`None`: left out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MeshFlags {
+    pub data: Option<usize>,
+    pub ulysses: Option<usize>,
+    pub ring: Option<usize>,
+}
+
+/// Mesh degrees for a [`TrainConfig`]: data replicas, Ulysses and ring degree
+/// (as `--data-parallel`, `--ulysses`, `--ring`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MeshChoice {
+    pub data: usize,
+    pub ulysses: usize,
+    pub ring: usize,
+}
+
+impl MeshChoice {
+    /// Ranks of the mesh.
+    pub fn world_size(&self) -> usize {
+        self.data * self.ulysses * self.ring
+    }
+
+    /// Checks that the mesh has at most [`MAX_MESH_RANKS`] ranks (a typo of
+    /// many digits), before the sizes derived from it (2 x ring x Ulysses
+    /// tokens, ...) could overflow.
+    pub fn check_countable(&self) -> crate::error::Result<()> {
+        let ranks = self.data.checked_mul(self.ulysses);
+        let ranks = ranks.and_then(|r| r.checked_mul(self.ring));
+        if ranks.is_some_and(|r| r <= MAX_MESH_RANKS) {
+            return Ok(());
+        }
+        crate::config_err!(
+            "--data-parallel {} x --ulysses {} x --ring {} is more than {MAX_MESH_RANKS} ranks, \
+             more GPUs than any cluster holds; give the mesh of the run you mean",
+            self.data,
+            self.ulysses,
+            self.ring
+        )
+    }
+}
+
+/// The mesh of a run on the CPU, and the defaults of flags left out when
+/// some mesh flag is given: one replica, 2 Ulysses x 2 ring.
+pub const CPU_DEFAULT_MESH: MeshChoice = MeshChoice {
+    data: 1,
+    ulysses: 2,
+    ring: 2,
+};
+
+/// Most ranks of any mesh: no cluster comes near 2^32 GPUs, and sizes
+/// derived from the mesh (2 x ring x Ulysses tokens, ...) stay countable.
+pub const MAX_MESH_RANKS: usize = 1 << 32;
+
+/// Divisors of `n`, ascending.
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// The default mesh of exactly `n` ranks for `strategy` on `model` at `seq`
+/// tokens, or `None` when no such mesh is valid.
+///
+/// Context parallelism first: the fewest data replicas, then, within one
+/// context group of `C` ranks, the largest Ulysses degree that divides the
+/// kv heads (no K/V replication), the ring taking the rest; larger Ulysses
+/// degrees (replicating K/V) and data replicas only when nothing else fits.
+/// `local` attention has no context group: `n` data replicas. For the tiny
+/// model (4 heads, 2 kv heads, seq 256) this gives 2 GPUs: Pu 2; 4 GPUs:
+/// Pu 2 x Pr 2 (the CPU default); 8 GPUs: Pu 2 x Pr 4; 3 GPUs: 3 replicas.
+pub fn default_mesh(
+    strategy: Strategy,
+    model: &ModelConfig,
+    seq: usize,
+    chunk_heads: Option<usize>,
+    n: usize,
+) -> Option<MeshChoice> {
+    if n == 0 {
+        return None;
+    }
+    if strategy == Strategy::Local {
+        return Some(MeshChoice {
+            data: n,
+            ulysses: 1,
+            ring: 1,
+        });
+    }
+    let dims = attn_dims(model);
+    for data in divisors(n) {
+        let c = n / data;
+        let mut pus = divisors(c);
+        // no K/V replication first, then the largest Ulysses degree
+        pus.sort_by_key(|&pu| (pu > model.kv_heads, std::cmp::Reverse(pu)));
+        for pu in pus {
+            let (ulysses, ring) = match strategy {
+                Strategy::Ulysses => (c, 1),
+                Strategy::Ring => (1, c),
+                _ => (pu, c / pu),
+            };
+            if CpPlan::new(strategy, &dims, seq, ulysses, ring, chunk_heads).is_ok() {
+                return Some(MeshChoice {
+                    data,
+                    ulysses,
+                    ring,
+                });
+            }
+        }
+    }
+    None
+}
+
+/// The mesh of a run. With any mesh flag given, the flags (left-out ones at
+/// [`CPU_DEFAULT_MESH`]); with none and `ranks` available (the launched
+/// world size, or the visible GPUs), [`default_mesh`] for them; otherwise
+/// the CPU default. `local` attention always has Ulysses and ring degree 1.
+pub fn resolve_mesh(
+    flags: MeshFlags,
+    strategy: Strategy,
+    model: &ModelConfig,
+    seq: usize,
+    chunk_heads: Option<usize>,
+    ranks: Option<usize>,
+) -> MeshChoice {
+    let given = flags.data.is_some() || flags.ulysses.is_some() || flags.ring.is_some();
+    let fitted = ranks
+        .filter(|_| !given)
+        .and_then(|n| default_mesh(strategy, model, seq, chunk_heads, n));
+    if let Some(m) = fitted {
+        return m;
+    }
+    let d = CPU_DEFAULT_MESH;
+    let mut m = MeshChoice {
+        data: flags.data.unwrap_or(d.data),
+        ulysses: flags.ulysses.unwrap_or(d.ulysses),
+        ring: flags.ring.unwrap_or(d.ring),
+    };
+    if strategy == Strategy::Local {
+        m.ulysses = 1;
+        m.ring = 1;
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> ModelConfig {
+        ModelConfig::resolve("tiny").unwrap()
+    }
+
+    fn mesh(data: usize, ulysses: usize, ring: usize) -> MeshChoice {
+        MeshChoice {
+            data,
+            ulysses,
+            ring,
+        }
+    }
+
+    #[test]
+    fn default_mesh_fills_the_gpus_within_the_tiny_models_heads() {
+        let m = tiny(); // 4 heads, 2 kv heads
+        let up = |n| default_mesh(Strategy::Upipe, &m, 256, None, n).unwrap();
+        assert_eq!(up(1), mesh(1, 1, 1));
+        assert_eq!(up(2), mesh(1, 2, 1));
+        assert_eq!(up(4), mesh(1, 2, 2), "the CPU default");
+        assert_eq!(up(8), mesh(1, 2, 4));
+        // 3 ranks: Pu 3 does not divide 4 heads, a ring of 3 not 256 tokens
+        // (2 x 3 zigzag chunks): three replicas
+        assert_eq!(up(3), mesh(3, 1, 1));
+        // the ring of 8 ranks needs 16 | seq; at seq 8 it is Pu 2 x Pr 2 x 2 replicas
+        assert_eq!(
+            default_mesh(Strategy::Upipe, &m, 8, None, 8),
+            Some(mesh(2, 2, 2))
+        );
+        // K/V replication (Pu 4 > 2 kv heads) when nothing else fits
+        assert_eq!(
+            default_mesh(Strategy::Ulysses, &m, 256, None, 4),
+            Some(mesh(1, 4, 1))
+        );
+        assert_eq!(
+            default_mesh(Strategy::Ring, &m, 256, None, 2),
+            Some(mesh(1, 1, 2))
+        );
+        assert_eq!(
+            default_mesh(Strategy::Local, &m, 256, None, 2),
+            Some(mesh(2, 1, 1))
+        );
+        // every default is a valid plan of exactly n ranks
+        for s in [
+            Strategy::Upipe,
+            Strategy::Usp,
+            Strategy::Ulysses,
+            Strategy::Ring,
+        ] {
+            for n in 1..=8 {
+                let c = default_mesh(s, &m, 256, None, n).unwrap();
+                assert_eq!(c.world_size(), n, "{s} {n}");
+                let plan = CpPlan::new(s, &attn_dims(&m), 256, c.ulysses, c.ring, None).unwrap();
+                assert_eq!(plan.mesh_shape().world_size() * c.data, n);
+            }
+        }
+        assert_eq!(default_mesh(Strategy::Upipe, &m, 256, None, 0), None);
+    }
+
+    #[test]
+    fn mesh_flags_win_over_the_default_mesh() {
+        let m = tiny();
+        let none = MeshFlags::default();
+        let r = |flags, ranks| resolve_mesh(flags, Strategy::Upipe, &m, 256, None, ranks);
+        assert_eq!(r(none, None), CPU_DEFAULT_MESH);
+        assert_eq!(r(none, Some(2)), mesh(1, 2, 1));
+        assert_eq!(r(none, Some(8)), mesh(1, 2, 4));
+        // any flag given: the flags, the rest at 1 x 2 x 2
+        let ring1 = MeshFlags {
+            ring: Some(1),
+            ..none
+        };
+        assert_eq!(r(ring1, Some(8)), mesh(1, 2, 1));
+        let data2 = MeshFlags {
+            data: Some(2),
+            ..none
+        };
+        assert_eq!(r(data2, Some(2)), mesh(2, 2, 2));
+        let local = resolve_mesh(data2, Strategy::Local, &m, 256, None, None);
+        assert_eq!(local, mesh(2, 1, 1));
+    }
+}

@@ -1,0 +1,518 @@
+//! One resolver for every decision a run makes for itself: the typed
+//! choices of a run ([`RunRequest`]: model, mesh, strategy, stage widths,
+//! FSDP mode, memory policy, each rank's budgets) turned into a
+//! [`ResolvedRun`], every `auto` decided, always in one order:
+//!
+//! FSDP → `--offload` → `--save-attention` → `--chunk-heads` (wider
+//! backward stages) → `--offload-optimizer` → `--fwd-chunk-heads` (wider
+//! forward stages),
+//!
+//! each choice judged by the planner's prediction beside the ones decided
+//! before it. `upipe train` resolves its run here, and `upipe plan`
+//! resolves each strategy at each length here, so a plan at a length is
+//! what `train` runs at that length ([`Depth::Run`]); the search for the
+//! longest context holds some choices fixed instead ([`Depth::Search`]).
+
+use super::mesh::MeshChoice;
+use super::stage_width::{ChunkHeads, FwdChunk};
+use super::{
+    DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, SaveAttention, StepSpec,
+    model_state_bytes, predict_step, widest_fitting,
+};
+use crate::attention::{CpPlan, Settle, Strategy};
+use crate::backend::Bytes;
+use crate::error::Result;
+use crate::model::decoder::attn_dims;
+use crate::model::{MemoryPolicy, ModelConfig};
+
+/// `--fsdp`: whether parameters, gradients and AdamW state are sharded
+/// over every rank of the mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FsdpMode {
+    /// On when the mesh has more than one rank and the whole model's states
+    /// take more than half of each rank's memory ([`FsdpMode::resolve`]).
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl std::str::FromStr for FsdpMode {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(FsdpMode::Auto),
+            "on" => Ok(FsdpMode::On),
+            "off" => Ok(FsdpMode::Off),
+            other => crate::config_err!("--fsdp {other}: use auto, on or off"),
+        }
+    }
+}
+
+impl std::fmt::Display for FsdpMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FsdpMode::Auto => "auto",
+            FsdpMode::On => "on",
+            FsdpMode::Off => "off",
+        })
+    }
+}
+
+impl FsdpMode {
+    /// Whether a run of `world` ranks shards, given the bytes of the whole
+    /// model's states per rank and the memory each rank has (`None`:
+    /// unknown); with a note to log when the choice needs saying.
+    pub fn resolve(
+        self,
+        world: usize,
+        states: usize,
+        budget: Option<usize>,
+    ) -> (bool, Option<String>) {
+        match (self, world) {
+            (FsdpMode::Off, _) => (false, None),
+            (FsdpMode::On, 1) => (
+                false,
+                Some(
+                    "--fsdp on with one rank: there is nothing to shard, training unsharded".into(),
+                ),
+            ),
+            (FsdpMode::On, _) => (true, None),
+            (FsdpMode::Auto, 1) => (false, None),
+            (FsdpMode::Auto, _) => match budget {
+                Some(b) if states <= b / 2 => (false, None),
+                _ => (
+                    true,
+                    Some(format!(
+                        "--fsdp auto: sharding over {world} ranks (the whole model's states are {} per rank)",
+                        Bytes(states)
+                    )),
+                ),
+            },
+        }
+    }
+}
+
+/// The memory policy as a run chooses it (`--checkpoint`, `--offload`,
+/// `--offload-optimizer`, `--tiled-mlp`, `--loss-chunk`,
+/// `--save-attention`), its `auto` choices not yet decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryChoices {
+    /// `--checkpoint`: full activation checkpointing per block.
+    pub checkpoint: bool,
+    /// `--offload`: blocks whose checkpointed input lives on the host.
+    pub offload: OffloadBlocks,
+    /// `--offload-optimizer`: units whose optimizer state lives on the host.
+    pub offload_optimizer: OptimizerOffload,
+    /// `--tiled-mlp`: the MLP in token tiles.
+    pub tiled_mlp: bool,
+    /// `--loss-chunk`: rows of logits per fused-loss chunk.
+    pub loss_chunk: usize,
+    /// `--save-attention`: blocks that keep their attention output.
+    pub save_attention: SaveAttention,
+}
+
+impl MemoryChoices {
+    /// The policy of a model of `layers` blocks: `--offload all` is every
+    /// block, `--offload auto` is `auto_blocks` until it is resolved against
+    /// a budget; `--offload-optimizer auto` is every unit until it is
+    /// resolved; `--save-attention` is resolved later too (none here).
+    pub fn policy(&self, layers: usize, auto_blocks: usize) -> MemoryPolicy {
+        MemoryPolicy {
+            checkpoint: self.checkpoint,
+            offload: match self.offload {
+                OffloadBlocks::Blocks(n) => n,
+                OffloadBlocks::All => layers,
+                OffloadBlocks::Auto => auto_blocks,
+            },
+            offload_optimizer: self.offload_optimizer.units(layers),
+            tiled_mlp: self.tiled_mlp,
+            loss_chunk: self.loss_chunk,
+            save_attention: 0,
+        }
+    }
+}
+
+/// How UPipe's stages are chosen (`--chunk-heads`, `--fwd-chunk-heads`)
+/// and how the staged engine orders its work (`--overlap`, `--settle-every`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StageChoices {
+    /// Heads per backward stage (`None`: the default, `auto` where a
+    /// budget is known, otherwise Pu).
+    pub chunk_heads: Option<ChunkHeads>,
+    /// Heads per forward stage (`--fwd-chunk-heads`).
+    pub fwd: FwdChunk,
+    /// `--overlap`: transfers beside attention (`plan`, `bench attn`).
+    pub overlap: bool,
+    /// `--settle-every`: when backward takes in query gradients.
+    pub settle: Settle,
+}
+
+/// The memory one rank of a run has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RankBudget {
+    /// All of the device's memory per rank: what `--fsdp auto` weighs the
+    /// model's states against (`None`: unknown).
+    pub memory: Option<usize>,
+    /// Device bytes the ledger may use (`memory` less what lies outside it):
+    /// what every other `auto` fits in (`None`: unknown, and `auto` keeps
+    /// its cautious default).
+    pub ledger: Option<usize>,
+    /// Host bytes for offloaded tensors per rank, as planned
+    /// ([`crate::plan::preflight::planned_host`]; `None`: unchecked).
+    pub host: Option<usize>,
+}
+
+impl RankBudget {
+    /// The budget of a rank with `memory` device bytes of which `reserve`
+    /// stay outside the ledger, and `host` bytes for offloaded tensors.
+    pub fn with_reserve(memory: usize, reserve: usize, host: Option<usize>) -> Self {
+        RankBudget {
+            memory: Some(memory),
+            ledger: Some(memory.saturating_sub(reserve)),
+            host,
+        }
+    }
+}
+
+/// Host bytes one rank plans to pin for offloaded tensors when
+/// `node_bytes` of a node are shared by `ranks_on_node` ranks (the pinned
+/// pool's slack left out, as `train` leaves it out).
+pub fn host_share(node_bytes: usize, ranks_on_node: usize) -> usize {
+    super::preflight::planned_host(node_bytes / ranks_on_node.max(1))
+}
+
+/// Everything a run decides from: its typed choices and its budgets.
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    /// The model trained or planned.
+    pub model: ModelConfig,
+    /// The attention strategy (`--attn`).
+    pub strategy: Strategy,
+    /// The mesh, resolved ([`crate::plan::mesh::resolve_mesh`] or `plan`'s `--gpus`).
+    pub mesh: MeshChoice,
+    /// Tokens per sequence (global).
+    pub seq: usize,
+    /// Stage widths and the staged engine's order.
+    pub stages: StageChoices,
+    /// `--fsdp`.
+    pub fsdp: FsdpMode,
+    /// `--fsdp-replicate`: shard groups of `world / fsdp_replicas` ranks.
+    pub fsdp_replicas: usize,
+    /// The run resumes a sharded checkpoint (on one rank it is gathered by
+    /// sharding over that rank, unless `--fsdp off`).
+    pub sharded_resume: bool,
+    /// Sequences per optimizer step (`--grad-accum`).
+    pub grad_accum: usize,
+    /// The memory policy chosen.
+    pub memory: MemoryChoices,
+    /// The dtypes and attention kernels predicted for.
+    pub device: DeviceKind,
+    /// Each rank's memory.
+    pub budget: RankBudget,
+}
+
+/// How far [`resolve_run`] decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Depth {
+    /// Every choice, as `train` runs it.
+    Run,
+    /// What the search for the longest context holds fixed: stages of Pu
+    /// heads for `--chunk-heads auto`, no kept attention for
+    /// `--save-attention auto`, every unit's optimizer state on the host
+    /// for `--offload-optimizer auto`; wherever that fits, the run resolved
+    /// at [`Depth::Run`] fits too.
+    Search,
+}
+
+/// What a run decided for itself, as the flags that repeat it say it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decisions {
+    /// Whether the run shards (FSDP).
+    pub fsdp: bool,
+    /// `--chunk-heads` decided (`None`: the default, Pu).
+    pub chunk_heads: Option<usize>,
+    /// `--fwd-chunk-heads` decided (`None`: the backward's).
+    pub fwd_chunk_heads: Option<usize>,
+    /// The memory policy, every count decided.
+    pub policy: MemoryPolicy,
+    /// Data replicas and the plan's Ulysses and ring degrees.
+    pub mesh: MeshChoice,
+    /// Heads per backward and forward stage of the plan.
+    pub stages: (usize, usize),
+}
+
+/// A run with every choice decided, and the planner's prediction of its step.
+#[derive(Debug, Clone)]
+pub struct ResolvedRun {
+    /// The step as it runs (plan, policy, sharding).
+    pub spec: StepSpec,
+    /// The planner's prediction of the step on the rank that needs the most.
+    pub prediction: Prediction,
+    /// What the run decided for itself.
+    pub decisions: Decisions,
+    /// What `--fsdp auto` (or a one-rank `--fsdp on`) decided, when that
+    /// needs saying (a warning).
+    pub fsdp_note: Option<String>,
+    /// What each `auto` decided, one line each, in order.
+    pub notes: Vec<String>,
+}
+
+impl RunRequest {
+    /// The plan of this run with backward stages of `chunk` heads (`None`:
+    /// Pu) and the given `--fwd-chunk-heads` (`auto`: the backward's, until
+    /// [`resolve_run`] widens them); stage widths apply to UPipe only.
+    pub fn stage_plan(&self, chunk: Option<usize>) -> Result<CpPlan> {
+        let upipe = self.strategy == Strategy::Upipe;
+        let fwd = match self.stages.fwd {
+            FwdChunk::Heads(n) if upipe => Some(n),
+            _ => None,
+        };
+        let m = &self.mesh;
+        let dims = attn_dims(&self.model);
+        let chunk = chunk.filter(|_| upipe);
+        let plan = CpPlan::new(self.strategy, &dims, self.seq, m.ulysses, m.ring, chunk)?
+            .with_fwd_chunk(fwd)?;
+        let staged = self.strategy != Strategy::Local;
+        Ok(plan
+            .with_overlap(self.stages.overlap && staged)
+            .with_settle(self.stages.settle))
+    }
+
+    /// The step of `plan` under `policy`, sharded or not.
+    fn spec(&self, plan: &CpPlan, policy: MemoryPolicy, fsdp: bool) -> StepSpec {
+        StepSpec {
+            model: self.model.clone(),
+            plan: plan.clone(),
+            data: self.mesh.data,
+            policy,
+            fsdp,
+            fsdp_replicas: self.fsdp_replicas,
+            grad_accum: self.grad_accum,
+            device: self.device,
+            optimizer: true,
+        }
+    }
+}
+
+/// Resolves every `auto` of `req` in the one order (the module's doc), as
+/// far as `depth` says; the prediction is of the step so resolved.
+pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
+    let mut r = Resolution::start(req)?;
+    r.shard()?;
+    r.offload()?;
+    r.save_attention(depth)?;
+    if depth == Depth::Run {
+        r.widen_stages()?;
+        r.offload_optimizer()?;
+    }
+    r.forward_stages()?;
+    r.finish()
+}
+
+/// A run part way through [`resolve_run`].
+struct Resolution<'a> {
+    req: &'a RunRequest,
+    plan: CpPlan,
+    policy: MemoryPolicy,
+    fsdp: bool,
+    chunk_heads: Option<usize>,
+    fwd_chunk_heads: Option<usize>,
+    fsdp_note: Option<String>,
+    notes: Vec<String>,
+}
+
+impl<'a> Resolution<'a> {
+    fn start(req: &'a RunRequest) -> Result<Self> {
+        let chunk_heads = ChunkHeads::start(req.stages.chunk_heads);
+        Ok(Resolution {
+            plan: req.stage_plan(chunk_heads)?,
+            policy: req.memory.policy(req.model.layers, 0),
+            fsdp: false,
+            chunk_heads,
+            fwd_chunk_heads: match req.stages.fwd {
+                FwdChunk::Heads(n) => Some(n),
+                FwdChunk::Auto => None,
+            },
+            fsdp_note: None,
+            notes: Vec::new(),
+            req,
+        })
+    }
+
+    fn spec(&self) -> StepSpec {
+        self.req.spec(&self.plan, self.policy, self.fsdp)
+    }
+
+    /// `--fsdp` (auto: from the model's states and each rank's memory) and
+    /// `--fsdp-replicate`, which needs sharding.
+    fn shard(&mut self) -> Result<()> {
+        let req = self.req;
+        let world = req.mesh.world_size();
+        let states = model_state_bytes(&req.model, req.device.is_cuda());
+        let (mut fsdp, mut note) = req.fsdp.resolve(world, states, req.budget.memory);
+        if world == 1 && req.sharded_resume && req.fsdp != FsdpMode::Off {
+            fsdp = true;
+            note = Some(
+                "resuming a sharded checkpoint on one rank: its shards are gathered into one (FSDP over 1 rank)"
+                    .into(),
+            );
+        }
+        if req.fsdp_replicas != 1 && !fsdp {
+            return crate::config_err!(
+                "--fsdp-replicate {} needs sharding: add --fsdp on (this run resolved to unsharded)",
+                req.fsdp_replicas
+            );
+        }
+        (self.fsdp, self.fsdp_note) = (fsdp, note);
+        Ok(())
+    }
+
+    /// `--offload` (auto: the fewest blocks that make the step fit).
+    fn offload(&mut self) -> Result<()> {
+        let choice = self.req.memory.offload;
+        let budget = self.req.budget;
+        self.policy.offload = choice.resolve(&self.spec(), budget.ledger, budget.host)?;
+        if choice == OffloadBlocks::Auto && self.policy.checkpoint {
+            self.notes.push(format!(
+                "--offload auto: the first {} of {} blocks keep their checkpointed input in host memory",
+                self.policy.offload, self.req.model.layers
+            ));
+        }
+        Ok(())
+    }
+
+    /// `--save-attention` (auto: the most blocks that fit beside the rest;
+    /// none while searching).
+    fn save_attention(&mut self, depth: Depth) -> Result<()> {
+        let save = match (depth, self.req.memory.save_attention) {
+            (Depth::Search, SaveAttention::Auto) => SaveAttention::Blocks(0),
+            (_, given) => given,
+        };
+        save.check(self.policy, self.req.model.layers)?;
+        self.policy.save_attention = save.resolve(&self.spec(), self.req.budget.ledger)?;
+        if self.policy.checkpoint && depth == Depth::Run {
+            self.notes.push(format!(
+                "--save-attention {save}: the last {} of {} blocks keep their attention output",
+                self.policy.save_attention, self.req.model.layers
+            ));
+        }
+        Ok(())
+    }
+
+    /// `--chunk-heads auto` (UPipe; also what no `--chunk-heads` means):
+    /// the widest backward stages whose predicted peak fits beside what was
+    /// decided before; stays at Pu when none wider fits or the memory is
+    /// unknown. A width the heads or a fixed `--fwd-chunk-heads` do not
+    /// allow is skipped.
+    fn widen_stages(&mut self) -> Result<()> {
+        let req = self.req;
+        if req.strategy != Strategy::Upipe
+            || matches!(req.stages.chunk_heads, Some(ChunkHeads::Heads(_)))
+        {
+            return Ok(());
+        }
+        let Some(room) = req.budget.ledger else {
+            return Ok(());
+        };
+        let (policy, fsdp) = (self.policy, self.fsdp);
+        let heads = req.model.heads;
+        let widest = widest_fitting(heads, self.plan.schedule.pu, |u| {
+            let Ok(plan) = req.stage_plan(Some(u)) else {
+                return Ok(None);
+            };
+            let peak = predict_step(&req.spec(&plan, policy, fsdp))?.peak;
+            Ok((peak <= room).then_some(plan))
+        })?;
+        if let Some((u, plan)) = widest {
+            self.chunk_heads = Some(u);
+            self.plan = plan;
+        }
+        let u = self.plan.schedule.chunk;
+        self.notes.push(format!(
+            "--chunk-heads auto: stages of {u} of {heads} heads"
+        ));
+        Ok(())
+    }
+
+    /// `--offload-optimizer` (auto: the fewest units whose state on the host
+    /// makes the step fit beside what was decided before, which assumed
+    /// every unit's there).
+    fn offload_optimizer(&mut self) -> Result<()> {
+        let choice = self.req.memory.offload_optimizer;
+        let n = choice.resolve(&self.spec(), self.req.budget.ledger)?;
+        self.policy.offload_optimizer = n;
+        if choice == OptimizerOffload::Auto {
+            let units = MemoryPolicy::optimizer_units(self.req.model.layers);
+            self.notes.push(format!(
+                "--offload-optimizer auto: {n} of {units} units keep their optimizer state in host memory"
+            ));
+        }
+        Ok(())
+    }
+
+    /// `--fwd-chunk-heads auto`: the widest forward stages at no extra
+    /// predicted peak (UPipe; without a prediction, the backward's).
+    fn forward_stages(&mut self) -> Result<()> {
+        if self.req.stages.fwd != FwdChunk::Auto {
+            return Ok(());
+        }
+        let (req, policy, fsdp) = (self.req, self.policy, self.fsdp);
+        let peak = |p: &CpPlan| Ok(predict_step(&req.spec(p, policy, fsdp))?.peak);
+        let wide = FwdChunk::Auto.apply(self.plan.clone(), peak)?;
+        if wide.strategy == Strategy::Upipe {
+            self.fwd_chunk_heads = Some(wide.fwd_schedule.chunk);
+        }
+        self.plan = wide;
+        Ok(())
+    }
+
+    fn finish(self) -> Result<ResolvedRun> {
+        let spec = self.spec();
+        let decisions = Decisions {
+            fsdp: self.fsdp,
+            chunk_heads: self.chunk_heads,
+            fwd_chunk_heads: self.fwd_chunk_heads,
+            policy: self.policy,
+            // as the plan runs it: ulysses and ring put every rank of the
+            // context group on their one axis
+            mesh: MeshChoice {
+                data: self.req.mesh.data,
+                ulysses: self.plan.layout.pu,
+                ring: self.plan.layout.pr,
+            },
+            stages: (self.plan.schedule.chunk, self.plan.fwd_schedule.chunk),
+        };
+        Ok(ResolvedRun {
+            prediction: predict_step(&spec)?,
+            spec,
+            decisions,
+            fsdp_note: self.fsdp_note,
+            notes: self.notes,
+        })
+    }
+}
+
+/// A list of strategies as `plan --attn` and `bench attn --methods` take
+/// it: `all`, or names separated by commas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Strategies {
+    /// Every strategy that fits (`all`).
+    All,
+    /// The strategies listed, in order.
+    Listed(Vec<Strategy>),
+}
+
+impl std::str::FromStr for Strategies {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        if s.trim() == "all" {
+            return Ok(Strategies::All);
+        }
+        let list: Vec<Strategy> = s
+            .split(',')
+            .map(|x| x.trim().parse())
+            .collect::<Result<_>>()?;
+        Ok(Strategies::Listed(list))
+    }
+}
