@@ -20,6 +20,7 @@
 //! gradients and its reduce-scatter buffers, exactly as
 //! `train::fsdp::store` allocates them.
 
+pub mod engine;
 pub mod offload;
 pub mod offload_optim;
 pub mod preflight;

@@ -240,6 +240,29 @@ impl ProcessRank {
     }
 }
 
+/// Rehearses `cfg` under `plan` (two steps, nothing computed: the
+/// `--rehearse` loop) as rank `mesh.rank` on `b`, alone when `mesh`'s groups
+/// wait for no one (`comm::counting`), and returns the rank's ledger. The
+/// memory planner's engine path (`plan::engine`) runs it on a counting backend.
+pub fn rehearse_rank<B: Backend>(
+    cfg: &TrainConfig,
+    plan: &CpPlan,
+    b: &B,
+    mesh: &Mesh<B>,
+) -> Result<MemoryStats> {
+    let cfg = TrainConfig {
+        rehearse: true,
+        profile: false,
+        save_dir: None,
+        resume: false,
+        ..cfg.clone()
+    };
+    // a rehearsal reads no token: one window per data replica of zeros
+    let tokens = Tokens::from(vec![0u32; cfg.seq * cfg.data_parallel + 1]);
+    let (_, memory, _) = run_rank(&cfg, plan, tokens, b, mesh, mesh.rank, &|_| {})?;
+    Ok(memory)
+}
+
 /// One rank's training loop.
 fn run_rank<B: Backend>(
     cfg: &TrainConfig,
