@@ -336,8 +336,10 @@ pub struct CpAttention<B: Backend> {
 impl<B: Backend> CpAttention<B> {
     /// Prepares the layer for the rank `mesh.rank` of `plan.mesh_shape()`.
     pub fn new(b: &B, dims: AttnDims, plan: CpPlan, mesh: &Mesh<B>) -> Result<Self> {
-        let positions = plan.layout.ring_shard_positions(mesh.ring.rank());
-        let rope = RopeTables::new(b, &dims.rope, dims.head_dim, &positions)?;
+        let ring = mesh.ring.rank();
+        let n = plan.layout.seq / plan.layout.pr;
+        let positions = || plan.layout.ring_shard_positions(ring);
+        let rope = RopeTables::of(b, &dims.rope, dims.head_dim, n, positions)?;
         Ok(CpAttention { dims, plan, rope })
     }
 

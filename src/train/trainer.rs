@@ -257,8 +257,11 @@ pub fn rehearse_rank<B: Backend>(
         resume: false,
         ..cfg.clone()
     };
-    // a rehearsal reads no token: one window per data replica of zeros
-    let tokens = Tokens::from(vec![0u32; cfg.seq * cfg.data_parallel + 1]);
+    // a rehearsal reads no token: one window per data replica of zeros,
+    // whose pages are never touched
+    let zeros = Arc::<[u32]>::new_zeroed_slice(cfg.seq * cfg.data_parallel + 1);
+    // SAFETY: zero bits are a valid u32.
+    let tokens = Tokens::from(unsafe { zeros.assume_init() });
     let (_, memory, _) = run_rank(&cfg, plan, tokens, b, mesh, mesh.rank, &|_| {})?;
     Ok(memory)
 }
@@ -291,9 +294,12 @@ fn run_rank<B: Backend>(
         Some(r) => resume(cfg, &mut sampler, r, rank)?,
         None => 1,
     };
-    let positions = plan
-        .layout
-        .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
+    let positions = match cfg.rehearse {
+        true => Vec::new(),
+        false => plan
+            .layout
+            .rank_positions(mesh.ring.rank(), mesh.ulysses.rank()),
+    };
     // the loss is the mean over every target of every sequence of every replica
     let targets_per_step = (cfg.seq * cfg.data_parallel * cfg.grad_accum) as f64;
     let grad_scale = (1.0 / targets_per_step) as f32;
@@ -313,10 +319,7 @@ fn run_rank<B: Backend>(
         let start = Instant::now();
         let mut local_loss = 0.0;
         for i in 0..cfg.grad_accum {
-            let window = sampler.next_window();
-            let ids: Vec<u32> = positions.iter().map(|&p| window.inputs()[p]).collect();
-            let targets: Vec<u32> = positions.iter().map(|&p| window.targets()[p]).collect();
-            debug_assert!(!targets.contains(&IGNORE));
+            let (ids, targets) = rank_sequence(cfg, plan, &mut sampler, &positions);
             let micro = Micro::of(i, cfg.grad_accum);
             local_loss +=
                 model.forward_backward(b, &decoder, mesh, &ids, &targets, grad_scale, micro)?;
@@ -363,6 +366,27 @@ fn run_rank<B: Backend>(
     }
     model.settle(b)?;
     Ok((reports, b.ledger().stats(), b.reserved_peak()?))
+}
+
+/// This rank's input ids and targets (at `positions`) of the next
+/// sequence; a rehearsal reads no data and computes nothing with it, so it
+/// takes zeros for this rank's rows instead (at long lengths the planner's
+/// engine path, `plan::engine`, spent most of its time copying windows).
+fn rank_sequence(
+    cfg: &TrainConfig,
+    plan: &CpPlan,
+    sampler: &mut SequenceSampler,
+    positions: &[usize],
+) -> (Vec<u32>, Vec<u32>) {
+    if cfg.rehearse {
+        let n = plan.layout.local_len();
+        return (vec![0; n], vec![0; n]);
+    }
+    let window = sampler.next_window();
+    let ids: Vec<u32> = positions.iter().map(|&p| window.inputs()[p]).collect();
+    let targets: Vec<u32> = positions.iter().map(|&p| window.targets()[p]).collect();
+    debug_assert!(!targets.contains(&IGNORE));
+    (ids, targets)
 }
 
 /// Restores the sampler of a resumed run; the first step to run.
