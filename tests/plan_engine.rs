@@ -108,6 +108,7 @@ fn spec(model: &ModelConfig, m: &Mesh, seq: usize, policy: MemoryPolicy) -> Step
 fn same(walk: &Prediction, engine: &Prediction, what: &str) {
     assert_eq!(walk.peak, engine.peak, "{what}: device peak");
     assert_eq!(walk.host_peak, engine.host_peak, "{what}: host peak");
+    assert_eq!(walk.peak_at, engine.peak_at, "{what}: where");
     for cat in Category::ALL.into_iter().filter(|c| c.on_device()) {
         assert_eq!(
             walk.at(cat),

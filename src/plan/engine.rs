@@ -22,10 +22,6 @@ use crate::optim::AdamWConfig;
 use crate::train::config::TrainConfig;
 use crate::train::trainer::rehearse_rank;
 
-/// What the engine path reports as where the peak falls: the engine keeps
-/// no labels of the parts of its step.
-pub const ENGINE_PEAK_AT: &str = "step (counted by the engine)";
-
 /// The counting device standing for `device`: its dtypes, and on CUDA the
 /// attention routing of the planned cuDNN (`walk::PLANNED_CUDNN_VERSION`).
 pub fn counted_device(device: DeviceKind) -> CountedDevice {
@@ -105,6 +101,6 @@ fn prediction(m: &MemoryStats) -> Prediction {
         peak: m.peak,
         at_peak: Category::ALL.iter().map(|&c| (c, m.at_peak(c))).collect(),
         host_peak: m.host_peak,
-        peak_at: ENGINE_PEAK_AT,
+        peak_at: m.peak_at,
     }
 }

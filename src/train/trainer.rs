@@ -278,6 +278,7 @@ fn run_rank<B: Backend>(
 ) -> Result<RankOutcome> {
     // before the first allocation: the rehearsal allocates all of them
     b.set_rehearse(cfg.rehearse);
+    b.ledger().enter("resident");
     let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
     let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {
         let (m, r) = Sharded::open(b, cfg, mesh)?;
@@ -324,6 +325,7 @@ fn run_rank<B: Backend>(
             local_loss +=
                 model.forward_backward(b, &decoder, mesh, &ids, &targets, grad_scale, micro)?;
         }
+        b.ledger().enter("optimizer");
         let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
         let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
