@@ -1,12 +1,18 @@
 //! The memory planner: peak bytes per rank of a training step, by ledger
 //! [`Category`], before anything runs, and the longest context that fits.
 //!
-//! One source of truth: the buffer shapes come from [`shapes`], which the
-//! engine itself allocates from (`attention::staged`, `attention::rope`,
-//! `model::decoder`), and [`walk`] replays the engine's allocation order
-//! through a memory-less ledger ([`sim::Sim`]) with the same peak rule as
-//! [`MemoryLedger`](crate::backend::MemoryLedger). On the CPU backend the
-//! prediction equals the measured ledger peak (tests/plan.rs).
+//! One source of truth: the engine. A training step's prediction at a
+//! run's length ([`predict_step_rank`]: `train`'s preflight, `--rehearse`)
+//! is the engine's own step ([`engine`]: the trainer's rehearsal on a
+//! counting backend and counting process groups, `backend::counting`,
+//! `comm::counting`), its ledger read with
+//! [`MemoryLedger`](crate::backend::MemoryLedger)'s peak rule. The
+//! searches ([`predict_step`]: the longest context, the `auto` choices) use
+//! a hand-written walk of the same step, fast at any length: [`walk`]
+//! replays the engine's allocation order through a memory-less ledger
+//! ([`sim::Sim`]) with the engine's buffer shapes ([`shapes`]), held equal
+//! to the engine's prediction to the byte (`tests/plan_engine.rs`). On the
+//! CPU backend both equal the measured ledger peak (tests/plan.rs).
 //!
 //! Dtypes follow the backend contract (`backend/mod.rs`): activations in the
 //! compute dtype (CPU f32, CUDA bf16), LSE, RoPE tables, parameter gradients
@@ -26,17 +32,21 @@ pub mod offload_optim;
 pub mod preflight;
 pub mod shapes;
 pub mod sim;
+pub mod store_walk;
 pub mod walk;
 
 use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Category;
 use crate::error::Result;
+use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::config::TrainConfig;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
+use offload_optim::{PendingStep, SettlingWalk, split_state, unit_slots, update_slots};
 use sim::Sim;
-use walk::{AttnFwd, AttnWalk};
+use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
+use walk::{AttnFwd, AttnWalk, DecoderWalk};
 
 const F32: usize = 4;
 
@@ -275,23 +285,145 @@ fn distinct_ring_ranks(pr: usize) -> Vec<usize> {
 }
 
 /// Predicts the peak of one training step (`train_threads` /
-/// `loss_and_grads_cpu`) on the rank that needs the most.
+/// `loss_and_grads_cpu`) on the rank that needs the most, by the walk
+/// ([`walk_step_rank`]): the planner's searches (the longest context, the
+/// `auto` choices) call this many times.
+///
+/// Why the walk stays here (measured on the 2-core development machine,
+/// 2026-12-03): the engine path ([`engine::engine_step`]) answers `upipe
+/// plan --model llama3-8b --gpus 8 --gpu-mem 80 --policies
+/// checkpoint,offload,tiled-mlp,fsdp` in 3.3 s of CPU (the walk: 4.2 s) and
+/// one Llama3-8B step on 8 ranks at 1M tokens in 0.03-0.06 s (walk 0.02 s),
+/// but its time grows with the step's loops, which it runs and the walk
+/// collapses (one MLP tile and loss chunk of each length): the tiny model's
+/// default search took 1.5 s of CPU (walk 0.01 s), and one at 2^32 tokens
+/// (`--max-seq 4294967296`) over 100 s (walk 0.4 s). `tests/plan_engine.rs`
+/// holds the two equal to the byte.
 pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
-    max_over_ring_ranks(spec.plan.layout.pr, |i| predict_step_rank(spec, i))
+    max_over_ring_ranks(spec.plan.layout.pr, |i| walk_step_rank(spec, i))
 }
 
 /// Predicts the peak of one training step on ring rank `ring_rank` (the
-/// trainer reports ring rank 0's ledger): the engine's own two rehearsed
-/// steps on a counting backend and counting process groups
-/// ([`engine::engine_step_rank`]). A walk by hand of the step stood here
-/// until the engine path, measured on the 2-core development machine, ran
-/// `upipe plan --model llama3-8b --gpus 8 --gpu-mem 80 --policies
-/// checkpoint,offload,tiled-mlp,fsdp` (its longest-context search) in 3.3 s
-/// of CPU against the walk's 4.2 s, and a 1M-token step in 0.03-0.06 s
-/// against 0.02 s; the two agreed to the byte on every configuration of
-/// `tests/plan_engine.rs`, whose digest pins them.
+/// trainer reports ring rank 0's ledger) by running the engine's own step
+/// ([`engine::engine_step_rank`]): what `train`'s preflight and
+/// `--rehearse` hold a run against, at the run's own length.
 pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     engine::engine_step_rank(spec, ring_rank)
+}
+
+/// [`predict_step_rank`] by the hand-written walk of the step
+/// ([`walk::DecoderWalk`] and the store walks), equal to the engine's to
+/// the byte (`tests/plan_engine.rs`) and fast at any length.
+pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
+    spec.model.validate()?;
+    spec.policy.validate_for(spec.model.layers)?;
+    if spec.data == 0 {
+        return crate::config_err!("the data-parallel degree must be at least 1");
+    }
+    let ab = spec.device.act_bytes();
+    let attn = attn_walk(&spec.plan, &attn_dims(&spec.model), spec.device, ring_rank);
+    let mut sim = Sim::new();
+    sim.label("resident");
+    // Decoder::new: RoPE tables for the positions this rank attends over.
+    sim.alloc(Category::Workspace, attn.rope_bytes());
+    let world = spec.data * spec.plan.mesh_shape().world_size();
+    let states = if !spec.optimizer {
+        0
+    } else if spec.device.master_weights() {
+        3
+    } else {
+        2
+    };
+    let shard_world = world / spec.fsdp_replicas.max(1);
+    let layers = spec.model.layers;
+    let host_units = if spec.optimizer {
+        spec.policy.offload_optimizer
+    } else {
+        0
+    };
+    let on_host = host_units > 0;
+    // the optimizer's slots (parameter tensors, or each unit's shard), on
+    // the device or the host
+    let units = unit_slots(&spec.model, spec.fsdp, shard_world);
+    let (device_elems, host_slots) = split_state(&units, layers, host_units);
+    if spec.fsdp {
+        FsdpWalk::resident(
+            &spec.model,
+            shard_world,
+            ab,
+            states * device_elems,
+            &mut sim,
+        );
+        offload_optim::host_state(&mut sim, &host_slots, ab);
+    } else {
+        let params = spec.model.param_count();
+        sim.alloc(Category::Weights, params * ab);
+        if states > 0 && device_elems > 0 {
+            sim.alloc(Category::OptimState, states * device_elems * F32);
+        }
+        offload_optim::host_state(&mut sim, &host_slots, ab);
+        sim.alloc(Category::Grads, params * F32);
+    }
+    sim.alloc(Category::Workspace, spec.device.backend_resident());
+    let (update, ends) = update_slots(&units, layers, host_units);
+    // the first step's forward has no host updates of a step before it
+    let steps_walked = std::cell::Cell::new(0);
+    let step = |sim: &mut Sim| {
+        let after_a_step = steps_walked.replace(steps_walked.get() + 1) > 0;
+        let mut pending = (on_host && after_a_step).then(|| PendingStep::new(&update, &ends, ab));
+        for i in 0..spec.grad_accum.max(1) {
+            let mut store: Box<dyn StoreWalk> = if spec.fsdp {
+                // later sequences of a step add their reduce-scatters into the shards
+                Box::new(FsdpWalk::new(&spec.model, shard_world, ab, i == 0))
+            } else {
+                Box::new(ReplicatedWalk::new(
+                    &spec.model,
+                    world,
+                    i + 1 == spec.grad_accum.max(1),
+                ))
+            };
+            let mut settling = SettlingWalk {
+                inner: store.as_mut(),
+                pending: &mut pending,
+                layers: spec.model.layers,
+            };
+            DecoderWalk {
+                cfg: &spec.model,
+                policy: spec.policy,
+                attn,
+                uploads_ids: spec.device.is_cuda(),
+            }
+            .step(sim, &mut settling);
+        }
+        if spec.optimizer {
+            // the trainer's all-reduced loss scalar
+            sim.label("optimizer");
+            let loss = sim.alloc(Category::Workspace, F32);
+            if spec.device.is_cuda() {
+                // `sum_squares` accumulates each tensor's squares in one f64
+                let acc = sim.alloc(Category::Workspace, 2 * F32);
+                sim.free(acc);
+            }
+            if spec.fsdp {
+                // `ShardedAdamW::grad_norm`: every rank's sum as two f32 words
+                let send = sim.alloc(Category::Workspace, 2 * F32);
+                let recv = sim.alloc(Category::Workspace, 2 * shard_world * F32);
+                sim.free(recv);
+                sim.free(send);
+            }
+            // with the optimizer on the host the update runs in the next forward
+            sim.free(loss);
+        }
+    };
+    // The ledger's peak covers every step of a run; a step after another
+    // also runs the host updates the optimizer deferred
+    Ok(peak_over_repeats(
+        sim,
+        true,
+        on_host,
+        "kept from the previous step",
+        step,
+    ))
 }
 
 /// `--save-attention`: which checkpointed blocks keep their attention output
@@ -730,7 +862,6 @@ mod widest_tests {
 #[cfg(test)]
 mod ring_rank_tests {
     use super::*;
-    use crate::model::decoder::attn_dims;
 
     /// Walking one ring rank of each kind finds the prediction that walking
     /// every ring rank finds (the same rank's, so the same categories).

@@ -5,9 +5,16 @@
 //! which run in the next step's forward ahead of each unit
 //! (`optim::settling`).
 
+use super::sim::{Buf, Sim};
+use super::store_walk::StoreWalk;
 use super::{StepSpec, predict_step};
+use crate::backend::Category::{Offload, Workspace};
 use crate::error::Result;
-use crate::model::MemoryPolicy;
+use crate::model::{MemoryPolicy, ModelConfig, Unit};
+use crate::optim::settling::{next_in_forward, state_on_host, update_index, update_order};
+use crate::train::fsdp::model_layouts;
+
+const F32: usize = 4;
 
 /// The `--offload-optimizer` choice: units (the embedding, each block, the
 /// head) whose F32 master weights and moments live in host memory, the
@@ -110,4 +117,165 @@ pub fn optimizer_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
         }
     }
     Ok(hi)
+}
+
+/// The optimizer's slots of each unit, in model order: the elements of
+/// each parameter tensor (`ModelWeights::named` order), or with `fsdp` the
+/// unit's shard over `shard_world` ranks.
+pub fn unit_slots(cfg: &ModelConfig, fsdp: bool, shard_world: usize) -> Vec<(Unit, Vec<usize>)> {
+    let world = if fsdp { shard_world } else { 1 };
+    model_layouts(cfg, world)
+        .iter()
+        .map(|u| {
+            let slots = match fsdp {
+                true => vec![u.shard],
+                false => u.params.iter().map(|p| p.numel()).collect(),
+            };
+            (u.unit, slots)
+        })
+        .collect()
+}
+
+/// Where the optimizer's state of `units` (from [`unit_slots`]) lives when
+/// the last `host_units` units of update order keep theirs on the host:
+/// `(elements per state on the device, host slots in model order)`.
+pub fn split_state(
+    units: &[(Unit, Vec<usize>)],
+    layers: usize,
+    host_units: usize,
+) -> (usize, Vec<usize>) {
+    let mut device = 0;
+    let mut host = Vec::new();
+    for (u, slots) in units {
+        match state_on_host(*u, layers, host_units) {
+            true => host.extend_from_slice(slots),
+            false => device += slots.iter().sum::<usize>(),
+        }
+    }
+    (device, host)
+}
+
+/// Each host slot's F32 master (through a device F32 copy when the compute
+/// dtype of `ab` bytes is narrower), then its two moments, in host memory.
+pub fn host_state(sim: &mut Sim, slots: &[usize], ab: usize) {
+    for &n in slots {
+        sim.alloc(Offload, n * F32);
+        if ab != F32 {
+            let wide = sim.alloc(Workspace, n * F32);
+            sim.free(wide);
+        }
+        sim.alloc(Offload, n * F32);
+        sim.alloc(Offload, n * F32);
+    }
+}
+
+/// The host slots of `units` (from [`unit_slots`]) in the order a deferred
+/// step updates them (`optim::settling::update_order`: the head's first),
+/// and for each unit in that order the host slots through it.
+pub fn update_slots(
+    units: &[(Unit, Vec<usize>)],
+    layers: usize,
+    host_units: usize,
+) -> (Vec<usize>, Vec<usize>) {
+    let mut ordered = Vec::new();
+    let ends = update_order(layers)
+        .into_iter()
+        .map(|u| {
+            if state_on_host(u, layers, host_units) {
+                ordered.extend_from_slice(&units[u.index(layers)].1);
+            }
+            ordered.len()
+        })
+        .collect();
+    (ordered, ends)
+}
+
+/// A step's host updates still to run (`slots` and `ends` from
+/// [`update_slots`]): slot k+1's gradient downloaded
+/// while slot k is updated; each updated master goes back directly, or
+/// when the compute dtype (`ab` bytes) is narrower through a pinned buffer
+/// of that dtype, which lives until the next slot's upload.
+pub struct PendingStep<'s> {
+    slots: &'s [usize],
+    ends: &'s [usize],
+    ab: usize,
+    next: usize,
+    inflight: Option<Buf>,
+    uploading: Option<Buf>,
+}
+
+impl<'s> PendingStep<'s> {
+    pub fn new(slots: &'s [usize], ends: &'s [usize], ab: usize) -> Self {
+        PendingStep {
+            slots,
+            ends,
+            ab,
+            next: 0,
+            inflight: None,
+            uploading: None,
+        }
+    }
+
+    /// Updates the slots through `unit`'s (in update order); whether all
+    /// are done.
+    fn settle_through(&mut self, sim: &mut Sim, unit: Unit, layers: usize) -> bool {
+        let upto = self.ends[update_index(unit, layers)].min(self.slots.len());
+        while self.next < upto {
+            let k = self.next;
+            let grad = match self.inflight.take() {
+                Some(g) => g,
+                None => sim.alloc(Offload, self.slots[k] * F32),
+            };
+            self.inflight = self.slots.get(k + 1).map(|&m| sim.alloc(Offload, m * F32));
+            sim.free(grad);
+            if self.ab != F32 {
+                sim.free_opt(self.uploading.take());
+                self.uploading = Some(sim.alloc(Offload, self.slots[k] * self.ab));
+            }
+            self.next += 1;
+        }
+        let done = self.next == self.slots.len();
+        if done {
+            sim.free_opt(self.uploading.take());
+        }
+        done
+    }
+}
+
+/// `inner`, with the last step's pending host updates run ahead of each
+/// unit the forward acquires (as `optim::settling::Settling` runs them).
+pub struct SettlingWalk<'a, 's> {
+    pub inner: &'a mut dyn StoreWalk,
+    pub pending: &'a mut Option<PendingStep<'s>>,
+    pub layers: usize,
+}
+
+impl StoreWalk for SettlingWalk<'_, '_> {
+    fn acquire(&mut self, sim: &mut Sim, unit: Unit) {
+        if let Some(p) = self.pending.as_mut() {
+            let through = next_in_forward(unit, self.layers);
+            if p.settle_through(sim, through, self.layers) {
+                *self.pending = None;
+            }
+        }
+        self.inner.acquire(sim, unit);
+    }
+    fn release(&mut self, sim: &mut Sim, unit: Unit) {
+        self.inner.release(sim, unit);
+    }
+    fn block_grads(&mut self, sim: &mut Sim, l: usize) {
+        self.inner.block_grads(sim, l);
+    }
+    fn head_grads(&mut self, sim: &mut Sim) {
+        self.inner.head_grads(sim);
+    }
+    fn embed_grads(&mut self, sim: &mut Sim) {
+        self.inner.embed_grads(sim);
+    }
+    fn grads_done(&mut self, sim: &mut Sim, unit: Unit) {
+        self.inner.grads_done(sim, unit);
+    }
+    fn finish(&mut self, sim: &mut Sim) {
+        self.inner.finish(sim);
+    }
 }

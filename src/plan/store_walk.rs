@@ -1,0 +1,240 @@
+//! The parameter stores' allocations (`train::replicated`,
+//! `train::fsdp::store`), driven by the decoder walk's calls in the order
+//! `Decoder::forward_backward` makes them.
+
+use super::sim::{Buf, Sim};
+use crate::backend::Category::{Comm, Grads, Weights};
+use crate::model::{ModelConfig, Unit};
+use crate::train::fsdp::{UnitLayout, model_layouts};
+use std::collections::VecDeque;
+
+const F32: usize = 4;
+
+/// What a parameter store allocates when the decoder calls it.
+pub trait StoreWalk {
+    fn acquire(&mut self, sim: &mut Sim, unit: Unit);
+    fn release(&mut self, sim: &mut Sim, unit: Unit);
+    fn block_grads(&mut self, sim: &mut Sim, l: usize);
+    fn head_grads(&mut self, sim: &mut Sim);
+    fn embed_grads(&mut self, sim: &mut Sim);
+    fn grads_done(&mut self, sim: &mut Sim, unit: Unit);
+    fn finish(&mut self, sim: &mut Sim);
+}
+
+/// `ReplicatedStore`: resident gradients; one F32 bucket per unit summed
+/// over the ranks (`world` > 1), held until the next unit's bucket starts.
+pub struct ReplicatedWalk {
+    layers: usize,
+    /// Elements of each unit, in `Unit::all` order.
+    numel: Vec<usize>,
+    world: usize,
+    embed_uses_left: usize,
+    bucket: Option<Buf>,
+}
+
+impl ReplicatedWalk {
+    /// `reduce`: whether this pass sums the gradients (a step's last sequence).
+    pub fn new(cfg: &ModelConfig, world: usize, reduce: bool) -> Self {
+        ReplicatedWalk {
+            layers: cfg.layers,
+            numel: model_layouts(cfg, 1).iter().map(|u| u.numel).collect(),
+            world: if reduce { world } else { 1 },
+            embed_uses_left: 1 + usize::from(cfg.tie_embeddings),
+            bucket: None,
+        }
+    }
+}
+
+impl StoreWalk for ReplicatedWalk {
+    fn acquire(&mut self, _: &mut Sim, _: Unit) {}
+    fn release(&mut self, _: &mut Sim, _: Unit) {}
+    fn block_grads(&mut self, _: &mut Sim, _: usize) {}
+    fn head_grads(&mut self, _: &mut Sim) {}
+    fn embed_grads(&mut self, _: &mut Sim) {}
+    fn grads_done(&mut self, sim: &mut Sim, unit: Unit) {
+        if unit == Unit::Embed {
+            self.embed_uses_left -= 1;
+            if self.embed_uses_left > 0 {
+                return;
+            }
+        }
+        if self.world > 1 {
+            sim.free_opt(self.bucket.take());
+            self.bucket = Some(sim.alloc(Comm, self.numel[unit.index(self.layers)] * F32));
+        }
+    }
+    fn finish(&mut self, sim: &mut Sim) {
+        sim.free_opt(self.bucket.take());
+    }
+}
+
+/// `FsdpStore`: gathers (one prefetched while fewer than two units are
+/// alive), per-parameter tensors of the gathered units, the step's full
+/// gradients and reduce-scatter buffers.
+pub struct FsdpWalk {
+    cfg: ModelConfig,
+    layouts: Vec<UnitLayout>,
+    /// Compute-dtype bytes per element.
+    ab: usize,
+    gathered: Vec<Option<Vec<Buf>>>,
+    prefetch: Option<(usize, Buf)>,
+    order: VecDeque<Unit>,
+    block_g: Option<Vec<Buf>>,
+    embed_g: Option<Buf>,
+    head_g: Option<Vec<Buf>>,
+    grad_written: Vec<bool>,
+    /// The reduce-scatter in flight: its flat send buffer and, when it adds
+    /// into the shard, its receive buffer.
+    reducing: Option<(Buf, Option<Buf>)>,
+}
+
+impl FsdpWalk {
+    /// `fresh`: the step's first sequence (its reduce-scatters overwrite the
+    /// gradient shards; later ones add through a receive buffer).
+    pub fn new(cfg: &ModelConfig, world: usize, ab: usize, fresh: bool) -> Self {
+        let layouts = model_layouts(cfg, world);
+        let n = layouts.len();
+        FsdpWalk {
+            cfg: cfg.clone(),
+            layouts,
+            ab,
+            gathered: vec![None; n],
+            prefetch: None,
+            order: Unit::step_order(cfg.layers, cfg.tie_embeddings).into(),
+            block_g: None,
+            embed_g: None,
+            head_g: None,
+            grad_written: vec![!fresh; n],
+            reducing: None,
+        }
+    }
+
+    /// The resident shards (`FsdpStore::new`, `ShardedAdamW::new`): parameters,
+    /// F32 gradients and `optim_elems` F32 elements of optimizer state on
+    /// the device (every state of the units that keep theirs there).
+    pub fn resident(cfg: &ModelConfig, world: usize, ab: usize, optim_elems: usize, sim: &mut Sim) {
+        let shard: usize = model_layouts(cfg, world).iter().map(|u| u.shard).sum();
+        sim.alloc(Weights, shard * ab);
+        sim.alloc(Grads, shard * F32);
+        if optim_elems > 0 {
+            sim.alloc(crate::backend::Category::OptimState, optim_elems * F32);
+        }
+    }
+
+    fn index(&self, u: Unit) -> usize {
+        u.index(self.cfg.layers)
+    }
+
+    fn start_gather(&self, sim: &mut Sim, i: usize) -> Buf {
+        sim.alloc(Comm, self.layouts[i].padded() * self.ab)
+    }
+
+    fn live(&self) -> usize {
+        self.gathered.iter().filter(|g| g.is_some()).count() + usize::from(self.prefetch.is_some())
+    }
+
+    fn wait_reduce(&mut self, sim: &mut Sim) {
+        if let Some((flat, recv)) = self.reducing.take() {
+            sim.free(flat);
+            sim.free_opt(recv);
+        }
+    }
+
+    fn grads(&self, sim: &mut Sim, numels: impl IntoIterator<Item = usize>) -> Vec<Buf> {
+        numels
+            .into_iter()
+            .map(|n| sim.alloc(Grads, n * F32))
+            .collect()
+    }
+}
+
+impl StoreWalk for FsdpWalk {
+    fn acquire(&mut self, sim: &mut Sim, unit: Unit) {
+        let i = self.index(unit);
+        if let Some(pos) = self.order.iter().position(|u| *u == unit) {
+            self.order.drain(..=pos);
+        }
+        let recv = match self.prefetch.take() {
+            Some((j, b)) if j == i => b,
+            Some((_, b)) => {
+                sim.free(b);
+                self.start_gather(sim, i)
+            }
+            None => self.start_gather(sim, i),
+        };
+        let params = self.layouts[i]
+            .params
+            .iter()
+            .map(|p| sim.alloc(Weights, p.numel() * self.ab))
+            .collect();
+        sim.free(recv);
+        self.gathered[i] = Some(params);
+        if let Some(&next) = self.order.front() {
+            let j = self.index(next);
+            if self.live() < 2 && self.gathered[j].is_none() {
+                let b = self.start_gather(sim, j);
+                self.prefetch = Some((j, b));
+            }
+        }
+    }
+
+    fn release(&mut self, sim: &mut Sim, unit: Unit) {
+        let i = self.index(unit);
+        for b in self.gathered[i].take().into_iter().flatten() {
+            sim.free(b);
+        }
+    }
+
+    fn block_grads(&mut self, sim: &mut Sim, l: usize) {
+        if self.block_g.is_none() {
+            let i = self.index(Unit::Block(l));
+            let n: Vec<usize> = self.layouts[i].params.iter().map(|p| p.numel()).collect();
+            self.block_g = Some(self.grads(sim, n));
+        }
+    }
+
+    fn head_grads(&mut self, sim: &mut Sim) {
+        let (v, h) = (self.cfg.vocab, self.cfg.hidden);
+        let tied = self.cfg.tie_embeddings;
+        if self.head_g.is_none() {
+            let head = if tied { vec![] } else { vec![v * h] };
+            let mut g = self.grads(sim, head);
+            g.extend(self.grads(sim, [h]));
+            self.head_g = Some(g);
+        }
+        if tied && self.embed_g.is_none() {
+            self.embed_g = Some(sim.alloc(Grads, v * h * F32));
+        }
+    }
+
+    fn embed_grads(&mut self, sim: &mut Sim) {
+        if self.embed_g.is_none() {
+            self.embed_g = Some(sim.alloc(Grads, self.cfg.vocab * self.cfg.hidden * F32));
+        }
+    }
+
+    fn grads_done(&mut self, sim: &mut Sim, unit: Unit) {
+        let i = self.index(unit);
+        let grads = match unit {
+            Unit::Embed => self.embed_g.take().into_iter().collect(),
+            Unit::Block(_) => self.block_g.take().unwrap_or_default(),
+            Unit::Head => self.head_g.take().unwrap_or_default(),
+        };
+        self.wait_reduce(sim);
+        let flat = sim.alloc(Comm, self.layouts[i].padded() * F32);
+        for g in grads {
+            sim.free(g);
+        }
+        let recv = if self.grad_written[i] {
+            Some(sim.alloc(Comm, self.layouts[i].shard * F32))
+        } else {
+            None
+        };
+        self.grad_written[i] = true;
+        self.reducing = Some((flat, recv));
+    }
+
+    fn finish(&mut self, sim: &mut Sim) {
+        self.wait_reduce(sim);
+    }
+}
