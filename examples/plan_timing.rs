@@ -4,14 +4,19 @@
 //!
 //! `plan_timing [model] [gpus] [seq] [policies]` (defaults: llama3-8b, 8,
 //! 1048576, checkpoint,offload,tiled-mlp,fsdp) plans UPipe and Ulysses on
-//! CUDA (bf16, cuDNN where it applies), as `upipe plan --seq` does.
+//! CUDA (bf16, cuDNN where it applies), as `upipe plan --seq` does, then
+//! times the longest-context search (`plan::longest_context` over 80 GiB
+//! less the 1 GiB reserve, stages of 8192 tokens, up to 2^28) by each path.
 
 use std::time::Instant;
 use upipe::attention::Strategy;
 use upipe::model::decoder::attn_dims;
 use upipe::model::{MemoryPolicy, ModelConfig};
 use upipe::plan::engine::engine_step;
-use upipe::plan::{DeviceKind, StepSpec, predict_step, resolve_plan};
+use upipe::plan::{
+    Budget, DeviceKind, GPU_RESERVE_BYTES, Prediction, StepSpec, longest_context, predict_step,
+    resolve_plan,
+};
 
 fn main() -> upipe::error::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -29,6 +34,36 @@ fn main() -> upipe::error::Result<()> {
     };
     let d = attn_dims(&model);
     for strategy in [Strategy::Upipe, Strategy::Ulysses] {
+        let spec_at = |seq: usize| -> upipe::error::Result<StepSpec> {
+            let (plan, data) = resolve_plan(strategy, &d, seq, gpus, None, None, None)?;
+            Ok(StepSpec {
+                model: model.clone(),
+                plan,
+                data,
+                policy,
+                fsdp: has("fsdp"),
+                fsdp_replicas: 1,
+                grad_accum: 1,
+                device: DeviceKind::Cuda,
+                optimizer: true,
+            })
+        };
+        let budget = Budget {
+            device: (80 << 30) - GPU_RESERVE_BYTES,
+            host: None,
+        };
+        let search = |predict: &dyn Fn(&StepSpec) -> upipe::error::Result<Prediction>| {
+            let t = Instant::now();
+            let fit = longest_context(8192, 1 << 28, budget, |s| predict(&spec_at(s)?));
+            (fit.map(|f| f.seq), t.elapsed().as_secs_f64())
+        };
+        let (walk_fit, walk_s) = search(&predict_step);
+        let (engine_fit, engine_s) = search(&engine_step);
+        println!(
+            "{strategy} longest context: walk {:?} in {walk_s:.2} s, engine {:?} in {engine_s:.2} s",
+            walk_fit.ok(),
+            engine_fit.ok()
+        );
         let (plan, data) = resolve_plan(strategy, &d, seq, gpus, None, None, None)?;
         let spec = StepSpec {
             model: model.clone(),
