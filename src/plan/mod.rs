@@ -290,14 +290,16 @@ fn distinct_ring_ranks(pr: usize) -> Vec<usize> {
 /// `auto` choices) call this many times.
 ///
 /// Why the walk stays here (measured on the 2-core development machine,
-/// 2026-12-03): the engine path ([`engine::engine_step`]) answers `upipe
-/// plan --model llama3-8b --gpus 8 --gpu-mem 80 --policies
-/// checkpoint,offload,tiled-mlp,fsdp` in 3.3 s of CPU (the walk: 4.2 s) and
-/// one Llama3-8B step on 8 ranks at 1M tokens in 0.03-0.06 s (walk 0.02 s),
-/// but its time grows with the step's loops, which it runs and the walk
-/// collapses (one MLP tile and loss chunk of each length): the tiny model's
-/// default search took 1.5 s of CPU (walk 0.01 s), and one at 2^32 tokens
-/// (`--max-seq 4294967296`) over 100 s (walk 0.4 s). `tests/plan_engine.rs`
+/// 2026-12-03, `examples/plan_timing.rs`): for Llama3-8B on 8 GPUs the
+/// engine path ([`engine::engine_step`]) is as fast (one step at 1M tokens
+/// 0.005-0.011 s, the walk 0.014-0.022 s; the longest-context search loop
+/// 0.2-0.36 s, the walk 0.27-0.29 s; all of `upipe plan --model llama3-8b
+/// --gpus 8 --gpu-mem 80 --policies checkpoint,offload,tiled-mlp,fsdp` 3.3 s
+/// of CPU, the walk 4.2 s, on a loaded machine), but its time grows with the
+/// step's loops, which it runs and the walk collapses (one MLP tile and
+/// loss chunk of each length): the tiny model's search loop on one GPU took
+/// 2 s (walk under 0.01 s), and `upipe plan --model tiny --gpus 1 --gpu-mem
+/// 100000 --max-seq 4294967296` over 100 s (walk 0.4 s). `tests/plan_engine.rs`
 /// holds the two equal to the byte.
 pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
     max_over_ring_ranks(spec.plan.layout.pr, |i| walk_step_rank(spec, i))
