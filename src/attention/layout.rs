@@ -7,6 +7,7 @@
 //! shard is the whole sequence and the layout is contiguous.
 
 use crate::error::Result;
+use std::ops::Range;
 
 /// Sequence layout over a `ring x ulysses` context-parallel group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,17 +54,22 @@ impl SeqLayout {
     }
     /// Global positions of ring rank `i`'s shard, in local order.
     pub fn ring_shard_positions(&self, i: usize) -> Vec<usize> {
+        self.ring_shard(i).collect()
+    }
+    /// [`ring_shard_positions`](Self::ring_shard_positions) in order, uncollected.
+    fn ring_shard(&self, i: usize) -> std::iter::Chain<Range<usize>, Range<usize>> {
         if self.pr == 1 {
-            return (0..self.seq).collect();
+            return (0..self.seq).chain(0..0);
         }
         let c = self.seq / (2 * self.pr);
         let j = 2 * self.pr - 1 - i;
-        (i * c..(i + 1) * c).chain(j * c..(j + 1) * c).collect()
+        (i * c..(i + 1) * c).chain(j * c..(j + 1) * c)
     }
     /// Global positions of the rank at (ring `i`, Ulysses `r`).
     pub fn rank_positions(&self, i: usize, r: usize) -> Vec<usize> {
         let s = self.local_len();
-        self.ring_shard_positions(i)[r * s..(r + 1) * s].to_vec()
+        // `skip` on ranges jumps: only this rank's positions are made
+        self.ring_shard(i).skip(r * s).take(s).collect()
     }
     /// Rows of `global` (`[seq, width]`, row-major) held by (ring `i`, Ulysses `r`).
     pub fn shard_rows<T: Copy>(&self, global: &[T], width: usize, i: usize, r: usize) -> Vec<T> {

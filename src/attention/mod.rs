@@ -349,8 +349,10 @@ impl<B: Backend> CpAttention<B> {
         mesh: &Mesh<B>,
         mask: AttnMask,
     ) -> Result<Self> {
-        let positions = plan.layout.ring_shard_positions(mesh.ring.rank());
-        let rope = RopeTables::new(b, &dims.rope, dims.head_dim, &positions)?;
+        let ring = mesh.ring.rank();
+        let n = plan.layout.seq / plan.layout.pr;
+        let positions = || plan.layout.ring_shard_positions(ring);
+        let rope = RopeTables::of(b, &dims.rope, dims.head_dim, n, positions)?;
         Ok(CpAttention {
             dims,
             plan,

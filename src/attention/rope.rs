@@ -73,10 +73,31 @@ pub struct RopeTables<B: Backend> {
 }
 
 impl<B: Backend> RopeTables<B> {
-    /// Uploads tables for `positions` (category `Workspace`: they live as long as the layer setup).
+    /// Uploads tables for `positions` (category `Workspace`: they live as
+    /// long as the layer setup); a rehearsing backend allocates them
+    /// unwritten, without computing them (at 1M tokens most of a counted
+    /// step's time went to the tables' sines and cosines).
     pub fn new(b: &B, cfg: &RopeConfig, head_dim: usize, positions: &[usize]) -> Result<Self> {
-        let (cos, sin) = cfg.tables(head_dim, positions);
-        let shape = super::shapes::rope_table(positions.len(), head_dim);
+        Self::of(b, cfg, head_dim, positions.len(), || positions.to_vec())
+    }
+
+    /// [`new`](Self::new) for the `n` positions `positions()` lists, which
+    /// a rehearsal never asks for.
+    pub fn of(
+        b: &B,
+        cfg: &RopeConfig,
+        head_dim: usize,
+        n: usize,
+        positions: impl FnOnce() -> Vec<usize>,
+    ) -> Result<Self> {
+        let shape = super::shapes::rope_table(n, head_dim);
+        if b.rehearsing() {
+            return Ok(RopeTables {
+                cos: b.zeros(&shape, DType::F32, Category::Workspace)?,
+                sin: b.zeros(&shape, DType::F32, Category::Workspace)?,
+            });
+        }
+        let (cos, sin) = cfg.tables(head_dim, &positions());
         Ok(RopeTables {
             cos: b.from_host(&cos, &shape, DType::F32, Category::Workspace)?,
             sin: b.from_host(&sin, &shape, DType::F32, Category::Workspace)?,

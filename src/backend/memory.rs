@@ -92,6 +92,10 @@ struct Counters {
     /// Per-category bytes at the moment the device peak was reached.
     at_peak: [usize; N],
     host_peak: usize,
+    /// The part of the step allocating now ([`MemoryLedger::enter`]).
+    part: &'static str,
+    /// The part in which the device peak was reached.
+    peak_part: &'static str,
 }
 
 /// A snapshot of the ledger.
@@ -109,6 +113,9 @@ pub struct MemoryStats {
     pub at_peak_by_category: Vec<(Category, usize)>,
     /// Highest host (offload) bytes since the last reset.
     pub host_peak: usize,
+    /// The part of the step in which the device peak was reached (as the
+    /// engine names its parts, [`MemoryLedger::enter`]; empty if unnamed).
+    pub peak_at: &'static str,
 }
 
 impl MemoryStats {
@@ -144,10 +151,19 @@ impl MemoryLedger {
             if c.device_current > c.device_peak {
                 c.device_peak = c.device_current;
                 c.at_peak = c.current;
+                c.peak_part = c.part;
             }
         } else {
             c.host_peak = c.host_peak.max(c.current[i]);
         }
+    }
+
+    /// Names the part of the step whose allocations follow (`"forward:
+    /// attention"`, ...): the stats say in which part the peak was reached.
+    /// The decoder and the trainer name their parts as the memory planner
+    /// reports them.
+    pub fn enter(&self, part: &'static str) {
+        self.counters.lock().expect("memory ledger poisoned").part = part;
     }
 
     /// Records a release.
@@ -167,6 +183,7 @@ impl MemoryLedger {
         c.at_peak = c.current;
         c.peak_by_cat = c.current;
         c.host_peak = c.current[Category::Offload.index()];
+        c.peak_part = c.part;
     }
 
     /// Bytes currently allocated on the device.
@@ -208,6 +225,7 @@ impl MemoryLedger {
             peak_by_category: zip(&c.peak_by_cat),
             at_peak_by_category: zip(&c.at_peak),
             host_peak: c.host_peak,
+            peak_at: c.peak_part,
         }
     }
 }

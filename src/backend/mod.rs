@@ -7,6 +7,7 @@
 //! against.
 
 pub mod arena;
+pub mod counting;
 pub mod cpu;
 pub mod cuda;
 pub mod host_adamw;

@@ -5,6 +5,7 @@
 //! to [`ProcessGroup`]s; `local` runs ranks as threads in one process, `nccl`
 //! runs one process per GPU (`watchdog`: its collective-timeout policy).
 
+pub mod counting;
 pub mod env;
 pub mod local;
 pub mod mesh;

@@ -260,6 +260,8 @@ impl<B: Backend> Decoder<B> {
         }
         let act = b.compute_dtype();
         let (s, h) = (ids.len(), self.cfg.hidden);
+        // the parts of the step as the planner names them (`MemoryLedger::enter`)
+        b.ledger().enter("forward: embedding");
         let mut x = b.empty(&[s, h], act, Category::Activations)?;
         store.acquire(b, Unit::Embed)?;
         b.embedding_fwd(store.embed()?, ids, &mut x)?;
@@ -298,6 +300,7 @@ impl<B: Backend> Decoder<B> {
         let (loss, mut dx) = self.head_fwd_bwd(b, store, x, targets, grad_scale)?;
         while let Some((kept_input, keep)) = kept.pop() {
             let l = kept.len();
+            b.ledger().enter("backward: reload");
             let input = match coming.take() {
                 Some((dev, done)) => {
                     b.copy_wait(done)?;
@@ -350,6 +353,7 @@ impl<B: Backend> Decoder<B> {
         grad_scale: f32,
     ) -> Result<(f64, Tensor<B>)> {
         let tied = self.cfg.tie_embeddings;
+        b.ledger().enter("loss");
         store.acquire(b, Unit::Head)?;
         if tied {
             store.acquire(b, Unit::Embed)?;
@@ -414,12 +418,14 @@ impl<B: Backend> Decoder<B> {
         h: &Tensor<B>,
         kept: Option<AttnSaved<B>>,
     ) -> Result<(Tensor<B>, AttnSaved<B>, Tensor<B>)> {
+        b.ledger().enter("forward: attention");
         let mut a = b.empty(h.shape(), h.dtype(), Category::Activations)?;
         b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
         let (y, attn) = match kept {
             Some(attn) => (output_projection(b, &attn.o, &w.attn.wo)?, attn),
             None => self.attn.forward(b, mesh, &w.attn, &a)?,
         };
+        b.ledger().enter("forward: mlp");
         let mut h1 = cast(b, h, h.dtype(), Category::Activations)?;
         b.axpy(&mut h1, 1.0, &y)?;
         drop(y);
@@ -505,6 +511,7 @@ impl<B: Backend> Decoder<B> {
         } = saved;
         let hid = self.cfg.hidden;
         // MLP branch: dh1 = d_out + d(mlp)/dh1
+        b.ledger().enter("backward: mlp");
         let mut dh1 = cast(b, &d_out, d_out.dtype(), Category::Grads)?;
         for rows in self.tiles(h.rows()) {
             let x_t = self.rows_of(b, &h1, &rows)?;
@@ -543,6 +550,7 @@ impl<B: Backend> Decoder<B> {
         }
         drop((h1, d_out));
         // Attention branch: dh = dh1 + d(attn(norm(h)))/dh
+        b.ledger().enter("backward: attention");
         let da = self
             .attn
             .backward(b, mesh, &w.attn, &a, attn, &dh1, &mut g.attn)?;

@@ -1,12 +1,18 @@
 //! The memory planner: peak bytes per rank of a training step, by ledger
 //! [`Category`], before anything runs, and the longest context that fits.
 //!
-//! One source of truth: the buffer shapes come from [`shapes`], which the
-//! engine itself allocates from (`attention::staged`, `attention::rope`,
-//! `model::decoder`), and [`walk`] replays the engine's allocation order
-//! through a memory-less ledger ([`sim::Sim`]) with the same peak rule as
-//! [`MemoryLedger`](crate::backend::MemoryLedger). On the CPU backend the
-//! prediction equals the measured ledger peak (tests/plan.rs).
+//! One source of truth: the engine. A training step's prediction at a
+//! run's length ([`predict_step_rank`]: `train`'s preflight, `--rehearse`)
+//! is the engine's own step ([`engine`]: the trainer's rehearsal on a
+//! counting backend and counting process groups, `backend::counting`,
+//! `comm::counting`), its ledger read with
+//! [`MemoryLedger`](crate::backend::MemoryLedger)'s peak rule. The
+//! searches ([`predict_step`]: the longest context, the `auto` choices) use
+//! a hand-written walk of the same step, fast at any length: [`walk`]
+//! replays the engine's allocation order through a memory-less ledger
+//! ([`sim::Sim`]) with the engine's buffer shapes ([`shapes`]), held equal
+//! to the engine's prediction to the byte (`tests/plan_engine.rs`). On the
+//! CPU backend both equal the measured ledger peak (tests/plan.rs).
 //!
 //! Dtypes follow the backend contract (`backend/mod.rs`): activations in the
 //! compute dtype (CPU f32, CUDA bf16), LSE, RoPE tables, parameter gradients
@@ -20,6 +26,7 @@
 //! gradients and its reduce-scatter buffers, exactly as
 //! `train::fsdp::store` allocates them.
 
+pub mod engine;
 pub mod mesh;
 pub mod offload;
 pub mod offload_optim;
@@ -284,14 +291,38 @@ fn distinct_ring_ranks(pr: usize) -> Vec<usize> {
 }
 
 /// Predicts the peak of one training step (`train_threads` /
-/// `loss_and_grads_cpu`) on the rank that needs the most.
+/// `loss_and_grads_cpu`) on the rank that needs the most, by the walk
+/// ([`walk_step_rank`]): the planner's searches (the longest context, the
+/// `auto` choices) call this many times.
+///
+/// Why the walk stays here (measured on the 2-core development machine,
+/// 2026-12-03, `examples/plan_timing.rs`): for Llama3-8B on 8 GPUs the
+/// engine path ([`engine::engine_step`]) is as fast (one step at 1M tokens
+/// 0.005-0.011 s, the walk 0.014-0.022 s; the longest-context search loop
+/// 0.2-0.36 s, the walk 0.27-0.29 s; all of `upipe plan --model llama3-8b
+/// --gpus 8 --gpu-mem 80 --policies checkpoint,offload,tiled-mlp,fsdp` 3.3 s
+/// of CPU, the walk 4.2 s, on a loaded machine), but its time grows with the
+/// step's loops, which it runs and the walk collapses (one MLP tile and
+/// loss chunk of each length): the tiny model's search loop on one GPU took
+/// 2 s (walk under 0.01 s), and `upipe plan --model tiny --gpus 1 --gpu-mem
+/// 100000 --max-seq 4294967296` over 100 s (walk 0.4 s). `tests/plan_engine.rs`
+/// holds the two equal to the byte.
 pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
-    max_over_ring_ranks(spec.plan.layout.pr, |i| predict_step_rank(spec, i))
+    max_over_ring_ranks(spec.plan.layout.pr, |i| walk_step_rank(spec, i))
 }
 
 /// Predicts the peak of one training step on ring rank `ring_rank` (the
-/// trainer reports ring rank 0's ledger).
+/// trainer reports ring rank 0's ledger) by running the engine's own step
+/// ([`engine::engine_step_rank`]): what `train`'s preflight and
+/// `--rehearse` hold a run against, at the run's own length.
 pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
+    engine::engine_step_rank(spec, ring_rank)
+}
+
+/// [`predict_step_rank`] by the hand-written walk of the step
+/// ([`walk::DecoderWalk`] and the store walks), equal to the engine's to
+/// the byte (`tests/plan_engine.rs`) and fast at any length.
+pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     spec.model.validate()?;
     spec.policy.validate_for(spec.model.layers)?;
     if spec.data == 0 {

@@ -240,6 +240,32 @@ impl ProcessRank {
     }
 }
 
+/// Rehearses `cfg` under `plan` (two steps, nothing computed: the
+/// `--rehearse` loop) as rank `mesh.rank` on `b`, alone when `mesh`'s groups
+/// wait for no one (`comm::counting`), and returns the rank's ledger. The
+/// memory planner's engine path (`plan::engine`) runs it on a counting backend.
+pub fn rehearse_rank<B: Backend>(
+    cfg: &TrainConfig,
+    plan: &CpPlan,
+    b: &B,
+    mesh: &Mesh<B>,
+) -> Result<MemoryStats> {
+    let cfg = TrainConfig {
+        rehearse: true,
+        profile: false,
+        save_dir: None,
+        resume: false,
+        ..cfg.clone()
+    };
+    // a rehearsal reads no token: one window per data replica of zeros,
+    // whose pages are never touched
+    let zeros = Arc::<[u32]>::new_zeroed_slice(cfg.seq * cfg.data_parallel + 1);
+    // SAFETY: zero bits are a valid u32.
+    let tokens = Tokens::from(unsafe { zeros.assume_init() });
+    let (_, memory, _) = run_rank(&cfg, plan, tokens, b, mesh, mesh.rank, &|_| {})?;
+    Ok(memory)
+}
+
 /// One rank's training loop.
 fn run_rank<B: Backend>(
     cfg: &TrainConfig,
@@ -252,6 +278,7 @@ fn run_rank<B: Backend>(
 ) -> Result<RankOutcome> {
     // before the first allocation: the rehearsal allocates all of them
     b.set_rehearse(cfg.rehearse);
+    b.ledger().enter("resident");
     let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
     let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {
         let (m, r) = Sharded::open(b, cfg, mesh)?;
@@ -268,9 +295,12 @@ fn run_rank<B: Backend>(
         Some(r) => resume(cfg, &mut sampler, r, rank)?,
         None => 1,
     };
-    let positions = plan
-        .layout
-        .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
+    let positions = match cfg.rehearse {
+        true => Vec::new(),
+        false => plan
+            .layout
+            .rank_positions(mesh.ring.rank(), mesh.ulysses.rank()),
+    };
     // the loss is the mean over every target of every sequence of every replica
     let targets_per_step = (cfg.seq * cfg.data_parallel * cfg.grad_accum) as f64;
     let grad_scale = (1.0 / targets_per_step) as f32;
@@ -290,14 +320,12 @@ fn run_rank<B: Backend>(
         let start = Instant::now();
         let mut local_loss = 0.0;
         for i in 0..cfg.grad_accum {
-            let window = sampler.next_window();
-            let ids: Vec<u32> = positions.iter().map(|&p| window.inputs()[p]).collect();
-            let targets: Vec<u32> = positions.iter().map(|&p| window.targets()[p]).collect();
-            debug_assert!(!targets.contains(&IGNORE));
+            let (ids, targets) = rank_sequence(cfg, plan, &mut sampler, &positions);
             let micro = Micro::of(i, cfg.grad_accum);
             local_loss +=
                 model.forward_backward(b, &decoder, mesh, &ids, &targets, grad_scale, micro)?;
         }
+        b.ledger().enter("optimizer");
         let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
         let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
@@ -340,6 +368,27 @@ fn run_rank<B: Backend>(
     }
     model.settle(b)?;
     Ok((reports, b.ledger().stats(), b.reserved_peak()?))
+}
+
+/// This rank's input ids and targets (at `positions`) of the next
+/// sequence; a rehearsal reads no data and computes nothing with it, so it
+/// takes zeros for this rank's rows instead (at long lengths the planner's
+/// engine path, `plan::engine`, spent most of its time copying windows).
+fn rank_sequence(
+    cfg: &TrainConfig,
+    plan: &CpPlan,
+    sampler: &mut SequenceSampler,
+    positions: &[usize],
+) -> (Vec<u32>, Vec<u32>) {
+    if cfg.rehearse {
+        let n = plan.layout.local_len();
+        return (vec![0; n], vec![0; n]);
+    }
+    let window = sampler.next_window();
+    let ids: Vec<u32> = positions.iter().map(|&p| window.inputs()[p]).collect();
+    let targets: Vec<u32> = positions.iter().map(|&p| window.targets()[p]).collect();
+    debug_assert!(!targets.contains(&IGNORE));
+    (ids, targets)
 }
 
 /// Restores the sampler of a resumed run; the first step to run.

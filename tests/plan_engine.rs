@@ -1,0 +1,197 @@
+//! The planner's two paths agree to the byte: the hand-written walk
+//! (`plan::walk_step_rank`, behind `predict_step` and the searches) and the
+//! engine's own step (`plan::predict_step_rank`) run on a counting
+//! backend and counting process groups (`plan::engine`), for every ring
+//! role, on the CPU's and CUDA's allocation rules, across the strategies,
+//! meshes and memory policies of `tests/plan.rs` and `tests/rehearse.rs`
+//! (checkpointing, offload, save-attention, tiled MLP, FSDP and HSDP, grad
+//! accumulation, the optimizer on the host).
+
+use upipe::attention::Strategy;
+use upipe::backend::Category;
+use upipe::model::{Family, MemoryPolicy, ModelConfig};
+use upipe::optim::AdamWConfig;
+use upipe::plan::engine::engine_step_rank;
+use upipe::plan::{DeviceKind, Prediction, StepSpec, walk_step_rank};
+use upipe::train::trainer::TrainConfig;
+
+/// The tiny model of `tests/plan.rs` (head dim 8: our naive kernels on CUDA).
+fn tiny(qk_norm: bool) -> ModelConfig {
+    let mut c = ModelConfig::resolve("tiny").unwrap();
+    c.family = if qk_norm {
+        Family::Qwen3
+    } else {
+        Family::Llama
+    };
+    c.heads = 8;
+    c.kv_heads = 2;
+    c.head_dim = 8;
+    c.hidden = 32;
+    c.ffn = 48;
+    c.validate().unwrap();
+    c
+}
+
+/// A small model with head dim 64, which cuDNN and the flash kernels take.
+fn d64() -> ModelConfig {
+    let mut c = tiny(false);
+    c.head_dim = 64;
+    c.hidden = 128;
+    c.ffn = 192;
+    c.validate().unwrap();
+    c
+}
+
+fn policies(layers: usize) -> Vec<MemoryPolicy> {
+    let all = MemoryPolicy::optimizer_units(layers);
+    let p = |checkpoint, offload, offload_optimizer, tiled_mlp, loss_chunk, save_attention| {
+        MemoryPolicy {
+            checkpoint,
+            offload,
+            offload_optimizer,
+            tiled_mlp,
+            loss_chunk,
+            save_attention,
+        }
+    };
+    vec![
+        p(false, 0, 0, false, 256, 0),
+        p(false, 0, 0, true, 7, 0),
+        p(true, 0, 0, false, 256, 0),
+        p(true, 0, 0, true, 256, 1),
+        p(true, layers, 0, false, 256, layers),
+        p(true, 1, all, false, 256, 1),
+        p(false, 0, all, false, 256, 0),
+        p(true, 0, 1, false, 256, 0),
+        p(false, 0, layers + 1, false, 256, 0),
+        p(true, layers, 0, true, 7, 0),
+    ]
+}
+
+/// (QK-norm, strategy, Pu, Pr, U, forward U, data replicas)
+type Mesh = (
+    bool,
+    Strategy,
+    usize,
+    usize,
+    Option<usize>,
+    Option<usize>,
+    usize,
+);
+
+const MESHES: &[Mesh] = &[
+    (false, Strategy::Upipe, 2, 2, None, None, 1),
+    (true, Strategy::Upipe, 4, 1, Some(4), None, 1),
+    (true, Strategy::Upipe, 2, 2, Some(2), Some(8), 1),
+    (false, Strategy::Ulysses, 4, 1, None, None, 1),
+    (true, Strategy::Ring, 1, 4, None, None, 1),
+    (false, Strategy::Usp, 2, 3, None, None, 1),
+    (false, Strategy::Local, 1, 1, None, None, 1),
+    (false, Strategy::Upipe, 2, 1, None, None, 2),
+];
+
+fn spec(model: &ModelConfig, m: &Mesh, seq: usize, policy: MemoryPolicy) -> StepSpec {
+    let &(_, s, pu, pr, u, uf, data) = m;
+    let cfg = TrainConfig {
+        strategy: s,
+        ulysses: pu,
+        ring: pr,
+        chunk_heads: u,
+        fwd_chunk_heads: uf,
+        data_parallel: data,
+        policy,
+        ..TrainConfig::new(
+            model.clone(),
+            seq,
+            2,
+            AdamWConfig::schedule(1e-3, 1e-4, 0, 2),
+        )
+    };
+    StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cpu)
+}
+
+fn same(walk: &Prediction, engine: &Prediction, what: &str) {
+    assert_eq!(walk.peak, engine.peak, "{what}: device peak");
+    assert_eq!(walk.host_peak, engine.host_peak, "{what}: host peak");
+    assert_eq!(walk.peak_at, engine.peak_at, "{what}: where");
+    for cat in Category::ALL.into_iter().filter(|c| c.on_device()) {
+        assert_eq!(
+            walk.at(cat),
+            engine.at(cat),
+            "{what}: {} at the peak",
+            cat.name()
+        );
+    }
+}
+
+/// Every ring role's prediction by both paths.
+fn check(spec: &StepSpec, what: &str) {
+    let pr = spec.plan.layout.pr;
+    let mut ranks = vec![0, 1, pr.saturating_sub(2), pr.saturating_sub(1)];
+    ranks.retain(|&r| r < pr);
+    ranks.dedup();
+    for r in ranks {
+        let walk = walk_step_rank(spec, r).unwrap();
+        let engine = engine_step_rank(spec, r).unwrap();
+        same(&walk, &engine, &format!("{what} ring rank {r}"));
+    }
+}
+
+#[test]
+fn the_engine_and_the_walk_predict_the_same_step_on_every_device() {
+    for device in [DeviceKind::Cpu, DeviceKind::Cuda, DeviceKind::CudaNative] {
+        for m in MESHES {
+            for policy in policies(tiny(false).layers) {
+                for fsdp in [false, true] {
+                    let mut model = tiny(m.0);
+                    model.tie_embeddings = m.0 && fsdp;
+                    // 240 tokens: a multiple of every mesh's zigzag chunks
+                    let mut s = spec(&model, m, 240, policy);
+                    s.device = device;
+                    s.fsdp = fsdp;
+                    check(&s, &format!("{device:?} {m:?} fsdp={fsdp} {policy:?}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_engine_and_the_walk_agree_where_cudnn_and_flash_take_the_calls() {
+    let model = d64();
+    // 1024 tokens: every stage's keys a multiple of 128 (cuDNN's backward)
+    // on 2 ranks, not on 3 (the native kernels then)
+    for device in [DeviceKind::Cuda, DeviceKind::CudaNative] {
+        for m in MESHES {
+            for policy in policies(model.layers).into_iter().take(6) {
+                for fsdp in [false, true] {
+                    let mut s = spec(&model, m, 1536, policy);
+                    s.device = device;
+                    s.fsdp = fsdp;
+                    check(&s, &format!("d64 {device:?} {m:?} fsdp={fsdp} {policy:?}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_engine_and_the_walk_agree_under_grad_accumulation_and_hsdp() {
+    let model = tiny(false);
+    let m = &(false, Strategy::Upipe, 2, 1, None, None, 2);
+    for device in [DeviceKind::Cpu, DeviceKind::Cuda] {
+        for policy in policies(model.layers).into_iter().take(6) {
+            for (fsdp, replicas, accum) in [(false, 1, 3), (true, 1, 2), (true, 2, 1), (true, 2, 2)]
+            {
+                let mut s = spec(&model, m, 256, policy);
+                s.device = device;
+                s.fsdp = fsdp;
+                s.fsdp_replicas = replicas;
+                s.grad_accum = accum;
+                let what =
+                    format!("{device:?} fsdp={fsdp} replicas={replicas} accum={accum} {policy:?}");
+                check(&s, &what);
+            }
+        }
+    }
+}
