@@ -26,12 +26,15 @@
 //! gradients and its reduce-scatter buffers, exactly as
 //! `train::fsdp::store` allocates them.
 
+mod device;
 pub mod engine;
 pub mod mesh;
 pub mod offload;
 pub mod offload_optim;
 pub mod preflight;
 pub mod resolve;
+mod save_attention;
+mod search;
 pub mod shapes;
 pub mod sim;
 pub mod stage_width;
@@ -44,12 +47,15 @@ use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::config::TrainConfig;
+pub use device::DeviceKind;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
 use offload_optim::{PendingStep, SettlingWalk, split_state, unit_slots, update_slots};
 pub use resolve::{
     Depth, FsdpMode, MemoryChoices, RankBudget, ResolvedRun, RunRequest, StageChoices, resolve_run,
 };
+pub use save_attention::{SaveAttention, save_attention_auto};
+pub use search::{Budget, Fit, Limit, longest_context};
 use sim::Sim;
 use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
 use walk::{AttnFwd, AttnWalk, DecoderWalk};
@@ -59,84 +65,6 @@ const F32: usize = 4;
 /// Device bytes per GPU outside the ledger that a run leaves free by
 /// default (`upipe plan --reserve`'s default, `--save-attention auto`).
 pub const GPU_RESERVE_BYTES: usize = 1 << 30;
-
-/// Which backend's dtypes the prediction uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceKind {
-    /// CPU reference: everything f32.
-    Cpu,
-    /// CUDA: bf16 activations and weights, f32 gradients, moments and master
-    /// weights; attention on cuDNN SDPA where it takes the call (the default
-    /// `--attn-kernel auto`), on our kernels otherwise.
-    Cuda,
-    /// CUDA with our attention kernels only (`--attn-kernel native`).
-    CudaNative,
-}
-
-impl DeviceKind {
-    /// Bytes per element of the compute dtype.
-    pub fn act_bytes(self) -> usize {
-        match self {
-            DeviceKind::Cpu => 4,
-            DeviceKind::Cuda | DeviceKind::CudaNative => 2,
-        }
-    }
-    /// Whether this is a CUDA device (either attention kernel choice).
-    pub fn is_cuda(self) -> bool {
-        self != DeviceKind::Cpu
-    }
-    /// The device kind of the attention kernel choice `--attn-kernel`.
-    pub fn cuda_with(kernel: crate::backend::cuda::cudnn::AttnKernel) -> Self {
-        match kernel {
-            crate::backend::cuda::cudnn::AttnKernel::Native => DeviceKind::CudaNative,
-            _ => DeviceKind::Cuda,
-        }
-    }
-    /// Whether AdamW keeps f32 master weights (compute dtype is not f32).
-    pub fn master_weights(self) -> bool {
-        self.act_bytes() != F32
-    }
-    /// Bytes the backend allocates for itself through the ledger and keeps
-    /// (CUDA: the cuBLASLt workspace, allocated at the first GEMM).
-    pub fn backend_resident(self) -> usize {
-        match self {
-            DeviceKind::Cpu => 0,
-            DeviceKind::Cuda | DeviceKind::CudaNative => {
-                crate::backend::cuda::gemm::WORKSPACE_BYTES
-            }
-        }
-    }
-    /// The device of a run on the CPU or, with `cuda`, on GPUs with the
-    /// attention kernels `kernel` (`--attn-kernel`).
-    pub fn of_run(cuda: bool, kernel: crate::backend::cuda::cudnn::AttnKernel) -> Self {
-        if cuda {
-            Self::cuda_with(kernel)
-        } else {
-            DeviceKind::Cpu
-        }
-    }
-    /// Of `memory` bytes per rank, what the ledger may use: on CUDA
-    /// [`GPU_RESERVE_BYTES`] stay outside it (the CUDA context, library
-    /// handles, pool slack).
-    pub fn ledger_budget(self, memory: usize) -> usize {
-        if self.is_cuda() {
-            memory.saturating_sub(GPU_RESERVE_BYTES)
-        } else {
-            memory
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            DeviceKind::Cpu => "cpu (f32)",
-            DeviceKind::Cuda => {
-                "cuda (bf16 activations, f32 grads/optimizer/master; cuDNN attention where it applies)"
-            }
-            DeviceKind::CudaNative => {
-                "cuda (bf16 activations, f32 grads/optimizer/master; our attention kernels)"
-            }
-        }
-    }
-}
 
 /// One training step of one rank, as `train::trainer` runs it.
 #[derive(Debug, Clone)]
@@ -432,116 +360,6 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     ))
 }
 
-/// `--save-attention`: which checkpointed blocks keep their attention output
-/// O and LSEs from forward, so that their backward skips the attention
-/// forward (the last blocks: [`MemoryPolicy::save_attention`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SaveAttention {
-    /// As many as fit the device budget beside everything else
-    /// ([`save_attention_auto`]); none without checkpointing.
-    Auto,
-    /// Every block.
-    All,
-    /// The last N blocks (`none`: 0).
-    Blocks(usize),
-}
-
-impl std::fmt::Display for SaveAttention {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            SaveAttention::Auto => f.write_str("auto"),
-            SaveAttention::All => f.write_str("all"),
-            SaveAttention::Blocks(0) => f.write_str("none"),
-            SaveAttention::Blocks(n) => write!(f, "{n}"),
-        }
-    }
-}
-
-impl std::str::FromStr for SaveAttention {
-    type Err = crate::Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(SaveAttention::Auto),
-            "all" => Ok(SaveAttention::All),
-            "none" => Ok(SaveAttention::Blocks(0)),
-            n => n.parse().map(SaveAttention::Blocks).map_err(|_| {
-                crate::Error::Config(format!(
-                    "--save-attention {n}: use none, all, a number of blocks, or auto"
-                ))
-            }),
-        }
-    }
-}
-
-impl SaveAttention {
-    /// Checks a number or `all` against `policy` and a model of `layers`
-    /// blocks, before any budget is known: without checkpointing, or above
-    /// the model's blocks, it is an error naming the fix.
-    pub fn check(self, policy: MemoryPolicy, layers: usize) -> Result<()> {
-        let n = match self {
-            SaveAttention::Auto => 0,
-            SaveAttention::All => layers,
-            SaveAttention::Blocks(n) => n,
-        };
-        MemoryPolicy {
-            save_attention: n,
-            ..policy
-        }
-        .check_save_attention(&self.to_string(), Some(layers))
-    }
-
-    /// The number of blocks that keep their attention state in a step of
-    /// `spec` (its `policy.save_attention` is ignored) when the ledger may
-    /// use `budget` bytes per rank (`None`: unknown, and `auto` keeps none;
-    /// [`DeviceKind::ledger_budget`] turns a device's memory into this).
-    /// Errors as [`check`](Self::check).
-    pub fn resolve(self, spec: &StepSpec, budget: Option<usize>) -> Result<usize> {
-        let layers = spec.model.layers;
-        self.check(spec.policy, layers)?;
-        Ok(match self {
-            SaveAttention::Auto if !spec.policy.checkpoint => 0,
-            SaveAttention::Auto => budget.map_or(Ok(0), |b| save_attention_auto(spec, b))?,
-            SaveAttention::All => layers,
-            SaveAttention::Blocks(n) => n,
-        })
-    }
-}
-
-/// The most blocks (the last ones) that can keep their attention output and
-/// LSEs under checkpointing with the step's predicted peak within `budget`
-/// bytes per rank ([`Prediction::rank_bytes`]: on the CPU the offloaded
-/// bytes count too, as in `upipe train`'s preflight): from 0 (when even that does not fit; the caller
-/// decides what then) to every block. `spec.policy.save_attention` is
-/// ignored. Each kept block adds its O and LSEs from its forward to its
-/// backward and removes the transients of its attention recompute, so the
-/// peak grows with the count; the search bisects on that, and the count it
-/// returns has been predicted to fit.
-pub fn save_attention_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
-    if !spec.policy.checkpoint {
-        return Ok(0);
-    }
-    let peak = |n: usize| -> Result<usize> {
-        let mut s = spec.clone();
-        s.policy.save_attention = n;
-        Ok(predict_step(&s)?.rank_bytes(spec.device))
-    };
-    let layers = spec.model.layers;
-    if peak(layers)? <= budget {
-        return Ok(layers);
-    }
-    // peak(lo) fits (or lo is 0), peak(hi) does not
-    let (mut lo, mut hi) = (0, layers);
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if peak(mid)? <= budget {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    Ok(lo)
-}
-
 /// The higher peak of `pass` walked from `sim`, and (when `repeated` and
 /// the backend then keeps buffers between calls, or `second_differs`: the
 /// second pass allocates more than the first) of a second `pass` that
@@ -731,117 +549,6 @@ fn strip(e: &crate::Error) -> String {
 /// The sequence-length granularity of a plan's layout (see `SeqLayout::new`).
 pub fn seq_unit(pu: usize, pr: usize) -> usize {
     if pr > 1 { 2 * pr * pu } else { pu }
-}
-
-/// Memory available to one rank.
-#[derive(Debug, Clone, Copy)]
-pub struct Budget {
-    /// Device bytes usable by the ledger.
-    pub device: usize,
-    /// Host bytes usable for offloaded activations by one rank (None: unchecked).
-    pub host: Option<usize>,
-}
-
-/// Why a length does not fit.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Limit {
-    /// Device memory: the category that grew most from the shortest length
-    /// to this one (what the length is paying for), and where the peak is.
-    Device(Category, &'static str),
-    /// Host memory for offloaded activations.
-    Host,
-}
-
-impl Budget {
-    /// Whether `p` fits; `base` (a prediction at a short length) names the
-    /// category that grows with the length (without it: the largest at the peak).
-    pub fn check(&self, p: &Prediction, base: Option<&Prediction>) -> Option<Limit> {
-        if p.peak > self.device {
-            let growth =
-                |c: Category, bytes: usize| base.map_or(0, |b| bytes.saturating_sub(b.at(c)));
-            let cat = p
-                .at_peak
-                .iter()
-                .filter(|(c, _)| c.on_device())
-                .max_by_key(|(c, bytes)| growth(*c, *bytes))
-                .filter(|(c, bytes)| growth(*c, *bytes) > 0)
-                .map_or(p.largest_category(), |x| x.0);
-            return Some(Limit::Device(cat, p.peak_at));
-        }
-        match self.host {
-            Some(h) if p.host_peak > h => Some(Limit::Host),
-            _ => None,
-        }
-    }
-}
-
-/// The longest context that fits.
-#[derive(Debug, Clone)]
-pub struct Fit {
-    /// Longest fitting length (0: not even one step of `step` tokens).
-    pub seq: usize,
-    /// The prediction at `seq` (None when nothing fits).
-    pub at_fit: Option<Prediction>,
-    /// The first length that does not fit, and why.
-    pub limit: Option<(usize, Limit, Prediction)>,
-}
-
-/// Binary search over multiples of `step` tokens (≤ `max`) for the longest
-/// length whose prediction fits `budget`. Peak bytes grow with the length.
-pub fn longest_context(
-    step: usize,
-    max: usize,
-    budget: Budget,
-    predict: impl Fn(usize) -> Result<Prediction>,
-) -> Result<Fit> {
-    let step = step.max(1);
-    let base = predict(step)?;
-    let fits = |k: usize| -> Result<(Prediction, Option<Limit>)> {
-        let p = predict(k * step)?;
-        let l = budget.check(&p, Some(&base));
-        Ok((p, l))
-    };
-    let (mut lo, mut hi) = (0usize, 1usize);
-    let mut best: Option<Prediction> = None;
-    let mut fail: Option<(usize, Limit, Prediction)> = None;
-    // grow until a length does not fit
-    loop {
-        if hi.checked_mul(step).is_none_or(|len| len > max) {
-            hi = max / step + 1;
-            break;
-        }
-        let (p, l) = fits(hi)?;
-        match l {
-            None => {
-                lo = hi;
-                best = Some(p);
-                hi *= 2;
-            }
-            Some(l) => {
-                fail = Some((hi * step, l, p));
-                break;
-            }
-        }
-    }
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        let (p, l) = fits(mid)?;
-        match l {
-            None => {
-                lo = mid;
-                best = Some(p);
-            }
-            Some(l) => {
-                hi = mid;
-                fail = Some((mid * step, l, p));
-            }
-        }
-    }
-    Ok(Fit {
-        seq: lo * step,
-        at_fit: best,
-        limit: fail,
-    })
 }
 
 #[cfg(test)]

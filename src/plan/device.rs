@@ -1,0 +1,82 @@
+//! The device a prediction is for: its dtypes, what its backend keeps
+//! resident, and which attention kernels take which calls.
+
+use super::*;
+
+/// Which backend's dtypes the prediction uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// CPU reference: everything f32.
+    Cpu,
+    /// CUDA: bf16 activations and weights, f32 gradients, moments and master
+    /// weights; attention on cuDNN SDPA where it takes the call (the default
+    /// `--attn-kernel auto`), on our kernels otherwise.
+    Cuda,
+    /// CUDA with our attention kernels only (`--attn-kernel native`).
+    CudaNative,
+}
+
+impl DeviceKind {
+    /// Bytes per element of the compute dtype.
+    pub fn act_bytes(self) -> usize {
+        match self {
+            DeviceKind::Cpu => 4,
+            DeviceKind::Cuda | DeviceKind::CudaNative => 2,
+        }
+    }
+    /// Whether this is a CUDA device (either attention kernel choice).
+    pub fn is_cuda(self) -> bool {
+        self != DeviceKind::Cpu
+    }
+    /// The device kind of the attention kernel choice `--attn-kernel`.
+    pub fn cuda_with(kernel: crate::backend::cuda::cudnn::AttnKernel) -> Self {
+        match kernel {
+            crate::backend::cuda::cudnn::AttnKernel::Native => DeviceKind::CudaNative,
+            _ => DeviceKind::Cuda,
+        }
+    }
+    /// Whether AdamW keeps f32 master weights (compute dtype is not f32).
+    pub fn master_weights(self) -> bool {
+        self.act_bytes() != F32
+    }
+    /// Bytes the backend allocates for itself through the ledger and keeps
+    /// (CUDA: the cuBLASLt workspace, allocated at the first GEMM).
+    pub fn backend_resident(self) -> usize {
+        match self {
+            DeviceKind::Cpu => 0,
+            DeviceKind::Cuda | DeviceKind::CudaNative => {
+                crate::backend::cuda::gemm::WORKSPACE_BYTES
+            }
+        }
+    }
+    /// The device of a run on the CPU or, with `cuda`, on GPUs with the
+    /// attention kernels `kernel` (`--attn-kernel`).
+    pub fn of_run(cuda: bool, kernel: crate::backend::cuda::cudnn::AttnKernel) -> Self {
+        if cuda {
+            Self::cuda_with(kernel)
+        } else {
+            DeviceKind::Cpu
+        }
+    }
+    /// Of `memory` bytes per rank, what the ledger may use: on CUDA
+    /// [`GPU_RESERVE_BYTES`] stay outside it (the CUDA context, library
+    /// handles, pool slack).
+    pub fn ledger_budget(self, memory: usize) -> usize {
+        if self.is_cuda() {
+            memory.saturating_sub(GPU_RESERVE_BYTES)
+        } else {
+            memory
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu (f32)",
+            DeviceKind::Cuda => {
+                "cuda (bf16 activations, f32 grads/optimizer/master; cuDNN attention where it applies)"
+            }
+            DeviceKind::CudaNative => {
+                "cuda (bf16 activations, f32 grads/optimizer/master; our attention kernels)"
+            }
+        }
+    }
+}
