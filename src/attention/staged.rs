@@ -506,6 +506,9 @@ impl<'a, B: Backend> Staged<'a, B> {
     /// stage's attention is queued. Each settlement meets the weights in one
     /// `dx` GEMM over its head blocks side by side, so `dx` (`[s, hidden]`,
     /// the largest operand) is read and written once per settlement.
+    // Long: the stage loop is UPipe's backward written out in the order it
+    // runs (projections, exchanges, attention, gradients in flight,
+    // settlements), as an explicit backward reads best.
     pub fn backward(
         &self,
         w: &AttentionWeights<B>,

@@ -250,6 +250,9 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
 /// [`predict_step_rank`] by the hand-written walk of the step
 /// ([`walk::DecoderWalk`] and the store walks), equal to the engine's to
 /// the byte (`tests/plan_engine.rs`) and fast at any length.
+// Long: it mirrors the trainer's step in the order the engine allocates
+// (resident state, each step's micro-steps, optimizer and settling), which
+// `tests/plan_engine.rs` holds equal to the engine's own step.
 pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     spec.model.validate()?;
     spec.policy.validate_for(spec.model.layers)?;

@@ -267,6 +267,9 @@ pub fn rehearse_rank<B: Backend>(
 }
 
 /// One rank's training loop.
+// Long: it is the loop itself, in the order a step runs (windows, the
+// micro-steps' forward and backward, the optimizer step and its guard, the
+// report, the save); each part is a call.
 fn run_rank<B: Backend>(
     cfg: &TrainConfig,
     plan: &CpPlan,

@@ -272,6 +272,8 @@ impl CudaBackend {
         })
     }
 
+    // One body, as `attention_bwd_impl`: the checks and the routes (cuDNN,
+    // flash, naive) share the views and strides.
     pub(super) fn attention_fwd_impl(
         &self,
         q: Rows<'_, Self>,

@@ -171,6 +171,9 @@ impl Gemm {
         self.plans.lock().map(|p| p.len()).unwrap_or(0)
     }
 
+    // Long: cuBLASLt's plan is one sequence of checked descriptor, layout
+    // and preference calls whose handles the plan owns as soon as each exists;
+    // split, every piece would pass the half-built plan along.
     fn build(&self, key: &Key, ab: DType, cd: DType) -> Result<Plan> {
         let p = &key.p;
         // SAFETY: every handle is created here and owned by the returned plan (or

@@ -23,6 +23,8 @@ impl NcclWorld {
     /// file), exchanges the unique id through `rv` and initialises the
     /// communicator. Collective over all ranks. Starts the watchdog unless
     /// `UPIPE_NCCL_TIMEOUT_S=0` (a bad value is an error here).
+    // Long: joining the world is one ordered, collective sequence (library,
+    // unique id through the rendezvous, communicator, watchdog).
     pub fn connect(
         env: &DistEnv,
         rv: &mut Rendezvous,
@@ -141,6 +143,9 @@ impl NcclWorld {
 
     /// The process groups of `shape` for this rank, split from the world
     /// communicator. Collective over all ranks (all must pass the same shape).
+    // Long: each group's split, its optional copy-engine window and its
+    // watchdog registration happen in the same order on every rank (they are
+    // collective); one loop keeps that order in view.
     pub fn mesh(&self, shape: MeshShape) -> Result<Mesh<CudaBackend>> {
         if shape.world_size() != self.size {
             return Err(Error::Config(format!(

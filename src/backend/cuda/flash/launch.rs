@@ -266,6 +266,9 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
 }
 
 /// Attention backward: adds into `dq`, `dk`, `dv` (see the module docs).
+// Long: every operand's pointer and stride is checked before the first
+// launch, then both kernels (delta, main) take one parameter block; the
+// checks read best as one list beside the block they guard.
 pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs) -> Result<()> {
     check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask)?;
     if a.sq == 0 || a.sk == 0 {
