@@ -9,21 +9,8 @@ use upipe::model::{MemoryPolicy, ModelConfig, ModelWeights};
 use upipe::rng::Rng;
 use upipe::train::trainer::loss_and_grads_cpu;
 
-fn tiny(qk_norm: bool) -> ModelConfig {
-    let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.family = if qk_norm {
-        upipe::model::Family::Qwen3
-    } else {
-        upipe::model::Family::Llama
-    };
-    c.heads = 8;
-    c.kv_heads = 2;
-    c.head_dim = 8;
-    c.hidden = 32;
-    c.ffn = 48;
-    c.validate().unwrap();
-    c
-}
+mod common;
+use common::tiny;
 
 fn data(seq: usize, vocab: usize) -> (Vec<u32>, Vec<u32>) {
     let mut rng = Rng::new(9);

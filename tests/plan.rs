@@ -19,6 +19,9 @@ use upipe::plan::{
 use upipe::rng::Rng;
 use upipe::train::trainer::{TrainConfig, train_cpu};
 
+mod common;
+use common::tiny;
+
 /// Relative difference of a prediction from a measurement.
 fn rel(pred: usize, measured: usize) -> f64 {
     (pred as f64 - measured as f64).abs() / measured.max(1) as f64
@@ -111,22 +114,6 @@ fn attention_layer_prediction_equals_ledger_peak() {
             assert_eq!(pred.peak, measured.peak_bytes, "{what}");
         }
     }
-}
-
-fn tiny(qk_norm: bool) -> ModelConfig {
-    let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.family = if qk_norm {
-        upipe::model::Family::Qwen3
-    } else {
-        upipe::model::Family::Llama
-    };
-    c.heads = 8;
-    c.kv_heads = 2;
-    c.head_dim = 8;
-    c.hidden = 32;
-    c.ffn = 48;
-    c.validate().unwrap();
-    c
 }
 
 fn train_cfg(

@@ -9,28 +9,14 @@
 
 use upipe::attention::Strategy;
 use upipe::backend::Category;
-use upipe::model::{Family, MemoryPolicy, ModelConfig};
+use upipe::model::{MemoryPolicy, ModelConfig};
 use upipe::optim::AdamWConfig;
 use upipe::plan::engine::engine_step_rank;
 use upipe::plan::{DeviceKind, Prediction, StepSpec, walk_step_rank};
 use upipe::train::trainer::TrainConfig;
 
-/// The tiny model of `tests/plan.rs` (head dim 8: our naive kernels on CUDA).
-fn tiny(qk_norm: bool) -> ModelConfig {
-    let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.family = if qk_norm {
-        Family::Qwen3
-    } else {
-        Family::Llama
-    };
-    c.heads = 8;
-    c.kv_heads = 2;
-    c.head_dim = 8;
-    c.hidden = 32;
-    c.ffn = 48;
-    c.validate().unwrap();
-    c
-}
+mod common;
+use common::tiny;
 
 /// A small model with head dim 64, which cuDNN and the flash kernels take.
 fn d64() -> ModelConfig {

@@ -14,15 +14,11 @@ use upipe::plan::{DeviceKind, StepSpec, predict_step_rank};
 use upipe::rng::Rng;
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_cpu};
 
+mod common;
+
+/// The shared tiny model (Llama).
 fn tiny() -> ModelConfig {
-    let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.heads = 8;
-    c.kv_heads = 2;
-    c.head_dim = 8;
-    c.hidden = 32;
-    c.ffn = 48;
-    c.validate().unwrap();
-    c
+    common::tiny(false)
 }
 
 fn config(model: &ModelConfig, policy: MemoryPolicy, fsdp: bool) -> TrainConfig {

@@ -23,19 +23,12 @@ use upipe::rng::Rng;
 use upipe::train::replicated::ReplicatedStore;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu, train_cpu};
 
+mod common;
+
 /// The tiny model with 8 heads (2 kv heads) and 3 blocks.
+/// The shared tiny model with three blocks.
 fn tiny(qk_norm: bool) -> ModelConfig {
-    let mut c = ModelConfig::resolve("tiny").unwrap();
-    c.family = if qk_norm {
-        upipe::model::Family::Qwen3
-    } else {
-        upipe::model::Family::Llama
-    };
-    c.heads = 8;
-    c.kv_heads = 2;
-    c.head_dim = 8;
-    c.hidden = 32;
-    c.ffn = 48;
+    let mut c = common::tiny(qk_norm);
     c.layers = 3;
     c.validate().unwrap();
     c

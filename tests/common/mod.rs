@@ -1,10 +1,30 @@
-//! Shared by the multi-process GPU tests: re-run this test binary as two
-//! ranks (one per GPU) with torchrun-style variables, and collect what they
+//! Shared by the integration tests: the tiny model the CPU tests build
+//! ([`tiny`]), and for the multi-process GPU tests, this test binary re-run
+//! as two ranks (one per GPU) with torchrun-style variables, and what they
 //! printed.
 
 #![allow(dead_code)] // each test binary uses part of it
 
 use std::process::Command;
+use upipe::model::{Family, ModelConfig};
+
+/// The tiny model the CPU tests share: 8 query heads over 2 kv heads of
+/// dim 8, hidden 32, ffn 48; Qwen3 (QK-norm) with `qk_norm`, else Llama.
+pub fn tiny(qk_norm: bool) -> ModelConfig {
+    let mut c = ModelConfig::resolve("tiny").unwrap();
+    c.family = if qk_norm {
+        Family::Qwen3
+    } else {
+        Family::Llama
+    };
+    c.heads = 8;
+    c.kv_heads = 2;
+    c.head_dim = 8;
+    c.hidden = 32;
+    c.ffn = 48;
+    c.validate().unwrap();
+    c
+}
 use std::time::{Duration, Instant};
 
 /// One finished rank.
