@@ -18,7 +18,7 @@ use super::{
     AdamWStep, AttnGradWrites, Backend, Category, DType, MatLayout, MatMut, MemoryLedger, Rows,
     RowsMut, Tensor, check_elems, check_token_ids,
 };
-use super::{AttnMask, GradWrite, Mat};
+use super::{AttnMask, GradWrite, Mat, attention_heads, check_same_numel};
 use crate::backend::cuda::{cudnn, flash, gemm};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -182,17 +182,7 @@ impl AttnShape {
         k: &Rows<'_, CountingBackend>,
         mask: &AttnMask,
     ) -> Result<Self> {
-        let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
-        if hkv == 0 || !hq.is_multiple_of(hkv) || k.head_dim() != d {
-            return Err(Error::Backend(format!(
-                "attention: q {:?} and k {:?} do not form a GQA pair",
-                q.t.shape(),
-                k.t.shape()
-            )));
-        }
-        if let Err(why) = mask.check_shape(q.len(), k.len()) {
-            return Err(Error::Backend(format!("attention: {why}")));
-        }
+        let (hq, hkv, d) = attention_heads(q, k, mask)?;
         Ok(AttnShape {
             sq: q.len(),
             sk: k.len(),
@@ -206,17 +196,6 @@ impl AttnShape {
     fn sdpa(&self) -> cudnn::SdpaShape {
         cudnn::dense_shape(self.sq, self.sk, self.hq, self.hkv, self.d, self.mask)
     }
-}
-
-fn same_numel(a: &Tensor<CountingBackend>, b: &Tensor<CountingBackend>, op: &str) -> Result<()> {
-    if a.numel() != b.numel() {
-        return Err(Error::Backend(format!(
-            "{op}: element counts differ ({:?} vs {:?})",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
 }
 
 fn check_rows(rows: usize, row_len: usize, t: &Tensor<CountingBackend>, op: &str) -> Result<()> {
@@ -368,7 +347,7 @@ impl Backend for CountingBackend {
         Ok(())
     }
     fn axpy(&self, y: &mut Tensor<Self>, _alpha: f32, x: &Tensor<Self>) -> Result<()> {
-        same_numel(y, x, "axpy")
+        check_same_numel(y, x, "axpy")
     }
     /// CUDA accumulates into one f64 on the device; nothing is summed.
     fn sum_squares(&self, _t: &Tensor<Self>) -> Result<f64> {
@@ -386,7 +365,7 @@ impl Backend for CountingBackend {
         y: &mut Tensor<Self>,
     ) -> Result<()> {
         check_last_dim(x, w, "rms_norm_fwd")?;
-        same_numel(x, y, "rms_norm_fwd")
+        check_same_numel(x, y, "rms_norm_fwd")
     }
     fn rms_norm_bwd(
         &self,
@@ -398,9 +377,9 @@ impl Backend for CountingBackend {
         dw: &mut Tensor<Self>,
     ) -> Result<()> {
         check_last_dim(x, w, "rms_norm_bwd")?;
-        same_numel(x, dy, "rms_norm_bwd")?;
-        same_numel(x, dx, "rms_norm_bwd")?;
-        same_numel(w, dw, "rms_norm_bwd")
+        check_same_numel(x, dy, "rms_norm_bwd")?;
+        check_same_numel(x, dx, "rms_norm_bwd")?;
+        check_same_numel(w, dw, "rms_norm_bwd")
     }
     fn rope(
         &self,
@@ -516,8 +495,8 @@ impl Backend for CountingBackend {
         up: &Tensor<Self>,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
-        same_numel(gate, up, "swiglu_fwd")?;
-        same_numel(gate, out, "swiglu_fwd")
+        check_same_numel(gate, up, "swiglu_fwd")?;
+        check_same_numel(gate, out, "swiglu_fwd")
     }
     fn swiglu_bwd(
         &self,
@@ -528,7 +507,7 @@ impl Backend for CountingBackend {
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
         for t in [up, dout, &*dgate, &*dup] {
-            same_numel(gate, t, "swiglu_bwd")?;
+            check_same_numel(gate, t, "swiglu_bwd")?;
         }
         Ok(())
     }
@@ -579,7 +558,7 @@ impl Backend for CountingBackend {
     ) -> Result<()> {
         check_elems(&elems, param.numel(), "adamw")?;
         for t in [grad, &*m, &*v] {
-            same_numel(param, t, "adamw")?;
+            check_same_numel(param, t, "adamw")?;
         }
         Ok(())
     }

@@ -437,6 +437,40 @@ pub fn check_elems(elems: &std::ops::Range<usize>, numel: usize, op: &str) -> Re
     Ok(())
 }
 
+/// Checks that `a` and `b` hold as many elements (`op` names the caller).
+pub fn check_same_numel<B: Backend>(a: &Tensor<B>, b: &Tensor<B>, op: &str) -> Result<()> {
+    if a.numel() != b.numel() {
+        return Err(crate::Error::Backend(format!(
+            "{op}: element counts differ ({:?} vs {:?})",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    Ok(())
+}
+
+/// The query heads, kv heads and head dim of an attention call of `q`
+/// `[sq, hq, d]` over `k` `[sk, hkv, d]` under `mask`: a GQA pair (hq a
+/// multiple of hkv, one head dim) of lengths the mask allows.
+pub fn attention_heads<B: Backend>(
+    q: &Rows<'_, B>,
+    k: &Rows<'_, B>,
+    mask: &AttnMask,
+) -> Result<(usize, usize, usize)> {
+    let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
+    if hkv == 0 || !hq.is_multiple_of(hkv) || k.head_dim() != d {
+        return Err(crate::Error::Backend(format!(
+            "attention: q {:?} and k {:?} do not form a GQA pair",
+            q.t.shape(),
+            k.t.shape()
+        )));
+    }
+    if let Err(why) = mask.check_shape(q.len(), k.len()) {
+        return Err(crate::Error::Backend(format!("attention: {why}")));
+    }
+    Ok((hq, hkv, d))
+}
+
 /// The error of an allocation of `requested` bytes that `device` could not
 /// make, with the bytes its ledger holds by category.
 pub fn out_of_memory(device: &str, ledger: &MemoryLedger, requested: usize) -> crate::Error {

@@ -3,8 +3,8 @@
 //! the LSE merge of ring blocks. F32 throughout, rows in parallel.
 
 use super::{CpuBackend, data, data_mut, dot};
-use crate::backend::{AttnGradWrites, AttnMask, GradWrite, Rows, RowsMut};
-use crate::error::{Error, Result};
+use crate::backend::{AttnGradWrites, AttnMask, GradWrite, Rows, RowsMut, attention_heads};
+use crate::error::Result;
 use rayon::prelude::*;
 
 /// Geometry of one attention call, checked once.
@@ -21,17 +21,7 @@ pub(super) fn geometry(
     k: &Rows<'_, CpuBackend>,
     mask: &AttnMask,
 ) -> Result<AttnGeom> {
-    let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
-    if hkv == 0 || hq % hkv != 0 || k.head_dim() != d {
-        return Err(Error::Backend(format!(
-            "attention: q {:?} and k {:?} do not form a GQA pair",
-            q.t.shape(),
-            k.t.shape()
-        )));
-    }
-    if let Err(why) = mask.check_shape(q.len(), k.len()) {
-        return Err(Error::Backend(format!("attention: {why}")));
-    }
+    let (hq, hkv, d) = attention_heads(q, k, mask)?;
     Ok(AttnGeom {
         hq,
         hkv,

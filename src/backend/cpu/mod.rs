@@ -5,7 +5,7 @@
 use super::profile::{HostProfile, Phase, StepProfile, Track};
 use super::{
     AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE, Mat, MatMut,
-    MemoryLedger, Rows, RowsMut, Tensor,
+    MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
 };
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -83,17 +83,6 @@ fn check_f32(dtype: DType) -> Result<()> {
             "the CPU backend computes in f32 only (asked for {other:?}); use --device cuda for bf16"
         ))),
     }
-}
-
-fn same_numel(a: &Tensor<CpuBackend>, b: &Tensor<CpuBackend>, op: &str) -> Result<()> {
-    if a.numel() != b.numel() {
-        return Err(Error::Backend(format!(
-            "{op}: element counts differ ({:?} vs {:?})",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -318,7 +307,7 @@ impl Backend for CpuBackend {
 
     fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()> {
         let _span = self.profile.span("axpy", Track::Compute);
-        same_numel(y, x, "axpy")?;
+        check_same_numel(y, x, "axpy")?;
         if self.rehearsing() {
             return Ok(());
         }
@@ -344,7 +333,7 @@ impl Backend for CpuBackend {
         y: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm", Track::Compute);
-        same_numel(x, y, "rms_norm_fwd")?;
+        check_same_numel(x, y, "rms_norm_fwd")?;
         if self.rehearsing() {
             return Ok(());
         }
@@ -372,8 +361,8 @@ impl Backend for CpuBackend {
         dw: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm_bwd", Track::Compute);
-        same_numel(x, dy, "rms_norm_bwd")?;
-        same_numel(x, dx, "rms_norm_bwd")?;
+        check_same_numel(x, dy, "rms_norm_bwd")?;
+        check_same_numel(x, dx, "rms_norm_bwd")?;
         if self.rehearsing() {
             return Ok(());
         }
@@ -503,8 +492,8 @@ impl Backend for CpuBackend {
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("swiglu", Track::Compute);
-        same_numel(gate, up, "swiglu_fwd")?;
-        same_numel(gate, out, "swiglu_fwd")?;
+        check_same_numel(gate, up, "swiglu_fwd")?;
+        check_same_numel(gate, out, "swiglu_fwd")?;
         if self.rehearsing() {
             return Ok(());
         }
@@ -525,7 +514,7 @@ impl Backend for CpuBackend {
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("swiglu_bwd", Track::Compute);
-        same_numel(gate, dout, "swiglu_bwd")?;
+        check_same_numel(gate, dout, "swiglu_bwd")?;
         if self.rehearsing() {
             return Ok(());
         }
@@ -649,9 +638,9 @@ impl Backend for CpuBackend {
         hp: AdamWStep,
     ) -> Result<()> {
         let _span = self.profile.span("adamw", Track::Compute);
-        same_numel(param, grad, "adamw")?;
-        same_numel(param, m, "adamw")?;
-        same_numel(param, v, "adamw")?;
+        check_same_numel(param, grad, "adamw")?;
+        check_same_numel(param, m, "adamw")?;
+        check_same_numel(param, v, "adamw")?;
         super::check_elems(&elems, param.numel(), "adamw")?;
         if self.rehearsing() {
             return Ok(());

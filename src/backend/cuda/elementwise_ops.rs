@@ -7,23 +7,12 @@ use super::attention::dt_flag;
 use super::device::drv;
 use super::kernels::{Args, grid_for, launch};
 use super::{BLOCK, CudaBackend, dt, need, ptr};
-use crate::backend::{AdamWStep, Backend, Category, DType, IGNORE, Tensor};
+use crate::backend::{AdamWStep, Backend, Category, DType, IGNORE, Tensor, check_same_numel};
 use crate::error::{Error, Result};
 use cudarc::driver::result;
 
 /// Row-striding blocks of the RMSNorm backward (each adds its dw once).
 const RMS_BWD_MAX_BLOCKS: usize = 1024;
-
-fn same_numel(a: &Tensor<CudaBackend>, b: &Tensor<CudaBackend>, op: &str) -> Result<()> {
-    if a.numel() != b.numel() {
-        return Err(Error::Backend(format!(
-            "{op}: element counts differ ({:?} vs {:?})",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
-}
 
 /// Whether an elementwise kernel over `ts` may move 8 elements per load and
 /// store: every tensor bf16 and 16-byte aligned, the count a multiple of 8.
@@ -83,7 +72,7 @@ impl CudaBackend {
         x: &Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("axpy")?;
-        same_numel(y, x, "axpy")?;
+        check_same_numel(y, x, "axpy")?;
         if y.dtype() != DType::F32 && y.dtype() != x.dtype() {
             return Err(Error::Backend(
                 "axpy: y must be F32 or the dtype of x".into(),
@@ -132,7 +121,7 @@ impl CudaBackend {
         y: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("rms_norm")?;
-        same_numel(x, y, "rms_norm_fwd")?;
+        check_same_numel(x, y, "rms_norm_fwd")?;
         let dim = w.numel();
         if dim == 0 || !x.numel().is_multiple_of(dim) {
             return Err(Error::Backend(format!(
@@ -176,9 +165,9 @@ impl CudaBackend {
         dw: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("rms_norm_bwd")?;
-        same_numel(x, dy, "rms_norm_bwd")?;
-        same_numel(x, dx, "rms_norm_bwd")?;
-        same_numel(w, dw, "rms_norm_bwd")?;
+        check_same_numel(x, dy, "rms_norm_bwd")?;
+        check_same_numel(x, dx, "rms_norm_bwd")?;
+        check_same_numel(w, dw, "rms_norm_bwd")?;
         need(dw, DType::F32, "rms_norm_bwd", "dw")?;
         let dim = w.numel();
         if dim == 0 || !x.numel().is_multiple_of(dim) {
@@ -260,8 +249,8 @@ impl CudaBackend {
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("swiglu")?;
-        same_numel(gate, up, "swiglu_fwd")?;
-        same_numel(gate, out, "swiglu_fwd")?;
+        check_same_numel(gate, up, "swiglu_fwd")?;
+        check_same_numel(gate, out, "swiglu_fwd")?;
         self.bind()?;
         let args = Args::new()
             .ptr(ptr(gate))
@@ -285,10 +274,10 @@ impl CudaBackend {
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("swiglu_bwd")?;
-        same_numel(gate, up, "swiglu_bwd")?;
-        same_numel(gate, dout, "swiglu_bwd")?;
-        same_numel(gate, dgate, "swiglu_bwd")?;
-        same_numel(gate, dup, "swiglu_bwd")?;
+        check_same_numel(gate, up, "swiglu_bwd")?;
+        check_same_numel(gate, dout, "swiglu_bwd")?;
+        check_same_numel(gate, dgate, "swiglu_bwd")?;
+        check_same_numel(gate, dup, "swiglu_bwd")?;
         self.bind()?;
         let args = Args::new()
             .ptr(ptr(gate))
@@ -422,9 +411,9 @@ impl CudaBackend {
         hp: AdamWStep,
     ) -> Result<()> {
         let _span = self.span("adamw")?;
-        same_numel(param, grad, "adamw")?;
-        same_numel(param, m, "adamw")?;
-        same_numel(param, v, "adamw")?;
+        check_same_numel(param, grad, "adamw")?;
+        check_same_numel(param, m, "adamw")?;
+        check_same_numel(param, v, "adamw")?;
         crate::backend::check_elems(&elems, param.numel(), "adamw")?;
         for (t, what) in [(&*param, "param"), (&*m, "m"), (&*v, "v")] {
             need(t, DType::F32, "adamw", what)?;
