@@ -446,3 +446,24 @@ fn plan_without_policies_resolves_fsdp_as_train_does() {
     assert_eq!(v["strategy"], "upipe", "{out}");
     assert!(v["longest_seq"].as_u64().unwrap() > 0, "{out}");
 }
+
+#[test]
+fn typed_choices_refuse_bad_values_naming_the_valid_ones() {
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["plan", "--attn", "bogus"],
+            "use one of local, ulysses, ring, usp, upipe",
+        ),
+        (&["plan", "--fsdp", "maybe"], "use auto, on or off"),
+        (
+            &["bench", "attn", "--data-parallel", "2"],
+            "leave --data-parallel out",
+        ),
+    ];
+    for (args, fix) in cases {
+        let (ok, _, err) = upipe(args);
+        assert!(!ok, "{args:?} succeeded");
+        assert!(err.contains(fix), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
