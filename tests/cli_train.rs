@@ -179,6 +179,88 @@ fn the_schedule_decays_to_a_tenth_of_lr_unless_min_lr_is_given() {
     assert!((given[2] - 5e-5).abs() < 1e-9, "{given:?}");
 }
 
+/// Each `--schedule` reaches the run's metrics: the lr of every step (a
+/// warm-up of 1 step, 5 steps, 1e-4 down to 1e-5) as its formula gives it.
+#[test]
+fn each_schedule_sets_the_lr_of_every_step() {
+    let lrs = |extra: &[&str]| -> Vec<f64> {
+        let mut args = vec!["train", "--steps", "5", "--warmup", "1", "--json"];
+        args.extend_from_slice(&["--device", "cpu", "--seq", "32", "--lr", "1e-4"]);
+        args.extend_from_slice(&["--data-parallel", "1", "--ulysses", "1", "--ring", "1"]);
+        args.extend_from_slice(extra);
+        upipe(&args)
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let pi = std::f64::consts::PI;
+    // after the warm-up, t = (step - 1) / 4
+    let cosine: Vec<f64> = (1..=5)
+        .map(|s| 1e-5 + 0.5 * 9e-5 * (1.0 + (pi * (s - 1) as f64 / 4.0).cos()))
+        .collect();
+    let linear: Vec<f64> = (1..=5)
+        .map(|s| 1e-5 + 9e-5 * (1.0 - (s - 1) as f64 / 4.0))
+        .collect();
+    // wsd over the last 0.4 of 5 steps: 2 decay steps after step 3
+    let wsd = vec![1e-4, 1e-4, 1e-4, 1e-5 + 9e-5 * 0.5, 1e-5];
+    for (flags, want) in [
+        (&["--schedule", "cosine"][..], cosine),
+        (&["--schedule", "linear"][..], linear),
+        (&["--schedule", "constant"][..], vec![1e-4; 5]),
+        (&["--schedule", "wsd", "--decay-fraction", "0.4"][..], wsd),
+    ] {
+        let got = lrs(flags);
+        assert_eq!(got.len(), 5);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-10, "{flags:?}: {got:?} vs {want:?}");
+        }
+    }
+}
+
+/// Each bad optimizer input fails before the run, naming the flag and the fix.
+#[test]
+fn bad_optimizer_flags_name_the_flag_and_the_fix() {
+    let cases: [(&[&str], &[&str]); 6] = [
+        (
+            &["--schedule", "step"],
+            &["--schedule step", "cosine, linear, constant or wsd"],
+        ),
+        (
+            &["--schedule", "wsd", "--decay-fraction", "1.5"],
+            &["--decay-fraction 1.5 is outside [0, 1]"],
+        ),
+        (
+            &[
+                "--schedule",
+                "wsd",
+                "--decay-fraction",
+                "0.9",
+                "--warmup",
+                "20",
+                "--steps",
+                "100",
+            ],
+            &["sum past --steps 100", "lower --warmup or --decay-fraction"],
+        ),
+        (&["--decay-fraction", "0.2"], &["add --schedule wsd"]),
+        (
+            &["--betas", "1.0,0.9"],
+            &["beta1 is 1, outside [0, 1)", "[optim] betas"],
+        ),
+        (&["--eps", "0"], &["--eps / [optim] eps is 0", "above 0"]),
+    ];
+    for (flags, want) in cases {
+        let err = upipe_error(&[&["train", "--device", "cpu"], flags].concat());
+        for w in want {
+            assert!(err.contains(w), "{flags:?}: {err}");
+        }
+    }
+}
+
 #[test]
 fn upipe_forward_in_wider_stages_trains_the_same() {
     let upipe_on_2 = ["train", "--attn", "upipe", "--ulysses", "2", "--ring", "1"];

@@ -96,6 +96,10 @@ pub struct OptimKeys {
     pub lr: Option<f64>,
     pub min_lr: Option<f64>,
     pub warmup: Option<u32>,
+    pub schedule: Option<String>,
+    pub decay_fraction: Option<f64>,
+    pub betas: Option<String>,
+    pub eps: Option<f64>,
     pub weight_decay: Option<f64>,
     pub clip: Option<f64>,
     pub skip_nonfinite: Option<u32>,
@@ -157,6 +161,10 @@ pub struct EvalKeys {
     pub buckets: Option<usize>,
     pub fwd_chunk_heads: Option<usize>,
     pub metrics: Option<PathBuf>,
+    /// `upipe train`'s held-out evaluation during the run.
+    pub eval_data: Option<PathBuf>,
+    pub eval_every: Option<u32>,
+    pub eval_buckets: Option<usize>,
 }
 
 /// `[bench]`: `upipe bench attn`'s own keys.

@@ -15,7 +15,9 @@ use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
 use crate::cli::mesh::MeshArgs;
 use crate::cli::metrics::{MetricsFile, StepMetrics, by_category};
 use crate::cli::schedule::ChunkHeads;
-use crate::cli::train::{Device, Launched, MeshChoice, Route, default_mesh, route_for};
+use crate::cli::train::{
+    Device, Launched, MeshChoice, Route, default_mesh, resolve_mesh, route_for,
+};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
 use crate::data::Tokens;
@@ -123,8 +125,9 @@ fn required<'a>(p: &'a Option<PathBuf>, id: &str) -> Result<&'a Path> {
     })
 }
 
-/// The mesh: the flags (left-out ones 1), or with none given and `ranks`
-/// available, `upipe train`'s default mesh for them.
+/// The mesh: with no mesh flag and `ranks` available, `upipe train`'s
+/// default mesh for them (else one rank); with some, `upipe train`'s mesh
+/// of them ([`resolve_mesh`]: the rest fitted around them to `ranks`, or 1).
 fn eval_mesh(
     a: &EvalArgs,
     strategy: Strategy,
@@ -132,21 +135,18 @@ fn eval_mesh(
     seq: usize,
     ranks: Option<usize>,
 ) -> MeshChoice {
-    let given = a.mesh.any_given();
+    let chunk = ChunkHeads::start(a.mesh.chunk_heads);
     // a length every mesh of n ranks divides, since eval pads the window
-    let fitted = ranks.filter(|_| !given).and_then(|n| {
-        default_mesh(
-            strategy,
-            model,
-            seq.next_multiple_of(2 * n),
-            ChunkHeads::start(a.mesh.chunk_heads),
-            n,
-        )
-    });
+    let padded = |n: usize| seq.next_multiple_of(2 * n);
+    if a.mesh.any_given() {
+        let seq = padded(ranks.unwrap_or(1));
+        return resolve_mesh(a.mesh.flags(), strategy, model, seq, chunk, ranks);
+    }
+    let fitted = ranks.and_then(|n| default_mesh(strategy, model, padded(n), chunk, n));
     fitted.unwrap_or(MeshChoice {
-        data: a.mesh.data_parallel.unwrap_or(1),
-        ulysses: a.mesh.ulysses.unwrap_or(1),
-        ring: a.mesh.ring.unwrap_or(1),
+        data: 1,
+        ulysses: 1,
+        ring: 1,
     })
 }
 
@@ -284,6 +284,7 @@ fn write_metrics(path: &Path, cfg: &EvalConfig, r: &EvalReport, ranks: usize) ->
         predicted_peak_bytes: None,
         predicted_by_category: None,
         profile: None,
+        eval: None,
     };
     let file = MetricsFile::create(path)?;
     file.write(&line);

@@ -8,28 +8,30 @@ use crate::plan::mesh::MeshFlags;
 use crate::plan::stage_width::ChunkHeads;
 
 /// The mesh (data replicas × Ulysses × ring) and UPipe's stage width.
-/// A degree left out takes the subcommand's default: with no mesh flag at
-/// all, `train`, `eval` and `plan` fit the mesh to the ranks there are (the
-/// launched processes or the visible GPUs, else 2 Ulysses × 2 ring on the
-/// CPU; `plan --gpus N`: N ranks); once one is given, `train` takes the rest
-/// at 1 replica × Pu 2 × Pr 2, `eval` at 1, `plan` gives the context group
-/// the GPUs the replicas leave, and `bench attn` runs Pu 4 × Pr 1.
+/// With no mesh flag, `train`, `eval` and `plan` fit the mesh to the ranks
+/// there are (the launched processes or the visible GPUs; else 2 Ulysses ×
+/// 2 ring on the CPU, one rank for `eval`), except `plan --gpus N`, which
+/// gives the context group all N (Ulysses; ring for `ring`, usp Pu up to 8).
+/// Once one is given, `train`, `eval` and `plan` alike fit the others
+/// around it to those ranks (`plan --gpus N`: N; `plan::mesh::resolve_mesh`);
+/// where no mesh of that many ranks has the degrees given, or on the CPU,
+/// the others are 1. `bench attn` runs Pu 4 × Pr 1 by default.
 #[derive(clap::Args, Debug, Clone, Default, PartialEq, Eq)]
 pub struct MeshArgs {
-    /// Data-parallel replicas, each its own context-parallel group
-    /// (default: `train` and `eval` 1, `plan` what the GPUs leave beside the
-    /// context group; with no mesh flag the mesh fits the ranks). Not on
-    /// `bench attn`, which runs one group.
+    /// Data-parallel replicas, each its own context-parallel group. Left
+    /// out: with no mesh flag the mesh fits the ranks (GPUs, launched
+    /// processes; the CPU: 1); with another mesh flag, fitted
+    /// around it to those ranks, else 1. Not on `bench attn`.
     #[arg(long)]
     pub data_parallel: Option<usize>,
-    /// Ulysses degree Pu (default: `train` 2, `eval` 1, `plan` all the GPUs
-    /// the replicas leave, usp up to 8, `bench attn` 4; with no mesh flag on
-    /// `train`, `eval` and `plan` the mesh fits the ranks).
+    /// Ulysses degree Pu. Left out: with no mesh flag the mesh fits the
+    /// ranks (the CPU: 2); with another mesh flag, fitted around it to the
+    /// ranks, else 1; `bench attn`: 4.
     #[arg(long)]
     pub ulysses: Option<usize>,
-    /// Ring degree Pr (default: `train` 2, `eval` 1, `plan` 1 or for ring
-    /// all GPUs, `bench attn` 1; with no mesh flag on `train`, `eval` and
-    /// `plan` the mesh fits the ranks).
+    /// Ring degree Pr. Left out: with no mesh flag the mesh fits the ranks
+    /// (the CPU: 2); with another mesh flag, fitted around it to the ranks,
+    /// else 1; `bench attn`: 1.
     #[arg(long)]
     pub ring: Option<usize>,
     /// UPipe heads per backward stage U. On `train` and `plan`, `auto` (the

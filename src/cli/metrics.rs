@@ -5,6 +5,7 @@
 use crate::backend::Category;
 use crate::error::{Error, Result};
 use crate::plan::Prediction;
+use crate::train::eval::EvalReport;
 use crate::train::trainer::StepReport;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::BTreeMap;
@@ -50,6 +51,10 @@ pub struct StepMetrics {
     /// `gemm_ms`, `attn_fwd_ms`, ..., `idle_ms`, and the step's `wall_ms`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<BTreeMap<String, f64>>,
+    /// The held-out evaluation after this step (`train --eval-data`,
+    /// `--eval-every`): its `loss`, `by_position`, as `upipe eval` prints it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalReport>,
 }
 
 /// serde_json writes a NaN as `null`: read it back as NaN.
@@ -108,6 +113,7 @@ impl StepMetrics {
                 m.insert("wall_ms".into(), step_ms(r));
                 m
             }),
+            eval: r.eval.clone(),
         }
     }
 
@@ -217,6 +223,7 @@ mod tests {
             host_peak_bytes: 64,
             tokens: 512,
             profile: None,
+            eval: None,
         }
     }
 

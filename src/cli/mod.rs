@@ -10,6 +10,7 @@ pub mod memory;
 pub mod mesh;
 pub mod metrics;
 pub mod plan;
+pub mod print_config;
 pub mod rendezvous_check;
 pub mod report;
 pub mod schedule;

@@ -272,10 +272,14 @@ impl Ctx {
                 let m = resolve_mesh(flags, strategy, &self.model, seq, chunk, ranks);
                 (m.world_size(), Some(m.ulysses), Some(m.ring), m.data)
             }
-            None => {
-                let replicas = self.a.mesh.data_parallel.unwrap_or(1);
-                (self.gpus, self.a.mesh.ulysses, self.a.mesh.ring, replicas)
-            }
+            None => match self.fitted_around_flags(strategy, seq) {
+                // as `train` fits the rest around the flags given on these GPUs
+                Some(m) => (m.world_size(), Some(m.ulysses), Some(m.ring), m.data),
+                None => {
+                    let replicas = self.a.mesh.data_parallel.unwrap_or(1);
+                    (self.gpus, self.a.mesh.ulysses, self.a.mesh.ring, replicas)
+                }
+            },
         };
         let dims = attn_dims(&self.model);
         let (plan, data) =
@@ -286,6 +290,18 @@ impl Ctx {
             ulysses: plan.layout.pu,
             ring: plan.layout.pr,
         })
+    }
+
+    /// With some mesh flags given, the mesh of `--gpus` ranks `train`
+    /// resolves from them there ([`resolve_mesh`]), when one has them.
+    fn fitted_around_flags(&self, strategy: Strategy, seq: usize) -> Option<MeshChoice> {
+        if !self.a.mesh.any_given() {
+            return None;
+        }
+        let chunk = ChunkHeads::start(self.a.mesh.chunk_heads);
+        let (flags, gpus) = (self.a.mesh.flags(), Some(self.gpus));
+        let m = resolve_mesh(flags, strategy, &self.model, seq, chunk, gpus);
+        (m.world_size() == self.gpus).then_some(m)
     }
 
     /// The resolver's request of `strategy` at `seq` tokens.

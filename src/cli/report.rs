@@ -124,6 +124,7 @@ mod tests {
             predicted_peak_bytes: Some(5000),
             predicted_by_category: Some(cats(1)),
             profile: None,
+            eval: None,
         }
     }
 

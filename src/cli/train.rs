@@ -45,20 +45,19 @@ pub use route::{
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::checkpoint::ExtraTensors;
-use crate::cli::config;
 use crate::cli::schedule::{ChunkHeads, FwdChunk};
+use crate::cli::{config, print_config};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
 use crate::data::{Tokens, load_tokens};
 use crate::error::Result;
-use crate::model::ModelConfig;
 use crate::model::flops::train_flops_per_token;
-use crate::optim::AdamWConfig;
 use crate::plan::preflight::planned_host;
 use crate::plan::{
-    Depth, DeviceKind, OffloadBlocks, Prediction, RankBudget, ResolvedRun, RunRequest,
-    StageChoices, resolve_run,
+    Depth, DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, RankBudget, ResolvedRun,
+    RunRequest, SaveAttention, StageChoices, resolve_run,
 };
+use crate::train::eval_during::EvalDuring;
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
 use clap::ArgMatches;
 
@@ -68,7 +67,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     // what --print-config prints is a run file `train` accepts
     let choices = a.validate()?;
     if a.print_config {
-        print!("{}", config::resolved_toml(&a)?);
+        print!("{}", print_config::annotated(&a, &TrainArgs::all_keys())?);
         return Ok(0);
     }
     let mut run = build(&a, choices)?;
@@ -83,6 +82,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         a.tokenizer.as_deref(),
         run.cfg.model.vocab,
     )?;
+    run.cfg.eval = eval_during(&a, run.cfg.model.vocab)?;
     let predicted = run.resolve(&a)?;
     if let Some(done) = finished_checkpoint(&run.cfg)? {
         if run.lead {
@@ -150,7 +150,7 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     let chunk = ChunkHeads::start(a.mesh.chunk_heads);
     let mesh = resolve_mesh(flags, c.strategy, &c.model, a.seq, chunk, ranks);
     mesh.check_countable()?;
-    let cfg = train_config(a, c.model, c.strategy, mesh);
+    let cfg = train_config(a, &c, mesh);
     let plan = cfg.plan()?;
     if a.mesh.chunk_heads == Some(ChunkHeads::Auto) && c.strategy != Strategy::Upipe {
         return crate::config_err!("--chunk-heads applies to upipe only, not {}", c.strategy);
@@ -193,17 +193,12 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
 
 /// The [`TrainConfig`] of the flags on `mesh` (unsharded, its `auto`
 /// choices undecided until [`resolve_run`] decides them).
-pub fn train_config(
-    a: &TrainArgs,
-    model: ModelConfig,
-    strategy: Strategy,
-    mesh: MeshChoice,
-) -> TrainConfig {
-    let layers = model.layers;
+pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig {
+    let layers = c.model.layers;
     TrainConfig {
-        model,
+        model: c.model.clone(),
         data_parallel: mesh.data,
-        strategy,
+        strategy: c.strategy,
         ulysses: mesh.ulysses,
         ring: mesh.ring,
         chunk_heads: ChunkHeads::start(a.mesh.chunk_heads),
@@ -213,11 +208,7 @@ pub fn train_config(
         },
         seq: a.seq,
         steps: a.steps,
-        optim: AdamWConfig {
-            weight_decay: a.weight_decay as f32,
-            clip: a.clip as f32,
-            ..AdamWConfig::schedule(a.lr as f32, a.min_lr() as f32, a.warmup, a.steps)
-        },
+        optim: c.optim,
         seed: a.seed,
         // a number or `all` now (checked before any launch), `auto` once the budget is known
         policy: a.memory.policy(layers, 0),
@@ -241,6 +232,8 @@ pub fn train_config(
         profile: a.profile || a.trace.is_some() || profile_env(),
         trace: a.trace.clone(),
         rehearse: a.rehearse,
+        // loaded once the run's data is (`eval_during`)
+        eval: None,
     }
 }
 
@@ -392,7 +385,8 @@ pub fn run_request(
 }
 
 /// The run file that repeats this run exactly: the flags as resolved, with
-/// what the run decided for itself (mesh, sharding, backward and forward stages).
+/// what the run decided for itself (mesh, sharding, backward and forward
+/// stages, offloaded blocks, kept attention, host optimizer units).
 fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
     let mut r = a.clone();
     r.mesh.data_parallel = Some(run.cfg.data_parallel);
@@ -405,7 +399,15 @@ fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
     if let Some(n) = run.cfg.fwd_chunk_heads {
         r.fwd.fwd_chunk_heads = FwdChunk::Heads(n);
     }
-    config::resolved_toml(&r)
+    let p = run.cfg.policy;
+    // what `auto` decided here, so the file repeats the memory layout
+    // exactly on any machine
+    if p.checkpoint {
+        r.memory.offload = OffloadBlocks::Blocks(p.offload);
+        r.memory.save_attention = SaveAttention::Blocks(p.save_attention);
+    }
+    r.memory.offload_optimizer = OptimizerOffload::Units(p.offload_optimizer);
+    print_config::annotated(&r, &TrainArgs::all_keys())
 }
 
 /// What to say when the checkpoint `--resume` continues from has already
@@ -427,6 +429,27 @@ fn finished_checkpoint(cfg: &TrainConfig) -> Result<Option<String>> {
              train (give a larger --steps to continue it)",
             dir.display()
         )
+    }))
+}
+
+/// The held-out evaluation `--eval-data` asks for, its tokens loaded as
+/// `--data`'s are (errors name `--eval-data`).
+fn eval_during(a: &TrainArgs, vocab: usize) -> Result<Option<EvalDuring>> {
+    let Some(path) = &a.eval_data else {
+        return Ok(None);
+    };
+    let tokens = load_tokens(Some(path), a.tokenizer.as_deref(), vocab).map_err(|e| match e {
+        crate::Error::Config(m) => crate::Error::Config(format!(
+            "--eval-data {}: {m}; give held-out data of the model's vocabulary (text with the \
+             run's --tokenizer, or ids `upipe tokenize` wrote with it)",
+            path.display()
+        )),
+        other => other,
+    })?;
+    Ok(Some(EvalDuring {
+        tokens,
+        every: a.eval_every.unwrap_or(a.steps),
+        buckets: a.eval_buckets,
     }))
 }
 

@@ -1,10 +1,11 @@
 //! AdamW with fp32 state over any parameter store's slots, global-norm
-//! gradient clipping, and a warmup + cosine learning-rate schedule.
+//! gradient clipping, and its learning-rate schedule (`schedule.rs`).
 
 use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::Unit;
 use crate::optim::host::{HostSlot, HostStep, host_master, host_zeros};
+use crate::optim::schedule::{Decay, Schedule};
 use crate::optim::settling::state_on_host;
 #[cfg(doc)]
 use crate::optim::settling::update_order;
@@ -17,6 +18,8 @@ pub struct AdamWConfig {
     pub min_lr: f32,
     pub warmup: u32,
     pub total_steps: u32,
+    /// The schedule's shape after the warm-up (`--schedule`).
+    pub decay: Decay,
     pub beta1: f32,
     pub beta2: f32,
     pub eps: f32,
@@ -40,6 +43,7 @@ impl AdamWConfig {
             min_lr,
             warmup,
             total_steps,
+            decay: Decay::Cosine,
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
@@ -58,14 +62,21 @@ impl AdamWConfig {
         }
     }
 
-    /// Linear warmup to `lr`, then cosine decay to `min_lr` at `total_steps` (1-based steps).
-    pub fn lr_at(&self, step: u32) -> f32 {
-        if self.warmup > 0 && step <= self.warmup {
-            return self.lr * step as f32 / self.warmup as f32;
+    /// The learning-rate schedule: linear warm-up to `lr`, then `decay`
+    /// down to `min_lr` at `total_steps`.
+    pub fn lr_schedule(&self) -> Schedule {
+        Schedule {
+            decay: self.decay,
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup: self.warmup,
+            total_steps: self.total_steps,
         }
-        let span = self.total_steps.saturating_sub(self.warmup).max(1) as f32;
-        let t = ((step - self.warmup) as f32 / span).min(1.0);
-        self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + (std::f32::consts::PI * t).cos())
+    }
+
+    /// The learning rate of 1-based `step` ([`Schedule::lr_at`]).
+    pub fn lr_at(&self, step: u32) -> f32 {
+        self.lr_schedule().lr_at(step)
     }
 }
 
@@ -392,5 +403,54 @@ mod tests {
         assert!((c.lr_at(60) - 0.55).abs() < 1e-5);
         assert!((c.lr_at(110) - 0.1).abs() < 1e-6);
         assert!((c.lr_at(500) - 0.1).abs() < 1e-6);
+    }
+
+    /// Three updates of the CPU reference with `--betas 0.5,0.8 --eps 0.3`
+    /// against AdamW's formula written out in f64: the betas and eps of the
+    /// config reach the update, and other ones give another update.
+    #[test]
+    fn betas_and_eps_change_the_update_as_adamws_formula_says() {
+        use crate::backend::cpu::CpuBackend;
+        let b = CpuBackend::new();
+        let cfg = AdamWConfig {
+            beta1: 0.5,
+            beta2: 0.8,
+            eps: 0.3,
+            weight_decay: 0.1,
+            ..AdamWConfig::schedule(0.01, 0.01, 0, 3)
+        };
+        let grads = [[0.5f32, -2.0, 0.25], [1.0, 0.5, -0.75], [-0.25, 1.5, 2.0]];
+        let run = |cfg: &AdamWConfig| {
+            let t = |d: &[f32]| b.from_host(d, &[3], DType::F32, Category::Weights).unwrap();
+            let (mut p, mut m, mut v) = (t(&[1.0, -0.5, 0.2]), t(&[0.0; 3]), t(&[0.0; 3]));
+            for (k, g) in grads.iter().enumerate() {
+                let step = k as u32 + 1;
+                let hp = hyper(cfg, "w.weight", cfg.lr_at(step), step, 1.0);
+                b.adamw(&mut p, &t(g), &mut m, &mut v, 0..3, hp).unwrap();
+            }
+            b.to_host(&p).unwrap()
+        };
+        let got = run(&cfg);
+        let (b1, b2, eps, lr, wd) = (0.5f64, 0.8f64, 0.3f64, 0.01f64, 0.1f64);
+        let mut want = [1.0f64, -0.5, 0.2];
+        let (mut m, mut v) = ([0f64; 3], [0f64; 3]);
+        for (k, g) in grads.iter().enumerate() {
+            let t = k as i32 + 1;
+            for i in 0..3 {
+                let g = g[i] as f64;
+                m[i] = b1 * m[i] + (1.0 - b1) * g;
+                v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+                let (mh, vh) = (m[i] / (1.0 - b1.powi(t)), v[i] / (1.0 - b2.powi(t)));
+                want[i] -= lr * (mh / (vh.sqrt() + eps) + wd * want[i]);
+            }
+        }
+        for (g, w) in got.iter().zip(want) {
+            assert!((*g as f64 - w).abs() < 1e-6, "{got:?} vs {want:?}");
+        }
+        let usual = run(&AdamWConfig::schedule(0.01, 0.01, 0, 3));
+        assert!(
+            usual.iter().zip(&got).all(|(a, b)| (a - b).abs() > 1e-4),
+            "other betas/eps, other update: {usual:?} {got:?}"
+        );
     }
 }

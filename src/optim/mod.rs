@@ -1,6 +1,7 @@
 //! Optimizers over a rank's parameters, whatever store holds them: the
 //! [`Optimizer`] trait, its [`Slot`]s (a whole parameter, or a rank's FSDP
-//! shard of a unit), AdamW with its schedule and clipping (`adamw.rs`),
+//! shard of a unit), AdamW with its clipping (`adamw.rs`) and its
+//! learning-rate schedules (`schedule.rs`: cosine, linear, constant, WSD),
 //! its state in pinned host memory with the update deferred into the next
 //! forward (`host.rs`, `settling.rs`), and the guard that stops a diverged
 //! run (`divergence.rs`).
@@ -8,6 +9,7 @@
 pub mod adamw;
 pub mod divergence;
 pub mod host;
+pub mod schedule;
 pub mod settling;
 pub mod slot;
 

@@ -48,8 +48,8 @@ impl MeshChoice {
     }
 }
 
-/// The mesh of a run on the CPU, and the defaults of flags left out when
-/// some mesh flag is given: one replica, 2 Ulysses x 2 ring.
+/// The mesh of a run on the CPU with no mesh flag: one replica, 2 Ulysses
+/// x 2 ring.
 pub const CPU_DEFAULT_MESH: MeshChoice = MeshChoice {
     data: 1,
     ulysses: 2,
@@ -66,7 +66,8 @@ fn divisors(n: usize) -> Vec<usize> {
 }
 
 /// The default mesh of exactly `n` ranks for `strategy` on `model` at `seq`
-/// tokens, or `None` when no such mesh is valid.
+/// tokens, or `None` when no such mesh is valid ([`fit_mesh`] with no
+/// degree given).
 ///
 /// Context parallelism first: the fewest data replicas, then, within one
 /// context group of `C` ranks, the largest Ulysses degree that divides the
@@ -82,15 +83,36 @@ pub fn default_mesh(
     chunk_heads: Option<usize>,
     n: usize,
 ) -> Option<MeshChoice> {
+    fit_mesh(MeshFlags::default(), strategy, model, seq, chunk_heads, n)
+}
+
+/// The mesh of exactly `n` ranks that has the degrees `flags` gives and
+/// fits the others around them, in [`default_mesh`]'s order of preference
+/// (the fewest data replicas, then the largest Ulysses degree without K/V
+/// replication); `None` when no valid mesh of `n` ranks has them.
+pub fn fit_mesh(
+    flags: MeshFlags,
+    strategy: Strategy,
+    model: &ModelConfig,
+    seq: usize,
+    chunk_heads: Option<usize>,
+    n: usize,
+) -> Option<MeshChoice> {
     if n == 0 {
         return None;
     }
+    let agrees = |m: &MeshChoice| {
+        flags.data.is_none_or(|d| d == m.data)
+            && flags.ulysses.is_none_or(|u| u == m.ulysses)
+            && flags.ring.is_none_or(|r| r == m.ring)
+    };
     if strategy == Strategy::Local {
-        return Some(MeshChoice {
+        let m = MeshChoice {
             data: n,
             ulysses: 1,
             ring: 1,
-        });
+        };
+        return agrees(&m).then_some(m);
     }
     let dims = attn_dims(model);
     for data in divisors(n) {
@@ -104,22 +126,26 @@ pub fn default_mesh(
                 Strategy::Ring => (1, c),
                 _ => (pu, c / pu),
             };
-            if CpPlan::new(strategy, &dims, seq, ulysses, ring, chunk_heads).is_ok() {
-                return Some(MeshChoice {
-                    data,
-                    ulysses,
-                    ring,
-                });
+            let m = MeshChoice {
+                data,
+                ulysses,
+                ring,
+            };
+            if agrees(&m) && CpPlan::new(strategy, &dims, seq, ulysses, ring, chunk_heads).is_ok() {
+                return Some(m);
             }
         }
     }
     None
 }
 
-/// The mesh of a run. With any mesh flag given, the flags (left-out ones at
-/// [`CPU_DEFAULT_MESH`]); with none and `ranks` available (the launched
-/// world size, or the visible GPUs), [`default_mesh`] for them; otherwise
-/// the CPU default. `local` attention always has Ulysses and ring degree 1.
+/// The mesh of a run, for `train`, `plan` and `eval` alike. With no mesh
+/// flag: [`default_mesh`] for the `ranks` available (the launched world
+/// size, the visible GPUs, `plan --gpus`), else the CPU default
+/// ([`CPU_DEFAULT_MESH`]). With some: the degrees given, the others fitted
+/// around them to `ranks` ([`fit_mesh`]); where no mesh of that many ranks
+/// has them, or no ranks are known (the CPU), the others are 1. `local`
+/// attention always has Ulysses and ring degree 1.
 pub fn resolve_mesh(
     flags: MeshFlags,
     strategy: Strategy,
@@ -129,17 +155,15 @@ pub fn resolve_mesh(
     ranks: Option<usize>,
 ) -> MeshChoice {
     let given = flags.data.is_some() || flags.ulysses.is_some() || flags.ring.is_some();
-    let fitted = ranks
-        .filter(|_| !given)
-        .and_then(|n| default_mesh(strategy, model, seq, chunk_heads, n));
-    if let Some(m) = fitted {
-        return m;
-    }
-    let d = CPU_DEFAULT_MESH;
-    let mut m = MeshChoice {
-        data: flags.data.unwrap_or(d.data),
-        ulysses: flags.ulysses.unwrap_or(d.ulysses),
-        ring: flags.ring.unwrap_or(d.ring),
+    let fitted = ranks.and_then(|n| fit_mesh(flags, strategy, model, seq, chunk_heads, n));
+    let mut m = match (fitted, given) {
+        (Some(m), _) => m,
+        (None, false) => CPU_DEFAULT_MESH,
+        (None, true) => MeshChoice {
+            data: flags.data.unwrap_or(1),
+            ulysses: flags.ulysses.unwrap_or(1),
+            ring: flags.ring.unwrap_or(1),
+        },
     };
     if strategy == Strategy::Local {
         m.ulysses = 1;
@@ -218,18 +242,57 @@ mod tests {
         assert_eq!(r(none, None), CPU_DEFAULT_MESH);
         assert_eq!(r(none, Some(2)), mesh(1, 2, 1));
         assert_eq!(r(none, Some(8)), mesh(1, 2, 4));
-        // any flag given: the flags, the rest at 1 x 2 x 2
-        let ring1 = MeshFlags {
-            ring: Some(1),
-            ..none
-        };
-        assert_eq!(r(ring1, Some(8)), mesh(1, 2, 1));
+        // some flags given: the rest fitted around them to the ranks
         let data2 = MeshFlags {
             data: Some(2),
             ..none
         };
-        assert_eq!(r(data2, Some(2)), mesh(2, 2, 2));
+        assert_eq!(r(data2, Some(8)), mesh(2, 2, 2));
+        assert_eq!(r(data2, Some(2)), mesh(2, 1, 1));
+        let ring1 = MeshFlags {
+            ring: Some(1),
+            ..none
+        };
+        // the fewest replicas first: Pu 4 (replicating K/V) before 2 replicas
+        assert_eq!(r(ring1, Some(4)), mesh(1, 4, 1));
+        let pu2 = MeshFlags {
+            ulysses: Some(2),
+            ..none
+        };
+        assert_eq!(r(pu2, Some(8)), mesh(1, 2, 4));
+        // no ranks known (the CPU), or no mesh of them has the flags: the rest at 1
+        assert_eq!(r(data2, None), mesh(2, 1, 1));
+        assert_eq!(r(ring1, None), mesh(1, 1, 1));
+        let pu3 = MeshFlags {
+            ulysses: Some(3),
+            ..none
+        };
+        assert_eq!(r(pu3, Some(8)), mesh(1, 3, 1));
         let local = resolve_mesh(data2, Strategy::Local, &m, 256, None, None);
         assert_eq!(local, mesh(2, 1, 1));
+    }
+
+    /// Every mesh fitted around the flags has them and exactly the ranks.
+    #[test]
+    fn fitted_meshes_keep_the_flags_and_fill_the_ranks() {
+        let m = tiny();
+        for n in 1..=8 {
+            for (d, u, r) in [
+                (Some(2), None, None),
+                (None, Some(2), None),
+                (None, None, Some(2)),
+            ] {
+                let flags = MeshFlags {
+                    data: d,
+                    ulysses: u,
+                    ring: r,
+                };
+                if let Some(c) = fit_mesh(flags, Strategy::Upipe, &m, 256, None, n) {
+                    assert_eq!(c.world_size(), n, "{flags:?} {n}");
+                    assert!(d.is_none_or(|d| d == c.data) && u.is_none_or(|u| u == c.ulysses));
+                    assert!(r.is_none_or(|r| r == c.ring), "{flags:?} {n}: {c:?}");
+                }
+            }
+        }
     }
 }

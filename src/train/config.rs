@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::optim::AdamWConfig;
+use crate::train::eval_during::EvalDuring;
 use std::path::PathBuf;
 
 /// Everything a training run needs, validated by [`TrainConfig::plan`].
@@ -73,6 +74,8 @@ pub struct TrainConfig {
     /// are allocated unwritten, two steps run whatever `steps` says, and
     /// the reports carry no loss or gradient norm (NaN).
     pub rehearse: bool,
+    /// Held-out evaluation every few steps (`--eval-data`, `--eval-every`).
+    pub eval: Option<EvalDuring>,
 }
 
 impl TrainConfig {
@@ -139,6 +142,7 @@ impl TrainConfig {
             profile: false,
             trace: None,
             rehearse: false,
+            eval: None,
         }
     }
 
@@ -200,6 +204,10 @@ impl TrainConfig {
                 "--rehearse computes and trains nothing, so there is nothing for {flag} to save or resume: \
                  drop {flag} (or --rehearse)"
             );
+        }
+        self.optim.lr_schedule().validate()?;
+        if let Some(ev) = &self.eval {
+            ev.check(self)?;
         }
         let plan = CpPlan::new(
             self.strategy,

@@ -249,6 +249,35 @@ pub fn eval_on_mesh<B: Backend>(
     let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, policy)?;
     let w = weights_from_host(b, &cfg.model, host, b.compute_dtype(), Category::Weights)?;
     let ranges = cfg.bucket_ranges(win.seq);
+    let groups = ranges.len();
+    eval_windows(
+        b,
+        mesh,
+        &plan,
+        tokens,
+        &win,
+        &ranges,
+        |ids, targets, bucket_of| {
+            decoder.forward_loss(b, mesh, &w, ids, targets, bucket_of, groups)
+        },
+    )
+}
+
+/// Evaluates this rank's share of the windows `win` of `tokens` under
+/// `plan` on `mesh` (data replicas take windows round-robin), `forward`
+/// giving one window's loss sums by bucket for this rank's rows (its ids,
+/// targets and each row's bucket of `ranges`); the sums reduced over the
+/// world. Collective. `upipe eval` and evaluation during training
+/// (`train::eval_during`) both run it.
+pub(crate) fn eval_windows<B: Backend>(
+    b: &B,
+    mesh: &Mesh<B>,
+    plan: &CpPlan,
+    tokens: &Tokens,
+    win: &EvalWindows,
+    ranges: &[Range<usize>],
+    mut forward: impl FnMut(&[u32], &[u32], &[usize]) -> Result<Vec<f64>>,
+) -> Result<EvalReport> {
     let positions = plan
         .layout
         .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
@@ -257,27 +286,27 @@ pub fn eval_on_mesh<B: Backend>(
         .iter()
         .map(|&p| ranges.partition_point(|r| r.end <= p).min(ranges.len() - 1))
         .collect();
-    let replica = shape.coords(mesh.rank).data;
+    let (replica, replicas) = (mesh.shape.coords(mesh.rank).data, mesh.shape.data);
     let mut sums = vec![0f64; ranges.len()];
     let mut window = Vec::with_capacity(win.seq + 1);
     let start = Instant::now();
     let mut timed_from = None;
-    for (round, wi) in (replica..win.count).step_by(shape.data).enumerate() {
+    for (round, wi) in (replica..win.count).step_by(replicas).enumerate() {
         tokens.read_into(wi * win.seq..(wi + 1) * win.seq + 1, &mut window);
         let (ids, targets) = shard(&window, &positions);
-        let s = decoder.forward_loss(b, mesh, &w, &ids, &targets, &bucket_of, ranges.len())?;
+        let s = forward(&ids, &targets, &bucket_of)?;
         sums.iter_mut().zip(s).for_each(|(a, x)| *a += x);
         if round == 0 {
             timed_from = Some(Instant::now());
         }
     }
     let sums = reduce_sums(b, mesh, &sums)?;
-    let per_replica = win.count / shape.data;
+    let per_replica = win.count / replicas;
     let (elapsed, timed_windows) = match timed_from {
-        Some(t) if per_replica >= 2 => (t.elapsed(), win.count - shape.data),
+        Some(t) if per_replica >= 2 => (t.elapsed(), win.count - replicas),
         _ => (start.elapsed(), win.count),
     };
-    Ok(report(&win, &ranges, &sums, timed_windows, elapsed, b))
+    Ok(report(win, ranges, &sums, timed_windows, elapsed, b))
 }
 
 /// The inputs and targets at `positions` of a window of `L + 1` tokens;

@@ -1,8 +1,10 @@
 //! Training: parameter stores (replicated or FSDP-sharded), what a rank
-//! keeps of its model (`state.rs`), the loop, and evaluation.
+//! keeps of its model (`state.rs`), the loop, and evaluation (`eval.rs`;
+//! during training: `eval_during.rs`).
 
 pub mod config;
 pub mod eval;
+pub mod eval_during;
 pub mod fsdp;
 pub mod host_weights;
 pub mod replicated;

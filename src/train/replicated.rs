@@ -321,6 +321,10 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         self.opt.settle(b, &mut lend(w, g), usize::MAX)
     }
 
+    fn full_weights(&self) -> Option<&ModelWeights<B>> {
+        Some(&self.store.w)
+    }
+
     fn save(
         &mut self,
         b: &B,

@@ -6,7 +6,7 @@ use crate::backend::Backend;
 use crate::comm::Mesh;
 use crate::error::Result;
 use crate::model::progress::Progress;
-use crate::model::{Decoder, ParamStore};
+use crate::model::{Decoder, ModelWeights, ParamStore};
 use crate::optim::Update;
 use std::path::Path;
 
@@ -55,6 +55,9 @@ pub trait RankModel<B: Backend> {
     /// Runs every optimizer update still pending: the parameters are then
     /// those of the last step (a checkpoint does this itself).
     fn settle(&mut self, b: &B) -> Result<()>;
+    /// The whole model's parameters as this rank holds them (evaluation
+    /// during training, `train::eval_during`); `None` where they are sharded.
+    fn full_weights(&self) -> Option<&ModelWeights<B>>;
     /// Writes a checkpoint of `step` into `dir` (collective: every rank
     /// calls it; `lead` is the rank that writes shared files).
     fn save(

@@ -5,6 +5,8 @@
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
 pub use super::config::TrainConfig;
+use super::eval::EvalReport;
+use super::eval_during;
 use super::fsdp::Sharded;
 pub use super::host_weights::{weights_from_host, weights_to_host};
 use super::replicated::{Replicated, ReplicatedStore, Resumed};
@@ -48,6 +50,9 @@ pub struct StepReport {
     pub tokens: usize,
     /// Rank 0's time of the step by op class, when profiled.
     pub profile: Option<ClassTotals>,
+    /// The held-out evaluation after this step, when one was due
+    /// (`--eval-data`, `--eval-every`; `train::eval_during`).
+    pub eval: Option<EvalReport>,
 }
 
 /// The outcome of a run.
@@ -255,6 +260,7 @@ pub fn rehearse_rank<B: Backend>(
         profile: false,
         save_dir: None,
         resume: false,
+        eval: None,
         ..cfg.clone()
     };
     // a rehearsal reads no token: one window per data replica of zeros,
@@ -343,6 +349,7 @@ fn run_rank<B: Backend>(
         let seconds = start.elapsed().as_secs_f64();
         let profile = step_profile(cfg, b, step, rank)?;
         let memory = b.ledger().stats();
+        let eval = eval_during::after_step(cfg, plan, b, mesh, &decoder, model.as_mut(), step)?;
         let report = StepReport {
             step,
             loss,
@@ -355,6 +362,7 @@ fn run_rank<B: Backend>(
             host_peak_bytes: memory.host_peak,
             tokens: targets_per_step as usize,
             profile,
+            eval,
         };
         if rank == 0 {
             on_step(&report);

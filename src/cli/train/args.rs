@@ -8,6 +8,8 @@ use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::FwdChunkArgs;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
+use crate::optim::AdamWConfig;
+use crate::optim::schedule::Decay;
 pub use crate::plan::FsdpMode;
 use std::path::{Path, PathBuf};
 
@@ -56,11 +58,27 @@ pub struct TrainArgs {
     pub steps: u32,
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
-    /// The learning rate the cosine decay ends at (default: --lr / 10).
+    /// The learning rate the schedule ends at (default: --lr / 10).
     #[arg(long)]
     pub min_lr: Option<f64>,
+    /// Linear warm-up steps from 0 to --lr.
     #[arg(long, default_value_t = 20)]
     pub warmup: u32,
+    /// The learning rate after the warm-up: cosine (to --min-lr at the last
+    /// step), linear (likewise), constant (--lr to the end), or wsd (--lr,
+    /// then linear to --min-lr over the last --decay-fraction of the steps).
+    #[arg(long, default_value = "cosine")]
+    pub schedule: String,
+    /// WSD only: the share of --steps the final decay takes, in [0, 1]
+    /// (default 0.2); warm-up and decay must fit the run.
+    #[arg(long)]
+    pub decay_fraction: Option<f64>,
+    /// AdamW's moment decays B1,B2, each in [0, 1).
+    #[arg(long, default_value = "0.9,0.95")]
+    pub betas: String,
+    /// AdamW's epsilon, added to the root of the second moment (above 0).
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
     #[arg(long, default_value_t = 0.1)]
     pub weight_decay: f64,
     /// Global gradient-norm clip (0: off).
@@ -70,6 +88,22 @@ pub struct TrainArgs {
     pub seed: u64,
     #[command(flatten)]
     pub memory: MemoryArgs,
+    /// Held-out data evaluated during the run (as --data: text tokenized
+    /// with --tokenizer, or ids of the model's vocabulary): the mean
+    /// next-token loss over its windows of --seq inputs, on the training
+    /// mesh with the run's parameters, as `upipe eval` computes it; in the
+    /// progress line, `--json` and `--metrics` (`eval`). Needs the
+    /// unsharded model (--fsdp off or auto deciding off).
+    #[arg(long)]
+    pub eval_data: Option<PathBuf>,
+    /// Evaluate --eval-data after every N steps, and after the last
+    /// (default: after the last only).
+    #[arg(long)]
+    pub eval_every: Option<u32>,
+    /// Also give the held-out loss over this many equal ranges of positions
+    /// in the window (`by_position`, as `upipe eval --buckets`).
+    #[arg(long, default_value_t = 1)]
+    pub eval_buckets: usize,
     /// Directory for training checkpoints (safetensors + optimizer state,
     /// and the resolved run file `run.toml` that repeats the run).
     #[arg(long)]
@@ -154,6 +188,17 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The run-file keys of every flag of `train`: its own, then its flag
+    /// groups' (memory, mesh, forward stages).
+    pub fn all_keys() -> [&'static [(&'static str, &'static str, &'static str)]; 4] {
+        [
+            Self::KEYS,
+            MemoryArgs::KEYS,
+            MeshArgs::KEYS,
+            FwdChunkArgs::KEYS,
+        ]
+    }
+
     /// `--min-lr`, or a tenth of `--lr` when it is not given.
     pub fn min_lr(&self) -> f64 {
         self.min_lr.unwrap_or(self.lr / 10.0)
@@ -174,8 +219,15 @@ impl TrainArgs {
         lr => optim.lr,
         min_lr => optim.min_lr,
         warmup => optim.warmup,
+        schedule => optim.schedule,
+        decay_fraction => optim.decay_fraction,
+        betas => optim.betas,
+        eps => optim.eps,
         weight_decay => optim.weight_decay,
         clip => optim.clip,
+        eval_data => eval.eval_data,
+        eval_every => eval.eval_every,
+        eval_buckets => eval.eval_buckets,
         save_dir => checkpoint.save_dir,
         save_every => checkpoint.save_every,
         resume => checkpoint.resume,
@@ -203,6 +255,10 @@ impl TrainArgs {
         at_least(k, "seq", self.seq, 1)?;
         crate::cli::plan::at_most_tokens("--seq", self.seq)?;
         at_least(k, "grad_accum", self.grad_accum, 1)?;
+        if let Some(every) = self.eval_every {
+            at_least(k, "eval_every", every, 1)?;
+        }
+        at_least(k, "eval_buckets", self.eval_buckets, 1)?;
         self.memory.validate()?;
         at_least(k, "fsdp_replicate", self.fsdp_replicate, 1)?;
         self.mesh.validate()?;
@@ -238,7 +294,9 @@ impl TrainArgs {
                 self.lr
             );
         }
+        let optim = self.adamw()?;
         Ok(Choices {
+            optim,
             device: for_key(k, "device", self.device.parse())?,
             kernel: for_key(k, "attn_kernel", self.attn_kernel.parse())?,
             strategy: for_key(k, "attn", self.attn.parse())?,
@@ -249,6 +307,39 @@ impl TrainArgs {
 }
 
 impl TrainArgs {
+    /// AdamW and its schedule from `--lr`, `--min-lr`, `--warmup`,
+    /// `--schedule`, `--decay-fraction`, `--betas`, `--eps`, `--weight-decay`
+    /// and `--clip` (checked: errors name the flag, its key and the fix).
+    fn adamw(&self) -> Result<AdamWConfig> {
+        let k = Self::KEYS;
+        let fraction = self.decay_fraction.map(|f| f as f32);
+        let decay = for_key(k, "schedule", Decay::parse(&self.schedule, fraction))?;
+        let (beta1, beta2) = for_key(k, "betas", parse_betas(&self.betas))?;
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return crate::config_err!(
+                "--eps / {} is {}: give a finite number above 0 (1e-8 is usual)",
+                config::key_name(k, "eps"),
+                self.eps
+            );
+        }
+        let cfg = AdamWConfig {
+            decay,
+            beta1,
+            beta2,
+            eps: self.eps as f32,
+            weight_decay: self.weight_decay as f32,
+            clip: self.clip as f32,
+            ..AdamWConfig::schedule(
+                self.lr as f32,
+                self.min_lr() as f32,
+                self.warmup,
+                self.steps,
+            )
+        };
+        for_key(k, "decay_fraction", cfg.lr_schedule().validate())?;
+        Ok(cfg)
+    }
+
     /// A flag that does nothing without another is an error naming the
     /// other (rather than silently nothing).
     fn check_needed_flags(&self) -> Result<()> {
@@ -273,6 +364,12 @@ impl TrainArgs {
                 "overwrite",
                 "save_dir",
                 "it lets checkpoints go there beside files upipe did not write",
+            ),
+            (
+                self.eval_data.is_none() && self.eval_every.is_some(),
+                "eval_every",
+                "eval_data",
+                "it names the held-out data to evaluate",
             ),
             (
                 self.allow_extra_tensors && self.init_from.is_none() && !self.resume,
@@ -306,6 +403,9 @@ impl TrainArgs {
         if let Some(dir) = &self.init_from {
             check_dir(dir, "--init-from")?;
         }
+        if let Some(data) = &self.eval_data {
+            check_file(data, "--eval-data")?;
+        }
         Ok(())
     }
 }
@@ -327,11 +427,38 @@ impl RunArgs for TrainArgs {
 /// The flags of a run, parsed.
 #[derive(Debug, Clone)]
 pub struct Choices {
+    /// AdamW and its schedule (its state's place is the memory policy's).
+    pub optim: AdamWConfig,
     pub device: Device,
     pub kernel: AttnKernel,
     pub strategy: Strategy,
     pub fsdp: FsdpMode,
     pub model: ModelConfig,
+}
+
+/// `--betas B1,B2`: two moment decays, each in [0, 1).
+fn parse_betas(text: &str) -> Result<(f32, f32)> {
+    let fix = "give two numbers in [0, 1) as --betas B1,B2 (0.9,0.95 is usual)";
+    let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+    let [b1, b2] = parts[..] else {
+        return crate::config_err!("--betas {text}: {fix}");
+    };
+    let mut betas = [0f32; 2];
+    for (i, (part, beta)) in [b1, b2].into_iter().zip(&mut betas).enumerate() {
+        let v: f64 = match part.parse() {
+            Ok(v) => v,
+            Err(_) => return crate::config_err!("--betas {text}: `{part}` is not a number; {fix}"),
+        };
+        if !(0.0..1.0).contains(&v) {
+            return crate::config_err!(
+                "--betas {text}: beta{} is {v}, outside [0, 1) (at 1 the moment never \
+                 forgets its start and never learns from a gradient); {fix}",
+                i + 1
+            );
+        }
+        *beta = v as f32;
+    }
+    Ok((betas[0], betas[1]))
 }
 
 /// `--device`.
@@ -365,5 +492,22 @@ mod tests {
         assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda);
         let e = "tpu".parse::<Device>().unwrap_err();
         assert!(e.to_string().contains("auto, cpu or cuda"), "{e}");
+    }
+
+    #[test]
+    fn betas_parse_in_zero_to_one() {
+        assert_eq!(parse_betas("0.9,0.95").unwrap(), (0.9, 0.95));
+        assert_eq!(parse_betas(" 0, 0.5 ").unwrap(), (0.0, 0.5));
+        let e = parse_betas("1.0,0.9").unwrap_err().to_string();
+        assert!(
+            e.contains("beta1 is 1, outside [0, 1)") && e.contains("--betas B1,B2"),
+            "{e}"
+        );
+        let e = parse_betas("0.9").unwrap_err().to_string();
+        assert!(e.contains("--betas 0.9: give two numbers"), "{e}");
+        let e = parse_betas("0.9,x").unwrap_err().to_string();
+        assert!(e.contains("`x` is not a number"), "{e}");
+        let e = parse_betas("0.9,-0.1").unwrap_err().to_string();
+        assert!(e.contains("beta2 is -0.1"), "{e}");
     }
 }

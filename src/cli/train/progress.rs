@@ -68,17 +68,18 @@ impl Progress {
         }
         let msg = || {
             format!(
-                "loss {:.4}  {:.0} tok/s  {}  peak {}",
+                "loss {:.4}  {:.0} tok/s  {}  peak {}{}",
                 r.loss,
                 r.tokens_per_s,
                 flops_text(m.tflops),
-                Bytes(r.peak_bytes)
+                Bytes(r.peak_bytes),
+                eval_text(r)
             )
         };
         match &self.show {
             Show::Json => println!("{}", m.to_line()),
             Show::Lines { every } => {
-                if r.step.is_multiple_of(*every) || r.step == self.steps {
+                if r.step.is_multiple_of(*every) || r.step == self.steps || r.eval.is_some() {
                     println!("step {}/{}  {}", r.step, self.steps, msg());
                 }
             }
@@ -96,5 +97,22 @@ impl Progress {
             bar.finish();
         }
         self.metrics.map_or(Ok(()), MetricsFile::finish)
+    }
+}
+
+/// `  eval 2.8123 (by position 2.95 2.80 2.77 2.75)` after a step that
+/// evaluated (`--eval-data`), else nothing.
+fn eval_text(r: &StepReport) -> String {
+    let Some(e) = &r.eval else {
+        return String::new();
+    };
+    let buckets: Vec<String> = e
+        .by_position
+        .iter()
+        .map(|b| format!("{:.2}", b.loss))
+        .collect();
+    match buckets.len() {
+        0 | 1 => format!("  eval {:.4}", e.loss),
+        _ => format!("  eval {:.4} (by position {})", e.loss, buckets.join(" ")),
     }
 }

@@ -56,11 +56,11 @@ pub fn print_profile(summary: &TrainSummary, json: bool) {
 /// Rank 0's peak against the prediction, then by category.
 fn memory_table(summary: &TrainSummary, predicted: &Prediction) {
     let measured = summary.memory.peak;
-    let diff = 100.0 * (predicted.peak as f64 - measured as f64) / measured.max(1) as f64;
     println!(
-        "peak of rank 0: predicted {} (upipe plan), measured {} ({diff:+.2}%)",
+        "peak of rank 0: predicted {} (upipe plan), measured {} ({})",
         Bytes(predicted.peak),
-        Bytes(measured)
+        Bytes(measured),
+        against_prediction(measured, predicted.peak)
     );
     println!("memory of rank 0 (peak {}):", Bytes(measured));
     println!(
@@ -85,6 +85,39 @@ fn memory_table(summary: &TrainSummary, predicted: &Prediction) {
             Bytes(peak).to_string(),
             Bytes(predicted.at(*cat)).to_string(),
             Bytes(now).to_string()
+        );
+    }
+}
+
+/// The measured peak beside the predicted one, in words and percent of the
+/// prediction: `exact`, `2.10% above the prediction`, `0.52% below`.
+fn against_prediction(measured: usize, predicted: usize) -> String {
+    if measured == predicted {
+        return "exact".into();
+    }
+    let off = 100.0 * (measured as f64 - predicted as f64).abs() / predicted.max(1) as f64;
+    let side = if measured > predicted {
+        "above"
+    } else {
+        "below"
+    };
+    format!("measured {off:.2}% {side} the prediction")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::against_prediction;
+
+    #[test]
+    fn the_difference_says_which_side_of_the_prediction_it_is() {
+        assert_eq!(against_prediction(100, 100), "exact");
+        assert_eq!(
+            against_prediction(110, 100),
+            "measured 10.00% above the prediction"
+        );
+        assert_eq!(
+            against_prediction(75, 100),
+            "measured 25.00% below the prediction"
         );
     }
 }

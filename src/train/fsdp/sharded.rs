@@ -222,6 +222,10 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         self.opt.settle(b, &mut self.store.lend(), usize::MAX)
     }
 
+    fn full_weights(&self) -> Option<&crate::model::ModelWeights<B>> {
+        None // each rank holds its shards only
+    }
+
     fn save(&mut self, b: &B, dir: &Path, step: u64, extra: &Value, lead: bool) -> Result<()> {
         self.settle(b)?;
         if lead {

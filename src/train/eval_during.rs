@@ -1,0 +1,131 @@
+//! Held-out evaluation during training (`--eval-data FILE --eval-every N`):
+//! every N steps and after the last, the mean next-token loss over the
+//! file's windows of the run's `--seq` inputs, overall and by position
+//! bucket, computed as `upipe eval` computes it ([`eval_windows`]) on the
+//! training mesh with the parameters the run holds (no second copy of the
+//! model; a replicated run only: FSDP's parameters are sharded).
+
+use super::config::TrainConfig;
+use super::eval::{EvalConfig, EvalReport, eval_windows};
+use super::state::RankModel;
+use crate::attention::CpPlan;
+use crate::backend::Backend;
+use crate::comm::Mesh;
+use crate::data::Tokens;
+use crate::error::Result;
+use crate::model::Decoder;
+use std::fmt;
+
+/// What a run evaluates while it trains.
+#[derive(Clone)]
+pub struct EvalDuring {
+    /// The held-out token ids (`--eval-data`).
+    pub tokens: Tokens,
+    /// Evaluate after every this many steps (`--eval-every`), and after the last.
+    pub every: u32,
+    /// Equal ranges of positions the loss is also given for (`--eval-buckets`).
+    pub buckets: usize,
+}
+
+impl fmt::Debug for EvalDuring {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.debug_struct("EvalDuring")
+            .field("tokens", &self.tokens.name())
+            .field("every", &self.every)
+            .field("buckets", &self.buckets)
+            .finish()
+    }
+}
+
+impl EvalDuring {
+    /// Whether step `step` of a run of `steps` evaluates.
+    pub fn due(&self, step: u32, steps: u32) -> bool {
+        step == steps || (self.every > 0 && step.is_multiple_of(self.every))
+    }
+
+    /// What `upipe eval` would run for the same numbers: the run's model,
+    /// mesh and stages, windows of the run's `--seq`.
+    pub fn eval_config(&self, cfg: &TrainConfig) -> EvalConfig {
+        EvalConfig {
+            model: cfg.model.clone(),
+            strategy: cfg.strategy,
+            data_parallel: cfg.data_parallel,
+            ulysses: cfg.ulysses,
+            ring: cfg.ring,
+            chunk_heads: cfg.chunk_heads,
+            fwd_chunk_heads: cfg.fwd_chunk_heads,
+            seq: Some(cfg.seq),
+            buckets: self.buckets,
+            loss_chunk: cfg.policy.loss_chunk,
+        }
+    }
+
+    /// Checks the evaluation against the run before anything is allocated:
+    /// a step count of at least 1, ids within the model's vocabulary, at
+    /// least one window of `--seq`, buckets within it; a sharded run cannot
+    /// evaluate. Errors name the flag and the fix.
+    pub fn check(&self, cfg: &TrainConfig) -> Result<()> {
+        if self.every == 0 {
+            return crate::config_err!(
+                "--eval-every 0: give the steps between evaluations, at least 1 \
+                 (the run also evaluates after its last step)"
+            );
+        }
+        if let Err(e) = self.tokens.check_vocab(cfg.model.vocab) {
+            return crate::config_err!(
+                "--eval-data {}: {e}; give held-out ids of the model's tokenizer \
+                 (`upipe tokenize --tokenizer` the one --data uses)",
+                self.tokens.name()
+            );
+        }
+        let windows = self.eval_config(cfg).windows(&self.tokens).map_err(|e| {
+            crate::Error::Config(format!(
+                "--eval-data at --seq {}: {}",
+                cfg.seq,
+                e.to_string().replace("--buckets", "--eval-buckets")
+            ))
+        })?;
+        debug_assert!(windows.count >= 1);
+        if cfg.fsdp {
+            return crate::config_err!(
+                "--eval-data evaluates the parameters every rank holds, but this run shards them \
+                 (FSDP); add --fsdp off, or leave --eval-data out and run `upipe eval` on \
+                 its checkpoints"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// After step `step`: the held-out evaluation, when one is due (rank 0's
+/// report; every rank computes it, collectively). Pending host optimizer
+/// updates run first, so it sees the step's parameters.
+pub fn after_step<B: Backend>(
+    cfg: &TrainConfig,
+    plan: &CpPlan,
+    b: &B,
+    mesh: &Mesh<B>,
+    decoder: &Decoder<B>,
+    model: &mut (dyn RankModel<B> + '_),
+    step: u32,
+) -> Result<Option<EvalReport>> {
+    let Some(ev) = cfg.eval.as_ref().filter(|e| e.due(step, cfg.steps)) else {
+        return Ok(None);
+    };
+    if cfg.rehearse {
+        return Ok(None);
+    }
+    model.settle(b)?;
+    let Some(w) = model.full_weights() else {
+        return crate::config_err!("--eval-data needs the unsharded model: add --fsdp off");
+    };
+    let ecfg = ev.eval_config(cfg);
+    let win = ecfg.windows(&ev.tokens)?;
+    let ranges = ecfg.bucket_ranges(win.seq);
+    let groups = ranges.len();
+    b.ledger().enter("eval");
+    let report = eval_windows(b, mesh, plan, &ev.tokens, &win, &ranges, |ids, tg, rows| {
+        decoder.forward_loss(b, mesh, w, ids, tg, rows, groups)
+    })?;
+    Ok(Some(report))
+}
