@@ -77,16 +77,108 @@ fn every_example_config_parses_and_plans() {
     assert!(plan.contains("upipe        1x8x1"), "{plan}");
 }
 
+/// `configs/tiny.toml` is `upipe train --print-config` under its opening
+/// comment, word for word.
 #[test]
 fn the_tiny_example_is_the_embedded_default() {
     let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
+    let text = std::fs::read_to_string(&tiny).unwrap();
+    let body = &text[text.find("\n[model]\n").expect("a [model] section") + 1..];
+    assert_eq!(
+        body,
+        ok(&["train", "--print-config"]),
+        "configs/tiny.toml is out of date: write `upipe train --print-config` under its comment"
+    );
     let from_file = ok(&[
         "train",
         "--config",
         tiny.to_str().unwrap(),
         "--print-config",
     ]);
-    assert_eq!(from_file, ok(&["train", "--print-config"]));
+    assert_eq!(from_file, body);
+}
+
+/// Every key of `train` is in its printed run file: with its value, or
+/// (a flag without a default, left out) as a comment saying what it does.
+#[test]
+fn print_config_lists_every_key_and_reads_back() {
+    use upipe::cli::train::TrainArgs;
+    let printed = ok(&["train", "--print-config"]);
+    let mut section = String::new();
+    let mut seen = Vec::new();
+    for line in printed.lines() {
+        if let Some(s) = line.strip_prefix('[') {
+            section = s.trim_end_matches(']').to_string();
+        } else if let Some((key, _)) = line.split_once(" = ") {
+            let key = key.trim_start_matches("# ");
+            seen.push((section.clone(), key.to_string()));
+        }
+    }
+    for (id, sec, key) in TrainArgs::all_keys().iter().flat_map(|k| k.iter()) {
+        let key = key.replace('_', "-");
+        assert!(
+            seen.contains(&(sec.to_string(), key.clone())),
+            "--{id} ([{sec}] {key}) is missing from\n{printed}"
+        );
+    }
+    // an unset key is commented with its meaning
+    assert!(
+        printed.contains("# min-lr = (unset) The learning rate the schedule ends at"),
+        "{printed}"
+    );
+    // every key set reads back to the same file
+    let dir = scratch("every-key");
+    let data = dir.join("held.txt");
+    std::fs::write(&data, "held out").unwrap();
+    let all = [
+        "train",
+        "--min-lr",
+        "1e-4",
+        "--schedule",
+        "wsd",
+        "--decay-fraction",
+        "0.3",
+        "--betas",
+        "0.8,0.9",
+        "--eps",
+        "1e-6",
+        "--eval-data",
+        data.to_str().unwrap(),
+        "--eval-every",
+        "5",
+        "--ulysses",
+        "2",
+        "--ring",
+        "1",
+        "--data-parallel",
+        "1",
+        "--chunk-heads",
+        "2",
+        "--host-mem",
+        "4",
+        "--save-dir",
+        "runs/x",
+        "--metrics",
+        "m.jsonl",
+        "--print-config",
+    ];
+    let full = ok(&all);
+    assert!(
+        full.contains("schedule = \"wsd\"\n") && full.contains("betas = \"0.8,0.9\"\n"),
+        "{full}"
+    );
+    let file = dir.join("full.toml");
+    std::fs::write(&file, &full).unwrap();
+    assert_eq!(
+        ok(&[
+            "train",
+            "--config",
+            file.to_str().unwrap(),
+            "--print-config"
+        ]),
+        full
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -206,17 +298,24 @@ fn a_run_file_printed_by_an_earlier_train_resolves_the_same() {
     let file = dir.join("run.toml");
     std::fs::write(&file, earlier).unwrap();
     let f = file.to_str().unwrap();
-    // the same run; `--offload-optimizer` took a count of units since, so
-    // its `true` now reads as `all`; keys added since print their defaults
-    let now = earlier
-        .replace("offload-optimizer = true", "offload-optimizer = \"all\"")
-        .replace(
-            "model = \"tiny\"\n",
-            "model = \"tiny\"\nallow-extra-tensors = false\n",
-        )
-        .replace("clip = 1.0\n", "clip = 1.0\nskip-nonfinite = 0\n")
-        .replace("resume = false\n", "resume = false\noverwrite = false\n");
-    assert_eq!(ok(&["train", "--config", f, "--print-config"]), now);
+    // the same run as the flags it was printed from; keys added since
+    // print their defaults
+    let flags = [
+        "train",
+        "--print-config",
+        "--checkpoint",
+        "--offload",
+        "3",
+        "--tiled-mlp",
+        "--save-attention",
+        "2",
+        "--loss-chunk",
+        "64",
+        "--offload-optimizer",
+        "--min-lr",
+        "0.0003",
+    ];
+    assert_eq!(ok(&["train", "--config", f, "--print-config"]), ok(&flags));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -297,6 +396,74 @@ fn a_checkpoint_holds_the_run_file_that_repeats_the_run() {
     assert_eq!(ok(&["train", "--config", f, "--print-config"]), text);
     let again = losses(&ok(&["train", "--config", f, "--json"]));
     assert_eq!(first, again, "the stored run file repeats the run");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The run file a checkpoint holds records what the run's `auto` choices
+/// decided (kept attention, host optimizer units, stage widths), so a run
+/// from it makes the same memory choices on any machine.
+#[test]
+fn a_run_from_run_toml_makes_the_same_memory_choices() {
+    let dir = scratch("choices");
+    let save = dir.join("run");
+    let decided = |args: &[&str]| -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+            .args(args)
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{args:?}: {log}");
+        let line = log
+            .lines()
+            .find(|l| l.contains("decided from this machine's memory"));
+        line.expect("the decided flags are logged")
+            .split(": ")
+            .last()
+            .unwrap()
+            .to_string()
+    };
+    let first = decided(&[
+        "train",
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--seq",
+        "64",
+        "--checkpoint",
+        "--save-attention",
+        "auto",
+        "--offload-optimizer",
+        "auto",
+        "--save-dir",
+        save.to_str().unwrap(),
+    ]);
+    let stored = save.join("run.toml");
+    let text = std::fs::read_to_string(&stored).unwrap();
+    for key in [
+        "save-attention",
+        "offload-optimizer",
+        "chunk-heads",
+        "offload",
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{key} = ")))
+            .unwrap();
+        assert!(
+            !line.contains("auto"),
+            "{key} is decided in run.toml: {line}\n{text}"
+        );
+    }
+    let again_dir = dir.join("again");
+    let again = decided(&[
+        "train",
+        "--config",
+        stored.to_str().unwrap(),
+        "--save-dir",
+        again_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(first, again);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

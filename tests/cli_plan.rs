@@ -467,3 +467,57 @@ fn typed_choices_refuse_bad_values_naming_the_valid_ones() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// `plan --gpus N` with only some mesh flags plans the mesh `train` resolves
+/// from the same flags on N GPUs (one function, `plan::mesh::resolve_mesh`).
+#[test]
+fn plan_fills_a_partial_mesh_as_train_does() {
+    use upipe::attention::Strategy;
+    use upipe::model::ModelConfig;
+    use upipe::plan::mesh::{MeshFlags, resolve_mesh};
+    let tiny = ModelConfig::resolve("tiny").unwrap();
+    let cases: [(&[&str], MeshFlags); 3] = [
+        (
+            &["--data-parallel", "2"],
+            MeshFlags {
+                data: Some(2),
+                ..MeshFlags::default()
+            },
+        ),
+        (
+            &["--ulysses", "2"],
+            MeshFlags {
+                ulysses: Some(2),
+                ..MeshFlags::default()
+            },
+        ),
+        (
+            &["--ring", "4"],
+            MeshFlags {
+                ring: Some(4),
+                ..MeshFlags::default()
+            },
+        ),
+    ];
+    for (flags, mesh_flags) in cases {
+        let train = resolve_mesh(mesh_flags, Strategy::Upipe, &tiny, 4096, None, Some(8));
+        assert_eq!(train.world_size(), 8, "{flags:?}: {train:?}");
+        let args = [
+            &["plan", "--device", "cpu", "--gpus", "8", "--seq", "4096"],
+            flags,
+        ]
+        .concat();
+        let (ok, out, err) = upipe(&args);
+        assert!(ok, "{err}");
+        let want = format!("{}x{}x{}", train.data, train.ulysses, train.ring);
+        let row = format!("{:<8} {:>9}", "upipe", want);
+        assert!(out.contains(&row), "{flags:?}: want {want}\n{out}");
+    }
+    // `--data-parallel 2` on 8 GPUs: 2 replicas of Pu 2 x Pr 2 (the tiny model's 2 kv heads)
+    let d2 = MeshFlags {
+        data: Some(2),
+        ..MeshFlags::default()
+    };
+    let m = resolve_mesh(d2, Strategy::Upipe, &tiny, 4096, None, Some(8));
+    assert_eq!((m.data, m.ulysses, m.ring), (2, 2, 2));
+}

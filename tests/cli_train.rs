@@ -603,3 +603,157 @@ fn train_refuses_lengths_beyond_the_planner() {
         "{err}"
     );
 }
+
+/// Token ids as a `.u32` file in a fresh directory.
+fn u32_file(name: &str, ids: impl IntoIterator<Item = u32>) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("upipe-evalduring-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("heldout.u32");
+    let bytes: Vec<u8> = ids.into_iter().flat_map(u32::to_le_bytes).collect();
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+/// `--eval-data --eval-every` evaluates after every N steps and the last,
+/// and gives the numbers `upipe eval` gives on the checkpoint of that step
+/// (same mesh and stages: the run file the checkpoint holds).
+#[test]
+fn eval_during_training_equals_upipe_eval_of_the_checkpoint() {
+    let text = "Alice was beginning to get very tired of sitting by her sister on the bank, \
+                and of having nothing to do: once or twice she had peeped into the book her \
+                sister was reading, but it had no pictures or conversations in it.";
+    let data = u32_file("same", text.bytes().map(u32::from));
+    let dir = data.parent().unwrap();
+    let save = dir.join("ckpt");
+    let (d, s) = (data.to_str().unwrap(), save.to_str().unwrap());
+    let out = upipe(&[
+        "train",
+        "--device",
+        "cpu",
+        "--steps",
+        "3",
+        "--seq",
+        "64",
+        "--json",
+        "--eval-data",
+        d,
+        "--eval-every",
+        "2",
+        "--eval-buckets",
+        "2",
+        "--save-dir",
+        s,
+    ]);
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let evaluated: Vec<u64> = lines
+        .iter()
+        .filter(|l| l.get("eval").is_some())
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evaluated, [2, 3], "every 2 steps and after the last");
+    let during = &lines[2]["eval"];
+    let run = save.join("run.toml");
+    let after = upipe(&[
+        "eval",
+        "--config",
+        run.to_str().unwrap(),
+        "--tokens",
+        d,
+        "--seq",
+        "64",
+        "--buckets",
+        "2",
+    ]);
+    let after: serde_json::Value = serde_json::from_str(after.trim()).unwrap();
+    let close = |a: &serde_json::Value, b: &serde_json::Value| {
+        let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+        (a - b).abs() <= 1e-5 * b.abs()
+    };
+    assert!(
+        close(&during["loss"], &after["loss"]),
+        "{during} vs {after}"
+    );
+    assert_eq!(during["windows"], after["windows"]);
+    assert_eq!(during["tokens"], after["tokens"]);
+    for (x, y) in during["by_position"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(after["by_position"].as_array().unwrap())
+    {
+        assert_eq!((&x["from"], &x["to"]), (&y["from"], &y["to"]));
+        assert!(close(&x["loss"], &y["loss"]), "{during} vs {after}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn bad_eval_flags_name_the_flag_and_the_fix() {
+    let data = u32_file("bad", (0..200).map(|i| i % 256));
+    let d = data.to_str().unwrap();
+    let base = ["train", "--device", "cpu", "--steps", "2", "--seq", "64"];
+    let err = upipe_error(&[&base[..], &["--eval-data", d, "--eval-every", "0"]].concat());
+    assert!(
+        err.contains("--eval-every / [eval] eval-every is 0"),
+        "{err}"
+    );
+    let err = upipe_error(&[&base[..], &["--eval-every", "2"]].concat());
+    assert!(err.contains("does nothing without --eval-data"), "{err}");
+    // ids of a larger vocabulary than the tiny model's 256
+    let other = u32_file("vocab", (0..200).map(|i| 1000 + i));
+    let err = upipe_error(&[&base[..], &["--eval-data", other.to_str().unwrap()]].concat());
+    assert!(
+        err.contains("--eval-data") && err.contains("vocabulary"),
+        "{err}"
+    );
+    // shorter than one window of --seq
+    let short = u32_file("short", 0..10);
+    let err = upipe_error(&[&base[..], &["--eval-data", short.to_str().unwrap()]].concat());
+    assert!(
+        err.contains("--eval-data at --seq 64") && err.contains("shorter --seq"),
+        "{err}"
+    );
+    for f in [&data, &other, &short] {
+        let _ = std::fs::remove_dir_all(f.parent().unwrap());
+    }
+}
+
+/// One mesh flag alone on the CPU: the others are 1 (not the CPU default's
+/// 2 x 2), so `--data-parallel 2` runs 2 thread ranks.
+#[test]
+fn one_mesh_flag_on_the_cpu_leaves_the_others_at_one() {
+    let out = upipe(&[
+        "train",
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--seq",
+        "64",
+        "--data-parallel",
+        "2",
+    ]);
+    assert!(
+        out.contains("on 2 CPU thread ranks (data 2 x Pu 1 x Pr 1"),
+        "{out}"
+    );
+    let out = upipe(&[
+        "train",
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--seq",
+        "64",
+        "--ulysses",
+        "2",
+    ]);
+    assert!(
+        out.contains("on 2 CPU thread ranks (data 1 x Pu 2 x Pr 1"),
+        "{out}"
+    );
+}

@@ -20,7 +20,8 @@ pub struct TrainArgs {
     /// (`upipe train --print-config` shows them); flags given here win.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Print the resolved run file (defaults, --config, flags) and exit.
+    /// Print the resolved run file (defaults, --config, flags) and exit:
+    /// every key, those left unset as comments saying what they do.
     #[arg(long)]
     pub print_config: bool,
     /// Preset name (tiny, llama3.2-1b, llama3-8b, llama3-70b, qwen3-32b), config.json, or HF model dir.
