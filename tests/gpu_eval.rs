@@ -15,7 +15,8 @@ use upipe::comm::env::DistEnv;
 use upipe::data::Tokens;
 use upipe::model::ModelConfig;
 use upipe::rng::Rng;
-use upipe::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_process_rank, eval_threads};
+use upipe::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_threads};
+use upipe::train::trainer::eval_process_rank;
 mod common;
 
 /// Set in the children of the process test: they run the ranks.

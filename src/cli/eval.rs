@@ -24,7 +24,8 @@ use crate::data::Tokens;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::flops::forward_flops_per_token;
-use crate::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_process_rank, eval_threads};
+use crate::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_threads};
+use crate::train::trainer::eval_process_rank;
 use clap::ArgMatches;
 use std::path::{Path, PathBuf};
 

@@ -57,7 +57,7 @@ use crate::plan::{
     Depth, DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, RankBudget, ResolvedRun,
     RunRequest, SaveAttention, StageChoices, resolve_run,
 };
-use crate::train::eval_during::EvalDuring;
+use crate::train::eval::EvalDuring;
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
 use clap::ArgMatches;
 
@@ -84,6 +84,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     )?;
     run.cfg.eval = eval_during(&a, run.cfg.model.vocab)?;
     let predicted = run.resolve(&a)?;
+    crate::train::eval_during::check(&run.cfg)?;
     if let Some(done) = finished_checkpoint(&run.cfg)? {
         if run.lead {
             println!("{done}");

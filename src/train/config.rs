@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::optim::AdamWConfig;
-use crate::train::eval_during::EvalDuring;
+use crate::train::eval::EvalDuring;
 use std::path::PathBuf;
 
 /// Everything a training run needs, validated by [`TrainConfig::plan`].
@@ -74,7 +74,8 @@ pub struct TrainConfig {
     /// are allocated unwritten, two steps run whatever `steps` says, and
     /// the reports carry no loss or gradient norm (NaN).
     pub rehearse: bool,
-    /// Held-out evaluation every few steps (`--eval-data`, `--eval-every`).
+    /// Held-out evaluation every few steps (`--eval-data`, `--eval-every`;
+    /// checked by `train::eval_during::check`, which the loop runs first).
     pub eval: Option<EvalDuring>,
 }
 
@@ -206,9 +207,6 @@ impl TrainConfig {
             );
         }
         self.optim.lr_schedule().validate()?;
-        if let Some(ev) = &self.eval {
-            ev.check(self)?;
-        }
         let plan = CpPlan::new(
             self.strategy,
             &attn_dims(&self.model),

@@ -9,13 +9,12 @@
 //! causal attention keeps them out of every real prediction, and their
 //! targets are `IGNORE`. Data replicas take windows round-robin; the sums of
 //! every rank are reduced over the world at the end. Ranks are threads
-//! ([`eval_threads`]) or one process per GPU ([`eval_process_rank`]).
+//! ([`eval_threads`]) or one process per GPU (`trainer::eval_process_rank`).
 
-use super::trainer::{ProcessRank, weights_from_host};
+use super::host_weights::weights_from_host;
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::{Backend, Category, DType, IGNORE};
 use crate::checkpoint::HostTensor;
-use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
 use crate::data::Tokens;
@@ -24,6 +23,7 @@ use crate::model::decoder::attn_dims;
 use crate::model::{Decoder, MemoryPolicy, ModelConfig};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::fmt;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -45,6 +45,34 @@ pub struct EvalConfig {
     pub buckets: usize,
     /// Rows of logits at once.
     pub loss_chunk: usize,
+}
+
+/// What a run evaluates while it trains.
+#[derive(Clone)]
+pub struct EvalDuring {
+    /// The held-out token ids (`--eval-data`).
+    pub tokens: Tokens,
+    /// Evaluate after every this many steps (`--eval-every`), and after the last.
+    pub every: u32,
+    /// Equal ranges of positions the loss is also given for (`--eval-buckets`).
+    pub buckets: usize,
+}
+
+impl fmt::Debug for EvalDuring {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.debug_struct("EvalDuring")
+            .field("tokens", &self.tokens.name())
+            .field("every", &self.every)
+            .field("buckets", &self.buckets)
+            .finish()
+    }
+}
+
+impl EvalDuring {
+    /// Whether step `step` of a run of `steps` evaluates.
+    pub fn due(&self, step: u32, steps: u32) -> bool {
+        step == steps || (self.every > 0 && step.is_multiple_of(self.every))
+    }
 }
 
 /// The windows an [`EvalConfig`] cuts a token file into.
@@ -202,23 +230,6 @@ pub fn eval_cpu(
     host: &BTreeMap<String, HostTensor>,
 ) -> Result<EvalReport> {
     eval_threads(cfg, tokens, host, crate::backend::cpu::CpuBackend::new)
-}
-
-/// Evaluates as one process rank of a multi-GPU run started by `upipe
-/// launch`, torchrun or srun (`env`), joined as `train_process_rank` joins
-/// ([`ProcessRank::join`]). The world size must equal the mesh size.
-pub fn eval_process_rank(
-    cfg: &EvalConfig,
-    tokens: &Tokens,
-    host: &BTreeMap<String, HostTensor>,
-    env: &DistEnv,
-    kernel: crate::backend::cuda::cudnn::AttnKernel,
-) -> Result<EvalReport> {
-    tokens.check_vocab(cfg.model.vocab)?;
-    let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(tokens)?.seq)?);
-    // eval takes every choice from its flags: nothing of its own to agree on
-    let rank = ProcessRank::join("eval", env, shape, kernel, None, "")?;
-    eval_on_mesh(cfg, tokens, host, rank.backend.as_ref(), &rank.mesh)
 }
 
 /// One rank's evaluation; collective over `mesh` (every rank calls it with

@@ -6,43 +6,15 @@
 //! model; a replicated run only: FSDP's parameters are sharded).
 
 use super::config::TrainConfig;
-use super::eval::{EvalConfig, EvalReport, eval_windows};
+use super::eval::{EvalConfig, EvalDuring, EvalReport, eval_windows};
 use super::state::RankModel;
 use crate::attention::CpPlan;
 use crate::backend::Backend;
 use crate::comm::Mesh;
-use crate::data::Tokens;
 use crate::error::Result;
 use crate::model::Decoder;
-use std::fmt;
-
-/// What a run evaluates while it trains.
-#[derive(Clone)]
-pub struct EvalDuring {
-    /// The held-out token ids (`--eval-data`).
-    pub tokens: Tokens,
-    /// Evaluate after every this many steps (`--eval-every`), and after the last.
-    pub every: u32,
-    /// Equal ranges of positions the loss is also given for (`--eval-buckets`).
-    pub buckets: usize,
-}
-
-impl fmt::Debug for EvalDuring {
-    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.debug_struct("EvalDuring")
-            .field("tokens", &self.tokens.name())
-            .field("every", &self.every)
-            .field("buckets", &self.buckets)
-            .finish()
-    }
-}
 
 impl EvalDuring {
-    /// Whether step `step` of a run of `steps` evaluates.
-    pub fn due(&self, step: u32, steps: u32) -> bool {
-        step == steps || (self.every > 0 && step.is_multiple_of(self.every))
-    }
-
     /// What `upipe eval` would run for the same numbers: the run's model,
     /// mesh and stages, windows of the run's `--seq`.
     pub fn eval_config(&self, cfg: &TrainConfig) -> EvalConfig {
@@ -128,4 +100,10 @@ pub fn after_step<B: Backend>(
         decoder.forward_loss(b, mesh, w, ids, tg, rows, groups)
     })?;
     Ok(Some(report))
+}
+
+/// Checks the run's evaluation, if any, before anything is allocated
+/// ([`EvalDuring::check`]).
+pub fn check(cfg: &TrainConfig) -> Result<()> {
+    cfg.eval.as_ref().map_or(Ok(()), |ev| ev.check(cfg))
 }

@@ -5,7 +5,7 @@
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
 pub use super::config::TrainConfig;
-use super::eval::EvalReport;
+use super::eval::{EvalConfig, EvalReport, eval_on_mesh};
 use super::eval_during;
 use super::fsdp::Sharded;
 pub use super::host_weights::{weights_from_host, weights_to_host};
@@ -15,6 +15,7 @@ use crate::attention::CpPlan;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::profile::ClassTotals;
 use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats};
+use crate::checkpoint::HostTensor;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
@@ -191,6 +192,23 @@ pub fn train_process_rank(
     train_on_mesh(cfg, tokens, rank.backend.as_ref(), &rank.mesh, on_step)
 }
 
+/// Evaluates ([`eval_on_mesh`]) as one process rank of a multi-GPU run started by `upipe
+/// launch`, torchrun or srun (`env`), joined as `train_process_rank` joins
+/// ([`ProcessRank::join`]). The world size must equal the mesh size.
+pub fn eval_process_rank(
+    cfg: &EvalConfig,
+    tokens: &Tokens,
+    host: &BTreeMap<String, HostTensor>,
+    env: &DistEnv,
+    kernel: crate::backend::cuda::cudnn::AttnKernel,
+) -> Result<EvalReport> {
+    tokens.check_vocab(cfg.model.vocab)?;
+    let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(tokens)?.seq)?);
+    // eval takes every choice from its flags: nothing of its own to agree on
+    let rank = ProcessRank::join("eval", env, shape, kernel, None, "")?;
+    eval_on_mesh(cfg, tokens, host, rank.backend.as_ref(), &rank.mesh)
+}
+
 /// One process rank of a multi-GPU run (`upipe train`, `upipe eval`): its
 /// mesh, the NCCL world and GPU it runs on, and the rendezvous it met the
 /// other ranks at, all held for the run (dropped in this order).
@@ -285,6 +303,7 @@ fn run_rank<B: Backend>(
     rank: usize,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<RankOutcome> {
+    eval_during::check(cfg)?;
     // before the first allocation: the rehearsal allocates all of them
     b.set_rehearse(cfg.rehearse);
     b.ledger().enter("resident");
