@@ -110,6 +110,8 @@ mod tests {
         };
         StepMetrics {
             step,
+            time_unix_s: None,
+            elapsed_s: None,
             loss,
             lr: Some(1e-3),
             skipped_steps: None,
