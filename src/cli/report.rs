@@ -46,7 +46,7 @@ pub fn draw(lines: &[StepMetrics], title: &str) -> String {
         "middle",
         &format!("upipe report: {title}"),
     );
-    let curve = |name, f: fn(&StepMetrics) -> f64| Series {
+    let curve = |name, f: &dyn Fn(&StepMetrics) -> f64| Series {
         name,
         points: lines.iter().map(|m| (m.step as f64, f(m))).collect(),
     };
@@ -56,14 +56,27 @@ pub fn draw(lines: &[StepMetrics], title: &str) -> String {
         w: 380.0,
         h: 220.0,
     };
+    // below one TFLOP/s (small models, the CPU), GFLOP/s
+    let top = lines.iter().map(|m| m.tflops_per_rank).fold(0.0, f64::max);
+    let (flops_scale, flops_title) = match top < 1.0 {
+        true => (1e3, "model GFLOP/s per rank"),
+        false => (1.0, "model TFLOP/s per rank"),
+    };
     let charts = [
-        (area(80.0, 60.0), curve(SERIES[0], |m| m.loss)),
-        (area(560.0, 60.0), curve(SERIES[1], |m| m.tokens_per_s)),
-        (area(80.0, 380.0), curve(SERIES[2], |m| m.tflops_per_rank)),
+        (area(80.0, 60.0), SERIES[0], curve(SERIES[0], &|m| m.loss)),
+        (
+            area(560.0, 60.0),
+            SERIES[1],
+            curve(SERIES[1], &|m| m.tokens_per_s),
+        ),
+        (
+            area(80.0, 380.0),
+            flops_title,
+            curve(SERIES[2], &|m| m.tflops_per_rank * flops_scale),
+        ),
     ];
-    for (at, series) in charts {
-        let name = series.name;
-        line_chart(&mut svg, at, name, "step", &[series]);
+    for (at, title, series) in charts {
+        line_chart(&mut svg, at, title, ("step", true), &[series]);
     }
     if let Some(peak) = lines.iter().max_by_key(|m| m.peak_bytes) {
         let mut bars = vec![bar("measured", &peak.peak_by_category)];
@@ -76,13 +89,16 @@ pub fn draw(lines: &[StepMetrics], title: &str) -> String {
             w: 400.0,
             h: 220.0,
         };
-        let title = format!("memory of rank 0 at its peak (step {}), MB", peak.step);
+        let title = format!(
+            "memory of rank 0 at its peak (step {}), {{unit}}",
+            peak.step
+        );
         stacked_bars(&mut svg, at, &title, &bars, None);
     }
     svg.finish()
 }
 
-/// A bar of bytes by category (MB), in [`Category::ALL`] order.
+/// A bar of bytes by category, in [`Category::ALL`] order.
 fn bar(label: &str, bytes: &BTreeMap<String, usize>) -> Bar {
     Bar {
         label: label.into(),
@@ -90,7 +106,7 @@ fn bar(label: &str, bytes: &BTreeMap<String, usize>) -> Bar {
             .iter()
             .map(|c| {
                 let b = bytes.get(c.name()).copied().unwrap_or(0);
-                (c.name().to_string(), b as f64 / 1e6)
+                (c.name().to_string(), b as f64)
             })
             .collect(),
     }
