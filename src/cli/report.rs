@@ -115,6 +115,7 @@ fn bar(label: &str, bytes: &BTreeMap<String, usize>) -> Bar {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::svg::layout::{Rect, text_width};
 
     fn line(step: u32, loss: f64) -> StepMetrics {
         let cats = |scale| {
@@ -183,5 +184,58 @@ mod tests {
             .unwrap();
         assert_eq!(loss.split('"').nth(1).unwrap().split(' ').count(), 2);
         assert!(!svg.contains("NaN"));
+    }
+
+    /// The boxes of a document's texts, by their anchor and an upper
+    /// estimate of their width.
+    fn text_boxes(svg: &str) -> Vec<(String, Rect)> {
+        let doc = roxmltree::Document::parse(svg).unwrap();
+        let num = |n: &roxmltree::Node, a| n.attribute(a).unwrap().parse::<f64>().unwrap();
+        doc.descendants()
+            .filter(|n| n.has_tag_name("text"))
+            .map(|n| {
+                let (x, y, size) = (num(&n, "x"), num(&n, "y"), num(&n, "font-size"));
+                let text = n.text().unwrap_or("").to_string();
+                let w = text_width(&text, size);
+                let left = match n.attribute("text-anchor") {
+                    Some("middle") => x - w / 2.0,
+                    Some("end") => x - w,
+                    _ => x,
+                };
+                let r = Rect {
+                    x: left,
+                    y: y - 0.8 * size,
+                    w,
+                    h: size,
+                };
+                (text, r)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn no_two_labels_of_a_report_overlap() {
+        // a long run with wide values and a flat, tiny TFLOP/s curve
+        let lines: Vec<_> = (1..=2000)
+            .map(|s| {
+                let mut l = line(s, 11.0 - s as f64 * 1e-3);
+                l.tokens_per_s = 1.2e6 + s as f64;
+                l.tflops_per_rank = 0.0012;
+                l
+            })
+            .collect();
+        let svg = draw(&lines, "runs/a-long-name/metrics.jsonl");
+        let boxes = text_boxes(&svg);
+        assert!(boxes.len() > 40, "{}", boxes.len());
+        for (i, (a, ra)) in boxes.iter().enumerate() {
+            assert!(ra.x >= 0.0 && ra.x + ra.w <= 1000.0, "{a} leaves the page");
+            for (b, rb) in &boxes[i + 1..] {
+                assert!(!ra.overlaps(rb), "{a:?} {ra:?} overlaps {b:?} {rb:?}");
+            }
+        }
+        // no axis repeats a label
+        let labels: Vec<&str> = boxes.iter().map(|b| b.0.as_str()).collect();
+        assert!(labels.contains(&"2000"), "the step axis ends at the last step");
+        assert!(labels.contains(&"1.2005M"), "{labels:?}");
     }
 }

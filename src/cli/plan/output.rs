@@ -10,10 +10,10 @@ use serde_json::{Value, json};
 pub(super) const POLICY_HEAD: &str = "heads/stage  attn kept  offloaded  optim host";
 
 /// What the policy columns mean, printed under a table.
-pub(super) const POLICY_NOTE: &str = "heads/stage: query heads per attention stage (backward; \
-    `fwd`: forward, when wider); attn kept: blocks keeping their attention output \
-    (--save-attention); offloaded: blocks whose checkpoint is on the host (--offload); \
-    optim host: units whose optimizer state is on the host (--offload-optimizer)";
+pub(super) const POLICY_NOTE: &str = "heads/stage: query heads per attention stage, backward \
+    (fwd: forward); attn kept: blocks keeping attention outputs\n\
+    offloaded: blocks whose checkpoints are on the host; optim host: units whose optimizer \
+    state is on the host";
 
 /// A step's policy columns under [`POLICY_HEAD`]: heads per stage (`8`,
 /// or `8 fwd 32` with wider forward stages), blocks keeping attention
