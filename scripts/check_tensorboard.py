@@ -7,9 +7,11 @@ every step of the run: PASS or FAIL per tag, exit status 1 on any FAIL.
     upipe train --steps 20 --metrics m.jsonl --tensorboard tb
     python3 scripts/check_tensorboard.py tb [m.jsonl]
 
-With the metrics file, the steps to expect are its lines' steps, and the
-loss, lr and grad_norm must equal the lines' (as float32); without it, the
-steps 1..N of the longest tag.
+With the metrics file, a tag's steps must be those of the lines that carry
+its value (a key only some lines have, such as an evaluation's, is expected
+at those steps only), and every value must equal the line's (as float32;
+bytes in GiB); without it, every tag must have the steps 1..N of the
+longest.
 """
 
 import json
@@ -24,12 +26,26 @@ REQUIRED = [
     "tflops_per_rank", "peak_gib", "peak_by_category_gib/weights",
     "peak_by_category_gib/activations",
 ]
-SAME_AS_LINE = ["loss", "lr", "grad_norm"]
+GIB = float(1 << 30)
 
 
 def f32(x):
     import struct
     return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def expected(line, tag):
+    """What metrics line `line` says scalar `tag` is (None: not there)."""
+    if "/" in tag:
+        group, name = tag.split("/", 1)
+        if group.endswith("_gib"):
+            v = (line.get(group[:-4]) or {}).get(name)
+            return None if v is None else v / GIB
+        return (line.get(group) or {}).get(name)
+    if tag.endswith("_gib"):
+        v = line.get(tag[:-4] + "_bytes")
+        return None if v is None else v / GIB
+    return line.get(tag)
 
 
 def main():
@@ -45,24 +61,22 @@ def main():
         with open(sys.argv[2]) as f:
             lines = [json.loads(l) for l in f if l.strip()]
     series = {t: acc.Scalars(t) for t in tags}
-    if lines:
-        steps = [l["step"] for l in lines]
-    else:
-        n = max((len(s) for s in series.values()), default=0)
-        steps = list(range(1, n + 1))
+    n = max((len(s) for s in series.values()), default=0)
     failed = 0
     for tag in sorted(set(tags) | set(REQUIRED)):
         got = series.get(tag, [])
         got_steps = [e.step for e in got]
+        carrying = [l for l in lines if expected(l, tag) is not None]
+        steps = [l["step"] for l in carrying] if lines else list(range(1, n + 1))
         why = None
         if tag not in series:
             why = "missing"
         elif got_steps != steps:
             why = f"steps {got_steps}, expected {steps}"
-        elif lines and tag in SAME_AS_LINE:
-            for e, l in zip(got, lines):
-                want = l.get(tag)
-                if want is None or not math.isclose(e.value, f32(want), rel_tol=1e-6):
+        else:
+            for e, l in zip(got, carrying):
+                want = f32(expected(l, tag))
+                if not math.isclose(e.value, want, rel_tol=1e-6, abs_tol=1e-30):
                     why = f"step {e.step}: {e.value} against the metrics line's {want}"
                     break
         if why:

@@ -344,3 +344,20 @@ fn no_color_turns_colours_off_on_a_terminal() {
     assert!(sgr(&on_tty(false)), "a terminal gets a coloured log");
     assert!(!sgr(&on_tty(true)), "NO_COLOR: no colour");
 }
+
+#[test]
+fn a_tensorboard_path_that_is_a_file_is_refused_naming_the_flag() {
+    let dir = scratch("tbfile");
+    let file = dir.join("not-a-dir");
+    std::fs::write(&file, "x").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(["train", "--device", "cpu", "--steps", "1", "--tensorboard"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("--tensorboard") && err.contains("give a directory"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"x", "the file is left as it was");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
