@@ -36,7 +36,9 @@ pub fn axis(values: impl Iterator<Item = f64>, max_ticks: usize, integer: bool) 
                 (true, _) | (false, true) => 1.0,
                 (false, false) => lo.abs() * 0.1,
             };
-            (lo - pad, hi + pad)
+            // a single step 0 (an evaluation's line) keeps its axis at 0 and up
+            let floor = if integer && lo >= 0.0 { 0.0 } else { f64::MIN };
+            ((lo - pad).max(floor), hi + pad)
         }
         _ => (lo, hi),
     };
@@ -213,6 +215,8 @@ mod tests {
         // a step axis of one step once read 1.000
         let a = axis([1.0].into_iter(), 6, true);
         assert_eq!(a.labels, ["0", "1", "2"]);
+        let a = axis([0.0].into_iter(), 6, true);
+        assert_eq!(a.labels, ["0", "1"]);
         let a = axis((1..=100).map(f64::from), 6, true);
         assert_eq!(a.labels, ["0", "20", "40", "60", "80", "100"]);
         let a = axis([2.5e6, 9.9e6].into_iter(), 5, false);
