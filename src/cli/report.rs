@@ -235,7 +235,10 @@ mod tests {
         }
         // no axis repeats a label
         let labels: Vec<&str> = boxes.iter().map(|b| b.0.as_str()).collect();
-        assert!(labels.contains(&"2000"), "the step axis ends at the last step");
+        assert!(
+            labels.contains(&"2000"),
+            "the step axis ends at the last step"
+        );
         assert!(labels.contains(&"1.2005M"), "{labels:?}");
     }
 }
