@@ -52,7 +52,7 @@ fn crc32c(data: &[u8]) -> u32 {
 }
 
 fn masked(crc: u32) -> u32 {
-    ((crc >> 15) | (crc << 17)).wrapping_add(0xa282_ead8)
+    crc.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 /// The records of an event file, each CRC checked.
