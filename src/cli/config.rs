@@ -125,6 +125,7 @@ pub struct RunKeys {
     pub attn_kernel: Option<String>,
     pub json: Option<bool>,
     pub metrics: Option<PathBuf>,
+    pub tensorboard: Option<PathBuf>,
     pub profile: Option<bool>,
     pub trace: Option<PathBuf>,
     pub rehearse: Option<bool>,

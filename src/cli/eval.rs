@@ -13,7 +13,7 @@ use crate::backend::cuda::cudnn::AttnKernel;
 use crate::checkpoint::{ExtraTensors, load_hf_model_with};
 use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
 use crate::cli::mesh::MeshArgs;
-use crate::cli::metrics::{MetricsFile, StepMetrics, by_category};
+use crate::cli::metrics::{MetricsFile, RunClock, StepMetrics, by_category};
 use crate::cli::schedule::ChunkHeads;
 use crate::cli::train::{
     Device, Launched, MeshChoice, Route, default_mesh, resolve_mesh, route_for,
@@ -161,12 +161,13 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
         let child = crate::cli::launch::own_command("eval")?;
         return crate::cli::launch::run_local(nproc, child);
     }
+    let clock = RunClock::start();
     let report = execute(&run)?;
     if run.route != Route::ProcessRank || run.env.as_ref().is_none_or(|e| e.rank == 0) {
         let text = serde_json::to_string(&report).expect("a report always serialises");
         println!("{text}");
         if let Some(path) = &a.metrics {
-            write_metrics(path, &run.cfg, &report, run.shape.world_size())?;
+            write_metrics(path, &run.cfg, &report, run.shape.world_size(), &clock)?;
         }
     }
     Ok(0)
@@ -265,12 +266,21 @@ fn execute(run: &Built) -> Result<EvalReport> {
 }
 
 /// `--metrics`: the evaluation as one metrics line (step 0; model FLOPs of
-/// the forward only).
-fn write_metrics(path: &Path, cfg: &EvalConfig, r: &EvalReport, ranks: usize) -> Result<()> {
+/// the forward only), stamped with the time on `clock` (started with the
+/// evaluation).
+fn write_metrics(
+    path: &Path,
+    cfg: &EvalConfig,
+    r: &EvalReport,
+    ranks: usize,
+    clock: &RunClock,
+) -> Result<()> {
     let seq = r.tokens / r.windows.max(1);
     let tflops = forward_flops_per_token(&cfg.model, seq) * r.tokens_per_s / 1e12;
     let line = StepMetrics {
         step: 0,
+        time_unix_s: None,
+        elapsed_s: None,
         loss: r.loss,
         lr: None,
         skipped_steps: None,
@@ -286,7 +296,8 @@ fn write_metrics(path: &Path, cfg: &EvalConfig, r: &EvalReport, ranks: usize) ->
         predicted_by_category: None,
         profile: None,
         eval: None,
-    };
+    }
+    .at(clock);
     let file = MetricsFile::create(path)?;
     file.write(&line);
     file.finish()

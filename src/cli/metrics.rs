@@ -12,11 +12,20 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Instant;
 
 /// One line of a metrics file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
     pub step: u32,
+    /// When the line was written: seconds since 1970-01-01 UTC (the run's
+    /// start by the wall clock plus [`StepMetrics::elapsed_s`], so it never
+    /// goes back within a run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_unix_s: Option<f64>,
+    /// Seconds since the run started (a monotonic clock).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elapsed_s: Option<f64>,
     /// Mean next-token cross-entropy over the step's tokens (nats).
     #[serde(deserialize_with = "nan_if_null")]
     pub loss: f64,
@@ -71,6 +80,36 @@ pub struct RunFacts {
     pub predicted: Option<Prediction>,
 }
 
+/// A run's clock: its start by the wall clock, and a monotonic clock
+/// since, so that the times it gives never go back (a wall clock may).
+#[derive(Debug, Clone, Copy)]
+pub struct RunClock {
+    start: Instant,
+    start_unix: f64,
+}
+
+impl RunClock {
+    /// The clock of a run starting now.
+    pub fn start() -> Self {
+        RunClock {
+            start: Instant::now(),
+            start_unix: unix_now(),
+        }
+    }
+
+    /// Seconds since the run started.
+    pub fn elapsed_s(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+}
+
+/// Seconds since 1970-01-01 UTC, by the wall clock.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// `bytes` by category name, with `offload_host` taken from `host`.
 pub fn by_category(bytes: &[(Category, usize)], host: usize) -> BTreeMap<String, usize> {
     Category::ALL
@@ -92,6 +131,8 @@ impl StepMetrics {
         let tflops = facts.flops_per_token * r.tokens_per_s / 1e12;
         StepMetrics {
             step: r.step,
+            time_unix_s: None,
+            elapsed_s: None,
             loss: r.loss,
             lr: Some(r.lr as f64),
             skipped_steps: Some(r.skipped),
@@ -115,6 +156,14 @@ impl StepMetrics {
             }),
             eval: r.eval.clone(),
         }
+    }
+
+    /// The line stamped with the time on `clock`.
+    pub fn at(mut self, clock: &RunClock) -> Self {
+        let elapsed = clock.start.elapsed().as_secs_f64();
+        self.time_unix_s = Some(clock.start_unix + elapsed);
+        self.elapsed_s = Some(elapsed);
+        self
     }
 
     /// One JSON line.

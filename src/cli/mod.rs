@@ -15,6 +15,7 @@ pub mod rendezvous_check;
 pub mod report;
 pub mod schedule;
 pub mod svg;
+pub mod tensorboard;
 pub mod tokenize;
 pub mod train;
 
@@ -85,6 +86,8 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // colours only on a terminal, and never under NO_COLOR
+        .with_ansi(console::colors_enabled_stderr())
         .with_target(false)
         .try_init();
 }

@@ -26,8 +26,8 @@ use std::path::{Path, PathBuf};
 mod output;
 
 use output::{
-    breakdown_line, by_category, category_bar, fmt_tokens, limit_text, mesh_json, mesh_text,
-    saved_text,
+    POLICY_HEAD, POLICY_NOTE, breakdown_line, by_category, category_bar, fmt_tokens, limit_text,
+    mesh_json, mesh_text, policy_cells,
 };
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -603,7 +603,7 @@ fn skip_or_fail(all: bool, s: Strategy, e: Error, json: bool) -> Result<()> {
 fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
     let json = ctx.a.json;
     if !json {
-        let mut head = format!("{:<8} {:>9} {:>4} {:>6}", "method", "mesh", "U", "saved");
+        let mut head = format!("{:<8} {:>9}  {POLICY_HEAD}", "method", "mesh");
         for c in Category::ALL {
             head += &format!(" {:>12}", c.name());
         }
@@ -647,6 +647,9 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
     if bars.is_empty() {
         return nothing_planned(ctx);
     }
+    if !json {
+        println!("{POLICY_NOTE}");
+    }
     if let Some(path) = &ctx.a.svg {
         write_svg(path, ctx, seq, &bars)?;
     }
@@ -664,13 +667,13 @@ fn write_svg(path: &Path, ctx: &Ctx, seq: usize, bars: &[Bar]) -> Result<()> {
         h: height - 90.0,
     };
     let title = format!(
-        "{} on {} GPUs at seq {} ({}): device GiB per rank at the peak, by category",
+        "{} on {} GPUs at seq {} ({}): device memory per rank at the peak by category, {{unit}}",
         ctx.model.name,
         ctx.gpus,
         seq,
         fmt_tokens(seq)
     );
-    let usable = ctx.budget.device as f64 / GIB;
+    let usable = ctx.budget.device as f64;
     stacked_bars(&mut svg, area, &title, bars, Some((usable, "usable")));
     std::fs::write(path, svg.finish())
         .map_err(|e| Error::io(format!("writing --svg {}", path.display()), e))
@@ -680,8 +683,8 @@ fn search(ctx: &Ctx) -> Result<i32> {
     let json = ctx.a.json;
     if !json {
         println!(
-            "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  limit at the next length",
-            "method", "mesh", "U", "longest", "gpu peak", "saved"
+            "{:<8} {:>9} {:>19} {:>12}  {POLICY_HEAD}  limit at the next length",
+            "method", "mesh", "longest", "gpu peak"
         );
     }
     let mut planned = 0;
@@ -711,6 +714,9 @@ fn search(ctx: &Ctx) -> Result<i32> {
     if planned == 0 {
         return nothing_planned(ctx);
     }
+    if !json {
+        println!("{POLICY_NOTE}");
+    }
     Ok(0)
 }
 
@@ -736,15 +742,14 @@ fn print_longest(ctx: &Ctx, s: Strategy, spec: &StepSpec, fit: &Fit, saved: Opti
         );
     } else {
         println!(
-            "{:<8} {:>9} {:>4} {:>19} {:>12} {:>6}  {}",
+            "{:<8} {:>9} {:>19} {:>12}  {}  {}",
             s.name(),
             mesh_text(spec),
-            spec.plan.chunk_text(),
             format!("{} ({})", fit.seq, fmt_tokens(fit.seq)),
             fit.at_fit
                 .as_ref()
                 .map_or("-".into(), |p| Bytes(p.peak).to_string()),
-            saved.map_or("-".into(), saved_text),
+            policy_cells(saved.unwrap_or(spec)),
             limit.map_or(
                 format!("none up to --max-seq {}", ctx.a.max_seq),
                 |(seq, l, p)| { format!("{seq} needs {}: {}", Bytes(p.peak), limit_text(l)) }

@@ -46,7 +46,7 @@ pub fn draw(lines: &[StepMetrics], title: &str) -> String {
         "middle",
         &format!("upipe report: {title}"),
     );
-    let curve = |name, f: fn(&StepMetrics) -> f64| Series {
+    let curve = |name, f: &dyn Fn(&StepMetrics) -> f64| Series {
         name,
         points: lines.iter().map(|m| (m.step as f64, f(m))).collect(),
     };
@@ -56,14 +56,27 @@ pub fn draw(lines: &[StepMetrics], title: &str) -> String {
         w: 380.0,
         h: 220.0,
     };
+    // below one TFLOP/s (small models, the CPU), GFLOP/s
+    let top = lines.iter().map(|m| m.tflops_per_rank).fold(0.0, f64::max);
+    let (flops_scale, flops_title) = match top < 1.0 {
+        true => (1e3, "model GFLOP/s per rank"),
+        false => (1.0, "model TFLOP/s per rank"),
+    };
     let charts = [
-        (area(80.0, 60.0), curve(SERIES[0], |m| m.loss)),
-        (area(560.0, 60.0), curve(SERIES[1], |m| m.tokens_per_s)),
-        (area(80.0, 380.0), curve(SERIES[2], |m| m.tflops_per_rank)),
+        (area(80.0, 60.0), SERIES[0], curve(SERIES[0], &|m| m.loss)),
+        (
+            area(560.0, 60.0),
+            SERIES[1],
+            curve(SERIES[1], &|m| m.tokens_per_s),
+        ),
+        (
+            area(80.0, 380.0),
+            flops_title,
+            curve(SERIES[2], &|m| m.tflops_per_rank * flops_scale),
+        ),
     ];
-    for (at, series) in charts {
-        let name = series.name;
-        line_chart(&mut svg, at, name, "step", &[series]);
+    for (at, title, series) in charts {
+        line_chart(&mut svg, at, title, ("step", true), &[series]);
     }
     if let Some(peak) = lines.iter().max_by_key(|m| m.peak_bytes) {
         let mut bars = vec![bar("measured", &peak.peak_by_category)];
@@ -76,13 +89,16 @@ pub fn draw(lines: &[StepMetrics], title: &str) -> String {
             w: 400.0,
             h: 220.0,
         };
-        let title = format!("memory of rank 0 at its peak (step {}), MB", peak.step);
+        let title = format!(
+            "memory of rank 0 at its peak (step {}), {{unit}}",
+            peak.step
+        );
         stacked_bars(&mut svg, at, &title, &bars, None);
     }
     svg.finish()
 }
 
-/// A bar of bytes by category (MB), in [`Category::ALL`] order.
+/// A bar of bytes by category, in [`Category::ALL`] order.
 fn bar(label: &str, bytes: &BTreeMap<String, usize>) -> Bar {
     Bar {
         label: label.into(),
@@ -90,7 +106,7 @@ fn bar(label: &str, bytes: &BTreeMap<String, usize>) -> Bar {
             .iter()
             .map(|c| {
                 let b = bytes.get(c.name()).copied().unwrap_or(0);
-                (c.name().to_string(), b as f64 / 1e6)
+                (c.name().to_string(), b as f64)
             })
             .collect(),
     }
@@ -99,6 +115,7 @@ fn bar(label: &str, bytes: &BTreeMap<String, usize>) -> Bar {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::svg::layout::{Rect, text_width};
 
     fn line(step: u32, loss: f64) -> StepMetrics {
         let cats = |scale| {
@@ -110,6 +127,8 @@ mod tests {
         };
         StepMetrics {
             step,
+            time_unix_s: None,
+            elapsed_s: None,
             loss,
             lr: Some(1e-3),
             skipped_steps: None,
@@ -166,5 +185,61 @@ mod tests {
             .unwrap();
         assert_eq!(loss.split('"').nth(1).unwrap().split(' ').count(), 2);
         assert!(!svg.contains("NaN"));
+    }
+
+    /// The boxes of a document's texts, by their anchor and an upper
+    /// estimate of their width.
+    fn text_boxes(svg: &str) -> Vec<(String, Rect)> {
+        let doc = roxmltree::Document::parse(svg).unwrap();
+        let num = |n: &roxmltree::Node, a| n.attribute(a).unwrap().parse::<f64>().unwrap();
+        doc.descendants()
+            .filter(|n| n.has_tag_name("text"))
+            .map(|n| {
+                let (x, y, size) = (num(&n, "x"), num(&n, "y"), num(&n, "font-size"));
+                let text = n.text().unwrap_or("").to_string();
+                let w = text_width(&text, size);
+                let left = match n.attribute("text-anchor") {
+                    Some("middle") => x - w / 2.0,
+                    Some("end") => x - w,
+                    _ => x,
+                };
+                let r = Rect {
+                    x: left,
+                    y: y - 0.8 * size,
+                    w,
+                    h: size,
+                };
+                (text, r)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn no_two_labels_of_a_report_overlap() {
+        // a long run with wide values and a flat, tiny TFLOP/s curve
+        let lines: Vec<_> = (1..=2000)
+            .map(|s| {
+                let mut l = line(s, 11.0 - s as f64 * 1e-3);
+                l.tokens_per_s = 1.2e6 + s as f64;
+                l.tflops_per_rank = 0.0012;
+                l
+            })
+            .collect();
+        let svg = draw(&lines, "runs/a-long-name/metrics.jsonl");
+        let boxes = text_boxes(&svg);
+        assert!(boxes.len() > 40, "{}", boxes.len());
+        for (i, (a, ra)) in boxes.iter().enumerate() {
+            assert!(ra.x >= 0.0 && ra.x + ra.w <= 1000.0, "{a} leaves the page");
+            for (b, rb) in &boxes[i + 1..] {
+                assert!(!ra.overlaps(rb), "{a:?} {ra:?} overlaps {b:?} {rb:?}");
+            }
+        }
+        // no axis repeats a label
+        let labels: Vec<&str> = boxes.iter().map(|b| b.0.as_str()).collect();
+        assert!(
+            labels.contains(&"2000"),
+            "the step axis ends at the last step"
+        );
+        assert!(labels.contains(&"1.2005M"), "{labels:?}");
     }
 }

@@ -1,8 +1,12 @@
 //! A small SVG writer for `upipe report` and `upipe plan --svg`: line
 //! charts (one `<polyline>` per series) and stacked bars of bytes by
 //! category. Written by hand: the charts need a handful of elements, not a
-//! plotting library.
+//! plotting library; where their labels go is `layout.rs`.
 
+pub mod layout;
+
+use crate::backend::Bytes;
+use layout::{Rect, SWATCH, axis, byte_unit, legend, legend_height, text_width};
 use std::fmt::Write;
 
 /// Fill colours of the memory categories and curves, in order.
@@ -33,7 +37,7 @@ pub struct Series<'a> {
 }
 
 /// One bar of a stacked bar chart: its label and its segments
-/// (`(name, value)`, drawn in [`PALETTE`] order).
+/// (`(name, bytes)`, drawn in [`PALETTE`] order).
 pub struct Bar {
     pub label: String,
     pub segments: Vec<(String, f64)>,
@@ -110,77 +114,73 @@ impl Svg {
     }
 }
 
-/// `[lo, hi]` with room, never empty.
-fn range(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (mut lo, mut hi) = values
-        .filter(|v| v.is_finite())
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| {
-            (l.min(v), h.max(v))
-        });
-    if !lo.is_finite() {
-        return (0.0, 1.0);
-    }
-    if hi - lo < 1e-12 * hi.abs().max(1.0) {
-        hi = lo + lo.abs().max(1.0) * 0.1;
-        lo -= (hi - lo) * 0.5;
-    }
-    (lo, hi)
-}
+/// Font sizes of tick labels and of axis names.
+const TICK_FONT: f64 = 10.0;
+const NAME_FONT: f64 = 11.0;
 
-/// A short number for an axis label.
-pub fn short(v: f64) -> String {
-    let a = v.abs();
-    if a >= 1e9 {
-        format!("{:.1}G", v / 1e9)
-    } else if a >= 1e6 {
-        format!("{:.1}M", v / 1e6)
-    } else if a >= 1e4 {
-        format!("{:.0}K", v / 1e3)
-    } else if a >= 100.0 || a == 0.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.3}")
-    }
-}
-
-/// A line chart in `area`: axes, four labelled ticks on y, the x range,
-/// and one polyline per series (its points that are finite).
-pub fn line_chart(svg: &mut Svg, area: Area, title: &str, x_label: &str, series: &[Series]) {
+/// A line chart in `area`: axes with ticks at round values (whole numbers
+/// on x when `integer_x`, as steps are), and one polyline per series (its
+/// finite points).
+pub fn line_chart(
+    svg: &mut Svg,
+    area: Area,
+    title: &str,
+    (x_label, integer_x): (&str, bool),
+    series: &[Series],
+) {
     let Area { x, y, w, h } = area;
     svg.text(x + w / 2.0, y - 8.0, 14.0, "middle", title);
     svg.line((x, y), (x, y + h), "#333333");
     svg.line((x, y + h), (x + w, y + h), "#333333");
     let all = || series.iter().flat_map(|s| s.points.iter());
-    let (x0, x1) = range(all().map(|p| p.0));
-    let (y0, y1) = range(all().map(|p| p.1));
-    for i in 0..=4 {
-        let v = y0 + (y1 - y0) * i as f64 / 4.0;
-        let py = y + h - h * i as f64 / 4.0;
+    let ya = axis(all().map(|p| p.1), 6, false);
+    for (v, label) in ya.ticks.iter().zip(&ya.labels) {
+        let py = ya.place(*v, y + h, y);
         svg.line((x - 4.0, py), (x, py), "#333333");
-        svg.text(x - 6.0, py + 4.0, 10.0, "end", &short(v));
+        svg.text(x - 6.0, py + 4.0, TICK_FONT, "end", label);
     }
-    svg.text(x, y + h + 14.0, 10.0, "middle", &short(x0));
-    svg.text(x + w, y + h + 14.0, 10.0, "middle", &short(x1));
-    svg.text(x + w / 2.0, y + h + 28.0, 11.0, "middle", x_label);
+    let xa = x_axis(all().map(|p| p.0), w, integer_x);
+    for (v, label) in xa.ticks.iter().zip(&xa.labels) {
+        let px = xa.place(*v, x, x + w);
+        svg.line((px, y + h), (px, y + h + 4.0), "#333333");
+        svg.text(px, y + h + 15.0, TICK_FONT, "middle", label);
+    }
+    svg.text(x + w / 2.0, y + h + 30.0, NAME_FONT, "middle", x_label);
     for (i, s) in series.iter().enumerate() {
         let px: Vec<(f64, f64)> = s
             .points
             .iter()
             .filter(|p| p.0.is_finite() && p.1.is_finite())
-            .map(|p| {
-                (
-                    x + w * (p.0 - x0) / (x1 - x0),
-                    y + h - h * (p.1 - y0) / (y1 - y0),
-                )
-            })
+            .map(|p| (xa.place(p.0, x, x + w), ya.place(p.1, y + h, y)))
             .collect();
         svg.polyline(&px, PALETTE[i % PALETTE.len()], s.name);
     }
 }
 
-/// Horizontal stacked bars in `area`, one per [`Bar`], scaled to the largest
-/// total (or `limit`, drawn as a line with its label, when larger), with a
-/// legend of the segment names under the bars.
+/// The x axis of a chart `w` wide: as many ticks as fit with their labels
+/// apart.
+fn x_axis(values: impl Iterator<Item = f64> + Clone, w: f64, integer: bool) -> layout::Axis {
+    let mut ticks = 8;
+    loop {
+        let a = axis(values.clone(), ticks, integer);
+        let widest = a
+            .labels
+            .iter()
+            .map(|l| text_width(l, TICK_FONT))
+            .fold(0.0, f64::max);
+        let gap = w / (a.ticks.len() - 1) as f64;
+        if gap >= widest + 8.0 || ticks == 2 {
+            return a;
+        }
+        ticks -= 1;
+    }
+}
+
+/// Horizontal stacked bars of bytes in `area`, one per [`Bar`], in the
+/// binary unit of the largest total (the title's `{unit}` becomes it),
+/// scaled to the largest total (or `limit`, drawn as a line with its name,
+/// when larger), each total at its end, and a legend of the segment names
+/// flowed into rows under the bars.
 pub fn stacked_bars(
     svg: &mut Svg,
     area: Area,
@@ -189,7 +189,6 @@ pub fn stacked_bars(
     limit: Option<(f64, &str)>,
 ) {
     let Area { x, y, w, h } = area;
-    svg.text(x + w / 2.0, y - 8.0, 14.0, "middle", title);
     let total = |b: &Bar| b.segments.iter().map(|s| s.1.max(0.0)).sum::<f64>();
     let max = bars
         .iter()
@@ -197,46 +196,61 @@ pub fn stacked_bars(
         .chain(limit.map(|l| l.0))
         .fold(0.0, f64::max)
         .max(1.0);
-    let legend_h = 20.0;
-    let row = (h - legend_h) / bars.len().max(1) as f64;
-    let label_w = 90.0;
-    let scale = (w - label_w - 60.0) / max;
+    let (per_unit, unit) = byte_unit(max);
+    svg.text(
+        x + w / 2.0,
+        y - 8.0,
+        14.0,
+        "middle",
+        &title.replace("{unit}", unit),
+    );
+    let names: Vec<String> = bars
+        .first()
+        .map(|b| b.segments.iter().map(|s| s.0.clone()).collect())
+        .unwrap_or_default();
+    let keys = legend(&names, x, 0.0, w, TICK_FONT);
+    let keys_h = legend_height(&keys);
+    let limit_h = if limit.is_some() { 14.0 } else { 0.0 };
+    let bars_h = (h - keys_h - limit_h - 8.0).max(10.0);
+    let row = bars_h / bars.len().max(1) as f64;
+    let label_w = bars
+        .iter()
+        .map(|b| text_width(&b.label, NAME_FONT))
+        .fold(40.0, f64::max)
+        + 8.0;
+    let total_w = text_width("1023.99 MiB", TICK_FONT) + 6.0;
+    let scale = (w - label_w - total_w) / max;
     for (i, b) in bars.iter().enumerate() {
         let by = y + i as f64 * row + row * 0.15;
-        svg.text(x + label_w - 6.0, by + row * 0.45, 11.0, "end", &b.label);
+        svg.text(
+            x + label_w - 6.0,
+            by + row * 0.4,
+            NAME_FONT,
+            "end",
+            &b.label,
+        );
         let mut bx = x + label_w;
         for (j, (name, v)) in b.segments.iter().enumerate() {
             let bw = v.max(0.0) * scale;
-            let tip = format!("{}: {name} {}", b.label, short(*v));
-            svg.rect(
-                bx,
-                by,
-                bw,
-                row * 0.7,
-                PALETTE[j % PALETTE.len()],
-                Some(&tip),
-            );
+            let tip = format!("{}: {name} {}", b.label, Bytes(v.max(0.0) as usize));
+            let fill = PALETTE[j % PALETTE.len()];
+            svg.rect(bx, by, bw, row * 0.7, fill, Some(&tip));
             bx += bw;
         }
-        svg.text(bx + 4.0, by + row * 0.45, 10.0, "start", &short(total(b)));
+        let text = format!("{:.2} {unit}", total(b) / per_unit);
+        svg.text(bx + 4.0, by + row * 0.4, TICK_FONT, "start", &text);
     }
     if let Some((v, name)) = limit {
         let lx = x + label_w + v * scale;
-        svg.line((lx, y), (lx, y + h - legend_h), "#000000");
-        svg.text(lx, y + h - legend_h + 10.0, 10.0, "middle", name);
+        svg.line((lx, y), (lx, y + bars_h), "#000000");
+        let text = format!("{name} {:.2} {unit}", v / per_unit);
+        svg.text(lx, y + bars_h + 11.0, TICK_FONT, "middle", &text);
     }
-    let names = bars.first().map(|b| &b.segments[..]).unwrap_or(&[]);
-    let step = w / names.len().max(1) as f64;
-    for (j, (name, _)) in names.iter().enumerate() {
-        let lx = x + j as f64 * step;
-        svg.rect(
-            lx,
-            y + h - 8.0,
-            10.0,
-            10.0,
-            PALETTE[j % PALETTE.len()],
-            None,
-        );
-        svg.text(lx + 14.0, y + h + 1.0, 10.0, "start", name);
+    let top = y + bars_h + limit_h + 8.0;
+    for (j, (k, name)) in keys.iter().zip(&names).enumerate() {
+        let Rect { x: kx, y: ky, .. } = *k;
+        let fill = PALETTE[j % PALETTE.len()];
+        svg.rect(kx, top + ky, SWATCH, SWATCH, fill, None);
+        svg.text(kx + SWATCH + 4.0, top + ky + 9.0, TICK_FONT, "start", name);
     }
 }

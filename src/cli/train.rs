@@ -253,21 +253,25 @@ impl Built {
     }
 
     /// Where and how the ranks run: `upipe on 4 CPU thread ranks (data 1 x
-    /// Pu 2 x Pr 2, U 2f4), seq 256`.
+    /// ulysses 2 x ring 2; attention stages of 2 heads, forward 4), seq 256`.
     fn layout_text(&self) -> String {
         let where_ = match self.route {
             Route::ProcessRank => "GPU process ranks (NCCL)",
             Route::GpuThreads { .. } => "GPU thread ranks",
             _ => "CPU thread ranks",
         };
+        let (u, uf) = (self.plan.schedule.chunk, self.plan.fwd_schedule.chunk);
+        let stages = match u == uf {
+            true => format!("attention stages of {u} heads"),
+            false => format!("attention stages of {u} heads, forward {uf}"),
+        };
         format!(
-            "{} on {} {where_} (data {} x Pu {} x Pr {}, U {}), seq {}",
+            "{} on {} {where_} (data {} x ulysses {} x ring {}; {stages}), seq {}",
             self.cfg.strategy,
             self.shape.world_size(),
             self.cfg.data_parallel,
             self.plan.layout.pu,
             self.plan.layout.pr,
-            self.plan.chunk_text(),
             self.cfg.seq
         )
     }

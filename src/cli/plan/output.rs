@@ -1,25 +1,38 @@
 //! How `upipe plan` prints a step: table cells, JSON objects, SVG bars.
 
-use super::GIB;
 use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
 use crate::cli::svg::Bar;
 use crate::plan::{Limit, Prediction, StepSpec};
 use serde_json::{Value, json};
 
-/// Blocks keeping their attention state, as tables print it: `3/16`
-/// (and, when some are offloaded, the blocks offloaded: `3/16 o12`; when
-/// units keep their optimizer state on the host, how many: `3/16 o12 h9`).
-pub(super) fn saved_text(spec: &StepSpec) -> String {
-    let (p, l) = (&spec.policy, spec.model.layers);
-    let mut text = format!("{}/{l}", p.save_attention);
-    if p.offload > 0 {
-        text += &format!(" o{}", p.offload);
-    }
-    if p.offload_optimizer > 0 {
-        text += &format!(" h{}", p.offload_optimizer);
-    }
-    text
+/// The policy columns' heads, as [`policy_cells`] fills them.
+pub(super) const POLICY_HEAD: &str = "heads/stage  attn kept  offloaded  optim host";
+
+/// What the policy columns mean, printed under a table.
+pub(super) const POLICY_NOTE: &str = "heads/stage: query heads per attention stage, backward \
+    (fwd: forward); attn kept: blocks keeping attention outputs\n\
+    offloaded: blocks whose checkpoints are on the host; optim host: units whose optimizer \
+    state is on the host";
+
+/// A step's policy columns under [`POLICY_HEAD`]: heads per stage (`8`,
+/// or `8 fwd 32` with wider forward stages), blocks keeping attention
+/// (`3/16`), blocks offloaded and units with host optimizer state (`-`
+/// for none).
+pub(super) fn policy_cells(spec: &StepSpec) -> String {
+    let (u, uf) = (spec.plan.schedule.chunk, spec.plan.fwd_schedule.chunk);
+    let stages = match u == uf {
+        true => u.to_string(),
+        false => format!("{u} fwd {uf}"),
+    };
+    let (p, layers) = (&spec.policy, spec.model.layers);
+    let count = |n: usize| if n == 0 { "-".into() } else { n.to_string() };
+    format!(
+        "{stages:>11}  {:>9}  {:>9}  {:>10}",
+        format!("{}/{layers}", p.save_attention),
+        count(p.offload),
+        count(p.offload_optimizer)
+    )
 }
 
 /// The bytes of every category at the peak, as JSON.
@@ -69,11 +82,10 @@ pub(super) fn fmt_tokens(n: usize) -> String {
 /// One strategy's row of the breakdown table.
 pub(super) fn breakdown_line(s: Strategy, spec: &StepSpec, p: &Prediction, fits: bool) -> String {
     let mut line = format!(
-        "{:<8} {:>9} {:>4} {:>6}",
+        "{:<8} {:>9}  {}",
         s.name(),
         mesh_text(spec),
-        spec.plan.chunk_text(),
-        saved_text(spec)
+        policy_cells(spec)
     );
     for c in Category::ALL {
         line += &format!(" {:>12}", Bytes(p.at(c)).to_string());
@@ -87,12 +99,12 @@ pub(super) fn breakdown_line(s: Strategy, spec: &StepSpec, p: &Prediction, fits:
     line
 }
 
-/// A strategy's device bytes at its peak by category (GiB), as a bar.
+/// A strategy's device bytes at its peak by category, as a bar.
 pub(super) fn category_bar(s: Strategy, spec: &StepSpec, p: &Prediction) -> Bar {
     let segments = Category::ALL
         .iter()
         .filter(|&&c| c != Category::Offload)
-        .map(|&c| (c.name().to_string(), p.at(c) as f64 / GIB))
+        .map(|&c| (c.name().to_string(), p.at(c) as f64))
         .collect();
     Bar {
         label: format!("{} {}", s.name(), mesh_text(spec)),

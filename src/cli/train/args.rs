@@ -166,6 +166,11 @@ pub struct TrainArgs {
     /// throughput, model TFLOP/s, memory by category; `upipe report` draws it).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Write every step's metrics as TensorBoard scalars to an event file in
+    /// this directory (created if missing): loss, lr, grad norm, tokens/s,
+    /// model TFLOP/s, memory by category in GiB (`tensorboard --logdir DIR`).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// Time every op of every step by class (GEMM, attention, recompute,
     /// elementwise, loss, optimizer, copies, collectives, idle): rank 0's
     /// table after the last step, and a `profile` object in every `--json`
@@ -240,6 +245,7 @@ impl TrainArgs {
         attn_kernel => run.attn_kernel,
         json => run.json,
         metrics => run.metrics,
+        tensorboard => run.tensorboard,
         profile => run.profile,
         trace => run.trace,
         rehearse => run.rehearse;

@@ -3,13 +3,14 @@
 //! run that cannot fit is refused with its breakdown and the smallest
 //! change that fits, `plan::preflight`), the pinned-host budget of GPU
 //! runs, and the outputs it opens (checkpoint directory, metrics file,
-//! trace file).
+//! TensorBoard directory, trace file).
 
 use super::progress::Progress;
 use super::{Built, TrainArgs};
 use crate::backend::memory::{default_pinned_budget, host_reserve};
 use crate::checkpoint::save_dir;
-use crate::cli::metrics::{MetricsFile, RunFacts};
+use crate::cli::metrics::{MetricsFile, RunFacts, unix_now};
+use crate::cli::tensorboard::EventWriter;
 use crate::error::Result;
 use crate::model::flops::train_flops_per_token;
 use crate::plan::Prediction;
@@ -140,7 +141,8 @@ fn trace_file(path: &std::path::Path) -> Result<()> {
 
 /// The checkpoint directory can take the run's checkpoints
 /// (`checkpoint::save_dir::check`) and the metrics and trace files can be
-/// created; the per-step output (bar, lines or JSON, and the metrics file).
+/// created; the per-step output (bar, lines or JSON, and the metrics and
+/// TensorBoard files).
 fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progress> {
     if let (Some(dir), true) = (&run.cfg.save_dir, run.lead) {
         let masters = run.cfg.fsdp && run.on_gpu();
@@ -155,9 +157,15 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
         ranks: run.shape.world_size(),
         predicted: Some(predicted.clone()),
     };
-    let progress = Progress::new(a.json, run.lead, run.cfg.steps, facts);
-    match (&a.metrics, run.lead) {
-        (Some(path), true) => Ok(progress.with_metrics(MetricsFile::create(path)?)),
-        _ => Ok(progress),
+    let mut progress = Progress::new(a.json, run.lead, run.cfg.steps, facts);
+    if !run.lead {
+        return Ok(progress);
     }
+    if let Some(path) = &a.metrics {
+        progress = progress.with_metrics(MetricsFile::create(path)?);
+    }
+    if let Some(dir) = &a.tensorboard {
+        progress = progress.with_tensorboard(EventWriter::create(dir, unix_now())?);
+    }
+    Ok(progress)
 }
