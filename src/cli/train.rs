@@ -51,7 +51,6 @@ use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
 use crate::data::{Tokens, load_tokens};
 use crate::error::Result;
-use crate::model::ModelConfig;
 use crate::model::flops::train_flops_per_token;
 use crate::optim::AdamWConfig;
 use crate::plan::preflight::planned_host;
@@ -150,7 +149,7 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     let chunk = ChunkHeads::start(a.mesh.chunk_heads);
     let mesh = resolve_mesh(flags, c.strategy, &c.model, a.seq, chunk, ranks);
     mesh.check_countable()?;
-    let cfg = train_config(a, c.model, c.strategy, mesh);
+    let cfg = train_config(a, &c, mesh);
     let plan = cfg.plan()?;
     if a.mesh.chunk_heads == Some(ChunkHeads::Auto) && c.strategy != Strategy::Upipe {
         return crate::config_err!("--chunk-heads applies to upipe only, not {}", c.strategy);
@@ -193,17 +192,12 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
 
 /// The [`TrainConfig`] of the flags on `mesh` (unsharded, its `auto`
 /// choices undecided until [`resolve_run`] decides them).
-pub fn train_config(
-    a: &TrainArgs,
-    model: ModelConfig,
-    strategy: Strategy,
-    mesh: MeshChoice,
-) -> TrainConfig {
-    let layers = model.layers;
+pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig {
+    let layers = c.model.layers;
     TrainConfig {
-        model,
+        model: c.model.clone(),
         data_parallel: mesh.data,
-        strategy,
+        strategy: c.strategy,
         ulysses: mesh.ulysses,
         ring: mesh.ring,
         chunk_heads: ChunkHeads::start(a.mesh.chunk_heads),
@@ -236,6 +230,8 @@ pub fn train_config(
         fsdp: false,
         fsdp_replicas: 1,
         max_file_bytes: crate::checkpoint::sharded::FILE_BYTES,
+        save_dtype: c.save_dtype,
+        source_config: c.source_config.clone(),
         run_file: None,
         host_budget: None,
         profile: a.profile || a.trace.is_some() || profile_env(),

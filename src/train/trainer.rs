@@ -5,6 +5,8 @@
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
 pub use super::config::TrainConfig;
+use crate::checkpoint::carried::carry_files;
+use crate::checkpoint::hf_config::checkpoint_config;
 use super::fsdp::Sharded;
 pub use super::host_weights::{weights_from_host, weights_to_host};
 use super::replicated::{Replicated, ReplicatedStore, Resumed};
@@ -413,7 +415,8 @@ fn resume(
 }
 
 /// Writes the checkpoint of `step` into `dir` (rank 0 adds `config.json`,
-/// which makes it an HF model directory, and the run file).
+/// the source's updated, which makes it an HF model directory, the
+/// tokenizer files of the source, and the run file).
 fn save<B: Backend>(
     cfg: &TrainConfig,
     b: &B,
@@ -430,8 +433,11 @@ fn save<B: Backend>(
         return Ok(());
     }
     let path = staged.join("config.json");
-    std::fs::write(&path, cfg.model.to_hf_json())
-        .map_err(|e| Error::io(path.display().to_string(), e))?;
+    let config = checkpoint_config(cfg.source_config.as_ref(), &cfg.model, cfg.save_dtype);
+    std::fs::write(&path, config).map_err(|e| Error::io(path.display().to_string(), e))?;
+    if let Some(from) = cfg.carry_from() {
+        carry_files(from, dir, &staged)?;
+    }
     if let Some(text) = &cfg.run_file {
         let path = staged.join("run.toml");
         std::fs::write(&path, text).map_err(|e| Error::io(path.display().to_string(), e))?;

@@ -7,8 +7,10 @@ use crate::cli::memory::MemoryArgs;
 use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::FwdChunkArgs;
 use crate::error::{Error, Result};
+use crate::checkpoint::SaveDtype;
 use crate::model::ModelConfig;
 pub use crate::plan::FsdpMode;
+use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
 
 /// Flags of `upipe train`.
@@ -74,6 +76,11 @@ pub struct TrainArgs {
     /// and the resolved run file `run.toml` that repeats the run).
     #[arg(long)]
     pub save_dir: Option<PathBuf>,
+    /// The dtype of a checkpoint's model files: auto (the dtype of
+    /// --init-from's model, bf16 without one), f32, bf16 or fp16. Optimizer
+    /// state, and the F32 masters a resume continues from, stay F32.
+    #[arg(long, default_value = "auto")]
+    pub save_dtype: String,
     /// Checkpoint every N steps (0: at the end only).
     #[arg(long, default_value_t = 0)]
     pub save_every: u32,
@@ -178,6 +185,7 @@ impl TrainArgs {
         clip => optim.clip,
         save_dir => checkpoint.save_dir,
         save_every => checkpoint.save_every,
+        save_dtype => checkpoint.save_dtype,
         resume => checkpoint.resume,
         overwrite => checkpoint.overwrite,
         skip_nonfinite => optim.skip_nonfinite,
@@ -244,7 +252,33 @@ impl TrainArgs {
             strategy: for_key(k, "attn", self.attn.parse())?,
             fsdp: for_key(k, "fsdp", self.fsdp.parse())?,
             model: for_key(k, "model", ModelConfig::resolve(&self.model))?,
+            save_dtype: for_key(k, "save_dtype", self.save_dtype())?,
+            source_config: for_key(k, "model", self.source_config())?,
         })
+    }
+
+    /// `--save-dtype`, with `auto` resolved: the dtype of `--init-from`'s
+    /// model (or of the checkpoint a `--resume` continues), else bf16.
+    fn save_dtype(&self) -> Result<SaveDtype> {
+        if self.save_dtype != "auto" {
+            return self.save_dtype.parse();
+        }
+        let resumed = (self.save_dir.as_deref()).filter(|d| self.resume && d.join("state.json").is_file());
+        match self.init_from.as_deref().or(resumed) {
+            Some(dir) => Ok(SaveDtype::of_model_dir(dir)?.unwrap_or_default()),
+            None => Ok(SaveDtype::default()),
+        }
+    }
+
+    /// The `config.json` a checkpoint starts from: `--init-from`'s when it
+    /// has one, else `--model`'s ([`ModelConfig::hf_source`]).
+    fn source_config(&self) -> Result<Option<Map<String, Value>>> {
+        if let Some(file) = self.init_from.as_ref().map(|d| d.join("config.json"))
+            && file.is_file()
+        {
+            return ModelConfig::hf_source(&file.to_string_lossy());
+        }
+        ModelConfig::hf_source(&self.model)
     }
 }
 
@@ -332,6 +366,10 @@ pub struct Choices {
     pub strategy: Strategy,
     pub fsdp: FsdpMode,
     pub model: ModelConfig,
+    /// `--save-dtype`, `auto` resolved.
+    pub save_dtype: SaveDtype,
+    /// The `config.json` a checkpoint keeps every field of.
+    pub source_config: Option<Map<String, Value>>,
 }
 
 /// `--device`.
