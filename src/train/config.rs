@@ -113,7 +113,8 @@ impl TrainConfig {
     }
 
     /// `steps` steps of `model` on sequences of `seq` tokens with `optim`, on
-    /// one rank (`local`), seed 0, the default memory policy, no checkpoints;
+    /// one rank (`local`), seed 0, the default memory policy, no checkpoints
+    /// (F32 model files when a `save_dir` is set);
     /// change the rest with struct update syntax.
     pub fn new(model: ModelConfig, seq: usize, steps: u32, optim: AdamWConfig) -> Self {
         TrainConfig {
@@ -139,7 +140,8 @@ impl TrainConfig {
             fsdp: false,
             fsdp_replicas: 1,
             max_file_bytes: crate::checkpoint::sharded::FILE_BYTES,
-            save_dtype: crate::checkpoint::SaveDtype::BF16,
+            // exact for the CPU's F32 weights (`upipe train` resolves `auto`)
+            save_dtype: crate::checkpoint::SaveDtype::F32,
             source_config: None,
             grad_accum: 1,
             run_file: None,

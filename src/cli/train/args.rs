@@ -23,7 +23,7 @@ pub struct TrainArgs {
     /// Print the resolved run file (defaults, --config, flags) and exit.
     #[arg(long)]
     pub print_config: bool,
-    /// Preset name (tiny, llama3.2-1b, llama3-8b, llama3-70b, qwen3-32b), config.json, or HF model dir.
+    /// Preset name (tiny, llama3.1-8b, llama3.2-1b, qwen3-8b, ...: see docs/checkpoints.md), config.json, or HF model dir.
     #[arg(long, default_value = "tiny")]
     pub model: String,
     /// Training data: a text file (tokenized with --tokenizer), or pre-tokenized
