@@ -215,7 +215,10 @@ fn a_run_file_printed_by_an_earlier_train_resolves_the_same() {
             "model = \"tiny\"\nallow-extra-tensors = false\n",
         )
         .replace("clip = 1.0\n", "clip = 1.0\nskip-nonfinite = 0\n")
-        .replace("save-every = 0\n", "save-every = 0\nsave-dtype = \"auto\"\n")
+        .replace(
+            "save-every = 0\n",
+            "save-every = 0\nsave-dtype = \"auto\"\n",
+        )
         .replace("resume = false\n", "resume = false\noverwrite = false\n");
     assert_eq!(ok(&["train", "--config", f, "--print-config"]), now);
     std::fs::remove_dir_all(&dir).unwrap();

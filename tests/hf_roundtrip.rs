@@ -76,15 +76,25 @@ fn source_model(dir: &Path) -> ModelConfig {
         .into_iter()
         .map(|(name, shape)| {
             let n = shape.iter().product();
-            let v = (0..n).map(|_| (rng.below(2001) as f32 - 1000.0) * 1e-4).collect();
+            let v = (0..n)
+                .map(|_| (rng.below(2001) as f32 - 1000.0) * 1e-4)
+                .collect();
             (name, HostTensor::new(shape, v).unwrap())
         })
         .collect();
     save_hf_model(dir, &cfg, &tensors, SaveDtype::BF16).unwrap();
     let text = serde_json::to_string_pretty(&source_config()).unwrap();
     std::fs::write(dir.join("config.json"), text).unwrap();
-    std::fs::write(dir.join("tokenizer.json"), r#"{"version": "1.0", "model": {}}"#).unwrap();
-    std::fs::write(dir.join("generation_config.json"), r#"{"bos_token_id": 250}"#).unwrap();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        r#"{"version": "1.0", "model": {}}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"bos_token_id": 250}"#,
+    )
+    .unwrap();
     cfg
 }
 
@@ -99,8 +109,23 @@ fn upipe(args: &[&str]) -> std::process::Output {
 fn train(src: &Path, dst: &Path, steps: &str, lr: &str, more: &[&str]) -> std::process::Output {
     let (s, d) = (src.to_str().unwrap(), dst.to_str().unwrap());
     let mut args = vec![
-        "train", "--device", "cpu", "--attn", "local", "--seq", "32", "--model", s,
-        "--init-from", s, "--steps", steps, "--lr", lr, "--save-dir", d,
+        "train",
+        "--device",
+        "cpu",
+        "--attn",
+        "local",
+        "--seq",
+        "32",
+        "--model",
+        s,
+        "--init-from",
+        s,
+        "--steps",
+        steps,
+        "--lr",
+        lr,
+        "--save-dir",
+        d,
     ];
     args.extend_from_slice(more);
     upipe(&args)
@@ -153,15 +178,31 @@ fn an_untrained_bf16_model_comes_back_bit_for_bit_with_its_config_and_tokenizer(
     assert!(opt.keys().any(|k| k.starts_with("master.")));
     // and it resumes
     ok(upipe(&[
-        "train", "--device", "cpu", "--attn", "local", "--seq", "32", "--model",
-        src.to_str().unwrap(), "--steps", "2", "--lr", "0", "--save-dir",
-        dst.to_str().unwrap(), "--resume",
+        "train",
+        "--device",
+        "cpu",
+        "--attn",
+        "local",
+        "--seq",
+        "32",
+        "--model",
+        src.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--lr",
+        "0",
+        "--save-dir",
+        dst.to_str().unwrap(),
+        "--resume",
     ]));
     assert_eq!(
         raw(&dst.join("model.safetensors")),
         raw(&src.join("model.safetensors"))
     );
-    assert!(dst.join("tokenizer.json").exists(), "carried on by the resumed run");
+    assert!(
+        dst.join("tokenizer.json").exists(),
+        "carried on by the resumed run"
+    );
     let _ = (std::fs::remove_dir_all(&src), std::fs::remove_dir_all(&dst));
 }
 
@@ -184,7 +225,11 @@ fn save_dtype_picks_the_stored_dtype_and_names_its_values() {
     let config = json_file(&dst.join("config.json"));
     assert_eq!(config["dtype"], "float32");
     ok(train(&src, &dst, "1", "0", &["--save-dtype", "fp16"]));
-    assert!(raw(&dst.join("model.safetensors")).values().all(|(d, _)| *d == Dtype::F16));
+    assert!(
+        raw(&dst.join("model.safetensors"))
+            .values()
+            .all(|(d, _)| *d == Dtype::F16)
+    );
     assert_eq!(json_file(&dst.join("config.json"))["dtype"], "float16");
     let out = train(&src, &dst, "1", "0", &["--save-dtype", "int8"]);
     let log = String::from_utf8_lossy(&out.stderr);
@@ -204,17 +249,40 @@ fn the_owners_files_are_never_replaced_and_upipes_go_with_its_checkpoint() {
     std::fs::write(dst.join("tokenizer.json"), "mine").unwrap();
     std::fs::write(dst.join("notes.txt"), "mine too").unwrap();
     ok(train(&src, &dst, "1", "0", &["--overwrite"]));
-    assert_eq!(std::fs::read_to_string(dst.join("tokenizer.json")).unwrap(), "mine");
-    assert_eq!(std::fs::read_to_string(dst.join("notes.txt")).unwrap(), "mine too");
+    assert_eq!(
+        std::fs::read_to_string(dst.join("tokenizer.json")).unwrap(),
+        "mine"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dst.join("notes.txt")).unwrap(),
+        "mine too"
+    );
     assert!(dst.join("generation_config.json").exists());
     // a later run from no source: upipe's copy goes, the owner's stay
     ok(upipe(&[
-        "train", "--device", "cpu", "--attn", "local", "--seq", "32", "--model",
-        src.to_str().unwrap(), "--steps", "1", "--save-dir", dst.to_str().unwrap(),
+        "train",
+        "--device",
+        "cpu",
+        "--attn",
+        "local",
+        "--seq",
+        "32",
+        "--model",
+        src.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--save-dir",
+        dst.to_str().unwrap(),
     ]));
     assert!(!dst.join("generation_config.json").exists());
-    assert_eq!(std::fs::read_to_string(dst.join("tokenizer.json")).unwrap(), "mine");
-    assert_eq!(std::fs::read_to_string(dst.join("notes.txt")).unwrap(), "mine too");
+    assert_eq!(
+        std::fs::read_to_string(dst.join("tokenizer.json")).unwrap(),
+        "mine"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dst.join("notes.txt")).unwrap(),
+        "mine too"
+    );
     let _ = (std::fs::remove_dir_all(&src), std::fs::remove_dir_all(&dst));
 }
 
@@ -240,7 +308,12 @@ fn bf16_checkpoints_over_several_files_resume_exactly() {
             fsdp,
             save_dtype: SaveDtype::BF16,
             max_file_bytes: 20_000,
-            ..TrainConfig::new(m.clone(), 32, steps, AdamWConfig::schedule(3e-3, 3e-4, 1, 6))
+            ..TrainConfig::new(
+                m.clone(),
+                32,
+                steps,
+                AdamWConfig::schedule(3e-3, 3e-4, 1, 6),
+            )
         };
         let full = train_cpu(&config(6), tokens(m.vocab), &|_| {}).unwrap();
         let dir = temp(&format!("files-{fsdp}"));
@@ -258,7 +331,10 @@ fn bf16_checkpoints_over_several_files_resume_exactly() {
         assert!(files.len() > 1, "{files:?}");
         let mut stored = 0;
         for f in &files {
-            assert!(f.starts_with("model-") && f.ends_with(&format!("-of-{:05}.safetensors", files.len())));
+            assert!(
+                f.starts_with("model-")
+                    && f.ends_with(&format!("-of-{:05}.safetensors", files.len()))
+            );
             for (_, (dtype, bytes)) in raw(&dir.join(f)) {
                 assert_eq!(dtype, Dtype::BF16);
                 stored += bytes.len();

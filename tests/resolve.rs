@@ -75,7 +75,7 @@ impl Case<'_> {
             ring: Some(r),
         };
         let mesh = resolve_mesh(flags, c.strategy, &c.model, a.seq, None, Some(self.world()));
-        let cfg = train_config(&a, c.model.clone(), c.strategy, mesh);
+        let cfg = train_config(&a, &c, mesh);
         cfg.plan().unwrap();
         let memory = (self.gpu_mem_gib * GIB as f64) as usize;
         let device = DeviceKind::cuda_with(c.kernel);

@@ -36,9 +36,8 @@ pub fn carry_files(from: &Path, dir: &Path, staged: &Path) -> Result<Vec<String>
             continue;
         }
         let to = staged.join(name);
-        std::fs::copy(&src, &to).map_err(|e| {
-            Error::io(format!("copying {} to {}", src.display(), to.display()), e)
-        })?;
+        std::fs::copy(&src, &to)
+            .map_err(|e| Error::io(format!("copying {} to {}", src.display(), to.display()), e))?;
         copied.push(name.to_string());
     }
     Ok(copied)

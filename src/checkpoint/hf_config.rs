@@ -55,10 +55,12 @@ fn upipe_fields(cfg: &ModelConfig) -> Map<String, Value> {
 /// Whether `src` parses to `cfg` (its name aside).
 fn describes(src: &Map<String, Value>, cfg: &ModelConfig) -> bool {
     let text = Value::Object(src.clone()).to_string();
-    ModelConfig::from_hf_json(&text).is_ok_and(|c| ModelConfig {
-        name: cfg.name.clone(),
-        ..c
-    } == *cfg)
+    ModelConfig::from_hf_json(&text).is_ok_and(|c| {
+        ModelConfig {
+            name: cfg.name.clone(),
+            ..c
+        } == *cfg
+    })
 }
 
 /// `src` with `ours`' fields written over it (its name kept; a newer
@@ -109,6 +111,9 @@ mod tests {
         // no source: upipe's fields, with torch_dtype
         let out = object(&checkpoint_config(None, &cfg, SaveDtype::F16));
         assert_eq!(out["torch_dtype"], json!("float16"));
-        assert_eq!(ModelConfig::from_hf_json(&Value::Object(out).to_string()).unwrap(), cfg);
+        assert_eq!(
+            ModelConfig::from_hf_json(&Value::Object(out).to_string()).unwrap(),
+            cfg
+        );
     }
 }

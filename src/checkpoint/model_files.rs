@@ -90,13 +90,19 @@ pub fn write_model_files(
     tensors: &[(String, &HostTensor)],
     files: ModelFiles,
 ) -> Result<()> {
-    let bytes: Vec<usize> = tensors.iter().map(|(_, t)| files.bytes(t.numel())).collect();
+    let bytes: Vec<usize> = tensors
+        .iter()
+        .map(|(_, t)| files.bytes(t.numel()))
+        .collect();
     let groups = file_groups(&bytes, files.max_file_bytes);
     let mut index = Vec::new();
     for (k, g) in groups.iter().enumerate() {
         let file = weight_file_name(k, groups.len());
         save_safetensors(&dir.join(&file), &tensors[g.clone()], files.dtype)?;
-        index.push((file, tensors[g.clone()].iter().map(|(n, _)| n.clone()).collect()));
+        index.push((
+            file,
+            tensors[g.clone()].iter().map(|(n, _)| n.clone()).collect(),
+        ));
     }
     if groups.len() > 1 {
         write_index(dir, &index, bytes.iter().sum())?;

@@ -115,7 +115,10 @@ mod tests {
         assert_eq!("fp16".parse::<SaveDtype>().unwrap(), SaveDtype::F16);
         assert_eq!("f32".parse::<SaveDtype>().unwrap(), SaveDtype::F32);
         let e = "int8".parse::<SaveDtype>().unwrap_err().to_string();
-        assert!(e.contains("--save-dtype int8") && e.contains("f32, bf16 or fp16"), "{e}");
+        assert!(
+            e.contains("--save-dtype int8") && e.contains("f32, bf16 or fp16"),
+            "{e}"
+        );
         for d in [SaveDtype::F32, SaveDtype::BF16, SaveDtype::F16] {
             assert_eq!(SaveDtype::from_name(d.hf_name()), Some(d));
         }

@@ -93,7 +93,12 @@ pub fn save_train_state_as(dir: &Path, state: &StateToSave, files: ModelFiles) -
     let masters = state.masters.into_iter().flatten();
     let moments: Vec<(String, &HostTensor)> = (state.adam_m.iter())
         .map(|(n, t)| (format!("exp_avg.{n}"), t))
-        .chain(state.adam_v.iter().map(|(n, t)| (format!("exp_avg_sq.{n}"), t)))
+        .chain(
+            state
+                .adam_v
+                .iter()
+                .map(|(n, t)| (format!("exp_avg_sq.{n}"), t)),
+        )
         .chain(masters.map(|(n, t)| (format!("master.{n}"), t)))
         .collect();
     save_safetensors(&dir.join(OPTIMIZER_FILE), &moments, SaveDtype::F32)?;
@@ -185,7 +190,8 @@ fn check_same_layout(
     what: &str,
     place: &Path,
 ) -> Result<()> {
-    let params: BTreeMap<String, &HostTensor> = params.iter().map(|(n, t)| (n.clone(), t)).collect();
+    let params: BTreeMap<String, &HostTensor> =
+        params.iter().map(|(n, t)| (n.clone(), t)).collect();
     check_same_layout_of(&params, moments, what, place)
 }
 

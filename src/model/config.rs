@@ -564,6 +564,10 @@ mod tests {
         let cfg = ModelConfig::from_hf_json(&llama).unwrap();
         assert_eq!(cfg.rope_theta, 500_000.0);
         assert_eq!(cfg.rope_scaling.unwrap().factor, 8.0);
+        // a null rope_scaling beside them defers to rope_parameters
+        let with_null = llama.replacen('{', "{\"rope_scaling\": null,", 1);
+        let cfg = ModelConfig::from_hf_json(&with_null).unwrap();
+        assert_eq!(cfg.rope_scaling.unwrap().factor, 8.0);
     }
 
     #[test]

@@ -15,8 +15,8 @@ use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::{BlockWeights, Decoder, HeadView, ModelConfig, ModelWeights, ParamStore, Unit};
 use crate::optim::settling::{Deferred, Settling};
-use std::collections::BTreeMap;
 use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
+use std::collections::BTreeMap;
 
 /// Whole-model parameters and gradients of one rank.
 pub struct ReplicatedStore<'a, B: Backend> {

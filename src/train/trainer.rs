@@ -5,8 +5,6 @@
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 
 pub use super::config::TrainConfig;
-use crate::checkpoint::carried::carry_files;
-use crate::checkpoint::hf_config::checkpoint_config;
 use super::fsdp::Sharded;
 pub use super::host_weights::{weights_from_host, weights_to_host};
 use super::replicated::{Replicated, ReplicatedStore, Resumed};
@@ -15,6 +13,8 @@ use crate::attention::CpPlan;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::profile::ClassTotals;
 use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats};
+use crate::checkpoint::carried::carry_files;
+use crate::checkpoint::hf_config::checkpoint_config;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};

@@ -2,12 +2,12 @@
 
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
+use crate::checkpoint::SaveDtype;
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::memory::MemoryArgs;
 use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::FwdChunkArgs;
 use crate::error::{Error, Result};
-use crate::checkpoint::SaveDtype;
 use crate::model::ModelConfig;
 pub use crate::plan::FsdpMode;
 use serde_json::{Map, Value};
@@ -263,7 +263,8 @@ impl TrainArgs {
         if self.save_dtype != "auto" {
             return self.save_dtype.parse();
         }
-        let resumed = (self.save_dir.as_deref()).filter(|d| self.resume && d.join("state.json").is_file());
+        let resumed =
+            (self.save_dir.as_deref()).filter(|d| self.resume && d.join("state.json").is_file());
         match self.init_from.as_deref().or(resumed) {
             Some(dir) => Ok(SaveDtype::of_model_dir(dir)?.unwrap_or_default()),
             None => Ok(SaveDtype::default()),
