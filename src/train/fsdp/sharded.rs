@@ -65,28 +65,8 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 None,
             ));
         };
-        let saved = SavedOptimizer::open(dir)?;
-        let rank = group.rank();
         let mut store = store;
-        for (i, u) in store.layouts.iter().enumerate() {
-            for kind in [StateKind::ExpAvg, StateKind::ExpAvgSq, StateKind::Master] {
-                if kind == StateKind::Master && !saved.has_master(u) {
-                    continue;
-                }
-                let values = || saved.shard(kind.name(), u, rank);
-                match opt.state_mut(i, kind) {
-                    Some(t) => b.upload(t, &values()?)?,
-                    // F32 shards saved narrower: their F32 values are the masters
-                    None if kind == StateKind::Master => {
-                        let shard = store.params[i].as_mut().ok_or_else(|| {
-                            Error::Backend("FSDP: a shard is in a collective at start-up".into())
-                        })?;
-                        b.upload(shard, &values()?)?;
-                    }
-                    None => {}
-                }
-            }
-        }
+        restore_state(b, &SavedOptimizer::open(dir)?, &mut store, opt.as_mut())?;
         let state = ckpt::read_state(dir)?;
         let resumed = Resumed {
             step: state.get("step").and_then(Value::as_u64).ok_or_else(|| {
@@ -194,6 +174,37 @@ impl<'a, B: Backend> Deferred<B, FsdpStore<'a, B>> for Box<dyn Optimizer<B>> {
         let upto = slots_through(self.slots(), unit, store.layers());
         self.settle(b, &mut store.lend(), upto)
     }
+}
+
+/// Uploads a checkpoint's optimizer state into this rank's `opt`: the
+/// moments, and the F32 masters into the optimizer's, or into the shards
+/// themselves where they are F32 and the weight files were narrower.
+fn restore_state<B: Backend>(
+    b: &B,
+    saved: &SavedOptimizer,
+    store: &mut FsdpStore<'_, B>,
+    opt: &mut dyn Optimizer<B>,
+) -> Result<()> {
+    let rank = store.group.rank();
+    for (i, u) in store.layouts.iter().enumerate() {
+        for kind in [StateKind::ExpAvg, StateKind::ExpAvgSq, StateKind::Master] {
+            if kind == StateKind::Master && !saved.has_master(u) {
+                continue;
+            }
+            let values = || saved.shard(kind.name(), u, rank);
+            match opt.state_mut(i, kind) {
+                Some(t) => b.upload(t, &values()?)?,
+                None if kind == StateKind::Master => {
+                    let shard = store.params[i].as_mut().ok_or_else(|| {
+                        Error::Backend("FSDP: a shard is in a collective at start-up".into())
+                    })?;
+                    b.upload(shard, &values()?)?;
+                }
+                None => {}
+            }
+        }
+    }
+    Ok(())
 }
 
 /// AdamW over the rank's shards (zero moments, F32 masters of the current
