@@ -3,12 +3,12 @@
 //! names and layouts; nothing is permuted.
 
 use super::fs::{create_dir, is_plain_file_name, write_atomic};
+use super::save_dtype::SaveDtype;
 use super::tensor_file::{HostTensor, read_safetensors, save_safetensors};
-use crate::backend::tensor::DType;
 use crate::error::{Error, Result};
 use crate::model::Param;
 use crate::model::config::ModelConfig;
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
@@ -205,8 +205,9 @@ pub fn save_hf_model(
     dir: &Path,
     cfg: &ModelConfig,
     tensors: &BTreeMap<String, HostTensor>,
-    dtype: DType,
+    dtype: impl Into<SaveDtype>,
 ) -> Result<()> {
+    let dtype = dtype.into();
     let expected = cfg.hf_param_shapes();
     for (name, shape) in &expected {
         match tensors.get(name) {
@@ -242,17 +243,6 @@ pub fn save_hf_model(
         .map(|(n, _)| (n.clone(), &tensors[n]))
         .collect();
     save_safetensors(&dir.join(SINGLE_FILE), &list, dtype)?;
-    write_atomic(&dir.join("config.json"), config_json(cfg, dtype).as_bytes())
-}
-
-/// `cfg.to_hf_json()` with `torch_dtype` set to the dtype the weights are stored in.
-fn config_json(cfg: &ModelConfig, dtype: DType) -> String {
-    let mut value: Value =
-        serde_json::from_str(&cfg.to_hf_json()).expect("to_hf_json writes valid JSON");
-    let name = match dtype {
-        DType::F32 => "float32",
-        DType::BF16 => "bfloat16",
-    };
-    value["torch_dtype"] = json!(name);
-    serde_json::to_string_pretty(&value).expect("a JSON value always serialises")
+    let config = super::hf_config::checkpoint_config(None, cfg, dtype);
+    write_atomic(&dir.join("config.json"), config.as_bytes())
 }

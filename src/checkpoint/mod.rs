@@ -2,17 +2,27 @@
 //! Face model directories (`hf.rs`), training state (`train_state.rs`),
 //! reads by element range (`ranged.rs`), the save directory upipe shares
 //! with its owner (`save_dir.rs`: manifest, lock, staging and journaled
-//! publishing), and FSDP's per-rank optimizer shards (`sharded.rs`).
+//! publishing), and FSDP's per-rank optimizer shards (`sharded.rs`); a
+//! checkpoint's weight files in its `--save-dtype` (`save_dtype.rs`,
+//! `model_files.rs`: sharded as HF shards them), its `config.json`
+//! (`hf_config.rs`: the source's, updated) and the tokenizer files carried
+//! from the source (`carried.rs`).
 
+pub mod carried;
 mod fs;
 pub mod hf;
+pub mod hf_config;
+pub mod model_files;
 pub mod ranged;
 pub mod save_dir;
+pub mod save_dtype;
 pub mod sharded;
 pub mod tensor_file;
 pub mod train_state;
 
 pub use hf::*;
+pub use model_files::ModelFiles;
+pub use save_dtype::SaveDtype;
 pub use tensor_file::*;
 pub use train_state::*;
 

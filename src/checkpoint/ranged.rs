@@ -204,6 +204,14 @@ impl RangedModel {
         self.by_name.keys().map(String::as_str)
     }
 
+    /// The dtype name (`BF16`, `F32`, ...) of the first tensor stored in
+    /// the first file, if there is one.
+    pub fn first_dtype(&self) -> Option<&str> {
+        let first = self.files.first()?;
+        let entry = first.entries.values().min_by_key(|e| e.bytes.start)?;
+        Some(entry.dtype.as_str())
+    }
+
     /// Checks that `name` is there with `shape`.
     pub fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
         match self

@@ -48,6 +48,16 @@ pub fn is_checkpoint_file(name: &str) -> bool {
         && (name.starts_with("model") || name.starts_with("optimizer")))
 }
 
+/// Whether a checkpoint may write file `name` of `dir`: there is none, or
+/// upipe's manifest lists it (a file of the owner's is never replaced).
+pub fn may_write(dir: &Path, name: &str) -> Result<bool> {
+    if !dir.join(name).exists() {
+        return Ok(true);
+    }
+    let listed = read_listing(&work(dir).join(MANIFEST))?;
+    Ok(listed.is_some_and(|l| l.files.iter().any(|f| f == name)))
+}
+
 /// Where the ranks write the next checkpoint of `dir` before [`publish`].
 pub fn staging(dir: &Path) -> PathBuf {
     dir.join(WORK).join(STAGING)
@@ -258,16 +268,18 @@ impl SaveDir {
         make_work_area(dir, overwrite)?;
         let lock = lock(dir)?;
         recover(dir)?;
-        let names = match ownership(dir)? {
+        // what upipe listed stays its own (carried tokenizer files too); of
+        // files it did not list, only checkpoint-named ones are adopted
+        let files: Vec<String> = match ownership(dir)? {
             Owner::Foreign(names) if !overwrite => return Err(foreign_error(dir, &names)),
-            Owner::Foreign(names) | Owner::Upipe(names) => names,
+            Owner::Foreign(names) => names
+                .into_iter()
+                .filter(|n| is_checkpoint_file(n))
+                .collect(),
+            Owner::Upipe(names) => names,
             Owner::Empty => vec![],
         };
         let manifest = work(dir).join(MANIFEST);
-        let files: Vec<String> = names
-            .into_iter()
-            .filter(|n| is_checkpoint_file(n))
-            .collect();
         if read_listing(&manifest)?.map(|l| l.files) != Some(files.clone()) {
             write_listing(
                 &manifest,

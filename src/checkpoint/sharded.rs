@@ -1,29 +1,27 @@
 //! Checkpoints of a sharded run.
 //!
 //! - Weights: an HF directory (`model.safetensors`, or files of at most
-//!   [`FILE_BYTES`] with `model.safetensors.index.json`), F32, written by
-//!   the lead rank one file at a time as the units are gathered, so no rank
+//!   [`FILE_BYTES`] with `model.safetensors.index.json`), in the run's
+//!   `--save-dtype`, written by the lead rank one file at a time as the units are gathered, so no rank
 //!   ever holds more than one file's tensors.
 //! - Optimizer: one file per rank, `optimizer.rank{r}-of-{W}.safetensors`,
 //!   holding that rank's `[shard]` of every unit (`exp_avg.<unit>`,
-//!   `exp_avg_sq.<unit>`, `master.<unit>` where kept).
+//!   `exp_avg_sq.<unit>`, and `master.<unit>`, F32, where the optimizer
+//!   keeps masters or the weight files are narrower than the shards).
 //! - `state.json` last, with the world size: a directory whose state.json is
 //!   present has all its files. Resuming on another world size re-shards by
 //!   reading, for each new shard, the ranges of the old files it overlaps
 //!   ([`crate::model::flat_layout::pieces`]); a checkpoint written without FSDP
 //!   (`optimizer.safetensors`, whole tensors) resumes sharded too.
 
-use crate::backend::DType;
 use crate::checkpoint::ranged::RangedFile;
-use crate::checkpoint::{HostTensor, save_safetensors};
+use crate::checkpoint::{HostTensor, SaveDtype, save_safetensors};
 use crate::error::{Error, Result};
 use crate::model::flat_layout::{UnitLayout, pieces, unit_key};
 use serde_json::{Value, json};
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-/// The largest weight file written (HF's default shard size).
-pub const FILE_BYTES: usize = 5_000_000_000;
+pub use super::model_files::{FILE_BYTES, file_groups, weight_file_name, write_index};
 
 const STATE_FILE: &str = "state.json";
 const STATE_VERSION: u64 = 1;
@@ -38,49 +36,19 @@ pub fn optimizer_file(dir: &Path, rank: usize, world: usize) -> PathBuf {
     dir.join(format!("optimizer.rank{rank:05}-of-{world:05}.safetensors"))
 }
 
-/// Consecutive units grouped into files of at most `max` bytes (a larger
-/// unit gets a file of its own).
-pub fn file_groups(unit_bytes: &[usize], max: usize) -> Vec<Range<usize>> {
-    let mut groups = Vec::new();
-    let (mut start, mut bytes) = (0, 0);
-    for (i, &b) in unit_bytes.iter().enumerate() {
-        if i > start && bytes + b > max {
-            groups.push(start..i);
-            (start, bytes) = (i, 0);
-        }
-        bytes += b;
-    }
-    if start < unit_bytes.len() {
-        groups.push(start..unit_bytes.len());
-    }
-    groups
-}
-
-/// The name of weight file `k` of `n` (`model.safetensors` when alone).
-pub fn weight_file_name(k: usize, n: usize) -> String {
-    if n == 1 {
-        "model.safetensors".into()
-    } else {
-        format!("model-{:05}-of-{n:05}.safetensors", k + 1)
-    }
-}
-
-/// Writes one weight file of F32 tensors.
+/// Writes one file of F32 tensors (the optimizer's).
 pub fn write_weight_file(path: &Path, tensors: &[(String, HostTensor)]) -> Result<()> {
-    let list: Vec<(String, &HostTensor)> = tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
-    save_safetensors(path, &list, DType::F32)
+    write_tensor_file(path, tensors, SaveDtype::F32)
 }
 
-/// Writes `model.safetensors.index.json` for weights spread over files.
-pub fn write_index(dir: &Path, files: &[(String, Vec<String>)], total_bytes: usize) -> Result<()> {
-    let mut map = serde_json::Map::new();
-    for (file, names) in files {
-        for n in names {
-            map.insert(n.clone(), json!(file));
-        }
-    }
-    let v = json!({ "metadata": { "total_size": total_bytes }, "weight_map": map });
-    write(&dir.join("model.safetensors.index.json"), &v)
+/// Writes one file of tensors in `dtype`.
+pub fn write_tensor_file(
+    path: &Path,
+    tensors: &[(String, HostTensor)],
+    dtype: SaveDtype,
+) -> Result<()> {
+    let list: Vec<(String, &HostTensor)> = tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
+    save_safetensors(path, &list, dtype)
 }
 
 /// Writes `state.json` (last: it marks the checkpoint complete).
@@ -160,13 +128,16 @@ impl SavedOptimizer {
         }
     }
 
-    /// Whether the checkpoint kept F32 master weights.
+    /// Whether the checkpoint kept F32 master weights of `unit`.
     pub fn has_master(&self, unit: &UnitLayout) -> bool {
         match self {
             SavedOptimizer::Sharded { files, .. } => {
                 files[0].contains(&format!("master.{}", unit_key(unit.unit)))
             }
-            SavedOptimizer::Whole(_) => false,
+            SavedOptimizer::Whole(f) => unit
+                .params
+                .first()
+                .is_some_and(|p| f.contains(&format!("master.{}", p.name))),
         }
     }
 
@@ -197,20 +168,5 @@ impl SavedOptimizer {
             }
         }
         Ok(out)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn units_group_into_files_in_order() {
-        assert_eq!(file_groups(&[3, 3, 3], 10), vec![0..3]);
-        assert_eq!(file_groups(&[3, 3, 3], 6), vec![0..2, 2..3]);
-        assert_eq!(file_groups(&[12, 1, 1], 6), vec![0..1, 1..3]);
-        assert_eq!(file_groups(&[], 6), Vec::<Range<usize>>::new());
-        assert_eq!(weight_file_name(0, 1), "model.safetensors");
-        assert_eq!(weight_file_name(1, 3), "model-00002-of-00003.safetensors");
     }
 }

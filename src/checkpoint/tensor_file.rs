@@ -1,8 +1,9 @@
 //! Safetensors files on host memory: [`HostTensor`] (dense row-major f32),
-//! saved in F32/BF16/F16 and read back with every value checked finite.
+//! saved in F32/BF16/F16 and read back (memory-mapped) with every value
+//! checked finite.
 
 use super::fs::{rename, temp_path};
-use crate::backend::tensor::DType;
+use super::save_dtype::SaveDtype;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
@@ -50,15 +51,12 @@ impl HostTensor {
 /// A host tensor viewed as safetensors data in a chosen dtype; converted when written.
 struct Encoded<'a> {
     tensor: &'a HostTensor,
-    dtype: DType,
+    dtype: SaveDtype,
 }
 
 impl View for Encoded<'_> {
     fn dtype(&self) -> StDtype {
-        match self.dtype {
-            DType::F32 => StDtype::F32,
-            DType::BF16 => StDtype::BF16,
-        }
+        self.dtype.safetensors()
     }
 
     fn shape(&self) -> &[usize] {
@@ -68,10 +66,14 @@ impl View for Encoded<'_> {
     fn data(&self) -> Cow<'_, [u8]> {
         let d = &self.tensor.data;
         let bytes = match self.dtype {
-            DType::F32 => d.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            DType::BF16 => d
+            SaveDtype::F32 => d.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            SaveDtype::BF16 => d
                 .iter()
                 .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+                .collect(),
+            SaveDtype::F16 => d
+                .iter()
+                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
                 .collect(),
         };
         Cow::Owned(bytes)
@@ -82,13 +84,15 @@ impl View for Encoded<'_> {
     }
 }
 
-/// Writes `tensors` to a safetensors file in `dtype` (bf16 rounds to nearest
-/// even), atomically: a temporary file is written, then renamed over `path`.
+/// Writes `tensors` to a safetensors file in `dtype` (bf16 and fp16 round to
+/// nearest even), atomically: a temporary file is written, then renamed over
+/// `path`.
 pub fn save_safetensors(
     path: &Path,
     tensors: &[(String, &HostTensor)],
-    dtype: DType,
+    dtype: impl Into<SaveDtype>,
 ) -> Result<()> {
+    let dtype = dtype.into();
     let mut seen = HashSet::new();
     for (name, t) in tensors {
         if !seen.insert(name.as_str()) {
@@ -132,14 +136,21 @@ pub fn load_safetensors_filtered(
 }
 
 /// The tensors of a safetensors file whose names pass `want`, as f32 (each
-/// checked finite), and the names of the others.
+/// checked finite), and the names of the others. The file is memory-mapped:
+/// only the tensors wanted are read, each converted straight from the page
+/// cache (no second copy of the file in memory).
 pub(super) fn read_safetensors(
     path: &Path,
     want: impl Fn(&str) -> bool,
 ) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
     crate::input_path::check_file(path, "checkpoint file")?;
-    let bytes =
-        std::fs::read(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    let file = std::fs::File::open(path)
+        .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+    // SAFETY: the map is only read; a checkpoint changed under a running
+    // load is refused by the save directory's lock (`save_dir.rs`), and
+    // safetensors checks every offset against the map's length.
+    let bytes = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|e| Error::io(format!("mapping {}", path.display()), e))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
         Error::Checkpoint(format!(
             "{} is not a valid safetensors file: {e}",

@@ -1,11 +1,13 @@
-//! Training state: weights, AdamW moments, the step and the caller's state
+//! Training state: weights (HF model files in the run's `--save-dtype`),
+//! AdamW moments and, when the model files are narrower than F32, the F32
+//! masters a resume continues from, the step and the caller's state
 //! (`state.json`), written so that a directory whose `state.json` is present
 //! has all its files.
 
 use super::fs::{create_dir, remove_if_exists, write_atomic};
-use super::hf::SINGLE_FILE;
+use super::model_files::{ModelFiles, read_model_files, write_model_files};
+use super::save_dtype::SaveDtype;
 use super::tensor_file::{HostTensor, load_safetensors, save_safetensors};
-use crate::backend::tensor::DType;
 use crate::error::{Error, Result};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -20,7 +22,8 @@ const STATE_VERSION: u64 = 1;
 pub struct TrainState {
     /// Optimizer steps taken.
     pub step: u64,
-    /// Weights, by HF name.
+    /// Weights, by HF name: the F32 masters where the checkpoint kept them
+    /// (model files narrower than F32), else the model files' values.
     pub params: BTreeMap<String, HostTensor>,
     /// AdamW first moments, same names and shapes as `params`.
     pub adam_m: BTreeMap<String, HostTensor>,
@@ -30,11 +33,8 @@ pub struct TrainState {
     pub extra: Value,
 }
 
-/// Saves a training checkpoint into `dir`: weights in `model.safetensors` (f32,
-/// HF names), moments in `optimizer.safetensors` (`exp_avg.<name>`,
-/// `exp_avg_sq.<name>`), and `state.json` with the step and `extra`. Each file
-/// is written to a temporary name and renamed; `state.json` goes last, so a
-/// directory whose `state.json` is present has all its files.
+/// Saves a training checkpoint into `dir` with its weights in F32 in one
+/// file ([`save_train_state_as`] with no masters and [`ModelFiles::f32`]).
 pub fn save_train_state(
     dir: &Path,
     step: u64,
@@ -43,21 +43,67 @@ pub fn save_train_state(
     adam_v: &BTreeMap<String, HostTensor>,
     extra: &Value,
 ) -> Result<()> {
-    check_same_layout(params, adam_m, "exp_avg", Path::new("the state to save"))?;
-    check_same_layout(params, adam_v, "exp_avg_sq", Path::new("the state to save"))?;
+    let state = StateToSave {
+        step,
+        params: params.iter().map(|(n, t)| (n.clone(), t)).collect(),
+        adam_m,
+        adam_v,
+        masters: None,
+        extra,
+    };
+    save_train_state_as(dir, &state, ModelFiles::f32())
+}
+
+/// What [`save_train_state_as`] writes.
+pub struct StateToSave<'a> {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Weights by HF name, in model order (the order of the weight files).
+    pub params: Vec<(String, &'a HostTensor)>,
+    /// AdamW first moments, by the names of `params`.
+    pub adam_m: &'a BTreeMap<String, HostTensor>,
+    /// AdamW second moments, by the names of `params`.
+    pub adam_v: &'a BTreeMap<String, HostTensor>,
+    /// F32 masters by the names of `params`: what a resume continues from
+    /// when the weight files are narrower than the values trained.
+    pub masters: Option<&'a BTreeMap<String, HostTensor>>,
+    /// Caller-defined state.
+    pub extra: &'a Value,
+}
+
+/// Saves a training checkpoint into `dir`: weights as HF model files
+/// (`files`: dtype, shard size; HF names), moments (and masters) in
+/// `optimizer.safetensors` (`exp_avg.<name>`, `exp_avg_sq.<name>`,
+/// `master.<name>`, always F32), and `state.json` with the step and
+/// `extra`. Each file is written to a temporary name and renamed;
+/// `state.json` goes last, so a directory whose `state.json` is present has
+/// all its files.
+pub fn save_train_state_as(dir: &Path, state: &StateToSave, files: ModelFiles) -> Result<()> {
+    let place = Path::new("the state to save");
+    let names: BTreeMap<String, &HostTensor> = state.params.iter().cloned().collect();
+    check_same_layout_of(&names, state.adam_m, "exp_avg", place)?;
+    check_same_layout_of(&names, state.adam_v, "exp_avg_sq", place)?;
+    if let Some(masters) = state.masters {
+        check_same_layout_of(&names, masters, "master", place)?;
+    }
     create_dir(dir)?;
     // A crash from here on must not leave an old state.json next to new weights.
     remove_if_exists(&dir.join(STATE_FILE))?;
-    let weights: Vec<(String, &HostTensor)> = params.iter().map(|(n, t)| (n.clone(), t)).collect();
-    save_safetensors(&dir.join(SINGLE_FILE), &weights, DType::F32)?;
-    let moments: Vec<(String, &HostTensor)> = adam_m
-        .iter()
+    write_model_files(dir, &state.params, files)?;
+    let masters = state.masters.into_iter().flatten();
+    let moments: Vec<(String, &HostTensor)> = (state.adam_m.iter())
         .map(|(n, t)| (format!("exp_avg.{n}"), t))
-        .chain(adam_v.iter().map(|(n, t)| (format!("exp_avg_sq.{n}"), t)))
+        .chain(
+            state
+                .adam_v
+                .iter()
+                .map(|(n, t)| (format!("exp_avg_sq.{n}"), t)),
+        )
+        .chain(masters.map(|(n, t)| (format!("master.{n}"), t)))
         .collect();
-    save_safetensors(&dir.join(OPTIMIZER_FILE), &moments, DType::F32)?;
-    let state = json!({ "version": STATE_VERSION, "step": step, "extra": extra });
-    let text = serde_json::to_string_pretty(&state).expect("a JSON value always serialises");
+    save_safetensors(&dir.join(OPTIMIZER_FILE), &moments, SaveDtype::F32)?;
+    let json = json!({ "version": STATE_VERSION, "step": state.step, "extra": state.extra });
+    let text = serde_json::to_string_pretty(&json).expect("a JSON value always serialises");
     write_atomic(&dir.join(STATE_FILE), text.as_bytes())
 }
 
@@ -91,11 +137,16 @@ pub fn load_train_state(dir: &Path) -> Result<TrainState> {
         .and_then(Value::as_u64)
         .ok_or_else(|| bad("no integer \"step\""))?;
     let extra = state.get("extra").cloned().unwrap_or(Value::Null);
-    let params = load_safetensors(&dir.join(SINGLE_FILE))?;
+    let mut params = read_model_files(dir)?;
     let opt_path = dir.join(OPTIMIZER_FILE);
     let mut moments = load_safetensors(&opt_path)?;
     let adam_m = take_prefixed(&mut moments, "exp_avg.");
     let adam_v = take_prefixed(&mut moments, "exp_avg_sq.");
+    let masters = take_prefixed(&mut moments, "master.");
+    if !masters.is_empty() {
+        check_same_layout(&params, &masters, "master", &opt_path)?;
+        params = masters;
+    }
     if let Some(name) = moments.keys().next() {
         return Err(Error::Checkpoint(format!(
             "{} holds unexpected tensor '{name}'",
@@ -135,6 +186,18 @@ fn take_prefixed(
 /// Checks that `moments` has exactly the names and shapes of `params`.
 fn check_same_layout(
     params: &BTreeMap<String, HostTensor>,
+    moments: &BTreeMap<String, HostTensor>,
+    what: &str,
+    place: &Path,
+) -> Result<()> {
+    let params: BTreeMap<String, &HostTensor> =
+        params.iter().map(|(n, t)| (n.clone(), t)).collect();
+    check_same_layout_of(&params, moments, what, place)
+}
+
+/// [`check_same_layout`] of borrowed weights.
+fn check_same_layout_of(
+    params: &BTreeMap<String, &HostTensor>,
     moments: &BTreeMap<String, HostTensor>,
     what: &str,
     place: &Path,

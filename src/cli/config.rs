@@ -111,6 +111,7 @@ pub struct OptimKeys {
 pub struct CheckpointKeys {
     pub save_dir: Option<PathBuf>,
     pub save_every: Option<u32>,
+    pub save_dtype: Option<String>,
     pub resume: Option<bool>,
     pub overwrite: Option<bool>,
 }

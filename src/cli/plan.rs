@@ -39,7 +39,7 @@ pub struct PlanArgs {
     /// flags given here win.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Preset name (tiny, llama3.2-1b, llama3-8b, llama3-70b, qwen3-32b), config.json, or HF model dir.
+    /// Preset name (tiny, llama3.1-8b, llama3.2-1b, qwen3-8b, ...: see docs/checkpoints.md), config.json, or HF model dir.
     #[arg(long, default_value = "tiny")]
     pub model: String,
     /// Number of GPUs (data x ulysses x ring; default: the product of the

@@ -228,6 +228,8 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
         fsdp: false,
         fsdp_replicas: 1,
         max_file_bytes: crate::checkpoint::sharded::FILE_BYTES,
+        save_dtype: c.save_dtype,
+        source_config: c.source_config.clone(),
         run_file: None,
         host_budget: None,
         profile: a.profile || a.trace.is_some() || profile_env(),

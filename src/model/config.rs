@@ -3,9 +3,9 @@
 //! `families/`), validation, and the parameters with the exact HF names and
 //! shapes that checkpoints must carry.
 
-use super::families::{FAMILIES, Family, Param};
+use super::families::{FAMILIES, Family, Param, presets};
 use crate::error::{Error, Result};
-use serde_json::Value;
+use serde_json::{Map, Value};
 use std::path::Path;
 
 pub use crate::attention::rope::RopeScaling;
@@ -50,6 +50,15 @@ pub const PRESETS: &[&str] = &[
     "llama3.2-1b",
     "llama3-8b",
     "llama3-70b",
+    "llama3.1-8b",
+    "llama3.1-70b",
+    "llama3.2-3b",
+    "llama3.3-70b",
+    "qwen3-0.6b",
+    "qwen3-1.7b",
+    "qwen3-4b",
+    "qwen3-8b",
+    "qwen3-14b",
     "qwen3-32b",
 ];
 
@@ -57,10 +66,45 @@ pub const PRESETS: &[&str] = &[
 pub const MAX_LAYERS: usize = 1024;
 
 impl ModelConfig {
-    /// The built-in preset called `name`, if there is one (each family
-    /// holds its own).
+    /// The built-in preset called `name`, if there is one: a published
+    /// model's `config.json` ([`presets::hf_preset`]), or one a family
+    /// holds (`tiny`, and the `llama3-8b`/`llama3-70b` shapes).
     pub fn preset(name: &str) -> Option<ModelConfig> {
+        if let Some(json) = presets::hf_preset(name) {
+            let cfg = Self::from_hf_json(json).ok()?;
+            return Some(ModelConfig {
+                name: name.to_string(),
+                ..cfg
+            });
+        }
         FAMILIES.iter().find_map(|f| f.preset(name))
+    }
+
+    /// The `config.json` object behind a `--model` argument, which a
+    /// checkpoint's `config.json` starts from: a published preset's, or the
+    /// file's (a `config.json` or a directory holding one); `None` for a
+    /// preset of upipe's own (`tiny`). Call after [`ModelConfig::resolve`]
+    /// accepted `arg`.
+    pub fn hf_source(arg: &str) -> Result<Option<Map<String, Value>>> {
+        let text = match presets::hf_preset(arg) {
+            Some(json) => json.to_string(),
+            None if Self::preset(arg).is_some() => return Ok(None),
+            None => {
+                let path = Path::new(arg);
+                let file = match path.is_dir() {
+                    true => path.join("config.json"),
+                    false => path.to_path_buf(),
+                };
+                std::fs::read_to_string(&file)
+                    .map_err(|e| Error::io(format!("reading {}", file.display()), e))?
+            }
+        };
+        match serde_json::from_str(&text) {
+            Ok(Value::Object(obj)) => Ok(Some(obj)),
+            _ => Err(Error::Config(format!(
+                "{arg}: config.json must be a JSON object"
+            ))),
+        }
     }
 
     /// Resolves a user argument: a preset name, a path to a `config.json`, or a
@@ -334,6 +378,36 @@ mod tests {
     }
 
     #[test]
+    fn published_presets_are_their_config_json_with_published_sizes() {
+        let listed: Vec<&str> = presets::hf_preset_names().collect();
+        for name in &listed {
+            assert!(PRESETS.contains(name), "{name} is not in PRESETS");
+            let src = ModelConfig::hf_source(name).unwrap().unwrap();
+            assert_eq!(src["torch_dtype"], "bfloat16", "{name}");
+            assert!(src["bos_token_id"].is_number(), "{name}");
+        }
+        let count = |n: &str| ModelConfig::preset(n).unwrap().param_count();
+        assert_eq!(count("llama3.1-8b"), 8_030_261_248);
+        assert_eq!(count("llama3.1-70b"), 70_553_706_496);
+        assert_eq!(count("llama3.3-70b"), 70_553_706_496);
+        assert_eq!(count("llama3.2-3b"), 3_212_749_824);
+        assert_eq!(count("qwen3-8b"), 8_190_735_360);
+        assert_eq!(count("qwen3-0.6b"), 596_049_920);
+        assert_eq!(count("qwen3-4b"), 4_022_468_096);
+        assert_eq!(count("qwen3-14b"), 14_768_307_200);
+        let l31 = ModelConfig::preset("llama3.1-8b").unwrap();
+        assert_eq!(
+            l31,
+            ModelConfig {
+                name: "llama3.1-8b".into(),
+                ..ModelConfig::preset("llama3-8b").unwrap()
+            }
+        );
+        assert_eq!(l31.rope_scaling.unwrap().factor, 8.0);
+        assert_eq!(ModelConfig::hf_source("tiny").unwrap(), None);
+    }
+
+    #[test]
     fn hf_shapes_follow_hf_naming() {
         let cfg = ModelConfig::preset("qwen3-32b").unwrap();
         let shapes: BTreeMapShapes = cfg.hf_param_shapes().into_iter().collect();
@@ -489,6 +563,10 @@ mod tests {
             );
         let cfg = ModelConfig::from_hf_json(&llama).unwrap();
         assert_eq!(cfg.rope_theta, 500_000.0);
+        assert_eq!(cfg.rope_scaling.unwrap().factor, 8.0);
+        // a null rope_scaling beside them defers to rope_parameters
+        let with_null = llama.replacen('{', "{\"rope_scaling\": null,", 1);
+        let cfg = ModelConfig::from_hf_json(&with_null).unwrap();
         assert_eq!(cfg.rope_scaling.unwrap().factor, 8.0);
     }
 

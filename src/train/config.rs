@@ -52,9 +52,15 @@ pub struct TrainConfig {
     /// HSDP: shard inside `world / fsdp_replicas` consecutive ranks,
     /// replicate across the groups (1: shard over every rank).
     pub fsdp_replicas: usize,
-    /// The largest weight file a sharded checkpoint writes (HF's
-    /// `max_shard_size`); more weights spread over several files and an index.
+    /// The largest weight file a checkpoint writes (HF's `max_shard_size`,
+    /// 5 GB by default); more weights spread over several files and an index.
     pub max_file_bytes: usize,
+    /// The dtype of a checkpoint's model files (`--save-dtype`); optimizer
+    /// state and masters stay F32.
+    pub save_dtype: crate::checkpoint::SaveDtype,
+    /// The source model's `config.json` (`--init-from`'s, `--model`'s file
+    /// or preset): a checkpoint's `config.json` keeps its every field.
+    pub source_config: Option<serde_json::Map<String, serde_json::Value>>,
     /// Sequences per optimizer step (per data replica), gradients accumulated.
     pub grad_accum: usize,
     /// The run file that repeats this run, written as `run.toml` beside
@@ -111,7 +117,8 @@ impl TrainConfig {
     }
 
     /// `steps` steps of `model` on sequences of `seq` tokens with `optim`, on
-    /// one rank (`local`), seed 0, the default memory policy, no checkpoints;
+    /// one rank (`local`), seed 0, the default memory policy, no checkpoints
+    /// (F32 model files when a `save_dir` is set);
     /// change the rest with struct update syntax.
     pub fn new(model: ModelConfig, seq: usize, steps: u32, optim: AdamWConfig) -> Self {
         TrainConfig {
@@ -137,6 +144,9 @@ impl TrainConfig {
             fsdp: false,
             fsdp_replicas: 1,
             max_file_bytes: crate::checkpoint::sharded::FILE_BYTES,
+            // exact for the CPU's F32 weights (`upipe train` resolves `auto`)
+            save_dtype: crate::checkpoint::SaveDtype::F32,
+            source_config: None,
             grad_accum: 1,
             run_file: None,
             host_budget: None,
@@ -169,6 +179,21 @@ impl TrainConfig {
              --steps above {step} to continue it, or another --save-dir to start afresh",
             dir.display()
         )
+    }
+
+    /// How a checkpoint stores the model's weights (`--save-dtype`, shard size).
+    pub fn model_files(&self) -> crate::checkpoint::ModelFiles {
+        crate::checkpoint::ModelFiles {
+            dtype: self.save_dtype,
+            max_file_bytes: self.max_file_bytes,
+        }
+    }
+
+    /// The model directory whose tokenizer files a checkpoint carries:
+    /// `--init-from`, else the save directory a resumed run continues
+    /// (carrying forward what an earlier save copied there).
+    pub fn carry_from(&self) -> Option<&std::path::Path> {
+        self.init_from.as_deref().or(self.resume_dir())
     }
 
     /// Takes the save directory for this run (once per run, before any

@@ -7,7 +7,8 @@ use super::host_weights::{tensors_to_host, weights_from_host, weights_to_host};
 use super::state::{Micro, RankModel, pass};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::checkpoint::{
-    check_extra_tensors, load_hf_model_with, load_train_state, save_train_state,
+    HostTensor, ModelFiles, SaveDtype, StateToSave, check_extra_tensors, load_hf_model_with,
+    load_train_state, save_train_state_as,
 };
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
@@ -15,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::model::{BlockWeights, Decoder, HeadView, ModelConfig, ModelWeights, ParamStore, Unit};
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
+use std::collections::BTreeMap;
 
 /// Whole-model parameters and gradients of one rank.
 pub struct ReplicatedStore<'a, B: Backend> {
@@ -171,6 +173,8 @@ impl<B: Backend> ParamStore<B> for ReplicatedStore<'_, B> {
 pub struct Replicated<'a, B: Backend> {
     pub store: ReplicatedStore<'a, B>,
     pub opt: Box<dyn Optimizer<B>>,
+    /// How a checkpoint stores the weights (`--save-dtype`, shard size).
+    files: ModelFiles,
 }
 
 /// Where a resumed run continues: the checkpoint's step and caller state.
@@ -206,13 +210,18 @@ impl<'a, B: Backend> Replicated<'a, B> {
                     let t = opt.state_mut(k, kind).ok_or_else(missing)?;
                     b.upload(t, &saved.get(&name).ok_or_else(missing)?.data)?;
                 }
+                // the F32 values (masters, or F32 files), not the rounded weights
+                if let Some(t) = opt.state_mut(k, StateKind::Master) {
+                    b.upload(t, &st.params.get(&name).ok_or_else(missing)?.data)?;
+                }
             }
             let store = ReplicatedStore::new(b, model, w, group)?;
             let resumed = Resumed {
                 step: st.step,
                 extra: st.extra,
             };
-            return Ok((Replicated { store, opt }, Some(resumed)));
+            let files = cfg.model_files();
+            return Ok((Replicated { store, opt, files }, Some(resumed)));
         }
         let w = match &cfg.init_from {
             Some(dir) => {
@@ -223,7 +232,36 @@ impl<'a, B: Backend> Replicated<'a, B> {
         };
         let opt = optimizer(b, cfg, &w)?;
         let store = ReplicatedStore::new(b, model, w, group)?;
-        Ok((Replicated { store, opt }, None))
+        let files = cfg.model_files();
+        Ok((Replicated { store, opt, files }, None))
+    }
+}
+
+impl<B: Backend> Replicated<'_, B> {
+    /// The F32 values a resume continues from, where the weight files do
+    /// not hold them: each parameter's master where the optimizer keeps
+    /// one, else its weights (already F32) when the files are narrower.
+    /// `None` when the files hold every value exactly.
+    fn masters(
+        &self,
+        b: &B,
+        weights: &BTreeMap<String, HostTensor>,
+    ) -> Result<Option<BTreeMap<String, HostTensor>>> {
+        let named = self.store.w.named();
+        let any_kept = (0..named.len()).any(|k| self.opt.kept(k, StateKind::Master).is_some());
+        if self.files.dtype == SaveDtype::F32 && !any_kept {
+            return Ok(None);
+        }
+        let mut out = BTreeMap::new();
+        for (k, (name, t)) in named.into_iter().enumerate() {
+            let master = match self.opt.kept(k, StateKind::Master) {
+                Some(m) => HostTensor::new(m.shape().to_vec(), b.to_host(m)?)?,
+                None => weights[&name].clone(),
+            };
+            debug_assert_eq!(master.shape, t.shape());
+            out.insert(name, master);
+        }
+        Ok(Some(out))
     }
 }
 
@@ -338,13 +376,20 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
             return Ok(());
         }
         let w = &self.store.w;
-        save_train_state(
-            dir,
+        let params = weights_to_host(b, w)?;
+        let masters = self.masters(b, &params)?;
+        let state = StateToSave {
             step,
-            &weights_to_host(b, w)?,
-            &tensors_to_host(b, w, |k| self.opt.kept(k, StateKind::ExpAvg))?,
-            &tensors_to_host(b, w, |k| self.opt.kept(k, StateKind::ExpAvgSq))?,
+            params: w
+                .named()
+                .into_iter()
+                .map(|(n, _)| (n.clone(), &params[&n]))
+                .collect(),
+            adam_m: &tensors_to_host(b, w, |k| self.opt.kept(k, StateKind::ExpAvg))?,
+            adam_v: &tensors_to_host(b, w, |k| self.opt.kept(k, StateKind::ExpAvgSq))?,
+            masters: masters.as_ref(),
             extra,
-        )
+        };
+        save_train_state_as(dir, &state, self.files)
     }
 }

@@ -16,6 +16,8 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::profile::ClassTotals;
 use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats};
 use crate::checkpoint::HostTensor;
+use crate::checkpoint::carried::carry_files;
+use crate::checkpoint::hf_config::checkpoint_config;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
@@ -440,7 +442,8 @@ fn resume(
 }
 
 /// Writes the checkpoint of `step` into `dir` (rank 0 adds `config.json`,
-/// which makes it an HF model directory, and the run file).
+/// the source's updated, which makes it an HF model directory, the
+/// tokenizer files of the source, and the run file).
 fn save<B: Backend>(
     cfg: &TrainConfig,
     b: &B,
@@ -457,8 +460,11 @@ fn save<B: Backend>(
         return Ok(());
     }
     let path = staged.join("config.json");
-    std::fs::write(&path, cfg.model.to_hf_json())
-        .map_err(|e| Error::io(path.display().to_string(), e))?;
+    let config = checkpoint_config(cfg.source_config.as_ref(), &cfg.model, cfg.save_dtype);
+    std::fs::write(&path, config).map_err(|e| Error::io(path.display().to_string(), e))?;
+    if let Some(from) = cfg.carry_from() {
+        carry_files(from, dir, &staged)?;
+    }
     if let Some(text) = &cfg.run_file {
         let path = staged.join("run.toml");
         std::fs::write(&path, text).map_err(|e| Error::io(path.display().to_string(), e))?;

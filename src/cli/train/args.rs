@@ -2,6 +2,7 @@
 
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
+use crate::checkpoint::SaveDtype;
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::memory::MemoryArgs;
 use crate::cli::mesh::MeshArgs;
@@ -11,6 +12,7 @@ use crate::model::ModelConfig;
 use crate::optim::AdamWConfig;
 use crate::optim::schedule::Decay;
 pub use crate::plan::FsdpMode;
+use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
 
 /// Flags of `upipe train`.
@@ -24,7 +26,7 @@ pub struct TrainArgs {
     /// every key, those left unset as comments saying what they do.
     #[arg(long)]
     pub print_config: bool,
-    /// Preset name (tiny, llama3.2-1b, llama3-8b, llama3-70b, qwen3-32b), config.json, or HF model dir.
+    /// Preset name (tiny, llama3.1-8b, llama3.2-1b, qwen3-8b, ...: see docs/checkpoints.md), config.json, or HF model dir.
     #[arg(long, default_value = "tiny")]
     pub model: String,
     /// Training data: a text file (tokenized with --tokenizer), or pre-tokenized
@@ -109,6 +111,11 @@ pub struct TrainArgs {
     /// and the resolved run file `run.toml` that repeats the run).
     #[arg(long)]
     pub save_dir: Option<PathBuf>,
+    /// The dtype of a checkpoint's model files: auto (the dtype of
+    /// --init-from's model, bf16 without one), f32, bf16 or fp16. Optimizer
+    /// state, and the F32 masters a resume continues from, stay F32.
+    #[arg(long, default_value = "auto")]
+    pub save_dtype: String,
     /// Checkpoint every N steps (0: at the end only).
     #[arg(long, default_value_t = 0)]
     pub save_every: u32,
@@ -236,6 +243,7 @@ impl TrainArgs {
         eval_buckets => eval.eval_buckets,
         save_dir => checkpoint.save_dir,
         save_every => checkpoint.save_every,
+        save_dtype => checkpoint.save_dtype,
         resume => checkpoint.resume,
         overwrite => checkpoint.overwrite,
         skip_nonfinite => optim.skip_nonfinite,
@@ -309,7 +317,34 @@ impl TrainArgs {
             strategy: for_key(k, "attn", self.attn.parse())?,
             fsdp: for_key(k, "fsdp", self.fsdp.parse())?,
             model: for_key(k, "model", ModelConfig::resolve(&self.model))?,
+            save_dtype: for_key(k, "save_dtype", self.save_dtype())?,
+            source_config: for_key(k, "model", self.source_config())?,
         })
+    }
+
+    /// `--save-dtype`, with `auto` resolved: the dtype of `--init-from`'s
+    /// model (or of the checkpoint a `--resume` continues), else bf16.
+    fn save_dtype(&self) -> Result<SaveDtype> {
+        if self.save_dtype != "auto" {
+            return self.save_dtype.parse();
+        }
+        let resumed =
+            (self.save_dir.as_deref()).filter(|d| self.resume && d.join("state.json").is_file());
+        match self.init_from.as_deref().or(resumed) {
+            Some(dir) => Ok(SaveDtype::of_model_dir(dir)?.unwrap_or_default()),
+            None => Ok(SaveDtype::default()),
+        }
+    }
+
+    /// The `config.json` a checkpoint starts from: `--init-from`'s when it
+    /// has one, else `--model`'s ([`ModelConfig::hf_source`]).
+    fn source_config(&self) -> Result<Option<Map<String, Value>>> {
+        if let Some(file) = self.init_from.as_ref().map(|d| d.join("config.json"))
+            && file.is_file()
+        {
+            return ModelConfig::hf_source(&file.to_string_lossy());
+        }
+        ModelConfig::hf_source(&self.model)
     }
 }
 
@@ -441,6 +476,10 @@ pub struct Choices {
     pub strategy: Strategy,
     pub fsdp: FsdpMode,
     pub model: ModelConfig,
+    /// `--save-dtype`, `auto` resolved.
+    pub save_dtype: SaveDtype,
+    /// The `config.json` a checkpoint keeps every field of.
+    pub source_config: Option<Map<String, Value>>,
 }
 
 /// `--betas B1,B2`: two moment decays, each in [0, 1).

@@ -145,7 +145,9 @@ fn trace_file(path: &std::path::Path) -> Result<()> {
 /// TensorBoard files).
 fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progress> {
     if let (Some(dir), true) = (&run.cfg.save_dir, run.lead) {
-        let masters = run.cfg.fsdp && run.on_gpu();
+        // F32 masters are saved on GPUs, and wherever the weight files are
+        // narrower than F32 (then the F32 size counted for the weights bounds theirs)
+        let masters = run.on_gpu() || run.cfg.save_dtype != crate::checkpoint::SaveDtype::F32;
         let bytes = crate::plan::checkpoint_bytes(&run.cfg.model, masters);
         save_dir::check(dir, run.cfg.overwrite, bytes)?;
     }

@@ -44,8 +44,10 @@ pub(super) fn decoder_fields(obj: &Map<String, Value>, family: Family) -> Result
         (None, Some(r)) => req_f32(r, "rope_theta")?,
         (None, None) => 10_000.0,
     };
+    // a null `rope_scaling` beside `rope_parameters` defers to the latter
     let scaling_value = obj
         .get("rope_scaling")
+        .filter(|v| !v.is_null())
         .or_else(|| obj.get("rope_parameters"));
     Ok(ModelConfig {
         name: obj

@@ -1,6 +1,7 @@
 //! Llama 3.x (`model_type` `llama`, `LlamaForCausalLM`): the plain decoder,
 //! RoPE with Meta's `llama3` frequency scaling; presets `tiny` (a small
-//! Llama for tests and CPU runs), `llama3.2-1b`, `llama3-8b`, `llama3-70b`.
+//! Llama for tests and CPU runs), `llama3-8b`, `llama3-70b` (the published
+//! Llama 3.x models are presets of their own `config.json`: `presets.rs`).
 
 use super::{Family, hf};
 use crate::attention::rope::RopeScaling;
@@ -91,11 +92,6 @@ pub(super) fn preset(name: &str) -> Option<ModelConfig> {
             rms_norm_eps: 1e-5,
             tie_embeddings: false,
             max_position: 1 << 20,
-        },
-        "llama3.2-1b" => ModelConfig {
-            rope_scaling: Some(llama31_rope_scaling(32.0)),
-            tie_embeddings: true,
-            ..llama3(name, 2048, 16, 32, 8192)
         },
         "llama3-8b" => llama3(name, 4096, 32, 32, 14_336),
         "llama3-70b" => llama3(name, 8192, 80, 64, 28_672),

@@ -22,6 +22,7 @@
 
 mod hf;
 mod llama;
+pub(in crate::model) mod presets;
 mod qwen3;
 
 use super::ModelConfig;

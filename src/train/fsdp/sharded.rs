@@ -5,7 +5,7 @@ use super::FsdpStore;
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::checkpoint::ranged::RangedModel;
 use crate::checkpoint::sharded::{self as ckpt, SavedOptimizer};
-use crate::checkpoint::{HostTensor, check_extra_tensors};
+use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, check_extra_tensors};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::flat_layout::unit_key;
@@ -24,8 +24,8 @@ pub struct Sharded<'a, B: Backend> {
     pub opt: Box<dyn Optimizer<B>>,
     /// Every rank (checkpoint barriers).
     world: &'a dyn ProcessGroup<B>,
-    /// The largest weight file a checkpoint writes.
-    max_file_bytes: usize,
+    /// How a checkpoint stores the weights (`--save-dtype`, shard size).
+    files: ModelFiles,
 }
 
 impl<'a, B: Backend> Sharded<'a, B> {
@@ -60,23 +60,13 @@ impl<'a, B: Backend> Sharded<'a, B> {
                     store,
                     opt,
                     world: mesh.world.as_ref(),
-                    max_file_bytes: cfg.max_file_bytes,
+                    files: cfg.model_files(),
                 },
                 None,
             ));
         };
-        let saved = SavedOptimizer::open(dir)?;
-        let rank = group.rank();
-        for (i, u) in store.layouts.iter().enumerate() {
-            for kind in [StateKind::ExpAvg, StateKind::ExpAvgSq, StateKind::Master] {
-                if kind == StateKind::Master && !saved.has_master(u) {
-                    continue;
-                }
-                if let Some(t) = opt.state_mut(i, kind) {
-                    b.upload(t, &saved.shard(kind.name(), u, rank)?)?;
-                }
-            }
-        }
+        let mut store = store;
+        restore_state(b, &SavedOptimizer::open(dir)?, &mut store, opt.as_mut())?;
         let state = ckpt::read_state(dir)?;
         let resumed = Resumed {
             step: state.get("step").and_then(Value::as_u64).ok_or_else(|| {
@@ -89,7 +79,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 store,
                 opt,
                 world: mesh.world.as_ref(),
-                max_file_bytes: cfg.max_file_bytes,
+                files: cfg.model_files(),
             },
             Some(resumed),
         ))
@@ -123,8 +113,8 @@ impl<'a, B: Backend> Sharded<'a, B> {
     /// Writes the weights as an HF directory, one file's units at a time.
     fn save_weights(&self, b: &B, dir: &Path, lead: bool) -> Result<()> {
         let layouts = &self.store.layouts;
-        let bytes: Vec<usize> = layouts.iter().map(|u| u.numel * 4).collect();
-        let groups = ckpt::file_groups(&bytes, self.max_file_bytes);
+        let bytes: Vec<usize> = layouts.iter().map(|u| self.files.bytes(u.numel)).collect();
+        let groups = ckpt::file_groups(&bytes, self.files.max_file_bytes);
         let mut index = Vec::new();
         for (k, g) in groups.iter().enumerate() {
             let mut tensors = Vec::new();
@@ -133,7 +123,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
             }
             if lead {
                 let file = ckpt::weight_file_name(k, groups.len());
-                ckpt::write_weight_file(&dir.join(&file), &tensors)?;
+                ckpt::write_tensor_file(&dir.join(&file), &tensors, self.files.dtype)?;
                 index.push((file, tensors.into_iter().map(|(n, _)| n).collect()));
             }
         }
@@ -151,8 +141,17 @@ impl<'a, B: Backend> Sharded<'a, B> {
         };
         for (i, u) in self.store.layouts.iter().enumerate() {
             let key = unit_key(u.unit);
-            for (kind, t) in self.opt.state(i) {
+            let state = self.opt.state(i);
+            let has_master = state.iter().any(|(k, _)| *k == StateKind::Master);
+            for (kind, t) in state {
                 tensors.push((format!("{}.{key}", kind.name()), host(t)?));
+            }
+            // F32 shards whose weight files are narrower: they are the masters
+            if !has_master && self.files.dtype != SaveDtype::F32 {
+                let shard = self.store.params[i].as_ref().ok_or_else(|| {
+                    Error::Backend("FSDP: a shard is in a collective while saving".into())
+                })?;
+                tensors.push((format!("{}.{key}", StateKind::Master.name()), host(shard)?));
             }
         }
         let (rank, world) = (self.store.group.rank(), self.store.group.size());
@@ -175,6 +174,37 @@ impl<'a, B: Backend> Deferred<B, FsdpStore<'a, B>> for Box<dyn Optimizer<B>> {
         let upto = slots_through(self.slots(), unit, store.layers());
         self.settle(b, &mut store.lend(), upto)
     }
+}
+
+/// Uploads a checkpoint's optimizer state into this rank's `opt`: the
+/// moments, and the F32 masters into the optimizer's, or into the shards
+/// themselves where they are F32 and the weight files were narrower.
+fn restore_state<B: Backend>(
+    b: &B,
+    saved: &SavedOptimizer,
+    store: &mut FsdpStore<'_, B>,
+    opt: &mut dyn Optimizer<B>,
+) -> Result<()> {
+    let rank = store.group.rank();
+    for (i, u) in store.layouts.iter().enumerate() {
+        for kind in [StateKind::ExpAvg, StateKind::ExpAvgSq, StateKind::Master] {
+            if kind == StateKind::Master && !saved.has_master(u) {
+                continue;
+            }
+            let values = || saved.shard(kind.name(), u, rank);
+            match opt.state_mut(i, kind) {
+                Some(t) => b.upload(t, &values()?)?,
+                None if kind == StateKind::Master => {
+                    let shard = store.params[i].as_mut().ok_or_else(|| {
+                        Error::Backend("FSDP: a shard is in a collective at start-up".into())
+                    })?;
+                    b.upload(shard, &values()?)?;
+                }
+                None => {}
+            }
+        }
+    }
+    Ok(())
 }
 
 /// AdamW over the rank's shards (zero moments, F32 masters of the current

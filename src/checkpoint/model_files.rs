@@ -1,0 +1,152 @@
+//! The weight files of an HF model directory as a checkpoint writes them:
+//! in the [`SaveDtype`] asked for, in `model.safetensors` or, past
+//! [`ModelFiles::max_file_bytes`], in `model-0000k-of-0000n.safetensors`
+//! files with `model.safetensors.index.json` (Hugging Face's convention:
+//! `save_pretrained`'s `max_shard_size`, 5 GB by default).
+
+use super::fs::write_atomic;
+use super::hf::{INDEX_FILE, SINGLE_FILE, read_weight_map};
+use super::save_dtype::SaveDtype;
+use super::tensor_file::{HostTensor, read_safetensors, save_safetensors};
+use crate::error::{Error, Result};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::Path;
+
+/// The largest weight file written by default (HF's default shard size, 5 GB).
+pub const FILE_BYTES: usize = 5_000_000_000;
+
+/// How a checkpoint stores its model's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelFiles {
+    /// The dtype of the stored values.
+    pub dtype: SaveDtype,
+    /// The largest weight file (a larger tensor gets a file of its own).
+    pub max_file_bytes: usize,
+}
+
+impl ModelFiles {
+    /// F32 in files of at most [`FILE_BYTES`].
+    pub fn f32() -> ModelFiles {
+        ModelFiles {
+            dtype: SaveDtype::F32,
+            max_file_bytes: FILE_BYTES,
+        }
+    }
+
+    /// Bytes `numel` values take in a file.
+    pub fn bytes(&self, numel: usize) -> usize {
+        numel * self.dtype.size()
+    }
+}
+
+/// Consecutive items (tensors or units) grouped into files of at most
+/// `max` bytes (a larger one gets a file of its own).
+pub fn file_groups(item_bytes: &[usize], max: usize) -> Vec<Range<usize>> {
+    let mut groups = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, &b) in item_bytes.iter().enumerate() {
+        if i > start && bytes + b > max {
+            groups.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += b;
+    }
+    if start < item_bytes.len() {
+        groups.push(start..item_bytes.len());
+    }
+    groups
+}
+
+/// The name of weight file `k` of `n` (`model.safetensors` when alone).
+pub fn weight_file_name(k: usize, n: usize) -> String {
+    if n == 1 {
+        SINGLE_FILE.into()
+    } else {
+        format!("model-{:05}-of-{n:05}.safetensors", k + 1)
+    }
+}
+
+/// Writes `model.safetensors.index.json` for weights spread over files
+/// (each file with the names of its tensors; `total_bytes` their stored size).
+pub fn write_index(dir: &Path, files: &[(String, Vec<String>)], total_bytes: usize) -> Result<()> {
+    let mut map = serde_json::Map::new();
+    for (file, names) in files {
+        for n in names {
+            map.insert(n.clone(), json!(file));
+        }
+    }
+    let v = json!({ "metadata": { "total_size": total_bytes }, "weight_map": map });
+    let text = serde_json::to_string_pretty(&v).expect("a JSON value always serialises");
+    write_atomic(&dir.join(INDEX_FILE), text.as_bytes())
+}
+
+/// Writes `tensors` (in model order) as the weight files of `dir` in
+/// `files.dtype`: one file, or files of at most `files.max_file_bytes` and
+/// their index.
+pub fn write_model_files(
+    dir: &Path,
+    tensors: &[(String, &HostTensor)],
+    files: ModelFiles,
+) -> Result<()> {
+    let bytes: Vec<usize> = tensors
+        .iter()
+        .map(|(_, t)| files.bytes(t.numel()))
+        .collect();
+    let groups = file_groups(&bytes, files.max_file_bytes);
+    let mut index = Vec::new();
+    for (k, g) in groups.iter().enumerate() {
+        let file = weight_file_name(k, groups.len());
+        save_safetensors(&dir.join(&file), &tensors[g.clone()], files.dtype)?;
+        index.push((
+            file,
+            tensors[g.clone()].iter().map(|(n, _)| n.clone()).collect(),
+        ));
+    }
+    if groups.len() > 1 {
+        write_index(dir, &index, bytes.iter().sum())?;
+    }
+    Ok(())
+}
+
+/// Every tensor of `dir`'s weight files (`model.safetensors`, or the files
+/// its index lists), as f32.
+pub fn read_model_files(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
+    let index = dir.join(INDEX_FILE);
+    if !index.exists() {
+        return Ok(read_safetensors(&dir.join(SINGLE_FILE), |_| true)?.0);
+    }
+    let map = read_weight_map(&index)?;
+    let mut files: Vec<&String> = map.values().collect();
+    files.sort();
+    files.dedup();
+    let mut out = BTreeMap::new();
+    for file in files {
+        let (part, _) = read_safetensors(&dir.join(file), |n| map.get(n) == Some(file))?;
+        out.extend(part);
+    }
+    if let Some(name) = map.keys().find(|n| !out.contains_key(*n)) {
+        return Err(Error::Checkpoint(format!(
+            "{} lists tensor '{name}' in {}, which does not hold it",
+            index.display(),
+            map[name]
+        )));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn items_group_into_files_in_order() {
+        assert_eq!(file_groups(&[3, 3, 3], 10), vec![0..3]);
+        assert_eq!(file_groups(&[3, 3, 3], 6), vec![0..2, 2..3]);
+        assert_eq!(file_groups(&[12, 1, 1], 6), vec![0..1, 1..3]);
+        assert_eq!(file_groups(&[], 6), Vec::<Range<usize>>::new());
+        assert_eq!(weight_file_name(0, 1), "model.safetensors");
+        assert_eq!(weight_file_name(1, 3), "model-00002-of-00003.safetensors");
+    }
+}

@@ -1,0 +1,31 @@
+//! Presets of published models by name, each the `config.json` Hugging
+//! Face publishes for it (`presets/*.json`, copied field for field: token
+//! ids, dtype, rope scaling and all), read through its family like any
+//! other `config.json`, so `--model llama3.1-8b` needs no files and a
+//! checkpoint of it writes that same `config.json`.
+
+/// Name → the model's `config.json`, in the order they are listed to users.
+const HF_PRESETS: &[(&str, &str)] = &[
+    ("llama3.1-8b", include_str!("presets/llama3.1-8b.json")),
+    ("llama3.1-70b", include_str!("presets/llama3.1-70b.json")),
+    ("llama3.2-1b", include_str!("presets/llama3.2-1b.json")),
+    ("llama3.2-3b", include_str!("presets/llama3.2-3b.json")),
+    ("llama3.3-70b", include_str!("presets/llama3.3-70b.json")),
+    ("qwen3-0.6b", include_str!("presets/qwen3-0.6b.json")),
+    ("qwen3-1.7b", include_str!("presets/qwen3-1.7b.json")),
+    ("qwen3-4b", include_str!("presets/qwen3-4b.json")),
+    ("qwen3-8b", include_str!("presets/qwen3-8b.json")),
+    ("qwen3-14b", include_str!("presets/qwen3-14b.json")),
+    ("qwen3-32b", include_str!("presets/qwen3-32b.json")),
+];
+
+/// The published `config.json` of the preset called `name`, if it is one.
+pub fn hf_preset(name: &str) -> Option<&'static str> {
+    HF_PRESETS.iter().find(|(n, _)| *n == name).map(|(_, j)| *j)
+}
+
+/// The names of the presets of published models.
+#[cfg(test)]
+pub fn hf_preset_names() -> impl Iterator<Item = &'static str> {
+    HF_PRESETS.iter().map(|(n, _)| *n)
+}
