@@ -136,3 +136,105 @@ fn a_packed_layer_gives_each_document_its_own_output() {
         }
     }
 }
+
+mod common;
+
+mod packing {
+    use super::{STARTS, common};
+    use std::collections::BTreeMap;
+    use upipe::attention::trial::rel_err;
+    use upipe::attention::{CpPlan, Strategy};
+    use upipe::backend::IGNORE;
+    use upipe::backend::cpu::CpuBackend;
+    use upipe::data::PackedWindow;
+    use upipe::model::decoder::attn_dims;
+    use upipe::model::{MemoryPolicy, ModelConfig, ModelWeights};
+    use upipe::rng::Rng;
+    use upipe::train::trainer::{loss_and_grads_cpu, loss_and_grads_cpu_packed};
+
+    type LossGrads = (f64, BTreeMap<String, Vec<f32>>);
+
+    /// A window of `seq` tokens packing the documents of `STARTS`: each
+    /// document's last target (the next document's first token) is not
+    /// counted, nor are the first two targets of the document at 13 (an SFT
+    /// prompt).
+    fn window(seq: usize, vocab: usize) -> PackedWindow {
+        let mut rng = Rng::new(21);
+        let inputs: Vec<u32> = (0..seq).map(|_| rng.below(vocab as u64) as u32).collect();
+        let mut targets: Vec<u32> = (0..seq).map(|_| rng.below(vocab as u64) as u32).collect();
+        for &s in &STARTS[1..] {
+            targets[s as usize - 1] = IGNORE;
+        }
+        targets[seq - 1] = IGNORE;
+        targets[13] = IGNORE;
+        targets[14] = IGNORE;
+        PackedWindow {
+            inputs,
+            targets,
+            doc_starts: STARTS.to_vec(),
+        }
+    }
+
+    fn packed(cfg: &ModelConfig, w: &PackedWindow, s: Strategy, pu: usize, pr: usize) -> LossGrads {
+        let plan = CpPlan::new(s, &attn_dims(cfg), w.len(), pu, pr, None).unwrap();
+        let init = |b: &CpuBackend| ModelWeights::random(b, cfg, 5);
+        loss_and_grads_cpu_packed(cfg, &plan, MemoryPolicy::default(), w, &init).unwrap()
+    }
+
+    /// Each document run alone (its own window, positions from 0), its
+    /// summed loss and gradients weighted into the packed window's mean.
+    fn documents_alone(cfg: &ModelConfig, w: &PackedWindow) -> LossGrads {
+        let total = w.counted() as f64;
+        let mut ends: Vec<usize> = w.doc_starts[1..].iter().map(|&s| s as usize).collect();
+        ends.push(w.len());
+        let mut loss = 0.0;
+        let mut grads: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+        for (&start, end) in w.doc_starts.iter().zip(ends) {
+            let rows = start as usize..end;
+            let (ids, tg) = (&w.inputs[rows.clone()], &w.targets[rows.clone()]);
+            let counted = tg.iter().filter(|&&t| t != IGNORE).count() as f64;
+            let plan = CpPlan::new(Strategy::Local, &attn_dims(cfg), rows.len(), 1, 1, None);
+            let init = |b: &CpuBackend| ModelWeights::random(b, cfg, 5);
+            let policy = MemoryPolicy::default();
+            let (l, g) = loss_and_grads_cpu(cfg, &plan.unwrap(), policy, ids, tg, &init).unwrap();
+            // the run's mean over its counted targets, back to sums, over the window's
+            let weight = counted / total;
+            loss += l * weight;
+            for (name, g) in g {
+                let acc = grads.entry(name).or_insert_with(|| vec![0.0; g.len()]);
+                for (a, x) in acc.iter_mut().zip(g) {
+                    *a += x * weight as f32;
+                }
+            }
+        }
+        (loss, grads)
+    }
+
+    fn assert_close(got: &LossGrads, want: &LossGrads, what: &str) {
+        let loss_err = ((got.0 - want.0) / want.0).abs();
+        assert!(loss_err <= 1e-5, "{what}: loss {} vs {}", got.0, want.0);
+        assert_eq!(got.1.len(), want.1.len());
+        for (name, g) in &got.1 {
+            let err = rel_err(g, &want.1[name]);
+            assert!(err <= 1e-5, "{what}: {name} rel err {err:e}");
+        }
+    }
+
+    /// The definition of correct packing: a packed window gives each
+    /// document the loss and gradients it gets alone (whole model), on
+    /// `local` and on context-parallel strategies; masked targets (document
+    /// ends, an SFT prompt) count toward neither.
+    #[test]
+    fn a_packed_window_trains_each_document_as_if_alone() {
+        let cfg = common::tiny(true);
+        let w = window(48, cfg.vocab);
+        let want = documents_alone(&cfg, &w);
+        assert_close(&packed(&cfg, &w, Strategy::Local, 1, 1), &want, "local");
+        assert_close(&packed(&cfg, &w, Strategy::Usp, 2, 2), &want, "usp 2x2");
+        assert_close(&packed(&cfg, &w, Strategy::Ring, 1, 3), &want, "ring 3");
+        // the mask matters: the same tokens as one stream differ
+        let stream = PackedWindow::stream(w.inputs.clone(), w.targets.clone());
+        let one = packed(&cfg, &stream, Strategy::Local, 1, 1);
+        assert!((one.0 - want.0).abs() > 1e-4, "packing changed nothing");
+    }
+}
