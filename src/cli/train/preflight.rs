@@ -11,7 +11,7 @@ use crate::backend::memory::{default_pinned_budget, host_reserve};
 use crate::checkpoint::save_dir;
 use crate::cli::metrics::{MetricsFile, RunFacts};
 use crate::error::Result;
-use crate::model::flops::train_flops_per_token;
+use crate::model::flops::{train_attention_flops_per_token, train_flops_per_token};
 use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, planned_host};
 
@@ -152,6 +152,7 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
     }
     let facts = RunFacts {
         flops_per_token: train_flops_per_token(&run.cfg.model, run.cfg.seq),
+        attention_flops_per_token: train_attention_flops_per_token(&run.cfg.model, run.cfg.seq),
         ranks: run.shape.world_size(),
         predicted: Some(predicted.clone()),
     };
