@@ -238,3 +238,72 @@ mod packing {
         assert!((one.0 - want.0).abs() > 1e-4, "packing changed nothing");
     }
 }
+
+/// A block whose queries see none of its keys (a ring block of other
+/// documents) gives them no output and an LSE of −∞, which the LSE merge
+/// weighs zero; its backward adds no gradient.
+#[test]
+fn a_block_of_other_documents_adds_nothing() {
+    use upipe::backend::{AttnGradWrites, Backend, Category, DType, RowPositions};
+    let b = CpuBackend::new();
+    let seq_mask = BoundedMask::documents(&[0, 2], 4).unwrap();
+    // queries at positions 2, 3 (second document) against keys at 0, 1 (first)
+    let mask = AttnMask::Bounded(seq_mask.with_rows(
+        RowPositions::contiguous(2, 2),
+        RowPositions::contiguous(0, 2),
+    ));
+    assert!(mask.hides_all(2, 2));
+    let vals: Vec<f32> = (0..8).map(|i| (i as f32 * 0.37).sin()).collect();
+    let t = |shape: &[usize]| b.from_host(&vals, shape, DType::F32, Category::Activations);
+    let (q, k, v) = (
+        t(&[2, 1, 4]).unwrap(),
+        t(&[2, 1, 4]).unwrap(),
+        t(&[2, 1, 4]).unwrap(),
+    );
+    let mut o = b
+        .zeros(&[2, 1, 4], DType::F32, Category::Workspace)
+        .unwrap();
+    let mut lse = b.zeros(&[2, 1], DType::F32, Category::Workspace).unwrap();
+    let (qr, kr, vr) = (q.all_rows(), k.all_rows(), v.all_rows());
+    b.attention_fwd(qr, kr, vr, &mask, o.all_rows_mut(), lse.all_rows_mut())
+        .unwrap();
+    assert!(b.to_host(&o).unwrap().iter().all(|&x| x == 0.0));
+    assert!(
+        b.to_host(&lse)
+            .unwrap()
+            .iter()
+            .all(|&x| x == f32::NEG_INFINITY)
+    );
+    let mut o_acc = t(&[2, 1, 4]).unwrap();
+    let mut lse_acc = b.from_host(&[0.5, -1.0], &[2, 1], DType::F32, Category::Workspace);
+    let lse_acc = lse_acc.as_mut().unwrap();
+    b.lse_merge(
+        o_acc.all_rows_mut(),
+        lse_acc.all_rows_mut(),
+        o.all_rows(),
+        lse.all_rows(),
+    )
+    .unwrap();
+    assert_eq!(b.to_host(&o_acc).unwrap(), vals);
+    assert_eq!(b.to_host(lse_acc).unwrap(), vec![0.5, -1.0]);
+    let z = |shape: &[usize]| b.zeros(shape, DType::F32, Category::Grads).unwrap();
+    let (mut dq, mut dk, mut dv) = (z(&[2, 1, 4]), z(&[2, 1, 4]), z(&[2, 1, 4]));
+    let d_o = t(&[2, 1, 4]).unwrap();
+    b.attention_bwd(
+        q.all_rows(),
+        k.all_rows(),
+        v.all_rows(),
+        o_acc.all_rows(),
+        d_o.all_rows(),
+        lse_acc.all_rows(),
+        &mask,
+        dq.all_rows_mut(),
+        dk.all_rows_mut(),
+        dv.all_rows_mut(),
+        AttnGradWrites::ADD,
+    )
+    .unwrap();
+    for g in [&dq, &dk, &dv] {
+        assert!(b.to_host(g).unwrap().iter().all(|&x| x == 0.0));
+    }
+}

@@ -91,3 +91,45 @@ pub fn step_counted<B: Backend>(b: &B, mesh: &Mesh<B>, windows: &[RankWindow]) -
     }
     Ok(counted)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::comm::MeshShape;
+    use crate::comm::local::run_ranks;
+
+    fn rows(counted: usize, ignored: usize) -> RankWindow {
+        let mut targets = vec![7; counted];
+        targets.extend(std::iter::repeat_n(IGNORE, ignored));
+        RankWindow {
+            ids: vec![1; targets.len()],
+            targets,
+            doc_starts: vec![0],
+        }
+    }
+
+    /// The step's count is every rank's counted rows of every micro-step,
+    /// exact past F32's 2^24; none at all is an error.
+    #[test]
+    fn the_step_counts_every_ranks_counted_targets() {
+        let shape = MeshShape {
+            data: 2,
+            ring: 1,
+            ulysses: 2,
+            fsdp_replicas: 1,
+        };
+        let counts = run_ranks(shape, CpuBackend::new, |rank, b, mesh| {
+            let windows = vec![rows(rank * 5000, 3), rows((1 << 24) + 1, 2)];
+            step_counted(b.as_ref(), &mesh, &windows)
+        })
+        .unwrap();
+        let want = 5000 * (1 + 2 + 3) + 4 * ((1 << 24) + 1);
+        assert!(counts.iter().all(|&c| c == want), "{counts:?} vs {want}");
+        let none = run_ranks(shape, CpuBackend::new, |_, b, mesh| {
+            step_counted(b.as_ref(), &mesh, &[rows(0, 4)])
+        });
+        let err = none.unwrap_err().to_string();
+        assert!(err.contains("no counted target"), "{err}");
+    }
+}
