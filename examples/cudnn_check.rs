@@ -126,7 +126,7 @@ fn run_case(
         v: at(be, &gv, off),
         o: at(be, &go, off),
         lse: be.device_ptr(&glse),
-        shape: s,
+        shape: s.clone(),
     };
     sdpa.fwd(be, &fa)?;
     let o_all = be.to_host(&go)?;
@@ -156,7 +156,7 @@ fn run_case(
         dv: be.device_ptr(&gdv),
         dq_dt: gdt,
         dkv_dt: gdt,
-        shape: s,
+        shape: s.clone(),
     };
     if let Err(reason) = sdpa.supports(&s, true) {
         return Ok((errs, Some(reason)));
@@ -337,7 +337,7 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
         v: p(&v),
         o: p(&o),
         lse: p(&lse),
-        shape: sh,
+        shape: sh.clone(),
     };
     let ba = SdpaBwd {
         q: fa.q,
@@ -501,7 +501,7 @@ fn bench_pair(
         };
         sets.push((args, [q, k, v, o, lse]));
     }
-    let (a, b) = (sets[0].0, sets[1].0);
+    let (a, b) = (sets[0].0.clone(), sets[1].0.clone());
     let (s1, s2) = (be.stream().clone(), other.stream().clone());
     let ev = |st: &std::sync::Arc<cudarc::driver::CudaStream>| {
         st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))

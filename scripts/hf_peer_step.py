@@ -7,8 +7,15 @@ chunk exist at a time) and, with `--checkpoint`, non-reentrant activation
 checkpointing of every decoder layer. Prints one JSON line per step: tokens/s,
 the step's peak of allocated GPU memory, the loss.
 
+With `--doc-lengths FILE` (one document length per line, as
+`scripts/doc_mix.py` writes them; each document then ends with one more
+token, its EOS) the window is packed: `position_ids` restart at every
+document start, which transformers turns into a document mask (a packed
+sequence) for the attention implementation in use.
+
     python3 scripts/hf_peer_step.py --seq 32768 --steps 3
     python3 scripts/hf_peer_step.py --seq 262144 --steps 2 --checkpoint
+    python3 scripts/hf_peer_step.py --seq 131072 --steps 2 --checkpoint --doc-lengths mix.jsonl.lengths
 """
 
 import argparse
@@ -41,8 +48,26 @@ def chunk_loss(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor
     return F.cross_entropy(logits, labels, reduction="sum")
 
 
-def step_loss(model: LlamaForCausalLM, tokens: torch.Tensor) -> torch.Tensor:
-    hidden = model.model(input_ids=tokens[:, :-1]).last_hidden_state[0]  # [s, hidden]
+def packed_positions(path: str, seq: int) -> torch.Tensor:
+    """[1, seq] positions restarting at each document of the lengths file."""
+    pos, n = [], 0
+    for line in open(path):
+        if not line.strip():
+            continue
+        doc = int(line) + 1  # the document's EOS
+        take = min(doc, seq - n)
+        pos.extend(range(take))
+        n += take
+        if n == seq:
+            break
+    pos.extend(range(seq - n))  # the data ran out: the rest is one document
+    return torch.tensor(pos, device="cuda").unsqueeze(0)
+
+
+def step_loss(model: LlamaForCausalLM, tokens: torch.Tensor,
+              positions: torch.Tensor | None) -> torch.Tensor:
+    hidden = model.model(input_ids=tokens[:, :-1],
+                         position_ids=positions).last_hidden_state[0]  # [s, hidden]
     labels = tokens[0, 1:]
     total = hidden.new_zeros((), dtype=torch.float32)
     for r in range(0, hidden.shape[0], LOSS_ROWS):
@@ -56,6 +81,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--checkpoint", action="store_true")
+    ap.add_argument("--doc-lengths", help="pack the window: one document length per line")
     args = ap.parse_args()
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -65,6 +91,8 @@ def main() -> None:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, 128256, (1, args.seq + 1), device="cuda")
+    positions = packed_positions(args.doc_lengths, args.seq) if args.doc_lengths else None
+    docs = 1 if positions is None else int((positions[0] == 0).sum())
     policy = "checkpoint" if args.checkpoint else "none"
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                       SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
@@ -72,13 +100,15 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss = step_loss(model, tokens)
+            loss = step_loss(model, tokens, positions)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             print(json.dumps({"peer": "hf", "seq": args.seq, "policy": policy, "step": step,
+                              "documents": docs,
+                              "attn_implementation": model.config._attn_implementation,
                               "tokens_per_s": round(args.seq / dt, 1),
                               "peak_bytes": torch.cuda.max_memory_allocated(),
                               "loss": round(loss.item(), 5)}, separators=(",", ":")), flush=True)

@@ -332,11 +332,17 @@ pub struct AttnSaved<B: Backend> {
 pub struct CpAttention<B: Backend> {
     pub dims: AttnDims,
     pub plan: CpPlan,
-    /// RoPE tables for the positions this rank attends over (its ring shard).
+    /// RoPE tables for the positions this rank attends over (its ring
+    /// shard): sequence positions, or positions within each document under
+    /// a documents mask.
     rope: RopeTables<B>,
+    /// Whether `rope` holds positions within documents (else sequence positions).
+    rope_per_document: bool,
+    /// This rank's place in its ring group.
+    ring_rank: usize,
     /// The mask over the whole sequence (each strategy cuts it into its
     /// calls' masks).
-    pub mask: AttnMask,
+    mask: AttnMask,
 }
 
 impl<B: Backend> CpAttention<B> {
@@ -353,12 +359,53 @@ impl<B: Backend> CpAttention<B> {
         let n = plan.layout.seq / plan.layout.pr;
         let positions = || plan.layout.ring_shard_positions(ring);
         let rope = RopeTables::of(b, &dims.rope, dims.head_dim, n, positions)?;
-        Ok(CpAttention {
+        let mut layer = CpAttention {
             dims,
             plan,
             rope,
-            mask,
-        })
+            rope_per_document: false,
+            ring_rank: ring,
+            mask: AttnMask::Causal,
+        };
+        layer.set_mask(b, mask)?;
+        Ok(layer)
+    }
+
+    /// The mask over the whole sequence.
+    pub fn mask(&self) -> &AttnMask {
+        &self.mask
+    }
+
+    /// Attends under `mask` from the next call on (a window's documents
+    /// change every window). A documents mask ([`AttnMask::Bounded`]) over
+    /// the plan's sequence also restarts RoPE's positions at each document:
+    /// the tables are rewritten in place (no allocation; a rehearsal
+    /// computes nothing).
+    pub fn set_mask(&mut self, b: &B, mask: AttnMask) -> Result<()> {
+        let seq = self.plan.layout.seq;
+        let per_document = match &mask {
+            AttnMask::Full | AttnMask::Causal => false,
+            AttnMask::Bounded(m) if m.seq() == seq && m.rows().0.len() == seq => true,
+            AttnMask::Bounded(m) => {
+                return crate::config_err!(
+                    "a documents mask over {} positions for a sequence of {seq}; build it from \
+                     the window's document starts",
+                    m.seq()
+                );
+            }
+        };
+        if (per_document || self.rope_per_document) && !b.rehearsing() {
+            let shard = self.plan.layout.ring_shard_positions(self.ring_rank);
+            let positions: Vec<usize> = match &mask {
+                AttnMask::Bounded(m) => shard.iter().map(|&p| p - m.lo_at(p)).collect(),
+                AttnMask::Full | AttnMask::Causal => shard,
+            };
+            self.rope
+                .rewrite(b, &self.dims.rope, self.dims.head_dim, &positions)?;
+        }
+        self.rope_per_document = per_document;
+        self.mask = mask;
+        Ok(())
     }
 
     fn staged<'a>(&'a self, b: &'a B, mesh: &'a Mesh<B>) -> staged::Staged<'a, B> {

@@ -5,10 +5,14 @@
 //! step 0 is causal on the local pair, later steps are non-causal on half
 //! blocks (under a full mask every step is whole blocks), and partial results
 //! are merged by log-sum-exp. Each block's mask comes from the sequence's
-//! ([`ring_block`]). In backward the K/V gradients travel with their blocks
+//! ([`ring_block`]); under a documents mask a block no local query may see
+//! (other documents only) is skipped: nothing is computed for it, and its
+//! K/V still pass on around the ring. In backward the K/V gradients travel with their blocks
 //! and return home at the end.
 
-use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Tensor};
+use crate::backend::{
+    AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, RowPositions, Tensor,
+};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::Result;
 use std::ops::Range;
@@ -39,6 +43,47 @@ pub fn ring_block(i: usize, step: usize, p: usize, half: usize, seq_mask: &AttnM
             mask: AttnMask::Full,
         },
         AttnMask::Causal => causal_ring_block(i, step, src, half),
+        AttnMask::Bounded(m) => {
+            // the causal block's rows, with the sequence's bound seen
+            // through the positions the two shards hold
+            let blk = causal_ring_block(i, step, src, half);
+            let n = 2 * half;
+            let rows = m.with_rows(shard_rows(i, p, n), shard_rows(src, p, n));
+            RingBlock {
+                mask: AttnMask::Bounded(rows.slice(blk.q_rows.clone(), blk.k_rows.clone())),
+                ..blk
+            }
+        }
+    }
+}
+
+/// The sequence positions ring rank `i` of `p` holds in its shard of `n`
+/// tokens: zigzag chunks `i` and `2p-1-i` (the whole sequence when `p == 1`).
+pub fn shard_rows(i: usize, p: usize, n: usize) -> RowPositions {
+    if p == 1 {
+        return RowPositions::contiguous(0, n);
+    }
+    let half = n / 2;
+    let j = 2 * p - 1 - i;
+    RowPositions::two_runs(i * half..(i + 1) * half, j * half..(j + 1) * half)
+}
+
+/// The mask of ring rank `i`'s local block (its queries against its own
+/// keys, step 0) over a shard of `n` tokens, from the sequence's `mask`:
+/// the shard's rows are in sequence order, so causal stays causal.
+fn local_block_mask(mask: &AttnMask, i: usize, p: usize, n: usize) -> Result<AttnMask> {
+    match mask {
+        AttnMask::Full | AttnMask::Causal => Ok(mask.clone()),
+        AttnMask::Bounded(m) if m.seq() == n * p => {
+            let rows = shard_rows(i, p, n);
+            Ok(AttnMask::Bounded(m.with_rows(rows, rows)))
+        }
+        AttnMask::Bounded(m) => Err(crate::Error::Backend(format!(
+            "ring attention: a documents mask over {} positions for a sequence of {} ({p} shards \
+             of {n})",
+            m.seq(),
+            n * p
+        ))),
     }
 }
 
@@ -101,7 +146,7 @@ pub fn forward<B: Backend>(
         q.all_rows(),
         k.all_rows(),
         v.all_rows(),
-        mask,
+        &local_block_mask(mask, i, p, n)?,
         o.all_rows_mut(),
         lse.all_rows_mut(),
     )?;
@@ -114,6 +159,9 @@ pub fn forward<B: Backend>(
     for step in 1..p {
         let kv = relay.advance(b, ring, step + 1 == p)?;
         let blk = ring_block(i, step, p, n / 2, mask);
+        if blk.mask.hides_all(blk.q_rows.len(), blk.k_rows.len()) {
+            continue;
+        }
         b.attention_fwd(
             q.rows_view(blk.q_rows.clone()),
             kv[0].rows_view(blk.k_rows.clone()),
@@ -168,7 +216,7 @@ pub fn backward<B: Backend>(
             o.all_rows(),
             d_o.all_rows(),
             lse.all_rows(),
-            mask,
+            &local_block_mask(mask, i, p, n)?,
             dq.all_rows_mut(),
             dk.all_rows_mut(),
             dv.all_rows_mut(),
@@ -185,6 +233,11 @@ pub fn backward<B: Backend>(
                         dk_t: &mut Tensor<B>,
                         dv_t: &mut Tensor<B>| {
         let blk = ring_block(i, step, p, n / 2, mask);
+        if blk.mask.hides_all(blk.q_rows.len(), blk.k_rows.len()) {
+            // other documents only: no gradient flows (never step 0, whose
+            // diagonal every query sees)
+            return Ok(());
+        }
         b.attention_bwd(
             q.rows_view(blk.q_rows.clone()),
             ks.rows_view(blk.k_rows.clone()),
@@ -298,9 +351,17 @@ mod tests {
     /// pair it allows once, and no other.
     #[test]
     fn ring_blocks_cover_exactly_the_allowed_pairs() {
-        for mask in [AttnMask::Causal, AttnMask::Full] {
-            for p in 1..6 {
-                let half = 3;
+        for p in 1..6 {
+            let half = 3;
+            let seq = 2 * p * half;
+            // documents that start mid-chunk, span chunks and ranks, of length 1
+            let starts: Vec<u32> = [0u32, 2, 3, 7, 8, 16, 17]
+                .into_iter()
+                .filter(|&s| (s as usize) < seq)
+                .collect();
+            let docs =
+                AttnMask::Bounded(crate::backend::BoundedMask::documents(&starts, seq).unwrap());
+            for mask in [AttnMask::Causal, AttnMask::Full, docs] {
                 let l = crate::attention::layout::SeqLayout::new(2 * p * half, 1, p).unwrap();
                 for i in 0..p {
                     let qpos = l.ring_shard_positions(i);

@@ -105,6 +105,22 @@ impl<B: Backend> RopeTables<B> {
     }
 }
 
+impl<B: Backend> RopeTables<B> {
+    /// Rewrites the tables in place for `positions` (as many as the tables
+    /// hold): a window's positions within its documents.
+    pub fn rewrite(
+        &mut self,
+        b: &B,
+        cfg: &RopeConfig,
+        head_dim: usize,
+        positions: &[usize],
+    ) -> Result<()> {
+        let (cos, sin) = cfg.tables(head_dim, positions);
+        b.upload(&mut self.cos, &cos)?;
+        b.upload(&mut self.sin, &sin)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

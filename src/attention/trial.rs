@@ -343,7 +343,15 @@ pub fn run_trial_masked<B: Backend>(
             weights: &inputs.weights,
         };
         let once = &RankOptions::ONCE;
-        run_rank_masked(plan, dims, rank_inputs, b.as_ref(), &mesh, once, mask)
+        run_rank_masked(
+            plan,
+            dims,
+            rank_inputs,
+            b.as_ref(),
+            &mesh,
+            once,
+            mask.clone(),
+        )
     })?;
     Ok(assemble(plan, dims.hidden, &runs))
 }

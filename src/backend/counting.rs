@@ -189,12 +189,19 @@ impl AttnShape {
             hq,
             hkv,
             d,
-            mask: *mask,
+            mask: mask.clone(),
         })
     }
 
     fn sdpa(&self) -> cudnn::SdpaShape {
-        cudnn::dense_shape(self.sq, self.sk, self.hq, self.hkv, self.d, self.mask)
+        cudnn::dense_shape(
+            self.sq,
+            self.sk,
+            self.hq,
+            self.hkv,
+            self.d,
+            self.mask.clone(),
+        )
     }
 }
 
@@ -470,7 +477,7 @@ impl Backend for CountingBackend {
         match self.device {
             CountedDevice::Cpu => true,
             CountedDevice::Cuda { .. } => {
-                let shape = cudnn::dense_shape(s, s, hq, hkv, d, *mask);
+                let shape = cudnn::dense_shape(s, s, hq, hkv, d, mask.clone());
                 s > 0 && hq > 0 && self.on_cudnn(&shape, true)
             }
         }

@@ -12,6 +12,7 @@
 //! [`Backend::attention_fwd`]: super::Backend::attention_fwd
 //! [`Backend`]: super::Backend
 
+pub use super::bounded_mask::{BoundedMask, RowPositions};
 use std::fmt;
 use std::ops::Range;
 
@@ -23,29 +24,28 @@ use std::ops::Range;
 /// - [`Full`](AttnMask::Full): every query sees every key (bidirectional);
 ///   the zigzag ring's blocks whose keys all precede their queries.
 /// - [`Causal`](AttnMask::Causal): top-left causal, query `q` sees keys
-///   `0..=q`; needs `sq == sk`. A training window's mask.
+///   `0..=q`; needs `sq == sk`. A one-document window's mask.
+/// - [`Bounded`](AttnMask::Bounded): causal with a lower bound per query
+///   ([`BoundedMask`]): the query at sequence position `p` sees positions
+///   `lo(p)..=p`. Packed documents (block-diagonal causal, `lo` the
+///   document's start); a sliding window (Mistral's `sliding_window`)
+///   composes into the same bound, `lo(p) = max(document start, p −
+///   window + 1)`. The mask holds `lo` per sequence position and the
+///   positions of the call's rows, so a ring block's mask is the
+///   sequence's seen through the block's rows.
 ///
-/// Where the next ones go (DESIGN.md §7): documents (block-diagonal causal
-/// over document starts, positions restarting per document) and sliding
-/// windows (Mistral's `sliding_window`) are both *causal with a lower bound
-/// per query*: `q` sees keys `lo(q)..=q` with
-/// `lo(q) = max(start of q's document, q − window + 1)`. They go in as one
-/// variant holding the document starts and the window, each optional, so
-/// that they compose; [`visible_keys`](Self::visible_keys) then returns
-/// `lo(q)..q + 1`, [`allows`](Self::allows) follows from it, and
-/// [`flop_fraction`](Self::flop_fraction) sums the rows' widths. The CPU
-/// reference loops over `visible_keys` already; the CUDA kernels get `lo`
-/// per row (and its min/max per tile, to skip tiles), cuDNN its ragged or
-/// band masks; a kernel that cannot run a variant refuses it in its
-/// `check_supported` (its match on the mask has no wildcard arm, so the
-/// compiler names every such place). The backend takes the mask by
-/// reference, so a variant holding the starts changes no signature.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The CPU reference loops over [`visible_keys`](Self::visible_keys); a
+/// kernel that cannot run a variant refuses it where it is selected (its
+/// match on the mask has no wildcard arm, so the compiler names every such
+/// place). The backend takes the mask by reference.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum AttnMask {
     /// Every query sees every key.
     Full,
     /// Query row `q` sees key rows `0..=q` (`sq == sk`).
     Causal,
+    /// Causal with a lower bound per query, over the call's rows' positions.
+    Bounded(BoundedMask),
 }
 
 impl AttnMask {
@@ -54,6 +54,7 @@ impl AttnMask {
         match self {
             AttnMask::Full => true,
             AttnMask::Causal => k <= q,
+            AttnMask::Bounded(m) => m.visible_keys(q, usize::MAX).contains(&k),
         }
     }
 
@@ -63,11 +64,13 @@ impl AttnMask {
         match self {
             AttnMask::Full => 0..sk,
             AttnMask::Causal => 0..(q + 1).min(sk),
+            AttnMask::Bounded(m) => m.visible_keys(q, sk),
         }
     }
 
     /// Checks that a call of `sq` query rows over `sk` key rows can carry
-    /// this mask: a causal mask is top-left aligned and needs `sq == sk`.
+    /// this mask: a causal mask is top-left aligned and needs `sq == sk`; a
+    /// bounded one has exactly `sq` query and `sk` key rows.
     /// The error says why, for the caller to prefix with the kernel's name.
     pub fn check_shape(&self, sq: usize, sk: usize) -> Result<(), String> {
         match self {
@@ -76,6 +79,7 @@ impl AttnMask {
             AttnMask::Causal => Err(format!(
                 "a causal block needs as many queries as keys ({sq} vs {sk})"
             )),
+            AttnMask::Bounded(m) => m.check_shape(sq, sk),
         }
     }
 
@@ -83,27 +87,50 @@ impl AttnMask {
     /// count as computed over a sequence of `seq` tokens: 1 for
     /// [`Full`](Self::Full); ½ for [`Causal`](Self::Causal), whatever `seq`
     /// (the convention of published model TFLOP/s, which ignores the
-    /// diagonal's half). A mask with a lower bound per query would return
-    /// its rows' mean width over `seq`.
+    /// diagonal's half). A [`Bounded`](Self::Bounded) mask (over its own
+    /// rows, `seq` of them) counts the pairs it allows, less the same half
+    /// diagonal: ½ for one document, less for several.
     pub fn flop_fraction(&self, seq: usize) -> f64 {
-        let _ = seq;
         match self {
             AttnMask::Full => 1.0,
             AttnMask::Causal => 0.5,
+            AttnMask::Bounded(m) => {
+                let (sq, sk) = (m.rows().0.len(), m.rows().1.len());
+                let _ = seq;
+                if sq == 0 || sk == 0 {
+                    return 0.0;
+                }
+                (m.visible_pairs() as f64 - 0.5 * sq as f64) / (sq * sk) as f64
+            }
         }
     }
 
     /// Query/key pairs of an `sq × sk` call this mask allows: the sum of the
     /// rows' [`visible_keys`](Self::visible_keys).
     pub fn visible_pairs(&self, sq: usize, sk: usize) -> usize {
-        (0..sq).map(|q| self.visible_keys(q, sk).len()).sum()
+        match self {
+            AttnMask::Full | AttnMask::Causal => {
+                (0..sq).map(|q| self.visible_keys(q, sk).len()).sum()
+            }
+            AttnMask::Bounded(m) => m.visible_pairs(),
+        }
     }
 
-    /// The mask's name in logs and tables: `full`, `causal`.
+    /// Whether no query of an `sq × sk` call sees any key: a block nothing
+    /// need be computed for (a ring block of other documents).
+    pub fn hides_all(&self, sq: usize, sk: usize) -> bool {
+        match self {
+            AttnMask::Full | AttnMask::Causal => sq == 0 || sk == 0,
+            AttnMask::Bounded(m) => m.hides_all(),
+        }
+    }
+
+    /// The mask's name in logs and tables: `full`, `causal`, `documents`.
     pub fn name(&self) -> &'static str {
         match self {
             AttnMask::Full => "full",
             AttnMask::Causal => "causal",
+            AttnMask::Bounded(_) => "documents",
         }
     }
 }
@@ -163,6 +190,23 @@ mod tests {
             assert!((AttnMask::Causal.flop_fraction(s) - (exact - diagonal)).abs() < 1e-12);
             assert_eq!(AttnMask::Full.flop_fraction(s), 1.0);
         }
+    }
+
+    /// One document is the causal mask, in pairs and in FLOPs.
+    #[test]
+    fn one_document_is_causal() {
+        for s in [1usize, 5, 16] {
+            let m = AttnMask::Bounded(BoundedMask::documents(&[0], s).unwrap());
+            for q in 0..s {
+                assert_eq!(m.visible_keys(q, s), AttnMask::Causal.visible_keys(q, s));
+            }
+            assert_eq!(m.flop_fraction(s), AttnMask::Causal.flop_fraction(s));
+            assert!(m.check_shape(s, s).is_ok() && m.check_shape(s, s + 1).is_err());
+        }
+        let two = AttnMask::Bounded(BoundedMask::documents(&[0, 8], 16).unwrap());
+        assert_eq!(two.flop_fraction(16), 0.25);
+        assert_eq!(two.name(), "documents");
+        assert!(two.allows(9, 8) && !two.allows(9, 7) && !two.allows(3, 4));
     }
 
     #[test]

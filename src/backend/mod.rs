@@ -7,6 +7,7 @@
 //! against.
 
 pub mod arena;
+pub mod bounded_mask;
 pub mod counting;
 pub mod cpu;
 pub mod cuda;
@@ -16,7 +17,7 @@ pub mod memory;
 pub mod profile;
 pub mod tensor;
 
-pub use mask::AttnMask;
+pub use mask::{AttnMask, BoundedMask, RowPositions};
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};
 pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor, TensorRef};
 

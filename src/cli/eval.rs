@@ -286,6 +286,8 @@ fn write_metrics(
         skipped_steps: None,
         grad_norm: None,
         tokens: r.tokens,
+        counted_tokens: Some(r.counted_tokens),
+        attn_flop_fraction: None,
         tokens_per_s: r.tokens_per_s,
         tflops,
         tflops_per_rank: tflops / ranks.max(1) as f64,

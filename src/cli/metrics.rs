@@ -39,6 +39,14 @@ pub struct StepMetrics {
     pub grad_norm: Option<f64>,
     /// Tokens of the step (every sequence of every data replica).
     pub tokens: usize,
+    /// Targets counted toward the loss: `tokens` less the masked ones
+    /// (document ends, padding, SFT prompts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counted_tokens: Option<usize>,
+    /// The share of the `seq × seq` attention scores the step's masks let
+    /// the kernels compute (½ for causal windows of one document).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_flop_fraction: Option<f64>,
     #[serde(deserialize_with = "nan_if_null")]
     pub tokens_per_s: f64,
     /// Model TFLOP/s of the whole run (`model::flops`: 6·N plus causal
@@ -74,8 +82,11 @@ fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<f64, D::E
 /// What every line of one run shares.
 #[derive(Debug, Clone)]
 pub struct RunFacts {
-    /// Model FLOPs per token (`model::flops`).
+    /// Model FLOPs per token (`model::flops`) of causal windows.
     pub flops_per_token: f64,
+    /// The attention's part of `flops_per_token`, which a step's masks
+    /// scale (`StepReport::attn_flop_fraction` over the causal ½).
+    pub attention_flops_per_token: f64,
     pub ranks: usize,
     pub predicted: Option<Prediction>,
 }
@@ -128,7 +139,9 @@ pub fn by_category(bytes: &[(Category, usize)], host: usize) -> BTreeMap<String,
 impl StepMetrics {
     /// The line of training step `r`.
     pub fn of_step(r: &StepReport, facts: &RunFacts) -> Self {
-        let tflops = facts.flops_per_token * r.tokens_per_s / 1e12;
+        // only the attention the step's masks let the kernels compute
+        let unmasked = facts.attention_flops_per_token * (1.0 - r.attn_flop_fraction / 0.5);
+        let tflops = (facts.flops_per_token - unmasked) * r.tokens_per_s / 1e12;
         StepMetrics {
             step: r.step,
             time_unix_s: None,
@@ -138,6 +151,8 @@ impl StepMetrics {
             skipped_steps: Some(r.skipped),
             grad_norm: Some(r.grad_norm),
             tokens: r.tokens,
+            counted_tokens: Some(r.counted_tokens),
+            attn_flop_fraction: Some(r.attn_flop_fraction),
             tokens_per_s: r.tokens_per_s,
             tflops,
             tflops_per_rank: tflops / facts.ranks.max(1) as f64,
@@ -271,15 +286,36 @@ mod tests {
             at_peak_by_category: vec![(Category::Weights, 200), (Category::Activations, 100)],
             host_peak_bytes: 64,
             tokens: 512,
+            counted_tokens: 500,
+            attn_flop_fraction: 0.5,
             profile: None,
             eval: None,
         }
+    }
+
+    /// A step whose masks compute a quarter of the scores instead of the
+    /// causal half counts half the attention FLOPs.
+    #[test]
+    fn model_flops_count_only_the_attention_the_masks_compute() {
+        let facts = RunFacts {
+            flops_per_token: 3e9,
+            attention_flops_per_token: 2e9,
+            ranks: 1,
+            predicted: None,
+        };
+        let mut r = report(1);
+        assert!((StepMetrics::of_step(&r, &facts).tflops - 3.0).abs() < 1e-9);
+        r.attn_flop_fraction = 0.25;
+        let m = StepMetrics::of_step(&r, &facts);
+        assert!((m.tflops - 2.0).abs() < 1e-9, "{}", m.tflops);
+        assert_eq!(m.counted_tokens, Some(500));
     }
 
     #[test]
     fn a_line_holds_the_step_its_flops_and_memory_and_reads_back() {
         let facts = RunFacts {
             flops_per_token: 3e9,
+            attention_flops_per_token: 0.0,
             ranks: 4,
             predicted: None,
         };
@@ -304,6 +340,7 @@ mod tests {
         let f = MetricsFile::create(&path).unwrap();
         let facts = RunFacts {
             flops_per_token: 1.0,
+            attention_flops_per_token: 0.0,
             ranks: 1,
             predicted: None,
         };

@@ -134,6 +134,8 @@ mod tests {
             skipped_steps: None,
             grad_norm: Some(1.0),
             tokens: 256,
+            counted_tokens: None,
+            attn_flop_fraction: None,
             tokens_per_s: 1000.0 + step as f64,
             tflops: 1.0,
             tflops_per_rank: 0.25,

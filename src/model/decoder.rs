@@ -236,6 +236,19 @@ impl<B: Backend> Decoder<B> {
         Ok(Decoder { cfg, policy, attn })
     }
 
+    /// Attends under the mask of the next window, whose documents start at
+    /// `doc_starts` (positions restart at each; `[0]`: one document), from
+    /// the next forward on.
+    pub fn set_window(&mut self, b: &B, doc_starts: &[u32]) -> Result<()> {
+        let mask = super::window_mask(doc_starts, self.attn.plan.layout.seq)?;
+        self.attn.set_mask(b, mask)
+    }
+
+    /// The attention mask of the current window.
+    pub fn mask(&self) -> &crate::attention::AttnMask {
+        self.attn.mask()
+    }
+
     pub(crate) fn eps(&self) -> f32 {
         self.cfg.rms_norm_eps
     }

@@ -49,8 +49,15 @@ pub fn masked_attention_forward_flops(cfg: &ModelConfig, seq: usize, mask: &Attn
 /// Model FLOPs per trained token (forward and backward) on sequences of
 /// `seq` tokens: `6·N + 3.5 · L · 2·S·H·d`.
 pub fn train_flops_per_token(cfg: &ModelConfig, seq: usize) -> f64 {
-    let attention = 3.5 * cfg.layers as f64 * attention_forward_flops(cfg, seq) / seq.max(1) as f64;
-    6.0 * matmul_params(cfg) as f64 + attention
+    6.0 * matmul_params(cfg) as f64 + train_attention_flops_per_token(cfg, seq)
+}
+
+/// The attention part of [`train_flops_per_token`] (causal windows):
+/// `3.5 · L · 2·S·H·d`. A step whose windows pack documents computes its
+/// masks' share of it instead: this times `attn_flop_fraction / ½`
+/// ([`AttnMask::flop_fraction`] of each window's mask).
+pub fn train_attention_flops_per_token(cfg: &ModelConfig, seq: usize) -> f64 {
+    3.5 * cfg.layers as f64 * attention_forward_flops(cfg, seq) / seq.max(1) as f64
 }
 
 /// Model FLOPs per token of a forward pass over sequences of `seq` tokens:

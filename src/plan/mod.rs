@@ -308,6 +308,12 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     let step = |sim: &mut Sim| {
         let after_a_step = steps_walked.replace(steps_walked.get() + 1) > 0;
         let mut pending = (on_host && after_a_step).then(|| PendingStep::new(&update, &ends, ab));
+        if spec.optimizer {
+            // the step's counted targets, all-reduced before its first forward
+            // (`train::step_windows::step_counted`)
+            let counted = sim.alloc(Category::Workspace, 2 * F32);
+            sim.free(counted);
+        }
         for i in 0..spec.grad_accum.max(1) {
             let mut store: Box<dyn StoreWalk> = if spec.fsdp {
                 // later sequences of a step add their reduce-scatters into the shards

@@ -1,5 +1,5 @@
 //! Evaluation: the mean next-token cross-entropy of a model over a token
-//! file cut into consecutive windows, also by position within the window,
+//! file cut into consecutive windows, also by position within the document,
 //! forward only ([`Decoder::forward_loss`]) on any strategy and mesh.
 //!
 //! Windows of `L` inputs take `L + 1` tokens and overlap by one, so every
@@ -17,7 +17,7 @@ use crate::backend::{Backend, Category, DType, IGNORE};
 use crate::checkpoint::HostTensor;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
-use crate::data::Tokens;
+use crate::data::{PackedWindow, Tokens};
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{Decoder, MemoryPolicy, ModelConfig};
@@ -87,11 +87,12 @@ pub struct EvalWindows {
 /// The loss over one range of positions within the windows.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BucketLoss {
-    /// First position (0-based, of the window's targets).
+    /// First position (0-based, within the target's document).
     pub from: usize,
     /// One past the last position.
     pub to: usize,
-    /// Mean next-token cross-entropy over these positions of every window.
+    /// Mean next-token cross-entropy over the counted targets at these
+    /// positions of every document.
     pub loss: f64,
 }
 
@@ -102,6 +103,9 @@ pub struct EvalReport {
     pub loss: f64,
     /// Targets evaluated (`windows * L`).
     pub tokens: usize,
+    /// Targets counted toward the loss (`tokens` less those masked:
+    /// document ends, SFT prompts).
+    pub counted_tokens: usize,
     pub windows: usize,
     pub by_position: Vec<BucketLoss>,
     /// Targets per second (see [`eval_on_mesh`]).
@@ -257,7 +261,7 @@ pub fn eval_on_mesh<B: Backend>(
         loss_chunk: cfg.loss_chunk,
         ..MemoryPolicy::default()
     };
-    let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, policy)?;
+    let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, policy)?;
     let w = weights_from_host(b, &cfg.model, host, b.compute_dtype(), Category::Weights)?;
     let ranges = cfg.bucket_ranges(win.seq);
     let groups = ranges.len();
@@ -268,7 +272,8 @@ pub fn eval_on_mesh<B: Backend>(
         tokens,
         &win,
         &ranges,
-        |ids, targets, bucket_of| {
+        |window, ids, targets, bucket_of| {
+            decoder.set_window(b, &window.doc_starts)?;
             decoder.forward_loss(b, mesh, &w, ids, targets, bucket_of, groups)
         },
     )
@@ -276,9 +281,10 @@ pub fn eval_on_mesh<B: Backend>(
 
 /// Evaluates this rank's share of the windows `win` of `tokens` under
 /// `plan` on `mesh` (data replicas take windows round-robin), `forward`
-/// giving one window's loss sums by bucket for this rank's rows (its ids,
-/// targets and each row's bucket of `ranges`); the sums reduced over the
-/// world. Collective. `upipe eval` and evaluation during training
+/// giving one window's loss sums by bucket for this rank's rows (given the
+/// window, for its documents, and its ids, targets and each row's bucket of
+/// `ranges`, by position within the document); the sums, and the targets
+/// counted, reduced over the world. Collective. `upipe eval` and evaluation during training
 /// (`train::eval_during`) both run it.
 pub(crate) fn eval_windows<B: Backend>(
     b: &B,
@@ -287,26 +293,30 @@ pub(crate) fn eval_windows<B: Backend>(
     tokens: &Tokens,
     win: &EvalWindows,
     ranges: &[Range<usize>],
-    mut forward: impl FnMut(&[u32], &[u32], &[usize]) -> Result<Vec<f64>>,
+    mut forward: impl FnMut(&PackedWindow, &[u32], &[u32], &[usize]) -> Result<Vec<f64>>,
 ) -> Result<EvalReport> {
     let positions = plan
         .layout
         .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
-    // the ranges are contiguous; padded positions go with the last bucket
-    let bucket_of: Vec<usize> = positions
-        .iter()
-        .map(|&p| ranges.partition_point(|r| r.end <= p).min(ranges.len() - 1))
-        .collect();
     let (replica, replicas) = (mesh.shape.coords(mesh.rank).data, mesh.shape.data);
-    let mut sums = vec![0f64; ranges.len()];
-    let mut window = Vec::with_capacity(win.seq + 1);
+    // per bucket: summed loss, then counted targets
+    let mut sums = vec![0f64; 2 * ranges.len()];
+    let mut tokens_read = Vec::with_capacity(win.seq + 1);
     let start = Instant::now();
     let mut timed_from = None;
     for (round, wi) in (replica..win.count).step_by(replicas).enumerate() {
-        tokens.read_into(wi * win.seq..(wi + 1) * win.seq + 1, &mut window);
-        let (ids, targets) = shard(&window, &positions);
-        let s = forward(&ids, &targets, &bucket_of)?;
+        tokens.read_into(wi * win.seq..(wi + 1) * win.seq + 1, &mut tokens_read);
+        let window = padded_window(&tokens_read, plan.layout.seq);
+        let (ids, targets): (Vec<u32>, Vec<u32>) = positions
+            .iter()
+            .map(|&p| (window.inputs[p], window.targets[p]))
+            .unzip();
+        let bucket_of = buckets_by_document_position(&window, &positions, ranges);
+        let s = forward(&window, &ids, &targets, &bucket_of)?;
         sums.iter_mut().zip(s).for_each(|(a, x)| *a += x);
+        for (&bucket, &t) in bucket_of.iter().zip(&targets) {
+            sums[ranges.len() + bucket] += f64::from(u8::from(t != IGNORE));
+        }
         if round == 0 {
             timed_from = Some(Instant::now());
         }
@@ -317,44 +327,76 @@ pub(crate) fn eval_windows<B: Backend>(
         Some(t) if per_replica >= 2 => (t.elapsed(), win.count - replicas),
         _ => (start.elapsed(), win.count),
     };
-    Ok(report(win, ranges, &sums, timed_windows, elapsed, b))
+    let (losses, counted) = sums.split_at(ranges.len());
+    Ok(report(
+        win,
+        ranges,
+        losses,
+        counted,
+        timed_windows,
+        elapsed,
+        b,
+    ))
 }
 
-/// The inputs and targets at `positions` of a window of `L + 1` tokens;
-/// positions past `L` (padding) get input 0 and target `IGNORE`.
-fn shard(window: &[u32], positions: &[usize]) -> (Vec<u32>, Vec<u32>) {
-    let seq = window.len() - 1;
-    positions
-        .iter()
-        .map(|&p| match p < seq {
-            true => (window[p], window[p + 1]),
+/// A window of `L + 1` read tokens as the model takes it, padded to the
+/// plan's `padded` inputs: padded positions come last, with input 0 and
+/// target `IGNORE` (causal attention keeps them out of every real
+/// prediction). One document: the window is one stream.
+fn padded_window(read: &[u32], padded: usize) -> PackedWindow {
+    let seq = read.len() - 1;
+    let (inputs, targets) = (0..padded)
+        .map(|p| match p < seq {
+            true => (read[p], read[p + 1]),
             false => (0, IGNORE),
         })
-        .unzip()
+        .unzip();
+    PackedWindow::stream(inputs, targets)
 }
 
-/// The report of sums reduced over the world.
+/// The bucket of each of `positions` (rows of `window`): its position
+/// within its document, in `ranges` (contiguous; positions past the last go
+/// with the last bucket).
+fn buckets_by_document_position(
+    window: &PackedWindow,
+    positions: &[usize],
+    ranges: &[Range<usize>],
+) -> Vec<usize> {
+    let within = window.positions();
+    positions
+        .iter()
+        .map(|&p| {
+            let q = within[p] as usize;
+            ranges.partition_point(|r| r.end <= q).min(ranges.len() - 1)
+        })
+        .collect()
+}
+
+/// The report of sums reduced over the world: per bucket, the summed loss
+/// and the targets counted.
 fn report<B: Backend>(
     win: &EvalWindows,
     ranges: &[Range<usize>],
-    sums: &[f64],
+    losses: &[f64],
+    counted: &[f64],
     timed_windows: usize,
     elapsed: Duration,
     b: &B,
 ) -> EvalReport {
-    let tokens = win.count * win.seq;
     let by_position = ranges
         .iter()
-        .zip(sums)
-        .map(|(r, s)| BucketLoss {
+        .zip(losses.iter().zip(counted))
+        .map(|(r, (s, n))| BucketLoss {
             from: r.start,
             to: r.end,
-            loss: s / (r.len() * win.count) as f64,
+            loss: s / n.max(1.0),
         })
         .collect();
+    let total: f64 = counted.iter().sum();
     EvalReport {
-        loss: sums.iter().sum::<f64>() / tokens as f64,
-        tokens,
+        loss: losses.iter().sum::<f64>() / total.max(1.0),
+        tokens: win.count * win.seq,
+        counted_tokens: total.round() as usize,
         windows: win.count,
         by_position,
         tokens_per_s: (timed_windows * win.seq) as f64 / elapsed.as_secs_f64().max(1e-9),

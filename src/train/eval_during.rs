@@ -77,7 +77,7 @@ pub fn after_step<B: Backend>(
     plan: &CpPlan,
     b: &B,
     mesh: &Mesh<B>,
-    decoder: &Decoder<B>,
+    decoder: &mut Decoder<B>,
     model: &mut (dyn RankModel<B> + '_),
     step: u32,
 ) -> Result<Option<EvalReport>> {
@@ -96,7 +96,8 @@ pub fn after_step<B: Backend>(
     let ranges = ecfg.bucket_ranges(win.seq);
     let groups = ranges.len();
     b.ledger().enter("eval");
-    let report = eval_windows(b, mesh, plan, &ev.tokens, &win, &ranges, |ids, tg, rows| {
+    let report = eval_windows(b, mesh, plan, &ev.tokens, &win, &ranges, |window, ids, tg, rows| {
+        decoder.set_window(b, &window.doc_starts)?;
         decoder.forward_loss(b, mesh, w, ids, tg, rows, groups)
     })?;
     Ok(Some(report))

@@ -9,4 +9,5 @@ pub mod fsdp;
 pub mod host_weights;
 pub mod replicated;
 pub mod state;
+pub mod step_windows;
 pub mod trainer;

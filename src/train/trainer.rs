@@ -11,6 +11,7 @@ use super::fsdp::Sharded;
 pub use super::host_weights::{weights_from_host, weights_to_host};
 use super::replicated::{Replicated, ReplicatedStore, Resumed};
 use super::state::{Micro, RankModel};
+use super::step_windows::{RankWindow, draw_step, step_counted};
 use crate::attention::CpPlan;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::profile::ClassTotals;
@@ -21,7 +22,7 @@ use crate::checkpoint::hf_config::checkpoint_config;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
-use crate::data::{SamplerState, SequenceSampler, Tokens};
+use crate::data::{PackedWindow, SamplerState, SequenceSampler, Tokens};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use crate::optim::divergence::DivergenceGuard;
@@ -51,6 +52,14 @@ pub struct StepReport {
     pub host_peak_bytes: usize,
     /// Tokens the step trained on (every sequence of every replica).
     pub tokens: usize,
+    /// Targets counted toward the loss (the loss's denominator): `tokens`
+    /// less those masked (document ends, padding, SFT prompts).
+    pub counted_tokens: usize,
+    /// The share of the `seq × seq` attention scores the step's masks let
+    /// the kernels compute (rank 0's replica's windows, mean over
+    /// micro-steps): ½ for one causal document per window, less where
+    /// packed documents remove attention across their boundaries.
+    pub attn_flop_fraction: f64,
     /// Rank 0's time of the step by op class, when profiled.
     pub profile: Option<ClassTotals>,
     /// The held-out evaluation after this step, when one was due
@@ -309,7 +318,7 @@ fn run_rank<B: Backend>(
     // before the first allocation: the rehearsal allocates all of them
     b.set_rehearse(cfg.rehearse);
     b.ledger().enter("resident");
-    let decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
+    let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
     let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {
         let (m, r) = Sharded::open(b, cfg, mesh)?;
         (Box::new(m), r)
@@ -331,9 +340,8 @@ fn run_rank<B: Backend>(
             .layout
             .rank_positions(mesh.ring.rank(), mesh.ulysses.rank()),
     };
-    // the loss is the mean over every target of every sequence of every replica
+    // tokens the step trains on (every sequence of every replica)
     let targets_per_step = (cfg.seq * cfg.data_parallel * cfg.grad_accum) as f64;
-    let grad_scale = (1.0 / targets_per_step) as f32;
     let mut reports = Vec::new();
     if cfg.profile {
         b.enable_profile();
@@ -348,17 +356,24 @@ fn run_rank<B: Backend>(
         // what ran before the step (setup, the last step's checkpoint) is not its own
         b.take_profile()?;
         let start = Instant::now();
+        // the loss is the mean over the counted targets of the whole step
+        // (every micro-step of every replica), known before any backward
+        let windows = draw_step(&mut sampler, plan, &positions, cfg.grad_accum, cfg.rehearse)?;
+        let counted = step_counted(b, mesh, &windows)?;
+        let grad_scale = (1.0 / counted as f64) as f32;
         let mut local_loss = 0.0;
-        for i in 0..cfg.grad_accum {
-            let (ids, targets) = rank_sequence(cfg, plan, &mut sampler, &positions);
+        let mut attn_flop_fraction = 0.0;
+        for (i, w) in windows.iter().enumerate() {
+            decoder.set_window(b, &w.doc_starts)?;
+            attn_flop_fraction += decoder.mask().flop_fraction(cfg.seq) / windows.len() as f64;
             let micro = Micro::of(i, cfg.grad_accum);
             local_loss +=
-                model.forward_backward(b, &decoder, mesh, &ids, &targets, grad_scale, micro)?;
+                model.forward_backward(b, &decoder, mesh, &w.ids, &w.targets, grad_scale, micro)?;
         }
         b.ledger().enter("optimizer");
         let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
-        let loss = b.to_host(&loss)?[0] as f64 / targets_per_step;
+        let loss = b.to_host(&loss)?[0] as f64 / counted as f64;
         // a step whose loss or gradient norm is not finite changes nothing
         let update = model.optimizer_step(b, step, cfg.rehearse || loss.is_finite())?;
         // a rehearsal computed neither
@@ -370,7 +385,7 @@ fn run_rank<B: Backend>(
         let seconds = start.elapsed().as_secs_f64();
         let profile = step_profile(cfg, b, step, rank)?;
         let memory = b.ledger().stats();
-        let eval = eval_during::after_step(cfg, plan, b, mesh, &decoder, model.as_mut(), step)?;
+        let eval = eval_during::after_step(cfg, plan, b, mesh, &mut decoder, model.as_mut(), step)?;
         let report = StepReport {
             step,
             loss,
@@ -382,6 +397,8 @@ fn run_rank<B: Backend>(
             at_peak_by_category: memory.at_peak_by_category,
             host_peak_bytes: memory.host_peak,
             tokens: targets_per_step as usize,
+            counted_tokens: counted,
+            attn_flop_fraction,
             profile,
             eval,
         };
@@ -400,27 +417,6 @@ fn run_rank<B: Backend>(
     }
     model.settle(b)?;
     Ok((reports, b.ledger().stats(), b.reserved_peak()?))
-}
-
-/// This rank's input ids and targets (at `positions`) of the next
-/// sequence; a rehearsal reads no data and computes nothing with it, so it
-/// takes zeros for this rank's rows instead (at long lengths the planner's
-/// engine path, `plan::engine`, spent most of its time copying windows).
-fn rank_sequence(
-    cfg: &TrainConfig,
-    plan: &CpPlan,
-    sampler: &mut SequenceSampler,
-    positions: &[usize],
-) -> (Vec<u32>, Vec<u32>) {
-    if cfg.rehearse {
-        let n = plan.layout.local_len();
-        return (vec![0; n], vec![0; n]);
-    }
-    let window = sampler.next_window();
-    let ids: Vec<u32> = positions.iter().map(|&p| window.inputs()[p]).collect();
-    let targets: Vec<u32> = positions.iter().map(|&p| window.targets()[p]).collect();
-    debug_assert!(!targets.contains(&IGNORE));
-    (ids, targets)
 }
 
 /// Restores the sampler of a resumed run; the first step to run.
@@ -503,27 +499,42 @@ pub fn loss_and_grads_cpu(
     targets: &[u32],
     weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
 ) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
-    if ids.len() != plan.layout.seq || targets.len() != plan.layout.seq {
+    let window = PackedWindow::stream(ids.to_vec(), targets.to_vec());
+    loss_and_grads_cpu_packed(model, plan, policy, &window, weights)
+}
+
+/// [`loss_and_grads_cpu`] of a packed window: attention block-diagonal over
+/// its documents, positions restarting at each, the loss the mean over its
+/// counted (non-[`IGNORE`](crate::backend::IGNORE)) targets.
+pub fn loss_and_grads_cpu_packed(
+    model: &ModelConfig,
+    plan: &CpPlan,
+    policy: MemoryPolicy,
+    window: &PackedWindow,
+    weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
+) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
+    if window.len() != plan.layout.seq {
         return crate::config_err!(
-            "{} input tokens and {} targets for a plan of {} tokens",
-            ids.len(),
-            targets.len(),
+            "a window of {} tokens for a plan of {} tokens",
+            window.len(),
             plan.layout.seq
         );
     }
-    let counted = targets.iter().filter(|&&t| t != IGNORE).count().max(1);
+    window.validate()?;
+    let counted = window.counted().max(1);
     let out = run_ranks(plan.mesh_shape(), CpuBackend::new, |_rank, b, mesh| {
         let b = b.as_ref();
-        let decoder = Decoder::new(b, model.clone(), plan.clone(), &mesh, policy)?;
+        let mut decoder = Decoder::new(b, model.clone(), plan.clone(), &mesh, policy)?;
+        decoder.set_window(b, &window.doc_starts)?;
         let w = weights(b)?;
         let mut store = ReplicatedStore::new(b, model, w, mesh.world.as_ref())?;
         let pos = plan
             .layout
             .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
-        let ids: Vec<u32> = pos.iter().map(|&p| ids[p]).collect();
-        let tg: Vec<u32> = pos.iter().map(|&p| targets[p]).collect();
+        let rows = RankWindow::of(window, &pos)?;
         let scale = 1.0 / counted as f32;
-        let loss = decoder.forward_backward(b, &mesh, &mut store, &ids, &tg, scale)?;
+        let loss =
+            decoder.forward_backward(b, &mesh, &mut store, &rows.ids, &rows.targets, scale)?;
         let mut loss = b.from_host(&[loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
         let mut grads = BTreeMap::new();

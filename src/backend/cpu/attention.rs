@@ -53,6 +53,13 @@ pub(super) fn forward(
         .enumerate()
         .for_each(|(i, (orow, lrow))| {
             let keys = mask.visible_keys(i, sk);
+            if keys.is_empty() {
+                // a row that sees no key of this block (a ring block of
+                // other documents): nothing, with weight 0 in an LSE merge
+                orow.fill(0.0);
+                lrow.fill(f32::NEG_INFINITY);
+                return;
+            }
             let mut p = vec![0.0f32; keys.len()];
             for h in 0..g.hq {
                 let kh = h / g.group;

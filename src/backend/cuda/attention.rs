@@ -124,7 +124,7 @@ pub fn fwd_flash(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &AttnFwd) -> R
         hq: a.hq,
         hkv: a.hkv,
         d: a.d,
-        mask: a.mask,
+        mask: a.mask.clone(),
     };
     flash::flash_fwd(stream, f, &args)
 }
@@ -162,7 +162,7 @@ pub fn bwd_flash(
         hq: a.hq,
         hkv: a.hkv,
         d: a.d,
-        mask: a.mask,
+        mask: a.mask.clone(),
     };
     flash::flash_bwd(stream, f, &args)
 }
@@ -177,7 +177,7 @@ pub fn dt_flag(d: DType) -> i32 {
 
 /// Operands of one attention forward. Pointers already point at the first row
 /// of each view; strides are elements between consecutive token rows.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct AttnFwd {
     pub q: u64,
     pub k: u64,
@@ -202,7 +202,7 @@ pub struct AttnFwd {
 }
 
 /// Operands of one attention backward; `dq`, `dk`, `dv` are f32 and accumulated.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct AttnBwd {
     pub q: u64,
     pub k: u64,

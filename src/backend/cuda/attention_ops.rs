@@ -57,6 +57,7 @@ fn attn_geom(
     if let Err(why) = mask.check_shape(q.len(), k.len()) {
         return Err(Error::Backend(format!("attention: {why}")));
     }
+    check_cuda_mask(mask)?;
     if d > kernels::ATT_MAX_D {
         return Err(Error::Backend(format!(
             "attention: head dim {d} exceeds {} supported by the CUDA kernels",
@@ -69,6 +70,21 @@ fn attn_geom(
         ));
     }
     Ok(AttnGeom { hq, hkv, d })
+}
+
+/// Refuses a mask no CUDA attention kernel runs yet: packed documents
+/// (`--pack` with more than one document per window) train on the CPU
+/// backend only for now.
+fn check_cuda_mask(mask: &AttnMask) -> Result<()> {
+    match mask {
+        AttnMask::Full | AttnMask::Causal => Ok(()),
+        AttnMask::Bounded(_) => Err(Error::Config(
+            "attention: the CUDA kernels do not take a documents mask yet (windows packing \
+             several documents); train packed documents with --device cpu, or pack one \
+             document stream per window"
+                .into(),
+        )),
+    }
 }
 
 impl CudaBackend {
@@ -321,10 +337,10 @@ impl CudaBackend {
             hq: g.hq,
             hkv: g.hkv,
             d: g.d,
-            mask: *mask,
+            mask: mask.clone(),
         };
         if a.dt == DType::BF16 && a.o_dt == DType::BF16 && a.sq > 0 && a.hq > 0 {
-            let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, *mask);
+            let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, mask.clone());
             if let Some(c) = self.cudnn_for(&shape, false)? {
                 self.count_attn(AttnPath::Cudnn, false);
                 let f = cudnn::SdpaFwd {
@@ -375,7 +391,7 @@ impl CudaBackend {
         mask: &AttnMask,
     ) -> bool {
         // cuDNN writes bf16 gradients itself; our kernels add into F32
-        let shape = cudnn::dense_shape(s, s, hq, hkv, d, *mask);
+        let shape = cudnn::dense_shape(s, s, hq, hkv, d, mask.clone());
         s > 0 && hq > 0 && matches!(self.cudnn_for(&shape, true), Ok(Some(_)))
     }
 
@@ -426,7 +442,7 @@ impl CudaBackend {
         let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
         let one_kv_grad_dt = dk.t.dtype() == dv.t.dtype();
         if bf16_in && one_kv_grad_dt && sq > 0 && sk > 0 && g.hq > 0 {
-            let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, *mask);
+            let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, mask.clone());
             if let Some(c) = self.cudnn_for(&shape, true)? {
                 self.count_attn(AttnPath::Cudnn, true);
                 let b = cudnn::SdpaBwd {
@@ -504,7 +520,7 @@ impl CudaBackend {
             hq: g.hq,
             hkv: g.hkv,
             d: g.d,
-            mask: *mask,
+            mask: mask.clone(),
         };
         let flash_fns = if sq == 0 || sk == 0 || g.hq == 0 {
             None

@@ -12,7 +12,7 @@ use crate::checkpoint::save_dir;
 use crate::cli::metrics::{MetricsFile, RunFacts, unix_now};
 use crate::cli::tensorboard::EventWriter;
 use crate::error::Result;
-use crate::model::flops::train_flops_per_token;
+use crate::model::flops::{train_attention_flops_per_token, train_flops_per_token};
 use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, planned_host};
 
@@ -156,6 +156,7 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
     }
     let facts = RunFacts {
         flops_per_token: train_flops_per_token(&run.cfg.model, run.cfg.seq),
+        attention_flops_per_token: train_attention_flops_per_token(&run.cfg.model, run.cfg.seq),
         ranks: run.shape.world_size(),
         predicted: Some(predicted.clone()),
     };

@@ -112,7 +112,7 @@ impl AttnWalk {
         mask: &AttnMask,
     ) {
         use crate::backend::cuda::cudnn;
-        let shape = cudnn::dense_shape(sq, sk, hq, hkv, self.sh.head_dim, *mask);
+        let shape = cudnn::dense_shape(sq, sk, hq, hkv, self.sh.head_dim, mask.clone());
         if self.cudnn
             && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
         {
@@ -143,7 +143,7 @@ impl AttnWalk {
         use crate::backend::DType;
         use crate::backend::cuda::{cudnn, flash};
         let d = self.sh.head_dim;
-        let shape = cudnn::dense_shape(sq, sk, hq, hkv, d, *mask);
+        let shape = cudnn::dense_shape(sq, sk, hq, hkv, d, mask.clone());
         let dtype = |eb: usize| if eb == F32 { DType::F32 } else { DType::BF16 };
         let (nq, nk) = cudnn::bwd_scratch_elems(&shape);
         let grads = [

@@ -33,7 +33,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 /// Operands of one forward: device addresses of the first row of each view.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct SdpaFwd {
     pub q: u64,
     pub k: u64,
@@ -46,7 +46,7 @@ pub struct SdpaFwd {
 /// Operands of one backward. `dq` (`[sq, hq·d]`, of `dq_dt`), `dk`, `dv`
 /// (`[sk, hkv·d]`, of `dkv_dt`) are dense rows of F32 or BF16, added into or
 /// overwritten as the call's `AttnGradWrites` say.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct SdpaBwd {
     pub q: u64,
     pub k: u64,
@@ -335,7 +335,7 @@ impl CudnnSdpa {
             .plans
             .lock()
             .map_err(|_| Error::Backend("cuDNN plan cache poisoned".into()))?;
-        if let Some(e) = plans.get(&(bwd, *s)) {
+        if let Some(e) = plans.get(&(bwd, s.clone())) {
             return e.clone().map(|e| e.plan).map_err(Error::Backend);
         }
         let built = (|| {
@@ -363,7 +363,7 @@ impl CudnnSdpa {
         if let Ok(e) = &entry {
             self.record(bwd, s, &e.plan, Vec::new());
         }
-        plans.insert((bwd, *s), entry.clone());
+        plans.insert((bwd, s.clone()), entry.clone());
         entry.map(|e| e.plan).map_err(Error::Backend)
     }
 
@@ -371,7 +371,7 @@ impl CudnnSdpa {
         if let Ok(mut b) = self.builds.lock() {
             b.push(PlanBuild {
                 bwd,
-                shape: *s,
+                shape: s.clone(),
                 build_ms: p.build_ms,
                 workspace: p.workspace,
                 candidate: p.candidate,
@@ -402,7 +402,7 @@ impl CudnnSdpa {
             .plans
             .lock()
             .map_err(|_| Error::Backend("cuDNN plan cache poisoned".into()))?;
-        if let Some(Ok(e)) = plans.get(&(bwd, *s))
+        if let Some(Ok(e)) = plans.get(&(bwd, s.clone()))
             && e.tuned
         {
             return Ok(e.plan.clone());
@@ -439,7 +439,7 @@ impl CudnnSdpa {
         };
         self.record(bwd, s, &best, timings);
         plans.insert(
-            (bwd, *s),
+            (bwd, s.clone()),
             Ok(Entry {
                 plan: best.clone(),
                 tuned: true,

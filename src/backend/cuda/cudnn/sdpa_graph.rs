@@ -19,7 +19,7 @@ use crate::backend::AttnMask;
 use crate::error::Result;
 
 /// Geometry and strides of one SDPA call (also the plan-cache key).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SdpaShape {
     pub sq: usize,
     pub sk: usize,
@@ -103,7 +103,7 @@ fn stats(g: &mut Graph, s: &SdpaShape) -> Result<usize> {
 pub fn reads_neg_inf(mask: &AttnMask) -> bool {
     match mask {
         AttnMask::Full => false,
-        AttnMask::Causal => true,
+        AttnMask::Causal | AttnMask::Bounded(_) => true,
     }
 }
 
@@ -113,6 +113,9 @@ fn apply_mask(g: &mut Graph, x: usize, mask: &AttnMask, dims: &[i64]) -> Result<
     match mask {
         AttnMask::Full => Ok(x),
         AttnMask::Causal => causal_mask(g, x, dims),
+        AttnMask::Bounded(_) => Err(crate::Error::Backend(
+            "cuDNN SDPA graphs do not take a documents mask (refused by shape_supported)".into(),
+        )),
     }
 }
 

@@ -1,6 +1,7 @@
 //! Choosing the attention kernel: `--attn-kernel auto|cudnn|native`.
 
 use super::sdpa_graph::SdpaShape;
+use crate::backend::AttnMask;
 use crate::error::{Error, Result};
 
 /// Which attention implementation the CUDA backend uses.
@@ -60,6 +61,12 @@ pub fn shape_supported(
         return Err("s_q = s_kv = 1 is not supported by cuDNN SDPA".into());
     }
     s.mask.check_shape(s.sq, s.sk)?;
+    match &s.mask {
+        AttnMask::Full | AttnMask::Causal => {}
+        AttnMask::Bounded(_) => {
+            return Err("the cuDNN path does not take a documents mask yet".into());
+        }
+    }
     // 16-byte alignment of every bf16 row (and so of every head's start).
     for (name, rs) in [("q", s.q_rs), ("k", s.k_rs), ("v", s.v_rs), ("o", s.o_rs)] {
         if !rs.is_multiple_of(8) {
@@ -103,7 +110,6 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::AttnMask;
 
     fn shape(s: usize, d: usize, causal: bool) -> SdpaShape {
         let mask = if causal {

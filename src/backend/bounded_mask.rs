@@ -1,0 +1,269 @@
+//! [`BoundedMask`]: causal attention with a lower bound per query, the mask
+//! of packed documents (and, composed into the same bound, of sliding
+//! windows), and [`RowPositions`], which sequence positions a call's rows
+//! hold.
+
+use crate::error::{Error, Result};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Which sequence positions the rows of one side (queries or keys) of an
+/// attention call hold: at most two ascending runs of consecutive
+/// positions, one after the other (a zigzag ring shard is chunk `i` then
+/// chunk `2P-1-i`; a plain call is one run). Ascending rows make every
+/// query's visible keys one contiguous range of rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowPositions {
+    /// `(first position, rows)` of each run; the second may be empty.
+    runs: [(u32, u32); 2],
+}
+
+impl RowPositions {
+    /// Rows holding positions `start..start + len`.
+    pub fn contiguous(start: usize, len: usize) -> RowPositions {
+        RowPositions {
+            runs: [(start as u32, len as u32), (0, 0)],
+        }
+    }
+
+    /// Rows holding `a`, then `b` (`b` starts at or after `a`'s end).
+    pub fn two_runs(a: Range<usize>, b: Range<usize>) -> RowPositions {
+        debug_assert!(b.is_empty() || a.end <= b.start);
+        RowPositions {
+            runs: [
+                (a.start as u32, a.len() as u32),
+                (b.start as u32, b.len() as u32),
+            ],
+        }
+    }
+
+    /// Rows.
+    pub fn len(&self) -> usize {
+        (self.runs[0].1 + self.runs[1].1) as usize
+    }
+
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The sequence position of row `r`.
+    pub fn pos(&self, r: usize) -> usize {
+        let (a, b) = (self.runs[0], self.runs[1]);
+        if r < a.1 as usize {
+            a.0 as usize + r
+        } else {
+            b.0 as usize + (r - a.1 as usize)
+        }
+    }
+
+    /// The first row whose position is `p` or later (`len()` for none).
+    pub fn first_row_at_or_after(&self, p: usize) -> usize {
+        let mut base = 0;
+        for (start, len) in self.runs {
+            let (start, len) = (start as usize, len as usize);
+            if p < start + len {
+                return base + p.saturating_sub(start);
+            }
+            base += len;
+        }
+        base
+    }
+
+    /// Rows `rows` of these rows, as their own rows.
+    pub fn slice(&self, rows: Range<usize>) -> RowPositions {
+        let a_len = self.runs[0].1 as usize;
+        let part = |lo: usize, hi: usize, run: (u32, u32)| {
+            let (lo, hi) = (lo.min(run.1 as usize), hi.min(run.1 as usize));
+            (run.0 + lo as u32, hi.saturating_sub(lo) as u32)
+        };
+        let first = part(rows.start, rows.end, self.runs[0]);
+        let second = part(
+            rows.start.saturating_sub(a_len),
+            rows.end.saturating_sub(a_len),
+            self.runs[1],
+        );
+        if first.1 == 0 {
+            RowPositions {
+                runs: [second, (0, 0)],
+            }
+        } else {
+            RowPositions {
+                runs: [first, second],
+            }
+        }
+    }
+}
+
+/// Causal attention with a lower bound per query: the query at sequence
+/// position `p` sees the keys at positions `lo(p)..=p`. For packed
+/// documents `lo(p)` is the start of `p`'s document (block-diagonal
+/// causal); a sliding window composes into the same bound,
+/// `lo(p) = max(document start, p − window + 1)`.
+///
+/// The bound is kept per sequence position and shared (`Arc`); a call sees
+/// it through the positions of its query and key rows ([`RowPositions`]),
+/// so a ring block's mask is the sequence's mask with other rows
+/// ([`with_rows`](Self::with_rows)), and a sub-block's is a slice of them
+/// ([`slice`](Self::slice)).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BoundedMask {
+    /// `[seq]` the first position each position sees: nondecreasing, `lo(p) <= p`.
+    lo: Arc<[u32]>,
+    /// Positions of the call's query rows.
+    q: RowPositions,
+    /// Positions of the call's key rows.
+    k: RowPositions,
+}
+
+impl BoundedMask {
+    /// The mask of a window of `seq` tokens holding documents that start at
+    /// `doc_starts` (ascending, the first 0), over the whole window's rows.
+    pub fn documents(doc_starts: &[u32], seq: usize) -> Result<BoundedMask> {
+        let ascending = doc_starts.windows(2).all(|w| w[0] < w[1]);
+        let inside = doc_starts.last().is_none_or(|&l| (l as usize) < seq.max(1));
+        if doc_starts.first() != Some(&0) || !ascending || !inside {
+            return Err(Error::Config(format!(
+                "document starts {doc_starts:?} are not ascending from 0 inside a window of \
+                 {seq} tokens; the data's document index is wrong"
+            )));
+        }
+        let mut lo = Vec::with_capacity(seq);
+        let mut next = 1;
+        let mut start = 0u32;
+        for p in 0..seq as u32 {
+            if next < doc_starts.len() && doc_starts[next] == p {
+                start = p;
+                next += 1;
+            }
+            lo.push(start);
+        }
+        let all = RowPositions::contiguous(0, seq);
+        Ok(BoundedMask {
+            lo: lo.into(),
+            q: all,
+            k: all,
+        })
+    }
+
+    /// Positions in the sequence the bound is defined over.
+    pub fn seq(&self) -> usize {
+        self.lo.len()
+    }
+
+    /// The first position the query at sequence position `p` sees.
+    pub fn lo_at(&self, p: usize) -> usize {
+        self.lo[p] as usize
+    }
+
+    /// Positions of the query rows and of the key rows.
+    pub fn rows(&self) -> (RowPositions, RowPositions) {
+        (self.q, self.k)
+    }
+
+    /// The same sequence mask seen by a call whose rows hold positions `q`
+    /// and `k`.
+    pub fn with_rows(&self, q: RowPositions, k: RowPositions) -> BoundedMask {
+        BoundedMask {
+            lo: self.lo.clone(),
+            q,
+            k,
+        }
+    }
+
+    /// The mask of the sub-block of query rows `q_rows` and key rows `k_rows`.
+    pub fn slice(&self, q_rows: Range<usize>, k_rows: Range<usize>) -> BoundedMask {
+        self.with_rows(self.q.slice(q_rows), self.k.slice(k_rows))
+    }
+
+    /// The key rows query row `q` sees (one contiguous range, maybe empty).
+    pub fn visible_keys(&self, q: usize, sk: usize) -> Range<usize> {
+        let p = self.q.pos(q);
+        let lo = self.k.first_row_at_or_after(self.lo_at(p)).min(sk);
+        let hi = self.k.first_row_at_or_after(p + 1).min(sk);
+        lo..hi.max(lo)
+    }
+
+    /// The smallest and largest bound (`lo`, as a sequence position) over
+    /// query rows `rows`, as `min..max + 1`: a kernel skips a tile of keys
+    /// wholly before `min` or after the rows' last position, and needs no
+    /// per-row bound where `min == max`.
+    pub fn lo_range(&self, rows: Range<usize>) -> Range<usize> {
+        if rows.is_empty() {
+            return 0..0;
+        }
+        // rows ascend in position and the bound is nondecreasing
+        let first = self.lo_at(self.q.pos(rows.start));
+        let last = self.lo_at(self.q.pos(rows.end - 1));
+        first..last + 1
+    }
+
+    /// Checks that the call has the rows this mask describes.
+    pub fn check_shape(&self, sq: usize, sk: usize) -> std::result::Result<(), String> {
+        if self.q.len() != sq || self.k.len() != sk {
+            return Err(format!(
+                "a documents mask of {}x{} rows does not fit a call of {sq}x{sk}",
+                self.q.len(),
+                self.k.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Query/key pairs the mask allows in the whole call.
+    pub fn visible_pairs(&self) -> usize {
+        let sk = self.k.len();
+        (0..self.q.len())
+            .map(|q| self.visible_keys(q, sk).len())
+            .sum()
+    }
+
+    /// Whether no query of the call sees any key (a ring block to skip).
+    pub fn hides_all(&self) -> bool {
+        let sk = self.k.len();
+        (0..self.q.len()).all(|q| self.visible_keys(q, sk).is_empty())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documents_bound_each_query_by_its_document_start() {
+        let m = BoundedMask::documents(&[0, 2, 5], 6).unwrap();
+        let keys: Vec<_> = (0..6).map(|q| m.visible_keys(q, 6)).collect();
+        assert_eq!(keys, vec![0..1, 0..2, 2..3, 2..4, 2..5, 5..6]);
+        assert_eq!(m.visible_pairs(), 1 + 2 + 1 + 2 + 3 + 1);
+        assert_eq!(m.lo_range(1..4), 0..3);
+        assert!(BoundedMask::documents(&[1], 4).is_err());
+        assert!(BoundedMask::documents(&[0, 4], 4).is_err());
+        assert!(BoundedMask::documents(&[0, 2, 2], 4).is_err());
+    }
+
+    /// Rows in two runs see the keys whose positions the bound admits.
+    #[test]
+    fn two_runs_see_through_positions() {
+        let m = BoundedMask::documents(&[0, 3, 7], 12).unwrap();
+        let rows = RowPositions::two_runs(2..4, 8..10);
+        let blk = m.with_rows(rows, rows);
+        for q in 0..4 {
+            let qp = rows.pos(q);
+            let want: Vec<usize> = (0..4)
+                .filter(|&k| rows.pos(k) <= qp && rows.pos(k) >= m.lo_at(qp))
+                .collect();
+            let got: Vec<usize> = blk.visible_keys(q, 4).collect();
+            assert_eq!(got, want, "q={q}");
+        }
+        assert_eq!(rows.slice(1..3), RowPositions::two_runs(3..4, 8..9));
+        assert_eq!(rows.slice(2..4), RowPositions::contiguous(8, 2));
+        assert_eq!(rows.first_row_at_or_after(5), 2);
+        assert_eq!(rows.first_row_at_or_after(11), 4);
+        // keys 8, 9 after query 2 or 3, none visible
+        let later = m.with_rows(
+            RowPositions::contiguous(2, 2),
+            RowPositions::contiguous(8, 2),
+        );
+        assert!(later.hides_all());
+    }
+}
