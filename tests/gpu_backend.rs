@@ -631,6 +631,8 @@ struct AttnProblem {
     hkv: usize,
     d: usize,
     causal: bool,
+    /// A documents mask in place of `causal` (`AttnMask::Bounded`).
+    bounded: Option<AttnMask>,
     /// Rows of padding before each view (exercises row offsets).
     off: usize,
     q: Vec<f32>,
@@ -664,6 +666,7 @@ impl AttnProblem {
             hkv,
             d,
             causal,
+            bounded: None,
             off,
             q: r(rng.vec(nq, 2.0)),
             k: r(rng.vec(nk, 2.0)),
@@ -675,7 +678,9 @@ impl AttnProblem {
         }
     }
     fn mask(&self) -> AttnMask {
-        if self.causal {
+        if let Some(m) = &self.bounded {
+            m.clone()
+        } else if self.causal {
             AttnMask::Causal
         } else {
             AttnMask::Full
@@ -683,8 +688,13 @@ impl AttnProblem {
     }
     fn tag(&self) -> String {
         format!(
-            "sq={} sk={} hq={} hkv={} d={} causal={}",
-            self.sq, self.sk, self.hq, self.hkv, self.d, self.causal
+            "sq={} sk={} hq={} hkv={} d={} mask={}",
+            self.sq,
+            self.sk,
+            self.hq,
+            self.hkv,
+            self.d,
+            self.mask()
         )
     }
 }
@@ -784,6 +794,20 @@ fn attn_bwd_on<B: Backend>(
     )
 }
 
+/// LSEs equal: -inf (a row that sees no key) at the same rows, the rest close.
+fn close_lse(name: &str, got: &[f32], want: &[f32]) {
+    let finite = |v: &[f32]| -> Vec<f32> {
+        v.iter()
+            .map(|&x| if x == f32::NEG_INFINITY { 0.0 } else { x })
+            .collect()
+    };
+    for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+        let (ai, bi) = (a == f32::NEG_INFINITY, b == f32::NEG_INFINITY);
+        assert_eq!(ai, bi, "{name}: lse[{i}] {a} where the reference has {b}");
+    }
+    close(name, &finite(got), &finite(want));
+}
+
 fn close(name: &str, got: &[f32], want: &[f32]) {
     let e = rel_err(got, want);
     eprintln!("{name}: rel err {e:.2e}");
@@ -805,9 +829,9 @@ fn compare_kernels(
     let (oo, ol) = attn_fwd_on(oracle, DType::BF16, p);
     let (co, cl) = attn_fwd_on(&c, DType::F32, p);
     close(&format!("{tag} o vs cpu"), &so, &co);
-    close(&format!("{tag} lse vs cpu"), &sl, &cl);
+    close_lse(&format!("{tag} lse vs cpu"), &sl, &cl);
     close(&format!("{tag} o vs {oracle_name}"), &so, &oo);
-    close(&format!("{tag} lse vs {oracle_name}"), &sl, &ol);
+    close_lse(&format!("{tag} lse vs {oracle_name}"), &sl, &ol);
     let co = round(&co, DType::BF16);
     for w in BWD_WRITES {
         let sg = attn_bwd_on(subject, DType::BF16, grad_dt, p, &co, &cl, kblocks, w);
@@ -902,6 +926,63 @@ fn flash_attention_through_the_backend_matches_cpu_and_naive() {
         DType::BF16,
         &[0..256, 256..390],
     );
+}
+
+/// Documents masks on the flash kernels (both head dims: mma.sync for 64,
+/// wgmma on sm_90 for 128) against the CPU reference and the naive kernels:
+/// whole windows of documents that start mid-tile, of one token, longer than
+/// a tile; ring blocks whose rows are two runs of positions, with rows that
+/// see no key (O = 0, LSE = -inf) and tiles with none.
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
+fn flash_documents_masks_match_cpu_and_naive() {
+    use upipe::backend::mask::{BoundedMask, RowPositions};
+    let Some((f, n)) = flash_pair() else { return };
+    if f.flash_functions().unwrap().is_none() {
+        eprintln!("SKIP flash documents: no flash kernels on {}", f.arch());
+        return;
+    }
+    let mut rng = Rng::new("flash documents");
+    let starts: &[u32] = &[0, 1, 64, 200, 201, 450, 599];
+    let window = BoundedMask::documents(starts, 600).unwrap();
+    let ring_rows = RowPositions::two_runs(0..150, 450..600);
+    let cases: Vec<(BoundedMask, (usize, usize, usize))> = vec![
+        (window.clone(), (4, 2, 64)),
+        (window.clone(), (8, 2, 128)),
+        (window.with_rows(ring_rows, ring_rows), (4, 4, 128)),
+        (
+            window.with_rows(
+                RowPositions::contiguous(300, 300),
+                RowPositions::contiguous(0, 300),
+            ),
+            (4, 1, 64),
+        ),
+        (
+            window.with_rows(
+                RowPositions::contiguous(300, 300),
+                RowPositions::contiguous(0, 300),
+            ),
+            (4, 2, 128),
+        ),
+        (BoundedMask::documents(&[0], 333).unwrap(), (2, 1, 128)),
+    ];
+    for (mask, (hq, hkv, d)) in cases {
+        let (q, k) = mask.rows();
+        let mut p = AttnProblem::new(&mut rng, q.len(), k.len(), hq, hkv, d, false);
+        p.bounded = Some(AttnMask::Bounded(mask));
+        for grad_dt in [DType::F32, DType::BF16] {
+            let tag = format!("flash {} grads={grad_dt:?}", p.tag());
+            let before = f.attention_calls();
+            compare_kernels(&tag, (f, n, "naive"), &p, grad_dt, &[0..p.sk]);
+            let after = f.attention_calls();
+            assert_eq!(
+                after.flash_fwd - before.flash_fwd,
+                1,
+                "{tag}: flash forward"
+            );
+            assert_eq!(after.naive_fwd, before.naive_fwd, "{tag}: no naive forward");
+        }
+    }
 }
 
 /// On compute capability 9.0 the backend loads the wgmma forward and runs it

@@ -218,6 +218,22 @@ impl BoundedMask {
             .sum()
     }
 
+    /// `[2·sq]` the key rows each query row sees, as the CUDA kernels take
+    /// them: every row's first key row, then every row's end (row `q` sees
+    /// `b[q]..b[sq + q]`). Both halves are nondecreasing in `q` (rows ascend
+    /// in position and the bound is nondecreasing), which lets a kernel find a
+    /// tile's keys from its first and last rows.
+    pub fn row_bounds(&self) -> Vec<u32> {
+        let (sq, sk) = (self.q.len(), self.k.len());
+        let mut b = vec![0u32; 2 * sq];
+        for q in 0..sq {
+            let r = self.visible_keys(q, sk);
+            b[q] = r.start as u32;
+            b[sq + q] = r.end as u32;
+        }
+        b
+    }
+
     /// Whether no query of the call sees any key (a ring block to skip).
     pub fn hides_all(&self) -> bool {
         let sk = self.k.len();
@@ -239,6 +255,41 @@ mod tests {
         assert!(BoundedMask::documents(&[1], 4).is_err());
         assert!(BoundedMask::documents(&[0, 4], 4).is_err());
         assert!(BoundedMask::documents(&[0, 2, 2], 4).is_err());
+    }
+
+    /// The kernels' row bounds equal `visible_keys` and never decrease, for
+    /// whole windows and for ring blocks of two runs.
+    #[test]
+    fn row_bounds_are_the_visible_keys_and_ascend() {
+        let m = BoundedMask::documents(&[0, 1, 5, 6, 13], 16).unwrap();
+        let blocks = [
+            m.clone(),
+            m.with_rows(
+                RowPositions::two_runs(2..6, 10..14),
+                RowPositions::two_runs(0..4, 12..16),
+            ),
+            m.with_rows(
+                RowPositions::contiguous(8, 8),
+                RowPositions::contiguous(0, 8),
+            ),
+            m.slice(3..9, 0..16),
+        ];
+        for blk in blocks {
+            let (q, k) = blk.rows();
+            let (sq, sk) = (q.len(), k.len());
+            let b = blk.row_bounds();
+            for r in 0..sq {
+                let want = blk.visible_keys(r, sk);
+                assert_eq!(
+                    b[r] as usize..b[sq + r] as usize,
+                    want,
+                    "row {r} of {blk:?}"
+                );
+                if r > 0 {
+                    assert!(b[r] >= b[r - 1] && b[sq + r] >= b[sq + r - 1], "row {r}");
+                }
+            }
+        }
     }
 
     /// Rows in two runs see the keys whose positions the bound admits.

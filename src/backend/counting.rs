@@ -145,6 +145,15 @@ impl CountingBackend {
     /// `CudaBackend::attention_bwd`'s allocations on our kernels: F32
     /// scratch for each gradient of another dtype, and the flash backward's
     /// transient workspace when the flash kernels take the geometry.
+    /// What the CUDA backend uploads for a documents mask: its rows' key
+    /// bounds (`[2·sq]` 4-byte elements) for the call's duration.
+    fn mask_bounds(&self, g: &AttnShape) -> Result<Option<Tensor<Self>>> {
+        match g.mask {
+            AttnMask::Bounded(_) if g.sq > 0 => self.scratch(2 * g.sq, DType::F32).map(Some),
+            AttnMask::Full | AttnMask::Causal | AttnMask::Bounded(_) => Ok(None),
+        }
+    }
+
     fn native_bwd(
         &self,
         g: &AttnShape,
@@ -158,6 +167,7 @@ impl CountingBackend {
                 scratch.push(self.scratch(n, DType::F32)?);
             }
         }
+        let _bounds = self.mask_bounds(g)?;
         if nonempty && flash::check_supported(g.sq, g.sk, g.hq, g.hkv, g.d, &g.mask).is_ok() {
             let bytes = flash::flash_bwd_workspace_bytes(g.sq, g.hq);
             drop(self.scratch(bytes / 4, DType::F32)?);
@@ -422,6 +432,8 @@ impl Backend for CountingBackend {
         if bf16 && g.sq > 0 && g.hq > 0 && self.on_cudnn(&g.sdpa(), false) {
             // cuDNN's forward plan workspace counts as 0 (what the H200 ledger shows)
             self.grow_attn_workspace(0)?;
+        } else if self.is_cuda() {
+            drop(self.mask_bounds(&g)?);
         }
         Ok(())
     }

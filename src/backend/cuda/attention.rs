@@ -114,6 +114,7 @@ pub fn fwd_flash(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &AttnFwd) -> R
         v: a.v,
         o: a.o,
         lse: a.lse,
+        bounds: a.bounds,
         q_stride: a.q_rs,
         k_stride: a.k_rs,
         v_stride: a.v_rs,
@@ -148,6 +149,7 @@ pub fn bwd_flash(
         dk: a.dk,
         dv: a.dv,
         workspace,
+        bounds: a.bounds,
         q_stride: a.q_rs,
         k_stride: a.k_rs,
         v_stride: a.v_rs,
@@ -199,6 +201,9 @@ pub struct AttnFwd {
     pub hkv: usize,
     pub d: usize,
     pub mask: AttnMask,
+    /// The rows' key bounds of a documents mask on the device (`[2·sq]`
+    /// int32, `BoundedMask::row_bounds`), or 0.
+    pub bounds: u64,
 }
 
 /// Operands of one attention backward; `dq`, `dk`, `dv` are f32 and accumulated.
@@ -231,6 +236,8 @@ pub struct AttnBwd {
     pub hkv: usize,
     pub d: usize,
     pub mask: AttnMask,
+    /// As in [`AttnFwd`].
+    pub bounds: u64,
 }
 
 fn scale(d: usize) -> f32 {
@@ -262,6 +269,7 @@ pub fn fwd_naive(k: &Kernels, stream: &CudaStream, a: &AttnFwd) -> Result<()> {
         .usize(a.hkv)
         .usize(a.d)
         .i32(flash::causal_flag(&a.mask))
+        .ptr(a.bounds)
         .f32(scale(a.d));
     launch(
         stream,
@@ -307,6 +315,7 @@ pub fn bwd_naive(k: &Kernels, stream: &CudaStream, a: &AttnBwd) -> Result<()> {
         .usize(a.hkv)
         .usize(a.d)
         .i32(flash::causal_flag(&a.mask))
+        .ptr(a.bounds)
         .f32(scale(a.d));
     launch(
         stream,

@@ -57,7 +57,6 @@ fn attn_geom(
     if let Err(why) = mask.check_shape(q.len(), k.len()) {
         return Err(Error::Backend(format!("attention: {why}")));
     }
-    check_cuda_mask(mask)?;
     if d > kernels::ATT_MAX_D {
         return Err(Error::Backend(format!(
             "attention: head dim {d} exceeds {} supported by the CUDA kernels",
@@ -72,22 +71,28 @@ fn attn_geom(
     Ok(AttnGeom { hq, hkv, d })
 }
 
-/// Refuses a mask no CUDA attention kernel runs yet: packed documents
-/// (`--pack` with more than one document per window) train on the CPU
-/// backend only for now.
-fn check_cuda_mask(mask: &AttnMask) -> Result<()> {
-    match mask {
-        AttnMask::Full | AttnMask::Causal => Ok(()),
-        AttnMask::Bounded(_) => Err(Error::Config(
-            "attention: the CUDA kernels do not take a documents mask yet (windows packing \
-             several documents); train packed documents with --device cpu, or pack one \
-             document stream per window"
-                .into(),
-        )),
-    }
-}
-
 impl CudaBackend {
+    /// The key rows each query row of a documents mask sees, uploaded for
+    /// the flash and naive kernels (`[2·sq]` int32 as 4-byte elements, a
+    /// workspace freed when the call returns, stream-ordered); `None` for
+    /// the masks the kernels take as a flag. cuDNN does not take these
+    /// masks (`cudnn::select`), so a documents call allocates this before
+    /// the kernels' own buffers, on every path.
+    fn mask_bounds(&self, mask: &AttnMask, sq: usize) -> Result<Option<Tensor<Self>>> {
+        match mask {
+            AttnMask::Full | AttnMask::Causal => Ok(None),
+            AttnMask::Bounded(_) if sq == 0 => Ok(None),
+            AttnMask::Bounded(m) => {
+                let b = if self.rehearsing() {
+                    vec![0; 2 * sq]
+                } else {
+                    m.row_bounds()
+                };
+                self.upload_ids(&b).map(Some)
+            }
+        }
+    }
+
     /// Returns the attention kernels' kept workspace (cuDNN's, grown to its
     /// largest call) to the pool, so a following workload's peak is its own.
     pub fn release_attention_workspace(&self) -> Result<()> {
@@ -338,6 +343,7 @@ impl CudaBackend {
             hkv: g.hkv,
             d: g.d,
             mask: mask.clone(),
+            bounds: 0,
         };
         if a.dt == DType::BF16 && a.o_dt == DType::BF16 && a.sq > 0 && a.hq > 0 {
             let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, mask.clone());
@@ -354,6 +360,11 @@ impl CudaBackend {
                 return c.fwd(self, &f);
             }
         }
+        let bounds = self.mask_bounds(mask, a.sq)?;
+        let a = AttnFwd {
+            bounds: bounds.as_ref().map_or(0, ptr),
+            ..a
+        };
         let (path, why) = self.fwd_path(&a)?;
         tracing::debug!(
             "attention_fwd {path:?} sq={} sk={} hq={} hkv={} d={} mask={mask} {:?}{}",
@@ -489,6 +500,7 @@ impl CudaBackend {
             scratch(sk, krs, dk.t)?,
             scratch(sk, krs, dv.t)?,
         );
+        let bounds = self.mask_bounds(mask, sq)?;
         let target = |s: &Option<Tensor<Self>>, t: &Tensor<Self>, start: usize, rs: usize| match s {
             Some(s) => ptr(s),
             None => ptr_at(t, start * rs),
@@ -521,6 +533,7 @@ impl CudaBackend {
             hkv: g.hkv,
             d: g.d,
             mask: mask.clone(),
+            bounds: bounds.as_ref().map_or(0, ptr),
         };
         let flash_fns = if sq == 0 || sk == 0 || g.hq == 0 {
             None

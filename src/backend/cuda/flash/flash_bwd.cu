@@ -75,9 +75,15 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
     const bf16_t* gk = (const bf16_t*)p.k + (i64)kh * D;
     const bf16_t* gv = (const bf16_t*)p.v + (i64)kh * D;
 
-    const int m_begin = p.causal ? (n0 / BM) : 0;
-    const int m_end = (p.sq + BM - 1) / BM;
-    const int n_m = m_end - m_begin;
+    // Query blocks m_begin .. m_end: those with a row that sees one of these keys.
+    const RowBounds rb{(const int*)p.bounds, p.sq};
+    int m_begin = p.causal ? (n0 / BM) : 0;
+    int m_end = (p.sq + BM - 1) / BM;
+    if (rb.on()) {
+        m_begin = rb.first_row_ending_after(n0) / BM;
+        m_end = (rb.first_row_starting_at(min(n0 + BN, p.sk)) + BM - 1) / BM;
+    }
+    const int n_m = max(m_end - m_begin, 0);
     const int total = n_m * p.group;
 
     // Phase-2 ownership: keys wk*32.., head-dim half wd.
@@ -164,7 +170,9 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                     }
                 }
             }
-            const bool need_mask = (p.causal && m0 < n0 + BN) || (n0 + BN > p.sk);  // query tails: see issue()
+            const int m_last = min(m0 + BM, p.sq) - 1;
+            const bool need_mask = (p.causal && m0 < n0 + BN) || (n0 + BN > p.sk) ||  // query tails: see issue()
+                                   (rb.on() && (m0 + BM > p.sq || rb.lo(m_last) > n0 || rb.hi(m0) < n0 + BN));
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -179,8 +187,12 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                         float p1 = fast_exp2(s[mt][j][2 * r + 1] * p.scale_log2 - l2);
                         if (need_mask) {
                             const int gq = m0 + qr, gk0 = n0 + kc;
-                            if (gk0 >= p.sk || (p.causal && gk0 > gq)) p0 = 0.f;
-                            if (gk0 + 1 >= p.sk || (p.causal && gk0 + 1 > gq)) p1 = 0.f;
+                            const bool out = rb.on() && gq >= p.sq;
+                            if (gk0 >= p.sk || (p.causal && gk0 > gq) || out || (rb.on() && rb.hides(gq, gk0)))
+                                p0 = 0.f;
+                            if (gk0 + 1 >= p.sk || (p.causal && gk0 + 1 > gq) || out ||
+                                (rb.on() && rb.hides(gq, gk0 + 1)))
+                                p1 = 0.f;
                         }
                         const float d0 = p0 * (dp[mt][j][2 * r] - dl) * p.scale;
                         const float d1 = p1 * (dp[mt][j][2 * r + 1] - dl) * p.scale;

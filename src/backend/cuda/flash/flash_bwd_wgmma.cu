@@ -127,9 +127,15 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) upipe_flash_bwd_wgmm
     const u32 bar_full = sRow + ST * 2 * BM * 4, bar_empty = bar_full + 8 * ST;
     unsigned char* row_ptr = smem + (sRow - smem_addr(smem));
 
-    const int m_begin = p.causal ? (n0 / BM) : 0;
-    const int m_end = (p.sq + BM - 1) / BM;
-    const int n_m = m_end - m_begin;
+    // Query blocks m_begin .. m_end: those with a row that sees one of these keys.
+    const RowBounds rb{(const int*)p.bounds, p.sq};
+    int m_begin = p.causal ? (n0 / BM) : 0;
+    int m_end = (p.sq + BM - 1) / BM;
+    if (rb.on()) {
+        m_begin = rb.first_row_ending_after(n0) / BM;
+        m_end = (rb.first_row_starting_at(min(n0 + BN, p.sk)) + BM - 1) / BM;
+    }
+    const int n_m = max(m_end - m_begin, 0);
     const int total = n_m * p.group;
 
     if (tid == 0) {
@@ -235,7 +241,9 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) upipe_flash_bwd_wgmm
         wg_wait<1>();
         wb_pin32(s);
         // Keys past the end, and (causal) keys after the query, get P = 0.
-        const bool need_mask = (kw0 + 64 > p.sk) || (p.causal && kw0 + 63 > m0);
+        const int m_last = min(m0 + BM, p.sq) - 1;
+        const bool need_mask = (kw0 + 64 > p.sk) || (p.causal && kw0 + 63 > m0) ||
+                               (rb.on() && (m0 + BM > p.sq || rb.lo(m_last) > kw0 || rb.hi(m0) < kw0 + 64));
 #pragma unroll
         for (int t = 0; t < BM / 8; ++t)
 #pragma unroll
@@ -244,7 +252,8 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) upipe_flash_bwd_wgmm
                 if (need_mask) {
                     const int key = key_lo + ((e >> 1) << 3);
                     const int q = m0 + t * 8 + qc + (e & 1);
-                    if (key >= p.sk || (p.causal && key > q)) pv = 0.f;
+                    if (key >= p.sk || (p.causal && key > q) || (rb.on() && (q >= p.sq || rb.hides(q, key))))
+                        pv = 0.f;
                 }
                 s[t * 4 + e] = pv;
             }

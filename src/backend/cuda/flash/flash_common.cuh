@@ -16,6 +16,7 @@ typedef long long i64;
 // Forward parameters (shared by the mma.sync and the wgmma forward kernels).
 struct FlashFwdParams {
     u64 q, k, v, o, lse;
+    u64 bounds;  // null, or a documents mask's key rows per query row (see row_bounds)
     i64 q_stride, k_stride, v_stride, o_stride, lse_stride;
     int sq, sk, hq, hkv, group, causal;
     float scale_log2;
@@ -25,9 +26,43 @@ struct FlashFwdParams {
 // Backward parameters (shared by the mma.sync and the wgmma backward kernels).
 struct FlashBwdParams {
     u64 q, k, v, o, d_o, lse, dq, dk, dv, delta;
+    u64 bounds;  // as in FlashFwdParams
     i64 q_stride, k_stride, v_stride, o_stride, do_stride, lse_stride, dq_stride, dk_stride, dv_stride;
     int sq, sk, hq, hkv, group, causal;
     float scale, scale_log2;
+};
+
+// A documents mask (`bounds` non-null, int32 [2][sq]): query row r sees key
+// rows bounds[r] .. bounds[sq + r] (the causal flag is then 0). Both bounds
+// are nondecreasing in r, so a tile of rows m0..m1 needs the keys
+// bounds[m0] .. bounds[sq + m1 - 1], and the key rows k0..k1 are seen by the
+// rows from the first whose end passes k0 to the last whose start is before k1.
+struct RowBounds {
+    const int* b;
+    int sq;
+    __device__ __forceinline__ bool on() const { return b != nullptr; }
+    __device__ __forceinline__ int lo(int r) const { return b[r]; }
+    __device__ __forceinline__ int hi(int r) const { return b[sq + r]; }
+    // First row in [0, sq] whose end is past key k (hi(r) > k).
+    __device__ __forceinline__ int first_row_ending_after(int k) const {
+        int a = 0, z = sq;
+        while (a < z) {
+            const int m = (a + z) >> 1;
+            if (hi(m) > k) z = m; else a = m + 1;
+        }
+        return a;
+    }
+    // First row in [0, sq] whose start is at key k or later (lo(r) >= k).
+    __device__ __forceinline__ int first_row_starting_at(int k) const {
+        int a = 0, z = sq;
+        while (a < z) {
+            const int m = (a + z) >> 1;
+            if (lo(m) >= k) z = m; else a = m + 1;
+        }
+        return a;
+    }
+    // Whether row r (< sq) may see key c.
+    __device__ __forceinline__ bool hides(int r, int c) const { return c < lo(r) || c >= hi(r); }
 };
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {

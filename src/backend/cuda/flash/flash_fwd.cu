@@ -31,12 +31,19 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
     const bf16_t* gk = (const bf16_t*)p.k + (i64)kh * D;
     const bf16_t* gv = (const bf16_t*)p.v + (i64)kh * D;
 
-    const int kv_end = p.causal ? min(p.sk, m0 + BM) : p.sk;
+    // Key blocks nb0 .. n_blocks: from the tile's first visible key to its last.
+    const RowBounds rb{(const int*)p.bounds, p.sq};
+    int kv_begin = 0, kv_end = p.causal ? min(p.sk, m0 + BM) : p.sk;
+    if (rb.on()) {
+        kv_begin = rb.lo(m0);
+        kv_end = rb.hi(min(m0 + BM, p.sq) - 1);
+    }
+    const int nb0 = kv_begin / BN;
     const int n_blocks = (kv_end + BN - 1) / BN;
 
     load_tile<BM, D, NT>(sQ, gq, p.q_stride, m0, p.sq, tid);
-    load_tile<BN, D, NT>(sK, gk, p.k_stride, 0, p.sk, tid);
-    load_tile<BN, D, NT>(sV, gv, p.v_stride, 0, p.sk, tid);
+    load_tile<BN, D, NT>(sK, gk, p.k_stride, nb0 * BN, p.sk, tid);
+    load_tile<BN, D, NT>(sV, gv, p.v_stride, nb0 * BN, p.sk, tid);
     cp_async_commit();
 
     float acc_o[2][NTD][4];
@@ -56,9 +63,22 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
         }
 
     const int warp_row0 = warp * 32;  // within the block
+    // this thread's rows' key bounds (documents mask): [mt][r]
+    int rlo[2][2], rhi[2][2], lo_max = 0, hi_min = p.sk;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int gr = m0 + warp_row0 + mt * 16 + (lane >> 2) + r * 8;
+            const bool in = rb.on() && gr < p.sq;
+            rlo[mt][r] = in ? rb.lo(gr) : 0;
+            rhi[mt][r] = in ? rb.hi(gr) : 0;
+            lo_max = max(lo_max, rlo[mt][r]);
+            hi_min = min(hi_min, rhi[mt][r]);
+        }
 
-    for (int nb = 0; nb < n_blocks; ++nb) {
-        const int buf = nb & 1;
+    for (int nb = nb0; nb < n_blocks; ++nb) {
+        const int buf = (nb - nb0) & 1;
         const int n0 = nb * BN;
         cp_async_wait<0>();
         __syncthreads();
@@ -97,7 +117,8 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
         }
 
         // Mask key tails and the causal diagonal.
-        const bool need_mask = (n0 + BN > p.sk) || (p.causal && n0 + BN - 1 > m0 + warp_row0);
+        const bool need_mask = (n0 + BN > p.sk) || (p.causal && n0 + BN - 1 > m0 + warp_row0) ||
+                               (rb.on() && (n0 < lo_max || n0 + BN > hi_min));
         if (need_mask) {
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
@@ -107,7 +128,8 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
                     for (int e = 0; e < 4; ++e) {
                         int gr = m0 + warp_row0 + mt * 16 + (lane >> 2) + ((e >> 1) << 3);
                         int gc = n0 + j * 8 + ((lane & 3) << 1) + (e & 1);
-                        if (gc >= p.sk || (p.causal && gc > gr)) s[mt][j][e] = FL_NEG_INF;
+                        const bool hidden = rb.on() && (gc < rlo[mt][e >> 1] || gc >= rhi[mt][e >> 1]);
+                        if (gc >= p.sk || (p.causal && gc > gr) || hidden) s[mt][j][e] = FL_NEG_INF;
                     }
         }
 
@@ -168,7 +190,10 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
         }
     }
 
-    // Epilogue: normalize, write O (bf16) and LSE (natural log).
+    cp_async_wait<0>();  // a tile that sees no key loaded one it never read
+
+    // Epilogue: normalize, write O (bf16) and LSE (natural log); a row that
+    // sees no key gets O = 0 and LSE = -inf.
     bf16_t* go = (bf16_t*)p.o + (i64)h * D;
     float* glse = (float*)p.lse + h;
 #pragma unroll

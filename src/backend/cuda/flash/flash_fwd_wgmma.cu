@@ -170,8 +170,27 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
     const bf16_t* gk = (const bf16_t*)p.k + (i64)kh * D;
     const bf16_t* gv = (const bf16_t*)p.v + (i64)kh * D;
 
-    const int kv_end = p.causal ? min(p.sk, m0 + BM) : p.sk;
-    const int n_blocks = (kv_end + BN - 1) / BN;
+    // Key blocks kv0 / BN .. of the tile, n_blocks of them: from its first
+    // visible key to its last (`RowBounds` for a documents mask).
+    const RowBounds rb{(const int*)p.bounds, p.sq};
+    int kv_begin = 0, kv_end = p.causal ? min(p.sk, m0 + BM) : p.sk;
+    if (rb.on()) {
+        kv_begin = rb.lo(m0);
+        kv_end = rb.hi(min(m0 + BM, p.sq) - 1);
+    }
+    const int kv0 = kv_begin / BN * BN;
+    const int n_blocks = (kv_end + BN - 1) / BN - kv0 / BN;
+    if (n_blocks <= 0) {
+        // no row of the tile sees a key (a ring block of other documents)
+        for (int i = tid; i < BM; i += blockDim.x) {
+            const int gr = m0 + i;
+            if (gr >= p.sq) continue;
+            bf16_t* orow = (bf16_t*)p.o + (i64)gr * p.o_stride + (i64)h * D;
+            for (int c = 0; c < D; ++c) orow[c] = 0;
+            ((float*)p.lse)[(i64)gr * p.lse_stride + h] = FL_NEG_INF;
+        }
+        return;
+    }
 
 #if WG_WS
     // Stage g (g = 0 ..= n_blocks) = K_g and V_{g-1} in slot g % ST (plus Q in stage 0).
@@ -192,8 +211,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
             const int slot = g % ST;
             if (g >= ST) mbar_wait(bar_empty + 8 * slot, ((g / ST) - 1) & 1);
             if (g == 0) wg_load_tile<BM, 128>(sQ, gq, p.q_stride, m0, p.sq, pl);
-            if (g < n_blocks) wg_load_tile<BN, 128>(sK + (u32)slot * KV_TILE, gk, p.k_stride, g * BN, p.sk, pl);
-            if (g >= 1) wg_load_tile<BN, 128>(sV + (u32)slot * KV_TILE, gv, p.v_stride, (g - 1) * BN, p.sk, pl);
+            if (g < n_blocks) wg_load_tile<BN, 128>(sK + (u32)slot * KV_TILE, gk, p.k_stride, kv0 + g * BN, p.sk, pl);
+            if (g >= 1) wg_load_tile<BN, 128>(sV + (u32)slot * KV_TILE, gv, p.v_stride, kv0 + (g - 1) * BN, p.sk, pl);
             cp_async_commit();
             if (g >= 1) {
                 // Stage g - 1 landed: hand it to the async proxy, then to the consumers.
@@ -212,9 +231,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
     // Copy group g holds K_g and V_{g-1}; groups 0 .. ST-2 are in flight
     // before the loop, group j + ST - 1 is issued at the top of iteration j.
     auto load_group = [&](int g) {
-        if (g < n_blocks) wg_load_tile<BN>(sK + (u32)(g % ST) * KV_TILE, gk, p.k_stride, g * BN, p.sk, tid);
+        if (g < n_blocks) wg_load_tile<BN>(sK + (u32)(g % ST) * KV_TILE, gk, p.k_stride, kv0 + g * BN, p.sk, tid);
         if (g >= 1 && g <= n_blocks)
-            wg_load_tile<BN>(sV + (u32)((g - 1) % ST) * KV_TILE, gv, p.v_stride, (g - 1) * BN, p.sk, tid);
+            wg_load_tile<BN>(sV + (u32)((g - 1) % ST) * KV_TILE, gv, p.v_stride, kv0 + (g - 1) * BN, p.sk, tid);
         cp_async_commit();
     };
     wg_load_tile<BM>(sQ, gq, p.q_stride, m0, p.sq, tid);
@@ -235,6 +254,17 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
 
     const int wg_row0 = m0 + wg * 64;
     const int row_lo = wg_row0 + warp * 16 + (lane >> 2);  // this thread's rows: row_lo, row_lo + 8
+    // their key bounds under a documents mask
+    int rlo[2] = {0, 0}, rhi[2] = {0, 0};
+    if (rb.on()) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (row_lo + r * 8 < p.sq) {
+                rlo[r] = rb.lo(row_lo + r * 8);
+                rhi[r] = rb.hi(row_lo + r * 8);
+            }
+    }
+    const int lo_max = max(rlo[0], rlo[1]), hi_min = min(rhi[0], rhi[1]);
     const u32 sQw = sQ + (u32)wg * 64 * 128;                 // this warpgroup's 64 rows in each half
 
 #if WG_WS
@@ -295,8 +325,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
     // Mask and exponentiate S_j in place; alpha rescales the old O and row sums.
     float alpha[2], bsum[2];
     auto softmax = [&](int j) {
-        const int n0 = j * BN;
-        const bool need_mask = (n0 + BN > p.sk) || (p.causal && n0 + BN - 1 > wg_row0);
+        const int n0 = kv0 + j * BN;
+        const bool need_mask = (n0 + BN > p.sk) || (p.causal && n0 + BN - 1 > wg_row0) ||
+                               (rb.on() && (n0 < lo_max || n0 + BN > hi_min));
         if (need_mask) {
 #pragma unroll
             for (int t = 0; t < BN / 8; ++t)
@@ -304,7 +335,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) upipe_flash_fwd_wgmm
                 for (int e = 0; e < 4; ++e) {
                     const int gr = row_lo + ((e >> 1) << 3);
                     const int gc = n0 + t * 8 + ((lane & 3) << 1) + (e & 1);
-                    if (gc >= p.sk || (p.causal && gc > gr)) s[t * 4 + e] = FL_NEG_INF;
+                    const bool hidden = rb.on() && (gc < rlo[e >> 1] || gc >= rhi[e >> 1]);
+                    if (gc >= p.sk || (p.causal && gc > gr) || hidden) s[t * 4 + e] = FL_NEG_INF;
                 }
         }
 #pragma unroll

@@ -13,6 +13,9 @@ pub struct FlashFwdArgs {
     pub v: u64,
     pub o: u64,
     pub lse: u64,
+    /// `[2·sq]` int32 key-row bounds of a documents mask (see
+    /// `BoundedMask::row_bounds`), or 0.
+    pub bounds: u64,
     pub q_stride: usize,
     pub k_stride: usize,
     pub v_stride: usize,
@@ -40,6 +43,8 @@ pub struct FlashBwdArgs {
     pub dk: u64,
     pub dv: u64,
     pub workspace: u64,
+    /// As in [`FlashFwdArgs`].
+    pub bounds: u64,
     pub q_stride: usize,
     pub k_stride: usize,
     pub v_stride: usize,
@@ -70,6 +75,7 @@ pub(super) struct FwdParams {
     v: u64,
     o: u64,
     lse: u64,
+    bounds: u64,
     q_stride: i64,
     k_stride: i64,
     v_stride: i64,
@@ -100,6 +106,7 @@ pub(super) struct BwdParams {
     dk: u64,
     dv: u64,
     delta: u64,
+    bounds: u64,
     q_stride: i64,
     k_stride: i64,
     v_stride: i64,
@@ -142,14 +149,6 @@ pub(super) fn check_geometry(
     if let Err(why) = mask.check_shape(sq, sk) {
         return Err(Error::Config(format!("flash attention: {why}")));
     }
-    match mask {
-        AttnMask::Full | AttnMask::Causal => {}
-        AttnMask::Bounded(_) => {
-            return Err(Error::Config(
-                "flash attention does not take a documents mask yet".into(),
-            ));
-        }
-    }
     let lim = i32::MAX as usize / 64;
     let fwd_blocks = sq.div_ceil(FWD_BM).saturating_mul(hq);
     let bwd_blocks = sk.div_ceil(BWD_BN).saturating_mul(hkv);
@@ -176,14 +175,12 @@ pub fn check_supported(
 
 /// The kernels' `causal` parameter for `mask` (the naive kernels of
 /// `kernels/attention.cu` take the same flag): 1 keeps keys `0..=i` of row
-/// `i`, 0 keeps every key. A mask they cannot express is refused by
-/// [`check_supported`] before any launch.
+/// `i`, 0 keeps every key, or the rows' `bounds` when the call has them (a
+/// documents mask: `BoundedMask::row_bounds`, uploaded by the caller).
 pub fn causal_flag(mask: &AttnMask) -> i32 {
     match mask {
-        AttnMask::Full => 0,
+        AttnMask::Full | AttnMask::Bounded(_) => 0,
         AttnMask::Causal => 1,
-        // refused by `check_geometry` before any launch
-        AttnMask::Bounded(_) => 1,
     }
 }
 
@@ -237,6 +234,7 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
         v: a.v,
         o: a.o,
         lse: a.lse,
+        bounds: a.bounds,
         q_stride: a.q_stride as i64,
         k_stride: a.k_stride as i64,
         v_stride: a.v_stride as i64,
@@ -319,6 +317,7 @@ pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs)
         dk: a.dk,
         dv: a.dv,
         delta: a.workspace,
+        bounds: a.bounds,
         q_stride: a.q_stride as i64,
         k_stride: a.k_stride as i64,
         v_stride: a.v_stride as i64,

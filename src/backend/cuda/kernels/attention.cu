@@ -1,6 +1,21 @@
 // Interim attention: simple, obviously-correct kernels (one block per
 // (query row, head), looping over keys in tiles of ATT_T). Correctness only;
 // the FlashAttention-2 kernels in `flash/` replace them (see attention.rs).
+//
+// Masks: `bounds` null: keys 0..sk, or 0..=i when `causal`. Otherwise row i
+// sees keys bounds[i] .. bounds[sq + i] (int32; a documents mask, the rows'
+// ranges computed on the host from `AttnMask::visible_keys`); a row that sees
+// none gets o = 0 and lse = -inf (a ring block of another document).
+
+__device__ __forceinline__ void key_range(const int* bounds, i64 i, i64 sq, i64 sk, int causal, i64* k0, i64* nk) {
+    if (bounds) {
+        *k0 = bounds[i];
+        *nk = bounds[sq + i];
+    } else {
+        *k0 = 0;
+        *nk = causal ? i + 1 : sk;
+    }
+}
 
 #define ATT_T 128
 #define ATT_DPT 4  // head dims per thread: d <= ATT_T * ATT_DPT = 512
@@ -9,7 +24,8 @@
 extern "C" __global__ void attn_fwd_naive(const void* q, const void* k, const void* v, int dt,
                                           void* o, int odt, float* lse,
                                           i64 q_rs, i64 k_rs, i64 v_rs, i64 o_rs, i64 lse_rs,
-                                          i64 sq, i64 sk, i64 hq, i64 hkv, i64 d, int causal, float scale) {
+                                          i64 sq, i64 sk, i64 hq, i64 hkv, i64 d, int causal, const int* bounds,
+                                          float scale) {
     extern __shared__ float smem[];
     float* qs = smem;
     float* p = qs + d;
@@ -20,12 +36,13 @@ extern "C" __global__ void attn_fwd_naive(const void* q, const void* k, const vo
     const i64 kh = h / (hq / hkv);
     for (i64 c = tid; c < d; c += ATT_T) qs[c] = ld(q, i * q_rs + h * d + c, dt);
     __syncthreads();
-    const i64 nk = causal ? i + 1 : sk;
+    i64 k0, nk;
+    key_range(bounds, i, sq, sk, causal, &k0, &nk);
     float m = NEG_INF, l = 0.0f;
     float acc[ATT_DPT];
 #pragma unroll
     for (int u = 0; u < ATT_DPT; u++) acc[u] = 0.0f;
-    for (i64 j0 = 0; j0 < nk; j0 += ATT_T) {
+    for (i64 j0 = k0; j0 < nk; j0 += ATT_T) {
         const i64 j = j0 + tid;
         float s = NEG_INF;
         if (j < nk) {
@@ -55,9 +72,9 @@ extern "C" __global__ void attn_fwd_naive(const void* q, const void* k, const vo
 #pragma unroll
     for (int u = 0; u < ATT_DPT; u++) {
         const i64 c = tid + (i64)u * ATT_T;
-        if (c < d) st(o, i * o_rs + h * d + c, odt, acc[u] / l);
+        if (c < d) st(o, i * o_rs + h * d + c, odt, l > 0.0f ? acc[u] / l : 0.0f);
     }
-    if (tid == 0) lse[i * lse_rs + h] = m + logf(l);
+    if (tid == 0) lse[i * lse_rs + h] = l > 0.0f ? m + logf(l) : NEG_INF;
 }
 
 // Backward given the final o and lse. dq, dk, dv are f32 and accumulated
@@ -68,7 +85,8 @@ extern "C" __global__ void attn_bwd_naive(const void* q, const void* k, const vo
                                           float* dq, float* dk, float* dv,
                                           i64 q_rs, i64 k_rs, i64 v_rs, i64 o_rs, i64 do_rs, i64 lse_rs,
                                           i64 dq_rs, i64 dk_rs, i64 dv_rs,
-                                          i64 sq, i64 sk, i64 hq, i64 hkv, i64 d, int causal, float scale) {
+                                          i64 sq, i64 sk, i64 hq, i64 hkv, i64 d, int causal, const int* bounds,
+                                          float scale) {
     extern __shared__ float smem[];
     float* qs = smem;
     float* dos = qs + d;
@@ -88,11 +106,12 @@ extern "C" __global__ void attn_bwd_naive(const void* q, const void* k, const vo
     }
     const float delta = block_sum(dl, red);  // barriers publish qs/dos
     const float li = lse[i * lse_rs + h];
-    const i64 nk = causal ? i + 1 : sk;
+    i64 k0, nk;
+    key_range(bounds, i, sq, sk, causal, &k0, &nk);
     float acc[ATT_DPT];
 #pragma unroll
     for (int u = 0; u < ATT_DPT; u++) acc[u] = 0.0f;
-    for (i64 j0 = 0; j0 < nk; j0 += ATT_T) {
+    for (i64 j0 = k0; j0 < nk; j0 += ATT_T) {
         const i64 j = j0 + tid;
         float pj = 0.0f, dsj = 0.0f;
         if (j < nk) {
