@@ -15,7 +15,7 @@ use super::step_windows::{RankWindow, draw_step, step_counted};
 use crate::attention::CpPlan;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::profile::ClassTotals;
-use crate::backend::{Backend, Category, DType, IGNORE, MemoryStats};
+use crate::backend::{Backend, Category, DType, MemoryStats};
 use crate::checkpoint::HostTensor;
 use crate::checkpoint::carried::carry_files;
 use crate::checkpoint::hf_config::checkpoint_config;
