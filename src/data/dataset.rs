@@ -2,7 +2,8 @@
 //! index and loss mask (`doc_index.rs`), read and checked together.
 
 use super::doc_index::{DocIndex, LossMask, index_path, mask_path};
-use super::tokens::Tokens;
+use super::corpus::load_tokens;
+use super::tokens::{TokenFormat, Tokens};
 use crate::error::Result;
 use std::path::Path;
 use std::sync::Arc;
@@ -60,4 +61,24 @@ impl Dataset {
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }
+}
+
+/// The data of `train --data`: [`load_tokens`]'s ids, with the document
+/// index and loss mask beside a pre-tokenized file when they exist (a file
+/// without an index is one document, and `--pack documents` then cuts the
+/// same windows as `stream`).
+pub fn load_dataset(path: Option<&Path>, tokenizer: Option<&str>, vocab: usize) -> Result<Dataset> {
+    let tokens = load_tokens(path, tokenizer, vocab)?;
+    let Some(p) = path.filter(|p| TokenFormat::of_path(p).is_some()) else {
+        return Ok(tokens.into());
+    };
+    let data = Dataset::with_files_beside(tokens, p)?;
+    if data.docs.is_none() {
+        tracing::info!(
+            "{} has no document index beside it ({}): its ids are read as one document",
+            p.display(),
+            index_path(p).display()
+        );
+    }
+    Ok(data)
 }

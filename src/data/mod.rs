@@ -7,10 +7,12 @@
 //! `window.rs` a window as the model takes it (`PackedWindow`: inputs,
 //! targets, document starts).
 
+pub mod chat;
 pub mod corpus;
 pub mod dataset;
 pub mod doc_index;
 pub mod documents;
+pub mod inputs;
 pub mod packing;
 pub mod sampler;
 pub mod tokenize;
