@@ -356,7 +356,9 @@ fn chat_and_prompt_completion_count_only_the_answers() {
     std::fs::write(&tok_path, byte_level_json(&MERGES, &["<|im_start|>", "<|im_end|>"])).unwrap();
     let config = json!({"chat_template": CHATML, "eos_token": "<|im_end|>"});
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
-    let data = dir.join("sft.jsonl.gz");
+    // the data in a directory of its own (the tokenizer's files would be documents too)
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    let data = dir.join("data/sft.jsonl.gz");
     let lines = [
         json!({"text": "plain"}),
         json!({"messages": [{"role": "user", "content": "the q"},
@@ -370,7 +372,7 @@ fn chat_and_prompt_completion_count_only_the_answers() {
     let out = dir.join("sft.u32");
     let run = upipe(&[
         "tokenize",
-        dir.to_str().unwrap(),
+        dir.join("data").to_str().unwrap(),
         "--tokenizer",
         dir.to_str().unwrap(),
         "--out",
@@ -398,16 +400,20 @@ fn chat_and_prompt_completion_count_only_the_answers() {
     assert_eq!(counted(1), "an a<|im_end|>\n", "only the assistant's turn counts");
     assert_eq!(counted(2), "4<|im_end|>", "only the completion counts");
     // a role the template is not known to render, and a template that fails
-    std::fs::write(&data, "{\"messages\": [{\"role\": \"bard\", \"content\": \"x\"}]}\n").unwrap();
-    let args = ["tokenize", dir.to_str().unwrap(), "--tokenizer", dir.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    std::fs::remove_file(&data).unwrap();
+    let plain = dir.join("data/sft.jsonl");
+    std::fs::write(&plain, "{\"messages\": [{\"role\": \"bard\", \"content\": \"x\"}]}\n").unwrap();
+    let data_dir = dir.join("data");
+    let args = ["tokenize", data_dir.to_str().unwrap(), "--tokenizer", dir.to_str().unwrap(), "--out", out.to_str().unwrap()];
     let e = stderr_of_failure(&args);
     assert!(e.contains("role \"bard\""), "{e}");
-    std::fs::write(&data, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n").unwrap();
-    let bad = json!({"chat_template": "{{ raise_exception('no system role') }}"});
+    std::fs::write(&plain, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n").unwrap();
+    let bad = json!({"chat_template": "{{ raise_exception('no system role') }}", "eos_token": "<|im_end|>"});
     std::fs::write(dir.join("tokenizer_config.json"), bad.to_string()).unwrap();
     let e = stderr_of_failure(&args);
     assert!(e.contains("no system role") && e.contains("tokenizer_config.json"), "{e}");
     // a corrupt gzip stream names the file and the check
+    std::fs::remove_file(&plain).unwrap();
     std::fs::write(&data, [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2]).unwrap();
     let e = stderr_of_failure(&args);
     assert!(e.contains("sft.jsonl.gz") && e.contains("gzip -t"), "{e}");

@@ -70,7 +70,7 @@ pub fn resolve_eos(tok: &Tokenizer, path: &Path, eos: Eos) -> Result<u32> {
     }
     if matches!(tok, Tokenizer::Byte(_)) {
         return crate::config_err!(
-            "the byte tokenizer has no end-of-sequence token: pass --eos ID (the id that separates documents)"
+            "the byte tokenizer has no end-of-sequence token: pass --eos ID (the id that ends each document)"
         );
     }
     let dir = if path.is_dir() {
@@ -102,7 +102,7 @@ pub fn resolve_eos(tok: &Tokenizer, path: &Path, eos: Eos) -> Result<u32> {
     crate::config_err!(
         "no end-of-sequence token found for {}: no config.json with eos_token_id beside it, no \
          tokenizer_config.json with eos_token, and no special token named {} in the tokenizer; \
-         pass --eos ID (the id that separates documents)",
+         pass --eos ID (the id that ends each document)",
         path.display(),
         EOS_NAMES.join(", ")
     )
