@@ -23,7 +23,9 @@ fn upipe(args: &[&str]) -> Output {
 
 fn train(data: &Path, extra: &[&str]) -> Output {
     let mut args = vec!["train", "--data", data.to_str().unwrap()];
-    args.extend(["--steps", "1", "--seq", "32", "--attn", "local", "--device", "cpu"]);
+    args.extend([
+        "--steps", "1", "--seq", "32", "--attn", "local", "--device", "cpu",
+    ]);
     args.extend(extra);
     upipe(&args)
 }
@@ -86,7 +88,10 @@ fn bad_index_and_mask_files_are_refused_naming_the_file() {
     // wrong length: the index was written for other ids
     write_index(&path, &starts, 601);
     let e = stderr(&train(&path, &[]));
-    assert!(e.contains(&index) && e.contains("601") && e.contains("upipe tokenize"), "{e}");
+    assert!(
+        e.contains(&index) && e.contains("601") && e.contains("upipe tokenize"),
+        "{e}"
+    );
     // offsets out of order, and past the end
     let mut swapped = starts.clone();
     swapped.swap(1, 2);
@@ -110,7 +115,10 @@ fn bad_index_and_mask_files_are_refused_naming_the_file() {
     std::fs::remove_file(mask_path(&path)).unwrap();
     std::fs::remove_file(index_path(&path)).unwrap();
     let e = stderr(&train(&path, &["--pack", "bfd"]));
-    assert!(e.contains("no document index") && e.contains("--pack stream"), "{e}");
+    assert!(
+        e.contains("no document index") && e.contains("--pack stream"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -123,8 +131,14 @@ fn documents_that_are_not_ids_name_the_tokenize_command() {
         let out = train(data, &["--tokenizer", "byte"]);
         assert!(!out.status.success());
         let e = stderr(&out);
-        let want = format!("`upipe tokenize {} --tokenizer byte --eos 0 --out", data.display());
-        assert!(e.contains(&want) && e.contains("never trains on raw JSON"), "{e}");
+        let want = format!(
+            "`upipe tokenize {} --tokenizer byte --eos 0 --out",
+            data.display()
+        );
+        assert!(
+            e.contains(&want) && e.contains("never trains on raw JSON"),
+            "{e}"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

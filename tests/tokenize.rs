@@ -144,7 +144,11 @@ fn documents_round_trip_each_ending_with_eos_for_any_thread_count() {
         "merges were used"
     );
     let mut pieces = split_on(&ids, eos);
-    assert_eq!(pieces.pop(), Some(vec![]), "the last document ends with EOS too");
+    assert_eq!(
+        pieces.pop(),
+        Some(vec![]),
+        "the last document ends with EOS too"
+    );
     assert_eq!(pieces.len(), 5, "one EOS at the end of each document");
     // the index: each document starts after the EOS of the one before
     let index = DocIndex::open(&index_path(path), ids.len() as u64).unwrap();
@@ -353,7 +357,11 @@ const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['r
 fn chat_and_prompt_completion_count_only_the_answers() {
     let dir = temp_dir("chat");
     let tok_path = dir.join("tokenizer.json");
-    std::fs::write(&tok_path, byte_level_json(&MERGES, &["<|im_start|>", "<|im_end|>"])).unwrap();
+    std::fs::write(
+        &tok_path,
+        byte_level_json(&MERGES, &["<|im_start|>", "<|im_end|>"]),
+    )
+    .unwrap();
     let config = json!({"chat_template": CHATML, "eos_token": "<|im_end|>"});
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
     // the data in a directory of its own (the tokenizer's files would be documents too)
@@ -379,9 +387,16 @@ fn chat_and_prompt_completion_count_only_the_answers() {
         out.to_str().unwrap(),
         "--json",
     ]);
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let v: Value = serde_json::from_slice(&run.stdout).unwrap();
-    assert_eq!((v["documents"].as_u64(), v["masked_documents"].as_u64()), (Some(3), Some(2)));
+    assert_eq!(
+        (v["documents"].as_u64(), v["masked_documents"].as_u64()),
+        (Some(3), Some(2))
+    );
     let tok = Tokenizer::from_hf_file(&tok_path).unwrap();
     let ids = Tokens::open(&out).unwrap();
     let n = ids.len() as u64;
@@ -390,28 +405,58 @@ fn chat_and_prompt_completion_count_only_the_answers() {
     let mask = LossMask::open(&mask_path(&out), n).unwrap();
     let counted = |d: usize| -> String {
         let span = index.span(d);
-        let kept: Vec<u32> = span.filter(|&i| mask.counts(i)).map(|i| ids[i as usize]).collect();
+        let kept: Vec<u32> = span
+            .filter(|&i| mask.counts(i))
+            .map(|i| ids[i as usize])
+            .collect();
         tok.decode(&kept).unwrap()
     };
     assert_eq!(counted(0), "plain<|im_end|>", "text counts whole");
     let chat = index.span(1);
-    let rendered = tok.decode(&ids[chat.start as usize..chat.end as usize]).unwrap();
-    assert_eq!(rendered, "<|im_start|>user\nthe q<|im_end|>\n<|im_start|>assistant\nan a<|im_end|>\n");
-    assert_eq!(counted(1), "an a<|im_end|>\n", "only the assistant's turn counts");
+    let rendered = tok
+        .decode(&ids[chat.start as usize..chat.end as usize])
+        .unwrap();
+    assert_eq!(
+        rendered,
+        "<|im_start|>user\nthe q<|im_end|>\n<|im_start|>assistant\nan a<|im_end|>\n"
+    );
+    assert_eq!(
+        counted(1),
+        "an a<|im_end|>\n",
+        "only the assistant's turn counts"
+    );
     assert_eq!(counted(2), "4<|im_end|>", "only the completion counts");
     // a role the template is not known to render, and a template that fails
     std::fs::remove_file(&data).unwrap();
     let plain = dir.join("data/sft.jsonl");
-    std::fs::write(&plain, "{\"messages\": [{\"role\": \"bard\", \"content\": \"x\"}]}\n").unwrap();
+    std::fs::write(
+        &plain,
+        "{\"messages\": [{\"role\": \"bard\", \"content\": \"x\"}]}\n",
+    )
+    .unwrap();
     let data_dir = dir.join("data");
-    let args = ["tokenize", data_dir.to_str().unwrap(), "--tokenizer", dir.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    let args = [
+        "tokenize",
+        data_dir.to_str().unwrap(),
+        "--tokenizer",
+        dir.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
     let e = stderr_of_failure(&args);
     assert!(e.contains("role \"bard\""), "{e}");
-    std::fs::write(&plain, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n").unwrap();
+    std::fs::write(
+        &plain,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n",
+    )
+    .unwrap();
     let bad = json!({"chat_template": "{{ raise_exception('no system role') }}", "eos_token": "<|im_end|>"});
     std::fs::write(dir.join("tokenizer_config.json"), bad.to_string()).unwrap();
     let e = stderr_of_failure(&args);
-    assert!(e.contains("no system role") && e.contains("tokenizer_config.json"), "{e}");
+    assert!(
+        e.contains("no system role") && e.contains("tokenizer_config.json"),
+        "{e}"
+    );
     // a corrupt gzip stream names the file and the check
     std::fs::remove_file(&plain).unwrap();
     std::fs::write(&data, [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2]).unwrap();

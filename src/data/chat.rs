@@ -47,7 +47,10 @@ impl ChatTemplate {
     pub fn find(tokenizer: &Path) -> Result<Option<ChatTemplate>> {
         let dir = match tokenizer.is_dir() {
             true => tokenizer.to_path_buf(),
-            false => tokenizer.parent().map(Path::to_path_buf).unwrap_or_default(),
+            false => tokenizer
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_default(),
         };
         let path = dir.join("tokenizer_config.json");
         if !path.is_file() {
@@ -104,7 +107,9 @@ impl ChatTemplate {
             path,
         };
         // a syntax error is the template's, whatever the data
-        t.env().template_from_str(&t.source).map_err(|e| t.error(e, "parse"))?;
+        t.env()
+            .template_from_str(&t.source)
+            .map_err(|e| t.error(e, "parse"))?;
         Ok(t)
     }
 
@@ -117,9 +122,15 @@ impl ChatTemplate {
             .expect("the default delimiters");
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         env
     }
 
@@ -136,12 +147,21 @@ impl ChatTemplate {
 
     /// The text of `messages`, and the spans of its `{% generation %}`
     /// blocks (byte ranges of the text).
-    pub fn render(&self, messages: &[Value], generation_prompt: bool) -> Result<(String, Vec<Range<usize>>)> {
+    pub fn render(
+        &self,
+        messages: &[Value],
+        generation_prompt: bool,
+    ) -> Result<(String, Vec<Range<usize>>)> {
         let env = self.env();
-        let tmpl = env.template_from_str(&self.source).map_err(|e| self.error(e, "parse"))?;
+        let tmpl = env
+            .template_from_str(&self.source)
+            .map_err(|e| self.error(e, "parse"))?;
         let mut ctx = self.specials.clone();
         ctx.insert("messages".into(), Value::Array(messages.to_vec()));
-        ctx.insert("add_generation_prompt".into(), Value::Bool(generation_prompt));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(generation_prompt),
+        );
         let out = tmpl
             .render(minijinja::Value::from(minijinja::value::Serde(&ctx)))
             .map_err(|e| self.error(e, "render a conversation"))?;
@@ -324,7 +344,10 @@ mod tests {
     fn bad_templates_and_roles_are_refused() {
         let t = template("{{ raise_exception('only user and assistant roles') }}");
         let e = t.assistant_spans(&convo()).unwrap_err().to_string();
-        assert!(e.contains("only user and assistant roles") && e.contains("tokenizer_config.json"), "{e}");
+        assert!(
+            e.contains("only user and assistant roles") && e.contains("tokenizer_config.json"),
+            "{e}"
+        );
         let e = template(CHATML)
             .assistant_spans(&[json!({"role": "narrator", "content": "x"})])
             .unwrap_err()
@@ -337,7 +360,10 @@ mod tests {
         assert!(e.contains("failed to parse"), "{e}");
         // a template that drops earlier turns cannot be cut turn by turn
         let reversed = "{% for m in messages|reverse %}{{ m.content }}|{% endfor %}";
-        let e = template(reversed).assistant_spans(&convo()).unwrap_err().to_string();
+        let e = template(reversed)
+            .assistant_spans(&convo())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("{% generation %}"), "{e}");
     }
 }

@@ -1,8 +1,8 @@
 //! [`Dataset`]: the ids a run trains on with, where known, their document
 //! index and loss mask (`doc_index.rs`), read and checked together.
 
-use super::doc_index::{DocIndex, LossMask, index_path, mask_path};
 use super::corpus::load_tokens;
+use super::doc_index::{DocIndex, LossMask, index_path, mask_path};
 use super::tokens::{TokenFormat, Tokens};
 use crate::error::Result;
 use std::path::Path;

@@ -226,7 +226,9 @@ fn read_header(bytes: &[u8], magic: &[u8; 8], len: usize, what: &str, kind: &str
              write it again with this upipe's `upipe tokenize`"
         );
     }
-    Ok(u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes")))
+    Ok(u64::from_le_bytes(
+        bytes[16..24].try_into().expect("8 bytes"),
+    ))
 }
 
 /// A file made for `said` ids read beside a file of `ids` ids.
@@ -303,9 +305,11 @@ impl MaskWriter {
         for &f in flags {
             self.byte |= u8::from(f) << (self.tokens % 8);
             self.tokens += 1;
-            if self.tokens % 8 == 0 {
+            if self.tokens.is_multiple_of(8) {
                 let b = std::mem::take(&mut self.byte);
-                self.w.write_all(&[b]).map_err(|e| write_err(&self.path, e))?;
+                self.w
+                    .write_all(&[b])
+                    .map_err(|e| write_err(&self.path, e))?;
             }
         }
         Ok(())
@@ -313,9 +317,11 @@ impl MaskWriter {
 
     /// Writes the last bits and the count.
     pub fn finish(mut self) -> Result<()> {
-        if self.tokens % 8 != 0 {
+        if !self.tokens.is_multiple_of(8) {
             let b = self.byte;
-            self.w.write_all(&[b]).map_err(|e| write_err(&self.path, e))?;
+            self.w
+                .write_all(&[b])
+                .map_err(|e| write_err(&self.path, e))?;
         }
         finish(self.w, &self.path, &self.tokens.to_le_bytes())
     }
@@ -337,7 +343,9 @@ fn create(path: &Path) -> Result<std::io::BufWriter<std::fs::File>> {
 
 /// Flushes `w` and writes `counts` at byte 16 of the header.
 fn finish(w: std::io::BufWriter<std::fs::File>, path: &Path, counts: &[u8]) -> Result<()> {
-    let mut file = w.into_inner().map_err(|e| write_err(path, e.into_error()))?;
+    let mut file = w
+        .into_inner()
+        .map_err(|e| write_err(path, e.into_error()))?;
     file.seek(SeekFrom::Start(16))
         .and_then(|_| file.write_all(counts))
         .and_then(|_| file.sync_all())
@@ -379,7 +387,10 @@ mod tests {
         assert!((0..13).all(|i| owned.counts(i) == flags[i as usize]));
         // a mask or an index beside ids of another length is refused
         let e = LossMask::open(&mask_path(&p), 12).unwrap_err().to_string();
-        assert!(e.contains("written for 13 ids") && e.contains("holds 12"), "{e}");
+        assert!(
+            e.contains("written for 13 ids") && e.contains("holds 12"),
+            "{e}"
+        );
         let e = DocIndex::open(&index_path(&p), 11).unwrap_err().to_string();
         assert!(e.contains(".docs") && e.contains("upipe tokenize"), "{e}");
         std::fs::remove_file(index_path(&p)).unwrap();
@@ -395,10 +406,16 @@ mod tests {
                 w.push(s).unwrap();
             }
             w.finish(tokens).unwrap();
-            DocIndex::open(&p, tokens).map(|_| ()).unwrap_err().to_string()
+            DocIndex::open(&p, tokens)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
         };
         let e = write(&[0, 5, 3], 10);
-        assert!(e.contains("out of order") && e.contains(&p.display().to_string()), "{e}");
+        assert!(
+            e.contains("out of order") && e.contains(&p.display().to_string()),
+            "{e}"
+        );
         let e = write(&[0, 10], 10);
         assert!(e.contains("past the end"), "{e}");
         let e = write(&[2], 10);

@@ -172,7 +172,9 @@ fn chat_messages(m: &serde_json::Value, at: &str) -> Result<Vec<serde_json::Valu
     };
     for (i, msg) in list.iter().enumerate() {
         let ok = msg.get("role").is_some_and(|r| r.is_string())
-            && msg.get("content").is_some_and(|c| c.is_string() || c.is_array());
+            && msg
+                .get("content")
+                .is_some_and(|c| c.is_string() || c.is_array());
         if !ok {
             return crate::config_err!(
                 "{at}: message {i} has no string \"role\" and \"content\"; each message is \
@@ -218,7 +220,10 @@ mod tests {
         let (second, _) = d.next_doc().unwrap().unwrap();
         assert_eq!(
             second,
-            Document::PromptCompletion { prompt: "2+2=".into(), completion: "4".into() }
+            Document::PromptCompletion {
+                prompt: "2+2=".into(),
+                completion: "4".into()
+            }
         );
         let e = d.next_doc().unwrap_err().to_string();
         assert!(e.contains("line 3") && e.contains("message 0"), "{e}");

@@ -102,15 +102,18 @@ pub fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
 }
 
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    let read = std::fs::read_dir(dir)
-        .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+    let read =
+        std::fs::read_dir(dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
     let mut entries = read
         .map(|e| e.map(|e| e.path()))
         .collect::<std::io::Result<Vec<_>>>()
         .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
     entries.sort();
     for p in entries {
-        if p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.')) {
+        if p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with('.'))
+        {
             continue;
         }
         match p.is_dir() {
@@ -192,8 +195,13 @@ mod tests {
             std::fs::write(d.join(f), "x").unwrap();
         }
         let files = expand_inputs(std::slice::from_ref(&d)).unwrap();
-        let names: Vec<_> = files.iter().map(|p| p.strip_prefix(&d).unwrap().to_owned()).collect();
-        let want: Vec<PathBuf> = ["a.txt", "b/c/x.jsonl", "b/m.txt", "z.txt"].map(PathBuf::from).into();
+        let names: Vec<_> = files
+            .iter()
+            .map(|p| p.strip_prefix(&d).unwrap().to_owned())
+            .collect();
+        let want: Vec<PathBuf> = ["a.txt", "b/c/x.jsonl", "b/m.txt", "z.txt"]
+            .map(PathBuf::from)
+            .into();
         assert_eq!(names, want);
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -209,11 +217,16 @@ mod tests {
         assert_eq!(read_text(&gz).unwrap(), "{\"text\": \"hi\"}\n");
         std::fs::write(&gz, &bytes[..bytes.len() / 2]).unwrap();
         let e = read_text(&gz).unwrap_err().to_string();
-        assert!(e.contains(&gz.display().to_string()) && e.contains("gzip -t"), "{e}");
+        assert!(
+            e.contains(&gz.display().to_string()) && e.contains("gzip -t"),
+            "{e}"
+        );
         std::fs::remove_file(&gz).unwrap();
         // a zstd frame of "hi\n" (raw block), then one cut short
         let zst = temp("b.txt.zst");
-        let frame = [0x28, 0xb5, 0x2f, 0xfd, 0x20, 0x03, 0x19, 0x00, 0x00, b'h', b'i', b'\n'];
+        let frame = [
+            0x28, 0xb5, 0x2f, 0xfd, 0x20, 0x03, 0x19, 0x00, 0x00, b'h', b'i', b'\n',
+        ];
         std::fs::write(&zst, frame).unwrap();
         assert_eq!(read_text(&zst).unwrap(), "hi\n");
         std::fs::write(&zst, &frame[..10]).unwrap();
@@ -231,12 +244,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("`upipe tokenize data/chat.jsonl.zst --tokenizer tok.json --out data/chat.u32`")
-                && e.contains("--data data/chat.u32"),
+            e.contains(
+                "`upipe tokenize data/chat.jsonl.zst --tokenizer tok.json --out data/chat.u32`"
+            ) && e.contains("--data data/chat.u32"),
             "{e}"
         );
-        let e = refuse_untokenized(Path::new("corpus.parquet"), None).unwrap_err().to_string();
-        assert!(e.contains("--tokenizer byte --eos 0 --out corpus.u32"), "{e}");
+        let e = refuse_untokenized(Path::new("corpus.parquet"), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--tokenizer byte --eos 0 --out corpus.u32"),
+            "{e}"
+        );
         assert!(refuse_untokenized(Path::new("train.u32"), None).is_ok());
         assert!(refuse_untokenized(Path::new("book.txt"), None).is_ok());
     }

@@ -25,9 +25,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// `--pack`: how windows are made from documents.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PackMode {
     /// Windows cut from the stream, across documents.
@@ -147,7 +145,12 @@ pub fn best_fit_decreasing(pieces: &[Piece], seq: usize) -> Vec<Vec<Piece>> {
 }
 
 /// The window of one bin of pieces, padded to `seq` ids.
-pub fn bin_window(bin: &[Piece], tokens: &Tokens, mask: Option<&LossMask>, seq: usize) -> PackedWindow {
+pub fn bin_window(
+    bin: &[Piece],
+    tokens: &Tokens,
+    mask: Option<&LossMask>,
+    seq: usize,
+) -> PackedWindow {
     let mut w = PackedWindow {
         inputs: Vec::with_capacity(seq),
         targets: Vec::with_capacity(seq),
@@ -206,7 +209,13 @@ mod tests {
         let s = cut_window(1, &ids, Some(&docs), None, PackMode::Stream);
         assert_eq!((s.targets, s.doc_starts), (vec![2, 3, 4, 5, 6], vec![0]));
         // a document starting right after the window: the last target crosses
-        let w = cut_window(0, &ids[..4], Some(&index(&[3, 6])), None, PackMode::Documents);
+        let w = cut_window(
+            0,
+            &ids[..4],
+            Some(&index(&[3, 6])),
+            None,
+            PackMode::Documents,
+        );
         assert_eq!((w.targets[2], w.doc_starts.clone()), (IGNORE, vec![0]));
     }
 
@@ -234,7 +243,10 @@ mod tests {
         let p = pieces(&docs, 4);
         assert_eq!(p.iter().map(|p| p.len).collect::<Vec<_>>(), [4, 3, 2, 3]);
         let bins = best_fit_decreasing(&p, 4);
-        let windows: Vec<_> = bins.iter().map(|b| bin_window(b, &tokens, None, 4)).collect();
+        let windows: Vec<_> = bins
+            .iter()
+            .map(|b| bin_window(b, &tokens, None, 4))
+            .collect();
         // [0..4) is a piece whose last target, id 4, is in the same document
         assert_eq!(windows[0].targets, [1, 2, 3, 4]);
         for w in &windows {

@@ -272,10 +272,16 @@ mod tests {
         let e = PackedSampler::sharded(vec![1u32; 100], PackMode::Bfd, 8, 0, 0, 1)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("no document index") && e.contains("upipe tokenize"), "{e}");
+        assert!(
+            e.contains("no document index") && e.contains("upipe tokenize"),
+            "{e}"
+        );
         let e = PackedSampler::sharded(dataset(&[4, 4]), PackMode::Bfd, 8, 0, 0, 2)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("1 windows") && e.contains("2 data-parallel"), "{e}");
+        assert!(
+            e.contains("1 windows") && e.contains("2 data-parallel"),
+            "{e}"
+        );
     }
 }

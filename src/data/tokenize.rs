@@ -214,7 +214,9 @@ impl Encoding<'_> {
                 Ok((ids, Some(mask)))
             }
             Document::Chat(messages) => {
-                let chat = self.chat.ok_or_else(|| ChatTemplate::missing(self.tokenizer))?;
+                let chat = self
+                    .chat
+                    .ok_or_else(|| ChatTemplate::missing(self.tokenizer))?;
                 let (ids, mask) = encode_chat(self.tok, chat, messages)?;
                 Ok((ids, Some(mask)))
             }
@@ -258,7 +260,9 @@ pub fn tokenize_files(
     }
     let mut docs = Documents::new(inputs, field)?;
     let outputs = [out.to_path_buf(), index_path(out), mask_path(out)];
-    let partial = outputs.clone().map(|p| PathBuf::from(format!("{}.partial", p.display())));
+    let partial = outputs
+        .clone()
+        .map(|p| PathBuf::from(format!("{}.partial", p.display())));
     let result = write_all(&mut docs, enc, format, &partial, batch_bytes, progress);
     let (lengths, masked) = match result {
         Ok(l) => l,
@@ -276,7 +280,10 @@ pub fn tokenize_files(
     }
     for (from, to) in partial.iter().zip(&outputs).filter(|(p, _)| p.exists()) {
         std::fs::rename(from, to).map_err(|e| {
-            Error::io(format!("renaming {} to {}", from.display(), to.display()), e)
+            Error::io(
+                format!("renaming {} to {}", from.display(), to.display()),
+                e,
+            )
         })?;
     }
     Ok(TokenizeSummary {
@@ -313,8 +320,10 @@ fn write_all(
         if batch.is_empty() {
             break;
         }
-        let encoded: Vec<(Vec<u32>, Option<Vec<bool>>)> =
-            batch.par_iter().map(|d| enc.encode(d)).collect::<Result<_>>()?;
+        let encoded: Vec<(Vec<u32>, Option<Vec<bool>>)> = batch
+            .par_iter()
+            .map(|d| enc.encode(d))
+            .collect::<Result<_>>()?;
         bytes.clear();
         // a document of no id (a template that rendered nothing) has no start
         for (ids, flags) in encoded.iter().filter(|(ids, _)| !ids.is_empty()) {

@@ -149,8 +149,7 @@ pub fn train_on_mesh<B: Backend>(
             mesh.shape
         );
     }
-    let (reports, memory, reserved_peak) =
-        run_rank(cfg, &plan, data, b, mesh, mesh.rank, on_step)?;
+    let (reports, memory, reserved_peak) = run_rank(cfg, &plan, data, b, mesh, mesh.rank, on_step)?;
     Ok(TrainSummary {
         reports,
         memory,
@@ -404,12 +403,7 @@ fn rank_sequence(
 }
 
 /// Restores the sampler of a resumed run; the first step to run.
-fn resume(
-    cfg: &TrainConfig,
-    sampler: &mut PackedSampler,
-    r: Resumed,
-    rank: usize,
-) -> Result<u32> {
+fn resume(cfg: &TrainConfig, sampler: &mut PackedSampler, r: Resumed, rank: usize) -> Result<u32> {
     let dir = cfg.resume_dir().expect("resumed from a directory");
     cfg.check_resume_step(dir, r.step)?;
     let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
