@@ -20,7 +20,9 @@ pub struct TokenizeArgs {
     /// order): plain text (each file one document, read whole) or JSONL
     /// (`.jsonl`, `.ndjson`: one document per line, streamed: its text under
     /// --field, or a conversation under `messages`, or a `prompt` and its
-    /// `completion`); any of them gzip (`.gz`) or zstd (`.zst`) compressed.
+    /// `completion`), or Parquet (`.parquet`: one document per row, its text
+    /// in the --field column); text and JSONL gzip (`.gz`) or zstd (`.zst`)
+    /// compressed.
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
     /// An HF tokenizer.json (or a directory holding one), or `byte`.
@@ -35,7 +37,7 @@ pub struct TokenizeArgs {
     /// a special token such as <|endoftext|> or </s> of the tokenizer.
     #[arg(long, default_value = "auto")]
     pub eos: String,
-    /// The JSONL field holding a document's text.
+    /// The JSONL field (or Parquet column) holding a document's text.
     #[arg(long, default_value = "text")]
     pub field: String,
     /// Threads (default: all cores).

@@ -4,10 +4,12 @@
 //! `.ndjson`) holds one document per line (blank lines skipped): its text
 //! under a named field, or a conversation (`messages`: a list of
 //! `{"role", "content"}`) or a `prompt` and its `completion`, whose loss
-//! counts only the answer. Nothing beyond the current document and the
+//! counts only the answer; a Parquet file (`.parquet`) holds one document
+//! per row, its text in the `--field` column. Nothing beyond the current document and the
 //! reader's buffer is held in memory.
 
-use super::inputs::{expand_inputs, is_jsonl, open_reader, read_error, read_text};
+use super::inputs::{expand_inputs, is_jsonl, is_parquet, open_reader, read_error, read_text};
+use super::parquet_input::ParquetDocs;
 use crate::error::{Error, Result};
 use std::io::BufRead;
 use std::path::PathBuf;
@@ -50,12 +52,18 @@ struct JsonlFile {
     line: usize,
 }
 
+/// A file of many documents, open.
+enum Open {
+    Jsonl(JsonlFile),
+    Parquet(ParquetDocs),
+}
+
 /// A stream of documents over files, in order.
 pub struct Documents {
     inputs: Vec<PathBuf>,
     next_input: usize,
     field: String,
-    current: Option<JsonlFile>,
+    current: Option<Open>,
     buf: String,
 }
 
@@ -90,25 +98,35 @@ impl Documents {
     /// The next document and how many input bytes it used, or `None` after the last.
     pub fn next_doc(&mut self) -> Result<Option<(Document, u64)>> {
         loop {
-            if let Some(f) = &mut self.current {
-                if let Some(doc) = next_jsonl_doc(f, &self.field, &mut self.buf)? {
-                    return Ok(Some(doc));
-                }
-                self.current = None;
+            let next = match &mut self.current {
+                Some(Open::Jsonl(f)) => next_jsonl_doc(f, &self.field, &mut self.buf)?,
+                Some(Open::Parquet(p)) => p.next_text()?.map(|t| {
+                    let n = t.len() as u64;
+                    (Document::Text(t), n)
+                }),
+                None => None,
+            };
+            if next.is_some() {
+                return Ok(next);
             }
+            self.current = None;
             let Some(path) = self.inputs.get(self.next_input).cloned() else {
                 return Ok(None);
             };
             self.next_input += 1;
+            if is_parquet(&path) {
+                self.current = Some(Open::Parquet(ParquetDocs::open(&path, &self.field)?));
+                continue;
+            }
             if !is_jsonl(&path) {
                 let used = path.metadata().map(|m| m.len()).unwrap_or(0);
                 return Ok(Some((Document::Text(read_text(&path)?), used)));
             }
-            self.current = Some(JsonlFile {
+            self.current = Some(Open::Jsonl(JsonlFile {
                 reader: open_reader(&path)?,
                 path,
                 line: 0,
-            });
+            }));
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The inputs `upipe tokenize` reads: which kind of file each is (text,
-//! JSONL), whether it is compressed (gzip `.gz`, zstd `.zst`), directories
+//! JSONL, Parquet), whether it is compressed (gzip `.gz`, zstd `.zst`), directories
 //! expanded into their files (recursively, in sorted order), and a reader
 //! that decompresses; and the refusal of `train --data` on such inputs,
 //! which names the `upipe tokenize` command that makes ids of them.
@@ -42,13 +42,18 @@ pub fn is_jsonl(path: &Path) -> bool {
     )
 }
 
+/// Whether `path` names a Parquet file (`.parquet`).
+pub fn is_parquet(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "parquet")
+}
+
 /// Whether `path` holds documents that `upipe tokenize` reads but `train
 /// --data` does not: a directory, JSONL, Parquet, or a compressed file.
 pub fn is_document_input(path: &Path) -> bool {
     path.is_dir()
         || is_jsonl(path)
         || Compression::of_path(path) != Compression::None
-        || path.extension().is_some_and(|e| e == "parquet")
+        || is_parquet(path)
 }
 
 /// `train --data PATH` on documents to tokenize: an error naming the

@@ -1,7 +1,8 @@
 //! Training data: the bundled corpus and tokenizers (`corpus.rs`), token ids
 //! in memory or memory-mapped (`tokens.rs`), the document index and loss
 //! mask files beside them (`doc_index.rs`) and the three read together
-//! (`dataset.rs`), text and JSONL documents streamed (`documents.rs`),
+//! (`dataset.rs`), text, JSONL and Parquet documents streamed (`documents.rs`,
+//! `inputs.rs`, `parquet_input.rs`, chat templates `chat.rs`),
 //! `upipe tokenize`'s parallel batches (`tokenize.rs`), `--pack`'s windows
 //! (`packing.rs`) and the sampler that draws them (`sampler.rs`), and
 //! `window.rs` a window as the model takes it (`PackedWindow`: inputs,
@@ -14,6 +15,7 @@ pub mod doc_index;
 pub mod documents;
 pub mod inputs;
 pub mod packing;
+pub mod parquet_input;
 pub mod sampler;
 pub mod tokenize;
 pub mod tokens;
