@@ -1,13 +1,16 @@
 //! `upipe tokenize`: text and JSONL documents through a byte-level BPE
 //! tokenizer (built here) to a token file that decodes back to the
-//! documents, with the end-of-sequence id between them; the same bytes for
+//! documents, each ending with the end-of-sequence id, with a document
+//! index that matches them; chat and prompt/completion data with a loss
+//! mask on the answers only; the same bytes for
 //! any number of threads and batch size; the EOS found from the tokenizer's
 //! files; bad input refused with errors naming the fix.
 
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use upipe::data::tokenize::{Eos, resolve_eos, tokenize_files};
+use upipe::data::doc_index::{DocIndex, LossMask, index_path, mask_path};
+use upipe::data::tokenize::{Encoding, Eos, resolve_eos, tokenize_files};
 use upipe::data::{Tokenizer, Tokens};
 
 /// A byte-level BPE `tokenizer.json`: the 256 byte symbols, one token per
@@ -88,12 +91,21 @@ fn corpus(dir: &Path) -> (Vec<PathBuf>, Vec<String>) {
     (vec![txt, jsonl], docs)
 }
 
+fn encoding(tok: &Tokenizer, eos: u32) -> Encoding<'_> {
+    Encoding {
+        tok,
+        eos,
+        chat: None,
+        tokenizer: "tokenizer.json",
+    }
+}
+
 fn split_on(ids: &[u32], eos: u32) -> Vec<Vec<u32>> {
     ids.split(|&t| t == eos).map(<[u32]>::to_vec).collect()
 }
 
 #[test]
-fn documents_round_trip_with_eos_between_them_for_any_thread_count() {
+fn documents_round_trip_each_ending_with_eos_for_any_thread_count() {
     let dir = temp_dir("round");
     let tok_path = dir.join("tokenizer.json");
     std::fs::write(&tok_path, byte_level_json(&MERGES, &["<|endoftext|>"])).unwrap();
@@ -109,7 +121,7 @@ fn documents_round_trip_with_eos_between_them_for_any_thread_count() {
             .build()
             .unwrap();
         let s = pool
-            .install(|| tokenize_files(&inputs, "text", &tok, eos, &out, batch, &|_| {}))
+            .install(|| tokenize_files(&inputs, "text", &encoding(&tok, eos), &out, batch, &|_| {}))
             .unwrap();
         assert_eq!(s.documents, 5);
         assert_eq!(s.eos, eos);
@@ -131,10 +143,23 @@ fn documents_round_trip_with_eos_between_them_for_any_thread_count() {
         ids.iter().any(|&t| (256..261).contains(&t)),
         "merges were used"
     );
-    let pieces = split_on(&ids, eos);
-    assert_eq!(pieces.len(), 5, "one EOS between each pair of documents");
-    assert_ne!(ids.last(), Some(&eos));
-    let mut lengths: Vec<usize> = pieces.iter().map(Vec::len).collect();
+    let mut pieces = split_on(&ids, eos);
+    assert_eq!(
+        pieces.pop(),
+        Some(vec![]),
+        "the last document ends with EOS too"
+    );
+    assert_eq!(pieces.len(), 5, "one EOS at the end of each document");
+    // the index: each document starts after the EOS of the one before
+    let index = DocIndex::open(&index_path(path), ids.len() as u64).unwrap();
+    assert_eq!(index.len(), 5);
+    for (d, piece) in pieces.iter().enumerate() {
+        let span = index.span(d);
+        assert_eq!(span.end - span.start, piece.len() as u64 + 1);
+        assert_eq!(ids[span.end as usize - 1], eos);
+    }
+    assert!(!mask_path(path).exists(), "text data has no loss mask");
+    let mut lengths: Vec<usize> = pieces.iter().map(|p| p.len() + 1).collect();
     for (piece, doc) in pieces.iter().zip(&docs) {
         assert_eq!(&tok.decode(piece).unwrap(), doc);
         assert_eq!(piece, &tok.encode(doc).unwrap());
@@ -145,7 +170,7 @@ fn documents_round_trip_with_eos_between_them_for_any_thread_count() {
     assert_eq!((summary.p90, summary.p99), (lengths[4], lengths[4]));
     // a 16-bit output holds the same ids
     let out16 = dir.join("t.u16");
-    tokenize_files(&inputs, "text", &tok, eos, &out16, 64, &|_| {}).unwrap();
+    tokenize_files(&inputs, "text", &encoding(&tok, eos), &out16, 64, &|_| {}).unwrap();
     let t16 = Tokens::open(&out16).unwrap();
     assert_eq!(t16.read(0..t16.len()), ids);
     std::fs::remove_dir_all(&dir).unwrap();
@@ -320,5 +345,122 @@ fn tokenize_command_writes_and_summarises_or_names_the_fix() {
     assert!(e.contains("70000 ids") && e.contains(".u32"), "{e}");
     let e = stderr_of_failure(&["tokenize", a, "--tokenizer", big, "--out", o]);
     assert!(e.contains("pass --eos ID"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// ChatML, as Qwen's tokenizer_config.json writes it.
+const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + \
+    message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}\
+    {{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+#[test]
+fn chat_and_prompt_completion_count_only_the_answers() {
+    let dir = temp_dir("chat");
+    let tok_path = dir.join("tokenizer.json");
+    std::fs::write(
+        &tok_path,
+        byte_level_json(&MERGES, &["<|im_start|>", "<|im_end|>"]),
+    )
+    .unwrap();
+    let config = json!({"chat_template": CHATML, "eos_token": "<|im_end|>"});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    // the data in a directory of its own (the tokenizer's files would be documents too)
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    let data = dir.join("data/sft.jsonl.gz");
+    let lines = [
+        json!({"text": "plain"}),
+        json!({"messages": [{"role": "user", "content": "the q"},
+                            {"role": "assistant", "content": "an a"}]}),
+        json!({"prompt": "2+2=", "completion": "4"}),
+    ];
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, text.as_bytes()).unwrap();
+    std::fs::write(&data, gz.finish().unwrap()).unwrap();
+    let out = dir.join("sft.u32");
+    let run = upipe(&[
+        "tokenize",
+        dir.join("data").to_str().unwrap(),
+        "--tokenizer",
+        dir.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let v: Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(
+        (v["documents"].as_u64(), v["masked_documents"].as_u64()),
+        (Some(3), Some(2))
+    );
+    let tok = Tokenizer::from_hf_file(&tok_path).unwrap();
+    let ids = Tokens::open(&out).unwrap();
+    let n = ids.len() as u64;
+    let ids = ids.read(0..ids.len());
+    let index = DocIndex::open(&index_path(&out), n).unwrap();
+    let mask = LossMask::open(&mask_path(&out), n).unwrap();
+    let counted = |d: usize| -> String {
+        let span = index.span(d);
+        let kept: Vec<u32> = span
+            .filter(|&i| mask.counts(i))
+            .map(|i| ids[i as usize])
+            .collect();
+        tok.decode(&kept).unwrap()
+    };
+    assert_eq!(counted(0), "plain<|im_end|>", "text counts whole");
+    let chat = index.span(1);
+    let rendered = tok
+        .decode(&ids[chat.start as usize..chat.end as usize])
+        .unwrap();
+    assert_eq!(
+        rendered,
+        "<|im_start|>user\nthe q<|im_end|>\n<|im_start|>assistant\nan a<|im_end|>\n"
+    );
+    assert_eq!(
+        counted(1),
+        "an a<|im_end|>\n",
+        "only the assistant's turn counts"
+    );
+    assert_eq!(counted(2), "4<|im_end|>", "only the completion counts");
+    // a role the template is not known to render, and a template that fails
+    std::fs::remove_file(&data).unwrap();
+    let plain = dir.join("data/sft.jsonl");
+    std::fs::write(
+        &plain,
+        "{\"messages\": [{\"role\": \"bard\", \"content\": \"x\"}]}\n",
+    )
+    .unwrap();
+    let data_dir = dir.join("data");
+    let args = [
+        "tokenize",
+        data_dir.to_str().unwrap(),
+        "--tokenizer",
+        dir.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let e = stderr_of_failure(&args);
+    assert!(e.contains("role \"bard\""), "{e}");
+    std::fs::write(
+        &plain,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n",
+    )
+    .unwrap();
+    let bad = json!({"chat_template": "{{ raise_exception('no system role') }}", "eos_token": "<|im_end|>"});
+    std::fs::write(dir.join("tokenizer_config.json"), bad.to_string()).unwrap();
+    let e = stderr_of_failure(&args);
+    assert!(
+        e.contains("no system role") && e.contains("tokenizer_config.json"),
+        "{e}"
+    );
+    // a corrupt gzip stream names the file and the check
+    std::fs::remove_file(&plain).unwrap();
+    std::fs::write(&data, [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2]).unwrap();
+    let e = stderr_of_failure(&args);
+    assert!(e.contains("sft.jsonl.gz") && e.contains("gzip -t"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

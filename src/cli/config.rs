@@ -56,6 +56,7 @@ pub struct DataKeys {
     pub data: Option<PathBuf>,
     pub tokenizer: Option<String>,
     pub seq: Option<usize>,
+    pub pack: Option<crate::data::PackMode>,
     pub grad_accum: Option<usize>,
 }
 

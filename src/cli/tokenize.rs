@@ -1,10 +1,14 @@
-//! `upipe tokenize`: text and JSONL files to a pre-tokenized `.u32` (or
-//! `.u16`/`.bin`) file with a model's tokenizer, documents separated by its
-//! end-of-sequence id, in parallel and streaming; prints a summary.
+//! `upipe tokenize`: text and JSONL files (directories of them, gzip or
+//! zstd compressed) to a pre-tokenized `.u32` (or `.u16`/`.bin`) file with
+//! a model's tokenizer, each document ending with its end-of-sequence id,
+//! the document index and (for chat and prompt/completion data) the loss
+//! mask beside it, in parallel and streaming; prints a summary.
 
 use crate::data::Tokenizer;
+use crate::data::chat::ChatTemplate;
+use crate::data::doc_index::{index_path, mask_path};
 use crate::data::documents::input_bytes;
-use crate::data::tokenize::{Eos, TokenizeSummary, resolve_eos, tokenize_files};
+use crate::data::tokenize::{Encoding, Eos, TokenizeSummary, resolve_eos, tokenize_files};
 use crate::error::{Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -12,9 +16,13 @@ use std::path::PathBuf;
 /// Flags of `upipe tokenize`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct TokenizeArgs {
-    /// Input files: plain text (each file one document, read whole) or JSONL
-    /// (`.jsonl`, `.ndjson`: one document per line, its text under --field,
-    /// streamed).
+    /// Input files or directories (their files, recursively, in sorted
+    /// order): plain text (each file one document, read whole) or JSONL
+    /// (`.jsonl`, `.ndjson`: one document per line, streamed: its text under
+    /// --field, or a conversation under `messages`, or a `prompt` and its
+    /// `completion`), or Parquet (`.parquet`: one document per row, its text
+    /// in the --field column); text and JSONL gzip (`.gz`) or zstd (`.zst`)
+    /// compressed.
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
     /// An HF tokenizer.json (or a directory holding one), or `byte`.
@@ -24,12 +32,12 @@ pub struct TokenizeArgs {
     /// vocabularies of at most 65,536).
     #[arg(long)]
     pub out: PathBuf,
-    /// Id put between documents, or `auto`: `eos_token_id` of a config.json
+    /// Id that ends every document, or `auto`: `eos_token_id` of a config.json
     /// beside the tokenizer, else `eos_token` of a tokenizer_config.json, else
     /// a special token such as <|endoftext|> or </s> of the tokenizer.
     #[arg(long, default_value = "auto")]
     pub eos: String,
-    /// The JSONL field holding a document's text.
+    /// The JSONL field (or Parquet column) holding a document's text.
     #[arg(long, default_value = "text")]
     pub field: String,
     /// Threads (default: all cores).
@@ -46,7 +54,18 @@ pub struct TokenizeArgs {
 pub fn run(a: TokenizeArgs) -> Result<i32> {
     let eos: Eos = a.eos.parse()?;
     let tok = Tokenizer::resolve(&a.tokenizer)?;
-    let eos = resolve_eos(&tok, std::path::Path::new(&a.tokenizer), eos)?;
+    let tok_path = std::path::Path::new(&a.tokenizer);
+    let eos = resolve_eos(&tok, tok_path, eos)?;
+    let chat = match a.tokenizer.as_str() {
+        "byte" => None,
+        _ => ChatTemplate::find(tok_path)?,
+    };
+    let enc = Encoding {
+        tok: &tok,
+        eos,
+        chat: chat.as_ref(),
+        tokenizer: &a.tokenizer,
+    };
     let mut pool = rayon::ThreadPoolBuilder::new();
     if let Some(n) = a.threads {
         if n == 0 {
@@ -66,8 +85,7 @@ pub fn run(a: TokenizeArgs) -> Result<i32> {
         tokenize_files(
             &a.inputs,
             &a.field,
-            &tok,
-            eos,
+            &enc,
             &a.out,
             a.batch_mb.max(1) << 20,
             &|n| bar.inc(n),
@@ -85,13 +103,20 @@ fn print_summary(a: &TokenizeArgs, s: &TokenizeSummary) {
         return;
     }
     println!(
-        "wrote {}: {} documents, {} tokens ({} separators of id {})",
+        "wrote {}: {} documents, {} tokens (each document ending with id {}); document index {}",
         a.out.display(),
         s.documents,
         s.tokens,
-        s.documents.saturating_sub(1),
-        s.eos
+        s.eos,
+        index_path(&a.out).display()
     );
+    if s.masked_documents > 0 {
+        println!(
+            "loss mask {}: {} chat or prompt/completion documents count only their answers",
+            mask_path(&a.out).display(),
+            s.masked_documents
+        );
+    }
     println!(
         "tokens per document: p50 {}  p90 {}  p99 {}  max {}",
         s.p50, s.p90, s.p99, s.max

@@ -49,7 +49,8 @@ use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::cli::{config, print_config};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
-use crate::data::{Tokens, load_tokens};
+use crate::data::Dataset;
+use crate::data::dataset::load_dataset;
 use crate::error::Result;
 use crate::model::flops::train_flops_per_token;
 use crate::plan::preflight::planned_host;
@@ -77,7 +78,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     if a.rehearse {
         return rehearse::run(&a, m, &mut run);
     }
-    let tokens = load_tokens(
+    let data = load_dataset(
         a.data.as_deref(),
         a.tokenizer.as_deref(),
         run.cfg.model.vocab,
@@ -98,9 +99,9 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     run.cfg.run_file = Some(run_file(&a, &run)?);
     let progress = preflight::preflight(&a, &mut run, &predicted)?;
     if run.lead && !a.json {
-        announce(&run, tokens.len());
+        announce(&run, data.len());
     }
-    let summary = execute(&run, tokens, &|r| progress.on_step(r))?;
+    let summary = execute(&run, data, &|r| progress.on_step(r))?;
     progress.finish()?;
     if run.lead && !a.json {
         let flops = train_flops_per_token(&run.cfg.model, run.cfg.seq);
@@ -208,6 +209,7 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
             FwdChunk::Auto => None,
         },
         seq: a.seq,
+        pack: a.pack,
         steps: a.steps,
         optim: c.optim,
         seed: a.seed,
@@ -489,7 +491,7 @@ fn announce(run: &Built, tokens: usize) {
 /// Trains where the route says, calling `on_step` after every step.
 fn execute(
     run: &Built,
-    tokens: Tokens,
+    data: Dataset,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     match run.route {
@@ -498,11 +500,11 @@ fn execute(
                 .env
                 .as_ref()
                 .expect("a launched run has its environment");
-            train_process_rank(&run.cfg, tokens, env, run.kernel, on_step)
+            train_process_rank(&run.cfg, data, env, run.kernel, on_step)
         }
         Route::GpuThreads { gpus, .. } => {
-            route::train_on_gpus(&run.cfg, tokens, gpus, run.kernel, on_step)
+            route::train_on_gpus(&run.cfg, data, gpus, run.kernel, on_step)
         }
-        _ => train_cpu(&run.cfg, tokens, on_step),
+        _ => train_cpu(&run.cfg, data, on_step),
     }
 }

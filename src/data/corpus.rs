@@ -121,6 +121,19 @@ impl Tokenizer {
         }
     }
 
+    /// Token ids of one document with the special tokens the tokenizer's
+    /// own post-processor adds (a BOS where its `tokenizer.json` says so);
+    /// the byte tokenizer adds none.
+    pub fn encode_document(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Byte(b) => Ok(b.encode(text)),
+            Tokenizer::Hf(t) => t
+                .encode(text, true)
+                .map(|enc| enc.get_ids().to_vec())
+                .map_err(|e| Error::Config(format!("tokenizing text failed: {e}"))),
+        }
+    }
+
     /// Text of `ids` (special tokens kept).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {

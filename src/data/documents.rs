@@ -1,24 +1,43 @@
-//! Documents of a text corpus, streamed from a list of files in order:
-//! a plain text file is one document (read whole); a JSONL file (`.jsonl`,
-//! `.ndjson`) holds one document per line, its text under a named field
-//! (blank lines are skipped). Nothing beyond the current document and the
+//! Documents of a corpus, streamed from a list of files in order
+//! (directories expanded, compressed files decompressed: `inputs.rs`): a
+//! plain text file is one document (read whole); a JSONL file (`.jsonl`,
+//! `.ndjson`) holds one document per line (blank lines skipped): its text
+//! under a named field, or a conversation (`messages`: a list of
+//! `{"role", "content"}`) or a `prompt` and its `completion`, whose loss
+//! counts only the answer; a Parquet file (`.parquet`) holds one document
+//! per row, its text in the `--field` column. Nothing beyond the current document and the
 //! reader's buffer is held in memory.
 
+use super::inputs::{expand_inputs, is_jsonl, is_parquet, open_reader, read_error, read_text};
+use super::parquet_input::ParquetDocs;
 use crate::error::{Error, Result};
 use std::io::BufRead;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-/// Whether `path` names a JSONL file (by extension).
-pub fn is_jsonl(path: &Path) -> bool {
-    matches!(
-        path.extension().and_then(|e| e.to_str()),
-        Some("jsonl" | "ndjson")
-    )
+/// One document of the corpus.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Document {
+    /// Text: every token counts.
+    Text(String),
+    /// A conversation, rendered with the model's chat template: only the
+    /// assistant's tokens count. Each message is a JSON object with `role`
+    /// and `content` (other keys passed to the template as they are).
+    Chat(Vec<serde_json::Value>),
+    /// A prompt and its completion: only the completion's tokens count.
+    PromptCompletion { prompt: String, completion: String },
+}
+
+impl Document {
+    /// Whether only some of its tokens count (chat, prompt/completion).
+    pub fn is_masked(&self) -> bool {
+        !matches!(self, Document::Text(_))
+    }
 }
 
 /// The total size in bytes of `inputs` (for progress; unreadable ones count 0).
 pub fn input_bytes(inputs: &[PathBuf]) -> u64 {
-    inputs
+    let files = expand_inputs(inputs).unwrap_or_default();
+    files
         .iter()
         .filter_map(|p| p.metadata().ok())
         .map(|m| m.len())
@@ -28,9 +47,15 @@ pub fn input_bytes(inputs: &[PathBuf]) -> u64 {
 /// An open JSONL file.
 struct JsonlFile {
     path: PathBuf,
-    reader: std::io::BufReader<std::fs::File>,
+    reader: Box<dyn BufRead + Send>,
     /// 1-based number of the line read last.
     line: usize,
+}
+
+/// A file of many documents, open.
+enum Open {
+    Jsonl(JsonlFile),
+    Parquet(ParquetDocs),
 }
 
 /// A stream of documents over files, in order.
@@ -38,22 +63,26 @@ pub struct Documents {
     inputs: Vec<PathBuf>,
     next_input: usize,
     field: String,
-    current: Option<JsonlFile>,
+    current: Option<Open>,
     buf: String,
 }
 
 impl Documents {
-    /// Documents of `inputs`, a JSONL file's text under `field`. Every input
-    /// must be a readable file; the error names the first that is not.
+    /// Documents of `inputs` (directories expanded), a JSONL file's text
+    /// under `field`. Every input must be a readable file or directory; the
+    /// error names the first that is not.
     pub fn new(inputs: &[PathBuf], field: &str) -> Result<Documents> {
         if inputs.is_empty() {
             return crate::config_err!("no input files: name text or JSONL files to tokenize");
         }
-        for p in inputs {
-            crate::input_path::check_file(p, "input")?;
+        let inputs = expand_inputs(inputs)?;
+        if inputs.is_empty() {
+            return crate::config_err!(
+                "the input directories hold no file: name text or JSONL files to tokenize"
+            );
         }
         Ok(Documents {
-            inputs: inputs.to_vec(),
+            inputs,
             next_input: 0,
             field: field.to_string(),
             current: None,
@@ -61,33 +90,43 @@ impl Documents {
         })
     }
 
+    /// The input files, directories expanded.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.inputs
+    }
+
     /// The next document and how many input bytes it used, or `None` after the last.
-    pub fn next_doc(&mut self) -> Result<Option<(String, u64)>> {
+    pub fn next_doc(&mut self) -> Result<Option<(Document, u64)>> {
         loop {
-            if let Some(f) = &mut self.current {
-                if let Some(doc) = next_jsonl_doc(f, &self.field, &mut self.buf)? {
-                    return Ok(Some(doc));
-                }
-                self.current = None;
+            let next = match &mut self.current {
+                Some(Open::Jsonl(f)) => next_jsonl_doc(f, &self.field, &mut self.buf)?,
+                Some(Open::Parquet(p)) => p.next_text()?.map(|t| {
+                    let n = t.len() as u64;
+                    (Document::Text(t), n)
+                }),
+                None => None,
+            };
+            if next.is_some() {
+                return Ok(next);
             }
+            self.current = None;
             let Some(path) = self.inputs.get(self.next_input).cloned() else {
                 return Ok(None);
             };
             self.next_input += 1;
-            if !is_jsonl(&path) {
-                let text = std::fs::read_to_string(&path).map_err(|e| {
-                    Error::io(format!("reading {} as UTF-8 text", path.display()), e)
-                })?;
-                let n = text.len() as u64;
-                return Ok(Some((text, n)));
+            if is_parquet(&path) {
+                self.current = Some(Open::Parquet(ParquetDocs::open(&path, &self.field)?));
+                continue;
             }
-            let file = std::fs::File::open(&path)
-                .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-            self.current = Some(JsonlFile {
+            if !is_jsonl(&path) {
+                let used = path.metadata().map(|m| m.len()).unwrap_or(0);
+                return Ok(Some((Document::Text(read_text(&path)?), used)));
+            }
+            self.current = Some(Open::Jsonl(JsonlFile {
+                reader: open_reader(&path)?,
                 path,
-                reader: std::io::BufReader::with_capacity(1 << 20, file),
                 line: 0,
-            });
+            }));
         }
     }
 }
@@ -97,17 +136,15 @@ fn next_jsonl_doc(
     f: &mut JsonlFile,
     field: &str,
     buf: &mut String,
-) -> Result<Option<(String, u64)>> {
+) -> Result<Option<(Document, u64)>> {
     let mut used = 0u64;
     loop {
         buf.clear();
         f.line += 1;
-        let n = f.reader.read_line(buf).map_err(|e| {
-            Error::io(
-                format!("reading line {} of {}", f.line, f.path.display()),
-                e,
-            )
-        })?;
+        let n = f
+            .reader
+            .read_line(buf)
+            .map_err(|e| read_error(&f.path, &format!("line {}", f.line), e))?;
         if n == 0 {
             return Ok(None);
         }
@@ -115,18 +152,55 @@ fn next_jsonl_doc(
         if buf.trim().is_empty() {
             continue;
         }
-        let at = || format!("{} line {}", f.path.display(), f.line);
+        let at = format!("{} line {}", f.path.display(), f.line);
         let value: serde_json::Value = serde_json::from_str(buf)
-            .map_err(|e| Error::Config(format!("{}: not a JSON object: {e}", at())))?;
-        return match value.get(field) {
-            Some(serde_json::Value::String(s)) => Ok(Some((s.clone(), used))),
-            Some(_) => crate::config_err!("{}: field \"{field}\" is not a string", at()),
-            None => crate::config_err!(
-                "{}: no field \"{field}\"; name the field holding the text with --field",
-                at()
-            ),
-        };
+            .map_err(|e| Error::Config(format!("{at}: not a JSON object: {e}")))?;
+        return Ok(Some((line_document(&value, field, &at)?, used)));
     }
+}
+
+/// The document of one JSONL line (`at` names it): its text under `field`,
+/// else its `messages`, else its `prompt` and `completion`.
+fn line_document(value: &serde_json::Value, field: &str, at: &str) -> Result<Document> {
+    use serde_json::Value;
+    let text = |key: &str| match value.get(key) {
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => crate::config_err!("{at}: field \"{key}\" is not a string"),
+        None => Ok(None),
+    };
+    if let Some(s) = text(field)? {
+        return Ok(Document::Text(s));
+    }
+    if let Some(m) = value.get("messages") {
+        return chat_messages(m, at).map(Document::Chat);
+    }
+    if let (Some(prompt), Some(completion)) = (text("prompt")?, text("completion")?) {
+        return Ok(Document::PromptCompletion { prompt, completion });
+    }
+    crate::config_err!(
+        "{at}: no field \"{field}\" (nor \"messages\", nor \"prompt\" and \"completion\"); \
+         name the field holding the text with --field"
+    )
+}
+
+/// A conversation's messages: objects with a string `role` and `content`.
+fn chat_messages(m: &serde_json::Value, at: &str) -> Result<Vec<serde_json::Value>> {
+    let Some(list) = m.as_array().filter(|l| !l.is_empty()) else {
+        return crate::config_err!("{at}: \"messages\" is not a non-empty list of messages");
+    };
+    for (i, msg) in list.iter().enumerate() {
+        let ok = msg.get("role").is_some_and(|r| r.is_string())
+            && msg
+                .get("content")
+                .is_some_and(|c| c.is_string() || c.is_array());
+        if !ok {
+            return crate::config_err!(
+                "{at}: message {i} has no string \"role\" and \"content\"; each message is \
+                 {{\"role\": \"user\"|\"assistant\"|..., \"content\": \"...\"}}"
+            );
+        }
+    }
+    Ok(list.clone())
 }
 
 #[cfg(test)]
@@ -142,9 +216,36 @@ mod tests {
     fn all(d: &mut Documents) -> Result<Vec<String>> {
         let mut out = Vec::new();
         while let Some((doc, _)) = d.next_doc()? {
-            out.push(doc);
+            match doc {
+                Document::Text(t) => out.push(t),
+                other => out.push(format!("{other:?}")),
+            }
         }
         Ok(out)
+    }
+
+    #[test]
+    fn chat_and_prompt_completion_lines_are_told_apart() {
+        let p = temp(
+            "chat.jsonl",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n\
+             {\"prompt\": \"2+2=\", \"completion\": \"4\"}\n\
+             {\"messages\": [{\"content\": \"x\"}]}\n",
+        );
+        let mut d = Documents::new(std::slice::from_ref(&p), "text").unwrap();
+        let (first, _) = d.next_doc().unwrap().unwrap();
+        assert!(matches!(&first, Document::Chat(m) if m.len() == 1) && first.is_masked());
+        let (second, _) = d.next_doc().unwrap().unwrap();
+        assert_eq!(
+            second,
+            Document::PromptCompletion {
+                prompt: "2+2=".into(),
+                completion: "4".into()
+            }
+        );
+        let e = d.next_doc().unwrap_err().to_string();
+        assert!(e.contains("line 3") && e.contains("message 0"), "{e}");
+        std::fs::remove_file(&p).unwrap();
     }
 
     #[test]

@@ -1,12 +1,22 @@
 //! Training data: the bundled corpus and tokenizers (`corpus.rs`), token ids
-//! in memory or memory-mapped (`tokens.rs`), text and JSONL documents
-//! streamed (`documents.rs`), `upipe tokenize`'s parallel batches
-//! (`tokenize.rs`), the deterministic sampler of training windows, and
+//! in memory or memory-mapped (`tokens.rs`), the document index and loss
+//! mask files beside them (`doc_index.rs`) and the three read together
+//! (`dataset.rs`), text, JSONL and Parquet documents streamed (`documents.rs`,
+//! `inputs.rs`, `parquet_input.rs`, chat templates `chat.rs`),
+//! `upipe tokenize`'s parallel batches (`tokenize.rs`), `--pack`'s windows
+//! (`packing.rs`) and the sampler that draws them (`sampler.rs`), and
 //! `window.rs` a window as the model takes it (`PackedWindow`: inputs,
 //! targets, document starts).
 
+pub mod chat;
 pub mod corpus;
+pub mod dataset;
+pub mod doc_index;
 pub mod documents;
+pub mod inputs;
+pub mod packing;
+pub mod parquet_input;
+pub mod sampler;
 pub mod tokenize;
 pub mod tokens;
 pub mod window;
@@ -15,5 +25,8 @@ pub use corpus::{
     Batch, ByteTokenizer, CORPUS, SamplerState, SequenceSampler, Tokenizer, Window, check_vocab,
     load_tokens, write_u32_tokens,
 };
+pub use dataset::Dataset;
+pub use packing::PackMode;
+pub use sampler::PackedSampler;
 pub use tokens::{TokenFormat, Tokens};
 pub use window::PackedWindow;

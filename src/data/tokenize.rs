@@ -1,6 +1,9 @@
 //! `upipe tokenize`'s engine: a corpus of text and JSONL files
-//! ([`Documents`]) to one pre-tokenized file, documents separated by the
-//! end-of-sequence id.
+//! ([`Documents`]) to one pre-tokenized file `OUT`, every document ending
+//! with the end-of-sequence id (a conversation with its template's end of
+//! turn), its document index `OUT.docs` and, when any document is a
+//! conversation or a prompt with its completion, its loss mask `OUT.mask`
+//! (`doc_index.rs`).
 //!
 //! Streaming: documents are read in batches of about `batch_bytes`, each
 //! batch tokenized in parallel (rayon, the caller's pool) and written in
@@ -8,8 +11,10 @@
 //! any number of threads. The output goes to `OUT.partial` first and is
 //! renamed when complete.
 
+use super::chat::{ChatTemplate, encode_chat};
 use super::corpus::Tokenizer;
-use super::documents::Documents;
+use super::doc_index::{IndexWriter, MaskWriter, index_path, mask_path};
+use super::documents::{Document, Documents};
 use super::tokens::TokenFormat;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -65,7 +70,7 @@ pub fn resolve_eos(tok: &Tokenizer, path: &Path, eos: Eos) -> Result<u32> {
     }
     if matches!(tok, Tokenizer::Byte(_)) {
         return crate::config_err!(
-            "the byte tokenizer has no end-of-sequence token: pass --eos ID (the id that separates documents)"
+            "the byte tokenizer has no end-of-sequence token: pass --eos ID (the id that ends each document)"
         );
     }
     let dir = if path.is_dir() {
@@ -97,7 +102,7 @@ pub fn resolve_eos(tok: &Tokenizer, path: &Path, eos: Eos) -> Result<u32> {
     crate::config_err!(
         "no end-of-sequence token found for {}: no config.json with eos_token_id beside it, no \
          tokenizer_config.json with eos_token, and no special token named {} in the tokenizer; \
-         pass --eos ID (the id that separates documents)",
+         pass --eos ID (the id that ends each document)",
         path.display(),
         EOS_NAMES.join(", ")
     )
@@ -164,25 +169,69 @@ impl Lengths {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TokenizeSummary {
     pub documents: u64,
-    /// Ids written, end-of-sequence separators included.
+    /// Ids written, every document's end-of-sequence id included.
     pub tokens: u64,
     pub eos: u32,
-    /// Tokens per document (separators not counted): p50, p90, p99, max.
+    /// Conversations and prompt/completion documents (whose loss mask
+    /// counts only the answer).
+    pub masked_documents: u64,
+    /// Tokens per document: p50, p90, p99, max.
     pub p50: usize,
     pub p90: usize,
     pub p99: usize,
     pub max: usize,
 }
 
+/// How documents become ids.
+pub struct Encoding<'a> {
+    pub tok: &'a Tokenizer,
+    /// Ends every text and every completion.
+    pub eos: u32,
+    /// Renders conversations; `None`: the tokenizer has none (chat data is
+    /// then an error naming `tokenizer`).
+    pub chat: Option<&'a ChatTemplate>,
+    /// The `--tokenizer` argument, for messages.
+    pub tokenizer: &'a str,
+}
+
+impl Encoding<'_> {
+    /// The ids of `doc`, and for chat or prompt/completion which count.
+    pub fn encode(&self, doc: &Document) -> Result<(Vec<u32>, Option<Vec<bool>>)> {
+        let with_eos = |mut ids: Vec<u32>| {
+            if ids.last() != Some(&self.eos) {
+                ids.push(self.eos);
+            }
+            ids
+        };
+        match doc {
+            Document::Text(t) => Ok((with_eos(self.tok.encode_document(t)?), None)),
+            Document::PromptCompletion { prompt, completion } => {
+                let mut ids = self.tok.encode_document(prompt)?;
+                let answer = with_eos(self.tok.encode(completion)?);
+                let mut mask = vec![false; ids.len()];
+                mask.resize(ids.len() + answer.len(), true);
+                ids.extend(answer);
+                Ok((ids, Some(mask)))
+            }
+            Document::Chat(messages) => {
+                let chat = self
+                    .chat
+                    .ok_or_else(|| ChatTemplate::missing(self.tokenizer))?;
+                let (ids, mask) = encode_chat(self.tok, chat, messages)?;
+                Ok((ids, Some(mask)))
+            }
+        }
+    }
+}
+
 /// Tokenizes the documents of `inputs` (a JSONL line's text under `field`)
-/// with `tok` into `out` (`.u32`, or `.u16`/`.bin` for a vocabulary of at
-/// most 65,536), `eos` between documents; `progress` gets the input bytes
-/// of each batch done.
+/// as `enc` says into `out` (`.u32`, or `.u16`/`.bin` for a vocabulary of
+/// at most 65,536), with its index and loss mask beside it; `progress` gets
+/// the input bytes of each batch done.
 pub fn tokenize_files(
     inputs: &[PathBuf],
     field: &str,
-    tok: &Tokenizer,
-    eos: u32,
+    enc: &Encoding,
     out: &Path,
     batch_bytes: usize,
     progress: &dyn Fn(u64),
@@ -193,11 +242,11 @@ pub fn tokenize_files(
             out.display()
         );
     };
-    if tok.vocab_size() > format.max_vocab() {
+    if enc.tok.vocab_size() > format.max_vocab() {
         return crate::config_err!(
             "--out {}: the tokenizer has {} ids, more than 16-bit ids hold; name the output .u32",
             out.display(),
-            tok.vocab_size()
+            enc.tok.vocab_size()
         );
     }
     // a file of ids read as text is noise, and would be the output itself
@@ -210,26 +259,38 @@ pub fn tokenize_files(
         );
     }
     let mut docs = Documents::new(inputs, field)?;
-    let partial = PathBuf::from(format!("{}.partial", out.display()));
-    let result = write_all(&mut docs, tok, eos, format, &partial, batch_bytes, progress);
-    let lengths = match result {
+    let outputs = [out.to_path_buf(), index_path(out), mask_path(out)];
+    let partial = outputs
+        .clone()
+        .map(|p| PathBuf::from(format!("{}.partial", p.display())));
+    let result = write_all(&mut docs, enc, format, &partial, batch_bytes, progress);
+    let (lengths, masked) = match result {
         Ok(l) => l,
         Err(e) => {
             // best effort: the error is what matters
-            let _ = std::fs::remove_file(&partial);
+            for p in &partial {
+                let _ = std::fs::remove_file(p);
+            }
             return Err(e);
         }
     };
-    std::fs::rename(&partial, out).map_err(|e| {
-        Error::io(
-            format!("renaming {} to {}", partial.display(), out.display()),
-            e,
-        )
-    })?;
+    if masked == 0 {
+        // no mask this time: one left from an earlier run would not fit the ids
+        let _ = std::fs::remove_file(&outputs[2]);
+    }
+    for (from, to) in partial.iter().zip(&outputs).filter(|(p, _)| p.exists()) {
+        std::fs::rename(from, to).map_err(|e| {
+            Error::io(
+                format!("renaming {} to {}", from.display(), to.display()),
+                e,
+            )
+        })?;
+    }
     Ok(TokenizeSummary {
         documents: lengths.documents,
-        tokens: lengths.tokens + lengths.documents.saturating_sub(1),
-        eos,
+        tokens: lengths.tokens,
+        eos: enc.eos,
+        masked_documents: masked,
         p50: lengths.percentile(50.0),
         p90: lengths.percentile(90.0),
         p99: lengths.percentile(99.0),
@@ -237,53 +298,73 @@ pub fn tokenize_files(
     })
 }
 
-/// The batch loop: read, tokenize in parallel, write in order.
+/// The batch loop: read, tokenize in parallel, write ids, index and mask in
+/// order (`paths`: ids, index, mask). The lengths and the masked documents.
 fn write_all(
     docs: &mut Documents,
-    tok: &Tokenizer,
-    eos: u32,
+    enc: &Encoding,
     format: TokenFormat,
-    path: &Path,
+    paths: &[PathBuf; 3],
     batch_bytes: usize,
     progress: &dyn Fn(u64),
-) -> Result<Lengths> {
-    let io = |e| Error::io(format!("writing {}", path.display()), e);
-    let file = std::fs::File::create(path).map_err(io)?;
+) -> Result<(Lengths, u64)> {
+    let io = |e| Error::io(format!("writing {}", paths[0].display()), e);
+    let file = std::fs::File::create(&paths[0]).map_err(io)?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    let mut lengths = Lengths::default();
+    let mut index = IndexWriter::create(&paths[1])?;
+    let mut mask: Option<MaskWriter> = None;
+    let (mut lengths, mut masked) = (Lengths::default(), 0u64);
     let mut bytes = Vec::new();
     loop {
         let (batch, used) = read_batch(docs, batch_bytes)?;
         if batch.is_empty() {
             break;
         }
-        let ids: Vec<Vec<u32>> = batch
+        let encoded: Vec<(Vec<u32>, Option<Vec<bool>>)> = batch
             .par_iter()
-            .map(|d| tok.encode(d))
+            .map(|d| enc.encode(d))
             .collect::<Result<_>>()?;
         bytes.clear();
-        for doc in &ids {
-            if lengths.documents > 0 {
-                format.encode_into(&[eos], &mut bytes)?;
+        // a document of no id (a template that rendered nothing) has no start
+        for (ids, flags) in encoded.iter().filter(|(ids, _)| !ids.is_empty()) {
+            index.push(lengths.tokens)?;
+            if flags.is_some() {
+                masked += 1;
+                if mask.is_none() {
+                    // every id before the first masked document counts
+                    let mut m = MaskWriter::create(&paths[2])?;
+                    m.push(&vec![true; lengths.tokens as usize])?;
+                    mask = Some(m);
+                }
             }
-            format.encode_into(doc, &mut bytes)?;
-            lengths.add(doc.len());
+            if let Some(m) = &mut mask {
+                match flags {
+                    Some(f) => m.push(f)?,
+                    None => m.push(&vec![true; ids.len()])?,
+                }
+            }
+            format.encode_into(ids, &mut bytes)?;
+            lengths.add(ids.len());
         }
         w.write_all(&bytes).map_err(io)?;
         progress(used);
     }
     w.flush().map_err(io)?;
-    Ok(lengths)
+    index.finish(lengths.tokens)?;
+    if let Some(m) = mask {
+        m.finish()?;
+    }
+    Ok((lengths, masked))
 }
 
 /// Documents until about `batch_bytes` of text (at least one), and the input bytes they used.
-fn read_batch(docs: &mut Documents, batch_bytes: usize) -> Result<(Vec<String>, u64)> {
+fn read_batch(docs: &mut Documents, batch_bytes: usize) -> Result<(Vec<Document>, u64)> {
     let (mut batch, mut text, mut used) = (Vec::new(), 0, 0);
     while text < batch_bytes.max(1) {
         let Some((doc, n)) = docs.next_doc()? else {
             break;
         };
-        text += doc.len();
+        text += n.max(1) as usize;
         used += n;
         batch.push(doc);
     }

@@ -5,6 +5,7 @@
 use crate::attention::{CpPlan, Strategy};
 use crate::checkpoint::save_dir::SaveDir;
 use crate::comm::MeshShape;
+use crate::data::PackMode;
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
@@ -25,6 +26,8 @@ pub struct TrainConfig {
     /// UPipe: heads per forward stage (`CpPlan::with_fwd_chunk`; default U).
     pub fwd_chunk_heads: Option<usize>,
     pub seq: usize,
+    /// How windows are made from the data's documents (`--pack`).
+    pub pack: PackMode,
     pub steps: u32,
     pub optim: AdamWConfig,
     pub seed: u64,
@@ -130,6 +133,7 @@ impl TrainConfig {
             chunk_heads: None,
             fwd_chunk_heads: None,
             seq,
+            pack: PackMode::default(),
             steps,
             optim,
             seed: 0,

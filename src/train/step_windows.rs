@@ -6,7 +6,7 @@
 use crate::attention::CpPlan;
 use crate::backend::{Backend, Category, DType, IGNORE};
 use crate::comm::Mesh;
-use crate::data::{PackedWindow, SequenceSampler};
+use crate::data::{PackedSampler, PackedWindow};
 use crate::error::{Error, Result};
 
 /// One micro-step's window on this rank.
@@ -36,17 +36,11 @@ impl RankWindow {
     }
 }
 
-/// The next window the sampler yields, as the model takes it.
-pub fn next_packed(sampler: &mut SequenceSampler) -> PackedWindow {
-    let w = sampler.next_window();
-    PackedWindow::stream(w.inputs().to_vec(), w.targets().to_vec())
-}
-
 /// This rank's rows of the step's `grad_accum` windows. A rehearsal reads
 /// no data and computes nothing with it: it takes zeros for this rank's
 /// rows, one document, every target counted.
 pub fn draw_step(
-    sampler: &mut SequenceSampler,
+    sampler: &mut PackedSampler,
     plan: &CpPlan,
     positions: &[usize],
     grad_accum: usize,
@@ -62,7 +56,7 @@ pub fn draw_step(
                     doc_starts: vec![0],
                 });
             }
-            RankWindow::of(&next_packed(sampler), positions)
+            RankWindow::of(&sampler.next_packed(), positions)
         })
         .collect()
 }

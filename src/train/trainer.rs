@@ -22,7 +22,7 @@ use crate::checkpoint::hf_config::checkpoint_config;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
-use crate::data::{PackedWindow, SamplerState, SequenceSampler, Tokens};
+use crate::data::{Dataset, PackMode, PackedSampler, SamplerState, Tokens};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use crate::optim::divergence::DivergenceGuard;
@@ -109,30 +109,30 @@ pub fn check_local_rank(local_rank: usize, gpus: usize) -> Result<()> {
     )
 }
 
-/// Trains on `tokens` with ranks as threads on the CPU backend, calling
+/// Trains on `data` with ranks as threads on the CPU backend, calling
 /// `on_step` after every step.
 pub fn train_cpu(
     cfg: &TrainConfig,
-    tokens: impl Into<Tokens>,
+    data: impl Into<Dataset>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
-    train_threads(cfg, tokens, CpuBackend::new, on_step)
+    train_threads(cfg, data, CpuBackend::new, on_step)
 }
 
 /// Trains with ranks as threads, each on a backend from `make_backend`.
 pub fn train_threads<B: Backend>(
     cfg: &TrainConfig,
-    tokens: impl Into<Tokens>,
+    data: impl Into<Dataset>,
     make_backend: impl Fn() -> B + Sync,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
-    let tokens = tokens.into();
+    let data = data.into();
     let plan = cfg.plan()?;
     let _held = cfg.take_save_dir()?;
-    crate::data::check_vocab(&tokens, cfg.model.vocab)?;
+    crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let out = run_ranks(shape, make_backend, |rank, b, mesh| {
-        run_rank(cfg, &plan, tokens.clone(), b.as_ref(), &mesh, rank, on_step)
+        run_rank(cfg, &plan, data.clone(), b.as_ref(), &mesh, rank, on_step)
     })?;
     let (reports, memory, reserved_peak) = out.into_iter().next().expect("at least one rank");
     Ok(TrainSummary {
@@ -145,20 +145,20 @@ pub fn train_threads<B: Backend>(
 
 /// Trains as rank `mesh.rank` of a run whose process groups are `mesh` (one
 /// process per rank). Collective: every rank of the mesh calls it with the
-/// same `cfg` and `tokens`. Loss and gradient norm are global, so every rank
+/// same `cfg` and `data`. Loss and gradient norm are global, so every rank
 /// returns the same reports (those [`train_threads`] returns); `on_step` runs
 /// on rank 0 only, and only rank 0 writes checkpoints. The caller has taken
 /// the save directory ([`TrainConfig::take_save_dir`]) before any rank runs.
 pub fn train_on_mesh<B: Backend>(
     cfg: &TrainConfig,
-    tokens: impl Into<Tokens>,
+    data: impl Into<Dataset>,
     b: &B,
     mesh: &Mesh<B>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
-    let tokens = tokens.into();
+    let data = data.into();
     let plan = cfg.plan()?;
-    crate::data::check_vocab(&tokens, cfg.model.vocab)?;
+    crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     if mesh.shape != shape {
         return crate::config_err!(
@@ -166,8 +166,7 @@ pub fn train_on_mesh<B: Backend>(
             mesh.shape
         );
     }
-    let (reports, memory, reserved_peak) =
-        run_rank(cfg, &plan, tokens, b, mesh, mesh.rank, on_step)?;
+    let (reports, memory, reserved_peak) = run_rank(cfg, &plan, data, b, mesh, mesh.rank, on_step)?;
     Ok(TrainSummary {
         reports,
         memory,
@@ -184,23 +183,23 @@ pub fn train_on_mesh<B: Backend>(
 /// picks the attention kernels (`--attn-kernel`).
 pub fn train_process_rank(
     cfg: &TrainConfig,
-    tokens: impl Into<Tokens>,
+    data: impl Into<Dataset>,
     env: &DistEnv,
     kernel: crate::backend::cuda::cudnn::AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
-    let tokens = tokens.into();
+    let data = data.into();
     let plan = cfg.plan()?;
     // rank 0 takes it before the rendezvous, so before any rank reads it
     let _held = match env.rank {
         0 => cfg.take_save_dir()?,
         _ => None,
     };
-    crate::data::check_vocab(&tokens, cfg.model.vocab)?;
+    crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let decided = cfg.decided_flags();
     let rank = ProcessRank::join("train", env, shape, kernel, cfg.host_budget, &decided)?;
-    train_on_mesh(cfg, tokens, rank.backend.as_ref(), &rank.mesh, on_step)
+    train_on_mesh(cfg, data, rank.backend.as_ref(), &rank.mesh, on_step)
 }
 
 /// Evaluates ([`eval_on_mesh`]) as one process rank of a multi-GPU run started by `upipe
@@ -290,6 +289,8 @@ pub fn rehearse_rank<B: Backend>(
         save_dir: None,
         resume: false,
         eval: None,
+        // the same windows whatever the packing: a rehearsal reads no data
+        pack: PackMode::Stream,
         ..cfg.clone()
     };
     // a rehearsal reads no token: one window per data replica of zeros,
@@ -297,7 +298,7 @@ pub fn rehearse_rank<B: Backend>(
     let zeros = Arc::<[u32]>::new_zeroed_slice(cfg.seq * cfg.data_parallel + 1);
     // SAFETY: zero bits are a valid u32.
     let tokens = Tokens::from(unsafe { zeros.assume_init() });
-    let (_, memory, _) = run_rank(&cfg, plan, tokens, b, mesh, mesh.rank, &|_| {})?;
+    let (_, memory, _) = run_rank(&cfg, plan, tokens.into(), b, mesh, mesh.rank, &|_| {})?;
     Ok(memory)
 }
 
@@ -308,7 +309,7 @@ pub fn rehearse_rank<B: Backend>(
 fn run_rank<B: Backend>(
     cfg: &TrainConfig,
     plan: &CpPlan,
-    tokens: Tokens,
+    data: Dataset,
     b: &B,
     mesh: &Mesh<B>,
     rank: usize,
@@ -328,8 +329,14 @@ fn run_rank<B: Backend>(
     };
     // replicas draw disjoint windows; context ranks of one replica share one
     let data_rank = mesh.shape.coords(mesh.rank).data;
-    let mut sampler =
-        SequenceSampler::sharded(tokens, cfg.seq, cfg.seed, data_rank, cfg.data_parallel)?;
+    let mut sampler = PackedSampler::sharded(
+        data,
+        cfg.pack,
+        cfg.seq,
+        cfg.seed,
+        data_rank,
+        cfg.data_parallel,
+    )?;
     let first = match resumed {
         Some(r) => resume(cfg, &mut sampler, r, rank)?,
         None => 1,
@@ -410,7 +417,9 @@ fn run_rank<B: Backend>(
         guard.after_step(step, loss, &update)?;
         let save_now = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
         if let (Some(dir), true) = (&cfg.save_dir, save_now) {
-            let extra = serde_json::json!({ "sampler": sampler.state(), "seed": cfg.seed });
+            let extra = serde_json::json!({
+                "sampler": sampler.state(), "seed": cfg.seed, "pack": cfg.pack,
+            });
             save(cfg, b, model.as_mut(), dir, step, &extra, rank)?;
             guard.saved(step);
         }
@@ -420,16 +429,24 @@ fn run_rank<B: Backend>(
 }
 
 /// Restores the sampler of a resumed run; the first step to run.
-fn resume(
-    cfg: &TrainConfig,
-    sampler: &mut SequenceSampler,
-    r: Resumed,
-    rank: usize,
-) -> Result<u32> {
+fn resume(cfg: &TrainConfig, sampler: &mut PackedSampler, r: Resumed, rank: usize) -> Result<u32> {
     let dir = cfg.resume_dir().expect("resumed from a directory");
     cfg.check_resume_step(dir, r.step)?;
     let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
         .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
+    // checkpoints from before `--pack` have no key: their windows were `stream`'s
+    if let Some(saved) = r.extra.get("pack") {
+        let saved: PackMode = serde_json::from_value(saved.clone())
+            .map_err(|e| Error::Checkpoint(format!("{}: bad pack mode: {e}", dir.display())))?;
+        if saved != cfg.pack {
+            return crate::config_err!(
+                "{} was trained with --pack {saved}, this run asks for --pack {}: its saved \
+                 position counts other windows; resume with --pack {saved}",
+                dir.display(),
+                cfg.pack
+            );
+        }
+    }
     sampler.restore(sampler_state)?;
     if rank == 0 {
         tracing::info!("resumed from {} at step {}", dir.display(), r.step);

@@ -7,6 +7,7 @@ use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_k
 use crate::cli::memory::MemoryArgs;
 use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::FwdChunkArgs;
+use crate::data::PackMode;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::optim::AdamWConfig;
@@ -31,7 +32,10 @@ pub struct TrainArgs {
     pub model: String,
     /// Training data: a text file (tokenized with --tokenizer), or pre-tokenized
     /// ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16), memory-mapped
-    /// and checked against the model's vocab_size. Default: the bundled corpus.
+    /// and checked against the model's vocab_size, with the document index
+    /// and loss mask `upipe tokenize` writes beside them. Default: the
+    /// bundled corpus. JSONL, Parquet and directories are refused with the
+    /// `upipe tokenize` command that makes ids of them.
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Tokenizer for text data: `byte` (the default) or a path to an HF
@@ -57,6 +61,13 @@ pub struct TrainArgs {
     /// Tokens per sequence (global, before context sharding).
     #[arg(long, default_value_t = 256)]
     pub seq: usize,
+    /// How windows are made from the data's documents (docs/documents.md):
+    /// documents (windows cut from the stream, positions restarting and
+    /// attention kept inside each document), stream (across documents), bfd
+    /// (whole documents packed by best-fit decreasing; needs the document
+    /// index `upipe tokenize` writes).
+    #[arg(long, value_enum, default_value_t = PackMode::Documents)]
+    pub pack: PackMode,
     #[arg(long, default_value_t = 300)]
     pub steps: u32,
     #[arg(long, default_value_t = 3e-3)]
@@ -224,6 +235,7 @@ impl TrainArgs {
         data => data.data,
         tokenizer => data.tokenizer,
         seq => data.seq,
+        pack => data.pack,
         grad_accum => data.grad_accum,
         attn => parallel.attn,
         fsdp => parallel.fsdp,
@@ -440,6 +452,7 @@ impl TrainArgs {
     fn check_input_paths(&self) -> Result<()> {
         use crate::input_path::{check_dir, check_file};
         if let Some(data) = &self.data {
+            crate::data::inputs::refuse_untokenized(data, self.tokenizer.as_deref())?;
             check_file(data, "--data")?;
         }
         if let Some(dir) = &self.init_from {

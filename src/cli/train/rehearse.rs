@@ -49,7 +49,7 @@ pub(super) fn run(a: &TrainArgs, m: &ArgMatches, run: &mut Built) -> Result<i32>
         0 => predicted,
         r => crate::plan::predict_step_rank(&run.spec(&run.plan), r)?,
     };
-    let outcome = match super::execute(run, tokens, &|_| {}) {
+    let outcome = match super::execute(run, tokens.into(), &|_| {}) {
         Ok(summary) => Ok(summary),
         Err(e @ Error::OutOfMemory { .. }) => Err(e),
         Err(e) => return Err(e),

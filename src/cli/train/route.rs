@@ -5,7 +5,7 @@
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
-use crate::data::Tokens;
+use crate::data::Dataset;
 use crate::error::Result;
 use crate::train::trainer::{
     StepReport, TrainConfig, TrainSummary, check_local_rank, check_world_size,
@@ -146,7 +146,7 @@ pub fn route_for(
 /// Thread ranks spread round-robin over `gpus` devices.
 pub(super) fn train_on_gpus(
     cfg: &TrainConfig,
-    tokens: Tokens,
+    data: Dataset,
     gpus: usize,
     kernel: AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
@@ -166,7 +166,7 @@ pub(super) fn train_on_gpus(
         b.set_host_budget(cfg.host_budget);
         b
     };
-    crate::train::trainer::train_threads(cfg, tokens, make, on_step)
+    crate::train::trainer::train_threads(cfg, data, make, on_step)
 }
 
 /// GPUs visible to the driver (none when CUDA is unavailable).
