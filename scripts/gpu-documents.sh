@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200: documents (packed windows) on the GPU, and the interop checks
-# against transformers, TensorBoard and chat templates.
+# against transformers and TensorBoard.
 #
 #   scripts/gpu-documents.sh build DIR   # on a machine with Rust: `upipe` and the
 #                                        # GPU test binaries into DIR/bin
@@ -8,8 +8,7 @@
 #
 # PARTS (default "tests interop docs"):
 #   tests   = gpu_backend (flash/naive documents masks against the CPU) and gpu_plan
-#   interop = scripts/check_hf_roundtrip.py, check_tensorboard.py on a short run,
-#             check_chat_template.py
+#   interop = scripts/check_hf_roundtrip.py, check_tensorboard.py on a short run
 #   docs    = Llama 3.2 1B at DOC_SEQ (131072) with --checkpoint on a document mix
 #             (scripts/doc_mix.py: long-tailed lengths, mean about 8K, a few over
 #             32K): --pack documents against --pack stream on the same tokens, and
@@ -55,10 +54,6 @@ if [[ " $parts " == *" interop "* ]]; then
       || "$bin/upipe" train --steps 12 --metrics m.jsonl --tensorboard tb > tb.log 2>&1 )
     python3 scripts/check_tensorboard.py "$work/tb" "$work/m.jsonl" 2>&1 | tail -40 | sed 's/^/  /'
     row "tensorboard: exit ${PIPESTATUS[0]}"
-    if [ -f scripts/check_chat_template.py ]; then
-        python3 scripts/check_chat_template.py --upipe "$bin/upipe" 2>&1 | tail -30 | sed 's/^/  /'
-        row "chat template: exit ${PIPESTATUS[0]}"
-    fi
 fi
 
 if [[ " $parts " == *" docs "* ]]; then

@@ -49,7 +49,7 @@ use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::cli::{config, print_config};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
-use crate::data::Dataset;
+use crate::data::{Dataset, load_tokens};
 use crate::data::dataset::load_dataset;
 use crate::error::Result;
 use crate::model::flops::train_flops_per_token;

@@ -22,7 +22,7 @@ use crate::checkpoint::hf_config::checkpoint_config;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
-use crate::data::{Dataset, PackMode, PackedSampler, SamplerState, Tokens};
+use crate::data::{Dataset, PackMode, PackedSampler, PackedWindow, SamplerState, Tokens};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use crate::optim::divergence::DivergenceGuard;
