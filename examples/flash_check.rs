@@ -210,6 +210,7 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
             hkv,
             d,
             mask: mask(c.causal),
+            bounds: 0,
         },
     )?;
     let (gdq, gdk, gdv) = (g.up32(dq0)?, g.up32(dk0)?, g.up32(dv0)?);
@@ -246,6 +247,7 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
             hkv,
             d,
             mask: mask(c.causal && c.key_from == 0),
+            bounds: 0,
         },
     )?;
     g.stream.synchronize()?;
@@ -405,6 +407,7 @@ fn bench(
         hkv,
         d,
         mask: AttnMask::Causal,
+        bounds: 0,
     };
     let ba = FlashBwdArgs {
         q: fa.q,
@@ -432,6 +435,7 @@ fn bench(
         hkv,
         d,
         mask: AttnMask::Causal,
+        bounds: 0,
     };
     let iters = if s >= 32768 { 3 } else { 10 };
     let time = |f: &dyn Fn() -> Res<()>| -> Res<f64> {

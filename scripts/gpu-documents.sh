@@ -59,7 +59,7 @@ fi
 if [[ " $parts " == *" docs "* ]]; then
     seq=${DOC_SEQ:-131072}
     python3 scripts/doc_mix.py --out "$work/mix.jsonl" --tokens $((seq * 4))
-    "$bin/upipe" tokenize "$work/mix.jsonl" --tokenizer byte --out "$work/mix.u32" > "$work/tok.log" 2>&1 \
+    "$bin/upipe" tokenize "$work/mix.jsonl" --tokenizer byte --eos 0 --out "$work/mix.u32" > "$work/tok.log" 2>&1 \
         || { cat "$work/tok.log"; status=1; }
     for pack in documents stream; do
         log="$work/train-$pack.log"
@@ -77,10 +77,10 @@ else:
     print("ROW docs pack=%s: no step line" % sys.argv[2])
 PY
     done
-    python3 scripts/hf_peer_step.py --seq "$seq" --steps 2 --checkpoint \
+    timeout "${PEER_TIMEOUT:-240}" python3 scripts/hf_peer_step.py --seq "$seq" --steps 2 --checkpoint \
         --doc-lengths "$work/mix.jsonl.lengths" > "$work/peer.log" 2>&1 || tail -5 "$work/peer.log"
     row "hf peer packed: $(tail -1 "$work/peer.log")"
-    python3 scripts/hf_peer_step.py --seq "$seq" --steps 2 --checkpoint > "$work/peer-stream.log" 2>&1 \
+    timeout "${PEER_TIMEOUT:-240}" python3 scripts/hf_peer_step.py --seq "$seq" --steps 2 --checkpoint > "$work/peer-stream.log" 2>&1 \
         || tail -5 "$work/peer-stream.log"
     row "hf peer unpacked: $(tail -1 "$work/peer-stream.log")"
 fi

@@ -96,10 +96,18 @@ pub fn after_step<B: Backend>(
     let ranges = ecfg.bucket_ranges(win.seq);
     let groups = ranges.len();
     b.ledger().enter("eval");
-    let report = eval_windows(b, mesh, plan, &ev.tokens, &win, &ranges, |window, ids, tg, rows| {
-        decoder.set_window(b, &window.doc_starts)?;
-        decoder.forward_loss(b, mesh, w, ids, tg, rows, groups)
-    })?;
+    let report = eval_windows(
+        b,
+        mesh,
+        plan,
+        &ev.tokens,
+        &win,
+        &ranges,
+        |window, ids, tg, rows| {
+            decoder.set_window(b, &window.doc_starts)?;
+            decoder.forward_loss(b, mesh, w, ids, tg, rows, groups)
+        },
+    )?;
     Ok(Some(report))
 }
 

@@ -425,8 +425,8 @@ mod tests {
 
     #[test]
     fn param_structs_have_c_layout() {
-        assert_eq!(std::mem::size_of::<FwdParams>(), 5 * 8 + 5 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<BwdParams>(), 10 * 8 + 9 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<FwdParams>(), 6 * 8 + 5 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<BwdParams>(), 11 * 8 + 9 * 8 + 8 * 4);
     }
 
     #[test]
