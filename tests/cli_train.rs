@@ -642,6 +642,9 @@ fn eval_during_training_equals_upipe_eval_of_the_checkpoint() {
         "2",
         "--eval-buckets",
         "2",
+        // the checkpoint holds the weights the run evaluated (not rounded to bf16)
+        "--save-dtype",
+        "f32",
         "--save-dir",
         s,
     ]);
@@ -738,7 +741,7 @@ fn one_mesh_flag_on_the_cpu_leaves_the_others_at_one() {
         "2",
     ]);
     assert!(
-        out.contains("on 2 CPU thread ranks (data 2 x Pu 1 x Pr 1"),
+        out.contains("on 2 CPU thread ranks (data 2 x ulysses 1 x ring 1"),
         "{out}"
     );
     let out = upipe(&[
@@ -753,7 +756,7 @@ fn one_mesh_flag_on_the_cpu_leaves_the_others_at_one() {
         "2",
     ]);
     assert!(
-        out.contains("on 2 CPU thread ranks (data 1 x Pu 2 x Pr 1"),
+        out.contains("on 2 CPU thread ranks (data 1 x ulysses 2 x ring 1"),
         "{out}"
     );
 }
