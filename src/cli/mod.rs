@@ -29,6 +29,8 @@ pub struct Cli {
     pub command: Command,
 }
 
+// One value, parsed once at start: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Train a model (no arguments: tiny model, bundled data, UPipe on 4 CPU thread ranks, or one NCCL process per GPU when 2+ GPUs are visible).
