@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""upipe's training arithmetic checked against PyTorch + transformers, in f32
+on the CPU reference backend:
+
+1. `adamw`: six AdamW steps from the same small random Llama (saved by
+   transformers) on the same window: upipe's loss at every step, its gradient
+   norm, and the saved parameters after the sixth step against a PyTorch loop
+   doing what upipe documents (mean cross-entropy over the window, the global
+   gradient norm clipped to `--clip`, `torch.optim.AdamW` with no weight decay
+   on norm weights, a constant learning rate).
+2. `packed`: one window of several documents (`--pack documents` and `bfd`,
+   documents index written beside the ids): upipe's loss at lr 0 against
+   transformers' loss of each document alone (each document's own prefix,
+   positions from 0), summed over the counted targets.
+
+It prints one PASS/FAIL line per check and exits 1 if any failed; it needs
+only torch, transformers and safetensors, and no network:
+
+    python3 scripts/check_training_torch.py --upipe target/release/upipe
+"""
+
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+import torch
+from safetensors import safe_open
+
+RESULTS = []
+VOCAB = 256
+SEQ = 128
+STEPS = 6
+LR, BETAS, EPS, WD, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    RESULTS.append((name, bool(ok), detail))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+
+
+def make_source(root: str) -> str:
+    """A small random Llama saved in f32, heads and widths that every
+    strategy can split."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    src = os.path.join(root, "src")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(src)
+    return src
+
+
+def write_ids(path: str, ids) -> None:
+    with open(path, "wb") as f:
+        f.write(struct.pack(f"<{len(ids)}I", *ids))
+
+
+def write_doc_index(ids_path: str, n: int, starts) -> None:
+    """`IDS.docs` as `src/data/doc_index.rs` documents it (version 1)."""
+    with open(ids_path + ".docs", "wb") as f:
+        f.write(b"UPIPEDIX" + struct.pack("<II", 1, 0) + struct.pack("<QQ", n, len(starts)))
+        f.write(struct.pack(f"<{len(starts)}Q", *starts))
+
+
+def upipe(binary: str, *args: str) -> None:
+    r = subprocess.run([binary, *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"upipe {' '.join(args)} failed:\n{r.stderr}")
+
+
+def metrics(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.startswith("{")]
+
+
+def tensors(d: str) -> dict:
+    index = os.path.join(d, "model.safetensors.index.json")
+    files = (sorted(set(json.load(open(index))["weight_map"].values()))
+             if os.path.exists(index) else ["model.safetensors"])
+    out = {}
+    for f in files:
+        with safe_open(os.path.join(d, f), "pt") as st:
+            for k in st.keys():
+                out[k] = st.get_tensor(k)
+    return out
+
+
+def load(src: str):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def torch_adamw(src: str, window: torch.Tensor):
+    """The PyTorch loop: per-step loss and grad norm, and the final weights."""
+    model = load(src)
+    model.train()
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not n.endswith("norm.weight")], "weight_decay": WD},
+        {"params": [p for n, p in named if n.endswith("norm.weight")], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    losses, norms = [], []
+    x, y = window[None, :-1], window[None, 1:]
+    for _ in range(STEPS):
+        opt.zero_grad()
+        logits = model(input_ids=x).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        grads = [p.grad for _, p in named]
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+        if norm > CLIP:  # upipe: multiply by clip / norm when the norm exceeds clip
+            for g in grads:
+                g.mul_(CLIP / norm)
+        opt.step()
+        losses.append(loss.item())
+        norms.append(norm)
+    return losses, norms, {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def check_adamw(binary: str, root: str, src: str, attn: str) -> None:
+    torch.manual_seed(1)
+    window = torch.randint(3, VOCAB, (SEQ + 1,))
+    tokens = os.path.join(root, "window.u32")
+    write_ids(tokens, window.tolist())  # exactly one window: every step takes it
+    dst, m = os.path.join(root, f"adamw-{attn}"), os.path.join(root, f"adamw-{attn}.jsonl")
+    upipe(binary, "train", "--device", "cpu", "--attn", attn, "--seq", str(SEQ),
+          "--model", src, "--init-from", src, "--data", tokens, "--pack", "stream",
+          "--steps", str(STEPS),
+          "--lr", str(LR), "--warmup", "0", "--schedule", "constant",
+          "--betas", f"{BETAS[0]},{BETAS[1]}", "--eps", str(EPS), "--weight-decay", str(WD),
+          "--clip", str(CLIP), "--save-dir", dst, "--save-dtype", "f32", "--metrics", m)
+    ours = metrics(m)
+    losses, norms, weights = torch_adamw(src, window)
+    worst = max(abs(o["loss"] - t) / abs(t) for o, t in zip(ours, losses))
+    check(f"adamw {attn}: loss at each of {STEPS} steps == PyTorch (rel <= 1e-5)",
+          len(ours) == STEPS and worst <= 1e-5,
+          " ".join(f"{o['loss']:.6f}/{t:.6f}" for o, t in zip(ours, losses)) + f" worst {worst:.1e}")
+    worst_n = max(abs(o["grad_norm"] - t) / t for o, t in zip(ours, norms))
+    check(f"adamw {attn}: gradient norm at each step == PyTorch (rel <= 1e-4)", worst_n <= 1e-4,
+          f"worst {worst_n:.1e}")
+    saved = tensors(dst)
+    diffs = {n: (saved[n].float() - w).abs().max().item() for n, w in weights.items() if n in saved}
+    missing = sorted(set(weights) - set(saved))
+    name, worst_w = max(diffs.items(), key=lambda kv: kv[1])
+    check(f"adamw {attn}: parameters after {STEPS} steps == PyTorch (max abs <= 1e-5)",
+          not missing and worst_w <= 1e-5, f"worst {name} {worst_w:.1e}; missing {missing}")
+
+
+def check_packed(binary: str, root: str, src: str, pack: str) -> None:
+    """Four documents filling one window exactly, each ending with EOS (id 0):
+    `documents` cuts a window of SEQ + 1 ids from the stream, `bfd` packs
+    whole documents into SEQ input positions."""
+    g = torch.Generator().manual_seed(2)
+    total = SEQ + 1 if pack == "documents" else SEQ
+    lengths = [37, 20, 51, total - 37 - 20 - 51]
+    docs = [torch.cat([torch.randint(3, VOCAB, (n - 1,), generator=g), torch.zeros(1, dtype=torch.long)])
+            for n in lengths]
+    ids = torch.cat(docs).tolist()
+    tokens = os.path.join(root, f"docs-{pack}.u32")
+    write_ids(tokens, ids)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    write_doc_index(tokens, len(ids), starts)
+    m = os.path.join(root, f"packed-{pack}.jsonl")
+    upipe(binary, "train", "--device", "cpu", "--seq", str(SEQ), "--model", src, "--init-from", src,
+          "--data", tokens, "--pack", pack, "--steps", "1", "--lr", "0", "--metrics", m)
+    step = metrics(m)[0]
+    model = load(src)
+    model.eval()
+    total, counted = 0.0, 0
+    with torch.no_grad():
+        for d in docs:
+            logits = model(input_ids=d[None, :-1]).logits.float()[0]
+            total += torch.nn.functional.cross_entropy(logits, d[1:], reduction="sum").item()
+            counted += len(d) - 1
+    theirs = total / counted
+    rel = abs(step["loss"] - theirs) / theirs
+    check(f"packed {pack}: counted targets == sum of (document length - 1)",
+          step.get("counted_tokens") == counted, f"{step.get('counted_tokens')} vs {counted}")
+    check(f"packed {pack}: loss == transformers on each document alone (rel <= 1e-5)",
+          rel <= 1e-5, f"{step['loss']:.7f} vs {theirs:.7f} (rel {rel:.1e})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--upipe", default="target/release/upipe", help="the upipe binary")
+    ap.add_argument("--parts", default="adamw packed")
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="upipe-torch-")
+    src = make_source(root)
+    if "adamw" in args.parts:
+        for attn in ["local", "upipe"]:
+            check_adamw(args.upipe, root, src, attn)
+    if "packed" in args.parts:
+        for pack in ["documents", "bfd"]:
+            check_packed(args.upipe, root, src, pack)
+    failed = [r for r in RESULTS if not r[1]]
+    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

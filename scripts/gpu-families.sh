@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# One H200: model families (Qwen2.5 biases and YaRN, Mistral sliding windows),
+# the attention kernel decided per run, and the interop checks against
+# PyTorch + transformers; an A/B of the whole step against an older build.
+#
+#   OLD=COMMIT scripts/gpu-families.sh build DIR   # on a machine with Rust:
+#                     # `upipe`, the GPU test binaries and (with OLD) that
+#                     # commit's `upipe` as DIR/bin/upipe-old
+#   bash DIR/gpu-families.sh [PARTS]               # on the GPU machine, repo root
+#
+# PARTS (default "tests interop"):
+#   tests   = every single-GPU gpu_* test binary (backend, plan, layer, eval,
+#             fsdp, offload): CUDA against the CPU reference, planner == ledger
+#   interop = scripts/check_families.py (qwen2, mistral against transformers),
+#             check_training_torch.py (six AdamW steps and packed documents
+#             against PyTorch), check_hf_roundtrip.py
+#   ab      = Llama 3.2 1B, one GPU: 32K without and 128K with --checkpoint,
+#             upipe-old and upipe alternating (AB_RUNS each, AB_STEPS steps),
+#             median tokens/s of steps 2 on, peak against the plan
+#   window  = a Llama 3.2 1B-sized Mistral (sliding window WINDOW, 4096) at
+#             WIN_SEQ (131072) with --checkpoint, against the same model with
+#             no window: tokens/s, TFLOP/s (counted over the band), peaks
+set -u
+if [ "${1:-}" = build ]; then
+    dest="${2:?usage: gpu-families.sh build DIR}"
+    set -e
+    bash "$(dirname "$0")/bundle.sh" "$dest" gpu_backend gpu_plan gpu_layer gpu_eval gpu_fsdp gpu_offload
+    cp "$0" "$dest/"
+    du -sh "$dest"
+    exit 0
+fi
+here="$(cd "$(dirname "$0")" && pwd)"
+bin="$here/bin"
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 UPIPE_KERNEL_CACHE=${UPIPE_KERNEL_CACHE:-/tmp/upipe-kernels}
+parts="${1:-tests interop}"
+work=/tmp/upipe-families
+mkdir -p "$work"
+declare -a table
+row() { table+=("$1"); echo "ROW $1"; }
+status=0
+{ date -u; nvidia-smi -L; } 2>&1
+
+if [[ " $parts " == *" tests "* ]]; then
+    for t in gpu_backend gpu_plan gpu_layer gpu_eval gpu_fsdp gpu_offload; do
+        [ -x "$bin/test-$t" ] || { row "test $t: not bundled"; continue; }
+        if "$bin/test-$t" --test-threads 1 > "$work/$t.log" 2>&1; then
+            row "test $t: $(grep -E '^test result' "$work/$t.log")"
+        else
+            status=1
+            row "test $t: FAILED"
+            grep -E "panicked|FAILED|failed" "$work/$t.log" | head -20
+        fi
+    done
+fi
+
+if [[ " $parts " == *" interop "* ]]; then
+    for check in check_families check_training_torch check_hf_roundtrip; do
+        [ -f "scripts/$check.py" ] || { row "$check: absent"; continue; }
+        python3 "scripts/$check.py" --upipe "$bin/upipe" > "$work/$check.log" 2>&1
+        rc=$?
+        grep -E "^(PASS|FAIL)" "$work/$check.log" | sed 's/^/  /'
+        [ $rc = 0 ] || { status=1; tail -15 "$work/$check.log" | sed 's/^/  | /'; }
+        row "$check: exit $rc, $(tail -1 "$work/$check.log")"
+    done
+fi
+
+# one training run's summary: median tokens/s of steps 2 on, TFLOP/s, peaks
+run_row() {
+    local label="$1" log="$2"
+    shift 2
+    "$@" --json > "$log" 2>&1 || { tail -5 "$log"; status=1; }
+    local out
+    out=$(python3 - "$log" "$label" <<'PY'
+import json, statistics, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+steps = [l for l in lines if "step" in l and "tokens_per_s" in l]
+if not steps:
+    print("ROW %s: no step line" % sys.argv[2]); sys.exit()
+later = steps[1:] or steps
+tps = statistics.median(s["tokens_per_s"] for s in later)
+tfl = statistics.median(s["tflops"] for s in later)
+s = steps[-1]
+gib = lambda b: "%.2f" % (b / 2**30) if b else "?"
+print("ROW %s: %.0f tok/s, %.0f TFLOP/s, peak %s GiB, predicted %s GiB, attn_frac %s" % (
+    sys.argv[2], tps, tfl, gib(s.get("peak_bytes")), gib(s.get("predicted_peak_bytes")),
+    s.get("attn_flop_fraction")))
+PY
+)
+    row "${out#ROW }"
+}
+
+corpus_of() {  # a text corpus holding at least $1 + 1 bytes
+    local data="$work/corpus-$1.txt"
+    [ -s "$data" ] && [ "$(stat -c %s "$data")" -gt "$1" ] && { echo "$data"; return; }
+    : > "$data"
+    while [ "$(stat -c %s "$data")" -le "$1" ]; do cat assets/corpus.txt >> "$data"; done
+    echo "$data"
+}
+
+if [[ " $parts " == *" ab "* ]]; then
+    runs=${AB_RUNS:-2}
+    for seq in 32768 131072; do
+        data=$(corpus_of "$seq")
+        flags=(train --device cuda --model llama3.2-1b --data "$data" --seq "$seq"
+               --steps "${AB_STEPS:-4}" --warmup 1 --attn upipe --ulysses 1 --ring 1)
+        [ "$seq" -gt 32768 ] && flags+=(--checkpoint)
+        for i in $(seq "$runs"); do
+            for b in upipe-old upipe; do
+                [ -x "$bin/$b" ] || continue
+                run_row "ab $b seq $seq run $i" "$work/ab-$b-$seq-$i.log" "$bin/$b" "${flags[@]}"
+            done
+        done
+    done
+fi
+
+if [[ " $parts " == *" window "* ]]; then
+    seq=${WIN_SEQ:-131072}
+    data=$(corpus_of "$seq")
+    for w in "${WINDOW:-4096}" none; do
+        dir="$work/mistral-1b-$w"
+        mkdir -p "$dir"
+        sw=$([ "$w" = none ] && echo null || echo "$w")
+        cat > "$dir/config.json" <<JSON
+{"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 128256,
+ "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+ "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+ "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+ "sliding_window": $sw, "tie_word_embeddings": true, "hidden_act": "silu",
+ "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+JSON
+        run_row "window $w seq $seq" "$work/window-$w.log" "$bin/upipe" train --device cuda \
+            --model "$dir" --data "$data" --seq "$seq" --steps 3 --warmup 1 --attn upipe \
+            --ulysses 1 --ring 1 --checkpoint
+        grep -m1 -iE "attention kernel|kernel:" "$work/window-$w.log" | sed 's/^/  /'
+    done
+fi
+
+echo
+echo "== summary"
+printf '%s\n' "${table[@]}"
+exit $status
