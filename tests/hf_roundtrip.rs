@@ -116,9 +116,7 @@ fn train(src: &Path, dst: &Path, steps: &str, lr: &str, more: &[&str]) -> std::p
         "local",
         "--seq",
         "32",
-        "--model",
-        s,
-        "--init-from",
+        "--init-from", // and no --model: the model is --init-from's
         s,
         "--steps",
         steps,

@@ -352,15 +352,22 @@ pub trait RunArgs: Sized {
     fn take_file(&mut self, file: &RunFile, given: &Given);
     /// The resolved flags as a run file.
     fn to_file(&self) -> RunFile;
+    /// Fills what follows from other flags when neither the command line
+    /// nor the run file (`None` without `--config`) gave it.
+    fn infer(&mut self, _file: Option<&RunFile>, _given: &Given) {}
 }
 
 /// `args` (parsed from the command line `m`) with the keys of its
 /// `--config` file taken for every flag the command line did not give.
 pub fn resolve<A: RunArgs>(mut args: A, m: &ArgMatches) -> Result<A> {
-    if let Some(path) = args.config_path() {
-        let file = load(path)?;
-        args.take_file(&file, &Given(m));
+    let file = match args.config_path() {
+        Some(path) => Some(load(path)?),
+        None => None,
+    };
+    if let Some(file) = &file {
+        args.take_file(file, &Given(m));
     }
+    args.infer(file.as_ref(), &Given(m));
     Ok(args)
 }
 

@@ -27,7 +27,7 @@ pub struct TrainArgs {
     /// every key, those left unset as comments saying what they do.
     #[arg(long)]
     pub print_config: bool,
-    /// Preset name (tiny, llama3.1-8b, llama3.2-1b, qwen3-8b, ...: see docs/checkpoints.md), config.json, or HF model dir.
+    /// Preset name (tiny, llama3.1-8b, llama3.2-1b, qwen3-8b, ...: see docs/checkpoints.md), config.json, or HF model dir (default: --init-from's model when given, else tiny).
     #[arg(long, default_value = "tiny")]
     pub model: String,
     /// Training data: a text file (tokenized with --tokenizer), or pre-tokenized
@@ -476,6 +476,14 @@ impl RunArgs for TrainArgs {
         let mut f = RunFile::default();
         self.put_keys(&mut f);
         f
+    }
+    /// `--init-from DIR` without `--model` trains DIR's model (its
+    /// config.json), not the default tiny one.
+    fn infer(&mut self, file: Option<&RunFile>, given: &Given) {
+        let model_set = given.has("model") || file.is_some_and(|f| f.model.model.is_some());
+        if let (false, Some(dir)) = (model_set, &self.init_from) {
+            self.model = dir.to_string_lossy().into_owned();
+        }
     }
 }
 
