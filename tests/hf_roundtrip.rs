@@ -356,3 +356,41 @@ fn bf16_checkpoints_over_several_files_resume_exactly() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// `--max-shard-size` splits the weight files as `save_pretrained` does,
+/// with the index, and gives back every tensor; a size it cannot read is
+/// an error naming the flag.
+#[test]
+fn max_shard_size_splits_the_weight_files() {
+    let (src, dst) = (temp("shard-src"), temp("shard-dst"));
+    source_model(&src);
+    ok(train(&src, &dst, "1", "0", &["--max-shard-size", "20KB"]));
+    let index = json_file(&dst.join("model.safetensors.index.json"));
+    let map = index["weight_map"].as_object().unwrap();
+    let files: std::collections::BTreeSet<&str> =
+        map.values().map(|f| f.as_str().unwrap()).collect();
+    assert!(files.len() > 1, "{files:?}");
+    let mut back = BTreeMap::new();
+    for f in &files {
+        let path = dst.join(f);
+        let size = std::fs::metadata(&path).unwrap().len();
+        let tensors = raw(&path);
+        // a file over the limit holds one tensor larger than the limit
+        assert!(
+            size <= 20_000 + 4096 || tensors.len() == 1,
+            "{f}: {size} bytes"
+        );
+        back.extend(tensors);
+    }
+    assert_eq!(back, raw(&src.join("model.safetensors")));
+    let bad = train(
+        &src,
+        &temp("shard-bad"),
+        "1",
+        "0",
+        &["--max-shard-size", "5 TX"],
+    );
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--max-shard-size"));
+    let _ = (std::fs::remove_dir_all(&src), std::fs::remove_dir_all(&dst));
+}

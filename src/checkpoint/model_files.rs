@@ -17,6 +17,34 @@ use std::path::Path;
 /// The largest weight file written by default (HF's default shard size, 5 GB).
 pub const FILE_BYTES: usize = 5_000_000_000;
 
+/// A file size as `--max-shard-size` and `save_pretrained`'s
+/// `max_shard_size` spell it: bytes (`5000000000`), or a number with a unit,
+/// decimal (`KB`, `MB`, `GB`) or binary (`KiB`, `MiB`, `GiB`): `5GB` is
+/// 5·10⁹ bytes, `2GiB` 2·2³⁰.
+pub fn parse_file_size(text: &str) -> Result<usize> {
+    const UNITS: [(&str, f64); 7] = [
+        ("KiB", 1024.0),
+        ("MiB", 1048576.0),
+        ("GiB", 1073741824.0),
+        ("KB", 1e3),
+        ("MB", 1e6),
+        ("GB", 1e9),
+        ("B", 1.0),
+    ];
+    let t = text.trim();
+    let (number, scale) = UNITS
+        .iter()
+        .find_map(|(u, f)| t.strip_suffix(u).map(|n| (n.trim(), *f)))
+        .unwrap_or((t, 1.0));
+    match number.parse::<f64>() {
+        Ok(n) if n.is_finite() && n * scale >= 1.0 && n * scale < 1e18 => Ok((n * scale) as usize),
+        _ => crate::config_err!(
+            "--max-shard-size {text:?}: give a size such as 5GB (HF's default), 500MB, 2GiB \
+             or a number of bytes"
+        ),
+    }
+}
+
 /// How a checkpoint stores its model's weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModelFiles {
@@ -139,6 +167,18 @@ pub fn read_model_files(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn file_sizes_read_as_hf_spells_them() {
+        assert_eq!(parse_file_size("5GB").unwrap(), 5_000_000_000);
+        assert_eq!(parse_file_size("500MB").unwrap(), 500_000_000);
+        assert_eq!(parse_file_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_file_size("1.5 KiB").unwrap(), 1536);
+        assert_eq!(parse_file_size("123").unwrap(), 123);
+        for bad in ["", "0", "-1GB", "5 GX", "GB", "inf"] {
+            assert!(parse_file_size(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn items_group_into_files_in_order() {

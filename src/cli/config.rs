@@ -113,6 +113,7 @@ pub struct CheckpointKeys {
     pub save_dir: Option<PathBuf>,
     pub save_every: Option<u32>,
     pub save_dtype: Option<String>,
+    pub max_shard_size: Option<String>,
     pub resume: Option<bool>,
     pub overwrite: Option<bool>,
 }

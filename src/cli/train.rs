@@ -229,7 +229,7 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
         grad_accum: a.grad_accum,
         fsdp: false,
         fsdp_replicas: 1,
-        max_file_bytes: crate::checkpoint::sharded::FILE_BYTES,
+        max_file_bytes: c.max_file_bytes,
         save_dtype: c.save_dtype,
         source_config: c.source_config.clone(),
         run_file: None,

@@ -127,6 +127,11 @@ pub struct TrainArgs {
     /// state, and the F32 masters a resume continues from, stay F32.
     #[arg(long, default_value = "auto")]
     pub save_dtype: String,
+    /// The largest weight file a checkpoint writes, as HF's `max_shard_size`
+    /// spells it (5GB, 500MB, 2GiB, bytes): past it the model is split into
+    /// `model-0000k-of-0000n.safetensors` files with their index.
+    #[arg(long, default_value = "5GB")]
+    pub max_shard_size: String,
     /// Checkpoint every N steps (0: at the end only).
     #[arg(long, default_value_t = 0)]
     pub save_every: u32,
@@ -256,6 +261,7 @@ impl TrainArgs {
         save_dir => checkpoint.save_dir,
         save_every => checkpoint.save_every,
         save_dtype => checkpoint.save_dtype,
+        max_shard_size => checkpoint.max_shard_size,
         resume => checkpoint.resume,
         overwrite => checkpoint.overwrite,
         skip_nonfinite => optim.skip_nonfinite,
@@ -330,6 +336,11 @@ impl TrainArgs {
             fsdp: for_key(k, "fsdp", self.fsdp.parse())?,
             model: for_key(k, "model", ModelConfig::resolve(&self.model))?,
             save_dtype: for_key(k, "save_dtype", self.save_dtype())?,
+            max_file_bytes: for_key(
+                k,
+                "max_shard_size",
+                crate::checkpoint::model_files::parse_file_size(&self.max_shard_size),
+            )?,
             source_config: for_key(k, "model", self.source_config())?,
         })
     }
@@ -499,6 +510,8 @@ pub struct Choices {
     pub model: ModelConfig,
     /// `--save-dtype`, `auto` resolved.
     pub save_dtype: SaveDtype,
+    /// `--max-shard-size` in bytes.
+    pub max_file_bytes: usize,
     /// The `config.json` a checkpoint keeps every field of.
     pub source_config: Option<Map<String, Value>>,
 }
