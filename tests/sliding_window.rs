@@ -296,3 +296,132 @@ fn the_planner_equals_the_ledger_with_a_window() {
         }
     }
 }
+
+/// A Mistral directory as transformers writes one (window 8, shorter than
+/// the sequence), saved by `upipe train --lr 0` on a zigzag ring: the same
+/// weights, and a `config.json` that keeps `sliding_window` and reads back
+/// to the same model; `upipe eval` of it gives one loss on `local`, a ring
+/// and USP, which the window changes.
+#[test]
+fn a_mistral_directory_round_trips_with_its_window() {
+    use upipe::checkpoint::{HostTensor, SaveDtype, load_hf_model, save_hf_model};
+    let temp = |name: &str| {
+        let d = std::env::temp_dir().join(format!("upipe-window-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    };
+    let (src, dst) = (temp("src"), temp("dst"));
+    let source = serde_json::json!({
+        "architectures": ["MistralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "initializer_range": 0.02,
+        "intermediate_size": 96,
+        "max_position_embeddings": 4096,
+        "model_type": "mistral",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "sliding_window": 8,
+        "tie_word_embeddings": false,
+        "dtype": "bfloat16",
+        "use_cache": true,
+        "vocab_size": 256
+    });
+    let cfg = ModelConfig::from_hf_json(&source.to_string()).unwrap();
+    assert_eq!((cfg.family, cfg.sliding_window), (Family::Mistral, Some(8)));
+    let mut rng = Rng::new(7);
+    let tensors: BTreeMap<String, HostTensor> = cfg
+        .hf_param_shapes()
+        .into_iter()
+        .map(|(name, shape)| {
+            let v = rng.normal_vec(shape.iter().product(), 0.05);
+            (name, HostTensor::new(shape, v).unwrap())
+        })
+        .collect();
+    save_hf_model(&src, &cfg, &tensors, SaveDtype::BF16).unwrap();
+    std::fs::write(src.join("config.json"), source.to_string()).unwrap();
+    let (s, d) = (src.to_str().unwrap(), dst.to_str().unwrap());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args([
+            "train", "--device", "cpu", "--attn", "ring", "--ring", "2", "--seq", "32",
+        ])
+        .args([
+            "--model",
+            s,
+            "--init-from",
+            s,
+            "--steps",
+            "1",
+            "--lr",
+            "0",
+            "--save-dir",
+            d,
+        ])
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "upipe train failed: {log}");
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dst.join("config.json")).unwrap()).unwrap();
+    for key in ["sliding_window", "model_type", "architectures", "head_dim"] {
+        assert_eq!(saved[key], source[key], "{key}");
+    }
+    assert_eq!(
+        ModelConfig::resolve(d).unwrap(),
+        ModelConfig::resolve(s).unwrap()
+    );
+    assert_eq!(
+        load_hf_model(&dst, &cfg).unwrap(),
+        load_hf_model(&src, &cfg).unwrap()
+    );
+    // `upipe eval` of the saved directory (65 tokens: one sequence of 64)
+    let ids: Vec<u8> = (0..65u32)
+        .flat_map(|i| ((i * 37 + 11) % 256).to_le_bytes())
+        .collect();
+    let tokens = dst.join("tokens.u32");
+    std::fs::write(&tokens, ids).unwrap();
+    let eval = |dir: &str, mesh: &[&str]| -> f64 {
+        let metrics = dst.join("eval.jsonl");
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_upipe"))
+            .args(["eval", "--device", "cpu", "--model-dir", dir])
+            .args(["--tokens", tokens.to_str().unwrap()])
+            .args(["--metrics", metrics.to_str().unwrap()])
+            .args(mesh)
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "upipe eval {mesh:?} failed: {log}");
+        let line = std::fs::read_to_string(&metrics).unwrap();
+        let v: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let local = eval(d, &["--attn", "local"]);
+    for mesh in [
+        &["--attn", "ring", "--ring", "4"][..],
+        &["--attn", "usp", "--ulysses", "2", "--ring", "2"][..],
+    ] {
+        let loss = eval(d, mesh);
+        assert!(
+            ((loss - local) / local).abs() <= 1e-5,
+            "{mesh:?}: {loss} vs {local}"
+        );
+    }
+    // the same weights without the window attend over the whole sequence
+    let mut full = saved.clone();
+    full["sliding_window"] = serde_json::Value::Null;
+    std::fs::write(dst.join("config.json"), full.to_string()).unwrap();
+    let unwindowed = eval(d, &["--attn", "local"]);
+    assert!(
+        (unwindowed - local).abs() > 1e-4,
+        "the window changed nothing"
+    );
+    let _ = std::fs::remove_dir_all(&src);
+    let _ = std::fs::remove_dir_all(&dst);
+}
