@@ -991,6 +991,7 @@ fn flash_documents_masks_match_cpu_and_naive() {
 /// tiles), a window composed with documents, and ring blocks of two runs of
 /// positions where whole tiles lie outside every row's window.
 #[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
 fn flash_sliding_windows_match_cpu_and_naive() {
     use upipe::backend::mask::{BoundedMask, RowPositions};
     let Some((f, n)) = flash_pair() else { return };
