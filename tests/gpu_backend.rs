@@ -985,6 +985,62 @@ fn flash_documents_masks_match_cpu_and_naive() {
     }
 }
 
+/// Sliding windows (Mistral's `sliding_window`) on the flash kernels (both
+/// head dims) against the CPU reference and the naive kernels: a window
+/// alone (lower bounds that move every row, within a tile and across
+/// tiles), a window composed with documents, and ring blocks of two runs of
+/// positions where whole tiles lie outside every row's window.
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
+fn flash_sliding_windows_match_cpu_and_naive() {
+    use upipe::backend::mask::{BoundedMask, RowPositions};
+    let Some((f, n)) = flash_pair() else { return };
+    if f.flash_functions().unwrap().is_none() {
+        eprintln!("SKIP flash windows: no flash kernels on {}", f.arch());
+        return;
+    }
+    let mut rng = Rng::new("flash sliding windows");
+    let alone = BoundedMask::documents(&[0], 600)
+        .unwrap()
+        .with_window(100)
+        .unwrap();
+    let with_docs = BoundedMask::documents(&[0, 1, 64, 200, 201, 450, 599], 600)
+        .unwrap()
+        .with_window(37)
+        .unwrap();
+    let ring_rows = RowPositions::two_runs(0..150, 450..600);
+    let cases: Vec<(BoundedMask, (usize, usize, usize))> = vec![
+        (alone.clone(), (4, 2, 64)),
+        (alone.clone(), (8, 2, 128)),
+        (with_docs.clone(), (4, 1, 128)),
+        (with_docs.with_rows(ring_rows, ring_rows), (4, 4, 64)),
+        (alone.with_rows(ring_rows, ring_rows), (4, 2, 128)),
+        (
+            alone.with_rows(
+                RowPositions::contiguous(300, 300),
+                RowPositions::contiguous(0, 300),
+            ),
+            (4, 2, 128),
+        ),
+    ];
+    for (mask, (hq, hkv, d)) in cases {
+        let (q, k) = mask.rows();
+        let mut p = AttnProblem::new(&mut rng, q.len(), k.len(), hq, hkv, d, false);
+        p.bounded = Some(AttnMask::Bounded(mask));
+        for grad_dt in [DType::F32, DType::BF16] {
+            let tag = format!("flash window {} grads={grad_dt:?}", p.tag());
+            let before = f.attention_calls();
+            compare_kernels(&tag, (f, n, "naive"), &p, grad_dt, &[0..p.sk]);
+            let after = f.attention_calls();
+            assert_eq!(
+                after.flash_fwd - before.flash_fwd,
+                1,
+                "{tag}: flash forward"
+            );
+        }
+    }
+}
+
 /// On compute capability 9.0 the backend loads the wgmma forward and runs it
 /// for head dim 128 (unless `UPIPE_FLASH_FWD=mma`); the mma.sync forward stays
 /// for head dim 64.

@@ -377,15 +377,16 @@ impl<B: Backend> CpAttention<B> {
     }
 
     /// Attends under `mask` from the next call on (a window's documents
-    /// change every window). A documents mask ([`AttnMask::Bounded`]) over
-    /// the plan's sequence also restarts RoPE's positions at each document:
+    /// change every window). A documents mask ([`AttnMask::Bounded`] of
+    /// several documents, with or without a sliding window) over the
+    /// plan's sequence also restarts RoPE's positions at each document:
     /// the tables are rewritten in place (no allocation; a rehearsal
     /// computes nothing).
     pub fn set_mask(&mut self, b: &B, mask: AttnMask) -> Result<()> {
         let seq = self.plan.layout.seq;
         let per_document = match &mask {
             AttnMask::Full | AttnMask::Causal => false,
-            AttnMask::Bounded(m) if m.seq() == seq && m.rows().0.len() == seq => true,
+            AttnMask::Bounded(m) if m.seq() == seq && m.rows().0.len() == seq => !m.one_document(),
             AttnMask::Bounded(m) => {
                 return crate::config_err!(
                     "a documents mask over {} positions for a sequence of {seq}; build it from \
@@ -397,7 +398,7 @@ impl<B: Backend> CpAttention<B> {
         if (per_document || self.rope_per_document) && !b.rehearsing() {
             let shard = self.plan.layout.ring_shard_positions(self.ring_rank);
             let positions: Vec<usize> = match &mask {
-                AttnMask::Bounded(m) => shard.iter().map(|&p| p - m.lo_at(p)).collect(),
+                AttnMask::Bounded(m) => shard.iter().map(|&p| p - m.doc_start_at(p)).collect(),
                 AttnMask::Full | AttnMask::Causal => shard,
             };
             self.rope

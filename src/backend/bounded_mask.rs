@@ -1,7 +1,7 @@
 //! [`BoundedMask`]: causal attention with a lower bound per query, the mask
-//! of packed documents (and, composed into the same bound, of sliding
-//! windows), and [`RowPositions`], which sequence positions a call's rows
-//! hold.
+//! of packed documents and of sliding windows (Mistral's `sliding_window`),
+//! composed into the same bound, and [`RowPositions`], which sequence
+//! positions a call's rows hold.
 
 use crate::error::{Error, Result};
 use std::ops::Range;
@@ -98,8 +98,10 @@ impl RowPositions {
 /// Causal attention with a lower bound per query: the query at sequence
 /// position `p` sees the keys at positions `lo(p)..=p`. For packed
 /// documents `lo(p)` is the start of `p`'s document (block-diagonal
-/// causal); a sliding window composes into the same bound,
-/// `lo(p) = max(document start, p − window + 1)`.
+/// causal); a sliding window of `w` composes into the same bound,
+/// `lo(p) = max(document start, p − w + 1)`: key `j` is visible to query
+/// `i` iff `doc_start(i) <= j <= i` and `i − j < w`, transformers'
+/// `sliding_window_causal_mask_function` (`kv_idx > q_idx − sliding_window`).
 ///
 /// The bound is kept per sequence position and shared (`Arc`); a call sees
 /// it through the positions of its query and key rows ([`RowPositions`]),
@@ -108,8 +110,10 @@ impl RowPositions {
 /// ([`slice`](Self::slice)).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct BoundedMask {
-    /// `[seq]` the first position each position sees: nondecreasing, `lo(p) <= p`.
-    lo: Arc<[u32]>,
+    /// `[seq]` the start of each position's document: nondecreasing, `<= p`.
+    starts: Arc<[u32]>,
+    /// The sliding window (keys per query, itself included), if any.
+    window: Option<u32>,
     /// Positions of the call's query rows.
     q: RowPositions,
     /// Positions of the call's key rows.
@@ -140,20 +144,58 @@ impl BoundedMask {
         }
         let all = RowPositions::contiguous(0, seq);
         Ok(BoundedMask {
-            lo: lo.into(),
+            starts: lo.into(),
+            window: None,
             q: all,
             k: all,
         })
     }
 
-    /// Positions in the sequence the bound is defined over.
-    pub fn seq(&self) -> usize {
-        self.lo.len()
+    /// This mask with a sliding window of `window` keys per query (itself
+    /// included) within its document; 0 is refused.
+    pub fn with_window(self, window: usize) -> Result<BoundedMask> {
+        if window == 0 {
+            return Err(Error::Config(
+                "a sliding window of 0 keys hides every key; use a sliding_window of at least 1 \
+                 (or null for none)"
+                    .into(),
+            ));
+        }
+        Ok(BoundedMask {
+            window: Some(u32::try_from(window).unwrap_or(u32::MAX)),
+            ..self
+        })
     }
 
-    /// The first position the query at sequence position `p` sees.
+    /// The sliding window, if the mask has one.
+    pub fn window(&self) -> Option<usize> {
+        self.window.map(|w| w as usize)
+    }
+
+    /// Whether the sequence is one document (positions run from 0 over it).
+    pub fn one_document(&self) -> bool {
+        self.starts.last().is_none_or(|&s| s == 0)
+    }
+
+    /// Positions in the sequence the bound is defined over.
+    pub fn seq(&self) -> usize {
+        self.starts.len()
+    }
+
+    /// The start of the document holding sequence position `p` (RoPE
+    /// counts positions from it).
+    pub fn doc_start_at(&self, p: usize) -> usize {
+        self.starts[p] as usize
+    }
+
+    /// The first position the query at sequence position `p` sees: its
+    /// document's start, or the window's first key if later.
     pub fn lo_at(&self, p: usize) -> usize {
-        self.lo[p] as usize
+        let start = self.starts[p] as usize;
+        match self.window {
+            None => start,
+            Some(w) => start.max((p + 1).saturating_sub(w as usize)),
+        }
     }
 
     /// Positions of the query rows and of the key rows.
@@ -165,7 +207,8 @@ impl BoundedMask {
     /// and `k`.
     pub fn with_rows(&self, q: RowPositions, k: RowPositions) -> BoundedMask {
         BoundedMask {
-            lo: self.lo.clone(),
+            starts: self.starts.clone(),
+            window: self.window,
             q,
             k,
         }
@@ -290,6 +333,105 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// transformers' sliding-window causal mask over documents, by its
+    /// definition: key `j` is visible to query `i` iff it is in `i`'s
+    /// document, not after `i`, and `i − j < window`.
+    fn brute_allows(starts: &[u32], window: usize, i: usize, j: usize) -> bool {
+        let doc = |p: usize| starts.iter().rposition(|&s| s as usize <= p).unwrap();
+        doc(i) == doc(j) && j <= i && i - j < window
+    }
+
+    /// Random ascending document starts from 0 inside `seq`.
+    fn random_starts(rng: &mut crate::rng::Rng, seq: usize) -> Vec<u32> {
+        let mut starts = vec![0u32];
+        for p in 1..seq {
+            if rng.below(5) == 0 {
+                starts.push(p as u32);
+            }
+        }
+        starts
+    }
+
+    /// The windowed mask equals the brute-force definition for every query
+    /// and key row, over lengths, windows (1, shorter than a document,
+    /// longer than the sequence), document starts, whole windows and the
+    /// zigzag ring's blocks (two runs of positions) and their slices; the
+    /// kernels' row bounds stay nondecreasing.
+    #[test]
+    fn windowed_mask_equals_brute_force() {
+        let mut rng = crate::rng::Rng::new(34);
+        for case in 0..120 {
+            let p = 1 + rng.below(4) as usize;
+            let half = 1 + rng.below(6) as usize;
+            let seq = 2 * p * half;
+            let window = match case % 4 {
+                0 => 1,
+                1 => seq + 3,
+                _ => 1 + rng.below(seq as u64) as usize,
+            };
+            let starts = if case % 3 == 0 {
+                vec![0]
+            } else {
+                random_starts(&mut rng, seq)
+            };
+            let m = BoundedMask::documents(&starts, seq)
+                .unwrap()
+                .with_window(window)
+                .unwrap();
+            assert_eq!(m.window(), Some(window));
+            let shard = |r: usize| {
+                if p == 1 {
+                    RowPositions::contiguous(0, seq)
+                } else {
+                    let j = 2 * p - 1 - r;
+                    RowPositions::two_runs(r * half..(r + 1) * half, j * half..(j + 1) * half)
+                }
+            };
+            let mut blocks = vec![m.clone()];
+            for i in 0..p {
+                for src in 0..p {
+                    let blk = m.with_rows(shard(i), shard(src));
+                    blocks.push(blk.slice(half.min(1)..2 * half, 0..half));
+                    blocks.push(blk);
+                }
+            }
+            for blk in blocks {
+                let (q, k) = blk.rows();
+                let (sq, sk) = (q.len(), k.len());
+                let bounds = blk.row_bounds();
+                let mut pairs = 0;
+                for r in 0..sq {
+                    let want: Vec<usize> = (0..sk)
+                        .filter(|&c| brute_allows(&starts, window, q.pos(r), k.pos(c)))
+                        .collect();
+                    let got: Vec<usize> = blk.visible_keys(r, sk).collect();
+                    assert_eq!(got, want, "case {case} row {r} of {blk:?}");
+                    pairs += want.len();
+                    if r > 0 {
+                        assert!(bounds[r] >= bounds[r - 1] && bounds[sq + r] >= bounds[sq + r - 1]);
+                    }
+                }
+                assert_eq!(blk.visible_pairs(), pairs);
+                assert_eq!(blk.hides_all(), pairs == 0);
+            }
+        }
+    }
+
+    /// RoPE counts from the document's start, not from the window's.
+    #[test]
+    fn a_window_bounds_keys_not_positions() {
+        let m = BoundedMask::documents(&[0, 10], 20)
+            .unwrap()
+            .with_window(4)
+            .unwrap();
+        assert_eq!((m.lo_at(8), m.doc_start_at(8)), (5, 0));
+        assert_eq!((m.lo_at(11), m.doc_start_at(11)), (10, 10));
+        assert_eq!((m.lo_at(19), m.doc_start_at(19)), (16, 10));
+        assert!(!m.one_document());
+        let e = BoundedMask::documents(&[0], 8).unwrap().with_window(0);
+        assert!(e.unwrap_err().to_string().contains("sliding window of 0"));
     }
 
     /// Rows in two runs see the keys whose positions the bound admits.

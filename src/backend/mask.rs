@@ -30,9 +30,9 @@ use std::ops::Range;
 ///   `lo(p)..=p`. Packed documents (block-diagonal causal, `lo` the
 ///   document's start); a sliding window (Mistral's `sliding_window`)
 ///   composes into the same bound, `lo(p) = max(document start, p −
-///   window + 1)`. The mask holds `lo` per sequence position and the
-///   positions of the call's rows, so a ring block's mask is the
-///   sequence's seen through the block's rows.
+///   window + 1)` ([`BoundedMask::with_window`]). The mask holds the
+///   bound per sequence position and the positions of the call's rows, so
+///   a ring block's mask is the sequence's seen through the block's rows.
 ///
 /// The CPU reference loops over [`visible_keys`](Self::visible_keys); a
 /// kernel that cannot run a variant refuses it where it is selected (its
@@ -125,12 +125,17 @@ impl AttnMask {
         }
     }
 
-    /// The mask's name in logs and tables: `full`, `causal`, `documents`.
+    /// The mask's name in logs and tables: `full`, `causal`, `documents`,
+    /// `sliding window`, `documents+window`.
     pub fn name(&self) -> &'static str {
         match self {
             AttnMask::Full => "full",
             AttnMask::Causal => "causal",
-            AttnMask::Bounded(_) => "documents",
+            AttnMask::Bounded(m) => match (m.window().is_some(), m.one_document()) {
+                (false, _) => "documents",
+                (true, true) => "sliding window",
+                (true, false) => "documents+window",
+            },
         }
     }
 }
@@ -207,6 +212,41 @@ mod tests {
         assert_eq!(two.flop_fraction(16), 0.25);
         assert_eq!(two.name(), "documents");
         assert!(two.allows(9, 8) && !two.allows(9, 7) && !two.allows(3, 4));
+    }
+
+    /// A sliding window of `w` over one document counts its band, by
+    /// formula: `Σ_p min(p + 1, w)` pairs, less the half diagonal; with
+    /// documents, each document's band.
+    #[test]
+    fn a_window_counts_its_band() {
+        let band = |s: usize, w: usize| match s <= w {
+            true => s * (s + 1) / 2,
+            false => w * (w + 1) / 2 + (s - w) * w,
+        };
+        for (s, w) in [
+            (16usize, 4usize),
+            (1000, 100),
+            (4096, 4096),
+            (100, 1),
+            (7, 9),
+        ] {
+            let m = BoundedMask::documents(&[0], s)
+                .unwrap()
+                .with_window(w)
+                .unwrap();
+            let m = AttnMask::Bounded(m);
+            let want = (band(s, w) as f64 - 0.5 * s as f64) / (s * s) as f64;
+            assert!((m.flop_fraction(s) - want).abs() < 1e-12, "s={s} w={w}");
+            assert_eq!(m.visible_pairs(s, s), band(s, w));
+            assert_eq!(m.name(), "sliding window");
+        }
+        let docs = BoundedMask::documents(&[0, 10], 30)
+            .unwrap()
+            .with_window(4)
+            .unwrap();
+        let docs = AttnMask::Bounded(docs);
+        assert_eq!(docs.visible_pairs(30, 30), band(10, 4) + band(20, 4));
+        assert_eq!(docs.name(), "documents+window");
     }
 
     #[test]

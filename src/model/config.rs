@@ -42,6 +42,10 @@ pub struct ModelConfig {
     pub tie_embeddings: bool,
     /// The longest context the model is configured for.
     pub max_position: usize,
+    /// Keys each query sees at most, itself included (`sliding_window`:
+    /// Mistral's 4096); `None` for full causal attention. Only a family
+    /// with a window reads one ([`Family::has_sliding_window`]).
+    pub sliding_window: Option<usize>,
 }
 
 /// Names of the built-in presets, in the order they are listed to users.
@@ -60,6 +64,9 @@ pub const PRESETS: &[&str] = &[
     "qwen3-8b",
     "qwen3-14b",
     "qwen3-32b",
+    "mistral-7b",
+    "mistral-7b-v0.3",
+    "mistral-nemo-12b",
 ];
 
 /// The most layers a model may have ([`ModelConfig::validate`]).
@@ -195,7 +202,24 @@ impl ModelConfig {
         if let Some(s) = &self.rope_scaling {
             self.validate_rope_scaling(s)?;
         }
-        Ok(())
+        self.validate_sliding_window()
+    }
+
+    /// A window of at least one key, on a family whose attention slides.
+    fn validate_sliding_window(&self) -> Result<()> {
+        match self.sliding_window {
+            None => Ok(()),
+            Some(_) if !self.family.has_sliding_window() => Err(self.err(format!(
+                "a sliding window on a {} model, whose attention does not slide; use a Mistral \
+                 config (model_type 'mistral') or no window",
+                self.family.name()
+            ))),
+            Some(0) => Err(self.err(
+                "sliding_window is 0, which hides every key; use at least 1 (or null for none)"
+                    .to_string(),
+            )),
+            Some(_) => Ok(()),
+        }
     }
 
     /// A model small enough to count: at most [`MAX_LAYERS`] layers (a
@@ -598,8 +622,8 @@ mod tests {
         assert!(config_error(&yarn).contains("rope_scaling type 'yarn'"));
         let no_hidden = LLAMA31_JSON.replace("\"hidden_size\"", "\"hidden\"");
         assert!(config_error(&no_hidden).contains("'hidden_size'"));
-        let mistral = LLAMA31_JSON.replace("\"llama\"", "\"mistral\"");
-        assert!(config_error(&mistral).contains("model_type 'mistral'"));
+        let gemma = LLAMA31_JSON.replace("\"llama\"", "\"gemma2\"");
+        assert!(config_error(&gemma).contains("model_type 'gemma2'"));
         let qwen2 = QWEN3_JSON.replace("\"qwen3\"", "\"qwen2\"");
         assert!(config_error(&qwen2).contains("biases"));
         let bias = LLAMA31_JSON.replace("\"attention_bias\": false", "\"attention_bias\": true");

@@ -232,15 +232,18 @@ impl<B: Backend> Decoder<B> {
         policy: MemoryPolicy,
     ) -> Result<Self> {
         policy.validate_for(cfg.layers)?;
-        let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh, super::WINDOW_MASK)?;
+        let mask = super::stream_mask(&cfg, plan.layout.seq)?;
+        let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh, mask)?;
         Ok(Decoder { cfg, policy, attn })
     }
 
     /// Attends under the mask of the next window, whose documents start at
     /// `doc_starts` (positions restart at each; `[0]`: one document), from
-    /// the next forward on.
+    /// the next forward on; the model's sliding window, if it has one,
+    /// bounds every query within its document.
     pub fn set_window(&mut self, b: &B, doc_starts: &[u32]) -> Result<()> {
-        let mask = super::window_mask(doc_starts, self.attn.plan.layout.seq)?;
+        let (seq, window) = (self.attn.plan.layout.seq, self.cfg.sliding_window);
+        let mask = super::window_mask(doc_starts, seq, window)?;
         self.attn.set_mask(b, mask)
     }
 

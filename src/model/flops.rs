@@ -12,7 +12,9 @@
 //! - causal attention: `Q·Kᵀ` and `P·V` are `2·S²·d` FLOPs each per head and
 //!   layer, times the mask's share of the `S²` scores
 //!   ([`AttnMask::flop_fraction`], ½ for the causal
-//!   [`WINDOW_MASK`](super::WINDOW_MASK)): **2·S²·H·d per layer forward**, and
+//!   [`WINDOW_MASK`](super::WINDOW_MASK); only the band of a model with a
+//!   sliding window, [`stream_mask`](super::stream_mask)): **2·S²·H·d per
+//!   layer forward** (causal), and
 //!   forward plus backward counted as 3.5 forwards (the backward's five
 //!   `S²` products, two of them recomputing the forward's): per token
 //!   `3.5 · 2·S·H·d · L = 7·S·H·d·L`.
@@ -20,7 +22,7 @@
 //! Training: `6·N + 7·L·S·H·d` per token. Forward only (`upipe eval`):
 //! `2·N + 2·L·S·H·d`.
 
-use super::{ModelConfig, WINDOW_MASK};
+use super::{ModelConfig, WINDOW_MASK, stream_mask};
 use crate::attention::AttnMask;
 
 /// Parameters that multiply activations (`N` in the module docs).
@@ -34,9 +36,12 @@ pub fn matmul_params(cfg: &ModelConfig) -> usize {
 }
 
 /// Attention FLOPs of one layer's forward over `seq` tokens under the
-/// window's mask: `4·S²·H·d` times its FLOP fraction (`2·S²·H·d` causal).
+/// mask of a stream window for `cfg` ([`stream_mask`]): `4·S²·H·d` times
+/// its FLOP fraction (`2·S²·H·d` causal; the band of a sliding window).
 pub fn attention_forward_flops(cfg: &ModelConfig, seq: usize) -> f64 {
-    masked_attention_forward_flops(cfg, seq, &WINDOW_MASK)
+    // a validated config's window is at least 1, so its mask exists
+    let mask = stream_mask(cfg, seq).unwrap_or(WINDOW_MASK);
+    masked_attention_forward_flops(cfg, seq, &mask)
 }
 
 /// Attention FLOPs of one layer's forward over `seq` tokens under `mask`:
@@ -58,6 +63,15 @@ pub fn train_flops_per_token(cfg: &ModelConfig, seq: usize) -> f64 {
 /// ([`AttnMask::flop_fraction`] of each window's mask).
 pub fn train_attention_flops_per_token(cfg: &ModelConfig, seq: usize) -> f64 {
     3.5 * cfg.layers as f64 * attention_forward_flops(cfg, seq) / seq.max(1) as f64
+}
+
+/// [`train_flops_per_token`] and its attention part as if every window
+/// were causal over the whole sequence (no sliding window either): the
+/// attention a step's `attn_flop_fraction` scales, over the causal ½.
+pub fn causal_train_flops_per_token(cfg: &ModelConfig, seq: usize) -> (f64, f64) {
+    let causal = masked_attention_forward_flops(cfg, seq, &WINDOW_MASK);
+    let attention = 3.5 * cfg.layers as f64 * causal / seq.max(1) as f64;
+    (6.0 * matmul_params(cfg) as f64 + attention, attention)
 }
 
 /// Model FLOPs per token of a forward pass over sequences of `seq` tokens:
@@ -96,6 +110,29 @@ mod tests {
         assert_eq!(causal, attention_forward_flops(&m, 4096));
         let full = masked_attention_forward_flops(&m, 4096, &AttnMask::Full);
         assert_eq!(full, 2.0 * causal);
+    }
+
+    /// Mistral-7B (window 4096) at 128K counts only the band:
+    /// `4·H·d · (w(w+1)/2 + (S−w)·w − S/2)` per layer forward, against the
+    /// causal count the metrics scale.
+    #[test]
+    fn a_sliding_window_counts_the_band() {
+        let m = ModelConfig::preset("mistral-7b").unwrap();
+        assert_eq!(m.sliding_window, Some(4096));
+        let (s, w, hd) = (131_072.0f64, 4096.0f64, 4096.0f64);
+        let band = w * (w + 1.0) / 2.0 + (s - w) * w - s / 2.0;
+        let got = attention_forward_flops(&m, 131_072);
+        assert!((got / (4.0 * hd * band) - 1.0).abs() < 1e-12, "{got}");
+        let (total, attention) = causal_train_flops_per_token(&m, 131_072);
+        assert_eq!(attention, 7.0 * s * hd * 32.0);
+        assert_eq!(total, 6.0 * matmul_params(&m) as f64 + attention);
+        assert!(train_flops_per_token(&m, 131_072) < total / 2.0);
+        // a window no shorter than the sequence hides nothing
+        let short = attention_forward_flops(&m, 4096);
+        assert_eq!(
+            short,
+            masked_attention_forward_flops(&m, 4096, &AttnMask::Causal)
+        );
     }
 
     #[test]

@@ -260,7 +260,10 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
         return crate::config_err!("the data-parallel degree must be at least 1");
     }
     let ab = spec.device.act_bytes();
-    let attn = attn_walk(&spec.plan, &attn_dims(&spec.model), spec.device, ring_rank);
+    let attn = AttnWalk {
+        window: spec.model.sliding_window,
+        ..attn_walk(&spec.plan, &attn_dims(&spec.model), spec.device, ring_rank)
+    };
     let mut sim = Sim::new();
     sim.label("resident");
     // Decoder::new: RoPE tables for the positions this rank attends over.

@@ -12,7 +12,7 @@ use crate::checkpoint::save_dir;
 use crate::cli::metrics::{MetricsFile, RunFacts, unix_now};
 use crate::cli::tensorboard::EventWriter;
 use crate::error::Result;
-use crate::model::flops::{train_attention_flops_per_token, train_flops_per_token};
+use crate::model::flops::causal_train_flops_per_token;
 use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, planned_host};
 
@@ -154,9 +154,13 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
     if let (Some(path), true) = (&run.cfg.trace, run.lead) {
         trace_file(path)?;
     }
+    // the causal counts, which each step's masks (documents, a sliding
+    // window) scale down to what they let the kernels compute
+    let (flops_per_token, attention_flops_per_token) =
+        causal_train_flops_per_token(&run.cfg.model, run.cfg.seq);
     let facts = RunFacts {
-        flops_per_token: train_flops_per_token(&run.cfg.model, run.cfg.seq),
-        attention_flops_per_token: train_attention_flops_per_token(&run.cfg.model, run.cfg.seq),
+        flops_per_token,
+        attention_flops_per_token,
         ranks: run.shape.world_size(),
         predicted: Some(predicted.clone()),
     };

@@ -69,6 +69,7 @@ pub(super) fn decoder_fields(obj: &Map<String, Value>, family: Family) -> Result
         rms_norm_eps: opt_f32(obj, "rms_norm_eps")?.unwrap_or(1e-6),
         tie_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
         max_position: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
+        sliding_window: None,
     })
 }
 
@@ -107,7 +108,7 @@ pub(in crate::model) fn to_hf_json(cfg: &ModelConfig) -> String {
         None => Value::Null,
         Some(s) => super::llama::rope_scaling_json(s),
     };
-    let value = json!({
+    let mut value = json!({
         "_name_or_path": cfg.name,
         "architectures": [cfg.family.architecture()],
         "model_type": cfg.family.model_type(),
@@ -127,6 +128,9 @@ pub(in crate::model) fn to_hf_json(cfg: &ModelConfig) -> String {
         "attention_bias": false,
         "mlp_bias": false,
     });
+    if cfg.family.has_sliding_window() {
+        value["sliding_window"] = json!(cfg.sliding_window);
+    }
     serde_json::to_string_pretty(&value).expect("a JSON value always serialises")
 }
 

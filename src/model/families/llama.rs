@@ -17,6 +17,15 @@ pub(super) const ARCHITECTURE: &str = "LlamaForCausalLM";
 /// A Llama `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
     hf::refuse_unimplemented(obj)?;
+    // Llama attends causally over the whole window: a window here would be
+    // silently dropped, so it is refused
+    if let Some(w) = obj.get("sliding_window").filter(|v| !v.is_null()) {
+        return Err(crate::Error::Config(format!(
+            "sliding_window is {w} in a Llama config.json; Llama attends over the whole window. \
+             For a sliding window use a Mistral config (model_type 'mistral'), or set \
+             sliding_window to null"
+        )));
+    }
     hf::decoder_fields(obj, Family::Llama)
 }
 
@@ -68,6 +77,7 @@ fn llama3(name: &str, hidden: usize, layers: usize, heads: usize, ffn: usize) ->
         rms_norm_eps: 1e-5,
         tie_embeddings: false,
         max_position: 131_072,
+        sliding_window: None,
     }
 }
 
@@ -92,6 +102,7 @@ pub(super) fn preset(name: &str) -> Option<ModelConfig> {
             rms_norm_eps: 1e-5,
             tie_embeddings: false,
             max_position: 1 << 20,
+            sliding_window: None,
         },
         "llama3-8b" => llama3(name, 4096, 32, 32, 14_336),
         "llama3-70b" => llama3(name, 8192, 80, 64, 28_672),

@@ -1,5 +1,5 @@
 //! Model families: one file per family of Hugging Face checkpoints upipe
-//! reads (`llama.rs`, `qwen3.rs`), behind one interface, [`Family`], that
+//! reads (`llama.rs`, `qwen3.rs`, `mistral.rs`), behind one interface, [`Family`], that
 //! the config, the decoder, the weights and checkpoint I/O ask:
 //!
 //! - its `config.json`: the `model_type` it answers to
@@ -9,9 +9,11 @@
 //! - its parameters: which a block has ([`Family::block_params`]) and their
 //!   HF names ([`Family::hf_name`]), the names `model/weights.rs` and the
 //!   checkpoint files use;
-//! - its quirks, as methods the decoder asks: [`Family::qk_norm`] (tied
-//!   embeddings are a checkpoint's `tie_word_embeddings`, read into
-//!   [`ModelConfig::tie_embeddings`] with the family's default);
+//! - its quirks, as methods the decoder asks: [`Family::qk_norm`],
+//!   [`Family::has_sliding_window`] (the window itself, and tied
+//!   embeddings, are a checkpoint's `sliding_window` and
+//!   `tie_word_embeddings`, read into [`ModelConfig::sliding_window`] and
+//!   [`ModelConfig::tie_embeddings`]);
 //! - its presets ([`Family::preset`]).
 //!
 //! A new family (`qwen2`: q/k/v biases and YaRN; `mistral`: a sliding
@@ -22,6 +24,7 @@
 
 mod hf;
 mod llama;
+mod mistral;
 pub(in crate::model) mod presets;
 mod qwen3;
 
@@ -40,10 +43,13 @@ pub enum Family {
     Llama,
     /// Qwen3 (`model_type` `qwen3`): per-head RMSNorm of q and k.
     Qwen3,
+    /// Mistral (`model_type` `mistral`): the Llama decoder with an optional
+    /// sliding window (`sliding_window`).
+    Mistral,
 }
 
 /// Every family upipe reads, in the order messages list them.
-pub const FAMILIES: &[Family] = &[Family::Llama, Family::Qwen3];
+pub const FAMILIES: &[Family] = &[Family::Llama, Family::Qwen3, Family::Mistral];
 
 /// `model_type`s of related families upipe does not read yet, with what
 /// their decoder needs that upipe's lacks.
@@ -58,6 +64,7 @@ impl Family {
         match self {
             Family::Llama => "Llama",
             Family::Qwen3 => "Qwen3",
+            Family::Mistral => "Mistral",
         }
     }
 
@@ -66,6 +73,7 @@ impl Family {
         match self {
             Family::Llama => llama::MODEL_TYPE,
             Family::Qwen3 => qwen3::MODEL_TYPE,
+            Family::Mistral => mistral::MODEL_TYPE,
         }
     }
 
@@ -74,6 +82,7 @@ impl Family {
         match self {
             Family::Llama => llama::ARCHITECTURE,
             Family::Qwen3 => qwen3::ARCHITECTURE,
+            Family::Mistral => mistral::ARCHITECTURE,
         }
     }
 
@@ -106,6 +115,7 @@ impl Family {
         match self {
             Family::Llama => llama::parse_hf(obj),
             Family::Qwen3 => qwen3::parse_hf(obj),
+            Family::Mistral => mistral::parse_hf(obj),
         }
     }
 
@@ -114,14 +124,24 @@ impl Family {
         match self {
             Family::Llama => llama::preset(name),
             Family::Qwen3 => qwen3::preset(name),
+            Family::Mistral => mistral::preset(name),
         }
     }
 
     /// Whether q and k are RMS-normalised per head before RoPE.
     pub fn qk_norm(self) -> bool {
         match self {
-            Family::Llama => false,
+            Family::Llama | Family::Mistral => false,
             Family::Qwen3 => true,
+        }
+    }
+
+    /// Whether its attention may slide (`sliding_window` in its
+    /// `config.json`); a family without one refuses a window there.
+    pub fn has_sliding_window(self) -> bool {
+        match self {
+            Family::Llama | Family::Qwen3 => false,
+            Family::Mistral => true,
         }
     }
 
@@ -129,7 +149,7 @@ impl Family {
     pub fn block_params(self) -> &'static [BlockParam] {
         use BlockParam::*;
         match self {
-            Family::Llama => &[AttnNorm, Wq, Wk, Wv, Wo, MlpNorm, Gate, Up, Down],
+            Family::Llama | Family::Mistral => &[AttnNorm, Wq, Wk, Wv, Wo, MlpNorm, Gate, Up, Down],
             Family::Qwen3 => &[
                 AttnNorm, Wq, Wk, Wv, Wo, QNorm, KNorm, MlpNorm, Gate, Up, Down,
             ],
@@ -141,7 +161,7 @@ impl Family {
     /// does; one that differs gets its own arm.
     pub fn hf_name(self, p: Param) -> String {
         match self {
-            Family::Llama | Family::Qwen3 => hf::llama_name(p),
+            Family::Llama | Family::Qwen3 | Family::Mistral => hf::llama_name(p),
         }
     }
 
@@ -149,7 +169,9 @@ impl Family {
     /// parameter (older versions saved each layer's RoPE frequencies).
     pub fn is_buffer(self, name: &str) -> bool {
         match self {
-            Family::Llama | Family::Qwen3 => name.ends_with(".rotary_emb.inv_freq"),
+            Family::Llama | Family::Qwen3 | Family::Mistral => {
+                name.ends_with(".rotary_emb.inv_freq")
+            }
         }
     }
 }
@@ -239,7 +261,7 @@ mod tests {
         );
         let e = Family::from_model_type("qwen2").unwrap_err().to_string();
         assert!(
-            e.contains("biases") && e.contains("use a Llama or Qwen3 checkpoint"),
+            e.contains("biases") && e.contains("use a Llama or Qwen3 or Mistral checkpoint"),
             "{e}"
         );
     }

@@ -17,6 +17,15 @@ const HF_PRESETS: &[(&str, &str)] = &[
     ("qwen3-8b", include_str!("presets/qwen3-8b.json")),
     ("qwen3-14b", include_str!("presets/qwen3-14b.json")),
     ("qwen3-32b", include_str!("presets/qwen3-32b.json")),
+    ("mistral-7b", include_str!("presets/mistral-7b-v0.1.json")),
+    (
+        "mistral-7b-v0.3",
+        include_str!("presets/mistral-7b-v0.3.json"),
+    ),
+    (
+        "mistral-nemo-12b",
+        include_str!("presets/mistral-nemo-base-2407.json"),
+    ),
 ];
 
 /// The published `config.json` of the preset called `name`, if it is one.

@@ -68,6 +68,10 @@ pub struct AttnWalk {
     pub cudnn: bool,
     /// This rank's ring index (ring blocks differ by rank).
     pub ring_rank: usize,
+    /// The model's sliding window (`ModelConfig::sliding_window`): the
+    /// sequence's mask is then its band ([`crate::model::stream_mask`]),
+    /// whose ring blocks outside every local query's window are skipped.
+    pub window: Option<usize>,
 }
 
 /// What the attention forward keeps (`AttnSaved`) and returns.
@@ -96,7 +100,34 @@ impl AttnWalk {
             flash_ws: false,
             cudnn: false,
             ring_rank: 0,
+            window: None,
         }
+    }
+
+    /// The mask of the whole sequence the engine attends under on a stream
+    /// window: causal, or the band of the model's sliding window.
+    fn seq_mask(&self) -> AttnMask {
+        let seq = self.sh.n * self.sh.pr;
+        crate::model::window_mask(&[0], seq, self.window).unwrap_or(WINDOW_MASK)
+    }
+
+    /// `ring::local_block_mask`: this rank's queries against its own keys.
+    fn local_block_mask(&self, seq_mask: &AttnMask) -> AttnMask {
+        match seq_mask {
+            AttnMask::Bounded(m) => {
+                let rows =
+                    crate::attention::ring::shard_rows(self.ring_rank, self.sh.pr, self.sh.n);
+                AttnMask::Bounded(m.with_rows(rows, rows))
+            }
+            AttnMask::Full | AttnMask::Causal => seq_mask.clone(),
+        }
+    }
+
+    /// `CudaBackend`'s upload of a bounded mask's row bounds (`[2·sq]`
+    /// 4-byte elements) for an attention call on our kernels.
+    fn mask_bounds(&self, sim: &mut Sim, sq: usize, mask: &AttnMask) -> Option<Buf> {
+        let bounded = matches!(mask, AttnMask::Bounded(_));
+        (self.flash_ws && bounded && sq > 0).then(|| sim.alloc(Workspace, 2 * sq * F32))
     }
 
     /// `CudaBackend::attention_fwd`: on cuDNN the call runs with the kept
@@ -117,6 +148,8 @@ impl AttnWalk {
             && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
         {
             sim.keep_at_least("cudnn workspace", Workspace, cudnn::kept_workspace_bytes(0));
+        } else if let Some(bounds) = self.mask_bounds(sim, sq, mask) {
+            sim.free(bounds);
         }
     }
 
@@ -173,10 +206,12 @@ impl AttnWalk {
             .filter(|&&(_, eb, _)| eb != F32)
             .map(|&(n, _, _)| sim.alloc(Workspace, n * F32))
             .collect();
+        let bounds = self.mask_bounds(sim, sq, mask);
         if self.flash_ws && flash::check_supported(sq, sk, hq, hkv, d, mask).is_ok() {
             let ws = sim.alloc(Workspace, flash::flash_bwd_workspace_bytes(sq, hq));
             sim.free(ws);
         }
+        bounds.into_iter().for_each(|t| sim.free(t));
         scratch.into_iter().for_each(|t| sim.free(t));
     }
 
@@ -189,7 +224,7 @@ impl AttnWalk {
             return true;
         }
         let (n, u, m, d) = (self.sh.n, self.sh.u, self.sh.m, self.sh.head_dim);
-        let shape = cudnn::dense_shape(n, n, u, m, d, WINDOW_MASK);
+        let shape = cudnn::dense_shape(n, n, u, m, d, self.seq_mask());
         self.cudnn && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, true).is_ok()
     }
 
@@ -324,7 +359,8 @@ impl AttnWalk {
             let copies = kv.map(|bytes| sim.alloc(Comm, bytes));
             self.pass_on(sim, kv, copies)
         });
-        self.attention_fwd(sim, n, n, u, m, &WINDOW_MASK);
+        let seq_mask = self.seq_mask();
+        self.attention_fwd(sim, n, n, u, m, &self.local_block_mask(&seq_mask));
         if p == 1 {
             return (o, lse);
         }
@@ -340,9 +376,11 @@ impl AttnWalk {
                 in_flight = Some(self.pass_on(sim, kv, arrived));
                 None
             };
-            let blk =
-                crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2, &WINDOW_MASK);
-            self.attention_fwd(sim, blk.q_rows.len(), blk.k_rows.len(), u, m, &blk.mask);
+            let blk = crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2, &seq_mask);
+            let (sq, sk) = (blk.q_rows.len(), blk.k_rows.len());
+            if !blk.mask.hides_all(sq, sk) {
+                self.attention_fwd(sim, sq, sk, u, m, &blk.mask);
+            }
             arrived.into_iter().flatten().for_each(|t| sim.free(t));
         }
         sim.free(o_blk);
@@ -354,8 +392,9 @@ impl AttnWalk {
     /// per element).
     fn ring_bwd(&self, sim: &mut Sim, k: Buf, v: Buf, dk: Buf, g: BwdGrads) {
         let (p, n, u, m) = (self.sh.pr, self.sh.n, self.sh.u, self.sh.m);
+        let seq_mask = self.seq_mask();
         if p == 1 {
-            self.attention_bwd(sim, n, n, u, m, &WINDOW_MASK, g);
+            self.attention_bwd(sim, n, n, u, m, &self.local_block_mask(&seq_mask), g);
             return;
         }
         let kv = [k.bytes, v.bytes];
@@ -369,9 +408,11 @@ impl AttnWalk {
             recv
         };
         let bwd = |sim: &mut Sim, step: usize| {
-            let blk =
-                crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2, &WINDOW_MASK);
+            let blk = crate::attention::ring::ring_block(self.ring_rank, step, p, n / 2, &seq_mask);
             let (sq, sk) = (blk.q_rows.len(), blk.k_rows.len());
+            if blk.mask.hides_all(sq, sk) {
+                return;
+            }
             let writes = AttnGradWrites {
                 dq: if step == 0 {
                     g.writes.dq
@@ -612,7 +653,8 @@ impl AttnWalk {
         let (k, _) = self.norm_rope(sim, k, false);
         let o = self.act(sim, Activations, numel(self.sh.saved_o()));
         let lse = sim.alloc(Activations, s * self.sh.heads * F32);
-        self.attention_fwd(sim, s, s, self.sh.heads, self.sh.kv_heads, &WINDOW_MASK);
+        let mask = self.seq_mask();
+        self.attention_fwd(sim, s, s, self.sh.heads, self.sh.kv_heads, &mask);
         sim.free(q);
         sim.free(k);
         sim.free(v);
@@ -634,7 +676,8 @@ impl AttnWalk {
         let dk = sim.alloc(Workspace, k.bytes / self.ab * F32);
         let dv = sim.alloc(Workspace, v.bytes / self.ab * F32);
         let (s, h, hkv) = (self.sh.s, self.sh.heads, self.sh.kv_heads);
-        self.attention_bwd(sim, s, s, h, hkv, &WINDOW_MASK, BwdGrads::F32_ADD);
+        let mask = self.seq_mask();
+        self.attention_bwd(sim, s, s, h, hkv, &mask, BwdGrads::F32_ADD);
         for b in [q, k, v, d_o, o] {
             sim.free(b);
         }

@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Model families against transformers itself, one section per family.
+
+Each section makes a small random model with transformers (its real config
+fields), saves it, and checks upipe on it: `upipe eval`'s f32 loss against
+transformers' f32 loss on the same tokens, and the `upipe train --lr 0`
+round trip (same tensors in the same dtype, config.json equal field for
+field, `from_pretrained` loads it with the same loss).
+
+Sections (`--family`, default all):
+
+- mistral: a MistralForCausalLM with a sliding window shorter than the
+  sequence (transformers' eager attention, which applies the window as a
+  mask): upipe eval on `local`, a zigzag ring and USP against transformers;
+  the same weights without the window give another loss in both (so the
+  window is really applied on each side); with `--cuda`, `upipe eval
+  --device cuda` (bf16, the flash kernels under the window's row bounds)
+  too, to bf16 tolerance.
+
+It prints one PASS/FAIL line per check and exits 1 if any failed. It needs
+torch, transformers and safetensors, and no network:
+
+    python3 scripts/check_families.py --upipe gpu-bundle/bin/upipe --cuda
+"""
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+import torch
+from safetensors import safe_open
+
+RESULTS = []
+
+
+# ---- shared by every section ----
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    RESULTS.append((name, bool(ok), detail))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+
+
+def transformers_major() -> int:
+    import transformers
+    return int(transformers.__version__.split(".")[0])
+
+
+def rope_kwargs(theta: float, scaling=None) -> dict:
+    """RoPE settings as this transformers takes them: `rope_parameters` from
+    version 5 on, `rope_theta` and `rope_scaling` before."""
+    if transformers_major() >= 5:
+        return {"rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta}}
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def write_tokens(root: str, ids: torch.Tensor) -> str:
+    path = os.path.join(root, "tokens.u32")
+    with open(path, "wb") as f:
+        f.write(struct.pack(f"<{ids.numel()}I", *ids.tolist()))
+    return path
+
+
+def tensors(d: str) -> dict:
+    """Every tensor of an HF directory's weight files, by name."""
+    index = os.path.join(d, "model.safetensors.index.json")
+    files = (sorted(set(json.load(open(index))["weight_map"].values()))
+             if os.path.exists(index) else ["model.safetensors"])
+    out = {}
+    for f in files:
+        with safe_open(os.path.join(d, f), "pt") as st:
+            for k in st.keys():
+                out[k] = st.get_tensor(k)
+    return out
+
+
+def upipe(binary: str, *args: str) -> None:
+    r = subprocess.run([binary, *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"upipe {' '.join(args)} failed:\n{r.stderr}")
+
+
+def upipe_loss(binary: str, d: str, tokens: str, root: str, *more: str) -> float:
+    """`upipe eval`'s loss of the whole token file as one sequence."""
+    metrics = os.path.join(root, "eval.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    upipe(binary, "eval", "--model-dir", d, "--tokens", tokens, "--metrics", metrics, *more)
+    with open(metrics) as f:
+        return json.loads(f.readline())["loss"]
+
+
+def hf_loss(d: str, ids: torch.Tensor, **overrides) -> tuple:
+    """transformers' f32 loss of `ids` as one sequence (eager attention,
+    which applies every mask the config asks for), and the dtype the
+    directory loads in."""
+    from transformers import AutoModelForCausalLM
+    stored = AutoModelForCausalLM.from_pretrained(d, dtype="auto").dtype
+    model = AutoModelForCausalLM.from_pretrained(
+        d, dtype=torch.float32, attn_implementation="eager", **overrides)
+    model.eval()
+    with torch.no_grad():
+        loss = model(input_ids=ids[None], labels=ids[None]).loss.item()
+    return loss, stored
+
+
+def close(name: str, ours: float, theirs: float, tol: float) -> None:
+    rel = abs(ours - theirs) / abs(theirs)
+    check(name, rel <= tol, f"{ours:.7f} vs {theirs:.7f} (rel {rel:.1e}, limit {tol:.0e})")
+
+
+def compare_faithful(kind: str, src: str, dst: str) -> None:
+    a, b = tensors(src), tensors(dst)
+    same = a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    check(f"{kind}: tensors bit-identical, same dtype", same, f"{len(a)} tensors")
+    ca = json.load(open(os.path.join(src, "config.json")))
+    cb = json.load(open(os.path.join(dst, "config.json")))
+    diff = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
+    check(f"{kind}: config.json equal field for field", not diff, f"differing: {diff}")
+
+
+# ---- mistral: a sliding window shorter than the sequence ----
+
+MISTRAL_SEQ = 128
+MISTRAL_WINDOW = 24
+MISTRAL_VOCAB = 512
+
+
+def mistral_source(root: str) -> str:
+    from transformers import MistralConfig, MistralForCausalLM
+    cfg = MistralConfig(
+        vocab_size=MISTRAL_VOCAB, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False,
+        sliding_window=MISTRAL_WINDOW, bos_token_id=1, eos_token_id=2,
+        attn_implementation="eager", **rope_kwargs(1000000.0))
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).to(torch.bfloat16)
+    src = os.path.join(root, "mistral-src")
+    model.save_pretrained(src)
+    saved = json.load(open(os.path.join(src, "config.json")))
+    check("mistral: transformers saved sliding_window", saved.get("sliding_window") == MISTRAL_WINDOW,
+          str(saved.get("sliding_window")))
+    return src
+
+
+def check_mistral(binary: str, root: str, cuda: bool) -> None:
+    torch.manual_seed(1)
+    ids = torch.randint(3, MISTRAL_VOCAB, (MISTRAL_SEQ + 1,))
+    tokens = write_tokens(root, ids)
+    src = mistral_source(root)
+    theirs, _ = hf_loss(src, ids)
+    full, _ = hf_loss(src, ids, sliding_window=None)
+    check("mistral: transformers' loss depends on the window", abs(full - theirs) > 1e-4,
+          f"windowed {theirs:.6f}, unwindowed {full:.6f}")
+    meshes = [("local", ["--attn", "local"]), ("ring 4", ["--attn", "ring", "--ring", "4"]),
+              ("usp 2x2", ["--attn", "usp", "--ulysses", "2", "--ring", "2"])]
+    for name, mesh in meshes:
+        ours = upipe_loss(binary, src, tokens, root, "--device", "cpu", *mesh)
+        close(f"mistral: upipe eval ({name}, f32) == transformers (f32)", ours, theirs, 1e-4)
+    dst = os.path.join(root, "mistral-lr0")
+    upipe(binary, "train", "--device", "cpu", "--attn", "ring", "--ring", "2",
+          "--seq", str(MISTRAL_SEQ), "--model", src, "--init-from", src, "--data", tokens,
+          "--steps", "1", "--lr", "0", "--warmup", "1", "--save-dir", dst)
+    compare_faithful("mistral", src, dst)
+    loaded, stored = hf_loss(dst, ids)
+    check("mistral lr 0: from_pretrained loads bfloat16", stored == torch.bfloat16, str(stored))
+    check("mistral lr 0: from_pretrained keeps the window",
+          json.load(open(os.path.join(dst, "config.json"))).get("sliding_window") == MISTRAL_WINDOW)
+    close("mistral lr 0: transformers' loss of the saved model", loaded, theirs, 1e-6)
+    ours = upipe_loss(binary, dst, tokens, root, "--device", "cpu", "--attn", "local")
+    close("mistral lr 0: upipe eval == transformers (f32)", ours, loaded, 1e-4)
+    unwindowed = os.path.join(root, "mistral-unwindowed")
+    shutil.copytree(src, unwindowed)
+    cfg = json.load(open(os.path.join(unwindowed, "config.json")))
+    cfg["sliding_window"] = None
+    json.dump(cfg, open(os.path.join(unwindowed, "config.json"), "w"))
+    ours = upipe_loss(binary, unwindowed, tokens, root, "--device", "cpu", "--attn", "local")
+    close("mistral without its window: upipe eval == transformers (f32)", ours, full, 1e-4)
+    if cuda:
+        for name, mesh in meshes[:2]:
+            ours = upipe_loss(binary, src, tokens, root, "--device", "cuda", *mesh)
+            close(f"mistral: upipe eval --device cuda ({name}, bf16) == transformers (f32)",
+                  ours, theirs, 2e-2)
+
+
+SECTIONS = {"mistral": check_mistral}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--upipe", default="target/release/upipe", help="the upipe binary")
+    ap.add_argument("--family", action="append", choices=sorted(SECTIONS),
+                    help="a section to run (repeatable; default: all)")
+    ap.add_argument("--cuda", action="store_true", help="also evaluate on the GPU (bf16)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="upipe-families-")
+    for family in args.family or sorted(SECTIONS):
+        work = os.path.join(root, family)
+        os.makedirs(work)
+        SECTIONS[family](args.upipe, work, args.cuda)
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    failed = [n for n, ok, _ in RESULTS if not ok]
+    print(f"\n{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
