@@ -185,3 +185,63 @@ fn training_step_prediction_matches_the_cuda_ledger() {
         );
     }
 }
+
+/// `Rehearsal<CudaBackend>` (`train --rehearse` on a GPU) allocates what a
+/// real step on the GPU allocates: the device and host peaks, by category,
+/// equal to the byte, on our kernels and on cuDNN.
+#[test]
+fn a_cuda_rehearsal_allocates_what_a_real_cuda_step_does() {
+    if !gpu_available() {
+        return;
+    }
+    let tokens: Arc<[u32]> = upipe::data::ByteTokenizer
+        .encode(upipe::data::CORPUS)
+        .into();
+    let model = ModelConfig::resolve("tiny").unwrap();
+    for kernel in [AttnKernel::Native, AttnKernel::Auto] {
+        for (offload, offload_optimizer, fsdp, save_attention) in
+            [(0, 0, false, 0), (2, 0, true, 1), (1, 4, false, 0)]
+        {
+            let policy = MemoryPolicy {
+                checkpoint: true,
+                offload,
+                offload_optimizer,
+                tiled_mlp: true,
+                loss_chunk: 256,
+                save_attention,
+            };
+            let cfg = TrainConfig {
+                strategy: Strategy::Upipe,
+                ulysses: 2,
+                ring: 2,
+                seed: 1,
+                policy,
+                fsdp,
+                ..TrainConfig::new(
+                    model.clone(),
+                    1024,
+                    2,
+                    AdamWConfig::schedule(3e-3, 3e-3, 0, 2),
+                )
+            };
+            let make = || cuda_with(kernel);
+            let real = train_threads(&cfg, tokens.clone(), make, &|_| {}).unwrap();
+            let rehearsed = TrainConfig {
+                rehearse: true,
+                ..cfg.clone()
+            };
+            let got = train_threads(&rehearsed, tokens.clone(), make, &|_| {}).unwrap();
+            let what = format!("{kernel:?} {policy:?} fsdp {fsdp}");
+            println!(
+                "gpu rehearsal {what}: rehearsed {} real {}, host {} vs {}",
+                got.memory.peak, real.memory.peak, got.memory.host_peak, real.memory.host_peak
+            );
+            assert_eq!(got.memory.peak, real.memory.peak, "{what}");
+            assert_eq!(got.memory.host_peak, real.memory.host_peak, "{what}");
+            assert_eq!(
+                got.memory.at_peak_by_category, real.memory.at_peak_by_category,
+                "{what}"
+            );
+        }
+    }
+}

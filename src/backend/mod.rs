@@ -15,6 +15,7 @@ pub mod host_adamw;
 pub mod mask;
 pub mod memory;
 pub mod profile;
+pub mod rehearsal;
 pub mod tensor;
 
 pub use mask::{AttnMask, BoundedMask, RowPositions};
@@ -91,16 +92,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Element type of activations and compute copies of weights.
     fn compute_dtype(&self) -> DType;
 
-    /// Turns rehearsal on or off (`upipe train --rehearse`): while on, every
-    /// allocation happens exactly as it would (same sizes, same order, same
-    /// ledger records, and on devices the same pools, plans and workspaces),
-    /// but ops only check their arguments and return without computing or
-    /// launching anything; buffers keep whatever they held. Host reads
-    /// (`to_host`, `sum_squares`) return zeros. Set before the first
-    /// allocation of the workload it rehearses.
-    fn set_rehearse(&self, on: bool);
-    /// Whether ops are rehearsed (see [`set_rehearse`](Backend::set_rehearse)).
-    fn rehearsing(&self) -> bool;
+    /// Whether this backend is a rehearsal ([`rehearsal::Rehearsal`], `upipe
+    /// train --rehearse` and the memory planner): it allocates exactly what
+    /// its device would and computes nothing, its host reads (`to_host`,
+    /// `sum_squares`) return zeros and its tensors have no host view. The one
+    /// question the layers above ask of a rehearsal, and only where they
+    /// would otherwise read or write host data (initial weights, RoPE
+    /// tables, token ids, counted targets, the host optimizer); ops and
+    /// collectives never ask it. False for every real backend.
+    fn rehearsing(&self) -> bool {
+        false
+    }
     /// The most bytes the device allocator held from the device (its reserved
     /// high-water, fragmentation included) since the last reset; `None`
     /// where there is no pool beside the ledger (the CPU).

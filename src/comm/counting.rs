@@ -1,9 +1,12 @@
-//! A process group of one rank standing for all of them: its collectives
-//! check their buffers as the real ones do and move nothing, and allocate
-//! what the real ones allocate (nothing beyond the caller's buffers: the
-//! rehearsal of `local.rs` and `nccl/group.rs` takes nothing either, and the
-//! exchange window is off, `exchange_buffer` is `None`). With a
-//! [`CountingBackend`](crate::backend::counting::CountingBackend) it lets
+//! A rehearsal's process groups: a group of one rank standing for all of
+//! them, whose collectives check their buffers as the real ones do and move
+//! nothing, and allocate what the real ones allocate (nothing beyond the
+//! caller's buffers; the exchange window is off, `exchange_buffer` is
+//! `None`, so every exchange buffer comes from the backend as the planner
+//! predicts). The local and NCCL groups hold no rehearsal code: a rehearsal
+//! runs on these instead (`train::trainer`, with the rank's backend in a
+//! [`Rehearsal`](crate::backend::rehearsal::Rehearsal)), and with a
+//! [`CountingBackend`](crate::backend::counting::CountingBackend) they let
 //! one rank run the engine's step alone, as the memory planner does
 //! (`plan::engine`): no other rank is waited for.
 

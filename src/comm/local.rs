@@ -225,17 +225,8 @@ impl<B: Backend> LocalGroup<B> {
         self.world
             .take(self.tag, self.members[from], self.members[self.me])
     }
-    /// Whether the backend rehearses (`Backend::set_rehearse`): then every
-    /// message is empty and nothing is copied, but the messages still pair
-    /// the ranks' collectives as they would.
-    fn rehearsing(&self) -> bool {
-        self.backend.rehearsing()
-    }
-    /// A host copy of `t` to send (empty when rehearsing).
+    /// A host copy of `t` to send.
     fn host(&self, t: &Tensor<B>) -> Result<Vec<f32>> {
-        if self.rehearsing() {
-            return Ok(Vec::new());
-        }
         self.backend.to_host(t)
     }
     /// Sends `host`'s chunk `j` of `n` elements to every rank `j`.
@@ -245,20 +236,13 @@ impl<B: Backend> LocalGroup<B> {
             self.send(j, chunk.to_vec());
         }
     }
-    /// Writes the received `data` into `t` (nothing when rehearsing).
+    /// Writes the received `data` into `t`.
     fn put(&self, t: &mut Tensor<B>, data: &[f32]) -> Result<()> {
-        if self.rehearsing() {
-            return Ok(());
-        }
         self.backend.upload(t, data)
     }
     /// The sum of one message from every rank, in rank order.
     fn sum_from_all(&self, n: usize) -> Result<Vec<f32>> {
-        let mut acc = if self.rehearsing() {
-            Vec::new()
-        } else {
-            vec![0.0f32; n]
-        };
+        let mut acc = vec![0.0f32; n];
         for j in 0..self.size() {
             for (a, b) in acc.iter_mut().zip(self.recv(j)?) {
                 *a += b;
@@ -294,7 +278,7 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
             ));
         }
         self.scatter(&self.host(send)?, n);
-        let mut out = Vec::with_capacity(if self.rehearsing() { 0 } else { send.numel() });
+        let mut out = Vec::with_capacity(send.numel());
         for j in 0..self.size() {
             out.extend(self.recv(j)?);
         }
@@ -311,7 +295,7 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
         for j in 0..self.size() {
             self.send(j, host.clone());
         }
-        let mut out = Vec::with_capacity(if self.rehearsing() { 0 } else { recv.numel() });
+        let mut out = Vec::with_capacity(recv.numel());
         for j in 0..self.size() {
             out.extend(self.recv(j)?);
         }
@@ -351,9 +335,6 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
     ) -> Result<()> {
         self.send(to, self.host(send)?);
         let got = self.recv(from)?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         if got.len() != recv.numel() {
             return Err(Error::Comm(format!(
                 "send_recv: expected {} elements from rank {from}, got {}",

@@ -97,7 +97,7 @@ impl<B: Backend> BlockWeights<B> {
 
 impl<B: Backend> ModelWeights<B> {
     /// Builds every tensor from `init(hf_name, shape)`; a rehearsing
-    /// backend (`Backend::set_rehearse`) allocates them unwritten, and
+    /// backend (`Backend::rehearsing`) allocates them unwritten, and
     /// `init` is not called.
     pub fn build(
         b: &B,

@@ -78,8 +78,10 @@ pub struct TrainConfig {
     /// needs `profile`).
     pub trace: Option<PathBuf>,
     /// Rehearse two steps instead of training (`upipe train --rehearse`):
-    /// every rank's backend allocates what the step allocates, in the same
-    /// order, and computes nothing (`Backend::set_rehearse`); the weights
+    /// every rank's device, wrapped in a `backend::rehearsal::Rehearsal`,
+    /// allocates what the step allocates, in the same order, and computes
+    /// nothing (`train::trainer::train_threads`, `train_process_rank`;
+    /// `rehearse_rank` on a backend that already rehearses); the weights
     /// are allocated unwritten, two steps run whatever `steps` says, and
     /// the reports carry no loss or gradient norm (NaN).
     pub rehearse: bool,

@@ -3,6 +3,9 @@
 //! by AdamW identically everywhere. Ranks are threads of one process
 //! ([`train_threads`]: CPU, or GPUs with host-copy exchanges) or one process
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
+//! A rehearsal (`TrainConfig::rehearse`) runs that loop on the rank's device
+//! wrapped in a [`Rehearsal`] and on rehearsing process groups
+//! (`comm::counting`): the real allocators, nothing computed or moved.
 
 pub use super::config::TrainConfig;
 use super::eval::{EvalConfig, EvalReport, eval_on_mesh};
@@ -15,10 +18,12 @@ use super::step_windows::{RankWindow, draw_step, step_counted};
 use crate::attention::CpPlan;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::profile::ClassTotals;
+use crate::backend::rehearsal::{Rehearsable, Rehearsal};
 use crate::backend::{Backend, Category, DType, MemoryStats};
 use crate::checkpoint::HostTensor;
 use crate::checkpoint::carried::carry_files;
 use crate::checkpoint::hf_config::checkpoint_config;
+use crate::comm::counting::counting_mesh;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
@@ -119,8 +124,10 @@ pub fn train_cpu(
     train_threads(cfg, data, CpuBackend::new, on_step)
 }
 
-/// Trains with ranks as threads, each on a backend from `make_backend`.
-pub fn train_threads<B: Backend>(
+/// Trains with ranks as threads, each on a backend from `make_backend`
+/// (a rehearsal: each rank's backend in a [`Rehearsal`], its groups
+/// rehearsing ones).
+pub fn train_threads<B: Backend + Rehearsable>(
     cfg: &TrainConfig,
     data: impl Into<Dataset>,
     make_backend: impl Fn() -> B + Sync,
@@ -131,8 +138,12 @@ pub fn train_threads<B: Backend>(
     let _held = cfg.take_save_dir()?;
     crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
-    let out = run_ranks(shape, make_backend, |rank, b, mesh| {
-        run_rank(cfg, &plan, data.clone(), b.as_ref(), &mesh, rank, on_step)
+    let out = run_ranks(shape, make_backend, |rank, b, mesh| match cfg.rehearse {
+        true => {
+            let (b, mesh) = (Rehearsal::on(b), counting_mesh(shape, rank));
+            run_rank(cfg, &plan, data.clone(), &b, &mesh, rank, on_step)
+        }
+        false => run_rank(cfg, &plan, data.clone(), b.as_ref(), &mesh, rank, on_step),
     })?;
     let (reports, memory, reserved_peak) = out.into_iter().next().expect("at least one rank");
     Ok(TrainSummary {
@@ -149,6 +160,8 @@ pub fn train_threads<B: Backend>(
 /// returns the same reports (those [`train_threads`] returns); `on_step` runs
 /// on rank 0 only, and only rank 0 writes checkpoints. The caller has taken
 /// the save directory ([`TrainConfig::take_save_dir`]) before any rank runs.
+/// A rehearsal runs on a rehearsing `b` and `mesh` ([`Rehearsal`],
+/// `comm::counting`).
 pub fn train_on_mesh<B: Backend>(
     cfg: &TrainConfig,
     data: impl Into<Dataset>,
@@ -199,7 +212,14 @@ pub fn train_process_rank(
     let shape = cfg.mesh_shape(&plan);
     let decided = cfg.decided_flags();
     let rank = ProcessRank::join("train", env, shape, kernel, cfg.host_budget, &decided)?;
-    train_on_mesh(cfg, data, rank.backend.as_ref(), &rank.mesh, on_step)
+    match cfg.rehearse {
+        true => {
+            let b = Rehearsal::on(rank.backend.clone());
+            let mesh = counting_mesh(shape, rank.mesh.rank);
+            train_on_mesh(cfg, data, &b, &mesh, on_step)
+        }
+        false => train_on_mesh(cfg, data, rank.backend.as_ref(), &rank.mesh, on_step),
+    }
 }
 
 /// Evaluates ([`eval_on_mesh`]) as one process rank of a multi-GPU run started by `upipe
@@ -274,9 +294,10 @@ impl ProcessRank {
 }
 
 /// Rehearses `cfg` under `plan` (two steps, nothing computed: the
-/// `--rehearse` loop) as rank `mesh.rank` on `b`, alone when `mesh`'s groups
-/// wait for no one (`comm::counting`), and returns the rank's ledger. The
-/// memory planner's engine path (`plan::engine`) runs it on a counting backend.
+/// `--rehearse` loop) as rank `mesh.rank` on `b`, a rehearsing backend
+/// ([`Rehearsal`]), alone when `mesh`'s groups wait for no one
+/// (`comm::counting`), and returns the rank's ledger. The memory planner's
+/// engine path (`plan::engine`) runs it on a counting backend.
 pub fn rehearse_rank<B: Backend>(
     cfg: &TrainConfig,
     plan: &CpPlan,
@@ -316,8 +337,14 @@ fn run_rank<B: Backend>(
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<RankOutcome> {
     eval_during::check(cfg)?;
-    // before the first allocation: the rehearsal allocates all of them
-    b.set_rehearse(cfg.rehearse);
+    if cfg.rehearse != b.rehearsing() {
+        return Err(Error::Backend(format!(
+            "a rehearsal runs on a rehearsing backend (`Rehearsal`) and nothing else does: \
+             rehearse={} on {}",
+            cfg.rehearse,
+            b.name()
+        )));
+    }
     b.ledger().enter("resident");
     let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
     let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {

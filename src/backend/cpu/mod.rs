@@ -12,7 +12,6 @@ use rayon::prelude::*;
 mod attention;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Host storage of a CPU tensor.
 pub struct CpuStorage(Vec<f32>);
@@ -22,9 +21,6 @@ pub struct CpuBackend {
     ledger: Arc<MemoryLedger>,
     /// Host wall-clock time of each op, once enabled (`--profile`).
     profile: HostProfile,
-    /// Ops check their arguments and return (`Backend::set_rehearse`);
-    /// buffers are zeroed pages the kernel maps only when written.
-    rehearse: AtomicBool,
 }
 
 impl Default for CpuBackend {
@@ -38,13 +34,13 @@ impl CpuBackend {
         CpuBackend {
             ledger: Arc::new(MemoryLedger::new()),
             profile: HostProfile::default(),
-            rehearse: AtomicBool::new(false),
         }
     }
 
     /// `n` zeros, or an out-of-memory error: a zeroed allocation (calloc)
     /// whose untouched pages cost no memory, so a rehearsal of a model
-    /// larger than the host's memory allocates all of it without using it.
+    /// larger than the host's memory allocates all of it without using it
+    /// (`Rehearsable::alloc_unwritten`).
     fn lazy_zeros(&self, n: usize) -> Result<Vec<f32>> {
         if n == 0 {
             return Ok(Vec::new());
@@ -61,11 +57,8 @@ impl CpuBackend {
         Ok(unsafe { Vec::from_raw_parts(p, n, n) })
     }
 
-    fn storage(&self, n: usize, fill: f32) -> Result<CpuStorage> {
-        if self.rehearsing() {
-            return Ok(CpuStorage(self.lazy_zeros(n)?));
-        }
-        Ok(CpuStorage(vec![fill; n]))
+    fn storage(&self, n: usize, fill: f32) -> CpuStorage {
+        CpuStorage(vec![fill; n])
     }
 }
 
@@ -101,19 +94,13 @@ impl Backend for CpuBackend {
     fn compute_dtype(&self) -> DType {
         DType::F32
     }
-    fn set_rehearse(&self, on: bool) {
-        self.rehearse.store(on, Ordering::Relaxed);
-    }
-    fn rehearsing(&self) -> bool {
-        self.rehearse.load(Ordering::Relaxed)
-    }
 
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
         let _span = self.profile.span("memset", Track::Compute);
         check_f32(dtype)?;
         let n = shape.iter().product();
         Ok(Tensor::from_parts(
-            self.storage(n, 0.0)?,
+            self.storage(n, 0.0),
             shape,
             dtype,
             cat,
@@ -125,7 +112,7 @@ impl Backend for CpuBackend {
         check_f32(dtype)?;
         let n = shape.iter().product();
         Ok(Tensor::from_parts(
-            self.storage(n, f32::NAN)?,
+            self.storage(n, f32::NAN),
             shape,
             dtype,
             cat,
@@ -148,11 +135,7 @@ impl Backend for CpuBackend {
                 host.len()
             )));
         }
-        let storage = if self.rehearsing() {
-            self.storage(host.len(), 0.0)?
-        } else {
-            CpuStorage(host.to_vec())
-        };
+        let storage = CpuStorage(host.to_vec());
         Ok(Tensor::from_parts(
             storage,
             shape,
@@ -171,17 +154,12 @@ impl Backend for CpuBackend {
                 t.shape()
             )));
         }
-        if !self.rehearsing() {
-            data_mut(t).copy_from_slice(host);
-        }
+        data_mut(t).copy_from_slice(host);
         Ok(())
     }
 
     fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>> {
         let _span = self.profile.span("download", Track::Compute);
-        if self.rehearsing() {
-            return self.lazy_zeros(t.numel());
-        }
         Ok(data(t).to_vec())
     }
 
@@ -221,9 +199,6 @@ impl Backend for CpuBackend {
                 "gemm shapes: c {:?} = a {:?} @ b {:?}",
                 c.l, a.l, b.l
             )));
-        }
-        if self.rehearsing() {
-            return Ok(());
         }
         let (rsa, csa) = a.l.strides();
         let (rsb, csb) = b.l.strides();
@@ -276,9 +251,6 @@ impl Backend for CpuBackend {
                 dst.l, src.l
             )));
         }
-        if self.rehearsing() {
-            return Ok(());
-        }
         let (rsd, csd) = dst.l.strides();
         let (rss, css) = src.l.strides();
         let s = data(src.t);
@@ -298,9 +270,6 @@ impl Backend for CpuBackend {
 
     fn fill(&self, t: &mut Tensor<Self>, value: f32) -> Result<()> {
         let _span = self.profile.span("fill", Track::Compute);
-        if self.rehearsing() {
-            return Ok(());
-        }
         data_mut(t).fill(value);
         Ok(())
     }
@@ -308,9 +277,6 @@ impl Backend for CpuBackend {
     fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()> {
         let _span = self.profile.span("axpy", Track::Compute);
         check_same_numel(y, x, "axpy")?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         for (a, b) in data_mut(y).iter_mut().zip(data(x)) {
             *a += alpha * b;
         }
@@ -319,9 +285,6 @@ impl Backend for CpuBackend {
 
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
         let _span = self.profile.span("sum_squares", Track::Compute);
-        if self.rehearsing() {
-            return Ok(0.0);
-        }
         Ok(data(t).iter().map(|&x| (x as f64) * (x as f64)).sum())
     }
 
@@ -334,9 +297,6 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm", Track::Compute);
         check_same_numel(x, y, "rms_norm_fwd")?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         let dim = w.numel();
         let (xs, ws) = (data(x), data(w));
         data_mut(y)
@@ -363,9 +323,6 @@ impl Backend for CpuBackend {
         let _span = self.profile.span("rms_norm_bwd", Track::Compute);
         check_same_numel(x, dy, "rms_norm_bwd")?;
         check_same_numel(x, dx, "rms_norm_bwd")?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         let dim = w.numel();
         let (xs, ws, dys) = (data(x), data(w), data(dy));
         let dwv = data_mut(dw);
@@ -402,9 +359,6 @@ impl Backend for CpuBackend {
                 cos.shape()
             )));
         }
-        if self.rehearsing() {
-            return Ok(());
-        }
         let (cs, ss) = (data(cos), data(sin));
         let sign = if inverse { -1.0 } else { 1.0 };
         let row = x.row_len();
@@ -436,9 +390,6 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let _span = self.profile.span("attention_fwd", Track::Compute);
         let g = attention::geometry(&q, &k, mask)?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         attention::forward(&g, q, k, v, mask, o, lse);
         Ok(())
     }
@@ -459,9 +410,6 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let _span = self.profile.span("attention_bwd", Track::Compute);
         let g = attention::geometry(&q, &k, mask)?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         let grads = attention::grads_by_kv_head(&g, [q, k, v, o, d_o, lse], mask);
         attention::write_grads(&g, &grads, [dq, dk, dv], writes);
         Ok(())
@@ -478,9 +426,6 @@ impl Backend for CpuBackend {
         if o_acc.len() != o_blk.len() || o_blk.heads() != o_acc.heads() {
             return Err(Error::Backend("lse_merge: block shapes differ".into()));
         }
-        if self.rehearsing() {
-            return Ok(());
-        }
         attention::lse_merge(o_acc, lse_acc, o_blk, lse_blk);
         Ok(())
     }
@@ -494,9 +439,6 @@ impl Backend for CpuBackend {
         let _span = self.profile.span("swiglu", Track::Compute);
         check_same_numel(gate, up, "swiglu_fwd")?;
         check_same_numel(gate, out, "swiglu_fwd")?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         let (g, u) = (data(gate), data(up));
         data_mut(out)
             .par_iter_mut()
@@ -515,9 +457,6 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let _span = self.profile.span("swiglu_bwd", Track::Compute);
         check_same_numel(gate, dout, "swiglu_bwd")?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         let (g, u, dy) = (data(gate), data(up), data(dout));
         data_mut(dgate)
             .par_iter_mut()
@@ -546,9 +485,6 @@ impl Backend for CpuBackend {
             ));
         }
         super::check_token_ids(ids, vocab)?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         let t = data(table);
         for (row, &id) in data_mut(out).chunks_mut(h).zip(ids) {
             let id = id as usize;
@@ -566,9 +502,6 @@ impl Backend for CpuBackend {
         let _span = self.profile.span("embedding_bwd", Track::Compute);
         let h = dtable.row_len();
         super::check_token_ids(ids, dtable.rows())?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         let dy = data(dout);
         let dt = data_mut(dtable);
         for (row, &id) in dy.chunks(h).zip(ids) {
@@ -593,9 +526,6 @@ impl Backend for CpuBackend {
             return Err(Error::Backend(
                 "cross_entropy: one target per logits row".into(),
             ));
-        }
-        if self.rehearsing() {
-            return Ok(());
         }
         let losses: Vec<f64> = data_mut(logits)
             .par_chunks_mut(v)
@@ -642,9 +572,6 @@ impl Backend for CpuBackend {
         check_same_numel(param, m, "adamw")?;
         check_same_numel(param, v, "adamw")?;
         super::check_elems(&elems, param.numel(), "adamw")?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         let g = &data(grad)[elems.clone()];
         let (m, v) = (
             &mut data_mut(m)[elems.clone()],
@@ -652,5 +579,29 @@ impl Backend for CpuBackend {
         );
         super::host_adamw::adamw_serial(&mut data_mut(param)[elems], g, m, v, hp);
         Ok(())
+    }
+}
+
+/// The CPU under a [`Rehearsal`](super::rehearsal::Rehearsal): tensors of
+/// zeroed pages never written (no NaN fill), so a rehearsal maps only
+/// what it touches; the ops take no buffers of their own.
+impl super::rehearsal::Rehearsable for CpuBackend {
+    type Storage = CpuStorage;
+
+    fn device_name(&self) -> String {
+        self.name()
+    }
+    fn device_ledger(&self) -> &Arc<MemoryLedger> {
+        &self.ledger
+    }
+    fn op_buffers(&self) -> super::rehearsal::OpBuffers {
+        super::rehearsal::OpBuffers::Cpu
+    }
+    fn alloc_unwritten(&self, shape: &[usize], dtype: DType, _cat: Category) -> Result<CpuStorage> {
+        check_f32(dtype)?;
+        Ok(CpuStorage(self.lazy_zeros(shape.iter().product())?))
+    }
+    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool {
+        self.attention_bwd_in_place(s, hq, hkv, d, mask)
     }
 }

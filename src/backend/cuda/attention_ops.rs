@@ -82,14 +82,7 @@ impl CudaBackend {
         match mask {
             AttnMask::Full | AttnMask::Causal => Ok(None),
             AttnMask::Bounded(_) if sq == 0 => Ok(None),
-            AttnMask::Bounded(m) => {
-                let b = if self.rehearsing() {
-                    vec![0; 2 * sq]
-                } else {
-                    m.row_bounds()
-                };
-                self.upload_ids(&b).map(Some)
-            }
+            AttnMask::Bounded(m) => self.upload_ids(&m.row_bounds()).map(Some),
         }
     }
 
@@ -141,7 +134,11 @@ impl CudaBackend {
     /// Whether this call goes to cuDNN: `Ok(Some)` to use it, `Ok(None)` for
     /// our kernels (the reason logged once per shape), `Err` when cuDNN was
     /// demanded and cannot serve.
-    fn cudnn_for(&self, shape: &cudnn::SdpaShape, bwd: bool) -> Result<Option<&cudnn::CudnnSdpa>> {
+    pub(super) fn cudnn_for(
+        &self,
+        shape: &cudnn::SdpaShape,
+        bwd: bool,
+    ) -> Result<Option<&cudnn::CudnnSdpa>> {
         use cudnn::select::{Choice, decide};
         if self.attn_kernel == cudnn::AttnKernel::Native {
             return Ok(None);
@@ -384,9 +381,6 @@ impl CudaBackend {
             self.count_attn(path, false);
         }
         let flash_fns = self.flash_functions()?;
-        if self.rehearsing() {
-            return Ok(());
-        }
         match (path, flash_fns) {
             (AttnPath::Flash, Some(f)) => attention::fwd_flash(&self.stream, f, &a),
             _ => attention::fwd_naive(&self.kernels, &self.stream, &a),
@@ -574,11 +568,8 @@ impl CudaBackend {
                 // delta = rowsum(dO * O) per query row and head, freed (stream-ordered) on return.
                 let bytes = flash::flash_bwd_workspace_bytes(sq, g.hq);
                 let ws = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
-                if !self.rehearsing() {
-                    attention::bwd_flash(&self.stream, f, &a, ptr(&ws))?;
-                }
+                attention::bwd_flash(&self.stream, f, &a, ptr(&ws))?;
             }
-            _ if self.rehearsing() => {}
             _ => attention::bwd_naive(&self.kernels, &self.stream, &a)?,
         }
         for (s, t, start, rows, rs) in [

@@ -129,20 +129,33 @@ impl CudaBackend {
     /// An uninitialised tensor; `Category::Offload` tensors live in pinned
     /// host memory (only `copy_start` may touch them).
     pub fn alloc(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        let storage = self.storage(shape, dtype, cat)?;
+        Ok(Tensor::from_parts(
+            storage,
+            shape,
+            dtype,
+            cat,
+            self.ledger.clone(),
+        ))
+    }
+
+    /// The memory of an uninitialised tensor ([`alloc`](Self::alloc)): a
+    /// block of the stream-ordered pool, or of pinned host memory for
+    /// `Category::Offload`.
+    pub(super) fn storage(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        cat: Category,
+    ) -> Result<CudaStorage> {
         let bytes = shape.iter().product::<usize>() * dtype.size();
         if cat == Category::Offload {
             let p = self.host_pool.alloc(bytes)?;
             let owner: Arc<dyn pool::BlockOwner> = self.host_pool.clone();
-            return self.adopt(p, bytes, owner, shape, dtype, cat);
+            return Ok(CudaStorage::borrowed(p, bytes, owner));
         }
         match self.pool.alloc(bytes) {
-            Ok(p) => Ok(Tensor::from_parts(
-                CudaStorage::new(p, bytes, self.pool.clone()),
-                shape,
-                dtype,
-                cat,
-                self.ledger.clone(),
-            )),
+            Ok(p) => Ok(CudaStorage::new(p, bytes, self.pool.clone())),
             Err(AllocError::OutOfMemory) => Err(crate::backend::out_of_memory(
                 &self.name,
                 &self.ledger,
@@ -181,7 +194,7 @@ impl CudaBackend {
     /// Uploads 32-bit ids into a workspace tensor (stored as 4-byte elements).
     pub(super) fn upload_ids(&self, ids: &[u32]) -> Result<Tensor<Self>> {
         let t = self.alloc(&[ids.len()], DType::F32, Category::Workspace)?;
-        if !ids.is_empty() && !self.rehearsing() {
+        if !ids.is_empty() {
             // SAFETY: `t` holds ids.len() 4-byte elements; the pageable source is
             // staged before the call returns.
             drv(
@@ -196,7 +209,7 @@ impl CudaBackend {
     pub fn zero_raw(&self, p: u64, bytes: usize) -> Result<()> {
         let _span = self.span("memset")?;
         self.bind()?;
-        if bytes == 0 || self.rehearsing() {
+        if bytes == 0 {
             return Ok(());
         }
         // SAFETY: callers pass an address inside a live allocation of this
@@ -213,7 +226,7 @@ impl CudaBackend {
         src: &Tensor<Self>,
     ) -> Result<CopyDone> {
         check_copy(dst, src)?;
-        if src.bytes() == 0 || self.rehearsing() {
+        if src.bytes() == 0 {
             return Ok(CopyDone::finished());
         }
         self.bind()?;
@@ -223,9 +236,6 @@ impl CudaBackend {
     }
 
     pub(super) fn compute_point_impl(&self) -> Result<ComputePoint> {
-        if self.rehearsing() {
-            return Ok(ComputePoint::none());
-        }
         self.bind()?;
         let now = drv(self.stream.record_event(None), "record event")?;
         Ok(ComputePoint::marker(Box::new(now)))
@@ -241,7 +251,7 @@ impl CudaBackend {
             return self.copy_start(dst, src);
         };
         check_copy(dst, src)?;
-        if src.bytes() == 0 || self.rehearsing() {
+        if src.bytes() == 0 {
             return Ok(CopyDone::finished());
         }
         self.bind()?;
@@ -295,7 +305,7 @@ impl CudaBackend {
         let _span = self.span("memset")?;
         self.bind()?;
         let t = self.alloc(shape, dtype, cat)?;
-        if t.bytes() > 0 && !self.rehearsing() {
+        if t.bytes() > 0 {
             // SAFETY: `t` owns `bytes` bytes, ordered on this stream.
             drv(
                 unsafe { result::memset_d8_async(ptr(&t), 0, t.bytes(), self.stream.cu_stream()) },
@@ -332,7 +342,7 @@ impl CudaBackend {
                 t.shape()
             )));
         }
-        if data.is_empty() || self.rehearsing() {
+        if data.is_empty() {
             return Ok(());
         }
         self.bind()?;
@@ -371,9 +381,6 @@ impl CudaBackend {
         let n = t.numel();
         if n == 0 {
             return Ok(Vec::new());
-        }
-        if self.rehearsing() {
-            return Ok(vec![0.0; n]);
         }
         if t.category() == Category::Offload {
             // host memory already: once the copies into it are done

@@ -34,6 +34,7 @@ pub mod nvrtc;
 pub mod pinned;
 pub mod pool;
 pub mod profile;
+mod rehearsal;
 
 pub use self::attention::AttentionKernels;
 use self::attention::dt_flag;
@@ -48,7 +49,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 
 pub use pool::CudaStorage as Storage;
@@ -89,10 +90,6 @@ pub struct CudaBackend {
     /// The first fatal communication error on this GPU (set by the NCCL
     /// watchdog, `comm::nccl`); every later synchronisation returns it.
     comm_fault: Arc<OnceLock<String>>,
-    /// Every op allocates as it would and launches nothing
-    /// (`Backend::set_rehearse`): the gate sits right before each launch,
-    /// copy and memset, after the op's allocations and checks.
-    rehearse: AtomicBool,
 }
 
 fn need(t: &Tensor<CudaBackend>, d: DType, op: &str, what: &str) -> Result<()> {
@@ -177,7 +174,6 @@ impl CudaBackend {
             cudnn: OnceLock::new(),
             profile,
             comm_fault: Arc::new(OnceLock::new()),
-            rehearse: AtomicBool::new(false),
         })
     }
 
@@ -277,7 +273,7 @@ impl CudaBackend {
     }
 
     fn launch1d(&self, f: kernels::Func, n: usize, args: Args) -> Result<()> {
-        if n == 0 || self.rehearsing() {
+        if n == 0 {
             return Ok(());
         }
         launch(&self.stream, f, grid_for(n, BLOCK), BLOCK, 0, args)
@@ -302,12 +298,6 @@ impl Backend for CudaBackend {
     }
     fn compute_dtype(&self) -> DType {
         DType::BF16
-    }
-    fn set_rehearse(&self, on: bool) {
-        self.rehearse.store(on, Ordering::Relaxed);
-    }
-    fn rehearsing(&self) -> bool {
-        self.rehearse.load(Ordering::Relaxed)
     }
     fn reserved_peak(&self) -> Result<Option<usize>> {
         Ok(Some(self.pool_stats()?.reserved_high as usize))

@@ -1,8 +1,9 @@
 //! `upipe train --rehearse`: two steps of the run at full size through the
 //! real allocators (the GPU pool, the pinned host pool, cuDNN plans and
 //! workspaces, NCCL communicators where launched) with no kernel or
-//! collective launched (`Backend::set_rehearse`), and its measured peaks
-//! beside the planner's. The preflight's prediction is printed but does not
+//! collective launched (the trainer on a `Rehearsal` of each rank's device
+//! and rehearsing process groups), and its measured peaks beside the
+//! planner's. The preflight's prediction is printed but does not
 //! refuse: rehearsing is how a borderline run is checked.
 //!
 //! The data is zeros of the sequence's length (no corpus is read), the

@@ -176,13 +176,6 @@ impl NcclGroup {
         Ok(r as i32)
     }
 
-    /// Whether the backend rehearses (`Backend::set_rehearse`): collectives
-    /// check their buffers, which are allocated as in a real step, and move
-    /// nothing; the events that order them are still recorded.
-    fn rehearsing(&self) -> bool {
-        self.backend.rehearsing()
-    }
-
     /// Device-to-device copy on the stream (groups of one rank).
     fn copy_bytes(&self, dst: *mut c_void, src: *mut c_void, bytes: usize) -> Result<()> {
         if bytes == 0 || dst == src {
@@ -215,9 +208,6 @@ impl NcclGroup {
             return Err(Error::Comm(
                 "all_to_all: send and receive sizes differ".into(),
             ));
-        }
-        if self.rehearsing() {
-            return Ok(());
         }
         let esz = send.dtype().size();
         let (s, r) = (self.ptr(send), self.ptr(recv));
@@ -278,9 +268,6 @@ impl NcclGroup {
                 "all_gather: receive must hold size x send".into(),
             ));
         }
-        if self.rehearsing() {
-            return Ok(());
-        }
         if self.size == 1 {
             return self.copy_bytes(self.ptr(recv), self.ptr(send), send.bytes());
         }
@@ -316,9 +303,6 @@ impl NcclGroup {
                 "reduce_scatter: receive must hold one chunk".into(),
             ));
         }
-        if self.rehearsing() {
-            return Ok(());
-        }
         if self.size == 1 {
             return self.copy_bytes(self.ptr(recv), self.ptr(send), recv.bytes());
         }
@@ -344,7 +328,7 @@ impl NcclGroup {
     }
 
     fn all_reduce_queued(&self, t: &mut Tensor<CudaBackend>) -> Result<()> {
-        if self.size == 1 || t.numel() == 0 || self.rehearsing() {
+        if self.size == 1 || t.numel() == 0 {
             return Ok(());
         }
         drv_bind(&self.backend)?;
@@ -386,13 +370,7 @@ impl NcclGroup {
                     recv.numel()
                 )));
             }
-            if self.rehearsing() {
-                return Ok(());
-            }
             return self.copy_bytes(self.ptr(recv), self.ptr(send), send.bytes());
-        }
-        if self.rehearsing() {
-            return Ok(());
         }
         drv_bind(&self.backend)?;
         let _g = lock(&self.comm)?;

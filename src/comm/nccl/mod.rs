@@ -42,7 +42,7 @@ use super::watchdog::{self, Failure, InFlight, Watchdog};
 use super::{GroupKind, Mesh, MeshShape, Pending, ProcessGroup};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::cuda::libs::{self, Lib, LoadedLib};
-use crate::backend::{Backend, DType, Tensor};
+use crate::backend::{DType, Tensor};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys;

@@ -59,7 +59,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
     /// The shards of rank `group.rank()` over `group` (gradients also summed
     /// over `replica`), each parameter's owned elements from
     /// `init(hf_name, elems)` (flattened, row-major); a rehearsing backend
-    /// (`Backend::set_rehearse`) allocates them unwritten, without `init`.
+    /// (`Backend::rehearsing`) allocates them unwritten, without `init`.
     pub fn new(
         b: &B,
         cfg: &ModelConfig,

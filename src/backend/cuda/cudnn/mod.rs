@@ -381,6 +381,14 @@ impl CudnnSdpa {
         }
     }
 
+    /// The workspace bytes of the plan a first call of `s` builds (what a
+    /// rehearsal, which times no candidate, grows the kept workspace to:
+    /// tuning never picks a plan that needs more).
+    pub fn plan_workspace(&self, s: &SdpaShape, bwd: bool) -> Result<usize> {
+        shape_supported(self.version, s, bwd).map_err(Error::Backend)?;
+        Ok(self.plan(s, bwd)?.workspace)
+    }
+
     /// The plan a call of `s` runs. Under `PlanPick::Fastest` the shape's
     /// first call times every candidate through `exec` (the call itself, so
     /// on its real operands: one warm-up and one timed run each) and caches
@@ -394,8 +402,7 @@ impl CudnnSdpa {
         exec: &dyn Fn(&Plan) -> Result<()>,
     ) -> Result<Arc<Plan>> {
         let first = self.plan(s, bwd)?;
-        // a rehearsal runs nothing to time (candidates need no more workspace)
-        if self.pick != PlanPick::Fastest || be.rehearsing() {
+        if self.pick != PlanPick::Fastest {
             return Ok(first);
         }
         let mut plans = self
@@ -483,9 +490,6 @@ impl CudnnSdpa {
         }
         let base = be.device_ptr(ws.as_ref().expect("allocated above"));
         let bindings = bind(base);
-        if be.rehearsing() {
-            return Ok(());
-        }
         // SAFETY: the plan was built with this handle; the callers bind the
         // operands of the graph they asked for (device buffers owned by the
         // caller on the backend's stream, host scalars living on their stack

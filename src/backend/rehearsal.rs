@@ -1,0 +1,642 @@
+//! Rehearsal: a backend that stands in front of a device, allocating
+//! exactly what the device would for a workload and computing nothing.
+//!
+//! [`Rehearsal<D>`] wraps a [`Rehearsable`] device `D`: every tensor comes
+//! from `D`'s own allocator (the CPU's zeroed pages, CUDA's stream-ordered
+//! pool and pinned host pool), so its ledger and pools are the device's,
+//! byte for byte; every op checks its arguments, takes the buffers the
+//! device's op takes for itself (what [`OpBuffers`] names: the cuBLASLt
+//! workspace at the first GEMM, uploaded token ids, `sum_squares`'
+//! accumulator, attention's scratch and kept workspace, with the sizes
+//! `backend::cuda::{cudnn, flash, gemm}` define and the routing the device
+//! decides: [`Rehearsable::cudnn_plan_workspace`],
+//! [`Rehearsable::flash_bwd`]) and launches, copies and computes nothing.
+//! Host reads (`to_host`, `sum_squares`) return zeros. The real backends
+//! hold no rehearsal code: this file is the whole of it, and
+//! `comm::counting` is its process groups.
+//!
+//! `upipe train --rehearse` runs the trainer on `Rehearsal<CpuBackend>` or
+//! `Rehearsal<CudaBackend>`; the memory planner runs it on a device of no
+//! memory ([`CountingBackend`](super::counting::CountingBackend), a
+//! `Rehearsal<Counted>`). The engine above asks one question,
+//! [`Backend::rehearsing`], only where it would read or write host data
+//! (initial weights, RoPE tables, token ids, the host optimizer).
+
+use super::{
+    AdamWStep, AttnGradWrites, Backend, Category, DType, MatLayout, MatMut, MemoryLedger, Rows,
+    RowsMut, Tensor, check_elems, check_token_ids,
+};
+use super::{AttnMask, GradWrite, Mat, attention_heads, check_same_numel};
+use crate::backend::cuda::{cudnn, flash, gemm};
+use crate::error::{Error, Result};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The rules by which a device's ops take buffers of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpBuffers {
+    /// The CPU reference: everything F32, no buffers of the ops' own.
+    Cpu,
+    /// A CUDA device computing in BF16: the cuBLASLt workspace at the first
+    /// GEMM, token ids uploaded for the embedding and the loss,
+    /// `sum_squares`' accumulator, attention's scratch and workspaces.
+    Cuda,
+}
+
+/// What a device lends a [`Rehearsal`]: its allocator, and the decisions
+/// its ops make that decide what they allocate.
+pub trait Rehearsable: Send + Sync + 'static {
+    /// Storage of one of the device's tensors.
+    type Storage: Send + Sync;
+
+    /// The device's name (the rehearsal's too).
+    fn device_name(&self) -> String;
+    /// The device's byte ledger (the rehearsal records in it).
+    fn device_ledger(&self) -> &Arc<MemoryLedger>;
+    /// The rules by which the device's ops take buffers of their own.
+    fn op_buffers(&self) -> OpBuffers;
+    /// Storage for a tensor of `shape` from the device's allocator, exactly
+    /// as its own allocations take it (same pool, same host memory), never
+    /// written; an error where the device refuses the dtype or is out of
+    /// memory.
+    fn alloc_unwritten(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        cat: Category,
+    ) -> Result<Self::Storage>;
+    /// As [`Backend::reserved_peak`].
+    fn device_reserved_peak(&self) -> Result<Option<usize>> {
+        Ok(None)
+    }
+    /// `Some(plan workspace bytes)` when the device runs an attention call
+    /// of `shape` (`bwd`: the backward) on cuDNN SDPA, `None` for its own
+    /// kernels; an error when cuDNN was demanded and cannot serve.
+    fn cudnn_plan_workspace(&self, _shape: &cudnn::SdpaShape, _bwd: bool) -> Result<Option<usize>> {
+        Ok(None)
+    }
+    /// Whether the flash kernels run a (non-empty, BF16) attention backward
+    /// of this geometry, taking their transient workspace.
+    fn flash_bwd(&self, _g: &AttnShape) -> Result<bool> {
+        Ok(false)
+    }
+    /// As [`Backend::attention_bwd_in_place`].
+    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool;
+}
+
+impl<T: Rehearsable> Rehearsable for Arc<T> {
+    type Storage = T::Storage;
+    fn device_name(&self) -> String {
+        (**self).device_name()
+    }
+    fn device_ledger(&self) -> &Arc<MemoryLedger> {
+        (**self).device_ledger()
+    }
+    fn op_buffers(&self) -> OpBuffers {
+        (**self).op_buffers()
+    }
+    fn alloc_unwritten(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        cat: Category,
+    ) -> Result<Self::Storage> {
+        (**self).alloc_unwritten(shape, dtype, cat)
+    }
+    fn device_reserved_peak(&self) -> Result<Option<usize>> {
+        (**self).device_reserved_peak()
+    }
+    fn cudnn_plan_workspace(&self, shape: &cudnn::SdpaShape, bwd: bool) -> Result<Option<usize>> {
+        (**self).cudnn_plan_workspace(shape, bwd)
+    }
+    fn flash_bwd(&self, g: &AttnShape) -> Result<bool> {
+        (**self).flash_bwd(g)
+    }
+    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool {
+        (**self).bwd_in_place(s, hq, hkv, d, mask)
+    }
+}
+
+/// A [`Backend`] that allocates on `D` what `D` would and computes nothing
+/// (module docs).
+pub struct Rehearsal<D: Rehearsable> {
+    /// The cuBLASLt workspace, taken at the first GEMM that needs one.
+    gemm_workspace: OnceLock<Tensor<Rehearsal<D>>>,
+    /// cuDNN's execution workspace, kept between calls and grown.
+    attn_workspace: Mutex<Option<Tensor<Rehearsal<D>>>>,
+    device: D,
+}
+
+impl<D: Rehearsable> Rehearsal<D> {
+    /// A rehearsal on `device` (set up before the first allocation of the
+    /// workload it rehearses: its kept buffers start empty).
+    pub fn on(device: D) -> Self {
+        Rehearsal {
+            gemm_workspace: OnceLock::new(),
+            attn_workspace: Mutex::new(None),
+            device,
+        }
+    }
+
+    /// The device it allocates on.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    fn is_cuda(&self) -> bool {
+        self.device.op_buffers() == OpBuffers::Cuda
+    }
+
+    /// A tensor of `shape` from the device's allocator, unwritten.
+    fn alloc(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        let storage = self.device.alloc_unwritten(shape, dtype, cat)?;
+        Ok(Tensor::from_parts(
+            storage,
+            shape,
+            dtype,
+            cat,
+            self.device.device_ledger().clone(),
+        ))
+    }
+
+    /// A transient buffer the op frees before it returns.
+    fn scratch(&self, elems: usize, dtype: DType) -> Result<Tensor<Self>> {
+        self.alloc(&[elems], dtype, Category::Workspace)
+    }
+
+    /// CUDA's upload of 32-bit ids into a workspace for the op's duration.
+    fn ids_upload(&self, ids: &[u32]) -> Result<Option<Tensor<Self>>> {
+        match self.is_cuda() {
+            true => self.scratch(ids.len(), DType::F32).map(Some),
+            false => Ok(None),
+        }
+    }
+
+    /// cuDNN's kept workspace grown to hold `need` bytes (the old one is
+    /// released first, as `CudnnSdpa::run` does).
+    fn grow_attn_workspace(&self, need: usize) -> Result<()> {
+        let mut ws = self
+            .attn_workspace
+            .lock()
+            .map_err(|_| Error::Backend("attention workspace lock poisoned".into()))?;
+        let have = ws.as_ref().map_or(0, |t| t.bytes());
+        if have < need.max(1) {
+            *ws = None;
+            let bytes = cudnn::kept_workspace_bytes(need);
+            *ws = Some(self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?);
+        }
+        Ok(())
+    }
+
+    /// `CudaBackend::attention_bwd`'s allocations on cuDNN: bf16 scratch for
+    /// each gradient it does not write in place, and the kept workspace
+    /// grown to the plan's workspace (`plan_ws`), dQ accumulator and sums.
+    fn cudnn_bwd(
+        &self,
+        shape: &cudnn::SdpaShape,
+        grads: [(DType, GradWrite); 3],
+        elems: [usize; 3],
+        plan_ws: usize,
+    ) -> Result<()> {
+        let mut scratch = Vec::new();
+        for ((dt, w), n) in grads.into_iter().zip(elems) {
+            if !cudnn::bwd_writes_in_place(w, dt) {
+                scratch.push(self.scratch(n, DType::BF16)?);
+            }
+        }
+        self.grow_attn_workspace(cudnn::bwd_workspace_bytes(shape, plan_ws))
+    }
+
+    /// What the CUDA backend uploads for a documents mask: its rows' key
+    /// bounds (`[2·sq]` 4-byte elements) for the call's duration.
+    fn mask_bounds(&self, g: &AttnShape) -> Result<Option<Tensor<Self>>> {
+        match g.mask {
+            AttnMask::Bounded(_) if g.sq > 0 => self.scratch(2 * g.sq, DType::F32).map(Some),
+            AttnMask::Full | AttnMask::Causal | AttnMask::Bounded(_) => Ok(None),
+        }
+    }
+
+    /// `CudaBackend::attention_bwd`'s allocations on our kernels: F32
+    /// scratch for each gradient of another dtype, the mask's bounds, and
+    /// the flash backward's transient workspace when the flash kernels take
+    /// the geometry.
+    fn native_bwd(
+        &self,
+        g: &AttnShape,
+        grads: [DType; 3],
+        elems: [usize; 3],
+        nonempty: bool,
+    ) -> Result<()> {
+        let mut scratch = Vec::new();
+        for (dt, n) in grads.into_iter().zip(elems) {
+            if dt != DType::F32 {
+                scratch.push(self.scratch(n, DType::F32)?);
+            }
+        }
+        let _bounds = self.mask_bounds(g)?;
+        if nonempty && self.device.flash_bwd(g)? {
+            let bytes = flash::flash_bwd_workspace_bytes(g.sq, g.hq);
+            drop(self.scratch(bytes / 4, DType::F32)?);
+        }
+        Ok(())
+    }
+}
+
+/// The geometry of one attention call, checked.
+pub struct AttnShape {
+    pub sq: usize,
+    pub sk: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub mask: AttnMask,
+}
+
+impl AttnShape {
+    fn check<B: Backend>(q: &Rows<'_, B>, k: &Rows<'_, B>, mask: &AttnMask) -> Result<Self> {
+        let (hq, hkv, d) = attention_heads(q, k, mask)?;
+        Ok(AttnShape {
+            sq: q.len(),
+            sk: k.len(),
+            hq,
+            hkv,
+            d,
+            mask: mask.clone(),
+        })
+    }
+
+    /// The call as cuDNN SDPA sees it.
+    pub fn sdpa(&self) -> cudnn::SdpaShape {
+        cudnn::dense_shape(
+            self.sq,
+            self.sk,
+            self.hq,
+            self.hkv,
+            self.d,
+            self.mask.clone(),
+        )
+    }
+}
+
+fn check_rows<B: Backend>(rows: usize, row_len: usize, t: &Tensor<B>, op: &str) -> Result<()> {
+    if t.rows() != rows || t.row_len() != row_len {
+        return Err(Error::Backend(format!(
+            "{op}: {:?} is not [{rows}, {row_len}]",
+            t.shape()
+        )));
+    }
+    Ok(())
+}
+
+/// RMSNorm's weight spans `x`'s last dimension.
+fn check_last_dim<B: Backend>(x: &Tensor<B>, w: &Tensor<B>, op: &str) -> Result<()> {
+    if x.shape().last() != Some(&w.numel()) {
+        return Err(Error::Backend(format!(
+            "{op}: weight {:?} does not span the last dimension of {:?}",
+            w.shape(),
+            x.shape()
+        )));
+    }
+    Ok(())
+}
+
+fn check_views(c: &MatLayout, a: &MatLayout, b: &MatLayout) -> Result<()> {
+    if a.cols != b.rows || c.rows != a.rows || c.cols != b.cols {
+        return Err(Error::Backend(format!(
+            "gemm: {}x{} @ {}x{} into {}x{}",
+            a.rows, a.cols, b.rows, b.cols, c.rows, c.cols
+        )));
+    }
+    Ok(())
+}
+
+impl<D: Rehearsable> Backend for Rehearsal<D> {
+    type Storage = D::Storage;
+
+    fn name(&self) -> String {
+        self.device.device_name()
+    }
+    fn ledger(&self) -> &Arc<MemoryLedger> {
+        self.device.device_ledger()
+    }
+    fn compute_dtype(&self) -> DType {
+        match self.device.op_buffers() {
+            OpBuffers::Cpu => DType::F32,
+            OpBuffers::Cuda => DType::BF16,
+        }
+    }
+    /// A rehearsal, always.
+    fn rehearsing(&self) -> bool {
+        true
+    }
+    fn reserved_peak(&self) -> Result<Option<usize>> {
+        self.device.device_reserved_peak()
+    }
+
+    fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        self.alloc(shape, dtype, cat)
+    }
+    fn from_host(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        cat: Category,
+    ) -> Result<Tensor<Self>> {
+        if data.len() != shape.iter().product::<usize>() {
+            return Err(Error::Backend(format!(
+                "from_host: {} values for shape {shape:?}",
+                data.len()
+            )));
+        }
+        self.alloc(shape, dtype, cat)
+    }
+    fn upload(&self, t: &mut Tensor<Self>, data: &[f32]) -> Result<()> {
+        if data.len() != t.numel() {
+            return Err(Error::Backend(format!(
+                "upload: {} values into a tensor of shape {:?}",
+                data.len(),
+                t.shape()
+            )));
+        }
+        Ok(())
+    }
+    /// Zeros, as a rehearsal's host reads return.
+    fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>> {
+        Ok(vec![0.0; t.numel()])
+    }
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+    fn host_f32<'t>(&self, t: &'t Tensor<Self>) -> Result<&'t [f32]> {
+        Err(Error::Backend(format!(
+            "host access to a {:?} tensor: a rehearsal reads and writes no host data (`Backend::rehearsing`)",
+            t.shape()
+        )))
+    }
+    fn host_f32_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]> {
+        Err(Error::Backend(format!(
+            "host access to a {:?} tensor: a rehearsal reads and writes no host data (`Backend::rehearsing`)",
+            t.shape()
+        )))
+    }
+
+    fn gemm(
+        &self,
+        c: MatMut<'_, Self>,
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        _alpha: f32,
+        _beta: f32,
+    ) -> Result<()> {
+        check_views(&c.l, &a.l, &b.l)?;
+        let (ab, cd) = (a.t.dtype(), c.t.dtype());
+        if b.t.dtype() != ab || (cd != DType::F32 && cd != ab) {
+            return Err(Error::Backend(format!(
+                "gemm: a {ab:?}, b {:?}, c {cd:?}; a and b must share a dtype and c be F32 or that dtype",
+                b.t.dtype()
+            )));
+        }
+        let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
+        if self.is_cuda() && m > 0 && n > 0 && k > 0 && self.gemm_workspace.get().is_none() {
+            let t = self.alloc(
+                &[gemm::WORKSPACE_BYTES / 4],
+                DType::F32,
+                Category::Workspace,
+            )?;
+            // another thread won the race: ours is released
+            let _ = self.gemm_workspace.set(t);
+        }
+        Ok(())
+    }
+    fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
+        if (dst.l.rows, dst.l.cols) != (src.l.rows, src.l.cols) {
+            return Err(Error::Backend(format!(
+                "copy: {}x{} into {}x{}",
+                src.l.rows, src.l.cols, dst.l.rows, dst.l.cols
+            )));
+        }
+        Ok(())
+    }
+    fn fill(&self, _t: &mut Tensor<Self>, _value: f32) -> Result<()> {
+        Ok(())
+    }
+    fn axpy(&self, y: &mut Tensor<Self>, _alpha: f32, x: &Tensor<Self>) -> Result<()> {
+        check_same_numel(y, x, "axpy")
+    }
+    /// CUDA accumulates into one f64 on the device; nothing is summed.
+    fn sum_squares(&self, _t: &Tensor<Self>) -> Result<f64> {
+        if self.is_cuda() {
+            drop(self.scratch(2, DType::F32)?);
+        }
+        Ok(0.0)
+    }
+
+    fn rms_norm_fwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        _eps: f32,
+        y: &mut Tensor<Self>,
+    ) -> Result<()> {
+        check_last_dim(x, w, "rms_norm_fwd")?;
+        check_same_numel(x, y, "rms_norm_fwd")
+    }
+    fn rms_norm_bwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        _eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: &mut Tensor<Self>,
+    ) -> Result<()> {
+        check_last_dim(x, w, "rms_norm_bwd")?;
+        check_same_numel(x, dy, "rms_norm_bwd")?;
+        check_same_numel(x, dx, "rms_norm_bwd")?;
+        check_same_numel(w, dw, "rms_norm_bwd")
+    }
+    fn rope(
+        &self,
+        x: &mut Tensor<Self>,
+        cos: &Tensor<Self>,
+        sin: &Tensor<Self>,
+        _inverse: bool,
+    ) -> Result<()> {
+        if cos.numel() != sin.numel() {
+            return Err(Error::Backend(format!(
+                "rope: tables {:?} do not cover {:?}",
+                cos.shape(),
+                x.shape()
+            )));
+        }
+        Ok(())
+    }
+
+    fn attention_fwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        mask: &AttnMask,
+        o: RowsMut<'_, Self>,
+        lse: RowsMut<'_, Self>,
+    ) -> Result<()> {
+        let g = AttnShape::check(&q, &k, mask)?;
+        if v.len() != g.sk || o.len() != g.sq || lse.len() != g.sq {
+            return Err(Error::Backend("attention_fwd: row counts differ".into()));
+        }
+        let bf16 = q.t.dtype() == DType::BF16 && o.t.dtype() == DType::BF16;
+        let cudnn = match bf16 && g.sq > 0 && g.hq > 0 {
+            true => self.device.cudnn_plan_workspace(&g.sdpa(), false)?,
+            false => None,
+        };
+        if let Some(plan_ws) = cudnn {
+            self.grow_attn_workspace(plan_ws)?;
+        } else if self.is_cuda() {
+            drop(self.mask_bounds(&g)?);
+        }
+        Ok(())
+    }
+    fn attention_bwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        o: Rows<'_, Self>,
+        d_o: Rows<'_, Self>,
+        lse: Rows<'_, Self>,
+        mask: &AttnMask,
+        dq: RowsMut<'_, Self>,
+        dk: RowsMut<'_, Self>,
+        dv: RowsMut<'_, Self>,
+        writes: AttnGradWrites,
+    ) -> Result<()> {
+        let g = AttnShape::check(&q, &k, mask)?;
+        let rows = [
+            v.len(),
+            o.len(),
+            d_o.len(),
+            lse.len(),
+            dq.len(),
+            dk.len(),
+            dv.len(),
+        ];
+        if rows != [g.sk, g.sq, g.sq, g.sq, g.sq, g.sk, g.sk] {
+            return Err(Error::Backend("attention_bwd: row counts differ".into()));
+        }
+        if !self.is_cuda() {
+            return Ok(());
+        }
+        let elems = [g.sq * g.hq * g.d, g.sk * g.hkv * g.d, g.sk * g.hkv * g.d];
+        let dts = [dq.t.dtype(), dk.t.dtype(), dv.t.dtype()];
+        let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
+        let nonempty = g.sq > 0 && g.sk > 0 && g.hq > 0;
+        let cudnn = match bf16_in && dts[1] == dts[2] && nonempty {
+            true => self.device.cudnn_plan_workspace(&g.sdpa(), true)?,
+            false => None,
+        };
+        if let Some(plan_ws) = cudnn {
+            let w = [writes.dq, writes.dkv, writes.dkv];
+            let grads = [(dts[0], w[0]), (dts[1], w[1]), (dts[2], w[2])];
+            return self.cudnn_bwd(&g.sdpa(), grads, elems, plan_ws);
+        }
+        self.native_bwd(&g, dts, elems, nonempty)
+    }
+    fn attention_bwd_in_place(
+        &self,
+        s: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        mask: &AttnMask,
+    ) -> bool {
+        self.device.bwd_in_place(s, hq, hkv, d, mask)
+    }
+    fn lse_merge(
+        &self,
+        o_acc: RowsMut<'_, Self>,
+        lse_acc: RowsMut<'_, Self>,
+        o_blk: Rows<'_, Self>,
+        lse_blk: Rows<'_, Self>,
+    ) -> Result<()> {
+        let n = o_acc.len();
+        if o_blk.len() != n || lse_acc.len() != n || lse_blk.len() != n {
+            return Err(Error::Backend("lse_merge: block shapes differ".into()));
+        }
+        Ok(())
+    }
+
+    fn swiglu_fwd(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        check_same_numel(gate, up, "swiglu_fwd")?;
+        check_same_numel(gate, out, "swiglu_fwd")
+    }
+    fn swiglu_bwd(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        dout: &Tensor<Self>,
+        dgate: &mut Tensor<Self>,
+        dup: &mut Tensor<Self>,
+    ) -> Result<()> {
+        for t in [up, dout, &*dgate, &*dup] {
+            check_same_numel(gate, t, "swiglu_bwd")?;
+        }
+        Ok(())
+    }
+    fn embedding_fwd(
+        &self,
+        table: &Tensor<Self>,
+        ids: &[u32],
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        check_token_ids(ids, table.rows())?;
+        check_rows(ids.len(), table.row_len(), out, "embedding_fwd")?;
+        self.ids_upload(ids).map(drop)
+    }
+    fn embedding_bwd(
+        &self,
+        dout: &Tensor<Self>,
+        ids: &[u32],
+        dtable: &mut Tensor<Self>,
+    ) -> Result<()> {
+        check_token_ids(ids, dtable.rows())?;
+        check_rows(ids.len(), dtable.row_len(), dout, "embedding_bwd")?;
+        self.ids_upload(ids).map(drop)
+    }
+    fn cross_entropy(
+        &self,
+        logits: &mut Tensor<Self>,
+        targets: &[u32],
+        _grad_scale: f32,
+        loss_sum: &mut Tensor<Self>,
+    ) -> Result<()> {
+        if logits.rows() != targets.len() || loss_sum.numel() != 1 {
+            return Err(Error::Backend(format!(
+                "cross_entropy: logits {:?} for {} targets",
+                logits.shape(),
+                targets.len()
+            )));
+        }
+        self.ids_upload(targets).map(drop)
+    }
+    fn adamw(
+        &self,
+        param: &mut Tensor<Self>,
+        grad: &Tensor<Self>,
+        m: &mut Tensor<Self>,
+        v: &mut Tensor<Self>,
+        elems: std::ops::Range<usize>,
+        _hp: AdamWStep,
+    ) -> Result<()> {
+        check_elems(&elems, param.numel(), "adamw")?;
+        for t in [grad, &*m, &*v] {
+            check_same_numel(param, t, "adamw")?;
+        }
+        Ok(())
+    }
+}
