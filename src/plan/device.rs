@@ -49,6 +49,17 @@ impl DeviceKind {
             }
         }
     }
+    /// The device of a run whose attention kernel was decided
+    /// (`cudnn::decide_run_kernel`; `None`: on the CPU): cuDNN runs are
+    /// planned with cuDNN where it takes the call, the others on our kernels.
+    pub fn of_kernel(kernel: Option<crate::backend::cuda::cudnn::AttentionKernel>) -> Self {
+        use crate::backend::cuda::cudnn::AttentionKernel;
+        match kernel {
+            None => DeviceKind::Cpu,
+            Some(AttentionKernel::Cudnn { .. }) => DeviceKind::Cuda,
+            Some(AttentionKernel::Flash | AttentionKernel::Naive) => DeviceKind::CudaNative,
+        }
+    }
     /// The device of a run on the CPU or, with `cuda`, on GPUs with the
     /// attention kernels `kernel` (`--attn-kernel`).
     pub fn of_run(cuda: bool, kernel: crate::backend::cuda::cudnn::AttnKernel) -> Self {

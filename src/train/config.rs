@@ -28,6 +28,10 @@ pub struct TrainConfig {
     pub seq: usize,
     /// How windows are made from the data's documents (`--pack`).
     pub pack: PackMode,
+    /// The attention kernel the run decided on before it planned (CUDA:
+    /// `cudnn::decide_run_kernel`), given to every rank's backend; `None`
+    /// on the CPU, or where the backend decides per call.
+    pub attention_kernel: Option<crate::backend::cuda::cudnn::AttentionKernel>,
     pub steps: u32,
     pub optim: AdamWConfig,
     pub seed: u64,
@@ -134,6 +138,7 @@ impl TrainConfig {
             fwd_chunk_heads: None,
             seq,
             pack: PackMode::default(),
+            attention_kernel: None,
             steps,
             optim,
             seed: 0,

@@ -125,9 +125,11 @@ impl CudaBackend {
     }
 
     /// Chooses the backend's kernel for the attention selection
-    /// (`UPIPE_ATTN_KERNEL`), overriding the environment.
+    /// (`UPIPE_ATTN_KERNEL`), overriding the environment, decided per call
+    /// (a run's decided kernel, `set_attention_kernel`, no longer holds).
     pub fn set_attn_kernel(&mut self, k: cudnn::AttnKernel) {
         self.attn_kernel = k;
+        self.run_kernel = None;
     }
 
     /// cuDNN SDPA of this backend, created on first use.
@@ -138,11 +140,81 @@ impl CudaBackend {
             .map_err(|e| e.clone())
     }
 
+    /// Serves every attention call with the kernel a run decided on before
+    /// it planned (`cudnn::decide_run_kernel`): on cuDNN the calls
+    /// [`cudnn::AttentionKernel::takes_on_cudnn`] says (the planner's rule),
+    /// a cuDNN that then cannot serve one being an error, never a fallback.
+    pub fn set_attention_kernel(&mut self, k: cudnn::AttentionKernel) {
+        self.run_kernel = Some(k);
+        self.attn_kernel = match k {
+            cudnn::AttentionKernel::Cudnn { .. } => cudnn::AttnKernel::Cudnn,
+            cudnn::AttentionKernel::Flash | cudnn::AttentionKernel::Naive => {
+                cudnn::AttnKernel::Native
+            }
+        };
+    }
+
+    /// The kernel the run decided on, if it did (`set_attention_kernel`).
+    pub fn run_attention_kernel(&self) -> Option<cudnn::AttentionKernel> {
+        self.run_kernel
+    }
+
+    /// What GPU `ordinal` and this process offer a run's kernel decision:
+    /// the loadable cuDNN ([`cudnn::probe`]) and whether the flash kernels
+    /// run (sm_90, `UPIPE_ATTENTION` not `naive`). Opens no context and
+    /// allocates nothing.
+    pub fn kernel_facts(
+        ordinal: usize,
+        head_dim: usize,
+        documents: bool,
+    ) -> Result<cudnn::KernelFacts> {
+        let gpus = super::device::gpus()?;
+        let gpu = gpus.get(ordinal).ok_or_else(|| {
+            Error::Backend(format!(
+                "no CUDA device {ordinal}: the driver sees {}; check CUDA_VISIBLE_DEVICES",
+                gpus.len()
+            ))
+        })?;
+        let naive = AttentionKernels::from_env()? == AttentionKernels::Naive;
+        Ok(cudnn::KernelFacts {
+            cudnn: cudnn::probe().map(|(v, _)| v).map_err(|e| e.to_string()),
+            flash: gpu.compute_capability.0 >= 9 && !naive,
+            head_dim,
+            documents,
+        })
+    }
+
+    /// On a run's decided kernel: cuDNN for the calls it takes, an error
+    /// naming the cause where the decided cuDNN cannot serve one.
+    fn decided_cudnn(
+        &self,
+        k: cudnn::AttentionKernel,
+        shape: &cudnn::SdpaShape,
+        bwd: bool,
+    ) -> Result<Option<&cudnn::CudnnSdpa>> {
+        if !k.takes_on_cudnn(shape, bwd) {
+            return Ok(None);
+        }
+        let fail = |why: String| {
+            Error::Backend(format!(
+                "attention: the run decided on {k} but it cannot serve a call of \
+                 sq {} sk {} hq {} hkv {} d {} (bwd {bwd}): {why}; run with --attn-kernel native",
+                shape.sq, shape.sk, shape.hq, shape.hkv, shape.d
+            ))
+        };
+        let c = self.cudnn_sdpa().map_err(fail)?;
+        c.supports(shape, bwd).map_err(fail)?;
+        Ok(Some(c))
+    }
+
     /// Whether this call goes to cuDNN: `Ok(Some)` to use it, `Ok(None)` for
     /// our kernels (the reason logged once per shape), `Err` when cuDNN was
-    /// demanded and cannot serve.
+    /// demanded and cannot serve. A run's decided kernel routes alone.
     fn cudnn_for(&self, shape: &cudnn::SdpaShape, bwd: bool) -> Result<Option<&cudnn::CudnnSdpa>> {
         use cudnn::select::{Choice, decide};
+        if let Some(k) = self.run_kernel {
+            return self.decided_cudnn(k, shape, bwd);
+        }
         if self.attn_kernel == cudnn::AttnKernel::Native {
             return Ok(None);
         }

@@ -82,6 +82,9 @@ pub struct CudaBackend {
     attn_calls: [AtomicU64; 6],
     /// cuDNN SDPA vs our own kernels (`UPIPE_ATTN_KERNEL=auto|cudnn|native`).
     attn_kernel: cudnn::AttnKernel,
+    /// The kernel the run decided on (`set_attention_kernel`): every call is
+    /// served by it or fails; `None`: `attn_kernel` decides per call.
+    run_kernel: Option<cudnn::AttentionKernel>,
     /// cuDNN SDPA, created on first use; `Err` holds why it is unavailable.
     cudnn: OnceLock<std::result::Result<cudnn::CudnnSdpa, String>>,
     /// GPU time by op when `UPIPE_PROFILE` is set.
@@ -174,6 +177,7 @@ impl CudaBackend {
                 (_, Ok(v)) => v.parse()?,
                 (_, Err(_)) => cudnn::AttnKernel::Auto,
             },
+            run_kernel: None,
             cudnn: OnceLock::new(),
             profile,
             comm_fault: Arc::new(OnceLock::new()),
