@@ -46,6 +46,9 @@ pub struct CountingBackend {
     gemm_workspace: OnceLock<Tensor<CountingBackend>>,
     /// cuDNN's execution workspace, kept between calls and grown.
     attn_workspace: Mutex<Option<Tensor<CountingBackend>>>,
+    /// The last documents-masked call's key bounds (`[2·sq]` 4-byte
+    /// elements), kept as `CudaBackend` keeps them.
+    mask_bounds: Mutex<Option<Tensor<CountingBackend>>>,
 }
 
 impl CountingBackend {
@@ -56,6 +59,7 @@ impl CountingBackend {
             device,
             gemm_workspace: OnceLock::new(),
             attn_workspace: Mutex::new(None),
+            mask_bounds: Mutex::new(None),
         }
     }
 
@@ -142,18 +146,29 @@ impl CountingBackend {
         self.grow_attn_workspace(cudnn::bwd_workspace_bytes(shape, plan_ws))
     }
 
-    /// `CudaBackend::attention_bwd`'s allocations on our kernels: F32
-    /// scratch for each gradient of another dtype, and the flash backward's
-    /// transient workspace when the flash kernels take the geometry.
-    /// What the CUDA backend uploads for a documents mask: its rows' key
-    /// bounds (`[2·sq]` 4-byte elements) for the call's duration.
-    fn mask_bounds(&self, g: &AttnShape) -> Result<Option<Tensor<Self>>> {
-        match g.mask {
-            AttnMask::Bounded(_) if g.sq > 0 => self.scratch(2 * g.sq, DType::F32).map(Some),
-            AttnMask::Full | AttnMask::Causal | AttnMask::Bounded(_) => Ok(None),
+    /// What the CUDA backend keeps for a documents mask on our kernels: its
+    /// rows' key bounds (`[2·sq]` 4-byte elements), replacing the last
+    /// call's (freed first) unless they are the same. The ledger sees only
+    /// their size: bounds of equal size replaced or kept leave it alike.
+    fn keep_mask_bounds(&self, g: &AttnShape) -> Result<()> {
+        if !matches!(g.mask, AttnMask::Bounded(_)) || g.sq == 0 {
+            return Ok(());
         }
+        let mut kept = self
+            .mask_bounds
+            .lock()
+            .map_err(|_| Error::Backend("attention mask bounds lock poisoned".into()))?;
+        if kept.as_ref().is_none_or(|t| t.numel() != 2 * g.sq) {
+            *kept = None;
+            *kept = Some(self.alloc(&[2 * g.sq], DType::F32, Category::Workspace)?);
+        }
+        Ok(())
     }
 
+    /// `CudaBackend::attention_bwd`'s allocations on our kernels: F32
+    /// scratch for each gradient of another dtype, the kept mask bounds,
+    /// and the flash backward's transient workspace when the flash kernels
+    /// take the geometry.
     fn native_bwd(
         &self,
         g: &AttnShape,
@@ -167,7 +182,7 @@ impl CountingBackend {
                 scratch.push(self.scratch(n, DType::F32)?);
             }
         }
-        let _bounds = self.mask_bounds(g)?;
+        self.keep_mask_bounds(g)?;
         if nonempty && flash::check_supported(g.sq, g.sk, g.hq, g.hkv, g.d, &g.mask).is_ok() {
             let bytes = flash::flash_bwd_workspace_bytes(g.sq, g.hq);
             drop(self.scratch(bytes / 4, DType::F32)?);
@@ -433,7 +448,7 @@ impl Backend for CountingBackend {
             // cuDNN's forward plan workspace counts as 0 (what the H200 ledger shows)
             self.grow_attn_workspace(0)?;
         } else if self.is_cuda() {
-            drop(self.mask_bounds(&g)?);
+            self.keep_mask_bounds(&g)?;
         }
         Ok(())
     }

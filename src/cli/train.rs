@@ -181,7 +181,7 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     let lead = route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0);
     // before anything is planned or allocated; a parent that launches its
     // ranks leaves the warning to rank 0
-    let documents = kernel::may_hold_documents(a.pack, a.data.as_deref());
+    let documents = cfg.documents;
     let say = lead && !matches!(route, Route::SelfLaunch { .. });
     let head_dim = c.model.head_dim;
     let mut cfg = cfg;
@@ -220,6 +220,7 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
         pack: a.pack,
         // decided in `build` once the route is known
         attention_kernel: None,
+        documents: kernel::may_hold_documents(a.pack, a.data.as_deref()),
         steps: a.steps,
         optim: c.optim,
         seed: a.seed,
@@ -296,7 +297,7 @@ impl Built {
 
     /// The device the planner predicts for: the decided attention kernel's.
     fn device_kind(&self) -> DeviceKind {
-        DeviceKind::of_kernel(self.cfg.attention_kernel)
+        DeviceKind::of_kernel(self.cfg.attention_kernel, self.cfg.documents)
     }
 
     /// Every `auto` of the run resolved as it will use it (the one

@@ -32,6 +32,11 @@ pub struct TrainConfig {
     /// `cudnn::decide_run_kernel`), given to every rank's backend; `None`
     /// on the CPU, or where the backend decides per call.
     pub attention_kernel: Option<crate::backend::cuda::cudnn::AttentionKernel>,
+    /// Whether the run's windows may hold several documents (`--pack
+    /// documents|bfd` over ids with a document index): its attention masks
+    /// are then documents masks, and a rehearsal, which reads no data,
+    /// attends under one (two documents) to allocate what they do.
+    pub documents: bool,
     pub steps: u32,
     pub optim: AdamWConfig,
     pub seed: u64,
@@ -139,6 +144,7 @@ impl TrainConfig {
             seq,
             pack: PackMode::default(),
             attention_kernel: None,
+            documents: false,
             steps,
             optim,
             seed: 0,

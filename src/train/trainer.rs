@@ -379,7 +379,8 @@ fn run_rank<B: Backend>(
         let start = Instant::now();
         // the loss is the mean over the counted targets of the whole step
         // (every micro-step of every replica), known before any backward
-        let windows = draw_step(&mut sampler, plan, &positions, cfg.grad_accum, cfg.rehearse)?;
+        let rehearsal = (cfg.rehearse, cfg.documents);
+        let windows = draw_step(&mut sampler, plan, &positions, cfg.grad_accum, rehearsal)?;
         let counted = step_counted(b, mesh, &windows)?;
         let grad_scale = (1.0 / counted as f64) as f32;
         let mut local_loss = 0.0;

@@ -72,30 +72,54 @@ fn attn_geom(
 }
 
 impl CudaBackend {
-    /// The key rows each query row of a documents mask sees, uploaded for
-    /// the flash and naive kernels (`[2·sq]` int32 as 4-byte elements, a
-    /// workspace freed when the call returns, stream-ordered); `None` for
-    /// the masks the kernels take as a flag. cuDNN does not take these
-    /// masks (`cudnn::select`), so a documents call allocates this before
-    /// the kernels' own buffers, on every path.
-    fn mask_bounds(&self, mask: &AttnMask, sq: usize) -> Result<Option<Tensor<Self>>> {
+    /// The key rows each query row of a documents mask sees, on the device
+    /// for the flash and naive kernels (`[2·sq]` int32 as 4-byte elements);
+    /// its address, or 0 for the masks the kernels take as a flag. The
+    /// bounds of the last call are kept (`Category::Workspace`, in the
+    /// ledger): a call whose bounds equal them (every stage and layer of a
+    /// window) uploads nothing; other bounds replace them (the old freed
+    /// first, stream-ordered). Released with cuDNN's workspace
+    /// (`release_attention_workspace`). cuDNN does not take these masks.
+    fn mask_bounds(&self, mask: &AttnMask, sq: usize) -> Result<u64> {
         match mask {
-            AttnMask::Full | AttnMask::Causal => Ok(None),
-            AttnMask::Bounded(_) if sq == 0 => Ok(None),
+            AttnMask::Full | AttnMask::Causal => Ok(0),
+            AttnMask::Bounded(_) if sq == 0 => Ok(0),
             AttnMask::Bounded(m) => {
                 let b = if self.rehearsing() {
                     vec![0; 2 * sq]
                 } else {
                     m.row_bounds()
                 };
-                self.upload_ids(&b).map(Some)
+                self.kept_bounds(b)
             }
         }
+    }
+
+    /// The device address of `bounds`: the kept copy when it holds the
+    /// same, else `bounds` uploaded in its place.
+    fn kept_bounds(&self, bounds: Vec<u32>) -> Result<u64> {
+        let mut kept = self
+            .mask_bounds
+            .lock()
+            .map_err(|_| Error::Backend("attention mask bounds lock poisoned".into()))?;
+        if let Some((b, t)) = kept.as_ref()
+            && *b == bounds
+        {
+            return Ok(ptr(t));
+        }
+        *kept = None;
+        let t = self.upload_ids(&bounds)?;
+        let at = ptr(&t);
+        *kept = Some((bounds, t));
+        Ok(at)
     }
 
     /// Returns the attention kernels' kept workspace (cuDNN's, grown to its
     /// largest call) to the pool, so a following workload's peak is its own.
     pub fn release_attention_workspace(&self) -> Result<()> {
+        if let Ok(mut kept) = self.mask_bounds.lock() {
+            *kept = None;
+        }
         match self.cudnn.get() {
             Some(Ok(sdpa)) => sdpa.release_workspace(),
             _ => Ok(()),
@@ -432,9 +456,8 @@ impl CudaBackend {
                 return c.fwd(self, &f);
             }
         }
-        let bounds = self.mask_bounds(mask, a.sq)?;
         let a = AttnFwd {
-            bounds: bounds.as_ref().map_or(0, ptr),
+            bounds: self.mask_bounds(mask, a.sq)?,
             ..a
         };
         let (path, why) = self.fwd_path(&a)?;
@@ -605,7 +628,7 @@ impl CudaBackend {
             hkv: g.hkv,
             d: g.d,
             mask: mask.clone(),
-            bounds: bounds.as_ref().map_or(0, ptr),
+            bounds,
         };
         let flash_fns = if sq == 0 || sk == 0 || g.hq == 0 {
             None

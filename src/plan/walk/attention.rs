@@ -66,6 +66,9 @@ pub struct AttnWalk {
     pub flash_ws: bool,
     /// Attention calls cuDNN takes run there (CUDA, `--attn-kernel auto`).
     pub cudnn: bool,
+    /// The masks are documents masks, on our kernels (CUDA): each call's
+    /// per-row key bounds are kept on the device (`CudaBackend::mask_bounds`).
+    pub documents: bool,
     /// This rank's ring index (ring blocks differ by rank).
     pub ring_rank: usize,
 }
@@ -95,13 +98,15 @@ impl AttnWalk {
             settle_every: plan.settle_every,
             flash_ws: false,
             cudnn: false,
+            documents: false,
             ring_rank: 0,
         }
     }
 
     /// `CudaBackend::attention_fwd`: on cuDNN the call runs with the kept
     /// workspace, which exists from the first call on (cuDNN's forward plan
-    /// workspace is counted as 0: what the H200 ledger shows).
+    /// workspace is counted as 0: what the H200 ledger shows); on our
+    /// kernels under documents masks, with the call's key bounds kept.
     fn attention_fwd(
         &self,
         sim: &mut Sim,
@@ -117,6 +122,17 @@ impl AttnWalk {
             && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
         {
             sim.keep_at_least("cudnn workspace", Workspace, cudnn::kept_workspace_bytes(0));
+        } else {
+            self.keep_mask_bounds(sim, sq);
+        }
+    }
+
+    /// `CudaBackend::mask_bounds` in a documents run: the call's `[2·sq]`
+    /// key bounds (4-byte elements) kept, in place of the last call's when
+    /// their size differs (bounds of equal size leave the ledger alike).
+    fn keep_mask_bounds(&self, sim: &mut Sim, sq: usize) {
+        if self.documents && sq > 0 {
+            sim.keep_exactly("mask bounds", Workspace, 2 * sq * F32);
         }
     }
 
@@ -173,6 +189,7 @@ impl AttnWalk {
             .filter(|&&(_, eb, _)| eb != F32)
             .map(|&(n, _, _)| sim.alloc(Workspace, n * F32))
             .collect();
+        self.keep_mask_bounds(sim, sq);
         if self.flash_ws && flash::check_supported(sq, sk, hq, hkv, d, mask).is_ok() {
             let ws = sim.alloc(Workspace, flash::flash_bwd_workspace_bytes(sq, hq));
             sim.free(ws);
