@@ -236,7 +236,8 @@ pub fn decide_run_kernel(ask: AttnKernel, f: &KernelFacts) -> Result<KernelDecis
             (Ok(_), true) => "use --attn-kernel auto (upipe's flash kernels) or --pack stream",
             (Ok(_), false) => "use --attn-kernel auto or native",
             (Err(_), _) => {
-                "install cuDNN 9 or point UPIPE_CUDNN_LIB at a loadable libcudnn.so.9                  (`upipe info` lists what it finds), or use --attn-kernel auto or native"
+                "install cuDNN 9 or point UPIPE_CUDNN_LIB at a loadable libcudnn.so.9 \
+                 (`upipe info` lists what it finds), or use --attn-kernel auto or native"
             }
         };
         return Err(Error::Config(format!("--attn-kernel cudnn: {why}; {fix}")));
@@ -251,7 +252,8 @@ pub fn decide_run_kernel(ask: AttnKernel, f: &KernelFacts) -> Result<KernelDecis
         Err(_) => KernelDecision {
             kernel: native,
             warning: Some(format!(
-                "--attn-kernel auto: attention on upipe's {native} kernels because {why};                  {speed} (--attn-kernel native chooses them without this warning)"
+                "--attn-kernel auto: attention on upipe's {native} kernels because {why}; \
+                 {speed} (--attn-kernel native chooses them without this warning)"
             )),
             note: None,
         },
