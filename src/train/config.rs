@@ -99,8 +99,8 @@ pub struct TrainConfig {
 
 impl TrainConfig {
     /// What this process decided on its own (the `auto` choices of
-    /// `train`, resolved from its GPU's and its host's memory), as the flags
-    /// that repeat it. Process ranks check that they agree before they
+    /// `train`, resolved from its GPU's and its host's memory, and its
+    /// attention kernel), as the flags that repeat it. Process ranks check that they agree before they
     /// train ([`ProcessRank::join`]).
     pub fn decided_flags(&self) -> String {
         let mut f = vec![format!("--fsdp {}", if self.fsdp { "on" } else { "off" })];
@@ -116,6 +116,16 @@ impl TrainConfig {
             f.push(format!("--save-attention {}", p.save_attention));
         }
         f.push(format!("--offload-optimizer {}", p.offload_optimizer));
+        // the attention kernel (ranks that could load different cuDNNs
+        // would plan differently)
+        use crate::backend::cuda::cudnn::AttentionKernel;
+        match self.attention_kernel {
+            Some(AttentionKernel::Cudnn { .. }) => f.push("--attn-kernel cudnn".into()),
+            Some(AttentionKernel::Flash | AttentionKernel::Naive) => {
+                f.push("--attn-kernel native".into())
+            }
+            None => {}
+        }
         f.join(" ")
     }
 
