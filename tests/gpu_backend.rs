@@ -1306,6 +1306,7 @@ fn host_rounded_bf16_uploads_equal_the_device_cast() {
 /// and a documents call on the flash kernels (the planner's rule,
 /// `AttentionKernel::takes_on_cudnn`).
 #[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
 fn documents_mask_bounds_are_kept_until_the_mask_changes() {
     use upipe::backend::cuda::cudnn::AttentionKernel;
     use upipe::backend::mask::BoundedMask;
