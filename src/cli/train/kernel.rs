@@ -71,3 +71,37 @@ pub fn flag_of(kernel: AttentionKernel) -> &'static str {
         AttentionKernel::Flash | AttentionKernel::Naive => "native",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Documents masks are possible only where the packing keeps documents
+    /// apart and the ids have an index beside them; on the CPU `cudnn` is
+    /// an error and the others decide nothing.
+    #[test]
+    fn documents_need_an_index_and_the_cpu_has_no_kernel_to_decide() {
+        let dir = std::env::temp_dir().join(format!("upipe-kernel-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ids = dir.join("ids.u32");
+        std::fs::write(&ids, [0u8; 16]).unwrap();
+        let text = dir.join("corpus.txt");
+        std::fs::write(&text, "text").unwrap();
+        assert!(!may_hold_documents(PackMode::Documents, Some(&ids)));
+        std::fs::write(index_path(&ids), [0u8; 8]).unwrap();
+        assert!(may_hold_documents(PackMode::Documents, Some(&ids)));
+        assert!(may_hold_documents(PackMode::Bfd, Some(&ids)));
+        assert!(!may_hold_documents(PackMode::Stream, Some(&ids)));
+        assert!(!may_hold_documents(PackMode::Documents, Some(&text)));
+        assert!(!may_hold_documents(PackMode::Documents, None));
+        std::fs::remove_dir_all(&dir).unwrap();
+        let cpu = |ask| decide(&Route::CpuThreads, Device::Cpu, ask, 64, false, false);
+        assert_eq!(cpu(AttnKernel::Auto).unwrap(), None);
+        assert_eq!(cpu(AttnKernel::Native).unwrap(), None);
+        let e = cpu(AttnKernel::Cudnn).unwrap_err().to_string();
+        assert!(
+            e.contains("--attn-kernel cudnn") && e.contains("--device cpu"),
+            "{e}"
+        );
+    }
+}
