@@ -151,6 +151,17 @@ fn bad_configurations_name_the_fix() {
     assert!(err.contains("tiny"), "lists the presets");
     let err = upipe_error(&["train", "--attn-kernel", "fastest", "--steps", "1"]);
     assert!(err.contains("auto, cudnn or native"), "{err}");
+    // cuDNN asked for where no GPU runs the attention: said before anything starts
+    let err = upipe_error(&["train", "--device", "cpu", "--attn-kernel", "cudnn"]);
+    assert!(
+        err.contains("--attn-kernel cudnn") && err.contains("--device cpu"),
+        "{err}"
+    );
+    let no_gpu = upipe::backend::cuda::device::gpus().map_or(true, |g| g.is_empty());
+    if no_gpu {
+        let err = upipe_error(&["train", "--attn-kernel", "cudnn", "--steps", "1"]);
+        assert!(err.contains("no GPU is visible"), "{err}");
+    }
     let err = upipe_error(&["train", "--lr", "1e-4", "--min-lr", "3e-4", "--steps", "1"]);
     assert!(err.contains("lower --min-lr"), "{err}");
 }

@@ -1353,3 +1353,61 @@ fn host_rounded_bf16_uploads_equal_the_device_cast() {
         .all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(same, "host and device rounding differ");
 }
+
+/// A documents mask's per-row key bounds stay on the device (in the ledger,
+/// `Workspace`) from one call to the next: calls that repeat a mask reuse
+/// them and a new mask replaces them, so masks that change, repeat and
+/// change back still give the CPU's results; releasing the attention
+/// workspace frees them. A run decided on cuDNN runs a causal call there
+/// and a documents call on the flash kernels (the planner's rule,
+/// `AttentionKernel::takes_on_cudnn`).
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
+fn documents_mask_bounds_are_kept_until_the_mask_changes() {
+    use upipe::backend::cuda::cudnn::AttentionKernel;
+    use upipe::backend::mask::BoundedMask;
+    let Some((_, n)) = flash_pair() else { return };
+    let mut f = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    f.set_attention_kernel(AttentionKernel::Flash);
+    if f.flash_functions().unwrap().is_none() {
+        eprintln!("SKIP kept mask bounds: no flash kernels on {}", f.arch());
+        return;
+    }
+    let s = 256;
+    let a = BoundedMask::documents(&[0, 100, 130], s).unwrap();
+    let other = BoundedMask::documents(&[0, 7, 200], s).unwrap();
+    let mut rng = Rng::new("kept mask bounds");
+    let mut p = AttnProblem::new(&mut rng, s, s, 4, 2, 64, false);
+    for (i, mask) in [a.clone(), a.clone(), other, a].into_iter().enumerate() {
+        p.bounded = Some(AttnMask::Bounded(mask));
+        let tag = format!("kept bounds call {i} {}", p.tag());
+        compare_kernels(&tag, (&f, n, "naive"), &p, DType::F32, &[0..s]);
+        assert_eq!(
+            f.ledger().current_of(Category::Workspace),
+            2 * s * 4,
+            "{tag}: the bounds of the last mask are kept"
+        );
+    }
+    f.release_attention_workspace().unwrap();
+    assert_eq!(
+        f.ledger().current(),
+        0,
+        "released with the attention workspace"
+    );
+    // a run decided on cuDNN: causal on cuDNN, documents on flash
+    let Ok((version, _)) = upipe::backend::cuda::cudnn::probe() else {
+        eprintln!("SKIP decided cuDNN: cuDNN not usable here");
+        return;
+    };
+    f.set_attention_kernel(AttentionKernel::Cudnn { version });
+    let mut causal = AttnProblem::new(&mut rng, s, s, 4, 2, 64, true);
+    let before = f.attention_calls();
+    let _ = attn_fwd_on(&f, DType::BF16, &causal);
+    causal.bounded = Some(AttnMask::Bounded(
+        BoundedMask::documents(&[0, 100], s).unwrap(),
+    ));
+    let _ = attn_fwd_on(&f, DType::BF16, &causal);
+    let after = f.attention_calls();
+    assert_eq!(after.cudnn_fwd - before.cudnn_fwd, 1, "causal on cuDNN");
+    assert_eq!(after.flash_fwd - before.flash_fwd, 1, "documents on flash");
+}

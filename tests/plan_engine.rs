@@ -161,6 +161,33 @@ fn the_engine_and_the_walk_agree_where_cudnn_and_flash_take_the_calls() {
     }
 }
 
+/// A packed documents run on CUDA (`--attn-kernel auto` puts it on our
+/// kernels): the engine's rehearsal attends under a documents mask, whose
+/// per-row key bounds the backend keeps on the device, and the walk keeps
+/// the same, on every mesh and ring role; the bounds are in the peak.
+#[test]
+fn the_engine_and_the_walk_agree_on_packed_documents_runs() {
+    let model = d64();
+    for m in MESHES {
+        for policy in policies(model.layers).into_iter().take(6) {
+            for fsdp in [false, true] {
+                let mut s = spec(&model, m, 1536, policy);
+                s.device = DeviceKind::CudaDocuments;
+                s.fsdp = fsdp;
+                check(&s, &format!("documents {m:?} fsdp={fsdp} {policy:?}"));
+            }
+        }
+    }
+    // one rank of 1536 rows: the kept bounds are 2·1536 4-byte elements
+    let ulysses = &(false, Strategy::Ulysses, 4, 1, None, None, 1);
+    let mut s = spec(&model, ulysses, 1536, policies(model.layers)[0]);
+    s.device = DeviceKind::CudaNative;
+    let native = engine_step_rank(&s, 0).unwrap();
+    s.device = DeviceKind::CudaDocuments;
+    let documents = engine_step_rank(&s, 0).unwrap();
+    assert_eq!(documents.peak, native.peak + 2 * 1536 * 4);
+}
+
 #[test]
 fn the_engine_and_the_walk_agree_under_grad_accumulation_and_hsdp() {
     let model = tiny(false);

@@ -123,6 +123,9 @@ pub struct Rehearsal<D: Rehearsable> {
     gemm_workspace: OnceLock<Tensor<Rehearsal<D>>>,
     /// cuDNN's execution workspace, kept between calls and grown.
     attn_workspace: Mutex<Option<Tensor<Rehearsal<D>>>>,
+    /// The last documents-masked call's key bounds (`[2·sq]` 4-byte
+    /// elements), kept as `CudaBackend` keeps them.
+    mask_bounds: Mutex<Option<Tensor<Rehearsal<D>>>>,
     device: D,
 }
 
@@ -133,6 +136,7 @@ impl<D: Rehearsable> Rehearsal<D> {
         Rehearsal {
             gemm_workspace: OnceLock::new(),
             attn_workspace: Mutex::new(None),
+            mask_bounds: Mutex::new(None),
             device,
         }
     }
@@ -206,18 +210,28 @@ impl<D: Rehearsable> Rehearsal<D> {
         self.grow_attn_workspace(cudnn::bwd_workspace_bytes(shape, plan_ws))
     }
 
-    /// What the CUDA backend uploads for a documents mask: its rows' key
-    /// bounds (`[2·sq]` 4-byte elements) for the call's duration.
-    fn mask_bounds(&self, g: &AttnShape) -> Result<Option<Tensor<Self>>> {
-        match g.mask {
-            AttnMask::Bounded(_) if g.sq > 0 => self.scratch(2 * g.sq, DType::F32).map(Some),
-            AttnMask::Full | AttnMask::Causal | AttnMask::Bounded(_) => Ok(None),
+    /// What the CUDA backend keeps for a documents mask on our kernels: its
+    /// rows' key bounds (`[2·sq]` 4-byte elements), replacing the last
+    /// call's (freed first) unless they are the same. The ledger sees only
+    /// their size: bounds of equal size replaced or kept leave it alike.
+    fn keep_mask_bounds(&self, g: &AttnShape) -> Result<()> {
+        if !matches!(g.mask, AttnMask::Bounded(_)) || g.sq == 0 {
+            return Ok(());
         }
+        let mut kept = self
+            .mask_bounds
+            .lock()
+            .map_err(|_| Error::Backend("attention mask bounds lock poisoned".into()))?;
+        if kept.as_ref().is_none_or(|t| t.numel() != 2 * g.sq) {
+            *kept = None;
+            *kept = Some(self.alloc(&[2 * g.sq], DType::F32, Category::Workspace)?);
+        }
+        Ok(())
     }
 
     /// `CudaBackend::attention_bwd`'s allocations on our kernels: F32
-    /// scratch for each gradient of another dtype, the mask's bounds, and
-    /// the flash backward's transient workspace when the flash kernels take
+    /// scratch for each gradient of another dtype, the kept mask bounds,
+    /// and the flash backward's transient workspace when the flash kernels take
     /// the geometry.
     fn native_bwd(
         &self,
@@ -232,7 +246,7 @@ impl<D: Rehearsable> Rehearsal<D> {
                 scratch.push(self.scratch(n, DType::F32)?);
             }
         }
-        let _bounds = self.mask_bounds(g)?;
+        self.keep_mask_bounds(g)?;
         if nonempty && self.device.flash_bwd(g)? {
             let bytes = flash::flash_bwd_workspace_bytes(g.sq, g.hq);
             drop(self.scratch(bytes / 4, DType::F32)?);
@@ -493,7 +507,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         if let Some(plan_ws) = cudnn {
             self.grow_attn_workspace(plan_ws)?;
         } else if self.is_cuda() {
-            drop(self.mask_bounds(&g)?);
+            self.keep_mask_bounds(&g)?;
         }
         Ok(())
     }

@@ -289,6 +289,7 @@ fn write_metrics(
         counted_tokens: Some(r.counted_tokens),
         attn_flop_fraction: None,
         tokens_per_s: r.tokens_per_s,
+        attention_kernel: None,
         tflops,
         tflops_per_rank: tflops / ranks.max(1) as f64,
         ranks,

@@ -49,6 +49,10 @@ pub struct StepMetrics {
     pub attn_flop_fraction: Option<f64>,
     #[serde(deserialize_with = "nan_if_null")]
     pub tokens_per_s: f64,
+    /// The attention kernel the run decided on before it planned
+    /// (`cudnn 9.14.0`, `flash`, `naive`; none on the CPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_kernel: Option<String>,
     /// Model TFLOP/s of the whole run (`model::flops`: 6·N plus causal
     /// attention per trained token; forward only for an evaluation).
     #[serde(deserialize_with = "nan_if_null")]
@@ -89,6 +93,8 @@ pub struct RunFacts {
     pub attention_flops_per_token: f64,
     pub ranks: usize,
     pub predicted: Option<Prediction>,
+    /// The run's attention kernel, as the run header names it (GPUs).
+    pub attention_kernel: Option<String>,
 }
 
 /// A run's clock: its start by the wall clock, and a monotonic clock
@@ -154,6 +160,7 @@ impl StepMetrics {
             counted_tokens: Some(r.counted_tokens),
             attn_flop_fraction: Some(r.attn_flop_fraction),
             tokens_per_s: r.tokens_per_s,
+            attention_kernel: facts.attention_kernel.clone(),
             tflops,
             tflops_per_rank: tflops / facts.ranks.max(1) as f64,
             ranks: facts.ranks,
@@ -302,6 +309,7 @@ mod tests {
             attention_flops_per_token: 2e9,
             ranks: 1,
             predicted: None,
+            attention_kernel: None,
         };
         let mut r = report(1);
         assert!((StepMetrics::of_step(&r, &facts).tflops - 3.0).abs() < 1e-9);
@@ -318,6 +326,7 @@ mod tests {
             attention_flops_per_token: 0.0,
             ranks: 4,
             predicted: None,
+            attention_kernel: Some("cudnn 9.14.0".into()),
         };
         let m = StepMetrics::of_step(&report(7), &facts);
         // 3 GFLOP per token at 1000 tokens/s: 3 TFLOP/s, 0.75 per rank
@@ -325,6 +334,7 @@ mod tests {
         assert_eq!(m.peak_by_category["weights"], 200);
         assert_eq!(m.peak_by_category["offload_host"], 64);
         assert_eq!(m.peak_by_category.len(), Category::ALL.len());
+        assert!(m.to_line().contains(r#""attention_kernel":"cudnn 9.14.0""#));
         let back: StepMetrics = serde_json::from_str(&m.to_line()).unwrap();
         assert_eq!(back, m);
         let mut diverged = m.clone();
@@ -343,6 +353,7 @@ mod tests {
             attention_flops_per_token: 0.0,
             ranks: 1,
             predicted: None,
+            attention_kernel: None,
         };
         for s in 1..=3 {
             f.write(&StepMetrics::of_step(&report(s), &facts));

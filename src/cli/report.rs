@@ -137,6 +137,7 @@ mod tests {
             counted_tokens: None,
             attn_flop_fraction: None,
             tokens_per_s: 1000.0 + step as f64,
+            attention_kernel: None,
             tflops: 1.0,
             tflops_per_rank: 0.25,
             ranks: 4,

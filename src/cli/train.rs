@@ -26,6 +26,7 @@
 //! closing report (`summary.rs`).
 
 mod args;
+mod kernel;
 mod mesh;
 mod preflight;
 mod progress;
@@ -178,6 +179,15 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
         tracing::info!("thread ranks on GPUs: {why}");
     }
     let lead = route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0);
+    // before anything is planned or allocated; a parent that launches its
+    // ranks leaves the warning to rank 0
+    // masks cuDNN does not take: documents, or a sliding window shorter
+    // than the sequence (a longer one hides nothing and is dropped)
+    let bounded = cfg.documents || c.model.sliding_window.is_some_and(|w| w < cfg.seq);
+    let say = lead && !matches!(route, Route::SelfLaunch { .. });
+    let head_dim = c.model.head_dim;
+    let mut cfg = cfg;
+    cfg.attention_kernel = kernel::decide(&route, c.device, c.kernel, head_dim, bounded, say)?;
     Ok(Built {
         cfg,
         plan,
@@ -210,6 +220,9 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
         },
         seq: a.seq,
         pack: a.pack,
+        // decided in `build` once the route is known
+        attention_kernel: None,
+        documents: kernel::may_hold_documents(a.pack, a.data.as_deref()),
         steps: a.steps,
         optim: c.optim,
         seed: a.seed,
@@ -284,9 +297,9 @@ impl Built {
         self.route != Route::CpuThreads
     }
 
-    /// The device the planner predicts for.
+    /// The device the planner predicts for: the decided attention kernel's.
     fn device_kind(&self) -> DeviceKind {
-        DeviceKind::of_run(self.on_gpu(), self.kernel)
+        DeviceKind::of_kernel(self.cfg.attention_kernel, self.cfg.documents)
     }
 
     /// Every `auto` of the run resolved as it will use it (the one
@@ -416,6 +429,9 @@ fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
         r.memory.save_attention = SaveAttention::Blocks(p.save_attention);
     }
     r.memory.offload_optimizer = OptimizerOffload::Units(p.offload_optimizer);
+    if let Some(k) = run.cfg.attention_kernel {
+        r.attn_kernel = kernel::flag_of(k).into();
+    }
     print_config::annotated(&r, &TrainArgs::all_keys())
 }
 
@@ -478,10 +494,15 @@ fn self_launch(run: &Built, nproc: usize) -> Result<i32> {
     crate::cli::launch::run_local(nproc, child)
 }
 
-/// The line a run starts with.
+/// The line a run starts with (on GPUs naming the attention kernel the
+/// run decided on).
 fn announce(run: &Built, tokens: usize) {
+    let kernel = match run.cfg.attention_kernel {
+        Some(k) => format!(", attention on {k}"),
+        None => String::new(),
+    };
     println!(
-        "training {} on {tokens} tokens: {}, {} steps",
+        "training {} on {tokens} tokens: {}, {} steps{kernel}",
         run.model_text(),
         run.layout_text(),
         run.cfg.steps

@@ -14,6 +14,10 @@ pub enum DeviceKind {
     Cuda,
     /// CUDA with our attention kernels only (`--attn-kernel native`).
     CudaNative,
+    /// CUDA with our attention kernels under documents masks (`--pack
+    /// documents|bfd` over data with a document index, which `auto` puts on
+    /// our kernels): each call's per-row key bounds kept on the device.
+    CudaDocuments,
 }
 
 impl DeviceKind {
@@ -21,7 +25,7 @@ impl DeviceKind {
     pub fn act_bytes(self) -> usize {
         match self {
             DeviceKind::Cpu => 4,
-            DeviceKind::Cuda | DeviceKind::CudaNative => 2,
+            DeviceKind::Cuda | DeviceKind::CudaNative | DeviceKind::CudaDocuments => 2,
         }
     }
     /// Whether this is a CUDA device (either attention kernel choice).
@@ -44,8 +48,28 @@ impl DeviceKind {
     pub fn backend_resident(self) -> usize {
         match self {
             DeviceKind::Cpu => 0,
-            DeviceKind::Cuda | DeviceKind::CudaNative => {
+            DeviceKind::Cuda | DeviceKind::CudaNative | DeviceKind::CudaDocuments => {
                 crate::backend::cuda::gemm::WORKSPACE_BYTES
+            }
+        }
+    }
+    /// The device of a run whose attention kernel was decided
+    /// (`cudnn::decide_run_kernel`; `None`: on the CPU), `documents` when
+    /// its windows may hold several documents: cuDNN runs are planned with
+    /// cuDNN where it takes the call, the others on our kernels.
+    pub fn of_kernel(
+        kernel: Option<crate::backend::cuda::cudnn::AttentionKernel>,
+        documents: bool,
+    ) -> Self {
+        use crate::backend::cuda::cudnn::AttentionKernel;
+        match (kernel, documents) {
+            (None, _) => DeviceKind::Cpu,
+            (Some(AttentionKernel::Cudnn { .. }), _) => DeviceKind::Cuda,
+            (Some(AttentionKernel::Flash | AttentionKernel::Naive), false) => {
+                DeviceKind::CudaNative
+            }
+            (Some(AttentionKernel::Flash | AttentionKernel::Naive), true) => {
+                DeviceKind::CudaDocuments
             }
         }
     }
@@ -76,6 +100,9 @@ impl DeviceKind {
             }
             DeviceKind::CudaNative => {
                 "cuda (bf16 activations, f32 grads/optimizer/master; our attention kernels)"
+            }
+            DeviceKind::CudaDocuments => {
+                "cuda (bf16 activations, f32 grads/optimizer/master; our attention kernels, documents masks)"
             }
         }
     }

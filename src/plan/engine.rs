@@ -30,7 +30,7 @@ pub fn counted_device(device: DeviceKind) -> CountedDevice {
         DeviceKind::Cuda => CountedDevice::Cuda {
             cudnn: Some(PLANNED_CUDNN_VERSION),
         },
-        DeviceKind::CudaNative => CountedDevice::Cuda { cudnn: None },
+        DeviceKind::CudaNative | DeviceKind::CudaDocuments => CountedDevice::Cuda { cudnn: None },
     }
 }
 
@@ -46,6 +46,7 @@ fn train_config(spec: &StepSpec) -> TrainConfig {
         fsdp: spec.fsdp,
         fsdp_replicas: spec.fsdp_replicas,
         grad_accum: spec.grad_accum.max(1),
+        documents: spec.device == DeviceKind::CudaDocuments,
         rehearse: true,
         ..TrainConfig::new(
             spec.model.clone(),

@@ -182,6 +182,7 @@ fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usiz
     AttnWalk {
         flash_ws: device.is_cuda(),
         cudnn: device == DeviceKind::Cuda,
+        documents: device == DeviceKind::CudaDocuments,
         ring_rank,
         ..AttnWalk::new(plan, dims, device.act_bytes())
     }

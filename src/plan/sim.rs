@@ -82,6 +82,20 @@ impl Sim {
         self.kept.push((name, b));
     }
 
+    /// A buffer the backend keeps between calls and replaces when a call
+    /// needs another size: the old one is released first.
+    pub fn keep_exactly(&mut self, name: &'static str, cat: Category, bytes: usize) {
+        if let Some(i) = self.kept.iter().position(|(n, _)| *n == name) {
+            if self.kept[i].1.bytes == bytes {
+                return;
+            }
+            let (_, old) = self.kept.remove(i);
+            self.free(old);
+        }
+        let b = self.alloc(cat, bytes);
+        self.kept.push((name, b));
+    }
+
     /// Grows this ledger's kept buffers to `other`'s (what a later pass
     /// starts with, once an earlier one grew them).
     pub fn keep_as(&mut self, other: &Sim) {

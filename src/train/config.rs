@@ -28,6 +28,15 @@ pub struct TrainConfig {
     pub seq: usize,
     /// How windows are made from the data's documents (`--pack`).
     pub pack: PackMode,
+    /// The attention kernel the run decided on before it planned (CUDA:
+    /// `cudnn::decide_run_kernel`), given to every rank's backend; `None`
+    /// on the CPU, or where the backend decides per call.
+    pub attention_kernel: Option<crate::backend::cuda::cudnn::AttentionKernel>,
+    /// Whether the run's windows may hold several documents (`--pack
+    /// documents|bfd` over ids with a document index): its attention masks
+    /// are then documents masks, and a rehearsal, which reads no data,
+    /// attends under one (two documents) to allocate what they do.
+    pub documents: bool,
     pub steps: u32,
     pub optim: AdamWConfig,
     pub seed: u64,
@@ -92,8 +101,8 @@ pub struct TrainConfig {
 
 impl TrainConfig {
     /// What this process decided on its own (the `auto` choices of
-    /// `train`, resolved from its GPU's and its host's memory), as the flags
-    /// that repeat it. Process ranks check that they agree before they
+    /// `train`, resolved from its GPU's and its host's memory, and its
+    /// attention kernel), as the flags that repeat it. Process ranks check that they agree before they
     /// train ([`ProcessRank::join`]).
     pub fn decided_flags(&self) -> String {
         let mut f = vec![format!("--fsdp {}", if self.fsdp { "on" } else { "off" })];
@@ -109,6 +118,16 @@ impl TrainConfig {
             f.push(format!("--save-attention {}", p.save_attention));
         }
         f.push(format!("--offload-optimizer {}", p.offload_optimizer));
+        // the attention kernel (ranks that could load different cuDNNs
+        // would plan differently)
+        use crate::backend::cuda::cudnn::AttentionKernel;
+        match self.attention_kernel {
+            Some(AttentionKernel::Cudnn { .. }) => f.push("--attn-kernel cudnn".into()),
+            Some(AttentionKernel::Flash | AttentionKernel::Naive) => {
+                f.push("--attn-kernel native".into())
+            }
+            None => {}
+        }
         f.join(" ")
     }
 
@@ -136,6 +155,8 @@ impl TrainConfig {
             fwd_chunk_heads: None,
             seq,
             pack: PackMode::default(),
+            attention_kernel: None,
+            documents: false,
             steps,
             optim,
             seed: 0,

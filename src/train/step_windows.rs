@@ -38,22 +38,25 @@ impl RankWindow {
 
 /// This rank's rows of the step's `grad_accum` windows. A rehearsal reads
 /// no data and computes nothing with it: it takes zeros for this rank's
-/// rows, one document, every target counted.
+/// rows, every target counted, in one document, or where the run's windows
+/// hold several (`documents`) in two (`[0, 1)` and the rest: the attention
+/// of a documents mask, with the causal mask's ring blocks).
 pub fn draw_step(
     sampler: &mut PackedSampler,
     plan: &CpPlan,
     positions: &[usize],
     grad_accum: usize,
-    rehearse: bool,
+    (rehearse, documents): (bool, bool),
 ) -> Result<Vec<RankWindow>> {
     (0..grad_accum.max(1))
         .map(|_| {
             if rehearse {
                 let n = plan.layout.local_len();
+                let two = documents && plan.layout.seq >= 2;
                 return Ok(RankWindow {
                     ids: vec![0; n],
                     targets: vec![0; n],
-                    doc_starts: vec![0],
+                    doc_starts: if two { vec![0, 1] } else { vec![0] },
                 });
             }
             RankWindow::of(&sampler.next_packed(), positions)

@@ -211,7 +211,14 @@ pub fn train_process_rank(
     crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let decided = cfg.decided_flags();
-    let rank = ProcessRank::join("train", env, shape, kernel, cfg.host_budget, &decided)?;
+    let rank = ProcessRank::join(
+        "train",
+        env,
+        shape,
+        (kernel, cfg.attention_kernel),
+        cfg.host_budget,
+        &decided,
+    )?;
     match cfg.rehearse {
         true => {
             let b = Rehearsal::on(rank.backend.clone());
@@ -235,7 +242,7 @@ pub fn eval_process_rank(
     tokens.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(tokens)?.seq)?);
     // eval takes every choice from its flags: nothing of its own to agree on
-    let rank = ProcessRank::join("eval", env, shape, kernel, None, "")?;
+    let rank = ProcessRank::join("eval", env, shape, (kernel, None), None, "")?;
     eval_on_mesh(cfg, tokens, host, rank.backend.as_ref(), &rank.mesh)
 }
 
@@ -253,7 +260,8 @@ impl ProcessRank {
     /// Joins the run of the subcommand `command` (named in errors) that
     /// `env` describes: checks that the world size is the size of `shape`
     /// and that `LOCAL_RANK` has a GPU of its own, opens that GPU with the
-    /// attention `kernel` and the pinned-host budget `host_budget`, meets
+    /// attention `kernel` (`--attn-kernel`, and the kernel the run decided
+    /// on, `TrainConfig::attention_kernel`) and the pinned-host budget `host_budget`, meets
     /// the other ranks at the rendezvous, joins the NCCL world and splits
     /// the `data x ring x ulysses` mesh from it. `decided` is what this
     /// rank chose on its own, as flags: every rank must have chosen alike,
@@ -262,7 +270,10 @@ impl ProcessRank {
         command: &str,
         env: &DistEnv,
         shape: MeshShape,
-        kernel: crate::backend::cuda::cudnn::AttnKernel,
+        kernel: (
+            crate::backend::cuda::cudnn::AttnKernel,
+            Option<crate::backend::cuda::cudnn::AttentionKernel>,
+        ),
         host_budget: Option<usize>,
         decided: &str,
     ) -> Result<ProcessRank> {
@@ -279,7 +290,10 @@ impl ProcessRank {
             "pass rank 0's flags to every rank, or the same --host-mem on every node",
         )?;
         let mut b = CudaBackend::new(env.local_rank)?;
-        b.set_attn_kernel(kernel);
+        b.set_attn_kernel(kernel.0);
+        if let Some(k) = kernel.1 {
+            b.set_attention_kernel(k);
+        }
         b.set_host_budget(host_budget);
         let backend = Arc::new(b);
         let world = NcclWorld::connect(env, &mut rv, backend.clone())?;
@@ -392,7 +406,8 @@ fn run_rank<B: Backend>(
         let start = Instant::now();
         // the loss is the mean over the counted targets of the whole step
         // (every micro-step of every replica), known before any backward
-        let windows = draw_step(&mut sampler, plan, &positions, cfg.grad_accum, cfg.rehearse)?;
+        let rehearsal = (cfg.rehearse, cfg.documents);
+        let windows = draw_step(&mut sampler, plan, &positions, cfg.grad_accum, rehearsal)?;
         let counted = step_counted(b, mesh, &windows)?;
         let grad_scale = (1.0 / counted as f64) as f32;
         let mut local_loss = 0.0;

@@ -72,23 +72,47 @@ fn attn_geom(
 }
 
 impl CudaBackend {
-    /// The key rows each query row of a documents mask sees, uploaded for
-    /// the flash and naive kernels (`[2·sq]` int32 as 4-byte elements, a
-    /// workspace freed when the call returns, stream-ordered); `None` for
-    /// the masks the kernels take as a flag. cuDNN does not take these
-    /// masks (`cudnn::select`), so a documents call allocates this before
-    /// the kernels' own buffers, on every path.
-    fn mask_bounds(&self, mask: &AttnMask, sq: usize) -> Result<Option<Tensor<Self>>> {
+    /// The key rows each query row of a documents mask sees, on the device
+    /// for the flash and naive kernels (`[2·sq]` int32 as 4-byte elements);
+    /// its address, or 0 for the masks the kernels take as a flag. The
+    /// bounds of the last call are kept (`Category::Workspace`, in the
+    /// ledger): a call whose bounds equal them (every stage and layer of a
+    /// window) uploads nothing; other bounds replace them (the old freed
+    /// first, stream-ordered). Released with cuDNN's workspace
+    /// (`release_attention_workspace`). cuDNN does not take these masks.
+    fn mask_bounds(&self, mask: &AttnMask, sq: usize) -> Result<u64> {
         match mask {
-            AttnMask::Full | AttnMask::Causal => Ok(None),
-            AttnMask::Bounded(_) if sq == 0 => Ok(None),
-            AttnMask::Bounded(m) => self.upload_ids(&m.row_bounds()).map(Some),
+            AttnMask::Full | AttnMask::Causal => Ok(0),
+            AttnMask::Bounded(_) if sq == 0 => Ok(0),
+            AttnMask::Bounded(m) => self.kept_bounds(m.row_bounds()),
         }
+    }
+
+    /// The device address of `bounds`: the kept copy when it holds the
+    /// same, else `bounds` uploaded in its place.
+    fn kept_bounds(&self, bounds: Vec<u32>) -> Result<u64> {
+        let mut kept = self
+            .mask_bounds
+            .lock()
+            .map_err(|_| Error::Backend("attention mask bounds lock poisoned".into()))?;
+        if let Some((b, t)) = kept.as_ref()
+            && *b == bounds
+        {
+            return Ok(ptr(t));
+        }
+        *kept = None;
+        let t = self.upload_ids(&bounds)?;
+        let at = ptr(&t);
+        *kept = Some((bounds, t));
+        Ok(at)
     }
 
     /// Returns the attention kernels' kept workspace (cuDNN's, grown to its
     /// largest call) to the pool, so a following workload's peak is its own.
     pub fn release_attention_workspace(&self) -> Result<()> {
+        if let Ok(mut kept) = self.mask_bounds.lock() {
+            *kept = None;
+        }
         match self.cudnn.get() {
             Some(Ok(sdpa)) => sdpa.release_workspace(),
             _ => Ok(()),
@@ -118,9 +142,11 @@ impl CudaBackend {
     }
 
     /// Chooses the backend's kernel for the attention selection
-    /// (`UPIPE_ATTN_KERNEL`), overriding the environment.
+    /// (`UPIPE_ATTN_KERNEL`), overriding the environment, decided per call
+    /// (a run's decided kernel, `set_attention_kernel`, no longer holds).
     pub fn set_attn_kernel(&mut self, k: cudnn::AttnKernel) {
         self.attn_kernel = k;
+        self.run_kernel = None;
     }
 
     /// cuDNN SDPA of this backend, created on first use.
@@ -131,15 +157,85 @@ impl CudaBackend {
             .map_err(|e| e.clone())
     }
 
+    /// Serves every attention call with the kernel a run decided on before
+    /// it planned (`cudnn::decide_run_kernel`): on cuDNN the calls
+    /// [`cudnn::AttentionKernel::takes_on_cudnn`] says (the planner's rule),
+    /// a cuDNN that then cannot serve one being an error, never a fallback.
+    pub fn set_attention_kernel(&mut self, k: cudnn::AttentionKernel) {
+        self.run_kernel = Some(k);
+        self.attn_kernel = match k {
+            cudnn::AttentionKernel::Cudnn { .. } => cudnn::AttnKernel::Cudnn,
+            cudnn::AttentionKernel::Flash | cudnn::AttentionKernel::Naive => {
+                cudnn::AttnKernel::Native
+            }
+        };
+    }
+
+    /// The kernel the run decided on, if it did (`set_attention_kernel`).
+    pub fn run_attention_kernel(&self) -> Option<cudnn::AttentionKernel> {
+        self.run_kernel
+    }
+
+    /// What GPU `ordinal` and this process offer a run's kernel decision:
+    /// the loadable cuDNN ([`cudnn::probe`]) and whether the flash kernels
+    /// run (sm_90, `UPIPE_ATTENTION` not `naive`). Opens no context and
+    /// allocates nothing.
+    pub fn kernel_facts(
+        ordinal: usize,
+        head_dim: usize,
+        documents: bool,
+    ) -> Result<cudnn::KernelFacts> {
+        let gpus = super::device::gpus()?;
+        let gpu = gpus.get(ordinal).ok_or_else(|| {
+            Error::Backend(format!(
+                "no CUDA device {ordinal}: the driver sees {}; check CUDA_VISIBLE_DEVICES",
+                gpus.len()
+            ))
+        })?;
+        let naive = AttentionKernels::from_env()? == AttentionKernels::Naive;
+        Ok(cudnn::KernelFacts {
+            cudnn: cudnn::probe().map(|(v, _)| v).map_err(|e| e.to_string()),
+            flash: gpu.compute_capability.0 >= 9 && !naive,
+            head_dim,
+            documents,
+        })
+    }
+
+    /// On a run's decided kernel: cuDNN for the calls it takes, an error
+    /// naming the cause where the decided cuDNN cannot serve one.
+    fn decided_cudnn(
+        &self,
+        k: cudnn::AttentionKernel,
+        shape: &cudnn::SdpaShape,
+        bwd: bool,
+    ) -> Result<Option<&cudnn::CudnnSdpa>> {
+        if !k.takes_on_cudnn(shape, bwd) {
+            return Ok(None);
+        }
+        let fail = |why: String| {
+            Error::Backend(format!(
+                "attention: the run decided on {k} but it cannot serve a call of \
+                 sq {} sk {} hq {} hkv {} d {} (bwd {bwd}): {why}; run with --attn-kernel native",
+                shape.sq, shape.sk, shape.hq, shape.hkv, shape.d
+            ))
+        };
+        let c = self.cudnn_sdpa().map_err(fail)?;
+        c.supports(shape, bwd).map_err(fail)?;
+        Ok(Some(c))
+    }
+
     /// Whether this call goes to cuDNN: `Ok(Some)` to use it, `Ok(None)` for
     /// our kernels (the reason logged once per shape), `Err` when cuDNN was
-    /// demanded and cannot serve.
+    /// demanded and cannot serve. A run's decided kernel routes alone.
     pub(super) fn cudnn_for(
         &self,
         shape: &cudnn::SdpaShape,
         bwd: bool,
     ) -> Result<Option<&cudnn::CudnnSdpa>> {
         use cudnn::select::{Choice, decide};
+        if let Some(k) = self.run_kernel {
+            return self.decided_cudnn(k, shape, bwd);
+        }
         if self.attn_kernel == cudnn::AttnKernel::Native {
             return Ok(None);
         }
@@ -357,9 +453,8 @@ impl CudaBackend {
                 return c.fwd(self, &f);
             }
         }
-        let bounds = self.mask_bounds(mask, a.sq)?;
         let a = AttnFwd {
-            bounds: bounds.as_ref().map_or(0, ptr),
+            bounds: self.mask_bounds(mask, a.sq)?,
             ..a
         };
         let (path, why) = self.fwd_path(&a)?;
@@ -527,7 +622,7 @@ impl CudaBackend {
             hkv: g.hkv,
             d: g.d,
             mask: mask.clone(),
-            bounds: bounds.as_ref().map_or(0, ptr),
+            bounds,
         };
         let flash_fns = if sq == 0 || sk == 0 || g.hq == 0 {
             None

@@ -83,6 +83,12 @@ pub struct CudaBackend {
     attn_calls: [AtomicU64; 6],
     /// cuDNN SDPA vs our own kernels (`UPIPE_ATTN_KERNEL=auto|cudnn|native`).
     attn_kernel: cudnn::AttnKernel,
+    /// The kernel the run decided on (`set_attention_kernel`): every call is
+    /// served by it or fails; `None`: `attn_kernel` decides per call.
+    run_kernel: Option<cudnn::AttentionKernel>,
+    /// The per-row key bounds of the last documents-masked attention call
+    /// (`attention_ops.rs` `mask_bounds`): the bounds and their device copy.
+    mask_bounds: std::sync::Mutex<Option<(Vec<u32>, Tensor<CudaBackend>)>>,
     /// cuDNN SDPA, created on first use; `Err` holds why it is unavailable.
     cudnn: OnceLock<std::result::Result<cudnn::CudnnSdpa, String>>,
     /// GPU time by op when `UPIPE_PROFILE` is set.
@@ -171,6 +177,8 @@ impl CudaBackend {
                 (_, Ok(v)) => v.parse()?,
                 (_, Err(_)) => cudnn::AttnKernel::Auto,
             },
+            run_kernel: None,
+            mask_bounds: std::sync::Mutex::new(None),
             cudnn: OnceLock::new(),
             profile,
             comm_fault: Arc::new(OnceLock::new()),

@@ -163,6 +163,7 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
         attention_flops_per_token,
         ranks: run.shape.world_size(),
         predicted: Some(predicted.clone()),
+        attention_kernel: run.cfg.attention_kernel.map(|k| k.to_string()),
     };
     let mut progress = Progress::new(a.json, run.lead, run.cfg.steps, facts);
     if !run.lead {

@@ -163,6 +163,9 @@ pub(super) fn train_on_gpus(
         let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
         let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
         b.set_attn_kernel(kernel);
+        if let Some(k) = cfg.attention_kernel {
+            b.set_attention_kernel(k);
+        }
         b.set_host_budget(cfg.host_budget);
         b
     };

@@ -66,6 +66,9 @@ pub struct AttnWalk {
     pub flash_ws: bool,
     /// Attention calls cuDNN takes run there (CUDA, `--attn-kernel auto`).
     pub cudnn: bool,
+    /// The masks are documents masks, on our kernels (CUDA): each call's
+    /// per-row key bounds are kept on the device (`CudaBackend::mask_bounds`).
+    pub documents: bool,
     /// This rank's ring index (ring blocks differ by rank).
     pub ring_rank: usize,
     /// The model's sliding window (`ModelConfig::sliding_window`): the
@@ -99,6 +102,7 @@ impl AttnWalk {
             settle_every: plan.settle_every,
             flash_ws: false,
             cudnn: false,
+            documents: false,
             ring_rank: 0,
             window: None,
         }
@@ -123,16 +127,10 @@ impl AttnWalk {
         }
     }
 
-    /// `CudaBackend`'s upload of a bounded mask's row bounds (`[2·sq]`
-    /// 4-byte elements) for an attention call on our kernels.
-    fn mask_bounds(&self, sim: &mut Sim, sq: usize, mask: &AttnMask) -> Option<Buf> {
-        let bounded = matches!(mask, AttnMask::Bounded(_));
-        (self.flash_ws && bounded && sq > 0).then(|| sim.alloc(Workspace, 2 * sq * F32))
-    }
-
     /// `CudaBackend::attention_fwd`: on cuDNN the call runs with the kept
     /// workspace, which exists from the first call on (cuDNN's forward plan
-    /// workspace is counted as 0: what the H200 ledger shows).
+    /// workspace is counted as 0: what the H200 ledger shows); on our
+    /// kernels under documents masks, with the call's key bounds kept.
     fn attention_fwd(
         &self,
         sim: &mut Sim,
@@ -148,8 +146,19 @@ impl AttnWalk {
             && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
         {
             sim.keep_at_least("cudnn workspace", Workspace, cudnn::kept_workspace_bytes(0));
-        } else if let Some(bounds) = self.mask_bounds(sim, sq, mask) {
-            sim.free(bounds);
+        } else {
+            self.keep_mask_bounds(sim, sq, mask);
+        }
+    }
+
+    /// `CudaBackend::mask_bounds` on our kernels, in a documents run or
+    /// under a bounded mask (a sliding window): the call's `[2·sq]` key
+    /// bounds (4-byte elements) kept, in place of the last call's when their
+    /// size differs (bounds of equal size leave the ledger alike).
+    fn keep_mask_bounds(&self, sim: &mut Sim, sq: usize, mask: &AttnMask) {
+        let bounded = self.flash_ws && matches!(mask, AttnMask::Bounded(_));
+        if (self.documents || bounded) && sq > 0 {
+            sim.keep_exactly("mask bounds", Workspace, 2 * sq * F32);
         }
     }
 
@@ -206,12 +215,11 @@ impl AttnWalk {
             .filter(|&&(_, eb, _)| eb != F32)
             .map(|&(n, _, _)| sim.alloc(Workspace, n * F32))
             .collect();
-        let bounds = self.mask_bounds(sim, sq, mask);
+        self.keep_mask_bounds(sim, sq, mask);
         if self.flash_ws && flash::check_supported(sq, sk, hq, hkv, d, mask).is_ok() {
             let ws = sim.alloc(Workspace, flash::flash_bwd_workspace_bytes(sq, hq));
             sim.free(ws);
         }
-        bounds.into_iter().for_each(|t| sim.free(t));
         scratch.into_iter().for_each(|t| sim.free(t));
     }
 

@@ -19,7 +19,10 @@ pub mod sdpa_graph;
 pub mod select;
 
 pub use sdpa_graph::SdpaShape;
-pub use select::{AttnKernel, Choice, decide, shape_supported};
+pub use select::{
+    AttentionKernel, AttnKernel, Choice, KernelDecision, KernelFacts, decide, decide_run_kernel,
+    shape_supported,
+};
 
 use self::desc::check;
 use self::plan::Plan;
@@ -231,46 +234,55 @@ pub fn dense_shape(
     }
 }
 
+/// Loads cuDNN (see [`libs`]; `UPIPE_CUDNN_LIB` picks a file) and checks
+/// that it can be used: the copy cudarc binds is the one opened, of version
+/// 9.0 or newer. Its version (e.g. 91400 for 9.14.0) and where it came from;
+/// the error says why not. Needs no device: a run decides its attention
+/// kernel from it before anything is allocated.
+pub fn probe() -> Result<(usize, String)> {
+    let loaded = libs::load(Lib::Cudnn)?;
+    // SAFETY: the library is loaded and bound (checked by `load`).
+    let version = unsafe { sys::cudnnGetVersion() };
+    // cudarc binds cuDNN by name (its first candidate is the unversioned
+    // `libcudnn.so`); when that name resolves to another installation than
+    // the file we opened (e.g. `UPIPE_CUDNN_LIB` names a pip wheel without
+    // an unversioned link while the system has one), the two copies' sub-
+    // libraries clash later. Refuse that mix here with a clear reason.
+    let bound = format!(
+        "{}.{}.{}",
+        version / 10000,
+        (version % 10000) / 100,
+        version % 100
+    );
+    if let Some(opened) = &loaded.api_version
+        && *opened != bound
+    {
+        return Err(Error::LibraryMissing(format!(
+            "cuDNN {opened} was opened from {} but cudarc bound cuDNN {bound} ({}): \
+             put a folder holding `libcudnn.so -> {}` first on LD_LIBRARY_PATH",
+            loaded.path.display(),
+            loaded
+                .bound_path
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "unknown file".into()),
+            loaded.path.display()
+        )));
+    }
+    if version < 90000 {
+        return Err(Error::LibraryMissing(format!(
+            "cuDNN {version} at {} is older than 9.0",
+            loaded.path.display()
+        )));
+    }
+    Ok((version, loaded.describe()))
+}
+
 impl CudnnSdpa {
-    /// Loads cuDNN (see [`libs`]; `UPIPE_CUDNN_LIB` picks a file) and creates
-    /// a handle on `be`'s stream.
+    /// Loads cuDNN (see [`probe`]) and creates a handle on `be`'s stream.
     pub fn new(be: &CudaBackend) -> Result<CudnnSdpa> {
         let pick = PlanPick::from_env()?;
-        let loaded = libs::load(Lib::Cudnn)?;
-        // SAFETY: the library is loaded and bound (checked by `load`).
-        let version = unsafe { sys::cudnnGetVersion() };
-        // cudarc binds cuDNN by name (its first candidate is the unversioned
-        // `libcudnn.so`); when that name resolves to another installation than
-        // the file we opened (e.g. `UPIPE_CUDNN_LIB` names a pip wheel without
-        // an unversioned link while the system has one), the two copies' sub-
-        // libraries clash later. Refuse that mix here with a clear reason.
-        let bound = format!(
-            "{}.{}.{}",
-            version / 10000,
-            (version % 10000) / 100,
-            version % 100
-        );
-        if let Some(opened) = &loaded.api_version
-            && *opened != bound
-        {
-            return Err(Error::LibraryMissing(format!(
-                "cuDNN {opened} was opened from {} but cudarc bound cuDNN {bound} ({}): \
-                 put a folder holding `libcudnn.so -> {}` first on LD_LIBRARY_PATH",
-                loaded.path.display(),
-                loaded
-                    .bound_path
-                    .as_ref()
-                    .map(|p| p.display().to_string())
-                    .unwrap_or_else(|| "unknown file".into()),
-                loaded.path.display()
-            )));
-        }
-        if version < 90000 {
-            return Err(Error::LibraryMissing(format!(
-                "cuDNN {version} at {} is older than 9.0",
-                loaded.path.display()
-            )));
-        }
+        let (version, lib) = probe()?;
         be.context()
             .bind_to_thread()
             .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
@@ -285,7 +297,7 @@ impl CudnnSdpa {
         Ok(CudnnSdpa {
             handle,
             version,
-            lib: loaded.describe(),
+            lib,
             pick,
             plans: Mutex::new(HashMap::new()),
             builds: Mutex::new(Vec::new()),

@@ -107,6 +107,167 @@ pub fn decide(
     }
 }
 
+/// Tokens/s of upipe's flash kernels against cuDNN SDPA for a whole step:
+/// 21,052 against 32,143 (Llama 3.2 1B, 32K tokens, one H200, 2026-12-03).
+pub const NATIVE_SPEED_AT_32K: f64 = 0.65;
+
+/// The attention kernel a run uses, decided once before it plans
+/// ([`decide_run_kernel`]) and given to the backend
+/// (`CudaBackend::set_attention_kernel`), which serves every call with it:
+/// the planner walks the same kernel's workspaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// cuDNN SDPA of this version (e.g. 91400) for every call
+    /// [`shape_supported`] lets it take (bf16, head dim 64/128, causal or
+    /// full masks); the flash kernels for the rest (F32 operands, cuDNN
+    /// 9.15's backward on `s_kv % 128 != 0`).
+    Cudnn { version: usize },
+    /// upipe's flash kernels (bf16, head dim 64/128, sm_90), the naive ones
+    /// for what they do not take.
+    Flash,
+    /// upipe's naive kernels only (`UPIPE_ATTENTION=naive`, or a GPU below sm_90).
+    Naive,
+}
+
+impl AttentionKernel {
+    /// Whether a call of `shape` (`bwd`: the backward) runs on cuDNN.
+    pub fn takes_on_cudnn(self, shape: &SdpaShape, bwd: bool) -> bool {
+        match self {
+            AttentionKernel::Cudnn { version } => shape_supported(version, shape, bwd).is_ok(),
+            AttentionKernel::Flash | AttentionKernel::Naive => false,
+        }
+    }
+
+    /// The cuDNN version of a cuDNN run.
+    pub fn cudnn_version(self) -> Option<usize> {
+        match self {
+            AttentionKernel::Cudnn { version } => Some(version),
+            AttentionKernel::Flash | AttentionKernel::Naive => None,
+        }
+    }
+}
+
+impl std::fmt::Display for AttentionKernel {
+    /// `cudnn 9.14.0`, `flash`, `naive` (what the run header and the
+    /// metrics' `attention_kernel` say).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AttentionKernel::Cudnn { version } => write!(
+                f,
+                "cudnn {}.{}.{}",
+                version / 10000,
+                (version % 10000) / 100,
+                version % 100
+            ),
+            AttentionKernel::Flash => f.write_str("flash"),
+            AttentionKernel::Naive => f.write_str("naive"),
+        }
+    }
+}
+
+/// What a run's attention kernel is decided from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelFacts {
+    /// cuDNN's version where it loads and can be used; why not otherwise.
+    pub cudnn: std::result::Result<usize, String>,
+    /// Whether upipe's flash kernels run on the device (sm_90, and
+    /// `UPIPE_ATTENTION` is not `naive`).
+    pub flash: bool,
+    /// The model's head dim.
+    pub head_dim: usize,
+    /// Whether the run's masks are bounded: windows that may hold several
+    /// documents (`--pack documents|bfd`) or a model's sliding window
+    /// shorter than the sequence, masks cuDNN does not take.
+    pub documents: bool,
+}
+
+/// A run's kernel, and what to tell the user about the choice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelDecision {
+    pub kernel: AttentionKernel,
+    /// A warning: `auto` found no usable cuDNN (the run is slower).
+    pub warning: Option<String>,
+    /// Why `auto` did not take cuDNN where that is by design (head dim,
+    /// documents masks).
+    pub note: Option<String>,
+}
+
+/// Why cuDNN cannot serve the run `f` describes (`None`: it can).
+fn cudnn_unfit(f: &KernelFacts) -> Option<String> {
+    match &f.cudnn {
+        Err(e) => Some(format!("cuDNN is not usable: {e}")),
+        Ok(v) if *v < 90000 => Some(format!("cuDNN {v} is older than 9.0")),
+        Ok(_) if f.head_dim != 64 && f.head_dim != 128 => Some(format!(
+            "head_dim {} (cuDNN SDPA is used for 64 and 128)",
+            f.head_dim
+        )),
+        Ok(_) if f.documents => Some(
+            "cuDNN does not take the documents masks of --pack documents|bfd, \
+                 nor sliding windows"
+                .into(),
+        ),
+        Ok(_) => None,
+    }
+}
+
+/// The kernel a run uses, decided before it plans: `--attn-kernel native`
+/// is upipe's kernels; `cudnn` is cuDNN or an error naming why it cannot
+/// be (before anything is allocated); `auto` is cuDNN where it serves the
+/// run, else upipe's kernels, with a warning naming the slowdown when
+/// cuDNN is missing or unusable (a note when it is by design: head dims
+/// other than 64/128, documents masks).
+pub fn decide_run_kernel(ask: AttnKernel, f: &KernelFacts) -> Result<KernelDecision> {
+    let native = if f.flash {
+        AttentionKernel::Flash
+    } else {
+        AttentionKernel::Naive
+    };
+    let plain = |kernel| KernelDecision {
+        kernel,
+        warning: None,
+        note: None,
+    };
+    if ask == AttnKernel::Native {
+        return Ok(plain(native));
+    }
+    let Some(why) = cudnn_unfit(f) else {
+        let version = f.cudnn.clone().unwrap_or_default();
+        return Ok(plain(AttentionKernel::Cudnn { version }));
+    };
+    if ask == AttnKernel::Cudnn {
+        let fix = match (&f.cudnn, f.documents) {
+            (Ok(_), true) => "use --attn-kernel auto (upipe's flash kernels) or --pack stream",
+            (Ok(_), false) => "use --attn-kernel auto or native",
+            (Err(_), _) => {
+                "install cuDNN 9 or point UPIPE_CUDNN_LIB at a loadable libcudnn.so.9 \
+                 (`upipe info` lists what it finds), or use --attn-kernel auto or native"
+            }
+        };
+        return Err(Error::Config(format!("--attn-kernel cudnn: {why}; {fix}")));
+    }
+    let speed = match native {
+        AttentionKernel::Flash => {
+            format!("expect about {NATIVE_SPEED_AT_32K}x cuDNN's tokens/s (a 32K step on an H200)")
+        }
+        _ => "upipe's naive kernels are far slower than cuDNN".to_string(),
+    };
+    Ok(match f.cudnn {
+        Err(_) => KernelDecision {
+            kernel: native,
+            warning: Some(format!(
+                "--attn-kernel auto: attention on upipe's {native} kernels because {why}; \
+                 {speed} (--attn-kernel native chooses them without this warning)"
+            )),
+            note: None,
+        },
+        Ok(_) => KernelDecision {
+            kernel: native,
+            warning: None,
+            note: Some(format!("attention on upipe's {native} kernels: {why}")),
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,5 +346,98 @@ mod tests {
         ));
         assert_eq!("native".parse::<AttnKernel>().unwrap(), AttnKernel::Native);
         assert!("fast".parse::<AttnKernel>().is_err());
+    }
+
+    fn facts(cudnn: std::result::Result<usize, String>, d: usize, documents: bool) -> KernelFacts {
+        KernelFacts {
+            cudnn,
+            flash: true,
+            head_dim: d,
+            documents,
+        }
+    }
+
+    /// `auto` takes cuDNN where it serves the whole run, and upipe's flash
+    /// kernels otherwise: with a warning naming the slowdown when cuDNN is
+    /// not usable, a note when it is by design (head dim, documents).
+    #[test]
+    fn a_run_decides_its_kernel_before_it_plans() {
+        let d = decide_run_kernel(AttnKernel::Auto, &facts(Ok(91400), 64, false)).unwrap();
+        assert_eq!(d.kernel, AttentionKernel::Cudnn { version: 91400 });
+        assert_eq!((d.warning, d.note), (None, None));
+        assert_eq!(d.kernel.to_string(), "cudnn 9.14.0");
+        let gone = facts(
+            Err("libcudnn.so.9: cannot open shared object file".into()),
+            64,
+            false,
+        );
+        let d = decide_run_kernel(AttnKernel::Auto, &gone).unwrap();
+        assert_eq!(d.kernel, AttentionKernel::Flash);
+        let w = d.warning.unwrap();
+        assert!(
+            w.contains("cannot open shared object") && w.contains("0.65x"),
+            "{w}"
+        );
+        let docs = decide_run_kernel(AttnKernel::Auto, &facts(Ok(91900), 128, true)).unwrap();
+        assert_eq!(docs.kernel, AttentionKernel::Flash);
+        assert!(docs.warning.is_none());
+        assert!(docs.note.unwrap().contains("documents"));
+        let d96 = decide_run_kernel(AttnKernel::Auto, &facts(Ok(91900), 96, false)).unwrap();
+        assert_eq!(d96.kernel, AttentionKernel::Flash);
+        assert!(d96.note.unwrap().contains("head_dim 96"));
+        // below sm_90 (or UPIPE_ATTENTION=naive) the native kernels are the naive ones
+        let old_gpu = KernelFacts {
+            flash: false,
+            ..gone.clone()
+        };
+        let d = decide_run_kernel(AttnKernel::Auto, &old_gpu).unwrap();
+        assert_eq!(d.kernel, AttentionKernel::Naive);
+        assert!(d.warning.unwrap().contains("far slower"));
+        let n = decide_run_kernel(AttnKernel::Native, &facts(Ok(91400), 64, false)).unwrap();
+        assert_eq!(n.kernel, AttentionKernel::Flash);
+        assert_eq!((n.warning, n.note), (None, None));
+    }
+
+    /// `--attn-kernel cudnn` that cuDNN cannot serve is an error naming the
+    /// cause and the fix.
+    #[test]
+    fn cudnn_asked_for_and_unusable_is_an_error() {
+        let err = |f: KernelFacts| match decide_run_kernel(AttnKernel::Cudnn, &f) {
+            Err(Error::Config(m)) => m,
+            other => panic!("expected a configuration error, got {other:?}"),
+        };
+        let m = err(facts(
+            Err("UPIPE_CUDNN_LIB=/x/libcudnn.so.9: not found".into()),
+            64,
+            false,
+        ));
+        assert!(
+            m.contains("--attn-kernel cudnn") && m.contains("/x/libcudnn.so.9"),
+            "{m}"
+        );
+        assert!(
+            m.contains("UPIPE_CUDNN_LIB") && m.contains("--attn-kernel auto"),
+            "{m}"
+        );
+        let m = err(facts(Ok(91400), 64, true));
+        assert!(
+            m.contains("documents") && m.contains("--pack stream"),
+            "{m}"
+        );
+        assert!(err(facts(Ok(91400), 96, false)).contains("head_dim 96"));
+        assert!(err(facts(Ok(8900), 64, false)).contains("older than 9.0"));
+        let ok = decide_run_kernel(AttnKernel::Cudnn, &facts(Ok(91900), 128, false)).unwrap();
+        assert_eq!(ok.kernel, AttentionKernel::Cudnn { version: 91900 });
+    }
+
+    /// A cuDNN run puts on cuDNN exactly the calls `shape_supported` takes.
+    #[test]
+    fn a_cudnn_run_routes_by_its_version() {
+        let odd = shape(1000, 64, false);
+        let old = AttentionKernel::Cudnn { version: 91400 };
+        let new = AttentionKernel::Cudnn { version: 91900 };
+        assert!(old.takes_on_cudnn(&odd, false) && !old.takes_on_cudnn(&odd, true));
+        assert!(new.takes_on_cudnn(&odd, true));
+        assert!(!AttentionKernel::Flash.takes_on_cudnn(&odd, false));
     }
 }
