@@ -298,6 +298,7 @@ fn write_metrics(
         predicted_by_category: None,
         profile: None,
         eval: None,
+        mixture: None,
     }
     .at(clock);
     let file = MetricsFile::create(path)?;

@@ -49,8 +49,8 @@ use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::cli::{config, print_config};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
-use crate::data::dataset::load_dataset;
-use crate::data::{Dataset, load_tokens};
+use crate::data::mixture::load_mixture;
+use crate::data::{Mixture, load_tokens};
 use crate::error::Result;
 use crate::model::flops::train_flops_per_token;
 use crate::plan::preflight::planned_host;
@@ -78,7 +78,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     if a.rehearse {
         return rehearse::run(&a, m, &mut run);
     }
-    let data = load_dataset(
+    let data = load_mixture(
         a.data.as_deref(),
         a.tokenizer.as_deref(),
         run.cfg.model.vocab,
@@ -491,7 +491,7 @@ fn announce(run: &Built, tokens: usize) {
 /// Trains where the route says, calling `on_step` after every step.
 fn execute(
     run: &Built,
-    data: Dataset,
+    data: Mixture,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     match run.route {

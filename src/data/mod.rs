@@ -14,6 +14,7 @@ pub mod dataset;
 pub mod doc_index;
 pub mod documents;
 pub mod inputs;
+pub mod mixture;
 pub mod packing;
 pub mod parquet_input;
 pub mod sampler;
@@ -26,6 +27,7 @@ pub use corpus::{
     load_tokens, write_u32_tokens,
 };
 pub use dataset::Dataset;
+pub use mixture::{Mixture, MixtureSampler};
 pub use packing::PackMode;
 pub use sampler::PackedSampler;
 pub use tokens::{TokenFormat, Tokens};

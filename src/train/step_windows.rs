@@ -6,7 +6,7 @@
 use crate::attention::CpPlan;
 use crate::backend::{Backend, Category, DType, IGNORE};
 use crate::comm::Mesh;
-use crate::data::{PackedSampler, PackedWindow};
+use crate::data::{MixtureSampler, PackedWindow};
 use crate::error::{Error, Result};
 
 /// One micro-step's window on this rank.
@@ -40,7 +40,7 @@ impl RankWindow {
 /// no data and computes nothing with it: it takes zeros for this rank's
 /// rows, one document, every target counted.
 pub fn draw_step(
-    sampler: &mut PackedSampler,
+    sampler: &mut MixtureSampler,
     plan: &CpPlan,
     positions: &[usize],
     grad_accum: usize,

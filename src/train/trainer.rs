@@ -22,7 +22,8 @@ use crate::checkpoint::hf_config::checkpoint_config;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
-use crate::data::{Dataset, PackMode, PackedSampler, PackedWindow, SamplerState, Tokens};
+use crate::data::mixture::MixShare;
+use crate::data::{Mixture, MixtureSampler, PackMode, PackedWindow, Tokens};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use crate::optim::divergence::DivergenceGuard;
@@ -65,6 +66,9 @@ pub struct StepReport {
     /// The held-out evaluation after this step, when one was due
     /// (`--eval-data`, `--eval-every`; `train::eval_during`).
     pub eval: Option<EvalReport>,
+    /// A mixture's realised proportions so far (rank 0's data replica's
+    /// windows, `--data a.u32:0.7,b.u32:0.3`); `None` for one corpus.
+    pub mixture: Option<Vec<MixShare>>,
 }
 
 /// The outcome of a run.
@@ -113,7 +117,7 @@ pub fn check_local_rank(local_rank: usize, gpus: usize) -> Result<()> {
 /// `on_step` after every step.
 pub fn train_cpu(
     cfg: &TrainConfig,
-    data: impl Into<Dataset>,
+    data: impl Into<Mixture>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     train_threads(cfg, data, CpuBackend::new, on_step)
@@ -122,14 +126,14 @@ pub fn train_cpu(
 /// Trains with ranks as threads, each on a backend from `make_backend`.
 pub fn train_threads<B: Backend>(
     cfg: &TrainConfig,
-    data: impl Into<Dataset>,
+    data: impl Into<Mixture>,
     make_backend: impl Fn() -> B + Sync,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     let data = data.into();
     let plan = cfg.plan()?;
     let _held = cfg.take_save_dir()?;
-    crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
+    data.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let out = run_ranks(shape, make_backend, |rank, b, mesh| {
         run_rank(cfg, &plan, data.clone(), b.as_ref(), &mesh, rank, on_step)
@@ -151,14 +155,14 @@ pub fn train_threads<B: Backend>(
 /// the save directory ([`TrainConfig::take_save_dir`]) before any rank runs.
 pub fn train_on_mesh<B: Backend>(
     cfg: &TrainConfig,
-    data: impl Into<Dataset>,
+    data: impl Into<Mixture>,
     b: &B,
     mesh: &Mesh<B>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     let data = data.into();
     let plan = cfg.plan()?;
-    crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
+    data.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     if mesh.shape != shape {
         return crate::config_err!(
@@ -183,7 +187,7 @@ pub fn train_on_mesh<B: Backend>(
 /// picks the attention kernels (`--attn-kernel`).
 pub fn train_process_rank(
     cfg: &TrainConfig,
-    data: impl Into<Dataset>,
+    data: impl Into<Mixture>,
     env: &DistEnv,
     kernel: crate::backend::cuda::cudnn::AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
@@ -195,7 +199,7 @@ pub fn train_process_rank(
         0 => cfg.take_save_dir()?,
         _ => None,
     };
-    crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
+    data.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let decided = cfg.decided_flags();
     let rank = ProcessRank::join("train", env, shape, kernel, cfg.host_budget, &decided)?;
@@ -309,7 +313,7 @@ pub fn rehearse_rank<B: Backend>(
 fn run_rank<B: Backend>(
     cfg: &TrainConfig,
     plan: &CpPlan,
-    data: Dataset,
+    data: Mixture,
     b: &B,
     mesh: &Mesh<B>,
     rank: usize,
@@ -329,7 +333,7 @@ fn run_rank<B: Backend>(
     };
     // replicas draw disjoint windows; context ranks of one replica share one
     let data_rank = mesh.shape.coords(mesh.rank).data;
-    let mut sampler = PackedSampler::sharded(
+    let mut sampler = MixtureSampler::sharded(
         data,
         cfg.pack,
         cfg.seq,
@@ -408,6 +412,7 @@ fn run_rank<B: Backend>(
             attn_flop_fraction,
             profile,
             eval,
+            mixture: sampler.shares(),
         };
         if rank == 0 {
             on_step(&report);
@@ -429,11 +434,9 @@ fn run_rank<B: Backend>(
 }
 
 /// Restores the sampler of a resumed run; the first step to run.
-fn resume(cfg: &TrainConfig, sampler: &mut PackedSampler, r: Resumed, rank: usize) -> Result<u32> {
+fn resume(cfg: &TrainConfig, sampler: &mut MixtureSampler, r: Resumed, rank: usize) -> Result<u32> {
     let dir = cfg.resume_dir().expect("resumed from a directory");
     cfg.check_resume_step(dir, r.step)?;
-    let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
-        .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
     // checkpoints from before `--pack` have no key: their windows were `stream`'s
     if let Some(saved) = r.extra.get("pack") {
         let saved: PackMode = serde_json::from_value(saved.clone())
@@ -447,7 +450,7 @@ fn resume(cfg: &TrainConfig, sampler: &mut PackedSampler, r: Resumed, rank: usiz
             );
         }
     }
-    sampler.restore(sampler_state)?;
+    sampler.restore(&r.extra["sampler"])?;
     if rank == 0 {
         tracing::info!("resumed from {} at step {}", dir.display(), r.step);
     }
