@@ -23,7 +23,7 @@ use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
 use crate::data::mixture::MixShare;
-use crate::data::{Mixture, MixtureSampler, PackMode, PackedWindow, Tokens};
+use crate::data::{Dataset, Mixture, MixtureSampler, PackMode, PackedWindow, Tokens};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use crate::optim::divergence::DivergenceGuard;
@@ -211,16 +211,17 @@ pub fn train_process_rank(
 /// ([`ProcessRank::join`]). The world size must equal the mesh size.
 pub fn eval_process_rank(
     cfg: &EvalConfig,
-    tokens: &Tokens,
+    data: impl Into<Dataset>,
     host: &BTreeMap<String, HostTensor>,
     env: &DistEnv,
     kernel: crate::backend::cuda::cudnn::AttnKernel,
 ) -> Result<EvalReport> {
-    tokens.check_vocab(cfg.model.vocab)?;
-    let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(tokens)?.seq)?);
+    let data = data.into();
+    data.tokens.check_vocab(cfg.model.vocab)?;
+    let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(&data)?.seq)?);
     // eval takes every choice from its flags: nothing of its own to agree on
     let rank = ProcessRank::join("eval", env, shape, kernel, None, "")?;
-    eval_on_mesh(cfg, tokens, host, rank.backend.as_ref(), &rank.mesh)
+    eval_on_mesh(cfg, &data, host, rank.backend.as_ref(), &rank.mesh)
 }
 
 /// One process rank of a multi-GPU run (`upipe train`, `upipe eval`): its
