@@ -4,7 +4,8 @@
 //! (`dataset.rs`), text, JSONL and Parquet documents streamed (`documents.rs`,
 //! `inputs.rs`, `parquet_input.rs`, chat templates `chat.rs`),
 //! `upipe tokenize`'s parallel batches (`tokenize.rs`), `--pack`'s windows
-//! (`packing.rs`) and the sampler that draws them (`sampler.rs`), and
+//! (`packing.rs`) and the sampler that draws them (`sampler.rs`), a
+//! weighted mixture of corpora (`mixture.rs`), and
 //! `window.rs` a window as the model takes it (`PackedWindow`: inputs,
 //! targets, document starts).
 
