@@ -314,7 +314,7 @@ fn eval_command_reports_windows_and_buckets() {
         buckets: 4,
         ..EvalConfig::new(cfg.clone())
     };
-    let lib = eval_cpu(&c, &Tokens::open(&file).unwrap(), &host).unwrap();
+    let lib = eval_cpu(&c, Tokens::open(&file).unwrap(), &host).unwrap();
     assert_eq!(v["loss"].as_f64().unwrap(), lib.loss);
     let mean: f64 = buckets
         .iter()
