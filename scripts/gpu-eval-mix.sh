@@ -3,8 +3,10 @@
 # that step, packed evaluation runs, and a mixture of corpora trains with its
 # realised proportions logged.
 #
-#   bash scripts/gpu-eval-mix.sh            # from the repository root, 2+ GPUs
+#   bash scripts/gpu-eval-mix.sh            # from the repository root, 1+ GPUs
 #
+# The runs use two ranks (--ulysses 2): one process per GPU on two GPUs, two
+# thread ranks sharing the GPU on one, so FSDP shards over two ranks either way.
 # UPIPE (default gpu-bundle/bin/upipe) is the binary; OUT (default
 # /tmp/upipe-eval-mix) the work directory. Prints one `RESULT` line per check
 # and exits non-zero when one fails.
@@ -28,7 +30,7 @@ corpus("a.u32", "Alice was beginning to get very tired of sitting by her sister.
 corpus("b.u32", "0123456789 plus minus times equals; ", 100_000, 97)
 corpus("held.u32", "The Queen of Hearts, she made some tarts, all on a summer day. ", 20_000, 97)
 PY
-train=(train --model tiny --seq 4096 --steps 4 --warmup 1 --json)
+train=(train --model tiny --seq 4096 --steps 4 --warmup 1 --ulysses 2 --json)
 # 1. eval during an FSDP run against `upipe eval` of the saved step
 "$upipe" "${train[@]}" --fsdp on --pack documents --data "$out/a.u32" \
     --eval-data "$out/held.u32" --eval-every 2 --eval-buckets 2 --save-dtype f32 \
