@@ -37,7 +37,7 @@ pub struct TrainArgs {
     /// bundled corpus. JSONL, Parquet and directories are refused with the
     /// `upipe tokenize` command that makes ids of them. A weighted mixture
     /// of corpora: `a.u32:0.7,b.u32:0.3` (each window from one corpus,
-    /// every corpus within one window of its share: docs/documents.md).
+    /// every corpus within one window of its share: docs/data.md).
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Tokenizer for text data: `byte` (the default) or a path to an HF
