@@ -480,3 +480,75 @@ fn packed_documents_evaluate_as_each_document_alone() {
         "{e}"
     );
 }
+
+/// `upipe eval --pack` reads the document index beside `--tokens` and
+/// gives what the library gives on the same dataset; `bfd` without an
+/// index is refused naming `upipe tokenize`.
+#[test]
+fn eval_command_packs_with_the_index_beside_the_tokens() {
+    use std::sync::Arc;
+    use upipe::data::doc_index::{DocIndex, IndexWriter, index_path};
+    use upipe::data::{Dataset, PackMode};
+    let cfg = model();
+    let host = host_weights(&cfg, 9);
+    let dir = std::env::temp_dir().join(format!("upipe-eval-pack-{}", std::process::id()));
+    save_hf_model(&dir, &cfg, &host, DType::F32).unwrap();
+    let (ids, starts) = documents(&[7, 20, 3, 30, 12, 9], cfg.vocab, 10);
+    let (plain, indexed) = (dir.join("plain.u32"), dir.join("docs.u32"));
+    write_u32_tokens(&plain, &ids).unwrap();
+    write_u32_tokens(&indexed, &ids).unwrap();
+    let mut w = IndexWriter::create(&index_path(&indexed)).unwrap();
+    starts.iter().for_each(|&s| w.push(s).unwrap());
+    w.finish(ids.len() as u64).unwrap();
+    let mut data = Dataset::from(ids.clone());
+    data.docs = Some(Arc::new(
+        DocIndex::new(starts, ids.len() as u64, "t").unwrap(),
+    ));
+    let d = dir.to_str().unwrap();
+    let eval = |file: &std::path::Path, pack: &str| {
+        upipe(&[
+            "eval",
+            "--model-dir",
+            d,
+            "--tokens",
+            file.to_str().unwrap(),
+            "--seq",
+            "16",
+            "--device",
+            "cpu",
+            "--attn",
+            "local",
+            "--pack",
+            pack,
+        ])
+    };
+    for (pack, mode) in [("documents", PackMode::Documents), ("bfd", PackMode::Bfd)] {
+        let out = eval(&indexed, pack);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let c = EvalConfig {
+            seq: Some(16),
+            pack: mode,
+            ..EvalConfig::new(cfg.clone())
+        };
+        let lib = eval_cpu(&c, data.clone(), &host).unwrap();
+        assert_eq!(v["loss"].as_f64().unwrap(), lib.loss, "{pack}");
+        assert_eq!(
+            v["counted_tokens"].as_u64(),
+            Some(lib.counted_tokens as u64),
+            "{pack}"
+        );
+    }
+    let out = eval(&plain, "bfd");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no document index"),
+        "{err}"
+    );
+    assert!(err.contains("upipe tokenize"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
