@@ -631,10 +631,21 @@ fn u32_file(name: &str, ids: impl IntoIterator<Item = u32>) -> std::path::PathBu
 /// (same mesh and stages: the run file the checkpoint holds).
 #[test]
 fn eval_during_training_equals_upipe_eval_of_the_checkpoint() {
+    eval_during_equals_eval_of_the_checkpoint("off");
+}
+
+/// The same under FSDP: the evaluation's forward gathers each unit as the
+/// training forward does (no rank holds the whole model).
+#[test]
+fn eval_during_an_fsdp_run_equals_upipe_eval_of_the_checkpoint() {
+    eval_during_equals_eval_of_the_checkpoint("on");
+}
+
+fn eval_during_equals_eval_of_the_checkpoint(fsdp: &str) {
     let text = "Alice was beginning to get very tired of sitting by her sister on the bank, \
                 and of having nothing to do: once or twice she had peeped into the book her \
                 sister was reading, but it had no pictures or conversations in it.";
-    let data = u32_file("same", text.bytes().map(u32::from));
+    let data = u32_file(&format!("same-{fsdp}"), text.bytes().map(u32::from));
     let dir = data.parent().unwrap();
     let save = dir.join("ckpt");
     let (d, s) = (data.to_str().unwrap(), save.to_str().unwrap());
@@ -658,6 +669,8 @@ fn eval_during_training_equals_upipe_eval_of_the_checkpoint() {
         "f32",
         "--save-dir",
         s,
+        "--fsdp",
+        fsdp,
     ]);
     let lines: Vec<serde_json::Value> = out
         .lines()

@@ -314,7 +314,7 @@ fn eval_command_reports_windows_and_buckets() {
         buckets: 4,
         ..EvalConfig::new(cfg.clone())
     };
-    let lib = eval_cpu(&c, &Tokens::open(&file).unwrap(), &host).unwrap();
+    let lib = eval_cpu(&c, Tokens::open(&file).unwrap(), &host).unwrap();
     assert_eq!(v["loss"].as_f64().unwrap(), lib.loss);
     let mean: f64 = buckets
         .iter()
@@ -392,4 +392,163 @@ fn forward_only_pass_keeps_no_gradients_or_saved_activations() {
     let (eval, train) = peaks[0];
     println!("above the weights: forward only {eval} B, training pass {train} B (grads aside)");
     assert!(4 * eval < train, "forward only {eval} vs training {train}");
+}
+
+/// Documents of `lengths` (ids random) as a dataset with its document index.
+fn documents(lengths: &[usize], vocab: usize, seed: u64) -> (Vec<u32>, Vec<u64>) {
+    let n: usize = lengths.iter().sum();
+    let ids = random_tokens(n, vocab, seed);
+    let mut starts = Vec::new();
+    let mut at = 0u64;
+    for &l in lengths {
+        starts.push(at);
+        at += l as u64;
+    }
+    (ids, starts)
+}
+
+/// Eval of packed documents (`--pack documents`, `bfd`) gives each
+/// document the loss it has evaluated alone: positions restart and
+/// attention is per document, and no target across a boundary counts.
+#[test]
+fn packed_documents_evaluate_as_each_document_alone() {
+    use std::sync::Arc;
+    use upipe::data::doc_index::DocIndex;
+    use upipe::data::{Dataset, PackMode};
+    let cfg = model();
+    let host = host_weights(&cfg, 8);
+    // documents mode cuts windows of 24 from the stream: these documents
+    // each lie inside one window (one fills a window; the last, of one id,
+    // is only the last window's last target, across a boundary)
+    let lengths = [5, 9, 10, 24, 1, 6, 17, 1];
+    let (ids, starts) = documents(&lengths, cfg.vocab, 21);
+    let mut data = Dataset::from(ids.clone());
+    data.docs = Some(Arc::new(
+        DocIndex::new(starts.clone(), ids.len() as u64, "test").unwrap(),
+    ));
+    // each document alone: its summed loss over its own targets
+    let mut want_sum = 0.0;
+    let mut want_counted = 0;
+    for (&s, &l) in starts.iter().zip(&lengths) {
+        if l < 2 {
+            continue; // one id predicts nothing
+        }
+        let doc = ids[s as usize..s as usize + l].to_vec();
+        let alone = eval_cpu(&EvalConfig::new(cfg.clone()), Tokens::from(doc), &host).unwrap();
+        want_sum += alone.loss * alone.counted_tokens as f64;
+        want_counted += alone.counted_tokens;
+    }
+    for pack in [PackMode::Documents, PackMode::Bfd] {
+        for mesh in [
+            (Strategy::Local, 1, 1, None),
+            (Strategy::Upipe, 2, 2, None),
+            (Strategy::Ulysses, 2, 1, None),
+        ] {
+            let c = EvalConfig {
+                seq: Some(24),
+                buckets: 3,
+                pack,
+                ..eval_config(&cfg, mesh)
+            };
+            let got = eval_cpu(&c, data.clone(), &host).unwrap();
+            let what = format!("{pack} {mesh:?}");
+            assert_eq!(got.counted_tokens, want_counted, "{what}");
+            let got_sum = got.loss * got.counted_tokens as f64;
+            assert!(
+                rel(got_sum, want_sum) <= 1e-5,
+                "{what}: {got_sum} vs {want_sum}"
+            );
+        }
+    }
+    // the same windows as one stream are another evaluation
+    let stream = EvalConfig {
+        seq: Some(24),
+        ..EvalConfig::new(cfg.clone())
+    };
+    let s = eval_cpu(&stream, data, &host).unwrap();
+    assert!(s.counted_tokens > want_counted);
+    // bfd needs the index
+    let bfd = EvalConfig {
+        pack: PackMode::Bfd,
+        ..stream
+    };
+    let e = eval_cpu(&bfd, Tokens::from(ids), &host)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--pack bfd") && e.contains("upipe tokenize"),
+        "{e}"
+    );
+}
+
+/// `upipe eval --pack` reads the document index beside `--tokens` and
+/// gives what the library gives on the same dataset; `bfd` without an
+/// index is refused naming `upipe tokenize`.
+#[test]
+fn eval_command_packs_with_the_index_beside_the_tokens() {
+    use std::sync::Arc;
+    use upipe::data::doc_index::{DocIndex, IndexWriter, index_path};
+    use upipe::data::{Dataset, PackMode};
+    let cfg = model();
+    let host = host_weights(&cfg, 9);
+    let dir = std::env::temp_dir().join(format!("upipe-eval-pack-{}", std::process::id()));
+    save_hf_model(&dir, &cfg, &host, DType::F32).unwrap();
+    let (ids, starts) = documents(&[7, 20, 3, 30, 12, 9], cfg.vocab, 10);
+    let (plain, indexed) = (dir.join("plain.u32"), dir.join("docs.u32"));
+    write_u32_tokens(&plain, &ids).unwrap();
+    write_u32_tokens(&indexed, &ids).unwrap();
+    let mut w = IndexWriter::create(&index_path(&indexed)).unwrap();
+    starts.iter().for_each(|&s| w.push(s).unwrap());
+    w.finish(ids.len() as u64).unwrap();
+    let mut data = Dataset::from(ids.clone());
+    data.docs = Some(Arc::new(
+        DocIndex::new(starts, ids.len() as u64, "t").unwrap(),
+    ));
+    let d = dir.to_str().unwrap();
+    let eval = |file: &std::path::Path, pack: &str| {
+        upipe(&[
+            "eval",
+            "--model-dir",
+            d,
+            "--tokens",
+            file.to_str().unwrap(),
+            "--seq",
+            "16",
+            "--device",
+            "cpu",
+            "--attn",
+            "local",
+            "--pack",
+            pack,
+        ])
+    };
+    for (pack, mode) in [("documents", PackMode::Documents), ("bfd", PackMode::Bfd)] {
+        let out = eval(&indexed, pack);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let c = EvalConfig {
+            seq: Some(16),
+            pack: mode,
+            ..EvalConfig::new(cfg.clone())
+        };
+        let lib = eval_cpu(&c, data.clone(), &host).unwrap();
+        assert_eq!(v["loss"].as_f64().unwrap(), lib.loss, "{pack}");
+        assert_eq!(
+            v["counted_tokens"].as_u64(),
+            Some(lib.counted_tokens as u64),
+            "{pack}"
+        );
+    }
+    let out = eval(&plain, "bfd");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no document index"),
+        "{err}"
+    );
+    assert!(err.contains("upipe tokenize"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
 }

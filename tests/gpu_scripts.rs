@@ -12,7 +12,12 @@ fn root() -> &'static Path {
 
 #[test]
 fn gpu_scripts_parse() {
-    for script in ["gpu-multi.sh", "gpu-1x.sh", "gpu-2x-bench.sh"] {
+    for script in [
+        "gpu-multi.sh",
+        "gpu-1x.sh",
+        "gpu-2x-bench.sh",
+        "gpu-eval-mix.sh",
+    ] {
         let path = root().join("scripts").join(script);
         let out = Command::new("bash").arg("-n").arg(&path).output().unwrap();
         assert!(

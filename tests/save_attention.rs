@@ -352,6 +352,9 @@ impl ParamStore<CpuBackend> for Windows<'_> {
     fn final_norm(&self) -> upipe::Result<&Tensor<CpuBackend>> {
         self.inner.final_norm()
     }
+    fn head(&self) -> upipe::Result<&Tensor<CpuBackend>> {
+        self.inner.head()
+    }
     fn block_grads(
         &mut self,
         b: &CpuBackend,

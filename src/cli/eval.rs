@@ -20,7 +20,7 @@ use crate::cli::train::{
 };
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
-use crate::data::Tokens;
+use crate::data::{Dataset, PackMode, Tokens};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::flops::forward_flops_per_token;
@@ -54,9 +54,17 @@ pub struct EvalArgs {
     #[arg(long)]
     pub seq: Option<usize>,
     /// Also report the loss over this many equal ranges of positions within
-    /// the window (`by_position`).
+    /// the document (`by_position`; the window under `--pack stream`).
     #[arg(long, default_value_t = 1)]
     pub buckets: usize,
+    /// How windows are made of the documents, with the document index and
+    /// loss mask `upipe tokenize` wrote beside --tokens (docs/documents.md):
+    /// `stream` (the file as one stream; the default), `documents`
+    /// (positions and attention restart at each document, no target
+    /// across a boundary), `bfd` (whole documents packed by best-fit
+    /// decreasing). Targets the loss mask leaves out are not counted.
+    #[arg(long, value_enum)]
+    pub pack: Option<PackMode>,
     /// Attention strategy: local, ulysses, ring, usp, upipe.
     #[arg(long, default_value = "upipe")]
     pub attn: String,
@@ -89,6 +97,7 @@ impl EvalArgs {
         metrics => eval.metrics,
         seq => eval.seq,
         buckets => eval.buckets,
+        pack => data.pack,
         attn => parallel.attn,
         fwd_chunk_heads => eval.fwd_chunk_heads,
         loss_chunk => memory.loss_chunk,
@@ -178,7 +187,7 @@ struct Built {
     cfg: EvalConfig,
     model_dir: PathBuf,
     extra_tensors: ExtraTensors,
-    tokens: Tokens,
+    data: Dataset,
     kernel: AttnKernel,
     env: Option<DistEnv>,
     gpus: usize,
@@ -202,6 +211,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
     let launched = Launched::from_env(env.as_ref());
     let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
     let tokens = Tokens::open_checked(tokens_path, model.vocab)?;
+    let data = Dataset::with_files_beside(tokens, tokens_path)?;
     let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
     let mut cfg = EvalConfig {
         strategy,
@@ -210,9 +220,10 @@ fn build(a: &EvalArgs) -> Result<Built> {
         seq: a.seq,
         buckets: a.buckets,
         loss_chunk: a.loss_chunk,
+        pack: a.pack.unwrap_or(PackMode::Stream),
         ..EvalConfig::new(model.clone())
     };
-    let seq = cfg.windows(&tokens)?.seq;
+    let seq = cfg.windows(&data)?.seq;
     let ranks = match launched {
         Some(l) => Some(l.world_size),
         None if device != Device::Cpu && gpus >= 2 => Some(gpus),
@@ -236,7 +247,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
         } else {
             ExtraTensors::Refuse
         },
-        tokens,
+        data,
         kernel,
         env,
         gpus,
@@ -247,7 +258,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
 
 /// Loads the weights and evaluates where the route says.
 fn execute(run: &Built) -> Result<EvalReport> {
-    let (cfg, tokens, kernel) = (&run.cfg, &run.tokens, run.kernel);
+    let (cfg, data, kernel) = (&run.cfg, &run.data, run.kernel);
     let host = load_hf_model_with(&run.model_dir, &cfg.model, run.extra_tensors)?;
     match &run.route {
         Route::ProcessRank => {
@@ -255,13 +266,13 @@ fn execute(run: &Built) -> Result<EvalReport> {
                 .env
                 .as_ref()
                 .expect("a launched run has its environment");
-            eval_process_rank(cfg, tokens, &host, env, kernel)
+            eval_process_rank(cfg, data.clone(), &host, env, kernel)
         }
         Route::GpuThreads { gpus, why } => {
             tracing::info!("thread ranks on GPUs: {why}");
-            eval_on_gpus(cfg, tokens, &host, *gpus, kernel)
+            eval_on_gpus(cfg, data, &host, *gpus, kernel)
         }
-        _ => eval_cpu(cfg, tokens, &host),
+        _ => eval_cpu(cfg, data.clone(), &host),
     }
 }
 
@@ -299,6 +310,7 @@ fn write_metrics(
         predicted_by_category: None,
         profile: None,
         eval: None,
+        mixture: None,
     }
     .at(clock);
     let file = MetricsFile::create(path)?;
@@ -309,7 +321,7 @@ fn write_metrics(
 /// Thread ranks spread round-robin over `gpus` devices.
 fn eval_on_gpus(
     cfg: &EvalConfig,
-    tokens: &Tokens,
+    data: &Dataset,
     host: &std::collections::BTreeMap<String, crate::checkpoint::HostTensor>,
     gpus: usize,
     kernel: AttnKernel,
@@ -328,5 +340,5 @@ fn eval_on_gpus(
         b.set_attn_kernel(kernel);
         b
     };
-    eval_threads(cfg, tokens, host, make)
+    eval_threads(cfg, data.clone(), host, make)
 }

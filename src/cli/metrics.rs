@@ -76,6 +76,11 @@ pub struct StepMetrics {
     /// `--eval-every`): its `loss`, `by_position`, as `upipe eval` prints it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalReport>,
+    /// A mixture of corpora's realised proportions so far (`--data
+    /// a.u32:0.7,b.u32:0.3`; rank 0's data replica): each corpus's
+    /// `data`, `weight`, `windows` drawn and `share` of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mixture: Option<Vec<crate::data::mixture::MixShare>>,
 }
 
 /// serde_json writes a NaN as `null`: read it back as NaN.
@@ -177,6 +182,7 @@ impl StepMetrics {
                 m
             }),
             eval: r.eval.clone(),
+            mixture: r.mixture.clone(),
         }
     }
 
@@ -297,6 +303,7 @@ mod tests {
             attn_flop_fraction: 0.5,
             profile: None,
             eval: None,
+            mixture: None,
         }
     }
 

@@ -147,6 +147,7 @@ mod tests {
             predicted_by_category: Some(cats(1)),
             profile: None,
             eval: None,
+            mixture: None,
         }
     }
 

@@ -111,7 +111,8 @@ fn host_name() -> String {
 /// key, each object of numbers as `key/name` (`profile/gemm_ms`). Bytes are
 /// given in GiB, `_bytes` in a key becoming `_gib` (`peak_gib`) and a
 /// `_by_category` object `key_gib/category` (`peak_by_category_gib/weights`).
-/// Left out: `step` and `ranks` (the event's step, the run's constant), the
+/// A mixture of corpora gives each corpus's realised share as
+/// `mixture_share/FILE`. Left out: `step` and `ranks` (the event's step, the run's constant), the
 /// line's times (the event's own), and values the line writes as `null`
 /// (absent, or not finite).
 pub fn scalars(m: &StepMetrics) -> Vec<(String, f32)> {
@@ -140,6 +141,17 @@ pub fn scalars(m: &StepMetrics) -> Vec<(String, f32)> {
                     if let Some(v) = v.as_f64() {
                         let v = if bytes { v / GIB } else { v };
                         out.push((format!("{group}/{name}"), v as f32));
+                    }
+                }
+            }
+            // a mixture's realised share of each corpus, by its file name
+            Value::Array(corpora) if key == "mixture" => {
+                for c in corpora {
+                    if let (Some(data), Some(share)) = (c["data"].as_str(), c["share"].as_f64()) {
+                        let name = std::path::Path::new(data)
+                            .file_name()
+                            .map_or(data.into(), |f| f.to_string_lossy());
+                        out.push((format!("mixture_share/{name}"), share as f32));
                     }
                 }
             }
@@ -218,6 +230,28 @@ fn masked_crc(data: &[u8]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mixtures_shares_are_scalars_by_file_name() {
+        let line: StepMetrics = serde_json::from_value(serde_json::json!({
+            "step": 3, "loss": 2.0, "tokens": 64, "tokens_per_s": 10.0, "tflops": 0.0,
+            "tflops_per_rank": 0.0, "ranks": 1, "peak_bytes": 0, "peak_by_category": {},
+            "mixture": [
+                {"data": "/d/a.u32", "weight": 0.75, "windows": 3, "share": 0.75},
+                {"data": "b.u32", "weight": 0.25, "windows": 1, "share": 0.25}
+            ]
+        }))
+        .unwrap();
+        let got = scalars(&line);
+        assert!(
+            got.contains(&("mixture_share/a.u32".into(), 0.75)),
+            "{got:?}"
+        );
+        assert!(
+            got.contains(&("mixture_share/b.u32".into(), 0.25)),
+            "{got:?}"
+        );
+    }
 
     #[test]
     fn varints_take_seven_bits_a_byte() {

@@ -50,8 +50,9 @@ use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::cli::{config, print_config};
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
+use crate::data::Mixture;
 use crate::data::dataset::load_dataset;
-use crate::data::{Dataset, load_tokens};
+use crate::data::mixture::load_mixture;
 use crate::error::Result;
 use crate::model::flops::train_flops_per_token;
 use crate::plan::preflight::planned_host;
@@ -79,7 +80,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     if a.rehearse {
         return rehearse::run(&a, m, &mut run);
     }
-    let data = load_dataset(
+    let data = load_mixture(
         a.data.as_deref(),
         a.tokenizer.as_deref(),
         run.cfg.model.vocab,
@@ -457,13 +458,14 @@ fn finished_checkpoint(cfg: &TrainConfig) -> Result<Option<String>> {
     }))
 }
 
-/// The held-out evaluation `--eval-data` asks for, its tokens loaded as
-/// `--data`'s are (errors name `--eval-data`).
+/// The held-out evaluation `--eval-data` asks for, its tokens (with the
+/// document index and loss mask beside them) loaded as `--data`'s are
+/// (errors name `--eval-data`); its windows are packed as `--pack` says.
 fn eval_during(a: &TrainArgs, vocab: usize) -> Result<Option<EvalDuring>> {
     let Some(path) = &a.eval_data else {
         return Ok(None);
     };
-    let tokens = load_tokens(Some(path), a.tokenizer.as_deref(), vocab).map_err(|e| match e {
+    let data = load_dataset(Some(path), a.tokenizer.as_deref(), vocab).map_err(|e| match e {
         crate::Error::Config(m) => crate::Error::Config(format!(
             "--eval-data {}: {m}; give held-out data of the model's vocabulary (text with the \
              run's --tokenizer, or ids `upipe tokenize` wrote with it)",
@@ -472,7 +474,7 @@ fn eval_during(a: &TrainArgs, vocab: usize) -> Result<Option<EvalDuring>> {
         other => other,
     })?;
     Ok(Some(EvalDuring {
-        tokens,
+        data,
         every: a.eval_every.unwrap_or(a.steps),
         buckets: a.eval_buckets,
     }))
@@ -512,7 +514,7 @@ fn announce(run: &Built, tokens: usize) {
 /// Trains where the route says, calling `on_step` after every step.
 fn execute(
     run: &Built,
-    data: Dataset,
+    data: Mixture,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     match run.route {

@@ -34,6 +34,12 @@ macro_rules! one_document_from {
 }
 one_document_from!(Tokens, Vec<u32>, Arc<[u32]>);
 
+impl From<&Tokens> for Dataset {
+    fn from(tokens: &Tokens) -> Dataset {
+        tokens.clone().into()
+    }
+}
+
 impl Dataset {
     /// `tokens` read from `path`, with the `PATH.docs` and `PATH.mask`
     /// beside it when they exist, each checked against the ids.

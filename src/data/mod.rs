@@ -4,7 +4,8 @@
 //! (`dataset.rs`), text, JSONL and Parquet documents streamed (`documents.rs`,
 //! `inputs.rs`, `parquet_input.rs`, chat templates `chat.rs`),
 //! `upipe tokenize`'s parallel batches (`tokenize.rs`), `--pack`'s windows
-//! (`packing.rs`) and the sampler that draws them (`sampler.rs`), and
+//! (`packing.rs`) and the sampler that draws them (`sampler.rs`), a
+//! weighted mixture of corpora (`mixture.rs`), and
 //! `window.rs` a window as the model takes it (`PackedWindow`: inputs,
 //! targets, document starts).
 
@@ -14,6 +15,7 @@ pub mod dataset;
 pub mod doc_index;
 pub mod documents;
 pub mod inputs;
+pub mod mixture;
 pub mod packing;
 pub mod parquet_input;
 pub mod sampler;
@@ -26,6 +28,7 @@ pub use corpus::{
     load_tokens, write_u32_tokens,
 };
 pub use dataset::Dataset;
+pub use mixture::{Mixture, MixtureSampler};
 pub use packing::PackMode;
 pub use sampler::PackedSampler;
 pub use tokens::{TokenFormat, Tokens};

@@ -10,6 +10,7 @@
 //! chunk-sized scratch with a gradient scale of 0, so no new kernel is needed.
 
 use super::decoder::Decoder;
+use super::store::{ParamStore, Unit};
 use super::weights::{BlockWeights, ModelWeights};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
 use crate::comm::Mesh;
@@ -48,12 +49,7 @@ impl<B: Backend> Decoder<B> {
         group_of_row: &[usize],
         groups: usize,
     ) -> Result<Vec<f64>> {
-        if ids.len() != targets.len() || ids.len() != group_of_row.len() {
-            return crate::config_err!("one target and one group per input token");
-        }
-        if let Some(g) = group_of_row.iter().find(|&&g| g >= groups) {
-            return crate::config_err!("row group {g} is not below the {groups} groups");
-        }
+        check_rows(ids, targets, group_of_row, groups)?;
         let act = b.compute_dtype();
         let mut x = b.empty(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
         b.embedding_fwd(&w.embed, ids, &mut x)?;
@@ -64,6 +60,50 @@ impl<B: Backend> Decoder<B> {
         b.rms_norm_fwd(&x, &w.final_norm, self.eps(), &mut hn)?;
         drop(x);
         self.grouped_loss(b, w.head(), &hn, targets, group_of_row, groups)
+    }
+
+    /// [`Decoder::forward_loss`] with the parameters of `store`, each unit
+    /// acquired just before it is used and released right after, as the
+    /// training forward does (a sharded store gathers each unit, at most
+    /// two alive): evaluation during an FSDP run, with no second copy of
+    /// the model. The same arithmetic in the same order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_loss_units<S: ParamStore<B> + ?Sized>(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        store: &mut S,
+        ids: &[u32],
+        targets: &[u32],
+        group_of_row: &[usize],
+        groups: usize,
+    ) -> Result<Vec<f64>> {
+        check_rows(ids, targets, group_of_row, groups)?;
+        let act = b.compute_dtype();
+        let mut x = b.empty(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
+        store.acquire(b, Unit::Embed)?;
+        b.embedding_fwd(store.embed()?, ids, &mut x)?;
+        store.release(Unit::Embed)?;
+        for l in 0..self.cfg.layers {
+            store.acquire(b, Unit::Block(l))?;
+            x = self.block_forward_only(b, mesh, store.block(l)?, &x)?;
+            store.release(Unit::Block(l))?;
+        }
+        let tied = self.cfg.tie_embeddings;
+        store.acquire(b, Unit::Head)?;
+        if tied {
+            store.acquire(b, Unit::Embed)?;
+        }
+        let mut hn = b.empty(x.shape(), act, Category::Activations)?;
+        b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
+        drop(x);
+        let sums = self.grouped_loss(b, store.head()?, &hn, targets, group_of_row, groups)?;
+        drop(hn);
+        if tied {
+            store.release(Unit::Embed)?;
+        }
+        store.release(Unit::Head)?;
+        Ok(sums)
     }
 
     /// One block forward, keeping nothing: RMSNorm → attention → residual →
@@ -137,6 +177,17 @@ impl<B: Backend> Decoder<B> {
             .map(|t| Ok(f64::from(b.to_host(t)?[0])))
             .collect()
     }
+}
+
+/// One target and one group below `groups` per input token.
+fn check_rows(ids: &[u32], targets: &[u32], group_of_row: &[usize], groups: usize) -> Result<()> {
+    if ids.len() != targets.len() || ids.len() != group_of_row.len() {
+        return crate::config_err!("one target and one group per input token");
+    }
+    if let Some(g) = group_of_row.iter().find(|&&g| g >= groups) {
+        return crate::config_err!("row group {g} is not below the {groups} groups");
+    }
+    Ok(())
 }
 
 #[cfg(test)]

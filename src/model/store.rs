@@ -38,6 +38,9 @@ pub trait ParamStore<B: Backend> {
     fn block(&self, l: usize) -> Result<&BlockWeights<B>>;
     /// `model.norm` (acquired as [`Unit::Head`]).
     fn final_norm(&self) -> Result<&Tensor<B>>;
+    /// The LM head matrix `[vocab, hidden]`, read only (acquired as
+    /// [`Unit::Head`]; a tied head is the embedding: [`Unit::Embed`] too).
+    fn head(&self) -> Result<&Tensor<B>>;
     /// Block `l`'s parameters with its F32 gradient buffers to add into.
     fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)>;
     /// The head's parameters with their gradient buffers (a tied head's
@@ -69,6 +72,9 @@ macro_rules! delegate_param_store {
         }
         fn final_norm(&self) -> $crate::error::Result<&$crate::backend::Tensor<B>> {
             self.$inner.final_norm()
+        }
+        fn head(&self) -> $crate::error::Result<&$crate::backend::Tensor<B>> {
+            self.$inner.head()
         }
         fn block_grads(
             &mut self,

@@ -1,23 +1,31 @@
 //! Evaluation: the mean next-token cross-entropy of a model over a token
-//! file cut into consecutive windows, also by position within the document,
-//! forward only ([`Decoder::forward_loss`]) on any strategy and mesh.
+//! file cut into windows, also by position within the document, forward
+//! only ([`Decoder::forward_loss`]) on any strategy and mesh.
 //!
-//! Windows of `L` inputs take `L + 1` tokens and overlap by one, so every
-//! token after the first is a target once: `(N - 1) / L` windows of a file of
-//! `N` tokens, the tail past the last whole window left out. A window is
-//! padded to a length the layout accepts; padded positions come last, so
-//! causal attention keeps them out of every real prediction, and their
-//! targets are `IGNORE`. Data replicas take windows round-robin; the sums of
+//! The windows are made as `--pack` makes training's (`data::packing`),
+//! with the document index and loss mask beside the file: `stream` and
+//! `documents` cut consecutive windows of `L` inputs that take `L + 1`
+//! tokens and overlap by one, so every token after the first is a target
+//! once: `(N - 1) / L` windows of a file of `N` tokens, the tail past the
+//! last whole window left out (`documents` restarts positions and attention
+//! at every document start and counts no target across a boundary); `bfd`
+//! packs whole documents by best-fit decreasing, every window of the
+//! packing once, in order. Targets the loss mask does not count are left
+//! out. A window is padded to a length the layout accepts; padded positions
+//! come last, so causal attention keeps them out of every real prediction,
+//! and their targets are `IGNORE`. Data replicas take windows round-robin; the sums of
 //! every rank are reduced over the world at the end. Ranks are threads
 //! ([`eval_threads`]) or one process per GPU (`trainer::eval_process_rank`).
 
 use super::host_weights::weights_from_host;
+use super::step_windows::RankWindow;
 use crate::attention::{CpPlan, Strategy};
 use crate::backend::{Backend, Category, DType, IGNORE};
 use crate::checkpoint::HostTensor;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
-use crate::data::{PackedWindow, Tokens};
+use crate::data::packing::{Piece, best_fit_decreasing, bin_window, cut_window, pieces};
+use crate::data::{Dataset, PackMode, PackedWindow};
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{Decoder, MemoryPolicy, ModelConfig};
@@ -45,13 +53,17 @@ pub struct EvalConfig {
     pub buckets: usize,
     /// Rows of logits at once.
     pub loss_chunk: usize,
+    /// How windows are made of the documents (`--pack`; `stream`: the file
+    /// as one stream, its document index unused).
+    pub pack: PackMode,
 }
 
 /// What a run evaluates while it trains.
 #[derive(Clone)]
 pub struct EvalDuring {
-    /// The held-out token ids (`--eval-data`).
-    pub tokens: Tokens,
+    /// The held-out ids (`--eval-data`), with the document index and loss
+    /// mask beside them.
+    pub data: Dataset,
     /// Evaluate after every this many steps (`--eval-every`), and after the last.
     pub every: u32,
     /// Equal ranges of positions the loss is also given for (`--eval-buckets`).
@@ -61,7 +73,7 @@ pub struct EvalDuring {
 impl fmt::Debug for EvalDuring {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.debug_struct("EvalDuring")
-            .field("tokens", &self.tokens.name())
+            .field("data", &self.data.tokens.name())
             .field("every", &self.every)
             .field("buckets", &self.buckets)
             .finish()
@@ -134,16 +146,17 @@ impl EvalConfig {
             seq: None,
             buckets: 1,
             loss_chunk: MemoryPolicy::default().loss_chunk,
+            pack: PackMode::Stream,
         }
     }
 
-    /// The windows of `tokens`; errors name the fix.
-    pub fn windows(&self, tokens: &Tokens) -> Result<EvalWindows> {
-        let n = tokens.len();
+    /// The windows of `data`; errors name the fix.
+    pub fn windows(&self, data: &Dataset) -> Result<EvalWindows> {
+        let n = data.len();
+        let name = data.tokens.name();
         if n < 2 {
             return crate::config_err!(
-                "{} holds {n} tokens; at least 2 are needed to predict one",
-                tokens.name()
+                "{name} holds {n} tokens; at least 2 are needed to predict one"
             );
         }
         let seq = self.seq.unwrap_or(n - 1);
@@ -152,9 +165,8 @@ impl EvalConfig {
         }
         if seq > n - 1 {
             return crate::config_err!(
-                "--seq {seq} is longer than {} allows: its {n} tokens make windows of at most {} \
+                "--seq {seq} is longer than {name} allows: its {n} tokens make windows of at most {} \
                  inputs (each window needs one more token for its last target); use a shorter --seq",
-                tokens.name(),
                 n - 1
             );
         }
@@ -164,10 +176,11 @@ impl EvalConfig {
                 self.buckets
             );
         }
-        Ok(EvalWindows {
-            seq,
-            count: (n - 1) / seq,
-        })
+        let count = match self.pack {
+            PackMode::Bfd => bfd_bins(data, seq)?.len(),
+            _ => (n - 1) / seq,
+        };
+        Ok(EvalWindows { seq, count })
     }
 
     /// `(Pu, Pr)`: 1 and 1 for `local`.
@@ -215,14 +228,15 @@ impl EvalConfig {
 /// with weights from `host` (by HF name). Returns rank 0's report.
 pub fn eval_threads<B: Backend>(
     cfg: &EvalConfig,
-    tokens: &Tokens,
+    data: impl Into<Dataset>,
     host: &BTreeMap<String, HostTensor>,
     make_backend: impl Fn() -> B + Sync,
 ) -> Result<EvalReport> {
-    tokens.check_vocab(cfg.model.vocab)?;
-    let plan = cfg.plan(cfg.windows(tokens)?.seq)?;
+    let data = data.into();
+    data.tokens.check_vocab(cfg.model.vocab)?;
+    let plan = cfg.plan(cfg.windows(&data)?.seq)?;
     let out = run_ranks(cfg.mesh_shape(&plan), make_backend, |_, b, mesh| {
-        eval_on_mesh(cfg, tokens, host, b.as_ref(), &mesh)
+        eval_on_mesh(cfg, &data, host, b.as_ref(), &mesh)
     })?;
     Ok(out.into_iter().next().expect("at least one rank"))
 }
@@ -230,10 +244,10 @@ pub fn eval_threads<B: Backend>(
 /// [`eval_threads`] on the CPU reference backend (f32).
 pub fn eval_cpu(
     cfg: &EvalConfig,
-    tokens: &Tokens,
+    data: impl Into<Dataset>,
     host: &BTreeMap<String, HostTensor>,
 ) -> Result<EvalReport> {
-    eval_threads(cfg, tokens, host, crate::backend::cpu::CpuBackend::new)
+    eval_threads(cfg, data, host, crate::backend::cpu::CpuBackend::new)
 }
 
 /// One rank's evaluation; collective over `mesh` (every rank calls it with
@@ -243,12 +257,12 @@ pub fn eval_cpu(
 /// replica has at least two.
 pub fn eval_on_mesh<B: Backend>(
     cfg: &EvalConfig,
-    tokens: &Tokens,
+    data: &Dataset,
     host: &BTreeMap<String, HostTensor>,
     b: &B,
     mesh: &Mesh<B>,
 ) -> Result<EvalReport> {
-    let win = cfg.windows(tokens)?;
+    let win = cfg.windows(data)?;
     let plan = cfg.plan(win.seq)?;
     let shape = cfg.mesh_shape(&plan);
     if mesh.shape != shape {
@@ -269,8 +283,11 @@ pub fn eval_on_mesh<B: Backend>(
         b,
         mesh,
         &plan,
-        tokens,
-        &win,
+        EvalData {
+            data,
+            pack: cfg.pack,
+            win: &win,
+        },
         &ranges,
         |window, ids, targets, bucket_of| {
             decoder.set_window(b, &window.doc_starts)?;
@@ -279,19 +296,26 @@ pub fn eval_on_mesh<B: Backend>(
     )
 }
 
-/// Evaluates this rank's share of the windows `win` of `tokens` under
-/// `plan` on `mesh` (data replicas take windows round-robin), `forward`
-/// giving one window's loss sums by bucket for this rank's rows (given the
-/// window, for its documents, and its ids, targets and each row's bucket of
-/// `ranges`, by position within the document); the sums, and the targets
-/// counted, reduced over the world. Collective. `upipe eval` and evaluation during training
-/// (`train::eval_during`) both run it.
+/// The windows an evaluation reads: `win` of `data`, made as `pack` says.
+#[derive(Clone, Copy)]
+pub(crate) struct EvalData<'a> {
+    pub data: &'a Dataset,
+    pub pack: PackMode,
+    pub win: &'a EvalWindows,
+}
+
+/// Evaluates this rank's share of the windows of `ev` under `plan` on
+/// `mesh` (data replicas take windows round-robin), `forward` giving one
+/// window's loss sums by bucket for this rank's rows (given the window, for
+/// its documents, and its ids, targets and each row's bucket of `ranges`,
+/// by position within the document); the sums, and the targets counted,
+/// reduced over the world. Collective. `upipe eval` and evaluation during
+/// training (`train::eval_during`) both run it.
 pub(crate) fn eval_windows<B: Backend>(
     b: &B,
     mesh: &Mesh<B>,
     plan: &CpPlan,
-    tokens: &Tokens,
-    win: &EvalWindows,
+    ev: EvalData,
     ranges: &[Range<usize>],
     mut forward: impl FnMut(&PackedWindow, &[u32], &[u32], &[usize]) -> Result<Vec<f64>>,
 ) -> Result<EvalReport> {
@@ -299,22 +323,19 @@ pub(crate) fn eval_windows<B: Backend>(
         .layout
         .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
     let (replica, replicas) = (mesh.shape.coords(mesh.rank).data, mesh.shape.data);
+    let win = ev.win;
+    let windows = EvalWindowMaker::new(ev, plan.layout.seq)?;
     // per bucket: summed loss, then counted targets
     let mut sums = vec![0f64; 2 * ranges.len()];
-    let mut tokens_read = Vec::with_capacity(win.seq + 1);
     let start = Instant::now();
     let mut timed_from = None;
     for (round, wi) in (replica..win.count).step_by(replicas).enumerate() {
-        tokens.read_into(wi * win.seq..(wi + 1) * win.seq + 1, &mut tokens_read);
-        let window = padded_window(&tokens_read, plan.layout.seq);
-        let (ids, targets): (Vec<u32>, Vec<u32>) = positions
-            .iter()
-            .map(|&p| (window.inputs[p], window.targets[p]))
-            .unzip();
+        let window = windows.window(wi);
+        let rows = RankWindow::of(&window, &positions)?;
         let bucket_of = buckets_by_document_position(&window, &positions, ranges);
-        let s = forward(&window, &ids, &targets, &bucket_of)?;
+        let s = forward(&window, &rows.ids, &rows.targets, &bucket_of)?;
         sums.iter_mut().zip(s).for_each(|(a, x)| *a += x);
-        for (&bucket, &t) in bucket_of.iter().zip(&targets) {
+        for (&bucket, &t) in bucket_of.iter().zip(&rows.targets) {
             sums[ranges.len() + bucket] += f64::from(u8::from(t != IGNORE));
         }
         if round == 0 {
@@ -339,19 +360,54 @@ pub(crate) fn eval_windows<B: Backend>(
     ))
 }
 
-/// A window of `L + 1` read tokens as the model takes it, padded to the
-/// plan's `padded` inputs: padded positions come last, with input 0 and
-/// target `IGNORE` (causal attention keeps them out of every real
-/// prediction). One document: the window is one stream.
-fn padded_window(read: &[u32], padded: usize) -> PackedWindow {
-    let seq = read.len() - 1;
-    let (inputs, targets) = (0..padded)
-        .map(|p| match p < seq {
-            true => (read[p], read[p + 1]),
-            false => (0, IGNORE),
-        })
-        .unzip();
-    PackedWindow::stream(inputs, targets)
+/// `--pack bfd`'s windows of `data`: whole documents packed into windows
+/// of `seq` by best-fit decreasing (`data::packing`), in the packing's order.
+fn bfd_bins(data: &Dataset, seq: usize) -> Result<Vec<Vec<Piece>>> {
+    let Some(docs) = &data.docs else {
+        return crate::config_err!(
+            "--pack bfd packs whole documents, but {} has no document index: write the ids with \
+             `upipe tokenize` (it writes the index IDS.docs beside them), or use --pack stream",
+            data.tokens.name()
+        );
+    };
+    Ok(best_fit_decreasing(&pieces(docs, seq), seq))
+}
+
+/// Makes evaluation window `wi` of a dataset as `--pack` says.
+struct EvalWindowMaker<'a> {
+    ev: EvalData<'a>,
+    /// `bfd`: the packing's windows.
+    bins: Option<Vec<Vec<Piece>>>,
+    /// The layout's window length, `>= seq`.
+    padded: usize,
+}
+
+impl<'a> EvalWindowMaker<'a> {
+    fn new(ev: EvalData<'a>, padded: usize) -> Result<Self> {
+        let bins = match ev.pack {
+            PackMode::Bfd => Some(bfd_bins(ev.data, ev.win.seq)?),
+            _ => None,
+        };
+        Ok(EvalWindowMaker { ev, bins, padded })
+    }
+
+    /// Window `wi`, padded to the layout's length.
+    fn window(&self, wi: usize) -> PackedWindow {
+        let (d, seq) = (self.ev.data, self.ev.win.seq);
+        let mut w = match &self.bins {
+            Some(bins) => bin_window(&bins[wi], &d.tokens, d.mask.as_ref(), seq),
+            None => {
+                let ids = d.tokens.read(wi * seq..(wi + 1) * seq + 1);
+                let docs = d.docs.as_deref();
+                cut_window((wi * seq) as u64, &ids, docs, d.mask.as_ref(), self.ev.pack)
+            }
+        };
+        // padded positions come last, input 0 and target `IGNORE`, in the
+        // last document: causal attention keeps them out of every real prediction
+        w.inputs.resize(self.padded, 0);
+        w.targets.resize(self.padded, IGNORE);
+        w
+    }
 }
 
 /// The bucket of each of `positions` (rows of `window`): its position

@@ -3,10 +3,11 @@
 //! file's windows of the run's `--seq` inputs, overall and by position
 //! bucket, computed as `upipe eval` computes it ([`eval_windows`]) on the
 //! training mesh with the parameters the run holds (no second copy of the
-//! model; a replicated run only: FSDP's parameters are sharded).
+//! model: under FSDP each unit is gathered for the forward and freed after,
+//! as the training forward does).
 
 use super::config::TrainConfig;
-use super::eval::{EvalConfig, EvalDuring, EvalReport, eval_windows};
+use super::eval::{EvalConfig, EvalData, EvalDuring, EvalReport, eval_windows};
 use super::state::RankModel;
 use crate::attention::CpPlan;
 use crate::backend::Backend;
@@ -29,13 +30,14 @@ impl EvalDuring {
             seq: Some(cfg.seq),
             buckets: self.buckets,
             loss_chunk: cfg.policy.loss_chunk,
+            pack: cfg.pack,
         }
     }
 
     /// Checks the evaluation against the run before anything is allocated:
     /// a step count of at least 1, ids within the model's vocabulary, at
-    /// least one window of `--seq`, buckets within it; a sharded run cannot
-    /// evaluate. Errors name the flag and the fix.
+    /// least one window of `--seq`, buckets within it. Errors name the flag
+    /// and the fix.
     pub fn check(&self, cfg: &TrainConfig) -> Result<()> {
         if self.every == 0 {
             return crate::config_err!(
@@ -43,14 +45,14 @@ impl EvalDuring {
                  (the run also evaluates after its last step)"
             );
         }
-        if let Err(e) = self.tokens.check_vocab(cfg.model.vocab) {
+        if let Err(e) = self.data.tokens.check_vocab(cfg.model.vocab) {
             return crate::config_err!(
                 "--eval-data {}: {e}; give held-out ids of the model's tokenizer \
                  (`upipe tokenize --tokenizer` the one --data uses)",
-                self.tokens.name()
+                self.data.tokens.name()
             );
         }
-        let windows = self.eval_config(cfg).windows(&self.tokens).map_err(|e| {
+        let windows = self.eval_config(cfg).windows(&self.data).map_err(|e| {
             crate::Error::Config(format!(
                 "--eval-data at --seq {}: {}",
                 cfg.seq,
@@ -58,13 +60,6 @@ impl EvalDuring {
             ))
         })?;
         debug_assert!(windows.count >= 1);
-        if cfg.fsdp {
-            return crate::config_err!(
-                "--eval-data evaluates the parameters every rank holds, but this run shards them \
-                 (FSDP); add --fsdp off, or leave --eval-data out and run `upipe eval` on \
-                 its checkpoints"
-            );
-        }
         Ok(())
     }
 }
@@ -88,11 +83,8 @@ pub fn after_step<B: Backend>(
         return Ok(None);
     }
     model.settle(b)?;
-    let Some(w) = model.full_weights() else {
-        return crate::config_err!("--eval-data needs the unsharded model: add --fsdp off");
-    };
     let ecfg = ev.eval_config(cfg);
-    let win = ecfg.windows(&ev.tokens)?;
+    let win = ecfg.windows(&ev.data)?;
     let ranges = ecfg.bucket_ranges(win.seq);
     let groups = ranges.len();
     b.ledger().enter("eval");
@@ -100,12 +92,15 @@ pub fn after_step<B: Backend>(
         b,
         mesh,
         plan,
-        &ev.tokens,
-        &win,
+        EvalData {
+            data: &ev.data,
+            pack: ecfg.pack,
+            win: &win,
+        },
         &ranges,
         |window, ids, tg, rows| {
             decoder.set_window(b, &window.doc_starts)?;
-            decoder.forward_loss(b, mesh, w, ids, tg, rows, groups)
+            model.forward_loss(b, decoder, mesh, ids, tg, rows, groups)
         },
     )?;
     Ok(Some(report))

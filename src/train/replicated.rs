@@ -123,6 +123,9 @@ impl<B: Backend> ParamStore<B> for ReplicatedStore<'_, B> {
     fn final_norm(&self) -> Result<&Tensor<B>> {
         Ok(&self.w.final_norm)
     }
+    fn head(&self) -> Result<&Tensor<B>> {
+        Ok(self.w.head())
+    }
     fn block_grads(
         &mut self,
         _b: &B,
@@ -359,8 +362,18 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         self.opt.settle(b, &mut lend(w, g), usize::MAX)
     }
 
-    fn full_weights(&self) -> Option<&ModelWeights<B>> {
-        Some(&self.store.w)
+    fn forward_loss(
+        &mut self,
+        b: &B,
+        decoder: &Decoder<B>,
+        mesh: &Mesh<B>,
+        ids: &[u32],
+        targets: &[u32],
+        group_of_row: &[usize],
+        groups: usize,
+    ) -> Result<Vec<f64>> {
+        let w = &self.store.w;
+        decoder.forward_loss(b, mesh, w, ids, targets, group_of_row, groups)
     }
 
     fn save(

@@ -6,7 +6,7 @@ use crate::backend::Backend;
 use crate::comm::Mesh;
 use crate::error::Result;
 use crate::model::progress::Progress;
-use crate::model::{Decoder, ModelWeights, ParamStore};
+use crate::model::{Decoder, ParamStore};
 use crate::optim::Update;
 use std::path::Path;
 
@@ -55,9 +55,23 @@ pub trait RankModel<B: Backend> {
     /// Runs every optimizer update still pending: the parameters are then
     /// those of the last step (a checkpoint does this itself).
     fn settle(&mut self, b: &B) -> Result<()>;
-    /// The whole model's parameters as this rank holds them (evaluation
-    /// during training, `train::eval_during`); `None` where they are sharded.
-    fn full_weights(&self) -> Option<&ModelWeights<B>>;
+    /// Forward only over this rank's rows (evaluation during training,
+    /// `train::eval_during`): the summed loss of each of `groups` groups of
+    /// rows ([`Decoder::forward_loss`]) with the parameters the rank holds;
+    /// sharded ones are gathered unit by unit as the training forward
+    /// gathers them ([`Decoder::forward_loss_units`]), so no rank ever holds
+    /// a second copy of the model.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_loss(
+        &mut self,
+        b: &B,
+        decoder: &Decoder<B>,
+        mesh: &Mesh<B>,
+        ids: &[u32],
+        targets: &[u32],
+        group_of_row: &[usize],
+        groups: usize,
+    ) -> Result<Vec<f64>>;
     /// Writes a checkpoint of `step` into `dir` (collective: every rank
     /// calls it; `lead` is the rank that writes shared files).
     fn save(

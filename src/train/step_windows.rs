@@ -6,7 +6,7 @@
 use crate::attention::CpPlan;
 use crate::backend::{Backend, Category, DType, IGNORE};
 use crate::comm::Mesh;
-use crate::data::{PackedSampler, PackedWindow};
+use crate::data::{MixtureSampler, PackedWindow};
 use crate::error::{Error, Result};
 
 /// One micro-step's window on this rank.
@@ -42,7 +42,7 @@ impl RankWindow {
 /// hold several (`documents`) in two (`[0, 1)` and the rest: the attention
 /// of a documents mask, with the causal mask's ring blocks).
 pub fn draw_step(
-    sampler: &mut PackedSampler,
+    sampler: &mut MixtureSampler,
     plan: &CpPlan,
     positions: &[usize],
     grad_accum: usize,

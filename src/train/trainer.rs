@@ -27,7 +27,8 @@ use crate::comm::counting::counting_mesh;
 use crate::comm::env::DistEnv;
 use crate::comm::local::run_ranks;
 use crate::comm::{Mesh, MeshShape};
-use crate::data::{Dataset, PackMode, PackedSampler, PackedWindow, SamplerState, Tokens};
+use crate::data::mixture::MixShare;
+use crate::data::{Dataset, Mixture, MixtureSampler, PackMode, PackedWindow, Tokens};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use crate::optim::divergence::DivergenceGuard;
@@ -70,6 +71,9 @@ pub struct StepReport {
     /// The held-out evaluation after this step, when one was due
     /// (`--eval-data`, `--eval-every`; `train::eval_during`).
     pub eval: Option<EvalReport>,
+    /// A mixture's realised proportions so far (rank 0's data replica's
+    /// windows, `--data a.u32:0.7,b.u32:0.3`); `None` for one corpus.
+    pub mixture: Option<Vec<MixShare>>,
 }
 
 /// The outcome of a run.
@@ -118,7 +122,7 @@ pub fn check_local_rank(local_rank: usize, gpus: usize) -> Result<()> {
 /// `on_step` after every step.
 pub fn train_cpu(
     cfg: &TrainConfig,
-    data: impl Into<Dataset>,
+    data: impl Into<Mixture>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     train_threads(cfg, data, CpuBackend::new, on_step)
@@ -129,14 +133,14 @@ pub fn train_cpu(
 /// rehearsing ones).
 pub fn train_threads<B: Backend + Rehearsable>(
     cfg: &TrainConfig,
-    data: impl Into<Dataset>,
+    data: impl Into<Mixture>,
     make_backend: impl Fn() -> B + Sync,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     let data = data.into();
     let plan = cfg.plan()?;
     let _held = cfg.take_save_dir()?;
-    crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
+    data.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let out = run_ranks(shape, make_backend, |rank, b, mesh| match cfg.rehearse {
         true => {
@@ -164,14 +168,14 @@ pub fn train_threads<B: Backend + Rehearsable>(
 /// `comm::counting`).
 pub fn train_on_mesh<B: Backend>(
     cfg: &TrainConfig,
-    data: impl Into<Dataset>,
+    data: impl Into<Mixture>,
     b: &B,
     mesh: &Mesh<B>,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainSummary> {
     let data = data.into();
     let plan = cfg.plan()?;
-    crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
+    data.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     if mesh.shape != shape {
         return crate::config_err!(
@@ -196,7 +200,7 @@ pub fn train_on_mesh<B: Backend>(
 /// picks the attention kernels (`--attn-kernel`).
 pub fn train_process_rank(
     cfg: &TrainConfig,
-    data: impl Into<Dataset>,
+    data: impl Into<Mixture>,
     env: &DistEnv,
     kernel: crate::backend::cuda::cudnn::AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),
@@ -208,7 +212,7 @@ pub fn train_process_rank(
         0 => cfg.take_save_dir()?,
         _ => None,
     };
-    crate::data::check_vocab(&data.tokens, cfg.model.vocab)?;
+    data.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let decided = cfg.decided_flags();
     let rank = ProcessRank::join(
@@ -234,16 +238,17 @@ pub fn train_process_rank(
 /// ([`ProcessRank::join`]). The world size must equal the mesh size.
 pub fn eval_process_rank(
     cfg: &EvalConfig,
-    tokens: &Tokens,
+    data: impl Into<Dataset>,
     host: &BTreeMap<String, HostTensor>,
     env: &DistEnv,
     kernel: crate::backend::cuda::cudnn::AttnKernel,
 ) -> Result<EvalReport> {
-    tokens.check_vocab(cfg.model.vocab)?;
-    let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(tokens)?.seq)?);
+    let data = data.into();
+    data.tokens.check_vocab(cfg.model.vocab)?;
+    let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(&data)?.seq)?);
     // eval takes every choice from its flags: nothing of its own to agree on
     let rank = ProcessRank::join("eval", env, shape, (kernel, None), None, "")?;
-    eval_on_mesh(cfg, tokens, host, rank.backend.as_ref(), &rank.mesh)
+    eval_on_mesh(cfg, &data, host, rank.backend.as_ref(), &rank.mesh)
 }
 
 /// One process rank of a multi-GPU run (`upipe train`, `upipe eval`): its
@@ -344,7 +349,7 @@ pub fn rehearse_rank<B: Backend>(
 fn run_rank<B: Backend>(
     cfg: &TrainConfig,
     plan: &CpPlan,
-    data: Dataset,
+    data: Mixture,
     b: &B,
     mesh: &Mesh<B>,
     rank: usize,
@@ -370,7 +375,7 @@ fn run_rank<B: Backend>(
     };
     // replicas draw disjoint windows; context ranks of one replica share one
     let data_rank = mesh.shape.coords(mesh.rank).data;
-    let mut sampler = PackedSampler::sharded(
+    let mut sampler = MixtureSampler::sharded(
         data,
         cfg.pack,
         cfg.seq,
@@ -450,6 +455,7 @@ fn run_rank<B: Backend>(
             attn_flop_fraction,
             profile,
             eval,
+            mixture: sampler.shares(),
         };
         if rank == 0 {
             on_step(&report);
@@ -471,11 +477,9 @@ fn run_rank<B: Backend>(
 }
 
 /// Restores the sampler of a resumed run; the first step to run.
-fn resume(cfg: &TrainConfig, sampler: &mut PackedSampler, r: Resumed, rank: usize) -> Result<u32> {
+fn resume(cfg: &TrainConfig, sampler: &mut MixtureSampler, r: Resumed, rank: usize) -> Result<u32> {
     let dir = cfg.resume_dir().expect("resumed from a directory");
     cfg.check_resume_step(dir, r.step)?;
-    let sampler_state: SamplerState = serde_json::from_value(r.extra["sampler"].clone())
-        .map_err(|e| Error::Checkpoint(format!("{}: bad sampler state: {e}", dir.display())))?;
     // checkpoints from before `--pack` have no key: their windows were `stream`'s
     if let Some(saved) = r.extra.get("pack") {
         let saved: PackMode = serde_json::from_value(saved.clone())
@@ -489,7 +493,7 @@ fn resume(cfg: &TrainConfig, sampler: &mut PackedSampler, r: Resumed, rank: usiz
             );
         }
     }
-    sampler.restore(sampler_state)?;
+    sampler.restore(&r.extra["sampler"])?;
     if rank == 0 {
         tracing::info!("resumed from {} at step {}", dir.display(), r.step);
     }

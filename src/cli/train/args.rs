@@ -35,7 +35,9 @@ pub struct TrainArgs {
     /// and checked against the model's vocab_size, with the document index
     /// and loss mask `upipe tokenize` writes beside them. Default: the
     /// bundled corpus. JSONL, Parquet and directories are refused with the
-    /// `upipe tokenize` command that makes ids of them.
+    /// `upipe tokenize` command that makes ids of them. A weighted mixture
+    /// of corpora: `a.u32:0.7,b.u32:0.3` (each window from one corpus,
+    /// every corpus within one window of its share: docs/data.md).
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Tokenizer for text data: `byte` (the default) or a path to an HF
@@ -463,8 +465,16 @@ impl TrainArgs {
     fn check_input_paths(&self) -> Result<()> {
         use crate::input_path::{check_dir, check_file};
         if let Some(data) = &self.data {
-            crate::data::inputs::refuse_untokenized(data, self.tokenizer.as_deref())?;
-            check_file(data, "--data")?;
+            let tokenizer = self.tokenizer.as_deref();
+            match crate::data::mixture::parse_data_spec(data)? {
+                Some(parts) => parts.iter().try_for_each(|(path, _)| {
+                    crate::data::mixture::check_mixture_file(path, tokenizer)
+                })?,
+                None => {
+                    crate::data::inputs::refuse_untokenized(data, tokenizer)?;
+                    check_file(data, "--data")?;
+                }
+            }
         }
         if let Some(dir) = &self.init_from {
             check_dir(dir, "--init-from")?;

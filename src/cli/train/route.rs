@@ -5,7 +5,7 @@
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
-use crate::data::Dataset;
+use crate::data::Mixture;
 use crate::error::Result;
 use crate::train::trainer::{
     StepReport, TrainConfig, TrainSummary, check_local_rank, check_world_size,
@@ -146,7 +146,7 @@ pub fn route_for(
 /// Thread ranks spread round-robin over `gpus` devices.
 pub(super) fn train_on_gpus(
     cfg: &TrainConfig,
-    data: Dataset,
+    data: Mixture,
     gpus: usize,
     kernel: AttnKernel,
     on_step: &(dyn Fn(&StepReport) + Sync),

@@ -27,7 +27,26 @@ pub fn print(summary: &TrainSummary, predicted: &Prediction, steps: u32, flops_p
             flops_text(flops_per_token * median / 1e12 / summary.ranks.max(1) as f64)
         );
     }
+    print_mixture(summary);
     memory_table(summary, predicted);
+}
+
+/// A mixture's realised proportions against its weights (rank 0's data
+/// replica's windows over the run).
+fn print_mixture(summary: &TrainSummary) {
+    let Some(shares) = summary.reports.last().and_then(|r| r.mixture.as_ref()) else {
+        return;
+    };
+    let parts: Vec<String> = shares
+        .iter()
+        .map(|s| {
+            format!(
+                "{} {:.3} ({} windows, weight {:.3})",
+                s.data, s.share, s.windows, s.weight
+            )
+        })
+        .collect();
+    println!("data mixture drawn: {}", parts.join(", "));
 }
 
 /// Rank 0's time of the last step by op class (`--profile`), on stdout, or

@@ -252,8 +252,20 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         self.opt.settle(b, &mut self.store.lend(), usize::MAX)
     }
 
-    fn full_weights(&self) -> Option<&crate::model::ModelWeights<B>> {
-        None // each rank holds its shards only
+    fn forward_loss(
+        &mut self,
+        b: &B,
+        decoder: &Decoder<B>,
+        mesh: &Mesh<B>,
+        ids: &[u32],
+        targets: &[u32],
+        group_of_row: &[usize],
+        groups: usize,
+    ) -> Result<Vec<f64>> {
+        // the optimizer's pending updates are settled before an evaluation
+        self.store.begin_forward();
+        let store = &mut self.store;
+        decoder.forward_loss_units(b, mesh, store, ids, targets, group_of_row, groups)
     }
 
     fn save(&mut self, b: &B, dir: &Path, step: u64, extra: &Value, lead: bool) -> Result<()> {

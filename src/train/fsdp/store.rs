@@ -104,6 +104,17 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         Ok(s)
     }
 
+    /// Prepares a forward-only pass (evaluation): the gathers to prefetch
+    /// are the forward's units, in order; gradients are left as they are.
+    pub fn begin_forward(&mut self) {
+        let mut order = Unit::step_order(self.cfg.layers, self.cfg.tie_embeddings);
+        order.truncate(self.cfg.layers + 2);
+        if self.cfg.tie_embeddings {
+            order.push(Unit::Embed);
+        }
+        self.order = order.into();
+    }
+
     /// Prepares a step: the gathers to prefetch and, with `fresh_grads`,
     /// gradient shards that the step's first reduce-scatters overwrite
     /// (without it they add: gradient accumulation).
@@ -385,6 +396,14 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
     fn final_norm(&self) -> Result<&Tensor<B>> {
         match self.gathered(Unit::Head)? {
             Gathered::Head(norm, _) => Ok(norm),
+            _ => Err(internal("the head unit holds another unit".into())),
+        }
+    }
+
+    fn head(&self) -> Result<&Tensor<B>> {
+        match self.gathered(Unit::Head)? {
+            Gathered::Head(_, Some(head)) => Ok(head),
+            Gathered::Head(_, None) => self.embed(),
             _ => Err(internal("the head unit holds another unit".into())),
         }
     }
