@@ -1,5 +1,5 @@
 //! Model families: one file per family of Hugging Face checkpoints upipe
-//! reads (`llama.rs`, `qwen3.rs`), behind one interface, [`Family`], that
+//! reads (`llama.rs`, `qwen2.rs`, `qwen3.rs`), behind one interface, [`Family`], that
 //! the config, the decoder, the weights and checkpoint I/O ask:
 //!
 //! - its `config.json`: the `model_type` it answers to
@@ -9,7 +9,8 @@
 //! - its parameters: which a block has ([`Family::block_params`]) and their
 //!   HF names ([`Family::hf_name`]), the names `model/weights.rs` and the
 //!   checkpoint files use;
-//! - its quirks, as methods the decoder asks: [`Family::qk_norm`] (tied
+//! - its quirks, as methods the decoder asks: [`Family::qk_norm`],
+//!   [`Family::qkv_bias`] (tied
 //!   embeddings are a checkpoint's `tie_word_embeddings`, read into
 //!   [`ModelConfig::tie_embeddings`] with the family's default);
 //! - its presets ([`Family::preset`]).
@@ -23,6 +24,7 @@
 mod hf;
 mod llama;
 pub(in crate::model) mod presets;
+mod qwen2;
 mod qwen3;
 
 use super::ModelConfig;
@@ -40,17 +42,17 @@ pub enum Family {
     Llama,
     /// Qwen3 (`model_type` `qwen3`): per-head RMSNorm of q and k.
     Qwen3,
+    /// Qwen2 / Qwen2.5 (`model_type` `qwen2`): biases on the q/k/v
+    /// projections, YaRN RoPE scaling.
+    Qwen2,
 }
 
 /// Every family upipe reads, in the order messages list them.
-pub const FAMILIES: &[Family] = &[Family::Llama, Family::Qwen3];
+pub const FAMILIES: &[Family] = &[Family::Llama, Family::Qwen3, Family::Qwen2];
 
 /// `model_type`s of related families upipe does not read yet, with what
 /// their decoder needs that upipe's lacks.
-const NOT_YET: &[(&str, &str)] = &[(
-    "qwen2",
-    "uses biases on the q/k/v projections, which upipe's decoder does not implement",
-)];
+const NOT_YET: &[(&str, &str)] = &[];
 
 impl Family {
     /// The family's name in messages: `Llama`, `Qwen3`.
@@ -58,6 +60,7 @@ impl Family {
         match self {
             Family::Llama => "Llama",
             Family::Qwen3 => "Qwen3",
+            Family::Qwen2 => "Qwen2",
         }
     }
 
@@ -66,6 +69,7 @@ impl Family {
         match self {
             Family::Llama => llama::MODEL_TYPE,
             Family::Qwen3 => qwen3::MODEL_TYPE,
+            Family::Qwen2 => qwen2::MODEL_TYPE,
         }
     }
 
@@ -74,6 +78,7 @@ impl Family {
         match self {
             Family::Llama => llama::ARCHITECTURE,
             Family::Qwen3 => qwen3::ARCHITECTURE,
+            Family::Qwen2 => qwen2::ARCHITECTURE,
         }
     }
 
@@ -94,9 +99,13 @@ impl Family {
             .iter()
             .map(|f| format!("{} ('{}')", f.name(), f.model_type()))
             .collect();
+        let listed = match listed.split_last() {
+            Some((last, [])) => last.clone(),
+            Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+            None => String::new(),
+        };
         Err(Error::Config(format!(
-            "unsupported model_type '{model_type}'; upipe reads {} configs",
-            listed.join(" and ")
+            "unsupported model_type '{model_type}'; upipe reads {listed} configs"
         )))
     }
 
@@ -106,6 +115,7 @@ impl Family {
         match self {
             Family::Llama => llama::parse_hf(obj),
             Family::Qwen3 => qwen3::parse_hf(obj),
+            Family::Qwen2 => qwen2::parse_hf(obj),
         }
     }
 
@@ -114,14 +124,23 @@ impl Family {
         match self {
             Family::Llama => llama::preset(name),
             Family::Qwen3 => qwen3::preset(name),
+            Family::Qwen2 => qwen2::preset(name),
         }
     }
 
     /// Whether q and k are RMS-normalised per head before RoPE.
     pub fn qk_norm(self) -> bool {
         match self {
-            Family::Llama => false,
+            Family::Llama | Family::Qwen2 => false,
             Family::Qwen3 => true,
+        }
+    }
+
+    /// Whether the q/k/v projections carry biases (`o_proj` never does).
+    pub fn qkv_bias(self) -> bool {
+        match self {
+            Family::Llama | Family::Qwen3 => false,
+            Family::Qwen2 => true,
         }
     }
 
@@ -133,6 +152,9 @@ impl Family {
             Family::Qwen3 => &[
                 AttnNorm, Wq, Wk, Wv, Wo, QNorm, KNorm, MlpNorm, Gate, Up, Down,
             ],
+            Family::Qwen2 => &[
+                AttnNorm, Wq, Bq, Wk, Bk, Wv, Bv, Wo, MlpNorm, Gate, Up, Down,
+            ],
         }
     }
 
@@ -141,7 +163,7 @@ impl Family {
     /// does; one that differs gets its own arm.
     pub fn hf_name(self, p: Param) -> String {
         match self {
-            Family::Llama | Family::Qwen3 => hf::llama_name(p),
+            Family::Llama | Family::Qwen3 | Family::Qwen2 => hf::llama_name(p),
         }
     }
 
@@ -149,7 +171,7 @@ impl Family {
     /// parameter (older versions saved each layer's RoPE frequencies).
     pub fn is_buffer(self, name: &str) -> bool {
         match self {
-            Family::Llama | Family::Qwen3 => name.ends_with(".rotary_emb.inv_freq"),
+            Family::Llama | Family::Qwen3 | Family::Qwen2 => name.ends_with(".rotary_emb.inv_freq"),
         }
     }
 }
@@ -189,6 +211,12 @@ pub enum BlockParam {
     Wk,
     /// `[Hkv·d, hidden]`.
     Wv,
+    /// The q projection's bias `[H·d]` (Qwen2).
+    Bq,
+    /// The k projection's bias `[Hkv·d]` (Qwen2).
+    Bk,
+    /// The v projection's bias `[Hkv·d]` (Qwen2).
+    Bv,
     /// `[hidden, H·d]`.
     Wo,
     /// Per-head RMSNorm of q `[d]` (QK-norm families).
@@ -214,6 +242,8 @@ impl BlockParam {
             BlockParam::AttnNorm | BlockParam::MlpNorm => vec![h],
             BlockParam::Wq => vec![q, h],
             BlockParam::Wk | BlockParam::Wv => vec![kv, h],
+            BlockParam::Bq => vec![q],
+            BlockParam::Bk | BlockParam::Bv => vec![kv],
             BlockParam::Wo => vec![h, q],
             BlockParam::QNorm | BlockParam::KNorm => vec![hd],
             BlockParam::Gate | BlockParam::Up => vec![ffn, h],
@@ -232,16 +262,12 @@ mod tests {
             assert_eq!(Family::from_model_type(f.model_type()).unwrap(), *f);
         }
         let e = Family::from_model_type("gpt2").unwrap_err().to_string();
-        assert!(
-            e.contains("unsupported model_type 'gpt2'")
-                && e.contains("Llama ('llama') and Qwen3 ('qwen3')"),
-            "{e}"
-        );
-        let e = Family::from_model_type("qwen2").unwrap_err().to_string();
-        assert!(
-            e.contains("biases") && e.contains("use a Llama or Qwen3 checkpoint"),
-            "{e}"
-        );
+        assert!(e.contains("unsupported model_type 'gpt2'"), "{e}");
+        for f in FAMILIES {
+            let listed = format!("{} ('{}')", f.name(), f.model_type());
+            assert!(e.contains(&listed), "{e} lacks {listed}");
+        }
+        assert_eq!(Family::from_model_type("qwen2").unwrap(), Family::Qwen2);
     }
 
     #[test]
@@ -260,6 +286,19 @@ mod tests {
         assert!(!Family::Llama.block_params().contains(&BlockParam::QNorm));
         assert!(f.is_buffer("model.layers.0.self_attn.rotary_emb.inv_freq"));
         assert!(!f.is_buffer("model.norm.weight"));
+    }
+
+    #[test]
+    fn only_qwen2_has_projection_biases() {
+        let f = Family::Qwen2;
+        let bq = Param::Block(3, BlockParam::Bq);
+        assert_eq!(f.hf_name(bq), "model.layers.3.self_attn.q_proj.bias");
+        let bv = Param::Block(0, BlockParam::Bv);
+        assert_eq!(f.hf_name(bv), "model.layers.0.self_attn.v_proj.bias");
+        for f in FAMILIES {
+            let has = f.block_params().contains(&BlockParam::Bk);
+            assert_eq!(has, f.qkv_bias(), "{f:?}");
+        }
     }
 
     #[test]
