@@ -158,7 +158,11 @@ fn fsdp_shards_qwen2_biases_like_any_parameter() {
         let a = train_cpu(&off, tokens(m.vocab), &|_| {}).unwrap();
         let b = train_cpu(&on, tokens(m.vocab), &|_| {}).unwrap();
         assert_same_run(&a, &b, 1e-6, &what);
-        assert_same_weights(&da, &db, 1e-6, &what);
+        // 1e-5, not 1e-6: the k bias's gradient is nearly zero (softmax
+        // ignores what a row's scores share; only RoPE's rotation of the bias
+        // leaves any), and AdamW's normalised step turns the last bits the
+        // sharded gradient norm sums in another order into a full step
+        assert_same_weights(&da, &db, 1e-5, &what);
         let saved = weights(&db);
         let bias = &saved["model.layers.1.self_attn.k_proj.bias"];
         assert_eq!(bias.shape, vec![m.kv_heads * m.head_dim], "{what}");

@@ -156,17 +156,22 @@ fn qwen2_bias_gradients_match_finite_differences() {
         loss_and_grads_cpu(&cfg, &plan, policy, &ids, &tg, &init).unwrap()
     };
     let (_, grads) = loss("", 0, 0.0);
-    let eps = 1e-2f32;
     for layer in 0..cfg.layers {
-        for p in ["q", "k", "v"] {
+        // q and k biases move the loss little: a wider step keeps their
+        // differences above the f32 loss's resolution
+        for (p, eps) in [("q", 0.1f32), ("k", 0.1), ("v", 1e-2)] {
             let name = format!("model.layers.{layer}.self_attn.{p}_proj.bias");
             let g = &grads[&name];
             let scale = g.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             let idx = g.iter().position(|x| x.abs() == scale).unwrap();
             let fd = (loss(&name, idx, eps).0 - loss(&name, idx, -eps).0) / (2.0 * eps as f64);
             let err = (fd - g[idx] as f64).abs();
+            eprintln!(
+                "{name}[{idx}]: finite difference {fd:e}, analytic {:e}",
+                g[idx]
+            );
             assert!(
-                err <= 0.02 * scale as f64 + 2e-5,
+                err <= 0.02 * scale as f64 + 1e-6,
                 "{name}[{idx}]: finite difference {fd} vs analytic {} (largest {scale})",
                 g[idx]
             );
