@@ -107,8 +107,14 @@ fn parse_rope_scaling(value: Option<&Value>, max_position: usize) -> Result<Opti
 /// keep `transformers`' defaults).
 fn yarn_from_hf(obj: &Map<String, Value>, max_position: usize) -> Result<YarnScaling> {
     let original = opt_usize(obj, "original_max_position_embeddings")?;
+    // without a factor, transformers takes the ratio of the two contexts
+    let factor = match (opt_f32(obj, "factor")?, original) {
+        (Some(f), _) => f,
+        (None, Some(o)) if o > 0 => (max_position as f64 / o as f64) as f32,
+        (None, _) => return Err(missing("factor")),
+    };
     Ok(YarnScaling {
-        factor: req_f32(obj, "factor")?,
+        factor,
         original_max_position_embeddings: original.unwrap_or(max_position),
         original_given: original.is_some(),
         beta_fast: opt_f32(obj, "beta_fast")?,

@@ -71,6 +71,11 @@ mod tests {
             panic!("yarn scaling expected: {:?}", cfg.rope_scaling);
         };
         assert_eq!((y.factor, y.original_max_position_embeddings), (4.0, 32));
+        // no factor: the ratio of max_position_embeddings to the original
+        let implicit =
+            r#", "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 64}"#;
+        let cfg = ModelConfig::from_hf_json(&config(implicit)).unwrap();
+        assert_eq!(cfg.rope_scaling.map(|s| s.factor()), Some(2.0));
     }
 
     #[test]
