@@ -130,6 +130,23 @@ fn qwen2_biases_under_every_strategy_equal_one_rank() {
             &format!("qwen2 {s} {pu}x{pr} U={u:?} {policy:?}"),
         );
     }
+    // overlapped stages, and bias gradients taken in per stage or per phase
+    use upipe::attention::Settle;
+    for (overlap, settle) in [
+        (true, Settle::Stages(1)),
+        (false, Settle::Phase),
+        (true, Settle::Phase),
+    ] {
+        let plan = CpPlan::new(Strategy::Upipe, &attn_dims(&cfg), seq, 4, 2, Some(4))
+            .unwrap()
+            .with_overlap(overlap)
+            .with_settle(settle);
+        let (ids, tg) = data(seq, cfg.vocab);
+        let init = |b: &CpuBackend| ModelWeights::random(b, &cfg, 5);
+        let got = loss_and_grads_cpu(&cfg, &plan, policy, &ids, &tg, &init).unwrap();
+        let what = format!("qwen2 upipe 4x2 U=4 overlap={overlap} settle={settle:?}");
+        assert_close(&got, &reference, 1e-5, &what);
+    }
 }
 
 /// The bias gradients of the reference itself against central finite
