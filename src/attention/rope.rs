@@ -82,6 +82,32 @@ impl YarnScaling {
         }
     }
 
+    /// What is out of range, with the fix (`None` when every field is in
+    /// range; a zero beta or attention factor means the default, as in Python).
+    pub fn invalid(&self) -> Option<String> {
+        let bad = |v: f32| !(v.is_finite() && v > 0.0);
+        if bad(self.factor) {
+            return Some(format!(
+                "rope_scaling.factor is {}; it must be a positive finite number",
+                self.factor
+            ));
+        }
+        for (what, v) in [
+            ("beta_fast", self.beta_fast),
+            ("beta_slow", self.beta_slow),
+            ("attention_factor", self.attention_factor),
+        ] {
+            if let Some(v) = v.filter(|&v| v != 0.0 && bad(v)) {
+                return Some(format!(
+                    "rope_scaling.{what} is {v}; it must be a positive finite number"
+                ));
+            }
+        }
+        (self.original_max_position_embeddings == 0).then(|| {
+            "rope_scaling.original_max_position_embeddings is 0; Qwen2.5 uses 32768".to_string()
+        })
+    }
+
     /// The `head_dim / 2` inverse frequencies of `_compute_yarn_parameters`:
     /// each dimension's extrapolated frequency `θ^(-2i/d)` blended with the
     /// interpolated one (divided by `factor`) by a linear ramp between the

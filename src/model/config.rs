@@ -262,28 +262,8 @@ impl ModelConfig {
     fn validate_rope_scaling(&self, s: &RopeScaling) -> Result<()> {
         match s {
             RopeScaling::Llama3(s) => self.validate_llama3_scaling(s),
-            RopeScaling::Yarn(y) => self.validate_yarn_scaling(y),
+            RopeScaling::Yarn(y) => y.invalid().map_or(Ok(()), |m| Err(self.err(m))),
         }
-    }
-
-    fn validate_yarn_scaling(&self, y: &YarnScaling) -> Result<()> {
-        positive_finite(self, "rope_scaling.factor", y.factor)?;
-        for (what, v) in [
-            ("rope_scaling.beta_fast", y.beta_fast),
-            ("rope_scaling.beta_slow", y.beta_slow),
-            ("rope_scaling.attention_factor", y.attention_factor),
-        ] {
-            if let Some(v) = v.filter(|&v| v != 0.0) {
-                positive_finite(self, what, v)?;
-            }
-        }
-        if y.original_max_position_embeddings == 0 {
-            return Err(self.err(
-                "rope_scaling.original_max_position_embeddings is 0; Qwen2.5 uses 32768"
-                    .to_string(),
-            ));
-        }
-        Ok(())
     }
 
     fn validate_llama3_scaling(&self, s: &Llama3Scaling) -> Result<()> {

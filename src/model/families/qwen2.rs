@@ -95,5 +95,10 @@ mod tests {
             e.contains("'longrope'") && e.contains("'llama3'") && e.contains("'yarn'"),
             "{e}"
         );
+        let negative = r#", "rope_scaling": {"rope_type": "yarn", "factor": -4.0}"#;
+        let e = ModelConfig::from_hf_json(&config(negative))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rope_scaling.factor is -4"), "{e}");
     }
 }
