@@ -1,7 +1,7 @@
 //! Every context-parallel strategy computes the same layer as the local
 //! reference: output, input gradient and every weight gradient (f32, ≤ 1e-5).
 
-use upipe::attention::rope::{RopeConfig, RopeScaling};
+use upipe::attention::rope::{Llama3Scaling, RopeConfig, RopeScaling};
 use upipe::attention::trial::{TrialInputs, TrialResult, run_trial};
 use upipe::attention::{AttnDims, CpPlan, Settle, Strategy};
 use upipe::backend::cpu::CpuBackend;
@@ -16,12 +16,12 @@ fn dims(heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool) -> AttnDi
         norm_eps: 1e-6,
         rope: RopeConfig {
             theta: 10000.0,
-            scaling: Some(RopeScaling {
+            scaling: Some(RopeScaling::Llama3(Llama3Scaling {
                 factor: 8.0,
                 low_freq_factor: 1.0,
                 high_freq_factor: 4.0,
                 original_max_position_embeddings: 16,
-            }),
+            })),
         },
     }
 }

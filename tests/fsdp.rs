@@ -140,6 +140,36 @@ fn fsdp_equals_the_unsharded_run_on_every_mesh() {
     }
 }
 
+/// A Qwen2 (q/k/v biases, tied embeddings): the biases are sharded with
+/// their block, and FSDP equals the unsharded run (loss, gradient norm and
+/// every parameter, the biases' too).
+#[test]
+fn fsdp_shards_qwen2_biases_like_any_parameter() {
+    let mut m = model(true);
+    m.family = upipe::model::Family::Qwen2;
+    m.validate().unwrap();
+    for mesh in [(2, Strategy::Upipe, 2, 1), (1, Strategy::Usp, 4, 2)] {
+        let what = format!("qwen2 {mesh:?}");
+        let (da, db) = (temp("q2off"), temp("q2on"));
+        let mut off = config(&m, mesh, 4, false);
+        off.save_dir = Some(da.clone());
+        let mut on = config(&m, mesh, 4, true);
+        on.save_dir = Some(db.clone());
+        let a = train_cpu(&off, tokens(m.vocab), &|_| {}).unwrap();
+        let b = train_cpu(&on, tokens(m.vocab), &|_| {}).unwrap();
+        assert_same_run(&a, &b, 1e-6, &what);
+        // 1e-5, not 1e-6: the k bias's gradient is nearly zero (softmax
+        // ignores what a row's scores share; only RoPE's rotation of the bias
+        // leaves any), and AdamW's normalised step turns the last bits the
+        // sharded gradient norm sums in another order into a full step
+        assert_same_weights(&da, &db, 1e-5, &what);
+        let saved = weights(&db);
+        let bias = &saved["model.layers.1.self_attn.k_proj.bias"];
+        assert_eq!(bias.shape, vec![m.kv_heads * m.head_dim], "{what}");
+        let _ = (std::fs::remove_dir_all(&da), std::fs::remove_dir_all(&db));
+    }
+}
+
 /// A sharded checkpoint spread over several weight files (with an index)
 /// reads back through the HF loader as the unsharded run's weights, and
 /// `--init-from` it starts a sharded run where an unsharded one starts.

@@ -276,6 +276,44 @@ fn copy_fill_axpy_sum_squares() {
     assert!(((sg - sc) / sc).abs() < 1e-5, "sum_squares {sg} vs {sc}");
 }
 
+/// The q/k/v bias ops as the staged engine calls them: a head range's bias
+/// row added to a block of a wider packed buffer, and its gradient (the
+/// block's column sums) added into an F32 slice of the bias gradient; bf16
+/// and f32 activations, a bias row of 2 heads out of 5, rows past a block of
+/// 8 warps' stride. Against the CPU.
+#[test]
+fn bias_rows_and_their_gradient_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("bias");
+    let (d, heads, rows, wide) = (24, 5, 1037, 3 * 2 * 24);
+    let block = MatLayout::block(2 * 24 + 7 * wide, rows, 2 * d, wide);
+    let bias_row = MatLayout::block(2 * d, 1, 2 * d, 2 * d);
+    for dt in [DType::BF16, DType::F32] {
+        let (gb, cb) = pair(g, &c, &rng.vec(heads * d, 1.0), &[heads * d], dt);
+        let n = (rows + 8) * wide;
+        let (mut gx, mut cx) = pair(g, &c, &rng.vec(n, 1.0), &[rows + 8, wide], dt);
+        g.add_bias_rows(gx.view_mut(block), gb.view(bias_row))
+            .unwrap();
+        c.add_bias_rows(cx.view_mut(block), cb.view(bias_row))
+            .unwrap();
+        check(&format!("add_bias_rows {dt:?}"), g, &gx, &c, &cx);
+        let (mut gdb, mut cdb) = pair(g, &c, &rng.vec(heads * d, 1.0), &[heads * d], DType::F32);
+        g.bias_grad(gdb.view_mut(bias_row), gx.view(block)).unwrap();
+        c.bias_grad(cdb.view_mut(bias_row), cx.view(block)).unwrap();
+        check(&format!("bias_grad {dt:?}"), g, &gdb, &c, &cdb);
+    }
+    let (gb, _) = pair(g, &c, &rng.vec(heads * d, 1.0), &[heads * d], DType::F32);
+    let n = (rows + 8) * wide;
+    let (mut gx, _) = pair(g, &c, &rng.vec(n, 1.0), &[rows + 8, wide], DType::F32);
+    let narrow = MatLayout::block(0, 1, d, d);
+    assert!(
+        g.add_bias_rows(gx.view_mut(block), gb.view(narrow))
+            .is_err(),
+        "widths differ"
+    );
+}
+
 /// Copies the attention layer makes most (head blocks of wide rows, casts of
 /// gradients) take 16-byte vector paths when rows are aligned; misaligned
 /// views take the element path. Both against the CPU.

@@ -66,10 +66,46 @@ fn source_config() -> Value {
     })
 }
 
+/// A small Qwen2's `config.json` as `transformers` writes one: tied
+/// embeddings, YaRN rope scaling, the sliding-window fields Qwen2.5 ships.
+fn qwen2_config() -> Value {
+    json!({
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 250,
+        "eos_token_id": 251,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "initializer_range": 0.02,
+        "intermediate_size": 96,
+        "max_position_embeddings": 128,
+        "max_window_layers": 2,
+        "model_type": "qwen2",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32, "type": "yarn"},
+        "rope_theta": 1000000.0,
+        "sliding_window": 128,
+        "tie_word_embeddings": true,
+        "dtype": "bfloat16",
+        "transformers_version": "5.17.0",
+        "use_cache": true,
+        "use_sliding_window": false,
+        "vocab_size": 256
+    })
+}
+
 /// Writes a BF16 model of [`source_config`] with random weights, a
 /// tokenizer and generation defaults into `dir`.
 fn source_model(dir: &Path) -> ModelConfig {
-    let cfg = ModelConfig::from_hf_json(&source_config().to_string()).unwrap();
+    source_model_of(dir, source_config())
+}
+
+/// [`source_model`] of the `config.json` `config`.
+fn source_model_of(dir: &Path, config: Value) -> ModelConfig {
+    let cfg = ModelConfig::from_hf_json(&config.to_string()).unwrap();
     let mut rng = Rng::new(7);
     let tensors: BTreeMap<String, HostTensor> = cfg
         .hf_param_shapes()
@@ -83,7 +119,7 @@ fn source_model(dir: &Path) -> ModelConfig {
         })
         .collect();
     save_hf_model(dir, &cfg, &tensors, SaveDtype::BF16).unwrap();
-    let text = serde_json::to_string_pretty(&source_config()).unwrap();
+    let text = serde_json::to_string_pretty(&config).unwrap();
     std::fs::write(dir.join("config.json"), text).unwrap();
     std::fs::write(
         dir.join("tokenizer.json"),
@@ -201,6 +237,54 @@ fn an_untrained_bf16_model_comes_back_bit_for_bit_with_its_config_and_tokenizer(
         dst.join("tokenizer.json").exists(),
         "carried on by the resumed run"
     );
+    let _ = (std::fs::remove_dir_all(&src), std::fs::remove_dir_all(&dst));
+}
+
+/// A Qwen2 directory (q/k/v biases, tied embeddings, YaRN) trained at lr 0
+/// on a staged mesh comes back bit for bit, biases included, with its
+/// `config.json` unchanged.
+#[test]
+fn a_qwen2_with_biases_and_yarn_comes_back_bit_for_bit() {
+    let (src, dst) = (temp("q2src"), temp("q2dst"));
+    let cfg = source_model_of(&src, qwen2_config());
+    assert!(cfg.qkv_bias() && cfg.tie_embeddings);
+    let (s, d) = (src.to_str().unwrap(), dst.to_str().unwrap());
+    ok(upipe(&[
+        "train",
+        "--device",
+        "cpu",
+        "--attn",
+        "upipe",
+        "--ulysses",
+        "2",
+        "--fsdp",
+        "on",
+        "--seq",
+        "32",
+        "--model",
+        s,
+        "--init-from",
+        s,
+        "--steps",
+        "1",
+        "--lr",
+        "0",
+        "--save-dir",
+        d,
+    ]));
+    let (got, want) = (
+        raw(&dst.join("model.safetensors")),
+        raw(&src.join("model.safetensors")),
+    );
+    assert_eq!(got, want);
+    for name in ["q", "k", "v"].map(|p| format!("model.layers.1.self_attn.{p}_proj.bias")) {
+        assert_eq!(got[&name].0, Dtype::BF16, "{name}");
+    }
+    assert!(
+        !got.contains_key("lm_head.weight"),
+        "tied: no head of its own"
+    );
+    assert_eq!(json_file(&dst.join("config.json")), qwen2_config());
     let _ = (std::fs::remove_dir_all(&src), std::fs::remove_dir_all(&dst));
 }
 

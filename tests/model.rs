@@ -10,7 +10,7 @@ use upipe::rng::Rng;
 use upipe::train::trainer::loss_and_grads_cpu;
 
 mod common;
-use common::tiny;
+use common::{tiny, tiny_qwen2};
 
 fn data(seq: usize, vocab: usize) -> (Vec<u32>, Vec<u32>) {
     let mut rng = Rng::new(9);
@@ -81,6 +81,116 @@ fn every_strategy_and_mesh_equals_one_rank() {
                 &reference,
                 1e-5,
                 &format!("{s} {pu}x{pr} U={u:?} qk_norm={qk}"),
+            );
+        }
+    }
+}
+
+/// Qwen2's q/k/v biases under every strategy: each stage adds its heads'
+/// bias rows and sums their gradients, so loss and every gradient (the
+/// biases' included) equal the single-rank reference, with and without
+/// checkpointing.
+#[test]
+fn qwen2_biases_under_every_strategy_equal_one_rank() {
+    let cfg = tiny_qwen2();
+    let seq = 32;
+    let policy = MemoryPolicy::default();
+    let reference = run(&cfg, Strategy::Local, 1, 1, None, policy, seq);
+    for layer in 0..cfg.layers {
+        for p in ["q", "k", "v"] {
+            let name = format!("model.layers.{layer}.self_attn.{p}_proj.bias");
+            let g = &reference.1[&name];
+            assert!(g.iter().any(|&x| x != 0.0), "{name} has a gradient");
+        }
+    }
+    assert!(
+        !reference
+            .1
+            .contains_key("model.layers.0.self_attn.o_proj.bias")
+    );
+    let checkpointed = MemoryPolicy {
+        checkpoint: true,
+        ..Default::default()
+    };
+    for (s, pu, pr, u, policy) in [
+        (Strategy::Ulysses, 4, 1, None, policy),
+        (Strategy::Ulysses, 8, 1, None, policy),
+        (Strategy::Ring, 1, 4, None, policy),
+        (Strategy::Usp, 2, 2, None, policy),
+        (Strategy::Upipe, 2, 2, None, policy),
+        (Strategy::Upipe, 4, 2, Some(4), policy),
+        (Strategy::Upipe, 2, 1, Some(4), checkpointed),
+        (Strategy::Local, 1, 1, None, checkpointed),
+    ] {
+        let got = run(&cfg, s, pu, pr, u, policy, seq);
+        assert_close(
+            &got,
+            &reference,
+            1e-5,
+            &format!("qwen2 {s} {pu}x{pr} U={u:?} {policy:?}"),
+        );
+    }
+    // overlapped stages, and bias gradients taken in per stage or per phase
+    use upipe::attention::Settle;
+    for (overlap, settle) in [
+        (true, Settle::Stages(1)),
+        (false, Settle::Phase),
+        (true, Settle::Phase),
+    ] {
+        let plan = CpPlan::new(Strategy::Upipe, &attn_dims(&cfg), seq, 4, 2, Some(4))
+            .unwrap()
+            .with_overlap(overlap)
+            .with_settle(settle);
+        let (ids, tg) = data(seq, cfg.vocab);
+        let init = |b: &CpuBackend| ModelWeights::random(b, &cfg, 5);
+        let got = loss_and_grads_cpu(&cfg, &plan, policy, &ids, &tg, &init).unwrap();
+        let what = format!("qwen2 upipe 4x2 U=4 overlap={overlap} settle={settle:?}");
+        assert_close(&got, &reference, 1e-5, &what);
+    }
+}
+
+/// The bias gradients of the reference itself against central finite
+/// differences of the loss (each bias's largest-gradient element, in both
+/// blocks).
+#[test]
+fn qwen2_bias_gradients_match_finite_differences() {
+    use upipe::backend::Backend;
+    let cfg = tiny_qwen2();
+    let seq = 32;
+    let plan = CpPlan::new(Strategy::Local, &attn_dims(&cfg), seq, 1, 1, None).unwrap();
+    let (ids, tg) = data(seq, cfg.vocab);
+    let loss = |name: &str, idx: usize, delta: f32| {
+        let init = |b: &CpuBackend| {
+            let mut w = ModelWeights::random(b, &cfg, 5)?;
+            for (n, t) in w.named_mut() {
+                if n == name {
+                    b.host_f32_mut(t)?[idx] += delta;
+                }
+            }
+            Ok(w)
+        };
+        let policy = MemoryPolicy::default();
+        loss_and_grads_cpu(&cfg, &plan, policy, &ids, &tg, &init).unwrap()
+    };
+    let (_, grads) = loss("", 0, 0.0);
+    for layer in 0..cfg.layers {
+        // q and k biases move the loss little: a wider step keeps their
+        // differences above the f32 loss's resolution
+        for (p, eps) in [("q", 0.1f32), ("k", 0.1), ("v", 1e-2)] {
+            let name = format!("model.layers.{layer}.self_attn.{p}_proj.bias");
+            let g = &grads[&name];
+            let scale = g.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let idx = g.iter().position(|x| x.abs() == scale).unwrap();
+            let fd = (loss(&name, idx, eps).0 - loss(&name, idx, -eps).0) / (2.0 * eps as f64);
+            let err = (fd - g[idx] as f64).abs();
+            eprintln!(
+                "{name}[{idx}]: finite difference {fd:e}, analytic {:e}",
+                g[idx]
+            );
+            assert!(
+                err <= 0.02 * scale as f64 + 1e-6,
+                "{name}[{idx}]: finite difference {fd} vs analytic {} (largest {scale})",
+                g[idx]
             );
         }
     }

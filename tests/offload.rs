@@ -160,6 +160,36 @@ fn every_offload_mode_is_bit_identical_to_no_offload() {
     }
 }
 
+/// A Qwen2's q/k/v biases offload like any parameter: its optimizer state
+/// on the host (with and without FSDP) gives the bits of the run that
+/// offloads nothing.
+#[test]
+fn qwen2_biases_offload_like_any_parameter() {
+    let mut m = model(true);
+    m.family = upipe::model::Family::Qwen2;
+    m.validate().unwrap();
+    let all = MemoryPolicy::optimizer_units(m.layers);
+    for fsdp in [false, true] {
+        let base_dir = temp("q2base");
+        let base = train_cpu(
+            &config(&m, fsdp, policy(0, 0), &base_dir),
+            tokens(m.vocab),
+            &|_| {},
+        )
+        .unwrap();
+        for (blocks, opt) in [(0, all), (1, 2)] {
+            let what = format!("qwen2 fsdp={fsdp} --offload {blocks} --offload-optimizer {opt}");
+            let dir = temp("q2mode");
+            let cfg = config(&m, fsdp, policy(blocks, opt), &dir);
+            let run = train_cpu(&cfg, tokens(m.vocab), &|_| {}).unwrap();
+            assert_identical(&base, &run, &what);
+            assert_identical_weights(&base_dir, &dir, &what);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let _ = std::fs::remove_dir_all(&base_dir);
+    }
+}
+
 /// With several sequences per step the host updates deferred into the next
 /// step's forward (which zero each gradient they read) leave the
 /// accumulated gradients exact: bit-identical to the on-device optimizer.

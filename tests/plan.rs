@@ -255,6 +255,42 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
     }
 }
 
+/// A Qwen2 step (q/k/v biases, tied embeddings): the planner's prediction
+/// equals the CPU ledger to the byte, with and without FSDP.
+#[test]
+fn qwen2_step_prediction_equals_ledger_peak() {
+    let mut rng = Rng::new(4);
+    let tokens: Arc<[u32]> = (0..4096).map(|_| rng.below(256) as u32).collect();
+    let model = common::tiny_qwen2();
+    for (s, pu, pr, u) in [
+        (Strategy::Upipe, 2, 2, Some(2)),
+        (Strategy::Local, 1, 1, None),
+    ] {
+        for (policy, fsdp) in policies().into_iter().flat_map(|p| [(p, false), (p, true)]) {
+            let mut cfg = train_cfg(&model, s, pu, pr, u, 256, policy);
+            cfg.fsdp = fsdp;
+            let plan = cfg.plan().unwrap();
+            let measured = train_cpu(&cfg, tokens.clone(), &|_| {}).unwrap().memory;
+            let spec = StepSpec {
+                model: model.clone(),
+                plan,
+                data: 1,
+                policy,
+                fsdp,
+                fsdp_replicas: 1,
+                grad_accum: 1,
+                device: DeviceKind::Cpu,
+                optimizer: true,
+            };
+            let pred = predict_step_rank(&spec, 0).unwrap();
+            assert_eq!(pred, predict_step(&spec).unwrap());
+            let what = format!("qwen2 {s} {pu}x{pr} U={u:?} fsdp={fsdp} {policy:?}");
+            assert_eq!(pred.peak, measured.peak, "{what}: device peak");
+            assert_eq!(pred.host_peak, measured.host_peak, "{what}: host peak");
+        }
+    }
+}
+
 #[test]
 fn policies_and_fsdp_lower_the_predicted_peak() {
     let model = ModelConfig::resolve("llama3-8b").unwrap();

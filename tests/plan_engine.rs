@@ -142,6 +142,28 @@ fn the_engine_and_the_walk_predict_the_same_step_on_every_device() {
     }
 }
 
+/// A Qwen2 (q/k/v biases, tied embeddings): its biases are walked with
+/// their block's parameters, gradients, shards and optimizer state.
+#[test]
+fn the_engine_and_the_walk_agree_on_a_qwen2() {
+    let model = common::tiny_qwen2();
+    for device in [DeviceKind::Cpu, DeviceKind::Cuda] {
+        for m in &MESHES[..4] {
+            for policy in policies(model.layers) {
+                for fsdp in [false, true] {
+                    let mut s = spec(&model, m, 240, policy);
+                    s.device = device;
+                    s.fsdp = fsdp;
+                    check(
+                        &s,
+                        &format!("qwen2 {device:?} {m:?} fsdp={fsdp} {policy:?}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn the_engine_and_the_walk_agree_where_cudnn_and_flash_take_the_calls() {
     let model = d64();

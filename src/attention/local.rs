@@ -6,16 +6,21 @@ use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, no
 use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, Tensor};
 use crate::error::Result;
 
-/// `x @ w^T` for a `[rows, hidden]` input and `[heads*d, hidden]` weight, shaped `[rows, heads, d]`.
+/// `x @ w^T (+ bias)` for a `[rows, hidden]` input, `[heads*d, hidden]`
+/// weight and optional `[heads*d]` bias, shaped `[rows, heads, d]`.
 fn project<B: Backend>(
     b: &B,
     x: &Tensor<B>,
     w: &Tensor<B>,
+    bias: Option<&Tensor<B>>,
     heads: usize,
     d: usize,
 ) -> Result<Tensor<B>> {
     let mut out = b.zeros(&[x.rows(), heads, d], x.dtype(), Category::Workspace)?;
     b.gemm(out.mat_mut(), x.mat(), w.mat().t(), 1.0, 0.0)?;
+    if let Some(bias) = bias {
+        super::add_head_bias(b, out.mat_mut(), bias, &(0..heads), d)?;
+    }
     Ok(out)
 }
 
@@ -29,9 +34,9 @@ pub fn forward<B: Backend>(
     x: &Tensor<B>,
 ) -> Result<(Tensor<B>, AttnSaved<B>)> {
     let (s, d) = (x.rows(), dims.head_dim);
-    let q = project(b, x, &w.wq, dims.heads, d)?;
-    let k = project(b, x, &w.wk, dims.kv_heads, d)?;
-    let v = project(b, x, &w.wv, dims.kv_heads, d)?;
+    let q = project(b, x, &w.wq, w.bq.as_ref(), dims.heads, d)?;
+    let k = project(b, x, &w.wk, w.bk.as_ref(), dims.kv_heads, d)?;
+    let v = project(b, x, &w.wv, w.bv.as_ref(), dims.kv_heads, d)?;
     let (q, _) = norm_rope(b, q, w.q_norm.as_ref(), dims.norm_eps, rope, false)?;
     let (k, _) = norm_rope(b, k, w.k_norm.as_ref(), dims.norm_eps, rope, false)?;
     let mut o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Activations)?;
@@ -68,9 +73,9 @@ pub fn backward<B: Backend>(
     let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
     b.gemm(d_o.mat_mut(), dy.mat(), w.wo.mat(), 1.0, 0.0)?;
 
-    let q = project(b, x, &w.wq, dims.heads, d)?;
-    let k = project(b, x, &w.wk, dims.kv_heads, d)?;
-    let v = project(b, x, &w.wv, dims.kv_heads, d)?;
+    let q = project(b, x, &w.wq, w.bq.as_ref(), dims.heads, d)?;
+    let k = project(b, x, &w.wk, w.bk.as_ref(), dims.kv_heads, d)?;
+    let v = project(b, x, &w.wv, w.bv.as_ref(), dims.kv_heads, d)?;
     let (q, q_raw) = norm_rope(b, q, w.q_norm.as_ref(), eps, rope, true)?;
     let (k, k_raw) = norm_rope(b, k, w.k_norm.as_ref(), eps, rope, true)?;
     let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
@@ -107,13 +112,16 @@ pub fn backward<B: Backend>(
         rope,
     )?;
     let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
-    for (dp, wp, gp) in [
-        (&dq, &w.wq, &mut g.wq),
-        (&dk, &w.wk, &mut g.wk),
-        (&dv, &w.wv, &mut g.wv),
+    for (dp, wp, gp, gb, heads) in [
+        (&dq, &w.wq, &mut g.wq, g.bq.as_mut(), dims.heads),
+        (&dk, &w.wk, &mut g.wk, g.bk.as_mut(), dims.kv_heads),
+        (&dv, &w.wv, &mut g.wv, g.bv.as_mut(), dims.kv_heads),
     ] {
         let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
         b.gemm(gp.mat_mut(), dp.mat().t(), x.mat(), 1.0, 1.0)?;
+        if let Some(gb) = gb {
+            super::head_bias_grad(b, gb, dp.mat(), &(0..heads), d)?;
+        }
         b.gemm(dx.mat_mut(), dp.mat(), wp.mat(), 1.0, 1.0)?;
     }
     Ok(dx)

@@ -259,7 +259,9 @@ impl CpPlan {
 }
 
 /// Weights of one attention layer in HF layout: `wq [H*d, hidden]`,
-/// `wk, wv [Hkv*d, hidden]`, `wo [hidden, H*d]`, norms `[d]`.
+/// `wk, wv [Hkv*d, hidden]`, `wo [hidden, H*d]`, norms `[d]`, and the
+/// projection biases of families that have them (Qwen2): `bq [H*d]`,
+/// `bk, bv [Hkv*d]`, added to the projections before norm and RoPE.
 pub struct AttentionWeights<B: Backend> {
     pub wq: Tensor<B>,
     pub wk: Tensor<B>,
@@ -267,6 +269,9 @@ pub struct AttentionWeights<B: Backend> {
     pub wo: Tensor<B>,
     pub q_norm: Option<Tensor<B>>,
     pub k_norm: Option<Tensor<B>>,
+    pub bq: Option<Tensor<B>>,
+    pub bk: Option<Tensor<B>>,
+    pub bv: Option<Tensor<B>>,
 }
 
 /// F32 gradients of [`AttentionWeights`]: the same tensors, by shape.
@@ -284,40 +289,80 @@ impl<B: Backend> AttentionWeights<B> {
             wo: z(&[h, dims.q_width()])?,
             q_norm: if dims.qk_norm { Some(z(&[d])?) } else { None },
             k_norm: if dims.qk_norm { Some(z(&[d])?) } else { None },
+            bq: None,
+            bk: None,
+            bv: None,
         })
     }
-    /// Every tensor with its short name (wq, wk, wv, wo, q_norm, k_norm).
+    /// Every tensor with its short name, in HF order (wq, bq, wk, bk, wv,
+    /// bv, wo, q_norm, k_norm; absent ones left out).
     pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
-        let mut v = vec![
-            ("wq", &self.wq),
-            ("wk", &self.wk),
-            ("wv", &self.wv),
-            ("wo", &self.wo),
-        ];
-        if let Some(t) = &self.q_norm {
-            v.push(("q_norm", t));
-        }
-        if let Some(t) = &self.k_norm {
-            v.push(("k_norm", t));
-        }
+        let mut v = vec![("wq", &self.wq)];
+        v.extend(self.bq.as_ref().map(|t| ("bq", t)));
+        v.push(("wk", &self.wk));
+        v.extend(self.bk.as_ref().map(|t| ("bk", t)));
+        v.push(("wv", &self.wv));
+        v.extend(self.bv.as_ref().map(|t| ("bv", t)));
+        v.push(("wo", &self.wo));
+        v.extend(self.q_norm.as_ref().map(|t| ("q_norm", t)));
+        v.extend(self.k_norm.as_ref().map(|t| ("k_norm", t)));
         v
     }
     /// Every tensor, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
-        let mut v = vec![
-            ("wq", &mut self.wq),
-            ("wk", &mut self.wk),
-            ("wv", &mut self.wv),
-            ("wo", &mut self.wo),
-        ];
-        if let Some(t) = self.q_norm.as_mut() {
-            v.push(("q_norm", t));
-        }
-        if let Some(t) = self.k_norm.as_mut() {
-            v.push(("k_norm", t));
-        }
+        let mut v = vec![("wq", &mut self.wq)];
+        v.extend(self.bq.as_mut().map(|t| ("bq", t)));
+        v.push(("wk", &mut self.wk));
+        v.extend(self.bk.as_mut().map(|t| ("bk", t)));
+        v.push(("wv", &mut self.wv));
+        v.extend(self.bv.as_mut().map(|t| ("bv", t)));
+        v.push(("wo", &mut self.wo));
+        v.extend(self.q_norm.as_mut().map(|t| ("q_norm", t)));
+        v.extend(self.k_norm.as_mut().map(|t| ("k_norm", t)));
         v
     }
+    /// Every tensor, owned, in the order of [`named`](Self::named).
+    pub fn into_tensors(self) -> Vec<Tensor<B>> {
+        let mut v = vec![self.wq];
+        v.extend(self.bq);
+        v.push(self.wk);
+        v.extend(self.bk);
+        v.push(self.wv);
+        v.extend(self.bv);
+        v.push(self.wo);
+        v.extend(self.q_norm);
+        v.extend(self.k_norm);
+        v
+    }
+}
+
+/// Adds the bias rows of `heads` (`bias [heads*d]`) to every row of `out`,
+/// a `[rows, heads.len()*d]` view of a projection: `out[r, :] += bias[heads]`.
+pub(crate) fn add_head_bias<B: Backend>(
+    b: &B,
+    out: crate::backend::MatMut<'_, B>,
+    bias: &Tensor<B>,
+    heads: &std::ops::Range<usize>,
+    head_dim: usize,
+) -> Result<()> {
+    let w = heads.len() * head_dim;
+    let row = crate::backend::MatLayout::block(heads.start * head_dim, 1, w, w);
+    b.add_bias_rows(out, bias.view(row))
+}
+
+/// Accumulates the gradient of the bias rows of `heads` (`dbias [heads*d]`,
+/// F32) from `dproj`, a `[rows, heads.len()*d]` view of the projection's
+/// gradient: `dbias[heads] += Σ_r dproj[r, :]`.
+pub(crate) fn head_bias_grad<B: Backend>(
+    b: &B,
+    dbias: &mut Tensor<B>,
+    dproj: crate::backend::Mat<'_, B>,
+    heads: &std::ops::Range<usize>,
+    head_dim: usize,
+) -> Result<()> {
+    let w = heads.len() * head_dim;
+    let row = crate::backend::MatLayout::block(heads.start * head_dim, 1, w, w);
+    b.bias_grad(dbias.view_mut(row), dproj)
 }
 
 /// What forward keeps for backward besides the layer input.

@@ -124,14 +124,24 @@ impl<'a, B: Backend> Staged<'a, B> {
         MatLayout::block(h.start * d, rows, h.len() * d, self.dims.q_width())
     }
 
-    /// `x @ w[heads]^T` for every destination's heads, packed `[pu * s, nh, d]`.
+    /// `x @ w[heads]^T (+ bias[heads])` for every destination's heads,
+    /// packed `[pu * s, nh, d]`: each block gets its own heads' bias rows.
     fn project_packed(
         &self,
         x: &Tensor<B>,
         w: &Tensor<B>,
+        bias: Option<&Tensor<B>>,
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
-        self.project_by_destination(x, heads, |h| w.view(self.head_rows(h)).t())
+        let mut buf = self.project_by_destination(x, heads, |h| w.view(self.head_rows(h)).t())?;
+        if let Some(bias) = bias {
+            let (nh, d) = (heads[0].len(), self.dims.head_dim);
+            for (j, h) in heads.iter().enumerate() {
+                let block = buf.view_mut(self.packed_block(j, nh));
+                super::add_head_bias(self.b, block, bias, h, d)?;
+            }
+        }
+        Ok(buf)
     }
 
     /// `input @ operand(heads[j])` for every destination `j`, packed
@@ -263,8 +273,9 @@ impl<'a, B: Backend> Staged<'a, B> {
         x: &Tensor<B>,
         phase: &KvPhase,
     ) -> Result<KvInFlight<B>> {
-        let k = self.exchange_start(self.project_packed(x, &w.wk, &phase.kv_heads)?)?;
-        let v = self.exchange_start(self.project_packed(x, &w.wv, &phase.kv_heads)?)?;
+        let heads = &phase.kv_heads;
+        let k = self.exchange_start(self.project_packed(x, &w.wk, w.bk.as_ref(), heads)?)?;
+        let v = self.exchange_start(self.project_packed(x, &w.wv, w.bv.as_ref(), heads)?)?;
         Ok(KvInFlight { k, v })
     }
 
@@ -294,7 +305,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         x: &Tensor<B>,
         q_heads: &[Range<usize>],
     ) -> Result<Pending<B>> {
-        self.exchange_start(self.project_packed(x, &w.wq, q_heads)?)
+        self.exchange_start(self.project_packed(x, &w.wq, w.bq.as_ref(), q_heads)?)
     }
 
     /// Q normed and rotated, and its pre-norm copy if needed.
@@ -669,10 +680,10 @@ impl<'a, B: Backend> Staged<'a, B> {
         drop(blocks);
         drop(parts);
         for run in &layout.runs {
-            let (wt, dw) = match run.proj {
-                Proj::Q => (&w.wq, &mut g.wq),
-                Proj::K => (&w.wk, &mut g.wk),
-                Proj::V => (&w.wv, &mut g.wv),
+            let (wt, dw, db) = match run.proj {
+                Proj::Q => (&w.wq, &mut g.wq, g.bq.as_mut()),
+                Proj::K => (&w.wk, &mut g.wk, g.bk.as_mut()),
+                Proj::V => (&w.wv, &mut g.wv, g.bv.as_mut()),
             };
             let cols = MatLayout::block(run.col * d, self.s, run.heads.len() * d, width);
             b.gemm(
@@ -682,6 +693,10 @@ impl<'a, B: Backend> Staged<'a, B> {
                 1.0,
                 1.0,
             )?;
+            // the bias rows of the run's heads: their gradient summed over tokens
+            if let Some(db) = db {
+                super::head_bias_grad(b, db, gathered.view(cols), &run.heads, d)?;
+            }
             let rows = MatLayout::block(run.col * d * hid, run.heads.len() * d, hid, hid);
             b.copy(stacked.view_mut(rows), wt.view(self.head_rows(&run.heads)))?;
         }

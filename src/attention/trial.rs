@@ -244,6 +244,9 @@ pub fn run_rank_masked<B: Backend>(
         wo: up(3)?,
         q_norm: if dims.qk_norm { Some(up(4)?) } else { None },
         k_norm: if dims.qk_norm { Some(up(5)?) } else { None },
+        bq: None,
+        bk: None,
+        bv: None,
     };
     let layer = CpAttention::new(b, *dims, plan.clone(), mesh, mask)?;
     let ledger = b.ledger();

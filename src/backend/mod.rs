@@ -219,6 +219,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn fill(&self, t: &mut Tensor<Self>, value: f32) -> Result<()>;
     /// `y += alpha * x` elementwise (same number of elements).
     fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()>;
+    /// `x[r, c] += bias[c]`: a bias row added to every row of a view (a
+    /// projection's q/k/v bias, `bias` a `[1, cols]` view in the dtype of
+    /// `x` or F32).
+    fn add_bias_rows(&self, x: MatMut<'_, Self>, bias: Mat<'_, Self>) -> Result<()>;
+    /// `dbias[c] += Σ_r dy[r, c]`: a bias's gradient, the column sums of a
+    /// view (`dbias` an F32 `[1, cols]` view; summed in a fixed order).
+    fn bias_grad(&self, dbias: MatMut<'_, Self>, dy: Mat<'_, Self>) -> Result<()>;
     /// Sum of squares of all elements (forces a sync on devices).
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64>;
 
@@ -509,4 +516,15 @@ pub fn cast<B: Backend>(b: &B, t: &Tensor<B>, dtype: DType, cat: Category) -> Re
     let mut out = b.zeros(t.shape(), dtype, cat)?;
     b.copy(out.mat_mut(), t.mat())?;
     Ok(out)
+}
+
+/// Checks the views of [`Backend::add_bias_rows`] / [`Backend::bias_grad`]:
+/// `bias` one untransposed row as wide as `x`, `x` untransposed.
+pub fn check_bias_views(x: &MatLayout, bias: &MatLayout, op: &str) -> Result<()> {
+    if bias.rows != 1 || bias.cols != x.cols || bias.trans || x.trans {
+        return Err(crate::Error::Backend(format!(
+            "{op}: a bias row {bias:?} for the rows of {x:?}"
+        )));
+    }
+    Ok(())
 }

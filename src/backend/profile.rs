@@ -81,7 +81,7 @@ pub fn op_class(kind: &str) -> OpClass {
             OpClass::Collective
         }
         // rms_norm, rms_norm_bwd, rope, swiglu, swiglu_bwd, embedding,
-        // embedding_bwd, axpy
+        // embedding_bwd, axpy, add_bias_rows, bias_grad
         _ => OpClass::Elementwise,
     }
 }
@@ -450,6 +450,8 @@ mod tests {
         ("embedding", OpClass::Elementwise),
         ("embedding_bwd", OpClass::Elementwise),
         ("axpy", OpClass::Elementwise),
+        ("add_bias_rows", OpClass::Elementwise),
+        ("bias_grad", OpClass::Elementwise),
         ("cross_entropy", OpClass::Loss),
         ("adamw", OpClass::Optimizer),
         ("sum_squares", OpClass::Optimizer),

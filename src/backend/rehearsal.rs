@@ -437,6 +437,12 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
     fn axpy(&self, y: &mut Tensor<Self>, _alpha: f32, x: &Tensor<Self>) -> Result<()> {
         check_same_numel(y, x, "axpy")
     }
+    fn add_bias_rows(&self, x: MatMut<'_, Self>, bias: Mat<'_, Self>) -> Result<()> {
+        super::check_bias_views(&x.l, &bias.l, "add_bias_rows")
+    }
+    fn bias_grad(&self, dbias: MatMut<'_, Self>, dy: Mat<'_, Self>) -> Result<()> {
+        super::check_bias_views(&dy.l, &dbias.l, "bias_grad")
+    }
     /// CUDA accumulates into one f64 on the device; nothing is summed.
     fn sum_squares(&self, _t: &Tensor<Self>) -> Result<f64> {
         if self.is_cuda() {

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use serde_json::{Map, Value};
 use std::path::Path;
 
-pub use crate::attention::rope::RopeScaling;
+pub use crate::attention::rope::{Llama3Scaling, RopeScaling, YarnScaling};
 
 /// Dimensions and options of a Llama-family decoder.
 #[derive(Debug, Clone, PartialEq)]
@@ -34,7 +34,7 @@ pub struct ModelConfig {
     pub vocab: usize,
     /// RoPE base.
     pub rope_theta: f32,
-    /// Optional Llama-3 RoPE scaling.
+    /// Optional RoPE scaling (Llama 3's or YaRN).
     pub rope_scaling: Option<RopeScaling>,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
@@ -64,6 +64,13 @@ pub const PRESETS: &[&str] = &[
     "qwen3-8b",
     "qwen3-14b",
     "qwen3-32b",
+    "qwen2.5-0.5b-instruct",
+    "qwen2.5-1.5b-instruct",
+    "qwen2.5-3b-instruct",
+    "qwen2.5-7b-instruct",
+    "qwen2.5-14b-instruct",
+    "qwen2.5-32b-instruct",
+    "qwen2.5-72b-instruct",
     "mistral-7b",
     "mistral-7b-v0.3",
     "mistral-nemo-12b",
@@ -256,7 +263,17 @@ impl ModelConfig {
         let mlp = self.ffn.checked_mul(h)?.checked_mul(3)?;
         let norms = h.checked_add(hd)?.checked_mul(2)?;
         let layer = q.checked_mul(2)?.checked_add(kv.checked_mul(2)?)?;
-        let layer = layer.checked_add(mlp)?.checked_add(norms)?;
+        let biases = if self.qkv_bias() {
+            self.heads
+                .checked_add(self.kv_heads.checked_mul(2)?)?
+                .checked_mul(hd)?
+        } else {
+            0
+        };
+        let layer = layer
+            .checked_add(mlp)?
+            .checked_add(norms)?
+            .checked_add(biases)?;
         let embed = self.vocab.checked_mul(h)?;
         let head = if self.tie_embeddings { 0 } else { embed };
         layer
@@ -267,6 +284,13 @@ impl ModelConfig {
     }
 
     fn validate_rope_scaling(&self, s: &RopeScaling) -> Result<()> {
+        match s {
+            RopeScaling::Llama3(s) => self.validate_llama3_scaling(s),
+            RopeScaling::Yarn(y) => y.invalid().map_or(Ok(()), |m| Err(self.err(m))),
+        }
+    }
+
+    fn validate_llama3_scaling(&self, s: &Llama3Scaling) -> Result<()> {
         positive_finite(self, "rope_scaling.factor", s.factor)?;
         positive_finite(self, "rope_scaling.low_freq_factor", s.low_freq_factor)?;
         positive_finite(self, "rope_scaling.high_freq_factor", s.high_freq_factor)?;
@@ -305,6 +329,11 @@ impl ModelConfig {
     /// family's quirk: Qwen3).
     pub fn qk_norm(&self) -> bool {
         self.family.qk_norm()
+    }
+
+    /// Whether the q/k/v projections carry biases (the family's quirk: Qwen2).
+    pub fn qkv_bias(&self) -> bool {
+        self.family.qkv_bias()
     }
 
     /// The HF name of parameter `p` in this model's family.
@@ -419,6 +448,10 @@ mod tests {
         assert_eq!(count("qwen3-0.6b"), 596_049_920);
         assert_eq!(count("qwen3-4b"), 4_022_468_096);
         assert_eq!(count("qwen3-14b"), 14_768_307_200);
+        // Qwen2.5: with the q/k/v biases, the published exact counts
+        assert_eq!(count("qwen2.5-0.5b-instruct"), 494_032_768);
+        assert_eq!(count("qwen2.5-7b-instruct"), 7_615_616_512);
+        assert!(approx(count("qwen2.5-72b-instruct"), 72.7e9, 0.001));
         let l31 = ModelConfig::preset("llama3.1-8b").unwrap();
         assert_eq!(
             l31,
@@ -427,7 +460,7 @@ mod tests {
                 ..ModelConfig::preset("llama3-8b").unwrap()
             }
         );
-        assert_eq!(l31.rope_scaling.unwrap().factor, 8.0);
+        assert_eq!(l31.rope_scaling.unwrap().factor(), 8.0);
         assert_eq!(ModelConfig::hf_source("tiny").unwrap(), None);
     }
 
@@ -565,7 +598,7 @@ mod tests {
         assert_eq!(cfg.head_dim, 16);
         assert_eq!(cfg.rope_theta, 10_000.0);
         assert!(!cfg.tie_embeddings && !cfg.qk_norm());
-        assert_eq!(cfg.rope_scaling.unwrap().factor, 2.0);
+        assert_eq!(cfg.rope_scaling.unwrap().factor(), 2.0);
     }
 
     #[test]
@@ -587,11 +620,11 @@ mod tests {
             );
         let cfg = ModelConfig::from_hf_json(&llama).unwrap();
         assert_eq!(cfg.rope_theta, 500_000.0);
-        assert_eq!(cfg.rope_scaling.unwrap().factor, 8.0);
+        assert_eq!(cfg.rope_scaling.unwrap().factor(), 8.0);
         // a null rope_scaling beside them defers to rope_parameters
         let with_null = llama.replacen('{', "{\"rope_scaling\": null,", 1);
         let cfg = ModelConfig::from_hf_json(&with_null).unwrap();
-        assert_eq!(cfg.rope_scaling.unwrap().factor, 8.0);
+        assert_eq!(cfg.rope_scaling.unwrap().factor(), 8.0);
     }
 
     #[test]
@@ -618,14 +651,22 @@ mod tests {
 
     #[test]
     fn bad_hf_configs_are_refused_clearly() {
-        let yarn = LLAMA31_JSON.replace("\"llama3\"", "\"yarn\"");
-        assert!(config_error(&yarn).contains("rope_scaling type 'yarn'"));
+        let longrope = LLAMA31_JSON.replace("\"llama3\"", "\"longrope\"");
+        let e = config_error(&longrope);
+        assert!(
+            e.contains("rope_scaling type 'longrope'") && e.contains("'yarn'"),
+            "{e}"
+        );
         let no_hidden = LLAMA31_JSON.replace("\"hidden_size\"", "\"hidden\"");
         assert!(config_error(&no_hidden).contains("'hidden_size'"));
         let gemma = LLAMA31_JSON.replace("\"llama\"", "\"gemma2\"");
         assert!(config_error(&gemma).contains("model_type 'gemma2'"));
         let qwen2 = QWEN3_JSON.replace("\"qwen3\"", "\"qwen2\"");
-        assert!(config_error(&qwen2).contains("biases"));
+        let window = qwen2.replace(
+            "\"use_sliding_window\": false",
+            "\"use_sliding_window\": true",
+        );
+        assert!(config_error(&window).contains("use_sliding_window"));
         let bias = LLAMA31_JSON.replace("\"attention_bias\": false", "\"attention_bias\": true");
         assert!(config_error(&bias).contains("attention_bias"));
         assert!(config_error("[1, 2]").contains("JSON object"));
@@ -717,12 +758,12 @@ mod tests {
             })
             .contains("rope_theta")
         );
-        let bad_scaling = RopeScaling {
+        let bad_scaling = RopeScaling::Llama3(Llama3Scaling {
             factor: 8.0,
             low_freq_factor: 4.0,
             high_freq_factor: 1.0,
             original_max_position_embeddings: 8192,
-        };
+        });
         let m = msg(ModelConfig {
             rope_scaling: Some(bad_scaling),
             ..base

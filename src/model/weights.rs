@@ -45,16 +45,27 @@ impl<B: Backend> BlockWeights<B> {
     ) -> Result<Self> {
         // each tensor under its family's name, with its shape
         let mut p = |bp: BlockParam| t(cfg.hf_name(Param::Block(i, bp)), &bp.shape(cfg));
-        let qk_norm = cfg.qk_norm();
+        let (qk_norm, bias) = (cfg.qk_norm(), cfg.qkv_bias());
+        let attn_norm = p(BlockParam::AttnNorm)?;
+        // in HF order: each projection's bias right after its weight
+        let wq = p(BlockParam::Wq)?;
+        let bq = bias.then(|| p(BlockParam::Bq)).transpose()?;
+        let wk = p(BlockParam::Wk)?;
+        let bk = bias.then(|| p(BlockParam::Bk)).transpose()?;
+        let wv = p(BlockParam::Wv)?;
+        let bv = bias.then(|| p(BlockParam::Bv)).transpose()?;
         Ok(BlockWeights {
-            attn_norm: p(BlockParam::AttnNorm)?,
+            attn_norm,
             attn: AttentionWeights {
-                wq: p(BlockParam::Wq)?,
-                wk: p(BlockParam::Wk)?,
-                wv: p(BlockParam::Wv)?,
+                wq,
+                wk,
+                wv,
                 wo: p(BlockParam::Wo)?,
                 q_norm: qk_norm.then(|| p(BlockParam::QNorm)).transpose()?,
                 k_norm: qk_norm.then(|| p(BlockParam::KNorm)).transpose()?,
+                bq,
+                bk,
+                bv,
             },
             mlp_norm: p(BlockParam::MlpNorm)?,
             gate: p(BlockParam::Gate)?,
@@ -297,6 +308,9 @@ fn attn_param(short: &str) -> BlockParam {
         "wo" => BlockParam::Wo,
         "q_norm" => BlockParam::QNorm,
         "k_norm" => BlockParam::KNorm,
+        "bq" => BlockParam::Bq,
+        "bk" => BlockParam::Bk,
+        "bv" => BlockParam::Bv,
         other => unreachable!("AttentionWeights names no tensor '{other}'"),
     }
 }

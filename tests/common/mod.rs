@@ -27,6 +27,28 @@ pub fn tiny(qk_norm: bool) -> ModelConfig {
 }
 use std::time::{Duration, Instant};
 
+/// [`tiny`] as a Qwen2: biases on the q/k/v projections, tied embeddings
+/// and YaRN RoPE scaling (factor 4 over an original context of 8).
+pub fn tiny_qwen2() -> ModelConfig {
+    use upipe::model::config::{RopeScaling, YarnScaling};
+    let mut c = tiny(false);
+    c.family = Family::Qwen2;
+    c.tie_embeddings = true;
+    c.rope_scaling = Some(RopeScaling::Yarn(YarnScaling {
+        factor: 4.0,
+        original_max_position_embeddings: 8,
+        original_given: true,
+        beta_fast: None,
+        beta_slow: None,
+        attention_factor: None,
+        mscale: None,
+        mscale_all_dim: None,
+        truncate: None,
+    }));
+    c.validate().unwrap();
+    c
+}
+
 /// One finished rank.
 pub struct RankOutput {
     pub success: bool,

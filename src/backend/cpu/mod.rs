@@ -283,6 +283,39 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn add_bias_rows(&self, x: MatMut<'_, Self>, bias: Mat<'_, Self>) -> Result<()> {
+        let _span = self.profile.span("add_bias_rows", Track::Compute);
+        super::check_bias_views(&x.l, &bias.l, "add_bias_rows")?;
+        if self.rehearsing() {
+            return Ok(());
+        }
+        let ((rs, cs), (_, bcs)) = (x.l.strides(), bias.l.strides());
+        let (b, b0, x0) = (data(bias.t), bias.l.offset, x.l.offset);
+        let xd = data_mut(x.t);
+        for i in 0..x.l.rows {
+            for j in 0..x.l.cols {
+                xd[x0 + i * rs + j * cs] += b[b0 + j * bcs];
+            }
+        }
+        Ok(())
+    }
+
+    fn bias_grad(&self, dbias: MatMut<'_, Self>, dy: Mat<'_, Self>) -> Result<()> {
+        let _span = self.profile.span("bias_grad", Track::Compute);
+        super::check_bias_views(&dy.l, &dbias.l, "bias_grad")?;
+        if self.rehearsing() {
+            return Ok(());
+        }
+        let ((rs, cs), (_, dcs)) = (dy.l.strides(), dbias.l.strides());
+        let (g, g0, d0) = (data(dy.t), dy.l.offset, dbias.l.offset);
+        let db = data_mut(dbias.t);
+        for j in 0..dy.l.cols {
+            let sum: f32 = (0..dy.l.rows).map(|i| g[g0 + i * rs + j * cs]).sum();
+            db[d0 + j * dcs] += sum;
+        }
+        Ok(())
+    }
+
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
         let _span = self.profile.span("sum_squares", Track::Compute);
         Ok(data(t).iter().map(|&x| (x as f64) * (x as f64)).sum())

@@ -7,7 +7,10 @@ use super::attention::dt_flag;
 use super::device::drv;
 use super::kernels::{Args, grid_for, launch};
 use super::{BLOCK, CudaBackend, dt, need, ptr};
-use crate::backend::{AdamWStep, Backend, Category, DType, IGNORE, Tensor, check_same_numel};
+use crate::backend::{
+    AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, Tensor, check_bias_views,
+    check_same_numel,
+};
 use crate::error::{Error, Result};
 use cudarc::driver::result;
 
@@ -80,6 +83,69 @@ impl CudaBackend {
         }
         self.bind()?;
         self.axpy_raw(ptr(y), y.dtype(), ptr(x), x.dtype(), x.numel(), alpha)
+    }
+
+    pub(super) fn add_bias_rows_impl(
+        &self,
+        x: MatMut<'_, Self>,
+        bias: Mat<'_, Self>,
+    ) -> Result<()> {
+        let _span = self.span("add_bias_rows")?;
+        check_bias_views(&x.l, &bias.l, "add_bias_rows")?;
+        if bias.t.dtype() != DType::F32 && bias.t.dtype() != x.t.dtype() {
+            return Err(Error::Backend(
+                "add_bias_rows: the bias must be F32 or the dtype of x".into(),
+            ));
+        }
+        self.bind()?;
+        let ((rs, cs), (_, bcs)) = (x.l.strides(), bias.l.strides());
+        let args = Args::new()
+            .ptr(ptr(x.t))
+            .i32(dt(x.t))
+            .usize(x.l.offset)
+            .usize(rs)
+            .usize(cs)
+            .ptr(ptr(bias.t))
+            .i32(dt(bias.t))
+            .usize(bias.l.offset)
+            .usize(bcs)
+            .usize(x.l.rows)
+            .usize(x.l.cols);
+        self.launch1d(self.kernels.add_bias_rows, x.l.rows * x.l.cols, args)
+    }
+
+    pub(super) fn bias_grad_impl(&self, dbias: MatMut<'_, Self>, dy: Mat<'_, Self>) -> Result<()> {
+        let _span = self.span("bias_grad")?;
+        check_bias_views(&dy.l, &dbias.l, "bias_grad")?;
+        if dbias.t.dtype() != DType::F32 {
+            return Err(Error::Backend("bias_grad: the gradient must be F32".into()));
+        }
+        self.bind()?;
+        let cols = dy.l.cols;
+        if cols == 0 || self.rehearsing() {
+            return Ok(());
+        }
+        let ((rs, cs), (_, dcs)) = (dy.l.strides(), dbias.l.strides());
+        let args = Args::new()
+            .ptr(ptr(dbias.t))
+            .usize(dbias.l.offset)
+            .usize(dcs)
+            .ptr(ptr(dy.t))
+            .i32(dt(dy.t))
+            .usize(dy.l.offset)
+            .usize(rs)
+            .usize(cs)
+            .usize(dy.l.rows)
+            .usize(cols);
+        let blocks = u32_grid(cols.div_ceil(32), "bias_grad")?;
+        launch(
+            &self.stream,
+            self.kernels.bias_grad,
+            (blocks, 1, 1),
+            BLOCK,
+            0,
+            args,
+        )
     }
 
     pub(super) fn sum_squares_impl(&self, t: &Tensor<Self>) -> Result<f64> {

@@ -62,6 +62,8 @@ kernel_table!(
     scale2d,
     fill,
     axpy,
+    add_bias_rows,
+    bias_grad,
     sum_squares,
     swiglu_fwd,
     swiglu_bwd,

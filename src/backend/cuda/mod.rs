@@ -417,6 +417,14 @@ impl Backend for CudaBackend {
         self.sum_squares_impl(t)
     }
 
+    fn add_bias_rows(&self, x: MatMut<'_, Self>, bias: Mat<'_, Self>) -> Result<()> {
+        self.add_bias_rows_impl(x, bias)
+    }
+
+    fn bias_grad(&self, dbias: MatMut<'_, Self>, dy: Mat<'_, Self>) -> Result<()> {
+        self.bias_grad_impl(dbias, dy)
+    }
+
     fn rms_norm_fwd(
         &self,
         x: &Tensor<Self>,

@@ -3,7 +3,7 @@
 //! types, writing them back, and the `transformers` Llama parameter names.
 
 use super::{BlockParam, Family, Param};
-use crate::attention::rope::RopeScaling;
+use crate::attention::rope::{RopeScaling, YarnScaling};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use serde_json::{Map, Value, json};
@@ -45,6 +45,7 @@ pub(super) fn decoder_fields(obj: &Map<String, Value>, family: Family) -> Result
         (None, None) => 10_000.0,
     };
     // a null `rope_scaling` beside `rope_parameters` defers to the latter
+    let max_position = opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048);
     let scaling_value = obj
         .get("rope_scaling")
         .filter(|v| !v.is_null())
@@ -65,18 +66,19 @@ pub(super) fn decoder_fields(obj: &Map<String, Value>, family: Family) -> Result
         ffn: req_usize(obj, "intermediate_size")?,
         vocab: req_usize(obj, "vocab_size")?,
         rope_theta,
-        rope_scaling: parse_rope_scaling(scaling_value)?,
+        rope_scaling: parse_rope_scaling(scaling_value, max_position)?,
         rms_norm_eps: opt_f32(obj, "rms_norm_eps")?.unwrap_or(1e-6),
         tie_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
-        max_position: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
+        max_position,
         sliding_window: None,
     })
 }
 
 /// Parses `rope_scaling` (or `rope_parameters`): absent, null and `"default"`
-/// mean none; `"llama3"` is Llama 3's (the next types, such as Qwen2's
-/// `"yarn"`, go here).
-fn parse_rope_scaling(value: Option<&Value>) -> Result<Option<RopeScaling>> {
+/// mean none; `"llama3"` is Llama 3's, `"yarn"` YaRN (Qwen2.5's long
+/// context; `original_max_position_embeddings` defaults to the model's
+/// `max_position`, as `transformers` has it).
+fn parse_rope_scaling(value: Option<&Value>, max_position: usize) -> Result<Option<RopeScaling>> {
     let obj = match value {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::Object(o)) => o,
@@ -93,12 +95,63 @@ fn parse_rope_scaling(value: Option<&Value>) -> Result<Option<RopeScaling>> {
         .unwrap_or("default");
     match kind {
         "default" => Ok(None),
-        "llama3" => super::llama::rope_scaling_from_hf(obj).map(Some),
+        "llama3" => super::llama::rope_scaling_from_hf(obj).map(|s| Some(RopeScaling::Llama3(s))),
+        "yarn" => yarn_from_hf(obj, max_position).map(|s| Some(RopeScaling::Yarn(s))),
         other => config_err_str(&format!(
-            "rope_scaling type '{other}' is not supported; upipe implements 'llama3' scaling \
-             (or none: remove rope_scaling)"
+            "rope_scaling type '{other}' is not supported; upipe implements 'llama3' and 'yarn' \
+             scaling (or none: remove rope_scaling)"
         )),
     }
+}
+
+/// The fields of a `rope_scaling` object of type `yarn` (those left out
+/// keep `transformers`' defaults).
+fn yarn_from_hf(obj: &Map<String, Value>, max_position: usize) -> Result<YarnScaling> {
+    let original = opt_usize(obj, "original_max_position_embeddings")?;
+    // without a factor, transformers takes the ratio of the two contexts
+    let factor = match (opt_f32(obj, "factor")?, original) {
+        (Some(f), _) => f,
+        (None, Some(o)) if o > 0 => (max_position as f64 / o as f64) as f32,
+        (None, _) => return Err(missing("factor")),
+    };
+    Ok(YarnScaling {
+        factor,
+        original_max_position_embeddings: original.unwrap_or(max_position),
+        original_given: original.is_some(),
+        beta_fast: opt_f32(obj, "beta_fast")?,
+        beta_slow: opt_f32(obj, "beta_slow")?,
+        attention_factor: opt_f32(obj, "attention_factor")?,
+        mscale: opt_f32(obj, "mscale")?,
+        mscale_all_dim: opt_f32(obj, "mscale_all_dim")?,
+        truncate: opt_bool(obj, "truncate")?,
+    })
+}
+
+/// `s` as the `rope_scaling` object of a `config.json` (type `yarn`): the
+/// fields the source gave.
+fn yarn_json(s: &YarnScaling) -> Value {
+    let mut m = Map::new();
+    m.insert("rope_type".into(), json!("yarn"));
+    m.insert("factor".into(), json!(clean_f32(s.factor)));
+    if s.original_given {
+        let orig = s.original_max_position_embeddings;
+        m.insert("original_max_position_embeddings".into(), json!(orig));
+    }
+    for (key, v) in [
+        ("beta_fast", s.beta_fast),
+        ("beta_slow", s.beta_slow),
+        ("attention_factor", s.attention_factor),
+        ("mscale", s.mscale),
+        ("mscale_all_dim", s.mscale_all_dim),
+    ] {
+        if let Some(v) = v {
+            m.insert(key.into(), json!(clean_f32(v)));
+        }
+    }
+    if let Some(t) = s.truncate {
+        m.insert("truncate".into(), json!(t));
+    }
+    Value::Object(m)
 }
 
 /// `cfg` as a Hugging Face `config.json` that [`decoder_fields`] reads back
@@ -106,7 +159,8 @@ fn parse_rope_scaling(value: Option<&Value>) -> Result<Option<RopeScaling>> {
 pub(in crate::model) fn to_hf_json(cfg: &ModelConfig) -> String {
     let rope_scaling = match &cfg.rope_scaling {
         None => Value::Null,
-        Some(s) => super::llama::rope_scaling_json(s),
+        Some(RopeScaling::Llama3(s)) => super::llama::rope_scaling_json(s),
+        Some(RopeScaling::Yarn(s)) => yarn_json(s),
     };
     let mut value = json!({
         "_name_or_path": cfg.name,
@@ -125,7 +179,7 @@ pub(in crate::model) fn to_hf_json(cfg: &ModelConfig) -> String {
         "rms_norm_eps": clean_f32(cfg.rms_norm_eps),
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_position,
-        "attention_bias": false,
+        "attention_bias": cfg.family.qkv_bias(),
         "mlp_bias": false,
     });
     if cfg.family.has_sliding_window() {
@@ -141,6 +195,9 @@ pub(super) fn llama_block_name(p: BlockParam) -> &'static str {
         BlockParam::Wq => "self_attn.q_proj.weight",
         BlockParam::Wk => "self_attn.k_proj.weight",
         BlockParam::Wv => "self_attn.v_proj.weight",
+        BlockParam::Bq => "self_attn.q_proj.bias",
+        BlockParam::Bk => "self_attn.k_proj.bias",
+        BlockParam::Bv => "self_attn.v_proj.bias",
         BlockParam::Wo => "self_attn.o_proj.weight",
         BlockParam::QNorm => "self_attn.q_norm.weight",
         BlockParam::KNorm => "self_attn.k_norm.weight",

@@ -4,7 +4,7 @@
 //! Llama 3.x models are presets of their own `config.json`: `presets.rs`).
 
 use super::{Family, hf};
-use crate::attention::rope::RopeScaling;
+use crate::attention::rope::{Llama3Scaling, RopeScaling};
 use crate::error::Result;
 use crate::model::ModelConfig;
 use serde_json::{Map, Value, json};
@@ -30,8 +30,8 @@ pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
 }
 
 /// The fields of a `rope_scaling` object of type `llama3`.
-pub(super) fn rope_scaling_from_hf(obj: &Map<String, Value>) -> Result<RopeScaling> {
-    Ok(RopeScaling {
+pub(super) fn rope_scaling_from_hf(obj: &Map<String, Value>) -> Result<Llama3Scaling> {
+    Ok(Llama3Scaling {
         factor: hf::req_f32(obj, "factor")?,
         low_freq_factor: hf::req_f32(obj, "low_freq_factor")?,
         high_freq_factor: hf::req_f32(obj, "high_freq_factor")?,
@@ -40,7 +40,7 @@ pub(super) fn rope_scaling_from_hf(obj: &Map<String, Value>) -> Result<RopeScali
 }
 
 /// `s` as the `rope_scaling` object of a `config.json` (type `llama3`).
-pub(super) fn rope_scaling_json(s: &RopeScaling) -> Value {
+pub(super) fn rope_scaling_json(s: &Llama3Scaling) -> Value {
     json!({
         "rope_type": "llama3",
         "factor": hf::clean_f32(s.factor),
@@ -52,12 +52,12 @@ pub(super) fn rope_scaling_json(s: &RopeScaling) -> Value {
 
 /// The RoPE scaling Meta publishes for the Llama 3.1 / 3.2 models.
 fn llama31_rope_scaling(factor: f32) -> RopeScaling {
-    RopeScaling {
+    RopeScaling::Llama3(Llama3Scaling {
         factor,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
         original_max_position_embeddings: 8192,
-    }
+    })
 }
 
 /// A Llama 3.x config with the dims that differ between sizes.

@@ -1,5 +1,5 @@
 //! Model families: one file per family of Hugging Face checkpoints upipe
-//! reads (`llama.rs`, `qwen3.rs`, `mistral.rs`), behind one interface, [`Family`], that
+//! reads (`llama.rs`, `qwen2.rs`, `qwen3.rs`, `mistral.rs`), behind one interface, [`Family`], that
 //! the config, the decoder, the weights and checkpoint I/O ask:
 //!
 //! - its `config.json`: the `model_type` it answers to
@@ -10,10 +10,10 @@
 //!   HF names ([`Family::hf_name`]), the names `model/weights.rs` and the
 //!   checkpoint files use;
 //! - its quirks, as methods the decoder asks: [`Family::qk_norm`],
-//!   [`Family::has_sliding_window`] (the window itself, and tied
-//!   embeddings, are a checkpoint's `sliding_window` and
+//!   [`Family::qkv_bias`], [`Family::has_sliding_window`] (the window
+//!   itself, and tied embeddings, are a checkpoint's `sliding_window` and
 //!   `tie_word_embeddings`, read into [`ModelConfig::sliding_window`] and
-//!   [`ModelConfig::tie_embeddings`]);
+//!   [`ModelConfig::tie_embeddings`] with the family's default);
 //! - its presets ([`Family::preset`]).
 //!
 //! A new family (`qwen2`: q/k/v biases and YaRN; `mistral`: a sliding
@@ -26,6 +26,7 @@ mod hf;
 mod llama;
 mod mistral;
 pub(in crate::model) mod presets;
+mod qwen2;
 mod qwen3;
 
 use super::ModelConfig;
@@ -43,20 +44,25 @@ pub enum Family {
     Llama,
     /// Qwen3 (`model_type` `qwen3`): per-head RMSNorm of q and k.
     Qwen3,
+    /// Qwen2 / Qwen2.5 (`model_type` `qwen2`): biases on the q/k/v
+    /// projections, YaRN RoPE scaling.
+    Qwen2,
     /// Mistral (`model_type` `mistral`): the Llama decoder with an optional
     /// sliding window (`sliding_window`).
     Mistral,
 }
 
 /// Every family upipe reads, in the order messages list them.
-pub const FAMILIES: &[Family] = &[Family::Llama, Family::Qwen3, Family::Mistral];
+pub const FAMILIES: &[Family] = &[
+    Family::Llama,
+    Family::Qwen3,
+    Family::Qwen2,
+    Family::Mistral,
+];
 
 /// `model_type`s of related families upipe does not read yet, with what
 /// their decoder needs that upipe's lacks.
-const NOT_YET: &[(&str, &str)] = &[(
-    "qwen2",
-    "uses biases on the q/k/v projections, which upipe's decoder does not implement",
-)];
+const NOT_YET: &[(&str, &str)] = &[];
 
 impl Family {
     /// The family's name in messages: `Llama`, `Qwen3`.
@@ -64,6 +70,7 @@ impl Family {
         match self {
             Family::Llama => "Llama",
             Family::Qwen3 => "Qwen3",
+            Family::Qwen2 => "Qwen2",
             Family::Mistral => "Mistral",
         }
     }
@@ -73,6 +80,7 @@ impl Family {
         match self {
             Family::Llama => llama::MODEL_TYPE,
             Family::Qwen3 => qwen3::MODEL_TYPE,
+            Family::Qwen2 => qwen2::MODEL_TYPE,
             Family::Mistral => mistral::MODEL_TYPE,
         }
     }
@@ -82,6 +90,7 @@ impl Family {
         match self {
             Family::Llama => llama::ARCHITECTURE,
             Family::Qwen3 => qwen3::ARCHITECTURE,
+            Family::Qwen2 => qwen2::ARCHITECTURE,
             Family::Mistral => mistral::ARCHITECTURE,
         }
     }
@@ -103,9 +112,13 @@ impl Family {
             .iter()
             .map(|f| format!("{} ('{}')", f.name(), f.model_type()))
             .collect();
+        let listed = match listed.split_last() {
+            Some((last, [])) => last.clone(),
+            Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+            None => String::new(),
+        };
         Err(Error::Config(format!(
-            "unsupported model_type '{model_type}'; upipe reads {} configs",
-            listed.join(" and ")
+            "unsupported model_type '{model_type}'; upipe reads {listed} configs"
         )))
     }
 
@@ -115,6 +128,7 @@ impl Family {
         match self {
             Family::Llama => llama::parse_hf(obj),
             Family::Qwen3 => qwen3::parse_hf(obj),
+            Family::Qwen2 => qwen2::parse_hf(obj),
             Family::Mistral => mistral::parse_hf(obj),
         }
     }
@@ -124,6 +138,7 @@ impl Family {
         match self {
             Family::Llama => llama::preset(name),
             Family::Qwen3 => qwen3::preset(name),
+            Family::Qwen2 => qwen2::preset(name),
             Family::Mistral => mistral::preset(name),
         }
     }
@@ -131,7 +146,7 @@ impl Family {
     /// Whether q and k are RMS-normalised per head before RoPE.
     pub fn qk_norm(self) -> bool {
         match self {
-            Family::Llama | Family::Mistral => false,
+            Family::Llama | Family::Qwen2 | Family::Mistral => false,
             Family::Qwen3 => true,
         }
     }
@@ -140,8 +155,16 @@ impl Family {
     /// `config.json`); a family without one refuses a window there.
     pub fn has_sliding_window(self) -> bool {
         match self {
-            Family::Llama | Family::Qwen3 => false,
+            Family::Llama | Family::Qwen3 | Family::Qwen2 => false,
             Family::Mistral => true,
+        }
+    }
+
+    /// Whether the q/k/v projections carry biases (`o_proj` never does).
+    pub fn qkv_bias(self) -> bool {
+        match self {
+            Family::Llama | Family::Qwen3 | Family::Mistral => false,
+            Family::Qwen2 => true,
         }
     }
 
@@ -153,6 +176,9 @@ impl Family {
             Family::Qwen3 => &[
                 AttnNorm, Wq, Wk, Wv, Wo, QNorm, KNorm, MlpNorm, Gate, Up, Down,
             ],
+            Family::Qwen2 => &[
+                AttnNorm, Wq, Bq, Wk, Bk, Wv, Bv, Wo, MlpNorm, Gate, Up, Down,
+            ],
         }
     }
 
@@ -161,7 +187,7 @@ impl Family {
     /// does; one that differs gets its own arm.
     pub fn hf_name(self, p: Param) -> String {
         match self {
-            Family::Llama | Family::Qwen3 | Family::Mistral => hf::llama_name(p),
+            Family::Llama | Family::Qwen3 | Family::Qwen2 | Family::Mistral => hf::llama_name(p),
         }
     }
 
@@ -169,7 +195,7 @@ impl Family {
     /// parameter (older versions saved each layer's RoPE frequencies).
     pub fn is_buffer(self, name: &str) -> bool {
         match self {
-            Family::Llama | Family::Qwen3 | Family::Mistral => {
+            Family::Llama | Family::Qwen3 | Family::Qwen2 | Family::Mistral => {
                 name.ends_with(".rotary_emb.inv_freq")
             }
         }
@@ -211,6 +237,12 @@ pub enum BlockParam {
     Wk,
     /// `[Hkv·d, hidden]`.
     Wv,
+    /// The q projection's bias `[H·d]` (Qwen2).
+    Bq,
+    /// The k projection's bias `[Hkv·d]` (Qwen2).
+    Bk,
+    /// The v projection's bias `[Hkv·d]` (Qwen2).
+    Bv,
     /// `[hidden, H·d]`.
     Wo,
     /// Per-head RMSNorm of q `[d]` (QK-norm families).
@@ -236,6 +268,8 @@ impl BlockParam {
             BlockParam::AttnNorm | BlockParam::MlpNorm => vec![h],
             BlockParam::Wq => vec![q, h],
             BlockParam::Wk | BlockParam::Wv => vec![kv, h],
+            BlockParam::Bq => vec![q],
+            BlockParam::Bk | BlockParam::Bv => vec![kv],
             BlockParam::Wo => vec![h, q],
             BlockParam::QNorm | BlockParam::KNorm => vec![hd],
             BlockParam::Gate | BlockParam::Up => vec![ffn, h],
@@ -254,16 +288,12 @@ mod tests {
             assert_eq!(Family::from_model_type(f.model_type()).unwrap(), *f);
         }
         let e = Family::from_model_type("gpt2").unwrap_err().to_string();
-        assert!(
-            e.contains("unsupported model_type 'gpt2'")
-                && e.contains("Llama ('llama') and Qwen3 ('qwen3')"),
-            "{e}"
-        );
-        let e = Family::from_model_type("qwen2").unwrap_err().to_string();
-        assert!(
-            e.contains("biases") && e.contains("use a Llama or Qwen3 or Mistral checkpoint"),
-            "{e}"
-        );
+        assert!(e.contains("unsupported model_type 'gpt2'"), "{e}");
+        for f in FAMILIES {
+            let listed = format!("{} ('{}')", f.name(), f.model_type());
+            assert!(e.contains(&listed), "{e} lacks {listed}");
+        }
+        assert_eq!(Family::from_model_type("qwen2").unwrap(), Family::Qwen2);
     }
 
     #[test]
@@ -282,6 +312,19 @@ mod tests {
         assert!(!Family::Llama.block_params().contains(&BlockParam::QNorm));
         assert!(f.is_buffer("model.layers.0.self_attn.rotary_emb.inv_freq"));
         assert!(!f.is_buffer("model.norm.weight"));
+    }
+
+    #[test]
+    fn only_qwen2_has_projection_biases() {
+        let f = Family::Qwen2;
+        let bq = Param::Block(3, BlockParam::Bq);
+        assert_eq!(f.hf_name(bq), "model.layers.3.self_attn.q_proj.bias");
+        let bv = Param::Block(0, BlockParam::Bv);
+        assert_eq!(f.hf_name(bv), "model.layers.0.self_attn.v_proj.bias");
+        for f in FAMILIES {
+            let has = f.block_params().contains(&BlockParam::Bk);
+            assert_eq!(has, f.qkv_bias(), "{f:?}");
+        }
     }
 
     #[test]

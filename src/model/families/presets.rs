@@ -17,6 +17,34 @@ const HF_PRESETS: &[(&str, &str)] = &[
     ("qwen3-8b", include_str!("presets/qwen3-8b.json")),
     ("qwen3-14b", include_str!("presets/qwen3-14b.json")),
     ("qwen3-32b", include_str!("presets/qwen3-32b.json")),
+    (
+        "qwen2.5-0.5b-instruct",
+        include_str!("presets/qwen2.5-0.5b-instruct.json"),
+    ),
+    (
+        "qwen2.5-1.5b-instruct",
+        include_str!("presets/qwen2.5-1.5b-instruct.json"),
+    ),
+    (
+        "qwen2.5-3b-instruct",
+        include_str!("presets/qwen2.5-3b-instruct.json"),
+    ),
+    (
+        "qwen2.5-7b-instruct",
+        include_str!("presets/qwen2.5-7b-instruct.json"),
+    ),
+    (
+        "qwen2.5-14b-instruct",
+        include_str!("presets/qwen2.5-14b-instruct.json"),
+    ),
+    (
+        "qwen2.5-32b-instruct",
+        include_str!("presets/qwen2.5-32b-instruct.json"),
+    ),
+    (
+        "qwen2.5-72b-instruct",
+        include_str!("presets/qwen2.5-72b-instruct.json"),
+    ),
     ("mistral-7b", include_str!("presets/mistral-7b-v0.1.json")),
     (
         "mistral-7b-v0.3",

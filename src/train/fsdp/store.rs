@@ -309,9 +309,8 @@ fn g_tensors<B: Backend>(g: BlockWeights<B>) -> Vec<Tensor<B>> {
         up,
         down,
     } = g;
-    let mut v = vec![attn_norm, attn.wq, attn.wk, attn.wv, attn.wo];
-    v.extend(attn.q_norm);
-    v.extend(attn.k_norm);
+    let mut v = vec![attn_norm];
+    v.extend(attn.into_tensors());
     v.extend([mlp_norm, gate, up, down]);
     v
 }
