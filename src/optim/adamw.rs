@@ -374,14 +374,15 @@ fn no_master() -> crate::Error {
 }
 
 /// The update of parameter `name` at 1-based `step` with learning rate `lr`
-/// and gradient multiplier `clip`: no weight decay on norm weights.
+/// and gradient multiplier `clip`: no weight decay on norm weights or
+/// biases (as the HF Trainer and most recipes leave them).
 pub fn hyper(cfg: &AdamWConfig, name: &str, lr: f32, step: u32, clip: f32) -> AdamWStep {
     AdamWStep {
         lr,
         beta1: cfg.beta1,
         beta2: cfg.beta2,
         eps: cfg.eps,
-        weight_decay: if name.ends_with("norm.weight") {
+        weight_decay: if name.ends_with("norm.weight") || name.ends_with(".bias") {
             0.0
         } else {
             cfg.weight_decay
