@@ -15,7 +15,8 @@
 #             check_training_torch.py (six AdamW steps and packed documents
 #             against PyTorch), check_hf_roundtrip.py
 #   ab      = Llama 3.2 1B, one GPU: 32K without and 128K with --checkpoint,
-#             upipe-old and upipe alternating (AB_RUNS each, AB_STEPS steps),
+#             upipe-old and upipe alternating (AB_RUNS each at 32K, AB_RUNS_LONG
+#             at 128K, AB_STEPS steps),
 #             median tokens/s of steps 2 on, peak against the plan
 #   window  = a Llama 3.2 1B-sized Mistral (sliding window WINDOW, 4096) at
 #             WIN_SEQ (131072) with --checkpoint, against the same model with
@@ -57,7 +58,9 @@ fi
 if [[ " $parts " == *" interop "* ]]; then
     for check in check_families check_training_torch check_hf_roundtrip; do
         [ -f "scripts/$check.py" ] || { row "$check: absent"; continue; }
-        python3 "scripts/$check.py" --upipe "$bin/upipe" > "$work/$check.log" 2>&1
+        more=()
+        [ "$check" = check_families ] && more=(--cuda)
+        python3 "scripts/$check.py" --upipe "$bin/upipe" "${more[@]}" > "$work/$check.log" 2>&1
         rc=$?
         grep -E "^(PASS|FAIL)" "$work/$check.log" | sed 's/^/  /'
         [ $rc = 0 ] || { status=1; tail -15 "$work/$check.log" | sed 's/^/  | /'; }
@@ -99,11 +102,12 @@ corpus_of() {  # a text corpus holding at least $1 + 1 bytes
 }
 
 if [[ " $parts " == *" ab "* ]]; then
-    runs=${AB_RUNS:-2}
     for seq in 32768 131072; do
+        runs=${AB_RUNS:-2}
+        [ "$seq" -gt 32768 ] && runs=${AB_RUNS_LONG:-1}
         data=$(corpus_of "$seq")
         flags=(train --device cuda --model llama3.2-1b --data "$data" --seq "$seq"
-               --steps "${AB_STEPS:-4}" --warmup 1 --attn upipe --ulysses 1 --ring 1)
+               --steps "${AB_STEPS:-3}" --warmup 1 --attn upipe --ulysses 1 --ring 1)
         [ "$seq" -gt 32768 ] && flags+=(--checkpoint)
         for i in $(seq "$runs"); do
             for b in upipe-old upipe; do
