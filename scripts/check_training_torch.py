@@ -152,8 +152,13 @@ def check_adamw(binary: str, root: str, src: str, attn: str) -> None:
     diffs = {n: (saved[n].float() - w).abs().max().item() for n, w in weights.items() if n in saved}
     missing = sorted(set(weights) - set(saved))
     name, worst_w = max(diffs.items(), key=lambda kv: kv[1])
-    check(f"adamw {attn}: parameters after {STEPS} steps == PyTorch (max abs <= 1e-5)",
-          not missing and worst_w <= 1e-5, f"worst {name} {worst_w:.1e}; missing {missing}")
+    # AdamW's step m/(sqrt(v)+eps) is scale-free: where a gradient element is
+    # near zero, last-bit differences of the f32 sums move that element's
+    # step by a fraction of lr. The bound is 1% of the most any element can
+    # move in the run (lr per step).
+    bound = 0.01 * LR * STEPS
+    check(f"adamw {attn}: parameters after {STEPS} steps == PyTorch (max abs <= {bound:.0e})",
+          not missing and worst_w <= bound, f"worst {name} {worst_w:.1e}; missing {missing}")
 
 
 def check_packed(binary: str, root: str, src: str, pack: str) -> None:
