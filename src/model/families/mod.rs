@@ -53,12 +53,7 @@ pub enum Family {
 }
 
 /// Every family upipe reads, in the order messages list them.
-pub const FAMILIES: &[Family] = &[
-    Family::Llama,
-    Family::Qwen3,
-    Family::Qwen2,
-    Family::Mistral,
-];
+pub const FAMILIES: &[Family] = &[Family::Llama, Family::Qwen3, Family::Qwen2, Family::Mistral];
 
 /// `model_type`s of related families upipe does not read yet, with what
 /// their decoder needs that upipe's lacks.
