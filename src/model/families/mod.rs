@@ -16,8 +16,8 @@
 //!   [`ModelConfig::tie_embeddings`] with the family's default);
 //! - its presets ([`Family::preset`]).
 //!
-//! A new family (`qwen2`: q/k/v biases and YaRN; `mistral`: a sliding
-//! window) is a file here with its parse and presets, a variant of
+//! A new family (as `qwen2` came with q/k/v biases and YaRN, and `mistral`
+//! with a sliding window) is a file here with its parse and presets, a variant of
 //! [`Family`] (the compiler then names every match to extend), and the code
 //! of its quirks: new [`BlockParam`]s for biases, a rope-scaling type in
 //! `hf.rs`, a mask for the window.
