@@ -21,6 +21,11 @@
 #   window  = a Llama 3.2 1B-sized Mistral (sliding window WINDOW, 4096) at
 #             WIN_SEQ (131072) with --checkpoint, against the same model with
 #             no window: tokens/s, TFLOP/s (counted over the band), peaks
+#   big     = 7B architectures (random init, --checkpoint --tiled-mlp, the
+#             optimizer's state on the host as `auto` decides): Mistral-7B
+#             (v0.1, window 4096) and the same with no window at BIG_SEQ
+#             (131072), then Qwen2.5-7B at QWEN_SEQ (65536); BIG_STEPS (2)
+#             steps each, within BUDGET seconds (480)
 set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-families.sh build DIR}"
@@ -138,6 +143,37 @@ JSON
             --ulysses 1 --ring 1 --checkpoint
         grep -m1 -iE "attention kernel|kernel:" "$work/window-$w.log" | sed 's/^/  /'
     done
+fi
+
+if [[ " $parts " == *" big "* ]]; then
+    t0=$(date +%s)
+    budget=${BUDGET:-480}
+    big=(--steps "${BIG_STEPS:-2}" --warmup 1 --attn upipe --ulysses 1 --ring 1 --checkpoint
+         --tiled-mlp --offload-optimizer auto --offload auto)
+    for w in 4096 none; do
+        dir="$work/mistral-7b-$w"
+        mkdir -p "$dir"
+        python3 - "$dir" "$w" <<'PY'
+import json, sys
+cfg = json.load(open("src/model/families/presets/mistral-7b-v0.1.json"))
+cfg["sliding_window"] = None if sys.argv[2] == "none" else int(sys.argv[2])
+json.dump(cfg, open(sys.argv[1] + "/config.json", "w"))
+PY
+        seq=${BIG_SEQ:-131072}
+        left=$(( budget - ($(date +%s) - t0) ))
+        [ "$left" -gt 60 ] || { row "big mistral-7b window $w: skipped (time)"; continue; }
+        run_row "big mistral-7b window $w seq $seq" "$work/big-$w.log" timeout "$left" \
+            "$bin/upipe" train --device cuda --model "$dir" --data "$(corpus_of "$seq")" --seq "$seq" "${big[@]}"
+    done
+    seq=${QWEN_SEQ:-65536}
+    left=$(( budget - ($(date +%s) - t0) ))
+    if [ "$left" -gt 60 ]; then
+        run_row "big qwen2.5-7b seq $seq" "$work/big-qwen.log" timeout "$left" \
+            "$bin/upipe" train --device cuda --model qwen2.5-7b-instruct --data "$(corpus_of "$seq")" \
+            --seq "$seq" "${big[@]}"
+    else
+        row "big qwen2.5-7b: skipped (time)"
+    fi
 fi
 
 echo
