@@ -180,11 +180,11 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
         tracing::info!("thread ranks on GPUs: {why}");
     }
     let lead = route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0);
-    // before anything is planned or allocated; a parent that launches its
-    // ranks leaves the warning to rank 0
     // masks cuDNN does not take: documents, or a sliding window shorter
     // than the sequence (a longer one hides nothing and is dropped)
     let bounded = cfg.documents || c.model.sliding_window.is_some_and(|w| w < cfg.seq);
+    // the kernel is decided before anything is planned or allocated; a
+    // parent that launches its ranks leaves the warning to rank 0
     let say = lead && !matches!(route, Route::SelfLaunch { .. });
     let head_dim = c.model.head_dim;
     let mut cfg = cfg;
