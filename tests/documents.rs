@@ -142,7 +142,6 @@ mod common;
 mod packing {
     use super::{STARTS, common};
     use std::collections::BTreeMap;
-    use upipe::attention::trial::rel_err;
     use upipe::attention::{CpPlan, Strategy};
     use upipe::backend::IGNORE;
     use upipe::backend::cpu::CpuBackend;
@@ -152,7 +151,7 @@ mod packing {
     use upipe::rng::Rng;
     use upipe::train::trainer::{loss_and_grads_cpu, loss_and_grads_cpu_packed};
 
-    type LossGrads = (f64, BTreeMap<String, Vec<f32>>);
+    use super::common::LossGrads;
 
     /// A window of `seq` tokens packing the documents of `STARTS`: each
     /// document's last target (the next document's first token) is not
@@ -210,15 +209,7 @@ mod packing {
         (loss, grads)
     }
 
-    fn assert_close(got: &LossGrads, want: &LossGrads, what: &str) {
-        let loss_err = ((got.0 - want.0) / want.0).abs();
-        assert!(loss_err <= 1e-5, "{what}: loss {} vs {}", got.0, want.0);
-        assert_eq!(got.1.len(), want.1.len());
-        for (name, g) in &got.1 {
-            let err = rel_err(g, &want.1[name]);
-            assert!(err <= 1e-5, "{what}: {name} rel err {err:e}");
-        }
-    }
+    use super::common::assert_loss_grads_close as assert_close;
 
     /// The definition of correct packing: a packed window gives each
     /// document the loss and gradients it gets alone (whole model), on

@@ -180,7 +180,7 @@ fn tiny_mistral(window: Option<usize>) -> ModelConfig {
     c
 }
 
-type LossGrads = (f64, BTreeMap<String, Vec<f32>>);
+use common::LossGrads;
 
 fn packed_window(seq: usize, vocab: usize, starts: &[u32]) -> PackedWindow {
     let mut rng = Rng::new(21);
@@ -203,15 +203,7 @@ fn model_run(cfg: &ModelConfig, w: &PackedWindow, s: Strategy, pu: usize, pr: us
     loss_and_grads_cpu_packed(cfg, &plan, MemoryPolicy::default(), w, &init).unwrap()
 }
 
-fn assert_close(got: &LossGrads, want: &LossGrads, what: &str) {
-    let loss_err = ((got.0 - want.0) / want.0).abs();
-    assert!(loss_err <= 1e-5, "{what}: loss {} vs {}", got.0, want.0);
-    assert_eq!(got.1.len(), want.1.len());
-    for (name, g) in &got.1 {
-        let err = rel_err(g, &want.1[name]);
-        assert!(err <= 1e-5, "{what}: {name} rel err {err:e}");
-    }
-}
+use common::assert_loss_grads_close as assert_close;
 
 /// A whole tiny Mistral with a window of 7 (shorter than the sequence and
 /// than a ring chunk of 8) trains alike on every strategy, on a stream window

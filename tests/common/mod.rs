@@ -5,8 +5,23 @@
 
 #![allow(dead_code)] // each test binary uses part of it
 
+use std::collections::BTreeMap;
 use std::process::Command;
 use upipe::model::{Family, ModelConfig};
+
+/// A loss and the gradients of every parameter by name.
+pub type LossGrads = (f64, BTreeMap<String, Vec<f32>>);
+
+/// `got` equals `want` to 1e-5 relative: the loss and every gradient.
+pub fn assert_loss_grads_close(got: &LossGrads, want: &LossGrads, what: &str) {
+    let loss_err = ((got.0 - want.0) / want.0).abs();
+    assert!(loss_err <= 1e-5, "{what}: loss {} vs {}", got.0, want.0);
+    assert_eq!(got.1.len(), want.1.len());
+    for (name, g) in &got.1 {
+        let err = upipe::attention::trial::rel_err(g, &want.1[name]);
+        assert!(err <= 1e-5, "{what}: {name} rel err {err:e}");
+    }
+}
 
 /// The tiny model the CPU tests share: 8 query heads over 2 kv heads of
 /// dim 8, hidden 32, ffn 48; Qwen3 (QK-norm) with `qk_norm`, else Llama.
