@@ -12,6 +12,10 @@ on the CPU reference backend:
    documents index written beside the ids): upipe's loss at lr 0 against
    transformers' loss of each document alone (each document's own prefix,
    positions from 0), summed over the counted targets.
+3. `packed-hf`: the same kind of window given whole to transformers, Llama
+   and Qwen3, with `position_ids` restarting at every document (from which
+   transformers builds its document mask) and no label across a boundary,
+   against `upipe eval --pack documents` on the same ids and document index.
 
 It prints one PASS/FAIL line per check and exits 1 if any failed; it needs
 only torch, transformers and safetensors, and no network:
@@ -54,6 +58,20 @@ def make_source(root: str) -> str:
         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=0)
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(src)
+    return src
+
+
+def make_qwen3(root: str) -> str:
+    """A small random Qwen3 (QK-norm) saved in f32."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    src = os.path.join(root, "qwen3")
+    torch.manual_seed(1)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=0)
+    Qwen3ForCausalLM(cfg).to(torch.float32).save_pretrained(src)
     return src
 
 
@@ -195,19 +213,60 @@ def check_packed(binary: str, root: str, src: str, pack: str) -> None:
           rel <= 1e-5, f"{step['loss']:.7f} vs {theirs:.7f} (rel {rel:.1e})")
 
 
+def check_packed_hf(binary: str, root: str, src: str, family: str) -> None:
+    """One window of SEQ + 1 ids holding five documents (each ending with
+    EOS, id 0; the last cut by the window): transformers runs it as one
+    sequence with restarting `position_ids`; upipe evaluates it with its
+    document index."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [29, 1, 40, 33, SEQ + 1 - 29 - 1 - 40 - 33]
+    docs = [torch.cat([torch.randint(3, VOCAB, (n - 1,), generator=g), torch.zeros(1, dtype=torch.long)])
+            for n in lengths]
+    ids = torch.cat(docs)
+    tokens = os.path.join(root, f"hf-{family}.u32")
+    write_ids(tokens, ids.tolist())
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    write_doc_index(tokens, len(ids), starts)
+    out = subprocess.run([binary, "eval", "--device", "cpu", "--model-dir", src, "--tokens", tokens,
+                          "--seq", str(SEQ), "--pack", "documents"],
+                         check=True, capture_output=True, text=True).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    inputs, targets = ids[:-1], ids[1:].clone()
+    positions = torch.cat([torch.arange(n) for n in lengths])[:-1]
+    # a target that starts the next document is not predicted across the boundary
+    for s0 in starts[1:]:
+        targets[s0 - 1] = -100
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=inputs[None], position_ids=positions[None]).logits.float()[0]
+    theirs = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100).item()
+    counted = int((targets != -100).sum())
+    rel = abs(report["loss"] - theirs) / theirs
+    check(f"packed-hf {family}: counted targets == transformers' labels",
+          report.get("counted_tokens") == counted, f"{report.get('counted_tokens')} vs {counted}")
+    check(f"packed-hf {family}: upipe eval == transformers on the packed window (rel <= 1e-4)",
+          rel <= 1e-4, f"{report['loss']:.7f} vs {theirs:.7f} (rel {rel:.1e})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--upipe", default="target/release/upipe", help="the upipe binary")
-    ap.add_argument("--parts", default="adamw packed")
+    ap.add_argument("--parts", default="adamw packed packed-hf")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="upipe-torch-")
     src = make_source(root)
-    if "adamw" in args.parts:
+    if "adamw" in args.parts.split():
         for attn in ["local", "upipe"]:
             check_adamw(args.upipe, root, src, attn)
-    if "packed" in args.parts:
+    parts = args.parts.split()
+    if "packed" in parts:
         for pack in ["documents", "bfd"]:
             check_packed(args.upipe, root, src, pack)
+    if "packed-hf" in parts:
+        check_packed_hf(args.upipe, root, src, "llama")
+        check_packed_hf(args.upipe, root, make_qwen3(root), "qwen3")
     failed = [r for r in RESULTS if not r[1]]
     print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
     sys.exit(1 if failed else 0)

@@ -1252,6 +1252,73 @@ fn cudnn_attention_through_the_backend_matches_cpu_and_native() {
     assert!(on_cudnn > 0, "cuDNN served none of the shapes");
 }
 
+/// A sliding window over one document is a causal band, which cuDNN's
+/// SDPA graphs take (its left bound): forward and backward equal the CPU
+/// reference and the flash kernels, windows shorter than a tile and over
+/// several tiles, with GQA; a window composed with documents, and a ring
+/// block of two runs, stay on the flash kernels.
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
+fn cudnn_sliding_windows_match_cpu_and_flash() {
+    use upipe::backend::mask::{BoundedMask, RowPositions};
+    if gpu().is_none() {
+        return;
+    }
+    let mut native = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    native.set_attn_kernel(AttnKernel::Native);
+    let mut auto = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    auto.set_attn_kernel(AttnKernel::Auto);
+    if let Err(e) = auto.cudnn_sdpa() {
+        eprintln!("SKIP cuDNN windows: {e}");
+        return;
+    }
+    let mut rng = Rng::new("cudnn sliding windows");
+    let s = 640;
+    let window = |w: usize| {
+        BoundedMask::documents(&[0], s)
+            .unwrap()
+            .with_window(w)
+            .unwrap()
+    };
+    let ring = RowPositions::two_runs(0..160, 480..640);
+    let cases: Vec<(BoundedMask, (usize, usize, usize), bool)> = vec![
+        (window(100), (4, 2, 64), true),
+        (window(37), (8, 2, 128), true),
+        (window(300), (4, 4, 128), true),
+        (window(1000), (4, 1, 64), true),
+        (
+            BoundedMask::documents(&[0, 200, 201], s)
+                .unwrap()
+                .with_window(50)
+                .unwrap(),
+            (4, 2, 64),
+            false,
+        ),
+        (window(100).with_rows(ring, ring), (4, 2, 128), false),
+    ];
+    for (mask, (hq, hkv, d), on_cudnn) in cases {
+        let (q, k) = mask.rows();
+        let mut p = AttnProblem::new(&mut rng, q.len(), k.len(), hq, hkv, d, false);
+        p.bounded = Some(AttnMask::Bounded(mask));
+        let tag = format!("cudnn window {}", p.tag());
+        let before = auto.attention_calls();
+        compare_kernels(&tag, (&auto, &native, "flash"), &p, DType::F32, &[0..p.sk]);
+        let after = auto.attention_calls();
+        let (cf, cb) = (
+            after.cudnn_fwd - before.cudnn_fwd,
+            after.cudnn_bwd - before.cudnn_bwd,
+        );
+        eprintln!("{tag}: cuDNN forward {cf}, backward {cb}");
+        let want = if on_cudnn { 1 } else { 0 };
+        assert_eq!(cf, want, "{tag}: forward on cuDNN");
+        assert_eq!(
+            cb,
+            want * BWD_WRITES.len() as u64,
+            "{tag}: backward on cuDNN"
+        );
+    }
+}
+
 /// Shapes cuDNN cannot take fall back to our kernels under `auto` without
 /// an error; forcing `cudnn` on them is an error that names the flag.
 #[test]

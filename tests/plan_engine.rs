@@ -183,6 +183,24 @@ fn the_engine_and_the_walk_agree_where_cudnn_and_flash_take_the_calls() {
     }
 }
 
+/// A sliding window on cuDNN: the whole-sequence calls of Ulysses and UPipe
+/// are causal bands cuDNN takes, the ring's blocks go to the flash kernels
+/// with their kept key bounds; the walk follows both, on every mesh.
+#[test]
+fn the_engine_and_the_walk_agree_with_a_sliding_window_on_cudnn() {
+    let mut model = d64();
+    model.family = upipe::model::Family::Mistral;
+    model.sliding_window = Some(300);
+    model.validate().unwrap();
+    for m in MESHES {
+        for policy in policies(model.layers).into_iter().take(3) {
+            let mut s = spec(&model, m, 1536, policy);
+            s.device = DeviceKind::Cuda;
+            check(&s, &format!("window 300 {m:?} {policy:?}"));
+        }
+    }
+}
+
 /// A packed documents run on CUDA (`--attn-kernel auto` puts it on our
 /// kernels): the engine's rehearsal attends under a documents mask, whose
 /// per-row key bounds the backend keeps on the device, and the walk keeps

@@ -277,6 +277,26 @@ impl BoundedMask {
         b
     }
 
+    /// The call as a plain causal band, the form cuDNN's SDPA graphs take:
+    /// `Some(None)` when it is causal attention over its own rows (query
+    /// and key rows the same contiguous positions, inside one document,
+    /// any window covering them all), `Some(Some(w))` when it is that
+    /// with a window of `w` keys (row `i` sees rows `i − w < j <= i`),
+    /// `None` when the call is neither (several documents, a ring block).
+    pub fn causal_band(&self) -> Option<Option<usize>> {
+        let (q, k) = (self.q, self.k);
+        if q != k || q.runs[1].1 != 0 || q.is_empty() {
+            return None;
+        }
+        let (first, len) = (q.runs[0].0 as usize, q.runs[0].1 as usize);
+        // starts are nondecreasing: one document iff the last row's starts
+        // at or before the first row
+        if self.starts[first + len - 1] as usize > first {
+            return None;
+        }
+        Some(self.window.map(|w| w as usize).filter(|&w| w < len))
+    }
+
     /// Whether no query of the call sees any key (a ring block to skip).
     pub fn hides_all(&self) -> bool {
         let sk = self.k.len();
@@ -333,6 +353,57 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `causal_band` is the mask itself wherever it answers: every query
+    /// sees exactly rows `i − w < j <= i` (or `0..=i`), for whole windows,
+    /// slices of them and ring blocks; calls spanning documents or ring
+    /// shards answer `None`.
+    #[test]
+    fn causal_band_is_the_mask_where_it_answers() {
+        let mut rng = crate::rng::Rng::new(7);
+        let (mut bands, mut nones) = (0, 0);
+        for case in 0..200 {
+            let seq = 2 + rng.below(24) as usize;
+            let starts = if case % 2 == 0 {
+                vec![0]
+            } else {
+                random_starts(&mut rng, seq)
+            };
+            let window = 1 + rng.below(seq as u64 + 2) as usize;
+            let m = BoundedMask::documents(&starts, seq).unwrap();
+            let m = if case % 3 == 0 {
+                m
+            } else {
+                m.with_window(window).unwrap()
+            };
+            let a = rng.below(seq as u64) as usize;
+            let b = a + 1 + rng.below((seq - a) as u64) as usize;
+            let half = seq / 2;
+            let calls = [
+                m.clone(),
+                m.slice(a..b, a..b),
+                m.slice(a..b, 0..b),
+                m.with_rows(
+                    RowPositions::two_runs(0..half / 2, half..half + half / 2),
+                    RowPositions::two_runs(0..half / 2, half..half + half / 2),
+                ),
+            ];
+            for c in calls {
+                let (q, k) = c.rows();
+                let Some(w) = c.causal_band() else {
+                    nones += 1;
+                    continue;
+                };
+                bands += 1;
+                assert_eq!(q.len(), k.len());
+                for i in 0..q.len() {
+                    let lo = w.map_or(0, |w| (i + 1).saturating_sub(w));
+                    assert_eq!(c.visible_keys(i, k.len()), lo..i + 1, "case {case}: {c:?}");
+                }
+            }
+        }
+        assert!(bands > 100 && nones > 100, "{bands} bands, {nones} others");
     }
 
     /// transformers' sliding-window causal mask over documents, by its

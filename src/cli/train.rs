@@ -180,9 +180,9 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
         tracing::info!("thread ranks on GPUs: {why}");
     }
     let lead = route != Route::ProcessRank || env.as_ref().is_none_or(|e| e.rank == 0);
-    // masks cuDNN does not take: documents, or a sliding window shorter
-    // than the sequence (a longer one hides nothing and is dropped)
-    let bounded = cfg.documents || c.model.sliding_window.is_some_and(|w| w < cfg.seq);
+    // masks cuDNN does not take: several documents in a window (a sliding
+    // window alone is a causal band, which it does)
+    let bounded = cfg.documents;
     // the kernel is decided before anything is planned or allocated; a
     // parent that launches its ranks leaves the warning to rank 0
     let say = lead && !matches!(route, Route::SelfLaunch { .. });

@@ -208,7 +208,10 @@ pub fn bwd_scratch_elems(s: &SdpaShape) -> (usize, usize) {
 }
 
 /// The shape of a call on dense `[s, heads, d]` rows and `[sq, hq]` LSE (the
-/// layout our attention operands have).
+/// layout our attention operands have). A `Bounded` mask that is plain
+/// causal attention, or a causal band, over the call's rows
+/// (`BoundedMask::causal_band`: a sliding window over one document) is
+/// given as `Causal` with its window, the form the graphs take.
 pub fn dense_shape(
     sq: usize,
     sk: usize,
@@ -217,6 +220,13 @@ pub fn dense_shape(
     d: usize,
     mask: AttnMask,
 ) -> SdpaShape {
+    let (mask, window) = match &mask {
+        AttnMask::Bounded(m) => match m.causal_band() {
+            Some(window) => (AttnMask::Causal, window),
+            None => (mask, None),
+        },
+        _ => (mask, None),
+    };
     SdpaShape {
         sq,
         sk,
@@ -224,6 +234,7 @@ pub fn dense_shape(
         hkv,
         d,
         mask,
+        window,
         q_rs: hq * d,
         k_rs: hkv * d,
         v_rs: hkv * d,
@@ -524,6 +535,7 @@ impl CudnnSdpa {
         let s = &a.shape;
         let scale = self.prepare(be, s, false)?;
         let neg_inf = f32::NEG_INFINITY;
+        let window = s.window.unwrap_or(0) as f32;
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
         let exec = |plan: &Plan| {
@@ -538,6 +550,13 @@ impl CudnnSdpa {
                 ];
                 if sdpa_graph::reads_neg_inf(&s.mask) {
                     b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
+                }
+                if s.window.is_some() {
+                    b.push((uid::WINDOW, (&window as *const f32).cast_mut().cast()));
+                    b.push((
+                        uid::NEG_INF_WINDOW,
+                        (&neg_inf as *const f32).cast_mut().cast(),
+                    ));
                 }
                 b
             })
@@ -559,6 +578,7 @@ impl CudnnSdpa {
         let s = &a.shape;
         let scale = self.prepare(be, s, true)?;
         let neg_inf = f32::NEG_INFINITY;
+        let window = s.window.unwrap_or(0) as f32;
         let one = 1.0f32;
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
@@ -585,6 +605,13 @@ impl CudnnSdpa {
                 ];
                 if sdpa_graph::reads_neg_inf(&s.mask) {
                     b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
+                }
+                if s.window.is_some() {
+                    b.push((uid::WINDOW, (&window as *const f32).cast_mut().cast()));
+                    b.push((
+                        uid::NEG_INF_WINDOW,
+                        (&neg_inf as *const f32).cast_mut().cast(),
+                    ));
                 }
                 b
             })

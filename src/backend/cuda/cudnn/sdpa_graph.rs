@@ -2,7 +2,8 @@
 //! (the "composite" pattern, usable before the single-op SDPA descriptor
 //! gained causal masks in 9.21):
 //!
-//! forward: `S = Q·Kᵀ → ·scale → [causal: row ≥ col ? S : −∞] → softmax
+//! forward: `S = Q·Kᵀ → ·scale → [causal: row ≥ col ? S : −∞] → [window w:
+//! col + w > row ? S : −∞] → softmax
 //! (max, sub, exp, sum, div; Stats = max + ln(sum)) → O = P·V`;
 //!
 //! backward: `softmax_sum = rowsum(dO∘O)`, `P = exp(S·scale − Stats)` (masked),
@@ -27,6 +28,10 @@ pub struct SdpaShape {
     pub hkv: usize,
     pub d: usize,
     pub mask: AttnMask,
+    /// A causal mask's sliding window: row `i` sees columns `i − w < j`
+    /// (cuDNN's left bound; a `Bounded` mask that is a plain band is given
+    /// as `Causal` with this, `dense_shape`).
+    pub window: Option<usize>,
     /// Elements between consecutive tokens of q / dq.
     pub q_rs: usize,
     pub k_rs: usize,
@@ -56,6 +61,9 @@ pub mod uid {
     pub const ONE: i64 = 12;
     pub const SOFTMAX_SUM: i64 = 13;
     pub const DQ_ACCUM: i64 = 14;
+    pub const WINDOW: i64 = 15;
+    /// The window's own −∞ (cuDNN's composite form gives each mask its own).
+    pub const NEG_INF_WINDOW: i64 = 16;
 }
 
 const F32: Dt = Dt::CUDNN_DATA_FLOAT;
@@ -107,16 +115,85 @@ pub fn reads_neg_inf(mask: &AttnMask) -> bool {
     }
 }
 
-/// Applies `mask` to the scores `x` (`[1, hq, sq, sk]` f32); returns the
-/// masked tensor (`x` itself when the mask hides nothing).
-fn apply_mask(g: &mut Graph, x: usize, mask: &AttnMask, dims: &[i64]) -> Result<usize> {
-    match mask {
-        AttnMask::Full => Ok(x),
-        AttnMask::Causal => causal_mask(g, x, dims),
-        AttnMask::Bounded(_) => Err(crate::Error::Backend(
-            "cuDNN SDPA graphs do not take a documents mask (refused by shape_supported)".into(),
-        )),
+/// Applies the shape's mask to the scores `x` (`[1, hq, sq, sk]` f32):
+/// causal, then the window's left bound; returns the masked tensor (`x`
+/// itself when the mask hides nothing).
+fn apply_mask(g: &mut Graph, x: usize, s: &SdpaShape, dims: &[i64]) -> Result<usize> {
+    let causal = match &s.mask {
+        AttnMask::Full => x,
+        AttnMask::Causal => causal_mask(g, x, dims)?,
+        AttnMask::Bounded(_) => {
+            return Err(crate::Error::Backend(
+                "cuDNN SDPA graphs do not take a documents mask (refused by shape_supported)"
+                    .into(),
+            ));
+        }
+    };
+    match s.window {
+        None => Ok(causal),
+        Some(_) => window_mask(g, causal, dims),
     }
+}
+
+/// Applies a sliding window's left bound to `x` (`[1, hq, sq, sk]` f32):
+/// keeps `col + w > row` (w the `WINDOW` scalar, f32), puts −∞
+/// elsewhere; cuDNN's own composite form of the bound (an f32 add of the
+/// window to the column index, then a greater-than against the row index),
+/// which its fused kernels recognise.
+fn window_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
+    let row = g.virt(Dt::CUDNN_DATA_INT32, dims)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_GEN_INDEX,
+        F32,
+        x,
+        None,
+        None,
+        row,
+        Some(2),
+    )?;
+    let col = g.virt(Dt::CUDNN_DATA_INT32, dims)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_GEN_INDEX,
+        F32,
+        x,
+        None,
+        None,
+        col,
+        Some(3),
+    )?;
+    let w = g.scalar(uid::WINDOW, F32)?;
+    let reach = g.virt(F32, dims)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_ADD,
+        F32,
+        col,
+        Some(w),
+        None,
+        reach,
+        Some(3),
+    )?;
+    let keep = g.virt(Dt::CUDNN_DATA_BOOLEAN, dims)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_CMP_GT,
+        Dt::CUDNN_DATA_BOOLEAN,
+        reach,
+        Some(row),
+        None,
+        keep,
+        None,
+    )?;
+    let neg = g.scalar(uid::NEG_INF, F32)?;
+    let y = g.virt(F32, dims)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_BINARY_SELECT,
+        F32,
+        x,
+        Some(neg),
+        Some(keep),
+        y,
+        None,
+    )?;
+    Ok(y)
 }
 
 /// Applies the top-left causal mask to `x` (`[1, hq, sq, sk]` f32): keeps
@@ -152,7 +229,7 @@ fn causal_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
         keep,
         None,
     )?;
-    let neg = g.scalar(uid::NEG_INF, F32)?;
+    let neg = g.scalar(uid::NEG_INF_WINDOW, F32)?;
     let y = g.virt(F32, dims)?;
     g.pointwise(
         Pw::CUDNN_POINTWISE_BINARY_SELECT,
@@ -182,7 +259,7 @@ pub fn forward(s: &SdpaShape) -> Result<Graph> {
     let scale = g.scalar(uid::SCALE, F32)?;
     let mut sc = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_MUL, s0, scale, sc)?;
-    sc = apply_mask(&mut g, sc, &s.mask, &sdims)?;
+    sc = apply_mask(&mut g, sc, s, &sdims)?;
     let mx = g.virt(F32, &rdims)?;
     g.reduction(Red::CUDNN_REDUCE_TENSOR_MAX, sc, mx)?;
     let sub = g.virt(F32, &sdims)?;
@@ -244,7 +321,7 @@ pub fn backward(s: &SdpaShape) -> Result<Graph> {
     g.binary(Pw::CUDNN_POINTWISE_MUL, s0, scale, s1)?;
     let mut s2 = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_SUB, s1, st, s2)?;
-    s2 = apply_mask(&mut g, s2, &s.mask, &sdims)?;
+    s2 = apply_mask(&mut g, s2, s, &sdims)?;
     let p = g.virt(F32, &sdims)?;
     g.unary(Pw::CUDNN_POINTWISE_EXP, s2, p)?;
 

@@ -61,11 +61,18 @@ pub fn shape_supported(
         return Err("s_q = s_kv = 1 is not supported by cuDNN SDPA".into());
     }
     s.mask.check_shape(s.sq, s.sk)?;
-    match &s.mask {
-        AttnMask::Full | AttnMask::Causal => {}
-        AttnMask::Bounded(_) => {
-            return Err("the cuDNN path does not take a documents mask yet".into());
+    match (&s.mask, s.window) {
+        (AttnMask::Full, None) | (AttnMask::Causal, _) => {}
+        (AttnMask::Full, Some(_)) => {
+            // cuDNN 9.14.0 computes non-causal windows over 1024 keys wrongly
+            return Err("a sliding window without a causal mask".into());
         }
+        (AttnMask::Bounded(_), _) => {
+            return Err("the cuDNN path takes no mask of several documents".into());
+        }
+    }
+    if s.window.is_some() && version < 90200 {
+        return Err(format!("sliding windows need cuDNN 9.2 (have {version})"));
     }
     // 16-byte alignment of every bf16 row (and so of every head's start).
     for (name, rs) in [("q", s.q_rs), ("k", s.k_rs), ("v", s.v_rs), ("o", s.o_rs)] {
@@ -175,9 +182,9 @@ pub struct KernelFacts {
     pub flash: bool,
     /// The model's head dim.
     pub head_dim: usize,
-    /// Whether the run's masks are bounded: windows that may hold several
-    /// documents (`--pack documents|bfd`) or a model's sliding window
-    /// shorter than the sequence, masks cuDNN does not take.
+    /// Whether the run's windows may hold several documents (`--pack
+    /// documents|bfd`), whose masks cuDNN does not take (a model's sliding
+    /// window alone it does: a causal band).
     pub documents: bool,
 }
 
@@ -201,11 +208,9 @@ fn cudnn_unfit(f: &KernelFacts) -> Option<String> {
             "head_dim {} (cuDNN SDPA is used for 64 and 128)",
             f.head_dim
         )),
-        Ok(_) if f.documents => Some(
-            "cuDNN does not take the documents masks of --pack documents|bfd, \
-                 nor sliding windows"
-                .into(),
-        ),
+        Ok(_) if f.documents => {
+            Some("cuDNN does not take the documents masks of --pack documents|bfd".into())
+        }
         Ok(_) => None,
     }
 }
@@ -285,6 +290,7 @@ mod tests {
             hkv: 2,
             d,
             mask,
+            window: None,
             q_rs: 8 * d,
             k_rs: 2 * d,
             v_rs: 2 * d,
