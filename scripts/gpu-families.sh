@@ -19,13 +19,15 @@
 #             at 128K, AB_STEPS steps),
 #             median tokens/s of steps 2 on, peak against the plan
 #   window  = a Llama 3.2 1B-sized Mistral (sliding window WINDOW, 4096) at
-#             WIN_SEQ (131072) with --checkpoint, against the same model with
-#             no window: tokens/s, TFLOP/s (counted over the band), peaks
+#             WIN_SEQ (131072) with --checkpoint, on cuDNN (auto) and on the
+#             flash kernels (native), against the same model with no window:
+#             tokens/s, TFLOP/s (counted over the band), peaks
 #   big     = 7B architectures (random init, --checkpoint --tiled-mlp, the
 #             optimizer's state on the host as `auto` decides): Mistral-7B
 #             (v0.1, window 4096) and the same with no window at BIG_SEQ
-#             (131072), then Qwen2.5-7B at QWEN_SEQ (65536); BIG_STEPS (2)
-#             steps each, within BUDGET seconds (480)
+#             (131072), then Qwen2.5-7B at QWEN_SEQ (65536, 0: none);
+#             BIG_STEPS (2) steps each, within BUDGET seconds (480);
+#             BIG_WINDOWS ("4096 none") the Mistral windows
 set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-families.sh build DIR}"
@@ -138,10 +140,14 @@ if [[ " $parts " == *" window "* ]]; then
  "sliding_window": $sw, "tie_word_embeddings": true, "hidden_act": "silu",
  "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
 JSON
-        run_row "window $w seq $seq" "$work/window-$w.log" "$bin/upipe" train --device cuda \
-            --model "$dir" --data "$data" --seq "$seq" --steps 3 --warmup 1 --attn upipe \
-            --ulysses 1 --ring 1 --checkpoint
-        grep -m1 -iE "attention kernel|kernel:" "$work/window-$w.log" | sed 's/^/  /'
+        kernels=(auto)
+        [ "$w" = none ] || kernels=(auto native)
+        for k in "${kernels[@]}"; do
+            run_row "window $w seq $seq attn-kernel $k" "$work/window-$w-$k.log" "$bin/upipe" \
+                train --device cuda --model "$dir" --data "$data" --seq "$seq" --steps 3 \
+                --warmup 1 --attn upipe --ulysses 1 --ring 1 --checkpoint --attn-kernel "$k"
+            grep -m1 -oE '"attention_kernel":"[^"]*"' "$work/window-$w-$k.log" | sed 's/^/  /'
+        done
     done
 fi
 
@@ -150,7 +156,7 @@ if [[ " $parts " == *" big "* ]]; then
     budget=${BUDGET:-480}
     big=(--steps "${BIG_STEPS:-2}" --warmup 1 --attn upipe --ulysses 1 --ring 1 --checkpoint
          --tiled-mlp --offload-optimizer auto --offload auto)
-    for w in 4096 none; do
+    for w in ${BIG_WINDOWS:-4096 none}; do
         dir="$work/mistral-7b-$w"
         mkdir -p "$dir"
         python3 - "$dir" "$w" <<'PY'
@@ -167,7 +173,9 @@ PY
     done
     seq=${QWEN_SEQ:-65536}
     left=$(( budget - ($(date +%s) - t0) ))
-    if [ "$left" -gt 60 ]; then
+    if [ "$seq" = 0 ]; then
+        :
+    elif [ "$left" -gt 60 ]; then
         run_row "big qwen2.5-7b seq $seq" "$work/big-qwen.log" timeout "$left" \
             "$bin/upipe" train --device cuda --model qwen2.5-7b-instruct --data "$(corpus_of "$seq")" \
             --seq "$seq" "${big[@]}"
