@@ -182,7 +182,7 @@ fn window_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
         keep,
         None,
     )?;
-    let neg = g.scalar(uid::NEG_INF, F32)?;
+    let neg = g.scalar(uid::NEG_INF_WINDOW, F32)?;
     let y = g.virt(F32, dims)?;
     g.pointwise(
         Pw::CUDNN_POINTWISE_BINARY_SELECT,
@@ -229,7 +229,7 @@ fn causal_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
         keep,
         None,
     )?;
-    let neg = g.scalar(uid::NEG_INF_WINDOW, F32)?;
+    let neg = g.scalar(uid::NEG_INF, F32)?;
     let y = g.virt(F32, dims)?;
     g.pointwise(
         Pw::CUDNN_POINTWISE_BINARY_SELECT,
