@@ -28,6 +28,8 @@
 #             (131072), then Qwen2.5-7B at QWEN_SEQ (65536, 0: none);
 #             BIG_STEPS (2) steps each, within BUDGET seconds (480);
 #             BIG_WINDOWS ("4096 none") the Mistral windows
+#   bias    = Qwen2.5-1.5B at BIAS_SEQ (32768), the last step's trace: the
+#             GPU time of the q/k/v bias adds and their gradients
 set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-families.sh build DIR}"
@@ -182,6 +184,28 @@ PY
     else
         row "big qwen2.5-7b: skipped (time)"
     fi
+fi
+
+if [[ " $parts " == *" bias "* ]]; then
+    # what q/k/v biases cost as separate adds: the upper bound of what a GEMM
+    # epilogue could save (Qwen2.5-1.5B, 32K, the last step's trace)
+    seq=${BIAS_SEQ:-32768}
+    "$bin/upipe" train --device cuda --model qwen2.5-1.5b-instruct --data "$(corpus_of "$seq")" \
+        --seq "$seq" --steps 3 --warmup 1 --attn upipe --ulysses 1 --ring 1 \
+        --trace "$work/bias-trace.json" > "$work/bias.log" 2>&1 || { tail -5 "$work/bias.log"; status=1; }
+    out=$(python3 - "$work/bias-trace.json" <<'PY'
+import json, sys
+ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
+compute = [e for e in ev if e.get("tid") == min(x["tid"] for x in ev)]
+wall = (max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)) / 1e3
+ms = lambda name: sum(e["dur"] for e in ev if e["name"] == name) / 1e3
+n = lambda name: sum(1 for e in ev if e["name"] == name)
+add, grad = ms("add_bias_rows"), ms("bias_grad")
+print("bias qwen2.5-1.5b: step %.1f ms; add_bias_rows %.2f ms (%d), bias_grad %.2f ms (%d): %.2f%% of the step"
+      % (wall, add, n("add_bias_rows"), grad, n("bias_grad"), 100 * (add + grad) / wall))
+PY
+)
+    row "$out"
 fi
 
 echo
