@@ -600,3 +600,45 @@ fn merging_changes_exactly_the_adapted_weights() {
         &[name, "[64, 32]", "[64, 64]"],
     );
 }
+
+/// The Rust half of the check against PEFT: for each model of a fixture
+/// that `scripts/check_peft.py --make DIR` made (on a machine with torch and
+/// peft), reads PEFT's adapter, writes it back as upipe writes adapters
+/// (`upipe-adapter`, F32) and merges it into the base model
+/// (`upipe-merged`, F32, with the base's config.json); `check_peft.py
+/// --check-fixture DIR` then checks both with PEFT and transformers.
+#[test]
+#[ignore = "needs UPIPE_PEFT_FIXTURE=DIR, made by scripts/check_peft.py --make DIR"]
+fn peft_fixture_is_read_rewritten_and_merged() {
+    use upipe::checkpoint::hf_config::checkpoint_config;
+    use upipe::checkpoint::model_files::{ModelFiles, write_model_files};
+    let root = PathBuf::from(std::env::var("UPIPE_PEFT_FIXTURE").expect("UPIPE_PEFT_FIXTURE"));
+    for kind in ["llama", "qwen2"] {
+        let dir = root.join(kind);
+        let base = dir.join("base");
+        let cfg = ModelConfig::resolve(base.to_str().unwrap()).unwrap();
+        let adapter = read_adapter(&dir.join("adapter"), &cfg).unwrap();
+        let out = dir.join("upipe-adapter");
+        let _ = std::fs::remove_dir_all(&out);
+        let name = adapter.config.base_model.clone().unwrap_or_default();
+        write_adapter(&out, &adapter.weights, &name, SaveDtype::F32).unwrap();
+        assert_eq!(read_adapter(&out, &cfg).unwrap().weights, adapter.weights);
+
+        let mut tensors = upipe::checkpoint::load_hf_model(&base, &cfg).unwrap();
+        merge_adapter(&mut tensors, &cfg, &adapter.weights).unwrap();
+        let merged = dir.join("upipe-merged");
+        let _ = std::fs::remove_dir_all(&merged);
+        std::fs::create_dir_all(&merged).unwrap();
+        let order = cfg.hf_param_shapes();
+        let list: Vec<(String, &HostTensor)> = order
+            .iter()
+            .map(|(n, _)| (n.clone(), &tensors[n]))
+            .collect();
+        write_model_files(&merged, &list, ModelFiles::f32()).unwrap();
+        let text = std::fs::read_to_string(base.join("config.json")).unwrap();
+        let source: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(&text).unwrap();
+        let config = checkpoint_config(Some(&source), &cfg, SaveDtype::F32);
+        std::fs::write(merged.join("config.json"), config).unwrap();
+    }
+}
