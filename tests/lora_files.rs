@@ -125,6 +125,16 @@ fn targets_and_configs_are_validated_with_the_fix_named() {
     assert_eq!(all.bytes_per_block(&cfg, 2), 2 * per_block);
     assert_eq!(all.param_count(&cfg), 2 * per_block);
     assert_eq!(all.factor_shapes(&cfg, V), [[4, 64], [32, 4]]);
+    // docs/lora.md's sizes for Llama 3.1 8B
+    let big = ModelConfig::resolve("llama3.1-8b").unwrap();
+    assert_eq!(
+        lora(16, 32.0, "all-linear").params_per_block(&big),
+        1_310_720
+    );
+    assert_eq!(lora(16, 32.0, "all-linear").param_count(&big), 41_943_040);
+    assert_eq!(lora(16, 32.0, "q_proj,v_proj").param_count(&big), 6_815_744);
+    assert!(lora(1024, 1.0, "k_proj").validate(&big).is_ok());
+    assert!(lora(1025, 1.0, "k_proj").validate(&big).is_err());
     assert_eq!(all.factor_shapes(&cfg, Down), [[4, 172], [64, 4]]);
 }
 
