@@ -535,6 +535,18 @@ fn adapters_upipe_cannot_apply_are_refused_naming_the_field() {
         ),
         (serde_json::json!({"r": 3}), "needs [3, 64]"),
         (serde_json::json!({"r": 0}), "rank 0"),
+        (
+            serde_json::json!({"alora_invocation_tokens": [5, 6]}),
+            "alora_invocation_tokens is [5,6]",
+        ),
+        (
+            serde_json::json!({"fan_in_fan_out": true}),
+            "fan_in_fan_out is true",
+        ),
+        (
+            serde_json::json!({"exclude_modules": ["q_proj"]}),
+            "exclude_modules is",
+        ),
     ];
     for (i, (extra, want)) in cases.into_iter().enumerate() {
         let (dir, _) = peft_style_dir(&format!("refuse{i}"), extra.clone(), 64);
@@ -558,7 +570,13 @@ fn adapters_upipe_cannot_apply_are_refused_naming_the_field() {
         &err(read_adapter(&dir2, &cfg)),
         &[magnitude, "not a LoRA factor"],
     );
-    for d in [dir, dir2] {
+    let (dir3, _) = peft_style_dir("bin", serde_json::json!({}), 64);
+    std::fs::rename(dir3.join(ADAPTER_WEIGHTS), dir3.join("adapter_model.bin")).unwrap();
+    assert_has(
+        &err(read_adapter(&dir3, &cfg)),
+        &["adapter_model.bin", "save_pretrained"],
+    );
+    for d in [dir, dir2, dir3] {
         let _ = std::fs::remove_dir_all(&d);
     }
 }

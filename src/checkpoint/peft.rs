@@ -130,6 +130,14 @@ pub fn read_adapter(dir: &Path, cfg: &ModelConfig) -> Result<PeftAdapter> {
         .validate(cfg)
         .map_err(|e| Error::Checkpoint(format!("{}: {e}", config_path.display())))?;
     let weights_path = dir.join(ADAPTER_WEIGHTS);
+    if !weights_path.exists() && dir.join("adapter_model.bin").exists() {
+        return Err(Error::Checkpoint(format!(
+            "{} holds adapter_model.bin (PyTorch's pickle format), which upipe does not read; \
+             load the adapter with PEFT and save it again with save_pretrained (safetensors is \
+             its default) to write {ADAPTER_WEIGHTS}",
+            dir.display()
+        )));
+    }
     let (tensors, _) = read_safetensors(&weights_path, |_| true)?;
     let weights = factors_of(&tensors, &config, cfg, &weights_path)?;
     Ok(PeftAdapter { weights, config })

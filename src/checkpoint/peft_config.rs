@@ -169,7 +169,7 @@ fn set(v: Option<&Value>) -> bool {
 }
 
 /// The fields that, when set, ask for something upipe does not apply, and why.
-const UNSUPPORTED: [(&str, &str); 10] = [
+const UNSUPPORTED: [(&str, &str); 13] = [
     ("use_dora", "DoRA adds a magnitude vector per module"),
     ("rank_pattern", "per-module ranks differ from r"),
     ("alpha_pattern", "per-module alphas differ from lora_alpha"),
@@ -189,6 +189,12 @@ const UNSUPPORTED: [(&str, &str); 10] = [
         "parameters rather than modules are adapted",
     ),
     ("trainable_token_indices", "token embeddings are trained"),
+    (
+        "alora_invocation_tokens",
+        "activated LoRA applies the adapter after those tokens only",
+    ),
+    ("arrow_config", "Arrow routes between several adapters"),
+    ("use_bdlora", "the factors are block-diagonal"),
 ];
 
 /// Refuses a config whose fields ask for what upipe cannot apply exactly.
