@@ -13,7 +13,8 @@ use upipe::model::lora::{
     LoraConfig, LoraDims, LoraFactors, LoraTarget, LoraWeights, parse_targets,
 };
 use upipe::model::lora_math::{
-    HeadSlice, head_slice, lora_backward, lora_forward, lora_forward_heads, merge,
+    HeadSlice, head_slice, lora_backward, lora_backward_heads, lora_forward, lora_forward_heads,
+    merge,
 };
 use upipe::model::{ModelConfig, Param};
 use upipe::rng::Rng;
@@ -310,47 +311,85 @@ fn merge_adds_the_scaled_product_and_equals_the_adapted_layer() {
     assert_close(&adapted, &matvec(&merged), 1e-6, "merged layer");
 }
 
+/// Columns `cols` of `m` `[rows, width]`: `[rows, cols]`.
+fn columns(m: &[f32], width: usize, cols: &std::ops::Range<usize>) -> Vec<f32> {
+    m.chunks_exact(width)
+        .flat_map(|row| row[cols.clone()].to_vec())
+        .collect()
+}
+
+/// Adds `part` `[rows, cols]` into columns `cols` of `m` `[rows, width]`.
+fn add_columns(m: &mut [f32], width: usize, cols: &std::ops::Range<usize>, part: &[f32]) {
+    for (row, p) in m.chunks_exact_mut(width).zip(part.chunks_exact(cols.len())) {
+        row[cols.clone()]
+            .iter_mut()
+            .zip(p)
+            .for_each(|(a, b)| *a += b);
+    }
+}
+
+fn add(m: &mut [f32], part: &[f32]) {
+    assert_eq!(m.len(), part.len());
+    m.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+}
+
+/// What the staged engine will compute per head range, forward and
+/// backward, placed (q/k/v output rows; o_proj input columns) and summed,
+/// equals the whole adapter's.
 #[test]
-fn head_ranges_sum_to_the_whole_delta() {
+fn head_ranges_sum_to_the_whole_adapter() {
     let cfg = tiny();
     let config = lora(4, 8.0, "all-linear");
     let w = random_weights(&cfg, &config, 3);
-    let (s, hd) = (3, cfg.head_dim);
+    let (s, hd, r) = (3, cfg.head_dim, 4);
     let scale = config.scale();
     for target in [LoraTarget::Q, LoraTarget::K, LoraTarget::V, LoraTarget::O] {
         let f = w.get(1, target).unwrap();
         let (n_in, n_out) = (f.dims.in_features, f.dims.out_features);
         let x = Rng::new(4).normal_vec(s * n_in, 1.0);
-        let whole = lora_forward(&x, f, scale);
+        let dy = Rng::new(5).normal_vec(s * n_out, 1.0);
+        let (whole, grads) = (lora_forward(&x, f, scale), lora_backward(&x, &dy, f, scale));
         let heads = if matches!(target, LoraTarget::K | LoraTarget::V) {
             vec![0..1, 1..2]
         } else {
             vec![0..1, 1..3, 3..4]
         };
-        let mut summed = vec![0.0f32; s * n_out];
+        let mut y = vec![0.0f32; s * n_out];
+        let (mut da, mut db, mut dx) = (
+            vec![0.0; r * n_in],
+            vec![0.0; n_out * r],
+            vec![0.0; s * n_in],
+        );
         for h in heads {
             let slice = head_slice(target, hd, h.clone()).unwrap();
             match &slice {
                 HeadSlice::BRows(rows) => {
                     assert_eq!(*rows, h.start * hd..h.end * hd);
                     let part = lora_forward_heads(&x, f, scale, &slice); // [s, rows]
-                    for i in 0..s {
-                        for (k, o) in rows.clone().enumerate() {
-                            summed[i * n_out + o] += part[i * rows.len() + k];
-                        }
-                    }
+                    add_columns(&mut y, n_out, rows, &part);
+                    let dy_rows = columns(&dy, n_out, rows);
+                    let g = lora_backward_heads(&x, &dy_rows, f, scale, &slice);
+                    add(&mut db[rows.start * r..rows.end * r], &g.db);
+                    add(&mut da, &g.da);
+                    add(&mut dx, &g.dx);
                 }
                 HeadSlice::AColumns(cols) => {
                     assert_eq!(target, LoraTarget::O);
-                    let x_cols: Vec<f32> = (0..s)
-                        .flat_map(|i| x[i * n_in + cols.start..i * n_in + cols.end].to_vec())
-                        .collect();
+                    let x_cols = columns(&x, n_in, cols);
                     let part = lora_forward_heads(&x_cols, f, scale, &slice); // [s, out]
-                    summed.iter_mut().zip(part).for_each(|(a, p)| *a += p);
+                    add(&mut y, &part);
+                    let g = lora_backward_heads(&x_cols, &dy, f, scale, &slice);
+                    add(&mut db, &g.db);
+                    add_columns(&mut da, n_in, cols, &g.da);
+                    add_columns(&mut dx, n_in, cols, &g.dx);
                 }
             }
         }
-        assert_close(&summed, &to64(&whole), 1e-6, &format!("{target:?}"));
+        let what = format!("{target:?}");
+        assert_close(&y, &to64(&whole), 1e-6, &format!("{what} forward"));
+        assert_close(&da, &to64(&grads.da), 1e-6, &format!("{what} dA"));
+        assert_close(&db, &to64(&grads.db), 1e-6, &format!("{what} dB"));
+        assert_close(&dx, &to64(&grads.dx), 1e-6, &format!("{what} dx"));
     }
     assert!(head_slice(LoraTarget::Up, hd, 0..1).is_none());
 }

@@ -1,7 +1,8 @@
 //! The arithmetic of a LoRA adapter on host `f32` slices, row-major: its
 //! forward delta `scale · (x·Aᵀ)·Bᵀ`, the backward of that delta, the merge
-//! `W + scale·B·A`, and the part of the delta that a contiguous range of
-//! attention heads owns (what a stage of the staged engine computes). These
+//! `W + scale·B·A`, and the part of the delta and of its backward that a
+//! contiguous range of attention heads owns (what a stage of the staged
+//! engine computes). These
 //! are the CPU reference's building blocks; shapes follow PEFT (`A`
 //! `[r, in]`, `B` `[out, r]`).
 
@@ -34,34 +35,52 @@ pub struct LoraGrads {
 /// `dB = scale · dyᵀ·h`, `dA = gᵀ·x`, `dx = g·A`.
 pub fn lora_backward(x: &[f32], dy: &[f32], f: &LoraFactors, scale: f32) -> LoraGrads {
     let d = f.dims;
-    let (r, n_in, n_out) = (d.rank, d.in_features, d.out_features);
-    let s = x.len() / n_in;
-    assert_eq!(x.len(), s * n_in, "x is [s, in_features]");
-    assert_eq!(dy.len(), s * n_out, "dy is [s, out_features]");
-    let h = down(x, n_in, &f.a, n_in, 0); // [s, r]
+    let part = Part {
+        cols: 0..d.in_features,
+        rows: 0..d.out_features,
+    };
+    backward_part(x, dy, f, scale, part)
+}
+
+/// The columns of `A` (inputs) and rows of `B` (outputs) one part of an
+/// adapter's computation touches.
+struct Part {
+    cols: Range<usize>,
+    rows: Range<usize>,
+}
+
+/// [`lora_backward`] restricted to `part`: `x` `[s, cols]`, `dy`
+/// `[s, rows]`; `dA` `[r, cols]`, `dB` `[rows, r]`, `dx` `[s, cols]`.
+fn backward_part(x: &[f32], dy: &[f32], f: &LoraFactors, scale: f32, part: Part) -> LoraGrads {
+    let (r, n_in) = (f.dims.rank, f.dims.in_features);
+    let (k, n) = (part.cols.len(), part.rows.len());
+    let s = x.len() / k;
+    assert_eq!(x.len(), s * k, "x is [s, {k}]");
+    assert_eq!(dy.len(), s * n, "dy is [s, {n}]");
+    let h = down(x, k, &f.a, n_in, part.cols.start); // [s, r]
     let mut g = vec![0.0f32; s * r]; // [s, r]
-    let mut db = vec![0.0f32; n_out * r];
+    let mut db = vec![0.0f32; n * r];
     for i in 0..s {
-        let dy_i = &dy[i * n_out..(i + 1) * n_out];
-        for (o, &dyo) in dy_i.iter().enumerate() {
+        for (q, o) in part.rows.clone().enumerate() {
+            let dyo = dy[i * n + q];
             let b_o = &f.b[o * r..(o + 1) * r];
-            let db_o = &mut db[o * r..(o + 1) * r];
+            let db_o = &mut db[q * r..(q + 1) * r];
             for j in 0..r {
                 g[i * r + j] += scale * dyo * b_o[j];
                 db_o[j] += scale * dyo * h[i * r + j];
             }
         }
     }
-    let mut da = vec![0.0f32; r * n_in];
-    let mut dx = vec![0.0f32; s * n_in];
+    let mut da = vec![0.0f32; r * k];
+    let mut dx = vec![0.0f32; s * k];
     for i in 0..s {
-        let x_i = &x[i * n_in..(i + 1) * n_in];
-        let dx_i = &mut dx[i * n_in..(i + 1) * n_in];
+        let x_i = &x[i * k..(i + 1) * k];
+        let dx_i = &mut dx[i * k..(i + 1) * k];
         for j in 0..r {
             let gij = g[i * r + j];
-            let a_j = &f.a[j * n_in..(j + 1) * n_in];
-            let da_j = &mut da[j * n_in..(j + 1) * n_in];
-            for c in 0..n_in {
+            let a_j = &f.a[j * n_in + part.cols.start..j * n_in + part.cols.end];
+            let da_j = &mut da[j * k..(j + 1) * k];
+            for c in 0..k {
                 da_j[c] += gij * x_i[c];
                 dx_i[c] += gij * a_j[c];
             }
@@ -130,6 +149,34 @@ pub fn lora_forward_heads(x: &[f32], f: &LoraFactors, scale: f32, slice: &HeadSl
             up(&h, &f.b, d.rank, 0..d.out_features, scale)
         }
     }
+}
+
+/// The backward of [`lora_forward_heads`] for the same `x` and `slice`,
+/// given the gradient of its result `dy`. [`HeadSlice::BRows`]: `dB` is the
+/// heads' rows `[rows, r]`; `dA` `[r, in]` and `dx` `[s, in]` are partial
+/// sums over the head ranges. [`HeadSlice::AColumns`]: `dA` is the heads'
+/// columns `[r, cols]` and `dx` the input's `[s, cols]`; `dB` `[out, r]` is
+/// a partial sum. Placed and summed, the ranges' gradients are
+/// [`lora_backward`]'s.
+pub fn lora_backward_heads(
+    x: &[f32],
+    dy: &[f32],
+    f: &LoraFactors,
+    scale: f32,
+    slice: &HeadSlice,
+) -> LoraGrads {
+    let d = f.dims;
+    let part = match slice {
+        HeadSlice::BRows(rows) => Part {
+            cols: 0..d.in_features,
+            rows: rows.clone(),
+        },
+        HeadSlice::AColumns(cols) => Part {
+            cols: cols.clone(),
+            rows: 0..d.out_features,
+        },
+    };
+    backward_part(x, dy, f, scale, part)
 }
 
 /// `h = x·A[:, col0..col0+k]ᵀ` for `x` `[s, k]` and `a` `[r, a_cols]`: `[s, r]`.
