@@ -6,13 +6,18 @@
 //! checkpoint's weight files in its `--save-dtype` (`save_dtype.rs`,
 //! `model_files.rs`: sharded as HF shards them), its `config.json`
 //! (`hf_config.rs`: the source's, updated) and the tokenizer files carried
-//! from the source (`carried.rs`).
+//! from the source (`carried.rs`); LoRA adapters as PEFT's directories
+//! (`peft.rs`, their `adapter_config.json` `peft_config.rs`) and merged into
+//! their base model (`lora_merge.rs`).
 
 pub mod carried;
 mod fs;
 pub mod hf;
 pub mod hf_config;
+pub mod lora_merge;
 pub mod model_files;
+pub mod peft;
+pub mod peft_config;
 pub mod ranged;
 pub mod save_dir;
 pub mod save_dtype;

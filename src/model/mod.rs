@@ -1,6 +1,7 @@
 //! The Llama-family decoder: configs (`config.rs`; families, one file each,
 //! in `families/`), weights in HF layout, and an explicit forward/backward
-//! with the memory policies long-context training needs.
+//! with the memory policies long-context training needs; LoRA adapters
+//! (`lora.rs`, their arithmetic `lora_math.rs`).
 
 pub mod config;
 pub mod decoder;
@@ -8,6 +9,8 @@ pub mod families;
 pub mod flat_layout;
 pub mod flops;
 pub mod forward;
+pub mod lora;
+pub mod lora_math;
 pub mod progress;
 pub mod shapes;
 pub mod store;
