@@ -71,7 +71,7 @@ pub fn shard_rows(i: usize, p: usize, n: usize) -> RowPositions {
 /// The mask of ring rank `i`'s local block (its queries against its own
 /// keys, step 0) over a shard of `n` tokens, from the sequence's `mask`:
 /// the shard's rows are in sequence order, so causal stays causal.
-fn local_block_mask(mask: &AttnMask, i: usize, p: usize, n: usize) -> Result<AttnMask> {
+pub(crate) fn local_block_mask(mask: &AttnMask, i: usize, p: usize, n: usize) -> Result<AttnMask> {
     match mask {
         AttnMask::Full | AttnMask::Causal => Ok(mask.clone()),
         AttnMask::Bounded(m) if m.seq() == n * p => {

@@ -11,6 +11,7 @@ pub mod local;
 pub mod mesh;
 pub mod nccl;
 pub mod rendezvous;
+pub mod traffic;
 pub mod watchdog;
 
 pub use mesh::{GroupKind, MeshShape};
@@ -101,6 +102,21 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
         }
         Ok(Pending::in_flight(recv, send, None))
     }
+    /// Starts sending `send` to group rank `to` and receiving into `recv`
+    /// from group rank `from` as one transfer (as [`ProcessGroup::start_send_recv`]),
+    /// where either side may be absent: a side whose rank is `None` moves
+    /// nothing, and its tensors are only held and handed back by
+    /// [`Pending::wait_all`] like the others. A send to `r` pairs with `r`'s
+    /// receive from this rank in the same place of both ranks' call orders
+    /// (the zigzag ring's direct shifts, which skip the blocks no query of
+    /// the receiver sees).
+    fn start_shift(
+        &self,
+        send: Vec<Tensor<B>>,
+        to: Option<usize>,
+        recv: Vec<Tensor<B>>,
+        from: Option<usize>,
+    ) -> Result<Pending<B>>;
 }
 
 /// A grouped transfer pairs each sent tensor with one received tensor.
