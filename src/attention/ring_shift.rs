@@ -13,11 +13,11 @@
 //!
 //! The buffers are the relay's, allocated and released so that the ledger
 //! holds the same bytes of the same categories at every peak whatever is
-//! skipped (the planner walks the relay: `plan/walk/attention.rs`): this
-//! rank's block and the visiting one (the relay's two blocks in flight),
-//! and in backward a visiting block's gradients and the ones returned. The
-//! step-1 block arrives beside the local attention; later blocks are
-//! shifted once the step before has read the buffer they arrive in.
+//! skipped (the planner walks the relay: `plan/walk/attention.rs`): two
+//! visiting blocks (the relay's two blocks in flight; this rank's own K/V
+//! are sent from where they are, without a copy), and in backward a
+//! visiting block's gradients and the ones returned. Each step's block
+//! arrives beside the step before's attention, as in the relay.
 //! Causal and full masks, which hide no whole block, keep the relay.
 
 use super::ring::{self, local_block_mask, ring_block};
@@ -76,7 +76,7 @@ pub fn forward<B: Backend>(
     let mut o_blk = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
     let mut lse_blk = b.zeros(&[n, hq], DType::F32, Category::Workspace)?;
     for step in 1..p {
-        if let Some(kv) = shift.arrive(step)? {
+        if let Some(kv) = shift.arrive(ring, step)? {
             let blk = ring_block(i, step, p, n / 2, mask);
             b.attention_fwd(
                 q.rows_view(blk.q_rows.clone()),
@@ -92,9 +92,6 @@ pub fn forward<B: Backend>(
                 o_blk.rows_view(blk.q_rows.clone()),
                 lse_blk.rows_view(blk.q_rows.clone()),
             )?;
-        }
-        if step + 1 < p {
-            shift.start(ring, step + 1)?;
         }
     }
     drop(shift);
@@ -166,11 +163,8 @@ pub fn backward<B: Backend>(
         // the gradients of the block visited last go back to their owner
         // while this rank's block's come home from the rank that visited it
         visiting = home.exchange(b, ring, mask, step - 1, visiting)?;
-        if let Some(kv) = shift.arrive(step)? {
+        if let Some(kv) = shift.arrive(ring, step)? {
             step_bwd(step, &kv[0], &kv[1], &mut visiting)?;
-        }
-        if step + 1 < p {
-            shift.start(ring, step + 1)?;
         }
     }
     drop(shift);
@@ -179,45 +173,52 @@ pub fn backward<B: Backend>(
 }
 
 /// This rank's K/V sent straight to the rank of each step, and the
-/// visiting block received from the rank each step's attention reads.
-struct KvShift<'m, B: Backend> {
-    /// This rank's `[K, V]` (a copy: the transfer holds what it sends);
-    /// released once the last step's has been sent.
-    own: Option<Vec<Tensor<B>>>,
-    /// The buffers the visiting `[K, V]` arrives in.
-    visiting: Option<Vec<Tensor<B>>>,
+/// visiting blocks received from the rank each step's attention reads: each
+/// step's block arrives in one buffer while the step before reads the other.
+struct KvShift<'k, B: Backend> {
+    /// This rank's K and V, sent from where they are at every step.
+    k: &'k Tensor<B>,
+    v: &'k Tensor<B>,
+    /// The buffers of the block this step reads.
+    current: Option<Vec<Tensor<B>>>,
+    /// The buffers the next block arrives in (released at the last step).
+    spare: Option<Vec<Tensor<B>>>,
+    /// The next block's transfer, or its buffers when it moves nothing.
     in_flight: Option<Pending<B>>,
-    /// Whether this step's block was received.
+    idle: Option<Vec<Tensor<B>>>,
+    /// Whether the next block is received.
     received: bool,
-    mask: &'m AttnMask,
+    mask: &'k AttnMask,
     p: usize,
     i: usize,
     half: usize,
 }
 
-impl<'m, B: Backend> KvShift<'m, B> {
-    /// Copies the local block and takes the buffers a visiting one arrives in.
+impl<'k, B: Backend> KvShift<'k, B> {
+    /// Takes the two buffers visiting blocks arrive in (the relay's two
+    /// blocks: the copy of the local one it sends first, and the first
+    /// receive).
     fn new(
         b: &B,
         ring: &dyn ProcessGroup<B>,
-        k: &Tensor<B>,
-        v: &Tensor<B>,
-        mask: &'m AttnMask,
+        k: &'k Tensor<B>,
+        v: &'k Tensor<B>,
+        mask: &'k AttnMask,
     ) -> Result<Self> {
-        let copy_of = |t: &Tensor<B>| {
-            let mut c = b.zeros(t.shape(), t.dtype(), Category::Comm)?;
-            b.copy(c.mat_mut(), t.mat())?;
-            Ok::<_, crate::error::Error>(c)
+        let pair = || {
+            [k, v]
+                .into_iter()
+                .map(|t| b.zeros(t.shape(), t.dtype(), Category::Comm))
+                .collect::<Result<Vec<_>>>()
         };
-        let own = vec![copy_of(k)?, copy_of(v)?];
-        let visiting = [k, v]
-            .into_iter()
-            .map(|t| b.zeros(t.shape(), t.dtype(), Category::Comm))
-            .collect::<Result<Vec<_>>>()?;
+        let (current, spare) = (pair()?, pair()?);
         Ok(KvShift {
-            own: Some(own),
-            visiting: Some(visiting),
+            k,
+            v,
+            current: Some(current),
+            spare: Some(spare),
             in_flight: None,
+            idle: None,
             received: false,
             mask,
             p: ring.size(),
@@ -230,41 +231,44 @@ impl<'m, B: Backend> KvShift<'m, B> {
         block_needed(receiver, step, self.p, self.half, self.mask)
     }
 
-    /// Starts `step`'s shift: this rank's block to rank `i+step` if that
-    /// rank needs it, the block of rank `i-step` if this one needs it.
+    /// Starts `step`'s shift into the spare buffers: this rank's block to
+    /// rank `i+step` if that rank needs it, the block of rank `i-step` if
+    /// this one needs it.
     fn start(&mut self, ring: &dyn ProcessGroup<B>, step: usize) -> Result<()> {
         let (p, i) = (self.p, self.i);
         let to = Some((i + step) % p).filter(|&r| self.needed(r, step));
         let from = Some((i + p - step) % p).filter(|_| self.needed(i, step));
         self.received = from.is_some();
+        let bufs = self.spare.take().expect("the spare buffers are free");
         if to.is_none() && from.is_none() {
+            self.idle = Some(bufs);
             return Ok(());
         }
-        let own = self
-            .own
-            .take()
-            .expect("the local block is kept until the last step");
-        let visiting = self.visiting.take().expect("the visiting buffers are free");
-        self.in_flight = Some(ring.start_shift(own, to, visiting, from)?);
+        // SAFETY: K and V are shared borrows for 'k, which outlives this
+        // KvShift, and the transfer is waited for in `arrive` or dropped
+        // (joined) with it
+        let pending = unsafe { ring.start_shift_from(&[self.k, self.v], to, bufs, from)? };
+        self.in_flight = Some(pending);
         Ok(())
     }
 
     /// `step`'s visiting `[K, V]`, or `None` when this rank skips the step.
-    /// At the last step the local block's copy is released first.
-    fn arrive(&mut self, step: usize) -> Result<Option<&[Tensor<B>]>> {
-        if let Some(pending) = self.in_flight.take() {
-            let done = pending.wait_all()?;
-            self.own = Some(done.sent);
-            self.visiting = Some(done.received);
+    /// Starts the next step's shift into the buffers the step before read,
+    /// or at the last step releases them.
+    fn arrive(&mut self, ring: &dyn ProcessGroup<B>, step: usize) -> Result<Option<&[Tensor<B>]>> {
+        let arrived = match self.in_flight.take() {
+            Some(pending) => pending.wait_all()?.received,
+            None => self.idle.take().expect("a step's buffers"),
+        };
+        let received = self.received;
+        self.spare = self.current.replace(arrived);
+        if step + 1 < self.p {
+            self.start(ring, step + 1)?;
+        } else {
+            self.spare = None;
         }
-        if step + 1 == self.p {
-            self.own = None;
-        }
-        let visiting = self
-            .visiting
-            .as_deref()
-            .expect("the visiting buffers are back");
-        Ok(self.received.then_some(visiting))
+        let current = self.current.as_deref().expect("this step's buffers");
+        Ok(received.then_some(current))
     }
 }
 

@@ -116,9 +116,9 @@ impl<B: Backend> ProcessGroup<B> for CountingGroup {
         self.peer(to, "send_recv")?;
         self.peer(from, "send_recv")
     }
-    fn start_shift(
+    unsafe fn start_shift_from(
         &self,
-        send: Vec<Tensor<B>>,
+        _send: &[&Tensor<B>],
         to: Option<usize>,
         recv: Vec<Tensor<B>>,
         from: Option<usize>,
@@ -126,7 +126,7 @@ impl<B: Backend> ProcessGroup<B> for CountingGroup {
         for r in to.into_iter().chain(from) {
             self.peer(r, "shift")?;
         }
-        Ok(Pending::in_flight(recv, send, None))
+        Ok(Pending::in_flight(recv, Vec::new(), None))
     }
 }
 

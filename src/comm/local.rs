@@ -345,15 +345,16 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
         self.backend.upload(recv, &got)
     }
 
-    fn start_shift(
+    unsafe fn start_shift_from(
         &self,
-        send: Vec<Tensor<B>>,
+        send: &[&Tensor<B>],
         to: Option<usize>,
         mut recv: Vec<Tensor<B>>,
         from: Option<usize>,
     ) -> Result<Pending<B>> {
+        // the sends are host copies, made here
         if let Some(to) = to {
-            for t in &send {
+            for t in send {
                 self.send(to, self.host(t)?);
             }
         }
@@ -370,7 +371,7 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
                 self.backend.upload(t, &got)?;
             }
         }
-        Ok(Pending::in_flight(recv, send, None))
+        Ok(Pending::in_flight(recv, Vec::new(), None))
     }
 }
 

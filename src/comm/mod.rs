@@ -116,6 +116,27 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
         to: Option<usize>,
         recv: Vec<Tensor<B>>,
         from: Option<usize>,
+    ) -> Result<Pending<B>> {
+        let refs: Vec<&Tensor<B>> = send.iter().collect();
+        // SAFETY: the returned transfer holds `send` until it is waited for
+        // or dropped.
+        let pending = unsafe { self.start_shift_from(&refs, to, recv, from)? };
+        Ok(pending.holding(send))
+    }
+    /// [`ProcessGroup::start_shift`] sending from tensors the caller keeps
+    /// (the ring's own K/V, sent to another rank at every step without a
+    /// copy); the returned transfer holds only `recv`.
+    ///
+    /// # Safety
+    /// Every tensor of `send` must stay alive and unwritten until the
+    /// returned transfer has been waited for or dropped: a group that
+    /// overlaps transfers (NCCL) reads them until then.
+    unsafe fn start_shift_from(
+        &self,
+        send: &[&Tensor<B>],
+        to: Option<usize>,
+        recv: Vec<Tensor<B>>,
+        from: Option<usize>,
     ) -> Result<Pending<B>>;
 }
 
@@ -161,6 +182,13 @@ impl<B: Backend> Pending<B> {
     /// A transfer into `recv` from `send`; `join` makes later work wait for it.
     pub fn in_flight(recv: Vec<Tensor<B>>, send: Vec<Tensor<B>>, join: Option<Join>) -> Self {
         Pending { recv, send, join }
+    }
+
+    /// This transfer, also holding `send` until its wait (tensors it sends
+    /// that the caller handed over).
+    pub fn holding(mut self, send: Vec<Tensor<B>>) -> Self {
+        self.send.extend(send);
+        self
     }
 
     /// The tensors being sent: readable while they are in flight.

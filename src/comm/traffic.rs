@@ -1,5 +1,5 @@
 //! A process group that records its point-to-point traffic: every tensor it
-//! sends to another rank (`send_recv`, `start_send_recv`, `start_shift`),
+//! sends to another rank (`send_recv`, `start_send_recv`, `start_shift_from`),
 //! with its peer and bytes, passed on to the group it wraps. Tests read it
 //! to count what a strategy moves (the zigzag ring's skipped blocks).
 
@@ -100,16 +100,17 @@ impl<B: Backend> ProcessGroup<B> for TrafficGroup<'_, B> {
         self.record(to, &send);
         self.inner.start_send_recv(send, to, recv, from)
     }
-    fn start_shift(
+    unsafe fn start_shift_from(
         &self,
-        send: Vec<Tensor<B>>,
+        send: &[&Tensor<B>],
         to: Option<usize>,
         recv: Vec<Tensor<B>>,
         from: Option<usize>,
     ) -> Result<Pending<B>> {
         if let Some(to) = to {
-            self.record(to, &send);
+            self.record(to, send.iter().copied());
         }
-        self.inner.start_shift(send, to, recv, from)
+        // SAFETY: the caller's promise, passed on
+        unsafe { self.inner.start_shift_from(send, to, recv, from) }
     }
 }

@@ -398,7 +398,7 @@ impl NcclGroup {
     /// its peer is `None` (the ring's direct shifts).
     fn shift_queued(
         &self,
-        send: &[Tensor<CudaBackend>],
+        send: &[&Tensor<CudaBackend>],
         to: Option<usize>,
         recv: &mut [Tensor<CudaBackend>],
         from: Option<usize>,
@@ -488,15 +488,15 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
         })?;
         Ok(Pending::in_flight(recv, send, Some(self.join(done))))
     }
-    fn start_shift(
+    unsafe fn start_shift_from(
         &self,
-        send: Vec<Tensor<CudaBackend>>,
+        send: &[&Tensor<CudaBackend>],
         to: Option<usize>,
         mut recv: Vec<Tensor<CudaBackend>>,
         from: Option<usize>,
     ) -> Result<Pending<CudaBackend>> {
         if to.is_none() && from.is_none() {
-            return Ok(Pending::in_flight(recv, send, None));
+            return Ok(Pending::in_flight(recv, Vec::new(), None));
         }
         let bytes = send
             .iter()
@@ -504,9 +504,10 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
             .map(|t| t.bytes())
             .sum();
         let done = self.issue("shift", bytes, || {
-            self.shift_queued(&send, to, &mut recv, from)
+            self.shift_queued(send, to, &mut recv, from)
         })?;
-        Ok(Pending::in_flight(recv, send, Some(self.join(done))))
+        // `send` is the caller's until the join (this function's contract)
+        Ok(Pending::in_flight(recv, Vec::new(), Some(self.join(done))))
     }
     fn start_all_gather(
         &self,
