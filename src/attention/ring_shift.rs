@@ -502,43 +502,48 @@ mod tests {
         sends
     }
 
-    /// On a ring of 4 (chunks of 6 tokens), a Mistral-style window shorter
-    /// than a chunk sends only the blocks of steps 1 and P-1 that some query
-    /// sees (6 of the relay's 12 forward), documents each within one chunk
-    /// send nothing, and a window spanning chunks sends what brute force
-    /// predicts; the results are the relay's (forward bit for bit, gradients
-    /// to 1e-5).
+    /// On rings of 2 and 4 (chunks of 12 and 6 tokens), a Mistral-style
+    /// window shorter than a chunk sends only the blocks of steps 1 and P-1
+    /// that some query sees (2(P-1) of the relay's P(P-1) forward),
+    /// documents each within one chunk send nothing, and a window spanning
+    /// chunks or documents spanning ranks send what brute force predicts;
+    /// the results are the relay's (forward bit for bit, gradients to 1e-5).
     #[test]
     fn direct_shifts_send_only_the_blocks_some_query_sees() {
-        let (p, seq) = (4, 48);
-        let block_bytes = (seq / p) * 4 * 4; // [n, hkv=1, d=4] F32
-        let within_chunks: Vec<u32> = (0..8).flat_map(|c| [6 * c, 6 * c + 2]).collect();
-        for (mask, forward_blocks) in [
-            (bounded(&[0], seq, Some(5)), Some(6)),
-            (bounded(&within_chunks, seq, None), Some(0)),
-            (bounded(&[0, 5, 30], seq, Some(14)), None),
-            (bounded(&[0, 13], seq, None), None),
-        ] {
-            let direct = run_ring(p, seq, &mask, true);
-            let relay = run_ring(p, seq, &mask, false);
-            let want = predicted_sends(p, seq, &mask, block_bytes);
-            for (r, ((got, sent), (reference, relayed))) in direct.iter().zip(&relay).enumerate() {
-                assert_eq!(sent, &want[r], "{mask} rank {r}: the sends");
-                assert_eq!(
-                    relayed.len(),
-                    4 * (p - 1) + 2 * p,
-                    "the relay moves every block"
-                );
-                assert_eq!(got[..2], reference[..2], "{mask} rank {r}: forward");
-                for (x, (a, b)) in got.iter().zip(reference).enumerate().skip(2) {
-                    let err = crate::attention::trial::rel_err(a, b);
-                    assert!(err <= 1e-5, "{mask} rank {r}: gradient {x} rel err {err:e}");
+        for p in [2, 4] {
+            let seq = 48;
+            let block_bytes = (seq / p) * 4 * 4; // [n, hkv=1, d=4] F32
+            let within_chunks: Vec<u32> = (0..8).flat_map(|c| [6 * c, 6 * c + 2]).collect();
+            for (mask, forward_blocks) in [
+                (bounded(&[0], seq, Some(5)), Some(2 * (p - 1))),
+                (bounded(&within_chunks, seq, None), Some(0)),
+                (bounded(&[0, 5, 30], seq, Some(14)), None),
+                (bounded(&[0, 13], seq, None), None),
+            ] {
+                let direct = run_ring(p, seq, &mask, true);
+                let relay = run_ring(p, seq, &mask, false);
+                let want = predicted_sends(p, seq, &mask, block_bytes);
+                for (r, ((got, sent), (reference, relayed))) in
+                    direct.iter().zip(&relay).enumerate()
+                {
+                    assert_eq!(sent, &want[r], "{mask} p={p} rank {r}: the sends");
+                    assert_eq!(
+                        relayed.len(),
+                        4 * (p - 1) + 2 * p,
+                        "the relay moves every block"
+                    );
+                    assert_eq!(got[..2], reference[..2], "{mask} rank {r}: forward");
+                    for (x, (a, b)) in got.iter().zip(reference).enumerate().skip(2) {
+                        let err = crate::attention::trial::rel_err(a, b);
+                        assert!(err <= 1e-5, "{mask} rank {r}: gradient {x} rel err {err:e}");
+                    }
                 }
-            }
-            if let Some(blocks) = forward_blocks {
-                let fwd: usize = want.iter().map(|s| s.len()).sum::<usize>();
-                // forward and backward shifts, and as many gradient returns
-                assert_eq!(fwd, 3 * 2 * blocks, "{mask}");
+                if let Some(blocks) = forward_blocks {
+                    let tensors: usize = want.iter().map(|s| s.len()).sum();
+                    // forward and backward shifts, and as many gradient
+                    // returns, two tensors each
+                    assert_eq!(tensors, 3 * 2 * blocks, "{mask} p={p}");
+                }
             }
         }
     }
