@@ -42,6 +42,7 @@ fn every_strategy_equals_local(d: &AttnDims, inputs: &TrialInputs, mask: &AttnMa
     let reference = run(d, inputs, &local, mask);
     for (strategy, pu, pr, u) in [
         (Strategy::Ulysses, 4, 1, None),
+        (Strategy::Ring, 1, 2, None),
         (Strategy::Ring, 1, 3, None),
         (Strategy::Ring, 1, 4, None),
         (Strategy::Usp, 2, 2, None),

@@ -14,12 +14,12 @@ mod common;
 
 use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{
-    RankInputs, RankOptions, TrialInputs, assemble, gather_runs, run_rank, run_trial,
+    RankInputs, RankOptions, TrialInputs, assemble, gather_runs, run_rank_masked, run_trial_masked,
 };
 use upipe::attention::{AttnDims, CpPlan, Strategy};
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::CudaBackend;
-use upipe::backend::{Backend, Category, DType};
+use upipe::backend::{AttnMask, Backend, BoundedMask, Category, DType};
 use upipe::comm::env::DistEnv;
 use upipe::comm::nccl::NcclWorld;
 use upipe::comm::rendezvous::Rendezvous;
@@ -183,6 +183,47 @@ fn nccl_attention_layer_matches_cpu() {
     );
 }
 
+/// The zigzag ring's direct shifts over NCCL (`ProcessGroup::start_shift_from`,
+/// grouped `ncclSend`/`ncclRecv` with either side left out): ring and USP
+/// layers under a sliding window shorter than a chunk (both ranks send and
+/// receive), documents where only rank 1 needs rank 0's block (rank 0
+/// sends without receiving, rank 1 receives without sending), and the two
+/// composed, against the CPU f32 layer under the same mask.
+#[test]
+fn nccl_ring_shifts_match_cpu_under_windows_and_documents() {
+    let test = "nccl_ring_shifts_match_cpu_under_windows_and_documents";
+    launch_two(test);
+    if std::env::var(ROLE).as_deref() != Ok(test) {
+        return;
+    }
+    let (env, mut rv, world) = join();
+    // 256 tokens on a ring of 2: zigzag chunks of 64
+    let docs = || BoundedMask::documents(&[0, 192], 256).unwrap();
+    for mask in [
+        AttnMask::Bounded(docs().with_window(40).unwrap()),
+        AttnMask::Bounded(
+            BoundedMask::documents(&[0], 256)
+                .unwrap()
+                .with_window(40)
+                .unwrap(),
+        ),
+        AttnMask::Bounded(docs()),
+    ] {
+        eprintln!("rank {}: under {mask}", env.rank);
+        layer_matches_cpu_masked(
+            &env,
+            &mut rv,
+            &world,
+            &[
+                (Strategy::Ring, 2, 1, None, false),
+                (Strategy::Usp, 1, 2, None, true),
+                (Strategy::Upipe, 1, 2, Some(2), false),
+            ],
+            mask,
+        );
+    }
+}
+
 /// With an exchange window (`UPIPE_CE_EXCHANGE_MB`) the Ulysses group's
 /// all-to-alls run on copy engines (NCCL logs its copy-engine init, which
 /// only the zero-CTA path does): collectives on the window's buffers keep
@@ -266,6 +307,17 @@ fn layer_matches_cpu(
     world: &NcclWorld,
     cases: &[(Strategy, usize, usize, Option<usize>, bool)],
 ) {
+    layer_matches_cpu_masked(env, rv, world, cases, AttnMask::Causal);
+}
+
+/// [`layer_matches_cpu`] with the layer attending under `mask`.
+fn layer_matches_cpu_masked(
+    env: &DistEnv,
+    rv: &mut Rendezvous,
+    world: &NcclWorld,
+    cases: &[(Strategy, usize, usize, Option<usize>, bool)],
+    mask: AttnMask,
+) {
     let b = world.backend().clone();
     let d = AttnDims {
         hidden: 256,
@@ -283,7 +335,7 @@ fn layer_matches_cpu(
     let inputs = TrialInputs::random(&d, seq, 7);
     let reference = (env.rank == 0).then(|| {
         let plan = CpPlan::new(Strategy::Local, &d, seq, 1, 1, None).unwrap();
-        run_trial(&plan, &d, &inputs, CpuBackend::new).unwrap()
+        run_trial_masked(&plan, &d, &inputs, mask.clone(), CpuBackend::new).unwrap()
     });
     // a failing rank 0 must not stop early: rank 1 would wait for it in the
     // next collective, and neither process would exit
@@ -300,17 +352,18 @@ fn layer_matches_cpu(
             dy: &dy,
             weights: &inputs.weights,
         };
-        let run = run_rank(&plan, &d, ri, b.as_ref(), &mesh, &RankOptions::ONCE).unwrap();
+        let opts = &RankOptions::ONCE;
+        let run = run_rank_masked(&plan, &d, ri, b.as_ref(), &mesh, opts, mask.clone()).unwrap();
         drop(mesh);
         let runs = gather_runs(rv, run).unwrap();
         if let Some(r) = &reference {
             let got = assemble(&plan, d.hidden, &runs);
             let errs = got.errors_against(r);
-            println!("nccl {s} {pu}x{pr} U={u:?} overlap={overlap}: {errs:?}");
+            println!("nccl {s} {pu}x{pr} U={u:?} overlap={overlap} {mask}: {errs:?}");
             for (name, e) in errs {
                 if e > upipe::attention::trial::bf16_tolerance(&name) {
                     failures.push(format!(
-                        "{s} {pu}x{pr} U={u:?} overlap={overlap}: {name} rel err {e:e}"
+                        "{s} {pu}x{pr} U={u:?} overlap={overlap} {mask}: {name} rel err {e:e}"
                     ));
                 }
             }

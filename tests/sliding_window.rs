@@ -126,7 +126,7 @@ fn run(d: &AttnDims, inputs: &TrialInputs, plan: &CpPlan, mask: &AttnMask) -> Tr
 }
 
 /// Every strategy of the attention layer (GQA with Hkv < Pu, UPipe with
-/// U < H, zigzag rings of 3 and 4) equals `local` under windows shorter than
+/// U < H, zigzag rings of 2, 3 and 4) equals `local` under windows shorter than
 /// a ring chunk (5 < 6), between chunk and sequence (13) and longer than the
 /// sequence (100), alone and composed with documents; and the window is
 /// honoured (it differs from the documents mask alone).
@@ -143,6 +143,7 @@ fn every_strategy_equals_local_under_a_window() {
                 let reference = run(&d, &inputs, &local, &mask);
                 for (strategy, pu, pr, u) in [
                     (Strategy::Ulysses, 4, 1, None),
+                    (Strategy::Ring, 1, 2, None),
                     (Strategy::Ring, 1, 3, None),
                     (Strategy::Ring, 1, 4, None),
                     (Strategy::Usp, 2, 2, None),

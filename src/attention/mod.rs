@@ -23,6 +23,7 @@
 pub mod layout;
 pub mod local;
 pub mod ring;
+pub mod ring_shift;
 pub mod rope;
 pub mod schedule;
 pub mod settle;

@@ -5,10 +5,13 @@
 //! step 0 is causal on the local pair, later steps are non-causal on half
 //! blocks (under a full mask every step is whole blocks), and partial results
 //! are merged by log-sum-exp. Each block's mask comes from the sequence's
-//! ([`ring_block`]); under a documents mask a block no local query may see
-//! (other documents only) is skipped: nothing is computed for it, and its
-//! K/V still pass on around the ring. In backward the K/V gradients travel with their blocks
-//! and return home at the end.
+//! ([`ring_block`]). This file is the relay, which causal and full masks
+//! take: each block passes on from rank to rank, and in backward the K/V
+//! gradients travel with their blocks and return home at the end; a block
+//! no local query may see is not computed, but still passes on. Bounded
+//! masks (documents, sliding windows) take direct shifts instead
+//! ([`super::ring_shift`], the ring's entry), which send a block only to
+//! the ranks that need it.
 
 use crate::backend::{
     AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, RowPositions, Tensor,
@@ -71,7 +74,7 @@ pub fn shard_rows(i: usize, p: usize, n: usize) -> RowPositions {
 /// The mask of ring rank `i`'s local block (its queries against its own
 /// keys, step 0) over a shard of `n` tokens, from the sequence's `mask`:
 /// the shard's rows are in sequence order, so causal stays causal.
-fn local_block_mask(mask: &AttnMask, i: usize, p: usize, n: usize) -> Result<AttnMask> {
+pub(crate) fn local_block_mask(mask: &AttnMask, i: usize, p: usize, n: usize) -> Result<AttnMask> {
     match mask {
         AttnMask::Full | AttnMask::Causal => Ok(mask.clone()),
         AttnMask::Bounded(m) if m.seq() == n * p => {

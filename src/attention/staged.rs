@@ -23,7 +23,8 @@ use super::schedule::{KvPhase, LsePiece, StageSchedule, Upcoming, grad_write, up
 use super::settle::{Proj, settle_layout};
 use super::shapes::StageShapes;
 use super::{
-    AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd, ring,
+    AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd,
+    ring_shift,
 };
 use crate::backend::{
     AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Mat, MatLayout, Tensor,
@@ -439,7 +440,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                     Upcoming::End => {}
                 }
                 let (o_att, lse) =
-                    ring::forward(b, self.mesh.ring.as_ref(), &q, &k, &v, self.mask)?;
+                    ring_shift::forward(b, self.mesh.ring.as_ref(), &q, &k, &v, self.mask)?;
                 drop(q);
                 self.split_lse(lse, &pieces[fwd_stage], &mut lses)?;
                 fwd_stage += 1;
@@ -583,7 +584,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                     Upcoming::End => {}
                 }
                 let mut dq = self.attention_grad(q.shape(), q_write)?;
-                ring::backward(
+                ring_shift::backward(
                     b,
                     self.mesh.ring.as_ref(),
                     &q,

@@ -10,7 +10,7 @@
 //! one rank run the engine's step alone, as the memory planner does
 //! (`plan::engine`): no other rank is waited for.
 
-use super::{GroupKind, Mesh, MeshShape, ProcessGroup};
+use super::{GroupKind, Mesh, MeshShape, Pending, ProcessGroup};
 use crate::backend::{Backend, Tensor};
 use crate::error::{Error, Result};
 
@@ -115,6 +115,18 @@ impl<B: Backend> ProcessGroup<B> for CountingGroup {
     ) -> Result<()> {
         self.peer(to, "send_recv")?;
         self.peer(from, "send_recv")
+    }
+    unsafe fn start_shift_from(
+        &self,
+        _send: &[&Tensor<B>],
+        to: Option<usize>,
+        recv: Vec<Tensor<B>>,
+        from: Option<usize>,
+    ) -> Result<Pending<B>> {
+        for r in to.into_iter().chain(from) {
+            self.peer(r, "shift")?;
+        }
+        Ok(Pending::in_flight(recv, Vec::new(), None))
     }
 }
 

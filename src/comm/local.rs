@@ -4,7 +4,7 @@
 //! and received in order. Reductions sum in rank order, so every rank gets
 //! bit-identical results.
 
-use super::{GroupKind, Mesh, MeshShape, ProcessGroup};
+use super::{GroupKind, Mesh, MeshShape, Pending, ProcessGroup};
 use crate::backend::{Backend, Tensor};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
@@ -343,6 +343,35 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup<B> {
             )));
         }
         self.backend.upload(recv, &got)
+    }
+
+    unsafe fn start_shift_from(
+        &self,
+        send: &[&Tensor<B>],
+        to: Option<usize>,
+        mut recv: Vec<Tensor<B>>,
+        from: Option<usize>,
+    ) -> Result<Pending<B>> {
+        // the sends are host copies, made here
+        if let Some(to) = to {
+            for t in send {
+                self.send(to, self.host(t)?);
+            }
+        }
+        if let Some(from) = from {
+            for t in recv.iter_mut() {
+                let got = self.recv(from)?;
+                if got.len() != t.numel() {
+                    return Err(Error::Comm(format!(
+                        "shift: expected {} elements from rank {from}, got {}",
+                        t.numel(),
+                        got.len()
+                    )));
+                }
+                self.backend.upload(t, &got)?;
+            }
+        }
+        Ok(Pending::in_flight(recv, Vec::new(), None))
     }
 }
 

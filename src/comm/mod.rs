@@ -11,6 +11,7 @@ pub mod local;
 pub mod mesh;
 pub mod nccl;
 pub mod rendezvous;
+pub mod traffic;
 pub mod watchdog;
 
 pub use mesh::{GroupKind, MeshShape};
@@ -101,6 +102,42 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
         }
         Ok(Pending::in_flight(recv, send, None))
     }
+    /// Starts sending `send` to group rank `to` and receiving into `recv`
+    /// from group rank `from` as one transfer (as [`ProcessGroup::start_send_recv`]),
+    /// where either side may be absent: a side whose rank is `None` moves
+    /// nothing, and its tensors are only held and handed back by
+    /// [`Pending::wait_all`] like the others. A send to `r` pairs with `r`'s
+    /// receive from this rank in the same place of both ranks' call orders
+    /// (the zigzag ring's direct shifts, which skip the blocks no query of
+    /// the receiver sees).
+    fn start_shift(
+        &self,
+        send: Vec<Tensor<B>>,
+        to: Option<usize>,
+        recv: Vec<Tensor<B>>,
+        from: Option<usize>,
+    ) -> Result<Pending<B>> {
+        let refs: Vec<&Tensor<B>> = send.iter().collect();
+        // SAFETY: the returned transfer holds `send` until it is waited for
+        // or dropped.
+        let pending = unsafe { self.start_shift_from(&refs, to, recv, from)? };
+        Ok(pending.holding(send))
+    }
+    /// [`ProcessGroup::start_shift`] sending from tensors the caller keeps
+    /// (the ring's own K/V, sent to another rank at every step without a
+    /// copy); the returned transfer holds only `recv`.
+    ///
+    /// # Safety
+    /// Every tensor of `send` must stay alive and unwritten until the
+    /// returned transfer has been waited for or dropped: a group that
+    /// overlaps transfers (NCCL) reads them until then.
+    unsafe fn start_shift_from(
+        &self,
+        send: &[&Tensor<B>],
+        to: Option<usize>,
+        recv: Vec<Tensor<B>>,
+        from: Option<usize>,
+    ) -> Result<Pending<B>>;
 }
 
 /// A grouped transfer pairs each sent tensor with one received tensor.
@@ -145,6 +182,13 @@ impl<B: Backend> Pending<B> {
     /// A transfer into `recv` from `send`; `join` makes later work wait for it.
     pub fn in_flight(recv: Vec<Tensor<B>>, send: Vec<Tensor<B>>, join: Option<Join>) -> Self {
         Pending { recv, send, join }
+    }
+
+    /// This transfer, also holding `send` until its wait (tensors it sends
+    /// that the caller handed over).
+    pub fn holding(mut self, send: Vec<Tensor<B>>) -> Self {
+        self.send.extend(send);
+        self
     }
 
     /// The tensors being sent: readable while they are in flight.

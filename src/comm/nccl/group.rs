@@ -392,6 +392,42 @@ impl NcclGroup {
         }
         g.end(c)
     }
+
+    /// One NCCL group of an `ncclSend` to `to` for each of `send` and an
+    /// `ncclRecv` from `from` for each of `recv`, either side left out when
+    /// its peer is `None` (the ring's direct shifts).
+    fn shift_queued(
+        &self,
+        send: &[&Tensor<CudaBackend>],
+        to: Option<usize>,
+        recv: &mut [Tensor<CudaBackend>],
+        from: Option<usize>,
+    ) -> Result<()> {
+        let to = to.map(|r| self.peer(r, "shift")).transpose()?;
+        let from = from.map(|r| self.peer(r, "shift")).transpose()?;
+        if to.is_none() && from.is_none() {
+            return Ok(());
+        }
+        drv_bind(&self.backend)?;
+        let _g = lock(&self.comm)?;
+        let c = self.comm.raw;
+        let g = GroupCall::start()?;
+        // SAFETY: whole tensors, stream-ordered; sizes must match the peer's
+        // (NCCL truncation is reported as an error by NCCL itself).
+        unsafe {
+            for t in send.iter().filter(|_| to.is_some()) {
+                let (dt, peer) = (nccl_dtype(t.dtype()), to.expect("filtered"));
+                let r = sys::ncclSend(self.ptr(t), t.numel(), dt, peer, c, self.stream());
+                check(r, "ncclSend", Some(c))?;
+            }
+            for t in recv.iter_mut().filter(|_| from.is_some()) {
+                let (dt, peer) = (nccl_dtype(t.dtype()), from.expect("filtered"));
+                let r = sys::ncclRecv(self.ptr(t), t.numel(), dt, peer, c, self.stream());
+                check(r, "ncclRecv", Some(c))?;
+            }
+        }
+        g.end(c)
+    }
 }
 
 impl ProcessGroup<CudaBackend> for NcclGroup {
@@ -451,6 +487,27 @@ impl ProcessGroup<CudaBackend> for NcclGroup {
             Ok(())
         })?;
         Ok(Pending::in_flight(recv, send, Some(self.join(done))))
+    }
+    unsafe fn start_shift_from(
+        &self,
+        send: &[&Tensor<CudaBackend>],
+        to: Option<usize>,
+        mut recv: Vec<Tensor<CudaBackend>>,
+        from: Option<usize>,
+    ) -> Result<Pending<CudaBackend>> {
+        if to.is_none() && from.is_none() {
+            return Ok(Pending::in_flight(recv, Vec::new(), None));
+        }
+        let bytes = send
+            .iter()
+            .filter(|_| to.is_some())
+            .map(|t| t.bytes())
+            .sum();
+        let done = self.issue("shift", bytes, || {
+            self.shift_queued(send, to, &mut recv, from)
+        })?;
+        // `send` is the caller's until the join (this function's contract)
+        Ok(Pending::in_flight(recv, Vec::new(), Some(self.join(done))))
     }
     fn start_all_gather(
         &self,

@@ -355,7 +355,9 @@ impl AttnWalk {
         (recv, sending)
     }
 
-    /// `ring::forward`: (O of the stage, its LSE).
+    /// `ring::forward`: (O of the stage, its LSE). Under a bounded mask the
+    /// engine takes `ring_shift::forward`, whose buffers hold the same bytes
+    /// of the same categories at every peak, whatever it skips.
     fn ring_fwd(&self, sim: &mut Sim, q: Buf, k: Buf, v: Buf) -> (Buf, Buf) {
         let p = self.sh.pr;
         let lse_bytes = numel(self.sh.stage_lse()) * F32;
@@ -397,7 +399,7 @@ impl AttnWalk {
     }
 
     /// `ring::backward` (`dk`, `dv` shaped like K, V, of `g.dkv_eb` bytes
-    /// per element).
+    /// per element); `ring_shift::backward` alike.
     fn ring_bwd(&self, sim: &mut Sim, k: Buf, v: Buf, dk: Buf, g: BwdGrads) {
         let (p, n, u, m) = (self.sh.pr, self.sh.n, self.sh.u, self.sh.m);
         let seq_mask = self.seq_mask();
