@@ -86,6 +86,7 @@ pub struct MemoryKeys {
     pub tiled_mlp: Option<bool>,
     pub loss_chunk: Option<usize>,
     pub save_attention: Option<SaveAttention>,
+    pub freeze: Option<String>,
     /// `upipe plan --policies` (added to the keys above).
     pub policies: Option<String>,
 }

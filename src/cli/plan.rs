@@ -221,6 +221,8 @@ struct Ctx {
     model: ModelConfig,
     /// The memory policy chosen (`--policies` added), `auto`s undecided.
     memory: MemoryChoices,
+    /// `--freeze`: parameters without gradients or optimizer state.
+    freeze: crate::model::Freeze,
     fsdp_mode: FsdpMode,
     /// Whether the run shards (for the header; each request decides it too).
     fsdp: bool,
@@ -323,6 +325,7 @@ impl Ctx {
             sharded_resume: false,
             grad_accum: a.grad_accum,
             memory: self.memory,
+            freeze: self.freeze.clone(),
             device: self.device,
             budget: self.rank_budget,
         })
@@ -452,6 +455,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let device = plan_device(&a)?;
     let (budget, rank_budget) = plan_budget(&a, gpus)?;
     let (memory, fsdp_mode) = memory_choices(&a, model.layers)?;
+    let freeze = a.memory.freeze(&model)?;
     let policy = memory.policy(model.layers, model.layers);
     a.memory.save_attention.check(policy, model.layers)?;
     // as every request decides it (the same GPUs, the same budget)
@@ -471,6 +475,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     Ok(Ctx {
         model,
         memory,
+        freeze,
         fsdp_mode,
         fsdp,
         fsdp_note,

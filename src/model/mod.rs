@@ -8,6 +8,8 @@ pub mod families;
 pub mod flat_layout;
 pub mod flops;
 pub mod forward;
+pub mod freeze;
+pub mod grads;
 pub mod progress;
 pub mod shapes;
 pub mod store;
@@ -21,6 +23,8 @@ use crate::error::Result;
 pub use config::ModelConfig;
 pub use decoder::{DEFAULT_LOSS_CHUNK, Decoder, MemoryPolicy};
 pub use families::{BlockParam, Family, Param};
+pub use freeze::Freeze;
+pub use grads::{BlockGrads, ModelGrads};
 pub use store::{HeadView, ParamStore, Unit};
 pub use weights::{BlockWeights, ModelWeights, RandomInit};
 

@@ -300,7 +300,7 @@ fn is_norm(name: &str, shape: &[usize]) -> bool {
 
 /// The block parameter of an attention tensor's short name
 /// ([`AttentionWeights::named`]).
-fn attn_param(short: &str) -> BlockParam {
+pub(super) fn attn_param(short: &str) -> BlockParam {
     match short {
         "wq" => BlockParam::Wq,
         "wk" => BlockParam::Wk,

@@ -206,6 +206,8 @@ pub struct RunRequest {
     pub grad_accum: usize,
     /// The memory policy chosen.
     pub memory: MemoryChoices,
+    /// `--freeze`: parameters without gradients or optimizer state.
+    pub freeze: crate::model::Freeze,
     /// The dtypes and attention kernels predicted for.
     pub device: DeviceKind,
     /// Each rank's memory.
@@ -291,6 +293,7 @@ impl RunRequest {
             grad_accum: self.grad_accum,
             device: self.device,
             optimizer: true,
+            freeze: self.freeze.clone(),
         }
     }
 }

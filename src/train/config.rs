@@ -94,6 +94,9 @@ pub struct TrainConfig {
     /// are allocated unwritten, two steps run whatever `steps` says, and
     /// the reports carry no loss or gradient norm (NaN).
     pub rehearse: bool,
+    /// The parameters the run does not train (`--freeze`; checked against
+    /// the model by [`TrainConfig::plan`]).
+    pub freeze: crate::model::Freeze,
     /// Held-out evaluation every few steps (`--eval-data`, `--eval-every`;
     /// checked by `train::eval_during::check`, which the loop runs first).
     pub eval: Option<EvalDuring>,
@@ -180,6 +183,7 @@ impl TrainConfig {
             profile: false,
             trace: None,
             rehearse: false,
+            freeze: crate::model::Freeze::none(),
             eval: None,
         }
     }
@@ -238,6 +242,10 @@ impl TrainConfig {
     pub fn plan(&self) -> Result<CpPlan> {
         self.model.validate()?;
         self.policy.validate_for(self.model.layers)?;
+        self.freeze.check(&self.model)?;
+        if self.fsdp {
+            crate::train::fsdp::check_whole_units(&self.model, &self.freeze)?;
+        }
         if self.steps == 0 {
             return crate::config_err!("--steps must be at least 1");
         }
