@@ -212,6 +212,47 @@ impl TrainConfig {
         )
     }
 
+    /// Checks that a checkpoint in `dir`, whose caller state is `extra`,
+    /// froze what this run freezes (`extra["freeze"]`; a checkpoint
+    /// without it froze nothing): its optimizer state covers exactly the
+    /// parameters this run trains.
+    pub fn check_resume_freeze(
+        &self,
+        dir: &std::path::Path,
+        extra: &serde_json::Value,
+    ) -> Result<()> {
+        let saved = extra
+            .get("freeze")
+            .and_then(|v| v.as_str())
+            .unwrap_or("none");
+        let saved = crate::model::Freeze::parse(saved).map_err(|e| {
+            crate::error::Error::Checkpoint(format!("{}: bad freeze set: {e}", dir.display()))
+        })?;
+        if saved == self.freeze {
+            return Ok(());
+        }
+        let name = |f: &crate::model::Freeze| match f.is_empty() {
+            true => "none".to_string(),
+            false => f.to_string(),
+        };
+        crate::config_err!(
+            "--resume: {} was trained with --freeze {}, this run asks for --freeze {}: its \
+             optimizer state is for other parameters; resume with --freeze {}",
+            dir.display(),
+            name(&saved),
+            name(&self.freeze),
+            name(&saved)
+        )
+    }
+
+    /// The `--freeze` set as `state.json`'s caller state keeps it.
+    pub fn freeze_key(&self) -> String {
+        match self.freeze.is_empty() {
+            true => "none".into(),
+            false => self.freeze.to_string(),
+        }
+    }
+
     /// How a checkpoint stores the model's weights (`--save-dtype`, shard size).
     pub fn model_files(&self) -> crate::checkpoint::ModelFiles {
         crate::checkpoint::ModelFiles {

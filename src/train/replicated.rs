@@ -230,6 +230,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
         if let Some(dir) = cfg.resume_dir() {
             check_not_sharded(dir)?;
             let st = load_train_state(dir)?;
+            cfg.check_resume_freeze(dir, &st.extra)?;
             let names = st.params.keys().map(String::as_str);
             check_extra_tensors(dir, model, names, cfg.extra_tensors)?;
             let w = weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;

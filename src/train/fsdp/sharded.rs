@@ -66,8 +66,10 @@ impl<'a, B: Backend> Sharded<'a, B> {
             ));
         };
         let mut store = store;
-        restore_state(b, &SavedOptimizer::open(dir)?, &mut store, opt.as_mut())?;
         let state = ckpt::read_state(dir)?;
+        let extra = state.get("extra").cloned().unwrap_or(Value::Null);
+        cfg.check_resume_freeze(dir, &extra)?;
+        restore_state(b, &SavedOptimizer::open(dir)?, &mut store, opt.as_mut())?;
         let resumed = Resumed {
             step: state.get("step").and_then(Value::as_u64).ok_or_else(|| {
                 Error::Checkpoint(format!("{}: state.json has no step", dir.display()))
