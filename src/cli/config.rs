@@ -47,6 +47,8 @@ pub struct ModelKeys {
     pub model: Option<String>,
     pub init_from: Option<PathBuf>,
     pub allow_extra_tensors: Option<bool>,
+    /// `--freeze` (a flag of the memory group, which `train` and `plan` share).
+    pub freeze: Option<String>,
 }
 
 /// `[data]`: tokens and sequences.
@@ -86,7 +88,6 @@ pub struct MemoryKeys {
     pub tiled_mlp: Option<bool>,
     pub loss_chunk: Option<usize>,
     pub save_attention: Option<SaveAttention>,
-    pub freeze: Option<String>,
     /// `upipe plan --policies` (added to the keys above).
     pub policies: Option<String>,
 }

@@ -63,7 +63,7 @@ impl MemoryArgs {
         tiled_mlp => memory.tiled_mlp,
         loss_chunk => memory.loss_chunk,
         save_attention => memory.save_attention,
-        freeze => memory.freeze,
+        freeze => model.freeze,
     }
 
     /// The flags' ranges, errors naming the flag and its key.
