@@ -459,8 +459,11 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let policy = memory.policy(model.layers, model.layers);
     a.memory.save_attention.check(policy, model.layers)?;
     // as every request decides it (the same GPUs, the same budget)
-    let states = crate::plan::model_state_bytes(&model, device.is_cuda());
-    let (fsdp, fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
+    let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze);
+    let (mut fsdp, mut fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
+    if fsdp && fsdp_mode == FsdpMode::Auto && freeze.split_unit(&model).is_some() {
+        (fsdp, fsdp_note) = (false, None);
+    }
     if a.fsdp_replicate == 0
         || !gpus.is_multiple_of(a.fsdp_replicate)
         || (a.fsdp_replicate > 1 && !fsdp)

@@ -164,6 +164,15 @@ pub fn model_state_bytes(cfg: &ModelConfig, gpu: bool) -> usize {
     cfg.param_count() * per_param
 }
 
+/// [`model_state_bytes`] when `frozen` freezes some parameters: theirs are
+/// weights only (no gradient, no optimizer state).
+pub fn trained_state_bytes(cfg: &ModelConfig, gpu: bool, frozen: &crate::model::Freeze) -> usize {
+    let (frozen_elems, _) = frozen.frozen_elements(cfg);
+    // a frozen element keeps its weight (bf16 on GPUs, F32 on the CPU) only
+    let untrained = if gpu { 4 + 3 * 4 } else { 4 + 2 * 4 };
+    model_state_bytes(cfg, gpu) - frozen_elems * untrained
+}
+
 /// The longest sequence the planner walks (`plan`, and `train`'s preflight). A prediction's time grows with the
 /// length (the MLP tiles and loss chunks it walks): the tiny model's search
 /// up to 2^32 tokens took 0.4 s, 2^34 3 s, one prediction at 2^40 over a

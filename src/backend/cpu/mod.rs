@@ -358,7 +358,7 @@ impl Backend for CpuBackend {
         check_same_numel(x, dx, "rms_norm_bwd")?;
         let dim = w.numel();
         let (xs, ws, dys) = (data(x), data(w), data(dy));
-        let mut dwv = dw.map(|t| data_mut(t));
+        let mut dwv = dw.map(data_mut);
         let dxv = data_mut(dx);
         for ((dxr, xr), dyr) in dxv.chunks_mut(dim).zip(xs.chunks(dim)).zip(dys.chunks(dim)) {
             let r = 1.0 / (dot(xr, xr) / dim as f32 + eps).sqrt();
