@@ -381,6 +381,15 @@ fn rms_norm_rope_swiglu() {
             &c,
             &cdw,
         );
+        // a frozen norm weight (`dw: None`): the same dx, no dw written
+        let (mut gdx2, _) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
+        g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut gdx2, None)
+            .unwrap();
+        assert_eq!(
+            g.to_host(&gdx2).unwrap(),
+            g.to_host(&gdx).unwrap(),
+            "rms_norm_bwd without dw {tag}: dx differs"
+        );
     }
 
     let (s, h, d) = (23, 3, 64);
