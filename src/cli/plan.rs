@@ -359,6 +359,15 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
         if let Some(h) = ctx.budget.host {
             println!("host memory for offload: {} per rank", Bytes(h));
         }
+        if !ctx.freeze.is_empty() {
+            let (frozen, all) = ctx.freeze.frozen_elements(&ctx.model);
+            println!(
+                "--freeze {}: {:.2}B of {:.2}B parameters frozen (no gradients, no optimizer state)",
+                ctx.freeze,
+                frozen as f64 / 1e9,
+                all as f64 / 1e9
+            );
+        }
     }
     match ctx.a.seq {
         Some(seq) => breakdown(&ctx, seq),

@@ -362,7 +362,8 @@ pub fn check_whole_units(cfg: &ModelConfig, frozen: &Freeze) -> Result<()> {
         Some(unit) => crate::config_err!(
             "--freeze {frozen} freezes part of {} under --fsdp on, which shards, reduces and \
              updates whole units (the embedding, each block, the final norm with the LM head): \
-             freeze whole units (embeddings, blocks:A-B, head with norms), or use --fsdp off",
+             freeze whole units (embeddings, blocks:A-B; `head` and `norms` only together with \
+             every block), or use --fsdp off",
             crate::model::flat_layout::unit_key(unit)
         ),
     }
