@@ -614,7 +614,8 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Fused chunked LM head + cross-entropy: returns the summed loss and dL/dhn,
-    /// accumulating the head's gradient (none when `dhead` is `None`: frozen). Logits exist one chunk at a time.
+    /// accumulating the head's gradient (none when `dhead` is `None`: frozen).
+    /// Logits exist one chunk at a time.
     fn fused_loss(
         &self,
         b: &B,
