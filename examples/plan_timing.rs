@@ -46,6 +46,7 @@ fn main() -> upipe::error::Result<()> {
                 grad_accum: 1,
                 device: DeviceKind::Cuda,
                 optimizer: true,
+                freeze: Default::default(),
             })
         };
         let budget = Budget {
@@ -75,6 +76,7 @@ fn main() -> upipe::error::Result<()> {
             grad_accum: 1,
             device: DeviceKind::Cuda,
             optimizer: true,
+            freeze: Default::default(),
         };
         let t = Instant::now();
         let walk = predict_step(&spec)?;

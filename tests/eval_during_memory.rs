@@ -99,6 +99,7 @@ fn the_eval_forward_during_training_stays_within_the_predicted_peak() {
                     grad_accum: 1,
                     device: DeviceKind::Cpu,
                     optimizer: true,
+                    freeze: Default::default(),
                 };
                 let predicted = predict_step(&spec).unwrap();
                 assert_eq!(predicted.peak, plain.memory.peak, "{what}: without eval");

@@ -369,9 +369,9 @@ fn rms_norm_rope_swiglu() {
         let (mut gdx, mut cdx) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
         let dw0 = rng.vec(dim, 1.0);
         let (mut gdw, mut cdw) = pair(g, &c, &dw0, &[dim], DType::F32);
-        g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut gdx, &mut gdw)
+        g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut gdx, Some(&mut gdw))
             .unwrap();
-        c.rms_norm_bwd(&cx, &cw, &cdy, 1e-5, &mut cdx, &mut cdw)
+        c.rms_norm_bwd(&cx, &cw, &cdy, 1e-5, &mut cdx, Some(&mut cdw))
             .unwrap();
         check(&format!("rms_norm_bwd dx {tag}"), g, &gdx, &c, &cdx);
         check(
@@ -380,6 +380,15 @@ fn rms_norm_rope_swiglu() {
             &gdw,
             &c,
             &cdw,
+        );
+        // a frozen norm weight (`dw: None`): the same dx, no dw written
+        let (mut gdx2, _) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
+        g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut gdx2, None)
+            .unwrap();
+        assert_eq!(
+            g.to_host(&gdx2).unwrap(),
+            g.to_host(&gdx).unwrap(),
+            "rms_norm_bwd without dw {tag}: dx differs"
         );
     }
 

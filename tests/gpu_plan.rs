@@ -164,6 +164,7 @@ fn training_step_prediction_matches_the_cuda_ledger() {
                 grad_accum: 1,
                 device: DeviceKind::CudaNative,
                 optimizer: true,
+                freeze: Default::default(),
             },
             0,
         )

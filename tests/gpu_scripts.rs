@@ -17,6 +17,7 @@ fn gpu_scripts_parse() {
         "gpu-1x.sh",
         "gpu-2x-bench.sh",
         "gpu-eval-mix.sh",
+        "gpu-freeze.sh",
     ] {
         let path = root().join("scripts").join(script);
         let out = Command::new("bash").arg("-n").arg(&path).output().unwrap();

@@ -129,6 +129,7 @@ fn planner_walks_accumulated_steps_exactly() {
                 grad_accum: 2,
                 device: DeviceKind::Cpu,
                 optimizer: true,
+                freeze: Default::default(),
             },
             0,
         )

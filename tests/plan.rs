@@ -226,6 +226,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
                 grad_accum: 1,
                 device: DeviceKind::Cpu,
                 optimizer: true,
+                freeze: Default::default(),
             };
             let pred = predict_step_rank(&spec, 0).unwrap();
             // on CPU every ring rank allocates the same
@@ -281,6 +282,7 @@ fn qwen2_step_prediction_equals_ledger_peak() {
                 grad_accum: 1,
                 device: DeviceKind::Cpu,
                 optimizer: true,
+                freeze: Default::default(),
             };
             let pred = predict_step_rank(&spec, 0).unwrap();
             assert_eq!(pred, predict_step(&spec).unwrap());
@@ -307,6 +309,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         grad_accum: 1,
         device: DeviceKind::Cuda,
         optimizer: true,
+        freeze: Default::default(),
     };
     let plain = predict_step(&spec(MemoryPolicy::default(), false)).unwrap();
     let all = MemoryPolicy {
@@ -363,6 +366,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
                 grad_accum: 1,
                 device: DeviceKind::Cuda,
                 optimizer: true,
+                freeze: Default::default(),
             })
         }
     };

@@ -248,3 +248,44 @@ fn the_engine_and_the_walk_agree_under_grad_accumulation_and_hsdp() {
         }
     }
 }
+
+/// `--freeze`: frozen parameters have no gradients (nor buckets,
+/// reduce-scatters, gradient shards) and no optimizer state, and a frozen
+/// embedding's backward (its ids upload on CUDA) is skipped: both paths
+/// walk it alike, replicated (any parameters) and under FSDP (whole units).
+#[test]
+fn the_engine_and_the_walk_agree_with_frozen_parameters() {
+    use upipe::model::Freeze;
+    let layers = tiny(false).layers;
+    for device in [DeviceKind::Cpu, DeviceKind::Cuda] {
+        for m in &MESHES[..3] {
+            for policy in [
+                policies(layers)[0],
+                policies(layers)[5],
+                policies(layers)[7],
+            ] {
+                for (fsdp, freeze) in [
+                    (false, "embeddings,norms,blocks:0"),
+                    (false, "head,attn"),
+                    (true, "embeddings,blocks:1"),
+                    (true, "head,norms,blocks:0-1"),
+                ] {
+                    let mut model = tiny(m.0);
+                    model.tie_embeddings = m.0;
+                    let mut s = spec(&model, m, 240, policy);
+                    s.device = device;
+                    s.fsdp = fsdp;
+                    s.freeze = Freeze::parse(freeze).unwrap();
+                    let split = fsdp && s.freeze.split_unit(&model).is_some();
+                    if split || s.freeze.check(&model).is_err() {
+                        continue;
+                    }
+                    check(
+                        &s,
+                        &format!("{device:?} {m:?} fsdp={fsdp} --freeze {freeze} {policy:?}"),
+                    );
+                }
+            }
+        }
+    }
+}

@@ -190,6 +190,7 @@ fn bad_settings_are_errors_naming_the_fix() {
         grad_accum: 1,
         device: DeviceKind::Cpu,
         optimizer: true,
+        freeze: Default::default(),
     };
     let plain = spec(MemoryPolicy::default());
     // without checkpointing auto and none do nothing, the rest name --checkpoint
@@ -262,6 +263,7 @@ fn auto_keeps_the_most_blocks_that_fit() {
             grad_accum: 1,
             device: DeviceKind::Cuda,
             optimizer: true,
+            freeze: Default::default(),
         }
     };
     let peak = |s: &StepSpec, n: usize| {
@@ -359,14 +361,17 @@ impl ParamStore<CpuBackend> for Windows<'_> {
         &mut self,
         b: &CpuBackend,
         l: usize,
-    ) -> upipe::Result<(&BlockWeights<CpuBackend>, &mut BlockWeights<CpuBackend>)> {
+    ) -> upipe::Result<(
+        &BlockWeights<CpuBackend>,
+        &mut upipe::model::BlockGrads<CpuBackend>,
+    )> {
         self.windows.insert(l, b.ledger().peak() - self.start);
         self.inner.block_grads(b, l)
     }
     fn head_grads(&mut self, b: &CpuBackend) -> upipe::Result<HeadView<'_, CpuBackend>> {
         self.inner.head_grads(b)
     }
-    fn embed_grads(&mut self, b: &CpuBackend) -> upipe::Result<&mut Tensor<CpuBackend>> {
+    fn embed_grads(&mut self, b: &CpuBackend) -> upipe::Result<Option<&mut Tensor<CpuBackend>>> {
         self.inner.embed_grads(b)
     }
     fn grads_done(&mut self, b: &CpuBackend, unit: Unit) -> upipe::Result<()> {

@@ -69,7 +69,9 @@ pub fn backward<B: Backend>(
 ) -> Result<Tensor<B>> {
     let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm_eps);
     let AttnSaved { o, lse } = saved;
-    b.gemm(g.wo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
+    if let Some(gwo) = g.wo.as_mut() {
+        b.gemm(gwo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
+    }
     let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
     b.gemm(d_o.mat_mut(), dy.mat(), w.wo.mat(), 1.0, 0.0)?;
 
@@ -99,7 +101,7 @@ pub fn backward<B: Backend>(
         b,
         dq,
         q_raw.as_ref(),
-        w.q_norm.as_ref().zip(g.q_norm.as_mut()),
+        w.q_norm.as_ref().map(|w| (w, g.q_norm.as_mut())),
         eps,
         rope,
     )?;
@@ -107,18 +109,20 @@ pub fn backward<B: Backend>(
         b,
         dk,
         k_raw.as_ref(),
-        w.k_norm.as_ref().zip(g.k_norm.as_mut()),
+        w.k_norm.as_ref().map(|w| (w, g.k_norm.as_mut())),
         eps,
         rope,
     )?;
     let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
     for (dp, wp, gp, gb, heads) in [
-        (&dq, &w.wq, &mut g.wq, g.bq.as_mut(), dims.heads),
-        (&dk, &w.wk, &mut g.wk, g.bk.as_mut(), dims.kv_heads),
-        (&dv, &w.wv, &mut g.wv, g.bv.as_mut(), dims.kv_heads),
+        (&dq, &w.wq, g.wq.as_mut(), g.bq.as_mut(), dims.heads),
+        (&dk, &w.wk, g.wk.as_mut(), g.bk.as_mut(), dims.kv_heads),
+        (&dv, &w.wv, g.wv.as_mut(), g.bv.as_mut(), dims.kv_heads),
     ] {
         let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
-        b.gemm(gp.mat_mut(), dp.mat().t(), x.mat(), 1.0, 1.0)?;
+        if let Some(gp) = gp {
+            b.gemm(gp.mat_mut(), dp.mat().t(), x.mat(), 1.0, 1.0)?;
+        }
         if let Some(gb) = gb {
             super::head_bias_grad(b, gb, dp.mat(), &(0..heads), d)?;
         }

@@ -275,19 +275,31 @@ pub struct AttentionWeights<B: Backend> {
     pub bv: Option<Tensor<B>>,
 }
 
-/// F32 gradients of [`AttentionWeights`]: the same tensors, by shape.
-pub type AttentionGrads<B> = AttentionWeights<B>;
+/// F32 gradients of [`AttentionWeights`], by shape: `None` for a parameter
+/// the layer does not have, or one that is frozen (`model::Freeze`): its
+/// weight gradient is not computed.
+pub struct AttentionGrads<B: Backend> {
+    pub wq: Option<Tensor<B>>,
+    pub wk: Option<Tensor<B>>,
+    pub wv: Option<Tensor<B>>,
+    pub wo: Option<Tensor<B>>,
+    pub q_norm: Option<Tensor<B>>,
+    pub k_norm: Option<Tensor<B>>,
+    pub bq: Option<Tensor<B>>,
+    pub bk: Option<Tensor<B>>,
+    pub bv: Option<Tensor<B>>,
+}
 
-impl<B: Backend> AttentionWeights<B> {
-    /// Zero tensors for `dims` (F32 `Grads` for gradients).
+impl<B: Backend> AttentionGrads<B> {
+    /// Zero F32 `Grads` tensors for every weight of `dims` (no biases).
     pub fn zeros(b: &B, dims: &AttnDims) -> Result<Self> {
         let (h, d) = (dims.hidden, dims.head_dim);
         let z = |shape: &[usize]| b.zeros(shape, DType::F32, Category::Grads);
-        Ok(AttentionWeights {
-            wq: z(&[dims.q_width(), h])?,
-            wk: z(&[dims.kv_width(), h])?,
-            wv: z(&[dims.kv_width(), h])?,
-            wo: z(&[h, dims.q_width()])?,
+        Ok(AttentionGrads {
+            wq: Some(z(&[dims.q_width(), h])?),
+            wk: Some(z(&[dims.kv_width(), h])?),
+            wv: Some(z(&[dims.kv_width(), h])?),
+            wo: Some(z(&[h, dims.q_width()])?),
             q_norm: if dims.qk_norm { Some(z(&[d])?) } else { None },
             k_norm: if dims.qk_norm { Some(z(&[d])?) } else { None },
             bq: None,
@@ -295,6 +307,64 @@ impl<B: Backend> AttentionWeights<B> {
             bv: None,
         })
     }
+
+    /// Every gradient held, with its short name, in the order of
+    /// [`AttentionWeights::named`].
+    pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
+        let all = [
+            ("wq", &self.wq),
+            ("bq", &self.bq),
+            ("wk", &self.wk),
+            ("bk", &self.bk),
+            ("wv", &self.wv),
+            ("bv", &self.bv),
+            ("wo", &self.wo),
+            ("q_norm", &self.q_norm),
+            ("k_norm", &self.k_norm),
+        ];
+        all.into_iter()
+            .filter_map(|(n, t)| t.as_ref().map(|t| (n, t)))
+            .collect()
+    }
+
+    /// Every gradient held, mutable, in the order of [`named`](Self::named).
+    pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
+        let all = [
+            ("wq", &mut self.wq),
+            ("bq", &mut self.bq),
+            ("wk", &mut self.wk),
+            ("bk", &mut self.bk),
+            ("wv", &mut self.wv),
+            ("bv", &mut self.bv),
+            ("wo", &mut self.wo),
+            ("q_norm", &mut self.q_norm),
+            ("k_norm", &mut self.k_norm),
+        ];
+        all.into_iter()
+            .filter_map(|(n, t)| t.as_mut().map(|t| (n, t)))
+            .collect()
+    }
+
+    /// Every gradient held, owned, in the order of [`named`](Self::named).
+    pub fn into_tensors(self) -> Vec<Tensor<B>> {
+        [
+            self.wq,
+            self.bq,
+            self.wk,
+            self.bk,
+            self.wv,
+            self.bv,
+            self.wo,
+            self.q_norm,
+            self.k_norm,
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+}
+
+impl<B: Backend> AttentionWeights<B> {
     /// Every tensor with its short name, in HF order (wq, bq, wk, bk, wv,
     /// bv, wo, q_norm, k_norm; absent ones left out).
     pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
@@ -527,12 +597,13 @@ pub(crate) fn norm_rope<B: Backend>(
 }
 
 /// Backward of [`norm_rope`]: turns `d_out` (gradient w.r.t. the rotated
-/// tensor) into the gradient w.r.t. its input, accumulating the norm weight's gradient.
+/// tensor) into the gradient w.r.t. its input, accumulating the norm weight's
+/// gradient (`norm`: the weight and its gradient, `None` when frozen).
 pub(crate) fn norm_rope_bwd<B: Backend>(
     b: &B,
     mut d_out: Tensor<B>,
     raw: Option<&Tensor<B>>,
-    norm: Option<(&Tensor<B>, &mut Tensor<B>)>,
+    norm: Option<(&Tensor<B>, Option<&mut Tensor<B>>)>,
     eps: f32,
     rope: &RopeTables<B>,
 ) -> Result<Tensor<B>> {

@@ -535,7 +535,9 @@ impl<'a, B: Backend> Staged<'a, B> {
         // gradients left in flight after each settlement
         let keep = usize::from(self.prefetch());
         let AttnSaved { o, lse } = saved;
-        b.gemm(g.wo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
+        if let Some(gwo) = g.wo.as_mut() {
+            b.gemm(gwo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
+        }
         let mut dx = b.zeros(&self.shapes.layer_io(), act, Category::Grads)?;
         let mut in_flight: Vec<GradInFlight<'_, B>> = Vec::new();
         let mut next_kv: Option<KvInFlight<B>> = None;
@@ -604,7 +606,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                     self.mask,
                 )?;
                 drop((q, o_att, d_o));
-                let norm = w.q_norm.as_ref().zip(g.q_norm.as_mut());
+                let norm = w.q_norm.as_ref().map(|w| (w, g.q_norm.as_mut()));
                 let dq = norm_rope_bwd(b, dq, q_raw.as_ref(), norm, eps, self.rope)?;
                 drop(q_raw);
                 in_flight.push(GradInFlight {
@@ -618,7 +620,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                 stage_index += 1;
             }
             drop((k, v));
-            let norm = w.k_norm.as_ref().zip(g.k_norm.as_mut());
+            let norm = w.k_norm.as_ref().map(|w| (w, g.k_norm.as_mut()));
             let dk = norm_rope_bwd(b, dk, k_raw.as_ref(), norm, eps, self.rope)?;
             drop(k_raw);
             let heads = &phase.kv_heads;
@@ -682,18 +684,21 @@ impl<'a, B: Backend> Staged<'a, B> {
         drop(parts);
         for run in &layout.runs {
             let (wt, dw, db) = match run.proj {
-                Proj::Q => (&w.wq, &mut g.wq, g.bq.as_mut()),
-                Proj::K => (&w.wk, &mut g.wk, g.bk.as_mut()),
-                Proj::V => (&w.wv, &mut g.wv, g.bv.as_mut()),
+                Proj::Q => (&w.wq, g.wq.as_mut(), g.bq.as_mut()),
+                Proj::K => (&w.wk, g.wk.as_mut(), g.bk.as_mut()),
+                Proj::V => (&w.wv, g.wv.as_mut(), g.bv.as_mut()),
             };
             let cols = MatLayout::block(run.col * d, self.s, run.heads.len() * d, width);
-            b.gemm(
-                dw.view_mut(self.head_rows(&run.heads)),
-                gathered.view(cols).t(),
-                x.mat(),
-                1.0,
-                1.0,
-            )?;
+            // a frozen projection's weight gradient is not computed
+            if let Some(dw) = dw {
+                b.gemm(
+                    dw.view_mut(self.head_rows(&run.heads)),
+                    gathered.view(cols).t(),
+                    x.mat(),
+                    1.0,
+                    1.0,
+                )?;
+            }
             // the bias rows of the run's heads: their gradient summed over tokens
             if let Some(db) = db {
                 super::head_bias_grad(b, db, gathered.view(cols), &run.heads, d)?;

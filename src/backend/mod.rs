@@ -78,7 +78,7 @@ impl AttnGradWrites {
 ///   bf16 x bf16 into F32 weight gradients is the common case);
 /// - `copy` converts between dtypes; `axpy` takes `y` F32 or the dtype of `x`;
 /// - `attention_bwd` adds into or overwrites `dq`, `dk`, `dv` of F32 or compute dtype;
-/// - `rms_norm_bwd` writes `dx` in the dtype of `dy` and accumulates F32 `dw`;
+/// - `rms_norm_bwd` writes `dx` in the dtype of `dy` and accumulates F32 `dw` (if any);
 ///   `embedding_bwd` accumulates an F32 `dtable`; norm/embedding weights used
 ///   in forward are in the compute dtype.
 pub trait Backend: Send + Sync + Sized + 'static {
@@ -237,7 +237,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
         eps: f32,
         y: &mut Tensor<Self>,
     ) -> Result<()>;
-    /// RMSNorm backward: writes `dx`, accumulates `dw`.
+    /// RMSNorm backward: writes `dx`, accumulates `dw` (`None`: a frozen
+    /// norm weight, whose gradient is not computed).
     fn rms_norm_bwd(
         &self,
         x: &Tensor<Self>,
@@ -245,7 +246,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         dy: &Tensor<Self>,
         eps: f32,
         dx: &mut Tensor<Self>,
-        dw: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
     ) -> Result<()>;
     /// Rotary embedding in place, HF "rotate half" convention. `x: [s, n_heads, d]`,
     /// `cos, sin: [s, d/2]` (f32). `inverse` rotates by the negative angle (the backward).

@@ -468,12 +468,15 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         dy: &Tensor<Self>,
         _eps: f32,
         dx: &mut Tensor<Self>,
-        dw: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
         check_last_dim(x, w, "rms_norm_bwd")?;
         check_same_numel(x, dy, "rms_norm_bwd")?;
         check_same_numel(x, dx, "rms_norm_bwd")?;
-        check_same_numel(w, dw, "rms_norm_bwd")
+        match dw {
+            Some(dw) => check_same_numel(w, dw, "rms_norm_bwd"),
+            None => Ok(()),
+        }
     }
     fn rope(
         &self,

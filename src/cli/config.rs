@@ -47,6 +47,8 @@ pub struct ModelKeys {
     pub model: Option<String>,
     pub init_from: Option<PathBuf>,
     pub allow_extra_tensors: Option<bool>,
+    /// `--freeze` (a flag of the memory group, which `train` and `plan` share).
+    pub freeze: Option<String>,
 }
 
 /// `[data]`: tokens and sequences.

@@ -47,6 +47,12 @@ pub struct MemoryArgs {
     /// finds the longest length with none and shows what auto keeps there).
     #[arg(long, default_value_t = SaveAttention::Auto)]
     pub save_attention: SaveAttention,
+    /// Parameters not trained (no gradient, no optimizer state, no weight
+    /// gradient computed): a comma list of embeddings, head, norms, attn,
+    /// mlp, blocks:A-B (inclusive), or none. With tied embeddings, head and
+    /// embeddings are one matrix. Under --fsdp on, whole units only.
+    #[arg(long, default_value = "none")]
+    pub freeze: String,
 }
 
 impl MemoryArgs {
@@ -57,11 +63,19 @@ impl MemoryArgs {
         tiled_mlp => memory.tiled_mlp,
         loss_chunk => memory.loss_chunk,
         save_attention => memory.save_attention,
+        freeze => model.freeze,
     }
 
     /// The flags' ranges, errors naming the flag and its key.
     pub fn validate(&self) -> Result<()> {
         at_least(Self::KEYS, "loss_chunk", self.loss_chunk, 1)
+    }
+
+    /// `--freeze`, checked against `model`; errors name the flag and its key.
+    pub fn freeze(&self, model: &crate::model::ModelConfig) -> Result<crate::model::Freeze> {
+        let frozen =
+            crate::model::Freeze::parse(&self.freeze).and_then(|f| f.check(model).map(|()| f));
+        crate::cli::config::for_key(Self::KEYS, "freeze", frozen)
     }
 
     /// The choices these flags make, their `auto`s undecided.

@@ -221,6 +221,8 @@ struct Ctx {
     model: ModelConfig,
     /// The memory policy chosen (`--policies` added), `auto`s undecided.
     memory: MemoryChoices,
+    /// `--freeze`: parameters without gradients or optimizer state.
+    freeze: crate::model::Freeze,
     fsdp_mode: FsdpMode,
     /// Whether the run shards (for the header; each request decides it too).
     fsdp: bool,
@@ -323,6 +325,7 @@ impl Ctx {
             sharded_resume: false,
             grad_accum: a.grad_accum,
             memory: self.memory,
+            freeze: self.freeze.clone(),
             device: self.device,
             budget: self.rank_budget,
         })
@@ -355,6 +358,15 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
         );
         if let Some(h) = ctx.budget.host {
             println!("host memory for offload: {} per rank", Bytes(h));
+        }
+        if !ctx.freeze.is_empty() {
+            let (frozen, all) = ctx.freeze.frozen_elements(&ctx.model);
+            println!(
+                "--freeze {}: {:.2}B of {:.2}B parameters frozen (no gradients, no optimizer state)",
+                ctx.freeze,
+                frozen as f64 / 1e9,
+                all as f64 / 1e9
+            );
         }
     }
     match ctx.a.seq {
@@ -452,11 +464,15 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let device = plan_device(&a)?;
     let (budget, rank_budget) = plan_budget(&a, gpus)?;
     let (memory, fsdp_mode) = memory_choices(&a, model.layers)?;
+    let freeze = a.memory.freeze(&model)?;
     let policy = memory.policy(model.layers, model.layers);
     a.memory.save_attention.check(policy, model.layers)?;
     // as every request decides it (the same GPUs, the same budget)
-    let states = crate::plan::model_state_bytes(&model, device.is_cuda());
-    let (fsdp, fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
+    let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze);
+    let (mut fsdp, mut fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
+    if fsdp && fsdp_mode == FsdpMode::Auto && freeze.split_unit(&model).is_some() {
+        (fsdp, fsdp_note) = (false, None);
+    }
     if a.fsdp_replicate == 0
         || !gpus.is_multiple_of(a.fsdp_replicate)
         || (a.fsdp_replicate > 1 && !fsdp)
@@ -471,6 +487,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     Ok(Ctx {
         model,
         memory,
+        freeze,
         fsdp_mode,
         fsdp,
         fsdp_note,

@@ -251,6 +251,7 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
         profile: a.profile || a.trace.is_some() || profile_env(),
         trace: a.trace.clone(),
         rehearse: a.rehearse,
+        freeze: c.freeze.clone(),
         // loaded once the run's data is (`eval_during`)
         eval: None,
     }
@@ -402,6 +403,7 @@ pub fn run_request(
         sharded_resume: false,
         grad_accum: cfg.grad_accum,
         memory: a.memory.choices(),
+        freeze: cfg.freeze.clone(),
         device,
         budget,
     }

@@ -20,7 +20,8 @@
 //! Both reruns are tagged `Phase::Recompute` for the op profile.
 
 use super::config::ModelConfig;
-use super::store::{ParamStore, Unit};
+use super::grads::BlockGrads;
+use super::store::{HeadView, ParamStore, Unit};
 use super::weights::BlockWeights;
 use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan, output_projection};
 use crate::backend::profile::{Phase, PhaseGuard};
@@ -339,7 +340,10 @@ impl<B: Backend> Decoder<B> {
             store.release(Unit::Block(l))?;
             store.grads_done(b, Unit::Block(l))?;
         }
-        b.embedding_bwd(&dx, ids, store.embed_grads(b)?)?;
+        // a frozen embedding takes no gradient: the backward ends at its output
+        if let Some(d_embed) = store.embed_grads(b)? {
+            b.embedding_bwd(&dx, ids, d_embed)?;
+        }
         store.grads_done(b, Unit::Embed)?;
         store.finish(b)?;
         Ok(loss)
@@ -377,10 +381,16 @@ impl<B: Backend> Decoder<B> {
         let mut hn = b.empty(x.shape(), x.dtype(), Category::Workspace)?;
         b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
         let head = store.head_grads(b)?;
-        let (loss, dhn) = self.fused_loss(b, head.head, head.d_head, &hn, targets, grad_scale)?;
+        let HeadView {
+            norm,
+            head,
+            d_norm,
+            d_head,
+        } = head;
+        let (loss, dhn) = self.fused_loss(b, head, d_head, &hn, targets, grad_scale)?;
         drop(hn);
         let mut dx = b.empty(x.shape(), x.dtype(), Category::Grads)?;
-        b.rms_norm_bwd(&x, head.norm, &dhn, self.eps(), &mut dx, head.d_norm)?;
+        b.rms_norm_bwd(&x, norm, &dhn, self.eps(), &mut dx, d_norm)?;
         drop((dhn, x));
         if tied {
             store.release(Unit::Embed)?;
@@ -514,7 +524,7 @@ impl<B: Backend> Decoder<B> {
         b: &B,
         mesh: &Mesh<B>,
         w: &BlockWeights<B>,
-        g: &mut BlockWeights<B>,
+        g: &mut BlockGrads<B>,
         h: &Tensor<B>,
         saved: BlockSaved<B>,
         d_out: Tensor<B>,
@@ -539,7 +549,10 @@ impl<B: Backend> Decoder<B> {
                 }
             };
             let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
-            b.gemm(g.down.mat_mut(), d_t.t(), s.act.mat(), 1.0, 1.0)?;
+            // a frozen weight's gradient GEMM is skipped; dx's still runs
+            if let Some(g_down) = g.down.as_mut() {
+                b.gemm(g_down.mat_mut(), d_t.t(), s.act.mat(), 1.0, 1.0)?;
+            }
             let mut dact = b.empty(s.act.shape(), s.act.dtype(), Category::Workspace)?;
             let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
             b.gemm(dact.mat_mut(), d_t, w.down.mat(), 1.0, 0.0)?;
@@ -547,8 +560,12 @@ impl<B: Backend> Decoder<B> {
             let mut dup = b.empty(s.up.shape(), s.up.dtype(), Category::Workspace)?;
             b.swiglu_bwd(&s.gate, &s.up, &dact, &mut dgate, &mut dup)?;
             drop(dact);
-            b.gemm(g.gate.mat_mut(), dgate.mat().t(), s.m.mat(), 1.0, 1.0)?;
-            b.gemm(g.up.mat_mut(), dup.mat().t(), s.m.mat(), 1.0, 1.0)?;
+            if let Some(g_gate) = g.gate.as_mut() {
+                b.gemm(g_gate.mat_mut(), dgate.mat().t(), s.m.mat(), 1.0, 1.0)?;
+            }
+            if let Some(g_up) = g.up.as_mut() {
+                b.gemm(g_up.mat_mut(), dup.mat().t(), s.m.mat(), 1.0, 1.0)?;
+            }
             let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
             b.gemm(dm.mat_mut(), dgate.mat(), w.gate.mat(), 1.0, 0.0)?;
             b.gemm(dm.mat_mut(), dup.mat(), w.up.mat(), 1.0, 1.0)?;
@@ -560,7 +577,7 @@ impl<B: Backend> Decoder<B> {
                 &dm,
                 self.eps(),
                 &mut dx_t,
-                &mut g.mlp_norm,
+                g.mlp_norm.as_mut(),
             )?;
             self.add_rows(b, &mut dh1, &rows, &dx_t)?;
         }
@@ -572,7 +589,8 @@ impl<B: Backend> Decoder<B> {
             .backward(b, mesh, &w.attn, &a, attn, &dh1, &mut g.attn)?;
         drop(a);
         let mut dh = b.empty(h.shape(), h.dtype(), Category::Grads)?;
-        b.rms_norm_bwd(h, &w.attn_norm, &da, self.eps(), &mut dh, &mut g.attn_norm)?;
+        let d_norm = g.attn_norm.as_mut();
+        b.rms_norm_bwd(h, &w.attn_norm, &da, self.eps(), &mut dh, d_norm)?;
         b.axpy(&mut dh, 1.0, &dh1)?;
         Ok(dh)
     }
@@ -596,12 +614,13 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Fused chunked LM head + cross-entropy: returns the summed loss and dL/dhn,
-    /// accumulating the head's gradient. Logits exist one chunk at a time.
+    /// accumulating the head's gradient (none when `dhead` is `None`: frozen).
+    /// Logits exist one chunk at a time.
     fn fused_loss(
         &self,
         b: &B,
         head: &Tensor<B>,
-        dhead: &mut Tensor<B>,
+        mut dhead: Option<&mut Tensor<B>>,
         hn: &Tensor<B>,
         targets: &[u32],
         grad_scale: f32,
@@ -623,7 +642,9 @@ impl<B: Backend> Decoder<B> {
                 &mut loss_sum,
             )?;
             b.gemm(dhn.view_mut(rows), dlogits.mat(), head.mat(), 1.0, 0.0)?;
-            b.gemm(dhead.mat_mut(), dlogits.mat().t(), hn.view(rows), 1.0, 1.0)?;
+            if let Some(dhead) = dhead.as_deref_mut() {
+                b.gemm(dhead.mat_mut(), dlogits.mat().t(), hn.view(rows), 1.0, 1.0)?;
+            }
         }
         let loss = b.to_host(&loss_sum)?[0] as f64;
         Ok((loss, dhn))

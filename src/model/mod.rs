@@ -9,6 +9,8 @@ pub mod families;
 pub mod flat_layout;
 pub mod flops;
 pub mod forward;
+pub mod freeze;
+pub mod grads;
 pub mod lora;
 pub mod lora_math;
 pub mod progress;
@@ -24,6 +26,8 @@ use crate::error::Result;
 pub use config::ModelConfig;
 pub use decoder::{DEFAULT_LOSS_CHUNK, Decoder, MemoryPolicy};
 pub use families::{BlockParam, Family, Param};
+pub use freeze::Freeze;
+pub use grads::{BlockGrads, ModelGrads};
 pub use store::{HeadView, ParamStore, Unit};
 pub use weights::{BlockWeights, ModelWeights, RandomInit};
 

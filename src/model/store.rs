@@ -6,18 +6,20 @@
 //! replicated store) or only a shard of every unit, gathering each unit on
 //! demand (FSDP): the decoder's arithmetic is the same either way.
 
+use super::grads::BlockGrads;
 pub use super::unit::Unit;
 use super::weights::BlockWeights;
 use crate::backend::{Backend, Tensor};
 use crate::error::Result;
 
 /// The head's parameters and gradients at the loss: `model.norm` and the LM
-/// head matrix (the embedding when tied), with their F32 gradients.
+/// head matrix (the embedding when tied), with their F32 gradients (`None`:
+/// frozen, no gradient computed).
 pub struct HeadView<'a, B: Backend> {
     pub norm: &'a Tensor<B>,
     pub head: &'a Tensor<B>,
-    pub d_norm: &'a mut Tensor<B>,
-    pub d_head: &'a mut Tensor<B>,
+    pub d_norm: Option<&'a mut Tensor<B>>,
+    pub d_head: Option<&'a mut Tensor<B>>,
 }
 
 /// Parameters and gradients of one training step, one unit at a time.
@@ -41,13 +43,15 @@ pub trait ParamStore<B: Backend> {
     /// The LM head matrix `[vocab, hidden]`, read only (acquired as
     /// [`Unit::Head`]; a tied head is the embedding: [`Unit::Embed`] too).
     fn head(&self) -> Result<&Tensor<B>>;
-    /// Block `l`'s parameters with its F32 gradient buffers to add into.
-    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)>;
+    /// Block `l`'s parameters with its F32 gradient buffers to add into
+    /// (none for its frozen parameters).
+    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockGrads<B>)>;
     /// The head's parameters with their gradient buffers (a tied head's
     /// gradient is the embedding's: [`Unit::Embed`] must be acquired too).
     fn head_grads(&mut self, b: &B) -> Result<HeadView<'_, B>>;
-    /// The embedding's F32 gradient buffer (its backward reads no parameters).
-    fn embed_grads(&mut self, b: &B) -> Result<&mut Tensor<B>>;
+    /// The embedding's F32 gradient buffer (its backward reads no
+    /// parameters; `None`: frozen, the backward stops before it).
+    fn embed_grads(&mut self, b: &B) -> Result<Option<&mut Tensor<B>>>;
     /// `unit`'s gradients of this use are complete (a tied embedding is
     /// used twice: by the head, then by the embedding's backward).
     fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()>;
@@ -82,14 +86,17 @@ macro_rules! delegate_param_store {
             l: usize,
         ) -> $crate::error::Result<(
             &$crate::model::BlockWeights<B>,
-            &mut $crate::model::BlockWeights<B>,
+            &mut $crate::model::BlockGrads<B>,
         )> {
             self.$inner.block_grads(b, l)
         }
         fn head_grads(&mut self, b: &B) -> $crate::error::Result<$crate::model::HeadView<'_, B>> {
             self.$inner.head_grads(b)
         }
-        fn embed_grads(&mut self, b: &B) -> $crate::error::Result<&mut $crate::backend::Tensor<B>> {
+        fn embed_grads(
+            &mut self,
+            b: &B,
+        ) -> $crate::error::Result<Option<&mut $crate::backend::Tensor<B>>> {
             self.$inner.embed_grads(b)
         }
         fn grads_done(&mut self, b: &B, unit: $crate::model::Unit) -> $crate::error::Result<()> {

@@ -1,5 +1,6 @@
 //! Decoder parameters in Hugging Face layout, named by the model's family
-//! ([`Family::hf_name`]). The same struct holds F32 gradients (same shapes).
+//! ([`Family::hf_name`]). Their F32 gradients live in `grads.rs` (none for a
+//! frozen parameter).
 
 use super::config::ModelConfig;
 use super::families::{BlockParam, Family, Param};
@@ -74,11 +75,6 @@ impl<B: Backend> BlockWeights<B> {
         })
     }
 
-    /// Zero F32 gradients of block `i`.
-    pub fn zeros_grads(b: &B, cfg: &ModelConfig, i: usize) -> Result<Self> {
-        Self::build_with(cfg, i, &mut |_, s| b.zeros(s, DType::F32, Category::Grads))
-    }
-
     /// Every tensor by role (`AttnNorm`, ...), in HF order.
     pub fn params(&self) -> Vec<(BlockParam, &Tensor<B>)> {
         let mut v = vec![(BlockParam::AttnNorm, &self.attn_norm)];
@@ -149,13 +145,6 @@ impl<B: Backend> ModelWeights<B> {
             final_norm,
             lm_head,
             family: cfg.family,
-        })
-    }
-
-    /// Zero F32 gradients shaped like the model.
-    pub fn zeros_grads(b: &B, cfg: &ModelConfig) -> Result<Self> {
-        Self::build(b, cfg, DType::F32, Category::Grads, |_, s| {
-            Ok(vec![0.0; s.iter().product()])
         })
     }
 
@@ -300,7 +289,7 @@ fn is_norm(name: &str, shape: &[usize]) -> bool {
 
 /// The block parameter of an attention tensor's short name
 /// ([`AttentionWeights::named`]).
-fn attn_param(short: &str) -> BlockParam {
+pub(super) fn attn_param(short: &str) -> BlockParam {
     match short {
         "wq" => BlockParam::Wq,
         "wk" => BlockParam::Wk,

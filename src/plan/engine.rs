@@ -43,6 +43,7 @@ fn train_config(spec: &StepSpec) -> TrainConfig {
         ulysses: p.layout.pu,
         ring: p.layout.pr,
         policy: spec.policy,
+        freeze: spec.freeze.clone(),
         fsdp: spec.fsdp,
         fsdp_replicas: spec.fsdp_replicas,
         grad_accum: spec.grad_accum.max(1),

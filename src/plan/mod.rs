@@ -83,6 +83,8 @@ pub struct StepSpec {
     pub device: DeviceKind,
     /// Include AdamW state (a training step) or not (`loss_and_grads_cpu`).
     pub optimizer: bool,
+    /// The parameters not trained (`--freeze`): no gradients, no optimizer state.
+    pub freeze: crate::model::Freeze,
 }
 
 impl StepSpec {
@@ -98,6 +100,7 @@ impl StepSpec {
             grad_accum: cfg.grad_accum,
             device,
             optimizer: true,
+            freeze: cfg.freeze.clone(),
         }
     }
 }
@@ -159,6 +162,15 @@ impl Prediction {
 pub fn model_state_bytes(cfg: &ModelConfig, gpu: bool) -> usize {
     let per_param = if gpu { 2 + 4 + 3 * 4 } else { 4 + 4 + 2 * 4 };
     cfg.param_count() * per_param
+}
+
+/// [`model_state_bytes`] when `frozen` freezes some parameters: theirs are
+/// weights only (no gradient, no optimizer state).
+pub fn trained_state_bytes(cfg: &ModelConfig, gpu: bool, frozen: &crate::model::Freeze) -> usize {
+    let (frozen_elems, _) = frozen.frozen_elements(cfg);
+    // a frozen element keeps its weight (bf16 on GPUs, F32 on the CPU) only
+    let untrained = if gpu { 4 + 3 * 4 } else { 4 + 2 * 4 };
+    model_state_bytes(cfg, gpu) - frozen_elems * untrained
 }
 
 /// The longest sequence the planner walks (`plan`, and `train`'s preflight). A prediction's time grows with the
@@ -285,7 +297,11 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     let on_host = host_units > 0;
     // the optimizer's slots (parameter tensors, or each unit's shard), on
     // the device or the host
-    let units = unit_slots(&spec.model, spec.fsdp, shard_world);
+    let frozen = &spec.freeze;
+    if spec.fsdp {
+        crate::train::fsdp::check_whole_units(&spec.model, frozen)?;
+    }
+    let units = unit_slots(&spec.model, spec.fsdp, shard_world, frozen);
     let (device_elems, host_slots) = split_state(&units, layers, host_units);
     if spec.fsdp {
         FsdpWalk::resident(
@@ -293,6 +309,7 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
             shard_world,
             ab,
             states * device_elems,
+            frozen,
             &mut sim,
         );
         offload_optim::host_state(&mut sim, &host_slots, ab);
@@ -303,7 +320,10 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
             sim.alloc(Category::OptimState, states * device_elems * F32);
         }
         offload_optim::host_state(&mut sim, &host_slots, ab);
-        sim.alloc(Category::Grads, params * F32);
+        let trained: usize = store_walk::trainable_numel(&spec.model, frozen)
+            .iter()
+            .sum();
+        sim.alloc(Category::Grads, trained * F32);
     }
     sim.alloc(Category::Workspace, spec.device.backend_resident());
     let (update, ends) = update_slots(&units, layers, host_units);
@@ -321,12 +341,13 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
         for i in 0..spec.grad_accum.max(1) {
             let mut store: Box<dyn StoreWalk> = if spec.fsdp {
                 // later sequences of a step add their reduce-scatters into the shards
-                Box::new(FsdpWalk::new(&spec.model, shard_world, ab, i == 0))
+                Box::new(FsdpWalk::new(&spec.model, shard_world, ab, i == 0, frozen))
             } else {
                 Box::new(ReplicatedWalk::new(
                     &spec.model,
                     world,
                     i + 1 == spec.grad_accum.max(1),
+                    frozen,
                 ))
             };
             let mut settling = SettlingWalk {
@@ -620,6 +641,7 @@ mod ring_rank_tests {
                             grad_accum: 1,
                             device,
                             optimizer: true,
+                            freeze: Default::default(),
                         };
                         let all = (0..pr)
                             .map(|i| predict_step_rank(&spec, i).unwrap())

@@ -10,7 +10,7 @@ use super::store_walk::StoreWalk;
 use super::{StepSpec, predict_step};
 use crate::backend::Category::{Offload, Workspace};
 use crate::error::Result;
-use crate::model::{MemoryPolicy, ModelConfig, Unit};
+use crate::model::{Freeze, MemoryPolicy, ModelConfig, Unit};
 use crate::optim::settling::{next_in_forward, state_on_host, update_index, update_order};
 use crate::train::fsdp::model_layouts;
 
@@ -120,16 +120,28 @@ pub fn optimizer_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
 }
 
 /// The optimizer's slots of each unit, in model order: the elements of
-/// each parameter tensor (`ModelWeights::named` order), or with `fsdp` the
-/// unit's shard over `shard_world` ranks.
-pub fn unit_slots(cfg: &ModelConfig, fsdp: bool, shard_world: usize) -> Vec<(Unit, Vec<usize>)> {
+/// each trainable parameter tensor (`ModelWeights::named` order), or with
+/// `fsdp` the unit's shard over `shard_world` ranks; none for what
+/// `frozen` freezes.
+pub fn unit_slots(
+    cfg: &ModelConfig,
+    fsdp: bool,
+    shard_world: usize,
+    frozen: &Freeze,
+) -> Vec<(Unit, Vec<usize>)> {
     let world = if fsdp { shard_world } else { 1 };
+    let params = cfg.params();
     model_layouts(cfg, world)
         .iter()
         .map(|u| {
+            let trained = params
+                .iter()
+                .filter(|(p, _)| p.unit() == u.unit)
+                .map(|(p, shape)| (!frozen.is_frozen(cfg, *p), shape.iter().product::<usize>()));
             let slots = match fsdp {
+                true if frozen.unit_frozen(cfg, u.unit) => vec![],
                 true => vec![u.shard],
-                false => u.params.iter().map(|p| p.numel()).collect(),
+                false => trained.filter(|(t, _)| *t).map(|(_, n)| n).collect(),
             };
             (u.unit, slots)
         })
@@ -269,8 +281,8 @@ impl StoreWalk for SettlingWalk<'_, '_> {
     fn head_grads(&mut self, sim: &mut Sim) {
         self.inner.head_grads(sim);
     }
-    fn embed_grads(&mut self, sim: &mut Sim) {
-        self.inner.embed_grads(sim);
+    fn embed_grads(&mut self, sim: &mut Sim) -> bool {
+        self.inner.embed_grads(sim)
     }
     fn grads_done(&mut self, sim: &mut Sim, unit: Unit) {
         self.inner.grads_done(sim, unit);

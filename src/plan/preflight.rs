@@ -181,6 +181,7 @@ mod tests {
             grad_accum: 1,
             device: DeviceKind::Cuda,
             optimizer: true,
+            freeze: Default::default(),
         }
     }
 

@@ -16,8 +16,8 @@
 use super::mesh::MeshChoice;
 use super::stage_width::{ChunkHeads, FwdChunk};
 use super::{
-    DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, SaveAttention, StepSpec,
-    model_state_bytes, predict_step, widest_fitting,
+    DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, SaveAttention, StepSpec, predict_step,
+    trained_state_bytes, widest_fitting,
 };
 use crate::attention::{CpPlan, Settle, Strategy};
 use crate::backend::Bytes;
@@ -206,6 +206,8 @@ pub struct RunRequest {
     pub grad_accum: usize,
     /// The memory policy chosen.
     pub memory: MemoryChoices,
+    /// `--freeze`: parameters without gradients or optimizer state.
+    pub freeze: crate::model::Freeze,
     /// The dtypes and attention kernels predicted for.
     pub device: DeviceKind,
     /// Each rank's memory.
@@ -291,6 +293,7 @@ impl RunRequest {
             grad_accum: self.grad_accum,
             device: self.device,
             optimizer: true,
+            freeze: self.freeze.clone(),
         }
     }
 }
@@ -349,8 +352,17 @@ impl<'a> Resolution<'a> {
     fn shard(&mut self) -> Result<()> {
         let req = self.req;
         let world = req.mesh.world_size();
-        let states = model_state_bytes(&req.model, req.device.is_cuda());
+        let states = trained_state_bytes(&req.model, req.device.is_cuda(), &req.freeze);
         let (mut fsdp, mut note) = req.fsdp.resolve(world, states, req.budget.memory);
+        // FSDP freezes whole units: `auto` does not shard a set that splits one
+        if fsdp && req.fsdp == FsdpMode::Auto && req.freeze.split_unit(&req.model).is_some() {
+            fsdp = false;
+            note = Some(format!(
+                "--fsdp auto: not sharding, as --freeze {} freezes part of a unit (FSDP freezes \
+                 whole units)",
+                req.freeze
+            ));
+        }
         if world == 1 && req.sharded_resume && req.fsdp != FsdpMode::Off {
             fsdp = true;
             note = Some(

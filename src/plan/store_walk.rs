@@ -4,7 +4,7 @@
 
 use super::sim::{Buf, Sim};
 use crate::backend::Category::{Comm, Grads, Weights};
-use crate::model::{ModelConfig, Unit};
+use crate::model::{Freeze, ModelConfig, Unit};
 use crate::train::fsdp::{UnitLayout, model_layouts};
 use std::collections::VecDeque;
 
@@ -16,30 +16,47 @@ pub trait StoreWalk {
     fn release(&mut self, sim: &mut Sim, unit: Unit);
     fn block_grads(&mut self, sim: &mut Sim, l: usize);
     fn head_grads(&mut self, sim: &mut Sim);
-    fn embed_grads(&mut self, sim: &mut Sim);
+    /// Whether the embedding has a gradient (a frozen one has none, and
+    /// the decoder skips its backward).
+    fn embed_grads(&mut self, sim: &mut Sim) -> bool;
     fn grads_done(&mut self, sim: &mut Sim, unit: Unit);
     fn finish(&mut self, sim: &mut Sim);
 }
 
 /// `ReplicatedStore`: resident gradients; one F32 bucket per unit summed
-/// over the ranks (`world` > 1), held until the next unit's bucket starts.
+/// over the ranks (`world` > 1), held until the next unit's bucket starts
+/// (none for a unit whose parameters are all frozen).
 pub struct ReplicatedWalk {
     layers: usize,
-    /// Elements of each unit, in `Unit::all` order.
+    /// Trainable elements of each unit, in `Unit::all` order.
     numel: Vec<usize>,
     world: usize,
     embed_uses_left: usize,
+    /// Whether the embedding is trained.
+    embed_trained: bool,
     bucket: Option<Buf>,
+}
+
+/// Trainable elements of each unit of `cfg` under `frozen`, in `Unit::all` order.
+pub fn trainable_numel(cfg: &ModelConfig, frozen: &Freeze) -> Vec<usize> {
+    let mut numel = vec![0; cfg.layers + 2];
+    for (p, shape) in cfg.params() {
+        if !frozen.is_frozen(cfg, p) {
+            numel[p.unit().index(cfg.layers)] += shape.iter().product::<usize>();
+        }
+    }
+    numel
 }
 
 impl ReplicatedWalk {
     /// `reduce`: whether this pass sums the gradients (a step's last sequence).
-    pub fn new(cfg: &ModelConfig, world: usize, reduce: bool) -> Self {
+    pub fn new(cfg: &ModelConfig, world: usize, reduce: bool, frozen: &Freeze) -> Self {
         ReplicatedWalk {
             layers: cfg.layers,
-            numel: model_layouts(cfg, 1).iter().map(|u| u.numel).collect(),
+            numel: trainable_numel(cfg, frozen),
             world: if reduce { world } else { 1 },
             embed_uses_left: 1 + usize::from(cfg.tie_embeddings),
+            embed_trained: !frozen.is_frozen(cfg, crate::model::Param::Embed),
             bucket: None,
         }
     }
@@ -50,7 +67,9 @@ impl StoreWalk for ReplicatedWalk {
     fn release(&mut self, _: &mut Sim, _: Unit) {}
     fn block_grads(&mut self, _: &mut Sim, _: usize) {}
     fn head_grads(&mut self, _: &mut Sim) {}
-    fn embed_grads(&mut self, _: &mut Sim) {}
+    fn embed_grads(&mut self, _: &mut Sim) -> bool {
+        self.embed_trained
+    }
     fn grads_done(&mut self, sim: &mut Sim, unit: Unit) {
         if unit == Unit::Embed {
             self.embed_uses_left -= 1;
@@ -58,7 +77,7 @@ impl StoreWalk for ReplicatedWalk {
                 return;
             }
         }
-        if self.world > 1 {
+        if self.world > 1 && self.numel[unit.index(self.layers)] > 0 {
             sim.free_opt(self.bucket.take());
             self.bucket = Some(sim.alloc(Comm, self.numel[unit.index(self.layers)] * F32));
         }
@@ -74,6 +93,8 @@ impl StoreWalk for ReplicatedWalk {
 pub struct FsdpWalk {
     cfg: ModelConfig,
     layouts: Vec<UnitLayout>,
+    /// Whether each unit is trained (FSDP freezes whole units).
+    trained: Vec<bool>,
     /// Compute-dtype bytes per element.
     ab: usize,
     gathered: Vec<Option<Vec<Buf>>>,
@@ -91,11 +112,15 @@ pub struct FsdpWalk {
 impl FsdpWalk {
     /// `fresh`: the step's first sequence (its reduce-scatters overwrite the
     /// gradient shards; later ones add through a receive buffer).
-    pub fn new(cfg: &ModelConfig, world: usize, ab: usize, fresh: bool) -> Self {
+    pub fn new(cfg: &ModelConfig, world: usize, ab: usize, fresh: bool, frozen: &Freeze) -> Self {
         let layouts = model_layouts(cfg, world);
         let n = layouts.len();
         FsdpWalk {
             cfg: cfg.clone(),
+            trained: layouts
+                .iter()
+                .map(|u| !frozen.unit_frozen(cfg, u.unit))
+                .collect(),
             layouts,
             ab,
             gathered: vec![None; n],
@@ -110,12 +135,22 @@ impl FsdpWalk {
     }
 
     /// The resident shards (`FsdpStore::new`, `AdamW::new` over its slots): parameters,
-    /// F32 gradients and `optim_elems` F32 elements of optimizer state on
-    /// the device (every state of the units that keep theirs there).
-    pub fn resident(cfg: &ModelConfig, world: usize, ab: usize, optim_elems: usize, sim: &mut Sim) {
-        let shard: usize = model_layouts(cfg, world).iter().map(|u| u.shard).sum();
+    /// F32 gradients of the units `frozen` leaves trained, and `optim_elems`
+    /// F32 elements of optimizer state on the device (every state of the
+    /// units that keep theirs there).
+    pub fn resident(
+        cfg: &ModelConfig,
+        world: usize,
+        ab: usize,
+        optim_elems: usize,
+        frozen: &Freeze,
+        sim: &mut Sim,
+    ) {
+        let layouts = model_layouts(cfg, world);
+        let shard: usize = layouts.iter().map(|u| u.shard).sum();
         sim.alloc(Weights, shard * ab);
-        sim.alloc(Grads, shard * F32);
+        let trained = layouts.iter().filter(|u| !frozen.unit_frozen(cfg, u.unit));
+        sim.alloc(Grads, trained.map(|u| u.shard).sum::<usize>() * F32);
         if optim_elems > 0 {
             sim.alloc(crate::backend::Category::OptimState, optim_elems * F32);
         }
@@ -186,8 +221,8 @@ impl StoreWalk for FsdpWalk {
     }
 
     fn block_grads(&mut self, sim: &mut Sim, l: usize) {
-        if self.block_g.is_none() {
-            let i = self.index(Unit::Block(l));
+        let i = self.index(Unit::Block(l));
+        if self.block_g.is_none() && self.trained[i] {
             let n: Vec<usize> = self.layouts[i].params.iter().map(|p| p.numel()).collect();
             self.block_g = Some(self.grads(sim, n));
         }
@@ -196,30 +231,38 @@ impl StoreWalk for FsdpWalk {
     fn head_grads(&mut self, sim: &mut Sim) {
         let (v, h) = (self.cfg.vocab, self.cfg.hidden);
         let tied = self.cfg.tie_embeddings;
-        if self.head_g.is_none() {
+        let (ih, ie) = (self.index(Unit::Head), self.index(Unit::Embed));
+        if self.head_g.is_none() && self.trained[ih] {
             let head = if tied { vec![] } else { vec![v * h] };
             let mut g = self.grads(sim, head);
             g.extend(self.grads(sim, [h]));
             self.head_g = Some(g);
         }
-        if tied && self.embed_g.is_none() {
+        if tied && self.trained[ie] && self.embed_g.is_none() {
             self.embed_g = Some(sim.alloc(Grads, v * h * F32));
         }
     }
 
-    fn embed_grads(&mut self, sim: &mut Sim) {
+    fn embed_grads(&mut self, sim: &mut Sim) -> bool {
+        if !self.trained[self.index(Unit::Embed)] {
+            return false;
+        }
         if self.embed_g.is_none() {
             self.embed_g = Some(sim.alloc(Grads, self.cfg.vocab * self.cfg.hidden * F32));
         }
+        true
     }
 
     fn grads_done(&mut self, sim: &mut Sim, unit: Unit) {
         let i = self.index(unit);
-        let grads = match unit {
+        let grads: Vec<Buf> = match unit {
             Unit::Embed => self.embed_g.take().into_iter().collect(),
             Unit::Block(_) => self.block_g.take().unwrap_or_default(),
             Unit::Head => self.head_g.take().unwrap_or_default(),
         };
+        if !self.trained[i] {
+            return; // a frozen unit: nothing reduce-scattered
+        }
         self.wait_reduce(sim);
         let flat = sim.alloc(Comm, self.layouts[i].padded() * F32);
         for g in grads {

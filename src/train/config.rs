@@ -94,6 +94,9 @@ pub struct TrainConfig {
     /// are allocated unwritten, two steps run whatever `steps` says, and
     /// the reports carry no loss or gradient norm (NaN).
     pub rehearse: bool,
+    /// The parameters the run does not train (`--freeze`; checked against
+    /// the model by [`TrainConfig::plan`]).
+    pub freeze: crate::model::Freeze,
     /// Held-out evaluation every few steps (`--eval-data`, `--eval-every`;
     /// checked by `train::eval_during::check`, which the loop runs first).
     pub eval: Option<EvalDuring>,
@@ -180,6 +183,7 @@ impl TrainConfig {
             profile: false,
             trace: None,
             rehearse: false,
+            freeze: crate::model::Freeze::none(),
             eval: None,
         }
     }
@@ -206,6 +210,47 @@ impl TrainConfig {
              --steps above {step} to continue it, or another --save-dir to start afresh",
             dir.display()
         )
+    }
+
+    /// Checks that a checkpoint in `dir`, whose caller state is `extra`,
+    /// froze what this run freezes (`extra["freeze"]`; a checkpoint
+    /// without it froze nothing): its optimizer state covers exactly the
+    /// parameters this run trains.
+    pub fn check_resume_freeze(
+        &self,
+        dir: &std::path::Path,
+        extra: &serde_json::Value,
+    ) -> Result<()> {
+        let saved = extra
+            .get("freeze")
+            .and_then(|v| v.as_str())
+            .unwrap_or("none");
+        let saved = crate::model::Freeze::parse(saved).map_err(|e| {
+            crate::error::Error::Checkpoint(format!("{}: bad freeze set: {e}", dir.display()))
+        })?;
+        if saved == self.freeze {
+            return Ok(());
+        }
+        let name = |f: &crate::model::Freeze| match f.is_empty() {
+            true => "none".to_string(),
+            false => f.to_string(),
+        };
+        crate::config_err!(
+            "--resume: {} was trained with --freeze {}, this run asks for --freeze {}: its \
+             optimizer state is for other parameters; resume with --freeze {}",
+            dir.display(),
+            name(&saved),
+            name(&self.freeze),
+            name(&saved)
+        )
+    }
+
+    /// The `--freeze` set as `state.json`'s caller state keeps it.
+    pub fn freeze_key(&self) -> String {
+        match self.freeze.is_empty() {
+            true => "none".into(),
+            false => self.freeze.to_string(),
+        }
     }
 
     /// How a checkpoint stores the model's weights (`--save-dtype`, shard size).
@@ -238,6 +283,10 @@ impl TrainConfig {
     pub fn plan(&self) -> Result<CpPlan> {
         self.model.validate()?;
         self.policy.validate_for(self.model.layers)?;
+        self.freeze.check(&self.model)?;
+        if self.fsdp {
+            crate::train::fsdp::check_whole_units(&self.model, &self.freeze)?;
+        }
         if self.steps == 0 {
             return crate::config_err!("--steps must be at least 1");
         }

@@ -20,16 +20,19 @@ pub fn weights_to_host<B: Backend>(
 }
 
 /// Host copies of one kind of per-parameter optimizer state, named like
-/// `w`: `state(k)` is the state of `w`'s k-th tensor in
-/// `ModelWeights::named` order.
+/// `w`: `state(k)` is the state of slot k, and `slots[i]` the slot of
+/// `w`'s i-th tensor in `ModelWeights::named` order (`None`: frozen, no
+/// state).
 pub(crate) fn tensors_to_host<'t, B: Backend>(
     b: &B,
     w: &ModelWeights<B>,
+    slots: &[Option<usize>],
     state: impl Fn(usize) -> Option<&'t Tensor<B>>,
 ) -> Result<BTreeMap<String, HostTensor>> {
     w.named()
         .into_iter()
-        .enumerate()
+        .zip(slots)
+        .filter_map(|(named, slot)| slot.map(|k| (k, named)))
         .map(|(k, (n, _))| {
             let missing = || Error::Backend(format!("the optimizer keeps no state for {n}"));
             let t = state(k).ok_or_else(missing)?;

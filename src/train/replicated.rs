@@ -13,7 +13,10 @@ use crate::checkpoint::{
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::model::{BlockWeights, Decoder, HeadView, ModelConfig, ModelWeights, ParamStore, Unit};
+use crate::model::{
+    BlockGrads, BlockWeights, Decoder, Freeze, HeadView, ModelConfig, ModelGrads, ModelWeights,
+    ParamStore, Unit,
+};
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
 use std::collections::BTreeMap;
@@ -21,8 +24,12 @@ use std::collections::BTreeMap;
 /// Whole-model parameters and gradients of one rank.
 pub struct ReplicatedStore<'a, B: Backend> {
     pub w: ModelWeights<B>,
-    /// F32 gradients, summed over `group` once a step's backward finishes.
-    pub g: ModelWeights<B>,
+    /// F32 gradients of the trainable parameters, summed over `group` unit
+    /// by unit as the step's backward finishes each.
+    pub g: ModelGrads<B>,
+    /// Whether each parameter (`ModelWeights::named` order) is trained:
+    /// the frozen ones (`--freeze`) have no gradient and no optimizer slot.
+    trainable: Vec<bool>,
     group: &'a dyn ProcessGroup<B>,
     /// Uses of the embedding's gradient left in this step (2 when tied).
     embed_uses_left: usize,
@@ -41,10 +48,24 @@ impl<'a, B: Backend> ReplicatedStore<'a, B> {
         w: ModelWeights<B>,
         group: &'a dyn ProcessGroup<B>,
     ) -> Result<Self> {
-        let g = ModelWeights::zeros_grads(b, cfg)?;
+        Self::with_frozen(b, cfg, w, group, &Freeze::none())
+    }
+
+    /// A store of `w` with zero gradients for the parameters `frozen` does
+    /// not freeze, reducing over `group`.
+    pub fn with_frozen(
+        b: &B,
+        cfg: &ModelConfig,
+        w: ModelWeights<B>,
+        group: &'a dyn ProcessGroup<B>,
+        frozen: &Freeze,
+    ) -> Result<Self> {
+        let g = ModelGrads::zeros(b, cfg, frozen)?;
+        let trainable = trainable_mask(cfg, frozen);
         let mut s = ReplicatedStore {
             w,
             g,
+            trainable,
             group,
             embed_uses_left: 0,
             reducing: None,
@@ -72,6 +93,9 @@ impl<'a, B: Backend> ReplicatedStore<'a, B> {
         self.wait_bucket(b)?;
         let grads = self.g.unit_named(unit);
         let numel = grads.iter().map(|(_, t)| t.numel()).sum();
+        if numel == 0 {
+            return Ok(()); // a frozen unit: nothing to sum
+        }
         let mut bucket = b.empty(&[numel], DType::F32, Category::Comm)?;
         let mut off = 0;
         for (_, t) in grads {
@@ -97,6 +121,13 @@ impl<'a, B: Backend> ReplicatedStore<'a, B> {
         }
         Ok(())
     }
+}
+
+/// Whether each parameter of `cfg` (`ModelWeights::named` order) is
+/// trained under `frozen`.
+pub fn trainable_mask(cfg: &ModelConfig, frozen: &Freeze) -> Vec<bool> {
+    let params = cfg.params().into_iter();
+    params.map(|(p, _)| !frozen.is_frozen(cfg, p)).collect()
 }
 
 /// The `[rows, row_len]` block of a flat buffer at element `off` that holds `t`.
@@ -126,32 +157,33 @@ impl<B: Backend> ParamStore<B> for ReplicatedStore<'_, B> {
     fn head(&self) -> Result<&Tensor<B>> {
         Ok(self.w.head())
     }
-    fn block_grads(
-        &mut self,
-        _b: &B,
-        l: usize,
-    ) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)> {
+    fn block_grads(&mut self, _b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockGrads<B>)> {
         match (self.w.blocks.get(l), self.g.blocks.get_mut(l)) {
             (Some(w), Some(g)) => Ok((w, g)),
             _ => Err(Error::Config(format!("the model has no block {l}"))),
         }
     }
     fn head_grads(&mut self, _b: &B) -> Result<HeadView<'_, B>> {
-        let ModelWeights {
+        let ModelGrads {
             embed,
             final_norm,
             lm_head,
             ..
         } = &mut self.g;
+        let tied = self.w.lm_head.is_none();
         Ok(HeadView {
             norm: &self.w.final_norm,
             head: self.w.head(),
-            d_norm: final_norm,
-            d_head: lm_head.as_mut().unwrap_or(embed),
+            d_norm: final_norm.as_mut(),
+            d_head: if tied {
+                embed.as_mut()
+            } else {
+                lm_head.as_mut()
+            },
         })
     }
-    fn embed_grads(&mut self, _b: &B) -> Result<&mut Tensor<B>> {
-        Ok(&mut self.g.embed)
+    fn embed_grads(&mut self, _b: &B) -> Result<Option<&mut Tensor<B>>> {
+        Ok(self.g.embed.as_mut())
     }
     fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()> {
         if unit == Unit::Embed {
@@ -198,12 +230,16 @@ impl<'a, B: Backend> Replicated<'a, B> {
         if let Some(dir) = cfg.resume_dir() {
             check_not_sharded(dir)?;
             let st = load_train_state(dir)?;
+            cfg.check_resume_freeze(dir, &st.extra)?;
             let names = st.params.keys().map(String::as_str);
             check_extra_tensors(dir, model, names, cfg.extra_tensors)?;
             let w = weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
-            let mut opt = optimizer(b, cfg, &w)?;
+            let trainable = trainable_mask(model, &cfg.freeze);
+            let mut opt = optimizer(b, cfg, &w, &trainable)?;
             // into the moments the optimizer made: no second copy at start-up
-            for (k, (name, _)) in w.named().into_iter().enumerate() {
+            let named = w.named().into_iter().zip(&trainable);
+            let slots = named.filter(|(_, t)| **t).map(|(n, _)| n);
+            for (k, (name, _)) in slots.enumerate() {
                 let missing =
                     || Error::Checkpoint(format!("{}: no moments of {name}", dir.display()));
                 for (kind, saved) in [
@@ -218,7 +254,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
                     b.upload(t, &st.params.get(&name).ok_or_else(missing)?.data)?;
                 }
             }
-            let store = ReplicatedStore::new(b, model, w, group)?;
+            let store = ReplicatedStore::with_frozen(b, model, w, group, &cfg.freeze)?;
             let resumed = Resumed {
                 step: st.step,
                 extra: st.extra,
@@ -233,8 +269,8 @@ impl<'a, B: Backend> Replicated<'a, B> {
             }
             None => ModelWeights::random(b, model, cfg.seed)?,
         };
-        let opt = optimizer(b, cfg, &w)?;
-        let store = ReplicatedStore::new(b, model, w, group)?;
+        let opt = optimizer(b, cfg, &w, &trainable_mask(model, &cfg.freeze))?;
+        let store = ReplicatedStore::with_frozen(b, model, w, group, &cfg.freeze)?;
         let files = cfg.model_files();
         Ok((Replicated { store, opt, files }, None))
     }
@@ -251,13 +287,20 @@ impl<B: Backend> Replicated<'_, B> {
         weights: &BTreeMap<String, HostTensor>,
     ) -> Result<Option<BTreeMap<String, HostTensor>>> {
         let named = self.store.w.named();
-        let any_kept = (0..named.len()).any(|k| self.opt.kept(k, StateKind::Master).is_some());
+        let slots = self.opt.slots().len();
+        let any_kept = (0..slots).any(|k| self.opt.kept(k, StateKind::Master).is_some());
         if self.files.dtype == SaveDtype::F32 && !any_kept {
             return Ok(None);
         }
         let mut out = BTreeMap::new();
-        for (k, (name, t)) in named.into_iter().enumerate() {
-            let master = match self.opt.kept(k, StateKind::Master) {
+        let mut slot = self.store.slot_of_params().into_iter();
+        for (name, t) in named {
+            // a frozen parameter's F32 value is its weight (no master kept)
+            let kept = slot
+                .next()
+                .flatten()
+                .and_then(|k| self.opt.kept(k, StateKind::Master));
+            let master = match kept {
                 Some(m) => HostTensor::new(m.shape().to_vec(), b.to_host(m)?)?,
                 None => weights[&name].clone(),
             };
@@ -268,35 +311,63 @@ impl<B: Backend> Replicated<'_, B> {
     }
 }
 
-/// AdamW over every parameter tensor of `w` (one slot each, in
-/// `ModelWeights::named` order).
+/// AdamW over every trainable parameter tensor of `w` (one slot each, in
+/// `ModelWeights::named` order; `trainable` in that order).
 fn optimizer<B: Backend>(
     b: &B,
     cfg: &TrainConfig,
     w: &ModelWeights<B>,
+    trainable: &[bool],
 ) -> Result<Box<dyn Optimizer<B>>> {
     let layers = w.blocks.len();
     let mut slots = Vec::new();
+    let mut trains = trainable.iter();
     for unit in Unit::all(layers) {
         for (name, t) in w.unit_named(unit) {
-            slots.push(Slot::whole(unit, name, t.numel()));
+            if *trains.next().unwrap_or(&true) {
+                slots.push(Slot::whole(unit, name, t.numel()));
+            }
         }
     }
-    let params: Vec<&Tensor<B>> = w.named().into_iter().map(|(_, t)| t).collect();
+    let named = w.named().into_iter().zip(trainable);
+    let params: Vec<&Tensor<B>> = named.filter(|(_, t)| **t).map(|((_, t), _)| t).collect();
     let opt = AdamW::new(b, cfg.adamw(), slots, &params, layers)?;
     Ok(Box::new(opt.zeroing_device_grads()))
 }
 
-/// Every parameter and its gradient, lent to the optimizer.
-fn lend<'s, B: Backend>(w: &'s mut ModelWeights<B>, g: &'s mut ModelWeights<B>) -> Lent<'s, B> {
+/// Every trainable parameter (`trainable`, in `ModelWeights::named`
+/// order) and its gradient, lent to the optimizer.
+fn lend<'s, B: Backend>(
+    w: &'s mut ModelWeights<B>,
+    g: &'s mut ModelGrads<B>,
+    trainable: &[bool],
+) -> Lent<'s, B> {
+    let params = w.named_mut().into_iter().zip(trainable);
     Lent {
-        params: w.named_mut().into_iter().map(|(_, t)| Some(t)).collect(),
+        params: params
+            .filter(|(_, t)| **t)
+            .map(|((_, p), _)| Some(p))
+            .collect(),
         grads: g.named_mut().into_iter().map(|(_, t)| Some(t)).collect(),
     }
 }
 
+impl<B: Backend> ReplicatedStore<'_, B> {
+    /// Each parameter's optimizer slot (`ModelWeights::named` order; `None`: frozen).
+    fn slot_of_params(&self) -> Vec<Option<usize>> {
+        let mut next = 0;
+        let slot = |&t: &bool| {
+            t.then(|| {
+                next += 1;
+                next - 1
+            })
+        };
+        self.trainable.iter().map(slot).collect()
+    }
+}
+
 /// The global gradient norm (gradients already reduced over ranks).
-fn grad_norm<B: Backend>(b: &B, g: &ModelWeights<B>) -> Result<f64> {
+fn grad_norm<B: Backend>(b: &B, g: &ModelGrads<B>) -> Result<f64> {
     let mut s = 0.0;
     for (_, t) in g.named() {
         s += b.sum_squares(t)?;
@@ -326,7 +397,10 @@ impl<'a, B: Backend> Deferred<B, ReplicatedStore<'a, B>> for Box<dyn Optimizer<B
             return Ok(());
         }
         let upto = slots_through(self.slots(), unit, store.w.blocks.len());
-        self.settle(b, &mut lend(&mut store.w, &mut store.g), upto)
+        let ReplicatedStore {
+            w, g, trainable, ..
+        } = store;
+        self.settle(b, &mut lend(w, g, trainable), upto)
     }
 }
 
@@ -353,13 +427,18 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
 
     fn optimizer_step(&mut self, b: &B, step: u32, loss_finite: bool) -> Result<Update> {
         let norm = grad_norm(b, &self.store.g)?;
-        let ReplicatedStore { w, g, .. } = &mut self.store;
-        self.opt.step(b, &mut lend(w, g), norm, step, loss_finite)
+        let ReplicatedStore {
+            w, g, trainable, ..
+        } = &mut self.store;
+        self.opt
+            .step(b, &mut lend(w, g, trainable), norm, step, loss_finite)
     }
 
     fn settle(&mut self, b: &B) -> Result<()> {
-        let ReplicatedStore { w, g, .. } = &mut self.store;
-        self.opt.settle(b, &mut lend(w, g), usize::MAX)
+        let ReplicatedStore {
+            w, g, trainable, ..
+        } = &mut self.store;
+        self.opt.settle(b, &mut lend(w, g, trainable), usize::MAX)
     }
 
     fn forward_loss(
@@ -389,6 +468,7 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
             return Ok(());
         }
         let w = &self.store.w;
+        let slots = self.store.slot_of_params();
         let params = weights_to_host(b, w)?;
         let masters = self.masters(b, &params)?;
         let state = StateToSave {
@@ -398,8 +478,8 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
                 .into_iter()
                 .map(|(n, _)| (n.clone(), &params[&n]))
                 .collect(),
-            adam_m: &tensors_to_host(b, w, |k| self.opt.kept(k, StateKind::ExpAvg))?,
-            adam_v: &tensors_to_host(b, w, |k| self.opt.kept(k, StateKind::ExpAvgSq))?,
+            adam_m: &tensors_to_host(b, w, &slots, |k| self.opt.kept(k, StateKind::ExpAvg))?,
+            adam_v: &tensors_to_host(b, w, &slots, |k| self.opt.kept(k, StateKind::ExpAvgSq))?,
             masters: masters.as_ref(),
             extra,
         };

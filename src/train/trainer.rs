@@ -467,6 +467,7 @@ fn run_rank<B: Backend>(
         if let (Some(dir), true) = (&cfg.save_dir, save_now) {
             let extra = serde_json::json!({
                 "sampler": sampler.state(), "seed": cfg.seed, "pack": cfg.pack,
+                "freeze": cfg.freeze_key(),
             });
             save(cfg, b, model.as_mut(), dir, step, &extra, rank)?;
             guard.saved(step);
@@ -576,6 +577,20 @@ pub fn loss_and_grads_cpu_packed(
     window: &PackedWindow,
     weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
 ) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
+    let none = crate::model::Freeze::none();
+    loss_and_grads_cpu_frozen(model, plan, policy, window, weights, &none)
+}
+
+/// [`loss_and_grads_cpu_packed`] with the parameters `frozen` freezes
+/// taking no gradient (none of theirs is returned).
+pub fn loss_and_grads_cpu_frozen(
+    model: &ModelConfig,
+    plan: &CpPlan,
+    policy: MemoryPolicy,
+    window: &PackedWindow,
+    weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
+    frozen: &crate::model::Freeze,
+) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
     if window.len() != plan.layout.seq {
         return crate::config_err!(
             "a window of {} tokens for a plan of {} tokens",
@@ -590,7 +605,7 @@ pub fn loss_and_grads_cpu_packed(
         let mut decoder = Decoder::new(b, model.clone(), plan.clone(), &mesh, policy)?;
         decoder.set_window(b, &window.doc_starts)?;
         let w = weights(b)?;
-        let mut store = ReplicatedStore::new(b, model, w, mesh.world.as_ref())?;
+        let mut store = ReplicatedStore::with_frozen(b, model, w, mesh.world.as_ref(), frozen)?;
         let pos = plan
             .layout
             .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());

@@ -351,14 +351,14 @@ impl Backend for CpuBackend {
         dy: &Tensor<Self>,
         eps: f32,
         dx: &mut Tensor<Self>,
-        dw: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm_bwd", Track::Compute);
         check_same_numel(x, dy, "rms_norm_bwd")?;
         check_same_numel(x, dx, "rms_norm_bwd")?;
         let dim = w.numel();
         let (xs, ws, dys) = (data(x), data(w), data(dy));
-        let dwv = data_mut(dw);
+        let mut dwv = dw.map(data_mut);
         let dxv = data_mut(dx);
         for ((dxr, xr), dyr) in dxv.chunks_mut(dim).zip(xs.chunks(dim)).zip(dys.chunks(dim)) {
             let r = 1.0 / (dot(xr, xr) / dim as f32 + eps).sqrt();
@@ -369,7 +369,11 @@ impl Backend for CpuBackend {
             let c = r * r * r * s / dim as f32;
             for j in 0..dim {
                 dxr[j] = r * dyr[j] * ws[j] - c * xr[j];
-                dwv[j] += dyr[j] * xr[j] * r;
+            }
+            if let Some(dwv) = dwv.as_deref_mut() {
+                for j in 0..dim {
+                    dwv[j] += dyr[j] * xr[j] * r;
+                }
             }
         }
         Ok(())

@@ -225,13 +225,15 @@ impl CudaBackend {
         dy: &Tensor<Self>,
         eps: f32,
         dx: &mut Tensor<Self>,
-        dw: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
         let _span = self.span("rms_norm_bwd")?;
         check_same_numel(x, dy, "rms_norm_bwd")?;
         check_same_numel(x, dx, "rms_norm_bwd")?;
-        check_same_numel(w, dw, "rms_norm_bwd")?;
-        need(dw, DType::F32, "rms_norm_bwd", "dw")?;
+        if let Some(dw) = dw.as_deref() {
+            check_same_numel(w, dw, "rms_norm_bwd")?;
+            need(dw, DType::F32, "rms_norm_bwd", "dw")?;
+        }
         let dim = w.numel();
         if dim == 0 || !x.numel().is_multiple_of(dim) {
             return Err(Error::Backend(format!(
@@ -253,12 +255,13 @@ impl CudaBackend {
             .i32(dt(dy))
             .ptr(ptr(dx))
             .i32(dt(dx))
-            .ptr(ptr(dw))
+            // a frozen norm weight: null, and the kernel adds no dw
+            .ptr(dw.as_deref().map_or(0, ptr))
             .usize(rows)
             .usize(dim)
             .f32(eps);
         // dw is summed per block in shared memory when it fits the default 48 KiB.
-        let smem_dw = dim * 4 <= 40 << 10;
+        let smem_dw = dw.is_some() && dim * 4 <= 40 << 10;
         let args = args.i32(smem_dw as i32).i32(vec8(&[x, w, dy, dx]) as i32);
         let blocks = rows.min(RMS_BWD_MAX_BLOCKS) as u32;
         let smem = if smem_dw { (dim * 4) as u32 } else { 0 };

@@ -442,7 +442,7 @@ impl Backend for CudaBackend {
         dy: &Tensor<Self>,
         eps: f32,
         dx: &mut Tensor<Self>,
-        dw: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
         self.rms_norm_bwd_impl(x, w, dy, eps, dx, dw)
     }

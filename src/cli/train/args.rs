@@ -330,13 +330,15 @@ impl TrainArgs {
             );
         }
         let optim = self.adamw()?;
+        let model = for_key(k, "model", ModelConfig::resolve(&self.model))?;
         Ok(Choices {
+            freeze: self.memory.freeze(&model)?,
             optim,
             device: for_key(k, "device", self.device.parse())?,
             kernel: for_key(k, "attn_kernel", self.attn_kernel.parse())?,
             strategy: for_key(k, "attn", self.attn.parse())?,
             fsdp: for_key(k, "fsdp", self.fsdp.parse())?,
-            model: for_key(k, "model", ModelConfig::resolve(&self.model))?,
+            model,
             save_dtype: for_key(k, "save_dtype", self.save_dtype())?,
             max_file_bytes: for_key(
                 k,
@@ -524,6 +526,8 @@ pub struct Choices {
     pub max_file_bytes: usize,
     /// The `config.json` a checkpoint keeps every field of.
     pub source_config: Option<Map<String, Value>>,
+    /// `--freeze`, checked against the model.
+    pub freeze: crate::model::Freeze,
 }
 
 /// `--betas B1,B2`: two moment decays, each in [0, 1).

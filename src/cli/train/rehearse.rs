@@ -354,6 +354,7 @@ mod tests {
             grad_accum: 1,
             device: DeviceKind::Cuda,
             optimizer: true,
+            freeze: Default::default(),
         };
         let pred = predict_step_rank(&spec, 0).unwrap();
         let e = Error::OutOfMemory {

@@ -253,8 +253,10 @@ impl DecoderWalk<'_> {
             sim.free(input);
             sim.free_opt(host);
         }
-        store.embed_grads(sim);
-        self.ids(sim, self.s());
+        // a frozen embedding's backward (and its ids upload) is skipped
+        if store.embed_grads(sim) {
+            self.ids(sim, self.s());
+        }
         store.grads_done(sim, Unit::Embed);
         store.finish(sim);
         sim.free(dx);

@@ -10,4 +10,4 @@ pub mod store;
 
 pub use crate::model::flat_layout::{UnitLayout, model_layouts};
 pub use sharded::Sharded;
-pub use store::FsdpStore;
+pub use store::{FsdpStore, check_whole_units};

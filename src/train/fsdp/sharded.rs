@@ -44,13 +44,13 @@ impl<'a, B: Backend> Sharded<'a, B> {
                     hf.check(&name, &shape)?;
                 }
                 check_extra_tensors(dir, model, hf.names(), cfg.extra_tensors)?;
-                FsdpStore::new(b, model, group, replica, |name, elems| hf.read(name, elems))?
+                let read = |name: &str, elems| hf.read(name, elems);
+                FsdpStore::with_frozen(b, model, group, replica, &cfg.freeze, read)?
             }
             None => {
                 let init = RandomInit::new(model, cfg.seed);
-                FsdpStore::new(b, model, group, replica, |name, elems| {
-                    Ok(init.values(name, elems))
-                })?
+                let init = |name: &str, elems| Ok(init.values(name, elems));
+                FsdpStore::with_frozen(b, model, group, replica, &cfg.freeze, init)?
             }
         };
         let mut opt = optimizer(b, cfg, &store)?;
@@ -66,8 +66,10 @@ impl<'a, B: Backend> Sharded<'a, B> {
             ));
         };
         let mut store = store;
-        restore_state(b, &SavedOptimizer::open(dir)?, &mut store, opt.as_mut())?;
         let state = ckpt::read_state(dir)?;
+        let extra = state.get("extra").cloned().unwrap_or(Value::Null);
+        cfg.check_resume_freeze(dir, &extra)?;
+        restore_state(b, &SavedOptimizer::open(dir)?, &mut store, opt.as_mut())?;
         let resumed = Resumed {
             step: state.get("step").and_then(Value::as_u64).ok_or_else(|| {
                 Error::Checkpoint(format!("{}: state.json has no step", dir.display()))
@@ -139,9 +141,11 @@ impl<'a, B: Backend> Sharded<'a, B> {
         let host = |t: &Tensor<B>| -> Result<HostTensor> {
             HostTensor::new(vec![t.numel()], b.to_host(t)?)
         };
+        let slot_of = slot_of_units(&self.store);
         for (i, u) in self.store.layouts.iter().enumerate() {
             let key = unit_key(u.unit);
-            let state = self.opt.state(i);
+            // a frozen unit keeps no optimizer state
+            let state = slot_of[i].map(|k| self.opt.state(k)).unwrap_or_default();
             let has_master = state.iter().any(|(k, _)| *k == StateKind::Master);
             for (kind, t) in state {
                 tensors.push((format!("{}.{key}", kind.name()), host(t)?));
@@ -186,13 +190,18 @@ fn restore_state<B: Backend>(
     opt: &mut dyn Optimizer<B>,
 ) -> Result<()> {
     let rank = store.group.rank();
+    let slot_of = slot_of_units(store);
     for (i, u) in store.layouts.iter().enumerate() {
         for kind in [StateKind::ExpAvg, StateKind::ExpAvgSq, StateKind::Master] {
             if kind == StateKind::Master && !saved.has_master(u) {
                 continue;
             }
+            // a frozen unit has no moments (nor any saved)
+            if kind != StateKind::Master && slot_of[i].is_none() {
+                continue;
+            }
             let values = || saved.shard(kind.name(), u, rank);
-            match opt.state_mut(i, kind) {
+            match slot_of[i].and_then(|k| opt.state_mut(k, kind)) {
                 Some(t) => b.upload(t, &values()?)?,
                 None if kind == StateKind::Master => {
                     let shard = store.params[i].as_mut().ok_or_else(|| {
@@ -207,8 +216,17 @@ fn restore_state<B: Backend>(
     Ok(())
 }
 
-/// AdamW over the rank's shards (zero moments, F32 masters of the current
-/// shards when they are in a lower precision).
+/// Each unit's optimizer slot (`None`: frozen), by index in `Unit::all` order.
+fn slot_of_units<B: Backend>(store: &FsdpStore<'_, B>) -> Vec<Option<usize>> {
+    let mut slot = vec![None; store.layouts.len()];
+    for (k, i) in store.slot_units().into_iter().enumerate() {
+        slot[i] = Some(k);
+    }
+    slot
+}
+
+/// AdamW over the rank's shards of trained units (zero moments, F32
+/// masters of the current shards when they are in a lower precision).
 fn optimizer<B: Backend>(
     b: &B,
     cfg: &TrainConfig,
@@ -216,9 +234,9 @@ fn optimizer<B: Backend>(
 ) -> Result<Box<dyn Optimizer<B>>> {
     let busy = || Error::Backend("FSDP: a shard is in a collective at start-up".into());
     let shards = store
-        .params
-        .iter()
-        .map(|p| p.as_ref().ok_or_else(busy))
+        .slot_units()
+        .into_iter()
+        .map(|i| store.params[i].as_ref().ok_or_else(busy))
         .collect::<Result<Vec<_>>>()?;
     let opt = AdamW::new(b, cfg.adamw(), store.slots(), &shards, store.layers())?;
     Ok(Box::new(opt))

@@ -10,7 +10,7 @@ use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::flat_layout::{Segment, UnitLayout, model_layouts};
-use crate::model::{BlockWeights, HeadView, ModelConfig, ParamStore, Unit};
+use crate::model::{BlockGrads, BlockWeights, Freeze, HeadView, ModelConfig, ParamStore, Unit};
 use crate::optim::{Lent, Piece, Slot};
 use std::collections::VecDeque;
 
@@ -41,15 +41,20 @@ pub struct FsdpStore<'a, B: Backend> {
     /// Owned parameter shards `[shard]` (compute dtype); `None` while one
     /// is the send buffer of a gather in flight.
     pub(crate) params: Vec<Option<Tensor<B>>>,
-    /// Owned F32 gradient shards `[shard]`; `None` while one receives.
+    /// Owned F32 gradient shards `[shard]`; `None` while one receives, and
+    /// always for a frozen unit.
     pub(crate) grads: Vec<Option<Tensor<B>>>,
+    /// Which parameters are frozen (`--freeze`: whole units under FSDP).
+    frozen: Freeze,
+    /// Whether each unit is trained (has gradients and an optimizer slot).
+    pub(crate) trained: Vec<bool>,
     /// Whether a gradient shard holds a contribution of this step.
     grad_written: Vec<bool>,
     gathered: Vec<Option<Gathered<B>>>,
     prefetch: Option<(usize, Pending<B>)>,
     /// Gathers still to come this step.
     order: VecDeque<Unit>,
-    block_g: Option<(usize, BlockWeights<B>)>,
+    block_g: Option<(usize, BlockGrads<B>)>,
     embed_g: Option<Tensor<B>>,
     head_g: Option<(Tensor<B>, Option<Tensor<B>>)>,
     reducing: Option<Reducing<B>>,
@@ -65,10 +70,28 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         cfg: &ModelConfig,
         group: &'a dyn ProcessGroup<B>,
         replica: &'a dyn ProcessGroup<B>,
+        init: impl FnMut(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
+        Self::with_frozen(b, cfg, group, replica, &Freeze::none(), init)
+    }
+
+    /// [`new`](Self::new) with the units `frozen` freezes whole kept
+    /// without gradient shards (a unit it freezes in part is refused).
+    pub fn with_frozen(
+        b: &B,
+        cfg: &ModelConfig,
+        group: &'a dyn ProcessGroup<B>,
+        replica: &'a dyn ProcessGroup<B>,
+        frozen: &Freeze,
         mut init: impl FnMut(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
     ) -> Result<Self> {
+        check_whole_units(cfg, frozen)?;
         let (world, rank) = (group.size(), group.rank());
         let layouts = model_layouts(cfg, world);
+        let trained: Vec<bool> = layouts
+            .iter()
+            .map(|u| !frozen.unit_frozen(cfg, u.unit))
+            .collect();
         let mut params = Vec::with_capacity(layouts.len());
         let mut grads = Vec::with_capacity(layouts.len());
         let dt = b.compute_dtype();
@@ -80,7 +103,12 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
                 b.from_host(&host, &[u.shard], dt, Category::Weights)?
             };
             params.push(Some(shard));
-            grads.push(Some(b.zeros(&[u.shard], DType::F32, Category::Grads)?));
+            // a frozen unit has no gradient shard
+            let grad = match trained[grads.len()] {
+                true => Some(b.zeros(&[u.shard], DType::F32, Category::Grads)?),
+                false => None,
+            };
+            grads.push(grad);
         }
         let n = layouts.len();
         let mut s = FsdpStore {
@@ -91,6 +119,8 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
             replica,
             params,
             grads,
+            frozen: frozen.clone(),
+            trained,
             grad_written: vec![false; n],
             gathered: (0..n).map(|_| None).collect(),
             prefetch: None,
@@ -134,8 +164,16 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         self.cfg.layers
     }
 
-    /// The optimizer's slots: this rank's shard of every unit, with the
-    /// pieces of the unit's parameters it holds.
+    /// The units the optimizer has a slot for (the trained ones), by index
+    /// in [`Unit::all`] order: slot k is unit `slot_units()[k]`.
+    pub fn slot_units(&self) -> Vec<usize> {
+        (0..self.layouts.len())
+            .filter(|&i| self.trained[i])
+            .collect()
+    }
+
+    /// The optimizer's slots: this rank's shard of every trained unit, with
+    /// the pieces of the unit's parameters it holds.
     pub fn slots(&self) -> Vec<Slot> {
         let piece = |l: &UnitLayout, s: Segment| Piece {
             name: l.params[s.param].name.clone(),
@@ -149,15 +187,19 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
                 .map(|s| piece(l, s))
                 .collect(),
         };
-        self.layouts.iter().map(slot).collect()
+        let trained = self.slot_units().into_iter();
+        trained.map(|i| slot(&self.layouts[i])).collect()
     }
 
     /// The shards and gradient shards, lent to the optimizer (a unit's
     /// are absent while in a collective).
     pub fn lend(&mut self) -> Lent<'_, B> {
+        let trained = &self.trained;
+        let params = self.params.iter_mut().zip(trained).filter(|(_, t)| **t);
+        let grads = self.grads.iter_mut().zip(trained).filter(|(_, t)| **t);
         Lent {
-            params: self.params.iter_mut().map(Option::as_mut).collect(),
-            grads: self.grads.iter_mut().map(Option::as_mut).collect(),
+            params: params.map(|(p, _)| p.as_mut()).collect(),
+            grads: grads.map(|(g, _)| g.as_mut()).collect(),
         }
     }
 
@@ -165,7 +207,13 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
     /// added in rank order on the host (the same value on every rank).
     pub fn grad_norm(&self, b: &B) -> Result<f64> {
         let mut own = 0.0f64;
-        for g in &self.grads {
+        for g in self
+            .grads
+            .iter()
+            .zip(&self.trained)
+            .filter(|(_, t)| **t)
+            .map(|(g, _)| g)
+        {
             let g = g.as_ref().ok_or_else(|| {
                 internal("a gradient shard is in a collective at the optimizer step".into())
             })?;
@@ -275,13 +323,20 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         Ok(())
     }
 
-    /// Takes the gradients of this use of `unit` out of the step's buffers.
+    /// Takes the gradients of this use of `unit` out of the step's buffers
+    /// (none of a frozen unit).
     fn take_grads(&mut self, unit: Unit) -> Result<Vec<Tensor<B>>> {
         let missing = || internal(format!("no gradients of {unit:?} to reduce"));
+        if !self.trained[self.index(unit)] {
+            if matches!(unit, Unit::Block(_)) {
+                self.block_g = None;
+            }
+            return Ok(Vec::new());
+        }
         Ok(match unit {
             Unit::Embed => vec![self.embed_g.take().ok_or_else(missing)?],
             Unit::Block(l) => match self.block_g.take() {
-                Some((k, g)) if k == l => g_tensors(g),
+                Some((k, g)) if k == l => g.into_tensors(),
                 _ => return Err(missing()),
             },
             Unit::Head => {
@@ -299,20 +354,19 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
     }
 }
 
-/// A block's gradient tensors in HF order.
-fn g_tensors<B: Backend>(g: BlockWeights<B>) -> Vec<Tensor<B>> {
-    let BlockWeights {
-        attn_norm,
-        attn,
-        mlp_norm,
-        gate,
-        up,
-        down,
-    } = g;
-    let mut v = vec![attn_norm];
-    v.extend(attn.into_tensors());
-    v.extend([mlp_norm, gate, up, down]);
-    v
+/// Under FSDP a unit is trained or frozen whole: its gradients are one
+/// flat buffer, reduce-scattered to the shards the optimizer updates.
+pub fn check_whole_units(cfg: &ModelConfig, frozen: &Freeze) -> Result<()> {
+    match frozen.split_unit(cfg) {
+        None => Ok(()),
+        Some(unit) => crate::config_err!(
+            "--freeze {frozen} freezes part of {} under --fsdp on, which shards, reduces and \
+             updates whole units (the embedding, each block, the final norm with the LM head): \
+             freeze whole units (embeddings, blocks:A-B; `head` and `norms` only together with \
+             every block), or use --fsdp off",
+            crate::model::flat_layout::unit_key(unit)
+        ),
+    }
 }
 
 fn internal(why: String) -> Error {
@@ -407,14 +461,15 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
         }
     }
 
-    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockWeights<B>)> {
+    fn block_grads(&mut self, b: &B, l: usize) -> Result<(&BlockWeights<B>, &mut BlockGrads<B>)> {
         if !matches!(&self.block_g, Some((k, _)) if *k == l) {
             if self.block_g.is_some() {
                 return Err(internal(format!(
                     "block {l}'s gradients start before the last block's are reduced"
                 )));
             }
-            self.block_g = Some((l, BlockWeights::zeros_grads(b, &self.cfg, l)?));
+            let g = BlockGrads::zeros(b, &self.cfg, l, &self.frozen)?;
+            self.block_g = Some((l, g));
         }
         let i = self.index(Unit::Block(l));
         match (&self.gathered[i], &mut self.block_g) {
@@ -426,7 +481,9 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
     fn head_grads(&mut self, b: &B) -> Result<HeadView<'_, B>> {
         let (v, h) = (self.cfg.vocab, self.cfg.hidden);
         let tied = self.cfg.tie_embeddings;
-        if self.head_g.is_none() {
+        let (ih, ie) = (self.index(Unit::Head), self.index(Unit::Embed));
+        // a frozen unit's gradients are never allocated
+        if self.trained[ih] && self.head_g.is_none() {
             let head = if tied {
                 None
             } else {
@@ -434,19 +491,20 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
             };
             self.head_g = Some((zeros_f32(b, &[h])?, head));
         }
-        if tied && self.embed_g.is_none() {
+        if tied && self.trained[ie] && self.embed_g.is_none() {
             self.embed_g = Some(zeros_f32(b, &[v, h])?);
         }
-        let (ih, ie) = (self.index(Unit::Head), self.index(Unit::Embed));
-        let (Some(Gathered::Head(norm, head)), Some((d_norm, d_head))) =
-            (&self.gathered[ih], &mut self.head_g)
-        else {
+        let Some(Gathered::Head(norm, head)) = &self.gathered[ih] else {
             return Err(internal("the head is used before it is acquired".into()));
         };
-        let (head, d_head) = match (head, d_head.as_mut()) {
-            (Some(w), Some(g)) => (w, g),
-            _ => match (&self.gathered[ie], self.embed_g.as_mut()) {
-                (Some(Gathered::Embed(w)), Some(g)) => (w, g),
+        let (d_norm, d_own_head) = match &mut self.head_g {
+            Some((n, h)) => (Some(n), h.as_mut()),
+            None => (None, None),
+        };
+        let (head, d_head) = match head {
+            Some(w) => (w, d_own_head),
+            None => match &self.gathered[ie] {
+                Some(Gathered::Embed(w)) => (w, self.embed_g.as_mut()),
                 _ => return Err(internal("a tied head needs the embedding acquired".into())),
             },
         };
@@ -458,16 +516,22 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
         })
     }
 
-    fn embed_grads(&mut self, b: &B) -> Result<&mut Tensor<B>> {
+    fn embed_grads(&mut self, b: &B) -> Result<Option<&mut Tensor<B>>> {
+        if !self.trained[self.index(Unit::Embed)] {
+            return Ok(None);
+        }
         if self.embed_g.is_none() {
             self.embed_g = Some(zeros_f32(b, &[self.cfg.vocab, self.cfg.hidden])?);
         }
-        Ok(self.embed_g.as_mut().expect("set above"))
+        Ok(self.embed_g.as_mut())
     }
 
     fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()> {
         let i = self.index(unit);
         let grads = self.take_grads(unit)?;
+        if !self.trained[i] {
+            return Ok(()); // a frozen unit: nothing reduce-scattered
+        }
         self.wait_reduce(b)?;
         let mut flat = b.zeros(&[self.layouts[i].padded()], DType::F32, Category::Comm)?;
         let mut off = 0;

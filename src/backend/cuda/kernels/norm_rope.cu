@@ -69,7 +69,7 @@ __device__ void rmsnorm_bwd_row8(const bf16_t* x, const bf16_t* w, const bf16_t*
         for (int i = 0; i < 8; i++) {
             o[i] = rinv * d[i] * g[i] - c * a[i];
             if (dws) dws[8 * k + i] += d[i] * a[i] * rinv;
-            else atomicAdd(dw + 8 * k + i, d[i] * a[i] * rinv);
+            else if (dw) atomicAdd(dw + 8 * k + i, d[i] * a[i] * rinv);
         }
         ((uint4*)dx)[k] = pack8(o);
     }
@@ -78,7 +78,8 @@ __device__ void rmsnorm_bwd_row8(const bf16_t* x, const bf16_t* w, const bf16_t*
 // dx = r*dy*w - (r^3 * sum(dy*w*x) / dim) * x ; dw += dy*x*r.
 // Blocks stride over rows. With `smem_dw`, each block sums its rows' dw in
 // shared memory (dim floats) and adds it to the f32 global dw once per column;
-// otherwise (dim too large for shared memory) it adds per element.
+// otherwise (dim too large for shared memory) it adds per element. A null dw
+// (a frozen norm weight) is not written.
 // Every thread touches the same columns in all loops (j = tid + k*blockDim,
 // or with `vec8` the 8 columns from 8*(tid + k*blockDim)), so the shared
 // accumulator needs no barriers.
@@ -97,7 +98,7 @@ extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, in
             rmsnorm_bwd_row8((const bf16_t*)x + base, (const bf16_t*)w, (const bf16_t*)dy + base,
                              (bf16_t*)dx + base, dw, smem_dw ? dws : nullptr, nv, (float)dim, eps, sh);
         }
-        if (smem_dw)
+        if (smem_dw && dw)
             for (int k = threadIdx.x; k < nv; k += blockDim.x)
                 for (int i = 0; i < 8; i++) atomicAdd(dw + 8 * k + i, dws[8 * k + i]);
         return;
@@ -120,10 +121,10 @@ extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, in
             float a = ld(x, base + j, xdt), g = ld(dy, base + j, dydt);
             st(dx, base + j, dxdt, rinv * g * ld(w, j, wdt) - c * a);
             if (smem_dw) dws[j] += g * a * rinv;
-            else atomicAdd(dw + j, g * a * rinv);
+            else if (dw) atomicAdd(dw + j, g * a * rinv);
         }
     }
-    if (smem_dw)
+    if (smem_dw && dw)
         for (i64 j = threadIdx.x; j < dim; j += blockDim.x) atomicAdd(dw + j, dws[j]);
 }
 
