@@ -240,7 +240,10 @@ def check_packed_hf(binary: str, root: str, src: str, family: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=inputs[None], position_ids=positions[None]).logits.float()[0]
+        # no cache: transformers builds the document mask from restarting
+        # position_ids only when it keeps no key/value cache
+        logits = model(input_ids=inputs[None], position_ids=positions[None],
+                       use_cache=False).logits.float()[0]
     theirs = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100).item()
     counted = int((targets != -100).sum())
     rel = abs(report["loss"] - theirs) / theirs
