@@ -280,16 +280,17 @@ fn copy_fill_axpy_sum_squares() {
 /// row added to a block of a wider packed buffer, and its gradient (the
 /// block's column sums) added into an F32 slice of the bias gradient; bf16
 /// and f32 activations, a bias row of 2 heads out of 5, rows past a block of
-/// 8 warps' stride. Against the CPU.
+/// 32 warps' stride; a bf16 block aligned for 8-element moves and one that
+/// is not. Against the CPU.
 #[test]
 fn bias_rows_and_their_gradient_match_cpu() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut rng = Rng::new("bias");
     let (d, heads, rows, wide) = (24, 5, 1037, 3 * 2 * 24);
-    let block = MatLayout::block(2 * 24 + 7 * wide, rows, 2 * d, wide);
     let bias_row = MatLayout::block(2 * d, 1, 2 * d, 2 * d);
-    for dt in [DType::BF16, DType::F32] {
+    for (dt, skew) in [(DType::BF16, 0), (DType::BF16, 3), (DType::F32, 0)] {
+        let block = MatLayout::block(2 * 24 + 7 * wide + skew, rows, 2 * d, wide);
         let (gb, cb) = pair(g, &c, &rng.vec(heads * d, 1.0), &[heads * d], dt);
         let n = (rows + 8) * wide;
         let (mut gx, mut cx) = pair(g, &c, &rng.vec(n, 1.0), &[rows + 8, wide], dt);
@@ -297,12 +298,19 @@ fn bias_rows_and_their_gradient_match_cpu() {
             .unwrap();
         c.add_bias_rows(cx.view_mut(block), cb.view(bias_row))
             .unwrap();
-        check(&format!("add_bias_rows {dt:?}"), g, &gx, &c, &cx);
+        check(
+            &format!("add_bias_rows {dt:?} skew {skew}"),
+            g,
+            &gx,
+            &c,
+            &cx,
+        );
         let (mut gdb, mut cdb) = pair(g, &c, &rng.vec(heads * d, 1.0), &[heads * d], DType::F32);
         g.bias_grad(gdb.view_mut(bias_row), gx.view(block)).unwrap();
         c.bias_grad(cdb.view_mut(bias_row), cx.view(block)).unwrap();
-        check(&format!("bias_grad {dt:?}"), g, &gdb, &c, &cdb);
+        check(&format!("bias_grad {dt:?} skew {skew}"), g, &gdb, &c, &cdb);
     }
+    let block = MatLayout::block(2 * 24 + 7 * wide, rows, 2 * d, wide);
     let (gb, _) = pair(g, &c, &rng.vec(heads * d, 1.0), &[heads * d], DType::F32);
     let n = (rows + 8) * wide;
     let (mut gx, _) = pair(g, &c, &rng.vec(n, 1.0), &[rows + 8, wide], DType::F32);

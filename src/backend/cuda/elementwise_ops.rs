@@ -17,6 +17,10 @@ use cudarc::driver::result;
 /// Row-striding blocks of the RMSNorm backward (each adds its dw once).
 const RMS_BWD_MAX_BLOCKS: usize = 1024;
 
+/// Threads of a `bias_grad` block: 32 warps, each summing every 32nd row of
+/// the block's 32 columns (the kernel's `part[32][33]`).
+const BIAS_GRAD_THREADS: u32 = 1024;
+
 /// Whether an elementwise kernel over `ts` may move 8 elements per load and
 /// store: every tensor bf16 and 16-byte aligned, the count a multiple of 8.
 fn vec8(ts: &[&Tensor<CudaBackend>]) -> bool {
@@ -111,7 +115,20 @@ impl CudaBackend {
             .usize(bcs)
             .usize(x.l.rows)
             .usize(x.l.cols);
-        self.launch1d(self.kernels.add_bias_rows, x.l.rows * x.l.cols, args)
+        // 8 elements a thread where a row's elements are contiguous bf16 and
+        // every row starts 16-byte aligned
+        let vec = x.t.dtype() == DType::BF16
+            && cs == 1
+            && rs.is_multiple_of(8)
+            && x.l.cols.is_multiple_of(8)
+            && (ptr(x.t) + 2 * x.l.offset as u64).is_multiple_of(16);
+        let n = x.l.rows * x.l.cols;
+        let args = args.i32(vec as i32);
+        self.launch1d(
+            self.kernels.add_bias_rows,
+            if vec { n / 8 } else { n },
+            args,
+        )
     }
 
     pub(super) fn bias_grad_impl(&self, dbias: MatMut<'_, Self>, dy: Mat<'_, Self>) -> Result<()> {
@@ -142,7 +159,7 @@ impl CudaBackend {
             &self.stream,
             self.kernels.bias_grad,
             (blocks, 1, 1),
-            BLOCK,
+            BIAS_GRAD_THREADS,
             0,
             args,
         )

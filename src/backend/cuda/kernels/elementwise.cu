@@ -64,8 +64,22 @@ extern "C" __global__ void scale2d(void* p, int dt, i64 off, i64 rs, i64 cs, i64
 
 // x[i, j] += b[j] on a strided 2-D view: a q/k/v bias row added to every
 // token's row of a projection (b one row of `cols` elements, stride bcs).
+// `vec8`: x bf16 with unit column stride, rows, offset and cols multiples of
+// 8 elements (16-byte aligned): each thread moves 8 elements of one row.
 extern "C" __global__ void add_bias_rows(void* x, int xdt, i64 xoff, i64 xrs, i64 xcs, const void* b, int bdt,
-                                         i64 boff, i64 bcs, i64 rows, i64 cols) {
+                                         i64 boff, i64 bcs, i64 rows, i64 cols, int vec8) {
+    if (vec8) {
+        i64 c8 = cols >> 3;
+        GRID_STRIDE(k, rows * c8) {
+            i64 i = k / c8, j = (k - i * c8) << 3;
+            uint4* q = (uint4*)((bf16_t*)x + xoff + i * xrs + j);
+            float a[8];
+            unpack8(*q, a);
+            for (int t = 0; t < 8; t++) a[t] += ld(b, boff + (j + t) * bcs, bdt);
+            *q = pack8(a);
+        }
+        return;
+    }
     GRID_STRIDE(idx, rows * cols) {
         i64 i = idx / cols, j = idx - i * cols;
         i64 o = xoff + i * xrs + j * xcs;
@@ -73,23 +87,24 @@ extern "C" __global__ void add_bias_rows(void* x, int xdt, i64 xoff, i64 xrs, i6
     }
 }
 
-// db[j] += sum_i dy[i, j] (db F32): a bias's gradient. A block of 256 threads
-// takes 32 columns; its 8 warps sum every 8th row of them, then one thread per
-// column adds the 8 partial sums in a fixed order (deterministic, no atomics).
+// db[j] += sum_i dy[i, j] (db F32): a bias's gradient. A block of 1024
+// threads takes 32 columns; its 32 warps sum every 32nd row of them, then one
+// thread per column adds the 32 partial sums in a fixed order
+// (deterministic, no atomics).
 extern "C" __global__ void bias_grad(float* db, i64 doff, i64 dcs, const void* dy, int ydt, i64 yoff, i64 yrs,
                                      i64 ycs, i64 rows, i64 cols) {
-    __shared__ float part[8][32];
+    __shared__ float part[32][33];
     int lane = threadIdx.x & 31, group = threadIdx.x >> 5;
     i64 j = (i64)blockIdx.x * 32 + lane;
     float acc = 0.0f;
     if (j < cols) {
-        for (i64 i = group; i < rows; i += 8) acc += ld(dy, yoff + i * yrs + j * ycs, ydt);
+        for (i64 i = group; i < rows; i += 32) acc += ld(dy, yoff + i * yrs + j * ycs, ydt);
     }
     part[group][lane] = acc;
     __syncthreads();
     if (group == 0 && j < cols) {
         float sum = 0.0f;
-        for (int g = 0; g < 8; g++) sum += part[g][lane];
+        for (int g = 0; g < 32; g++) sum += part[g][lane];
         db[doff + j * dcs] += sum;
     }
 }
