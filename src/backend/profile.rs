@@ -77,7 +77,7 @@ pub fn op_class(kind: &str) -> OpClass {
         "cross_entropy" => OpClass::Loss,
         "adamw" | "sum_squares" => OpClass::Optimizer,
         "copy" | "copy_start" | "memset" | "fill" | "upload" | "download" => OpClass::Copy,
-        "all_to_all" | "send_recv" | "all_gather" | "reduce_scatter" | "all_reduce" => {
+        "all_to_all" | "send_recv" | "shift" | "all_gather" | "reduce_scatter" | "all_reduce" => {
             OpClass::Collective
         }
         // rms_norm, rms_norm_bwd, rope, swiglu, swiglu_bwd, embedding,
@@ -463,6 +463,7 @@ mod tests {
         ("download", OpClass::Copy),
         ("all_to_all", OpClass::Collective),
         ("send_recv", OpClass::Collective),
+        ("shift", OpClass::Collective),
         ("all_gather", OpClass::Collective),
         ("reduce_scatter", OpClass::Collective),
         ("all_reduce", OpClass::Collective),
