@@ -138,16 +138,7 @@ impl ModelConfig {
             crate::input_path::check_file(&file, "--model")?;
         }
         if !file.is_file() {
-            let near: Vec<&str> = PRESETS
-                .iter()
-                .copied()
-                .filter(|p| p.starts_with(arg) && !arg.is_empty())
-                .collect();
-            let hint = if near.is_empty() {
-                String::new()
-            } else {
-                format!("; did you mean {}?", near.join(" or "))
-            };
+            let hint = super::families::presets::did_you_mean(PRESETS, arg);
             return Err(Error::Config(format!(
                 "unknown model '{arg}': not a preset ({}) nor a config.json or a directory \
                  containing one{hint}",
@@ -417,15 +408,6 @@ mod tests {
 
     fn approx(count: usize, expected: f64, rel: f64) -> bool {
         ((count as f64) - expected).abs() / expected < rel
-    }
-
-    /// A name that starts a preset's name points at it.
-    #[test]
-    fn an_unknown_name_suggests_the_presets_it_starts() {
-        let e = ModelConfig::resolve("qwen2.5-7b").unwrap_err().to_string();
-        assert!(e.contains("did you mean qwen2.5-7b-instruct?"), "{e}");
-        let e = ModelConfig::resolve("nope").unwrap_err().to_string();
-        assert!(!e.contains("did you mean"), "{e}");
     }
 
     #[test]

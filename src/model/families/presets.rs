@@ -66,3 +66,32 @@ pub fn hf_preset(name: &str) -> Option<&'static str> {
 pub fn hf_preset_names() -> impl Iterator<Item = &'static str> {
     HF_PRESETS.iter().map(|(n, _)| *n)
 }
+
+/// `"; did you mean A or B?"` for the `names` that `arg` starts (a preset
+/// named without its suffix, such as `qwen2.5-7b`), or nothing.
+pub fn did_you_mean(names: &[&str], arg: &str) -> String {
+    let near: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| !arg.is_empty() && n.starts_with(arg))
+        .collect();
+    if near.is_empty() {
+        String::new()
+    } else {
+        format!("; did you mean {}?", near.join(" or "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::model::ModelConfig;
+
+    /// A name that starts a preset's name points at it.
+    #[test]
+    fn an_unknown_name_suggests_the_presets_it_starts() {
+        let e = ModelConfig::resolve("qwen2.5-7b").unwrap_err().to_string();
+        assert!(e.contains("did you mean qwen2.5-7b-instruct?"), "{e}");
+        let e = ModelConfig::resolve("nope").unwrap_err().to_string();
+        assert!(!e.contains("did you mean"), "{e}");
+    }
+}
