@@ -141,26 +141,7 @@ fn apply_mask(g: &mut Graph, x: usize, s: &SdpaShape, dims: &[i64]) -> Result<us
 /// window to the column index, then a greater-than against the row index),
 /// which its fused kernels recognise.
 fn window_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
-    let row = g.virt(Dt::CUDNN_DATA_INT32, dims)?;
-    g.pointwise(
-        Pw::CUDNN_POINTWISE_GEN_INDEX,
-        F32,
-        x,
-        None,
-        None,
-        row,
-        Some(2),
-    )?;
-    let col = g.virt(Dt::CUDNN_DATA_INT32, dims)?;
-    g.pointwise(
-        Pw::CUDNN_POINTWISE_GEN_INDEX,
-        F32,
-        x,
-        None,
-        None,
-        col,
-        Some(3),
-    )?;
+    let (row, col) = row_col_index(g, x, dims)?;
     let w = g.scalar(uid::WINDOW, F32)?;
     let reach = g.virt(F32, dims)?;
     g.pointwise(
@@ -182,43 +163,13 @@ fn window_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
         keep,
         None,
     )?;
-    let neg = g.scalar(uid::NEG_INF_WINDOW, F32)?;
-    let y = g.virt(F32, dims)?;
-    g.pointwise(
-        Pw::CUDNN_POINTWISE_BINARY_SELECT,
-        F32,
-        x,
-        Some(neg),
-        Some(keep),
-        y,
-        None,
-    )?;
-    Ok(y)
+    hide_outside(g, x, keep, uid::NEG_INF_WINDOW, dims)
 }
 
 /// Applies the top-left causal mask to `x` (`[1, hq, sq, sk]` f32): keeps
 /// `row >= col`, puts −∞ elsewhere. Returns the masked tensor.
 fn causal_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
-    let row = g.virt(Dt::CUDNN_DATA_INT32, dims)?;
-    g.pointwise(
-        Pw::CUDNN_POINTWISE_GEN_INDEX,
-        F32,
-        x,
-        None,
-        None,
-        row,
-        Some(2),
-    )?;
-    let col = g.virt(Dt::CUDNN_DATA_INT32, dims)?;
-    g.pointwise(
-        Pw::CUDNN_POINTWISE_GEN_INDEX,
-        F32,
-        x,
-        None,
-        None,
-        col,
-        Some(3),
-    )?;
+    let (row, col) = row_col_index(g, x, dims)?;
     let keep = g.virt(Dt::CUDNN_DATA_BOOLEAN, dims)?;
     g.pointwise(
         Pw::CUDNN_POINTWISE_CMP_GE,
@@ -229,7 +180,32 @@ fn causal_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
         keep,
         None,
     )?;
-    let neg = g.scalar(uid::NEG_INF, F32)?;
+    hide_outside(g, x, keep, uid::NEG_INF, dims)
+}
+
+/// The row and the column index of every score of `x` (int32, `dims`).
+fn row_col_index(g: &mut Graph, x: usize, dims: &[i64]) -> Result<(usize, usize)> {
+    let mut index = |axis: i64| -> Result<usize> {
+        let t = g.virt(Dt::CUDNN_DATA_INT32, dims)?;
+        g.pointwise(
+            Pw::CUDNN_POINTWISE_GEN_INDEX,
+            F32,
+            x,
+            None,
+            None,
+            t,
+            Some(axis),
+        )?;
+        Ok(t)
+    };
+    let row = index(2)?;
+    Ok((row, index(3)?))
+}
+
+/// `x` where `keep`, else −∞ (the by-value scalar `neg_uid`: each mask
+/// reads its own, as cuDNN's composite form does).
+fn hide_outside(g: &mut Graph, x: usize, keep: usize, neg_uid: i64, dims: &[i64]) -> Result<usize> {
+    let neg = g.scalar(neg_uid, F32)?;
     let y = g.virt(F32, dims)?;
     g.pointwise(
         Pw::CUDNN_POINTWISE_BINARY_SELECT,
