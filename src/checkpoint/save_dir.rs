@@ -311,11 +311,22 @@ fn lock(dir: &Path) -> Result<File> {
         .truncate(false)
         .open(&path)
         .map_err(io(format!("opening {}", path.display())))?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => return Err(in_use(dir, &path)),
-        Err(std::fs::TryLockError::Error(e)) => {
-            return Err(Error::io(format!("locking {}", path.display()), e));
+    // a lock this process released can stay held for a moment by a child
+    // it is starting (the forked child shares the descriptor until its
+    // exec closes it): a holder record naming this process is retried
+    // for up to a second before it is refused
+    let mut tries = 0;
+    loop {
+        match file.try_lock() {
+            Ok(()) => break,
+            Err(std::fs::TryLockError::WouldBlock) if tries < 20 && held_by_me(&path) => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => return Err(in_use(dir, &path)),
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(Error::io(format!("locking {}", path.display()), e));
+            }
         }
     }
     let me = Holder {
@@ -331,6 +342,14 @@ fn lock(dir: &Path) -> Result<File> {
         .and_then(|()| file.write_all(text.as_bytes()))
         .map_err(io(format!("writing {}", path.display())))?;
     Ok(file)
+}
+
+/// Whether the lock file's holder record names this process on this host.
+fn held_by_me(lock: &Path) -> bool {
+    std::fs::read_to_string(lock)
+        .ok()
+        .and_then(|t| serde_json::from_str::<Holder>(&t).ok())
+        .is_some_and(|h| h.pid == std::process::id() && h.host == hostname())
 }
 
 /// The error for a save directory another run holds.
