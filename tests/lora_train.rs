@@ -91,3 +91,55 @@ fn mismatched_shapes_are_an_error() {
     let err = lora_delta_fwd(&dev, &pair, &x, &mut y).unwrap_err();
     assert!(err.to_string().contains("LoRA delta"), "{err}");
 }
+
+use upipe::model::lora::{LoraConfig, LoraWeights};
+use upipe::model::lora_params::{lora_base_freeze, upload_adapters};
+use upipe::model::{ModelConfig, Param};
+
+fn tiny() -> ModelConfig {
+    ModelConfig::resolve("tiny").unwrap()
+}
+
+#[test]
+fn adapters_upload_round_trip_and_their_gradients_are_f32_zeros() {
+    let cfg = tiny();
+    let config = LoraConfig::new(2, 4.0, false, LoraTarget::ALL.to_vec()).unwrap();
+    let mut host = LoraWeights::init(&cfg, &config, 5).unwrap();
+    let mut rng = Rng::new(3);
+    for f in host.layers.iter_mut().flatten() {
+        f.b = random(f.b.len(), &mut rng);
+    }
+    let dev = CpuBackend::new();
+    let blocks = upload_adapters(&dev, &cfg, &host, DType::F32).unwrap();
+    assert_eq!(blocks.len(), cfg.layers);
+    let weights_bytes = dev.ledger().current_of(Category::Weights);
+    assert_eq!(weights_bytes, config.param_count(&cfg) * 4);
+    for (l, block) in blocks.iter().enumerate() {
+        assert_eq!(block.to_host(&dev).unwrap(), host.layers[l], "block {l}");
+        let pair = block.get(LoraTarget::K).unwrap();
+        assert_eq!(pair.scale, 2.0);
+        assert_eq!(pair.dims(), (2, cfg.hidden, cfg.kv_heads * cfg.head_dim));
+    }
+    let mut grads = blocks[0].zero_grads(&dev).unwrap();
+    let grad_bytes = dev.ledger().current_of(Category::Grads);
+    assert_eq!(grad_bytes, config.bytes_per_block(&cfg, 4));
+    let dq = grads.get_mut(LoraTarget::Q).unwrap();
+    assert_eq!(dq.da.dtype(), DType::F32);
+    assert!(dev.to_host(&dq.db).unwrap().iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn the_lora_freeze_leaves_no_base_parameter_trainable() {
+    for name in ["tiny", "qwen2.5-0.5b-instruct"] {
+        let cfg = ModelConfig::resolve(name).unwrap();
+        let freeze = lora_base_freeze();
+        for (p, _) in cfg.params() {
+            assert!(freeze.is_frozen(&cfg, p), "{name}: {p:?} trains");
+        }
+        let (frozen, all) = freeze.frozen_elements(&cfg);
+        assert_eq!(frozen, all, "{name}");
+        assert!(freeze.is_frozen(&cfg, Param::Embed));
+        // on its own (no adapters) nothing would train: check refuses it
+        assert!(freeze.check(&cfg).is_err());
+    }
+}

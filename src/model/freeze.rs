@@ -66,6 +66,20 @@ impl Freeze {
         Freeze::default()
     }
 
+    /// Freezes every parameter of a model (embeddings, head, norms,
+    /// attention, MLP): what a LoRA run trains none of. [`Freeze::check`]
+    /// refuses it (nothing left to train) unless adapters train.
+    pub fn whole_base() -> Self {
+        let items = vec![
+            Item::Embeddings,
+            Item::Head,
+            Item::Norms,
+            Item::Attn,
+            Item::Mlp,
+        ];
+        Freeze { items }
+    }
+
     /// Parses a `--freeze` spec (`none` or empty: nothing frozen); an
     /// unknown word lists the known ones.
     pub fn parse(spec: &str) -> Result<Self> {
