@@ -143,3 +143,111 @@ fn the_lora_freeze_leaves_no_base_parameter_trainable() {
         assert!(freeze.check(&cfg).is_err());
     }
 }
+
+use upipe::attention::lora_delta::{DeltaPart, lora_delta_bwd_part, lora_delta_fwd_part};
+use upipe::model::lora_math::{HeadSlice, head_slice, lora_backward_heads, lora_forward_heads};
+
+/// `m[rows, cols]` of a row-major `m` with `ld` columns.
+fn block(
+    m: &[f32],
+    ld: usize,
+    rows: std::ops::Range<usize>,
+    cols: &std::ops::Range<usize>,
+) -> Vec<f32> {
+    rows.flat_map(|i| m[i * ld + cols.start..i * ld + cols.end].to_vec())
+        .collect()
+}
+
+#[test]
+fn a_head_range_part_equals_the_host_head_slice() {
+    let dev = CpuBackend::new();
+    let mut rng = Rng::new(13);
+    let f = factors(&mut rng); // r 3, in 8, out 6
+    let (s, r, scale) = (4, 3, 0.5f32);
+    let shapes = [[3, 8], [6, 3]];
+    let pair = LoraPair::upload(&dev, &f.a, &f.b, shapes, DType::F32, scale).unwrap();
+    // head_dim 2: q heads 1..2 own B rows 2..4; o_proj heads 1..3 own A columns 2..6
+    let slices = [
+        head_slice(LoraTarget::Q, 2, 1..2).unwrap(),
+        head_slice(LoraTarget::O, 2, 1..3).unwrap(),
+    ];
+    for slice in slices {
+        let part = match &slice {
+            HeadSlice::BRows(rows) => DeltaPart {
+                cols: 0..8,
+                rows: rows.clone(),
+            },
+            HeadSlice::AColumns(cols) => DeltaPart {
+                cols: cols.clone(),
+                rows: 0..6,
+            },
+        };
+        let (k, n) = (part.cols.len(), part.rows.len());
+        let x_h = random(s * k, &mut rng);
+        let dy_h = random(s * n, &mut rng);
+        let x = dev
+            .from_host(&x_h, &[s, k], DType::F32, Category::Activations)
+            .unwrap();
+        let mut y = dev
+            .zeros(&[s, n], DType::F32, Category::Activations)
+            .unwrap();
+        lora_delta_fwd_part(&dev, &pair, &part, &x, &mut y).unwrap();
+        let want = lora_forward_heads(&x_h, &f, scale, &slice);
+        assert_close(&dev.to_host(&y).unwrap(), &want, &format!("{slice:?} y"));
+
+        let dy = dev
+            .from_host(&dy_h, &[s, n], DType::F32, Category::Grads)
+            .unwrap();
+        let mut dx = dev.zeros(&[s, k], DType::F32, Category::Grads).unwrap();
+        let mut grads = LoraPairGrads::zeros(&dev, &pair).unwrap();
+        lora_delta_bwd_part(&dev, &pair, &part, &x, &dy, &mut grads, &mut dx).unwrap();
+        let want = lora_backward_heads(&x_h, &dy_h, &f, scale, &slice);
+        let da = dev.to_host(&grads.da).unwrap();
+        let db = dev.to_host(&grads.db).unwrap();
+        assert_close(
+            &block(&da, 8, 0..r, &part.cols),
+            &want.da,
+            &format!("{slice:?} dA"),
+        );
+        assert_close(
+            &block(&db, r, part.rows.clone(), &(0..r)),
+            &want.db,
+            &format!("{slice:?} dB"),
+        );
+        assert_close(
+            &dev.to_host(&dx).unwrap(),
+            &want.dx,
+            &format!("{slice:?} dx"),
+        );
+        // nothing outside the part is written
+        let outside = (0..r * 8).filter(|i| !part.cols.contains(&(i % 8)));
+        assert!(
+            outside.clone().all(|i| da[i] == 0.0),
+            "{slice:?}: dA outside"
+        );
+        let outside = (0..6 * r).filter(|i| !part.rows.contains(&(i / r)));
+        assert!(
+            outside.clone().all(|i| db[i] == 0.0),
+            "{slice:?}: dB outside"
+        );
+    }
+}
+
+#[test]
+fn a_part_outside_the_adapter_is_an_error() {
+    let dev = CpuBackend::new();
+    let shapes = [[2, 4], [6, 2]];
+    let pair = LoraPair::upload(&dev, &[0.0; 8], &[0.0; 12], shapes, DType::F32, 1.0).unwrap();
+    let part = DeltaPart {
+        cols: 0..4,
+        rows: 4..8,
+    };
+    let x = dev
+        .zeros(&[2, 4], DType::F32, Category::Activations)
+        .unwrap();
+    let mut y = dev
+        .zeros(&[2, 4], DType::F32, Category::Activations)
+        .unwrap();
+    let err = lora_delta_fwd_part(&dev, &pair, &part, &x, &mut y).unwrap_err();
+    assert!(err.to_string().contains("rows 4..8"), "{err}");
+}

@@ -3,11 +3,14 @@
 //! (`dA`, `dB` accumulated, the adapter's `dx` added), as GEMMs of the
 //! backend. It lives here, below the decoder, because the attention
 //! strategies run the q/k/v/o projections; the decoder's MLP uses it too.
-//! The host f32 reference it must equal is `model/lora_math.rs`; shapes
-//! follow PEFT (`A` `[r, in]`, `B` `[out, r]`).
+//! A [`DeltaPart`] restricts both to the input columns of `A` and output
+//! rows of `B` one attention stage owns (`lora_math::head_slice`). The host
+//! f32 reference they must equal is `model/lora_math.rs`; shapes follow
+//! PEFT (`A` `[r, in]`, `B` `[out, r]`).
 
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::error::{Error, Result};
+use std::ops::Range;
 
 /// One adapter's factors on the device, in the weight dtype.
 pub struct LoraPair<B: Backend> {
@@ -62,26 +65,73 @@ impl<B: Backend> LoraPairGrads<B> {
     }
 }
 
-/// Checks that `x` `[s, in]` and `y` `[s, out]` fit `pair`.
-fn check_shapes<B: Backend>(pair: &LoraPair<B>, x: &Tensor<B>, y: &Tensor<B>) -> Result<()> {
+/// The input columns (of `A`) and output rows (of `B`) a computation
+/// touches: the whole adapter, a head range's rows of `B` (q/k/v), or a
+/// head range's columns of `A` (o_proj), as `lora_math::HeadSlice` says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeltaPart {
+    pub cols: Range<usize>,
+    pub rows: Range<usize>,
+}
+
+impl DeltaPart {
+    /// Every column and row of `pair`.
+    pub fn whole<B: Backend>(pair: &LoraPair<B>) -> DeltaPart {
+        let (_, n_in, n_out) = pair.dims();
+        DeltaPart {
+            cols: 0..n_in,
+            rows: 0..n_out,
+        }
+    }
+
+    /// `A[:, cols]` `[r, cols]` inside `A` `[r, in]`.
+    fn a_view(&self, r: usize, n_in: usize) -> MatLayout {
+        MatLayout::block(self.cols.start, r, self.cols.len(), n_in)
+    }
+
+    /// `B[rows]` `[rows, r]` inside `B` `[out, r]`.
+    fn b_view(&self, r: usize) -> MatLayout {
+        MatLayout::block(self.rows.start * r, self.rows.len(), r, r)
+    }
+}
+
+/// Checks that `part` lies in `pair` and that `x` `[s, cols]` and `y`
+/// `[s, rows]` fit it.
+fn check_shapes<B: Backend>(
+    pair: &LoraPair<B>,
+    part: &DeltaPart,
+    x: &Tensor<B>,
+    y: &Tensor<B>,
+) -> Result<()> {
     let (_, n_in, n_out) = pair.dims();
-    if x.row_len() != n_in || y.row_len() != n_out || x.rows() != y.rows() {
+    let inside = part.cols.end <= n_in && part.rows.end <= n_out;
+    let fits = x.row_len() == part.cols.len() && y.row_len() == part.rows.len();
+    if !inside || !fits || x.rows() != y.rows() {
         return Err(Error::Backend(format!(
-            "LoRA delta: x {:?} and y {:?} do not fit A {:?}, B {:?} (x [s, in], y [s, out])",
+            "LoRA delta: x {:?} and y {:?} do not fit columns {:?} of A {:?} and rows {:?} \
+             of B {:?} (x [s, cols], y [s, rows])",
             x.shape(),
             y.shape(),
+            part.cols,
             pair.a.shape(),
+            part.rows,
             pair.b.shape()
         )));
     }
     Ok(())
 }
 
-/// `h = x·Aᵀ` `[s, r]`, in `x`'s dtype (a transient buffer).
-fn down<B: Backend>(dev: &B, pair: &LoraPair<B>, x: &Tensor<B>) -> Result<Tensor<B>> {
-    let r = pair.a.shape()[0];
+/// `h = x·A[:, cols]ᵀ` `[s, r]`, in `x`'s dtype (a transient buffer).
+fn down<B: Backend>(
+    dev: &B,
+    pair: &LoraPair<B>,
+    part: &DeltaPart,
+    x: &Tensor<B>,
+) -> Result<Tensor<B>> {
+    let (r, n_in, _) = pair.dims();
     let mut h = dev.empty(&[x.rows(), r], x.dtype(), Category::Workspace)?;
-    dev.gemm(h.mat_mut(), x.mat(), pair.a.mat().t(), 1.0, 0.0)?;
+    let a = pair.a.view(part.a_view(r, n_in));
+    dev.gemm(h.mat_mut(), x.mat(), a.t(), 1.0, 0.0)?;
     Ok(h)
 }
 
@@ -93,9 +143,24 @@ pub fn lora_delta_fwd<B: Backend>(
     x: &Tensor<B>,
     y: &mut Tensor<B>,
 ) -> Result<()> {
-    check_shapes(pair, x, y)?;
-    let h = down(dev, pair, x)?; // [s, r]
-    dev.gemm(y.mat_mut(), h.mat(), pair.b.mat().t(), pair.scale, 1.0)
+    lora_delta_fwd_part(dev, pair, &DeltaPart::whole(pair), x, y)
+}
+
+/// [`lora_delta_fwd`] on `part`: `y` `[s, rows] += scale ·
+/// (x·A[:, cols]ᵀ)·B[rows]ᵀ` for `x` `[s, cols]` (for o_proj's columns
+/// a partial sum over the head ranges).
+pub fn lora_delta_fwd_part<B: Backend>(
+    dev: &B,
+    pair: &LoraPair<B>,
+    part: &DeltaPart,
+    x: &Tensor<B>,
+    y: &mut Tensor<B>,
+) -> Result<()> {
+    check_shapes(pair, part, x, y)?;
+    let r = pair.dims().0;
+    let h = down(dev, pair, part, x)?; // [s, r]
+    let b = pair.b.view(part.b_view(r));
+    dev.gemm(y.mat_mut(), h.mat(), b.t(), pair.scale, 1.0)
 }
 
 /// Backward of [`lora_delta_fwd`] given `dy` `[s, out]`: with
@@ -110,16 +175,33 @@ pub fn lora_delta_bwd<B: Backend>(
     grads: &mut LoraPairGrads<B>,
     dx: &mut Tensor<B>,
 ) -> Result<()> {
-    check_shapes(pair, x, dy)?;
-    check_shapes(pair, dx, dy)?;
-    let r = pair.a.shape()[0];
-    let h = down(dev, pair, x)?; // [s, r]
+    let part = DeltaPart::whole(pair);
+    lora_delta_bwd_part(dev, pair, &part, x, dy, grads, dx)
+}
+
+/// [`lora_delta_bwd`] on `part` (`x`, `dx` `[s, cols]`, `dy` `[s, rows]`):
+/// `dB[rows] += scale · dyᵀ·h`, `dA[:, cols] += gᵀ·x`, `dx += g·A[:, cols]`
+/// with `h = x·A[:, cols]ᵀ`, `g = scale · dy·B[rows]`. Summed over the
+/// parts of an adapter, these are [`lora_delta_bwd`]'s.
+pub fn lora_delta_bwd_part<B: Backend>(
+    dev: &B,
+    pair: &LoraPair<B>,
+    part: &DeltaPart,
+    x: &Tensor<B>,
+    dy: &Tensor<B>,
+    grads: &mut LoraPairGrads<B>,
+    dx: &mut Tensor<B>,
+) -> Result<()> {
+    check_shapes(pair, part, x, dy)?;
+    check_shapes(pair, part, dx, dy)?;
+    let (r, n_in, _) = pair.dims();
+    let (a_view, b_view) = (part.a_view(r, n_in), part.b_view(r));
+    let h = down(dev, pair, part, x)?; // [s, r]
     let scale = pair.scale;
-    dev.gemm(grads.db.mat_mut(), dy.mat().t(), h.mat(), scale, 1.0)?;
+    dev.gemm(grads.db.view_mut(b_view), dy.mat().t(), h.mat(), scale, 1.0)?;
     drop(h);
     let mut g = dev.empty(&[x.rows(), r], x.dtype(), Category::Workspace)?; // [s, r]
-    dev.gemm(g.mat_mut(), dy.mat(), pair.b.mat(), scale, 0.0)?;
-    dev.gemm(grads.da.mat_mut(), g.mat().t(), x.mat(), 1.0, 1.0)?;
-    let full = MatLayout::row_major(dx.rows(), dx.row_len());
-    dev.gemm(dx.view_mut(full), g.mat(), pair.a.mat(), 1.0, 1.0)
+    dev.gemm(g.mat_mut(), dy.mat(), pair.b.view(b_view), scale, 0.0)?;
+    dev.gemm(grads.da.view_mut(a_view), g.mat().t(), x.mat(), 1.0, 1.0)?;
+    dev.gemm(dx.mat_mut(), g.mat(), pair.a.view(a_view), 1.0, 1.0)
 }
