@@ -141,6 +141,10 @@ fn the_lora_freeze_leaves_no_base_parameter_trainable() {
         assert!(freeze.is_frozen(&cfg, Param::Embed));
         // on its own (no adapters) nothing would train: check refuses it
         assert!(freeze.check(&cfg).is_err());
+        // with adapters training, it is what the run means
+        freeze.check_with_adapters(&cfg, true).unwrap();
+        let beyond = upipe::model::Freeze::parse("blocks:99").unwrap();
+        assert!(beyond.check_with_adapters(&cfg, true).is_err());
     }
 }
 
