@@ -22,6 +22,7 @@
 
 pub mod layout;
 pub mod local;
+pub mod lora_delta;
 pub mod ring;
 pub mod ring_shift;
 pub mod rope;

@@ -66,6 +66,20 @@ impl Freeze {
         Freeze::default()
     }
 
+    /// Freezes every parameter of a model (embeddings, head, norms,
+    /// attention, MLP): what a LoRA run trains none of. [`Freeze::check`]
+    /// refuses it (nothing left to train) unless adapters train.
+    pub fn whole_base() -> Self {
+        let items = vec![
+            Item::Embeddings,
+            Item::Head,
+            Item::Norms,
+            Item::Attn,
+            Item::Mlp,
+        ];
+        Freeze { items }
+    }
+
     /// Parses a `--freeze` spec (`none` or empty: nothing frozen); an
     /// unknown word lists the known ones.
     pub fn parse(spec: &str) -> Result<Self> {
@@ -91,6 +105,13 @@ impl Freeze {
     /// Checks the spec against `cfg`: its blocks exist, and something is
     /// left to train.
     pub fn check(&self, cfg: &ModelConfig) -> Result<()> {
+        self.check_with_adapters(cfg, false)
+    }
+
+    /// [`Freeze::check`] for a run whose LoRA adapters train when
+    /// `adapters` is set: then freezing every base parameter is what the
+    /// run means ([`Freeze::whole_base`]), not an error.
+    pub fn check_with_adapters(&self, cfg: &ModelConfig, adapters: bool) -> Result<()> {
         for item in &self.items {
             if let Item::Blocks(r) = item
                 && *r.end() >= cfg.layers
@@ -103,7 +124,10 @@ impl Freeze {
                 );
             }
         }
-        if !self.is_empty() && cfg.params().iter().all(|(p, _)| self.is_frozen(cfg, *p)) {
+        if !adapters
+            && !self.is_empty()
+            && cfg.params().iter().all(|(p, _)| self.is_frozen(cfg, *p))
+        {
             return crate::config_err!(
                 "--freeze {self} freezes every parameter of the model: nothing to train; \
                  freeze less (or drop --freeze)"

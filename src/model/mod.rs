@@ -13,6 +13,7 @@ pub mod freeze;
 pub mod grads;
 pub mod lora;
 pub mod lora_math;
+pub mod lora_params;
 pub mod progress;
 pub mod shapes;
 pub mod store;
