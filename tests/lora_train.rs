@@ -93,8 +93,10 @@ fn mismatched_shapes_are_an_error() {
 }
 
 use upipe::model::lora::{LoraConfig, LoraWeights};
-use upipe::model::lora_params::{lora_base_freeze, upload_adapters};
-use upipe::model::{ModelConfig, Param};
+use upipe::model::lora_params::{
+    adapters_to_host, attach_adapter_grads, attach_adapters, lora_base_freeze,
+};
+use upipe::model::{ModelConfig, ModelGrads, ModelWeights, Param, Unit};
 
 fn tiny() -> ModelConfig {
     ModelConfig::resolve("tiny").unwrap()
@@ -110,20 +112,33 @@ fn adapters_upload_round_trip_and_their_gradients_are_f32_zeros() {
         f.b = random(f.b.len(), &mut rng);
     }
     let dev = CpuBackend::new();
-    let blocks = upload_adapters(&dev, &cfg, &host, DType::F32).unwrap();
-    assert_eq!(blocks.len(), cfg.layers);
-    let weights_bytes = dev.ledger().current_of(Category::Weights);
+    let mut w = ModelWeights::random(&dev, &cfg, 1).unwrap();
+    let base_bytes = dev.ledger().current_of(Category::Weights);
+    attach_adapters(&dev, &mut w, &host, DType::F32).unwrap();
+    let weights_bytes = dev.ledger().current_of(Category::Weights) - base_bytes;
     assert_eq!(weights_bytes, config.param_count(&cfg) * 4);
-    for (l, block) in blocks.iter().enumerate() {
-        assert_eq!(block.to_host(&dev).unwrap(), host.layers[l], "block {l}");
-        let pair = block.get(LoraTarget::K).unwrap();
-        assert_eq!(pair.scale, 2.0);
-        assert_eq!(pair.dims(), (2, cfg.hidden, cfg.kv_heads * cfg.head_dim));
-    }
-    let mut grads = blocks[0].zero_grads(&dev).unwrap();
-    let grad_bytes = dev.ledger().current_of(Category::Grads);
-    assert_eq!(grad_bytes, config.bytes_per_block(&cfg, 4));
-    let dq = grads.get_mut(LoraTarget::Q).unwrap();
+    assert_eq!(adapters_to_host(&dev, &w, &config).unwrap(), host);
+    let pair = w.blocks[0].attn.lora.k.as_ref().unwrap();
+    assert_eq!(pair.scale, 2.0);
+    assert_eq!(pair.dims(), (2, cfg.hidden, cfg.kv_heads * cfg.head_dim));
+    // every adapter factor is named as PEFT names it, after its block's weights
+    let names: Vec<String> = w
+        .unit_named(Unit::Block(1))
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let q_a = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight";
+    let base = cfg.family.block_params().len();
+    assert_eq!(names[base], q_a, "{names:?}");
+    assert_eq!(names.len(), base + 2 * LoraTarget::ALL.len());
+    let mut g = ModelGrads::zeros(&dev, &cfg, &lora_base_freeze()).unwrap();
+    let before = dev.ledger().current_of(Category::Grads);
+    attach_adapter_grads(&dev, &w, &mut g).unwrap();
+    let grad_bytes = dev.ledger().current_of(Category::Grads) - before;
+    assert_eq!(grad_bytes, config.bytes_per_block(&cfg, 4) * cfg.layers);
+    // a frozen base has no gradient: only the adapters' are held
+    assert_eq!(g.named().len(), cfg.layers * 2 * LoraTarget::ALL.len());
+    let dq = g.blocks[0].attn.lora.q.as_ref().unwrap();
     assert_eq!(dq.da.dtype(), DType::F32);
     assert!(dev.to_host(&dq.db).unwrap().iter().all(|&v| v == 0.0));
 }

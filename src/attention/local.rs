@@ -1,18 +1,19 @@
 //! The single-device attention layer: the reference every strategy must equal.
 //! Written plainly, without stages or exchanges.
 
+use super::lora_delta::{LoraPair, add_delta, add_delta_bwd};
 use super::rope::RopeTables;
 use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, norm_rope_bwd};
 use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, Tensor};
 use crate::error::Result;
 
-/// `x @ w^T (+ bias)` for a `[rows, hidden]` input, `[heads*d, hidden]`
-/// weight and optional `[heads*d]` bias, shaped `[rows, heads, d]`.
+/// `x @ w^T (+ bias) (+ the adapter's delta)` for a `[rows, hidden]` input,
+/// `[heads*d, hidden]` weight and optional `[heads*d]` bias, shaped
+/// `[rows, heads, d]`.
 fn project<B: Backend>(
     b: &B,
     x: &Tensor<B>,
-    w: &Tensor<B>,
-    bias: Option<&Tensor<B>>,
+    (w, bias, lora): (&Tensor<B>, Option<&Tensor<B>>, Option<&LoraPair<B>>),
     heads: usize,
     d: usize,
 ) -> Result<Tensor<B>> {
@@ -21,7 +22,22 @@ fn project<B: Backend>(
     if let Some(bias) = bias {
         super::add_head_bias(b, out.mat_mut(), bias, &(0..heads), d)?;
     }
+    add_delta(b, lora, x.mat(), out.mat_mut())?;
     Ok(out)
+}
+
+/// q, k and v of `x`, each `[rows, heads, d]`.
+fn project_qkv<B: Backend>(
+    b: &B,
+    dims: &AttnDims,
+    w: &AttentionWeights<B>,
+    x: &Tensor<B>,
+) -> Result<[Tensor<B>; 3]> {
+    let (d, l) = (dims.head_dim, &w.lora);
+    let q = project(b, x, (&w.wq, w.bq.as_ref(), l.q.as_ref()), dims.heads, d)?;
+    let k = project(b, x, (&w.wk, w.bk.as_ref(), l.k.as_ref()), dims.kv_heads, d)?;
+    let v = project(b, x, (&w.wv, w.bv.as_ref(), l.v.as_ref()), dims.kv_heads, d)?;
+    Ok([q, k, v])
 }
 
 /// Forward on the whole sequence under its `mask`.
@@ -34,9 +50,7 @@ pub fn forward<B: Backend>(
     x: &Tensor<B>,
 ) -> Result<(Tensor<B>, AttnSaved<B>)> {
     let (s, d) = (x.rows(), dims.head_dim);
-    let q = project(b, x, &w.wq, w.bq.as_ref(), dims.heads, d)?;
-    let k = project(b, x, &w.wk, w.bk.as_ref(), dims.kv_heads, d)?;
-    let v = project(b, x, &w.wv, w.bv.as_ref(), dims.kv_heads, d)?;
+    let [q, k, v] = project_qkv(b, dims, w, x)?;
     let (q, _) = norm_rope(b, q, w.q_norm.as_ref(), dims.norm_eps, rope, false)?;
     let (k, _) = norm_rope(b, k, w.k_norm.as_ref(), dims.norm_eps, rope, false)?;
     let mut o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Activations)?;
@@ -50,7 +64,7 @@ pub fn forward<B: Backend>(
         lse.all_rows_mut(),
     )?;
     drop((q, k, v));
-    let y = super::output_projection(b, &o, &w.wo)?;
+    let y = super::output_projection(b, &o, w)?;
     Ok((y, AttnSaved { o, lse: vec![lse] }))
 }
 
@@ -74,10 +88,10 @@ pub fn backward<B: Backend>(
     }
     let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
     b.gemm(d_o.mat_mut(), dy.mat(), w.wo.mat(), 1.0, 0.0)?;
+    let (lo, glo) = (w.lora.o.as_ref(), g.lora.o.as_mut());
+    add_delta_bwd(b, lo, glo, o.mat(), dy.mat(), d_o.mat_mut())?;
 
-    let q = project(b, x, &w.wq, w.bq.as_ref(), dims.heads, d)?;
-    let k = project(b, x, &w.wk, w.bk.as_ref(), dims.kv_heads, d)?;
-    let v = project(b, x, &w.wv, w.bv.as_ref(), dims.kv_heads, d)?;
+    let [q, k, v] = project_qkv(b, dims, w, x)?;
     let (q, q_raw) = norm_rope(b, q, w.q_norm.as_ref(), eps, rope, true)?;
     let (k, k_raw) = norm_rope(b, k, w.k_norm.as_ref(), eps, rope, true)?;
     let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
@@ -114,10 +128,32 @@ pub fn backward<B: Backend>(
         rope,
     )?;
     let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
-    for (dp, wp, gp, gb, heads) in [
-        (&dq, &w.wq, g.wq.as_mut(), g.bq.as_mut(), dims.heads),
-        (&dk, &w.wk, g.wk.as_mut(), g.bk.as_mut(), dims.kv_heads),
-        (&dv, &w.wv, g.wv.as_mut(), g.bv.as_mut(), dims.kv_heads),
+    let (l, gl) = (&w.lora, &mut g.lora);
+    for (dp, wp, gp, gb, heads, lora) in [
+        (
+            &dq,
+            &w.wq,
+            g.wq.as_mut(),
+            g.bq.as_mut(),
+            dims.heads,
+            (&l.q, &mut gl.q),
+        ),
+        (
+            &dk,
+            &w.wk,
+            g.wk.as_mut(),
+            g.bk.as_mut(),
+            dims.kv_heads,
+            (&l.k, &mut gl.k),
+        ),
+        (
+            &dv,
+            &w.wv,
+            g.wv.as_mut(),
+            g.bv.as_mut(),
+            dims.kv_heads,
+            (&l.v, &mut gl.v),
+        ),
     ] {
         let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
         if let Some(gp) = gp {
@@ -127,6 +163,8 @@ pub fn backward<B: Backend>(
             super::head_bias_grad(b, gb, dp.mat(), &(0..heads), d)?;
         }
         b.gemm(dx.mat_mut(), dp.mat(), wp.mat(), 1.0, 1.0)?;
+        let (pair, grads) = (lora.0.as_ref(), lora.1.as_mut());
+        add_delta_bwd(b, pair, grads, x.mat(), dp.mat(), dx.mat_mut())?;
     }
     Ok(dx)
 }

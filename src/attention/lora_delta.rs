@@ -8,7 +8,7 @@
 //! f32 reference they must equal is `model/lora_math.rs`; shapes follow
 //! PEFT (`A` `[r, in]`, `B` `[out, r]`).
 
-use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
+use crate::backend::{Backend, Category, DType, Mat, MatLayout, MatMut, Tensor};
 use crate::error::{Error, Result};
 use std::ops::Range;
 
@@ -100,18 +100,20 @@ impl DeltaPart {
 fn check_shapes<B: Backend>(
     pair: &LoraPair<B>,
     part: &DeltaPart,
-    x: &Tensor<B>,
-    y: &Tensor<B>,
+    x: &MatLayout,
+    y: &MatLayout,
 ) -> Result<()> {
     let (_, n_in, n_out) = pair.dims();
     let inside = part.cols.end <= n_in && part.rows.end <= n_out;
-    let fits = x.row_len() == part.cols.len() && y.row_len() == part.rows.len();
-    if !inside || !fits || x.rows() != y.rows() {
+    let fits = x.cols == part.cols.len() && y.cols == part.rows.len();
+    if !inside || !fits || x.rows != y.rows {
         return Err(Error::Backend(format!(
-            "LoRA delta: x {:?} and y {:?} do not fit columns {:?} of A {:?} and rows {:?} \
-             of B {:?} (x [s, cols], y [s, rows])",
-            x.shape(),
-            y.shape(),
+            "LoRA delta: x [{}, {}] and y [{}, {}] do not fit columns {:?} of A {:?} and \
+             rows {:?} of B {:?} (x [s, cols], y [s, rows])",
+            x.rows,
+            x.cols,
+            y.rows,
+            y.cols,
             part.cols,
             pair.a.shape(),
             part.rows,
@@ -126,12 +128,12 @@ fn down<B: Backend>(
     dev: &B,
     pair: &LoraPair<B>,
     part: &DeltaPart,
-    x: &Tensor<B>,
+    x: Mat<'_, B>,
 ) -> Result<Tensor<B>> {
     let (r, n_in, _) = pair.dims();
-    let mut h = dev.empty(&[x.rows(), r], x.dtype(), Category::Workspace)?;
+    let mut h = dev.empty(&[x.l.rows, r], x.t.dtype(), Category::Workspace)?;
     let a = pair.a.view(part.a_view(r, n_in));
-    dev.gemm(h.mat_mut(), x.mat(), a.t(), 1.0, 0.0)?;
+    dev.gemm(h.mat_mut(), x, a.t(), 1.0, 0.0)?;
     Ok(h)
 }
 
@@ -143,7 +145,7 @@ pub fn lora_delta_fwd<B: Backend>(
     x: &Tensor<B>,
     y: &mut Tensor<B>,
 ) -> Result<()> {
-    lora_delta_fwd_part(dev, pair, &DeltaPart::whole(pair), x, y)
+    lora_delta_fwd_mat(dev, pair, &DeltaPart::whole(pair), x.mat(), y.mat_mut())
 }
 
 /// [`lora_delta_fwd`] on `part`: `y` `[s, rows] += scale ·
@@ -156,11 +158,23 @@ pub fn lora_delta_fwd_part<B: Backend>(
     x: &Tensor<B>,
     y: &mut Tensor<B>,
 ) -> Result<()> {
-    check_shapes(pair, part, x, y)?;
+    lora_delta_fwd_mat(dev, pair, part, x.mat(), y.mat_mut())
+}
+
+/// [`lora_delta_fwd_part`] on matrix views (a tile's rows of a larger
+/// output, a head range's columns).
+pub fn lora_delta_fwd_mat<B: Backend>(
+    dev: &B,
+    pair: &LoraPair<B>,
+    part: &DeltaPart,
+    x: Mat<'_, B>,
+    y: MatMut<'_, B>,
+) -> Result<()> {
+    check_shapes(pair, part, &x.l, &y.l)?;
     let r = pair.dims().0;
     let h = down(dev, pair, part, x)?; // [s, r]
     let b = pair.b.view(part.b_view(r));
-    dev.gemm(y.mat_mut(), h.mat(), b.t(), pair.scale, 1.0)
+    dev.gemm(y, h.mat(), b.t(), pair.scale, 1.0)
 }
 
 /// Backward of [`lora_delta_fwd`] given `dy` `[s, out]`: with
@@ -176,7 +190,7 @@ pub fn lora_delta_bwd<B: Backend>(
     dx: &mut Tensor<B>,
 ) -> Result<()> {
     let part = DeltaPart::whole(pair);
-    lora_delta_bwd_part(dev, pair, &part, x, dy, grads, dx)
+    lora_delta_bwd_mat(dev, pair, &part, x.mat(), dy.mat(), grads, dx.mat_mut())
 }
 
 /// [`lora_delta_bwd`] on `part` (`x`, `dx` `[s, cols]`, `dy` `[s, rows]`):
@@ -192,16 +206,89 @@ pub fn lora_delta_bwd_part<B: Backend>(
     grads: &mut LoraPairGrads<B>,
     dx: &mut Tensor<B>,
 ) -> Result<()> {
-    check_shapes(pair, part, x, dy)?;
-    check_shapes(pair, part, dx, dy)?;
+    lora_delta_bwd_mat(dev, pair, part, x.mat(), dy.mat(), grads, dx.mat_mut())
+}
+
+/// [`lora_delta_bwd_part`] on matrix views.
+pub fn lora_delta_bwd_mat<B: Backend>(
+    dev: &B,
+    pair: &LoraPair<B>,
+    part: &DeltaPart,
+    x: Mat<'_, B>,
+    dy: Mat<'_, B>,
+    grads: &mut LoraPairGrads<B>,
+    dx: MatMut<'_, B>,
+) -> Result<()> {
+    check_shapes(pair, part, &x.l, &dy.l)?;
+    check_shapes(pair, part, &dx.l, &dy.l)?;
     let (r, n_in, _) = pair.dims();
     let (a_view, b_view) = (part.a_view(r, n_in), part.b_view(r));
     let h = down(dev, pair, part, x)?; // [s, r]
     let scale = pair.scale;
-    dev.gemm(grads.db.view_mut(b_view), dy.mat().t(), h.mat(), scale, 1.0)?;
+    dev.gemm(grads.db.view_mut(b_view), dy.t(), h.mat(), scale, 1.0)?;
     drop(h);
-    let mut g = dev.empty(&[x.rows(), r], x.dtype(), Category::Workspace)?; // [s, r]
-    dev.gemm(g.mat_mut(), dy.mat(), pair.b.view(b_view), scale, 0.0)?;
-    dev.gemm(grads.da.view_mut(a_view), g.mat().t(), x.mat(), 1.0, 1.0)?;
-    dev.gemm(dx.mat_mut(), g.mat(), pair.a.view(a_view), 1.0, 1.0)
+    let mut g = dev.empty(&[x.l.rows, r], x.t.dtype(), Category::Workspace)?; // [s, r]
+    dev.gemm(g.mat_mut(), dy, pair.b.view(b_view), scale, 0.0)?;
+    dev.gemm(grads.da.view_mut(a_view), g.mat().t(), x, 1.0, 1.0)?;
+    dev.gemm(dx, g.mat(), pair.a.view(a_view), 1.0, 1.0)
+}
+
+/// A block's attention adapters by projection (`None`: not adapted): the
+/// factors ([`LoraPair`]) in the weights, their gradients
+/// ([`LoraPairGrads`]) in the gradients.
+pub struct AttnAdapters<P> {
+    pub q: Option<P>,
+    pub k: Option<P>,
+    pub v: Option<P>,
+    pub o: Option<P>,
+}
+
+impl<P> Default for AttnAdapters<P> {
+    fn default() -> Self {
+        AttnAdapters {
+            q: None,
+            k: None,
+            v: None,
+            o: None,
+        }
+    }
+}
+
+impl<P> AttnAdapters<P> {
+    /// Whether any projection is adapted.
+    pub fn any(&self) -> bool {
+        self.q.is_some() || self.k.is_some() || self.v.is_some() || self.o.is_some()
+    }
+}
+
+/// `y += ` the adapter's delta when `pair` is present (the whole adapter).
+pub fn add_delta<B: Backend>(
+    dev: &B,
+    pair: Option<&LoraPair<B>>,
+    x: Mat<'_, B>,
+    y: MatMut<'_, B>,
+) -> Result<()> {
+    match pair {
+        Some(p) => lora_delta_fwd_mat(dev, p, &DeltaPart::whole(p), x, y),
+        None => Ok(()),
+    }
+}
+
+/// The adapter's backward when `pair` is present and trained: `dA`, `dB`
+/// into `grads`, its input gradient added to `dx`.
+pub fn add_delta_bwd<B: Backend>(
+    dev: &B,
+    pair: Option<&LoraPair<B>>,
+    grads: Option<&mut LoraPairGrads<B>>,
+    x: Mat<'_, B>,
+    dy: Mat<'_, B>,
+    dx: MatMut<'_, B>,
+) -> Result<()> {
+    match (pair, grads) {
+        (Some(p), Some(g)) => lora_delta_bwd_mat(dev, p, &DeltaPart::whole(p), x, dy, g, dx),
+        (None, None) => Ok(()),
+        _ => Err(Error::Backend(
+            "LoRA: an adapter and its gradients must come together".into(),
+        )),
+    }
 }

@@ -37,6 +37,7 @@ use crate::backend::{Backend, Category, DType, Tensor};
 use crate::comm::{Mesh, MeshShape};
 use crate::error::Result;
 use layout::SeqLayout;
+use lora_delta::{AttnAdapters, LoraPair, LoraPairGrads};
 use rope::{RopeConfig, RopeTables};
 use schedule::StageSchedule;
 pub use settle::Settle;
@@ -274,6 +275,9 @@ pub struct AttentionWeights<B: Backend> {
     pub bq: Option<Tensor<B>>,
     pub bk: Option<Tensor<B>>,
     pub bv: Option<Tensor<B>>,
+    /// LoRA adapters of the projections (`--lora-rank`; none by default),
+    /// added beside the frozen weights' GEMMs, never merged.
+    pub lora: AttnAdapters<LoraPair<B>>,
 }
 
 /// F32 gradients of [`AttentionWeights`], by shape: `None` for a parameter
@@ -289,6 +293,8 @@ pub struct AttentionGrads<B: Backend> {
     pub bq: Option<Tensor<B>>,
     pub bk: Option<Tensor<B>>,
     pub bv: Option<Tensor<B>>,
+    /// The adapters' gradients (where `AttentionWeights::lora` has adapters).
+    pub lora: AttnAdapters<LoraPairGrads<B>>,
 }
 
 impl<B: Backend> AttentionGrads<B> {
@@ -306,6 +312,7 @@ impl<B: Backend> AttentionGrads<B> {
             bq: None,
             bk: None,
             bv: None,
+            lora: AttnAdapters::default(),
         })
     }
 
@@ -330,20 +337,45 @@ impl<B: Backend> AttentionGrads<B> {
 
     /// Every gradient held, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
+        self.named_and_lora_mut().0
+    }
+
+    /// [`named_mut`](Self::named_mut) and the adapters' gradients, borrowed together.
+    #[allow(clippy::type_complexity)]
+    pub fn named_and_lora_mut(
+        &mut self,
+    ) -> (
+        Vec<(&'static str, &mut Tensor<B>)>,
+        &mut AttnAdapters<LoraPairGrads<B>>,
+    ) {
+        let AttentionGrads {
+            wq,
+            wk,
+            wv,
+            wo,
+            q_norm,
+            k_norm,
+            bq,
+            bk,
+            bv,
+            lora,
+        } = self;
         let all = [
-            ("wq", &mut self.wq),
-            ("bq", &mut self.bq),
-            ("wk", &mut self.wk),
-            ("bk", &mut self.bk),
-            ("wv", &mut self.wv),
-            ("bv", &mut self.bv),
-            ("wo", &mut self.wo),
-            ("q_norm", &mut self.q_norm),
-            ("k_norm", &mut self.k_norm),
+            ("wq", wq),
+            ("bq", bq),
+            ("wk", wk),
+            ("bk", bk),
+            ("wv", wv),
+            ("bv", bv),
+            ("wo", wo),
+            ("q_norm", q_norm),
+            ("k_norm", k_norm),
         ];
-        all.into_iter()
+        let named = all
+            .into_iter()
             .filter_map(|(n, t)| t.as_mut().map(|t| (n, t)))
-            .collect()
+            .collect();
+        (named, lora)
     }
 
     /// Every gradient held, owned, in the order of [`named`](Self::named).
@@ -382,16 +414,38 @@ impl<B: Backend> AttentionWeights<B> {
     }
     /// Every tensor, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
-        let mut v = vec![("wq", &mut self.wq)];
-        v.extend(self.bq.as_mut().map(|t| ("bq", t)));
-        v.push(("wk", &mut self.wk));
-        v.extend(self.bk.as_mut().map(|t| ("bk", t)));
-        v.push(("wv", &mut self.wv));
-        v.extend(self.bv.as_mut().map(|t| ("bv", t)));
-        v.push(("wo", &mut self.wo));
-        v.extend(self.q_norm.as_mut().map(|t| ("q_norm", t)));
-        v.extend(self.k_norm.as_mut().map(|t| ("k_norm", t)));
-        v
+        self.named_and_lora_mut().0
+    }
+    /// [`named_mut`](Self::named_mut) and the adapters, borrowed together.
+    #[allow(clippy::type_complexity)]
+    pub fn named_and_lora_mut(
+        &mut self,
+    ) -> (
+        Vec<(&'static str, &mut Tensor<B>)>,
+        &mut AttnAdapters<LoraPair<B>>,
+    ) {
+        let AttentionWeights {
+            wq,
+            wk,
+            wv,
+            wo,
+            q_norm,
+            k_norm,
+            bq,
+            bk,
+            bv,
+            lora,
+        } = self;
+        let mut v = vec![("wq", wq)];
+        v.extend(bq.as_mut().map(|t| ("bq", t)));
+        v.push(("wk", wk));
+        v.extend(bk.as_mut().map(|t| ("bk", t)));
+        v.push(("wv", wv));
+        v.extend(bv.as_mut().map(|t| ("bv", t)));
+        v.push(("wo", wo));
+        v.extend(q_norm.as_mut().map(|t| ("q_norm", t)));
+        v.extend(k_norm.as_mut().map(|t| ("k_norm", t)));
+        (v, lora)
     }
     /// Every tensor, owned, in the order of [`named`](Self::named).
     pub fn into_tensors(self) -> Vec<Tensor<B>> {
@@ -566,12 +620,18 @@ impl<B: Backend> CpAttention<B> {
     }
 }
 
-/// The output projection `y = O·Woᵀ`: `o: [s, H, d]` → `y: [s, hidden]`
-/// (`Activations`). Forward and a checkpointed block's recompute from a kept
+/// The output projection `y = O·Woᵀ` (plus the o_proj adapter's delta):
+/// `o: [s, H, d]` → `y: [s, hidden]` (`Activations`). Forward and a checkpointed block's recompute from a kept
 /// O call this one function, so both give the same `y`.
-pub fn output_projection<B: Backend>(b: &B, o: &Tensor<B>, wo: &Tensor<B>) -> Result<Tensor<B>> {
+pub fn output_projection<B: Backend>(
+    b: &B,
+    o: &Tensor<B>,
+    w: &AttentionWeights<B>,
+) -> Result<Tensor<B>> {
+    let wo = &w.wo;
     let mut y = b.empty(&[o.rows(), wo.rows()], o.dtype(), Category::Activations)?;
     b.gemm(y.mat_mut(), o.mat(), wo.mat().t(), 1.0, 0.0)?;
+    lora_delta::add_delta(b, w.lora.o.as_ref(), o.mat(), y.mat_mut())?;
     Ok(y)
 }
 

@@ -463,7 +463,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         if let Some(last) = out.take() {
             self.take_output(&mut o, last)?;
         }
-        let y = super::output_projection(b, &o, &w.wo)?;
+        let y = super::output_projection(b, &o, w)?;
         let lse = lses
             .into_iter()
             .enumerate()

@@ -247,6 +247,7 @@ pub fn run_rank_masked<B: Backend>(
         bq: None,
         bk: None,
         bv: None,
+        lora: Default::default(),
     };
     let layer = CpAttention::new(b, *dims, plan.clone(), mesh, mask)?;
     let ledger = b.ledger();

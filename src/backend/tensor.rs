@@ -232,6 +232,14 @@ pub struct Mat<'a, B: Backend> {
     pub l: MatLayout,
 }
 
+impl<B: Backend> Clone for Mat<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Mat<'_, B> {}
+
 impl<'a, B: Backend> Mat<'a, B> {
     /// The transposed view.
     pub fn t(self) -> Self {

@@ -12,39 +12,13 @@ use super::save_dtype::SaveDtype;
 use super::tensor_file::{HostTensor, read_safetensors, save_safetensors};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use crate::model::lora::{LoraFactors, LoraTarget, LoraWeights};
+pub use crate::model::lora::{Factor, tensor_name};
+use crate::model::lora::{LoraFactors, LoraTarget, LoraWeights, PEFT_LAYER_PREFIX as PREFIX};
 use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The file name PEFT gives an adapter's tensors.
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
-
-/// The prefix PEFT's `PeftModelForCausalLM` puts before the base model's names.
-const PREFIX: &str = "base_model.model.model.layers.";
-
-/// One of an adapter's two factors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Factor {
-    /// `lora_A` `[r, in]`.
-    A,
-    /// `lora_B` `[out, r]`.
-    B,
-}
-
-impl Factor {
-    fn peft_name(self) -> &'static str {
-        match self {
-            Factor::A => "lora_A",
-            Factor::B => "lora_B",
-        }
-    }
-}
-
-/// The name PEFT saves factor `factor` of `target` in block `layer` under.
-pub fn tensor_name(layer: usize, target: LoraTarget, factor: Factor) -> String {
-    let (module, f) = (target.module_path(), factor.peft_name());
-    format!("{PREFIX}{layer}.{module}.{f}.weight")
-}
 
 /// The block, target and factor a PEFT tensor name stands for, if it is
 /// one (with or without the adapter's name `default`).
@@ -139,18 +113,34 @@ pub fn read_adapter(dir: &Path, cfg: &ModelConfig) -> Result<PeftAdapter> {
         )));
     }
     let (tensors, _) = read_safetensors(&weights_path, |_| true)?;
-    let weights = factors_of(&tensors, &config, cfg, &weights_path)?;
+    let weights = factors_of(&tensors, &config.lora, cfg, &weights_path)?;
     Ok(PeftAdapter { weights, config })
+}
+
+/// The adapter `lora` among a checkpoint's `tensors` (those named under
+/// PEFT's prefix; the base model's are left alone), checked like an
+/// adapter file's (`place` names where they came from).
+pub fn adapter_from_tensors(
+    tensors: &BTreeMap<String, HostTensor>,
+    lora: &crate::model::lora::LoraConfig,
+    cfg: &ModelConfig,
+    place: &Path,
+) -> Result<LoraWeights> {
+    let factors: BTreeMap<String, HostTensor> = tensors
+        .iter()
+        .filter(|(n, _)| n.starts_with(PREFIX))
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .collect();
+    factors_of(&factors, lora, cfg, place)
 }
 
 /// Every factor the config names, from `tensors` (by PEFT name), checked.
 fn factors_of(
     tensors: &BTreeMap<String, HostTensor>,
-    config: &PeftConfig,
+    lora: &crate::model::lora::LoraConfig,
     cfg: &ModelConfig,
     file: &Path,
 ) -> Result<LoraWeights> {
-    let lora = &config.lora;
     let bad = |msg: String| Error::Checkpoint(format!("{}: {msg}", file.display()));
     let mut found: BTreeMap<(usize, LoraTarget, u8), &HostTensor> = BTreeMap::new();
     for (name, t) in tensors {

@@ -49,6 +49,12 @@ pub struct ModelKeys {
     pub allow_extra_tensors: Option<bool>,
     /// `--freeze` (a flag of the memory group, which `train` and `plan` share).
     pub freeze: Option<String>,
+    /// The LoRA flags (`cli::lora`, shared by `train` and `plan`).
+    pub lora_rank: Option<usize>,
+    pub lora_alpha: Option<f64>,
+    pub lora_targets: Option<String>,
+    pub lora_rslora: Option<bool>,
+    pub lora_from: Option<PathBuf>,
 }
 
 /// `[data]`: tokens and sequences.

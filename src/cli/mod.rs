@@ -6,6 +6,7 @@ pub mod config;
 pub mod eval;
 pub mod info;
 pub mod launch;
+pub mod lora;
 pub mod memory;
 pub mod mesh;
 pub mod metrics;

@@ -252,6 +252,7 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
         trace: a.trace.clone(),
         rehearse: a.rehearse,
         freeze: c.freeze.clone(),
+        lora: c.lora.clone(),
         // loaded once the run's data is (`eval_during`)
         eval: None,
     }

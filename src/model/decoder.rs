@@ -23,6 +23,7 @@ use super::config::ModelConfig;
 use super::grads::BlockGrads;
 use super::store::{HeadView, ParamStore, Unit};
 use super::weights::BlockWeights;
+use crate::attention::lora_delta::{add_delta, add_delta_bwd};
 use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan, output_projection};
 use crate::backend::profile::{Phase, PhaseGuard};
 use crate::backend::{Backend, Category, CopyDone, DType, MatLayout, Tensor, cast};
@@ -427,6 +428,8 @@ impl<B: Backend> Decoder<B> {
                 1.0,
                 1.0,
             )?;
+            let down = w.mlp_lora.down.as_ref();
+            add_delta(b, down, saved.act.mat(), out.view_mut(dst))?;
             if !self.policy.tiled_mlp {
                 mlp = Some(saved);
             }
@@ -448,7 +451,7 @@ impl<B: Backend> Decoder<B> {
         let mut a = b.empty(h.shape(), h.dtype(), Category::Activations)?;
         b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
         let (y, attn) = match kept {
-            Some(attn) => (output_projection(b, &attn.o, &w.attn.wo)?, attn),
+            Some(attn) => (output_projection(b, &attn.o, &w.attn)?, attn),
             None => self.attn.forward(b, mesh, &w.attn, &a)?,
         };
         b.ledger().enter("forward: mlp");
@@ -510,8 +513,10 @@ impl<B: Backend> Decoder<B> {
         b.rms_norm_fwd(x, &w.mlp_norm, self.eps(), &mut m)?;
         let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
+        add_delta(b, w.mlp_lora.gate.as_ref(), m.mat(), gate.mat_mut())?;
         let mut up = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(up.mat_mut(), m.mat(), w.up.mat().t(), 1.0, 0.0)?;
+        add_delta(b, w.mlp_lora.up.as_ref(), m.mat(), up.mat_mut())?;
         let mut act = b.empty(&[r, f], dt, Category::Activations)?;
         b.swiglu_fwd(&gate, &up, &mut act)?;
         Ok(MlpSaved { m, gate, up, act })
@@ -556,6 +561,16 @@ impl<B: Backend> Decoder<B> {
             let mut dact = b.empty(s.act.shape(), s.act.dtype(), Category::Workspace)?;
             let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
             b.gemm(dact.mat_mut(), d_t, w.down.mat(), 1.0, 0.0)?;
+            let (down, g_lora) = (w.mlp_lora.down.as_ref(), &mut g.mlp_lora);
+            let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
+            add_delta_bwd(
+                b,
+                down,
+                g_lora.down.as_mut(),
+                s.act.mat(),
+                d_t,
+                dact.mat_mut(),
+            )?;
             let mut dgate = b.empty(s.gate.shape(), s.gate.dtype(), Category::Workspace)?;
             let mut dup = b.empty(s.up.shape(), s.up.dtype(), Category::Workspace)?;
             b.swiglu_bwd(&s.gate, &s.up, &dact, &mut dgate, &mut dup)?;
@@ -569,6 +584,23 @@ impl<B: Backend> Decoder<B> {
             let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
             b.gemm(dm.mat_mut(), dgate.mat(), w.gate.mat(), 1.0, 0.0)?;
             b.gemm(dm.mat_mut(), dup.mat(), w.up.mat(), 1.0, 1.0)?;
+            let (l, gl) = (&w.mlp_lora, &mut g.mlp_lora);
+            add_delta_bwd(
+                b,
+                l.gate.as_ref(),
+                gl.gate.as_mut(),
+                s.m.mat(),
+                dgate.mat(),
+                dm.mat_mut(),
+            )?;
+            add_delta_bwd(
+                b,
+                l.up.as_ref(),
+                gl.up.as_mut(),
+                s.m.mat(),
+                dup.mat(),
+                dm.mat_mut(),
+            )?;
             drop((dgate, dup, s));
             let mut dx_t = b.empty(x_t.shape(), x_t.dtype(), Category::Workspace)?;
             b.rms_norm_bwd(

@@ -12,6 +12,7 @@
 use super::decoder::Decoder;
 use super::store::{ParamStore, Unit};
 use super::weights::{BlockWeights, ModelWeights};
+use crate::attention::lora_delta::add_delta;
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
 use crate::comm::Mesh;
 use crate::error::Result;
@@ -130,6 +131,7 @@ impl<B: Backend> Decoder<B> {
             drop(x_t);
             let dst = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
             b.gemm(out.view_mut(dst), act_t.mat(), w.down.mat().t(), 1.0, 1.0)?;
+            add_delta(b, w.mlp_lora.down.as_ref(), act_t.mat(), out.view_mut(dst))?;
         }
         Ok(out)
     }
@@ -142,8 +144,10 @@ impl<B: Backend> Decoder<B> {
         b.rms_norm_fwd(x, &w.mlp_norm, self.eps(), &mut m)?;
         let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
+        add_delta(b, w.mlp_lora.gate.as_ref(), m.mat(), gate.mat_mut())?;
         let mut up = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(up.mat_mut(), m.mat(), w.up.mat().t(), 1.0, 0.0)?;
+        add_delta(b, w.mlp_lora.up.as_ref(), m.mat(), up.mat_mut())?;
         drop(m);
         let mut act = b.empty(&[r, f], dt, Category::Activations)?;
         b.swiglu_fwd(&gate, &up, &mut act)?;

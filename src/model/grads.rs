@@ -5,8 +5,12 @@
 use super::config::ModelConfig;
 use super::families::{BlockParam, Family, Param};
 use super::freeze::Freeze;
+use super::lora::{Factor, LoraTarget};
+use super::lora_params::MlpAdapters;
 use super::unit::Unit;
+use super::weights::TensorId;
 use crate::attention::AttentionGrads;
+use crate::attention::lora_delta::LoraPairGrads;
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
 
@@ -18,6 +22,8 @@ pub struct BlockGrads<B: Backend> {
     pub gate: Option<Tensor<B>>,
     pub up: Option<Tensor<B>>,
     pub down: Option<Tensor<B>>,
+    /// The MLP adapters' gradients (where `BlockWeights::mlp_lora` has adapters).
+    pub mlp_lora: MlpAdapters<LoraPairGrads<B>>,
 }
 
 /// A whole model's gradients (`None`: frozen).
@@ -76,6 +82,7 @@ impl<B: Backend> BlockGrads<B> {
             bq,
             bk,
             bv,
+            lora: Default::default(),
         };
         Ok(BlockGrads {
             attn_norm,
@@ -84,6 +91,7 @@ impl<B: Backend> BlockGrads<B> {
             gate: p(Gate)?,
             up: p(Up)?,
             down: p(Down)?,
+            mlp_lora: MlpAdapters::default(),
         })
     }
 
@@ -108,16 +116,34 @@ impl<B: Backend> BlockGrads<B> {
 
     /// Every gradient held, mutable, in the order of [`params`](Self::params).
     pub fn params_mut(&mut self) -> Vec<(BlockParam, &mut Tensor<B>)> {
+        self.params_and_adapters_mut().0
+    }
+
+    /// [`params_mut`](Self::params_mut) and the adapters' gradients
+    /// (`BlockGrads::adapter_tensors` order), borrowed together.
+    #[allow(clippy::type_complexity)]
+    pub fn params_and_adapters_mut(
+        &mut self,
+    ) -> (
+        Vec<(BlockParam, &mut Tensor<B>)>,
+        Vec<(LoraTarget, Factor, &mut Tensor<B>)>,
+    ) {
+        let (attn, attn_lora) = self.attn.named_and_lora_mut();
         let mut v: Vec<(BlockParam, &mut Tensor<B>)> = Vec::new();
         v.extend(self.attn_norm.as_mut().map(|t| (BlockParam::AttnNorm, t)));
-        for (short, t) in self.attn.named_mut() {
+        for (short, t) in attn {
             v.push((super::weights::attn_param(short), t));
         }
         v.extend(self.mlp_norm.as_mut().map(|t| (BlockParam::MlpNorm, t)));
         v.extend(self.gate.as_mut().map(|t| (BlockParam::Gate, t)));
         v.extend(self.up.as_mut().map(|t| (BlockParam::Up, t)));
         v.extend(self.down.as_mut().map(|t| (BlockParam::Down, t)));
-        v
+        let pairs = super::lora_params::block_pairs_mut(attn_lora, &mut self.mlp_lora);
+        let lora = pairs
+            .into_iter()
+            .flat_map(|(t, g)| [(t, Factor::A, &mut g.da), (t, Factor::B, &mut g.db)])
+            .collect();
+        (v, lora)
     }
 
     /// Every gradient held, owned, in the order of [`params`](Self::params).
@@ -155,60 +181,88 @@ impl<B: Backend> ModelGrads<B> {
         })
     }
 
-    /// Every gradient held, by role, in model (HF) order.
-    pub fn params(&self) -> Vec<(Param, &Tensor<B>)> {
-        let mut v: Vec<(Param, &Tensor<B>)> =
-            self.embed.iter().map(|t| (Param::Embed, t)).collect();
+    /// Every gradient held, by identity, in model order (each block's
+    /// base parameters, then its adapters'; `ModelWeights::tensors`).
+    pub fn tensors(&self) -> Vec<(TensorId, &Tensor<B>)> {
+        let mut v: Vec<(TensorId, &Tensor<B>)> = Vec::new();
+        v.extend(self.embed.iter().map(|t| (TensorId::Base(Param::Embed), t)));
         for (l, blk) in self.blocks.iter().enumerate() {
-            let block = blk.params().into_iter();
-            v.extend(block.map(|(bp, t)| (Param::Block(l, bp), t)));
+            let base = blk.params().into_iter();
+            v.extend(base.map(|(bp, t)| (TensorId::Base(Param::Block(l, bp)), t)));
+            let lora = blk.adapter_tensors().into_iter();
+            v.extend(lora.map(|(tg, f, t)| (TensorId::Adapter(l, tg, f), t)));
         }
-        v.extend(self.final_norm.iter().map(|t| (Param::FinalNorm, t)));
-        v.extend(self.lm_head.iter().map(|t| (Param::LmHead, t)));
+        v.extend(
+            self.final_norm
+                .iter()
+                .map(|t| (TensorId::Base(Param::FinalNorm), t)),
+        );
+        v.extend(
+            self.lm_head
+                .iter()
+                .map(|t| (TensorId::Base(Param::LmHead), t)),
+        );
         v
     }
 
-    /// Every gradient held, mutable, in the order of [`params`](Self::params).
-    pub fn params_mut(&mut self) -> Vec<(Param, &mut Tensor<B>)> {
-        let mut v: Vec<(Param, &mut Tensor<B>)> =
-            self.embed.iter_mut().map(|t| (Param::Embed, t)).collect();
+    /// [`tensors`](Self::tensors), mutable.
+    pub fn tensors_mut(&mut self) -> Vec<(TensorId, &mut Tensor<B>)> {
+        let mut v: Vec<(TensorId, &mut Tensor<B>)> = Vec::new();
+        v.extend(
+            self.embed
+                .iter_mut()
+                .map(|t| (TensorId::Base(Param::Embed), t)),
+        );
         for (l, blk) in self.blocks.iter_mut().enumerate() {
-            let block = blk.params_mut().into_iter();
-            v.extend(block.map(|(bp, t)| (Param::Block(l, bp), t)));
+            let (base, lora) = blk.params_and_adapters_mut();
+            v.extend(
+                base.into_iter()
+                    .map(|(bp, t)| (TensorId::Base(Param::Block(l, bp)), t)),
+            );
+            v.extend(
+                lora.into_iter()
+                    .map(|(tg, f, t)| (TensorId::Adapter(l, tg, f), t)),
+            );
         }
-        v.extend(self.final_norm.iter_mut().map(|t| (Param::FinalNorm, t)));
-        v.extend(self.lm_head.iter_mut().map(|t| (Param::LmHead, t)));
+        let norm = self.final_norm.iter_mut();
+        v.extend(norm.map(|t| (TensorId::Base(Param::FinalNorm), t)));
+        v.extend(
+            self.lm_head
+                .iter_mut()
+                .map(|t| (TensorId::Base(Param::LmHead), t)),
+        );
         v
     }
 
-    /// The gradients of `unit` held, with their HF names, in HF order.
+    /// The gradients of `unit` held, with their names, in model order.
     pub fn unit_named(&self, unit: Unit) -> Vec<(String, &Tensor<B>)> {
         let family = self.family;
-        let params = self.params().into_iter().filter(|(p, _)| p.unit() == unit);
-        params.map(|(p, t)| (family.hf_name(p), t)).collect()
+        let all = self
+            .tensors()
+            .into_iter()
+            .filter(|(id, _)| id.unit() == unit);
+        all.map(|(id, t)| (id.name(family), t)).collect()
     }
 
     /// The gradients of `unit` held, mutable, in the order of [`unit_named`](Self::unit_named).
     pub fn unit_named_mut(&mut self, unit: Unit) -> Vec<(String, &mut Tensor<B>)> {
         let family = self.family;
-        let params = self
-            .params_mut()
-            .into_iter()
-            .filter(|(p, _)| p.unit() == unit);
-        params.map(|(p, t)| (family.hf_name(p), t)).collect()
+        let all = self.tensors_mut().into_iter();
+        let all = all.filter(|(id, _)| id.unit() == unit);
+        all.map(|(id, t)| (id.name(family), t)).collect()
     }
 
-    /// Every gradient held with its HF name, in model order.
+    /// Every gradient held with its name, in model order.
     pub fn named(&self) -> Vec<(String, &Tensor<B>)> {
         let family = self.family;
-        let params = self.params().into_iter();
-        params.map(|(p, t)| (family.hf_name(p), t)).collect()
+        let all = self.tensors().into_iter();
+        all.map(|(id, t)| (id.name(family), t)).collect()
     }
 
     /// Every gradient held, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<B>)> {
         let family = self.family;
-        let params = self.params_mut().into_iter();
-        params.map(|(p, t)| (family.hf_name(p), t)).collect()
+        let all = self.tensors_mut().into_iter();
+        all.map(|(id, t)| (id.name(family), t)).collect()
     }
 }

@@ -148,6 +148,24 @@ pub struct LoraConfig {
     pub targets: Vec<LoraTarget>,
 }
 
+impl std::fmt::Display for LoraConfig {
+    /// `r 16, alpha 32, targets q_proj,v_proj` (and `, rsLoRA`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.targets.iter().map(|t| t.peft_name()).collect();
+        write!(
+            f,
+            "r {}, alpha {}, targets {}",
+            self.rank,
+            self.alpha,
+            names.join(",")
+        )?;
+        if self.use_rslora {
+            write!(f, ", rsLoRA")?;
+        }
+        Ok(())
+    }
+}
+
 impl LoraConfig {
     /// A config, checked on its own (rank above 0, alpha positive and
     /// finite, at least one target, in block order without repeats);
@@ -336,4 +354,31 @@ impl LoraWeights {
         let i = self.config.targets.iter().position(|&t| t == target)?;
         self.layers.get(layer).map(|factors| &factors[i])
     }
+}
+
+/// The prefix PEFT's `PeftModelForCausalLM` puts before the base model's names.
+pub const PEFT_LAYER_PREFIX: &str = "base_model.model.model.layers.";
+
+/// One of an adapter's two factors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Factor {
+    /// `lora_A` `[r, in]`.
+    A,
+    /// `lora_B` `[out, r]`.
+    B,
+}
+
+impl Factor {
+    pub fn peft_name(self) -> &'static str {
+        match self {
+            Factor::A => "lora_A",
+            Factor::B => "lora_B",
+        }
+    }
+}
+
+/// The name PEFT saves factor `factor` of `target` in block `layer` under.
+pub fn tensor_name(layer: usize, target: LoraTarget, factor: Factor) -> String {
+    let (module, f) = (target.module_path(), factor.peft_name());
+    format!("{PEFT_LAYER_PREFIX}{layer}.{module}.{f}.weight")
 }

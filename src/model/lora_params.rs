@@ -1,70 +1,183 @@
-//! A model's LoRA adapters as trainable device parameters: every block's
-//! [`LoraPair`]s (in the weight dtype, like the base weights; F32 masters
-//! and moments belong to the optimizer's slots) and their F32 gradients,
+//! A model's LoRA adapters as trainable device parameters: each block's
+//! [`LoraPair`]s live beside its frozen weights (the attention's in
+//! `AttentionWeights::lora`, the MLP's in `BlockWeights::mlp_lora`), in the
+//! weight dtype like the base weights (F32 masters and moments belong to the
+//! optimizer's slots), with F32 gradients beside the block's gradients;
 //! uploaded from and read back into the host [`LoraWeights`]; and the
 //! `--freeze` that leaves only the adapters to train ([`lora_base_freeze`]).
 //! The arithmetic on them is `attention/lora_delta.rs`.
 
-use super::config::ModelConfig;
 use super::freeze::Freeze;
-use super::lora::{LoraFactors, LoraTarget, LoraWeights};
-use crate::attention::lora_delta::{LoraPair, LoraPairGrads};
-use crate::backend::{Backend, DType};
-use crate::error::Result;
+use super::grads::{BlockGrads, ModelGrads};
+use super::lora::{Factor, LoraConfig, LoraDims, LoraFactors, LoraTarget, LoraWeights};
+use super::weights::{BlockWeights, ModelWeights};
+use crate::attention::lora_delta::{AttnAdapters, LoraPair, LoraPairGrads};
+use crate::backend::{Backend, DType, Tensor};
+use crate::error::{Error, Result};
 
-/// One block's adapters, one [`LoraPair`] per target, in block order.
-pub struct BlockAdapters<B: Backend> {
-    pub targets: Vec<(LoraTarget, LoraPair<B>)>,
+/// A block's MLP adapters by projection (`None`: not adapted).
+pub struct MlpAdapters<P> {
+    pub gate: Option<P>,
+    pub up: Option<P>,
+    pub down: Option<P>,
 }
 
-/// One block's adapter gradients, in the order of its [`BlockAdapters`].
-pub struct BlockAdapterGrads<B: Backend> {
-    pub targets: Vec<(LoraTarget, LoraPairGrads<B>)>,
+impl<P> Default for MlpAdapters<P> {
+    fn default() -> Self {
+        MlpAdapters {
+            gate: None,
+            up: None,
+            down: None,
+        }
+    }
 }
 
-impl<B: Backend> BlockAdapters<B> {
-    /// Block `layer`'s adapters of `weights`, uploaded in `dtype`.
-    pub fn upload(
-        dev: &B,
-        weights: &LoraWeights,
-        layer: usize,
-        dtype: DType,
-    ) -> Result<BlockAdapters<B>> {
-        let scale = weights.config.scale();
-        let mut targets = Vec::new();
-        for (&t, f) in weights.config.targets.iter().zip(&weights.layers[layer]) {
+/// The slot of `target` in a block's attention and MLP adapters.
+fn slot_mut<'a, P>(
+    attn: &'a mut AttnAdapters<P>,
+    mlp: &'a mut MlpAdapters<P>,
+    target: LoraTarget,
+) -> &'a mut Option<P> {
+    match target {
+        LoraTarget::Q => &mut attn.q,
+        LoraTarget::K => &mut attn.k,
+        LoraTarget::V => &mut attn.v,
+        LoraTarget::O => &mut attn.o,
+        LoraTarget::Gate => &mut mlp.gate,
+        LoraTarget::Up => &mut mlp.up,
+        LoraTarget::Down => &mut mlp.down,
+    }
+}
+
+/// A block's adapters in target order ([`LoraTarget::ALL`]), the absent left out.
+pub fn block_pairs<'a, P>(
+    attn: &'a AttnAdapters<P>,
+    mlp: &'a MlpAdapters<P>,
+) -> Vec<(LoraTarget, &'a P)> {
+    let all = [
+        (LoraTarget::Q, &attn.q),
+        (LoraTarget::K, &attn.k),
+        (LoraTarget::V, &attn.v),
+        (LoraTarget::O, &attn.o),
+        (LoraTarget::Gate, &mlp.gate),
+        (LoraTarget::Up, &mlp.up),
+        (LoraTarget::Down, &mlp.down),
+    ];
+    all.into_iter()
+        .filter_map(|(t, p)| p.as_ref().map(|p| (t, p)))
+        .collect()
+}
+
+/// [`block_pairs`], mutable.
+pub fn block_pairs_mut<'a, P>(
+    attn: &'a mut AttnAdapters<P>,
+    mlp: &'a mut MlpAdapters<P>,
+) -> Vec<(LoraTarget, &'a mut P)> {
+    let all = [
+        (LoraTarget::Q, &mut attn.q),
+        (LoraTarget::K, &mut attn.k),
+        (LoraTarget::V, &mut attn.v),
+        (LoraTarget::O, &mut attn.o),
+        (LoraTarget::Gate, &mut mlp.gate),
+        (LoraTarget::Up, &mut mlp.up),
+        (LoraTarget::Down, &mut mlp.down),
+    ];
+    all.into_iter()
+        .filter_map(|(t, p)| p.as_mut().map(|p| (t, p)))
+        .collect()
+}
+
+impl<B: Backend> BlockWeights<B> {
+    /// The block's adapters in target order.
+    pub fn adapters(&self) -> Vec<(LoraTarget, &LoraPair<B>)> {
+        block_pairs(&self.attn.lora, &self.mlp_lora)
+    }
+
+    /// The block's adapter tensors, `lora_A` then `lora_B` of each target.
+    pub fn adapter_tensors(&self) -> Vec<(LoraTarget, Factor, &Tensor<B>)> {
+        let pairs = self.adapters().into_iter();
+        pairs
+            .flat_map(|(t, p)| [(t, Factor::A, &p.a), (t, Factor::B, &p.b)])
+            .collect()
+    }
+}
+
+impl<B: Backend> BlockGrads<B> {
+    /// The adapters' gradients, in the order of `BlockWeights::adapter_tensors`.
+    pub fn adapter_tensors(&self) -> Vec<(LoraTarget, Factor, &Tensor<B>)> {
+        let pairs = block_pairs(&self.attn.lora, &self.mlp_lora).into_iter();
+        pairs
+            .flat_map(|(t, g)| [(t, Factor::A, &g.da), (t, Factor::B, &g.db)])
+            .collect()
+    }
+
+    /// [`adapter_tensors`](Self::adapter_tensors), mutable.
+    pub fn adapter_tensors_mut(&mut self) -> Vec<(LoraTarget, Factor, &mut Tensor<B>)> {
+        let pairs = block_pairs_mut(&mut self.attn.lora, &mut self.mlp_lora).into_iter();
+        pairs
+            .flat_map(|(t, g)| [(t, Factor::A, &mut g.da), (t, Factor::B, &mut g.db)])
+            .collect()
+    }
+}
+
+/// Uploads `lora`'s factors (in `dtype`) beside every block's weights.
+pub fn attach_adapters<B: Backend>(
+    dev: &B,
+    w: &mut ModelWeights<B>,
+    lora: &LoraWeights,
+    dtype: DType,
+) -> Result<()> {
+    let scale = lora.config.scale();
+    if lora.layers.len() != w.blocks.len() {
+        return Err(Error::Config(format!(
+            "the adapter has {} blocks, the model {}",
+            lora.layers.len(),
+            w.blocks.len()
+        )));
+    }
+    for (blk, factors) in w.blocks.iter_mut().zip(&lora.layers) {
+        for (&t, f) in lora.config.targets.iter().zip(factors) {
             let d = f.dims;
             let shapes = [[d.rank, d.in_features], [d.out_features, d.rank]];
             let pair = LoraPair::upload(dev, &f.a, &f.b, shapes, dtype, scale)?;
-            targets.push((t, pair));
+            *slot_mut(&mut blk.attn.lora, &mut blk.mlp_lora, t) = Some(pair);
         }
-        Ok(BlockAdapters { targets })
     }
+    Ok(())
+}
 
-    /// The adapter of `target`, if this block has one.
-    pub fn get(&self, target: LoraTarget) -> Option<&LoraPair<B>> {
-        self.targets
-            .iter()
-            .find(|(t, _)| *t == target)
-            .map(|(_, p)| p)
-    }
-
-    /// Zero F32 gradients for every adapter of the block.
-    pub fn zero_grads(&self, dev: &B) -> Result<BlockAdapterGrads<B>> {
-        let mut targets = Vec::new();
-        for (t, pair) in &self.targets {
-            targets.push((*t, LoraPairGrads::zeros(dev, pair)?));
+/// Zero F32 gradients for every adapter of `w`, beside `g`'s.
+pub fn attach_adapter_grads<B: Backend>(
+    dev: &B,
+    w: &ModelWeights<B>,
+    g: &mut ModelGrads<B>,
+) -> Result<()> {
+    for (blk, grads) in w.blocks.iter().zip(&mut g.blocks) {
+        for (t, pair) in blk.adapters() {
+            let zeros = LoraPairGrads::zeros(dev, pair)?;
+            *slot_mut(&mut grads.attn.lora, &mut grads.mlp_lora, t) = Some(zeros);
         }
-        Ok(BlockAdapterGrads { targets })
     }
+    Ok(())
+}
 
-    /// The block's factors on the host, as f32, in block order.
-    pub fn to_host(&self, dev: &B) -> Result<Vec<LoraFactors>> {
-        let mut out = Vec::new();
-        for (_, pair) in &self.targets {
+/// The adapters of `w` on the host, as f32 ([`LoraWeights`] of `config`).
+pub fn adapters_to_host<B: Backend>(
+    dev: &B,
+    w: &ModelWeights<B>,
+    config: &LoraConfig,
+) -> Result<LoraWeights> {
+    let mut layers = Vec::new();
+    for blk in &w.blocks {
+        let mut factors = Vec::new();
+        for &t in &config.targets {
+            let pair = blk.adapters().into_iter().find(|(x, _)| *x == t);
+            let (_, pair) = pair.ok_or_else(|| {
+                Error::Config(format!("the model has no {} adapter", t.peft_name()))
+            })?;
             let (rank, in_features, out_features) = pair.dims();
-            out.push(LoraFactors {
-                dims: super::lora::LoraDims {
+            factors.push(LoraFactors {
+                dims: LoraDims {
                     rank,
                     in_features,
                     out_features,
@@ -73,28 +186,12 @@ impl<B: Backend> BlockAdapters<B> {
                 b: dev.to_host(&pair.b)?,
             });
         }
-        Ok(out)
+        layers.push(factors);
     }
-}
-
-impl<B: Backend> BlockAdapterGrads<B> {
-    /// The gradients of `target`'s adapter, if this block has one.
-    pub fn get_mut(&mut self, target: LoraTarget) -> Option<&mut LoraPairGrads<B>> {
-        let found = self.targets.iter_mut().find(|(t, _)| *t == target);
-        found.map(|(_, g)| g)
-    }
-}
-
-/// Every block's adapters of `weights` on the device, in `dtype`.
-pub fn upload_adapters<B: Backend>(
-    dev: &B,
-    cfg: &ModelConfig,
-    weights: &LoraWeights,
-    dtype: DType,
-) -> Result<Vec<BlockAdapters<B>>> {
-    (0..cfg.layers)
-        .map(|l| BlockAdapters::upload(dev, weights, l, dtype))
-        .collect()
+    Ok(LoraWeights {
+        config: config.clone(),
+        layers,
+    })
 }
 
 /// The `--freeze` of a LoRA run: every base parameter, so only the

@@ -4,8 +4,11 @@
 
 use super::config::ModelConfig;
 use super::families::{BlockParam, Family, Param};
+use super::lora::{Factor, LoraTarget, tensor_name};
+use super::lora_params::MlpAdapters;
 use super::unit::Unit;
 use crate::attention::AttentionWeights;
+use crate::attention::lora_delta::LoraPair;
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
 
@@ -22,6 +25,8 @@ pub struct BlockWeights<B: Backend> {
     pub up: Tensor<B>,
     /// `[hidden, ffn]`.
     pub down: Tensor<B>,
+    /// LoRA adapters of gate/up/down (`--lora-rank`; none by default).
+    pub mlp_lora: MlpAdapters<LoraPair<B>>,
 }
 
 /// All parameters (or gradients) of a decoder.
@@ -67,11 +72,13 @@ impl<B: Backend> BlockWeights<B> {
                 bq,
                 bk,
                 bv,
+                lora: Default::default(),
             },
             mlp_norm: p(BlockParam::MlpNorm)?,
             gate: p(BlockParam::Gate)?,
             up: p(BlockParam::Up)?,
             down: p(BlockParam::Down)?,
+            mlp_lora: MlpAdapters::default(),
         })
     }
 
@@ -90,15 +97,33 @@ impl<B: Backend> BlockWeights<B> {
 
     /// Every tensor, mutable, in the order of [`params`](Self::params).
     pub fn params_mut(&mut self) -> Vec<(BlockParam, &mut Tensor<B>)> {
+        self.params_and_adapters_mut().0
+    }
+
+    /// [`params_mut`](Self::params_mut) and the adapters' factors
+    /// (`BlockWeights::adapter_tensors` order), borrowed together.
+    #[allow(clippy::type_complexity)]
+    pub fn params_and_adapters_mut(
+        &mut self,
+    ) -> (
+        Vec<(BlockParam, &mut Tensor<B>)>,
+        Vec<(LoraTarget, Factor, &mut Tensor<B>)>,
+    ) {
+        let (attn, attn_lora) = self.attn.named_and_lora_mut();
         let mut v = vec![(BlockParam::AttnNorm, &mut self.attn_norm)];
-        for (short, t) in self.attn.named_mut() {
+        for (short, t) in attn {
             v.push((attn_param(short), t));
         }
         v.push((BlockParam::MlpNorm, &mut self.mlp_norm));
         v.push((BlockParam::Gate, &mut self.gate));
         v.push((BlockParam::Up, &mut self.up));
         v.push((BlockParam::Down, &mut self.down));
-        v
+        let pairs = super::lora_params::block_pairs_mut(attn_lora, &mut self.mlp_lora);
+        let lora = pairs
+            .into_iter()
+            .flat_map(|(t, p)| [(t, Factor::A, &mut p.a), (t, Factor::B, &mut p.b)])
+            .collect();
+        (v, lora)
     }
 }
 
@@ -196,39 +221,100 @@ impl<B: Backend> ModelWeights<B> {
         v
     }
 
-    /// The tensors of `unit` with their HF names, in HF order (a tied
-    /// embedding belongs to [`Unit::Embed`] only).
+    /// Every tensor by identity, in model order: each block's base
+    /// parameters, then its LoRA adapters' (`lora_A`, `lora_B` of each target).
+    pub fn tensors(&self) -> Vec<(TensorId, &Tensor<B>)> {
+        let mut v = vec![(TensorId::Base(Param::Embed), &self.embed)];
+        for (l, blk) in self.blocks.iter().enumerate() {
+            let base = blk.params().into_iter();
+            v.extend(base.map(|(bp, t)| (TensorId::Base(Param::Block(l, bp)), t)));
+            let lora = blk.adapter_tensors().into_iter();
+            v.extend(lora.map(|(tg, f, t)| (TensorId::Adapter(l, tg, f), t)));
+        }
+        v.push((TensorId::Base(Param::FinalNorm), &self.final_norm));
+        let head = self.lm_head.iter();
+        v.extend(head.map(|t| (TensorId::Base(Param::LmHead), t)));
+        v
+    }
+
+    /// [`tensors`](Self::tensors), mutable.
+    pub fn tensors_mut(&mut self) -> Vec<(TensorId, &mut Tensor<B>)> {
+        let mut v = vec![(TensorId::Base(Param::Embed), &mut self.embed)];
+        for (l, blk) in self.blocks.iter_mut().enumerate() {
+            let (base, lora) = blk.params_and_adapters_mut();
+            v.extend(
+                base.into_iter()
+                    .map(|(bp, t)| (TensorId::Base(Param::Block(l, bp)), t)),
+            );
+            v.extend(
+                lora.into_iter()
+                    .map(|(tg, f, t)| (TensorId::Adapter(l, tg, f), t)),
+            );
+        }
+        v.push((TensorId::Base(Param::FinalNorm), &mut self.final_norm));
+        let head = self.lm_head.iter_mut();
+        v.extend(head.map(|t| (TensorId::Base(Param::LmHead), t)));
+        v
+    }
+
+    /// The tensors of `unit` with their names (HF's; PEFT's for adapters),
+    /// in model order (a tied embedding belongs to [`Unit::Embed`] only).
     pub fn unit_named(&self, unit: Unit) -> Vec<(String, &Tensor<B>)> {
         let family = self.family;
-        self.params()
+        let all = self
+            .tensors()
             .into_iter()
-            .filter(|(p, _)| p.unit() == unit)
-            .map(|(p, t)| (family.hf_name(p), t))
-            .collect()
+            .filter(|(id, _)| id.unit() == unit);
+        all.map(|(id, t)| (id.name(family), t)).collect()
     }
 
     /// The tensors of `unit`, mutable, in the order of [`unit_named`](Self::unit_named).
     pub fn unit_named_mut(&mut self, unit: Unit) -> Vec<(String, &mut Tensor<B>)> {
         let family = self.family;
-        self.params_mut()
-            .into_iter()
-            .filter(|(p, _)| p.unit() == unit)
-            .map(|(p, t)| (family.hf_name(p), t))
-            .collect()
+        let all = self.tensors_mut().into_iter();
+        let all = all.filter(|(id, _)| id.unit() == unit);
+        all.map(|(id, t)| (id.name(family), t)).collect()
     }
 
-    /// Every tensor with its HF name, in model order.
+    /// Every tensor with its name, in model order ([`tensors`](Self::tensors)).
     pub fn named(&self) -> Vec<(String, &Tensor<B>)> {
         let family = self.family;
-        let params = self.params().into_iter();
-        params.map(|(p, t)| (family.hf_name(p), t)).collect()
+        let all = self.tensors().into_iter();
+        all.map(|(id, t)| (id.name(family), t)).collect()
     }
 
     /// Every tensor, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<B>)> {
         let family = self.family;
-        let params = self.params_mut().into_iter();
-        params.map(|(p, t)| (family.hf_name(p), t)).collect()
+        let all = self.tensors_mut().into_iter();
+        all.map(|(id, t)| (id.name(family), t)).collect()
+    }
+}
+
+/// What a model tensor is: a base parameter, or a factor of a block's LoRA
+/// adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorId {
+    Base(Param),
+    /// Block, target, factor.
+    Adapter(usize, LoraTarget, Factor),
+}
+
+impl TensorId {
+    /// The unit that holds it.
+    pub fn unit(self) -> Unit {
+        match self {
+            TensorId::Base(p) => p.unit(),
+            TensorId::Adapter(l, ..) => Unit::Block(l),
+        }
+    }
+
+    /// Its name: HF's for a base parameter, PEFT's for an adapter factor.
+    pub fn name(self, family: Family) -> String {
+        match self {
+            TensorId::Base(p) => family.hf_name(p),
+            TensorId::Adapter(l, t, f) => tensor_name(l, t, f),
+        }
     }
 }
 

@@ -97,6 +97,9 @@ pub struct TrainConfig {
     /// The parameters the run does not train (`--freeze`; checked against
     /// the model by [`TrainConfig::plan`]).
     pub freeze: crate::model::Freeze,
+    /// LoRA adapters trained beside the frozen base (`--lora-rank`; `freeze`
+    /// is then the whole base).
+    pub lora: Option<crate::train::lora_run::LoraRun>,
     /// Held-out evaluation every few steps (`--eval-data`, `--eval-every`;
     /// checked by `train::eval_during::check`, which the loop runs first).
     pub eval: Option<EvalDuring>,
@@ -184,6 +187,7 @@ impl TrainConfig {
             trace: None,
             rehearse: false,
             freeze: crate::model::Freeze::none(),
+            lora: None,
             eval: None,
         }
     }
@@ -283,7 +287,10 @@ impl TrainConfig {
     pub fn plan(&self) -> Result<CpPlan> {
         self.model.validate()?;
         self.policy.validate_for(self.model.layers)?;
-        self.freeze.check(&self.model)?;
+        match &self.lora {
+            Some(lora) => lora.check(&self.model, &self.freeze, self.fsdp)?,
+            None => self.freeze.check(&self.model)?,
+        }
         if self.fsdp {
             crate::train::fsdp::check_whole_units(&self.model, &self.freeze)?;
         }

@@ -6,6 +6,7 @@ use super::config::TrainConfig;
 use super::host_weights::{tensors_to_host, weights_from_host, weights_to_host};
 use super::state::{Micro, RankModel, pass};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
+use crate::checkpoint::peft::write_adapter;
 use crate::checkpoint::{
     HostTensor, ModelFiles, SaveDtype, StateToSave, check_extra_tensors, load_hf_model_with,
     load_train_state, save_train_state_as,
@@ -13,12 +14,16 @@ use crate::checkpoint::{
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
+use crate::model::lora::{LoraConfig, PEFT_LAYER_PREFIX};
+use crate::model::lora_params::{adapters_to_host, attach_adapter_grads};
+use crate::model::weights::TensorId;
 use crate::model::{
     BlockGrads, BlockWeights, Decoder, Freeze, HeadView, ModelConfig, ModelGrads, ModelWeights,
     ParamStore, Unit,
 };
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
+use crate::train::lora_run::attach;
 use std::collections::BTreeMap;
 
 /// Whole-model parameters and gradients of one rank.
@@ -60,8 +65,9 @@ impl<'a, B: Backend> ReplicatedStore<'a, B> {
         group: &'a dyn ProcessGroup<B>,
         frozen: &Freeze,
     ) -> Result<Self> {
-        let g = ModelGrads::zeros(b, cfg, frozen)?;
-        let trainable = trainable_mask(cfg, frozen);
+        let mut g = ModelGrads::zeros(b, cfg, frozen)?;
+        attach_adapter_grads(b, &w, &mut g)?;
+        let trainable = trainable_mask(&w, cfg, frozen);
         let mut s = ReplicatedStore {
             w,
             g,
@@ -123,11 +129,19 @@ impl<'a, B: Backend> ReplicatedStore<'a, B> {
     }
 }
 
-/// Whether each parameter of `cfg` (`ModelWeights::named` order) is
-/// trained under `frozen`.
-pub fn trainable_mask(cfg: &ModelConfig, frozen: &Freeze) -> Vec<bool> {
-    let params = cfg.params().into_iter();
-    params.map(|(p, _)| !frozen.is_frozen(cfg, p)).collect()
+/// Whether each tensor of `w` (`ModelWeights::named` order) is trained
+/// under `frozen`: every LoRA adapter is.
+pub fn trainable_mask<B: Backend>(
+    w: &ModelWeights<B>,
+    cfg: &ModelConfig,
+    frozen: &Freeze,
+) -> Vec<bool> {
+    let ids = w.tensors().into_iter().map(|(id, _)| id);
+    ids.map(|id| match id {
+        TensorId::Base(p) => !frozen.is_frozen(cfg, p),
+        TensorId::Adapter(..) => true,
+    })
+    .collect()
 }
 
 /// The `[rows, row_len]` block of a flat buffer at element `off` that holds `t`.
@@ -210,6 +224,9 @@ pub struct Replicated<'a, B: Backend> {
     pub opt: Box<dyn Optimizer<B>>,
     /// How a checkpoint stores the weights (`--save-dtype`, shard size).
     files: ModelFiles,
+    /// The adapters' config and the base model's name, which a save
+    /// writes beside the checkpoint as a PEFT adapter directory.
+    lora: Option<(LoraConfig, String)>,
 }
 
 /// Where a resumed run continues: the checkpoint's step and caller state.
@@ -232,9 +249,15 @@ impl<'a, B: Backend> Replicated<'a, B> {
             let st = load_train_state(dir)?;
             cfg.check_resume_freeze(dir, &st.extra)?;
             let names = st.params.keys().map(String::as_str);
-            check_extra_tensors(dir, model, names, cfg.extra_tensors)?;
-            let w = weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
-            let trainable = trainable_mask(model, &cfg.freeze);
+            // a LoRA checkpoint's adapters are its own (PEFT names), not extras
+            let lora_names = |n: &&str| cfg.lora.is_none() || !n.starts_with(PEFT_LAYER_PREFIX);
+            check_extra_tensors(dir, model, names.filter(lora_names), cfg.extra_tensors)?;
+            let mut w =
+                weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
+            if let Some(lora) = &cfg.lora {
+                attach(b, &mut w, &lora.resumed(model, dir, &st.params)?)?;
+            }
+            let trainable = trainable_mask(&w, model, &cfg.freeze);
             let mut opt = optimizer(b, cfg, &w, &trainable)?;
             // into the moments the optimizer made: no second copy at start-up
             let named = w.named().into_iter().zip(&trainable);
@@ -259,20 +282,37 @@ impl<'a, B: Backend> Replicated<'a, B> {
                 step: st.step,
                 extra: st.extra,
             };
-            let files = cfg.model_files();
-            return Ok((Replicated { store, opt, files }, Some(resumed)));
+            let (files, lora) = (cfg.model_files(), lora_of(cfg));
+            let model = Replicated {
+                store,
+                opt,
+                files,
+                lora,
+            };
+            return Ok((model, Some(resumed)));
         }
-        let w = match &cfg.init_from {
+        let mut w = match &cfg.init_from {
             Some(dir) => {
                 let host = load_hf_model_with(dir, model, cfg.extra_tensors)?;
                 weights_from_host(b, model, &host, b.compute_dtype(), Category::Weights)?
             }
             None => ModelWeights::random(b, model, cfg.seed)?,
         };
-        let opt = optimizer(b, cfg, &w, &trainable_mask(model, &cfg.freeze))?;
+        if let Some(lora) = &cfg.lora {
+            attach(b, &mut w, &lora.initial(model, cfg.seed)?)?;
+        }
+        let opt = optimizer(b, cfg, &w, &trainable_mask(&w, model, &cfg.freeze))?;
         let store = ReplicatedStore::with_frozen(b, model, w, group, &cfg.freeze)?;
-        let files = cfg.model_files();
-        Ok((Replicated { store, opt, files }, None))
+        let (files, lora) = (cfg.model_files(), lora_of(cfg));
+        Ok((
+            Replicated {
+                store,
+                opt,
+                files,
+                lora,
+            },
+            None,
+        ))
     }
 }
 
@@ -309,6 +349,16 @@ impl<B: Backend> Replicated<'_, B> {
         }
         Ok(Some(out))
     }
+}
+
+/// A run's adapter config and the base model's name (its `--init-from`
+/// directory, else the model's name) for the adapter files it saves.
+fn lora_of(cfg: &TrainConfig) -> Option<(LoraConfig, String)> {
+    let base = match &cfg.init_from {
+        Some(dir) => dir.display().to_string(),
+        None => cfg.model.name.clone(),
+    };
+    cfg.lora.as_ref().map(|l| (l.config.clone(), base))
 }
 
 /// AdamW over every trainable parameter tensor of `w` (one slot each, in
@@ -483,6 +533,11 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
             masters: masters.as_ref(),
             extra,
         };
-        save_train_state_as(dir, &state, self.files)
+        save_train_state_as(dir, &state, self.files)?;
+        if let Some((config, base)) = &self.lora {
+            let adapters = adapters_to_host(b, w, config)?;
+            write_adapter(dir, &adapters, base, self.files.dtype)?;
+        }
+        Ok(())
     }
 }

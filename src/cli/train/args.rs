@@ -4,6 +4,7 @@ use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::checkpoint::SaveDtype;
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
+use crate::cli::lora::LoraArgs;
 use crate::cli::memory::MemoryArgs;
 use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::FwdChunkArgs;
@@ -104,6 +105,8 @@ pub struct TrainArgs {
     pub seed: u64,
     #[command(flatten)]
     pub memory: MemoryArgs,
+    #[command(flatten)]
+    pub lora: crate::cli::lora::LoraArgs,
     /// Held-out data evaluated during the run (as --data: text tokenized
     /// with --tokenizer, or ids of the model's vocabulary): the mean
     /// next-token loss over its windows of --seq inputs, on the training
@@ -277,7 +280,7 @@ impl TrainArgs {
         profile => run.profile,
         trace => run.trace,
         rehearse => run.rehearse;
-        flatten memory, mesh, fwd
+        flatten memory, mesh, fwd, lora
     }
 
     /// The flags' values parsed and checked; errors name the flag and its
@@ -331,8 +334,10 @@ impl TrainArgs {
         }
         let optim = self.adamw()?;
         let model = for_key(k, "model", ModelConfig::resolve(&self.model))?;
+        let lora = self.lora.run(&model)?;
         Ok(Choices {
-            freeze: self.memory.freeze(&model)?,
+            freeze: LoraArgs::freeze(lora.as_ref(), self.memory.freeze(&model)?)?,
+            lora,
             optim,
             device: for_key(k, "device", self.device.parse())?,
             kernel: for_key(k, "attn_kernel", self.attn_kernel.parse())?,
@@ -526,8 +531,10 @@ pub struct Choices {
     pub max_file_bytes: usize,
     /// The `config.json` a checkpoint keeps every field of.
     pub source_config: Option<Map<String, Value>>,
-    /// `--freeze`, checked against the model.
+    /// `--freeze`, checked against the model (the whole base with LoRA).
     pub freeze: crate::model::Freeze,
+    /// `--lora-rank` and the other LoRA flags: the adapters trained.
+    pub lora: Option<crate::train::lora_run::LoraRun>,
 }
 
 /// `--betas B1,B2`: two moment decays, each in [0, 1).

@@ -1,0 +1,81 @@
+//! The LoRA flags shared by `train` and `plan` (run-file section
+//! `[model]`): `--lora-rank`, `--lora-alpha`, `--lora-targets`,
+//! `--lora-rslora`, `--lora-from`, and the [`LoraRun`] they make.
+
+use crate::cli::config::run_keys;
+use crate::error::Result;
+use crate::model::lora::{LoraConfig, parse_targets};
+use crate::model::{Freeze, ModelConfig};
+use crate::train::lora_run::LoraRun;
+use std::path::PathBuf;
+
+/// Adapters trained beside a frozen base.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LoraArgs {
+    /// Train LoRA adapters of this rank (`r`) beside the frozen base model
+    /// (0: no adapters, full fine-tuning). The base is then frozen whole.
+    #[arg(long, default_value_t = 0)]
+    pub lora_rank: usize,
+    /// LoRA's `lora_alpha`: the adapters' update is scaled by alpha / r
+    /// (default: twice the rank).
+    #[arg(long)]
+    pub lora_alpha: Option<f64>,
+    /// The adapted layers, PEFT's module names separated by commas
+    /// (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj) or
+    /// all-linear (all seven).
+    #[arg(long, default_value = "all-linear")]
+    pub lora_targets: String,
+    /// rsLoRA's scaling: alpha / √r instead of alpha / r.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub lora_rslora: bool,
+    /// Continue from this adapter directory (PEFT's `save_pretrained`, or a
+    /// upipe checkpoint): its rank, alpha and targets unless given.
+    #[arg(long)]
+    pub lora_from: Option<PathBuf>,
+}
+
+impl LoraArgs {
+    run_keys! {
+        lora_rank => model.lora_rank,
+        lora_alpha => model.lora_alpha,
+        lora_targets => model.lora_targets,
+        lora_rslora => model.lora_rslora,
+        lora_from => model.lora_from,
+    }
+
+    /// The run's adapters, if it trains any, checked against `model`.
+    pub fn run(&self, model: &ModelConfig) -> Result<Option<LoraRun>> {
+        let config = match (&self.lora_from, self.lora_rank) {
+            (None, 0) => return Ok(None),
+            (Some(dir), 0) => {
+                crate::checkpoint::peft::read_adapter(dir, model)?
+                    .weights
+                    .config
+            }
+            (_, rank) => {
+                let alpha = self.lora_alpha.unwrap_or(2.0 * rank as f64);
+                let targets = parse_targets(&self.lora_targets)?;
+                LoraConfig::new(rank, alpha, self.lora_rslora, targets)?
+            }
+        };
+        config.validate(model)?;
+        Ok(Some(LoraRun {
+            config,
+            from: self.lora_from.clone(),
+        }))
+    }
+
+    /// The `--freeze` of a run with `lora`: the whole base, which a LoRA
+    /// run freezes; `asked` (the `--freeze` flag) must then say none.
+    pub fn freeze(lora: Option<&LoraRun>, asked: Freeze) -> Result<Freeze> {
+        match lora {
+            None => Ok(asked),
+            Some(_) if asked.is_empty() => Ok(Freeze::whole_base()),
+            Some(_) => crate::config_err!(
+                "--freeze {asked} with --lora-rank: a LoRA run freezes the whole base model \
+                 and trains only its adapters; leave --freeze out"
+            ),
+        }
+    }
+}
