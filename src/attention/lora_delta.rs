@@ -84,6 +84,23 @@ impl DeltaPart {
         }
     }
 
+    /// Every input column of `n_in` and output `rows` (a head range's rows
+    /// of q/k/v).
+    pub fn out_rows(n_in: usize, rows: Range<usize>) -> DeltaPart {
+        DeltaPart {
+            cols: 0..n_in,
+            rows,
+        }
+    }
+
+    /// Input `cols` (a head range's columns of o_proj) and every output row of `n_out`.
+    pub fn in_cols(cols: Range<usize>, n_out: usize) -> DeltaPart {
+        DeltaPart {
+            cols,
+            rows: 0..n_out,
+        }
+    }
+
     /// `A[:, cols]` `[r, cols]` inside `A` `[r, in]`.
     fn a_view(&self, r: usize, n_in: usize) -> MatLayout {
         MatLayout::block(self.cols.start, r, self.cols.len(), n_in)

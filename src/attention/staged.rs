@@ -18,6 +18,8 @@
 //! Replicated kv heads (fewer kv heads than Ulysses ranks) sum their
 //! gradients there naturally.
 
+use super::lora_delta::{DeltaPart, LoraPair, LoraPairGrads};
+use super::lora_delta::{lora_delta_bwd_mat as delta_bwd, lora_delta_fwd_mat as delta_fwd};
 use super::rope::RopeTables;
 use super::schedule::{KvPhase, LsePiece, StageSchedule, Upcoming, grad_write, upcoming};
 use super::settle::{Proj, settle_layout};
@@ -125,21 +127,26 @@ impl<'a, B: Backend> Staged<'a, B> {
         MatLayout::block(h.start * d, rows, h.len() * d, self.dims.q_width())
     }
 
-    /// `x @ w[heads]^T (+ bias[heads])` for every destination's heads,
-    /// packed `[pu * s, nh, d]`: each block gets its own heads' bias rows.
+    /// `x @ w[heads]^T (+ bias[heads]) (+ the adapter's delta on those
+    /// heads' rows)` for every destination's heads, packed `[pu * s, nh, d]`:
+    /// each block gets its own heads' bias rows and adapter rows.
     fn project_packed(
         &self,
         x: &Tensor<B>,
-        w: &Tensor<B>,
-        bias: Option<&Tensor<B>>,
+        (w, bias, lora): (&Tensor<B>, Option<&Tensor<B>>, Option<&LoraPair<B>>),
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
         let mut buf = self.project_by_destination(x, heads, |h| w.view(self.head_rows(h)).t())?;
-        if let Some(bias) = bias {
-            let (nh, d) = (heads[0].len(), self.dims.head_dim);
-            for (j, h) in heads.iter().enumerate() {
+        let (nh, d) = (heads[0].len(), self.dims.head_dim);
+        for (j, h) in heads.iter().enumerate() {
+            if let Some(bias) = bias {
                 let block = buf.view_mut(self.packed_block(j, nh));
                 super::add_head_bias(self.b, block, bias, h, d)?;
+            }
+            if let Some(pair) = lora {
+                let part = DeltaPart::out_rows(self.dims.hidden, h.start * d..h.end * d);
+                let block = buf.view_mut(self.packed_block(j, nh));
+                delta_fwd(self.b, pair, &part, x.mat(), block)?;
             }
         }
         Ok(buf)
@@ -275,8 +282,12 @@ impl<'a, B: Backend> Staged<'a, B> {
         phase: &KvPhase,
     ) -> Result<KvInFlight<B>> {
         let heads = &phase.kv_heads;
-        let k = self.exchange_start(self.project_packed(x, &w.wk, w.bk.as_ref(), heads)?)?;
-        let v = self.exchange_start(self.project_packed(x, &w.wv, w.bv.as_ref(), heads)?)?;
+        let (wk, wv) = (
+            (&w.wk, w.bk.as_ref(), w.lora.k.as_ref()),
+            (&w.wv, w.bv.as_ref(), w.lora.v.as_ref()),
+        );
+        let k = self.exchange_start(self.project_packed(x, wk, heads)?)?;
+        let v = self.exchange_start(self.project_packed(x, wv, heads)?)?;
         Ok(KvInFlight { k, v })
     }
 
@@ -306,7 +317,8 @@ impl<'a, B: Backend> Staged<'a, B> {
         x: &Tensor<B>,
         q_heads: &[Range<usize>],
     ) -> Result<Pending<B>> {
-        self.exchange_start(self.project_packed(x, &w.wq, w.bq.as_ref(), q_heads)?)
+        let wq = (&w.wq, w.bq.as_ref(), w.lora.q.as_ref());
+        self.exchange_start(self.project_packed(x, wq, q_heads)?)
     }
 
     /// Q normed and rotated, and its pre-norm copy if needed.
@@ -372,14 +384,42 @@ impl<'a, B: Backend> Staged<'a, B> {
         o: &Tensor<B>,
         dy: &Tensor<B>,
         heads: &[Range<usize>],
+        g: &mut AttentionGrads<B>,
     ) -> Result<BwdStageInputs<B>> {
         // Q leaves first: its norm and RoPE run while O and dO travel
         let q_raw = self.q_exchanged(w, x, heads)?;
+        let mut d_o = self.project_dout(dy, &w.wo, heads)?;
+        self.lora_o_bwd(w, o, dy, heads, g.lora.o.as_mut(), &mut d_o)?;
         Ok(BwdStageInputs {
             q_raw,
             o_att: self.exchange_start(self.gather_heads(o, heads)?)?,
-            d_o: self.exchange_start(self.project_dout(dy, &w.wo, heads)?)?,
+            d_o: self.exchange_start(d_o)?,
         })
+    }
+
+    /// The o_proj adapter's backward on the columns of `heads`: its
+    /// `dA[:, heads]`, its share of `dB`, and `dO[heads] += scale ·
+    /// (dy·B)·A[:, heads]` in every destination's block of `d_o`.
+    fn lora_o_bwd(
+        &self,
+        w: &AttentionWeights<B>,
+        o: &Tensor<B>,
+        dy: &Tensor<B>,
+        heads: &[Range<usize>],
+        grads: Option<&mut LoraPairGrads<B>>,
+        d_o: &mut Tensor<B>,
+    ) -> Result<()> {
+        let (Some(pair), Some(grads)) = (w.lora.o.as_ref(), grads) else {
+            return Ok(());
+        };
+        let (nh, d) = (heads[0].len(), self.dims.head_dim);
+        for (j, h) in heads.iter().enumerate() {
+            let part = DeltaPart::in_cols(h.start * d..h.end * d, self.dims.hidden);
+            let o_heads = o.view(self.head_cols(h, self.s));
+            let block = d_o.view_mut(self.packed_block(j, nh));
+            delta_bwd(self.b, pair, &part, o_heads, dy.mat(), grads, block)?;
+        }
+        Ok(())
     }
 
     /// Writes a stage's returned attention output into O at its heads' columns.
@@ -555,7 +595,7 @@ impl<'a, B: Backend> Staged<'a, B> {
             // the phase's first stage inputs are made while its K/V travel
             if next_inputs.is_none() {
                 let heads = &phase.stages[0].q_heads;
-                next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads)?);
+                next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads, g)?);
             }
             let PhaseKv { k, k_raw, v } = self.kv_ready(w, kv, true)?;
             let kv_write = self.grad_write(phase.stages.len(), w.k_norm.is_some(), in_place);
@@ -568,20 +608,20 @@ impl<'a, B: Backend> Staged<'a, B> {
                 // O, dO and Q of this stage, moved to the attention layout.
                 let BwdStageInputs { o_att, d_o, q_raw } = match next_inputs.take() {
                     Some(p) => p,
-                    None => self.bwd_stage_inputs(w, x, &o, dy, heads)?,
+                    None => self.bwd_stage_inputs(w, x, &o, dy, heads, g)?,
                 };
                 let (q, q_raw) = self.q_ready(w, q_raw.wait()?, true)?;
                 let (o_att, d_o) = (o_att.wait()?, d_o.wait()?);
                 match self.upcoming(sched, p, t) {
                     Upcoming::Stage => {
                         let heads = &phase.stages[t + 1].q_heads;
-                        next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads)?);
+                        next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads, g)?);
                     }
                     Upcoming::PhaseStart => {
                         let next = &sched.phases[p + 1];
                         next_kv = Some(self.kv_start(w, x, next)?);
                         let heads = &next.stages[0].q_heads;
-                        next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads)?);
+                        next_inputs = Some(self.bwd_stage_inputs(w, x, &o, dy, heads, g)?);
                     }
                     Upcoming::End => {}
                 }
@@ -705,6 +745,25 @@ impl<'a, B: Backend> Staged<'a, B> {
             }
             let rows = MatLayout::block(run.col * d * hid, run.heads.len() * d, hid, hid);
             b.copy(stacked.view_mut(rows), wt.view(self.head_rows(&run.heads)))?;
+            // the adapter rows of the run's heads: dA, their share of dB, and dx
+            let (l, gl) = (&w.lora, &mut g.lora);
+            let lora = match run.proj {
+                Proj::Q => (l.q.as_ref(), gl.q.as_mut()),
+                Proj::K => (l.k.as_ref(), gl.k.as_mut()),
+                Proj::V => (l.v.as_ref(), gl.v.as_mut()),
+            };
+            if let (Some(pair), Some(grads)) = lora {
+                let part = DeltaPart::out_rows(hid, run.heads.start * d..run.heads.end * d);
+                delta_bwd(
+                    b,
+                    pair,
+                    &part,
+                    x.mat(),
+                    gathered.view(cols),
+                    grads,
+                    dx.mat_mut(),
+                )?;
+            }
         }
         b.gemm(dx.mat_mut(), gathered.mat(), stacked.mat(), 1.0, 1.0)
     }
