@@ -20,10 +20,11 @@
 # configuration, and upipe's ratio to each; then one JSON line per row. A
 # peer configuration that runs out of memory shows as "oom".
 #
-#   bash scripts/gpu-peer-bench.sh build DIR   # on a machine with Rust: `upipe` (scripts/bundle.sh,
-#                                              # which also copies the liger_kernel wheel from WHEELS,
-#                                              # default /tmp/wheels, into DIR/wheels), this script
-#                                              # and hf_peer_step.py into DIR
+#   bash scripts/gpu-peer-bench.sh build DIR   # on a machine with Rust, from the repository root:
+#                                              # `upipe` (scripts/bundle.sh, which replaces DIR/bin and
+#                                              # copies the liger_kernel wheel from WHEELS, default
+#                                              # /tmp/wheels, into DIR/wheels), this script and
+#                                              # hf_peer_step.py into DIR
 #   bash DIR/gpu-peer-bench.sh                 # on the GPU machine, from the repository root
 #   DRY=1 bash scripts/gpu-peer-bench.sh       # anywhere: upipe's side on the CPU (tiny model,
 #                                              # short lengths), the Python peers skipped
