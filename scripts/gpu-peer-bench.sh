@@ -85,7 +85,9 @@ liger_setup() {
         "$here"/../gpu-bundle/wheels/liger_kernel-*.whl 2> /dev/null | head -1)"
     [ -n "$whl" ] || { echo "no liger_kernel wheel in $here/wheels (or WHEELS)"; return 1; }
     rm -rf "$site"
-    python3 -m pip install --quiet --no-deps --no-index --target "$site" "$whl" || return 1
+    # a pure-Python wheel: pip installs it, or unpacking it is the install
+    python3 -m pip install --quiet --no-deps --no-index --target "$site" "$whl" ||
+        python3 -m zipfile -e "$whl" "$site" || return 1
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     python3 -c "import liger_kernel.transformers" && echo "liger_kernel from $whl"
 }
@@ -146,12 +148,14 @@ run() {
     [ -z "$lines" ] && return
     steps[$row,$cfg]+="$lines"$'\n'
     peak[$row,$cfg]="$(echo "$lines" | tail -1 | cut -d' ' -f3)"
-    [ "$cfg" = upipe ] && pred[$row,$cfg]="$(grep -a '^{' "$log" | tail -1 | field predicted_peak_bytes)"
+    if [ "$cfg" = upipe ]; then
+        pred[$row,$cfg]="$(grep -a '^{' "$log" | tail -1 | field predicted_peak_bytes)"
+    fi
 }
 
 # every configuration of one row, alternating upipe, hf+liger and hf; rows of a model and length
 bench_row() {
-    local row="$1" model="$2" seq="$3" nsteps="$4" upflags="$5" policies="$6" pflags="$7" r0
+    local row="$1" model="$2" seq="$3" nsteps="$4" upflags="$5" policies="$6" r0
     r0=$(date +%s)
     local order=(upipe) p
     for p in $policies; do order+=("liger-$p" "hf-$p"); done
@@ -171,9 +175,8 @@ bench_row() {
                     local extra=()
                     [[ "$cfg" == liger-* ]] && extra+=(--liger)
                     [[ "$cfg" == *-ckpt ]] && extra+=(--checkpoint)
-                    read -r -a f <<< "$pflags"
                     run "$row" "$cfg" "$round" python3 "$peer" --model "$model" --seq "$seq" \
-                        --steps "$nsteps" "${extra[@]}" "${f[@]}" ;;
+                        --steps "$nsteps" "${extra[@]}" ;;
             esac
         done
     done
@@ -185,9 +188,9 @@ for seq in $seqs; do
     row="1b-$seq"
     rows+=("$row")
     if [ "$seq" -lt "$long" ]; then
-        bench_row "$row" "$model1b" "$seq" "${STEPS:-4}" "$mesh1b" "none ckpt" ""
+        bench_row "$row" "$model1b" "$seq" "${STEPS:-4}" "$mesh1b" "none ckpt"
     else
-        bench_row "$row" "$model1b" "$seq" "${STEPS:-2}" "$mesh1b --checkpoint" "ckpt" ""
+        bench_row "$row" "$model1b" "$seq" "${STEPS:-2}" "$mesh1b --checkpoint" "ckpt"
     fi
 done
 if [ "$big" = 1 ]; then
@@ -195,7 +198,7 @@ if [ "$big" = 1 ]; then
     rows+=("$row")
     bench_row "$row" "$model8b" "$seq8b" "${STEPS8B:-3}" \
         "--lr 1e-5 --attn upipe --ulysses 1 --ring 1 --checkpoint --tiled-mlp --offload auto --offload-optimizer auto" \
-        "ckpt" ""
+        "ckpt"
 fi
 
 # the fastest configuration of peer $2 ("liger" or "hf") in row $1: "tok/s config peak"
