@@ -75,9 +75,11 @@ def apply_liger() -> None:
 
 
 def liger_modules(model: torch.nn.Module) -> dict:
-    """How many modules of each Liger class the model holds, and whether RoPE is Liger's."""
+    """Liger's version, how many modules of each Liger class the model holds,
+    and whether RoPE is Liger's."""
+    from importlib.metadata import version
     from transformers.models.llama import modeling_llama
-    counts: dict = {}
+    counts: dict = {"version": version("liger_kernel")}
     for m in model.modules():
         name = type(m).__name__
         if name.startswith("Liger"):
