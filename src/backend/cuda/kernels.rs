@@ -71,6 +71,7 @@ kernel_table!(
     embedding_bwd,
     adamw,
     rmsnorm_fwd,
+    add_rmsnorm_fwd,
     rmsnorm_bwd,
     rope,
     cross_entropy,
