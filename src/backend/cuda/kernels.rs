@@ -218,6 +218,7 @@ mod tests {
                     "attn_bwd_naive",
                     "cross_entropy",
                     "copy2d",
+                    "add_rmsnorm_fwd",
                 ] {
                     assert!(
                         cubin.windows(name.len()).any(|w| w == name.as_bytes()),
