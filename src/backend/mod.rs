@@ -254,8 +254,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// (rounded to x's dtype, as [`axpy`](Backend::axpy) with alpha 1
     /// rounds it), then `out = x / rms(x) * w` of the rounded sum, as
     /// [`rms_norm_fwd`](Backend::rms_norm_fwd) computes it; x, y, out
-    /// `[n, dim]` (x F32 or the dtype of y, as for `axpy`), w `[dim]`. Equal, bit for
-    /// bit, to `axpy(x, 1, y)` then `rms_norm_fwd(x, w, eps, out)`.
+    /// `[n, dim]` (x F32 or the dtype of y, as for `axpy`), w `[dim]`.
+    /// Equal, bit for bit, to `axpy(x, 1, y)` then `rms_norm_fwd(x, w, eps,
+    /// out)`.
     fn add_rms_norm_fwd(
         &self,
         x: &mut Tensor<Self>,
