@@ -388,13 +388,11 @@ impl<'a, B: Backend> Staged<'a, B> {
     ) -> Result<BwdStageInputs<B>> {
         // Q leaves first: its norm and RoPE run while O and dO travel
         let q_raw = self.q_exchanged(w, x, heads)?;
+        let o_att = self.exchange_start(self.gather_heads(o, heads)?)?;
         let mut d_o = self.project_dout(dy, &w.wo, heads)?;
         self.lora_o_bwd(w, o, dy, heads, g.lora.o.as_mut(), &mut d_o)?;
-        Ok(BwdStageInputs {
-            q_raw,
-            o_att: self.exchange_start(self.gather_heads(o, heads)?)?,
-            d_o: self.exchange_start(d_o)?,
-        })
+        let d_o = self.exchange_start(d_o)?;
+        Ok(BwdStageInputs { q_raw, o_att, d_o })
     }
 
     /// The o_proj adapter's backward on the columns of `heads`: its
