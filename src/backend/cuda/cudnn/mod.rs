@@ -4,6 +4,7 @@
 //! - [`graph`]: operation-graph builder (tensors, pointwise, reduction, matmul, reshape);
 //! - [`sdpa_graph`]: the forward and backward SDPA graphs cuDNN fuses into flash kernels;
 //! - [`plan`]: heuristics → execution plan, workspace size, execution;
+//! - [`ragged`]: several documents in one call (cuDNN's ragged layout);
 //! - [`select`]: `--attn-kernel auto|cudnn|native` and the "auto" decision.
 //!
 //! [`CudnnSdpa`] is the function-level interface: one per [`CudaBackend`]
@@ -15,6 +16,7 @@
 pub mod desc;
 pub mod graph;
 pub mod plan;
+pub mod ragged;
 pub mod sdpa_graph;
 pub mod select;
 
@@ -44,6 +46,9 @@ pub struct SdpaFwd {
     pub o: u64,
     pub lse: u64,
     pub shape: SdpaShape,
+    /// A ragged call's documents' row counts (`ragged::call_pieces`; empty
+    /// for the others).
+    pub docs: Vec<usize>,
 }
 
 /// Operands of one backward. `dq` (`[sq, hq·d]`, of `dq_dt`), `dk`, `dv`
@@ -63,6 +68,8 @@ pub struct SdpaBwd {
     pub dq_dt: DType,
     pub dkv_dt: DType,
     pub shape: SdpaShape,
+    /// As [`SdpaFwd::docs`].
+    pub docs: Vec<usize>,
 }
 
 /// One plan build, for reports.
@@ -168,12 +175,40 @@ fn align(x: usize) -> usize {
     x.div_ceil(256) * 256
 }
 
-/// Bytes of the workspace a backward of `s` needs (cuDNN's own
-/// `plan_workspace`, then our dQ accumulator and softmax sums). The
-/// workspace is kept between calls and grown to the largest need.
-pub fn bwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
+/// Byte offsets in the workspace of a backward of `s`: the dQ accumulator,
+/// the softmax sums, dK and dV per query head (ragged GQA) and the ragged
+/// tables, after cuDNN's own `plan_workspace`; then the end.
+fn bwd_layout(s: &SdpaShape, plan_workspace: usize) -> [usize; 6] {
     let (acc_bytes, sum_bytes) = sdpa_graph::backward_scratch_bytes(s);
-    align(plan_workspace) + align(acc_bytes) + align(sum_bytes)
+    let full = align(sdpa_graph::backward_full_head_bytes(s));
+    let acc = align(plan_workspace);
+    let sum = acc + align(acc_bytes);
+    let dk_full = sum + align(sum_bytes);
+    let tables = dk_full + 2 * full;
+    [acc, sum, dk_full, dk_full + full, tables, tables + table_bytes(s)]
+}
+
+/// Bytes of a ragged call's tables' region (0 for the others).
+fn table_bytes(s: &SdpaShape) -> usize {
+    s.ragged.map_or(0, |_| ragged::table_bytes(s.sq))
+}
+
+/// Bytes of the workspace a backward of `s` needs (cuDNN's own
+/// `plan_workspace`, then our dQ accumulator and softmax sums; for a
+/// ragged call with GQA dK and dV per query head, and for any ragged call
+/// its tables). The workspace is kept between calls and grown to the
+/// largest need.
+pub fn bwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
+    bwd_layout(s, plan_workspace)[5]
+}
+
+/// Bytes of the workspace a forward of `s` needs: cuDNN's own, then a
+/// ragged call's tables.
+pub fn fwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
+    match s.ragged {
+        None => plan_workspace,
+        Some(_) => align(plan_workspace) + table_bytes(s),
+    }
 }
 
 /// cuDNN's own backward plan workspace for `s` as measured on cuDNN 9.14
@@ -182,7 +217,9 @@ pub fn bwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
 /// (`sk·hq·d·4`), plus under 256 bytes. Only a built plan knows the real
 /// figure; the memory planner, which runs without a GPU, uses this.
 pub fn estimated_bwd_plan_workspace(s: &SdpaShape) -> usize {
-    let gqa_expansion = if s.hq > s.hkv {
+    // a ragged call keeps dK, dV per query head in our workspace instead
+    // (`sdpa_graph::backward_full_head_bytes`; not yet measured on a GPU)
+    let gqa_expansion = if s.hq > s.hkv && s.ragged.is_none() {
         s.sk * s.hq * s.d * 4
     } else {
         0
@@ -211,7 +248,9 @@ pub fn bwd_scratch_elems(s: &SdpaShape) -> (usize, usize) {
 /// layout our attention operands have). A `Bounded` mask that is plain
 /// causal attention, or a causal band, over the call's rows
 /// (`BoundedMask::causal_band`: a sliding window over one document) is
-/// given as `Causal` with its window, the form the graphs take.
+/// given as `Causal` with its window, the form the graphs take; one of
+/// several documents over the call's rows without a window
+/// (`ragged::call_pieces`) as `Causal` over their ragged geometry.
 pub fn dense_shape(
     sq: usize,
     sk: usize,
@@ -220,12 +259,13 @@ pub fn dense_shape(
     d: usize,
     mask: AttnMask,
 ) -> SdpaShape {
-    let (mask, window) = match &mask {
-        AttnMask::Bounded(m) => match m.causal_band() {
-            Some(window) => (AttnMask::Causal, window),
-            None => (mask, None),
+    let (mask, window, ragged) = match &mask {
+        AttnMask::Bounded(m) => match (m.causal_band(), ragged::call_pieces(&mask)) {
+            (Some(window), _) => (AttnMask::Causal, window, None),
+            (None, Some(docs)) => (AttnMask::Causal, None, Some(ragged::dims(&docs))),
+            (None, None) => (mask, None, None),
         },
-        _ => (mask, None),
+        _ => (mask, None, None),
     };
     SdpaShape {
         sq,
@@ -242,6 +282,7 @@ pub fn dense_shape(
         lse_rs: hq,
         lse_hs: 1,
         head_major: false,
+        ragged,
     }
 }
 
@@ -495,7 +536,7 @@ impl CudnnSdpa {
         be: &CudaBackend,
         plan: &Plan,
         bytes: usize,
-        bind: impl FnOnce(u64) -> Vec<(i64, *mut c_void)>,
+        bind: impl FnOnce(u64) -> Result<Vec<(i64, *mut c_void)>>,
     ) -> Result<()> {
         let mut ws = self
             .exec
@@ -512,12 +553,46 @@ impl CudnnSdpa {
             )?);
         }
         let base = be.device_ptr(ws.as_ref().expect("allocated above"));
-        let bindings = bind(base);
+        let bindings = bind(base)?;
         // SAFETY: the plan was built with this handle; the callers bind the
         // operands of the graph they asked for (device buffers owned by the
         // caller on the backend's stream, host scalars living on their stack
         // until this returns) and the workspace holds `bytes` bytes.
         unsafe { plan.execute(self.handle.0, &bindings, base as *mut c_void) }
+    }
+
+    /// Uploads a ragged call's tables (`docs`: its documents' rows) to
+    /// device address `at` inside the workspace, queued on the backend's
+    /// stream before the execution that reads them, and returns their
+    /// bindings; none for the other calls.
+    fn ragged_tables(
+        be: &CudaBackend,
+        s: &SdpaShape,
+        docs: &[usize],
+        at: u64,
+    ) -> Result<Vec<(i64, *mut c_void)>> {
+        if s.ragged.is_none() {
+            return Ok(Vec::new());
+        }
+        if s.ragged != Some(ragged::dims(docs)) || docs.iter().sum::<usize>() != s.sq {
+            return Err(Error::Backend(format!(
+                "cuDNN ragged SDPA: documents of {docs:?} rows do not form the call's {:?}                  over {} rows",
+                s.ragged, s.sq
+            )));
+        }
+        let t = ragged::Tables::new(docs, [s.q_rs, s.k_rs, s.lse_rs])?;
+        // SAFETY: `at` starts the tables' region of the kept workspace
+        // (`table_bytes(s)` bytes, at least the tables of documents that
+        // tile `s.sq` rows); the pageable source is staged before the call
+        // returns, and the stream orders the copy before the execution.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(at, &t.entries, be.stream().cu_stream())
+        }
+        .map_err(|e| Error::Backend(format!("cuDNN ragged SDPA: upload the tables: {e}")))?;
+        Ok(t.bindings(at)
+            .into_iter()
+            .map(|(uid, p)| (uid, p as *mut c_void))
+            .collect())
     }
 
     /// Checks that cuDNN takes the call (`backward` or forward), binds the
@@ -539,15 +614,18 @@ impl CudnnSdpa {
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
         let exec = |plan: &Plan| {
-            self.run(be, plan, plan.workspace, |_| {
-                let mut b = vec![
+            let need = fwd_workspace_bytes(s, plan.workspace);
+            self.run(be, plan, need, |base| {
+                let at = base + align(plan.workspace) as u64;
+                let mut b = Self::ragged_tables(be, s, &a.docs, at)?;
+                b.extend([
                     (uid::Q, p(a.q)),
                     (uid::K, p(a.k)),
                     (uid::V, p(a.v)),
                     (uid::O, p(a.o)),
                     (uid::STATS, p(a.lse)),
                     (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
-                ];
+                ]);
                 if sdpa_graph::reads_neg_inf(&s.mask) {
                     b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
                 }
@@ -558,7 +636,11 @@ impl CudnnSdpa {
                         (&neg_inf as *const f32).cast_mut().cast(),
                     ));
                 }
-                b
+                if s.ragged.is_some() {
+                    let neg = (&neg_inf as *const f32).cast_mut().cast();
+                    b.push((uid::NEG_INF_PADDING, neg));
+                }
+                Ok(b)
             })
         };
         let plan = self.plan_for_call(be, s, false, &exec)?;
@@ -582,13 +664,16 @@ impl CudnnSdpa {
         let one = 1.0f32;
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
-        let (acc_bytes, _) = sdpa_graph::backward_scratch_bytes(s);
         let exec = |plan: &Plan| {
-            let acc_off = align(plan.workspace);
-            let sum_off = acc_off + align(acc_bytes);
-            let total = bwd_workspace_bytes(s, plan.workspace);
+            let [acc_off, sum_off, dk_full, dv_full, tables, total] =
+                bwd_layout(s, plan.workspace);
             self.run(be, plan, total, |base| {
-                let mut b = vec![
+                let mut b = Self::ragged_tables(be, s, &a.docs, base + tables as u64)?;
+                if sdpa_graph::backward_full_head_bytes(s) > 0 {
+                    b.push((uid::DK_FULL, p(base + dk_full as u64)));
+                    b.push((uid::DV_FULL, p(base + dv_full as u64)));
+                }
+                b.extend([
                     (uid::Q, p(a.q)),
                     (uid::K, p(a.k)),
                     (uid::V, p(a.v)),
@@ -602,7 +687,7 @@ impl CudnnSdpa {
                     (uid::ONE, (&one as *const f32).cast_mut().cast()),
                     (uid::DQ_ACCUM, p(base + acc_off as u64)),
                     (uid::SOFTMAX_SUM, p(base + sum_off as u64)),
-                ];
+                ]);
                 if sdpa_graph::reads_neg_inf(&s.mask) {
                     b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
                 }
@@ -613,7 +698,11 @@ impl CudnnSdpa {
                         (&neg_inf as *const f32).cast_mut().cast(),
                     ));
                 }
-                b
+                if s.ragged.is_some() {
+                    let neg = (&neg_inf as *const f32).cast_mut().cast();
+                    b.push((uid::NEG_INF_PADDING, neg));
+                }
+                Ok(b)
             })
         };
         let plan = self.plan_for_call(be, s, true, &exec)?;
