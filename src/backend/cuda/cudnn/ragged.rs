@@ -215,6 +215,6 @@ mod tests {
         assert_eq!(call_pieces(&AttnMask::Causal), None);
         let e = Tables::new(&[1 << 20, 1 << 20], [4096, 8, 1]).unwrap_err();
         assert!(e.to_string().contains("int32"), "{e}");
-        assert!(offsets_fit(1 << 19, 4096) && !offsets_fit(1 << 20, 4096));
+        assert!(offsets_fit(1 << 18, 4096) && !offsets_fit(1 << 19, 4096));
     }
 }
