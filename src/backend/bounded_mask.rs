@@ -578,7 +578,11 @@ mod tests {
             let mut first = 0;
             for n in pieces {
                 for q in first..first + n {
-                    assert_eq!(call.visible_keys(q, hi - lo), first..q + 1, "rows {lo}..{hi}");
+                    assert_eq!(
+                        call.visible_keys(q, hi - lo),
+                        first..q + 1,
+                        "rows {lo}..{hi}"
+                    );
                 }
                 first += n;
             }

@@ -67,9 +67,7 @@ impl DeviceKind {
             DeviceKind::Cuda
             | DeviceKind::CudaNative
             | DeviceKind::CudaDocuments
-            | DeviceKind::CudnnDocuments => {
-                crate::backend::cuda::gemm::WORKSPACE_BYTES
-            }
+            | DeviceKind::CudnnDocuments => crate::backend::cuda::gemm::WORKSPACE_BYTES,
         }
     }
     /// The device of a run whose attention kernel was decided

@@ -152,7 +152,11 @@ impl AttnWalk {
             && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
         {
             let need = cudnn::fwd_workspace_bytes(&shape, 0);
-            sim.keep_at_least("cudnn workspace", Workspace, cudnn::kept_workspace_bytes(need));
+            sim.keep_at_least(
+                "cudnn workspace",
+                Workspace,
+                cudnn::kept_workspace_bytes(need),
+            );
         } else {
             self.keep_mask_bounds(sim, sq, mask);
         }

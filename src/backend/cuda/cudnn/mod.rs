@@ -185,7 +185,14 @@ fn bwd_layout(s: &SdpaShape, plan_workspace: usize) -> [usize; 6] {
     let sum = acc + align(acc_bytes);
     let dk_full = sum + align(sum_bytes);
     let tables = dk_full + 2 * full;
-    [acc, sum, dk_full, dk_full + full, tables, tables + table_bytes(s)]
+    [
+        acc,
+        sum,
+        dk_full,
+        dk_full + full,
+        tables,
+        tables + table_bytes(s),
+    ]
 }
 
 /// Bytes of a ragged call's tables' region (0 for the others).
@@ -665,8 +672,7 @@ impl CudnnSdpa {
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
         let exec = |plan: &Plan| {
-            let [acc_off, sum_off, dk_full, dv_full, tables, total] =
-                bwd_layout(s, plan.workspace);
+            let [acc_off, sum_off, dk_full, dv_full, tables, total] = bwd_layout(s, plan.workspace);
             self.run(be, plan, total, |base| {
                 let mut b = Self::ragged_tables(be, s, &a.docs, base + tables as u64)?;
                 if sdpa_graph::backward_full_head_bytes(s) > 0 {

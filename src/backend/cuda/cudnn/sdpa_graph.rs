@@ -124,7 +124,8 @@ impl Layout {
                 ragged: None,
             });
         };
-        let mut int32 = |uid: i64, n: usize| g.tensor(uid, INT32, &[i(n), 1, 1, 1], &[1; 4], Role::Io);
+        let mut int32 =
+            |uid: i64, n: usize| g.tensor(uid, INT32, &[i(n), 1, 1, 1], &[1; 4], Role::Io);
         let tables = Tables {
             q: int32(uid::Q_OFFSETS, r.b + 1)?,
             kv: int32(uid::KV_OFFSETS, r.b + 1)?,
@@ -438,7 +439,13 @@ pub fn backward_full_head_bytes(s: &SdpaShape) -> usize {
 /// dK or dV: `t` (`[nb, hq, sk, sq]`, bf16) times `rhs` into `out`, through
 /// per-query-head gradients reduced over each group with GQA (ragged: in
 /// the workspace tensor `full_uid`).
-fn head_grad(g: &mut Graph, s: &SdpaShape, l: &Layout, (t, rhs, out): (usize, usize, usize), full_uid: i64) -> Result<()> {
+fn head_grad(
+    g: &mut Graph,
+    s: &SdpaShape,
+    l: &Layout,
+    (t, rhs, out): (usize, usize, usize),
+    full_uid: i64,
+) -> Result<()> {
     let over = l.over([Some('k'), None, Some('q')]);
     if s.hq == s.hkv {
         return g.matmul_over(t, rhs, out, over);
@@ -488,7 +495,14 @@ pub fn backward(s: &SdpaShape) -> Result<Graph> {
         None => g.tensor(uid::SOFTMAX_SUM, F32, &rdims, &packed(&rdims), Role::Io)?,
         Some(t) => {
             let strides = stats_strides(s, sq);
-            g.tensor_ragged(uid::SOFTMAX_SUM, F32, &rdims, &strides, Role::Io, Some(t.stats))?
+            g.tensor_ragged(
+                uid::SOFTMAX_SUM,
+                F32,
+                &rdims,
+                &strides,
+                Role::Io,
+                Some(t.stats),
+            )?
         }
     };
     g.binary(Pw::CUDNN_POINTWISE_MUL, red, one, ssum)?;

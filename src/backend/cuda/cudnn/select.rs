@@ -105,7 +105,11 @@ pub fn shape_supported(
 /// 9.6 or newer, dense token rows (the offsets of Q serve O, dO and dQ,
 /// those of K serve V, dK and dV), one causal block per document, and
 /// element offsets within int32.
-fn ragged_supported(version: usize, s: &SdpaShape, r: RaggedDims) -> std::result::Result<(), String> {
+fn ragged_supported(
+    version: usize,
+    s: &SdpaShape,
+    r: RaggedDims,
+) -> std::result::Result<(), String> {
     if version < FIRST_RAGGED_VERSION {
         return Err(format!(
             "several documents in one call need cuDNN 9.6 (ragged offsets and a padding \
@@ -119,7 +123,9 @@ fn ragged_supported(version: usize, s: &SdpaShape, r: RaggedDims) -> std::result
         && s.v_rs == s.k_rs
         && (s.lse_rs, s.lse_hs) == (s.hq, 1);
     if !dense || s.sq != s.sk || s.window.is_some() || s.mask != AttnMask::Causal {
-        return Err("several documents in one call need causal attention over dense token rows".into());
+        return Err(
+            "several documents in one call need causal attention over dense token rows".into(),
+        );
     }
     if r.b == 0 || r.b > s.sq || r.s_max < ragged::MIN_S_MAX {
         return Err(format!("{} documents in a call of {} rows", r.b, s.sq));
@@ -511,7 +517,8 @@ mod tests {
         let docs = crate::backend::BoundedMask::documents(&[0, 1, 38, 338], 1338).unwrap();
         let (hq, hkv) = (8, 2);
         for d in [64, 128] {
-            let call = super::super::dense_shape(1338, 1338, hq, hkv, d, AttnMask::Bounded(docs.clone()));
+            let call =
+                super::super::dense_shape(1338, 1338, hq, hkv, d, AttnMask::Bounded(docs.clone()));
             assert_eq!(call.ragged, Some(RaggedDims { b: 4, s_max: 1024 }));
             assert_eq!(call.mask, AttnMask::Causal);
             for bwd in [false, true] {
@@ -535,7 +542,10 @@ mod tests {
         let windowed = run(docs.clone().with_window(100).unwrap(), 1338);
         assert!(windowed.ragged.is_none() && shape_supported(91400, &windowed, true).is_err());
         // one document: the plain causal call, as before
-        let one = run(crate::backend::BoundedMask::documents(&[0], 256).unwrap(), 256);
+        let one = run(
+            crate::backend::BoundedMask::documents(&[0], 256).unwrap(),
+            256,
+        );
         assert_eq!((one.ragged, &one.mask), (None, &AttnMask::Causal));
         // offsets past int32 stay on flash
         let mut big = run(docs, 1338);
