@@ -201,8 +201,8 @@ fn the_engine_and_the_walk_agree_with_a_sliding_window_on_cudnn() {
     }
 }
 
-/// A packed documents run on CUDA (`--attn-kernel auto` puts it on our
-/// kernels): the engine's rehearsal attends under a documents mask, whose
+/// A packed documents run on our kernels (`--attn-kernel native`, or a
+/// cuDNN before 9.6): the engine's rehearsal attends under a documents mask, whose
 /// per-row key bounds the backend keeps on the device, and the walk keeps
 /// the same, on every mesh and ring role; the bounds are in the peak.
 #[test]

@@ -15,8 +15,9 @@ pub enum DeviceKind {
     /// CUDA with our attention kernels only (`--attn-kernel native`).
     CudaNative,
     /// CUDA with our attention kernels under documents masks (`--pack
-    /// documents|bfd` over data with a document index, which `auto` puts on
-    /// our kernels): each call's per-row key bounds kept on the device.
+    /// documents|bfd` over data with a document index, under `--attn-kernel
+    /// native` or a cuDNN before 9.6): each call's per-row key bounds kept
+    /// on the device.
     CudaDocuments,
     /// CUDA with cuDNN attention under documents masks (`--pack
     /// documents|bfd` on cuDNN 9.6 or newer): calls of several documents

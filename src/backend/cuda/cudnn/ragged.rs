@@ -196,7 +196,7 @@ mod tests {
             prop_assert_eq!(at(Table::KvOffsets, b), sq * kv);
             prop_assert_eq!(at(Table::StatsOffsets, b), sq * st);
             prop_assert!(t.entries.len() * 4 <= table_bytes(sq));
-            prop_assert!(t.byte_offset(Table::QOffsets) % 16 == 0);
+            prop_assert!(t.byte_offset(Table::QOffsets).is_multiple_of(16));
         }
     }
 
