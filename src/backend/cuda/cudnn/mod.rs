@@ -596,10 +596,16 @@ impl CudnnSdpa {
             cudarc::driver::result::memcpy_htod_async(at, &t.entries, be.stream().cu_stream())
         }
         .map_err(|e| Error::Backend(format!("cuDNN ragged SDPA: upload the tables: {e}")))?;
-        Ok(t.bindings(at)
-            .into_iter()
-            .map(|(uid, p)| (uid, p as *mut c_void))
-            .collect())
+        use ragged::Table;
+        let p = |table: Table| (at + t.byte_offset(table) as u64) as *mut c_void;
+        use sdpa_graph::uid;
+        Ok(vec![
+            (uid::Q_OFFSETS, p(Table::QOffsets)),
+            (uid::KV_OFFSETS, p(Table::KvOffsets)),
+            (uid::STATS_OFFSETS, p(Table::StatsOffsets)),
+            (uid::SEQ_LEN_Q, p(Table::SeqLen)),
+            (uid::SEQ_LEN_KV, p(Table::SeqLen)),
+        ])
     }
 
     /// Checks that cuDNN takes the call (`backward` or forward), binds the

@@ -130,23 +130,6 @@ impl Tables {
     }
 }
 
-impl Tables {
-    /// The variant pack's entries of the tables uploaded at device address
-    /// `at`: the three offset tables and the lengths (as `seq_len_q` and
-    /// `seq_len_kv`).
-    pub fn bindings(&self, at: u64) -> Vec<(i64, u64)> {
-        use super::sdpa_graph::uid;
-        let p = |t: Table| at + self.byte_offset(t) as u64;
-        vec![
-            (uid::Q_OFFSETS, p(Table::QOffsets)),
-            (uid::KV_OFFSETS, p(Table::KvOffsets)),
-            (uid::STATS_OFFSETS, p(Table::StatsOffsets)),
-            (uid::SEQ_LEN_Q, p(Table::SeqLen)),
-            (uid::SEQ_LEN_KV, p(Table::SeqLen)),
-        ]
-    }
-}
-
 /// Whether element offsets up to `rows · row_elems` fit int32 (the type of
 /// cuDNN's ragged offset tables).
 pub fn offsets_fit(rows: usize, row_elems: usize) -> bool {
