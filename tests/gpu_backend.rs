@@ -1336,7 +1336,7 @@ fn cudnn_sliding_windows_match_cpu_and_flash() {
     }
 }
 
-/// Several documents in one call run on cuDNN's ragged path (cuDNN 9.6
+/// Several documents in one call run on cuDNN's ragged path (cuDNN 9.10
 /// and newer): forward O and LSE and dQ, dK, dV equal the CPU reference
 /// and the flash kernels for documents of 1, 37, 300 and 1000 rows, a call
 /// whose rows begin inside a document, one document over the whole call,
@@ -1364,7 +1364,7 @@ fn cudnn_documents_match_cpu_and_flash() {
         }
     };
     if version < cudnn::ragged::FIRST_RAGGED_VERSION {
-        eprintln!("SKIP cuDNN documents: cuDNN {version} is older than 9.6");
+        eprintln!("SKIP cuDNN documents: cuDNN {version} is older than 9.10");
         return;
     }
     // the run-level decision: documents on cuDNN, served there call by call

@@ -202,7 +202,7 @@ fn the_engine_and_the_walk_agree_with_a_sliding_window_on_cudnn() {
 }
 
 /// A packed documents run on our kernels (`--attn-kernel native`, or a
-/// cuDNN before 9.6): the engine's rehearsal attends under a documents mask, whose
+/// cuDNN before 9.10): the engine's rehearsal attends under a documents mask, whose
 /// per-row key bounds the backend keeps on the device, and the walk keeps
 /// the same, on every mesh and ring role; the bounds are in the peak.
 #[test]
@@ -228,7 +228,7 @@ fn the_engine_and_the_walk_agree_on_packed_documents_runs() {
     assert_eq!(documents.peak, native.peak + 2 * 1536 * 4);
 }
 
-/// A packed documents run on cuDNN (9.6 and newer take documents): calls
+/// A packed documents run on cuDNN (9.10 and newer take documents): calls
 /// of several documents over their own rows run on cuDNN's ragged path,
 /// with their tables in its kept workspace and, with GQA, dK and dV per
 /// query head beside them; ring blocks stay on our kernels with their key

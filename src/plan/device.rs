@@ -16,11 +16,11 @@ pub enum DeviceKind {
     CudaNative,
     /// CUDA with our attention kernels under documents masks (`--pack
     /// documents|bfd` over data with a document index, under `--attn-kernel
-    /// native` or a cuDNN before 9.6): each call's per-row key bounds kept
+    /// native` or a cuDNN before 9.10): each call's per-row key bounds kept
     /// on the device.
     CudaDocuments,
     /// CUDA with cuDNN attention under documents masks (`--pack
-    /// documents|bfd` on cuDNN 9.6 or newer): calls of several documents
+    /// documents|bfd` on cuDNN 9.10 or newer): calls of several documents
     /// over their own rows on cuDNN's ragged path (their tables in its
     /// workspace), ring blocks and windows on our kernels with their bounds.
     CudnnDocuments,

@@ -38,10 +38,14 @@ pub struct RaggedDims {
 pub const MIN_S_MAX: usize = 128;
 
 /// The first cuDNN that runs ragged SDPA with a padding mask forward and
-/// backward on Hopper in the form built here: 9.6 (the frontend's support
-/// checks: a ragged backward with GQA, and the dQ accumulator and softmax
-/// sums sized by the tokens, `max_total_seq_len`, from 9.6.0).
-pub const FIRST_RAGGED_VERSION: usize = 90600;
+/// backward on Hopper in the form built here: 9.10. Ragged offsets and the
+/// padding mask go back to 8.9 (Hopper's fprop and bprop), but the
+/// frontend's support checks want 9.6 for a ragged backward with GQA and
+/// for the dQ accumulator and softmax sums sized by the tokens
+/// (`max_total_seq_len`), and below 9.10 it applies the padding mask a
+/// second time after Stats is subtracted and masks with the lowest float
+/// instead of −∞; the graphs here are the 9.10 form.
+pub const FIRST_RAGGED_VERSION: usize = 91000;
 
 /// The plan geometry of documents of `pieces` rows.
 pub fn dims(pieces: &[usize]) -> RaggedDims {

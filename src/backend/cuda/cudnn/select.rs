@@ -102,7 +102,7 @@ pub fn shape_supported(
 }
 
 /// Whether a ragged call (several documents, [`ragged`]) can run: cuDNN
-/// 9.6 or newer, dense token rows (the offsets of Q serve O, dO and dQ,
+/// 9.10 or newer, dense token rows (the offsets of Q serve O, dO and dQ,
 /// those of K serve V, dK and dV), one causal block per document, and
 /// element offsets within int32.
 fn ragged_supported(
@@ -112,7 +112,7 @@ fn ragged_supported(
 ) -> std::result::Result<(), String> {
     if version < FIRST_RAGGED_VERSION {
         return Err(format!(
-            "several documents in one call need cuDNN 9.6 (ragged offsets and a padding \
+            "several documents in one call need cuDNN 9.10 (ragged offsets and a padding \
              mask, forward and backward); have {version}"
         ));
     }
@@ -173,7 +173,7 @@ pub enum AttentionKernel {
     /// cuDNN SDPA of this version (e.g. 91400) for every call
     /// [`shape_supported`] lets it take (bf16, head dim 64/128, causal or
     /// full masks, sliding windows, several documents over a call's own
-    /// rows from 9.6); the flash kernels for the rest (F32 operands, cuDNN
+    /// rows from 9.10); the flash kernels for the rest (F32 operands, cuDNN
     /// 9.15's backward on `s_kv % 128 != 0`, ring blocks of documents).
     Cudnn { version: usize },
     /// upipe's flash kernels (bf16, head dim 64/128, sm_90), the naive ones
@@ -230,7 +230,7 @@ pub struct KernelFacts {
     /// The model's head dim.
     pub head_dim: usize,
     /// Whether the run's windows may hold several documents (`--pack
-    /// documents|bfd`): cuDNN takes them from 9.6 (ragged calls; ring
+    /// documents|bfd`): cuDNN takes them from 9.10 (ragged calls; ring
     /// blocks and documents under a sliding window stay on the flash
     /// kernels call by call).
     pub documents: bool,
@@ -257,7 +257,7 @@ fn cudnn_unfit(f: &KernelFacts) -> Option<String> {
             f.head_dim
         )),
         Ok(v) if f.documents && *v < FIRST_RAGGED_VERSION => Some(format!(
-            "cuDNN {v} does not take the documents masks of --pack documents|bfd (9.6 does)"
+            "cuDNN {v} does not take the documents masks of --pack documents|bfd (9.10 does)"
         )),
         Ok(_) => None,
     }
@@ -496,12 +496,12 @@ mod tests {
         assert!(!AttentionKernel::Flash.takes_on_cudnn(&odd, false));
     }
 
-    /// Documents go to cuDNN from 9.6 (`auto` and `cudnn`), to the flash
+    /// Documents go to cuDNN from 9.10 (`auto` and `cudnn`), to the flash
     /// kernels under `native` or an older cuDNN; calls route one by one:
     /// several documents over a call's own rows on cuDNN, ring blocks and
     /// windows over documents on the flash kernels.
     #[test]
-    fn documents_run_on_cudnn_from_9_6() {
+    fn documents_run_on_cudnn_from_9_10() {
         for ask in [AttnKernel::Auto, AttnKernel::Cudnn] {
             for d in [64, 128] {
                 let k = decide_run_kernel(ask, &facts(Ok(91400), d, true)).unwrap();
@@ -512,7 +512,7 @@ mod tests {
         let n = decide_run_kernel(AttnKernel::Native, &facts(Ok(91400), 128, true)).unwrap();
         assert_eq!(n.kernel, AttentionKernel::Flash);
         let old = decide_run_kernel(AttnKernel::Auto, &facts(Ok(90500), 64, true)).unwrap();
-        assert!(old.note.unwrap().contains("9.6"));
+        assert!(old.note.unwrap().contains("9.10"));
 
         let docs = crate::backend::BoundedMask::documents(&[0, 1, 38, 338], 1338).unwrap();
         let (hq, hkv) = (8, 2);
@@ -525,7 +525,7 @@ mod tests {
                 assert_eq!(shape_supported(91400, &call, bwd), Ok(()));
                 assert!(AttentionKernel::Cudnn { version: 91400 }.takes_on_cudnn(&call, bwd));
                 let e = shape_supported(90500, &call, bwd).unwrap_err();
-                assert!(e.contains("cuDNN 9.6"), "{e}");
+                assert!(e.contains("cuDNN 9.10"), "{e}");
             }
         }
         let run = |m: crate::backend::BoundedMask, s: usize| {
