@@ -1527,16 +1527,13 @@ fn cudnn_documents_timing_against_flash() {
         ];
         for (name, b, grad_dt, writes) in runs {
             let mut rng = Rng::new("documents timing");
-            let mut up = |h: usize| {
-                b.from_host(
-                    &rng.vec(total * h * d, 1.0),
-                    &[total, h, d],
-                    DType::BF16,
-                    Category::Workspace,
-                )
-                .unwrap()
+            // random rows of each width, shared by Q and dO, K and V
+            let (rq, rkv) = (rng.vec(total * hq * d, 1.0), rng.vec(total * hkv * d, 1.0));
+            let up = |x: &[f32], h: usize| {
+                b.from_host(x, &[total, h, d], DType::BF16, Category::Workspace)
+                    .unwrap()
             };
-            let (q, k, v, d_o) = (up(hq), up(hkv), up(hkv), up(hq));
+            let (q, k, v, d_o) = (up(&rq, hq), up(&rkv, hkv), up(&rkv, hkv), up(&rq, hq));
             let zeros = |h: usize, dt| b.zeros(&[total, h, d], dt, Category::Workspace).unwrap();
             let mut o = zeros(hq, DType::BF16);
             let (mut dq, mut dk, mut dv) =
