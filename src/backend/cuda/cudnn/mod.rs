@@ -5,7 +5,8 @@
 //! - [`sdpa_graph`]: the forward and backward SDPA graphs cuDNN fuses into flash kernels;
 //! - [`plan`]: heuristics → execution plan, workspace size, execution;
 //! - [`ragged`]: several documents in one call (cuDNN's ragged layout);
-//! - [`select`]: `--attn-kernel auto|cudnn|native` and the "auto" decision.
+//! - [`select`]: `--attn-kernel auto|cudnn|native` and the "auto" decision;
+//! - [`workspace`]: what a call keeps in the workspace, and where.
 //!
 //! [`CudnnSdpa`] is the function-level interface: one per [`CudaBackend`]
 //! (same stream), plans cached per [`SdpaShape`], one workspace from the
@@ -19,15 +20,20 @@ pub mod plan;
 pub mod ragged;
 pub mod sdpa_graph;
 pub mod select;
+pub mod workspace;
 
 pub use sdpa_graph::SdpaShape;
 pub use select::{
     AttentionKernel, AttnKernel, Choice, KernelDecision, KernelFacts, decide, decide_run_kernel,
     shape_supported,
 };
+pub use workspace::{
+    bwd_workspace_bytes, estimated_bwd_plan_workspace, fwd_workspace_bytes, kept_workspace_bytes,
+};
 
 use self::desc::check;
 use self::plan::Plan;
+use self::workspace::{align, bwd_layout};
 use super::CudaBackend;
 use super::libs::{self, Lib};
 use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Tensor};
@@ -169,74 +175,6 @@ impl Drop for CudnnSdpa {
             sys::cudnnDestroy(self.handle.0);
         }
     }
-}
-
-fn align(x: usize) -> usize {
-    x.div_ceil(256) * 256
-}
-
-/// Byte offsets in the workspace of a backward of `s`: the dQ accumulator,
-/// the softmax sums, dK and dV per query head (ragged GQA) and the ragged
-/// tables, after cuDNN's own `plan_workspace`; then the end.
-fn bwd_layout(s: &SdpaShape, plan_workspace: usize) -> [usize; 6] {
-    let (acc_bytes, sum_bytes) = sdpa_graph::backward_scratch_bytes(s);
-    let full = align(sdpa_graph::backward_full_head_bytes(s));
-    let acc = align(plan_workspace);
-    let sum = acc + align(acc_bytes);
-    let dk_full = sum + align(sum_bytes);
-    let tables = dk_full + 2 * full;
-    [
-        acc,
-        sum,
-        dk_full,
-        dk_full + full,
-        tables,
-        tables + table_bytes(s),
-    ]
-}
-
-/// Bytes of a ragged call's tables' region (0 for the others).
-fn table_bytes(s: &SdpaShape) -> usize {
-    s.ragged.map_or(0, |_| ragged::table_bytes(s.sq))
-}
-
-/// Bytes of the workspace a backward of `s` needs (cuDNN's own
-/// `plan_workspace`, then our dQ accumulator and softmax sums; for a
-/// ragged call with GQA dK and dV per query head, and for any ragged call
-/// its tables). The workspace is kept between calls and grown to the
-/// largest need.
-pub fn bwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
-    bwd_layout(s, plan_workspace)[5]
-}
-
-/// Bytes of the workspace a forward of `s` needs: cuDNN's own, then a
-/// ragged call's tables.
-pub fn fwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
-    match s.ragged {
-        None => plan_workspace,
-        Some(_) => align(plan_workspace) + table_bytes(s),
-    }
-}
-
-/// cuDNN's own backward plan workspace for `s` as measured on cuDNN 9.14
-/// (H200, 2026-11-30, exact to the byte on three shapes): with GQA inside
-/// the call (`hq > hkv`) it expands dK/dV to every query head in f32
-/// (`sk·hq·d·4`), plus under 256 bytes. Only a built plan knows the real
-/// figure; the memory planner, which runs without a GPU, uses this.
-pub fn estimated_bwd_plan_workspace(s: &SdpaShape) -> usize {
-    // a ragged call keeps dK, dV per query head in our workspace instead
-    // (`sdpa_graph::backward_full_head_bytes`; not yet measured on a GPU)
-    let gqa_expansion = if s.hq > s.hkv && s.ragged.is_none() {
-        s.sk * s.hq * s.d * 4
-    } else {
-        0
-    };
-    gqa_expansion + 256
-}
-
-/// Bytes the kept workspace occupies once grown to `need` bytes.
-pub fn kept_workspace_bytes(need: usize) -> usize {
-    need.max(1).div_ceil(4) * 4
 }
 
 /// Whether cuDNN's backward writes a gradient straight into the caller's
