@@ -127,6 +127,7 @@ fn run_case(
         o: at(be, &go, off),
         lse: be.device_ptr(&glse),
         shape: s.clone(),
+        docs: Vec::new(),
     };
     sdpa.fwd(be, &fa)?;
     let o_all = be.to_host(&go)?;
@@ -157,6 +158,7 @@ fn run_case(
         dq_dt: gdt,
         dkv_dt: gdt,
         shape: s.clone(),
+        docs: Vec::new(),
     };
     if let Err(reason) = sdpa.supports(&s, true) {
         return Ok((errs, Some(reason)));
@@ -338,6 +340,7 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
         o: p(&o),
         lse: p(&lse),
         shape: sh.clone(),
+        docs: Vec::new(),
     };
     let ba = SdpaBwd {
         q: fa.q,
@@ -352,6 +355,7 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
         dq_dt: DType::F32,
         dkv_dt: DType::F32,
         shape: sh,
+        docs: Vec::new(),
     };
     let iters = if s >= 32768 { 3 } else { 10 };
     let stream = be.stream().clone();
@@ -498,6 +502,7 @@ fn bench_pair(
             o: p(&o),
             lse: p(&lse),
             shape: shape(&c),
+            docs: Vec::new(),
         };
         sets.push((args, [q, k, v, o, lse]));
     }

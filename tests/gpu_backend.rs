@@ -1421,6 +1421,260 @@ fn cudnn_sliding_windows_match_cpu_and_flash() {
     }
 }
 
+/// Several documents in one call run on cuDNN's ragged path (cuDNN 9.10
+/// and newer): forward O and LSE and dQ, dK, dV equal the CPU reference
+/// and the flash kernels for documents of 1, 37, 300 and 1000 rows, a call
+/// whose rows begin inside a document, one document over the whole call,
+/// with GQA and without, head dims 64 and 128; a ring block of two runs
+/// stays on the flash kernels. A run with documents decides cuDNN and
+/// serves them there. Prints each ragged plan's workspace against the
+/// planner's figures (forward 0, backward `estimated_bwd_plan_workspace`).
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
+fn cudnn_documents_match_cpu_and_flash() {
+    use upipe::backend::cuda::cudnn::{self, AttentionKernel, decide_run_kernel};
+    use upipe::backend::mask::{BoundedMask, RowPositions};
+    if gpu().is_none() {
+        return;
+    }
+    let mut native = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    native.set_attn_kernel(AttnKernel::Native);
+    let mut auto = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    auto.set_attn_kernel(AttnKernel::Auto);
+    let version = match auto.cudnn_sdpa() {
+        Ok(c) => c.version(),
+        Err(e) => {
+            eprintln!("SKIP cuDNN documents: {e}");
+            return;
+        }
+    };
+    if version < cudnn::ragged::FIRST_RAGGED_VERSION {
+        eprintln!("SKIP cuDNN documents: cuDNN {version} is older than 9.10");
+        return;
+    }
+    // the run-level decision: documents on cuDNN, served there call by call
+    let facts = CudaBackend::kernel_facts(0, 128, true).unwrap();
+    let decided = decide_run_kernel(AttnKernel::Auto, &facts).unwrap();
+    assert_eq!(decided.kernel, AttentionKernel::Cudnn { version });
+    let mut run = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    run.set_attention_kernel(decided.kernel);
+
+    let mut rng = Rng::new("cudnn documents");
+    let docs = BoundedMask::documents(&[0, 1, 38, 338], 1338).unwrap();
+    let mid = RowPositions::contiguous(150, 700);
+    let ring = RowPositions::two_runs(0..400, 938..1338);
+    // (mask, (hq, hkv, d), forward and backward on cuDNN)
+    let cases: Vec<(BoundedMask, (usize, usize, usize), bool)> = vec![
+        (docs.clone(), (8, 2, 128), true),
+        (docs.clone(), (4, 2, 64), true),
+        (docs.clone(), (4, 4, 128), true),
+        (docs.with_rows(mid, mid), (4, 1, 64), true),
+        (
+            BoundedMask::documents(&[0, 300, 337], 1338).unwrap(),
+            (8, 2, 64),
+            true,
+        ),
+        (
+            BoundedMask::documents(&[0], 1024).unwrap(),
+            (8, 2, 128),
+            true,
+        ),
+        (docs.with_rows(ring, ring), (4, 2, 128), false),
+    ];
+    for (i, (mask, (hq, hkv, d), on_cudnn)) in cases.into_iter().enumerate() {
+        let (q, k) = mask.rows();
+        let mut p = AttnProblem::new(&mut rng, q.len(), k.len(), hq, hkv, d, false);
+        p.bounded = Some(AttnMask::Bounded(mask));
+        let tag = format!("cudnn documents {}", p.tag());
+        let subject = if i == 0 { &run } else { &auto };
+        let before = subject.attention_calls();
+        compare_kernels(
+            &tag,
+            (subject, &native, "flash"),
+            &p,
+            DType::F32,
+            &[0..p.sk],
+        );
+        let after = subject.attention_calls();
+        let (cf, cb) = (
+            after.cudnn_fwd - before.cudnn_fwd,
+            after.cudnn_bwd - before.cudnn_bwd,
+        );
+        eprintln!("{tag}: cuDNN forward {cf}, backward {cb}");
+        let want = if on_cudnn { 1 } else { 0 };
+        assert_eq!(cf, want, "{tag}: forward on cuDNN");
+        assert_eq!(
+            cb,
+            want * BWD_WRITES.len() as u64,
+            "{tag}: backward on cuDNN"
+        );
+    }
+    for b in [&run, &auto] {
+        let builds = b.cudnn_sdpa().unwrap().plan_builds();
+        for pb in builds.iter().filter(|pb| pb.shape.ragged.is_some()) {
+            let planned = match pb.bwd {
+                false => 0,
+                true => cudnn::estimated_bwd_plan_workspace(&pb.shape),
+            };
+            eprintln!(
+                "ragged plan bwd={} {:?} hq {} hkv {} d {}: workspace {} (planned {planned}), \
+                 built in {:.1} ms, {}",
+                pb.bwd,
+                pb.shape.ragged,
+                pb.shape.hq,
+                pb.shape.hkv,
+                pb.shape.d,
+                pb.workspace,
+                pb.build_ms,
+                pb.engine
+            );
+        }
+    }
+}
+
+/// Documents of a mean of `mean` tokens filling `total` (lengths drawn
+/// from an exponential distribution, at least 64; the last one fills up),
+/// from a fixed seed: the same mix on every run.
+fn document_mix(total: usize, mean: f64) -> Vec<u32> {
+    let mut rng = upipe::rng::Rng::new(8192);
+    let mut starts = vec![0u32];
+    let mut at = 0usize;
+    loop {
+        let len = (-(1.0 - rng.uniform()).ln() * mean).max(64.0) as usize;
+        if at + len >= total {
+            return starts;
+        }
+        at += len;
+        starts.push(at as u32);
+    }
+}
+
+/// Median milliseconds of `runs` calls of `f` after one warm-up, each
+/// synchronized.
+fn time_ms(b: &CudaBackend, runs: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    b.synchronize().unwrap();
+    let mut ms: Vec<f64> = (0..runs)
+        .map(|_| {
+            let t0 = std::time::Instant::now();
+            f();
+            b.synchronize().unwrap();
+            t0.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    ms[runs / 2]
+}
+
+/// Documents on cuDNN against the flash kernels, timed: 128K tokens of
+/// documents with a mean of 8K (`UPIPE_DOC_TOKENS`, `UPIPE_DOC_MEAN`),
+/// Llama 3.2 1B's heads (32 over 8, d 64) and Llama 3.1 8B's (32 over 8,
+/// d 128), one call over the whole window, gradients as the engine asks
+/// for them (cuDNN: bf16 overwritten in place; flash: f32 added into);
+/// prints a table of the median forward and backward of 5 calls each.
+#[test]
+fn cudnn_documents_timing_against_flash() {
+    use upipe::backend::mask::BoundedMask;
+    if gpu().is_none() {
+        return;
+    }
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let total = env("UPIPE_DOC_TOKENS", 131_072);
+    let mean = env("UPIPE_DOC_MEAN", 8192) as f64;
+    let mut native = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    native.set_attn_kernel(AttnKernel::Native);
+    let mut cudnn = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
+    cudnn.set_attn_kernel(AttnKernel::Cudnn);
+    match cudnn.cudnn_sdpa().map(|c| c.version()) {
+        Ok(v) if v >= upipe::backend::cuda::cudnn::ragged::FIRST_RAGGED_VERSION => {}
+        Ok(v) => {
+            eprintln!("SKIP documents timing: cuDNN {v} takes no documents");
+            return;
+        }
+        Err(e) => {
+            eprintln!("SKIP documents timing: {e}");
+            return;
+        }
+    }
+    let starts = document_mix(total, mean);
+    let mask = AttnMask::Bounded(BoundedMask::documents(&starts, total).unwrap());
+    eprintln!(
+        "documents timing: {} documents over {total} tokens (mean {:.0})",
+        starts.len(),
+        total as f64 / starts.len() as f64
+    );
+    eprintln!("| heads (q/kv) | d | kernel | forward ms | backward ms | fwd+bwd ms |");
+    eprintln!("|---|---|---|---|---|---|");
+    for (hq, hkv, d) in [(32, 8, 64), (32, 8, 128)] {
+        let mut both = Vec::new();
+        let overwrite = BWD_WRITES[1];
+        let runs = [
+            ("flash", &native, DType::F32, AttnGradWrites::ADD),
+            ("cudnn", &cudnn, DType::BF16, overwrite),
+        ];
+        for (name, b, grad_dt, writes) in runs {
+            let mut rng = Rng::new("documents timing");
+            // random rows of each width, shared by Q and dO, K and V
+            let (rq, rkv) = (rng.vec(total * hq * d, 1.0), rng.vec(total * hkv * d, 1.0));
+            let up = |x: &[f32], h: usize| {
+                b.from_host(x, &[total, h, d], DType::BF16, Category::Workspace)
+                    .unwrap()
+            };
+            let (q, k, v, d_o) = (up(&rq, hq), up(&rkv, hkv), up(&rkv, hkv), up(&rq, hq));
+            let zeros = |h: usize, dt| b.zeros(&[total, h, d], dt, Category::Workspace).unwrap();
+            let mut o = zeros(hq, DType::BF16);
+            let (mut dq, mut dk, mut dv) =
+                (zeros(hq, grad_dt), zeros(hkv, grad_dt), zeros(hkv, grad_dt));
+            let mut lse = b
+                .zeros(&[total, hq], DType::F32, Category::Workspace)
+                .unwrap();
+            let fwd = time_ms(b, 5, || {
+                b.attention_fwd(
+                    q.all_rows(),
+                    k.all_rows(),
+                    v.all_rows(),
+                    &mask,
+                    o.all_rows_mut(),
+                    lse.all_rows_mut(),
+                )
+                .unwrap()
+            });
+            let bwd = time_ms(b, 5, || {
+                b.attention_bwd(
+                    q.all_rows(),
+                    k.all_rows(),
+                    v.all_rows(),
+                    o.all_rows(),
+                    d_o.all_rows(),
+                    lse.all_rows(),
+                    &mask,
+                    dq.all_rows_mut(),
+                    dk.all_rows_mut(),
+                    dv.all_rows_mut(),
+                    writes,
+                )
+                .unwrap()
+            });
+            eprintln!(
+                "| {hq}/{hkv} | {d} | {name} | {fwd:.2} | {bwd:.2} | {:.2} |",
+                fwd + bwd
+            );
+            both.push(fwd + bwd);
+        }
+        eprintln!(
+            "| {hq}/{hkv} | {d} | flash / cudnn | | | {:.2}x |",
+            both[0] / both[1]
+        );
+    }
+    let calls = cudnn.attention_calls();
+    assert!(calls.cudnn_fwd > 0 && calls.cudnn_bwd > 0, "{calls:?}");
+}
+
 /// Shapes cuDNN cannot take fall back to our kernels under `auto` without
 /// an error; forcing `cudnn` on them is an error that names the flag.
 #[test]

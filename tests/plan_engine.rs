@@ -201,8 +201,8 @@ fn the_engine_and_the_walk_agree_with_a_sliding_window_on_cudnn() {
     }
 }
 
-/// A packed documents run on CUDA (`--attn-kernel auto` puts it on our
-/// kernels): the engine's rehearsal attends under a documents mask, whose
+/// A packed documents run on our kernels (`--attn-kernel native`, or a
+/// cuDNN before 9.10): the engine's rehearsal attends under a documents mask, whose
 /// per-row key bounds the backend keeps on the device, and the walk keeps
 /// the same, on every mesh and ring role; the bounds are in the peak.
 #[test]
@@ -226,6 +226,36 @@ fn the_engine_and_the_walk_agree_on_packed_documents_runs() {
     s.device = DeviceKind::CudaDocuments;
     let documents = engine_step_rank(&s, 0).unwrap();
     assert_eq!(documents.peak, native.peak + 2 * 1536 * 4);
+}
+
+/// A packed documents run on cuDNN (9.10 and newer take documents): calls
+/// of several documents over their own rows run on cuDNN's ragged path,
+/// with their tables in its kept workspace and, with GQA, dK and dV per
+/// query head beside them; ring blocks stay on our kernels with their key
+/// bounds. The walk and the engine keep the same on every mesh, and a
+/// ragged call keeps more than the one-document call of the same rows.
+#[test]
+fn the_engine_and_the_walk_agree_on_packed_documents_on_cudnn() {
+    let model = d64();
+    for m in MESHES {
+        for policy in policies(model.layers).into_iter().take(3) {
+            let mut s = spec(&model, m, 1536, policy);
+            s.device = DeviceKind::CudnnDocuments;
+            check(&s, &format!("documents on cuDNN {m:?} {policy:?}"));
+        }
+    }
+    let ulysses = &(false, Strategy::Ulysses, 4, 1, None, None, 1);
+    let mut s = spec(&model, ulysses, 1536, policies(model.layers)[0]);
+    s.device = DeviceKind::Cuda;
+    let one_document = engine_step_rank(&s, 0).unwrap();
+    s.device = DeviceKind::CudnnDocuments;
+    let documents = engine_step_rank(&s, 0).unwrap();
+    assert!(
+        documents.peak > one_document.peak,
+        "{} <= {}",
+        documents.peak,
+        one_document.peak
+    );
 }
 
 #[test]

@@ -297,6 +297,32 @@ impl BoundedMask {
         Some(self.window.map(|w| w as usize).filter(|&w| w < len))
     }
 
+    /// The call as documents side by side, the form cuDNN's variable-length
+    /// ("ragged") SDPA takes: the row count of each document's piece in
+    /// order, when the call is causal attention over its own rows (query and
+    /// key rows the same contiguous positions, no sliding window); `None`
+    /// otherwise (a ring block, a window). A piece is the part of a document
+    /// inside the rows: the first may have begun before them, as a row sees
+    /// no key before the call's first. O(pieces · log rows).
+    pub fn doc_pieces(&self) -> Option<Vec<usize>> {
+        let (q, k) = (self.q, self.k);
+        if q != k || q.runs[1].1 != 0 || q.is_empty() || self.window.is_some() {
+            return None;
+        }
+        let (first, len) = (q.runs[0].0 as usize, q.runs[0].1 as usize);
+        let rows = &self.starts[first..first + len];
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        while at < len {
+            // starts are nondecreasing: the piece ends where a later start begins
+            let start = rows[at];
+            let end = at + rows[at..].partition_point(|&s| s == start);
+            pieces.push(end - at);
+            at = end;
+        }
+        Some(pieces)
+    }
+
     /// Whether no query of the call sees any key (a ring block to skip).
     pub fn hides_all(&self) -> bool {
         let sk = self.k.len();
@@ -529,5 +555,44 @@ mod tests {
             RowPositions::contiguous(8, 2),
         );
         assert!(later.hides_all());
+    }
+
+    /// `doc_pieces` tiles the call's rows, and each piece is causal
+    /// attention over its own rows (what cuDNN's ragged call computes):
+    /// for random documents, any contiguous slice of rows (a piece may
+    /// begin before the call), with and without a window (`None` then), and
+    /// on ring blocks of two runs (`None`).
+    #[test]
+    fn doc_pieces_are_causal_blocks_tiling_the_rows() {
+        let mut rng = crate::rng::Rng::new(91);
+        for _ in 0..200 {
+            let seq = 1 + rng.below(60) as usize;
+            let m = BoundedMask::documents(&random_starts(&mut rng, seq), seq).unwrap();
+            let lo = rng.below(seq as u64) as usize;
+            let hi = lo + 1 + rng.below((seq - lo) as u64) as usize;
+            let rows = RowPositions::contiguous(lo, hi - lo);
+            let call = m.with_rows(rows, rows);
+            let pieces = call.doc_pieces().expect("one run of rows");
+            assert_eq!(pieces.iter().sum::<usize>(), hi - lo);
+            assert!(pieces.iter().all(|&n| n > 0));
+            let mut first = 0;
+            for n in pieces {
+                for q in first..first + n {
+                    assert_eq!(
+                        call.visible_keys(q, hi - lo),
+                        first..q + 1,
+                        "rows {lo}..{hi}"
+                    );
+                }
+                first += n;
+            }
+            assert_eq!(call.clone().with_window(3).unwrap().doc_pieces(), None);
+        }
+        let m = BoundedMask::documents(&[0, 3, 7], 12).unwrap();
+        let ring = RowPositions::two_runs(2..4, 8..10);
+        assert_eq!(m.with_rows(ring, ring).doc_pieces(), None);
+        assert_eq!(m.doc_pieces(), Some(vec![3, 4, 5]));
+        let mid = RowPositions::contiguous(5, 7);
+        assert_eq!(m.with_rows(mid, mid).doc_pieces(), Some(vec![2, 5]));
     }
 }

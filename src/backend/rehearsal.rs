@@ -537,7 +537,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
             false => None,
         };
         if let Some(plan_ws) = cudnn {
-            self.grow_attn_workspace(plan_ws)?;
+            self.grow_attn_workspace(cudnn::fwd_workspace_bytes(&g.sdpa(), plan_ws))?;
         } else if self.is_cuda() {
             self.keep_mask_bounds(&g)?;
         }

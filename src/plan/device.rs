@@ -15,9 +15,15 @@ pub enum DeviceKind {
     /// CUDA with our attention kernels only (`--attn-kernel native`).
     CudaNative,
     /// CUDA with our attention kernels under documents masks (`--pack
-    /// documents|bfd` over data with a document index, which `auto` puts on
-    /// our kernels): each call's per-row key bounds kept on the device.
+    /// documents|bfd` over data with a document index, under `--attn-kernel
+    /// native` or a cuDNN before 9.10): each call's per-row key bounds kept
+    /// on the device.
     CudaDocuments,
+    /// CUDA with cuDNN attention under documents masks (`--pack
+    /// documents|bfd` on cuDNN 9.10 or newer): calls of several documents
+    /// over their own rows on cuDNN's ragged path (their tables in its
+    /// workspace), ring blocks and windows on our kernels with their bounds.
+    CudnnDocuments,
 }
 
 impl DeviceKind {
@@ -25,7 +31,10 @@ impl DeviceKind {
     pub fn act_bytes(self) -> usize {
         match self {
             DeviceKind::Cpu => 4,
-            DeviceKind::Cuda | DeviceKind::CudaNative | DeviceKind::CudaDocuments => 2,
+            DeviceKind::Cuda
+            | DeviceKind::CudaNative
+            | DeviceKind::CudaDocuments
+            | DeviceKind::CudnnDocuments => 2,
         }
     }
     /// Whether this is a CUDA device (either attention kernel choice).
@@ -39,6 +48,14 @@ impl DeviceKind {
             _ => DeviceKind::Cuda,
         }
     }
+    /// Whether attention calls cuDNN takes run there (`Cuda`, `CudnnDocuments`).
+    pub fn on_cudnn(self) -> bool {
+        matches!(self, DeviceKind::Cuda | DeviceKind::CudnnDocuments)
+    }
+    /// Whether the run's windows may hold several documents.
+    pub fn documents(self) -> bool {
+        matches!(self, DeviceKind::CudaDocuments | DeviceKind::CudnnDocuments)
+    }
     /// Whether AdamW keeps f32 master weights (compute dtype is not f32).
     pub fn master_weights(self) -> bool {
         self.act_bytes() != F32
@@ -48,9 +65,10 @@ impl DeviceKind {
     pub fn backend_resident(self) -> usize {
         match self {
             DeviceKind::Cpu => 0,
-            DeviceKind::Cuda | DeviceKind::CudaNative | DeviceKind::CudaDocuments => {
-                crate::backend::cuda::gemm::WORKSPACE_BYTES
-            }
+            DeviceKind::Cuda
+            | DeviceKind::CudaNative
+            | DeviceKind::CudaDocuments
+            | DeviceKind::CudnnDocuments => crate::backend::cuda::gemm::WORKSPACE_BYTES,
         }
     }
     /// The device of a run whose attention kernel was decided
@@ -64,7 +82,8 @@ impl DeviceKind {
         use crate::backend::cuda::cudnn::AttentionKernel;
         match (kernel, documents) {
             (None, _) => DeviceKind::Cpu,
-            (Some(AttentionKernel::Cudnn { .. }), _) => DeviceKind::Cuda,
+            (Some(AttentionKernel::Cudnn { .. }), false) => DeviceKind::Cuda,
+            (Some(AttentionKernel::Cudnn { .. }), true) => DeviceKind::CudnnDocuments,
             (Some(AttentionKernel::Flash | AttentionKernel::Naive), false) => {
                 DeviceKind::CudaNative
             }
@@ -103,6 +122,9 @@ impl DeviceKind {
             }
             DeviceKind::CudaDocuments => {
                 "cuda (bf16 activations, f32 grads/optimizer/master; our attention kernels, documents masks)"
+            }
+            DeviceKind::CudnnDocuments => {
+                "cuda (bf16 activations, f32 grads/optimizer/master; cuDNN attention where it applies, documents masks)"
             }
         }
     }

@@ -27,7 +27,7 @@ use crate::train::trainer::rehearse_rank;
 pub fn counted_device(device: DeviceKind) -> CountedDevice {
     match device {
         DeviceKind::Cpu => CountedDevice::Cpu,
-        DeviceKind::Cuda => CountedDevice::Cuda {
+        DeviceKind::Cuda | DeviceKind::CudnnDocuments => CountedDevice::Cuda {
             cudnn: Some(PLANNED_CUDNN_VERSION),
         },
         DeviceKind::CudaNative | DeviceKind::CudaDocuments => CountedDevice::Cuda { cudnn: None },
@@ -47,7 +47,7 @@ fn train_config(spec: &StepSpec) -> TrainConfig {
         fsdp: spec.fsdp,
         fsdp_replicas: spec.fsdp_replicas,
         grad_accum: spec.grad_accum.max(1),
-        documents: spec.device == DeviceKind::CudaDocuments,
+        documents: spec.device.documents(),
         rehearse: true,
         ..TrainConfig::new(
             spec.model.clone(),

@@ -193,8 +193,8 @@ pub fn checkpoint_bytes(cfg: &ModelConfig, masters: bool) -> u64 {
 fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usize) -> AttnWalk {
     AttnWalk {
         flash_ws: device.is_cuda(),
-        cudnn: device == DeviceKind::Cuda,
-        documents: device == DeviceKind::CudaDocuments,
+        cudnn: device.on_cudnn(),
+        documents: device.documents(),
         ring_rank,
         ..AttnWalk::new(plan, dims, device.act_bytes())
     }

@@ -79,7 +79,8 @@ impl CudaBackend {
     /// ledger): a call whose bounds equal them (every stage and layer of a
     /// window) uploads nothing; other bounds replace them (the old freed
     /// first, stream-ordered). Released with cuDNN's workspace
-    /// (`release_attention_workspace`). cuDNN does not take these masks.
+    /// (`release_attention_workspace`). cuDNN's ragged calls take their
+    /// documents as tables in its workspace instead (`cudnn::ragged`).
     fn mask_bounds(&self, mask: &AttnMask, sq: usize) -> Result<u64> {
         match mask {
             AttnMask::Full | AttnMask::Causal => Ok(0),
@@ -449,6 +450,7 @@ impl CudaBackend {
                     o: a.o,
                     lse: a.lse,
                     shape,
+                    docs: cudnn::ragged::call_pieces(mask).unwrap_or_default(),
                 };
                 return c.fwd(self, &f);
             }
@@ -558,6 +560,7 @@ impl CudaBackend {
                     dq_dt: dq.t.dtype(),
                     dkv_dt: dk.t.dtype(),
                     shape,
+                    docs: cudnn::ragged::call_pieces(mask).unwrap_or_default(),
                 };
                 return c.bwd(self, &b, writes);
             }

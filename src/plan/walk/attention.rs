@@ -109,10 +109,16 @@ impl AttnWalk {
     }
 
     /// The mask of the whole sequence the engine attends under on a stream
-    /// window: causal, or the band of the model's sliding window.
+    /// window: causal, or the band of the model's sliding window. A
+    /// documents run on cuDNN walks the rehearsal's window of two documents
+    /// (`[0, 1)` and the rest: `train::step_windows::draw_step`), whose
+    /// calls over their own rows take cuDNN's ragged path (what they keep
+    /// depends on their rows only, never on the documents).
     fn seq_mask(&self) -> AttnMask {
         let seq = self.sh.n * self.sh.pr;
-        crate::model::window_mask(&[0], seq, self.window).unwrap_or(WINDOW_MASK)
+        let two = self.cudnn && self.documents && seq >= 2;
+        let starts: &[u32] = if two { &[0, 1] } else { &[0] };
+        crate::model::window_mask(starts, seq, self.window).unwrap_or(WINDOW_MASK)
     }
 
     /// `ring::local_block_mask`: this rank's queries against its own keys.
@@ -145,7 +151,12 @@ impl AttnWalk {
         if self.cudnn
             && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
         {
-            sim.keep_at_least("cudnn workspace", Workspace, cudnn::kept_workspace_bytes(0));
+            let need = cudnn::fwd_workspace_bytes(&shape, 0);
+            sim.keep_at_least(
+                "cudnn workspace",
+                Workspace,
+                cudnn::kept_workspace_bytes(need),
+            );
         } else {
             self.keep_mask_bounds(sim, sq, mask);
         }

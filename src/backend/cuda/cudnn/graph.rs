@@ -60,6 +60,21 @@ impl Graph {
         strides: &[i64],
         role: Role,
     ) -> Result<usize> {
+        self.tensor_ragged(uid, dt, dims, strides, role, None)
+    }
+
+    /// Declares a tensor whose batches start where the int32 `[b + 1]`
+    /// tensor `ragged` (declared before) says: its element offsets replace
+    /// the batch stride (cuDNN's ragged layout).
+    pub fn tensor_ragged(
+        &mut self,
+        uid: i64,
+        dt: Dt,
+        dims: &[i64],
+        strides: &[i64],
+        role: Role,
+        ragged: Option<usize>,
+    ) -> Result<usize> {
         let uid = if uid == 0 {
             self.next_virtual += 1;
             self.next_virtual
@@ -77,6 +92,9 @@ impl Graph {
         }
         if role == Role::ByValue {
             d.boolean(Attr::CUDNN_ATTR_TENSOR_IS_BY_VALUE, true)?;
+        }
+        if let Some(r) = ragged {
+            d.desc(Attr::CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, self.t(r))?;
         }
         d.finalize()?;
         self.tensors.push(T { uid, desc: d });
@@ -165,6 +183,19 @@ impl Graph {
 
     /// `c = a @ b` (batched over the leading dims), f32 compute.
     pub fn matmul(&mut self, a: usize, b: usize, c: usize) -> Result<()> {
+        self.matmul_over(a, b, c, [None; 3])
+    }
+
+    /// `c = a @ b` whose GEMM extents `[m, n, k]` are overridden per batch
+    /// by the int32 `[b, 1, 1, 1]` tensors given (sequence lengths of a
+    /// ragged call).
+    pub fn matmul_over(
+        &mut self,
+        a: usize,
+        b: usize,
+        c: usize,
+        over: [Option<usize>; 3],
+    ) -> Result<()> {
         let m = Desc::new(Kind::CUDNN_BACKEND_MATMUL_DESCRIPTOR)?;
         m.dtype(Attr::CUDNN_ATTR_MATMUL_COMP_TYPE, Dt::CUDNN_DATA_FLOAT)?
             .finalize()?;
@@ -172,8 +203,18 @@ impl Graph {
         op.desc(Attr::CUDNN_ATTR_OPERATION_MATMUL_ADESC, self.t(a))?
             .desc(Attr::CUDNN_ATTR_OPERATION_MATMUL_BDESC, self.t(b))?
             .desc(Attr::CUDNN_ATTR_OPERATION_MATMUL_CDESC, self.t(c))?
-            .desc(Attr::CUDNN_ATTR_OPERATION_MATMUL_DESC, &m)?
-            .finalize()?;
+            .desc(Attr::CUDNN_ATTR_OPERATION_MATMUL_DESC, &m)?;
+        let attrs = [
+            Attr::CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC,
+            Attr::CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC,
+            Attr::CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC,
+        ];
+        for (attr, t) in attrs.into_iter().zip(over) {
+            if let Some(t) = t {
+                op.desc(attr, self.t(t))?;
+            }
+        }
+        op.finalize()?;
         self.ops.push(op);
         Ok(())
     }

@@ -4,7 +4,9 @@
 //! - [`graph`]: operation-graph builder (tensors, pointwise, reduction, matmul, reshape);
 //! - [`sdpa_graph`]: the forward and backward SDPA graphs cuDNN fuses into flash kernels;
 //! - [`plan`]: heuristics → execution plan, workspace size, execution;
-//! - [`select`]: `--attn-kernel auto|cudnn|native` and the "auto" decision.
+//! - [`ragged`]: several documents in one call (cuDNN's ragged layout);
+//! - [`select`]: `--attn-kernel auto|cudnn|native` and the "auto" decision;
+//! - [`workspace`]: what a call keeps in the workspace, and where.
 //!
 //! [`CudnnSdpa`] is the function-level interface: one per [`CudaBackend`]
 //! (same stream), plans cached per [`SdpaShape`], one workspace from the
@@ -15,17 +17,23 @@
 pub mod desc;
 pub mod graph;
 pub mod plan;
+pub mod ragged;
 pub mod sdpa_graph;
 pub mod select;
+pub mod workspace;
 
 pub use sdpa_graph::SdpaShape;
 pub use select::{
     AttentionKernel, AttnKernel, Choice, KernelDecision, KernelFacts, decide, decide_run_kernel,
     shape_supported,
 };
+pub use workspace::{
+    bwd_workspace_bytes, estimated_bwd_plan_workspace, fwd_workspace_bytes, kept_workspace_bytes,
+};
 
 use self::desc::check;
 use self::plan::Plan;
+use self::workspace::{align, bwd_layout};
 use super::CudaBackend;
 use super::libs::{self, Lib};
 use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Tensor};
@@ -44,6 +52,9 @@ pub struct SdpaFwd {
     pub o: u64,
     pub lse: u64,
     pub shape: SdpaShape,
+    /// A ragged call's documents' row counts (`ragged::call_pieces`; empty
+    /// for the others).
+    pub docs: Vec<usize>,
 }
 
 /// Operands of one backward. `dq` (`[sq, hq·d]`, of `dq_dt`), `dk`, `dv`
@@ -63,6 +74,8 @@ pub struct SdpaBwd {
     pub dq_dt: DType,
     pub dkv_dt: DType,
     pub shape: SdpaShape,
+    /// As [`SdpaFwd::docs`].
+    pub docs: Vec<usize>,
 }
 
 /// One plan build, for reports.
@@ -164,37 +177,6 @@ impl Drop for CudnnSdpa {
     }
 }
 
-fn align(x: usize) -> usize {
-    x.div_ceil(256) * 256
-}
-
-/// Bytes of the workspace a backward of `s` needs (cuDNN's own
-/// `plan_workspace`, then our dQ accumulator and softmax sums). The
-/// workspace is kept between calls and grown to the largest need.
-pub fn bwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
-    let (acc_bytes, sum_bytes) = sdpa_graph::backward_scratch_bytes(s);
-    align(plan_workspace) + align(acc_bytes) + align(sum_bytes)
-}
-
-/// cuDNN's own backward plan workspace for `s` as measured on cuDNN 9.14
-/// (H200, 2026-11-30, exact to the byte on three shapes): with GQA inside
-/// the call (`hq > hkv`) it expands dK/dV to every query head in f32
-/// (`sk·hq·d·4`), plus under 256 bytes. Only a built plan knows the real
-/// figure; the memory planner, which runs without a GPU, uses this.
-pub fn estimated_bwd_plan_workspace(s: &SdpaShape) -> usize {
-    let gqa_expansion = if s.hq > s.hkv {
-        s.sk * s.hq * s.d * 4
-    } else {
-        0
-    };
-    gqa_expansion + 256
-}
-
-/// Bytes the kept workspace occupies once grown to `need` bytes.
-pub fn kept_workspace_bytes(need: usize) -> usize {
-    need.max(1).div_ceil(4) * 4
-}
-
 /// Whether cuDNN's backward writes a gradient straight into the caller's
 /// buffer: an overwritten bf16 one. Any other goes through bf16 scratch.
 pub fn bwd_writes_in_place(w: GradWrite, dt: DType) -> bool {
@@ -211,7 +193,9 @@ pub fn bwd_scratch_elems(s: &SdpaShape) -> (usize, usize) {
 /// layout our attention operands have). A `Bounded` mask that is plain
 /// causal attention, or a causal band, over the call's rows
 /// (`BoundedMask::causal_band`: a sliding window over one document) is
-/// given as `Causal` with its window, the form the graphs take.
+/// given as `Causal` with its window, the form the graphs take; one of
+/// several documents over the call's rows without a window
+/// (`ragged::call_pieces`) as `Causal` over their ragged geometry.
 pub fn dense_shape(
     sq: usize,
     sk: usize,
@@ -220,12 +204,13 @@ pub fn dense_shape(
     d: usize,
     mask: AttnMask,
 ) -> SdpaShape {
-    let (mask, window) = match &mask {
-        AttnMask::Bounded(m) => match m.causal_band() {
-            Some(window) => (AttnMask::Causal, window),
-            None => (mask, None),
+    let (mask, window, ragged) = match &mask {
+        AttnMask::Bounded(m) => match (m.causal_band(), ragged::call_pieces(&mask)) {
+            (Some(window), _) => (AttnMask::Causal, window, None),
+            (None, Some(docs)) => (AttnMask::Causal, None, Some(ragged::dims(&docs))),
+            (None, None) => (mask, None, None),
         },
-        _ => (mask, None),
+        _ => (mask, None, None),
     };
     SdpaShape {
         sq,
@@ -242,6 +227,7 @@ pub fn dense_shape(
         lse_rs: hq,
         lse_hs: 1,
         head_major: false,
+        ragged,
     }
 }
 
@@ -495,7 +481,7 @@ impl CudnnSdpa {
         be: &CudaBackend,
         plan: &Plan,
         bytes: usize,
-        bind: impl FnOnce(u64) -> Vec<(i64, *mut c_void)>,
+        bind: impl FnOnce(u64) -> Result<Vec<(i64, *mut c_void)>>,
     ) -> Result<()> {
         let mut ws = self
             .exec
@@ -512,12 +498,52 @@ impl CudnnSdpa {
             )?);
         }
         let base = be.device_ptr(ws.as_ref().expect("allocated above"));
-        let bindings = bind(base);
+        let bindings = bind(base)?;
         // SAFETY: the plan was built with this handle; the callers bind the
         // operands of the graph they asked for (device buffers owned by the
         // caller on the backend's stream, host scalars living on their stack
         // until this returns) and the workspace holds `bytes` bytes.
         unsafe { plan.execute(self.handle.0, &bindings, base as *mut c_void) }
+    }
+
+    /// Uploads a ragged call's tables (`docs`: its documents' rows) to
+    /// device address `at` inside the workspace, queued on the backend's
+    /// stream before the execution that reads them, and returns their
+    /// bindings; none for the other calls.
+    fn ragged_tables(
+        be: &CudaBackend,
+        s: &SdpaShape,
+        docs: &[usize],
+        at: u64,
+    ) -> Result<Vec<(i64, *mut c_void)>> {
+        if s.ragged.is_none() {
+            return Ok(Vec::new());
+        }
+        if s.ragged != Some(ragged::dims(docs)) || docs.iter().sum::<usize>() != s.sq {
+            return Err(Error::Backend(format!(
+                "cuDNN ragged SDPA: documents of {docs:?} rows do not form the call's {:?}                  over {} rows",
+                s.ragged, s.sq
+            )));
+        }
+        let t = ragged::Tables::new(docs, [s.q_rs, s.k_rs, s.lse_rs])?;
+        // SAFETY: `at` starts the tables' region of the kept workspace
+        // (`table_bytes(s)` bytes, at least the tables of documents that
+        // tile `s.sq` rows); the pageable source is staged before the call
+        // returns, and the stream orders the copy before the execution.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(at, &t.entries, be.stream().cu_stream())
+        }
+        .map_err(|e| Error::Backend(format!("cuDNN ragged SDPA: upload the tables: {e}")))?;
+        use ragged::Table;
+        let p = |table: Table| (at + t.byte_offset(table) as u64) as *mut c_void;
+        use sdpa_graph::uid;
+        Ok(vec![
+            (uid::Q_OFFSETS, p(Table::QOffsets)),
+            (uid::KV_OFFSETS, p(Table::KvOffsets)),
+            (uid::STATS_OFFSETS, p(Table::StatsOffsets)),
+            (uid::SEQ_LEN_Q, p(Table::SeqLen)),
+            (uid::SEQ_LEN_KV, p(Table::SeqLen)),
+        ])
     }
 
     /// Checks that cuDNN takes the call (`backward` or forward), binds the
@@ -539,15 +565,18 @@ impl CudnnSdpa {
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
         let exec = |plan: &Plan| {
-            self.run(be, plan, plan.workspace, |_| {
-                let mut b = vec![
+            let need = fwd_workspace_bytes(s, plan.workspace);
+            self.run(be, plan, need, |base| {
+                let at = base + align(plan.workspace) as u64;
+                let mut b = Self::ragged_tables(be, s, &a.docs, at)?;
+                b.extend([
                     (uid::Q, p(a.q)),
                     (uid::K, p(a.k)),
                     (uid::V, p(a.v)),
                     (uid::O, p(a.o)),
                     (uid::STATS, p(a.lse)),
                     (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
-                ];
+                ]);
                 if sdpa_graph::reads_neg_inf(&s.mask) {
                     b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
                 }
@@ -558,7 +587,11 @@ impl CudnnSdpa {
                         (&neg_inf as *const f32).cast_mut().cast(),
                     ));
                 }
-                b
+                if s.ragged.is_some() {
+                    let neg = (&neg_inf as *const f32).cast_mut().cast();
+                    b.push((uid::NEG_INF_PADDING, neg));
+                }
+                Ok(b)
             })
         };
         let plan = self.plan_for_call(be, s, false, &exec)?;
@@ -582,13 +615,15 @@ impl CudnnSdpa {
         let one = 1.0f32;
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
-        let (acc_bytes, _) = sdpa_graph::backward_scratch_bytes(s);
         let exec = |plan: &Plan| {
-            let acc_off = align(plan.workspace);
-            let sum_off = acc_off + align(acc_bytes);
-            let total = bwd_workspace_bytes(s, plan.workspace);
+            let [acc_off, sum_off, dk_full, dv_full, tables, total] = bwd_layout(s, plan.workspace);
             self.run(be, plan, total, |base| {
-                let mut b = vec![
+                let mut b = Self::ragged_tables(be, s, &a.docs, base + tables as u64)?;
+                if sdpa_graph::backward_full_head_bytes(s) > 0 {
+                    b.push((uid::DK_FULL, p(base + dk_full as u64)));
+                    b.push((uid::DV_FULL, p(base + dv_full as u64)));
+                }
+                b.extend([
                     (uid::Q, p(a.q)),
                     (uid::K, p(a.k)),
                     (uid::V, p(a.v)),
@@ -602,7 +637,7 @@ impl CudnnSdpa {
                     (uid::ONE, (&one as *const f32).cast_mut().cast()),
                     (uid::DQ_ACCUM, p(base + acc_off as u64)),
                     (uid::SOFTMAX_SUM, p(base + sum_off as u64)),
-                ];
+                ]);
                 if sdpa_graph::reads_neg_inf(&s.mask) {
                     b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
                 }
@@ -613,7 +648,11 @@ impl CudnnSdpa {
                         (&neg_inf as *const f32).cast_mut().cast(),
                     ));
                 }
-                b
+                if s.ragged.is_some() {
+                    let neg = (&neg_inf as *const f32).cast_mut().cast();
+                    b.push((uid::NEG_INF_PADDING, neg));
+                }
+                Ok(b)
             })
         };
         let plan = self.plan_for_call(be, s, true, &exec)?;

@@ -14,8 +14,17 @@
 //! All tensors are `[b=1, h, s, d]` views of our `[s, h, d]` token rows:
 //! strides `(s·rs, d, rs, 1)`; or, with `head_major`, of dense `[h, s, d]`
 //! head blocks: strides `(h·s·d, s·d, d, 1)` (row strides are then `d`).
+//! A ragged call ([`super::ragged`]) views the same rows as `[b, h, s_max,
+//! d]`, each operand with a ragged offset table, every matmul's extents
+//! overridden by the sequence lengths and a padding mask before the causal
+//! one (in the backward, before Stats is subtracted): the form cuDNN's
+//! frontend lowers `set_padding_mask(true)` with ragged offsets into. The
+//! dQ accumulator and softmax sums are then ragged too (sized by the
+//! tokens), and with GQA so are dK and dV per query head (in the
+//! workspace, as the frontend does under `max_total_seq_len`).
 
 use super::graph::{Dt, Graph, Pw, Red, Role, packed};
+use super::ragged::RaggedDims;
 use crate::backend::AttnMask;
 use crate::error::Result;
 
@@ -43,6 +52,9 @@ pub struct SdpaShape {
     pub lse_hs: usize,
     /// Q, K, V, O, dO and the gradients stored head by head (`[h, s, d]`).
     pub head_major: bool,
+    /// Several documents side by side (`mask` is then `Causal`): the
+    /// ragged geometry the plan is built for.
+    pub ragged: Option<RaggedDims>,
 }
 
 /// Unique ids of the tensors we bind in the variant pack.
@@ -64,10 +76,91 @@ pub mod uid {
     pub const WINDOW: i64 = 15;
     /// The window's own −∞ (cuDNN's composite form gives each mask its own).
     pub const NEG_INF_WINDOW: i64 = 16;
+    /// Ragged calls: the offset tables of Q-like rows (Q, O, dO, dQ, the dQ
+    /// accumulator), of K-like rows (K, V, dK, dV), of Stats (and the
+    /// softmax sums), the sequence lengths (bound twice: of Q and of KV),
+    /// the padding mask's −∞, and with GQA dK, dV per query head.
+    pub const Q_OFFSETS: i64 = 17;
+    pub const KV_OFFSETS: i64 = 18;
+    pub const STATS_OFFSETS: i64 = 19;
+    pub const SEQ_LEN_Q: i64 = 20;
+    pub const SEQ_LEN_KV: i64 = 21;
+    pub const NEG_INF_PADDING: i64 = 22;
+    pub const DK_FULL: i64 = 23;
+    pub const DV_FULL: i64 = 24;
 }
 
 const F32: Dt = Dt::CUDNN_DATA_FLOAT;
 const BF16: Dt = Dt::CUDNN_DATA_BFLOAT16;
+const INT32: Dt = Dt::CUDNN_DATA_INT32;
+const BOOL: Dt = Dt::CUDNN_DATA_BOOLEAN;
+
+/// How a graph views the call: batches, rows of Q and of KV per batch, and
+/// for a ragged call its tables' tensors.
+struct Layout {
+    nb: usize,
+    sq: usize,
+    sk: usize,
+    ragged: Option<Tables>,
+}
+
+/// The graph tensors of a ragged call's tables.
+#[derive(Clone, Copy)]
+struct Tables {
+    q: usize,
+    kv: usize,
+    stats: usize,
+    len_q: usize,
+    len_kv: usize,
+}
+
+impl Layout {
+    fn new(g: &mut Graph, s: &SdpaShape) -> Result<Layout> {
+        let Some(r) = s.ragged else {
+            return Ok(Layout {
+                nb: 1,
+                sq: s.sq,
+                sk: s.sk,
+                ragged: None,
+            });
+        };
+        let mut int32 =
+            |uid: i64, n: usize| g.tensor(uid, INT32, &[i(n), 1, 1, 1], &[1; 4], Role::Io);
+        let tables = Tables {
+            q: int32(uid::Q_OFFSETS, r.b + 1)?,
+            kv: int32(uid::KV_OFFSETS, r.b + 1)?,
+            stats: int32(uid::STATS_OFFSETS, r.b + 1)?,
+            len_q: int32(uid::SEQ_LEN_Q, r.b)?,
+            len_kv: int32(uid::SEQ_LEN_KV, r.b)?,
+        };
+        Ok(Layout {
+            nb: r.b,
+            sq: r.s_max,
+            sk: r.s_max,
+            ragged: Some(tables),
+        })
+    }
+
+    /// The offset table of Q-like, K-like or Stats rows.
+    fn q_off(&self) -> Option<usize> {
+        self.ragged.map(|t| t.q)
+    }
+    fn kv_off(&self) -> Option<usize> {
+        self.ragged.map(|t| t.kv)
+    }
+    fn stats_off(&self) -> Option<usize> {
+        self.ragged.map(|t| t.stats)
+    }
+    /// GEMM extent overrides `[m, n, k]` from the sequence lengths, each
+    /// `Q` (of Q) or `K` (of KV) as `which` says.
+    fn over(&self, which: [Option<char>; 3]) -> [Option<usize>; 3] {
+        which.map(|w| match (self.ragged, w) {
+            (Some(t), Some('q')) => Some(t.len_q),
+            (Some(t), Some(_)) => Some(t.len_kv),
+            _ => None,
+        })
+    }
+}
 
 fn i(x: usize) -> i64 {
     x as i64
@@ -83,26 +176,49 @@ fn strides(h: usize, s: usize, d: usize, rs: usize, head_major: bool) -> [i64; 3
     }
 }
 
-/// `[1, h, s, d]` view of token rows with row stride `rs` (or of head blocks).
-fn bhsd(g: &mut Graph, id: i64, h: usize, s: usize, d: usize, rs: (usize, bool)) -> Result<usize> {
+/// Batches of a view and its ragged offset table, if any.
+type Batches = (usize, Option<usize>);
+
+/// `[nb, h, s, d]` view of token rows with row stride `rs` (or of head blocks).
+fn bhsd(
+    g: &mut Graph,
+    id: i64,
+    (h, s, d): (usize, usize, usize),
+    rs: (usize, bool),
+    (nb, off): Batches,
+) -> Result<usize> {
     let [b, hs, ts] = strides(h, s, d, rs.0, rs.1);
-    g.tensor(id, BF16, &[1, i(h), i(s), i(d)], &[b, hs, ts, 1], Role::Io)
+    let dims = [i(nb), i(h), i(s), i(d)];
+    g.tensor_ragged(id, BF16, &dims, &[b, hs, ts, 1], Role::Io, off)
 }
 
-/// `[1, h, d, s]` transposed view (Kᵀ or Vᵀ) of token rows with row stride
+/// `[nb, h, d, s]` transposed view (Kᵀ or Vᵀ) of token rows with row stride
 /// `rs` (or of head blocks).
-fn bhds(g: &mut Graph, id: i64, h: usize, s: usize, d: usize, rs: (usize, bool)) -> Result<usize> {
+fn bhds(
+    g: &mut Graph,
+    id: i64,
+    (h, s, d): (usize, usize, usize),
+    rs: (usize, bool),
+    (nb, off): Batches,
+) -> Result<usize> {
     let [b, hs, ts] = strides(h, s, d, rs.0, rs.1);
-    g.tensor(id, BF16, &[1, i(h), i(d), i(s)], &[b, hs, 1, ts], Role::Io)
+    let dims = [i(nb), i(h), i(d), i(s)];
+    g.tensor_ragged(id, BF16, &dims, &[b, hs, 1, ts], Role::Io, off)
 }
 
-fn stats(g: &mut Graph, s: &SdpaShape) -> Result<usize> {
-    g.tensor(
+/// Strides of Stats (`[nb, hq, sq, 1]` f32 with the shape's LSE strides).
+fn stats_strides(s: &SdpaShape, sq: usize) -> [i64; 4] {
+    [i(sq * s.lse_rs), i(s.lse_hs), i(s.lse_rs), 1]
+}
+
+fn stats(g: &mut Graph, s: &SdpaShape, l: &Layout) -> Result<usize> {
+    g.tensor_ragged(
         uid::STATS,
         F32,
-        &[1, i(s.hq), i(s.sq), 1],
-        &[i(s.sq * s.lse_rs), i(s.lse_hs), i(s.lse_rs), 1],
+        &[i(l.nb), i(s.hq), i(l.sq), 1],
+        &stats_strides(s, l.sq),
         Role::Io,
+        l.stats_off(),
     )
 }
 
@@ -183,6 +299,52 @@ fn causal_mask(g: &mut Graph, x: usize, dims: &[i64]) -> Result<usize> {
     hide_outside(g, x, keep, uid::NEG_INF, dims)
 }
 
+/// A ragged call's padding mask on `x` (`[b, hq, s_max, s_max]` f32):
+/// keeps `row < seq_len_q[b] && col < seq_len_kv[b]`, puts −∞ elsewhere
+/// (the frontend's `padding_mask`: int32 indices, boolean compares, a
+/// logical and, a select with its own −∞). `x` itself without tables.
+fn padding_mask(g: &mut Graph, x: usize, l: &Layout, dims: &[i64]) -> Result<usize> {
+    let Some(t) = l.ragged else {
+        return Ok(x);
+    };
+    let mut below = |axis: i64, len: usize| -> Result<usize> {
+        let index = g.virt(INT32, dims)?;
+        g.pointwise(
+            Pw::CUDNN_POINTWISE_GEN_INDEX,
+            INT32,
+            x,
+            None,
+            None,
+            index,
+            Some(axis),
+        )?;
+        let inside = g.virt(BOOL, dims)?;
+        g.pointwise(
+            Pw::CUDNN_POINTWISE_CMP_LT,
+            BOOL,
+            index,
+            Some(len),
+            None,
+            inside,
+            None,
+        )?;
+        Ok(inside)
+    };
+    let row = below(2, t.len_q)?;
+    let col = below(3, t.len_kv)?;
+    let keep = g.virt(BOOL, dims)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_LOGICAL_AND,
+        BOOL,
+        row,
+        Some(col),
+        None,
+        keep,
+        None,
+    )?;
+    hide_outside(g, x, keep, uid::NEG_INF_PADDING, dims)
+}
+
 /// The row and the column index of every score of `x` (int32, `dims`).
 fn row_col_index(g: &mut Graph, x: usize, dims: &[i64]) -> Result<(usize, usize)> {
     let mut index = |axis: i64| -> Result<usize> {
@@ -222,19 +384,23 @@ fn hide_outside(g: &mut Graph, x: usize, keep: usize, neg_uid: i64, dims: &[i64]
 /// The forward graph (writes O and Stats = ln Σ exp(scale·q·k), natural log).
 pub fn forward(s: &SdpaShape) -> Result<Graph> {
     let mut g = Graph::new();
-    let q = bhsd(&mut g, uid::Q, s.hq, s.sq, s.d, (s.q_rs, s.head_major))?;
-    let kt = bhds(&mut g, uid::K, s.hkv, s.sk, s.d, (s.k_rs, s.head_major))?;
-    let v = bhsd(&mut g, uid::V, s.hkv, s.sk, s.d, (s.v_rs, s.head_major))?;
-    let o = bhsd(&mut g, uid::O, s.hq, s.sq, s.d, (s.o_rs, s.head_major))?;
-    let st = stats(&mut g, s)?;
-    let sdims = [1, i(s.hq), i(s.sq), i(s.sk)];
-    let rdims = [1, i(s.hq), i(s.sq), 1];
+    let l = Layout::new(&mut g, s)?;
+    let (qb, kvb) = ((l.nb, l.q_off()), (l.nb, l.kv_off()));
+    let hm = s.head_major;
+    let q = bhsd(&mut g, uid::Q, (s.hq, l.sq, s.d), (s.q_rs, hm), qb)?;
+    let kt = bhds(&mut g, uid::K, (s.hkv, l.sk, s.d), (s.k_rs, hm), kvb)?;
+    let v = bhsd(&mut g, uid::V, (s.hkv, l.sk, s.d), (s.v_rs, hm), kvb)?;
+    let o = bhsd(&mut g, uid::O, (s.hq, l.sq, s.d), (s.o_rs, hm), qb)?;
+    let st = stats(&mut g, s, &l)?;
+    let sdims = [i(l.nb), i(s.hq), i(l.sq), i(l.sk)];
+    let rdims = [i(l.nb), i(s.hq), i(l.sq), 1];
 
     let s0 = g.virt(F32, &sdims)?;
-    g.matmul(q, kt, s0)?;
+    g.matmul_over(q, kt, s0, l.over([Some('q'), Some('k'), None]))?;
     let scale = g.scalar(uid::SCALE, F32)?;
     let mut sc = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_MUL, s0, scale, sc)?;
+    sc = padding_mask(&mut g, sc, &l, &sdims)?;
     sc = apply_mask(&mut g, sc, s, &sdims)?;
     let mx = g.virt(F32, &rdims)?;
     g.reduction(Red::CUDNN_REDUCE_TENSOR_MAX, sc, mx)?;
@@ -250,7 +416,7 @@ pub fn forward(s: &SdpaShape) -> Result<Graph> {
     // P goes into the second matmul in the I/O type.
     let p = g.virt(BF16, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_DIV, ex, sum, p)?;
-    g.matmul(p, v, o)?;
+    g.matmul_over(p, v, o, l.over([Some('q'), None, Some('k')]))?;
     Ok(g)
 }
 
@@ -260,41 +426,94 @@ pub fn backward_scratch_bytes(s: &SdpaShape) -> (usize, usize) {
     (s.hq * s.sq * s.d * 4, s.hq * s.sq * 4)
 }
 
+/// Bytes of each of dK and dV per query head that a ragged backward with
+/// GQA keeps in the workspace (bf16 rows of `hq·d`; sized as the frontend
+/// sizes them, 4 bytes an element); 0 otherwise (cuDNN keeps its own).
+pub fn backward_full_head_bytes(s: &SdpaShape) -> usize {
+    match s.ragged {
+        Some(_) if s.hq > s.hkv => s.sk * s.hq * s.d * 4,
+        _ => 0,
+    }
+}
+
+/// dK or dV: `t` (`[nb, hq, sk, sq]`, bf16) times `rhs` into `out`, through
+/// per-query-head gradients reduced over each group with GQA (ragged: in
+/// the workspace tensor `full_uid`).
+fn head_grad(
+    g: &mut Graph,
+    s: &SdpaShape,
+    l: &Layout,
+    (t, rhs, out): (usize, usize, usize),
+    full_uid: i64,
+) -> Result<()> {
+    let over = l.over([Some('k'), None, Some('q')]);
+    if s.hq == s.hkv {
+        return g.matmul_over(t, rhs, out, over);
+    }
+    let dims = [i(l.nb), i(s.hq), i(l.sk), i(s.d)];
+    let full = match l.ragged {
+        None => g.virt(BF16, &dims)?,
+        Some(r) => {
+            let strides = [i(l.sk * s.hq * s.d), i(s.d), i(s.hq * s.d), 1];
+            g.tensor_ragged(full_uid, BF16, &dims, &strides, Role::Io, Some(r.kv))?
+        }
+    };
+    g.matmul_over(t, rhs, full, over)?;
+    g.reduction(Red::CUDNN_REDUCE_TENSOR_ADD, full, out)
+}
+
 /// The backward graph: bf16 dQ `[sq, hq·d]`, dK, dV `[sk, hkv·d]` (dense rows),
 /// overwritten.
 pub fn backward(s: &SdpaShape) -> Result<Graph> {
     let mut g = Graph::new();
-    let (hq, hkv, sq, sk, d) = (s.hq, s.hkv, s.sq, s.sk, s.d);
-    let q = bhsd(&mut g, uid::Q, hq, sq, d, (s.q_rs, s.head_major))?;
-    let kt = bhds(&mut g, uid::K, hkv, sk, d, (s.k_rs, s.head_major))?;
-    let vt = bhds(&mut g, uid::V, hkv, sk, d, (s.v_rs, s.head_major))?;
-    let o = bhsd(&mut g, uid::O, hq, sq, d, (s.o_rs, s.head_major))?;
-    let d_o = bhsd(&mut g, uid::D_O, hq, sq, d, (s.o_rs, s.head_major))?;
-    let st = stats(&mut g, s)?;
-    let dq = bhsd(&mut g, uid::DQ, hq, sq, d, (hq * d, s.head_major))?;
-    let dk = bhsd(&mut g, uid::DK, hkv, sk, d, (hkv * d, s.head_major))?;
-    let dv = bhsd(&mut g, uid::DV, hkv, sk, d, (hkv * d, s.head_major))?;
-    let sdims = [1, i(hq), i(sq), i(sk)];
-    let rdims = [1, i(hq), i(sq), 1];
-    let tdims = [1, i(hq), i(sk), i(sq)];
+    let l = Layout::new(&mut g, s)?;
+    let (hq, hkv, d, hm) = (s.hq, s.hkv, s.d, s.head_major);
+    let (sq, sk, nb) = (l.sq, l.sk, l.nb);
+    let (qb, kvb) = ((nb, l.q_off()), (nb, l.kv_off()));
+    let q = bhsd(&mut g, uid::Q, (hq, sq, d), (s.q_rs, hm), qb)?;
+    let kt = bhds(&mut g, uid::K, (hkv, sk, d), (s.k_rs, hm), kvb)?;
+    let vt = bhds(&mut g, uid::V, (hkv, sk, d), (s.v_rs, hm), kvb)?;
+    let o = bhsd(&mut g, uid::O, (hq, sq, d), (s.o_rs, hm), qb)?;
+    let d_o = bhsd(&mut g, uid::D_O, (hq, sq, d), (s.o_rs, hm), qb)?;
+    let st = stats(&mut g, s, &l)?;
+    let dq = bhsd(&mut g, uid::DQ, (hq, sq, d), (hq * d, hm), qb)?;
+    let dk = bhsd(&mut g, uid::DK, (hkv, sk, d), (hkv * d, hm), kvb)?;
+    let dv = bhsd(&mut g, uid::DV, (hkv, sk, d), (hkv * d, hm), kvb)?;
+    let sdims = [i(nb), i(hq), i(sq), i(sk)];
+    let rdims = [i(nb), i(hq), i(sq), 1];
+    let tdims = [i(nb), i(hq), i(sk), i(sq)];
     let tstrides = [i(hq * sq * sk), i(sq * sk), 1, i(sk)];
 
     // softmax_sum = rowsum(dO * O) (kept in the workspace)
-    let odims = [1, i(hq), i(sq), i(d)];
+    let odims = [i(nb), i(hq), i(sq), i(d)];
     let doo = g.virt_strided(F32, &odims, &[i(hq * sq * d), i(sq * d), i(hq * d), 1])?;
     g.binary(Pw::CUDNN_POINTWISE_MUL, d_o, o, doo)?;
     let red = g.virt(F32, &rdims)?;
     g.reduction(Red::CUDNN_REDUCE_TENSOR_ADD, doo, red)?;
     let one = g.scalar(uid::ONE, F32)?;
-    let ssum = g.tensor(uid::SOFTMAX_SUM, F32, &rdims, &packed(&rdims), Role::Io)?;
+    let ssum = match l.ragged {
+        None => g.tensor(uid::SOFTMAX_SUM, F32, &rdims, &packed(&rdims), Role::Io)?,
+        Some(t) => {
+            let strides = stats_strides(s, sq);
+            g.tensor_ragged(
+                uid::SOFTMAX_SUM,
+                F32,
+                &rdims,
+                &strides,
+                Role::Io,
+                Some(t.stats),
+            )?
+        }
+    };
     g.binary(Pw::CUDNN_POINTWISE_MUL, red, one, ssum)?;
 
-    // P = exp(S * scale - stats), masked
+    // P = exp(S * scale - stats), masked (a ragged call's padding first)
     let s0 = g.virt(F32, &sdims)?;
-    g.matmul(q, kt, s0)?;
+    g.matmul_over(q, kt, s0, l.over([Some('q'), Some('k'), None]))?;
     let scale = g.scalar(uid::SCALE, F32)?;
-    let s1 = g.virt(F32, &sdims)?;
+    let mut s1 = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_MUL, s0, scale, s1)?;
+    s1 = padding_mask(&mut g, s1, &l, &sdims)?;
     let mut s2 = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_SUB, s1, st, s2)?;
     s2 = apply_mask(&mut g, s2, s, &sdims)?;
@@ -304,17 +523,11 @@ pub fn backward(s: &SdpaShape) -> Result<Graph> {
     // dV = P^T dO
     let pt = g.virt_strided(BF16, &tdims, &tstrides)?;
     g.reshape(p, pt)?;
-    if hq == hkv {
-        g.matmul(pt, d_o, dv)?;
-    } else {
-        let full = g.virt(BF16, &[1, i(hq), i(sk), i(d)])?;
-        g.matmul(pt, d_o, full)?;
-        g.reduction(Red::CUDNN_REDUCE_TENSOR_ADD, full, dv)?;
-    }
+    head_grad(&mut g, s, &l, (pt, d_o, dv), uid::DV_FULL)?;
 
     // dS = P * (dO V^T - softmax_sum) * scale
     let dp = g.virt(F32, &sdims)?;
-    g.matmul(d_o, vt, dp)?;
+    g.matmul_over(d_o, vt, dp, l.over([Some('q'), Some('k'), None]))?;
     let t = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_SUB, dp, ssum, t)?;
     let ds0 = g.virt(F32, &sdims)?;
@@ -325,24 +538,22 @@ pub fn backward(s: &SdpaShape) -> Result<Graph> {
     // dK = dS^T Q
     let dst = g.virt_strided(BF16, &tdims, &tstrides)?;
     g.reshape(ds, dst)?;
-    if hq == hkv {
-        g.matmul(dst, q, dk)?;
-    } else {
-        let full = g.virt(BF16, &[1, i(hq), i(sk), i(d)])?;
-        g.matmul(dst, q, full)?;
-        g.reduction(Red::CUDNN_REDUCE_TENSOR_ADD, full, dk)?;
-    }
+    head_grad(&mut g, s, &l, (dst, q, dk), uid::DK_FULL)?;
 
     // dQ = dS K (f32 accumulator in the workspace, then converted)
-    let k = g.virt_strided(
-        BF16,
-        &[1, i(hkv), i(sk), i(d)],
-        &[i(sk * s.k_rs), i(d), i(s.k_rs), 1],
-    )?;
+    let kdims = [i(nb), i(hkv), i(sk), i(d)];
+    let kstrides = [i(sk * s.k_rs), i(d), i(s.k_rs), 1];
+    let k = g.tensor_ragged(0, BF16, &kdims, &kstrides, Role::Virtual, l.kv_off())?;
     g.reshape(kt, k)?;
-    let qdims = [1, i(hq), i(sq), i(d)];
-    let acc = g.tensor(uid::DQ_ACCUM, F32, &qdims, &packed(&qdims), Role::Io)?;
-    g.matmul(ds, k, acc)?;
+    let qdims = [i(nb), i(hq), i(sq), i(d)];
+    let acc = match l.ragged {
+        None => g.tensor(uid::DQ_ACCUM, F32, &qdims, &packed(&qdims), Role::Io)?,
+        Some(t) => {
+            let strides = [i(sq * hq * d), i(d), i(hq * d), 1];
+            g.tensor_ragged(uid::DQ_ACCUM, F32, &qdims, &strides, Role::Io, Some(t.q))?
+        }
+    };
+    g.matmul_over(ds, k, acc, l.over([Some('q'), None, Some('k')]))?;
     g.unary(Pw::CUDNN_POINTWISE_IDENTITY, acc, dq)?;
     Ok(g)
 }

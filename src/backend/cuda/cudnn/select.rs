@@ -1,5 +1,6 @@
 //! Choosing the attention kernel: `--attn-kernel auto|cudnn|native`.
 
+use super::ragged::{self, FIRST_RAGGED_VERSION, RaggedDims};
 use super::sdpa_graph::SdpaShape;
 use crate::backend::AttnMask;
 use crate::error::{Error, Result};
@@ -61,6 +62,9 @@ pub fn shape_supported(
         return Err("s_q = s_kv = 1 is not supported by cuDNN SDPA".into());
     }
     s.mask.check_shape(s.sq, s.sk)?;
+    if let Some(r) = s.ragged {
+        ragged_supported(version, s, r)?;
+    }
     match (&s.mask, s.window) {
         (AttnMask::Full, None) | (AttnMask::Causal, _) => {}
         (AttnMask::Full, Some(_)) => {
@@ -68,7 +72,11 @@ pub fn shape_supported(
             return Err("a sliding window without a causal mask".into());
         }
         (AttnMask::Bounded(_), _) => {
-            return Err("the cuDNN path takes no mask of several documents".into());
+            return Err(
+                "the cuDNN path takes several documents only over the call's own rows \
+                 without a sliding window (not ring blocks of two runs, nor windows)"
+                    .into(),
+            );
         }
     }
     if s.window.is_some() && version < 90200 {
@@ -84,10 +92,48 @@ pub fn shape_supported(
     }
     // cuDNN <= 9.15 backward needs s_kv % 128 == 0 unless a padding mask is
     // given (cuDNN frontend applies a padding-mask workaround; we fall back).
-    if bwd && version <= 91500 && !s.sk.is_multiple_of(128) {
+    if bwd && version <= 91500 && s.ragged.is_none() && !s.sk.is_multiple_of(128) {
         return Err(format!(
             "backward with s_kv {} % 128 != 0 needs cuDNN > 9.15 (have {version})",
             s.sk
+        ));
+    }
+    Ok(())
+}
+
+/// Whether a ragged call (several documents, [`ragged`]) can run: cuDNN
+/// 9.10 or newer, dense token rows (the offsets of Q serve O, dO and dQ,
+/// those of K serve V, dK and dV), one causal block per document, and
+/// element offsets within int32.
+fn ragged_supported(
+    version: usize,
+    s: &SdpaShape,
+    r: RaggedDims,
+) -> std::result::Result<(), String> {
+    if version < FIRST_RAGGED_VERSION {
+        return Err(format!(
+            "several documents in one call need cuDNN 9.10 (ragged offsets and a padding \
+             mask, forward and backward); have {version}"
+        ));
+    }
+    let dense = !s.head_major
+        && s.q_rs == s.hq * s.d
+        && s.o_rs == s.q_rs
+        && s.k_rs == s.hkv * s.d
+        && s.v_rs == s.k_rs
+        && (s.lse_rs, s.lse_hs) == (s.hq, 1);
+    if !dense || s.sq != s.sk || s.window.is_some() || s.mask != AttnMask::Causal {
+        return Err(
+            "several documents in one call need causal attention over dense token rows".into(),
+        );
+    }
+    if r.b == 0 || r.b > s.sq || r.s_max < ragged::MIN_S_MAX {
+        return Err(format!("{} documents in a call of {} rows", r.b, s.sq));
+    }
+    if !ragged::offsets_fit(s.sq, s.q_rs) || !ragged::offsets_fit(s.sk, s.k_rs) {
+        return Err(format!(
+            "{} rows of {} elements: the ragged offsets exceed int32",
+            s.sq, s.q_rs
         ));
     }
     Ok(())
@@ -126,8 +172,9 @@ pub const NATIVE_SPEED_AT_32K: f64 = 0.65;
 pub enum AttentionKernel {
     /// cuDNN SDPA of this version (e.g. 91400) for every call
     /// [`shape_supported`] lets it take (bf16, head dim 64/128, causal or
-    /// full masks); the flash kernels for the rest (F32 operands, cuDNN
-    /// 9.15's backward on `s_kv % 128 != 0`).
+    /// full masks, sliding windows, several documents over a call's own
+    /// rows from 9.10); the flash kernels for the rest (F32 operands, cuDNN
+    /// 9.15's backward on `s_kv % 128 != 0`, ring blocks of documents).
     Cudnn { version: usize },
     /// upipe's flash kernels (bf16, head dim 64/128, sm_90), the naive ones
     /// for what they do not take.
@@ -183,8 +230,9 @@ pub struct KernelFacts {
     /// The model's head dim.
     pub head_dim: usize,
     /// Whether the run's windows may hold several documents (`--pack
-    /// documents|bfd`), whose masks cuDNN does not take (a model's sliding
-    /// window alone it does: a causal band).
+    /// documents|bfd`): cuDNN takes them from 9.10 (ragged calls; ring
+    /// blocks and documents under a sliding window stay on the flash
+    /// kernels call by call).
     pub documents: bool,
 }
 
@@ -208,9 +256,9 @@ fn cudnn_unfit(f: &KernelFacts) -> Option<String> {
             "head_dim {} (cuDNN SDPA is used for 64 and 128)",
             f.head_dim
         )),
-        Ok(_) if f.documents => {
-            Some("cuDNN does not take the documents masks of --pack documents|bfd".into())
-        }
+        Ok(v) if f.documents && *v < FIRST_RAGGED_VERSION => Some(format!(
+            "cuDNN {v} does not take the documents masks of --pack documents|bfd (9.10 does)"
+        )),
         Ok(_) => None,
     }
 }
@@ -298,6 +346,7 @@ mod tests {
             lse_rs: 8,
             lse_hs: 1,
             head_major: false,
+            ragged: None,
         }
     }
 
@@ -384,7 +433,7 @@ mod tests {
             w.contains("cannot open shared object") && w.contains("0.65x"),
             "{w}"
         );
-        let docs = decide_run_kernel(AttnKernel::Auto, &facts(Ok(91900), 128, true)).unwrap();
+        let docs = decide_run_kernel(AttnKernel::Auto, &facts(Ok(90500), 128, true)).unwrap();
         assert_eq!(docs.kernel, AttentionKernel::Flash);
         assert!(docs.warning.is_none());
         assert!(docs.note.unwrap().contains("documents"));
@@ -425,7 +474,7 @@ mod tests {
             m.contains("UPIPE_CUDNN_LIB") && m.contains("--attn-kernel auto"),
             "{m}"
         );
-        let m = err(facts(Ok(91400), 64, true));
+        let m = err(facts(Ok(90500), 64, true));
         assert!(
             m.contains("documents") && m.contains("--pack stream"),
             "{m}"
@@ -445,5 +494,64 @@ mod tests {
         assert!(old.takes_on_cudnn(&odd, false) && !old.takes_on_cudnn(&odd, true));
         assert!(new.takes_on_cudnn(&odd, true));
         assert!(!AttentionKernel::Flash.takes_on_cudnn(&odd, false));
+    }
+
+    /// Documents go to cuDNN from 9.10 (`auto` and `cudnn`), to the flash
+    /// kernels under `native` or an older cuDNN; calls route one by one:
+    /// several documents over a call's own rows on cuDNN, ring blocks and
+    /// windows over documents on the flash kernels.
+    #[test]
+    fn documents_run_on_cudnn_from_9_10() {
+        for ask in [AttnKernel::Auto, AttnKernel::Cudnn] {
+            for d in [64, 128] {
+                let k = decide_run_kernel(ask, &facts(Ok(91400), d, true)).unwrap();
+                assert_eq!(k.kernel, AttentionKernel::Cudnn { version: 91400 });
+                assert_eq!((k.warning, k.note), (None, None));
+            }
+        }
+        let n = decide_run_kernel(AttnKernel::Native, &facts(Ok(91400), 128, true)).unwrap();
+        assert_eq!(n.kernel, AttentionKernel::Flash);
+        let old = decide_run_kernel(AttnKernel::Auto, &facts(Ok(90500), 64, true)).unwrap();
+        assert!(old.note.unwrap().contains("9.10"));
+
+        let docs = crate::backend::BoundedMask::documents(&[0, 1, 38, 338], 1338).unwrap();
+        let (hq, hkv) = (8, 2);
+        for d in [64, 128] {
+            let call =
+                super::super::dense_shape(1338, 1338, hq, hkv, d, AttnMask::Bounded(docs.clone()));
+            assert_eq!(call.ragged, Some(RaggedDims { b: 4, s_max: 1024 }));
+            assert_eq!(call.mask, AttnMask::Causal);
+            for bwd in [false, true] {
+                assert_eq!(shape_supported(91400, &call, bwd), Ok(()));
+                assert!(AttentionKernel::Cudnn { version: 91400 }.takes_on_cudnn(&call, bwd));
+                let e = shape_supported(90500, &call, bwd).unwrap_err();
+                assert!(e.contains("cuDNN 9.10"), "{e}");
+            }
+        }
+        let run = |m: crate::backend::BoundedMask, s: usize| {
+            super::super::dense_shape(s, s, hq, hkv, 64, AttnMask::Bounded(m))
+        };
+        // a ring block holds two runs of positions: flash
+        use crate::backend::RowPositions;
+        let two = RowPositions::two_runs(0..669, 1000..1338);
+        let ring = run(docs.with_rows(two, two), 1007);
+        assert!(ring.ragged.is_none());
+        let e = shape_supported(91400, &ring, false).unwrap_err();
+        assert!(e.contains("ring blocks"), "{e}");
+        // documents under a sliding window: flash
+        let windowed = run(docs.clone().with_window(100).unwrap(), 1338);
+        assert!(windowed.ragged.is_none() && shape_supported(91400, &windowed, true).is_err());
+        // one document: the plain causal call, as before
+        let one = run(
+            crate::backend::BoundedMask::documents(&[0], 256).unwrap(),
+            256,
+        );
+        assert_eq!((one.ragged, &one.mask), (None, &AttnMask::Causal));
+        // offsets past int32 stay on flash
+        let mut big = run(docs, 1338);
+        big.q_rs = 1 << 21;
+        big.o_rs = big.q_rs;
+        big.hq = big.q_rs / 64;
+        assert!(shape_supported(91400, &big, false).is_err());
     }
 }

@@ -1,0 +1,113 @@
+//! The kept cuDNN workspace of one call: cuDNN's own plan workspace, then
+//! what the graphs keep there (the backward's dQ accumulator and softmax
+//! sums; a ragged call's dK and dV per query head with GQA, and its
+//! tables), each 256-byte aligned. The engine lays a call out by these
+//! offsets and the planner walks the same sizes.
+
+use super::ragged;
+use super::sdpa_graph::{self, SdpaShape};
+
+/// `x` rounded up to 256 bytes.
+pub(super) fn align(x: usize) -> usize {
+    x.div_ceil(256) * 256
+}
+
+/// Byte offsets in the workspace of a backward of `s`: the dQ accumulator,
+/// the softmax sums, dK and dV per query head (ragged GQA) and the ragged
+/// tables, after cuDNN's own `plan_workspace`; then the end.
+pub(super) fn bwd_layout(s: &SdpaShape, plan_workspace: usize) -> [usize; 6] {
+    let (acc_bytes, sum_bytes) = sdpa_graph::backward_scratch_bytes(s);
+    let full = align(sdpa_graph::backward_full_head_bytes(s));
+    let acc = align(plan_workspace);
+    let sum = acc + align(acc_bytes);
+    let dk_full = sum + align(sum_bytes);
+    let tables = dk_full + 2 * full;
+    [
+        acc,
+        sum,
+        dk_full,
+        dk_full + full,
+        tables,
+        tables + table_bytes(s),
+    ]
+}
+
+/// Bytes of a ragged call's tables' region (0 for the others).
+fn table_bytes(s: &SdpaShape) -> usize {
+    s.ragged.map_or(0, |_| ragged::table_bytes(s.sq))
+}
+
+/// Bytes of the workspace a backward of `s` needs (cuDNN's own
+/// `plan_workspace`, then our dQ accumulator and softmax sums; for a
+/// ragged call with GQA dK and dV per query head, and for any ragged call
+/// its tables). The workspace is kept between calls and grown to the
+/// largest need.
+pub fn bwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
+    bwd_layout(s, plan_workspace)[5]
+}
+
+/// Bytes of the workspace a forward of `s` needs: cuDNN's own, then a
+/// ragged call's tables.
+pub fn fwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
+    match s.ragged {
+        None => plan_workspace,
+        Some(_) => align(plan_workspace) + table_bytes(s),
+    }
+}
+
+/// cuDNN's own backward plan workspace for `s` as measured on cuDNN 9.14
+/// (H200, 2026-11-30, exact to the byte on three shapes): with GQA inside
+/// the call (`hq > hkv`) it expands dK/dV to every query head in f32
+/// (`sk·hq·d·4`), plus under 256 bytes. Only a built plan knows the real
+/// figure; the memory planner, which runs without a GPU, uses this.
+pub fn estimated_bwd_plan_workspace(s: &SdpaShape) -> usize {
+    // a ragged call keeps dK, dV per query head in our workspace instead
+    // (`sdpa_graph::backward_full_head_bytes`; not yet measured on a GPU)
+    let gqa_expansion = if s.hq > s.hkv && s.ragged.is_none() {
+        s.sk * s.hq * s.d * 4
+    } else {
+        0
+    };
+    gqa_expansion + 256
+}
+
+/// Bytes the kept workspace occupies once grown to `need` bytes.
+pub fn kept_workspace_bytes(need: usize) -> usize {
+    need.max(1).div_ceil(4) * 4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{AttnMask, BoundedMask};
+
+    /// A ragged backward keeps, after the dense call's regions, dK and dV
+    /// per query head (GQA only) and the tables' region, all depending on
+    /// the call's rows and heads, not on its documents.
+    #[test]
+    fn a_ragged_call_keeps_its_heads_and_tables_after_the_dense_regions() {
+        let (s, hq, hkv, d) = (1338, 8, 2, 64);
+        let shape = |starts: &[u32], hkv: usize| {
+            let m = AttnMask::Bounded(BoundedMask::documents(starts, s).unwrap());
+            super::super::dense_shape(s, s, hq, hkv, d, m)
+        };
+        let one = super::super::dense_shape(s, s, hq, hkv, d, AttnMask::Causal);
+        for starts in [&[0, 1][..], &[0, 1, 38, 338], &[0, 700]] {
+            let r = shape(starts, hkv);
+            assert!(r.ragged.is_some());
+            let full = align(s * hq * d * 4);
+            let dense = bwd_workspace_bytes(&one, 256);
+            let tables = ragged::table_bytes(s);
+            assert_eq!(bwd_workspace_bytes(&r, 256), dense + 2 * full + tables);
+            assert_eq!(fwd_workspace_bytes(&r, 0), tables);
+            let mha = shape(starts, hq);
+            let dense_mha = super::super::dense_shape(s, s, hq, hq, d, AttnMask::Causal);
+            assert_eq!(
+                bwd_workspace_bytes(&mha, 256),
+                bwd_workspace_bytes(&dense_mha, 256) + tables
+            );
+        }
+        assert_eq!(fwd_workspace_bytes(&one, 0), 0);
+        assert_eq!(estimated_bwd_plan_workspace(&shape(&[0, 1], hkv)), 256);
+    }
+}
