@@ -1,7 +1,7 @@
 //! AdamW with fp32 state over any parameter store's slots, global-norm
 //! gradient clipping, and its learning-rate schedule (`schedule.rs`).
 
-use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
+use crate::backend::{AdamWPiece, AdamWStep, AdamWTensors, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::Unit;
 use crate::optim::host::{HostSlot, HostStep, host_master, host_zeros};
@@ -32,6 +32,11 @@ pub struct AdamWConfig {
     /// (`--offload-optimizer`; a training run sets it from its memory
     /// policy, `TrainConfig::adamw`).
     pub host_units: usize,
+    /// Update a slot's parameters one op per parameter, then copy its F32
+    /// master to the parameters, instead of one [`Backend::adamw_multi`]
+    /// per slot: the same numbers, more launches (the reference the
+    /// multi-tensor update is tested against; no flag sets it).
+    pub per_piece: bool,
 }
 
 impl AdamWConfig {
@@ -50,6 +55,7 @@ impl AdamWConfig {
             weight_decay: 0.1,
             clip: 1.0,
             host_units: 0,
+            per_piece: false,
         }
     }
 
@@ -210,23 +216,26 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
         for k in (0..self.slots.len()).filter(|&k| !self.on_host[k]) {
             let param = lent.params[k].as_deref_mut().ok_or_else(|| busy(k))?;
             let grad = lent.grads[k].as_deref_mut().ok_or_else(|| busy(k))?;
-            for piece in &self.slots[k].pieces {
-                let hp = hyper(&self.cfg, &piece.name, lr, step, clip);
-                let target = match self.master[k].as_mut() {
-                    Some(master) => master,
-                    None => &mut *param,
-                };
-                b.adamw(
-                    target,
-                    grad,
-                    &mut self.m[k],
-                    &mut self.v[k],
-                    piece.at.clone(),
-                    hp,
-                )?;
-            }
-            if let Some(master) = &self.master[k] {
-                b.copy(param.mat_mut(), master.mat())?;
+            let pieces: Vec<AdamWPiece> = self.slots[k]
+                .pieces
+                .iter()
+                .map(|p| (p.at.clone(), hyper(&self.cfg, &p.name, lr, step, clip)))
+                .collect();
+            let (target, narrow) = match self.master[k].as_mut() {
+                Some(master) => (master, Some(&mut *param)),
+                None => (&mut *param, None),
+            };
+            let t = AdamWTensors {
+                target,
+                grad,
+                m: &mut self.m[k],
+                v: &mut self.v[k],
+                narrow,
+            };
+            if self.cfg.per_piece {
+                update_per_piece(b, t, &pieces)?;
+            } else {
+                b.adamw_multi(t, &pieces)?;
             }
             if deferred && self.zero_device_grads {
                 b.fill(grad, 0.0)?;
@@ -361,6 +370,23 @@ fn build_state<B: Backend>(
             .collect()
     };
     Ok((every(m), every(v), master))
+}
+
+/// The slot update [`Backend::adamw_multi`] makes in one pass, made one
+/// op at a time: [`Backend::adamw`] per piece, then the master copied whole
+/// to the narrow parameters (`AdamWConfig::per_piece`).
+fn update_per_piece<B: Backend>(
+    b: &B,
+    t: AdamWTensors<'_, B>,
+    pieces: &[AdamWPiece],
+) -> Result<()> {
+    for (elems, hp) in pieces {
+        b.adamw(t.target, t.grad, t.m, t.v, elems.clone(), *hp)?;
+    }
+    if let Some(narrow) = t.narrow {
+        b.copy(narrow.mat_mut(), t.target.mat())?;
+    }
+    Ok(())
 }
 
 fn busy(slot: usize) -> crate::Error {

@@ -4,8 +4,8 @@
 
 use super::profile::{HostProfile, Phase, StepProfile, Track};
 use super::{
-    AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE, Mat, MatMut,
-    MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
+    AdamWPiece, AdamWStep, AdamWTensors, AttnGradWrites, AttnMask, Backend, Category, CopyDone,
+    DType, IGNORE, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
 };
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -615,6 +615,30 @@ impl Backend for CpuBackend {
             &mut data_mut(v)[elems.clone()],
         );
         super::host_adamw::adamw_serial(&mut data_mut(param)[elems], g, m, v, hp);
+        Ok(())
+    }
+
+    fn adamw_multi(&self, t: AdamWTensors<'_, Self>, pieces: &[AdamWPiece]) -> Result<()> {
+        let _span = self.profile.span("adamw_multi", Track::Compute);
+        super::adamw_multi::check_adamw_multi(&t, pieces)?;
+        let (target, grad) = (data_mut(t.target), data(t.grad));
+        let (m, v) = (data_mut(t.m), data_mut(t.v));
+        let mut narrow = t.narrow.map(data_mut);
+        for (elems, hp) in pieces {
+            let r = elems.clone();
+            let p = &mut target[r.clone()];
+            super::host_adamw::adamw_serial(
+                p,
+                &grad[r.clone()],
+                &mut m[r.clone()],
+                &mut v[r.clone()],
+                *hp,
+            );
+            // every tensor of this backend is F32: the write-back is a copy
+            if let Some(narrow) = narrow.as_deref_mut() {
+                narrow[r].copy_from_slice(p);
+            }
+        }
         Ok(())
     }
 }
