@@ -10,8 +10,8 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{
-    AdamWStep, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, IGNORE, MatLayout,
-    Tensor,
+    AdamWStep, AdamWTensors, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, IGNORE,
+    MatLayout, Tensor,
 };
 
 const TOL: f64 = 1e-2;
@@ -520,6 +520,100 @@ fn embedding_cross_entropy_adamw() {
     check("adamw param", g, &gp, &c, &cp);
     check("adamw m", g, &gm, &c, &cm);
     check("adamw v", g, &gv, &c, &cv);
+}
+
+/// The multi-tensor AdamW against the per-piece kernel followed by the copy
+/// that rounds the F32 master to the BF16 parameters (as the optimizer did
+/// before): the same bits in master, moments and parameters over 5 steps,
+/// with pieces of odd lengths and their own weight decay, the first past
+/// element 0, gaps between them, 40 pieces (two launches), flat and 2-D
+/// parameters (the copy's element-wise and 8-wide casts), and F32
+/// parameters updated in place (no write-back).
+#[test]
+fn adamw_multi_is_bit_identical_to_adamw_per_piece_and_copy() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("adamw_multi");
+    let many: Vec<std::ops::Range<usize>> = (0..40).map(|k| k * 70 + 1..k * 70 + 18 + k).collect();
+    let cases: [(Vec<usize>, Vec<std::ops::Range<usize>>); 3] = [
+        (vec![10_007], vec![5..4_000, 4_000..4_001, 4_100..10_007]),
+        (vec![64, 96], vec![0..96, 96..1_000, 1_003..6_144]),
+        (vec![2_800], many),
+    ];
+    let wd = [0.1, 0.0, 0.05];
+    for (shape, ranges) in &cases {
+        for narrow in [true, false] {
+            let what = format!("adamw_multi {shape:?} narrow={narrow}");
+            let n: usize = shape.iter().product();
+            let init = round(&rng.vec(n, 1.0), DType::BF16);
+            let t = |d: &[f32], dt| g.from_host(d, shape, dt, Category::Weights).unwrap();
+            let state = || {
+                let param = t(&init, if narrow { DType::BF16 } else { DType::F32 });
+                (
+                    param,
+                    t(&init, DType::F32),
+                    t(&vec![0.0; n], DType::F32),
+                    t(&vec![0.0; n], DType::F32),
+                )
+            };
+            let ((mut p1, mut w1, mut m1, mut v1), (mut p2, mut w2, mut m2, mut v2)) =
+                (state(), state());
+            for step in 1..=5 {
+                let grad = t(&rng.vec(n, 0.1), DType::F32);
+                let pieces: Vec<(std::ops::Range<usize>, AdamWStep)> = ranges
+                    .iter()
+                    .enumerate()
+                    .map(|(k, r)| {
+                        let hp = AdamWStep {
+                            lr: 1e-2,
+                            beta1: 0.9,
+                            beta2: 0.95,
+                            eps: 1e-8,
+                            weight_decay: wd[k % 3],
+                            step,
+                            grad_scale: 0.5,
+                        };
+                        (r.clone(), hp)
+                    })
+                    .collect();
+                let target1 = if narrow { &mut w1 } else { &mut p1 };
+                for (r, hp) in &pieces {
+                    g.adamw(target1, &grad, &mut m1, &mut v1, r.clone(), *hp)
+                        .unwrap();
+                }
+                if narrow {
+                    g.copy(p1.mat_mut(), w1.mat()).unwrap();
+                }
+                let (target, narrow_param) = if narrow {
+                    (&mut w2, Some(&mut p2))
+                } else {
+                    (&mut p2, None)
+                };
+                let tensors = AdamWTensors {
+                    target,
+                    grad: &grad,
+                    m: &mut m2,
+                    v: &mut v2,
+                    narrow: narrow_param,
+                };
+                g.adamw_multi(tensors, &pieces).unwrap();
+            }
+            for (x, y, part) in [
+                (&p1, &p2, "param"),
+                (&w1, &w2, "master"),
+                (&m1, &m2, "m"),
+                (&v1, &v2, "v"),
+            ] {
+                let (x, y) = (g.to_host(x).unwrap(), g.to_host(y).unwrap());
+                let differ = x
+                    .iter()
+                    .zip(&y)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(differ, None, "{what}: {part} differs at that element");
+            }
+            let p = g.to_host(&p2).unwrap();
+            assert_ne!(p[ranges[0].start], init[ranges[0].start], "{what}: updated");
+        }
+    }
 }
 
 /// The backend's routed attention (bf16 inputs, `grad_dt` gradients) against

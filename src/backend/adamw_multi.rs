@@ -54,3 +54,111 @@ pub fn check_adamw_multi<B: Backend>(t: &AdamWTensors<'_, B>, pieces: &[AdamWPie
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::{Category, DType};
+
+    fn hp(step: u32, weight_decay: f32) -> AdamWStep {
+        AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay,
+            step,
+            grad_scale: 0.75,
+        }
+    }
+
+    /// Five steps of one `adamw_multi` per step against `adamw` per piece
+    /// and a copy: the same bits in the pieces (odd lengths, one not at 0,
+    /// weight decays of their own), the gaps between them untouched.
+    #[test]
+    fn one_pass_equals_a_call_per_piece_and_a_copy() {
+        let b = CpuBackend::new();
+        let n = 301;
+        let ranges = [3..120, 120..121, 140..301];
+        let values =
+            |seed: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32 + seed) * 0.37).sin()).collect() };
+        let t = |d: &[f32]| b.from_host(d, &[n], DType::F32, Category::Weights).unwrap();
+        let state = || {
+            [
+                t(&values(0.0)),
+                t(&[0.0; 301]),
+                t(&[0.0; 301]),
+                t(&values(9.0)),
+            ]
+        };
+        let ([mut p1, mut m1, mut v1, mut q1], [mut p2, mut m2, mut v2, mut q2]) =
+            (state(), state());
+        for step in 1..=5 {
+            let grad = t(&values(step as f32 * 2.5));
+            let pieces: Vec<AdamWPiece> = ranges
+                .iter()
+                .zip([0.1, 0.0, 0.2])
+                .map(|(r, wd)| (r.clone(), hp(step, wd)))
+                .collect();
+            for (r, h) in &pieces {
+                b.adamw(&mut p1, &grad, &mut m1, &mut v1, r.clone(), *h)
+                    .unwrap();
+                let (q, p) = (b.to_host(&q1).unwrap(), b.to_host(&p1).unwrap());
+                let mut q = q;
+                q[r.clone()].copy_from_slice(&p[r.clone()]);
+                q1 = t(&q);
+            }
+            let multi = AdamWTensors {
+                target: &mut p2,
+                grad: &grad,
+                m: &mut m2,
+                v: &mut v2,
+                narrow: Some(&mut q2),
+            };
+            b.adamw_multi(multi, &pieces).unwrap();
+        }
+        for (x, y, what) in [
+            (&p1, &p2, "target"),
+            (&m1, &m2, "m"),
+            (&v1, &v2, "v"),
+            (&q1, &q2, "narrow"),
+        ] {
+            let (x, y) = (b.to_host(x).unwrap(), b.to_host(y).unwrap());
+            assert!(
+                x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}"
+            );
+        }
+        let (p, q) = (b.to_host(&p2).unwrap(), b.to_host(&q2).unwrap());
+        assert_eq!(p[..3], values(0.0)[..3], "before the first piece");
+        assert_eq!(p[121..140], values(0.0)[121..140], "between pieces");
+        assert_eq!(q[121..140], values(9.0)[121..140], "narrow between pieces");
+        assert_ne!(p[3], values(0.0)[3], "the first piece is updated");
+    }
+
+    /// Overlapping or unordered pieces, pieces past the end and tensors of
+    /// other lengths are errors.
+    #[test]
+    fn bad_pieces_and_lengths_are_errors() {
+        let b = CpuBackend::new();
+        let z = |n: usize| b.zeros(&[n], DType::F32, Category::Weights).unwrap();
+        let (mut p, g, mut m, mut v) = (z(10), z(10), z(10), z(10));
+        let mut short = z(9);
+        let mut run = |pieces: &[AdamWPiece], narrow: Option<&mut Tensor<CpuBackend>>| {
+            let t = AdamWTensors {
+                target: &mut p,
+                grad: &g,
+                m: &mut m,
+                v: &mut v,
+                narrow,
+            };
+            b.adamw_multi(t, pieces)
+        };
+        assert!(run(&[(0..4, hp(1, 0.1)), (4..10, hp(1, 0.0))], None).is_ok());
+        assert!(run(&[(0..5, hp(1, 0.1)), (4..10, hp(1, 0.0))], None).is_err());
+        assert!(run(&[(5..10, hp(1, 0.1)), (0..5, hp(1, 0.0))], None).is_err());
+        assert!(run(&[(5..11, hp(1, 0.1))], None).is_err());
+        assert!(run(&[(0..9, hp(1, 0.1))], Some(&mut short)).is_err());
+    }
+}
