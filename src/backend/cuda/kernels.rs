@@ -236,6 +236,7 @@ mod tests {
                     "attn_bwd_naive",
                     "cross_entropy",
                     "copy2d",
+                    "adamw_multi",
                 ] {
                     assert!(
                         cubin.windows(name.len()).any(|w| w == name.as_bytes()),
