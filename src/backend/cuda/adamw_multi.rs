@@ -43,9 +43,7 @@ fn piece_table(pieces: &[AdamWPiece]) -> (Vec<u64>, u64) {
         }
     }
     // pieces past the last start at the end: no virtual block is theirs
-    for k in pieces.len()..PIECES {
-        ints[2][k] = vblocks as i64;
-    }
+    ints[2][pieces.len()..].fill(vblocks as i64);
     let mut words: Vec<u64> = ints.iter().flatten().map(|&x| x as u64).collect();
     for field in &floats {
         for pair in field.chunks(2) {
