@@ -299,9 +299,9 @@ fn refusal<T>(r: upipe::Result<T>) -> String {
     }
 }
 
-/// The multi-tensor AdamW (one op per slot, every parameter piece of an
-/// FSDP shard in it with its own weight decay: Qwen2's biases and norms
-/// have none) gives the bits of an update per parameter over 5 steps:
+/// The multi-tensor AdamW (one op over every device slot, each parameter
+/// piece of an FSDP shard with its own weight decay: Qwen2's biases and
+/// norms have none) gives the bits of an update per parameter over 5 steps:
 /// replicated and FSDP, with the optimizer state on the device, and with
 /// part of it on the host (whose device slots zero their gradients).
 #[test]

@@ -19,7 +19,7 @@ pub mod profile;
 pub mod rehearsal;
 pub mod tensor;
 
-pub use adamw_multi::{AdamWPiece, AdamWTensors};
+pub use adamw_multi::{AdamWPiece, AdamWSlot};
 pub use mask::{AttnMask, BoundedMask, RowPositions};
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};
 pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor, TensorRef};
@@ -383,13 +383,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
         elems: std::ops::Range<usize>,
         hp: AdamWStep,
     ) -> Result<()>;
-    /// [`adamw`](Backend::adamw) of every piece of one slot in one pass
-    /// (one launch on a GPU), each piece its elements and hyper-parameters;
-    /// with `t.narrow`, each updated element of `t.target` also written to
-    /// it in its dtype (as [`copy`](Backend::copy) rounds). Bit-identical to
-    /// a call per piece followed by that copy of the pieces' elements.
-    /// Pieces ascending and disjoint ([`adamw_multi::check_adamw_multi`]).
-    fn adamw_multi(&self, t: AdamWTensors<'_, Self>, pieces: &[AdamWPiece]) -> Result<()>;
+    /// [`adamw`](Backend::adamw) of every piece of `slots` in one op (a
+    /// launch per 32 pieces on a GPU), each piece its elements and
+    /// hyper-parameters; for a slot with `narrow`, each updated element of
+    /// its `target` also written there in its dtype (as
+    /// [`copy`](Backend::copy) rounds). Bit-identical to a call per piece
+    /// followed by that copy of the pieces' elements. Each slot's pieces
+    /// ascending and disjoint ([`adamw_multi::check_adamw_slot`]).
+    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()>;
 }
 
 /// Checks that every token id indexes a `vocab`-row embedding table.

@@ -4,8 +4,8 @@
 
 use super::profile::{HostProfile, Phase, StepProfile, Track};
 use super::{
-    AdamWPiece, AdamWStep, AdamWTensors, AttnGradWrites, AttnMask, Backend, Category, CopyDone,
-    DType, IGNORE, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
+    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE,
+    Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
 };
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -618,25 +618,24 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn adamw_multi(&self, t: AdamWTensors<'_, Self>, pieces: &[AdamWPiece]) -> Result<()> {
+    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
         let _span = self.profile.span("adamw_multi", Track::Compute);
-        super::adamw_multi::check_adamw_multi(&t, pieces)?;
-        let (target, grad) = (data_mut(t.target), data(t.grad));
-        let (m, v) = (data_mut(t.m), data_mut(t.v));
-        let mut narrow = t.narrow.map(data_mut);
-        for (elems, hp) in pieces {
-            let r = elems.clone();
-            let p = &mut target[r.clone()];
-            super::host_adamw::adamw_serial(
-                p,
-                &grad[r.clone()],
-                &mut m[r.clone()],
-                &mut v[r.clone()],
-                *hp,
-            );
-            // every tensor of this backend is F32: the write-back is a copy
-            if let Some(narrow) = narrow.as_deref_mut() {
-                narrow[r].copy_from_slice(p);
+        for slot in slots.iter() {
+            super::adamw_multi::check_adamw_slot(slot)?;
+        }
+        for slot in slots {
+            let (target, grad) = (data_mut(slot.target), data(slot.grad));
+            let (m, v) = (data_mut(slot.m), data_mut(slot.v));
+            let mut narrow = slot.narrow.as_deref_mut().map(data_mut);
+            for (elems, hp) in slot.pieces {
+                let r = elems.clone();
+                let p = &mut target[r.clone()];
+                let (g, m, v) = (&grad[r.clone()], &mut m[r.clone()], &mut v[r.clone()]);
+                super::host_adamw::adamw_serial(p, g, m, v, *hp);
+                // every tensor of this backend is F32: the write-back is a copy
+                if let Some(narrow) = narrow.as_deref_mut() {
+                    narrow[r].copy_from_slice(p);
+                }
             }
         }
         Ok(())

@@ -45,8 +45,8 @@ use self::gemm::Gemm;
 use self::kernels::{Args, Kernels, grid_for, launch};
 use self::pool::{CudaStorage, Pool, PoolStats};
 use super::{
-    AdamWPiece, AdamWStep, AdamWTensors, AttnGradWrites, AttnMask, Backend, Category, ComputePoint,
-    CopyDone, DType, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
+    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, ComputePoint, CopyDone,
+    DType, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
@@ -568,8 +568,8 @@ impl Backend for CudaBackend {
         self.adamw_impl(param, grad, m, v, elems, hp)
     }
 
-    fn adamw_multi(&self, t: AdamWTensors<'_, Self>, pieces: &[AdamWPiece]) -> Result<()> {
-        self.adamw_multi_impl(t, pieces)
+    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
+        self.adamw_multi_impl(slots)
     }
 }
 

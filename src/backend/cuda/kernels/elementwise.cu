@@ -242,32 +242,39 @@ extern "C" __global__ void adamw(float* p, const void* g, int gdt, float* m, flo
 
 // The pieces of one multi-tensor AdamW launch (a kernel parameter; the
 // layout `cuda/adamw_multi.rs` writes): piece k covers elements
-// start[k] .. start[k] + len[k] of the slot, and the launch's virtual
-// blocks first_block[k] .. first_block[k + 1] (blockDim.x elements each).
+// start[k] .. start[k] + len[k] of its slot's tensors p (F32 weights), g
+// (gradient, dtype gdt), m, v (F32 moments) and q (narrow weights, dtype
+// qdt; null for none), and the launch's virtual blocks first_block[k] ..
+// first_block[k + 1] (blockDim.x elements each).
 #define ADAMW_PIECES 32
 struct AdamWPieces {
+    float* p[ADAMW_PIECES];
+    const void* g[ADAMW_PIECES];
+    float* m[ADAMW_PIECES];
+    float* v[ADAMW_PIECES];
+    void* q[ADAMW_PIECES];
     i64 start[ADAMW_PIECES];
     i64 len[ADAMW_PIECES];
     i64 first_block[ADAMW_PIECES];
+    int gdt[ADAMW_PIECES], qdt[ADAMW_PIECES];
     float lr[ADAMW_PIECES], b1[ADAMW_PIECES], b2[ADAMW_PIECES], eps[ADAMW_PIECES];
     float wd[ADAMW_PIECES], bc1[ADAMW_PIECES], bc2[ADAMW_PIECES], grad_scale[ADAMW_PIECES];
 };
 
-// AdamW of up to ADAMW_PIECES pieces of one slot in one launch, each with
-// its hyper-parameters; `q` (dtype qdt; null for none) receives every
-// updated weight, rounded as `copy` rounds (the narrow parameters of an
-// F32 master). Virtual block vb belongs to the last piece whose first_block
-// is <= vb.
-extern "C" __global__ void adamw_multi(float* p, const void* g, int gdt, float* m, float* v, void* q, int qdt,
-                                       int pieces, i64 vblocks, AdamWPieces t) {
+// AdamW of up to ADAMW_PIECES pieces, of one or more slots, in one launch,
+// each with its hyper-parameters; a piece's q receives every updated
+// weight, rounded as `copy` rounds (the narrow parameters of an F32
+// master). Virtual block vb belongs to the last piece whose first_block is
+// <= vb.
+extern "C" __global__ void adamw_multi(int pieces, i64 vblocks, AdamWPieces t) {
     for (i64 vb = blockIdx.x; vb < vblocks; vb += gridDim.x) {
         int k = 0;
         while (k + 1 < pieces && t.first_block[k + 1] <= vb) k++;
         i64 j = (vb - t.first_block[k]) * blockDim.x + threadIdx.x;
         if (j >= t.len[k]) continue;
         i64 i = t.start[k] + j;
-        float np = adamw_elem(p, g, gdt, m, v, i, t.lr[k], t.b1[k], t.b2[k], t.eps[k], t.wd[k], t.bc1[k],
-                              t.bc2[k], t.grad_scale[k]);
-        if (q) st(q, i, qdt, np);
+        float np = adamw_elem(t.p[k], t.g[k], t.gdt[k], t.m[k], t.v[k], i, t.lr[k], t.b1[k], t.b2[k], t.eps[k],
+                              t.wd[k], t.bc1[k], t.bc2[k], t.grad_scale[k]);
+        if (t.q[k]) st(t.q[k], i, t.qdt[k], np);
     }
 }
