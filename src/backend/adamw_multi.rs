@@ -86,7 +86,10 @@ mod tests {
     #[test]
     fn one_pass_equals_a_call_per_piece_and_a_copy() {
         let b = CpuBackend::new();
-        let slots = [(301, vec![3..120, 120..121, 140..301]), (77, vec![0..40, 40..77])];
+        let slots = [
+            (301, vec![3..120, 120..121, 140..301]),
+            (77, vec![0..40, 40..77]),
+        ];
         let t = |d: &[f32]| {
             b.from_host(d, &[d.len()], DType::F32, Category::Weights)
                 .unwrap()
