@@ -191,6 +191,14 @@ impl<B: Backend> AdamW<B> {
         lent: &mut Lent<'_, B>,
         (lr, step, clip): (f32, u32, f32),
     ) -> Result<()> {
+        if lent.params.len() != self.slots.len() || lent.grads.len() != self.slots.len() {
+            return Err(crate::Error::Backend(format!(
+                "optimizer: {} slots, lent {} parameters and {} gradients",
+                self.slots.len(),
+                lent.params.len(),
+                lent.grads.len()
+            )));
+        }
         let cfg = &self.cfg;
         let pieces: Vec<Vec<AdamWPiece>> = self
             .slots
