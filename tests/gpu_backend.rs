@@ -10,8 +10,8 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{
-    AdamWStep, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, IGNORE, MatLayout,
-    Tensor,
+    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, IGNORE,
+    MatLayout, Tensor,
 };
 
 const TOL: f64 = 1e-2;
@@ -605,6 +605,120 @@ fn embedding_cross_entropy_adamw() {
     check("adamw param", g, &gp, &c, &cp);
     check("adamw m", g, &gm, &c, &cm);
     check("adamw v", g, &gv, &c, &cv);
+}
+
+/// The multi-tensor AdamW against the per-piece kernel followed by the copy
+/// that rounds the F32 master to the BF16 parameters (as the optimizer did
+/// before): the same bits in masters, moments and parameters over 5 steps
+/// of one call over three slots, with pieces of odd lengths and their own
+/// weight decay, the first past element 0, gaps between them, 46 pieces
+/// (two launches, a slot across both), flat and 2-D parameters (the copy's
+/// element-wise and 8-wide casts), and F32 parameters updated in place (no
+/// write-back) beside BF16 ones.
+#[test]
+fn adamw_multi_is_bit_identical_to_adamw_per_piece_and_copy() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("adamw_multi");
+    let many: Vec<std::ops::Range<usize>> = (0..40).map(|k| k * 70 + 1..k * 70 + 18 + k).collect();
+    let slots: [(Vec<usize>, Vec<std::ops::Range<usize>>); 3] = [
+        (vec![10_007], vec![5..4_000, 4_000..4_001, 4_100..10_007]),
+        (vec![2_800], many),
+        (vec![64, 96], vec![0..96, 96..1_000, 1_003..6_144]),
+    ];
+    let wd = [0.1, 0.0, 0.05];
+    for narrow in [[true, false, true], [false, true, false]] {
+        let what = format!("adamw_multi narrow={narrow:?}");
+        // [param, master, m, v] of each slot, for each way of updating
+        let (mut one, mut multi, mut init) = (Vec::new(), Vec::new(), Vec::new());
+        for ((shape, _), narrow) in slots.iter().zip(narrow) {
+            let n: usize = shape.iter().product();
+            let w = round(&rng.vec(n, 1.0), DType::BF16);
+            let pdt = if narrow { DType::BF16 } else { DType::F32 };
+            let t = |d: &[f32], dt| g.from_host(d, shape, dt, Category::Weights).unwrap();
+            let zeros = vec![0.0; n];
+            let fresh = || {
+                [
+                    t(&w, pdt),
+                    t(&w, DType::F32),
+                    t(&zeros, DType::F32),
+                    t(&zeros, DType::F32),
+                ]
+            };
+            one.push(fresh());
+            multi.push(fresh());
+            init.push(w);
+        }
+        for step in 1..=5 {
+            let grads: Vec<Tensor<CudaBackend>> = slots
+                .iter()
+                .map(|(shape, _)| {
+                    let n = shape.iter().product();
+                    g.from_host(&rng.vec(n, 0.1), shape, DType::F32, Category::Workspace)
+                        .unwrap()
+                })
+                .collect();
+            let pieces: Vec<Vec<(std::ops::Range<usize>, AdamWStep)>> = slots
+                .iter()
+                .map(|(_, ranges)| {
+                    let hp = |k: usize| AdamWStep {
+                        lr: 1e-2,
+                        beta1: 0.9,
+                        beta2: 0.95,
+                        eps: 1e-8,
+                        weight_decay: wd[k % 3],
+                        step,
+                        grad_scale: 0.5,
+                    };
+                    ranges
+                        .iter()
+                        .enumerate()
+                        .map(|(k, r)| (r.clone(), hp(k)))
+                        .collect()
+                })
+                .collect();
+            for (s, [p, w, m, v]) in one.iter_mut().enumerate() {
+                let target = if narrow[s] { &mut *w } else { &mut *p };
+                for (r, hp) in &pieces[s] {
+                    g.adamw(target, &grads[s], m, v, r.clone(), *hp).unwrap();
+                }
+                if narrow[s] {
+                    g.copy(p.mat_mut(), w.mat()).unwrap();
+                }
+            }
+            let mut update: Vec<AdamWSlot<'_, CudaBackend>> = multi
+                .iter_mut()
+                .enumerate()
+                .map(|(s, [p, w, m, v])| {
+                    let (target, narrow) = if narrow[s] { (w, Some(p)) } else { (p, None) };
+                    AdamWSlot {
+                        target,
+                        grad: &grads[s],
+                        m,
+                        v,
+                        narrow,
+                        pieces: &pieces[s],
+                    }
+                })
+                .collect();
+            g.adamw_multi(&mut update).unwrap();
+        }
+        for (s, (a, b)) in one.iter().zip(multi.iter()).enumerate() {
+            for (k, part) in ["param", "master", "m", "v"].iter().enumerate() {
+                let (x, y) = (g.to_host(&a[k]).unwrap(), g.to_host(&b[k]).unwrap());
+                let differ = x
+                    .iter()
+                    .zip(&y)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(
+                    differ, None,
+                    "{what}: slot {s} {part} differs at that element"
+                );
+            }
+            let p = g.to_host(&b[0]).unwrap();
+            let first = slots[s].1[0].start;
+            assert_ne!(p[first], init[s][first], "{what}: slot {s} updated");
+        }
+    }
 }
 
 /// The backend's routed attention (bf16 inputs, `grad_dt` gradients) against

@@ -13,8 +13,7 @@ const CHUNK: usize = 1 << 16;
 /// One AdamW update of `param` with `grad`, moments `m`, `v` (four slices
 /// of one length), on the calling thread.
 pub fn adamw_serial(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], hp: AdamWStep) {
-    let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
-    let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
+    let (bc1, bc2) = hp.bias_corrections();
     for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m).zip(v) {
         let gi = g * hp.grad_scale;
         *m = hp.beta1 * *m + (1.0 - hp.beta1) * gi;

@@ -6,6 +6,7 @@
 //! trait; the CPU f32 backend is the reference every other backend is tested
 //! against.
 
+pub mod adamw_multi;
 pub mod arena;
 pub mod bounded_mask;
 pub mod counting;
@@ -18,6 +19,7 @@ pub mod profile;
 pub mod rehearsal;
 pub mod tensor;
 
+pub use adamw_multi::{AdamWPiece, AdamWSlot};
 pub use mask::{AttnMask, BoundedMask, RowPositions};
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};
 pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor, TensorRef};
@@ -38,6 +40,17 @@ pub struct AdamWStep {
     pub step: u32,
     /// Multiplier applied to the gradient first (clipping).
     pub grad_scale: f32,
+}
+
+impl AdamWStep {
+    /// The bias corrections `(1 - beta1^step, 1 - beta2^step)`, in f32 as
+    /// every backend's update divides by them.
+    pub fn bias_corrections(&self) -> (f32, f32) {
+        (
+            1.0 - self.beta1.powi(self.step as i32),
+            1.0 - self.beta2.powi(self.step as i32),
+        )
+    }
 }
 
 /// How [`Backend::attention_bwd`] writes one gradient.
@@ -402,6 +415,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
         elems: std::ops::Range<usize>,
         hp: AdamWStep,
     ) -> Result<()>;
+    /// [`adamw`](Backend::adamw) of every piece of `slots` in one op (a
+    /// launch per 32 pieces on a GPU), each piece its elements and
+    /// hyper-parameters; for a slot with `narrow`, each updated element of
+    /// its `target` also written there in its dtype (as
+    /// [`copy`](Backend::copy) rounds). Bit-identical to a call per piece
+    /// followed by that copy of the pieces' elements. Each slot's pieces
+    /// ascending and disjoint ([`adamw_multi::check_adamw_slot`]).
+    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()>;
 }
 
 /// Checks that every token id indexes a `vocab`-row embedding table.

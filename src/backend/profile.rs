@@ -75,7 +75,7 @@ pub fn op_class(kind: &str) -> OpClass {
         "attention_fwd" | "lse_merge" => OpClass::AttnFwd,
         "attention_bwd" => OpClass::AttnBwd,
         "cross_entropy" => OpClass::Loss,
-        "adamw" | "sum_squares" => OpClass::Optimizer,
+        "adamw" | "adamw_multi" | "sum_squares" => OpClass::Optimizer,
         "copy" | "copy_start" | "memset" | "fill" | "upload" | "download" => OpClass::Copy,
         "all_to_all" | "send_recv" | "shift" | "all_gather" | "reduce_scatter" | "all_reduce" => {
             OpClass::Collective
@@ -457,6 +457,7 @@ mod tests {
         ("bias_grad", OpClass::Elementwise),
         ("cross_entropy", OpClass::Loss),
         ("adamw", OpClass::Optimizer),
+        ("adamw_multi", OpClass::Optimizer),
         ("sum_squares", OpClass::Optimizer),
         ("copy", OpClass::Copy),
         ("copy_start", OpClass::Copy),

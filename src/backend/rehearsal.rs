@@ -23,8 +23,8 @@
 //! (initial weights, RoPE tables, token ids, the host optimizer).
 
 use super::{
-    AdamWStep, AttnGradWrites, Backend, Category, DType, MatLayout, MatMut, MemoryLedger, Rows,
-    RowsMut, Tensor, check_elems, check_token_ids,
+    AdamWSlot, AdamWStep, AttnGradWrites, Backend, Category, DType, MatLayout, MatMut,
+    MemoryLedger, Rows, RowsMut, Tensor, check_elems, check_token_ids,
 };
 use super::{AttnMask, GradWrite, Mat, attention_heads, check_same_numel};
 use crate::backend::cuda::{cudnn, flash, gemm};
@@ -684,5 +684,10 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
             check_same_numel(param, t, "adamw")?;
         }
         Ok(())
+    }
+    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
+        slots
+            .iter()
+            .try_for_each(super::adamw_multi::check_adamw_slot)
     }
 }

@@ -1,7 +1,7 @@
 //! AdamW with fp32 state over any parameter store's slots, global-norm
 //! gradient clipping, and its learning-rate schedule (`schedule.rs`).
 
-use crate::backend::{AdamWStep, Backend, Category, DType, Tensor, cast};
+use crate::backend::{AdamWPiece, AdamWSlot, AdamWStep, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::Unit;
 use crate::optim::host::{HostSlot, HostStep, host_master, host_zeros};
@@ -9,7 +9,7 @@ use crate::optim::schedule::{Decay, Schedule};
 use crate::optim::settling::state_on_host;
 #[cfg(doc)]
 use crate::optim::settling::update_order;
-use crate::optim::{Lent, Optimizer, Slot, StateKind};
+use crate::optim::{Lent, Optimizer, Piece, Slot, StateKind};
 
 /// Optimizer hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,6 +32,12 @@ pub struct AdamWConfig {
     /// (`--offload-optimizer`; a training run sets it from its memory
     /// policy, `TrainConfig::adamw`).
     pub host_units: usize,
+    /// Update each parameter by its own op, then copy each slot's F32
+    /// master to its parameters, instead of one [`Backend::adamw_multi`]
+    /// over every device slot: the same numbers, more launches (the
+    /// reference the multi-tensor update is tested against; no flag sets
+    /// it).
+    pub per_piece: bool,
 }
 
 impl AdamWConfig {
@@ -50,6 +56,7 @@ impl AdamWConfig {
             weight_decay: 0.1,
             clip: 1.0,
             host_units: 0,
+            per_piece: false,
         }
     }
 
@@ -174,6 +181,64 @@ impl<B: Backend> AdamW<B> {
         self.zero_device_grads = true;
         self
     }
+
+    /// Updates every slot whose state is on the device at `(lr, step,
+    /// clip)`: one [`Backend::adamw_multi`] over all of them (with
+    /// `cfg.per_piece`, an op per piece and a copy per slot).
+    fn update_device_slots(
+        &mut self,
+        b: &B,
+        lent: &mut Lent<'_, B>,
+        (lr, step, clip): (f32, u32, f32),
+    ) -> Result<()> {
+        if lent.params.len() != self.slots.len() || lent.grads.len() != self.slots.len() {
+            return Err(crate::Error::Backend(format!(
+                "optimizer: {} slots, lent {} parameters and {} gradients",
+                self.slots.len(),
+                lent.params.len(),
+                lent.grads.len()
+            )));
+        }
+        let cfg = &self.cfg;
+        let pieces: Vec<Vec<AdamWPiece>> = self
+            .slots
+            .iter()
+            .map(|s| {
+                let hp = |p: &Piece| (p.at.clone(), hyper(cfg, &p.name, lr, step, clip));
+                s.pieces.iter().map(hp).collect()
+            })
+            .collect();
+        let states = self.master.iter_mut().zip(&mut self.m).zip(&mut self.v);
+        let tensors = lent.params.iter_mut().zip(lent.grads.iter_mut());
+        let mut update = Vec::new();
+        for (k, ((param, grad), ((master, m), v))) in tensors.zip(states).enumerate() {
+            if self.on_host[k] {
+                continue;
+            }
+            let param = param.as_deref_mut().ok_or_else(|| busy(k))?;
+            let grad = grad.as_deref().ok_or_else(|| busy(k))?;
+            let (target, narrow) = match master.as_mut() {
+                Some(master) => (master, Some(param)),
+                None => (param, None),
+            };
+            let pieces = &pieces[k];
+            update.push(AdamWSlot {
+                target,
+                grad,
+                m,
+                v,
+                narrow,
+                pieces,
+            });
+        }
+        if cfg.per_piece {
+            update
+                .into_iter()
+                .try_for_each(|slot| update_per_piece(b, slot))
+        } else {
+            b.adamw_multi(&mut update)
+        }
+    }
 }
 
 /// F32 elements of state AdamW keeps per parameter element of a device
@@ -207,28 +272,10 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
         if !Update::applies(loss_finite, grad_norm) {
             return Ok(Update::skipped(lr, grad_norm));
         }
-        for k in (0..self.slots.len()).filter(|&k| !self.on_host[k]) {
-            let param = lent.params[k].as_deref_mut().ok_or_else(|| busy(k))?;
-            let grad = lent.grads[k].as_deref_mut().ok_or_else(|| busy(k))?;
-            for piece in &self.slots[k].pieces {
-                let hp = hyper(&self.cfg, &piece.name, lr, step, clip);
-                let target = match self.master[k].as_mut() {
-                    Some(master) => master,
-                    None => &mut *param,
-                };
-                b.adamw(
-                    target,
-                    grad,
-                    &mut self.m[k],
-                    &mut self.v[k],
-                    piece.at.clone(),
-                    hp,
-                )?;
-            }
-            if let Some(master) = &self.master[k] {
-                b.copy(param.mat_mut(), master.mat())?;
-            }
-            if deferred && self.zero_device_grads {
+        self.update_device_slots(b, lent, (lr, step, clip))?;
+        if deferred && self.zero_device_grads {
+            for k in (0..self.slots.len()).filter(|&k| !self.on_host[k]) {
+                let grad = lent.grads[k].as_deref_mut().ok_or_else(|| busy(k))?;
                 b.fill(grad, 0.0)?;
             }
         }
@@ -361,6 +408,19 @@ fn build_state<B: Backend>(
             .collect()
     };
     Ok((every(m), every(v), master))
+}
+
+/// The update [`Backend::adamw_multi`] makes of one slot, made one op at
+/// a time: [`Backend::adamw`] per piece, then the master copied whole to the
+/// narrow parameters (`AdamWConfig::per_piece`).
+fn update_per_piece<B: Backend>(b: &B, t: AdamWSlot<'_, B>) -> Result<()> {
+    for (elems, hp) in t.pieces {
+        b.adamw(t.target, t.grad, t.m, t.v, elems.clone(), *hp)?;
+    }
+    if let Some(narrow) = t.narrow {
+        b.copy(narrow.mat_mut(), t.target.mat())?;
+    }
+    Ok(())
 }
 
 fn busy(slot: usize) -> crate::Error {

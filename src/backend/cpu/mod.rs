@@ -4,8 +4,8 @@
 
 use super::profile::{HostProfile, Phase, StepProfile, Track};
 use super::{
-    AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE, Mat, MatMut,
-    MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
+    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE,
+    Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
 };
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -638,6 +638,29 @@ impl Backend for CpuBackend {
             &mut data_mut(v)[elems.clone()],
         );
         super::host_adamw::adamw_serial(&mut data_mut(param)[elems], g, m, v, hp);
+        Ok(())
+    }
+
+    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
+        let _span = self.profile.span("adamw_multi", Track::Compute);
+        for slot in slots.iter() {
+            super::adamw_multi::check_adamw_slot(slot)?;
+        }
+        for slot in slots {
+            let (target, grad) = (data_mut(slot.target), data(slot.grad));
+            let (m, v) = (data_mut(slot.m), data_mut(slot.v));
+            let mut narrow = slot.narrow.as_deref_mut().map(data_mut);
+            for (elems, hp) in slot.pieces {
+                let r = elems.clone();
+                let p = &mut target[r.clone()];
+                let (g, m, v) = (&grad[r.clone()], &mut m[r.clone()], &mut v[r.clone()]);
+                super::host_adamw::adamw_serial(p, g, m, v, *hp);
+                // every tensor of this backend is F32: the write-back is a copy
+                if let Some(narrow) = narrow.as_deref_mut() {
+                    narrow[r].copy_from_slice(p);
+                }
+            }
+        }
         Ok(())
     }
 }

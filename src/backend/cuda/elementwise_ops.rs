@@ -569,8 +569,7 @@ impl CudaBackend {
             return Ok(());
         }
         self.bind()?;
-        let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
-        let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
+        let (bc1, bc2) = hp.bias_corrections();
         // byte offsets of the range: f32 state, grad in its own dtype
         let (f32_off, g_off) = (
             (elems.start * 4) as u64,

@@ -70,6 +70,7 @@ kernel_table!(
     embedding_fwd,
     embedding_bwd,
     adamw,
+    adamw_multi,
     rmsnorm_fwd,
     add_rmsnorm_fwd,
     rmsnorm_bwd,
@@ -130,31 +131,43 @@ impl Drop for Kernels {
 }
 
 /// Kernel arguments, each in its own 8-byte slot (the driver reads only the
-/// parameter's size from each slot; x86-64 is little-endian).
+/// parameter's size from each slot; x86-64 is little-endian), or a struct
+/// passed by value in several consecutive slots ([`Args::words`]).
 #[derive(Default)]
-pub struct Args(Vec<u64>);
+pub struct Args {
+    /// Every argument's bytes.
+    slots: Vec<u64>,
+    /// Where each argument starts in `slots`.
+    starts: Vec<usize>,
+}
 
 impl Args {
     pub fn new() -> Self {
-        Args(Vec::with_capacity(32))
+        Args {
+            slots: Vec::with_capacity(32),
+            starts: Vec::with_capacity(32),
+        }
     }
-    pub fn ptr(mut self, p: u64) -> Self {
-        self.0.push(p);
-        self
+    pub fn ptr(self, p: u64) -> Self {
+        self.words(&[p])
     }
-    pub fn i64(mut self, v: i64) -> Self {
-        self.0.push(v as u64);
-        self
+    pub fn i64(self, v: i64) -> Self {
+        self.words(&[v as u64])
     }
     pub fn usize(self, v: usize) -> Self {
         self.i64(v as i64)
     }
-    pub fn i32(mut self, v: i32) -> Self {
-        self.0.push(v as u32 as u64);
-        self
+    pub fn i32(self, v: i32) -> Self {
+        self.words(&[v as u32 as u64])
     }
-    pub fn f32(mut self, v: f32) -> Self {
-        self.0.push(v.to_bits() as u64);
+    pub fn f32(self, v: f32) -> Self {
+        self.words(&[v.to_bits() as u64])
+    }
+    /// One argument of `words.len() * 8` bytes: a struct passed by value,
+    /// laid out as the kernel declares it (8-byte aligned).
+    pub fn words(mut self, words: &[u64]) -> Self {
+        self.starts.push(self.slots.len());
+        self.slots.extend_from_slice(words);
         self
     }
 }
@@ -168,7 +181,13 @@ pub fn launch(
     smem: u32,
     mut args: Args,
 ) -> Result<()> {
-    let mut ptrs: Vec<*mut c_void> = args.0.iter_mut().map(|a| (a as *mut u64).cast()).collect();
+    let base = args.slots.as_mut_ptr();
+    // SAFETY: every start indexes `slots`, which is not resized from here on.
+    let mut ptrs: Vec<*mut c_void> = args
+        .starts
+        .iter()
+        .map(|&i| unsafe { base.add(i) }.cast())
+        .collect();
     // SAFETY: `f` is a loaded kernel whose parameter list matches `args` (each
     // call site mirrors the kernel's signature in kernels/*.cu); all device
     // pointers are live allocations ordered on `stream`.
@@ -219,6 +238,7 @@ mod tests {
                     "cross_entropy",
                     "copy2d",
                     "add_rmsnorm_fwd",
+                    "adamw_multi",
                 ] {
                     assert!(
                         cubin.windows(name.len()).any(|w| w == name.as_bytes()),

@@ -19,6 +19,7 @@
 //! Every op is queued on the backend's stream; `to_host`, `sum_squares` and
 //! `synchronize` wait for it.
 
+mod adamw_multi;
 pub mod attention;
 mod attention_ops;
 pub mod cudnn;
@@ -44,8 +45,8 @@ use self::gemm::Gemm;
 use self::kernels::{Args, Kernels, grid_for, launch};
 use self::pool::{CudaStorage, Pool, PoolStats};
 use super::{
-    AdamWStep, AttnGradWrites, AttnMask, Backend, Category, ComputePoint, CopyDone, DType, Mat,
-    MatMut, MemoryLedger, Rows, RowsMut, Tensor,
+    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, ComputePoint, CopyDone,
+    DType, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
@@ -588,6 +589,10 @@ impl Backend for CudaBackend {
         hp: AdamWStep,
     ) -> Result<()> {
         self.adamw_impl(param, grad, m, v, elems, hp)
+    }
+
+    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
+        self.adamw_multi_impl(slots)
     }
 }
 

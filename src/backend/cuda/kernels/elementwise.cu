@@ -215,17 +215,66 @@ extern "C" __global__ void embedding_bwd(const void* dout, int ddt, const unsign
     }
 }
 
+// One AdamW update of element i (the arithmetic of both AdamW kernels):
+// returns the new weight, written to p[i].
+__device__ __forceinline__ float adamw_elem(float* p, const void* g, int gdt, float* m, float* v, i64 i,
+                                            float lr, float b1, float b2, float eps, float wd, float bc1,
+                                            float bc2, float grad_scale) {
+    float gi = ld(g, i, gdt) * grad_scale;
+    float mi = b1 * m[i] + (1.0f - b1) * gi;
+    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    float mh = mi / bc1, vh = vi / bc2;
+    float pi = p[i];
+    float np = pi - lr * (mh / (sqrtf(vh) + eps) + wd * pi);
+    p[i] = np;
+    return np;
+}
+
 extern "C" __global__ void adamw(float* p, const void* g, int gdt, float* m, float* v, i64 n,
                                  float lr, float b1, float b2, float eps, float wd,
                                  float bc1, float bc2, float grad_scale) {
     GRID_STRIDE(i, n) {
-        float gi = ld(g, i, gdt) * grad_scale;
-        float mi = b1 * m[i] + (1.0f - b1) * gi;
-        float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float mh = mi / bc1, vh = vi / bc2;
-        float pi = p[i];
-        p[i] = pi - lr * (mh / (sqrtf(vh) + eps) + wd * pi);
+        adamw_elem(p, g, gdt, m, v, i, lr, b1, b2, eps, wd, bc1, bc2, grad_scale);
+    }
+}
+
+// The pieces of one multi-tensor AdamW launch (a kernel parameter; the
+// layout `cuda/adamw_multi.rs` writes): piece k covers elements
+// start[k] .. start[k] + len[k] of its slot's tensors p (F32 weights), g
+// (gradient, dtype gdt), m, v (F32 moments) and q (narrow weights, dtype
+// qdt; null for none), and the launch's virtual blocks first_block[k] ..
+// first_block[k + 1] (blockDim.x elements each).
+#define ADAMW_PIECES 32
+struct AdamWPieces {
+    float* p[ADAMW_PIECES];
+    const void* g[ADAMW_PIECES];
+    float* m[ADAMW_PIECES];
+    float* v[ADAMW_PIECES];
+    void* q[ADAMW_PIECES];
+    i64 start[ADAMW_PIECES];
+    i64 len[ADAMW_PIECES];
+    i64 first_block[ADAMW_PIECES];
+    int gdt[ADAMW_PIECES], qdt[ADAMW_PIECES];
+    float lr[ADAMW_PIECES], b1[ADAMW_PIECES], b2[ADAMW_PIECES], eps[ADAMW_PIECES];
+    float wd[ADAMW_PIECES], bc1[ADAMW_PIECES], bc2[ADAMW_PIECES], grad_scale[ADAMW_PIECES];
+};
+
+// AdamW of up to ADAMW_PIECES pieces, of one or more slots, in one launch,
+// each with its hyper-parameters; a piece's q receives every updated
+// weight, rounded as `copy` rounds (the narrow parameters of an F32
+// master). Virtual block vb belongs to the last piece whose first_block is
+// <= vb.
+extern "C" __global__ void adamw_multi(int pieces, i64 vblocks, AdamWPieces t) {
+    for (i64 vb = blockIdx.x; vb < vblocks; vb += gridDim.x) {
+        int k = 0;
+        while (k + 1 < pieces && t.first_block[k + 1] <= vb) k++;
+        i64 j = (vb - t.first_block[k]) * blockDim.x + threadIdx.x;
+        if (j >= t.len[k]) continue;
+        i64 i = t.start[k] + j;
+        float np = adamw_elem(t.p[k], t.g[k], t.gdt[k], t.m[k], t.v[k], i, t.lr[k], t.b1[k], t.b2[k], t.eps[k],
+                              t.wd[k], t.bc1[k], t.bc2[k], t.grad_scale[k]);
+        if (t.q[k]) st(t.q[k], i, t.qdt[k], np);
     }
 }

@@ -1,0 +1,195 @@
+//! `CudaBackend`'s multi-tensor AdamW: the pieces of a step's slots in one
+//! launch of `adamw_multi` (kernels/elementwise.cu) per [`PIECES`] pieces,
+//! their table (tensor addresses, ranges, hyper-parameters) passed by value
+//! as a kernel parameter: no upload, no buffer.
+
+use super::kernels::{Args, grid_for, launch};
+use super::{BLOCK, CudaBackend, dt, need, ptr};
+use crate::backend::adamw_multi::check_adamw_slot;
+use crate::backend::{AdamWSlot, AdamWStep, DType};
+use crate::error::Result;
+use std::ops::Range;
+
+/// Pieces per launch (`ADAMW_PIECES` in kernels/elementwise.cu): a table of
+/// 104 bytes a piece, 3.3 KB in all, within every architecture's 4 KB of
+/// kernel parameters.
+pub const PIECES: usize = 32;
+
+/// One piece as the kernel sees it: its slot's tensors (device addresses;
+/// `q` 0 for none), their dtype flags, its elements and update.
+#[derive(Debug, Clone)]
+struct PieceRef {
+    p: u64,
+    g: u64,
+    m: u64,
+    v: u64,
+    q: u64,
+    gdt: i32,
+    qdt: i32,
+    elems: Range<usize>,
+    hp: AdamWStep,
+}
+
+/// The kernel's `AdamWPieces` for up to [`PIECES`] pieces, as 8-byte
+/// words: `p`, `g`, `m`, `v`, `q` (addresses), `start`, `len`,
+/// `first_block` (i64), then `gdt`, `qdt` (i32) and `lr`, `b1`, `b2`,
+/// `eps`, `wd`, `bc1`, `bc2`, `grad_scale` (f32), each an array of
+/// [`PIECES`]. Returns the words and the launch's virtual blocks (`BLOCK`
+/// elements of one piece each).
+fn piece_table(pieces: &[PieceRef]) -> (Vec<u64>, u64) {
+    let mut wide = [[0u64; PIECES]; 8];
+    let mut flags = [[0i32; PIECES]; 2];
+    let mut floats = [[0f32; PIECES]; 8];
+    let mut vblocks = 0u64;
+    for (k, piece) in pieces.iter().enumerate() {
+        let hp = &piece.hp;
+        let (bc1, bc2) = hp.bias_corrections();
+        let row = [
+            piece.p,
+            piece.g,
+            piece.m,
+            piece.v,
+            piece.q,
+            piece.elems.start as u64,
+            piece.elems.len() as u64,
+            vblocks,
+        ];
+        for (field, value) in wide.iter_mut().zip(row) {
+            field[k] = value;
+        }
+        vblocks += piece.elems.len().div_ceil(BLOCK as usize) as u64;
+        flags[0][k] = piece.gdt;
+        flags[1][k] = piece.qdt;
+        let row = [
+            hp.lr,
+            hp.beta1,
+            hp.beta2,
+            hp.eps,
+            hp.weight_decay,
+            bc1,
+            bc2,
+            hp.grad_scale,
+        ];
+        for (field, value) in floats.iter_mut().zip(row) {
+            field[k] = value;
+        }
+    }
+    // pieces past the last start at the end: no virtual block is theirs
+    wide[7][pieces.len()..].fill(vblocks);
+    let mut words: Vec<u64> = wide.iter().flatten().copied().collect();
+    // two 4-byte values to a word, the first in the low half (little-endian)
+    let pair = |lo: u32, hi: u32| lo as u64 | (hi as u64) << 32;
+    for field in &flags {
+        words.extend(field.chunks(2).map(|c| pair(c[0] as u32, c[1] as u32)));
+    }
+    for field in &floats {
+        words.extend(
+            field
+                .chunks(2)
+                .map(|c| pair(c[0].to_bits(), c[1].to_bits())),
+        );
+    }
+    (words, vblocks)
+}
+
+impl CudaBackend {
+    pub(super) fn adamw_multi_impl(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
+        let _span = self.span("adamw_multi")?;
+        let mut pieces = Vec::new();
+        for slot in slots.iter() {
+            check_adamw_slot(slot)?;
+            for (x, what) in [(&*slot.target, "target"), (&*slot.m, "m"), (&*slot.v, "v")] {
+                need(x, DType::F32, "adamw_multi", what)?;
+            }
+            let (q, qdt) = match slot.narrow.as_deref() {
+                Some(q) => (ptr(q), dt(q)),
+                None => (0, 0),
+            };
+            pieces.extend(
+                slot.pieces
+                    .iter()
+                    .filter(|(e, _)| !e.is_empty())
+                    .map(|(elems, hp)| PieceRef {
+                        p: ptr(slot.target),
+                        g: ptr(slot.grad),
+                        m: ptr(slot.m),
+                        v: ptr(slot.v),
+                        q,
+                        gdt: dt(slot.grad),
+                        qdt,
+                        elems: elems.clone(),
+                        hp: *hp,
+                    }),
+            );
+        }
+        self.bind()?;
+        for group in pieces.chunks(PIECES) {
+            let (table, vblocks) = piece_table(group);
+            let args = Args::new()
+                .i32(group.len() as i32)
+                .i64(vblocks as i64)
+                .words(&table);
+            let grid = grid_for(vblocks as usize * BLOCK as usize, BLOCK);
+            launch(&self.stream, self.kernels.adamw_multi, grid, BLOCK, 0, args)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table's layout: 8 arrays of 8-byte words, then 2 of i32 and 8 of
+    /// f32, each of `PIECES`; the virtual blocks counted per piece.
+    #[test]
+    fn piece_table_lays_out_the_kernels_struct() {
+        let hp = |wd| AdamWStep {
+            lr: 0.5,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: wd,
+            step: 2,
+            grad_scale: 0.25,
+        };
+        let piece = |slot: u64, elems: Range<usize>, wd| PieceRef {
+            p: slot,
+            g: slot + 1,
+            m: slot + 2,
+            v: slot + 3,
+            q: if slot == 100 { 0 } else { slot + 4 },
+            gdt: 0,
+            qdt: if slot == 100 { 0 } else { 1 },
+            elems,
+            hp: hp(wd),
+        };
+        let pieces = [
+            piece(100, 3..260, 0.1),
+            piece(100, 260..261, 0.0),
+            piece(200, 300..812, 0.1),
+        ];
+        let (words, vblocks) = piece_table(&pieces);
+        assert_eq!(words.len(), 8 * PIECES + 2 * PIECES / 2 + 8 * PIECES / 2);
+        assert_eq!(vblocks, 2 + 1 + 2);
+        let field = |f: usize| &words[f * PIECES..(f + 1) * PIECES];
+        assert_eq!(&field(0)[..3], &[100, 100, 200]);
+        assert_eq!(&field(3)[..3], &[103, 103, 203]);
+        assert_eq!(&field(4)[..3], &[0, 0, 204]);
+        assert_eq!(&field(5)[..3], &[3, 260, 300]);
+        assert_eq!(&field(6)[..3], &[257, 1, 512]);
+        assert_eq!(&field(7)[..4], &[0, 2, 3, 5]);
+        assert!(field(7)[3..].iter().all(|&b| b == 5));
+        let half = |base: usize, f: usize, k: usize| {
+            let w = words[base + f * PIECES / 2 + k / 2];
+            (w >> (32 * (k % 2))) as u32
+        };
+        let flag = |f, k| half(8 * PIECES, f, k) as i32;
+        assert_eq!((flag(1, 0), flag(1, 1), flag(1, 2)), (0, 0, 1));
+        let float = |f, k| f32::from_bits(half(9 * PIECES, f, k));
+        assert_eq!(float(0, 1), 0.5);
+        assert_eq!((float(4, 0), float(4, 1), float(4, 2)), (0.1, 0.0, 0.1));
+        assert_eq!(float(5, 2), hp(0.1).bias_corrections().0);
+        assert_eq!(float(7, 2), 0.25);
+    }
+}
