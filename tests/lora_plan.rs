@@ -9,13 +9,16 @@
 use std::sync::Arc;
 use upipe::attention::Strategy;
 use upipe::backend::{Category, MemoryStats};
+use upipe::cli::plan::{PlanArgs, plan_request};
 use upipe::model::lora::{LoraConfig, parse_targets};
 use upipe::model::lora_params::lora_base_freeze;
 use upipe::model::{MemoryPolicy, ModelConfig, Unit};
 use upipe::optim::AdamWConfig;
 use upipe::optim::settling::state_on_host;
 use upipe::plan::engine::engine_step_rank;
-use upipe::plan::{DeviceKind, StepSpec, predict_step_rank, walk_step_rank};
+use upipe::plan::{
+    Depth, DeviceKind, StepSpec, predict_step, predict_step_rank, resolve_run, walk_step_rank,
+};
 use upipe::rng::Rng;
 use upipe::train::lora_run::LoraRun;
 use upipe::train::trainer::{TrainConfig, train_cpu};
@@ -32,7 +35,21 @@ fn tokens(vocab: usize) -> Arc<[u32]> {
 }
 
 fn lora(targets: &str) -> LoraConfig {
-    LoraConfig::new(4, 8.0, false, parse_targets(targets).unwrap()).unwrap()
+    lora_of_rank(4, targets)
+}
+
+fn lora_of_rank(rank: usize, targets: &str) -> LoraConfig {
+    LoraConfig::new(rank, 8.0, false, parse_targets(targets).unwrap()).unwrap()
+}
+
+/// [`tiny`] with an MLP narrower than the hidden size: the gate and up
+/// adapters' backward buffers (`[s, r]`, beside dm) then set the step's
+/// peak at rank 16, so a walk without them would be short.
+fn narrow_mlp() -> ModelConfig {
+    let mut c = tiny(false);
+    (c.hidden, c.ffn) = (64, 16);
+    c.validate().unwrap();
+    c
 }
 
 fn config(m: &ModelConfig, mesh: Mesh, lora: &LoraConfig, policy: MemoryPolicy) -> TrainConfig {
@@ -69,36 +86,62 @@ fn optimizer_on_host(n: usize) -> MemoryPolicy {
     }
 }
 
-/// The runs: (what, mesh, targets, policy).
-fn cases() -> Vec<(&'static str, Mesh, &'static str, MemoryPolicy)> {
+/// The runs: (what, model, mesh, adapters, policy).
+fn cases() -> Vec<(&'static str, ModelConfig, Mesh, LoraConfig, MemoryPolicy)> {
     let layers = tiny(false).layers;
+    let tiled = MemoryPolicy {
+        tiled_mlp: true,
+        ..optimizer_on_host(2)
+    };
+    let all_on_host = optimizer_on_host(MemoryPolicy::optimizer_units(layers));
+    let (local, pu2, upipe22) = (
+        (Strategy::Local, 1, 1),
+        (Strategy::Upipe, 2, 1),
+        (Strategy::Upipe, 2, 2),
+    );
+    let plain = MemoryPolicy::default();
     vec![
         (
             "local all-linear",
-            (Strategy::Local, 1, 1),
-            "all-linear",
-            MemoryPolicy::default(),
+            tiny(false),
+            local,
+            lora("all-linear"),
+            plain,
         ),
         (
             "upipe 2x2 q,v checkpoint",
-            (Strategy::Upipe, 2, 2),
-            "q_proj,v_proj",
+            tiny(false),
+            upipe22,
+            lora("q_proj,v_proj"),
             checkpointed(),
         ),
         (
-            "upipe Pu 2 all-linear optimizer on the host",
-            (Strategy::Upipe, 2, 1),
-            "all-linear",
-            optimizer_on_host(MemoryPolicy::optimizer_units(layers)),
+            "upipe Pu 2 optimizer on the host",
+            tiny(false),
+            pu2,
+            lora("all-linear"),
+            all_on_host,
         ),
         (
-            "local q,v checkpoint tiled, two blocks' optimizer on the host",
-            (Strategy::Local, 1, 1),
-            "q_proj,v_proj",
-            MemoryPolicy {
-                tiled_mlp: true,
-                ..optimizer_on_host(2)
-            },
+            "local q,v tiled, 2 units on the host",
+            tiny(false),
+            local,
+            lora("q_proj,v_proj"),
+            tiled,
+        ),
+        (
+            "narrow MLP local r16 checkpoint",
+            narrow_mlp(),
+            local,
+            lora_of_rank(16, "all-linear"),
+            checkpointed(),
+        ),
+        (
+            "narrow MLP upipe Pu 2 r16",
+            narrow_mlp(),
+            pu2,
+            lora_of_rank(16, "all-linear"),
+            plain,
         ),
     ]
 }
@@ -115,9 +158,7 @@ fn at_end(s: &MemoryStats, c: Category) -> usize {
 /// step to the byte by both paths.
 #[test]
 fn the_planner_predicts_a_lora_run_to_the_byte() {
-    let m = tiny(false);
-    for (what, mesh, targets, policy) in cases() {
-        let lora = lora(targets);
+    for (what, m, mesh, lora, policy) in cases() {
         let cfg = config(&m, mesh, &lora, policy);
         let run = train_cpu(&cfg, tokens(m.vocab), &|_| {}).unwrap();
         assert!(run.reports.iter().all(|r| r.loss.is_finite()), "{what}");
@@ -161,27 +202,30 @@ fn the_planner_predicts_a_lora_run_to_the_byte() {
 /// agree to the byte on every ring role.
 #[test]
 fn walk_and_engine_agree_on_lora_runs_on_cuda() {
-    let m = tiny(true);
-    let meshes = [
-        (Strategy::Local, 1, 1),
-        (Strategy::Upipe, 2, 2),
-        (Strategy::Ulysses, 2, 1),
+    let runs = [
+        (tiny(true), (Strategy::Local, 1, 1), lora("all-linear")),
+        (tiny(true), (Strategy::Upipe, 2, 2), lora("o_proj")),
+        (tiny(true), (Strategy::Ulysses, 2, 1), lora("k_proj")),
+        (
+            narrow_mlp(),
+            (Strategy::Upipe, 2, 1),
+            lora_of_rank(16, "gate_proj,up_proj"),
+        ),
+    ];
+    let policies = [
+        MemoryPolicy::default(),
+        checkpointed(),
+        optimizer_on_host(2),
     ];
     for device in [DeviceKind::Cuda, DeviceKind::CudaNative] {
-        for (mesh, targets) in meshes.into_iter().zip(["all-linear", "o_proj", "k_proj"]) {
-            for policy in [
-                MemoryPolicy::default(),
-                checkpointed(),
-                optimizer_on_host(2),
-            ] {
-                let cfg = config(&m, mesh, &lora(targets), policy);
-                let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), device);
-                spec.grad_accum = 2;
-                for r in 0..mesh.2 {
-                    let what = format!("{device:?} {mesh:?} {targets} {policy:?} ring rank {r}");
-                    let walk = walk_step_rank(&spec, r).unwrap();
-                    assert_eq!(walk, engine_step_rank(&spec, r).unwrap(), "{what}");
-                }
+        for ((m, mesh, lora), policy) in runs.iter().flat_map(|r| policies.map(|p| (r, p))) {
+            let cfg = config(m, *mesh, lora, policy);
+            let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), device);
+            spec.grad_accum = 2;
+            for r in 0..mesh.2 {
+                let what = format!("{device:?} {mesh:?} {lora} {policy:?} ring rank {r}");
+                let walk = walk_step_rank(&spec, r).unwrap();
+                assert_eq!(walk, engine_step_rank(&spec, r).unwrap(), "{what}");
             }
         }
     }
@@ -214,4 +258,41 @@ fn a_lora_step_needs_less_than_full_fine_tuning() {
     spec.fsdp = true;
     let e = walk_step_rank(&spec, 0).unwrap_err().to_string();
     assert!(e.contains("--fsdp off"), "{e}");
+}
+
+/// `A` parsed from `argv` (the flags after the subcommand).
+fn parse<A: clap::Args + clap::FromArgMatches>(argv: &[&str]) -> A {
+    let cmd = A::augment_args(clap::Command::new("x").no_binary_name(true));
+    A::from_arg_matches(&cmd.try_get_matches_from(argv).unwrap()).unwrap()
+}
+
+/// `upipe plan --lora-rank ...` predicts the LoRA run: its request carries
+/// the adapters and the frozen base, never shards, and needs less than
+/// full fine-tuning; `--fsdp on` and `--freeze` with it are refused.
+#[test]
+fn upipe_plan_takes_the_lora_flags() {
+    let base = ["--model", "tiny", "--gpus", "2", "--device", "cpu"];
+    let with = |extra: &[&str]| {
+        let mut v = base.to_vec();
+        v.extend_from_slice(extra);
+        plan_request(parse::<PlanArgs>(&v), Strategy::Upipe, 256)
+    };
+    let lora_flags = ["--lora-rank", "4", "--lora-targets", "v_proj,q_proj"];
+    let req = with(&lora_flags).unwrap();
+    assert_eq!(
+        req.lora,
+        Some(lora("q_proj,v_proj")),
+        "alpha: twice the rank"
+    );
+    assert_eq!(req.freeze, lora_base_freeze());
+    let run = resolve_run(&req, Depth::Run).unwrap();
+    assert!(!run.spec.fsdp);
+    assert_eq!(run.spec.lora, req.lora);
+    assert_eq!(run.prediction, predict_step(&run.spec).unwrap());
+    let full = resolve_run(&with(&[]).unwrap(), Depth::Run).unwrap();
+    assert!(run.prediction.peak < full.prediction.peak);
+    let e = with(&[&lora_flags[..], &["--fsdp", "on"]].concat()).unwrap_err();
+    assert!(e.to_string().contains("--fsdp off"), "{e}");
+    let e = with(&[&lora_flags[..], &["--freeze", "attn"]].concat()).unwrap_err();
+    assert!(e.to_string().contains("leave --freeze out"), "{e}");
 }
