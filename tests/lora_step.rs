@@ -305,3 +305,56 @@ fn bad_lora_settings_are_refused() {
     let e = partial.plan().unwrap_err().to_string();
     assert!(e.contains("--freeze"), "{e}");
 }
+
+/// A trained LoRA checkpoint evaluated as base + adapter (`upipe eval
+/// --lora-from`) and its `--merge-lora` model evaluated alone give one
+/// loss (f32, to 1e-5: the merge rounds W + s·B·A once); the merged
+/// directory is a plain HF model that loads without extras, with the
+/// checkpoint's config.json; loading the LoRA checkpoint as a plain model
+/// is refused, naming --lora-from.
+#[test]
+fn a_merged_model_evaluates_as_base_plus_adapter() {
+    use upipe::checkpoint::lora_merge::merge_checkpoint;
+    use upipe::checkpoint::{ExtraTensors, SaveDtype, load_hf_model, load_hf_model_with};
+    use upipe::train::eval::{EvalConfig, eval_cpu};
+    let m = tiny(true);
+    let dir = temp("merge");
+    let out = temp("merged");
+    let mut cfg = run_config(
+        &m,
+        (Strategy::Local, 1, 1),
+        Some(&lora_config(&LoraTarget::ALL)),
+    );
+    cfg.save_dir = Some(dir.clone());
+    train_cpu(&cfg, tokens(m.vocab), &|_| {}).unwrap();
+    merge_checkpoint(&dir, &out, &m, SaveDtype::F32).unwrap();
+    let e = load_hf_model(&dir, &m).unwrap_err().to_string();
+    assert!(e.contains("--lora-from"), "{e}");
+    let base = load_hf_model_with(&dir, &m, ExtraTensors::Adapters).unwrap();
+    let merged = load_hf_model(&out, &m).unwrap();
+    let config = |d: &PathBuf| std::fs::read_to_string(d.join("config.json")).unwrap();
+    assert_eq!(config(&out), config(&dir));
+    let data = upipe::data::Tokens::from(tokens(m.vocab)[..97].to_vec());
+    let eval = EvalConfig {
+        seq: Some(32),
+        ..EvalConfig::new(m.clone())
+    };
+    let adapter = read_adapter(&dir, &m).unwrap().weights;
+    let with_adapter = EvalConfig {
+        lora: Some(adapter),
+        ..eval.clone()
+    };
+    let got = eval_cpu(&with_adapter, &data, &base).unwrap().loss;
+    let want = eval_cpu(&eval, &data, &merged).unwrap().loss;
+    let plain = eval_cpu(&eval, &data, &base).unwrap().loss;
+    assert!(((got - want) / want).abs() <= 1e-5, "{got} vs {want}");
+    assert!(
+        (plain - want).abs() > 1e-4,
+        "the adapter changed nothing: {plain}"
+    );
+    // a directory with files in it is not merged into
+    let e = merge_checkpoint(&dir, &out, &m, SaveDtype::F32).unwrap_err();
+    assert!(e.to_string().contains("not empty"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&out);
+}

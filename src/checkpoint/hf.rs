@@ -24,6 +24,10 @@ pub enum ExtraTensors {
     Refuse,
     /// Skipped, with a warning naming them (`--allow-extra-tensors`).
     Ignore,
+    /// A LoRA checkpoint's adapter factors (PEFT's names) skipped quietly,
+    /// as the adapter is read on its own (`--lora-from`); any other extra
+    /// refused.
+    Adapters,
 }
 
 /// [`load_hf_model_with`], refusing extra tensors.
@@ -98,6 +102,20 @@ pub fn check_extra_tensors<'a>(
         .collect();
     extra.sort_unstable();
     extra.dedup();
+    let is_adapter = |n: &&str| n.starts_with(crate::model::lora::PEFT_LAYER_PREFIX);
+    if extras == ExtraTensors::Adapters {
+        extra.retain(|n| !is_adapter(n));
+    } else if !extra.is_empty() && extra.iter().all(is_adapter) && extras == ExtraTensors::Refuse {
+        return Err(Error::Checkpoint(format!(
+            "{} is a LoRA checkpoint: it holds {} adapter tensors beside model '{}''s \
+             parameters; use the base and the adapter with --lora-from {}, or the base alone \
+             with --allow-extra-tensors",
+            dir.display(),
+            extra.len(),
+            cfg.name,
+            dir.display()
+        )));
+    }
     if extra.is_empty() {
         return Ok(());
     }

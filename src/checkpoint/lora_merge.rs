@@ -52,3 +52,51 @@ pub fn merge_adapter(
     }
     Ok(())
 }
+
+/// Writes the model of a LoRA checkpoint `ckpt` (its base weights and its
+/// adapter, `adapter_model.safetensors`) merged, as a plain HF model
+/// directory `out` in `dtype`: the merged weights, and the checkpoint's
+/// `config.json` and tokenizer files copied. `out` must be new or empty:
+/// nothing of the owner's is replaced.
+pub fn merge_checkpoint(
+    ckpt: &std::path::Path,
+    out: &std::path::Path,
+    cfg: &ModelConfig,
+    dtype: super::SaveDtype,
+) -> Result<()> {
+    check_empty_target(out)?;
+    let adapter = super::peft::read_adapter(ckpt, cfg)?.weights;
+    let mut tensors = super::load_hf_model_with(ckpt, cfg, super::ExtraTensors::Adapters)?;
+    merge_adapter(&mut tensors, cfg, &adapter)?;
+    super::save_hf_model(out, cfg, &tensors, dtype)?;
+    // the checkpoint's config.json keeps every field of its source model's
+    for name in std::iter::once("config.json").chain(super::carried::CARRIED_FILES) {
+        let from = ckpt.join(name);
+        if from.is_file() {
+            std::fs::copy(&from, out.join(name)).map_err(|e| {
+                Error::io(
+                    format!("copying {} into {}", from.display(), out.display()),
+                    e,
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// `--merge-lora DIR`: DIR must not exist yet, or be empty.
+pub fn check_empty_target(out: &std::path::Path) -> Result<()> {
+    let empty = match std::fs::read_dir(out) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(e) => return Err(Error::io(format!("reading {}", out.display()), e)),
+        Ok(mut entries) => entries.next().is_none(),
+    };
+    match empty {
+        true => Ok(()),
+        false => crate::config_err!(
+            "--merge-lora {}: the directory is not empty; give a new directory for the merged \
+             model (upipe does not write over files it did not write)",
+            out.display()
+        ),
+    }
+}

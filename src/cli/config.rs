@@ -119,6 +119,7 @@ pub struct OptimKeys {
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct CheckpointKeys {
     pub save_dir: Option<PathBuf>,
+    pub merge_lora: Option<PathBuf>,
     pub save_every: Option<u32>,
     pub save_dtype: Option<String>,
     pub max_shard_size: Option<String>,

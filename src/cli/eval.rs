@@ -83,6 +83,11 @@ pub struct EvalArgs {
     /// Attention kernel on GPUs: auto, cudnn, native (see `upipe train --help`).
     #[arg(long, default_value = "auto")]
     pub attn_kernel: String,
+    /// Evaluate the model with this LoRA adapter beside its weights (PEFT's
+    /// `save_pretrained` directory, or a upipe LoRA checkpoint, which may
+    /// also be the --model-dir).
+    #[arg(long)]
+    pub lora_from: Option<PathBuf>,
     /// Write the evaluation as one JSON line (loss, tokens/s, model TFLOP/s
     /// of the forward, memory by category; as `train --metrics` writes steps).
     #[arg(long)]
@@ -92,6 +97,7 @@ pub struct EvalArgs {
 impl EvalArgs {
     run_keys! {
         model_dir => eval.model_dir,
+        lora_from => model.lora_from,
         allow_extra_tensors => model.allow_extra_tensors,
         tokens => eval.tokens,
         metrics => eval.metrics,
@@ -221,6 +227,10 @@ fn build(a: &EvalArgs) -> Result<Built> {
         buckets: a.buckets,
         loss_chunk: a.loss_chunk,
         pack: a.pack.unwrap_or(PackMode::Stream),
+        lora: match &a.lora_from {
+            Some(dir) => Some(crate::checkpoint::peft::read_adapter(dir, &model)?.weights),
+            None => None,
+        },
         ..EvalConfig::new(model.clone())
     };
     let seq = cfg.windows(&data)?.seq;
@@ -242,10 +252,10 @@ fn build(a: &EvalArgs) -> Result<Built> {
     Ok(Built {
         cfg,
         model_dir: model_dir.to_path_buf(),
-        extra_tensors: if a.allow_extra_tensors {
-            ExtraTensors::Ignore
-        } else {
-            ExtraTensors::Refuse
+        extra_tensors: match (a.allow_extra_tensors, &a.lora_from) {
+            (true, _) => ExtraTensors::Ignore,
+            (false, Some(_)) => ExtraTensors::Adapters,
+            (false, None) => ExtraTensors::Refuse,
         },
         data,
         kernel,

@@ -112,6 +112,11 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     if run.lead {
         summary::print_profile(&summary, a.json);
     }
+    if let (Some(out), Some(ckpt), true) = (&a.merge_lora, &run.cfg.save_dir, run.lead) {
+        let (model, dtype) = (&run.cfg.model, run.cfg.save_dtype);
+        crate::checkpoint::lora_merge::merge_checkpoint(ckpt, out, model, dtype)?;
+        tracing::info!("the model with its adapters merged is in {}", out.display());
+    }
     Ok(0)
 }
 

@@ -56,6 +56,9 @@ pub struct EvalConfig {
     /// How windows are made of the documents (`--pack`; `stream`: the file
     /// as one stream, its document index unused).
     pub pack: PackMode,
+    /// A LoRA adapter evaluated beside the base weights, unmerged, as
+    /// training applies it (`upipe eval --lora-from`).
+    pub lora: Option<crate::model::lora::LoraWeights>,
 }
 
 /// What a run evaluates while it trains.
@@ -147,6 +150,7 @@ impl EvalConfig {
             buckets: 1,
             loss_chunk: MemoryPolicy::default().loss_chunk,
             pack: PackMode::Stream,
+            lora: None,
         }
     }
 
@@ -276,7 +280,10 @@ pub fn eval_on_mesh<B: Backend>(
         ..MemoryPolicy::default()
     };
     let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, policy)?;
-    let w = weights_from_host(b, &cfg.model, host, b.compute_dtype(), Category::Weights)?;
+    let mut w = weights_from_host(b, &cfg.model, host, b.compute_dtype(), Category::Weights)?;
+    if let Some(lora) = &cfg.lora {
+        crate::train::lora_run::attach(b, &mut w, lora)?;
+    }
     let ranges = cfg.bucket_ranges(win.seq);
     let groups = ranges.len();
     eval_windows(

@@ -31,6 +31,8 @@ impl EvalDuring {
             buckets: self.buckets,
             loss_chunk: cfg.policy.loss_chunk,
             pack: cfg.pack,
+            // the run's weights already carry its adapters
+            lora: None,
         }
     }
 

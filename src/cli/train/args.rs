@@ -127,6 +127,11 @@ pub struct TrainArgs {
     /// and the resolved run file `run.toml` that repeats the run).
     #[arg(long)]
     pub save_dir: Option<PathBuf>,
+    /// After training, write the model with its LoRA adapters merged in
+    /// (W + scale·B·A) as a plain HF model directory here (new or empty),
+    /// from the final checkpoint in --save-dir.
+    #[arg(long)]
+    pub merge_lora: Option<PathBuf>,
     /// The dtype of a checkpoint's model files: auto (the dtype of
     /// --init-from's model, bf16 without one), f32, bf16 or fp16. Optimizer
     /// state, and the F32 masters a resume continues from, stay F32.
@@ -264,6 +269,7 @@ impl TrainArgs {
         eval_every => eval.eval_every,
         eval_buckets => eval.eval_buckets,
         save_dir => checkpoint.save_dir,
+        merge_lora => checkpoint.merge_lora,
         save_every => checkpoint.save_every,
         save_dtype => checkpoint.save_dtype,
         max_shard_size => checkpoint.max_shard_size,
@@ -440,6 +446,12 @@ impl TrainArgs {
                 "it lets checkpoints go there beside files upipe did not write",
             ),
             (
+                no_save_dir && self.merge_lora.is_some(),
+                "merge_lora",
+                "save_dir",
+                "the merged model is made from the final checkpoint there",
+            ),
+            (
                 self.eval_data.is_none() && self.eval_every.is_some(),
                 "eval_every",
                 "eval_data",
@@ -452,6 +464,17 @@ impl TrainArgs {
                 "it names the weights to load (or --resume does)",
             ),
         ];
+        let no_lora = self.lora.lora_rank == 0 && self.lora.lora_from.is_none();
+        if let (Some(out), true) = (&self.merge_lora, no_lora) {
+            return crate::config_err!(
+                "--merge-lora {}: this run trains no LoRA adapters to merge; add --lora-rank \
+                 (or --lora-from), or leave --merge-lora out (the checkpoint is the full model)",
+                out.display()
+            );
+        }
+        if let Some(out) = &self.merge_lora {
+            crate::checkpoint::lora_merge::check_empty_target(out)?;
+        }
         let Some((_, flag, needed, why)) = unneeded.into_iter().find(|u| u.0) else {
             return Ok(());
         };
