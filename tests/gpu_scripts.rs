@@ -18,6 +18,7 @@ fn gpu_scripts_parse() {
         "gpu-2x-bench.sh",
         "gpu-eval-mix.sh",
         "gpu-freeze.sh",
+        "gpu-lora-plan.sh",
     ] {
         let path = root().join("scripts").join(script);
         let out = Command::new("bash").arg("-n").arg(&path).output().unwrap();
