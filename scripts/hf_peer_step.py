@@ -1,11 +1,21 @@
 """The HF transformers + PyTorch peer of `upipe train` on one GPU.
 
-Llama 3.2 1B architecture (random init), one sequence of SEQ tokens per step,
-bf16 parameters, fused torch AdamW, SDPA with cuDNN first, a chunked
-cross-entropy of 4096 rows (each chunk checkpointed, so the logits of one
-chunk exist at a time) and, with `--checkpoint`, non-reentrant activation
-checkpointing of every decoder layer. Prints one JSON line per step: tokens/s,
-the step's peak of allocated GPU memory, the loss.
+A Llama architecture (`--model`: Llama 3.2 1B or Llama3-8B, HF dims, random
+init), one sequence of SEQ tokens per step, bf16 parameters, fused torch
+AdamW, SDPA with cuDNN first, no KV cache (`use_cache` off, as in training)
+and, with `--checkpoint`, non-reentrant activation checkpointing of every
+decoder layer. Prints one JSON line per step: tokens/s, the step's peak of
+allocated GPU memory, the loss.
+
+The loss is the mean cross-entropy of the SEQ next tokens. The plain peer
+(`"peer": "hf"`) computes it in chunks of 4096 rows, each checkpointed, so
+the logits of one chunk exist at a time. With `--liger` (`"peer":
+"hf+liger"`) Liger Kernel is applied the way its users do, before the model
+is built: `apply_liger_kernel_to_llama(rope=True, rms_norm=True,
+swiglu=True, fused_linear_cross_entropy=True)` swaps in its RMSNorm, SwiGLU
+MLP and RoPE kernels, and the model's own forward, given the targets as
+`shift_labels`, computes the loss with Liger's fused linear cross-entropy,
+which never builds the logits (the script checks that none came back).
 
 With `--doc-lengths FILE` (one document length per line, as
 `scripts/doc_mix.py` writes them; each document then ends with one more
@@ -13,8 +23,12 @@ token, its EOS) the window is packed: `position_ids` restart at every
 document start, which transformers turns into a document mask (a packed
 sequence) for the attention implementation in use.
 
+A step that runs out of GPU memory prints one JSON line with `"oom": true`
+and the script exits 0, so a sweep goes on.
+
     python3 scripts/hf_peer_step.py --seq 32768 --steps 3
-    python3 scripts/hf_peer_step.py --seq 262144 --steps 2 --checkpoint
+    python3 scripts/hf_peer_step.py --seq 262144 --steps 2 --checkpoint --liger
+    python3 scripts/hf_peer_step.py --model llama3-8b --seq 65536 --steps 3 --checkpoint --liger
     python3 scripts/hf_peer_step.py --seq 131072 --steps 2 --checkpoint --doc-lengths mix.jsonl.lengths
 """
 
@@ -29,17 +43,49 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
 LOSS_ROWS = 4096
+VOCAB = 128256
+
+# HF config fields of each model: hidden, layers, heads, ffn, RoPE scaling factor, tied embeddings
+MODELS = {
+    "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                        intermediate_size=8192, factor=32.0, tie_word_embeddings=True),
+    # Llama 3.1 RoPE settings, as upipe's `llama3-8b` preset (Llama 3.0's weight shapes)
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      intermediate_size=14336, factor=8.0, tie_word_embeddings=False),
+}
 
 
-def llama32_1b() -> LlamaConfig:
+def llama_config(name: str) -> LlamaConfig:
+    dims = dict(MODELS[name])
+    factor = dims.pop("factor")
     return LlamaConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+        vocab_size=VOCAB, num_key_value_heads=8,
+        head_dim=dims["hidden_size"] // dims["num_attention_heads"],
+        rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        max_position_embeddings=1 << 20, tie_word_embeddings=True,
-        attn_implementation="sdpa")
+        max_position_embeddings=1 << 20, use_cache=False, attn_implementation="sdpa", **dims)
+
+
+def apply_liger() -> None:
+    """Liger's kernels into transformers' Llama classes (before a model is built)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True,
+                                cross_entropy=False, fused_linear_cross_entropy=True)
+
+
+def liger_modules(model: torch.nn.Module) -> dict:
+    """Liger's version, how many modules of each Liger class the model holds,
+    and whether RoPE is Liger's."""
+    from importlib.metadata import version
+    from transformers.models.llama import modeling_llama
+    counts: dict = {"version": version("liger_kernel")}
+    for m in model.modules():
+        name = type(m).__name__
+        if name.startswith("Liger"):
+            counts[name] = counts.get(name, 0) + 1
+    counts["rope"] = modeling_llama.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
+    return counts
 
 
 def chunk_loss(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -66,6 +112,7 @@ def packed_positions(path: str, seq: int) -> torch.Tensor:
 
 def step_loss(model: LlamaForCausalLM, tokens: torch.Tensor,
               positions: torch.Tensor | None) -> torch.Tensor:
+    """The plain peer: mean cross-entropy of tokens[1:] in checkpointed chunks."""
     hidden = model.model(input_ids=tokens[:, :-1],
                          position_ids=positions).last_hidden_state[0]  # [s, hidden]
     labels = tokens[0, 1:]
@@ -76,42 +123,75 @@ def step_loss(model: LlamaForCausalLM, tokens: torch.Tensor,
     return total / labels.numel()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--checkpoint", action="store_true")
-    ap.add_argument("--doc-lengths", help="pack the window: one document length per line")
-    args = ap.parse_args()
+def liger_step_loss(model: LlamaForCausalLM, tokens: torch.Tensor,
+                    positions: torch.Tensor | None) -> torch.Tensor:
+    """HF + Liger: the model's forward with the targets tokens[1:] (already
+    shifted, so the same SEQ tokens as the plain peer) runs Liger's fused
+    linear cross-entropy; its mean reduction is over those SEQ tokens."""
+    out = model(input_ids=tokens[:, :-1], position_ids=positions, shift_labels=tokens[:, 1:])
+    if out.logits is not None:
+        raise RuntimeError("Liger's fused linear cross-entropy did not run: the model returned logits")
+    return out.loss
+
+
+def report(args: argparse.Namespace, **fields) -> None:
+    line = {"peer": "hf+liger" if args.liger else "hf", "model": args.model, "seq": args.seq,
+            "policy": "checkpoint" if args.checkpoint else "none", **fields}
+    print(json.dumps(line, separators=(",", ":")), flush=True)
+
+
+def train(args: argparse.Namespace, progress: dict) -> None:
+    """Builds the model and runs the steps; `progress["step"]` is the step running."""
     torch.manual_seed(0)
+    if args.liger:
+        apply_liger()
     with torch.device("cuda"):
-        model = LlamaForCausalLM(llama32_1b()).to(torch.bfloat16)
+        model = LlamaForCausalLM(llama_config(args.model)).to(torch.bfloat16)
     if args.checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = torch.randint(0, 128256, (1, args.seq + 1), device="cuda")
+    tokens = torch.randint(0, VOCAB, (1, args.seq + 1), device="cuda")
     positions = packed_positions(args.doc_lengths, args.seq) if args.doc_lengths else None
     docs = 1 if positions is None else int((positions[0] == 0).sum())
-    policy = "checkpoint" if args.checkpoint else "none"
+    loss_fn = liger_step_loss if args.liger else step_loss
+    extra = {"liger": liger_modules(model)} if args.liger else {}
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                       SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
         for step in range(1, args.steps + 1):
+            progress["step"] = step
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss = step_loss(model, tokens, positions)
+            loss = loss_fn(model, tokens, positions)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            print(json.dumps({"peer": "hf", "seq": args.seq, "policy": policy, "step": step,
-                              "documents": docs,
-                              "attn_implementation": model.config._attn_implementation,
-                              "tokens_per_s": round(args.seq / dt, 1),
-                              "peak_bytes": torch.cuda.max_memory_allocated(),
-                              "loss": round(loss.item(), 5)}, separators=(",", ":")), flush=True)
+            report(args, step=step, documents=docs,
+                   attn_implementation=model.config._attn_implementation,
+                   tokens_per_s=round(args.seq / dt, 1),
+                   peak_bytes=torch.cuda.max_memory_allocated(),
+                   loss=round(loss.item(), 5), **extra)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3.2-1b")
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--checkpoint", action="store_true")
+    ap.add_argument("--liger", action="store_true",
+                    help="Liger Kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy")
+    ap.add_argument("--doc-lengths", help="pack the window: one document length per line")
+    args = ap.parse_args()
+    progress = {"step": 0}  # 0 while the model is built
+    try:
+        train(args, progress)
+    except torch.cuda.OutOfMemoryError as e:
+        report(args, step=progress["step"], oom=True, error=str(e).splitlines()[0][:300],
+               peak_bytes=torch.cuda.max_memory_allocated())
 
 
 if __name__ == "__main__":

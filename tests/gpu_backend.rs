@@ -357,6 +357,91 @@ fn vector_copies_and_casts_match_cpu() {
     }
 }
 
+/// The bits of a tensor's values (bf16 widened to f32 exactly).
+fn bits<B: Backend>(b: &B, t: &Tensor<B>) -> Vec<u32> {
+    b.to_host(t).unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+/// The residual add fused into RMSNorm equals the unfused CUDA ops bit for
+/// bit in bf16: `add_rms_norm_fwd` = `axpy` then `rms_norm_fwd` (the sum and
+/// the norm), `rms_norm_bwd_add` = `rms_norm_bwd` into a temporary then
+/// `axpy` (dx, with and without dw). dw is compared to 1e-5 only: its
+/// cross-block atomic adds make its order vary from run to run, fused or
+/// not. Row widths of 8-wide loads (2048, 896, 1000), element by element
+/// (1001), dw too wide for shared memory (12000), more rows than the
+/// backward's blocks (1100); and against the CPU's fused ops.
+#[test]
+fn fused_residual_norms_equal_the_unfused_ops() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("fused-norm");
+    let bf = DType::BF16;
+    for (n, dim) in [
+        (9, 2048),
+        (33, 896),
+        (5, 1000),
+        (7, 1001),
+        (3, 12000),
+        (1100, 512),
+    ] {
+        let tag = format!("n={n} dim={dim}");
+        let (gx, cx) = pair(g, &c, &rng.vec(n * dim, 3.0), &[n, dim], bf);
+        let (gy, cy) = pair(g, &c, &rng.vec(n * dim, 2.0), &[n, dim], bf);
+        let (gw, cw) = pair(g, &c, &rng.vec(dim, 1.0), &[dim], bf);
+        let copy = |t: &Tensor<CudaBackend>| upipe::backend::cast(g, t, bf, Category::Workspace);
+        let mut x1 = copy(&gx).unwrap();
+        let mut out1 = g.zeros(&[n, dim], bf, Category::Workspace).unwrap();
+        g.axpy(&mut x1, 1.0, &gy).unwrap();
+        g.rms_norm_fwd(&x1, &gw, 1e-5, &mut out1).unwrap();
+        let mut x2 = copy(&gx).unwrap();
+        let mut out2 = g.zeros(&[n, dim], bf, Category::Workspace).unwrap();
+        g.add_rms_norm_fwd(&mut x2, &gy, &gw, 1e-5, &mut out2)
+            .unwrap();
+        assert_eq!(bits(g, &x1), bits(g, &x2), "add_rms_norm_fwd {tag}: sum");
+        assert_eq!(
+            bits(g, &out1),
+            bits(g, &out2),
+            "add_rms_norm_fwd {tag}: norm"
+        );
+        let mut cx2 = upipe::backend::cast(&c, &cx, DType::F32, Category::Workspace).unwrap();
+        let mut cout = c.zeros(&[n, dim], DType::F32, Category::Workspace).unwrap();
+        c.add_rms_norm_fwd(&mut cx2, &cy, &cw, 1e-5, &mut cout)
+            .unwrap();
+        check(
+            &format!("add_rms_norm_fwd {tag} vs cpu"),
+            g,
+            &out2,
+            &c,
+            &cout,
+        );
+
+        let (gdy, cdy) = pair(g, &c, &rng.vec(n * dim, 1.0), &[n, dim], bf);
+        let (gres, cres) = pair(g, &c, &rng.vec(n * dim, 1.0), &[n, dim], bf);
+        let dw0 = rng.vec(dim, 1.0);
+        for with_dw in [true, false] {
+            let (mut dw1, _) = pair(g, &c, &dw0, &[dim], DType::F32);
+            let (mut dw2, mut cdw) = pair(g, &c, &dw0, &[dim], DType::F32);
+            let mut t = g.zeros(&[n, dim], bf, Category::Workspace).unwrap();
+            g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut t, with_dw.then_some(&mut dw1))
+                .unwrap();
+            let mut dx1 = copy(&gres).unwrap();
+            g.axpy(&mut dx1, 1.0, &t).unwrap();
+            let mut dx2 = copy(&gres).unwrap();
+            g.rms_norm_bwd_add(&gx, &gw, &gdy, 1e-5, &mut dx2, with_dw.then_some(&mut dw2))
+                .unwrap();
+            let what = format!("rms_norm_bwd_add {tag} dw={with_dw}");
+            assert_eq!(bits(g, &dx1), bits(g, &dx2), "{what}: dx");
+            let e = rel_err(&g.to_host(&dw2).unwrap(), &g.to_host(&dw1).unwrap());
+            assert!(e <= 1e-5, "{what}: dw rel err {e:e}");
+            let mut cdx = upipe::backend::cast(&c, &cres, DType::F32, Category::Workspace).unwrap();
+            c.rms_norm_bwd_add(&cx, &cw, &cdy, 1e-5, &mut cdx, with_dw.then_some(&mut cdw))
+                .unwrap();
+            check(&format!("{what} vs cpu"), g, &dx2, &c, &cdx);
+            check(&format!("{what} dw vs cpu"), g, &dw2, &c, &cdw);
+        }
+    }
+}
+
 #[test]
 fn rms_norm_rope_swiglu() {
     let Some(g) = gpu() else { return };

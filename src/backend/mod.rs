@@ -79,6 +79,8 @@ impl AttnGradWrites {
 /// - `copy` converts between dtypes; `axpy` takes `y` F32 or the dtype of `x`;
 /// - `attention_bwd` adds into or overwrites `dq`, `dk`, `dv` of F32 or compute dtype;
 /// - `rms_norm_bwd` writes `dx` in the dtype of `dy` and accumulates F32 `dw` (if any);
+///   `rms_norm_bwd_add` adds into such a `dx`; `add_rms_norm_fwd` adds `y`
+///   into `x` under `axpy`'s rule and writes `out` as `rms_norm_fwd` writes `y`;
 ///   `embedding_bwd` accumulates an F32 `dtable`; norm/embedding weights used
 ///   in forward are in the compute dtype.
 pub trait Backend: Send + Sync + Sized + 'static {
@@ -240,6 +242,36 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// RMSNorm backward: writes `dx`, accumulates `dw` (`None`: a frozen
     /// norm weight, whose gradient is not computed).
     fn rms_norm_bwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
+    ) -> Result<()>;
+    /// A residual add and the RMSNorm of its sum in one pass: `x += y`
+    /// (rounded to x's dtype, as [`axpy`](Backend::axpy) with alpha 1
+    /// rounds it), then `out = x / rms(x) * w` of the rounded sum, as
+    /// [`rms_norm_fwd`](Backend::rms_norm_fwd) computes it; x, y, out
+    /// `[n, dim]` (x F32 or the dtype of y, as for `axpy`), w `[dim]`.
+    /// Equal, bit for bit, to `axpy(x, 1, y)` then `rms_norm_fwd(x, w, eps,
+    /// out)`.
+    fn add_rms_norm_fwd(
+        &self,
+        x: &mut Tensor<Self>,
+        y: &Tensor<Self>,
+        w: &Tensor<Self>,
+        eps: f32,
+        out: &mut Tensor<Self>,
+    ) -> Result<()>;
+    /// RMSNorm backward into a residual gradient: `dx += rms_norm_bwd(x, w,
+    /// dy)`, `dx` holding the gradient that reaches `x` along the residual
+    /// path. The norm's gradient is rounded to dx's dtype before the add
+    /// (rounded again), so the result equals, bit for bit, `rms_norm_bwd`
+    /// into a temporary `t` then `axpy(dx, 1, t)`, without the temporary.
+    /// Accumulates `dw` (if any) as `rms_norm_bwd` does.
+    fn rms_norm_bwd_add(
         &self,
         x: &Tensor<Self>,
         w: &Tensor<Self>,

@@ -80,8 +80,9 @@ pub fn op_class(kind: &str) -> OpClass {
         "all_to_all" | "send_recv" | "shift" | "all_gather" | "reduce_scatter" | "all_reduce" => {
             OpClass::Collective
         }
-        // rms_norm, rms_norm_bwd, rope, swiglu, swiglu_bwd, embedding,
-        // embedding_bwd, axpy, add_bias_rows, bias_grad
+        // rms_norm, rms_norm_bwd, add_rms_norm, rms_norm_bwd_add, rope,
+        // swiglu, swiglu_bwd, embedding, embedding_bwd, axpy, add_bias_rows,
+        // bias_grad
         _ => OpClass::Elementwise,
     }
 }
@@ -444,6 +445,8 @@ mod tests {
         ("attention_bwd", OpClass::AttnBwd),
         ("rms_norm", OpClass::Elementwise),
         ("rms_norm_bwd", OpClass::Elementwise),
+        ("add_rms_norm", OpClass::Elementwise),
+        ("rms_norm_bwd_add", OpClass::Elementwise),
         ("rope", OpClass::Elementwise),
         ("swiglu", OpClass::Elementwise),
         ("swiglu_bwd", OpClass::Elementwise),

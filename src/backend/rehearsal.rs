@@ -478,6 +478,29 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
             None => Ok(()),
         }
     }
+    fn add_rms_norm_fwd(
+        &self,
+        x: &mut Tensor<Self>,
+        y: &Tensor<Self>,
+        w: &Tensor<Self>,
+        _eps: f32,
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        check_same_numel(x, y, "add_rms_norm_fwd")?;
+        check_last_dim(x, w, "add_rms_norm_fwd")?;
+        check_same_numel(x, out, "add_rms_norm_fwd")
+    }
+    fn rms_norm_bwd_add(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
+    ) -> Result<()> {
+        self.rms_norm_bwd(x, w, dy, eps, dx, dw)
+    }
     fn rope(
         &self,
         x: &mut Tensor<Self>,

@@ -223,6 +223,11 @@ pub struct Decoder<B: Backend> {
     pub cfg: ModelConfig,
     pub policy: MemoryPolicy,
     pub(crate) attn: CpAttention<B>,
+    /// Runs each norm backward and its residual add as two ops (a
+    /// temporary and an `axpy`) instead of `Backend::rms_norm_bwd_add`:
+    /// the same arithmetic, for tests that compare the two. False unless a
+    /// test sets it.
+    pub(crate) unfused_norms: bool,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -236,7 +241,12 @@ impl<B: Backend> Decoder<B> {
         policy.validate_for(cfg.layers)?;
         let mask = super::stream_mask(&cfg, plan.layout.seq)?;
         let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh, mask)?;
-        Ok(Decoder { cfg, policy, attn })
+        Ok(Decoder {
+            cfg,
+            policy,
+            attn,
+            unfused_norms: false,
+        })
     }
 
     /// Attends under the mask of the next window, whose documents start at
@@ -602,16 +612,8 @@ impl<B: Backend> Decoder<B> {
                 dm.mat_mut(),
             )?;
             drop((dgate, dup, s));
-            let mut dx_t = b.empty(x_t.shape(), x_t.dtype(), Category::Workspace)?;
-            b.rms_norm_bwd(
-                &x_t,
-                &w.mlp_norm,
-                &dm,
-                self.eps(),
-                &mut dx_t,
-                g.mlp_norm.as_mut(),
-            )?;
-            self.add_rows(b, &mut dh1, &rows, &dx_t)?;
+            let d_norm = g.mlp_norm.as_mut();
+            self.norm_bwd_add_rows(b, &x_t, &w.mlp_norm, &dm, &mut dh1, &rows, d_norm)?;
         }
         drop((h1, d_out));
         // Attention branch: dh = dh1 + d(attn(norm(h)))/dh
@@ -620,28 +622,53 @@ impl<B: Backend> Decoder<B> {
             .attn
             .backward(b, mesh, &w.attn, &a, attn, &dh1, &mut g.attn)?;
         drop(a);
-        let mut dh = b.empty(h.shape(), h.dtype(), Category::Grads)?;
+        // dh1 becomes dh: the norm's backward added into it in place
         let d_norm = g.attn_norm.as_mut();
-        b.rms_norm_bwd(h, &w.attn_norm, &da, self.eps(), &mut dh, d_norm)?;
-        b.axpy(&mut dh, 1.0, &dh1)?;
-        Ok(dh)
+        self.norm_bwd_add(b, h, &w.attn_norm, &da, &mut dh1, d_norm)?;
+        Ok(dh1)
     }
 
-    /// `t[rows] += add` for a `[s, hidden]` tensor.
-    fn add_rows(
+    /// `dx += RMSNorm-backward(x, w, dy)` (`Backend::rms_norm_bwd_add`),
+    /// accumulating `dw`; with `unfused_norms`, the same arithmetic as
+    /// `rms_norm_bwd` into a temporary and an `axpy`.
+    fn norm_bwd_add(
         &self,
         b: &B,
+        x: &Tensor<B>,
+        w: &Tensor<B>,
+        dy: &Tensor<B>,
+        dx: &mut Tensor<B>,
+        dw: Option<&mut Tensor<B>>,
+    ) -> Result<()> {
+        if !self.unfused_norms {
+            return b.rms_norm_bwd_add(x, w, dy, self.eps(), dx, dw);
+        }
+        let mut t = b.empty(dx.shape(), dx.dtype(), Category::Workspace)?;
+        b.rms_norm_bwd(x, w, dy, self.eps(), &mut t, dw)?;
+        b.axpy(dx, 1.0, &t)
+    }
+
+    /// [`norm_bwd_add`](Self::norm_bwd_add) of a token tile `x` `[rows, hidden]`
+    /// into its rows of the `[s, hidden]` gradient `t` (through a copy of
+    /// those rows when the tile is not all of them).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_bwd_add_rows(
+        &self,
+        b: &B,
+        x: &Tensor<B>,
+        w: &Tensor<B>,
+        dy: &Tensor<B>,
         t: &mut Tensor<B>,
         rows: &std::ops::Range<usize>,
-        add: &Tensor<B>,
+        dw: Option<&mut Tensor<B>>,
     ) -> Result<()> {
         if rows.len() == t.rows() {
-            return b.axpy(t, 1.0, add);
+            return self.norm_bwd_add(b, x, w, dy, t, dw);
         }
         let hid = t.row_len();
         let blk = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
         let mut tile = self.rows_of(b, t, rows)?;
-        b.axpy(&mut tile, 1.0, add)?;
+        self.norm_bwd_add(b, x, w, dy, &mut tile, dw)?;
         b.copy(t.view_mut(blk), tile.mat())
     }
 

@@ -2,11 +2,11 @@
 //! no tensor for a frozen parameter (`--freeze`, [`Freeze`]): the backward
 //! computes no weight gradient where there is none to add into.
 
+use super::adapters::MlpAdapters;
 use super::config::ModelConfig;
 use super::families::{BlockParam, Family, Param};
 use super::freeze::Freeze;
 use super::lora::{Factor, LoraTarget};
-use super::lora_params::MlpAdapters;
 use super::unit::Unit;
 use super::weights::TensorId;
 use crate::attention::AttentionGrads;
@@ -138,7 +138,7 @@ impl<B: Backend> BlockGrads<B> {
         v.extend(self.gate.as_mut().map(|t| (BlockParam::Gate, t)));
         v.extend(self.up.as_mut().map(|t| (BlockParam::Up, t)));
         v.extend(self.down.as_mut().map(|t| (BlockParam::Down, t)));
-        let pairs = super::lora_params::block_pairs_mut(attn_lora, &mut self.mlp_lora);
+        let pairs = super::adapters::block_pairs_mut(attn_lora, &mut self.mlp_lora);
         let lora = pairs
             .into_iter()
             .flat_map(|(t, g)| [(t, Factor::A, &mut g.da), (t, Factor::B, &mut g.db)])

@@ -3,6 +3,7 @@
 //! with the memory policies long-context training needs; LoRA adapters
 //! (`lora.rs`, their arithmetic `lora_math.rs`).
 
+pub mod adapters;
 pub mod config;
 pub mod decoder;
 pub mod families;

@@ -2,10 +2,10 @@
 //! ([`Family::hf_name`]). Their F32 gradients live in `grads.rs` (none for a
 //! frozen parameter).
 
+use super::adapters::MlpAdapters;
 use super::config::ModelConfig;
 use super::families::{BlockParam, Family, Param};
 use super::lora::{Factor, LoraTarget, tensor_name};
-use super::lora_params::MlpAdapters;
 use super::unit::Unit;
 use crate::attention::AttentionWeights;
 use crate::attention::lora_delta::LoraPair;
@@ -118,7 +118,7 @@ impl<B: Backend> BlockWeights<B> {
         v.push((BlockParam::Gate, &mut self.gate));
         v.push((BlockParam::Up, &mut self.up));
         v.push((BlockParam::Down, &mut self.down));
-        let pairs = super::lora_params::block_pairs_mut(attn_lora, &mut self.mlp_lora);
+        let pairs = super::adapters::block_pairs_mut(attn_lora, &mut self.mlp_lora);
         let lora = pairs
             .into_iter()
             .flat_map(|(t, p)| [(t, Factor::A, &mut p.a), (t, Factor::B, &mut p.b)])

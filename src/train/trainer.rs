@@ -591,6 +591,21 @@ pub fn loss_and_grads_cpu_frozen(
     weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
     frozen: &crate::model::Freeze,
 ) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
+    loss_and_grads_cpu_norms(model, plan, policy, window, weights, frozen, false)
+}
+
+/// [`loss_and_grads_cpu_frozen`], the decoder running each norm backward
+/// and its residual add fused (`unfused_norms` false, as training does) or
+/// as two ops (`Decoder::unfused_norms`).
+fn loss_and_grads_cpu_norms(
+    model: &ModelConfig,
+    plan: &CpPlan,
+    policy: MemoryPolicy,
+    window: &PackedWindow,
+    weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
+    frozen: &crate::model::Freeze,
+    unfused_norms: bool,
+) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
     if window.len() != plan.layout.seq {
         return crate::config_err!(
             "a window of {} tokens for a plan of {} tokens",
@@ -603,6 +618,7 @@ pub fn loss_and_grads_cpu_frozen(
     let out = run_ranks(plan.mesh_shape(), CpuBackend::new, |_rank, b, mesh| {
         let b = b.as_ref();
         let mut decoder = Decoder::new(b, model.clone(), plan.clone(), &mesh, policy)?;
+        decoder.unfused_norms = unfused_norms;
         decoder.set_window(b, &window.doc_starts)?;
         let w = weights(b)?;
         let mut store = ReplicatedStore::with_frozen(b, model, w, mesh.world.as_ref(), frozen)?;
@@ -674,6 +690,54 @@ mod tests {
                     assert_eq!((x.step, x.loss, x.grad_norm), (y.step, y.loss, y.grad_norm));
                 }
                 assert_eq!(g.reports.len(), 3);
+            }
+        }
+    }
+
+    /// A step whose norm backwards run fused with their residual adds
+    /// (`Backend::rms_norm_bwd_add`) equals, bit for bit, the step of the
+    /// unfused ops (`rms_norm_bwd` into a temporary, then `axpy`): untiled,
+    /// and checkpointed with a tiled MLP (the add through a copy of the
+    /// tile's rows), with a frozen norm weight.
+    #[test]
+    fn fused_norm_backward_step_equals_the_unfused_ops() {
+        let model = ModelConfig::resolve("tiny").unwrap();
+        let seq = 4 * model.hidden;
+        let plan = CpPlan::new(
+            Strategy::Local,
+            &crate::model::decoder::attn_dims(&model),
+            seq,
+            1,
+            1,
+            None,
+        )
+        .unwrap();
+        let ids: Vec<u32> = (0..=seq).map(|i| (i * 7 % model.vocab) as u32).collect();
+        let window = PackedWindow::stream(ids[..seq].to_vec(), ids[1..].to_vec());
+        let init = |b: &CpuBackend| ModelWeights::random(b, &model, 5);
+        let tiled = MemoryPolicy {
+            checkpoint: true,
+            tiled_mlp: true,
+            ..Default::default()
+        };
+        let frozen = crate::model::Freeze::parse("norms").unwrap();
+        for (policy, freeze) in [
+            (MemoryPolicy::default(), crate::model::Freeze::none()),
+            (tiled, frozen),
+        ] {
+            let run = |unfused| {
+                loss_and_grads_cpu_norms(&model, &plan, policy, &window, &init, &freeze, unfused)
+                    .unwrap()
+            };
+            let (fused, unfused) = (run(false), run(true));
+            assert_eq!(fused.0.to_bits(), unfused.0.to_bits(), "{policy:?}: loss");
+            assert_eq!(fused.1.len(), unfused.1.len());
+            for (name, g) in &fused.1 {
+                let same = g
+                    .iter()
+                    .zip(&unfused.1[name])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{policy:?}: the gradient of {name} differs");
             }
         }
     }

@@ -10,6 +10,7 @@ use super::{
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 mod attention;
+mod norm;
 
 use std::sync::Arc;
 
@@ -59,6 +60,29 @@ impl CpuBackend {
 
     fn storage(&self, n: usize, fill: f32) -> CpuStorage {
         CpuStorage(vec![fill; n])
+    }
+
+    /// `rms_norm_bwd` / `rms_norm_bwd_add`: checks the shapes, then the rows.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_bwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
+        write: norm::DxWrite,
+    ) -> Result<()> {
+        check_same_numel(x, dy, "rms_norm_bwd")?;
+        check_same_numel(x, dx, "rms_norm_bwd")?;
+        norm::check_rows(x.numel(), w.numel(), "rms_norm_bwd")?;
+        if let Some(dw) = dw.as_deref() {
+            check_same_numel(w, dw, "rms_norm_bwd")?;
+        }
+        let (xs, ws, dys) = (data(x), data(w), data(dy));
+        norm::backward(xs, ws, dys, eps, data_mut(dx), dw.map(data_mut), write);
+        Ok(())
     }
 }
 
@@ -330,17 +354,8 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm", Track::Compute);
         check_same_numel(x, y, "rms_norm_fwd")?;
-        let dim = w.numel();
-        let (xs, ws) = (data(x), data(w));
-        data_mut(y)
-            .par_chunks_mut(dim)
-            .zip(xs.par_chunks(dim))
-            .for_each(|(yr, xr)| {
-                let r = 1.0 / (dot(xr, xr) / dim as f32 + eps).sqrt();
-                for ((o, &a), &g) in yr.iter_mut().zip(xr).zip(ws) {
-                    *o = a * r * g;
-                }
-            });
+        norm::check_rows(x.numel(), w.numel(), "rms_norm_fwd")?;
+        norm::forward(data(x), data(w), eps, data_mut(y));
         Ok(())
     }
 
@@ -354,29 +369,37 @@ impl Backend for CpuBackend {
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm_bwd", Track::Compute);
-        check_same_numel(x, dy, "rms_norm_bwd")?;
-        check_same_numel(x, dx, "rms_norm_bwd")?;
-        let dim = w.numel();
-        let (xs, ws, dys) = (data(x), data(w), data(dy));
-        let mut dwv = dw.map(data_mut);
-        let dxv = data_mut(dx);
-        for ((dxr, xr), dyr) in dxv.chunks_mut(dim).zip(xs.chunks(dim)).zip(dys.chunks(dim)) {
-            let r = 1.0 / (dot(xr, xr) / dim as f32 + eps).sqrt();
-            let mut s = 0.0f32;
-            for j in 0..dim {
-                s += dyr[j] * ws[j] * xr[j];
-            }
-            let c = r * r * r * s / dim as f32;
-            for j in 0..dim {
-                dxr[j] = r * dyr[j] * ws[j] - c * xr[j];
-            }
-            if let Some(dwv) = dwv.as_deref_mut() {
-                for j in 0..dim {
-                    dwv[j] += dyr[j] * xr[j] * r;
-                }
-            }
-        }
+        self.norm_bwd(x, w, dy, eps, dx, dw, norm::DxWrite::Overwrite)
+    }
+
+    fn add_rms_norm_fwd(
+        &self,
+        x: &mut Tensor<Self>,
+        y: &Tensor<Self>,
+        w: &Tensor<Self>,
+        eps: f32,
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.profile.span("add_rms_norm", Track::Compute);
+        check_same_numel(x, y, "add_rms_norm_fwd")?;
+        check_same_numel(x, out, "add_rms_norm_fwd")?;
+        norm::check_rows(x.numel(), w.numel(), "add_rms_norm_fwd")?;
+        norm::add(data_mut(x), data(y));
+        norm::forward(data(x), data(w), eps, data_mut(out));
         Ok(())
+    }
+
+    fn rms_norm_bwd_add(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
+    ) -> Result<()> {
+        let _span = self.profile.span("rms_norm_bwd_add", Track::Compute);
+        self.norm_bwd(x, w, dy, eps, dx, dw, norm::DxWrite::Add)
     }
 
     fn rope(

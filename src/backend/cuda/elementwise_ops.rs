@@ -1,5 +1,6 @@
 //! `CudaBackend`'s elementwise and row-wise ops: `fill`, `axpy` (and
-//! `axpy_raw` on raw addresses), `sum_squares`, RMSNorm forward and backward,
+//! `axpy_raw` on raw addresses), `sum_squares`, RMSNorm forward and backward
+//! (and their forms fused with the residual add),
 //! RoPE, SwiGLU forward and backward, embedding forward and backward, the fused
 //! cross-entropy and AdamW.
 
@@ -235,6 +236,63 @@ impl CudaBackend {
         )
     }
 
+    /// `x += y`, then `out = rms_norm(x) * w` (`Backend::add_rms_norm_fwd`):
+    /// one block per row, as `rms_norm_fwd`.
+    pub(super) fn add_rms_norm_fwd_impl(
+        &self,
+        x: &mut Tensor<Self>,
+        y: &Tensor<Self>,
+        w: &Tensor<Self>,
+        eps: f32,
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        let _span = self.span("add_rms_norm")?;
+        check_same_numel(x, y, "add_rms_norm_fwd")?;
+        check_same_numel(x, out, "add_rms_norm_fwd")?;
+        if x.dtype() != DType::F32 && x.dtype() != y.dtype() {
+            return Err(Error::Backend(
+                "add_rms_norm_fwd: x must be F32 or the dtype of y".into(),
+            ));
+        }
+        let dim = w.numel();
+        if dim == 0 || !x.numel().is_multiple_of(dim) {
+            return Err(Error::Backend(format!(
+                "add_rms_norm_fwd: x {:?} is not rows of w's {dim}",
+                x.shape()
+            )));
+        }
+        self.bind()?;
+        let rows = x.numel() / dim;
+        if rows == 0 {
+            return Ok(());
+        }
+        let vec = vec8(&[x, y, w, out]);
+        let args = Args::new()
+            .ptr(ptr(x))
+            .i32(dt(x))
+            .ptr(ptr(y))
+            .i32(dt(y))
+            .ptr(ptr(w))
+            .i32(dt(w))
+            .ptr(ptr(out))
+            .i32(dt(out))
+            .usize(rows)
+            .usize(dim)
+            .f32(eps)
+            .i32(vec as i32);
+        launch(
+            &self.stream,
+            self.kernels.add_rmsnorm_fwd,
+            (u32_grid(rows, "add_rms_norm")?, 1, 1),
+            BLOCK,
+            0,
+            args,
+        )
+    }
+
+    /// `rms_norm_bwd` writing `dx` (`add` false) or adding into it
+    /// (`rms_norm_bwd_add`).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn rms_norm_bwd_impl(
         &self,
         x: &Tensor<Self>,
@@ -243,8 +301,13 @@ impl CudaBackend {
         eps: f32,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
+        add: bool,
     ) -> Result<()> {
-        let _span = self.span("rms_norm_bwd")?;
+        let _span = self.span(if add {
+            "rms_norm_bwd_add"
+        } else {
+            "rms_norm_bwd"
+        })?;
         check_same_numel(x, dy, "rms_norm_bwd")?;
         check_same_numel(x, dx, "rms_norm_bwd")?;
         if let Some(dw) = dw.as_deref() {
@@ -279,7 +342,10 @@ impl CudaBackend {
             .f32(eps);
         // dw is summed per block in shared memory when it fits the default 48 KiB.
         let smem_dw = dw.is_some() && dim * 4 <= 40 << 10;
-        let args = args.i32(smem_dw as i32).i32(vec8(&[x, w, dy, dx]) as i32);
+        let args = args
+            .i32(smem_dw as i32)
+            .i32(vec8(&[x, w, dy, dx]) as i32)
+            .i32(add as i32);
         let blocks = rows.min(RMS_BWD_MAX_BLOCKS) as u32;
         let smem = if smem_dw { (dim * 4) as u32 } else { 0 };
         launch(

@@ -71,6 +71,7 @@ kernel_table!(
     embedding_bwd,
     adamw,
     rmsnorm_fwd,
+    add_rmsnorm_fwd,
     rmsnorm_bwd,
     rope,
     cross_entropy,
@@ -217,6 +218,7 @@ mod tests {
                     "attn_bwd_naive",
                     "cross_entropy",
                     "copy2d",
+                    "add_rmsnorm_fwd",
                 ] {
                     assert!(
                         cubin.windows(name.len()).any(|w| w == name.as_bytes()),

@@ -444,7 +444,30 @@ impl Backend for CudaBackend {
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
-        self.rms_norm_bwd_impl(x, w, dy, eps, dx, dw)
+        self.rms_norm_bwd_impl(x, w, dy, eps, dx, dw, false)
+    }
+
+    fn add_rms_norm_fwd(
+        &self,
+        x: &mut Tensor<Self>,
+        y: &Tensor<Self>,
+        w: &Tensor<Self>,
+        eps: f32,
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        self.add_rms_norm_fwd_impl(x, y, w, eps, out)
+    }
+
+    fn rms_norm_bwd_add(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
+    ) -> Result<()> {
+        self.rms_norm_bwd_impl(x, w, dy, eps, dx, dw, true)
     }
 
     fn rope(

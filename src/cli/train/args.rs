@@ -229,12 +229,13 @@ pub struct TrainArgs {
 impl TrainArgs {
     /// The run-file keys of every flag of `train`: its own, then its flag
     /// groups' (memory, mesh, forward stages).
-    pub fn all_keys() -> [&'static [(&'static str, &'static str, &'static str)]; 4] {
+    pub fn all_keys() -> [&'static [(&'static str, &'static str, &'static str)]; 5] {
         [
             Self::KEYS,
             MemoryArgs::KEYS,
             MeshArgs::KEYS,
             FwdChunkArgs::KEYS,
+            LoraArgs::KEYS,
         ]
     }
 

@@ -146,13 +146,13 @@ impl DecoderWalk<'_> {
             sim.free(dgate);
             sim.free(dup);
             s.into_iter().for_each(|b| sim.free(b));
-            let dx_t = sim.alloc(Workspace, r * hid * ab);
+            // `norm_bwd_add_rows`: the norm's backward adds into dh1 (through
+            // a copy of the tile's rows of it)
             if r != self.s() {
                 let tile = sim.alloc(Workspace, r * hid * ab);
                 sim.free(tile);
             }
             sim.free(dm);
-            sim.free(dx_t);
             sim.free(x_t);
         }
         sim.free(h1);
@@ -160,10 +160,9 @@ impl DecoderWalk<'_> {
         sim.label("backward: attention");
         let da = self.attn.backward(sim, o, lse);
         sim.free(a);
-        let dh = self.hidden_buf(sim, Grads);
+        // the norm's backward adds into dh1, which becomes dh
         sim.free(da);
-        sim.free(dh1);
-        dh
+        dh1
     }
 
     /// A transient device copy of `n` token ids (embedding, cross-entropy).

@@ -41,10 +41,61 @@ extern "C" __global__ void rmsnorm_fwd(const void* x, int xdt, const void* w, in
         st(y, base + j, ydt, ld(x, base + j, xdt) * rinv * ld(w, j, wdt));
 }
 
+// x += y (rounded to x's dtype as `axpy` rounds it), then rmsnorm_fwd of the
+// rounded sum into `out`, in one launch: the arithmetic of axpy then
+// rmsnorm_fwd, each element added, stored and squared by the thread that
+// later normalises it (so it reads back its own stores). `vec8`: x, y, w and
+// out bf16, 16-byte aligned, dim a multiple of 8.
+extern "C" __global__ void add_rmsnorm_fwd(void* x, int xdt, const void* y, int ydt, const void* w, int wdt,
+                                           void* out, int odt, i64 rows, i64 dim, float eps, int vec8) {
+    __shared__ float sh[32];
+    i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const i64 base = r * dim;
+    if (vec8) {
+        uint4* xv = (uint4*)((bf16_t*)x + base);
+        const uint4* yv = (const uint4*)((const bf16_t*)y + base);
+        const uint4* wv = (const uint4*)w;
+        uint4* ov = (uint4*)((bf16_t*)out + base);
+        const int nv = (int)(dim >> 3);
+        float ss = 0.0f;
+        for (int k = threadIdx.x; k < nv; k += blockDim.x) {
+            float a[8], b[8];
+            unpack8(xv[k], a);
+            unpack8(yv[k], b);
+            for (int i = 0; i < 8; i++) a[i] = a[i] + b[i];
+            const uint4 sum = pack8(a);
+            xv[k] = sum;
+            unpack8(sum, a);
+            for (int i = 0; i < 8; i++) ss += a[i] * a[i];
+        }
+        ss = block_sum(ss, sh);
+        float rinv = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int k = threadIdx.x; k < nv; k += blockDim.x) {
+            float a[8], g[8];
+            unpack8(xv[k], a);
+            unpack8(wv[k], g);
+            for (int i = 0; i < 8; i++) a[i] = a[i] * rinv * g[i];
+            ov[k] = pack8(a);
+        }
+        return;
+    }
+    float ss = 0.0f;
+    for (i64 j = threadIdx.x; j < dim; j += blockDim.x) {
+        st(x, base + j, xdt, ld(x, base + j, xdt) + ld(y, base + j, ydt));
+        float a = ld(x, base + j, xdt);
+        ss += a * a;
+    }
+    ss = block_sum(ss, sh);
+    float rinv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (i64 j = threadIdx.x; j < dim; j += blockDim.x)
+        st(out, base + j, odt, ld(x, base + j, xdt) * rinv * ld(w, j, wdt));
+}
+
 // One row of rmsnorm_bwd with 8 bf16 per load (x, w, dy, dx bf16, aligned):
 // thread t takes the columns 8k..8k+7 for k = t, t + blockDim, ...
 __device__ void rmsnorm_bwd_row8(const bf16_t* x, const bf16_t* w, const bf16_t* dy, bf16_t* dx, float* dw,
-                                 float* dws, int nv, float dim, float eps, float* sh) {
+                                 float* dws, int nv, float dim, float eps, float* sh, int add) {
     const uint4 *xv = (const uint4*)x, *wv = (const uint4*)w, *dv = (const uint4*)dy;
     float ss = 0.0f, s = 0.0f;
     for (int k = threadIdx.x; k < nv; k += blockDim.x) {
@@ -71,11 +122,20 @@ __device__ void rmsnorm_bwd_row8(const bf16_t* x, const bf16_t* w, const bf16_t*
             if (dws) dws[8 * k + i] += d[i] * a[i] * rinv;
             else if (dw) atomicAdd(dw + 8 * k + i, d[i] * a[i] * rinv);
         }
+        if (add) {
+            // axpy(dx, 1, o rounded to bf16)
+            float res[8];
+            unpack8(((const uint4*)dx)[k], res);
+            unpack8(pack8(o), o);
+            for (int i = 0; i < 8; i++) o[i] = res[i] + o[i];
+        }
         ((uint4*)dx)[k] = pack8(o);
     }
 }
 
-// dx = r*dy*w - (r^3 * sum(dy*w*x) / dim) * x ; dw += dy*x*r.
+// dx = r*dy*w - (r^3 * sum(dy*w*x) / dim) * x ; dw += dy*x*r. With `add`,
+// dx += that instead, rounded to dx's dtype first (axpy(dx, 1, t) of the
+// rounded t: `rms_norm_bwd_add`).
 // Blocks stride over rows. With `smem_dw`, each block sums its rows' dw in
 // shared memory (dim floats) and adds it to the f32 global dw once per column;
 // otherwise (dim too large for shared memory) it adds per element. A null dw
@@ -85,7 +145,7 @@ __device__ void rmsnorm_bwd_row8(const bf16_t* x, const bf16_t* w, const bf16_t*
 // accumulator needs no barriers.
 extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, int wdt, const void* dy, int dydt,
                                        void* dx, int dxdt, float* dw, i64 rows, i64 dim, float eps, int smem_dw,
-                                       int vec8) {
+                                       int vec8, int add) {
     extern __shared__ float dws[];
     __shared__ float sh[32];
     if (vec8) {
@@ -96,7 +156,7 @@ extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, in
         for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
             const i64 base = r * dim;
             rmsnorm_bwd_row8((const bf16_t*)x + base, (const bf16_t*)w, (const bf16_t*)dy + base,
-                             (bf16_t*)dx + base, dw, smem_dw ? dws : nullptr, nv, (float)dim, eps, sh);
+                             (bf16_t*)dx + base, dw, smem_dw ? dws : nullptr, nv, (float)dim, eps, sh, add);
         }
         if (smem_dw && dw)
             for (int k = threadIdx.x; k < nv; k += blockDim.x)
@@ -119,7 +179,9 @@ extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, in
         float c = rinv * rinv * rinv * s / (float)dim;
         for (i64 j = threadIdx.x; j < dim; j += blockDim.x) {
             float a = ld(x, base + j, xdt), g = ld(dy, base + j, dydt);
-            st(dx, base + j, dxdt, rinv * g * ld(w, j, wdt) - c * a);
+            float t = rinv * g * ld(w, j, wdt) - c * a;
+            if (add) t = ld(dx, base + j, dxdt) + (dxdt == DT_F32 ? t : bf2f(f2bf(t)));
+            st(dx, base + j, dxdt, t);
             if (smem_dw) dws[j] += g * a * rinv;
             else if (dw) atomicAdd(dw + j, g * a * rinv);
         }
