@@ -47,6 +47,7 @@ fn main() -> upipe::error::Result<()> {
                 device: DeviceKind::Cuda,
                 optimizer: true,
                 freeze: Default::default(),
+                lora: None,
             })
         };
         let budget = Budget {
@@ -77,6 +78,7 @@ fn main() -> upipe::error::Result<()> {
             device: DeviceKind::Cuda,
             optimizer: true,
             freeze: Default::default(),
+            lora: None,
         };
         let t = Instant::now();
         let walk = predict_step(&spec)?;

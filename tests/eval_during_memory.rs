@@ -100,6 +100,7 @@ fn the_eval_forward_during_training_stays_within_the_predicted_peak() {
                     device: DeviceKind::Cpu,
                     optimizer: true,
                     freeze: Default::default(),
+                    lora: None,
                 };
                 let predicted = predict_step(&spec).unwrap();
                 assert_eq!(predicted.peak, plain.memory.peak, "{what}: without eval");

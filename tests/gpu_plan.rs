@@ -165,6 +165,7 @@ fn training_step_prediction_matches_the_cuda_ledger() {
                 device: DeviceKind::CudaNative,
                 optimizer: true,
                 freeze: Default::default(),
+                lora: None,
             },
             0,
         )

@@ -20,6 +20,7 @@ fn gpu_scripts_parse() {
         "gpu-2x-bench.sh",
         "gpu-eval-mix.sh",
         "gpu-freeze.sh",
+        "gpu-lora-plan.sh",
         "gpu-peer-bench.sh",
     ] {
         let path = root().join("scripts").join(script);

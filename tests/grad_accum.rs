@@ -130,6 +130,7 @@ fn planner_walks_accumulated_steps_exactly() {
                 device: DeviceKind::Cpu,
                 optimizer: true,
                 freeze: Default::default(),
+                lora: None,
             },
             0,
         )

@@ -227,6 +227,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
                 device: DeviceKind::Cpu,
                 optimizer: true,
                 freeze: Default::default(),
+                lora: None,
             };
             let pred = predict_step_rank(&spec, 0).unwrap();
             // on CPU every ring rank allocates the same
@@ -283,6 +284,7 @@ fn qwen2_step_prediction_equals_ledger_peak() {
                 device: DeviceKind::Cpu,
                 optimizer: true,
                 freeze: Default::default(),
+                lora: None,
             };
             let pred = predict_step_rank(&spec, 0).unwrap();
             assert_eq!(pred, predict_step(&spec).unwrap());
@@ -310,6 +312,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         device: DeviceKind::Cuda,
         optimizer: true,
         freeze: Default::default(),
+        lora: None,
     };
     let plain = predict_step(&spec(MemoryPolicy::default(), false)).unwrap();
     let all = MemoryPolicy {
@@ -367,6 +370,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
                 device: DeviceKind::Cuda,
                 optimizer: true,
                 freeze: Default::default(),
+                lora: None,
             })
         }
     };

@@ -191,6 +191,7 @@ fn bad_settings_are_errors_naming_the_fix() {
         device: DeviceKind::Cpu,
         optimizer: true,
         freeze: Default::default(),
+        lora: None,
     };
     let plain = spec(MemoryPolicy::default());
     // without checkpointing auto and none do nothing, the rest name --checkpoint
@@ -264,6 +265,7 @@ fn auto_keeps_the_most_blocks_that_fit() {
             device: DeviceKind::Cuda,
             optimizer: true,
             freeze: Default::default(),
+            lora: None,
         }
     };
     let peak = |s: &StepSpec, n: usize| {

@@ -79,3 +79,14 @@ impl LoraArgs {
         }
     }
 }
+
+/// `upipe plan`'s line about a LoRA run: the adapters, their parameters
+/// and the frozen base.
+pub fn plan_line(lora: &LoraConfig, model: &ModelConfig) -> String {
+    format!(
+        "LoRA {lora}: {:.2}M adapter parameters trained (F32 gradients, AdamW state); the \
+         {:.2}B base parameters frozen (weights only)",
+        lora.param_count(model) as f64 / 1e6,
+        model.param_count() as f64 / 1e9
+    )
+}

@@ -4,6 +4,7 @@
 use crate::attention::Strategy;
 use crate::backend::{Bytes, Category};
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
+use crate::cli::lora::LoraArgs;
 use crate::cli::memory::MemoryArgs;
 use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::{ChunkHeads, ScheduleArgs};
@@ -87,6 +88,8 @@ pub struct PlanArgs {
     pub policies: String,
     #[command(flatten)]
     pub memory: MemoryArgs,
+    #[command(flatten)]
+    pub lora: LoraArgs,
     /// Dtypes to plan for: cuda (bf16 activations), cpu (f32), or auto (as
     /// `train --device auto` would run here: cuda when a GPU is visible).
     #[arg(long, default_value = "cuda")]
@@ -128,7 +131,7 @@ impl PlanArgs {
         json => run.json,
         max_seq => plan.max_seq,
         svg => plan.svg;
-        flatten mesh, schedule, memory
+        flatten mesh, schedule, memory, lora
     }
 }
 
@@ -223,6 +226,8 @@ struct Ctx {
     memory: MemoryChoices,
     /// `--freeze`: parameters without gradients or optimizer state.
     freeze: crate::model::Freeze,
+    /// `--lora-rank` and the other LoRA flags: the adapters trained.
+    lora: Option<crate::model::lora::LoraConfig>,
     fsdp_mode: FsdpMode,
     /// Whether the run shards (for the header; each request decides it too).
     fsdp: bool,
@@ -326,6 +331,7 @@ impl Ctx {
             grad_accum: a.grad_accum,
             memory: self.memory,
             freeze: self.freeze.clone(),
+            lora: self.lora.clone(),
             device: self.device,
             budget: self.rank_budget,
         })
@@ -359,7 +365,7 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
         if let Some(h) = ctx.budget.host {
             println!("host memory for offload: {} per rank", Bytes(h));
         }
-        if !ctx.freeze.is_empty() {
+        if !ctx.freeze.is_empty() && ctx.lora.is_none() {
             let (frozen, all) = ctx.freeze.frozen_elements(&ctx.model);
             println!(
                 "--freeze {}: {:.2}B of {:.2}B parameters frozen (no gradients, no optimizer state)",
@@ -367,6 +373,9 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
                 frozen as f64 / 1e9,
                 all as f64 / 1e9
             );
+        }
+        if let Some(lora) = &ctx.lora {
+            println!("{}", crate::cli::lora::plan_line(lora, &ctx.model));
         }
     }
     match ctx.a.seq {
@@ -464,15 +473,21 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let device = plan_device(&a)?;
     let (budget, rank_budget) = plan_budget(&a, gpus)?;
     let (memory, fsdp_mode) = memory_choices(&a, model.layers)?;
-    let freeze = a.memory.freeze(&model)?;
+    let lora_run = a.lora.run(&model)?;
+    let freeze = LoraArgs::freeze(lora_run.as_ref(), a.memory.freeze(&model)?)?;
     let policy = memory.policy(model.layers, model.layers);
     a.memory.save_attention.check(policy, model.layers)?;
     // as every request decides it (the same GPUs, the same budget)
     let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze);
     let (mut fsdp, mut fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
-    if fsdp && fsdp_mode == FsdpMode::Auto && freeze.split_unit(&model).is_some() {
+    let replicated = freeze.split_unit(&model).is_some() || lora_run.is_some();
+    if fsdp && fsdp_mode == FsdpMode::Auto && replicated {
         (fsdp, fsdp_note) = (false, None);
     }
+    if let Some(run) = &lora_run {
+        run.check(&model, &freeze, fsdp)?;
+    }
+    let lora = lora_run.map(|l| l.config);
     if a.fsdp_replicate == 0
         || !gpus.is_multiple_of(a.fsdp_replicate)
         || (a.fsdp_replicate > 1 && !fsdp)
@@ -488,6 +503,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         model,
         memory,
         freeze,
+        lora,
         fsdp_mode,
         fsdp,
         fsdp_note,

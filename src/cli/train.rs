@@ -410,6 +410,7 @@ pub fn run_request(
         grad_accum: cfg.grad_accum,
         memory: a.memory.choices(),
         freeze: cfg.freeze.clone(),
+        lora: cfg.lora.as_ref().map(|l| l.config.clone()),
         device,
         budget,
     }

@@ -20,6 +20,7 @@ use crate::comm::mesh::Coords;
 use crate::error::Result;
 use crate::optim::AdamWConfig;
 use crate::train::config::TrainConfig;
+use crate::train::lora_run::LoraRun;
 use crate::train::trainer::rehearse_rank;
 
 /// The counting device standing for `device`: its dtypes, and on CUDA the
@@ -44,6 +45,10 @@ fn train_config(spec: &StepSpec) -> TrainConfig {
         ring: p.layout.pr,
         policy: spec.policy,
         freeze: spec.freeze.clone(),
+        lora: spec
+            .lora
+            .clone()
+            .map(|config| LoraRun { config, from: None }),
         fsdp: spec.fsdp,
         fsdp_replicas: spec.fsdp_replicas,
         grad_accum: spec.grad_accum.max(1),

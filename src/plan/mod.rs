@@ -85,6 +85,10 @@ pub struct StepSpec {
     pub optimizer: bool,
     /// The parameters not trained (`--freeze`): no gradients, no optimizer state.
     pub freeze: crate::model::Freeze,
+    /// LoRA adapters trained beside the frozen base (`--lora-rank`; `freeze`
+    /// is then the whole base): their weights, F32 gradients and optimizer
+    /// state, and the transient buffers of each application.
+    pub lora: Option<crate::model::lora::LoraConfig>,
 }
 
 impl StepSpec {
@@ -101,6 +105,7 @@ impl StepSpec {
             device,
             optimizer: true,
             freeze: cfg.freeze.clone(),
+            lora: cfg.lora.as_ref().map(|l| l.config.clone()),
         }
     }
 }
@@ -273,8 +278,10 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
         return crate::config_err!("the data-parallel degree must be at least 1");
     }
     let ab = spec.device.act_bytes();
+    let lora = spec.lora.as_ref();
     let attn = AttnWalk {
         window: spec.model.sliding_window,
+        lora: walk::Adapters::of(lora),
         ..attn_walk(&spec.plan, &attn_dims(&spec.model), spec.device, ring_rank)
     };
     let mut sim = Sim::new();
@@ -301,7 +308,14 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     if spec.fsdp {
         crate::train::fsdp::check_whole_units(&spec.model, frozen)?;
     }
-    let units = unit_slots(&spec.model, spec.fsdp, shard_world, frozen);
+    if let Some(config) = lora {
+        let run = crate::train::lora_run::LoraRun {
+            config: config.clone(),
+            from: None,
+        };
+        run.check(&spec.model, frozen, spec.fsdp)?;
+    }
+    let units = unit_slots(&spec.model, spec.fsdp, shard_world, frozen, lora);
     let (device_elems, host_slots) = split_state(&units, layers, host_units);
     if spec.fsdp {
         FsdpWalk::resident(
@@ -316,11 +330,14 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     } else {
         let params = spec.model.param_count();
         sim.alloc(Category::Weights, params * ab);
+        // the adapters attached beside the base weights (`lora_run::attach`)
+        let adapters = lora.map_or(0, |l| l.param_count(&spec.model));
+        sim.alloc(Category::Weights, adapters * ab);
         if states > 0 && device_elems > 0 {
             sim.alloc(Category::OptimState, states * device_elems * F32);
         }
         offload_optim::host_state(&mut sim, &host_slots, ab);
-        let trained: usize = store_walk::trainable_numel(&spec.model, frozen)
+        let trained: usize = store_walk::trained_numel(&spec.model, frozen, lora)
             .iter()
             .sum();
         sim.alloc(Category::Grads, trained * F32);
@@ -348,6 +365,7 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
                     world,
                     i + 1 == spec.grad_accum.max(1),
                     frozen,
+                    lora,
                 ))
             };
             let mut settling = SettlingWalk {
@@ -642,6 +660,7 @@ mod ring_rank_tests {
                             device,
                             optimizer: true,
                             freeze: Default::default(),
+                            lora: None,
                         };
                         let all = (0..pr)
                             .map(|i| predict_step_rank(&spec, i).unwrap())

@@ -10,6 +10,7 @@ use super::store_walk::StoreWalk;
 use super::{StepSpec, predict_step};
 use crate::backend::Category::{Offload, Workspace};
 use crate::error::Result;
+use crate::model::lora::LoraConfig;
 use crate::model::{Freeze, MemoryPolicy, ModelConfig, Unit};
 use crate::optim::settling::{next_in_forward, state_on_host, update_index, update_order};
 use crate::train::fsdp::model_layouts;
@@ -120,15 +121,17 @@ pub fn optimizer_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
 }
 
 /// The optimizer's slots of each unit, in model order: the elements of
-/// each trainable parameter tensor (`ModelWeights::named` order), or with
-/// `fsdp` the unit's shard over `shard_world` ranks; none for what
-/// `frozen` freezes.
+/// each trainable parameter tensor (`ModelWeights::named` order: a block's
+/// LoRA factors, `lora`, after its base tensors), or with `fsdp` the unit's
+/// shard over `shard_world` ranks; none for what `frozen` freezes.
 pub fn unit_slots(
     cfg: &ModelConfig,
     fsdp: bool,
     shard_world: usize,
     frozen: &Freeze,
+    lora: Option<&LoraConfig>,
 ) -> Vec<(Unit, Vec<usize>)> {
+    let adapters = super::store_walk::adapter_numels(cfg, lora);
     let world = if fsdp { shard_world } else { 1 };
     let params = cfg.params();
     model_layouts(cfg, world)
@@ -138,11 +141,14 @@ pub fn unit_slots(
                 .iter()
                 .filter(|(p, _)| p.unit() == u.unit)
                 .map(|(p, shape)| (!frozen.is_frozen(cfg, *p), shape.iter().product::<usize>()));
-            let slots = match fsdp {
+            let mut slots: Vec<usize> = match fsdp {
                 true if frozen.unit_frozen(cfg, u.unit) => vec![],
                 true => vec![u.shard],
                 false => trained.filter(|(t, _)| *t).map(|(_, n)| n).collect(),
             };
+            if matches!(u.unit, Unit::Block(_)) {
+                slots.extend_from_slice(&adapters);
+            }
             (u.unit, slots)
         })
         .collect()

@@ -182,6 +182,7 @@ mod tests {
             device: DeviceKind::Cuda,
             optimizer: true,
             freeze: Default::default(),
+            lora: None,
         }
     }
 

@@ -208,6 +208,9 @@ pub struct RunRequest {
     pub memory: MemoryChoices,
     /// `--freeze`: parameters without gradients or optimizer state.
     pub freeze: crate::model::Freeze,
+    /// `--lora-rank` and the other LoRA flags: adapters trained beside the
+    /// frozen base (`freeze` is then the whole base; never sharded).
+    pub lora: Option<crate::model::lora::LoraConfig>,
     /// The dtypes and attention kernels predicted for.
     pub device: DeviceKind,
     /// Each rank's memory.
@@ -294,6 +297,7 @@ impl RunRequest {
             device: self.device,
             optimizer: true,
             freeze: self.freeze.clone(),
+            lora: self.lora.clone(),
         }
     }
 }
@@ -362,6 +366,15 @@ impl<'a> Resolution<'a> {
                  whole units)",
                 req.freeze
             ));
+        }
+        // adapters train beside a replicated base (`LoraRun::check`)
+        if req.lora.is_some() && req.fsdp == FsdpMode::Auto && fsdp {
+            fsdp = false;
+            note = Some(
+                "--fsdp auto: not sharding, as a LoRA run (--lora-rank) keeps the frozen base \
+                 replicated (it has no gradient or optimizer state to shard)"
+                    .into(),
+            );
         }
         if world == 1 && req.sharded_resume && req.fsdp != FsdpMode::Off {
             fsdp = true;

@@ -4,6 +4,7 @@
 
 use super::sim::{Buf, Sim};
 use crate::backend::Category::{Comm, Grads, Weights};
+use crate::model::lora::LoraConfig;
 use crate::model::{Freeze, ModelConfig, Unit};
 use crate::train::fsdp::{UnitLayout, model_layouts};
 use std::collections::VecDeque;
@@ -48,12 +49,43 @@ pub fn trainable_numel(cfg: &ModelConfig, frozen: &Freeze) -> Vec<usize> {
     numel
 }
 
+/// The elements of each adapter factor of one block (`lora_A` then
+/// `lora_B` of each target, in block order: `ModelWeights::tensors`
+/// order), none without `lora`.
+pub fn adapter_numels(cfg: &ModelConfig, lora: Option<&LoraConfig>) -> Vec<usize> {
+    let Some(lora) = lora else {
+        return Vec::new();
+    };
+    let factors = lora
+        .targets
+        .iter()
+        .flat_map(|&t| lora.factor_shapes(cfg, t));
+    factors.map(|[r, c]| r * c).collect()
+}
+
+/// [`trainable_numel`] with each block's adapters (`lora`), which train.
+pub fn trained_numel(cfg: &ModelConfig, frozen: &Freeze, lora: Option<&LoraConfig>) -> Vec<usize> {
+    let mut numel = trainable_numel(cfg, frozen);
+    let per_block: usize = adapter_numels(cfg, lora).iter().sum();
+    for l in 0..cfg.layers {
+        numel[Unit::Block(l).index(cfg.layers)] += per_block;
+    }
+    numel
+}
+
 impl ReplicatedWalk {
-    /// `reduce`: whether this pass sums the gradients (a step's last sequence).
-    pub fn new(cfg: &ModelConfig, world: usize, reduce: bool, frozen: &Freeze) -> Self {
+    /// `reduce`: whether this pass sums the gradients (a step's last
+    /// sequence); `lora`: the adapters each block trains.
+    pub fn new(
+        cfg: &ModelConfig,
+        world: usize,
+        reduce: bool,
+        frozen: &Freeze,
+        lora: Option<&LoraConfig>,
+    ) -> Self {
         ReplicatedWalk {
             layers: cfg.layers,
-            numel: trainable_numel(cfg, frozen),
+            numel: trained_numel(cfg, frozen, lora),
             world: if reduce { world } else { 1 },
             embed_uses_left: 1 + usize::from(cfg.tie_embeddings),
             embed_trained: !frozen.is_frozen(cfg, crate::model::Param::Embed),

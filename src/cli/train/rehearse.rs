@@ -355,6 +355,7 @@ mod tests {
             device: DeviceKind::Cuda,
             optimizer: true,
             freeze: Default::default(),
+            lora: None,
         };
         let pred = predict_step_rank(&spec, 0).unwrap();
         let e = Error::OutOfMemory {

@@ -2,11 +2,13 @@
 //! ([`AttnWalk`]: the staged layer's forward and backward, the ring, the
 //! local reference).
 
+use super::lora::Adapters;
 use crate::attention::schedule::{Upcoming, grad_write, upcoming};
 use crate::attention::{AttnDims, CpPlan, Settle, Strategy};
 use crate::backend::Category::{self, Activations, Comm, Grads, Workspace};
 use crate::backend::{AttnGradWrites, AttnMask, GradWrite};
 use crate::model::WINDOW_MASK;
+use crate::model::lora::LoraTarget::{self, K, O, Q, V};
 use crate::plan::shapes::StageShapes;
 use crate::plan::sim::{Buf, Sim};
 
@@ -19,6 +21,10 @@ pub const PLANNED_CUDNN_VERSION: usize = 91400;
 
 /// A transfer in flight: (receive buffer, send buffer held until the wait).
 type InFlight = (Buf, Option<Buf>);
+
+/// A projection's gradient sent back: in flight, its heads per
+/// destination, the projection.
+type GradInFlight = (InFlight, usize, LoraTarget);
 
 fn numel<const K: usize>(shape: [usize; K]) -> usize {
     shape.iter().product()
@@ -75,6 +81,8 @@ pub struct AttnWalk {
     /// sequence's mask is then its band ([`crate::model::stream_mask`]),
     /// whose ring blocks outside every local query's window are skipped.
     pub window: Option<usize>,
+    /// The LoRA adapters of the projections (`--lora-rank`; none by default).
+    pub lora: Adapters,
 }
 
 /// What the attention forward keeps (`AttnSaved`) and returns.
@@ -105,6 +113,7 @@ impl AttnWalk {
             documents: false,
             ring_rank: 0,
             window: None,
+            lora: Adapters::default(),
         }
     }
 
@@ -321,11 +330,19 @@ impl AttnWalk {
         buf
     }
 
+    /// `Staged::project_packed`: the packed projection of `nh` heads of
+    /// `target`, each destination's block with its adapter's delta.
+    fn project_adapted(&self, sim: &mut Sim, nh: usize, target: LoraTarget) -> Buf {
+        let buf = self.project(sim, nh);
+        self.lora.fwd(sim, target, self.sh.s, self.ab);
+        buf
+    }
+
     /// `Staged::kv_start`: K and V in flight.
     fn kv_start(&self, sim: &mut Sim) -> [InFlight; 2] {
-        let k = self.project(sim, self.sh.m);
+        let k = self.project_adapted(sim, self.sh.m, K);
         let k = self.exchange_start(sim, k);
-        let v = self.project(sim, self.sh.m);
+        let v = self.project_adapted(sim, self.sh.m, V);
         let v = self.exchange_start(sim, v);
         [k, v]
     }
@@ -345,16 +362,19 @@ impl AttnWalk {
 
     /// `Staged::q_exchanged`.
     fn q_exchanged(&self, sim: &mut Sim) -> InFlight {
-        let q = self.project(sim, self.sh.u);
+        let q = self.project_adapted(sim, self.sh.u, Q);
         self.exchange_start(sim, q)
     }
 
-    /// `Staged::bwd_stage_inputs`: (O, dO, raw Q) of a stage, in flight.
+    /// `Staged::bwd_stage_inputs`: (O, dO, raw Q) of a stage, in flight:
+    /// O's heads leave first, then dO is formed (with the o_proj adapter's
+    /// backward).
     fn bwd_stage_inputs(&self, sim: &mut Sim) -> [InFlight; 3] {
         let q_raw = self.q_exchanged(sim);
         let o_att = self.packed(sim, self.sh.u);
         let o_att = self.exchange_start(sim, o_att);
         let d_o = self.project(sim, self.sh.u);
+        self.lora.bwd(sim, O, self.sh.s, self.ab);
         let d_o = self.exchange_start(sim, d_o);
         [o_att, d_o, q_raw]
     }
@@ -547,19 +567,22 @@ impl AttnWalk {
             f.take_output(sim, last);
         }
         let y = f.act(sim, Activations, numel(f.sh.layer_io()));
+        self.lora.fwd(sim, O, self.sh.s, self.ab);
         AttnFwd { o, lse, y }
     }
 
     /// `Staged::settle`: takes in all but the newest `keep` gradients in
     /// flight (each with its heads per destination).
-    fn settle(&self, sim: &mut Sim, in_flight: &mut Vec<(InFlight, usize)>, keep: usize) {
+    fn settle(&self, sim: &mut Sim, in_flight: &mut Vec<GradInFlight>, keep: usize) {
         if in_flight.len() <= keep {
             return;
         }
-        let ready: Vec<(InFlight, usize)> = in_flight.drain(..in_flight.len() - keep).collect();
+        let ready: Vec<GradInFlight> = in_flight.drain(..in_flight.len() - keep).collect();
         let mut nh = 0;
         let mut got = Vec::with_capacity(ready.len());
-        for (grad, n) in ready {
+        // the settled projections with an adapter (each run's backward alike)
+        let adapted = ready.iter().map(|r| r.2).find(|&t| self.lora.has(t));
+        for (grad, n, _) in ready {
             got.push(self.wait(sim, grad));
             nh += n;
         }
@@ -567,6 +590,9 @@ impl AttnWalk {
         let stacked = self.act(sim, Workspace, numel(self.sh.gathered_weights(nh)));
         for g in got {
             sim.free(g);
+        }
+        if let Some(target) = adapted {
+            self.lora.bwd(sim, target, self.sh.s, self.ab);
         }
         sim.free(gathered);
         sim.free(stacked);
@@ -576,7 +602,7 @@ impl AttnWalk {
     fn staged_bwd(&self, sim: &mut Sim, o: Buf, lse: Vec<Buf>) -> Buf {
         let keep = usize::from(self.overlap);
         let dx = self.act(sim, Grads, numel(self.sh.layer_io()));
-        let mut in_flight: Vec<(InFlight, usize)> = Vec::new();
+        let mut in_flight: Vec<GradInFlight> = Vec::new();
         let mut next_kv: Option<[InFlight; 2]> = None;
         let mut next_inputs: Option<[InFlight; 3]> = None;
         let in_place = self.attention_bwd_in_place();
@@ -633,7 +659,7 @@ impl AttnWalk {
                 let dq = self.norm_rope_bwd(sim, dq, q_raw);
                 sim.free_opt(q_raw);
                 let dq = self.exchange_back_start(sim, dq, q_eb);
-                in_flight.push((dq, self.sh.u));
+                in_flight.push((dq, self.sh.u, Q));
                 if self.settle_every.after_stage(t) {
                     self.settle(sim, &mut in_flight, keep);
                 }
@@ -642,9 +668,9 @@ impl AttnWalk {
             sim.free(v);
             let dk = self.norm_rope_bwd(sim, dk, k_raw);
             sim.free_opt(k_raw);
-            for grad in [dk, dv] {
+            for (grad, target) in [(dk, K), (dv, V)] {
                 let grad = self.exchange_back_start(sim, grad, kv_eb);
-                in_flight.push((grad, self.sh.m));
+                in_flight.push((grad, self.sh.m, target));
             }
             self.settle(sim, &mut in_flight, 2 * keep);
         }
@@ -658,11 +684,17 @@ impl AttnWalk {
 
     // ---- single-rank reference (`attention::local`) ----
 
+    /// `local::project_qkv`: each projection with its adapter's delta.
     fn local_proj(&self, sim: &mut Sim) -> (Buf, Buf, Buf) {
         let (s, d) = (self.sh.s, self.sh.head_dim);
-        let q = self.act(sim, Workspace, s * self.sh.heads * d);
-        let k = self.act(sim, Workspace, s * self.sh.kv_heads * d);
-        let v = self.act(sim, Workspace, s * self.sh.kv_heads * d);
+        let mut proj = |heads: usize, target: LoraTarget| {
+            let p = self.act(sim, Workspace, s * heads * d);
+            self.lora.fwd(sim, target, s, self.ab);
+            p
+        };
+        let q = proj(self.sh.heads, Q);
+        let k = proj(self.sh.kv_heads, K);
+        let v = proj(self.sh.kv_heads, V);
         (q, k, v)
     }
 
@@ -680,6 +712,7 @@ impl AttnWalk {
         sim.free(k);
         sim.free(v);
         let y = self.act(sim, Activations, numel(self.sh.layer_io()));
+        self.lora.fwd(sim, O, s, self.ab);
         AttnFwd {
             o,
             lse: vec![lse],
@@ -690,6 +723,7 @@ impl AttnWalk {
     /// `local::backward`.
     fn local_bwd(&self, sim: &mut Sim, o: Buf, lse: Vec<Buf>) -> Buf {
         let d_o = self.act(sim, Workspace, numel(self.sh.saved_o()));
+        self.lora.bwd(sim, O, self.sh.s, self.ab);
         let (q, k, v) = self.local_proj(sim);
         let (q, q_raw) = self.norm_rope(sim, q, true);
         let (k, k_raw) = self.norm_rope(sim, k, true);
@@ -708,11 +742,11 @@ impl AttnWalk {
         let dq = self.norm_rope_bwd(sim, dq, q_raw);
         let dk = self.norm_rope_bwd(sim, dk, k_raw);
         let dx = self.act(sim, Grads, numel(self.sh.layer_io()));
-        for dp in [dq, dk, dv] {
-            if self.ab != F32 {
-                let c = sim.alloc(Workspace, dp.bytes / F32 * self.ab);
-                sim.free(c);
-            }
+        for (dp, target) in [(dq, Q), (dk, K), (dv, V)] {
+            // `cast_ref`: a copy in the activations' dtype where it differs
+            let c = (self.ab != F32).then(|| sim.alloc(Workspace, dp.bytes / F32 * self.ab));
+            self.lora.bwd(sim, target, s, self.ab);
+            sim.free_opt(c);
         }
         for b in [dq, dk, dv] {
             sim.free(b);

@@ -5,6 +5,7 @@
 
 use super::attention::{AttnFwd, AttnWalk};
 use crate::backend::Category::{self, Activations, Grads, Offload, Workspace};
+use crate::model::lora::LoraTarget::{Down, Gate, O, Up};
 use crate::model::{MemoryPolicy, ModelConfig, Unit};
 use crate::plan::shapes::{distinct_lengths, loss_chunks, mlp_tiles};
 use crate::plan::sim::{Buf, Sim};
@@ -48,17 +49,17 @@ impl DecoderWalk<'_> {
         sim.alloc(cat, self.s() * self.cfg.hidden * self.ab())
     }
 
-    /// `Decoder::mlp_fwd` of a tile of `r` rows: (m, gate, up, act).
+    /// `Decoder::mlp_fwd` of a tile of `r` rows: (m, gate, up, act), gate
+    /// and up each with its adapter's delta.
     fn mlp_fwd(&self, sim: &mut Sim, r: usize) -> [Buf; 4] {
-        let ab = self.ab();
+        let (ab, lora) = (self.ab(), self.attn.lora);
         let m = sim.alloc(Activations, r * self.cfg.hidden * ab);
         let f = r * self.cfg.ffn * ab;
-        [
-            m,
-            sim.alloc(Activations, f),
-            sim.alloc(Activations, f),
-            sim.alloc(Activations, f),
-        ]
+        let gate = sim.alloc(Activations, f);
+        lora.fwd(sim, Gate, r, ab);
+        let up = sim.alloc(Activations, f);
+        lora.fwd(sim, Up, r, ab);
+        [m, gate, up, sim.alloc(Activations, f)]
     }
 
     fn tile_lengths(&self) -> Vec<usize> {
@@ -73,6 +74,7 @@ impl DecoderWalk<'_> {
         for r in self.tile_lengths() {
             let x_t = sim.alloc(Workspace, r * self.cfg.hidden * self.ab());
             let saved = self.mlp_fwd(sim, r);
+            self.attn.lora.fwd(sim, Down, r, self.ab());
             if self.policy.tiled_mlp {
                 saved.into_iter().for_each(|b| sim.free(b));
             } else {
@@ -90,7 +92,11 @@ impl DecoderWalk<'_> {
         let a = self.hidden_buf(sim, Activations);
         let (o, lse, y) = match kept {
             // `attention::output_projection`
-            Some((o, lse)) => (o, lse, self.hidden_buf(sim, Activations)),
+            Some((o, lse)) => {
+                let y = self.hidden_buf(sim, Activations);
+                self.attn.lora.fwd(sim, O, self.s(), self.ab());
+                (o, lse, y)
+            }
             None => {
                 let AttnFwd { o, lse, y } = self.attn.forward(sim);
                 (o, lse, y)
@@ -130,10 +136,13 @@ impl DecoderWalk<'_> {
             };
             let f = r * self.cfg.ffn * ab;
             let dact = sim.alloc(Workspace, f);
+            self.attn.lora.bwd(sim, Down, r, ab);
             let dgate = sim.alloc(Workspace, f);
             let dup = sim.alloc(Workspace, f);
             sim.free(dact);
             let dm = sim.alloc(Workspace, r * hid * ab);
+            self.attn.lora.bwd(sim, Gate, r, ab);
+            self.attn.lora.bwd(sim, Up, r, ab);
             sim.free(dgate);
             sim.free(dup);
             s.into_iter().for_each(|b| sim.free(b));

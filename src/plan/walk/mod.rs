@@ -10,6 +10,8 @@
 
 mod attention;
 mod decoder;
+pub mod lora;
 
 pub use attention::{AttnFwd, AttnWalk, PLANNED_CUDNN_VERSION};
 pub use decoder::DecoderWalk;
+pub use lora::Adapters;
