@@ -54,7 +54,7 @@ use crate::data::Mixture;
 use crate::data::dataset::load_dataset;
 use crate::data::mixture::load_mixture;
 use crate::error::Result;
-use crate::model::flops::train_flops_per_token;
+use crate::model::flops::{frozen_and_adapter_flops, train_flops_per_token};
 use crate::plan::preflight::planned_host;
 use crate::plan::{
     Depth, DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, RankBudget, ResolvedRun,
@@ -106,7 +106,9 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     let summary = execute(&run, data, &|r| progress.on_step(r))?;
     progress.finish()?;
     if run.lead && !a.json {
-        let flops = train_flops_per_token(&run.cfg.model, run.cfg.seq);
+        let lora = run.cfg.lora.as_ref().map(|l| &l.config);
+        let flops = train_flops_per_token(&run.cfg.model, run.cfg.seq)
+            + frozen_and_adapter_flops(&run.cfg.model, &run.cfg.freeze, lora);
         summary::print(&summary, &predicted, run.cfg.steps, flops);
     }
     if run.lead {

@@ -74,6 +74,28 @@ pub fn causal_train_flops_per_token(cfg: &ModelConfig, seq: usize) -> (f64, f64)
     (6.0 * matmul_params(cfg) as f64 + attention, attention)
 }
 
+/// What a run with frozen parameters and LoRA adapters changes in
+/// [`train_flops_per_token`], per token: a frozen matrix's weight-gradient
+/// GEMM is not computed (`−2·n` for its `n` weights; the input embedding
+/// table, a gather, has none unless tied to the head), and each adapter
+/// adds its forward, input-gradient and weight-gradient GEMMs (`6·r·(in +
+/// out)`).
+pub fn frozen_and_adapter_flops(
+    cfg: &ModelConfig,
+    frozen: &super::Freeze,
+    lora: Option<&super::lora::LoraConfig>,
+) -> f64 {
+    let mut saved = 0usize;
+    for (p, shape) in cfg.params() {
+        let gathered = p == super::Param::Embed && !cfg.tie_embeddings;
+        if frozen.is_frozen(cfg, p) && !gathered {
+            saved += shape.iter().product::<usize>();
+        }
+    }
+    let adapters = lora.map_or(0, |l| l.param_count(cfg));
+    6.0 * adapters as f64 - 2.0 * saved as f64
+}
+
 /// Model FLOPs per token of a forward pass over sequences of `seq` tokens:
 /// `2·N + L · 2·S·H·d`.
 pub fn forward_flops_per_token(cfg: &ModelConfig, seq: usize) -> f64 {
@@ -146,5 +168,27 @@ mod tests {
             per_token,
             6.0 * m.param_count() as f64 + 7.0 * 2048.0 * 16.0
         );
+    }
+
+    /// Frozen matrices take off their weight-gradient GEMMs (the untied
+    /// input embedding, a gather, has none); adapters add `6·r·(in+out)`.
+    #[test]
+    fn frozen_weights_and_adapters_change_the_count_by_hand() {
+        use crate::model::Freeze;
+        use crate::model::lora::{LoraConfig, LoraTarget};
+        let cfg = ModelConfig::resolve("llama3-8b").unwrap();
+        let none = frozen_and_adapter_flops(&cfg, &Freeze::none(), None);
+        assert_eq!(none, 0.0);
+        let embed = Freeze::parse("embeddings").unwrap();
+        assert_eq!(frozen_and_adapter_flops(&cfg, &embed, None), 0.0);
+        let head = Freeze::parse("head").unwrap();
+        let vh = (cfg.vocab * cfg.hidden) as f64;
+        assert_eq!(frozen_and_adapter_flops(&cfg, &head, None), -2.0 * vh);
+        let lora = LoraConfig::new(16, 32.0, false, vec![LoraTarget::Q]).unwrap();
+        let base = Freeze::whole_base();
+        let got = frozen_and_adapter_flops(&cfg, &base, Some(&lora));
+        let q = (16 * (4096 + 4096) * 32) as f64;
+        let n = (cfg.param_count() - cfg.vocab * cfg.hidden) as f64; // untied: table gathered
+        assert_eq!(got, 6.0 * q - 2.0 * n);
     }
 }

@@ -12,7 +12,7 @@ use crate::checkpoint::save_dir;
 use crate::cli::metrics::{MetricsFile, RunFacts, unix_now};
 use crate::cli::tensorboard::EventWriter;
 use crate::error::Result;
-use crate::model::flops::causal_train_flops_per_token;
+use crate::model::flops::{causal_train_flops_per_token, frozen_and_adapter_flops};
 use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, planned_host};
 
@@ -158,6 +158,10 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
     // window) scale down to what they let the kernels compute
     let (flops_per_token, attention_flops_per_token) =
         causal_train_flops_per_token(&run.cfg.model, run.cfg.seq);
+    // what is computed: no weight gradient of a frozen matrix, adapters' GEMMs
+    let lora = run.cfg.lora.as_ref().map(|l| &l.config);
+    let flops_per_token =
+        flops_per_token + frozen_and_adapter_flops(&run.cfg.model, &run.cfg.freeze, lora);
     let facts = RunFacts {
         flops_per_token,
         attention_flops_per_token,
