@@ -41,7 +41,7 @@ if not steps:
     sys.exit(0)
 later = steps[1:] or steps
 tps = statistics.median(s["tokens_per_s"] for s in later)
-tf = statistics.median(s.get("model_tflops", float("nan")) for s in later)
+tf = statistics.median(s.get("tflops", float("nan")) for s in later)
 peak = max(s.get("peak_bytes", 0) for s in steps)
 plan = plan or steps[-1].get("predicted_peak_bytes")
 fmt = lambda b: "?" if not b else f"{b / 1e9:.2f}"

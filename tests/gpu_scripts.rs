@@ -21,6 +21,7 @@ fn gpu_scripts_parse() {
         "gpu-eval-mix.sh",
         "gpu-freeze.sh",
         "gpu-lora-plan.sh",
+        "gpu-lora.sh",
         "gpu-peer-bench.sh",
     ] {
         let path = root().join("scripts").join(script);

@@ -160,7 +160,9 @@ impl AttnWalk {
         if self.cudnn
             && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
         {
-            let need = cudnn::fwd_workspace_bytes(&shape, 0);
+            // cuDNN's own part: none for one document, the reserve for several
+            let own = cudnn::own_workspace(&shape, 0).unwrap_or(0);
+            let need = cudnn::fwd_workspace_bytes(&shape, own);
             sim.keep_at_least(
                 "cudnn workspace",
                 Workspace,

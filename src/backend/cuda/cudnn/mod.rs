@@ -28,7 +28,8 @@ pub use select::{
     shape_supported,
 };
 pub use workspace::{
-    bwd_workspace_bytes, estimated_bwd_plan_workspace, fwd_workspace_bytes, kept_workspace_bytes,
+    RAGGED_PLAN_RESERVE, bwd_workspace_bytes, estimated_bwd_plan_workspace, fwd_workspace_bytes,
+    kept_workspace_bytes, own_workspace,
 };
 
 use self::desc::check;
@@ -395,7 +396,7 @@ impl CudnnSdpa {
     /// tuning never picks a plan that needs more).
     pub fn plan_workspace(&self, s: &SdpaShape, bwd: bool) -> Result<usize> {
         shape_supported(self.version, s, bwd).map_err(Error::Backend)?;
-        Ok(self.plan(s, bwd)?.workspace)
+        own_workspace(s, self.plan(s, bwd)?.workspace)
     }
 
     /// The plan a call of `s` runs. Under `PlanPick::Fastest` the shape's
@@ -565,9 +566,10 @@ impl CudnnSdpa {
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
         let exec = |plan: &Plan| {
-            let need = fwd_workspace_bytes(s, plan.workspace);
+            let own = own_workspace(s, plan.workspace)?;
+            let need = fwd_workspace_bytes(s, own);
             self.run(be, plan, need, |base| {
-                let at = base + align(plan.workspace) as u64;
+                let at = base + align(own) as u64;
                 let mut b = Self::ragged_tables(be, s, &a.docs, at)?;
                 b.extend([
                     (uid::Q, p(a.q)),
@@ -616,7 +618,8 @@ impl CudnnSdpa {
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
         let exec = |plan: &Plan| {
-            let [acc_off, sum_off, dk_full, dv_full, tables, total] = bwd_layout(s, plan.workspace);
+            let own = own_workspace(s, plan.workspace)?;
+            let [acc_off, sum_off, dk_full, dv_full, tables, total] = bwd_layout(s, own);
             self.run(be, plan, total, |base| {
                 let mut b = Self::ragged_tables(be, s, &a.docs, base + tables as u64)?;
                 if sdpa_graph::backward_full_head_bytes(s) > 0 {

@@ -63,12 +63,39 @@ pub fn fwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
 pub fn estimated_bwd_plan_workspace(s: &SdpaShape) -> usize {
     // a ragged call keeps dK, dV per query head in our workspace instead
     // (`sdpa_graph::backward_full_head_bytes`; not yet measured on a GPU)
-    let gqa_expansion = if s.hq > s.hkv && s.ragged.is_none() {
+    if s.ragged.is_some() {
+        return RAGGED_PLAN_RESERVE;
+    }
+    let gqa_expansion = if s.hq > s.hkv {
         s.sk * s.hq * s.d * 4
     } else {
         0
     };
     gqa_expansion + 256
+}
+
+/// The room a ragged call (several documents) reserves for cuDNN's own
+/// plan workspace, whatever the plan asks: its size varies with the
+/// number of documents (1,280 to 2,944 bytes measured on cuDNN 9.14, H200,
+/// 2026-12-04, for 2 to 4 documents), which the planner cannot know, so
+/// both reserve this instead and the engine refuses a plan that needs more.
+pub const RAGGED_PLAN_RESERVE: usize = 64 << 10;
+
+/// cuDNN's own part of a call's workspace, as the engine lays it out and
+/// the planner walks it: the plan's `plan_workspace` for one document,
+/// [`RAGGED_PLAN_RESERVE`] for a ragged call (an error if its plan needs
+/// more).
+pub fn own_workspace(s: &SdpaShape, plan_workspace: usize) -> crate::error::Result<usize> {
+    match s.ragged {
+        None => Ok(plan_workspace),
+        Some(_) if plan_workspace <= RAGGED_PLAN_RESERVE => Ok(RAGGED_PLAN_RESERVE),
+        Some(r) => Err(crate::error::Error::Backend(format!(
+            "cuDNN's plan for {} documents of up to {} tokens needs {plan_workspace} bytes of \
+             workspace, above the {RAGGED_PLAN_RESERVE} a ragged call reserves; use \
+             --attn-kernel native for documents",
+            r.b, r.s_max
+        ))),
+    }
 }
 
 /// Bytes the kept workspace occupies once grown to `need` bytes.
@@ -108,6 +135,12 @@ mod tests {
             );
         }
         assert_eq!(fwd_workspace_bytes(&one, 0), 0);
-        assert_eq!(estimated_bwd_plan_workspace(&shape(&[0, 1], hkv)), 256);
+        // cuDNN's own part of a ragged call is the fixed reserve, planned and run alike
+        let r = shape(&[0, 1], hkv);
+        assert_eq!(estimated_bwd_plan_workspace(&r), RAGGED_PLAN_RESERVE);
+        assert_eq!(own_workspace(&r, 2944).unwrap(), RAGGED_PLAN_RESERVE);
+        assert_eq!(own_workspace(&one, 2944).unwrap(), 2944);
+        let e = own_workspace(&r, RAGGED_PLAN_RESERVE + 1).unwrap_err();
+        assert!(e.to_string().contains("--attn-kernel native"), "{e}");
     }
 }
