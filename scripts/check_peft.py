@@ -85,11 +85,13 @@ def tensors(path: str) -> dict:
         return {k: st.get_tensor(k) for k in st.keys()}
 
 
-def base_model(kind: str):
+def base_model(kind: str, tied: bool = False):
+    """A small random Llama, or Qwen2 with random q/k/v biases; `tied`: the
+    LM head shares the embedding (tie_word_embeddings)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                  max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+                  max_position_embeddings=512, tie_word_embeddings=tied, bos_token_id=1,
                   eos_token_id=2, **rope_kwargs(10000.0))
     torch.manual_seed(0)
     if kind == "llama":
