@@ -477,9 +477,10 @@ mod tests {
     fn every_flag_of_every_subcommand_has_a_key() {
         let (memory, schedule, fwd) = (MemoryArgs::KEYS, ScheduleArgs::KEYS, FwdChunkArgs::KEYS);
         let mesh = MeshArgs::KEYS;
-        every_flag_has_a_key::<TrainArgs>(&[TrainArgs::KEYS, memory, mesh, fwd]);
+        let lora = crate::cli::lora::LoraArgs::KEYS;
+        every_flag_has_a_key::<TrainArgs>(&[TrainArgs::KEYS, memory, mesh, fwd, lora]);
         every_flag_has_a_key::<EvalArgs>(&[EvalArgs::KEYS, mesh]);
-        every_flag_has_a_key::<PlanArgs>(&[PlanArgs::KEYS, mesh, schedule, fwd, memory]);
+        every_flag_has_a_key::<PlanArgs>(&[PlanArgs::KEYS, mesh, schedule, fwd, memory, lora]);
         every_flag_has_a_key::<AttnArgs>(&[AttnArgs::KEYS, mesh, schedule, fwd]);
     }
 
@@ -494,6 +495,7 @@ mod tests {
             MemoryArgs::KEYS,
             MeshArgs::KEYS,
             AttnArgs::KEYS,
+            crate::cli::lora::LoraArgs::KEYS,
         ];
         for a in all.iter().flat_map(|k| k.iter()) {
             for b in all.iter().flat_map(|k| k.iter()) {
