@@ -17,6 +17,15 @@ MLP and RoPE kernels, and the model's own forward, given the targets as
 `shift_labels`, computes the loss with Liger's fused linear cross-entropy,
 which never builds the logits (the script checks that none came back).
 
+With `--lora-rank R` (`"peer": "hf+peft"`, or `"hf+liger+peft"` with
+`--liger`) PEFT wraps the model as its users do: `get_peft_model` with
+`LoraConfig(r=R, lora_alpha=2R, target_modules="all-linear",
+lora_dropout=0)`, so every linear layer of the blocks (not the LM head) gets
+an adapter, the base is frozen and AdamW updates the adapters only. With
+`--checkpoint` the model's input embeddings are marked as requiring a
+gradient (`enable_input_require_grads`, as PEFT's guides say), so the
+checkpointed layers' backward runs although the embedding is frozen.
+
 With `--doc-lengths FILE` (one document length per line, as
 `scripts/doc_mix.py` writes them; each document then ends with one more
 token, its EOS) the window is packed: `position_ids` restart at every
@@ -29,6 +38,7 @@ and the script exits 0, so a sweep goes on.
     python3 scripts/hf_peer_step.py --seq 32768 --steps 3
     python3 scripts/hf_peer_step.py --seq 262144 --steps 2 --checkpoint --liger
     python3 scripts/hf_peer_step.py --model llama3-8b --seq 65536 --steps 3 --checkpoint --liger
+    python3 scripts/hf_peer_step.py --model llama3-8b --seq 131072 --steps 2 --checkpoint --lora-rank 16
     python3 scripts/hf_peer_step.py --seq 131072 --steps 2 --checkpoint --doc-lengths mix.jsonl.lengths
 """
 
@@ -88,6 +98,20 @@ def liger_modules(model: torch.nn.Module) -> dict:
     return counts
 
 
+def apply_peft(model: LlamaForCausalLM, rank: int, checkpointing: bool) -> None:
+    """PEFT's LoRA on every linear layer of the blocks, in place: the base
+    frozen, the adapters trained (B zero, A Kaiming-uniform)."""
+    from peft import LoraConfig, get_peft_model
+    get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                     lora_dropout=0.0, task_type="CAUSAL_LM"))
+    if checkpointing:
+        model.enable_input_require_grads()
+
+
+def peer_name(args: argparse.Namespace) -> str:
+    return "hf" + ("+liger" if args.liger else "") + ("+peft" if args.lora_rank else "")
+
+
 def chunk_loss(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # hidden [rows, hidden] -> summed cross-entropy of these rows (f32 logits)
     logits = head(hidden).float()
@@ -135,7 +159,7 @@ def liger_step_loss(model: LlamaForCausalLM, tokens: torch.Tensor,
 
 
 def report(args: argparse.Namespace, **fields) -> None:
-    line = {"peer": "hf+liger" if args.liger else "hf", "model": args.model, "seq": args.seq,
+    line = {"peer": peer_name(args), "model": args.model, "seq": args.seq,
             "policy": "checkpoint" if args.checkpoint else "none", **fields}
     print(json.dumps(line, separators=(",", ":")), flush=True)
 
@@ -149,8 +173,12 @@ def train(args: argparse.Namespace, progress: dict) -> None:
         model = LlamaForCausalLM(llama_config(args.model)).to(torch.bfloat16)
     if args.checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_rank:
+        # the adapters join the model's own modules: `model` stays the LlamaForCausalLM
+        apply_peft(model, args.lora_rank, args.checkpoint)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4, fused=True)
     tokens = torch.randint(0, VOCAB, (1, args.seq + 1), device="cuda")
     positions = packed_positions(args.doc_lengths, args.seq) if args.doc_lengths else None
     docs = 1 if positions is None else int((positions[0] == 0).sum())
@@ -173,7 +201,8 @@ def train(args: argparse.Namespace, progress: dict) -> None:
                    attn_implementation=model.config._attn_implementation,
                    tokens_per_s=round(args.seq / dt, 1),
                    peak_bytes=torch.cuda.max_memory_allocated(),
-                   loss=round(loss.item(), 5), **extra)
+                   loss=round(loss.item(), 5), trained_params=sum(p.numel() for p in trained),
+                   **extra)
 
 
 def main() -> None:
@@ -184,6 +213,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", action="store_true")
     ap.add_argument("--liger", action="store_true",
                     help="Liger Kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="PEFT LoRA of this rank on all linear layers (0: full fine-tuning)")
     ap.add_argument("--doc-lengths", help="pack the window: one document length per line")
     args = ap.parse_args()
     progress = {"step": 0}  # 0 while the model is built
