@@ -29,6 +29,9 @@
 #   DRY=1 bash scripts/gpu-peer-bench.sh       # anywhere: upipe's side on the CPU (tiny model,
 #                                              # short lengths), the Python peers skipped
 #
+# VARIANTS: more upipe configurations in every row, alternating with the others, each
+# NAME=BINARY (a path, e.g. an older build for an A/B row) or NAME=pip-cudnn (this build
+# with torch's pip cuDNN, linked as docs/cuda-backend.md shows); they run as upipe-NAME.
 # SEQS ("32768 131072 262144"; empty: none), LONG (131072), STEPS (4 below LONG, 2 from LONG
 # on), ROUNDS (1: every configuration once; a second round runs them in reverse order),
 # BIG (0), SEQ8B (65536), STEPS8B (3), BUDGET (570 seconds for the whole call: a run that
@@ -98,6 +101,29 @@ elif ! liger_setup; then
     echo "Liger Kernel not available: the hf+liger runs are skipped"
 fi
 
+# torch's pip cuDNN for a pip-cudnn variant: "UPIPE_CUDNN_LIB=... LD_LIBRARY_PATH=..."
+pip_cudnn_env() {
+    local lib
+    lib="$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' 2> /dev/null)"
+    [ -n "$lib" ] && [ -f "$lib/libcudnn.so.9" ] || return 1
+    mkdir -p /tmp/cudnn-link && ln -sf "$lib/libcudnn.so.9" /tmp/cudnn-link/libcudnn.so
+    echo "UPIPE_CUDNN_LIB=$lib/libcudnn.so.9 LD_LIBRARY_PATH=/tmp/cudnn-link:$lib:${LD_LIBRARY_PATH:-}"
+}
+declare -A variant_bin variant_env
+variants=()
+for v in ${VARIANTS:-}; do
+    name="${v%%=*}" what="${v#*=}"
+    if [ "$what" = pip-cudnn ]; then
+        env_line="$(pip_cudnn_env)" || { echo "no pip cuDNN: variant $name skipped"; continue; }
+        variant_bin[$name]="$upipe" variant_env[$name]="$env_line"
+    else
+        [ -x "$what" ] || what="$here/$what"
+        [ -x "$what" ] || { echo "no binary for variant $v: skipped"; continue; }
+        variant_bin[$name]="$what" variant_env[$name]=""
+    fi
+    variants+=("$name")
+done
+
 # the bundled corpus, repeated past $1 bytes
 data="$logs/corpus.txt"
 corpus() {
@@ -148,7 +174,7 @@ run() {
     [ -z "$lines" ] && return
     steps[$row,$cfg]+="$lines"$'\n'
     peak[$row,$cfg]="$(echo "$lines" | tail -1 | cut -d' ' -f3)"
-    if [ "$cfg" = upipe ]; then
+    if [[ "$cfg" == upipe* ]]; then
         pred[$row,$cfg]="$(grep -a '^{' "$log" | tail -1 | field predicted_peak_bytes)"
     fi
 }
@@ -157,7 +183,8 @@ run() {
 bench_row() {
     local row="$1" model="$2" seq="$3" nsteps="$4" upflags="$5" policies="$6" r0
     r0=$(date +%s)
-    local order=(upipe) p
+    local order=(upipe) p v
+    for v in "${variants[@]}"; do order+=("upipe-$v"); done
     for p in $policies; do order+=("liger-$p" "hf-$p"); done
     local round cfgs cfg
     for round in $(seq "$rounds"); do
@@ -169,6 +196,12 @@ bench_row() {
                     read -r -a f <<< "$upflags"
                     run "$row" upipe "$round" "$upipe" train "${device[@]}" --model "$model" \
                         --data "$data" --seq "$seq" --steps "$nsteps" --warmup 1 "${f[@]}" --profile --json ;;
+                upipe-*)
+                    read -r -a f <<< "$upflags"
+                    v="${cfg#upipe-}"
+                    # shellcheck disable=SC2086
+                    run "$row" "$cfg" "$round" env ${variant_env[$v]} "${variant_bin[$v]}" train "${device[@]}" \
+                        --model "$model" --data "$data" --seq "$seq" --steps "$nsteps" --warmup 1 "${f[@]}" --json ;;
                 *)
                     [ "${DRY:-0}" = 1 ] && continue
                     [[ "$cfg" == liger-* ]] && [ "$liger" = 0 ] && continue
@@ -228,7 +261,7 @@ echo
 echo "every configuration, tok/s (median of steps 2 on; oom = out of memory):"
 for row in "${rows[@]}"; do
     line="$row:"
-    for cfg in upipe liger-none liger-ckpt hf-none hf-ckpt; do
+    for cfg in upipe "${variants[@]/#/upipe-}" liger-none liger-ckpt hf-none hf-ckpt; do
         if [ -n "${steps[$row,$cfg]:-}" ]; then
             line+=" $cfg $(echo -n "${steps[$row,$cfg]}" | median_rate),"
         elif [ -n "${oom[$row,$cfg]:-}" ]; then
