@@ -784,3 +784,50 @@ fn one_mesh_flag_on_the_cpu_leaves_the_others_at_one() {
         "{out}"
     );
 }
+
+/// `--lora-targets none` adapts nothing: the run trains every parameter, bit
+/// for bit as the run without LoRA flags (losses and gradient norms), and
+/// beside `--lora-from` it is an error naming both.
+#[test]
+fn lora_targets_none_trains_as_without_adapters() {
+    let base = [
+        "train",
+        "--steps",
+        "2",
+        "--json",
+        "--device",
+        "cpu",
+        "--seq",
+        "128",
+        "--ulysses",
+        "2",
+        "--ring",
+        "1",
+    ];
+    let norms = |stdout: &str| -> Vec<f64> {
+        stdout
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["grad_norm"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let plain = upipe(&base);
+    let none = upipe(&[&base[..], &["--lora-rank", "4", "--lora-targets", "none"]].concat());
+    assert_eq!(losses(&none), losses(&plain));
+    assert_eq!(norms(&none), norms(&plain));
+    assert_eq!(losses(&plain).len(), 2);
+    let e = upipe_error(
+        &[
+            &base[..],
+            &["--lora-targets", "none", "--lora-from", "/nonexistent"],
+        ]
+        .concat(),
+    );
+    assert!(
+        e.contains("--lora-targets none") && e.contains("--lora-from"),
+        "{e}"
+    );
+}

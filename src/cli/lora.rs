@@ -21,8 +21,9 @@ pub struct LoraArgs {
     #[arg(long)]
     pub lora_alpha: Option<f64>,
     /// The adapted layers, PEFT's module names separated by commas
-    /// (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj) or
-    /// all-linear (all seven).
+    /// (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj),
+    /// all-linear (all seven), or none (no adapters: the run trains as
+    /// without --lora-rank).
     #[arg(long, default_value = "all-linear")]
     pub lora_targets: String,
     /// rsLoRA's scaling: alpha / √r instead of alpha / r.
@@ -46,6 +47,16 @@ impl LoraArgs {
 
     /// The run's adapters, if it trains any, checked against `model`.
     pub fn run(&self, model: &ModelConfig) -> Result<Option<LoraRun>> {
+        if self.lora_targets.trim() == "none" {
+            if let Some(dir) = &self.lora_from {
+                return crate::config_err!(
+                    "--lora-targets none adapts nothing, but --lora-from {} asks to continue \
+                     an adapter; leave one of them out",
+                    dir.display()
+                );
+            }
+            return Ok(None);
+        }
         let config = match (&self.lora_from, self.lora_rank) {
             (None, 0) => return Ok(None),
             (Some(dir), 0) => {
