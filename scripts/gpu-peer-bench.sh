@@ -32,7 +32,8 @@
 # VARIANTS: more upipe configurations in every row, alternating with the others, each
 # NAME=BINARY (a path, e.g. an older build for an A/B row) or NAME=pip-cudnn (this build
 # with torch's pip cuDNN, linked as docs/cuda-backend.md shows); they run as upipe-NAME.
-# SEQS ("32768 131072 262144"; empty: none), LONG (131072), STEPS (4 below LONG, 2 from LONG
+# PEERS ("liger hf": which peers run), SHORT_POLICIES ("none ckpt": the peers' policies
+# below LONG), SEQS ("32768 131072 262144"; empty: none), LONG (131072), STEPS (4 below LONG, 2 from LONG
 # on), ROUNDS (1: every configuration once; a second round runs them in reverse order),
 # BIG (0), SEQ8B (65536), STEPS8B (3), BUDGET (570 seconds for the whole call: a run that
 # would start with less than 20 s left is skipped), UPIPE (DIR/bin/upipe), OUT (logs under
@@ -185,7 +186,9 @@ bench_row() {
     r0=$(date +%s)
     local order=(upipe) p v
     for v in "${variants[@]}"; do order+=("upipe-$v"); done
-    for p in $policies; do order+=("liger-$p" "hf-$p"); done
+    for p in $policies; do
+        for w in ${PEERS:-liger hf}; do order+=("$w-$p"); done
+    done
     local round cfgs cfg
     for round in $(seq "$rounds"); do
         cfgs=("${order[@]}")
@@ -221,7 +224,7 @@ for seq in $seqs; do
     row="1b-$seq"
     rows+=("$row")
     if [ "$seq" -lt "$long" ]; then
-        bench_row "$row" "$model1b" "$seq" "${STEPS:-4}" "$mesh1b" "none ckpt"
+        bench_row "$row" "$model1b" "$seq" "${STEPS:-4}" "$mesh1b" "${SHORT_POLICIES:-none ckpt}"
     else
         bench_row "$row" "$model1b" "$seq" "${STEPS:-2}" "$mesh1b --checkpoint" "ckpt"
     fi
