@@ -313,7 +313,7 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
             config: config.clone(),
             from: None,
         };
-        run.check(&spec.model, frozen, spec.fsdp)?;
+        run.check(&spec.model, frozen)?;
     }
     let units = unit_slots(&spec.model, spec.fsdp, shard_world, frozen, lora);
     let (device_elems, host_slots) = split_state(&units, layers, host_units);
