@@ -198,8 +198,8 @@ fn the_planner_predicts_a_lora_run_to_the_byte() {
 }
 
 /// On the CUDA allocation rules (bf16 activations and weights, F32
-/// masters, cast copies), with every target and with one, walk and engine
-/// agree to the byte on every ring role.
+/// masters, cast copies), with every target and with one, replicated and
+/// under FSDP, walk and engine agree to the byte on every ring role.
 #[test]
 fn walk_and_engine_agree_on_lora_runs_on_cuda() {
     let runs = [
@@ -217,13 +217,19 @@ fn walk_and_engine_agree_on_lora_runs_on_cuda() {
         checkpointed(),
         optimizer_on_host(2),
     ];
-    for device in [DeviceKind::Cuda, DeviceKind::CudaNative] {
+    for (device, fsdp) in [
+        (DeviceKind::Cuda, false),
+        (DeviceKind::CudaNative, false),
+        (DeviceKind::Cuda, true),
+    ] {
         for ((m, mesh, lora), policy) in runs.iter().flat_map(|r| policies.map(|p| (r, p))) {
             let cfg = config(m, *mesh, lora, policy);
             let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), device);
-            spec.grad_accum = 2;
+            // under FSDP the later sequence adds its reduce-scatters into the shards
+            (spec.grad_accum, spec.fsdp) = (2, fsdp);
             for r in 0..mesh.2 {
-                let what = format!("{device:?} {mesh:?} {lora} {policy:?} ring rank {r}");
+                let what =
+                    format!("{device:?} FSDP {fsdp} {mesh:?} {lora} {policy:?} ring rank {r}");
                 let walk = walk_step_rank(&spec, r).unwrap();
                 assert_eq!(walk, engine_step_rank(&spec, r).unwrap(), "{what}");
             }
@@ -275,10 +281,25 @@ fn the_planner_predicts_a_sharded_lora_run_to_the_byte() {
     };
     let all_on_host = optimizer_on_host(MemoryPolicy::optimizer_units(layers));
     let cases = [
-        ((Strategy::Upipe, 2, 1), lora("all-linear"), MemoryPolicy::default(), 1),
-        ((Strategy::Upipe, 2, 2), lora("q_proj,v_proj"), checkpointed(), 1),
+        (
+            (Strategy::Upipe, 2, 1),
+            lora("all-linear"),
+            MemoryPolicy::default(),
+            1,
+        ),
+        (
+            (Strategy::Upipe, 2, 2),
+            lora("q_proj,v_proj"),
+            checkpointed(),
+            1,
+        ),
         ((Strategy::Upipe, 2, 1), lora("all-linear"), all_on_host, 1),
-        ((Strategy::Local, 1, 1), lora_of_rank(3, "o_proj,down_proj"), tiled, 3),
+        (
+            (Strategy::Local, 1, 1),
+            lora_of_rank(3, "o_proj,down_proj"),
+            tiled,
+            3,
+        ),
     ];
     for (mesh, lora, policy, data) in cases {
         let what = format!("{mesh:?} data {data} {lora} {policy:?}");
@@ -290,7 +311,11 @@ fn the_planner_predicts_a_sharded_lora_run_to_the_byte() {
         let shard: usize = (0..m.layers)
             .map(|l| upipe::train::fsdp::UnitLayout::adapters(&m, &lora, l, world).shard)
             .sum();
-        assert_eq!(at_end(&run.memory, Category::Grads), shard * 4, "{what}: grads");
+        assert_eq!(
+            at_end(&run.memory, Category::Grads),
+            shard * 4,
+            "{what}: grads"
+        );
         let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cpu);
         assert!(spec.fsdp && spec.lora.as_ref() == Some(&lora), "{what}");
         let engine = predict_step_rank(&spec, 0).unwrap();

@@ -4,9 +4,9 @@
 
 use super::sim::{Buf, Sim};
 use crate::backend::Category::{Comm, Grads, Weights};
+use crate::model::flat_layout::layouts_with_adapters;
 use crate::model::lora::LoraConfig;
 use crate::model::{Freeze, ModelConfig, Unit};
-use crate::model::flat_layout::layouts_with_adapters;
 use crate::train::fsdp::UnitLayout;
 use crate::train::fsdp::adapters::adapter_unit;
 use std::collections::VecDeque;
@@ -289,7 +289,12 @@ impl StoreWalk for FsdpWalk {
         let mut params = Vec::new();
         for (j, flat) in units.zip(recv) {
             let layout = &self.layouts[j];
-            params.extend(layout.params.iter().map(|p| sim.alloc(Weights, p.numel() * self.ab)));
+            params.extend(
+                layout
+                    .params
+                    .iter()
+                    .map(|p| sim.alloc(Weights, p.numel() * self.ab)),
+            );
             sim.free(flat);
         }
         self.gathered[i] = Some(params);
