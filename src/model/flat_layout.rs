@@ -231,6 +231,28 @@ mod tests {
         assert_eq!(head.params.len(), 1, "a tied head is the final norm only");
     }
 
+    #[test]
+    fn adapter_units_follow_the_base_units_in_peft_order() {
+        use crate::model::lora::LoraTarget;
+        let c = cfg(false);
+        let lora = LoraConfig::new(2, 4.0, false, vec![LoraTarget::Q, LoraTarget::Down]).unwrap();
+        let all = layouts_with_adapters(&c, Some(&lora), 3);
+        assert_eq!(all.len(), 2 * c.layers + 2);
+        let a = &all[c.layers + 3];
+        assert!(a.adapters && a.unit == Unit::Block(1) && a.key() == "layers.1.lora");
+        let names: Vec<&str> = a.params.iter().map(|p| p.name.as_str()).collect();
+        let want = [
+            tensor_name(1, LoraTarget::Q, Factor::A),
+            tensor_name(1, LoraTarget::Q, Factor::B),
+            tensor_name(1, LoraTarget::Down, Factor::A),
+            tensor_name(1, LoraTarget::Down, Factor::B),
+        ];
+        assert_eq!(names, want.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(a.numel, lora.params_per_block(&c));
+        assert_eq!(a.shard, a.numel.div_ceil(3));
+        assert_eq!(layouts_with_adapters(&c, None, 3), model_layouts(&c, 3));
+    }
+
     proptest! {
         /// The ranks' segments tile every parameter exactly, in order, inside
         /// their shards; padding is less than one element per rank.
