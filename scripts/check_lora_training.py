@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """upipe's LoRA training checked against PyTorch + PEFT, in f32 on the CPU:
 
-    python3 scripts/check_lora_training.py UPIPE_BINARY [--family llama|qwen2]
+    python3 scripts/check_lora_training.py UPIPE_BINARY [--family llama|qwen2] [--fsdp on]
 
 It makes a small random HF model (Llama; or Qwen2 with q/k/v biases, tied
 embeddings and an rsLoRA adapter), a PEFT adapter on all seven targets with
@@ -97,8 +97,9 @@ def upipe_eval(binary: str, base: str, adapter: str, ids: str) -> float:
     return json.loads(out.strip().splitlines()[-1])["loss"]
 
 
-def upipe_train(binary, root, base, adapter, ids, clip, attn, merged=None):
-    """Six steps from `adapter`; the save directory and each step's metrics."""
+def upipe_train(binary, root, base, adapter, ids, clip, attn, merged=None, fsdp="auto"):
+    """Six steps from `adapter` (`fsdp`: upipe's `--fsdp`); the save
+    directory and each step's metrics."""
     out = os.path.join(root, f"out-{attn}")
     m = out + ".jsonl"
     args = ["train", "--device", "cpu", "--attn", attn, "--model", base, "--init-from", base,
@@ -106,7 +107,7 @@ def upipe_train(binary, root, base, adapter, ids, clip, attn, merged=None):
             "--steps", str(STEPS), "--lr", str(LR), "--warmup", str(WARMUP),
             "--min-lr", str(MIN_LR), "--schedule", "cosine", "--clip", str(clip),
             "--weight-decay", str(WD), "--betas", f"{BETAS[0]},{BETAS[1]}", "--eps", str(EPS),
-            "--save-dtype", "f32", "--save-dir", out, "--metrics", m]
+            "--save-dtype", "f32", "--save-dir", out, "--metrics", m, "--fsdp", fsdp]
     upipe(binary, *args, *(["--merge-lora", merged] if merged else []))
     with open(m) as f:
         return out, [json.loads(line) for line in f if line.startswith("{")]
@@ -204,6 +205,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("upipe", help="the upipe binary")
     ap.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    ap.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
+                    help="upipe train's --fsdp (on: the base and the adapters sharded)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="upipe-lora-")
     base, adapter, ids, window = make_inputs(root, args.family)
@@ -223,7 +226,7 @@ def main() -> None:
     merged = os.path.join(root, "merged")
     for attn in ["local", "upipe"]:
         out, steps = upipe_train(args.upipe, root, base, adapter, ids, clip, attn,
-                                 merged if attn == "local" else None)
+                                 merged if attn == "local" else None, args.fsdp)
         check_steps(attn, steps, losses, norms, lrs, factors, out)
     check("six steps lower the loss", losses[-1] < losses[0], f"{losses[0]:.6f} -> {losses[-1]:.6f}")
     out = os.path.join(root, "out-local")

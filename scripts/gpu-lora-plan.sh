@@ -10,8 +10,10 @@
 # host): four steps with --json, the measured peak beside the planner's
 # (`predicted_peak_bytes`, the preflight's prediction); a ROW per run.
 # DEVICE, MODEL, SEQ override the run (DEVICE=cpu MODEL=tiny SEQ=256: a dry
-# run on the CPU, where the two are equal to the byte). Exits 1 when a peak
-# differs from its prediction.
+# run on the CPU, where the two are equal to the byte); EXTRA adds flags to
+# every run (EXTRA="--fsdp on" on a machine of 2 GPUs: the base and the
+# adapters sharded over both). Exits 1 when a peak differs from its
+# prediction.
 set -u
 upipe="${1:-gpu-bundle/bin/upipe}"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
@@ -21,6 +23,8 @@ rm -rf "$work"
 mkdir -p "$work"
 status=0
 common=(--device "${DEVICE:-cuda}" --model "${MODEL:-llama3.2-1b}" --seq "${SEQ:-8192}" --checkpoint --seed 3 --steps 4 --json)
+# shellcheck disable=SC2206
+common+=(${EXTRA:-})
 { date -u; nvidia-smi -L; } 2>&1
 
 # the highest measured peak and the prediction of the last step (bytes)

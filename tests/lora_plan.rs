@@ -198,8 +198,8 @@ fn the_planner_predicts_a_lora_run_to_the_byte() {
 }
 
 /// On the CUDA allocation rules (bf16 activations and weights, F32
-/// masters, cast copies), with every target and with one, walk and engine
-/// agree to the byte on every ring role.
+/// masters, cast copies), with every target and with one, replicated and
+/// under FSDP, walk and engine agree to the byte on every ring role.
 #[test]
 fn walk_and_engine_agree_on_lora_runs_on_cuda() {
     let runs = [
@@ -217,13 +217,19 @@ fn walk_and_engine_agree_on_lora_runs_on_cuda() {
         checkpointed(),
         optimizer_on_host(2),
     ];
-    for device in [DeviceKind::Cuda, DeviceKind::CudaNative] {
+    for (device, fsdp) in [
+        (DeviceKind::Cuda, false),
+        (DeviceKind::CudaNative, false),
+        (DeviceKind::Cuda, true),
+    ] {
         for ((m, mesh, lora), policy) in runs.iter().flat_map(|r| policies.map(|p| (r, p))) {
             let cfg = config(m, *mesh, lora, policy);
             let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), device);
-            spec.grad_accum = 2;
+            // under FSDP the later sequence adds its reduce-scatters into the shards
+            (spec.grad_accum, spec.fsdp) = (2, fsdp);
             for r in 0..mesh.2 {
-                let what = format!("{device:?} {mesh:?} {lora} {policy:?} ring rank {r}");
+                let what =
+                    format!("{device:?} FSDP {fsdp} {mesh:?} {lora} {policy:?} ring rank {r}");
                 let walk = walk_step_rank(&spec, r).unwrap();
                 assert_eq!(walk, engine_step_rank(&spec, r).unwrap(), "{what}");
             }
@@ -252,12 +258,73 @@ fn a_lora_step_needs_less_than_full_fine_tuning() {
         q < all && all < full,
         "q {q}, all-linear {all}, full {full}"
     );
-    // FSDP is refused for a LoRA step, naming the flag
+    // under FSDP the frozen base is sharded too: less than replicated
     let cfg = config(&m, mesh, &lora("q_proj"), MemoryPolicy::default());
     let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cuda);
     spec.fsdp = true;
-    let e = walk_step_rank(&spec, 0).unwrap_err().to_string();
-    assert!(e.contains("--fsdp off"), "{e}");
+    let sharded = walk_step_rank(&spec, 0).unwrap();
+    assert_eq!(sharded, engine_step_rank(&spec, 0).unwrap());
+    assert!(sharded.peak < q, "FSDP {} vs replicated {q}", sharded.peak);
+}
+
+/// A LoRA run under FSDP (the frozen base sharded, each block's adapters an
+/// adapter unit with F32 gradient shards and AdamW state over its shard):
+/// the ledger holds the adapter shards' gradients and state and nothing of
+/// the base's, and walk, engine and a real run agree to the byte, with
+/// checkpointing, offload, tiled MLP, saved attention and the host optimizer.
+#[test]
+fn the_planner_predicts_a_sharded_lora_run_to_the_byte() {
+    let layers = tiny(false).layers;
+    let tiled = MemoryPolicy {
+        tiled_mlp: true,
+        ..optimizer_on_host(2)
+    };
+    let all_on_host = optimizer_on_host(MemoryPolicy::optimizer_units(layers));
+    let cases = [
+        (
+            (Strategy::Upipe, 2, 1),
+            lora("all-linear"),
+            MemoryPolicy::default(),
+            1,
+        ),
+        (
+            (Strategy::Upipe, 2, 2),
+            lora("q_proj,v_proj"),
+            checkpointed(),
+            1,
+        ),
+        ((Strategy::Upipe, 2, 1), lora("all-linear"), all_on_host, 1),
+        (
+            (Strategy::Local, 1, 1),
+            lora_of_rank(3, "o_proj,down_proj"),
+            tiled,
+            3,
+        ),
+    ];
+    for (mesh, lora, policy, data) in cases {
+        let what = format!("{mesh:?} data {data} {lora} {policy:?}");
+        let m = tiny(false);
+        let mut cfg = config(&m, mesh, &lora, policy);
+        (cfg.fsdp, cfg.data_parallel) = (true, data);
+        let run = train_cpu(&cfg, tokens(m.vocab), &|_| {}).unwrap();
+        let world = data * mesh.1 * mesh.2;
+        let shard: usize = (0..m.layers)
+            .map(|l| upipe::train::fsdp::UnitLayout::adapters(&m, &lora, l, world).shard)
+            .sum();
+        assert_eq!(
+            at_end(&run.memory, Category::Grads),
+            shard * 4,
+            "{what}: grads"
+        );
+        let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cpu);
+        assert!(spec.fsdp && spec.lora.as_ref() == Some(&lora), "{what}");
+        let engine = predict_step_rank(&spec, 0).unwrap();
+        let walk = walk_step_rank(&spec, 0).unwrap();
+        assert_eq!(walk, engine, "{what}: walk vs engine");
+        assert_eq!(engine.peak, run.memory.peak, "{what}: device peak");
+        assert_eq!(engine.host_peak, run.memory.host_peak, "{what}: host peak");
+        assert_eq!(engine.peak_at, run.memory.peak_at, "{what}: where");
+    }
 }
 
 /// `A` parsed from `argv` (the flags after the subcommand).
@@ -268,7 +335,7 @@ fn parse<A: clap::Args + clap::FromArgMatches>(argv: &[&str]) -> A {
 
 /// `upipe plan --lora-rank ...` predicts the LoRA run: its request carries
 /// the adapters and the frozen base, never shards, and needs less than
-/// full fine-tuning; `--fsdp on` and `--freeze` with it are refused.
+/// full fine-tuning; `--fsdp on` shards it; `--freeze` with it is refused.
 #[test]
 fn upipe_plan_takes_the_lora_flags() {
     let base = ["--model", "tiny", "--gpus", "2", "--device", "cpu"];
@@ -291,8 +358,12 @@ fn upipe_plan_takes_the_lora_flags() {
     assert_eq!(run.prediction, predict_step(&run.spec).unwrap());
     let full = resolve_run(&with(&[]).unwrap(), Depth::Run).unwrap();
     assert!(run.prediction.peak < full.prediction.peak);
-    let e = with(&[&lora_flags[..], &["--fsdp", "on"]].concat()).unwrap_err();
-    assert!(e.to_string().contains("--fsdp off"), "{e}");
+    // `--fsdp on` shards the frozen base and the adapters
+    let sharded = with(&[&lora_flags[..], &["--fsdp", "on"]].concat()).unwrap();
+    let sharded = resolve_run(&sharded, Depth::Run).unwrap();
+    assert!(sharded.spec.fsdp);
+    assert_eq!(sharded.spec.lora, req.lora);
+    assert_eq!(sharded.prediction, predict_step(&sharded.spec).unwrap());
     let e = with(&[&lora_flags[..], &["--freeze", "attn"]].concat()).unwrap_err();
     assert!(e.to_string().contains("leave --freeze out"), "{e}");
 }

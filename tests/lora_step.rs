@@ -288,14 +288,6 @@ fn bad_lora_settings_are_refused() {
         .plan()
         .unwrap_err();
     assert!(e.to_string().contains("k_proj"), "{e}");
-    let mut fsdp = run_config(
-        &m,
-        (Strategy::Local, 1, 1),
-        Some(&lora_config(&[LoraTarget::Q])),
-    );
-    fsdp.fsdp = true;
-    let e = fsdp.plan().unwrap_err().to_string();
-    assert!(e.contains("--fsdp off"), "{e}");
     let mut partial = run_config(
         &m,
         (Strategy::Local, 1, 1),

@@ -5,7 +5,8 @@
 //!   `--save-dtype`, written by the lead rank one file at a time as the units are gathered, so no rank
 //!   ever holds more than one file's tensors.
 //! - Optimizer: one file per rank, `optimizer.rank{r}-of-{W}.safetensors`,
-//!   holding that rank's `[shard]` of every unit (`exp_avg.<unit>`,
+//!   holding that rank's `[shard]` of every unit (`exp_avg.<unit>`; a LoRA
+//!   run's adapter units `<unit>.lora`,
 //!   `exp_avg_sq.<unit>`, and `master.<unit>`, F32, where the optimizer
 //!   keeps masters or the weight files are narrower than the shards).
 //! - `state.json` last, with the world size: a directory whose state.json is
@@ -17,7 +18,7 @@
 use crate::checkpoint::ranged::RangedFile;
 use crate::checkpoint::{HostTensor, SaveDtype, save_safetensors};
 use crate::error::{Error, Result};
-use crate::model::flat_layout::{UnitLayout, pieces, unit_key};
+use crate::model::flat_layout::{UnitLayout, pieces};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 
@@ -132,7 +133,7 @@ impl SavedOptimizer {
     pub fn has_master(&self, unit: &UnitLayout) -> bool {
         match self {
             SavedOptimizer::Sharded { files, .. } => {
-                files[0].contains(&format!("master.{}", unit_key(unit.unit)))
+                files[0].contains(&format!("master.{}", unit.key()))
             }
             SavedOptimizer::Whole(f) => unit
                 .params
@@ -149,7 +150,7 @@ impl SavedOptimizer {
         match self {
             SavedOptimizer::Sharded { files, world } => {
                 let old_shard = unit.numel.div_ceil(*world);
-                let key = format!("{kind}.{}", unit_key(unit.unit));
+                let key = format!("{kind}.{}", unit.key());
                 for (r, piece) in pieces(&real, old_shard) {
                     let f = files.get(r).ok_or_else(|| {
                         Error::Checkpoint(format!("{key}: old rank {r} has no file"))

@@ -485,7 +485,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         (fsdp, fsdp_note) = (false, None);
     }
     if let Some(run) = &lora_run {
-        run.check(&model, &freeze, fsdp)?;
+        run.check(&model, &freeze)?;
     }
     let lora = lora_run.map(|l| l.config);
     if a.fsdp_replicate == 0

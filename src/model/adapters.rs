@@ -24,7 +24,7 @@ impl<P> Default for MlpAdapters<P> {
 }
 
 /// The slot of `target` in a block's attention and MLP adapters.
-pub(super) fn slot_mut<'a, P>(
+pub fn slot_mut<'a, P>(
     attn: &'a mut AttnAdapters<P>,
     mlp: &'a mut MlpAdapters<P>,
     target: LoraTarget,

@@ -5,7 +5,13 @@
 //! elements `[r·shard, (r+1)·shard)`. The layout depends on `W` only through
 //! the padding, so a checkpoint saved on one world size re-shards onto
 //! another by intersecting ranges ([`pieces`]).
+//!
+//! A LoRA run's adapters (`--lora-rank`) form a unit of their own per block
+//! (an adapter unit, [`UnitLayout::adapters`]): the block's `lora_A`/`lora_B`
+//! factors end to end under PEFT's names, sharded, gathered with the block
+//! and trained while the block's base unit stays frozen.
 
+use crate::model::lora::{Factor, LoraConfig, tensor_name};
 use crate::model::{ModelConfig, Unit};
 use std::ops::Range;
 
@@ -44,6 +50,9 @@ pub struct Segment {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnitLayout {
     pub unit: Unit,
+    /// Whether this is a block's adapter unit (its LoRA factors) rather
+    /// than the unit's base parameters.
+    pub adapters: bool,
     pub params: Vec<ParamSlot>,
     /// Elements without padding.
     pub numel: usize,
@@ -55,9 +64,32 @@ pub struct UnitLayout {
 impl UnitLayout {
     /// `unit` of `cfg`, sharded over `world` ranks.
     pub fn new(cfg: &ModelConfig, unit: Unit, world: usize) -> Self {
+        Self::of_params(unit, false, unit_params(cfg, unit), world)
+    }
+
+    /// Block `layer`'s adapter unit of `lora` over `world` ranks: `lora_A`
+    /// then `lora_B` of each target, in target order (the order of
+    /// `BlockWeights::adapter_tensors`), under PEFT's names.
+    pub fn adapters(cfg: &ModelConfig, lora: &LoraConfig, layer: usize, world: usize) -> Self {
+        let params = lora.targets.iter().flat_map(|&t| {
+            let [a, b] = lora.factor_shapes(cfg, t);
+            [
+                (tensor_name(layer, t, Factor::A), a.to_vec()),
+                (tensor_name(layer, t, Factor::B), b.to_vec()),
+            ]
+        });
+        Self::of_params(Unit::Block(layer), true, params.collect(), world)
+    }
+
+    fn of_params(
+        unit: Unit,
+        adapters: bool,
+        named: Vec<(String, Vec<usize>)>,
+        world: usize,
+    ) -> Self {
         let mut params = Vec::new();
         let mut offset = 0;
-        for (name, shape) in unit_params(cfg, unit) {
+        for (name, shape) in named {
             let slot = ParamSlot {
                 name,
                 shape,
@@ -69,10 +101,20 @@ impl UnitLayout {
         let world = world.max(1);
         UnitLayout {
             unit,
+            adapters,
             params,
             numel: offset,
             world,
             shard: offset.div_ceil(world),
+        }
+    }
+
+    /// A short, file-name-safe name (`layers.3`; `layers.3.lora` for its
+    /// adapter unit).
+    pub fn key(&self) -> String {
+        match self.adapters {
+            true => format!("{}.lora", unit_key(self.unit)),
+            false => unit_key(self.unit),
         }
     }
 
@@ -119,6 +161,20 @@ pub fn model_layouts(cfg: &ModelConfig, world: usize) -> Vec<UnitLayout> {
         .into_iter()
         .map(|u| UnitLayout::new(cfg, u, world))
         .collect()
+}
+
+/// [`model_layouts`] followed, with `lora`, by every block's adapter unit
+/// (block `l`'s at index `layers + 2 + l`).
+pub fn layouts_with_adapters(
+    cfg: &ModelConfig,
+    lora: Option<&LoraConfig>,
+    world: usize,
+) -> Vec<UnitLayout> {
+    let mut v = model_layouts(cfg, world);
+    if let Some(lora) = lora {
+        v.extend((0..cfg.layers).map(|l| UnitLayout::adapters(cfg, lora, l, world)));
+    }
+    v
 }
 
 /// The common part of two ranges, if any.
@@ -173,6 +229,28 @@ mod tests {
         }
         let head = UnitLayout::new(&cfg(true), Unit::Head, 2);
         assert_eq!(head.params.len(), 1, "a tied head is the final norm only");
+    }
+
+    #[test]
+    fn adapter_units_follow_the_base_units_in_peft_order() {
+        use crate::model::lora::LoraTarget;
+        let c = cfg(false);
+        let lora = LoraConfig::new(2, 4.0, false, vec![LoraTarget::Q, LoraTarget::Down]).unwrap();
+        let all = layouts_with_adapters(&c, Some(&lora), 3);
+        assert_eq!(all.len(), 2 * c.layers + 2);
+        let a = &all[c.layers + 3];
+        assert!(a.adapters && a.unit == Unit::Block(1) && a.key() == "layers.1.lora");
+        let names: Vec<&str> = a.params.iter().map(|p| p.name.as_str()).collect();
+        let want = [
+            tensor_name(1, LoraTarget::Q, Factor::A),
+            tensor_name(1, LoraTarget::Q, Factor::B),
+            tensor_name(1, LoraTarget::Down, Factor::A),
+            tensor_name(1, LoraTarget::Down, Factor::B),
+        ];
+        assert_eq!(names, want.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(a.numel, lora.params_per_block(&c));
+        assert_eq!(a.shard, a.numel.div_ceil(3));
+        assert_eq!(layouts_with_adapters(&c, None, 3), model_layouts(&c, 3));
     }
 
     proptest! {

@@ -313,7 +313,7 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
             config: config.clone(),
             from: None,
         };
-        run.check(&spec.model, frozen, spec.fsdp)?;
+        run.check(&spec.model, frozen)?;
     }
     let units = unit_slots(&spec.model, spec.fsdp, shard_world, frozen, lora);
     let (device_elems, host_slots) = split_state(&units, layers, host_units);
@@ -324,6 +324,7 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
             ab,
             states * device_elems,
             frozen,
+            lora,
             &mut sim,
         );
         offload_optim::host_state(&mut sim, &host_slots, ab);
@@ -358,7 +359,14 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
         for i in 0..spec.grad_accum.max(1) {
             let mut store: Box<dyn StoreWalk> = if spec.fsdp {
                 // later sequences of a step add their reduce-scatters into the shards
-                Box::new(FsdpWalk::new(&spec.model, shard_world, ab, i == 0, frozen))
+                Box::new(FsdpWalk::new(
+                    &spec.model,
+                    shard_world,
+                    ab,
+                    i == 0,
+                    frozen,
+                    lora,
+                ))
             } else {
                 Box::new(ReplicatedWalk::new(
                     &spec.model,

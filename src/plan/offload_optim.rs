@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::model::lora::LoraConfig;
 use crate::model::{Freeze, MemoryPolicy, ModelConfig, Unit};
 use crate::optim::settling::{next_in_forward, state_on_host, update_index, update_order};
-use crate::train::fsdp::model_layouts;
+use crate::train::fsdp::{UnitLayout, model_layouts};
 
 const F32: usize = 4;
 
@@ -123,7 +123,8 @@ pub fn optimizer_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
 /// The optimizer's slots of each unit, in model order: the elements of
 /// each trainable parameter tensor (`ModelWeights::named` order: a block's
 /// LoRA factors, `lora`, after its base tensors), or with `fsdp` the unit's
-/// shard over `shard_world` ranks; none for what `frozen` freezes.
+/// shard over `shard_world` ranks (a block's adapter unit's shard after
+/// it); none for what `frozen` freezes.
 pub fn unit_slots(
     cfg: &ModelConfig,
     fsdp: bool,
@@ -146,8 +147,13 @@ pub fn unit_slots(
                 true => vec![u.shard],
                 false => trained.filter(|(t, _)| *t).map(|(_, n)| n).collect(),
             };
-            if matches!(u.unit, Unit::Block(_)) {
-                slots.extend_from_slice(&adapters);
+            match (u.unit, lora) {
+                // FSDP: the block's adapter unit, one shard (`FsdpStore::slots`)
+                (Unit::Block(l), Some(lora)) if fsdp => {
+                    slots.push(UnitLayout::adapters(cfg, lora, l, world).shard)
+                }
+                (Unit::Block(_), _) => slots.extend_from_slice(&adapters),
+                _ => {}
             }
             (u.unit, slots)
         })

@@ -367,12 +367,12 @@ impl<'a> Resolution<'a> {
                 req.freeze
             ));
         }
-        // adapters train beside a replicated base (`LoraRun::check`)
+        // `auto` keeps a LoRA run's frozen base replicated (`--fsdp on` shards it)
         if req.lora.is_some() && req.fsdp == FsdpMode::Auto && fsdp {
             fsdp = false;
             note = Some(
                 "--fsdp auto: not sharding, as a LoRA run (--lora-rank) keeps the frozen base \
-                 replicated (it has no gradient or optimizer state to shard)"
+                 replicated (it has no gradient or optimizer state to shard; --fsdp on shards it)"
                     .into(),
             );
         }

@@ -4,9 +4,11 @@
 
 use super::sim::{Buf, Sim};
 use crate::backend::Category::{Comm, Grads, Weights};
+use crate::model::flat_layout::layouts_with_adapters;
 use crate::model::lora::LoraConfig;
 use crate::model::{Freeze, ModelConfig, Unit};
-use crate::train::fsdp::{UnitLayout, model_layouts};
+use crate::train::fsdp::UnitLayout;
+use crate::train::fsdp::adapters::adapter_unit;
 use std::collections::VecDeque;
 
 const F32: usize = 4;
@@ -120,19 +122,26 @@ impl StoreWalk for ReplicatedWalk {
 }
 
 /// `FsdpStore`: gathers (one prefetched while fewer than two units are
-/// alive), per-parameter tensors of the gathered units, the step's full
-/// gradients and reduce-scatter buffers.
+/// alive; a block's adapter unit with the block), per-parameter tensors of
+/// the gathered units, the step's full gradients and reduce-scatter buffers.
 pub struct FsdpWalk {
     cfg: ModelConfig,
+    /// The units' layouts, each block's adapter unit after the base units
+    /// (a LoRA run).
     layouts: Vec<UnitLayout>,
-    /// Whether each unit is trained (FSDP freezes whole units).
+    /// Whether each layout is trained (FSDP freezes whole units; adapters train).
     trained: Vec<bool>,
+    /// Whether the blocks have adapter units.
+    adapters: bool,
     /// Compute-dtype bytes per element.
     ab: usize,
     gathered: Vec<Option<Vec<Buf>>>,
-    prefetch: Option<(usize, Buf)>,
+    /// The gather in flight: its unit and receive buffers (the block's,
+    /// then its adapters').
+    prefetch: Option<(usize, Vec<Buf>)>,
     order: VecDeque<Unit>,
-    block_g: Option<Vec<Buf>>,
+    /// A block's gradients: its parameters' (when trained), its adapters'.
+    block_g: Option<(Vec<Buf>, Vec<Buf>)>,
     embed_g: Option<Buf>,
     head_g: Option<Vec<Buf>>,
     grad_written: Vec<bool>,
@@ -144,15 +153,21 @@ pub struct FsdpWalk {
 impl FsdpWalk {
     /// `fresh`: the step's first sequence (its reduce-scatters overwrite the
     /// gradient shards; later ones add through a receive buffer).
-    pub fn new(cfg: &ModelConfig, world: usize, ab: usize, fresh: bool, frozen: &Freeze) -> Self {
-        let layouts = model_layouts(cfg, world);
+    /// `lora`: the adapters each block trains.
+    pub fn new(
+        cfg: &ModelConfig,
+        world: usize,
+        ab: usize,
+        fresh: bool,
+        frozen: &Freeze,
+        lora: Option<&LoraConfig>,
+    ) -> Self {
+        let layouts = layouts_with_adapters(cfg, lora, world);
         let n = layouts.len();
         FsdpWalk {
             cfg: cfg.clone(),
-            trained: layouts
-                .iter()
-                .map(|u| !frozen.unit_frozen(cfg, u.unit))
-                .collect(),
+            trained: trained_layouts(cfg, &layouts, frozen),
+            adapters: lora.is_some(),
             layouts,
             ab,
             gathered: vec![None; n],
@@ -166,23 +181,26 @@ impl FsdpWalk {
         }
     }
 
-    /// The resident shards (`FsdpStore::new`, `AdamW::new` over its slots): parameters,
-    /// F32 gradients of the units `frozen` leaves trained, and `optim_elems`
-    /// F32 elements of optimizer state on the device (every state of the
-    /// units that keep theirs there).
+    /// The resident shards (`FsdpStore::new`, `AdamW::new` over its slots): parameters
+    /// (with `lora`, each block's adapter unit's too), F32 gradients of the
+    /// units `frozen` leaves trained and of the adapter units, and
+    /// `optim_elems` F32 elements of optimizer state on the device (every
+    /// state of the units that keep theirs there).
     pub fn resident(
         cfg: &ModelConfig,
         world: usize,
         ab: usize,
         optim_elems: usize,
         frozen: &Freeze,
+        lora: Option<&LoraConfig>,
         sim: &mut Sim,
     ) {
-        let layouts = model_layouts(cfg, world);
+        let layouts = layouts_with_adapters(cfg, lora, world);
         let shard: usize = layouts.iter().map(|u| u.shard).sum();
         sim.alloc(Weights, shard * ab);
-        let trained = layouts.iter().filter(|u| !frozen.unit_frozen(cfg, u.unit));
-        sim.alloc(Grads, trained.map(|u| u.shard).sum::<usize>() * F32);
+        let trained = trained_layouts(cfg, &layouts, frozen);
+        let trained = layouts.iter().zip(trained).filter(|(_, t)| *t);
+        sim.alloc(Grads, trained.map(|(u, _)| u.shard).sum::<usize>() * F32);
         if optim_elems > 0 {
             sim.alloc(crate::backend::Category::OptimState, optim_elems * F32);
         }
@@ -192,8 +210,38 @@ impl FsdpWalk {
         u.index(self.cfg.layers)
     }
 
-    fn start_gather(&self, sim: &mut Sim, i: usize) -> Buf {
-        sim.alloc(Comm, self.layouts[i].padded() * self.ab)
+    /// Block `l`'s adapter unit, if the blocks have adapters.
+    fn adapters_of(&self, unit: Unit) -> Option<usize> {
+        match unit {
+            Unit::Block(l) if self.adapters => Some(adapter_unit(self.cfg.layers, l)),
+            _ => None,
+        }
+    }
+
+    /// The receive buffers of unit `i`'s gathers (its adapters' after it).
+    fn start_gather(&self, sim: &mut Sim, i: usize) -> Vec<Buf> {
+        let adapters = self.adapters_of(self.layouts[i].unit);
+        let units = std::iter::once(i).chain(adapters);
+        units
+            .map(|j| sim.alloc(Comm, self.layouts[j].padded() * self.ab))
+            .collect()
+    }
+
+    /// The reduce-scatter of layout `i`'s gradients `grads`, after the one
+    /// in flight.
+    fn reduce(&mut self, sim: &mut Sim, i: usize, grads: Vec<Buf>) {
+        self.wait_reduce(sim);
+        let flat = sim.alloc(Comm, self.layouts[i].padded() * F32);
+        for g in grads {
+            sim.free(g);
+        }
+        let recv = if self.grad_written[i] {
+            Some(sim.alloc(Comm, self.layouts[i].shard * F32))
+        } else {
+            None
+        };
+        self.grad_written[i] = true;
+        self.reducing = Some((flat, recv));
     }
 
     fn live(&self) -> usize {
@@ -215,6 +263,13 @@ impl FsdpWalk {
     }
 }
 
+/// Whether each of `layouts` is trained: an adapter unit always, a base
+/// unit unless `frozen` freezes it.
+fn trained_layouts(cfg: &ModelConfig, layouts: &[UnitLayout], frozen: &Freeze) -> Vec<bool> {
+    let trained = |u: &UnitLayout| u.adapters || !frozen.unit_frozen(cfg, u.unit);
+    layouts.iter().map(trained).collect()
+}
+
 impl StoreWalk for FsdpWalk {
     fn acquire(&mut self, sim: &mut Sim, unit: Unit) {
         let i = self.index(unit);
@@ -224,17 +279,24 @@ impl StoreWalk for FsdpWalk {
         let recv = match self.prefetch.take() {
             Some((j, b)) if j == i => b,
             Some((_, b)) => {
-                sim.free(b);
+                b.into_iter().for_each(|b| sim.free(b));
                 self.start_gather(sim, i)
             }
             None => self.start_gather(sim, i),
         };
-        let params = self.layouts[i]
-            .params
-            .iter()
-            .map(|p| sim.alloc(Weights, p.numel() * self.ab))
-            .collect();
-        sim.free(recv);
+        // each gathered flat buffer split into its parameters, then freed
+        let units = std::iter::once(i).chain(self.adapters_of(unit));
+        let mut params = Vec::new();
+        for (j, flat) in units.zip(recv) {
+            let layout = &self.layouts[j];
+            params.extend(
+                layout
+                    .params
+                    .iter()
+                    .map(|p| sim.alloc(Weights, p.numel() * self.ab)),
+            );
+            sim.free(flat);
+        }
         self.gathered[i] = Some(params);
         if let Some(&next) = self.order.front() {
             let j = self.index(next);
@@ -254,9 +316,14 @@ impl StoreWalk for FsdpWalk {
 
     fn block_grads(&mut self, sim: &mut Sim, l: usize) {
         let i = self.index(Unit::Block(l));
-        if self.block_g.is_none() && self.trained[i] {
-            let n: Vec<usize> = self.layouts[i].params.iter().map(|p| p.numel()).collect();
-            self.block_g = Some(self.grads(sim, n));
+        let adapters = self.adapters_of(Unit::Block(l));
+        if self.block_g.is_none() && (self.trained[i] || adapters.is_some()) {
+            let numels = |j: usize| self.layouts[j].params.iter().map(|p| p.numel()).collect();
+            let base: Vec<usize> = if self.trained[i] { numels(i) } else { vec![] };
+            let base = self.grads(sim, base);
+            let lora: Vec<usize> = adapters.map(numels).unwrap_or_default();
+            let lora = self.grads(sim, lora);
+            self.block_g = Some((base, lora));
         }
     }
 
@@ -287,26 +354,18 @@ impl StoreWalk for FsdpWalk {
 
     fn grads_done(&mut self, sim: &mut Sim, unit: Unit) {
         let i = self.index(unit);
-        let grads: Vec<Buf> = match unit {
-            Unit::Embed => self.embed_g.take().into_iter().collect(),
+        let (grads, lora): (Vec<Buf>, Vec<Buf>) = match unit {
+            Unit::Embed => (self.embed_g.take().into_iter().collect(), vec![]),
             Unit::Block(_) => self.block_g.take().unwrap_or_default(),
-            Unit::Head => self.head_g.take().unwrap_or_default(),
+            Unit::Head => (self.head_g.take().unwrap_or_default(), vec![]),
         };
-        if !self.trained[i] {
-            return; // a frozen unit: nothing reduce-scattered
+        // a frozen unit: nothing reduce-scattered
+        if self.trained[i] {
+            self.reduce(sim, i, grads);
         }
-        self.wait_reduce(sim);
-        let flat = sim.alloc(Comm, self.layouts[i].padded() * F32);
-        for g in grads {
-            sim.free(g);
+        if let Some(a) = self.adapters_of(unit) {
+            self.reduce(sim, a, lora);
         }
-        let recv = if self.grad_written[i] {
-            Some(sim.alloc(Comm, self.layouts[i].shard * F32))
-        } else {
-            None
-        };
-        self.grad_written[i] = true;
-        self.reducing = Some((flat, recv));
     }
 
     fn finish(&mut self, sim: &mut Sim) {

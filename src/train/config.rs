@@ -288,7 +288,7 @@ impl TrainConfig {
         self.model.validate()?;
         self.policy.validate_for(self.model.layers)?;
         match &self.lora {
-            Some(lora) => lora.check(&self.model, &self.freeze, self.fsdp)?,
+            Some(lora) => lora.check(&self.model, &self.freeze)?,
             None => self.freeze.check(&self.model)?,
         }
         if self.fsdp {

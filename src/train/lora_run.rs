@@ -26,15 +26,8 @@ pub struct LoraRun {
 impl LoraRun {
     /// Checks the adapter against `cfg`'s model and the run's `freeze`
     /// (which must leave the base frozen: adapters train, nothing else).
-    pub fn check(&self, cfg: &ModelConfig, freeze: &Freeze, fsdp: bool) -> Result<()> {
+    pub fn check(&self, cfg: &ModelConfig, freeze: &Freeze) -> Result<()> {
         self.config.validate(cfg)?;
-        if fsdp {
-            return crate::config_err!(
-                "--lora-rank: adapters train with replicated weights only; run with --fsdp off \
-                 (the frozen base needs no gradient or optimizer state, so it fits unsharded \
-                 where full fine-tuning needs FSDP)"
-            );
-        }
         if *freeze != Freeze::whole_base() {
             return crate::config_err!(
                 "--lora-rank freezes the whole base model; drop --freeze {freeze} (adapters \

@@ -353,7 +353,7 @@ impl<B: Backend> Replicated<'_, B> {
 
 /// A run's adapter config and the base model's name (its `--init-from`
 /// directory, else the model's name) for the adapter files it saves.
-fn lora_of(cfg: &TrainConfig) -> Option<(LoraConfig, String)> {
+pub(crate) fn lora_of(cfg: &TrainConfig) -> Option<(LoraConfig, String)> {
     let base = match &cfg.init_from {
         Some(dir) => dir.display().to_string(),
         None => cfg.model.name.clone(),

@@ -5,6 +5,7 @@
 //! `model::flat_layout`, the shards' files `checkpoint::sharded`; the
 //! optimizer updates the shards as its slots (`FsdpStore::slots`).
 
+pub mod adapters;
 pub mod sharded;
 pub mod store;
 

@@ -1,21 +1,26 @@
 //! A rank's sharded model with its optimizer: how a sharded run starts
-//! (random, `--init-from`, `--resume`), steps and saves.
+//! (random, `--init-from`, `--resume`; a LoRA run's adapters from PEFT's
+//! initialisation, `--lora-from` or the checkpoint), steps and saves (a
+//! LoRA run's adapter directory beside the checkpoint).
 
 use super::FsdpStore;
+use super::adapters::{host_values, values_of};
 use crate::backend::{Backend, Category, DType, Tensor};
+use crate::checkpoint::peft::{adapter_from_tensors, write_adapter};
 use crate::checkpoint::ranged::RangedModel;
 use crate::checkpoint::sharded::{self as ckpt, SavedOptimizer};
 use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, check_extra_tensors};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::model::flat_layout::unit_key;
+use crate::model::lora::{LoraConfig, PEFT_LAYER_PREFIX};
 use crate::model::{Decoder, RandomInit, Unit};
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Optimizer, StateKind, Update, slots_through};
 use crate::train::config::TrainConfig;
-use crate::train::replicated::Resumed;
+use crate::train::replicated::{Resumed, lora_of};
 use crate::train::state::{Micro, RankModel, pass};
 use serde_json::Value;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// FSDP shards and their optimizer.
@@ -26,6 +31,9 @@ pub struct Sharded<'a, B: Backend> {
     world: &'a dyn ProcessGroup<B>,
     /// How a checkpoint stores the weights (`--save-dtype`, shard size).
     files: ModelFiles,
+    /// The adapters' config and the base model's name, which a save
+    /// writes beside the checkpoint as a PEFT adapter directory.
+    lora: Option<(LoraConfig, String)>,
 }
 
 impl<'a, B: Backend> Sharded<'a, B> {
@@ -37,20 +45,31 @@ impl<'a, B: Backend> Sharded<'a, B> {
         let model = &cfg.model;
         let (group, replica) = (mesh.shard.as_ref(), mesh.replica.as_ref());
         let source = cfg.resume_dir().or(cfg.init_from.as_deref());
+        let adapters = initial_adapters(b, cfg)?;
+        let lora = cfg.lora.as_ref().map(|l| &l.config);
+        let frozen = &cfg.freeze;
         let store = match source {
             Some(dir) => {
                 let hf = RangedModel::open(dir)?;
                 for (name, shape) in model.hf_param_shapes() {
                     hf.check(&name, &shape)?;
                 }
-                check_extra_tensors(dir, model, hf.names(), cfg.extra_tensors)?;
-                let read = |name: &str, elems| hf.read(name, elems);
-                FsdpStore::with_frozen(b, model, group, replica, &cfg.freeze, read)?
+                // a LoRA checkpoint's adapters are its own (PEFT names), not extras
+                let ours = |n: &&str| lora.is_none() || !n.starts_with(PEFT_LAYER_PREFIX);
+                check_extra_tensors(dir, model, hf.names().filter(ours), cfg.extra_tensors)?;
+                let read = |name: &str, elems: std::ops::Range<usize>| {
+                    values_of(&adapters, name, elems.clone())
+                        .unwrap_or_else(|| hf.read(name, elems))
+                };
+                FsdpStore::with_adapters(b, model, group, replica, frozen, lora, read)?
             }
             None => {
                 let init = RandomInit::new(model, cfg.seed);
-                let init = |name: &str, elems| Ok(init.values(name, elems));
-                FsdpStore::with_frozen(b, model, group, replica, &cfg.freeze, init)?
+                let init = |name: &str, elems: std::ops::Range<usize>| {
+                    let random = || Ok(init.values(name, elems.clone()));
+                    values_of(&adapters, name, elems.clone()).unwrap_or_else(random)
+                };
+                FsdpStore::with_adapters(b, model, group, replica, frozen, lora, init)?
             }
         };
         let mut opt = optimizer(b, cfg, &store)?;
@@ -61,6 +80,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                     opt,
                     world: mesh.world.as_ref(),
                     files: cfg.model_files(),
+                    lora: lora_of(cfg),
                 },
                 None,
             ));
@@ -82,6 +102,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 opt,
                 world: mesh.world.as_ref(),
                 files: cfg.model_files(),
+                lora: lora_of(cfg),
             },
             Some(resumed),
         ))
@@ -143,7 +164,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
         };
         let slot_of = slot_of_units(&self.store);
         for (i, u) in self.store.layouts.iter().enumerate() {
-            let key = unit_key(u.unit);
+            let key = u.key();
             // a frozen unit keeps no optimizer state
             let state = slot_of[i].map(|k| self.opt.state(k)).unwrap_or_default();
             let has_master = state.iter().any(|(k, _)| *k == StateKind::Master);
@@ -162,6 +183,25 @@ impl<'a, B: Backend> Sharded<'a, B> {
         ckpt::write_weight_file(&ckpt::optimizer_file(dir, rank, world), &tensors)
     }
 
+    /// Writes a LoRA run's adapters as a PEFT adapter directory in `dir`
+    /// (collective: every rank gathers, the lead rank writes).
+    fn save_adapter(&self, b: &B, dir: &Path, lead: bool) -> Result<()> {
+        let Some((config, base)) = &self.lora else {
+            return Ok(());
+        };
+        let mut tensors = BTreeMap::new();
+        for (i, u) in self.store.layouts.iter().enumerate() {
+            if u.adapters {
+                tensors.extend(self.gather_to_host(b, i, lead)?);
+            }
+        }
+        if lead {
+            let weights = adapter_from_tensors(&tensors, config, &self.store.cfg, dir)?;
+            write_adapter(dir, &weights, base, self.files.dtype)?;
+        }
+        Ok(())
+    }
+
     /// Waits until every rank of the group gets here.
     fn barrier(&self, b: &B) -> Result<()> {
         let mut t = b.zeros(&[1], DType::F32, Category::Workspace)?;
@@ -177,6 +217,18 @@ impl<'a, B: Backend> Deferred<B, FsdpStore<'a, B>> for Box<dyn Optimizer<B>> {
         }
         let upto = slots_through(self.slots(), unit, store.layers());
         self.settle(b, &mut store.lend(), upto)
+    }
+}
+
+/// The adapters a LoRA run starts from by PEFT name (PEFT's initialisation
+/// or `--lora-from`'s); none for a resumed run (the checkpoint holds them),
+/// a rehearsal (nothing is initialised) or a run without adapters.
+fn initial_adapters<B: Backend>(b: &B, cfg: &TrainConfig) -> Result<BTreeMap<String, Vec<f32>>> {
+    match &cfg.lora {
+        Some(run) if cfg.resume_dir().is_none() && !b.rehearsing() => {
+            Ok(host_values(&run.initial(&cfg.model, cfg.seed)?))
+        }
+        _ => Ok(BTreeMap::new()),
     }
 }
 
@@ -297,6 +349,7 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         if self.store.replica.rank() == 0 {
             self.save_optimizer(b, dir)?;
         }
+        self.save_adapter(b, dir, lead)?;
         // every rank's files are complete before state.json marks the checkpoint
         self.barrier(b)?;
         if lead {

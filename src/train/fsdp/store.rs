@@ -4,12 +4,15 @@
 //! unit of [`Unit::step_order`] prefetched beside the current one's compute,
 //! at most two gathered units alive — and freed after; its gradients are
 //! reduce-scattered to their owners right after its backward, beside the
-//! next unit's backward.
+//! next unit's backward. A LoRA run's adapters are a unit of their own per
+//! block (`adapters.rs`), gathered and reduce-scattered with their block.
 
+use super::adapters::{self, adapter_unit};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::model::flat_layout::{Segment, UnitLayout, model_layouts};
+use crate::model::flat_layout::{Segment, UnitLayout, layouts_with_adapters};
+use crate::model::lora::LoraConfig;
 use crate::model::{BlockGrads, BlockWeights, Freeze, HeadView, ModelConfig, ParamStore, Unit};
 use crate::optim::{Lent, Piece, Slot};
 use std::collections::VecDeque;
@@ -22,6 +25,14 @@ enum Gathered<B: Backend> {
     Head(Tensor<B>, Option<Tensor<B>>),
 }
 
+/// The gathers of one unit in flight: its parameters and, for a block of a
+/// LoRA run, its adapter unit's.
+struct UnitGather<B: Backend> {
+    unit: usize,
+    base: Pending<B>,
+    adapters: Option<(usize, Pending<B>)>,
+}
+
 /// A reduce-scatter in flight: the unit, whether it overwrites the owned
 /// gradient shard (its first contribution this step) or adds to it.
 struct Reducing<B: Backend> {
@@ -32,7 +43,10 @@ struct Reducing<B: Backend> {
 
 /// One rank's shards and the step's gathered units and gradients.
 pub struct FsdpStore<'a, B: Backend> {
-    cfg: ModelConfig,
+    pub(crate) cfg: ModelConfig,
+    /// The adapters each block trains (a LoRA run), whose adapter units
+    /// follow the base units in `layouts`.
+    pub(crate) lora: Option<LoraConfig>,
     pub(crate) layouts: Vec<UnitLayout>,
     pub(crate) rank: usize,
     pub(crate) group: &'a dyn ProcessGroup<B>,
@@ -51,7 +65,7 @@ pub struct FsdpStore<'a, B: Backend> {
     /// Whether a gradient shard holds a contribution of this step.
     grad_written: Vec<bool>,
     gathered: Vec<Option<Gathered<B>>>,
-    prefetch: Option<(usize, Pending<B>)>,
+    prefetch: Option<UnitGather<B>>,
     /// Gathers still to come this step.
     order: VecDeque<Unit>,
     block_g: Option<(usize, BlockGrads<B>)>,
@@ -83,14 +97,29 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         group: &'a dyn ProcessGroup<B>,
         replica: &'a dyn ProcessGroup<B>,
         frozen: &Freeze,
+        init: impl FnMut(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
+        Self::with_adapters(b, cfg, group, replica, frozen, None, init)
+    }
+
+    /// [`with_frozen`](Self::with_frozen) with `lora`'s adapters beside
+    /// every block: an adapter unit each, trained (its factors' values from
+    /// `init` under PEFT's names).
+    pub fn with_adapters(
+        b: &B,
+        cfg: &ModelConfig,
+        group: &'a dyn ProcessGroup<B>,
+        replica: &'a dyn ProcessGroup<B>,
+        frozen: &Freeze,
+        lora: Option<&LoraConfig>,
         mut init: impl FnMut(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
     ) -> Result<Self> {
         check_whole_units(cfg, frozen)?;
         let (world, rank) = (group.size(), group.rank());
-        let layouts = model_layouts(cfg, world);
+        let layouts = layouts_with_adapters(cfg, lora, world);
         let trained: Vec<bool> = layouts
             .iter()
-            .map(|u| !frozen.unit_frozen(cfg, u.unit))
+            .map(|u| u.adapters || !frozen.unit_frozen(cfg, u.unit))
             .collect();
         let mut params = Vec::with_capacity(layouts.len());
         let mut grads = Vec::with_capacity(layouts.len());
@@ -113,6 +142,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         let n = layouts.len();
         let mut s = FsdpStore {
             cfg: cfg.clone(),
+            lora: lora.cloned(),
             layouts,
             rank,
             group,
@@ -165,11 +195,23 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
     }
 
     /// The units the optimizer has a slot for (the trained ones), by index
-    /// in [`Unit::all`] order: slot k is unit `slot_units()[k]`.
+    /// into the layouts, in [`Unit::all`] order (a block's adapter unit
+    /// right after the block): slot k is unit `slot_units()[k]`.
     pub fn slot_units(&self) -> Vec<usize> {
-        (0..self.layouts.len())
+        let mut v: Vec<usize> = (0..self.layouts.len())
             .filter(|&i| self.trained[i])
-            .collect()
+            .collect();
+        let layers = self.cfg.layers;
+        v.sort_by_key(|&i| (self.layouts[i].unit.index(layers), self.layouts[i].adapters));
+        v
+    }
+
+    /// Block `layer`'s adapter unit, if the run has adapters.
+    fn adapters_of(&self, unit: Unit) -> Option<usize> {
+        match (unit, &self.lora) {
+            (Unit::Block(l), Some(_)) => Some(adapter_unit(self.cfg.layers, l)),
+            _ => None,
+        }
     }
 
     /// The optimizer's slots: this rank's shard of every trained unit, with
@@ -194,12 +236,18 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
     /// The shards and gradient shards, lent to the optimizer (a unit's
     /// are absent while in a collective).
     pub fn lend(&mut self) -> Lent<'_, B> {
-        let trained = &self.trained;
-        let params = self.params.iter_mut().zip(trained).filter(|(_, t)| **t);
-        let grads = self.grads.iter_mut().zip(trained).filter(|(_, t)| **t);
+        let order = self.slot_units();
+        let mut params: Vec<_> = self.params.iter_mut().map(Some).collect();
+        let mut grads: Vec<_> = self.grads.iter_mut().map(Some).collect();
         Lent {
-            params: params.map(|(p, _)| p.as_mut()).collect(),
-            grads: grads.map(|(g, _)| g.as_mut()).collect(),
+            params: order
+                .iter()
+                .map(|&i| params[i].take().and_then(Option::as_mut))
+                .collect(),
+            grads: order
+                .iter()
+                .map(|&i| grads[i].take().and_then(Option::as_mut))
+                .collect(),
         }
     }
 
@@ -207,14 +255,8 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
     /// added in rank order on the host (the same value on every rank).
     pub fn grad_norm(&self, b: &B) -> Result<f64> {
         let mut own = 0.0f64;
-        for g in self
-            .grads
-            .iter()
-            .zip(&self.trained)
-            .filter(|(_, t)| **t)
-            .map(|(g, _)| g)
-        {
-            let g = g.as_ref().ok_or_else(|| {
+        for i in self.slot_units() {
+            let g = self.grads[i].as_ref().ok_or_else(|| {
                 internal("a gradient shard is in a collective at the optimizer step".into())
             })?;
             own += b.sum_squares(g)?;
@@ -231,8 +273,8 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         Ok(total.sqrt())
     }
 
-    /// Starts the all-gather of unit `i`: its shard is the send buffer.
-    fn start_gather(&mut self, b: &B, i: usize) -> Result<Pending<B>> {
+    /// Starts the all-gather of layout `i`: its shard is the send buffer.
+    fn start_one(&mut self, b: &B, i: usize) -> Result<Pending<B>> {
         let send = self.params[i]
             .take()
             .ok_or_else(|| internal(format!("unit {i} is gathered twice at once")))?;
@@ -240,27 +282,64 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         self.group.start_all_gather(send, recv)
     }
 
-    /// Waits for unit `i`'s gather and splits it into parameter tensors.
-    fn finish_gather(&mut self, b: &B, i: usize, pending: Pending<B>) -> Result<()> {
+    /// Starts the all-gathers of unit `i`: its parameters, then its
+    /// adapters' (a block of a LoRA run).
+    fn start_gather(&mut self, b: &B, i: usize) -> Result<UnitGather<B>> {
+        let base = self.start_one(b, i)?;
+        let adapters = match self.adapters_of(self.layouts[i].unit) {
+            Some(a) => Some((a, self.start_one(b, a)?)),
+            None => None,
+        };
+        Ok(UnitGather {
+            unit: i,
+            base,
+            adapters,
+        })
+    }
+
+    /// Waits for a gather that will not be used, taking back its shards.
+    fn cancel_gather(&mut self, g: UnitGather<B>) -> Result<()> {
+        let adapters = g.adapters.into_iter();
+        for (i, p) in std::iter::once((g.unit, g.base)).chain(adapters) {
+            self.params[i] = p.wait_all()?.sent.pop();
+        }
+        Ok(())
+    }
+
+    /// Waits for layout `i`'s gather: its shard back, its flat buffer.
+    fn wait_one(&mut self, i: usize, pending: Pending<B>) -> Result<Tensor<B>> {
         let mut done = pending.wait_all()?;
         self.params[i] = done.sent.pop();
-        let flat = done
-            .received
+        done.received
             .pop()
-            .ok_or_else(|| internal("an all-gather received nothing".into()))?;
+            .ok_or_else(|| internal("an all-gather received nothing".into()))
+    }
+
+    /// Waits for unit `g.unit`'s gathers and splits them into parameter
+    /// tensors (a block's adapters attached to it).
+    fn finish_gather(&mut self, b: &B, g: UnitGather<B>) -> Result<()> {
+        let i = g.unit;
+        let flat = self.wait_one(i, g.base)?;
+        let mut gathered = self.split(b, i, &flat)?;
+        drop(flat);
+        if let (Some((a, pending)), Gathered::Block(w)) = (g.adapters, &mut gathered) {
+            let flat = self.wait_one(a, pending)?;
+            let (layout, lora) = (&self.layouts[a], self.lora.as_ref());
+            let lora = lora.ok_or_else(|| internal("adapters without a LoRA config".into()))?;
+            let l = layout.unit.index(self.cfg.layers) - 1;
+            let mut take =
+                |name: String, shape: &[usize]| take_param(b, layout, &flat, name, shape);
+            adapters::attach_gathered(&self.cfg, lora, l, w, &mut take)?;
+        }
+        self.gathered[i] = Some(gathered);
+        Ok(())
+    }
+
+    /// Unit `i`'s parameters split out of its gathered flat buffer.
+    fn split(&self, b: &B, i: usize, flat: &Tensor<B>) -> Result<Gathered<B>> {
         let layout = &self.layouts[i];
-        let mut take = |name: String, shape: &[usize]| -> Result<Tensor<B>> {
-            let slot = layout
-                .params
-                .iter()
-                .find(|p| p.name == name)
-                .ok_or_else(|| internal(format!("{name} is not in its unit")))?;
-            let mut t = b.empty(shape, flat.dtype(), Category::Weights)?;
-            let l = MatLayout::block(slot.offset, t.rows(), t.row_len(), t.row_len());
-            b.copy(t.mat_mut(), flat.view(l))?;
-            Ok(t)
-        };
-        let g = match layout.unit {
+        let mut take = |name: String, shape: &[usize]| take_param(b, layout, flat, name, shape);
+        Ok(match layout.unit {
             Unit::Embed => Gathered::Embed(take(
                 "model.embed_tokens.weight".into(),
                 &[self.cfg.vocab, self.cfg.hidden],
@@ -277,10 +356,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
                 };
                 Gathered::Head(norm, head)
             }
-        };
-        drop(flat);
-        self.gathered[i] = Some(g);
-        Ok(())
+        })
     }
 
     /// Gathered units plus the one in flight.
@@ -295,8 +371,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         };
         let j = self.index(next);
         if self.live() < 2 && self.gathered[j].is_none() {
-            let p = self.start_gather(b, j)?;
-            self.prefetch = Some((j, p));
+            self.prefetch = Some(self.start_gather(b, j)?);
         }
         Ok(())
     }
@@ -323,27 +398,67 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         Ok(())
     }
 
-    /// Takes the gradients of this use of `unit` out of the step's buffers
-    /// (none of a frozen unit).
-    fn take_grads(&mut self, unit: Unit) -> Result<Vec<Tensor<B>>> {
+    /// Takes the gradients of this use of `unit` out of the step's buffers:
+    /// each trained layout's (none of a frozen unit; a block's adapter
+    /// unit's after the block's own).
+    fn take_grads(&mut self, unit: Unit) -> Result<Vec<(usize, Vec<Tensor<B>>)>> {
         let missing = || internal(format!("no gradients of {unit:?} to reduce"));
-        if !self.trained[self.index(unit)] {
+        let i = self.index(unit);
+        let adapters = self.adapters_of(unit);
+        if !self.trained[i] && adapters.is_none() {
             if matches!(unit, Unit::Block(_)) {
                 self.block_g = None;
             }
             return Ok(Vec::new());
         }
         Ok(match unit {
-            Unit::Embed => vec![self.embed_g.take().ok_or_else(missing)?],
-            Unit::Block(l) => match self.block_g.take() {
-                Some((k, g)) if k == l => g.into_tensors(),
-                _ => return Err(missing()),
-            },
+            Unit::Embed => vec![(i, vec![self.embed_g.take().ok_or_else(missing)?])],
+            Unit::Block(l) => {
+                let mut g = match self.block_g.take() {
+                    Some((k, g)) if k == l => g,
+                    _ => return Err(missing()),
+                };
+                let lora = self.lora.as_ref();
+                let a = match (adapters, lora) {
+                    (Some(a), Some(lora)) => Some((a, adapters::take_grads(lora, &mut g)?)),
+                    _ => None,
+                };
+                let base = self.trained[i].then(|| (i, g.into_tensors()));
+                base.into_iter().chain(a).collect()
+            }
             Unit::Head => {
                 let (norm, head) = self.head_g.take().ok_or_else(missing)?;
-                std::iter::once(norm).chain(head).collect()
+                vec![(i, std::iter::once(norm).chain(head).collect())]
             }
         })
+    }
+
+    /// Starts the reduce-scatter of layout `i`'s gradients `grads` (its
+    /// parameters' in order) to their owners, after the one in flight.
+    fn reduce_scatter(&mut self, b: &B, i: usize, grads: Vec<Tensor<B>>) -> Result<()> {
+        self.wait_reduce(b)?;
+        let mut flat = b.zeros(&[self.layouts[i].padded()], DType::F32, Category::Comm)?;
+        let mut off = 0;
+        for t in grads {
+            let l = MatLayout::block(off, t.rows(), t.row_len(), t.row_len());
+            b.copy(flat.view_mut(l), t.mat())?;
+            off += t.numel();
+        }
+        let overwrite = !self.grad_written[i];
+        let recv = if overwrite {
+            self.grads[i]
+                .take()
+                .ok_or_else(|| internal("a gradient shard is missing".into()))?
+        } else {
+            b.empty(&[self.layouts[i].shard], DType::F32, Category::Comm)?
+        };
+        let pending = self.group.start_reduce_scatter(flat, recv)?;
+        self.reducing = Some(Reducing {
+            unit: i,
+            overwrite,
+            pending,
+        });
+        Ok(())
     }
 
     /// The gathered unit `i`, or an error naming the decoder's mistake.
@@ -367,6 +482,26 @@ pub fn check_whole_units(cfg: &ModelConfig, frozen: &Freeze) -> Result<()> {
             crate::model::flat_layout::unit_key(unit)
         ),
     }
+}
+
+/// Parameter `name` of `layout`, `shape`d, copied out of its gathered flat
+/// buffer.
+fn take_param<B: Backend>(
+    b: &B,
+    layout: &UnitLayout,
+    flat: &Tensor<B>,
+    name: String,
+    shape: &[usize],
+) -> Result<Tensor<B>> {
+    let slot = layout
+        .params
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| internal(format!("{name} is not in its unit")))?;
+    let mut t = b.empty(shape, flat.dtype(), Category::Weights)?;
+    let l = MatLayout::block(slot.offset, t.rows(), t.row_len(), t.row_len());
+    b.copy(t.mat_mut(), flat.view(l))?;
+    Ok(t)
 }
 
 fn internal(why: String) -> Error {
@@ -411,16 +546,15 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
             self.order.drain(..=pos);
         }
         let pending = match self.prefetch.take() {
-            Some((j, p)) if j == i => p,
-            Some((j, p)) => {
+            Some(g) if g.unit == i => g,
+            Some(g) => {
                 // not the unit expected next: put that one back
-                let mut done = p.wait_all()?;
-                self.params[j] = done.sent.pop();
+                self.cancel_gather(g)?;
                 self.start_gather(b, i)?
             }
             None => self.start_gather(b, i)?,
         };
-        self.finish_gather(b, i, pending)?;
+        self.finish_gather(b, pending)?;
         self.maybe_prefetch(b)
     }
 
@@ -468,7 +602,11 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
                     "block {l}'s gradients start before the last block's are reduced"
                 )));
             }
-            let g = BlockGrads::zeros(b, &self.cfg, l, &self.frozen)?;
+            let i = self.index(Unit::Block(l));
+            let mut g = BlockGrads::zeros(b, &self.cfg, l, &self.frozen)?;
+            if let Some(Gathered::Block(w)) = &self.gathered[i] {
+                adapters::attach_grads(b, w, &mut g)?;
+            }
             self.block_g = Some((l, g));
         }
         let i = self.index(Unit::Block(l));
@@ -527,33 +665,10 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
     }
 
     fn grads_done(&mut self, b: &B, unit: Unit) -> Result<()> {
-        let i = self.index(unit);
-        let grads = self.take_grads(unit)?;
-        if !self.trained[i] {
-            return Ok(()); // a frozen unit: nothing reduce-scattered
+        // a frozen unit (without adapters): nothing reduce-scattered
+        for (i, grads) in self.take_grads(unit)? {
+            self.reduce_scatter(b, i, grads)?;
         }
-        self.wait_reduce(b)?;
-        let mut flat = b.zeros(&[self.layouts[i].padded()], DType::F32, Category::Comm)?;
-        let mut off = 0;
-        for t in grads {
-            let l = MatLayout::block(off, t.rows(), t.row_len(), t.row_len());
-            b.copy(flat.view_mut(l), t.mat())?;
-            off += t.numel();
-        }
-        let overwrite = !self.grad_written[i];
-        let recv = if overwrite {
-            self.grads[i]
-                .take()
-                .ok_or_else(|| internal("a gradient shard is missing".into()))?
-        } else {
-            b.empty(&[self.layouts[i].shard], DType::F32, Category::Comm)?
-        };
-        let pending = self.group.start_reduce_scatter(flat, recv)?;
-        self.reducing = Some(Reducing {
-            unit: i,
-            overwrite,
-            pending,
-        });
         Ok(())
     }
 
