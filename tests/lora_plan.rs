@@ -217,7 +217,7 @@ fn walk_and_engine_agree_on_lora_runs_on_cuda() {
         checkpointed(),
         optimizer_on_host(2),
     ];
-    for device in [DeviceKind::Cuda, DeviceKind::CudaNative] {
+    for device in [DeviceKind::CUDA, DeviceKind::CudaNative] {
         for ((m, mesh, lora), policy) in runs.iter().flat_map(|r| policies.map(|p| (r, p))) {
             let cfg = config(m, *mesh, lora, policy);
             let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), device);
@@ -244,7 +244,7 @@ fn a_lora_step_needs_less_than_full_fine_tuning() {
             Some(t) => cfg.lora.as_mut().unwrap().config = lora(t),
             None => (cfg.lora, cfg.freeze) = (None, Default::default()),
         }
-        let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cuda);
+        let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::CUDA);
         walk_step_rank(&spec, 0).unwrap().peak
     };
     let (full, q, all) = (peak(None), peak(Some("q_proj")), peak(Some("all-linear")));
@@ -254,7 +254,7 @@ fn a_lora_step_needs_less_than_full_fine_tuning() {
     );
     // FSDP is refused for a LoRA step, naming the flag
     let cfg = config(&m, mesh, &lora("q_proj"), MemoryPolicy::default());
-    let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cuda);
+    let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::CUDA);
     spec.fsdp = true;
     let e = walk_step_rank(&spec, 0).unwrap_err().to_string();
     assert!(e.contains("--fsdp off"), "{e}");

@@ -198,7 +198,7 @@ pub fn checkpoint_bytes(cfg: &ModelConfig, masters: bool) -> u64 {
 fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usize) -> AttnWalk {
     AttnWalk {
         flash_ws: device.is_cuda(),
-        cudnn: device.on_cudnn(),
+        cudnn: device.cudnn(),
         documents: device.documents(),
         ring_rank,
         ..AttnWalk::new(plan, dims, device.act_bytes())
@@ -640,7 +640,7 @@ mod ring_rank_tests {
 
     fn check_ring_ranks(model: &ModelConfig, prs: std::ops::RangeInclusive<usize>) {
         let dims = attn_dims(model);
-        for device in [DeviceKind::Cpu, DeviceKind::Cuda, DeviceKind::CudaNative] {
+        for device in [DeviceKind::Cpu, DeviceKind::CUDA, DeviceKind::CudaNative] {
             for (strategy, pu) in [
                 (Strategy::Ring, 1),
                 (Strategy::Upipe, 2),
