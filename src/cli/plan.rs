@@ -17,8 +17,8 @@ use crate::model::decoder::attn_dims;
 use crate::plan::mesh::{MeshChoice, MeshFlags, resolve_mesh};
 use crate::plan::resolve::{Strategies, host_share};
 use crate::plan::{
-    Budget, Depth, DeviceKind, Fit, FsdpMode, MemoryChoices, Prediction, RankBudget, RunRequest,
-    StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
+    Budget, CudnnVersion, Depth, DeviceKind, Fit, FsdpMode, MemoryChoices, Prediction, RankBudget,
+    RunRequest, StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
 };
 use crate::plan::{OffloadBlocks, OptimizerOffload};
 use clap::ArgMatches;
@@ -28,8 +28,8 @@ use std::path::{Path, PathBuf};
 mod device;
 mod output;
 
+pub use device::PlannedCudnn;
 use device::plan_device;
-pub use device::{CudnnVersion, PlannedCudnn};
 
 use output::{
     POLICY_HEAD, POLICY_NOTE, breakdown_line, by_category, category_bar, fmt_tokens, limit_text,

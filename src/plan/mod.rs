@@ -26,6 +26,7 @@
 //! gradients and its reduce-scatter buffers, exactly as
 //! `train::fsdp::store` allocates them.
 
+mod cudnn_version;
 mod device;
 pub mod engine;
 pub mod mesh;
@@ -47,6 +48,7 @@ use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::config::TrainConfig;
+pub use cudnn_version::CudnnVersion;
 pub use device::DeviceKind;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
