@@ -58,6 +58,7 @@ fn gpu_scripts_parse() {
         "gpu-lora-plan.sh",
         "gpu-lora.sh",
         "gpu-peer-bench.sh",
+        "gpu-cudnn-plan.sh",
     ] {
         let path = root().join("scripts").join(script);
         let out = Command::new("bash").arg("-n").arg(&path).output().unwrap();
