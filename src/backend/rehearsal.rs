@@ -302,7 +302,6 @@ fn check_rows<B: Backend>(rows: usize, row_len: usize, t: &Tensor<B>, op: &str) 
     Ok(())
 }
 
-/// RMSNorm's weight spans `x`'s last dimension.
 fn check_views(c: &MatLayout, a: &MatLayout, b: &MatLayout) -> Result<()> {
     if a.cols != b.rows || c.rows != a.rows || c.cols != b.cols {
         return Err(Error::Backend(format!(
