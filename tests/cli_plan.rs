@@ -521,3 +521,80 @@ fn plan_fills_a_partial_mesh_as_train_does() {
     let m = resolve_mesh(d2, Strategy::Upipe, &tiny, 4096, None, Some(8));
     assert_eq!((m.data, m.ulysses, m.ring), (2, 2, 2));
 }
+
+/// `upipe plan` says which cuDNN it plans: `--cudnn-version` (or `[plan]
+/// cudnn-version`), else the one that loads here, else 9.14; a version it
+/// cannot read, or one given where no attention runs on cuDNN, is an error.
+#[test]
+fn plan_names_the_cudnn_version_it_plans() {
+    let at = [
+        "plan",
+        "--model",
+        "llama3.2-1b",
+        "--gpus",
+        "1",
+        "--attn",
+        "local",
+        "--seq",
+        "1000",
+    ];
+    let plan = |extra: &[&str]| {
+        let (ok, out, err) = upipe(&[&at[..], extra].concat());
+        assert!(ok, "{extra:?}: {err}");
+        out
+    };
+    for (given, want) in [
+        ("9.19", "9.19.0"),
+        ("9.10.1", "9.10.1"),
+        ("91900", "9.19.0"),
+    ] {
+        let out = plan(&["--cudnn-version", given]);
+        let line = format!("planned for cuDNN {want} (--cudnn-version)");
+        assert!(out.contains(&line), "{given}: {out}");
+        assert!(out.contains(&format!("cuDNN {want} attention where it applies")));
+        let v = json_lines(&plan(&["--cudnn-version", given, "--json"]))
+            .pop()
+            .unwrap();
+        assert_eq!(v["cudnn_version"], want, "{given}");
+    }
+    // no flag: the loaded cuDNN, or (none loading, as in CI) the default
+    let out = plan(&[]);
+    assert!(
+        out.contains("planned for cuDNN 9.14.0 (no cuDNN loads here")
+            || out.contains("(the cuDNN loaded here)"),
+        "{out}"
+    );
+    let native = json_lines(&plan(&["--attn-kernel", "native", "--json"]))
+        .pop()
+        .unwrap();
+    assert_eq!(native["cudnn_version"], Value::Null);
+    let dir = std::env::temp_dir().join(format!("upipe-cudnn-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("run.toml");
+    let from_file = |text: &str| {
+        std::fs::write(&file, text).unwrap();
+        upipe(&[&at[..], &["--config", file.to_str().unwrap()]].concat())
+    };
+    let (ok, out, err) = from_file("[plan]\ncudnn-version = \"9.10\"\n");
+    assert!(
+        ok && out.contains("planned for cuDNN 9.10.0 (--cudnn-version)"),
+        "{err}"
+    );
+    let (ok, _, err) = from_file("[plan]\ncudnn-version = 9.10\n");
+    assert!(!ok && err.contains("cannot tell 9.1 from 9.10"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    for (extra, want) in [
+        (
+            &["--cudnn-version", "9.x"][..],
+            "give a cuDNN version as 9.19, 9.19.0 or 91900",
+        ),
+        (&["--cudnn-version", "8.9"][..], "older than 9.0"),
+        (
+            &["--cudnn-version", "9.19", "--device", "cpu"][..],
+            "where no attention runs on cuDNN",
+        ),
+    ] {
+        let (ok, _, err) = upipe(&[&at[..], extra].concat());
+        assert!(!ok && err.contains(want), "{extra:?}: {err}");
+    }
+}

@@ -1407,24 +1407,13 @@ type CudnnCase = (
 #[test]
 #[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
 fn cudnn_attention_through_the_backend_matches_cpu_and_native() {
-    if gpu().is_none() {
-        return;
-    }
     // its own native backend: the flash test asserts on the shared one's call
     // counters, and the two tests run at the same time
-    let mut native = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
-    native.set_attn_kernel(AttnKernel::Native);
-    let native = &native;
-    let mut auto = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
-    auto.set_attn_kernel(AttnKernel::Auto);
-    match auto.cudnn_sdpa() {
-        Ok(s) => eprintln!("cuDNN {:?}", s.version()),
-        Err(e) => {
-            eprintln!("SKIP cuDNN attention: {e}");
-            return;
-        }
-    }
-    let auto = &auto;
+    let Some((native, auto, version)) = native_and_cudnn("cuDNN attention") else {
+        return;
+    };
+    eprintln!("cuDNN {version:?}");
+    let (native, auto) = (&native, &auto);
     let mut rng = Rng::new("cudnn attention");
     let cases: [CudnnCase; 7] = [
         ((300, 300, 4, 4, 64), true, DType::F32, &[0..300]),
@@ -1468,58 +1457,54 @@ fn cudnn_attention_through_the_backend_matches_cpu_and_native() {
     assert!(on_cudnn > 0, "cuDNN served none of the shapes");
 }
 
-/// A sliding window over one document is a causal band, which cuDNN's
-/// SDPA graphs take (its left bound): forward and backward equal the CPU
-/// reference and the flash kernels, windows shorter than a tile and over
-/// several tiles, with GQA; a window composed with documents, and a ring
-/// block of two runs, stay on the flash kernels.
-#[test]
-#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
-fn cudnn_sliding_windows_match_cpu_and_flash() {
-    use upipe::backend::mask::{BoundedMask, RowPositions};
-    if gpu().is_none() {
-        return;
-    }
+/// A backend on our kernels (`--attn-kernel native`) and one on `auto`
+/// with cuDNN loaded, and cuDNN's version; `None` (the test skips, saying
+/// why) without a GPU or a usable cuDNN.
+fn native_and_cudnn(what: &str) -> Option<(CudaBackend, CudaBackend, usize)> {
+    gpu()?;
     let mut native = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
     native.set_attn_kernel(AttnKernel::Native);
     let mut auto = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
     auto.set_attn_kernel(AttnKernel::Auto);
-    if let Err(e) = auto.cudnn_sdpa() {
-        eprintln!("SKIP cuDNN windows: {e}");
-        return;
-    }
-    let mut rng = Rng::new("cudnn sliding windows");
-    let s = 640;
-    let window = |w: usize| {
-        BoundedMask::documents(&[0], s)
-            .unwrap()
-            .with_window(w)
-            .unwrap()
+    let version = match auto.cudnn_sdpa() {
+        Ok(c) => c.version(),
+        Err(e) => {
+            eprintln!("SKIP {what}: {e}");
+            return None;
+        }
     };
-    let ring = RowPositions::two_runs(0..160, 480..640);
-    let cases: Vec<(BoundedMask, (usize, usize, usize), bool)> = vec![
-        (window(100), (4, 2, 64), true),
-        (window(37), (8, 2, 128), true),
-        (window(300), (4, 4, 128), true),
-        (window(1000), (4, 1, 64), true),
-        (
-            BoundedMask::documents(&[0, 200, 201], s)
-                .unwrap()
-                .with_window(50)
-                .unwrap(),
-            (4, 2, 64),
-            false,
-        ),
-        (window(100).with_rows(ring, ring), (4, 2, 128), false),
-    ];
-    for (mask, (hq, hkv, d), on_cudnn) in cases {
+    Some((native, auto, version))
+}
+
+/// A call under a bounded mask, its heads `(hq, hkv, d)`, and whether
+/// cuDNN takes it (forward and every backward write).
+type BoundedCase = (
+    upipe::backend::mask::BoundedMask,
+    (usize, usize, usize),
+    bool,
+);
+
+/// Each case against the CPU reference and the flash kernels (`native`) on
+/// `subject(i)` (the i-th case's backend), with F32 gradients over the
+/// whole key range: its forward and each backward write on cuDNN when the
+/// case says so, none there otherwise.
+#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
+fn compare_bounded_cases<'a>(
+    what: &str,
+    rng: &mut Rng,
+    cases: Vec<BoundedCase>,
+    subject: impl Fn(usize) -> &'a CudaBackend,
+    native: &CudaBackend,
+) {
+    for (i, (mask, (hq, hkv, d), on_cudnn)) in cases.into_iter().enumerate() {
         let (q, k) = mask.rows();
-        let mut p = AttnProblem::new(&mut rng, q.len(), k.len(), hq, hkv, d, false);
+        let mut p = AttnProblem::new(rng, q.len(), k.len(), hq, hkv, d, false);
         p.bounded = Some(AttnMask::Bounded(mask));
-        let tag = format!("cudnn window {}", p.tag());
-        let before = auto.attention_calls();
-        compare_kernels(&tag, (&auto, &native, "flash"), &p, DType::F32, &[0..p.sk]);
-        let after = auto.attention_calls();
+        let tag = format!("{what} {}", p.tag());
+        let b = subject(i);
+        let before = b.attention_calls();
+        compare_kernels(&tag, (b, native, "flash"), &p, DType::F32, &[0..p.sk]);
+        let after = b.attention_calls();
         let (cf, cb) = (
             after.cudnn_fwd - before.cudnn_fwd,
             after.cudnn_bwd - before.cudnn_bwd,
@@ -1535,6 +1520,44 @@ fn cudnn_sliding_windows_match_cpu_and_flash() {
     }
 }
 
+/// A sliding window over one document is a causal band, which cuDNN's
+/// SDPA graphs take (its left bound): forward and backward equal the CPU
+/// reference and the flash kernels, windows shorter than a tile and over
+/// several tiles, with GQA; a window composed with documents, and a ring
+/// block of two runs, stay on the flash kernels.
+#[test]
+fn cudnn_sliding_windows_match_cpu_and_flash() {
+    use upipe::backend::mask::{BoundedMask, RowPositions};
+    let Some((native, auto, _)) = native_and_cudnn("cuDNN windows") else {
+        return;
+    };
+    let mut rng = Rng::new("cudnn sliding windows");
+    let s = 640;
+    let window = |w: usize| {
+        BoundedMask::documents(&[0], s)
+            .unwrap()
+            .with_window(w)
+            .unwrap()
+    };
+    let ring = RowPositions::two_runs(0..160, 480..640);
+    let cases: Vec<BoundedCase> = vec![
+        (window(100), (4, 2, 64), true),
+        (window(37), (8, 2, 128), true),
+        (window(300), (4, 4, 128), true),
+        (window(1000), (4, 1, 64), true),
+        (
+            BoundedMask::documents(&[0, 200, 201], s)
+                .unwrap()
+                .with_window(50)
+                .unwrap(),
+            (4, 2, 64),
+            false,
+        ),
+        (window(100).with_rows(ring, ring), (4, 2, 128), false),
+    ];
+    compare_bounded_cases("cudnn window", &mut rng, cases, |_| &auto, &native);
+}
+
 /// Several documents in one call run on cuDNN's ragged path (cuDNN 9.10
 /// and newer): forward O and LSE and dQ, dK, dV equal the CPU reference
 /// and the flash kernels for documents of 1, 37, 300 and 1000 rows, a call
@@ -1544,23 +1567,11 @@ fn cudnn_sliding_windows_match_cpu_and_flash() {
 /// serves them there. Prints each ragged plan's workspace against the
 /// planner's figures (forward 0, backward `estimated_bwd_plan_workspace`).
 #[test]
-#[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
 fn cudnn_documents_match_cpu_and_flash() {
     use upipe::backend::cuda::cudnn::{self, AttentionKernel, decide_run_kernel};
     use upipe::backend::mask::{BoundedMask, RowPositions};
-    if gpu().is_none() {
+    let Some((native, auto, version)) = native_and_cudnn("cuDNN documents") else {
         return;
-    }
-    let mut native = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
-    native.set_attn_kernel(AttnKernel::Native);
-    let mut auto = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
-    auto.set_attn_kernel(AttnKernel::Auto);
-    let version = match auto.cudnn_sdpa() {
-        Ok(c) => c.version(),
-        Err(e) => {
-            eprintln!("SKIP cuDNN documents: {e}");
-            return;
-        }
     };
     if version < cudnn::ragged::FIRST_RAGGED_VERSION {
         eprintln!("SKIP cuDNN documents: cuDNN {version} is older than 9.10");
@@ -1578,7 +1589,7 @@ fn cudnn_documents_match_cpu_and_flash() {
     let mid = RowPositions::contiguous(150, 700);
     let ring = RowPositions::two_runs(0..400, 938..1338);
     // (mask, (hq, hkv, d), forward and backward on cuDNN)
-    let cases: Vec<(BoundedMask, (usize, usize, usize), bool)> = vec![
+    let cases: Vec<BoundedCase> = vec![
         (docs.clone(), (8, 2, 128), true),
         (docs.clone(), (4, 2, 64), true),
         (docs.clone(), (4, 4, 128), true),
@@ -1595,34 +1606,9 @@ fn cudnn_documents_match_cpu_and_flash() {
         ),
         (docs.with_rows(ring, ring), (4, 2, 128), false),
     ];
-    for (i, (mask, (hq, hkv, d), on_cudnn)) in cases.into_iter().enumerate() {
-        let (q, k) = mask.rows();
-        let mut p = AttnProblem::new(&mut rng, q.len(), k.len(), hq, hkv, d, false);
-        p.bounded = Some(AttnMask::Bounded(mask));
-        let tag = format!("cudnn documents {}", p.tag());
-        let subject = if i == 0 { &run } else { &auto };
-        let before = subject.attention_calls();
-        compare_kernels(
-            &tag,
-            (subject, &native, "flash"),
-            &p,
-            DType::F32,
-            &[0..p.sk],
-        );
-        let after = subject.attention_calls();
-        let (cf, cb) = (
-            after.cudnn_fwd - before.cudnn_fwd,
-            after.cudnn_bwd - before.cudnn_bwd,
-        );
-        eprintln!("{tag}: cuDNN forward {cf}, backward {cb}");
-        let want = if on_cudnn { 1 } else { 0 };
-        assert_eq!(cf, want, "{tag}: forward on cuDNN");
-        assert_eq!(
-            cb,
-            want * BWD_WRITES.len() as u64,
-            "{tag}: backward on cuDNN"
-        );
-    }
+    // the first case on the run's decided kernel, the others on `auto`
+    let subject = |i: usize| if i == 0 { &run } else { &auto };
+    compare_bounded_cases("cudnn documents", &mut rng, cases, subject, &native);
     for b in [&run, &auto] {
         let builds = b.cudnn_sdpa().unwrap().plan_builds();
         for pb in builds.iter().filter(|pb| pb.shape.ragged.is_some()) {

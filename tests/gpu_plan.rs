@@ -85,7 +85,12 @@ fn attention_layer_prediction_matches_the_cuda_ledger() {
             // cuDNN: its plan workspace is the H200-measured estimate, so
             // within 1% rather than exact
             let got = run_trial(&plan, &d, &inputs, || cuda_with(AttnKernel::Auto)).unwrap();
-            let pred = predict_attention_trial(&plan, &d, DeviceKind::Cuda, 1).unwrap();
+            // planned for the cuDNN the backend loads (its routing by version)
+            let loaded = upipe::backend::cuda::cudnn::probe()
+                .map_or(DeviceKind::CudaNative, |(v, _)| {
+                    DeviceKind::CUDA.with_cudnn(v)
+                });
+            let pred = predict_attention_trial(&plan, &d, loaded, 1).unwrap();
             let e = rel(pred.peak, got.peak_bytes);
             println!(
                 "gpu attention (cuDNN) {what}: predicted {} measured {} ({:+.3}%)",

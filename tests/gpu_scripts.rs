@@ -5,11 +5,46 @@
 //! benchmark (`scripts/gpu-peer-bench.sh`) in its dry mode runs upipe's side
 //! on the CPU and prints one parseable JSON row per length.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `scripts/<script> <args>` in its dry mode (`DRY=1`, the test's `upipe`,
+/// `OUT` a fresh temporary directory) with `env` set, which must succeed:
+/// its stdout and its `OUT`.
+fn dry_run(script: &str, args: &[&str], env: &[(&str, &str)]) -> (String, PathBuf) {
+    let name = script.trim_end_matches(".sh");
+    let out_dir = std::env::temp_dir().join(format!("upipe-{name}-{}", std::process::id()));
+    std::fs::remove_dir_all(&out_dir).ok();
+    let out = Command::new("bash")
+        .arg(root().join("scripts").join(script))
+        .args(args)
+        .current_dir(root())
+        .env("DRY", "1")
+        .envs(env.iter().copied())
+        .env("OUT", &out_dir)
+        .env("UPIPE", env!("CARGO_BIN_EXE_upipe"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{script}: status {:?}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (stdout, out_dir)
+}
+
+/// The lines of `text` that start with `prefix`, each parsed as JSON.
+fn json_lines(text: &str, prefix: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
 }
 
 #[test]
@@ -23,6 +58,7 @@ fn gpu_scripts_parse() {
         "gpu-lora-plan.sh",
         "gpu-lora.sh",
         "gpu-peer-bench.sh",
+        "gpu-cudnn-plan.sh",
     ] {
         let path = root().join("scripts").join(script);
         let out = Command::new("bash").arg("-n").arg(&path).output().unwrap();
@@ -37,28 +73,13 @@ fn gpu_scripts_parse() {
 
 #[test]
 fn gpu_multi_dry_correct_runs_on_the_cpu() {
-    let out_dir = std::env::temp_dir().join(format!("upipe-gpu-multi-{}", std::process::id()));
-    std::fs::remove_dir_all(&out_dir).ok();
-    let out = Command::new("bash")
-        .arg(root().join("scripts/gpu-multi.sh"))
-        .arg("correct")
-        .current_dir(root())
-        .env("DRY", "1")
-        .env("GPUS", "2")
-        .env("BUDGET", "120")
-        .env("TESTS", "")
-        .env("CORRECT", "tiny upipe 2 1")
-        .env("OUT", &out_dir)
-        .env("UPIPE", env!("CARGO_BIN_EXE_upipe"))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "status {:?}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let env = [
+        ("GPUS", "2"),
+        ("BUDGET", "120"),
+        ("TESTS", ""),
+        ("CORRECT", "tiny upipe 2 1"),
+    ];
+    let (stdout, out_dir) = dry_run("gpu-multi.sh", &["correct"], &env);
     assert!(stdout.contains("ok   tiny-upipe-2x1"), "{stdout}");
     assert!(stdout.contains("ok   resume 2 ranks"), "{stdout}");
     let files: Vec<_> = std::fs::read_dir(&out_dir)
@@ -67,11 +88,7 @@ fn gpu_multi_dry_correct_runs_on_the_cpu() {
         .collect();
     assert_eq!(files, ["2x-correct.log"], "one file per part");
     let log = std::fs::read_to_string(out_dir.join("2x-correct.log")).unwrap();
-    let results: Vec<serde_json::Value> = log
-        .lines()
-        .filter(|l| l.starts_with("{\"result\""))
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect();
+    let results = json_lines(&log, "{\"result\"");
     assert_eq!(
         results.len(),
         2,
@@ -83,26 +100,8 @@ fn gpu_multi_dry_correct_runs_on_the_cpu() {
 
 #[test]
 fn gpu_peer_bench_dry_runs_upipe_on_the_cpu() {
-    let out_dir = std::env::temp_dir().join(format!("upipe-peer-bench-{}", std::process::id()));
-    std::fs::remove_dir_all(&out_dir).ok();
-    let out = Command::new("bash")
-        .arg(root().join("scripts/gpu-peer-bench.sh"))
-        .current_dir(root())
-        .env("DRY", "1")
-        .env("SEQS", "128 256")
-        .env("LONG", "256")
-        .env("STEPS", "3")
-        .env("OUT", &out_dir)
-        .env("UPIPE", env!("CARGO_BIN_EXE_upipe"))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "status {:?}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let env = [("SEQS", "128 256"), ("LONG", "256"), ("STEPS", "3")];
+    let (stdout, out_dir) = dry_run("gpu-peer-bench.sh", &[], &env);
     // below LONG upipe's default, from LONG on `--checkpoint`
     let command = |row: &str| {
         let head = format!("## {row} upipe: ");
@@ -116,11 +115,7 @@ fn gpu_peer_bench_dry_runs_upipe_on_the_cpu() {
         "{stdout}"
     );
     assert!(command("1b-256").contains(" --checkpoint "), "{stdout}");
-    let rows: Vec<serde_json::Value> = stdout
-        .lines()
-        .filter(|l| l.starts_with("{\"row\""))
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect();
+    let rows = json_lines(&stdout, "{\"row\"");
     assert_eq!(rows.len(), 2, "{stdout}");
     for (row, seq) in rows.iter().zip(["1b-128", "1b-256"]) {
         assert_eq!(row["row"], seq, "{row}");

@@ -218,9 +218,9 @@ fn walk_and_engine_agree_on_lora_runs_on_cuda() {
         optimizer_on_host(2),
     ];
     for (device, fsdp) in [
-        (DeviceKind::Cuda, false),
+        (DeviceKind::CUDA, false),
         (DeviceKind::CudaNative, false),
-        (DeviceKind::Cuda, true),
+        (DeviceKind::CUDA, true),
     ] {
         for ((m, mesh, lora), policy) in runs.iter().flat_map(|r| policies.map(|p| (r, p))) {
             let cfg = config(m, *mesh, lora, policy);
@@ -250,7 +250,7 @@ fn a_lora_step_needs_less_than_full_fine_tuning() {
             Some(t) => cfg.lora.as_mut().unwrap().config = lora(t),
             None => (cfg.lora, cfg.freeze) = (None, Default::default()),
         }
-        let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cuda);
+        let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::CUDA);
         walk_step_rank(&spec, 0).unwrap().peak
     };
     let (full, q, all) = (peak(None), peak(Some("q_proj")), peak(Some("all-linear")));
@@ -260,7 +260,7 @@ fn a_lora_step_needs_less_than_full_fine_tuning() {
     );
     // under FSDP the frozen base is sharded too: less than replicated
     let cfg = config(&m, mesh, &lora("q_proj"), MemoryPolicy::default());
-    let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cuda);
+    let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::CUDA);
     spec.fsdp = true;
     let sharded = walk_step_rank(&spec, 0).unwrap();
     assert_eq!(sharded, engine_step_rank(&spec, 0).unwrap());

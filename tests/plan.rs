@@ -309,7 +309,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         fsdp,
         fsdp_replicas: 1,
         grad_accum: 1,
-        device: DeviceKind::Cuda,
+        device: DeviceKind::CUDA,
         optimizer: true,
         freeze: Default::default(),
         lora: None,
@@ -367,7 +367,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
                 fsdp: true,
                 fsdp_replicas: 1,
                 grad_accum: 1,
-                device: DeviceKind::Cuda,
+                device: DeviceKind::CUDA,
                 optimizer: true,
                 freeze: Default::default(),
                 lora: None,
@@ -424,7 +424,7 @@ fn bad_meshes_are_clear_errors() {
 fn auto_forward_stages_are_the_widest_that_keep_the_peak() {
     let d = attn_dims(&ModelConfig::resolve("llama3-8b").unwrap());
     let plan = CpPlan::new(Strategy::Upipe, &d, 131072, 2, 1, Some(2)).unwrap();
-    let trial = |p: &CpPlan| Ok(predict_attention_trial(p, &d, DeviceKind::Cuda, 2)?.peak);
+    let trial = |p: &CpPlan| Ok(predict_attention_trial(p, &d, DeviceKind::CUDA, 2)?.peak);
     // the layer's peak is in the backward: a forward of all heads at once
     // (as Ulysses runs it) is free
     let wide = widest_free_forward(plan.clone(), trial).unwrap();
@@ -484,14 +484,14 @@ fn cuda_predictions_against_the_h200_ledger() {
     // our own kernels' model (no GPU run behind these: a change detector)
     assert_eq!(peak(&ulysses, DeviceKind::CudaNative), 13_857_980_416);
     assert_eq!(peak(&upipe, DeviceKind::CudaNative), 7_349_469_184);
-    let up = peak(&upipe, DeviceKind::Cuda);
+    let up = peak(&upipe, DeviceKind::CUDA);
     assert!(rel(up, up_measured) < 1e-6, "UPipe: {up} vs {up_measured}");
-    let pl = peak(&plain, DeviceKind::Cuda);
+    let pl = peak(&plain, DeviceKind::CUDA);
     assert!(
         rel(pl, plain_measured) < 1e-6,
         "UPipe without overlap: {pl} vs {plain_measured}"
     );
-    let uly = peak(&ulysses, DeviceKind::Cuda);
+    let uly = peak(&ulysses, DeviceKind::CUDA);
     assert!(
         rel(uly, uly_measured) < 1e-6,
         "Ulysses: {uly} vs {uly_measured}"
@@ -508,7 +508,7 @@ fn cuda_predictions_against_the_h200_ledger() {
         let plan = CpPlan::new(Strategy::Upipe, &d, seq, 1, 1, Some(u))
             .unwrap()
             .with_settle(settle);
-        let got = peak(&plan, DeviceKind::Cuda);
+        let got = peak(&plan, DeviceKind::CUDA);
         eprintln!("one GPU seq {seq} U={u} settle every {settle}: {got} vs {measured}");
         assert!(
             rel(got, measured) < 1e-6,
@@ -527,7 +527,7 @@ fn cuda_predictions_against_the_h200_ledger() {
         let plan = CpPlan::new(Strategy::Upipe, &d, seq, 2, 1, Some(2))
             .unwrap()
             .with_settle(settle);
-        let got = peak(&plan, DeviceKind::Cuda);
+        let got = peak(&plan, DeviceKind::CUDA);
         assert!(
             rel(got, measured) < 1e-6,
             "2 GPUs seq {seq} settle every {settle}: {got} vs {measured}"
@@ -547,7 +547,7 @@ fn cuda_predictions_against_the_h200_ledger() {
         ..d
     };
     let local = CpPlan::new(Strategy::Local, &d, 1536, 1, 1, None).unwrap();
-    let got = predict_attention_trial(&local, &d, DeviceKind::Cuda, 1)
+    let got = predict_attention_trial(&local, &d, DeviceKind::CUDA, 1)
         .unwrap()
         .peak;
     assert_eq!(

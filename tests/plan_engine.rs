@@ -125,7 +125,7 @@ fn check(spec: &StepSpec, what: &str) {
 
 #[test]
 fn the_engine_and_the_walk_predict_the_same_step_on_every_device() {
-    for device in [DeviceKind::Cpu, DeviceKind::Cuda, DeviceKind::CudaNative] {
+    for device in [DeviceKind::Cpu, DeviceKind::CUDA, DeviceKind::CudaNative] {
         for m in MESHES {
             for policy in policies(tiny(false).layers) {
                 for fsdp in [false, true] {
@@ -147,7 +147,7 @@ fn the_engine_and_the_walk_predict_the_same_step_on_every_device() {
 #[test]
 fn the_engine_and_the_walk_agree_on_a_qwen2() {
     let model = common::tiny_qwen2();
-    for device in [DeviceKind::Cpu, DeviceKind::Cuda] {
+    for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
         for m in &MESHES[..4] {
             for policy in policies(model.layers) {
                 for fsdp in [false, true] {
@@ -169,7 +169,7 @@ fn the_engine_and_the_walk_agree_where_cudnn_and_flash_take_the_calls() {
     let model = d64();
     // 1024 tokens: every stage's keys a multiple of 128 (cuDNN's backward)
     // on 2 ranks, not on 3 (the native kernels then)
-    for device in [DeviceKind::Cuda, DeviceKind::CudaNative] {
+    for device in [DeviceKind::CUDA, DeviceKind::CudaNative] {
         for m in MESHES {
             for policy in policies(model.layers).into_iter().take(6) {
                 for fsdp in [false, true] {
@@ -195,7 +195,7 @@ fn the_engine_and_the_walk_agree_with_a_sliding_window_on_cudnn() {
     for m in MESHES {
         for policy in policies(model.layers).into_iter().take(3) {
             let mut s = spec(&model, m, 1536, policy);
-            s.device = DeviceKind::Cuda;
+            s.device = DeviceKind::CUDA;
             check(&s, &format!("window 300 {m:?} {policy:?}"));
         }
     }
@@ -240,15 +240,15 @@ fn the_engine_and_the_walk_agree_on_packed_documents_on_cudnn() {
     for m in MESHES {
         for policy in policies(model.layers).into_iter().take(3) {
             let mut s = spec(&model, m, 1536, policy);
-            s.device = DeviceKind::CudnnDocuments;
+            s.device = DeviceKind::CUDNN_DOCUMENTS;
             check(&s, &format!("documents on cuDNN {m:?} {policy:?}"));
         }
     }
     let ulysses = &(false, Strategy::Ulysses, 4, 1, None, None, 1);
     let mut s = spec(&model, ulysses, 1536, policies(model.layers)[0]);
-    s.device = DeviceKind::Cuda;
+    s.device = DeviceKind::CUDA;
     let one_document = engine_step_rank(&s, 0).unwrap();
-    s.device = DeviceKind::CudnnDocuments;
+    s.device = DeviceKind::CUDNN_DOCUMENTS;
     let documents = engine_step_rank(&s, 0).unwrap();
     assert!(
         documents.peak > one_document.peak,
@@ -262,7 +262,7 @@ fn the_engine_and_the_walk_agree_on_packed_documents_on_cudnn() {
 fn the_engine_and_the_walk_agree_under_grad_accumulation_and_hsdp() {
     let model = tiny(false);
     let m = &(false, Strategy::Upipe, 2, 1, None, None, 2);
-    for device in [DeviceKind::Cpu, DeviceKind::Cuda] {
+    for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
         for policy in policies(model.layers).into_iter().take(6) {
             for (fsdp, replicas, accum) in [(false, 1, 3), (true, 1, 2), (true, 2, 1), (true, 2, 2)]
             {
@@ -287,7 +287,7 @@ fn the_engine_and_the_walk_agree_under_grad_accumulation_and_hsdp() {
 fn the_engine_and_the_walk_agree_with_frozen_parameters() {
     use upipe::model::Freeze;
     let layers = tiny(false).layers;
-    for device in [DeviceKind::Cpu, DeviceKind::Cuda] {
+    for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
         for m in &MESHES[..3] {
             for policy in [
                 policies(layers)[0],
@@ -318,4 +318,64 @@ fn the_engine_and_the_walk_agree_with_frozen_parameters() {
             }
         }
     }
+}
+
+/// A run plans the cuDNN it loads: the decided kernel's version reaches
+/// the device kind. Below 9.10 a documents run is on the flash kernels
+/// (cuDNN takes no documents masks), from 9.10 on cuDNN's ragged path;
+/// both plans equal the engine's rehearsal to the byte, and they differ.
+#[test]
+fn a_documents_run_plans_the_cudnn_it_loads() {
+    use upipe::backend::cuda::cudnn::{AttnKernel, KernelFacts, decide_run_kernel};
+    let model = d64();
+    let device_of = |version: usize| {
+        let facts = KernelFacts {
+            cudnn: Ok(version),
+            flash: true,
+            head_dim: model.head_dim,
+            documents: true,
+        };
+        let decided = decide_run_kernel(AttnKernel::Auto, &facts).unwrap();
+        DeviceKind::of_kernel(Some(decided.kernel), true)
+    };
+    assert_eq!(device_of(90800), DeviceKind::CudaDocuments);
+    assert_eq!(
+        device_of(91400),
+        DeviceKind::CudnnDocuments { cudnn: 91400 }
+    );
+    // a plan for another version (`upipe plan --cudnn-version`) alike
+    assert_eq!(
+        DeviceKind::CUDNN_DOCUMENTS.with_cudnn(90800),
+        DeviceKind::CudaDocuments
+    );
+    let ulysses = &(false, Strategy::Ulysses, 4, 1, None, None, 1);
+    let mut peaks = Vec::new();
+    for version in [90800, 91400] {
+        for m in [ulysses, &MESHES[0]] {
+            let mut s = spec(&model, m, 1536, policies(model.layers)[0]);
+            s.device = device_of(version);
+            check(&s, &format!("documents on cuDNN {version} {m:?}"));
+            if m == ulysses {
+                peaks.push(engine_step_rank(&s, 0).unwrap().peak);
+            }
+        }
+    }
+    assert_ne!(peaks[0], peaks[1], "cuDNN 9.8 and 9.14 plan alike");
+}
+
+/// The version decides the routing the plan walks: a backward over keys
+/// that are not a multiple of 128 runs on the flash kernels with cuDNN
+/// 9.14 and on cuDNN with 9.19; the walk and the engine follow each.
+#[test]
+fn the_planned_cudnn_version_routes_the_walk_and_the_engine_alike() {
+    let model = d64();
+    let ulysses = &(false, Strategy::Ulysses, 4, 1, None, None, 1);
+    let peak = |version: usize| {
+        let mut s = spec(&model, ulysses, 1000, policies(model.layers)[0]);
+        s.device = DeviceKind::CUDA.with_cudnn(version);
+        check(&s, &format!("s_kv 1000 on cuDNN {version}"));
+        engine_step_rank(&s, 0).unwrap().peak
+    };
+    assert_eq!(DeviceKind::CUDA, DeviceKind::Cuda { cudnn: 91400 });
+    assert_ne!(peak(91400), peak(91900));
 }

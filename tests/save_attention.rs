@@ -262,7 +262,7 @@ fn auto_keeps_the_most_blocks_that_fit() {
             fsdp: false,
             fsdp_replicas: 1,
             grad_accum: 1,
-            device: DeviceKind::Cuda,
+            device: DeviceKind::CUDA,
             optimizer: true,
             freeze: Default::default(),
             lora: None,
@@ -274,7 +274,7 @@ fn auto_keeps_the_most_blocks_that_fit() {
         predict_step(&s).unwrap().peak
     };
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    let h200 = DeviceKind::Cuda.ledger_budget(139 << 30);
+    let h200 = DeviceKind::CUDA.ledger_budget(139 << 30);
     for seq in [32768, 131072, 262144, 524288] {
         let s = spec(seq, false);
         let n = save_attention_auto(&s, h200).unwrap();

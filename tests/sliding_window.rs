@@ -273,7 +273,7 @@ fn the_planner_equals_the_ledger_with_a_window() {
             };
             let plan = cfg.plan().unwrap();
             let what = format!("{s} {pu}x{pr} checkpoint={checkpoint}");
-            for device in [DeviceKind::Cpu, DeviceKind::Cuda, DeviceKind::CudaNative] {
+            for device in [DeviceKind::Cpu, DeviceKind::CUDA, DeviceKind::CudaNative] {
                 let spec = StepSpec::of_run(&cfg, &plan, device);
                 for r in 0..pr {
                     let walk = walk_step_rank(&spec, r).unwrap();

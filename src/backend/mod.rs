@@ -15,6 +15,7 @@ pub mod cuda;
 pub mod host_adamw;
 pub mod mask;
 pub mod memory;
+pub mod norm_args;
 pub mod profile;
 pub mod rehearsal;
 pub mod tensor;

@@ -22,6 +22,7 @@
 //! [`Backend::rehearsing`], only where it would read or write host data
 //! (initial weights, RoPE tables, token ids, the host optimizer).
 
+use super::norm_args::{check_norm_bwd, check_norm_fwd};
 use super::{
     AdamWSlot, AdamWStep, AttnGradWrites, Backend, Category, DType, MatLayout, MatMut,
     MemoryLedger, Rows, RowsMut, Tensor, check_elems, check_token_ids,
@@ -301,18 +302,6 @@ fn check_rows<B: Backend>(rows: usize, row_len: usize, t: &Tensor<B>, op: &str) 
     Ok(())
 }
 
-/// RMSNorm's weight spans `x`'s last dimension.
-fn check_last_dim<B: Backend>(x: &Tensor<B>, w: &Tensor<B>, op: &str) -> Result<()> {
-    if x.shape().last() != Some(&w.numel()) {
-        return Err(Error::Backend(format!(
-            "{op}: weight {:?} does not span the last dimension of {:?}",
-            w.shape(),
-            x.shape()
-        )));
-    }
-    Ok(())
-}
-
 fn check_views(c: &MatLayout, a: &MatLayout, b: &MatLayout) -> Result<()> {
     if a.cols != b.rows || c.rows != a.rows || c.cols != b.cols {
         return Err(Error::Backend(format!(
@@ -458,8 +447,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         _eps: f32,
         y: &mut Tensor<Self>,
     ) -> Result<()> {
-        check_last_dim(x, w, "rms_norm_fwd")?;
-        check_same_numel(x, y, "rms_norm_fwd")
+        check_norm_fwd(x, None, w, y, "rms_norm_fwd").map(drop)
     }
     fn rms_norm_bwd(
         &self,
@@ -470,13 +458,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
-        check_last_dim(x, w, "rms_norm_bwd")?;
-        check_same_numel(x, dy, "rms_norm_bwd")?;
-        check_same_numel(x, dx, "rms_norm_bwd")?;
-        match dw {
-            Some(dw) => check_same_numel(w, dw, "rms_norm_bwd"),
-            None => Ok(()),
-        }
+        check_norm_bwd(x, w, dy, dx, dw.as_deref(), "rms_norm_bwd").map(drop)
     }
     fn add_rms_norm_fwd(
         &self,
@@ -486,9 +468,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         _eps: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
-        check_same_numel(x, y, "add_rms_norm_fwd")?;
-        check_last_dim(x, w, "add_rms_norm_fwd")?;
-        check_same_numel(x, out, "add_rms_norm_fwd")
+        check_norm_fwd(x, Some(y), w, out, "add_rms_norm_fwd").map(drop)
     }
     fn rms_norm_bwd_add(
         &self,

@@ -313,9 +313,13 @@ fn print_header(a: &AttnArgs, device: &str, throughput: bool) {
 /// ledger peak): the CPU trial runs one pass; the GPU one warm-up, timed and
 /// (profiled) extra passes, which start with cuDNN's kept workspace.
 pub(crate) fn predicted_peak(a: &AttnArgs, plan: &CpPlan) -> Result<usize> {
-    let device = match (a.device.as_str(), a.attn_kernel.parse()) {
-        ("cuda", Ok(kernel)) => DeviceKind::cuda_with(kernel),
-        ("cuda", Err(_)) => DeviceKind::Cuda,
+    // the bench's backend routes each call by the cuDNN it loads, if any
+    let loaded = crate::backend::cuda::cudnn::probe().map(|(v, _)| v);
+    let device = match (a.device.as_str(), a.attn_kernel.parse(), loaded) {
+        ("cuda", Ok(crate::backend::cuda::cudnn::AttnKernel::Native), _) | ("cuda", _, Err(_)) => {
+            DeviceKind::CudaNative
+        }
+        ("cuda", _, Ok(version)) => DeviceKind::CUDA.with_cudnn(version),
         _ => DeviceKind::Cpu,
     };
     let passes = if a.device == "cuda" {

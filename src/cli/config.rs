@@ -159,6 +159,7 @@ pub struct HardwareKeys {
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct PlanKeys {
     pub max_seq: Option<usize>,
+    pub cudnn_version: Option<crate::plan::CudnnVersion>,
     pub svg: Option<PathBuf>,
 }
 

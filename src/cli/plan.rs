@@ -2,6 +2,7 @@
 //! or the longest context that fits for each strategy (see `crate::plan`).
 
 use crate::attention::Strategy;
+use crate::backend::cuda::cudnn::select::version_text;
 use crate::backend::{Bytes, Category};
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::lora::LoraArgs;
@@ -16,15 +17,19 @@ use crate::model::decoder::attn_dims;
 use crate::plan::mesh::{MeshChoice, MeshFlags, resolve_mesh};
 use crate::plan::resolve::{Strategies, host_share};
 use crate::plan::{
-    Budget, Depth, DeviceKind, Fit, FsdpMode, MemoryChoices, Prediction, RankBudget, RunRequest,
-    StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
+    Budget, CudnnVersion, Depth, DeviceKind, Fit, FsdpMode, MemoryChoices, Prediction, RankBudget,
+    RunRequest, StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
 };
 use crate::plan::{OffloadBlocks, OptimizerOffload};
 use clap::ArgMatches;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
+mod device;
 mod output;
+
+pub use device::PlannedCudnn;
+use device::plan_device;
 
 use output::{
     POLICY_HEAD, POLICY_NOTE, breakdown_line, by_category, category_bar, fmt_tokens, limit_text,
@@ -99,6 +104,11 @@ pub struct PlanArgs {
     /// kernels, modelled exactly).
     #[arg(long, default_value = "auto")]
     pub attn_kernel: String,
+    /// The cuDNN version whose limits decide which attention calls run on
+    /// cuDNN (`--attn-kernel auto` on cuda): 9.19, 9.19.0 or 91900. Default:
+    /// the cuDNN this machine loads, else 9.14.
+    #[arg(long)]
+    pub cudnn_version: Option<CudnnVersion>,
     /// Longest length the search tries (tokens).
     #[arg(long, default_value_t = 1 << 28)]
     pub max_seq: usize,
@@ -128,6 +138,7 @@ impl PlanArgs {
         policies => memory.policies,
         device => run.device,
         attn_kernel => run.attn_kernel,
+        cudnn_version => plan.cudnn_version,
         json => run.json,
         max_seq => plan.max_seq,
         svg => plan.svg;
@@ -234,6 +245,8 @@ struct Ctx {
     /// What `--fsdp auto` decided, when that needs saying.
     fsdp_note: Option<String>,
     device: DeviceKind,
+    /// The cuDNN version planned and where it came from (cuDNN devices).
+    cudnn: Option<PlannedCudnn>,
     gpus: usize,
     /// With neither `--gpus` nor a mesh flag: each strategy's mesh as
     /// `upipe train` fits it ([`resolve_mesh`]) to these ranks.
@@ -362,6 +375,9 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
             policy_text(&ctx),
             ctx.a.memory.save_attention,
         );
+        if let Some(c) = &ctx.cudnn {
+            println!("{}", c.line());
+        }
         if let Some(h) = ctx.budget.host {
             println!("host memory for offload: {} per rank", Bytes(h));
         }
@@ -405,20 +421,6 @@ fn policy_text(ctx: &Ctx) -> String {
         "none".into()
     } else {
         v.join(",")
-    }
-}
-
-/// The device to plan for: `auto` as `train --device auto` decides it here.
-fn plan_device(a: &PlanArgs) -> Result<DeviceKind> {
-    let kernel = for_key(PlanArgs::KEYS, "attn_kernel", a.attn_kernel.parse())?;
-    match a.device.as_str() {
-        "cuda" => Ok(DeviceKind::cuda_with(kernel)),
-        "cpu" => Ok(DeviceKind::Cpu),
-        "auto" if crate::cli::train::visible_gpus() > 0 => Ok(DeviceKind::cuda_with(kernel)),
-        "auto" => Ok(DeviceKind::Cpu),
-        other => crate::config_err!(
-            "--device {other} ([run] device): plan for cuda (bf16), cpu (f32) or auto"
-        ),
     }
 }
 
@@ -470,7 +472,8 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     at_least(k, "max_seq", a.max_seq, 1)?;
     at_most_tokens("--max-seq", a.max_seq)?;
     a.memory.validate()?;
-    let device = plan_device(&a)?;
+    let kernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
+    let (device, cudnn) = plan_device(&a.device, kernel, a.cudnn_version)?;
     let (budget, rank_budget) = plan_budget(&a, gpus)?;
     let (memory, fsdp_mode) = memory_choices(&a, model.layers)?;
     let lora_run = a.lora.run(&model)?;
@@ -508,6 +511,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         fsdp,
         fsdp_note,
         device,
+        cudnn,
         gpus,
         fitted,
         all,
@@ -670,6 +674,7 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                     "save_attention": spec.policy.save_attention,
                     "offload_blocks": spec.policy.offload,
                     "optimizer_host_units": spec.policy.offload_optimizer,
+                    "cudnn_version": spec.device.cudnn().map(version_text),
                 })
             );
         } else {
@@ -765,6 +770,7 @@ fn print_longest(ctx: &Ctx, s: Strategy, spec: &StepSpec, fit: &Fit, saved: Opti
                 "save_attention": saved.map(|s| s.policy.save_attention),
                 "offload_blocks": saved.map(|s| s.policy.offload),
                 "optimizer_host_units": saved.map(|s| s.policy.offload_optimizer),
+                "cudnn_version": spec.device.cudnn().map(version_text),
                 "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),
                 "by_category": fit.at_fit.as_ref().map(by_category),
                 "limit": limit.map(|(seq, l, p)| json!({

@@ -11,7 +11,6 @@
 //! `tests/plan_engine.rs` holds the two equal to the byte, and
 //! `predict_step`'s doc says why the walk is still the one searches use.
 
-use super::walk::PLANNED_CUDNN_VERSION;
 use super::{DeviceKind, Prediction, StepSpec, distinct_ring_ranks};
 use crate::backend::counting::{CountedDevice, CountingBackend};
 use crate::backend::{Category, MemoryStats};
@@ -24,14 +23,14 @@ use crate::train::lora_run::LoraRun;
 use crate::train::trainer::rehearse_rank;
 
 /// The counting device standing for `device`: its dtypes, and on CUDA the
-/// attention routing of the planned cuDNN (`walk::PLANNED_CUDNN_VERSION`).
+/// attention routing of the cuDNN version the device plans
+/// ([`DeviceKind::cudnn`]; none: our kernels only).
 pub fn counted_device(device: DeviceKind) -> CountedDevice {
     match device {
         DeviceKind::Cpu => CountedDevice::Cpu,
-        DeviceKind::Cuda | DeviceKind::CudnnDocuments => CountedDevice::Cuda {
-            cudnn: Some(PLANNED_CUDNN_VERSION),
+        cuda => CountedDevice::Cuda {
+            cudnn: cuda.cudnn(),
         },
-        DeviceKind::CudaNative | DeviceKind::CudaDocuments => CountedDevice::Cuda { cudnn: None },
     }
 }
 

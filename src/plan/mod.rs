@@ -26,6 +26,7 @@
 //! gradients and its reduce-scatter buffers, exactly as
 //! `train::fsdp::store` allocates them.
 
+mod cudnn_version;
 mod device;
 pub mod engine;
 pub mod mesh;
@@ -47,6 +48,7 @@ use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::config::TrainConfig;
+pub use cudnn_version::CudnnVersion;
 pub use device::DeviceKind;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
@@ -198,7 +200,7 @@ pub fn checkpoint_bytes(cfg: &ModelConfig, masters: bool) -> u64 {
 fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usize) -> AttnWalk {
     AttnWalk {
         flash_ws: device.is_cuda(),
-        cudnn: device.on_cudnn(),
+        cudnn: device.cudnn(),
         documents: device.documents(),
         ring_rank,
         ..AttnWalk::new(plan, dims, device.act_bytes())
@@ -648,7 +650,7 @@ mod ring_rank_tests {
 
     fn check_ring_ranks(model: &ModelConfig, prs: std::ops::RangeInclusive<usize>) {
         let dims = attn_dims(model);
-        for device in [DeviceKind::Cpu, DeviceKind::Cuda, DeviceKind::CudaNative] {
+        for device in [DeviceKind::Cpu, DeviceKind::CUDA, DeviceKind::CudaNative] {
             for (strategy, pu) in [
                 (Strategy::Ring, 1),
                 (Strategy::Upipe, 2),

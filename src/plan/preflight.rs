@@ -179,7 +179,7 @@ mod tests {
             fsdp: false,
             fsdp_replicas: 1,
             grad_accum: 1,
-            device: DeviceKind::Cuda,
+            device: DeviceKind::CUDA,
             optimizer: true,
             freeze: Default::default(),
             lora: None,

@@ -2,6 +2,7 @@
 //! rayon parallelism and `matrixmultiply` GEMM. Every other backend and every
 //! context-parallel strategy is tested against this one.
 
+use super::norm_args::{check_norm_bwd, check_norm_fwd};
 use super::profile::{HostProfile, Phase, StepProfile, Track};
 use super::{
     AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE,
@@ -74,12 +75,7 @@ impl CpuBackend {
         dw: Option<&mut Tensor<Self>>,
         write: norm::DxWrite,
     ) -> Result<()> {
-        check_same_numel(x, dy, "rms_norm_bwd")?;
-        check_same_numel(x, dx, "rms_norm_bwd")?;
-        norm::check_rows(x.numel(), w.numel(), "rms_norm_bwd")?;
-        if let Some(dw) = dw.as_deref() {
-            check_same_numel(w, dw, "rms_norm_bwd")?;
-        }
+        check_norm_bwd(x, w, dy, dx, dw.as_deref(), "rms_norm_bwd")?;
         let (xs, ws, dys) = (data(x), data(w), data(dy));
         norm::backward(xs, ws, dys, eps, data_mut(dx), dw.map(data_mut), write);
         Ok(())
@@ -353,8 +349,7 @@ impl Backend for CpuBackend {
         y: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm", Track::Compute);
-        check_same_numel(x, y, "rms_norm_fwd")?;
-        norm::check_rows(x.numel(), w.numel(), "rms_norm_fwd")?;
+        check_norm_fwd(x, None, w, y, "rms_norm_fwd")?;
         norm::forward(data(x), data(w), eps, data_mut(y));
         Ok(())
     }
@@ -381,9 +376,7 @@ impl Backend for CpuBackend {
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("add_rms_norm", Track::Compute);
-        check_same_numel(x, y, "add_rms_norm_fwd")?;
-        check_same_numel(x, out, "add_rms_norm_fwd")?;
-        norm::check_rows(x.numel(), w.numel(), "add_rms_norm_fwd")?;
+        check_norm_fwd(x, Some(y), w, out, "add_rms_norm_fwd")?;
         norm::add(data_mut(x), data(y));
         norm::forward(data(x), data(w), eps, data_mut(out));
         Ok(())

@@ -4,18 +4,7 @@
 //! unfused ops' arithmetic in the same order, so they equal them bit for bit.
 
 use super::dot;
-use crate::error::{Error, Result};
 use rayon::prelude::*;
-
-/// Checks that `n` elements are whole rows of a norm weight of `dim`.
-pub(super) fn check_rows(n: usize, dim: usize, op: &str) -> Result<()> {
-    if dim == 0 || !n.is_multiple_of(dim) {
-        return Err(Error::Backend(format!(
-            "{op}: {n} elements are not rows of the norm weight's {dim}"
-        )));
-    }
-    Ok(())
-}
 
 /// `ys = xs / rms(xs) * ws` per row.
 pub(super) fn forward(xs: &[f32], ws: &[f32], eps: f32, ys: &mut [f32]) {

@@ -8,6 +8,7 @@ use super::attention::dt_flag;
 use super::device::drv;
 use super::kernels::{Args, grid_for, launch};
 use super::{BLOCK, CudaBackend, dt, need, ptr};
+use crate::backend::norm_args::{check_norm_bwd, check_norm_fwd};
 use crate::backend::{
     AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, Tensor, check_bias_views,
     check_same_numel,
@@ -202,16 +203,9 @@ impl CudaBackend {
         y: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("rms_norm")?;
-        check_same_numel(x, y, "rms_norm_fwd")?;
+        let rows = check_norm_fwd(x, None, w, y, "rms_norm_fwd")?;
         let dim = w.numel();
-        if dim == 0 || !x.numel().is_multiple_of(dim) {
-            return Err(Error::Backend(format!(
-                "rms_norm_fwd: x {:?} is not rows of w's {dim}",
-                x.shape()
-            )));
-        }
         self.bind()?;
-        let rows = x.numel() / dim;
         if rows == 0 {
             return Ok(());
         }
@@ -247,22 +241,14 @@ impl CudaBackend {
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("add_rms_norm")?;
-        check_same_numel(x, y, "add_rms_norm_fwd")?;
-        check_same_numel(x, out, "add_rms_norm_fwd")?;
+        let rows = check_norm_fwd(x, Some(y), w, out, "add_rms_norm_fwd")?;
         if x.dtype() != DType::F32 && x.dtype() != y.dtype() {
             return Err(Error::Backend(
                 "add_rms_norm_fwd: x must be F32 or the dtype of y".into(),
             ));
         }
         let dim = w.numel();
-        if dim == 0 || !x.numel().is_multiple_of(dim) {
-            return Err(Error::Backend(format!(
-                "add_rms_norm_fwd: x {:?} is not rows of w's {dim}",
-                x.shape()
-            )));
-        }
         self.bind()?;
-        let rows = x.numel() / dim;
         if rows == 0 {
             return Ok(());
         }
@@ -308,21 +294,12 @@ impl CudaBackend {
         } else {
             "rms_norm_bwd"
         })?;
-        check_same_numel(x, dy, "rms_norm_bwd")?;
-        check_same_numel(x, dx, "rms_norm_bwd")?;
+        let rows = check_norm_bwd(x, w, dy, dx, dw.as_deref(), "rms_norm_bwd")?;
         if let Some(dw) = dw.as_deref() {
-            check_same_numel(w, dw, "rms_norm_bwd")?;
             need(dw, DType::F32, "rms_norm_bwd", "dw")?;
         }
         let dim = w.numel();
-        if dim == 0 || !x.numel().is_multiple_of(dim) {
-            return Err(Error::Backend(format!(
-                "rms_norm_bwd: x {:?} is not rows of w's {dim}",
-                x.shape()
-            )));
-        }
         self.bind()?;
-        let rows = x.numel() / dim;
         if rows == 0 {
             return Ok(());
         }

@@ -14,9 +14,10 @@ use crate::plan::sim::{Buf, Sim};
 
 const F32: usize = 4;
 
-/// The cuDNN whose limits decide which calls the walk puts on cuDNN: the one
-/// on our H200 machine (9.14; its backward needs `s_kv % 128 == 0`, newer
-/// ones take more shapes).
+/// The cuDNN a plan assumes when no cuDNN is loaded (`upipe plan` on a
+/// machine without one, unless `--cudnn-version` names another): the one on
+/// our H200 machine (9.14; its backward needs `s_kv % 128 == 0`, newer ones
+/// take more shapes). A run plans the version it loaded.
 pub const PLANNED_CUDNN_VERSION: usize = 91400;
 
 /// A transfer in flight: (receive buffer, send buffer held until the wait).
@@ -70,8 +71,9 @@ pub struct AttnWalk {
     pub settle_every: Settle,
     /// The backend's attention backward takes a transient workspace (CUDA flash path).
     pub flash_ws: bool,
-    /// Attention calls cuDNN takes run there (CUDA, `--attn-kernel auto`).
-    pub cudnn: bool,
+    /// The cuDNN version whose limits put attention calls on cuDNN (CUDA,
+    /// `--attn-kernel auto`); `None`: our kernels only.
+    pub cudnn: Option<usize>,
     /// The masks are documents masks, on our kernels (CUDA): each call's
     /// per-row key bounds are kept on the device (`CudaBackend::mask_bounds`).
     pub documents: bool,
@@ -109,7 +111,7 @@ impl AttnWalk {
             overlap: plan.overlap,
             settle_every: plan.settle_every,
             flash_ws: false,
-            cudnn: false,
+            cudnn: None,
             documents: false,
             ring_rank: 0,
             window: None,
@@ -125,7 +127,7 @@ impl AttnWalk {
     /// depends on their rows only, never on the documents).
     fn seq_mask(&self) -> AttnMask {
         let seq = self.sh.n * self.sh.pr;
-        let two = self.cudnn && self.documents && seq >= 2;
+        let two = self.cudnn.is_some() && self.documents && seq >= 2;
         let starts: &[u32] = if two { &[0, 1] } else { &[0] };
         crate::model::window_mask(starts, seq, self.window).unwrap_or(WINDOW_MASK)
     }
@@ -157,9 +159,7 @@ impl AttnWalk {
     ) {
         use crate::backend::cuda::cudnn;
         let shape = cudnn::dense_shape(sq, sk, hq, hkv, self.sh.head_dim, mask.clone());
-        if self.cudnn
-            && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, false).is_ok()
-        {
+        if self.on_cudnn(&shape, false) {
             // cuDNN's own part: none for one document, the reserve for several
             let own = cudnn::own_workspace(&shape, 0).unwrap_or(0);
             let need = cudnn::fwd_workspace_bytes(&shape, own);
@@ -215,8 +215,7 @@ impl AttnWalk {
             (nk, g.dkv_eb, g.writes.dkv),
             (nk, g.dkv_eb, g.writes.dkv),
         ];
-        if self.cudnn && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, true).is_ok()
-        {
+        if self.on_cudnn(&shape, true) {
             let scratch: Vec<Buf> = grads
                 .iter()
                 .filter(|&&(_, eb, w)| !cudnn::bwd_writes_in_place(w, dtype(eb)))
@@ -255,7 +254,14 @@ impl AttnWalk {
         }
         let (n, u, m, d) = (self.sh.n, self.sh.u, self.sh.m, self.sh.head_dim);
         let shape = cudnn::dense_shape(n, n, u, m, d, self.seq_mask());
-        self.cudnn && cudnn::select::shape_supported(PLANNED_CUDNN_VERSION, &shape, true).is_ok()
+        self.on_cudnn(&shape, true)
+    }
+
+    /// Whether the planned cuDNN takes a call of `shape` (`bwd`: the backward).
+    fn on_cudnn(&self, shape: &crate::backend::cuda::cudnn::SdpaShape, bwd: bool) -> bool {
+        self.cudnn.is_some_and(|v| {
+            crate::backend::cuda::cudnn::select::shape_supported(v, shape, bwd).is_ok()
+        })
     }
 
     fn act(&self, sim: &mut Sim, cat: Category, n: usize) -> Buf {

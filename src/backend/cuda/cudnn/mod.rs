@@ -246,12 +246,7 @@ pub fn probe() -> Result<(usize, String)> {
     // the file we opened (e.g. `UPIPE_CUDNN_LIB` names a pip wheel without
     // an unversioned link while the system has one), the two copies' sub-
     // libraries clash later. Refuse that mix here with a clear reason.
-    let bound = format!(
-        "{}.{}.{}",
-        version / 10000,
-        (version % 10000) / 100,
-        version % 100
-    );
+    let bound = select::version_text(version);
     if let Some(opened) = &loaded.api_version
         && *opened != bound
     {

@@ -206,17 +206,21 @@ impl std::fmt::Display for AttentionKernel {
     /// metrics' `attention_kernel` say).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            AttentionKernel::Cudnn { version } => write!(
-                f,
-                "cudnn {}.{}.{}",
-                version / 10000,
-                (version % 10000) / 100,
-                version % 100
-            ),
+            AttentionKernel::Cudnn { version } => write!(f, "cudnn {}", version_text(*version)),
             AttentionKernel::Flash => f.write_str("flash"),
             AttentionKernel::Naive => f.write_str("naive"),
         }
     }
+}
+
+/// A cuDNN version number as cuDNN writes it: 91400 is `9.14.0`.
+pub fn version_text(version: usize) -> String {
+    format!(
+        "{}.{}.{}",
+        version / 10000,
+        (version % 10000) / 100,
+        version % 100
+    )
 }
 
 /// What a run's attention kernel is decided from.
