@@ -95,8 +95,9 @@ impl Rehearsable for Counted {
         }
         Ok(NoMemory)
     }
-    /// cuDNN's forward plan workspace counts as 0 (what the H200 ledger
-    /// shows); the backward's is `cudnn::estimated_bwd_plan_workspace`.
+    /// cuDNN's forward plan workspace counts as 0, inside the room a
+    /// forward keeps for it anyway (`cudnn::FWD_PLAN_RESERVE`); the
+    /// backward's is `cudnn::estimated_bwd_plan_workspace`.
     fn cudnn_plan_workspace(&self, shape: &cudnn::SdpaShape, bwd: bool) -> Result<Option<usize>> {
         Ok(match (self.on_cudnn(shape, bwd), bwd) {
             (false, _) => None,

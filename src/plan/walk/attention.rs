@@ -160,7 +160,7 @@ impl AttnWalk {
         use crate::backend::cuda::cudnn;
         let shape = cudnn::dense_shape(sq, sk, hq, hkv, self.sh.head_dim, mask.clone());
         if self.on_cudnn(&shape, false) {
-            // cuDNN's own part: none for one document, the reserve for several
+            // cuDNN's own part: the forward reserve for one document, the ragged one for several
             let own = cudnn::own_workspace(&shape, 0).unwrap_or(0);
             let need = cudnn::fwd_workspace_bytes(&shape, own);
             sim.keep_at_least(

@@ -28,8 +28,8 @@ pub use select::{
     shape_supported,
 };
 pub use workspace::{
-    RAGGED_PLAN_RESERVE, bwd_workspace_bytes, estimated_bwd_plan_workspace, fwd_workspace_bytes,
-    kept_workspace_bytes, own_workspace,
+    FWD_PLAN_RESERVE, RAGGED_PLAN_RESERVE, bwd_workspace_bytes, estimated_bwd_plan_workspace,
+    fwd_workspace_bytes, kept_workspace_bytes, own_workspace,
 };
 
 use self::desc::check;

@@ -46,14 +46,23 @@ pub fn bwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
     bwd_layout(s, plan_workspace)[5]
 }
 
-/// Bytes of the workspace a forward of `s` needs: cuDNN's own, then a
-/// ragged call's tables.
+/// Bytes of the workspace a forward of `s` needs: cuDNN's own (at least
+/// [`FWD_PLAN_RESERVE`] for one document), then a ragged call's tables.
 pub fn fwd_workspace_bytes(s: &SdpaShape, plan_workspace: usize) -> usize {
     match s.ragged {
-        None => plan_workspace,
+        None => plan_workspace.max(FWD_PLAN_RESERVE),
         Some(_) => align(plan_workspace) + table_bytes(s),
     }
 }
+
+/// The room a one-document forward keeps for cuDNN's own plan workspace,
+/// whatever the plan asks below it: cuDNN 9.14's forward plans need none
+/// where the keys are a multiple of 128 and a few hundred bytes otherwise
+/// (252 at 8,000 keys, 32 query and 8 kv heads of 64; H200, 2026-12-04),
+/// which the planner, running without a GPU, cannot know. Engine and
+/// planner both keep this much; a plan needing more grows the workspace
+/// past the plan.
+pub const FWD_PLAN_RESERVE: usize = 4 << 10;
 
 /// cuDNN's own backward plan workspace for `s` as measured on cuDNN 9.14
 /// (H200, 2026-11-30, exact to the byte on three shapes): with GQA inside
@@ -134,7 +143,11 @@ mod tests {
                 bwd_workspace_bytes(&dense_mha, 256) + tables
             );
         }
-        assert_eq!(fwd_workspace_bytes(&one, 0), 0);
+        // one document: cuDNN's own part at least the forward reserve
+        assert_eq!(fwd_workspace_bytes(&one, 0), FWD_PLAN_RESERVE);
+        assert_eq!(fwd_workspace_bytes(&one, 252), FWD_PLAN_RESERVE);
+        let big = FWD_PLAN_RESERVE + 4;
+        assert_eq!(fwd_workspace_bytes(&one, big), big);
         // cuDNN's own part of a ragged call is the fixed reserve, planned and run alike
         let r = shape(&[0, 1], hkv);
         assert_eq!(estimated_bwd_plan_workspace(&r), RAGGED_PLAN_RESERVE);
