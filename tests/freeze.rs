@@ -422,8 +422,18 @@ fn early_stop_cases() -> Vec<(&'static str, Mesh, bool, MemoryPolicy)> {
         ..MemoryPolicy::default()
     };
     vec![
-        ("local checkpoint", (1, Strategy::Local, 1, 1), false, checkpoint),
-        ("upipe", (1, Strategy::Upipe, 2, 1), false, MemoryPolicy::default()),
+        (
+            "local checkpoint",
+            (1, Strategy::Local, 1, 1),
+            false,
+            checkpoint,
+        ),
+        (
+            "upipe",
+            (1, Strategy::Upipe, 2, 1),
+            false,
+            MemoryPolicy::default(),
+        ),
         (
             "upipe checkpoint offload",
             (1, Strategy::Upipe, 2, 2),

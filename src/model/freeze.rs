@@ -332,7 +332,8 @@ mod tests {
     #[test]
     fn the_backward_stops_at_the_lowest_trained_block() {
         let c = tiny(false);
-        let floor = |spec: &str, adapters| Freeze::parse(spec).unwrap().backward_floor(&c, adapters);
+        let floor =
+            |spec: &str, adapters| Freeze::parse(spec).unwrap().backward_floor(&c, adapters);
         assert_eq!(c.layers, 2);
         assert_eq!(floor("none", false), 0);
         // a trained embedding needs block 0's input gradient
