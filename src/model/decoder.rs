@@ -14,6 +14,10 @@
 //!   attention output O and LSEs, so their backward recomputes only
 //!   `y = O·Woᵀ` instead of the whole attention forward.
 //!
+//! With `backward_floor` set (`Freeze::backward_floor`: nothing below that
+//! block trains), the blocks below it run their forward only and keep
+//! nothing, and the backward stops after that block.
+//!
 //! A checkpointed block's backward recomputes its forward only up to
 //! `h1 = h + attn(RMSNorm(h))`: the block output is not needed, and a tiled
 //! MLP runs each tile's forward once, inside the tiled backward.
