@@ -405,3 +405,104 @@ fn one_step_moves_the_trained_parameters_exactly_as_an_unfrozen_step() {
         }
     }
 }
+
+/// [`tiny`] with 4 blocks: room for frozen blocks below trained ones.
+fn tiny4() -> ModelConfig {
+    let mut m = tiny(false);
+    m.layers = 4;
+    m.validate().unwrap();
+    m
+}
+
+/// Runs with the embedding and the lower blocks frozen, whose backward
+/// stops after the lowest trained block: (what, mesh, fsdp, policy).
+fn early_stop_cases() -> Vec<(&'static str, Mesh, bool, MemoryPolicy)> {
+    let checkpoint = MemoryPolicy {
+        checkpoint: true,
+        ..MemoryPolicy::default()
+    };
+    vec![
+        (
+            "local checkpoint",
+            (1, Strategy::Local, 1, 1),
+            false,
+            checkpoint,
+        ),
+        (
+            "upipe",
+            (1, Strategy::Upipe, 2, 1),
+            false,
+            MemoryPolicy::default(),
+        ),
+        (
+            "upipe checkpoint offload",
+            (1, Strategy::Upipe, 2, 2),
+            false,
+            MemoryPolicy {
+                offload: 3,
+                save_attention: 1,
+                ..checkpoint
+            },
+        ),
+        (
+            "fsdp checkpoint offload",
+            (2, Strategy::Local, 1, 1),
+            true,
+            MemoryPolicy {
+                offload: 2,
+                ..checkpoint
+            },
+        ),
+    ]
+}
+
+/// `--freeze embeddings,blocks:0-1` on 4 blocks: the backward stops after
+/// block 2. Three steps give bit-identical losses, gradient norms and
+/// weights to the same run through every block's backward
+/// (`Freeze::full_backward`), with a lower ledger peak, which the planner
+/// predicts to the byte by both paths (replicated and FSDP, checkpointed
+/// and offloaded, local and UPipe).
+#[test]
+fn the_backward_stops_below_the_lowest_trained_block() {
+    let m = tiny4();
+    let freeze = "embeddings,blocks:0-1";
+    assert_eq!(Freeze::parse(freeze).unwrap().backward_floor(&m, false), 2);
+    for (what, mesh, fsdp, policy) in early_stop_cases() {
+        let run = |full_backward: bool| {
+            let dir = temp(&format!("early-{}-{full_backward}", what.replace(' ', "-")));
+            let mut cfg = config(&m, mesh, freeze, fsdp, policy);
+            cfg.freeze.full_backward = full_backward;
+            cfg.save_dir = Some(dir.clone());
+            let run = train_cpu(&cfg, tokens(m.vocab), &|_| {}).unwrap();
+            let w = load_safetensors(&dir.join("model.safetensors")).unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+            (cfg, run, w)
+        };
+        let (cfg, early, early_w) = run(false);
+        let (full_cfg, full, full_w) = run(true);
+        assert_eq!(early.reports.len(), 3, "{what}");
+        for (e, f) in early.reports.iter().zip(&full.reports) {
+            assert_eq!(e.loss.to_bits(), f.loss.to_bits(), "{what}: loss");
+            let norms = (e.grad_norm.to_bits(), f.grad_norm.to_bits());
+            assert_eq!(norms.0, norms.1, "{what}: gradient norm");
+        }
+        assert_eq!(early_w.len(), full_w.len(), "{what}");
+        for (name, t) in &early_w {
+            assert!(t.data == full_w[name].data, "{what}: {name} differs");
+        }
+        assert!(
+            early.memory.peak < full.memory.peak,
+            "{what}: the early stop lowers the peak ({} vs {})",
+            early.memory.peak,
+            full.memory.peak
+        );
+        // the planner: engine and walk equal to the ledger, either way
+        for (c, ledger) in [(&cfg, &early.memory), (&full_cfg, &full.memory)] {
+            let spec = StepSpec::of_run(c, &c.plan().unwrap(), DeviceKind::Cpu);
+            let pred = predict_step_rank(&spec, 0).unwrap();
+            assert_eq!(pred, walk_step_rank(&spec, 0).unwrap(), "{what}: walk");
+            assert_eq!(pred.peak, ledger.peak, "{what}: device peak");
+            assert_eq!(pred.host_peak, ledger.host_peak, "{what}: host peak");
+        }
+    }
+}

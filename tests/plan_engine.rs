@@ -379,3 +379,30 @@ fn the_planned_cudnn_version_routes_the_walk_and_the_engine_alike() {
     assert_eq!(DeviceKind::CUDA, DeviceKind::Cuda { cudnn: 91400 });
     assert_ne!(peak(91400), peak(91900));
 }
+
+/// A backward that stops after the lowest trained block (`--freeze
+/// embeddings,blocks:0-1` of 4 blocks: nothing kept below block 2, no
+/// gather of a block whose backward does not run): both paths alike,
+/// replicated and FSDP, checkpointed and offloaded.
+#[test]
+fn the_engine_and_the_walk_agree_when_the_backward_stops_early() {
+    use upipe::model::Freeze;
+    let mut model = tiny(false);
+    model.layers = 4;
+    model.validate().unwrap();
+    let all = policies(model.layers);
+    for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
+        for m in [&MESHES[0], &MESHES[2], &MESHES[7]] {
+            for policy in [all[0], all[3], all[4], all[5], all[9]] {
+                for fsdp in [false, true] {
+                    let mut s = spec(&model, m, 240, policy);
+                    (s.device, s.fsdp) = (device, fsdp);
+                    s.freeze = Freeze::parse("embeddings,blocks:0-1").unwrap();
+                    assert_eq!(s.freeze.backward_floor(&model, false), 2);
+                    let what = format!("{device:?} {m:?} fsdp={fsdp} {policy:?}");
+                    check(&s, &what);
+                }
+            }
+        }
+    }
+}

@@ -54,7 +54,10 @@ use crate::data::Mixture;
 use crate::data::dataset::load_dataset;
 use crate::data::mixture::load_mixture;
 use crate::error::Result;
-use crate::model::flops::{frozen_and_adapter_flops, train_flops_per_token};
+use crate::model::flops::{
+    frozen_and_adapter_flops, skipped_attention_share, train_attention_flops_per_token,
+    train_flops_per_token,
+};
 use crate::plan::preflight::planned_host;
 use crate::plan::{
     Depth, DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, RankBudget, ResolvedRun,
@@ -107,8 +110,11 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     progress.finish()?;
     if run.lead && !a.json {
         let lora = run.cfg.lora.as_ref().map(|l| &l.config);
-        let flops = train_flops_per_token(&run.cfg.model, run.cfg.seq)
-            + frozen_and_adapter_flops(&run.cfg.model, &run.cfg.freeze, lora);
+        let (model, freeze, seq) = (&run.cfg.model, &run.cfg.freeze, run.cfg.seq);
+        let skipped = train_attention_flops_per_token(model, seq)
+            * skipped_attention_share(model, freeze, lora);
+        let flops = train_flops_per_token(model, seq) - skipped
+            + frozen_and_adapter_flops(model, freeze, lora);
         summary::print(&summary, &predicted, run.cfg.steps, flops);
     }
     if run.lead {

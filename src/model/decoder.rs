@@ -14,6 +14,10 @@
 //!   attention output O and LSEs, so their backward recomputes only
 //!   `y = O·Woᵀ` instead of the whole attention forward.
 //!
+//! With `backward_floor` set (`Freeze::backward_floor`: nothing below that
+//! block trains), the blocks below it run their forward only and keep
+//! nothing, and the backward stops after that block.
+//!
 //! A checkpointed block's backward recomputes its forward only up to
 //! `h1 = h + attn(RMSNorm(h))`: the block output is not needed, and a tiled
 //! MLP runs each tile's forward once, inside the tiled backward.
@@ -228,6 +232,11 @@ pub struct Decoder<B: Backend> {
     /// the same arithmetic, for tests that compare the two. False unless a
     /// test sets it.
     pub(crate) unfused_norms: bool,
+    /// The lowest block whose backward runs (`Freeze::backward_floor`):
+    /// nothing below it trains, so the blocks below keep nothing from the
+    /// forward and the backward stops after it. 0 (every block) unless
+    /// the trainer sets it.
+    pub backward_floor: usize,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -246,6 +255,7 @@ impl<B: Backend> Decoder<B> {
             policy,
             attn,
             unfused_norms: false,
+            backward_floor: 0,
         })
     }
 
@@ -299,12 +309,20 @@ impl<B: Backend> Decoder<B> {
         // under checkpointing, its attention state or nothing more; an
         // offloaded input is copied to host memory beside the next block's
         // forward, its device copy released after that block.
-        let mut kept: Vec<(Tensor<B>, Kept<B>)> = Vec::with_capacity(self.cfg.layers);
+        // the backward stops after block `floor`: the blocks below keep nothing
+        let floor = self.backward_floor.min(self.cfg.layers);
+        let mut kept: Vec<(Tensor<B>, Kept<B>)> = Vec::with_capacity(self.cfg.layers - floor);
         let mut leaving: Option<(Tensor<B>, CopyDone)> = None;
         for l in 0..self.cfg.layers {
             store.acquire(b, Unit::Block(l))?;
             let (next, saved) = self.block_fwd(b, mesh, store.block(l)?, &x)?;
             store.release(Unit::Block(l))?;
+            if l < floor {
+                // no backward runs here: nothing kept, the input is dropped
+                drop(saved);
+                x = next;
+                continue;
+            }
             let entry = if self.policy.checkpoint {
                 let keep = self.keep_checkpointed(l, saved);
                 if self.policy.offloads(l) {
@@ -327,7 +345,7 @@ impl<B: Backend> Decoder<B> {
 
         let (loss, mut dx) = self.head_fwd_bwd(b, store, x, targets, grad_scale)?;
         while let Some((kept_input, keep)) = kept.pop() {
-            let l = kept.len();
+            let l = floor + kept.len();
             b.ledger().enter("backward: reload");
             let input = match coming.take() {
                 Some((dev, done)) => {
@@ -349,6 +367,10 @@ impl<B: Backend> Decoder<B> {
             let (w, g) = store.block_grads(b, l)?;
             dx = self.block_bwd(b, mesh, w, g, &input, saved, dx)?;
             store.release(Unit::Block(l))?;
+            store.grads_done(b, Unit::Block(l))?;
+        }
+        // the blocks below the floor are frozen whole: no gradient to hand over
+        for l in (0..floor).rev() {
             store.grads_done(b, Unit::Block(l))?;
         }
         // a frozen embedding takes no gradient: the backward ends at its output

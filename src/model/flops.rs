@@ -75,25 +75,44 @@ pub fn causal_train_flops_per_token(cfg: &ModelConfig, seq: usize) -> (f64, f64)
 }
 
 /// What a run with frozen parameters and LoRA adapters changes in
-/// [`train_flops_per_token`], per token: a frozen matrix's weight-gradient
-/// GEMM is not computed (`−2·n` for its `n` weights; the input embedding
-/// table, a gather, has none unless tied to the head), and each adapter
-/// adds its forward, input-gradient and weight-gradient GEMMs (`6·r·(in +
-/// out)`).
+/// [`train_flops_per_token`] outside the attention, per token: a frozen
+/// matrix's weight-gradient GEMM is not computed (`−2·n` for its `n`
+/// weights; the input embedding table, a gather, has none unless tied to
+/// the head), nor the input-gradient GEMMs of the blocks below the
+/// backward's floor (`Freeze::backward_floor`: another `−2·n`), and each
+/// adapter adds its forward, input-gradient and weight-gradient GEMMs
+/// (`6·r·(in + out)`).
 pub fn frozen_and_adapter_flops(
     cfg: &ModelConfig,
     frozen: &super::Freeze,
     lora: Option<&super::lora::LoraConfig>,
 ) -> f64 {
+    let floor = frozen.backward_floor(cfg, lora.is_some());
     let mut saved = 0usize;
     for (p, shape) in cfg.params() {
         let gathered = p == super::Param::Embed && !cfg.tie_embeddings;
+        let n = shape.iter().product::<usize>();
         if frozen.is_frozen(cfg, p) && !gathered {
-            saved += shape.iter().product::<usize>();
+            saved += n;
+        }
+        if matches!(p, super::Param::Block(l, _) if l < floor) {
+            saved += n;
         }
     }
     let adapters = lora.map_or(0, |l| l.param_count(cfg));
     6.0 * adapters as f64 - 2.0 * saved as f64
+}
+
+/// The share of [`train_attention_flops_per_token`] a run does not compute
+/// because its backward stops after block `Freeze::backward_floor`: the
+/// attention backward (2.5 of the 3.5 forward units) of the blocks below.
+pub fn skipped_attention_share(
+    cfg: &ModelConfig,
+    frozen: &super::Freeze,
+    lora: Option<&super::lora::LoraConfig>,
+) -> f64 {
+    let floor = frozen.backward_floor(cfg, lora.is_some());
+    (2.5 / 3.5) * floor as f64 / cfg.layers.max(1) as f64
 }
 
 /// Model FLOPs per token of a forward pass over sequences of `seq` tokens:
@@ -190,5 +209,28 @@ mod tests {
         let q = (16 * (4096 + 4096) * 32) as f64;
         let n = (cfg.param_count() - cfg.vocab * cfg.hidden) as f64; // untied: table gathered
         assert_eq!(got, 6.0 * q - 2.0 * n);
+        assert_eq!(skipped_attention_share(&cfg, &base, Some(&lora)), 0.0);
+    }
+
+    /// Below the backward's floor no input-gradient GEMM runs either, nor
+    /// any attention backward.
+    #[test]
+    fn blocks_below_the_backward_floor_count_their_forward_only() {
+        use crate::model::{Freeze, Param};
+        let cfg = ModelConfig::resolve("llama3-8b").unwrap();
+        let f = Freeze::parse("embeddings,blocks:0-15").unwrap();
+        assert_eq!(f.backward_floor(&cfg, false), 16);
+        let block: usize = cfg
+            .params()
+            .iter()
+            .filter(|(p, _)| matches!(p, Param::Block(0, _)))
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        // weight and input gradients of 16 blocks
+        let want = -2.0 * 2.0 * (16 * block) as f64;
+        assert_eq!(frozen_and_adapter_flops(&cfg, &f, None), want);
+        assert_eq!(skipped_attention_share(&cfg, &f, None), 2.5 / 3.5 / 2.0);
+        let blocks_only = Freeze::parse("blocks:0-15").unwrap();
+        assert_eq!(skipped_attention_share(&cfg, &blocks_only, None), 0.0);
     }
 }

@@ -35,10 +35,23 @@ enum Item {
 }
 
 /// The parameters a run freezes (empty: it trains every parameter).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct Freeze {
     items: Vec<Item>,
+    /// Runs the backward through every block even below the lowest
+    /// trained one ([`Freeze::backward_floor`] 0): the same gradients with
+    /// more work and memory, for tests that compare the two. False unless
+    /// a test sets it; not part of the spec (equality, `Display`).
+    pub full_backward: bool,
 }
+
+impl PartialEq for Freeze {
+    fn eq(&self, other: &Self) -> bool {
+        self.items == other.items
+    }
+}
+
+impl Eq for Freeze {}
 
 impl std::fmt::Display for Freeze {
     /// The spec as `--freeze` takes it (`embeddings,blocks:0-3`).
@@ -77,7 +90,10 @@ impl Freeze {
             Item::Attn,
             Item::Mlp,
         ];
-        Freeze { items }
+        Freeze {
+            items,
+            full_backward: false,
+        }
     }
 
     /// Parses a `--freeze` spec (`none` or empty: nothing frozen); an
@@ -94,7 +110,10 @@ impl Freeze {
                 items.push(item);
             }
         }
-        Ok(Freeze { items })
+        Ok(Freeze {
+            items,
+            full_backward: false,
+        })
     }
 
     /// Whether it freezes nothing.
@@ -171,6 +190,20 @@ impl Freeze {
                 .collect();
             frozen.iter().any(|&f| f) && !frozen.iter().all(|&f| f)
         })
+    }
+
+    /// The lowest block whose backward runs: the lowest block with a
+    /// trained parameter (`adapters`: LoRA adapters train in every block,
+    /// so 0), or `cfg.layers` when no block trains. Nothing below it needs
+    /// a gradient, so the step's backward stops after it and the forward
+    /// keeps nothing for the blocks below. A trained embedding (or a tied
+    /// head that trains it) needs the gradient of block 0's input: 0.
+    pub fn backward_floor(&self, cfg: &ModelConfig, adapters: bool) -> usize {
+        if self.full_backward || adapters || !self.is_frozen(cfg, Param::Embed) {
+            return 0;
+        }
+        let trains = |l: usize| !self.unit_frozen(cfg, Unit::Block(l));
+        (0..cfg.layers).find(|&l| trains(l)).unwrap_or(cfg.layers)
     }
 
     /// Elements of `cfg`'s model that are frozen, and all of them.
@@ -294,6 +327,34 @@ mod tests {
                 .unwrap()
                 .is_frozen(&tiny(false), Param::Embed)
         );
+    }
+
+    #[test]
+    fn the_backward_stops_at_the_lowest_trained_block() {
+        let c = tiny(false);
+        let floor =
+            |spec: &str, adapters| Freeze::parse(spec).unwrap().backward_floor(&c, adapters);
+        assert_eq!(c.layers, 2);
+        assert_eq!(floor("none", false), 0);
+        // a trained embedding needs block 0's input gradient
+        assert_eq!(floor("blocks:0", false), 0);
+        assert_eq!(floor("embeddings,blocks:0", false), 1);
+        assert_eq!(floor("embeddings", false), 0);
+        // a block with any trained parameter runs its backward
+        assert_eq!(floor("embeddings,attn", false), 0);
+        assert_eq!(floor("embeddings,blocks:0-1", false), 2);
+        // LoRA adapters train in every block
+        assert_eq!(floor("embeddings,blocks:0-1", true), 0);
+        let mut full = Freeze::parse("embeddings,blocks:0").unwrap();
+        full.full_backward = true;
+        assert_eq!(full.backward_floor(&c, false), 0);
+        assert_eq!(full, Freeze::parse("embeddings,blocks:0").unwrap());
+        // a tied head trains the embedding unless `head` or `embeddings` freezes it
+        let t = tiny(true);
+        let tied = |spec: &str| Freeze::parse(spec).unwrap().backward_floor(&t, false);
+        assert_eq!(tied("blocks:0"), 0);
+        assert_eq!(tied("head,blocks:0"), 1);
+        assert_eq!(tied("embeddings,blocks:0"), 1);
     }
 
     #[test]

@@ -16,6 +16,8 @@ pub struct Progress<'s, S: ?Sized> {
     layers: usize,
     /// Backward blocks cost this many forward blocks (recompute included).
     bwd_cost: f64,
+    /// Blocks whose backward runs (those from `Decoder::backward_floor` up).
+    backward_blocks: usize,
     /// Blocks acquired so far: forward ones, then backward ones.
     seen: usize,
     start: Instant,
@@ -30,6 +32,7 @@ impl<'s, S: ?Sized> Progress<'s, S> {
             inner,
             layers,
             bwd_cost: if checkpoint { 3.0 } else { 2.0 },
+            backward_blocks: layers,
             seen: 0,
             start: now,
             last: now,
@@ -37,12 +40,19 @@ impl<'s, S: ?Sized> Progress<'s, S> {
         }
     }
 
+    /// A step whose backward stops after block `floor`
+    /// (`Decoder::backward_floor`): the blocks below have no backward.
+    pub fn with_backward_floor(mut self, floor: usize) -> Self {
+        self.backward_blocks = self.layers.saturating_sub(floor);
+        self
+    }
+
     /// The share of the step's work done after `seen` blocks.
     fn done(&self) -> f64 {
         let l = self.layers as f64;
         let fwd = self.seen.min(self.layers) as f64;
         let bwd = self.seen.saturating_sub(self.layers) as f64;
-        (fwd + self.bwd_cost * bwd) / (l + self.bwd_cost * l)
+        (fwd + self.bwd_cost * bwd) / (l + self.bwd_cost * self.backward_blocks as f64)
     }
 
     fn tick(&mut self, unit: Unit) {
@@ -88,6 +98,11 @@ mod tests {
         p.seen = 4;
         assert!((p.done() - 0.25).abs() < 1e-12, "forward is 1 of 4 units");
         p.seen = 8;
+        assert!((p.done() - 1.0).abs() < 1e-12);
+        // a backward that stops after block 2 runs 2 backward blocks
+        let mut unit = ();
+        let mut p = Progress::new(&mut unit, 4, true, false).with_backward_floor(2);
+        p.seen = 6;
         assert!((p.done() - 1.0).abs() < 1e-12);
     }
 }

@@ -36,13 +36,20 @@ impl Unit {
     /// then backward (blocks in reverse; the embedding's backward needs no
     /// parameters).
     pub fn step_order(layers: usize, tied: bool) -> Vec<Unit> {
+        Self::step_order_to(layers, tied, 0)
+    }
+
+    /// [`Unit::step_order`] of a step whose backward stops after block
+    /// `floor` (`Freeze::backward_floor`): the blocks below it are used in
+    /// the forward only.
+    pub fn step_order_to(layers: usize, tied: bool, floor: usize) -> Vec<Unit> {
         let mut v = vec![Unit::Embed];
         v.extend((0..layers).map(Unit::Block));
         v.push(Unit::Head);
         if tied {
             v.push(Unit::Embed);
         }
-        v.extend((0..layers).rev().map(Unit::Block));
+        v.extend((floor.min(layers)..layers).rev().map(Unit::Block));
         v
     }
 }
@@ -62,6 +69,10 @@ mod tests {
         );
         let tied = Unit::step_order(3, true);
         assert_eq!(tied[5], Unit::Embed);
+        let stopped = Unit::step_order_to(3, false, 2);
+        assert_eq!(stopped[..5].to_vec(), Unit::all(3));
+        assert_eq!(stopped[5..].to_vec(), vec![Unit::Block(2)]);
+        assert_eq!(Unit::step_order_to(3, false, 3).len(), 5);
         for (i, u) in Unit::all(4).into_iter().enumerate() {
             assert_eq!(u.index(4), i);
         }

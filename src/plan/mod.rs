@@ -388,6 +388,7 @@ pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
                 policy: spec.policy,
                 attn,
                 uploads_ids: spec.device.is_cuda(),
+                backward_floor: frozen.backward_floor(&spec.model, lora.is_some()),
             }
             .step(sim, &mut settling);
         }

@@ -164,6 +164,7 @@ impl FsdpWalk {
     ) -> Self {
         let layouts = layouts_with_adapters(cfg, lora, world);
         let n = layouts.len();
+        let floor = frozen.backward_floor(cfg, lora.is_some());
         FsdpWalk {
             cfg: cfg.clone(),
             trained: trained_layouts(cfg, &layouts, frozen),
@@ -172,7 +173,7 @@ impl FsdpWalk {
             ab,
             gathered: vec![None; n],
             prefetch: None,
-            order: Unit::step_order(cfg.layers, cfg.tie_embeddings).into(),
+            order: Unit::step_order_to(cfg.layers, cfg.tie_embeddings, floor).into(),
             block_g: None,
             embed_g: None,
             head_g: None,

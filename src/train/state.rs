@@ -97,6 +97,7 @@ pub fn pass<B: Backend, S: ParamStore<B>>(
     grad_scale: f32,
 ) -> Result<f64> {
     let (layers, checkpoint) = (decoder.cfg.layers, decoder.policy.checkpoint);
-    let mut store = Progress::new(store, layers, checkpoint, mesh.rank == 0);
+    let mut store = Progress::new(store, layers, checkpoint, mesh.rank == 0)
+        .with_backward_floor(decoder.backward_floor);
     decoder.forward_backward(b, mesh, &mut store, ids, targets, grad_scale)
 }

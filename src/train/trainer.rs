@@ -366,6 +366,7 @@ fn run_rank<B: Backend>(
     }
     b.ledger().enter("resident");
     let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
+    decoder.backward_floor = cfg.freeze.backward_floor(&cfg.model, cfg.lora.is_some());
     let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {
         let (m, r) = Sharded::open(b, cfg, mesh)?;
         (Box::new(m), r)
@@ -619,6 +620,7 @@ fn loss_and_grads_cpu_norms(
         let b = b.as_ref();
         let mut decoder = Decoder::new(b, model.clone(), plan.clone(), &mesh, policy)?;
         decoder.unfused_norms = unfused_norms;
+        decoder.backward_floor = frozen.backward_floor(model, false);
         decoder.set_window(b, &window.doc_starts)?;
         let w = weights(b)?;
         let mut store = ReplicatedStore::with_frozen(b, model, w, mesh.world.as_ref(), frozen)?;

@@ -12,7 +12,9 @@ use crate::checkpoint::save_dir;
 use crate::cli::metrics::{MetricsFile, RunFacts, unix_now};
 use crate::cli::tensorboard::EventWriter;
 use crate::error::Result;
-use crate::model::flops::{causal_train_flops_per_token, frozen_and_adapter_flops};
+use crate::model::flops::{
+    causal_train_flops_per_token, frozen_and_adapter_flops, skipped_attention_share,
+};
 use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, planned_host};
 
@@ -160,8 +162,11 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
         causal_train_flops_per_token(&run.cfg.model, run.cfg.seq);
     // what is computed: no weight gradient of a frozen matrix, adapters' GEMMs
     let lora = run.cfg.lora.as_ref().map(|l| &l.config);
-    let flops_per_token =
-        flops_per_token + frozen_and_adapter_flops(&run.cfg.model, &run.cfg.freeze, lora);
+    // and no attention backward below the backward's floor
+    let (model, freeze) = (&run.cfg.model, &run.cfg.freeze);
+    let skipped = attention_flops_per_token * skipped_attention_share(model, freeze, lora);
+    let attention_flops_per_token = attention_flops_per_token - skipped;
+    let flops_per_token = flops_per_token - skipped + frozen_and_adapter_flops(model, freeze, lora);
     let facts = RunFacts {
         flops_per_token,
         attention_flops_per_token,

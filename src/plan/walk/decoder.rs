@@ -20,6 +20,8 @@ pub struct DecoderWalk<'a> {
     pub attn: AttnWalk,
     /// The backend uploads token ids into a device buffer (CUDA: `upload_ids`).
     pub uploads_ids: bool,
+    /// `Decoder::backward_floor`: the lowest block whose backward runs.
+    pub backward_floor: usize,
 }
 
 /// What one block keeps (`BlockSaved`).
@@ -211,6 +213,7 @@ impl DecoderWalk<'_> {
         store.acquire(sim, Unit::Embed);
         self.ids(sim, self.s());
         store.release(sim, Unit::Embed);
+        let floor = self.backward_floor.min(self.cfg.layers);
         let mut kept: Vec<(Buf, Kept)> = Vec::new();
         // an offloaded input's device copy, released after the next block
         let mut leaving: Option<Buf> = None;
@@ -218,6 +221,16 @@ impl DecoderWalk<'_> {
             store.acquire(sim, Unit::Block(l));
             let (next, saved) = self.block_fwd(sim);
             store.release(sim, Unit::Block(l));
+            if l < floor {
+                // below the backward's floor: nothing kept, the input dropped
+                let BlockSaved { a, o, lse, h1, mlp } = saved;
+                let bufs = [a, o].into_iter().chain(lse).chain([h1]);
+                bufs.chain(mlp.into_iter().flatten())
+                    .for_each(|b| sim.free(b));
+                sim.free(x);
+                x = next;
+                continue;
+            }
             if self.policy.checkpoint {
                 let keep = self.keep_checkpointed(sim, l, saved);
                 if self.policy.offloads(l) {
@@ -241,7 +254,7 @@ impl DecoderWalk<'_> {
         let mut coming = reload(sim, kept.last());
         let mut dx = self.head(sim, store, x);
         while let Some((kept_input, keep)) = kept.pop() {
-            let l = kept.len();
+            let l = floor + kept.len();
             sim.label("backward: reload");
             let (input, host) = match coming.take() {
                 Some(dev) => (dev, Some(kept_input)),
@@ -260,6 +273,9 @@ impl DecoderWalk<'_> {
             store.grads_done(sim, Unit::Block(l));
             sim.free(input);
             sim.free_opt(host);
+        }
+        for l in (0..floor).rev() {
+            store.grads_done(sim, Unit::Block(l));
         }
         // a frozen embedding's backward (and its ids upload) is skipped
         if store.embed_grads(sim) {

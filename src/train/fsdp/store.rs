@@ -179,7 +179,9 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
     /// gradient shards that the step's first reduce-scatters overwrite
     /// (without it they add: gradient accumulation).
     pub fn begin_step(&mut self, fresh_grads: bool) {
-        self.order = Unit::step_order(self.cfg.layers, self.cfg.tie_embeddings).into();
+        // no gather for a block below the backward's floor: its backward never runs
+        let floor = self.frozen.backward_floor(&self.cfg, self.lora.is_some());
+        self.order = Unit::step_order_to(self.cfg.layers, self.cfg.tie_embeddings, floor).into();
         if fresh_grads {
             self.grad_written.iter_mut().for_each(|w| *w = false);
         }
