@@ -3,12 +3,10 @@
 //! `AttentionWeights::lora`, the MLP's in `BlockWeights::mlp_lora`), in the
 //! weight dtype like the base weights (F32 masters and moments belong to the
 //! optimizer's slots), with F32 gradients beside the block's gradients;
-//! uploaded from and read back into the host [`LoraWeights`]; and the
-//! `--freeze` that leaves only the adapters to train ([`lora_base_freeze`]).
+//! uploaded from and read back into the host [`LoraWeights`].
 //! The arithmetic on them is `attention/lora_delta.rs`.
 
 use super::adapters::{block_pairs, block_pairs_mut, slot_mut};
-use super::freeze::Freeze;
 use super::grads::{BlockGrads, ModelGrads};
 use super::lora::{Factor, LoraConfig, LoraDims, LoraFactors, LoraTarget, LoraWeights};
 use super::weights::{BlockWeights, ModelWeights};
@@ -121,10 +119,4 @@ pub fn adapters_to_host<B: Backend>(
         config: config.clone(),
         layers,
     })
-}
-
-/// The `--freeze` of a LoRA run: every base parameter, so only the
-/// adapters train ([`Freeze::whole_base`]).
-pub fn lora_base_freeze() -> Freeze {
-    Freeze::whole_base()
 }
