@@ -319,20 +319,11 @@ impl<B: Backend> AttentionGrads<B> {
     /// Every gradient held, with its short name, in the order of
     /// [`AttentionWeights::named`].
     pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
-        let all = [
-            ("wq", &self.wq),
-            ("bq", &self.bq),
-            ("wk", &self.wk),
-            ("bk", &self.bk),
-            ("wv", &self.wv),
-            ("bv", &self.bv),
-            ("wo", &self.wo),
-            ("q_norm", &self.q_norm),
-            ("k_norm", &self.k_norm),
+        let s = self;
+        let slots = [
+            &s.wq, &s.bq, &s.wk, &s.bk, &s.wv, &s.bv, &s.wo, &s.q_norm, &s.k_norm,
         ];
-        all.into_iter()
-            .filter_map(|(n, t)| t.as_ref().map(|t| (n, t)))
-            .collect()
+        in_hf_order(slots.map(Option::as_ref))
     }
 
     /// Every gradient held, mutable, in the order of [`named`](Self::named).
@@ -348,69 +339,57 @@ impl<B: Backend> AttentionGrads<B> {
         Vec<(&'static str, &mut Tensor<B>)>,
         &mut AttnAdapters<LoraPairGrads<B>>,
     ) {
-        let AttentionGrads {
-            wq,
-            wk,
-            wv,
-            wo,
-            q_norm,
-            k_norm,
-            bq,
-            bk,
-            bv,
-            lora,
-        } = self;
-        let all = [
-            ("wq", wq),
-            ("bq", bq),
-            ("wk", wk),
-            ("bk", bk),
-            ("wv", wv),
-            ("bv", bv),
-            ("wo", wo),
-            ("q_norm", q_norm),
-            ("k_norm", k_norm),
+        let s = self;
+        let slots = [
+            &mut s.wq,
+            &mut s.bq,
+            &mut s.wk,
+            &mut s.bk,
+            &mut s.wv,
+            &mut s.bv,
+            &mut s.wo,
+            &mut s.q_norm,
+            &mut s.k_norm,
         ];
-        let named = all
-            .into_iter()
-            .filter_map(|(n, t)| t.as_mut().map(|t| (n, t)))
-            .collect();
-        (named, lora)
+        (in_hf_order(slots.map(Option::as_mut)), &mut s.lora)
     }
 
     /// Every gradient held, owned, in the order of [`named`](Self::named).
     pub fn into_tensors(self) -> Vec<Tensor<B>> {
-        [
-            self.wq,
-            self.bq,
-            self.wk,
-            self.bk,
-            self.wv,
-            self.bv,
-            self.wo,
-            self.q_norm,
-            self.k_norm,
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
+        let s = self;
+        let slots = [s.wq, s.bq, s.wk, s.bk, s.wv, s.bv, s.wo, s.q_norm, s.k_norm];
+        in_hf_order(slots).into_iter().map(|(_, t)| t).collect()
     }
+}
+
+/// The short names of an attention layer's tensors, in HF order.
+const HF_ORDER: [&str; 9] = ["wq", "bq", "wk", "bk", "wv", "bv", "wo", "q_norm", "k_norm"];
+
+/// The tensors held in `slots` (in [`HF_ORDER`]) with their short names:
+/// the one walk of the weights and of their gradients, shared, mutable or owned.
+fn in_hf_order<T>(slots: [Option<T>; 9]) -> Vec<(&'static str, T)> {
+    let named = HF_ORDER.into_iter().zip(slots);
+    named.filter_map(|(n, t)| t.map(|t| (n, t))).collect()
 }
 
 impl<B: Backend> AttentionWeights<B> {
     /// Every tensor with its short name, in HF order (wq, bq, wk, bk, wv,
     /// bv, wo, q_norm, k_norm; absent ones left out).
     pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
-        let mut v = vec![("wq", &self.wq)];
-        v.extend(self.bq.as_ref().map(|t| ("bq", t)));
-        v.push(("wk", &self.wk));
-        v.extend(self.bk.as_ref().map(|t| ("bk", t)));
-        v.push(("wv", &self.wv));
-        v.extend(self.bv.as_ref().map(|t| ("bv", t)));
-        v.push(("wo", &self.wo));
-        v.extend(self.q_norm.as_ref().map(|t| ("q_norm", t)));
-        v.extend(self.k_norm.as_ref().map(|t| ("k_norm", t)));
-        v
+        let s = self;
+        let (bq, bk, bv) = (s.bq.as_ref(), s.bk.as_ref(), s.bv.as_ref());
+        let (wq, wk, wv, wo) = (Some(&s.wq), Some(&s.wk), Some(&s.wv), Some(&s.wo));
+        in_hf_order([
+            wq,
+            bq,
+            wk,
+            bk,
+            wv,
+            bv,
+            wo,
+            s.q_norm.as_ref(),
+            s.k_norm.as_ref(),
+        ])
     }
     /// Every tensor, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
@@ -424,41 +403,19 @@ impl<B: Backend> AttentionWeights<B> {
         Vec<(&'static str, &mut Tensor<B>)>,
         &mut AttnAdapters<LoraPair<B>>,
     ) {
-        let AttentionWeights {
-            wq,
-            wk,
-            wv,
-            wo,
-            q_norm,
-            k_norm,
-            bq,
-            bk,
-            bv,
-            lora,
-        } = self;
-        let mut v = vec![("wq", wq)];
-        v.extend(bq.as_mut().map(|t| ("bq", t)));
-        v.push(("wk", wk));
-        v.extend(bk.as_mut().map(|t| ("bk", t)));
-        v.push(("wv", wv));
-        v.extend(bv.as_mut().map(|t| ("bv", t)));
-        v.push(("wo", wo));
-        v.extend(q_norm.as_mut().map(|t| ("q_norm", t)));
-        v.extend(k_norm.as_mut().map(|t| ("k_norm", t)));
-        (v, lora)
+        let s = self;
+        let (bq, bk, bv) = (s.bq.as_mut(), s.bk.as_mut(), s.bv.as_mut());
+        let (wq, wk, wv) = (Some(&mut s.wq), Some(&mut s.wk), Some(&mut s.wv));
+        let (wo, q_norm, k_norm) = (Some(&mut s.wo), s.q_norm.as_mut(), s.k_norm.as_mut());
+        let named = in_hf_order([wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm]);
+        (named, &mut s.lora)
     }
     /// Every tensor, owned, in the order of [`named`](Self::named).
     pub fn into_tensors(self) -> Vec<Tensor<B>> {
-        let mut v = vec![self.wq];
-        v.extend(self.bq);
-        v.push(self.wk);
-        v.extend(self.bk);
-        v.push(self.wv);
-        v.extend(self.bv);
-        v.push(self.wo);
-        v.extend(self.q_norm);
-        v.extend(self.k_norm);
-        v
+        let s = self;
+        let (wq, wk, wv, wo) = (Some(s.wq), Some(s.wk), Some(s.wv), Some(s.wo));
+        let slots = [wq, s.bq, wk, s.bk, wv, s.bv, wo, s.q_norm, s.k_norm];
+        in_hf_order(slots).into_iter().map(|(_, t)| t).collect()
     }
 }
 

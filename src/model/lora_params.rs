@@ -6,9 +6,10 @@
 //! uploaded from and read back into the host [`LoraWeights`].
 //! The arithmetic on them is `attention/lora_delta.rs`.
 
-use super::adapters::{block_pairs, block_pairs_mut, slot_mut};
+use super::adapters::{block_pairs, slot_mut};
 use super::grads::{BlockGrads, ModelGrads};
 use super::lora::{Factor, LoraConfig, LoraDims, LoraFactors, LoraTarget, LoraWeights};
+use super::tensor_order::factors;
 use super::weights::{BlockWeights, ModelWeights};
 use crate::attention::lora_delta::{LoraPair, LoraPairGrads};
 use crate::backend::{Backend, DType, Tensor};
@@ -23,9 +24,7 @@ impl<B: Backend> BlockWeights<B> {
     /// The block's adapter tensors, `lora_A` then `lora_B` of each target.
     pub fn adapter_tensors(&self) -> Vec<(LoraTarget, Factor, &Tensor<B>)> {
         let pairs = self.adapters().into_iter();
-        pairs
-            .flat_map(|(t, p)| [(t, Factor::A, &p.a), (t, Factor::B, &p.b)])
-            .collect()
+        factors(pairs.map(|(t, p)| (t, [&p.a, &p.b])))
     }
 }
 
@@ -33,17 +32,7 @@ impl<B: Backend> BlockGrads<B> {
     /// The adapters' gradients, in the order of `BlockWeights::adapter_tensors`.
     pub fn adapter_tensors(&self) -> Vec<(LoraTarget, Factor, &Tensor<B>)> {
         let pairs = block_pairs(&self.attn.lora, &self.mlp_lora).into_iter();
-        pairs
-            .flat_map(|(t, g)| [(t, Factor::A, &g.da), (t, Factor::B, &g.db)])
-            .collect()
-    }
-
-    /// [`adapter_tensors`](Self::adapter_tensors), mutable.
-    pub fn adapter_tensors_mut(&mut self) -> Vec<(LoraTarget, Factor, &mut Tensor<B>)> {
-        let pairs = block_pairs_mut(&mut self.attn.lora, &mut self.mlp_lora).into_iter();
-        pairs
-            .flat_map(|(t, g)| [(t, Factor::A, &mut g.da), (t, Factor::B, &mut g.db)])
-            .collect()
+        factors(pairs.map(|(t, g)| (t, [&g.da, &g.db])))
     }
 }
 
