@@ -326,34 +326,6 @@ impl<B: Backend> AttentionGrads<B> {
         in_hf_order(slots.map(Option::as_ref))
     }
 
-    /// Every gradient held, mutable, in the order of [`named`](Self::named).
-    pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
-        self.named_and_lora_mut().0
-    }
-
-    /// [`named_mut`](Self::named_mut) and the adapters' gradients, borrowed together.
-    #[allow(clippy::type_complexity)]
-    pub fn named_and_lora_mut(
-        &mut self,
-    ) -> (
-        Vec<(&'static str, &mut Tensor<B>)>,
-        &mut AttnAdapters<LoraPairGrads<B>>,
-    ) {
-        let s = self;
-        let slots = [
-            &mut s.wq,
-            &mut s.bq,
-            &mut s.wk,
-            &mut s.bk,
-            &mut s.wv,
-            &mut s.bv,
-            &mut s.wo,
-            &mut s.q_norm,
-            &mut s.k_norm,
-        ];
-        (in_hf_order(slots.map(Option::as_mut)), &mut s.lora)
-    }
-
     /// Every gradient held, owned, in the order of [`named`](Self::named).
     pub fn into_tensors(self) -> Vec<Tensor<B>> {
         let s = self;
@@ -370,6 +342,71 @@ const HF_ORDER: [&str; 9] = ["wq", "bq", "wk", "bk", "wv", "bv", "wo", "q_norm",
 fn in_hf_order<T>(slots: [Option<T>; 9]) -> Vec<(&'static str, T)> {
     let named = HF_ORDER.into_iter().zip(slots);
     named.filter_map(|(n, t)| t.map(|t| (n, t))).collect()
+}
+
+/// An attention layer's tensors (its weights, or their gradients) and its
+/// adapters, walked mutably in HF order ([`HF_ORDER`]).
+pub trait AttnTensors<B: Backend> {
+    /// What its adapters hold: the factors, or their gradients.
+    type Pair;
+
+    /// Its tensors in [`HF_ORDER`] (`None`: absent, or frozen) and its
+    /// adapters, borrowed together.
+    #[allow(clippy::type_complexity)]
+    fn slots_mut(&mut self) -> ([Option<&mut Tensor<B>>; 9], &mut AttnAdapters<Self::Pair>);
+
+    /// Every tensor held, mutable, with its short name, in HF order.
+    fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
+        self.named_and_lora_mut().0
+    }
+
+    /// [`named_mut`](Self::named_mut) and the adapters, borrowed together.
+    #[allow(clippy::type_complexity)]
+    fn named_and_lora_mut(
+        &mut self,
+    ) -> (
+        Vec<(&'static str, &mut Tensor<B>)>,
+        &mut AttnAdapters<Self::Pair>,
+    ) {
+        let (slots, lora) = self.slots_mut();
+        (in_hf_order(slots), lora)
+    }
+}
+
+impl<B: Backend> AttnTensors<B> for AttentionWeights<B> {
+    type Pair = LoraPair<B>;
+    fn slots_mut(&mut self) -> ([Option<&mut Tensor<B>>; 9], &mut AttnAdapters<LoraPair<B>>) {
+        let s = self;
+        let (bq, bk, bv) = (s.bq.as_mut(), s.bk.as_mut(), s.bv.as_mut());
+        let (wq, wk, wv) = (Some(&mut s.wq), Some(&mut s.wk), Some(&mut s.wv));
+        let (wo, q_norm, k_norm) = (Some(&mut s.wo), s.q_norm.as_mut(), s.k_norm.as_mut());
+        let slots = [wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm];
+        (slots, &mut s.lora)
+    }
+}
+
+impl<B: Backend> AttnTensors<B> for AttentionGrads<B> {
+    type Pair = LoraPairGrads<B>;
+    fn slots_mut(
+        &mut self,
+    ) -> (
+        [Option<&mut Tensor<B>>; 9],
+        &mut AttnAdapters<LoraPairGrads<B>>,
+    ) {
+        let s = self;
+        let slots = [
+            &mut s.wq,
+            &mut s.bq,
+            &mut s.wk,
+            &mut s.bk,
+            &mut s.wv,
+            &mut s.bv,
+            &mut s.wo,
+            &mut s.q_norm,
+            &mut s.k_norm,
+        ];
+        (slots.map(Option::as_mut), &mut s.lora)
+    }
 }
 
 impl<B: Backend> AttentionWeights<B> {
@@ -390,25 +427,6 @@ impl<B: Backend> AttentionWeights<B> {
             s.q_norm.as_ref(),
             s.k_norm.as_ref(),
         ])
-    }
-    /// Every tensor, mutable, in the order of [`named`](Self::named).
-    pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
-        self.named_and_lora_mut().0
-    }
-    /// [`named_mut`](Self::named_mut) and the adapters, borrowed together.
-    #[allow(clippy::type_complexity)]
-    pub fn named_and_lora_mut(
-        &mut self,
-    ) -> (
-        Vec<(&'static str, &mut Tensor<B>)>,
-        &mut AttnAdapters<LoraPair<B>>,
-    ) {
-        let s = self;
-        let (bq, bk, bv) = (s.bq.as_mut(), s.bk.as_mut(), s.bv.as_mut());
-        let (wq, wk, wv) = (Some(&mut s.wq), Some(&mut s.wk), Some(&mut s.wv));
-        let (wo, q_norm, k_norm) = (Some(&mut s.wo), s.q_norm.as_mut(), s.k_norm.as_mut());
-        let named = in_hf_order([wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm]);
-        (named, &mut s.lora)
     }
     /// Every tensor, owned, in the order of [`named`](Self::named).
     pub fn into_tensors(self) -> Vec<Tensor<B>> {

@@ -9,8 +9,8 @@ use super::freeze::Freeze;
 use super::tensor_order::{self, BlockTensors};
 use super::unit::Unit;
 use super::weights::TensorId;
-use crate::attention::AttentionGrads;
 use crate::attention::lora_delta::LoraPairGrads;
+use crate::attention::{AttentionGrads, AttnTensors};
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
 

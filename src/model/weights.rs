@@ -8,8 +8,8 @@ use super::families::{BlockParam, Family, Param};
 use super::lora::{Factor, LoraTarget, tensor_name};
 use super::tensor_order::{self, BlockTensors};
 use super::unit::Unit;
-use crate::attention::AttentionWeights;
 use crate::attention::lora_delta::LoraPair;
+use crate::attention::{AttentionWeights, AttnTensors};
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
 
