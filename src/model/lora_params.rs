@@ -69,10 +69,20 @@ pub fn attach_adapter_grads<B: Backend>(
     g: &mut ModelGrads<B>,
 ) -> Result<()> {
     for (blk, grads) in w.blocks.iter().zip(&mut g.blocks) {
-        for (t, pair) in blk.adapters() {
-            let zeros = LoraPairGrads::zeros(dev, pair)?;
-            *slot_mut(&mut grads.attn.lora, &mut grads.mlp_lora, t) = Some(zeros);
-        }
+        attach_block_adapter_grads(dev, blk, grads)?;
+    }
+    Ok(())
+}
+
+/// Zero F32 gradients for every adapter of block `w`, beside its gradients `g`.
+pub fn attach_block_adapter_grads<B: Backend>(
+    dev: &B,
+    w: &BlockWeights<B>,
+    g: &mut BlockGrads<B>,
+) -> Result<()> {
+    for (t, pair) in w.adapters() {
+        let zeros = LoraPairGrads::zeros(dev, pair)?;
+        *slot_mut(&mut g.attn.lora, &mut g.mlp_lora, t) = Some(zeros);
     }
     Ok(())
 }
