@@ -6,9 +6,35 @@
 //! LM head. Checkpoints, optimizer slots and the planner depend on it.
 
 use super::families::{BlockParam, Family, Param};
-use super::lora::{Factor, LoraTarget};
+use super::lora::{Factor, LoraTarget, tensor_name};
 use super::unit::Unit;
-use super::weights::TensorId;
+
+/// What a model tensor is: a base parameter, or a factor of a block's LoRA
+/// adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorId {
+    Base(Param),
+    /// Block, target, factor.
+    Adapter(usize, LoraTarget, Factor),
+}
+
+impl TensorId {
+    /// The unit that holds it.
+    pub fn unit(self) -> Unit {
+        match self {
+            TensorId::Base(p) => p.unit(),
+            TensorId::Adapter(l, ..) => Unit::Block(l),
+        }
+    }
+
+    /// Its name: HF's for a base parameter, PEFT's for an adapter factor.
+    pub fn name(self, family: Family) -> String {
+        match self {
+            TensorId::Base(p) => family.hf_name(p),
+            TensorId::Adapter(l, t, f) => tensor_name(l, t, f),
+        }
+    }
+}
 
 /// A block's tensors in model order: its base parameters by role, then its
 /// adapters' factors.

@@ -5,7 +5,7 @@
 use super::adapters::MlpAdapters;
 use super::config::ModelConfig;
 use super::families::{BlockParam, Family, Param};
-use super::lora::{Factor, LoraTarget, tensor_name};
+pub use super::tensor_order::TensorId;
 use super::tensor_order::{self, BlockTensors};
 use super::unit::Unit;
 use crate::attention::lora_delta::LoraPair;
@@ -239,33 +239,6 @@ impl<B: Backend> ModelWeights<B> {
     /// Every tensor, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<B>)> {
         tensor_order::named(self.family, None, self.tensors_mut())
-    }
-}
-
-/// What a model tensor is: a base parameter, or a factor of a block's LoRA
-/// adapter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TensorId {
-    Base(Param),
-    /// Block, target, factor.
-    Adapter(usize, LoraTarget, Factor),
-}
-
-impl TensorId {
-    /// The unit that holds it.
-    pub fn unit(self) -> Unit {
-        match self {
-            TensorId::Base(p) => p.unit(),
-            TensorId::Adapter(l, ..) => Unit::Block(l),
-        }
-    }
-
-    /// Its name: HF's for a base parameter, PEFT's for an adapter factor.
-    pub fn name(self, family: Family) -> String {
-        match self {
-            TensorId::Base(p) => family.hf_name(p),
-            TensorId::Adapter(l, t, f) => tensor_name(l, t, f),
-        }
     }
 }
 
