@@ -11,8 +11,7 @@ use upipe::checkpoint::lora_merge::merge_checkpoint;
 use upipe::checkpoint::peft::{read_adapter, write_adapter};
 use upipe::checkpoint::{SaveDtype, load_safetensors};
 use upipe::model::lora::{LoraConfig, LoraTarget, LoraWeights};
-use upipe::model::lora_params::lora_base_freeze;
-use upipe::model::{ModelConfig, RandomInit};
+use upipe::model::{Freeze, ModelConfig, RandomInit};
 use upipe::optim::AdamWConfig;
 use upipe::rng::Rng;
 use upipe::train::lora_run::LoraRun;
@@ -43,7 +42,7 @@ fn config(m: &ModelConfig, mesh: Mesh, steps: u32, fsdp: bool, from: Option<&Pat
         ring,
         seed: 5,
         fsdp,
-        freeze: lora_base_freeze(),
+        freeze: Freeze::whole_base(),
         lora: Some(LoraRun {
             config: lora_config(),
             from: from.map(Path::to_path_buf),

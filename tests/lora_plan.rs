@@ -11,8 +11,7 @@ use upipe::attention::Strategy;
 use upipe::backend::{Category, MemoryStats};
 use upipe::cli::plan::{PlanArgs, plan_request};
 use upipe::model::lora::{LoraConfig, parse_targets};
-use upipe::model::lora_params::lora_base_freeze;
-use upipe::model::{MemoryPolicy, ModelConfig, Unit};
+use upipe::model::{Freeze, MemoryPolicy, ModelConfig, Unit};
 use upipe::optim::AdamWConfig;
 use upipe::optim::settling::state_on_host;
 use upipe::plan::engine::engine_step_rank;
@@ -60,7 +59,7 @@ fn config(m: &ModelConfig, mesh: Mesh, lora: &LoraConfig, policy: MemoryPolicy) 
         ring,
         seed: 5,
         policy,
-        freeze: lora_base_freeze(),
+        freeze: Freeze::whole_base(),
         lora: Some(LoraRun {
             config: lora.clone(),
             from: None,
@@ -351,7 +350,7 @@ fn upipe_plan_takes_the_lora_flags() {
         Some(lora("q_proj,v_proj")),
         "alpha: twice the rank"
     );
-    assert_eq!(req.freeze, lora_base_freeze());
+    assert_eq!(req.freeze, Freeze::whole_base());
     let run = resolve_run(&req, Depth::Run).unwrap();
     assert!(!run.spec.fsdp);
     assert_eq!(run.spec.lora, req.lora);

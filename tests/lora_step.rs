@@ -13,7 +13,7 @@ use upipe::checkpoint::load_safetensors;
 use upipe::checkpoint::peft::read_adapter;
 use upipe::data::PackedWindow;
 use upipe::model::lora::{Factor, LoraConfig, LoraTarget, LoraWeights, tensor_name};
-use upipe::model::lora_params::{attach_adapters, lora_base_freeze};
+use upipe::model::lora_params::attach_adapters;
 use upipe::model::{Freeze, MemoryPolicy, ModelConfig, ModelWeights, Param, RandomInit};
 use upipe::optim::AdamWConfig;
 use upipe::rng::Rng;
@@ -50,7 +50,7 @@ fn run_config(m: &ModelConfig, mesh: Mesh, lora: Option<&LoraConfig>) -> TrainCo
         ring,
         seed: 5,
         freeze: match lora {
-            Some(_) => lora_base_freeze(),
+            Some(_) => Freeze::whole_base(),
             None => Freeze::none(),
         },
         lora: lora.map(|c| LoraRun {
@@ -77,7 +77,7 @@ fn adapted(m: &ModelConfig, mesh: Mesh, adapter: &LoraWeights) -> LossGrads {
         Ok(w)
     };
     let policy = MemoryPolicy::default();
-    let frozen = lora_base_freeze();
+    let frozen = Freeze::whole_base();
     loss_and_grads_cpu_frozen(m, &plan, policy, &window(m), &weights, &frozen).unwrap()
 }
 

@@ -319,81 +319,93 @@ impl<B: Backend> AttentionGrads<B> {
     /// Every gradient held, with its short name, in the order of
     /// [`AttentionWeights::named`].
     pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
-        let all = [
-            ("wq", &self.wq),
-            ("bq", &self.bq),
-            ("wk", &self.wk),
-            ("bk", &self.bk),
-            ("wv", &self.wv),
-            ("bv", &self.bv),
-            ("wo", &self.wo),
-            ("q_norm", &self.q_norm),
-            ("k_norm", &self.k_norm),
+        let s = self;
+        let slots = [
+            &s.wq, &s.bq, &s.wk, &s.bk, &s.wv, &s.bv, &s.wo, &s.q_norm, &s.k_norm,
         ];
-        all.into_iter()
-            .filter_map(|(n, t)| t.as_ref().map(|t| (n, t)))
-            .collect()
-    }
-
-    /// Every gradient held, mutable, in the order of [`named`](Self::named).
-    pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
-        self.named_and_lora_mut().0
-    }
-
-    /// [`named_mut`](Self::named_mut) and the adapters' gradients, borrowed together.
-    #[allow(clippy::type_complexity)]
-    pub fn named_and_lora_mut(
-        &mut self,
-    ) -> (
-        Vec<(&'static str, &mut Tensor<B>)>,
-        &mut AttnAdapters<LoraPairGrads<B>>,
-    ) {
-        let AttentionGrads {
-            wq,
-            wk,
-            wv,
-            wo,
-            q_norm,
-            k_norm,
-            bq,
-            bk,
-            bv,
-            lora,
-        } = self;
-        let all = [
-            ("wq", wq),
-            ("bq", bq),
-            ("wk", wk),
-            ("bk", bk),
-            ("wv", wv),
-            ("bv", bv),
-            ("wo", wo),
-            ("q_norm", q_norm),
-            ("k_norm", k_norm),
-        ];
-        let named = all
-            .into_iter()
-            .filter_map(|(n, t)| t.as_mut().map(|t| (n, t)))
-            .collect();
-        (named, lora)
+        in_hf_order(slots.map(Option::as_ref))
     }
 
     /// Every gradient held, owned, in the order of [`named`](Self::named).
     pub fn into_tensors(self) -> Vec<Tensor<B>> {
-        [
-            self.wq,
-            self.bq,
-            self.wk,
-            self.bk,
-            self.wv,
-            self.bv,
-            self.wo,
-            self.q_norm,
-            self.k_norm,
-        ]
-        .into_iter()
-        .flatten()
-        .collect()
+        let s = self;
+        let slots = [s.wq, s.bq, s.wk, s.bk, s.wv, s.bv, s.wo, s.q_norm, s.k_norm];
+        in_hf_order(slots).into_iter().map(|(_, t)| t).collect()
+    }
+}
+
+/// The short names of an attention layer's tensors, in HF order.
+const HF_ORDER: [&str; 9] = ["wq", "bq", "wk", "bk", "wv", "bv", "wo", "q_norm", "k_norm"];
+
+/// The tensors held in `slots` (in [`HF_ORDER`]) with their short names:
+/// the one walk of the weights and of their gradients, shared, mutable or owned.
+fn in_hf_order<T>(slots: [Option<T>; 9]) -> Vec<(&'static str, T)> {
+    let named = HF_ORDER.into_iter().zip(slots);
+    named.filter_map(|(n, t)| t.map(|t| (n, t))).collect()
+}
+
+/// An attention layer's tensors (its weights, or their gradients) and its
+/// adapters, walked mutably in HF order ([`HF_ORDER`]).
+pub trait AttnTensors<B: Backend> {
+    /// What its adapters hold: the factors, or their gradients.
+    type Pair;
+
+    /// Its tensors in [`HF_ORDER`] (`None`: absent, or frozen) and its
+    /// adapters, borrowed together.
+    #[allow(clippy::type_complexity)]
+    fn slots_mut(&mut self) -> ([Option<&mut Tensor<B>>; 9], &mut AttnAdapters<Self::Pair>);
+
+    /// Every tensor held, mutable, with its short name, in HF order.
+    fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
+        self.named_and_lora_mut().0
+    }
+
+    /// [`named_mut`](Self::named_mut) and the adapters, borrowed together.
+    #[allow(clippy::type_complexity)]
+    fn named_and_lora_mut(
+        &mut self,
+    ) -> (
+        Vec<(&'static str, &mut Tensor<B>)>,
+        &mut AttnAdapters<Self::Pair>,
+    ) {
+        let (slots, lora) = self.slots_mut();
+        (in_hf_order(slots), lora)
+    }
+}
+
+impl<B: Backend> AttnTensors<B> for AttentionWeights<B> {
+    type Pair = LoraPair<B>;
+    fn slots_mut(&mut self) -> ([Option<&mut Tensor<B>>; 9], &mut AttnAdapters<LoraPair<B>>) {
+        let s = self;
+        let (bq, bk, bv) = (s.bq.as_mut(), s.bk.as_mut(), s.bv.as_mut());
+        let (wq, wk, wv) = (Some(&mut s.wq), Some(&mut s.wk), Some(&mut s.wv));
+        let (wo, q_norm, k_norm) = (Some(&mut s.wo), s.q_norm.as_mut(), s.k_norm.as_mut());
+        let slots = [wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm];
+        (slots, &mut s.lora)
+    }
+}
+
+impl<B: Backend> AttnTensors<B> for AttentionGrads<B> {
+    type Pair = LoraPairGrads<B>;
+    fn slots_mut(
+        &mut self,
+    ) -> (
+        [Option<&mut Tensor<B>>; 9],
+        &mut AttnAdapters<LoraPairGrads<B>>,
+    ) {
+        let s = self;
+        let slots = [
+            &mut s.wq,
+            &mut s.bq,
+            &mut s.wk,
+            &mut s.bk,
+            &mut s.wv,
+            &mut s.bv,
+            &mut s.wo,
+            &mut s.q_norm,
+            &mut s.k_norm,
+        ];
+        (slots.map(Option::as_mut), &mut s.lora)
     }
 }
 
@@ -401,64 +413,27 @@ impl<B: Backend> AttentionWeights<B> {
     /// Every tensor with its short name, in HF order (wq, bq, wk, bk, wv,
     /// bv, wo, q_norm, k_norm; absent ones left out).
     pub fn named(&self) -> Vec<(&'static str, &Tensor<B>)> {
-        let mut v = vec![("wq", &self.wq)];
-        v.extend(self.bq.as_ref().map(|t| ("bq", t)));
-        v.push(("wk", &self.wk));
-        v.extend(self.bk.as_ref().map(|t| ("bk", t)));
-        v.push(("wv", &self.wv));
-        v.extend(self.bv.as_ref().map(|t| ("bv", t)));
-        v.push(("wo", &self.wo));
-        v.extend(self.q_norm.as_ref().map(|t| ("q_norm", t)));
-        v.extend(self.k_norm.as_ref().map(|t| ("k_norm", t)));
-        v
-    }
-    /// Every tensor, mutable, in the order of [`named`](Self::named).
-    pub fn named_mut(&mut self) -> Vec<(&'static str, &mut Tensor<B>)> {
-        self.named_and_lora_mut().0
-    }
-    /// [`named_mut`](Self::named_mut) and the adapters, borrowed together.
-    #[allow(clippy::type_complexity)]
-    pub fn named_and_lora_mut(
-        &mut self,
-    ) -> (
-        Vec<(&'static str, &mut Tensor<B>)>,
-        &mut AttnAdapters<LoraPair<B>>,
-    ) {
-        let AttentionWeights {
+        let s = self;
+        let (bq, bk, bv) = (s.bq.as_ref(), s.bk.as_ref(), s.bv.as_ref());
+        let (wq, wk, wv, wo) = (Some(&s.wq), Some(&s.wk), Some(&s.wv), Some(&s.wo));
+        in_hf_order([
             wq,
-            wk,
-            wv,
-            wo,
-            q_norm,
-            k_norm,
             bq,
+            wk,
             bk,
+            wv,
             bv,
-            lora,
-        } = self;
-        let mut v = vec![("wq", wq)];
-        v.extend(bq.as_mut().map(|t| ("bq", t)));
-        v.push(("wk", wk));
-        v.extend(bk.as_mut().map(|t| ("bk", t)));
-        v.push(("wv", wv));
-        v.extend(bv.as_mut().map(|t| ("bv", t)));
-        v.push(("wo", wo));
-        v.extend(q_norm.as_mut().map(|t| ("q_norm", t)));
-        v.extend(k_norm.as_mut().map(|t| ("k_norm", t)));
-        (v, lora)
+            wo,
+            s.q_norm.as_ref(),
+            s.k_norm.as_ref(),
+        ])
     }
     /// Every tensor, owned, in the order of [`named`](Self::named).
     pub fn into_tensors(self) -> Vec<Tensor<B>> {
-        let mut v = vec![self.wq];
-        v.extend(self.bq);
-        v.push(self.wk);
-        v.extend(self.bk);
-        v.push(self.wv);
-        v.extend(self.bv);
-        v.push(self.wo);
-        v.extend(self.q_norm);
-        v.extend(self.k_norm);
-        v
+        let s = self;
+        let (wq, wk, wv, wo) = (Some(s.wq), Some(s.wk), Some(s.wv), Some(s.wo));
+        let slots = [wq, s.bq, wk, s.bk, wv, s.bv, wo, s.q_norm, s.k_norm];
+        in_hf_order(slots).into_iter().map(|(_, t)| t).collect()
     }
 }
 

@@ -30,6 +30,18 @@ pub enum ExtraTensors {
     Adapters,
 }
 
+impl ExtraTensors {
+    /// The policy for a checkpoint whose adapter factors are read on their
+    /// own (`adapters`: a LoRA run's resume, `eval --lora-from`):
+    /// [`Adapters`](Self::Adapters) in place of `Refuse`; `Ignore` stays.
+    pub fn beside_adapters(self, adapters: bool) -> Self {
+        match (self, adapters) {
+            (ExtraTensors::Refuse, true) => ExtraTensors::Adapters,
+            (extras, _) => extras,
+        }
+    }
+}
+
 /// [`load_hf_model_with`], refusing extra tensors.
 pub fn load_hf_model(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, HostTensor>> {
     load_hf_model_with(dir, cfg, ExtraTensors::Refuse)

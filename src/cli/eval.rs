@@ -252,11 +252,11 @@ fn build(a: &EvalArgs) -> Result<Built> {
     Ok(Built {
         cfg,
         model_dir: model_dir.to_path_buf(),
-        extra_tensors: match (a.allow_extra_tensors, &a.lora_from) {
-            (true, _) => ExtraTensors::Ignore,
-            (false, Some(_)) => ExtraTensors::Adapters,
-            (false, None) => ExtraTensors::Refuse,
-        },
+        extra_tensors: match a.allow_extra_tensors {
+            true => ExtraTensors::Ignore,
+            false => ExtraTensors::Refuse,
+        }
+        .beside_adapters(a.lora_from.is_some()),
         data,
         kernel,
         env,

@@ -77,16 +77,13 @@ impl LoraArgs {
         }))
     }
 
-    /// The `--freeze` of a run with `lora`: the whole base, which a LoRA
-    /// run freezes; `asked` (the `--freeze` flag) must then say none.
-    pub fn freeze(lora: Option<&LoraRun>, asked: Freeze) -> Result<Freeze> {
+    /// The `--freeze` of a run with `lora`: the whole base when `asked`
+    /// (the `--freeze` flag) says none; any other is `asked`, which
+    /// [`LoraRun::check`] refuses.
+    pub fn freeze(lora: Option<&LoraRun>, asked: Freeze) -> Freeze {
         match lora {
-            None => Ok(asked),
-            Some(_) if asked.is_empty() => Ok(Freeze::whole_base()),
-            Some(_) => crate::config_err!(
-                "--freeze {asked} with --lora-rank: a LoRA run freezes the whole base model \
-                 and trains only its adapters; leave --freeze out"
-            ),
+            Some(_) if asked.is_empty() => Freeze::whole_base(),
+            _ => asked,
         }
     }
 }

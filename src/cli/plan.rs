@@ -477,7 +477,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let (budget, rank_budget) = plan_budget(&a, gpus)?;
     let (memory, fsdp_mode) = memory_choices(&a, model.layers)?;
     let lora_run = a.lora.run(&model)?;
-    let freeze = LoraArgs::freeze(lora_run.as_ref(), a.memory.freeze(&model)?)?;
+    let freeze = LoraArgs::freeze(lora_run.as_ref(), a.memory.freeze(&model)?);
     let policy = memory.policy(model.layers, model.layers);
     a.memory.save_attention.check(policy, model.layers)?;
     // as every request decides it (the same GPUs, the same budget)

@@ -6,11 +6,11 @@ use super::adapters::MlpAdapters;
 use super::config::ModelConfig;
 use super::families::{BlockParam, Family, Param};
 use super::freeze::Freeze;
-use super::lora::{Factor, LoraTarget};
+use super::tensor_order::{self, BlockTensors};
 use super::unit::Unit;
 use super::weights::TensorId;
-use crate::attention::AttentionGrads;
 use crate::attention::lora_delta::LoraPairGrads;
+use crate::attention::{AttentionGrads, AttnTensors};
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
 
@@ -102,16 +102,8 @@ impl<B: Backend> BlockGrads<B> {
 
     /// Every gradient held, by role, in HF order.
     pub fn params(&self) -> Vec<(BlockParam, &Tensor<B>)> {
-        let mut v: Vec<(BlockParam, &Tensor<B>)> = Vec::new();
-        v.extend(self.attn_norm.as_ref().map(|t| (BlockParam::AttnNorm, t)));
-        for (short, t) in self.attn.named() {
-            v.push((super::weights::attn_param(short), t));
-        }
-        v.extend(self.mlp_norm.as_ref().map(|t| (BlockParam::MlpNorm, t)));
-        v.extend(self.gate.as_ref().map(|t| (BlockParam::Gate, t)));
-        v.extend(self.up.as_ref().map(|t| (BlockParam::Up, t)));
-        v.extend(self.down.as_ref().map(|t| (BlockParam::Down, t)));
-        v
+        let mlp = [&self.mlp_norm, &self.gate, &self.up, &self.down].map(Option::as_ref);
+        tensor_order::block_params(self.attn_norm.as_ref(), self.attn.named(), mlp)
     }
 
     /// Every gradient held, mutable, in the order of [`params`](Self::params).
@@ -121,29 +113,14 @@ impl<B: Backend> BlockGrads<B> {
 
     /// [`params_mut`](Self::params_mut) and the adapters' gradients
     /// (`BlockGrads::adapter_tensors` order), borrowed together.
-    #[allow(clippy::type_complexity)]
-    pub fn params_and_adapters_mut(
-        &mut self,
-    ) -> (
-        Vec<(BlockParam, &mut Tensor<B>)>,
-        Vec<(LoraTarget, Factor, &mut Tensor<B>)>,
-    ) {
-        let (attn, attn_lora) = self.attn.named_and_lora_mut();
-        let mut v: Vec<(BlockParam, &mut Tensor<B>)> = Vec::new();
-        v.extend(self.attn_norm.as_mut().map(|t| (BlockParam::AttnNorm, t)));
-        for (short, t) in attn {
-            v.push((super::weights::attn_param(short), t));
-        }
-        v.extend(self.mlp_norm.as_mut().map(|t| (BlockParam::MlpNorm, t)));
-        v.extend(self.gate.as_mut().map(|t| (BlockParam::Gate, t)));
-        v.extend(self.up.as_mut().map(|t| (BlockParam::Up, t)));
-        v.extend(self.down.as_mut().map(|t| (BlockParam::Down, t)));
-        let pairs = super::adapters::block_pairs_mut(attn_lora, &mut self.mlp_lora);
-        let lora = pairs
-            .into_iter()
-            .flat_map(|(t, g)| [(t, Factor::A, &mut g.da), (t, Factor::B, &mut g.db)])
-            .collect();
-        (v, lora)
+    pub fn params_and_adapters_mut(&mut self) -> BlockTensors<&mut Tensor<B>> {
+        let s = self;
+        let (attn, attn_lora) = s.attn.named_and_lora_mut();
+        let mlp = [&mut s.mlp_norm, &mut s.gate, &mut s.up, &mut s.down].map(Option::as_mut);
+        let base = tensor_order::block_params(s.attn_norm.as_mut(), attn, mlp);
+        let pairs = super::adapters::block_pairs_mut(attn_lora, &mut s.mlp_lora);
+        let pairs = pairs.into_iter().map(|(t, g)| (t, [&mut g.da, &mut g.db]));
+        (base, tensor_order::factors(pairs))
     }
 
     /// Every gradient held, owned, in the order of [`params`](Self::params).
@@ -184,85 +161,39 @@ impl<B: Backend> ModelGrads<B> {
     /// Every gradient held, by identity, in model order (each block's
     /// base parameters, then its adapters'; `ModelWeights::tensors`).
     pub fn tensors(&self) -> Vec<(TensorId, &Tensor<B>)> {
-        let mut v: Vec<(TensorId, &Tensor<B>)> = Vec::new();
-        v.extend(self.embed.iter().map(|t| (TensorId::Base(Param::Embed), t)));
-        for (l, blk) in self.blocks.iter().enumerate() {
-            let base = blk.params().into_iter();
-            v.extend(base.map(|(bp, t)| (TensorId::Base(Param::Block(l, bp)), t)));
-            let lora = blk.adapter_tensors().into_iter();
-            v.extend(lora.map(|(tg, f, t)| (TensorId::Adapter(l, tg, f), t)));
-        }
-        v.extend(
-            self.final_norm
-                .iter()
-                .map(|t| (TensorId::Base(Param::FinalNorm), t)),
-        );
-        v.extend(
-            self.lm_head
-                .iter()
-                .map(|t| (TensorId::Base(Param::LmHead), t)),
-        );
-        v
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|b| (b.params(), b.adapter_tensors()));
+        let (embed, norm) = (self.embed.as_ref(), self.final_norm.as_ref());
+        tensor_order::model_tensors(embed, blocks, norm, self.lm_head.as_ref())
     }
 
     /// [`tensors`](Self::tensors), mutable.
     pub fn tensors_mut(&mut self) -> Vec<(TensorId, &mut Tensor<B>)> {
-        let mut v: Vec<(TensorId, &mut Tensor<B>)> = Vec::new();
-        v.extend(
-            self.embed
-                .iter_mut()
-                .map(|t| (TensorId::Base(Param::Embed), t)),
-        );
-        for (l, blk) in self.blocks.iter_mut().enumerate() {
-            let (base, lora) = blk.params_and_adapters_mut();
-            v.extend(
-                base.into_iter()
-                    .map(|(bp, t)| (TensorId::Base(Param::Block(l, bp)), t)),
-            );
-            v.extend(
-                lora.into_iter()
-                    .map(|(tg, f, t)| (TensorId::Adapter(l, tg, f), t)),
-            );
-        }
-        let norm = self.final_norm.iter_mut();
-        v.extend(norm.map(|t| (TensorId::Base(Param::FinalNorm), t)));
-        v.extend(
-            self.lm_head
-                .iter_mut()
-                .map(|t| (TensorId::Base(Param::LmHead), t)),
-        );
-        v
+        let blocks = self.blocks.iter_mut();
+        let blocks = blocks.map(BlockGrads::params_and_adapters_mut);
+        let (embed, norm) = (self.embed.as_mut(), self.final_norm.as_mut());
+        tensor_order::model_tensors(embed, blocks, norm, self.lm_head.as_mut())
     }
 
     /// The gradients of `unit` held, with their names, in model order.
     pub fn unit_named(&self, unit: Unit) -> Vec<(String, &Tensor<B>)> {
-        let family = self.family;
-        let all = self
-            .tensors()
-            .into_iter()
-            .filter(|(id, _)| id.unit() == unit);
-        all.map(|(id, t)| (id.name(family), t)).collect()
+        tensor_order::named(self.family, Some(unit), self.tensors())
     }
 
     /// The gradients of `unit` held, mutable, in the order of [`unit_named`](Self::unit_named).
     pub fn unit_named_mut(&mut self, unit: Unit) -> Vec<(String, &mut Tensor<B>)> {
-        let family = self.family;
-        let all = self.tensors_mut().into_iter();
-        let all = all.filter(|(id, _)| id.unit() == unit);
-        all.map(|(id, t)| (id.name(family), t)).collect()
+        tensor_order::named(self.family, Some(unit), self.tensors_mut())
     }
 
     /// Every gradient held with its name, in model order.
     pub fn named(&self) -> Vec<(String, &Tensor<B>)> {
-        let family = self.family;
-        let all = self.tensors().into_iter();
-        all.map(|(id, t)| (id.name(family), t)).collect()
+        tensor_order::named(self.family, None, self.tensors())
     }
 
     /// Every gradient held, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<B>)> {
-        let family = self.family;
-        let all = self.tensors_mut().into_iter();
-        all.map(|(id, t)| (id.name(family), t)).collect()
+        tensor_order::named(self.family, None, self.tensors_mut())
     }
 }

@@ -3,14 +3,13 @@
 //! `AttentionWeights::lora`, the MLP's in `BlockWeights::mlp_lora`), in the
 //! weight dtype like the base weights (F32 masters and moments belong to the
 //! optimizer's slots), with F32 gradients beside the block's gradients;
-//! uploaded from and read back into the host [`LoraWeights`]; and the
-//! `--freeze` that leaves only the adapters to train ([`lora_base_freeze`]).
+//! uploaded from and read back into the host [`LoraWeights`].
 //! The arithmetic on them is `attention/lora_delta.rs`.
 
-use super::adapters::{block_pairs, block_pairs_mut, slot_mut};
-use super::freeze::Freeze;
+use super::adapters::{block_pairs, slot_mut};
 use super::grads::{BlockGrads, ModelGrads};
 use super::lora::{Factor, LoraConfig, LoraDims, LoraFactors, LoraTarget, LoraWeights};
+use super::tensor_order::factors;
 use super::weights::{BlockWeights, ModelWeights};
 use crate::attention::lora_delta::{LoraPair, LoraPairGrads};
 use crate::backend::{Backend, DType, Tensor};
@@ -25,9 +24,7 @@ impl<B: Backend> BlockWeights<B> {
     /// The block's adapter tensors, `lora_A` then `lora_B` of each target.
     pub fn adapter_tensors(&self) -> Vec<(LoraTarget, Factor, &Tensor<B>)> {
         let pairs = self.adapters().into_iter();
-        pairs
-            .flat_map(|(t, p)| [(t, Factor::A, &p.a), (t, Factor::B, &p.b)])
-            .collect()
+        factors(pairs.map(|(t, p)| (t, [&p.a, &p.b])))
     }
 }
 
@@ -35,17 +32,7 @@ impl<B: Backend> BlockGrads<B> {
     /// The adapters' gradients, in the order of `BlockWeights::adapter_tensors`.
     pub fn adapter_tensors(&self) -> Vec<(LoraTarget, Factor, &Tensor<B>)> {
         let pairs = block_pairs(&self.attn.lora, &self.mlp_lora).into_iter();
-        pairs
-            .flat_map(|(t, g)| [(t, Factor::A, &g.da), (t, Factor::B, &g.db)])
-            .collect()
-    }
-
-    /// [`adapter_tensors`](Self::adapter_tensors), mutable.
-    pub fn adapter_tensors_mut(&mut self) -> Vec<(LoraTarget, Factor, &mut Tensor<B>)> {
-        let pairs = block_pairs_mut(&mut self.attn.lora, &mut self.mlp_lora).into_iter();
-        pairs
-            .flat_map(|(t, g)| [(t, Factor::A, &mut g.da), (t, Factor::B, &mut g.db)])
-            .collect()
+        factors(pairs.map(|(t, g)| (t, [&g.da, &g.db])))
     }
 }
 
@@ -82,10 +69,20 @@ pub fn attach_adapter_grads<B: Backend>(
     g: &mut ModelGrads<B>,
 ) -> Result<()> {
     for (blk, grads) in w.blocks.iter().zip(&mut g.blocks) {
-        for (t, pair) in blk.adapters() {
-            let zeros = LoraPairGrads::zeros(dev, pair)?;
-            *slot_mut(&mut grads.attn.lora, &mut grads.mlp_lora, t) = Some(zeros);
-        }
+        attach_block_adapter_grads(dev, blk, grads)?;
+    }
+    Ok(())
+}
+
+/// Zero F32 gradients for every adapter of block `w`, beside its gradients `g`.
+pub fn attach_block_adapter_grads<B: Backend>(
+    dev: &B,
+    w: &BlockWeights<B>,
+    g: &mut BlockGrads<B>,
+) -> Result<()> {
+    for (t, pair) in w.adapters() {
+        let zeros = LoraPairGrads::zeros(dev, pair)?;
+        *slot_mut(&mut g.attn.lora, &mut g.mlp_lora, t) = Some(zeros);
     }
     Ok(())
 }
@@ -121,10 +118,4 @@ pub fn adapters_to_host<B: Backend>(
         config: config.clone(),
         layers,
     })
-}
-
-/// The `--freeze` of a LoRA run: every base parameter, so only the
-/// adapters train ([`Freeze::whole_base`]).
-pub fn lora_base_freeze() -> Freeze {
-    Freeze::whole_base()
 }

@@ -18,6 +18,7 @@ pub mod lora_params;
 pub mod progress;
 pub mod shapes;
 pub mod store;
+mod tensor_order;
 pub mod unit;
 pub mod weights;
 

@@ -5,10 +5,11 @@
 use super::adapters::MlpAdapters;
 use super::config::ModelConfig;
 use super::families::{BlockParam, Family, Param};
-use super::lora::{Factor, LoraTarget, tensor_name};
+pub use super::tensor_order::TensorId;
+use super::tensor_order::{self, BlockTensors};
 use super::unit::Unit;
-use crate::attention::AttentionWeights;
 use crate::attention::lora_delta::LoraPair;
+use crate::attention::{AttentionWeights, AttnTensors};
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
 
@@ -84,15 +85,8 @@ impl<B: Backend> BlockWeights<B> {
 
     /// Every tensor by role (`AttnNorm`, ...), in HF order.
     pub fn params(&self) -> Vec<(BlockParam, &Tensor<B>)> {
-        let mut v = vec![(BlockParam::AttnNorm, &self.attn_norm)];
-        for (short, t) in self.attn.named() {
-            v.push((attn_param(short), t));
-        }
-        v.push((BlockParam::MlpNorm, &self.mlp_norm));
-        v.push((BlockParam::Gate, &self.gate));
-        v.push((BlockParam::Up, &self.up));
-        v.push((BlockParam::Down, &self.down));
-        v
+        let mlp = [&self.mlp_norm, &self.gate, &self.up, &self.down].map(Some);
+        tensor_order::block_params(Some(&self.attn_norm), self.attn.named(), mlp)
     }
 
     /// Every tensor, mutable, in the order of [`params`](Self::params).
@@ -102,28 +96,14 @@ impl<B: Backend> BlockWeights<B> {
 
     /// [`params_mut`](Self::params_mut) and the adapters' factors
     /// (`BlockWeights::adapter_tensors` order), borrowed together.
-    #[allow(clippy::type_complexity)]
-    pub fn params_and_adapters_mut(
-        &mut self,
-    ) -> (
-        Vec<(BlockParam, &mut Tensor<B>)>,
-        Vec<(LoraTarget, Factor, &mut Tensor<B>)>,
-    ) {
-        let (attn, attn_lora) = self.attn.named_and_lora_mut();
-        let mut v = vec![(BlockParam::AttnNorm, &mut self.attn_norm)];
-        for (short, t) in attn {
-            v.push((attn_param(short), t));
-        }
-        v.push((BlockParam::MlpNorm, &mut self.mlp_norm));
-        v.push((BlockParam::Gate, &mut self.gate));
-        v.push((BlockParam::Up, &mut self.up));
-        v.push((BlockParam::Down, &mut self.down));
-        let pairs = super::adapters::block_pairs_mut(attn_lora, &mut self.mlp_lora);
-        let lora = pairs
-            .into_iter()
-            .flat_map(|(t, p)| [(t, Factor::A, &mut p.a), (t, Factor::B, &mut p.b)])
-            .collect();
-        (v, lora)
+    pub fn params_and_adapters_mut(&mut self) -> BlockTensors<&mut Tensor<B>> {
+        let s = self;
+        let (attn, attn_lora) = s.attn.named_and_lora_mut();
+        let mlp = [&mut s.mlp_norm, &mut s.gate, &mut s.up, &mut s.down].map(Some);
+        let base = tensor_order::block_params(Some(&mut s.attn_norm), attn, mlp);
+        let pairs = super::adapters::block_pairs_mut(attn_lora, &mut s.mlp_lora);
+        let pairs = pairs.into_iter().map(|(t, p)| (t, [&mut p.a, &mut p.b]));
+        (base, tensor_order::factors(pairs))
     }
 }
 
@@ -224,97 +204,41 @@ impl<B: Backend> ModelWeights<B> {
     /// Every tensor by identity, in model order: each block's base
     /// parameters, then its LoRA adapters' (`lora_A`, `lora_B` of each target).
     pub fn tensors(&self) -> Vec<(TensorId, &Tensor<B>)> {
-        let mut v = vec![(TensorId::Base(Param::Embed), &self.embed)];
-        for (l, blk) in self.blocks.iter().enumerate() {
-            let base = blk.params().into_iter();
-            v.extend(base.map(|(bp, t)| (TensorId::Base(Param::Block(l, bp)), t)));
-            let lora = blk.adapter_tensors().into_iter();
-            v.extend(lora.map(|(tg, f, t)| (TensorId::Adapter(l, tg, f), t)));
-        }
-        v.push((TensorId::Base(Param::FinalNorm), &self.final_norm));
-        let head = self.lm_head.iter();
-        v.extend(head.map(|t| (TensorId::Base(Param::LmHead), t)));
-        v
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|b| (b.params(), b.adapter_tensors()));
+        let (embed, norm) = (Some(&self.embed), Some(&self.final_norm));
+        tensor_order::model_tensors(embed, blocks, norm, self.lm_head.as_ref())
     }
 
     /// [`tensors`](Self::tensors), mutable.
     pub fn tensors_mut(&mut self) -> Vec<(TensorId, &mut Tensor<B>)> {
-        let mut v = vec![(TensorId::Base(Param::Embed), &mut self.embed)];
-        for (l, blk) in self.blocks.iter_mut().enumerate() {
-            let (base, lora) = blk.params_and_adapters_mut();
-            v.extend(
-                base.into_iter()
-                    .map(|(bp, t)| (TensorId::Base(Param::Block(l, bp)), t)),
-            );
-            v.extend(
-                lora.into_iter()
-                    .map(|(tg, f, t)| (TensorId::Adapter(l, tg, f), t)),
-            );
-        }
-        v.push((TensorId::Base(Param::FinalNorm), &mut self.final_norm));
-        let head = self.lm_head.iter_mut();
-        v.extend(head.map(|t| (TensorId::Base(Param::LmHead), t)));
-        v
+        let blocks = self.blocks.iter_mut();
+        let blocks = blocks.map(BlockWeights::params_and_adapters_mut);
+        let (embed, norm) = (Some(&mut self.embed), Some(&mut self.final_norm));
+        tensor_order::model_tensors(embed, blocks, norm, self.lm_head.as_mut())
     }
 
     /// The tensors of `unit` with their names (HF's; PEFT's for adapters),
     /// in model order (a tied embedding belongs to [`Unit::Embed`] only).
     pub fn unit_named(&self, unit: Unit) -> Vec<(String, &Tensor<B>)> {
-        let family = self.family;
-        let all = self
-            .tensors()
-            .into_iter()
-            .filter(|(id, _)| id.unit() == unit);
-        all.map(|(id, t)| (id.name(family), t)).collect()
+        tensor_order::named(self.family, Some(unit), self.tensors())
     }
 
     /// The tensors of `unit`, mutable, in the order of [`unit_named`](Self::unit_named).
     pub fn unit_named_mut(&mut self, unit: Unit) -> Vec<(String, &mut Tensor<B>)> {
-        let family = self.family;
-        let all = self.tensors_mut().into_iter();
-        let all = all.filter(|(id, _)| id.unit() == unit);
-        all.map(|(id, t)| (id.name(family), t)).collect()
+        tensor_order::named(self.family, Some(unit), self.tensors_mut())
     }
 
     /// Every tensor with its name, in model order ([`tensors`](Self::tensors)).
     pub fn named(&self) -> Vec<(String, &Tensor<B>)> {
-        let family = self.family;
-        let all = self.tensors().into_iter();
-        all.map(|(id, t)| (id.name(family), t)).collect()
+        tensor_order::named(self.family, None, self.tensors())
     }
 
     /// Every tensor, mutable, in the order of [`named`](Self::named).
     pub fn named_mut(&mut self) -> Vec<(String, &mut Tensor<B>)> {
-        let family = self.family;
-        let all = self.tensors_mut().into_iter();
-        all.map(|(id, t)| (id.name(family), t)).collect()
-    }
-}
-
-/// What a model tensor is: a base parameter, or a factor of a block's LoRA
-/// adapter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TensorId {
-    Base(Param),
-    /// Block, target, factor.
-    Adapter(usize, LoraTarget, Factor),
-}
-
-impl TensorId {
-    /// The unit that holds it.
-    pub fn unit(self) -> Unit {
-        match self {
-            TensorId::Base(p) => p.unit(),
-            TensorId::Adapter(l, ..) => Unit::Block(l),
-        }
-    }
-
-    /// Its name: HF's for a base parameter, PEFT's for an adapter factor.
-    pub fn name(self, family: Family) -> String {
-        match self {
-            TensorId::Base(p) => family.hf_name(p),
-            TensorId::Adapter(l, t, f) => tensor_name(l, t, f),
-        }
+        tensor_order::named(self.family, None, self.tensors_mut())
     }
 }
 
@@ -371,23 +295,6 @@ const INIT_BLOCK: usize = 1 << 18;
 /// Norm weights start at one (1-D tensors named `...norm.weight`).
 fn is_norm(name: &str, shape: &[usize]) -> bool {
     shape.len() == 1 && name.ends_with("norm.weight")
-}
-
-/// The block parameter of an attention tensor's short name
-/// ([`AttentionWeights::named`]).
-pub(super) fn attn_param(short: &str) -> BlockParam {
-    match short {
-        "wq" => BlockParam::Wq,
-        "wk" => BlockParam::Wk,
-        "wv" => BlockParam::Wv,
-        "wo" => BlockParam::Wo,
-        "q_norm" => BlockParam::QNorm,
-        "k_norm" => BlockParam::KNorm,
-        "bq" => BlockParam::Bq,
-        "bk" => BlockParam::Bk,
-        "bv" => BlockParam::Bv,
-        other => unreachable!("AttentionWeights names no tensor '{other}'"),
-    }
 }
 
 #[cfg(test)]

@@ -24,14 +24,15 @@ pub struct LoraRun {
 }
 
 impl LoraRun {
-    /// Checks the adapter against `cfg`'s model and the run's `freeze`
-    /// (which must leave the base frozen: adapters train, nothing else).
+    /// Checks the adapter against `cfg`'s model and the run's `freeze`,
+    /// which must be the whole base ([`Freeze::whole_base`]): adapters
+    /// train, nothing else does.
     pub fn check(&self, cfg: &ModelConfig, freeze: &Freeze) -> Result<()> {
         self.config.validate(cfg)?;
         if *freeze != Freeze::whole_base() {
             return crate::config_err!(
-                "--lora-rank freezes the whole base model; drop --freeze {freeze} (adapters \
-                 train, nothing else does)"
+                "--freeze {freeze} with --lora-rank: a LoRA run freezes the whole base model \
+                 and trains only its adapters; leave --freeze out"
             );
         }
         Ok(())

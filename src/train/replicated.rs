@@ -14,7 +14,7 @@ use crate::checkpoint::{
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::model::lora::{LoraConfig, PEFT_LAYER_PREFIX};
+use crate::model::lora::LoraConfig;
 use crate::model::lora_params::{adapters_to_host, attach_adapter_grads};
 use crate::model::weights::TensorId;
 use crate::model::{
@@ -250,8 +250,8 @@ impl<'a, B: Backend> Replicated<'a, B> {
             cfg.check_resume_freeze(dir, &st.extra)?;
             let names = st.params.keys().map(String::as_str);
             // a LoRA checkpoint's adapters are its own (PEFT names), not extras
-            let lora_names = |n: &&str| cfg.lora.is_none() || !n.starts_with(PEFT_LAYER_PREFIX);
-            check_extra_tensors(dir, model, names.filter(lora_names), cfg.extra_tensors)?;
+            let extras = cfg.extra_tensors.beside_adapters(cfg.lora.is_some());
+            check_extra_tensors(dir, model, names, extras)?;
             let mut w =
                 weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
             if let Some(lora) = &cfg.lora {

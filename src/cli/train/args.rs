@@ -343,7 +343,7 @@ impl TrainArgs {
         let model = for_key(k, "model", ModelConfig::resolve(&self.model))?;
         let lora = self.lora.run(&model)?;
         Ok(Choices {
-            freeze: LoraArgs::freeze(lora.as_ref(), self.memory.freeze(&model)?)?,
+            freeze: LoraArgs::freeze(lora.as_ref(), self.memory.freeze(&model)?),
             lora,
             optim,
             device: for_key(k, "device", self.device.parse())?,

@@ -8,7 +8,7 @@
 //! gradients beside the block's, taken back out for the reduce-scatter, and
 //! the host values a run starts its adapter shards from.
 
-use crate::attention::lora_delta::{LoraPair, LoraPairGrads};
+use crate::attention::lora_delta::LoraPair;
 use crate::backend::{Backend, Tensor};
 use crate::error::{Error, Result};
 use crate::model::adapters::slot_mut;
@@ -44,14 +44,8 @@ pub fn attach_gathered<B: Backend>(
     Ok(())
 }
 
-/// Zero F32 gradients of `w`'s adapters, beside the block's gradients `g`.
-pub fn attach_grads<B: Backend>(b: &B, w: &BlockWeights<B>, g: &mut BlockGrads<B>) -> Result<()> {
-    for (t, pair) in w.adapters() {
-        let zeros = LoraPairGrads::zeros(b, pair)?;
-        *slot_mut(&mut g.attn.lora, &mut g.mlp_lora, t) = Some(zeros);
-    }
-    Ok(())
-}
+/// Zero F32 gradients of a gathered block's adapters, beside its gradients.
+pub use crate::model::lora_params::attach_block_adapter_grads as attach_grads;
 
 /// Takes the adapters' gradients out of `g`, in the adapter unit's order
 /// (`dA` then `dB` of each target of `lora`).

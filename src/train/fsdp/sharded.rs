@@ -12,7 +12,7 @@ use crate::checkpoint::sharded::{self as ckpt, SavedOptimizer};
 use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, check_extra_tensors};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::model::lora::{LoraConfig, PEFT_LAYER_PREFIX};
+use crate::model::lora::LoraConfig;
 use crate::model::{Decoder, RandomInit, Unit};
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Optimizer, StateKind, Update, slots_through};
@@ -55,8 +55,8 @@ impl<'a, B: Backend> Sharded<'a, B> {
                     hf.check(&name, &shape)?;
                 }
                 // a LoRA checkpoint's adapters are its own (PEFT names), not extras
-                let ours = |n: &&str| lora.is_none() || !n.starts_with(PEFT_LAYER_PREFIX);
-                check_extra_tensors(dir, model, hf.names().filter(ours), cfg.extra_tensors)?;
+                let extras = cfg.extra_tensors.beside_adapters(lora.is_some());
+                check_extra_tensors(dir, model, hf.names(), extras)?;
                 let read = |name: &str, elems: std::ops::Range<usize>| {
                     values_of(&adapters, name, elems.clone())
                         .unwrap_or_else(|| hf.read(name, elems))
