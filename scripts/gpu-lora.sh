@@ -9,7 +9,8 @@
 #   lora        upipe --lora-rank RANK on all seven targets, the base frozen (FLAGS)
 #   peft        HF transformers + PEFT (LoRA r RANK, all-linear) + PyTorch fused AdamW,
 #               checkpointing on (scripts/hf_peer_step.py --lora-rank RANK --checkpoint)
-#   peft-liger  the same with Liger Kernel's RMSNorm, SwiGLU, RoPE and fused loss
+#   peft-liger  the same with Liger Kernel's RMSNorm, SwiGLU, RoPE and fused loss (as
+#               installed, else from the liger_kernel wheel scripts/bundle.sh copies to DIR/wheels)
 # A ROW per run: tokens/s (median of steps 2 on; step 1 when it is the only one),
 # upipe's model TFLOP/s (what is computed), the ledger's peak and the planner's
 # (`--json`); a run that does not fit prints its error, a peer out of memory "oom".
@@ -88,6 +89,16 @@ if [ -n "${LONGEST:-}" ]; then
                 --host-mem "$host" --lora-rank "$rank" "${lora_plan[@]}" --rehearse > "$work/rehearse-$s.log" 2>&1
             echo "REHEARSE lora $s: exit $? $(grep -iE "peak|fits|does not fit" "$work/rehearse-$s.log" | tail -3 | tr '\n' ' ' | cut -c1-400)"
         done
+    fi
+fi
+
+# Liger Kernel for peft-liger: as installed, else from the bundle's wheel
+if [[ " $modes " == *" peft-liger "* ]] && ! python3 -c "import liger_kernel.transformers" 2> /dev/null; then
+    whl="$(ls "$here"/wheels/liger_kernel-*.whl 2> /dev/null | head -1)"
+    if [ -n "$whl" ] && python3 -m pip install --quiet --no-deps --no-index --target "$work/liger" "$whl"; then
+        export PYTHONPATH="$work/liger${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        echo "no liger_kernel (installed or in $here/wheels): peft-liger will fail"
     fi
 fi
 
