@@ -620,9 +620,11 @@ fn loss_and_grads_cpu_norms(
         let b = b.as_ref();
         let mut decoder = Decoder::new(b, model.clone(), plan.clone(), &mesh, policy)?;
         decoder.unfused_norms = unfused_norms;
-        decoder.backward_floor = frozen.backward_floor(model, false);
         decoder.set_window(b, &window.doc_starts)?;
         let w = weights(b)?;
+        // adapters beside the weights train every block they adapt
+        let adapters = w.blocks.iter().any(|blk| !blk.adapters().is_empty());
+        decoder.backward_floor = frozen.backward_floor(model, adapters);
         let mut store = ReplicatedStore::with_frozen(b, model, w, mesh.world.as_ref(), frozen)?;
         let pos = plan
             .layout
