@@ -28,15 +28,36 @@ fn upipe_error(args: &[&str]) -> String {
 }
 
 fn losses(stdout: &str) -> Vec<f64> {
+    json_field(stdout, "loss")
+}
+
+/// `key` of every JSON line of `stdout` (a number in each).
+fn json_field(stdout: &str, key: &str) -> Vec<f64> {
     stdout
         .lines()
         .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+            serde_json::from_str::<serde_json::Value>(l).unwrap()[key]
                 .as_f64()
                 .unwrap()
         })
         .collect()
 }
+
+/// Two steps on the CPU, 128 tokens, Ulysses 2 (JSON lines).
+const TWO_STEPS_ULYSSES_2: [&str; 12] = [
+    "train",
+    "--steps",
+    "2",
+    "--json",
+    "--device",
+    "cpu",
+    "--seq",
+    "128",
+    "--ulysses",
+    "2",
+    "--ring",
+    "1",
+];
 
 #[test]
 fn default_model_learns_and_its_checkpoint_evaluates_the_same_under_every_strategy() {
@@ -362,21 +383,8 @@ fn chunk_heads_auto_takes_the_widest_stages_that_fit() {
 #[test]
 fn decided_flags_repeat_the_run() {
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "train",
-            "--steps",
-            "2",
-            "--json",
-            "--device",
-            "cpu",
-            "--seq",
-            "128",
-            "--ulysses",
-            "2",
-            "--ring",
-            "1",
-            "--checkpoint",
-        ];
+        let mut args = TWO_STEPS_ULYSSES_2.to_vec();
+        args.push("--checkpoint");
         args.extend_from_slice(extra);
         let (stdout, log) = upipe_with_log(&args);
         let prefix = "decided from this machine's memory: ";
@@ -790,33 +798,11 @@ fn one_mesh_flag_on_the_cpu_leaves_the_others_at_one() {
 /// beside `--lora-from` it is an error naming both.
 #[test]
 fn lora_targets_none_trains_as_without_adapters() {
-    let base = [
-        "train",
-        "--steps",
-        "2",
-        "--json",
-        "--device",
-        "cpu",
-        "--seq",
-        "128",
-        "--ulysses",
-        "2",
-        "--ring",
-        "1",
-    ];
-    let norms = |stdout: &str| -> Vec<f64> {
-        stdout
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["grad_norm"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .collect()
-    };
+    let base = TWO_STEPS_ULYSSES_2;
     let plain = upipe(&base);
     let none = upipe(&[&base[..], &["--lora-rank", "4", "--lora-targets", "none"]].concat());
     assert_eq!(losses(&none), losses(&plain));
+    let norms = |stdout: &str| json_field(stdout, "grad_norm");
     assert_eq!(norms(&none), norms(&plain));
     assert_eq!(losses(&plain).len(), 2);
     let e = upipe_error(
