@@ -30,8 +30,10 @@
 #                                              # short lengths), the Python peers skipped
 #
 # VARIANTS: more upipe configurations in every row, alternating with the others, each
-# NAME=BINARY (a path, e.g. an older build for an A/B row) or NAME=pip-cudnn (this build
-# with torch's pip cuDNN, linked as docs/cuda-backend.md shows); they run as upipe-NAME.
+# NAME=BINARY (a path, e.g. an older build for an A/B row), NAME=pip-cudnn or NAME=pip-cublas
+# (this build with torch's pip cuDNN or cuBLASLt, linked as docs/cuda-backend.md shows), or
+# NAME=env:K=V,K2=V2 (this build with those environment variables, e.g.
+# tune=env:UPIPE_CUDNN_PLAN=fastest); they run as upipe-NAME.
 # PEERS ("liger hf": which peers run), SHORT_POLICIES ("none ckpt": the peers' policies
 # below LONG), SEQS ("32768 131072 262144"; empty: none), LONG (131072), STEPS (4 below LONG, 2 from LONG
 # on), ROUNDS (1: every configuration once; a second round runs them in reverse order),
@@ -110,6 +112,19 @@ pip_cudnn_env() {
     mkdir -p /tmp/cudnn-link && ln -sf "$lib/libcudnn.so.9" /tmp/cudnn-link/libcudnn.so
     echo "UPIPE_CUDNN_LIB=$lib/libcudnn.so.9 LD_LIBRARY_PATH=/tmp/cudnn-link:$lib:${LD_LIBRARY_PATH:-}"
 }
+# the cuBLASLt torch loads, for a pip-cublas variant: "UPIPE_CUBLASLT_LIB=... LD_LIBRARY_PATH=..."
+pip_cublas_env() {
+    local so
+    so="$(python3 -c '
+import torch
+a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+(a @ a).sum().item()
+print(next(l.split()[-1] for l in open("/proc/self/maps") if "libcublasLt.so" in l))' 2> /dev/null)"
+    [ -n "$so" ] && [ -f "$so" ] || return 1
+    # cudarc binds the unversioned name first, which the wheel does not ship
+    mkdir -p /tmp/cublas-link && ln -sf "$so" /tmp/cublas-link/libcublasLt.so
+    echo "UPIPE_CUBLASLT_LIB=$so LD_LIBRARY_PATH=/tmp/cublas-link:$(dirname "$so"):${LD_LIBRARY_PATH:-}"
+}
 declare -A variant_bin variant_env
 variants=()
 for v in ${VARIANTS:-}; do
@@ -117,6 +132,12 @@ for v in ${VARIANTS:-}; do
     if [ "$what" = pip-cudnn ]; then
         env_line="$(pip_cudnn_env)" || { echo "no pip cuDNN: variant $name skipped"; continue; }
         variant_bin[$name]="$upipe" variant_env[$name]="$env_line"
+    elif [ "$what" = pip-cublas ]; then
+        env_line="$(pip_cublas_env)" || { echo "no pip cuBLASLt: variant $name skipped"; continue; }
+        variant_bin[$name]="$upipe" variant_env[$name]="$env_line"
+    elif [[ "$what" == env:* ]]; then
+        variant_bin[$name]="$upipe" variant_env[$name]="${what#env:}"
+        variant_env[$name]="${variant_env[$name]//,/ }"
     else
         [ -x "$what" ] || what="$here/$what"
         [ -x "$what" ] || { echo "no binary for variant $v: skipped"; continue; }
@@ -204,7 +225,7 @@ bench_row() {
                     v="${cfg#upipe-}"
                     # shellcheck disable=SC2086
                     run "$row" "$cfg" "$round" env ${variant_env[$v]} "${variant_bin[$v]}" train "${device[@]}" \
-                        --model "$model" --data "$data" --seq "$seq" --steps "$nsteps" --warmup 1 "${f[@]}" --json ;;
+                        --model "$model" --data "$data" --seq "$seq" --steps "$nsteps" --warmup 1 "${f[@]}" --profile --json ;;
                 *)
                     [ "${DRY:-0}" = 1 ] && continue
                     [[ "$cfg" == liger-* ]] && [ "$liger" = 0 ] && continue

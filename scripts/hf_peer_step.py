@@ -32,6 +32,12 @@ token, its EOS) the window is packed: `position_ids` restart at every
 document start, which transformers turns into a document mask (a packed
 sequence) for the attention implementation in use.
 
+With `--profile` the last step runs under `torch.profiler` and one more
+JSON line gives its GPU kernel time by class (GEMM, attention forward and
+backward, Triton, elementwise, copies, optimizer, other), the top kernels,
+and the cuDNN and cuBLAS torch loaded: the peer's side of upipe's
+`--profile`.
+
 A step that runs out of GPU memory prints one JSON line with `"oom": true`
 and the script exits 0, so a sweep goes on.
 
@@ -40,9 +46,11 @@ and the script exits 0, so a sweep goes on.
     python3 scripts/hf_peer_step.py --model llama3-8b --seq 65536 --steps 3 --checkpoint --liger
     python3 scripts/hf_peer_step.py --model llama3-8b --seq 131072 --steps 2 --checkpoint --lora-rank 16
     python3 scripts/hf_peer_step.py --seq 131072 --steps 2 --checkpoint --doc-lengths mix.jsonl.lengths
+    python3 scripts/hf_peer_step.py --seq 32768 --steps 3 --liger --profile
 """
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -158,6 +166,61 @@ def liger_step_loss(model: LlamaForCausalLM, tokens: torch.Tensor,
     return out.loss
 
 
+def kernel_class(name: str) -> str:
+    """The class of a CUDA kernel by its name, as upipe's `--profile` groups its ops."""
+    n = name.lower()
+    if any(k in n for k in ("fmha", "flash", "sdpa", "cudnn_generated", "attention")):
+        return "attn_bwd" if any(k in n for k in ("bprop", "bwd", "backward", "dq", "dkdv")) else "attn_fwd"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "cublas")):
+        return "gemm"
+    if any(k in n for k in ("adam", "multi_tensor", "foreach")):
+        return "optimizer"
+    if "triton" in n or n.startswith("_") and "kernel" in n:
+        return "triton"
+    if any(k in n for k in ("copy", "memcpy", "memset", "cat", "fill")):
+        return "copy"
+    if "elementwise" in n or "reduce" in n or "vectorized" in n:
+        return "elementwise"
+    return "other"
+
+
+def profile_report(prof, step_s: float) -> dict:
+    """Kernel time of the profiled step by class, and the ten longest kernels."""
+    by_class: dict[str, list] = {}
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.device_time
+        c = by_class.setdefault(kernel_class(e.name), [0.0, 0])
+        c[0] += us
+        c[1] += 1
+        k = by_name.setdefault(e.name, [0.0, 0])
+        k[0] += us
+        k[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:10]
+    return {
+        "step_ms": round(step_s * 1e3, 1),
+        "classes": {c: {"ms": round(v[0] / 1e3, 2), "kernels": v[1]} for c, v in
+                    sorted(by_class.items(), key=lambda kv: -kv[1][0])},
+        "top": [{"name": n[:120], "ms": round(v[0] / 1e3, 2), "calls": v[1]} for n, v in top],
+        "cudnn": torch.backends.cudnn.version(),
+        "cuda": torch.version.cuda,
+        "nvidia_wheels": nvidia_wheels(),
+    }
+
+
+def nvidia_wheels() -> dict:
+    """The versions of the pip cuBLAS and cuDNN wheels torch loads, where pip installed them."""
+    import importlib.metadata as md
+    found = {}
+    for dist in md.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith(("nvidia-cublas", "nvidia-cudnn")):
+            found[name] = dist.version
+    return found
+
+
 def report(args: argparse.Namespace, **fields) -> None:
     line = {"peer": peer_name(args), "model": args.model, "seq": args.seq,
             "policy": "checkpoint" if args.checkpoint else "none", **fields}
@@ -188,15 +251,21 @@ def train(args: argparse.Namespace, progress: dict) -> None:
                       SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
         for step in range(1, args.steps + 1):
             progress["step"] = step
+            profiled = args.profile and step == args.steps
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) \
+                if profiled else contextlib.nullcontext()
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss = loss_fn(model, tokens, positions)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
+            with prof:
+                loss = loss_fn(model, tokens, positions)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            if profiled:
+                report(args, step=step, profile=profile_report(prof, dt))
             report(args, step=step, documents=docs,
                    attn_implementation=model.config._attn_implementation,
                    tokens_per_s=round(args.seq / dt, 1),
@@ -215,6 +284,8 @@ def main() -> None:
                     help="Liger Kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy")
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="PEFT LoRA of this rank on all linear layers (0: full fine-tuning)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the last step: GPU kernel time by class (its tokens/s is then not comparable)")
     ap.add_argument("--doc-lengths", help="pack the window: one document length per line")
     args = ap.parse_args()
     progress = {"step": 0}  # 0 while the model is built

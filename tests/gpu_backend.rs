@@ -174,6 +174,45 @@ fn gemm_all_transposes_bf16_into_f32_and_bf16() {
     assert!(g.gemm_plans() >= 8, "plans are cached per problem");
 }
 
+/// `UPIPE_GEMM_ALGO=fastest`: a problem's first call that overwrites its
+/// output times the heuristic's algorithms and keeps one; an accumulating
+/// call before it runs the first algorithm and tunes nothing. Every result
+/// equals the CPU reference.
+#[test]
+fn gemm_tuned_by_timing_gives_the_reference_results() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut g = CudaBackend::new(0).unwrap();
+    g.set_gemm_pick(upipe::backend::cuda::tuning::GemmPick::Fastest);
+    let g = &g;
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("gemm_tuned");
+    let (m, k, n) = (1024, 512, 768);
+    let (ga, ca) = pair(g, &c, &rng.vec(m * k, 1.0), &[m, k], DType::BF16);
+    let (gb, cb) = pair(g, &c, &rng.vec(n * k, 1.0), &[n, k], DType::BF16);
+    let (mut gc, mut cc) = pair(g, &c, &rng.vec(m * n, 1.0), &[m, n], DType::F32);
+    // beta = 1 first: accumulates with the first algorithm, tunes nothing
+    g.gemm(gc.mat_mut(), ga.mat(), gb.mat().t(), 0.5, 1.0)
+        .unwrap();
+    c.gemm(cc.mat_mut(), ca.mat(), cb.mat().t(), 0.5, 1.0)
+        .unwrap();
+    check("tuned gemm, beta=1 before tuning", g, &gc, &c, &cc);
+    assert_eq!(g.gemm_tuned_plans(), 0);
+    for beta in [0.0, 1.0] {
+        g.gemm(gc.mat_mut(), ga.mat(), gb.mat().t(), 0.5, beta)
+            .unwrap();
+        c.gemm(cc.mat_mut(), ca.mat(), cb.mat().t(), 0.5, beta)
+            .unwrap();
+        check(&format!("tuned gemm, beta={beta}"), g, &gc, &c, &cc);
+    }
+    assert_eq!(
+        g.gemm_tuned_plans(),
+        1,
+        "the beta = 0 call tuned its problem"
+    );
+}
+
 #[test]
 fn gemm_f32_and_odd_shapes() {
     let Some(g) = gpu() else { return };
@@ -485,17 +524,19 @@ fn rms_norm_rope_swiglu() {
         );
     }
 
-    let (s, h, d) = (23, 3, 64);
-    let ang: Vec<f32> = rng.vec(s * d / 2, 3.0);
-    let cos: Vec<f32> = ang.iter().map(|a| a.cos()).collect();
-    let sin: Vec<f32> = ang.iter().map(|a| a.sin()).collect();
-    let (gcos, ccos) = pair(g, &c, &cos, &[s, d / 2], DType::F32);
-    let (gsin, csin) = pair(g, &c, &sin, &[s, d / 2], DType::F32);
-    let (mut gq, mut cq) = pair(g, &c, &rng.vec(s * h * d, 1.0), &[s, h, d], DType::BF16);
-    for inverse in [false, true] {
-        g.rope(&mut gq, &gcos, &gsin, inverse).unwrap();
-        c.rope(&mut cq, &ccos, &csin, inverse).unwrap();
-        check(&format!("rope inverse={inverse}"), g, &gq, &c, &cq);
+    // head dims 64 and 128: 8 pairs per thread; 12: pair by pair
+    for (s, h, d) in [(23, 3, 64), (9, 2, 128), (11, 3, 12)] {
+        let ang: Vec<f32> = rng.vec(s * d / 2, 3.0);
+        let cos: Vec<f32> = ang.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = ang.iter().map(|a| a.sin()).collect();
+        let (gcos, ccos) = pair(g, &c, &cos, &[s, d / 2], DType::F32);
+        let (gsin, csin) = pair(g, &c, &sin, &[s, d / 2], DType::F32);
+        let (mut gq, mut cq) = pair(g, &c, &rng.vec(s * h * d, 1.0), &[s, h, d], DType::BF16);
+        for inverse in [false, true] {
+            g.rope(&mut gq, &gcos, &gsin, inverse).unwrap();
+            c.rope(&mut cq, &ccos, &csin, inverse).unwrap();
+            check(&format!("rope d={d} inverse={inverse}"), g, &gq, &c, &cq);
+        }
     }
 
     // 5000: 8 bf16 per load; 5001: element by element
@@ -851,6 +892,15 @@ fn pool_and_ledger_agree_and_oom_is_an_error() {
 
 /// Backends of their own for the flash tests (exact call counters): one with
 /// the flash kernels, one forced onto the naive kernels (the GPU oracle).
+/// Held by each test that uses [`flash_pair`]: the tests count the calls
+/// their cases make on the shared backends, which a test running beside
+/// them would add to.
+fn flash_serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // a failed test poisons the lock; the next one still runs
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn flash_pair() -> Option<&'static (CudaBackend, CudaBackend)> {
     static B: OnceLock<Option<(CudaBackend, CudaBackend)>> = OnceLock::new();
     gpu()?;
@@ -1138,6 +1188,7 @@ fn flash_case(
 #[test]
 #[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
 fn flash_attention_through_the_backend_matches_cpu_and_naive() {
+    let _serial = flash_serial();
     let Some((f, n)) = flash_pair() else { return };
     let cc9 = f
         .arch()
@@ -1191,6 +1242,7 @@ fn flash_attention_through_the_backend_matches_cpu_and_naive() {
 #[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
 fn flash_documents_masks_match_cpu_and_naive() {
     use upipe::backend::mask::{BoundedMask, RowPositions};
+    let _serial = flash_serial();
     let Some((f, n)) = flash_pair() else { return };
     if f.flash_functions().unwrap().is_none() {
         eprintln!("SKIP flash documents: no flash kernels on {}", f.arch());
@@ -1248,6 +1300,7 @@ fn flash_documents_masks_match_cpu_and_naive() {
 #[allow(clippy::single_range_in_vec_init)] // one key block = the whole key range
 fn flash_sliding_windows_match_cpu_and_naive() {
     use upipe::backend::mask::{BoundedMask, RowPositions};
+    let _serial = flash_serial();
     let Some((f, n)) = flash_pair() else { return };
     if f.flash_functions().unwrap().is_none() {
         eprintln!("SKIP flash windows: no flash kernels on {}", f.arch());
@@ -1301,6 +1354,7 @@ fn flash_sliding_windows_match_cpu_and_naive() {
 #[test]
 fn flash_forward_kernel_choice() {
     use upipe::backend::cuda::flash::{FlashKernel, fwd_kernel_from_env};
+    let _serial = flash_serial();
     let Some((f, funcs)) = flash_kernels() else {
         return;
     };
@@ -1325,6 +1379,7 @@ fn flash_forward_kernel_choice() {
 #[test]
 fn flash_backward_kernel_choice() {
     use upipe::backend::cuda::flash::{FlashKernel, bwd_kernel_from_env};
+    let _serial = flash_serial();
     let Some((f, funcs)) = flash_kernels() else {
         return;
     };
@@ -1927,6 +1982,7 @@ fn host_rounded_bf16_uploads_equal_the_device_cast() {
 fn documents_mask_bounds_are_kept_until_the_mask_changes() {
     use upipe::backend::cuda::cudnn::AttentionKernel;
     use upipe::backend::mask::BoundedMask;
+    let _serial = flash_serial();
     let Some((_, n)) = flash_pair() else { return };
     let mut f = CudaBackend::with_attention(0, AttentionKernels::Auto).unwrap();
     f.set_attention_kernel(AttentionKernel::Flash);

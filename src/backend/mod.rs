@@ -244,6 +244,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn bias_grad(&self, dbias: MatMut<'_, Self>, dy: Mat<'_, Self>) -> Result<()>;
     /// Sum of squares of all elements (forces a sync on devices).
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64>;
+    /// Sum of squares of all elements of every tensor of `ts` (one sync on
+    /// devices, however many tensors): what a gradient norm reads.
+    fn sum_squares_all(&self, ts: &[&Tensor<Self>]) -> Result<f64> {
+        let mut s = 0.0;
+        for t in ts {
+            s += self.sum_squares(t)?;
+        }
+        Ok(s)
+    }
 
     /// RMSNorm over the last dim: `y = x / rms(x) * w`; x, y `[n, dim]`, w `[dim]`.
     fn rms_norm_fwd(
@@ -568,7 +577,8 @@ pub fn cast_ref<'a, B: Backend>(b: &B, t: &'a Tensor<B>, dtype: DType) -> Result
 
 /// A converted copy of `t` in `dtype`.
 pub fn cast<B: Backend>(b: &B, t: &Tensor<B>, dtype: DType, cat: Category) -> Result<Tensor<B>> {
-    let mut out = b.zeros(t.shape(), dtype, cat)?;
+    // the copy writes every element: nothing to zero first
+    let mut out = b.empty(t.shape(), dtype, cat)?;
     b.copy(out.mat_mut(), t.mat())?;
     Ok(out)
 }

@@ -57,21 +57,32 @@ pub fn run(_args: InfoArgs) -> Result<i32> {
 fn attention_kernel_report() {
     match crate::backend::cuda::CudaBackend::new(0) {
         Err(e) => println!("attention kernel: no CUDA backend on GPU 0 ({e})"),
-        Ok(b) => match b.cudnn_sdpa() {
-            Ok(c) => {
-                println!(
-                    "attention kernel (UPIPE_ATTN_KERNEL=auto): cuDNN {} SDPA ({}) for bf16 with head_dim 64/128 where it supports the shape; native flash kernels otherwise",
-                    c.version(),
-                    c.library()
-                );
-                println!(
-                    "cuDNN plans (UPIPE_CUDNN_PLAN=first|fastest|N): {:?}",
-                    c.plan_pick()
-                );
-            }
-            Err(e) => println!(
-                "attention kernel (UPIPE_ATTN_KERNEL=auto): native flash kernels (cuDNN unavailable: {e})"
-            ),
-        },
+        Ok(b) => {
+            println!(
+                "cuBLASLt algorithms (UPIPE_GEMM_ALGO=first|fastest): {:?}",
+                b.gemm_pick()
+            );
+            cudnn_report(&b)
+        }
+    }
+}
+
+/// The cuDNN `auto` routes attention to, and how its plans are picked.
+fn cudnn_report(b: &crate::backend::cuda::CudaBackend) {
+    match b.cudnn_sdpa() {
+        Ok(c) => {
+            println!(
+                "attention kernel (UPIPE_ATTN_KERNEL=auto): cuDNN {} SDPA ({}) for bf16 with head_dim 64/128 where it supports the shape; native flash kernels otherwise",
+                c.version(),
+                c.library()
+            );
+            println!(
+                "cuDNN plans (UPIPE_CUDNN_PLAN=first|fastest|N): {:?}",
+                c.plan_pick()
+            );
+        }
+        Err(e) => println!(
+            "attention kernel (UPIPE_ATTN_KERNEL=auto): native flash kernels (cuDNN unavailable: {e})"
+        ),
     }
 }

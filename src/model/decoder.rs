@@ -448,8 +448,9 @@ impl<B: Backend> Decoder<B> {
         let mut out = cast(b, &h1, h.dtype(), Category::Activations)?;
         let mut mlp = None;
         for rows in self.tiles(h.rows()) {
-            let x_t = self.rows_of(b, &h1, &rows)?;
-            let saved = self.mlp_fwd(b, w, &x_t)?;
+            let copy = self.tile_copy(b, &h1, &rows)?;
+            let x_t = copy.as_ref().unwrap_or(&h1);
+            let saved = self.mlp_fwd(b, w, x_t)?;
             // out[rows] += act @ down^T (the residual add is the GEMM's beta = 1)
             let hid = self.cfg.hidden;
             let dst = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
@@ -521,6 +522,20 @@ impl<B: Backend> Decoder<B> {
         super::shapes::mlp_tiles(rows, self.cfg.hidden, self.policy.tiled_mlp)
     }
 
+    /// Rows `r` of a `[s, hidden]` tensor as a new tensor, or `None` when
+    /// they are all of its rows (the tensor itself serves: no copy).
+    fn tile_copy(
+        &self,
+        b: &B,
+        t: &Tensor<B>,
+        r: &std::ops::Range<usize>,
+    ) -> Result<Option<Tensor<B>>> {
+        if r.len() == t.rows() {
+            return Ok(None);
+        }
+        self.rows_of(b, t, r).map(Some)
+    }
+
     /// Rows `r` of a `[s, hidden]` tensor as a new tensor.
     pub(crate) fn rows_of(
         &self,
@@ -577,12 +592,13 @@ impl<B: Backend> Decoder<B> {
         b.ledger().enter("backward: mlp");
         let mut dh1 = cast(b, &d_out, d_out.dtype(), Category::Grads)?;
         for rows in self.tiles(h.rows()) {
-            let x_t = self.rows_of(b, &h1, &rows)?;
+            let copy = self.tile_copy(b, &h1, &rows)?;
+            let x_t = copy.as_ref().unwrap_or(&h1);
             let s = match mlp.take() {
                 Some(s) => s,
                 None => {
                     let _phase = PhaseGuard::enter(b, Phase::Recompute);
-                    self.mlp_fwd(b, w, &x_t)?
+                    self.mlp_fwd(b, w, x_t)?
                 }
             };
             let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
@@ -635,7 +651,7 @@ impl<B: Backend> Decoder<B> {
             )?;
             drop((dgate, dup, s));
             let d_norm = g.mlp_norm.as_mut();
-            self.norm_bwd_add_rows(b, &x_t, &w.mlp_norm, &dm, &mut dh1, &rows, d_norm)?;
+            self.norm_bwd_add_rows(b, x_t, &w.mlp_norm, &dm, &mut dh1, &rows, d_norm)?;
         }
         drop((h1, d_out));
         // Attention branch: dh = dh1 + d(attn(norm(h)))/dh

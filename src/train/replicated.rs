@@ -418,11 +418,8 @@ impl<B: Backend> ReplicatedStore<'_, B> {
 
 /// The global gradient norm (gradients already reduced over ranks).
 fn grad_norm<B: Backend>(b: &B, g: &ModelGrads<B>) -> Result<f64> {
-    let mut s = 0.0;
-    for (_, t) in g.named() {
-        s += b.sum_squares(t)?;
-    }
-    Ok(s.sqrt())
+    let grads: Vec<&Tensor<B>> = g.named().into_iter().map(|(_, t)| t).collect();
+    Ok(b.sum_squares_all(&grads)?.sqrt())
 }
 
 /// A checkpoint written under FSDP resumes under FSDP.

@@ -66,6 +66,10 @@ impl CudaBackend {
     pub(super) fn fill_impl(&self, t: &mut Tensor<Self>, value: f32) -> Result<()> {
         let _span = self.span("fill")?;
         self.bind()?;
+        if value.to_bits() == 0 {
+            // +0.0 is all-zero bits in F32 and BF16: the driver's memset
+            return self.zero_raw(ptr(t), t.bytes());
+        }
         let args = Args::new()
             .ptr(ptr(t))
             .i32(dt(t))
@@ -167,13 +171,18 @@ impl CudaBackend {
         )
     }
 
-    pub(super) fn sum_squares_impl(&self, t: &Tensor<Self>) -> Result<f64> {
+    /// The squares of every tensor of `ts` summed into one f64 accumulator:
+    /// a launch per tensor, then one download and one sync.
+    pub(super) fn sum_squares_impl(&self, ts: &[&Tensor<Self>]) -> Result<f64> {
         self.bind()?;
         let span = self.span("sum_squares")?;
         let acc = self.zeros(&[2], DType::F32, Category::Workspace)?; // one f64
-        let n = t.numel();
-        let blocks = grid_for(n, BLOCK).0.min(1024);
-        if n > 0 {
+        for t in ts {
+            let n = t.numel();
+            if n == 0 {
+                continue;
+            }
+            let blocks = grid_for(n, BLOCK).0.min(1024);
             let args = Args::new().ptr(ptr(t)).i32(dt(t)).usize(n).ptr(ptr(&acc));
             launch(
                 &self.stream,
@@ -356,6 +365,19 @@ impl CudaBackend {
         need(cos, DType::F32, "rope", "cos")?;
         need(sin, DType::F32, "rope", "sin")?;
         self.bind()?;
+        let sign = if inverse { -1.0 } else { 1.0 };
+        let aligned = [ptr(x), ptr(cos), ptr(sin)].iter().all(|p| p % 16 == 0);
+        if x.dtype() == DType::BF16 && half % 8 == 0 && aligned {
+            let args = Args::new()
+                .ptr(ptr(x))
+                .ptr(ptr(cos))
+                .ptr(ptr(sin))
+                .usize(s)
+                .usize(heads)
+                .usize(d)
+                .f32(sign);
+            return self.launch1d(self.kernels.rope_bf16x8, s * heads * (half / 8), args);
+        }
         let args = Args::new()
             .ptr(ptr(x))
             .i32(dt(x))
@@ -364,7 +386,7 @@ impl CudaBackend {
             .usize(s)
             .usize(heads)
             .usize(d)
-            .f32(if inverse { -1.0 } else { 1.0 });
+            .f32(sign);
         self.launch1d(self.kernels.rope, s * heads * half, args)
     }
 

@@ -7,12 +7,15 @@
 //! cuBLASLt's B := our A, each stored operand flagged `T` exactly when our view
 //! is a transposed one. No copies. Descriptors, layouts and the heuristic's
 //! algorithm are cached per problem (shapes, leading dims, dtypes, alignment);
-//! the workspace is allocated once by the backend. `CudaBackend::gemm`'s body
+//! under `UPIPE_GEMM_ALGO=fastest` a problem's first call that overwrites its
+//! output times the heuristic's first algorithms and keeps the fastest
+//! ([`GemmPick`]). The workspace is allocated once by the backend. `CudaBackend::gemm`'s body
 //! (checks, the `k == 0` scaling, the workspace) is here too.
 
 use super::device::drv;
 use super::kernels::Args;
 use super::libs::{self, Lib};
+use super::tuning::{GEMM_CANDIDATES, GemmPick, fastest};
 use super::{CudaBackend, dt, ptr, ptr_at};
 use crate::backend::{Category, DType, Mat, MatLayout, MatMut};
 use crate::error::{Error, Result};
@@ -119,7 +122,12 @@ struct Plan {
     la: lt::cublasLtMatrixLayout_t,
     lb: lt::cublasLtMatrixLayout_t,
     lc: lt::cublasLtMatrixLayout_t,
-    algo: lt::cublasLtMatmulAlgo_t,
+    /// The heuristic's algorithms, best first (one unless tuning).
+    algos: Vec<lt::cublasLtMatmulAlgo_t>,
+    /// The one calls run: an index into `algos`.
+    chosen: usize,
+    /// Whether `GemmPick::Fastest` has timed `algos`.
+    tuned: bool,
 }
 
 impl Drop for Plan {
@@ -138,6 +146,7 @@ impl Drop for Plan {
 pub struct Gemm {
     handle: lt::cublasLtHandle_t,
     plans: Mutex<HashMap<Key, Plan>>,
+    pick: GemmPick,
 }
 
 // SAFETY: the handle is thread-safe for use with distinct streams per cuBLASLt's
@@ -163,7 +172,26 @@ impl Gemm {
         Ok(Gemm {
             handle,
             plans: Mutex::new(HashMap::new()),
+            pick: GemmPick::from_env()?,
         })
+    }
+
+    /// How algorithms are picked.
+    pub fn pick(&self) -> GemmPick {
+        self.pick
+    }
+
+    /// Picks algorithms by `pick` from now on (`UPIPE_GEMM_ALGO` otherwise).
+    pub fn set_pick(&mut self, pick: GemmPick) {
+        self.pick = pick;
+    }
+
+    /// How many cached problems have timed their candidates.
+    pub fn tuned_plans(&self) -> usize {
+        self.plans
+            .lock()
+            .map(|p| p.values().filter(|p| p.tuned).count())
+            .unwrap_or(0)
     }
 
     /// Number of cached plans (one per distinct problem).
@@ -201,7 +229,9 @@ impl Gemm {
                 la: std::ptr::null_mut(),
                 lb: std::ptr::null_mut(),
                 lc: std::ptr::null_mut(),
-                algo: std::mem::zeroed(),
+                algos: Vec::new(),
+                chosen: 0,
+                tuned: false,
             };
             plan.la = layout(&p.a, ab)?;
             plan.lb = layout(&p.b, ab)?;
@@ -266,7 +296,12 @@ impl Gemm {
                     4,
                 )
             });
-            let mut heur: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+            let want = match self.pick {
+                GemmPick::First => 1,
+                GemmPick::Fastest => GEMM_CANDIDATES,
+            };
+            let mut heur: Vec<lt::cublasLtMatmulHeuristicResult_t> =
+                (0..want).map(|_| std::mem::zeroed()).collect();
             let mut found = 0;
             let r = r.and_then(|_| {
                 ok(
@@ -278,8 +313,8 @@ impl Gemm {
                         plan.lc,
                         plan.lc,
                         pref,
-                        1,
-                        &mut heur,
+                        want as i32,
+                        heur.as_mut_ptr(),
                         &mut found,
                     ),
                     "heuristic",
@@ -293,7 +328,17 @@ impl Gemm {
                     ab, ab, cd
                 )));
             }
-            plan.algo = heur.algo;
+            plan.algos = heur
+                .iter()
+                .take(found as usize)
+                .filter(|h| h.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                .map(|h| h.algo)
+                .collect();
+            if plan.algos.is_empty() {
+                return Err(Error::Backend(format!(
+                    "cuBLASLt's heuristic returned no usable algorithm for {p:?}"
+                )));
+            }
             Ok(plan)
         }
     }
@@ -325,11 +370,67 @@ impl Gemm {
             let plan = self.build(&key, ab, c)?;
             e.insert(plan);
         }
-        let plan = &plans[&key];
+        let plan = plans.get_mut(&key).expect("inserted above");
         drv(stream.context().bind_to_thread(), "bind context")?;
+        if !plan.tuned && self.pick.tunes(beta, plan.algos.len()) {
+            self.tune(stream, p, plan, ptrs, alpha)?;
+        }
+        ok(
+            self.matmul(stream, plan, plan.chosen, ptrs, alpha, beta),
+            "matmul",
+        )
+    }
+
+    /// Times each of `plan`'s algorithms on this call's operands (a call
+    /// with `beta = 0`, so every run writes the same output) and keeps the
+    /// fastest; an algorithm that fails to run is left out.
+    fn tune(
+        &self,
+        stream: &CudaStream,
+        p: &LtProblem,
+        plan: &mut Plan,
+        ptrs: &GemmPtrs,
+        alpha: f32,
+    ) -> Result<()> {
+        let sync = || drv(stream.synchronize(), "gemm tuning sync");
+        let mut times = vec![f64::INFINITY; plan.algos.len()];
+        for (i, t) in times.iter_mut().enumerate() {
+            if self.matmul(stream, plan, i, ptrs, alpha, 0.0)
+                != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            {
+                continue;
+            }
+            sync()?;
+            let t0 = std::time::Instant::now();
+            for _ in 0..2 {
+                ok(self.matmul(stream, plan, i, ptrs, alpha, 0.0), "matmul")?;
+            }
+            sync()?;
+            *t = t0.elapsed().as_secs_f64() * 1e3 / 2.0;
+        }
+        plan.chosen = fastest(&times).unwrap_or(0);
+        plan.tuned = true;
+        tracing::debug!(
+            "cuBLASLt {p:?}: algorithm {} of {} (ms {times:.3?})",
+            plan.chosen,
+            times.len()
+        );
+        Ok(())
+    }
+
+    /// One `cublasLtMatmul` of `plan` with its algorithm `algo`.
+    fn matmul(
+        &self,
+        stream: &CudaStream,
+        plan: &Plan,
+        algo: usize,
+        ptrs: &GemmPtrs,
+        alpha: f32,
+        beta: f32,
+    ) -> lt::cublasStatus_t {
         // SAFETY: the plan matches these operands' shapes, dtypes and alignment;
         // all pointers are live device allocations ordered on `stream`.
-        let s = unsafe {
+        unsafe {
             lt::cublasLtMatmul(
                 self.handle,
                 plan.desc,
@@ -343,13 +444,12 @@ impl Gemm {
                 plan.lc,
                 ptrs.c as *mut c_void,
                 plan.lc,
-                &plan.algo,
+                &plan.algos[algo],
                 ptrs.workspace as *mut c_void,
                 WORKSPACE_BYTES,
                 stream.cu_stream() as lt::cudaStream_t,
             )
-        };
-        ok(s, "matmul")
+        }
     }
 }
 

@@ -75,6 +75,7 @@ kernel_table!(
     add_rmsnorm_fwd,
     rmsnorm_bwd,
     rope,
+    rope_bf16x8,
     cross_entropy,
     attn_fwd_naive,
     attn_bwd_naive,

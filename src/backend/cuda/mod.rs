@@ -36,6 +36,7 @@ pub mod pinned;
 pub mod pool;
 pub mod profile;
 mod rehearsal;
+pub mod tuning;
 
 pub use self::attention::AttentionKernels;
 use self::attention::dt_flag;
@@ -261,6 +262,19 @@ impl CudaBackend {
     pub fn gemm_plans(&self) -> usize {
         self.gemm.cached_plans()
     }
+    /// Number of cuBLASLt plans whose algorithm was picked by timing.
+    pub fn gemm_tuned_plans(&self) -> usize {
+        self.gemm.tuned_plans()
+    }
+    /// How cuBLASLt algorithms are picked.
+    pub fn gemm_pick(&self) -> tuning::GemmPick {
+        self.gemm.pick()
+    }
+    /// Picks cuBLASLt algorithms by `pick` from now on (`UPIPE_GEMM_ALGO`
+    /// otherwise).
+    pub fn set_gemm_pick(&mut self, pick: tuning::GemmPick) {
+        self.gemm.set_pick(pick);
+    }
     /// Device address of a tensor (for kernels launched outside the backend, e.g. flash).
     pub fn device_ptr(&self, t: &Tensor<Self>) -> u64 {
         ptr(t)
@@ -415,7 +429,10 @@ impl Backend for CudaBackend {
     }
 
     fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
-        self.sum_squares_impl(t)
+        self.sum_squares_impl(&[t])
+    }
+    fn sum_squares_all(&self, ts: &[&Tensor<Self>]) -> Result<f64> {
+        self.sum_squares_impl(ts)
     }
 
     fn add_bias_rows(&self, x: MatMut<'_, Self>, bias: Mat<'_, Self>) -> Result<()> {

@@ -64,6 +64,11 @@ impl DecoderWalk<'_> {
         [m, gate, up, sim.alloc(Activations, f)]
     }
 
+    /// `Decoder::tile_copy`: a tile's copy of its rows, none for all rows.
+    fn tile_copy(&self, sim: &mut Sim, r: usize) -> Option<Buf> {
+        (r != self.s()).then(|| sim.alloc(Workspace, r * self.cfg.hidden * self.ab()))
+    }
+
     fn tile_lengths(&self) -> Vec<usize> {
         distinct_lengths(&mlp_tiles(self.s(), self.cfg.hidden, self.policy.tiled_mlp))
     }
@@ -74,7 +79,7 @@ impl DecoderWalk<'_> {
         let out = self.hidden_buf(sim, Activations);
         let mut mlp = None;
         for r in self.tile_lengths() {
-            let x_t = sim.alloc(Workspace, r * self.cfg.hidden * self.ab());
+            let x_t = self.tile_copy(sim, r);
             let saved = self.mlp_fwd(sim, r);
             self.attn.lora.fwd(sim, Down, r, self.ab());
             if self.policy.tiled_mlp {
@@ -82,7 +87,7 @@ impl DecoderWalk<'_> {
             } else {
                 mlp = Some(saved);
             }
-            sim.free(x_t);
+            x_t.into_iter().for_each(|b| sim.free(b));
         }
         (out, BlockSaved { a, o, lse, h1, mlp })
     }
@@ -131,7 +136,7 @@ impl DecoderWalk<'_> {
         sim.label("backward: mlp");
         let dh1 = self.hidden_buf(sim, Grads);
         for r in self.tile_lengths() {
-            let x_t = sim.alloc(Workspace, r * hid * ab);
+            let x_t = self.tile_copy(sim, r);
             let s = match mlp.take() {
                 Some(s) => s,
                 None => self.mlp_fwd(sim, r),
@@ -155,7 +160,7 @@ impl DecoderWalk<'_> {
                 sim.free(tile);
             }
             sim.free(dm);
-            sim.free(x_t);
+            x_t.into_iter().for_each(|b| sim.free(b));
         }
         sim.free(h1);
         sim.free(d_out);

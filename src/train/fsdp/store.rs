@@ -256,13 +256,13 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
     /// The global gradient norm: every rank's sum of squares, gathered and
     /// added in rank order on the host (the same value on every rank).
     pub fn grad_norm(&self, b: &B) -> Result<f64> {
-        let mut own = 0.0f64;
+        let mut shards = Vec::new();
         for i in self.slot_units() {
-            let g = self.grads[i].as_ref().ok_or_else(|| {
+            shards.push(self.grads[i].as_ref().ok_or_else(|| {
                 internal("a gradient shard is in a collective at the optimizer step".into())
-            })?;
-            own += b.sum_squares(g)?;
+            })?);
         }
+        let own = b.sum_squares_all(&shards)?;
         // f64 carried as two f32 words (high part, rest) so no precision is lost
         let hi = own as f32;
         let lo = (own - hi as f64) as f32;

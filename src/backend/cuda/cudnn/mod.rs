@@ -37,6 +37,7 @@ use self::plan::Plan;
 use self::workspace::{align, bwd_layout};
 use super::CudaBackend;
 use super::libs::{self, Lib};
+use super::tuning::fastest;
 use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Tensor};
 use crate::error::{Error, Result};
 use cudarc::cudnn::sys;
@@ -130,17 +131,6 @@ impl PlanPick {
             .unwrap_or_default()
             .parse()
     }
-}
-
-/// Index of the fastest of `times_ms` (the first on ties; `None` when empty).
-pub fn fastest(times_ms: &[f64]) -> Option<usize> {
-    (0..times_ms.len()).reduce(|best, i| {
-        if times_ms[i] < times_ms[best] {
-            i
-        } else {
-            best
-        }
-    })
 }
 
 /// A cached plan; `tuned` once `PlanPick::Fastest` has timed its candidates.
@@ -711,14 +701,5 @@ mod tests {
             e.contains("UPIPE_CUDNN_PLAN=quickest") && e.contains("fastest"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn fastest_candidate_is_the_minimum_first_on_ties() {
-        assert_eq!(fastest(&[]), None);
-        assert_eq!(fastest(&[3.0]), Some(0));
-        assert_eq!(fastest(&[7.0, 13.5]), Some(0));
-        assert_eq!(fastest(&[13.5, 7.0, 9.0]), Some(1));
-        assert_eq!(fastest(&[2.0, 1.0, 1.0]), Some(1));
     }
 }
