@@ -654,8 +654,9 @@ fn embedding_cross_entropy_adamw() {
 /// of one call over three slots, with pieces of odd lengths and their own
 /// weight decay, the first past element 0, gaps between them, 46 pieces
 /// (two launches, a slot across both), flat and 2-D parameters (the copy's
-/// element-wise and 8-wide casts), and F32 parameters updated in place (no
-/// write-back) beside BF16 ones.
+/// element-wise and 8-wide casts), F32 parameters updated in place (no
+/// write-back) beside BF16 ones, F32 and BF16 gradients, and pieces whose
+/// start is and is not aligned for the kernel's 4-element loads.
 #[test]
 fn adamw_multi_is_bit_identical_to_adamw_per_piece_and_copy() {
     let Some(g) = gpu() else { return };
@@ -690,11 +691,17 @@ fn adamw_multi_is_bit_identical_to_adamw_per_piece_and_copy() {
             init.push(w);
         }
         for step in 1..=5 {
+            // F32 gradients, and BF16 ones every other step
+            let gdt = if step % 2 == 0 {
+                DType::BF16
+            } else {
+                DType::F32
+            };
             let grads: Vec<Tensor<CudaBackend>> = slots
                 .iter()
                 .map(|(shape, _)| {
                     let n = shape.iter().product();
-                    g.from_host(&rng.vec(n, 0.1), shape, DType::F32, Category::Workspace)
+                    g.from_host(&rng.vec(n, 0.1), shape, gdt, Category::Workspace)
                         .unwrap()
                 })
                 .collect();
