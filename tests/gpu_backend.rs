@@ -313,6 +313,19 @@ fn copy_fill_axpy_sum_squares() {
     let (sg, sc) = (g.sum_squares(&gbig).unwrap(), c.sum_squares(&cbig).unwrap());
     eprintln!("sum_squares {sg} vs {sc}");
     assert!(((sg - sc) / sc).abs() < 1e-5, "sum_squares {sg} vs {sc}");
+    // several tensors, one sync: bf16, f32 and empty ones, as a gradient norm reads them
+    let (mut gf, cf) = pair(g, &c, &rng.vec(3001, 2.0), &[3001], DType::F32);
+    let (ge, ce) = pair(g, &c, &[], &[0], DType::F32);
+    let sg = g.sum_squares_all(&[&gbig, &ge, &gf]).unwrap();
+    let sc = c.sum_squares(&cbig).unwrap() + c.sum_squares(&cf).unwrap();
+    assert_eq!(c.sum_squares_all(&[&cbig, &ce, &cf]).unwrap(), sc);
+    assert!(
+        ((sg - sc) / sc).abs() < 1e-5,
+        "sum_squares_all {sg} vs {sc}"
+    );
+    // a zero fill goes through the driver's memset
+    g.fill(&mut gf, 0.0).unwrap();
+    assert!(g.to_host(&gf).unwrap().iter().all(|&v| v.to_bits() == 0));
 }
 
 /// The q/k/v bias ops as the staged engine calls them: a head range's bias
