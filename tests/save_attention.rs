@@ -320,6 +320,22 @@ fn auto_keeps_the_most_blocks_that_fit() {
     );
     let more = save_attention_auto(&s, mid + (all - mid) / 2).unwrap();
     assert!(more >= n, "a larger budget keeps at least as many");
+
+    // with the backward stopping above the lowest blocks, auto counts only
+    // the blocks whose backward runs: at most those from the floor up
+    let mut s = spec(131072, true);
+    s.freeze = upipe::model::Freeze::parse("embeddings,blocks:0-9").unwrap();
+    let floor = s.backward_floor();
+    assert_eq!(floor, 10);
+    assert_eq!(save_attention_auto(&s, usize::MAX).unwrap(), layers - floor);
+    let all = peak(&s, layers);
+    assert_eq!(
+        peak(&s, layers - floor),
+        all,
+        "the blocks below keep nothing"
+    );
+    let n = save_attention_auto(&s, all - 1).unwrap();
+    assert!(n < layers - floor && peak(&s, n) < all, "{n}");
 }
 
 /// A parameter store that measures each block's backward recompute: the

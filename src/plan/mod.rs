@@ -94,6 +94,15 @@ pub struct StepSpec {
 }
 
 impl StepSpec {
+    /// The lowest block whose backward runs (`Freeze::backward_floor`): the
+    /// blocks below it keep nothing for a backward, so neither kept
+    /// attention nor an offloaded checkpoint means anything there.
+    pub fn backward_floor(&self) -> usize {
+        self.freeze
+            .backward_floor(&self.model, self.lora.is_some())
+            .min(self.model.layers)
+    }
+
     /// The step of the training run `cfg` under `plan` on `device`.
     pub fn of_run(cfg: &TrainConfig, plan: &CpPlan, device: DeviceKind) -> Self {
         StepSpec {

@@ -399,10 +399,18 @@ impl<'a> Resolution<'a> {
         let budget = self.req.budget;
         self.policy.offload = choice.resolve(&self.spec(), budget.ledger, budget.host)?;
         if choice == OffloadBlocks::Auto && self.policy.checkpoint {
-            self.notes.push(format!(
-                "--offload auto: the first {} of {} blocks keep their checkpointed input in host memory",
-                self.policy.offload, self.req.model.layers
-            ));
+            let (n, floor) = (self.policy.offload, self.spec().backward_floor());
+            self.notes.push(if floor > 0 && n > floor {
+                format!(
+                    "--offload auto: the first {n} of {} blocks, of which blocks {floor}..{n} keep their checkpointed input in host memory (the {floor} below run no backward and keep none)",
+                    self.req.model.layers
+                )
+            } else {
+                format!(
+                    "--offload auto: the first {n} of {} blocks keep their checkpointed input in host memory",
+                    self.req.model.layers
+                )
+            });
         }
         Ok(())
     }

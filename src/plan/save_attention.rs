@@ -86,7 +86,8 @@ impl SaveAttention {
 /// ignored. Each kept block adds its O and LSEs from its forward to its
 /// backward and removes the transients of its attention recompute, so the
 /// peak grows with the count; the search bisects on that, and the count it
-/// returns has been predicted to fit.
+/// returns has been predicted to fit. It counts only blocks whose backward
+/// runs: at most those from [`StepSpec::backward_floor`] up.
 pub fn save_attention_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
     if !spec.policy.checkpoint {
         return Ok(0);
@@ -96,12 +97,12 @@ pub fn save_attention_auto(spec: &StepSpec, budget: usize) -> Result<usize> {
         s.policy.save_attention = n;
         Ok(predict_step(&s)?.rank_bytes(spec.device))
     };
-    let layers = spec.model.layers;
-    if peak(layers)? <= budget {
-        return Ok(layers);
+    let useful = spec.model.layers - spec.backward_floor();
+    if peak(useful)? <= budget {
+        return Ok(useful);
     }
     // peak(lo) fits (or lo is 0), peak(hi) does not
-    let (mut lo, mut hi) = (0, layers);
+    let (mut lo, mut hi) = (0, useful);
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         if peak(mid)? <= budget {
