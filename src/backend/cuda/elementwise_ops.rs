@@ -365,29 +365,24 @@ impl CudaBackend {
         need(cos, DType::F32, "rope", "cos")?;
         need(sin, DType::F32, "rope", "sin")?;
         self.bind()?;
-        let sign = if inverse { -1.0 } else { 1.0 };
+        // bf16 rows of 8-pair groups, aligned: `rope_bf16x8` (no dtype flag)
         let aligned = [ptr(x), ptr(cos), ptr(sin)].iter().all(|p| p % 16 == 0);
-        if x.dtype() == DType::BF16 && half % 8 == 0 && aligned {
-            let args = Args::new()
-                .ptr(ptr(x))
-                .ptr(ptr(cos))
-                .ptr(ptr(sin))
-                .usize(s)
-                .usize(heads)
-                .usize(d)
-                .f32(sign);
-            return self.launch1d(self.kernels.rope_bf16x8, s * heads * (half / 8), args);
-        }
-        let args = Args::new()
-            .ptr(ptr(x))
-            .i32(dt(x))
+        let vec8 = x.dtype() == DType::BF16 && half % 8 == 0 && aligned;
+        let (kernel, items, args) = if vec8 {
+            let k = self.kernels.rope_bf16x8;
+            (k, s * heads * (half / 8), Args::new().ptr(ptr(x)))
+        } else {
+            let k = self.kernels.rope;
+            (k, s * heads * half, Args::new().ptr(ptr(x)).i32(dt(x)))
+        };
+        let args = args
             .ptr(ptr(cos))
             .ptr(ptr(sin))
             .usize(s)
             .usize(heads)
             .usize(d)
-            .f32(sign);
-        self.launch1d(self.kernels.rope, s * heads * half, args)
+            .f32(if inverse { -1.0 } else { 1.0 });
+        self.launch1d(kernel, items, args)
     }
 
     pub(super) fn swiglu_fwd_impl(
