@@ -29,7 +29,7 @@ T0=$(date +%s)
 # settle; rounds alternates Ulysses and UPipe (ROUNDS=4 rounds); ce compares
 # copy-engine exchanges (CE_MB, CE_REPS, SEQS); ab compares an old build
 # (bin/upipe-old) with this one, abprofile profiles both; power
-# samples clocks and power under each; pins measures the peaks tests/plan.rs pins
+# samples clocks and power under each; pins measures the peaks tests/integration/plan.rs pins
 want() { [[ " ${PARTS:-kernel tests check profile long perf tune settle} " == *" $1 "* ]]; }
 left() { echo $(( ${BUDGET:-400} - ($(date +%s) - T0) )); }
 step() { # name timeout cmd...
@@ -50,7 +50,7 @@ step() { # name timeout cmd...
 want kernel && step flash_check 120 "$bin/flash_check" check bench
 want kernel && grep -a -E "ALL PASS|FAIL|^\| (mma|wgmma) \|" "$out/logs/flash_check.log" | head -12
 want tests && for t in ${TESTS:-gpu_backend gpu_layer gpu_nccl gpu_plan gpu_train}; do
-  step "test_$t" 100 "$bin/test-test-$t" --test-threads=2 --nocapture
+  step "test_$t" 100 "$bin/test-$t" --test-threads=2 --nocapture
   grep -a -E "test result|^gpu |cuDNN [0-9(]|forward on cuDNN|FAILED|panicked" "$out/logs/test_$t.log" | cut -c1-300 | head -40
 done
 L=("$bin/upipe" launch --nproc-per-node 2 --master-port 29531 -- bench attn --device cuda --json)
@@ -149,7 +149,7 @@ want abprofile && [ -x "$bin/upipe-old" ] && for r in 1 2 3 4; do
   b=upipe; [ $((r % 2)) = 1 ] && b=upipe-old
   UPIPE_PROFILE=shapes step "abprofile_${r}_$b" 90 "$bin/$b" launch --nproc-per-node 2 --master-port 29531 -- bench attn --device cuda --json "${llama[@]}" "${uly[@]}" --iters 2 --seq ${SEQS:-131072} --methods ${METHODS:-upipe} --chunk-heads ${CHUNK:-2} --settle-every ${SETTLE:-2}
 done
-# the peaks tests/plan.rs pins as measured (cuda_predictions_against_the_h200_ledger;
+# the peaks tests/integration/plan.rs pins as measured (cuda_predictions_against_the_h200_ledger;
 # PARTS=pins): 2 GPUs at 256K and 128K, one GPU at 64K and 128K
 want pins && {
   one1=("$bin/upipe" bench attn --device cuda --json --ulysses 1 --iters 1)

@@ -2,13 +2,12 @@
 # GPU check for the CUDA backend, in two steps on two machines:
 #
 #   scripts/gpu-check.sh build DIR   # on a machine with Rust: builds the GPU test
-#                                    # binaries, the benchmark and `upipe`, copies them
+#                                    # modules, the benchmark and `upipe`, copies them
 #                                    # (stripped) and this script into DIR
 #   bash DIR/gpu-check.sh [run]      # on the GPU machine (no Rust needed): runs every
-#                                    # test binary, `upipe info` and the benchmark,
+#                                    # GPU test module, `upipe info` and the benchmark,
 #                                    # then prints a short table
 #
-# Test binaries are located from cargo's JSON messages (`--message-format=json`).
 set -u
 mode="${1:-run}"
 
@@ -17,20 +16,8 @@ if [ "$mode" = build ]; then
     set -e
     mkdir -p "$dest/bin"
     rm -f "$dest"/bin/*
-    cargo test --release --no-run --message-format=json 2>/dev/null |
-        python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
-        print(m["target"]["name"] + "\t" + m["target"]["kind"][0] + "\t" + m["executable"])
-' > "$dest/tests.tsv"
-    while IFS=$'\t' read -r name kind exe; do
-        cp "$exe" "$dest/bin/test-$kind-$name"
-    done < "$dest/tests.tsv"
+    # the GPU test modules, each as DIR/bin/test-MODULE (bundle.sh), and `upipe`
+    bash "$(dirname "$0")/bundle.sh" "$dest" $(cd "$(dirname "$0")/../tests/integration" && ls gpu_*.rs | sed 's/\.rs$//')
     cargo build --release --examples --bins
     cp target/release/examples/gpu_bench "$dest/bin/gpu_bench"
     cp target/release/examples/flash_check "$dest/bin/flash_check"
@@ -52,7 +39,7 @@ echo "== upipe info"
 "$bin/upipe" info 2>&1 | tee "$out/info.txt"
 declare -a table
 status=0
-for t in "$bin"/test-*; do
+for t in "$bin"/test-gpu_*; do
     name="$(basename "$t")"
     log="$out/$name.log"
     start=$(date +%s%N)
@@ -63,7 +50,7 @@ for t in "$bin"/test-*; do
     skipped="$(grep -c 'SKIP' "$log")"
     [ "$rc" -ne 0 ] && status=1
     table+=("$(printf '%-40s rc=%-3s %7sms  %s%s' "$name" "$rc" "$ms" "$res" "$([ "$skipped" -gt 0 ] && echo '  (SKIPPED: no GPU)')")")
-    if [ "$rc" -ne 0 ] || [ "$name" = test-test-gpu_backend ]; then
+    if [ "$rc" -ne 0 ] || [ "$name" = test-gpu_backend ]; then
         echo "== $name"
         grep -E 'rel err|panicked|FAILED|failed|SKIP|sum_squares|pool ' "$log" | sort | head -200
     fi

@@ -10,7 +10,7 @@
 # 2. The same run rehearsed: measured peaks beside the planner's (equal on
 #    the CPU to the byte; here the rehearsal's allocators against the plan).
 # 3. Tokens/s and peak of 4 steps without and with the freeze set.
-# (FSDP with frozen units needs two ranks or more: tests/freeze.rs on CPU
+# (FSDP with frozen units needs two ranks or more: tests/integration/freeze.rs on CPU
 # thread ranks, and the multi-GPU scripts.)
 # DEVICE, MODEL, SEQ override the run (DEVICE=cpu MODEL=tiny SEQ=256 FREEZE=
 # embeddings,norms,blocks:0: a dry run on the CPU).

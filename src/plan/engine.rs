@@ -8,7 +8,7 @@
 //! allocates, so an engine change cannot drift from this prediction.
 //!
 //! The hand-written walk ([`super::walk`]) stays the planner's fast path:
-//! `tests/plan_engine.rs` holds the two equal to the byte, and
+//! `tests/integration/plan_engine.rs` holds the two equal to the byte, and
 //! `predict_step`'s doc says why the walk is still the one searches use.
 
 use super::{DeviceKind, Prediction, StepSpec, distinct_ring_ranks};

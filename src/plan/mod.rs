@@ -11,8 +11,8 @@
 //! a hand-written walk of the same step, fast at any length: [`walk`]
 //! replays the engine's allocation order through a memory-less ledger
 //! ([`sim::Sim`]) with the engine's buffer shapes ([`shapes`]), held equal
-//! to the engine's prediction to the byte (`tests/plan_engine.rs`). On the
-//! CPU backend both equal the measured ledger peak (tests/plan.rs).
+//! to the engine's prediction to the byte (`tests/integration/plan_engine.rs`). On the
+//! CPU backend both equal the measured ledger peak (tests/integration/plan.rs).
 //!
 //! Dtypes follow the backend contract (`backend/mod.rs`): activations in the
 //! compute dtype (CPU f32, CUDA bf16), LSE, RoPE tables, parameter gradients
@@ -262,7 +262,7 @@ fn distinct_ring_ranks(pr: usize) -> Vec<usize> {
 /// step's loops, which it runs and the walk collapses (one MLP tile and
 /// loss chunk of each length): the tiny model's search loop on one GPU took
 /// 2 s (walk under 0.01 s), and `upipe plan --model tiny --gpus 1 --gpu-mem
-/// 100000 --max-seq 4294967296` over 100 s (walk 0.4 s). `tests/plan_engine.rs`
+/// 100000 --max-seq 4294967296` over 100 s (walk 0.4 s). `tests/integration/plan_engine.rs`
 /// holds the two equal to the byte.
 pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
     max_over_ring_ranks(spec.plan.layout.pr, |i| walk_step_rank(spec, i))
@@ -278,10 +278,10 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
 
 /// [`predict_step_rank`] by the hand-written walk of the step
 /// ([`walk::DecoderWalk`] and the store walks), equal to the engine's to
-/// the byte (`tests/plan_engine.rs`) and fast at any length.
+/// the byte (`tests/integration/plan_engine.rs`) and fast at any length.
 // Long: it mirrors the trainer's step in the order the engine allocates
 // (resident state, each step's micro-steps, optimizer and settling), which
-// `tests/plan_engine.rs` holds equal to the engine's own step.
+// `tests/integration/plan_engine.rs` holds equal to the engine's own step.
 pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     spec.model.validate()?;
     spec.policy.validate_for(spec.model.layers)?;

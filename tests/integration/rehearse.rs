@@ -14,7 +14,7 @@ use upipe::plan::{DeviceKind, StepSpec, predict_step_rank};
 use upipe::rng::Rng;
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_cpu};
 
-mod common;
+use crate::common;
 
 /// The shared tiny model (Llama).
 fn tiny() -> ModelConfig {

@@ -138,7 +138,7 @@ fn a_packed_layer_gives_each_document_its_own_output() {
     }
 }
 
-mod common;
+use crate::common;
 
 mod packing {
     use super::{STARTS, common};

@@ -9,7 +9,7 @@ use upipe::model::{MemoryPolicy, ModelConfig, ModelWeights};
 use upipe::rng::Rng;
 use upipe::train::trainer::loss_and_grads_cpu;
 
-mod common;
+use crate::common;
 use common::{tiny, tiny_qwen2};
 
 fn data(seq: usize, vocab: usize) -> (Vec<u32>, Vec<u32>) {

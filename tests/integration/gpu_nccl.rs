@@ -8,9 +8,9 @@
 //! has a rank leave a collective its peer is in, and checks the peer gets
 //! the watchdog's error instead of waiting forever.
 
+use crate::common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-mod common;
 
 use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{
@@ -46,7 +46,7 @@ fn launch_two_with(test: &str, env: &[(&str, String)]) -> Option<Vec<common::Ran
     }
     // well under the GPU script's limit for the whole test, so a hung rank's
     // output is still printed
-    let ranks = common::run_two_ranks(test, ROLE, env, Duration::from_secs(80));
+    let ranks = common::run_two_ranks(module_path!(), test, ROLE, env, Duration::from_secs(80));
     for (rank, r) in ranks.iter().enumerate() {
         assert!(
             r.success,

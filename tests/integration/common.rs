@@ -3,8 +3,6 @@
 //! as two ranks (one per GPU) with torchrun-style variables, and what they
 //! printed.
 
-#![allow(dead_code)] // each test binary uses part of it
-
 use std::collections::BTreeMap;
 use std::process::Command;
 use upipe::model::{Family, ModelConfig};
@@ -92,10 +90,12 @@ pub fn two_gpus_missing() -> Option<String> {
     upipe::comm::nccl::library().err().map(|e| e.to_string())
 }
 
-/// Runs test `test` of this binary as ranks 0 and 1 (`role_var` set to the
-/// test's name, plus `env`), draining their output while they run; stops
-/// both when one fails or after `timeout`. Prints each rank's output.
+/// Runs test `test` of module `module` (its `module_path!()`) of this
+/// binary as ranks 0 and 1 (`role_var` set to the test's name, plus `env`),
+/// draining their output while they run; stops both when one fails or after
+/// `timeout`. Prints each rank's output.
 pub fn run_two_ranks(
+    module: &str,
     test: &str,
     role_var: &str,
     env: &[(&str, String)],
@@ -103,19 +103,27 @@ pub fn run_two_ranks(
 ) -> Vec<RankOutput> {
     let port = free_port().to_string();
     let exe = std::env::current_exe().unwrap();
+    // libtest names a test by its path below the crate root
+    let module = module.split_once("::").map_or("", |(_, m)| m);
+    let full_name = format!("{module}::{test}");
     let mut children: Vec<_> = (0..2)
         .map(|rank| {
             let mut c = Command::new(&exe);
-            c.args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(role_var, test)
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("NCCL_NVLS_ENABLE", "0")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
+            c.args([
+                full_name.as_str(),
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(role_var, test)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("NCCL_NVLS_ENABLE", "0")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
             for (k, v) in env {
                 c.env(k, v);
             }

@@ -16,7 +16,7 @@ use upipe::rng::Rng;
 use upipe::train::eval::EvalDuring;
 use upipe::train::trainer::{TrainConfig, train_cpu};
 
-mod common;
+use crate::common;
 use common::tiny;
 
 fn train_cfg(

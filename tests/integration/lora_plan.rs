@@ -22,7 +22,7 @@ use upipe::rng::Rng;
 use upipe::train::lora_run::LoraRun;
 use upipe::train::trainer::{TrainConfig, train_cpu};
 
-mod common;
+use crate::common;
 use common::tiny;
 
 /// (strategy, Pu, Pr)

@@ -23,7 +23,7 @@ use upipe::plan::{DeviceKind, StepSpec, predict_step, walk_step_rank};
 use upipe::rng::Rng;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu_packed, train_cpu};
 
-mod common;
+use crate::common;
 
 fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
     AttnDims {

@@ -23,7 +23,7 @@ use upipe::rng::Rng;
 use upipe::train::replicated::ReplicatedStore;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu, train_cpu};
 
-mod common;
+use crate::common;
 
 /// The tiny model with 8 heads (2 kv heads) and 3 blocks.
 /// The shared tiny model with three blocks.

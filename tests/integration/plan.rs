@@ -19,7 +19,7 @@ use upipe::plan::{
 use upipe::rng::Rng;
 use upipe::train::trainer::{TrainConfig, train_cpu};
 
-mod common;
+use crate::common;
 use common::tiny;
 
 /// Relative difference of a prediction from a measurement.
@@ -533,7 +533,7 @@ fn cuda_predictions_against_the_h200_ledger() {
             "2 GPUs seq {seq} settle every {settle}: {got} vs {measured}"
         );
     }
-    // tests/gpu_plan.rs's local layer (hidden 512, H 8, Hkv 2, d 64, 1536
+    // tests/integration/gpu_plan.rs's local layer (hidden 512, H 8, Hkv 2, d 64, 1536
     // tokens) on cuDNN measured 61,571,328 B (one H200, the same day)
     let d = AttnDims {
         hidden: 512,

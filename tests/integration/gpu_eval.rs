@@ -5,6 +5,7 @@
 //! itself). Skipped with a message where no GPU (or fewer than two, for the
 //! process test) exists.
 
+use crate::common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use upipe::attention::Strategy;
@@ -17,7 +18,6 @@ use upipe::model::ModelConfig;
 use upipe::rng::Rng;
 use upipe::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_threads};
 use upipe::train::trainer::eval_process_rank;
-mod common;
 
 /// Set in the children of the process test: they run the ranks.
 const ROLE: &str = "UPIPE_GPU_EVAL_ROLE";
@@ -121,7 +121,7 @@ fn nccl_eval_matches_cpu() {
         eprintln!("SKIP gpu_eval::{TEST}: {why}");
         return;
     }
-    let ranks = common::run_two_ranks(TEST, ROLE, &[], Duration::from_secs(300));
+    let ranks = common::run_two_ranks(module_path!(), TEST, ROLE, &[], Duration::from_secs(300));
     assert!(
         ranks.iter().all(|r| r.success),
         "a rank failed (see its output above)"

@@ -17,7 +17,7 @@ use upipe::rng::Rng;
 use upipe::train::lora_run::LoraRun;
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_cpu};
 
-mod common;
+use crate::common;
 use common::tiny;
 
 /// (data, strategy, Pu, Pr)

@@ -20,7 +20,7 @@ use upipe::rng::Rng;
 use upipe::train::lora_run::LoraRun;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu_frozen, train_cpu};
 
-mod common;
+use crate::common;
 use common::{LossGrads, assert_loss_grads_close, tiny, tiny_qwen2};
 
 /// (strategy, Pu, Pr)

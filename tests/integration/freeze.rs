@@ -18,7 +18,7 @@ use upipe::rng::Rng;
 use upipe::train::fsdp::model_layouts;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu_frozen, train_cpu};
 
-mod common;
+use crate::common;
 use common::{tiny, tiny_qwen2};
 
 /// (data, strategy, Pu, Pr)

@@ -3,7 +3,7 @@
 //! engine's own step (`plan::predict_step_rank`) run on a counting
 //! backend and counting process groups (`plan::engine`), for every ring
 //! role, on the CPU's and CUDA's allocation rules, across the strategies,
-//! meshes and memory policies of `tests/plan.rs` and `tests/rehearse.rs`
+//! meshes and memory policies of `tests/integration/plan.rs` and `tests/integration/rehearse.rs`
 //! (checkpointing, offload, save-attention, tiled MLP, FSDP and HSDP, grad
 //! accumulation, the optimizer on the host).
 
@@ -15,7 +15,7 @@ use upipe::plan::engine::engine_step_rank;
 use upipe::plan::{DeviceKind, Prediction, StepSpec, walk_step_rank};
 use upipe::train::trainer::TrainConfig;
 
-mod common;
+use crate::common;
 use common::tiny;
 
 /// A small model with head dim 64, which cuDNN and the flash kernels take.

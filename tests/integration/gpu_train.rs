@@ -2,15 +2,15 @@
 //! train` takes under `upipe launch`, torchrun or srun, and by itself on a
 //! machine with 2+ GPUs): the tiny model's losses track the CPU thread-rank
 //! run of the same configuration, step by step, within the bf16 tolerance of
-//! `tests/gpu_layer.rs`; rank 0 writes the checkpoint.
+//! `tests/integration/gpu_layer.rs`; rank 0 writes the checkpoint.
 //!
-//! The test re-runs its own binary as the two ranks (as `tests/gpu_nccl.rs`
+//! The test re-runs its own binary as the two ranks (as `tests/integration/gpu_nccl.rs`
 //! does), so it works wherever the test binary is copied. Skipped with a
 //! message where fewer than two GPUs (or no NCCL) exist.
 
+use crate::common;
 use std::sync::Arc;
 use std::time::Duration;
-mod common;
 
 use upipe::attention::Strategy;
 use upipe::backend::cpu::CpuBackend;
@@ -119,7 +119,7 @@ fn launch_two(test: &str, save: &std::path::Path) -> Option<String> {
         .map(|_| common::free_port().to_string())
         .collect();
     let env = [(PORTS, ports.join(",")), (SAVE, save.display().to_string())];
-    let ranks = common::run_two_ranks(test, ROLE, &env, Duration::from_secs(300));
+    let ranks = common::run_two_ranks(module_path!(), test, ROLE, &env, Duration::from_secs(300));
     assert!(
         ranks.iter().all(|r| r.success),
         "a rank failed (see its output above)"
