@@ -9,7 +9,7 @@
 //! O, output y, input gradient dx).
 
 use super::{AttentionGrads, AttentionWeights, AttnDims, CpAttention, CpPlan, Strategy};
-use crate::backend::{AttnMask, Backend, Category, DType};
+use crate::backend::{AttnMask, Backend, Category, DType, MemoryStats, Tensor};
 use crate::comm::Mesh;
 use crate::comm::local::run_ranks;
 use crate::comm::rendezvous::Rendezvous;
@@ -194,10 +194,60 @@ pub struct RankRun {
     pub grads: Vec<(&'static str, Vec<f32>)>,
     /// Highest ledger peak over all passes.
     pub peak_bytes: usize,
+    /// The ledger of the pass with that peak (the first of equals).
+    pub peak_stats: Option<MemoryStats>,
     /// Highest activation bytes over all passes (see module docs).
     pub act_bytes: usize,
     /// Wall time of each timed pass.
     pub seconds: Vec<f64>,
+}
+
+impl RankInputs<'_> {
+    /// No host inputs: what a rehearsal (the memory planner) passes, whose
+    /// tensors take their shapes from the layer and hold no values.
+    pub const NONE: RankInputs<'static> = RankInputs {
+        x: &[],
+        dy: &[],
+        weights: &[],
+    };
+}
+
+/// This rank's x, dy `[local, hidden]` and the layer's weights on `b`: from
+/// `inputs`, or on a rehearsal of the shapes alone.
+fn upload_inputs<B: Backend>(
+    b: &B,
+    dims: &AttnDims,
+    local: usize,
+    inputs: &RankInputs<'_>,
+) -> Result<(Tensor<B>, Tensor<B>, AttentionWeights<B>)> {
+    let (hidden, act) = (dims.hidden, b.compute_dtype());
+    let tensor = |values: &[f32], shape: &[usize], cat| match b.rehearsing() {
+        true => b.empty(shape, act, cat),
+        false => b.from_host(values, shape, act, cat),
+    };
+    let x = tensor(inputs.x, &[local, hidden], Category::Activations)?;
+    let dy = tensor(inputs.dy, &[local, hidden], Category::Grads)?;
+    let (q, kv, d) = (dims.q_width(), dims.kv_width(), dims.head_dim);
+    let shapes = [[q, hidden], [kv, hidden], [kv, hidden], [hidden, q]];
+    let up = |k: usize, shape: &[usize]| match inputs.weights.get(k) {
+        Some((_, given, values)) => tensor(values, given, Category::Weights),
+        None if b.rehearsing() => tensor(&[], shape, Category::Weights),
+        None => crate::config_err!("trial inputs lack weight #{k}"),
+    };
+    let norm = |k: usize| dims.qk_norm.then(|| up(k, &[d])).transpose();
+    let w = AttentionWeights {
+        wq: up(0, &shapes[0])?,
+        wk: up(1, &shapes[1])?,
+        wv: up(2, &shapes[2])?,
+        wo: up(3, &shapes[3])?,
+        q_norm: norm(4)?,
+        k_norm: norm(5)?,
+        bq: None,
+        bk: None,
+        bv: None,
+        lora: Default::default(),
+    };
+    Ok((x, dy, w))
 }
 
 /// The per-rank body shared by thread ranks ([`run_trial`]) and process
@@ -225,30 +275,7 @@ pub fn run_rank_masked<B: Backend>(
     opts: &RankOptions,
     mask: AttnMask,
 ) -> Result<RankRun> {
-    let hidden = dims.hidden;
-    let local = plan.layout.local_len();
-    let act = b.compute_dtype();
-    let x = b.from_host(inputs.x, &[local, hidden], act, Category::Activations)?;
-    let dy = b.from_host(inputs.dy, &[local, hidden], act, Category::Grads)?;
-    let up = |k: usize| {
-        let (_, shape, values) = inputs
-            .weights
-            .get(k)
-            .ok_or_else(|| crate::error::Error::Config(format!("trial inputs lack weight #{k}")))?;
-        b.from_host(values, shape, act, Category::Weights)
-    };
-    let w = AttentionWeights {
-        wq: up(0)?,
-        wk: up(1)?,
-        wv: up(2)?,
-        wo: up(3)?,
-        q_norm: if dims.qk_norm { Some(up(4)?) } else { None },
-        k_norm: if dims.qk_norm { Some(up(5)?) } else { None },
-        bq: None,
-        bk: None,
-        bv: None,
-        lora: Default::default(),
-    };
+    let (x, dy, w) = upload_inputs(b, dims, plan.layout.local_len(), &inputs)?;
     let layer = CpAttention::new(b, *dims, plan.clone(), mesh, mask)?;
     let ledger = b.ledger();
     let mut run = RankRun::default();
@@ -266,6 +293,9 @@ pub fn run_rank_masked<B: Backend>(
         b.synchronize()?;
         let seconds = start.elapsed().as_secs_f64();
         let peak = ledger.peak();
+        if run.peak_stats.is_none() || peak > run.peak_bytes {
+            run.peak_stats = Some(ledger.stats());
+        }
         run.peak_bytes = run.peak_bytes.max(peak);
         run.act_bytes = run
             .act_bytes
@@ -413,6 +443,7 @@ pub fn decode_run(bytes: &[u8]) -> Option<RankRun> {
         peak_bytes,
         act_bytes,
         seconds,
+        peak_stats: None,
     })
 }
 
@@ -456,6 +487,7 @@ mod tests {
             peak_bytes: 1 << 40,
             act_bytes: 12345,
             seconds: vec![0.5, 1e-9],
+            peak_stats: None,
         };
         let back = decode_run(&encode_run(&run)).unwrap();
         assert_eq!(back.y, run.y);

@@ -99,7 +99,7 @@ struct Counters {
 }
 
 /// A snapshot of the ledger.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct MemoryStats {
     /// Bytes currently allocated on the device.
     pub current: usize,
@@ -127,6 +127,10 @@ impl MemoryStats {
             .map_or(0, |(_, b)| *b)
     }
 }
+
+/// The current bytes of every category of a ledger ([`MemoryLedger::state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LedgerState([usize; N]);
 
 /// Byte ledger of one device (one rank).
 #[derive(Debug, Default)]
@@ -208,6 +212,18 @@ impl MemoryLedger {
             .lock()
             .expect("memory ledger poisoned")
             .current[cat.index()]
+    }
+
+    /// The bytes of every category now. Two stretches of a step that run
+    /// the same code from equal states allocate alike; a stretch that ends
+    /// in the state it began in leaves nothing behind for the next.
+    pub fn state(&self) -> LedgerState {
+        LedgerState(
+            self.counters
+                .lock()
+                .expect("memory ledger poisoned")
+                .current,
+        )
     }
 
     /// A consistent snapshot.

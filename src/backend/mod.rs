@@ -119,6 +119,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn rehearsing(&self) -> bool {
         false
     }
+    /// Whether the engine may run, of a loop whose iterations allocate
+    /// alike, only those that can allocate differently
+    /// (`model::chunk_loop`): a rehearsal, which computes nothing, unless
+    /// built to run every iteration. False for every real backend.
+    fn collapses_alike_iterations(&self) -> bool {
+        false
+    }
     /// The most bytes the device allocator held from the device (its reserved
     /// high-water, fragmentation included) since the last reset; `None`
     /// where there is no pool beside the ledger (the CPU).

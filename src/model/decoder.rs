@@ -23,6 +23,7 @@
 //! MLP runs each tile's forward once, inside the tiled backward.
 //! Both reruns are tagged `Phase::Recompute` for the op profile.
 
+use super::chunk_loop::for_each_chunk;
 use super::config::ModelConfig;
 use super::grads::BlockGrads;
 use super::store::{HeadView, ParamStore, Unit};
@@ -447,7 +448,7 @@ impl<B: Backend> Decoder<B> {
         let (a, attn, h1) = self.attn_fwd(b, mesh, w, h, None)?;
         let mut out = cast(b, &h1, h.dtype(), Category::Activations)?;
         let mut mlp = None;
-        for rows in self.tiles(h.rows()) {
+        for_each_chunk(b, self.tiles(h.rows()), |rows| {
             let copy = self.tile_copy(b, &h1, &rows)?;
             let x_t = copy.as_ref().unwrap_or(&h1);
             let saved = self.mlp_fwd(b, w, x_t)?;
@@ -466,7 +467,8 @@ impl<B: Backend> Decoder<B> {
             if !self.policy.tiled_mlp {
                 mlp = Some(saved);
             }
-        }
+            Ok(())
+        })?;
         Ok((out, BlockSaved { a, attn, h1, mlp }))
     }
 
@@ -518,7 +520,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Token tiles of the MLP: one tile, or `shapes::mlp_tile_rows` each.
-    fn tiles(&self, rows: usize) -> Vec<std::ops::Range<usize>> {
+    fn tiles(&self, rows: usize) -> super::shapes::RowChunks {
         super::shapes::mlp_tiles(rows, self.cfg.hidden, self.policy.tiled_mlp)
     }
 
@@ -591,7 +593,7 @@ impl<B: Backend> Decoder<B> {
         // MLP branch: dh1 = d_out + d(mlp)/dh1
         b.ledger().enter("backward: mlp");
         let mut dh1 = cast(b, &d_out, d_out.dtype(), Category::Grads)?;
-        for rows in self.tiles(h.rows()) {
+        for_each_chunk(b, self.tiles(h.rows()), |rows| {
             let copy = self.tile_copy(b, &h1, &rows)?;
             let x_t = copy.as_ref().unwrap_or(&h1);
             let s = match mlp.take() {
@@ -652,7 +654,8 @@ impl<B: Backend> Decoder<B> {
             drop((dgate, dup, s));
             let d_norm = g.mlp_norm.as_mut();
             self.norm_bwd_add_rows(b, x_t, &w.mlp_norm, &dm, &mut dh1, &rows, d_norm)?;
-        }
+            Ok(())
+        })?;
         drop((h1, d_out));
         // Attention branch: dh = dh1 + d(attn(norm(h)))/dh
         b.ledger().enter("backward: attention");
@@ -725,24 +728,29 @@ impl<B: Backend> Decoder<B> {
         let (s, hid, v) = (hn.rows(), self.cfg.hidden, self.cfg.vocab);
         let mut dhn = b.zeros(hn.shape(), hn.dtype(), Category::Grads)?;
         let mut loss_sum = b.zeros(&[1], DType::F32, Category::Workspace)?;
-        for chunk in super::shapes::loss_chunks(s, self.policy.loss_chunk) {
-            let (r0, r) = (chunk.start, chunk.len());
-            let rows = MatLayout::block(r0 * hid, r, hid, hid);
-            // [r, vocab]: the logits, then (in place) their gradient; written
-            // whole by the GEMM (beta 0) before it is read
-            let mut dlogits = b.empty(&[r, v], hn.dtype(), Category::Workspace)?;
-            b.gemm(dlogits.mat_mut(), hn.view(rows), head.mat().t(), 1.0, 0.0)?;
-            b.cross_entropy(
-                &mut dlogits,
-                &targets[r0..r0 + r],
-                grad_scale,
-                &mut loss_sum,
-            )?;
-            b.gemm(dhn.view_mut(rows), dlogits.mat(), head.mat(), 1.0, 0.0)?;
-            if let Some(dhead) = dhead.as_deref_mut() {
-                b.gemm(dhead.mat_mut(), dlogits.mat().t(), hn.view(rows), 1.0, 1.0)?;
-            }
-        }
+        for_each_chunk(
+            b,
+            super::shapes::loss_chunks(s, self.policy.loss_chunk),
+            |chunk| {
+                let (r0, r) = (chunk.start, chunk.len());
+                let rows = MatLayout::block(r0 * hid, r, hid, hid);
+                // [r, vocab]: the logits, then (in place) their gradient; written
+                // whole by the GEMM (beta 0) before it is read
+                let mut dlogits = b.empty(&[r, v], hn.dtype(), Category::Workspace)?;
+                b.gemm(dlogits.mat_mut(), hn.view(rows), head.mat().t(), 1.0, 0.0)?;
+                b.cross_entropy(
+                    &mut dlogits,
+                    &targets[r0..r0 + r],
+                    grad_scale,
+                    &mut loss_sum,
+                )?;
+                b.gemm(dhn.view_mut(rows), dlogits.mat(), head.mat(), 1.0, 0.0)?;
+                if let Some(dhead) = dhead.as_deref_mut() {
+                    b.gemm(dhead.mat_mut(), dlogits.mat().t(), hn.view(rows), 1.0, 1.0)?;
+                }
+                Ok(())
+            },
+        )?;
         let loss = b.to_host(&loss_sum)?[0] as f64;
         Ok((loss, dhn))
     }

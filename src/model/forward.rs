@@ -9,6 +9,7 @@
 //! The summed-loss op also writes a chunk's `dlogits`; here that goes to a
 //! chunk-sized scratch with a gradient scale of 0, so no new kernel is needed.
 
+use super::chunk_loop::for_each_chunk;
 use super::decoder::Decoder;
 use super::store::{ParamStore, Unit};
 use super::weights::{BlockWeights, ModelWeights};
@@ -124,7 +125,7 @@ impl<B: Backend> Decoder<B> {
         b.axpy(&mut out, 1.0, &y)?;
         drop(y);
         let hid = self.cfg.hidden;
-        for rows in super::shapes::mlp_tiles(h.rows(), hid, true) {
+        for_each_chunk(b, super::shapes::mlp_tiles(h.rows(), hid, true), |rows| {
             // the tile's input is copied out before its rows are overwritten
             let x_t = self.rows_of(b, &out, &rows)?;
             let act_t = self.mlp_forward_only(b, w, &x_t)?;
@@ -132,7 +133,8 @@ impl<B: Backend> Decoder<B> {
             let dst = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
             b.gemm(out.view_mut(dst), act_t.mat(), w.down.mat().t(), 1.0, 1.0)?;
             add_delta(b, w.mlp_lora.down.as_ref(), act_t.mat(), out.view_mut(dst))?;
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 

@@ -4,6 +4,7 @@
 //! (`lora.rs`, their arithmetic `lora_math.rs`).
 
 pub mod adapters;
+pub mod chunk_loop;
 pub mod config;
 pub mod decoder;
 pub mod families;

@@ -15,23 +15,83 @@ pub fn mlp_tile_rows(rows: usize, hidden: usize) -> usize {
     rows.div_ceil(4).clamp(hidden, 4 * hidden)
 }
 
+/// Consecutive row ranges of one size over `0..rows`, the last one shorter
+/// where the size does not divide `rows`: the MLP's token tiles and the
+/// loss's chunks. Held as two numbers, so a loop over millions of tiles
+/// (and a rehearsal that runs only the distinct ones,
+/// [`for_each_chunk`](crate::model::chunk_loop::for_each_chunk)) never
+/// lists them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowChunks {
+    rows: usize,
+    size: usize,
+}
+
+impl RowChunks {
+    /// `0..rows` in ranges of `size` rows (at least 1).
+    pub fn new(rows: usize, size: usize) -> Self {
+        RowChunks {
+            rows,
+            size: size.max(1),
+        }
+    }
+    /// How many ranges.
+    pub fn len(&self) -> usize {
+        self.rows.div_ceil(self.size)
+    }
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+    /// Range `i` (below [`len`](Self::len)).
+    pub fn get(&self, i: usize) -> Range<usize> {
+        let start = i * self.size;
+        start..(start + self.size).min(self.rows)
+    }
+}
+
+/// The ranges of a [`RowChunks`], in order.
+#[derive(Debug, Clone)]
+pub struct RowChunkIter {
+    chunks: RowChunks,
+    next: usize,
+}
+
+impl Iterator for RowChunkIter {
+    type Item = Range<usize>;
+    fn next(&mut self) -> Option<Range<usize>> {
+        (self.next < self.chunks.len()).then(|| {
+            self.next += 1;
+            self.chunks.get(self.next - 1)
+        })
+    }
+}
+
+impl IntoIterator for RowChunks {
+    type Item = Range<usize>;
+    type IntoIter = RowChunkIter;
+    fn into_iter(self) -> RowChunkIter {
+        RowChunkIter {
+            chunks: self,
+            next: 0,
+        }
+    }
+}
+
 /// Token tiles of the decoder's MLP over `rows` local tokens: one tile, or
 /// tiles of [`mlp_tile_rows`] when tiled (the last one may be shorter).
-pub fn mlp_tiles(rows: usize, hidden: usize, tiled: bool) -> Vec<Range<usize>> {
+pub fn mlp_tiles(rows: usize, hidden: usize, tiled: bool) -> RowChunks {
     let t = if tiled {
         mlp_tile_rows(rows, hidden)
     } else {
         rows.max(1)
     };
-    (0..rows).step_by(t).map(|r| r..(r + t).min(rows)).collect()
+    RowChunks::new(rows, t)
 }
 
 /// Row chunks of the fused loss over `rows` local tokens.
-pub fn loss_chunks(rows: usize, chunk: usize) -> Vec<Range<usize>> {
-    (0..rows)
-        .step_by(chunk.max(1))
-        .map(|r| r..(r + chunk.max(1)).min(rows))
-        .collect()
+pub fn loss_chunks(rows: usize, chunk: usize) -> RowChunks {
+    RowChunks::new(rows, chunk)
 }
 
 #[cfg(test)]
@@ -42,7 +102,7 @@ mod tests {
     proptest! {
         #[test]
         fn mlp_tiles_cover_the_rows_in_bounded_tiles(rows in 1usize..2_000_000, hidden in 1usize..9000) {
-            let tiles = mlp_tiles(rows, hidden, true);
+            let tiles: Vec<_> = mlp_tiles(rows, hidden, true).into_iter().collect();
             prop_assert_eq!(tiles[0].start, 0);
             prop_assert_eq!(tiles.last().unwrap().end, rows);
             for w in tiles.windows(2) {
@@ -59,7 +119,7 @@ mod tests {
             // at least 4 tiles, or tiles of hidden rows
             prop_assert!(tiles.len() >= 4 || t <= hidden || tiles.len() == 1);
             prop_assert!(tiles.len() <= 4 || t == 4 * hidden);
-            prop_assert_eq!(mlp_tiles(rows, hidden, false), vec![0..rows]);
+            prop_assert_eq!(mlp_tiles(rows, hidden, false).into_iter().collect::<Vec<_>>(), vec![0..rows]);
         }
     }
 }

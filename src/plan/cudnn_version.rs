@@ -7,6 +7,12 @@ use crate::error::{Error, Result};
 use std::fmt;
 use std::str::FromStr;
 
+/// The cuDNN a plan assumes when no cuDNN is loaded (`upipe plan` on a
+/// machine without one, unless `--cudnn-version` names another): the one on
+/// our H200 machine (9.14; its backward needs `s_kv % 128 == 0`, newer ones
+/// take more shapes). A run plans the version it loaded.
+pub const PLANNED_CUDNN_VERSION: usize = 91400;
+
 /// A cuDNN version as cuDNN numbers it (`cudnnGetVersion`: 91900 is 9.19.0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudnnVersion(pub usize);

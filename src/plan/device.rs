@@ -5,7 +5,7 @@
 use super::*;
 use crate::backend::cuda::cudnn::select::version_text;
 use crate::backend::cuda::cudnn::{AttentionKernel, AttnKernel, ragged::FIRST_RAGGED_VERSION};
-use crate::plan::walk::PLANNED_CUDNN_VERSION;
+use crate::plan::PLANNED_CUDNN_VERSION;
 
 /// Which backend's dtypes the prediction uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,13 +7,18 @@
 //! rank per distinct ring role. Nothing here restates what the engine
 //! allocates, so an engine change cannot drift from this prediction.
 //!
-//! The hand-written walk ([`super::walk`]) stays the planner's fast path:
-//! `tests/integration/plan_engine.rs` holds the two equal to the byte, and
-//! `predict_step`'s doc says why the walk is still the one searches use.
+//! Fast by construction, not by a second description: the loops whose
+//! iterations allocate alike (MLP tiles, loss chunks) run on a rehearsal
+//! only as far as they can allocate differently
+//! ([`for_each_chunk`](crate::model::chunk_loop::for_each_chunk)), and a
+//! rehearsal reads no token data, so a step's prediction costs the same at
+//! 4K tokens and at 4G.
 
-use super::{DeviceKind, Prediction, StepSpec, distinct_ring_ranks};
+use super::{DeviceKind, Prediction, StepSpec};
+use crate::attention::trial::{RankInputs, RankOptions, run_rank};
+use crate::attention::{AttnDims, CpPlan};
 use crate::backend::counting::{CountedDevice, CountingBackend};
-use crate::backend::{Category, MemoryStats};
+use crate::backend::{Backend, Category, MemoryStats};
 use crate::comm::counting::counting_mesh;
 use crate::comm::mesh::Coords;
 use crate::error::Result;
@@ -65,6 +70,21 @@ fn train_config(spec: &StepSpec) -> TrainConfig {
 /// The engine's peak of one training step on ring rank `ring_rank`
 /// (Ulysses rank 0 of data replica 0), as [`super::predict_step_rank`].
 pub fn engine_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
+    step_rank_on(
+        spec,
+        ring_rank,
+        CountingBackend::new(counted_device(spec.device)),
+    )
+}
+
+/// [`engine_step_rank`] with every iteration of every loop run (none
+/// collapsed): what tests hold the collapsed prediction to.
+pub fn engine_step_rank_uncollapsed(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
+    let b = CountingBackend::new(counted_device(spec.device)).every_iteration();
+    step_rank_on(spec, ring_rank, b)
+}
+
+fn step_rank_on(spec: &StepSpec, ring_rank: usize, b: CountingBackend) -> Result<Prediction> {
     spec.model.validate()?;
     spec.policy.validate_for(spec.model.layers)?;
     if spec.data == 0 {
@@ -82,23 +102,38 @@ pub fn engine_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction>
         ring: ring_rank,
         ulysses: 0,
     });
-    let b = CountingBackend::new(counted_device(spec.device));
     let mesh = counting_mesh(shape, rank);
     let memory = rehearse_rank(&cfg, &spec.plan, &b, &mesh)?;
     Ok(prediction(&memory))
 }
 
-/// The engine's peak of one training step on the rank that needs the most,
-/// as [`super::predict_step`] (the distinct ring ranks only).
-pub fn engine_step(spec: &StepSpec) -> Result<Prediction> {
-    let mut best: Option<Prediction> = None;
-    for i in distinct_ring_ranks(spec.plan.layout.pr) {
-        let p = engine_step_rank(spec, i)?;
-        if best.as_ref().is_none_or(|b| p.peak > b.peak) {
-            best = Some(p);
-        }
-    }
-    Ok(best.expect("at least one ring rank"))
+/// The engine's peak of one attention layer's forward+backward on ring rank
+/// `ring_rank` (Ulysses rank 0), as `attention::trial::run_rank` measures
+/// it over `passes` passes (its highest pass): the layer's resident
+/// tensors, then the layer itself, on the counting backend.
+pub fn engine_attention_trial_rank(
+    plan: &CpPlan,
+    dims: &AttnDims,
+    device: DeviceKind,
+    ring_rank: usize,
+    passes: usize,
+) -> Result<Prediction> {
+    let shape = plan.mesh_shape();
+    let rank = shape.rank_of(Coords {
+        data: 0,
+        ring: ring_rank,
+        ulysses: 0,
+    });
+    let b = CountingBackend::new(counted_device(device));
+    let mesh = counting_mesh(shape, rank);
+    let opts = RankOptions {
+        warmup: passes.max(1) - 1,
+        iters: 1,
+        keep_outputs: false,
+    };
+    let run = run_rank(plan, dims, RankInputs::NONE, &b, &mesh, &opts)?;
+    let stats = run.peak_stats.unwrap_or_else(|| b.ledger().stats());
+    Ok(prediction(&stats))
 }
 
 /// A ledger's peaks as a prediction.

@@ -1,30 +1,22 @@
 //! The memory planner: peak bytes per rank of a training step, by ledger
 //! [`Category`], before anything runs, and the longest context that fits.
 //!
-//! One source of truth: the engine. A training step's prediction at a
-//! run's length ([`predict_step_rank`]: `train`'s preflight, `--rehearse`)
-//! is the engine's own step ([`engine`]: the trainer's rehearsal on a
-//! counting backend and counting process groups, `backend::counting`,
+//! One source of truth: the engine. Every prediction (`train`'s preflight,
+//! `--rehearse`, `upipe plan`, every `auto` choice and the longest-context
+//! search) is the engine's own step ([`engine`]: the trainer's rehearsal on
+//! a counting backend and counting process groups, `backend::counting`,
 //! `comm::counting`), its ledger read with
-//! [`MemoryLedger`](crate::backend::MemoryLedger)'s peak rule. The
-//! searches ([`predict_step`]: the longest context, the `auto` choices) use
-//! a hand-written walk of the same step, fast at any length: [`walk`]
-//! replays the engine's allocation order through a memory-less ledger
-//! ([`sim::Sim`]) with the engine's buffer shapes ([`shapes`]), held equal
-//! to the engine's prediction to the byte (`tests/integration/plan_engine.rs`). On the
-//! CPU backend both equal the measured ledger peak (tests/integration/plan.rs).
+//! [`MemoryLedger`](crate::backend::MemoryLedger)'s peak rule. Nothing in
+//! this folder restates what the engine allocates: a change to the
+//! engine's allocations changes the plan and touches no file here. On the
+//! CPU backend the prediction equals the measured ledger peak
+//! (`tests/integration/plan.rs`), on a GPU the measured one
+//! (`tests/integration/gpu_plan.rs`).
 //!
-//! Dtypes follow the backend contract (`backend/mod.rs`): activations in the
-//! compute dtype (CPU f32, CUDA bf16), LSE, RoPE tables, parameter gradients
-//! and AdamW moments in f32, plus f32 master weights when the compute dtype
-//! is not f32 (`optim/adamw.rs`).
-//!
-//! The parameter store's allocations ([`store_walk`]) are walked the same
-//! way: without FSDP the whole model and one F32 gradient bucket per unit;
-//! with FSDP ([`StepSpec::fsdp`]) each rank's shards of every unit, the
-//! gathered units (at most two, one of them prefetched), a unit's full F32
-//! gradients and its reduce-scatter buffers, exactly as
-//! `train::fsdp::store` allocates them.
+//! What is here: the searches over lengths and choices ([`search`],
+//! [`resolve`], [`offload`], [`offload_optim`], [`save_attention`],
+//! [`stage_width`]), the device a plan is for ([`DeviceKind`], the cuDNN
+//! version it routes by), the mesh fit and the preflight.
 
 mod cudnn_version;
 mod device;
@@ -37,30 +29,22 @@ pub mod resolve;
 mod save_attention;
 mod search;
 pub mod shapes;
-pub mod sim;
 pub mod stage_width;
-pub mod store_walk;
-pub mod walk;
 
 use crate::attention::{AttnDims, CpPlan, Strategy};
 use crate::backend::Category;
 use crate::error::Result;
-use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::config::TrainConfig;
-pub use cudnn_version::CudnnVersion;
+pub use cudnn_version::{CudnnVersion, PLANNED_CUDNN_VERSION};
 pub use device::DeviceKind;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
-use offload_optim::{PendingStep, SettlingWalk, split_state, unit_slots, update_slots};
 pub use resolve::{
     Depth, FsdpMode, MemoryChoices, RankBudget, ResolvedRun, RunRequest, StageChoices, resolve_run,
 };
 pub use save_attention::{SaveAttention, save_attention_auto};
 pub use search::{Budget, Fit, Limit, longest_context};
-use sim::Sim;
-use store_walk::{FsdpWalk, ReplicatedWalk, StoreWalk};
-use walk::{AttnFwd, AttnWalk, DecoderWalk};
 
 const F32: usize = 4;
 
@@ -135,14 +119,6 @@ pub struct Prediction {
 }
 
 impl Prediction {
-    fn from_sim(sim: &Sim) -> Self {
-        Prediction {
-            peak: sim.peak(),
-            at_peak: sim.at_peak(),
-            host_peak: sim.host_peak(),
-            peak_at: sim.peak_label(),
-        }
-    }
     /// Bytes of `cat` at the device peak (`offload_host`: the host peak).
     pub fn at(&self, cat: Category) -> usize {
         if cat == Category::Offload {
@@ -205,20 +181,9 @@ pub fn checkpoint_bytes(cfg: &ModelConfig, masters: bool) -> u64 {
     cfg.param_count() as u64 * per_param + (1 << 20)
 }
 
-/// The attention walk of `plan` on `device` for ring rank `ring_rank`.
-fn attn_walk(plan: &CpPlan, dims: &AttnDims, device: DeviceKind, ring_rank: usize) -> AttnWalk {
-    AttnWalk {
-        flash_ws: device.is_cuda(),
-        cudnn: device.cudnn(),
-        documents: device.documents(),
-        ring_rank,
-        ..AttnWalk::new(plan, dims, device.act_bytes())
-    }
-}
-
 /// The highest of `f(ring_rank)` over the ring ranks (they differ only in
 /// which ring blocks their backward runs, which matters on the CUDA flash
-/// path), the first of equals: walked on [`distinct_ring_ranks`] only.
+/// path), the first of equals: run on [`distinct_ring_ranks`] only.
 fn max_over_ring_ranks(pr: usize, f: impl Fn(usize) -> Result<Prediction>) -> Result<Prediction> {
     let mut best: Option<Prediction> = None;
     for i in distinct_ring_ranks(pr) {
@@ -230,14 +195,15 @@ fn max_over_ring_ranks(pr: usize, f: impl Fn(usize) -> Result<Prediction>) -> Re
     Ok(best.expect("at least one ring rank"))
 }
 
-/// The ring ranks whose walks can differ, one of each kind (the first):
+/// The ring ranks whose steps can differ, one of each kind (the first):
 /// after step 0, ring rank i's steps `1..=i` take a block of the full
 /// queries and half the keys (`ring::ring_block`), and the rest `p - 1 - i`
-/// half the queries and all keys; a walk repeats a step of the kind before
-/// it exactly (its kept buffers already grown), so only which kind comes
-/// first and last, and whether the last is the first of its kind, tell the
-/// ranks apart: 0, 1 (standing for `1..p-2`), p - 2 and p - 1. Walking
-/// these instead of all p keeps a prediction linear in the ring degree.
+/// half the queries and all keys; a ring step repeats one of the kind
+/// before it exactly (its kept buffers already grown), so only which kind
+/// comes first and last, and whether the last is the first of its kind,
+/// tell the ranks apart: 0, 1 (standing for `1..p-2`), p - 2 and p - 1.
+/// Running these instead of all p keeps a prediction linear in the ring
+/// degree (`ring_rank_tests` holds it to every rank).
 fn distinct_ring_ranks(pr: usize) -> Vec<usize> {
     let mut ranks: Vec<usize> = [0, 1, pr.saturating_sub(2), pr.saturating_sub(1)]
         .into_iter()
@@ -248,24 +214,12 @@ fn distinct_ring_ranks(pr: usize) -> Vec<usize> {
 }
 
 /// Predicts the peak of one training step (`train_threads` /
-/// `loss_and_grads_cpu`) on the rank that needs the most, by the walk
-/// ([`walk_step_rank`]): the planner's searches (the longest context, the
-/// `auto` choices) call this many times.
-///
-/// Why the walk stays here (measured on the 2-core development machine,
-/// 2026-12-03, `examples/plan_timing.rs`): for Llama3-8B on 8 GPUs the
-/// engine path ([`engine::engine_step`]) is as fast (one step at 1M tokens
-/// 0.005-0.011 s, the walk 0.014-0.022 s; the longest-context search loop
-/// 0.2-0.36 s, the walk 0.27-0.29 s; all of `upipe plan --model llama3-8b
-/// --gpus 8 --gpu-mem 80 --policies checkpoint,offload,tiled-mlp,fsdp` 3.3 s
-/// of CPU, the walk 4.2 s, on a loaded machine), but its time grows with the
-/// step's loops, which it runs and the walk collapses (one MLP tile and
-/// loss chunk of each length): the tiny model's search loop on one GPU took
-/// 2 s (walk under 0.01 s), and `upipe plan --model tiny --gpus 1 --gpu-mem
-/// 100000 --max-seq 4294967296` over 100 s (walk 0.4 s). `tests/integration/plan_engine.rs`
-/// holds the two equal to the byte.
+/// `loss_and_grads_cpu`) on the rank that needs the most: the engine's own
+/// step on each distinct ring rank ([`engine::engine_step_rank`]). The
+/// planner's searches (the longest context, the `auto` choices) call this
+/// many times; it costs the same at any length (`plan::engine`).
 pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
-    max_over_ring_ranks(spec.plan.layout.pr, |i| walk_step_rank(spec, i))
+    max_over_ring_ranks(spec.plan.layout.pr, |i| engine::engine_step_rank(spec, i))
 }
 
 /// Predicts the peak of one training step on ring rank `ring_rank` (the
@@ -276,193 +230,12 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
     engine::engine_step_rank(spec, ring_rank)
 }
 
-/// [`predict_step_rank`] by the hand-written walk of the step
-/// ([`walk::DecoderWalk`] and the store walks), equal to the engine's to
-/// the byte (`tests/integration/plan_engine.rs`) and fast at any length.
-// Long: it mirrors the trainer's step in the order the engine allocates
-// (resident state, each step's micro-steps, optimizer and settling), which
-// `tests/integration/plan_engine.rs` holds equal to the engine's own step.
-pub fn walk_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
-    spec.model.validate()?;
-    spec.policy.validate_for(spec.model.layers)?;
-    if spec.data == 0 {
-        return crate::config_err!("the data-parallel degree must be at least 1");
-    }
-    let ab = spec.device.act_bytes();
-    let lora = spec.lora.as_ref();
-    let attn = AttnWalk {
-        window: spec.model.sliding_window,
-        lora: walk::Adapters::of(lora),
-        ..attn_walk(&spec.plan, &attn_dims(&spec.model), spec.device, ring_rank)
-    };
-    let mut sim = Sim::new();
-    sim.label("resident");
-    // Decoder::new: RoPE tables for the positions this rank attends over.
-    sim.alloc(Category::Workspace, attn.rope_bytes());
-    let world = spec.data * spec.plan.mesh_shape().world_size();
-    let states = if spec.optimizer {
-        crate::optim::device_states_per_element(spec.device.master_weights())
-    } else {
-        0
-    };
-    let shard_world = world / spec.fsdp_replicas.max(1);
-    let layers = spec.model.layers;
-    let host_units = if spec.optimizer {
-        spec.policy.offload_optimizer
-    } else {
-        0
-    };
-    let on_host = host_units > 0;
-    // the optimizer's slots (parameter tensors, or each unit's shard), on
-    // the device or the host
-    let frozen = &spec.freeze;
-    if spec.fsdp {
-        crate::train::fsdp::check_whole_units(&spec.model, frozen)?;
-    }
-    if let Some(config) = lora {
-        let run = crate::train::lora_run::LoraRun {
-            config: config.clone(),
-            from: None,
-        };
-        run.check(&spec.model, frozen)?;
-    }
-    let units = unit_slots(&spec.model, spec.fsdp, shard_world, frozen, lora);
-    let (device_elems, host_slots) = split_state(&units, layers, host_units);
-    if spec.fsdp {
-        FsdpWalk::resident(
-            &spec.model,
-            shard_world,
-            ab,
-            states * device_elems,
-            frozen,
-            lora,
-            &mut sim,
-        );
-        offload_optim::host_state(&mut sim, &host_slots, ab);
-    } else {
-        let params = spec.model.param_count();
-        sim.alloc(Category::Weights, params * ab);
-        // the adapters attached beside the base weights (`lora_run::attach`)
-        let adapters = lora.map_or(0, |l| l.param_count(&spec.model));
-        sim.alloc(Category::Weights, adapters * ab);
-        if states > 0 && device_elems > 0 {
-            sim.alloc(Category::OptimState, states * device_elems * F32);
-        }
-        offload_optim::host_state(&mut sim, &host_slots, ab);
-        let trained: usize = store_walk::trained_numel(&spec.model, frozen, lora)
-            .iter()
-            .sum();
-        sim.alloc(Category::Grads, trained * F32);
-    }
-    sim.alloc(Category::Workspace, spec.device.backend_resident());
-    let (update, ends) = update_slots(&units, layers, host_units);
-    // the first step's forward has no host updates of a step before it
-    let steps_walked = std::cell::Cell::new(0);
-    let step = |sim: &mut Sim| {
-        let after_a_step = steps_walked.replace(steps_walked.get() + 1) > 0;
-        let mut pending = (on_host && after_a_step).then(|| PendingStep::new(&update, &ends, ab));
-        if spec.optimizer {
-            // the step's counted targets, all-reduced before its first forward
-            // (`train::step_windows::step_counted`)
-            let counted = sim.alloc(Category::Workspace, 2 * F32);
-            sim.free(counted);
-        }
-        for i in 0..spec.grad_accum.max(1) {
-            let mut store: Box<dyn StoreWalk> = if spec.fsdp {
-                // later sequences of a step add their reduce-scatters into the shards
-                Box::new(FsdpWalk::new(
-                    &spec.model,
-                    shard_world,
-                    ab,
-                    i == 0,
-                    frozen,
-                    lora,
-                ))
-            } else {
-                Box::new(ReplicatedWalk::new(
-                    &spec.model,
-                    world,
-                    i + 1 == spec.grad_accum.max(1),
-                    frozen,
-                    lora,
-                ))
-            };
-            let mut settling = SettlingWalk {
-                inner: store.as_mut(),
-                pending: &mut pending,
-                layers: spec.model.layers,
-            };
-            DecoderWalk {
-                cfg: &spec.model,
-                policy: spec.policy,
-                attn,
-                uploads_ids: spec.device.is_cuda(),
-                backward_floor: frozen.backward_floor(&spec.model, lora.is_some()),
-            }
-            .step(sim, &mut settling);
-        }
-        if spec.optimizer {
-            // the trainer's all-reduced loss scalar
-            sim.label("optimizer");
-            let loss = sim.alloc(Category::Workspace, F32);
-            if spec.device.is_cuda() {
-                // `sum_squares` accumulates each tensor's squares in one f64
-                let acc = sim.alloc(Category::Workspace, 2 * F32);
-                sim.free(acc);
-            }
-            if spec.fsdp {
-                // `FsdpStore::grad_norm`: every rank's sum as two f32 words
-                let send = sim.alloc(Category::Workspace, 2 * F32);
-                let recv = sim.alloc(Category::Workspace, 2 * shard_world * F32);
-                sim.free(recv);
-                sim.free(send);
-            }
-            // with the optimizer on the host the update runs in the next forward
-            sim.free(loss);
-        }
-    };
-    // The ledger's peak covers every step of a run; a step after another
-    // also runs the host updates the optimizer deferred
-    Ok(peak_over_repeats(
-        sim,
-        true,
-        on_host,
-        "kept from the previous step",
-        step,
-    ))
-}
-
-/// The higher peak of `pass` walked from `sim`, and (when `repeated` and
-/// the backend then keeps buffers between calls, or `second_differs`: the
-/// second pass allocates more than the first) of a second `pass` that
-/// starts with those buffers at the size the first grew them to: a later
-/// pass's forward runs beside cuDNN's kept workspace and may be the peak.
-fn peak_over_repeats(
-    mut sim: Sim,
-    repeated: bool,
-    second_differs: bool,
-    kept_label: &'static str,
-    pass: impl Fn(&mut Sim),
-) -> Prediction {
-    let mut first = sim.clone();
-    pass(&mut first);
-    if !repeated || !(first.keeps_any() || second_differs) {
-        return Prediction::from_sim(&first);
-    }
-    sim.label(kept_label);
-    sim.keep_as(&first);
-    pass(&mut sim);
-    Prediction::from_sim(if first.peak() > sim.peak() {
-        &first
-    } else {
-        &sim
-    })
-}
-
 /// Predicts what `attention::trial::run_trial` measures (the highest rank):
 /// the ledger peak of one layer's forward+backward with the trial's resident
 /// tensors (x, dy, weights, f32 gradients, RoPE tables), over `passes`
-/// passes (`run_trial`: 1; `bench attn --device cuda`: warm-up + timed).
+/// passes (`run_trial`: 1; `bench attn --device cuda`: warm-up + timed), by
+/// running the trial itself on the counting backend
+/// ([`engine::engine_attention_trial_rank`]).
 pub fn predict_attention_trial(
     plan: &CpPlan,
     dims: &AttnDims,
@@ -471,46 +244,8 @@ pub fn predict_attention_trial(
 ) -> Result<Prediction> {
     dims.validate()?;
     max_over_ring_ranks(plan.layout.pr, |i| {
-        attention_trial_rank(plan, dims, device, i, passes)
+        engine::engine_attention_trial_rank(plan, dims, device, i, passes)
     })
-}
-
-fn attention_trial_rank(
-    plan: &CpPlan,
-    dims: &AttnDims,
-    device: DeviceKind,
-    ring_rank: usize,
-    passes: usize,
-) -> Result<Prediction> {
-    let ab = device.act_bytes();
-    let walk = attn_walk(plan, dims, device, ring_rank);
-    let mut sim = Sim::new();
-    sim.label("resident");
-    let io = walk.sh.s * dims.hidden;
-    sim.alloc(Category::Activations, io * ab);
-    sim.alloc(Category::Grads, io * ab);
-    let norms = if dims.qk_norm { 2 * dims.head_dim } else { 0 };
-    let w = 2 * dims.q_width() * dims.hidden + 2 * dims.kv_width() * dims.hidden + norms;
-    sim.alloc(Category::Weights, w * ab);
-    sim.alloc(Category::Grads, w * F32);
-    sim.alloc(Category::Workspace, walk.rope_bytes());
-    sim.reset_peak();
-    sim.alloc(Category::Workspace, device.backend_resident());
-    let pass = |sim: &mut Sim| {
-        sim.label("attention forward");
-        let AttnFwd { o, lse, y } = walk.forward(sim);
-        sim.label("attention backward");
-        let _dx = walk.backward(sim, o, lse);
-        let _ = y;
-    };
-    // the trial reports its highest pass
-    Ok(peak_over_repeats(
-        sim,
-        passes > 1,
-        false,
-        "kept from the previous pass",
-        pass,
-    ))
 }
 
 /// `plan` with its forward in the widest stages ([`valid_fwd_chunks`]) whose
@@ -647,6 +382,7 @@ mod widest_tests {
 #[cfg(test)]
 mod ring_rank_tests {
     use super::*;
+    use crate::model::decoder::attn_dims;
 
     /// Walking one ring rank of each kind finds the prediction that walking
     /// every ring rank finds (the same rank's, so the same categories).
@@ -694,7 +430,7 @@ mod ring_rank_tests {
                         assert_eq!((got.peak, got.peak_at), (all.peak, all.peak_at), "{why}");
                         assert_eq!(got.at_peak, all.at_peak, "{why}");
                         let trial = |i| {
-                            attention_trial_rank(&plan, &dims, device, i, 2)
+                            engine::engine_attention_trial_rank(&plan, &dims, device, i, 2)
                                 .unwrap()
                                 .peak
                         };

@@ -13,7 +13,8 @@ use upipe::checkpoint::load_safetensors;
 use upipe::data::PackedWindow;
 use upipe::model::{Freeze, MemoryPolicy, ModelConfig, ModelWeights, RandomInit};
 use upipe::optim::AdamWConfig;
-use upipe::plan::{DeviceKind, StepSpec, predict_step_rank, walk_step_rank};
+use upipe::plan::engine::engine_step_rank_uncollapsed;
+use upipe::plan::{DeviceKind, StepSpec, predict_step_rank};
 use upipe::rng::Rng;
 use upipe::train::fsdp::model_layouts;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu_frozen, train_cpu};
@@ -255,13 +256,13 @@ fn the_ledger_holds_no_gradient_or_state_of_frozen_parameters() {
             host,
             "{what}: host optimizer state"
         );
-        // the planner: engine and walk equal to the ledger
+        // the planner: collapsed and whole engine step equal to the ledger
         let spec = StepSpec::of_run(&frozen_cfg, &frozen_cfg.plan().unwrap(), DeviceKind::Cpu);
         let pred = predict_step_rank(&spec, 0).unwrap();
         assert_eq!(
             pred,
-            walk_step_rank(&spec, 0).unwrap(),
-            "{what}: walk vs engine"
+            engine_step_rank_uncollapsed(&spec, 0).unwrap(),
+            "{what}: every iteration vs collapsed"
         );
         assert_eq!(pred.peak, frozen.peak, "{what}: device peak");
         assert_eq!(pred.host_peak, frozen.host_peak, "{what}: host peak");
@@ -496,11 +497,15 @@ fn the_backward_stops_below_the_lowest_trained_block() {
             early.memory.peak,
             full.memory.peak
         );
-        // the planner: engine and walk equal to the ledger, either way
+        // the planner: collapsed and whole engine step equal to the ledger, either way
         for (c, ledger) in [(&cfg, &early.memory), (&full_cfg, &full.memory)] {
             let spec = StepSpec::of_run(c, &c.plan().unwrap(), DeviceKind::Cpu);
             let pred = predict_step_rank(&spec, 0).unwrap();
-            assert_eq!(pred, walk_step_rank(&spec, 0).unwrap(), "{what}: walk");
+            assert_eq!(
+                pred,
+                engine_step_rank_uncollapsed(&spec, 0).unwrap(),
+                "{what}: whole"
+            );
             assert_eq!(pred.peak, ledger.peak, "{what}: device peak");
             assert_eq!(pred.host_peak, ledger.host_peak, "{what}: host peak");
         }

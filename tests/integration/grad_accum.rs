@@ -1,6 +1,6 @@
 //! `--grad-accum N`: N sequences per optimizer step. The step's loss and
 //! gradient equal one pass over the same N sequences (mean over their
-//! tokens), with FSDP and without, and the planner walks it exactly.
+//! tokens), with FSDP and without, and the planner predicts it exactly.
 
 use std::sync::Arc;
 use upipe::attention::Strategy;
@@ -113,7 +113,7 @@ fn accumulated_step_equals_one_pass_over_its_sequences() {
 }
 
 #[test]
-fn planner_walks_accumulated_steps_exactly() {
+fn planner_predicts_accumulated_steps_exactly() {
     let m = model();
     for fsdp in [false, true] {
         let c = cfg(&m, 2, fsdp, 1);

@@ -1,10 +1,11 @@
-//! The planner walks a LoRA run to the byte: the adapters beside the
+//! The planner predicts a LoRA run to the byte: the adapters beside the
 //! frozen base weights, their F32 gradients and AdamW state (on the device
 //! or, with `--offload-optimizer`, in host memory), and each adapter
-//! application's transient buffers. On the CPU backend the walk, the
-//! engine's own step and the ledger of a real run agree exactly, and the
-//! ledger holds no gradient or optimizer state of the frozen base; on the
-//! CUDA allocation rules (bf16 weights, F32 masters) walk and engine agree.
+//! application's transient buffers. On the CPU backend the planned step,
+//! the engine's step with every iteration run and the ledger of a real run
+//! agree exactly, and the ledger holds no gradient or optimizer state of
+//! the frozen base; on the CUDA allocation rules (bf16 weights, F32
+//! masters) the planned and the whole step agree.
 
 use std::sync::Arc;
 use upipe::attention::Strategy;
@@ -14,10 +15,8 @@ use upipe::model::lora::{LoraConfig, parse_targets};
 use upipe::model::{Freeze, MemoryPolicy, ModelConfig, Unit};
 use upipe::optim::AdamWConfig;
 use upipe::optim::settling::state_on_host;
-use upipe::plan::engine::engine_step_rank;
-use upipe::plan::{
-    Depth, DeviceKind, StepSpec, predict_step, predict_step_rank, resolve_run, walk_step_rank,
-};
+use upipe::plan::engine::{engine_step_rank, engine_step_rank_uncollapsed};
+use upipe::plan::{Depth, DeviceKind, StepSpec, predict_step, predict_step_rank, resolve_run};
 use upipe::rng::Rng;
 use upipe::train::lora_run::LoraRun;
 use upipe::train::trainer::{TrainConfig, train_cpu};
@@ -43,7 +42,7 @@ fn lora_of_rank(rank: usize, targets: &str) -> LoraConfig {
 
 /// [`tiny`] with an MLP narrower than the hidden size: the gate and up
 /// adapters' backward buffers (`[s, r]`, beside dm) then set the step's
-/// peak at rank 16, so a walk without them would be short.
+/// peak at rank 16, so a plan without them would be short.
 fn narrow_mlp() -> ModelConfig {
     let mut c = tiny(false);
     (c.hidden, c.ffn) = (64, 16);
@@ -188,8 +187,8 @@ fn the_planner_predicts_a_lora_run_to_the_byte() {
         let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cpu);
         assert_eq!(spec.lora.as_ref(), Some(&lora), "{what}");
         let engine = predict_step_rank(&spec, 0).unwrap();
-        let walk = walk_step_rank(&spec, 0).unwrap();
-        assert_eq!(walk, engine, "{what}: walk vs engine");
+        let whole = engine_step_rank_uncollapsed(&spec, 0).unwrap();
+        assert_eq!(whole, engine, "{what}: every iteration vs collapsed");
         assert_eq!(engine.peak, mem.peak, "{what}: device peak");
         assert_eq!(engine.host_peak, mem.host_peak, "{what}: host peak");
         assert_eq!(engine.peak_at, mem.peak_at, "{what}: where");
@@ -198,9 +197,10 @@ fn the_planner_predicts_a_lora_run_to_the_byte() {
 
 /// On the CUDA allocation rules (bf16 activations and weights, F32
 /// masters, cast copies), with every target and with one, replicated and
-/// under FSDP, walk and engine agree to the byte on every ring role.
+/// under FSDP, the collapsed and the whole step agree to the byte on every
+/// ring role.
 #[test]
-fn walk_and_engine_agree_on_lora_runs_on_cuda() {
+fn the_collapsed_and_the_whole_engine_agree_on_lora_runs_on_cuda() {
     let runs = [
         (tiny(true), (Strategy::Local, 1, 1), lora("all-linear")),
         (tiny(true), (Strategy::Upipe, 2, 2), lora("o_proj")),
@@ -229,8 +229,8 @@ fn walk_and_engine_agree_on_lora_runs_on_cuda() {
             for r in 0..mesh.2 {
                 let what =
                     format!("{device:?} FSDP {fsdp} {mesh:?} {lora} {policy:?} ring rank {r}");
-                let walk = walk_step_rank(&spec, r).unwrap();
-                assert_eq!(walk, engine_step_rank(&spec, r).unwrap(), "{what}");
+                let whole = engine_step_rank_uncollapsed(&spec, r).unwrap();
+                assert_eq!(whole, engine_step_rank(&spec, r).unwrap(), "{what}");
             }
         }
     }
@@ -250,7 +250,7 @@ fn a_lora_step_needs_less_than_full_fine_tuning() {
             None => (cfg.lora, cfg.freeze) = (None, Default::default()),
         }
         let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::CUDA);
-        walk_step_rank(&spec, 0).unwrap().peak
+        engine_step_rank_uncollapsed(&spec, 0).unwrap().peak
     };
     let (full, q, all) = (peak(None), peak(Some("q_proj")), peak(Some("all-linear")));
     assert!(
@@ -261,7 +261,7 @@ fn a_lora_step_needs_less_than_full_fine_tuning() {
     let cfg = config(&m, mesh, &lora("q_proj"), MemoryPolicy::default());
     let mut spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::CUDA);
     spec.fsdp = true;
-    let sharded = walk_step_rank(&spec, 0).unwrap();
+    let sharded = engine_step_rank_uncollapsed(&spec, 0).unwrap();
     assert_eq!(sharded, engine_step_rank(&spec, 0).unwrap());
     assert!(sharded.peak < q, "FSDP {} vs replicated {q}", sharded.peak);
 }
@@ -269,7 +269,7 @@ fn a_lora_step_needs_less_than_full_fine_tuning() {
 /// A LoRA run under FSDP (the frozen base sharded, each block's adapters an
 /// adapter unit with F32 gradient shards and AdamW state over its shard):
 /// the ledger holds the adapter shards' gradients and state and nothing of
-/// the base's, and walk, engine and a real run agree to the byte, with
+/// the base's, and the collapsed step, the whole one and a real run agree to the byte, with
 /// checkpointing, offload, tiled MLP, saved attention and the host optimizer.
 #[test]
 fn the_planner_predicts_a_sharded_lora_run_to_the_byte() {
@@ -318,8 +318,8 @@ fn the_planner_predicts_a_sharded_lora_run_to_the_byte() {
         let spec = StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cpu);
         assert!(spec.fsdp && spec.lora.as_ref() == Some(&lora), "{what}");
         let engine = predict_step_rank(&spec, 0).unwrap();
-        let walk = walk_step_rank(&spec, 0).unwrap();
-        assert_eq!(walk, engine, "{what}: walk vs engine");
+        let whole = engine_step_rank_uncollapsed(&spec, 0).unwrap();
+        assert_eq!(whole, engine, "{what}: every iteration vs collapsed");
         assert_eq!(engine.peak, run.memory.peak, "{what}: device peak");
         assert_eq!(engine.host_peak, run.memory.host_peak, "{what}: host peak");
         assert_eq!(engine.peak_at, run.memory.peak_at, "{what}: where");

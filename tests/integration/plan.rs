@@ -110,7 +110,7 @@ fn attention_layer_prediction_equals_ledger_peak() {
                 measured.peak_bytes,
                 100.0 * e
             );
-            // On the CPU backend the walk replays the engine exactly.
+            // On the CPU backend the engine's planned step is its real one.
             assert_eq!(pred.peak, measured.peak_bytes, "{what}");
         }
     }
@@ -445,7 +445,7 @@ fn auto_forward_stages_are_the_widest_that_keep_the_peak() {
 /// The CUDA predictions against what the 2×H200 ledger measured for the
 /// Llama3-8B attention layer (hidden 4096, H 32, Hkv 8, d 128, Pu 2, 256K
 /// tokens, bf16, cuDNN 9.14; `bench attn --device cuda`, 2026-11-30,
-/// RESULTS.md). With cuDNN the walk counts its gradient scratch, dQ
+/// RESULTS.md). With cuDNN the plan counts its gradient scratch, dQ
 /// accumulator, softmax sums and cuDNN's plan workspace as measured there
 /// (`estimated_bwd_plan_workspace`: 2 GiB for Ulysses' GQA calls, none for
 /// UPipe's one-head calls).

@@ -1,18 +1,22 @@
-//! The planner's two paths agree to the byte: the hand-written walk
-//! (`plan::walk_step_rank`, behind `predict_step` and the searches) and the
-//! engine's own step (`plan::predict_step_rank`) run on a counting
-//! backend and counting process groups (`plan::engine`), for every ring
-//! role, on the CPU's and CUDA's allocation rules, across the strategies,
-//! meshes and memory policies of `tests/integration/plan.rs` and `tests/integration/rehearse.rs`
-//! (checkpointing, offload, save-attention, tiled MLP, FSDP and HSDP, grad
-//! accumulation, the optimizer on the host).
+//! The planner's prediction is the engine's own step on a counting backend
+//! and counting process groups (`plan::engine`), with the loops whose
+//! iterations allocate alike (MLP tiles, loss chunks) collapsed to the
+//! iterations that can allocate differently (`model::chunk_loop`). Here it
+//! is held, to the byte, to the same step with every iteration run, for
+//! every ring role, on the CPU's and CUDA's allocation rules, across the
+//! strategies, meshes and memory policies of `tests/integration/plan.rs`
+//! and `tests/integration/rehearse.rs` (checkpointing, offload,
+//! save-attention, tiled MLP, FSDP and HSDP, grad accumulation, the
+//! optimizer on the host), and on long runs whose loops collapse to a few
+//! iterations of thousands. The CPU's prediction against its measured
+//! ledger is `tests/integration/plan.rs`.
 
 use upipe::attention::Strategy;
 use upipe::backend::Category;
 use upipe::model::{MemoryPolicy, ModelConfig};
 use upipe::optim::AdamWConfig;
-use upipe::plan::engine::engine_step_rank;
-use upipe::plan::{DeviceKind, Prediction, StepSpec, walk_step_rank};
+use upipe::plan::engine::{engine_step_rank, engine_step_rank_uncollapsed};
+use upipe::plan::{DeviceKind, Prediction, StepSpec};
 use upipe::train::trainer::TrainConfig;
 
 use crate::common;
@@ -96,13 +100,13 @@ fn spec(model: &ModelConfig, m: &Mesh, seq: usize, policy: MemoryPolicy) -> Step
     StepSpec::of_run(&cfg, &cfg.plan().unwrap(), DeviceKind::Cpu)
 }
 
-fn same(walk: &Prediction, engine: &Prediction, what: &str) {
-    assert_eq!(walk.peak, engine.peak, "{what}: device peak");
-    assert_eq!(walk.host_peak, engine.host_peak, "{what}: host peak");
-    assert_eq!(walk.peak_at, engine.peak_at, "{what}: where");
+fn same(whole: &Prediction, engine: &Prediction, what: &str) {
+    assert_eq!(whole.peak, engine.peak, "{what}: device peak");
+    assert_eq!(whole.host_peak, engine.host_peak, "{what}: host peak");
+    assert_eq!(whole.peak_at, engine.peak_at, "{what}: where");
     for cat in Category::ALL.into_iter().filter(|c| c.on_device()) {
         assert_eq!(
-            walk.at(cat),
+            whole.at(cat),
             engine.at(cat),
             "{what}: {} at the peak",
             cat.name()
@@ -110,21 +114,21 @@ fn same(walk: &Prediction, engine: &Prediction, what: &str) {
     }
 }
 
-/// Every ring role's prediction by both paths.
+/// Every ring role's prediction, collapsed and with every iteration run.
 fn check(spec: &StepSpec, what: &str) {
     let pr = spec.plan.layout.pr;
     let mut ranks = vec![0, 1, pr.saturating_sub(2), pr.saturating_sub(1)];
     ranks.retain(|&r| r < pr);
     ranks.dedup();
     for r in ranks {
-        let walk = walk_step_rank(spec, r).unwrap();
+        let whole = engine_step_rank_uncollapsed(spec, r).unwrap();
         let engine = engine_step_rank(spec, r).unwrap();
-        same(&walk, &engine, &format!("{what} ring rank {r}"));
+        same(&whole, &engine, &format!("{what} ring rank {r}"));
     }
 }
 
 #[test]
-fn the_engine_and_the_walk_predict_the_same_step_on_every_device() {
+fn the_collapsed_and_the_whole_engine_predict_the_same_step_on_every_device() {
     for device in [DeviceKind::Cpu, DeviceKind::CUDA, DeviceKind::CudaNative] {
         for m in MESHES {
             for policy in policies(tiny(false).layers) {
@@ -142,10 +146,28 @@ fn the_engine_and_the_walk_predict_the_same_step_on_every_device() {
     }
 }
 
-/// A Qwen2 (q/k/v biases, tied embeddings): its biases are walked with
+/// At 24,000 tokens the MLP runs in hundreds of tiles and the loss in
+/// thousands of chunks per rank, of which the planned step runs a few: the
+/// same ledger as running them all, with a shorter last tile and chunk.
+#[test]
+fn long_loops_collapse_to_the_same_prediction() {
+    let model = tiny(true);
+    let meshes = [MESHES[0], MESHES[4], MESHES[5]];
+    for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
+        for m in &meshes {
+            for policy in [policies(model.layers)[1], policies(model.layers)[9]] {
+                let mut s = spec(&model, m, 24_000, policy);
+                s.device = device;
+                check(&s, &format!("24K {device:?} {m:?} {policy:?}"));
+            }
+        }
+    }
+}
+
+/// A Qwen2 (q/k/v biases, tied embeddings): its biases are planned with
 /// their block's parameters, gradients, shards and optimizer state.
 #[test]
-fn the_engine_and_the_walk_agree_on_a_qwen2() {
+fn the_collapsed_and_the_whole_engine_agree_on_a_qwen2() {
     let model = common::tiny_qwen2();
     for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
         for m in &MESHES[..4] {
@@ -165,7 +187,7 @@ fn the_engine_and_the_walk_agree_on_a_qwen2() {
 }
 
 #[test]
-fn the_engine_and_the_walk_agree_where_cudnn_and_flash_take_the_calls() {
+fn the_collapsed_and_the_whole_engine_agree_where_cudnn_and_flash_take_the_calls() {
     let model = d64();
     // 1024 tokens: every stage's keys a multiple of 128 (cuDNN's backward)
     // on 2 ranks, not on 3 (the native kernels then)
@@ -185,9 +207,9 @@ fn the_engine_and_the_walk_agree_where_cudnn_and_flash_take_the_calls() {
 
 /// A sliding window on cuDNN: the whole-sequence calls of Ulysses and UPipe
 /// are causal bands cuDNN takes, the ring's blocks go to the flash kernels
-/// with their kept key bounds; the walk follows both, on every mesh.
+/// with their kept key bounds; the plan follows both, on every mesh.
 #[test]
-fn the_engine_and_the_walk_agree_with_a_sliding_window_on_cudnn() {
+fn the_collapsed_and_the_whole_engine_agree_with_a_sliding_window_on_cudnn() {
     let mut model = d64();
     model.family = upipe::model::Family::Mistral;
     model.sliding_window = Some(300);
@@ -203,10 +225,10 @@ fn the_engine_and_the_walk_agree_with_a_sliding_window_on_cudnn() {
 
 /// A packed documents run on our kernels (`--attn-kernel native`, or a
 /// cuDNN before 9.10): the engine's rehearsal attends under a documents mask, whose
-/// per-row key bounds the backend keeps on the device, and the walk keeps
+/// per-row key bounds the backend keeps on the device, and the plan keeps
 /// the same, on every mesh and ring role; the bounds are in the peak.
 #[test]
-fn the_engine_and_the_walk_agree_on_packed_documents_runs() {
+fn the_collapsed_and_the_whole_engine_agree_on_packed_documents_runs() {
     let model = d64();
     for m in MESHES {
         for policy in policies(model.layers).into_iter().take(6) {
@@ -232,10 +254,10 @@ fn the_engine_and_the_walk_agree_on_packed_documents_runs() {
 /// of several documents over their own rows run on cuDNN's ragged path,
 /// with their tables in its kept workspace and, with GQA, dK and dV per
 /// query head beside them; ring blocks stay on our kernels with their key
-/// bounds. The walk and the engine keep the same on every mesh, and a
+/// bounds. The plan keeps the same on every mesh, and a
 /// ragged call keeps more than the one-document call of the same rows.
 #[test]
-fn the_engine_and_the_walk_agree_on_packed_documents_on_cudnn() {
+fn the_collapsed_and_the_whole_engine_agree_on_packed_documents_on_cudnn() {
     let model = d64();
     for m in MESHES {
         for policy in policies(model.layers).into_iter().take(3) {
@@ -259,7 +281,7 @@ fn the_engine_and_the_walk_agree_on_packed_documents_on_cudnn() {
 }
 
 #[test]
-fn the_engine_and_the_walk_agree_under_grad_accumulation_and_hsdp() {
+fn the_collapsed_and_the_whole_engine_agree_under_grad_accumulation_and_hsdp() {
     let model = tiny(false);
     let m = &(false, Strategy::Upipe, 2, 1, None, None, 2);
     for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
@@ -282,9 +304,9 @@ fn the_engine_and_the_walk_agree_under_grad_accumulation_and_hsdp() {
 /// `--freeze`: frozen parameters have no gradients (nor buckets,
 /// reduce-scatters, gradient shards) and no optimizer state, and a frozen
 /// embedding's backward (its ids upload on CUDA) is skipped: both paths
-/// walk it alike, replicated (any parameters) and under FSDP (whole units).
+/// plan it alike, replicated (any parameters) and under FSDP (whole units).
 #[test]
-fn the_engine_and_the_walk_agree_with_frozen_parameters() {
+fn the_collapsed_and_the_whole_engine_agree_with_frozen_parameters() {
     use upipe::model::Freeze;
     let layers = tiny(false).layers;
     for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
@@ -363,11 +385,11 @@ fn a_documents_run_plans_the_cudnn_it_loads() {
     assert_ne!(peaks[0], peaks[1], "cuDNN 9.8 and 9.14 plan alike");
 }
 
-/// The version decides the routing the plan walks: a backward over keys
+/// The version decides the routing the plan follows: a backward over keys
 /// that are not a multiple of 128 runs on the flash kernels with cuDNN
-/// 9.14 and on cuDNN with 9.19; the walk and the engine follow each.
+/// 9.14 and on cuDNN with 9.19; the plan follows each.
 #[test]
-fn the_planned_cudnn_version_routes_the_walk_and_the_engine_alike() {
+fn the_planned_cudnn_version_routes_the_planned_step() {
     let model = d64();
     let ulysses = &(false, Strategy::Ulysses, 4, 1, None, None, 1);
     let peak = |version: usize| {
@@ -385,7 +407,7 @@ fn the_planned_cudnn_version_routes_the_walk_and_the_engine_alike() {
 /// gather of a block whose backward does not run): both paths alike,
 /// replicated and FSDP, checkpointed and offloaded.
 #[test]
-fn the_engine_and_the_walk_agree_when_the_backward_stops_early() {
+fn the_collapsed_and_the_whole_engine_agree_when_the_backward_stops_early() {
     use upipe::model::Freeze;
     let mut model = tiny(false);
     model.layers = 4;

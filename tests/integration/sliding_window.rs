@@ -3,7 +3,7 @@
 //! transformers' definition; every strategy under a window (alone or with
 //! packed documents; shorter than a ring chunk, longer than the sequence)
 //! equals `local` for the layer and for a whole tiny Mistral (loss and every
-//! gradient, f32 ≤ 1e-5); the planner's walk equals the engine's step to the
+//! gradient, f32 ≤ 1e-5); the planner's collapsed step equals the engine's whole step to the
 //! byte and both the CPU ledger; a Mistral directory round-trips through
 //! `upipe train` with its `sliding_window`.
 
@@ -18,8 +18,8 @@ use upipe::data::PackedWindow;
 use upipe::model::decoder::attn_dims;
 use upipe::model::{Family, MemoryPolicy, ModelConfig, ModelWeights};
 use upipe::optim::AdamWConfig;
-use upipe::plan::engine::engine_step_rank;
-use upipe::plan::{DeviceKind, StepSpec, predict_step, walk_step_rank};
+use upipe::plan::engine::{engine_step_rank, engine_step_rank_uncollapsed};
+use upipe::plan::{DeviceKind, StepSpec, predict_step};
 use upipe::rng::Rng;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu_packed, train_cpu};
 
@@ -236,7 +236,7 @@ fn a_windowed_model_trains_alike_on_every_strategy() {
     }
 }
 
-/// The planner under a window: its walk (which skips the ring blocks
+/// The planner under a window: its step (which skips the ring blocks
 /// outside every local query's window and uploads the row bounds on CUDA)
 /// equals the engine's own step to the byte on every device, and both the
 /// CPU ledger of a real training step.
@@ -276,10 +276,10 @@ fn the_planner_equals_the_ledger_with_a_window() {
             for device in [DeviceKind::Cpu, DeviceKind::CUDA, DeviceKind::CudaNative] {
                 let spec = StepSpec::of_run(&cfg, &plan, device);
                 for r in 0..pr {
-                    let walk = walk_step_rank(&spec, r).unwrap();
+                    let whole = engine_step_rank_uncollapsed(&spec, r).unwrap();
                     let engine = engine_step_rank(&spec, r).unwrap();
-                    assert_eq!(walk.peak, engine.peak, "{what} {device:?} rank {r}");
-                    assert_eq!(walk.peak_at, engine.peak_at, "{what} {device:?} rank {r}");
+                    assert_eq!(whole.peak, engine.peak, "{what} {device:?} rank {r}");
+                    assert_eq!(whole.peak_at, engine.peak_at, "{what} {device:?} rank {r}");
                 }
             }
             let measured = train_cpu(&cfg, tokens.clone(), &|_| {}).unwrap().memory;

@@ -8,7 +8,7 @@
 
 use crate::backend::cuda::cudnn::{self, AttnKernel, select::version_text};
 use crate::error::Result;
-use crate::plan::walk::PLANNED_CUDNN_VERSION;
+use crate::plan::PLANNED_CUDNN_VERSION;
 use crate::plan::{CudnnVersion, DeviceKind};
 
 /// The cuDNN version a plan assumes, and where it came from.
