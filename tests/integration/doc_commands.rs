@@ -1,7 +1,7 @@
 //! Every shell block (```bash, ```sh, ```console) of README.md,
 //! ARCHITECTURE.md and docs/*.md runs as written, unless a marker line right
-//! above it says why not (the convention is in ARCHITECTURE.md, "Contributing:
-//! docs"):
+//! above it says why not (the convention is in docs/extending.md, "Docs that
+//! run"):
 //!
 //! - `<!-- doc-test: gpu -->`: needs one or more GPUs;
 //! - `<!-- doc-test: skip (why) -->`: cannot run here for another reason;
