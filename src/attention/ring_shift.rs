@@ -13,7 +13,7 @@
 //!
 //! The buffers are the relay's, allocated and released so that the ledger
 //! holds the same bytes of the same categories at every peak whatever is
-//! skipped (the planner walks the relay: `plan/walk/attention.rs`): two
+//! skipped (the planner runs it: `plan/engine.rs`): two
 //! visiting blocks (the relay's two blocks in flight; this rank's own K/V
 //! are sent from where they are, without a copy), and in backward a
 //! visiting block's gradients and the ones returned. Each step's block

@@ -1,6 +1,6 @@
 //! Buffer shapes of the decoder outside attention (MLP tiles, loss chunks),
 //! shared by the decoder and the memory planner, so the
-//! planner walks the decoder's own chunking.
+//! planner runs the decoder's own chunking.
 
 use std::ops::Range;
 

@@ -373,7 +373,7 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
 /// Zero moments and F32 masters for `tensors`, `on_host[k]` saying where
 /// tensor k's state lives: the device's first (every m, every v, then with
 /// `device_master` the masters), then the host's, each tensor's master, m
-/// and v in turn (the planner walks this order). Returns `(m, v, master)`.
+/// and v in turn (the planner counts this order). Returns `(m, v, master)`.
 #[allow(clippy::type_complexity)]
 fn build_state<B: Backend>(
     b: &B,

@@ -17,7 +17,7 @@
 //! The tables travel per call in the kept cuDNN workspace: the region is
 //! [`table_bytes`]`(sq)` bytes, room for any number of documents a call of
 //! `sq` rows can hold (each has a row at least), so what a call allocates
-//! depends on its geometry only, never on its documents (the planner walks
+//! depends on its geometry only, never on its documents (the planner counts
 //! it without data).
 
 use crate::backend::AttnMask;

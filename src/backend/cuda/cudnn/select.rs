@@ -167,7 +167,7 @@ pub const NATIVE_SPEED_AT_32K: f64 = 0.65;
 /// The attention kernel a run uses, decided once before it plans
 /// ([`decide_run_kernel`]) and given to the backend
 /// (`CudaBackend::set_attention_kernel`), which serves every call with it:
-/// the planner walks the same kernel's workspaces.
+/// the planner counts the same kernel's workspaces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernel {
     /// cuDNN SDPA of this version (e.g. 91400) for every call
