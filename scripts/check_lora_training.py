@@ -194,11 +194,28 @@ def check_saved_adapter(binary, root, base, out, ids, window, trained) -> None:
           f"{bad:.7f} vs {ours:.7f}")
 
 
-def check_merge(root: str, base: str, out: str, merged: str) -> None:
+def check_merge(binary: str, root: str, base: str, out: str, merged: str) -> None:
+    """--merge-lora's model and `upipe merge BASE OUT MERGED`'s (no training)
+    both equal PEFT's merge_and_unload()."""
     from peft import PeftModel
     ref = os.path.join(root, "merged-ref")
     PeftModel.from_pretrained(load_base(base), out).merge_and_unload().save_pretrained(ref)
     cp.check_merged(merged, ref, os.path.join(root, "ids.json"))
+    again = os.path.join(root, "merged-cli")
+    subprocess.run([binary, "merge", base, out, again, "--save-dtype", "f32"], check=True)
+    cp.check_merged(again, ref, os.path.join(root, "ids.json"))
+
+
+def check_adapter_only(base: str, out: str) -> None:
+    """upipe's LoRA save is the adapter alone, naming its base."""
+    files = sorted(os.listdir(out))
+    model = [f for f in files if f.startswith("model") or f == "config.json"]
+    check("upipe's save holds the adapter and no base weights or config.json", not model,
+          f"{files}")
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        named = json.load(f)["base_model_name_or_path"]
+    check("adapter_config.json's base_model_name_or_path is the --init-from directory",
+          os.path.realpath(named) == os.path.realpath(base), f"{named} vs {base}")
 
 
 def main() -> None:
@@ -230,8 +247,9 @@ def main() -> None:
         check_steps(attn, steps, losses, norms, lrs, factors, out)
     check("six steps lower the loss", losses[-1] < losses[0], f"{losses[0]:.6f} -> {losses[-1]:.6f}")
     out = os.path.join(root, "out-local")
+    check_adapter_only(base, out)
     check_saved_adapter(args.upipe, root, base, out, ids, window, trained)
-    check_merge(root, base, out, merged)
+    check_merge(args.upipe, root, base, out, merged)
     print(f"\n{args.family}:")
     for name, ok, _ in cp.RESULTS:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")

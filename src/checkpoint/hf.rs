@@ -58,6 +58,7 @@ pub fn load_hf_model_with(
     extras: ExtraTensors,
 ) -> Result<BTreeMap<String, HostTensor>> {
     super::save_dir::finish_for_reading(dir)?;
+    refuse_adapter_dir(dir, "the model directory")?;
     let expected = cfg.hf_param_shapes();
     let wanted: HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
     let mut loaded = BTreeMap::new();
@@ -86,6 +87,32 @@ pub fn load_hf_model_with(
         }
     }
     Ok(loaded)
+}
+
+/// An adapter directory (a LoRA checkpoint, or PEFT's `save_pretrained`)
+/// given where a model is read (`what`: the flag): an error naming the base
+/// its `adapter_config.json` names, `--lora-from` and `upipe merge`.
+pub fn refuse_adapter_dir(dir: &Path, what: &str) -> Result<()> {
+    let config = dir.join(super::peft_config::ADAPTER_CONFIG);
+    let has_model = [SINGLE_FILE, INDEX_FILE]
+        .iter()
+        .any(|f| dir.join(f).exists());
+    if has_model || !config.is_file() {
+        return Ok(());
+    }
+    let base = std::fs::read_to_string(&config)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v.get("base_model_name_or_path")?.as_str().map(String::from))
+        .unwrap_or_else(|| "BASE".into());
+    crate::config_err!(
+        "{what} {} is a LoRA adapter (adapter_config.json), not a model: it holds no base \
+         weights. Give its base model ({base}) there and the adapter as --lora-from {}, or \
+         merge them into one model with `upipe merge {base} {} OUT`",
+        dir.display(),
+        dir.display(),
+        dir.display()
+    )
 }
 
 /// Tensors `transformers` writes that carry no parameter: a model's RoPE

@@ -69,6 +69,17 @@ pub fn write_adapter(
             );
         }
     }
+    let tensors = adapter_tensors(weights)?;
+    let refs: Vec<(String, &HostTensor)> = tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
+    save_safetensors(&dir.join(ADAPTER_WEIGHTS), &refs, dtype)?;
+    let config = adapter_config_json(&weights.config, base_model);
+    let text = serde_json::to_string_pretty(&config).expect("a JSON value always serialises");
+    write_atomic(&dir.join(ADAPTER_CONFIG), text.as_bytes())
+}
+
+/// Every factor of `weights` under its PEFT name, in block and target
+/// order (`A` then `B`), with PEFT's shapes.
+pub fn adapter_tensors(weights: &LoraWeights) -> Result<Vec<(String, HostTensor)>> {
     let mut tensors = Vec::new();
     for (l, factors) in weights.layers.iter().enumerate() {
         for (&target, f) in weights.config.targets.iter().zip(factors) {
@@ -79,11 +90,7 @@ pub fn write_adapter(
             tensors.push((tensor_name(l, target, Factor::B), b));
         }
     }
-    let refs: Vec<(String, &HostTensor)> = tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
-    save_safetensors(&dir.join(ADAPTER_WEIGHTS), &refs, dtype)?;
-    let config = adapter_config_json(&weights.config, base_model);
-    let text = serde_json::to_string_pretty(&config).expect("a JSON value always serialises");
-    write_atomic(&dir.join(ADAPTER_CONFIG), text.as_bytes())
+    Ok(tensors)
 }
 
 /// Reads the PEFT adapter directory `dir` for `cfg`'s model: its config

@@ -38,6 +38,12 @@ pub struct RangedFile {
 }
 
 impl RangedFile {
+    /// The dtype of the file's first tensor (by offset).
+    pub fn first_dtype(&self) -> Option<&str> {
+        let entry = self.entries.values().min_by_key(|e| e.bytes.start)?;
+        Some(entry.dtype.as_str())
+    }
+
     /// Reads and checks the header of `path` (every tensor must lie inside
     /// the file: a truncated file is an error here, not at the first read).
     pub fn open(path: &Path) -> Result<Self> {
@@ -207,9 +213,7 @@ impl RangedModel {
     /// The dtype name (`BF16`, `F32`, ...) of the first tensor stored in
     /// the first file, if there is one.
     pub fn first_dtype(&self) -> Option<&str> {
-        let first = self.files.first()?;
-        let entry = first.entries.values().min_by_key(|e| e.bytes.start)?;
-        Some(entry.dtype.as_str())
+        self.files.first()?.first_dtype()
     }
 
     /// Checks that `name` is there with `shape`.

@@ -75,6 +75,11 @@ impl SaveDtype {
                 return Ok(named);
             }
         }
+        // a LoRA checkpoint: the dtype its adapter was saved in
+        if super::train_state::is_adapter_only(dir) {
+            let file = super::ranged::RangedFile::open(&dir.join(super::peft::ADAPTER_WEIGHTS))?;
+            return Ok(file.first_dtype().and_then(SaveDtype::from_name));
+        }
         let model = super::ranged::RangedModel::open(dir)?;
         Ok(model.first_dtype().and_then(SaveDtype::from_name))
     }

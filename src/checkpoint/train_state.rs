@@ -90,6 +90,39 @@ pub fn save_train_state_as(dir: &Path, state: &StateToSave, files: ModelFiles) -
     // A crash from here on must not leave an old state.json next to new weights.
     remove_if_exists(&dir.join(STATE_FILE))?;
     write_model_files(dir, &state.params, files)?;
+    write_optimizer_and_state(dir, state)
+}
+
+/// A LoRA run's adapter, which [`save_adapter_state`] writes in place of
+/// the model files.
+pub struct AdapterToSave<'a> {
+    pub weights: &'a crate::model::lora::LoraWeights,
+    /// `adapter_config.json`'s `base_model_name_or_path`.
+    pub base: &'a str,
+    pub dtype: SaveDtype,
+}
+
+/// Saves a LoRA run's checkpoint into `dir`: the adapter as PEFT writes it
+/// (`adapter_config.json`, `adapter_model.safetensors`) and no base model
+/// weights; `state.params` (the adapter factors by PEFT name), their
+/// moments and masters in `optimizer.safetensors` and `state.json` as
+/// [`save_train_state_as`] writes them. `state.json` goes last.
+pub fn save_adapter_state(dir: &Path, state: &StateToSave, adapter: &AdapterToSave) -> Result<()> {
+    let place = Path::new("the state to save");
+    let names: BTreeMap<String, &HostTensor> = state.params.iter().cloned().collect();
+    check_same_layout_of(&names, state.adam_m, "exp_avg", place)?;
+    check_same_layout_of(&names, state.adam_v, "exp_avg_sq", place)?;
+    if let Some(masters) = state.masters {
+        check_same_layout_of(&names, masters, "master", place)?;
+    }
+    create_dir(dir)?;
+    remove_if_exists(&dir.join(STATE_FILE))?;
+    super::peft::write_adapter(dir, adapter.weights, adapter.base, adapter.dtype)?;
+    write_optimizer_and_state(dir, state)
+}
+
+/// `optimizer.safetensors` (moments and masters) and then `state.json`.
+fn write_optimizer_and_state(dir: &Path, state: &StateToSave) -> Result<()> {
     let masters = state.masters.into_iter().flatten();
     let moments: Vec<(String, &HostTensor)> = (state.adam_m.iter())
         .map(|(n, t)| (format!("exp_avg.{n}"), t))
@@ -107,7 +140,15 @@ pub fn save_train_state_as(dir: &Path, state: &StateToSave, files: ModelFiles) -
     write_atomic(&dir.join(STATE_FILE), text.as_bytes())
 }
 
-/// Loads a checkpoint written by [`save_train_state`].
+/// Whether `dir` holds a LoRA checkpoint's adapter and no model files
+/// ([`save_adapter_state`]'s layout).
+pub fn is_adapter_only(dir: &Path) -> bool {
+    let model = [super::hf::SINGLE_FILE, super::hf::INDEX_FILE];
+    dir.join(super::peft::ADAPTER_WEIGHTS).is_file() && !model.iter().any(|f| dir.join(f).exists())
+}
+
+/// Loads a checkpoint written by [`save_train_state`] (or
+/// [`save_adapter_state`]: its `params` are then the adapter's factors).
 pub fn load_train_state(dir: &Path) -> Result<TrainState> {
     let state_path = dir.join(STATE_FILE);
     crate::input_path::check_file(&state_path, "checkpoint state")?;
@@ -137,7 +178,11 @@ pub fn load_train_state(dir: &Path) -> Result<TrainState> {
         .and_then(Value::as_u64)
         .ok_or_else(|| bad("no integer \"step\""))?;
     let extra = state.get("extra").cloned().unwrap_or(Value::Null);
-    let mut params = read_model_files(dir)?;
+    // a LoRA checkpoint holds its adapter, not the base it was trained on
+    let mut params = match is_adapter_only(dir) {
+        true => load_safetensors(&dir.join(super::peft::ADAPTER_WEIGHTS))?,
+        false => read_model_files(dir)?,
+    };
     let opt_path = dir.join(OPTIMIZER_FILE);
     let mut moments = load_safetensors(&opt_path)?;
     let adam_m = take_prefixed(&mut moments, "exp_avg.");

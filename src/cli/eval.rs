@@ -215,6 +215,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
     };
     let env = DistEnv::from_env()?;
     let launched = Launched::from_env(env.as_ref());
+    crate::checkpoint::refuse_adapter_dir(model_dir, "--model-dir")?;
     let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
     let tokens = Tokens::open_checked(tokens_path, model.vocab)?;
     let data = Dataset::with_files_beside(tokens, tokens_path)?;

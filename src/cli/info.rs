@@ -15,7 +15,7 @@ pub fn run(_args: InfoArgs) -> Result<i32> {
     );
     let driver = device::driver_version();
     match &driver {
-        Err(e) => println!("CUDA: not available ({e})"),
+        Err(_) => println!("CUDA: not available (libcuda below)"),
         Ok((maj, min)) => println!("CUDA driver: supports CUDA {maj}.{min}"),
     }
     match if driver.is_ok() {
@@ -41,16 +41,70 @@ pub fn run(_args: InfoArgs) -> Result<i32> {
         Err(e) => println!("GPUs: could not be listed ({e})"),
     }
     println!("libraries:");
-    for (lib, r) in libs::report() {
+    let report = libs::report();
+    let errors: Vec<&str> = (report.iter())
+        .filter_map(|(_, r)| r.as_ref().err().map(String::as_str))
+        .collect();
+    let (common, mut short) = compact_searches(&errors);
+    if let Some(common) = common {
+        println!("  searched for every library: {common}");
+    }
+    for (lib, r) in &report {
         match r {
             Ok(l) => println!("  {:<9} {}", lib.name(), l.describe()),
-            Err(e) => println!("  {:<9} not available: {e}", lib.name()),
+            Err(_) => println!("  {:<9} not available: {}", lib.name(), short.remove(0)),
         }
     }
     if driver.is_ok() {
         attention_kernel_report();
     }
     Ok(0)
+}
+
+/// The folders every one of `errors` (libraries not found: `...; searched:
+/// A, B, ...; ...`) searched, once, and each error with those folders left
+/// out (`also searched:` the rest of its own); the errors as they are
+/// where fewer than two name their folders.
+fn compact_searches(errors: &[&str]) -> (Option<String>, Vec<String>) {
+    const MARK: &str = "; searched: ";
+    let split = |e: &str| -> Option<(String, Vec<String>, String)> {
+        let (head, rest) = e.split_once(MARK)?;
+        let (list, tail) = rest.split_once("; ").unwrap_or((rest, ""));
+        let dirs = list.split(", ").map(String::from).collect();
+        Some((head.to_string(), dirs, tail.to_string()))
+    };
+    let parts: Vec<_> = errors.iter().map(|e| split(e)).collect();
+    let lists: Vec<&Vec<String>> = parts.iter().flatten().map(|(_, d, _)| d).collect();
+    let Some(first) = lists.first().filter(|_| lists.len() >= 2) else {
+        return (None, errors.iter().map(|e| e.to_string()).collect());
+    };
+    let common: Vec<&String> = (first.iter())
+        .filter(|d| lists.iter().all(|l| l.contains(d)))
+        .collect();
+    let short = parts.iter().zip(errors).map(|(p, e)| match p {
+        None => e.to_string(),
+        Some((head, dirs, tail)) => {
+            let own: Vec<&str> = (dirs.iter())
+                .filter(|d| !common.contains(d))
+                .map(String::as_str)
+                .collect();
+            let also = match own.is_empty() {
+                true => String::new(),
+                false => format!("; also searched: {}", own.join(", ")),
+            };
+            let tail = match tail.is_empty() {
+                true => String::new(),
+                false => format!("; {tail}"),
+            };
+            format!("{head}{also}{tail}")
+        }
+    });
+    let common = common
+        .iter()
+        .map(|d| d.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    (Some(common), short.collect())
 }
 
 /// Which attention kernel `auto` picks on GPU 0, and why.
@@ -84,5 +138,29 @@ fn cudnn_report(b: &crate::backend::cuda::CudaBackend) {
         Err(e) => println!(
             "attention kernel (UPIPE_ATTN_KERNEL=auto): native flash kernels (cuDNN unavailable: {e})"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Seven libraries not found print their common folders once.
+    #[test]
+    fn common_search_folders_are_printed_once() {
+        let e = |name: &str, own: &str| {
+            format!("{name} not found; searched: /usr/lib, /lib{own}; set X=/path to choose")
+        };
+        let errors = [e("libcuda", ""), e("nccl", ", /opt/nccl/lib")];
+        let refs: Vec<&str> = errors.iter().map(String::as_str).collect();
+        let (common, short) = super::compact_searches(&refs);
+        assert_eq!(common.as_deref(), Some("/usr/lib, /lib"));
+        assert_eq!(short[0], "libcuda not found; set X=/path to choose");
+        assert_eq!(
+            short[1],
+            "nccl not found; also searched: /opt/nccl/lib; set X=/path to choose"
+        );
+        assert!(short.iter().all(|s| !s.contains("/usr/lib")));
+        // one error alone is left as it is
+        let (none, same) = super::compact_searches(&refs[..1]);
+        assert_eq!((none, same[0].as_str()), (None, refs[0]));
     }
 }

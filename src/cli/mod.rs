@@ -8,6 +8,7 @@ pub mod info;
 pub mod launch;
 pub mod lora;
 pub mod memory;
+pub mod merge;
 pub mod mesh;
 pub mod metrics;
 pub mod plan;
@@ -38,6 +39,8 @@ pub enum Command {
     Train(train::TrainArgs),
     /// Next-token cross-entropy of a model on a token file (forward only; by position with --buckets).
     Eval(eval::EvalArgs),
+    /// Merge a LoRA adapter into its base model (no training): a plain HF model directory.
+    Merge(merge::MergeArgs),
     /// Tokenize text/JSONL files into a .u32 (or .u16/.bin) token file with a tokenizer.json.
     Tokenize(tokenize::TokenizeArgs),
     /// Benchmarks (attention layer across strategies).
@@ -66,6 +69,7 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Command::Train(a) => train::run(a, sub),
         Command::Eval(a) => eval::run(a, sub),
+        Command::Merge(a) => merge::run(a),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Bench(a) => bench::run(a, sub),
         Command::Plan(a) => plan::run(a, sub),

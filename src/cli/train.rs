@@ -121,8 +121,18 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         summary::print_profile(&summary, a.json);
     }
     if let (Some(out), Some(ckpt), true) = (&a.merge_lora, &run.cfg.save_dir, run.lead) {
-        let (model, dtype) = (&run.cfg.model, run.cfg.save_dtype);
-        crate::checkpoint::lora_merge::merge_checkpoint(ckpt, out, model, dtype)?;
+        use crate::checkpoint::lora_merge::{MergeJob, merge_adapter_dir};
+        // the base the final save names (the run's own, resumed or not)
+        let state = crate::checkpoint::sharded::read_state(ckpt)?;
+        let extra = state.get("extra").cloned().unwrap_or_default();
+        let base = crate::train::lora_run::resumed_base(&run.cfg, ckpt, &extra)?;
+        merge_adapter_dir(&MergeJob {
+            base: &base,
+            adapter: ckpt,
+            out,
+            cfg: &run.cfg.model,
+            dtype: run.cfg.save_dtype,
+        })?;
         tracing::info!("the model with its adapters merged is in {}", out.display());
     }
     Ok(0)
@@ -526,6 +536,7 @@ fn announce(run: &Built, tokens: usize) {
         run.layout_text(),
         run.cfg.steps
     );
+    println!("{}", crate::train::lora_run::trainable_line(&run.cfg));
 }
 
 /// Trains where the route says, calling `on_step` after every step.

@@ -6,15 +6,14 @@ use super::config::TrainConfig;
 use super::host_weights::{tensors_to_host, weights_from_host, weights_to_host};
 use super::state::{Micro, RankModel, pass};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
-use crate::checkpoint::peft::write_adapter;
+use crate::checkpoint::peft::adapter_tensors;
 use crate::checkpoint::{
-    HostTensor, ModelFiles, SaveDtype, StateToSave, check_extra_tensors, load_hf_model_with,
-    load_train_state, save_train_state_as,
+    AdapterToSave, HostTensor, ModelFiles, SaveDtype, StateToSave, check_extra_tensors,
+    load_hf_model_with, load_train_state, save_adapter_state, save_train_state_as,
 };
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::model::lora::LoraConfig;
 use crate::model::lora_params::{adapters_to_host, attach_adapter_grads};
 use crate::model::weights::TensorId;
 use crate::model::{
@@ -23,7 +22,7 @@ use crate::model::{
 };
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
-use crate::train::lora_run::attach;
+use crate::train::lora_run::{BaseModel, LoraSave, attach, resumed_base, run_base, with_base};
 use std::collections::BTreeMap;
 
 /// Whole-model parameters and gradients of one rank.
@@ -224,9 +223,9 @@ pub struct Replicated<'a, B: Backend> {
     pub opt: Box<dyn Optimizer<B>>,
     /// How a checkpoint stores the weights (`--save-dtype`, shard size).
     files: ModelFiles,
-    /// The adapters' config and the base model's name, which a save
-    /// writes beside the checkpoint as a PEFT adapter directory.
-    lora: Option<(LoraConfig, String)>,
+    /// A LoRA run's saves: the adapter (PEFT's directory) and its state
+    /// only, naming the base.
+    lora: Option<LoraSave>,
 }
 
 /// Where a resumed run continues: the checkpoint's step and caller state.
@@ -245,65 +244,16 @@ impl<'a, B: Backend> Replicated<'a, B> {
     ) -> Result<(Self, Option<Resumed>)> {
         let model = &cfg.model;
         if let Some(dir) = cfg.resume_dir() {
-            check_not_sharded(dir)?;
-            let st = load_train_state(dir)?;
-            cfg.check_resume_freeze(dir, &st.extra)?;
-            let names = st.params.keys().map(String::as_str);
-            // a LoRA checkpoint's adapters are its own (PEFT names), not extras
-            let extras = cfg.extra_tensors.beside_adapters(cfg.lora.is_some());
-            check_extra_tensors(dir, model, names, extras)?;
-            let mut w =
-                weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?;
-            if let Some(lora) = &cfg.lora {
-                attach(b, &mut w, &lora.resumed(model, dir, &st.params)?)?;
-            }
-            let trainable = trainable_mask(&w, model, &cfg.freeze);
-            let mut opt = optimizer(b, cfg, &w, &trainable)?;
-            // into the moments the optimizer made: no second copy at start-up
-            let named = w.named().into_iter().zip(&trainable);
-            let slots = named.filter(|(_, t)| **t).map(|(n, _)| n);
-            for (k, (name, _)) in slots.enumerate() {
-                let missing =
-                    || Error::Checkpoint(format!("{}: no moments of {name}", dir.display()));
-                for (kind, saved) in [
-                    (StateKind::ExpAvg, &st.adam_m),
-                    (StateKind::ExpAvgSq, &st.adam_v),
-                ] {
-                    let t = opt.state_mut(k, kind).ok_or_else(missing)?;
-                    b.upload(t, &saved.get(&name).ok_or_else(missing)?.data)?;
-                }
-                // the F32 values (masters, or F32 files), not the rounded weights
-                if let Some(t) = opt.state_mut(k, StateKind::Master) {
-                    b.upload(t, &st.params.get(&name).ok_or_else(missing)?.data)?;
-                }
-            }
-            let store = ReplicatedStore::with_frozen(b, model, w, group, &cfg.freeze)?;
-            let resumed = Resumed {
-                step: st.step,
-                extra: st.extra,
-            };
-            let (files, lora) = (cfg.model_files(), lora_of(cfg));
-            let model = Replicated {
-                store,
-                opt,
-                files,
-                lora,
-            };
-            return Ok((model, Some(resumed)));
+            return Self::resume(b, cfg, group, dir);
         }
-        let mut w = match &cfg.init_from {
-            Some(dir) => {
-                let host = load_hf_model_with(dir, model, cfg.extra_tensors)?;
-                weights_from_host(b, model, &host, b.compute_dtype(), Category::Weights)?
-            }
-            None => ModelWeights::random(b, model, cfg.seed)?,
-        };
+        let base = run_base(cfg);
+        let mut w = base_weights(b, cfg, &base, cfg.extra_tensors)?;
         if let Some(lora) = &cfg.lora {
             attach(b, &mut w, &lora.initial(model, cfg.seed)?)?;
         }
         let opt = optimizer(b, cfg, &w, &trainable_mask(&w, model, &cfg.freeze))?;
         let store = ReplicatedStore::with_frozen(b, model, w, group, &cfg.freeze)?;
-        let (files, lora) = (cfg.model_files(), lora_of(cfg));
+        let (files, lora) = (cfg.model_files(), LoraSave::of(cfg, base));
         Ok((
             Replicated {
                 store,
@@ -314,13 +264,92 @@ impl<'a, B: Backend> Replicated<'a, B> {
             None,
         ))
     }
+
+    /// The model of `cfg` resumed from the checkpoint in `dir` (a LoRA
+    /// run's base read again from where it came: `lora_run::resumed_base`).
+    fn resume(
+        b: &B,
+        cfg: &TrainConfig,
+        group: &'a dyn ProcessGroup<B>,
+        dir: &std::path::Path,
+    ) -> Result<(Self, Option<Resumed>)> {
+        let model = &cfg.model;
+        check_not_sharded(dir)?;
+        let st = load_train_state(dir)?;
+        cfg.check_resume_freeze(dir, &st.extra)?;
+        let names = st.params.keys().map(String::as_str);
+        // a LoRA checkpoint's adapters are its own (PEFT names), not extras
+        let extras = cfg.extra_tensors.beside_adapters(cfg.lora.is_some());
+        check_extra_tensors(dir, model, names, extras)?;
+        let base = match &cfg.lora {
+            Some(_) => Some(resumed_base(cfg, dir, &st.extra)?),
+            None => None,
+        };
+        let mut w = match &base {
+            Some(base) => base_weights(b, cfg, base, extras)?,
+            None => weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?,
+        };
+        if let Some(lora) = &cfg.lora {
+            attach(b, &mut w, &lora.resumed(model, dir, &st.params)?)?;
+        }
+        let trainable = trainable_mask(&w, model, &cfg.freeze);
+        let mut opt = optimizer(b, cfg, &w, &trainable)?;
+        // into the moments the optimizer made: no second copy at start-up
+        let named = w.named().into_iter().zip(&trainable);
+        let slots = named.filter(|(_, t)| **t).map(|(n, _)| n);
+        for (k, (name, _)) in slots.enumerate() {
+            let missing = || Error::Checkpoint(format!("{}: no moments of {name}", dir.display()));
+            for (kind, saved) in [
+                (StateKind::ExpAvg, &st.adam_m),
+                (StateKind::ExpAvgSq, &st.adam_v),
+            ] {
+                let t = opt.state_mut(k, kind).ok_or_else(missing)?;
+                b.upload(t, &saved.get(&name).ok_or_else(missing)?.data)?;
+            }
+            // the F32 values (masters, or F32 files), not the rounded weights
+            if let Some(t) = opt.state_mut(k, StateKind::Master) {
+                b.upload(t, &st.params.get(&name).ok_or_else(missing)?.data)?;
+            }
+        }
+        let store = ReplicatedStore::with_frozen(b, model, w, group, &cfg.freeze)?;
+        let resumed = Resumed {
+            step: st.step,
+            extra: st.extra,
+        };
+        let model = Replicated {
+            store,
+            opt,
+            files: cfg.model_files(),
+            lora: base.and_then(|base| LoraSave::of(cfg, base)),
+        };
+        Ok((model, Some(resumed)))
+    }
+}
+
+/// The weights of `base` (an HF directory read with `extras`, or the
+/// model's random weights from a seed) on the device.
+fn base_weights<B: Backend>(
+    b: &B,
+    cfg: &TrainConfig,
+    base: &BaseModel,
+    extras: crate::checkpoint::ExtraTensors,
+) -> Result<ModelWeights<B>> {
+    let model = &cfg.model;
+    match base {
+        BaseModel::Dir(dir) => {
+            let host = load_hf_model_with(dir, model, extras)?;
+            weights_from_host(b, model, &host, b.compute_dtype(), Category::Weights)
+        }
+        BaseModel::Random { seed } => ModelWeights::random(b, model, *seed),
+    }
 }
 
 impl<B: Backend> Replicated<'_, B> {
     /// The F32 values a resume continues from, where the weight files do
     /// not hold them: each parameter's master where the optimizer keeps
-    /// one, else its weights (already F32) when the files are narrower.
-    /// `None` when the files hold every value exactly.
+    /// one, else its weights (already F32) when the files are narrower;
+    /// for the parameters in `weights` only. `None` when the files hold
+    /// every value exactly.
     fn masters(
         &self,
         b: &B,
@@ -340,6 +369,10 @@ impl<B: Backend> Replicated<'_, B> {
                 .next()
                 .flatten()
                 .and_then(|k| self.opt.kept(k, StateKind::Master));
+            // a LoRA save's `weights` are its adapters: the base is not saved
+            if !weights.contains_key(&name) {
+                continue;
+            }
             let master = match kept {
                 Some(m) => HostTensor::new(m.shape().to_vec(), b.to_host(m)?)?,
                 None => weights[&name].clone(),
@@ -349,16 +382,6 @@ impl<B: Backend> Replicated<'_, B> {
         }
         Ok(Some(out))
     }
-}
-
-/// A run's adapter config and the base model's name (its `--init-from`
-/// directory, else the model's name) for the adapter files it saves.
-pub(crate) fn lora_of(cfg: &TrainConfig) -> Option<(LoraConfig, String)> {
-    let base = match &cfg.init_from {
-        Some(dir) => dir.display().to_string(),
-        None => cfg.model.name.clone(),
-    };
-    cfg.lora.as_ref().map(|l| (l.config.clone(), base))
 }
 
 /// AdamW over every trainable parameter tensor of `w` (one slot each, in
@@ -514,6 +537,9 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         if !lead {
             return Ok(());
         }
+        if let Some(lora) = &self.lora {
+            return self.save_adapter(b, dir, step, extra, lora);
+        }
         let w = &self.store.w;
         let slots = self.store.slot_of_params();
         let params = weights_to_host(b, w)?;
@@ -530,11 +556,41 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
             masters: masters.as_ref(),
             extra,
         };
-        save_train_state_as(dir, &state, self.files)?;
-        if let Some((config, base)) = &self.lora {
-            let adapters = adapters_to_host(b, w, config)?;
-            write_adapter(dir, &adapters, base, self.files.dtype)?;
-        }
-        Ok(())
+        save_train_state_as(dir, &state, self.files)
+    }
+}
+
+impl<B: Backend> Replicated<'_, B> {
+    /// A LoRA run's checkpoint: the adapter, its moments and masters, and
+    /// `state.json` naming the base; no base weight is written.
+    fn save_adapter(
+        &self,
+        b: &B,
+        dir: &std::path::Path,
+        step: u64,
+        extra: &serde_json::Value,
+        lora: &LoraSave,
+    ) -> Result<()> {
+        let w = &self.store.w;
+        let slots = self.store.slot_of_params();
+        let adapters = adapters_to_host(b, w, &lora.config)?;
+        let params: BTreeMap<String, HostTensor> =
+            adapter_tensors(&adapters)?.into_iter().collect();
+        let masters = self.masters(b, &params)?;
+        let extra = with_base(extra, &lora.base);
+        let state = StateToSave {
+            step,
+            params: params.iter().map(|(n, t)| (n.clone(), t)).collect(),
+            adam_m: &tensors_to_host(b, w, &slots, |k| self.opt.kept(k, StateKind::ExpAvg))?,
+            adam_v: &tensors_to_host(b, w, &slots, |k| self.opt.kept(k, StateKind::ExpAvgSq))?,
+            masters: masters.as_ref(),
+            extra: &extra,
+        };
+        let adapter = AdapterToSave {
+            weights: &adapters,
+            base: &lora.base_name,
+            dtype: self.files.dtype,
+        };
+        save_adapter_state(dir, &state, &adapter)
     }
 }

@@ -503,8 +503,9 @@ fn resume(cfg: &TrainConfig, sampler: &mut MixtureSampler, r: Resumed, rank: usi
 }
 
 /// Writes the checkpoint of `step` into `dir` (rank 0 adds `config.json`,
-/// the source's updated, which makes it an HF model directory, the
-/// tokenizer files of the source, and the run file).
+/// the source's updated, which makes it an HF model directory (not to a
+/// LoRA run's adapter directory), the tokenizer files of the source, and
+/// the run file).
 fn save<B: Backend>(
     cfg: &TrainConfig,
     b: &B,
@@ -520,9 +521,12 @@ fn save<B: Backend>(
     if rank != 0 {
         return Ok(());
     }
-    let path = staged.join("config.json");
-    let config = checkpoint_config(cfg.source_config.as_ref(), &cfg.model, cfg.save_dtype);
-    std::fs::write(&path, config).map_err(|e| Error::io(path.display().to_string(), e))?;
+    // a LoRA checkpoint is PEFT's adapter directory: its base has the config
+    if cfg.lora.is_none() {
+        let path = staged.join("config.json");
+        let config = checkpoint_config(cfg.source_config.as_ref(), &cfg.model, cfg.save_dtype);
+        std::fs::write(&path, config).map_err(|e| Error::io(path.display().to_string(), e))?;
+    }
     if let Some(from) = cfg.carry_from() {
         carry_files(from, dir, &staged)?;
     }

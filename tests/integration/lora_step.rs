@@ -9,7 +9,6 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use upipe::attention::Strategy;
-use upipe::checkpoint::load_safetensors;
 use upipe::checkpoint::peft::read_adapter;
 use upipe::data::PackedWindow;
 use upipe::model::lora::{Factor, LoraConfig, LoraTarget, LoraWeights, tensor_name};
@@ -59,6 +58,32 @@ fn run_config(m: &ModelConfig, mesh: Mesh, lora: Option<&LoraConfig>) -> TrainCo
         }),
         ..TrainConfig::new(m.clone(), 32, 3, AdamWConfig::schedule(3e-3, 3e-4, 1, 3))
     }
+}
+
+/// A LoRA checkpoint in `dir` holds PEFT's adapter (naming `base`), its
+/// optimizer state and `state.json`, and no base weights nor config.json.
+fn assert_adapter_only(dir: &std::path::Path, base: &str, what: &str) {
+    for f in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+    ] {
+        assert!(dir.join(f).is_file(), "{what}: no {f}");
+    }
+    for f in [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "config.json",
+    ] {
+        assert!(
+            !dir.join(f).exists(),
+            "{what}: {f} saved beside the adapter"
+        );
+    }
+    let text = std::fs::read_to_string(dir.join("adapter_config.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["base_model_name_or_path"], base, "{what}");
 }
 
 fn window(m: &ModelConfig) -> PackedWindow {
@@ -226,8 +251,9 @@ fn temp(name: &str) -> PathBuf {
 
 /// A new adapter (B = 0) leaves the first step's loss bit-identical to the
 /// base model's; three steps move the adapters and nothing else; the save
-/// holds a PEFT adapter directory with the trained factors; `--resume`
-/// continues from them, and a resume without `--lora-rank` is refused.
+/// holds a PEFT adapter directory with the trained factors and no base
+/// weights; `--resume` continues from them bit for bit (the base read
+/// again from the seed), and a resume without `--lora-rank` is refused.
 #[test]
 fn training_moves_only_the_adapters_and_saves_and_resumes_them() {
     let m = tiny(false);
@@ -245,13 +271,7 @@ fn training_moves_only_the_adapters_and_saves_and_resumes_them() {
             "{what}"
         );
         assert_ne!(run.reports[2].loss, base.reports[2].loss, "{what}");
-        let saved = load_safetensors(&dir.join("model.safetensors")).unwrap();
-        let init = RandomInit::new(&m, cfg.seed);
-        for (p, shape) in m.params() {
-            let name = m.hf_name(p);
-            let start = init.values(&name, 0..shape.iter().product());
-            assert!(saved[&name].data == start, "{what}: frozen {name} changed");
-        }
+        assert_adapter_only(&dir, "tiny", &what);
         let adapter = read_adapter(&dir, &m).unwrap().weights;
         assert_eq!(adapter.config, config);
         let fresh = LoraWeights::init(&m, &config, cfg.seed).unwrap();
@@ -267,6 +287,15 @@ fn training_moves_only_the_adapters_and_saves_and_resumes_them() {
         (more.save_dir, more.resume, more.steps) = (Some(dir.clone()), true, 4);
         let resumed = train_cpu(&more, tokens(m.vocab), &|_| {}).unwrap();
         assert_eq!(resumed.reports.len(), 1, "{what}: one more step");
+        // the resume reads the base again (the seed's) and continues bit for bit
+        let mut whole = run_config(&m, mesh, Some(&config));
+        whole.steps = 4;
+        let whole = train_cpu(&whole, tokens(m.vocab), &|_| {}).unwrap();
+        assert_eq!(
+            resumed.reports[0].loss.to_bits(),
+            whole.reports[3].loss.to_bits(),
+            "{what}: resumed loss"
+        );
         let mut full = run_config(&m, mesh, None);
         (full.save_dir, full.resume, full.steps) = (Some(dir.clone()), true, 5);
         assert!(
@@ -301,13 +330,13 @@ fn bad_lora_settings_are_refused() {
 /// A trained LoRA checkpoint evaluated as base + adapter (`upipe eval
 /// --lora-from`) and its `--merge-lora` model evaluated alone give one
 /// loss (f32, to 1e-5: the merge rounds W + s·B·A once); the merged
-/// directory is a plain HF model that loads without extras, with the
-/// checkpoint's config.json; loading the LoRA checkpoint as a plain model
-/// is refused, naming --lora-from.
+/// directory is a plain HF model that loads without extras, with a
+/// config.json; loading the LoRA checkpoint (the adapter only) as a plain
+/// model is refused, naming --lora-from and `upipe merge`.
 #[test]
 fn a_merged_model_evaluates_as_base_plus_adapter() {
-    use upipe::checkpoint::lora_merge::merge_checkpoint;
-    use upipe::checkpoint::{ExtraTensors, SaveDtype, load_hf_model, load_hf_model_with};
+    use upipe::checkpoint::lora_merge::{BaseModel, MergeJob, merge_adapter_dir};
+    use upipe::checkpoint::{SaveDtype, load_hf_model};
     use upipe::train::eval::{EvalConfig, eval_cpu};
     let m = tiny(true);
     let dir = temp("merge");
@@ -319,13 +348,24 @@ fn a_merged_model_evaluates_as_base_plus_adapter() {
     );
     cfg.save_dir = Some(dir.clone());
     train_cpu(&cfg, tokens(m.vocab), &|_| {}).unwrap();
-    merge_checkpoint(&dir, &out, &m, SaveDtype::F32).unwrap();
+    let random = BaseModel::Random { seed: cfg.seed };
+    let job = MergeJob {
+        base: &random,
+        adapter: &dir,
+        out: &out,
+        cfg: &m,
+        dtype: SaveDtype::F32,
+    };
+    merge_adapter_dir(&job).unwrap();
     let e = load_hf_model(&dir, &m).unwrap_err().to_string();
-    assert!(e.contains("--lora-from"), "{e}");
-    let base = load_hf_model_with(&dir, &m, ExtraTensors::Adapters).unwrap();
+    assert!(
+        e.contains("--lora-from") && e.contains("upipe merge"),
+        "{e}"
+    );
+    let base = random.tensors(&m).unwrap();
     let merged = load_hf_model(&out, &m).unwrap();
-    let config = |d: &PathBuf| std::fs::read_to_string(d.join("config.json")).unwrap();
-    assert_eq!(config(&out), config(&dir));
+    let config = ModelConfig::resolve(&out.to_string_lossy()).unwrap();
+    assert_eq!(config.param_count(), m.param_count());
     let data = upipe::data::Tokens::from(tokens(m.vocab)[..97].to_vec());
     let eval = EvalConfig {
         seq: Some(32),
@@ -345,8 +385,55 @@ fn a_merged_model_evaluates_as_base_plus_adapter() {
         "the adapter changed nothing: {plain}"
     );
     // a directory with files in it is not merged into
-    let e = merge_checkpoint(&dir, &out, &m, SaveDtype::F32).unwrap_err();
+    let e = merge_adapter_dir(&job).unwrap_err();
     assert!(e.to_string().contains("not empty"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A LoRA run from `--init-from` saves the adapter alone, naming the base's
+/// directory; with the base moved away, `--resume` is refused naming
+/// `--init-from` (and the old place); with `--init-from` at the new place
+/// it reads the base again and continues bit for bit.
+#[test]
+fn a_lora_resume_reads_its_base_again() {
+    use upipe::checkpoint::lora_merge::BaseModel;
+    use upipe::checkpoint::{SaveDtype, save_hf_model};
+    let m = tiny(false);
+    let config = lora_config(&[LoraTarget::Q, LoraTarget::Down]);
+    let base = temp("base");
+    let tensors = BaseModel::Random { seed: 21 }.tensors(&m).unwrap();
+    save_hf_model(&base, &m, &tensors, SaveDtype::F32).unwrap();
+    let run = |steps: u32, from: Option<&PathBuf>| {
+        let mut c = run_config(&m, (Strategy::Local, 1, 1), Some(&config));
+        (c.steps, c.init_from) = (steps, from.cloned());
+        c
+    };
+    let whole = train_cpu(&run(4, Some(&base)), tokens(m.vocab), &|_| {}).unwrap();
+    let dir = temp("resume-base");
+    let mut first = run(3, Some(&base));
+    first.save_dir = Some(dir.clone());
+    train_cpu(&first, tokens(m.vocab), &|_| {}).unwrap();
+    let named = std::fs::canonicalize(&base).unwrap();
+    assert_adapter_only(&dir, &named.display().to_string(), "--init-from");
+    let moved = temp("base-moved");
+    std::fs::rename(&base, &moved).unwrap();
+    let mut again = run(4, None);
+    (again.save_dir, again.resume) = (Some(dir.clone()), true);
+    let e = train_cpu(&again, tokens(m.vocab), &|_| {}).unwrap_err();
+    let e = e.to_string();
+    assert!(
+        e.contains("--init-from") && e.contains(&*named.to_string_lossy()),
+        "{e}"
+    );
+    again.init_from = Some(moved.clone());
+    let rest = train_cpu(&again, tokens(m.vocab), &|_| {}).unwrap();
+    assert_eq!(rest.reports.len(), 1, "one more step");
+    assert_eq!(
+        rest.reports[0].loss.to_bits(),
+        whole.reports[3].loss.to_bits()
+    );
+    for d in [dir, moved] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }

@@ -30,6 +30,7 @@ mod grad_accum;
 mod hf_roundtrip;
 mod hostile_inputs;
 mod launch;
+mod lora_cli;
 mod lora_files;
 mod lora_fsdp;
 mod lora_plan;

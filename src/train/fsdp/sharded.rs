@@ -6,18 +6,18 @@
 use super::FsdpStore;
 use super::adapters::{host_values, values_of};
 use crate::backend::{Backend, Category, DType, Tensor};
-use crate::checkpoint::peft::{adapter_from_tensors, write_adapter};
+use crate::checkpoint::peft::{adapter_from_tensors, read_adapter, write_adapter};
 use crate::checkpoint::ranged::RangedModel;
 use crate::checkpoint::sharded::{self as ckpt, SavedOptimizer};
 use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, check_extra_tensors};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
-use crate::model::lora::LoraConfig;
 use crate::model::{Decoder, RandomInit, Unit};
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Optimizer, StateKind, Update, slots_through};
 use crate::train::config::TrainConfig;
-use crate::train::replicated::{Resumed, lora_of};
+use crate::train::lora_run::{BaseModel, LoraSave, resumed_base, run_base, with_base};
+use crate::train::replicated::Resumed;
 use crate::train::state::{Micro, RankModel, pass};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -31,9 +31,9 @@ pub struct Sharded<'a, B: Backend> {
     world: &'a dyn ProcessGroup<B>,
     /// How a checkpoint stores the weights (`--save-dtype`, shard size).
     files: ModelFiles,
-    /// The adapters' config and the base model's name, which a save
-    /// writes beside the checkpoint as a PEFT adapter directory.
-    lora: Option<(LoraConfig, String)>,
+    /// A LoRA run's saves: the adapter (PEFT's directory) and the
+    /// adapters' optimizer shards only, naming the base.
+    lora: Option<LoraSave>,
 }
 
 impl<'a, B: Backend> Sharded<'a, B> {
@@ -44,7 +44,20 @@ impl<'a, B: Backend> Sharded<'a, B> {
     pub fn open(b: &B, cfg: &TrainConfig, mesh: &'a Mesh<B>) -> Result<(Self, Option<Resumed>)> {
         let model = &cfg.model;
         let (group, replica) = (mesh.shard.as_ref(), mesh.replica.as_ref());
-        let source = cfg.resume_dir().or(cfg.init_from.as_deref());
+        let state = cfg.resume_dir().map(ckpt::read_state).transpose()?;
+        let extra = state.as_ref().and_then(|s| s.get("extra").cloned());
+        let extra = extra.unwrap_or(Value::Null);
+        let base = lora_base(cfg, &extra)?;
+        // a LoRA run's base is read from where it came, its adapters from the checkpoint
+        let source = match &base {
+            Some(BaseModel::Dir(dir)) => Some(dir.as_path()),
+            Some(BaseModel::Random { .. }) => None,
+            None => cfg.resume_dir().or(cfg.init_from.as_deref()),
+        };
+        let seed = match &base {
+            Some(BaseModel::Random { seed }) => *seed,
+            _ => cfg.seed,
+        };
         let adapters = initial_adapters(b, cfg)?;
         let lora = cfg.lora.as_ref().map(|l| &l.config);
         let frozen = &cfg.freeze;
@@ -64,7 +77,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 FsdpStore::with_adapters(b, model, group, replica, frozen, lora, read)?
             }
             None => {
-                let init = RandomInit::new(model, cfg.seed);
+                let init = RandomInit::new(model, seed);
                 let init = |name: &str, elems: std::ops::Range<usize>| {
                     let random = || Ok(init.values(name, elems.clone()));
                     values_of(&adapters, name, elems.clone()).unwrap_or_else(random)
@@ -73,39 +86,27 @@ impl<'a, B: Backend> Sharded<'a, B> {
             }
         };
         let mut opt = optimizer(b, cfg, &store)?;
-        let Some(dir) = cfg.resume_dir() else {
-            return Ok((
-                Sharded {
-                    store,
-                    opt,
-                    world: mesh.world.as_ref(),
-                    files: cfg.model_files(),
-                    lora: lora_of(cfg),
-                },
-                None,
-            ));
+        let lora = base.and_then(|base| LoraSave::of(cfg, base));
+        let sharded = |store, opt| Sharded {
+            store,
+            opt,
+            world: mesh.world.as_ref(),
+            files: cfg.model_files(),
+            lora,
+        };
+        let (Some(dir), Some(state)) = (cfg.resume_dir(), state) else {
+            return Ok((sharded(store, opt), None));
         };
         let mut store = store;
-        let state = ckpt::read_state(dir)?;
-        let extra = state.get("extra").cloned().unwrap_or(Value::Null);
         cfg.check_resume_freeze(dir, &extra)?;
         restore_state(b, &SavedOptimizer::open(dir)?, &mut store, opt.as_mut())?;
         let resumed = Resumed {
             step: state.get("step").and_then(Value::as_u64).ok_or_else(|| {
                 Error::Checkpoint(format!("{}: state.json has no step", dir.display()))
             })?,
-            extra: state.get("extra").cloned().unwrap_or(Value::Null),
+            extra,
         };
-        Ok((
-            Sharded {
-                store,
-                opt,
-                world: mesh.world.as_ref(),
-                files: cfg.model_files(),
-                lora: lora_of(cfg),
-            },
-            Some(resumed),
-        ))
+        Ok((sharded(store, opt), Some(resumed)))
     }
 
     /// All-gathers unit `i`'s parameters and returns them by name on the
@@ -186,7 +187,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
     /// Writes a LoRA run's adapters as a PEFT adapter directory in `dir`
     /// (collective: every rank gathers, the lead rank writes).
     fn save_adapter(&self, b: &B, dir: &Path, lead: bool) -> Result<()> {
-        let Some((config, base)) = &self.lora else {
+        let Some(lora) = &self.lora else {
             return Ok(());
         };
         let mut tensors = BTreeMap::new();
@@ -196,8 +197,8 @@ impl<'a, B: Backend> Sharded<'a, B> {
             }
         }
         if lead {
-            let weights = adapter_from_tensors(&tensors, config, &self.store.cfg, dir)?;
-            write_adapter(dir, &weights, base, self.files.dtype)?;
+            let weights = adapter_from_tensors(&tensors, &lora.config, &self.store.cfg, dir)?;
+            write_adapter(dir, &weights, &lora.base_name, self.files.dtype)?;
         }
         Ok(())
     }
@@ -220,14 +221,28 @@ impl<'a, B: Backend> Deferred<B, FsdpStore<'a, B>> for Box<dyn Optimizer<B>> {
     }
 }
 
-/// The adapters a LoRA run starts from by PEFT name (PEFT's initialisation
-/// or `--lora-from`'s); none for a resumed run (the checkpoint holds them),
-/// a rehearsal (nothing is initialised) or a run without adapters.
+/// The base of a LoRA run (`None` without adapters): `--init-from` or the
+/// seed's random weights, or for a resumed run where its checkpoint (whose
+/// caller state is `extra`) says it came from.
+fn lora_base(cfg: &TrainConfig, extra: &Value) -> Result<Option<BaseModel>> {
+    Ok(match (&cfg.lora, cfg.resume_dir()) {
+        (None, _) => None,
+        (Some(_), Some(dir)) => Some(resumed_base(cfg, dir, extra)?),
+        (Some(_), None) => Some(run_base(cfg)),
+    })
+}
+
+/// The adapters a LoRA run starts from by PEFT name (PEFT's initialisation,
+/// `--lora-from`'s, or a resumed checkpoint's adapter file, whose masters,
+/// where it kept them, the optimizer state then restores); none for a
+/// rehearsal (nothing is initialised) or a run without adapters.
 fn initial_adapters<B: Backend>(b: &B, cfg: &TrainConfig) -> Result<BTreeMap<String, Vec<f32>>> {
-    match &cfg.lora {
-        Some(run) if cfg.resume_dir().is_none() && !b.rehearsing() => {
-            Ok(host_values(&run.initial(&cfg.model, cfg.seed)?))
+    match (&cfg.lora, cfg.resume_dir()) {
+        (_, _) if b.rehearsing() => Ok(BTreeMap::new()),
+        (Some(_), Some(dir)) if crate::checkpoint::is_adapter_only(dir) => {
+            Ok(host_values(&read_adapter(dir, &cfg.model)?.weights))
         }
+        (Some(run), None) => Ok(host_values(&run.initial(&cfg.model, cfg.seed)?)),
         _ => Ok(BTreeMap::new()),
     }
 }
@@ -344,7 +359,10 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
             ckpt::begin_write(dir)?;
         }
         self.barrier(b)?;
-        self.save_weights(b, dir, lead)?;
+        // a LoRA checkpoint holds the adapter, not the base it names
+        if self.lora.is_none() {
+            self.save_weights(b, dir, lead)?;
+        }
         // replicas hold the same shards: the first one writes them
         if self.store.replica.rank() == 0 {
             self.save_optimizer(b, dir)?;
@@ -353,7 +371,11 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         // every rank's files are complete before state.json marks the checkpoint
         self.barrier(b)?;
         if lead {
-            ckpt::write_state(dir, step, self.store.group.size(), extra)?;
+            let extra = match &self.lora {
+                Some(lora) => with_base(extra, &lora.base),
+                None => extra.clone(),
+            };
+            ckpt::write_state(dir, step, self.store.group.size(), &extra)?;
         }
         self.barrier(b)
     }
