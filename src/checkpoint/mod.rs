@@ -8,7 +8,11 @@
 //! (`hf_config.rs`: the source's, updated) and the tokenizer files carried
 //! from the source (`carried.rs`); LoRA adapters as PEFT's directories
 //! (`peft.rs`, their `adapter_config.json` `peft_config.rs`) and merged into
-//! their base model (`lora_merge.rs`).
+//! their base model (`lora_merge.rs`: `BaseModel`, an HF directory or a
+//! seed's random weights; `merge_adapter_dir`, which `upipe merge` and
+//! `train --merge-lora` run). A LoRA run's checkpoint is the adapter alone
+//! with its optimizer state (`train_state::save_adapter_state`), its
+//! `state.json` naming the base a resume reads again.
 
 pub mod carried;
 mod fs;

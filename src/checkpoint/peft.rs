@@ -17,8 +17,7 @@ use crate::model::lora::{LoraFactors, LoraTarget, LoraWeights, PEFT_LAYER_PREFIX
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// The file name PEFT gives an adapter's tensors.
-pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+pub use super::peft_config::ADAPTER_WEIGHTS;
 
 /// The block, target and factor a PEFT tensor name stands for, if it is
 /// one (with or without the adapter's name `default`).

@@ -13,6 +13,9 @@ use std::path::Path;
 /// The file name PEFT gives an adapter's config.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 
+/// The file name PEFT gives an adapter's tensors.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+
 /// What an `adapter_config.json` says, beyond the [`LoraConfig`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct PeftConfig {

@@ -77,7 +77,8 @@ impl SaveDtype {
         }
         // a LoRA checkpoint: the dtype its adapter was saved in
         if super::train_state::is_adapter_only(dir) {
-            let file = super::ranged::RangedFile::open(&dir.join(super::peft::ADAPTER_WEIGHTS))?;
+            let file =
+                super::ranged::RangedFile::open(&dir.join(super::peft_config::ADAPTER_WEIGHTS))?;
             return Ok(file.first_dtype().and_then(SaveDtype::from_name));
         }
         let model = super::ranged::RangedModel::open(dir)?;

@@ -144,7 +144,8 @@ fn write_optimizer_and_state(dir: &Path, state: &StateToSave) -> Result<()> {
 /// ([`save_adapter_state`]'s layout).
 pub fn is_adapter_only(dir: &Path) -> bool {
     let model = [super::hf::SINGLE_FILE, super::hf::INDEX_FILE];
-    dir.join(super::peft::ADAPTER_WEIGHTS).is_file() && !model.iter().any(|f| dir.join(f).exists())
+    dir.join(super::peft_config::ADAPTER_WEIGHTS).is_file()
+        && !model.iter().any(|f| dir.join(f).exists())
 }
 
 /// Loads a checkpoint written by [`save_train_state`] (or
@@ -180,7 +181,7 @@ pub fn load_train_state(dir: &Path) -> Result<TrainState> {
     let extra = state.get("extra").cloned().unwrap_or(Value::Null);
     // a LoRA checkpoint holds its adapter, not the base it was trained on
     let mut params = match is_adapter_only(dir) {
-        true => load_safetensors(&dir.join(super::peft::ADAPTER_WEIGHTS))?,
+        true => load_safetensors(&dir.join(super::peft_config::ADAPTER_WEIGHTS))?,
         false => read_model_files(dir)?,
     };
     let opt_path = dir.join(OPTIMIZER_FILE);

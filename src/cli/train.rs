@@ -125,7 +125,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         // the base the final save names (the run's own, resumed or not)
         let state = crate::checkpoint::sharded::read_state(ckpt)?;
         let extra = state.get("extra").cloned().unwrap_or_default();
-        let base = crate::train::lora_run::resumed_base(&run.cfg, ckpt, &extra)?;
+        let base = crate::train::lora_base::resumed_base(&run.cfg, ckpt, &extra)?;
         merge_adapter_dir(&MergeJob {
             base: &base,
             adapter: ckpt,
@@ -536,7 +536,7 @@ fn announce(run: &Built, tokens: usize) {
         run.layout_text(),
         run.cfg.steps
     );
-    println!("{}", crate::train::lora_run::trainable_line(&run.cfg));
+    println!("{}", crate::train::lora_base::trainable_line(&run.cfg));
 }
 
 /// Trains where the route says, calling `on_step` after every step.

@@ -7,6 +7,7 @@ pub mod eval;
 pub mod eval_during;
 pub mod fsdp;
 pub mod host_weights;
+pub mod lora_base;
 pub mod lora_run;
 pub mod replicated;
 pub mod state;

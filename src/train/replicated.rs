@@ -22,7 +22,8 @@ use crate::model::{
 };
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
-use crate::train::lora_run::{BaseModel, LoraSave, attach, resumed_base, run_base, with_base};
+use crate::train::lora_base::{BaseModel, LoraSave, resumed_base, run_base, with_base};
+use crate::train::lora_run::attach;
 use std::collections::BTreeMap;
 
 /// Whole-model parameters and gradients of one rank.
@@ -266,7 +267,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
     }
 
     /// The model of `cfg` resumed from the checkpoint in `dir` (a LoRA
-    /// run's base read again from where it came: `lora_run::resumed_base`).
+    /// run's base read again from where it came: `lora_base::resumed_base`).
     fn resume(
         b: &B,
         cfg: &TrainConfig,

@@ -506,6 +506,7 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "checkpoint/model_files.rs",
         "checkpoint/tensor_file.rs",
         "checkpoint/train_state.rs",
+        "checkpoint/peft.rs",
     ],
     &["optim/mod.rs", "optim/adamw.rs"],
     &[

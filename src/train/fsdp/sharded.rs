@@ -16,7 +16,7 @@ use crate::model::{Decoder, RandomInit, Unit};
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Optimizer, StateKind, Update, slots_through};
 use crate::train::config::TrainConfig;
-use crate::train::lora_run::{BaseModel, LoraSave, resumed_base, run_base, with_base};
+use crate::train::lora_base::{BaseModel, LoraSave, resumed_base, run_base, with_base};
 use crate::train::replicated::Resumed;
 use crate::train::state::{Micro, RankModel, pass};
 use serde_json::Value;
