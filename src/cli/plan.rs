@@ -3,6 +3,7 @@
 
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::select::version_text;
+use crate::backend::memory::default_pinned_budget;
 use crate::backend::{Bytes, Category};
 use crate::cli::config::{self, Given, RunArgs, RunFile, at_least, for_key, run_keys};
 use crate::cli::lora::LoraArgs;
@@ -10,7 +11,7 @@ use crate::cli::memory::MemoryArgs;
 use crate::cli::mesh::MeshArgs;
 use crate::cli::schedule::{ChunkHeads, ScheduleArgs};
 use crate::cli::svg::{Area, Bar, Svg, stacked_bars};
-use crate::cli::train::CPU_DEFAULT_MESH;
+use crate::cli::train::{CPU_DEFAULT_MESH, host_available_bytes};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::decoder::attn_dims;
@@ -32,8 +33,8 @@ pub use device::PlannedCudnn;
 use device::plan_device;
 
 use output::{
-    POLICY_HEAD, POLICY_NOTE, breakdown_line, by_category, category_bar, fmt_tokens, limit_text,
-    mesh_json, mesh_text, policy_cells,
+    POLICY_HEAD, POLICY_NOTE, TrainCommand, breakdown_line, by_category, category_bar, fmt_tokens,
+    limit_text, mesh_json, mesh_text, policy_cells,
 };
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -59,7 +60,9 @@ pub struct PlanArgs {
     /// GiB per GPU kept outside the ledger (CUDA context, library workspaces, pool slack).
     #[arg(long, default_value_t = 1.0)]
     pub reserve: f64,
-    /// Host memory of one node in GiB, for offloaded activations (unchecked when absent).
+    /// Pinned host memory of one node in GiB, for offloaded checkpoints and
+    /// optimizer state (default: this machine's available memory less what
+    /// the system keeps, as `upipe train` takes it; `inf`: unlimited).
     #[arg(long)]
     pub host_mem: Option<f64>,
     /// GPUs per node (ranks sharing one host's memory).
@@ -196,11 +199,12 @@ fn memory_choices(a: &PlanArgs, layers: usize) -> Result<(MemoryChoices, FsdpMod
     Ok((m, fsdp))
 }
 
-/// `--attn`: `(is_all, strategies)`; `all` is `local` on one GPU, else
+/// `--attn`: `(is_all, strategies)`; `all` is `local` and `upipe` (its head
+/// stages shrink the attention's memory on one GPU too) on one GPU, else
 /// every context-parallel strategy.
 fn parse_attn(s: &str, gpus: usize) -> Result<(bool, Vec<Strategy>)> {
     match s.parse()? {
-        Strategies::All if gpus == 1 => Ok((true, vec![Strategy::Local])),
+        Strategies::All if gpus == 1 => Ok((true, vec![Strategy::Local, Strategy::Upipe])),
         Strategies::All => {
             let parallel = [
                 Strategy::Ulysses,
@@ -303,7 +307,22 @@ impl Ctx {
         };
         let dims = attn_dims(&self.model);
         let (plan, data) =
-            resolve_plan(strategy, &dims, seq, gpus / replicas, ulysses, ring, chunk)?;
+            match resolve_plan(strategy, &dims, seq, gpus / replicas, ulysses, ring, chunk) {
+                Ok(p) => p,
+                // no mesh flags given: the mesh `train` fits to these GPUs
+                // (Ulysses over a divisor of the heads, the rest a ring),
+                // where it gives every GPU to the context
+                Err(e) if self.fitted.is_none() && !self.a.mesh.any_given() => {
+                    let flags = MeshFlags::default();
+                    let m = resolve_mesh(flags, strategy, &self.model, seq, chunk, Some(gpus));
+                    if m.world_size() != gpus || m.data != 1 {
+                        return Err(e);
+                    }
+                    check_ring(m.ring)?;
+                    return Ok(m);
+                }
+                Err(e) => return Err(e),
+            };
         check_ring(plan.layout.pr)?;
         Ok(MeshChoice {
             data: data * replicas,
@@ -378,9 +397,7 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
         if let Some(c) = &ctx.cudnn {
             println!("{}", c.line());
         }
-        if let Some(h) = ctx.budget.host {
-            println!("host memory for offload: {} per rank", Bytes(h));
-        }
+        println!("{}", host_line(&ctx));
         if !ctx.freeze.is_empty() && ctx.lora.is_none() {
             let (frozen, all) = ctx.freeze.frozen_elements(&ctx.model);
             println!(
@@ -400,6 +417,26 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
             "--svg draws the memory at one length: add --seq (or [data] seq in --config)"
         ),
         None => search(&ctx),
+    }
+}
+
+/// Where the pinned host budget came from, and what it is per rank.
+fn host_line(ctx: &Ctx) -> String {
+    match (ctx.budget.host, ctx.a.host_mem) {
+        (Some(h), Some(g)) => format!(
+            "host memory for offload: {} per rank (--host-mem {g})",
+            Bytes(h)
+        ),
+        (Some(h), None) => format!(
+            "host memory for offload: {} per rank (this machine's available memory less what the \
+             system keeps, shared by {} GPUs; --host-mem GIB plans another node, --host-mem inf none)",
+            Bytes(h),
+            ctx.gpus.min(ctx.a.gpus_per_node)
+        ),
+        (None, Some(_)) => "host memory for offload: unlimited (--host-mem inf)".into(),
+        (None, None) => {
+            "host memory for offload: unchecked (not known here; --host-mem GIB plans it)".into()
+        }
     }
 }
 
@@ -528,9 +565,12 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
 fn plan_budget(a: &PlanArgs, gpus: usize) -> Result<(Budget, RankBudget)> {
     let memory = gib(a.gpu_mem, "--gpu-mem")?;
     let reserve = gib(a.reserve, "--reserve")?;
+    let node = gpus.min(a.gpus_per_node);
     let host = match a.host_mem {
-        Some(h) => Some(host_share(gib(h, "--host-mem")?, gpus.min(a.gpus_per_node))),
-        None => None,
+        Some(h) if h == f64::INFINITY => None,
+        Some(h) => Some(host_share(gib(h, "--host-mem")?, node)),
+        None if a.device == "cpu" => None,
+        None => host_available_bytes().map(|b| host_share(default_pinned_budget(b), node)),
     };
     let rank = RankBudget::with_reserve(memory, reserve, host);
     let budget = Budget {
@@ -586,7 +626,7 @@ pub(crate) fn at_most_tokens(flag: &str, seq: usize) -> Result<()> {
         return Ok(());
     }
     crate::config_err!(
-        "{flag} {seq} is longer than the {MAX_PLANNED_SEQ} tokens the planner walks (its time \
+        "{flag} {seq} is longer than the {MAX_PLANNED_SEQ} tokens the planner plans (its time \
          grows with the length); give a length of at most {MAX_PLANNED_SEQ}"
     )
 }
@@ -604,7 +644,7 @@ fn check_ring(pr: usize) -> Result<()> {
         return Ok(());
     }
     crate::config_err!(
-        "a ring of {pr} ranks is longer than the {MAX_PLANNED_RING} the planner walks (its \
+        "a ring of {pr} ranks is longer than the {MAX_PLANNED_RING} the planner plans (its \
          time grows with the ring); plan fewer GPUs per context group: give --data-parallel \
          (replicas) or --ulysses/--ring so that the ring has at most {MAX_PLANNED_RING} ranks"
     )
@@ -663,6 +703,12 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
         let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
         let base = ctx.predict_resolved(s, unit, true)?.0;
         let fits = ctx.budget.check(&p, Some(&base));
+        let command = TrainCommand {
+            model: &ctx.a.model,
+            spec: &spec,
+            seq,
+            host_mem: ctx.a.host_mem,
+        };
         if json {
             println!(
                 "{}",
@@ -675,10 +721,12 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                     "offload_blocks": spec.policy.offload,
                     "optimizer_host_units": spec.policy.offload_optimizer,
                     "cudnn_version": spec.device.cudnn().map(version_text),
+                    "train_command": command.to_string(),
                 })
             );
         } else {
             println!("{}", breakdown_line(s, &spec, &p, fits.is_none()));
+            println!("  run it: {command}");
         }
         bars.push(category_bar(s, &spec, &p));
     }
@@ -754,6 +802,12 @@ fn search(ctx: &Ctx) -> Result<i32> {
     }
     if !json {
         println!("{POLICY_NOTE}");
+        if policy_text(ctx) == "none" {
+            println!(
+                "no memory policy given: --policies checkpoint,tiled-mlp,offload (with \
+                 --offload-optimizer auto where the optimizer state binds) lengthens every row"
+            );
+        }
     }
     Ok(0)
 }
@@ -762,6 +816,12 @@ fn search(ctx: &Ctx) -> Result<i32> {
 /// `saved` is the step at the longest length (none when nothing fits).
 fn print_longest(ctx: &Ctx, s: Strategy, spec: &StepSpec, fit: &Fit, saved: Option<&StepSpec>) {
     let limit = fit.limit.as_ref();
+    let command = saved.map(|spec| TrainCommand {
+        model: &ctx.a.model,
+        spec,
+        seq: fit.seq,
+        host_mem: ctx.a.host_mem,
+    });
     if ctx.a.json {
         println!(
             "{}",
@@ -771,6 +831,7 @@ fn print_longest(ctx: &Ctx, s: Strategy, spec: &StepSpec, fit: &Fit, saved: Opti
                 "offload_blocks": saved.map(|s| s.policy.offload),
                 "optimizer_host_units": saved.map(|s| s.policy.offload_optimizer),
                 "cudnn_version": spec.device.cudnn().map(version_text),
+                "train_command": command.as_ref().map(ToString::to_string),
                 "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),
                 "by_category": fit.at_fit.as_ref().map(by_category),
                 "limit": limit.map(|(seq, l, p)| json!({
@@ -794,5 +855,8 @@ fn print_longest(ctx: &Ctx, s: Strategy, spec: &StepSpec, fit: &Fit, saved: Opti
                 |(seq, l, p)| { format!("{seq} needs {}: {}", Bytes(p.peak), limit_text(l)) }
             )
         );
+        if let Some(c) = &command {
+            println!("  run it: {c}");
+        }
     }
 }

@@ -165,11 +165,12 @@ pub fn trained_state_bytes(cfg: &ModelConfig, gpu: bool, frozen: &crate::model::
     model_state_bytes(cfg, gpu) - frozen_elems * untrained
 }
 
-/// The longest sequence the planner walks (`plan`, and `train`'s preflight). A prediction's time grows with the
-/// length (the MLP tiles and loss chunks it walks): the tiny model's search
-/// up to 2^32 tokens took 0.4 s, 2^34 3 s, one prediction at 2^40 over a
-/// minute (2-core machine). 2^32 is 16 times the default --max-seq and far
-/// beyond any context trained.
+/// The longest sequence the planner plans (`plan`, and `train`'s
+/// preflight): 16 times the default `--max-seq` and far beyond any context
+/// trained. A prediction's time no longer grows with the length (the
+/// engine's alike loops collapse on the counting backend); what bounds it
+/// is the host memory of the per-token vectors a step still builds (a
+/// rank's window of zeros, its positions: 4-8 bytes a token).
 pub const MAX_PLANNED_SEQ: usize = 1 << 32;
 
 /// Bytes of one training checkpoint of `cfg` on disk: F32 weights and both

@@ -333,9 +333,9 @@ pub fn rehearse_rank<B: Backend>(
         pack: PackMode::Stream,
         ..cfg.clone()
     };
-    // a rehearsal reads no token: one window per data replica of zeros,
-    // whose pages are never touched
-    let zeros = Arc::<[u32]>::new_zeroed_slice(cfg.seq * cfg.data_parallel + 1);
+    // a rehearsal reads no token: one window of zeros, whose pages are
+    // never touched, stands for every replica's (`run_rank`)
+    let zeros = Arc::<[u32]>::new_zeroed_slice(cfg.seq + 1);
     // SAFETY: zero bits are a valid u32.
     let tokens = Tokens::from(unsafe { zeros.assume_init() });
     let (_, memory, _) = run_rank(&cfg, plan, tokens.into(), b, mesh, mesh.rank, &|_| {})?;
@@ -376,14 +376,14 @@ fn run_rank<B: Backend>(
     };
     // replicas draw disjoint windows; context ranks of one replica share one
     let data_rank = mesh.shape.coords(mesh.rank).data;
-    let mut sampler = MixtureSampler::sharded(
-        data,
-        cfg.pack,
-        cfg.seq,
-        cfg.seed,
-        data_rank,
-        cfg.data_parallel,
-    )?;
+    // a rehearsal draws no data (`draw_step`): one window of zeros stands
+    // for every replica's, whatever the data-parallel degree
+    let (sampler_rank, replicas) = match cfg.rehearse {
+        true => (0, 1),
+        false => (data_rank, cfg.data_parallel),
+    };
+    let mut sampler =
+        MixtureSampler::sharded(data, cfg.pack, cfg.seq, cfg.seed, sampler_rank, replicas)?;
     let first = match resumed {
         Some(r) => resume(cfg, &mut sampler, r, rank)?,
         None => 1,

@@ -188,6 +188,8 @@ fn plan_shows_what_offload_optimizer_auto_keeps_on_the_host() {
             seq,
             "--offload-optimizer",
             units,
+            "--host-mem",
+            "inf",
             "--json",
         ]);
         assert!(ok, "{err}");
@@ -222,6 +224,8 @@ fn search_finds_longer_contexts_for_upipe_and_names_the_limit() {
         "checkpoint,offload,tiled-mlp,fsdp",
         "--attn",
         "ulysses,upipe",
+        "--host-mem",
+        "inf",
         "--json",
     ]);
     assert!(ok, "{err}");
@@ -378,7 +382,7 @@ fn plan_fails_when_nothing_can_be_planned_and_stays_bounded() {
     assert!(!ok, "{out}");
     assert!(err.contains("nothing to plan"), "{err}");
     assert!(
-        out.contains("longer than the 4096 the planner walks"),
+        out.contains("longer than the 4096 the planner plans"),
         "{out}"
     );
     let (ok, _, err, _) = upipe_within(&["plan", "--gpus", "8192", "--attn", "ring"], limit);
@@ -596,5 +600,62 @@ fn plan_names_the_cudnn_version_it_plans() {
     ] {
         let (ok, _, err) = upipe(&[&at[..], extra].concat());
         assert!(!ok && err.contains(want), "{extra:?}: {err}");
+    }
+}
+
+/// Each row of the longest-context table names the `upipe train` command
+/// that runs it, and that command, run, peaks where `upipe plan --seq`
+/// predicts the resolved run at that length (the search holds the `auto`
+/// choices it resolves after, within the same budget). On one GPU the
+/// default table has UPipe beside `local`.
+#[test]
+fn each_row_prints_the_train_command_that_reproduces_it() {
+    let flags = [
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--gpus",
+        "1",
+        "--gpu-mem",
+        "0.008",
+        "--reserve",
+        "0",
+        "--policies",
+        "checkpoint,tiled-mlp",
+        "--json",
+    ];
+    let (ok, out, err) = upipe(&[&["plan"], &flags[..]].concat());
+    assert!(ok, "{err}");
+    let rows = json_lines(&out);
+    let names: Vec<&str> = rows
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["local", "upipe"]);
+    for row in rows {
+        let command = row["train_command"]
+            .as_str()
+            .expect("a row that fits names its command");
+        let args: Vec<&str> = command.split_whitespace().collect();
+        assert_eq!(args[..2], ["upipe", "train"], "{command}");
+        let extra = ["--steps", "1", "--device", "cpu", "--json"];
+        let (ok, out, err) = upipe(&[&args[1..], &extra[..]].concat());
+        assert!(ok, "{command}: {err}");
+        let step = json_lines(&out)
+            .into_iter()
+            .find(|l| l.get("peak_bytes").is_some())
+            .expect("a step line");
+        let seq = row["longest_seq"].to_string();
+        let at = ["--seq", &seq, "--attn", row["strategy"].as_str().unwrap()];
+        let (ok, out, err) = upipe(&[&["plan"], &flags[..], &at[..]].concat());
+        assert!(ok, "{err}");
+        let planned = json_lines(&out).pop().unwrap();
+        assert_eq!(planned["train_command"], row["train_command"]);
+        assert_eq!(step["peak_bytes"], planned["peak_bytes"], "{command}");
+        assert!(
+            step["peak_bytes"].as_u64().unwrap() <= 8_589_934,
+            "{command}"
+        );
     }
 }

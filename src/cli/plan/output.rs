@@ -61,6 +61,77 @@ pub(super) fn mesh_text(spec: &StepSpec) -> String {
     )
 }
 
+/// The `upipe train` command that runs `spec` at `seq` tokens: the model as
+/// given, the strategy and its resolved mesh and stages, every memory
+/// choice as the plan resolved it, and the flags the plan took as given.
+pub(super) struct TrainCommand<'a> {
+    pub model: &'a str,
+    pub spec: &'a StepSpec,
+    pub seq: usize,
+    pub host_mem: Option<f64>,
+}
+
+impl std::fmt::Display for TrainCommand<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (spec, p) = (self.spec, &self.spec.policy);
+        let plan = &spec.plan;
+        write!(
+            f,
+            "upipe train --model {} --attn {}",
+            self.model,
+            plan.strategy.name()
+        )?;
+        write!(
+            f,
+            " --data-parallel {} --ulysses {} --ring {}",
+            spec.data, plan.layout.pu, plan.layout.pr
+        )?;
+        if plan.strategy == crate::attention::Strategy::Upipe {
+            let (u, uf) = (plan.schedule.chunk, plan.fwd_schedule.chunk);
+            write!(f, " --chunk-heads {u} --fwd-chunk-heads {uf}")?;
+        }
+        write!(f, " --seq {}", self.seq)?;
+        for (on, flag) in [
+            (p.checkpoint, " --checkpoint"),
+            (p.tiled_mlp, " --tiled-mlp"),
+        ] {
+            if on {
+                f.write_str(flag)?;
+            }
+        }
+        write!(
+            f,
+            " --offload {} --save-attention {}",
+            p.offload, p.save_attention
+        )?;
+        write!(f, " --offload-optimizer {}", p.offload_optimizer)?;
+        write!(f, " --fsdp {}", if spec.fsdp { "on" } else { "off" })?;
+        if spec.grad_accum > 1 {
+            write!(f, " --grad-accum {}", spec.grad_accum)?;
+        }
+        if !spec.freeze.is_empty() && spec.lora.is_none() {
+            write!(f, " --freeze {}", spec.freeze)?;
+        }
+        if let Some(l) = &spec.lora {
+            let targets: Vec<&str> = l.targets.iter().map(|t| t.peft_name()).collect();
+            write!(
+                f,
+                " --lora-rank {} --lora-alpha {} --lora-targets {}",
+                l.rank,
+                l.alpha,
+                targets.join(",")
+            )?;
+            if l.use_rslora {
+                f.write_str(" --lora-rslora")?;
+            }
+        }
+        if let Some(h) = self.host_mem.filter(|h| h.is_finite()) {
+            write!(f, " --host-mem {h}")?;
+        }
+        Ok(())
+    }
+}
+
 /// Why a length does not fit, in words.
 pub(super) fn limit_text(l: &Limit) -> String {
     match l {
