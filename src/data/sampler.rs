@@ -65,7 +65,16 @@ impl PackedSampler {
         rank: usize,
         world: usize,
     ) -> Result<PackedSampler> {
-        let data = data.into();
+        let data: Dataset = data.into();
+        if let Some(mask) = &data.mask
+            && !mask.counts_any(0..mask.tokens())
+        {
+            return crate::config_err!(
+                "{}: its loss mask counts no target (every token a prompt), so no window has \
+                 anything to train on; tokenize data with answers (assistant turns, completions)",
+                data.tokens.name()
+            );
+        }
         let order = match mode {
             PackMode::Stream | PackMode::Documents => Order::Cut(SequenceSampler::sharded(
                 data.tokens.clone(),
@@ -363,6 +372,12 @@ mod tests {
             assert_eq!(windows(&mut s, 20), windows(&mut r, 20), "{mode}");
             assert_eq!(r.skipped_windows(), s.skipped_windows());
         }
+        // a mask that counts nothing at all is refused, naming the data
+        data.mask = Some(LossMask::from_flags(&[false; 52]));
+        let e = PackedSampler::sharded(data, PackMode::Bfd, 8, 5, 0, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("counts no target"), "{e}");
     }
 
     #[test]
