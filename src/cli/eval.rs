@@ -176,8 +176,12 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
         let child = crate::cli::launch::own_command("eval")?;
         return crate::cli::launch::run_local(nproc, child);
     }
+    check_mask_counts(&run.data)?;
     let clock = RunClock::start();
     let report = execute(&run)?;
+    if report.counted_tokens == 0 {
+        return Err(nothing_counted(&run.data, "its windows"));
+    }
     if run.route != Route::ProcessRank || run.env.as_ref().is_none_or(|e| e.rank == 0) {
         let text = serde_json::to_string(&report).expect("a report always serialises");
         println!("{text}");
@@ -186,6 +190,27 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// Refuses data whose loss mask counts no token at all, before any weight
+/// is loaded: its loss would be 0/0.
+fn check_mask_counts(data: &Dataset) -> Result<()> {
+    match &data.mask {
+        Some(mask) if !mask.counts_any(0..mask.tokens()) => Err(nothing_counted(data, "any")),
+        _ => Ok(()),
+    }
+}
+
+/// The error for an evaluation with no counted target (`what`: where none is).
+fn nothing_counted(data: &Dataset, what: &str) -> Error {
+    let name = data.tokens.name();
+    Error::Config(format!(
+        "{name}: the evaluation counts no target: the loss mask {} counts no token of {what} \
+         (SFT prompts, document ends and padding are not counted), so there is no loss to \
+         report; evaluate data with answers to score, a longer --seq, or the ids without \
+         their .mask",
+        crate::data::doc_index::mask_path(std::path::Path::new(name)).display()
+    ))
 }
 
 /// An evaluation built from its flags, up to the moment it runs.
@@ -322,6 +347,7 @@ fn write_metrics(
         profile: None,
         eval: None,
         mixture: None,
+        skipped_windows: None,
     }
     .at(clock);
     let file = MetricsFile::create(path)?;

@@ -81,6 +81,10 @@ pub struct StepMetrics {
     /// `data`, `weight`, `windows` drawn and `share` of them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mixture: Option<Vec<crate::data::mixture::MixShare>>,
+    /// Windows with no counted target passed over so far (rank 0's data
+    /// replica; an SFT prompt longer than `--seq`); absent while none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped_windows: Option<u64>,
 }
 
 /// serde_json writes a NaN as `null`: read it back as NaN.
@@ -183,6 +187,7 @@ impl StepMetrics {
             }),
             eval: r.eval.clone(),
             mixture: r.mixture.clone(),
+            skipped_windows: (r.skipped_windows > 0).then_some(r.skipped_windows),
         }
     }
 
@@ -304,6 +309,7 @@ mod tests {
             profile: None,
             eval: None,
             mixture: None,
+            skipped_windows: 0,
         }
     }
 

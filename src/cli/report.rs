@@ -148,6 +148,7 @@ mod tests {
             profile: None,
             eval: None,
             mixture: None,
+            skipped_windows: None,
         }
     }
 

@@ -96,27 +96,56 @@ pub fn run(a: TokenizeArgs) -> Result<i32> {
     Ok(0)
 }
 
+/// The documents left out, counted and the first few named (on stderr).
+fn print_left_out(s: &TokenizeSummary) {
+    let n = s.empty_documents + s.unanswered_documents;
+    if n == 0 {
+        return;
+    }
+    eprintln!(
+        "warning: left out {n} documents ({} rendered as nothing by the chat template, {} with \
+         no assistant token to train on); the first:",
+        s.empty_documents, s.unanswered_documents
+    );
+    for at in &s.left_out {
+        eprintln!("  {at}");
+    }
+}
+
 fn print_summary(a: &TokenizeArgs, s: &TokenizeSummary) {
     if a.json {
         let text = serde_json::to_string(s).expect("a summary always serialises");
         println!("{text}");
+        print_left_out(s);
         return;
     }
+    let ends = match s.conversations {
+        0 => format!("each document ending with id {}", s.eos),
+        n if n == s.documents => "each conversation ending as its chat template ends it".into(),
+        n => format!(
+            "each text ending with id {}, the {n} conversations as their chat template ends them",
+            s.eos
+        ),
+    };
     println!(
-        "wrote {}: {} documents, {} tokens (each document ending with id {}); document index {}",
+        "wrote {}: {} documents, {} tokens ({ends}); document index {}",
         a.out.display(),
         s.documents,
         s.tokens,
-        s.eos,
         index_path(&a.out).display()
     );
     if s.masked_documents > 0 {
         println!(
-            "loss mask {}: {} chat or prompt/completion documents count only their answers",
+            "loss mask {}: {} chat or prompt/completion documents count only their answers; \
+             the longest prompt, {} tokens, is {} (train with a --seq above it, or windows \
+             inside it have nothing to train on and are passed over)",
             mask_path(&a.out).display(),
-            s.masked_documents
+            s.masked_documents,
+            s.longest_prompt,
+            s.longest_prompt_at.as_deref().unwrap_or("-"),
         );
     }
+    print_left_out(s);
     println!(
         "tokens per document: p50 {}  p90 {}  p99 {}  max {}",
         s.p50, s.p90, s.p99, s.max

@@ -1,5 +1,6 @@
-//! Conversations rendered with a model's own chat template (the Jinja
-//! `chat_template` of its `tokenizer_config.json`) as Hugging Face's
+//! Conversations rendered with a model's own chat template (its
+//! `chat_template.jinja`, else the Jinja `chat_template` of its
+//! `tokenizer_config.json`) as Hugging Face's
 //! `apply_chat_template` renders them, and the mask of the assistant's
 //! tokens, the only ones whose loss counts.
 //!
@@ -35,15 +36,17 @@ pub struct ChatTemplate {
     has_generation: bool,
     /// `bos_token`, `eos_token`, ... of the config.
     specials: serde_json::Map<String, Value>,
-    /// The `tokenizer_config.json` it came from (for messages).
+    /// The file it came from (for messages).
     path: PathBuf,
 }
 
 impl ChatTemplate {
-    /// The template of the `tokenizer_config.json` beside `tokenizer` (a
-    /// `tokenizer.json` or its directory); `None` when there is no such
-    /// file or it has no `chat_template`. A template that does not parse is
-    /// an error naming the file.
+    /// The template beside `tokenizer` (a `tokenizer.json` or its
+    /// directory): `chat_template.jinja` (the file recent Hugging Face
+    /// checkpoints ship, which `transformers` reads before the config's),
+    /// else the `chat_template` of `tokenizer_config.json`; the special
+    /// tokens from `tokenizer_config.json`. `None` when there is neither. A
+    /// template that does not parse is an error naming its file.
     pub fn find(tokenizer: &Path) -> Result<Option<ChatTemplate>> {
         let dir = match tokenizer.is_dir() {
             true => tokenizer.to_path_buf(),
@@ -53,43 +56,43 @@ impl ChatTemplate {
                 .unwrap_or_default(),
         };
         let path = dir.join("tokenizer_config.json");
-        if !path.is_file() {
-            return Ok(None);
-        }
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-        let config: Value = serde_json::from_str(&text)
-            .map_err(|e| Error::Config(format!("{} is not valid JSON: {e}", path.display())))?;
-        let source = match config.get("chat_template") {
-            Some(Value::String(s)) => s.clone(),
-            // a list of named templates: the default one
-            Some(Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                .and_then(|t| t.get("template")?.as_str().map(str::to_string))
-                .unwrap_or_default(),
-            _ => String::new(),
-        };
-        if source.is_empty() {
-            return Ok(None);
-        }
-        let mut specials = serde_json::Map::new();
-        for key in ["bos_token", "eos_token", "unk_token", "pad_token"] {
-            let v = config.get(key);
-            let v = v.and_then(|v| v.get("content")).or(v);
-            if let Some(Value::String(s)) = v {
-                specials.insert(key.into(), Value::String(s.clone()));
+        let config: Value = match path.is_file() {
+            true => {
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+                serde_json::from_str(&text).map_err(|e| {
+                    Error::Config(format!("{} is not valid JSON: {e}", path.display()))
+                })?
             }
+            false => Value::Null,
+        };
+        let specials = special_tokens(&config);
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            let source = std::fs::read_to_string(&jinja)
+                .map_err(|e| Error::io(format!("reading {}", jinja.display()), e))?;
+            if config_template(&config).is_some_and(|s| s != source) {
+                tracing::info!(
+                    "{} and the chat_template of {} differ: using {0} (as transformers does)",
+                    jinja.display(),
+                    path.display()
+                );
+            }
+            return ChatTemplate::new(&source, specials, jinja).map(Some);
         }
-        ChatTemplate::new(&source, specials, path).map(Some)
+        match config_template(&config) {
+            Some(source) => ChatTemplate::new(&source, specials, path).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// The error for chat data where `tokenizer` has no chat template.
     pub fn missing(tokenizer: &str) -> Error {
         Error::Config(format!(
-            "chat data (JSONL lines with \"messages\") is rendered with the model's chat \
-             template, but --tokenizer {tokenizer} has no tokenizer_config.json with a \
-             chat_template beside it; tokenize with the model's own tokenizer directory"
+            "chat data (JSONL lines with \"messages\" or \"conversations\") is rendered with \
+             the model's chat template, but --tokenizer {tokenizer} has neither a \
+             chat_template.jinja nor a tokenizer_config.json with a chat_template beside it; \
+             tokenize with the model's own tokenizer directory"
         ))
     }
 
@@ -195,6 +198,35 @@ impl ChatTemplate {
         }
         Ok((text, spans))
     }
+}
+
+/// The `chat_template` of a `tokenizer_config.json` (of a list of named
+/// templates, the default one); `None` when it has none.
+fn config_template(config: &Value) -> Option<String> {
+    let source = match config.get("chat_template") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        _ => String::new(),
+    };
+    (!source.is_empty()).then_some(source)
+}
+
+/// `bos_token`, `eos_token`, `unk_token`, `pad_token` of a
+/// `tokenizer_config.json` (a string, or an object with its `content`).
+fn special_tokens(config: &Value) -> serde_json::Map<String, Value> {
+    let mut specials = serde_json::Map::new();
+    for key in ["bos_token", "eos_token", "unk_token", "pad_token"] {
+        let v = config.get(key);
+        let v = v.and_then(|v| v.get("content")).or(v);
+        if let Some(Value::String(s)) = v {
+            specials.insert(key.into(), Value::String(s.clone()));
+        }
+    }
+    specials
 }
 
 /// The roles a conversation may hold; another is refused (a template

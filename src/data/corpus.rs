@@ -266,6 +266,14 @@ pub struct SamplerState {
     pub epoch: u64,
     /// Windows already taken in the current epoch (by this rank).
     pub cursor: usize,
+    /// Windows with no counted target passed over so far (by this rank's
+    /// [`PackedSampler`](super::sampler::PackedSampler); 0 elsewhere).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub skipped: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Deterministic sampler of training windows.
@@ -342,6 +350,7 @@ impl SequenceSampler {
             state: SamplerState {
                 epoch: 0,
                 cursor: 0,
+                skipped: 0,
             },
             offset: 0,
             order: Vec::new(),
@@ -430,7 +439,11 @@ impl SequenceSampler {
             .step_by(self.world)
             .take(per_rank)
             .collect();
-        self.state = SamplerState { epoch, cursor: 0 };
+        self.state = SamplerState {
+            epoch,
+            cursor: 0,
+            skipped: 0,
+        };
     }
 }
 
@@ -649,7 +662,8 @@ mod tests {
             s.state(),
             SamplerState {
                 epoch: 0,
-                cursor: 8
+                cursor: 8,
+                skipped: 0,
             }
         );
         s.next_window();
@@ -680,6 +694,7 @@ mod tests {
         let bad = SamplerState {
             epoch: 0,
             cursor: 1000,
+            skipped: 0,
         };
         assert!(matches!(b.restore(bad), Err(Error::Checkpoint(_))));
     }

@@ -2,7 +2,7 @@
 //! index and loss mask (`doc_index.rs`), read and checked together.
 
 use super::corpus::load_tokens;
-use super::doc_index::{DocIndex, LossMask, index_path, mask_path};
+use super::doc_index::{DocIndex, LossMask, check_stamp, index_path, mask_path};
 use super::tokens::{TokenFormat, Tokens};
 use crate::error::Result;
 use std::path::Path;
@@ -50,11 +50,17 @@ impl Dataset {
             true => Some(Arc::new(DocIndex::open(&index, n)?)),
             false => None,
         };
+        if let Some(d) = &docs {
+            check_stamp(d.stamp(), &tokens, &index)?;
+        }
         let mask = mask_path(path);
         let mask = match mask.exists() {
             true => Some(LossMask::open(&mask, n)?),
             false => None,
         };
+        if let Some(m) = &mask {
+            check_stamp(m.stamp(), &tokens, &mask_path(path))?;
+        }
         Ok(Dataset { tokens, docs, mask })
     }
 

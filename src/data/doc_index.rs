@@ -12,7 +12,7 @@
 //! IDS.docs                              IDS.mask
 //! 0..8    magic  "UPIPEDIX"             0..8    magic  "UPIPEMSK"
 //! 8..12   u32    version (1)            8..12   u32    version (1)
-//! 12..16  u32    0 (reserved)           12..16  u32    0 (reserved)
+//! 12..16  u32    ids stamp (or 0)       12..16  u32    ids stamp (or 0)
 //! 16..24  u64    ids in IDS (N)         16..24  u64    ids in IDS (N)
 //! 24..32  u64    documents (D)          24..    ceil(N/8) bytes: bit i (byte
 //! 32..    D x u64 document starts:              i/8, bit i%8, least
@@ -21,6 +21,12 @@
 //! ```
 //!
 //! Document `d` is ids `starts[d]..starts[d+1]` (the last one ends at N).
+//!
+//! The ids stamp ([`ids_stamp`]: a hash of N and the first and last 4,096
+//! ids, never 0) ties both files to the ids they were written with: a run
+//! refuses an index or a mask whose stamp is not that of the ids beside it
+//! (one `upipe tokenize` killed while it replaced the three files). Files
+//! written before the stamp hold 0 there and are checked by N alone.
 
 use crate::error::{Error, Result};
 use memmap2::Mmap;
@@ -39,6 +45,71 @@ const INDEX_HEADER: usize = 32;
 /// Bytes before the bits of a mask.
 const MASK_HEADER: usize = 24;
 
+/// Ids hashed at each end of a stream for its [`ids_stamp`].
+pub const STAMP_IDS: usize = 4096;
+
+/// The stamp of a stream of ids that its index and mask carry
+/// ([`stamp_of`] its length and ends).
+pub fn ids_stamp(tokens: &super::Tokens) -> u32 {
+    let n = tokens.len();
+    let head = tokens.read(0..n.min(STAMP_IDS));
+    let tail = tokens.read(n.saturating_sub(STAMP_IDS)..n);
+    stamp_of(n as u64, &head, &tail)
+}
+
+/// FNV-1a of `n` ids' count, their first (`head`) and their last (`tail`)
+/// `min(n, STAMP_IDS)` ids, folded to 32 bits (1 where that is 0, which
+/// means "no stamp").
+pub fn stamp_of(n: u64, head: &[u32], tail: &[u32]) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    eat(&n.to_le_bytes());
+    head.iter()
+        .chain(tail)
+        .for_each(|id| eat(&id.to_le_bytes()));
+    match (h ^ (h >> 32)) as u32 {
+        0 => 1,
+        s => s,
+    }
+}
+
+/// Writes `stamp` into the header of the index or mask at `path`.
+pub fn write_stamp(path: &Path, stamp: u32) -> Result<()> {
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(|e| write_err(path, e))?;
+    file.seek(SeekFrom::Start(12))
+        .and_then(|_| file.write_all(&stamp.to_le_bytes()))
+        .and_then(|_| file.sync_all())
+        .map_err(|e| write_err(path, e))
+}
+
+/// Refuses an index or mask (`what`, stamped `said`) beside ids `ids` of
+/// another stamp; 0 (a file written before stamps) is not checked.
+pub fn check_stamp(said: u32, ids: &super::Tokens, what: &Path) -> Result<()> {
+    if said == 0 || said == ids_stamp(ids) {
+        return Ok(());
+    }
+    crate::config_err!(
+        "{} was written with other ids than those of {} (a `upipe tokenize` stopped while it \
+         replaced its files, or files of two runs put together): its documents or its loss \
+         mask would not fit the ids; run `upipe tokenize` again to write the ids, the index \
+         and the mask together",
+        what.display(),
+        ids.name()
+    )
+}
+
+/// The stamp in a header (bytes 12..16).
+fn header_stamp(bytes: &[u8]) -> u32 {
+    u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes"))
+}
+
 /// The document index of a file of ids beside it: `IDS.docs`.
 pub fn index_path(ids: &Path) -> PathBuf {
     PathBuf::from(format!("{}.docs", ids.display()))
@@ -56,6 +127,8 @@ pub struct DocIndex {
     starts: Vec<u64>,
     /// Ids in the stream.
     tokens: u64,
+    /// The ids' stamp its file carries (0: none).
+    stamp: u32,
 }
 
 impl DocIndex {
@@ -82,7 +155,16 @@ impl DocIndex {
                 "a document starts at {last}, past the end of the {tokens} ids"
             ));
         }
-        Ok(DocIndex { starts, tokens })
+        Ok(DocIndex {
+            starts,
+            tokens,
+            stamp: 0,
+        })
+    }
+
+    /// The [`ids_stamp`] of the ids its file was written with (0: none).
+    pub fn stamp(&self) -> u32 {
+        self.stamp
     }
 
     /// Reads the index at `path` and checks it against `ids` ids.
@@ -106,7 +188,8 @@ impl DocIndex {
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
             .collect();
-        DocIndex::new(starts, tokens, &what)
+        let stamp = header_stamp(&bytes);
+        DocIndex::new(starts, tokens, &what).map(|d| DocIndex { stamp, ..d })
     }
 
     /// Number of documents.
@@ -130,6 +213,11 @@ impl DocIndex {
         self.starts[d]..end
     }
 
+    /// The document holding id `id` of the stream.
+    pub fn document_of(&self, id: u64) -> usize {
+        self.starts.partition_point(|&s| s <= id).saturating_sub(1)
+    }
+
     /// The starts of the documents in `range` of the stream, ascending.
     pub fn starts_in(&self, range: std::ops::Range<u64>) -> &[u64] {
         let lo = self.starts.partition_point(|&s| s < range.start);
@@ -143,6 +231,8 @@ impl DocIndex {
 pub struct LossMask {
     bits: MaskBits,
     tokens: u64,
+    /// The ids' stamp its file carries (0: none).
+    stamp: u32,
 }
 
 #[derive(Clone)]
@@ -167,6 +257,7 @@ impl LossMask {
         LossMask {
             bits: MaskBits::Owned(bits.into()),
             tokens: flags.len() as u64,
+            stamp: 0,
         }
     }
 
@@ -190,9 +281,15 @@ impl LossMask {
         }
         check_count(tokens, ids, &what)?;
         Ok(LossMask {
+            stamp: header_stamp(&map),
             bits: MaskBits::Mapped(Arc::new(map)),
             tokens,
         })
+    }
+
+    /// The [`ids_stamp`] of the ids its file was written with (0: none).
+    pub fn stamp(&self) -> u32 {
+        self.stamp
     }
 
     /// Tokens the mask covers.
@@ -200,13 +297,37 @@ impl LossMask {
         self.tokens
     }
 
+    /// Whether any token of `range` counts as a target.
+    pub fn counts_any(&self, range: std::ops::Range<u64>) -> bool {
+        let end = range.end.min(self.tokens);
+        let mut i = range.start;
+        while i < end {
+            if i.is_multiple_of(8) && end - i >= 8 {
+                // a whole byte at once
+                if self.byte(i / 8) != 0 {
+                    return true;
+                }
+                i += 8;
+                continue;
+            }
+            if self.counts(i) {
+                return true;
+            }
+            i += 1;
+        }
+        false
+    }
+
+    fn byte(&self, b: u64) -> u8 {
+        match &self.bits {
+            MaskBits::Owned(bits) => bits[b as usize],
+            MaskBits::Mapped(m) => m[MASK_HEADER + b as usize],
+        }
+    }
+
     /// Whether token `i` counts as a target.
     pub fn counts(&self, i: u64) -> bool {
-        let byte = match &self.bits {
-            MaskBits::Owned(b) => b[(i / 8) as usize],
-            MaskBits::Mapped(m) => m[MASK_HEADER + (i / 8) as usize],
-        };
-        byte >> (i % 8) & 1 == 1
+        self.byte(i / 8) >> (i % 8) & 1 == 1
     }
 }
 

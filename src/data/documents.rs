@@ -34,6 +34,25 @@ impl Document {
     }
 }
 
+/// Where a document came from: its file (an index into
+/// [`Documents::files`]) and its line or row there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub file: usize,
+    pub at: PlaceAt,
+}
+
+/// A document's place within its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlaceAt {
+    /// The whole file (a text file).
+    Whole,
+    /// A JSONL line (1-based).
+    Line(usize),
+    /// A Parquet row (1-based).
+    Row(u64),
+}
+
 /// The total size in bytes of `inputs` (for progress; unreadable ones count 0).
 pub fn input_bytes(inputs: &[PathBuf]) -> u64 {
     let files = expand_inputs(inputs).unwrap_or_default();
@@ -65,6 +84,10 @@ pub struct Documents {
     field: String,
     current: Option<Open>,
     buf: String,
+    /// Where the document returned last came from.
+    place: Place,
+    /// Rows read from the current Parquet file.
+    rows: u64,
 }
 
 impl Documents {
@@ -87,6 +110,11 @@ impl Documents {
             field: field.to_string(),
             current: None,
             buf: String::new(),
+            place: Place {
+                file: 0,
+                at: PlaceAt::Whole,
+            },
+            rows: 0,
         })
     }
 
@@ -95,19 +123,39 @@ impl Documents {
         &self.inputs
     }
 
+    /// Where the document [`Documents::next_doc`] returned last came from.
+    pub fn place(&self) -> Place {
+        self.place
+    }
+
+    /// `place` in words: `FILE line N`, `FILE row N` or `FILE`.
+    pub fn describe(&self, place: Place) -> String {
+        let file = self.inputs.get(place.file).map(|p| p.display());
+        let file = file.map(|f| f.to_string()).unwrap_or_default();
+        match place.at {
+            PlaceAt::Whole => file,
+            PlaceAt::Line(n) => format!("{file} line {n}"),
+            PlaceAt::Row(n) => format!("{file} row {n}"),
+        }
+    }
+
     /// The next document and how many input bytes it used, or `None` after the last.
     pub fn next_doc(&mut self) -> Result<Option<(Document, u64)>> {
         loop {
+            let file = self.next_input.saturating_sub(1);
             let next = match &mut self.current {
-                Some(Open::Jsonl(f)) => next_jsonl_doc(f, &self.field, &mut self.buf)?,
+                Some(Open::Jsonl(f)) => next_jsonl_doc(f, &self.field, &mut self.buf)?
+                    .map(|d| (d, PlaceAt::Line(f.line))),
                 Some(Open::Parquet(p)) => p.next_text()?.map(|t| {
                     let n = t.len() as u64;
-                    (Document::Text(t), n)
+                    self.rows += 1;
+                    ((Document::Text(t), n), PlaceAt::Row(self.rows))
                 }),
                 None => None,
             };
-            if next.is_some() {
-                return Ok(next);
+            if let Some((doc, at)) = next {
+                self.place = Place { file, at };
+                return Ok(Some(doc));
             }
             self.current = None;
             let Some(path) = self.inputs.get(self.next_input).cloned() else {
@@ -116,10 +164,15 @@ impl Documents {
             self.next_input += 1;
             if is_parquet(&path) {
                 self.current = Some(Open::Parquet(ParquetDocs::open(&path, &self.field)?));
+                self.rows = 0;
                 continue;
             }
             if !is_jsonl(&path) {
                 let used = path.metadata().map(|m| m.len()).unwrap_or(0);
+                self.place = Place {
+                    file: self.next_input - 1,
+                    at: PlaceAt::Whole,
+                };
                 return Ok(Some((Document::Text(read_text(&path)?), used)));
             }
             self.current = Some(Open::Jsonl(JsonlFile {
@@ -174,13 +227,57 @@ fn line_document(value: &serde_json::Value, field: &str, at: &str) -> Result<Doc
     if let Some(m) = value.get("messages") {
         return chat_messages(m, at).map(Document::Chat);
     }
+    if let Some(c) = value.get("conversations") {
+        return sharegpt_messages(c, at).map(Document::Chat);
+    }
     if let (Some(prompt), Some(completion)) = (text("prompt")?, text("completion")?) {
         return Ok(Document::PromptCompletion { prompt, completion });
     }
     crate::config_err!(
-        "{at}: no field \"{field}\" (nor \"messages\", nor \"prompt\" and \"completion\"); \
-         name the field holding the text with --field"
+        "{at}: no field \"{field}\" (nor \"messages\", nor \"conversations\", nor \"prompt\" \
+         and \"completion\"); name the field holding the text with --field"
     )
+}
+
+/// ShareGPT's speakers (`from`) and the roles they are.
+const SHAREGPT_ROLES: [(&str, &str); 7] = [
+    ("system", "system"),
+    ("human", "user"),
+    ("user", "user"),
+    ("gpt", "assistant"),
+    ("assistant", "assistant"),
+    ("tool", "tool"),
+    ("function_response", "tool"),
+];
+
+/// A ShareGPT conversation (`conversations`: objects with `from` and
+/// `value`) as messages of `role` and `content`.
+fn sharegpt_messages(c: &serde_json::Value, at: &str) -> Result<Vec<serde_json::Value>> {
+    let Some(list) = c.as_array().filter(|l| !l.is_empty()) else {
+        return crate::config_err!("{at}: \"conversations\" is not a non-empty list of turns");
+    };
+    let known = || SHAREGPT_ROLES.map(|(f, _)| f).join(", ");
+    let mut messages = Vec::with_capacity(list.len());
+    for (i, turn) in list.iter().enumerate() {
+        let (Some(from), Some(value)) = (
+            turn.get("from").and_then(|f| f.as_str()),
+            turn.get("value").and_then(|v| v.as_str()),
+        ) else {
+            return crate::config_err!(
+                "{at}: turn {i} of \"conversations\" has no string \"from\" and \"value\"; \
+                 each ShareGPT turn is {{\"from\": \"human\"|\"gpt\"|..., \"value\": \"...\"}}"
+            );
+        };
+        let Some((_, role)) = SHAREGPT_ROLES.iter().find(|(f, _)| *f == from) else {
+            return crate::config_err!(
+                "{at}: turn {i} of \"conversations\" is from \"{from}\", which upipe does not \
+                 know as a role; use one of {}",
+                known()
+            );
+        };
+        messages.push(serde_json::json!({"role": role, "content": value}));
+    }
+    Ok(messages)
 }
 
 /// A conversation's messages: objects with a string `role` and `content`.

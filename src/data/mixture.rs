@@ -186,26 +186,30 @@ pub fn check_mixture_file(path: &Path, tokenizer: Option<&str>) -> Result<()> {
     crate::input_path::check_file(path, "--data")
 }
 
-/// The id (nearly) every document of `data` ends with: of up to 256
-/// documents spread over its index, the last id of at least 90%; `None`
-/// without an index or without such an id.
+/// The id (nearly) every text document of `data` ends with: of up to 256
+/// documents spread over its index, the last id of at least 90% of those
+/// whose first id the loss mask counts (a conversation's first id, its
+/// prompt's, is not counted: it ends as its chat template ends it, not
+/// with the end-of-sequence id); `None` without an index or such an id.
 fn document_end_id(data: &Dataset) -> Option<u32> {
     let docs = data.docs.as_ref()?;
     let n = docs.len();
     let sample = n.min(256);
-    if sample == 0 {
-        return None;
-    }
     let mut counts = std::collections::BTreeMap::<u32, usize>::new();
     let mut last = Vec::new();
+    let mut texts = 0;
     for i in 0..sample {
         let span = docs.span(i * n / sample);
+        if data.mask.as_ref().is_some_and(|m| !m.counts(span.start)) {
+            continue;
+        }
+        texts += 1;
         data.tokens
             .read_into(span.end as usize - 1..span.end as usize, &mut last);
         *counts.entry(last[0]).or_default() += 1;
     }
     let (&id, &count) = counts.iter().max_by_key(|(_, c)| **c)?;
-    (count * 10 >= sample * 9).then_some(id)
+    (count * 10 >= texts * 9).then_some(id)
 }
 
 /// Where a [`MixtureSampler`] of several corpora is, for checkpoints.
@@ -282,6 +286,15 @@ impl MixtureSampler {
         let j = next_corpus(&self.weights, &self.taken);
         self.taken[j] += 1;
         self.samplers[j].next_packed()
+    }
+
+    /// Windows with no counted target passed over so far, every corpus's
+    /// ([`PackedSampler::next_packed`]).
+    pub fn skipped_windows(&self) -> u64 {
+        self.samplers
+            .iter()
+            .map(PackedSampler::skipped_windows)
+            .sum()
     }
 
     /// The corpus each of the next `n` windows will come from.

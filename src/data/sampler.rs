@@ -8,6 +8,12 @@
 //! from the seed and the epoch, rank `r` of `world` taking every
 //! `world`-th, so that one epoch uses every id of every document exactly
 //! once (less the last `windows % world` windows of the shuffled order).
+//!
+//! A window with no counted target (an SFT prompt longer than `--seq`, a
+//! stretch of 1-id documents) is passed over: the next one is drawn in its
+//! place, so a step's windows always give a loss. The windows passed over
+//! are counted in the saved state (`skipped`), so a resumed run draws the
+//! same windows and keeps counting; the first is logged with its document.
 
 use super::corpus::{SamplerState, SequenceSampler};
 use super::dataset::Dataset;
@@ -23,6 +29,8 @@ pub struct PackedSampler {
     data: Dataset,
     mode: PackMode,
     order: Order,
+    /// Windows with no counted target passed over so far.
+    skipped: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -57,7 +65,16 @@ impl PackedSampler {
         rank: usize,
         world: usize,
     ) -> Result<PackedSampler> {
-        let data = data.into();
+        let data: Dataset = data.into();
+        if let Some(mask) = &data.mask
+            && !mask.counts_any(0..mask.tokens())
+        {
+            return crate::config_err!(
+                "{}: its loss mask counts no target (every token a prompt), so no window has \
+                 anything to train on; tokenize data with answers (assistant turns, completions)",
+                data.tokens.name()
+            );
+        }
         let order = match mode {
             PackMode::Stream | PackMode::Documents => Order::Cut(SequenceSampler::sharded(
                 data.tokens.clone(),
@@ -68,7 +85,12 @@ impl PackedSampler {
             )?),
             PackMode::Bfd => Order::Bins(BinOrder::new(&data, seq, seed, rank, world)?),
         };
-        Ok(PackedSampler { data, mode, order })
+        Ok(PackedSampler {
+            data,
+            mode,
+            order,
+            skipped: 0,
+        })
     }
 
     /// The packing.
@@ -86,34 +108,90 @@ impl PackedSampler {
 
     /// The current position, to store in a checkpoint.
     pub fn state(&self) -> SamplerState {
-        match &self.order {
+        let inner = match &self.order {
             Order::Cut(s) => s.state(),
             Order::Bins(b) => b.state,
+        };
+        SamplerState {
+            skipped: self.skipped,
+            ..inner
         }
+    }
+
+    /// Windows with no counted target passed over so far (resumed runs
+    /// included).
+    pub fn skipped_windows(&self) -> u64 {
+        self.skipped
     }
 
     /// Moves to a position previously returned by [`PackedSampler::state`].
     pub fn restore(&mut self, state: SamplerState) -> Result<()> {
+        self.skipped = state.skipped;
         match &mut self.order {
             Order::Cut(s) => s.restore(state),
             Order::Bins(b) => b.restore(state),
         }
     }
 
-    /// The next window, moving to the next epoch when this one is used up.
+    /// The next window with a counted target, moving to the next epoch when
+    /// this one is used up. Windows with none are passed over and counted;
+    /// when a whole epoch's worth in a row count nothing, the last is
+    /// returned (the step then fails, naming the data).
     pub fn next_packed(&mut self) -> PackedWindow {
+        let mut passed = 0;
+        loop {
+            let (w, first_id) = self.draw();
+            if w.counted() > 0 || passed > self.windows_per_epoch() {
+                return w;
+            }
+            if self.skipped == 0 {
+                self.log_first_skip(first_id, w.len());
+            }
+            self.skipped += 1;
+            passed += 1;
+        }
+    }
+
+    /// The next window as packed, and the stream position of its first id.
+    fn draw(&mut self) -> (PackedWindow, u64) {
         let d = &self.data;
         match &mut self.order {
             Order::Cut(s) => {
                 let w = s.next_window();
                 let (docs, mask) = (d.docs.as_deref(), d.mask.as_ref());
-                cut_window(w.start as u64, w.tokens, docs, mask, self.mode)
+                let start = w.start as u64;
+                (cut_window(start, w.tokens, docs, mask, self.mode), start)
             }
             Order::Bins(b) => {
-                let bin = b.next_bin();
-                bin_window(&b.bins[bin], &d.tokens, d.mask.as_ref(), b.seq)
+                let next = b.next_bin();
+                let bin = &b.bins[next];
+                let first = bin.first().map_or(0, |p| p.start);
+                (bin_window(bin, &d.tokens, d.mask.as_ref(), b.seq), first)
             }
         }
+    }
+
+    /// Says which document the first window passed over came from.
+    fn log_first_skip(&self, first_id: u64, seq: usize) {
+        let name = self.data.tokens.name();
+        let doc = match &self.data.docs {
+            Some(docs) => {
+                let d = docs.document_of(first_id);
+                let span = docs.span(d);
+                format!(
+                    "document {d} (ids {}..{}, {} tokens)",
+                    span.start,
+                    span.end,
+                    span.end - span.start
+                )
+            }
+            None => format!("ids from {first_id}"),
+        };
+        tracing::warn!(
+            "{name}: a window of --seq {seq} at {doc} holds no counted target (an SFT prompt \
+             longer than --seq, or documents of one id): it is passed over, and so is every \
+             such window (`skipped_windows` in the metrics); a longer --seq trains on it"
+        );
     }
 }
 
@@ -147,6 +225,7 @@ impl BinOrder {
             state: SamplerState {
                 epoch: 0,
                 cursor: 0,
+                skipped: 0,
             },
             order: Vec::new(),
         };
@@ -192,7 +271,11 @@ impl BinOrder {
             .step_by(self.world)
             .take(per_rank)
             .collect();
-        self.state = SamplerState { epoch, cursor: 0 };
+        self.state = SamplerState {
+            epoch,
+            cursor: 0,
+            skipped: 0,
+        };
     }
 }
 
@@ -265,6 +348,36 @@ mod tests {
                 assert_eq!(td, if crosses { IGNORE } else { ts }, "at {q}");
             }
         }
+    }
+
+    /// Windows that count nothing (a prompt longer than the window) are
+    /// never returned, in any mode; the count is saved and restored.
+    #[test]
+    fn windows_with_no_counted_target_are_passed_over_and_counted() {
+        use crate::data::doc_index::LossMask;
+        let lengths = [3u64, 40, 5, 4];
+        let mut data = dataset(&lengths);
+        // document 1 is a prompt of 36 ids and an answer of 4
+        let flags: Vec<bool> = (0..52).map(|i| !(3..39).contains(&i)).collect();
+        data.mask = Some(LossMask::from_flags(&flags));
+        for mode in [PackMode::Stream, PackMode::Documents, PackMode::Bfd] {
+            let mut s = PackedSampler::sharded(data.clone(), mode, 8, 5, 0, 1).unwrap();
+            let drawn = windows(&mut s, 40);
+            assert!(drawn.iter().all(|w| w.counted() > 0), "{mode}");
+            let skipped = s.skipped_windows();
+            assert!(skipped > 0, "{mode}: the prompt's windows were drawn");
+            let mut r = PackedSampler::sharded(data.clone(), mode, 8, 5, 0, 1).unwrap();
+            r.restore(s.state()).unwrap();
+            assert_eq!(r.skipped_windows(), skipped);
+            assert_eq!(windows(&mut s, 20), windows(&mut r, 20), "{mode}");
+            assert_eq!(r.skipped_windows(), s.skipped_windows());
+        }
+        // a mask that counts nothing at all is refused, naming the data
+        data.mask = Some(LossMask::from_flags(&[false; 52]));
+        let e = PackedSampler::sharded(data, PackMode::Bfd, 8, 5, 0, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("counts no target"), "{e}");
     }
 
     #[test]

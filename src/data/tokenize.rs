@@ -13,8 +13,10 @@
 
 use super::chat::{ChatTemplate, encode_chat};
 use super::corpus::Tokenizer;
-use super::doc_index::{IndexWriter, MaskWriter, index_path, mask_path};
-use super::documents::{Document, Documents};
+use super::doc_index::{
+    IndexWriter, MaskWriter, STAMP_IDS, index_path, mask_path, stamp_of, write_stamp,
+};
+use super::documents::{Document, Documents, Place};
 use super::tokens::TokenFormat;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -175,6 +177,20 @@ pub struct TokenizeSummary {
     /// Conversations and prompt/completion documents (whose loss mask
     /// counts only the answer).
     pub masked_documents: u64,
+    /// Conversations among them (each ending as its chat template ends it,
+    /// not with `eos`).
+    pub conversations: u64,
+    /// Documents left out: a chat template that rendered a conversation as
+    /// nothing, or a conversation with no assistant token to train on.
+    pub empty_documents: u64,
+    pub unanswered_documents: u64,
+    /// Where the first few left out are, and why.
+    pub left_out: Vec<String>,
+    /// The longest run of consecutive ids whose targets the mask does not
+    /// count (a prompt), and where: a `train --seq` not above it makes
+    /// windows with nothing to train on, which training passes over.
+    pub longest_prompt: usize,
+    pub longest_prompt_at: Option<String>,
     /// Tokens per document: p50, p90, p99, max.
     pub p50: usize,
     pub p90: usize,
@@ -217,11 +233,78 @@ impl Encoding<'_> {
                 let chat = self
                     .chat
                     .ok_or_else(|| ChatTemplate::missing(self.tokenizer))?;
-                let (ids, mask) = encode_chat(self.tok, chat, messages)?;
+                let (ids, mask) =
+                    encode_chat(self.tok, chat, messages).map_err(|e| {
+                        match messages.iter().position(|m| m["content"].is_array()) {
+                            Some(i) => with_note(
+                                e,
+                                &format!(
+                                    "message {i}'s content is a list of parts, which this template \
+                                 may not render: give each message's content as one string"
+                                ),
+                            ),
+                            None => e,
+                        }
+                    })?;
                 Ok((ids, Some(mask)))
             }
         }
     }
+}
+
+/// A configuration error with `note` after its message.
+fn with_note(e: Error, note: &str) -> Error {
+    match e {
+        Error::Config(m) => Error::Config(format!("{m} ({note})")),
+        other => other,
+    }
+}
+
+/// A configuration error with the document's place `at` before its message.
+fn located(e: Error, at: &str) -> Error {
+    match e {
+        Error::Config(m) => Error::Config(format!("{at}: {m}")),
+        other => other,
+    }
+}
+
+/// The inputs of `upipe tokenize` less its own files: the ids, indexes and
+/// masks it writes (by name: `.u32`/`.u16`/`.bin` and their `.docs`,
+/// `.mask` and `.partial` files, `out`'s among them) are refused when named
+/// and left out, with a note, when a directory holds them.
+pub fn select_inputs(inputs: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>> {
+    if let Some(ids) = inputs.iter().find(|p| !p.is_dir() && is_tokenize_output(p)) {
+        return crate::config_err!(
+            "input {} is pre-tokenized (by its name: ids, or the index, mask or partial file \
+             `upipe tokenize` writes beside them): upipe tokenize reads text and JSONL files; \
+             train on ids with --data, or give the text they were made from (--out {} names \
+             where the output goes, never an input)",
+            ids.display(),
+            out.display()
+        );
+    }
+    let all = super::inputs::expand_inputs(inputs)?;
+    let (skipped, kept): (Vec<PathBuf>, Vec<PathBuf>) =
+        all.into_iter().partition(|p| is_tokenize_output(p));
+    if let Some(first) = skipped.first() {
+        tracing::warn!(
+            "left out {} file(s) of the input directories that upipe tokenize writes (ids, \
+             their index, mask or partial files), such as {}: they are not text",
+            skipped.len(),
+            first.display()
+        );
+    }
+    Ok(kept)
+}
+
+/// Whether `path` is named as a file `upipe tokenize` writes.
+fn is_tokenize_output(path: &Path) -> bool {
+    let name = path.to_string_lossy();
+    let mut base: &str = &name;
+    for suffix in [".partial", ".docs", ".mask"] {
+        base = base.strip_suffix(suffix).unwrap_or(base);
+    }
+    TokenFormat::of_path(Path::new(base)).is_some()
 }
 
 /// Tokenizes the documents of `inputs` (a JSONL line's text under `field`)
@@ -249,23 +332,14 @@ pub fn tokenize_files(
             enc.tok.vocab_size()
         );
     }
-    // a file of ids read as text is noise, and would be the output itself
-    // when named as --out too (replaced by the tokens of its own bytes)
-    if let Some(ids) = inputs.iter().find(|p| TokenFormat::of_path(p).is_some()) {
-        return crate::config_err!(
-            "input {} is pre-tokenized (by its extension): upipe tokenize reads text and JSONL \
-             files; train on it with --data {0}, or give the text it was made from",
-            ids.display()
-        );
-    }
-    let mut docs = Documents::new(inputs, field)?;
+    let files = select_inputs(inputs, out)?;
+    let mut docs = Documents::new(&files, field)?;
     let outputs = [out.to_path_buf(), index_path(out), mask_path(out)];
     let partial = outputs
         .clone()
         .map(|p| PathBuf::from(format!("{}.partial", p.display())));
-    let result = write_all(&mut docs, enc, format, &partial, batch_bytes, progress);
-    let (lengths, masked) = match result {
-        Ok(l) => l,
+    let tally = match write_all(&mut docs, enc, format, &partial, batch_bytes, progress) {
+        Ok(t) => t,
         Err(e) => {
             // best effort: the error is what matters
             for p in &partial {
@@ -274,11 +348,24 @@ pub fn tokenize_files(
             return Err(e);
         }
     };
-    if masked == 0 {
-        // no mask this time: one left from an earlier run would not fit the ids
-        let _ = std::fs::remove_file(&outputs[2]);
+    replace_outputs(&partial, &outputs, tally.stamp)?;
+    Ok(tally.summary(enc.eos))
+}
+
+/// Stamps the index and mask written at `partial` with the ids' `stamp`
+/// and renames them over `outputs` (ids, index, mask): the mask first, the
+/// ids last, so that a kill at any point leaves files a run refuses
+/// (stamps that differ) or the old or the new set whole; a mask of an
+/// earlier run with none now is removed last (until then its stamp is
+/// refused beside the new ids).
+fn replace_outputs(partial: &[PathBuf; 3], outputs: &[PathBuf; 3], stamp: u32) -> Result<()> {
+    let has_mask = partial[2].exists();
+    write_stamp(&partial[1], stamp)?;
+    if has_mask {
+        write_stamp(&partial[2], stamp)?;
     }
-    for (from, to) in partial.iter().zip(&outputs).filter(|(p, _)| p.exists()) {
+    for i in [2, 1, 0].into_iter().filter(|&i| i != 2 || has_mask) {
+        let (from, to) = (&partial[i], &outputs[i]);
         std::fs::rename(from, to).map_err(|e| {
             Error::io(
                 format!("renaming {} to {}", from.display(), to.display()),
@@ -286,20 +373,106 @@ pub fn tokenize_files(
             )
         })?;
     }
-    Ok(TokenizeSummary {
-        documents: lengths.documents,
-        tokens: lengths.tokens,
-        eos: enc.eos,
-        masked_documents: masked,
-        p50: lengths.percentile(50.0),
-        p90: lengths.percentile(90.0),
-        p99: lengths.percentile(99.0),
-        max: lengths.counts.keys().next_back().copied().unwrap_or(0),
-    })
+    if !has_mask && outputs[2].exists() {
+        std::fs::remove_file(&outputs[2])
+            .map_err(|e| Error::io(format!("removing {}", outputs[2].display()), e))?;
+    }
+    Ok(())
+}
+
+/// What [`write_all`] counted.
+#[derive(Default)]
+struct Tally {
+    lengths: Lengths,
+    masked: u64,
+    conversations: u64,
+    empty: u64,
+    unanswered: u64,
+    left_out: Vec<String>,
+    longest_prompt: usize,
+    longest_prompt_at: Option<String>,
+    /// The ids' first and last [`STAMP_IDS`], for their stamp.
+    head: Vec<u32>,
+    tail: std::collections::VecDeque<u32>,
+    stamp: u32,
+}
+
+/// Names kept of the documents left out.
+const LEFT_OUT_NAMED: usize = 5;
+
+impl Tally {
+    /// Counts a document that is left out (`why`), naming the first few.
+    fn leave_out(&mut self, at: String, empty: bool) {
+        let why = match empty {
+            true => "the chat template rendered the conversation as nothing",
+            false => "no assistant token to train on (a conversation with no assistant turn)",
+        };
+        *(if empty {
+            &mut self.empty
+        } else {
+            &mut self.unanswered
+        }) += 1;
+        if self.left_out.len() < LEFT_OUT_NAMED {
+            self.left_out.push(format!("{at}: {why}"));
+        }
+    }
+
+    /// Keeps the ids' ends for their stamp.
+    fn see_ids(&mut self, ids: &[u32]) {
+        let room = STAMP_IDS.saturating_sub(self.head.len());
+        self.head.extend(ids.iter().take(room));
+        for &id in ids.iter().rev().take(STAMP_IDS).rev() {
+            if self.tail.len() == STAMP_IDS {
+                self.tail.pop_front();
+            }
+            self.tail.push_back(id);
+        }
+    }
+
+    /// The longest run of uncounted flags of a document at `at`.
+    fn see_prompt(&mut self, flags: &[bool], at: impl FnOnce() -> String) {
+        let mut run = 0;
+        let longest = flags.iter().fold(0, |best, &f| {
+            run = if f { 0 } else { run + 1 };
+            best.max(run)
+        });
+        if longest > self.longest_prompt {
+            self.longest_prompt = longest;
+            self.longest_prompt_at = Some(at());
+        }
+    }
+
+    fn summary(self, eos: u32) -> TokenizeSummary {
+        let l = &self.lengths;
+        TokenizeSummary {
+            documents: l.documents,
+            tokens: l.tokens,
+            eos,
+            masked_documents: self.masked,
+            conversations: self.conversations,
+            empty_documents: self.empty,
+            unanswered_documents: self.unanswered,
+            left_out: self.left_out,
+            longest_prompt: self.longest_prompt,
+            longest_prompt_at: self.longest_prompt_at,
+            p50: l.percentile(50.0),
+            p90: l.percentile(90.0),
+            p99: l.percentile(99.0),
+            max: l.counts.keys().next_back().copied().unwrap_or(0),
+        }
+    }
+}
+
+/// The files [`write_all`] writes into.
+struct Writers<'a> {
+    ids: std::io::BufWriter<std::fs::File>,
+    index: IndexWriter,
+    mask: Option<MaskWriter>,
+    paths: &'a [PathBuf; 3],
 }
 
 /// The batch loop: read, tokenize in parallel, write ids, index and mask in
-/// order (`paths`: ids, index, mask). The lengths and the masked documents.
+/// order (`paths`: ids, index, mask). What it counted, the ids' stamp set.
 fn write_all(
     docs: &mut Documents,
     enc: &Encoding,
@@ -307,58 +480,77 @@ fn write_all(
     paths: &[PathBuf; 3],
     batch_bytes: usize,
     progress: &dyn Fn(u64),
-) -> Result<(Lengths, u64)> {
+) -> Result<Tally> {
     let io = |e| Error::io(format!("writing {}", paths[0].display()), e);
     let file = std::fs::File::create(&paths[0]).map_err(io)?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    let mut index = IndexWriter::create(&paths[1])?;
-    let mut mask: Option<MaskWriter> = None;
-    let (mut lengths, mut masked) = (Lengths::default(), 0u64);
+    let mut w = Writers {
+        ids: std::io::BufWriter::with_capacity(1 << 20, file),
+        index: IndexWriter::create(&paths[1])?,
+        mask: None,
+        paths,
+    };
+    let mut tally = Tally::default();
     let mut bytes = Vec::new();
     loop {
         let (batch, used) = read_batch(docs, batch_bytes)?;
         if batch.is_empty() {
             break;
         }
-        let encoded: Vec<(Vec<u32>, Option<Vec<bool>>)> = batch
+        let encoded = batch
             .par_iter()
-            .map(|d| enc.encode(d))
-            .collect::<Result<_>>()?;
+            .map(|(d, place)| enc.encode(d).map_err(|e| (*place, e)))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|(place, e)| located(e, &docs.describe(place)))?;
         bytes.clear();
-        // a document of no id (a template that rendered nothing) has no start
-        for (ids, flags) in encoded.iter().filter(|(ids, _)| !ids.is_empty()) {
-            index.push(lengths.tokens)?;
-            if flags.is_some() {
-                masked += 1;
-                if mask.is_none() {
-                    // every id before the first masked document counts
-                    let mut m = MaskWriter::create(&paths[2])?;
-                    m.push(&vec![true; lengths.tokens as usize])?;
-                    mask = Some(m);
-                }
+        for ((doc, place), (ids, flags)) in batch.iter().zip(&encoded) {
+            let at = || docs.describe(*place);
+            if ids.is_empty() || flags.as_ref().is_some_and(|f| !f.contains(&true)) {
+                tally.leave_out(at(), ids.is_empty());
+                continue;
             }
-            if let Some(m) = &mut mask {
-                match flags {
-                    Some(f) => m.push(f)?,
-                    None => m.push(&vec![true; ids.len()])?,
-                }
+            w.index.push(tally.lengths.tokens)?;
+            push_mask(&mut w, &tally, ids.len(), flags.as_deref())?;
+            if let Some(f) = flags {
+                tally.masked += 1;
+                tally.conversations += u64::from(matches!(doc, Document::Chat(_)));
+                tally.see_prompt(f, at);
             }
             format.encode_into(ids, &mut bytes)?;
-            lengths.add(ids.len());
+            tally.see_ids(ids);
+            tally.lengths.add(ids.len());
         }
-        w.write_all(&bytes).map_err(io)?;
+        w.ids.write_all(&bytes).map_err(io)?;
         progress(used);
     }
-    w.flush().map_err(io)?;
-    index.finish(lengths.tokens)?;
-    if let Some(m) = mask {
+    w.ids.flush().map_err(io)?;
+    w.index.finish(tally.lengths.tokens)?;
+    if let Some(m) = w.mask {
         m.finish()?;
     }
-    Ok((lengths, masked))
+    let tail: Vec<u32> = tally.tail.iter().copied().collect();
+    tally.stamp = stamp_of(tally.lengths.tokens, &tally.head, &tail);
+    Ok(tally)
 }
 
-/// Documents until about `batch_bytes` of text (at least one), and the input bytes they used.
-fn read_batch(docs: &mut Documents, batch_bytes: usize) -> Result<(Vec<Document>, u64)> {
+/// The mask's flags of a document of `n` ids (`flags`: which count; `None`:
+/// all), the mask created at the first masked document (every id before it
+/// counted).
+fn push_mask(w: &mut Writers, tally: &Tally, n: usize, flags: Option<&[bool]>) -> Result<()> {
+    if flags.is_some() && w.mask.is_none() {
+        let mut m = MaskWriter::create(&w.paths[2])?;
+        m.push(&vec![true; tally.lengths.tokens as usize])?;
+        w.mask = Some(m);
+    }
+    match (&mut w.mask, flags) {
+        (Some(m), Some(f)) => m.push(f),
+        (Some(m), None) => m.push(&vec![true; n]),
+        (None, _) => Ok(()),
+    }
+}
+
+/// Documents until about `batch_bytes` of text (at least one), each with
+/// its place, and the input bytes they used.
+fn read_batch(docs: &mut Documents, batch_bytes: usize) -> Result<(Vec<(Document, Place)>, u64)> {
     let (mut batch, mut text, mut used) = (Vec::new(), 0, 0);
     while text < batch_bytes.max(1) {
         let Some((doc, n)) = docs.next_doc()? else {
@@ -366,7 +558,7 @@ fn read_batch(docs: &mut Documents, batch_bytes: usize) -> Result<(Vec<Document>
         };
         text += n.max(1) as usize;
         used += n;
-        batch.push(doc);
+        batch.push((doc, docs.place()));
     }
     Ok((batch, used))
 }

@@ -74,6 +74,9 @@ pub struct StepReport {
     /// A mixture's realised proportions so far (rank 0's data replica's
     /// windows, `--data a.u32:0.7,b.u32:0.3`); `None` for one corpus.
     pub mixture: Option<Vec<MixShare>>,
+    /// Windows with no counted target the sampler passed over so far (rank
+    /// 0's data replica's; `PackedSampler::next_packed`).
+    pub skipped_windows: u64,
 }
 
 /// The outcome of a run.
@@ -457,6 +460,7 @@ fn run_rank<B: Backend>(
             profile,
             eval,
             mixture: sampler.shares(),
+            skipped_windows: sampler.skipped_windows(),
         };
         if rank == 0 {
             on_step(&report);

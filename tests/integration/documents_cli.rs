@@ -142,3 +142,87 @@ fn documents_that_are_not_ids_name_the_tokenize_command() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// 39 short SFT examples (4 prompt ids, 6 answer ids each) and one whose
+/// prompt of 990 ids is longer than any `--seq` below: its windows under
+/// `--pack bfd --seq 64` hold no counted target.
+fn sft_with_a_long_prompt(dir: &Path) -> PathBuf {
+    let (mut ids, mut starts, mut flags) = (Vec::new(), Vec::new(), Vec::new());
+    for d in 0..40u32 {
+        starts.push(ids.len() as u64);
+        let (prompt, answer) = if d == 20 { (990, 8) } else { (4, 6) };
+        for q in 0..prompt + answer {
+            ids.push((d * 31 + q * 7) % 250 + 1);
+            flags.push(q >= prompt);
+        }
+    }
+    let path = dir.join("sft.u32");
+    write_u32_tokens(&path, &ids).unwrap();
+    write_index(&path, &starts, ids.len() as u64);
+    let mut m = MaskWriter::create(&mask_path(&path)).unwrap();
+    m.push(&flags).unwrap();
+    m.finish().unwrap();
+    path
+}
+
+/// Each metrics line's `loss` (bits) and `skipped_windows` (0 when absent).
+fn losses_and_skips(o: &Output) -> Vec<(u64, u64)> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| {
+            let loss = v["loss"].as_f64()?;
+            Some((loss.to_bits(), v["skipped_windows"].as_u64().unwrap_or(0)))
+        })
+        .collect()
+}
+
+/// A window with nothing to train on (inside a prompt longer than `--seq`)
+/// is passed over and counted in the metrics; the run trains every step,
+/// and a resumed run draws the same windows (losses equal to the bit) and
+/// goes on counting.
+#[test]
+fn sft_windows_with_no_counted_target_are_skipped_counted_and_resume_exactly() {
+    let dir = scratch("sft-skip");
+    let path = sft_with_a_long_prompt(&dir);
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let run = |steps: &str, save: &Path, resume: bool| {
+        let mut args = vec![
+            "--pack",
+            "bfd",
+            "--seq",
+            "64",
+            "--json",
+            "--steps",
+            steps,
+            "--lr",
+            "1e-3",
+            "--min-lr",
+            "1e-3",
+            "--warmup",
+            "0",
+            "--save-dir",
+            save.to_str().unwrap(),
+        ];
+        if resume {
+            args.push("--resume");
+        }
+        let mut full = vec!["train", "--data", path.to_str().unwrap()];
+        full.extend(args);
+        full.extend(["--attn", "local", "--device", "cpu"]);
+        let out = upipe(&full);
+        assert!(out.status.success(), "{}", stderr(&out));
+        losses_and_skips(&out)
+    };
+    let whole = run("12", &a, false);
+    assert_eq!(whole.len(), 12, "every step trains");
+    let skipped = whole.last().unwrap().1;
+    assert!(
+        skipped > 0,
+        "the long prompt's windows were skipped: {whole:?}"
+    );
+    run("5", &b, false);
+    let resumed = run("12", &b, true);
+    assert_eq!(resumed, whole[5..], "resumed steps equal the whole run's");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -552,3 +552,43 @@ fn eval_command_packs_with_the_index_beside_the_tokens() {
     assert!(err.contains("upipe tokenize"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// An evaluation whose loss mask counts no target is an error naming the
+/// mask, not a loss of 0: refused before the weights load when the mask
+/// counts nothing at all, after the windows when none of theirs counts.
+#[test]
+fn eval_with_no_counted_target_is_an_error() {
+    use upipe::data::doc_index::{MaskWriter, mask_path};
+    let cfg = model();
+    let host = host_weights(&cfg, 11);
+    let dir = std::env::temp_dir().join(format!("upipe-eval-nothing-{}", std::process::id()));
+    save_hf_model(&dir, &cfg, &host, DType::F32).unwrap();
+    let ids = random_tokens(2 * 16 + 1, cfg.vocab, 12);
+    let file = dir.join("prompts.u32");
+    write_u32_tokens(&file, &ids).unwrap();
+    // nothing counted at all; then only id 0, which no window targets
+    for first in [false, true] {
+        let mut m = MaskWriter::create(&mask_path(&file)).unwrap();
+        let mut flags = vec![false; ids.len()];
+        flags[0] = first;
+        m.push(&flags).unwrap();
+        m.finish().unwrap();
+        let out = upipe(&[
+            "eval",
+            "--model-dir",
+            dir.to_str().unwrap(),
+            "--tokens",
+            file.to_str().unwrap(),
+            "--seq",
+            "16",
+            "--device",
+            "cpu",
+        ]);
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && e.contains("counts no target") && e.contains("prompts.u32"),
+            "mask counting id 0: {first}: {e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -268,3 +268,92 @@ fn a_part_outside_the_adapter_is_an_error() {
     let err = lora_delta_fwd_part(&dev, &pair, &part, &x, &mut y).unwrap_err();
     assert!(err.to_string().contains("rows 4..8"), "{err}");
 }
+
+/// `upipe train` of the tiny model on the CPU with `extra`: its status,
+/// stdout and stderr.
+fn train_cli(extra: &[&str]) -> (bool, String, String) {
+    let mut args = vec![
+        "train", "--json", "--device", "cpu", "--seq", "64", "--attn", "local",
+    ];
+    if !extra.contains(&"--steps") {
+        args.extend(["--steps", "2"]);
+    }
+    args.extend(extra);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(&args)
+        .output()
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
+/// A failure before any step ran, its message holding every one of `parts`.
+fn refused_before_training(extra: &[&str], parts: &[&str]) {
+    let (ok, stdout, stderr) = train_cli(extra);
+    assert!(!ok, "{extra:?} ran: {stdout}");
+    assert!(
+        !stdout.contains("\"loss\""),
+        "{extra:?} trained first: {stdout}"
+    );
+    for p in parts {
+        assert!(stderr.contains(p), "{extra:?}: '{stderr}' lacks '{p}'");
+    }
+}
+
+/// LoRA flags that would be ignored are errors before anything runs,
+/// naming the fix; a `--resume` of a LoRA checkpoint without LoRA flags
+/// continues its adapters and says so.
+#[test]
+fn lora_flags_that_would_be_ignored_are_refused_before_training() {
+    let dir = std::env::temp_dir().join(format!("upipe-lora-flags-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ckpt = dir.join("ckpt");
+    let (c, merged) = (ckpt.to_str().unwrap(), dir.join("merged"));
+    refused_before_training(
+        &["--lora-alpha", "32", "--lora-targets", "q_proj,v_proj"],
+        &[
+            "--lora-alpha, --lora-targets",
+            "--lora-rank",
+            "full fine-tune",
+        ],
+    );
+    refused_before_training(
+        &["--lora-rank", "4", "--merge-lora", c, "--save-dir", c],
+        &["is the --save-dir"],
+    );
+    refused_before_training(
+        &[
+            "--lora-rank",
+            "4",
+            "--lora-targets",
+            "none",
+            "--merge-lora",
+            merged.to_str().unwrap(),
+            "--save-dir",
+            c,
+        ],
+        &["--lora-targets none adapts nothing", "--merge-lora"],
+    );
+    let (ok, _, e) = train_cli(&["--lora-rank", "4", "--lora-alpha", "8", "--save-dir", c]);
+    assert!(ok, "{e}");
+    refused_before_training(
+        &["--lora-from", c, "--lora-alpha", "3", "--lora-rslora"],
+        &[
+            "--lora-alpha 3 (the adapter's 8)",
+            "--lora-rslora",
+            "leave them out",
+        ],
+    );
+    let (ok, stdout, e) = train_cli(&["--steps", "3", "--save-dir", c, "--resume"]);
+    assert!(ok, "{e}");
+    assert!(
+        e.contains("holds LoRA adapters") && e.contains("r 4, alpha 8"),
+        "{e}"
+    );
+    assert_eq!(
+        stdout.matches("\"loss\"").count(),
+        1,
+        "step 3 only: {stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

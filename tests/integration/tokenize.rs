@@ -464,3 +464,211 @@ fn chat_and_prompt_completion_count_only_the_answers() {
     assert!(e.contains("sft.jsonl.gz") && e.contains("gzip -t"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The `tokenize` arguments for `inputs` into `out` with the tokenizer of `dir`, as JSON.
+fn tokenize_json(inputs: &[&Path], tokenizer: &str, out: &Path, extra: &[&str]) -> Value {
+    let mut args = vec!["tokenize".to_string()];
+    args.extend(inputs.iter().map(|p| p.display().to_string()));
+    args.extend(["--tokenizer", tokenizer, "--out"].map(String::from));
+    args.push(out.display().to_string());
+    args.push("--json".into());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = upipe(&args);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    serde_json::from_slice(&run.stdout).unwrap()
+}
+
+/// `tokenize DIR --out DIR/out.u32` twice reads the text alone both times
+/// (its own ids, index and mask left out of the directory), and an output
+/// named as an input is refused.
+#[test]
+fn tokenize_never_reads_its_own_output() {
+    let dir = temp_dir("own-out");
+    std::fs::write(dir.join("a.txt"), "the only document").unwrap();
+    let out = dir.join("out.u32");
+    for _ in 0..2 {
+        let v = tokenize_json(&[&dir], "byte", &out, &["--eos", "0"]);
+        assert_eq!(v["documents"], json!(1), "{v}");
+    }
+    let docs = index_path(&out);
+    let e = stderr_of_failure(&[
+        "tokenize",
+        docs.to_str().unwrap(),
+        "--tokenizer",
+        "byte",
+        "--eos",
+        "0",
+        "--out",
+        dir.join("again.u32").to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("out.u32.docs") && e.contains("pre-tokenized"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The index and mask carry a stamp of the ids they were written with: the
+/// files of two tokenize runs put together (what a run killed between its
+/// renames leaves) are refused by name, even where the lengths agree; a
+/// run with no mask removes an earlier run's.
+#[test]
+fn index_and_mask_of_other_ids_are_refused() {
+    use upipe::data::Dataset;
+    let dir = temp_dir("stamp");
+    let (a, b) = (dir.join("a.jsonl"), dir.join("b.jsonl"));
+    std::fs::write(&a, "{\"prompt\": \"ab\", \"completion\": \"cd\"}\n").unwrap();
+    std::fs::write(&b, "{\"prompt\": \"cd\", \"completion\": \"ab\"}\n").unwrap();
+    let (out_a, out_b) = (dir.join("a.u32"), dir.join("b.u32"));
+    tokenize_json(&[&a], "byte", &out_a, &["--eos", "0"]);
+    tokenize_json(&[&b], "byte", &out_b, &["--eos", "0"]);
+    let load = |p: &Path| Dataset::with_files_beside(Tokens::open(p).unwrap(), p);
+    assert!(load(&out_a).unwrap().mask.is_some());
+    // b's mask beside a's ids: the same length, other ids
+    std::fs::copy(mask_path(&out_b), mask_path(&out_a)).unwrap();
+    let e = load(&out_a).unwrap_err().to_string();
+    assert!(
+        e.contains("a.u32.mask") && e.contains("other ids") && e.contains("upipe tokenize"),
+        "{e}"
+    );
+    // a text corpus tokenized over a: the old mask goes
+    let text = dir.join("t.txt");
+    std::fs::write(&text, "abcd").unwrap();
+    tokenize_json(&[&text], "byte", &out_a, &["--eos", "0"]);
+    assert!(!mask_path(&out_a).exists());
+    assert!(load(&out_a).unwrap().mask.is_none());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A byte-level tokenizer with ChatML's specials in `dir`, its template in
+/// `chat_template.jinja` and, when given, another in tokenizer_config.json.
+fn chat_tokenizer_dir(dir: &Path, jinja: &str, config_template: Option<&str>) {
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        byte_level_json(&MERGES, &["<|im_start|>", "<|im_end|>"]),
+    )
+    .unwrap();
+    std::fs::write(dir.join("chat_template.jinja"), jinja).unwrap();
+    if let Some(t) = config_template {
+        let config = json!({"chat_template": t, "eos_token": "<|im_end|>"});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    }
+}
+
+/// `chat_template.jinja` is read (before tokenizer_config.json's
+/// template); ShareGPT's `conversations` are conversations; a conversation
+/// rendered as nothing or with no assistant turn is left out, counted and
+/// named; the summary says conversations do not end with the EOS id.
+#[test]
+fn chat_templates_from_jinja_and_sharegpt_with_left_out_documents_named() {
+    let dir = temp_dir("jinja");
+    let tok = dir.join("tok");
+    std::fs::create_dir_all(&tok).unwrap();
+    // renders nothing for a conversation of one message
+    let jinja = format!("{{% if messages|length > 1 %}}{CHATML}{{% endif %}}");
+    chat_tokenizer_dir(&tok, &jinja, Some("{{ raise_exception('the config') }}"));
+    let data = dir.join("chat.jsonl");
+    let lines = [
+        json!({"conversations": [{"from": "human", "value": "the q"},
+                                 {"from": "gpt", "value": "an a"}]}),
+        json!({"messages": [{"role": "user", "content": "alone"}]}),
+        json!({"messages": [{"role": "system", "content": "s"},
+                            {"role": "user", "content": "no answer"}]}),
+        json!({"text": "plain"}),
+    ];
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(&data, text).unwrap();
+    let out = dir.join("chat.u32");
+    let v = tokenize_json(&[&data], tok.to_str().unwrap(), &out, &[]);
+    assert_eq!(
+        (&v["documents"], &v["conversations"]),
+        (&json!(2), &json!(1)),
+        "{v}"
+    );
+    assert_eq!(
+        (&v["empty_documents"], &v["unanswered_documents"]),
+        (&json!(1), &json!(1))
+    );
+    let left_out = v["left_out"].to_string();
+    assert!(
+        left_out.contains("chat.jsonl line 2") && left_out.contains("chat.jsonl line 3"),
+        "{left_out}"
+    );
+    let run = upipe(&[
+        "tokenize",
+        data.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let said = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        said.contains("conversations as their chat template ends them"),
+        "{said}"
+    );
+    assert!(String::from_utf8_lossy(&run.stderr).contains("left out 2 documents"));
+    // errors name the file and line: an unknown role, content as parts
+    std::fs::write(
+        &data,
+        "{\"text\": \"ok\"}\n{\"conversations\": [{\"from\": \"narrator\", \"value\": \"x\"}]}\n",
+    )
+    .unwrap();
+    let args = [
+        "tokenize",
+        data.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let e = stderr_of_failure(&args);
+    assert!(
+        e.contains("chat.jsonl line 2") && e.contains("narrator"),
+        "{e}"
+    );
+    let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]},
+                                    {"role": "assistant", "content": "y"}]});
+    std::fs::write(&data, format!("{parts}\n")).unwrap();
+    let e = stderr_of_failure(&args);
+    assert!(
+        e.contains("chat.jsonl line 1") && e.contains("list of parts"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Chat data mixes with text data of the same tokenizer: a conversation
+/// ends as its template ends it (ChatML: a newline), which is no sign of
+/// another tokenizer.
+#[test]
+fn chat_and_text_corpora_of_one_tokenizer_mix() {
+    use upipe::data::mixture::load_mixture;
+    let dir = temp_dir("mix-chat");
+    chat_tokenizer_dir(&dir, CHATML, None);
+    let (chat, text) = (dir.join("chat.jsonl"), dir.join("text.jsonl"));
+    let convo = json!({"messages": [{"role": "user", "content": "the q"},
+                                    {"role": "assistant", "content": "an a"}]});
+    // 20 conversations and one text (which ends with the EOS id)
+    let lines = format!("{convo}\n").repeat(20) + "{\"text\": \"an other\"}\n";
+    std::fs::write(&chat, lines).unwrap();
+    std::fs::write(&text, "{\"text\": \"the answer\"}\n".repeat(20)).unwrap();
+    let (chat_ids, text_ids) = (dir.join("chat.u32"), dir.join("text.u32"));
+    let tok = dir.to_str().unwrap();
+    let eos = ["--eos", "262"];
+    tokenize_json(&[&chat], tok, &chat_ids, &eos);
+    tokenize_json(&[&text], tok, &text_ids, &eos);
+    let spec = format!("{}:0.5,{}:0.5", chat_ids.display(), text_ids.display());
+    let mix = load_mixture(Some(Path::new(&spec)), None, 300);
+    assert!(mix.is_ok(), "{}", mix.err().unwrap());
+    // another EOS is still another tokenizer
+    tokenize_json(&[&text], tok, &text_ids, &["--eos", "261"]);
+    let e = load_mixture(Some(Path::new(&spec)), None, 300).unwrap_err();
+    assert!(e.to_string().contains("different tokenizers"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

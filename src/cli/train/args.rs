@@ -341,7 +341,8 @@ impl TrainArgs {
         }
         let optim = self.adamw()?;
         let model = for_key(k, "model", ModelConfig::resolve(&self.model))?;
-        let lora = self.lora.run(&model)?;
+        let resuming = self.save_dir.as_deref().filter(|_| self.resume);
+        let lora = self.lora.run_resuming(&model, resuming)?;
         Ok(Choices {
             freeze: LoraArgs::freeze(lora.as_ref(), self.memory.freeze(&model)?),
             lora,
@@ -465,16 +466,8 @@ impl TrainArgs {
                 "it names the weights to load (or --resume does)",
             ),
         ];
-        let no_lora = self.lora.lora_rank == 0 && self.lora.lora_from.is_none();
-        if let (Some(out), true) = (&self.merge_lora, no_lora) {
-            return crate::config_err!(
-                "--merge-lora {}: this run trains no LoRA adapters to merge; add --lora-rank \
-                 (or --lora-from), or leave --merge-lora out (the checkpoint is the full model)",
-                out.display()
-            );
-        }
         if let Some(out) = &self.merge_lora {
-            crate::checkpoint::lora_merge::check_empty_target(out)?;
+            self.check_merge_target(out)?;
         }
         let Some((_, flag, needed, why)) = unneeded.into_iter().find(|u| u.0) else {
             return Ok(());
@@ -493,6 +486,36 @@ impl TrainArgs {
 
     /// The paths the run reads are what they must be (a FIFO or a device
     /// is refused before anything opens it, and before the run is planned).
+    /// `--merge-lora OUT`: a run that trains adapters (its flags, or a
+    /// resumed checkpoint's), into a directory other than `--save-dir`
+    /// that is empty or new; refused before anything runs.
+    fn check_merge_target(&self, out: &Path) -> Result<()> {
+        let save_dir = self.save_dir.as_deref();
+        let resumed_adapters = self.resume
+            && self.lora.lora_targets.trim() != "none"
+            && save_dir.is_some_and(|d| d.join("adapter_config.json").is_file());
+        if !self.lora.asks_adapters() && !resumed_adapters {
+            let why = match self.lora.lora_targets.trim() {
+                "none" => "--lora-targets none adapts nothing",
+                _ => "this run trains no LoRA adapters to merge",
+            };
+            return crate::config_err!(
+                "--merge-lora {}: {why}; add --lora-rank (or --lora-from) with the layers to \
+                 adapt, or leave --merge-lora out (the checkpoint is the full model)",
+                out.display()
+            );
+        }
+        if save_dir.is_some_and(|d| same_path(d, out)) {
+            return crate::config_err!(
+                "--merge-lora {} is the --save-dir: the merged model is written beside the \
+                 checkpoint it is made from, into a directory of its own; name another \
+                 --merge-lora directory",
+                out.display()
+            );
+        }
+        crate::checkpoint::lora_merge::check_empty_target(out)
+    }
+
     fn check_input_paths(&self) -> Result<()> {
         use crate::input_path::{check_dir, check_file};
         if let Some(data) = &self.data {
@@ -605,6 +628,17 @@ impl std::str::FromStr for Device {
             other => crate::config_err!("--device {other}: use auto, cpu or cuda"),
         }
     }
+}
+
+/// Whether `a` and `b` name the same directory (made absolute, `.` and
+/// `..` resolved where they exist).
+fn same_path(a: &Path, b: &Path) -> bool {
+    let norm = |p: &Path| {
+        std::fs::canonicalize(p)
+            .or_else(|_| std::path::absolute(p))
+            .unwrap_or_else(|_| p.to_path_buf())
+    };
+    norm(a) == norm(b)
 }
 
 #[cfg(test)]
