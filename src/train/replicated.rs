@@ -245,6 +245,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
     ) -> Result<(Self, Option<Resumed>)> {
         let model = &cfg.model;
         if let Some(dir) = cfg.resume_dir() {
+            let dir = dir.as_path();
             check_not_sharded(dir)?;
             let st = load_train_state(dir)?;
             cfg.check_resume_freeze(dir, &st.extra)?;

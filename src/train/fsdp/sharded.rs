@@ -44,7 +44,8 @@ impl<'a, B: Backend> Sharded<'a, B> {
     pub fn open(b: &B, cfg: &TrainConfig, mesh: &'a Mesh<B>) -> Result<(Self, Option<Resumed>)> {
         let model = &cfg.model;
         let (group, replica) = (mesh.shard.as_ref(), mesh.replica.as_ref());
-        let source = cfg.resume_dir().or(cfg.init_from.as_deref());
+        let source = cfg.resume_dir().or_else(|| cfg.init_from.clone());
+        let source = source.as_deref();
         let adapters = initial_adapters(b, cfg)?;
         let lora = cfg.lora.as_ref().map(|l| &l.config);
         let frozen = &cfg.freeze;
@@ -86,6 +87,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
             ));
         };
         let mut store = store;
+        let dir = dir.as_path();
         let state = ckpt::read_state(dir)?;
         let extra = state.get("extra").cloned().unwrap_or(Value::Null);
         cfg.check_resume_freeze(dir, &extra)?;
