@@ -14,6 +14,7 @@ pub mod error;
 pub mod input_path;
 pub mod model;
 pub mod optim;
+pub mod output_path;
 pub mod plan;
 pub mod rng;
 pub mod train;

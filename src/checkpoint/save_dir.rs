@@ -20,6 +20,16 @@
 //! comes last, then the manifest. A run killed at any point leaves either
 //! the old checkpoint (no journal yet) or a journal that the next
 //! [`SaveDir::acquire`] rolls forward to the new one.
+//!
+//! A run keeps its checkpoints in `DIR` itself, or with `--keep-last` /
+//! `--keep-best` in `DIR/checkpoint-STEP/` folders, each a save directory
+//! of its own (`folders.rs`). A directory holding a checkpoint is never
+//! taken by a run that neither resumes it nor was told to replace it
+//! ([`SaveRules`]).
+
+mod folders;
+
+pub use folders::{Kept, Retention, best, folder_of, folders, latest, retain};
 
 use super::fs::{is_plain_file_name, remove_if_exists};
 use crate::backend::Bytes;
@@ -99,7 +109,7 @@ fn entries(dir: &Path) -> Result<Vec<String>> {
     for e in read {
         let e = e.map_err(io(format!("reading {}", dir.display())))?;
         let name = e.file_name().to_string_lossy().into_owned();
-        if name != WORK {
+        if name != WORK && !folders::is_folder(dir, &name) {
             names.push(name);
         }
     }
@@ -176,13 +186,24 @@ fn foreign_error(dir: &Path, names: &[String]) -> Error {
     ))
 }
 
+/// What a run may do with what its save directory holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SaveRules {
+    /// `--overwrite`: save beside files upipe did not write, and replace a
+    /// checkpoint of an earlier run.
+    pub overwrite: bool,
+    /// `--resume`: continue the checkpoint there.
+    pub resume: bool,
+}
+
 /// Checks, before a run allocates anything, that `dir` can take its
 /// checkpoints: it is (or can be made) a writable directory, it holds no
-/// files upipe did not write unless `overwrite`, and its filesystem has
+/// files upipe did not write unless `overwrite`, no checkpoint unless the
+/// run resumes it or `overwrite` replaces it, and its filesystem has
 /// room for one more checkpoint of `checkpoint_bytes` beside the last.
 /// Creates `dir` and its work area; changes nothing else.
-pub fn check(dir: &Path, overwrite: bool, checkpoint_bytes: u64) -> Result<()> {
-    make_work_area(dir, overwrite)?;
+pub fn check(dir: &Path, rules: SaveRules, checkpoint_bytes: u64) -> Result<()> {
+    make_work_area(dir, rules)?;
     let probe = work(dir).join(format!("probe-{}", std::process::id()));
     if let Err(e) = std::fs::write(&probe, b"") {
         return unusable(dir, format!("cannot write into it ({e})"));
@@ -211,11 +232,24 @@ fn unusable(dir: &Path, why: String) -> Result<()> {
 }
 
 /// Creates `dir` and its work area, or says why it cannot be; a directory
-/// of files upipe did not write is refused, unless `overwrite`, before
+/// of files upipe did not write is refused, unless `overwrite`, and one
+/// holding a checkpoint unless the run resumes or overwrites it, before
 /// anything is created in it.
-fn make_work_area(dir: &Path, overwrite: bool) -> Result<()> {
+fn make_work_area(dir: &Path, rules: SaveRules) -> Result<()> {
+    let overwrite = rules.overwrite;
     if dir.exists() && !dir.is_dir() {
         return unusable(dir, "is not a directory".into());
+    }
+    if std::fs::symlink_metadata(work(dir)).is_ok_and(|m| m.file_type().is_symlink()) {
+        return unusable(
+            dir,
+            format!(
+                "{} is a symbolic link, and upipe's folder must be a directory of its own \
+                 (its staging is removed, its lock and manifest written there: through a link \
+                 they would land in another directory); remove the link",
+                work(dir).display()
+            ),
+        );
     }
     if work(dir).exists() && !work(dir).is_dir() {
         return unusable(
@@ -229,10 +263,33 @@ fn make_work_area(dir: &Path, overwrite: bool) -> Result<()> {
     if let (Owner::Foreign(names), false) = (ownership(dir)?, overwrite) {
         return Err(foreign_error(dir, &names));
     }
+    refuse_replacing(dir, rules)?;
     match std::fs::create_dir_all(work(dir)) {
         Ok(()) => Ok(()),
         Err(e) => unusable(dir, format!("cannot create it ({e})")),
     }
+}
+
+/// Refuses a run that would replace the checkpoint `dir` holds (in itself
+/// or in a `checkpoint-STEP` folder) without `--resume` or `--overwrite`;
+/// reads only.
+pub fn refuse_replacing(dir: &Path, rules: SaveRules) -> Result<()> {
+    match (latest(dir), rules.overwrite || rules.resume) {
+        (Some(found), false) => Err(replace_error(dir, &found)),
+        _ => Ok(()),
+    }
+}
+
+/// The error for a run that would replace the checkpoint `found` of `dir`.
+fn replace_error(dir: &Path, found: &Path) -> Error {
+    let step = folders::step_in(found).unwrap_or_default();
+    Error::Config(format!(
+        "--save-dir {} holds a checkpoint (step {step}, in {}) that this run would replace: add \
+         --resume to continue it, or --overwrite to start afresh and replace it at this run's \
+         first save (or give another --save-dir)",
+        dir.display(),
+        found.display()
+    ))
 }
 
 /// Bytes an unprivileged process can still write on `dir`'s filesystem.
@@ -261,13 +318,16 @@ impl SaveDir {
     /// Takes `dir` for a run (rank 0 of a run, once): locks it (a second run
     /// is refused naming the holder), rolls forward a save that a killed run
     /// left half moved in, removes a dead run's staging, and checks who owns
-    /// the files there: files upipe did not write are refused unless
+    /// the files there: a checkpoint is refused unless `rules` resume or
+    /// overwrite it; files upipe did not write are refused unless
     /// `overwrite`, which adopts the checkpoint-named ones among them
     /// ([`is_checkpoint_file`]) as the previous checkpoint.
-    pub fn acquire(dir: &Path, overwrite: bool) -> Result<SaveDir> {
-        make_work_area(dir, overwrite)?;
+    pub fn acquire(dir: &Path, rules: SaveRules) -> Result<SaveDir> {
+        let overwrite = rules.overwrite;
+        make_work_area(dir, rules)?;
         let lock = lock(dir)?;
         recover(dir)?;
+        folders::recover_folders(dir)?;
         // what upipe listed stays its own (carried tokenizer files too); of
         // files it did not list, only checkpoint-named ones are adopted
         let files: Vec<String> = match ownership(dir)? {
@@ -417,12 +477,43 @@ fn recover(dir: &Path) -> Result<()> {
     remove_dir_if_exists(&staging(dir))
 }
 
+/// The bytes of the files written into `dir`'s [`staging`] (what a save
+/// logs).
+pub fn staged_bytes(dir: &Path) -> u64 {
+    let Ok(read) = std::fs::read_dir(staging(dir)) else {
+        return 0;
+    };
+    read.flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
 /// Moves the complete checkpoint written into [`staging`] into `dir`
 /// (rank 0, after every rank wrote its files): flushed, journaled, rolled
 /// forward. The files of the previous checkpoint that the new one lacks are
 /// removed; no other file of `dir` is touched.
 pub fn publish(dir: &Path) -> Result<()> {
     publish_steps(dir, &mut Unlimited)
+}
+
+/// Removes the checkpoint in `dir` itself (its `state.json` first, then
+/// the files its manifest lists; the owner's files stay): what a fresh run
+/// that keeps `checkpoint-STEP` folders does under `--overwrite` once its
+/// own first checkpoint is published.
+pub fn retire_own(dir: &Path) -> Result<()> {
+    let manifest = work(dir).join(MANIFEST);
+    let Some(listing) = read_listing(&manifest)? else {
+        return Ok(());
+    };
+    if listing.files.is_empty() {
+        return Ok(());
+    }
+    remove_if_exists(&dir.join(STATE_FILE))?;
+    for f in &listing.files {
+        remove_if_exists(&dir.join(f))?;
+    }
+    write_listing(&manifest, &Listing::default())
 }
 
 /// Counts a save's filesystem changes: tests stop a save after any one of

@@ -119,6 +119,7 @@ pub fn save_safetensors(
         let _ = std::fs::remove_file(&tmp);
         Error::Checkpoint(format!("writing {}: {e}", path.display()))
     })?;
+    super::fs::follow_umask(&tmp)?;
     rename(&tmp, path)
 }
 

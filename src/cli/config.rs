@@ -125,6 +125,8 @@ pub struct CheckpointKeys {
     pub max_shard_size: Option<String>,
     pub resume: Option<bool>,
     pub overwrite: Option<bool>,
+    pub keep_last: Option<u32>,
+    pub keep_best: Option<bool>,
 }
 
 /// `[run]`: length, seed, device and output of a run.
@@ -345,6 +347,20 @@ fn explain(msg: &str) -> String {
         return msg.replacen("unknown field", "unknown section", 1);
     }
     msg.to_string()
+}
+
+/// Refuses a path flag whose path is not UTF-8: the run file (`run.toml`,
+/// `--print-config`) is TOML, which holds UTF-8 text only.
+pub fn utf8_path(flag: &str, path: &Path) -> Result<()> {
+    match path.to_str() {
+        Some(_) => Ok(()),
+        None => crate::config_err!(
+            "{flag} {} is not a UTF-8 path, and the run file that repeats this run \
+             (run.toml, --print-config) is TOML, which holds UTF-8 text only; give {flag} \
+             a path of UTF-8 characters",
+            path.display()
+        ),
+    }
 }
 
 /// A run file as TOML, sections with no key left out.

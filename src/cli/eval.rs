@@ -213,6 +213,33 @@ fn nothing_counted(data: &Dataset, what: &str) -> Error {
     ))
 }
 
+/// `--metrics` writes over none of the files the evaluation reads (the
+/// token file and the index and mask beside it, the model and adapter
+/// directories, the run file).
+fn check_outputs(a: &EvalArgs, model_dir: &Path, tokens: &Path) -> Result<()> {
+    use crate::output_path::{Input, Output};
+    let Some(metrics) = &a.metrics else {
+        return Ok(());
+    };
+    let (docs, mask) = (
+        crate::data::doc_index::index_path(tokens),
+        crate::data::doc_index::mask_path(tokens),
+    );
+    let inputs = [
+        ("--tokens", Some(tokens)),
+        ("--tokens' document index", Some(docs.as_path())),
+        ("--tokens' loss mask", Some(mask.as_path())),
+        ("--model-dir", Some(model_dir)),
+        ("--lora-from", a.lora_from.as_deref()),
+        ("--config", a.config.as_deref()),
+    ];
+    let inputs: Vec<Input> = inputs
+        .into_iter()
+        .filter_map(|(flag, path)| path.map(|path| Input { flag, path }))
+        .collect();
+    crate::output_path::check_outputs(&[Output::file("--metrics", metrics)], &inputs)
+}
+
 /// An evaluation built from its flags, up to the moment it runs.
 struct Built {
     cfg: EvalConfig,
@@ -232,6 +259,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
     let k = EvalArgs::KEYS;
     let model_dir = required(&a.model_dir, "model_dir")?;
     let tokens_path = required(&a.tokens, "tokens")?;
+    check_outputs(a, model_dir, tokens_path)?;
     let device: Device = for_key(k, "device", a.device.parse())?;
     let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
     let gpus = match device {

@@ -231,11 +231,27 @@ pub struct MetricsFile {
 impl MetricsFile {
     /// Creates (or truncates) `path`; a missing parent directory is created.
     pub fn create(path: &Path) -> Result<Self> {
+        Self::open(path, false)
+    }
+
+    /// Opens `path` to add lines after those it holds (a resumed run keeps
+    /// the steps before its restart), creating it when missing.
+    pub fn append(path: &Path) -> Result<Self> {
+        Self::open(path, true)
+    }
+
+    fn open(path: &Path, append: bool) -> Result<Self> {
         let what = || format!("creating --metrics {}", path.display());
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| Error::io(what(), e))?;
         }
-        let file = std::fs::File::create(path).map_err(|e| Error::io(what(), e))?;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .map_err(|e| Error::io(what(), e))?;
         Ok(MetricsFile {
             path: path.to_path_buf(),
             out: Mutex::new((file, None)),

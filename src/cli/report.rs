@@ -24,11 +24,19 @@ pub struct ReportArgs {
 pub const SERIES: [&str; 3] = ["loss", "tokens/s", "model TFLOP/s per rank"];
 
 pub fn run(a: ReportArgs) -> Result<i32> {
-    let lines = metrics::read(&a.metrics)?;
     let out = a
         .out
         .clone()
         .unwrap_or_else(|| a.metrics.with_extension("svg"));
+    let input = crate::output_path::Input {
+        flag: "the metrics file",
+        path: &a.metrics,
+    };
+    crate::output_path::check_outputs(
+        &[crate::output_path::Output::file("--out", &out)],
+        &[input],
+    )?;
+    let lines = metrics::read(&a.metrics)?;
     let title = a.metrics.display().to_string();
     std::fs::write(&out, draw(&lines, &title))
         .map_err(|e| Error::io(format!("writing {}", out.display()), e))?;

@@ -52,6 +52,7 @@ pub struct TokenizeArgs {
 }
 
 pub fn run(a: TokenizeArgs) -> Result<i32> {
+    check_outputs(&a)?;
     let eos: Eos = a.eos.parse()?;
     let tok = Tokenizer::resolve(&a.tokenizer)?;
     let tok_path = std::path::Path::new(&a.tokenizer);
@@ -110,6 +111,31 @@ fn print_left_out(s: &TokenizeSummary) {
     for at in &s.left_out {
         eprintln!("  {at}");
     }
+}
+
+/// `--out` and the index and mask written beside it write over none of
+/// the inputs (a file given, or any file inside a directory given) nor
+/// the tokenizer.
+fn check_outputs(a: &TokenizeArgs) -> Result<()> {
+    use crate::output_path::{Input, Output, check_outputs};
+    let (index, mask) = (index_path(&a.out), mask_path(&a.out));
+    let outputs = [
+        Output::file("--out", &a.out),
+        Output::file("--out's document index", &index),
+        Output::file("--out's loss mask", &mask),
+    ];
+    let mut inputs: Vec<Input> = (a.inputs.iter())
+        .map(|path| Input {
+            flag: "the input",
+            path,
+        })
+        .collect();
+    let tokenizer = crate::output_path::tokenizer_files(std::path::Path::new(&a.tokenizer));
+    inputs.extend(tokenizer.iter().map(|path| Input {
+        flag: "--tokenizer",
+        path,
+    }));
+    check_outputs(&outputs, &inputs)
 }
 
 fn print_summary(a: &TokenizeArgs, s: &TokenizeSummary) {

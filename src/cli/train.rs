@@ -33,6 +33,7 @@ mod progress;
 mod rehearse;
 mod route;
 mod summary;
+mod tokenizer;
 
 pub use args::{Choices, Device, FsdpMode, TrainArgs};
 pub use mesh::{
@@ -76,6 +77,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         print!("{}", print_config::annotated(&a, &TrainArgs::all_keys())?);
         return Ok(0);
     }
+    a.refuse_replacing()?;
     let mut run = build(&a, choices)?;
     if let Route::SelfLaunch { nproc } = run.route {
         return self_launch(&run, nproc);
@@ -83,6 +85,15 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     if a.rehearse {
         return rehearse::run(&a, m, &mut run);
     }
+    // the model's own tokenizer unless --tokenizer names one; the run file records it
+    let tokenizer = tokenizer::decide(&a, run.cfg.model.vocab)?;
+    if run.lead && a.tokenizer.is_none() && tokenizer.arg.is_some() {
+        tracing::info!("tokenizer: {}", tokenizer.said);
+    }
+    let a = TrainArgs {
+        tokenizer: tokenizer.arg.clone(),
+        ..a
+    };
     let data = load_mixture(
         a.data.as_deref(),
         a.tokenizer.as_deref(),
@@ -104,7 +115,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     run.cfg.run_file = Some(run_file(&a, &run)?);
     let progress = preflight::preflight(&a, &mut run, &predicted)?;
     if run.lead && !a.json {
-        announce(&run, data.len());
+        announce(&run, data.len(), &tokenizer.said);
     }
     let summary = execute(&run, data, &|r| progress.on_step(r))?;
     progress.finish()?;
@@ -120,15 +131,17 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     if run.lead {
         summary::print_profile(&summary, a.json);
     }
-    if let (Some(out), Some(ckpt), true) = (&a.merge_lora, &run.cfg.save_dir, run.lead) {
+    if let (Some(out), Some(dir), true) = (&a.merge_lora, &run.cfg.save_dir, run.lead) {
         use crate::checkpoint::lora_merge::{MergeJob, merge_adapter_dir};
+        // the final checkpoint: in the save directory, or its latest folder
+        let ckpt = crate::checkpoint::save_dir::latest(dir).unwrap_or_else(|| dir.clone());
         // the base the final save names (the run's own, resumed or not)
-        let state = crate::checkpoint::sharded::read_state(ckpt)?;
+        let state = crate::checkpoint::sharded::read_state(&ckpt)?;
         let extra = state.get("extra").cloned().unwrap_or_default();
-        let base = crate::train::lora_base::resumed_base(&run.cfg, ckpt, &extra)?;
+        let base = crate::train::lora_base::resumed_base(&run.cfg, &ckpt, &extra)?;
         merge_adapter_dir(&MergeJob {
             base: &base,
-            adapter: ckpt,
+            adapter: &ckpt,
             out,
             cfg: &run.cfg.model,
             dtype: run.cfg.save_dtype,
@@ -260,6 +273,7 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
         },
         save_dir: a.save_dir.clone(),
         save_every: a.save_every,
+        keep: a.retention(),
         resume: a.resume,
         overwrite: a.overwrite,
         skip_nonfinite: a.skip_nonfinite,
@@ -347,7 +361,7 @@ impl Built {
         let sharded_resume = self
             .cfg
             .resume_dir()
-            .is_some_and(crate::checkpoint::sharded::is_sharded);
+            .is_some_and(|d| crate::checkpoint::sharded::is_sharded(&d));
         let host = match self.on_gpu() {
             true => preflight::host_per_rank(self, a.host_mem)?.map(planned_host),
             false => None,
@@ -470,6 +484,7 @@ fn finished_checkpoint(cfg: &TrainConfig) -> Result<Option<String>> {
     let Some(dir) = cfg.resume_dir() else {
         return Ok(None);
     };
+    let dir = dir.as_path();
     let state = crate::checkpoint::sharded::read_state(dir)?;
     let Some(step) = state.get("step").and_then(serde_json::Value::as_u64) else {
         return Ok(None); // the loader names what is missing
@@ -525,13 +540,13 @@ fn self_launch(run: &Built, nproc: usize) -> Result<i32> {
 
 /// The line a run starts with (on GPUs naming the attention kernel the
 /// run decided on).
-fn announce(run: &Built, tokens: usize) {
+fn announce(run: &Built, tokens: usize, tokenizer: &str) {
     let kernel = match run.cfg.attention_kernel {
         Some(k) => format!(", attention on {k}"),
         None => String::new(),
     };
     println!(
-        "training {} on {tokens} tokens: {}, {} steps{kernel}",
+        "training {} on {tokens} tokens (tokenizer: {tokenizer}): {}, {} steps{kernel}",
         run.model_text(),
         run.layout_text(),
         run.cfg.steps

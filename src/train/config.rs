@@ -3,7 +3,7 @@
 //! plan, the mesh, the optimizer's settings, the save directory).
 
 use crate::attention::{CpPlan, Strategy};
-use crate::checkpoint::save_dir::SaveDir;
+use crate::checkpoint::save_dir::{Retention, SaveDir, SaveRules};
 use crate::comm::MeshShape;
 use crate::data::PackMode;
 use crate::error::Result;
@@ -50,6 +50,9 @@ pub struct TrainConfig {
     pub save_dir: Option<PathBuf>,
     /// Save every this many steps (0: only at the end).
     pub save_every: u32,
+    /// Which checkpoints are kept: one in `save_dir` itself, or
+    /// `checkpoint-STEP` folders (`--keep-last`, `--keep-best`).
+    pub keep: Retention,
     /// Resume from `save_dir` if it holds a checkpoint.
     pub resume: bool,
     /// Save into a `save_dir` that holds files upipe did not write
@@ -171,6 +174,7 @@ impl TrainConfig {
             extra_tensors: crate::checkpoint::ExtraTensors::Refuse,
             save_dir: None,
             save_every: 0,
+            keep: Retention::default(),
             resume: false,
             overwrite: false,
             skip_nonfinite: 0,
@@ -192,14 +196,13 @@ impl TrainConfig {
         }
     }
 
-    /// The checkpoint directory a `--resume` continues from, if it holds
-    /// one (after [`take_save_dir`](Self::take_save_dir) finished a save
+    /// The checkpoint a `--resume` continues from, if the save directory
+    /// holds one: the latest, in it or in its `checkpoint-STEP` folders (after [`take_save_dir`](Self::take_save_dir) finished a save
     /// that a killed run left half moved in, which the trainer's entry
     /// points do first).
-    pub fn resume_dir(&self) -> Option<&std::path::Path> {
-        self.save_dir
-            .as_deref()
-            .filter(|d| self.resume && d.join("state.json").exists())
+    pub fn resume_dir(&self) -> Option<PathBuf> {
+        let dir = self.save_dir.as_deref().filter(|_| self.resume)?;
+        crate::checkpoint::save_dir::latest(dir)
     }
 
     /// Checks that a checkpoint of `step` in `dir` can be resumed by this
@@ -268,8 +271,8 @@ impl TrainConfig {
     /// The model directory whose tokenizer files a checkpoint carries:
     /// `--init-from`, else the save directory a resumed run continues
     /// (carrying forward what an earlier save copied there).
-    pub fn carry_from(&self) -> Option<&std::path::Path> {
-        self.init_from.as_deref().or(self.resume_dir())
+    pub fn carry_from(&self) -> Option<PathBuf> {
+        self.init_from.clone().or_else(|| self.resume_dir())
     }
 
     /// Takes the save directory for this run (once per run, before any
@@ -279,8 +282,17 @@ impl TrainConfig {
     pub fn take_save_dir(&self) -> Result<Option<SaveDir>> {
         self.save_dir
             .as_deref()
-            .map(|dir| SaveDir::acquire(dir, self.overwrite))
+            .map(|dir| SaveDir::acquire(dir, self.save_rules()))
             .transpose()
+    }
+
+    /// What the run may do with a checkpoint its save directory holds
+    /// (`--resume`, `--overwrite`).
+    pub fn save_rules(&self) -> SaveRules {
+        SaveRules {
+            overwrite: self.overwrite,
+            resume: self.resume,
+        }
     }
 
     /// Validates the configuration and resolves the attention plan.

@@ -245,7 +245,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
     ) -> Result<(Self, Option<Resumed>)> {
         let model = &cfg.model;
         if let Some(dir) = cfg.resume_dir() {
-            return Self::resume(b, cfg, group, dir);
+            return Self::resume(b, cfg, group, &dir);
         }
         let base = run_base(cfg);
         let mut w = base_weights(b, cfg, &base, cfg.extra_tensors)?;

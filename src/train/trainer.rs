@@ -470,11 +470,22 @@ fn run_rank<B: Backend>(
         guard.after_step(step, loss, &update)?;
         let save_now = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
         if let (Some(dir), true) = (&cfg.save_dir, save_now) {
-            let extra = serde_json::json!({
+            let mut extra = serde_json::json!({
                 "sampler": sampler.state(), "seed": cfg.seed, "pack": cfg.pack,
                 "freeze": cfg.freeze_key(),
             });
-            save(cfg, b, model.as_mut(), dir, step, &extra, rank)?;
+            // what `--keep-best` ranks the checkpoints by
+            if let Some(eval) = reports.last().and_then(|r| r.eval.as_ref()) {
+                extra["eval_loss"] = eval.loss.into();
+            }
+            let at = SaveAt {
+                dir,
+                step,
+                first,
+                extra: &extra,
+                rank,
+            };
+            save(cfg, b, model.as_mut(), &at)?;
             guard.saved(step);
         }
     }
@@ -485,6 +496,7 @@ fn run_rank<B: Backend>(
 /// Restores the sampler of a resumed run; the first step to run.
 fn resume(cfg: &TrainConfig, sampler: &mut MixtureSampler, r: Resumed, rank: usize) -> Result<u32> {
     let dir = cfg.resume_dir().expect("resumed from a directory");
+    let dir = dir.as_path();
     cfg.check_resume_step(dir, r.step)?;
     // checkpoints from before `--pack` have no key: their windows were `stream`'s
     if let Some(saved) = r.extra.get("pack") {
@@ -506,23 +518,39 @@ fn resume(cfg: &TrainConfig, sampler: &mut MixtureSampler, r: Resumed, rank: usi
     Ok(r.step as u32 + 1)
 }
 
-/// Writes the checkpoint of `step` into `dir` (rank 0 adds `config.json`,
-/// the source's updated, which makes it an HF model directory (not to a
-/// LoRA run's adapter directory), the tokenizer files of the source, and
-/// the run file).
+/// A save of the training loop: the run's save directory, the step, the
+/// first step this run trained (1 unless resumed), the caller state for
+/// `state.json`, and the rank saving.
+struct SaveAt<'a> {
+    dir: &'a std::path::Path,
+    step: u32,
+    first: u32,
+    extra: &'a serde_json::Value,
+    rank: usize,
+}
+
+/// Writes the checkpoint of `at.step` into the save directory, or into its
+/// `checkpoint-STEP` folder when the run keeps folders (rank 0 adds
+/// `config.json`, the source's updated, which makes it an HF model
+/// directory (not a LoRA run's adapter directory), the tokenizer files of the source, and the run file), logs
+/// it, and applies `--keep-last`/`--keep-best`.
 fn save<B: Backend>(
     cfg: &TrainConfig,
     b: &B,
     model: &mut (dyn RankModel<B> + '_),
-    dir: &std::path::Path,
-    step: u32,
-    extra: &serde_json::Value,
-    rank: usize,
+    at: &SaveAt,
 ) -> Result<()> {
+    use crate::checkpoint::save_dir;
+    let start = Instant::now();
+    let dir = match cfg.keep.folders() {
+        true => save_dir::folder_of(at.dir, u64::from(at.step)),
+        false => at.dir.to_path_buf(),
+    };
+    let dir = dir.as_path();
     // written into the directory's staging, then moved in (`checkpoint::save_dir`)
-    let staged = crate::checkpoint::save_dir::staging(dir);
-    model.save(b, &staged, step as u64, extra, rank == 0)?;
-    if rank != 0 {
+    let staged = save_dir::staging(dir);
+    model.save(b, &staged, at.step as u64, at.extra, at.rank == 0)?;
+    if at.rank != 0 {
         return Ok(());
     }
     // a LoRA checkpoint is PEFT's adapter directory: its base has the config
@@ -532,13 +560,60 @@ fn save<B: Backend>(
         std::fs::write(&path, config).map_err(|e| Error::io(path.display().to_string(), e))?;
     }
     if let Some(from) = cfg.carry_from() {
-        carry_files(from, dir, &staged)?;
+        carry_files(&from, dir, &staged)?;
     }
     if let Some(text) = &cfg.run_file {
         let path = staged.join("run.toml");
         std::fs::write(&path, text).map_err(|e| Error::io(path.display().to_string(), e))?;
     }
-    crate::checkpoint::save_dir::publish(dir)
+    let bytes = save_dir::staged_bytes(dir);
+    save_dir::publish(dir)?;
+    tracing::info!(
+        "saved the checkpoint of step {} to {} ({}, {:.1} s)",
+        at.step,
+        dir.display(),
+        crate::backend::Bytes(bytes as usize),
+        start.elapsed().as_secs_f64()
+    );
+    keep_checkpoints(cfg, at)
+}
+
+/// After a save: removes checkpoint folders of an older run (one this run
+/// replaces under `--overwrite`) and, when the run keeps folders, those
+/// past `--keep-last` that are not the best (`--keep-best`); a fresh run
+/// that keeps folders also retires the checkpoint an older run left in
+/// the save directory itself.
+fn keep_checkpoints(cfg: &TrainConfig, at: &SaveAt) -> Result<()> {
+    use crate::checkpoint::save_dir::{self, Kept, Retention};
+    let saved_here = |s: u64| {
+        let every = u64::from(cfg.save_every);
+        s <= u64::from(at.step)
+            && (s == u64::from(cfg.steps) || (every > 0 && s.is_multiple_of(every)))
+    };
+    let first = u64::from(at.first);
+    let lineage = |s: u64| s < first || (cfg.keep.folders() && saved_here(s));
+    let keep = match cfg.keep.folders() {
+        true => cfg.keep,
+        false => Retention::default(),
+    };
+    let kept = Kept {
+        keep,
+        lineage: &lineage,
+    };
+    for gone in save_dir::retain(at.dir, &kept)? {
+        tracing::info!("removed the checkpoint {}", gone.display());
+    }
+    if cfg.keep.folders() && at.first == 1 {
+        save_dir::retire_own(at.dir)?;
+    }
+    if let (true, Some((step, loss))) = (cfg.keep.keep_best, save_dir::best(at.dir)?) {
+        let best = save_dir::folder_of(at.dir, step);
+        tracing::info!(
+            "the best checkpoint by held-out loss is {} ({loss:.4})",
+            best.display()
+        );
+    }
+    Ok(())
 }
 
 /// The step's op profile by class (when profiled); rank 0 writes the last

@@ -394,7 +394,8 @@ fn a_checkpoint_holds_the_run_file_that_repeats_the_run() {
     }
     let f = stored.to_str().unwrap();
     assert_eq!(ok(&["train", "--config", f, "--print-config"]), text);
-    let again = losses(&ok(&["train", "--config", f, "--json"]));
+    // the same run again, replacing the checkpoint it saved
+    let again = losses(&ok(&["train", "--config", f, "--json", "--overwrite"]));
     assert_eq!(first, again, "the stored run file repeats the run");
     std::fs::remove_dir_all(&dir).unwrap();
 }

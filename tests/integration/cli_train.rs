@@ -492,6 +492,8 @@ fn a_run_that_cannot_fit_is_refused_before_it_allocates() {
         "train",
         "--model",
         "llama3-70b",
+        "--tokenizer",
+        "byte",
         "--seq",
         "65536",
         "--steps",

@@ -154,6 +154,11 @@ fn train(src: &Path, dst: &Path, steps: &str, lr: &str, more: &[&str]) -> std::p
         "32",
         "--init-from", // and no --model: the model is --init-from's
         s,
+        // its tokenizer.json is a file to carry, not one to tokenize with
+        "--tokenizer",
+        "byte",
+        // a second run into `dst` replaces the checkpoint there
+        "--overwrite",
         "--steps",
         steps,
         "--lr",
@@ -221,6 +226,8 @@ fn an_untrained_bf16_model_comes_back_bit_for_bit_with_its_config_and_tokenizer(
         "32",
         "--model",
         src.to_str().unwrap(),
+        "--tokenizer",
+        "byte",
         "--steps",
         "2",
         "--lr",
@@ -265,6 +272,8 @@ fn a_qwen2_with_biases_and_yarn_comes_back_bit_for_bit() {
         s,
         "--init-from",
         s,
+        "--tokenizer",
+        "byte",
         "--steps",
         "1",
         "--lr",
@@ -330,7 +339,7 @@ fn the_owners_files_are_never_replaced_and_upipes_go_with_its_checkpoint() {
     std::fs::create_dir_all(&dst).unwrap();
     std::fs::write(dst.join("tokenizer.json"), "mine").unwrap();
     std::fs::write(dst.join("notes.txt"), "mine too").unwrap();
-    ok(train(&src, &dst, "1", "0", &["--overwrite"]));
+    ok(train(&src, &dst, "1", "0", &[]));
     assert_eq!(
         std::fs::read_to_string(dst.join("tokenizer.json")).unwrap(),
         "mine"
@@ -351,10 +360,13 @@ fn the_owners_files_are_never_replaced_and_upipes_go_with_its_checkpoint() {
         "32",
         "--model",
         src.to_str().unwrap(),
+        "--tokenizer",
+        "byte",
         "--steps",
         "1",
         "--save-dir",
         dst.to_str().unwrap(),
+        "--overwrite",
     ]));
     assert!(!dst.join("generation_config.json").exists());
     assert_eq!(

@@ -304,6 +304,9 @@ fn tokenize_refuses_pre_tokenized_inputs_and_keeps_them() {
         s(&ids),
     ];
     let e = failure(&args);
+    assert!(e.contains("is the same file as the input"), "{e}");
+    let other = dir.join("other.u32");
+    let e = failure(&[&args[..7], &[s(&other)]].concat());
     assert!(e.contains("pre-tokenized") && e.contains("--data"), "{e}");
     assert_eq!(
         std::fs::read(&ids).unwrap(),

@@ -51,3 +51,4 @@ mod save_attention;
 mod save_dir;
 mod sliding_window;
 mod tokenize;
+mod trust;

@@ -1,5 +1,16 @@
 use super::*;
 
+/// A run that resumes what the directory holds.
+const KEEP: SaveRules = SaveRules {
+    overwrite: false,
+    resume: true,
+};
+/// A run under `--overwrite`.
+const OVERWRITE: SaveRules = SaveRules {
+    overwrite: true,
+    resume: false,
+};
+
 /// A fresh directory under the system's temporary folder, removed on drop.
 struct Tmp(PathBuf);
 
@@ -58,7 +69,7 @@ fn save(dir: &Path, step: u32, sharded: bool) {
 fn a_save_keeps_the_owners_files_and_removes_only_its_own_stale_ones() {
     let t = Tmp::new("keep");
     let dir = t.0.join("run");
-    drop(SaveDir::acquire(&dir, false).unwrap());
+    drop(SaveDir::acquire(&dir, KEEP).unwrap());
     std::fs::write(dir.join("notes.txt"), "mine").unwrap();
     std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
     save(&dir, 1, true);
@@ -86,17 +97,17 @@ fn a_directory_of_foreign_files_is_refused_unless_overwrite() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("main.rs"), "fn main() {}").unwrap();
     std::fs::write(dir.join("model.safetensors"), "theirs").unwrap();
-    let e = SaveDir::acquire(&dir, false).unwrap_err().to_string();
+    let e = SaveDir::acquire(&dir, KEEP).unwrap_err().to_string();
     assert!(e.contains("main.rs") && e.contains("--overwrite"), "{e}");
-    let e = check(&dir, false, 0).unwrap_err().to_string();
+    let e = check(&dir, KEEP, 0).unwrap_err().to_string();
     assert!(e.contains("did not write"), "{e}");
     assert!(
         !work(&dir).exists(),
         "nothing is created in a refused directory"
     );
-    check(&dir, true, 0).unwrap();
+    check(&dir, OVERWRITE, 0).unwrap();
     // --overwrite adopts the checkpoint-named files and keeps the rest
-    let held = SaveDir::acquire(&dir, true).unwrap();
+    let held = SaveDir::acquire(&dir, OVERWRITE).unwrap();
     save(&dir, 3, false);
     drop(held);
     assert_eq!(step_of(&dir), "3");
@@ -105,7 +116,7 @@ fn a_directory_of_foreign_files_is_refused_unless_overwrite() {
         "fn main() {}"
     );
     // upipe's own directory needs no --overwrite from then on
-    SaveDir::acquire(&dir, false).unwrap();
+    SaveDir::acquire(&dir, KEEP).unwrap();
 }
 
 #[test]
@@ -121,7 +132,7 @@ fn a_checkpoint_without_a_manifest_is_adopted() {
     ] {
         std::fs::write(dir.join(f), "1").unwrap();
     }
-    drop(SaveDir::acquire(&dir, false).unwrap());
+    drop(SaveDir::acquire(&dir, KEEP).unwrap());
     save(&dir, 2, false);
     assert_eq!(step_of(&dir), "2");
     assert!(
@@ -134,26 +145,26 @@ fn a_checkpoint_without_a_manifest_is_adopted() {
 fn a_second_run_is_refused_naming_the_holder() {
     let t = Tmp::new("lock");
     let dir = t.0.join("run");
-    let first = SaveDir::acquire(&dir, false).unwrap();
-    let e = SaveDir::acquire(&dir, false).unwrap_err().to_string();
+    let first = SaveDir::acquire(&dir, KEEP).unwrap();
+    let e = SaveDir::acquire(&dir, KEEP).unwrap_err().to_string();
     let pid = std::process::id().to_string();
     assert!(
         e.contains("in use by another upipe run") && e.contains(&pid),
         "{e}"
     );
     drop(first);
-    SaveDir::acquire(&dir, false).unwrap();
+    SaveDir::acquire(&dir, KEEP).unwrap();
 }
 
 #[test]
 fn a_dead_runs_staging_is_removed_never_published() {
     let t = Tmp::new("stale");
     let dir = t.0.join("run");
-    drop(SaveDir::acquire(&dir, false).unwrap());
+    drop(SaveDir::acquire(&dir, KEEP).unwrap());
     save(&dir, 1, false);
     // a run died while writing step 2: staging holds a complete-looking mix
     stage(&dir, 2, true);
-    drop(SaveDir::acquire(&dir, false).unwrap());
+    drop(SaveDir::acquire(&dir, KEEP).unwrap());
     assert!(!staging(&dir).exists());
     assert_eq!(step_of(&dir), "1");
     assert!(!dir.join("model.safetensors.index.json").exists());
@@ -184,12 +195,12 @@ fn a_crash_at_any_point_of_a_save_leaves_one_whole_checkpoint() {
         for crash in 0.. {
             let t = Tmp::new("crash");
             let dir = t.0.join("run");
-            drop(SaveDir::acquire(&dir, false).unwrap());
+            drop(SaveDir::acquire(&dir, KEEP).unwrap());
             std::fs::write(dir.join("notes.txt"), "mine").unwrap();
             save(&dir, 1, from_sharded);
             stage(&dir, 2, to_sharded);
             let finished = publish_steps(&dir, &mut CrashAfter(crash)).is_ok();
-            drop(SaveDir::acquire(&dir, false).unwrap());
+            drop(SaveDir::acquire(&dir, KEEP).unwrap());
             let step = step_of(&dir);
             saw_old_and_new.0 |= step == "1";
             saw_old_and_new.1 |= step == "2";
@@ -219,17 +230,15 @@ fn check_refuses_what_cannot_hold_a_checkpoint() {
     let t = Tmp::new("check");
     let file = t.0.join("a-file");
     std::fs::write(&file, "").unwrap();
-    let e = check(&file, false, 0).unwrap_err().to_string();
+    let e = check(&file, KEEP, 0).unwrap_err().to_string();
     assert!(e.contains("is not a directory"), "{e}");
-    let e = check(&file.join("below"), false, 0)
-        .unwrap_err()
-        .to_string();
+    let e = check(&file.join("below"), KEEP, 0).unwrap_err().to_string();
     assert!(e.contains("cannot create it"), "{e}");
-    let e = check(&t.0.join("big"), false, u64::MAX)
+    let e = check(&t.0.join("big"), KEEP, u64::MAX)
         .unwrap_err()
         .to_string();
     assert!(e.contains("free, and a checkpoint"), "{e}");
-    check(&t.0.join("fine"), false, 1 << 20).unwrap();
+    check(&t.0.join("fine"), KEEP, 1 << 20).unwrap();
     // `.` works: nothing renames the directory itself
     assert!(is_checkpoint_file("model-00001-of-00003.safetensors"));
     assert!(!is_checkpoint_file("tokenizer.json") && !is_checkpoint_file("notes.txt"));
@@ -239,7 +248,7 @@ fn check_refuses_what_cannot_hold_a_checkpoint() {
 fn a_reader_finishes_a_killed_save_but_never_one_in_progress() {
     let t = Tmp::new("reader");
     let dir = t.0.join("run");
-    drop(SaveDir::acquire(&dir, false).unwrap());
+    drop(SaveDir::acquire(&dir, KEEP).unwrap());
     save(&dir, 1, true);
     stage(&dir, 2, false);
     // killed after the journal and the first change of the roll forward

@@ -41,8 +41,11 @@ pub struct TrainArgs {
     /// every corpus within one window of its share: docs/data.md).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Tokenizer for text data: `byte` (the default) or a path to an HF
-    /// tokenizer.json; ignored, with a warning, for pre-tokenized data.
+    /// Tokenizer for text data: `byte` or a path to an HF tokenizer.json (or
+    /// a directory holding one); ignored, with a warning, for pre-tokenized
+    /// data. Default: the model's own tokenizer.json when the model comes
+    /// from a directory (--init-from, --model DIR), bytes for a model of 256
+    /// ids; otherwise text data is refused until it is given.
     #[arg(long)]
     pub tokenizer: Option<String>,
     /// Start from the weights of an HF model directory (config.json + safetensors).
@@ -156,6 +159,19 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub overwrite: bool,
+    /// Keep checkpoints as `checkpoint-STEP` folders in --save-dir (each an
+    /// HF model directory; PEFT for LoRA runs), the N latest of them; older
+    /// ones are removed after each save (without it, or --keep-best, one
+    /// checkpoint is kept in --save-dir itself). --resume continues the
+    /// latest.
+    #[arg(long, value_name = "N")]
+    pub keep_last: Option<u32>,
+    /// Keep checkpoints as `checkpoint-STEP` folders, and keep the one of
+    /// the lowest --eval-data loss besides the --keep-last latest (1 by
+    /// default); needs --eval-data evaluated at every save step.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub keep_best: bool,
     /// Steps whose loss or gradient norm is not finite that the run may skip
     /// (the update not applied, counted in the metrics) before it stops
     /// with an error; 0: stop at the first.
@@ -276,6 +292,8 @@ impl TrainArgs {
         max_shard_size => checkpoint.max_shard_size,
         resume => checkpoint.resume,
         overwrite => checkpoint.overwrite,
+        keep_last => checkpoint.keep_last,
+        keep_best => checkpoint.keep_best,
         skip_nonfinite => optim.skip_nonfinite,
         steps => run.steps,
         seed => run.seed,
@@ -296,6 +314,7 @@ impl TrainArgs {
         let k = Self::KEYS;
         self.check_needed_flags()?;
         self.check_input_paths()?;
+        self.check_output_paths()?;
         at_least(k, "steps", self.steps, 1)?;
         at_least(k, "seq", self.seq, 1)?;
         crate::cli::plan::at_most_tokens("--seq", self.seq)?;
@@ -448,6 +467,18 @@ impl TrainArgs {
                 "it lets checkpoints go there beside files upipe did not write",
             ),
             (
+                no_save_dir && (self.keep_last.is_some() || self.keep_best),
+                "keep_last",
+                "save_dir",
+                "checkpoints are kept there",
+            ),
+            (
+                self.eval_data.is_none() && self.keep_best,
+                "keep_best",
+                "eval_data",
+                "the best checkpoint is the one of the lowest held-out loss",
+            ),
+            (
                 no_save_dir && self.merge_lora.is_some(),
                 "merge_lora",
                 "save_dir",
@@ -469,6 +500,7 @@ impl TrainArgs {
         if let Some(out) = &self.merge_lora {
             self.check_merge_target(out)?;
         }
+        self.check_keep_flags()?;
         let Some((_, flag, needed, why)) = unneeded.into_iter().find(|u| u.0) else {
             return Ok(());
         };
@@ -537,6 +569,108 @@ impl TrainArgs {
             check_file(data, "--eval-data")?;
         }
         Ok(())
+    }
+}
+
+impl TrainArgs {
+    /// `--keep-last` keeps at least one checkpoint, and `--keep-best`
+    /// compares checkpoints whose held-out loss is known: every save step
+    /// must be an evaluation step.
+    fn check_keep_flags(&self) -> Result<()> {
+        let k = Self::KEYS;
+        if let Some(n) = self.keep_last {
+            at_least(k, "keep_last", n, 1)?;
+        }
+        let eval_every = self.eval_every.unwrap_or(self.steps).max(1);
+        if self.keep_best && self.save_every > 0 && !self.save_every.is_multiple_of(eval_every) {
+            return crate::config_err!(
+                "--keep-best ranks checkpoints by their held-out loss, but --save-every {} saves \
+                 at steps --eval-every {eval_every} does not evaluate: give an --eval-every \
+                 that divides --save-every",
+                self.save_every
+            );
+        }
+        Ok(())
+    }
+
+    /// A checkpoint in `--save-dir` is not replaced unasked: refused, before
+    /// any data is read, without `--resume` or `--overwrite`.
+    pub fn refuse_replacing(&self) -> Result<()> {
+        let Some(dir) = &self.save_dir else {
+            return Ok(());
+        };
+        let rules = crate::checkpoint::save_dir::SaveRules {
+            overwrite: self.overwrite,
+            resume: self.resume,
+        };
+        crate::checkpoint::save_dir::refuse_replacing(dir, rules)
+    }
+
+    /// The checkpoints the run keeps (`--keep-best` alone keeps the latest
+    /// beside the best).
+    pub fn retention(&self) -> crate::checkpoint::save_dir::Retention {
+        crate::checkpoint::save_dir::Retention {
+            keep_last: self.keep_last.or(self.keep_best.then_some(1)),
+            keep_best: self.keep_best,
+        }
+    }
+
+    /// No output of the run (metrics, trace, TensorBoard and merged-model
+    /// directories) writes over one of its inputs, and every path can be
+    /// written into the run file (`run.toml` is UTF-8 TOML); checked before
+    /// anything is opened for writing. The save directory has its own rule
+    /// (`checkpoint::save_dir`: only upipe's files, replaced by rename).
+    fn check_output_paths(&self) -> Result<()> {
+        use crate::output_path::{Input, Output, check_outputs};
+        let outputs: Vec<Output> = [
+            self.metrics
+                .as_deref()
+                .map(|p| Output::file("--metrics", p)),
+            self.trace.as_deref().map(|p| Output::file("--trace", p)),
+            (self.tensorboard.as_deref()).map(|p| Output::dir("--tensorboard", p)),
+            (self.merge_lora.as_deref()).map(|p| Output::dir("--merge-lora", p)),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let data_parts = match &self.data {
+            Some(d) => crate::data::mixture::parse_data_spec(d)?
+                .map(|parts| parts.into_iter().map(|(p, _)| p).collect())
+                .unwrap_or_else(|| vec![d.clone()]),
+            None => vec![],
+        };
+        let mut inputs: Vec<Input> = data_parts
+            .iter()
+            .map(|p| Input {
+                flag: "--data",
+                path: p,
+            })
+            .collect();
+        let tokenizer = (self.tokenizer.as_deref())
+            .map(|t| crate::output_path::tokenizer_files(Path::new(t)))
+            .unwrap_or_default();
+        inputs.extend(tokenizer.iter().map(|path| Input {
+            flag: "--tokenizer",
+            path,
+        }));
+        let others = [
+            ("--eval-data", self.eval_data.as_deref()),
+            ("--init-from", self.init_from.as_deref()),
+            ("--lora-from", self.lora.lora_from.as_deref()),
+            ("--config", self.config.as_deref()),
+            ("--model", Some(Path::new(&self.model))),
+        ];
+        for (flag, path) in others {
+            if let Some(path) = path {
+                inputs.push(Input { flag, path });
+            }
+        }
+        let save_dir = self.save_dir.as_deref().map(|p| ("--save-dir", p));
+        let paths = (outputs.iter().map(|o| (o.flag, o.path))).chain(save_dir);
+        for (flag, path) in paths.chain(inputs.iter().map(|i| (i.flag, i.path))) {
+            config::utf8_path(flag, path)?;
+        }
+        check_outputs(&outputs, &inputs)
     }
 }
 

@@ -151,7 +151,7 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
         // narrower than F32 (then the F32 size counted for the weights bounds theirs)
         let masters = run.on_gpu() || run.cfg.save_dtype != crate::checkpoint::SaveDtype::F32;
         let bytes = crate::plan::checkpoint_bytes(&run.cfg.model, masters);
-        save_dir::check(dir, run.cfg.overwrite, bytes)?;
+        save_dir::check(dir, run.cfg.save_rules(), bytes)?;
     }
     if let (Some(path), true) = (&run.cfg.trace, run.lead) {
         trace_file(path)?;
@@ -179,7 +179,12 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
         return Ok(progress);
     }
     if let Some(path) = &a.metrics {
-        progress = progress.with_metrics(MetricsFile::create(path)?);
+        // a resumed run adds its steps after those the file holds
+        let metrics = match run.cfg.resume_dir().is_some() {
+            true => MetricsFile::append(path)?,
+            false => MetricsFile::create(path)?,
+        };
+        progress = progress.with_metrics(metrics);
     }
     if let Some(dir) = &a.tensorboard {
         progress = progress.with_tensorboard(EventWriter::create(dir, unix_now())?);

@@ -44,7 +44,8 @@ impl<'a, B: Backend> Sharded<'a, B> {
     pub fn open(b: &B, cfg: &TrainConfig, mesh: &'a Mesh<B>) -> Result<(Self, Option<Resumed>)> {
         let model = &cfg.model;
         let (group, replica) = (mesh.shard.as_ref(), mesh.replica.as_ref());
-        let state = cfg.resume_dir().map(ckpt::read_state).transpose()?;
+        let resume_dir = cfg.resume_dir();
+        let state = resume_dir.as_deref().map(ckpt::read_state).transpose()?;
         let extra = state.as_ref().and_then(|s| s.get("extra").cloned());
         let extra = extra.unwrap_or(Value::Null);
         let base = lora_base(cfg, &extra)?;
@@ -52,7 +53,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
         let source = match &base {
             Some(BaseModel::Dir(dir)) => Some(dir.as_path()),
             Some(BaseModel::Random { .. }) => None,
-            None => cfg.resume_dir().or(cfg.init_from.as_deref()),
+            None => resume_dir.as_deref().or(cfg.init_from.as_deref()),
         };
         let seed = match &base {
             Some(BaseModel::Random { seed }) => *seed,
@@ -98,6 +99,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
             return Ok((sharded(store, opt), None));
         };
         let mut store = store;
+        let dir = dir.as_path();
         cfg.check_resume_freeze(dir, &extra)?;
         restore_state(b, &SavedOptimizer::open(dir)?, &mut store, opt.as_mut())?;
         let resumed = Resumed {
@@ -227,7 +229,7 @@ impl<'a, B: Backend> Deferred<B, FsdpStore<'a, B>> for Box<dyn Optimizer<B>> {
 fn lora_base(cfg: &TrainConfig, extra: &Value) -> Result<Option<BaseModel>> {
     Ok(match (&cfg.lora, cfg.resume_dir()) {
         (None, _) => None,
-        (Some(_), Some(dir)) => Some(resumed_base(cfg, dir, extra)?),
+        (Some(_), Some(dir)) => Some(resumed_base(cfg, &dir, extra)?),
         (Some(_), None) => Some(run_base(cfg)),
     })
 }
@@ -239,8 +241,8 @@ fn lora_base(cfg: &TrainConfig, extra: &Value) -> Result<Option<BaseModel>> {
 fn initial_adapters<B: Backend>(b: &B, cfg: &TrainConfig) -> Result<BTreeMap<String, Vec<f32>>> {
     match (&cfg.lora, cfg.resume_dir()) {
         (_, _) if b.rehearsing() => Ok(BTreeMap::new()),
-        (Some(_), Some(dir)) if crate::checkpoint::is_adapter_only(dir) => {
-            Ok(host_values(&read_adapter(dir, &cfg.model)?.weights))
+        (Some(_), Some(dir)) if crate::checkpoint::is_adapter_only(&dir) => {
+            Ok(host_values(&read_adapter(&dir, &cfg.model)?.weights))
         }
         (Some(run), None) => Ok(host_values(&run.initial(&cfg.model, cfg.seed)?)),
         _ => Ok(BTreeMap::new()),
