@@ -70,6 +70,24 @@ pub fn tokenizer_files(path: &Path) -> Vec<PathBuf> {
     }
 }
 
+/// The files a model or adapter directory stands for as an input: those in
+/// it a load reads (configs and indexes, weights, tokenizer and template
+/// files: `.json`, `.safetensors`, `.jinja`, `.model`); a new file beside
+/// them, such as `--metrics`, destroys nothing. A file stands for itself.
+pub fn directory_files(path: &Path) -> Vec<PathBuf> {
+    let read = |p: &Path| {
+        let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+        p.is_file() && ["json", "safetensors", "jinja", "model"].contains(&ext)
+    };
+    match std::fs::read_dir(path) {
+        Ok(entries) if path.is_dir() => entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| read(p))
+            .collect(),
+        _ => vec![path.to_path_buf()],
+    }
+}
+
 /// Refuses any output that would write over an input (see the module
 /// docs); an input that does not exist is left to the command's own
 /// checks. Opens nothing and creates nothing.

@@ -229,14 +229,24 @@ fn check_outputs(a: &EvalArgs, model_dir: &Path, tokens: &Path) -> Result<()> {
         ("--tokens", Some(tokens)),
         ("--tokens' document index", Some(docs.as_path())),
         ("--tokens' loss mask", Some(mask.as_path())),
-        ("--model-dir", Some(model_dir)),
-        ("--lora-from", a.lora_from.as_deref()),
         ("--config", a.config.as_deref()),
     ];
-    let inputs: Vec<Input> = inputs
+    let mut inputs: Vec<Input> = inputs
         .into_iter()
         .filter_map(|(flag, path)| path.map(|path| Input { flag, path }))
         .collect();
+    // a model or adapter directory: the files in it (a new file beside
+    // them overwrites nothing)
+    let dirs = [
+        ("--model-dir", Some(model_dir)),
+        ("--lora-from", a.lora_from.as_deref()),
+    ];
+    let dir_files: Vec<(&str, Vec<std::path::PathBuf>)> = (dirs.into_iter())
+        .filter_map(|(flag, p)| p.map(|p| (flag, crate::output_path::directory_files(p))))
+        .collect();
+    for (flag, files) in &dir_files {
+        inputs.extend(files.iter().map(|path| Input { flag, path }));
+    }
     crate::output_path::check_outputs(&[Output::file("--metrics", metrics)], &inputs)
 }
 

@@ -508,6 +508,7 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "checkpoint/train_state.rs",
         "checkpoint/peft.rs",
     ],
+    &["checkpoint/save_dir.rs", "checkpoint/save_dir/folders.rs"],
     &["optim/mod.rs", "optim/adamw.rs"],
     &[
         "plan/mod.rs",

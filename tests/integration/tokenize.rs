@@ -483,18 +483,39 @@ fn tokenize_json(inputs: &[&Path], tokenizer: &str, out: &Path, extra: &[&str]) 
     serde_json::from_slice(&run.stdout).unwrap()
 }
 
-/// `tokenize DIR --out DIR/out.u32` twice reads the text alone both times
-/// (its own ids, index and mask left out of the directory), and an output
-/// named as an input is refused.
+/// `tokenize DIR --out DIR/out.u32` is refused before anything is read (an
+/// output inside an input directory); an earlier run's ids, index and mask
+/// found in an input directory are left out, not read as text; and an ids
+/// or index file named as an input is refused.
 #[test]
 fn tokenize_never_reads_its_own_output() {
     let dir = temp_dir("own-out");
     std::fs::write(dir.join("a.txt"), "the only document").unwrap();
-    let out = dir.join("out.u32");
-    for _ in 0..2 {
-        let v = tokenize_json(&[&dir], "byte", &out, &["--eos", "0"]);
-        assert_eq!(v["documents"], json!(1), "{v}");
+    let inside = dir.join("out.u32");
+    let (d, i) = (dir.to_str().unwrap(), inside.to_str().unwrap());
+    let e = stderr_of_failure(&[
+        "tokenize",
+        d,
+        "--tokenizer",
+        "byte",
+        "--eos",
+        "0",
+        "--out",
+        i,
+    ]);
+    assert!(e.contains("--out") && e.contains("inside the input"), "{e}");
+    assert!(!inside.exists());
+    let dst = temp_dir("own-out-dst");
+    let out = dst.join("out.u32");
+    let v = tokenize_json(&[&dir], "byte", &out, &["--eos", "0"]);
+    assert_eq!(v["documents"], json!(1), "{v}");
+    // the first run's files put beside the text: left out of the second
+    for f in [out.clone(), index_path(&out)] {
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
     }
+    let again = dst.join("again.u32");
+    let v = tokenize_json(&[&dir], "byte", &again, &["--eos", "0"]);
+    assert_eq!(v["documents"], json!(1), "{v}");
     let docs = index_path(&out);
     let e = stderr_of_failure(&[
         "tokenize",
@@ -504,13 +525,14 @@ fn tokenize_never_reads_its_own_output() {
         "--eos",
         "0",
         "--out",
-        dir.join("again.u32").to_str().unwrap(),
+        dst.join("third.u32").to_str().unwrap(),
     ]);
     assert!(
         e.contains("out.u32.docs") && e.contains("pre-tokenized"),
         "{e}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&dst).unwrap();
 }
 
 /// The index and mask carry a stamp of the ids they were written with: the

@@ -655,15 +655,25 @@ impl TrainArgs {
         }));
         let others = [
             ("--eval-data", self.eval_data.as_deref()),
-            ("--init-from", self.init_from.as_deref()),
-            ("--lora-from", self.lora.lora_from.as_deref()),
             ("--config", self.config.as_deref()),
-            ("--model", Some(Path::new(&self.model))),
         ];
         for (flag, path) in others {
             if let Some(path) = path {
                 inputs.push(Input { flag, path });
             }
+        }
+        // a model or adapter directory: the files in it (a new file beside
+        // them overwrites nothing)
+        let dirs = [
+            ("--init-from", self.init_from.as_deref()),
+            ("--lora-from", self.lora.lora_from.as_deref()),
+            ("--model", Some(Path::new(&self.model))),
+        ];
+        let dir_files: Vec<(&str, Vec<PathBuf>)> = (dirs.into_iter())
+            .filter_map(|(flag, p)| p.map(|p| (flag, crate::output_path::directory_files(p))))
+            .collect();
+        for (flag, files) in &dir_files {
+            inputs.extend(files.iter().map(|path| Input { flag, path }));
         }
         let save_dir = self.save_dir.as_deref().map(|p| ("--save-dir", p));
         let paths = (outputs.iter().map(|o| (o.flag, o.path))).chain(save_dir);
