@@ -92,7 +92,7 @@ def upipe(binary: str, *args: str) -> str:
 
 
 def upipe_eval(binary: str, base: str, adapter: str, ids: str) -> float:
-    out = upipe(binary, "eval", "--device", "cpu", "--model-dir", base, "--lora-from", adapter,
+    out = upipe(binary, "eval", "--json", "--device", "cpu", "--model-dir", base, "--lora-from", adapter,
                 "--tokens", ids, "--seq", str(SEQ))
     return json.loads(out.strip().splitlines()[-1])["loss"]
 

@@ -227,7 +227,7 @@ def check_packed_hf(binary: str, root: str, src: str, family: str) -> None:
     write_ids(tokens, ids.tolist())
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     write_doc_index(tokens, len(ids), starts)
-    out = subprocess.run([binary, "eval", "--device", "cpu", "--model-dir", src, "--tokens", tokens,
+    out = subprocess.run([binary, "eval", "--json", "--device", "cpu", "--model-dir", src, "--tokens", tokens,
                           "--seq", str(SEQ), "--pack", "documents"],
                          check=True, capture_output=True, text=True).stdout
     report = json.loads(out.strip().splitlines()[-1])

@@ -37,7 +37,7 @@ read -r -a policy <<< "${POLICY:---checkpoint}"
   --warmup 1 --attn "$attn" --device "$device" "${mesh[@]}" "${policy[@]}" --json --save-dir "$work/model" \
   > "$work/train.log" 2>&1 || { tail -20 "$work/train.log"; exit 1; }
 read -r -a extra <<< "${EVAL_FLAGS:---buckets 8}"
-"$bin/upipe" eval --model-dir "$work/model" --tokens "$work/data.u32" --seq "$seq" \
+"$bin/upipe" eval --json --model-dir "$work/model" --tokens "$work/data.u32" --seq "$seq" \
   --attn "$attn" --device "$device" "${mesh[@]}" "${extra[@]}" > "$work/eval.log" 2>&1 \
   || { tail -20 "$work/eval.log"; exit 1; }
 field() { grep -o "\"$1\":[0-9.e+-]*" | tail -1 | cut -d: -f2; }

@@ -35,11 +35,11 @@ train=(train --model tiny --seq 4096 --steps 4 --warmup 1 --ulysses 2 --json)
 "$upipe" "${train[@]}" --fsdp on --pack documents --data "$out/a.u32" \
     --eval-data "$out/held.u32" --eval-every 2 --eval-buckets 2 --save-dtype f32 \
     --save-dir "$out/ckpt" > "$out/train.jsonl"
-"$upipe" eval --config "$out/ckpt/run.toml" --tokens "$out/held.u32" --seq 4096 \
+"$upipe" eval --json --config "$out/ckpt/run.toml" --tokens "$out/held.u32" --seq 4096 \
     --buckets 2 > "$out/eval.json"
 # 2. packed evaluation: every mode runs on the GPU
 for pack in stream documents bfd; do
-    "$upipe" eval --model-dir "$out/ckpt" --tokens "$out/held.u32" --seq 4096 --pack "$pack" \
+    "$upipe" eval --json --model-dir "$out/ckpt" --tokens "$out/held.u32" --seq 4096 --pack "$pack" \
         > "$out/eval-$pack.json"
 done
 # 3. a mixture of corpora

@@ -88,6 +88,12 @@ pub struct EvalArgs {
     /// also be the --model-dir).
     #[arg(long)]
     pub lora_from: Option<PathBuf>,
+    /// Print the evaluation as one JSON object (loss, perplexity's ln,
+    /// tokens, windows, by_position, tokens/s, memory) instead of the line
+    /// `loss L, perplexity P over N tokens in W windows`.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          default_value_t = false, action = clap::ArgAction::Set)]
+    pub json: bool,
     /// Write the evaluation as one JSON line (loss, tokens/s, model TFLOP/s
     /// of the forward, memory by category; as `train --metrics` writes steps).
     #[arg(long)]
@@ -101,6 +107,7 @@ impl EvalArgs {
         allow_extra_tensors => model.allow_extra_tensors,
         tokens => eval.tokens,
         metrics => eval.metrics,
+        json => run.json,
         seq => eval.seq,
         buckets => eval.buckets,
         pack => data.pack,
@@ -183,8 +190,13 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
         return Err(nothing_counted(&run.data, "its windows"));
     }
     if run.route != Route::ProcessRank || run.env.as_ref().is_none_or(|e| e.rank == 0) {
-        let text = serde_json::to_string(&report).expect("a report always serialises");
-        println!("{text}");
+        match a.json {
+            true => {
+                let text = serde_json::to_string(&report).expect("a report always serialises");
+                println!("{text}");
+            }
+            false => println!("{}", summary_line(&report)),
+        }
         if let Some(path) = &a.metrics {
             write_metrics(path, &run.cfg, &report, run.shape.world_size(), &clock)?;
         }
@@ -250,6 +262,52 @@ fn check_outputs(a: &EvalArgs, model_dir: &Path, tokens: &Path) -> Result<()> {
     crate::output_path::check_outputs(&[Output::file("--metrics", metrics)], &inputs)
 }
 
+/// The evaluation in one line: `loss 3.1234, perplexity 22.74 over 4096
+/// tokens (2 windows of 2048)`, the loss by positions after it when
+/// `--buckets` asks (`--json` prints every field).
+pub fn summary_line(r: &EvalReport) -> String {
+    let mut line = format!(
+        "loss {:.4}, perplexity {:.2} over {} tokens ({} window{} of {})",
+        r.loss,
+        r.loss.exp(),
+        r.counted_tokens,
+        r.windows,
+        if r.windows == 1 { "" } else { "s" },
+        r.tokens / r.windows.max(1)
+    );
+    if r.by_position.len() > 1 {
+        let parts: Vec<String> = (r.by_position.iter())
+            .map(|b| format!("{}-{} {:.4}", b.from, b.to, b.loss))
+            .collect();
+        line.push_str(&format!("; by position: {}", parts.join(" ")));
+    }
+    line
+}
+
+/// `--tokens FILE` that holds no ids (JSONL, text, Parquet): the error
+/// names the `upipe tokenize` command that writes them with the model's
+/// tokenizer (its directory's `tokenizer.json` when it has one).
+fn refuse_not_ids(tokens: &Path, model_dir: &Path) -> Result<()> {
+    if crate::data::TokenFormat::of_path(tokens).is_some() {
+        return Ok(());
+    }
+    let own = model_dir.join("tokenizer.json");
+    let tokenizer = match own.is_file() {
+        true => own.display().to_string(),
+        false => "TOKENIZER.json (the model's)".to_string(),
+    };
+    let out = tokens.with_extension("u32");
+    crate::config_err!(
+        "--tokens {}: upipe eval reads token ids (.u32, .u16, .bin), not text or documents; \
+         write them once with `upipe tokenize {} --tokenizer {tokenizer} --out {}`, then \
+         evaluate --tokens {}",
+        tokens.display(),
+        tokens.display(),
+        out.display(),
+        out.display()
+    )
+}
+
 /// An evaluation built from its flags, up to the moment it runs.
 struct Built {
     cfg: EvalConfig,
@@ -270,6 +328,7 @@ fn build(a: &EvalArgs) -> Result<Built> {
     let model_dir = required(&a.model_dir, "model_dir")?;
     let tokens_path = required(&a.tokens, "tokens")?;
     check_outputs(a, model_dir, tokens_path)?;
+    refuse_not_ids(tokens_path, model_dir)?;
     let device: Device = for_key(k, "device", a.device.parse())?;
     let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
     let gpus = match device {

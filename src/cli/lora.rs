@@ -15,25 +15,25 @@ use std::path::{Path, PathBuf};
 pub struct LoraArgs {
     /// Train LoRA adapters of this rank (`r`) beside the frozen base model
     /// (0: no adapters, full fine-tuning). The base is then frozen whole.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, help_heading = "LoRA", default_value_t = 0)]
     pub lora_rank: usize,
     /// LoRA's `lora_alpha`: the adapters' update is scaled by alpha / r
     /// (default: twice the rank).
-    #[arg(long)]
+    #[arg(long, help_heading = "LoRA")]
     pub lora_alpha: Option<f64>,
     /// The adapted layers, PEFT's module names separated by commas
     /// (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj),
     /// all-linear (all seven), or none (no adapters: the run trains as
     /// without --lora-rank).
-    #[arg(long, default_value = "all-linear")]
+    #[arg(long, help_heading = "LoRA", default_value = "all-linear")]
     pub lora_targets: String,
     /// rsLoRA's scaling: alpha / √r instead of alpha / r.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+    #[arg(long, help_heading = "LoRA", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub lora_rslora: bool,
     /// Continue from this adapter directory (PEFT's `save_pretrained`, or a
     /// upipe checkpoint): its rank, alpha and targets unless given.
-    #[arg(long)]
+    #[arg(long, help_heading = "LoRA")]
     pub lora_from: Option<PathBuf>,
 }
 

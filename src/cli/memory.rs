@@ -11,14 +11,14 @@ use crate::plan::{MemoryChoices, OffloadBlocks, OptimizerOffload, SaveAttention}
 pub struct MemoryArgs {
     /// Full activation checkpointing per block (`--checkpoint=false` turns
     /// off what a run file turned on; so for every on/off flag).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+    #[arg(long, help_heading = "Memory", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub checkpoint: bool,
     /// With --checkpoint: blocks (the first ones) whose checkpointed input
     /// is held in host memory: all (the flag alone), N, auto (the fewest
     /// that make this --seq fit the GPU, or the most the host holds; `plan`
     /// resolves it at each length it predicts), none.
-    #[arg(long, num_args = 0..=1, default_missing_value = "all",
+    #[arg(long, help_heading = "Memory", num_args = 0..=1, default_missing_value = "all",
           default_value_t = OffloadBlocks::Blocks(0))]
     pub offload: OffloadBlocks,
     /// Units (the embedding, each block, the head) whose F32 master
@@ -28,16 +28,16 @@ pub struct MemoryArgs {
     /// fewest that make this --seq fit the GPU beside everything else the
     /// run decides; `plan` resolves it at each length), none. The others
     /// keep theirs on the GPU and update there.
-    #[arg(long, num_args = 0..=1, default_missing_value = "all",
+    #[arg(long, help_heading = "Memory", num_args = 0..=1, default_missing_value = "all",
           default_value_t = OptimizerOffload::Units(0))]
     pub offload_optimizer: OptimizerOffload,
     /// Tiled MLP/RMSNorm (token tiles of a quarter of the rows, hidden to 4·hidden).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+    #[arg(long, help_heading = "Memory", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub tiled_mlp: bool,
     /// Rows of logits per fused-loss chunk (one `[rows, vocab]` buffer:
     /// fewer rows save memory, more keep the head's GEMMs efficient).
-    #[arg(long, default_value_t = crate::model::DEFAULT_LOSS_CHUNK)]
+    #[arg(long, help_heading = "Memory", default_value_t = crate::model::DEFAULT_LOSS_CHUNK)]
     pub loss_chunk: usize,
     /// With --checkpoint: blocks (the last ones) that keep their attention
     /// output and LSEs, so their backward skips the attention recompute:
@@ -45,13 +45,13 @@ pub struct MemoryArgs {
     /// host's per rank, beside the rest of the planned step; `plan` fits
     /// them in --gpu-mem minus --reserve at that length, and its search
     /// finds the longest length with none and shows what auto keeps there).
-    #[arg(long, default_value_t = SaveAttention::Auto)]
+    #[arg(long, help_heading = "Memory", default_value_t = SaveAttention::Auto)]
     pub save_attention: SaveAttention,
     /// Parameters not trained (no gradient, no optimizer state, no weight
     /// gradient computed): a comma list of embeddings, head, norms, attn,
     /// mlp, blocks:A-B (inclusive), or none. With tied embeddings, head and
     /// embeddings are one matrix. Under --fsdp on, whole units only.
-    #[arg(long, default_value = "none")]
+    #[arg(long, help_heading = "Model", default_value = "none")]
     pub freeze: String,
 }
 

@@ -22,17 +22,17 @@ pub struct MeshArgs {
     /// out: with no mesh flag the mesh fits the ranks (GPUs, launched
     /// processes; the CPU: 1); with another mesh flag, fitted
     /// around it to those ranks, else 1. Not on `bench attn`.
-    #[arg(long)]
+    #[arg(long, help_heading = "Mesh")]
     pub data_parallel: Option<usize>,
     /// Ulysses degree Pu. Left out: with no mesh flag the mesh fits the
     /// ranks (the CPU: 2); with another mesh flag, fitted around it to the
     /// ranks, else 1; `bench attn`: 4.
-    #[arg(long)]
+    #[arg(long, help_heading = "Mesh")]
     pub ulysses: Option<usize>,
     /// Ring degree Pr. Left out: with no mesh flag the mesh fits the ranks
     /// (the CPU: 2); with another mesh flag, fitted around it to the ranks,
     /// else 1; `bench attn`: 1.
-    #[arg(long)]
+    #[arg(long, help_heading = "Mesh")]
     pub ring: Option<usize>,
     /// UPipe heads per backward stage U. On `train` and `plan`, `auto` (the
     /// default): the widest stages whose predicted peak fits each rank's
@@ -40,7 +40,7 @@ pub struct MeshArgs {
     /// attention), at least Pu; wider stages run larger GEMMs, narrower
     /// ones hold less of the layer. On `eval` and `bench attn` a number
     /// (default: Pu).
-    #[arg(long)]
+    #[arg(long, help_heading = "Mesh")]
     pub chunk_heads: Option<ChunkHeads>,
 }
 

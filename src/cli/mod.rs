@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod config;
 pub mod eval;
+pub mod hints;
 pub mod info;
 pub mod launch;
 pub mod lora;
@@ -50,7 +51,7 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Start one process per local rank (torchrun-style) and supervise them.
     Launch(launch::LaunchArgs),
-    /// Draw a metrics file (`train --metrics`) as one SVG: loss, throughput, memory at the peak.
+    /// Draw a metrics file (`train --metrics`) as one SVG: loss and eval loss, throughput, learning rate, memory at the peak.
     Report(report::ReportArgs),
     /// Show devices and which GPU libraries were found.
     Info(info::InfoArgs),
@@ -61,7 +62,16 @@ pub enum Command {
 
 /// Entry point of the binary; returns the process exit status.
 pub fn main() -> i32 {
-    let matches = Cli::command().get_matches();
+    let matches = Cli::command().try_get_matches().unwrap_or_else(|e| {
+        // clap's error, then what the unknown flag is called here
+        let command = std::env::args().nth(1).unwrap_or_default();
+        let hint = hints::error_hint(&command, &e);
+        let _ = e.print();
+        if let Some(hint) = hint {
+            eprintln!("\nhint: {hint}");
+        }
+        std::process::exit(e.exit_code())
+    });
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_logging();
     // each subcommand's own matches: which flags the command line gave

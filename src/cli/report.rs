@@ -1,6 +1,7 @@
 //! `upipe report FILE.jsonl [--out report.svg]`: a metrics file
-//! (`train --metrics`, `eval --metrics`) as one SVG: loss, throughput and
-//! model TFLOP/s per rank by step (one curve each), and rank 0's memory by
+//! (`train --metrics`, `eval --metrics`) as one SVG: loss (and the
+//! held-out loss of the steps that evaluated), throughput, model TFLOP/s
+//! per rank and the learning rate by step, and rank 0's memory by
 //! category at its peak, measured beside `upipe plan`'s prediction.
 
 use crate::backend::Category;
@@ -20,8 +21,15 @@ pub struct ReportArgs {
     pub out: Option<PathBuf>,
 }
 
-/// The curves a report draws, one `<polyline>` each, in order.
-pub const SERIES: [&str; 3] = ["loss", "tokens/s", "model TFLOP/s per rank"];
+/// The curves a report draws, one `<polyline>` each, in order (`eval loss`
+/// only where the metrics hold evaluations: `train --eval-data`).
+pub const SERIES: [&str; 5] = [
+    "loss",
+    "eval loss",
+    "tokens/s",
+    "model TFLOP/s per rank",
+    "learning rate",
+];
 
 pub fn run(a: ReportArgs) -> Result<i32> {
     let out = a
@@ -46,7 +54,7 @@ pub fn run(a: ReportArgs) -> Result<i32> {
 
 /// The report of `lines` as an SVG document.
 pub fn draw(lines: &[StepMetrics], title: &str) -> String {
-    let mut svg = Svg::new(1000.0, 720.0);
+    let mut svg = Svg::new(1000.0, 1040.0);
     svg.text(
         500.0,
         24.0,
@@ -70,21 +78,43 @@ pub fn draw(lines: &[StepMetrics], title: &str) -> String {
         true => (1e3, "model GFLOP/s per rank"),
         false => (1.0, "model TFLOP/s per rank"),
     };
+    // the held-out loss of the steps that evaluated, beside the training loss
+    let eval = Series {
+        name: SERIES[1],
+        points: (lines.iter())
+            .filter_map(|m| m.eval.as_ref().map(|e| (m.step as f64, e.loss)))
+            .collect(),
+    };
+    let (loss_title, losses) = match eval.points.is_empty() {
+        true => (SERIES[0], vec![curve(SERIES[0], &|m| m.loss)]),
+        false => (
+            "loss (training) and eval loss (held-out)",
+            vec![curve(SERIES[0], &|m| m.loss), eval],
+        ),
+    };
+    let steps = || lines.iter().filter(|m| m.lr.is_some());
+    let lr = Series {
+        name: SERIES[4],
+        points: steps()
+            .map(|m| (m.step as f64, m.lr.unwrap_or(0.0)))
+            .collect(),
+    };
     let charts = [
-        (area(80.0, 60.0), SERIES[0], curve(SERIES[0], &|m| m.loss)),
+        (area(80.0, 60.0), loss_title, losses),
         (
             area(560.0, 60.0),
-            SERIES[1],
-            curve(SERIES[1], &|m| m.tokens_per_s),
+            SERIES[2],
+            vec![curve(SERIES[2], &|m| m.tokens_per_s)],
         ),
         (
             area(80.0, 380.0),
             flops_title,
-            curve(SERIES[2], &|m| m.tflops_per_rank * flops_scale),
+            vec![curve(SERIES[3], &|m| m.tflops_per_rank * flops_scale)],
         ),
+        (area(80.0, 700.0), SERIES[4], vec![lr]),
     ];
     for (at, title, series) in charts {
-        line_chart(&mut svg, at, title, ("step", true), &[series]);
+        line_chart(&mut svg, at, title, ("step", true), &series);
     }
     if let Some(peak) = lines.iter().max_by_key(|m| m.peak_bytes) {
         let mut bars = vec![bar("measured", &peak.peak_by_category)];
@@ -164,7 +194,9 @@ mod tests {
     fn one_curve_per_series_and_two_bars_at_the_peak() {
         let lines: Vec<_> = (1..=5).map(|s| line(s, 5.0 - s as f64 * 0.5)).collect();
         let svg = draw(&lines, "m.jsonl");
-        assert_eq!(svg.matches("<polyline").count(), SERIES.len());
+        // no evaluation in the metrics: every curve but eval loss
+        assert_eq!(svg.matches("<polyline").count(), SERIES.len() - 1);
+        assert!(svg.contains("<title>learning rate</title>"));
         // every category of both bars (measured, predicted) is a rect with a tooltip
         assert_eq!(
             svg.matches("<title>measured: ").count(),

@@ -35,7 +35,7 @@ pub struct FwdChunkArgs {
     /// all heads; the error lists the valid values). The backward holds
     /// more buffers than the forward, so wider forward stages make fewer,
     /// larger attention calls, usually at no memory cost.
-    #[arg(long, default_value_t = FwdChunk::Auto)]
+    #[arg(long, help_heading = "Mesh", default_value_t = FwdChunk::Auto)]
     pub fwd_chunk_heads: FwdChunk,
 }
 

@@ -54,6 +54,7 @@ use crate::comm::env::DistEnv;
 use crate::data::Mixture;
 use crate::data::dataset::load_dataset;
 use crate::data::mixture::load_mixture;
+use crate::data::sampler::PackedSampler;
 use crate::error::Result;
 use crate::model::flops::{
     frozen_and_adapter_flops, skipped_attention_share, train_attention_flops_per_token,
@@ -90,7 +91,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     if run.lead && a.tokenizer.is_none() && tokenizer.arg.is_some() {
         tracing::info!("tokenizer: {}", tokenizer.said);
     }
-    let a = TrainArgs {
+    let mut a = TrainArgs {
         tokenizer: tokenizer.arg.clone(),
         ..a
     };
@@ -99,6 +100,9 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         a.tokenizer.as_deref(),
         run.cfg.model.vocab,
     )?;
+    let per_epoch = windows_per_epoch(&data, &run.cfg)?;
+    let steps = a.steps_for(per_epoch, run.cfg.data_parallel)?;
+    set_steps(&mut a, &mut run.cfg, steps)?;
     run.cfg.eval = eval_during(&a, run.cfg.model.vocab)?;
     let predicted = run.resolve(&a)?;
     crate::train::eval_during::check(&run.cfg)?;
@@ -115,7 +119,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     run.cfg.run_file = Some(run_file(&a, &run)?);
     let progress = preflight::preflight(&a, &mut run, &predicted)?;
     if run.lead && !a.json {
-        announce(&run, data.len(), &tokenizer.said);
+        announce(&run, data.len(), &tokenizer.said, per_epoch);
     }
     let summary = execute(&run, data, &|r| progress.on_step(r))?;
     progress.finish()?;
@@ -126,7 +130,7 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
             * skipped_attention_share(model, freeze, lora);
         let flops = train_flops_per_token(model, seq) - skipped
             + frozen_and_adapter_flops(model, freeze, lora);
-        summary::print(&summary, &predicted, run.cfg.steps, flops);
+        summary::print(&summary, &predicted, flops);
     }
     if run.lead {
         summary::print_profile(&summary, a.json);
@@ -540,7 +544,7 @@ fn self_launch(run: &Built, nproc: usize) -> Result<i32> {
 
 /// The line a run starts with (on GPUs naming the attention kernel the
 /// run decided on).
-fn announce(run: &Built, tokens: usize, tokenizer: &str) {
+fn announce(run: &Built, tokens: usize, tokenizer: &str, per_epoch: usize) {
     let kernel = match run.cfg.attention_kernel {
         Some(k) => format!(", attention on {k}"),
         None => String::new(),
@@ -552,6 +556,35 @@ fn announce(run: &Built, tokens: usize, tokenizer: &str) {
         run.cfg.steps
     );
     println!("{}", crate::train::lora_base::trainable_line(&run.cfg));
+    let cfg = &run.cfg;
+    let per_step = cfg.grad_accum * cfg.data_parallel;
+    let epochs = (u64::from(cfg.steps) * per_step as u64) as f64 / per_epoch.max(1) as f64;
+    println!(
+        "{per_epoch} windows per epoch (--seq {}, --pack {}); {} steps of {per_step} windows \
+         are {epochs:.2} epochs",
+        cfg.seq, cfg.pack, cfg.steps
+    );
+}
+
+/// Windows of `--seq` inputs one pass over the data gives, packed as
+/// `--pack` packs them (every corpus of a mixture together).
+fn windows_per_epoch(data: &Mixture, cfg: &TrainConfig) -> Result<usize> {
+    data.corpora.iter().try_fold(0, |sum, d| {
+        let s = PackedSampler::sharded(d.clone(), cfg.pack, cfg.seq, cfg.seed, 0, 1)?;
+        Ok(sum + s.windows_per_epoch())
+    })
+}
+
+/// The run's length: `steps` (`--steps`, or derived from `--epochs`) in
+/// the flags, the run and its learning-rate schedule (checked again: the
+/// warm-up and decay must fit it).
+fn set_steps(a: &mut TrainArgs, cfg: &mut TrainConfig, steps: u32) -> Result<()> {
+    if steps == cfg.steps {
+        return Ok(());
+    }
+    (a.steps, cfg.steps, cfg.optim.total_steps) = (steps, steps, steps);
+    let fits = cfg.optim.lr_schedule().validate();
+    config::for_key(TrainArgs::KEYS, "epochs", fits)
 }
 
 /// Trains where the route says, calling `on_step` after every step.

@@ -138,7 +138,7 @@ impl ModelConfig {
             crate::input_path::check_file(&file, "--model")?;
         }
         if !file.is_file() {
-            let hint = super::families::presets::did_you_mean(PRESETS, arg);
+            let hint = super::families::presets::model_hint(PRESETS, arg);
             return Err(Error::Config(format!(
                 "unknown model '{arg}': not a preset ({}) nor a config.json or a directory \
                  containing one{hint}",

@@ -197,7 +197,7 @@ fn use_statements(code: &str) -> (Vec<(bool, String)>, String) {
         });
         match start {
             Some(at) => {
-                let public = stmt[..at].trim_end().ends_with(|c| c == 'b' || c == ')');
+                let public = stmt[..at].trim_end().ends_with(['b', ')']);
                 rest.push_str(&stmt[..at]);
                 uses.push((public, stmt[at + 4..].trim_end_matches(';').to_string()));
             }

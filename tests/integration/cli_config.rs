@@ -513,8 +513,8 @@ fn report_draws_a_metrics_file_of_a_short_run() {
     let text = std::fs::read_to_string(&svg).unwrap();
     let doc = roxmltree::Document::parse(&text).expect("the report is well-formed XML");
     assert_eq!(doc.root_element().tag_name().name(), "svg");
-    // one curve per series: loss, tokens/s, model TFLOP/s per rank
-    assert_eq!(count(&doc, "polyline"), 3);
+    // one curve per series: loss, tokens/s, model TFLOP/s per rank, learning rate
+    assert_eq!(count(&doc, "polyline"), 4);
     for p in doc.descendants().filter(|n| n.has_tag_name("polyline")) {
         assert_eq!(p.attribute("points").unwrap().split(' ').count(), 5);
     }

@@ -87,7 +87,14 @@ fn default_model_learns_and_its_checkpoint_evaluates_the_same_under_every_strate
     let tf = dir.join("eval.u32");
     std::fs::write(&tf, toks).unwrap();
     let eval = |extra: &[&str]| -> f64 {
-        let mut args = vec!["eval", "--model-dir", d, "--tokens", tf.to_str().unwrap()];
+        let mut args = vec![
+            "eval",
+            "--json",
+            "--model-dir",
+            d,
+            "--tokens",
+            tf.to_str().unwrap(),
+        ];
         args.extend_from_slice(extra);
         let v: serde_json::Value = serde_json::from_str(upipe(&args).trim()).unwrap();
         assert_eq!(v["tokens"].as_u64(), Some(55));
@@ -576,7 +583,7 @@ fn thread_meshes_beyond_the_cap_are_refused_with_the_fix() {
     let tokens = std::env::temp_dir().join(format!("upipe-mesh-cap-{}.u32", std::process::id()));
     std::fs::write(&tokens, [1u8, 0, 0, 0].repeat(4096)).unwrap();
     let tokens = tokens.to_str().unwrap();
-    let eval = ["eval", "--model-dir", "tiny", "--tokens", tokens];
+    let eval = ["eval", "--json", "--model-dir", "tiny", "--tokens", tokens];
     for command in [&["train", "--steps", "1"][..], &eval[..]] {
         let args = [command, &["--device", "cpu"][..], &mesh[..]].concat();
         let err = upipe_error(&args);
@@ -599,7 +606,7 @@ fn mesh_degrees_beyond_counting_are_errors() {
     std::fs::write(&tokens, [1u8, 0, 0, 0].repeat(4096)).unwrap();
     let tokens = tokens.to_str().unwrap();
     let huge = (1usize << 63).to_string();
-    let eval = ["eval", "--model-dir", "tiny", "--tokens", tokens];
+    let eval = ["eval", "--json", "--model-dir", "tiny", "--tokens", tokens];
     for command in [&["train", "--steps", "1"][..], &eval[..]] {
         for mesh in [
             ["--ring", huge.as_str(), "--ulysses", "1"],
@@ -696,6 +703,7 @@ fn eval_during_equals_eval_of_the_checkpoint(fsdp: &str) {
     let run = save.join("run.toml");
     let after = upipe(&[
         "eval",
+        "--json",
         "--config",
         run.to_str().unwrap(),
         "--tokens",

@@ -277,6 +277,7 @@ fn eval_command_reports_windows_and_buckets() {
     let (d, f) = (dir.to_str().unwrap(), file.to_str().unwrap());
     let args = [
         "eval",
+        "--json",
         "--model-dir",
         d,
         "--tokens",
@@ -325,6 +326,7 @@ fn eval_command_reports_windows_and_buckets() {
 
     let out = upipe(&[
         "eval",
+        "--json",
         "--model-dir",
         d,
         "--tokens",
@@ -508,6 +510,7 @@ fn eval_command_packs_with_the_index_beside_the_tokens() {
     let eval = |file: &std::path::Path, pack: &str| {
         upipe(&[
             "eval",
+            "--json",
             "--model-dir",
             d,
             "--tokens",

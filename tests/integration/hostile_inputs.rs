@@ -177,6 +177,7 @@ fn extra_tensors_are_refused_unless_allowed_and_then_named() {
     }
     let eval = [
         "eval",
+        "--json",
         "--model-dir",
         s(&ckpt),
         "--tokens",

@@ -15,6 +15,7 @@ mod documents;
 mod documents_cli;
 mod eval;
 mod eval_during_memory;
+mod first_contact;
 mod freeze;
 mod fsdp;
 mod gpu_backend;

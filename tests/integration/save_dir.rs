@@ -232,7 +232,16 @@ fn a_diverging_run_stops_without_saving_over_the_good_checkpoint() {
     std::fs::write(&tokens, ids).unwrap();
     let eval = |dir: &str| {
         let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-            .args(["eval", "--model-dir", dir, "--seq", "32", "--device", "cpu"])
+            .args([
+                "eval",
+                "--json",
+                "--model-dir",
+                dir,
+                "--seq",
+                "32",
+                "--device",
+                "cpu",
+            ])
             .args(["--tokens", tokens.to_str().unwrap()])
             .output()
             .unwrap();

@@ -383,7 +383,7 @@ fn a_mistral_directory_round_trips_with_its_window() {
     let eval = |dir: &str, mesh: &[&str]| -> f64 {
         let metrics = dst.join("eval.jsonl");
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_upipe"))
-            .args(["eval", "--device", "cpu", "--model-dir", dir])
+            .args(["eval", "--json", "--device", "cpu", "--model-dir", dir])
             .args(["--tokens", tokens.to_str().unwrap()])
             .args(["--metrics", metrics.to_str().unwrap()])
             .args(mesh)

@@ -22,14 +22,14 @@ use std::path::{Path, PathBuf};
 pub struct TrainArgs {
     /// A run file (TOML): every flag below is a key in one of its sections
     /// (`upipe train --print-config` shows them); flags given here win.
-    #[arg(long)]
+    #[arg(long, help_heading = "Run")]
     pub config: Option<PathBuf>,
     /// Print the resolved run file (defaults, --config, flags) and exit:
     /// every key, those left unset as comments saying what they do.
-    #[arg(long)]
+    #[arg(long, help_heading = "Run")]
     pub print_config: bool,
     /// Preset name (tiny, llama3.1-8b, llama3.2-1b, qwen3-8b, ...: see docs/checkpoints.md), config.json, or HF model dir (default: --init-from's model when given, else tiny).
-    #[arg(long, default_value = "tiny")]
+    #[arg(long, help_heading = "Model", default_value = "tiny")]
     pub model: String,
     /// Training data: a text file (tokenized with --tokenizer), or pre-tokenized
     /// ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16), memory-mapped
@@ -39,72 +39,87 @@ pub struct TrainArgs {
     /// `upipe tokenize` command that makes ids of them. A weighted mixture
     /// of corpora: `a.u32:0.7,b.u32:0.3` (each window from one corpus,
     /// every corpus within one window of its share: docs/data.md).
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub data: Option<PathBuf>,
     /// Tokenizer for text data: `byte` or a path to an HF tokenizer.json (or
     /// a directory holding one); ignored, with a warning, for pre-tokenized
     /// data. Default: the model's own tokenizer.json when the model comes
     /// from a directory (--init-from, --model DIR), bytes for a model of 256
     /// ids; otherwise text data is refused until it is given.
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub tokenizer: Option<String>,
     /// Start from the weights of an HF model directory (config.json + safetensors).
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     pub init_from: Option<PathBuf>,
     /// Load the weights of --init-from (or --resume) even when they hold
     /// tensors the model has no parameter for (an error otherwise); they
     /// are ignored, and named in a warning.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+    #[arg(long, help_heading = "Model", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub allow_extra_tensors: bool,
     /// Attention strategy: local, ulysses, ring, usp, upipe.
-    #[arg(long, default_value = "upipe")]
+    #[arg(long, help_heading = "Mesh", default_value = "upipe")]
     pub attn: String,
     #[command(flatten)]
     pub mesh: MeshArgs,
     #[command(flatten)]
     pub fwd: FwdChunkArgs,
     /// Tokens per sequence (global, before context sharding).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, help_heading = "Data", default_value_t = 256)]
     pub seq: usize,
     /// How windows are made from the data's documents (docs/documents.md):
     /// documents (windows cut from the stream, positions restarting and
     /// attention kept inside each document), stream (across documents), bfd
     /// (whole documents packed by best-fit decreasing; needs the document
     /// index `upipe tokenize` writes).
-    #[arg(long, value_enum, default_value_t = PackMode::Documents)]
+    #[arg(long, help_heading = "Data", value_enum, default_value_t = PackMode::Documents)]
     pub pack: PackMode,
-    #[arg(long, default_value_t = 300)]
+    /// Optimizer steps to train (each of --grad-accum sequences per data
+    /// replica); other tools call it max_steps.
+    #[arg(long, help_heading = "Optimizer", default_value_t = 300)]
     pub steps: u32,
-    #[arg(long, default_value_t = 3e-3)]
+    /// Passes over the data instead of --steps: the steps are the windows
+    /// per epoch (the run header prints them) times N, divided by
+    /// --grad-accum and the data-parallel replicas.
+    #[arg(long, help_heading = "Optimizer")]
+    pub epochs: Option<u32>,
+    /// Whether --steps was given (on the command line or in --config), so
+    /// that --epochs beside it is an error.
+    #[arg(skip)]
+    pub steps_given: bool,
+    /// Peak learning rate (AdamW), reached after --warmup and decayed by
+    /// --schedule to --min-lr.
+    #[arg(long, help_heading = "Optimizer", default_value_t = 3e-3)]
     pub lr: f64,
     /// The learning rate the schedule ends at (default: --lr / 10).
-    #[arg(long)]
+    #[arg(long, help_heading = "Optimizer")]
     pub min_lr: Option<f64>,
     /// Linear warm-up steps from 0 to --lr.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, help_heading = "Optimizer", default_value_t = 20)]
     pub warmup: u32,
     /// The learning rate after the warm-up: cosine (to --min-lr at the last
     /// step), linear (likewise), constant (--lr to the end), or wsd (--lr,
     /// then linear to --min-lr over the last --decay-fraction of the steps).
-    #[arg(long, default_value = "cosine")]
+    #[arg(long, help_heading = "Optimizer", default_value = "cosine")]
     pub schedule: String,
     /// WSD only: the share of --steps the final decay takes, in [0, 1]
     /// (default 0.2); warm-up and decay must fit the run.
-    #[arg(long)]
+    #[arg(long, help_heading = "Optimizer")]
     pub decay_fraction: Option<f64>,
     /// AdamW's moment decays B1,B2, each in [0, 1).
-    #[arg(long, default_value = "0.9,0.95")]
+    #[arg(long, help_heading = "Optimizer", default_value = "0.9,0.95")]
     pub betas: String,
     /// AdamW's epsilon, added to the root of the second moment (above 0).
-    #[arg(long, default_value_t = 1e-8)]
+    #[arg(long, help_heading = "Optimizer", default_value_t = 1e-8)]
     pub eps: f64,
-    #[arg(long, default_value_t = 0.1)]
+    /// AdamW's decoupled weight decay (0: none).
+    #[arg(long, help_heading = "Optimizer", default_value_t = 0.1)]
     pub weight_decay: f64,
     /// Global gradient-norm clip (0: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, help_heading = "Optimizer", default_value_t = 1.0)]
     pub clip: f64,
-    #[arg(long, default_value_t = 0)]
+    /// Seed of the random initialisation and of the data order.
+    #[arg(long, help_heading = "Run", default_value_t = 0)]
     pub seed: u64,
     #[command(flatten)]
     pub memory: MemoryArgs,
@@ -116,47 +131,49 @@ pub struct TrainArgs {
     /// mesh with the run's parameters, as `upipe eval` computes it; in the
     /// progress line, `--json` and `--metrics` (`eval`). Needs the
     /// unsharded model (--fsdp off or auto deciding off).
-    #[arg(long)]
+    #[arg(long, help_heading = "Evaluation")]
     pub eval_data: Option<PathBuf>,
     /// Evaluate --eval-data after every N steps, and after the last
     /// (default: after the last only).
-    #[arg(long)]
+    #[arg(long, help_heading = "Evaluation")]
     pub eval_every: Option<u32>,
     /// Also give the held-out loss over this many equal ranges of positions
     /// in the window (`by_position`, as `upipe eval --buckets`).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, help_heading = "Evaluation", default_value_t = 1)]
     pub eval_buckets: usize,
     /// Directory for training checkpoints (safetensors + optimizer state,
     /// and the resolved run file `run.toml` that repeats the run).
-    #[arg(long)]
+    #[arg(long, help_heading = "Checkpoints")]
     pub save_dir: Option<PathBuf>,
     /// After training, write the model with its LoRA adapters merged in
     /// (W + scale·B·A) as a plain HF model directory here (new or empty),
     /// from the final checkpoint in --save-dir.
-    #[arg(long)]
+    #[arg(long, help_heading = "Checkpoints")]
     pub merge_lora: Option<PathBuf>,
     /// The dtype of a checkpoint's model files: auto (the dtype of
     /// --init-from's model, bf16 without one), f32, bf16 or fp16. Optimizer
     /// state, and the F32 masters a resume continues from, stay F32.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, help_heading = "Checkpoints", default_value = "auto")]
     pub save_dtype: String,
     /// The largest weight file a checkpoint writes, as HF's `max_shard_size`
     /// spells it (5GB, 500MB, 2GiB, bytes): past it the model is split into
     /// `model-0000k-of-0000n.safetensors` files with their index.
-    #[arg(long, default_value = "5GB")]
+    #[arg(long, help_heading = "Checkpoints", default_value = "5GB")]
     pub max_shard_size: String,
     /// Checkpoint every N steps (0: at the end only).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, help_heading = "Checkpoints", default_value_t = 0)]
     pub save_every: u32,
     /// Resume from --save-dir when it holds a checkpoint.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+    #[arg(long, help_heading = "Checkpoints", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub resume: bool,
-    /// Save into a --save-dir that holds files upipe did not write: each
-    /// checkpoint replaces config.json, model*.safetensors,
-    /// optimizer*.safetensors, state.json and run.toml there and leaves
-    /// every other file as it is (without it such a directory is refused).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+    /// Save into a --save-dir that holds a checkpoint of an earlier run (it
+    /// is replaced once this run's first save is published) or files upipe
+    /// did not write (each save replaces config.json, model*.safetensors,
+    /// optimizer*.safetensors, state.json and run.toml and leaves every
+    /// other file as it is); without it, or --resume, such a directory is
+    /// refused before anything runs.
+    #[arg(long, help_heading = "Checkpoints", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub overwrite: bool,
     /// Keep checkpoints as `checkpoint-STEP` folders in --save-dir (each an
@@ -164,72 +181,72 @@ pub struct TrainArgs {
     /// ones are removed after each save (without it, or --keep-best, one
     /// checkpoint is kept in --save-dir itself). --resume continues the
     /// latest.
-    #[arg(long, value_name = "N")]
+    #[arg(long, help_heading = "Checkpoints", value_name = "N")]
     pub keep_last: Option<u32>,
     /// Keep checkpoints as `checkpoint-STEP` folders, and keep the one of
     /// the lowest --eval-data loss besides the --keep-last latest (1 by
     /// default); needs --eval-data evaluated at every save step.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(long, help_heading = "Checkpoints", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     pub keep_best: bool,
     /// Steps whose loss or gradient norm is not finite that the run may skip
     /// (the update not applied, counted in the metrics) before it stops
     /// with an error; 0: stop at the first.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, help_heading = "Optimizer", default_value_t = 0)]
     pub skip_nonfinite: u32,
     /// Device: auto (cuda when a GPU is visible, else cpu), cpu, or cuda. On
     /// cuda with 2+ GPUs and a mesh of at most that many ranks, one process per
     /// GPU (NCCL; started by itself, or by `upipe launch`/torchrun/srun);
     /// otherwise ranks are threads (on GPUs: exchanges through host memory).
-    #[arg(long, default_value = "auto")]
+    #[arg(long, help_heading = "Run", default_value = "auto")]
     pub device: String,
     /// Attention kernel on GPUs: auto (cuDNN SDPA where it supports the call,
     /// else our kernels), cudnn (an error where it cannot), native (ours).
-    #[arg(long, default_value = "auto")]
+    #[arg(long, help_heading = "Run", default_value = "auto")]
     pub attn_kernel: String,
     /// FSDP: shard parameters, gradients and optimizer state over every
     /// rank of the mesh. auto: on when the mesh has more than one rank and
     /// the whole model's states do not fit the device's memory; on; off.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, help_heading = "Memory", default_value = "auto")]
     pub fsdp: String,
     /// HSDP (multi-node): shard inside groups of world/R consecutive ranks
     /// (one node each, typically) and replicate across the R groups;
     /// gradients are all-reduced across replicas after the reduce-scatter.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, help_heading = "Memory", default_value_t = 1)]
     pub fsdp_replicate: usize,
     /// Pinned host memory for offloaded tensors, GiB per node, shared by the
     /// node's ranks (default: the host's available memory at start less a
     /// tenth, 8 to 32 GiB, kept for the system: pinned pages cannot be
     /// reclaimed).
-    #[arg(long)]
+    #[arg(long, help_heading = "Memory")]
     pub host_mem: Option<f64>,
     /// Sequences per optimizer step (per data replica): gradients
     /// accumulate over them, the loss is the mean over the step's tokens.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, help_heading = "Optimizer", default_value_t = 1)]
     pub grad_accum: usize,
     /// One JSON object per step instead of a progress bar.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+    #[arg(long, help_heading = "Logging", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub json: bool,
     /// Write one JSON object per step to this file (JSON Lines: loss, lr,
     /// throughput, model TFLOP/s, memory by category; `upipe report` draws it).
-    #[arg(long)]
+    #[arg(long, help_heading = "Logging")]
     pub metrics: Option<PathBuf>,
     /// Write every step's metrics as TensorBoard scalars to an event file in
     /// this directory (created if missing): loss, lr, grad norm, tokens/s,
     /// model TFLOP/s, memory by category in GiB (`tensorboard --logdir DIR`).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, help_heading = "Logging", value_name = "DIR")]
     pub tensorboard: Option<PathBuf>,
     /// Time every op of every step by class (GEMM, attention, recompute,
     /// elementwise, loss, optimizer, copies, collectives, idle): rank 0's
     /// table after the last step, and a `profile` object in every `--json`
     /// and `--metrics` line (`UPIPE_PROFILE=1` does the same).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+    #[arg(long, help_heading = "Logging", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub profile: bool,
     /// Write rank 0's last step as a Chrome trace-event JSON file (one track
     /// per stream; open it in ui.perfetto.dev); implies --profile.
-    #[arg(long)]
+    #[arg(long, help_heading = "Logging")]
     pub trace: Option<PathBuf>,
     /// Rehearse two steps at full size instead of training: every tensor
     /// through the real allocators (GPU pool, pinned host pool, cuDNN plans
@@ -237,7 +254,7 @@ pub struct TrainArgs {
     /// launched, nothing computed; prints the measured device and host
     /// peaks beside the planner's. Runs even where the preflight would
     /// refuse the run; exits 1 when it does not fit.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
+    #[arg(long, help_heading = "Run", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
     pub rehearse: bool,
 }
@@ -296,6 +313,7 @@ impl TrainArgs {
         keep_best => checkpoint.keep_best,
         skip_nonfinite => optim.skip_nonfinite,
         steps => run.steps,
+        epochs => run.epochs,
         seed => run.seed,
         device => run.device,
         attn_kernel => run.attn_kernel,
@@ -316,6 +334,7 @@ impl TrainArgs {
         self.check_input_paths()?;
         self.check_output_paths()?;
         at_least(k, "steps", self.steps, 1)?;
+        self.check_epochs()?;
         at_least(k, "seq", self.seq, 1)?;
         crate::cli::plan::at_most_tokens("--seq", self.seq)?;
         at_least(k, "grad_accum", self.grad_accum, 1)?;
@@ -441,6 +460,47 @@ impl TrainArgs {
         Ok(cfg)
     }
 
+    /// `--epochs` is at least 1 and not given beside `--steps`.
+    fn check_epochs(&self) -> Result<()> {
+        let k = Self::KEYS;
+        let Some(epochs) = self.epochs else {
+            return Ok(());
+        };
+        at_least(k, "epochs", epochs, 1)?;
+        if self.steps_given {
+            return crate::config_err!(
+                "--steps / {} and --epochs / {} are both given, and each sets the length of \
+                 the run: keep one (--epochs N derives the steps from the windows per epoch)",
+                config::key_name(k, "steps"),
+                config::key_name(k, "epochs")
+            );
+        }
+        Ok(())
+    }
+
+    /// The steps of `--epochs` over data giving `windows` windows per epoch
+    /// (one replica's), each step taking --grad-accum windows on each of
+    /// `replicas` data replicas; `--steps` without `--epochs`.
+    pub fn steps_for(&self, windows: usize, replicas: usize) -> Result<u32> {
+        let Some(epochs) = self.epochs else {
+            return Ok(self.steps);
+        };
+        let per_step = (self.grad_accum * replicas).max(1);
+        let steps = (epochs as usize * windows).div_ceil(per_step);
+        if steps == 0 {
+            return crate::config_err!(
+                "--epochs {epochs}: the data gives no window of --seq {} tokens; give more \
+                 data or a smaller --seq",
+                self.seq
+            );
+        }
+        u32::try_from(steps).map_err(|_| {
+            Error::Config(format!(
+                "--epochs {epochs} is {steps} steps, more than a run can count; give fewer epochs"
+            ))
+        })
+    }
+
     /// A flag that does nothing without another is an error naming the
     /// other (rather than silently nothing).
     fn check_needed_flags(&self) -> Result<()> {
@@ -551,7 +611,12 @@ impl TrainArgs {
     fn check_input_paths(&self) -> Result<()> {
         use crate::input_path::{check_dir, check_file};
         if let Some(data) = &self.data {
-            let tokenizer = self.tokenizer.as_deref();
+            // the fix a refusal names tokenizes with --init-from's own
+            // tokenizer, never bytes a model of another vocabulary cannot read
+            let own = (self.init_from.as_ref().map(|d| d.join("tokenizer.json")))
+                .filter(|t| t.is_file())
+                .map(|t| t.to_string_lossy().into_owned());
+            let tokenizer = self.tokenizer.as_deref().or(own.as_deref());
             match crate::data::mixture::parse_data_spec(data)? {
                 Some(parts) => parts.iter().try_for_each(|(path, _)| {
                     crate::data::mixture::check_mixture_file(path, tokenizer)
@@ -694,11 +759,16 @@ impl RunArgs for TrainArgs {
     fn to_file(&self) -> RunFile {
         let mut f = RunFile::default();
         self.put_keys(&mut f);
+        if self.epochs.is_some() {
+            // the length is the epochs', the steps derived from them
+            f.run.steps = None;
+        }
         f
     }
     /// `--init-from DIR` without `--model` trains DIR's model (its
     /// config.json), not the default tiny one.
     fn infer(&mut self, file: Option<&RunFile>, given: &Given) {
+        self.steps_given = given.has("steps") || file.is_some_and(|f| f.run.steps.is_some());
         let model_set = given.has("model") || file.is_some_and(|f| f.model.model.is_some());
         if let (false, Some(dir)) = (model_set, &self.init_from) {
             self.model = dir.to_string_lossy().into_owned();

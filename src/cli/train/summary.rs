@@ -7,10 +7,11 @@ use crate::plan::Prediction;
 use crate::train::trainer::TrainSummary;
 
 /// Prints the end of a run of `steps` steps predicted as `predicted`.
-pub fn print(summary: &TrainSummary, predicted: &Prediction, steps: u32, flops_per_token: f64) {
-    let first = summary.reports.first().map_or(f64::NAN, |r| r.loss);
-    let last = summary.reports.last().map_or(f64::NAN, |r| r.loss);
-    println!("loss {first:.4} -> {last:.4}");
+pub fn print(summary: &TrainSummary, predicted: &Prediction, flops_per_token: f64) {
+    let losses: Vec<(u32, f64)> = summary.reports.iter().map(|r| (r.step, r.loss)).collect();
+    if let Some(line) = loss_line(&losses) {
+        println!("{line}");
+    }
     // the first step includes one-time setup (kernel compilation, NCCL)
     let mut rates: Vec<f64> = summary
         .reports
@@ -18,17 +19,50 @@ pub fn print(summary: &TrainSummary, predicted: &Prediction, steps: u32, flops_p
         .skip(1)
         .map(|r| r.tokens_per_s)
         .collect();
+    // the steps this process ran (a resumed run starts past 1)
+    let from = summary.reports.get(1).map_or(0, |r| r.step);
+    let to = summary.reports.last().map_or(0, |r| r.step);
     if !rates.is_empty() {
         rates.sort_by(f64::total_cmp);
         let median = rates[rates.len() / 2];
         println!(
-            "throughput: median {median:.0} tok/s over steps 2..{steps} ({} ranks), {} per rank (model FLOPs)",
+            "throughput: median {median:.0} tok/s over steps {from}..{to} ({} ranks), {} per rank (model FLOPs)",
             summary.ranks,
             flops_text(flops_per_token * median / 1e12 / summary.ranks.max(1) as f64)
         );
     }
     print_mixture(summary);
     memory_table(summary, predicted);
+}
+
+/// Steps in each of the windows the closing loss line averages: a tenth
+/// of the run's, 1 to 10 (one step's loss is noise).
+fn loss_window(steps: usize) -> usize {
+    (steps / 10).clamp(1, 10)
+}
+
+/// `loss A -> B (mean of steps 1-10 -> mean of steps 91-100)`: the mean
+/// loss over the first and the last window of the run's `(step, loss)`
+/// (steps whose loss was not finite left out), or `None` for no step.
+pub fn loss_line(losses: &[(u32, f64)]) -> Option<String> {
+    let finite: Vec<(u32, f64)> = losses.iter().copied().filter(|l| l.1.is_finite()).collect();
+    if finite.is_empty() {
+        return None;
+    }
+    let w = loss_window(finite.len());
+    let mean = |part: &[(u32, f64)]| part.iter().map(|l| l.1).sum::<f64>() / part.len() as f64;
+    let span = |part: &[(u32, f64)]| match part {
+        [one] => format!("step {}", one.0),
+        _ => format!("mean of steps {}-{}", part[0].0, part[part.len() - 1].0),
+    };
+    let (head, tail) = (&finite[..w], &finite[finite.len() - w..]);
+    Some(format!(
+        "loss {:.4} -> {:.4} ({} -> {})",
+        mean(head),
+        mean(tail),
+        span(head),
+        span(tail)
+    ))
 }
 
 /// A mixture's realised proportions against its weights (rank 0's data
@@ -125,7 +159,21 @@ fn against_prediction(measured: usize, predicted: usize) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::against_prediction;
+    use super::{against_prediction, loss_line};
+
+    #[test]
+    fn the_loss_line_compares_windows_of_steps() {
+        let losses: Vec<(u32, f64)> = (1..=100).map(|s| (s, f64::from(s))).collect();
+        assert_eq!(
+            loss_line(&losses).unwrap(),
+            "loss 5.5000 -> 95.5000 (mean of steps 1-10 -> mean of steps 91-100)"
+        );
+        assert_eq!(
+            loss_line(&[(51, 2.0), (52, 1.0)]).unwrap(),
+            "loss 2.0000 -> 1.0000 (step 51 -> step 52)"
+        );
+        assert_eq!(loss_line(&[]), None);
+    }
 
     #[test]
     fn the_difference_says_which_side_of_the_prediction_it_is() {

@@ -82,6 +82,42 @@ pub fn did_you_mean(names: &[&str], arg: &str) -> String {
     }
 }
 
+/// What a `--model` name that is neither a preset nor a file may have
+/// meant: a Hugging Face Hub id (`org/Name`: download it, pass
+/// `--init-from DIR`, or the matching preset for random weights), or
+/// another tool's spelling of a preset (`llama-3.1-8b`, `Qwen3-8B`); else
+/// [`did_you_mean`]'s names the argument starts. Empty when nothing fits.
+pub fn model_hint(names: &[&str], arg: &str) -> String {
+    let key = |s: &str| {
+        s.to_ascii_lowercase()
+            .replace(['-', '_', ' '], "")
+            .trim_start_matches("meta")
+            .to_string()
+    };
+    let tail = arg.rsplit('/').next().unwrap_or(arg);
+    let nearest = names.iter().copied().find(|n| key(n) == key(tail));
+    let parts: Vec<&str> = arg.split('/').collect();
+    let hub_id = parts.len() == 2
+        && parts.iter().all(|p| !p.is_empty() && !p.starts_with('.'))
+        && !std::path::Path::new(parts[0]).exists();
+    if hub_id {
+        let random = match nearest {
+            Some(n) => format!("--model {n}"),
+            None => "--model with the nearest preset".to_string(),
+        };
+        return format!(
+            "; '{arg}' looks like a Hugging Face Hub id, and upipe reads no Hub: download the \
+             model directory (`huggingface-cli download {arg} --local-dir DIR`) and pass \
+             --init-from DIR to start from its weights, or {random} for its architecture with \
+             random weights"
+        );
+    }
+    match nearest {
+        Some(n) if n != arg => format!("; did you mean {n}? (upipe's name for it)"),
+        _ => did_you_mean(names, arg),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::model::ModelConfig;
