@@ -1,9 +1,11 @@
 //! Which tokenizer turns a run's text into ids when `--tokenizer` is not
 //! given: the model's own `tokenizer.json` where the model comes from a
-//! directory (`--init-from DIR`, or `--model DIR`), the byte tokenizer only
-//! for a model whose vocabulary is the 256 bytes, otherwise an error naming
-//! `--tokenizer`. A model of 128K ids trained on byte ids would train on
-//! garbage without a word, so nothing is guessed beyond this.
+//! directory (`--init-from DIR`, or `--model DIR`); bytes for a model whose
+//! vocabulary is the 256 bytes, or for a built-in model (`--model
+//! llama3.2-1b`) that starts from random weights, whose ids mean nothing
+//! yet (said in the run header); otherwise an error naming `--tokenizer`. A
+//! pretrained model of 128K ids trained on byte ids would train on garbage
+//! without a word, so nothing is guessed beyond this.
 
 use super::TrainArgs;
 use crate::data::{ByteTokenizer, TokenFormat};
@@ -77,6 +79,14 @@ pub fn decide(a: &TrainArgs, vocab: usize) -> Result<TokenizerUse> {
             arg: Some(shown),
         });
     }
+    if dir.is_none() && a.lora.lora_from.is_none() && vocab >= ByteTokenizer::VOCAB {
+        return Ok(TokenizerUse {
+            arg: Some("byte".into()),
+            said: "bytes: the built-in model starts from random weights, so its ids mean \
+                   nothing yet (--tokenizer sets another)"
+                .into(),
+        });
+    }
     if vocab == ByteTokenizer::VOCAB {
         return Ok(TokenizerUse {
             arg: Some("byte".into()),
@@ -94,4 +104,41 @@ pub fn decide(a: &TrainArgs, vocab: usize) -> Result<TokenizerUse> {
          a model trained on bytes, or pre-tokenized ids (`upipe tokenize`)",
         texts.join(", ")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Train {
+        #[command(flatten)]
+        a: TrainArgs,
+    }
+
+    fn decided(args: &[&str], vocab: usize) -> Result<TokenizerUse> {
+        let t = Train::try_parse_from(std::iter::once("train").chain(args.iter().copied()));
+        decide(&t.unwrap().a, vocab)
+    }
+
+    #[test]
+    fn a_built_in_model_from_random_weights_takes_bytes_and_a_pretrained_one_does_not() {
+        let u = decided(&["--model", "llama3.2-1b"], 128_256).unwrap();
+        assert_eq!(u.arg.as_deref(), Some("byte"));
+        assert!(u.said.contains("random weights"), "{}", u.said);
+        // pretrained weights from a directory without its tokenizer: refused
+        let dir = std::env::temp_dir().join(format!("upipe-tok-decide-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let from = dir.to_str().unwrap();
+        let e = decided(&["--model", "llama3.2-1b", "--init-from", from], 128_256).unwrap_err();
+        assert!(e.to_string().contains("--tokenizer"), "{e}");
+        std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+        let u = decided(&["--init-from", from], 128_256).unwrap();
+        assert_eq!(
+            u.arg,
+            Some(dir.join("tokenizer.json").display().to_string())
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
