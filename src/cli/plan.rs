@@ -626,8 +626,8 @@ pub(crate) fn at_most_tokens(flag: &str, seq: usize) -> Result<()> {
         return Ok(());
     }
     crate::config_err!(
-        "{flag} {seq} is longer than the {MAX_PLANNED_SEQ} tokens the planner plans (its time \
-         grows with the length); give a length of at most {MAX_PLANNED_SEQ}"
+        "{flag} {seq} is longer than the {MAX_PLANNED_SEQ} tokens the planner plans (a step's \
+         per-token host vectors grow with the length); give a length of at most {MAX_PLANNED_SEQ}"
     )
 }
 
