@@ -88,6 +88,15 @@ pub fn directory_files(path: &Path) -> Vec<PathBuf> {
     }
 }
 
+/// The files of the model or adapter directories `dirs` (flag, path when
+/// given) as inputs, each beside its flag ([`directory_files`]).
+pub fn directory_inputs<'a>(dirs: &[(&'a str, Option<&Path>)]) -> Vec<(&'a str, PathBuf)> {
+    (dirs.iter())
+        .filter_map(|&(flag, p)| p.map(|p| (flag, p)))
+        .flat_map(|(flag, p)| directory_files(p).into_iter().map(move |f| (flag, f)))
+        .collect()
+}
+
 /// Refuses any output that would write over an input (see the module
 /// docs); an input that does not exist is left to the command's own
 /// checks. Opens nothing and creates nothing.

@@ -79,6 +79,15 @@ pub struct StateToSave<'a> {
 /// `state.json` goes last, so a directory whose `state.json` is present has
 /// all its files.
 pub fn save_train_state_as(dir: &Path, state: &StateToSave, files: ModelFiles) -> Result<()> {
+    prepare_save(dir, state)?;
+    write_model_files(dir, &state.params, files)?;
+    write_optimizer_and_state(dir, state)
+}
+
+/// Checks that `state`'s moments (and masters) match its parameters, makes
+/// `dir` and removes its old `state.json`: a crash from here on must not
+/// leave an old `state.json` next to new weights.
+fn prepare_save(dir: &Path, state: &StateToSave) -> Result<()> {
     let place = Path::new("the state to save");
     let names: BTreeMap<String, &HostTensor> = state.params.iter().cloned().collect();
     check_same_layout_of(&names, state.adam_m, "exp_avg", place)?;
@@ -87,10 +96,7 @@ pub fn save_train_state_as(dir: &Path, state: &StateToSave, files: ModelFiles) -
         check_same_layout_of(&names, masters, "master", place)?;
     }
     create_dir(dir)?;
-    // A crash from here on must not leave an old state.json next to new weights.
-    remove_if_exists(&dir.join(STATE_FILE))?;
-    write_model_files(dir, &state.params, files)?;
-    write_optimizer_and_state(dir, state)
+    remove_if_exists(&dir.join(STATE_FILE))
 }
 
 /// A LoRA run's adapter, which [`save_adapter_state`] writes in place of
@@ -108,15 +114,7 @@ pub struct AdapterToSave<'a> {
 /// moments and masters in `optimizer.safetensors` and `state.json` as
 /// [`save_train_state_as`] writes them. `state.json` goes last.
 pub fn save_adapter_state(dir: &Path, state: &StateToSave, adapter: &AdapterToSave) -> Result<()> {
-    let place = Path::new("the state to save");
-    let names: BTreeMap<String, &HostTensor> = state.params.iter().cloned().collect();
-    check_same_layout_of(&names, state.adam_m, "exp_avg", place)?;
-    check_same_layout_of(&names, state.adam_v, "exp_avg_sq", place)?;
-    if let Some(masters) = state.masters {
-        check_same_layout_of(&names, masters, "master", place)?;
-    }
-    create_dir(dir)?;
-    remove_if_exists(&dir.join(STATE_FILE))?;
+    prepare_save(dir, state)?;
     super::peft::write_adapter(dir, adapter.weights, adapter.base, adapter.dtype)?;
     write_optimizer_and_state(dir, state)
 }

@@ -253,12 +253,8 @@ fn check_outputs(a: &EvalArgs, model_dir: &Path, tokens: &Path) -> Result<()> {
         ("--model-dir", Some(model_dir)),
         ("--lora-from", a.lora_from.as_deref()),
     ];
-    let dir_files: Vec<(&str, Vec<std::path::PathBuf>)> = (dirs.into_iter())
-        .filter_map(|(flag, p)| p.map(|p| (flag, crate::output_path::directory_files(p))))
-        .collect();
-    for (flag, files) in &dir_files {
-        inputs.extend(files.iter().map(|path| Input { flag, path }));
-    }
+    let dir_files = crate::output_path::directory_inputs(&dirs);
+    inputs.extend(dir_files.iter().map(|(flag, path)| Input { flag, path }));
     crate::output_path::check_outputs(&[Output::file("--metrics", metrics)], &inputs)
 }
 

@@ -734,12 +734,8 @@ impl TrainArgs {
             ("--lora-from", self.lora.lora_from.as_deref()),
             ("--model", Some(Path::new(&self.model))),
         ];
-        let dir_files: Vec<(&str, Vec<PathBuf>)> = (dirs.into_iter())
-            .filter_map(|(flag, p)| p.map(|p| (flag, crate::output_path::directory_files(p))))
-            .collect();
-        for (flag, files) in &dir_files {
-            inputs.extend(files.iter().map(|path| Input { flag, path }));
-        }
+        let dir_files = crate::output_path::directory_inputs(&dirs);
+        inputs.extend(dir_files.iter().map(|(flag, path)| Input { flag, path }));
         let save_dir = self.save_dir.as_deref().map(|p| ("--save-dir", p));
         let paths = (outputs.iter().map(|o| (o.flag, o.path))).chain(save_dir);
         for (flag, path) in paths.chain(inputs.iter().map(|i| (i.flag, i.path))) {
