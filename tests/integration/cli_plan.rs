@@ -332,6 +332,10 @@ fn bad_inputs_are_clear_errors() {
             vec!["train", "--steps", "1", "--save-attention", "1"],
             "add --checkpoint",
         ),
+        (
+            vec!["plan", "--host-mem", "nan"],
+            "--host-mem must be a non-negative number of GiB",
+        ),
     ] {
         let (ok, _, err) = upipe(&args);
         assert!(!ok, "{args:?} should fail");
