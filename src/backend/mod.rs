@@ -9,6 +9,7 @@
 pub mod adamw_multi;
 pub mod arena;
 pub mod bounded_mask;
+pub mod compact_adamw;
 pub mod counting;
 pub mod cpu;
 pub mod cuda;

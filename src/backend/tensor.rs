@@ -10,6 +10,9 @@ use std::sync::Arc;
 pub enum DType {
     F32,
     BF16,
+    /// 8-bit codes: the compact optimizer state's moments
+    /// (`backend::compact_adamw`); only the optimizer's ops read them.
+    U8,
 }
 
 impl DType {
@@ -18,6 +21,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::BF16 => 2,
+            DType::U8 => 1,
         }
     }
 }

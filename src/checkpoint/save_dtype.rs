@@ -91,6 +91,8 @@ impl From<DType> for SaveDtype {
         match d {
             DType::F32 => SaveDtype::F32,
             DType::BF16 => SaveDtype::BF16,
+            // 8-bit codes read back as their values are exact in F32
+            DType::U8 => SaveDtype::F32,
         }
     }
 }

@@ -169,11 +169,13 @@ pub fn bwd_flash(
     flash::flash_bwd(stream, f, &args)
 }
 
-/// `0` for f32, `1` for bf16 (the `dt` flags of the kernels).
+/// `0` for f32, `1` for bf16, `2` for 8-bit codes (the `dt` flags of the
+/// kernels).
 pub fn dt_flag(d: DType) -> i32 {
     match d {
         DType::F32 => 0,
         DType::BF16 => 1,
+        DType::U8 => 2,
     }
 }
 

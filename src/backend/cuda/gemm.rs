@@ -97,6 +97,7 @@ fn lt_type(d: DType) -> lt::cudaDataType {
     match d {
         DType::F32 => lt::cudaDataType::CUDA_R_32F,
         DType::BF16 => lt::cudaDataType::CUDA_R_16BF,
+        DType::U8 => lt::cudaDataType::CUDA_R_8U,
     }
 }
 

@@ -373,6 +373,13 @@ impl CudaBackend {
                     "upload",
                 )
             }
+            DType::U8 => {
+                let h = crate::backend::compact_adamw::codes_of(data)?;
+                drv(
+                    unsafe { result::memcpy_htod_async(ptr(t), &h, s) },
+                    "upload",
+                )
+            }
         }
     }
 
@@ -415,6 +422,16 @@ impl CudaBackend {
                 v.into_iter()
                     .map(|b| half::bf16::from_bits(b).to_f32())
                     .collect()
+            }
+            DType::U8 => {
+                let mut v = vec![0u8; n];
+                // SAFETY: `t` holds n bytes; we wait for the stream below.
+                drv(
+                    unsafe { result::memcpy_dtoh_async(&mut v, ptr(t), s) },
+                    "download",
+                )?;
+                self.synchronize()?;
+                v.into_iter().map(f32::from).collect()
             }
         };
         Ok(out)

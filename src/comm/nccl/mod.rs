@@ -101,6 +101,7 @@ fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
     match d {
         DType::F32 => sys::ncclDataType_t::ncclFloat32,
         DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::U8 => sys::ncclDataType_t::ncclUint8,
     }
 }
 
