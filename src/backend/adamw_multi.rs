@@ -5,21 +5,31 @@
 //! [`Backend::adamw`]'s and the write-back is [`Backend::copy`]'s rounding,
 //! so results are bit-identical to a call per piece followed by a copy.
 
-use super::{AdamWStep, Backend, Tensor, check_elems, check_same_numel};
-use crate::error::Result;
+use super::compact_adamw::q8_blocks;
+use super::{AdamWStep, Backend, DType, Tensor, check_elems, check_same_numel};
+use crate::error::{Error, Result};
 use std::ops::Range;
 
 /// One slot of a multi-tensor AdamW update: four (five) tensors of one
 /// length, of which only the pieces' elements are read and written.
 pub struct AdamWSlot<'a, B: Backend> {
-    /// The F32 weights updated in place: the parameters themselves, or
-    /// their F32 master copy when the model computes in a lower precision.
+    /// The weights updated in place: the F32 parameters themselves, their
+    /// F32 master copy when the model computes in a lower precision, or the
+    /// BF16 parameters with no master, updated by stochastic rounding
+    /// ([`compact_adamw`](super::compact_adamw)).
     pub target: &'a mut Tensor<B>,
     /// The gradient (F32, or the compute dtype).
     pub grad: &'a Tensor<B>,
-    /// First and second moments (F32).
+    /// First and second moments: F32, BF16, or U8 codes with `scales`.
     pub m: &'a mut Tensor<B>,
     pub v: &'a mut Tensor<B>,
+    /// 8-bit moments' block scales, `(m's, v's)`, F32 `[blocks]` each: the
+    /// blocks of each piece in turn ([`q8_blocks`] of its length). `None`
+    /// unless the moments are U8.
+    pub scales: Option<(&'a mut Tensor<B>, &'a mut Tensor<B>)>,
+    /// The stochastic-rounding key of a BF16 `target` at this step
+    /// ([`rounding_key`](super::compact_adamw::rounding_key)).
+    pub rounding_key: u32,
     /// The model's parameters when `target` is their master copy: each
     /// updated element is written back in their dtype, rounded as
     /// [`Backend::copy`] rounds (round to nearest even for BF16).
@@ -30,6 +40,58 @@ pub struct AdamWSlot<'a, B: Backend> {
 
 /// One piece of a slot: its elements and the update they get.
 pub type AdamWPiece = (Range<usize>, AdamWStep);
+
+impl<B: Backend> AdamWSlot<'_, B> {
+    /// F32 weights and F32 moments: the plain update (the default state).
+    pub fn is_plain(&self) -> bool {
+        self.target.dtype() == DType::F32 && self.m.dtype() == DType::F32
+    }
+
+    /// Where each piece's 8-bit block scales start, and how many in all.
+    pub fn scale_offsets(&self) -> (Vec<usize>, usize) {
+        let mut at = 0;
+        let starts = (self.pieces.iter())
+            .map(|(elems, _)| {
+                let start = at;
+                at += q8_blocks(elems.len());
+                start
+            })
+            .collect();
+        (starts, at)
+    }
+}
+
+/// Checks the state formats of one slot: moments of one dtype, U8 ones with
+/// scales of the pieces' blocks, a BF16 target only without a narrow copy.
+fn check_formats<B: Backend>(t: &AdamWSlot<'_, B>) -> Result<()> {
+    let bad = |what: String| Err(Error::Backend(format!("adamw_multi: {what}")));
+    if t.m.dtype() != t.v.dtype() {
+        return bad(format!(
+            "moments of two dtypes ({:?}, {:?})",
+            t.m.dtype(),
+            t.v.dtype()
+        ));
+    }
+    match (&t.scales, t.m.dtype()) {
+        (Some((ms, vs)), DType::U8) => {
+            let (_, blocks) = t.scale_offsets();
+            if ms.numel() != blocks || vs.numel() != blocks || ms.dtype() != DType::F32 {
+                return bad(format!("8-bit moments need {blocks} F32 block scales each"));
+            }
+        }
+        (None, DType::U8) => return bad("8-bit moments without block scales".into()),
+        (Some(_), _) => return bad("block scales beside moments that are not 8-bit".into()),
+        (None, _) => {}
+    }
+    match t.target.dtype() {
+        DType::F32 => Ok(()),
+        DType::BF16 if t.narrow.is_none() => Ok(()),
+        other => bad(format!(
+            "weights of {other:?} (with a narrow copy: {})",
+            t.narrow.is_some()
+        )),
+    }
+}
 
 /// Checks one slot of a multi-tensor update: one length for every tensor,
 /// pieces inside it, in ascending order and disjoint (each element is
@@ -54,7 +116,7 @@ pub fn check_adamw_slot<B: Backend>(t: &AdamWSlot<'_, B>) -> Result<()> {
         }
         done = elems.end;
     }
-    Ok(())
+    check_formats(t)
 }
 
 #[cfg(test)]
@@ -144,6 +206,8 @@ mod tests {
                     v,
                     narrow: Some(q),
                     pieces,
+                    scales: None,
+                    rounding_key: 0,
                 })
                 .collect();
             b.adamw_multi(&mut update).unwrap();
@@ -194,6 +258,8 @@ mod tests {
                 v: &mut v,
                 narrow,
                 pieces,
+                scales: None,
+                rounding_key: 0,
             };
             b.adamw_multi(&mut [slot])
         };

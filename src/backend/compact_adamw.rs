@@ -226,7 +226,14 @@ pub fn update_piece(u: PieceUpdate<'_>) {
         }
         let m_scale = u.m.scales.get_mut(b);
         encode(u.m.values, m_scale, u.m.codec, r.clone(), &m_new, true);
-        encode(u.v.values, u.v.scales.get_mut(b), u.v.codec, r, &v_new, false);
+        encode(
+            u.v.values,
+            u.v.scales.get_mut(b),
+            u.v.codec,
+            r,
+            &v_new,
+            false,
+        );
     }
 }
 
@@ -443,7 +450,10 @@ mod tests {
             let mean = sum / n as f64;
             // a Bernoulli draw between down and up: sd <= (up - down) / 2
             let se = (up - down).abs() as f64 / 2.0 / (n as f64).sqrt();
-            assert!((mean - x as f64).abs() < 4.0 * se, "{x}: mean {mean} (se {se})");
+            assert!(
+                (mean - x as f64).abs() < 4.0 * se,
+                "{x}: mean {mean} (se {se})"
+            );
         }
         // values already in BF16 stay as they are
         for x in [1.0f32, -0.5, 3.140625, 0.0] {
@@ -456,7 +466,11 @@ mod tests {
         assert!(draws.len() > 60);
     }
 
-    fn moments<'a>(codec: MomentCodec, values: &'a mut [f32], scales: &'a mut [f32]) -> MomentsMut<'a> {
+    fn moments<'a>(
+        codec: MomentCodec,
+        values: &'a mut [f32],
+        scales: &'a mut [f32],
+    ) -> MomentsMut<'a> {
         MomentsMut {
             codec,
             values,
@@ -499,9 +513,16 @@ mod tests {
         let n = 2 * Q8_BLOCK + 77;
         let g = spread(&mut rng, n);
         for codec in [MomentCodec::Bf16, MomentCodec::Q8] {
-            let w0: Vec<f32> = spread(&mut rng, n).iter().map(|&x| bf16_value(bf16_nearest(x))).collect();
+            let w0: Vec<f32> = spread(&mut rng, n)
+                .iter()
+                .map(|&x| bf16_value(bf16_nearest(x)))
+                .collect();
             let (mut w, mut m, mut v) = (w0.clone(), vec![0.0; n], vec![0.0; n]);
-            let blocks = if codec == MomentCodec::Q8 { q8_blocks(n) } else { 0 };
+            let blocks = if codec == MomentCodec::Q8 {
+                q8_blocks(n)
+            } else {
+                0
+            };
             let (mut ms, mut vs) = (vec![0.0; blocks], vec![0.0; blocks]);
             let (mut rw, mut rm, mut rv) = (w0.clone(), vec![0.0; n], vec![0.0; n]);
             for step in 1..=3 {
@@ -539,9 +560,15 @@ mod tests {
     fn reference_round(codec: MomentCodec, x: &mut [f32], signed: bool) {
         match codec {
             MomentCodec::F32 => {}
-            MomentCodec::Bf16 => x.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+            MomentCodec::Bf16 => x
+                .iter_mut()
+                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
             MomentCodec::Q8 => {
-                let all = if signed { levels(127, 16) } else { levels(255, 32) };
+                let all = if signed {
+                    levels(127, 16)
+                } else {
+                    levels(255, 32)
+                };
                 for block in x.chunks_mut(Q8_BLOCK) {
                     let s = block.iter().fold(0f32, |a, v| a.max(v.abs()));
                     for v in block.iter_mut() {

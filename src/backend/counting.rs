@@ -15,7 +15,7 @@
 use super::rehearsal::{AttnShape, OpBuffers, Rehearsable, Rehearsal};
 use super::{AttnMask, Category, DType, MemoryLedger};
 use crate::backend::cuda::{cudnn, flash};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use std::sync::Arc;
 
 /// The device whose allocations a [`CountingBackend`] reproduces.
@@ -87,12 +87,9 @@ impl Rehearsable for Counted {
             CountedDevice::Cuda { .. } => OpBuffers::Cuda,
         }
     }
-    fn alloc_unwritten(&self, _shape: &[usize], dtype: DType, _cat: Category) -> Result<NoMemory> {
-        if self.device == CountedDevice::Cpu && dtype != DType::F32 {
-            return Err(Error::Backend(format!(
-                "the CPU backend computes in f32 only (asked for {dtype:?}); use --device cuda for bf16"
-            )));
-        }
+    /// Any dtype, as the devices counted store any (the CPU's narrower
+    /// values in f32 cells: `backend::cpu`).
+    fn alloc_unwritten(&self, _shape: &[usize], _dtype: DType, _cat: Category) -> Result<NoMemory> {
         Ok(NoMemory)
     }
     /// cuDNN's forward plan workspace counts as 0, inside the room a

@@ -111,6 +111,8 @@ pub struct OptimKeys {
     pub eps: Option<f64>,
     pub weight_decay: Option<f64>,
     pub clip: Option<f64>,
+    pub optim_state: Option<String>,
+    pub master_weights: Option<String>,
     pub skip_nonfinite: Option<u32>,
 }
 

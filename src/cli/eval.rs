@@ -430,6 +430,7 @@ fn write_metrics(
         attn_flop_fraction: None,
         tokens_per_s: r.tokens_per_s,
         attention_kernel: None,
+        optim_state: None,
         tflops,
         tflops_per_rank: tflops / ranks.max(1) as f64,
         ranks,

@@ -53,6 +53,10 @@ pub struct StepMetrics {
     /// (`cudnn 9.14.0`, `flash`, `naive`; none on the CPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_kernel: Option<String>,
+    /// How AdamW keeps its state when it is not exact F32
+    /// (`moments 8bit, master none`; `--optim-state`, `--master-weights`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optim_state: Option<String>,
     /// Model TFLOP/s of the whole run (`model::flops`: 6·N plus causal
     /// attention per trained token; forward only for an evaluation).
     #[serde(deserialize_with = "nan_if_null")]
@@ -104,6 +108,8 @@ pub struct RunFacts {
     pub predicted: Option<Prediction>,
     /// The run's attention kernel, as the run header names it (GPUs).
     pub attention_kernel: Option<String>,
+    /// The optimizer's state format, when not exact F32.
+    pub optim_state: Option<String>,
 }
 
 /// A run's clock: its start by the wall clock, and a monotonic clock
@@ -170,6 +176,7 @@ impl StepMetrics {
             attn_flop_fraction: Some(r.attn_flop_fraction),
             tokens_per_s: r.tokens_per_s,
             attention_kernel: facts.attention_kernel.clone(),
+            optim_state: facts.optim_state.clone(),
             tflops,
             tflops_per_rank: tflops / facts.ranks.max(1) as f64,
             ranks: facts.ranks,
@@ -339,6 +346,7 @@ mod tests {
             ranks: 1,
             predicted: None,
             attention_kernel: None,
+            optim_state: None,
         };
         let mut r = report(1);
         assert!((StepMetrics::of_step(&r, &facts).tflops - 3.0).abs() < 1e-9);
@@ -356,6 +364,7 @@ mod tests {
             ranks: 4,
             predicted: None,
             attention_kernel: Some("cudnn 9.14.0".into()),
+            optim_state: Some("moments 8bit, master none".into()),
         };
         let m = StepMetrics::of_step(&report(7), &facts);
         // 3 GFLOP per token at 1000 tokens/s: 3 TFLOP/s, 0.75 per rank
@@ -383,6 +392,7 @@ mod tests {
             ranks: 1,
             predicted: None,
             attention_kernel: None,
+            optim_state: None,
         };
         for s in 1..=3 {
             f.write(&StepMetrics::of_step(&report(s), &facts));

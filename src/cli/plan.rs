@@ -89,6 +89,12 @@ pub struct PlanArgs {
     /// HSDP: with `fsdp`, shard inside groups of gpus/R ranks, replicated R times.
     #[arg(long, default_value_t = 1)]
     pub fsdp_replicate: usize,
+    /// AdamW's moments as `train --optim-state` keeps them: f32, bf16 or 8bit.
+    #[arg(long, default_value = "f32")]
+    pub optim_state: String,
+    /// As `train --master-weights`: f32 or none.
+    #[arg(long, default_value = "f32")]
+    pub master_weights: String,
     /// Memory policies, comma-separated: checkpoint, offload, offload-auto,
     /// offload-optimizer, tiled-mlp, fsdp (or `none`); added to
     /// --checkpoint, --offload, --offload-optimizer, --tiled-mlp and --fsdp.
@@ -138,6 +144,8 @@ impl PlanArgs {
         attn => parallel.attn,
         fsdp => parallel.fsdp,
         fsdp_replicate => parallel.fsdp_replicate,
+        optim_state => optim.optim_state,
+        master_weights => optim.master_weights,
         policies => memory.policies,
         device => run.device,
         attn_kernel => run.attn_kernel,
@@ -261,6 +269,8 @@ struct Ctx {
     budget: Budget,
     /// The same budget as the resolver takes it.
     rank_budget: RankBudget,
+    /// How AdamW keeps its state (`--optim-state`, `--master-weights`).
+    state: crate::optim::StateFormat,
     a: PlanArgs,
 }
 
@@ -366,6 +376,7 @@ impl Ctx {
             lora: self.lora.clone(),
             device: self.device,
             budget: self.rank_budget,
+            state: self.state,
         })
     }
 }
@@ -539,6 +550,10 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     }
     let (all, strategies) = for_key(k, "attn", parse_attn(&a.attn, gpus))?;
     check_mesh(&a, gpus)?;
+    let state = crate::optim::StateFormat {
+        moments: for_key(k, "optim_state", a.optim_state.parse())?,
+        master: for_key(k, "master_weights", a.master_weights.parse())?,
+    };
     Ok(Ctx {
         model,
         memory,
@@ -555,6 +570,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         strategies,
         budget,
         rank_budget,
+        state,
         a,
     })
 }

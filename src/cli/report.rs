@@ -176,6 +176,7 @@ mod tests {
             attn_flop_fraction: None,
             tokens_per_s: 1000.0 + step as f64,
             attention_kernel: None,
+            optim_state: None,
             tflops: 1.0,
             tflops_per_rank: 0.25,
             ranks: 4,

@@ -449,6 +449,7 @@ pub fn run_request(
         lora: cfg.lora.as_ref().map(|l| l.config.clone()),
         device,
         budget,
+        state: cfg.optim.state,
     }
 }
 
@@ -557,6 +558,12 @@ fn announce(run: &Built, tokens: usize, tokenizer: &str, per_epoch: usize) {
     );
     println!("{}", crate::train::lora_base::trainable_line(&run.cfg));
     let cfg = &run.cfg;
+    if !cfg.optim.state.is_plain() {
+        println!(
+            "optimizer state: {} (--optim-state, --master-weights; f32 and f32 are exact AdamW)",
+            cfg.optim.state
+        );
+    }
     let per_step = cfg.grad_accum * cfg.data_parallel;
     let epochs = (u64::from(cfg.steps) * per_step as u64) as f64 / per_epoch.max(1) as f64;
     println!(

@@ -1,15 +1,18 @@
 //! AdamW with fp32 state over any parameter store's slots, global-norm
 //! gradient clipping, and its learning-rate schedule (`schedule.rs`).
 
+use crate::backend::compact_adamw::rounding_key;
 use crate::backend::{AdamWPiece, AdamWSlot, AdamWStep, Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::Unit;
 use crate::optim::host::{HostSlot, HostStep, host_master, host_zeros};
+use crate::optim::moments::{Moment, Which};
 use crate::optim::schedule::{Decay, Schedule};
 use crate::optim::settling::state_on_host;
 #[cfg(doc)]
 use crate::optim::settling::update_order;
-use crate::optim::{Lent, Optimizer, Piece, Slot, StateKind};
+use crate::optim::{Lent, MasterWeights, Optimizer, Piece, Slot, StateFormat, StateKind};
+use std::ops::Range;
 
 /// Optimizer hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -38,6 +41,11 @@ pub struct AdamWConfig {
     /// reference the multi-tensor update is tested against; no flag sets
     /// it).
     pub per_piece: bool,
+    /// How the moments and master weights are kept (`--optim-state`,
+    /// `--master-weights`).
+    pub state: StateFormat,
+    /// The seed of stochastic rounding (the run's `--seed`).
+    pub seed: u64,
 }
 
 impl AdamWConfig {
@@ -57,6 +65,8 @@ impl AdamWConfig {
             clip: 1.0,
             host_units: 0,
             per_piece: false,
+            state: StateFormat::default(),
+            seed: 0,
         }
     }
 
@@ -131,8 +141,8 @@ impl Update {
 pub struct AdamW<B: Backend> {
     pub cfg: AdamWConfig,
     slots: Vec<Slot>,
-    m: Vec<Tensor<B>>,
-    v: Vec<Tensor<B>>,
+    m: Vec<Moment<B>>,
+    v: Vec<Moment<B>>,
     master: Vec<Option<Tensor<B>>>,
     /// Whether each slot's state lives on the host: the slots of the last
     /// `cfg.host_units` units of update order.
@@ -161,8 +171,23 @@ impl<B: Backend> AdamW<B> {
             .iter()
             .map(|s| state_on_host(s.unit, layers, cfg.host_units))
             .collect();
+        if on_host.contains(&true) && !cfg.state.is_plain() {
+            return crate::config_err!(
+                "--offload-optimizer keeps F32 state on the host; with {} keep it on the device \
+                 (--offload-optimizer 0) or use --optim-state f32 --master-weights f32",
+                cfg.state
+            );
+        }
         let narrow = params.iter().any(|t| t.dtype() != DType::F32);
-        let (m, v, master) = build_state(b, params, &on_host, narrow)?;
+        let device_master = narrow && cfg.state.master == MasterWeights::F32;
+        let kept = StateToBuild {
+            tensors: params,
+            slots: &slots,
+            on_host: &on_host,
+            format: cfg.state,
+            device_master,
+        };
+        let (m, v, master) = build_state(b, kept)?;
         Ok(AdamW {
             cfg,
             slots,
@@ -221,17 +246,22 @@ impl<B: Backend> AdamW<B> {
                 Some(master) => (master, Some(param)),
                 None => (param, None),
             };
-            let pieces = &pieces[k];
+            let scales = match (m.scales.as_mut(), v.scales.as_mut()) {
+                (Some(ms), Some(vs)) => Some((ms, vs)),
+                _ => None,
+            };
             update.push(AdamWSlot {
                 target,
                 grad,
-                m,
-                v,
+                m: &mut m.values,
+                v: &mut v.values,
                 narrow,
-                pieces,
+                pieces: &pieces[k],
+                scales,
+                rounding_key: rounding_key(cfg.seed, step, k as u32),
             });
         }
-        if cfg.per_piece {
+        if cfg.per_piece && cfg.state.is_plain() {
             update
                 .into_iter()
                 .try_for_each(|slot| update_per_piece(b, slot))
@@ -332,8 +362,8 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
                 param: param.as_deref_mut().ok_or_else(|| busy(k))?,
                 grad: grad.as_deref_mut().ok_or_else(|| busy(k))?,
                 master: master.as_mut().ok_or_else(no_master)?,
-                m,
-                v,
+                m: &mut m.values,
+                v: &mut v.values,
                 updates,
             });
         }
@@ -350,47 +380,88 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
         &self.slots
     }
 
-    fn state(&self, slot: usize) -> Vec<(StateKind, &Tensor<B>)> {
-        let mut kept = vec![
-            (StateKind::ExpAvg, &self.m[slot]),
-            (StateKind::ExpAvgSq, &self.v[slot]),
-        ];
-        if let Some(master) = &self.master[slot] {
-            kept.push((StateKind::Master, master));
+    fn kinds(&self, slot: usize) -> Vec<StateKind> {
+        let mut kinds = vec![StateKind::ExpAvg, StateKind::ExpAvgSq];
+        if self.master.get(slot).is_some_and(Option::is_some) {
+            kinds.push(StateKind::Master);
         }
-        kept
+        kinds
     }
 
-    fn state_mut(&mut self, slot: usize, kind: StateKind) -> Option<&mut Tensor<B>> {
+    fn state_values(&self, b: &B, slot: usize, kind: StateKind) -> Result<Option<Vec<f32>>> {
+        let pieces = piece_ranges(&self.slots[slot]);
+        Ok(match kind {
+            StateKind::ExpAvg => Some(self.m[slot].to_f32(b, &pieces)?),
+            StateKind::ExpAvgSq => Some(self.v[slot].to_f32(b, &pieces)?),
+            StateKind::Master => match &self.master[slot] {
+                Some(t) => Some(b.to_host(t)?),
+                None => None,
+            },
+        })
+    }
+
+    fn restore(&mut self, b: &B, slot: usize, kind: StateKind, values: &[f32]) -> Result<bool> {
+        let pieces = piece_ranges(&self.slots[slot]);
         match kind {
-            StateKind::ExpAvg => self.m.get_mut(slot),
-            StateKind::ExpAvgSq => self.v.get_mut(slot),
-            StateKind::Master => self.master.get_mut(slot)?.as_mut(),
+            StateKind::ExpAvg => self.m[slot].load_f32(b, &pieces, values)?,
+            StateKind::ExpAvgSq => self.v[slot].load_f32(b, &pieces, values)?,
+            StateKind::Master => match &mut self.master[slot] {
+                Some(t) => b.upload(t, values)?,
+                None => return Ok(false),
+            },
         }
+        Ok(true)
     }
 }
 
-/// Zero moments and F32 masters for `tensors`, `on_host[k]` saying where
-/// tensor k's state lives: the device's first (every m, every v, then with
-/// `device_master` the masters), then the host's, each tensor's master, m
-/// and v in turn (the planner counts this order). Returns `(m, v, master)`.
+/// The element ranges of a slot's pieces (8-bit moments' blocks follow them).
+fn piece_ranges(slot: &Slot) -> Vec<Range<usize>> {
+    slot.pieces.iter().map(|p| p.at.clone()).collect()
+}
+
+/// What [`build_state`] makes state for.
+struct StateToBuild<'a, B: Backend> {
+    /// Each slot's current parameters (`[k]`: slot k's tensor).
+    tensors: &'a [&'a Tensor<B>],
+    slots: &'a [Slot],
+    /// Whether slot k's state lives on the host.
+    on_host: &'a [bool],
+    format: StateFormat,
+    /// Whether the device's slots keep F32 masters.
+    device_master: bool,
+}
+
+/// Zero moments (in the format's dtype) and F32 masters for `kept.tensors`,
+/// `kept.on_host[k]` saying where tensor k's state lives: the device's
+/// first (every m, every v, then with `device_master` the masters), then
+/// the host's (always F32), each tensor's master, m and v in turn.
+/// Returns `(m, v, master)`.
 #[allow(clippy::type_complexity)]
 fn build_state<B: Backend>(
     b: &B,
-    tensors: &[&Tensor<B>],
-    on_host: &[bool],
-    device_master: bool,
-) -> Result<(Vec<Tensor<B>>, Vec<Tensor<B>>, Vec<Option<Tensor<B>>>)> {
+    kept: StateToBuild<'_, B>,
+) -> Result<(Vec<Moment<B>>, Vec<Moment<B>>, Vec<Option<Tensor<B>>>)> {
+    let StateToBuild {
+        tensors,
+        slots,
+        on_host,
+        format,
+        device_master,
+    } = kept;
     let count = tensors.len();
-    let none = || (0..count).map(|_| None).collect::<Vec<Option<Tensor<B>>>>();
-    let (mut m, mut v, mut master) = (none(), none(), none());
+    let none = || (0..count).map(|_| None).collect::<Vec<Option<Moment<B>>>>();
+    let (mut m, mut v) = (none(), none());
+    let mut master: Vec<Option<Tensor<B>>> = (0..count).map(|_| None).collect();
     let device: Vec<usize> = (0..count).filter(|&k| !on_host[k]).collect();
-    let z = |t: &Tensor<B>| b.zeros(t.shape(), DType::F32, Category::OptimState);
+    let z = |k: usize, which| {
+        let pieces = piece_ranges(&slots[k]);
+        Moment::zeros(b, tensors[k].shape(), format.moments, &pieces, which)
+    };
     for &k in &device {
-        m[k] = Some(z(tensors[k])?);
+        m[k] = Some(z(k, Which::First)?);
     }
     for &k in &device {
-        v[k] = Some(z(tensors[k])?);
+        v[k] = Some(z(k, Which::Second)?);
     }
     if device_master {
         for &k in &device {
@@ -399,10 +470,16 @@ fn build_state<B: Backend>(
     }
     for k in (0..count).filter(|&k| on_host[k]) {
         master[k] = Some(host_master(b, tensors[k])?);
-        m[k] = Some(host_zeros(b, tensors[k].shape())?);
-        v[k] = Some(host_zeros(b, tensors[k].shape())?);
+        m[k] = Some(Moment::f32(
+            host_zeros(b, tensors[k].shape())?,
+            Which::First,
+        ));
+        v[k] = Some(Moment::f32(
+            host_zeros(b, tensors[k].shape())?,
+            Which::Second,
+        ));
     }
-    let every = |t: Vec<Option<Tensor<B>>>| {
+    let every = |t: Vec<Option<Moment<B>>>| {
         t.into_iter()
             .map(|t| t.expect("every tensor has moments"))
             .collect()

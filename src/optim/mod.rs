@@ -9,14 +9,17 @@
 pub mod adamw;
 pub mod divergence;
 pub mod host;
+pub mod moments;
 pub mod schedule;
 pub mod settling;
 pub mod slot;
+pub mod state_format;
 
 pub use adamw::*;
 pub use slot::{Lent, Piece, Slot, slots_through};
+pub use state_format::{MasterWeights, MomentFormat, StateFormat};
 
-use crate::backend::{Backend, Tensor};
+use crate::backend::Backend;
 use crate::error::Result;
 
 /// One kind of per-slot state an optimizer keeps, named as PyTorch's AdamW
@@ -63,16 +66,18 @@ pub trait Optimizer<B: Backend> {
     fn settle(&mut self, b: &B, lent: &mut Lent<'_, B>, upto: usize) -> Result<()>;
     /// The slots it updates.
     fn slots(&self) -> &[Slot];
-    /// The state it keeps for slot `slot` (what a checkpoint saves).
-    fn state(&self, slot: usize) -> Vec<(StateKind, &Tensor<B>)>;
-    /// Slot `slot`'s state of one kind, to restore it (None: not kept).
-    fn state_mut(&mut self, slot: usize, kind: StateKind) -> Option<&mut Tensor<B>>;
+    /// The kinds of state it keeps for slot `slot` (what a checkpoint saves).
+    fn kinds(&self, slot: usize) -> Vec<StateKind>;
+    /// Slot `slot`'s state of one kind as F32 values, decoded from the
+    /// format it is kept in (None: not kept).
+    fn state_values(&self, b: &B, slot: usize, kind: StateKind) -> Result<Option<Vec<f32>>>;
+    /// Restores slot `slot`'s state of one kind from F32 values, encoded
+    /// in the format it is kept in (false: not kept). Values this optimizer
+    /// decoded come back bit for bit.
+    fn restore(&mut self, b: &B, slot: usize, kind: StateKind, values: &[f32]) -> Result<bool>;
 
-    /// Slot `slot`'s state of one kind (None: not kept).
-    fn kept(&self, slot: usize, kind: StateKind) -> Option<&Tensor<B>> {
-        self.state(slot)
-            .into_iter()
-            .find(|(k, _)| *k == kind)
-            .map(|(_, t)| t)
+    /// Whether slot `slot` keeps state of `kind`.
+    fn keeps(&self, slot: usize, kind: StateKind) -> bool {
+        self.kinds(slot).contains(&kind)
     }
 }

@@ -62,7 +62,10 @@ fn train_config(spec: &StepSpec) -> TrainConfig {
             spec.model.clone(),
             p.layout.seq,
             2,
-            AdamWConfig::schedule(1e-3, 1e-4, 0, 2),
+            AdamWConfig {
+                state: spec.state,
+                ..AdamWConfig::schedule(1e-3, 1e-4, 0, 2)
+            },
         )
     }
 }

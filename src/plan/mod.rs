@@ -69,6 +69,8 @@ pub struct StepSpec {
     pub device: DeviceKind,
     /// Include AdamW state (a training step) or not (`loss_and_grads_cpu`).
     pub optimizer: bool,
+    /// How AdamW keeps its state (`--optim-state`, `--master-weights`).
+    pub state: crate::optim::StateFormat,
     /// The parameters not trained (`--freeze`): no gradients, no optimizer state.
     pub freeze: crate::model::Freeze,
     /// LoRA adapters trained beside the frozen base (`--lora-rank`; `freeze`
@@ -99,6 +101,7 @@ impl StepSpec {
             grad_accum: cfg.grad_accum,
             device,
             optimizer: true,
+            state: cfg.optim.state,
             freeze: cfg.freeze.clone(),
             lora: cfg.lora.as_ref().map(|l| l.config.clone()),
         }
@@ -416,6 +419,7 @@ mod ring_rank_tests {
                             grad_accum: 1,
                             device,
                             optimizer: true,
+                            state: Default::default(),
                             freeze: Default::default(),
                             lora: None,
                         };

@@ -181,6 +181,7 @@ mod tests {
             grad_accum: 1,
             device: DeviceKind::CUDA,
             optimizer: true,
+            state: Default::default(),
             freeze: Default::default(),
             lora: None,
         }

@@ -215,6 +215,8 @@ pub struct RunRequest {
     pub device: DeviceKind,
     /// Each rank's memory.
     pub budget: RankBudget,
+    /// How AdamW keeps its state (`--optim-state`, `--master-weights`).
+    pub state: crate::optim::StateFormat,
 }
 
 /// How far [`resolve_run`] decides.
@@ -296,6 +298,7 @@ impl RunRequest {
             grad_accum: self.grad_accum,
             device: self.device,
             optimizer: true,
+            state: self.state,
             freeze: self.freeze.clone(),
             lora: self.lora.clone(),
         }
@@ -305,6 +308,8 @@ impl RunRequest {
 /// Resolves every `auto` of `req` in the one order (the module's doc), as
 /// far as `depth` says; the prediction is of the step so resolved.
 pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
+    let compact = compact_state_on_device(req)?;
+    let req = compact.as_ref().unwrap_or(req);
     let mut r = Resolution::start(req)?;
     r.shard()?;
     r.offload()?;
@@ -315,6 +320,28 @@ pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
     }
     r.forward_stages()?;
     r.finish()
+}
+
+/// Compact optimizer state lives on the device (the host keeps F32 state
+/// only): `--offload-optimizer auto` is then none, and any other host
+/// units an error naming both flags. `None`: `req` as it is.
+fn compact_state_on_device(req: &RunRequest) -> Result<Option<RunRequest>> {
+    if req.state.is_plain() {
+        return Ok(None);
+    }
+    match req.memory.offload_optimizer {
+        OptimizerOffload::Units(0) => Ok(None),
+        OptimizerOffload::Auto => {
+            let mut plain = req.clone();
+            plain.memory.offload_optimizer = OptimizerOffload::Units(0);
+            Ok(Some(plain))
+        }
+        other => crate::config_err!(
+            "--offload-optimizer {other} keeps F32 state on the host; with {} the state stays \
+             on the device: use --offload-optimizer 0, or --optim-state f32 --master-weights f32",
+            req.state
+        ),
+    }
 }
 
 /// A run part way through [`resolve_run`].

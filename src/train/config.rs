@@ -145,6 +145,7 @@ impl TrainConfig {
     pub fn adamw(&self) -> AdamWConfig {
         AdamWConfig {
             host_units: self.policy.offload_optimizer,
+            seed: self.seed,
             ..self.optim
         }
     }

@@ -2,10 +2,11 @@
 //! between a backend and host tensors named by their HF names: what
 //! checkpoints are written from and loaded into.
 
-use crate::backend::{Backend, Category, DType, Tensor};
+use crate::backend::{Backend, Category, DType};
 use crate::checkpoint::HostTensor;
 use crate::error::{Error, Result};
 use crate::model::{ModelConfig, ModelWeights};
+use crate::optim::{Optimizer, StateKind};
 use std::collections::BTreeMap;
 
 /// Copies every parameter to the host by HF name.
@@ -20,23 +21,24 @@ pub fn weights_to_host<B: Backend>(
 }
 
 /// Host copies of one kind of per-parameter optimizer state, named like
-/// `w`: `state(k)` is the state of slot k, and `slots[i]` the slot of
-/// `w`'s i-th tensor in `ModelWeights::named` order (`None`: frozen, no
-/// state).
-pub(crate) fn tensors_to_host<'t, B: Backend>(
+/// `w`, as F32 values decoded from the optimizer's format; `slots[i]` is
+/// the slot of `w`'s i-th tensor in `ModelWeights::named` order (`None`:
+/// frozen, no state).
+pub(crate) fn state_to_host<B: Backend>(
     b: &B,
     w: &ModelWeights<B>,
     slots: &[Option<usize>],
-    state: impl Fn(usize) -> Option<&'t Tensor<B>>,
+    opt: &dyn Optimizer<B>,
+    kind: StateKind,
 ) -> Result<BTreeMap<String, HostTensor>> {
     w.named()
         .into_iter()
         .zip(slots)
         .filter_map(|(named, slot)| slot.map(|k| (k, named)))
-        .map(|(k, (n, _))| {
+        .map(|(k, (n, t))| {
             let missing = || Error::Backend(format!("the optimizer keeps no state for {n}"));
-            let t = state(k).ok_or_else(missing)?;
-            Ok((n, HostTensor::new(t.shape().to_vec(), b.to_host(t)?)?))
+            let values = opt.state_values(b, k, kind)?.ok_or_else(missing)?;
+            Ok((n, HostTensor::new(t.shape().to_vec(), values)?))
         })
         .collect()
 }

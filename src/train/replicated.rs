@@ -3,7 +3,7 @@
 //! bucket as soon as its backward is done, beside the next unit's backward.
 
 use super::config::TrainConfig;
-use super::host_weights::{tensors_to_host, weights_from_host, weights_to_host};
+use super::host_weights::{state_to_host, weights_from_host, weights_to_host};
 use super::state::{Micro, RankModel, pass};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::checkpoint::peft::adapter_tensors;
@@ -304,12 +304,15 @@ impl<'a, B: Backend> Replicated<'a, B> {
                 (StateKind::ExpAvg, &st.adam_m),
                 (StateKind::ExpAvgSq, &st.adam_v),
             ] {
-                let t = opt.state_mut(k, kind).ok_or_else(missing)?;
-                b.upload(t, &saved.get(&name).ok_or_else(missing)?.data)?;
+                let values = &saved.get(&name).ok_or_else(missing)?.data;
+                if !opt.restore(b, k, kind, values)? {
+                    return Err(missing());
+                }
             }
             // the F32 values (masters, or F32 files), not the rounded weights
-            if let Some(t) = opt.state_mut(k, StateKind::Master) {
-                b.upload(t, &st.params.get(&name).ok_or_else(missing)?.data)?;
+            if opt.keeps(k, StateKind::Master) {
+                let values = &st.params.get(&name).ok_or_else(missing)?.data;
+                opt.restore(b, k, StateKind::Master, values)?;
             }
         }
         let store = ReplicatedStore::with_frozen(b, model, w, group, &cfg.freeze)?;
@@ -358,7 +361,7 @@ impl<B: Backend> Replicated<'_, B> {
     ) -> Result<Option<BTreeMap<String, HostTensor>>> {
         let named = self.store.w.named();
         let slots = self.opt.slots().len();
-        let any_kept = (0..slots).any(|k| self.opt.kept(k, StateKind::Master).is_some());
+        let any_kept = (0..slots).any(|k| self.opt.keeps(k, StateKind::Master));
         if self.files.dtype == SaveDtype::F32 && !any_kept {
             return Ok(None);
         }
@@ -366,16 +369,17 @@ impl<B: Backend> Replicated<'_, B> {
         let mut slot = self.store.slot_of_params().into_iter();
         for (name, t) in named {
             // a frozen parameter's F32 value is its weight (no master kept)
-            let kept = slot
-                .next()
-                .flatten()
-                .and_then(|k| self.opt.kept(k, StateKind::Master));
+            let slot = slot.next().flatten();
             // a LoRA save's `weights` are its adapters: the base is not saved
             if !weights.contains_key(&name) {
                 continue;
             }
+            let kept = match slot {
+                Some(k) => self.opt.state_values(b, k, StateKind::Master)?,
+                None => None,
+            };
             let master = match kept {
-                Some(m) => HostTensor::new(m.shape().to_vec(), b.to_host(m)?)?,
+                Some(m) => HostTensor::new(t.shape().to_vec(), m)?,
                 None => weights[&name].clone(),
             };
             debug_assert_eq!(master.shape, t.shape());
@@ -552,8 +556,8 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
                 .into_iter()
                 .map(|(n, _)| (n.clone(), &params[&n]))
                 .collect(),
-            adam_m: &tensors_to_host(b, w, &slots, |k| self.opt.kept(k, StateKind::ExpAvg))?,
-            adam_v: &tensors_to_host(b, w, &slots, |k| self.opt.kept(k, StateKind::ExpAvgSq))?,
+            adam_m: &state_to_host(b, w, &slots, &*self.opt, StateKind::ExpAvg)?,
+            adam_v: &state_to_host(b, w, &slots, &*self.opt, StateKind::ExpAvgSq)?,
             masters: masters.as_ref(),
             extra,
         };
@@ -582,8 +586,8 @@ impl<B: Backend> Replicated<'_, B> {
         let state = StateToSave {
             step,
             params: params.iter().map(|(n, t)| (n.clone(), t)).collect(),
-            adam_m: &tensors_to_host(b, w, &slots, |k| self.opt.kept(k, StateKind::ExpAvg))?,
-            adam_v: &tensors_to_host(b, w, &slots, |k| self.opt.kept(k, StateKind::ExpAvgSq))?,
+            adam_m: &state_to_host(b, w, &slots, &*self.opt, StateKind::ExpAvg)?,
+            adam_v: &state_to_host(b, w, &slots, &*self.opt, StateKind::ExpAvgSq)?,
             masters: masters.as_ref(),
             extra: &extra,
         };

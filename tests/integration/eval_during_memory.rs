@@ -99,6 +99,7 @@ fn the_eval_forward_during_training_stays_within_the_predicted_peak() {
                     grad_accum: 1,
                     device: DeviceKind::Cpu,
                     optimizer: true,
+                    state: Default::default(),
                     freeze: Default::default(),
                     lora: None,
                 };

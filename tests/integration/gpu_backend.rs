@@ -68,6 +68,7 @@ fn round(v: &[f32], dt: DType) -> Vec<f32> {
             .iter()
             .map(|&x| half::bf16::from_f32(x).to_f32())
             .collect(),
+        DType::U8 => v.iter().map(|&x| x.round().clamp(0.0, 255.0)).collect(),
     }
 }
 
@@ -762,6 +763,8 @@ fn adamw_multi_is_bit_identical_to_adamw_per_piece_and_copy() {
                         v,
                         narrow,
                         pieces: &pieces[s],
+                        scales: None,
+                        rounding_key: 0,
                     }
                 })
                 .collect();
@@ -2062,4 +2065,132 @@ fn documents_mask_bounds_are_kept_until_the_mask_changes() {
         2 - on_cudnn,
         "documents before 9.10 on flash"
     );
+}
+
+/// Compact AdamW state (`backend::compact_adamw`) on the GPU against the
+/// CPU reference, bit for bit over 4 steps: F32, BF16 and 8-bit moments,
+/// F32 masters with a BF16 copy and BF16 weights with no master
+/// (stochastic rounding), two slots of pieces of odd lengths (shorter and
+/// longer than an 8-bit block, gaps between them; 30 pieces, two launches).
+#[test]
+fn compact_adamw_is_bit_identical_to_the_cpu_reference() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng::new("compact_adamw");
+    let many: Vec<std::ops::Range<usize>> =
+        (0..28).map(|k| k * 90 + 3..k * 90 + 40 + 2 * k).collect();
+    let slots: [(usize, Vec<std::ops::Range<usize>>); 2] =
+        [(2_600, many), (1_500, vec![0..700, 700..701, 705..1_500])];
+    let combos = [
+        (DType::F32, DType::BF16, false),
+        (DType::BF16, DType::F32, true),
+        (DType::U8, DType::F32, true),
+        (DType::U8, DType::BF16, false),
+        (DType::BF16, DType::BF16, false),
+    ];
+    for (mdt, pdt, narrow) in combos {
+        let what = format!("moments {mdt:?}, weights {pdt:?}, narrow copy {narrow}");
+        let init: Vec<Vec<f32>> = slots
+            .iter()
+            .map(|(n, _)| round(&rng.vec(*n, 1.0), DType::BF16))
+            .collect();
+        let grads: Vec<Vec<Vec<f32>>> = (0..4)
+            .map(|_| slots.iter().map(|(n, _)| rng.vec(*n, 0.1)).collect())
+            .collect();
+        let gpu_state = run_compact(g, &slots, &init, &grads, (mdt, pdt, narrow));
+        let cpu_state = run_compact(&c, &slots, &init, &grads, (mdt, pdt, narrow));
+        for (s, (a, b)) in gpu_state.iter().zip(&cpu_state).enumerate() {
+            for (k, (x, y)) in a.iter().zip(b).enumerate() {
+                let differ = x
+                    .iter()
+                    .zip(y)
+                    .position(|(p, q)| p.to_bits() != q.to_bits());
+                assert_eq!(
+                    differ, None,
+                    "{what}: slot {s} tensor {k} (target, m, v, narrow, scales)"
+                );
+            }
+            assert_ne!(a[0], init[s], "{what}: slot {s} updated");
+        }
+    }
+}
+
+/// Four steps of compact AdamW on `b`; every state tensor of each slot
+/// afterwards, on the host.
+fn run_compact<B: Backend>(
+    b: &B,
+    slots: &[(usize, Vec<std::ops::Range<usize>>)],
+    init: &[Vec<f32>],
+    grads: &[Vec<Vec<f32>>],
+    (mdt, pdt, narrow): (DType, DType, bool),
+) -> Vec<Vec<Vec<f32>>> {
+    use upipe::backend::compact_adamw::{q8_blocks, rounding_key};
+    let t = |d: &[f32], dt| {
+        b.from_host(d, &[d.len()], dt, Category::OptimState)
+            .unwrap()
+    };
+    let mut state: Vec<Vec<Tensor<B>>> = slots
+        .iter()
+        .zip(init)
+        .map(|((n, ranges), w)| {
+            let blocks: usize = ranges.iter().map(|r| q8_blocks(r.len())).sum();
+            let zeros = vec![0.0; *n];
+            let mut ts = vec![t(w, pdt), t(&zeros, mdt), t(&zeros, mdt), t(w, DType::BF16)];
+            if mdt == DType::U8 {
+                ts.push(t(&vec![0.0; blocks], DType::F32));
+                ts.push(t(&vec![0.0; blocks], DType::F32));
+            }
+            ts
+        })
+        .collect();
+    for (step, step_grads) in grads.iter().enumerate() {
+        let step = step as u32 + 1;
+        let gs: Vec<Tensor<B>> = step_grads.iter().map(|d| t(d, DType::F32)).collect();
+        let pieces: Vec<Vec<(std::ops::Range<usize>, AdamWStep)>> = slots
+            .iter()
+            .map(|(_, ranges)| {
+                let hp = |k: usize| AdamWStep {
+                    lr: 1e-2,
+                    beta1: 0.9,
+                    beta2: 0.95,
+                    eps: 1e-8,
+                    weight_decay: [0.1, 0.0][k % 2],
+                    step,
+                    grad_scale: 0.5,
+                };
+                ranges
+                    .iter()
+                    .enumerate()
+                    .map(|(k, r)| (r.clone(), hp(k)))
+                    .collect()
+            })
+            .collect();
+        let mut update: Vec<AdamWSlot<'_, B>> = state
+            .iter_mut()
+            .enumerate()
+            .map(|(s, ts)| {
+                let (head, scales) = ts.split_at_mut(4);
+                let [p, m, v, q] = head else { unreachable!() };
+                let scales = match scales {
+                    [ms, vs] => Some((ms, vs)),
+                    _ => None,
+                };
+                AdamWSlot {
+                    target: p,
+                    grad: &gs[s],
+                    m,
+                    v,
+                    narrow: narrow.then_some(q),
+                    pieces: &pieces[s],
+                    scales,
+                    rounding_key: rounding_key(11, step, s as u32),
+                }
+            })
+            .collect();
+        b.adamw_multi(&mut update).unwrap();
+    }
+    state
+        .iter()
+        .map(|ts| ts.iter().map(|x| b.to_host(x).unwrap()).collect())
+        .collect()
 }

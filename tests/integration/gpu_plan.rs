@@ -169,6 +169,7 @@ fn training_step_prediction_matches_the_cuda_ledger() {
                 grad_accum: 1,
                 device: DeviceKind::CudaNative,
                 optimizer: true,
+                state: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             },

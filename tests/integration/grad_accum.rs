@@ -129,6 +129,7 @@ fn planner_predicts_accumulated_steps_exactly() {
                 grad_accum: 2,
                 device: DeviceKind::Cpu,
                 optimizer: true,
+                state: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             },

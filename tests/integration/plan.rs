@@ -226,6 +226,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
                 grad_accum: 1,
                 device: DeviceKind::Cpu,
                 optimizer: true,
+                state: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             };
@@ -283,6 +284,7 @@ fn qwen2_step_prediction_equals_ledger_peak() {
                 grad_accum: 1,
                 device: DeviceKind::Cpu,
                 optimizer: true,
+                state: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             };
@@ -311,6 +313,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         grad_accum: 1,
         device: DeviceKind::CUDA,
         optimizer: true,
+        state: Default::default(),
         freeze: Default::default(),
         lora: None,
     };
@@ -369,6 +372,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
                 grad_accum: 1,
                 device: DeviceKind::CUDA,
                 optimizer: true,
+                state: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             })

@@ -190,6 +190,7 @@ fn bad_settings_are_errors_naming_the_fix() {
         grad_accum: 1,
         device: DeviceKind::Cpu,
         optimizer: true,
+        state: Default::default(),
         freeze: Default::default(),
         lora: None,
     };
@@ -264,6 +265,7 @@ fn auto_keeps_the_most_blocks_that_fit() {
             grad_accum: 1,
             device: DeviceKind::CUDA,
             optimizer: true,
+            state: Default::default(),
             freeze: Default::default(),
             lora: None,
         }

@@ -89,13 +89,20 @@ fn data_mut(t: &mut Tensor<CpuBackend>) -> &mut [f32] {
     &mut t.storage_mut().0
 }
 
-fn check_f32(dtype: DType) -> Result<()> {
-    match dtype {
-        DType::F32 => Ok(()),
-        other => Err(Error::Backend(format!(
-            "the CPU backend computes in f32 only (asked for {other:?}); use --device cuda for bf16"
-        ))),
-    }
+/// `values` as a tensor of `dtype` holds them: every cell is an f32, the
+/// values of a BF16 tensor rounded to BF16 (to nearest even), those of an
+/// 8-bit one checked to be its codes (the compact optimizer state; the CPU
+/// computes in f32 and stores narrower values exactly).
+fn stored(dtype: DType, values: &[f32]) -> Result<Vec<f32>> {
+    use super::compact_adamw::{bf16_nearest, bf16_value, codes_of};
+    Ok(match dtype {
+        DType::F32 => values.to_vec(),
+        DType::BF16 => values
+            .iter()
+            .map(|&x| bf16_value(bf16_nearest(x)))
+            .collect(),
+        DType::U8 => codes_of(values)?.into_iter().map(f32::from).collect(),
+    })
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -117,7 +124,6 @@ impl Backend for CpuBackend {
 
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
         let _span = self.profile.span("memset", Track::Compute);
-        check_f32(dtype)?;
         let n = shape.iter().product();
         Ok(Tensor::from_parts(
             self.storage(n, 0.0),
@@ -129,7 +135,6 @@ impl Backend for CpuBackend {
     }
 
     fn empty(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
-        check_f32(dtype)?;
         let n = shape.iter().product();
         Ok(Tensor::from_parts(
             self.storage(n, f32::NAN),
@@ -148,14 +153,13 @@ impl Backend for CpuBackend {
         cat: Category,
     ) -> Result<Tensor<Self>> {
         let _span = self.profile.span("upload", Track::Compute);
-        check_f32(dtype)?;
         if host.len() != shape.iter().product::<usize>() {
             return Err(Error::Backend(format!(
                 "from_host: {} values for shape {shape:?}",
                 host.len()
             )));
         }
-        let storage = CpuStorage(host.to_vec());
+        let storage = CpuStorage(stored(dtype, host)?);
         Ok(Tensor::from_parts(
             storage,
             shape,
@@ -174,7 +178,8 @@ impl Backend for CpuBackend {
                 t.shape()
             )));
         }
-        data_mut(t).copy_from_slice(host);
+        let values = stored(t.dtype(), host)?;
+        data_mut(t).copy_from_slice(&values);
         Ok(())
     }
 
@@ -634,22 +639,84 @@ impl Backend for CpuBackend {
             super::adamw_multi::check_adamw_slot(slot)?;
         }
         for slot in slots {
+            if !slot.is_plain() {
+                compact_slot(slot)?;
+                continue;
+            }
             let (target, grad) = (data_mut(slot.target), data(slot.grad));
             let (m, v) = (data_mut(slot.m), data_mut(slot.v));
+            let narrow_dtype = slot.narrow.as_deref().map(|t| t.dtype());
             let mut narrow = slot.narrow.as_deref_mut().map(data_mut);
             for (elems, hp) in slot.pieces {
                 let r = elems.clone();
                 let p = &mut target[r.clone()];
                 let (g, m, v) = (&grad[r.clone()], &mut m[r.clone()], &mut v[r.clone()]);
                 super::host_adamw::adamw_serial(p, g, m, v, *hp);
-                // every tensor of this backend is F32: the write-back is a copy
-                if let Some(narrow) = narrow.as_deref_mut() {
-                    narrow[r].copy_from_slice(p);
+                // the write-back rounds as `copy` does (a copy of F32 cells)
+                if let (Some(narrow), Some(dtype)) = (narrow.as_deref_mut(), narrow_dtype) {
+                    narrow[r].copy_from_slice(&stored(dtype, p)?);
                 }
             }
         }
         Ok(())
     }
+}
+
+/// One slot of compact state (BF16 or 8-bit moments, or BF16 weights with
+/// no master), piece by piece ([`super::compact_adamw::update_piece`]), the
+/// narrow copy written as `copy` rounds.
+fn compact_slot(slot: &mut AdamWSlot<'_, CpuBackend>) -> Result<()> {
+    use super::compact_adamw::{
+        MomentCodec, MomentsMut, PieceUpdate, WeightRounding, update_piece,
+    };
+    let codec = match slot.m.dtype() {
+        DType::F32 => MomentCodec::F32,
+        DType::BF16 => MomentCodec::Bf16,
+        DType::U8 => MomentCodec::Q8,
+    };
+    let rounding = match slot.target.dtype() {
+        DType::BF16 => WeightRounding::Stochastic(slot.rounding_key),
+        _ => WeightRounding::F32,
+    };
+    let (starts, blocks) = slot.scale_offsets();
+    let (mut no_m, mut no_v) = (Vec::new(), Vec::new());
+    let (ms, vs) = match slot.scales.as_mut() {
+        Some((ms, vs)) => (data_mut(ms), data_mut(vs)),
+        None => (&mut no_m[..], &mut no_v[..]),
+    };
+    let (target, grad) = (data_mut(slot.target), data(slot.grad));
+    let (m, v) = (data_mut(slot.m), data_mut(slot.v));
+    for ((elems, hp), &at) in slot.pieces.iter().zip(&starts) {
+        let r = elems.clone();
+        let sb = if codec == MomentCodec::Q8 {
+            at..at + super::compact_adamw::q8_blocks(r.len())
+        } else {
+            0..0
+        };
+        update_piece(PieceUpdate {
+            w: &mut target[r.clone()],
+            rounding,
+            first: r.start,
+            g: &grad[r.clone()],
+            m: MomentsMut {
+                codec,
+                values: &mut m[r.clone()],
+                scales: &mut ms[sb.clone()],
+            },
+            v: MomentsMut {
+                codec,
+                values: &mut v[r],
+                scales: &mut vs[sb],
+            },
+            hp: *hp,
+        });
+        if let Some(narrow) = slot.narrow.as_deref_mut() {
+            let rounded = stored(narrow.dtype(), &target[elems.clone()])?;
+            data_mut(narrow)[elems.clone()].copy_from_slice(&rounded);
+        }
+    }
+    debug_assert!(codec != MomentCodec::Q8 || blocks == ms.len());
+    Ok(())
 }
 
 /// The CPU under a [`Rehearsal`](super::rehearsal::Rehearsal): tensors of
@@ -667,8 +734,12 @@ impl super::rehearsal::Rehearsable for CpuBackend {
     fn op_buffers(&self) -> super::rehearsal::OpBuffers {
         super::rehearsal::OpBuffers::Cpu
     }
-    fn alloc_unwritten(&self, shape: &[usize], dtype: DType, _cat: Category) -> Result<CpuStorage> {
-        check_f32(dtype)?;
+    fn alloc_unwritten(
+        &self,
+        shape: &[usize],
+        _dtype: DType,
+        _cat: Category,
+    ) -> Result<CpuStorage> {
         Ok(CpuStorage(self.lazy_zeros(shape.iter().product())?))
     }
     fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool {

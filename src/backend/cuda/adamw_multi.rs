@@ -115,9 +115,13 @@ fn piece_table(pieces: &[PieceRef]) -> (Vec<u64>, u64) {
 impl CudaBackend {
     pub(super) fn adamw_multi_impl(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
         let _span = self.span("adamw_multi")?;
-        let mut pieces = Vec::new();
         for slot in slots.iter() {
             check_adamw_slot(slot)?;
+        }
+        let (plain, compact): (Vec<_>, Vec<_>) = slots.iter_mut().partition(|s| s.is_plain());
+        self.adamw_compact_impl(&compact)?;
+        let mut pieces = Vec::new();
+        for slot in plain {
             for (x, what) in [(&*slot.target, "target"), (&*slot.m, "m"), (&*slot.v, "v")] {
                 need(x, DType::F32, "adamw_multi", what)?;
             }

@@ -11,6 +11,7 @@ use std::ffi::{CString, c_void};
 pub const SOURCES: &[(&str, &str)] = &[
     ("common.cu", include_str!("kernels/common.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("adamw_compact.cu", include_str!("kernels/adamw_compact.cu")),
     ("norm_rope.cu", include_str!("kernels/norm_rope.cu")),
     ("loss.cu", include_str!("kernels/loss.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
@@ -71,6 +72,7 @@ kernel_table!(
     embedding_bwd,
     adamw,
     adamw_multi,
+    adamw_compact,
     rmsnorm_fwd,
     add_rmsnorm_fwd,
     rmsnorm_bwd,

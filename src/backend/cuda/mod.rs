@@ -19,6 +19,7 @@
 //! Every op is queued on the backend's stream; `to_host`, `sum_squares` and
 //! `synchronize` wait for it.
 
+mod adamw_compact;
 mod adamw_multi;
 pub mod attention;
 mod attention_ops;

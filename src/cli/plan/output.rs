@@ -109,6 +109,11 @@ impl std::fmt::Display for TrainCommand<'_> {
         if spec.grad_accum > 1 {
             write!(f, " --grad-accum {}", spec.grad_accum)?;
         }
+        if !spec.state.is_plain() {
+            let s = spec.state;
+            let (m, w) = (s.moments.name(), s.master.name());
+            write!(f, " --optim-state {m} --master-weights {w}")?;
+        }
         if !spec.freeze.is_empty() && spec.lora.is_none() {
             write!(f, " --freeze {}", spec.freeze)?;
         }

@@ -11,8 +11,8 @@ use crate::cli::schedule::FwdChunkArgs;
 use crate::data::PackMode;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use crate::optim::AdamWConfig;
 use crate::optim::schedule::Decay;
+use crate::optim::{AdamWConfig, StateFormat};
 pub use crate::plan::FsdpMode;
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
@@ -118,6 +118,15 @@ pub struct TrainArgs {
     /// Global gradient-norm clip (0: off).
     #[arg(long, help_heading = "Optimizer", default_value_t = 1.0)]
     pub clip: f64,
+    /// How AdamW keeps its two moments: f32 (exact; 8 bytes a parameter),
+    /// bf16 (4) or 8bit (block-wise codes with a scale per 256 values,
+    /// about 2). Optimizer state offloaded to the host stays f32.
+    #[arg(long, help_heading = "Optimizer", default_value = "f32")]
+    pub optim_state: String,
+    /// f32: an F32 master copy of BF16 weights (4 bytes a parameter);
+    /// none: BF16 weights updated in place by stochastic rounding.
+    #[arg(long, help_heading = "Optimizer", default_value = "f32")]
+    pub master_weights: String,
     /// Seed of the random initialisation and of the data order.
     #[arg(long, help_heading = "Run", default_value_t = 0)]
     pub seed: u64,
@@ -299,6 +308,8 @@ impl TrainArgs {
         eps => optim.eps,
         weight_decay => optim.weight_decay,
         clip => optim.clip,
+        optim_state => optim.optim_state,
+        master_weights => optim.master_weights,
         eval_data => eval.eval_data,
         eval_every => eval.eval_every,
         eval_buckets => eval.eval_buckets,
@@ -442,6 +453,10 @@ impl TrainArgs {
                 self.eps
             );
         }
+        let state = StateFormat {
+            moments: for_key(k, "optim_state", self.optim_state.parse())?,
+            master: for_key(k, "master_weights", self.master_weights.parse())?,
+        };
         let cfg = AdamWConfig {
             decay,
             beta1,
@@ -449,6 +464,8 @@ impl TrainArgs {
             eps: self.eps as f32,
             weight_decay: self.weight_decay as f32,
             clip: self.clip as f32,
+            state,
+            seed: self.seed,
             ..AdamWConfig::schedule(
                 self.lr as f32,
                 self.min_lr() as f32,

@@ -173,6 +173,7 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
         ranks: run.shape.world_size(),
         predicted: Some(predicted.clone()),
         attention_kernel: run.cfg.attention_kernel.map(|k| k.to_string()),
+        optim_state: (!run.cfg.optim.state.is_plain()).then(|| run.cfg.optim.state.to_string()),
     };
     let mut progress = Progress::new(a.json, run.lead, run.cfg.steps, facts);
     if !run.lead {

@@ -169,10 +169,14 @@ impl<'a, B: Backend> Sharded<'a, B> {
         for (i, u) in self.store.layouts.iter().enumerate() {
             let key = u.key();
             // a frozen unit keeps no optimizer state
-            let state = slot_of[i].map(|k| self.opt.state(k)).unwrap_or_default();
-            let has_master = state.iter().any(|(k, _)| *k == StateKind::Master);
-            for (kind, t) in state {
-                tensors.push((format!("{}.{key}", kind.name()), host(t)?));
+            let mut has_master = false;
+            if let Some(k) = slot_of[i] {
+                for kind in self.opt.kinds(k) {
+                    has_master |= kind == StateKind::Master;
+                    let values = self.opt.state_values(b, k, kind)?.unwrap_or_default();
+                    let t = HostTensor::new(vec![values.len()], values)?;
+                    tensors.push((format!("{}.{key}", kind.name()), t));
+                }
             }
             // F32 shards whose weight files are narrower: they are the masters
             if !has_master && self.files.dtype != SaveDtype::F32 {
@@ -270,8 +274,11 @@ fn restore_state<B: Backend>(
                 continue;
             }
             let values = || saved.shard(kind.name(), u, rank);
-            match slot_of[i].and_then(|k| opt.state_mut(k, kind)) {
-                Some(t) => b.upload(t, &values()?)?,
+            let kept = slot_of[i].filter(|&k| opt.keeps(k, kind));
+            match kept {
+                Some(k) => {
+                    opt.restore(b, k, kind, &values()?)?;
+                }
                 None if kind == StateKind::Master => {
                     let shard = store.params[i].as_mut().ok_or_else(|| {
                         Error::Backend("FSDP: a shard is in a collective at start-up".into())

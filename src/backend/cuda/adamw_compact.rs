@@ -1,0 +1,184 @@
+//! `CudaBackend`'s AdamW of compact state (`backend::compact_adamw`): the
+//! pieces of a step's compact slots in one launch of `adamw_compact`
+//! (kernels/adamw_compact.cu) per [`PIECES`] pieces, a thread per element
+//! and a block per [`Q8_BLOCK`] elements of a piece, the piece table passed
+//! by value as a kernel parameter.
+
+use super::kernels::{Args, grid_for, launch};
+use super::{CudaBackend, dt, ptr};
+use crate::backend::compact_adamw::{Q8_BLOCK, q8_blocks};
+use crate::backend::{AdamWSlot, AdamWStep};
+use crate::error::Result;
+use std::ops::Range;
+
+/// Pieces per launch (`COMPACT_PIECES` in kernels/adamw_compact.cu): 132
+/// bytes a piece, 3.1 KB in all, within the 4 KB of kernel parameters.
+const PIECES: usize = 24;
+
+/// One piece as the kernel sees it: device addresses (0 for none), dtype
+/// flags, its elements, its rounding key and update.
+#[derive(Debug, Clone)]
+struct PieceRef {
+    ptrs: [u64; 7],
+    flags: [i32; 4],
+    key: u32,
+    elems: Range<usize>,
+    hp: AdamWStep,
+}
+
+/// The kernel's `CompactPieces` as 8-byte words: seven address arrays
+/// (`p g m v ms vs q`), `start len first_block` (i64), then `pdt gdt mdt
+/// qdt` (i32), `key` (u32) and `lr b1 b2 eps wd bc1 bc2 grad_scale` (f32),
+/// each an array of [`PIECES`]. Returns the words and the virtual blocks.
+fn piece_table(pieces: &[PieceRef]) -> (Vec<u64>, u64) {
+    let mut wide = [[0u64; PIECES]; 10];
+    let mut narrow = [[0u32; PIECES]; 13];
+    let mut vblocks = 0u64;
+    for (k, piece) in pieces.iter().enumerate() {
+        let (bc1, bc2) = piece.hp.bias_corrections();
+        for (f, &p) in piece.ptrs.iter().enumerate() {
+            wide[f][k] = p;
+        }
+        wide[7][k] = piece.elems.start as u64;
+        wide[8][k] = piece.elems.len() as u64;
+        wide[9][k] = vblocks;
+        vblocks += q8_blocks(piece.elems.len()) as u64;
+        for (f, &flag) in piece.flags.iter().enumerate() {
+            narrow[f][k] = flag as u32;
+        }
+        narrow[4][k] = piece.key;
+        let hp = &piece.hp;
+        let floats = [
+            hp.lr,
+            hp.beta1,
+            hp.beta2,
+            hp.eps,
+            hp.weight_decay,
+            bc1,
+            bc2,
+            hp.grad_scale,
+        ];
+        for (f, x) in floats.into_iter().enumerate() {
+            narrow[5 + f][k] = x.to_bits();
+        }
+    }
+    // pieces past the last start at the end: no virtual block is theirs
+    wide[9][pieces.len()..].fill(vblocks);
+    let mut words: Vec<u64> = wide.iter().flatten().copied().collect();
+    let pair = |c: &[u32]| c[0] as u64 | (c[1] as u64) << 32;
+    for field in &narrow {
+        words.extend(field.chunks(2).map(pair));
+    }
+    (words, vblocks)
+}
+
+/// The pieces of one compact slot.
+fn slot_pieces(slot: &AdamWSlot<'_, CudaBackend>) -> Vec<PieceRef> {
+    let (starts, _) = slot.scale_offsets();
+    let scale_at = |t: Option<&crate::backend::Tensor<CudaBackend>>, at: usize| {
+        t.map_or(0, |t| ptr(t) + (at * 4) as u64)
+    };
+    let (ms, vs) = match &slot.scales {
+        Some((ms, vs)) => (Some(&**ms), Some(&**vs)),
+        None => (None, None),
+    };
+    let (q, qdt) = match slot.narrow.as_deref() {
+        Some(q) => (ptr(q), dt(q)),
+        None => (0, 0),
+    };
+    slot.pieces
+        .iter()
+        .zip(starts)
+        .filter(|((e, _), _)| !e.is_empty())
+        .map(|((elems, hp), at)| PieceRef {
+            ptrs: [
+                ptr(slot.target),
+                ptr(slot.grad),
+                ptr(slot.m),
+                ptr(slot.v),
+                scale_at(ms, at),
+                scale_at(vs, at),
+                q,
+            ],
+            flags: [dt(slot.target), dt(slot.grad), dt(slot.m), qdt],
+            key: slot.rounding_key,
+            elems: elems.clone(),
+            hp: *hp,
+        })
+        .collect()
+}
+
+impl CudaBackend {
+    /// Updates compact slots (checked by the caller).
+    pub(super) fn adamw_compact_impl(&self, slots: &[&mut AdamWSlot<'_, Self>]) -> Result<()> {
+        let pieces: Vec<PieceRef> = slots.iter().flat_map(|s| slot_pieces(s)).collect();
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        for group in pieces.chunks(PIECES) {
+            let (table, vblocks) = piece_table(group);
+            let args = Args::new()
+                .i32(group.len() as i32)
+                .i64(vblocks as i64)
+                .words(&table);
+            let block = Q8_BLOCK as u32;
+            let grid = grid_for(vblocks as usize * Q8_BLOCK, block);
+            launch(
+                &self.stream,
+                self.kernels.adamw_compact,
+                grid,
+                block,
+                0,
+                args,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table's layout: 10 arrays of 8-byte words, then 13 of 4-byte
+    /// values, each of `PIECES`; a virtual block per 256 elements of a
+    /// piece.
+    #[test]
+    fn piece_table_lays_out_the_kernels_struct() {
+        let hp = AdamWStep {
+            lr: 0.5,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 2,
+            grad_scale: 0.25,
+        };
+        let piece = |base: u64, elems: Range<usize>, key| PieceRef {
+            ptrs: [base, base + 1, base + 2, base + 3, base + 4, base + 5, 0],
+            flags: [1, 0, 2, 0],
+            key,
+            elems,
+            hp,
+        };
+        let (words, vblocks) = piece_table(&[piece(100, 0..300, 7), piece(200, 300..301, 9)]);
+        assert_eq!(words.len(), 10 * PIECES + 13 * PIECES / 2);
+        assert_eq!(vblocks, 2 + 1);
+        assert!(words.len() * 8 + 16 <= 4096);
+        let field = |f: usize| &words[f * PIECES..(f + 1) * PIECES];
+        assert_eq!(&field(0)[..2], &[100, 200]);
+        assert_eq!(&field(4)[..2], &[104, 204]);
+        assert_eq!(&field(7)[..2], &[0, 300]);
+        assert_eq!(&field(8)[..2], &[300, 1]);
+        assert_eq!(&field(9)[..3], &[0, 2, 3]);
+        let half = |f: usize, k: usize| {
+            let w = words[10 * PIECES + f * PIECES / 2 + k / 2];
+            (w >> (32 * (k % 2))) as u32
+        };
+        assert_eq!((half(0, 0), half(2, 1)), (1, 2));
+        assert_eq!((half(4, 0), half(4, 1)), (7, 9));
+        assert_eq!(f32::from_bits(half(5, 1)), 0.5);
+        assert_eq!(f32::from_bits(half(12, 0)), 0.25);
+    }
+}

@@ -1,0 +1,111 @@
+//! One slot's AdamW moment in the format it is kept in
+//! ([`MomentFormat`]): an F32 or BF16 tensor, or 8-bit codes with an F32
+//! scale per block of each piece (`backend::compact_adamw`). Checkpoints
+//! see F32 values either way: [`Moment::to_f32`] decodes, and
+//! [`Moment::load_f32`] encodes them back to the same bytes.
+
+use super::MomentFormat;
+use crate::backend::compact_adamw::{q8_blocks, q8_decode_piece, q8_encode_piece};
+use crate::backend::{Backend, Category, DType, Tensor};
+use crate::error::Result;
+use std::ops::Range;
+
+/// Which moment: the first is signed, the second is not (8-bit codes
+/// differ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    First,
+    Second,
+}
+
+/// A moment of one slot.
+pub struct Moment<B: Backend> {
+    /// `[..]` the slot's shape: values, or 8-bit codes.
+    pub values: Tensor<B>,
+    /// 8-bit codes' scales: `[blocks]` F32, the blocks of each piece in turn.
+    pub scales: Option<Tensor<B>>,
+    which: Which,
+}
+
+impl<B: Backend> Moment<B> {
+    /// Zeros of `shape` in `format`, on the device, its 8-bit blocks cut
+    /// along `pieces`.
+    pub fn zeros(
+        b: &B,
+        shape: &[usize],
+        format: MomentFormat,
+        pieces: &[Range<usize>],
+        which: Which,
+    ) -> Result<Self> {
+        let values = b.zeros(shape, format.dtype(), Category::OptimState)?;
+        let scales = match format {
+            MomentFormat::Q8 => {
+                let blocks = pieces.iter().map(|p| q8_blocks(p.len())).sum::<usize>();
+                Some(b.zeros(&[blocks], DType::F32, Category::OptimState)?)
+            }
+            _ => None,
+        };
+        Ok(Moment {
+            values,
+            scales,
+            which,
+        })
+    }
+
+    /// An F32 moment already made (the host-resident state).
+    pub fn f32(values: Tensor<B>, which: Which) -> Self {
+        Moment {
+            values,
+            scales: None,
+            which,
+        }
+    }
+
+    /// The moment's values as F32 (elements in no piece read as zero).
+    pub fn to_f32(&self, b: &B, pieces: &[Range<usize>]) -> Result<Vec<f32>> {
+        let raw = b.to_host(&self.values)?;
+        let Some(scales) = &self.scales else {
+            return Ok(raw);
+        };
+        let scales = b.to_host(scales)?;
+        let mut out = vec![0.0; raw.len()];
+        let mut at = 0;
+        for p in pieces {
+            let n = q8_blocks(p.len());
+            let decoded = q8_decode_piece(&raw[p.clone()], &scales[at..at + n], self.signed());
+            out[p.clone()].copy_from_slice(&decoded);
+            at += n;
+        }
+        Ok(out)
+    }
+
+    /// Sets the moment from F32 values, encoded in its format.
+    pub fn load_f32(&mut self, b: &B, pieces: &[Range<usize>], values: &[f32]) -> Result<()> {
+        if values.len() != self.values.numel() {
+            return Err(crate::Error::Checkpoint(format!(
+                "{} moment values for a slot of {}",
+                values.len(),
+                self.values.numel()
+            )));
+        }
+        let Some(scales) = &mut self.scales else {
+            return b.upload(&mut self.values, values);
+        };
+        let mut codes = vec![0.0; values.len()];
+        let mut block_scales = vec![0.0; scales.numel()];
+        let mut at = 0;
+        for p in pieces {
+            let n = q8_blocks(p.len());
+            codes[p.clone()].copy_from_slice(&values[p.clone()]);
+            let signed = self.which == Which::First;
+            q8_encode_piece(&mut codes[p.clone()], &mut block_scales[at..at + n], signed);
+            at += n;
+        }
+        b.upload(&mut self.values, &codes)?;
+        b.upload(scales, &block_scales)
+    }
+
+    fn signed(&self) -> bool {
+        self.which == Which::First
+    }
+}
