@@ -220,6 +220,23 @@ impl TrainConfig {
         )
     }
 
+    /// Says so when `--resume` of `dir` keeps the optimizer state in
+    /// another format than the checkpoint's run did: its saved (decoded F32)
+    /// values are encoded in this run's format.
+    fn note_state_format(&self, dir: &std::path::Path, extra: &serde_json::Value) {
+        let plain = crate::optim::StateFormat::default().to_string();
+        let saved = extra.get("optim_state").and_then(|v| v.as_str());
+        let saved = saved.unwrap_or(&plain);
+        let now = self.optim.state.to_string();
+        if saved != now {
+            tracing::info!(
+                "--resume: {} kept its optimizer state as {saved}, this run as {now}: the saved \
+                 values are converted (exactly where this format holds them)",
+                dir.display()
+            );
+        }
+    }
+
     /// Checks that a checkpoint in `dir`, whose caller state is `extra`,
     /// froze what this run freezes (`extra["freeze"]`; a checkpoint
     /// without it froze nothing): its optimizer state covers exactly the
@@ -229,6 +246,7 @@ impl TrainConfig {
         dir: &std::path::Path,
         extra: &serde_json::Value,
     ) -> Result<()> {
+        self.note_state_format(dir, extra);
         let saved = extra
             .get("freeze")
             .and_then(|v| v.as_str())

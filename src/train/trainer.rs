@@ -472,7 +472,7 @@ fn run_rank<B: Backend>(
         if let (Some(dir), true) = (&cfg.save_dir, save_now) {
             let mut extra = serde_json::json!({
                 "sampler": sampler.state(), "seed": cfg.seed, "pack": cfg.pack,
-                "freeze": cfg.freeze_key(),
+                "freeze": cfg.freeze_key(), "optim_state": cfg.optim.state.to_string(),
             });
             // what `--keep-best` ranks the checkpoints by
             if let Some(eval) = reports.last().and_then(|r| r.eval.as_ref()) {

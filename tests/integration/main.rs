@@ -42,6 +42,7 @@ mod model;
 mod nonfinite;
 mod observability;
 mod offload;
+mod optim_state;
 mod plan;
 mod plan_engine;
 mod process_trial;
