@@ -37,7 +37,9 @@
 # PEERS ("liger hf": which peers run), SHORT_POLICIES ("none ckpt": the peers' policies
 # below LONG), SEQS ("32768 131072 262144"; empty: none), LONG (131072), STEPS (4 below LONG, 2 from LONG
 # on), ROUNDS (1: every configuration once; a second round runs them in reverse order),
-# BIG (0), SEQ8B (65536), STEPS8B (3), BUDGET (570 seconds for the whole call: a run that
+# BIG (0), SEQ8B (65536), STEPS8B (3), UPFLAGS8B (upipe's flags in the 8B row: the ones
+# above, or e.g. compact optimizer state on the device: `--optim-state 8bit
+# --master-weights none --offload-optimizer 0` with the same policy), BUDGET (570 seconds for the whole call: a run that
 # would start with less than 20 s left is skipped), UPIPE (DIR/bin/upipe), OUT (logs under
 # $OUT/peer-bench). Liger Kernel is imported as installed, else installed from DIR/wheels
 # (or WHEELS) with `pip install --no-deps --no-index --target` into a folder put on PYTHONPATH.
@@ -254,7 +256,7 @@ if [ "$big" = 1 ]; then
     row="8b-$seq8b"
     rows+=("$row")
     bench_row "$row" "$model8b" "$seq8b" "${STEPS8B:-3}" \
-        "--lr 1e-5 --attn upipe --ulysses 1 --ring 1 --checkpoint --tiled-mlp --offload auto --offload-optimizer auto" \
+        "${UPFLAGS8B:---lr 1e-5 --attn upipe --ulysses 1 --ring 1 --checkpoint --tiled-mlp --offload auto --offload-optimizer auto}" \
         "ckpt"
 fi
 
