@@ -562,9 +562,21 @@ mod tests {
         assert_eq!(piece_end("aaaaaaaaaa", 4), 4, "no whitespace: at the piece");
         assert_eq!(piece_end("ééééé", 3), 2, "at a character boundary");
         assert_eq!(piece_end("ab  \n cd", 6), 5, "the last space before a word");
-        let tok = Tokenizer::from_hf_bytes(include_bytes!("../../assets/tokenizer.json")).unwrap();
+        // the bundled byte-level tokenizer with merges across letters and a leading space
+        let mut json: serde_json::Value =
+            serde_json::from_slice(include_bytes!("../../assets/tokenizer.json")).unwrap();
+        let merges = [("t", "h"), ("th", "e"), ("\u{120}", "the"), ("a", "n")];
+        let merges = merges
+            .iter()
+            .chain(&[("an", "d"), ("\u{120}", "and"), ("\u{120}", "a")]);
+        for (i, (a, b)) in merges.clone().enumerate() {
+            json["model"]["vocab"][format!("{a}{b}")] = (300 + i).into();
+        }
+        json["model"]["merges"] = merges.map(|(a, b)| format!("{a} {b}")).collect();
+        let tok = Tokenizer::from_hf_bytes(json.to_string().as_bytes()).unwrap();
         let text = &CORPUS[..20_000];
         let whole = tok.encode_in_pieces(text, false, usize::MAX).unwrap();
+        assert!(whole.len() < 19_500, "merged: {} ids", whole.len());
         for piece in [64, 1000, 4096] {
             assert_eq!(
                 tok.encode_in_pieces(text, false, piece).unwrap(),
@@ -573,8 +585,6 @@ mod tests {
             );
         }
         // the post-processor's BOS and EOS once around the whole document
-        let mut json: serde_json::Value =
-            serde_json::from_slice(include_bytes!("../../assets/tokenizer.json")).unwrap();
         let ends = serde_json::json!({"type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                        {"SpecialToken": {"id": "B", "type_id": 0}}],
