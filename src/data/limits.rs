@@ -70,15 +70,15 @@ impl Limits {
     /// may be: names the limit and the flag that raises it.
     pub fn too_long(&self, what: &str) -> crate::error::Error {
         crate::error::Error::Config(format!(
-            "{what} is longer than {} (the longest document or line upipe reads; nothing \
-             beyond it was read into memory): raise it with --max-doc-mb N, or split the \
-             document",
+            "{what} is longer than {}, the longest document or line upipe reads, and nothing \
+             beyond that was read into memory: raise --max-doc-mb, or split the document",
             mib_text(self.max_doc_bytes)
         ))
     }
 }
 
-/// `n` bytes as whole MiB where it is one (`256 MiB`), else bytes.
+/// The document limit `n` as the flag gives it (`256 MiB (--max-doc-mb
+/// 256)`), or in bytes where it is no whole MiB.
 pub fn mib_text(n: usize) -> String {
     match n % (1 << 20) {
         0 => format!("{} MiB (--max-doc-mb {})", n >> 20, n >> 20),
