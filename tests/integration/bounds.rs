@@ -26,6 +26,8 @@ struct Finished {
 }
 
 /// Runs `upipe args` to its end, measuring its peak resident memory.
+// the child is reaped by wait4, which also gives its resource usage
+#[allow(clippy::zombie_processes)]
 fn run_measured(args: &[&str], dir: &Path) -> Finished {
     let err_path = dir.join("stderr.txt");
     let child = Command::new(env!("CARGO_BIN_EXE_upipe"))
