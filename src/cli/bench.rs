@@ -215,8 +215,8 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
     let ran: Vec<&CpPlan> = (plans.iter().filter_map(|(_, p)| p.as_ref().ok()))
         .chain(reference_plan.as_ref())
         .collect();
-    let need = preflight::bench_memory(a, &dims, &ran)?;
-    preflight::check(a, &need, crate::cli::train::host_available_bytes())?;
+    let need = preflight::bench_memory(a.seq, &dims, &ran, |p| predicted_peak(a, p))?;
+    preflight::check(a.seq, &need, crate::cli::train::host_available_bytes())?;
     let inputs = TrialInputs::random(&dims, a.seq, a.seed);
     let reference = match &reference_plan {
         Some(plan) => Some(run_trial(plan, &dims, &inputs, CpuBackend::new)?),

@@ -6,7 +6,6 @@
 //! strategy's thread ranks, each at the planner's peak for its layer
 //! (`plan::predict_attention_trial`, as the table's `predicted` column).
 
-use super::{AttnArgs, predicted_peak};
 use crate::attention::{AttnDims, CpPlan};
 use crate::backend::Bytes;
 use crate::error::Result;
@@ -30,10 +29,15 @@ impl BenchMemory {
 }
 
 /// The memory of a CPU bench of `plans` (the `local` reference among them
-/// when it runs), `seq` tokens of `dims`.
-pub fn bench_memory(a: &AttnArgs, dims: &AttnDims, plans: &[&CpPlan]) -> Result<BenchMemory> {
+/// when it runs), `seq` tokens of `dims`, a rank of each plan at `peak`.
+pub fn bench_memory(
+    seq: usize,
+    dims: &AttnDims,
+    plans: &[&CpPlan],
+    peak: impl Fn(&CpPlan) -> Result<usize>,
+) -> Result<BenchMemory> {
     let f32s = |n: usize| n.saturating_mul(4);
-    let activations = f32s(a.seq.saturating_mul(dims.hidden));
+    let activations = f32s(seq.saturating_mul(dims.hidden));
     let weights = f32s(
         (dims.q_width() + 2 * dims.kv_width())
             .saturating_mul(dims.hidden)
@@ -49,7 +53,7 @@ pub fn bench_memory(a: &AttnArgs, dims: &AttnDims, plans: &[&CpPlan]) -> Result<
         rank_count: 0,
     };
     for plan in plans {
-        let per_rank = predicted_peak(a, plan)?;
+        let per_rank = peak(plan)?;
         let count = plan.layout.pu * plan.layout.pr;
         let all = per_rank.saturating_mul(count);
         if all >= heaviest.ranks {
@@ -66,7 +70,8 @@ pub fn bench_memory(a: &AttnArgs, dims: &AttnDims, plans: &[&CpPlan]) -> Result<
 
 /// Refuses a bench of `need` beyond `available` bytes (`None`: unknown,
 /// not checked), before anything is allocated.
-pub fn check(a: &AttnArgs, need: &BenchMemory, available: Option<usize>) -> Result<()> {
+/// `seq` names the length in the message.
+pub fn check(seq: usize, need: &BenchMemory, available: Option<usize>) -> Result<()> {
     let Some(available) = available else {
         return Ok(());
     };
@@ -78,7 +83,7 @@ pub fn check(a: &AttnArgs, need: &BenchMemory, available: Option<usize>) -> Resu
          memory ({} of inputs and results kept to compare, {} on each of {} thread ranks at the \
          planner's peak), but {} is available (MemAvailable); use a shorter --seq or fewer \
          --methods",
-        a.seq,
+        seq,
         Bytes(need.total()),
         Bytes(need.tensors),
         Bytes(need.per_rank),
