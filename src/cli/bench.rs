@@ -4,6 +4,7 @@
 //! NCCL (`gpu.rs`).
 
 mod gpu;
+pub mod preflight;
 
 use crate::attention::rope::RopeConfig;
 use crate::attention::trial::{TrialInputs, TrialResult, run_trial};
@@ -205,15 +206,23 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
         }
     }
     let (all, methods) = methods_of(a)?;
-    let inputs = TrialInputs::random(&dims, a.seq, a.seed);
     let need_reference = a.check || methods.contains(&Strategy::Local);
-    let reference = if need_reference {
-        let plan = CpPlan::new(Strategy::Local, &dims, a.seq, 1, 1, None)?;
-        Some(run_trial(&plan, &dims, &inputs, CpuBackend::new)?)
-    } else {
-        None
+    let reference_plan = match need_reference {
+        true => Some(CpPlan::new(Strategy::Local, &dims, a.seq, 1, 1, None)?),
+        false => None,
     };
-    let outcomes = cpu_outcomes(a, &dims, &inputs, all, &methods, reference.as_ref())?;
+    let plans = cpu_plans(a, &dims, all, &methods)?;
+    let ran: Vec<&CpPlan> = (plans.iter().filter_map(|(_, p)| p.as_ref().ok()))
+        .chain(reference_plan.as_ref())
+        .collect();
+    let need = preflight::bench_memory(a.seq, &dims, &ran, |p| predicted_peak(a, p))?;
+    preflight::check(a.seq, &need, crate::cli::train::host_available_bytes())?;
+    let inputs = TrialInputs::random(&dims, a.seq, a.seed);
+    let reference = match &reference_plan {
+        Some(plan) => Some(run_trial(plan, &dims, &inputs, CpuBackend::new)?),
+        None => None,
+    };
+    let outcomes = cpu_outcomes(&dims, &inputs, plans, reference.as_ref())?;
     let ulysses_act = outcomes.iter().find_map(|(m, o)| match o {
         Outcome::Ran(r, _) if *m == Strategy::Ulysses => Some(r.act_bytes),
         _ => None,
@@ -236,17 +245,15 @@ fn bench_attn(a: &AttnArgs) -> Result<i32> {
     Ok(if failed { 1 } else { 0 })
 }
 
-/// Each strategy's CPU trial on thread ranks (`local`'s is the `reference`
-/// when there is one), or why it is skipped (with `all`).
-fn cpu_outcomes(
+/// Each strategy's plan on the CPU's thread ranks, or why it is skipped
+/// (with `all`).
+fn cpu_plans(
     a: &AttnArgs,
     dims: &AttnDims,
-    inputs: &TrialInputs,
     all: bool,
     methods: &[Strategy],
-    reference: Option<&TrialResult>,
-) -> Result<Vec<(Strategy, Outcome)>> {
-    let mut outcomes = Vec::new();
+) -> Result<Vec<(Strategy, std::result::Result<CpPlan, String>)>> {
+    let mut plans = Vec::new();
     for &m in methods {
         let chunk = if m == Strategy::Upipe {
             crate::cli::schedule::ChunkHeads::fixed(a.mesh.chunk_heads, "bench attn")?
@@ -260,13 +267,32 @@ fn cpu_outcomes(
             (a.ulysses(), a.ring())
         };
         let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
-            Ok(p) => a.schedule.apply(p, |p| predicted_peak(a, p))?,
+            Ok(p) => Ok(a.schedule.apply(p, |p| predicted_peak(a, p))?),
             // with `all`, ulysses and ring (which put all C ranks in one group) may not fit
-            Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
-                outcomes.push((m, Outcome::Skipped(e.to_string())));
+            Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => Err(e.to_string()),
+            Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
+        };
+        plans.push((m, plan));
+    }
+    Ok(plans)
+}
+
+/// Each strategy's CPU trial on thread ranks (`local`'s is the `reference`
+/// when there is one), or why it is skipped.
+fn cpu_outcomes(
+    dims: &AttnDims,
+    inputs: &TrialInputs,
+    plans: Vec<(Strategy, std::result::Result<CpPlan, String>)>,
+    reference: Option<&TrialResult>,
+) -> Result<Vec<(Strategy, Outcome)>> {
+    let mut outcomes = Vec::new();
+    for (m, plan) in plans {
+        let plan = match plan {
+            Ok(p) => p,
+            Err(why) => {
+                outcomes.push((m, Outcome::Skipped(why)));
                 continue;
             }
-            Err(e) => return Err(Error::Config(format!("{m}: {e}"))),
         };
         let result = match (m, reference) {
             (Strategy::Local, Some(r)) => r.clone(),

@@ -8,6 +8,7 @@ use crate::data::Tokenizer;
 use crate::data::chat::ChatTemplate;
 use crate::data::doc_index::{index_path, mask_path};
 use crate::data::documents::input_bytes;
+use crate::data::limits::{Limits, check_threads};
 use crate::data::tokenize::{Encoding, Eos, TokenizeSummary, resolve_eos, tokenize_files};
 use crate::error::{Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -40,12 +41,19 @@ pub struct TokenizeArgs {
     /// The JSONL field (or Parquet column) holding a document's text.
     #[arg(long, default_value = "text")]
     pub field: String,
-    /// Threads (default: all cores).
+    /// Threads (default: all cores; at most 4 per core).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// MiB of text read and tokenized per batch.
-    #[arg(long, default_value_t = 16)]
+    /// MiB of text read and tokenized per batch (a Parquet file is read a
+    /// few rows at a time, about this much text).
+    #[arg(long, default_value_t = crate::data::limits::DEFAULT_BATCH_MB)]
     pub batch_mb: usize,
+    /// The longest document read, in MiB: a text file, a JSONL line, a
+    /// Parquet row (each decompressed) or a conversation as its chat
+    /// template renders it; a longer one is refused, naming it, once this
+    /// much is read.
+    #[arg(long, default_value_t = crate::data::limits::DEFAULT_MAX_DOC_MB)]
+    pub max_doc_mb: usize,
     /// Print the summary as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -53,13 +61,15 @@ pub struct TokenizeArgs {
 
 pub fn run(a: TokenizeArgs) -> Result<i32> {
     check_outputs(&a)?;
+    let limits = Limits::of_flags(a.max_doc_mb, a.batch_mb)?;
+    let threads = a.threads.map(check_threads).transpose()?;
     let eos: Eos = a.eos.parse()?;
     let tok = Tokenizer::resolve(&a.tokenizer)?;
     let tok_path = std::path::Path::new(&a.tokenizer);
     let eos = resolve_eos(&tok, tok_path, eos)?;
     let chat = match a.tokenizer.as_str() {
         "byte" => None,
-        _ => ChatTemplate::find(tok_path)?,
+        _ => ChatTemplate::find(tok_path)?.map(|c| c.with_max_output(limits.max_doc_bytes)),
     };
     let enc = Encoding {
         tok: &tok,
@@ -68,10 +78,7 @@ pub fn run(a: TokenizeArgs) -> Result<i32> {
         tokenizer: &a.tokenizer,
     };
     let mut pool = rayon::ThreadPoolBuilder::new();
-    if let Some(n) = a.threads {
-        if n == 0 {
-            return crate::config_err!("--threads must be at least 1");
-        }
+    if let Some(n) = threads {
         pool = pool.num_threads(n);
     }
     let pool = pool
@@ -82,16 +89,8 @@ pub fn run(a: TokenizeArgs) -> Result<i32> {
         ProgressStyle::with_template("{bar:30} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
             .expect("valid template"),
     );
-    let summary = pool.install(|| {
-        tokenize_files(
-            &a.inputs,
-            &a.field,
-            &enc,
-            &a.out,
-            a.batch_mb.max(1) << 20,
-            &|n| bar.inc(n),
-        )
-    })?;
+    let summary = pool
+        .install(|| tokenize_files(&a.inputs, &a.field, &enc, &a.out, &limits, &|n| bar.inc(n)))?;
     bar.finish_and_clear();
     print_summary(&a, &summary);
     Ok(0)

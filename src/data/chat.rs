@@ -20,6 +20,7 @@
 //! text overlaps such a part.
 
 use super::corpus::Tokenizer;
+use super::limits;
 use crate::error::{Error, Result};
 use serde_json::Value;
 use std::ops::Range;
@@ -38,6 +39,8 @@ pub struct ChatTemplate {
     specials: serde_json::Map<String, Value>,
     /// The file it came from (for messages).
     path: PathBuf,
+    /// The most bytes a rendering may write.
+    max_output: usize,
 }
 
 impl ChatTemplate {
@@ -108,12 +111,19 @@ impl ChatTemplate {
             has_generation,
             specials,
             path,
+            max_output: limits::Limits::default().max_doc_bytes,
         };
         // a syntax error is the template's, whatever the data
         t.env()
             .template_from_str(&t.source)
             .map_err(|e| t.error(e, "parse"))?;
         Ok(t)
+    }
+
+    /// The template writing at most `bytes` per rendering (`--max-doc-mb`).
+    pub fn with_max_output(mut self, bytes: usize) -> ChatTemplate {
+        self.max_output = bytes;
+        self
     }
 
     fn env(&self) -> minijinja::Environment<'_> {
@@ -148,6 +158,31 @@ impl ChatTemplate {
         ))
     }
 
+    /// The error of a rendering that failed: out of `fuel`, `over` the
+    /// output limit, or the template's own.
+    fn render_error(&self, e: minijinja::Error, fuel: u64, over: bool) -> Error {
+        if over {
+            return Error::Config(format!(
+                "the chat template of {} rendered a conversation longer than {} (the longest \
+                 document upipe writes): raise it with --max-doc-mb N if the conversation is \
+                 that long, else fix the template",
+                self.path.display(),
+                limits::mib_text(self.max_output)
+            ));
+        }
+        if e.kind() == minijinja::ErrorKind::OutOfFuel {
+            return Error::Config(format!(
+                "the chat template of {} ran out of fuel rendering a conversation: it took more \
+                 than {fuel} steps ({} plus {} per byte of the conversation), as a template \
+                 stuck in a loop does; fix the template",
+                self.path.display(),
+                limits::CHAT_FUEL_BASE,
+                limits::CHAT_FUEL_PER_BYTE
+            ));
+        }
+        self.error(e, "render a conversation")
+    }
+
     /// The text of `messages`, and the spans of its `{% generation %}`
     /// blocks (byte ranges of the text).
     pub fn render(
@@ -156,18 +191,33 @@ impl ChatTemplate {
         generation_prompt: bool,
     ) -> Result<(String, Vec<Range<usize>>)> {
         let env = self.env();
-        let tmpl = env
-            .template_from_str(&self.source)
-            .map_err(|e| self.error(e, "parse"))?;
         let mut ctx = self.specials.clone();
         ctx.insert("messages".into(), Value::Array(messages.to_vec()));
         ctx.insert(
             "add_generation_prompt".into(),
             Value::Bool(generation_prompt),
         );
-        let out = tmpl
-            .render(minijinja::Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| self.error(e, "render a conversation"))?;
+        let fuel = limits::chat_fuel(serde_json::to_string(messages).map_or(0, |j| j.len()));
+        let mut env = env;
+        env.set_fuel(Some(fuel));
+        let tmpl = env
+            .template_from_str(&self.source)
+            .map_err(|e| self.error(e, "parse"))?;
+        let mut out = Bounded {
+            text: Vec::new(),
+            max: self.max_output,
+            over: false,
+        };
+        let ctx = minijinja::Value::from(minijinja::value::Serde(&ctx));
+        if let Err(e) = tmpl.render_captured_to(ctx, &mut out) {
+            return Err(self.render_error(e, fuel, out.over));
+        }
+        let out = String::from_utf8(out.text).map_err(|_| {
+            Error::Config(format!(
+                "the chat template of {} rendered text that is not UTF-8",
+                self.path.display()
+            ))
+        })?;
         Ok(take_markers(&out))
     }
 
@@ -246,6 +296,27 @@ fn check_roles(messages: &[Value], path: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A rendering's output, refused past `max` bytes (`over` says so).
+struct Bounded {
+    text: Vec<u8>,
+    max: usize,
+    over: bool,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len().saturating_add(buf.len()) > self.max {
+            self.over = true;
+            return Err(std::io::Error::other("the output limit"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Replaces `{% generation %}` / `{% endgeneration %}` (with any
@@ -397,5 +468,40 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("{% generation %}"), "{e}");
+    }
+
+    #[test]
+    fn runaway_templates_stop_on_fuel_or_the_output_limit_naming_the_file() {
+        let loops =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let e = template(loops)
+            .render(&convo(), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tokenizer_config.json") && e.contains("ran out of fuel"),
+            "{e}"
+        );
+        let big = "{% for i in range(1000) %}{{ 'x' * 100000000 }}{% endfor %}";
+        let e = template(big)
+            .render(&convo(), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tokenizer_config.json"), "{e}");
+        let wide = "{% for i in range(1000) %}{{ 'x' * 1000 }}{% endfor %}";
+        let e = template(wide)
+            .with_max_output(100_000)
+            .render(&convo(), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("longer than 100000 bytes") && e.contains("--max-doc-mb"),
+            "{e}"
+        );
+        let (text, _) = template(wide)
+            .with_max_output(1 << 20)
+            .render(&convo(), false)
+            .unwrap();
+        assert_eq!(text.len(), 1_000_000);
     }
 }

@@ -2,6 +2,7 @@
 //! loading text or pre-tokenized files as [`Tokens`], and a deterministic
 //! sampler of training windows.
 
+use super::limits::PIECE_BYTES;
 use crate::error::{Error, Result};
 use crate::input_path::{check_file, check_file_or_dir};
 use serde::{Deserialize, Serialize};
@@ -110,28 +111,53 @@ impl Tokenizer {
         }
     }
 
-    /// Token ids of `text`, without special tokens added.
+    /// Token ids of `text`, without special tokens added; a text longer
+    /// than [`PIECE_BYTES`] is encoded in pieces ([`Tokenizer::encode_in_pieces`]).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        match self {
-            Tokenizer::Byte(b) => Ok(b.encode(text)),
-            Tokenizer::Hf(t) => t
-                .encode(text, false)
-                .map(|enc| enc.get_ids().to_vec())
-                .map_err(|e| Error::Config(format!("tokenizing text failed: {e}"))),
-        }
+        self.encode_in_pieces(text, false, PIECE_BYTES)
     }
 
     /// Token ids of one document with the special tokens the tokenizer's
     /// own post-processor adds (a BOS where its `tokenizer.json` says so);
-    /// the byte tokenizer adds none.
+    /// the byte tokenizer adds none. In pieces, as [`Tokenizer::encode`].
     pub fn encode_document(&self, text: &str) -> Result<Vec<u32>> {
-        match self {
-            Tokenizer::Byte(b) => Ok(b.encode(text)),
-            Tokenizer::Hf(t) => t
-                .encode(text, true)
-                .map(|enc| enc.get_ids().to_vec())
-                .map_err(|e| Error::Config(format!("tokenizing text failed: {e}"))),
+        self.encode_in_pieces(text, true, PIECE_BYTES)
+    }
+
+    /// Token ids of `text` (with the post-processor's special tokens around
+    /// them when `special`), an HF tokenizer taking at most about `piece`
+    /// bytes at once: its working memory is about 200 times the text it
+    /// holds. A longer text is cut at whitespace ([`piece_end`]), where a
+    /// byte-level tokenizer (GPT-2, Llama 3, Qwen) splits words anyway, so
+    /// its ids are those of the whole text; a tokenizer that merges across
+    /// spaces may differ at each cut by a token.
+    pub fn encode_in_pieces(&self, text: &str, special: bool, piece: usize) -> Result<Vec<u32>> {
+        let t = match self {
+            Tokenizer::Byte(b) => return Ok(b.encode(text)),
+            Tokenizer::Hf(t) if text.len() <= piece => {
+                return t
+                    .encode(text, special)
+                    .map(|enc| enc.get_ids().to_vec())
+                    .map_err(|e| Error::Config(format!("tokenizing text failed: {e}")));
+            }
+            Tokenizer::Hf(t) => t,
+        };
+        let failed = |e| Error::Config(format!("tokenizing text failed: {e}"));
+        let (mut ids, mut rest) = (Vec::new(), text);
+        while !rest.is_empty() {
+            let end = piece_end(rest, piece);
+            ids.extend_from_slice(t.encode(&rest[..end], false).map_err(failed)?.get_ids());
+            rest = &rest[end..];
         }
+        if !special {
+            return Ok(ids);
+        }
+        let (before, after) = special_ends(t).map_err(failed)?;
+        let mut out = Vec::with_capacity(before.len() + ids.len() + after.len());
+        out.extend(before);
+        out.extend(ids);
+        out.extend(after);
+        Ok(out)
     }
 
     /// Text of `ids` (special tokens kept).
@@ -143,6 +169,58 @@ impl Tokenizer {
                 .map_err(|e| Error::Config(format!("decoding ids failed: {e}"))),
         }
     }
+}
+
+/// Where the first piece of `text` ends (a byte index, `text.len()` when
+/// it is no longer than `piece`): before the last whitespace byte of its
+/// second half that a non-whitespace byte follows (a byte-level
+/// pre-tokenizer starts a word there, its space with it), else at the last
+/// character boundary within `piece` (text with no whitespace for half a
+/// piece).
+pub fn piece_end(text: &str, piece: usize) -> usize {
+    if text.len() <= piece.max(1) {
+        return text.len();
+    }
+    let b = text.as_bytes();
+    let end = piece.max(1);
+    let space = |c: u8| c.is_ascii_whitespace();
+    if let Some(i) = (end / 2..end)
+        .rev()
+        .find(|&i| i > 0 && space(b[i]) && !space(b[i + 1]))
+    {
+        return i;
+    }
+    let mut cut = end;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    match cut {
+        0 => text.char_indices().nth(1).map_or(text.len(), |(i, _)| i),
+        c => c,
+    }
+}
+
+/// The special tokens `t`'s post-processor puts before and after one
+/// sequence (a BOS, an EOS), found by post-processing a one-token sequence.
+fn special_ends(t: &tokenizers::Tokenizer) -> tokenizers::Result<(Vec<u32>, Vec<u32>)> {
+    use tokenizers::{Encoding, Token};
+    let probe = Encoding::from_tokens(vec![Token::new(0, String::new(), (0, 0))], 0);
+    let done = t.post_process(probe, None, true)?;
+    // padding (attention mask 0) is left out: a long document is not padded
+    let kept = (done.get_ids().iter())
+        .zip(done.get_special_tokens_mask())
+        .zip(done.get_attention_mask())
+        .filter(|(_, attend)| **attend == 1)
+        .map(|((&id, &special), _)| (id, special == 1));
+    let (mut before, mut after, mut seen) = (Vec::new(), Vec::new(), false);
+    for (id, special) in kept {
+        match (special, seen) {
+            (false, _) => seen = true,
+            (true, false) => before.push(id),
+            (true, true) => after.push(id),
+        }
+    }
+    Ok((before, after))
 }
 
 fn config_msg(e: &Error) -> String {
@@ -471,6 +549,53 @@ mod tests {
 
     fn temp_file(name: &str) -> std::path::PathBuf {
         std::env::temp_dir().join(format!("upipe-data-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn pieces_are_cut_before_a_word_and_encode_as_the_whole_text() {
+        assert_eq!(piece_end("ab cd", 100), 5);
+        assert_eq!(
+            piece_end("abcd efgh ijkl", 8),
+            4,
+            "before the space of \" efgh\""
+        );
+        assert_eq!(piece_end("aaaaaaaaaa", 4), 4, "no whitespace: at the piece");
+        assert_eq!(piece_end("ééééé", 3), 2, "at a character boundary");
+        assert_eq!(piece_end("ab  \n cd", 6), 5, "the last space before a word");
+        // the bundled byte-level tokenizer with merges across letters and a leading space
+        let mut json: serde_json::Value =
+            serde_json::from_slice(include_bytes!("../../assets/tokenizer.json")).unwrap();
+        let merges = [("t", "h"), ("th", "e"), ("\u{120}", "the"), ("a", "n")];
+        let merges = merges
+            .iter()
+            .chain(&[("an", "d"), ("\u{120}", "and"), ("\u{120}", "a")]);
+        for (i, (a, b)) in merges.clone().enumerate() {
+            json["model"]["vocab"][format!("{a}{b}")] = (300 + i).into();
+        }
+        json["model"]["merges"] = merges.map(|(a, b)| format!("{a} {b}")).collect();
+        let tok = Tokenizer::from_hf_bytes(json.to_string().as_bytes()).unwrap();
+        let text = &CORPUS[..20_000];
+        let whole = tok.encode_in_pieces(text, false, usize::MAX).unwrap();
+        assert!(whole.len() < 19_500, "merged: {} ids", whole.len());
+        for piece in [64, 1000, 4096] {
+            assert_eq!(
+                tok.encode_in_pieces(text, false, piece).unwrap(),
+                whole,
+                "pieces of {piece} bytes"
+            );
+        }
+        // the post-processor's BOS and EOS once around the whole document
+        let ends = serde_json::json!({"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": "B", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+            "special_tokens": {"A": {"id": "A", "ids": [1], "tokens": ["A"]},
+                               "B": {"id": "B", "ids": [2], "tokens": ["B"]}}});
+        json["post_processor"] = ends;
+        let tok = Tokenizer::from_hf_bytes(json.to_string().as_bytes()).unwrap();
+        let whole = tok.encode_in_pieces(text, true, usize::MAX).unwrap();
+        assert_eq!((whole[0], whole[whole.len() - 1]), (1, 2));
+        assert_eq!(tok.encode_in_pieces(text, true, 500).unwrap(), whole);
     }
 
     #[test]

@@ -6,9 +6,14 @@
 //! `{"role", "content"}`) or a `prompt` and its `completion`, whose loss
 //! counts only the answer; a Parquet file (`.parquet`) holds one document
 //! per row, its text in the `--field` column. Nothing beyond the current document and the
-//! reader's buffer is held in memory.
+//! reader's buffer is held in memory, and a document (a text file, a line,
+//! a row) longer than [`Limits::max_doc_bytes`] is refused once that much
+//! is read, naming the file, the line and `--max-doc-mb`.
 
-use super::inputs::{expand_inputs, is_jsonl, is_parquet, open_reader, read_error, read_text};
+use super::inputs::{
+    expand_inputs, is_jsonl, is_parquet, open_reader, read_error, read_line_bounded, read_text,
+};
+use super::limits::Limits;
 use super::parquet_input::ParquetDocs;
 use crate::error::{Error, Result};
 use std::io::BufRead;
@@ -83,7 +88,8 @@ pub struct Documents {
     next_input: usize,
     field: String,
     current: Option<Open>,
-    buf: String,
+    buf: Vec<u8>,
+    limits: Limits,
     /// Where the document returned last came from.
     place: Place,
     /// Rows read from the current Parquet file.
@@ -93,8 +99,13 @@ pub struct Documents {
 impl Documents {
     /// Documents of `inputs` (directories expanded), a JSONL file's text
     /// under `field`. Every input must be a readable file or directory; the
-    /// error names the first that is not.
+    /// error names the first that is not. The default [`Limits`].
     pub fn new(inputs: &[PathBuf], field: &str) -> Result<Documents> {
+        Documents::bounded(inputs, field, Limits::default())
+    }
+
+    /// As [`Documents::new`], read within `limits`.
+    pub fn bounded(inputs: &[PathBuf], field: &str, limits: Limits) -> Result<Documents> {
         if inputs.is_empty() {
             return crate::config_err!("no input files: name text or JSONL files to tokenize");
         }
@@ -109,7 +120,8 @@ impl Documents {
             next_input: 0,
             field: field.to_string(),
             current: None,
-            buf: String::new(),
+            buf: Vec::new(),
+            limits,
             place: Place {
                 file: 0,
                 at: PlaceAt::Whole,
@@ -144,13 +156,23 @@ impl Documents {
         loop {
             let file = self.next_input.saturating_sub(1);
             let next = match &mut self.current {
-                Some(Open::Jsonl(f)) => next_jsonl_doc(f, &self.field, &mut self.buf)?
-                    .map(|d| (d, PlaceAt::Line(f.line))),
-                Some(Open::Parquet(p)) => p.next_text()?.map(|t| {
-                    let n = t.len() as u64;
-                    self.rows += 1;
-                    ((Document::Text(t), n), PlaceAt::Row(self.rows))
-                }),
+                Some(Open::Jsonl(f)) => {
+                    next_jsonl_doc(f, &self.field, &mut self.buf, &self.limits)?
+                        .map(|d| (d, PlaceAt::Line(f.line)))
+                }
+                Some(Open::Parquet(p)) => match p.next_text()? {
+                    Some(t) => {
+                        self.rows += 1;
+                        let at = PlaceAt::Row(self.rows);
+                        if t.len() > self.limits.max_doc_bytes {
+                            let what = self.describe(Place { file, at });
+                            return Err(self.limits.too_long(&what));
+                        }
+                        let n = t.len() as u64;
+                        Some(((Document::Text(t), n), at))
+                    }
+                    None => None,
+                },
                 None => None,
             };
             if let Some((doc, at)) = next {
@@ -163,7 +185,8 @@ impl Documents {
             };
             self.next_input += 1;
             if is_parquet(&path) {
-                self.current = Some(Open::Parquet(ParquetDocs::open(&path, &self.field)?));
+                let docs = ParquetDocs::open(&path, &self.field, self.limits.batch_bytes)?;
+                self.current = Some(Open::Parquet(docs));
                 self.rows = 0;
                 continue;
             }
@@ -173,7 +196,8 @@ impl Documents {
                     file: self.next_input - 1,
                     at: PlaceAt::Whole,
                 };
-                return Ok(Some((Document::Text(read_text(&path)?), used)));
+                let text = read_text(&path, &self.limits)?;
+                return Ok(Some((Document::Text(text), used)));
             }
             self.current = Some(Open::Jsonl(JsonlFile {
                 reader: open_reader(&path)?,
@@ -184,31 +208,35 @@ impl Documents {
     }
 }
 
-/// The next non-blank line's document of `f`, or `None` at its end.
+/// The next non-blank line's document of `f`, or `None` at its end; a
+/// line longer than `limits` allow is refused once that much is read.
 fn next_jsonl_doc(
     f: &mut JsonlFile,
     field: &str,
-    buf: &mut String,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
 ) -> Result<Option<(Document, u64)>> {
     let mut used = 0u64;
     loop {
-        buf.clear();
         f.line += 1;
-        let n = f
-            .reader
-            .read_line(buf)
+        let at = || format!("{} line {}", f.path.display(), f.line);
+        let read = read_line_bounded(f.reader.as_mut(), buf, limits.max_doc_bytes)
             .map_err(|e| read_error(&f.path, &format!("line {}", f.line), e))?;
-        if n == 0 {
-            return Ok(None);
-        }
+        let n = match read {
+            None => return Ok(None),
+            Some(Err(())) => return Err(limits.too_long(&at())),
+            Some(Ok(n)) => n,
+        };
         used += n as u64;
-        if buf.trim().is_empty() {
+        let Ok(line) = std::str::from_utf8(buf) else {
+            return crate::config_err!("{}: not UTF-8 text", at());
+        };
+        if line.trim().is_empty() {
             continue;
         }
-        let at = format!("{} line {}", f.path.display(), f.line);
-        let value: serde_json::Value = serde_json::from_str(buf)
-            .map_err(|e| Error::Config(format!("{at}: not a JSON object: {e}")))?;
-        return Ok(Some((line_document(&value, field, &at)?, used)));
+        let value: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| Error::Config(format!("{}: not a JSON object: {e}", at())))?;
+        return Ok(Some((line_document(&value, field, &at())?, used)));
     }
 }
 

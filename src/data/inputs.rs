@@ -168,12 +168,24 @@ pub fn read_error(path: &Path, at: &str, e: std::io::Error) -> Error {
     ))
 }
 
-/// The whole text of `path`, decompressed; `what` names it in errors.
-pub fn read_text(path: &Path) -> Result<String> {
-    let mut r = open_reader(path)?;
+/// The whole text of `path`, decompressed, at most `max` bytes: a longer
+/// text is refused after `max + 1` bytes are read ([`Limits::too_long`]),
+/// never read whole.
+///
+/// [`Limits::too_long`]: super::limits::Limits::too_long
+pub fn read_text(path: &Path, limits: &super::limits::Limits) -> Result<String> {
+    let r = open_reader(path)?;
     let mut bytes = Vec::new();
-    r.read_to_end(&mut bytes)
+    r.take(limits.max_doc_bytes as u64 + 1)
+        .read_to_end(&mut bytes)
         .map_err(|e| read_error(path, "the text", e))?;
+    if bytes.len() > limits.max_doc_bytes {
+        let what = match Compression::of_path(path) {
+            Compression::None => format!("{} (one document)", path.display()),
+            _ => format!("{} (one document, decompressed)", path.display()),
+        };
+        return Err(limits.too_long(&what));
+    }
     String::from_utf8(bytes).map_err(|e| {
         Error::Config(format!(
             "{}: not UTF-8 text (byte {} is not valid UTF-8)",
@@ -181,6 +193,24 @@ pub fn read_text(path: &Path) -> Result<String> {
             e.utf8_error().valid_up_to()
         ))
     })
+}
+
+/// Reads the next line of `r` into `buf` (cleared first; its newline
+/// kept), at most `max` bytes before the newline: `Ok(None)` at the end,
+/// `Ok(Some(bytes read))`, or `Err(())` for a longer line, of which no more
+/// than `max + 1` bytes were read.
+pub fn read_line_bounded(
+    r: &mut dyn BufRead,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<Option<std::result::Result<usize, ()>>> {
+    buf.clear();
+    let n = (&mut *r).take(max as u64 + 1).read_until(b'\n', buf)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    let content = n - usize::from(buf.last() == Some(&b'\n'));
+    Ok(Some(if content > max { Err(()) } else { Ok(n) }))
 }
 
 #[cfg(test)]
@@ -219,6 +249,8 @@ mod tests {
         let bytes = enc.finish().unwrap();
         std::fs::write(&gz, &bytes).unwrap();
         assert!(is_jsonl(&gz) && is_document_input(&gz));
+        let limits = super::super::limits::Limits::default();
+        let read_text = |p: &Path| read_text(p, &limits);
         assert_eq!(read_text(&gz).unwrap(), "{\"text\": \"hi\"}\n");
         std::fs::write(&gz, &bytes[..bytes.len() / 2]).unwrap();
         let e = read_text(&gz).unwrap_err().to_string();

@@ -2,7 +2,8 @@
 //! in memory or memory-mapped (`tokens.rs`), the document index and loss
 //! mask files beside them (`doc_index.rs`) and the three read together
 //! (`dataset.rs`), text, JSONL and Parquet documents streamed (`documents.rs`,
-//! `inputs.rs`, `parquet_input.rs`, chat templates `chat.rs`),
+//! `inputs.rs`, `parquet_input.rs`, chat templates `chat.rs`) within the
+//! bounds of `limits.rs`,
 //! `upipe tokenize`'s parallel batches (`tokenize.rs`), `--pack`'s windows
 //! (`packing.rs`) and the sampler that draws them (`sampler.rs`), a
 //! weighted mixture of corpora (`mixture.rs`), and
@@ -15,6 +16,7 @@ pub mod dataset;
 pub mod doc_index;
 pub mod documents;
 pub mod inputs;
+pub mod limits;
 pub mod mixture;
 pub mod packing;
 pub mod parquet_input;

@@ -17,6 +17,7 @@ use super::doc_index::{
     IndexWriter, MaskWriter, STAMP_IDS, index_path, mask_path, stamp_of, write_stamp,
 };
 use super::documents::{Document, Documents, Place};
+use super::limits::Limits;
 use super::tokens::TokenFormat;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -309,14 +310,15 @@ fn is_tokenize_output(path: &Path) -> bool {
 
 /// Tokenizes the documents of `inputs` (a JSONL line's text under `field`)
 /// as `enc` says into `out` (`.u32`, or `.u16`/`.bin` for a vocabulary of
-/// at most 65,536), with its index and loss mask beside it; `progress` gets
-/// the input bytes of each batch done.
+/// at most 65,536), with its index and loss mask beside it, within
+/// `limits` (batches of text, the longest document); `progress` gets the
+/// input bytes of each batch done.
 pub fn tokenize_files(
     inputs: &[PathBuf],
     field: &str,
     enc: &Encoding,
     out: &Path,
-    batch_bytes: usize,
+    limits: &Limits,
     progress: &dyn Fn(u64),
 ) -> Result<TokenizeSummary> {
     let Some(format) = TokenFormat::of_path(out) else {
@@ -333,12 +335,19 @@ pub fn tokenize_files(
         );
     }
     let files = select_inputs(inputs, out)?;
-    let mut docs = Documents::new(&files, field)?;
+    let mut docs = Documents::bounded(&files, field, *limits)?;
     let outputs = [out.to_path_buf(), index_path(out), mask_path(out)];
     let partial = outputs
         .clone()
         .map(|p| PathBuf::from(format!("{}.partial", p.display())));
-    let tally = match write_all(&mut docs, enc, format, &partial, batch_bytes, progress) {
+    let tally = match write_all(
+        &mut docs,
+        enc,
+        format,
+        &partial,
+        limits.batch_bytes,
+        progress,
+    ) {
         Ok(t) => t,
         Err(e) => {
             // best effort: the error is what matters

@@ -13,7 +13,10 @@
 //! Each block runs under `bash -euo pipefail` in a fresh directory holding
 //! links to the repository's files (`assets/`, `configs/`, `docs/`, ...), so
 //! relative paths read the repository and outputs (`runs/...`) stay in the
-//! scratch directory. `upipe` on PATH is the binary cargo built for this
+//! scratch directory; the newcomer's pages ([`FROM_ANYWHERE`]: README.md and
+//! docs/getting-started.md) run in an empty one instead, as a user who
+//! installed the binary runs them, so no command of theirs may read the
+//! repository. `upipe` on PATH is the binary cargo built for this
 //! test, and so is `cargo run --release --` (a `cargo` on PATH that runs it;
 //! `cargo build --release` does nothing, as the binary is built). A code
 //! block without a language is an error: commands are ```bash, output is
@@ -31,6 +34,10 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Languages of the blocks that run.
 const SHELLS: [&str; 4] = ["bash", "sh", "shell", "console"];
+
+/// The pages whose blocks run in an empty directory, not beside the
+/// repository's files: what a newcomer runs, from wherever they are.
+const FROM_ANYWHERE: [&str; 2] = ["README.md", "docs/getting-started.md"];
 
 /// Repository entries not linked into a block's directory.
 const NOT_LINKED: [&str; 3] = ["target", "runs", "gpu-bundle"];
@@ -250,11 +257,15 @@ fn chains(blocks: &[Block], errors: &mut Vec<String>) -> Vec<Vec<Block>> {
 }
 
 /// A scratch directory for chain `n`: `work/` (links to the repository's
-/// entries) and `bin/` (`upipe`, and a `cargo` that runs it).
-fn scratch(base: &Path, n: usize, root: &Path) -> PathBuf {
+/// entries, or nothing when `empty`) and `bin/` (`upipe`, and a `cargo`
+/// that runs it).
+fn scratch(base: &Path, n: usize, root: &Path, empty: bool) -> PathBuf {
     let dir = base.join(format!("{n:03}"));
     let work = dir.join("work");
     std::fs::create_dir_all(&work).unwrap();
+    if empty {
+        return dir;
+    }
     for e in std::fs::read_dir(root).unwrap() {
         let name = e.unwrap().file_name();
         let s = name.to_string_lossy();
@@ -464,6 +475,20 @@ fn markers_parse_and_misuse_is_named() {
 }
 
 #[test]
+fn the_newcomers_pages_run_in_an_empty_directory() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let base = std::env::temp_dir().join(format!("upipe-doc-scratch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let empty = scratch(&base, 0, root, true).join("work");
+    assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
+    assert_ne!(empty.canonicalize().unwrap(), root.canonicalize().unwrap());
+    let linked = scratch(&base, 1, root, false).join("work");
+    assert!(linked.join("assets/tokenizer.json").is_file());
+    std::fs::remove_dir_all(&base).unwrap();
+    assert_eq!(FROM_ANYWHERE, ["README.md", "docs/getting-started.md"]);
+}
+
+#[test]
 fn every_shell_block_in_the_docs_runs() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     if !root.join("README.md").is_file() {
@@ -491,20 +516,39 @@ fn every_shell_block_in_the_docs_runs() {
     assert_eq!(readme("cargo run --release -- train").mark, Mark::Run);
     assert!(matches!(readme("cargo test --release").mark, Mark::Skip(_)));
 
-    // identical chains run once
-    let mut unique: Vec<(Vec<Block>, Vec<String>)> = Vec::new();
+    // the newcomer's flows run, from an empty directory
+    let fine_tune = blocks
+        .iter()
+        .find(|b| b.file == "README.md" && b.script().contains("--model-dir runs/ft"))
+        .expect("README.md's fine-tuning block");
+    assert_eq!(fine_tune.mark, Mark::Run, "{}", fine_tune.at());
+    let started: Vec<&Block> = (blocks.iter())
+        .filter(|b| b.file == "docs/getting-started.md" && b.mark == Mark::Run)
+        .collect();
+    assert!(
+        started.len() >= 8,
+        "docs/getting-started.md: {} blocks run",
+        started.len()
+    );
+
+    // identical chains run once (in an empty directory if one of them must)
+    let mut unique: Vec<(Vec<Block>, Vec<String>, bool)> = Vec::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
     for c in chains {
         let key: String = c
             .iter()
             .map(|b| format!("{}{}\n", b.fails, b.script()))
             .collect();
+        let empty = FROM_ANYWHERE.contains(&c[0].file.as_str());
         match seen.get(&key) {
-            Some(&i) => unique[i].1.push(c[0].at()),
+            Some(&i) => {
+                unique[i].1.push(c[0].at());
+                unique[i].2 |= empty;
+            }
             None => {
                 seen.insert(key, unique.len());
                 let at = c[0].at();
-                unique.push((c, vec![at]));
+                unique.push((c, vec![at], empty));
             }
         }
     }
@@ -521,10 +565,10 @@ fn every_shell_block_in_the_docs_runs() {
             s.spawn(|| {
                 loop {
                     let n = next.fetch_add(1, Ordering::SeqCst);
-                    let Some((chain, at)) = unique.get(n) else {
+                    let Some((chain, at, empty)) = unique.get(n) else {
                         break;
                     };
-                    let dir = scratch(&base, n, root);
+                    let dir = scratch(&base, n, root, *empty);
                     for (k, b) in chain.iter().enumerate() {
                         let r = run_block(b, &dir, &bin, k);
                         let failed = r.is_err();

@@ -5,6 +5,7 @@ mod architecture;
 mod attention_equivalence;
 mod attention_memory;
 mod attention_reference;
+mod bounds;
 mod cli_config;
 mod cli_plan;
 mod cli_train;

@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use upipe::data::doc_index::{DocIndex, LossMask, index_path, mask_path};
+use upipe::data::limits::Limits;
 use upipe::data::tokenize::{Encoding, Eos, resolve_eos, tokenize_files};
 use upipe::data::{Tokenizer, Tokens};
 
@@ -100,6 +101,14 @@ fn encoding(tok: &Tokenizer, eos: u32) -> Encoding<'_> {
     }
 }
 
+/// The default limits with batches of `batch_bytes`.
+fn limits(batch_bytes: usize) -> Limits {
+    Limits {
+        batch_bytes,
+        ..Limits::default()
+    }
+}
+
 fn split_on(ids: &[u32], eos: u32) -> Vec<Vec<u32>> {
     ids.split(|&t| t == eos).map(<[u32]>::to_vec).collect()
 }
@@ -121,7 +130,16 @@ fn documents_round_trip_each_ending_with_eos_for_any_thread_count() {
             .build()
             .unwrap();
         let s = pool
-            .install(|| tokenize_files(&inputs, "text", &encoding(&tok, eos), &out, batch, &|_| {}))
+            .install(|| {
+                tokenize_files(
+                    &inputs,
+                    "text",
+                    &encoding(&tok, eos),
+                    &out,
+                    &limits(batch),
+                    &|_| {},
+                )
+            })
             .unwrap();
         assert_eq!(s.documents, 5);
         assert_eq!(s.eos, eos);
@@ -170,7 +188,15 @@ fn documents_round_trip_each_ending_with_eos_for_any_thread_count() {
     assert_eq!((summary.p90, summary.p99), (lengths[4], lengths[4]));
     // a 16-bit output holds the same ids
     let out16 = dir.join("t.u16");
-    tokenize_files(&inputs, "text", &encoding(&tok, eos), &out16, 64, &|_| {}).unwrap();
+    tokenize_files(
+        &inputs,
+        "text",
+        &encoding(&tok, eos),
+        &out16,
+        &limits(64),
+        &|_| {},
+    )
+    .unwrap();
     let t16 = Tokens::open(&out16).unwrap();
     assert_eq!(t16.read(0..t16.len()), ids);
     std::fs::remove_dir_all(&dir).unwrap();
