@@ -15,7 +15,7 @@
 use crate::attention::Settle;
 use crate::error::{Error, Result};
 use crate::plan::stage_width::{ChunkHeads, FwdChunk};
-use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
+use crate::plan::{CheckpointEvery, OffloadBlocks, OptimizerOffload, SaveAttention};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use serde::{Deserialize, Serialize};
@@ -94,6 +94,7 @@ pub struct MemoryKeys {
     pub tiled_mlp: Option<bool>,
     pub loss_chunk: Option<usize>,
     pub save_attention: Option<SaveAttention>,
+    pub checkpoint_every: Option<CheckpointEvery>,
     /// `upipe plan --policies` (added to the keys above).
     pub policies: Option<String>,
 }
@@ -431,7 +432,8 @@ serde_via_text!(
     Settle,
     SaveAttention,
     OffloadBlocks,
-    OptimizerOffload
+    OptimizerOffload,
+    CheckpointEvery
 );
 
 /// Reads a string or an integer through `T::from_str`.

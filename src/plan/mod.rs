@@ -14,10 +14,11 @@
 //! (`tests/integration/gpu_plan.rs`).
 //!
 //! What is here: the searches over lengths and choices ([`search`],
-//! [`resolve`], [`offload`], [`offload_optim`], [`save_attention`],
+//! [`resolve`], [`checkpoint_every`], [`offload`], [`offload_optim`], [`save_attention`],
 //! [`stage_width`]), the device a plan is for ([`DeviceKind`], the cuDNN
 //! version it routes by), the mesh fit and the preflight.
 
+pub mod checkpoint_every;
 mod cudnn_version;
 mod device;
 pub mod engine;
@@ -36,6 +37,7 @@ use crate::backend::Category;
 use crate::error::Result;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::config::TrainConfig;
+pub use checkpoint_every::{CheckpointEvery, checkpoint_every_auto};
 pub use cudnn_version::{CudnnVersion, PLANNED_CUDNN_VERSION};
 pub use device::DeviceKind;
 pub use offload::OffloadBlocks;

@@ -3,9 +3,9 @@
 //! FSDP mode, memory policy, each rank's budgets) turned into a
 //! [`ResolvedRun`], every `auto` decided, always in one order:
 //!
-//! FSDP → `--offload` → `--save-attention` → `--chunk-heads` (wider
-//! backward stages) → `--offload-optimizer` → `--fwd-chunk-heads` (wider
-//! forward stages),
+//! FSDP → `--checkpoint-every` → `--offload` → `--save-attention` →
+//! `--chunk-heads` (wider backward stages) → `--offload-optimizer` →
+//! `--fwd-chunk-heads` (wider forward stages),
 //!
 //! each choice judged by the planner's prediction beside the ones decided
 //! before it. `upipe train` resolves its run here, and `upipe plan`
@@ -13,6 +13,7 @@
 //! what `train` runs at that length ([`Depth::Run`]); the search for the
 //! longest context holds some choices fixed instead ([`Depth::Search`]).
 
+use super::checkpoint_every::{CheckpointEvery, EveryBudget};
 use super::mesh::MeshChoice;
 use super::stage_width::{ChunkHeads, FwdChunk};
 use super::{
@@ -95,7 +96,8 @@ impl FsdpMode {
 
 /// The memory policy as a run chooses it (`--checkpoint`, `--offload`,
 /// `--offload-optimizer`, `--tiled-mlp`, `--loss-chunk`,
-/// `--save-attention`), its `auto` choices not yet decided.
+/// `--save-attention`, `--checkpoint-every`), its `auto` choices not yet
+/// decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryChoices {
     /// `--checkpoint`: full activation checkpointing per block.
@@ -110,13 +112,16 @@ pub struct MemoryChoices {
     pub loss_chunk: usize,
     /// `--save-attention`: blocks that keep their attention output.
     pub save_attention: SaveAttention,
+    /// `--checkpoint-every`: blocks per segment of segment checkpointing.
+    pub checkpoint_every: CheckpointEvery,
 }
 
 impl MemoryChoices {
     /// The policy of a model of `layers` blocks: `--offload all` is every
     /// block, `--offload auto` is `auto_blocks` until it is resolved against
     /// a budget; `--offload-optimizer auto` is every unit until it is
-    /// resolved; `--save-attention` is resolved later too (none here).
+    /// resolved; `--save-attention` is resolved later too (none here);
+    /// `--checkpoint-every auto` is 1 until it is resolved.
     pub fn policy(&self, layers: usize, auto_blocks: usize) -> MemoryPolicy {
         MemoryPolicy {
             checkpoint: self.checkpoint,
@@ -129,6 +134,10 @@ impl MemoryChoices {
             tiled_mlp: self.tiled_mlp,
             loss_chunk: self.loss_chunk,
             save_attention: 0,
+            checkpoint_every: match self.checkpoint_every {
+                CheckpointEvery::Blocks(k) => k,
+                CheckpointEvery::Auto => 1,
+            },
         }
     }
 }
@@ -307,6 +316,7 @@ impl RunRequest {
 pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
     let mut r = Resolution::start(req)?;
     r.shard()?;
+    r.checkpoint_every()?;
     r.offload()?;
     r.save_attention(depth)?;
     if depth == Depth::Run {
@@ -390,6 +400,33 @@ impl<'a> Resolution<'a> {
             );
         }
         (self.fsdp, self.fsdp_note) = (fsdp, note);
+        Ok(())
+    }
+
+    /// `--checkpoint-every` (auto: the segments with the fewest recomputed
+    /// blocks whose step fits, `--offload` resolved for each; the search
+    /// for the longest context decides it at each length too).
+    fn checkpoint_every(&mut self) -> Result<()> {
+        let choice = self.req.memory.checkpoint_every;
+        let budget = EveryBudget {
+            ledger: self.req.budget.ledger,
+            host: self.req.budget.host,
+            offload: self.req.memory.offload,
+        };
+        self.policy.checkpoint_every = choice.resolve(&self.spec(), budget)?;
+        if choice == CheckpointEvery::Auto {
+            let spec = self.spec();
+            let (layers, floor) = (self.req.model.layers, spec.backward_floor());
+            let segments = self.policy.segments(layers, floor);
+            self.notes.push(format!(
+                "--checkpoint-every auto: {}, {} of {} blocks keep their checkpointed input and \
+                 the backward recomputes {} block forwards more",
+                self.policy.checkpoint_every,
+                segments.kept_inputs(),
+                layers - floor,
+                segments.recomputed_blocks()
+            ));
+        }
         Ok(())
     }
 

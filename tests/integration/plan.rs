@@ -181,6 +181,7 @@ fn policies() -> Vec<MemoryPolicy> {
                         tiled_mlp,
                         loss_chunk,
                         save_attention,
+                        checkpoint_every: 1,
                     });
                 }
             }
@@ -322,6 +323,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         tiled_mlp: true,
         loss_chunk: 256,
         save_attention: 0,
+        checkpoint_every: 1,
     };
     let ckpt = predict_step(&spec(MemoryPolicy { offload: 0, ..all }, true)).unwrap();
     let best = predict_step(&spec(all, true)).unwrap();
@@ -350,6 +352,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
         tiled_mlp: true,
         loss_chunk: 256,
         save_attention: 0,
+        checkpoint_every: 1,
     };
     let budget = Budget {
         device: 80 << 30,

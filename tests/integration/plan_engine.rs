@@ -42,6 +42,7 @@ fn policies(layers: usize) -> Vec<MemoryPolicy> {
             tiled_mlp,
             loss_chunk,
             save_attention,
+            checkpoint_every: 1,
         }
     };
     vec![
