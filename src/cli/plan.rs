@@ -21,7 +21,7 @@ use crate::plan::{
     Budget, CudnnVersion, Depth, DeviceKind, Fit, FsdpMode, MemoryChoices, Prediction, RankBudget,
     RunRequest, StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
 };
-use crate::plan::{OffloadBlocks, OptimizerOffload};
+use crate::plan::{CheckpointEvery, OffloadBlocks, OptimizerOffload};
 use clap::ArgMatches;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -394,8 +394,15 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
             policy_text(&ctx),
             ctx.a.memory.save_attention,
         );
-        if let Some(k) = ctx.a.memory.checkpoint_every {
-            println!("checkpoint-every {k}: one checkpointed block input every {k} blocks");
+        match ctx.a.memory.checkpoint_every {
+            Some(CheckpointEvery::Auto) => println!(
+                "checkpoint-every auto: at each length, the segments with the fewest recomputed \
+                 blocks that fit (ckpt every)"
+            ),
+            Some(k) => {
+                println!("checkpoint-every {k}: one checkpointed block input every {k} blocks")
+            }
+            None => {}
         }
         if let Some(c) = &ctx.cudnn {
             println!("{}", c.line());

@@ -234,6 +234,9 @@ enum Kept<B: Backend> {
     Input,
 }
 
+/// The block inputs a step keeps, with what else each block keeps.
+type Checkpoints<B> = KeptInputs<B, Kept<B>>;
+
 struct MlpSaved<B: Backend> {
     m: Tensor<B>,
     gate: Tensor<B>,
@@ -365,7 +368,7 @@ impl<B: Backend> Decoder<B> {
         mesh: &Mesh<B>,
         store: &mut S,
         mut x: Tensor<B>,
-    ) -> Result<(Tensor<B>, KeptInputs<B, Kept<B>>)> {
+    ) -> Result<(Tensor<B>, Checkpoints<B>)> {
         let segments = self.segments();
         let mut kept = KeptInputs::with_capacity(segments.kept_inputs());
         for l in 0..self.cfg.layers {
@@ -404,7 +407,7 @@ impl<B: Backend> Decoder<B> {
         b: &B,
         mesh: &Mesh<B>,
         store: &mut S,
-        mut kept: KeptInputs<B, Kept<B>>,
+        mut kept: Checkpoints<B>,
         mut dx: Tensor<B>,
     ) -> Result<Tensor<B>> {
         for l in (self.floor()..self.cfg.layers).rev() {
@@ -443,7 +446,7 @@ impl<B: Backend> Decoder<B> {
         b: &B,
         mesh: &Mesh<B>,
         store: &mut S,
-        kept: &mut KeptInputs<B, Kept<B>>,
+        kept: &mut Checkpoints<B>,
         last: usize,
     ) -> Result<()> {
         let first = self.segments().start_of(last);

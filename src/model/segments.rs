@@ -58,7 +58,7 @@ impl Segments {
     /// Whether block `l` keeps its input from forward: a trained block that
     /// starts a segment or lies in the last one.
     pub fn keeps_input(&self, l: usize) -> bool {
-        l >= self.floor && (l >= self.last_start() || (l - self.floor) % self.every == 0)
+        l >= self.floor && (l >= self.last_start() || (l - self.floor).is_multiple_of(self.every))
     }
 
     /// Whether block `l` lies in the last segment, whose blocks keep

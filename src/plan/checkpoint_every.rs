@@ -131,18 +131,34 @@ pub fn checkpoint_every_auto(
         return Ok(1);
     }
     let mut closest: Option<(usize, usize)> = None;
+    let over = |s: &StepSpec| -> Result<usize> {
+        let p = predict_step(s)?;
+        Ok(p.rank_bytes(s.device).saturating_sub(ledger)
+            + host.map_or(0, |h| p.host_peak.saturating_sub(h)))
+    };
     for k in every_candidates(spec) {
         let mut s = spec.clone();
         s.policy.checkpoint_every = k;
+        // a length whose device peak misses with every kept input on the
+        // host misses with any `--offload auto` picks: one prediction
+        if offload == OffloadBlocks::Auto {
+            s.policy.offload = s.model.layers;
+            let p = predict_step(&s)?;
+            let device = p.rank_bytes(s.device).saturating_sub(ledger);
+            if device > 0 {
+                if closest.is_none_or(|(_, o)| device < o) {
+                    closest = Some((k, device));
+                }
+                continue;
+            }
+        }
         s.policy.offload = offload.resolve(&s, Some(ledger), host)?;
-        let p = predict_step(&s)?;
-        let over = p.rank_bytes(s.device).saturating_sub(ledger)
-            + host.map_or(0, |h| p.host_peak.saturating_sub(h));
-        if over == 0 {
+        let missed = over(&s)?;
+        if missed == 0 {
             return Ok(k);
         }
-        if closest.is_none_or(|(_, o)| over < o) {
-            closest = Some((k, over));
+        if closest.is_none_or(|(_, o)| missed < o) {
+            closest = Some((k, missed));
         }
     }
     Ok(closest.map_or(1, |(k, _)| k))

@@ -429,3 +429,39 @@ fn the_collapsed_and_the_whole_engine_agree_when_the_backward_stops_early() {
         }
     }
 }
+
+/// Segment checkpointing (`--checkpoint-every`): segments that divide the
+/// blocks and that do not, one segment of every block, with offloaded
+/// inputs, kept attention and a backward that stops early; both paths
+/// alike on every mesh, replicated and FSDP (each recomputed block gathered
+/// again).
+#[test]
+fn the_collapsed_and_the_whole_engine_agree_under_segment_checkpointing() {
+    use upipe::model::Freeze;
+    let mut model = tiny(false);
+    model.layers = 5;
+    model.validate().unwrap();
+    let all = policies(model.layers);
+    for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
+        for m in MESHES {
+            for policy in [all[2], all[3], all[4], all[5], all[9]] {
+                for (k, fsdp, freeze) in [
+                    (2, false, "none"),
+                    (3, true, "none"),
+                    (6, false, "none"),
+                    (2, true, "embeddings,blocks:0"),
+                ] {
+                    let policy = MemoryPolicy {
+                        checkpoint_every: k,
+                        ..policy
+                    };
+                    let mut s = spec(&model, m, 240, policy);
+                    (s.device, s.fsdp) = (device, fsdp);
+                    s.freeze = Freeze::parse(freeze).unwrap();
+                    let what = format!("{device:?} {m:?} fsdp={fsdp} --freeze {freeze} {policy:?}");
+                    check(&s, &what);
+                }
+            }
+        }
+    }
+}
