@@ -31,6 +31,7 @@ pub struct RunFile {
     pub data: DataKeys,
     pub parallel: ParallelKeys,
     pub memory: MemoryKeys,
+    pub segments: SegmentKeys,
     pub optim: OptimKeys,
     pub checkpoint: CheckpointKeys,
     pub run: RunKeys,
@@ -94,9 +95,17 @@ pub struct MemoryKeys {
     pub tiled_mlp: Option<bool>,
     pub loss_chunk: Option<usize>,
     pub save_attention: Option<SaveAttention>,
-    pub checkpoint_every: Option<CheckpointEvery>,
     /// `upipe plan --policies` (added to the keys above).
     pub policies: Option<String>,
+}
+
+/// `[segments]`: segment checkpointing (a flag of the memory group, which
+/// `train` and `plan` share), a section of its own so that the `[memory]`
+/// of a run without it reads as it did before it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct SegmentKeys {
+    pub checkpoint_every: Option<CheckpointEvery>,
 }
 
 /// `[optim]`: AdamW and its schedule.

@@ -1,5 +1,5 @@
-//! The memory-policy flags shared by `train` and `plan` (run-file section
-//! `[memory]`), and the [`MemoryChoices`] they make.
+//! The memory-policy flags shared by `train` and `plan` (run-file sections
+//! `[memory]` and `[segments]`), and the [`MemoryChoices`] they make.
 
 use crate::cli::config::{at_least, run_keys};
 use crate::error::Result;
@@ -73,7 +73,7 @@ impl MemoryArgs {
         tiled_mlp => memory.tiled_mlp,
         loss_chunk => memory.loss_chunk,
         save_attention => memory.save_attention,
-        checkpoint_every => memory.checkpoint_every,
+        checkpoint_every => segments.checkpoint_every,
         freeze => model.freeze,
     }
 

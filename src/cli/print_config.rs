@@ -1,18 +1,11 @@
 //! The run file `--print-config` prints (and every checkpoint stores as
 //! `run.toml`): each key of the subcommand, by section, with its value, and
 //! each key left unset (a flag without a default, such as `--min-lr`) as a
-//! comment saying what it does, so the file lists every key there is, but
-//! for [`WRITTEN_WHEN_SET`].
+//! comment saying what it does, so the file lists every key there is.
 
 use crate::cli::config::RunArgs;
 use crate::error::{Error, Result};
 use clap::{Args, Command};
-
-/// Keys left out of the file while unset, not even as comments: keys of
-/// choices added after run files were shared (`--checkpoint-every`, whose
-/// absence is what runs did before it), so that a run that does not use
-/// one prints the file it printed before.
-pub const WRITTEN_WHEN_SET: &[&str] = &["checkpoint_every"];
 
 /// `args` as an annotated run file: the keys of `keys` (`(flag id,
 /// section, key)` tables of the subcommand and its flag groups) that hold a
@@ -32,7 +25,6 @@ pub fn annotated<A: RunArgs + Args>(args: &A, keys: &[&[(&str, &str, &str)]]) ->
             .filter(|(_, s, key)| {
                 s == section && values.is_none_or(|t| !t.contains_key(&kebab(key)))
             })
-            .filter(|(id, _, _)| !WRITTEN_WHEN_SET.contains(id))
             .map(|(id, _, key)| (*id, *key))
             .collect();
         let has_values = values.is_some_and(|t| !t.is_empty());

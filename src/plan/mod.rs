@@ -37,13 +37,14 @@ use crate::backend::Category;
 use crate::error::Result;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::config::TrainConfig;
-pub use checkpoint_every::{CheckpointEvery, checkpoint_every_auto};
+pub use checkpoint_every::CheckpointEvery;
 pub use cudnn_version::{CudnnVersion, PLANNED_CUDNN_VERSION};
 pub use device::DeviceKind;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
 pub use resolve::{
-    Depth, FsdpMode, MemoryChoices, RankBudget, ResolvedRun, RunRequest, StageChoices, resolve_run,
+    Depth, EveryBudget, FsdpMode, MemoryChoices, RankBudget, ResolvedRun, RunRequest, StageChoices,
+    checkpoint_every_auto, resolve_checkpoint_every, resolve_run,
 };
 pub use save_attention::{SaveAttention, save_attention_auto};
 pub use search::{Budget, Fit, Limit, longest_context};

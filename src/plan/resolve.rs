@@ -13,7 +13,7 @@
 //! what `train` runs at that length ([`Depth::Run`]); the search for the
 //! longest context holds some choices fixed instead ([`Depth::Search`]).
 
-use super::checkpoint_every::{CheckpointEvery, EveryBudget};
+use super::checkpoint_every::{CheckpointEvery, every_candidates, first_fitting};
 use super::mesh::MeshChoice;
 use super::stage_width::{ChunkHeads, FwdChunk};
 use super::{
@@ -413,7 +413,7 @@ impl<'a> Resolution<'a> {
             host: self.req.budget.host,
             offload: self.req.memory.offload,
         };
-        self.policy.checkpoint_every = choice.resolve(&self.spec(), budget)?;
+        self.policy.checkpoint_every = resolve_checkpoint_every(choice, &self.spec(), budget)?;
         if choice == CheckpointEvery::Auto {
             let spec = self.spec();
             let (layers, floor) = (self.req.model.layers, spec.backward_floor());
@@ -561,6 +561,75 @@ impl<'a> Resolution<'a> {
             notes: self.notes,
         })
     }
+}
+
+/// The memory a rank has for [`resolve_checkpoint_every`].
+#[derive(Debug, Clone, Copy)]
+pub struct EveryBudget {
+    /// Bytes the ledger may use per rank (`None`: unknown; `auto` is then 1).
+    pub ledger: Option<usize>,
+    /// Host bytes for offloaded tensors per rank (`None`: unchecked).
+    pub host: Option<usize>,
+    /// `--offload` as given, resolved for each length tried (`auto`: the
+    /// fewest blocks that fit that length's step).
+    pub offload: OffloadBlocks,
+}
+
+/// `--checkpoint-every` of a step of `spec` (its `policy.checkpoint_every`
+/// and `policy.offload` are ignored) within `budget`: a number as given,
+/// `auto` by [`checkpoint_every_auto`] (1 when the memory is unknown).
+/// Errors as [`CheckpointEvery::check`].
+pub fn resolve_checkpoint_every(
+    choice: CheckpointEvery,
+    spec: &StepSpec,
+    budget: EveryBudget,
+) -> Result<usize> {
+    choice.check(spec.policy)?;
+    match (choice, budget.ledger) {
+        (CheckpointEvery::Blocks(k), _) => Ok(k),
+        (CheckpointEvery::Auto, None) => Ok(1),
+        (CheckpointEvery::Auto, Some(ledger)) => {
+            checkpoint_every_auto(spec, ledger, budget.host, budget.offload)
+        }
+    }
+}
+
+/// The fastest segment length whose step fits: of
+/// [`every_candidates`] in order (the fewest recomputed blocks first), the
+/// first whose predicted step, with `offload` resolved for it, fits
+/// `ledger` device bytes ([`Prediction::rank_bytes`]) and `host` bytes of
+/// host memory; when none fits, the closest ([`first_fitting`]). Without
+/// checkpointing, 1.
+///
+/// [`Prediction::rank_bytes`]: super::Prediction::rank_bytes
+pub fn checkpoint_every_auto(
+    spec: &StepSpec,
+    ledger: usize,
+    host: Option<usize>,
+    offload: OffloadBlocks,
+) -> Result<usize> {
+    if !spec.policy.checkpoint {
+        return Ok(1);
+    }
+    let (layers, floor) = (spec.model.layers, spec.backward_floor());
+    let candidates = every_candidates(spec.policy, layers, floor);
+    first_fitting(&candidates, |k| {
+        let mut s = spec.clone();
+        s.policy.checkpoint_every = k;
+        let device_over = |p: &Prediction| p.rank_bytes(s.device).saturating_sub(ledger);
+        // a length whose device peak misses with every kept input on the
+        // host misses with any `--offload auto` picks: one prediction
+        if offload == OffloadBlocks::Auto {
+            s.policy.offload = layers;
+            let over = device_over(&predict_step(&s)?);
+            if over > 0 {
+                return Ok(over);
+            }
+        }
+        s.policy.offload = offload.resolve(&s, Some(ledger), host)?;
+        let p = predict_step(&s)?;
+        Ok(device_over(&p) + host.map_or(0, |h| p.host_peak.saturating_sub(h)))
+    })
 }
 
 /// A list of strategies as `plan --attn` and `bench attn --methods` take

@@ -16,10 +16,10 @@ use upipe::model::decoder::attn_dims;
 use upipe::model::lora::{LoraConfig, LoraTarget};
 use upipe::model::{Family, Freeze, MemoryPolicy, ModelConfig, ModelWeights};
 use upipe::optim::AdamWConfig;
-use upipe::plan::checkpoint_every::{EveryBudget, every_candidates};
+use upipe::plan::checkpoint_every::every_candidates;
 use upipe::plan::{
-    CheckpointEvery, DeviceKind, OffloadBlocks, StepSpec, checkpoint_every_auto, predict_step,
-    predict_step_rank, resolve_plan,
+    CheckpointEvery, DeviceKind, EveryBudget, OffloadBlocks, StepSpec, checkpoint_every_auto,
+    predict_step, predict_step_rank, resolve_checkpoint_every, resolve_plan,
 };
 use upipe::rng::Rng;
 use upipe::train::lora_run::LoraRun;
@@ -360,27 +360,29 @@ fn auto_takes_the_fewest_recomputes_that_fit() {
     let k = auto(&long).unwrap();
     assert!(k > 1 && at(&long, k) <= ledger, "every {k}");
     // every candidate before it in order does not fit
-    let candidates = every_candidates(&long);
+    let (layers, floor) = (long.model.layers, long.backward_floor());
+    let candidates = every_candidates(long.policy, layers, floor);
     assert_eq!(candidates[0], 1);
     let before = candidates.iter().take_while(|&&c| c != k);
     for &c in before {
         assert!(at(&long, c) > ledger, "every {c} fits before every {k}");
     }
     // segments of every block or more are one segment: as 1, left out
-    assert!(!candidates.contains(&long.model.layers));
+    assert!(!candidates.contains(&layers));
     // with the host's room, `auto` offloads first: no recompute
     let offload = EveryBudget {
         ledger: Some(ledger),
         host: None,
         offload: OffloadBlocks::Auto,
     };
-    assert_eq!(CheckpointEvery::Auto.resolve(&long, offload).unwrap(), 1);
+    let resolve = |budget| resolve_checkpoint_every(CheckpointEvery::Auto, &long, budget);
+    assert_eq!(resolve(offload).unwrap(), 1);
     // unknown memory: one checkpoint per block
     let unknown = EveryBudget {
         ledger: None,
         ..offload
     };
-    assert_eq!(CheckpointEvery::Auto.resolve(&long, unknown).unwrap(), 1);
+    assert_eq!(resolve(unknown).unwrap(), 1);
 }
 
 #[test]
@@ -463,9 +465,24 @@ fn the_flag_goes_through_run_files_plan_and_train() {
         "3",
     ]);
     assert!(ok, "{err}");
-    assert!(out.contains("checkpoint-every = 3"), "{out}");
+    assert!(out.contains("[segments]\ncheckpoint-every = 3\n"), "{out}");
+    // the file reads back as the same run
+    let file = std::env::temp_dir().join(format!("upipe-segments-{}.toml", std::process::id()));
+    std::fs::write(&file, &out).unwrap();
+    let (ok, again, err) = upipe(&[
+        "train",
+        "--config",
+        file.to_str().unwrap(),
+        "--print-config",
+    ]);
+    std::fs::remove_file(&file).ok();
+    assert!(ok, "{err}");
+    assert_eq!(again, out);
     let (ok, out, _) = upipe(&["train", "--print-config", "--checkpoint"]);
-    assert!(ok && !out.contains("checkpoint-every"), "{out}");
+    assert!(
+        ok && out.contains("[segments]\n# checkpoint-every = (unset)"),
+        "{out}"
+    );
     let plan = |every: &str| {
         let (ok, out, err) = upipe(&[
             "plan",
