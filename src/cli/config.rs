@@ -15,7 +15,7 @@
 use crate::attention::Settle;
 use crate::error::{Error, Result};
 use crate::plan::stage_width::{ChunkHeads, FwdChunk};
-use crate::plan::{OffloadBlocks, OptimizerOffload, SaveAttention};
+use crate::plan::{CheckpointEvery, OffloadBlocks, OptimizerOffload, SaveAttention};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use serde::{Deserialize, Serialize};
@@ -31,6 +31,7 @@ pub struct RunFile {
     pub data: DataKeys,
     pub parallel: ParallelKeys,
     pub memory: MemoryKeys,
+    pub segments: SegmentKeys,
     pub optim: OptimKeys,
     pub checkpoint: CheckpointKeys,
     pub run: RunKeys,
@@ -96,6 +97,15 @@ pub struct MemoryKeys {
     pub save_attention: Option<SaveAttention>,
     /// `upipe plan --policies` (added to the keys above).
     pub policies: Option<String>,
+}
+
+/// `[segments]`: segment checkpointing (a flag of the memory group, which
+/// `train` and `plan` share), a section of its own so that the `[memory]`
+/// of a run without it reads as it did before it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct SegmentKeys {
+    pub checkpoint_every: Option<CheckpointEvery>,
 }
 
 /// `[optim]`: AdamW and its schedule.
@@ -433,7 +443,8 @@ serde_via_text!(
     Settle,
     SaveAttention,
     OffloadBlocks,
-    OptimizerOffload
+    OptimizerOffload,
+    CheckpointEvery
 );
 
 /// Reads a string or an integer through `T::from_str`.

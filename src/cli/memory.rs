@@ -1,10 +1,10 @@
-//! The memory-policy flags shared by `train` and `plan` (run-file section
-//! `[memory]`), and the [`MemoryChoices`] they make.
+//! The memory-policy flags shared by `train` and `plan` (run-file sections
+//! `[memory]` and `[segments]`), and the [`MemoryChoices`] they make.
 
 use crate::cli::config::{at_least, run_keys};
 use crate::error::Result;
 use crate::model::MemoryPolicy;
-use crate::plan::{MemoryChoices, OffloadBlocks, OptimizerOffload, SaveAttention};
+use crate::plan::{CheckpointEvery, MemoryChoices, OffloadBlocks, OptimizerOffload, SaveAttention};
 
 /// What a step keeps, recomputes and moves to the host.
 #[derive(clap::Args, Debug, Clone)]
@@ -47,6 +47,16 @@ pub struct MemoryArgs {
     /// finds the longest length with none and shows what auto keeps there).
     #[arg(long, help_heading = "Memory", default_value_t = SaveAttention::Auto)]
     pub save_attention: SaveAttention,
+    /// With --checkpoint: segment checkpointing, one checkpointed block
+    /// input kept every K blocks (each segment's first; the last segment
+    /// keeps all of its own); each earlier segment's backward first runs
+    /// its forward again to rebuild the others, one more forward of most
+    /// blocks for about L/K + K kept inputs instead of L. K, or auto (the
+    /// fewest recomputed blocks whose step fits this GPU and host beside
+    /// --offload; `plan` resolves it at each length, and its search for
+    /// the longest context too). Left out: 1, every block keeps its input.
+    #[arg(long, help_heading = "Memory")]
+    pub checkpoint_every: Option<CheckpointEvery>,
     /// Parameters not trained (no gradient, no optimizer state, no weight
     /// gradient computed): a comma list of embeddings, head, norms, attn,
     /// mlp, blocks:A-B (inclusive), or none. With tied embeddings, head and
@@ -63,6 +73,7 @@ impl MemoryArgs {
         tiled_mlp => memory.tiled_mlp,
         loss_chunk => memory.loss_chunk,
         save_attention => memory.save_attention,
+        checkpoint_every => segments.checkpoint_every,
         freeze => model.freeze,
     }
 
@@ -87,6 +98,7 @@ impl MemoryArgs {
             tiled_mlp: self.tiled_mlp,
             loss_chunk: self.loss_chunk,
             save_attention: self.save_attention,
+            checkpoint_every: self.checkpoint_every.unwrap_or_default(),
         }
     }
 

@@ -21,7 +21,7 @@ use crate::plan::{
     Budget, CudnnVersion, Depth, DeviceKind, Fit, FsdpMode, MemoryChoices, Prediction, RankBudget,
     RunRequest, StageChoices, StepSpec, longest_context, resolve_plan, resolve_run, seq_unit,
 };
-use crate::plan::{OffloadBlocks, OptimizerOffload};
+use crate::plan::{CheckpointEvery, OffloadBlocks, OptimizerOffload};
 use clap::ArgMatches;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -405,6 +405,16 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
             policy_text(&ctx),
             ctx.a.memory.save_attention,
         );
+        match ctx.a.memory.checkpoint_every {
+            Some(CheckpointEvery::Auto) => println!(
+                "checkpoint-every auto: at each length, the segments with the fewest recomputed \
+                 blocks that fit (ckpt every)"
+            ),
+            Some(k) => {
+                println!("checkpoint-every {k}: one checkpointed block input every {k} blocks")
+            }
+            None => {}
+        }
         if let Some(c) = &ctx.cudnn {
             println!("{}", c.line());
         }
@@ -528,6 +538,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let freeze = LoraArgs::freeze(lora_run.as_ref(), a.memory.freeze(&model)?);
     let policy = memory.policy(model.layers, model.layers);
     a.memory.save_attention.check(policy, model.layers)?;
+    memory.checkpoint_every.check(policy)?;
     // as every request decides it (the same GPUs, the same budget)
     let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze);
     let (mut fsdp, mut fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
@@ -734,6 +745,7 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                     "by_category": by_category(&p), "peak_at": p.peak_at,
                     "fits": fits.is_none(), "limit": fits.as_ref().map(limit_text),
                     "save_attention": spec.policy.save_attention,
+                    "checkpoint_every": spec.policy.checkpoint_every,
                     "offload_blocks": spec.policy.offload,
                     "optimizer_host_units": spec.policy.offload_optimizer,
                     "cudnn_version": spec.device.cudnn().map(version_text),
@@ -844,6 +856,7 @@ fn print_longest(ctx: &Ctx, s: Strategy, spec: &StepSpec, fit: &Fit, saved: Opti
             json!({
                 "strategy": s.name(), "mesh": mesh_json(spec), "longest_seq": fit.seq,
                 "save_attention": saved.map(|s| s.policy.save_attention),
+                "checkpoint_every": saved.map(|s| s.policy.checkpoint_every),
                 "offload_blocks": saved.map(|s| s.policy.offload),
                 "optimizer_host_units": saved.map(|s| s.policy.offload_optimizer),
                 "cudnn_version": spec.device.cudnn().map(version_text),

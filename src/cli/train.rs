@@ -62,8 +62,8 @@ use crate::model::flops::{
 };
 use crate::plan::preflight::planned_host;
 use crate::plan::{
-    Depth, DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, RankBudget, ResolvedRun,
-    RunRequest, SaveAttention, StageChoices, resolve_run,
+    CheckpointEvery, Depth, DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, RankBudget,
+    ResolvedRun, RunRequest, SaveAttention, StageChoices, resolve_run,
 };
 use crate::train::eval::EvalDuring;
 use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
@@ -203,6 +203,11 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     a.memory
         .save_attention
         .check(cfg.policy, cfg.model.layers)?;
+    // `auto`, 0, or more than 1 without --checkpoint fails here too
+    a.memory
+        .checkpoint_every
+        .unwrap_or_default()
+        .check(cfg.policy)?;
     if a.memory.offload == OffloadBlocks::Auto && !cfg.policy.checkpoint {
         return crate::config_err!(
             "--offload auto moves checkpointed block inputs to the host: add --checkpoint"
@@ -474,6 +479,9 @@ fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
     if p.checkpoint {
         r.memory.offload = OffloadBlocks::Blocks(p.offload);
         r.memory.save_attention = SaveAttention::Blocks(p.save_attention);
+        if r.memory.checkpoint_every.is_some() || p.checkpoint_every != 1 {
+            r.memory.checkpoint_every = Some(CheckpointEvery::Blocks(p.checkpoint_every));
+        }
     }
     r.memory.offload_optimizer = OptimizerOffload::Units(p.offload_optimizer);
     if let Some(k) = run.cfg.attention_kernel {

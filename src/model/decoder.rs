@@ -12,7 +12,11 @@
 //!   ever exists for the whole shard;
 //! - `save_attention`: under `checkpoint`, the last N blocks also keep their
 //!   attention output O and LSEs, so their backward recomputes only
-//!   `y = O·Woᵀ` instead of the whole attention forward.
+//!   `y = O·Woᵀ` instead of the whole attention forward;
+//! - `checkpoint_every`: under `checkpoint`, segment checkpointing
+//!   (`model::segments`): only every k-th block keeps its input, and the
+//!   backward of each earlier segment first runs the segment's forward
+//!   again from it, rebuilding its inner blocks' inputs.
 //!
 //! With `backward_floor` set (`Freeze::backward_floor`: nothing below that
 //! block trains), the blocks below it run their forward only and keep
@@ -26,12 +30,14 @@
 use super::chunk_loop::for_each_chunk;
 use super::config::ModelConfig;
 use super::grads::BlockGrads;
+use super::kept_inputs::KeptInputs;
+use super::segments::Segments;
 use super::store::{HeadView, ParamStore, Unit};
 use super::weights::BlockWeights;
 use crate::attention::lora_delta::{add_delta, add_delta_bwd};
 use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan, output_projection};
 use crate::backend::profile::{Phase, PhaseGuard};
-use crate::backend::{Backend, Category, CopyDone, DType, MatLayout, Tensor, cast};
+use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
 use crate::comm::Mesh;
 use crate::error::{Error, Result};
 
@@ -59,8 +65,17 @@ pub struct MemoryPolicy {
     /// their backward skips the attention forward. The last blocks because
     /// their kept tensors live shortest: backward frees them first, so at
     /// every point of the step at most as many are alive as for any other
-    /// choice of the same number of blocks.
+    /// choice of the same number of blocks. A block of an earlier segment
+    /// (`checkpoint_every`) keeps them from its segment's recompute instead
+    /// of the forward, except the segment's last block, which that
+    /// recompute does not run.
     pub save_attention: usize,
+    /// Under `checkpoint`: segments of this many blocks, of which only the
+    /// first keeps its input, except in the last segment, where every block
+    /// does (`--checkpoint-every`; `model::segments`). 1: every block keeps
+    /// its input. `offload` counts blocks as before: a block that keeps no
+    /// input has none to move to the host.
+    pub checkpoint_every: usize,
 }
 
 /// Rows of logits the fused loss computes at once unless `--loss-chunk`
@@ -81,6 +96,7 @@ impl Default for MemoryPolicy {
             tiled_mlp: false,
             loss_chunk: DEFAULT_LOSS_CHUNK,
             save_attention: 0,
+            checkpoint_every: 1,
         }
     }
 }
@@ -96,6 +112,7 @@ impl MemoryPolicy {
         if self.loss_chunk == 0 {
             return crate::config_err!("--loss-chunk must be at least 1");
         }
+        self.check_checkpoint_every(&self.checkpoint_every.to_string())?;
         self.check_save_attention(&self.save_attention.to_string(), None)
     }
 
@@ -149,6 +166,30 @@ impl MemoryPolicy {
         }
     }
 
+    /// Checks `checkpoint_every`, given as `--checkpoint-every {given}`,
+    /// against the policy.
+    pub fn check_checkpoint_every(&self, given: &str) -> Result<()> {
+        if self.checkpoint_every == 0 {
+            return crate::config_err!(
+                "--checkpoint-every {given}: segments hold at least one block; use 1 (every \
+                 block keeps its input), a larger number of blocks, or auto"
+            );
+        }
+        if self.checkpoint_every > 1 && !self.checkpoint {
+            return crate::config_err!(
+                "--checkpoint-every {given} keeps the checkpointed input of one block in every \
+                 {given}: add --checkpoint, or use --checkpoint-every 1"
+            );
+        }
+        Ok(())
+    }
+
+    /// The segments of a step over `layers` blocks whose backward stops
+    /// after block `floor` (`checkpoint_every` blocks each).
+    pub fn segments(&self, layers: usize, floor: usize) -> Segments {
+        Segments::new(layers, floor, self.checkpoint_every)
+    }
+
     /// Whether block `l` of `layers` keeps its attention output and LSEs
     /// under checkpointing: the last `save_attention` blocks.
     pub fn keeps_attention(&self, l: usize, layers: usize) -> bool {
@@ -172,29 +213,6 @@ pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
     }
 }
 
-/// Releases an offloaded block input's device copy once its copy to host
-/// memory is done (in stream order: no host wait).
-fn settle_copy<B: Backend>(b: &B, leaving: Option<(Tensor<B>, CopyDone)>) -> Result<()> {
-    if let Some((device, done)) = leaving {
-        b.copy_wait(done)?;
-        drop(device);
-    }
-    Ok(())
-}
-
-/// Starts copying an offloaded block input back to the device (`None` for
-/// an input that stayed there).
-fn reload<B: Backend>(b: &B, kept: Option<&Tensor<B>>) -> Result<Option<(Tensor<B>, CopyDone)>> {
-    match kept {
-        Some(host) if host.category() == Category::Offload => {
-            let mut dev = b.empty(host.shape(), host.dtype(), Category::Activations)?;
-            let done = b.copy_start(&mut dev, host)?;
-            Ok(Some((dev, done)))
-        }
-        _ => Ok(None),
-    }
-}
-
 /// What one block keeps from forward for backward (when not recomputed).
 struct BlockSaved<B: Backend> {
     /// Attention input `RMSNorm(h)`.
@@ -215,6 +233,9 @@ enum Kept<B: Backend> {
     /// Nothing (checkpointing).
     Input,
 }
+
+/// The block inputs a step keeps, with what else each block keeps.
+type Checkpoints<B> = KeptInputs<B, Kept<B>>;
 
 struct MlpSaved<B: Backend> {
     m: Tensor<B>,
@@ -306,59 +327,102 @@ impl<B: Backend> Decoder<B> {
         b.embedding_fwd(store.embed()?, ids, &mut x)?;
         store.release(Unit::Embed)?;
 
-        // Forward, keeping per block its input and either everything or,
-        // under checkpointing, its attention state or nothing more; an
-        // offloaded input is copied to host memory beside the next block's
-        // forward, its device copy released after that block.
-        // the backward stops after block `floor`: the blocks below keep nothing
-        let floor = self.backward_floor.min(self.cfg.layers);
-        let mut kept: Vec<(Tensor<B>, Kept<B>)> = Vec::with_capacity(self.cfg.layers - floor);
-        let mut leaving: Option<(Tensor<B>, CopyDone)> = None;
+        let (x, mut kept) = self.forward_blocks(b, mesh, store, x)?;
+        // the last block's input comes back beside the loss
+        kept.prefetch(b)?;
+        let (loss, dx) = self.head_fwd_bwd(b, store, x, targets, grad_scale)?;
+        let dx = self.backward_blocks(b, mesh, store, kept, dx)?;
+        // the blocks below the floor are frozen whole: no gradient to hand over
+        for l in (0..self.floor()).rev() {
+            store.grads_done(b, Unit::Block(l))?;
+        }
+        // a frozen embedding takes no gradient: the backward ends at its output
+        if let Some(d_embed) = store.embed_grads(b)? {
+            b.embedding_bwd(&dx, ids, d_embed)?;
+        }
+        store.grads_done(b, Unit::Embed)?;
+        store.finish(b)?;
+        Ok(loss)
+    }
+
+    /// The lowest block whose backward runs: the backward stops after it.
+    fn floor(&self) -> usize {
+        self.backward_floor.min(self.cfg.layers)
+    }
+
+    /// The segments of this decoder's step (`MemoryPolicy::checkpoint_every`).
+    fn segments(&self) -> Segments {
+        self.policy.segments(self.cfg.layers, self.floor())
+    }
+
+    /// The blocks' forward from the embedding's output `x` `[s, hidden]`:
+    /// the last block's output, and what each block keeps for its
+    /// backward: its input and either everything or, under checkpointing,
+    /// its attention state or nothing more; under segment checkpointing
+    /// only a segment's first block (and every block of the last segment)
+    /// keeps its input. An offloaded input is copied to host memory beside
+    /// the next block's forward, its device copy released after that block.
+    fn forward_blocks<S: ParamStore<B> + ?Sized>(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        store: &mut S,
+        mut x: Tensor<B>,
+    ) -> Result<(Tensor<B>, Checkpoints<B>)> {
+        let segments = self.segments();
+        let mut kept = KeptInputs::with_capacity(segments.kept_inputs());
         for l in 0..self.cfg.layers {
             store.acquire(b, Unit::Block(l))?;
             let (next, saved) = self.block_fwd(b, mesh, store.block(l)?, &x)?;
             store.release(Unit::Block(l))?;
-            if l < floor {
-                // no backward runs here: nothing kept, the input is dropped
+            if !segments.keeps_input(l) {
+                // below the floor no backward runs; inside an earlier
+                // segment its recompute rebuilds the input: nothing kept
                 drop(saved);
                 x = next;
                 continue;
             }
-            let entry = if self.policy.checkpoint {
-                let keep = self.keep_checkpointed(l, saved);
-                if self.policy.offloads(l) {
-                    let mut host = b.empty(x.shape(), act, Category::Offload)?;
-                    let done = b.copy_start(&mut host, &x)?;
-                    settle_copy(b, leaving.replace((x, done)))?;
-                    (host, keep)
-                } else {
-                    (x, keep)
-                }
+            let keep = if !self.policy.checkpoint {
+                Kept::Block(Box::new(saved))
+            } else if segments.recomputes(l) {
+                // an earlier segment's first block: its recompute keeps the rest
+                drop(saved);
+                Kept::Input
             } else {
-                (x, Kept::Block(Box::new(saved)))
+                self.keep_checkpointed(l, saved)
             };
-            kept.push(entry);
+            kept.keep(b, l, x, keep, self.policy.offloads(l))?;
             x = next;
         }
-        settle_copy(b, leaving.take())?;
-        // the last block's input comes back beside the loss
-        let mut coming = reload(b, kept.last().map(|k| &k.0))?;
+        kept.settle(b)?;
+        Ok((x, kept))
+    }
 
-        let (loss, mut dx) = self.head_fwd_bwd(b, store, x, targets, grad_scale)?;
-        while let Some((kept_input, keep)) = kept.pop() {
-            let l = floor + kept.len();
+    /// The blocks' backward from the gradient `dx` of the last block's
+    /// output, last block first; before each earlier segment's last block,
+    /// its recompute rebuilds the inputs of the blocks after its first.
+    /// Returns the gradient of the first block's input.
+    fn backward_blocks<S: ParamStore<B> + ?Sized>(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        store: &mut S,
+        mut kept: Checkpoints<B>,
+        mut dx: Tensor<B>,
+    ) -> Result<Tensor<B>> {
+        for l in (self.floor()..self.cfg.layers).rev() {
+            if kept.top_block() != Some(l) {
+                self.rebuild_segment(b, mesh, store, &mut kept, l)?;
+            }
             b.ledger().enter("backward: reload");
-            let input = match coming.take() {
-                Some((dev, done)) => {
-                    b.copy_wait(done)?;
-                    dev
-                }
-                None => kept_input,
+            let Some((entry, _host)) = kept.take(b)? else {
+                return Err(Error::Backend(format!("block {l} kept no input")));
             };
             // prefetch the next block's offloaded input one block ahead
-            coming = reload(b, kept.last().map(|k| &k.0))?;
+            kept.prefetch(b)?;
+            let input = entry.input;
             store.acquire(b, Unit::Block(l))?;
-            let saved = match keep {
+            let saved = match entry.keep {
                 Kept::Block(s) => *s,
                 Kept::Attention(attn) => {
                     self.recompute(b, mesh, store.block(l)?, &input, Some(attn))?
@@ -370,17 +434,45 @@ impl<B: Backend> Decoder<B> {
             store.release(Unit::Block(l))?;
             store.grads_done(b, Unit::Block(l))?;
         }
-        // the blocks below the floor are frozen whole: no gradient to hand over
-        for l in (0..floor).rev() {
-            store.grads_done(b, Unit::Block(l))?;
+        Ok(dx)
+    }
+
+    /// Segment checkpointing, before the backward of block `last`, the last
+    /// of an earlier segment: its forward again from the input its first
+    /// block kept through block `last - 1`, keeping each block's input (and
+    /// the attention state of blocks that keep it) until its backward.
+    fn rebuild_segment<S: ParamStore<B> + ?Sized>(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        store: &mut S,
+        kept: &mut Checkpoints<B>,
+        last: usize,
+    ) -> Result<()> {
+        let first = self.segments().start_of(last);
+        b.ledger().enter("backward: segment recompute");
+        let _phase = PhaseGuard::enter(b, Phase::Recompute);
+        let Some((entry, host)) = kept.take(b)? else {
+            return Err(Error::Backend(format!("block {first} kept no input")));
+        };
+        if entry.block != first {
+            return Err(Error::Backend(format!(
+                "block {last}'s segment starts at block {first}, but block {} kept the input",
+                entry.block
+            )));
         }
-        // a frozen embedding takes no gradient: the backward ends at its output
-        if let Some(d_embed) = store.embed_grads(b)? {
-            b.embedding_bwd(&dx, ids, d_embed)?;
+        drop(host);
+        // [s_local, hidden]: block l's input, then its output
+        let mut x = entry.input;
+        for l in first..last {
+            store.acquire(b, Unit::Block(l))?;
+            let (next, saved) = self.block_fwd(b, mesh, store.block(l)?, &x)?;
+            store.release(Unit::Block(l))?;
+            kept.push_rebuilt(l, x, self.keep_checkpointed(l, saved));
+            x = next;
         }
-        store.grads_done(b, Unit::Embed)?;
-        store.finish(b)?;
-        Ok(loss)
+        kept.push_rebuilt(last, x, Kept::Input);
+        Ok(())
     }
 
     /// What a checkpointed block `l` keeps of its forward's `saved` besides

@@ -1,6 +1,7 @@
 //! Model FLOPs: the arithmetic a model needs per token, whatever the engine
-//! recomputes (activation checkpointing's second forward is not counted),
-//! so model TFLOP/s compare runs under any memory policy.
+//! recomputes (activation checkpointing's second forward is not counted,
+//! nor segment checkpointing's third, `--checkpoint-every`), so model
+//! TFLOP/s compare runs under any memory policy.
 //!
 //! For a decoder of `L` layers, `H` query heads of width `d`, trained on
 //! sequences of `S` tokens:

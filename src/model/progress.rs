@@ -2,6 +2,7 @@
 //! at most every few seconds, which block the step has reached and an
 //! estimate of the step's time, so a user at 1M tokens sees it working.
 
+use super::segments::{Segments, Visit};
 use super::store::{ParamStore, Unit};
 use crate::backend::Backend;
 use crate::error::Result;
@@ -18,6 +19,8 @@ pub struct Progress<'s, S: ?Sized> {
     bwd_cost: f64,
     /// Blocks whose backward runs (those from `Decoder::backward_floor` up).
     backward_blocks: usize,
+    /// Segment checkpointing's blocks a block (`MemoryPolicy::checkpoint_every`).
+    every: usize,
     /// Blocks acquired so far: forward ones, then backward ones.
     seen: usize,
     start: Instant,
@@ -33,6 +36,7 @@ impl<'s, S: ?Sized> Progress<'s, S> {
             layers,
             bwd_cost: if checkpoint { 3.0 } else { 2.0 },
             backward_blocks: layers,
+            every: 1,
             seen: 0,
             start: now,
             last: now,
@@ -47,12 +51,29 @@ impl<'s, S: ?Sized> Progress<'s, S> {
         self
     }
 
-    /// The share of the step's work done after `seen` blocks.
+    /// A step with segments of `every` blocks (`MemoryPolicy::checkpoint_every`):
+    /// its backward also recomputes the forward of earlier segments' blocks.
+    pub fn with_checkpoint_every(mut self, every: usize) -> Self {
+        self.every = every;
+        self
+    }
+
+    /// The share of the step's work done after `seen` blocks: a forward or
+    /// a segment's recompute of a block costs 1, its backward `bwd_cost`.
     fn done(&self) -> f64 {
-        let l = self.layers as f64;
+        let floor = self.layers - self.backward_blocks;
+        let visits = Segments::new(self.layers, floor, self.every).backward_visits();
+        let cost = |v: &Visit| match v {
+            Visit::Recompute(_) => 1.0,
+            Visit::Backward(_) => self.bwd_cost,
+        };
         let fwd = self.seen.min(self.layers) as f64;
-        let bwd = self.seen.saturating_sub(self.layers) as f64;
-        (fwd + self.bwd_cost * bwd) / (l + self.bwd_cost * self.backward_blocks as f64)
+        let bwd: f64 = visits
+            .iter()
+            .take(self.seen.saturating_sub(self.layers))
+            .map(cost)
+            .sum();
+        (fwd + bwd) / (self.layers as f64 + visits.iter().map(cost).sum::<f64>())
     }
 
     fn tick(&mut self, unit: Unit) {

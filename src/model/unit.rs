@@ -2,6 +2,8 @@
 //! what a parameter store hands the decoder at once and FSDP gathers at
 //! once, and the order a step visits them in.
 
+use super::segments::{Segments, Visit};
+
 /// A unit of parameters: what FSDP gathers at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Unit {
@@ -43,13 +45,34 @@ impl Unit {
     /// `floor` (`Freeze::backward_floor`): the blocks below it are used in
     /// the forward only.
     pub fn step_order_to(layers: usize, tied: bool, floor: usize) -> Vec<Unit> {
+        Self::step_order_segmented(layers, tied, floor, 1)
+    }
+
+    /// [`Unit::step_order_to`] under segment checkpointing of `every`
+    /// blocks (`model::segments`): the backward also uses each earlier
+    /// segment's blocks but its last for their recompute, before the
+    /// segment's backward.
+    pub fn step_order_segmented(
+        layers: usize,
+        tied: bool,
+        floor: usize,
+        every: usize,
+    ) -> Vec<Unit> {
         let mut v = vec![Unit::Embed];
         v.extend((0..layers).map(Unit::Block));
         v.push(Unit::Head);
         if tied {
             v.push(Unit::Embed);
         }
-        v.extend((floor.min(layers)..layers).rev().map(Unit::Block));
+        let segments = Segments::new(layers, floor, every);
+        v.extend(
+            segments
+                .backward_visits()
+                .into_iter()
+                .map(|visit| match visit {
+                    Visit::Recompute(l) | Visit::Backward(l) => Unit::Block(l),
+                }),
+        );
         v
     }
 }
@@ -73,6 +96,10 @@ mod tests {
         assert_eq!(stopped[..5].to_vec(), Unit::all(3));
         assert_eq!(stopped[5..].to_vec(), vec![Unit::Block(2)]);
         assert_eq!(Unit::step_order_to(3, false, 3).len(), 5);
+        // segments of 2 over 3 blocks: [0,2) [2,3); block 0 runs again
+        let segmented = Unit::step_order_segmented(3, false, 0, 2);
+        let blocks = |ls: &[usize]| ls.iter().map(|&l| Unit::Block(l)).collect::<Vec<_>>();
+        assert_eq!(segmented[5..].to_vec(), blocks(&[2, 0, 1, 0]));
         for (i, u) in Unit::all(4).into_iter().enumerate() {
             assert_eq!(u.index(4), i);
         }

@@ -14,10 +14,11 @@
 //! (`tests/integration/gpu_plan.rs`).
 //!
 //! What is here: the searches over lengths and choices ([`search`],
-//! [`resolve`], [`offload`], [`offload_optim`], [`save_attention`],
+//! [`resolve`], [`checkpoint_every`], [`offload`], [`offload_optim`], [`save_attention`],
 //! [`stage_width`]), the device a plan is for ([`DeviceKind`], the cuDNN
 //! version it routes by), the mesh fit and the preflight.
 
+pub mod checkpoint_every;
 mod cudnn_version;
 mod device;
 pub mod engine;
@@ -36,12 +37,14 @@ use crate::backend::Category;
 use crate::error::Result;
 use crate::model::{MemoryPolicy, ModelConfig};
 use crate::train::config::TrainConfig;
+pub use checkpoint_every::CheckpointEvery;
 pub use cudnn_version::{CudnnVersion, PLANNED_CUDNN_VERSION};
 pub use device::DeviceKind;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
 pub use resolve::{
-    Depth, FsdpMode, MemoryChoices, RankBudget, ResolvedRun, RunRequest, StageChoices, resolve_run,
+    Depth, EveryBudget, FsdpMode, MemoryChoices, RankBudget, ResolvedRun, RunRequest, StageChoices,
+    checkpoint_every_auto, resolve_checkpoint_every, resolve_run,
 };
 pub use save_attention::{SaveAttention, save_attention_auto};
 pub use search::{Budget, Fit, Limit, longest_context};

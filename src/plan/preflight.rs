@@ -26,7 +26,7 @@ struct Change {
 /// The changes tried, cheapest in speed first (`--offload auto` stands for
 /// offloading every block here, `--offload-optimizer auto` for every
 /// unit's optimizer state on the host: auto then picks the fewest that fit).
-const CHANGES: [Change; 9] = [
+const CHANGES: [Change; 10] = [
     Change {
         // what `auto` falls back to: if none fits, auto fits
         flags: "--save-attention auto",
@@ -83,7 +83,26 @@ const CHANGES: [Change; 9] = [
             s.policy.offload_optimizer = all_units(s);
         },
     },
+    Change {
+        flags: "--checkpoint --tiled-mlp --offload auto --offload-optimizer auto \
+                --checkpoint-every auto",
+        apply: |s| {
+            s.policy.checkpoint = true;
+            s.policy.tiled_mlp = true;
+            s.policy.offload = s.model.layers;
+            s.policy.offload_optimizer = all_units(s);
+            s.policy.checkpoint_every = sqrt_segments(s);
+        },
+    },
 ];
+
+/// Segments of about √L blocks, which keep about 2√L block inputs alive
+/// at once (near the fewest of any length): one of the lengths
+/// `--checkpoint-every auto` tries (it tries every length, the fewest
+/// recomputes first), so wherever this fits, auto fits.
+fn sqrt_segments(s: &StepSpec) -> usize {
+    ((s.model.layers as f64).sqrt().round() as usize).max(2)
+}
 
 /// Every unit's optimizer state on the host (what `--offload-optimizer
 /// auto` falls back to: wherever it fits, auto fits).

@@ -3,9 +3,9 @@
 //! FSDP mode, memory policy, each rank's budgets) turned into a
 //! [`ResolvedRun`], every `auto` decided, always in one order:
 //!
-//! FSDP → `--offload` → `--save-attention` → `--chunk-heads` (wider
-//! backward stages) → `--offload-optimizer` → `--fwd-chunk-heads` (wider
-//! forward stages),
+//! FSDP → `--checkpoint-every` → `--offload` → `--save-attention` →
+//! `--chunk-heads` (wider backward stages) → `--offload-optimizer` →
+//! `--fwd-chunk-heads` (wider forward stages),
 //!
 //! each choice judged by the planner's prediction beside the ones decided
 //! before it. `upipe train` resolves its run here, and `upipe plan`
@@ -13,6 +13,7 @@
 //! what `train` runs at that length ([`Depth::Run`]); the search for the
 //! longest context holds some choices fixed instead ([`Depth::Search`]).
 
+use super::checkpoint_every::{CheckpointEvery, every_candidates, first_fitting};
 use super::mesh::MeshChoice;
 use super::stage_width::{ChunkHeads, FwdChunk};
 use super::{
@@ -95,7 +96,8 @@ impl FsdpMode {
 
 /// The memory policy as a run chooses it (`--checkpoint`, `--offload`,
 /// `--offload-optimizer`, `--tiled-mlp`, `--loss-chunk`,
-/// `--save-attention`), its `auto` choices not yet decided.
+/// `--save-attention`, `--checkpoint-every`), its `auto` choices not yet
+/// decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryChoices {
     /// `--checkpoint`: full activation checkpointing per block.
@@ -110,13 +112,16 @@ pub struct MemoryChoices {
     pub loss_chunk: usize,
     /// `--save-attention`: blocks that keep their attention output.
     pub save_attention: SaveAttention,
+    /// `--checkpoint-every`: blocks per segment of segment checkpointing.
+    pub checkpoint_every: CheckpointEvery,
 }
 
 impl MemoryChoices {
     /// The policy of a model of `layers` blocks: `--offload all` is every
     /// block, `--offload auto` is `auto_blocks` until it is resolved against
     /// a budget; `--offload-optimizer auto` is every unit until it is
-    /// resolved; `--save-attention` is resolved later too (none here).
+    /// resolved; `--save-attention` is resolved later too (none here);
+    /// `--checkpoint-every auto` is 1 until it is resolved.
     pub fn policy(&self, layers: usize, auto_blocks: usize) -> MemoryPolicy {
         MemoryPolicy {
             checkpoint: self.checkpoint,
@@ -129,6 +134,10 @@ impl MemoryChoices {
             tiled_mlp: self.tiled_mlp,
             loss_chunk: self.loss_chunk,
             save_attention: 0,
+            checkpoint_every: match self.checkpoint_every {
+                CheckpointEvery::Blocks(k) => k,
+                CheckpointEvery::Auto => 1,
+            },
         }
     }
 }
@@ -312,6 +321,7 @@ pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
     let req = compact.as_ref().unwrap_or(req);
     let mut r = Resolution::start(req)?;
     r.shard()?;
+    r.checkpoint_every()?;
     r.offload()?;
     r.save_attention(depth)?;
     if depth == Depth::Run {
@@ -417,6 +427,33 @@ impl<'a> Resolution<'a> {
             );
         }
         (self.fsdp, self.fsdp_note) = (fsdp, note);
+        Ok(())
+    }
+
+    /// `--checkpoint-every` (auto: the segments with the fewest recomputed
+    /// blocks whose step fits, `--offload` resolved for each; the search
+    /// for the longest context decides it at each length too).
+    fn checkpoint_every(&mut self) -> Result<()> {
+        let choice = self.req.memory.checkpoint_every;
+        let budget = EveryBudget {
+            ledger: self.req.budget.ledger,
+            host: self.req.budget.host,
+            offload: self.req.memory.offload,
+        };
+        self.policy.checkpoint_every = resolve_checkpoint_every(choice, &self.spec(), budget)?;
+        if choice == CheckpointEvery::Auto {
+            let spec = self.spec();
+            let (layers, floor) = (self.req.model.layers, spec.backward_floor());
+            let segments = self.policy.segments(layers, floor);
+            self.notes.push(format!(
+                "--checkpoint-every auto: {}, {} of {} blocks keep their checkpointed input and \
+                 the backward recomputes {} block forwards more",
+                self.policy.checkpoint_every,
+                segments.kept_inputs(),
+                layers - floor,
+                segments.recomputed_blocks()
+            ));
+        }
         Ok(())
     }
 
@@ -551,6 +588,75 @@ impl<'a> Resolution<'a> {
             notes: self.notes,
         })
     }
+}
+
+/// The memory a rank has for [`resolve_checkpoint_every`].
+#[derive(Debug, Clone, Copy)]
+pub struct EveryBudget {
+    /// Bytes the ledger may use per rank (`None`: unknown; `auto` is then 1).
+    pub ledger: Option<usize>,
+    /// Host bytes for offloaded tensors per rank (`None`: unchecked).
+    pub host: Option<usize>,
+    /// `--offload` as given, resolved for each length tried (`auto`: the
+    /// fewest blocks that fit that length's step).
+    pub offload: OffloadBlocks,
+}
+
+/// `--checkpoint-every` of a step of `spec` (its `policy.checkpoint_every`
+/// and `policy.offload` are ignored) within `budget`: a number as given,
+/// `auto` by [`checkpoint_every_auto`] (1 when the memory is unknown).
+/// Errors as [`CheckpointEvery::check`].
+pub fn resolve_checkpoint_every(
+    choice: CheckpointEvery,
+    spec: &StepSpec,
+    budget: EveryBudget,
+) -> Result<usize> {
+    choice.check(spec.policy)?;
+    match (choice, budget.ledger) {
+        (CheckpointEvery::Blocks(k), _) => Ok(k),
+        (CheckpointEvery::Auto, None) => Ok(1),
+        (CheckpointEvery::Auto, Some(ledger)) => {
+            checkpoint_every_auto(spec, ledger, budget.host, budget.offload)
+        }
+    }
+}
+
+/// The fastest segment length whose step fits: of
+/// [`every_candidates`] in order (the fewest recomputed blocks first), the
+/// first whose predicted step, with `offload` resolved for it, fits
+/// `ledger` device bytes ([`Prediction::rank_bytes`]) and `host` bytes of
+/// host memory; when none fits, the closest ([`first_fitting`]). Without
+/// checkpointing, 1.
+///
+/// [`Prediction::rank_bytes`]: super::Prediction::rank_bytes
+pub fn checkpoint_every_auto(
+    spec: &StepSpec,
+    ledger: usize,
+    host: Option<usize>,
+    offload: OffloadBlocks,
+) -> Result<usize> {
+    if !spec.policy.checkpoint {
+        return Ok(1);
+    }
+    let (layers, floor) = (spec.model.layers, spec.backward_floor());
+    let candidates = every_candidates(spec.policy, layers, floor);
+    first_fitting(&candidates, |k| {
+        let mut s = spec.clone();
+        s.policy.checkpoint_every = k;
+        let device_over = |p: &Prediction| p.rank_bytes(s.device).saturating_sub(ledger);
+        // a length whose device peak misses with every kept input on the
+        // host misses with any `--offload auto` picks: one prediction
+        if offload == OffloadBlocks::Auto {
+            s.policy.offload = layers;
+            let over = device_over(&predict_step(&s)?);
+            if over > 0 {
+                return Ok(over);
+            }
+        }
+        s.policy.offload = offload.resolve(&s, Some(ledger), host)?;
+        let p = predict_step(&s)?;
+        Ok(device_over(&p) + host.map_or(0, |h| p.host_peak.saturating_sub(h)))
+    })
 }
 
 /// A list of strategies as `plan --attn` and `bench attn --methods` take

@@ -125,6 +125,7 @@ impl TrainConfig {
         if p.checkpoint {
             f.push(format!("--offload {}", p.offload));
             f.push(format!("--save-attention {}", p.save_attention));
+            f.push(format!("--checkpoint-every {}", p.checkpoint_every));
         }
         f.push(format!("--offload-optimizer {}", p.offload_optimizer));
         // the attention kernel (ranks that could load different cuDNNs

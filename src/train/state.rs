@@ -98,6 +98,7 @@ pub fn pass<B: Backend, S: ParamStore<B>>(
 ) -> Result<f64> {
     let (layers, checkpoint) = (decoder.cfg.layers, decoder.policy.checkpoint);
     let mut store = Progress::new(store, layers, checkpoint, mesh.rank == 0)
-        .with_backward_floor(decoder.backward_floor);
+        .with_backward_floor(decoder.backward_floor)
+        .with_checkpoint_every(decoder.policy.checkpoint_every);
     decoder.forward_backward(b, mesh, &mut store, ids, targets, grad_scale)
 }

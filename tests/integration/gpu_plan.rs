@@ -138,6 +138,7 @@ fn training_step_prediction_matches_the_cuda_ledger() {
             tiled_mlp,
             loss_chunk: 256,
             save_attention,
+            checkpoint_every: 1,
         };
         let cfg = TrainConfig {
             strategy: Strategy::Upipe,
@@ -217,6 +218,7 @@ fn a_cuda_rehearsal_allocates_what_a_real_cuda_step_does() {
                 tiled_mlp: true,
                 loss_chunk: 256,
                 save_attention,
+                checkpoint_every: 1,
             };
             let cfg = TrainConfig {
                 strategy: Strategy::Upipe,

@@ -52,6 +52,7 @@ mod rehearse;
 mod resolve;
 mod save_attention;
 mod save_dir;
+mod segments;
 mod sliding_window;
 mod tokenize;
 mod trust;

@@ -230,6 +230,7 @@ fn memory_policies_leave_gradients_unchanged() {
             tiled_mlp: true,
             loss_chunk: 7,
             save_attention: 0,
+            checkpoint_every: 1,
         },
     ] {
         let got = run(&cfg, Strategy::Local, 1, 1, None, policy, seq);

@@ -181,6 +181,7 @@ fn policies() -> Vec<MemoryPolicy> {
                         tiled_mlp,
                         loss_chunk,
                         save_attention,
+                        checkpoint_every: 1,
                     });
                 }
             }
@@ -325,6 +326,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         tiled_mlp: true,
         loss_chunk: 256,
         save_attention: 0,
+        checkpoint_every: 1,
     };
     let ckpt = predict_step(&spec(MemoryPolicy { offload: 0, ..all }, true)).unwrap();
     let best = predict_step(&spec(all, true)).unwrap();
@@ -353,6 +355,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
         tiled_mlp: true,
         loss_chunk: 256,
         save_attention: 0,
+        checkpoint_every: 1,
     };
     let budget = Budget {
         device: 80 << 30,
@@ -561,4 +564,53 @@ fn cuda_predictions_against_the_h200_ledger() {
         52_920_320
     );
     assert!(rel(got, 61_571_328) < 1e-5, "local d64: {got} vs 61571328");
+}
+
+/// Segment checkpointing (`--checkpoint-every`) on every strategy, with
+/// offloaded inputs and kept attention, replicated and FSDP: the planner's
+/// prediction equals the CPU ledger to the byte, and keeps less than one
+/// checkpoint per block.
+#[test]
+fn training_step_prediction_equals_ledger_peak_under_segments() {
+    let mut rng = Rng::new(4);
+    let tokens: Arc<[u32]> = (0..4096).map(|_| rng.below(256) as u32).collect();
+    let mut model = tiny(true);
+    model.layers = 6;
+    model.validate().unwrap();
+    for (s, pu, pr, u) in [
+        (Strategy::Upipe, 2, 2, Some(2)),
+        (Strategy::Ulysses, 4, 1, None),
+        (Strategy::Ring, 1, 4, None),
+        (Strategy::Usp, 2, 2, None),
+        (Strategy::Local, 1, 1, None),
+    ] {
+        for (offload, save_attention, fsdp) in [(0, 0, false), (6, 2, true), (2, 6, false)] {
+            let at = |k: usize| {
+                let policy = MemoryPolicy {
+                    checkpoint: true,
+                    offload,
+                    save_attention,
+                    checkpoint_every: k,
+                    ..MemoryPolicy::default()
+                };
+                let mut cfg = train_cfg(&model, s, pu, pr, u, 256, policy);
+                cfg.fsdp = fsdp;
+                let plan = cfg.plan().unwrap();
+                let measured = train_cpu(&cfg, tokens.clone(), &|_| {}).unwrap().memory;
+                let pred = predict_step(&StepSpec::of_run(&cfg, &plan, DeviceKind::Cpu)).unwrap();
+                let what = format!("{s} {pu}x{pr} fsdp={fsdp} {policy:?}");
+                assert_eq!(pred.peak, measured.peak, "{what}: device peak");
+                assert_eq!(pred.host_peak, measured.host_peak, "{what}: host peak");
+                pred
+            };
+            let one = at(1);
+            for k in [2, 4] {
+                let seg = at(k);
+                assert!(
+                    seg.peak + seg.host_peak < one.peak + one.host_peak,
+                    "{s}: segments of {k} keep less"
+                );
+            }
+        }
+    }
 }

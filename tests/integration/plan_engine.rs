@@ -42,6 +42,7 @@ fn policies(layers: usize) -> Vec<MemoryPolicy> {
             tiled_mlp,
             loss_chunk,
             save_attention,
+            checkpoint_every: 1,
         }
     };
     vec![
@@ -422,6 +423,42 @@ fn the_collapsed_and_the_whole_engine_agree_when_the_backward_stops_early() {
                     s.freeze = Freeze::parse("embeddings,blocks:0-1").unwrap();
                     assert_eq!(s.freeze.backward_floor(&model, false), 2);
                     let what = format!("{device:?} {m:?} fsdp={fsdp} {policy:?}");
+                    check(&s, &what);
+                }
+            }
+        }
+    }
+}
+
+/// Segment checkpointing (`--checkpoint-every`): segments that divide the
+/// blocks and that do not, one segment of every block, with offloaded
+/// inputs, kept attention and a backward that stops early; both paths
+/// alike on every mesh, replicated and FSDP (each recomputed block gathered
+/// again).
+#[test]
+fn the_collapsed_and_the_whole_engine_agree_under_segment_checkpointing() {
+    use upipe::model::Freeze;
+    let mut model = tiny(false);
+    model.layers = 5;
+    model.validate().unwrap();
+    let all = policies(model.layers);
+    for device in [DeviceKind::Cpu, DeviceKind::CUDA] {
+        for m in MESHES {
+            for policy in [all[2], all[3], all[4], all[5], all[9]] {
+                for (k, fsdp, freeze) in [
+                    (2, false, "none"),
+                    (3, true, "none"),
+                    (6, false, "none"),
+                    (2, true, "embeddings,blocks:0"),
+                ] {
+                    let policy = MemoryPolicy {
+                        checkpoint_every: k,
+                        ..policy
+                    };
+                    let mut s = spec(&model, m, 240, policy);
+                    (s.device, s.fsdp) = (device, fsdp);
+                    s.freeze = Freeze::parse(freeze).unwrap();
+                    let what = format!("{device:?} {m:?} fsdp={fsdp} --freeze {freeze} {policy:?}");
                     check(&s, &what);
                 }
             }

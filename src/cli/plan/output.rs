@@ -7,18 +7,19 @@ use crate::plan::{Limit, Prediction, StepSpec};
 use serde_json::{Value, json};
 
 /// The policy columns' heads, as [`policy_cells`] fills them.
-pub(super) const POLICY_HEAD: &str = "heads/stage  attn kept  offloaded  optim host";
+pub(super) const POLICY_HEAD: &str = "heads/stage  attn kept  offloaded  optim host  ckpt every";
 
 /// What the policy columns mean, printed under a table.
 pub(super) const POLICY_NOTE: &str = "heads/stage: query heads per attention stage, backward \
     (fwd: forward); attn kept: blocks keeping attention outputs\n\
     offloaded: blocks whose checkpoints are on the host; optim host: units whose optimizer \
-    state is on the host";
+    state is on the host\n\
+    ckpt every: blocks per kept checkpoint (--checkpoint-every; 1: every block's input is kept)";
 
 /// A step's policy columns under [`POLICY_HEAD`]: heads per stage (`8`,
 /// or `8 fwd 32` with wider forward stages), blocks keeping attention
 /// (`3/16`), blocks offloaded and units with host optimizer state (`-`
-/// for none).
+/// for none), and blocks per kept checkpoint (`-` without checkpointing).
 pub(super) fn policy_cells(spec: &StepSpec) -> String {
     let (u, uf) = (spec.plan.schedule.chunk, spec.plan.fwd_schedule.chunk);
     let stages = match u == uf {
@@ -27,8 +28,12 @@ pub(super) fn policy_cells(spec: &StepSpec) -> String {
     };
     let (p, layers) = (&spec.policy, spec.model.layers);
     let count = |n: usize| if n == 0 { "-".into() } else { n.to_string() };
+    let every = match p.checkpoint {
+        true => p.checkpoint_every.to_string(),
+        false => "-".into(),
+    };
     format!(
-        "{stages:>11}  {:>9}  {:>9}  {:>10}",
+        "{stages:>11}  {:>9}  {:>9}  {:>10}  {every:>10}",
         format!("{}/{layers}", p.save_attention),
         count(p.offload),
         count(p.offload_optimizer)
@@ -104,6 +109,9 @@ impl std::fmt::Display for TrainCommand<'_> {
             " --offload {} --save-attention {}",
             p.offload, p.save_attention
         )?;
+        if p.checkpoint_every != 1 {
+            write!(f, " --checkpoint-every {}", p.checkpoint_every)?;
+        }
         write!(f, " --offload-optimizer {}", p.offload_optimizer)?;
         write!(f, " --fsdp {}", if spec.fsdp { "on" } else { "off" })?;
         if spec.grad_accum > 1 {

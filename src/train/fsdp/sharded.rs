@@ -331,7 +331,8 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
     ) -> Result<f64> {
         // each sequence's reduce-scatter adds into the shards (ZeRO-3's way:
         // no rank ever holds the whole model's gradients)
-        self.store.begin_step(micro.first);
+        let every = decoder.policy.checkpoint_every;
+        self.store.begin_step(micro.first, every);
         let mut store = Settling::new(&mut self.store, &mut self.opt, decoder.cfg.layers);
         pass(b, decoder, mesh, &mut store, ids, targets, grad_scale)
     }

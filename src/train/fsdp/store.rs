@@ -160,7 +160,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
             head_g: None,
             reducing: None,
         };
-        s.begin_step(true);
+        s.begin_step(true, 1);
         Ok(s)
     }
 
@@ -177,11 +177,15 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
 
     /// Prepares a step: the gathers to prefetch and, with `fresh_grads`,
     /// gradient shards that the step's first reduce-scatters overwrite
-    /// (without it they add: gradient accumulation).
-    pub fn begin_step(&mut self, fresh_grads: bool) {
+    /// (without it they add: gradient accumulation). `checkpoint_every`:
+    /// the decoder's segments (`MemoryPolicy::checkpoint_every`), whose
+    /// recompute gathers an earlier segment's blocks again before their
+    /// backward.
+    pub fn begin_step(&mut self, fresh_grads: bool, checkpoint_every: usize) {
         // no gather for a block below the backward's floor: its backward never runs
         let floor = self.frozen.backward_floor(&self.cfg, self.lora.is_some());
-        self.order = Unit::step_order_to(self.cfg.layers, self.cfg.tie_embeddings, floor).into();
+        let (layers, tied) = (self.cfg.layers, self.cfg.tie_embeddings);
+        self.order = Unit::step_order_segmented(layers, tied, floor, checkpoint_every).into();
         if fresh_grads {
             self.grad_written.iter_mut().for_each(|w| *w = false);
         }
