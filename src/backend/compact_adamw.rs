@@ -23,7 +23,7 @@
 //! counter-based hash of the run's seed, the step, the slot and the
 //! element: the same draw on every device and on every resume.
 
-use super::AdamWStep;
+use super::adamw_step::AdamWStep;
 use crate::error::{Error, Result};
 
 /// Elements of a piece per 8-bit block (one scale each).

@@ -7,6 +7,7 @@
 //! against.
 
 pub mod adamw_multi;
+pub mod adamw_step;
 pub mod arena;
 pub mod bounded_mask;
 pub mod compact_adamw;
@@ -22,38 +23,13 @@ pub mod rehearsal;
 pub mod tensor;
 
 pub use adamw_multi::{AdamWPiece, AdamWSlot};
+pub use adamw_step::AdamWStep;
 pub use mask::{AttnMask, BoundedMask, RowPositions};
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};
 pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor, TensorRef};
 
 use crate::error::Result;
 use std::sync::Arc;
-
-/// Hyper-parameters of one AdamW update.
-#[derive(Debug, Clone, Copy)]
-pub struct AdamWStep {
-    /// Learning rate of this step.
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-    /// 1-based step number (for bias correction).
-    pub step: u32,
-    /// Multiplier applied to the gradient first (clipping).
-    pub grad_scale: f32,
-}
-
-impl AdamWStep {
-    /// The bias corrections `(1 - beta1^step, 1 - beta2^step)`, in f32 as
-    /// every backend's update divides by them.
-    pub fn bias_corrections(&self) -> (f32, f32) {
-        (
-            1.0 - self.beta1.powi(self.step as i32),
-            1.0 - self.beta2.powi(self.step as i32),
-        )
-    }
-}
 
 /// How [`Backend::attention_bwd`] writes one gradient.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -395,13 +395,15 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
     }
     if !ctx.a.json {
         println!(
-            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; policies: {}; save-attention {}",
+            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; optimizer \
+             state: {}; policies: {}; save-attention {}",
             ctx.model.name,
             ctx.model.param_count() as f64 / 1e9,
             ctx.gpus,
             ctx.a.gpu_mem,
             ctx.a.reserve,
             ctx.device.name(),
+            ctx.state,
             policy_text(&ctx),
             ctx.a.memory.save_attention,
         );

@@ -334,6 +334,7 @@ fn llama_spec(seq: usize) -> StepSpec {
         grad_accum: 1,
         device: DeviceKind::CUDA,
         optimizer: true,
+        state: Default::default(),
         freeze: Default::default(),
         lora: None,
     }
