@@ -1,5 +1,6 @@
-//! AdamW with fp32 state over any parameter store's slots, global-norm
-//! gradient clipping, and its learning-rate schedule (`schedule.rs`).
+//! AdamW over any parameter store's slots, its state in F32 or in a compact
+//! format (`state_format.rs`, `moments.rs`), global-norm gradient clipping,
+//! and its learning-rate schedule (`schedule.rs`).
 
 use crate::backend::compact_adamw::rounding_key;
 use crate::backend::{AdamWPiece, AdamWSlot, AdamWStep, Backend, Category, DType, Tensor, cast};

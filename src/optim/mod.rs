@@ -2,7 +2,9 @@
 //! [`Optimizer`] trait, its [`Slot`]s (a whole parameter, or a rank's FSDP
 //! shard of a unit), AdamW with its clipping (`adamw.rs`) and its
 //! learning-rate schedules (`schedule.rs`: cosine, linear, constant, WSD),
-//! its state in pinned host memory with the update deferred into the next
+//! its state's formats (`state_format.rs`: F32, BF16 or 8-bit moments, F32
+//! masters or none; a slot's moment in its format: `moments.rs`), its state
+//! in pinned host memory with the update deferred into the next
 //! forward (`host.rs`, `settling.rs`), and the guard that stops a diverged
 //! run (`divergence.rs`).
 
