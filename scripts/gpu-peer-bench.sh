@@ -37,7 +37,7 @@
 # PEERS ("liger hf": which peers run), SHORT_POLICIES ("none ckpt": the peers' policies
 # below LONG), SEQS ("32768 131072 262144"; empty: none), LONG (131072), STEPS (4 below LONG, 2 from LONG
 # on), ROUNDS (1: every configuration once; a second round runs them in reverse order),
-# BIG (0), SEQ8B (65536), STEPS8B (3), UPFLAGS8B (upipe's flags in the 8B row: the ones
+# BIG (0), MODEL8B (llama3-8b; or qwen2.5-7b-instruct), SEQ8B (65536), STEPS8B (3), UPFLAGS8B (upipe's flags in the 8B row: the ones
 # above, or e.g. compact optimizer state on the device: `--optim-state 8bit
 # --master-weights none --offload-optimizer 0` with the same policy), BUDGET (570 seconds for the whole call: a run that
 # would start with less than 20 s left is skipped), UPIPE (DIR/bin/upipe), OUT (logs under
@@ -70,7 +70,7 @@ if [ "${DRY:-0}" = 1 ]; then
     unit=1e6 uname=MB
 else
     device=() mesh1b=""
-    model1b=llama3.2-1b model8b=llama3-8b
+    model1b=llama3.2-1b model8b="${MODEL8B:-llama3-8b}"
     seqs="${SEQS-32768 131072 262144}" long="${LONG:-131072}" seq8b="${SEQ8B:-65536}"
     unit=1e9 uname=GB
     export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}

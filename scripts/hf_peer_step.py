@@ -1,7 +1,7 @@
 """The HF transformers + PyTorch peer of `upipe train` on one GPU.
 
 A Llama architecture (`--model`: Llama 3.2 1B or Llama3-8B, HF dims, random
-init), one sequence of SEQ tokens per step, bf16 parameters, fused torch
+init) or Qwen2.5-7B (`qwen2.5-7b-instruct`: its HF config, biases on q/k/v), one sequence of SEQ tokens per step, bf16 parameters, fused torch
 AdamW, SDPA with cuDNN first, no KV cache (`use_cache` off, as in training)
 and, with `--checkpoint`, non-reentrant activation checkpointing of every
 decoder layer. Prints one JSON line per step: tokens/s, the step's peak of
@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 LOSS_ROWS = 4096
 VOCAB = 128256
@@ -73,6 +73,25 @@ MODELS = {
 }
 
 
+# Qwen2.5-7B(-Instruct)'s config.json: what upipe's `qwen2.5-7b-instruct` preset reads
+QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, intermediate_size=18944, rms_norm_eps=1e-6,
+                 rope_theta=1000000.0, tie_word_embeddings=False)
+
+
+def vocab_of(name: str) -> int:
+    return QWEN25_7B["vocab_size"] if name == "qwen2.5-7b-instruct" else VOCAB
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """The model `name`, random init, on the current device."""
+    if name == "qwen2.5-7b-instruct":
+        cfg = Qwen2Config(max_position_embeddings=1 << 20, use_cache=False,
+                          attn_implementation="sdpa", **QWEN25_7B)
+        return Qwen2ForCausalLM(cfg)
+    return LlamaForCausalLM(llama_config(name))
+
+
 def llama_config(name: str) -> LlamaConfig:
     dims = dict(MODELS[name])
     factor = dims.pop("factor")
@@ -85,24 +104,25 @@ def llama_config(name: str) -> LlamaConfig:
         max_position_embeddings=1 << 20, use_cache=False, attn_implementation="sdpa", **dims)
 
 
-def apply_liger() -> None:
-    """Liger's kernels into transformers' Llama classes (before a model is built)."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
-    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True,
-                                cross_entropy=False, fused_linear_cross_entropy=True)
+def apply_liger(name: str) -> None:
+    """Liger's kernels into transformers' classes of `name` (before a model is built)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
+    apply = apply_liger_kernel_to_qwen2 if name == "qwen2.5-7b-instruct" else apply_liger_kernel_to_llama
+    apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 
 
 def liger_modules(model: torch.nn.Module) -> dict:
     """Liger's version, how many modules of each Liger class the model holds,
     and whether RoPE is Liger's."""
+    import sys
     from importlib.metadata import version
-    from transformers.models.llama import modeling_llama
     counts: dict = {"version": version("liger_kernel")}
     for m in model.modules():
         name = type(m).__name__
         if name.startswith("Liger"):
             counts[name] = counts.get(name, 0) + 1
-    counts["rope"] = modeling_llama.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
+    modeling = sys.modules[type(model).__module__]  # modeling_llama or modeling_qwen2
+    counts["rope"] = modeling.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
     return counts
 
 
@@ -231,9 +251,9 @@ def train(args: argparse.Namespace, progress: dict) -> None:
     """Builds the model and runs the steps; `progress["step"]` is the step running."""
     torch.manual_seed(0)
     if args.liger:
-        apply_liger()
+        apply_liger(args.model)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(llama_config(args.model)).to(torch.bfloat16)
+        model = build_model(args.model).to(torch.bfloat16)
     if args.checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_rank:
@@ -242,7 +262,7 @@ def train(args: argparse.Namespace, progress: dict) -> None:
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-4, fused=True)
-    tokens = torch.randint(0, VOCAB, (1, args.seq + 1), device="cuda")
+    tokens = torch.randint(0, vocab_of(args.model), (1, args.seq + 1), device="cuda")
     positions = packed_positions(args.doc_lengths, args.seq) if args.doc_lengths else None
     docs = 1 if positions is None else int((positions[0] == 0).sum())
     loss_fn = liger_step_loss if args.liger else step_loss
@@ -276,7 +296,7 @@ def train(args: argparse.Namespace, progress: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=sorted(MODELS), default="llama3.2-1b")
+    ap.add_argument("--model", choices=sorted(MODELS) + ["qwen2.5-7b-instruct"], default="llama3.2-1b")
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--checkpoint", action="store_true")
