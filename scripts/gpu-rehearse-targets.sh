@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The planner's longest for this card (its usable memory, --host-mem 108), then
+# --rehearse at that length: Llama3-8B full (8bit/none), LoRA r16, Llama 3.2 1B full.
+#
+#   mkdir -p DIR/bin && cp target/release/upipe DIR/bin/ && cp scripts/gpu-rehearse-targets.sh DIR/
+#   bash DIR/gpu-rehearse-targets.sh      # on the GPU machine
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0
+U="$(dirname "$0")/bin/upipe"
+nvidia-smi -L
+usable=$($U train --model tiny --ulysses 1 --ring 1 --seq 1024 --rehearse 2>&1 | grep -o '[0-9.]* GiB usable' | head -1 | cut -d' ' -f1)
+echo "usable: $usable GiB"
+mem=$(python3 -c "print($usable + 1)")
+P="--attn upipe --checkpoint --tiled-mlp --offload auto --offload-optimizer auto --checkpoint-every auto --host-mem 108"
+for what in "llama3-8b --optim-state 8bit --master-weights none" "llama3-8b --lora-rank 16" "llama3.2-1b"; do
+    seq=$($U plan --model $what $P --gpus 1 --gpu-mem "$mem" --json 2>/dev/null | python3 -c "import json,sys; print([json.loads(l) for l in sys.stdin if l.startswith('{')][0]['longest_seq'])")
+    echo "== $what: longest $seq"
+    timeout 240 $U train --model $what $P --ulysses 1 --ring 1 --seq "$seq" --rehearse 2>&1 | grep -E "checkpoint-every auto|device peak|host peak|fits|does not" | cut -c1-300
+done
