@@ -652,9 +652,11 @@ impl Backend for CpuBackend {
                 let p = &mut target[r.clone()];
                 let (g, m, v) = (&grad[r.clone()], &mut m[r.clone()], &mut v[r.clone()]);
                 super::host_adamw::adamw_serial(p, g, m, v, *hp);
-                // the write-back rounds as `copy` does (a copy of F32 cells)
-                if let (Some(narrow), Some(dtype)) = (narrow.as_deref_mut(), narrow_dtype) {
-                    narrow[r].copy_from_slice(&stored(dtype, p)?);
+                // the write-back rounds as `copy` does (F32 cells: a copy)
+                match (narrow.as_deref_mut(), narrow_dtype) {
+                    (Some(narrow), Some(DType::F32)) => narrow[r].copy_from_slice(p),
+                    (Some(narrow), Some(dtype)) => narrow[r].copy_from_slice(&stored(dtype, p)?),
+                    _ => {}
                 }
             }
         }
