@@ -25,4 +25,20 @@ impl AdamWStep {
             1.0 - self.beta2.powi(self.step as i32),
         )
     }
+
+    /// The update's scalars as the CUDA kernels' piece tables hold them:
+    /// `lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale`.
+    pub fn kernel_scalars(&self) -> [f32; 8] {
+        let (bc1, bc2) = self.bias_corrections();
+        [
+            self.lr,
+            self.beta1,
+            self.beta2,
+            self.eps,
+            self.weight_decay,
+            bc1,
+            bc2,
+            self.grad_scale,
+        ]
+    }
 }

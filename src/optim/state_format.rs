@@ -72,22 +72,6 @@ impl StateFormat {
     pub fn is_plain(&self) -> bool {
         *self == StateFormat::default()
     }
-
-    /// Bytes of state per trained parameter element besides the weight and
-    /// its gradient, for weights in `param` (a master only when narrower
-    /// than F32; 8-bit moments' scales rounded up to a byte).
-    pub fn bytes_per_element(&self, param: DType) -> f64 {
-        let moments = 2.0 * self.moments.dtype().size() as f64;
-        let scales = match self.moments {
-            MomentFormat::Q8 => 2.0 * 4.0 / 256.0,
-            _ => 0.0,
-        };
-        let master = match (self.master, param) {
-            (MasterWeights::F32, DType::BF16) => 4.0,
-            _ => 0.0,
-        };
-        moments + scales + master
-    }
 }
 
 impl fmt::Display for StateFormat {
@@ -136,7 +120,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_parse_back_and_bytes_add_up() {
+    fn names_parse_back_and_say_the_format() {
         for m in [MomentFormat::F32, MomentFormat::Bf16, MomentFormat::Q8] {
             assert_eq!(m.name().parse::<MomentFormat>().unwrap(), m);
         }
@@ -145,15 +129,11 @@ mod tests {
         }
         assert!("fp8".parse::<MomentFormat>().is_err());
         assert!("bf16".parse::<MasterWeights>().is_err());
-        let plain = StateFormat::default();
-        assert!(plain.is_plain());
-        assert_eq!(plain.bytes_per_element(DType::BF16), 12.0);
-        assert_eq!(plain.bytes_per_element(DType::F32), 8.0);
+        assert!(StateFormat::default().is_plain());
         let compact = StateFormat {
             moments: MomentFormat::Q8,
             master: MasterWeights::None,
         };
-        assert_eq!(compact.bytes_per_element(DType::BF16), 2.0 + 8.0 / 256.0);
         assert_eq!(compact.to_string(), "moments 8bit, master none");
     }
 }

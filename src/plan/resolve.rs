@@ -317,7 +317,7 @@ impl RunRequest {
 /// Resolves every `auto` of `req` in the one order (the module's doc), as
 /// far as `depth` says; the prediction is of the step so resolved.
 pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
-    let compact = compact_state_on_device(req)?;
+    let compact = compact_state_on_device(req);
     let req = compact.as_ref().unwrap_or(req);
     let mut r = Resolution::start(req)?;
     r.shard()?;
@@ -333,25 +333,16 @@ pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
 }
 
 /// Compact optimizer state lives on the device (the host keeps F32 state
-/// only): `--offload-optimizer auto` is then none, and any other host
-/// units an error naming both flags. `None`: `req` as it is.
-fn compact_state_on_device(req: &RunRequest) -> Result<Option<RunRequest>> {
-    if req.state.is_plain() {
-        return Ok(None);
+/// only): `--offload-optimizer auto` is then none. (Host units asked for
+/// beside it are refused by the optimizer, naming both flags.) `None`:
+/// `req` as it is.
+fn compact_state_on_device(req: &RunRequest) -> Option<RunRequest> {
+    if req.state.is_plain() || req.memory.offload_optimizer != OptimizerOffload::Auto {
+        return None;
     }
-    match req.memory.offload_optimizer {
-        OptimizerOffload::Units(0) => Ok(None),
-        OptimizerOffload::Auto => {
-            let mut plain = req.clone();
-            plain.memory.offload_optimizer = OptimizerOffload::Units(0);
-            Ok(Some(plain))
-        }
-        other => crate::config_err!(
-            "--offload-optimizer {other} keeps F32 state on the host; with {} the state stays \
-             on the device: use --offload-optimizer 0, or --optim-state f32 --master-weights f32",
-            req.state
-        ),
-    }
+    let mut on_device = req.clone();
+    on_device.memory.offload_optimizer = OptimizerOffload::Units(0);
+    Some(on_device)
 }
 
 /// A run part way through [`resolve_run`].

@@ -221,10 +221,14 @@ impl TrainConfig {
         )
     }
 
-    /// Says so when `--resume` of `dir` keeps the optimizer state in
-    /// another format than the checkpoint's run did: its saved (decoded F32)
-    /// values are encoded in this run's format.
-    fn note_state_format(&self, dir: &std::path::Path, extra: &serde_json::Value) {
+    /// Says so (on the group's first rank, `lead`) when `--resume` of `dir`
+    /// keeps the optimizer state in another format than the checkpoint's
+    /// run did: its saved (decoded F32) values are encoded in this run's
+    /// format.
+    pub fn note_state_format(&self, dir: &std::path::Path, extra: &serde_json::Value, lead: bool) {
+        if !lead {
+            return;
+        }
         let plain = crate::optim::StateFormat::default().to_string();
         let saved = extra.get("optim_state").and_then(|v| v.as_str());
         let saved = saved.unwrap_or(&plain);
@@ -247,7 +251,6 @@ impl TrainConfig {
         dir: &std::path::Path,
         extra: &serde_json::Value,
     ) -> Result<()> {
-        self.note_state_format(dir, extra);
         let saved = extra
             .get("freeze")
             .and_then(|v| v.as_str())

@@ -278,6 +278,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
         check_not_sharded(dir)?;
         let st = load_train_state(dir)?;
         cfg.check_resume_freeze(dir, &st.extra)?;
+        cfg.note_state_format(dir, &st.extra, group.rank() == 0);
         let names = st.params.keys().map(String::as_str);
         // a LoRA checkpoint's adapters are its own (PEFT names), not extras
         let extras = cfg.extra_tensors.beside_adapters(cfg.lora.is_some());

@@ -228,3 +228,31 @@ fn bad_formats_and_host_state_are_refused_naming_the_fix() {
         "{log}"
     );
 }
+
+/// A resume into another format converts the saved (decoded F32) moments
+/// into this run's format, says so, and trains on.
+#[test]
+fn a_resume_into_another_format_converts_and_says_so() {
+    let dir = scratch("convert");
+    let save = dir.join("ckpt");
+    let save = save.to_str().unwrap();
+    let common = ["train", "--seq", "64", "--json", "--save-dir", save];
+    ok(&[&common[..], &["--steps", "2", "--optim-state", "bf16"]].concat());
+    let args = [
+        &common[..],
+        &["--steps", "4", "--optim-state", "8bit", "--resume"],
+    ]
+    .concat();
+    let (stdout, log, success) = upipe(&args);
+    assert!(success, "{log}");
+    assert!(
+        log.contains(
+            "kept its optimizer state as moments bf16, master f32, this run as moments 8bit"
+        ),
+        "{log}"
+    );
+    let resumed = losses(&stdout);
+    assert_eq!(resumed.len(), 2, "steps 3 and 4");
+    assert!(resumed.iter().all(|l| l.is_finite()), "{resumed:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -35,7 +35,6 @@ fn piece_table(pieces: &[PieceRef]) -> (Vec<u64>, u64) {
     let mut narrow = [[0u32; PIECES]; 13];
     let mut vblocks = 0u64;
     for (k, piece) in pieces.iter().enumerate() {
-        let (bc1, bc2) = piece.hp.bias_corrections();
         for (f, &p) in piece.ptrs.iter().enumerate() {
             wide[f][k] = p;
         }
@@ -47,18 +46,7 @@ fn piece_table(pieces: &[PieceRef]) -> (Vec<u64>, u64) {
             narrow[f][k] = flag as u32;
         }
         narrow[4][k] = piece.key;
-        let hp = &piece.hp;
-        let floats = [
-            hp.lr,
-            hp.beta1,
-            hp.beta2,
-            hp.eps,
-            hp.weight_decay,
-            bc1,
-            bc2,
-            hp.grad_scale,
-        ];
-        for (f, x) in floats.into_iter().enumerate() {
+        for (f, x) in piece.hp.kernel_scalars().into_iter().enumerate() {
             narrow[5 + f][k] = x.to_bits();
         }
     }

@@ -62,7 +62,6 @@ fn piece_table(pieces: &[PieceRef]) -> (Vec<u64>, u64) {
     let mut vblocks = 0u64;
     for (k, piece) in pieces.iter().enumerate() {
         let hp = &piece.hp;
-        let (bc1, bc2) = hp.bias_corrections();
         let row = [
             piece.p,
             piece.g,
@@ -80,17 +79,7 @@ fn piece_table(pieces: &[PieceRef]) -> (Vec<u64>, u64) {
         flags[0][k] = piece.gdt;
         flags[1][k] = piece.qdt;
         flags[2][k] = piece.vec_aligned() as i32;
-        let row = [
-            hp.lr,
-            hp.beta1,
-            hp.beta2,
-            hp.eps,
-            hp.weight_decay,
-            bc1,
-            bc2,
-            hp.grad_scale,
-        ];
-        for (field, value) in floats.iter_mut().zip(row) {
+        for (field, value) in floats.iter_mut().zip(hp.kernel_scalars()) {
             field[k] = value;
         }
     }

@@ -101,6 +101,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
         let mut store = store;
         let dir = dir.as_path();
         cfg.check_resume_freeze(dir, &extra)?;
+        cfg.note_state_format(dir, &extra, store.group.rank() == 0);
         restore_state(b, &SavedOptimizer::open(dir)?, &mut store, opt.as_mut())?;
         let resumed = Resumed {
             step: state.get("step").and_then(Value::as_u64).ok_or_else(|| {

@@ -5,7 +5,6 @@
 // Q8_BLOCK elements of each piece; weights in an F32 master (with an
 // optional narrow copy) or BF16 updated by stochastic rounding.
 
-#define DT_U8 2
 #define Q8_BLOCK 256
 #define COMPACT_PIECES 24
 

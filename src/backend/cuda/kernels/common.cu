@@ -5,6 +5,7 @@ typedef unsigned short bf16_t;
 
 #define DT_F32 0
 #define DT_BF16 1
+#define DT_U8 2
 #define IGNORE_ID 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
 
