@@ -204,6 +204,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// [`host_f32`](Backend::host_f32), writable. No copy out of it may be
     /// in flight.
     fn host_f32_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]>;
+    /// A host-resident tensor's values, to read on the host: F32 elements,
+    /// or the bits of a BF16 tensor where this backend keeps it narrow
+    /// (the CPU keeps every tensor in f32 cells: [`host_f32`](Backend::host_f32)).
+    /// Every copy into it must have finished.
+    fn host_values<'t>(&self, t: &'t Tensor<Self>) -> Result<HostValues<'t>> {
+        self.host_f32(t).map(HostValues::F32)
+    }
     /// The bf16 bits of a host-resident BF16 tensor, writable (no copy out
     /// of it may be in flight). The CPU keeps every tensor in f32.
     fn host_bf16_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [u16]> {
@@ -420,6 +427,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
 }
 
 /// Checks that every token id indexes a `vocab`-row embedding table.
+/// A host-resident tensor's elements ([`Backend::host_values`]).
+#[derive(Debug, Clone, Copy)]
+pub enum HostValues<'t> {
+    F32(&'t [f32]),
+    /// BF16 bits: each value is `f32::from_bits((bits as u32) << 16)`.
+    Bf16(&'t [u16]),
+}
+
 pub fn check_token_ids(ids: &[u32], vocab: usize) -> Result<()> {
     match ids.iter().find(|&&i| i as usize >= vocab) {
         Some(id) => Err(crate::Error::Config(format!(

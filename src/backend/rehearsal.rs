@@ -409,7 +409,8 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
     ) -> Result<()> {
         check_views(&c.l, &a.l, &b.l)?;
         let (ab, cd) = (a.t.dtype(), c.t.dtype());
-        if b.t.dtype() != ab || (cd != DType::F32 && cd != ab) {
+        // cuBLASLt's rule; the CPU computes in f32 and stores c in its dtype
+        if self.is_cuda() && (b.t.dtype() != ab || (cd != DType::F32 && cd != ab)) {
             return Err(Error::Backend(format!(
                 "gemm: a {ab:?}, b {:?}, c {cd:?}; a and b must share a dtype and c be F32 or that dtype",
                 b.t.dtype()

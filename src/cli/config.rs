@@ -123,6 +123,7 @@ pub struct OptimKeys {
     pub clip: Option<f64>,
     pub optim_state: Option<String>,
     pub master_weights: Option<String>,
+    pub grad_dtype: Option<String>,
     pub skip_nonfinite: Option<u32>,
 }
 

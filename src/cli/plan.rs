@@ -95,6 +95,9 @@ pub struct PlanArgs {
     /// As `train --master-weights`: f32 or none.
     #[arg(long, default_value = "f32")]
     pub master_weights: String,
+    /// As `train --grad-dtype`: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub grad_dtype: String,
     /// Memory policies, comma-separated: checkpoint, offload, offload-auto,
     /// offload-optimizer, tiled-mlp, fsdp (or `none`); added to
     /// --checkpoint, --offload, --offload-optimizer, --tiled-mlp and --fsdp.
@@ -146,6 +149,7 @@ impl PlanArgs {
         fsdp_replicate => parallel.fsdp_replicate,
         optim_state => optim.optim_state,
         master_weights => optim.master_weights,
+        grad_dtype => optim.grad_dtype,
         policies => memory.policies,
         device => run.device,
         attn_kernel => run.attn_kernel,
@@ -566,6 +570,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let state = crate::optim::StateFormat {
         moments: for_key(k, "optim_state", a.optim_state.parse())?,
         master: for_key(k, "master_weights", a.master_weights.parse())?,
+        grads: for_key(k, "grad_dtype", a.grad_dtype.parse())?,
     };
     Ok(Ctx {
         model,

@@ -568,7 +568,8 @@ fn announce(run: &Built, tokens: usize, tokenizer: &str, per_epoch: usize) {
     let cfg = &run.cfg;
     if !cfg.optim.state.is_plain() {
         println!(
-            "optimizer state: {} (--optim-state, --master-weights; f32 and f32 are exact AdamW)",
+            "training state: {} (--optim-state, --master-weights, --grad-dtype; f32 throughout \
+             is exact AdamW)",
             cfg.optim.state
         );
     }

@@ -1,6 +1,8 @@
-//! F32 parameter gradients, shaped like the weights (`weights.rs`), with
-//! no tensor for a frozen parameter (`--freeze`, [`Freeze`]): the backward
-//! computes no weight gradient where there is none to add into.
+//! Parameter gradients, shaped like the weights (`weights.rs`), with no
+//! tensor for a frozen parameter (`--freeze`, [`Freeze`]): the backward
+//! computes no weight gradient where there is none to add into. The weight
+//! matrices' gradients are F32 or BF16 (`--grad-dtype`, [`GradSpec`]);
+//! every other is F32.
 
 use super::adapters::MlpAdapters;
 use super::config::ModelConfig;
@@ -36,18 +38,48 @@ pub struct ModelGrads<B: Backend> {
     pub family: Family,
 }
 
-/// A zero F32 gradient of `shape` for `p`, or none when `frozen` freezes it.
-fn zero_unless_frozen<B: Backend>(
-    b: &B,
-    cfg: &ModelConfig,
-    frozen: &Freeze,
-    p: Param,
-    shape: &[usize],
-) -> Result<Option<Tensor<B>>> {
-    if frozen.is_frozen(cfg, p) {
-        return Ok(None);
+/// Which gradients a backward writes, and in what dtype.
+#[derive(Debug, Clone, Copy)]
+pub struct GradSpec<'f> {
+    /// What has no gradient (`--freeze`).
+    pub frozen: &'f Freeze,
+    /// The weight matrices' ([`GradSpec::dtype_of`]): F32 or BF16.
+    pub matrices: DType,
+}
+
+impl<'f> GradSpec<'f> {
+    /// F32 gradients of what `frozen` leaves trained.
+    pub fn f32(frozen: &'f Freeze) -> Self {
+        GradSpec {
+            frozen,
+            matrices: DType::F32,
+        }
     }
-    b.zeros(shape, DType::F32, Category::Grads).map(Some)
+
+    /// The dtype of `p`'s gradient: `matrices` for the projections', the
+    /// MLP's and the LM head's, which GEMMs accumulate into; F32 for the
+    /// norms, the biases and the embedding (a scatter-add of rows).
+    pub fn dtype_of(&self, p: Param) -> DType {
+        use BlockParam::*;
+        match p {
+            Param::LmHead | Param::Block(_, Wq | Wk | Wv | Wo | Gate | Up | Down) => self.matrices,
+            _ => DType::F32,
+        }
+    }
+
+    /// A zero gradient of `shape` for `p`, or none when `p` is frozen.
+    fn zero_unless_frozen<B: Backend>(
+        &self,
+        b: &B,
+        cfg: &ModelConfig,
+        p: Param,
+        shape: &[usize],
+    ) -> Result<Option<Tensor<B>>> {
+        if self.frozen.is_frozen(cfg, p) {
+            return Ok(None);
+        }
+        b.zeros(shape, self.dtype_of(p), Category::Grads).map(Some)
+    }
 }
 
 impl<B: Backend> BlockGrads<B> {
@@ -96,8 +128,8 @@ impl<B: Backend> BlockGrads<B> {
     }
 
     /// Zero gradients of block `i`'s trainable parameters.
-    pub fn zeros(b: &B, cfg: &ModelConfig, i: usize, frozen: &Freeze) -> Result<Self> {
-        Self::build_with(cfg, i, &mut |p, s| zero_unless_frozen(b, cfg, frozen, p, s))
+    pub fn zeros(b: &B, cfg: &ModelConfig, i: usize, spec: GradSpec) -> Result<Self> {
+        Self::build_with(cfg, i, &mut |p, s| spec.zero_unless_frozen(b, cfg, p, s))
     }
 
     /// Every gradient held, by role, in HF order.
@@ -138,16 +170,16 @@ impl<B: Backend> BlockGrads<B> {
 
 impl<B: Backend> ModelGrads<B> {
     /// Zero gradients of every trainable parameter of `cfg`, in HF order.
-    pub fn zeros(b: &B, cfg: &ModelConfig, frozen: &Freeze) -> Result<Self> {
+    pub fn zeros(b: &B, cfg: &ModelConfig, spec: GradSpec) -> Result<Self> {
         let (v, h) = (cfg.vocab, cfg.hidden);
-        let embed = zero_unless_frozen(b, cfg, frozen, Param::Embed, &[v, h])?;
+        let embed = spec.zero_unless_frozen(b, cfg, Param::Embed, &[v, h])?;
         let blocks = (0..cfg.layers)
-            .map(|i| BlockGrads::zeros(b, cfg, i, frozen))
+            .map(|i| BlockGrads::zeros(b, cfg, i, spec))
             .collect::<Result<Vec<_>>>()?;
-        let final_norm = zero_unless_frozen(b, cfg, frozen, Param::FinalNorm, &[h])?;
+        let final_norm = spec.zero_unless_frozen(b, cfg, Param::FinalNorm, &[h])?;
         let lm_head = match cfg.tie_embeddings {
             true => None,
-            false => zero_unless_frozen(b, cfg, frozen, Param::LmHead, &[v, h])?,
+            false => spec.zero_unless_frozen(b, cfg, Param::LmHead, &[v, h])?,
         };
         Ok(ModelGrads {
             embed,

@@ -33,7 +33,7 @@ pub use config::ModelConfig;
 pub use decoder::{DEFAULT_LOSS_CHUNK, Decoder, MemoryPolicy};
 pub use families::{BlockParam, Family, Param};
 pub use freeze::Freeze;
-pub use grads::{BlockGrads, ModelGrads};
+pub use grads::{BlockGrads, GradSpec, ModelGrads};
 pub use store::{HeadView, ParamStore, Unit};
 pub use weights::{BlockWeights, ModelWeights, RandomInit};
 

@@ -172,11 +172,11 @@ impl<B: Backend> AdamW<B> {
             .iter()
             .map(|s| state_on_host(s.unit, layers, cfg.host_units))
             .collect();
-        if on_host.contains(&true) && !cfg.state.is_plain() {
+        if on_host.contains(&true) && !cfg.state.optimizer_is_plain() {
             return crate::config_err!(
                 "--offload-optimizer keeps F32 state on the host; with {} keep it on the device \
                  (--offload-optimizer 0) or use --optim-state f32 --master-weights f32",
-                cfg.state
+                cfg.state.saved()
             );
         }
         let narrow = params.iter().any(|t| t.dtype() != DType::F32);
@@ -262,7 +262,7 @@ impl<B: Backend> AdamW<B> {
                 rounding_key: rounding_key(cfg.seed, step, k as u32),
             });
         }
-        if cfg.per_piece && cfg.state.is_plain() {
+        if cfg.per_piece && cfg.state.optimizer_is_plain() {
             update
                 .into_iter()
                 .try_for_each(|slot| update_per_piece(b, slot))

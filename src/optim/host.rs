@@ -1,7 +1,7 @@
 //! `--offload-optimizer`: the F32 master weights and both AdamW moments live
 //! in pinned host memory and the update runs on host threads. Gradients stay
 //! on the device through the backward (the global norm needs all of them
-//! before any update); then each slot's F32 gradient streams device→host one
+//! before any update); then each slot's gradient (F32 or BF16) streams device→host one
 //! slot ahead of the host's update of the slot before, and the updated
 //! master goes host→device into the parameter (rounded to the compute dtype
 //! on the host, to nearest even as the device's cast rounds).
@@ -16,8 +16,10 @@
 //! shard (FSDP). The per-element arithmetic is the CPU reference's
 //! (`backend::host_adamw`), so results equal the on-device optimizer's.
 
-use crate::backend::host_adamw::adamw_parallel;
-use crate::backend::{AdamWStep, Backend, Category, ComputePoint, CopyDone, DType, Tensor, cast};
+use crate::backend::host_adamw::{adamw_parallel, adamw_parallel_bf16};
+use crate::backend::{
+    AdamWStep, Backend, Category, ComputePoint, CopyDone, DType, HostValues, Tensor, cast,
+};
 use crate::error::Result;
 use std::ops::Range;
 
@@ -159,7 +161,7 @@ impl<B: Backend> HostStep<B> {
     /// Starts copying `grad` into a fresh host buffer, after the backward
     /// that wrote it (not after the forward queued since).
     fn download(&self, b: &B, grad: &Tensor<B>) -> Result<(Tensor<B>, CopyDone)> {
-        let mut host = b.empty(grad.shape(), DType::F32, Category::Offload)?;
+        let mut host = b.empty(grad.shape(), grad.dtype(), Category::Offload)?;
         let done = b.copy_start_from(&mut host, grad, &self.grads_final)?;
         Ok((host, done))
     }
@@ -167,19 +169,17 @@ impl<B: Backend> HostStep<B> {
 
 /// The host's AdamW update of one slot from its downloaded gradient.
 fn update<B: Backend>(b: &B, slot: &mut HostSlot<'_, B>, grad: &Tensor<B>) -> Result<()> {
-    let g = b.host_f32(grad)?;
+    let g = b.host_values(grad)?;
     let master = b.host_f32_mut(slot.master)?;
     let m = b.host_f32_mut(slot.m)?;
     let v = b.host_f32_mut(slot.v)?;
     for (r, hp) in &slot.updates {
         let r = r.clone();
-        adamw_parallel(
-            &mut master[r.clone()],
-            &g[r.clone()],
-            &mut m[r.clone()],
-            &mut v[r],
-            *hp,
-        );
+        let (p, m, v) = (&mut master[r.clone()], &mut m[r.clone()], &mut v[r.clone()]);
+        match g {
+            HostValues::F32(g) => adamw_parallel(p, &g[r], m, v, *hp),
+            HostValues::Bf16(bits) => adamw_parallel_bf16(p, &bits[r], m, v, *hp),
+        }
     }
     Ok(())
 }

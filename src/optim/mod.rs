@@ -19,7 +19,7 @@ pub mod state_format;
 
 pub use adamw::*;
 pub use slot::{Lent, Piece, Slot, slots_through};
-pub use state_format::{MasterWeights, MomentFormat, StateFormat};
+pub use state_format::{GradDtype, MasterWeights, MomentFormat, StateFormat};
 
 use crate::backend::Backend;
 use crate::error::Result;

@@ -1,8 +1,9 @@
-//! How AdamW keeps its state (`--optim-state`, `--master-weights`): the
-//! moments in F32, BF16 or 8-bit block-wise codes, and F32 master weights
-//! or none (BF16 weights updated by stochastic rounding). The arithmetic is
-//! `backend::compact_adamw`'s; F32 moments with F32 masters, the default,
-//! are the plain update, bit for bit.
+//! How a run keeps its training state (`--optim-state`, `--master-weights`,
+//! `--grad-dtype`): AdamW's moments in F32, BF16 or 8-bit block-wise codes,
+//! F32 master weights or none (BF16 weights updated by stochastic
+//! rounding), and the weight matrices' gradients in F32 or BF16. The
+//! optimizer's arithmetic is `backend::compact_adamw`'s; F32 throughout,
+//! the default, is the plain update, bit for bit.
 
 use crate::backend::DType;
 use crate::error::{Error, Result};
@@ -30,11 +31,25 @@ pub enum MasterWeights {
     None,
 }
 
-/// The state format of one optimizer.
+/// The dtype of the weight matrices' gradients (`--grad-dtype`): the
+/// projections', the MLP's and the LM head's, which the backward's GEMMs
+/// accumulate into. Norms, biases, the embedding (a scatter-add) and LoRA
+/// factors keep F32 gradients either way: well under 1 % of a model's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradDtype {
+    #[default]
+    F32,
+    /// BF16: each accumulation rounded to nearest even, as a BF16 model's
+    /// gradients are; summed over ranks in F32.
+    Bf16,
+}
+
+/// How a run keeps its training state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StateFormat {
     pub moments: MomentFormat,
     pub master: MasterWeights,
+    pub grads: GradDtype,
 }
 
 impl MomentFormat {
@@ -67,22 +82,60 @@ impl MasterWeights {
     }
 }
 
+impl GradDtype {
+    /// The dtype of a weight matrix's gradient.
+    pub fn dtype(self) -> DType {
+        match self {
+            GradDtype::F32 => DType::F32,
+            GradDtype::Bf16 => DType::BF16,
+        }
+    }
+
+    /// The flag's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            GradDtype::F32 => "f32",
+            GradDtype::Bf16 => "bf16",
+        }
+    }
+}
+
 impl StateFormat {
-    /// F32 moments and masters: the plain update.
+    /// F32 throughout: the plain, exact step.
     pub fn is_plain(&self) -> bool {
         *self == StateFormat::default()
+    }
+
+    /// F32 moments and masters: AdamW's plain update (whatever the
+    /// gradients' dtype, which the optimizer reads as it finds it).
+    pub fn optimizer_is_plain(&self) -> bool {
+        self.moments == MomentFormat::F32 && self.master == MasterWeights::F32
+    }
+
+    /// What a checkpoint records and a resume compares: the optimizer's
+    /// state (the gradients are not saved).
+    pub fn saved(&self) -> StateFormat {
+        StateFormat {
+            grads: GradDtype::F32,
+            ..*self
+        }
     }
 }
 
 impl fmt::Display for StateFormat {
-    /// `moments 8bit, master none` (how run headers and metrics say it).
+    /// `moments 8bit, master none` (how run headers and metrics say it),
+    /// `, grads bf16` after it where the gradients are BF16.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
             "moments {}, master {}",
             self.moments.name(),
             self.master.name()
-        )
+        )?;
+        match self.grads {
+            GradDtype::F32 => Ok(()),
+            g => write!(f, ", grads {}", g.name()),
+        }
     }
 }
 
@@ -115,6 +168,20 @@ impl FromStr for MasterWeights {
     }
 }
 
+impl FromStr for GradDtype {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" | "fp32" => Ok(GradDtype::F32),
+            "bf16" => Ok(GradDtype::Bf16),
+            other => crate::config_err!(
+                "--grad-dtype {other}: choose f32 (exact, 4 bytes a parameter) or bf16 (2: the \
+                 weight matrices' gradients rounded as a BF16 model's are)"
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,11 +196,23 @@ mod tests {
         }
         assert!("fp8".parse::<MomentFormat>().is_err());
         assert!("bf16".parse::<MasterWeights>().is_err());
+        for g in [GradDtype::F32, GradDtype::Bf16] {
+            assert_eq!(g.name().parse::<GradDtype>().unwrap(), g);
+        }
+        assert!("8bit".parse::<GradDtype>().is_err());
         assert!(StateFormat::default().is_plain());
         let compact = StateFormat {
             moments: MomentFormat::Q8,
             master: MasterWeights::None,
+            grads: GradDtype::F32,
         };
         assert_eq!(compact.to_string(), "moments 8bit, master none");
+        let narrow = StateFormat {
+            grads: GradDtype::Bf16,
+            ..StateFormat::default()
+        };
+        assert_eq!(narrow.to_string(), "moments f32, master f32, grads bf16");
+        assert!(!narrow.is_plain() && narrow.optimizer_is_plain());
+        assert_eq!(narrow.saved(), StateFormat::default());
     }
 }

@@ -337,7 +337,7 @@ pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
 /// beside it are refused by the optimizer, naming both flags.) `None`:
 /// `req` as it is.
 fn compact_state_on_device(req: &RunRequest) -> Option<RunRequest> {
-    if req.state.is_plain() || req.memory.offload_optimizer != OptimizerOffload::Auto {
+    if req.state.optimizer_is_plain() || req.memory.offload_optimizer != OptimizerOffload::Auto {
         return None;
     }
     let mut on_device = req.clone();

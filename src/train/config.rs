@@ -232,7 +232,7 @@ impl TrainConfig {
         let plain = crate::optim::StateFormat::default().to_string();
         let saved = extra.get("optim_state").and_then(|v| v.as_str());
         let saved = saved.unwrap_or(&plain);
-        let now = self.optim.state.to_string();
+        let now = self.optim.state.saved().to_string();
         if saved != now {
             tracing::info!(
                 "--resume: {} kept its optimizer state as {saved}, this run as {now}: the saved \
@@ -273,6 +273,15 @@ impl TrainConfig {
             name(&self.freeze),
             name(&saved)
         )
+    }
+
+    /// The gradients the step writes: none for what `--freeze` freezes,
+    /// the weight matrices' in `--grad-dtype`.
+    pub fn grad_spec(&self) -> crate::model::GradSpec<'_> {
+        crate::model::GradSpec {
+            frozen: &self.freeze,
+            matrices: self.optim.state.grads.dtype(),
+        }
     }
 
     /// The `--freeze` set as `state.json`'s caller state keeps it.

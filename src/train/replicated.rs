@@ -1,6 +1,7 @@
 //! The unsharded parameter store: every rank holds the whole model and its
-//! F32 gradients; each unit's gradients are summed over the ranks in one
-//! bucket as soon as its backward is done, beside the next unit's backward.
+//! gradients (F32, or BF16 weight matrices: `--grad-dtype`); each unit's
+//! gradients are summed over the ranks in one F32 bucket as soon as its
+//! backward is done, beside the next unit's backward.
 
 use super::config::TrainConfig;
 use super::host_weights::{state_to_host, weights_from_host, weights_to_host};
@@ -17,8 +18,8 @@ use crate::error::{Error, Result};
 use crate::model::lora_params::{adapters_to_host, attach_adapter_grads};
 use crate::model::weights::TensorId;
 use crate::model::{
-    BlockGrads, BlockWeights, Decoder, Freeze, HeadView, ModelConfig, ModelGrads, ModelWeights,
-    ParamStore, Unit,
+    BlockGrads, BlockWeights, Decoder, Freeze, GradSpec, HeadView, ModelConfig, ModelGrads,
+    ModelWeights, ParamStore, Unit,
 };
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
@@ -29,8 +30,8 @@ use std::collections::BTreeMap;
 /// Whole-model parameters and gradients of one rank.
 pub struct ReplicatedStore<'a, B: Backend> {
     pub w: ModelWeights<B>,
-    /// F32 gradients of the trainable parameters, summed over `group` unit
-    /// by unit as the step's backward finishes each.
+    /// Gradients of the trainable parameters ([`GradSpec`]), summed over
+    /// `group` unit by unit as the step's backward finishes each.
     pub g: ModelGrads<B>,
     /// Whether each parameter (`ModelWeights::named` order) is trained:
     /// the frozen ones (`--freeze`) have no gradient and no optimizer slot.
@@ -53,21 +54,21 @@ impl<'a, B: Backend> ReplicatedStore<'a, B> {
         w: ModelWeights<B>,
         group: &'a dyn ProcessGroup<B>,
     ) -> Result<Self> {
-        Self::with_frozen(b, cfg, w, group, &Freeze::none())
+        Self::with_grads(b, cfg, w, group, GradSpec::f32(&Freeze::none()))
     }
 
-    /// A store of `w` with zero gradients for the parameters `frozen` does
-    /// not freeze, reducing over `group`.
-    pub fn with_frozen(
+    /// A store of `w` with zero gradients as `spec` says (none for the
+    /// parameters it freezes), reducing over `group`.
+    pub fn with_grads(
         b: &B,
         cfg: &ModelConfig,
         w: ModelWeights<B>,
         group: &'a dyn ProcessGroup<B>,
-        frozen: &Freeze,
+        spec: GradSpec,
     ) -> Result<Self> {
-        let mut g = ModelGrads::zeros(b, cfg, frozen)?;
+        let mut g = ModelGrads::zeros(b, cfg, spec)?;
         attach_adapter_grads(b, &w, &mut g)?;
-        let trainable = trainable_mask(&w, cfg, frozen);
+        let trainable = trainable_mask(&w, cfg, spec.frozen);
         let mut s = ReplicatedStore {
             w,
             g,
@@ -253,7 +254,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
             attach(b, &mut w, &lora.initial(model, cfg.seed)?)?;
         }
         let opt = optimizer(b, cfg, &w, &trainable_mask(&w, model, &cfg.freeze))?;
-        let store = ReplicatedStore::with_frozen(b, model, w, group, &cfg.freeze)?;
+        let store = ReplicatedStore::with_grads(b, model, w, group, cfg.grad_spec())?;
         let (files, lora) = (cfg.model_files(), LoraSave::of(cfg, base));
         Ok((
             Replicated {
@@ -316,7 +317,7 @@ impl<'a, B: Backend> Replicated<'a, B> {
                 opt.restore(b, k, StateKind::Master, values)?;
             }
         }
-        let store = ReplicatedStore::with_frozen(b, model, w, group, &cfg.freeze)?;
+        let store = ReplicatedStore::with_grads(b, model, w, group, cfg.grad_spec())?;
         let resumed = Resumed {
             step: st.step,
             extra: st.extra,

@@ -30,7 +30,7 @@ use crate::comm::{Mesh, MeshShape};
 use crate::data::mixture::MixShare;
 use crate::data::{Dataset, Mixture, MixtureSampler, PackMode, PackedWindow, Tokens};
 use crate::error::{Error, Result};
-use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
+use crate::model::{Decoder, GradSpec, MemoryPolicy, ModelConfig, ModelWeights};
 use crate::optim::divergence::DivergenceGuard;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -472,7 +472,7 @@ fn run_rank<B: Backend>(
         if let (Some(dir), true) = (&cfg.save_dir, save_now) {
             let mut extra = serde_json::json!({
                 "sampler": sampler.state(), "seed": cfg.seed, "pack": cfg.pack,
-                "freeze": cfg.freeze_key(), "optim_state": cfg.optim.state.to_string(),
+                "freeze": cfg.freeze_key(), "optim_state": cfg.optim.state.saved().to_string(),
             });
             // what `--keep-best` ranks the checkpoints by
             if let Some(eval) = reports.last().and_then(|r| r.eval.as_ref()) {
@@ -708,7 +708,8 @@ fn loss_and_grads_cpu_norms(
         // adapters beside the weights train every block they adapt
         let adapters = w.blocks.iter().any(|blk| !blk.adapters().is_empty());
         decoder.backward_floor = frozen.backward_floor(model, adapters);
-        let mut store = ReplicatedStore::with_frozen(b, model, w, mesh.world.as_ref(), frozen)?;
+        let mut store =
+            ReplicatedStore::with_grads(b, model, w, mesh.world.as_ref(), GradSpec::f32(frozen))?;
         let pos = plan
             .layout
             .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());

@@ -94,7 +94,7 @@ fn mismatched_shapes_are_an_error() {
 
 use upipe::model::lora::{LoraConfig, LoraWeights};
 use upipe::model::lora_params::{adapters_to_host, attach_adapter_grads, attach_adapters};
-use upipe::model::{Freeze, ModelConfig, ModelGrads, ModelWeights, Param, Unit};
+use upipe::model::{Freeze, GradSpec, ModelConfig, ModelGrads, ModelWeights, Param, Unit};
 
 fn tiny() -> ModelConfig {
     ModelConfig::resolve("tiny").unwrap()
@@ -129,7 +129,7 @@ fn adapters_upload_round_trip_and_their_gradients_are_f32_zeros() {
     let base = cfg.family.block_params().len();
     assert_eq!(names[base], q_a, "{names:?}");
     assert_eq!(names.len(), base + 2 * LoraTarget::ALL.len());
-    let mut g = ModelGrads::zeros(&dev, &cfg, &Freeze::whole_base()).unwrap();
+    let mut g = ModelGrads::zeros(&dev, &cfg, GradSpec::f32(&Freeze::whole_base())).unwrap();
     let before = dev.ledger().current_of(Category::Grads);
     attach_adapter_grads(&dev, &w, &mut g).unwrap();
     let grad_bytes = dev.ledger().current_of(Category::Grads) - before;

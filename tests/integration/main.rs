@@ -29,6 +29,7 @@ mod gpu_plan;
 mod gpu_scripts;
 mod gpu_train;
 mod grad_accum;
+mod grad_dtype;
 mod hf_roundtrip;
 mod hostile_inputs;
 mod launch;

@@ -188,7 +188,7 @@ fn the_format_is_said_and_kept_in_the_run_file() {
         save.to_str().unwrap(),
     ]);
     assert!(
-        stdout.contains("optimizer state: moments 8bit, master none"),
+        stdout.contains("training state: moments 8bit, master none"),
         "{stdout}"
     );
     let run_file = std::fs::read_to_string(save.join("run.toml")).unwrap();

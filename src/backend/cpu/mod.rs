@@ -6,7 +6,7 @@ use super::norm_args::{check_norm_bwd, check_norm_fwd};
 use super::profile::{HostProfile, Phase, StepProfile, Track};
 use super::{
     AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE,
-    Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
+    Mat, MatLayout, MatMut, MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
 };
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -103,6 +103,23 @@ fn stored(dtype: DType, values: &[f32]) -> Result<Vec<f32>> {
             .collect(),
         DType::U8 => codes_of(values)?.into_iter().map(f32::from).collect(),
     })
+}
+
+/// Rounds the cells of view `l` to BF16 (to nearest even) where `dtype` is
+/// BF16, as a device stores what it writes into a BF16 tensor; F32 cells
+/// stay as they are.
+fn round_view(dtype: DType, d: &mut [f32], l: &MatLayout) {
+    use super::compact_adamw::{bf16_nearest, bf16_value};
+    if dtype != DType::BF16 {
+        return;
+    }
+    let (rs, cs) = l.strides();
+    for i in 0..l.rows {
+        for j in 0..l.cols {
+            let x = &mut d[l.offset + i * rs + j * cs];
+            *x = bf16_value(bf16_nearest(*x));
+        }
+    }
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -229,6 +246,7 @@ impl Backend for CpuBackend {
         let (rsb, csb) = b.l.strides();
         let (rsc, csc) = c.l.strides();
         let (ao, bo, co) = (a.l.offset, b.l.offset, c.l.offset);
+        let (cdt, cl) = (c.t.dtype(), c.l);
         let ad = data(a.t);
         let bd = data(b.t);
         let cd = data_mut(c.t);
@@ -242,6 +260,7 @@ impl Backend for CpuBackend {
                     *x = if beta == 0.0 { 0.0 } else { beta * *x };
                 }
             }
+            round_view(cdt, cd, &cl);
             return Ok(());
         }
         // SAFETY: the views were bounds-checked against each buffer's length when
@@ -265,6 +284,7 @@ impl Backend for CpuBackend {
                 csc as isize,
             );
         }
+        round_view(cdt, cd, &cl);
         Ok(())
     }
 
@@ -278,6 +298,7 @@ impl Backend for CpuBackend {
         }
         let (rsd, csd) = dst.l.strides();
         let (rss, css) = src.l.strides();
+        let (ddt, dl) = (dst.t.dtype(), dst.l);
         let s = data(src.t);
         let d = data_mut(dst.t);
         for i in 0..src.l.rows {
@@ -290,6 +311,7 @@ impl Backend for CpuBackend {
                 }
             }
         }
+        round_view(ddt, d, &dl);
         Ok(())
     }
 
@@ -302,9 +324,13 @@ impl Backend for CpuBackend {
     fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()> {
         let _span = self.profile.span("axpy", Track::Compute);
         check_same_numel(y, x, "axpy")?;
-        for (a, b) in data_mut(y).iter_mut().zip(data(x)) {
+        let whole = MatLayout::block(0, 1, y.numel(), y.numel());
+        let ydt = y.dtype();
+        let yd = data_mut(y);
+        for (a, b) in yd.iter_mut().zip(data(x)) {
             *a += alpha * b;
         }
+        round_view(ydt, yd, &whole);
         Ok(())
     }
 

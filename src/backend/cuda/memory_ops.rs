@@ -10,7 +10,9 @@ use super::device::drv;
 use super::kernels::Args;
 use super::pool::{self, AllocError, CudaStorage};
 use super::{CudaBackend, dt, ptr, ptr_at};
-use crate::backend::{Backend, Category, ComputePoint, CopyDone, DType, Mat, MatMut, Tensor};
+use crate::backend::{
+    Backend, Category, ComputePoint, CopyDone, DType, HostValues, Mat, MatMut, Tensor,
+};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaStream, result};
 use std::sync::Arc;
@@ -267,6 +269,26 @@ impl CudaBackend {
         // (checked above) that lives as long as `t`; the caller has waited
         // for the copies into it.
         Ok(unsafe { std::slice::from_raw_parts(ptr(t) as *const f32, t.numel()) })
+    }
+
+    pub(super) fn host_values_impl<'t>(&self, t: &'t Tensor<Self>) -> Result<HostValues<'t>> {
+        if t.dtype() != DType::BF16 {
+            return self.host_f32_impl(t).map(HostValues::F32);
+        }
+        if t.category() != Category::Offload {
+            return Err(Error::Backend(format!(
+                "host access to a BF16 {} tensor: only host-resident (offload) tensors",
+                t.category().name()
+            )));
+        }
+        if t.numel() == 0 {
+            return Ok(HostValues::Bf16(&[]));
+        }
+        // SAFETY: a BF16 Offload tensor is `numel` u16 of pinned host memory
+        // that lives as long as `t`; the caller has waited for the copies
+        // into it.
+        let bits = unsafe { std::slice::from_raw_parts(ptr(t) as *const u16, t.numel()) };
+        Ok(HostValues::Bf16(bits))
     }
 
     pub(super) fn host_bf16_mut_impl<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [u16]> {

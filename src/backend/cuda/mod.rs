@@ -48,7 +48,7 @@ use self::kernels::{Args, Kernels, grid_for, launch};
 use self::pool::{CudaStorage, Pool, PoolStats};
 use super::{
     AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, ComputePoint, CopyDone,
-    DType, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
+    DType, HostValues, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
@@ -346,6 +346,10 @@ impl Backend for CudaBackend {
 
     fn host_f32<'t>(&self, t: &'t Tensor<Self>) -> Result<&'t [f32]> {
         self.host_f32_impl(t)
+    }
+
+    fn host_values<'t>(&self, t: &'t Tensor<Self>) -> Result<HostValues<'t>> {
+        self.host_values_impl(t)
     }
 
     fn host_bf16_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [u16]> {

@@ -121,6 +121,7 @@ impl std::fmt::Display for TrainCommand<'_> {
             let s = spec.state;
             let (m, w) = (s.moments.name(), s.master.name());
             write!(f, " --optim-state {m} --master-weights {w}")?;
+            write!(f, " --grad-dtype {}", s.grads.name())?;
         }
         if !spec.freeze.is_empty() && spec.lora.is_none() {
             write!(f, " --freeze {}", spec.freeze)?;

@@ -127,6 +127,11 @@ pub struct TrainArgs {
     /// none: BF16 weights updated in place by stochastic rounding.
     #[arg(long, help_heading = "Optimizer", default_value = "f32")]
     pub master_weights: String,
+    /// f32: the weight matrices' gradients in F32 (4 bytes a parameter,
+    /// exact); bf16: in BF16 (2), each accumulation rounded as a BF16
+    /// model's gradients are. Norms, biases and the embedding keep F32.
+    #[arg(long, help_heading = "Optimizer", default_value = "f32")]
+    pub grad_dtype: String,
     /// Seed of the random initialisation and of the data order.
     #[arg(long, help_heading = "Run", default_value_t = 0)]
     pub seed: u64,
@@ -310,6 +315,7 @@ impl TrainArgs {
         clip => optim.clip,
         optim_state => optim.optim_state,
         master_weights => optim.master_weights,
+        grad_dtype => optim.grad_dtype,
         eval_data => eval.eval_data,
         eval_every => eval.eval_every,
         eval_buckets => eval.eval_buckets,
@@ -456,6 +462,7 @@ impl TrainArgs {
         let state = StateFormat {
             moments: for_key(k, "optim_state", self.optim_state.parse())?,
             master: for_key(k, "master_weights", self.master_weights.parse())?,
+            grads: for_key(k, "grad_dtype", self.grad_dtype.parse())?,
         };
         let cfg = AdamWConfig {
             decay,

@@ -61,7 +61,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
         };
         let adapters = initial_adapters(b, cfg)?;
         let lora = cfg.lora.as_ref().map(|l| &l.config);
-        let frozen = &cfg.freeze;
+        let grads = cfg.grad_spec();
         let store = match source {
             Some(dir) => {
                 let hf = RangedModel::open(dir)?;
@@ -75,7 +75,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                     values_of(&adapters, name, elems.clone())
                         .unwrap_or_else(|| hf.read(name, elems))
                 };
-                FsdpStore::with_adapters(b, model, group, replica, frozen, lora, read)?
+                FsdpStore::with_adapters(b, model, group, replica, grads, lora, read)?
             }
             None => {
                 let init = RandomInit::new(model, seed);
@@ -83,7 +83,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                     let random = || Ok(init.values(name, elems.clone()));
                     values_of(&adapters, name, elems.clone()).unwrap_or_else(random)
                 };
-                FsdpStore::with_adapters(b, model, group, replica, frozen, lora, init)?
+                FsdpStore::with_adapters(b, model, group, replica, grads, lora, init)?
             }
         };
         let mut opt = optimizer(b, cfg, &store)?;

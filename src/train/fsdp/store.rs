@@ -13,7 +13,9 @@ use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::flat_layout::{Segment, UnitLayout, layouts_with_adapters};
 use crate::model::lora::LoraConfig;
-use crate::model::{BlockGrads, BlockWeights, Freeze, HeadView, ModelConfig, ParamStore, Unit};
+use crate::model::{
+    BlockGrads, BlockWeights, Freeze, GradSpec, HeadView, ModelConfig, ParamStore, Unit,
+};
 use crate::optim::{Lent, Piece, Slot};
 use std::collections::VecDeque;
 
@@ -37,8 +39,18 @@ struct UnitGather<B: Backend> {
 /// gradient shard (its first contribution this step) or adds to it.
 struct Reducing<B: Backend> {
     unit: usize,
-    overwrite: bool,
+    /// What the received shard does: becomes the unit's gradient shard
+    /// (`Take`), is written into it in its dtype (`Write`: the first
+    /// contribution to a BF16 shard), or is added to it (`Add`).
+    into: ShardWrite,
     pending: Pending<B>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ShardWrite {
+    Take,
+    Write,
+    Add,
 }
 
 /// One rank's shards and the step's gathered units and gradients.
@@ -55,11 +67,14 @@ pub struct FsdpStore<'a, B: Backend> {
     /// Owned parameter shards `[shard]` (compute dtype); `None` while one
     /// is the send buffer of a gather in flight.
     pub(crate) params: Vec<Option<Tensor<B>>>,
-    /// Owned F32 gradient shards `[shard]`; `None` while one receives, and
-    /// always for a frozen unit.
+    /// Owned gradient shards `[shard]` (F32, or BF16 with `--grad-dtype
+    /// bf16`: reduced in F32, then rounded); `None` while one receives,
+    /// and always for a frozen unit.
     pub(crate) grads: Vec<Option<Tensor<B>>>,
     /// Which parameters are frozen (`--freeze`: whole units under FSDP).
     frozen: Freeze,
+    /// The dtype of the weight matrices' gradients and of every shard.
+    grad_dtype: DType,
     /// Whether each unit is trained (has gradients and an optimizer slot).
     pub(crate) trained: Vec<bool>,
     /// Whether a gradient shard holds a contribution of this step.
@@ -99,7 +114,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         frozen: &Freeze,
         init: impl FnMut(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
     ) -> Result<Self> {
-        Self::with_adapters(b, cfg, group, replica, frozen, None, init)
+        Self::with_adapters(b, cfg, group, replica, GradSpec::f32(frozen), None, init)
     }
 
     /// [`with_frozen`](Self::with_frozen) with `lora`'s adapters beside
@@ -110,10 +125,11 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         cfg: &ModelConfig,
         group: &'a dyn ProcessGroup<B>,
         replica: &'a dyn ProcessGroup<B>,
-        frozen: &Freeze,
+        grads_spec: GradSpec,
         lora: Option<&LoraConfig>,
         mut init: impl FnMut(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
     ) -> Result<Self> {
+        let frozen = grads_spec.frozen;
         check_whole_units(cfg, frozen)?;
         let (world, rank) = (group.size(), group.rank());
         let layouts = layouts_with_adapters(cfg, lora, world);
@@ -134,7 +150,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
             params.push(Some(shard));
             // a frozen unit has no gradient shard
             let grad = match trained[grads.len()] {
-                true => Some(b.zeros(&[u.shard], DType::F32, Category::Grads)?),
+                true => Some(b.zeros(&[u.shard], grads_spec.matrices, Category::Grads)?),
                 false => None,
             };
             grads.push(grad);
@@ -150,6 +166,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
             params,
             grads,
             frozen: frozen.clone(),
+            grad_dtype: grads_spec.matrices,
             trained,
             grad_written: vec![false; n],
             gathered: (0..n).map(|_| None).collect(),
@@ -392,13 +409,16 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         if self.replica.size() > 1 {
             self.replica.all_reduce(&mut recv)?;
         }
-        if r.overwrite {
+        if r.into == ShardWrite::Take {
             self.grads[r.unit] = Some(recv);
         } else {
             let shard = self.grads[r.unit]
                 .as_mut()
                 .ok_or_else(|| internal("a gradient shard is missing".into()))?;
-            b.axpy(shard, 1.0, &recv)?;
+            match r.into {
+                ShardWrite::Write => b.copy(shard.mat_mut(), recv.mat())?,
+                _ => b.axpy(shard, 1.0, &recv)?,
+            }
         }
         self.grad_written[r.unit] = true;
         Ok(())
@@ -450,8 +470,13 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
             b.copy(flat.view_mut(l), t.mat())?;
             off += t.numel();
         }
-        let overwrite = !self.grad_written[i];
-        let recv = if overwrite {
+        // an F32 shard receives its first contribution itself
+        let into = match (self.grad_written[i], self.grad_dtype) {
+            (false, DType::F32) => ShardWrite::Take,
+            (false, _) => ShardWrite::Write,
+            (true, _) => ShardWrite::Add,
+        };
+        let recv = if into == ShardWrite::Take {
             self.grads[i]
                 .take()
                 .ok_or_else(|| internal("a gradient shard is missing".into()))?
@@ -461,7 +486,7 @@ impl<'a, B: Backend> FsdpStore<'a, B> {
         let pending = self.group.start_reduce_scatter(flat, recv)?;
         self.reducing = Some(Reducing {
             unit: i,
-            overwrite,
+            into,
             pending,
         });
         Ok(())
@@ -609,7 +634,11 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
                 )));
             }
             let i = self.index(Unit::Block(l));
-            let mut g = BlockGrads::zeros(b, &self.cfg, l, &self.frozen)?;
+            let spec = GradSpec {
+                frozen: &self.frozen,
+                matrices: self.grad_dtype,
+            };
+            let mut g = BlockGrads::zeros(b, &self.cfg, l, spec)?;
             if let Some(Gathered::Block(w)) = &self.gathered[i] {
                 adapters::attach_grads(b, w, &mut g)?;
             }
@@ -631,7 +660,7 @@ impl<B: Backend> ParamStore<B> for FsdpStore<'_, B> {
             let head = if tied {
                 None
             } else {
-                Some(zeros_f32(b, &[v, h])?)
+                Some(b.zeros(&[v, h], self.grad_dtype, Category::Grads)?)
             };
             self.head_g = Some((zeros_f32(b, &[h])?, head));
         }
