@@ -399,7 +399,7 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
     }
     if !ctx.a.json {
         println!(
-            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; optimizer \
+            "{} ({:.2}B params) on {} GPUs of {} GiB ({} GiB outside the ledger), {}; training \
              state: {}; policies: {}; save-attention {}",
             ctx.model.name,
             ctx.model.param_count() as f64 / 1e9,
@@ -545,8 +545,13 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let policy = memory.policy(model.layers, model.layers);
     a.memory.save_attention.check(policy, model.layers)?;
     memory.checkpoint_every.check(policy)?;
+    let state = crate::optim::StateFormat {
+        moments: for_key(k, "optim_state", a.optim_state.parse())?,
+        master: for_key(k, "master_weights", a.master_weights.parse())?,
+        grads: for_key(k, "grad_dtype", a.grad_dtype.parse())?,
+    };
     // as every request decides it (the same GPUs, the same budget)
-    let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze);
+    let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze, state);
     let (mut fsdp, mut fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
     let replicated = freeze.split_unit(&model).is_some() || lora_run.is_some();
     if fsdp && fsdp_mode == FsdpMode::Auto && replicated {
@@ -567,11 +572,6 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     }
     let (all, strategies) = for_key(k, "attn", parse_attn(&a.attn, gpus))?;
     check_mesh(&a, gpus)?;
-    let state = crate::optim::StateFormat {
-        moments: for_key(k, "optim_state", a.optim_state.parse())?,
-        master: for_key(k, "master_weights", a.master_weights.parse())?,
-        grads: for_key(k, "grad_dtype", a.grad_dtype.parse())?,
-    };
     Ok(Ctx {
         model,
         memory,

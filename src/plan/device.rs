@@ -151,7 +151,7 @@ impl DeviceKind {
     /// What the plan assumes: the dtypes and the attention kernels (with
     /// the cuDNN version planned).
     pub fn name(self) -> String {
-        let cuda = "cuda (bf16 weights and activations, f32 grads;";
+        let cuda = "cuda (bf16 weights and activations;";
         match self {
             DeviceKind::Cpu => "cpu (f32)".into(),
             DeviceKind::Cuda { cudnn } => format!(

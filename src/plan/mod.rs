@@ -154,21 +154,26 @@ impl Prediction {
     }
 }
 
-/// Bytes of the whole model's states on one rank without FSDP: parameters
-/// in the compute dtype, F32 gradients, AdamW moments and (on GPUs) F32
-/// master weights.
-pub fn model_state_bytes(cfg: &ModelConfig, gpu: bool) -> usize {
-    let per_param = if gpu { 2 + 4 + 3 * 4 } else { 4 + 4 + 2 * 4 };
-    cfg.param_count() * per_param
-}
-
-/// [`model_state_bytes`] when `frozen` freezes some parameters: theirs are
-/// weights only (no gradient, no optimizer state).
-pub fn trained_state_bytes(cfg: &ModelConfig, gpu: bool, frozen: &crate::model::Freeze) -> usize {
+/// About the bytes of the whole model's states on one rank without FSDP, for
+/// `--fsdp auto`'s rule of thumb (the plan itself counts every byte):
+/// parameters in the compute dtype, and for the parameters `frozen` leaves
+/// trained their gradients, AdamW moments and (on GPUs) master weights as
+/// `state` keeps them.
+pub fn trained_state_bytes(
+    cfg: &ModelConfig,
+    gpu: bool,
+    frozen: &crate::model::Freeze,
+    state: crate::optim::StateFormat,
+) -> usize {
     let (frozen_elems, _) = frozen.frozen_elements(cfg);
-    // a frozen element keeps its weight (bf16 on GPUs, F32 on the CPU) only
-    let untrained = if gpu { 4 + 3 * 4 } else { 4 + 2 * 4 };
-    model_state_bytes(cfg, gpu) - frozen_elems * untrained
+    let params = cfg.param_count();
+    let weight = if gpu { 2 } else { 4 };
+    let master = match (gpu, state.master) {
+        (true, crate::optim::MasterWeights::F32) => 4,
+        _ => 0,
+    };
+    let trained = state.grads.dtype().size() + 2 * state.moments.dtype().size() + master;
+    params * weight + (params - frozen_elems) * trained
 }
 
 /// The longest sequence the planner plans (`plan`, and `train`'s

@@ -384,7 +384,8 @@ impl<'a> Resolution<'a> {
     fn shard(&mut self) -> Result<()> {
         let req = self.req;
         let world = req.mesh.world_size();
-        let states = trained_state_bytes(&req.model, req.device.is_cuda(), &req.freeze);
+        let gpu = req.device.is_cuda();
+        let states = trained_state_bytes(&req.model, gpu, &req.freeze, req.state);
         let (mut fsdp, mut note) = req.fsdp.resolve(world, states, req.budget.memory);
         // FSDP freezes whole units: `auto` does not shard a set that splits one
         if fsdp && req.fsdp == FsdpMode::Auto && req.freeze.split_unit(&req.model).is_some() {
