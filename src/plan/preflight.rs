@@ -6,6 +6,7 @@
 use super::{Prediction, StepSpec, predict_step_rank};
 use crate::backend::{Bytes, Category};
 use crate::error::{Error, Result};
+use crate::optim::{GradDtype, MasterWeights, MomentFormat, StateFormat};
 
 /// The memory one rank may use.
 #[derive(Debug, Clone, Copy)]
@@ -25,8 +26,9 @@ struct Change {
 
 /// The changes tried, cheapest in speed first (`--offload auto` stands for
 /// offloading every block here, `--offload-optimizer auto` for every
-/// unit's optimizer state on the host: auto then picks the fewest that fit).
-const CHANGES: [Change; 10] = [
+/// unit's optimizer state on the host: auto then picks the fewest that fit);
+/// the exact arithmetic before the narrower training state.
+const CHANGES: [Change; 12] = [
     Change {
         // what `auto` falls back to: if none fits, auto fits
         flags: "--save-attention auto",
@@ -94,6 +96,35 @@ const CHANGES: [Change; 10] = [
             s.policy.checkpoint_every = sqrt_segments(s);
         },
     },
+    Change {
+        flags: "--checkpoint --tiled-mlp --offload auto --offload-optimizer auto \
+                --checkpoint-every auto --grad-dtype bf16",
+        apply: |s| {
+            s.policy.checkpoint = true;
+            s.policy.tiled_mlp = true;
+            s.policy.offload = s.model.layers;
+            s.policy.offload_optimizer = all_units(s);
+            s.policy.checkpoint_every = sqrt_segments(s);
+            s.state.grads = GradDtype::Bf16;
+        },
+    },
+    Change {
+        // compact state lives on the device
+        flags: "--checkpoint --tiled-mlp --offload auto --checkpoint-every auto --grad-dtype \
+                bf16 --optim-state 8bit --master-weights none --offload-optimizer 0",
+        apply: |s| {
+            s.policy.checkpoint = true;
+            s.policy.tiled_mlp = true;
+            s.policy.offload = s.model.layers;
+            s.policy.offload_optimizer = 0;
+            s.policy.checkpoint_every = sqrt_segments(s);
+            s.state = StateFormat {
+                moments: MomentFormat::Q8,
+                master: MasterWeights::None,
+                grads: GradDtype::Bf16,
+            };
+        },
+    },
 ];
 
 /// Segments of about √L blocks, which keep about 2√L block inputs alive
@@ -102,6 +133,20 @@ const CHANGES: [Change; 10] = [
 /// recomputes first), so wherever this fits, auto fits.
 fn sqrt_segments(s: &StepSpec) -> usize {
     ((s.model.layers as f64).sqrt().round() as usize).max(2)
+}
+
+/// Whether `s` fits, with a change of segment checkpointing tried at each
+/// segment length from 2 to the one it names (√L): which fits first
+/// depends on what else is offloaded (rebuilt inputs stay on the device).
+fn segments_fit(s: &mut StepSpec, fits: &impl Fn(&StepSpec) -> bool) -> bool {
+    let most = s.policy.checkpoint_every;
+    if most <= 1 {
+        return fits(s);
+    }
+    (2..=most).any(|k| {
+        s.policy.checkpoint_every = k;
+        fits(s)
+    })
 }
 
 /// Every unit's optimizer state on the host (what `--offload-optimizer
@@ -167,7 +212,8 @@ pub fn suggest(spec: &StepSpec, mem: RankMemory) -> String {
         if c.flags.contains("fsdp") && world == 1 {
             continue;
         }
-        if (s.policy != spec.policy || s.fsdp != spec.fsdp) && fits(&s) {
+        let changed = s.policy != spec.policy || s.fsdp != spec.fsdp || s.state != spec.state;
+        if changed && segments_fit(&mut s, &fits) {
             return format!(
                 "Adding {} fits (`upipe plan` shows the breakdown).",
                 c.flags
@@ -188,7 +234,11 @@ mod tests {
     use crate::plan::DeviceKind;
 
     fn spec(seq: usize, policy: MemoryPolicy) -> StepSpec {
-        let model = ModelConfig::resolve("llama3.2-1b").unwrap();
+        spec_of("llama3.2-1b", seq, policy)
+    }
+
+    fn spec_of(model: &str, seq: usize, policy: MemoryPolicy) -> StepSpec {
+        let model = ModelConfig::resolve(model).unwrap();
         let plan = CpPlan::new(Strategy::Upipe, &attn_dims(&model), seq, 1, 1, None).unwrap();
         StepSpec {
             model,
@@ -233,5 +283,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("shorten --seq"), "{e}");
+    }
+
+    /// Llama3-8B at 512K on one 80 GiB GPU with 108 GiB of host: no
+    /// policy with F32 state fits, the compact training state does.
+    #[test]
+    fn the_compact_training_state_is_named_where_only_it_fits() {
+        let mem = RankMemory {
+            device: (79.18 * (1u64 << 30) as f64) as usize - (1 << 30),
+            host: Some(planned_host(108 << 30)),
+        };
+        let plain = spec_of("llama3-8b", 1 << 19, MemoryPolicy::default());
+        let e = check(&plain, &predict_step_rank(&plain, 0).unwrap(), mem)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--grad-dtype bf16 --optim-state 8bit --master-weights none"),
+            "{e}"
+        );
     }
 }
