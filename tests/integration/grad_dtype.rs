@@ -116,8 +116,9 @@ fn bf16_gradients_are_the_f32_gradients_rounded_once() {
 }
 
 /// On a GPU the BF16 gradients are the F32 ones rounded, within one BF16
-/// step of each value (cuBLASLt may pick another kernel for a BF16 output)
-/// and bit for bit where no GEMM writes them.
+/// step of each value (cuBLASLt may pick another kernel for a BF16 output),
+/// and the F32 ones are the F32 step's up to the order of the norms'
+/// atomic sums, which differs from run to run.
 #[test]
 fn gpu_bf16_gradients_are_the_f32_gradients_rounded() {
     use upipe::backend::cuda::CudaBackend;
@@ -138,7 +139,7 @@ fn gpu_bf16_gradients_are_the_f32_gradients_rounded() {
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             let close = match is_matrix(name) {
                 true => (g - rounded(*w)).abs() <= w.abs() / 128.0 + scale * 1e-6,
-                false => g.to_bits() == w.to_bits(),
+                false => (g - w).abs() <= w.abs() * 1e-4 + scale * 1e-6,
             };
             assert!(close, "{name}[{i}]: {g} against {w}");
         }
