@@ -254,6 +254,21 @@ pub fn eval_process_rank(
     eval_on_mesh(cfg, &data, host, rank.backend.as_ref(), &rank.mesh)
 }
 
+/// [`eval_process_rank`] for retrieval trials
+/// ([`super::retrieval::retrieval_on_mesh`]): rank 0's results are
+/// every rank's.
+pub fn retrieval_process_rank(
+    run: &super::retrieval::RetrievalRun,
+    host: &BTreeMap<String, HostTensor>,
+    env: &DistEnv,
+    kernel: crate::backend::cuda::cudnn::AttnKernel,
+) -> Result<Vec<super::retrieval::TrialResult>> {
+    let longest = run.grid.lengths.iter().copied().max().unwrap_or(1);
+    let shape = run.cfg.mesh_shape(&run.cfg.plan(longest)?);
+    let rank = ProcessRank::join("eval", env, shape, (kernel, None), None, "")?;
+    super::retrieval::retrieval_on_mesh(run, host, rank.backend.as_ref(), &rank.mesh)
+}
+
 /// One process rank of a multi-GPU run (`upipe train`, `upipe eval`): its
 /// mesh, the NCCL world and GPU it runs on, and the rendezvous it met the
 /// other ranks at, all held for the run (dropped in this order).
