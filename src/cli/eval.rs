@@ -7,6 +7,13 @@
 //! thread ranks; on GPUs (bf16) as one process per GPU (started by itself,
 //! or by `upipe launch`/torchrun/srun), or as thread ranks spread over the
 //! GPUs when the mesh has more ranks than GPUs.
+//!
+//! `--task` scores synthetic retrieval trials instead (`eval/task.rs`,
+//! its flags `eval/task_args.rs`, its outputs `eval/task_report.rs`).
+
+mod task;
+mod task_args;
+mod task_report;
 
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
@@ -98,6 +105,8 @@ pub struct EvalArgs {
     /// of the forward, memory by category; as `train --metrics` writes steps).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    #[command(flatten)]
+    pub task: task::TaskArgs,
 }
 
 impl EvalArgs {
@@ -176,6 +185,14 @@ fn eval_mesh(
 /// `upipe eval` with flags `a`, parsed from the command line `m`.
 pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
     let a = config::resolve(a, m)?;
+    if a.task.task.is_some() {
+        return task::run(&a);
+    }
+    if let Some(flag) = a.task.given_without_task() {
+        return crate::config_err!(
+            "{flag} is a flag of --task: add --task (passkey, multikey, multivalue or kv)"
+        );
+    }
     let run = build(&a)?;
     if let Route::SelfLaunch { nproc } = run.route {
         let gpus = run.gpus;
