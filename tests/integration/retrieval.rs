@@ -250,3 +250,143 @@ fn the_answer_log_likelihood_is_the_loss_paths_cross_entropy_under_every_mesh() 
         }
     }
 }
+
+fn upipe(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// A directory holding the tiny model with random weights.
+fn tiny_model_dir(name: &str) -> std::path::PathBuf {
+    let cfg = ModelConfig::resolve("tiny").unwrap();
+    let dir = std::env::temp_dir().join(format!("upipe-retrieval-{name}-{}", std::process::id()));
+    let host = random_weights(&cfg, 2);
+    upipe::checkpoint::save_hf_model(&dir, &cfg, &host, upipe::backend::DType::F32).unwrap();
+    dir
+}
+
+#[test]
+fn eval_task_writes_trials_summary_and_heatmap_alike_on_every_mesh() {
+    let dir = tiny_model_dir("cli");
+    let d = dir.to_str().unwrap();
+    let mut outputs = Vec::new();
+    for (i, mesh) in [["--ulysses", "1"], ["--ulysses", "2"]].iter().enumerate() {
+        let out_dir = dir.join(format!("out{i}"));
+        let args = [
+            "eval",
+            "--task",
+            "multikey",
+            "--model-dir",
+            d,
+            "--lengths",
+            "400,1K",
+            "--depths",
+            "3",
+            "--trials",
+            "2",
+            "--device",
+            "cpu",
+            mesh[0],
+            mesh[1],
+            "--out",
+            out_dir.to_str().unwrap(),
+        ];
+        let out = upipe(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            stdout.contains("multikey: ") && stdout.contains("1K"),
+            "{stdout}"
+        );
+        let trials = std::fs::read_to_string(out_dir.join("trials.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> = trials
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2 * 3 * 2);
+        assert_eq!(lines[11]["length"], 1024);
+        assert_eq!(lines[11]["depth"], 1.0);
+        assert_eq!(lines[0]["answer_tokens"], 8);
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out_dir.join("summary.json")).unwrap())
+                .unwrap();
+        assert_eq!(summary["cells"].as_array().unwrap().len(), 6);
+        assert_eq!(summary["trials"], 12);
+        let svg = std::fs::read_to_string(out_dir.join("heatmap.svg")).unwrap();
+        assert!(
+            svg.starts_with("<?xml") && svg.contains(">1K</text>") && svg.contains(">50 %</text>")
+        );
+        // what depends on the trials alone, not on the mesh
+        let keep = |v: &serde_json::Value| {
+            (
+                v["seed"].clone(),
+                v["expected"].clone(),
+                v["predicted"].clone(),
+                v["passed"].clone(),
+            )
+        };
+        outputs.push(lines.iter().map(keep).collect::<Vec<_>>());
+    }
+    assert_eq!(outputs[0], outputs[1]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn eval_task_refuses_what_a_user_can_get_wrong_naming_the_fix() {
+    let dir = tiny_model_dir("refusals");
+    let d = dir.to_str().unwrap();
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "Only a line. And another.").unwrap();
+    let s = short.to_str().unwrap();
+    let cases: [(&[&str], &str); 8] = [
+        (&["--task", "passkey", "--lengths", "4X"], "4K,32K,128K,1M"),
+        (
+            &["--task", "passkey", "--lengths", "2M"],
+            "give --lengths up to 1048576",
+        ),
+        (
+            &["--task", "passkey", "--lengths", "100"],
+            "give lengths above",
+        ),
+        (
+            &[
+                "--task",
+                "passkey",
+                "--lengths",
+                "1K",
+                "--needle-template",
+                "hidden",
+            ],
+            "{value}",
+        ),
+        (
+            &["--task", "passkey", "--lengths", "1K", "--haystack", s],
+            "leave out --haystack",
+        ),
+        (
+            &["--task", "passkey", "--lengths", "1K", "--tokens", s],
+            "leave out one of them",
+        ),
+        (&["--lengths", "1K"], "add --task"),
+        (
+            &["--task", "needle", "--lengths", "1K"],
+            "passkey, multikey, multivalue, kv",
+        ),
+    ];
+    for (args, want) in cases {
+        let mut all = vec!["eval", "--model-dir", d, "--device", "cpu"];
+        all.extend_from_slice(args);
+        let out = upipe(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
