@@ -15,6 +15,8 @@ mod task;
 mod task_args;
 mod task_report;
 
+pub use task_args::TaskArgs;
+
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::checkpoint::{ExtraTensors, load_hf_model_with};
@@ -106,7 +108,7 @@ pub struct EvalArgs {
     #[arg(long)]
     pub metrics: Option<PathBuf>,
     #[command(flatten)]
-    pub task: task::TaskArgs,
+    pub task: TaskArgs,
 }
 
 impl EvalArgs {
@@ -125,7 +127,7 @@ impl EvalArgs {
         loss_chunk => memory.loss_chunk,
         device => run.device,
         attn_kernel => run.attn_kernel;
-        flatten mesh
+        flatten mesh, task
     }
 }
 
@@ -457,6 +459,7 @@ fn write_metrics(
         predicted_by_category: None,
         profile: None,
         eval: None,
+        retrieval: None,
         mixture: None,
         skipped_windows: None,
     }

@@ -12,6 +12,7 @@ pub mod lora_base;
 pub mod lora_run;
 pub mod replicated;
 pub mod retrieval;
+pub mod retrieval_during;
 pub mod state;
 pub mod step_windows;
 pub mod trainer;

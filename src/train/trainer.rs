@@ -71,6 +71,9 @@ pub struct StepReport {
     /// The held-out evaluation after this step, when one was due
     /// (`--eval-data`, `--eval-every`; `train::eval_during`).
     pub eval: Option<EvalReport>,
+    /// The retrieval trials after this step, when due (`--eval-task`;
+    /// `train::retrieval_during`).
+    pub retrieval: Option<super::retrieval_during::RetrievalPoint>,
     /// A mixture's realised proportions so far (rank 0's data replica's
     /// windows, `--data a.u32:0.7,b.u32:0.3`); `None` for one corpus.
     pub mixture: Option<Vec<MixShare>>,
@@ -347,6 +350,7 @@ pub fn rehearse_rank<B: Backend>(
         save_dir: None,
         resume: false,
         eval: None,
+        eval_task: None,
         // the same windows whatever the packing: a rehearsal reads no data
         pack: PackMode::Stream,
         ..cfg.clone()
@@ -459,6 +463,15 @@ fn run_rank<B: Backend>(
         let profile = step_profile(cfg, b, step, rank)?;
         let memory = b.ledger().stats();
         let eval = eval_during::after_step(cfg, plan, b, mesh, &mut decoder, model.as_mut(), step)?;
+        let retrieval = super::retrieval_during::after_step(
+            cfg,
+            plan,
+            b,
+            mesh,
+            &mut decoder,
+            model.as_mut(),
+            step,
+        )?;
         let report = StepReport {
             step,
             loss,
@@ -474,6 +487,7 @@ fn run_rank<B: Backend>(
             attn_flop_fraction,
             profile,
             eval,
+            retrieval,
             mixture: sampler.shares(),
             skipped_windows: sampler.skipped_windows(),
         };

@@ -390,3 +390,86 @@ fn eval_task_refuses_what_a_user_can_get_wrong_naming_the_fix() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn trials_during_training_score_as_eval_task_does_on_the_saved_model() {
+    let dir = std::env::temp_dir().join(format!("upipe-retrieval-train-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (save, metrics) = (dir.join("run"), dir.join("m.jsonl"));
+    let args = [
+        "train",
+        "--device",
+        "cpu",
+        "--steps",
+        "4",
+        "--seq",
+        "256",
+        "--eval-task",
+        "passkey",
+        "--eval-every",
+        "2",
+        "--eval-task-lengths",
+        "200,256",
+        "--eval-task-depths",
+        "3",
+        "--eval-task-trials",
+        "2",
+        "--save-dir",
+        save.to_str().unwrap(),
+        "--save-dtype",
+        "f32",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ];
+    let out = upipe(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let scored: Vec<u64> = (lines.iter())
+        .filter(|l| l.get("retrieval").is_some())
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(scored, vec![2, 4]);
+    let last = &lines.last().unwrap()["retrieval"];
+    assert_eq!(
+        (last["task"].as_str(), last["trials"].as_u64()),
+        (Some("passkey"), Some(12))
+    );
+    let args = [
+        "eval",
+        "--task",
+        "passkey",
+        "--json",
+        "--device",
+        "cpu",
+        "--model-dir",
+        save.to_str().unwrap(),
+        "--lengths",
+        "200,256",
+        "--depths",
+        "3",
+        "--trials",
+        "2",
+    ];
+    let out = upipe(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["passed"], last["passed"]);
+    let (a, b) = (
+        v["mean_logprob"].as_f64().unwrap(),
+        last["mean_logprob"].as_f64().unwrap(),
+    );
+    assert!(((a - b) / b).abs() < 1e-5, "{a} vs {b}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

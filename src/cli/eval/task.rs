@@ -26,7 +26,7 @@ use crate::train::retrieval::{RetrievalRun, TrialResult, retrieval_cpu, retrieva
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-pub use super::task_args::TaskArgs;
+use super::TaskArgs;
 
 /// What a retrieval run needs before its weights load.
 struct TaskRun {

@@ -79,6 +79,25 @@ pub struct TaskArgs {
 }
 
 impl TaskArgs {
+    crate::cli::config::run_keys! {
+        task => eval.task,
+        lengths => eval.lengths,
+        depths => eval.depths,
+        trials => eval.trials,
+        seed => run.seed,
+        haystack => eval.haystack,
+        tokenizer => data.tokenizer,
+        needles => eval.needles,
+        digits => eval.digits,
+        intro_template => eval.intro_template,
+        needle_template => eval.needle_template,
+        question_template => eval.question_template,
+        answer_template => eval.answer_template,
+        out => eval.out,
+        write_corpus => eval.write_corpus,
+        documents => eval.documents
+    }
+
     /// The first flag given that only --task reads, when --task is not given.
     pub fn given_without_task(&self) -> Option<&'static str> {
         let given = [

@@ -151,10 +151,7 @@ fn write_out(
 pub fn heatmap_svg(task: &str, grid: &Grid, s: &RetrievalSummary) -> String {
     let (nl, nd) = (grid.lengths.len(), grid.depths.len());
     let cell = |li: usize, di: usize| &s.cells[li * nd + di];
-    let title = format!(
-        "{task}: accuracy by needle depth and context length ({}/{} passed)",
-        s.passed, s.trials
-    );
+    let title = format!("{task}: accuracy (%), {} of {} passed", s.passed, s.trials);
     let h = Heatmap {
         title: &title,
         column_name: "context length (tokens)",

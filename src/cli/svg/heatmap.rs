@@ -41,10 +41,11 @@ pub fn colour(v: f64) -> String {
     format!("#{}", c.concat())
 }
 
-/// Draws `h` in `area` (the key takes its right 60 pixels).
+/// Draws `h` in `area` (the key takes its right 70 pixels; the title
+/// goes 22 pixels above it).
 pub fn heatmap(svg: &mut Svg, area: Area, h: &Heatmap) {
     let Area { x, y, w, h: height } = area;
-    svg.text(x + w / 2.0, y - 8.0, 14.0, "middle", h.title);
+    svg.text(x + w / 2.0, y - 22.0, 14.0, "middle", h.title);
     let label_w = 56.0;
     let (grid_x, grid_w) = (x + label_w, w - label_w - 70.0);
     let grid_h = height - 40.0;
@@ -77,7 +78,7 @@ pub fn heatmap(svg: &mut Svg, area: Area, h: &Heatmap) {
         "middle",
         h.column_name,
     );
-    svg.text(x + 4.0, y - 8.0, 11.0, "start", h.row_name);
+    svg.text(x + 4.0, y - 6.0, 11.0, "start", h.row_name);
     key(svg, grid_x + grid_w + 16.0, y, grid_h);
 }
 

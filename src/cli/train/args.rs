@@ -150,6 +150,23 @@ pub struct TrainArgs {
     /// in the window (`by_position`, as `upipe eval --buckets`).
     #[arg(long, help_heading = "Evaluation", default_value_t = 1)]
     pub eval_buckets: usize,
+    /// Score retrieval trials (`upipe eval --task`: passkey, multikey,
+    /// multivalue, kv; docs/evaluation.md) every --eval-every steps and
+    /// after the last, on the training mesh with the run's parameters and
+    /// tokenizer, the haystack the built-in filler: in the progress line,
+    /// `--metrics` and TensorBoard (`retrieval`: accuracy, mean_logprob).
+    #[arg(long, help_heading = "Evaluation")]
+    pub eval_task: Option<String>,
+    /// Lengths of the trials during training, each at most --seq (K = 1024;
+    /// default: --seq).
+    #[arg(long, help_heading = "Evaluation")]
+    pub eval_task_lengths: Option<String>,
+    /// Needle depths of the trials during training, evenly spaced 0-100 %.
+    #[arg(long, help_heading = "Evaluation", default_value_t = 5)]
+    pub eval_task_depths: usize,
+    /// Trials per length and depth during training.
+    #[arg(long, help_heading = "Evaluation", default_value_t = 2)]
+    pub eval_task_trials: usize,
     /// Directory for training checkpoints (safetensors + optimizer state,
     /// and the resolved run file `run.toml` that repeats the run).
     #[arg(long, help_heading = "Checkpoints")]
@@ -313,6 +330,10 @@ impl TrainArgs {
         eval_data => eval.eval_data,
         eval_every => eval.eval_every,
         eval_buckets => eval.eval_buckets,
+        eval_task => eval.eval_task,
+        eval_task_lengths => eval.eval_task_lengths,
+        eval_task_depths => eval.eval_task_depths,
+        eval_task_trials => eval.eval_task_trials,
         save_dir => checkpoint.save_dir,
         merge_lora => checkpoint.merge_lora,
         save_every => checkpoint.save_every,
