@@ -83,7 +83,7 @@ pub struct StepMetrics {
     /// The retrieval trials after this step (`train --eval-task`): the
     /// task, `accuracy`, `mean_logprob`, `passed` of `trials`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retrieval: Option<crate::train::retrieval_during::RetrievalPoint>,
+    pub retrieval: Option<crate::train::retrieval::RetrievalPoint>,
     /// A mixture of corpora's realised proportions so far (`--data
     /// a.u32:0.7,b.u32:0.3`; rank 0's data replica): each corpus's
     /// `data`, `weight`, `windows` drawn and `share` of them.

@@ -546,7 +546,7 @@ fn eval_during(a: &TrainArgs, vocab: usize) -> Result<Option<EvalDuring>> {
 fn eval_task_during(
     a: &TrainArgs,
     cfg: &crate::train::config::TrainConfig,
-) -> Result<Option<crate::train::retrieval_during::RetrievalDuring>> {
+) -> Result<Option<crate::train::retrieval::RetrievalDuring>> {
     use crate::data::Tokenizer;
     use crate::data::retrieval::{Grid, Haystack, TaskSpec, parse_lengths};
     let Some(task) = &a.eval_task else {
@@ -581,7 +581,7 @@ fn eval_task_during(
         trials: a.eval_task_trials,
         seed: a.seed,
     };
-    Ok(Some(crate::train::retrieval_during::RetrievalDuring {
+    Ok(Some(crate::train::retrieval::RetrievalDuring {
         spec,
         grid,
         tok,

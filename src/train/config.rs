@@ -107,7 +107,7 @@ pub struct TrainConfig {
     /// checked by `train::eval_during::check`, which the loop runs first).
     pub eval: Option<EvalDuring>,
     /// Retrieval trials scored during training (`--eval-task`).
-    pub eval_task: Option<crate::train::retrieval_during::RetrievalDuring>,
+    pub eval_task: Option<crate::train::retrieval::RetrievalDuring>,
 }
 
 impl TrainConfig {

@@ -73,7 +73,7 @@ pub struct StepReport {
     pub eval: Option<EvalReport>,
     /// The retrieval trials after this step, when due (`--eval-task`;
     /// `train::retrieval_during`).
-    pub retrieval: Option<super::retrieval_during::RetrievalPoint>,
+    pub retrieval: Option<super::retrieval::RetrievalPoint>,
     /// A mixture's realised proportions so far (rank 0's data replica's
     /// windows, `--data a.u32:0.7,b.u32:0.3`); `None` for one corpus.
     pub mixture: Option<Vec<MixShare>>,

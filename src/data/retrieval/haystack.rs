@@ -153,7 +153,7 @@ impl Haystack {
 
     /// Checks that `budget` ids can be taken (errors name the fix).
     pub fn check_fills(&self, budget: usize, length: usize) -> Result<()> {
-        if self.repeats && !self.is_empty() || budget <= self.len() {
+        if (self.repeats && !self.is_empty()) || budget <= self.len() {
             return Ok(());
         }
         crate::config_err!(
