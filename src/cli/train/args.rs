@@ -583,10 +583,19 @@ impl TrainArgs {
                 "the merged model is made from the final checkpoint there",
             ),
             (
-                self.eval_data.is_none() && self.eval_every.is_some(),
+                self.eval_data.is_none() && self.eval_task.is_none() && self.eval_every.is_some(),
                 "eval_every",
                 "eval_data",
-                "it names the held-out data to evaluate",
+                "it names the held-out data to evaluate; or --eval-task, the retrieval task to score",
+            ),
+            (
+                self.eval_task.is_none()
+                    && (self.eval_task_lengths.is_some()
+                        || self.eval_task_depths != 5
+                        || self.eval_task_trials != 2),
+                "eval_task_lengths",
+                "eval_task",
+                "the lengths, depths and trials are of its retrieval trials",
             ),
             (
                 self.allow_extra_tensors && self.init_from.is_none() && !self.resume,
