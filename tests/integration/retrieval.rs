@@ -391,11 +391,14 @@ fn eval_task_refuses_what_a_user_can_get_wrong_naming_the_fix() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn trials_during_training_score_as_eval_task_does_on_the_saved_model() {
-    let dir = std::env::temp_dir().join(format!("upipe-retrieval-train-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (save, metrics) = (dir.join("run"), dir.join("m.jsonl"));
+/// Trains the tiny model 4 steps (`--fsdp fsdp`) with trials after steps
+/// 2 and 4, then scores the saved model with `upipe eval --task` on the
+/// same grid: the same scores as the run's last.
+fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
+    let (save, metrics) = (
+        dir.join(format!("run-{fsdp}")),
+        dir.join(format!("m-{fsdp}.jsonl")),
+    );
     let args = [
         "train",
         "--device",
@@ -420,6 +423,8 @@ fn trials_during_training_score_as_eval_task_does_on_the_saved_model() {
         "f32",
         "--metrics",
         metrics.to_str().unwrap(),
+        "--fsdp",
+        fsdp,
     ];
     let out = upipe(&args);
     assert!(
@@ -436,7 +441,7 @@ fn trials_during_training_score_as_eval_task_does_on_the_saved_model() {
         .filter(|l| l.get("retrieval").is_some())
         .map(|l| l["step"].as_u64().unwrap())
         .collect();
-    assert_eq!(scored, vec![2, 4]);
+    assert_eq!(scored, vec![2, 4], "--fsdp {fsdp}");
     let last = &lines.last().unwrap()["retrieval"];
     assert_eq!(
         (last["task"].as_str(), last["trials"].as_u64()),
@@ -465,11 +470,20 @@ fn trials_during_training_score_as_eval_task_does_on_the_saved_model() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["passed"], last["passed"]);
+    assert_eq!(v["passed"], last["passed"], "--fsdp {fsdp}");
     let (a, b) = (
         v["mean_logprob"].as_f64().unwrap(),
         last["mean_logprob"].as_f64().unwrap(),
     );
-    assert!(((a - b) / b).abs() < 1e-5, "{a} vs {b}");
+    assert!(((a - b) / b).abs() < 1e-5, "--fsdp {fsdp}: {a} vs {b}");
+}
+
+#[test]
+fn trials_during_training_score_as_eval_task_does_on_the_saved_model() {
+    let dir = std::env::temp_dir().join(format!("upipe-retrieval-train-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // the parameters replicated, and sharded (each unit gathered for the forward)
+    train_then_eval(&dir, "off");
+    train_then_eval(&dir, "on");
     std::fs::remove_dir_all(&dir).unwrap();
 }
