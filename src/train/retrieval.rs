@@ -117,7 +117,7 @@ pub fn retrieval_on_mesh<B: Backend>(
                 mesh.shape
             );
         }
-        let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, policy.clone())?;
+        let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, policy)?;
         decoder.set_window(b, &[0])?;
         let scored = score_length(b, mesh, &plan, (run.grid, li, run.make), |ids, rows| {
             decoder.forward_logit_rows(b, mesh, &w, ids, rows)
