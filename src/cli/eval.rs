@@ -188,7 +188,7 @@ fn eval_mesh(
 pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
     let a = config::resolve(a, m)?;
     if a.task.task.is_some() {
-        return task::run(&a);
+        return run_task(&a);
     }
     if let Some(flag) = a.task.given_without_task() {
         return crate::config_err!(
@@ -221,6 +221,30 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// `upipe eval --task`: retrieval trials (`eval/task.rs`) with the flags
+/// they share with `upipe eval`.
+fn run_task(a: &EvalArgs) -> Result<i32> {
+    let mesh = |strategy: Strategy, model: &ModelConfig, seq: usize, ranks: Option<usize>| {
+        eval_mesh(a, strategy, model, seq, ranks)
+    };
+    task::run(&task_args::EvalTaskArgs {
+        task: &a.task,
+        keys: EvalArgs::KEYS,
+        model_dir: a.model_dir.as_deref(),
+        tokens_given: a.tokens.is_some(),
+        lora_from: a.lora_from.as_deref(),
+        allow_extra_tensors: a.allow_extra_tensors,
+        device: &a.device,
+        attn_kernel: &a.attn_kernel,
+        attn: &a.attn,
+        chunk_heads: ChunkHeads::fixed(a.mesh.chunk_heads, "eval")?,
+        fwd_chunk_heads: a.fwd_chunk_heads,
+        loss_chunk: a.loss_chunk,
+        json: a.json,
+        mesh: &mesh,
+    })
 }
 
 /// Refuses data whose loss mask counts no token at all, before any weight

@@ -6,12 +6,11 @@
 //! the heatmap (SVG). `--write-corpus` writes trials as training data
 //! instead (`data::retrieval::corpus`).
 
-use super::{EvalArgs, eval_mesh, required};
+use super::task_args::{EvalTaskArgs, TaskArgs};
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
 use crate::checkpoint::{ExtraTensors, HostTensor, load_hf_model_with};
 use crate::cli::config::for_key;
-use crate::cli::schedule::ChunkHeads;
 use crate::cli::train::{Device, Launched, Route, route_for};
 use crate::comm::env::DistEnv;
 use crate::data::Tokenizer;
@@ -24,9 +23,7 @@ use crate::model::ModelConfig;
 use crate::train::eval::EvalConfig;
 use crate::train::retrieval::{RetrievalRun, TrialResult, retrieval_cpu, retrieval_threads};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-
-use super::TaskArgs;
+use std::path::Path;
 
 /// What a retrieval run needs before its weights load.
 struct TaskRun {
@@ -37,19 +34,24 @@ struct TaskRun {
 }
 
 /// `upipe eval --task` with flags `a`.
-pub fn run(a: &EvalArgs) -> Result<i32> {
-    let t = &a.task;
+pub fn run(a: &EvalTaskArgs) -> Result<i32> {
+    let t = a.task;
     let task = build_task(a)?;
     if let Some(path) = &t.write_corpus {
         return corpus(&task, path, t.documents);
     }
-    if a.tokens.is_some() {
+    if a.tokens_given {
         return crate::config_err!(
             "--tokens is what `upipe eval` measures the loss on; --task makes its own trials: \
              leave out one of them"
         );
     }
-    let model_dir = required(&a.model_dir, "model_dir")?.to_path_buf();
+    let Some(model_dir) = a.model_dir.map(Path::to_path_buf) else {
+        return crate::config_err!(
+            "upipe eval --task needs --model-dir (or [eval] model-dir in --config), or \
+             --write-corpus to write trials without a model"
+        );
+    };
     crate::checkpoint::refuse_adapter_dir(&model_dir, "--model-dir")?;
     let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
     check_model(&task, &model)?;
@@ -86,8 +88,8 @@ pub fn run(a: &EvalArgs) -> Result<i32> {
 }
 
 /// The task, grid, tokenizer and haystack from the flags, checked.
-fn build_task(a: &EvalArgs) -> Result<TaskRun> {
-    let t = &a.task;
+fn build_task(a: &EvalTaskArgs) -> Result<TaskRun> {
+    let t = a.task;
     let name = t.task.as_deref().unwrap_or_default();
     let task: RetrievalTask = name.parse()?;
     let mut spec = TaskSpec::new(task);
@@ -157,11 +159,11 @@ fn grid(t: &TaskArgs) -> Result<Grid> {
 
 /// `--tokenizer`, else the model directory's `tokenizer.json`, else bytes
 /// for a model of 256 ids.
-fn tokenizer(a: &EvalArgs) -> Result<Tokenizer> {
+fn tokenizer(a: &EvalTaskArgs) -> Result<Tokenizer> {
     if let Some(t) = &a.task.tokenizer {
         return Tokenizer::resolve(t);
     }
-    let dir = a.model_dir.as_deref();
+    let dir = a.model_dir;
     if let Some(file) = dir
         .map(|d| d.join("tokenizer.json"))
         .filter(|f| f.is_file())
@@ -248,8 +250,8 @@ struct Placed {
 
 /// The evaluation's mesh for the longest length, checked, and its route
 /// (as `upipe eval` places a run).
-fn place(a: &EvalArgs, model: &ModelConfig) -> Result<Placed> {
-    let k = EvalArgs::KEYS;
+fn place(a: &EvalTaskArgs, model: &ModelConfig) -> Result<Placed> {
+    let k = a.keys;
     let device: Device = for_key(k, "device", a.device.parse())?;
     let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
     let gpus = match device {
@@ -261,10 +263,10 @@ fn place(a: &EvalArgs, model: &ModelConfig) -> Result<Placed> {
     let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
     let mut cfg = EvalConfig {
         strategy,
-        chunk_heads: ChunkHeads::fixed(a.mesh.chunk_heads, "eval")?,
+        chunk_heads: a.chunk_heads,
         fwd_chunk_heads: a.fwd_chunk_heads,
         loss_chunk: a.loss_chunk,
-        lora: match &a.lora_from {
+        lora: match a.lora_from {
             Some(dir) => Some(crate::checkpoint::peft::read_adapter(dir, model)?.weights),
             None => None,
         },
@@ -277,7 +279,7 @@ fn place(a: &EvalArgs, model: &ModelConfig) -> Result<Placed> {
         None if device != Device::Cpu && gpus >= 2 => Some(gpus),
         None => None,
     };
-    let mesh = eval_mesh(a, strategy, model, longest, ranks);
+    let mesh = (a.mesh)(strategy, model, longest, ranks);
     mesh.check_countable()?;
     (cfg.data_parallel, cfg.ulysses, cfg.ring) = (mesh.data, mesh.ulysses, mesh.ring);
     let shape = cfg.mesh_shape(&cfg.plan(longest)?);
@@ -328,9 +330,4 @@ fn execute(
         }
         _ => retrieval_cpu(run, host),
     }
-}
-
-/// Paths `--out DIR` writes.
-pub fn out_files(dir: &Path) -> [PathBuf; 3] {
-    ["trials.jsonl", "summary.json", "heatmap.svg"].map(|f| dir.join(f))
 }

@@ -3,7 +3,7 @@
 //! `--out DIR` the trials (`trials.jsonl`), the summary (`summary.json`)
 //! and the heatmap (`heatmap.svg`).
 
-use super::EvalArgs;
+use super::task_args::EvalTaskArgs;
 use crate::cli::svg::heatmap::{Heatmap, heatmap};
 use crate::cli::svg::{Area, Svg};
 use crate::data::Tokenizer;
@@ -43,7 +43,7 @@ struct SummaryFile<'a> {
 
 /// Prints the table (or the JSON) and writes `--out`'s files.
 pub fn report(
-    a: &EvalArgs,
+    a: &EvalTaskArgs,
     spec: &TaskSpec,
     grid: &Grid,
     tok: &Tokenizer,
@@ -53,8 +53,8 @@ pub fn report(
     let task = spec.task.name();
     let file = SummaryFile {
         task,
-        model_dir: a.model_dir.as_ref().map(|p| p.display().to_string()),
-        lora_from: a.lora_from.as_ref().map(|p| p.display().to_string()),
+        model_dir: a.model_dir.map(|p| p.display().to_string()),
+        lora_from: a.lora_from.map(|p| p.display().to_string()),
         haystack: match (&a.task.haystack, spec.task.uses_haystack()) {
             (Some(p), _) => p.display().to_string(),
             (None, true) => "the built-in filler".into(),
@@ -128,7 +128,7 @@ fn write_out(
 ) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    let [trials, summary_path, svg] = super::task::out_files(dir);
+    let [trials, summary_path, svg] = out_files(dir);
     let mut lines = String::new();
     for r in results {
         let line = TrialLine {
@@ -194,4 +194,9 @@ pub fn heatmap_svg(task: &str, grid: &Grid, s: &RetrievalSummary) -> String {
     };
     heatmap(&mut svg, area, &h);
     svg.finish()
+}
+
+/// Paths `--out DIR` writes.
+pub fn out_files(dir: &Path) -> [std::path::PathBuf; 3] {
+    ["trials.jsonl", "summary.json", "heatmap.svg"].map(|f| dir.join(f))
 }
