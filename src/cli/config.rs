@@ -195,6 +195,26 @@ pub struct EvalKeys {
     pub eval_data: Option<PathBuf>,
     pub eval_every: Option<u32>,
     pub eval_buckets: Option<usize>,
+    /// `upipe train`'s retrieval trials during the run (`--eval-task`).
+    pub eval_task: Option<String>,
+    pub eval_task_lengths: Option<String>,
+    pub eval_task_depths: Option<usize>,
+    pub eval_task_trials: Option<usize>,
+    /// `upipe eval --task`'s retrieval trials.
+    pub task: Option<String>,
+    pub lengths: Option<String>,
+    pub depths: Option<usize>,
+    pub trials: Option<usize>,
+    pub haystack: Option<PathBuf>,
+    pub needles: Option<usize>,
+    pub digits: Option<usize>,
+    pub intro_template: Option<String>,
+    pub needle_template: Option<String>,
+    pub question_template: Option<String>,
+    pub answer_template: Option<String>,
+    pub out: Option<PathBuf>,
+    pub write_corpus: Option<PathBuf>,
+    pub documents: Option<usize>,
 }
 
 /// `[bench]`: `upipe bench attn`'s own keys.
@@ -511,7 +531,8 @@ mod tests {
         let mesh = MeshArgs::KEYS;
         let lora = crate::cli::lora::LoraArgs::KEYS;
         every_flag_has_a_key::<TrainArgs>(&[TrainArgs::KEYS, memory, mesh, fwd, lora]);
-        every_flag_has_a_key::<EvalArgs>(&[EvalArgs::KEYS, mesh]);
+        let task = crate::cli::eval::TaskArgs::KEYS;
+        every_flag_has_a_key::<EvalArgs>(&[EvalArgs::KEYS, mesh, task]);
         every_flag_has_a_key::<PlanArgs>(&[PlanArgs::KEYS, mesh, schedule, fwd, memory, lora]);
         every_flag_has_a_key::<AttnArgs>(&[AttnArgs::KEYS, mesh, schedule, fwd]);
     }

@@ -7,6 +7,15 @@
 //! thread ranks; on GPUs (bf16) as one process per GPU (started by itself,
 //! or by `upipe launch`/torchrun/srun), or as thread ranks spread over the
 //! GPUs when the mesh has more ranks than GPUs.
+//!
+//! `--task` scores synthetic retrieval trials instead (`eval/task.rs`,
+//! its flags `eval/task_args.rs`, its outputs `eval/task_report.rs`).
+
+mod task;
+mod task_args;
+mod task_report;
+
+pub use task_args::TaskArgs;
 
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
@@ -98,6 +107,8 @@ pub struct EvalArgs {
     /// of the forward, memory by category; as `train --metrics` writes steps).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    #[command(flatten)]
+    pub task: TaskArgs,
 }
 
 impl EvalArgs {
@@ -116,7 +127,7 @@ impl EvalArgs {
         loss_chunk => memory.loss_chunk,
         device => run.device,
         attn_kernel => run.attn_kernel;
-        flatten mesh
+        flatten mesh, task
     }
 }
 
@@ -176,6 +187,14 @@ fn eval_mesh(
 /// `upipe eval` with flags `a`, parsed from the command line `m`.
 pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
     let a = config::resolve(a, m)?;
+    if a.task.task.is_some() {
+        return run_task(&a);
+    }
+    if let Some(flag) = a.task.given_without_task() {
+        return crate::config_err!(
+            "{flag} is a flag of --task: add --task (passkey, multikey, multivalue or kv)"
+        );
+    }
     let run = build(&a)?;
     if let Route::SelfLaunch { nproc } = run.route {
         let gpus = run.gpus;
@@ -202,6 +221,30 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// `upipe eval --task`: retrieval trials (`eval/task.rs`) with the flags
+/// they share with `upipe eval`.
+fn run_task(a: &EvalArgs) -> Result<i32> {
+    let mesh = |strategy: Strategy, model: &ModelConfig, seq: usize, ranks: Option<usize>| {
+        eval_mesh(a, strategy, model, seq, ranks)
+    };
+    task::run(&task_args::EvalTaskArgs {
+        task: &a.task,
+        keys: EvalArgs::KEYS,
+        model_dir: a.model_dir.as_deref(),
+        tokens_given: a.tokens.is_some(),
+        lora_from: a.lora_from.as_deref(),
+        allow_extra_tensors: a.allow_extra_tensors,
+        device: &a.device,
+        attn_kernel: &a.attn_kernel,
+        attn: &a.attn,
+        chunk_heads: ChunkHeads::fixed(a.mesh.chunk_heads, "eval")?,
+        fwd_chunk_heads: a.fwd_chunk_heads,
+        loss_chunk: a.loss_chunk,
+        json: a.json,
+        mesh: &mesh,
+    })
 }
 
 /// Refuses data whose loss mask counts no token at all, before any weight
@@ -440,6 +483,7 @@ fn write_metrics(
         predicted_by_category: None,
         profile: None,
         eval: None,
+        retrieval: None,
         mixture: None,
         skipped_windows: None,
     }

@@ -80,6 +80,10 @@ pub struct StepMetrics {
     /// `--eval-every`): its `loss`, `by_position`, as `upipe eval` prints it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalReport>,
+    /// The retrieval trials after this step (`train --eval-task`): the
+    /// task, `accuracy`, `mean_logprob`, `passed` of `trials`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retrieval: Option<crate::train::retrieval::RetrievalPoint>,
     /// A mixture of corpora's realised proportions so far (`--data
     /// a.u32:0.7,b.u32:0.3`; rank 0's data replica): each corpus's
     /// `data`, `weight`, `windows` drawn and `share` of them.
@@ -193,6 +197,7 @@ impl StepMetrics {
                 m
             }),
             eval: r.eval.clone(),
+            retrieval: r.retrieval.clone(),
             mixture: r.mixture.clone(),
             skipped_windows: (r.skipped_windows > 0).then_some(r.skipped_windows),
         }
@@ -331,6 +336,7 @@ mod tests {
             attn_flop_fraction: 0.5,
             profile: None,
             eval: None,
+            retrieval: None,
             mixture: None,
             skipped_windows: 0,
         }

@@ -186,6 +186,7 @@ mod tests {
             predicted_by_category: Some(cats(1)),
             profile: None,
             eval: None,
+            retrieval: None,
             mixture: None,
             skipped_windows: None,
         }

@@ -1,8 +1,10 @@
-//! A small SVG writer for `upipe report` and `upipe plan --svg`: line
-//! charts (one `<polyline>` per series) and stacked bars of bytes by
-//! category. Written by hand: the charts need a handful of elements, not a
-//! plotting library; where their labels go is `layout.rs`.
+//! A small SVG writer for `upipe report`, `upipe plan --svg` and `upipe
+//! eval --task`: line charts (one `<polyline>` per series), stacked bars
+//! of bytes by category, and heatmaps (`heatmap.rs`). Written by hand:
+//! the charts need a handful of elements, not a plotting library; where
+//! their labels go is `layout.rs`.
 
+pub mod heatmap;
 pub mod layout;
 
 use crate::backend::Bytes;

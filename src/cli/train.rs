@@ -104,6 +104,10 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
     let steps = a.steps_for(per_epoch, run.cfg.data_parallel)?;
     set_steps(&mut a, &mut run.cfg, steps)?;
     run.cfg.eval = eval_during(&a, run.cfg.model.vocab)?;
+    run.cfg.eval_task = eval_task_during(&a, &run.cfg)?;
+    if let Some(rd) = &run.cfg.eval_task {
+        rd.check(run.cfg.seq)?;
+    }
     let predicted = run.resolve(&a)?;
     crate::train::eval_during::check(&run.cfg)?;
     if let Some(done) = finished_checkpoint(&run.cfg)? {
@@ -301,6 +305,7 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
         lora: c.lora.clone(),
         // loaded once the run's data is (`eval_during`)
         eval: None,
+        eval_task: None,
     }
 }
 
@@ -532,6 +537,56 @@ fn eval_during(a: &TrainArgs, vocab: usize) -> Result<Option<EvalDuring>> {
         data,
         every: a.eval_every.unwrap_or(a.steps),
         buckets: a.eval_buckets,
+    }))
+}
+
+/// `--eval-task`: the retrieval trials scored during the run, with the
+/// run's tokenizer (`--tokenizer`, else the `--init-from` directory's
+/// `tokenizer.json`, else bytes for a model of 256 ids).
+fn eval_task_during(
+    a: &TrainArgs,
+    cfg: &crate::train::config::TrainConfig,
+) -> Result<Option<crate::train::retrieval::RetrievalDuring>> {
+    use crate::data::Tokenizer;
+    use crate::data::retrieval::{Grid, Haystack, TaskSpec, parse_lengths};
+    let Some(task) = &a.eval_task else {
+        return Ok(None);
+    };
+    let spec = TaskSpec::new(task.parse()?);
+    let own = a.init_from.as_ref().map(|d| d.join("tokenizer.json"));
+    let tok = match (&a.tokenizer, own.filter(|f| f.is_file())) {
+        (Some(t), _) => Tokenizer::resolve(t)?,
+        (None, Some(file)) => Tokenizer::from_hf_file(&file)?,
+        (None, None) if cfg.model.vocab == 256 => Tokenizer::byte(),
+        _ => {
+            return crate::config_err!(
+                "--eval-task needs the run's tokenizer to write its trials: give --tokenizer"
+            );
+        }
+    };
+    let lengths = match &a.eval_task_lengths {
+        Some(l) => parse_lengths(l)?,
+        None => vec![cfg.seq],
+    };
+    let haystack = match spec.task.uses_haystack() {
+        true => Some(Haystack::filler(&tok)?),
+        false => None,
+    };
+    if a.eval_task_trials == 0 {
+        return crate::config_err!("--eval-task-trials 0: give at least 1");
+    }
+    let grid = Grid {
+        lengths,
+        depths: Grid::even_depths(a.eval_task_depths)?,
+        trials: a.eval_task_trials,
+        seed: a.seed,
+    };
+    Ok(Some(crate::train::retrieval::RetrievalDuring {
+        spec,
+        grid,
+        tok,
+        haystack,
+        every: a.eval_every.unwrap_or(a.steps),
     }))
 }
 

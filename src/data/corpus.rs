@@ -160,6 +160,17 @@ impl Tokenizer {
         Ok(out)
     }
 
+    /// The special tokens the tokenizer's post-processor puts before a
+    /// document (a BOS for Llama 3; none for Qwen or the byte tokenizer).
+    pub fn document_prefix(&self) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Byte(_) => Ok(Vec::new()),
+            Tokenizer::Hf(t) => special_ends(t)
+                .map(|(before, _)| before)
+                .map_err(|e| Error::Config(format!("tokenizing text failed: {e}"))),
+        }
+    }
+
     /// Text of `ids` (special tokens kept).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {

@@ -8,7 +8,8 @@
 //! (`packing.rs`) and the sampler that draws them (`sampler.rs`), a
 //! weighted mixture of corpora (`mixture.rs`), and
 //! `window.rs` a window as the model takes it (`PackedWindow`: inputs,
-//! targets, document starts).
+//! targets, document starts), and `retrieval/` the synthetic retrieval
+//! trials of `upipe eval --task` (needles, haystacks, templates).
 
 pub mod chat;
 pub mod corpus;
@@ -20,6 +21,7 @@ pub mod limits;
 pub mod mixture;
 pub mod packing;
 pub mod parquet_input;
+pub mod retrieval;
 pub mod sampler;
 pub mod tokenize;
 pub mod tokens;

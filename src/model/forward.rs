@@ -1,4 +1,5 @@
-//! The decoder's forward-only pass, for evaluation: no gradient buffers and
+//! The decoder's forward-only pass, for evaluation (the loss, or a few
+//! rows of logits: [`Decoder::forward_logit_rows`]): no gradient buffers and
 //! nothing kept for a backward. Each block's activations live only while the
 //! block runs (the attention's saved O and LSE are dropped as soon as the
 //! layer returns), the MLP always runs in token tiles (`shapes::mlp_tiles`)
@@ -52,6 +53,60 @@ impl<B: Backend> Decoder<B> {
         groups: usize,
     ) -> Result<Vec<f64>> {
         check_rows(ids, targets, group_of_row, groups)?;
+        let hn = self.forward_hidden(b, mesh, w, ids)?;
+        self.grouped_loss(b, w.head(), &hn, targets, group_of_row, groups)
+    }
+
+    /// Forward only over this rank's tokens `ids`: the logits of the rows
+    /// `rows` (indices into `ids`; a handful, such as an answer's), on the
+    /// host, `[rows.len()][vocab]`. Each row is its own LM-head product, so
+    /// only those rows of logits ever exist.
+    pub fn forward_logit_rows(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &ModelWeights<B>,
+        ids: &[u32],
+        rows: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        let hn = self.forward_hidden(b, mesh, w, ids)?;
+        self.logit_rows(b, w.head(), &hn, rows)
+    }
+
+    /// [`Decoder::forward_logit_rows`] with the parameters of `store`, each
+    /// unit acquired just before it is used and released right after (as
+    /// [`Decoder::forward_loss_units`]).
+    pub fn forward_logit_rows_units<S: ParamStore<B> + ?Sized>(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        store: &mut S,
+        ids: &[u32],
+        rows: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        let hn = self.forward_hidden_units(b, mesh, store, ids)?;
+        let tied = self.cfg.tie_embeddings;
+        store.acquire(b, Unit::Head)?;
+        if tied {
+            store.acquire(b, Unit::Embed)?;
+        }
+        let logits = self.logit_rows(b, store.head()?, &hn, rows)?;
+        if tied {
+            store.release(Unit::Embed)?;
+        }
+        store.release(Unit::Head)?;
+        Ok(logits)
+    }
+
+    /// The final-norm hidden states `[ids.len(), hidden]` of this rank's
+    /// tokens: embedding, every block forward only, the final RMSNorm.
+    fn forward_hidden(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        w: &ModelWeights<B>,
+        ids: &[u32],
+    ) -> Result<Tensor<B>> {
         let act = b.compute_dtype();
         let mut x = b.empty(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
         b.embedding_fwd(&w.embed, ids, &mut x)?;
@@ -60,8 +115,56 @@ impl<B: Backend> Decoder<B> {
         }
         let mut hn = b.empty(x.shape(), act, Category::Activations)?;
         b.rms_norm_fwd(&x, &w.final_norm, self.eps(), &mut hn)?;
-        drop(x);
-        self.grouped_loss(b, w.head(), &hn, targets, group_of_row, groups)
+        Ok(hn)
+    }
+
+    /// [`Decoder::forward_hidden`] with the parameters of `store`, each
+    /// unit acquired just before it is used and released right after (the
+    /// final norm is the head unit's).
+    fn forward_hidden_units<S: ParamStore<B> + ?Sized>(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        store: &mut S,
+        ids: &[u32],
+    ) -> Result<Tensor<B>> {
+        let act = b.compute_dtype();
+        let mut x = b.empty(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
+        store.acquire(b, Unit::Embed)?;
+        b.embedding_fwd(store.embed()?, ids, &mut x)?;
+        store.release(Unit::Embed)?;
+        for l in 0..self.cfg.layers {
+            store.acquire(b, Unit::Block(l))?;
+            x = self.block_forward_only(b, mesh, store.block(l)?, &x)?;
+            store.release(Unit::Block(l))?;
+        }
+        store.acquire(b, Unit::Head)?;
+        let mut hn = b.empty(x.shape(), act, Category::Activations)?;
+        b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
+        store.release(Unit::Head)?;
+        Ok(hn)
+    }
+
+    /// Rows `rows` of `hn` times the LM head, each alone, on the host.
+    fn logit_rows(
+        &self,
+        b: &B,
+        head: &Tensor<B>,
+        hn: &Tensor<B>,
+        rows: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        let (hid, v) = (self.cfg.hidden, self.cfg.vocab);
+        if let Some(&r) = rows.iter().find(|&&r| r >= hn.rows()) {
+            return crate::config_err!("row {r} is not below the {} rows", hn.rows());
+        }
+        rows.iter()
+            .map(|&r| {
+                let mut logits = b.empty(&[1, v], hn.dtype(), Category::Workspace)?;
+                let src = MatLayout::block(r * hid, 1, hid, hid);
+                b.gemm(logits.mat_mut(), hn.view(src), head.mat().t(), 1.0, 0.0)?;
+                b.to_host(&logits)
+            })
+            .collect()
     }
 
     /// [`Decoder::forward_loss`] with the parameters of `store`, each unit

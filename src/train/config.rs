@@ -106,6 +106,8 @@ pub struct TrainConfig {
     /// Held-out evaluation every few steps (`--eval-data`, `--eval-every`;
     /// checked by `train::eval_during::check`, which the loop runs first).
     pub eval: Option<EvalDuring>,
+    /// Retrieval trials scored during training (`--eval-task`).
+    pub eval_task: Option<crate::train::retrieval::RetrievalDuring>,
 }
 
 impl TrainConfig {
@@ -195,6 +197,7 @@ impl TrainConfig {
             freeze: crate::model::Freeze::none(),
             lora: None,
             eval: None,
+            eval_task: None,
         }
     }
 

@@ -472,7 +472,7 @@ fn report<B: Backend>(
 /// Sums `local` over every rank of the world. Each value travels as an f32
 /// pair (value, rounding remainder), so the f64 sums keep their precision
 /// through the f32 reduction.
-fn reduce_sums<B: Backend>(b: &B, mesh: &Mesh<B>, local: &[f64]) -> Result<Vec<f64>> {
+pub(crate) fn reduce_sums<B: Backend>(b: &B, mesh: &Mesh<B>, local: &[f64]) -> Result<Vec<f64>> {
     let pairs: Vec<f32> = local
         .iter()
         .flat_map(|&x| {

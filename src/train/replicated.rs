@@ -532,6 +532,17 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         decoder.forward_loss(b, mesh, w, ids, targets, group_of_row, groups)
     }
 
+    fn forward_logit_rows(
+        &mut self,
+        b: &B,
+        decoder: &Decoder<B>,
+        mesh: &Mesh<B>,
+        ids: &[u32],
+        rows: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        decoder.forward_logit_rows(b, mesh, &self.store.w, ids, rows)
+    }
+
     fn save(
         &mut self,
         b: &B,

@@ -72,6 +72,17 @@ pub trait RankModel<B: Backend> {
         group_of_row: &[usize],
         groups: usize,
     ) -> Result<Vec<f64>>;
+    /// Forward only over this rank's tokens `ids`, with the parameters the
+    /// run holds: the host logits of `rows` (retrieval trials during
+    /// training, `train::retrieval_during`; [`Decoder::forward_logit_rows`]).
+    fn forward_logit_rows(
+        &mut self,
+        b: &B,
+        decoder: &Decoder<B>,
+        mesh: &Mesh<B>,
+        ids: &[u32],
+        rows: &[usize],
+    ) -> Result<Vec<Vec<f32>>>;
     /// Writes a checkpoint of `step` into `dir` (collective: every rank
     /// calls it; `lead` is the rank that writes shared files).
     fn save(

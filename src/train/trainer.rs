@@ -71,6 +71,9 @@ pub struct StepReport {
     /// The held-out evaluation after this step, when one was due
     /// (`--eval-data`, `--eval-every`; `train::eval_during`).
     pub eval: Option<EvalReport>,
+    /// The retrieval trials after this step, when due (`--eval-task`;
+    /// `train::retrieval_during`).
+    pub retrieval: Option<super::retrieval::RetrievalPoint>,
     /// A mixture's realised proportions so far (rank 0's data replica's
     /// windows, `--data a.u32:0.7,b.u32:0.3`); `None` for one corpus.
     pub mixture: Option<Vec<MixShare>>,
@@ -254,6 +257,21 @@ pub fn eval_process_rank(
     eval_on_mesh(cfg, &data, host, rank.backend.as_ref(), &rank.mesh)
 }
 
+/// [`eval_process_rank`] for retrieval trials
+/// ([`super::retrieval::retrieval_on_mesh`]): rank 0's results are
+/// every rank's.
+pub fn retrieval_process_rank(
+    run: &super::retrieval::RetrievalRun,
+    host: &BTreeMap<String, HostTensor>,
+    env: &DistEnv,
+    kernel: crate::backend::cuda::cudnn::AttnKernel,
+) -> Result<Vec<super::retrieval::TrialResult>> {
+    let longest = run.grid.lengths.iter().copied().max().unwrap_or(1);
+    let shape = run.cfg.mesh_shape(&run.cfg.plan(longest)?);
+    let rank = ProcessRank::join("eval", env, shape, (kernel, None), None, "")?;
+    super::retrieval::retrieval_on_mesh(run, host, rank.backend.as_ref(), &rank.mesh)
+}
+
 /// One process rank of a multi-GPU run (`upipe train`, `upipe eval`): its
 /// mesh, the NCCL world and GPU it runs on, and the rendezvous it met the
 /// other ranks at, all held for the run (dropped in this order).
@@ -332,6 +350,7 @@ pub fn rehearse_rank<B: Backend>(
         save_dir: None,
         resume: false,
         eval: None,
+        eval_task: None,
         // the same windows whatever the packing: a rehearsal reads no data
         pack: PackMode::Stream,
         ..cfg.clone()
@@ -444,6 +463,15 @@ fn run_rank<B: Backend>(
         let profile = step_profile(cfg, b, step, rank)?;
         let memory = b.ledger().stats();
         let eval = eval_during::after_step(cfg, plan, b, mesh, &mut decoder, model.as_mut(), step)?;
+        let retrieval = super::retrieval_during::after_step(
+            cfg,
+            plan,
+            b,
+            mesh,
+            &mut decoder,
+            model.as_mut(),
+            step,
+        )?;
         let report = StepReport {
             step,
             loss,
@@ -459,6 +487,7 @@ fn run_rank<B: Backend>(
             attn_flop_fraction,
             profile,
             eval,
+            retrieval,
             mixture: sampler.shares(),
             skipped_windows: sampler.skipped_windows(),
         };

@@ -51,6 +51,7 @@ mod process_trial;
 mod profile;
 mod rehearse;
 mod resolve;
+mod retrieval;
 mod save_attention;
 mod save_dir;
 mod segments;

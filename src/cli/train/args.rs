@@ -155,6 +155,23 @@ pub struct TrainArgs {
     /// in the window (`by_position`, as `upipe eval --buckets`).
     #[arg(long, help_heading = "Evaluation", default_value_t = 1)]
     pub eval_buckets: usize,
+    /// Score retrieval trials (`upipe eval --task`: passkey, multikey,
+    /// multivalue, kv; docs/evaluation.md) every --eval-every steps and
+    /// after the last, on the training mesh with the run's parameters and
+    /// tokenizer, the haystack the built-in filler: in the progress line,
+    /// `--metrics` and TensorBoard (`retrieval`: accuracy, mean_logprob).
+    #[arg(long, help_heading = "Evaluation")]
+    pub eval_task: Option<String>,
+    /// Lengths of the trials during training, each at most --seq (K = 1024;
+    /// default: --seq).
+    #[arg(long, help_heading = "Evaluation")]
+    pub eval_task_lengths: Option<String>,
+    /// Needle depths of the trials during training, evenly spaced 0-100 %.
+    #[arg(long, help_heading = "Evaluation", default_value_t = 5)]
+    pub eval_task_depths: usize,
+    /// Trials per length and depth during training.
+    #[arg(long, help_heading = "Evaluation", default_value_t = 2)]
+    pub eval_task_trials: usize,
     /// Directory for training checkpoints (safetensors + optimizer state,
     /// and the resolved run file `run.toml` that repeats the run).
     #[arg(long, help_heading = "Checkpoints")]
@@ -319,6 +336,10 @@ impl TrainArgs {
         eval_data => eval.eval_data,
         eval_every => eval.eval_every,
         eval_buckets => eval.eval_buckets,
+        eval_task => eval.eval_task,
+        eval_task_lengths => eval.eval_task_lengths,
+        eval_task_depths => eval.eval_task_depths,
+        eval_task_trials => eval.eval_task_trials,
         save_dir => checkpoint.save_dir,
         merge_lora => checkpoint.merge_lora,
         save_every => checkpoint.save_every,
@@ -569,10 +590,19 @@ impl TrainArgs {
                 "the merged model is made from the final checkpoint there",
             ),
             (
-                self.eval_data.is_none() && self.eval_every.is_some(),
+                self.eval_data.is_none() && self.eval_task.is_none() && self.eval_every.is_some(),
                 "eval_every",
                 "eval_data",
-                "it names the held-out data to evaluate",
+                "it names the held-out data to evaluate; or --eval-task, the retrieval task to score",
+            ),
+            (
+                self.eval_task.is_none()
+                    && (self.eval_task_lengths.is_some()
+                        || self.eval_task_depths != 5
+                        || self.eval_task_trials != 2),
+                "eval_task_lengths",
+                "eval_task",
+                "the lengths, depths and trials are of its retrieval trials",
             ),
             (
                 self.allow_extra_tensors && self.init_from.is_none() && !self.resume,

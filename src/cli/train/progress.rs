@@ -115,6 +115,7 @@ impl Progress {
                 let due = r.step.is_multiple_of(*every)
                     || r.step == self.steps
                     || r.eval.is_some()
+                    || r.retrieval.is_some()
                     || elapsed - times.1 >= LINE_EVERY_S;
                 if due {
                     times.1 = elapsed;
@@ -147,18 +148,29 @@ impl Progress {
 /// `  eval 2.8123 (by position 2.95 2.80 2.77 2.75)` after a step that
 /// evaluated (`--eval-data`), else nothing.
 fn eval_text(r: &StepReport) -> String {
+    let retrieval = r.retrieval.as_ref().map_or(String::new(), |p| {
+        format!(
+            "  {} {}/{} ({:.0} %, answer log-likelihood {:.3})",
+            p.task,
+            p.passed,
+            p.trials,
+            100.0 * p.accuracy,
+            p.mean_logprob
+        )
+    });
     let Some(e) = &r.eval else {
-        return String::new();
+        return retrieval;
     };
     let buckets: Vec<String> = e
         .by_position
         .iter()
         .map(|b| format!("{:.2}", b.loss))
         .collect();
-    match buckets.len() {
+    let loss = match buckets.len() {
         0 | 1 => format!("  eval {:.4}", e.loss),
         _ => format!("  eval {:.4} (by position {})", e.loss, buckets.join(" ")),
-    }
+    };
+    loss + &retrieval
 }
 
 /// Seconds left after step `step` of `steps`, `elapsed` seconds into the

@@ -364,6 +364,18 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         decoder.forward_loss_units(b, mesh, store, ids, targets, group_of_row, groups)
     }
 
+    fn forward_logit_rows(
+        &mut self,
+        b: &B,
+        decoder: &Decoder<B>,
+        mesh: &Mesh<B>,
+        ids: &[u32],
+        rows: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        self.store.begin_forward();
+        decoder.forward_logit_rows_units(b, mesh, &mut self.store, ids, rows)
+    }
+
     fn save(&mut self, b: &B, dir: &Path, step: u64, extra: &Value, lead: bool) -> Result<()> {
         self.settle(b)?;
         if lead {

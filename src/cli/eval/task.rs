@@ -1,0 +1,333 @@
+//! `upipe eval --task`: synthetic retrieval trials (passkey, multikey,
+//! multivalue, kv) over a grid of context lengths × needle depths, each
+//! scored teacher-forced in one forward pass (`train::retrieval`), on the
+//! ranks and devices `upipe eval` runs on; a table of accuracy by depth ×
+//! length, and under `--out` the trials (JSONL), the summary (JSON) and
+//! the heatmap (SVG). `--write-corpus` writes trials as training data
+//! instead (`data::retrieval::corpus`).
+
+use super::task_args::{EvalTaskArgs, TaskArgs};
+use crate::attention::Strategy;
+use crate::backend::cuda::cudnn::AttnKernel;
+use crate::checkpoint::{ExtraTensors, HostTensor, load_hf_model_with};
+use crate::cli::config::for_key;
+use crate::cli::train::{Device, Launched, Route, route_for};
+use crate::comm::env::DistEnv;
+use crate::data::Tokenizer;
+use crate::data::retrieval::corpus::{CorpusSpec, write_corpus};
+use crate::data::retrieval::{
+    Grid, Haystack, RetrievalTask, TaskSpec, TrialAt, TrialMaker, parse_lengths,
+};
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use crate::train::eval::EvalConfig;
+use crate::train::retrieval::{RetrievalRun, TrialResult, retrieval_cpu, retrieval_threads};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// What a retrieval run needs before its weights load.
+struct TaskRun {
+    spec: TaskSpec,
+    grid: Grid,
+    tok: Tokenizer,
+    haystack: Option<Haystack>,
+}
+
+/// `upipe eval --task` with flags `a`.
+pub fn run(a: &EvalTaskArgs) -> Result<i32> {
+    let t = a.task;
+    let task = build_task(a)?;
+    if let Some(path) = &t.write_corpus {
+        return corpus(&task, path, t.documents);
+    }
+    if a.tokens_given {
+        return crate::config_err!(
+            "--tokens is what `upipe eval` measures the loss on; --task makes its own trials: \
+             leave out one of them"
+        );
+    }
+    let Some(model_dir) = a.model_dir.map(Path::to_path_buf) else {
+        return crate::config_err!(
+            "upipe eval --task needs --model-dir (or [eval] model-dir in --config), or \
+             --write-corpus to write trials without a model"
+        );
+    };
+    crate::checkpoint::refuse_adapter_dir(&model_dir, "--model-dir")?;
+    let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
+    check_model(&task, &model)?;
+    let maker = TrialMaker::new(&task.spec, task.haystack.as_ref(), &task.tok)?;
+    probe(&maker, &task.grid)?;
+    let placed = place(a, &model)?;
+    if let Route::SelfLaunch { nproc } = placed.route {
+        tracing::info!(
+            "{} GPUs visible: starting {nproc} processes, one per GPU (NCCL)",
+            placed.gpus
+        );
+        let child = crate::cli::launch::own_command("eval")?;
+        return crate::cli::launch::run_local(nproc, child);
+    }
+    let extra = match a.allow_extra_tensors {
+        true => ExtraTensors::Ignore,
+        false => ExtraTensors::Refuse,
+    }
+    .beside_adapters(a.lora_from.is_some());
+    let host = load_hf_model_with(&model_dir, &placed.cfg.model, extra)?;
+    let make = |at: &TrialAt| maker.trial(at);
+    let run = RetrievalRun {
+        cfg: &placed.cfg,
+        grid: &task.grid,
+        make: &make,
+    };
+    let results = execute(&run, &placed, &host)?;
+    let lead =
+        placed.route != Route::ProcessRank || placed.env.as_ref().is_none_or(|e| e.rank == 0);
+    if lead {
+        super::task_report::report(a, &task.spec, &task.grid, &task.tok, &results)?;
+    }
+    Ok(0)
+}
+
+/// The task, grid, tokenizer and haystack from the flags, checked.
+fn build_task(a: &EvalTaskArgs) -> Result<TaskRun> {
+    let t = a.task;
+    let name = t.task.as_deref().unwrap_or_default();
+    let task: RetrievalTask = name.parse()?;
+    let mut spec = TaskSpec::new(task);
+    spec.needles = t.needles.unwrap_or(spec.needles);
+    spec.digits = t.digits;
+    let tp = &mut spec.templates;
+    for (given, into) in [
+        (&t.intro_template, &mut tp.intro),
+        (&t.needle_template, &mut tp.needle),
+        (&t.question_template, &mut tp.question),
+        (&t.answer_template, &mut tp.answer),
+    ] {
+        if let Some(text) = given {
+            *into = text.replace("\\n", "\n");
+        }
+    }
+    spec.check()?;
+    let grid = grid(t)?;
+    let tok = tokenizer(a)?;
+    let longest = grid.lengths.iter().copied().max().unwrap_or(1);
+    let haystack = match (&t.haystack, task.uses_haystack()) {
+        (Some(_), false) => {
+            return crate::config_err!(
+                "--haystack: the kv task's context is its own list of key-value lines; leave \
+                 out --haystack"
+            );
+        }
+        (None, false) => None,
+        (None, true) => Some(Haystack::filler(&tok)?),
+        (Some(path), true) => {
+            let vocab = tok.vocab_size();
+            let h = Haystack::open(path, &tok, vocab, longest.saturating_mul(16))?;
+            h.check_fills(longest, longest)?;
+            Some(h)
+        }
+    };
+    Ok(TaskRun {
+        spec,
+        grid,
+        tok,
+        haystack,
+    })
+}
+
+/// `--lengths`, `--depths`, `--trials`, `--seed`.
+fn grid(t: &TaskArgs) -> Result<Grid> {
+    let Some(lengths) = &t.lengths else {
+        return crate::config_err!(
+            "--task needs --lengths: the context lengths to test, e.g. 4K,32K,128K"
+        );
+    };
+    let lengths = parse_lengths(lengths)?;
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(l) = lengths.iter().find(|&&l| !seen.insert(l)) {
+        return crate::config_err!("--lengths names {l} twice; give each length once");
+    }
+    if t.trials == 0 {
+        return crate::config_err!("--trials 0: give at least 1 trial per length and depth");
+    }
+    Ok(Grid {
+        lengths,
+        depths: Grid::even_depths(t.depths)?,
+        trials: t.trials,
+        seed: t.seed,
+    })
+}
+
+/// `--tokenizer`, else the model directory's `tokenizer.json`, else bytes
+/// for a model of 256 ids.
+fn tokenizer(a: &EvalTaskArgs) -> Result<Tokenizer> {
+    if let Some(t) = &a.task.tokenizer {
+        return Tokenizer::resolve(t);
+    }
+    let dir = a.model_dir;
+    if let Some(file) = dir
+        .map(|d| d.join("tokenizer.json"))
+        .filter(|f| f.is_file())
+    {
+        return Tokenizer::from_hf_file(&file);
+    }
+    let vocab = match dir {
+        Some(d) => ModelConfig::resolve(&d.to_string_lossy())?.vocab,
+        None => 0,
+    };
+    match vocab {
+        256 => Ok(Tokenizer::byte()),
+        _ => crate::config_err!(
+            "--task needs the model's tokenizer: give --tokenizer (a tokenizer.json, a directory \
+             holding one, or byte), or a --model-dir with its tokenizer.json"
+        ),
+    }
+}
+
+/// The model can read the tokenizer's ids and every length asked.
+fn check_model(task: &TaskRun, model: &ModelConfig) -> Result<()> {
+    if task.tok.vocab_size() > model.vocab {
+        return crate::config_err!(
+            "the tokenizer has {} ids but the model's vocabulary has {}: give the model's own \
+             tokenizer (--tokenizer)",
+            task.tok.vocab_size(),
+            model.vocab
+        );
+    }
+    let longest = task.grid.lengths.iter().copied().max().unwrap_or(1);
+    if longest > model.max_position {
+        return crate::config_err!(
+            "--lengths {longest} is longer than the model's context of {} tokens \
+             (max_position_embeddings); give --lengths up to {}",
+            model.max_position,
+            model.max_position
+        );
+    }
+    Ok(())
+}
+
+/// Builds the first trial of the shortest and of the longest length, so a
+/// length too short for the prompt or too long for the haystack is an
+/// error before any weight is loaded.
+fn probe(maker: &TrialMaker, grid: &Grid) -> Result<()> {
+    let by_length = |pick: fn(&[usize]) -> Option<usize>| pick(&grid.lengths).unwrap_or(0);
+    let shortest = by_length(|l| (0..l.len()).min_by_key(|&i| l[i]));
+    let longest = by_length(|l| (0..l.len()).max_by_key(|&i| l[i]));
+    for li in [shortest, longest] {
+        maker.trial(&grid.at(li, 0))?;
+    }
+    Ok(())
+}
+
+/// `--write-corpus PATH`: `documents` trials at lengths drawn from
+/// `--lengths` and depths drawn uniformly.
+fn corpus(task: &TaskRun, path: &Path, documents: usize) -> Result<i32> {
+    let maker = TrialMaker::new(&task.spec, task.haystack.as_ref(), &task.tok)?;
+    let spec = CorpusSpec {
+        lengths: task.grid.lengths.clone(),
+        documents,
+        seed: task.grid.seed,
+    };
+    let w = write_corpus(path, &maker, &spec)?;
+    println!(
+        "wrote {} {} trials to {} ({} tokens, {} of them answers counted by its loss mask)",
+        w.documents,
+        task.spec.task,
+        path.display(),
+        w.tokens,
+        w.counted
+    );
+    Ok(0)
+}
+
+/// The model on its mesh and where its ranks run.
+struct Placed {
+    cfg: EvalConfig,
+    kernel: AttnKernel,
+    env: Option<DistEnv>,
+    gpus: usize,
+    route: Route,
+}
+
+/// The evaluation's mesh for the longest length, checked, and its route
+/// (as `upipe eval` places a run).
+fn place(a: &EvalTaskArgs, model: &ModelConfig) -> Result<Placed> {
+    let k = a.keys;
+    let device: Device = for_key(k, "device", a.device.parse())?;
+    let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
+    let gpus = match device {
+        Device::Cpu => 0,
+        _ => crate::cli::train::visible_gpus(),
+    };
+    let env = DistEnv::from_env()?;
+    let launched = Launched::from_env(env.as_ref());
+    let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
+    let mut cfg = EvalConfig {
+        strategy,
+        chunk_heads: a.chunk_heads,
+        fwd_chunk_heads: a.fwd_chunk_heads,
+        loss_chunk: a.loss_chunk,
+        lora: match a.lora_from {
+            Some(dir) => Some(crate::checkpoint::peft::read_adapter(dir, model)?.weights),
+            None => None,
+        },
+        ..EvalConfig::new(model.clone())
+    };
+    let longest = a.task.lengths.as_deref().map(parse_lengths).transpose()?;
+    let longest = longest.and_then(|l| l.into_iter().max()).unwrap_or(1);
+    let ranks = match launched {
+        Some(l) => Some(l.world_size),
+        None if device != Device::Cpu && gpus >= 2 => Some(gpus),
+        None => None,
+    };
+    let mesh = (a.mesh)(strategy, model, longest, ranks);
+    mesh.check_countable()?;
+    (cfg.data_parallel, cfg.ulysses, cfg.ring) = (mesh.data, mesh.ulysses, mesh.ring);
+    let shape = cfg.mesh_shape(&cfg.plan(longest)?);
+    let nccl = || {
+        crate::comm::nccl::library()
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let route = route_for("eval", device, launched, gpus, shape, &nccl)?;
+    Ok(Placed {
+        cfg,
+        kernel,
+        env,
+        gpus,
+        route,
+    })
+}
+
+/// Scores every trial where the route says.
+fn execute(
+    run: &RetrievalRun,
+    placed: &Placed,
+    host: &BTreeMap<String, HostTensor>,
+) -> Result<Vec<TrialResult>> {
+    match &placed.route {
+        Route::ProcessRank => {
+            let env = placed
+                .env
+                .as_ref()
+                .ok_or_else(|| Error::Config("a launched run has its environment".into()))?;
+            crate::train::trainer::retrieval_process_rank(run, host, env, placed.kernel)
+        }
+        Route::GpuThreads { gpus, why } => {
+            use crate::backend::cuda::CudaBackend;
+            use std::sync::atomic::{AtomicUsize, Ordering};
+            tracing::info!("thread ranks on GPUs: {why}");
+            for g in 0..*gpus {
+                CudaBackend::new(g)?;
+            }
+            let next = AtomicUsize::new(0);
+            let make = || {
+                let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
+                let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
+                b.set_attn_kernel(placed.kernel);
+                b
+            };
+            retrieval_threads(run, host, make)
+        }
+        _ => retrieval_cpu(run, host),
+    }
+}

@@ -1,0 +1,141 @@
+//! The flags of `upipe eval --task` (retrieval trials), a group of
+//! `upipe eval`'s flags, and what the task reads of the others.
+
+use crate::attention::Strategy;
+use crate::cli::train::MeshChoice;
+use crate::model::ModelConfig;
+use std::path::{Path, PathBuf};
+
+/// Flags of the retrieval tasks.
+#[derive(clap::Args, Debug, Clone, Default)]
+#[command(next_help_heading = "Retrieval tasks (--task; docs/evaluation.md)")]
+pub struct TaskArgs {
+    /// Score a synthetic retrieval task instead of the loss over --tokens:
+    /// passkey (one number hidden in the haystack), multikey (numbers for
+    /// several names, one asked), multivalue (several numbers for one name,
+    /// all asked in order), kv (a list of key-value lines, one asked).
+    /// Each trial is one forward pass; it passes when the model's argmax
+    /// is the answer at every answer token.
+    #[arg(long)]
+    pub task: Option<String>,
+    /// Context lengths in tokens, separated by commas; K is 1024 and M
+    /// 1024² (4K,32K,128K,1M). Each trial is exactly this long (kv: up to
+    /// a line shorter).
+    #[arg(long)]
+    pub lengths: Option<String>,
+    /// Needle depths: this many, evenly spaced from 0 % (the haystack's
+    /// start) to 100 % (its end); 1 is 50 %.
+    #[arg(long, default_value_t = 11)]
+    pub depths: usize,
+    /// Trials per length and depth, each with its own needles.
+    #[arg(long, default_value_t = 4)]
+    pub trials: usize,
+    /// Seed of every trial (a trial is reproducible from the seed, its
+    /// length, depth and index).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// The haystack: a UTF-8 text file (needles go between its sentences)
+    /// or token ids (.u32, .u16, .bin); default: built-in filler
+    /// sentences, repeated. Not for kv (its context is its own list).
+    #[arg(long)]
+    pub haystack: Option<PathBuf>,
+    /// The tokenizer of the prompt pieces: a tokenizer.json, a directory
+    /// holding one, or byte; default: the model directory's
+    /// tokenizer.json (bytes for a model of 256 ids).
+    #[arg(long)]
+    pub tokenizer: Option<String>,
+    /// Needles per trial (multikey: names, one asked; multivalue: numbers
+    /// of the one name); default 4 (passkey: 1).
+    #[arg(long)]
+    pub needles: Option<usize>,
+    /// Digits of each hidden number.
+    #[arg(long, default_value_t = 7)]
+    pub digits: usize,
+    /// The text before the haystack (`\n` is a newline).
+    #[arg(long)]
+    pub intro_template: Option<String>,
+    /// One needle, with {value} (and {key} but for passkey).
+    #[arg(long)]
+    pub needle_template: Option<String>,
+    /// The question after the haystack, ending where the answer starts
+    /// (with {key} but for passkey).
+    #[arg(long)]
+    pub question_template: Option<String>,
+    /// The answer, whose tokens are scored, with {value} (multivalue: the
+    /// numbers joined by ", ").
+    #[arg(long)]
+    pub answer_template: Option<String>,
+    /// Write DIR/trials.jsonl (one record per trial), DIR/summary.json and
+    /// DIR/heatmap.svg (accuracy by depth and length).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Instead of evaluating, write --documents trials (lengths drawn from
+    /// --lengths, depths uniform) as training data: token ids FILE.u32
+    /// with its document index and a loss mask counting only the answers,
+    /// for `upipe train --data FILE.u32 --pack bfd`. Needs no model
+    /// (give --tokenizer).
+    #[arg(long, value_name = "FILE.u32")]
+    pub write_corpus: Option<PathBuf>,
+    /// Trials --write-corpus writes.
+    #[arg(long, default_value_t = 1000)]
+    pub documents: usize,
+}
+
+impl TaskArgs {
+    crate::cli::config::run_keys! {
+        task => eval.task,
+        lengths => eval.lengths,
+        depths => eval.depths,
+        trials => eval.trials,
+        seed => run.seed,
+        haystack => eval.haystack,
+        tokenizer => data.tokenizer,
+        needles => eval.needles,
+        digits => eval.digits,
+        intro_template => eval.intro_template,
+        needle_template => eval.needle_template,
+        question_template => eval.question_template,
+        answer_template => eval.answer_template,
+        out => eval.out,
+        write_corpus => eval.write_corpus,
+        documents => eval.documents
+    }
+
+    /// The first flag given that only --task reads, when --task is not given.
+    pub fn given_without_task(&self) -> Option<&'static str> {
+        let given = [
+            (self.lengths.is_some(), "--lengths"),
+            (self.haystack.is_some(), "--haystack"),
+            (self.out.is_some(), "--out"),
+            (self.write_corpus.is_some(), "--write-corpus"),
+            (self.needle_template.is_some(), "--needle-template"),
+            (self.question_template.is_some(), "--question-template"),
+        ];
+        given.into_iter().find(|g| g.0).map(|g| g.1)
+    }
+}
+
+/// `upipe eval`'s mesh of a strategy, a model, a length and the ranks
+/// available (`None`: unknown).
+pub type MeshOf<'a> = dyn Fn(Strategy, &ModelConfig, usize, Option<usize>) -> MeshChoice + 'a;
+
+/// What `upipe eval --task` reads of `upipe eval`'s flags (resolved by
+/// `cli/eval.rs`, which runs `eval/task.rs` with them).
+pub struct EvalTaskArgs<'a> {
+    pub task: &'a TaskArgs,
+    /// `upipe eval`'s run-file keys, which errors name.
+    pub keys: &'static [(&'static str, &'static str, &'static str)],
+    pub model_dir: Option<&'a Path>,
+    pub tokens_given: bool,
+    pub lora_from: Option<&'a Path>,
+    pub allow_extra_tensors: bool,
+    pub device: &'a str,
+    pub attn_kernel: &'a str,
+    pub attn: &'a str,
+    pub chunk_heads: Option<usize>,
+    pub fwd_chunk_heads: Option<usize>,
+    pub loss_chunk: usize,
+    pub json: bool,
+    /// `upipe eval`'s mesh for a strategy, model, length and rank count.
+    pub mesh: &'a MeshOf<'a>,
+}
