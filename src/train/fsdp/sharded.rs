@@ -5,11 +5,12 @@
 
 use super::FsdpStore;
 use super::adapters::{host_values, values_of};
-use crate::backend::{Backend, Category, DType, Tensor};
+use crate::backend::{Backend, Category, DType};
 use crate::checkpoint::peft::{adapter_from_tensors, read_adapter, write_adapter};
 use crate::checkpoint::ranged::RangedModel;
 use crate::checkpoint::sharded::{self as ckpt, SavedOptimizer};
-use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, check_extra_tensors};
+use crate::checkpoint::stream::write_safetensors;
+use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, TensorSource, check_extra_tensors};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, RandomInit, Unit};
@@ -160,23 +161,22 @@ impl<'a, B: Backend> Sharded<'a, B> {
         Ok(())
     }
 
-    /// Writes this rank's optimizer shards.
+    /// Writes this rank's optimizer shards, each fetched to the host when
+    /// the file reaches it.
     fn save_optimizer(&self, b: &B, dir: &Path) -> Result<()> {
-        let mut tensors: Vec<(String, HostTensor)> = Vec::new();
-        let host = |t: &Tensor<B>| -> Result<HostTensor> {
-            HostTensor::new(vec![t.numel()], b.to_host(t)?)
-        };
+        let mut tensors = Vec::new();
         let slot_of = slot_of_units(&self.store);
+        let opt = &*self.opt;
         for (i, u) in self.store.layouts.iter().enumerate() {
-            let key = u.key();
+            let (key, shape) = (u.key(), vec![u.shard]);
             // a frozen unit keeps no optimizer state
             let mut has_master = false;
             if let Some(k) = slot_of[i] {
-                for kind in self.opt.kinds(k) {
+                for kind in opt.kinds(k) {
                     has_master |= kind == StateKind::Master;
-                    let values = self.opt.state_values(b, k, kind)?.unwrap_or_default();
-                    let t = HostTensor::new(vec![values.len()], values)?;
-                    tensors.push((format!("{}.{key}", kind.name()), t));
+                    let fetch = move || Ok(opt.state_values(b, k, kind)?.unwrap_or_default());
+                    let name = format!("{}.{key}", kind.name());
+                    tensors.push(TensorSource::new(name, shape.clone(), fetch));
                 }
             }
             // F32 shards whose weight files are narrower: they are the masters
@@ -184,11 +184,13 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 let shard = self.store.params[i].as_ref().ok_or_else(|| {
                     Error::Backend("FSDP: a shard is in a collective while saving".into())
                 })?;
-                tensors.push((format!("{}.{key}", StateKind::Master.name()), host(shard)?));
+                let name = format!("{}.{key}", StateKind::Master.name());
+                tensors.push(TensorSource::new(name, shape, move || b.to_host(shard)));
             }
         }
         let (rank, world) = (self.store.group.rank(), self.store.group.size());
-        ckpt::write_weight_file(&ckpt::optimizer_file(dir, rank, world), &tensors)
+        let path = ckpt::optimizer_file(dir, rank, world);
+        write_safetensors(&path, &tensors, SaveDtype::F32)
     }
 
     /// Writes a LoRA run's adapters as a PEFT adapter directory in `dir`
