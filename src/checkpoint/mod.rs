@@ -36,7 +36,6 @@ pub mod train_state;
 pub use hf::*;
 pub use model_files::ModelFiles;
 pub use save_dtype::SaveDtype;
-pub use saved_state::{Moment, SavedState};
 pub use stream::TensorSource;
 pub use tensor_file::*;
 pub use train_state::*;

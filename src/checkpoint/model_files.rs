@@ -118,7 +118,7 @@ pub fn write_model_files(
     files: ModelFiles,
 ) -> Result<()> {
     let sources: Vec<TensorSource> = (tensors.iter())
-        .map(|(n, t)| TensorSource::host(n, t))
+        .map(|(n, t)| TensorSource::host(n, &t.shape, &t.data))
         .collect();
     write_model_sources(dir, &sources, files)
 }
@@ -132,7 +132,8 @@ pub fn write_model_sources(dir: &Path, tensors: &[TensorSource], files: ModelFil
     let mut index = Vec::new();
     for (k, g) in groups.iter().enumerate() {
         let file = weight_file_name(k, groups.len());
-        write_safetensors(&dir.join(&file), &tensors[g.clone()], files.dtype)?;
+        let dtype = files.dtype.safetensors();
+        write_safetensors(&dir.join(&file), &tensors[g.clone()], dtype)?;
         let names = tensors[g.clone()].iter().map(|t| t.name.clone());
         index.push((file, names.collect()));
     }

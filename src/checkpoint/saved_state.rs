@@ -1,19 +1,43 @@
-//! A training checkpoint read one tensor at a time ([`SavedState`]): its
-//! `state.json` and the headers of its files are read and checked when it
-//! is opened (version, names, shapes), and each tensor's values only when a
-//! resume restores it, so a resume holds one tensor in host memory however
-//! large the model.
+//! A training checkpoint read back: one tensor at a time ([`SavedState`]:
+//! `state.json` and the files' headers are read and checked when it is
+//! opened, each tensor's values when a resume restores it, so a resume
+//! holds one tensor in host memory however large the model), or whole
+//! ([`load_train_state`]).
 
 use super::peft_config::ADAPTER_WEIGHTS;
 use super::ranged::{RangedFile, RangedModel};
 use super::tensor_file::HostTensor;
 use super::train_state::{
-    OPTIMIZER_FILE, STATE_FILE, STATE_VERSION, TrainState, check_same_layout_of, is_adapter_only,
+    OPTIMIZER_FILE, STATE_FILE, STATE_VERSION, check_same_layout_of, is_adapter_only,
 };
 use crate::error::{Error, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+/// A training checkpoint held in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainState {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Weights, by HF name: the F32 masters where the checkpoint kept them
+    /// (model files narrower than F32), else the model files' values.
+    pub params: BTreeMap<String, HostTensor>,
+    /// AdamW first moments, same names and shapes as `params`.
+    pub adam_m: BTreeMap<String, HostTensor>,
+    /// AdamW second moments, same names and shapes as `params`.
+    pub adam_v: BTreeMap<String, HostTensor>,
+    /// Caller-defined state (RNG, schedule, sampler position, ...).
+    pub extra: Value,
+}
+
+/// Loads a checkpoint written by [`super::save_train_state`] (or
+/// [`super::save_adapter_state`]: its `params` are then the adapter's
+/// factors) into host memory whole; a resume reads it tensor by tensor
+/// instead ([`SavedState`]).
+pub fn load_train_state(dir: &Path) -> Result<TrainState> {
+    SavedState::open(dir)?.read_all()
+}
 
 /// One of AdamW's moments, as a checkpoint names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

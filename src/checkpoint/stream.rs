@@ -7,11 +7,9 @@
 //! `safetensors::serialize` writes.
 
 use super::fs::{follow_umask, rename, temp_path};
-use super::save_dtype::SaveDtype;
-use super::tensor_file::HostTensor;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
-use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::Path;
@@ -48,9 +46,8 @@ impl<'a> TensorSource<'a> {
     }
 
     /// A tensor already in host memory (copied when written).
-    pub fn host(name: impl Into<String>, tensor: &'a HostTensor) -> Self {
-        let fetch = move || Ok(tensor.data.clone());
-        TensorSource::new(name, tensor.shape.clone(), fetch)
+    pub fn host(name: impl Into<String>, shape: &[usize], values: &'a [f32]) -> Self {
+        TensorSource::new(name, shape.to_vec(), move || Ok(values.to_vec()))
     }
 
     /// The same values under another name (fetched through this one).
@@ -90,19 +87,14 @@ pub fn file_order(tensors: &[TensorSource]) -> Vec<usize> {
 /// The header of a file of `tensors` in `dtype`, in the order `order`:
 /// the `safetensors` crate's JSON (with `"format": "pt"`, which
 /// transformers asks for), padded with spaces to a multiple of 8 bytes.
-fn header(
-    tensors: &[TensorSource],
-    order: &[usize],
-    dtype: SaveDtype,
-    path: &Path,
-) -> Result<Vec<u8>> {
+fn header(tensors: &[TensorSource], order: &[usize], dtype: Dtype, path: &Path) -> Result<Vec<u8>> {
     let mut offset = 0;
     let mut infos = Vec::with_capacity(order.len());
     for &i in order {
         let t = &tensors[i];
-        let bytes = t.numel() * dtype.size();
+        let bytes = t.numel() * bytes_of(dtype);
         let info = TensorInfo {
-            dtype: dtype.safetensors(),
+            dtype,
             shape: t.shape.clone(),
             data_offsets: (offset, offset + bytes),
         };
@@ -130,10 +122,17 @@ fn check_unique(tensors: &[TensorSource], path: &Path) -> Result<()> {
     }
 }
 
-/// Writes `tensors` to a safetensors file in `dtype` (BF16 and F16 round
-/// to nearest even), fetching each when its turn comes and dropping it
-/// once written: a temporary file is written, then renamed over `path`.
-pub fn write_safetensors(path: &Path, tensors: &[TensorSource], dtype: SaveDtype) -> Result<()> {
+/// Writes `tensors` to a safetensors file in `dtype` (F32, or BF16 and
+/// F16 rounded to nearest even), fetching each when its turn comes and
+/// dropping it once written: a temporary file is written, then renamed
+/// over `path`.
+pub fn write_safetensors(path: &Path, tensors: &[TensorSource], dtype: Dtype) -> Result<()> {
+    if ![Dtype::F32, Dtype::BF16, Dtype::F16].contains(&dtype) {
+        return Err(Error::Checkpoint(format!(
+            "writing {}: upipe writes F32, BF16 and F16, not {dtype:?}",
+            path.display()
+        )));
+    }
     check_unique(tensors, path)?;
     let order = file_order(tensors);
     let header = header(tensors, &order, dtype, path)?;
@@ -152,7 +151,7 @@ fn write_file<'t, 'a: 't>(
     tmp: &Path,
     header: &[u8],
     tensors: impl Iterator<Item = &'t TensorSource<'a>>,
-    dtype: SaveDtype,
+    dtype: Dtype,
 ) -> Result<()> {
     let io = |e: std::io::Error| Error::io(format!("writing {}", tmp.display()), e);
     let file = std::fs::File::create(tmp).map_err(io)?;
@@ -160,7 +159,7 @@ fn write_file<'t, 'a: 't>(
     out.write_all(&(header.len() as u64).to_le_bytes())
         .and_then(|()| out.write_all(header))
         .map_err(io)?;
-    let mut bytes = Vec::with_capacity(CHUNK_VALUES * dtype.size());
+    let mut bytes = Vec::with_capacity(CHUNK_VALUES * bytes_of(dtype));
     for t in tensors {
         let values = t.values()?;
         for chunk in values.chunks(CHUNK_VALUES) {
@@ -172,38 +171,44 @@ fn write_file<'t, 'a: 't>(
     out.flush().map_err(io)
 }
 
-/// Appends `values` in `dtype`'s little-endian bytes to `out`.
-fn encode(values: &[f32], dtype: SaveDtype, out: &mut Vec<u8>) {
+/// Bytes of one value of `dtype` (F32, BF16 or F16).
+fn bytes_of(dtype: Dtype) -> usize {
+    dtype.bitsize() / 8
+}
+
+/// Appends `values` in `dtype`'s little-endian bytes to `out` (BF16, F16,
+/// else F32: [`write_safetensors`] takes no other).
+fn encode(values: &[f32], dtype: Dtype, out: &mut Vec<u8>) {
     match dtype {
-        SaveDtype::F32 => out.extend(values.iter().flat_map(|x| x.to_le_bytes())),
-        SaveDtype::BF16 => out.extend(values.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes())),
-        SaveDtype::F16 => out.extend(values.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes())),
+        Dtype::BF16 => out.extend(values.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes())),
+        Dtype::F16 => out.extend(values.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes())),
+        _ => out.extend(values.iter().flat_map(|x| x.to_le_bytes())),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use safetensors::tensor::{Dtype, View};
+    use safetensors::tensor::View;
     use std::borrow::Cow;
 
-    /// A host tensor as the `safetensors` crate writes one.
-    struct Whole<'a>(&'a HostTensor, SaveDtype);
+    /// A tensor's shape and values as the `safetensors` crate writes them.
+    struct Whole<'a>(&'a (Vec<usize>, Vec<f32>), Dtype);
 
     impl View for Whole<'_> {
         fn dtype(&self) -> Dtype {
-            self.1.safetensors()
+            self.1
         }
         fn shape(&self) -> &[usize] {
-            &self.0.shape
+            &self.0.0
         }
         fn data(&self) -> Cow<'_, [u8]> {
             let mut out = Vec::new();
-            encode(&self.0.data, self.1, &mut out);
+            encode(&self.0.1, self.1, &mut out);
             Cow::Owned(out)
         }
         fn data_len(&self) -> usize {
-            self.0.data.len() * self.1.size()
+            self.0.1.len() * bytes_of(self.1)
         }
     }
 
@@ -219,16 +224,17 @@ mod tests {
             ("model.norm.weight", vec![9]),
             ("a \"quoted\" name", vec![1, 1, 1]),
         ];
-        let host: Vec<(String, HostTensor)> = (tensors.iter().enumerate())
+        let host: Vec<(String, (Vec<usize>, Vec<f32>))> = (tensors.iter().enumerate())
             .map(|(k, (n, s))| {
-                let t = HostTensor::new(s.clone(), values(s.iter().product(), 0.37 + k as f32));
-                (n.to_string(), t.unwrap())
+                let v = values(s.iter().product(), 0.37 + k as f32);
+                (n.to_string(), (s.clone(), v))
             })
             .collect();
-        for dtype in [SaveDtype::F32, SaveDtype::BF16, SaveDtype::F16] {
+        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             let path = dir.join("t.safetensors");
-            let sources: Vec<TensorSource> =
-                host.iter().map(|(n, t)| TensorSource::host(n, t)).collect();
+            let sources: Vec<TensorSource> = (host.iter())
+                .map(|(n, (s, v))| TensorSource::host(n, s, v))
+                .collect();
             write_safetensors(&path, &sources, dtype).unwrap();
             let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
             let views = host.iter().map(|(n, t)| (n.as_str(), Whole(t, dtype)));
@@ -238,7 +244,7 @@ mod tests {
         // a fetch that fails leaves no file, and names the tensor's problem
         let path = dir.join("failed.safetensors");
         let short = TensorSource::new("short", vec![4], || Ok(vec![1.0; 3]));
-        let e = write_safetensors(&path, &[short], SaveDtype::F32).unwrap_err();
+        let e = write_safetensors(&path, &[short], Dtype::F32).unwrap_err();
         assert!(e.to_string().contains("'short' has shape [4] but 3"), "{e}");
         assert!(!path.exists() && !temp_path(&path).exists());
         std::fs::remove_dir_all(&dir).unwrap();

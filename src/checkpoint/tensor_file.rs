@@ -74,9 +74,9 @@ pub fn save_safetensors(
     }
     let sources: Vec<TensorSource> = tensors
         .iter()
-        .map(|(name, t)| TensorSource::host(name, t))
+        .map(|(name, t)| TensorSource::host(name, &t.shape, &t.data))
         .collect();
-    write_safetensors(path, &sources, dtype)
+    write_safetensors(path, &sources, dtype.safetensors())
 }
 
 /// Reads every tensor of a safetensors file as f32 (from F32, BF16 or F16).

@@ -7,7 +7,6 @@
 use super::fs::{create_dir, remove_if_exists, write_atomic};
 use super::model_files::{ModelFiles, write_model_sources};
 use super::save_dtype::SaveDtype;
-use super::saved_state::SavedState;
 use super::stream::{TensorSource, write_safetensors};
 use super::tensor_file::HostTensor;
 use crate::error::{Error, Result};
@@ -18,22 +17,6 @@ use std::path::Path;
 pub(super) const STATE_FILE: &str = "state.json";
 pub(super) const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub(super) const STATE_VERSION: u64 = 1;
-
-/// A training checkpoint held in host memory.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TrainState {
-    /// Optimizer steps taken.
-    pub step: u64,
-    /// Weights, by HF name: the F32 masters where the checkpoint kept them
-    /// (model files narrower than F32), else the model files' values.
-    pub params: BTreeMap<String, HostTensor>,
-    /// AdamW first moments, same names and shapes as `params`.
-    pub adam_m: BTreeMap<String, HostTensor>,
-    /// AdamW second moments, same names and shapes as `params`.
-    pub adam_v: BTreeMap<String, HostTensor>,
-    /// Caller-defined state (RNG, schedule, sampler position, ...).
-    pub extra: Value,
-}
 
 /// Saves a training checkpoint held in host memory into `dir` with its
 /// weights in F32 in one file ([`save_train_state_as`] with no masters and
@@ -47,7 +30,10 @@ pub fn save_train_state(
     extra: &Value,
 ) -> Result<()> {
     fn host(map: &BTreeMap<String, HostTensor>) -> Vec<TensorSource<'_>> {
-        map.iter().map(|(n, t)| TensorSource::host(n, t)).collect()
+        let host = map
+            .iter()
+            .map(|(n, t)| TensorSource::host(n, &t.shape, &t.data));
+        host.collect()
     }
     let (params, adam_m, adam_v) = (host(params), host(adam_m), host(adam_v));
     let state = StateToSave {
@@ -146,7 +132,8 @@ fn write_optimizer_and_state(dir: &Path, state: &StateToSave) -> Result<()> {
     let mut tensors = prefixed(state.adam_m, "exp_avg");
     tensors.extend(prefixed(state.adam_v, "exp_avg_sq"));
     tensors.extend(prefixed(state.masters.unwrap_or_default(), "master"));
-    write_safetensors(&dir.join(OPTIMIZER_FILE), &tensors, SaveDtype::F32)?;
+    let f32 = SaveDtype::F32.safetensors();
+    write_safetensors(&dir.join(OPTIMIZER_FILE), &tensors, f32)?;
     let json = json!({ "version": STATE_VERSION, "step": state.step, "extra": state.extra });
     let text = serde_json::to_string_pretty(&json).expect("a JSON value always serialises");
     write_atomic(&dir.join(STATE_FILE), text.as_bytes())
@@ -158,14 +145,6 @@ pub fn is_adapter_only(dir: &Path) -> bool {
     let model = [super::hf::SINGLE_FILE, super::hf::INDEX_FILE];
     dir.join(super::peft_config::ADAPTER_WEIGHTS).is_file()
         && !model.iter().any(|f| dir.join(f).exists())
-}
-
-/// Loads a checkpoint written by [`save_train_state`] (or
-/// [`save_adapter_state`]: its `params` are then the adapter's factors)
-/// into host memory whole; a resume reads it tensor by tensor instead
-/// ([`SavedState`]).
-pub fn load_train_state(dir: &Path) -> Result<TrainState> {
-    SavedState::open(dir)?.read_all()
 }
 
 /// Checks that each of `moments` (by name, its shape) is of a parameter

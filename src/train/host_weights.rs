@@ -5,7 +5,8 @@
 //! [`state_sources`], [`weights_from_saved`]).
 
 use crate::backend::{Backend, Category, DType};
-use crate::checkpoint::{HostTensor, SavedState, TensorSource};
+use crate::checkpoint::saved_state::SavedState;
+use crate::checkpoint::{HostTensor, TensorSource};
 use crate::error::{Error, Result};
 use crate::model::{ModelConfig, ModelWeights};
 use crate::optim::{Optimizer, StateKind};

@@ -8,9 +8,10 @@ use super::host_weights::{state_sources, weight_sources, weights_from_host, weig
 use super::state::{Micro, RankModel, pass};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::checkpoint::peft::adapter_tensors;
+use crate::checkpoint::saved_state::{Moment, SavedState};
 use crate::checkpoint::{
-    AdapterToSave, ModelFiles, Moment, SaveDtype, SavedState, StateToSave, TensorSource,
-    check_extra_tensors, load_hf_model_with, save_adapter_state, save_train_state_as,
+    AdapterToSave, ModelFiles, SaveDtype, StateToSave, TensorSource, check_extra_tensors,
+    load_hf_model_with, save_adapter_state, save_train_state_as,
 };
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
@@ -598,7 +599,7 @@ impl<B: Backend> Replicated<'_, B> {
         let adapters = adapters_to_host(b, w, &lora.config)?;
         let factors = adapter_tensors(&adapters)?;
         let params: Vec<TensorSource> = (factors.iter())
-            .map(|(n, t)| TensorSource::host(n, t))
+            .map(|(n, t)| TensorSource::host(n, &t.shape, &t.data))
             .collect();
         let masters = self.masters(b, &params);
         let extra = with_base(extra, &lora.base);

@@ -190,7 +190,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
         }
         let (rank, world) = (self.store.group.rank(), self.store.group.size());
         let path = ckpt::optimizer_file(dir, rank, world);
-        write_safetensors(&path, &tensors, SaveDtype::F32)
+        write_safetensors(&path, &tensors, SaveDtype::F32.safetensors())
     }
 
     /// Writes a LoRA run's adapters as a PEFT adapter directory in `dir`
