@@ -192,8 +192,11 @@ mod tests {
     use safetensors::tensor::View;
     use std::borrow::Cow;
 
-    /// A tensor's shape and values as the `safetensors` crate writes them.
-    struct Whole<'a>(&'a (Vec<usize>, Vec<f32>), Dtype);
+    /// A tensor's shape and values.
+    type Shaped = (Vec<usize>, Vec<f32>);
+
+    /// A tensor as the `safetensors` crate writes one.
+    struct Whole<'a>(&'a Shaped, Dtype);
 
     impl View for Whole<'_> {
         fn dtype(&self) -> Dtype {
@@ -224,7 +227,7 @@ mod tests {
             ("model.norm.weight", vec![9]),
             ("a \"quoted\" name", vec![1, 1, 1]),
         ];
-        let host: Vec<(String, (Vec<usize>, Vec<f32>))> = (tensors.iter().enumerate())
+        let host: Vec<(String, Shaped)> = (tensors.iter().enumerate())
             .map(|(k, (n, s))| {
                 let v = values(s.iter().product(), 0.37 + k as f32);
                 (n.to_string(), (s.clone(), v))

@@ -83,13 +83,14 @@ fn peak_rss(cwd: &Path, model: &Path, args: &[&str]) -> u64 {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap());
-    let child = cmd.spawn().unwrap();
+    // reaped by wait4 below, which returns the child's resource usage
+    let pid = cmd.spawn().unwrap().id() as i32;
     let mut status = 0;
     // SAFETY: an all-zero rusage is valid; wait4 fills it and `status`.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: `child` is this process's child, not yet waited for.
-    let rc = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-    assert_eq!(rc, child.id() as i32, "wait4 failed");
+    let rc = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert_eq!(rc, pid, "wait4 failed");
     let stderr = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
