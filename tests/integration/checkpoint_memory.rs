@@ -1,7 +1,8 @@
 //! A checkpoint's save and resume hold one tensor at a time in host memory:
 //! the real binary trains a 50M-parameter model one step and saves, then
 //! resumes from that checkpoint, and each run's peak resident memory is
-//! held against the same run without the checkpoint. A save that first
+//! held against the same run without the checkpoint; unsharded on one rank,
+//! and sharded (`--fsdp on`) on two. A save that first
 //! copied the whole state to the host (weights, masters and both moments)
 //! or a resume that read the whole checkpoint before uploading it grows the
 //! peak by about the state's size; streamed, by about one tensor.
@@ -28,11 +29,11 @@ impl Drop for Tmp {
 }
 
 /// Hidden size, MLP width and layers of the measured model: 50.6M
-/// parameters, whose largest tensor (an MLP matrix, 4.2M values) is a
-/// twelfth of the model.
-const HIDDEN: usize = 1024;
-const MLP: usize = 4096;
-const LAYERS: usize = 3;
+/// parameters in 12 blocks of 4.2M, whose largest tensor (an MLP matrix,
+/// 1M values) is a fiftieth of the model.
+const HIDDEN: usize = 512;
+const MLP: usize = 2048;
+const LAYERS: usize = 12;
 const VOCAB: usize = 256;
 
 /// Parameters of the measured model (untied embeddings, no biases).
@@ -67,18 +68,19 @@ fn model_dir(dir: &Path) -> PathBuf {
     model
 }
 
-/// Runs `upipe train` on one CPU rank with `args` to its end and returns
+/// Runs `upipe train` on one CPU rank with `mesh` and `args` to its end and returns
 /// its peak resident memory in bytes (`wait4`'s `ru_maxrss`: the child's
 /// own peak, or the test process's if that was larger when the child
 /// started, far below the model's state here).
-fn peak_rss(cwd: &Path, model: &Path, args: &[&str]) -> u64 {
+fn peak_rss(cwd: &Path, model: &Path, mesh: &[&str], args: &[&str]) -> u64 {
     let log = cwd.join("stderr.txt");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_upipe"));
     cmd.current_dir(cwd)
         .args(["train", "--device", "cpu", "--model"])
         .arg(model)
         .args(["--attn", "local", "--ulysses", "1", "--ring", "1"])
-        .args(["--fsdp", "off", "--seq", "16", "--warmup", "0", "--json"])
+        .args(["--seq", "16", "--warmup", "0", "--json"])
+        .args(mesh)
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -99,45 +101,72 @@ fn peak_rss(cwd: &Path, model: &Path, args: &[&str]) -> u64 {
     usage.ru_maxrss as u64 * 1024
 }
 
-#[test]
-fn saves_and_resumes_hold_one_tensor_at_a_time_in_host_memory() {
-    let t = Tmp::new("stream");
+/// Peak resident memory of one step, of one step and a save, and of a
+/// resume from that save with one more step (and its save), on one CPU
+/// rank with `mesh` flags; printed beside the state's size.
+fn peaks(tag: &str, mesh: &[&str]) -> [u64; 3] {
+    let t = Tmp::new(tag);
     let model = model_dir(&t.0);
     let save = t.0.join("ckpt");
     let save = save.to_str().unwrap();
-    // weights, first and second moments in F32
-    let state = 3 * 4 * params() as u64;
-    let plain = peak_rss(&t.0, &model, &["--steps", "1"]);
-    let saved = peak_rss(&t.0, &model, &["--steps", "1", "--save-dir", save]);
+    let plain = peak_rss(&t.0, &model, mesh, &["--steps", "1"]);
+    let saved = peak_rss(&t.0, &model, mesh, &["--steps", "1", "--save-dir", save]);
     assert!(Path::new(save).join("state.json").is_file());
-    let resumed = peak_rss(
-        &t.0,
-        &model,
-        &["--steps", "2", "--save-dir", save, "--resume"],
-    );
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let resume = ["--steps", "2", "--save-dir", save, "--resume"];
+    let resumed = peak_rss(&t.0, &model, mesh, &resume);
     eprintln!(
-        "peak RSS: one step {:.0} MiB, with a save {:.0} MiB, resumed and saved {:.0} MiB \
-         (state {:.0} MiB)",
+        "{tag}: peak RSS: one step {:.0} MiB, with a save {:.0} MiB, resumed and saved {:.0} \
+         MiB (state {:.0} MiB)",
         mib(plain),
         mib(saved),
         mib(resumed),
-        mib(state)
+        mib(state_bytes())
     );
-    // On a 2-core CPU development machine (2026-12-06), from a peak of
-    // 799 MiB for the step alone: with the state copied to the host whole,
-    // the save grew it by 796 MiB and the resume (and its save) by 794 MiB;
-    // streamed, by 19 MiB and 21 MiB (the largest tensor is 16 MiB).
-    let bound = state / 3;
-    for (what, peak) in [("a save", saved), ("a resume", resumed)] {
+    [plain, saved, resumed]
+}
+
+/// F32 weights, first and second moments of the measured model.
+fn state_bytes() -> u64 {
+    3 * 4 * params() as u64
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1 << 20) as f64
+}
+
+/// Fails when a save or a resume grew the peak resident memory of a run
+/// (`[plain, saved, resumed]`, [`peaks`]) by a third of the state or more.
+fn check_growth(what: &str, [plain, saved, resumed]: [u64; 3]) {
+    let (state, bound) = (state_bytes(), state_bytes() / 3);
+    for (how, peak) in [("a save", saved), ("a resume", resumed)] {
         let grown = peak.saturating_sub(plain);
         assert!(
             grown < bound,
-            "{what} grew the peak resident memory by {:.0} MiB, over {:.0} MiB (a third of the \
-             {:.0} MiB of F32 weights and moments): the state went through host memory whole",
+            "{what}: {how} grew the peak resident memory by {:.0} MiB, over {:.0} MiB (a third \
+             of the {:.0} MiB of F32 weights and moments): the state went through host memory \
+             whole",
             mib(grown),
             mib(bound),
             mib(state)
         );
     }
+}
+
+#[test]
+fn saves_and_resumes_hold_one_tensor_at_a_time_in_host_memory() {
+    // On a 2-core CPU development machine (2026-12-06), from a peak of
+    // 798 MiB for the step alone: with the state copied to the host whole,
+    // the save grew it by 772 MiB and the resume (and its save) by 773 MiB;
+    // streamed, by 3 MiB and 3 MiB (the largest tensor is 4 MiB).
+    check_growth("unsharded", peaks("replicated", &["--fsdp", "off"]));
+}
+
+#[test]
+fn sharded_saves_and_resumes_hold_one_unit_at_a_time_in_host_memory() {
+    // Two thread ranks, from a peak of 1024 MiB for the step alone: with
+    // each rank's optimizer shards and the lead's weight file held whole,
+    // the save grew it by 383 MiB and the resume (and its save) by 401 MiB;
+    // streamed, by nothing measurable (a unit here is 16 MiB).
+    let mesh = ["--fsdp", "on", "--data-parallel", "2"];
+    check_growth("--fsdp on", peaks("sharded", &mesh));
 }

@@ -9,7 +9,7 @@ use crate::backend::{Backend, Category, DType};
 use crate::checkpoint::peft::{adapter_from_tensors, read_adapter, write_adapter};
 use crate::checkpoint::ranged::RangedModel;
 use crate::checkpoint::sharded::{self as ckpt, SavedOptimizer};
-use crate::checkpoint::stream::write_safetensors;
+use crate::checkpoint::stream::{file_order, write_safetensors};
 use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, TensorSource, check_extra_tensors};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
@@ -21,8 +21,13 @@ use crate::train::lora_base::{BaseModel, LoraSave, resumed_base, run_base, with_
 use crate::train::replicated::Resumed;
 use crate::train::state::{Micro, RankModel, pass};
 use serde_json::Value;
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::Path;
+
+/// The unit whose gathered values a save holds (its index, its values on
+/// the lead rank).
+type HeldUnit = RefCell<Option<(usize, Vec<f32>)>>;
 
 /// FSDP shards and their optimizer.
 pub struct Sharded<'a, B: Backend> {
@@ -116,44 +121,80 @@ impl<'a, B: Backend> Sharded<'a, B> {
     /// All-gathers unit `i`'s parameters and returns them by name on the
     /// lead rank (collective; the other ranks get an empty list).
     fn gather_to_host(&self, b: &B, i: usize, lead: bool) -> Result<Vec<(String, HostTensor)>> {
+        let host = self.gather_unit(b, i, lead)?;
+        if !lead {
+            return Ok(Vec::new());
+        }
+        let params = self.store.layouts[i].params.iter();
+        let named = params.map(|p| {
+            let t = HostTensor::new(p.shape.clone(), host[p.range()].to_vec())?;
+            Ok((p.name.clone(), t))
+        });
+        named.collect()
+    }
+
+    /// All-gathers unit `i` and returns its flat values on the lead rank
+    /// (collective; the other ranks get none).
+    fn gather_unit(&self, b: &B, i: usize, lead: bool) -> Result<Vec<f32>> {
         let layout = &self.store.layouts[i];
         let shard = self.store.params[i].as_ref().ok_or_else(|| {
             Error::Backend("FSDP: a shard is in a collective while saving".into())
         })?;
         let mut flat = b.empty(&[layout.padded()], shard.dtype(), Category::Comm)?;
         self.store.group.all_gather(shard, &mut flat)?;
-        if !lead {
-            return Ok(Vec::new());
+        match lead {
+            true => b.to_host(&flat),
+            false => Ok(Vec::new()),
         }
-        let host = b.to_host(&flat)?;
-        layout
-            .params
-            .iter()
-            .map(|p| {
-                Ok((
-                    p.name.clone(),
-                    HostTensor::new(p.shape.clone(), host[p.range()].to_vec())?,
-                ))
-            })
-            .collect()
     }
 
-    /// Writes the weights as an HF directory, one file's units at a time.
+    /// Makes `held` hold unit `i`'s gathered values ([`Self::gather_unit`]),
+    /// dropping the unit it held first.
+    fn hold_unit(&self, b: &B, i: usize, lead: bool, held: &HeldUnit) -> Result<()> {
+        if held.borrow().as_ref().is_some_and(|(unit, _)| *unit == i) {
+            return Ok(());
+        }
+        *held.borrow_mut() = None;
+        let values = self.gather_unit(b, i, lead)?;
+        *held.borrow_mut() = Some((i, values));
+        Ok(())
+    }
+
+    /// Writes the weights as an HF directory, file by file. Each tensor is
+    /// fetched when the file reaches it, from its unit gathered when the
+    /// unit's first tensor comes (every rank gathers, in the order the lead
+    /// rank writes), so the lead rank holds one unit and one tensor.
     fn save_weights(&self, b: &B, dir: &Path, lead: bool) -> Result<()> {
         let layouts = &self.store.layouts;
         let bytes: Vec<usize> = layouts.iter().map(|u| self.files.bytes(u.numel)).collect();
         let groups = ckpt::file_groups(&bytes, self.files.max_file_bytes);
         let mut index = Vec::new();
         for (k, g) in groups.iter().enumerate() {
-            let mut tensors = Vec::new();
-            for i in g.clone() {
-                tensors.extend(self.gather_to_host(b, i, lead)?);
+            let held: HeldUnit = RefCell::new(None);
+            let params = g
+                .clone()
+                .flat_map(|i| layouts[i].params.iter().map(move |p| (i, p)));
+            let (units, tensors): (Vec<usize>, Vec<TensorSource>) = params
+                .map(|(i, p)| {
+                    let held = &held;
+                    let fetch = move || {
+                        self.hold_unit(b, i, lead, held)?;
+                        let held = held.borrow();
+                        let values = held.as_ref().map(|(_, v)| &v[..]).unwrap_or_default();
+                        Ok(values.get(p.range()).unwrap_or_default().to_vec())
+                    };
+                    (i, TensorSource::new(&p.name, p.shape.clone(), fetch))
+                })
+                .unzip();
+            if !lead {
+                for t in file_order(&tensors) {
+                    self.hold_unit(b, units[t], lead, &held)?;
+                }
+                continue;
             }
-            if lead {
-                let file = ckpt::weight_file_name(k, groups.len());
-                ckpt::write_tensor_file(&dir.join(&file), &tensors, self.files.dtype)?;
-                index.push((file, tensors.into_iter().map(|(n, _)| n).collect()));
-            }
+            let file = ckpt::weight_file_name(k, groups.len());
+            write_safetensors(&dir.join(&file), &tensors, self.files.dtype.safetensors())?;
+            index.push((file, tensors.iter().map(|t| t.name.clone()).collect()));
         }
         if lead && groups.len() > 1 {
             ckpt::write_index(dir, &index, bytes.iter().sum())?;
