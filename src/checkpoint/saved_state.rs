@@ -134,7 +134,8 @@ impl SavedState {
 
     /// The F32 values a run continues from for parameter `name`: its master
     /// where the checkpoint kept one (weight files narrower than F32), else
-    /// the weight files' values.
+    /// the weight files' values. The weight files' values are checked
+    /// finite either way.
     pub fn value(&self, name: &str) -> Result<HostTensor> {
         let shape = self.shape(name).ok_or_else(|| {
             Error::Checkpoint(format!(
@@ -145,12 +146,18 @@ impl SavedState {
         })?;
         let all = 0..shape.iter().product();
         let master = format!("{MASTER}{name}");
-        let data = match &self.weights {
-            _ if self.masters && self.optimizer.contains(&master) => {
+        // the weight files are read even where a master is: a non-finite
+        // weight there is refused as a corrupt checkpoint
+        let weights = match &self.weights {
+            WeightFiles::Model(model) => model.read(name, all.clone())?,
+            WeightFiles::Adapter(file) => file.read(name, all.clone())?,
+        };
+        let data = match self.masters && self.optimizer.contains(&master) {
+            true => {
+                drop(weights);
                 self.optimizer.read(&master, all)?
             }
-            WeightFiles::Model(model) => model.read(name, all)?,
-            WeightFiles::Adapter(file) => file.read(name, all)?,
+            false => weights,
         };
         HostTensor::new(shape.to_vec(), data)
     }
