@@ -1,5 +1,7 @@
-//! Checkpoints: safetensors files on host memory (`tensor_file.rs`), Hugging
-//! Face model directories (`hf.rs`), training state (`train_state.rs`),
+//! Checkpoints: safetensors files on host memory (`tensor_file.rs`) and
+//! written one tensor at a time (`stream.rs`), Hugging Face model
+//! directories (`hf.rs`), training state (`train_state.rs`; read back
+//! tensor by tensor, `saved_state.rs`),
 //! reads by element range (`ranged.rs`), the save directory upipe shares
 //! with its owner (`save_dir.rs`: manifest, lock, staging and journaled
 //! publishing), and FSDP's per-rank optimizer shards (`sharded.rs`); a
@@ -25,13 +27,16 @@ pub mod peft_config;
 pub mod ranged;
 pub mod save_dir;
 pub mod save_dtype;
+pub mod saved_state;
 pub mod sharded;
+pub mod stream;
 pub mod tensor_file;
 pub mod train_state;
 
 pub use hf::*;
 pub use model_files::ModelFiles;
 pub use save_dtype::SaveDtype;
+pub use stream::TensorSource;
 pub use tensor_file::*;
 pub use train_state::*;
 

@@ -5,12 +5,12 @@
 //! `save_pretrained`'s `max_shard_size`, 5 GB by default).
 
 use super::fs::write_atomic;
-use super::hf::{INDEX_FILE, SINGLE_FILE, read_weight_map};
+use super::hf::{INDEX_FILE, SINGLE_FILE};
 use super::save_dtype::SaveDtype;
-use super::tensor_file::{HostTensor, read_safetensors, save_safetensors};
-use crate::error::{Error, Result};
+use super::stream::{TensorSource, write_safetensors};
+use super::tensor_file::HostTensor;
+use crate::error::Result;
 use serde_json::json;
-use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 
@@ -110,58 +110,37 @@ pub fn write_index(dir: &Path, files: &[(String, Vec<String>)], total_bytes: usi
     write_atomic(&dir.join(INDEX_FILE), text.as_bytes())
 }
 
-/// Writes `tensors` (in model order) as the weight files of `dir` in
-/// `files.dtype`: one file, or files of at most `files.max_file_bytes` and
-/// their index.
+/// Writes `tensors` (in model order, in host memory) as the weight files
+/// of `dir` ([`write_model_sources`]).
 pub fn write_model_files(
     dir: &Path,
     tensors: &[(String, &HostTensor)],
     files: ModelFiles,
 ) -> Result<()> {
-    let bytes: Vec<usize> = tensors
-        .iter()
-        .map(|(_, t)| files.bytes(t.numel()))
+    let sources: Vec<TensorSource> = (tensors.iter())
+        .map(|(n, t)| TensorSource::host(n, &t.shape, &t.data))
         .collect();
+    write_model_sources(dir, &sources, files)
+}
+
+/// Writes `tensors` (in model order) as the weight files of `dir` in
+/// `files.dtype`: one file, or files of at most `files.max_file_bytes` and
+/// their index; each tensor is fetched when its file is written.
+pub fn write_model_sources(dir: &Path, tensors: &[TensorSource], files: ModelFiles) -> Result<()> {
+    let bytes: Vec<usize> = tensors.iter().map(|t| files.bytes(t.numel())).collect();
     let groups = file_groups(&bytes, files.max_file_bytes);
     let mut index = Vec::new();
     for (k, g) in groups.iter().enumerate() {
         let file = weight_file_name(k, groups.len());
-        save_safetensors(&dir.join(&file), &tensors[g.clone()], files.dtype)?;
-        index.push((
-            file,
-            tensors[g.clone()].iter().map(|(n, _)| n.clone()).collect(),
-        ));
+        let dtype = files.dtype.safetensors();
+        write_safetensors(&dir.join(&file), &tensors[g.clone()], dtype)?;
+        let names = tensors[g.clone()].iter().map(|t| t.name.clone());
+        index.push((file, names.collect()));
     }
     if groups.len() > 1 {
         write_index(dir, &index, bytes.iter().sum())?;
     }
     Ok(())
-}
-
-/// Every tensor of `dir`'s weight files (`model.safetensors`, or the files
-/// its index lists), as f32.
-pub fn read_model_files(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    let index = dir.join(INDEX_FILE);
-    if !index.exists() {
-        return Ok(read_safetensors(&dir.join(SINGLE_FILE), |_| true)?.0);
-    }
-    let map = read_weight_map(&index)?;
-    let mut files: Vec<&String> = map.values().collect();
-    files.sort();
-    files.dedup();
-    let mut out = BTreeMap::new();
-    for file in files {
-        let (part, _) = read_safetensors(&dir.join(file), |n| map.get(n) == Some(file))?;
-        out.extend(part);
-    }
-    if let Some(name) = map.keys().find(|n| !out.contains_key(*n)) {
-        return Err(Error::Checkpoint(format!(
-            "{} lists tensor '{name}' in {}, which does not hold it",
-            index.display(),
-            map[name]
-        )));
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

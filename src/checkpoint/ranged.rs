@@ -99,6 +99,12 @@ impl RangedFile {
         self.entries.get(name).map(|e| e.shape.as_slice())
     }
 
+    /// Every tensor's name and shape (in no order).
+    pub fn tensors(&self) -> impl Iterator<Item = (&str, &[usize])> {
+        let entries = self.entries.iter();
+        entries.map(|(n, e)| (n.as_str(), e.shape.as_slice()))
+    }
+
     /// Elements `elems` of tensor `name` (flattened, row-major) as f32,
     /// from F32, BF16 or F16.
     pub fn read(&self, name: &str, elems: Range<usize>) -> Result<Vec<f32>> {
@@ -127,26 +133,45 @@ impl RangedFile {
         let mut f =
             File::open(&self.path).map_err(|x| Error::io(self.path.display().to_string(), x))?;
         let at = self.data_start + e.bytes.start + elems.start as u64 * size;
-        let mut buf = vec![0u8; elems.len() * size as usize];
-        f.seek(SeekFrom::Start(at))
-            .and_then(|_| f.read_exact(&mut buf))
-            .map_err(|x| Error::io(format!("reading {}", self.path.display()), x))?;
-        let values: Vec<f32> = match e.dtype.as_str() {
-            "F32" => buf
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            "BF16" => buf
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            _ => buf
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-        };
+        let reading = |x| Error::io(format!("reading {}", self.path.display()), x);
+        f.seek(SeekFrom::Start(at)).map_err(reading)?;
+        // converted a chunk at a time: no second copy of the range in memory
+        let mut values = Vec::with_capacity(elems.len());
+        let mut left = elems.len() * size as usize;
+        let mut buf = vec![0u8; left.min(READ_CHUNK)];
+        while left > 0 {
+            let chunk = &mut buf[..left.min(READ_CHUNK)];
+            f.read_exact(chunk).map_err(reading)?;
+            decode_into(&e.dtype, chunk, &mut values);
+            left -= chunk.len();
+        }
         check_finite(&values, name, &self.path, elems.start)?;
         Ok(values)
+    }
+}
+
+/// Bytes read and converted at a time.
+const READ_CHUNK: usize = 1 << 20;
+
+/// Appends the values of little-endian `bytes` of `dtype` (F32, BF16, else
+/// F16) to `out`.
+fn decode_into(dtype: &str, bytes: &[u8], out: &mut Vec<f32>) {
+    match dtype {
+        "F32" => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
+        "BF16" => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        _ => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
     }
 }
 
@@ -208,6 +233,11 @@ impl RangedModel {
     /// The names of every tensor of every file.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.by_name.keys().map(String::as_str)
+    }
+
+    /// Every tensor's name and shape (in no order).
+    pub fn tensors(&self) -> impl Iterator<Item = (&str, &[usize])> {
+        self.files.iter().flat_map(|f| f.tensors())
     }
 
     /// The dtype name (`BF16`, `F32`, ...) of the first tensor stored in

@@ -2,8 +2,8 @@
 //!
 //! - Weights: an HF directory (`model.safetensors`, or files of at most
 //!   [`FILE_BYTES`] with `model.safetensors.index.json`), in the run's
-//!   `--save-dtype`, written by the lead rank one file at a time as the units are gathered, so no rank
-//!   ever holds more than one file's tensors.
+//!   `--save-dtype`, written by the lead rank one tensor at a time as the
+//!   units are gathered, so no rank holds more than one unit and one tensor.
 //! - Optimizer: one file per rank, `optimizer.rank{r}-of-{W}.safetensors`,
 //!   holding that rank's `[shard]` of every unit (`exp_avg.<unit>`; a LoRA
 //!   run's adapter units `<unit>.lora`,
@@ -16,7 +16,6 @@
 //!   (`optimizer.safetensors`, whole tensors) resumes sharded too.
 
 use crate::checkpoint::ranged::RangedFile;
-use crate::checkpoint::{HostTensor, SaveDtype, save_safetensors};
 use crate::error::{Error, Result};
 use crate::model::flat_layout::{UnitLayout, pieces};
 use serde_json::{Value, json};
@@ -35,21 +34,6 @@ pub fn is_sharded(dir: &Path) -> bool {
 /// The optimizer file of `rank` of `world`.
 pub fn optimizer_file(dir: &Path, rank: usize, world: usize) -> PathBuf {
     dir.join(format!("optimizer.rank{rank:05}-of-{world:05}.safetensors"))
-}
-
-/// Writes one file of F32 tensors (the optimizer's).
-pub fn write_weight_file(path: &Path, tensors: &[(String, HostTensor)]) -> Result<()> {
-    write_tensor_file(path, tensors, SaveDtype::F32)
-}
-
-/// Writes one file of tensors in `dtype`.
-pub fn write_tensor_file(
-    path: &Path,
-    tensors: &[(String, HostTensor)],
-    dtype: SaveDtype,
-) -> Result<()> {
-    let list: Vec<(String, &HostTensor)> = tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
-    save_safetensors(path, &list, dtype)
 }
 
 /// Writes `state.json` (last: it marks the checkpoint complete).

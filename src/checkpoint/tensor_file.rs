@@ -2,13 +2,12 @@
 //! saved in F32/BF16/F16 and read back (memory-mapped) with every value
 //! checked finite.
 
-use super::fs::{rename, temp_path};
 use super::save_dtype::SaveDtype;
+use super::stream::{TensorSource, write_safetensors};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
-use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
-use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors};
+use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
 /// A dense row-major f32 tensor in host memory.
@@ -48,42 +47,6 @@ impl HostTensor {
     }
 }
 
-/// A host tensor viewed as safetensors data in a chosen dtype; converted when written.
-struct Encoded<'a> {
-    tensor: &'a HostTensor,
-    dtype: SaveDtype,
-}
-
-impl View for Encoded<'_> {
-    fn dtype(&self) -> StDtype {
-        self.dtype.safetensors()
-    }
-
-    fn shape(&self) -> &[usize] {
-        &self.tensor.shape
-    }
-
-    fn data(&self) -> Cow<'_, [u8]> {
-        let d = &self.tensor.data;
-        let bytes = match self.dtype {
-            SaveDtype::F32 => d.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            SaveDtype::BF16 => d
-                .iter()
-                .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
-                .collect(),
-            SaveDtype::F16 => d
-                .iter()
-                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
-                .collect(),
-        };
-        Cow::Owned(bytes)
-    }
-
-    fn data_len(&self) -> usize {
-        self.tensor.data.len() * self.dtype.size()
-    }
-}
-
 /// Writes `tensors` to a safetensors file in `dtype` (bf16 and fp16 round to
 /// nearest even), atomically: a temporary file is written, then renamed over
 /// `path`.
@@ -109,18 +72,11 @@ pub fn save_safetensors(
             )));
         }
     }
-    let views = tensors
+    let sources: Vec<TensorSource> = tensors
         .iter()
-        .map(|(name, t)| (name.as_str(), Encoded { tensor: t, dtype }));
-    // transformers refuses safetensors files without a recognised "format".
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let tmp = temp_path(path);
-    safetensors::serialize_to_file(views, Some(metadata), &tmp).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::Checkpoint(format!("writing {}: {e}", path.display()))
-    })?;
-    super::fs::follow_umask(&tmp)?;
-    rename(&tmp, path)
+        .map(|(name, t)| TensorSource::host(name, &t.shape, &t.data))
+        .collect();
+    write_safetensors(path, &sources, dtype.safetensors())
 }
 
 /// Reads every tensor of a safetensors file as f32 (from F32, BF16 or F16).

@@ -7,6 +7,7 @@ use crate::model::config::ModelConfig;
 use half::{bf16, f16};
 use hf::{INDEX_FILE, SINGLE_FILE};
 use safetensors::tensor::Dtype as StDtype;
+use saved_state::load_train_state;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -4,13 +4,14 @@
 //! backward is done, beside the next unit's backward.
 
 use super::config::TrainConfig;
-use super::host_weights::{state_to_host, weights_from_host, weights_to_host};
+use super::host_weights::{state_sources, weight_sources, weights_from_host, weights_from_saved};
 use super::state::{Micro, RankModel, pass};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::checkpoint::peft::adapter_tensors;
+use crate::checkpoint::saved_state::{Moment, SavedState};
 use crate::checkpoint::{
-    AdapterToSave, HostTensor, ModelFiles, SaveDtype, StateToSave, check_extra_tensors,
-    load_hf_model_with, load_train_state, save_adapter_state, save_train_state_as,
+    AdapterToSave, ModelFiles, SaveDtype, StateToSave, TensorSource, check_extra_tensors,
+    load_hf_model_with, save_adapter_state, save_train_state_as,
 };
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
@@ -25,7 +26,7 @@ use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
 use crate::train::lora_base::{BaseModel, LoraSave, resumed_base, run_base, with_base};
 use crate::train::lora_run::attach;
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 
 /// Whole-model parameters and gradients of one rank.
 pub struct ReplicatedStore<'a, B: Backend> {
@@ -277,50 +278,32 @@ impl<'a, B: Backend> Replicated<'a, B> {
     ) -> Result<(Self, Option<Resumed>)> {
         let model = &cfg.model;
         check_not_sharded(dir)?;
-        let st = load_train_state(dir)?;
-        cfg.check_resume_freeze(dir, &st.extra)?;
-        cfg.note_state_format(dir, &st.extra, group.rank() == 0);
-        let names = st.params.keys().map(String::as_str);
+        // headers only: each tensor is read when it is restored
+        let saved = SavedState::open(dir)?;
+        cfg.check_resume_freeze(dir, &saved.extra)?;
+        cfg.note_state_format(dir, &saved.extra, group.rank() == 0);
         // a LoRA checkpoint's adapters are its own (PEFT names), not extras
         let extras = cfg.extra_tensors.beside_adapters(cfg.lora.is_some());
-        check_extra_tensors(dir, model, names, extras)?;
+        check_extra_tensors(dir, model, saved.names(), extras)?;
         let base = match &cfg.lora {
-            Some(_) => Some(resumed_base(cfg, dir, &st.extra)?),
+            Some(_) => Some(resumed_base(cfg, dir, &saved.extra)?),
             None => None,
         };
         let mut w = match &base {
             Some(base) => base_weights(b, cfg, base, extras)?,
-            None => weights_from_host(b, model, &st.params, b.compute_dtype(), Category::Weights)?,
+            None => weights_from_saved(b, model, &saved, b.compute_dtype(), Category::Weights)?,
         };
         if let Some(lora) = &cfg.lora {
-            attach(b, &mut w, &lora.resumed(model, dir, &st.params)?)?;
+            // the adapter's factors, small beside the base, read at once
+            attach(b, &mut w, &lora.resumed(model, dir, &saved.values()?)?)?;
         }
         let trainable = trainable_mask(&w, model, &cfg.freeze);
         let mut opt = optimizer(b, cfg, &w, &trainable)?;
-        // into the moments the optimizer made: no second copy at start-up
-        let named = w.named().into_iter().zip(&trainable);
-        let slots = named.filter(|(_, t)| **t).map(|(n, _)| n);
-        for (k, (name, _)) in slots.enumerate() {
-            let missing = || Error::Checkpoint(format!("{}: no moments of {name}", dir.display()));
-            for (kind, saved) in [
-                (StateKind::ExpAvg, &st.adam_m),
-                (StateKind::ExpAvgSq, &st.adam_v),
-            ] {
-                let values = &saved.get(&name).ok_or_else(missing)?.data;
-                if !opt.restore(b, k, kind, values)? {
-                    return Err(missing());
-                }
-            }
-            // the F32 values (masters, or F32 files), not the rounded weights
-            if opt.keeps(k, StateKind::Master) {
-                let values = &st.params.get(&name).ok_or_else(missing)?.data;
-                opt.restore(b, k, StateKind::Master, values)?;
-            }
-        }
+        restore_optimizer(b, opt.as_mut(), &w, &trainable, &saved)?;
         let store = ReplicatedStore::with_grads(b, model, w, group, cfg.grad_spec())?;
         let resumed = Resumed {
-            step: st.step,
-            extra: st.extra,
+            step: saved.step,
+            extra: saved.extra,
         };
         let model = Replicated {
             store,
@@ -330,6 +313,39 @@ impl<'a, B: Backend> Replicated<'a, B> {
         };
         Ok((model, Some(resumed)))
     }
+}
+
+/// Restores the moments (and masters) of every trained parameter of `w`
+/// (`trainable`, in `ModelWeights::named` order) from `saved` into the
+/// moments the optimizer made (no second copy at start-up), one tensor at
+/// a time.
+fn restore_optimizer<B: Backend>(
+    b: &B,
+    opt: &mut dyn Optimizer<B>,
+    w: &ModelWeights<B>,
+    trainable: &[bool],
+    saved: &SavedState,
+) -> Result<()> {
+    let named = w.named().into_iter().zip(trainable);
+    let slots = named.filter(|(_, t)| **t).map(|(n, _)| n);
+    for (k, (name, _)) in slots.enumerate() {
+        let dir = saved.dir().display();
+        let missing = || Error::Checkpoint(format!("{dir}: no moments of {name}"));
+        for (kind, moment) in [
+            (StateKind::ExpAvg, Moment::ExpAvg),
+            (StateKind::ExpAvgSq, Moment::ExpAvgSq),
+        ] {
+            let values = saved.moment(moment, &name)?.ok_or_else(missing)?;
+            if !opt.restore(b, k, kind, &values.data)? {
+                return Err(missing());
+            }
+        }
+        // the F32 values (masters, or F32 files), not the rounded weights
+        if opt.keeps(k, StateKind::Master) {
+            opt.restore(b, k, StateKind::Master, &saved.value(&name)?.data)?;
+        }
+    }
+    Ok(())
 }
 
 /// The weights of `base` (an HF directory read with `extras`, or the
@@ -353,41 +369,41 @@ fn base_weights<B: Backend>(
 impl<B: Backend> Replicated<'_, B> {
     /// The F32 values a resume continues from, where the weight files do
     /// not hold them: each parameter's master where the optimizer keeps
-    /// one, else its weights (already F32) when the files are narrower;
-    /// for the parameters in `weights` only. `None` when the files hold
-    /// every value exactly.
-    fn masters(
-        &self,
-        b: &B,
-        weights: &BTreeMap<String, HostTensor>,
-    ) -> Result<Option<BTreeMap<String, HostTensor>>> {
-        let named = self.store.w.named();
+    /// one, else its value in `params` (already F32) when the files are
+    /// narrower; for the parameters in `params` only, each fetched when a
+    /// save writes it. `None` when the files hold every value exactly.
+    fn masters<'s>(
+        &'s self,
+        b: &'s B,
+        params: &'s [TensorSource<'s>],
+    ) -> Option<Vec<TensorSource<'s>>> {
         let slots = self.opt.slots().len();
         let any_kept = (0..slots).any(|k| self.opt.keeps(k, StateKind::Master));
         if self.files.dtype == SaveDtype::F32 && !any_kept {
-            return Ok(None);
+            return None;
         }
-        let mut out = BTreeMap::new();
-        let mut slot = self.store.slot_of_params().into_iter();
-        for (name, t) in named {
-            // a frozen parameter's F32 value is its weight (no master kept)
-            let slot = slot.next().flatten();
-            // a LoRA save's `weights` are its adapters: the base is not saved
-            if !weights.contains_key(&name) {
+        let by_name: HashMap<&str, &TensorSource> =
+            params.iter().map(|p| (p.name.as_str(), p)).collect();
+        let opt = &*self.opt;
+        let mut out = Vec::new();
+        let slots = self.store.slot_of_params().into_iter();
+        for ((name, _), slot) in self.store.w.named().into_iter().zip(slots) {
+            // a LoRA save's `params` are its adapters: the base is not saved
+            let Some(&param) = by_name.get(name.as_str()) else {
                 continue;
-            }
-            let kept = match slot {
-                Some(k) => self.opt.state_values(b, k, StateKind::Master)?,
-                None => None,
             };
-            let master = match kept {
-                Some(m) => HostTensor::new(t.shape().to_vec(), m)?,
-                None => weights[&name].clone(),
+            // a frozen parameter's F32 value is its weight (no master kept)
+            let Some(k) = slot else {
+                out.push(param.renamed(name));
+                continue;
             };
-            debug_assert_eq!(master.shape, t.shape());
-            out.insert(name, master);
+            let fetch = move || match opt.state_values(b, k, StateKind::Master)? {
+                Some(master) => Ok(master),
+                None => param.values(),
+            };
+            out.push(TensorSource::new(name, param.shape.clone(), fetch));
         }
-        Ok(Some(out))
+        Some(out)
     }
 }
 
@@ -558,20 +574,20 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         if let Some(lora) = &self.lora {
             return self.save_adapter(b, dir, step, extra, lora);
         }
+        // each tensor is fetched to the host when its file is written
         let w = &self.store.w;
         let slots = self.store.slot_of_params();
-        let params = weights_to_host(b, w)?;
-        let masters = self.masters(b, &params)?;
+        let params = weight_sources(b, w);
+        let masters = self.masters(b, &params);
+        let opt = &*self.opt;
+        let adam_m = state_sources(b, w, &slots, opt, StateKind::ExpAvg);
+        let adam_v = state_sources(b, w, &slots, opt, StateKind::ExpAvgSq);
         let state = StateToSave {
             step,
-            params: w
-                .named()
-                .into_iter()
-                .map(|(n, _)| (n.clone(), &params[&n]))
-                .collect(),
-            adam_m: &state_to_host(b, w, &slots, &*self.opt, StateKind::ExpAvg)?,
-            adam_v: &state_to_host(b, w, &slots, &*self.opt, StateKind::ExpAvgSq)?,
-            masters: masters.as_ref(),
+            params: &params,
+            adam_m: &adam_m,
+            adam_v: &adam_v,
+            masters: masters.as_deref(),
             extra,
         };
         save_train_state_as(dir, &state, self.files)
@@ -592,16 +608,21 @@ impl<B: Backend> Replicated<'_, B> {
         let w = &self.store.w;
         let slots = self.store.slot_of_params();
         let adapters = adapters_to_host(b, w, &lora.config)?;
-        let params: BTreeMap<String, HostTensor> =
-            adapter_tensors(&adapters)?.into_iter().collect();
-        let masters = self.masters(b, &params)?;
+        let factors = adapter_tensors(&adapters)?;
+        let params: Vec<TensorSource> = (factors.iter())
+            .map(|(n, t)| TensorSource::host(n, &t.shape, &t.data))
+            .collect();
+        let masters = self.masters(b, &params);
         let extra = with_base(extra, &lora.base);
+        let opt = &*self.opt;
+        let adam_m = state_sources(b, w, &slots, opt, StateKind::ExpAvg);
+        let adam_v = state_sources(b, w, &slots, opt, StateKind::ExpAvgSq);
         let state = StateToSave {
             step,
-            params: params.iter().map(|(n, t)| (n.clone(), t)).collect(),
-            adam_m: &state_to_host(b, w, &slots, &*self.opt, StateKind::ExpAvg)?,
-            adam_v: &state_to_host(b, w, &slots, &*self.opt, StateKind::ExpAvgSq)?,
-            masters: masters.as_ref(),
+            params: &params,
+            adam_m: &adam_m,
+            adam_v: &adam_v,
+            masters: masters.as_deref(),
             extra: &extra,
         };
         let adapter = AdapterToSave {

@@ -6,6 +6,7 @@ mod attention_equivalence;
 mod attention_memory;
 mod attention_reference;
 mod bounds;
+mod checkpoint_memory;
 mod cli_config;
 mod cli_plan;
 mod cli_train;

@@ -5,11 +5,12 @@
 
 use super::FsdpStore;
 use super::adapters::{host_values, values_of};
-use crate::backend::{Backend, Category, DType, Tensor};
+use crate::backend::{Backend, Category, DType};
 use crate::checkpoint::peft::{adapter_from_tensors, read_adapter, write_adapter};
 use crate::checkpoint::ranged::RangedModel;
 use crate::checkpoint::sharded::{self as ckpt, SavedOptimizer};
-use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, check_extra_tensors};
+use crate::checkpoint::stream::{file_order, write_safetensors};
+use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, TensorSource, check_extra_tensors};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, RandomInit, Unit};
@@ -20,8 +21,13 @@ use crate::train::lora_base::{BaseModel, LoraSave, resumed_base, run_base, with_
 use crate::train::replicated::Resumed;
 use crate::train::state::{Micro, RankModel, pass};
 use serde_json::Value;
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::Path;
+
+/// The unit whose gathered values a save holds (its index, its values on
+/// the lead rank).
+type HeldUnit = RefCell<Option<(usize, Vec<f32>)>>;
 
 /// FSDP shards and their optimizer.
 pub struct Sharded<'a, B: Backend> {
@@ -115,44 +121,80 @@ impl<'a, B: Backend> Sharded<'a, B> {
     /// All-gathers unit `i`'s parameters and returns them by name on the
     /// lead rank (collective; the other ranks get an empty list).
     fn gather_to_host(&self, b: &B, i: usize, lead: bool) -> Result<Vec<(String, HostTensor)>> {
+        let host = self.gather_unit(b, i, lead)?;
+        if !lead {
+            return Ok(Vec::new());
+        }
+        let params = self.store.layouts[i].params.iter();
+        let named = params.map(|p| {
+            let t = HostTensor::new(p.shape.clone(), host[p.range()].to_vec())?;
+            Ok((p.name.clone(), t))
+        });
+        named.collect()
+    }
+
+    /// All-gathers unit `i` and returns its flat values on the lead rank
+    /// (collective; the other ranks get none).
+    fn gather_unit(&self, b: &B, i: usize, lead: bool) -> Result<Vec<f32>> {
         let layout = &self.store.layouts[i];
         let shard = self.store.params[i].as_ref().ok_or_else(|| {
             Error::Backend("FSDP: a shard is in a collective while saving".into())
         })?;
         let mut flat = b.empty(&[layout.padded()], shard.dtype(), Category::Comm)?;
         self.store.group.all_gather(shard, &mut flat)?;
-        if !lead {
-            return Ok(Vec::new());
+        match lead {
+            true => b.to_host(&flat),
+            false => Ok(Vec::new()),
         }
-        let host = b.to_host(&flat)?;
-        layout
-            .params
-            .iter()
-            .map(|p| {
-                Ok((
-                    p.name.clone(),
-                    HostTensor::new(p.shape.clone(), host[p.range()].to_vec())?,
-                ))
-            })
-            .collect()
     }
 
-    /// Writes the weights as an HF directory, one file's units at a time.
+    /// Makes `held` hold unit `i`'s gathered values ([`Self::gather_unit`]),
+    /// dropping the unit it held first.
+    fn hold_unit(&self, b: &B, i: usize, lead: bool, held: &HeldUnit) -> Result<()> {
+        if held.borrow().as_ref().is_some_and(|(unit, _)| *unit == i) {
+            return Ok(());
+        }
+        *held.borrow_mut() = None;
+        let values = self.gather_unit(b, i, lead)?;
+        *held.borrow_mut() = Some((i, values));
+        Ok(())
+    }
+
+    /// Writes the weights as an HF directory, file by file. Each tensor is
+    /// fetched when the file reaches it, from its unit gathered when the
+    /// unit's first tensor comes (every rank gathers, in the order the lead
+    /// rank writes), so the lead rank holds one unit and one tensor.
     fn save_weights(&self, b: &B, dir: &Path, lead: bool) -> Result<()> {
         let layouts = &self.store.layouts;
         let bytes: Vec<usize> = layouts.iter().map(|u| self.files.bytes(u.numel)).collect();
         let groups = ckpt::file_groups(&bytes, self.files.max_file_bytes);
         let mut index = Vec::new();
         for (k, g) in groups.iter().enumerate() {
-            let mut tensors = Vec::new();
-            for i in g.clone() {
-                tensors.extend(self.gather_to_host(b, i, lead)?);
+            let held: HeldUnit = RefCell::new(None);
+            let params = g
+                .clone()
+                .flat_map(|i| layouts[i].params.iter().map(move |p| (i, p)));
+            let (units, tensors): (Vec<usize>, Vec<TensorSource>) = params
+                .map(|(i, p)| {
+                    let held = &held;
+                    let fetch = move || {
+                        self.hold_unit(b, i, lead, held)?;
+                        let held = held.borrow();
+                        let values = held.as_ref().map(|(_, v)| &v[..]).unwrap_or_default();
+                        Ok(values.get(p.range()).unwrap_or_default().to_vec())
+                    };
+                    (i, TensorSource::new(&p.name, p.shape.clone(), fetch))
+                })
+                .unzip();
+            if !lead {
+                for t in file_order(&tensors) {
+                    self.hold_unit(b, units[t], lead, &held)?;
+                }
+                continue;
             }
-            if lead {
-                let file = ckpt::weight_file_name(k, groups.len());
-                ckpt::write_tensor_file(&dir.join(&file), &tensors, self.files.dtype)?;
-                index.push((file, tensors.into_iter().map(|(n, _)| n).collect()));
-            }
+            let file = ckpt::weight_file_name(k, groups.len());
+            write_safetensors(&dir.join(&file), &tensors, self.files.dtype.safetensors())?;
+            index.push((file, tensors.iter().map(|t| t.name.clone()).collect()));
         }
         if lead && groups.len() > 1 {
             ckpt::write_index(dir, &index, bytes.iter().sum())?;
@@ -160,23 +202,22 @@ impl<'a, B: Backend> Sharded<'a, B> {
         Ok(())
     }
 
-    /// Writes this rank's optimizer shards.
+    /// Writes this rank's optimizer shards, each fetched to the host when
+    /// the file reaches it.
     fn save_optimizer(&self, b: &B, dir: &Path) -> Result<()> {
-        let mut tensors: Vec<(String, HostTensor)> = Vec::new();
-        let host = |t: &Tensor<B>| -> Result<HostTensor> {
-            HostTensor::new(vec![t.numel()], b.to_host(t)?)
-        };
+        let mut tensors = Vec::new();
         let slot_of = slot_of_units(&self.store);
+        let opt = &*self.opt;
         for (i, u) in self.store.layouts.iter().enumerate() {
-            let key = u.key();
+            let (key, shape) = (u.key(), vec![u.shard]);
             // a frozen unit keeps no optimizer state
             let mut has_master = false;
             if let Some(k) = slot_of[i] {
-                for kind in self.opt.kinds(k) {
+                for kind in opt.kinds(k) {
                     has_master |= kind == StateKind::Master;
-                    let values = self.opt.state_values(b, k, kind)?.unwrap_or_default();
-                    let t = HostTensor::new(vec![values.len()], values)?;
-                    tensors.push((format!("{}.{key}", kind.name()), t));
+                    let fetch = move || Ok(opt.state_values(b, k, kind)?.unwrap_or_default());
+                    let name = format!("{}.{key}", kind.name());
+                    tensors.push(TensorSource::new(name, shape.clone(), fetch));
                 }
             }
             // F32 shards whose weight files are narrower: they are the masters
@@ -184,11 +225,13 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 let shard = self.store.params[i].as_ref().ok_or_else(|| {
                     Error::Backend("FSDP: a shard is in a collective while saving".into())
                 })?;
-                tensors.push((format!("{}.{key}", StateKind::Master.name()), host(shard)?));
+                let name = format!("{}.{key}", StateKind::Master.name());
+                tensors.push(TensorSource::new(name, shape, move || b.to_host(shard)));
             }
         }
         let (rank, world) = (self.store.group.rank(), self.store.group.size());
-        ckpt::write_weight_file(&ckpt::optimizer_file(dir, rank, world), &tensors)
+        let path = ckpt::optimizer_file(dir, rank, world);
+        write_safetensors(&path, &tensors, SaveDtype::F32.safetensors())
     }
 
     /// Writes a LoRA run's adapters as a PEFT adapter directory in `dir`
