@@ -1,8 +1,9 @@
 //! `--offload-optimizer`: the F32 master weights and both AdamW moments live
 //! in pinned host memory and the update runs on host threads. Gradients stay
 //! on the device through the backward (the global norm needs all of them
-//! before any update); then each slot's gradient (F32 or BF16) streams device→host one
-//! slot ahead of the host's update of the slot before, and the updated
+//! before any update); then each slot's gradient (F32 or BF16) streams
+//! device→host one slot ahead of the host's update of the slot before
+//! (BF16 widened exactly on the host), and the updated
 //! master goes host→device into the parameter (rounded to the compute dtype
 //! on the host, to nearest even as the device's cast rounds).
 //!
