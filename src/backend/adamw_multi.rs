@@ -6,13 +6,13 @@
 //! so results are bit-identical to a call per piece followed by a copy.
 
 use super::compact_adamw::q8_blocks;
-use super::{AdamWStep, Backend, DType, Tensor, check_elems, check_same_numel};
+use super::{AdamWStep, DType, Tensor, TensorDevice, check_elems, check_same_numel};
 use crate::error::{Error, Result};
 use std::ops::Range;
 
 /// One slot of a multi-tensor AdamW update: four (five) tensors of one
 /// length, of which only the pieces' elements are read and written.
-pub struct AdamWSlot<'a, B: Backend> {
+pub struct AdamWSlot<'a, B: TensorDevice> {
     /// The weights updated in place: the F32 parameters themselves, their
     /// F32 master copy when the model computes in a lower precision, or the
     /// BF16 parameters with no master, updated by stochastic rounding
@@ -41,7 +41,7 @@ pub struct AdamWSlot<'a, B: Backend> {
 /// One piece of a slot: its elements and the update they get.
 pub type AdamWPiece = (Range<usize>, AdamWStep);
 
-impl<B: Backend> AdamWSlot<'_, B> {
+impl<B: TensorDevice> AdamWSlot<'_, B> {
     /// F32 weights and F32 moments: the plain update (the default state).
     pub fn is_plain(&self) -> bool {
         self.target.dtype() == DType::F32 && self.m.dtype() == DType::F32
@@ -63,7 +63,7 @@ impl<B: Backend> AdamWSlot<'_, B> {
 
 /// Checks the state formats of one slot: moments of one dtype, U8 ones with
 /// scales of the pieces' blocks, a BF16 target only without a narrow copy.
-fn check_formats<B: Backend>(t: &AdamWSlot<'_, B>) -> Result<()> {
+fn check_formats<B: TensorDevice>(t: &AdamWSlot<'_, B>) -> Result<()> {
     let bad = |what: String| Err(Error::Backend(format!("adamw_multi: {what}")));
     if t.m.dtype() != t.v.dtype() {
         return bad(format!(
@@ -96,7 +96,7 @@ fn check_formats<B: Backend>(t: &AdamWSlot<'_, B>) -> Result<()> {
 /// Checks one slot of a multi-tensor update: one length for every tensor,
 /// pieces inside it, in ascending order and disjoint (each element is
 /// updated at most once, as by one call per piece).
-pub fn check_adamw_slot<B: Backend>(t: &AdamWSlot<'_, B>) -> Result<()> {
+pub fn check_adamw_slot<B: TensorDevice>(t: &AdamWSlot<'_, B>) -> Result<()> {
     const OP: &str = "adamw_multi";
     let target = &*t.target;
     check_same_numel(target, t.grad, OP)?;
@@ -122,6 +122,7 @@ pub fn check_adamw_slot<B: Backend>(t: &AdamWSlot<'_, B>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Backend;
     use crate::backend::cpu::CpuBackend;
     use crate::backend::{Category, DType};
 

@@ -11,7 +11,6 @@
 //! [`OpClass::Recompute`], except transfers off the compute track (copy
 //! stream, collectives), which keep their own class.
 
-use super::Backend;
 use crate::error::{Error, Result};
 use std::cell::Cell;
 use std::path::Path;
@@ -113,22 +112,6 @@ impl Phase {
         } else {
             Phase::Step
         }
-    }
-}
-
-/// Sets a backend's phase for as long as it lives, then back to [`Phase::Step`].
-pub struct PhaseGuard<'a, B: Backend>(&'a B);
-
-impl<'a, B: Backend> PhaseGuard<'a, B> {
-    pub fn enter(b: &'a B, phase: Phase) -> Self {
-        b.set_phase(phase);
-        PhaseGuard(b)
-    }
-}
-
-impl<B: Backend> Drop for PhaseGuard<'_, B> {
-    fn drop(&mut self) {
-        self.0.set_phase(Phase::Step);
     }
 }
 

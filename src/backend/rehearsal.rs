@@ -6,12 +6,10 @@
 //! pool and pinned host pool), so its ledger and pools are the device's,
 //! byte for byte; every op checks its arguments' shapes (not their data: a
 //! rehearsal's token ids are zeros it never reads), takes the buffers the
-//! device's op takes for itself (what [`OpBuffers`] names: the cuBLASLt
-//! workspace at the first GEMM, uploaded token ids, `sum_squares`'
-//! accumulator, attention's scratch and kept workspace, with the sizes
-//! `backend::cuda::{cudnn, flash, gemm}` define and the routing the device
-//! decides: [`Rehearsable::cudnn_plan_workspace`],
-//! [`Rehearsable::flash_bwd`]) and launches, copies and computes nothing.
+//! device's op takes for itself (what the device's [`OpBuffers`] answer:
+//! a GEMM workspace, uploaded token ids, a reduction's accumulator,
+//! attention's scratch and kept workspaces, sized and routed by the device
+//! itself) and launches, copies and computes nothing.
 //! Host reads (`to_host`, `sum_squares`) return zeros. The real backends
 //! hold no rehearsal code: this file is the whole of it, and
 //! `comm::counting` is its process groups.
@@ -24,28 +22,18 @@
 //! (initial weights, RoPE tables, token ids, the host optimizer).
 
 use super::norm_args::{check_norm_bwd, check_norm_fwd};
+use super::op_buffers::poisoned;
+pub use super::op_buffers::{AttnBuffers, AttnBwdDtypes, AttnShape, OpBuffers};
 use super::{
     AdamWSlot, AdamWStep, AttnGradWrites, Backend, Category, DType, MatLayout, MatMut,
-    MemoryLedger, Rows, RowsMut, Tensor, check_elems,
+    MemoryLedger, Rows, RowsMut, Tensor, TensorDevice, check_elems,
 };
-use super::{AttnMask, GradWrite, Mat, attention_heads, check_same_numel};
-use crate::backend::cuda::{cudnn, flash, gemm};
+use super::{AttnMask, Mat, check_same_numel};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// The rules by which a device's ops take buffers of their own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OpBuffers {
-    /// The CPU reference: everything F32, no buffers of the ops' own.
-    Cpu,
-    /// A CUDA device computing in BF16: the cuBLASLt workspace at the first
-    /// GEMM, token ids uploaded for the embedding and the loss,
-    /// `sum_squares`' accumulator, attention's scratch and workspaces.
-    Cuda,
-}
-
-/// What a device lends a [`Rehearsal`]: its allocator, and the decisions
-/// its ops make that decide what they allocate.
+/// What a device lends a [`Rehearsal`]: its allocator, and the buffers its
+/// ops take for themselves.
 pub trait Rehearsable: Send + Sync + 'static {
     /// Storage of one of the device's tensors.
     type Storage: Send + Sync;
@@ -54,8 +42,8 @@ pub trait Rehearsable: Send + Sync + 'static {
     fn device_name(&self) -> String;
     /// The device's byte ledger (the rehearsal records in it).
     fn device_ledger(&self) -> &Arc<MemoryLedger>;
-    /// The rules by which the device's ops take buffers of their own.
-    fn op_buffers(&self) -> OpBuffers;
+    /// The buffers the device's ops take for themselves, as it sizes them.
+    fn op_buffers(&self) -> &dyn OpBuffers;
     /// Storage for a tensor of `shape` from the device's allocator, exactly
     /// as its own allocations take it (same pool, same host memory), never
     /// written; an error where the device refuses the dtype or is out of
@@ -70,19 +58,6 @@ pub trait Rehearsable: Send + Sync + 'static {
     fn device_reserved_peak(&self) -> Result<Option<usize>> {
         Ok(None)
     }
-    /// `Some(plan workspace bytes)` when the device runs an attention call
-    /// of `shape` (`bwd`: the backward) on cuDNN SDPA, `None` for its own
-    /// kernels; an error when cuDNN was demanded and cannot serve.
-    fn cudnn_plan_workspace(&self, _shape: &cudnn::SdpaShape, _bwd: bool) -> Result<Option<usize>> {
-        Ok(None)
-    }
-    /// Whether the flash kernels run a (non-empty, BF16) attention backward
-    /// of this geometry, taking their transient workspace.
-    fn flash_bwd(&self, _g: &AttnShape) -> Result<bool> {
-        Ok(false)
-    }
-    /// As [`Backend::attention_bwd_in_place`].
-    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool;
 }
 
 impl<T: Rehearsable> Rehearsable for Arc<T> {
@@ -93,7 +68,7 @@ impl<T: Rehearsable> Rehearsable for Arc<T> {
     fn device_ledger(&self) -> &Arc<MemoryLedger> {
         (**self).device_ledger()
     }
-    fn op_buffers(&self) -> OpBuffers {
+    fn op_buffers(&self) -> &dyn OpBuffers {
         (**self).op_buffers()
     }
     fn alloc_unwritten(
@@ -106,15 +81,6 @@ impl<T: Rehearsable> Rehearsable for Arc<T> {
     }
     fn device_reserved_peak(&self) -> Result<Option<usize>> {
         (**self).device_reserved_peak()
-    }
-    fn cudnn_plan_workspace(&self, shape: &cudnn::SdpaShape, bwd: bool) -> Result<Option<usize>> {
-        (**self).cudnn_plan_workspace(shape, bwd)
-    }
-    fn flash_bwd(&self, g: &AttnShape) -> Result<bool> {
-        (**self).flash_bwd(g)
-    }
-    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool {
-        (**self).bwd_in_place(s, hq, hkv, d, mask)
     }
 }
 
@@ -160,8 +126,8 @@ impl<D: Rehearsable> Rehearsal<D> {
         &self.device
     }
 
-    fn is_cuda(&self) -> bool {
-        self.device.op_buffers() == OpBuffers::Cuda
+    fn rules(&self) -> &dyn OpBuffers {
+        self.device.op_buffers()
     }
 
     /// A tensor of `shape` from the device's allocator, unwritten.
@@ -181,127 +147,63 @@ impl<D: Rehearsable> Rehearsal<D> {
         self.alloc(&[elems], dtype, Category::Workspace)
     }
 
-    /// CUDA's upload of 32-bit ids into a workspace for the op's duration.
+    /// The device's upload of 32-bit ids into a workspace for the op's
+    /// duration, where it uploads them.
     fn ids_upload(&self, ids: &[u32]) -> Result<Option<Tensor<Self>>> {
-        match self.is_cuda() {
+        match self.rules().uploads_ids() {
             true => self.scratch(ids.len(), DType::F32).map(Some),
             false => Ok(None),
         }
     }
 
-    /// cuDNN's kept workspace grown to hold `need` bytes (the old one is
-    /// released first, as `CudnnSdpa::run` does).
-    fn grow_attn_workspace(&self, need: usize) -> Result<()> {
-        let mut ws = self
-            .attn_workspace
-            .lock()
-            .map_err(|_| Error::Backend("attention workspace lock poisoned".into()))?;
-        let have = ws.as_ref().map_or(0, |t| t.bytes());
-        if have < need.max(1) {
-            *ws = None;
-            let bytes = cudnn::kept_workspace_bytes(need);
-            *ws = Some(self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?);
+    /// Takes what an attention call of `g` takes ([`AttnBuffers`], in its
+    /// order), releasing its scratch at the end.
+    fn take_attn_buffers(&self, g: &AttnShape, b: AttnBuffers) -> Result<()> {
+        let mut scratch = Vec::with_capacity(b.scratch.len());
+        for (elems, dtype) in b.scratch {
+            scratch.push(self.scratch(elems, dtype)?);
         }
-        Ok(())
-    }
-
-    /// `CudaBackend::attention_bwd`'s allocations on cuDNN: bf16 scratch for
-    /// each gradient it does not write in place, and the kept workspace
-    /// grown to the plan's workspace (`plan_ws`), dQ accumulator and sums.
-    fn cudnn_bwd(
-        &self,
-        shape: &cudnn::SdpaShape,
-        grads: [(DType, GradWrite); 3],
-        elems: [usize; 3],
-        plan_ws: usize,
-    ) -> Result<()> {
-        let mut scratch = Vec::new();
-        for ((dt, w), n) in grads.into_iter().zip(elems) {
-            if !cudnn::bwd_writes_in_place(w, dt) {
-                scratch.push(self.scratch(n, DType::BF16)?);
-            }
+        if let Some(kept) = b.kept_workspace {
+            self.grow_attn_workspace(kept)?;
         }
-        self.grow_attn_workspace(cudnn::bwd_workspace_bytes(shape, plan_ws))
-    }
-
-    /// What the CUDA backend keeps for a documents mask on our kernels: its
-    /// rows' key bounds (`[2·sq]` 4-byte elements), replacing the last
-    /// call's (freed first) unless they are the same. The ledger sees only
-    /// their size: bounds of equal size replaced or kept leave it alike.
-    fn keep_mask_bounds(&self, g: &AttnShape) -> Result<()> {
-        if !matches!(g.mask, AttnMask::Bounded(_)) || g.sq == 0 {
-            return Ok(());
+        if b.mask_bounds {
+            self.keep_mask_bounds(g.sq)?;
         }
-        let mut kept = self
-            .mask_bounds
-            .lock()
-            .map_err(|_| Error::Backend("attention mask bounds lock poisoned".into()))?;
-        if kept.as_ref().is_none_or(|t| t.numel() != 2 * g.sq) {
-            *kept = None;
-            *kept = Some(self.alloc(&[2 * g.sq], DType::F32, Category::Workspace)?);
-        }
-        Ok(())
-    }
-
-    /// `CudaBackend::attention_bwd`'s allocations on our kernels: F32
-    /// scratch for each gradient of another dtype, the kept mask bounds,
-    /// and the flash backward's transient workspace when the flash kernels take
-    /// the geometry.
-    fn native_bwd(
-        &self,
-        g: &AttnShape,
-        grads: [DType; 3],
-        elems: [usize; 3],
-        nonempty: bool,
-    ) -> Result<()> {
-        let mut scratch = Vec::new();
-        for (dt, n) in grads.into_iter().zip(elems) {
-            if dt != DType::F32 {
-                scratch.push(self.scratch(n, DType::F32)?);
-            }
-        }
-        self.keep_mask_bounds(g)?;
-        if nonempty && self.device.flash_bwd(g)? {
-            let bytes = flash::flash_bwd_workspace_bytes(g.sq, g.hq);
+        if let Some(bytes) = b.transient_bytes {
             drop(self.scratch(bytes / 4, DType::F32)?);
         }
         Ok(())
     }
-}
 
-/// The geometry of one attention call, checked.
-pub struct AttnShape {
-    pub sq: usize,
-    pub sk: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub mask: AttnMask,
-}
-
-impl AttnShape {
-    fn check<B: Backend>(q: &Rows<'_, B>, k: &Rows<'_, B>, mask: &AttnMask) -> Result<Self> {
-        let (hq, hkv, d) = attention_heads(q, k, mask)?;
-        Ok(AttnShape {
-            sq: q.len(),
-            sk: k.len(),
-            hq,
-            hkv,
-            d,
-            mask: mask.clone(),
-        })
+    /// The kept attention workspace grown to hold `kept.need` bytes (the
+    /// old one released first).
+    fn grow_attn_workspace(&self, kept: super::op_buffers::KeptWorkspace) -> Result<()> {
+        let mut ws = self
+            .attn_workspace
+            .lock()
+            .map_err(|_| poisoned("attention workspace"))?;
+        let have = ws.as_ref().map_or(0, |t| t.bytes());
+        if have < kept.need.max(1) {
+            *ws = None;
+            *ws = Some(self.alloc(&[kept.bytes / 4], DType::F32, Category::Workspace)?);
+        }
+        Ok(())
     }
 
-    /// The call as cuDNN SDPA sees it.
-    pub fn sdpa(&self) -> cudnn::SdpaShape {
-        cudnn::dense_shape(
-            self.sq,
-            self.sk,
-            self.hq,
-            self.hkv,
-            self.d,
-            self.mask.clone(),
-        )
+    /// A documents mask's key bounds for `sq` rows (`[2·sq]` 4-byte
+    /// elements), replacing the last call's (freed first) unless they are
+    /// the same size. The ledger sees only their size: bounds of equal size
+    /// replaced or kept leave it alike.
+    fn keep_mask_bounds(&self, sq: usize) -> Result<()> {
+        let mut kept = self
+            .mask_bounds
+            .lock()
+            .map_err(|_| poisoned("attention mask bounds"))?;
+        if kept.as_ref().is_none_or(|t| t.numel() != 2 * sq) {
+            *kept = None;
+            *kept = Some(self.alloc(&[2 * sq], DType::F32, Category::Workspace)?);
+        }
+        Ok(())
     }
 }
 
@@ -325,9 +227,11 @@ fn check_views(c: &MatLayout, a: &MatLayout, b: &MatLayout) -> Result<()> {
     Ok(())
 }
 
-impl<D: Rehearsable> Backend for Rehearsal<D> {
+impl<D: Rehearsable> TensorDevice for Rehearsal<D> {
     type Storage = D::Storage;
+}
 
+impl<D: Rehearsable> Backend for Rehearsal<D> {
     fn name(&self) -> String {
         self.device.device_name()
     }
@@ -335,10 +239,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         self.device.device_ledger()
     }
     fn compute_dtype(&self) -> DType {
-        match self.device.op_buffers() {
-            OpBuffers::Cpu => DType::F32,
-            OpBuffers::Cuda => DType::BF16,
-        }
+        self.rules().compute_dtype()
     }
     /// A rehearsal, always.
     fn rehearsing(&self) -> bool {
@@ -408,21 +309,14 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         _beta: f32,
     ) -> Result<()> {
         check_views(&c.l, &a.l, &b.l)?;
-        let (ab, cd) = (a.t.dtype(), c.t.dtype());
-        // cuBLASLt's rule; the CPU computes in f32 and stores c in its dtype
-        if self.is_cuda() && (b.t.dtype() != ab || (cd != DType::F32 && cd != ab)) {
-            return Err(Error::Backend(format!(
-                "gemm: a {ab:?}, b {:?}, c {cd:?}; a and b must share a dtype and c be F32 or that dtype",
-                b.t.dtype()
-            )));
-        }
+        let workspace = self
+            .rules()
+            .gemm_workspace(a.t.dtype(), b.t.dtype(), c.t.dtype())?;
         let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
-        if self.is_cuda() && m > 0 && n > 0 && k > 0 && self.gemm_workspace.get().is_none() {
-            let t = self.alloc(
-                &[gemm::WORKSPACE_BYTES / 4],
-                DType::F32,
-                Category::Workspace,
-            )?;
+        if let Some(bytes) = workspace.filter(|_| m > 0 && n > 0 && k > 0)
+            && self.gemm_workspace.get().is_none()
+        {
+            let t = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
             // another thread won the race: ours is released
             let _ = self.gemm_workspace.set(t);
         }
@@ -449,10 +343,11 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
     fn bias_grad(&self, dbias: MatMut<'_, Self>, dy: Mat<'_, Self>) -> Result<()> {
         super::check_bias_views(&dy.l, &dbias.l, "bias_grad")
     }
-    /// CUDA accumulates into one f64 on the device; nothing is summed.
+    /// The device's accumulator taken and freed; nothing is summed.
     fn sum_squares(&self, _t: &Tensor<Self>) -> Result<f64> {
-        if self.is_cuda() {
-            drop(self.scratch(2, DType::F32)?);
+        let elems = self.rules().sum_squares_scratch();
+        if elems > 0 {
+            drop(self.scratch(elems, DType::F32)?);
         }
         Ok(0.0)
     }
@@ -529,16 +424,8 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
             return Err(Error::Backend("attention_fwd: row counts differ".into()));
         }
         let bf16 = q.t.dtype() == DType::BF16 && o.t.dtype() == DType::BF16;
-        let cudnn = match bf16 && g.sq > 0 && g.hq > 0 {
-            true => self.device.cudnn_plan_workspace(&g.sdpa(), false)?,
-            false => None,
-        };
-        if let Some(plan_ws) = cudnn {
-            self.grow_attn_workspace(cudnn::fwd_workspace_bytes(&g.sdpa(), plan_ws))?;
-        } else if self.is_cuda() {
-            self.keep_mask_bounds(&g)?;
-        }
-        Ok(())
+        let buffers = self.rules().attention_fwd(&g, bf16)?;
+        self.take_attn_buffers(&g, buffers)
     }
     fn attention_bwd(
         &self,
@@ -567,23 +454,13 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         if rows != [g.sk, g.sq, g.sq, g.sq, g.sq, g.sk, g.sk] {
             return Err(Error::Backend("attention_bwd: row counts differ".into()));
         }
-        if !self.is_cuda() {
-            return Ok(());
-        }
-        let elems = [g.sq * g.hq * g.d, g.sk * g.hkv * g.d, g.sk * g.hkv * g.d];
-        let dts = [dq.t.dtype(), dk.t.dtype(), dv.t.dtype()];
-        let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
-        let nonempty = g.sq > 0 && g.sk > 0 && g.hq > 0;
-        let cudnn = match bf16_in && dts[1] == dts[2] && nonempty {
-            true => self.device.cudnn_plan_workspace(&g.sdpa(), true)?,
-            false => None,
+        let dtypes = AttnBwdDtypes {
+            inputs: [q.t.dtype(), o.t.dtype(), d_o.t.dtype()],
+            grads: [dq.t.dtype(), dk.t.dtype(), dv.t.dtype()],
+            writes,
         };
-        if let Some(plan_ws) = cudnn {
-            let w = [writes.dq, writes.dkv, writes.dkv];
-            let grads = [(dts[0], w[0]), (dts[1], w[1]), (dts[2], w[2])];
-            return self.cudnn_bwd(&g.sdpa(), grads, elems, plan_ws);
-        }
-        self.native_bwd(&g, dts, elems, nonempty)
+        let buffers = self.rules().attention_bwd(&g, &dtypes)?;
+        self.take_attn_buffers(&g, buffers)
     }
     fn attention_bwd_in_place(
         &self,
@@ -593,7 +470,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         d: usize,
         mask: &AttnMask,
     ) -> bool {
-        self.device.bwd_in_place(s, hq, hkv, d, mask)
+        self.rules().bwd_in_place(s, hq, hkv, d, mask)
     }
     fn lse_merge(
         &self,

@@ -1,6 +1,6 @@
 //! Device tensors and the views ops take.
 
-use super::{Backend, Category, MemoryLedger};
+use super::memory::{Category, MemoryLedger};
 use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
@@ -26,9 +26,16 @@ impl DType {
     }
 }
 
+/// What a tensor needs of the device it lives on: the type of its storage
+/// (every [`Backend`](super::Backend) is one).
+pub trait TensorDevice {
+    /// Device storage of one tensor.
+    type Storage: Send + Sync;
+}
+
 /// A dense, row-major tensor on one backend's device. Its bytes are counted in
 /// the backend's ledger from creation until drop.
-pub struct Tensor<B: Backend> {
+pub struct Tensor<B: TensorDevice> {
     storage: B::Storage,
     shape: Vec<usize>,
     dtype: DType,
@@ -36,7 +43,7 @@ pub struct Tensor<B: Backend> {
     ledger: Arc<MemoryLedger>,
 }
 
-impl<B: Backend> Tensor<B> {
+impl<B: TensorDevice> Tensor<B> {
     /// Wraps freshly allocated storage and records its bytes. Backends only.
     pub fn from_parts(
         storage: B::Storage,
@@ -141,13 +148,13 @@ impl<B: Backend> Tensor<B> {
     }
 }
 
-impl<B: Backend> Drop for Tensor<B> {
+impl<B: TensorDevice> Drop for Tensor<B> {
     fn drop(&mut self) {
         self.ledger.release(self.category, self.bytes());
     }
 }
 
-impl<B: Backend> fmt::Debug for Tensor<B> {
+impl<B: TensorDevice> fmt::Debug for Tensor<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -231,20 +238,20 @@ impl MatLayout {
 }
 
 /// An immutable matrix view.
-pub struct Mat<'a, B: Backend> {
+pub struct Mat<'a, B: TensorDevice> {
     pub t: &'a Tensor<B>,
     pub l: MatLayout,
 }
 
-impl<B: Backend> Clone for Mat<'_, B> {
+impl<B: TensorDevice> Clone for Mat<'_, B> {
     fn clone(&self) -> Self {
         *self
     }
 }
 
-impl<B: Backend> Copy for Mat<'_, B> {}
+impl<B: TensorDevice> Copy for Mat<'_, B> {}
 
-impl<'a, B: Backend> Mat<'a, B> {
+impl<'a, B: TensorDevice> Mat<'a, B> {
     /// The transposed view.
     pub fn t(self) -> Self {
         Mat {
@@ -255,18 +262,18 @@ impl<'a, B: Backend> Mat<'a, B> {
 }
 
 /// A mutable matrix view.
-pub struct MatMut<'a, B: Backend> {
+pub struct MatMut<'a, B: TensorDevice> {
     pub t: &'a mut Tensor<B>,
     pub l: MatLayout,
 }
 
 /// A range of token rows of a `[s, heads, d]` or `[s, heads]` tensor.
-pub struct Rows<'a, B: Backend> {
+pub struct Rows<'a, B: TensorDevice> {
     pub t: &'a Tensor<B>,
     pub range: Range<usize>,
 }
 
-impl<B: Backend> Rows<'_, B> {
+impl<B: TensorDevice> Rows<'_, B> {
     pub fn len(&self) -> usize {
         self.range.len()
     }
@@ -284,12 +291,12 @@ impl<B: Backend> Rows<'_, B> {
 }
 
 /// A mutable range of token rows.
-pub struct RowsMut<'a, B: Backend> {
+pub struct RowsMut<'a, B: TensorDevice> {
     pub t: &'a mut Tensor<B>,
     pub range: Range<usize>,
 }
 
-impl<B: Backend> RowsMut<'_, B> {
+impl<B: TensorDevice> RowsMut<'_, B> {
     pub fn len(&self) -> usize {
         self.range.len()
     }
@@ -305,12 +312,12 @@ impl<B: Backend> RowsMut<'_, B> {
 }
 
 /// A tensor either borrowed or freshly made (e.g. by a dtype conversion).
-pub enum TensorRef<'a, B: Backend> {
+pub enum TensorRef<'a, B: TensorDevice> {
     Borrowed(&'a Tensor<B>),
     Owned(Tensor<B>),
 }
 
-impl<B: Backend> std::ops::Deref for TensorRef<'_, B> {
+impl<B: TensorDevice> std::ops::Deref for TensorRef<'_, B> {
     type Target = Tensor<B>;
     fn deref(&self) -> &Tensor<B> {
         match self {

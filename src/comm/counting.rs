@@ -133,12 +133,12 @@ impl<B: Backend> ProcessGroup<B> for CountingGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::counting::{CountedDevice, CountingBackend};
+    use crate::backend::counting::CountingBackend;
     use crate::backend::{Category, DType};
 
     #[test]
     fn collectives_check_sizes_and_allocate_nothing() {
-        let b = CountingBackend::new(CountedDevice::Cpu);
+        let b = CountingBackend::reference();
         let mesh: Mesh<CountingBackend> = counting_mesh(MeshShape::new(1, 2, 2).unwrap(), 3);
         assert_eq!((mesh.ulysses.rank(), mesh.ring.rank()), (1, 1));
         let send = b.zeros(&[8], DType::F32, Category::Comm).unwrap();

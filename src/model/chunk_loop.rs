@@ -58,7 +58,7 @@ mod tests {
     use super::*;
     use crate::backend::Category;
     use crate::backend::DType;
-    use crate::backend::counting::{CountedDevice, CountingBackend};
+    use crate::backend::counting::CountingBackend;
     use crate::backend::cpu::CpuBackend;
 
     /// Runs a loop whose first iteration grows a kept buffer to the largest
@@ -86,7 +86,7 @@ mod tests {
             let cpu = CpuBackend::new();
             let (all, cpu_peak) = run(&cpu, chunks);
             assert_eq!(all.len(), chunks.len());
-            let rehearsal = CountingBackend::new(CountedDevice::Cpu);
+            let rehearsal = CountingBackend::reference();
             let (ran, peak) = run(&rehearsal, chunks);
             assert_eq!(peak, cpu_peak, "{rows} rows in {size}");
             // the first (grows the kept buffer), the second (leaves the
@@ -98,7 +98,7 @@ mod tests {
                 .map(|(_, r)| r.clone())
                 .collect();
             assert_eq!(ran, want, "{rows} rows in {size}");
-            let every = CountingBackend::new(CountedDevice::Cpu).every_iteration();
+            let every = CountingBackend::reference().every_iteration();
             assert_eq!(run(&every, chunks), (all, cpu_peak));
         }
     }
@@ -106,7 +106,7 @@ mod tests {
     #[test]
     fn an_iteration_that_leaves_bytes_behind_is_never_skipped() {
         let chunks = RowChunks::new(12, 3);
-        let b = CountingBackend::new(CountedDevice::Cpu);
+        let b = CountingBackend::reference();
         let mut kept = Vec::new();
         let mut ran = 0;
         for_each_chunk(&b, chunks, |r| {

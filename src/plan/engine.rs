@@ -17,7 +17,10 @@
 use super::{DeviceKind, Prediction, StepSpec};
 use crate::attention::trial::{RankInputs, RankOptions, run_rank};
 use crate::attention::{AttnDims, CpPlan};
-use crate::backend::counting::{CountedDevice, CountingBackend};
+use crate::backend::OpBuffers;
+use crate::backend::counting::CountingBackend;
+use crate::backend::cuda::counted::CountedCuda;
+use crate::backend::op_buffers::ReferenceBuffers;
 use crate::backend::{Backend, Category, MemoryStats};
 use crate::comm::counting::counting_mesh;
 use crate::comm::mesh::Coords;
@@ -26,16 +29,17 @@ use crate::optim::AdamWConfig;
 use crate::train::config::TrainConfig;
 use crate::train::lora_run::LoraRun;
 use crate::train::trainer::rehearse_rank;
+use std::sync::Arc;
 
-/// The counting device standing for `device`: its dtypes, and on CUDA the
-/// attention routing of the cuDNN version the device plans
-/// ([`DeviceKind::cudnn`]; none: our kernels only).
-pub fn counted_device(device: DeviceKind) -> CountedDevice {
+/// The rules of the device a counting backend stands for: the CPU
+/// reference's, or a CUDA device's with the attention routing of the cuDNN
+/// version it plans ([`DeviceKind::cudnn`]; none: our kernels only).
+pub fn counted_device(device: DeviceKind) -> Arc<dyn OpBuffers> {
     match device {
-        DeviceKind::Cpu => CountedDevice::Cpu,
-        cuda => CountedDevice::Cuda {
+        DeviceKind::Cpu => Arc::new(ReferenceBuffers),
+        cuda => Arc::new(CountedCuda {
             cudnn: cuda.cudnn(),
-        },
+        }),
     }
 }
 

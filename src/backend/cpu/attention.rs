@@ -2,7 +2,8 @@
 //! the keys its mask lets it see, the exact backward from the saved LSE, and
 //! the LSE merge of ring blocks. F32 throughout, rows in parallel.
 
-use super::{CpuBackend, data, data_mut, dot};
+use super::cells::{data, data_mut, dot};
+use super::device::CpuBackend;
 use crate::backend::{AttnGradWrites, AttnMask, GradWrite, Rows, RowsMut, attention_heads};
 use crate::error::Result;
 use rayon::prelude::*;

@@ -3,7 +3,7 @@
 //! context-parallel strategy is tested against this one.
 
 use super::norm_args::{check_norm_bwd, check_norm_fwd};
-use super::profile::{HostProfile, Phase, StepProfile, Track};
+use super::profile::{Phase, StepProfile, Track};
 use super::{
     AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE,
     Mat, MatLayout, MatMut, MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
@@ -11,58 +11,17 @@ use super::{
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 mod attention;
+mod cells;
+mod device;
 mod norm;
+
+pub use cells::CpuStorage;
+use cells::{data, data_mut, round_view, stored};
+pub use device::CpuBackend;
 
 use std::sync::Arc;
 
-/// Host storage of a CPU tensor.
-pub struct CpuStorage(Vec<f32>);
-
-/// CPU f32 backend. One instance per rank; each has its own ledger.
-pub struct CpuBackend {
-    ledger: Arc<MemoryLedger>,
-    /// Host wall-clock time of each op, once enabled (`--profile`).
-    profile: HostProfile,
-}
-
-impl Default for CpuBackend {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl CpuBackend {
-    pub fn new() -> Self {
-        CpuBackend {
-            ledger: Arc::new(MemoryLedger::new()),
-            profile: HostProfile::default(),
-        }
-    }
-
-    /// `n` zeros, or an out-of-memory error: a zeroed allocation (calloc)
-    /// whose untouched pages cost no memory, so a rehearsal of a model
-    /// larger than the host's memory allocates all of it without using it
-    /// (`Rehearsable::alloc_unwritten`).
-    fn lazy_zeros(&self, n: usize) -> Result<Vec<f32>> {
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let oom = || super::out_of_memory(&self.name(), &self.ledger, n.saturating_mul(4));
-        let layout = std::alloc::Layout::array::<f32>(n).map_err(|_| oom())?;
-        // SAFETY: `layout` has a non-zero size (n > 0).
-        let p = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
-        if p.is_null() {
-            return Err(oom());
-        }
-        // SAFETY: `p` was allocated by the global allocator with the layout
-        // of `n` f32s, all of them initialised (zero bits are 0.0).
-        Ok(unsafe { Vec::from_raw_parts(p, n, n) })
-    }
-
-    fn storage(&self, n: usize, fill: f32) -> CpuStorage {
-        CpuStorage(vec![fill; n])
-    }
-
     /// `rms_norm_bwd` / `rms_norm_bwd_add`: checks the shapes, then the rows.
     #[allow(clippy::too_many_arguments)]
     fn norm_bwd(
@@ -82,53 +41,7 @@ impl CpuBackend {
     }
 }
 
-fn data(t: &Tensor<CpuBackend>) -> &[f32] {
-    &t.storage().0
-}
-fn data_mut(t: &mut Tensor<CpuBackend>) -> &mut [f32] {
-    &mut t.storage_mut().0
-}
-
-/// `values` as a tensor of `dtype` holds them: every cell is an f32, the
-/// values of a BF16 tensor rounded to BF16 (to nearest even), those of an
-/// 8-bit one checked to be its codes (the compact optimizer state; the CPU
-/// computes in f32 and stores narrower values exactly).
-fn stored(dtype: DType, values: &[f32]) -> Result<Vec<f32>> {
-    use super::compact_adamw::{bf16_nearest, bf16_value, codes_of};
-    Ok(match dtype {
-        DType::F32 => values.to_vec(),
-        DType::BF16 => values
-            .iter()
-            .map(|&x| bf16_value(bf16_nearest(x)))
-            .collect(),
-        DType::U8 => codes_of(values)?.into_iter().map(f32::from).collect(),
-    })
-}
-
-/// Rounds the cells of view `l` to BF16 (to nearest even) where `dtype` is
-/// BF16, as a device stores what it writes into a BF16 tensor; F32 cells
-/// stay as they are.
-fn round_view(dtype: DType, d: &mut [f32], l: &MatLayout) {
-    use super::compact_adamw::{bf16_nearest, bf16_value};
-    if dtype != DType::BF16 {
-        return;
-    }
-    let (rs, cs) = l.strides();
-    for i in 0..l.rows {
-        for j in 0..l.cols {
-            let x = &mut d[l.offset + i * rs + j * cs];
-            *x = bf16_value(bf16_nearest(*x));
-        }
-    }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
 impl Backend for CpuBackend {
-    type Storage = CpuStorage;
-
     fn name(&self) -> String {
         "cpu-f32".into()
     }
@@ -745,32 +658,4 @@ fn compact_slot(slot: &mut AdamWSlot<'_, CpuBackend>) -> Result<()> {
     }
     debug_assert!(codec != MomentCodec::Q8 || blocks == ms.len());
     Ok(())
-}
-
-/// The CPU under a [`Rehearsal`](super::rehearsal::Rehearsal): tensors of
-/// zeroed pages never written (no NaN fill), so a rehearsal maps only
-/// what it touches; the ops take no buffers of their own.
-impl super::rehearsal::Rehearsable for CpuBackend {
-    type Storage = CpuStorage;
-
-    fn device_name(&self) -> String {
-        self.name()
-    }
-    fn device_ledger(&self) -> &Arc<MemoryLedger> {
-        &self.ledger
-    }
-    fn op_buffers(&self) -> super::rehearsal::OpBuffers {
-        super::rehearsal::OpBuffers::Cpu
-    }
-    fn alloc_unwritten(
-        &self,
-        shape: &[usize],
-        _dtype: DType,
-        _cat: Category,
-    ) -> Result<CpuStorage> {
-        Ok(CpuStorage(self.lazy_zeros(shape.iter().product())?))
-    }
-    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool {
-        self.attention_bwd_in_place(s, hq, hkv, d, mask)
-    }
 }

@@ -3,7 +3,7 @@
 //! (`Backend::add_rms_norm_fwd`, `Backend::rms_norm_bwd_add`), which run the
 //! unfused ops' arithmetic in the same order, so they equal them bit for bit.
 
-use super::dot;
+use super::cells::dot;
 use rayon::prelude::*;
 
 /// `ys = xs / rms(xs) * ws` per row.

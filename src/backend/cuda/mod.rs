@@ -23,6 +23,7 @@ mod adamw_compact;
 mod adamw_multi;
 pub mod attention;
 mod attention_ops;
+pub mod counted;
 pub mod cudnn;
 pub mod device;
 mod elementwise_ops;
@@ -33,6 +34,7 @@ pub mod kernels;
 pub mod libs;
 mod memory_ops;
 pub mod nvrtc;
+pub mod op_buffers;
 pub mod pinned;
 pub mod pool;
 pub mod profile;
@@ -48,7 +50,7 @@ use self::kernels::{Args, Kernels, grid_for, launch};
 use self::pool::{CudaStorage, Pool, PoolStats};
 use super::{
     AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, ComputePoint, CopyDone,
-    DType, HostValues, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
+    DType, HostValues, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor, TensorDevice,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
@@ -311,9 +313,11 @@ impl Drop for CudaBackend {
     }
 }
 
-impl Backend for CudaBackend {
+impl TensorDevice for CudaBackend {
     type Storage = CudaStorage;
+}
 
+impl Backend for CudaBackend {
     fn name(&self) -> String {
         self.name.clone()
     }

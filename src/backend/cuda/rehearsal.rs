@@ -1,9 +1,10 @@
 //! `CudaBackend` under a [`Rehearsal`](crate::backend::rehearsal::Rehearsal):
 //! its allocator (the stream-ordered pool, pinned host memory for
-//! `Category::Offload`) and the decisions its attention ops make (cuDNN or
+//! `Category::Offload`) and the route its attention ops take (cuDNN or
 //! our kernels, cuDNN's plan and its workspace, the flash backward), so a
 //! rehearsal allocates what a real step on this GPU allocates.
 
+use super::op_buffers::CudaRoute;
 use super::{CudaBackend, cudnn, flash};
 use crate::backend::rehearsal::{AttnShape, OpBuffers, Rehearsable};
 use crate::backend::{AttnMask, Backend, Category, DType, MemoryLedger};
@@ -19,8 +20,8 @@ impl Rehearsable for CudaBackend {
     fn device_ledger(&self) -> &Arc<MemoryLedger> {
         &self.ledger
     }
-    fn op_buffers(&self) -> OpBuffers {
-        OpBuffers::Cuda
+    fn op_buffers(&self) -> &dyn OpBuffers {
+        self
     }
     fn alloc_unwritten(
         &self,
@@ -34,6 +35,9 @@ impl Rehearsable for CudaBackend {
     fn device_reserved_peak(&self) -> Result<Option<usize>> {
         self.reserved_peak()
     }
+}
+
+impl CudaRoute for CudaBackend {
     /// The route `attention_fwd`/`attention_bwd` take (`cudnn_for`: the
     /// kernel choice, cuDNN's limits and availability), and then the
     /// workspace of the plan cuDNN builds for the call.
