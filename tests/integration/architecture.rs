@@ -509,7 +509,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "checkpoint/peft.rs",
     ],
     &["checkpoint/save_dir.rs", "checkpoint/save_dir/folders.rs"],
-    &["optim/mod.rs", "optim/adamw.rs"],
     &[
         "plan/mod.rs",
         "plan/device.rs",
