@@ -466,13 +466,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
     ],
     &["backend/cuda/flash/mod.rs", "backend/cuda/flash/launch.rs"],
     &[
-        "comm/nccl/mod.rs",
-        "comm/nccl/world.rs",
-        "comm/nccl/watch.rs",
-        "comm/nccl/group.rs",
-        "comm/nccl/exchange_window.rs",
-    ],
-    &[
         "attention/mod.rs",
         "attention/staged.rs",
         "attention/shapes.rs",
