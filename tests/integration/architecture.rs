@@ -466,13 +466,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
     ],
     &["backend/cuda/flash/mod.rs", "backend/cuda/flash/launch.rs"],
     &[
-        "attention/mod.rs",
-        "attention/staged.rs",
-        "attention/shapes.rs",
-        "attention/rope.rs",
-        "attention/local.rs",
-    ],
-    &[
         "model/mod.rs",
         "model/config.rs",
         "model/decoder.rs",
