@@ -466,18 +466,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
     ],
     &["backend/cuda/flash/mod.rs", "backend/cuda/flash/launch.rs"],
     &[
-        "checkpoint/mod.rs",
-        "checkpoint/hf.rs",
-        "checkpoint/hf_config.rs",
-        "checkpoint/save_dtype.rs",
-        "checkpoint/ranged.rs",
-        "checkpoint/model_files.rs",
-        "checkpoint/tensor_file.rs",
-        "checkpoint/train_state.rs",
-        "checkpoint/peft.rs",
-    ],
-    &["checkpoint/save_dir.rs", "checkpoint/save_dir/folders.rs"],
-    &[
         "plan/mod.rs",
         "plan/device.rs",
         "plan/engine.rs",
