@@ -466,18 +466,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
     ],
     &["backend/cuda/flash/mod.rs", "backend/cuda/flash/launch.rs"],
     &[
-        "plan/mod.rs",
-        "plan/device.rs",
-        "plan/engine.rs",
-        "plan/offload.rs",
-        "plan/offload_optim.rs",
-        "plan/resolve.rs",
-        "plan/preflight.rs",
-        "plan/save_attention.rs",
-        "plan/stage_width.rs",
-        "plan/search.rs",
-    ],
-    &[
         "cli/plan.rs",
         "cli/plan/device.rs",
         "cli/train/args.rs",
