@@ -472,11 +472,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "cli/train/route.rs",
     ],
     &["cli/bench.rs", "cli/bench/gpu.rs"],
-    &[
-        "cli/train.rs",
-        "cli/train/rehearse.rs",
-        "cli/train/preflight.rs",
-    ],
 ];
 
 #[test]
