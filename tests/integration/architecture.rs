@@ -465,12 +465,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "backend/cuda/cudnn/mod.rs",
     ],
     &["backend/cuda/flash/mod.rs", "backend/cuda/flash/launch.rs"],
-    &[
-        "cli/plan.rs",
-        "cli/plan/device.rs",
-        "cli/train/args.rs",
-        "cli/train/route.rs",
-    ],
     &["cli/bench.rs", "cli/bench/gpu.rs"],
 ];
 
