@@ -465,7 +465,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "backend/cuda/cudnn/mod.rs",
     ],
     &["backend/cuda/flash/mod.rs", "backend/cuda/flash/launch.rs"],
-    &["cli/bench.rs", "cli/bench/gpu.rs"],
 ];
 
 #[test]
