@@ -225,7 +225,7 @@ fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
 }
 
 /// The non-negative integer under `key`, which must be there.
-pub(super) fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
+fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
     opt_usize(obj, key)?.ok_or_else(|| missing(key))
 }
 
@@ -240,7 +240,7 @@ fn opt_f32(obj: &Map<String, Value>, key: &str) -> Result<Option<f32>> {
 }
 
 /// The number under `key`, which must be there.
-pub(super) fn req_f32(obj: &Map<String, Value>, key: &str) -> Result<f32> {
+fn req_f32(obj: &Map<String, Value>, key: &str) -> Result<f32> {
     opt_f32(obj, key)?.ok_or_else(|| missing(key))
 }
 
@@ -259,6 +259,6 @@ fn missing(key: &str) -> Error {
 }
 
 /// An f32 as the f64 with the same shortest decimal form, so JSON shows `1e-5`, not `9.99999974e-6`.
-pub(super) fn clean_f32(x: f32) -> f64 {
+fn clean_f32(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
