@@ -238,7 +238,7 @@ impl<B: Backend> RopeTables<B> {
         n: usize,
         positions: impl FnOnce() -> Vec<usize>,
     ) -> Result<Self> {
-        let shape = super::shapes::rope_table(n, head_dim);
+        let shape = rope_table(n, head_dim);
         if b.rehearsing() {
             return Ok(RopeTables {
                 cos: b.zeros(&shape, DType::F32, Category::Workspace)?,
@@ -267,6 +267,11 @@ impl<B: Backend> RopeTables<B> {
         b.upload(&mut self.cos, &cos)?;
         b.upload(&mut self.sin, &sin)
     }
+}
+
+/// Rows of the RoPE tables a rank holds (`cos` and `sin`, `[n, d/2]` F32 each).
+pub fn rope_table(n: usize, head_dim: usize) -> [usize; 2] {
+    [n, head_dim / 2]
 }
 
 #[cfg(test)]

@@ -1,11 +1,12 @@
 //! Buffer shapes of the staged attention engine, shared by the engine and
 //! the planner.
 //!
-//! The staged attention engine (`attention::staged`), RoPE tables
-//! (`attention::rope`) and the memory planner take the shapes
-//! of their buffers from here, so the planner's byte counts are the engine's
-//! own sizes, not a second description kept in sync by hand.
+//! The staged attention engine (`attention::staged`) and the memory planner
+//! take the shapes of their buffers from here (the RoPE tables' from
+//! `attention::rope`, re-exported here), so the planner's byte counts are
+//! the engine's own sizes, not a second description kept in sync by hand.
 
+pub use super::rope::rope_table;
 use super::schedule::StageSchedule;
 use super::{AttnDims, CpPlan};
 
@@ -115,9 +116,4 @@ impl StageShapes {
     pub fn phases_and_stages(s: &StageSchedule) -> (usize, usize) {
         (s.phases.len(), s.phases[0].stages.len())
     }
-}
-
-/// Rows of the RoPE tables a rank holds (`cos` and `sin`, `[n, d/2]` F32 each).
-pub fn rope_table(n: usize, head_dim: usize) -> [usize; 2] {
-    [n, head_dim / 2]
 }

@@ -21,6 +21,7 @@ mod fs;
 pub mod hf;
 pub mod hf_config;
 pub mod lora_merge;
+pub mod model_dtype;
 pub mod model_files;
 pub mod peft;
 pub mod peft_config;

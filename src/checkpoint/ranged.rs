@@ -2,7 +2,8 @@
 //! asked for are read, so each rank loads its shard of a checkpoint without
 //! reading (or holding) whole files.
 
-use crate::checkpoint::{check_finite, read_weight_map};
+use super::hf::read_weight_map;
+use super::tensor_file::check_finite;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use serde_json::Value;

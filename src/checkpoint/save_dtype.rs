@@ -5,8 +5,6 @@
 use crate::backend::tensor::DType;
 use crate::error::{Error, Result};
 use safetensors::tensor::Dtype as StDtype;
-use serde_json::Value;
-use std::path::Path;
 
 /// The dtype the weights of a checkpoint's HF model files are stored in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -59,30 +57,6 @@ impl SaveDtype {
             "F16" | "float16" => Some(SaveDtype::F16),
             _ => None,
         }
-    }
-
-    /// The dtype the model of an HF directory came in: its `config.json`'s
-    /// `dtype` (`torch_dtype` before transformers 5), else the dtype of the
-    /// first tensor of its weight files; `None` when neither says.
-    pub fn of_model_dir(dir: &Path) -> Result<Option<SaveDtype>> {
-        if let Ok(text) = std::fs::read_to_string(dir.join("config.json")) {
-            let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-            let named = ["dtype", "torch_dtype"]
-                .iter()
-                .find_map(|k| value.get(k).and_then(Value::as_str))
-                .and_then(SaveDtype::from_name);
-            if named.is_some() {
-                return Ok(named);
-            }
-        }
-        // a LoRA checkpoint: the dtype its adapter was saved in
-        if super::train_state::is_adapter_only(dir) {
-            let file =
-                super::ranged::RangedFile::open(&dir.join(super::peft_config::ADAPTER_WEIGHTS))?;
-            return Ok(file.first_dtype().and_then(SaveDtype::from_name));
-        }
-        let model = super::ranged::RangedModel::open(dir)?;
-        Ok(model.first_dtype().and_then(SaveDtype::from_name))
     }
 }
 

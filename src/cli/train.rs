@@ -26,11 +26,14 @@
 //! closing report (`summary.rs`).
 
 mod args;
+mod built;
+mod execute;
 mod kernel;
 mod mesh;
 mod preflight;
 mod progress;
 mod rehearse;
+mod resolve;
 mod route;
 mod summary;
 mod tokenizer;
@@ -40,16 +43,15 @@ pub use mesh::{
     CPU_DEFAULT_MESH, MAX_THREAD_RANKS, MeshChoice, MeshFlags, check_thread_ranks, default_mesh,
     resolve_mesh,
 };
+pub use resolve::run_request;
 pub use route::{
     Launched, Route, gpu_memory_per_rank, host_available_bytes, route, route_for, visible_gpus,
 };
 
-use crate::attention::{CpPlan, Strategy};
-use crate::backend::cuda::cudnn::AttnKernel;
+use crate::attention::Strategy;
 use crate::checkpoint::ExtraTensors;
 use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::cli::{config, print_config};
-use crate::comm::MeshShape;
 use crate::comm::env::DistEnv;
 use crate::data::Mixture;
 use crate::data::dataset::load_dataset;
@@ -60,14 +62,12 @@ use crate::model::flops::{
     frozen_and_adapter_flops, skipped_attention_share, train_attention_flops_per_token,
     train_flops_per_token,
 };
-use crate::plan::preflight::planned_host;
-use crate::plan::{
-    CheckpointEvery, Depth, DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, RankBudget,
-    ResolvedRun, RunRequest, SaveAttention, StageChoices, resolve_run,
-};
+use crate::plan::{CheckpointEvery, OffloadBlocks, OptimizerOffload, SaveAttention};
 use crate::train::eval::EvalDuring;
-use crate::train::trainer::{StepReport, TrainConfig, TrainSummary, train_cpu, train_process_rank};
+use crate::train::trainer::TrainConfig;
+use built::Built;
 use clap::ArgMatches;
+use execute::execute;
 
 /// `upipe train` with flags `a`, parsed from the command line `m`.
 pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
@@ -157,25 +157,6 @@ pub fn run(a: TrainArgs, m: &ArgMatches) -> Result<i32> {
         tracing::info!("the model with its adapters merged is in {}", out.display());
     }
     Ok(0)
-}
-
-/// A run built from its flags, up to the moment it trains.
-struct Built {
-    cfg: TrainConfig,
-    plan: CpPlan,
-    shape: MeshShape,
-    route: Route,
-    kernel: AttnKernel,
-    fsdp: FsdpMode,
-    env: Option<DistEnv>,
-    gpus: usize,
-    /// Memory each rank has (`None`: unknown), set by [`Built::resolve`].
-    budget: Option<usize>,
-    /// The host's `MemAvailable` as the run read it at start, once: every
-    /// host budget of the run derives from this one reading.
-    host_available: Option<usize>,
-    /// Whether this process reports (under a launch only rank 0 does).
-    lead: bool,
 }
 
 /// Resolves the mesh, builds the [`TrainConfig`] and its plan, and decides
@@ -314,153 +295,6 @@ fn profile_env() -> bool {
     use crate::backend::cuda::profile::ProfileLevel;
     let v = std::env::var("UPIPE_PROFILE").ok();
     ProfileLevel::parse(v.as_deref()) != ProfileLevel::Off
-}
-
-impl Built {
-    /// `llama3-8b (8030.26M params)`.
-    fn model_text(&self) -> String {
-        let m = &self.cfg.model;
-        format!("{} ({:.2}M params)", m.name, m.param_count() as f64 / 1e6)
-    }
-
-    /// Where and how the ranks run: `upipe on 4 CPU thread ranks (data 1 x
-    /// ulysses 2 x ring 2; attention stages of 2 heads, forward 4), seq 256`.
-    fn layout_text(&self) -> String {
-        let where_ = match self.route {
-            Route::ProcessRank => "GPU process ranks (NCCL)",
-            Route::GpuThreads { .. } => "GPU thread ranks",
-            _ => "CPU thread ranks",
-        };
-        let (u, uf) = (self.plan.schedule.chunk, self.plan.fwd_schedule.chunk);
-        let stages = match u == uf {
-            true => format!("attention stages of {u} heads"),
-            false => format!("attention stages of {u} heads, forward {uf}"),
-        };
-        format!(
-            "{} on {} {where_} (data {} x ulysses {} x ring {}; {stages}), seq {}",
-            self.cfg.strategy,
-            self.shape.world_size(),
-            self.cfg.data_parallel,
-            self.plan.layout.pu,
-            self.plan.layout.pr,
-            self.cfg.seq
-        )
-    }
-
-    fn on_gpu(&self) -> bool {
-        self.route != Route::CpuThreads
-    }
-
-    /// The device the planner predicts for: the decided attention kernel's.
-    fn device_kind(&self) -> DeviceKind {
-        DeviceKind::of_kernel(self.cfg.attention_kernel, self.cfg.documents)
-    }
-
-    /// Every `auto` of the run resolved as it will use it (the one
-    /// resolver, [`resolve_run`]: FSDP, offload, kept attention, backward
-    /// stages, optimizer offload, forward stages); the planner's prediction
-    /// of rank 0's step.
-    fn resolve(&mut self, a: &TrainArgs) -> Result<Prediction> {
-        let world = self.shape.world_size();
-        self.budget = if self.on_gpu() {
-            gpu_memory_per_rank(world, self.gpus)
-        } else {
-            self.host_available.map(|b| b / world)
-        };
-        if self.lead {
-            // a killed run's half-moved save finished, so `resume_dir` sees it;
-            // the trainer takes the directory again for the run
-            drop(self.cfg.take_save_dir()?);
-        }
-        let sharded_resume = self
-            .cfg
-            .resume_dir()
-            .is_some_and(|d| crate::checkpoint::sharded::is_sharded(&d));
-        let host = match self.on_gpu() {
-            true => preflight::host_per_rank(self, a.host_mem)?.map(planned_host),
-            false => None,
-        };
-        let kind = self.device_kind();
-        let budget = RankBudget {
-            memory: self.budget,
-            ledger: self.budget.map(|b| kind.ledger_budget(b)),
-            host,
-        };
-        let mut request = run_request(a, &self.cfg, self.fsdp, kind, budget);
-        request.sharded_resume = sharded_resume;
-        let resolved = resolve_run(&request, Depth::Run)?;
-        self.apply(&resolved)?;
-        match self.plan.layout.pr {
-            1 => Ok(resolved.prediction),
-            _ => crate::plan::predict_step_rank(&self.spec(&self.plan), 0),
-        }
-    }
-
-    /// Takes what the resolver decided into the run's config and plan,
-    /// saying what it decided.
-    fn apply(&mut self, resolved: &ResolvedRun) -> Result<()> {
-        if self.lead {
-            if let Some(note) = &resolved.fsdp_note {
-                tracing::warn!("{note}");
-            }
-            for note in &resolved.notes {
-                tracing::info!("{note}");
-            }
-        }
-        let d = resolved.decisions;
-        self.cfg.fsdp = d.fsdp;
-        self.cfg.fsdp_replicas = resolved.spec.fsdp_replicas;
-        self.cfg.policy = d.policy;
-        self.cfg.chunk_heads = d.chunk_heads;
-        self.cfg.fwd_chunk_heads = d.fwd_chunk_heads;
-        self.plan = resolved.spec.plan.clone();
-        // checks the shard groups of --fsdp-replicate against the mesh
-        self.cfg.plan()?;
-        self.shape = self.cfg.mesh_shape(&self.plan);
-        Ok(())
-    }
-
-    /// The planner's description of a step of `plan` here.
-    fn spec(&self, plan: &CpPlan) -> crate::plan::StepSpec {
-        crate::plan::StepSpec::of_run(&self.cfg, plan, self.device_kind())
-    }
-}
-
-/// The resolver's request for the run `cfg`, built from the flags `a`
-/// (its `--fsdp` parsed as `fsdp`), on `device` with `budget` per rank:
-/// what `upipe train` decides its `auto` choices from ([`resolve_run`]).
-pub fn run_request(
-    a: &TrainArgs,
-    cfg: &TrainConfig,
-    fsdp: FsdpMode,
-    device: DeviceKind,
-    budget: RankBudget,
-) -> RunRequest {
-    RunRequest {
-        model: cfg.model.clone(),
-        strategy: cfg.strategy,
-        mesh: MeshChoice {
-            data: cfg.data_parallel,
-            ulysses: cfg.ulysses,
-            ring: cfg.ring,
-        },
-        seq: cfg.seq,
-        stages: StageChoices {
-            chunk_heads: a.mesh.chunk_heads,
-            fwd: a.fwd.fwd_chunk_heads,
-            ..StageChoices::default()
-        },
-        fsdp,
-        fsdp_replicas: a.fsdp_replicate,
-        sharded_resume: false,
-        grad_accum: cfg.grad_accum,
-        memory: a.memory.choices(),
-        freeze: cfg.freeze.clone(),
-        lora: cfg.lora.as_ref().map(|l| l.config.clone()),
-        device,
-        budget,
-        state: cfg.optim.state,
-    }
 }
 
 /// The run file that repeats this run exactly: the flags as resolved, with
@@ -656,25 +490,4 @@ fn set_steps(a: &mut TrainArgs, cfg: &mut TrainConfig, steps: u32) -> Result<()>
     (a.steps, cfg.steps, cfg.optim.total_steps) = (steps, steps, steps);
     let fits = cfg.optim.lr_schedule().validate();
     config::for_key(TrainArgs::KEYS, "epochs", fits)
-}
-
-/// Trains where the route says, calling `on_step` after every step.
-fn execute(
-    run: &Built,
-    data: Mixture,
-    on_step: &(dyn Fn(&StepReport) + Sync),
-) -> Result<TrainSummary> {
-    match run.route {
-        Route::ProcessRank => {
-            let env = run
-                .env
-                .as_ref()
-                .expect("a launched run has its environment");
-            train_process_rank(&run.cfg, data, env, run.kernel, on_step)
-        }
-        Route::GpuThreads { gpus, .. } => {
-            route::train_on_gpus(&run.cfg, data, gpus, run.kernel, on_step)
-        }
-        _ => train_cpu(&run.cfg, data, on_step),
-    }
 }

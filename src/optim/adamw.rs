@@ -8,11 +8,12 @@ use crate::error::Result;
 use crate::model::Unit;
 use crate::optim::host::{HostSlot, HostStep, host_master, host_zeros};
 use crate::optim::moments::{Moment, Which};
+use crate::optim::optimizer::{Optimizer, StateKind, Update};
 use crate::optim::schedule::{Decay, Schedule};
 use crate::optim::settling::state_on_host;
 #[cfg(doc)]
 use crate::optim::settling::update_order;
-use crate::optim::{Lent, MasterWeights, Optimizer, Piece, Slot, StateFormat, StateKind};
+use crate::optim::{Lent, MasterWeights, Piece, Slot, StateFormat};
 use std::ops::Range;
 
 /// Optimizer hyper-parameters.
@@ -95,42 +96,6 @@ impl AdamWConfig {
     /// The learning rate of 1-based `step` ([`Schedule::lr_at`]).
     pub fn lr_at(&self, step: u32) -> f32 {
         self.lr_schedule().lr_at(step)
-    }
-}
-
-/// What one optimizer step did.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Update {
-    /// The step's learning rate.
-    pub lr: f32,
-    /// The global gradient norm before clipping.
-    pub grad_norm: f64,
-    /// Whether the update was applied: a step whose loss or gradient norm
-    /// is not finite changes no weight and no optimizer state.
-    pub applied: bool,
-}
-
-impl Update {
-    /// Whether a step with this loss (finite or not) and gradient norm may
-    /// change the model. Every rank decides alike: both are global.
-    pub fn applies(loss_finite: bool, grad_norm: f64) -> bool {
-        loss_finite && grad_norm.is_finite()
-    }
-
-    pub(crate) fn applied(lr: f32, grad_norm: f64) -> Self {
-        Update {
-            lr,
-            grad_norm,
-            applied: true,
-        }
-    }
-
-    pub(crate) fn skipped(lr: f32, grad_norm: f64) -> Self {
-        Update {
-            lr,
-            grad_norm,
-            applied: false,
-        }
     }
 }
 

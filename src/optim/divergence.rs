@@ -4,7 +4,7 @@
 //! run once more than `--skip-nonfinite` of them happened, so a diverged
 //! run never goes on to save a model over its last good checkpoint.
 
-use super::adamw::Update;
+use super::optimizer::Update;
 use crate::error::{Error, Result};
 use std::path::PathBuf;
 

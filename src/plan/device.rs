@@ -2,10 +2,15 @@
 //! resident, and which attention kernels take which calls (on cuDNN: the
 //! version whose limits decide it).
 
-use super::*;
 use crate::backend::cuda::cudnn::select::version_text;
 use crate::backend::cuda::cudnn::{AttentionKernel, AttnKernel, ragged::FIRST_RAGGED_VERSION};
 use crate::plan::PLANNED_CUDNN_VERSION;
+
+const F32: usize = 4;
+
+/// Device bytes per GPU outside the ledger that a run leaves free by
+/// default (`upipe plan --reserve`'s default, `--save-attention auto`).
+pub const GPU_RESERVE_BYTES: usize = 1 << 30;
 
 /// Which backend's dtypes the prediction uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,8 @@
 //! `--ring`), or a default mesh that fills the ranks available
 //! ([`default_mesh`]); shared by `train`, `plan`, `eval` and `bench`.
 
-use crate::attention::{CpPlan, Strategy};
+use crate::attention::{AttnDims, CpPlan, Strategy};
+use crate::error::Result;
 use crate::model::ModelConfig;
 use crate::model::decoder::attn_dims;
 
@@ -170,6 +171,62 @@ pub fn resolve_mesh(
         m.ring = 1;
     }
     m
+}
+
+/// Resolves `strategy` on `gpus` GPUs: `(plan, data degree)`. Without an
+/// explicit mesh, all GPUs form the context group (ulysses/ring/upipe), and
+/// usp takes the largest Ulysses degree ≤ 8 (one node) that divides the heads.
+#[allow(clippy::too_many_arguments)]
+pub fn resolve_plan(
+    strategy: Strategy,
+    dims: &AttnDims,
+    seq: usize,
+    gpus: usize,
+    ulysses: Option<usize>,
+    ring: Option<usize>,
+    chunk_heads: Option<usize>,
+) -> Result<(CpPlan, usize)> {
+    if gpus == 0 {
+        return crate::config_err!("--gpus must be at least 1");
+    }
+    let (pu, pr) = match (strategy, ulysses, ring) {
+        (Strategy::Local, _, _) => (1, 1),
+        (_, Some(u), Some(r)) => (u, r),
+        (_, Some(u), None) => (u, 1),
+        (_, None, Some(r)) => (1, r),
+        (Strategy::Usp, None, None) => {
+            let pu = (1..=gpus.min(8))
+                .rev()
+                .find(|&p| gpus.is_multiple_of(p) && dims.heads.is_multiple_of(p))
+                .unwrap_or(1);
+            (pu, gpus / pu)
+        }
+        (Strategy::Ring, None, None) => (1, gpus),
+        (_, None, None) => (gpus, 1),
+    };
+    let c = pu * pr;
+    if c == 0 || !gpus.is_multiple_of(c) {
+        return crate::config_err!(
+            "{gpus} GPUs are not a multiple of the context mesh {pu} (ulysses) x {pr} (ring) = {c}; \
+             use --gpus {} or a mesh whose product divides {gpus}",
+            c.max(1) * (gpus / c.max(1)).max(1)
+        );
+    }
+    let chunk = if strategy == Strategy::Upipe {
+        chunk_heads
+    } else {
+        None
+    };
+    let plan = CpPlan::new(strategy, dims, seq, pu, pr, chunk)
+        .map_err(|e| crate::Error::Config(format!("{strategy}: {}", strip(&e))))?;
+    Ok((plan, gpus / c))
+}
+
+fn strip(e: &crate::Error) -> String {
+    let s = e.to_string();
+    s.strip_prefix("invalid configuration: ")
+        .map(str::to_string)
+        .unwrap_or(s)
 }
 
 #[cfg(test)]

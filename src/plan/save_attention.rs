@@ -1,7 +1,10 @@
 //! `--save-attention N|all|none|auto`: which checkpointed blocks keep their
 //! attention output and LSEs from forward (auto: as many as fit).
 
-use super::*;
+use super::predict::predict_step;
+use super::step::StepSpec;
+use crate::error::Result;
+use crate::model::MemoryPolicy;
 
 /// `--save-attention`: which checkpointed blocks keep their attention output
 /// O and LSEs from forward, so that their backward skips the attention

@@ -1,7 +1,9 @@
 //! The longest context that fits: a rank's budget, why a length does not
 //! fit, and the search over lengths (`docs/memory.md`).
 
-use super::*;
+use super::step::Prediction;
+use crate::backend::Category;
+use crate::error::Result;
 
 /// Memory available to one rank.
 #[derive(Debug, Clone, Copy)]
@@ -112,4 +114,17 @@ pub fn longest_context(
         at_fit: best,
         limit: fail,
     })
+}
+
+/// The longest sequence the planner plans (`plan`, and `train`'s
+/// preflight): 16 times the default `--max-seq` and far beyond any context
+/// trained. A prediction's time no longer grows with the length (the
+/// engine's alike loops collapse on the counting backend); what bounds it
+/// is the host memory of the per-token vectors a step still builds (a
+/// rank's window of zeros, its positions: 4-8 bytes a token).
+pub const MAX_PLANNED_SEQ: usize = 1 << 32;
+
+/// The sequence-length granularity of a plan's layout (see `SeqLayout::new`).
+pub fn seq_unit(pu: usize, pr: usize) -> usize {
+    if pr > 1 { 2 * pr * pu } else { pu }
 }

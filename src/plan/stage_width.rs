@@ -4,7 +4,6 @@
 
 use crate::attention::{CpPlan, Strategy};
 use crate::error::Result;
-use crate::plan::widest_free_forward;
 use std::fmt;
 use std::str::FromStr;
 
@@ -46,7 +45,7 @@ impl ChunkHeads {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FwdChunk {
     /// The widest forward stages that keep the planned peak
-    /// ([`crate::plan::widest_free_forward`]).
+    /// ([`widest_free_forward`]).
     #[default]
     Auto,
     Heads(usize),
@@ -97,3 +96,73 @@ macro_rules! auto_or_heads_text {
 }
 
 auto_or_heads_text!(ChunkHeads, FwdChunk);
+
+/// `plan` with its forward in the widest stages ([`valid_fwd_chunks`]) whose
+/// `peak` is no higher than with forward stages equal to the backward's:
+/// fewer, larger attention calls at no memory cost (`--fwd-chunk-heads
+/// auto`). `peak` is the planner's prediction for the run at hand (the
+/// attention trial, or a training step under its policy). Plans other than
+/// UPipe come back unchanged.
+///
+/// [`valid_fwd_chunks`]: crate::attention::schedule::valid_fwd_chunks
+pub fn widest_free_forward(
+    plan: CpPlan,
+    peak: impl Fn(&CpPlan) -> Result<usize>,
+) -> Result<CpPlan> {
+    if plan.strategy != Strategy::Upipe {
+        return Ok(plan);
+    }
+    let chunk = plan.schedule.chunk;
+    let plan = plan.with_fwd_chunk(Some(chunk))?;
+    let base = peak(&plan)?;
+    for c in crate::attention::schedule::valid_fwd_chunks(&plan.schedule)
+        .into_iter()
+        .rev()
+        .filter(|&c| c != plan.schedule.chunk)
+    {
+        let wide = plan.clone().with_fwd_chunk(Some(c))?;
+        if peak(&wide)? <= base {
+            return Ok(wide);
+        }
+    }
+    Ok(plan)
+}
+
+/// The widest UPipe backward stage U, a multiple of `pu` from `heads` down
+/// to `pu`, for which `fits` gives a plan (`Ok(None)`: that width does not
+/// fit, or is not a valid stage; `--chunk-heads auto`): `(U, plan)`, or
+/// `None` when no width does.
+pub fn widest_fitting<T>(
+    heads: usize,
+    pu: usize,
+    mut fits: impl FnMut(usize) -> Result<Option<T>>,
+) -> Result<Option<(usize, T)>> {
+    let pu = pu.max(1);
+    for u in (pu..=heads).rev().filter(|u| u.is_multiple_of(pu)) {
+        if let Some(plan) = fits(u)? {
+            return Ok(Some((u, plan)));
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod widest_tests {
+    use super::widest_fitting;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The answer is the widest multiple of Pu that fits, or none.
+        #[test]
+        fn widest_fitting_is_the_widest_multiple_of_pu_that_fits(
+            heads in 1usize..64, pu in 1usize..9, limit in 0usize..70,
+        ) {
+            let got = widest_fitting(heads, pu, |u| Ok((u <= limit).then_some(u))).unwrap();
+            let want = (pu..=heads).rev().find(|u| u % pu == 0 && *u <= limit);
+            prop_assert_eq!(got.map(|(u, _)| u), want);
+            if let Some((u, plan)) = got {
+                prop_assert_eq!(u, plan);
+            }
+        }
+    }
+}

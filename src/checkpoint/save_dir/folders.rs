@@ -11,11 +11,13 @@
 //! behind: the next [`SaveDir::acquire`](super::SaveDir::acquire) empties
 //! the trash and removes folders whose first save never finished.
 
-use super::{MANIFEST, STATE_FILE, WORK, read_listing, recover, remove_dir_if_exists, work};
+use super::journal::recover;
+use super::layout::{
+    MANIFEST, PREFIX, STATE_FILE, is_folder, read_listing, remove_dir_if_exists, step_of_name, work,
+};
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 
-const PREFIX: &str = "checkpoint-";
 const TRASH: &str = "trash";
 
 /// Which checkpoints a run keeps.
@@ -39,20 +41,6 @@ impl Retention {
 /// The folder the checkpoint of `step` goes into.
 pub fn folder_of(dir: &Path, step: u64) -> PathBuf {
     dir.join(format!("{PREFIX}{step}"))
-}
-
-/// The step of an upipe checkpoint folder's name (`checkpoint-40`: 40).
-fn step_of_name(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix(PREFIX)?;
-    let plain = !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit());
-    plain.then(|| digits.parse().ok()).flatten()
-}
-
-/// Whether `name` in `dir` is one of upipe's checkpoint folders.
-pub(super) fn is_folder(dir: &Path, name: &str) -> bool {
-    let path = dir.join(name);
-    let real_dir = |p: &Path| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir());
-    step_of_name(name).is_some() && real_dir(&path) && real_dir(&path.join(WORK))
 }
 
 /// upipe's checkpoint folders of `dir`, by step.

@@ -1,4 +1,8 @@
-use super::*;
+use super::claim::*;
+use super::journal::*;
+use super::layout::*;
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
 
 /// A run that resumes what the directory holds.
 const KEEP: SaveRules = SaveRules {

@@ -8,7 +8,8 @@
 //! [`layer_flops`]) over the median wall time of the timed passes (each pass's
 //! time is its slowest rank's).
 
-use super::{AttnArgs, CUDA_TOLERANCE, Outcome, methods_of, print_header, print_row};
+use super::args::{AttnArgs, methods_of};
+use super::report::{CUDA_TOLERANCE, Outcome, predicted_peak, print_header, print_row};
 use crate::attention::trial::{
     RankInputs, RankOptions, RankRun, TrialInputs, TrialResult, assemble, gather_runs, run_rank,
     run_trial,
@@ -234,7 +235,7 @@ fn plan_methods(
             (a.ulysses(), a.ring())
         };
         let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
-            Ok(p) => a.schedule.apply(p, |p| super::predicted_peak(a, p))?,
+            Ok(p) => a.schedule.apply(p, |p| predicted_peak(a, p))?,
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
                 planned.push((m, Err(e.to_string())));
                 continue;

@@ -5,8 +5,9 @@
 //! runs, and the outputs it opens (checkpoint directory, metrics file,
 //! TensorBoard directory, trace file).
 
+use super::TrainArgs;
+use super::built::Built;
 use super::progress::Progress;
-use super::{Built, TrainArgs};
 use crate::backend::memory::{default_pinned_budget, host_reserve};
 use crate::checkpoint::save_dir;
 use crate::cli::metrics::{MetricsFile, RunFacts, unix_now};

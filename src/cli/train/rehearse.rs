@@ -11,7 +11,8 @@
 //! every allocation succeeded (on the CPU, whose zeroed pages are only
 //! mapped when written, when the measured peak fits the host's share).
 
-use super::{Built, Route, TrainArgs, preflight};
+use super::built::Built;
+use super::{Route, TrainArgs, preflight};
 use crate::backend::{Bytes, Category};
 use crate::cli::config::Given;
 use crate::data::Tokens;
@@ -50,7 +51,7 @@ pub(super) fn run(a: &TrainArgs, m: &ArgMatches, run: &mut Built) -> Result<i32>
         0 => predicted,
         r => crate::plan::predict_step_rank(&run.spec(&run.plan), r)?,
     };
-    let outcome = match super::execute(run, tokens.into(), &|_| {}) {
+    let outcome = match super::execute::execute(run, tokens.into(), &|_| {}) {
         Ok(summary) => Ok(summary),
         Err(e @ Error::OutOfMemory { .. }) => Err(e),
         Err(e) => return Err(e),

@@ -18,7 +18,8 @@
 //! is device memory beside the pool (the pool's own counters do not see
 //! them).
 
-use super::{Comm, check, drv_bind, lock};
+use super::comm::{Comm, drv_bind, lock};
+use super::library::check;
 use crate::backend::arena::ArenaMap;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::cuda::pool::BlockOwner;

@@ -1,7 +1,19 @@
 //! One group of an NCCL mesh: the collectives, queued on the backend's
 //! stream and followed by the watchdog.
 
-use super::*;
+use super::comm::{Comm, drv, drv_bind, fault_check, lock};
+use super::exchange_window::{self, ExchangeWindow};
+use super::library::{check, native_alltoall, nccl_dtype};
+use super::watch::{AbandonUnlessRecorded, ENQUEUEING, EndMark, Issued, RECORDED, Watch};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::{DType, Tensor};
+use crate::comm::{Pending, ProcessGroup};
+use crate::error::{Error, Result};
+use cudarc::nccl::sys;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+
 /// One group of an [`NcclWorld`] mesh.
 pub(super) struct NcclGroup {
     pub(super) backend: Arc<CudaBackend>,

@@ -3,7 +3,18 @@
 //! communicator aborted on a timeout or an error (policy in
 //! `comm::watchdog`).
 
-use super::*;
+use super::comm::Comm;
+use super::library::{check, is_ok, library, nccl_message};
+use crate::comm::watchdog::{self, Failure, InFlight, Watchdog};
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaContext, CudaEvent};
+use cudarc::nccl::sys;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak, mpsc};
+use std::time::{Duration, Instant};
+
+/// Capacity of the watchdog's queue (see [`Watchdog::push`] for a full one).
 pub(super) const WATCH_CAPACITY: usize = 4096;
 
 /// How long the watchdog waits for a communicator's enqueue lock before

@@ -1,6 +1,22 @@
 //! This process's world communicator and the mesh groups split from it.
 
-use super::*;
+use super::comm::{Comm, drv, drv_bind, fault_check, lock};
+use super::exchange_window::{self, ExchangeWindow};
+use super::group::{NcclGroup, zero_cta_config};
+use super::library::{check, library, native_alltoall, supports_split};
+use super::split::split_specs;
+use super::unique_id::{exchange_unique_id, new_unique_id};
+use super::watch::{WATCH_CAPACITY, Watch, WatchThread, require_watchdog_symbols};
+use crate::backend::cuda::CudaBackend;
+use crate::comm::env::DistEnv;
+use crate::comm::rendezvous::Rendezvous;
+use crate::comm::watchdog::{self, Watchdog};
+use crate::comm::{GroupKind, Mesh, MeshShape, ProcessGroup};
+use crate::error::{Error, Result};
+use cudarc::nccl::sys;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
 /// This process's world communicator on its GPU; builds meshes.
 pub struct NcclWorld {
     backend: Arc<CudaBackend>,

@@ -1,11 +1,11 @@
 //! The `config.json` keys every Llama-like family shares: reading them into
 //! a [`ModelConfig`] (defaults as `transformers` has them), the rope-scaling
-//! types, writing them back, and the `transformers` Llama parameter names.
+//! types, and writing them back.
 
-use super::{BlockParam, Family, Param};
-use crate::attention::rope::{RopeScaling, YarnScaling};
+use super::family::Family;
+use crate::attention::rope::{Llama3Scaling, RopeScaling, YarnScaling};
 use crate::error::{Error, Result};
-use crate::model::ModelConfig;
+use crate::model::config::ModelConfig;
 use serde_json::{Map, Value, json};
 
 /// Keys whose `true` asks for what no family's decoder implements yet.
@@ -95,13 +95,34 @@ fn parse_rope_scaling(value: Option<&Value>, max_position: usize) -> Result<Opti
         .unwrap_or("default");
     match kind {
         "default" => Ok(None),
-        "llama3" => super::llama::rope_scaling_from_hf(obj).map(|s| Some(RopeScaling::Llama3(s))),
+        "llama3" => llama3_from_hf(obj).map(|s| Some(RopeScaling::Llama3(s))),
         "yarn" => yarn_from_hf(obj, max_position).map(|s| Some(RopeScaling::Yarn(s))),
         other => config_err_str(&format!(
             "rope_scaling type '{other}' is not supported; upipe implements 'llama3' and 'yarn' \
              scaling (or none: remove rope_scaling)"
         )),
     }
+}
+
+/// The fields of a `rope_scaling` object of type `llama3`.
+fn llama3_from_hf(obj: &Map<String, Value>) -> Result<Llama3Scaling> {
+    Ok(Llama3Scaling {
+        factor: req_f32(obj, "factor")?,
+        low_freq_factor: req_f32(obj, "low_freq_factor")?,
+        high_freq_factor: req_f32(obj, "high_freq_factor")?,
+        original_max_position_embeddings: req_usize(obj, "original_max_position_embeddings")?,
+    })
+}
+
+/// `s` as the `rope_scaling` object of a `config.json` (type `llama3`).
+fn llama3_json(s: &Llama3Scaling) -> Value {
+    json!({
+        "rope_type": "llama3",
+        "factor": clean_f32(s.factor),
+        "low_freq_factor": clean_f32(s.low_freq_factor),
+        "high_freq_factor": clean_f32(s.high_freq_factor),
+        "original_max_position_embeddings": s.original_max_position_embeddings,
+    })
 }
 
 /// The fields of a `rope_scaling` object of type `yarn` (those left out
@@ -156,10 +177,10 @@ fn yarn_json(s: &YarnScaling) -> Value {
 
 /// `cfg` as a Hugging Face `config.json` that [`decoder_fields`] reads back
 /// to an equal config and `transformers` loads as its family's architecture.
-pub(in crate::model) fn to_hf_json(cfg: &ModelConfig) -> String {
+pub(crate) fn to_hf_json(cfg: &ModelConfig) -> String {
     let rope_scaling = match &cfg.rope_scaling {
         None => Value::Null,
-        Some(RopeScaling::Llama3(s)) => super::llama::rope_scaling_json(s),
+        Some(RopeScaling::Llama3(s)) => llama3_json(s),
         Some(RopeScaling::Yarn(s)) => yarn_json(s),
     };
     let mut value = json!({
@@ -188,37 +209,6 @@ pub(in crate::model) fn to_hf_json(cfg: &ModelConfig) -> String {
     serde_json::to_string_pretty(&value).expect("a JSON value always serialises")
 }
 
-/// A block parameter's name inside a block of `transformers`' Llama layout.
-pub(super) fn llama_block_name(p: BlockParam) -> &'static str {
-    match p {
-        BlockParam::AttnNorm => "input_layernorm.weight",
-        BlockParam::Wq => "self_attn.q_proj.weight",
-        BlockParam::Wk => "self_attn.k_proj.weight",
-        BlockParam::Wv => "self_attn.v_proj.weight",
-        BlockParam::Bq => "self_attn.q_proj.bias",
-        BlockParam::Bk => "self_attn.k_proj.bias",
-        BlockParam::Bv => "self_attn.v_proj.bias",
-        BlockParam::Wo => "self_attn.o_proj.weight",
-        BlockParam::QNorm => "self_attn.q_norm.weight",
-        BlockParam::KNorm => "self_attn.k_norm.weight",
-        BlockParam::MlpNorm => "post_attention_layernorm.weight",
-        BlockParam::Gate => "mlp.gate_proj.weight",
-        BlockParam::Up => "mlp.up_proj.weight",
-        BlockParam::Down => "mlp.down_proj.weight",
-    }
-}
-
-/// A parameter's name in `transformers`' Llama layout (a block's is
-/// `model.layers.{l}.` and its [`llama_block_name`]).
-pub(super) fn llama_name(p: Param) -> String {
-    match p {
-        Param::Embed => "model.embed_tokens.weight".into(),
-        Param::Block(l, bp) => format!("model.layers.{l}.{}", llama_block_name(bp)),
-        Param::FinalNorm => "model.norm.weight".into(),
-        Param::LmHead => "lm_head.weight".into(),
-    }
-}
-
 fn config_err_str<T>(msg: &str) -> Result<T> {
     Err(Error::Config(msg.to_string()))
 }
@@ -235,7 +225,7 @@ fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
 }
 
 /// The non-negative integer under `key`, which must be there.
-pub(super) fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
+fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
     opt_usize(obj, key)?.ok_or_else(|| missing(key))
 }
 
@@ -250,7 +240,7 @@ fn opt_f32(obj: &Map<String, Value>, key: &str) -> Result<Option<f32>> {
 }
 
 /// The number under `key`, which must be there.
-pub(super) fn req_f32(obj: &Map<String, Value>, key: &str) -> Result<f32> {
+fn req_f32(obj: &Map<String, Value>, key: &str) -> Result<f32> {
     opt_f32(obj, key)?.ok_or_else(|| missing(key))
 }
 
@@ -269,6 +259,6 @@ fn missing(key: &str) -> Error {
 }
 
 /// An f32 as the f64 with the same shortest decimal form, so JSON shows `1e-5`, not `9.99999974e-6`.
-pub(super) fn clean_f32(x: f32) -> f64 {
+fn clean_f32(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }

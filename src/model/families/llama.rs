@@ -7,12 +7,7 @@ use super::{Family, hf};
 use crate::attention::rope::{Llama3Scaling, RopeScaling};
 use crate::error::Result;
 use crate::model::ModelConfig;
-use serde_json::{Map, Value, json};
-
-/// Its `config.json`'s `model_type`.
-pub(super) const MODEL_TYPE: &str = "llama";
-/// The class `transformers` loads it as.
-pub(super) const ARCHITECTURE: &str = "LlamaForCausalLM";
+use serde_json::{Map, Value};
 
 /// A Llama `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
@@ -27,27 +22,6 @@ pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
         )));
     }
     hf::decoder_fields(obj, Family::Llama)
-}
-
-/// The fields of a `rope_scaling` object of type `llama3`.
-pub(super) fn rope_scaling_from_hf(obj: &Map<String, Value>) -> Result<Llama3Scaling> {
-    Ok(Llama3Scaling {
-        factor: hf::req_f32(obj, "factor")?,
-        low_freq_factor: hf::req_f32(obj, "low_freq_factor")?,
-        high_freq_factor: hf::req_f32(obj, "high_freq_factor")?,
-        original_max_position_embeddings: hf::req_usize(obj, "original_max_position_embeddings")?,
-    })
-}
-
-/// `s` as the `rope_scaling` object of a `config.json` (type `llama3`).
-pub(super) fn rope_scaling_json(s: &Llama3Scaling) -> Value {
-    json!({
-        "rope_type": "llama3",
-        "factor": hf::clean_f32(s.factor),
-        "low_freq_factor": hf::clean_f32(s.low_freq_factor),
-        "high_freq_factor": hf::clean_f32(s.high_freq_factor),
-        "original_max_position_embeddings": s.original_max_position_embeddings,
-    })
 }
 
 /// The RoPE scaling Meta publishes for the Llama 3.1 / 3.2 models.

@@ -11,11 +11,6 @@ use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use serde_json::{Map, Value};
 
-/// Its `config.json`'s `model_type`.
-pub(super) const MODEL_TYPE: &str = "mistral";
-/// The class `transformers` loads it as.
-pub(super) const ARCHITECTURE: &str = "MistralForCausalLM";
-
 /// A Mistral `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
     hf::refuse_unimplemented(obj)?;

@@ -12,11 +12,6 @@ use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use serde_json::{Map, Value};
 
-/// Its `config.json`'s `model_type`.
-pub(super) const MODEL_TYPE: &str = "qwen2";
-/// The class `transformers` loads it as.
-pub(super) const ARCHITECTURE: &str = "Qwen2ForCausalLM";
-
 /// A Qwen2 `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
     if obj.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {

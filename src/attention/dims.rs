@@ -1,0 +1,44 @@
+//! The dimensions of one attention layer ([`AttnDims`]): heads, kv heads,
+//! head size, QK norm and RoPE.
+
+use super::rope::RopeConfig;
+use crate::error::Result;
+
+/// Dimensions of one attention layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnDims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub norm_eps: f32,
+    pub rope: RopeConfig,
+}
+
+impl AttnDims {
+    /// Checks the dimensions once.
+    pub fn validate(&self) -> Result<()> {
+        if self.hidden == 0 || self.heads == 0 || self.kv_heads == 0 || self.head_dim == 0 {
+            return crate::config_err!("attention dimensions must be positive: {self:?}");
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return crate::config_err!(
+                "{} heads must be a multiple of {} kv heads (GQA groups)",
+                self.heads,
+                self.kv_heads
+            );
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return crate::config_err!("head_dim {} must be even for RoPE", self.head_dim);
+        }
+        Ok(())
+    }
+    pub fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}

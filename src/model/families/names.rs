@@ -1,0 +1,35 @@
+//! The parameter names of `transformers`' Llama layout, which every family
+//! so far uses.
+
+use super::params::{BlockParam, Param};
+
+/// A block parameter's name inside a block of `transformers`' Llama layout.
+pub(super) fn llama_block_name(p: BlockParam) -> &'static str {
+    match p {
+        BlockParam::AttnNorm => "input_layernorm.weight",
+        BlockParam::Wq => "self_attn.q_proj.weight",
+        BlockParam::Wk => "self_attn.k_proj.weight",
+        BlockParam::Wv => "self_attn.v_proj.weight",
+        BlockParam::Bq => "self_attn.q_proj.bias",
+        BlockParam::Bk => "self_attn.k_proj.bias",
+        BlockParam::Bv => "self_attn.v_proj.bias",
+        BlockParam::Wo => "self_attn.o_proj.weight",
+        BlockParam::QNorm => "self_attn.q_norm.weight",
+        BlockParam::KNorm => "self_attn.k_norm.weight",
+        BlockParam::MlpNorm => "post_attention_layernorm.weight",
+        BlockParam::Gate => "mlp.gate_proj.weight",
+        BlockParam::Up => "mlp.up_proj.weight",
+        BlockParam::Down => "mlp.down_proj.weight",
+    }
+}
+
+/// A parameter's name in `transformers`' Llama layout (a block's is
+/// `model.layers.{l}.` and its [`llama_block_name`]).
+pub(super) fn llama_name(p: Param) -> String {
+    match p {
+        Param::Embed => "model.embed_tokens.weight".into(),
+        Param::Block(l, bp) => format!("model.layers.{l}.{}", llama_block_name(bp)),
+        Param::FinalNorm => "model.norm.weight".into(),
+        Param::LmHead => "lm_head.weight".into(),
+    }
+}
