@@ -2,7 +2,12 @@
 //! its geometry, pointers and strides (every call is checked before its
 //! first launch), and the launches of [`flash_fwd`] and [`flash_bwd`].
 
-use super::*;
+use super::functions::{FlashFunctions, FlashKernel, drv};
+use super::tiles::*;
+use crate::backend::AttnMask;
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 /// Arguments of [`flash_fwd`]. Pointers are device addresses of the first row;
 /// strides are in elements between consecutive rows.
