@@ -11,6 +11,7 @@
 //! `--task` scores synthetic retrieval trials instead (`eval/task.rs`,
 //! its flags `eval/task_args.rs`, its outputs `eval/task_report.rs`).
 
+mod preflight;
 mod task;
 mod task_args;
 mod task_report;
@@ -19,6 +20,7 @@ pub use task_args::TaskArgs;
 
 use crate::attention::Strategy;
 use crate::backend::cuda::cudnn::AttnKernel;
+use crate::checkpoint::HostTensor;
 use crate::checkpoint::{ExtraTensors, load_hf_model_with};
 use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
 use crate::cli::mesh::MeshArgs;
@@ -33,9 +35,11 @@ use crate::data::{Dataset, PackMode, Tokens};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::flops::forward_flops_per_token;
+use crate::plan::{EvalForward, Prediction};
 use crate::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_threads};
 use crate::train::trainer::eval_process_rank;
 use clap::ArgMatches;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Flags of `upipe eval`.
@@ -196,19 +200,19 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
         );
     }
     let run = build(&a)?;
-    if let Route::SelfLaunch { nproc } = run.route {
-        let gpus = run.gpus;
+    if let Route::SelfLaunch { nproc } = run.placed.route {
+        let gpus = run.placed.gpus;
         tracing::info!("{gpus} GPUs visible: starting {nproc} processes, one per GPU (NCCL)");
         let child = crate::cli::launch::own_command("eval")?;
         return crate::cli::launch::run_local(nproc, child);
     }
     check_mask_counts(&run.data)?;
     let clock = RunClock::start();
-    let report = execute(&run)?;
+    let report = execute(&a, &run)?;
     if report.counted_tokens == 0 {
         return Err(nothing_counted(&run.data, "its windows"));
     }
-    if run.route != Route::ProcessRank || run.env.as_ref().is_none_or(|e| e.rank == 0) {
+    if run.placed.lead() {
         match a.json {
             true => {
                 let text = serde_json::to_string(&report).expect("a report always serialises");
@@ -217,34 +221,18 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
             false => println!("{}", summary_line(&report)),
         }
         if let Some(path) = &a.metrics {
-            write_metrics(path, &run.cfg, &report, run.shape.world_size(), &clock)?;
+            let ranks = run.placed.shape.world_size();
+            let facts = (&run.placed.cfg, &run.predicted, ranks);
+            write_metrics(path, facts, &report, &clock)?;
         }
     }
     Ok(0)
 }
 
 /// `upipe eval --task`: retrieval trials (`eval/task.rs`) with the flags
-/// they share with `upipe eval`.
+/// they share with `upipe eval`, placed and loaded as it places and loads.
 fn run_task(a: &EvalArgs) -> Result<i32> {
-    let mesh = |strategy: Strategy, model: &ModelConfig, seq: usize, ranks: Option<usize>| {
-        eval_mesh(a, strategy, model, seq, ranks)
-    };
-    task::run(&task_args::EvalTaskArgs {
-        task: &a.task,
-        keys: EvalArgs::KEYS,
-        model_dir: a.model_dir.as_deref(),
-        tokens_given: a.tokens.is_some(),
-        lora_from: a.lora_from.as_deref(),
-        allow_extra_tensors: a.allow_extra_tensors,
-        device: &a.device,
-        attn_kernel: &a.attn_kernel,
-        attn: &a.attn,
-        chunk_heads: ChunkHeads::fixed(a.mesh.chunk_heads, "eval")?,
-        fwd_chunk_heads: a.fwd_chunk_heads,
-        loss_chunk: a.loss_chunk,
-        json: a.json,
-        mesh: &mesh,
-    })
+    task::run(a)
 }
 
 /// Refuses data whose loss mask counts no token at all, before any weight
@@ -347,27 +335,36 @@ fn refuse_not_ids(tokens: &Path, model_dir: &Path) -> Result<()> {
     )
 }
 
-/// An evaluation built from its flags, up to the moment it runs.
-struct Built {
-    cfg: EvalConfig,
-    model_dir: PathBuf,
-    extra_tensors: ExtraTensors,
-    data: Dataset,
-    kernel: AttnKernel,
-    env: Option<DistEnv>,
-    gpus: usize,
-    shape: MeshShape,
-    route: Route,
+/// The model on its mesh and where its ranks run: what `upipe eval` and
+/// `upipe eval --task` place alike ([`place`]).
+pub(super) struct Placed {
+    pub cfg: EvalConfig,
+    pub device: Device,
+    pub kernel: AttnKernel,
+    pub env: Option<DistEnv>,
+    pub gpus: usize,
+    pub shape: MeshShape,
+    pub route: Route,
 }
 
-/// The flags parsed and checked, the token file opened, the mesh chosen
-/// and where the ranks run decided.
-fn build(a: &EvalArgs) -> Result<Built> {
+impl Placed {
+    /// Whether this process reports (rank 0, or the only process).
+    pub fn lead(&self) -> bool {
+        self.route != Route::ProcessRank || self.env.as_ref().is_none_or(|e| e.rank == 0)
+    }
+}
+
+/// The model of `--model-dir` (not an adapter's directory).
+pub(super) fn open_model(model_dir: &Path) -> Result<ModelConfig> {
+    crate::checkpoint::refuse_adapter_dir(model_dir, "--model-dir")?;
+    ModelConfig::resolve(&model_dir.to_string_lossy())
+}
+
+/// The evaluation of `model` placed for windows of up to `seq` inputs:
+/// the flags' device, kernel, strategy, stages and adapter, the mesh
+/// ([`eval_mesh`]) and where its ranks run.
+pub(super) fn place(a: &EvalArgs, model: &ModelConfig, seq: usize) -> Result<Placed> {
     let k = EvalArgs::KEYS;
-    let model_dir = required(&a.model_dir, "model_dir")?;
-    let tokens_path = required(&a.tokens, "tokens")?;
-    check_outputs(a, model_dir, tokens_path)?;
-    refuse_not_ids(tokens_path, model_dir)?;
     let device: Device = for_key(k, "device", a.device.parse())?;
     let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
     let gpus = match device {
@@ -376,10 +373,6 @@ fn build(a: &EvalArgs) -> Result<Built> {
     };
     let env = DistEnv::from_env()?;
     let launched = Launched::from_env(env.as_ref());
-    crate::checkpoint::refuse_adapter_dir(model_dir, "--model-dir")?;
-    let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
-    let tokens = Tokens::open_checked(tokens_path, model.vocab)?;
-    let data = Dataset::with_files_beside(tokens, tokens_path)?;
     let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
     let mut cfg = EvalConfig {
         strategy,
@@ -390,18 +383,17 @@ fn build(a: &EvalArgs) -> Result<Built> {
         loss_chunk: a.loss_chunk,
         pack: a.pack.unwrap_or(PackMode::Stream),
         lora: match &a.lora_from {
-            Some(dir) => Some(crate::checkpoint::peft::read_adapter(dir, &model)?.weights),
+            Some(dir) => Some(crate::checkpoint::peft::read_adapter(dir, model)?.weights),
             None => None,
         },
         ..EvalConfig::new(model.clone())
     };
-    let seq = cfg.windows(&data)?.seq;
     let ranks = match launched {
         Some(l) => Some(l.world_size),
         None if device != Device::Cpu && gpus >= 2 => Some(gpus),
         None => None,
     };
-    let mesh = eval_mesh(a, strategy, &model, seq, ranks);
+    let mesh = eval_mesh(a, strategy, model, seq, ranks);
     mesh.check_countable()?;
     (cfg.data_parallel, cfg.ulysses, cfg.ring) = (mesh.data, mesh.ulysses, mesh.ring);
     let shape = cfg.mesh_shape(&cfg.plan(seq)?);
@@ -411,15 +403,9 @@ fn build(a: &EvalArgs) -> Result<Built> {
             .map_err(|e| e.to_string())
     };
     let route = route_for("eval", device, launched, gpus, shape, &nccl)?;
-    Ok(Built {
+    Ok(Placed {
         cfg,
-        model_dir: model_dir.to_path_buf(),
-        extra_tensors: match a.allow_extra_tensors {
-            true => ExtraTensors::Ignore,
-            false => ExtraTensors::Refuse,
-        }
-        .beside_adapters(a.lora_from.is_some()),
-        data,
+        device,
         kernel,
         env,
         gpus,
@@ -428,34 +414,112 @@ fn build(a: &EvalArgs) -> Result<Built> {
     })
 }
 
+/// The weights of `--model-dir` by HF name, with `--allow-extra-tensors`'
+/// rule (tensors of adapters beside them ignored under `--lora-from`).
+pub(super) fn load_weights(
+    a: &EvalArgs,
+    model_dir: &Path,
+    model: &ModelConfig,
+) -> Result<BTreeMap<String, HostTensor>> {
+    let extra = match a.allow_extra_tensors {
+        true => ExtraTensors::Ignore,
+        false => ExtraTensors::Refuse,
+    }
+    .beside_adapters(a.lora_from.is_some());
+    load_hf_model_with(model_dir, model, extra)
+}
+
+/// A maker of thread ranks' backends spread round-robin over `gpus`
+/// devices, each opened once here first (a failure is an error here,
+/// not inside a rank thread).
+pub(super) fn gpu_backends(
+    gpus: usize,
+    kernel: AttnKernel,
+) -> Result<impl Fn() -> crate::backend::cuda::CudaBackend + Sync> {
+    use crate::backend::cuda::CudaBackend;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    for g in 0..gpus {
+        CudaBackend::new(g)?;
+    }
+    let next = AtomicUsize::new(0);
+    Ok(move || {
+        let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
+        let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
+        b.set_attn_kernel(kernel);
+        b
+    })
+}
+
+/// An evaluation built from its flags, up to the moment it runs.
+struct Built {
+    placed: Placed,
+    model_dir: PathBuf,
+    data: Dataset,
+    /// The planner's prediction of the evaluation's peak.
+    predicted: Prediction,
+}
+
+/// The flags parsed and checked, the token file opened, the mesh chosen,
+/// where the ranks run decided and the evaluation planned (refused when
+/// it cannot fit).
+fn build(a: &EvalArgs) -> Result<Built> {
+    let model_dir = required(&a.model_dir, "model_dir")?;
+    let tokens_path = required(&a.tokens, "tokens")?;
+    check_outputs(a, model_dir, tokens_path)?;
+    refuse_not_ids(tokens_path, model_dir)?;
+    let model = open_model(model_dir)?;
+    let tokens = Tokens::open_checked(tokens_path, model.vocab)?;
+    let data = Dataset::with_files_beside(tokens, tokens_path)?;
+    let probe = EvalConfig {
+        seq: a.seq,
+        buckets: a.buckets,
+        pack: a.pack.unwrap_or(PackMode::Stream),
+        ..EvalConfig::new(model.clone())
+    };
+    let seq = probe.windows(&data)?.seq;
+    let placed = place(a, &model, seq)?;
+    let documents = crate::cli::train::may_hold_documents(placed.cfg.pack, Some(tokens_path));
+    let at = preflight::Placement {
+        route: &placed.route,
+        device: placed.device,
+        kernel: placed.kernel,
+        gpus: placed.gpus,
+        documents,
+    };
+    let planned = preflight::preflight(&placed.cfg, &[seq], EvalForward::Loss, &at)?;
+    Ok(Built {
+        placed,
+        model_dir: model_dir.to_path_buf(),
+        data,
+        predicted: planned.predictions.into_iter().next().expect("one length"),
+    })
+}
+
 /// Loads the weights and evaluates where the route says.
-fn execute(run: &Built) -> Result<EvalReport> {
-    let (cfg, data, kernel) = (&run.cfg, &run.data, run.kernel);
-    let host = load_hf_model_with(&run.model_dir, &cfg.model, run.extra_tensors)?;
-    match &run.route {
+fn execute(a: &EvalArgs, run: &Built) -> Result<EvalReport> {
+    let (p, data) = (&run.placed, &run.data);
+    let host = load_weights(a, &run.model_dir, &p.cfg.model)?;
+    match &p.route {
         Route::ProcessRank => {
-            let env = run
-                .env
-                .as_ref()
-                .expect("a launched run has its environment");
-            eval_process_rank(cfg, data.clone(), &host, env, kernel)
+            let env = p.env.as_ref().expect("a launched run has its environment");
+            eval_process_rank(&p.cfg, data.clone(), &host, env, p.kernel)
         }
         Route::GpuThreads { gpus, why } => {
             tracing::info!("thread ranks on GPUs: {why}");
-            eval_on_gpus(cfg, data, &host, *gpus, kernel)
+            eval_threads(&p.cfg, data.clone(), &host, gpu_backends(*gpus, p.kernel)?)
         }
-        _ => eval_cpu(cfg, data.clone(), &host),
+        _ => eval_cpu(&p.cfg, data.clone(), &host),
     }
 }
 
 /// `--metrics`: the evaluation as one metrics line (step 0; model FLOPs of
-/// the forward only), stamped with the time on `clock` (started with the
+/// the forward only; the planner's prediction, the highest rank's peak,
+/// beside rank 0's measured one), stamped with the time on `clock` (started with the
 /// evaluation).
 fn write_metrics(
     path: &Path,
-    cfg: &EvalConfig,
+    (cfg, predicted, ranks): (&EvalConfig, &Prediction, usize),
     r: &EvalReport,
-    ranks: usize,
     clock: &RunClock,
 ) -> Result<()> {
     let seq = r.tokens / r.windows.max(1);
@@ -479,8 +543,8 @@ fn write_metrics(
         ranks,
         peak_bytes: r.peak_bytes,
         peak_by_category: by_category(&r.at_peak_by_category, r.host_peak_bytes),
-        predicted_peak_bytes: None,
-        predicted_by_category: None,
+        predicted_peak_bytes: Some(predicted.peak),
+        predicted_by_category: Some(by_category(&predicted.at_peak, predicted.host_peak)),
         profile: None,
         eval: None,
         retrieval: None,
@@ -491,29 +555,4 @@ fn write_metrics(
     let file = MetricsFile::create(path)?;
     file.write(&line);
     file.finish()
-}
-
-/// Thread ranks spread round-robin over `gpus` devices.
-fn eval_on_gpus(
-    cfg: &EvalConfig,
-    data: &Dataset,
-    host: &std::collections::BTreeMap<String, crate::checkpoint::HostTensor>,
-    gpus: usize,
-    kernel: AttnKernel,
-) -> Result<EvalReport> {
-    use crate::backend::cuda::CudaBackend;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    // open every device once here, so a failure is an error rather than a
-    // failure inside a rank thread
-    for g in 0..gpus {
-        CudaBackend::new(g)?;
-    }
-    let next = AtomicUsize::new(0);
-    let make = || {
-        let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
-        let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
-        b.set_attn_kernel(kernel);
-        b
-    };
-    eval_threads(cfg, data.clone(), host, make)
 }

@@ -36,10 +36,12 @@ mod summary;
 mod tokenizer;
 
 pub use args::{Choices, Device, FsdpMode, TrainArgs};
+pub use kernel::{decide as decide_kernel, may_hold_documents};
 pub use mesh::{
     CPU_DEFAULT_MESH, MAX_THREAD_RANKS, MeshChoice, MeshFlags, check_thread_ranks, default_mesh,
     resolve_mesh,
 };
+pub use preflight::{memory_per_rank, outside_ledger};
 pub use route::{
     Launched, Route, gpu_memory_per_rank, host_available_bytes, route, route_for, visible_gpus,
 };
@@ -362,11 +364,7 @@ impl Built {
     /// of rank 0's step.
     fn resolve(&mut self, a: &TrainArgs) -> Result<Prediction> {
         let world = self.shape.world_size();
-        self.budget = if self.on_gpu() {
-            gpu_memory_per_rank(world, self.gpus)
-        } else {
-            self.host_available.map(|b| b / world)
-        };
+        self.budget = memory_per_rank(self.on_gpu(), world, self.gpus, self.host_available);
         if self.lead {
             // a killed run's half-moved save finished, so `resume_dir` sees it;
             // the trainer takes the directory again for the run

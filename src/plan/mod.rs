@@ -40,6 +40,7 @@ use crate::train::config::TrainConfig;
 pub use checkpoint_every::CheckpointEvery;
 pub use cudnn_version::{CudnnVersion, PLANNED_CUDNN_VERSION};
 pub use device::DeviceKind;
+pub use engine::{EvalForward, EvalSpec};
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
 pub use resolve::{
@@ -240,6 +241,15 @@ pub fn predict_step(spec: &StepSpec) -> Result<Prediction> {
 /// `--rehearse` hold a run against, at the run's own length.
 pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
     engine::engine_step_rank(spec, ring_rank)
+}
+
+/// Predicts the peak of one evaluation (`upipe eval`'s loss, or an
+/// `upipe eval --task` trial) on the rank that needs the most: the
+/// evaluation's own forward on each distinct ring rank
+/// ([`engine::engine_eval_rank`]).
+pub fn predict_eval(spec: &engine::EvalSpec) -> Result<Prediction> {
+    let pr = spec.cfg.plan(spec.length)?.layout.pr;
+    max_over_ring_ranks(pr, |i| engine::engine_eval_rank(spec, i))
 }
 
 /// Predicts what `attention::trial::run_trial` measures (the highest rank):

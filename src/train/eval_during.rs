@@ -95,7 +95,7 @@ pub fn after_step<B: Backend>(
         mesh,
         plan,
         EvalData {
-            data: &ev.data,
+            data: Some(&ev.data),
             pack: ecfg.pack,
             win: &win,
         },

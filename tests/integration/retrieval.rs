@@ -127,7 +127,7 @@ fn a_trial_passes_and_fails_exactly_where_the_model_predicts() {
             grid: &grid,
             make: &make,
         };
-        let results = retrieval_cpu(&run, &host).unwrap();
+        let results = retrieval_cpu(&run, &host).unwrap().trials;
         assert_eq!(results.len(), 16, "{mesh:?}");
         for r in &results {
             let t = successor_trial(
@@ -227,7 +227,7 @@ fn the_answer_log_likelihood_is_the_loss_paths_cross_entropy_under_every_mesh() 
             grid: &grid,
             make: &make,
         };
-        let results = retrieval_cpu(&run, &host).unwrap();
+        let results = retrieval_cpu(&run, &host).unwrap().trials;
         for (r, w) in results.iter().zip(&want) {
             assert!(
                 ((r.mean_logprob - w) / w).abs() < 1e-5,

@@ -6,13 +6,12 @@
 //! the heatmap (SVG). `--write-corpus` writes trials as training data
 //! instead (`data::retrieval::corpus`).
 
-use super::task_args::{EvalTaskArgs, TaskArgs};
-use crate::attention::Strategy;
-use crate::backend::cuda::cudnn::AttnKernel;
-use crate::checkpoint::{ExtraTensors, HostTensor, load_hf_model_with};
-use crate::cli::config::for_key;
-use crate::cli::train::{Device, Launched, Route, route_for};
-use crate::comm::env::DistEnv;
+use super::preflight::{Placement, preflight};
+use super::task_args::TaskArgs;
+use super::task_report::Scores;
+use super::{EvalArgs, Placed};
+use crate::checkpoint::HostTensor;
+use crate::cli::train::Route;
 use crate::data::Tokenizer;
 use crate::data::retrieval::corpus::{CorpusSpec, write_corpus};
 use crate::data::retrieval::{
@@ -20,8 +19,8 @@ use crate::data::retrieval::{
 };
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use crate::train::eval::EvalConfig;
-use crate::train::retrieval::{RetrievalRun, TrialResult, retrieval_cpu, retrieval_threads};
+use crate::plan::EvalForward;
+use crate::train::retrieval::{RetrievalRun, Scored, retrieval_cpu, retrieval_threads};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -33,31 +32,39 @@ struct TaskRun {
     haystack: Option<Haystack>,
 }
 
-/// `upipe eval --task` with flags `a`.
-pub fn run(a: &EvalTaskArgs) -> Result<i32> {
-    let t = a.task;
+/// `upipe eval --task` with `upipe eval`'s flags `a`.
+pub fn run(a: &EvalArgs) -> Result<i32> {
+    let t = &a.task;
     let task = build_task(a)?;
     if let Some(path) = &t.write_corpus {
         return corpus(&task, path, t.documents);
     }
-    if a.tokens_given {
+    if a.tokens.is_some() {
         return crate::config_err!(
             "--tokens is what `upipe eval` measures the loss on; --task makes its own trials: \
              leave out one of them"
         );
     }
-    let Some(model_dir) = a.model_dir.map(Path::to_path_buf) else {
+    let Some(model_dir) = a.model_dir.as_deref() else {
         return crate::config_err!(
             "upipe eval --task needs --model-dir (or [eval] model-dir in --config), or \
              --write-corpus to write trials without a model"
         );
     };
-    crate::checkpoint::refuse_adapter_dir(&model_dir, "--model-dir")?;
-    let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
+    let model = super::open_model(model_dir)?;
     check_model(&task, &model)?;
     let maker = TrialMaker::new(&task.spec, task.haystack.as_ref(), &task.tok)?;
     probe(&maker, &task.grid)?;
-    let placed = place(a, &model)?;
+    let longest = task.grid.lengths.iter().copied().max().unwrap_or(1);
+    let placed = super::place(a, &model, longest)?;
+    let at = Placement {
+        route: &placed.route,
+        device: placed.device,
+        kernel: placed.kernel,
+        gpus: placed.gpus,
+        documents: false,
+    };
+    let planned = preflight(&placed.cfg, &task.grid.lengths, EvalForward::Trial, &at)?;
     if let Route::SelfLaunch { nproc } = placed.route {
         tracing::info!(
             "{} GPUs visible: starting {nproc} processes, one per GPU (NCCL)",
@@ -66,30 +73,27 @@ pub fn run(a: &EvalTaskArgs) -> Result<i32> {
         let child = crate::cli::launch::own_command("eval")?;
         return crate::cli::launch::run_local(nproc, child);
     }
-    let extra = match a.allow_extra_tensors {
-        true => ExtraTensors::Ignore,
-        false => ExtraTensors::Refuse,
-    }
-    .beside_adapters(a.lora_from.is_some());
-    let host = load_hf_model_with(&model_dir, &placed.cfg.model, extra)?;
+    let host = super::load_weights(a, model_dir, &placed.cfg.model)?;
     let make = |at: &TrialAt| maker.trial(at);
     let run = RetrievalRun {
         cfg: &placed.cfg,
         grid: &task.grid,
         make: &make,
     };
-    let results = execute(&run, &placed, &host)?;
-    let lead =
-        placed.route != Route::ProcessRank || placed.env.as_ref().is_none_or(|e| e.rank == 0);
-    if lead {
-        super::task_report::report(a, &task.spec, &task.grid, &task.tok, &results)?;
+    let scored = execute(&run, &placed, &host)?;
+    if placed.lead() {
+        let scores = Scores {
+            scored: &scored,
+            predicted: &planned.predictions,
+        };
+        super::task_report::report(a, (&task.spec, &task.grid, &task.tok), &scores)?;
     }
     Ok(0)
 }
 
 /// The task, grid, tokenizer and haystack from the flags, checked.
-fn build_task(a: &EvalTaskArgs) -> Result<TaskRun> {
-    let t = a.task;
+fn build_task(a: &EvalArgs) -> Result<TaskRun> {
+    let t = &a.task;
     let name = t.task.as_deref().unwrap_or_default();
     let task: RetrievalTask = name.parse()?;
     let mut spec = TaskSpec::new(task);
@@ -159,11 +163,11 @@ fn grid(t: &TaskArgs) -> Result<Grid> {
 
 /// `--tokenizer`, else the model directory's `tokenizer.json`, else bytes
 /// for a model of 256 ids.
-fn tokenizer(a: &EvalTaskArgs) -> Result<Tokenizer> {
+fn tokenizer(a: &EvalArgs) -> Result<Tokenizer> {
     if let Some(t) = &a.task.tokenizer {
         return Tokenizer::resolve(t);
     }
-    let dir = a.model_dir;
+    let dir = a.model_dir.as_deref();
     if let Some(file) = dir
         .map(|d| d.join("tokenizer.json"))
         .filter(|f| f.is_file())
@@ -239,71 +243,12 @@ fn corpus(task: &TaskRun, path: &Path, documents: usize) -> Result<i32> {
     Ok(0)
 }
 
-/// The model on its mesh and where its ranks run.
-struct Placed {
-    cfg: EvalConfig,
-    kernel: AttnKernel,
-    env: Option<DistEnv>,
-    gpus: usize,
-    route: Route,
-}
-
-/// The evaluation's mesh for the longest length, checked, and its route
-/// (as `upipe eval` places a run).
-fn place(a: &EvalTaskArgs, model: &ModelConfig) -> Result<Placed> {
-    let k = a.keys;
-    let device: Device = for_key(k, "device", a.device.parse())?;
-    let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
-    let gpus = match device {
-        Device::Cpu => 0,
-        _ => crate::cli::train::visible_gpus(),
-    };
-    let env = DistEnv::from_env()?;
-    let launched = Launched::from_env(env.as_ref());
-    let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
-    let mut cfg = EvalConfig {
-        strategy,
-        chunk_heads: a.chunk_heads,
-        fwd_chunk_heads: a.fwd_chunk_heads,
-        loss_chunk: a.loss_chunk,
-        lora: match a.lora_from {
-            Some(dir) => Some(crate::checkpoint::peft::read_adapter(dir, model)?.weights),
-            None => None,
-        },
-        ..EvalConfig::new(model.clone())
-    };
-    let longest = a.task.lengths.as_deref().map(parse_lengths).transpose()?;
-    let longest = longest.and_then(|l| l.into_iter().max()).unwrap_or(1);
-    let ranks = match launched {
-        Some(l) => Some(l.world_size),
-        None if device != Device::Cpu && gpus >= 2 => Some(gpus),
-        None => None,
-    };
-    let mesh = (a.mesh)(strategy, model, longest, ranks);
-    mesh.check_countable()?;
-    (cfg.data_parallel, cfg.ulysses, cfg.ring) = (mesh.data, mesh.ulysses, mesh.ring);
-    let shape = cfg.mesh_shape(&cfg.plan(longest)?);
-    let nccl = || {
-        crate::comm::nccl::library()
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    };
-    let route = route_for("eval", device, launched, gpus, shape, &nccl)?;
-    Ok(Placed {
-        cfg,
-        kernel,
-        env,
-        gpus,
-        route,
-    })
-}
-
 /// Scores every trial where the route says.
 fn execute(
     run: &RetrievalRun,
     placed: &Placed,
     host: &BTreeMap<String, HostTensor>,
-) -> Result<Vec<TrialResult>> {
+) -> Result<Scored> {
     match &placed.route {
         Route::ProcessRank => {
             let env = placed
@@ -313,20 +258,8 @@ fn execute(
             crate::train::trainer::retrieval_process_rank(run, host, env, placed.kernel)
         }
         Route::GpuThreads { gpus, why } => {
-            use crate::backend::cuda::CudaBackend;
-            use std::sync::atomic::{AtomicUsize, Ordering};
             tracing::info!("thread ranks on GPUs: {why}");
-            for g in 0..*gpus {
-                CudaBackend::new(g)?;
-            }
-            let next = AtomicUsize::new(0);
-            let make = || {
-                let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
-                let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
-                b.set_attn_kernel(placed.kernel);
-                b
-            };
-            retrieval_threads(run, host, make)
+            retrieval_threads(run, host, super::gpu_backends(*gpus, placed.kernel)?)
         }
         _ => retrieval_cpu(run, host),
     }

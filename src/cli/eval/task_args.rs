@@ -1,10 +1,7 @@
 //! The flags of `upipe eval --task` (retrieval trials), a group of
-//! `upipe eval`'s flags, and what the task reads of the others.
+//! `upipe eval`'s flags.
 
-use crate::attention::Strategy;
-use crate::cli::train::MeshChoice;
-use crate::model::ModelConfig;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Flags of the retrieval tasks.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -113,29 +110,4 @@ impl TaskArgs {
         ];
         given.into_iter().find(|g| g.0).map(|g| g.1)
     }
-}
-
-/// `upipe eval`'s mesh of a strategy, a model, a length and the ranks
-/// available (`None`: unknown).
-pub type MeshOf<'a> = dyn Fn(Strategy, &ModelConfig, usize, Option<usize>) -> MeshChoice + 'a;
-
-/// What `upipe eval --task` reads of `upipe eval`'s flags (resolved by
-/// `cli/eval.rs`, which runs `eval/task.rs` with them).
-pub struct EvalTaskArgs<'a> {
-    pub task: &'a TaskArgs,
-    /// `upipe eval`'s run-file keys, which errors name.
-    pub keys: &'static [(&'static str, &'static str, &'static str)],
-    pub model_dir: Option<&'a Path>,
-    pub tokens_given: bool,
-    pub lora_from: Option<&'a Path>,
-    pub allow_extra_tensors: bool,
-    pub device: &'a str,
-    pub attn_kernel: &'a str,
-    pub attn: &'a str,
-    pub chunk_heads: Option<usize>,
-    pub fwd_chunk_heads: Option<usize>,
-    pub loss_chunk: usize,
-    pub json: bool,
-    /// `upipe eval`'s mesh for a strategy, model, length and rank count.
-    pub mesh: &'a MeshOf<'a>,
 }
