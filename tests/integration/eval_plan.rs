@@ -161,3 +161,150 @@ fn a_loss_evaluations_predicted_peak_is_its_measured_peak() {
         }
     }
 }
+
+fn upipe(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("upipe-eval-plan-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `eval --task`'s summary gives each length's predicted and measured
+/// peak, equal on the CPU, and its seconds per trial; `eval --metrics`
+/// gives the loss evaluation's predicted peak beside the measured one.
+#[test]
+fn eval_reports_the_predicted_peak_beside_the_measured_one() {
+    let dir = temp_dir("report");
+    let cfg = ModelConfig::resolve("tiny").unwrap();
+    let model = dir.join("model");
+    let host = random_weights(&cfg, 4);
+    upipe::checkpoint::save_hf_model(&model, &cfg, &host, upipe::backend::DType::F32).unwrap();
+    let (m, out) = (model.to_str().unwrap(), dir.join("out"));
+    let o = upipe(&[
+        "eval",
+        "--task",
+        "passkey",
+        "--model-dir",
+        m,
+        "--lengths",
+        "300,1K",
+        "--depths",
+        "1",
+        "--trials",
+        "2",
+        "--device",
+        "cpu",
+        "--ulysses",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        stdout.contains("predicted peak") && stdout.contains("s/trial"),
+        "{stdout}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let by_length = summary["by_length"].as_array().unwrap();
+    assert_eq!(by_length.len(), 2);
+    for (l, want) in by_length.iter().zip([300, 1024]) {
+        assert_eq!(l["length"], want);
+        let measured = l["measured_peak_bytes"].as_u64().unwrap();
+        assert!(measured > 0);
+        assert_eq!(l["predicted_peak_bytes"].as_u64().unwrap(), measured, "{l}");
+        assert!(l["seconds_per_trial"].as_f64().unwrap() > 0.0);
+    }
+    let mut rng = Rng::new(3);
+    let ids: Vec<u8> = (0..2049u32)
+        .flat_map(|_| (rng.below(256) as u32).to_le_bytes())
+        .collect();
+    let (tokens, metrics) = (dir.join("ids.u32"), dir.join("m.jsonl"));
+    std::fs::write(&tokens, ids).unwrap();
+    let o = upipe(&[
+        "eval",
+        "--model-dir",
+        m,
+        "--tokens",
+        tokens.to_str().unwrap(),
+        "--seq",
+        "512",
+        "--device",
+        "cpu",
+        "--ulysses",
+        "2",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let line: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(&metrics).unwrap().trim()).unwrap();
+    assert!(line["peak_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(line["predicted_peak_bytes"], line["peak_bytes"], "{line}");
+    assert!(
+        line["predicted_by_category"]["weights"].as_u64().unwrap() > 0,
+        "{line}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An evaluation the planner says cannot fit the host's memory (Llama 3.1
+/// 70B in f32 on the CPU) is refused before any weight loads: its
+/// directory holds no weights at all, and the error names what to change.
+#[test]
+fn an_evaluation_that_cannot_fit_is_refused_before_weights_load() {
+    let dir = temp_dir("refuse");
+    let config = ModelConfig::hf_source("llama3.1-70b").unwrap().unwrap();
+    let config = serde_json::Value::Object(config).to_string();
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let tokens = dir.join("ids.u32");
+    let ids: Vec<u8> = (0..4097u32).flat_map(|i| (i % 200).to_le_bytes()).collect();
+    std::fs::write(&tokens, ids).unwrap();
+    let d = dir.to_str().unwrap();
+    let task = [
+        "eval",
+        "--task",
+        "passkey",
+        "--model-dir",
+        d,
+        "--tokenizer",
+        "byte",
+        "--lengths",
+        "1K,4K",
+        "--device",
+        "cpu",
+    ];
+    let loss = [
+        "eval",
+        "--model-dir",
+        d,
+        "--tokens",
+        tokens.to_str().unwrap(),
+        "--seq",
+        "4096",
+        "--device",
+        "cpu",
+    ];
+    for (args, flag) in [(&task[..], "--lengths 1024"), (&loss[..], "--seq 4096")] {
+        let o = upipe(args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(&format!("{flag} cannot fit, so no weight was loaded")),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("weights") && stderr.contains("more GPUs"),
+            "{stderr}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -95,12 +95,15 @@ fn refusal(length: usize, p: &Prediction, usable: usize, forward: EvalForward, f
         EvalForward::Loss => "--seq",
         EvalForward::Trial => "--lengths",
     };
+    let at = match p.peak_at {
+        "" => String::new(),
+        part => format!("; at {part}"),
+    };
     Error::Config(format!(
         "{flag} {length} cannot fit, so no weight was loaded: the planner predicts a peak of {} \
-         per rank ({}; at {}), but {} is usable. {fix}",
+         per rank ({}{at}), but {} is usable. {fix}",
         Bytes(p.peak),
         by.join(", "),
-        p.peak_at,
         Bytes(usable)
     ))
 }
