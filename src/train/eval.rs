@@ -86,7 +86,7 @@ impl fmt::Debug for EvalDuring {
 impl EvalDuring {
     /// Whether step `step` of a run of `steps` evaluates.
     pub fn due(&self, step: u32, steps: u32) -> bool {
-        step == steps || (self.every > 0 && step.is_multiple_of(self.every))
+        super::eval_during::due(self.every, step, steps)
     }
 }
 

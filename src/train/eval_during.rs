@@ -78,13 +78,12 @@ pub fn after_step<B: Backend>(
     model: &mut (dyn RankModel<B> + '_),
     step: u32,
 ) -> Result<Option<EvalReport>> {
-    let Some(ev) = cfg.eval.as_ref().filter(|e| e.due(step, cfg.steps)) else {
+    let Some(ev) = cfg.eval.as_ref() else {
         return Ok(None);
     };
-    if cfg.rehearse {
+    if !settle_if_due(cfg, ev.every, b, model, step)? {
         return Ok(None);
     }
-    model.settle(b)?;
     let ecfg = ev.eval_config(cfg);
     let win = ecfg.windows(&ev.data)?;
     let ranges = ecfg.bucket_ranges(win.seq);
@@ -106,6 +105,30 @@ pub fn after_step<B: Backend>(
         },
     )?;
     Ok(Some(report))
+}
+
+/// Whether an evaluation every `every` steps runs after step `step` (it
+/// is due, and the run is not a rehearsal, which computes nothing to
+/// evaluate); when it does, the pending host optimizer updates run first,
+/// so it sees the step's parameters.
+pub(crate) fn settle_if_due<B: Backend>(
+    cfg: &TrainConfig,
+    every: u32,
+    b: &B,
+    model: &mut (dyn RankModel<B> + '_),
+    step: u32,
+) -> Result<bool> {
+    if !due(every, step, cfg.steps) || cfg.rehearse {
+        return Ok(false);
+    }
+    model.settle(b)?;
+    Ok(true)
+}
+
+/// Whether an evaluation every `every` steps (0: none but the last) is
+/// due after step `step` of a run of `steps`: every `every`-th, and the last.
+pub(crate) fn due(every: u32, step: u32, steps: u32) -> bool {
+    step == steps || (every > 0 && step.is_multiple_of(every))
 }
 
 /// Checks the run's evaluation, if any, before anything is allocated

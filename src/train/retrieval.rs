@@ -423,7 +423,7 @@ pub struct RetrievalPoint {
 impl RetrievalDuring {
     /// Whether step `step` of a run of `steps` scores.
     pub fn due(&self, step: u32, steps: u32) -> bool {
-        step == steps || (self.every > 0 && step.is_multiple_of(self.every))
+        super::eval_during::due(self.every, step, steps)
     }
 
     /// Checks the grid against the run and builds the first trial of every
