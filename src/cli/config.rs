@@ -212,6 +212,7 @@ pub struct EvalKeys {
     pub needle_template: Option<String>,
     pub question_template: Option<String>,
     pub answer_template: Option<String>,
+    pub chat_template: Option<String>,
     pub out: Option<PathBuf>,
     pub write_corpus: Option<PathBuf>,
     pub documents: Option<usize>,

@@ -13,16 +13,17 @@ use super::{EvalArgs, Placed};
 use crate::checkpoint::HostTensor;
 use crate::cli::train::Route;
 use crate::data::Tokenizer;
+use crate::data::chat::ChatTemplate;
 use crate::data::retrieval::corpus::{CorpusSpec, write_corpus};
 use crate::data::retrieval::{
-    Grid, Haystack, RetrievalTask, TaskSpec, TrialAt, TrialMaker, parse_lengths,
+    ChatFrame, Grid, Haystack, RetrievalTask, TaskSpec, TrialAt, TrialMaker, parse_lengths,
 };
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::plan::EvalForward;
 use crate::train::retrieval::{RetrievalRun, Scored, retrieval_cpu, retrieval_threads};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// What a retrieval run needs before its weights load.
 struct TaskRun {
@@ -30,6 +31,19 @@ struct TaskRun {
     grid: Grid,
     tok: Tokenizer,
     haystack: Option<Haystack>,
+    /// The chat template's frame (`None`: plain text) and its file.
+    chat: Option<(ChatFrame, String)>,
+}
+
+impl TaskRun {
+    /// The maker of the run's trials.
+    fn maker(&self) -> Result<TrialMaker<'_>> {
+        let maker = TrialMaker::new(&self.spec, self.haystack.as_ref(), &self.tok)?;
+        Ok(match &self.chat {
+            Some((frame, _)) => maker.with_chat(frame),
+            None => maker,
+        })
+    }
 }
 
 /// `upipe eval --task` with `upipe eval`'s flags `a`.
@@ -53,7 +67,7 @@ pub fn run(a: &EvalArgs) -> Result<i32> {
     };
     let model = super::open_model(model_dir)?;
     check_model(&task, &model)?;
-    let maker = TrialMaker::new(&task.spec, task.haystack.as_ref(), &task.tok)?;
+    let maker = task.maker()?;
     probe(&maker, &task.grid)?;
     let longest = task.grid.lengths.iter().copied().max().unwrap_or(1);
     let placed = super::place(a, &model, longest)?;
@@ -85,6 +99,7 @@ pub fn run(a: &EvalArgs) -> Result<i32> {
         let scores = Scores {
             scored: &scored,
             predicted: &planned.predictions,
+            chat_template: task.chat.as_ref().map(|c| c.1.as_str()),
         };
         super::task_report::report(a, (&task.spec, &task.grid, &task.tok), &scores)?;
     }
@@ -110,9 +125,14 @@ fn build_task(a: &EvalArgs) -> Result<TaskRun> {
             *into = text.replace("\\n", "\n");
         }
     }
-    spec.check()?;
     let grid = grid(t)?;
     let tok = tokenizer(a)?;
+    let chat = chat_frame(a, &tok)?;
+    if chat.is_some() && t.answer_template.is_none() {
+        // the answer starts the assistant's turn, with no space before it
+        spec.templates.answer = "{value}".into();
+    }
+    spec.check()?;
     let longest = grid.lengths.iter().copied().max().unwrap_or(1);
     let haystack = match (&t.haystack, task.uses_haystack()) {
         (Some(_), false) => {
@@ -135,6 +155,7 @@ fn build_task(a: &EvalArgs) -> Result<TaskRun> {
         grid,
         tok,
         haystack,
+        chat,
     })
 }
 
@@ -187,6 +208,48 @@ fn tokenizer(a: &EvalArgs) -> Result<Tokenizer> {
     }
 }
 
+/// Where the tokenizer's files are (`--tokenizer`, else the model
+/// directory); `None` for the byte tokenizer.
+fn tokenizer_dir(a: &EvalArgs) -> Option<PathBuf> {
+    match a.task.tokenizer.as_deref() {
+        Some("byte") => None,
+        Some(t) => Some(PathBuf::from(t)),
+        None => a.model_dir.clone(),
+    }
+}
+
+/// `--chat-template`: the frame of the model's (or a file's) chat
+/// template, or `None` for plain text; says on stderr which it chose.
+fn chat_frame(a: &EvalArgs, tok: &Tokenizer) -> Result<Option<(ChatFrame, String)>> {
+    let dir = tokenizer_dir(a);
+    let template = match a.task.chat_template.as_str() {
+        "none" => return Ok(None),
+        "auto" | "" => match dir
+            .as_deref()
+            .map(ChatTemplate::find)
+            .transpose()?
+            .flatten()
+        {
+            Some(t) => t,
+            None => {
+                tracing::info!(
+                    "--chat-template auto: the tokenizer has no chat template, so trials are \
+                     plain text"
+                );
+                return Ok(None);
+            }
+        },
+        path => ChatTemplate::from_file(Path::new(path), dir.as_deref())?,
+    };
+    let file = template.path().display().to_string();
+    tracing::info!(
+        "--chat-template {}: each trial's context and question are the user's turn of {file}, \
+         the answer after its generation prompt (--chat-template none: plain text)",
+        a.task.chat_template
+    );
+    Ok(Some((ChatFrame::of(&template, tok)?, file)))
+}
+
 /// The model can read the tokenizer's ids and every length asked.
 fn check_model(task: &TaskRun, model: &ModelConfig) -> Result<()> {
     if task.tok.vocab_size() > model.vocab {
@@ -225,7 +288,7 @@ fn probe(maker: &TrialMaker, grid: &Grid) -> Result<()> {
 /// `--write-corpus PATH`: `documents` trials at lengths drawn from
 /// `--lengths` and depths drawn uniformly.
 fn corpus(task: &TaskRun, path: &Path, documents: usize) -> Result<i32> {
-    let maker = TrialMaker::new(&task.spec, task.haystack.as_ref(), &task.tok)?;
+    let maker = task.maker()?;
     let spec = CorpusSpec {
         lengths: task.grid.lengths.clone(),
         documents,

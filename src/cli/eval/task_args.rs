@@ -41,6 +41,14 @@ pub struct TaskArgs {
     /// tokenizer.json (bytes for a model of 256 ids).
     #[arg(long)]
     pub tokenizer: Option<String>,
+    /// How the prompt is framed: `auto` (the default) wraps the context and
+    /// question in the user's turn of the model's chat template (its
+    /// `chat_template.jinja` or the `chat_template` of its
+    /// `tokenizer_config.json`, beside the tokenizer) with the generation
+    /// prompt, the answer after it, when the tokenizer has one, else plain
+    /// text (stderr says which); `none`: plain text; or a Jinja file.
+    #[arg(long, default_value = "auto", value_name = "auto|none|PATH")]
+    pub chat_template: String,
     /// Needles per trial (multikey: names, one asked; multivalue: numbers
     /// of the one name); default 4 (passkey: 1).
     #[arg(long)]
@@ -87,6 +95,7 @@ impl TaskArgs {
         seed => run.seed,
         haystack => eval.haystack,
         tokenizer => data.tokenizer,
+        chat_template => eval.chat_template,
         needles => eval.needles,
         digits => eval.digits,
         intro_template => eval.intro_template,

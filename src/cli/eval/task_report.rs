@@ -30,6 +30,8 @@ struct TrialLine<'a> {
 pub struct Scores<'a> {
     pub scored: &'a Scored,
     pub predicted: &'a [Prediction],
+    /// The chat template's file the trials were framed by (`None`: plain text).
+    pub chat_template: Option<&'a str>,
 }
 
 /// One length's memory and time (`summary.json`'s `by_length`).
@@ -51,6 +53,8 @@ struct SummaryFile<'a> {
     lora_from: Option<String>,
     haystack: String,
     templates: &'a Templates,
+    /// The chat template's file (`null`: plain text).
+    chat_template: Option<&'a str>,
     needles: usize,
     digits: usize,
     lengths: &'a [usize],
@@ -90,6 +94,7 @@ pub fn report(
             (None, false) => "its own key-value list".into(),
         },
         templates: &spec.templates,
+        chat_template: scores.chat_template,
         needles: spec.needles,
         digits: spec.digits,
         lengths: &grid.lengths,
