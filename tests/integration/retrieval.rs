@@ -487,3 +487,73 @@ fn trials_during_training_score_as_eval_task_does_on_the_saved_model() {
     train_then_eval(&dir, "on");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--chat-template`: `auto` on a tokenizer without a template keeps plain
+/// text and says so; a template file, or `auto` finding the model's
+/// `chat_template.jinja`, frames each trial (stderr names the file, the
+/// summary records it, the answer starts the assistant's turn).
+#[test]
+fn eval_task_frames_trials_with_the_chat_template_it_names() {
+    let dir = tiny_model_dir("chat");
+    let d = dir.to_str().unwrap();
+    let template = "{% for m in messages %}<u>{{ m.content }}</u>{% endfor %}\
+                    {% if add_generation_prompt %}<a>{% endif %}";
+    let file = dir.join("mine.jinja");
+    std::fs::write(&file, template).unwrap();
+    let run = |chat: &str, out: &str| {
+        let out = dir.join(out);
+        let o = upipe(&[
+            "eval",
+            "--task",
+            "passkey",
+            "--model-dir",
+            d,
+            "--lengths",
+            "400",
+            "--depths",
+            "1",
+            "--trials",
+            "1",
+            "--device",
+            "cpu",
+            "--chat-template",
+            chat,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{stderr}");
+        let read = |f: &str| std::fs::read_to_string(out.join(f)).unwrap();
+        let summary: serde_json::Value = serde_json::from_str(&read("summary.json")).unwrap();
+        let trial: serde_json::Value = serde_json::from_str(read("trials.jsonl").trim()).unwrap();
+        (stderr, summary, trial)
+    };
+    let (stderr, summary, trial) = run("auto", "plain");
+    assert!(
+        stderr.contains("no chat template, so trials are plain text"),
+        "{stderr}"
+    );
+    assert!(summary["chat_template"].is_null());
+    // " 1234567": the space before the digits is a token of its own
+    assert_eq!(trial["answer_tokens"], 8);
+    let (stderr, summary, trial) = run(file.to_str().unwrap(), "file");
+    assert!(
+        stderr.contains("user's turn of") && stderr.contains("mine.jinja"),
+        "{stderr}"
+    );
+    assert_eq!(summary["chat_template"], file.to_str().unwrap());
+    assert_eq!(trial["answer_tokens"], 7);
+    assert_eq!(trial["tokens"], 400);
+    std::fs::write(dir.join("chat_template.jinja"), template).unwrap();
+    let (stderr, summary, _) = run("auto", "auto");
+    assert!(stderr.contains("chat_template.jinja"), "{stderr}");
+    assert!(
+        summary["chat_template"]
+            .as_str()
+            .unwrap()
+            .ends_with("chat_template.jinja")
+    );
+    let (_, summary, _) = run("none", "none");
+    assert!(summary["chat_template"].is_null());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
