@@ -39,7 +39,7 @@ run() {
 }
 
 if has scores; then
-    echo "== scores: tiny, CPU (f32) against $DEV (bf16)"
+    echo "== scores: tiny, CPU (f32) against $DEV"
     run 60 $U eval --task passkey --tokenizer byte --lengths 384,512 --write-corpus "$W/passkey.u32" \
         --documents 400 &&
     run 240 $U train --model tiny --tokenizer byte --data "$W/passkey.u32" --pack bfd --seq 512 \
