@@ -200,6 +200,7 @@ pub struct EvalKeys {
     pub eval_task_lengths: Option<String>,
     pub eval_task_depths: Option<usize>,
     pub eval_task_trials: Option<usize>,
+    pub eval_task_chat_template: Option<String>,
     /// `upipe eval --task`'s retrieval trials.
     pub task: Option<String>,
     pub lengths: Option<String>,

@@ -86,8 +86,14 @@ impl fmt::Debug for EvalDuring {
 impl EvalDuring {
     /// Whether step `step` of a run of `steps` evaluates.
     pub fn due(&self, step: u32, steps: u32) -> bool {
-        super::eval_during::due(self.every, step, steps)
+        due(self.every, step, steps)
     }
+}
+
+/// Whether an evaluation every `every` steps (0: none but the last) is
+/// due after step `step` of a run of `steps`: every `every`-th, and the last.
+pub(crate) fn due(every: u32, step: u32, steps: u32) -> bool {
+    step == steps || (every > 0 && step.is_multiple_of(every))
 }
 
 /// The windows an [`EvalConfig`] cuts a token file into.

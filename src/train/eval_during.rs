@@ -7,7 +7,7 @@
 //! as the training forward does).
 
 use super::config::TrainConfig;
-use super::eval::{EvalConfig, EvalData, EvalDuring, EvalReport, eval_windows};
+use super::eval::{EvalConfig, EvalData, EvalDuring, EvalReport, due, eval_windows};
 use super::state::RankModel;
 use crate::attention::CpPlan;
 use crate::backend::Backend;
@@ -123,12 +123,6 @@ pub(crate) fn settle_if_due<B: Backend>(
     }
     model.settle(b)?;
     Ok(true)
-}
-
-/// Whether an evaluation every `every` steps (0: none but the last) is
-/// due after step `step` of a run of `steps`: every `every`-th, and the last.
-pub(crate) fn due(every: u32, step: u32, steps: u32) -> bool {
-    step == steps || (every > 0 && step.is_multiple_of(every))
 }
 
 /// Checks the run's evaluation, if any, before anything is allocated

@@ -23,7 +23,7 @@ use crate::checkpoint::HostTensor;
 use crate::comm::Mesh;
 use crate::comm::local::run_ranks;
 use crate::data::Tokenizer;
-use crate::data::retrieval::{Grid, Haystack, TaskSpec, Trial, TrialAt, TrialMaker};
+use crate::data::retrieval::{ChatFrame, Grid, Haystack, TaskSpec, Trial, TrialAt, TrialMaker};
 use crate::error::Result;
 use crate::model::Decoder;
 use serde::Serialize;
@@ -395,6 +395,8 @@ pub struct RetrievalDuring {
     pub haystack: Option<Haystack>,
     /// Score after every this many steps, and after the last.
     pub every: u32,
+    /// The chat template's frame of each trial (`None`: plain text).
+    pub chat: Option<ChatFrame>,
 }
 
 impl fmt::Debug for RetrievalDuring {
@@ -423,7 +425,16 @@ pub struct RetrievalPoint {
 impl RetrievalDuring {
     /// Whether step `step` of a run of `steps` scores.
     pub fn due(&self, step: u32, steps: u32) -> bool {
-        super::eval_during::due(self.every, step, steps)
+        super::eval::due(self.every, step, steps)
+    }
+
+    /// The maker of the trials (framed by the chat template, if any).
+    pub fn maker(&self) -> Result<TrialMaker<'_>> {
+        let maker = TrialMaker::new(&self.spec, self.haystack.as_ref(), &self.tok)?;
+        Ok(match &self.chat {
+            Some(frame) => maker.with_chat(frame),
+            None => maker,
+        })
     }
 
     /// Checks the grid against the run and builds the first trial of every
@@ -436,7 +447,7 @@ impl RetrievalDuring {
                  longer ones afterwards with `upipe eval --task`)"
             );
         }
-        let maker = TrialMaker::new(&self.spec, self.haystack.as_ref(), &self.tok)?;
+        let maker = self.maker()?;
         for li in 0..self.grid.lengths.len() {
             maker.trial(&self.grid.at(li, 0))?;
         }

@@ -13,7 +13,7 @@ use super::state::RankModel;
 use crate::attention::CpPlan;
 use crate::backend::Backend;
 use crate::comm::Mesh;
-use crate::data::retrieval::{TrialAt, TrialMaker};
+use crate::data::retrieval::TrialAt;
 use crate::error::Result;
 use crate::model::Decoder;
 
@@ -35,7 +35,7 @@ pub fn after_step<B: Backend>(
     if !settle_if_due(cfg, rd.every, b, model, step)? {
         return Ok(None);
     }
-    let maker = TrialMaker::new(&rd.spec, rd.haystack.as_ref(), &rd.tok)?;
+    let maker = rd.maker()?;
     let make = |at: &TrialAt| maker.trial(at);
     let make: MakeTrial = &make;
     b.ledger().enter("eval");

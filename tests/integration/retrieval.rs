@@ -394,12 +394,13 @@ fn eval_task_refuses_what_a_user_can_get_wrong_naming_the_fix() {
 /// Trains the tiny model 4 steps (`--fsdp fsdp`) with trials after steps
 /// 2 and 4, then scores the saved model with `upipe eval --task` on the
 /// same grid: the same scores as the run's last.
-fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
+fn train_then_eval(dir: &std::path::Path, fsdp: &str, chat: Option<&str>) {
+    let tag = format!("{fsdp}{}", if chat.is_some() { "-chat" } else { "" });
     let (save, metrics) = (
-        dir.join(format!("run-{fsdp}")),
-        dir.join(format!("m-{fsdp}.jsonl")),
+        dir.join(format!("run-{tag}")),
+        dir.join(format!("m-{tag}.jsonl")),
     );
-    let args = [
+    let mut args = vec![
         "train",
         "--device",
         "cpu",
@@ -426,6 +427,9 @@ fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
         "--fsdp",
         fsdp,
     ];
+    if let Some(file) = chat {
+        args.extend(["--eval-task-chat-template", file]);
+    }
     let out = upipe(&args);
     assert!(
         out.status.success(),
@@ -447,7 +451,7 @@ fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
         (last["task"].as_str(), last["trials"].as_u64()),
         (Some("passkey"), Some(12))
     );
-    let args = [
+    let mut args = vec![
         "eval",
         "--task",
         "passkey",
@@ -463,6 +467,9 @@ fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
         "--trials",
         "2",
     ];
+    if let Some(file) = chat {
+        args.extend(["--chat-template", file]);
+    }
     let out = upipe(&args);
     assert!(
         out.status.success(),
@@ -470,6 +477,7 @@ fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["chat_template"].as_str(), chat);
     assert_eq!(v["passed"], last["passed"], "--fsdp {fsdp}");
     let (a, b) = (
         v["mean_logprob"].as_f64().unwrap(),
@@ -483,8 +491,14 @@ fn trials_during_training_score_as_eval_task_does_on_the_saved_model() {
     let dir = std::env::temp_dir().join(format!("upipe-retrieval-train-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // the parameters replicated, and sharded (each unit gathered for the forward)
-    train_then_eval(&dir, "off");
-    train_then_eval(&dir, "on");
+    train_then_eval(&dir, "off", None);
+    train_then_eval(&dir, "on", None);
+    // trials framed by a chat template, during training and after
+    let file = dir.join("chat.jinja");
+    let template = "{% for m in messages %}[{{ m.content }}]{% endfor %}\
+                    {% if add_generation_prompt %}>{% endif %}";
+    std::fs::write(&file, template).unwrap();
+    train_then_eval(&dir, "off", Some(file.to_str().unwrap()));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

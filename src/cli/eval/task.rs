@@ -6,14 +6,14 @@
 //! the heatmap (SVG). `--write-corpus` writes trials as training data
 //! instead (`data::retrieval::corpus`).
 
+use super::args::EvalArgs;
+use super::place::Placed;
 use super::preflight::{Placement, preflight};
 use super::task_args::TaskArgs;
 use super::task_report::Scores;
-use super::{EvalArgs, Placed};
 use crate::checkpoint::HostTensor;
 use crate::cli::train::Route;
 use crate::data::Tokenizer;
-use crate::data::chat::ChatTemplate;
 use crate::data::retrieval::corpus::{CorpusSpec, write_corpus};
 use crate::data::retrieval::{
     ChatFrame, Grid, Haystack, RetrievalTask, TaskSpec, TrialAt, TrialMaker, parse_lengths,
@@ -65,12 +65,12 @@ pub fn run(a: &EvalArgs) -> Result<i32> {
              --write-corpus to write trials without a model"
         );
     };
-    let model = super::open_model(model_dir)?;
+    let model = super::place::open_model(model_dir)?;
     check_model(&task, &model)?;
     let maker = task.maker()?;
     probe(&maker, &task.grid)?;
     let longest = task.grid.lengths.iter().copied().max().unwrap_or(1);
-    let placed = super::place(a, &model, longest)?;
+    let placed = super::place::place(a, &model, longest)?;
     let at = Placement {
         route: &placed.route,
         device: placed.device,
@@ -87,7 +87,7 @@ pub fn run(a: &EvalArgs) -> Result<i32> {
         let child = crate::cli::launch::own_command("eval")?;
         return crate::cli::launch::run_local(nproc, child);
     }
-    let host = super::load_weights(a, model_dir, &placed.cfg.model)?;
+    let host = super::place::load_weights(a, model_dir, &placed.cfg.model)?;
     let make = |at: &TrialAt| maker.trial(at);
     let run = RetrievalRun {
         cfg: &placed.cfg,
@@ -221,33 +221,8 @@ fn tokenizer_dir(a: &EvalArgs) -> Option<PathBuf> {
 /// `--chat-template`: the frame of the model's (or a file's) chat
 /// template, or `None` for plain text; says on stderr which it chose.
 fn chat_frame(a: &EvalArgs, tok: &Tokenizer) -> Result<Option<(ChatFrame, String)>> {
-    let dir = tokenizer_dir(a);
-    let template = match a.task.chat_template.as_str() {
-        "none" => return Ok(None),
-        "auto" | "" => match dir
-            .as_deref()
-            .map(ChatTemplate::find)
-            .transpose()?
-            .flatten()
-        {
-            Some(t) => t,
-            None => {
-                tracing::info!(
-                    "--chat-template auto: the tokenizer has no chat template, so trials are \
-                     plain text"
-                );
-                return Ok(None);
-            }
-        },
-        path => ChatTemplate::from_file(Path::new(path), dir.as_deref())?,
-    };
-    let file = template.path().display().to_string();
-    tracing::info!(
-        "--chat-template {}: each trial's context and question are the user's turn of {file}, \
-         the answer after its generation prompt (--chat-template none: plain text)",
-        a.task.chat_template
-    );
-    Ok(Some((ChatFrame::of(&template, tok)?, file)))
+    let choice = ("--chat-template", a.task.chat_template.as_str());
+    ChatFrame::choose(choice, tokenizer_dir(a).as_deref(), tok)
 }
 
 /// The model can read the tokenizer's ids and every length asked.
@@ -322,7 +297,7 @@ fn execute(
         }
         Route::GpuThreads { gpus, why } => {
             tracing::info!("thread ranks on GPUs: {why}");
-            retrieval_threads(run, host, super::gpu_backends(*gpus, placed.kernel)?)
+            retrieval_threads(run, host, super::place::gpu_backends(*gpus, placed.kernel)?)
         }
         _ => retrieval_cpu(run, host),
     }

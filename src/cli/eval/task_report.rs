@@ -3,7 +3,7 @@
 //! `--out DIR` the trials (`trials.jsonl`), the summary (`summary.json`)
 //! and the heatmap (`heatmap.svg`).
 
-use super::EvalArgs;
+use super::args::EvalArgs;
 use crate::backend::Bytes;
 use crate::cli::svg::heatmap::{Heatmap, heatmap};
 use crate::cli::svg::{Area, Svg};

@@ -25,6 +25,7 @@ use crate::data::chat::ChatTemplate;
 use crate::error::Result;
 use crate::rng::Rng;
 use std::ops::Range;
+use std::path::Path;
 
 /// Draws of needles that collide with the haystack before giving up.
 const MAX_DRAWS: usize = 64;
@@ -134,6 +135,38 @@ impl ChatFrame {
             before: tok.encode(before)?,
             after: tok.encode(after)?,
         })
+    }
+
+    /// The frame `flag` (`auto`, `none` or a Jinja file) chooses for trials
+    /// tokenized by `tok`, whose files lie in `tokenizer` (a
+    /// `tokenizer.json` or its directory; `None`: the byte tokenizer):
+    /// `auto` the tokenizer's own template when it has one, else plain
+    /// text (`None`). Says on stderr which it chose. With the frame, the
+    /// template's file.
+    pub fn choose(
+        (flag, choice): (&str, &str),
+        tokenizer: Option<&Path>,
+        tok: &Tokenizer,
+    ) -> Result<Option<(ChatFrame, String)>> {
+        let template = match choice {
+            "none" => return Ok(None),
+            "auto" | "" => match tokenizer.map(ChatTemplate::find).transpose()?.flatten() {
+                Some(t) => t,
+                None => {
+                    tracing::info!(
+                        "{flag} auto: the tokenizer has no chat template, so trials are plain text"
+                    );
+                    return Ok(None);
+                }
+            },
+            path => ChatTemplate::from_file(Path::new(path), tokenizer)?,
+        };
+        let file = template.path().display().to_string();
+        tracing::info!(
+            "{flag} {choice}: each trial's context and question are the user's turn of {file}, \
+             the answer after its generation prompt ({flag} none: plain text)"
+        );
+        Ok(Some((ChatFrame::of(&template, tok)?, file)))
     }
 }
 
