@@ -308,4 +308,3 @@ fn an_evaluation_that_cannot_fit_is_refused_before_weights_load() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
-

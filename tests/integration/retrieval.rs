@@ -344,7 +344,7 @@ fn eval_task_refuses_what_a_user_can_get_wrong_naming_the_fix() {
     let short = dir.join("short.txt");
     std::fs::write(&short, "Only a line. And another.").unwrap();
     let s = short.to_str().unwrap();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["--task", "passkey", "--lengths", "4X"], "4K,32K,128K,1M"),
         (
             &["--task", "passkey", "--lengths", "2M"],
@@ -374,6 +374,7 @@ fn eval_task_refuses_what_a_user_can_get_wrong_naming_the_fix() {
             "leave out one of them",
         ),
         (&["--lengths", "1K"], "add --task"),
+        (&["--chat-template", "none"], "add --task"),
         (
             &["--task", "needle", "--lengths", "1K"],
             "passkey, multikey, multivalue, kv",

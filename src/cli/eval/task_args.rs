@@ -116,6 +116,10 @@ impl TaskArgs {
             (self.write_corpus.is_some(), "--write-corpus"),
             (self.needle_template.is_some(), "--needle-template"),
             (self.question_template.is_some(), "--question-template"),
+            (
+                !matches!(self.chat_template.as_str(), "auto" | ""),
+                "--chat-template",
+            ),
         ];
         given.into_iter().find(|g| g.0).map(|g| g.1)
     }
