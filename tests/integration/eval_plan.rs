@@ -88,10 +88,13 @@ fn predicted(cfg: &EvalConfig, length: usize, forward: EvalForward) -> usize {
 }
 
 /// Every rank's measured peak of each length of a retrieval grid (already
-/// the highest of any rank) equals the prediction for that length.
+/// the highest of any rank) equals the prediction for that length. The
+/// vocabulary is wide enough that an answer's row of logits makes the peak
+/// at the shorter lengths.
 #[test]
 fn a_retrieval_trials_predicted_peak_is_its_measured_peak() {
-    let model = ModelConfig::resolve("tiny").unwrap();
+    let mut model = ModelConfig::resolve("tiny").unwrap();
+    model.vocab = 200_000;
     let host = random_weights(&model, 1);
     for mesh in MESHES {
         for lora in [false, true] {
