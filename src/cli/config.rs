@@ -200,6 +200,7 @@ pub struct EvalKeys {
     pub eval_task_lengths: Option<String>,
     pub eval_task_depths: Option<usize>,
     pub eval_task_trials: Option<usize>,
+    pub eval_task_chat_template: Option<String>,
     /// `upipe eval --task`'s retrieval trials.
     pub task: Option<String>,
     pub lengths: Option<String>,
@@ -212,6 +213,7 @@ pub struct EvalKeys {
     pub needle_template: Option<String>,
     pub question_template: Option<String>,
     pub answer_template: Option<String>,
+    pub chat_template: Option<String>,
     pub out: Option<PathBuf>,
     pub write_corpus: Option<PathBuf>,
     pub documents: Option<usize>,

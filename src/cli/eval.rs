@@ -11,142 +11,28 @@
 //! `--task` scores synthetic retrieval trials instead (`eval/task.rs`,
 //! its flags `eval/task_args.rs`, its outputs `eval/task_report.rs`).
 
+mod args;
+mod place;
+mod preflight;
 mod task;
 mod task_args;
 mod task_report;
 
+pub use args::EvalArgs;
+use place::{Placed, gpu_backends, load_weights, open_model, place};
 pub use task_args::TaskArgs;
 
-use crate::attention::Strategy;
-use crate::backend::cuda::cudnn::AttnKernel;
-use crate::checkpoint::{ExtraTensors, load_hf_model_with};
-use crate::cli::config::{self, Given, RunArgs, RunFile, for_key, run_keys};
-use crate::cli::mesh::MeshArgs;
+use crate::cli::config;
 use crate::cli::metrics::{MetricsFile, RunClock, StepMetrics, by_category};
-use crate::cli::schedule::ChunkHeads;
-use crate::cli::train::{
-    Device, Launched, MeshChoice, Route, default_mesh, resolve_mesh, route_for,
-};
-use crate::comm::MeshShape;
-use crate::comm::env::DistEnv;
+use crate::cli::train::Route;
 use crate::data::{Dataset, PackMode, Tokens};
 use crate::error::{Error, Result};
-use crate::model::ModelConfig;
 use crate::model::flops::forward_flops_per_token;
+use crate::plan::{EvalForward, Prediction};
 use crate::train::eval::{EvalConfig, EvalReport, eval_cpu, eval_threads};
 use crate::train::trainer::eval_process_rank;
 use clap::ArgMatches;
 use std::path::{Path, PathBuf};
-
-/// Flags of `upipe eval`.
-#[derive(clap::Args, Debug, Clone)]
-pub struct EvalArgs {
-    /// A run file (TOML); the model directory defaults to its
-    /// `[checkpoint] save-dir`, what the run wrote. Flags given here win.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// HF model directory (config.json + model.safetensors or a sharded index).
-    #[arg(long)]
-    pub model_dir: Option<PathBuf>,
-    /// Load the weights even when they hold tensors the model has no
-    /// parameter for (an error otherwise); they are ignored, and named in a
-    /// warning.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
-    pub allow_extra_tensors: bool,
-    /// Token ids: `.u32` (little-endian uint32) or `.u16`/`.bin` (uint16),
-    /// memory-mapped and checked against the model's vocab_size.
-    #[arg(long)]
-    pub tokens: Option<PathBuf>,
-    /// Inputs per window: the file is evaluated as consecutive windows of this
-    /// many tokens (default: the whole file as one sequence).
-    #[arg(long)]
-    pub seq: Option<usize>,
-    /// Also report the loss over this many equal ranges of positions within
-    /// the document (`by_position`; the window under `--pack stream`).
-    #[arg(long, default_value_t = 1)]
-    pub buckets: usize,
-    /// How windows are made of the documents, with the document index and
-    /// loss mask `upipe tokenize` wrote beside --tokens (docs/documents.md):
-    /// `stream` (the file as one stream; the default), `documents`
-    /// (positions and attention restart at each document, no target
-    /// across a boundary), `bfd` (whole documents packed by best-fit
-    /// decreasing). Targets the loss mask leaves out are not counted.
-    #[arg(long, value_enum)]
-    pub pack: Option<PackMode>,
-    /// Attention strategy: local, ulysses, ring, usp, upipe.
-    #[arg(long, default_value = "upipe")]
-    pub attn: String,
-    #[command(flatten)]
-    pub mesh: MeshArgs,
-    /// UPipe heads per forward stage (default U).
-    #[arg(long)]
-    pub fwd_chunk_heads: Option<usize>,
-    /// Rows of logits computed at once.
-    #[arg(long, default_value_t = crate::model::DEFAULT_LOSS_CHUNK)]
-    pub loss_chunk: usize,
-    /// Device: auto (cuda when a GPU is visible, else cpu), cpu (f32), or cuda
-    /// (bf16; one process per GPU as `upipe train`).
-    #[arg(long, default_value = "auto")]
-    pub device: String,
-    /// Attention kernel on GPUs: auto, cudnn, native (see `upipe train --help`).
-    #[arg(long, default_value = "auto")]
-    pub attn_kernel: String,
-    /// Evaluate the model with this LoRA adapter beside its weights (PEFT's
-    /// `save_pretrained` directory, or a upipe LoRA checkpoint, which may
-    /// also be the --model-dir).
-    #[arg(long)]
-    pub lora_from: Option<PathBuf>,
-    /// Print the evaluation as one JSON object (loss, perplexity's ln,
-    /// tokens, windows, by_position, tokens/s, memory) instead of the line
-    /// `loss L, perplexity P over N tokens in W windows`.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true",
-          default_value_t = false, action = clap::ArgAction::Set)]
-    pub json: bool,
-    /// Write the evaluation as one JSON line (loss, tokens/s, model TFLOP/s
-    /// of the forward, memory by category; as `train --metrics` writes steps).
-    #[arg(long)]
-    pub metrics: Option<PathBuf>,
-    #[command(flatten)]
-    pub task: TaskArgs,
-}
-
-impl EvalArgs {
-    run_keys! {
-        model_dir => eval.model_dir,
-        lora_from => model.lora_from,
-        allow_extra_tensors => model.allow_extra_tensors,
-        tokens => eval.tokens,
-        metrics => eval.metrics,
-        json => run.json,
-        seq => eval.seq,
-        buckets => eval.buckets,
-        pack => data.pack,
-        attn => parallel.attn,
-        fwd_chunk_heads => eval.fwd_chunk_heads,
-        loss_chunk => memory.loss_chunk,
-        device => run.device,
-        attn_kernel => run.attn_kernel;
-        flatten mesh, task
-    }
-}
-
-impl RunArgs for EvalArgs {
-    fn config_path(&self) -> Option<&Path> {
-        self.config.as_deref()
-    }
-    fn take_file(&mut self, file: &RunFile, given: &Given) {
-        self.take_keys(file, given);
-        if self.model_dir.is_none() {
-            self.model_dir.clone_from(&file.checkpoint.save_dir);
-        }
-    }
-    fn to_file(&self) -> RunFile {
-        let mut f = RunFile::default();
-        self.put_keys(&mut f);
-        f
-    }
-}
 
 /// A required path: the flag or its key.
 fn required<'a>(p: &'a Option<PathBuf>, id: &str) -> Result<&'a Path> {
@@ -156,31 +42,6 @@ fn required<'a>(p: &'a Option<PathBuf>, id: &str) -> Result<&'a Path> {
             id.replace('_', "-"),
             config::key_name(EvalArgs::KEYS, id)
         ))
-    })
-}
-
-/// The mesh: with no mesh flag and `ranks` available, `upipe train`'s
-/// default mesh for them (else one rank); with some, `upipe train`'s mesh
-/// of them ([`resolve_mesh`]: the rest fitted around them to `ranks`, or 1).
-fn eval_mesh(
-    a: &EvalArgs,
-    strategy: Strategy,
-    model: &ModelConfig,
-    seq: usize,
-    ranks: Option<usize>,
-) -> MeshChoice {
-    let chunk = ChunkHeads::start(a.mesh.chunk_heads);
-    // a length every mesh of n ranks divides, since eval pads the window
-    let padded = |n: usize| seq.next_multiple_of(2 * n);
-    if a.mesh.any_given() {
-        let seq = padded(ranks.unwrap_or(1));
-        return resolve_mesh(a.mesh.flags(), strategy, model, seq, chunk, ranks);
-    }
-    let fitted = ranks.and_then(|n| default_mesh(strategy, model, padded(n), chunk, n));
-    fitted.unwrap_or(MeshChoice {
-        data: 1,
-        ulysses: 1,
-        ring: 1,
     })
 }
 
@@ -196,19 +57,19 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
         );
     }
     let run = build(&a)?;
-    if let Route::SelfLaunch { nproc } = run.route {
-        let gpus = run.gpus;
+    if let Route::SelfLaunch { nproc } = run.placed.route {
+        let gpus = run.placed.gpus;
         tracing::info!("{gpus} GPUs visible: starting {nproc} processes, one per GPU (NCCL)");
         let child = crate::cli::launch::own_command("eval")?;
         return crate::cli::launch::run_local(nproc, child);
     }
     check_mask_counts(&run.data)?;
     let clock = RunClock::start();
-    let report = execute(&run)?;
+    let report = execute(&a, &run)?;
     if report.counted_tokens == 0 {
         return Err(nothing_counted(&run.data, "its windows"));
     }
-    if run.route != Route::ProcessRank || run.env.as_ref().is_none_or(|e| e.rank == 0) {
+    if run.placed.lead() {
         match a.json {
             true => {
                 let text = serde_json::to_string(&report).expect("a report always serialises");
@@ -217,34 +78,18 @@ pub fn run(a: EvalArgs, m: &ArgMatches) -> Result<i32> {
             false => println!("{}", summary_line(&report)),
         }
         if let Some(path) = &a.metrics {
-            write_metrics(path, &run.cfg, &report, run.shape.world_size(), &clock)?;
+            let ranks = run.placed.shape.world_size();
+            let facts = (&run.placed.cfg, &run.predicted, ranks);
+            write_metrics(path, facts, &report, &clock)?;
         }
     }
     Ok(0)
 }
 
 /// `upipe eval --task`: retrieval trials (`eval/task.rs`) with the flags
-/// they share with `upipe eval`.
+/// they share with `upipe eval`, placed and loaded as it places and loads.
 fn run_task(a: &EvalArgs) -> Result<i32> {
-    let mesh = |strategy: Strategy, model: &ModelConfig, seq: usize, ranks: Option<usize>| {
-        eval_mesh(a, strategy, model, seq, ranks)
-    };
-    task::run(&task_args::EvalTaskArgs {
-        task: &a.task,
-        keys: EvalArgs::KEYS,
-        model_dir: a.model_dir.as_deref(),
-        tokens_given: a.tokens.is_some(),
-        lora_from: a.lora_from.as_deref(),
-        allow_extra_tensors: a.allow_extra_tensors,
-        device: &a.device,
-        attn_kernel: &a.attn_kernel,
-        attn: &a.attn,
-        chunk_heads: ChunkHeads::fixed(a.mesh.chunk_heads, "eval")?,
-        fwd_chunk_heads: a.fwd_chunk_heads,
-        loss_chunk: a.loss_chunk,
-        json: a.json,
-        mesh: &mesh,
-    })
+    task::run(a)
 }
 
 /// Refuses data whose loss mask counts no token at all, before any weight
@@ -349,113 +194,74 @@ fn refuse_not_ids(tokens: &Path, model_dir: &Path) -> Result<()> {
 
 /// An evaluation built from its flags, up to the moment it runs.
 struct Built {
-    cfg: EvalConfig,
+    placed: Placed,
     model_dir: PathBuf,
-    extra_tensors: ExtraTensors,
     data: Dataset,
-    kernel: AttnKernel,
-    env: Option<DistEnv>,
-    gpus: usize,
-    shape: MeshShape,
-    route: Route,
+    /// The planner's prediction of the evaluation's peak.
+    predicted: Prediction,
 }
 
-/// The flags parsed and checked, the token file opened, the mesh chosen
-/// and where the ranks run decided.
+/// The flags parsed and checked, the token file opened, the mesh chosen,
+/// where the ranks run decided and the evaluation planned (refused when
+/// it cannot fit).
 fn build(a: &EvalArgs) -> Result<Built> {
-    let k = EvalArgs::KEYS;
     let model_dir = required(&a.model_dir, "model_dir")?;
     let tokens_path = required(&a.tokens, "tokens")?;
     check_outputs(a, model_dir, tokens_path)?;
     refuse_not_ids(tokens_path, model_dir)?;
-    let device: Device = for_key(k, "device", a.device.parse())?;
-    let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
-    let gpus = match device {
-        Device::Cpu => 0,
-        _ => crate::cli::train::visible_gpus(),
-    };
-    let env = DistEnv::from_env()?;
-    let launched = Launched::from_env(env.as_ref());
-    crate::checkpoint::refuse_adapter_dir(model_dir, "--model-dir")?;
-    let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
+    let model = open_model(model_dir)?;
     let tokens = Tokens::open_checked(tokens_path, model.vocab)?;
     let data = Dataset::with_files_beside(tokens, tokens_path)?;
-    let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
-    let mut cfg = EvalConfig {
-        strategy,
-        chunk_heads: ChunkHeads::fixed(a.mesh.chunk_heads, "eval")?,
-        fwd_chunk_heads: a.fwd_chunk_heads,
+    let probe = EvalConfig {
         seq: a.seq,
         buckets: a.buckets,
-        loss_chunk: a.loss_chunk,
         pack: a.pack.unwrap_or(PackMode::Stream),
-        lora: match &a.lora_from {
-            Some(dir) => Some(crate::checkpoint::peft::read_adapter(dir, &model)?.weights),
-            None => None,
-        },
         ..EvalConfig::new(model.clone())
     };
-    let seq = cfg.windows(&data)?.seq;
-    let ranks = match launched {
-        Some(l) => Some(l.world_size),
-        None if device != Device::Cpu && gpus >= 2 => Some(gpus),
-        None => None,
+    let seq = probe.windows(&data)?.seq;
+    let placed = place(a, &model, seq)?;
+    let documents = crate::cli::train::may_hold_documents(placed.cfg.pack, Some(tokens_path));
+    let at = preflight::Placement {
+        route: &placed.route,
+        device: placed.device,
+        kernel: placed.kernel,
+        gpus: placed.gpus,
+        documents,
     };
-    let mesh = eval_mesh(a, strategy, &model, seq, ranks);
-    mesh.check_countable()?;
-    (cfg.data_parallel, cfg.ulysses, cfg.ring) = (mesh.data, mesh.ulysses, mesh.ring);
-    let shape = cfg.mesh_shape(&cfg.plan(seq)?);
-    let nccl = || {
-        crate::comm::nccl::library()
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    };
-    let route = route_for("eval", device, launched, gpus, shape, &nccl)?;
+    let planned = preflight::preflight(&placed.cfg, &[seq], EvalForward::Loss, &at)?;
     Ok(Built {
-        cfg,
+        placed,
         model_dir: model_dir.to_path_buf(),
-        extra_tensors: match a.allow_extra_tensors {
-            true => ExtraTensors::Ignore,
-            false => ExtraTensors::Refuse,
-        }
-        .beside_adapters(a.lora_from.is_some()),
         data,
-        kernel,
-        env,
-        gpus,
-        shape,
-        route,
+        predicted: planned.predictions.into_iter().next().expect("one length"),
     })
 }
 
 /// Loads the weights and evaluates where the route says.
-fn execute(run: &Built) -> Result<EvalReport> {
-    let (cfg, data, kernel) = (&run.cfg, &run.data, run.kernel);
-    let host = load_hf_model_with(&run.model_dir, &cfg.model, run.extra_tensors)?;
-    match &run.route {
+fn execute(a: &EvalArgs, run: &Built) -> Result<EvalReport> {
+    let (p, data) = (&run.placed, &run.data);
+    let host = load_weights(a, &run.model_dir, &p.cfg.model)?;
+    match &p.route {
         Route::ProcessRank => {
-            let env = run
-                .env
-                .as_ref()
-                .expect("a launched run has its environment");
-            eval_process_rank(cfg, data.clone(), &host, env, kernel)
+            let env = p.env.as_ref().expect("a launched run has its environment");
+            eval_process_rank(&p.cfg, data.clone(), &host, env, p.kernel)
         }
         Route::GpuThreads { gpus, why } => {
             tracing::info!("thread ranks on GPUs: {why}");
-            eval_on_gpus(cfg, data, &host, *gpus, kernel)
+            eval_threads(&p.cfg, data.clone(), &host, gpu_backends(*gpus, p.kernel)?)
         }
-        _ => eval_cpu(cfg, data.clone(), &host),
+        _ => eval_cpu(&p.cfg, data.clone(), &host),
     }
 }
 
 /// `--metrics`: the evaluation as one metrics line (step 0; model FLOPs of
-/// the forward only), stamped with the time on `clock` (started with the
+/// the forward only; the planner's prediction, the highest rank's peak,
+/// beside rank 0's measured one), stamped with the time on `clock` (started with the
 /// evaluation).
 fn write_metrics(
     path: &Path,
-    cfg: &EvalConfig,
+    (cfg, predicted, ranks): (&EvalConfig, &Prediction, usize),
     r: &EvalReport,
-    ranks: usize,
     clock: &RunClock,
 ) -> Result<()> {
     let seq = r.tokens / r.windows.max(1);
@@ -479,8 +285,8 @@ fn write_metrics(
         ranks,
         peak_bytes: r.peak_bytes,
         peak_by_category: by_category(&r.at_peak_by_category, r.host_peak_bytes),
-        predicted_peak_bytes: None,
-        predicted_by_category: None,
+        predicted_peak_bytes: Some(predicted.peak),
+        predicted_by_category: Some(by_category(&predicted.at_peak, predicted.host_peak)),
         profile: None,
         eval: None,
         retrieval: None,
@@ -491,29 +297,4 @@ fn write_metrics(
     let file = MetricsFile::create(path)?;
     file.write(&line);
     file.finish()
-}
-
-/// Thread ranks spread round-robin over `gpus` devices.
-fn eval_on_gpus(
-    cfg: &EvalConfig,
-    data: &Dataset,
-    host: &std::collections::BTreeMap<String, crate::checkpoint::HostTensor>,
-    gpus: usize,
-    kernel: AttnKernel,
-) -> Result<EvalReport> {
-    use crate::backend::cuda::CudaBackend;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    // open every device once here, so a failure is an error rather than a
-    // failure inside a rank thread
-    for g in 0..gpus {
-        CudaBackend::new(g)?;
-    }
-    let next = AtomicUsize::new(0);
-    let make = || {
-        let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
-        let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
-        b.set_attn_kernel(kernel);
-        b
-    };
-    eval_threads(cfg, data.clone(), host, make)
 }

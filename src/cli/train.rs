@@ -39,10 +39,12 @@ mod summary;
 mod tokenizer;
 
 pub use args::{Choices, Device, FsdpMode, TrainArgs};
+pub use kernel::{decide as decide_kernel, may_hold_documents};
 pub use mesh::{
     CPU_DEFAULT_MESH, MAX_THREAD_RANKS, MeshChoice, MeshFlags, check_thread_ranks, default_mesh,
     resolve_mesh,
 };
+pub use preflight::{memory_per_rank, outside_ledger};
 pub use resolve::run_request;
 pub use route::{
     Launched, Route, gpu_memory_per_rank, host_available_bytes, route, route_for, visible_gpus,
@@ -382,11 +384,11 @@ fn eval_task_during(
     cfg: &crate::train::config::TrainConfig,
 ) -> Result<Option<crate::train::retrieval::RetrievalDuring>> {
     use crate::data::Tokenizer;
-    use crate::data::retrieval::{Grid, Haystack, TaskSpec, parse_lengths};
+    use crate::data::retrieval::{ChatFrame, Grid, Haystack, TaskSpec, parse_lengths};
     let Some(task) = &a.eval_task else {
         return Ok(None);
     };
-    let spec = TaskSpec::new(task.parse()?);
+    let mut spec = TaskSpec::new(task.parse()?);
     let own = a.init_from.as_ref().map(|d| d.join("tokenizer.json"));
     let tok = match (&a.tokenizer, own.filter(|f| f.is_file())) {
         (Some(t), _) => Tokenizer::resolve(t)?,
@@ -415,12 +417,27 @@ fn eval_task_during(
         trials: a.eval_task_trials,
         seed: a.seed,
     };
+    let dir = match a.tokenizer.as_deref() {
+        Some("byte") => None,
+        Some(t) => Some(std::path::PathBuf::from(t)),
+        None => a.init_from.clone(),
+    };
+    let choice = (
+        "--eval-task-chat-template",
+        a.eval_task_chat_template.as_str(),
+    );
+    let chat = ChatFrame::choose(choice, dir.as_deref(), &tok)?.map(|c| c.0);
+    if chat.is_some() {
+        // the answer starts the assistant's turn, as `eval --task` frames it
+        spec.templates.answer = "{value}".into();
+    }
     Ok(Some(crate::train::retrieval::RetrievalDuring {
         spec,
         grid,
         tok,
         haystack,
         every: a.eval_every.unwrap_or(a.steps),
+        chat,
     }))
 }
 

@@ -89,6 +89,34 @@ impl ChatTemplate {
         }
     }
 
+    /// The template in the Jinja file `path`, with the special tokens of
+    /// the `tokenizer_config.json` beside `tokenizer` (a `tokenizer.json`
+    /// or its directory; none: no special tokens).
+    pub fn from_file(path: &Path, tokenizer: Option<&Path>) -> Result<ChatTemplate> {
+        let source = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("reading the chat template {}", path.display()), e))?;
+        let dir = tokenizer.map(|t| match t.is_dir() {
+            true => t.to_path_buf(),
+            false => t.parent().map(Path::to_path_buf).unwrap_or_default(),
+        });
+        let config = dir.map(|d| d.join("tokenizer_config.json"));
+        let config: Value = match config.filter(|c| c.is_file()) {
+            Some(c) => {
+                let text = std::fs::read_to_string(&c)
+                    .map_err(|e| Error::io(format!("reading {}", c.display()), e))?;
+                serde_json::from_str(&text)
+                    .map_err(|e| Error::Config(format!("{} is not valid JSON: {e}", c.display())))?
+            }
+            None => Value::Null,
+        };
+        ChatTemplate::new(&source, special_tokens(&config), path.to_path_buf())
+    }
+
+    /// The file the template came from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// The error for chat data where `tokenizer` has no chat template.
     pub fn missing(tokenizer: &str) -> Error {
         Error::Config(format!(

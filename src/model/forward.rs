@@ -85,17 +85,30 @@ impl<B: Backend> Decoder<B> {
         rows: &[usize],
     ) -> Result<Vec<Vec<f32>>> {
         let hn = self.forward_hidden_units(b, mesh, store, ids)?;
+        self.with_head(b, store, |store| {
+            self.logit_rows(b, store.head()?, &hn, rows)
+        })
+    }
+
+    /// Runs `f` with the head unit of `store` acquired, and the embedding
+    /// too when the head is the tied embedding, releasing both after.
+    fn with_head<S: ParamStore<B> + ?Sized, T>(
+        &self,
+        b: &B,
+        store: &mut S,
+        f: impl FnOnce(&mut S) -> Result<T>,
+    ) -> Result<T> {
         let tied = self.cfg.tie_embeddings;
         store.acquire(b, Unit::Head)?;
         if tied {
             store.acquire(b, Unit::Embed)?;
         }
-        let logits = self.logit_rows(b, store.head()?, &hn, rows)?;
+        let out = f(store)?;
         if tied {
             store.release(Unit::Embed)?;
         }
         store.release(Unit::Head)?;
-        Ok(logits)
+        Ok(out)
     }
 
     /// The final-norm hidden states `[ids.len(), hidden]` of this rank's
@@ -194,21 +207,12 @@ impl<B: Backend> Decoder<B> {
             x = self.block_forward_only(b, mesh, store.block(l)?, &x)?;
             store.release(Unit::Block(l))?;
         }
-        let tied = self.cfg.tie_embeddings;
-        store.acquire(b, Unit::Head)?;
-        if tied {
-            store.acquire(b, Unit::Embed)?;
-        }
-        let mut hn = b.empty(x.shape(), act, Category::Activations)?;
-        b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
-        drop(x);
-        let sums = self.grouped_loss(b, store.head()?, &hn, targets, group_of_row, groups)?;
-        drop(hn);
-        if tied {
-            store.release(Unit::Embed)?;
-        }
-        store.release(Unit::Head)?;
-        Ok(sums)
+        self.with_head(b, store, move |store| {
+            let mut hn = b.empty(x.shape(), act, Category::Activations)?;
+            b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
+            drop(x);
+            self.grouped_loss(b, store.head()?, &hn, targets, group_of_row, groups)
+        })
     }
 
     /// One block forward, keeping nothing: RMSNorm → attention → residual →

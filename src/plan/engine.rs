@@ -27,7 +27,9 @@ use crate::comm::mesh::Coords;
 use crate::error::Result;
 use crate::optim::AdamWConfig;
 use crate::train::config::TrainConfig;
+use crate::train::eval::{EvalConfig, rehearse_eval_on_mesh};
 use crate::train::lora_run::LoraRun;
+use crate::train::retrieval::rehearse_retrieval_on_mesh;
 use crate::train::trainer::rehearse_rank;
 use std::sync::Arc;
 
@@ -141,6 +143,48 @@ pub fn engine_attention_trial_rank(
     let run = run_rank(plan, dims, RankInputs::NONE, &b, &mesh, &opts)?;
     let stats = run.peak_stats.unwrap_or_else(|| b.ledger().stats());
     Ok(prediction(&stats))
+}
+
+/// Which evaluation forward an [`EvalSpec`] plans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvalForward {
+    /// `upipe eval`: the loss over windows of the length.
+    Loss,
+    /// `upipe eval --task`: a retrieval trial of the length.
+    Trial,
+}
+
+/// An evaluation of one length, as `upipe eval` (or `--task`) runs it.
+#[derive(Debug, Clone)]
+pub struct EvalSpec<'a> {
+    pub cfg: &'a EvalConfig,
+    /// Inputs per window (the loss) or the trial's length.
+    pub length: usize,
+    pub device: DeviceKind,
+    pub forward: EvalForward,
+}
+
+/// The engine's peak of one evaluation forward on ring rank `ring_rank`
+/// (Ulysses rank 0 of data replica 0): `upipe eval`'s own code
+/// ([`rehearse_eval_on_mesh`], [`rehearse_retrieval_on_mesh`]: the weights,
+/// the adapter, the decoder and the forward) on the counting backend and a
+/// counting mesh, as the rank's ledger measures it.
+pub fn engine_eval_rank(spec: &EvalSpec, ring_rank: usize) -> Result<Prediction> {
+    let cfg = spec.cfg;
+    let plan = cfg.plan(spec.length)?;
+    let shape = cfg.mesh_shape(&plan);
+    let rank = shape.rank_of(Coords {
+        data: 0,
+        ring: ring_rank,
+        ulysses: 0,
+    });
+    let b = CountingBackend::new(counted_device(spec.device));
+    let mesh = counting_mesh(shape, rank);
+    match spec.forward {
+        EvalForward::Loss => drop(rehearse_eval_on_mesh(cfg, spec.length, &b, &mesh)?),
+        EvalForward::Trial => drop(rehearse_retrieval_on_mesh(cfg, spec.length, &b, &mesh)?),
+    }
+    Ok(prediction(&b.ledger().stats()))
 }
 
 /// A ledger's peaks as a prediction.

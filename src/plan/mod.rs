@@ -40,10 +40,11 @@ pub mod step;
 pub use checkpoint_every::CheckpointEvery;
 pub use cudnn_version::{CudnnVersion, PLANNED_CUDNN_VERSION};
 pub use device::{DeviceKind, GPU_RESERVE_BYTES};
+pub use engine::{EvalForward, EvalSpec};
 pub use mesh::resolve_plan;
 pub use offload::OffloadBlocks;
 pub use offload_optim::OptimizerOffload;
-pub use predict::{predict_attention_trial, predict_step, predict_step_rank};
+pub use predict::{predict_attention_trial, predict_eval, predict_step, predict_step_rank};
 pub use resolve::{
     Depth, EveryBudget, FsdpMode, MemoryChoices, RankBudget, ResolvedRun, RunRequest, StageChoices,
     checkpoint_every_auto, resolve_checkpoint_every, resolve_run,

@@ -57,6 +57,15 @@ pub fn predict_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction
     engine::engine_step_rank(spec, ring_rank)
 }
 
+/// Predicts the peak of one evaluation (`upipe eval`'s loss, or an
+/// `upipe eval --task` trial) on the rank that needs the most: the
+/// evaluation's own forward on each distinct ring rank
+/// ([`engine::engine_eval_rank`]).
+pub fn predict_eval(spec: &engine::EvalSpec) -> Result<Prediction> {
+    let pr = spec.cfg.plan(spec.length)?.layout.pr;
+    max_over_ring_ranks(pr, |i| engine::engine_eval_rank(spec, i))
+}
+
 /// Predicts what `attention::trial::run_trial` measures (the highest rank):
 /// the ledger peak of one layer's forward+backward with the trial's resident
 /// tensors (x, dy, weights, f32 gradients, RoPE tables), over `passes`

@@ -28,7 +28,7 @@ use crate::data::packing::{Piece, best_fit_decreasing, bin_window, cut_window, p
 use crate::data::{Dataset, PackMode, PackedWindow};
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
-use crate::model::{Decoder, MemoryPolicy, ModelConfig};
+use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -86,8 +86,14 @@ impl fmt::Debug for EvalDuring {
 impl EvalDuring {
     /// Whether step `step` of a run of `steps` evaluates.
     pub fn due(&self, step: u32, steps: u32) -> bool {
-        step == steps || (self.every > 0 && step.is_multiple_of(self.every))
+        due(self.every, step, steps)
     }
+}
+
+/// Whether an evaluation every `every` steps (0: none but the last) is
+/// due after step `step` of a run of `steps`: every `every`-th, and the last.
+pub(crate) fn due(every: u32, step: u32, steps: u32) -> bool {
+    step == steps || (every > 0 && step.is_multiple_of(every))
 }
 
 /// The windows an [`EvalConfig`] cuts a token file into.
@@ -221,6 +227,29 @@ impl EvalConfig {
         }
     }
 
+    /// The decoder's memory policy: the defaults, `loss_chunk` rows of
+    /// logits at once.
+    pub fn policy(&self) -> MemoryPolicy {
+        MemoryPolicy {
+            loss_chunk: self.loss_chunk,
+            ..MemoryPolicy::default()
+        }
+    }
+
+    /// The model's weights on `b` from `host` (by HF name; a rehearsal reads
+    /// none), with the adapter attached when there is one.
+    pub fn weights<B: Backend>(
+        &self,
+        b: &B,
+        host: &BTreeMap<String, HostTensor>,
+    ) -> Result<ModelWeights<B>> {
+        let mut w = weights_from_host(b, &self.model, host, b.compute_dtype(), Category::Weights)?;
+        if let Some(lora) = &self.lora {
+            crate::train::lora_run::attach(b, &mut w, lora)?;
+        }
+        Ok(w)
+    }
+
     /// The buckets' position ranges over windows of `seq` targets.
     pub fn bucket_ranges(&self, seq: usize) -> Vec<Range<usize>> {
         let k = self.buckets.max(1);
@@ -267,6 +296,32 @@ pub fn eval_on_mesh<B: Backend>(
     mesh: &Mesh<B>,
 ) -> Result<EvalReport> {
     let win = cfg.windows(data)?;
+    windows_on_mesh(cfg, (Some(data), &win), host, b, mesh)
+}
+
+/// [`eval_on_mesh`] rehearsed on a rehearsing backend `b` (the memory
+/// planner's counting one) for windows of `seq` inputs: the same model,
+/// decoder and windows loop over one window of zeros (a rehearsal reads no
+/// data; every window of a length allocates alike), every target counted,
+/// in one document, or two where `--pack` makes documents masks.
+pub fn rehearse_eval_on_mesh<B: Backend>(
+    cfg: &EvalConfig,
+    seq: usize,
+    b: &B,
+    mesh: &Mesh<B>,
+) -> Result<EvalReport> {
+    let win = EvalWindows { seq, count: 1 };
+    windows_on_mesh(cfg, (None, &win), &BTreeMap::new(), b, mesh)
+}
+
+/// [`eval_on_mesh`] over the windows `win` of `data` (`None`: a rehearsal's).
+fn windows_on_mesh<B: Backend>(
+    cfg: &EvalConfig,
+    (data, win): (Option<&Dataset>, &EvalWindows),
+    host: &BTreeMap<String, HostTensor>,
+    b: &B,
+    mesh: &Mesh<B>,
+) -> Result<EvalReport> {
     let plan = cfg.plan(win.seq)?;
     let shape = cfg.mesh_shape(&plan);
     if mesh.shape != shape {
@@ -275,15 +330,8 @@ pub fn eval_on_mesh<B: Backend>(
             mesh.shape
         );
     }
-    let policy = MemoryPolicy {
-        loss_chunk: cfg.loss_chunk,
-        ..MemoryPolicy::default()
-    };
-    let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, policy)?;
-    let mut w = weights_from_host(b, &cfg.model, host, b.compute_dtype(), Category::Weights)?;
-    if let Some(lora) = &cfg.lora {
-        crate::train::lora_run::attach(b, &mut w, lora)?;
-    }
+    let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy())?;
+    let w = cfg.weights(b, host)?;
     let ranges = cfg.bucket_ranges(win.seq);
     let groups = ranges.len();
     eval_windows(
@@ -293,7 +341,7 @@ pub fn eval_on_mesh<B: Backend>(
         EvalData {
             data,
             pack: cfg.pack,
-            win: &win,
+            win,
         },
         &ranges,
         |window, ids, targets, bucket_of| {
@@ -306,7 +354,8 @@ pub fn eval_on_mesh<B: Backend>(
 /// The windows an evaluation reads: `win` of `data`, made as `pack` says.
 #[derive(Clone, Copy)]
 pub(crate) struct EvalData<'a> {
-    pub data: &'a Dataset,
+    /// `None`: a rehearsal's windows ([`rehearse_eval_on_mesh`]).
+    pub data: Option<&'a Dataset>,
     pub pack: PackMode,
     pub win: &'a EvalWindows,
 }
@@ -331,6 +380,9 @@ pub(crate) fn eval_windows<B: Backend>(
         .rank_positions(mesh.ring.rank(), mesh.ulysses.rank());
     let (replica, replicas) = (mesh.shape.coords(mesh.rank).data, mesh.shape.data);
     let win = ev.win;
+    if ev.data.is_none() && !b.rehearsing() {
+        return crate::config_err!("an evaluation without data is a rehearsal's only");
+    }
     let windows = EvalWindowMaker::new(ev, plan.layout.seq)?;
     // per bucket: summed loss, then counted targets
     let mut sums = vec![0f64; 2 * ranges.len()];
@@ -391,8 +443,8 @@ struct EvalWindowMaker<'a> {
 
 impl<'a> EvalWindowMaker<'a> {
     fn new(ev: EvalData<'a>, padded: usize) -> Result<Self> {
-        let bins = match ev.pack {
-            PackMode::Bfd => Some(bfd_bins(ev.data, ev.win.seq)?),
+        let bins = match (ev.pack, ev.data) {
+            (PackMode::Bfd, Some(data)) => Some(bfd_bins(data, ev.win.seq)?),
             _ => None,
         };
         Ok(EvalWindowMaker { ev, bins, padded })
@@ -400,10 +452,11 @@ impl<'a> EvalWindowMaker<'a> {
 
     /// Window `wi`, padded to the layout's length.
     fn window(&self, wi: usize) -> PackedWindow {
-        let (d, seq) = (self.ev.data, self.ev.win.seq);
-        let mut w = match &self.bins {
-            Some(bins) => bin_window(&bins[wi], &d.tokens, d.mask.as_ref(), seq),
-            None => {
+        let seq = self.ev.win.seq;
+        let mut w = match (self.ev.data, &self.bins) {
+            (None, _) => rehearsal_window(seq, self.ev.pack),
+            (Some(d), Some(bins)) => bin_window(&bins[wi], &d.tokens, d.mask.as_ref(), seq),
+            (Some(d), None) => {
                 let ids = d.tokens.read(wi * seq..(wi + 1) * seq + 1);
                 let docs = d.docs.as_deref();
                 cut_window((wi * seq) as u64, &ids, docs, d.mask.as_ref(), self.ev.pack)
@@ -414,6 +467,18 @@ impl<'a> EvalWindowMaker<'a> {
         w.inputs.resize(self.padded, 0);
         w.targets.resize(self.padded, IGNORE);
         w
+    }
+}
+
+/// A rehearsal's window of `seq` inputs (it reads no data): zeros, every
+/// target counted, one document, or where `pack` makes documents masks
+/// two (`[0, 1)` and the rest), as a training rehearsal's windows.
+fn rehearsal_window(seq: usize, pack: PackMode) -> PackedWindow {
+    let two = pack != PackMode::Stream && seq >= 2;
+    PackedWindow {
+        inputs: vec![0; seq],
+        targets: vec![0; seq],
+        doc_starts: if two { vec![0, 1] } else { vec![0] },
     }
 }
 

@@ -7,7 +7,7 @@
 //! as the training forward does).
 
 use super::config::TrainConfig;
-use super::eval::{EvalConfig, EvalData, EvalDuring, EvalReport, eval_windows};
+use super::eval::{EvalConfig, EvalData, EvalDuring, EvalReport, due, eval_windows};
 use super::state::RankModel;
 use crate::attention::CpPlan;
 use crate::backend::Backend;
@@ -78,13 +78,12 @@ pub fn after_step<B: Backend>(
     model: &mut (dyn RankModel<B> + '_),
     step: u32,
 ) -> Result<Option<EvalReport>> {
-    let Some(ev) = cfg.eval.as_ref().filter(|e| e.due(step, cfg.steps)) else {
+    let Some(ev) = cfg.eval.as_ref() else {
         return Ok(None);
     };
-    if cfg.rehearse {
+    if !settle_if_due(cfg, ev.every, b, model, step)? {
         return Ok(None);
     }
-    model.settle(b)?;
     let ecfg = ev.eval_config(cfg);
     let win = ecfg.windows(&ev.data)?;
     let ranges = ecfg.bucket_ranges(win.seq);
@@ -95,7 +94,7 @@ pub fn after_step<B: Backend>(
         mesh,
         plan,
         EvalData {
-            data: &ev.data,
+            data: Some(&ev.data),
             pack: ecfg.pack,
             win: &win,
         },
@@ -106,6 +105,24 @@ pub fn after_step<B: Backend>(
         },
     )?;
     Ok(Some(report))
+}
+
+/// Whether an evaluation every `every` steps runs after step `step` (it
+/// is due, and the run is not a rehearsal, which computes nothing to
+/// evaluate); when it does, the pending host optimizer updates run first,
+/// so it sees the step's parameters.
+pub(crate) fn settle_if_due<B: Backend>(
+    cfg: &TrainConfig,
+    every: u32,
+    b: &B,
+    model: &mut (dyn RankModel<B> + '_),
+    step: u32,
+) -> Result<bool> {
+    if !due(every, step, cfg.steps) || cfg.rehearse {
+        return Ok(false);
+    }
+    model.settle(b)?;
+    Ok(true)
 }
 
 /// Checks the run's evaluation, if any, before anything is allocated

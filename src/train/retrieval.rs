@@ -17,19 +17,19 @@
 //! every trial's answer.
 
 use super::eval::{EvalConfig, reduce_sums};
-use super::host_weights::weights_from_host;
 use crate::attention::CpPlan;
-use crate::backend::{Backend, Category};
+use crate::backend::Backend;
 use crate::checkpoint::HostTensor;
 use crate::comm::Mesh;
 use crate::comm::local::run_ranks;
 use crate::data::Tokenizer;
-use crate::data::retrieval::{Grid, Haystack, TaskSpec, Trial, TrialAt, TrialMaker};
+use crate::data::retrieval::{ChatFrame, Grid, Haystack, TaskSpec, Trial, TrialAt, TrialMaker};
 use crate::error::Result;
-use crate::model::{Decoder, MemoryPolicy};
+use crate::model::Decoder;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::time::Instant;
 
 /// Builds the trial at a place of the grid (every rank calls it alike).
 pub type MakeTrial<'a> = &'a (dyn Fn(&TrialAt) -> Result<Trial> + Sync);
@@ -67,14 +67,34 @@ pub struct TrialResult {
     pub predicted_ids: Vec<u32>,
 }
 
+/// What a retrieval evaluation returns: every trial's result, in grid
+/// order (length, then depth, then trial), and each length's cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    pub trials: Vec<TrialResult>,
+    /// One per length of the grid, in its order.
+    pub lengths: Vec<LengthCost>,
+}
+
+/// What one length of a retrieval evaluation cost.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LengthCost {
+    pub length: usize,
+    /// The highest ledger peak of any rank over the length's trials (the
+    /// weights included): what the planner predicts.
+    pub peak_bytes: usize,
+    /// Wall seconds of one trial's forward (a round of the data replicas'
+    /// trials at once), the decoder's setup for the length included.
+    pub seconds_per_trial: f64,
+}
+
 /// Scores every trial of `run` on ranks as threads, each on a backend from
-/// `make_backend`, with weights from `host`. Returns rank 0's results, in
-/// grid order (length, then depth, then trial).
+/// `make_backend`, with weights from `host`. Returns rank 0's results.
 pub fn retrieval_threads<B: Backend>(
     run: &RetrievalRun,
     host: &BTreeMap<String, HostTensor>,
     make_backend: impl Fn() -> B + Sync,
-) -> Result<Vec<TrialResult>> {
+) -> Result<Scored> {
     let longest = run.grid.lengths.iter().copied().max().unwrap_or(1);
     let shape = run.cfg.mesh_shape(&run.cfg.plan(longest)?);
     let out = run_ranks(shape, make_backend, |_, b, mesh| {
@@ -84,32 +104,30 @@ pub fn retrieval_threads<B: Backend>(
 }
 
 /// [`retrieval_threads`] on the CPU reference backend (f32).
-pub fn retrieval_cpu(
-    run: &RetrievalRun,
-    host: &BTreeMap<String, HostTensor>,
-) -> Result<Vec<TrialResult>> {
+pub fn retrieval_cpu(run: &RetrievalRun, host: &BTreeMap<String, HostTensor>) -> Result<Scored> {
     retrieval_threads(run, host, crate::backend::cpu::CpuBackend::new)
 }
 
-/// One rank's scoring of every trial; collective over `mesh`.
+/// One rank's scoring of every trial; collective over `mesh`. Each
+/// length's peak is measured from its start (the ledger's peak reset to
+/// what is resident: the weights).
 pub fn retrieval_on_mesh<B: Backend>(
     run: &RetrievalRun,
     host: &BTreeMap<String, HostTensor>,
     b: &B,
     mesh: &Mesh<B>,
-) -> Result<Vec<TrialResult>> {
+) -> Result<Scored> {
     let cfg = run.cfg;
-    let mut w = weights_from_host(b, &cfg.model, host, b.compute_dtype(), Category::Weights)?;
-    if let Some(lora) = &cfg.lora {
-        crate::train::lora_run::attach(b, &mut w, lora)?;
-    }
-    let policy = MemoryPolicy {
-        loss_chunk: cfg.loss_chunk,
-        ..MemoryPolicy::default()
+    let w = cfg.weights(b, host)?;
+    let mut out = Scored {
+        trials: Vec::with_capacity(run.grid.count()),
+        lengths: Vec::with_capacity(run.grid.lengths.len()),
     };
-    let mut out = Vec::with_capacity(run.grid.count());
     for li in 0..run.grid.lengths.len() {
-        let plan = cfg.plan(run.grid.lengths[li])?;
+        let length = run.grid.lengths[li];
+        b.ledger().reset_peak();
+        let start = Instant::now();
+        let plan = cfg.plan(length)?;
         let shape = cfg.mesh_shape(&plan);
         if mesh.shape != shape {
             return crate::config_err!(
@@ -117,14 +135,73 @@ pub fn retrieval_on_mesh<B: Backend>(
                 mesh.shape
             );
         }
-        let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, policy)?;
+        let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy())?;
         decoder.set_window(b, &[0])?;
         let scored = score_length(b, mesh, &plan, (run.grid, li, run.make), |ids, rows| {
             decoder.forward_logit_rows(b, mesh, &w, ids, rows)
         })?;
-        out.extend(scored);
+        drop(decoder);
+        let rounds = run.grid.per_length().div_ceil(mesh.shape.data).max(1);
+        let seconds_per_trial = start.elapsed().as_secs_f64() / rounds as f64;
+        let peak_bytes = max_over_world(b, mesh, b.ledger().peak())?;
+        out.trials.extend(scored);
+        out.lengths.push(LengthCost {
+            length,
+            peak_bytes,
+            seconds_per_trial,
+        });
     }
     Ok(out)
+}
+
+/// One rank's rehearsal of [`retrieval_on_mesh`] at `length` on a
+/// rehearsing backend `b` (the memory planner's counting one): the same
+/// weights, decoder and scoring over one trial of zeros (a rehearsal reads
+/// no data), whose rows each rank computes as the rank holding the
+/// answer would ([`score_length`]).
+pub fn rehearse_retrieval_on_mesh<B: Backend>(
+    cfg: &EvalConfig,
+    length: usize,
+    b: &B,
+    mesh: &Mesh<B>,
+) -> Result<Scored> {
+    let grid = Grid {
+        lengths: vec![length],
+        depths: vec![0.5],
+        trials: 1,
+        seed: 0,
+    };
+    let make = |at: &TrialAt| Ok(rehearsal_trial(at.length));
+    let run = RetrievalRun {
+        cfg,
+        grid: &grid,
+        make: &make,
+    };
+    retrieval_on_mesh(&run, &BTreeMap::new(), b, mesh)
+}
+
+/// A rehearsal's trial of `length` ids: zeros, the last one the answer.
+fn rehearsal_trial(length: usize) -> Trial {
+    let length = length.max(2);
+    Trial {
+        ids: vec![0; length],
+        answer: length - 1..length,
+        needle_at: 0,
+        placed_depth: 0.5,
+        key: String::new(),
+        expected: String::new(),
+    }
+}
+
+/// The highest of every rank's `value` (each rank writes its own into a
+/// slot of the world's sum).
+fn max_over_world<B: Backend>(b: &B, mesh: &Mesh<B>, value: usize) -> Result<usize> {
+    let mut slots = vec![0f64; mesh.shape.world_size()];
+    slots[mesh.rank] = value as f64;
+    let all = reduce_sums(b, mesh, &slots)?;
+    Ok(all
+        .into_iter()
+        .fold(value, |m, x| m.max(x.round() as usize)))
 }
 
 /// Scores the trials of length `li` of `grid` under `plan` (one document
@@ -156,7 +233,12 @@ pub(crate) fn score_length<B: Backend>(
             let mut ids = trial.ids.clone();
             ids.resize(plan.layout.seq, 0);
             let local: Vec<u32> = positions.iter().map(|&p| ids[p]).collect();
-            let (rows, tokens) = answer_rows(trial, &positions);
+            // a rehearsal, which reads no trial, gives every rank one row
+            // (the rank holding the answer computes its rows one at a time)
+            let (rows, tokens) = match b.rehearsing() {
+                true => (vec![local.len() - 1], vec![0]),
+                false => answer_rows(trial, &positions),
+            };
             let logits = forward(&local, &rows)?;
             let slot = &mut sums[offsets[replica]..offsets[replica + 1]];
             write_slot(slot, trial, &tokens, &logits);
@@ -313,6 +395,8 @@ pub struct RetrievalDuring {
     pub haystack: Option<Haystack>,
     /// Score after every this many steps, and after the last.
     pub every: u32,
+    /// The chat template's frame of each trial (`None`: plain text).
+    pub chat: Option<ChatFrame>,
 }
 
 impl fmt::Debug for RetrievalDuring {
@@ -341,7 +425,16 @@ pub struct RetrievalPoint {
 impl RetrievalDuring {
     /// Whether step `step` of a run of `steps` scores.
     pub fn due(&self, step: u32, steps: u32) -> bool {
-        step == steps || (self.every > 0 && step.is_multiple_of(self.every))
+        super::eval::due(self.every, step, steps)
+    }
+
+    /// The maker of the trials (framed by the chat template, if any).
+    pub fn maker(&self) -> Result<TrialMaker<'_>> {
+        let maker = TrialMaker::new(&self.spec, self.haystack.as_ref(), &self.tok)?;
+        Ok(match &self.chat {
+            Some(frame) => maker.with_chat(frame),
+            None => maker,
+        })
     }
 
     /// Checks the grid against the run and builds the first trial of every
@@ -354,7 +447,7 @@ impl RetrievalDuring {
                  longer ones afterwards with `upipe eval --task`)"
             );
         }
-        let maker = TrialMaker::new(&self.spec, self.haystack.as_ref(), &self.tok)?;
+        let maker = self.maker()?;
         for li in 0..self.grid.lengths.len() {
             maker.trial(&self.grid.at(li, 0))?;
         }

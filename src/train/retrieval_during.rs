@@ -7,12 +7,13 @@
 //! ([`super::retrieval::RetrievalDuring`]) lives beside the scoring.
 
 use super::config::TrainConfig;
+use super::eval_during::settle_if_due;
 use super::retrieval::{MakeTrial, RetrievalPoint, score_length, summarize};
 use super::state::RankModel;
 use crate::attention::CpPlan;
 use crate::backend::Backend;
 use crate::comm::Mesh;
-use crate::data::retrieval::{TrialAt, TrialMaker};
+use crate::data::retrieval::TrialAt;
 use crate::error::Result;
 use crate::model::Decoder;
 
@@ -28,14 +29,13 @@ pub fn after_step<B: Backend>(
     model: &mut (dyn RankModel<B> + '_),
     step: u32,
 ) -> Result<Option<RetrievalPoint>> {
-    let Some(rd) = cfg.eval_task.as_ref().filter(|r| r.due(step, cfg.steps)) else {
+    let Some(rd) = cfg.eval_task.as_ref() else {
         return Ok(None);
     };
-    if cfg.rehearse {
+    if !settle_if_due(cfg, rd.every, b, model, step)? {
         return Ok(None);
     }
-    model.settle(b)?;
-    let maker = TrialMaker::new(&rd.spec, rd.haystack.as_ref(), &rd.tok)?;
+    let maker = rd.maker()?;
     let make = |at: &TrialAt| maker.trial(at);
     let make: MakeTrial = &make;
     b.ledger().enter("eval");

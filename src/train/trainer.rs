@@ -265,7 +265,7 @@ pub fn retrieval_process_rank(
     host: &BTreeMap<String, HostTensor>,
     env: &DistEnv,
     kernel: crate::backend::cuda::cudnn::AttnKernel,
-) -> Result<Vec<super::retrieval::TrialResult>> {
+) -> Result<super::retrieval::Scored> {
     let longest = run.grid.lengths.iter().copied().max().unwrap_or(1);
     let shape = run.cfg.mesh_shape(&run.cfg.plan(longest)?);
     let rank = ProcessRank::join("eval", env, shape, (kernel, None), None, "")?;

@@ -133,3 +133,34 @@ fn gpu_peer_bench_dry_runs_upipe_on_the_cpu() {
     }
     std::fs::remove_dir_all(&out_dir).ok();
 }
+
+/// The retrieval script (`scripts/gpu-retrieval.sh`) run small on the CPU
+/// (`DEVICE=cpu`, the tiny model for the long part): its every command
+/// runs, CPU against CPU scores agree exactly, and the long part's table
+/// gives each length's peaks, predicted equal to measured.
+#[test]
+fn the_retrieval_script_runs_small_on_the_cpu() {
+    let work = std::env::temp_dir().join(format!("upipe-gpu-retrieval-{}", std::process::id()));
+    let out = Command::new("bash")
+        .arg(root().join("scripts/gpu-retrieval.sh"))
+        .env("DEVICE", "cpu")
+        .env("BIG", "tiny")
+        .env("BIG_LENGTHS", "1K,2K")
+        .env("U", env!("CARGO_BIN_EXE_upipe"))
+        .env("WORK", &work)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() && !stdout.contains("FAILED"),
+        "{stdout}"
+    );
+    let verdict = stdout.lines().find(|l| l.trim_start().starts_with("12 "));
+    assert!(verdict.is_some_and(|l| l.ends_with(" ok")), "{stdout}");
+    for length in ["1024", "2048"] {
+        let row = stdout.lines().find(|l| l.trim_start().starts_with(length));
+        let cols: Vec<&str> = row.unwrap_or_default().split_whitespace().collect();
+        assert!(cols.len() == 5 && cols[1] == cols[2], "{stdout}");
+    }
+    std::fs::remove_dir_all(&work).ok();
+}

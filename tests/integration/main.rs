@@ -17,6 +17,7 @@ mod documents;
 mod documents_cli;
 mod eval;
 mod eval_during_memory;
+mod eval_plan;
 mod first_contact;
 mod freeze;
 mod fsdp;

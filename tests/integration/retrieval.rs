@@ -127,7 +127,7 @@ fn a_trial_passes_and_fails_exactly_where_the_model_predicts() {
             grid: &grid,
             make: &make,
         };
-        let results = retrieval_cpu(&run, &host).unwrap();
+        let results = retrieval_cpu(&run, &host).unwrap().trials;
         assert_eq!(results.len(), 16, "{mesh:?}");
         for r in &results {
             let t = successor_trial(
@@ -227,7 +227,7 @@ fn the_answer_log_likelihood_is_the_loss_paths_cross_entropy_under_every_mesh() 
             grid: &grid,
             make: &make,
         };
-        let results = retrieval_cpu(&run, &host).unwrap();
+        let results = retrieval_cpu(&run, &host).unwrap().trials;
         for (r, w) in results.iter().zip(&want) {
             assert!(
                 ((r.mean_logprob - w) / w).abs() < 1e-5,
@@ -344,7 +344,7 @@ fn eval_task_refuses_what_a_user_can_get_wrong_naming_the_fix() {
     let short = dir.join("short.txt");
     std::fs::write(&short, "Only a line. And another.").unwrap();
     let s = short.to_str().unwrap();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["--task", "passkey", "--lengths", "4X"], "4K,32K,128K,1M"),
         (
             &["--task", "passkey", "--lengths", "2M"],
@@ -374,6 +374,7 @@ fn eval_task_refuses_what_a_user_can_get_wrong_naming_the_fix() {
             "leave out one of them",
         ),
         (&["--lengths", "1K"], "add --task"),
+        (&["--chat-template", "none"], "add --task"),
         (
             &["--task", "needle", "--lengths", "1K"],
             "passkey, multikey, multivalue, kv",
@@ -394,12 +395,13 @@ fn eval_task_refuses_what_a_user_can_get_wrong_naming_the_fix() {
 /// Trains the tiny model 4 steps (`--fsdp fsdp`) with trials after steps
 /// 2 and 4, then scores the saved model with `upipe eval --task` on the
 /// same grid: the same scores as the run's last.
-fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
+fn train_then_eval(dir: &std::path::Path, fsdp: &str, chat: Option<&str>) {
+    let tag = format!("{fsdp}{}", if chat.is_some() { "-chat" } else { "" });
     let (save, metrics) = (
-        dir.join(format!("run-{fsdp}")),
-        dir.join(format!("m-{fsdp}.jsonl")),
+        dir.join(format!("run-{tag}")),
+        dir.join(format!("m-{tag}.jsonl")),
     );
-    let args = [
+    let mut args = vec![
         "train",
         "--device",
         "cpu",
@@ -426,6 +428,9 @@ fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
         "--fsdp",
         fsdp,
     ];
+    if let Some(file) = chat {
+        args.extend(["--eval-task-chat-template", file]);
+    }
     let out = upipe(&args);
     assert!(
         out.status.success(),
@@ -447,7 +452,7 @@ fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
         (last["task"].as_str(), last["trials"].as_u64()),
         (Some("passkey"), Some(12))
     );
-    let args = [
+    let mut args = vec![
         "eval",
         "--task",
         "passkey",
@@ -463,6 +468,9 @@ fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
         "--trials",
         "2",
     ];
+    if let Some(file) = chat {
+        args.extend(["--chat-template", file]);
+    }
     let out = upipe(&args);
     assert!(
         out.status.success(),
@@ -470,6 +478,7 @@ fn train_then_eval(dir: &std::path::Path, fsdp: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["chat_template"].as_str(), chat);
     assert_eq!(v["passed"], last["passed"], "--fsdp {fsdp}");
     let (a, b) = (
         v["mean_logprob"].as_f64().unwrap(),
@@ -483,7 +492,83 @@ fn trials_during_training_score_as_eval_task_does_on_the_saved_model() {
     let dir = std::env::temp_dir().join(format!("upipe-retrieval-train-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // the parameters replicated, and sharded (each unit gathered for the forward)
-    train_then_eval(&dir, "off");
-    train_then_eval(&dir, "on");
+    train_then_eval(&dir, "off", None);
+    train_then_eval(&dir, "on", None);
+    // trials framed by a chat template, during training and after
+    let file = dir.join("chat.jinja");
+    let template = "{% for m in messages %}[{{ m.content }}]{% endfor %}\
+                    {% if add_generation_prompt %}>{% endif %}";
+    std::fs::write(&file, template).unwrap();
+    train_then_eval(&dir, "off", Some(file.to_str().unwrap()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--chat-template`: `auto` on a tokenizer without a template keeps plain
+/// text and says so; a template file, or `auto` finding the model's
+/// `chat_template.jinja`, frames each trial (stderr names the file, the
+/// summary records it, the answer starts the assistant's turn).
+#[test]
+fn eval_task_frames_trials_with_the_chat_template_it_names() {
+    let dir = tiny_model_dir("chat");
+    let d = dir.to_str().unwrap();
+    let template = "{% for m in messages %}<u>{{ m.content }}</u>{% endfor %}\
+                    {% if add_generation_prompt %}<a>{% endif %}";
+    let file = dir.join("mine.jinja");
+    std::fs::write(&file, template).unwrap();
+    let run = |chat: &str, out: &str| {
+        let out = dir.join(out);
+        let o = upipe(&[
+            "eval",
+            "--task",
+            "passkey",
+            "--model-dir",
+            d,
+            "--lengths",
+            "400",
+            "--depths",
+            "1",
+            "--trials",
+            "1",
+            "--device",
+            "cpu",
+            "--chat-template",
+            chat,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{stderr}");
+        let read = |f: &str| std::fs::read_to_string(out.join(f)).unwrap();
+        let summary: serde_json::Value = serde_json::from_str(&read("summary.json")).unwrap();
+        let trial: serde_json::Value = serde_json::from_str(read("trials.jsonl").trim()).unwrap();
+        (stderr, summary, trial)
+    };
+    let (stderr, summary, trial) = run("auto", "plain");
+    assert!(
+        stderr.contains("no chat template, so trials are plain text"),
+        "{stderr}"
+    );
+    assert!(summary["chat_template"].is_null());
+    // " 1234567": the space before the digits is a token of its own
+    assert_eq!(trial["answer_tokens"], 8);
+    let (stderr, summary, trial) = run(file.to_str().unwrap(), "file");
+    assert!(
+        stderr.contains("user's turn of") && stderr.contains("mine.jinja"),
+        "{stderr}"
+    );
+    assert_eq!(summary["chat_template"], file.to_str().unwrap());
+    assert_eq!(trial["answer_tokens"], 7);
+    assert_eq!(trial["tokens"], 400);
+    std::fs::write(dir.join("chat_template.jinja"), template).unwrap();
+    let (stderr, summary, _) = run("auto", "auto");
+    assert!(stderr.contains("chat_template.jinja"), "{stderr}");
+    assert!(
+        summary["chat_template"]
+            .as_str()
+            .unwrap()
+            .ends_with("chat_template.jinja")
+    );
+    let (_, summary, _) = run("none", "none");
+    assert!(summary["chat_template"].is_null());
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -6,24 +6,24 @@
 //! the heatmap (SVG). `--write-corpus` writes trials as training data
 //! instead (`data::retrieval::corpus`).
 
-use super::task_args::{EvalTaskArgs, TaskArgs};
-use crate::attention::Strategy;
-use crate::backend::cuda::cudnn::AttnKernel;
-use crate::checkpoint::{ExtraTensors, HostTensor, load_hf_model_with};
-use crate::cli::config::for_key;
-use crate::cli::train::{Device, Launched, Route, route_for};
-use crate::comm::env::DistEnv;
+use super::args::EvalArgs;
+use super::place::Placed;
+use super::preflight::{Placement, preflight};
+use super::task_args::TaskArgs;
+use super::task_report::Scores;
+use crate::checkpoint::HostTensor;
+use crate::cli::train::Route;
 use crate::data::Tokenizer;
 use crate::data::retrieval::corpus::{CorpusSpec, write_corpus};
 use crate::data::retrieval::{
-    Grid, Haystack, RetrievalTask, TaskSpec, TrialAt, TrialMaker, parse_lengths,
+    ChatFrame, Grid, Haystack, RetrievalTask, TaskSpec, TrialAt, TrialMaker, parse_lengths,
 };
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use crate::train::eval::EvalConfig;
-use crate::train::retrieval::{RetrievalRun, TrialResult, retrieval_cpu, retrieval_threads};
+use crate::plan::EvalForward;
+use crate::train::retrieval::{RetrievalRun, Scored, retrieval_cpu, retrieval_threads};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// What a retrieval run needs before its weights load.
 struct TaskRun {
@@ -31,33 +31,54 @@ struct TaskRun {
     grid: Grid,
     tok: Tokenizer,
     haystack: Option<Haystack>,
+    /// The chat template's frame (`None`: plain text) and its file.
+    chat: Option<(ChatFrame, String)>,
 }
 
-/// `upipe eval --task` with flags `a`.
-pub fn run(a: &EvalTaskArgs) -> Result<i32> {
-    let t = a.task;
+impl TaskRun {
+    /// The maker of the run's trials.
+    fn maker(&self) -> Result<TrialMaker<'_>> {
+        let maker = TrialMaker::new(&self.spec, self.haystack.as_ref(), &self.tok)?;
+        Ok(match &self.chat {
+            Some((frame, _)) => maker.with_chat(frame),
+            None => maker,
+        })
+    }
+}
+
+/// `upipe eval --task` with `upipe eval`'s flags `a`.
+pub fn run(a: &EvalArgs) -> Result<i32> {
+    let t = &a.task;
     let task = build_task(a)?;
     if let Some(path) = &t.write_corpus {
         return corpus(&task, path, t.documents);
     }
-    if a.tokens_given {
+    if a.tokens.is_some() {
         return crate::config_err!(
             "--tokens is what `upipe eval` measures the loss on; --task makes its own trials: \
              leave out one of them"
         );
     }
-    let Some(model_dir) = a.model_dir.map(Path::to_path_buf) else {
+    let Some(model_dir) = a.model_dir.as_deref() else {
         return crate::config_err!(
             "upipe eval --task needs --model-dir (or [eval] model-dir in --config), or \
              --write-corpus to write trials without a model"
         );
     };
-    crate::checkpoint::refuse_adapter_dir(&model_dir, "--model-dir")?;
-    let model = ModelConfig::resolve(&model_dir.to_string_lossy())?;
+    let model = super::place::open_model(model_dir)?;
     check_model(&task, &model)?;
-    let maker = TrialMaker::new(&task.spec, task.haystack.as_ref(), &task.tok)?;
+    let maker = task.maker()?;
     probe(&maker, &task.grid)?;
-    let placed = place(a, &model)?;
+    let longest = task.grid.lengths.iter().copied().max().unwrap_or(1);
+    let placed = super::place::place(a, &model, longest)?;
+    let at = Placement {
+        route: &placed.route,
+        device: placed.device,
+        kernel: placed.kernel,
+        gpus: placed.gpus,
+        documents: false,
+    };
+    let planned = preflight(&placed.cfg, &task.grid.lengths, EvalForward::Trial, &at)?;
     if let Route::SelfLaunch { nproc } = placed.route {
         tracing::info!(
             "{} GPUs visible: starting {nproc} processes, one per GPU (NCCL)",
@@ -66,30 +87,28 @@ pub fn run(a: &EvalTaskArgs) -> Result<i32> {
         let child = crate::cli::launch::own_command("eval")?;
         return crate::cli::launch::run_local(nproc, child);
     }
-    let extra = match a.allow_extra_tensors {
-        true => ExtraTensors::Ignore,
-        false => ExtraTensors::Refuse,
-    }
-    .beside_adapters(a.lora_from.is_some());
-    let host = load_hf_model_with(&model_dir, &placed.cfg.model, extra)?;
+    let host = super::place::load_weights(a, model_dir, &placed.cfg.model)?;
     let make = |at: &TrialAt| maker.trial(at);
     let run = RetrievalRun {
         cfg: &placed.cfg,
         grid: &task.grid,
         make: &make,
     };
-    let results = execute(&run, &placed, &host)?;
-    let lead =
-        placed.route != Route::ProcessRank || placed.env.as_ref().is_none_or(|e| e.rank == 0);
-    if lead {
-        super::task_report::report(a, &task.spec, &task.grid, &task.tok, &results)?;
+    let scored = execute(&run, &placed, &host)?;
+    if placed.lead() {
+        let scores = Scores {
+            scored: &scored,
+            predicted: &planned.predictions,
+            chat_template: task.chat.as_ref().map(|c| c.1.as_str()),
+        };
+        super::task_report::report(a, (&task.spec, &task.grid, &task.tok), &scores)?;
     }
     Ok(0)
 }
 
 /// The task, grid, tokenizer and haystack from the flags, checked.
-fn build_task(a: &EvalTaskArgs) -> Result<TaskRun> {
-    let t = a.task;
+fn build_task(a: &EvalArgs) -> Result<TaskRun> {
+    let t = &a.task;
     let name = t.task.as_deref().unwrap_or_default();
     let task: RetrievalTask = name.parse()?;
     let mut spec = TaskSpec::new(task);
@@ -106,9 +125,14 @@ fn build_task(a: &EvalTaskArgs) -> Result<TaskRun> {
             *into = text.replace("\\n", "\n");
         }
     }
-    spec.check()?;
     let grid = grid(t)?;
     let tok = tokenizer(a)?;
+    let chat = chat_frame(a, &tok)?;
+    if chat.is_some() && t.answer_template.is_none() {
+        // the answer starts the assistant's turn, with no space before it
+        spec.templates.answer = "{value}".into();
+    }
+    spec.check()?;
     let longest = grid.lengths.iter().copied().max().unwrap_or(1);
     let haystack = match (&t.haystack, task.uses_haystack()) {
         (Some(_), false) => {
@@ -131,6 +155,7 @@ fn build_task(a: &EvalTaskArgs) -> Result<TaskRun> {
         grid,
         tok,
         haystack,
+        chat,
     })
 }
 
@@ -159,11 +184,11 @@ fn grid(t: &TaskArgs) -> Result<Grid> {
 
 /// `--tokenizer`, else the model directory's `tokenizer.json`, else bytes
 /// for a model of 256 ids.
-fn tokenizer(a: &EvalTaskArgs) -> Result<Tokenizer> {
+fn tokenizer(a: &EvalArgs) -> Result<Tokenizer> {
     if let Some(t) = &a.task.tokenizer {
         return Tokenizer::resolve(t);
     }
-    let dir = a.model_dir;
+    let dir = a.model_dir.as_deref();
     if let Some(file) = dir
         .map(|d| d.join("tokenizer.json"))
         .filter(|f| f.is_file())
@@ -181,6 +206,23 @@ fn tokenizer(a: &EvalTaskArgs) -> Result<Tokenizer> {
              holding one, or byte), or a --model-dir with its tokenizer.json"
         ),
     }
+}
+
+/// Where the tokenizer's files are (`--tokenizer`, else the model
+/// directory); `None` for the byte tokenizer.
+fn tokenizer_dir(a: &EvalArgs) -> Option<PathBuf> {
+    match a.task.tokenizer.as_deref() {
+        Some("byte") => None,
+        Some(t) => Some(PathBuf::from(t)),
+        None => a.model_dir.clone(),
+    }
+}
+
+/// `--chat-template`: the frame of the model's (or a file's) chat
+/// template, or `None` for plain text; says on stderr which it chose.
+fn chat_frame(a: &EvalArgs, tok: &Tokenizer) -> Result<Option<(ChatFrame, String)>> {
+    let choice = ("--chat-template", a.task.chat_template.as_str());
+    ChatFrame::choose(choice, tokenizer_dir(a).as_deref(), tok)
 }
 
 /// The model can read the tokenizer's ids and every length asked.
@@ -221,7 +263,7 @@ fn probe(maker: &TrialMaker, grid: &Grid) -> Result<()> {
 /// `--write-corpus PATH`: `documents` trials at lengths drawn from
 /// `--lengths` and depths drawn uniformly.
 fn corpus(task: &TaskRun, path: &Path, documents: usize) -> Result<i32> {
-    let maker = TrialMaker::new(&task.spec, task.haystack.as_ref(), &task.tok)?;
+    let maker = task.maker()?;
     let spec = CorpusSpec {
         lengths: task.grid.lengths.clone(),
         documents,
@@ -239,71 +281,12 @@ fn corpus(task: &TaskRun, path: &Path, documents: usize) -> Result<i32> {
     Ok(0)
 }
 
-/// The model on its mesh and where its ranks run.
-struct Placed {
-    cfg: EvalConfig,
-    kernel: AttnKernel,
-    env: Option<DistEnv>,
-    gpus: usize,
-    route: Route,
-}
-
-/// The evaluation's mesh for the longest length, checked, and its route
-/// (as `upipe eval` places a run).
-fn place(a: &EvalTaskArgs, model: &ModelConfig) -> Result<Placed> {
-    let k = a.keys;
-    let device: Device = for_key(k, "device", a.device.parse())?;
-    let kernel: AttnKernel = for_key(k, "attn_kernel", a.attn_kernel.parse())?;
-    let gpus = match device {
-        Device::Cpu => 0,
-        _ => crate::cli::train::visible_gpus(),
-    };
-    let env = DistEnv::from_env()?;
-    let launched = Launched::from_env(env.as_ref());
-    let strategy: Strategy = for_key(k, "attn", a.attn.parse())?;
-    let mut cfg = EvalConfig {
-        strategy,
-        chunk_heads: a.chunk_heads,
-        fwd_chunk_heads: a.fwd_chunk_heads,
-        loss_chunk: a.loss_chunk,
-        lora: match a.lora_from {
-            Some(dir) => Some(crate::checkpoint::peft::read_adapter(dir, model)?.weights),
-            None => None,
-        },
-        ..EvalConfig::new(model.clone())
-    };
-    let longest = a.task.lengths.as_deref().map(parse_lengths).transpose()?;
-    let longest = longest.and_then(|l| l.into_iter().max()).unwrap_or(1);
-    let ranks = match launched {
-        Some(l) => Some(l.world_size),
-        None if device != Device::Cpu && gpus >= 2 => Some(gpus),
-        None => None,
-    };
-    let mesh = (a.mesh)(strategy, model, longest, ranks);
-    mesh.check_countable()?;
-    (cfg.data_parallel, cfg.ulysses, cfg.ring) = (mesh.data, mesh.ulysses, mesh.ring);
-    let shape = cfg.mesh_shape(&cfg.plan(longest)?);
-    let nccl = || {
-        crate::comm::nccl::library()
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    };
-    let route = route_for("eval", device, launched, gpus, shape, &nccl)?;
-    Ok(Placed {
-        cfg,
-        kernel,
-        env,
-        gpus,
-        route,
-    })
-}
-
 /// Scores every trial where the route says.
 fn execute(
     run: &RetrievalRun,
     placed: &Placed,
     host: &BTreeMap<String, HostTensor>,
-) -> Result<Vec<TrialResult>> {
+) -> Result<Scored> {
     match &placed.route {
         Route::ProcessRank => {
             let env = placed
@@ -313,20 +296,8 @@ fn execute(
             crate::train::trainer::retrieval_process_rank(run, host, env, placed.kernel)
         }
         Route::GpuThreads { gpus, why } => {
-            use crate::backend::cuda::CudaBackend;
-            use std::sync::atomic::{AtomicUsize, Ordering};
             tracing::info!("thread ranks on GPUs: {why}");
-            for g in 0..*gpus {
-                CudaBackend::new(g)?;
-            }
-            let next = AtomicUsize::new(0);
-            let make = || {
-                let g = next.fetch_add(1, Ordering::Relaxed) % gpus;
-                let mut b = CudaBackend::new(g).expect("the device opened a moment ago");
-                b.set_attn_kernel(placed.kernel);
-                b
-            };
-            retrieval_threads(run, host, make)
+            retrieval_threads(run, host, super::place::gpu_backends(*gpus, placed.kernel)?)
         }
         _ => retrieval_cpu(run, host),
     }

@@ -1,10 +1,7 @@
 //! The flags of `upipe eval --task` (retrieval trials), a group of
-//! `upipe eval`'s flags, and what the task reads of the others.
+//! `upipe eval`'s flags.
 
-use crate::attention::Strategy;
-use crate::cli::train::MeshChoice;
-use crate::model::ModelConfig;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Flags of the retrieval tasks.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -44,6 +41,14 @@ pub struct TaskArgs {
     /// tokenizer.json (bytes for a model of 256 ids).
     #[arg(long)]
     pub tokenizer: Option<String>,
+    /// How the prompt is framed: `auto` (the default) wraps the context and
+    /// question in the user's turn of the model's chat template (its
+    /// `chat_template.jinja` or the `chat_template` of its
+    /// `tokenizer_config.json`, beside the tokenizer) with the generation
+    /// prompt, the answer after it, when the tokenizer has one, else plain
+    /// text (stderr says which); `none`: plain text; or a Jinja file.
+    #[arg(long, default_value = "auto", value_name = "auto|none|PATH")]
+    pub chat_template: String,
     /// Needles per trial (multikey: names, one asked; multivalue: numbers
     /// of the one name); default 4 (passkey: 1).
     #[arg(long)]
@@ -90,6 +95,7 @@ impl TaskArgs {
         seed => run.seed,
         haystack => eval.haystack,
         tokenizer => data.tokenizer,
+        chat_template => eval.chat_template,
         needles => eval.needles,
         digits => eval.digits,
         intro_template => eval.intro_template,
@@ -110,32 +116,11 @@ impl TaskArgs {
             (self.write_corpus.is_some(), "--write-corpus"),
             (self.needle_template.is_some(), "--needle-template"),
             (self.question_template.is_some(), "--question-template"),
+            (
+                !matches!(self.chat_template.as_str(), "auto" | ""),
+                "--chat-template",
+            ),
         ];
         given.into_iter().find(|g| g.0).map(|g| g.1)
     }
-}
-
-/// `upipe eval`'s mesh of a strategy, a model, a length and the ranks
-/// available (`None`: unknown).
-pub type MeshOf<'a> = dyn Fn(Strategy, &ModelConfig, usize, Option<usize>) -> MeshChoice + 'a;
-
-/// What `upipe eval --task` reads of `upipe eval`'s flags (resolved by
-/// `cli/eval.rs`, which runs `eval/task.rs` with them).
-pub struct EvalTaskArgs<'a> {
-    pub task: &'a TaskArgs,
-    /// `upipe eval`'s run-file keys, which errors name.
-    pub keys: &'static [(&'static str, &'static str, &'static str)],
-    pub model_dir: Option<&'a Path>,
-    pub tokens_given: bool,
-    pub lora_from: Option<&'a Path>,
-    pub allow_extra_tensors: bool,
-    pub device: &'a str,
-    pub attn_kernel: &'a str,
-    pub attn: &'a str,
-    pub chunk_heads: Option<usize>,
-    pub fwd_chunk_heads: Option<usize>,
-    pub loss_chunk: usize,
-    pub json: bool,
-    /// `upipe eval`'s mesh for a strategy, model, length and rank count.
-    pub mesh: &'a MeshOf<'a>,
 }

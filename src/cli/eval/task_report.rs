@@ -3,13 +3,15 @@
 //! `--out DIR` the trials (`trials.jsonl`), the summary (`summary.json`)
 //! and the heatmap (`heatmap.svg`).
 
-use super::task_args::EvalTaskArgs;
+use super::args::EvalArgs;
+use crate::backend::Bytes;
 use crate::cli::svg::heatmap::{Heatmap, heatmap};
 use crate::cli::svg::{Area, Svg};
 use crate::data::Tokenizer;
 use crate::data::retrieval::{Grid, TaskSpec, Templates};
 use crate::error::{Error, Result};
-use crate::train::retrieval::{RetrievalSummary, TrialResult, summarize};
+use crate::plan::Prediction;
+use crate::train::retrieval::{RetrievalSummary, Scored, TrialResult, summarize};
 use serde::Serialize;
 use std::path::Path;
 
@@ -23,6 +25,26 @@ struct TrialLine<'a> {
     predicted: String,
 }
 
+/// What a retrieval evaluation scored, and what the planner predicted of
+/// each length (in the grid's order).
+pub struct Scores<'a> {
+    pub scored: &'a Scored,
+    pub predicted: &'a [Prediction],
+    /// The chat template's file the trials were framed by (`None`: plain text).
+    pub chat_template: Option<&'a str>,
+}
+
+/// One length's memory and time (`summary.json`'s `by_length`).
+#[derive(Serialize)]
+struct LengthLine {
+    length: usize,
+    /// The planner's prediction of the highest rank's peak.
+    predicted_peak_bytes: usize,
+    /// The highest rank's ledger peak over the length's trials.
+    measured_peak_bytes: usize,
+    seconds_per_trial: f64,
+}
+
 /// `summary.json`: what ran and how it scored.
 #[derive(Serialize)]
 struct SummaryFile<'a> {
@@ -31,6 +53,8 @@ struct SummaryFile<'a> {
     lora_from: Option<String>,
     haystack: String,
     templates: &'a Templates,
+    /// The chat template's file (`null`: plain text).
+    chat_template: Option<&'a str>,
     needles: usize,
     digits: usize,
     lengths: &'a [usize],
@@ -39,28 +63,38 @@ struct SummaryFile<'a> {
     seed: u64,
     #[serde(flatten)]
     summary: &'a RetrievalSummary,
+    by_length: Vec<LengthLine>,
 }
 
 /// Prints the table (or the JSON) and writes `--out`'s files.
 pub fn report(
-    a: &EvalTaskArgs,
-    spec: &TaskSpec,
-    grid: &Grid,
-    tok: &Tokenizer,
-    results: &[TrialResult],
+    a: &EvalArgs,
+    (spec, grid, tok): (&TaskSpec, &Grid, &Tokenizer),
+    scores: &Scores,
 ) -> Result<()> {
+    let results = &scores.scored.trials;
     let summary = summarize(grid, results);
+    let by_length: Vec<LengthLine> = (scores.scored.lengths.iter())
+        .zip(scores.predicted)
+        .map(|(m, p)| LengthLine {
+            length: m.length,
+            predicted_peak_bytes: p.peak,
+            measured_peak_bytes: m.peak_bytes,
+            seconds_per_trial: m.seconds_per_trial,
+        })
+        .collect();
     let task = spec.task.name();
     let file = SummaryFile {
         task,
-        model_dir: a.model_dir.map(|p| p.display().to_string()),
-        lora_from: a.lora_from.map(|p| p.display().to_string()),
+        model_dir: a.model_dir.as_ref().map(|p| p.display().to_string()),
+        lora_from: a.lora_from.as_ref().map(|p| p.display().to_string()),
         haystack: match (&a.task.haystack, spec.task.uses_haystack()) {
             (Some(p), _) => p.display().to_string(),
             (None, true) => "the built-in filler".into(),
             (None, false) => "its own key-value list".into(),
         },
         templates: &spec.templates,
+        chat_template: scores.chat_template,
         needles: spec.needles,
         digits: spec.digits,
         lengths: &grid.lengths,
@@ -68,11 +102,16 @@ pub fn report(
         trials_per_cell: grid.trials,
         seed: grid.seed,
         summary: &summary,
+        by_length,
     };
     let json = serde_json::to_string_pretty(&file).expect("a summary always serialises");
     match a.json {
         true => println!("{}", serde_json::to_string(&file).expect("serialises")),
-        false => print!("{}", table(task, grid, &summary)),
+        false => print!(
+            "{}{}",
+            table(task, grid, &summary),
+            cost_table(&file.by_length)
+        ),
     }
     if let Some(dir) = &a.task.out {
         write_out(dir, task, tok, results, &json, &summary, grid)?;
@@ -103,6 +142,25 @@ pub fn table(task: &str, grid: &Grid, s: &RetrievalSummary) -> String {
             out.push_str(&format!("{:>8.0}", 100.0 * c.accuracy));
         }
         out.push('\n');
+    }
+    out
+}
+
+/// Memory (predicted and measured peak per rank) and seconds per trial by
+/// length.
+fn cost_table(lines: &[LengthLine]) -> String {
+    let mut out = format!(
+        "{:>8} {:>16} {:>16} {:>12}\n",
+        "length", "predicted peak", "measured peak", "s/trial"
+    );
+    for l in lines {
+        out.push_str(&format!(
+            "{:>8} {:>16} {:>16} {:>12.3}\n",
+            length_label(l.length),
+            Bytes(l.predicted_peak_bytes).to_string(),
+            Bytes(l.measured_peak_bytes).to_string(),
+            l.seconds_per_trial
+        ));
     }
     out
 }

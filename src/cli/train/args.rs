@@ -172,6 +172,16 @@ pub struct TrainArgs {
     /// Trials per length and depth during training.
     #[arg(long, help_heading = "Evaluation", default_value_t = 2)]
     pub eval_task_trials: usize,
+    /// How trials during training are framed, as `upipe eval --task
+    /// --chat-template`: auto (the tokenizer's chat template when it has
+    /// one, else plain text), none, or a Jinja file.
+    #[arg(
+        long,
+        help_heading = "Evaluation",
+        default_value = "auto",
+        value_name = "auto|none|PATH"
+    )]
+    pub eval_task_chat_template: String,
     /// Directory for training checkpoints (safetensors + optimizer state,
     /// and the resolved run file `run.toml` that repeats the run).
     #[arg(long, help_heading = "Checkpoints")]
@@ -340,6 +350,7 @@ impl TrainArgs {
         eval_task_lengths => eval.eval_task_lengths,
         eval_task_depths => eval.eval_task_depths,
         eval_task_trials => eval.eval_task_trials,
+        eval_task_chat_template => eval.eval_task_chat_template,
         save_dir => checkpoint.save_dir,
         merge_lora => checkpoint.merge_lora,
         save_every => checkpoint.save_every,
@@ -603,6 +614,12 @@ impl TrainArgs {
                 "eval_task_lengths",
                 "eval_task",
                 "the lengths, depths and trials are of its retrieval trials",
+            ),
+            (
+                self.eval_task.is_none() && self.eval_task_chat_template != "auto",
+                "eval_task_chat_template",
+                "eval_task",
+                "the chat template frames its retrieval trials",
             ),
             (
                 self.allow_extra_tensors && self.init_from.is_none() && !self.resume,

@@ -59,12 +59,32 @@ pub(super) fn rank_memory(
     if run.lead {
         log_host_budget(host, host_mem_gib, run.host_available);
     }
-    // the CUDA context, cuBLAS and cuDNN handles lie outside the ledger, the
-    // pinned pool's slack outside the host's tensors
+    // the pinned pool's slack lies outside the host's tensors
     Ok(Some(RankMemory {
-        device: device.saturating_sub((1 << 30) / world.div_ceil(gpus)),
+        device: device.saturating_sub(outside_ledger(world, gpus)),
         host: host.map(planned_host),
     }))
+}
+
+/// The memory each of `world` ranks has (`None`: unknown): on GPUs a GPU's
+/// shared by the ranks on it, on the CPU the host's available memory
+/// (`host_available`) shared by the thread ranks.
+pub fn memory_per_rank(
+    on_gpu: bool,
+    world: usize,
+    gpus: usize,
+    host_available: Option<usize>,
+) -> Option<usize> {
+    match on_gpu {
+        true => super::gpu_memory_per_rank(world, gpus),
+        false => host_available.map(|b| b / world.max(1)),
+    }
+}
+
+/// A GPU rank's device bytes outside the ledger: the CUDA context, cuBLAS
+/// and cuDNN handles, shared by the ranks on one GPU.
+pub fn outside_ledger(world: usize, gpus: usize) -> usize {
+    (1 << 30) / world.div_ceil(gpus.max(1))
 }
 
 /// `predicted` as it is held against [`rank_memory`]: on the CPU the

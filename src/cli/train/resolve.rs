@@ -6,7 +6,6 @@ use super::args::{FsdpMode, TrainArgs};
 use super::built::Built;
 use super::mesh::MeshChoice;
 use super::preflight;
-use super::route::gpu_memory_per_rank;
 use crate::error::Result;
 use crate::plan::preflight::planned_host;
 use crate::plan::{
@@ -21,11 +20,8 @@ impl Built {
     /// of rank 0's step.
     pub(super) fn resolve(&mut self, a: &TrainArgs) -> Result<Prediction> {
         let world = self.shape.world_size();
-        self.budget = if self.on_gpu() {
-            gpu_memory_per_rank(world, self.gpus)
-        } else {
-            self.host_available.map(|b| b / world)
-        };
+        self.budget =
+            preflight::memory_per_rank(self.on_gpu(), world, self.gpus, self.host_available);
         if self.lead {
             // a killed run's half-moved save finished, so `resume_dir` sees it;
             // the trainer takes the directory again for the run

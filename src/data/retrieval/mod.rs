@@ -21,9 +21,11 @@ pub use haystack::{FILLER, HaySlice, Haystack};
 pub use task::{RetrievalTask, TASKS, Templates};
 
 use crate::data::Tokenizer;
+use crate::data::chat::ChatTemplate;
 use crate::error::Result;
 use crate::rng::Rng;
 use std::ops::Range;
+use std::path::Path;
 
 /// Draws of needles that collide with the haystack before giving up.
 const MAX_DRAWS: usize = 64;
@@ -97,8 +99,75 @@ pub struct TrialMaker<'a> {
     pub spec: &'a TaskSpec,
     pub haystack: Option<&'a Haystack>,
     pub tok: &'a Tokenizer,
-    /// The tokenizer's special ids before a document (a BOS).
+    /// The ids before the intro: the tokenizer's special ids before a
+    /// document (a BOS), or a chat frame's before the user's message.
     prefix: Vec<u32>,
+    /// The ids after the question (a chat frame's generation prompt).
+    suffix: Vec<u32>,
+}
+
+/// The turn a chat template wraps a trial in: the ids before the user's
+/// message (the context and the question) and those after it up to where
+/// the assistant's answer starts (the generation prompt).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatFrame {
+    pub before: Vec<u32>,
+    pub after: Vec<u32>,
+}
+
+impl ChatFrame {
+    /// The frame `template` renders around one user message, with the
+    /// generation prompt, tokenized by `tok` (no special tokens added: the
+    /// template writes them); as the haystack, each side is tokenized apart
+    /// from the message.
+    pub fn of(template: &ChatTemplate, tok: &Tokenizer) -> Result<ChatFrame> {
+        const MARK: &str = "\u{E002}";
+        let messages = [serde_json::json!({"role": "user", "content": MARK})];
+        let (text, _) = template.render(&messages, true)?;
+        let Some((before, after)) = text.split_once(MARK) else {
+            return crate::config_err!(
+                "the chat template {} does not write the user's message into its rendering; \
+                 give one that does, or --chat-template none for plain text",
+                template.path().display()
+            );
+        };
+        Ok(ChatFrame {
+            before: tok.encode(before)?,
+            after: tok.encode(after)?,
+        })
+    }
+
+    /// The frame `flag` (`auto`, `none` or a Jinja file) chooses for trials
+    /// tokenized by `tok`, whose files lie in `tokenizer` (a
+    /// `tokenizer.json` or its directory; `None`: the byte tokenizer):
+    /// `auto` the tokenizer's own template when it has one, else plain
+    /// text (`None`). Says on stderr which it chose. With the frame, the
+    /// template's file.
+    pub fn choose(
+        (flag, choice): (&str, &str),
+        tokenizer: Option<&Path>,
+        tok: &Tokenizer,
+    ) -> Result<Option<(ChatFrame, String)>> {
+        let template = match choice {
+            "none" => return Ok(None),
+            "auto" | "" => match tokenizer.map(ChatTemplate::find).transpose()?.flatten() {
+                Some(t) => t,
+                None => {
+                    tracing::info!(
+                        "{flag} auto: the tokenizer has no chat template, so trials are plain text"
+                    );
+                    return Ok(None);
+                }
+            },
+            path => ChatTemplate::from_file(Path::new(path), tokenizer)?,
+        };
+        let file = template.path().display().to_string();
+        tracing::info!(
+            "{flag} {choice}: each trial's context and question are the user's turn of {file}, \
+             the answer after its generation prompt ({flag} none: plain text)"
+        );
+        Ok(Some((ChatFrame::of(&template, tok)?, file)))
+    }
 }
 
 /// The pieces of a trial as ids, needles not yet placed.
@@ -130,7 +199,26 @@ impl<'a> TrialMaker<'a> {
             haystack,
             tok,
             prefix: tok.document_prefix()?,
+            suffix: Vec::new(),
         })
+    }
+
+    /// This maker with each trial's context and question as the user's
+    /// message of `frame` (the template writes its own special tokens),
+    /// the answer after its generation prompt.
+    pub fn with_chat(mut self, frame: &ChatFrame) -> Self {
+        self.prefix.clone_from(&frame.before);
+        self.suffix.clone_from(&frame.after);
+        self
+    }
+
+    /// The question's ids, the chat frame's generation prompt after them.
+    fn question_ids(&self, key: &str) -> Result<Vec<u32>> {
+        let mut ids = self
+            .tok
+            .encode(&task::render(&self.spec.templates.question, key, ""))?;
+        ids.extend_from_slice(&self.suffix);
+        Ok(ids)
     }
 
     /// The trial at `at` (errors name the fix: a length too short for the
@@ -225,7 +313,7 @@ impl<'a> TrialMaker<'a> {
         Ok(Pieces {
             head,
             needles,
-            question: enc(&task::render(&t.question, &keys[0], ""))?,
+            question: self.question_ids(&keys[0])?,
             unique,
             key: keys[0].clone(),
             expected,
@@ -292,7 +380,7 @@ impl TrialMaker<'_> {
         );
         let mut head = self.prefix.clone();
         head.extend(enc(&t.intro)?);
-        let question = enc(&task::render(&t.question, &key, ""))?;
+        let question = self.question_ids(&key)?;
         let (expected, answer) = self.answer_ids(std::slice::from_ref(&value))?;
         let asked_line = enc(&task::render(&t.needle, &key, &value))?;
         let fixed = head.len() + question.len() + answer.len() + asked_line.len();

@@ -184,3 +184,43 @@ fn the_corpus_counts_only_the_answers() {
     assert_eq!(counted, 80);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A chat template frames a trial: its context and question are the
+/// user's message, the generation prompt follows, then the answer; the
+/// trial keeps its length, and the answer's positions are its last ids.
+#[test]
+fn a_chat_template_makes_the_trial_the_users_turn_with_the_answer_after_it() {
+    let tok = Tokenizer::byte();
+    let source = "{{ bos_token }}{% for m in messages %}<|user|>{{ m.content }}<|end|>\
+                  {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+    let mut specials = serde_json::Map::new();
+    specials.insert("bos_token".into(), "<s>".into());
+    let path = std::path::PathBuf::from("chat.jinja");
+    let template = ChatTemplate::new(source, specials, path).unwrap();
+    let frame = ChatFrame::of(&template, &tok).unwrap();
+    assert_eq!(text(&frame.before), "<s><|user|>");
+    assert_eq!(text(&frame.after), "<|end|><|assistant|>");
+    let hay = Haystack::filler(&tok).unwrap();
+    for task in [RetrievalTask::Passkey, RetrievalTask::Kv] {
+        let mut spec = TaskSpec::new(task);
+        spec.templates.answer = "{value}".into();
+        let plain = TrialMaker::new(&spec, Some(&hay), &tok).unwrap();
+        let chat = TrialMaker::new(&spec, Some(&hay), &tok)
+            .unwrap()
+            .with_chat(&frame);
+        let at = grid(&[700], 3, 1).at(0, 1);
+        let t = chat.trial(&at).unwrap();
+        assert!(t.ids.len() <= at.length && t.ids.len() + 20 > at.length);
+        assert_eq!(t.answer.end, t.ids.len());
+        let all = text(&t.ids);
+        assert!(all.starts_with("<s><|user|>"), "{all}");
+        let prompt = text(&t.ids[..t.answer.start]);
+        assert!(prompt.ends_with("<|end|><|assistant|>"), "{prompt}");
+        assert_eq!(text(&t.ids[t.answer.clone()]), t.expected);
+        // the same needles as the plain trial of the same place
+        assert_eq!(plain.trial(&at).unwrap().expected, t.expected);
+    }
+    let broken = ChatTemplate::new("hello", Default::default(), "x.jinja".into()).unwrap();
+    let e = ChatFrame::of(&broken, &tok).unwrap_err().to_string();
+    assert!(e.contains("--chat-template none"), "{e}");
+}
