@@ -4,8 +4,8 @@
 //! and a block per [`Q8_BLOCK`] elements of a piece, the piece table passed
 //! by value as a kernel parameter.
 
+use super::backend::{CudaBackend, dt, ptr};
 use super::kernels::{Args, grid_for, launch};
-use super::{CudaBackend, dt, ptr};
 use crate::backend::compact_adamw::{Q8_BLOCK, q8_blocks};
 use crate::backend::{AdamWSlot, AdamWStep};
 use crate::error::Result;

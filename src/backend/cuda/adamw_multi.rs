@@ -3,8 +3,8 @@
 //! their table (tensor addresses, ranges, hyper-parameters) passed by value
 //! as a kernel parameter: no upload, no buffer.
 
+use super::backend::{BLOCK, CudaBackend, dt, need, ptr};
 use super::kernels::{Args, grid_for, launch};
-use super::{BLOCK, CudaBackend, dt, need, ptr};
 use crate::backend::adamw_multi::check_adamw_slot;
 use crate::backend::{AdamWSlot, AdamWStep, DType};
 use crate::error::Result;

@@ -5,9 +5,10 @@
 //! operands are in [`super::attention`], [`super::flash`] and [`super::cudnn`].
 
 use super::attention::{self, AttentionKernels, AttnBwd, AttnFwd, AttnPath};
+use super::backend::{CudaBackend, dt, need, ptr, ptr_at};
 use super::device::drv;
 use super::kernels::{self, Args};
-use super::{CudaBackend, cudnn, dt, flash, need, nvrtc, ptr, ptr_at};
+use super::{cudnn, flash, nvrtc};
 use crate::backend::{
     AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Rows, RowsMut, Tensor,
 };
@@ -115,7 +116,7 @@ impl CudaBackend {
             *kept = None;
         }
         match self.cudnn.get() {
-            Some(Ok(sdpa)) => sdpa.release_workspace(),
+            Some(Ok(sdpa)) => sdpa.release_workspace(self),
             _ => Ok(()),
         }
     }

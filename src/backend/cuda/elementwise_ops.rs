@@ -5,9 +5,9 @@
 //! cross-entropy and AdamW.
 
 use super::attention::dt_flag;
+use super::backend::{BLOCK, CudaBackend, dt, need, ptr};
 use super::device::drv;
 use super::kernels::{Args, grid_for, launch};
-use super::{BLOCK, CudaBackend, dt, need, ptr};
 use crate::backend::norm_args::{check_norm_bwd, check_norm_fwd};
 use crate::backend::{
     AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, Tensor, check_bias_views,

@@ -9,15 +9,14 @@
 //! algorithm are cached per problem (shapes, leading dims, dtypes, alignment);
 //! under `UPIPE_GEMM_ALGO=fastest` a problem's first call that overwrites its
 //! output times the heuristic's first algorithms and keeps the fastest
-//! ([`GemmPick`]). The workspace is allocated once by the backend. `CudaBackend::gemm`'s body
-//! (checks, the `k == 0` scaling, the workspace) is here too.
+//! ([`GemmPick`]). The workspace is allocated once by the backend;
+//! `CudaBackend::gemm`'s body (checks, the `k == 0` scaling, the workspace)
+//! is in `gemm_ops.rs`.
 
 use super::device::drv;
-use super::kernels::Args;
 use super::libs::{self, Lib};
 use super::tuning::{GEMM_CANDIDATES, GemmPick, fastest};
-use super::{CudaBackend, dt, ptr, ptr_at};
-use crate::backend::{Category, DType, Mat, MatLayout, MatMut};
+use crate::backend::{DType, MatLayout};
 use crate::error::{Error, Result};
 use cudarc::cublaslt::sys as lt;
 use cudarc::driver::CudaStream;
@@ -462,75 +461,6 @@ impl Drop for Gemm {
         // SAFETY: created in `new`, destroyed once.
         unsafe {
             lt::cublasLtDestroy(self.handle);
-        }
-    }
-}
-
-/// `CudaBackend::gemm` (see the `Backend` trait) and its cuBLASLt workspace.
-impl CudaBackend {
-    pub(super) fn gemm_impl(
-        &self,
-        c: MatMut<'_, Self>,
-        a: Mat<'_, Self>,
-        b: Mat<'_, Self>,
-        alpha: f32,
-        beta: f32,
-    ) -> Result<()> {
-        let _span = self.span_shaped("gemm", || {
-            format!(
-                "{}x{}x{} {:?}->{:?} beta {beta}",
-                a.l.rows,
-                b.l.cols,
-                a.l.cols,
-                a.t.dtype(),
-                c.t.dtype()
-            )
-        })?;
-        let p = map_problem(&c.l, &a.l, &b.l)?;
-        let (ab, cd) = (a.t.dtype(), c.t.dtype());
-        if b.t.dtype() != ab || (cd != DType::F32 && cd != ab) {
-            return Err(Error::Backend(format!(
-                "gemm: a {ab:?}, b {:?}, c {cd:?}; a and b must share a dtype and c be F32 or that dtype",
-                b.t.dtype()
-            )));
-        }
-        self.bind()?;
-        let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        if k == 0 {
-            let (rs, cs) = c.l.strides();
-            let args = Args::new()
-                .ptr(ptr(c.t))
-                .i32(dt(c.t))
-                .usize(c.l.offset)
-                .usize(rs)
-                .usize(cs)
-                .usize(m)
-                .usize(n)
-                .f32(beta);
-            return self.launch1d(self.kernels.scale2d, m * n, args);
-        }
-        let ptrs = GemmPtrs {
-            a: ptr_at(a.t, a.l.offset),
-            b: ptr_at(b.t, b.l.offset),
-            c: ptr_at(c.t, c.l.offset),
-            workspace: self.workspace_ptr()?,
-        };
-        self.gemm.run(&self.stream, &p, ab, cd, &ptrs, alpha, beta)
-    }
-
-    fn workspace_ptr(&self) -> Result<u64> {
-        if let Some(t) = self.gemm_ws.get() {
-            return Ok(ptr(t));
-        }
-        let t = self.alloc(&[WORKSPACE_BYTES / 4], DType::F32, Category::Workspace)?;
-        let p = ptr(&t);
-        match self.gemm_ws.set(t) {
-            Ok(()) => Ok(p),
-            // Another thread won the race; use its workspace (ours is freed).
-            Err(_) => Ok(ptr(self.gemm_ws.get().expect("set by the winner"))),
         }
     }
 }

@@ -6,10 +6,10 @@
 //! [`RowCopy`]).
 
 use super::attention::dt_flag;
+use super::backend::{CudaBackend, dt, ptr, ptr_at};
 use super::device::drv;
 use super::kernels::Args;
 use super::pool::{self, AllocError, CudaStorage};
-use super::{CudaBackend, dt, ptr, ptr_at};
 use crate::backend::{
     Backend, Category, ComputePoint, CopyDone, DType, HostValues, Mat, MatMut, Tensor,
 };

@@ -4,8 +4,9 @@
 //! our kernels, cuDNN's plan and its workspace, the flash backward), so a
 //! rehearsal allocates what a real step on this GPU allocates.
 
+use super::backend::CudaBackend;
 use super::op_buffers::CudaRoute;
-use super::{CudaBackend, cudnn, flash};
+use super::{cudnn, flash};
 use crate::backend::rehearsal::{AttnShape, OpBuffers, Rehearsable};
 use crate::backend::{AttnMask, Backend, Category, DType, MemoryLedger};
 use crate::error::Result;

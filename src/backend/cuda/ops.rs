@@ -1,0 +1,319 @@
+//! `impl Backend for CudaBackend`: each op handed to the file of its
+//! family: `memory_ops.rs` (allocation, uploads/downloads, copies),
+//! `attention_ops.rs` (attention routing, `lse_merge`), `elementwise_ops.rs`
+//! (fill, axpy, norms, RoPE, SwiGLU, embedding, loss, AdamW) and
+//! `gemm_ops.rs` (`gemm`); synchronisation and profiling are the backend's
+//! own (`backend.rs`).
+
+use super::backend::CudaBackend;
+use crate::backend::{
+    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, ComputePoint, CopyDone,
+    DType, HostValues, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
+};
+use crate::error::{Error, Result};
+use std::sync::Arc;
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn ledger(&self) -> &Arc<MemoryLedger> {
+        &self.ledger
+    }
+    fn compute_dtype(&self) -> DType {
+        DType::BF16
+    }
+    fn reserved_peak(&self) -> Result<Option<usize>> {
+        Ok(Some(self.pool_stats()?.reserved_high as usize))
+    }
+
+    fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {
+        self.copy_start_impl(dst, src)
+    }
+
+    fn compute_point(&self) -> Result<ComputePoint> {
+        self.compute_point_impl()
+    }
+
+    fn copy_start_from(
+        &self,
+        dst: &mut Tensor<Self>,
+        src: &Tensor<Self>,
+        since: &ComputePoint,
+    ) -> Result<CopyDone> {
+        self.copy_start_from_impl(dst, src, since)
+    }
+
+    fn host_f32<'t>(&self, t: &'t Tensor<Self>) -> Result<&'t [f32]> {
+        self.host_f32_impl(t)
+    }
+
+    fn host_values<'t>(&self, t: &'t Tensor<Self>) -> Result<HostValues<'t>> {
+        self.host_values_impl(t)
+    }
+
+    fn host_bf16_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [u16]> {
+        self.host_bf16_mut_impl(t)
+    }
+
+    fn host_f32_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]> {
+        self.host_f32_mut_impl(t)
+    }
+
+    fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        self.zeros_impl(shape, dtype, cat)
+    }
+
+    fn empty(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {
+        self.bind()?;
+        self.alloc(shape, dtype, cat)
+    }
+
+    fn from_host(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        cat: Category,
+    ) -> Result<Tensor<Self>> {
+        self.tensor_from_host_impl(data, shape, dtype, cat)
+    }
+
+    fn upload(&self, t: &mut Tensor<Self>, data: &[f32]) -> Result<()> {
+        self.upload_impl(t, data)
+    }
+
+    fn to_host(&self, t: &Tensor<Self>) -> Result<Vec<f32>> {
+        self.to_host_impl(t)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.wait_idle()?;
+        match self.comm_fault.get() {
+            Some(m) => Err(Error::Comm(m.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn enable_profile(&self) {
+        self.profile.enable();
+    }
+    fn set_phase(&self, phase: crate::backend::profile::Phase) {
+        self.profile.set_phase(phase);
+    }
+    fn take_profile(&self) -> Result<Option<crate::backend::profile::StepProfile>> {
+        if !self.profile.enabled() {
+            return Ok(None);
+        }
+        self.bind()?;
+        self.profile.take_step()
+    }
+
+    fn gemm(
+        &self,
+        c: MatMut<'_, Self>,
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        self.gemm_impl(c, a, b, alpha, beta)
+    }
+
+    fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
+        self.copy_impl(dst, src)
+    }
+
+    fn fill(&self, t: &mut Tensor<Self>, value: f32) -> Result<()> {
+        self.fill_impl(t, value)
+    }
+
+    fn axpy(&self, y: &mut Tensor<Self>, alpha: f32, x: &Tensor<Self>) -> Result<()> {
+        self.axpy_impl(y, alpha, x)
+    }
+
+    fn sum_squares(&self, t: &Tensor<Self>) -> Result<f64> {
+        self.sum_squares_impl(&[t])
+    }
+    fn sum_squares_all(&self, ts: &[&Tensor<Self>]) -> Result<f64> {
+        self.sum_squares_impl(ts)
+    }
+
+    fn add_bias_rows(&self, x: MatMut<'_, Self>, bias: Mat<'_, Self>) -> Result<()> {
+        self.add_bias_rows_impl(x, bias)
+    }
+
+    fn bias_grad(&self, dbias: MatMut<'_, Self>, dy: Mat<'_, Self>) -> Result<()> {
+        self.bias_grad_impl(dbias, dy)
+    }
+
+    fn rms_norm_fwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        eps: f32,
+        y: &mut Tensor<Self>,
+    ) -> Result<()> {
+        self.rms_norm_fwd_impl(x, w, eps, y)
+    }
+
+    fn rms_norm_bwd(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
+    ) -> Result<()> {
+        self.rms_norm_bwd_impl(x, w, dy, eps, dx, dw, false)
+    }
+
+    fn add_rms_norm_fwd(
+        &self,
+        x: &mut Tensor<Self>,
+        y: &Tensor<Self>,
+        w: &Tensor<Self>,
+        eps: f32,
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        self.add_rms_norm_fwd_impl(x, y, w, eps, out)
+    }
+
+    fn rms_norm_bwd_add(
+        &self,
+        x: &Tensor<Self>,
+        w: &Tensor<Self>,
+        dy: &Tensor<Self>,
+        eps: f32,
+        dx: &mut Tensor<Self>,
+        dw: Option<&mut Tensor<Self>>,
+    ) -> Result<()> {
+        self.rms_norm_bwd_impl(x, w, dy, eps, dx, dw, true)
+    }
+
+    fn rope(
+        &self,
+        x: &mut Tensor<Self>,
+        cos: &Tensor<Self>,
+        sin: &Tensor<Self>,
+        inverse: bool,
+    ) -> Result<()> {
+        self.rope_impl(x, cos, sin, inverse)
+    }
+
+    fn attention_fwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        mask: &AttnMask,
+        o: RowsMut<'_, Self>,
+        lse: RowsMut<'_, Self>,
+    ) -> Result<()> {
+        self.attention_fwd_impl(q, k, v, mask, o, lse)
+    }
+
+    fn attention_bwd_in_place(
+        &self,
+        s: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        mask: &AttnMask,
+    ) -> bool {
+        self.attention_bwd_in_place_impl(s, hq, hkv, d, mask)
+    }
+
+    fn attention_bwd(
+        &self,
+        q: Rows<'_, Self>,
+        k: Rows<'_, Self>,
+        v: Rows<'_, Self>,
+        o: Rows<'_, Self>,
+        d_o: Rows<'_, Self>,
+        lse: Rows<'_, Self>,
+        mask: &AttnMask,
+        dq: RowsMut<'_, Self>,
+        dk: RowsMut<'_, Self>,
+        dv: RowsMut<'_, Self>,
+        writes: AttnGradWrites,
+    ) -> Result<()> {
+        self.attention_bwd_impl(q, k, v, o, d_o, lse, mask, dq, dk, dv, writes)
+    }
+
+    fn lse_merge(
+        &self,
+        o_acc: RowsMut<'_, Self>,
+        lse_acc: RowsMut<'_, Self>,
+        o_blk: Rows<'_, Self>,
+        lse_blk: Rows<'_, Self>,
+    ) -> Result<()> {
+        self.lse_merge_impl(o_acc, lse_acc, o_blk, lse_blk)
+    }
+
+    fn swiglu_fwd(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        self.swiglu_fwd_impl(gate, up, out)
+    }
+
+    fn swiglu_bwd(
+        &self,
+        gate: &Tensor<Self>,
+        up: &Tensor<Self>,
+        dout: &Tensor<Self>,
+        dgate: &mut Tensor<Self>,
+        dup: &mut Tensor<Self>,
+    ) -> Result<()> {
+        self.swiglu_bwd_impl(gate, up, dout, dgate, dup)
+    }
+
+    fn embedding_fwd(
+        &self,
+        table: &Tensor<Self>,
+        ids: &[u32],
+        out: &mut Tensor<Self>,
+    ) -> Result<()> {
+        self.embedding_fwd_impl(table, ids, out)
+    }
+
+    fn embedding_bwd(
+        &self,
+        dout: &Tensor<Self>,
+        ids: &[u32],
+        dtable: &mut Tensor<Self>,
+    ) -> Result<()> {
+        self.embedding_bwd_impl(dout, ids, dtable)
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: &mut Tensor<Self>,
+        targets: &[u32],
+        grad_scale: f32,
+        loss_sum: &mut Tensor<Self>,
+    ) -> Result<()> {
+        self.cross_entropy_impl(logits, targets, grad_scale, loss_sum)
+    }
+
+    fn adamw(
+        &self,
+        param: &mut Tensor<Self>,
+        grad: &Tensor<Self>,
+        m: &mut Tensor<Self>,
+        v: &mut Tensor<Self>,
+        elems: std::ops::Range<usize>,
+        hp: AdamWStep,
+    ) -> Result<()> {
+        self.adamw_impl(param, grad, m, v, elems, hp)
+    }
+
+    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
+        self.adamw_multi_impl(slots)
+    }
+}
