@@ -39,6 +39,7 @@ impl CudnnSdpa {
         check(unsafe { sys::cudnnSetStream(h, stream) }, "set stream")?;
         Ok(CudnnSdpa {
             handle,
+            stream: stream as usize,
             version,
             lib,
             pick,
@@ -132,6 +133,11 @@ impl CudnnSdpa {
         bytes: usize,
         bind: impl FnOnce(u64) -> Result<Vec<(i64, *mut c_void)>>,
     ) -> Result<()> {
+        if be.stream().cu_stream() as usize != self.stream {
+            return Err(Error::Backend(
+                "cuDNN SDPA run with another backend than the one its handle was created on".into(),
+            ));
+        }
         let mut ws = be
             .cudnn_ws
             .lock()

@@ -143,9 +143,9 @@ type Key = (bool, SdpaShape);
 
 struct Handle(sys::cudnnHandle_t);
 // SAFETY: the handle executes plans only under the lock of the kept
-// execution workspace (`CudnnSdpa::run` in `calls.rs`: the `cudnn_ws` of the
-// backend a call passes, the one the handle was created on) and builds them
-// under `CudnnSdpa::plans`' lock.
+// execution workspace of the backend it was created on (`CudnnSdpa::run`
+// in `calls.rs` refuses any other backend: `CudnnSdpa::stream`) and builds
+// them under `CudnnSdpa::plans`' lock.
 unsafe impl Send for Handle {}
 // SAFETY: see above.
 unsafe impl Sync for Handle {}
@@ -153,6 +153,9 @@ unsafe impl Sync for Handle {}
 /// cuDNN SDPA bound to one backend's stream.
 pub struct CudnnSdpa {
     handle: Handle,
+    /// The stream of the backend the handle was created on (its address):
+    /// the only backend whose workspace lock may serialize its executions.
+    stream: usize,
     version: usize,
     lib: String,
     pick: PlanPick,
