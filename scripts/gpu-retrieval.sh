@@ -6,6 +6,10 @@
 #           on the CPU (f32) and on the GPU (bf16): trial by trial, pass
 #           flags and argmax ids equal, mean answer log-prob within TOL
 #           (default 0.1 nats/token)
+#   trained each model directory of TRAINED (space-separated; e.g. the
+#           tiny passkey models of docs/evaluation.md) scored on the CPU
+#           and on the GPU with that page's short templates (3 digits,
+#           lengths 64,96,128 x 5 depths x 8 trials), compared as above
 #   long    BIG (default llama3.2-1b; random weights: one step at lr 1e-9,
 #           saved, its context raised to the longest length) scored with
 #           `--attn upipe` at BIG_LENGTHS (default 128K,1M), one trial each:
@@ -26,6 +30,7 @@ W="${WORK:-/tmp/upipe-gpu-retrieval}"
 DEV="${DEVICE:-cuda}" BIG="${BIG:-llama3.2-1b}" BIG_LENGTHS="${BIG_LENGTHS:-128K,1M}"
 TOL="${TOL:-0.1}"
 parts="${PARTS:-scores long}"
+[ -n "${TRAINED:-}" ] && parts="$parts trained"
 has() { case " $parts " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 rm -rf "$W" && mkdir -p "$W"
 { date -u; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"; } 2>&1
@@ -38,16 +43,9 @@ run() {
     fi
 }
 
-if has scores; then
-    echo "== scores: tiny, CPU (f32) against $DEV"
-    run 60 $U eval --task passkey --tokenizer byte --lengths 384,512 --write-corpus "$W/passkey.u32" \
-        --documents 400 &&
-    run 240 $U train --model tiny --tokenizer byte --data "$W/passkey.u32" --pack bfd --seq 512 \
-        --steps 200 --lr 3e-3 --save-dir "$W/tiny" --save-dtype f32 --device cpu &&
-    T="eval --task passkey --model-dir $W/tiny --lengths 512,1K --depths 3 --trials 2" &&
-    run 120 $U $T --device cpu --out "$W/cpu" &&
-    run 120 $U $T --device "$DEV" --out "$W/dev" &&
-    python3 - "$W/cpu/trials.jsonl" "$W/dev/trials.jsonl" "$TOL" <<'PY'
+# compares two trials.jsonl trial by trial: pass flags, argmax ids, log-prob
+compare() {
+    python3 - "$1" "$2" "$TOL" <<'PY'
 import json, sys
 a = [json.loads(l) for l in open(sys.argv[1])]
 b = [json.loads(l) for l in open(sys.argv[2])]
@@ -61,6 +59,30 @@ ok = same_pass == len(a) and same_ids == len(a) and diff <= tol
 print(f"{len(a):>8} {same_pass:>11} {same_ids:>13} {diff:>12.4f} {tol:>6} {'ok' if ok else 'DIFFERS'}")
 print(f"passed: cpu {sum(x['passed'] for x in a)}/{len(a)}, gpu {sum(y['passed'] for y in b)}/{len(b)}")
 PY
+}
+
+if has scores; then
+    echo "== scores: tiny, CPU (f32) against $DEV"
+    run 60 $U eval --task passkey --tokenizer byte --lengths 384,512 --write-corpus "$W/passkey.u32" \
+        --documents 400 &&
+    run 240 $U train --model tiny --tokenizer byte --data "$W/passkey.u32" --pack bfd --seq 512 \
+        --steps 200 --lr 3e-3 --save-dir "$W/tiny" --save-dtype f32 --device cpu &&
+    T="eval --task passkey --model-dir $W/tiny --lengths 512,1K --depths 3 --trials 2" &&
+    run 120 $U $T --device cpu --out "$W/cpu" &&
+    run 120 $U $T --device "$DEV" --out "$W/dev" &&
+    compare "$W/cpu/trials.jsonl" "$W/dev/trials.jsonl"
+fi
+
+if has trained; then
+    for m in $TRAINED; do
+        echo "== trained: $m, CPU (f32) against $DEV"
+        P=(eval --task passkey --model-dir "$m" --tokenizer byte --digits 3 --intro-template ""
+            --needle-template " pass key {value}." --question-template "\npass key"
+            --lengths 64,96,128 --depths 5 --trials 8)
+        run 120 $U "${P[@]}" --device cpu --out "$W/t-cpu" &&
+        run 120 $U "${P[@]}" --device "$DEV" --out "$W/t-dev" &&
+        compare "$W/t-cpu/trials.jsonl" "$W/t-dev/trials.jsonl"
+    done
 fi
 
 if has long; then
