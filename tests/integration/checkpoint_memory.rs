@@ -7,26 +7,9 @@
 //! or a resume that read the whole checkpoint before uploading it grows the
 //! peak by about the state's size; streamed, by about one tensor.
 
+use crate::common::Tmp;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-
-/// A fresh directory for one test, removed on drop.
-struct Tmp(PathBuf);
-
-impl Tmp {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("upipe-ckptmem-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Tmp(dir)
-    }
-}
-
-impl Drop for Tmp {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Hidden size, MLP width and layers of the measured model: 50.6M
 /// parameters in 12 blocks of 4.2M, whose largest tensor (an MLP matrix,

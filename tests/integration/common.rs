@@ -178,3 +178,35 @@ pub fn run_two_ranks(
         })
         .collect()
 }
+
+/// A fresh directory for one test, removed on drop; unique within the test
+/// binary (a counter) and across runs (the process id), `tag` naming it.
+pub struct Tmp(pub std::path::PathBuf);
+
+impl Tmp {
+    pub fn new(tag: &str) -> Self {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("upipe-test-{}-{n}-{tag}", std::process::id());
+        let dir = std::env::temp_dir().join(name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Tmp(dir)
+    }
+
+    /// `name` inside the directory.
+    pub fn path(&self, name: &str) -> std::path::PathBuf {
+        self.0.join(name)
+    }
+
+    /// [`path`](Tmp::path) as a string (for command lines).
+    pub fn s(&self, name: &str) -> String {
+        self.path(name).to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for Tmp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

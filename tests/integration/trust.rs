@@ -4,35 +4,10 @@
 //! `--keep-best`, weight files that follow the umask, and no output path
 //! that writes over an input.
 
+use crate::common::Tmp;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-/// A fresh directory for one test, removed on drop.
-struct Tmp(PathBuf);
-
-impl Tmp {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("upipe-trust-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Tmp(dir)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    fn s(&self, name: &str) -> String {
-        self.path(name).to_string_lossy().into_owned()
-    }
-}
-
-impl Drop for Tmp {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A small, fast training run on the CPU.
 const TRAIN: &[&str] = &["train", "--device", "cpu", "--seq", "64", "--warmup", "0"];
