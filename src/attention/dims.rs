@@ -2,6 +2,7 @@
 //! head size, QK norm and RoPE.
 
 use super::rope::RopeConfig;
+use crate::backend::RmsNorm;
 use crate::error::Result;
 
 /// Dimensions of one attention layer.
@@ -13,7 +14,8 @@ pub struct AttnDims {
     pub head_dim: usize,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
-    pub norm_eps: f32,
+    /// The QK-norm's RMSNorm (the model's eps and weight offset).
+    pub norm: RmsNorm,
     pub rope: RopeConfig,
 }
 

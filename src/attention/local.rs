@@ -51,8 +51,8 @@ pub fn forward<B: Backend>(
 ) -> Result<(Tensor<B>, AttnSaved<B>)> {
     let (s, d) = (x.rows(), dims.head_dim);
     let [q, k, v] = project_qkv(b, dims, w, x)?;
-    let (q, _) = norm_rope(b, q, w.q_norm.as_ref(), dims.norm_eps, rope, false)?;
-    let (k, _) = norm_rope(b, k, w.k_norm.as_ref(), dims.norm_eps, rope, false)?;
+    let (q, _) = norm_rope(b, q, w.q_norm.as_ref(), dims.norm, rope, false)?;
+    let (k, _) = norm_rope(b, k, w.k_norm.as_ref(), dims.norm, rope, false)?;
     let mut o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Activations)?;
     let mut lse = b.zeros(&[s, dims.heads], DType::F32, Category::Activations)?;
     b.attention_fwd(
@@ -81,7 +81,7 @@ pub fn backward<B: Backend>(
     dy: &Tensor<B>,
     g: &mut AttentionGrads<B>,
 ) -> Result<Tensor<B>> {
-    let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm_eps);
+    let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm);
     let AttnSaved { o, lse } = saved;
     if let Some(gwo) = g.wo.as_mut() {
         b.gemm(gwo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;

@@ -5,6 +5,7 @@
 use super::lora_delta;
 use super::rope::RopeTables;
 use super::weights::AttentionWeights;
+use crate::backend::RmsNorm;
 use crate::backend::{Backend, Category, Tensor};
 use crate::error::Result;
 
@@ -58,7 +59,7 @@ pub(crate) fn norm_rope<B: Backend>(
     b: &B,
     t: Tensor<B>,
     norm: Option<&Tensor<B>>,
-    eps: f32,
+    eps: RmsNorm,
     rope: &RopeTables<B>,
     keep_raw: bool,
 ) -> Result<(Tensor<B>, Option<Tensor<B>>)> {
@@ -82,7 +83,7 @@ pub(crate) fn norm_rope_bwd<B: Backend>(
     mut d_out: Tensor<B>,
     raw: Option<&Tensor<B>>,
     norm: Option<(&Tensor<B>, Option<&mut Tensor<B>>)>,
-    eps: f32,
+    eps: RmsNorm,
     rope: &RopeTables<B>,
 ) -> Result<Tensor<B>> {
     b.rope(&mut d_out, &rope.cos, &rope.sin, true)?;

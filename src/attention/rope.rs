@@ -1,4 +1,5 @@
-//! Rotary position embedding tables, with Llama-3 or YaRN frequency scaling.
+//! Rotary position embedding tables, with linear, Llama-3 or YaRN frequency
+//! scaling.
 
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
@@ -11,6 +12,9 @@ pub enum RopeScaling {
     Llama3(Llama3Scaling),
     /// YaRN (`rope_type: yarn`; Qwen2.5's long-context setting).
     Yarn(YarnScaling),
+    /// Every frequency divided by the factor (`rope_type: linear`; Gemma 3's
+    /// global layers).
+    Linear(f32),
 }
 
 impl RopeScaling {
@@ -19,6 +23,7 @@ impl RopeScaling {
         match self {
             RopeScaling::Llama3(s) => s.factor,
             RopeScaling::Yarn(y) => y.factor,
+            RopeScaling::Linear(f) => *f,
         }
     }
 }
@@ -165,6 +170,7 @@ impl RopeConfig {
                 let f = 1.0 / (self.theta as f64).powf(2.0 * i as f64 / head_dim as f64);
                 match self.scaling {
                     Some(RopeScaling::Llama3(s)) => llama3_scale(f, s),
+                    Some(RopeScaling::Linear(factor)) => f / f64::from(factor),
                     Some(RopeScaling::Yarn(_)) | None => f,
                 }
             })
@@ -176,7 +182,7 @@ impl RopeConfig {
     pub fn attention_factor(&self) -> f64 {
         match self.scaling {
             Some(RopeScaling::Yarn(y)) => y.attention_factor(),
-            Some(RopeScaling::Llama3(_)) | None => 1.0,
+            Some(RopeScaling::Llama3(_) | RopeScaling::Linear(_)) | None => 1.0,
         }
     }
 

@@ -303,7 +303,7 @@ impl<'a, B: Backend> Staged<'a, B> {
             self.b,
             k,
             w.k_norm.as_ref(),
-            self.dims.norm_eps,
+            self.dims.norm,
             self.rope,
             keep_raw,
         )?;
@@ -332,7 +332,7 @@ impl<'a, B: Backend> Staged<'a, B> {
             self.b,
             q_raw,
             w.q_norm.as_ref(),
-            self.dims.norm_eps,
+            self.dims.norm,
             self.rope,
             keep_raw,
         )
@@ -567,7 +567,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         dy: &Tensor<B>,
         g: &mut AttentionGrads<B>,
     ) -> Result<Tensor<B>> {
-        let (b, eps) = (self.b, self.dims.norm_eps);
+        let (b, eps) = (self.b, self.dims.norm);
         let act = x.dtype();
         let sched = &self.plan.schedule;
         // gradients left in flight after each settlement

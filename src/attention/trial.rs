@@ -513,7 +513,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 4,
             qk_norm: false,
-            norm_eps: 1e-6,
+            norm: crate::backend::RmsNorm::plain(1e-6),
             rope: crate::attention::rope::RopeConfig {
                 theta: 10000.0,
                 scaling: None,

@@ -7,6 +7,7 @@ use super::copy_done::{ComputePoint, CopyDone};
 use super::grad_write::AttnGradWrites;
 use super::mask::AttnMask;
 use super::memory::{Category, MemoryLedger};
+use super::op_kinds::{GatedAct, RmsNorm};
 use super::profile;
 use super::tensor::{DType, Mat, MatMut, Rows, RowsMut, Tensor, TensorDevice};
 use crate::error::Result;
@@ -197,12 +198,13 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         Ok(s)
     }
 
-    /// RMSNorm over the last dim: `y = x / rms(x) * w`; x, y `[n, dim]`, w `[dim]`.
+    /// RMSNorm over the last dim: `y = x / rms(x) * w` (with `norm`'s eps and
+    /// weight offset); x, y `[n, dim]`, w `[dim]`.
     fn rms_norm_fwd(
         &self,
         x: &Tensor<Self>,
         w: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         y: &mut Tensor<Self>,
     ) -> Result<()>;
     /// RMSNorm backward: writes `dx`, accumulates `dw` (`None`: a frozen
@@ -212,7 +214,7 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()>;
@@ -221,14 +223,14 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
     /// rounds it), then `out = x / rms(x) * w` of the rounded sum, as
     /// [`rms_norm_fwd`](Backend::rms_norm_fwd) computes it; x, y, out
     /// `[n, dim]` (x F32 or the dtype of y, as for `axpy`), w `[dim]`.
-    /// Equal, bit for bit, to `axpy(x, 1, y)` then `rms_norm_fwd(x, w, eps,
+    /// Equal, bit for bit, to `axpy(x, 1, y)` then `rms_norm_fwd(x, w, norm,
     /// out)`.
     fn add_rms_norm_fwd(
         &self,
         x: &mut Tensor<Self>,
         y: &Tensor<Self>,
         w: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         out: &mut Tensor<Self>,
     ) -> Result<()>;
     /// RMSNorm backward into a residual gradient: `dx += rms_norm_bwd(x, w,
@@ -242,7 +244,7 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()>;
@@ -313,16 +315,19 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         lse_blk: Rows<'_, Self>,
     ) -> Result<()>;
 
-    /// `out = silu(gate) * up`.
-    fn swiglu_fwd(
+    /// A gated MLP's activation: `out = act(gate) · up` (SwiGLU, GeGLU).
+    fn gated_act_fwd(
         &self,
+        act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         out: &mut Tensor<Self>,
     ) -> Result<()>;
-    /// Writes `dgate`, `dup` from `dout`.
-    fn swiglu_bwd(
+    /// Writes `dgate`, `dup` of [`gated_act_fwd`](Backend::gated_act_fwd)
+    /// from `dout`.
+    fn gated_act_bwd(
         &self,
+        act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         dout: &Tensor<Self>,

@@ -80,7 +80,7 @@ pub fn op_class(kind: &str) -> OpClass {
             OpClass::Collective
         }
         // rms_norm, rms_norm_bwd, add_rms_norm, rms_norm_bwd_add, rope,
-        // swiglu, swiglu_bwd, embedding, embedding_bwd, axpy, add_bias_rows,
+        // gated_act, gated_act_bwd, embedding, embedding_bwd, axpy, add_bias_rows,
         // bias_grad
         _ => OpClass::Elementwise,
     }
@@ -431,8 +431,8 @@ mod tests {
         ("add_rms_norm", OpClass::Elementwise),
         ("rms_norm_bwd_add", OpClass::Elementwise),
         ("rope", OpClass::Elementwise),
-        ("swiglu", OpClass::Elementwise),
-        ("swiglu_bwd", OpClass::Elementwise),
+        ("gated_act", OpClass::Elementwise),
+        ("gated_act_bwd", OpClass::Elementwise),
         ("embedding", OpClass::Elementwise),
         ("embedding_bwd", OpClass::Elementwise),
         ("axpy", OpClass::Elementwise),

@@ -29,6 +29,7 @@ use super::{
     MemoryLedger, Rows, RowsMut, Tensor, TensorDevice, check_elems,
 };
 use super::{AttnMask, Mat, check_same_numel};
+use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -356,7 +357,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         &self,
         x: &Tensor<Self>,
         w: &Tensor<Self>,
-        _eps: f32,
+        _norm: RmsNorm,
         y: &mut Tensor<Self>,
     ) -> Result<()> {
         check_norm_fwd(x, None, w, y, "rms_norm_fwd").map(drop)
@@ -366,7 +367,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        _eps: f32,
+        _norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
@@ -377,7 +378,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         x: &mut Tensor<Self>,
         y: &Tensor<Self>,
         w: &Tensor<Self>,
-        _eps: f32,
+        _norm: RmsNorm,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         check_norm_fwd(x, Some(y), w, out, "add_rms_norm_fwd").map(drop)
@@ -387,11 +388,11 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
-        self.rms_norm_bwd(x, w, dy, eps, dx, dw)
+        self.rms_norm_bwd(x, w, dy, norm, dx, dw)
     }
     fn rope(
         &self,
@@ -486,17 +487,19 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         Ok(())
     }
 
-    fn swiglu_fwd(
+    fn gated_act_fwd(
         &self,
+        _act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
-        check_same_numel(gate, up, "swiglu_fwd")?;
-        check_same_numel(gate, out, "swiglu_fwd")
+        check_same_numel(gate, up, "gated_act_fwd")?;
+        check_same_numel(gate, out, "gated_act_fwd")
     }
-    fn swiglu_bwd(
+    fn gated_act_bwd(
         &self,
+        _act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         dout: &Tensor<Self>,
@@ -504,7 +507,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
         for t in [up, dout, &*dgate, &*dup] {
-            check_same_numel(gate, t, "swiglu_bwd")?;
+            check_same_numel(gate, t, "gated_act_bwd")?;
         }
         Ok(())
     }

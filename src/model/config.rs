@@ -3,7 +3,9 @@
 //! checkpoints must carry (resolving a preset or a Hugging Face
 //! `config.json`, each parsed by its family: `config_source.rs`).
 
-use super::families::{BlockParam, Family, Param};
+use super::families::{BlockParam, BlockSpec, Family, LayerType, Param, WindowRule};
+use crate::attention::rope::RopeConfig;
+use crate::backend::{DType, RmsNorm};
 use crate::error::{Error, Result};
 
 pub use crate::attention::rope::{Llama3Scaling, RopeScaling, YarnScaling};
@@ -44,6 +46,25 @@ pub struct ModelConfig {
     /// Mistral's 4096); `None` for full causal attention. Only a family
     /// with a window reads one ([`Family::has_sliding_window`]).
     pub sliding_window: Option<usize>,
+    /// Each layer's attention (`layer_types`) in a family that attends
+    /// differently per layer ([`WindowRule::PerLayer`]: Gemma 3's five
+    /// sliding layers to one global); empty where every layer is alike.
+    pub layer_types: Vec<LayerType>,
+    /// The RoPE base of the sliding layers of a per-layer family, which
+    /// take no RoPE scaling (Gemma 3's `rope_local_base_freq`).
+    pub local_rope_theta: Option<f32>,
+    /// Scores are scaled by the inverse square root of this
+    /// (`query_pre_attn_scalar`: Gemma 3 27B's 168) instead of `head_dim`'s.
+    pub query_pre_attn_scalar: Option<f32>,
+}
+
+/// How one layer attends: its window and its RoPE.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerAttention {
+    /// Keys each query sees at most, itself included; `None`: causal over
+    /// the whole window.
+    pub window: Option<usize>,
+    pub rope: RopeConfig,
 }
 
 /// The most layers a model may have ([`ModelConfig::validate`]).
@@ -88,7 +109,32 @@ impl ModelConfig {
         if let Some(s) = &self.rope_scaling {
             self.validate_rope_scaling(s)?;
         }
-        self.validate_sliding_window()
+        if let Some(t) = self.local_rope_theta {
+            positive_finite(self, "rope_local_base_freq", t)?;
+        }
+        if let Some(q) = self.query_pre_attn_scalar {
+            positive_finite(self, "query_pre_attn_scalar", q)?;
+        }
+        self.validate_sliding_window()?;
+        self.validate_layer_types()
+    }
+
+    /// One layer type per layer in a per-layer family, none elsewhere.
+    fn validate_layer_types(&self) -> Result<()> {
+        let per_layer = self.spec().window == WindowRule::PerLayer;
+        match (per_layer, self.layer_types.len()) {
+            (false, 0) => Ok(()),
+            (false, _) => Err(self.err(format!(
+                "layer_types on a {} model, whose layers all attend alike; remove layer_types",
+                self.family.name()
+            ))),
+            (true, n) if n == self.layers => Ok(()),
+            (true, n) => Err(self.err(format!(
+                "layer_types lists {n} layers but the model has {} (num_hidden_layers); list one \
+                 per layer",
+                self.layers
+            ))),
+        }
     }
 
     /// A window of at least one key, on a family whose attention slides.
@@ -140,7 +186,8 @@ impl ModelConfig {
         let q = self.heads.checked_mul(hd)?.checked_mul(h)?;
         let kv = self.kv_heads.checked_mul(hd)?.checked_mul(h)?;
         let mlp = self.ffn.checked_mul(h)?.checked_mul(3)?;
-        let norms = h.checked_add(hd)?.checked_mul(2)?;
+        // at most four norms of the hidden size and two of the head's
+        let norms = h.checked_mul(4)?.checked_add(hd.checked_mul(2)?)?;
         let layer = q.checked_mul(2)?.checked_add(kv.checked_mul(2)?)?;
         let biases = if self.qkv_bias() {
             self.heads
@@ -166,6 +213,7 @@ impl ModelConfig {
         match s {
             RopeScaling::Llama3(s) => self.validate_llama3_scaling(s),
             RopeScaling::Yarn(y) => y.invalid().map_or(Ok(()), |m| Err(self.err(m))),
+            RopeScaling::Linear(f) => positive_finite(self, "rope_scaling.factor", *f),
         }
     }
 
@@ -204,6 +252,70 @@ impl ModelConfig {
             .sum()
     }
 
+    /// The block its family declares.
+    pub fn spec(&self) -> &'static BlockSpec {
+        self.family.spec()
+    }
+
+    /// Every RMSNorm of the model: its eps and its family's weight offset.
+    pub fn norm(&self) -> RmsNorm {
+        RmsNorm {
+            eps: self.rms_norm_eps,
+            weight_offset: self.spec().norm_weight_offset,
+        }
+    }
+
+    /// The factor attention scores are scaled by: `1/√head_dim`, or
+    /// `1/√query_pre_attn_scalar` where the model gives one.
+    pub fn softmax_scale(&self) -> f32 {
+        match self.query_pre_attn_scalar {
+            Some(q) => 1.0 / q.sqrt(),
+            None => 1.0 / (self.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// The embedding's scale where the family scales its embedding:
+    /// `√hidden` in the activations' `dtype`, as `transformers` casts it to
+    /// the weights' dtype (rounded to bf16 in a bf16 model).
+    pub fn embed_scale(&self, dtype: DType) -> Option<f32> {
+        let scale = (self.hidden as f32).sqrt();
+        self.spec().scaled_embedding.then(|| match dtype {
+            DType::BF16 => half::bf16::from_f32(scale).to_f32(),
+            _ => scale,
+        })
+    }
+
+    /// How layer `l` attends.
+    pub fn layer_attention(&self, l: usize) -> LayerAttention {
+        let global = RopeConfig {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling,
+        };
+        match self.spec().window {
+            WindowRule::Never => LayerAttention {
+                window: None,
+                rope: global,
+            },
+            WindowRule::Uniform => LayerAttention {
+                window: self.sliding_window,
+                rope: global,
+            },
+            WindowRule::PerLayer => match self.layer_types.get(l) {
+                Some(LayerType::Sliding) => LayerAttention {
+                    window: self.sliding_window,
+                    rope: RopeConfig {
+                        theta: self.local_rope_theta.unwrap_or(self.rope_theta),
+                        scaling: None,
+                    },
+                },
+                Some(LayerType::Full) | None => LayerAttention {
+                    window: None,
+                    rope: global,
+                },
+            },
+        }
+    }
+
     /// Whether q and k are RMS-normalised per head before RoPE (the
     /// family's quirk: Qwen3).
     pub fn qk_norm(&self) -> bool {
@@ -227,8 +339,8 @@ impl ModelConfig {
         let (h, v) = (self.hidden, self.vocab);
         let mut out = vec![(Param::Embed, vec![v, h])];
         for l in 0..self.layers {
-            let block = self.family.block_params().iter();
-            out.extend(block.map(|&bp| (Param::Block(l, bp), bp.shape(self))));
+            let block = self.family.block_params().into_iter();
+            out.extend(block.map(|bp| (Param::Block(l, bp), bp.shape(self))));
         }
         out.push((Param::FinalNorm, vec![h]));
         if !self.tie_embeddings {
@@ -277,7 +389,10 @@ impl BlockParam {
         let (h, hd, ffn) = (cfg.hidden, cfg.head_dim, cfg.ffn);
         let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
         match self {
-            BlockParam::AttnNorm | BlockParam::MlpNorm => vec![h],
+            BlockParam::AttnNorm
+            | BlockParam::MlpNorm
+            | BlockParam::PostAttnNorm
+            | BlockParam::PostMlpNorm => vec![h],
             BlockParam::Wq => vec![q, h],
             BlockParam::Wk | BlockParam::Wv => vec![kv, h],
             BlockParam::Bq => vec![q],
@@ -330,7 +445,11 @@ mod tests {
             assert!(PRESETS.contains(name), "{name} is not in PRESETS");
             let src = ModelConfig::hf_source(name).unwrap().unwrap();
             assert_eq!(src["torch_dtype"], "bfloat16", "{name}");
-            assert!(src["bos_token_id"].is_number(), "{name}");
+            // a multimodal config names its text model's tokens in its tokenizer
+            match src.get("text_config") {
+                None => assert!(src["bos_token_id"].is_number(), "{name}"),
+                Some(text) => assert_eq!(text["model_type"], "gemma3_text", "{name}"),
+            }
         }
         let count = |n: &str| ModelConfig::preset(n).unwrap().param_count();
         assert_eq!(count("llama3.1-8b"), 8_030_261_248);

@@ -35,6 +35,10 @@ pub const PRESETS: &[&str] = &[
     "mistral-7b",
     "mistral-7b-v0.3",
     "mistral-nemo-12b",
+    "gemma3-1b",
+    "gemma3-4b",
+    "gemma3-12b",
+    "gemma3-27b",
 ];
 
 impl ModelConfig {

@@ -1,7 +1,9 @@
 //! Whole-decoder forward and explicit backward on one rank's token shard:
-//! embedding → blocks (RMSNorm → attention strategy → residual → RMSNorm →
-//! SwiGLU MLP → residual) → final norm → LM head with a fused, chunked
-//! cross-entropy that never materialises the full `[tokens, vocab]` logits.
+//! embedding (scaled where the family scales it) → blocks (RMSNorm →
+//! attention strategy → [post-norm] → residual → RMSNorm → gated MLP →
+//! [post-norm] → residual, as the family's `BlockSpec` says) → final norm →
+//! LM head with a fused, chunked cross-entropy that never materialises the
+//! full `[tokens, vocab]` logits.
 //!
 //! Memory policies (each leaves gradients unchanged):
 //! - `checkpoint`: keep only each block's input; recompute the block in backward;
@@ -31,14 +33,15 @@ use super::chunk_loop::for_each_chunk;
 use super::config::ModelConfig;
 use super::grads::BlockGrads;
 use super::kept_inputs::KeptInputs;
+use super::layer_attention::LayerAttentions;
 use super::segments::Segments;
 use super::store::{HeadView, ParamStore, Unit};
 use super::weights::BlockWeights;
 use crate::attention::lora_delta::{add_delta, add_delta_bwd};
-use crate::attention::{AttnDims, AttnSaved, CpAttention, CpPlan, output_projection};
+use crate::attention::{AttnDims, AttnSaved, CpPlan, output_projection};
 use crate::backend::PhaseGuard;
 use crate::backend::profile::Phase;
-use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
+use crate::backend::{Backend, Category, DType, MatLayout, RmsNorm, Tensor, cast};
 use crate::comm::Mesh;
 use crate::error::{Error, Result};
 
@@ -206,7 +209,7 @@ pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
         kv_heads: cfg.kv_heads,
         head_dim: cfg.head_dim,
         qk_norm: cfg.qk_norm(),
-        norm_eps: cfg.rms_norm_eps,
+        norm: cfg.norm(),
         rope: crate::attention::rope::RopeConfig {
             theta: cfg.rope_theta,
             scaling: cfg.rope_scaling,
@@ -219,6 +222,9 @@ struct BlockSaved<B: Backend> {
     /// Attention input `RMSNorm(h)`.
     a: Tensor<B>,
     attn: AttnSaved<B>,
+    /// The attention's output `O·Woᵀ` before its post-norm (post-norm
+    /// families only).
+    y: Option<Tensor<B>>,
     /// Residual after attention.
     h1: Tensor<B>,
     /// MLP intermediates (untiled runs only).
@@ -238,18 +244,22 @@ enum Kept<B: Backend> {
 /// The block inputs a step keeps, with what else each block keeps.
 type Checkpoints<B> = KeptInputs<B, Kept<B>>;
 
-struct MlpSaved<B: Backend> {
+pub(crate) struct MlpSaved<B: Backend> {
     m: Tensor<B>,
     gate: Tensor<B>,
     up: Tensor<B>,
     act: Tensor<B>,
+    /// The MLP's output `act·Wdᵀ` before its post-norm (post-norm families
+    /// only; without one the down projection adds into the residual).
+    z: Option<Tensor<B>>,
 }
 
 /// A decoder bound to one rank's attention plan.
 pub struct Decoder<B: Backend> {
     pub cfg: ModelConfig,
     pub policy: MemoryPolicy,
-    pub(crate) attn: CpAttention<B>,
+    /// Each layer's attention (one per distinct window and RoPE).
+    pub(crate) attn: LayerAttentions<B>,
     /// Runs each norm backward and its residual add as two ops (a
     /// temporary and an `axpy`) instead of `Backend::rms_norm_bwd_add`:
     /// the same arithmetic, for tests that compare the two. False unless a
@@ -271,8 +281,7 @@ impl<B: Backend> Decoder<B> {
         policy: MemoryPolicy,
     ) -> Result<Self> {
         policy.validate_for(cfg.layers)?;
-        let mask = super::stream_mask(&cfg, plan.layout.seq)?;
-        let attn = CpAttention::new(b, attn_dims(&cfg), plan, mesh, mask)?;
+        let attn = LayerAttentions::new(b, &cfg, plan, mesh)?;
         Ok(Decoder {
             cfg,
             policy,
@@ -284,21 +293,43 @@ impl<B: Backend> Decoder<B> {
 
     /// Attends under the mask of the next window, whose documents start at
     /// `doc_starts` (positions restart at each; `[0]`: one document), from
-    /// the next forward on; the model's sliding window, if it has one,
+    /// the next forward on; a layer's sliding window, if it has one,
     /// bounds every query within its document.
     pub fn set_window(&mut self, b: &B, doc_starts: &[u32]) -> Result<()> {
-        let (seq, window) = (self.attn.plan.layout.seq, self.cfg.sliding_window);
-        let mask = super::window_mask(doc_starts, seq, window)?;
-        self.attn.set_mask(b, mask)
+        self.attn.set_window(b, doc_starts)
     }
 
-    /// The attention mask of the current window.
+    /// The attention mask of the current window (the first layer's; every
+    /// layer's where all attend alike).
     pub fn mask(&self) -> &crate::attention::AttnMask {
-        self.attn.mask()
+        self.attn.first_mask()
     }
 
-    pub(crate) fn eps(&self) -> f32 {
-        self.cfg.rms_norm_eps
+    /// The share of the `S²` scores the current window's masks compute,
+    /// the mean over the layers.
+    pub fn attn_flop_fraction(&self, seq: usize) -> f64 {
+        self.attn.flop_fraction(seq)
+    }
+
+    /// Every RMSNorm of the model.
+    pub(crate) fn norm(&self) -> RmsNorm {
+        self.cfg.norm()
+    }
+
+    /// The token embedding of `ids` into `x` `[ids.len(), hidden]`, scaled
+    /// where the family scales it.
+    pub(crate) fn embed(
+        &self,
+        b: &B,
+        table: &Tensor<B>,
+        ids: &[u32],
+        x: &mut Tensor<B>,
+    ) -> Result<()> {
+        b.embedding_fwd(table, ids, x)?;
+        match self.cfg.embed_scale(x.dtype()) {
+            Some(c) => scale_in_place(b, x, c),
+            None => Ok(()),
+        }
     }
 
     /// Forward and backward over this rank's tokens `ids` (targets aligned, `IGNORE`
@@ -325,7 +356,7 @@ impl<B: Backend> Decoder<B> {
         b.ledger().enter("forward: embedding");
         let mut x = b.empty(&[s, h], act, Category::Activations)?;
         store.acquire(b, Unit::Embed)?;
-        b.embedding_fwd(store.embed()?, ids, &mut x)?;
+        self.embed(b, store.embed()?, ids, &mut x)?;
         store.release(Unit::Embed)?;
 
         let (x, mut kept) = self.forward_blocks(b, mesh, store, x)?;
@@ -339,6 +370,10 @@ impl<B: Backend> Decoder<B> {
         }
         // a frozen embedding takes no gradient: the backward ends at its output
         if let Some(d_embed) = store.embed_grads(b)? {
+            let mut dx = dx;
+            if let Some(c) = self.cfg.embed_scale(dx.dtype()) {
+                scale_in_place(b, &mut dx, c)?;
+            }
             b.embedding_bwd(&dx, ids, d_embed)?;
         }
         store.grads_done(b, Unit::Embed)?;
@@ -374,7 +409,7 @@ impl<B: Backend> Decoder<B> {
         let mut kept = KeptInputs::with_capacity(segments.kept_inputs());
         for l in 0..self.cfg.layers {
             store.acquire(b, Unit::Block(l))?;
-            let (next, saved) = self.block_fwd(b, mesh, store.block(l)?, &x)?;
+            let (next, saved) = self.block_fwd(b, mesh, l, store.block(l)?, &x)?;
             store.release(Unit::Block(l))?;
             if !segments.keeps_input(l) {
                 // below the floor no backward runs; inside an earlier
@@ -426,12 +461,12 @@ impl<B: Backend> Decoder<B> {
             let saved = match entry.keep {
                 Kept::Block(s) => *s,
                 Kept::Attention(attn) => {
-                    self.recompute(b, mesh, store.block(l)?, &input, Some(attn))?
+                    self.recompute(b, mesh, l, store.block(l)?, &input, Some(attn))?
                 }
-                Kept::Input => self.recompute(b, mesh, store.block(l)?, &input, None)?,
+                Kept::Input => self.recompute(b, mesh, l, store.block(l)?, &input, None)?,
             };
             let (w, g) = store.block_grads(b, l)?;
-            dx = self.block_bwd(b, mesh, w, g, &input, saved, dx)?;
+            dx = self.block_bwd(b, mesh, l, w, g, &input, saved, dx)?;
             store.release(Unit::Block(l))?;
             store.grads_done(b, Unit::Block(l))?;
         }
@@ -467,7 +502,7 @@ impl<B: Backend> Decoder<B> {
         let mut x = entry.input;
         for l in first..last {
             store.acquire(b, Unit::Block(l))?;
-            let (next, saved) = self.block_fwd(b, mesh, store.block(l)?, &x)?;
+            let (next, saved) = self.block_fwd(b, mesh, l, store.block(l)?, &x)?;
             store.release(Unit::Block(l))?;
             kept.push_rebuilt(l, x, self.keep_checkpointed(l, saved));
             x = next;
@@ -480,8 +515,14 @@ impl<B: Backend> Decoder<B> {
     /// its input: its attention state when it is one of the last
     /// `save_attention` blocks, else nothing.
     fn keep_checkpointed(&self, l: usize, saved: BlockSaved<B>) -> Kept<B> {
-        let BlockSaved { a, attn, h1, mlp } = saved;
-        drop((a, h1, mlp));
+        let BlockSaved {
+            a,
+            attn,
+            y,
+            h1,
+            mlp,
+        } = saved;
+        drop((a, y, h1, mlp));
         if self.policy.keeps_attention(l, self.cfg.layers) {
             Kept::Attention(attn)
         } else {
@@ -506,7 +547,7 @@ impl<B: Backend> Decoder<B> {
             store.acquire(b, Unit::Embed)?;
         }
         let mut hn = b.empty(x.shape(), x.dtype(), Category::Workspace)?;
-        b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
+        b.rms_norm_fwd(&x, store.final_norm()?, self.norm(), &mut hn)?;
         let head = store.head_grads(b)?;
         let HeadView {
             norm,
@@ -517,7 +558,7 @@ impl<B: Backend> Decoder<B> {
         let (loss, dhn) = self.fused_loss(b, head, d_head, &hn, targets, grad_scale)?;
         drop(hn);
         let mut dx = b.empty(x.shape(), x.dtype(), Category::Grads)?;
-        b.rms_norm_bwd(&x, norm, &dhn, self.eps(), &mut dx, d_norm)?;
+        b.rms_norm_bwd(&x, norm, &dhn, self.norm(), &mut dx, d_norm)?;
         drop((dhn, x));
         if tied {
             store.release(Unit::Embed)?;
@@ -530,63 +571,154 @@ impl<B: Backend> Decoder<B> {
         Ok((loss, dx))
     }
 
-    /// One block forward: returns its output and what backward needs.
+    /// Block `l`'s forward: returns its output and what backward needs.
     fn block_fwd(
         &self,
         b: &B,
         mesh: &Mesh<B>,
+        l: usize,
         w: &BlockWeights<B>,
         h: &Tensor<B>,
     ) -> Result<(Tensor<B>, BlockSaved<B>)> {
-        let (a, attn, h1) = self.attn_fwd(b, mesh, w, h, None)?;
+        let (a, attn, y, h1) = self.attn_fwd(b, mesh, l, w, h, None)?;
         let mut out = cast(b, &h1, h.dtype(), Category::Activations)?;
         let mut mlp = None;
         for_each_chunk(b, self.tiles(h.rows()), |rows| {
             let copy = self.tile_copy(b, &h1, &rows)?;
             let x_t = copy.as_ref().unwrap_or(&h1);
             let saved = self.mlp_fwd(b, w, x_t)?;
-            // out[rows] += act @ down^T (the residual add is the GEMM's beta = 1)
-            let hid = self.cfg.hidden;
-            let dst = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
-            b.gemm(
-                out.view_mut(dst),
-                saved.act.mat(),
-                w.down.mat().t(),
-                1.0,
-                1.0,
-            )?;
-            let down = w.mlp_lora.down.as_ref();
-            add_delta(b, down, saved.act.mat(), out.view_mut(dst))?;
+            self.add_mlp_output(b, w, &saved, &mut out, &rows)?;
             if !self.policy.tiled_mlp {
                 mlp = Some(saved);
             }
             Ok(())
         })?;
-        Ok((out, BlockSaved { a, attn, h1, mlp }))
+        let saved = BlockSaved {
+            a,
+            attn,
+            y,
+            h1,
+            mlp,
+        };
+        Ok((out, saved))
     }
 
-    /// The attention half of a block: `a = RMSNorm(h)`, the attention state
-    /// (its forward run, or `kept` from an earlier one) and `h1 = h + O·Woᵀ`.
+    /// Adds a tile's MLP output into its rows of the residual `out`
+    /// `[s, hidden]`: `act·Wdᵀ` by the down projection's GEMM (beta 1), or
+    /// the post-norm of the saved `z` where the family has one.
+    pub(crate) fn add_mlp_output(
+        &self,
+        b: &B,
+        w: &BlockWeights<B>,
+        saved: &MlpSaved<B>,
+        out: &mut Tensor<B>,
+        rows: &std::ops::Range<usize>,
+    ) -> Result<()> {
+        let hid = self.cfg.hidden;
+        let dst = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
+        match (&saved.z, &w.post_mlp_norm) {
+            (Some(z), Some(norm)) => {
+                let mut q = b.empty(z.shape(), z.dtype(), Category::Workspace)?;
+                b.rms_norm_fwd(z, norm, self.norm(), &mut q)?;
+                self.add_rows(b, out, rows, &q)
+            }
+            _ => {
+                // out[rows] += act @ down^T (the residual add is the GEMM's beta = 1)
+                b.gemm(
+                    out.view_mut(dst),
+                    saved.act.mat(),
+                    w.down.mat().t(),
+                    1.0,
+                    1.0,
+                )?;
+                let down = w.mlp_lora.down.as_ref();
+                add_delta(b, down, saved.act.mat(), out.view_mut(dst))
+            }
+        }
+    }
+
+    /// `t[rows] += y` for a `[rows, hidden]` tile `y` of the `[s, hidden]`
+    /// `t` (through a copy of those rows when the tile is not all of them).
+    fn add_rows(
+        &self,
+        b: &B,
+        t: &mut Tensor<B>,
+        rows: &std::ops::Range<usize>,
+        y: &Tensor<B>,
+    ) -> Result<()> {
+        if rows.len() == t.rows() {
+            return b.axpy(t, 1.0, y);
+        }
+        let hid = t.row_len();
+        let blk = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
+        let mut tile = self.rows_of(b, t, rows)?;
+        b.axpy(&mut tile, 1.0, y)?;
+        b.copy(t.view_mut(blk), tile.mat())
+    }
+
+    /// The attention half of block `l`: `a = RMSNorm(h)`, the attention
+    /// state (its forward run, or `kept` from an earlier one), its output
+    /// `y = O·Woᵀ` (kept where a post-norm follows) and
+    /// `h1 = h + y` (or `h + RMSNorm(y)` after a post-norm).
+    #[allow(clippy::type_complexity)]
     fn attn_fwd(
         &self,
         b: &B,
         mesh: &Mesh<B>,
+        l: usize,
+        w: &BlockWeights<B>,
+        h: &Tensor<B>,
+        kept: Option<AttnSaved<B>>,
+    ) -> Result<(Tensor<B>, AttnSaved<B>, Option<Tensor<B>>, Tensor<B>)> {
+        let (a, attn, y) = self.attn_branch(b, mesh, l, w, h, kept)?;
+        let (y, h1) = self.attn_residual(b, w, h, y)?;
+        Ok((a, attn, y, h1))
+    }
+
+    /// `a = RMSNorm(h)`, then layer `l`'s attention of it (or the output
+    /// projection of `kept`): `(a, attention state, y = O·Woᵀ)`.
+    pub(crate) fn attn_branch(
+        &self,
+        b: &B,
+        mesh: &Mesh<B>,
+        l: usize,
         w: &BlockWeights<B>,
         h: &Tensor<B>,
         kept: Option<AttnSaved<B>>,
     ) -> Result<(Tensor<B>, AttnSaved<B>, Tensor<B>)> {
         b.ledger().enter("forward: attention");
         let mut a = b.empty(h.shape(), h.dtype(), Category::Activations)?;
-        b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
+        b.rms_norm_fwd(h, &w.attn_norm, self.norm(), &mut a)?;
         let (y, attn) = match kept {
             Some(attn) => (output_projection(b, &attn.o, &w.attn)?, attn),
-            None => self.attn.forward(b, mesh, &w.attn, &a)?,
+            None => self.attn.layer(l).forward(b, mesh, &w.attn, &a)?,
         };
+        Ok((a, attn, y))
+    }
+
+    /// The attention's residual add: `h1 = h + y`, or `h + RMSNorm(y)`
+    /// where a post-norm follows (then `y` comes back for the backward).
+    pub(crate) fn attn_residual(
+        &self,
+        b: &B,
+        w: &BlockWeights<B>,
+        h: &Tensor<B>,
+        y: Tensor<B>,
+    ) -> Result<(Option<Tensor<B>>, Tensor<B>)> {
         b.ledger().enter("forward: mlp");
         let mut h1 = cast(b, h, h.dtype(), Category::Activations)?;
-        b.axpy(&mut h1, 1.0, &y)?;
-        drop(y);
-        Ok((a, attn, h1))
+        match &w.post_attn_norm {
+            Some(norm) => {
+                let mut p = b.empty(y.shape(), y.dtype(), Category::Workspace)?;
+                b.rms_norm_fwd(&y, norm, self.norm(), &mut p)?;
+                b.axpy(&mut h1, 1.0, &p)?;
+                Ok((Some(y), h1))
+            }
+            None => {
+                b.axpy(&mut h1, 1.0, &y)?;
+                Ok((None, h1))
+            }
+        }
     }
 
     /// A checkpointed block's forward again, up to what its backward reads:
@@ -598,18 +730,25 @@ impl<B: Backend> Decoder<B> {
         &self,
         b: &B,
         mesh: &Mesh<B>,
+        l: usize,
         w: &BlockWeights<B>,
         h: &Tensor<B>,
         kept: Option<AttnSaved<B>>,
     ) -> Result<BlockSaved<B>> {
         let _phase = PhaseGuard::enter(b, Phase::Recompute);
-        let (a, attn, h1) = self.attn_fwd(b, mesh, w, h, kept)?;
+        let (a, attn, y, h1) = self.attn_fwd(b, mesh, l, w, h, kept)?;
         let mlp = if self.policy.tiled_mlp {
             None
         } else {
             Some(self.mlp_fwd(b, w, &h1)?)
         };
-        Ok(BlockSaved { a, attn, h1, mlp })
+        Ok(BlockSaved {
+            a,
+            attn,
+            y,
+            h1,
+            mlp,
+        })
     }
 
     /// Token tiles of the MLP: one tile, or `shapes::mlp_tile_rows` each.
@@ -647,12 +786,13 @@ impl<B: Backend> Decoder<B> {
         Ok(out)
     }
 
-    /// RMSNorm + gate/up projections + SwiGLU of one tile.
-    fn mlp_fwd(&self, b: &B, w: &BlockWeights<B>, x: &Tensor<B>) -> Result<MlpSaved<B>> {
+    /// RMSNorm + gate/up projections + the gated activation of one tile,
+    /// and its down projection `z` where a post-norm follows.
+    pub(crate) fn mlp_fwd(&self, b: &B, w: &BlockWeights<B>, x: &Tensor<B>) -> Result<MlpSaved<B>> {
         let (r, f) = (x.rows(), self.cfg.ffn);
         let dt = x.dtype();
         let mut m = b.empty(x.shape(), dt, Category::Activations)?;
-        b.rms_norm_fwd(x, &w.mlp_norm, self.eps(), &mut m)?;
+        b.rms_norm_fwd(x, &w.mlp_norm, self.norm(), &mut m)?;
         let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
         add_delta(b, w.mlp_lora.gate.as_ref(), m.mat(), gate.mat_mut())?;
@@ -660,16 +800,28 @@ impl<B: Backend> Decoder<B> {
         b.gemm(up.mat_mut(), m.mat(), w.up.mat().t(), 1.0, 0.0)?;
         add_delta(b, w.mlp_lora.up.as_ref(), m.mat(), up.mat_mut())?;
         let mut act = b.empty(&[r, f], dt, Category::Activations)?;
-        b.swiglu_fwd(&gate, &up, &mut act)?;
-        Ok(MlpSaved { m, gate, up, act })
+        b.gated_act_fwd(self.cfg.spec().activation, &gate, &up, &mut act)?;
+        let z = match w.post_mlp_norm {
+            Some(_) => Some(down_projection(b, w, &act)?),
+            None => None,
+        };
+        Ok(MlpSaved {
+            m,
+            gate,
+            up,
+            act,
+            z,
+        })
     }
 
-    /// One block backward from `d_out`; returns the gradient w.r.t. its input `h`.
+    /// Block `l`'s backward from `d_out`; returns the gradient w.r.t. its
+    /// input `h`.
     #[allow(clippy::too_many_arguments)]
     fn block_bwd(
         &self,
         b: &B,
         mesh: &Mesh<B>,
+        l: usize,
         w: &BlockWeights<B>,
         g: &mut BlockGrads<B>,
         h: &Tensor<B>,
@@ -679,10 +831,10 @@ impl<B: Backend> Decoder<B> {
         let BlockSaved {
             a,
             attn,
+            y,
             h1,
             mut mlp,
         } = saved;
-        let hid = self.cfg.hidden;
         // MLP branch: dh1 = d_out + d(mlp)/dh1
         b.ledger().enter("backward: mlp");
         let mut dh1 = cast(b, &d_out, d_out.dtype(), Category::Grads)?;
@@ -696,55 +848,7 @@ impl<B: Backend> Decoder<B> {
                     self.mlp_fwd(b, w, x_t)?
                 }
             };
-            let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
-            // a frozen weight's gradient GEMM is skipped; dx's still runs
-            if let Some(g_down) = g.down.as_mut() {
-                b.gemm(g_down.mat_mut(), d_t.t(), s.act.mat(), 1.0, 1.0)?;
-            }
-            let mut dact = b.empty(s.act.shape(), s.act.dtype(), Category::Workspace)?;
-            let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
-            b.gemm(dact.mat_mut(), d_t, w.down.mat(), 1.0, 0.0)?;
-            let (down, g_lora) = (w.mlp_lora.down.as_ref(), &mut g.mlp_lora);
-            let d_t = d_out.view(MatLayout::block(rows.start * hid, rows.len(), hid, hid));
-            add_delta_bwd(
-                b,
-                down,
-                g_lora.down.as_mut(),
-                s.act.mat(),
-                d_t,
-                dact.mat_mut(),
-            )?;
-            let mut dgate = b.empty(s.gate.shape(), s.gate.dtype(), Category::Workspace)?;
-            let mut dup = b.empty(s.up.shape(), s.up.dtype(), Category::Workspace)?;
-            b.swiglu_bwd(&s.gate, &s.up, &dact, &mut dgate, &mut dup)?;
-            drop(dact);
-            if let Some(g_gate) = g.gate.as_mut() {
-                b.gemm(g_gate.mat_mut(), dgate.mat().t(), s.m.mat(), 1.0, 1.0)?;
-            }
-            if let Some(g_up) = g.up.as_mut() {
-                b.gemm(g_up.mat_mut(), dup.mat().t(), s.m.mat(), 1.0, 1.0)?;
-            }
-            let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
-            b.gemm(dm.mat_mut(), dgate.mat(), w.gate.mat(), 1.0, 0.0)?;
-            b.gemm(dm.mat_mut(), dup.mat(), w.up.mat(), 1.0, 1.0)?;
-            let (l, gl) = (&w.mlp_lora, &mut g.mlp_lora);
-            add_delta_bwd(
-                b,
-                l.gate.as_ref(),
-                gl.gate.as_mut(),
-                s.m.mat(),
-                dgate.mat(),
-                dm.mat_mut(),
-            )?;
-            add_delta_bwd(
-                b,
-                l.up.as_ref(),
-                gl.up.as_mut(),
-                s.m.mat(),
-                dup.mat(),
-                dm.mat_mut(),
-            )?;
-            drop((dgate, dup, s));
+            let dm = self.mlp_bwd(b, w, g, s, &d_out, &rows)?;
             let d_norm = g.mlp_norm.as_mut();
             self.norm_bwd_add_rows(b, x_t, &w.mlp_norm, &dm, &mut dh1, &rows, d_norm)?;
             Ok(())
@@ -752,14 +856,105 @@ impl<B: Backend> Decoder<B> {
         drop((h1, d_out));
         // Attention branch: dh = dh1 + d(attn(norm(h)))/dh
         b.ledger().enter("backward: attention");
-        let da = self
-            .attn
-            .backward(b, mesh, &w.attn, &a, attn, &dh1, &mut g.attn)?;
-        drop(a);
+        let dy = match (&y, &w.post_attn_norm) {
+            (Some(y), Some(norm)) => {
+                let mut dy = b.empty(y.shape(), y.dtype(), Category::Workspace)?;
+                let d_post = g.post_attn_norm.as_mut();
+                b.rms_norm_bwd(y, norm, &dh1, self.norm(), &mut dy, d_post)?;
+                Some(dy)
+            }
+            _ => None,
+        };
+        drop(y);
+        let da = self.attn.layer(l).backward(
+            b,
+            mesh,
+            &w.attn,
+            &a,
+            attn,
+            dy.as_ref().unwrap_or(&dh1),
+            &mut g.attn,
+        )?;
+        drop((a, dy));
         // dh1 becomes dh: the norm's backward added into it in place
         let d_norm = g.attn_norm.as_mut();
         self.norm_bwd_add(b, h, &w.attn_norm, &da, &mut dh1, d_norm)?;
         Ok(dh1)
+    }
+
+    /// One MLP tile's backward from the block output's gradient `d_out`
+    /// (its rows `rows`): the down projection (through the post-norm where
+    /// there is one), the gated activation, gate and up; accumulates the
+    /// weights' gradients and returns the gradient of the tile's normed
+    /// input `m`.
+    fn mlp_bwd(
+        &self,
+        b: &B,
+        w: &BlockWeights<B>,
+        g: &mut BlockGrads<B>,
+        s: MlpSaved<B>,
+        d_out: &Tensor<B>,
+        rows: &std::ops::Range<usize>,
+    ) -> Result<Tensor<B>> {
+        let hid = self.cfg.hidden;
+        let blk = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
+        // [rows, hidden]: the gradient of the down projection's output
+        let dz = match (&s.z, &w.post_mlp_norm) {
+            (Some(z), Some(norm)) => {
+                let d_t = self.rows_of(b, d_out, rows)?;
+                let mut dz = b.empty(z.shape(), z.dtype(), Category::Workspace)?;
+                let d_post = g.post_mlp_norm.as_mut();
+                b.rms_norm_bwd(z, norm, &d_t, self.norm(), &mut dz, d_post)?;
+                Some(dz)
+            }
+            _ => None,
+        };
+        let d_t = || match &dz {
+            Some(dz) => dz.mat(),
+            None => d_out.view(blk),
+        };
+        // a frozen weight's gradient GEMM is skipped; dx's still runs
+        if let Some(g_down) = g.down.as_mut() {
+            b.gemm(g_down.mat_mut(), d_t().t(), s.act.mat(), 1.0, 1.0)?;
+        }
+        let mut dact = b.empty(s.act.shape(), s.act.dtype(), Category::Workspace)?;
+        b.gemm(dact.mat_mut(), d_t(), w.down.mat(), 1.0, 0.0)?;
+        let (down, g_lora) = (w.mlp_lora.down.as_ref(), &mut g.mlp_lora);
+        add_delta_bwd(
+            b,
+            down,
+            g_lora.down.as_mut(),
+            s.act.mat(),
+            d_t(),
+            dact.mat_mut(),
+        )?;
+        drop(dz);
+        let mut dgate = b.empty(s.gate.shape(), s.gate.dtype(), Category::Workspace)?;
+        let mut dup = b.empty(s.up.shape(), s.up.dtype(), Category::Workspace)?;
+        let act = self.cfg.spec().activation;
+        b.gated_act_bwd(act, &s.gate, &s.up, &dact, &mut dgate, &mut dup)?;
+        drop(dact);
+        if let Some(g_gate) = g.gate.as_mut() {
+            b.gemm(g_gate.mat_mut(), dgate.mat().t(), s.m.mat(), 1.0, 1.0)?;
+        }
+        if let Some(g_up) = g.up.as_mut() {
+            b.gemm(g_up.mat_mut(), dup.mat().t(), s.m.mat(), 1.0, 1.0)?;
+        }
+        let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
+        b.gemm(dm.mat_mut(), dgate.mat(), w.gate.mat(), 1.0, 0.0)?;
+        b.gemm(dm.mat_mut(), dup.mat(), w.up.mat(), 1.0, 1.0)?;
+        let (l, gl) = (&w.mlp_lora, &mut g.mlp_lora);
+        let m = s.m.mat();
+        add_delta_bwd(
+            b,
+            l.gate.as_ref(),
+            gl.gate.as_mut(),
+            m,
+            dgate.mat(),
+            dm.mat_mut(),
+        )?;
+        add_delta_bwd(b, l.up.as_ref(), gl.up.as_mut(), m, dup.mat(), dm.mat_mut())?;
+        Ok(dm)
     }
 
     /// `dx += RMSNorm-backward(x, w, dy)` (`Backend::rms_norm_bwd_add`),
@@ -775,10 +970,10 @@ impl<B: Backend> Decoder<B> {
         dw: Option<&mut Tensor<B>>,
     ) -> Result<()> {
         if !self.unfused_norms {
-            return b.rms_norm_bwd_add(x, w, dy, self.eps(), dx, dw);
+            return b.rms_norm_bwd_add(x, w, dy, self.norm(), dx, dw);
         }
         let mut t = b.empty(dx.shape(), dx.dtype(), Category::Workspace)?;
-        b.rms_norm_bwd(x, w, dy, self.eps(), &mut t, dw)?;
+        b.rms_norm_bwd(x, w, dy, self.norm(), &mut t, dw)?;
         b.axpy(dx, 1.0, &t)
     }
 
@@ -847,4 +1042,22 @@ impl<B: Backend> Decoder<B> {
         let loss = b.to_host(&loss_sum)?[0] as f64;
         Ok((loss, dhn))
     }
+}
+
+/// `act·Wdᵀ` (with the down adapter's delta) of one tile, `[rows, hidden]`.
+fn down_projection<B: Backend>(b: &B, w: &BlockWeights<B>, act: &Tensor<B>) -> Result<Tensor<B>> {
+    let hid = w.down.shape()[0];
+    let mut z = b.empty(&[act.rows(), hid], act.dtype(), Category::Activations)?;
+    b.gemm(z.mat_mut(), act.mat(), w.down.mat().t(), 1.0, 0.0)?;
+    add_delta(b, w.mlp_lora.down.as_ref(), act.mat(), z.mat_mut())?;
+    Ok(z)
+}
+
+/// `x *= c` in place, rounded to x's dtype (`0 + c·x` by `axpy`): the
+/// embedding's scale and its gradient's.
+pub(crate) fn scale_in_place<B: Backend>(b: &B, x: &mut Tensor<B>, c: f32) -> Result<()> {
+    let mut scaled = b.zeros(x.shape(), x.dtype(), Category::Workspace)?;
+    b.axpy(&mut scaled, c, x)?;
+    *x = scaled;
+    Ok(())
 }

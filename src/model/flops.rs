@@ -23,7 +23,7 @@
 //! Training: `6·N + 7·L·S·H·d` per token. Forward only (`upipe eval`):
 //! `2·N + 2·L·S·H·d`.
 
-use super::{ModelConfig, WINDOW_MASK, stream_mask};
+use super::{ModelConfig, WINDOW_MASK, window_mask};
 use crate::attention::AttnMask;
 
 /// Parameters that multiply activations (`N` in the module docs).
@@ -37,12 +37,33 @@ pub fn matmul_params(cfg: &ModelConfig) -> usize {
 }
 
 /// Attention FLOPs of one layer's forward over `seq` tokens under the
-/// mask of a stream window for `cfg` ([`stream_mask`]): `4·S²·H·d` times
-/// its FLOP fraction (`2·S²·H·d` causal; the band of a sliding window).
+/// mask of a stream window for `cfg` ([`stream_mask`]), the mean over its
+/// layers: `4·S²·H·d` times the FLOP fraction (`2·S²·H·d` causal; the band
+/// of a sliding window).
 pub fn attention_forward_flops(cfg: &ModelConfig, seq: usize) -> f64 {
-    // a validated config's window is at least 1, so its mask exists
-    let mask = stream_mask(cfg, seq).unwrap_or(WINDOW_MASK);
-    masked_attention_forward_flops(cfg, seq, &mask)
+    let layers = cfg.layers.max(1);
+    // one mask per distinct window (a mask is as long as the sequence)
+    let mut windows: Vec<(Option<usize>, usize)> = Vec::new();
+    for l in 0..layers {
+        let w = cfg.layer_attention(l).window;
+        match windows.iter_mut().find(|(x, _)| *x == w) {
+            Some((_, n)) => *n += 1,
+            None => windows.push((w, 1)),
+        }
+    }
+    if let [(w, _)] = windows[..] {
+        let mask = window_mask(&[0], seq, w).unwrap_or(WINDOW_MASK);
+        return masked_attention_forward_flops(cfg, seq, &mask);
+    }
+    let total: f64 = windows
+        .into_iter()
+        .map(|(w, n)| {
+            // a validated config's window is at least 1, so its mask exists
+            let mask = window_mask(&[0], seq, w).unwrap_or(WINDOW_MASK);
+            n as f64 * masked_attention_forward_flops(cfg, seq, &mask)
+        })
+        .sum();
+    total / layers as f64
 }
 
 /// Attention FLOPs of one layer's forward over `seq` tokens under `mask`:

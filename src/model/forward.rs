@@ -14,8 +14,7 @@ use super::chunk_loop::for_each_chunk;
 use super::decoder::Decoder;
 use super::store::{ParamStore, Unit};
 use super::weights::{BlockWeights, ModelWeights};
-use crate::attention::lora_delta::add_delta;
-use crate::backend::{Backend, Category, DType, MatLayout, Tensor, cast};
+use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::comm::Mesh;
 use crate::error::Result;
 use std::ops::Range;
@@ -122,12 +121,12 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<Tensor<B>> {
         let act = b.compute_dtype();
         let mut x = b.empty(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
-        b.embedding_fwd(&w.embed, ids, &mut x)?;
-        for blk in &w.blocks {
-            x = self.block_forward_only(b, mesh, blk, &x)?;
+        self.embed(b, &w.embed, ids, &mut x)?;
+        for (l, blk) in w.blocks.iter().enumerate() {
+            x = self.block_forward_only(b, mesh, l, blk, &x)?;
         }
         let mut hn = b.empty(x.shape(), act, Category::Activations)?;
-        b.rms_norm_fwd(&x, &w.final_norm, self.eps(), &mut hn)?;
+        b.rms_norm_fwd(&x, &w.final_norm, self.norm(), &mut hn)?;
         Ok(hn)
     }
 
@@ -144,16 +143,16 @@ impl<B: Backend> Decoder<B> {
         let act = b.compute_dtype();
         let mut x = b.empty(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
         store.acquire(b, Unit::Embed)?;
-        b.embedding_fwd(store.embed()?, ids, &mut x)?;
+        self.embed(b, store.embed()?, ids, &mut x)?;
         store.release(Unit::Embed)?;
         for l in 0..self.cfg.layers {
             store.acquire(b, Unit::Block(l))?;
-            x = self.block_forward_only(b, mesh, store.block(l)?, &x)?;
+            x = self.block_forward_only(b, mesh, l, store.block(l)?, &x)?;
             store.release(Unit::Block(l))?;
         }
         store.acquire(b, Unit::Head)?;
         let mut hn = b.empty(x.shape(), act, Category::Activations)?;
-        b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
+        b.rms_norm_fwd(&x, store.final_norm()?, self.norm(), &mut hn)?;
         store.release(Unit::Head)?;
         Ok(hn)
     }
@@ -200,67 +199,46 @@ impl<B: Backend> Decoder<B> {
         let act = b.compute_dtype();
         let mut x = b.empty(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
         store.acquire(b, Unit::Embed)?;
-        b.embedding_fwd(store.embed()?, ids, &mut x)?;
+        self.embed(b, store.embed()?, ids, &mut x)?;
         store.release(Unit::Embed)?;
         for l in 0..self.cfg.layers {
             store.acquire(b, Unit::Block(l))?;
-            x = self.block_forward_only(b, mesh, store.block(l)?, &x)?;
+            x = self.block_forward_only(b, mesh, l, store.block(l)?, &x)?;
             store.release(Unit::Block(l))?;
         }
         self.with_head(b, store, move |store| {
             let mut hn = b.empty(x.shape(), act, Category::Activations)?;
-            b.rms_norm_fwd(&x, store.final_norm()?, self.eps(), &mut hn)?;
+            b.rms_norm_fwd(&x, store.final_norm()?, self.norm(), &mut hn)?;
             drop(x);
             self.grouped_loss(b, store.head()?, &hn, targets, group_of_row, groups)
         })
     }
 
-    /// One block forward, keeping nothing: RMSNorm → attention → residual →
-    /// (per token tile) RMSNorm → SwiGLU MLP → residual, in place.
+    /// Block `l`'s forward, keeping nothing: the training forward's own
+    /// steps (`Decoder::attn_branch`, `attn_residual`, `mlp_fwd`,
+    /// `add_mlp_output`), each intermediate dropped once used and the MLP
+    /// always in token tiles.
     fn block_forward_only(
         &self,
         b: &B,
         mesh: &Mesh<B>,
+        l: usize,
         w: &BlockWeights<B>,
         h: &Tensor<B>,
     ) -> Result<Tensor<B>> {
-        let mut a = b.empty(h.shape(), h.dtype(), Category::Activations)?;
-        b.rms_norm_fwd(h, &w.attn_norm, self.eps(), &mut a)?;
-        let (y, saved) = self.attn.forward(b, mesh, &w.attn, &a)?;
+        let (a, saved, y) = self.attn_branch(b, mesh, l, w, h, None)?;
         drop((saved, a));
-        let mut out = cast(b, h, h.dtype(), Category::Activations)?;
-        b.axpy(&mut out, 1.0, &y)?;
+        let (y, mut out) = self.attn_residual(b, w, h, y)?;
         drop(y);
         let hid = self.cfg.hidden;
         for_each_chunk(b, super::shapes::mlp_tiles(h.rows(), hid, true), |rows| {
             // the tile's input is copied out before its rows are overwritten
             let x_t = self.rows_of(b, &out, &rows)?;
-            let act_t = self.mlp_forward_only(b, w, &x_t)?;
+            let saved = self.mlp_fwd(b, w, &x_t)?;
             drop(x_t);
-            let dst = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
-            b.gemm(out.view_mut(dst), act_t.mat(), w.down.mat().t(), 1.0, 1.0)?;
-            add_delta(b, w.mlp_lora.down.as_ref(), act_t.mat(), out.view_mut(dst))?;
-            Ok(())
+            self.add_mlp_output(b, w, &saved, &mut out, &rows)
         })?;
         Ok(out)
-    }
-
-    /// `silu(RMSNorm(x) Wgᵀ) * (RMSNorm(x) Wuᵀ)` of one tile, freeing each
-    /// intermediate once used.
-    fn mlp_forward_only(&self, b: &B, w: &BlockWeights<B>, x: &Tensor<B>) -> Result<Tensor<B>> {
-        let (r, f, dt) = (x.rows(), self.cfg.ffn, x.dtype());
-        let mut m = b.empty(x.shape(), dt, Category::Activations)?;
-        b.rms_norm_fwd(x, &w.mlp_norm, self.eps(), &mut m)?;
-        let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
-        b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
-        add_delta(b, w.mlp_lora.gate.as_ref(), m.mat(), gate.mat_mut())?;
-        let mut up = b.empty(&[r, f], dt, Category::Activations)?;
-        b.gemm(up.mat_mut(), m.mat(), w.up.mat().t(), 1.0, 0.0)?;
-        add_delta(b, w.mlp_lora.up.as_ref(), m.mat(), up.mat_mut())?;
-        drop(m);
-        let mut act = b.empty(&[r, f], dt, Category::Activations)?;
-        b.swiglu_fwd(&gate, &up, &mut act)?;
-        Ok(act)
     }
 
     /// LM head + summed cross-entropy per group, one run of rows (one group,

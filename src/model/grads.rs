@@ -20,12 +20,14 @@ use crate::error::Result;
 pub struct BlockGrads<B: Backend> {
     pub attn_norm: Option<Tensor<B>>,
     pub attn: AttentionGrads<B>,
+    pub post_attn_norm: Option<Tensor<B>>,
     pub mlp_norm: Option<Tensor<B>>,
     pub gate: Option<Tensor<B>>,
     pub up: Option<Tensor<B>>,
     pub down: Option<Tensor<B>>,
     /// The MLP adapters' gradients (where `BlockWeights::mlp_lora` has adapters).
     pub mlp_lora: MlpAdapters<LoraPairGrads<B>>,
+    pub post_mlp_norm: Option<Tensor<B>>,
 }
 
 /// A whole model's gradients (`None`: frozen).
@@ -116,14 +118,17 @@ impl<B: Backend> BlockGrads<B> {
             bv,
             lora: Default::default(),
         };
+        let post_attn_norm = p(PostAttnNorm)?;
         Ok(BlockGrads {
             attn_norm,
             attn,
+            post_attn_norm,
             mlp_norm: p(MlpNorm)?,
             gate: p(Gate)?,
             up: p(Up)?,
             down: p(Down)?,
             mlp_lora: MlpAdapters::default(),
+            post_mlp_norm: p(PostMlpNorm)?,
         })
     }
 
@@ -135,7 +140,8 @@ impl<B: Backend> BlockGrads<B> {
     /// Every gradient held, by role, in HF order.
     pub fn params(&self) -> Vec<(BlockParam, &Tensor<B>)> {
         let mlp = [&self.mlp_norm, &self.gate, &self.up, &self.down].map(Option::as_ref);
-        tensor_order::block_params(self.attn_norm.as_ref(), self.attn.named(), mlp)
+        let post = [&self.post_attn_norm, &self.post_mlp_norm].map(Option::as_ref);
+        tensor_order::block_params(self.attn_norm.as_ref(), self.attn.named(), mlp, post)
     }
 
     /// Every gradient held, mutable, in the order of [`params`](Self::params).
@@ -149,7 +155,8 @@ impl<B: Backend> BlockGrads<B> {
         let s = self;
         let (attn, attn_lora) = s.attn.named_and_lora_mut();
         let mlp = [&mut s.mlp_norm, &mut s.gate, &mut s.up, &mut s.down].map(Option::as_mut);
-        let base = tensor_order::block_params(s.attn_norm.as_mut(), attn, mlp);
+        let post = [&mut s.post_attn_norm, &mut s.post_mlp_norm].map(Option::as_mut);
+        let base = tensor_order::block_params(s.attn_norm.as_mut(), attn, mlp, post);
         let pairs = super::adapters::block_pairs_mut(attn_lora, &mut s.mlp_lora);
         let pairs = pairs.into_iter().map(|(t, g)| (t, [&mut g.da, &mut g.db]));
         (base, tensor_order::factors(pairs))
@@ -159,11 +166,13 @@ impl<B: Backend> BlockGrads<B> {
     pub fn into_tensors(self) -> Vec<Tensor<B>> {
         let mut v: Vec<Tensor<B>> = self.attn_norm.into_iter().collect();
         v.extend(self.attn.into_tensors());
+        v.extend(self.post_attn_norm);
         v.extend(
             [self.mlp_norm, self.gate, self.up, self.down]
                 .into_iter()
                 .flatten(),
         );
+        v.extend(self.post_mlp_norm);
         v
     }
 }

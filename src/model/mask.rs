@@ -41,8 +41,9 @@ pub fn window_mask(
     }))
 }
 
-/// The attention mask of a stream window (one document) of `seq` tokens
-/// for `cfg`'s model: [`WINDOW_MASK`], or its sliding window's band.
-pub fn stream_mask(cfg: &ModelConfig, seq: usize) -> Result<AttnMask> {
-    window_mask(&[0], seq, cfg.sliding_window)
+/// The attention mask of layer `layer` over a stream window (one
+/// document) of `seq` tokens for `cfg`'s model: [`WINDOW_MASK`], or the
+/// band of that layer's sliding window.
+pub fn stream_mask(cfg: &ModelConfig, layer: usize, seq: usize) -> Result<AttnMask> {
+    window_mask(&[0], seq, cfg.layer_attention(layer).window)
 }

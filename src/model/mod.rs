@@ -15,6 +15,7 @@ pub mod forward;
 pub mod freeze;
 pub mod grads;
 pub mod kept_inputs;
+pub mod layer_attention;
 pub mod lora;
 pub mod lora_math;
 pub mod lora_params;

@@ -41,18 +41,22 @@ impl TensorId {
 pub(super) type BlockTensors<T> = (Vec<(BlockParam, T)>, Vec<(LoraTarget, Factor, T)>);
 
 /// A block's base tensors by role, in HF order: `attn_norm`, the
-/// attention's (by short name, `AttentionWeights::named`), then `mlp` (its
-/// norm, gate, up, down); `None`: not held.
+/// attention's (by short name, `AttentionWeights::named`), the attention's
+/// post-norm, then `mlp` (its norm, gate, up, down) and its post-norm;
+/// `None`: not held.
 pub(super) fn block_params<T>(
     attn_norm: Option<T>,
     attn: Vec<(&'static str, T)>,
     mlp: [Option<T>; 4],
+    post: [Option<T>; 2],
 ) -> Vec<(BlockParam, T)> {
+    let [post_attn, post_mlp] = post;
     let mut v: Vec<_> = attn_norm
         .map(|t| (BlockParam::AttnNorm, t))
         .into_iter()
         .collect();
     v.extend(attn.into_iter().map(|(short, t)| (attn_param(short), t)));
+    v.extend(post_attn.map(|t| (BlockParam::PostAttnNorm, t)));
     let roles = [
         BlockParam::MlpNorm,
         BlockParam::Gate,
@@ -61,6 +65,7 @@ pub(super) fn block_params<T>(
     ];
     let mlp = roles.into_iter().zip(mlp);
     v.extend(mlp.filter_map(|(bp, t)| t.map(|t| (bp, t))));
+    v.extend(post_mlp.map(|t| (BlockParam::PostMlpNorm, t)));
     v
 }
 

@@ -18,7 +18,11 @@ pub struct BlockWeights<B: Backend> {
     /// `input_layernorm [hidden]`.
     pub attn_norm: Tensor<B>,
     pub attn: AttentionWeights<B>,
-    /// `post_attention_layernorm [hidden]`.
+    /// The attention's post-norm `[hidden]` (post-norm families: Gemma 3's
+    /// `post_attention_layernorm`).
+    pub post_attn_norm: Option<Tensor<B>>,
+    /// The MLP's input norm `[hidden]` (Llama's `post_attention_layernorm`,
+    /// Gemma 3's `pre_feedforward_layernorm`).
     pub mlp_norm: Tensor<B>,
     /// `[ffn, hidden]`.
     pub gate: Tensor<B>,
@@ -28,6 +32,9 @@ pub struct BlockWeights<B: Backend> {
     pub down: Tensor<B>,
     /// LoRA adapters of gate/up/down (`--lora-rank`; none by default).
     pub mlp_lora: MlpAdapters<LoraPair<B>>,
+    /// The MLP's post-norm `[hidden]` (post-norm families:
+    /// `post_feedforward_layernorm`).
+    pub post_mlp_norm: Option<Tensor<B>>,
 }
 
 /// All parameters (or gradients) of a decoder.
@@ -52,7 +59,7 @@ impl<B: Backend> BlockWeights<B> {
     ) -> Result<Self> {
         // each tensor under its family's name, with its shape
         let mut p = |bp: BlockParam| t(cfg.hf_name(Param::Block(i, bp)), &bp.shape(cfg));
-        let (qk_norm, bias) = (cfg.qk_norm(), cfg.qkv_bias());
+        let (qk_norm, bias, post) = (cfg.qk_norm(), cfg.qkv_bias(), cfg.spec().post_norms);
         let attn_norm = p(BlockParam::AttnNorm)?;
         // in HF order: each projection's bias right after its weight
         let wq = p(BlockParam::Wq)?;
@@ -61,32 +68,37 @@ impl<B: Backend> BlockWeights<B> {
         let bk = bias.then(|| p(BlockParam::Bk)).transpose()?;
         let wv = p(BlockParam::Wv)?;
         let bv = bias.then(|| p(BlockParam::Bv)).transpose()?;
+        let attn = AttentionWeights {
+            wq,
+            wk,
+            wv,
+            wo: p(BlockParam::Wo)?,
+            q_norm: qk_norm.then(|| p(BlockParam::QNorm)).transpose()?,
+            k_norm: qk_norm.then(|| p(BlockParam::KNorm)).transpose()?,
+            bq,
+            bk,
+            bv,
+            lora: Default::default(),
+        };
+        let post_attn_norm = post.then(|| p(BlockParam::PostAttnNorm)).transpose()?;
         Ok(BlockWeights {
             attn_norm,
-            attn: AttentionWeights {
-                wq,
-                wk,
-                wv,
-                wo: p(BlockParam::Wo)?,
-                q_norm: qk_norm.then(|| p(BlockParam::QNorm)).transpose()?,
-                k_norm: qk_norm.then(|| p(BlockParam::KNorm)).transpose()?,
-                bq,
-                bk,
-                bv,
-                lora: Default::default(),
-            },
+            attn,
+            post_attn_norm,
             mlp_norm: p(BlockParam::MlpNorm)?,
             gate: p(BlockParam::Gate)?,
             up: p(BlockParam::Up)?,
             down: p(BlockParam::Down)?,
             mlp_lora: MlpAdapters::default(),
+            post_mlp_norm: post.then(|| p(BlockParam::PostMlpNorm)).transpose()?,
         })
     }
 
     /// Every tensor by role (`AttnNorm`, ...), in HF order.
     pub fn params(&self) -> Vec<(BlockParam, &Tensor<B>)> {
         let mlp = [&self.mlp_norm, &self.gate, &self.up, &self.down].map(Some);
-        tensor_order::block_params(Some(&self.attn_norm), self.attn.named(), mlp)
+        let post = [&self.post_attn_norm, &self.post_mlp_norm].map(Option::as_ref);
+        tensor_order::block_params(Some(&self.attn_norm), self.attn.named(), mlp, post)
     }
 
     /// Every tensor, mutable, in the order of [`params`](Self::params).
@@ -100,7 +112,8 @@ impl<B: Backend> BlockWeights<B> {
         let s = self;
         let (attn, attn_lora) = s.attn.named_and_lora_mut();
         let mlp = [&mut s.mlp_norm, &mut s.gate, &mut s.up, &mut s.down].map(Some);
-        let base = tensor_order::block_params(Some(&mut s.attn_norm), attn, mlp);
+        let post = [&mut s.post_attn_norm, &mut s.post_mlp_norm].map(Option::as_mut);
+        let base = tensor_order::block_params(Some(&mut s.attn_norm), attn, mlp, post);
         let pairs = super::adapters::block_pairs_mut(attn_lora, &mut s.mlp_lora);
         let pairs = pairs.into_iter().map(|(t, p)| (t, [&mut p.a, &mut p.b]));
         (base, tensor_order::factors(pairs))

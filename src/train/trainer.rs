@@ -442,7 +442,7 @@ fn run_rank<B: Backend>(
         let mut attn_flop_fraction = 0.0;
         for (i, w) in windows.iter().enumerate() {
             decoder.set_window(b, &w.doc_starts)?;
-            attn_flop_fraction += decoder.mask().flop_fraction(cfg.seq) / windows.len() as f64;
+            attn_flop_fraction += decoder.attn_flop_fraction(cfg.seq) / windows.len() as f64;
             let micro = Micro::of(i, cfg.grad_accum);
             local_loss +=
                 model.forward_backward(b, &decoder, mesh, &w.ids, &w.targets, grad_scale, micro)?;

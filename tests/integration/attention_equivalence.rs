@@ -13,7 +13,7 @@ fn dims(heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool) -> AttnDi
         kv_heads,
         head_dim,
         qk_norm,
-        norm_eps: 1e-6,
+        norm: upipe::backend::RmsNorm::plain(1e-6),
         rope: RopeConfig {
             theta: 10000.0,
             scaling: Some(RopeScaling::Llama3(Llama3Scaling {

@@ -13,7 +13,7 @@ fn act_bytes(heads: usize, kv_heads: usize, strategy: Strategy, chunk: Option<us
         kv_heads,
         head_dim: 16,
         qk_norm: false,
-        norm_eps: 1e-6,
+        norm: upipe::backend::RmsNorm::plain(1e-6),
         rope: RopeConfig {
             theta: 10000.0,
             scaling: None,

@@ -25,7 +25,7 @@ fn reference_gradients_match_finite_differences() {
             kv_heads: 2,
             head_dim: 6,
             qk_norm,
-            norm_eps: 1e-6,
+            norm: upipe::backend::RmsNorm::plain(1e-6),
             rope: RopeConfig {
                 theta: 100.0,
                 scaling: None,

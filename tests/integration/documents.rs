@@ -18,7 +18,7 @@ fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
         kv_heads,
         head_dim: 8,
         qk_norm,
-        norm_eps: 1e-6,
+        norm: upipe::backend::RmsNorm::plain(1e-6),
         rope: RopeConfig {
             theta: 10000.0,
             scaling: None,

@@ -10,11 +10,17 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{
-    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, IGNORE,
-    MatLayout, Tensor,
+    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, DType, GatedAct, GradWrite,
+    IGNORE, MatLayout, RmsNorm, Tensor,
 };
 
 const TOL: f64 = 1e-2;
+
+/// Gemma's norm: each weight scales as `1 + w`.
+const GEMMA_NORM: RmsNorm = RmsNorm {
+    eps: 1e-6,
+    weight_offset: 1.0,
+};
 
 fn gpu() -> Option<&'static CudaBackend> {
     static B: OnceLock<Option<CudaBackend>> = OnceLock::new();
@@ -433,15 +439,18 @@ fn fused_residual_norms_equal_the_unfused_ops() {
     let c = CpuBackend::new();
     let mut rng = Rng::new("fused-norm");
     let bf = DType::BF16;
-    for (n, dim) in [
+    for ((n, dim), norm) in [
         (9, 2048),
         (33, 896),
         (5, 1000),
         (7, 1001),
         (3, 12000),
         (1100, 512),
-    ] {
-        let tag = format!("n={n} dim={dim}");
+    ]
+    .into_iter()
+    .flat_map(|d| [RmsNorm::plain(1e-5), GEMMA_NORM].map(|m| (d, m)))
+    {
+        let tag = format!("n={n} dim={dim} offset={}", norm.weight_offset);
         let (gx, cx) = pair(g, &c, &rng.vec(n * dim, 3.0), &[n, dim], bf);
         let (gy, cy) = pair(g, &c, &rng.vec(n * dim, 2.0), &[n, dim], bf);
         let (gw, cw) = pair(g, &c, &rng.vec(dim, 1.0), &[dim], bf);
@@ -449,10 +458,10 @@ fn fused_residual_norms_equal_the_unfused_ops() {
         let mut x1 = copy(&gx).unwrap();
         let mut out1 = g.zeros(&[n, dim], bf, Category::Workspace).unwrap();
         g.axpy(&mut x1, 1.0, &gy).unwrap();
-        g.rms_norm_fwd(&x1, &gw, 1e-5, &mut out1).unwrap();
+        g.rms_norm_fwd(&x1, &gw, norm, &mut out1).unwrap();
         let mut x2 = copy(&gx).unwrap();
         let mut out2 = g.zeros(&[n, dim], bf, Category::Workspace).unwrap();
-        g.add_rms_norm_fwd(&mut x2, &gy, &gw, 1e-5, &mut out2)
+        g.add_rms_norm_fwd(&mut x2, &gy, &gw, norm, &mut out2)
             .unwrap();
         assert_eq!(bits(g, &x1), bits(g, &x2), "add_rms_norm_fwd {tag}: sum");
         assert_eq!(
@@ -462,7 +471,7 @@ fn fused_residual_norms_equal_the_unfused_ops() {
         );
         let mut cx2 = upipe::backend::cast(&c, &cx, DType::F32, Category::Workspace).unwrap();
         let mut cout = c.zeros(&[n, dim], DType::F32, Category::Workspace).unwrap();
-        c.add_rms_norm_fwd(&mut cx2, &cy, &cw, 1e-5, &mut cout)
+        c.add_rms_norm_fwd(&mut cx2, &cy, &cw, norm, &mut cout)
             .unwrap();
         check(
             &format!("add_rms_norm_fwd {tag} vs cpu"),
@@ -479,19 +488,19 @@ fn fused_residual_norms_equal_the_unfused_ops() {
             let (mut dw1, _) = pair(g, &c, &dw0, &[dim], DType::F32);
             let (mut dw2, mut cdw) = pair(g, &c, &dw0, &[dim], DType::F32);
             let mut t = g.zeros(&[n, dim], bf, Category::Workspace).unwrap();
-            g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut t, with_dw.then_some(&mut dw1))
+            g.rms_norm_bwd(&gx, &gw, &gdy, norm, &mut t, with_dw.then_some(&mut dw1))
                 .unwrap();
             let mut dx1 = copy(&gres).unwrap();
             g.axpy(&mut dx1, 1.0, &t).unwrap();
             let mut dx2 = copy(&gres).unwrap();
-            g.rms_norm_bwd_add(&gx, &gw, &gdy, 1e-5, &mut dx2, with_dw.then_some(&mut dw2))
+            g.rms_norm_bwd_add(&gx, &gw, &gdy, norm, &mut dx2, with_dw.then_some(&mut dw2))
                 .unwrap();
             let what = format!("rms_norm_bwd_add {tag} dw={with_dw}");
             assert_eq!(bits(g, &dx1), bits(g, &dx2), "{what}: dx");
             let e = rel_err(&g.to_host(&dw2).unwrap(), &g.to_host(&dw1).unwrap());
             assert!(e <= 1e-5, "{what}: dw rel err {e:e}");
             let mut cdx = upipe::backend::cast(&c, &cres, DType::F32, Category::Workspace).unwrap();
-            c.rms_norm_bwd_add(&cx, &cw, &cdy, 1e-5, &mut cdx, with_dw.then_some(&mut cdw))
+            c.rms_norm_bwd_add(&cx, &cw, &cdy, norm, &mut cdx, with_dw.then_some(&mut cdw))
                 .unwrap();
             check(&format!("{what} vs cpu"), g, &dx2, &c, &cdx);
             check(&format!("{what} dw vs cpu"), g, &dw2, &c, &cdw);
@@ -500,28 +509,31 @@ fn fused_residual_norms_equal_the_unfused_ops() {
 }
 
 #[test]
-fn rms_norm_rope_swiglu() {
+fn rms_norm_rope_gated_act() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut rng = Rng::new("norm");
     // Shapes: one block per row; rows > blocks (row striding); dim too big for
     // shared dw; a dim that is no multiple of 8 (element by element, the others
     // move 8 bf16 per load).
-    for (n, dim) in [(19, 1000), (3000, 512), (5, 12000), (7, 1001)] {
-        let tag = format!("n={n} dim={dim}");
+    // the plain norm and Gemma's `1 + w`
+    let norms = [RmsNorm::plain(1e-5), GEMMA_NORM];
+    let shapes = [(19, 1000), (3000, 512), (5, 12000), (7, 1001)];
+    for ((n, dim), norm) in shapes.into_iter().flat_map(|d| norms.map(|m| (d, m))) {
+        let tag = format!("n={n} dim={dim} offset={}", norm.weight_offset);
         let (gx, cx) = pair(g, &c, &rng.vec(n * dim, 3.0), &[n, dim], DType::BF16);
         let (gw, cw) = pair(g, &c, &rng.vec(dim, 1.0), &[dim], DType::BF16);
         let (mut gy, mut cy) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
-        g.rms_norm_fwd(&gx, &gw, 1e-5, &mut gy).unwrap();
-        c.rms_norm_fwd(&cx, &cw, 1e-5, &mut cy).unwrap();
+        g.rms_norm_fwd(&gx, &gw, norm, &mut gy).unwrap();
+        c.rms_norm_fwd(&cx, &cw, norm, &mut cy).unwrap();
         check(&format!("rms_norm_fwd {tag}"), g, &gy, &c, &cy);
         let (gdy, cdy) = pair(g, &c, &rng.vec(n * dim, 1.0), &[n, dim], DType::BF16);
         let (mut gdx, mut cdx) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
         let dw0 = rng.vec(dim, 1.0);
         let (mut gdw, mut cdw) = pair(g, &c, &dw0, &[dim], DType::F32);
-        g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut gdx, Some(&mut gdw))
+        g.rms_norm_bwd(&gx, &gw, &gdy, norm, &mut gdx, Some(&mut gdw))
             .unwrap();
-        c.rms_norm_bwd(&cx, &cw, &cdy, 1e-5, &mut cdx, Some(&mut cdw))
+        c.rms_norm_bwd(&cx, &cw, &cdy, norm, &mut cdx, Some(&mut cdw))
             .unwrap();
         check(&format!("rms_norm_bwd dx {tag}"), g, &gdx, &c, &cdx);
         check(
@@ -533,7 +545,7 @@ fn rms_norm_rope_swiglu() {
         );
         // a frozen norm weight (`dw: None`): the same dx, no dw written
         let (mut gdx2, _) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
-        g.rms_norm_bwd(&gx, &gw, &gdy, 1e-5, &mut gdx2, None)
+        g.rms_norm_bwd(&gx, &gw, &gdy, norm, &mut gdx2, None)
             .unwrap();
         assert_eq!(
             g.to_host(&gdx2).unwrap(),
@@ -558,20 +570,31 @@ fn rms_norm_rope_swiglu() {
     }
 
     // 5000: 8 bf16 per load; 5001: element by element
-    for m in [5000, 5001] {
+    for (m, act) in [5000, 5001]
+        .into_iter()
+        .flat_map(|m| [(m, GatedAct::Silu), (m, GatedAct::GeluTanh)])
+    {
         let (gg, cg) = pair(g, &c, &rng.vec(m, 4.0), &[m], DType::BF16);
         let (gu, cu) = pair(g, &c, &rng.vec(m, 2.0), &[m], DType::BF16);
         let (mut go, mut co) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
-        g.swiglu_fwd(&gg, &gu, &mut go).unwrap();
-        c.swiglu_fwd(&cg, &cu, &mut co).unwrap();
-        check(&format!("swiglu_fwd {m}"), g, &go, &c, &co);
+        g.gated_act_fwd(act, &gg, &gu, &mut go).unwrap();
+        c.gated_act_fwd(act, &cg, &cu, &mut co).unwrap();
+        check(&format!("gated_act_fwd {act:?} {m}"), g, &go, &c, &co);
         let (gd, cd) = pair(g, &c, &rng.vec(m, 1.0), &[m], DType::BF16);
         let (mut gdg, mut cdg) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
         let (mut gdu, mut cdu) = pair(g, &c, &vec![0.0; m], &[m], DType::BF16);
-        g.swiglu_bwd(&gg, &gu, &gd, &mut gdg, &mut gdu).unwrap();
-        c.swiglu_bwd(&cg, &cu, &cd, &mut cdg, &mut cdu).unwrap();
-        check(&format!("swiglu_bwd dgate {m}"), g, &gdg, &c, &cdg);
-        check(&format!("swiglu_bwd dup {m}"), g, &gdu, &c, &cdu);
+        g.gated_act_bwd(act, &gg, &gu, &gd, &mut gdg, &mut gdu)
+            .unwrap();
+        c.gated_act_bwd(act, &cg, &cu, &cd, &mut cdg, &mut cdu)
+            .unwrap();
+        check(
+            &format!("gated_act_bwd dgate {act:?} {m}"),
+            g,
+            &gdg,
+            &c,
+            &cdg,
+        );
+        check(&format!("gated_act_bwd dup {act:?} {m}"), g, &gdu, &c, &cdu);
     }
 }
 

@@ -46,7 +46,7 @@ fn attention_layer_on_gpu_matches_cpu() {
         kv_heads: 2,
         head_dim: 64,
         qk_norm: true,
-        norm_eps: 1e-6,
+        norm: upipe::backend::RmsNorm::plain(1e-6),
         rope: RopeConfig {
             theta: 10000.0,
             scaling: None,

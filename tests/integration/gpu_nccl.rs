@@ -325,7 +325,7 @@ fn layer_matches_cpu_masked(
         kv_heads: 2,
         head_dim: 64,
         qk_norm: true,
-        norm_eps: 1e-6,
+        norm: upipe::backend::RmsNorm::plain(1e-6),
         rope: RopeConfig {
             theta: 10000.0,
             scaling: None,

@@ -50,7 +50,7 @@ fn attention_layer_prediction_matches_the_cuda_ledger() {
             kv_heads: 2,
             head_dim: 64,
             qk_norm,
-            norm_eps: 1e-6,
+            norm: upipe::backend::RmsNorm::plain(1e-6),
             rope: RopeConfig {
                 theta: 10000.0,
                 scaling: None,

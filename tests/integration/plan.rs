@@ -34,7 +34,7 @@ fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
         kv_heads,
         head_dim: 8,
         qk_norm,
-        norm_eps: 1e-6,
+        norm: upipe::backend::RmsNorm::plain(1e-6),
         rope: RopeConfig {
             theta: 10000.0,
             scaling: None,
@@ -464,7 +464,7 @@ fn cuda_predictions_against_the_h200_ledger() {
         kv_heads: 8,
         head_dim: 128,
         qk_norm: false,
-        norm_eps: 1e-5,
+        norm: upipe::backend::RmsNorm::plain(1e-5),
         rope: RopeConfig {
             theta: 500000.0,
             scaling: None,

@@ -23,7 +23,7 @@ fn process_ranks_over_rendezvous_equal_thread_ranks() {
         kv_heads: 2,
         head_dim: 8,
         qk_norm: true,
-        norm_eps: 1e-6,
+        norm: upipe::backend::RmsNorm::plain(1e-6),
         rope: RopeConfig {
             theta: 10000.0,
             scaling: None,

@@ -8,6 +8,7 @@ use super::{
     AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE,
     Mat, MatLayout, MatMut, MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
 };
+use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 mod attention;
@@ -29,14 +30,14 @@ impl CpuBackend {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
         write: norm::DxWrite,
     ) -> Result<()> {
         check_norm_bwd(x, w, dy, dx, dw.as_deref(), "rms_norm_bwd")?;
         let (xs, ws, dys) = (data(x), data(w), data(dy));
-        norm::backward(xs, ws, dys, eps, data_mut(dx), dw.map(data_mut), write);
+        norm::backward(xs, ws, dys, norm, data_mut(dx), dw.map(data_mut), write);
         Ok(())
     }
 }
@@ -283,12 +284,12 @@ impl Backend for CpuBackend {
         &self,
         x: &Tensor<Self>,
         w: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         y: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm", Track::Compute);
         check_norm_fwd(x, None, w, y, "rms_norm_fwd")?;
-        norm::forward(data(x), data(w), eps, data_mut(y));
+        norm::forward(data(x), data(w), norm, data_mut(y));
         Ok(())
     }
 
@@ -297,12 +298,12 @@ impl Backend for CpuBackend {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm_bwd", Track::Compute);
-        self.norm_bwd(x, w, dy, eps, dx, dw, norm::DxWrite::Overwrite)
+        self.norm_bwd(x, w, dy, norm, dx, dw, norm::DxWrite::Overwrite)
     }
 
     fn add_rms_norm_fwd(
@@ -310,13 +311,13 @@ impl Backend for CpuBackend {
         x: &mut Tensor<Self>,
         y: &Tensor<Self>,
         w: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("add_rms_norm", Track::Compute);
         check_norm_fwd(x, Some(y), w, out, "add_rms_norm_fwd")?;
         norm::add(data_mut(x), data(y));
-        norm::forward(data(x), data(w), eps, data_mut(out));
+        norm::forward(data(x), data(w), norm, data_mut(out));
         Ok(())
     }
 
@@ -325,12 +326,12 @@ impl Backend for CpuBackend {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
         let _span = self.profile.span("rms_norm_bwd_add", Track::Compute);
-        self.norm_bwd(x, w, dy, eps, dx, dw, norm::DxWrite::Add)
+        self.norm_bwd(x, w, dy, norm, dx, dw, norm::DxWrite::Add)
     }
 
     fn rope(
@@ -421,44 +422,41 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn swiglu_fwd(
+    fn gated_act_fwd(
         &self,
+        act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
-        let _span = self.profile.span("swiglu", Track::Compute);
-        check_same_numel(gate, up, "swiglu_fwd")?;
-        check_same_numel(gate, out, "swiglu_fwd")?;
+        let _span = self.profile.span("gated_act", Track::Compute);
+        check_same_numel(gate, up, "gated_act_fwd")?;
+        check_same_numel(gate, out, "gated_act_fwd")?;
         let (g, u) = (data(gate), data(up));
         data_mut(out)
             .par_iter_mut()
             .zip(g.par_iter().zip(u.par_iter()))
-            .for_each(|(o, (&a, &b))| *o = a / (1.0 + (-a).exp()) * b);
+            .for_each(|(o, (&a, &b))| *o = act.forward(a, b));
         Ok(())
     }
 
-    fn swiglu_bwd(
+    fn gated_act_bwd(
         &self,
+        act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         dout: &Tensor<Self>,
         dgate: &mut Tensor<Self>,
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
-        let _span = self.profile.span("swiglu_bwd", Track::Compute);
-        check_same_numel(gate, dout, "swiglu_bwd")?;
+        let _span = self.profile.span("gated_act_bwd", Track::Compute);
+        check_same_numel(gate, dout, "gated_act_bwd")?;
         let (g, u, dy) = (data(gate), data(up), data(dout));
         data_mut(dgate)
             .par_iter_mut()
             .zip(data_mut(dup).par_iter_mut())
             .enumerate()
-            .for_each(|(i, (dg, du))| {
-                let a = g[i];
-                let s = 1.0 / (1.0 + (-a).exp());
-                *du = dy[i] * a * s;
-                *dg = dy[i] * u[i] * s * (1.0 + a * (1.0 - s));
-            });
+            .for_each(|(i, (dg, du))| (*dg, *du) = act.backward(g[i], u[i], dy[i]));
         Ok(())
     }
 

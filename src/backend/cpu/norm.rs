@@ -4,17 +4,18 @@
 //! unfused ops' arithmetic in the same order, so they equal them bit for bit.
 
 use super::cells::dot;
+use crate::backend::RmsNorm;
 use rayon::prelude::*;
 
-/// `ys = xs / rms(xs) * ws` per row.
-pub(super) fn forward(xs: &[f32], ws: &[f32], eps: f32, ys: &mut [f32]) {
+/// `ys = xs / rms(xs) * (ws + offset)` per row.
+pub(super) fn forward(xs: &[f32], ws: &[f32], norm: RmsNorm, ys: &mut [f32]) {
     let dim = ws.len();
     ys.par_chunks_mut(dim)
         .zip(xs.par_chunks(dim))
         .for_each(|(yr, xr)| {
-            let r = 1.0 / (dot(xr, xr) / dim as f32 + eps).sqrt();
+            let r = 1.0 / (dot(xr, xr) / dim as f32 + norm.eps).sqrt();
             for ((o, &a), &g) in yr.iter_mut().zip(xr).zip(ws) {
-                *o = a * r * g;
+                *o = a * r * norm.weight(g);
             }
         });
 }
@@ -35,27 +36,28 @@ pub(super) enum DxWrite {
     Add,
 }
 
-/// RMSNorm backward per row: `g = r·dy·w − (r³·Σ(dy·w·x)/dim)·x` into `dxs`
-/// as `write` says; `dw += dy·x·r` when given.
+/// RMSNorm backward per row: `g = r·dy·w' − (r³·Σ(dy·w'·x)/dim)·x` into
+/// `dxs` as `write` says, `w'` the weight with the norm's offset;
+/// `dw += dy·x·r` when given.
 pub(super) fn backward(
     xs: &[f32],
     ws: &[f32],
     dys: &[f32],
-    eps: f32,
+    norm: RmsNorm,
     dxs: &mut [f32],
     mut dw: Option<&mut [f32]>,
     write: DxWrite,
 ) {
     let dim = ws.len();
     for ((dxr, xr), dyr) in dxs.chunks_mut(dim).zip(xs.chunks(dim)).zip(dys.chunks(dim)) {
-        let r = 1.0 / (dot(xr, xr) / dim as f32 + eps).sqrt();
+        let r = 1.0 / (dot(xr, xr) / dim as f32 + norm.eps).sqrt();
         let mut s = 0.0f32;
         for j in 0..dim {
-            s += dyr[j] * ws[j] * xr[j];
+            s += dyr[j] * norm.weight(ws[j]) * xr[j];
         }
         let c = r * r * r * s / dim as f32;
         for j in 0..dim {
-            let g = r * dyr[j] * ws[j] - c * xr[j];
+            let g = r * dyr[j] * norm.weight(ws[j]) - c * xr[j];
             match write {
                 DxWrite::Overwrite => dxr[j] = g,
                 DxWrite::Add => dxr[j] += g,
@@ -72,7 +74,7 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use crate::backend::cpu::CpuBackend;
-    use crate::backend::{Backend, Category, DType, Tensor};
+    use crate::backend::{Backend, Category, DType, RmsNorm, Tensor};
     use crate::rng::Rng;
 
     fn random(b: &CpuBackend, rng: &mut Rng, shape: &[usize], scale: f32) -> Tensor<CpuBackend> {
@@ -99,7 +101,14 @@ mod tests {
     fn fused_residual_norms_equal_the_unfused_ops() {
         let b = CpuBackend::new();
         let mut rng = Rng::new(11);
-        for (n, dim) in [(1, 8), (5, 64), (3, 1001)] {
+        let gemma = RmsNorm {
+            eps: 1e-5,
+            weight_offset: 1.0,
+        };
+        for ((n, dim), norm) in [(1, 8), (5, 64), (3, 1001)]
+            .into_iter()
+            .flat_map(|d| [(d, RmsNorm::plain(1e-5)), (d, gemma)])
+        {
             let x = random(&b, &mut rng, &[n, dim], 3.0);
             let y = random(&b, &mut rng, &[n, dim], 2.0);
             let w = random(&b, &mut rng, &[dim], 1.0);
@@ -108,12 +117,12 @@ mod tests {
                 b.zeros(&[n, dim], DType::F32, Category::Workspace).unwrap(),
             );
             b.axpy(&mut x1, 1.0, &y).unwrap();
-            b.rms_norm_fwd(&x1, &w, 1e-5, &mut out1).unwrap();
+            b.rms_norm_fwd(&x1, &w, norm, &mut out1).unwrap();
             let (mut x2, mut out2) = (
                 copy(&b, &x),
                 b.empty(&[n, dim], DType::F32, Category::Workspace).unwrap(),
             );
-            b.add_rms_norm_fwd(&mut x2, &y, &w, 1e-5, &mut out2)
+            b.add_rms_norm_fwd(&mut x2, &y, &w, norm, &mut out2)
                 .unwrap();
             assert_eq!(bits(&b, &x1), bits(&b, &x2), "{n}x{dim}: the sum");
             assert_eq!(bits(&b, &out1), bits(&b, &out2), "{n}x{dim}: the norm");
@@ -124,12 +133,12 @@ mod tests {
             for with_dw in [true, false] {
                 let (mut dw1, mut dw2) = (copy(&b, &dw0), copy(&b, &dw0));
                 let mut t = b.empty(&[n, dim], DType::F32, Category::Workspace).unwrap();
-                b.rms_norm_bwd(&x, &w, &dy, 1e-5, &mut t, with_dw.then_some(&mut dw1))
+                b.rms_norm_bwd(&x, &w, &dy, norm, &mut t, with_dw.then_some(&mut dw1))
                     .unwrap();
                 let mut dx1 = copy(&b, &res);
                 b.axpy(&mut dx1, 1.0, &t).unwrap();
                 let mut dx2 = copy(&b, &res);
-                b.rms_norm_bwd_add(&x, &w, &dy, 1e-5, &mut dx2, with_dw.then_some(&mut dw2))
+                b.rms_norm_bwd_add(&x, &w, &dy, norm, &mut dx2, with_dw.then_some(&mut dw2))
                     .unwrap();
                 assert_eq!(bits(&b, &dx1), bits(&b, &dx2), "{n}x{dim}: dx");
                 assert_eq!(bits(&b, &dw1), bits(&b, &dw2), "{n}x{dim}: dw");
@@ -137,6 +146,38 @@ mod tests {
                 assert_ne!(bits(&b, &dx2), bits(&b, &res), "{n}x{dim}: nothing added");
             }
         }
+    }
+
+    /// A norm with a weight offset (Gemma's `1 + w`) equals, bit for bit,
+    /// the plain norm of the weights plus the offset: forward, dx and dw.
+    #[test]
+    fn an_offset_norm_is_the_plain_norm_of_the_offset_weights() {
+        let b = CpuBackend::new();
+        let mut rng = Rng::new(5);
+        let (n, dim) = (4, 48);
+        let x = random(&b, &mut rng, &[n, dim], 2.0);
+        let dy = random(&b, &mut rng, &[n, dim], 1.0);
+        let w = random(&b, &mut rng, &[dim], 0.5);
+        let w1: Vec<f32> = b.to_host(&w).unwrap().iter().map(|v| v + 1.0).collect();
+        let w1 = b
+            .from_host(&w1, &[dim], DType::F32, Category::Workspace)
+            .unwrap();
+        let gemma = RmsNorm {
+            eps: 1e-6,
+            weight_offset: 1.0,
+        };
+        let plain = RmsNorm::plain(1e-6);
+        let run = |w: &Tensor<CpuBackend>, norm: RmsNorm| {
+            let mut y = b.empty(&[n, dim], DType::F32, Category::Workspace).unwrap();
+            b.rms_norm_fwd(&x, w, norm, &mut y).unwrap();
+            let mut dx = b.empty(&[n, dim], DType::F32, Category::Workspace).unwrap();
+            let mut dw = b.zeros(&[dim], DType::F32, Category::Workspace).unwrap();
+            b.rms_norm_bwd(&x, w, &dy, norm, &mut dx, Some(&mut dw))
+                .unwrap();
+            [bits(&b, &y), bits(&b, &dx), bits(&b, &dw)]
+        };
+        assert_eq!(run(&w, gemma), run(&w1, plain));
+        assert_ne!(run(&w, gemma)[0], run(&w, plain)[0]);
     }
 
     /// A weight that does not divide the rows is an error, not a panic.
@@ -148,15 +189,16 @@ mod tests {
         let y = random(&b, &mut rng, &[3, 10], 1.0);
         let w = random(&b, &mut rng, &[4], 1.0);
         let mut out = b.zeros(&[3, 10], DType::F32, Category::Workspace).unwrap();
+        let norm = RmsNorm::plain(1e-5);
         let e = b
-            .add_rms_norm_fwd(&mut x, &y, &w, 1e-5, &mut out)
+            .add_rms_norm_fwd(&mut x, &y, &w, norm, &mut out)
             .unwrap_err();
         assert!(
             e.to_string().contains("not rows of the norm weight's 4"),
             "{e}"
         );
         let e = b
-            .rms_norm_bwd_add(&x, &w, &y, 1e-5, &mut out, None)
+            .rms_norm_bwd_add(&x, &w, &y, norm, &mut out, None)
             .unwrap_err();
         assert!(e.to_string().contains("not rows"), "{e}");
     }

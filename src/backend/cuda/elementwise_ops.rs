@@ -13,6 +13,7 @@ use crate::backend::{
     AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, Tensor, check_bias_views,
     check_same_numel,
 };
+use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
 use cudarc::driver::result;
 
@@ -208,7 +209,7 @@ impl CudaBackend {
         &self,
         x: &Tensor<Self>,
         w: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         y: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("rms_norm")?;
@@ -227,7 +228,8 @@ impl CudaBackend {
             .i32(dt(y))
             .usize(rows)
             .usize(dim)
-            .f32(eps)
+            .f32(norm.eps)
+            .f32(norm.weight_offset)
             .i32(vec8(&[x, w, y]) as i32);
         launch(
             &self.stream,
@@ -246,7 +248,7 @@ impl CudaBackend {
         x: &mut Tensor<Self>,
         y: &Tensor<Self>,
         w: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("add_rms_norm")?;
@@ -273,7 +275,8 @@ impl CudaBackend {
             .i32(dt(out))
             .usize(rows)
             .usize(dim)
-            .f32(eps)
+            .f32(norm.eps)
+            .f32(norm.weight_offset)
             .i32(vec as i32);
         launch(
             &self.stream,
@@ -293,7 +296,7 @@ impl CudaBackend {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
         add: bool,
@@ -325,7 +328,8 @@ impl CudaBackend {
             .ptr(dw.as_deref().map_or(0, ptr))
             .usize(rows)
             .usize(dim)
-            .f32(eps);
+            .f32(norm.eps)
+            .f32(norm.weight_offset);
         // dw is summed per block in shared memory when it fits the default 48 KiB.
         let smem_dw = dw.is_some() && dim * 4 <= 40 << 10;
         let args = args
@@ -385,15 +389,16 @@ impl CudaBackend {
         self.launch1d(kernel, items, args)
     }
 
-    pub(super) fn swiglu_fwd_impl(
+    pub(super) fn gated_act_fwd_impl(
         &self,
+        act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
-        let _span = self.span("swiglu")?;
-        check_same_numel(gate, up, "swiglu_fwd")?;
-        check_same_numel(gate, out, "swiglu_fwd")?;
+        let _span = self.span("gated_act")?;
+        check_same_numel(gate, up, "gated_act_fwd")?;
+        check_same_numel(gate, out, "gated_act_fwd")?;
         self.bind()?;
         let args = Args::new()
             .ptr(ptr(gate))
@@ -402,25 +407,27 @@ impl CudaBackend {
             .i32(dt(up))
             .ptr(ptr(out))
             .i32(dt(out))
-            .usize(gate.numel());
+            .usize(gate.numel())
+            .i32(act.code());
         let vec = vec8(&[gate, up, out]);
         let threads = if vec { gate.numel() / 8 } else { gate.numel() };
-        self.launch1d(self.kernels.swiglu_fwd, threads, args.i32(vec as i32))
+        self.launch1d(self.kernels.gated_act_fwd, threads, args.i32(vec as i32))
     }
 
-    pub(super) fn swiglu_bwd_impl(
+    pub(super) fn gated_act_bwd_impl(
         &self,
+        act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         dout: &Tensor<Self>,
         dgate: &mut Tensor<Self>,
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
-        let _span = self.span("swiglu_bwd")?;
-        check_same_numel(gate, up, "swiglu_bwd")?;
-        check_same_numel(gate, dout, "swiglu_bwd")?;
-        check_same_numel(gate, dgate, "swiglu_bwd")?;
-        check_same_numel(gate, dup, "swiglu_bwd")?;
+        let _span = self.span("gated_act_bwd")?;
+        check_same_numel(gate, up, "gated_act_bwd")?;
+        check_same_numel(gate, dout, "gated_act_bwd")?;
+        check_same_numel(gate, dgate, "gated_act_bwd")?;
+        check_same_numel(gate, dup, "gated_act_bwd")?;
         self.bind()?;
         let args = Args::new()
             .ptr(ptr(gate))
@@ -433,10 +440,11 @@ impl CudaBackend {
             .i32(dt(dgate))
             .ptr(ptr(dup))
             .i32(dt(dup))
-            .usize(gate.numel());
+            .usize(gate.numel())
+            .i32(act.code());
         let vec = vec8(&[gate, up, dout, dgate, dup]);
         let threads = if vec { gate.numel() / 8 } else { gate.numel() };
-        self.launch1d(self.kernels.swiglu_bwd, threads, args.i32(vec as i32))
+        self.launch1d(self.kernels.gated_act_bwd, threads, args.i32(vec as i32))
     }
 
     pub(super) fn embedding_fwd_impl(

@@ -10,6 +10,7 @@ use crate::backend::{
     AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, ComputePoint, CopyDone,
     DType, HostValues, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
 };
+use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
 use std::sync::Arc;
 
@@ -152,10 +153,10 @@ impl Backend for CudaBackend {
         &self,
         x: &Tensor<Self>,
         w: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         y: &mut Tensor<Self>,
     ) -> Result<()> {
-        self.rms_norm_fwd_impl(x, w, eps, y)
+        self.rms_norm_fwd_impl(x, w, norm, y)
     }
 
     fn rms_norm_bwd(
@@ -163,11 +164,11 @@ impl Backend for CudaBackend {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
-        self.rms_norm_bwd_impl(x, w, dy, eps, dx, dw, false)
+        self.rms_norm_bwd_impl(x, w, dy, norm, dx, dw, false)
     }
 
     fn add_rms_norm_fwd(
@@ -175,10 +176,10 @@ impl Backend for CudaBackend {
         x: &mut Tensor<Self>,
         y: &Tensor<Self>,
         w: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
-        self.add_rms_norm_fwd_impl(x, y, w, eps, out)
+        self.add_rms_norm_fwd_impl(x, y, w, norm, out)
     }
 
     fn rms_norm_bwd_add(
@@ -186,11 +187,11 @@ impl Backend for CudaBackend {
         x: &Tensor<Self>,
         w: &Tensor<Self>,
         dy: &Tensor<Self>,
-        eps: f32,
+        norm: RmsNorm,
         dx: &mut Tensor<Self>,
         dw: Option<&mut Tensor<Self>>,
     ) -> Result<()> {
-        self.rms_norm_bwd_impl(x, w, dy, eps, dx, dw, true)
+        self.rms_norm_bwd_impl(x, w, dy, norm, dx, dw, true)
     }
 
     fn rope(
@@ -253,24 +254,26 @@ impl Backend for CudaBackend {
         self.lse_merge_impl(o_acc, lse_acc, o_blk, lse_blk)
     }
 
-    fn swiglu_fwd(
+    fn gated_act_fwd(
         &self,
+        act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
-        self.swiglu_fwd_impl(gate, up, out)
+        self.gated_act_fwd_impl(act, gate, up, out)
     }
 
-    fn swiglu_bwd(
+    fn gated_act_bwd(
         &self,
+        act: GatedAct,
         gate: &Tensor<Self>,
         up: &Tensor<Self>,
         dout: &Tensor<Self>,
         dgate: &mut Tensor<Self>,
         dup: &mut Tensor<Self>,
     ) -> Result<()> {
-        self.swiglu_bwd_impl(gate, up, dout, dgate, dup)
+        self.gated_act_bwd_impl(act, gate, up, dout, dgate, dup)
     }
 
     fn embedding_fwd(

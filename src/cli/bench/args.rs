@@ -139,7 +139,7 @@ pub(super) fn attn_dims(a: &AttnArgs) -> AttnDims {
         kv_heads: a.kv_heads,
         head_dim: a.head_dim,
         qk_norm: a.qk_norm,
-        norm_eps: 1e-6,
+        norm: crate::backend::RmsNorm::plain(1e-6),
         rope: RopeConfig {
             theta: 500000.0,
             scaling: None,

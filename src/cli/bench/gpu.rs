@@ -513,7 +513,7 @@ mod tests {
             kv_heads: 8,
             head_dim: 128,
             qk_norm: false,
-            norm_eps: 1e-6,
+            norm: crate::backend::RmsNorm::plain(1e-6),
             rope: crate::attention::rope::RopeConfig {
                 theta: 500000.0,
                 scaling: None,

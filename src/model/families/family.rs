@@ -4,9 +4,10 @@
 
 use super::names;
 use super::params::{BlockParam, Param};
+use super::spec::{BlockSpec, WindowRule};
 
 /// A family of decoders sharing a `config.json` schema, parameter names
-/// and quirks.
+/// and a block ([`BlockSpec`], declared in the family's file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
     /// Llama 3.x (`model_type` `llama`): RoPE with Llama-3 scaling.
@@ -19,10 +20,20 @@ pub enum Family {
     /// Mistral (`model_type` `mistral`): the Llama decoder with an optional
     /// sliding window (`sliding_window`).
     Mistral,
+    /// Gemma 3 text (`model_type` `gemma3_text`, or the text part of a
+    /// `gemma3` checkpoint): sliding and global layers, sandwich norms,
+    /// GeGLU, a scaled embedding.
+    Gemma3,
 }
 
 /// Every family upipe reads, in the order messages list them.
-pub const FAMILIES: &[Family] = &[Family::Llama, Family::Qwen3, Family::Qwen2, Family::Mistral];
+pub const FAMILIES: &[Family] = &[
+    Family::Llama,
+    Family::Qwen3,
+    Family::Qwen2,
+    Family::Mistral,
+    Family::Gemma3,
+];
 
 impl Family {
     /// The family's name in messages: `Llama`, `Qwen3`.
@@ -32,16 +43,30 @@ impl Family {
             Family::Qwen3 => "Qwen3",
             Family::Qwen2 => "Qwen2",
             Family::Mistral => "Mistral",
+            Family::Gemma3 => "Gemma3",
         }
     }
 
-    /// The `model_type` of its `config.json`.
+    /// The `model_type` of the `config.json` upipe writes for it.
     pub fn model_type(self) -> &'static str {
         match self {
             Family::Llama => "llama",
             Family::Qwen3 => "qwen3",
             Family::Qwen2 => "qwen2",
             Family::Mistral => "mistral",
+            Family::Gemma3 => "gemma3_text",
+        }
+    }
+
+    /// Every `model_type` it reads: its own, and a multimodal wrapper's
+    /// whose `text_config` it is (`gemma3`).
+    pub fn model_types(self) -> &'static [&'static str] {
+        match self {
+            Family::Llama => &["llama"],
+            Family::Qwen3 => &["qwen3"],
+            Family::Qwen2 => &["qwen2"],
+            Family::Mistral => &["mistral"],
+            Family::Gemma3 => &["gemma3_text", "gemma3"],
         }
     }
 
@@ -52,53 +77,46 @@ impl Family {
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Mistral => "MistralForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
+        }
+    }
+
+    /// The block the family's file declares.
+    pub fn spec(self) -> &'static BlockSpec {
+        match self {
+            Family::Llama => &super::llama::SPEC,
+            Family::Qwen3 => &super::qwen3::SPEC,
+            Family::Qwen2 => &super::qwen2::SPEC,
+            Family::Mistral => &super::mistral::SPEC,
+            Family::Gemma3 => &super::gemma3::SPEC,
         }
     }
 
     /// Whether q and k are RMS-normalised per head before RoPE.
     pub fn qk_norm(self) -> bool {
-        match self {
-            Family::Llama | Family::Qwen2 | Family::Mistral => false,
-            Family::Qwen3 => true,
-        }
+        self.spec().qk_norm
     }
 
     /// Whether its attention may slide (`sliding_window` in its
     /// `config.json`); a family without one refuses a window there.
     pub fn has_sliding_window(self) -> bool {
-        match self {
-            Family::Llama | Family::Qwen3 | Family::Qwen2 => false,
-            Family::Mistral => true,
-        }
+        self.spec().window != WindowRule::Never
     }
 
     /// Whether the q/k/v projections carry biases (`o_proj` never does).
     pub fn qkv_bias(self) -> bool {
-        match self {
-            Family::Llama | Family::Qwen3 | Family::Mistral => false,
-            Family::Qwen2 => true,
-        }
+        self.spec().qkv_bias
     }
 
     /// A block's parameters in HF order.
-    pub fn block_params(self) -> &'static [BlockParam] {
-        use BlockParam::*;
-        match self {
-            Family::Llama | Family::Mistral => &[AttnNorm, Wq, Wk, Wv, Wo, MlpNorm, Gate, Up, Down],
-            Family::Qwen3 => &[
-                AttnNorm, Wq, Wk, Wv, Wo, QNorm, KNorm, MlpNorm, Gate, Up, Down,
-            ],
-            Family::Qwen2 => &[
-                AttnNorm, Wq, Bq, Wk, Bk, Wv, Bv, Wo, MlpNorm, Gate, Up, Down,
-            ],
-        }
+    pub fn block_params(self) -> Vec<BlockParam> {
+        self.spec().block_params()
     }
 
     /// The HF name of parameter `p` (`model.layers.3.mlp.up_proj.weight`).
-    /// Every family so far names its parameters as `transformers`' Llama
-    /// does; one that differs gets its own arm.
     pub fn hf_name(self, p: Param) -> String {
         match self {
+            Family::Gemma3 => names::gemma_name(p),
             Family::Llama | Family::Qwen3 | Family::Qwen2 | Family::Mistral => names::llama_name(p),
         }
     }
@@ -106,11 +124,7 @@ impl Family {
     /// Whether a tensor `transformers` writes under `name` is a buffer, not a
     /// parameter (older versions saved each layer's RoPE frequencies).
     pub fn is_buffer(self, name: &str) -> bool {
-        match self {
-            Family::Llama | Family::Qwen3 | Family::Qwen2 | Family::Mistral => {
-                name.ends_with(".rotary_emb.inv_freq")
-            }
-        }
+        name.ends_with(".rotary_emb.inv_freq")
     }
 }
 

@@ -3,7 +3,9 @@
 //! types, and writing them back.
 
 use super::family::Family;
+use super::spec::WindowRule;
 use crate::attention::rope::{Llama3Scaling, RopeScaling, YarnScaling};
+use crate::backend::GatedAct;
 use crate::error::{Error, Result};
 use crate::model::config::ModelConfig;
 use serde_json::{Map, Value, json};
@@ -71,6 +73,9 @@ pub(super) fn decoder_fields(obj: &Map<String, Value>, family: Family) -> Result
         tie_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
         max_position,
         sliding_window: None,
+        layer_types: Vec::new(),
+        local_rope_theta: None,
+        query_pre_attn_scalar: None,
     })
 }
 
@@ -97,9 +102,10 @@ fn parse_rope_scaling(value: Option<&Value>, max_position: usize) -> Result<Opti
         "default" => Ok(None),
         "llama3" => llama3_from_hf(obj).map(|s| Some(RopeScaling::Llama3(s))),
         "yarn" => yarn_from_hf(obj, max_position).map(|s| Some(RopeScaling::Yarn(s))),
+        "linear" => Ok(Some(RopeScaling::Linear(req_f32(obj, "factor")?))),
         other => config_err_str(&format!(
-            "rope_scaling type '{other}' is not supported; upipe implements 'llama3' and 'yarn' \
-             scaling (or none: remove rope_scaling)"
+            "rope_scaling type '{other}' is not supported; upipe implements 'llama3', 'yarn' and \
+             'linear' scaling (or none: remove rope_scaling)"
         )),
     }
 }
@@ -182,12 +188,14 @@ pub(crate) fn to_hf_json(cfg: &ModelConfig) -> String {
         None => Value::Null,
         Some(RopeScaling::Llama3(s)) => llama3_json(s),
         Some(RopeScaling::Yarn(s)) => yarn_json(s),
+        Some(RopeScaling::Linear(f)) => json!({"rope_type": "linear", "factor": clean_f32(*f)}),
     };
+    let act = cfg.spec().activation;
     let mut value = json!({
         "_name_or_path": cfg.name,
         "architectures": [cfg.family.architecture()],
         "model_type": cfg.family.model_type(),
-        "hidden_act": "silu",
+        "hidden_act": act.hf_name(),
         "hidden_size": cfg.hidden,
         "intermediate_size": cfg.ffn,
         "num_hidden_layers": cfg.layers,
@@ -203,8 +211,16 @@ pub(crate) fn to_hf_json(cfg: &ModelConfig) -> String {
         "attention_bias": cfg.family.qkv_bias(),
         "mlp_bias": false,
     });
-    if cfg.family.has_sliding_window() {
-        value["sliding_window"] = json!(cfg.sliding_window);
+    let obj = value.as_object_mut().expect("a JSON object literal");
+    match cfg.spec().window {
+        WindowRule::Never => {}
+        WindowRule::Uniform => {
+            obj.insert("sliding_window".into(), json!(cfg.sliding_window));
+        }
+        WindowRule::PerLayer => super::gemma3::hf_json_extra(cfg, obj),
+    }
+    if act != GatedAct::Silu {
+        obj.insert("hidden_activation".into(), json!(act.hf_name()));
     }
     serde_json::to_string_pretty(&value).expect("a JSON value always serialises")
 }
@@ -225,7 +241,7 @@ fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
 }
 
 /// The non-negative integer under `key`, which must be there.
-fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
+pub(super) fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
     opt_usize(obj, key)?.ok_or_else(|| missing(key))
 }
 
@@ -240,7 +256,7 @@ fn opt_f32(obj: &Map<String, Value>, key: &str) -> Result<Option<f32>> {
 }
 
 /// The number under `key`, which must be there.
-fn req_f32(obj: &Map<String, Value>, key: &str) -> Result<f32> {
+pub(super) fn req_f32(obj: &Map<String, Value>, key: &str) -> Result<f32> {
     opt_f32(obj, key)?.ok_or_else(|| missing(key))
 }
 
@@ -259,6 +275,6 @@ fn missing(key: &str) -> Error {
 }
 
 /// An f32 as the f64 with the same shortest decimal form, so JSON shows `1e-5`, not `9.99999974e-6`.
-fn clean_f32(x: f32) -> f64 {
+pub(super) fn clean_f32(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }

@@ -3,11 +3,14 @@
 //! Llama for tests and CPU runs), `llama3-8b`, `llama3-70b` (the published
 //! Llama 3.x models are presets of their own `config.json`: `presets.rs`).
 
-use super::{Family, hf};
+use super::{BlockSpec, Family, hf};
 use crate::attention::rope::{Llama3Scaling, RopeScaling};
 use crate::error::Result;
 use crate::model::ModelConfig;
 use serde_json::{Map, Value};
+
+/// The Llama block: the plain one.
+pub(super) const SPEC: BlockSpec = BlockSpec::LLAMA;
 
 /// A Llama `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {
@@ -52,6 +55,9 @@ fn llama3(name: &str, hidden: usize, layers: usize, heads: usize, ffn: usize) ->
         tie_embeddings: false,
         max_position: 131_072,
         sliding_window: None,
+        layer_types: Vec::new(),
+        local_rope_theta: None,
+        query_pre_attn_scalar: None,
     }
 }
 
@@ -77,6 +83,9 @@ pub(super) fn preset(name: &str) -> Option<ModelConfig> {
             tie_embeddings: false,
             max_position: 1 << 20,
             sliding_window: None,
+            layer_types: Vec::new(),
+            local_rope_theta: None,
+            query_pre_attn_scalar: None,
         },
         "llama3-8b" => llama3(name, 4096, 32, 32, 14_336),
         "llama3-70b" => llama3(name, 8192, 80, 64, 28_672),

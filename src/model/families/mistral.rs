@@ -6,10 +6,16 @@
 //! (`ModelConfig::sliding_window`, the mask `model::window_mask`). Its
 //! presets are the published models' own `config.json` (`presets.rs`).
 
-use super::{Family, hf};
+use super::{BlockSpec, Family, WindowRule, hf};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use serde_json::{Map, Value};
+
+/// The Llama block, with one optional window for every layer.
+pub(super) const SPEC: BlockSpec = BlockSpec {
+    window: WindowRule::Uniform,
+    ..BlockSpec::LLAMA
+};
 
 /// A Mistral `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {

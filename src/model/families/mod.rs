@@ -27,6 +27,7 @@
 //! [`ModelConfig::tie_embeddings`]: super::ModelConfig::tie_embeddings
 
 mod family;
+mod gemma3;
 mod hf;
 mod llama;
 mod mistral;
@@ -36,7 +37,9 @@ mod parse;
 pub(super) mod presets;
 mod qwen2;
 mod qwen3;
+mod spec;
 
 pub use family::{FAMILIES, Family};
 pub(super) use hf::to_hf_json;
 pub use params::{BlockParam, Param};
+pub use spec::{BlockSpec, LayerType, WindowRule};

@@ -17,6 +17,9 @@ pub(super) fn llama_block_name(p: BlockParam) -> &'static str {
         BlockParam::QNorm => "self_attn.q_norm.weight",
         BlockParam::KNorm => "self_attn.k_norm.weight",
         BlockParam::MlpNorm => "post_attention_layernorm.weight",
+        BlockParam::PostAttnNorm | BlockParam::PostMlpNorm => {
+            unreachable!("a Llama-layout block has no post-norms")
+        }
         BlockParam::Gate => "mlp.gate_proj.weight",
         BlockParam::Up => "mlp.up_proj.weight",
         BlockParam::Down => "mlp.down_proj.weight",
@@ -31,5 +34,27 @@ pub(super) fn llama_name(p: Param) -> String {
         Param::Block(l, bp) => format!("model.layers.{l}.{}", llama_block_name(bp)),
         Param::FinalNorm => "model.norm.weight".into(),
         Param::LmHead => "lm_head.weight".into(),
+    }
+}
+
+/// A block parameter's name in `transformers`' Gemma 3 layout: Llama's,
+/// except that its four norms are `input_layernorm`,
+/// `post_attention_layernorm` (after the attention), `pre_feedforward_layernorm`
+/// and `post_feedforward_layernorm`.
+fn gemma_block_name(p: BlockParam) -> &'static str {
+    match p {
+        BlockParam::PostAttnNorm => "post_attention_layernorm.weight",
+        BlockParam::MlpNorm => "pre_feedforward_layernorm.weight",
+        BlockParam::PostMlpNorm => "post_feedforward_layernorm.weight",
+        other => llama_block_name(other),
+    }
+}
+
+/// A parameter's name in `transformers`' Gemma 3 text layout
+/// (`Gemma3ForCausalLM`).
+pub(super) fn gemma_name(p: Param) -> String {
+    match p {
+        Param::Block(l, bp) => format!("model.layers.{l}.{}", gemma_block_name(bp)),
+        other => llama_name(other),
     }
 }

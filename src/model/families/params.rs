@@ -49,6 +49,9 @@ pub enum BlockParam {
     QNorm,
     /// Per-head RMSNorm of k `[d]` (QK-norm families).
     KNorm,
+    /// RMSNorm of the attention's output before its residual add
+    /// `[hidden]` (post-norm families: Gemma 3).
+    PostAttnNorm,
     /// RMSNorm before the MLP `[hidden]`.
     MlpNorm,
     /// `[ffn, hidden]`.
@@ -57,4 +60,7 @@ pub enum BlockParam {
     Up,
     /// `[hidden, ffn]`.
     Down,
+    /// RMSNorm of the MLP's output before its residual add `[hidden]`
+    /// (post-norm families).
+    PostMlpNorm,
 }

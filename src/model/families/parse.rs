@@ -2,7 +2,7 @@
 //! names, and each family's own parse and presets (one file per family).
 
 use super::family::{FAMILIES, Family};
-use super::{llama, mistral, qwen2, qwen3};
+use super::{gemma3, llama, mistral, qwen2, qwen3};
 use crate::error::{Error, Result};
 use crate::model::config::ModelConfig;
 use serde_json::{Map, Value};
@@ -15,7 +15,10 @@ impl Family {
     /// The family of a `config.json`'s `model_type`; an unsupported one is
     /// an error listing the supported ones.
     pub fn from_model_type(model_type: &str) -> Result<Family> {
-        if let Some(f) = FAMILIES.iter().find(|f| f.model_type() == model_type) {
+        if let Some(f) = FAMILIES
+            .iter()
+            .find(|f| f.model_types().contains(&model_type))
+        {
             return Ok(*f);
         }
         let names: Vec<&str> = FAMILIES.iter().map(|f| f.name()).collect();
@@ -47,6 +50,7 @@ impl Family {
             Family::Qwen3 => qwen3::parse_hf(obj),
             Family::Qwen2 => qwen2::parse_hf(obj),
             Family::Mistral => mistral::parse_hf(obj),
+            Family::Gemma3 => gemma3::parse_hf(obj),
         }
     }
 
@@ -57,6 +61,7 @@ impl Family {
             Family::Qwen3 => qwen3::preset(name),
             Family::Qwen2 => qwen2::preset(name),
             Family::Mistral => mistral::preset(name),
+            Family::Gemma3 => None,
         }
     }
 }

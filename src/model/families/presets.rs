@@ -54,6 +54,10 @@ const HF_PRESETS: &[(&str, &str)] = &[
         "mistral-nemo-12b",
         include_str!("presets/mistral-nemo-base-2407.json"),
     ),
+    ("gemma3-1b", include_str!("presets/gemma3-1b.json")),
+    ("gemma3-4b", include_str!("presets/gemma3-4b.json")),
+    ("gemma3-12b", include_str!("presets/gemma3-12b.json")),
+    ("gemma3-27b", include_str!("presets/gemma3-27b.json")),
 ];
 
 /// The published `config.json` of the preset called `name`, if it is one.

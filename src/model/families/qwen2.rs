@@ -7,10 +7,16 @@
 //! `use_sliding_window: true` (a window on the upper layers) is refused:
 //! every published Qwen2.5 model ships it false.
 
-use super::{Family, hf};
+use super::{BlockSpec, Family, hf};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use serde_json::{Map, Value};
+
+/// The Llama block with q/k/v biases.
+pub(super) const SPEC: BlockSpec = BlockSpec {
+    qkv_bias: true,
+    ..BlockSpec::LLAMA
+};
 
 /// A Qwen2 `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {

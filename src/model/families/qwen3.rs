@@ -3,10 +3,16 @@
 //! `self_attn.k_norm`, [`Family::qk_norm`]); its presets are the published
 //! models' own `config.json` (`presets.rs`).
 
-use super::{Family, hf};
+use super::{BlockSpec, Family, hf};
 use crate::error::Result;
 use crate::model::ModelConfig;
 use serde_json::{Map, Value};
+
+/// The Llama block with QK-norm.
+pub(super) const SPEC: BlockSpec = BlockSpec {
+    qk_norm: true,
+    ..BlockSpec::LLAMA
+};
 
 /// A Qwen3 `config.json` object as a config (not yet validated).
 pub(super) fn parse_hf(obj: &Map<String, Value>) -> Result<ModelConfig> {

@@ -1,4 +1,4 @@
-// Copies, fills, axpy, reductions, SwiGLU, embedding, AdamW.
+// Copies, fills, axpy, reductions, gated activations, embedding, AdamW.
 
 extern "C" __global__ void copy2d(void* dst, int ddt, i64 doff, i64 drs, i64 dcs,
                                   const void* src, int sdt, i64 soff, i64 srs, i64 scs,
@@ -113,7 +113,7 @@ extern "C" __global__ void fill(void* p, int dt, i64 n, float v) {
     GRID_STRIDE(i, n) { st(p, i, dt, v); }
 }
 
-// `vec8` as in swiglu_fwd (y and x bf16).
+// `vec8` as in gated_act_fwd (y and x bf16).
 extern "C" __global__ void axpy(void* y, int ydt, const void* x, int xdt, i64 n, float alpha, int vec8) {
     if (vec8) {
         GRID_STRIDE(k, n >> 3) {
@@ -149,43 +149,61 @@ extern "C" __global__ void sum_squares(const void* x, int dt, i64 n, double* out
 
 __device__ __forceinline__ float sigmoidf_(float a) { return 1.0f / (1.0f + expf(-a)); }
 
+// The gated activations (`GatedAct::code`): 0 SiLU, 1 GELU by tanh.
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+#define GELU_K 0.7978846f
+#define GELU_C 0.044715f
+
+__device__ __forceinline__ float gated_act(float a, float b, int act) {
+    if (act == ACT_GELU_TANH) return 0.5f * a * (1.0f + tanhf(GELU_K * (a + GELU_C * a * a * a))) * b;
+    return a * sigmoidf_(a) * b;
+}
+
 // With `vec8` (every tensor bf16, 16-byte aligned, n a multiple of 8; the
 // grid sized for n / 8) each thread moves 8 elements per load and store;
 // the arithmetic per element is the same either way.
-extern "C" __global__ void swiglu_fwd(const void* g, int gdt, const void* u, int udt, void* out, int odt, i64 n,
-                                      int vec8) {
+extern "C" __global__ void gated_act_fwd(const void* g, int gdt, const void* u, int udt, void* out, int odt,
+                                         i64 n, int act, int vec8) {
     if (vec8) {
         GRID_STRIDE(k, n >> 3) {
             float a[8], b[8];
             unpack8(((const uint4*)g)[k], a);
             unpack8(((const uint4*)u)[k], b);
-            for (int i = 0; i < 8; i++) a[i] = a[i] * sigmoidf_(a[i]) * b[i];
+            for (int i = 0; i < 8; i++) a[i] = gated_act(a[i], b[i], act);
             ((uint4*)out)[k] = pack8(a);
         }
         return;
     }
     GRID_STRIDE(i, n) {
         float a = ld(g, i, gdt);
-        st(out, i, odt, a * sigmoidf_(a) * ld(u, i, udt));
+        st(out, i, odt, gated_act(a, ld(u, i, udt), act));
     }
 }
 
-__device__ __forceinline__ void swiglu_grad(float a, float b, float d, float& dg, float& du) {
+__device__ __forceinline__ void gated_act_grad(float a, float b, float d, int act, float& dg, float& du) {
+    if (act == ACT_GELU_TANH) {
+        float t = tanhf(GELU_K * (a + GELU_C * a * a * a));
+        float dt = (1.0f - t * t) * GELU_K * (1.0f + 3.0f * GELU_C * a * a);
+        du = d * (0.5f * a * (1.0f + t));
+        dg = d * b * (0.5f * (1.0f + t) + 0.5f * a * dt);
+        return;
+    }
     float s = sigmoidf_(a);
     du = d * a * s;
     dg = d * b * s * (1.0f + a * (1.0f - s));
 }
 
-// `vec8` as in swiglu_fwd.
-extern "C" __global__ void swiglu_bwd(const void* g, int gdt, const void* u, int udt, const void* dy, int dydt,
-                                      void* dg, int dgdt, void* du, int dudt, i64 n, int vec8) {
+// `vec8` as in gated_act_fwd.
+extern "C" __global__ void gated_act_bwd(const void* g, int gdt, const void* u, int udt, const void* dy, int dydt,
+                                         void* dg, int dgdt, void* du, int dudt, i64 n, int act, int vec8) {
     if (vec8) {
         GRID_STRIDE(k, n >> 3) {
             float a[8], b[8], d[8], ga[8], gb[8];
             unpack8(((const uint4*)g)[k], a);
             unpack8(((const uint4*)u)[k], b);
             unpack8(((const uint4*)dy)[k], d);
-            for (int i = 0; i < 8; i++) swiglu_grad(a[i], b[i], d[i], ga[i], gb[i]);
+            for (int i = 0; i < 8; i++) gated_act_grad(a[i], b[i], d[i], act, ga[i], gb[i]);
             ((uint4*)dg)[k] = pack8(ga);
             ((uint4*)du)[k] = pack8(gb);
         }
@@ -193,7 +211,7 @@ extern "C" __global__ void swiglu_bwd(const void* g, int gdt, const void* u, int
     }
     GRID_STRIDE(i, n) {
         float ga, gb;
-        swiglu_grad(ld(g, i, gdt), ld(u, i, udt), ld(dy, i, dydt), ga, gb);
+        gated_act_grad(ld(g, i, gdt), ld(u, i, udt), ld(dy, i, dydt), act, ga, gb);
         st(du, i, dudt, gb);
         st(dg, i, dgdt, ga);
     }

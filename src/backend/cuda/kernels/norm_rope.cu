@@ -1,9 +1,16 @@
 // RMSNorm forward/backward (one block per row) and rotary embedding.
+// `woff` is the norm's weight offset (`RmsNorm::weight_offset`): each weight
+// scales as `w + woff` (Gemma's `1 + w`), and as `w` itself when it is 0.
+
+__device__ __forceinline__ float norm_w(const void* w, i64 j, int wdt, float woff) {
+    float g = ld(w, j, wdt);
+    return woff != 0.0f ? g + woff : g;
+}
 
 // With `vec8` (x, w and y bf16, 16-byte aligned, dim a multiple of 8) each
 // thread moves 8 elements per load and store.
 extern "C" __global__ void rmsnorm_fwd(const void* x, int xdt, const void* w, int wdt, void* y, int ydt,
-                                       i64 rows, i64 dim, float eps, int vec8) {
+                                       i64 rows, i64 dim, float eps, float woff, int vec8) {
     __shared__ float sh[32];
     i64 r = blockIdx.x;
     if (r >= rows) return;
@@ -25,6 +32,7 @@ extern "C" __global__ void rmsnorm_fwd(const void* x, int xdt, const void* w, in
             float a[8], g[8];
             unpack8(xv[k], a);
             unpack8(wv[k], g);
+            if (woff != 0.0f) for (int i = 0; i < 8; i++) g[i] += woff;
             for (int i = 0; i < 8; i++) a[i] = a[i] * rinv * g[i];
             yv[k] = pack8(a);
         }
@@ -38,7 +46,7 @@ extern "C" __global__ void rmsnorm_fwd(const void* x, int xdt, const void* w, in
     ss = block_sum(ss, sh);
     float rinv = 1.0f / sqrtf(ss / (float)dim + eps);
     for (i64 j = threadIdx.x; j < dim; j += blockDim.x)
-        st(y, base + j, ydt, ld(x, base + j, xdt) * rinv * ld(w, j, wdt));
+        st(y, base + j, ydt, ld(x, base + j, xdt) * rinv * norm_w(w, j, wdt, woff));
 }
 
 // x += y (rounded to x's dtype as `axpy` rounds it), then rmsnorm_fwd of the
@@ -47,7 +55,7 @@ extern "C" __global__ void rmsnorm_fwd(const void* x, int xdt, const void* w, in
 // later normalises it (so it reads back its own stores). `vec8`: x, y, w and
 // out bf16, 16-byte aligned, dim a multiple of 8.
 extern "C" __global__ void add_rmsnorm_fwd(void* x, int xdt, const void* y, int ydt, const void* w, int wdt,
-                                           void* out, int odt, i64 rows, i64 dim, float eps, int vec8) {
+                                           void* out, int odt, i64 rows, i64 dim, float eps, float woff, int vec8) {
     __shared__ float sh[32];
     i64 r = blockIdx.x;
     if (r >= rows) return;
@@ -75,6 +83,7 @@ extern "C" __global__ void add_rmsnorm_fwd(void* x, int xdt, const void* y, int 
             float a[8], g[8];
             unpack8(xv[k], a);
             unpack8(wv[k], g);
+            if (woff != 0.0f) for (int i = 0; i < 8; i++) g[i] += woff;
             for (int i = 0; i < 8; i++) a[i] = a[i] * rinv * g[i];
             ov[k] = pack8(a);
         }
@@ -89,19 +98,20 @@ extern "C" __global__ void add_rmsnorm_fwd(void* x, int xdt, const void* y, int 
     ss = block_sum(ss, sh);
     float rinv = 1.0f / sqrtf(ss / (float)dim + eps);
     for (i64 j = threadIdx.x; j < dim; j += blockDim.x)
-        st(out, base + j, odt, ld(x, base + j, xdt) * rinv * ld(w, j, wdt));
+        st(out, base + j, odt, ld(x, base + j, xdt) * rinv * norm_w(w, j, wdt, woff));
 }
 
 // One row of rmsnorm_bwd with 8 bf16 per load (x, w, dy, dx bf16, aligned):
 // thread t takes the columns 8k..8k+7 for k = t, t + blockDim, ...
 __device__ void rmsnorm_bwd_row8(const bf16_t* x, const bf16_t* w, const bf16_t* dy, bf16_t* dx, float* dw,
-                                 float* dws, int nv, float dim, float eps, float* sh, int add) {
+                                 float* dws, int nv, float dim, float eps, float woff, float* sh, int add) {
     const uint4 *xv = (const uint4*)x, *wv = (const uint4*)w, *dv = (const uint4*)dy;
     float ss = 0.0f, s = 0.0f;
     for (int k = threadIdx.x; k < nv; k += blockDim.x) {
         float a[8], g[8], d[8];
         unpack8(xv[k], a);
         unpack8(wv[k], g);
+            if (woff != 0.0f) for (int i = 0; i < 8; i++) g[i] += woff;
         unpack8(dv[k], d);
         for (int i = 0; i < 8; i++) {
             ss += a[i] * a[i];
@@ -116,6 +126,7 @@ __device__ void rmsnorm_bwd_row8(const bf16_t* x, const bf16_t* w, const bf16_t*
         float a[8], g[8], d[8], o[8];
         unpack8(xv[k], a);
         unpack8(wv[k], g);
+            if (woff != 0.0f) for (int i = 0; i < 8; i++) g[i] += woff;
         unpack8(dv[k], d);
         for (int i = 0; i < 8; i++) {
             o[i] = rinv * d[i] * g[i] - c * a[i];
@@ -144,7 +155,7 @@ __device__ void rmsnorm_bwd_row8(const bf16_t* x, const bf16_t* w, const bf16_t*
 // or with `vec8` the 8 columns from 8*(tid + k*blockDim)), so the shared
 // accumulator needs no barriers.
 extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, int wdt, const void* dy, int dydt,
-                                       void* dx, int dxdt, float* dw, i64 rows, i64 dim, float eps, int smem_dw,
+                                       void* dx, int dxdt, float* dw, i64 rows, i64 dim, float eps, float woff, int smem_dw,
                                        int vec8, int add) {
     extern __shared__ float dws[];
     __shared__ float sh[32];
@@ -156,7 +167,7 @@ extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, in
         for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
             const i64 base = r * dim;
             rmsnorm_bwd_row8((const bf16_t*)x + base, (const bf16_t*)w, (const bf16_t*)dy + base,
-                             (bf16_t*)dx + base, dw, smem_dw ? dws : nullptr, nv, (float)dim, eps, sh, add);
+                             (bf16_t*)dx + base, dw, smem_dw ? dws : nullptr, nv, (float)dim, eps, woff, sh, add);
         }
         if (smem_dw && dw)
             for (int k = threadIdx.x; k < nv; k += blockDim.x)
@@ -171,7 +182,7 @@ extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, in
         for (i64 j = threadIdx.x; j < dim; j += blockDim.x) {
             float a = ld(x, base + j, xdt);
             ss += a * a;
-            s += ld(dy, base + j, dydt) * ld(w, j, wdt) * a;
+            s += ld(dy, base + j, dydt) * norm_w(w, j, wdt, woff) * a;
         }
         ss = block_sum(ss, sh);
         s = block_sum(s, sh);
@@ -179,7 +190,7 @@ extern "C" __global__ void rmsnorm_bwd(const void* x, int xdt, const void* w, in
         float c = rinv * rinv * rinv * s / (float)dim;
         for (i64 j = threadIdx.x; j < dim; j += blockDim.x) {
             float a = ld(x, base + j, xdt), g = ld(dy, base + j, dydt);
-            float t = rinv * g * ld(w, j, wdt) - c * a;
+            float t = rinv * g * norm_w(w, j, wdt, woff) - c * a;
             if (add) t = ld(dx, base + j, dxdt) + (dxdt == DT_F32 ? t : bf2f(f2bf(t)));
             st(dx, base + j, dxdt, t);
             if (smem_dw) dws[j] += g * a * rinv;
