@@ -60,7 +60,18 @@ pub fn load_hf_model_with(
     super::save_dir::finish_for_reading(dir)?;
     refuse_adapter_dir(dir, "the model directory")?;
     let expected = cfg.hf_param_shapes();
-    let wanted: HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+    // another name a checkpoint may store a parameter under → its own
+    let aliases: HashMap<String, &str> = expected
+        .iter()
+        .flat_map(|(n, _)| {
+            cfg.family
+                .stored_aliases(n)
+                .into_iter()
+                .map(move |a| (a, n.as_str()))
+        })
+        .collect();
+    let mut wanted: HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+    wanted.extend(aliases.keys().map(String::as_str));
     let mut loaded = BTreeMap::new();
     let mut source: HashMap<String, PathBuf> = HashMap::new();
     let (files, mut unwanted) = weight_files(dir, &wanted)?;
@@ -73,6 +84,12 @@ pub fn load_hf_model_with(
         loaded.extend(part);
     }
     check_extra_tensors(dir, cfg, unwanted.iter().map(String::as_str), extras)?;
+    for (alias, name) in &aliases {
+        if let Some(t) = loaded.remove(alias) {
+            source.insert(name.to_string(), source[alias].clone());
+            loaded.insert(name.to_string(), t);
+        }
+    }
     for (name, shape) in &expected {
         let Some(t) = loaded.get(name) else {
             return Err(missing_tensor(dir, name, shape, cfg));

@@ -18,6 +18,8 @@ pub fn checkpoint_config(
 ) -> String {
     let ours = upipe_fields(cfg);
     let mut obj = match source {
+        // a multimodal checkpoint's text model is saved as a text model
+        Some(src) if src.get("text_config").is_some_and(Value::is_object) => text_model(src, ours),
         Some(src) if describes(src, cfg) => src.clone(),
         Some(src) => {
             tracing::warn!(
@@ -63,6 +65,26 @@ fn describes(src: &Map<String, Value>, cfg: &ModelConfig) -> bool {
     })
 }
 
+/// The `config.json` of a multimodal source's text model, trained alone:
+/// `ours`, with the fields of the source's `text_config` upipe does not
+/// write and the source's token ids kept.
+fn text_model(src: &Map<String, Value>, ours: Map<String, Value>) -> Map<String, Value> {
+    let mut obj = ours;
+    if let Some(Value::Object(text)) = src.get("text_config") {
+        for (k, v) in text {
+            if k != "rope_parameters" && !obj.contains_key(k) {
+                obj.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    for k in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+        if let (Some(v), false) = (src.get(k), obj.contains_key(k)) {
+            obj.insert(k.to_string(), v.clone());
+        }
+    }
+    obj
+}
+
 /// `src` with `ours`' fields written over it (its name kept; a newer
 /// `rope_parameters` dropped, since `rope_theta`/`rope_scaling` now say it).
 fn overlay(src: &Map<String, Value>, ours: Map<String, Value>) -> Map<String, Value> {
@@ -85,6 +107,27 @@ mod tests {
             Value::Object(o) => o,
             _ => panic!("not an object"),
         }
+    }
+
+    /// A multimodal Gemma 3 source's text model is saved as a
+    /// `Gemma3ForCausalLM` of the same text config, its token ids kept.
+    #[test]
+    fn a_multimodal_source_saves_its_text_model() {
+        let cfg = ModelConfig::preset("gemma3-4b").unwrap();
+        let src = ModelConfig::hf_source("gemma3-4b").unwrap().unwrap();
+        let out = object(&checkpoint_config(Some(&src), &cfg, SaveDtype::BF16));
+        assert_eq!(out["model_type"], json!("gemma3_text"));
+        assert_eq!(out["architectures"], json!(["Gemma3ForCausalLM"]));
+        assert_eq!(out["eos_token_id"], json!([1, 106]));
+        assert!(!out.contains_key("vision_config") && !out.contains_key("text_config"));
+        let back = ModelConfig::from_hf_json(&Value::Object(out).to_string()).unwrap();
+        assert_eq!(
+            ModelConfig {
+                name: cfg.name.clone(),
+                ..back
+            },
+            cfg
+        );
     }
 
     #[test]

@@ -261,6 +261,9 @@ impl<B: Backend> ModelWeights<B> {
 /// drawn without drawing the rest of the model.
 pub struct RandomInit {
     seed: u64,
+    /// Every norm weight's value: the one that scales by one (`1 − the
+    /// family's weight offset`: 1 for Llama, 0 for Gemma's `1 + w`).
+    norm_init: f32,
     /// Normal values drawn before each matrix, by HF name.
     drawn_before: std::collections::HashMap<String, u64>,
 }
@@ -275,13 +278,17 @@ impl RandomInit {
                 drawn += shape.iter().product::<usize>() as u64;
             }
         }
-        RandomInit { seed, drawn_before }
+        RandomInit {
+            seed,
+            norm_init: 1.0 - cfg.norm().weight_offset,
+            drawn_before,
+        }
     }
 
     /// Elements `elems` (flattened, row-major) of parameter `name`.
     pub fn values(&self, name: &str, elems: std::ops::Range<usize>) -> Vec<f32> {
         match self.drawn_before.get(name) {
-            None => vec![1.0; elems.len()],
+            None => vec![self.norm_init; elems.len()],
             // the generator is a counter: each block of values starts where it
             // falls in the draw, so blocks drawn in parallel give the serial values
             Some(&before) => {
@@ -305,7 +312,7 @@ impl RandomInit {
 /// Values of a parameter drawn per parallel task (`RandomInit::values`).
 const INIT_BLOCK: usize = 1 << 18;
 
-/// Norm weights start at one (1-D tensors named `...norm.weight`).
+/// Norm weights start at the scale one (1-D tensors named `...norm.weight`).
 fn is_norm(name: &str, shape: &[usize]) -> bool {
     shape.len() == 1 && name.ends_with("norm.weight")
 }

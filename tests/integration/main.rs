@@ -21,6 +21,7 @@ mod eval_plan;
 mod first_contact;
 mod freeze;
 mod fsdp;
+mod gemma3;
 mod gpu_backend;
 mod gpu_eval;
 mod gpu_fsdp;

@@ -122,9 +122,22 @@ impl Family {
     }
 
     /// Whether a tensor `transformers` writes under `name` is a buffer, not a
-    /// parameter (older versions saved each layer's RoPE frequencies).
+    /// parameter (older versions saved each layer's RoPE frequencies), or
+    /// belongs to another modality of a multimodal checkpoint whose text
+    /// model upipe trains (Gemma 3's vision tower and projector).
     pub fn is_buffer(self, name: &str) -> bool {
         name.ends_with(".rotary_emb.inv_freq")
+            || (self == Family::Gemma3 && names::is_gemma_vision(name))
+    }
+
+    /// The other names a checkpoint may store parameter `hf_name` under:
+    /// a multimodal Gemma 3's text model (`language_model.model.…` as
+    /// `transformers` 4 writes it, `model.language_model.…` as 5 does).
+    pub fn stored_aliases(self, hf_name: &str) -> Vec<String> {
+        match self {
+            Family::Gemma3 => names::gemma_multimodal_names(hf_name),
+            _ => Vec::new(),
+        }
     }
 }
 

@@ -58,3 +58,23 @@ pub(super) fn gemma_name(p: Param) -> String {
         other => llama_name(other),
     }
 }
+
+/// The names a multimodal Gemma 3 checkpoint stores the text model's
+/// parameter `hf_name` under: `language_model.model.…` (`transformers` 4)
+/// and `model.language_model.…` (5); its LM head, `language_model.lm_head`.
+pub(super) fn gemma_multimodal_names(hf_name: &str) -> Vec<String> {
+    match hf_name.strip_prefix("model.") {
+        Some(rest) => vec![
+            format!("language_model.model.{rest}"),
+            format!("model.language_model.{rest}"),
+        ],
+        None => vec![format!("language_model.{hf_name}")],
+    }
+}
+
+/// Whether a multimodal Gemma 3 checkpoint's tensor belongs to its vision
+/// tower or projector (kept out of the text model upipe trains).
+pub(super) fn is_gemma_vision(name: &str) -> bool {
+    let name = name.strip_prefix("model.").unwrap_or(name);
+    name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.")
+}
