@@ -2,7 +2,8 @@
 """upipe's training arithmetic checked against PyTorch + transformers, in f32
 on the CPU reference backend:
 
-1. `adamw`: six AdamW steps from the same small random Llama (saved by
+1. `adamw` (and `adamw-gemma3`, the same of a small Gemma 3): six AdamW
+   steps from the same small random Llama (saved by
    transformers) on the same window: upipe's loss at every step, its gradient
    norm, and the saved parameters after the sixth step against a PyTorch loop
    doing what upipe documents (mean cross-entropy over the window, the global
@@ -72,6 +73,50 @@ def make_qwen3(root: str) -> str:
         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=0)
     Qwen3ForCausalLM(cfg).to(torch.float32).save_pretrained(src)
+    return src
+
+
+def gemma3_config(vocab: int, **more):
+    """A small Gemma 3 text config: sliding and global layers (window 24),
+    the global RoPE linearly scaled, scores scaled by 48^-1/2 (head dim 32),
+    tied embeddings; `rope_parameters` per layer type from transformers 5 on."""
+    from transformers import Gemma3TextConfig
+    import transformers
+    kw = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              query_pre_attn_scalar=48, sliding_window=24,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                           "sliding_attention"],
+              rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+              bos_token_id=2, eos_token_id=1, pad_token_id=0, **more)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        kw["rope_parameters"] = {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    else:
+        kw.update(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                  rope_local_base_freq=10000.0)
+    return Gemma3TextConfig(**kw)
+
+
+def randomize_norms(model, seed: int) -> None:
+    """Gemma's norms start at zero (a scale of one): random values make the
+    `1 + w` offset and the norms' gradients matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def make_gemma3(root: str) -> str:
+    """A small random Gemma 3 saved in f32."""
+    from transformers import Gemma3ForCausalLM
+    src = os.path.join(root, "gemma3")
+    torch.manual_seed(2)
+    model = Gemma3ForCausalLM(gemma3_config(VOCAB))
+    randomize_norms(model, 2)
+    model.to(torch.float32).save_pretrained(src)
     return src
 
 
@@ -145,12 +190,14 @@ def torch_adamw(src: str, window: torch.Tensor):
     return losses, norms, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def check_adamw(binary: str, root: str, src: str, attn: str) -> None:
+def check_adamw(binary: str, root: str, src: str, attn: str, family: str = "llama") -> None:
     torch.manual_seed(1)
     window = torch.randint(3, VOCAB, (SEQ + 1,))
     tokens = os.path.join(root, "window.u32")
     write_ids(tokens, window.tolist())  # exactly one window: every step takes it
-    dst, m = os.path.join(root, f"adamw-{attn}"), os.path.join(root, f"adamw-{attn}.jsonl")
+    tag = attn if family == "llama" else f"{family} {attn}"
+    dst = os.path.join(root, f"adamw-{family}-{attn}")
+    m = os.path.join(root, f"adamw-{family}-{attn}.jsonl")
     upipe(binary, "train", "--device", "cpu", "--attn", attn, "--seq", str(SEQ),
           "--model", src, "--init-from", src, "--data", tokens, "--pack", "stream",
           "--steps", str(STEPS),
@@ -160,11 +207,11 @@ def check_adamw(binary: str, root: str, src: str, attn: str) -> None:
     ours = metrics(m)
     losses, norms, weights = torch_adamw(src, window)
     worst = max(abs(o["loss"] - t) / abs(t) for o, t in zip(ours, losses))
-    check(f"adamw {attn}: loss at each of {STEPS} steps == PyTorch (rel <= 1e-5)",
+    check(f"adamw {tag}: loss at each of {STEPS} steps == PyTorch (rel <= 1e-5)",
           len(ours) == STEPS and worst <= 1e-5,
           " ".join(f"{o['loss']:.6f}/{t:.6f}" for o, t in zip(ours, losses)) + f" worst {worst:.1e}")
     worst_n = max(abs(o["grad_norm"] - t) / t for o, t in zip(ours, norms))
-    check(f"adamw {attn}: gradient norm at each step == PyTorch (rel <= 1e-4)", worst_n <= 1e-4,
+    check(f"adamw {tag}: gradient norm at each step == PyTorch (rel <= 1e-4)", worst_n <= 1e-4,
           f"worst {worst_n:.1e}")
     saved = tensors(dst)
     diffs = {n: (saved[n].float() - w).abs().max().item() for n, w in weights.items() if n in saved}
@@ -175,7 +222,7 @@ def check_adamw(binary: str, root: str, src: str, attn: str) -> None:
     # step by a fraction of lr. The bound is 1% of the most any element can
     # move in the run (lr per step).
     bound = 0.01 * LR * STEPS
-    check(f"adamw {attn}: parameters after {STEPS} steps == PyTorch (max abs <= {bound:.0e})",
+    check(f"adamw {tag}: parameters after {STEPS} steps == PyTorch (max abs <= {bound:.0e})",
           not missing and worst_w <= bound, f"worst {name} {worst_w:.1e}; missing {missing}")
 
 
@@ -256,7 +303,7 @@ def check_packed_hf(binary: str, root: str, src: str, family: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--upipe", default="target/release/upipe", help="the upipe binary")
-    ap.add_argument("--parts", default="adamw packed packed-hf")
+    ap.add_argument("--parts", default="adamw adamw-gemma3 packed packed-hf")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="upipe-torch-")
     src = make_source(root)
@@ -264,6 +311,10 @@ def main() -> None:
         for attn in ["local", "upipe"]:
             check_adamw(args.upipe, root, src, attn)
     parts = args.parts.split()
+    if "adamw-gemma3" in parts:
+        gemma = make_gemma3(root)
+        for attn in ["local", "upipe"]:
+            check_adamw(args.upipe, root, gemma, attn, "gemma3")
     if "packed" in parts:
         for pack in ["documents", "bfd"]:
             check_packed(args.upipe, root, src, pack)

@@ -30,12 +30,19 @@
 #             BIG_WINDOWS ("4096 none") the Mistral windows
 #   bias    = Qwen2.5-1.5B at BIAS_SEQ (32768), the last step's trace: the
 #             GPU time of the q/k/v bias adds and their gradients
+#   gemma   = Gemma 3 (random init): gemma3-4b at 32768 and, with
+#             --checkpoint, 131072 (GEMMA_SEQS), on cuDNN and the native
+#             kernels (GEMMA_KERNELS, "auto native"); tokens/s, TFLOP/s, peak
+#             against the plan
+#   gemma-peer = gemma3-4b at GEMMA_PEER_SEQ (32768) through
+#             hf_peer_step.py --liger (apply_liger_kernel_to_gemma3), without
+#             and with checkpointing, beside upipe's row of `gemma`
 set -u
 if [ "${1:-}" = build ]; then
     dest="${2:?usage: gpu-families.sh build DIR}"
     set -e
     bash "$(dirname "$0")/bundle.sh" "$dest" gpu_backend gpu_plan gpu_layer gpu_eval gpu_fsdp gpu_offload
-    cp "$0" "$dest/"
+    cp "$0" "$(dirname "$0")/hf_peer_step.py" "$dest/"
     du -sh "$dest"
     exit 0
 fi
@@ -69,6 +76,7 @@ if [[ " $parts " == *" interop "* ]]; then
         [ -f "scripts/$check.py" ] || { row "$check: absent"; continue; }
         more=()
         [ "$check" = check_families ] && more=(--cuda)
+        [ "$check" = check_training_torch ] && more=(--parts "${TORCH_PARTS:-adamw adamw-gemma3 packed packed-hf}")
         python3 "scripts/$check.py" --upipe "$bin/upipe" "${more[@]}" > "$work/$check.log" 2>&1
         rc=$?
         grep -E "^(PASS|FAIL)" "$work/$check.log" | sed 's/^/  /'
@@ -206,6 +214,27 @@ print("bias qwen2.5-1.5b: step %.1f ms; add_bias_rows %.2f ms (%d), bias_grad %.
 PY
 )
     row "$out"
+fi
+
+if [[ " $parts " == *" gemma "* ]]; then
+    for seq in ${GEMMA_SEQS:-32768 131072}; do
+        flags=(train --device cuda --model gemma3-4b --data "$(corpus_of "$seq")" --seq "$seq"
+               --steps 3 --warmup 1 --attn upipe --ulysses 1 --ring 1)
+        [ "$seq" -gt 32768 ] && flags+=(--checkpoint)
+        for k in ${GEMMA_KERNELS:-auto native}; do
+            run_row "gemma3-4b seq $seq attn-kernel $k" "$work/gemma-$seq-$k.log" "$bin/upipe" \
+                "${flags[@]}" --attn-kernel "$k"
+        done
+    done
+fi
+
+if [[ " $parts " == *" gemma-peer "* ]]; then
+    seq=${GEMMA_PEER_SEQ:-32768}
+    for policy in "" --checkpoint; do
+        python3 "$here/hf_peer_step.py" --model gemma3-4b --seq "$seq" --steps 3 --liger $policy \
+            > "$work/gemma-peer$policy.log" 2>&1
+        row "hf+liger gemma3-4b seq $seq ${policy:-no checkpoint}: $(grep -E '^\{' "$work/gemma-peer$policy.log" | tail -1 | python3 -c 'import json,sys; d=json.loads(sys.stdin.read() or "{}"); print("%s tok/s, peak %s GiB" % (d.get("tokens_per_s"), round(d.get("peak_bytes", 0) / 2**30, 2)) if d else "no result")' 2>/dev/null || tail -2 "$work/gemma-peer$policy.log")"
+    done
 fi
 
 echo

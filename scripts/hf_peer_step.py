@@ -79,12 +79,37 @@ QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_
                  rope_theta=1000000.0, tie_word_embeddings=False)
 
 
+# Gemma 3 4B's text config (`upipe`'s `gemma3-4b` preset): the published
+# text_config with Gemma3TextConfig's defaults for what it leaves out
+GEMMA3_4B = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                 num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                 query_pre_attn_scalar=256, sliding_window=1024, rms_norm_eps=1e-6,
+                 tie_word_embeddings=True)
+
+
 def vocab_of(name: str) -> int:
-    return QWEN25_7B["vocab_size"] if name == "qwen2.5-7b-instruct" else VOCAB
+    return {"qwen2.5-7b-instruct": QWEN25_7B["vocab_size"],
+            "gemma3-4b": GEMMA3_4B["vocab_size"]}.get(name, VOCAB)
+
+
+def gemma3_model() -> torch.nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    import transformers
+    rope = ({"rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+        if int(transformers.__version__.split(".")[0]) >= 5 else
+        {"rope_theta": 1e6, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+         "rope_local_base_freq": 10000.0})
+    cfg = Gemma3TextConfig(max_position_embeddings=1 << 20, use_cache=False,
+                           attn_implementation="sdpa", **GEMMA3_4B, **rope)
+    return Gemma3ForCausalLM(cfg)
 
 
 def build_model(name: str) -> torch.nn.Module:
     """The model `name`, random init, on the current device."""
+    if name == "gemma3-4b":
+        return gemma3_model()
     if name == "qwen2.5-7b-instruct":
         cfg = Qwen2Config(max_position_embeddings=1 << 20, use_cache=False,
                           attn_implementation="sdpa", **QWEN25_7B)
@@ -106,7 +131,13 @@ def llama_config(name: str) -> LlamaConfig:
 
 def apply_liger(name: str) -> None:
     """Liger's kernels into transformers' classes of `name` (before a model is built)."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
+    from liger_kernel.transformers import (apply_liger_kernel_to_gemma3_text,
+                                           apply_liger_kernel_to_llama,
+                                           apply_liger_kernel_to_qwen2)
+    if name == "gemma3-4b":
+        apply_liger_kernel_to_gemma3_text(rope=True, rms_norm=True, geglu=True,
+                                          cross_entropy=False, fused_linear_cross_entropy=True)
+        return
     apply = apply_liger_kernel_to_qwen2 if name == "qwen2.5-7b-instruct" else apply_liger_kernel_to_llama
     apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 
@@ -296,7 +327,8 @@ def train(args: argparse.Namespace, progress: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=sorted(MODELS) + ["qwen2.5-7b-instruct"], default="llama3.2-1b")
+    ap.add_argument("--model", choices=sorted(MODELS) + ["qwen2.5-7b-instruct", "gemma3-4b"],
+                    default="llama3.2-1b")
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--checkpoint", action="store_true")

@@ -5,7 +5,8 @@
 //!
 //! The spec is a comma list: `embeddings`, `head` (the LM head matrix),
 //! `norms` (every RMSNorm: the blocks' `input_layernorm`,
-//! `post_attention_layernorm`, q/k norms, and the final `model.norm`),
+//! `post_attention_layernorm`, q/k norms, Gemma's post-norms, and the final
+//! `model.norm`),
 //! `attn` (every block's attention projections, biases and q/k norms),
 //! `mlp` (every block's gate/up/down) and `blocks:A-B` (every parameter of
 //! blocks A to B inclusive; `blocks:A` one block). With tied embeddings the
@@ -230,7 +231,10 @@ impl std::str::FromStr for Freeze {
 /// RMSNorm weights of a block.
 fn is_norm(bp: BlockParam) -> bool {
     use BlockParam::*;
-    matches!(bp, AttnNorm | MlpNorm | QNorm | KNorm)
+    matches!(
+        bp,
+        AttnNorm | MlpNorm | QNorm | KNorm | PostAttnNorm | PostMlpNorm
+    )
 }
 
 /// The attention's parameters of a block (its input norm is the block's).
