@@ -19,6 +19,9 @@
 //! output O in canonical head order and one LSE per stage; backward recomputes
 //! each stage's projections and exchanges. Parameter gradients are partial
 //! sums over this rank's tokens until the caller reduces them over the mesh.
+//!
+//! Which meshes each strategy runs, and the order in which a default mesh
+//! prefers them, is the strategy's own rule ([`mesh_rule`]).
 
 pub mod cp_plan;
 pub mod dims;
@@ -26,6 +29,7 @@ pub mod layer;
 pub mod layout;
 pub mod local;
 pub mod lora_delta;
+pub mod mesh_rule;
 pub mod projection;
 pub mod ring;
 pub mod ring_shift;
@@ -42,6 +46,7 @@ pub use crate::backend::AttnMask;
 pub use cp_plan::{CpPlan, Strategy};
 pub use dims::AttnDims;
 pub use layer::CpAttention;
+pub use mesh_rule::{ContextMesh, FittedMesh, NODE_GPUS};
 pub use projection::output_projection;
 pub(crate) use projection::{add_head_bias, head_bias_grad, norm_rope, norm_rope_bwd};
 pub use saved::AttnSaved;

@@ -103,18 +103,14 @@ fn cpu_plans(
 ) -> Result<Vec<(Strategy, std::result::Result<CpPlan, String>)>> {
     let mut plans = Vec::new();
     for &m in methods {
-        let chunk = if m == Strategy::Upipe {
+        let chunk = if m.has_head_stages() {
             crate::cli::schedule::ChunkHeads::fixed(a.mesh.chunk_heads, "bench attn")?
         } else {
             None
         };
         // local runs on one rank; every other strategy on the same C ranks
-        let (pu, pr) = if m == Strategy::Local {
-            (1, 1)
-        } else {
-            (a.ulysses(), a.ring())
-        };
-        let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
+        let mesh = m.given_mesh(Some(a.ulysses()), Some(a.ring()));
+        let plan = match CpPlan::new(m, dims, a.seq, mesh.ulysses, mesh.ring, chunk) {
             Ok(p) => Ok(a.schedule.apply(p, |p| predicted_peak(a, p))?),
             // with `all`, ulysses and ring (which put all C ranks in one group) may not fit
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => Err(e.to_string()),

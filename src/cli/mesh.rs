@@ -9,11 +9,11 @@ use crate::plan::stage_width::ChunkHeads;
 
 /// The mesh (data replicas × Ulysses × ring) and UPipe's stage width.
 /// With no mesh flag, `train`, `eval` and `plan` fit the mesh to the ranks
-/// there are (the launched processes or the visible GPUs; else 2 Ulysses ×
-/// 2 ring on the CPU, one rank for `eval`), except `plan --gpus N`, which
-/// gives the context group all N (Ulysses; ring for `ring`, usp Pu up to 8).
-/// Once one is given, `train`, `eval` and `plan` alike fit the others
-/// around it to those ranks (`plan --gpus N`: N; `plan::mesh::resolve_mesh`);
+/// there are (`plan --gpus N`: N; the launched processes or the visible
+/// GPUs; else 2 Ulysses × 2 ring on the CPU, one rank for `eval`) by the
+/// strategy's own rule (`attention::mesh_rule`). Once one is given,
+/// `train`, `eval` and `plan` alike fit the others around it to those
+/// ranks (`plan::mesh::resolve_mesh`);
 /// where no mesh of that many ranks has the degrees given, or on the CPU,
 /// the others are 1. `bench attn` runs Pu 4 × Pr 1 by default.
 #[derive(clap::Args, Debug, Clone, Default, PartialEq, Eq)]

@@ -303,8 +303,10 @@ impl Ctx {
     }
 
     /// The mesh of `strategy` at `seq`: as `train` fits it to the ranks
-    /// here, or on `--gpus` with the mesh flags given (the context group
-    /// takes the GPUs the replicas leave).
+    /// here, or to `--gpus` (with no mesh flag the default mesh of them,
+    /// with some the others fitted around them; where none fits, the
+    /// context group of the degrees given takes the GPUs the replicas
+    /// leave).
     fn mesh(&self, strategy: Strategy, seq: usize) -> Result<MeshChoice> {
         let chunk = ChunkHeads::start(self.a.mesh.chunk_heads);
         let (gpus, ulysses, ring, replicas) = match self.fitted {
@@ -323,23 +325,10 @@ impl Ctx {
             },
         };
         let dims = attn_dims(&self.model);
+        // with no mesh flag, the default mesh of the GPUs: the one `train`
+        // fits to them (the strategy's own rule)
         let (plan, data) =
-            match resolve_plan(strategy, &dims, seq, gpus / replicas, ulysses, ring, chunk) {
-                Ok(p) => p,
-                // no mesh flags given: the mesh `train` fits to these GPUs
-                // (Ulysses over a divisor of the heads, the rest a ring),
-                // where it gives every GPU to the context
-                Err(e) if self.fitted.is_none() && !self.a.mesh.any_given() => {
-                    let flags = MeshFlags::default();
-                    let m = resolve_mesh(flags, strategy, &self.model, seq, chunk, Some(gpus));
-                    if m.world_size() != gpus || m.data != 1 {
-                        return Err(e);
-                    }
-                    check_ring(m.ring)?;
-                    return Ok(m);
-                }
-                Err(e) => return Err(e),
-            };
+            resolve_plan(strategy, &dims, seq, gpus / replicas, ulysses, ring, chunk)?;
         check_ring(plan.layout.pr)?;
         Ok(MeshChoice {
             data: data * replicas,

@@ -1,7 +1,7 @@
 //! The staged engine's schedule flags, shared by `bench attn` and `plan`
 //! (`--fwd-chunk-heads` by `train` too).
 
-use crate::attention::{CpPlan, Settle, Strategy};
+use crate::attention::{CpPlan, Settle};
 use crate::error::Result;
 pub use crate::plan::stage_width::{ChunkHeads, FwdChunk};
 
@@ -55,7 +55,7 @@ impl ScheduleArgs {
     /// `plan` with this schedule (`local` has no stages to overlap; only
     /// `upipe` has forward stages to widen, judged by `peak`: [`FwdChunk::apply`]).
     pub fn apply(&self, plan: CpPlan, peak: impl Fn(&CpPlan) -> Result<usize>) -> Result<CpPlan> {
-        let staged = plan.strategy != Strategy::Local;
+        let staged = plan.strategy.is_context_parallel();
         let plan = plan
             .with_overlap(self.overlap && staged)
             .with_settle(self.settle_every);

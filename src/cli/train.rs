@@ -50,7 +50,6 @@ pub use route::{
     Launched, Route, gpu_memory_per_rank, host_available_bytes, route, route_for, visible_gpus,
 };
 
-use crate::attention::Strategy;
 use crate::checkpoint::ExtraTensors;
 use crate::cli::schedule::{ChunkHeads, FwdChunk};
 use crate::cli::{config, print_config};
@@ -183,7 +182,7 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     mesh.check_countable()?;
     let cfg = train_config(a, &c, mesh);
     let plan = cfg.plan()?;
-    if a.mesh.chunk_heads == Some(ChunkHeads::Auto) && c.strategy != Strategy::Upipe {
+    if a.mesh.chunk_heads == Some(ChunkHeads::Auto) && !c.strategy.has_head_stages() {
         return crate::config_err!("--chunk-heads applies to upipe only, not {}", c.strategy);
     }
     // a number or `all` without --checkpoint fails here, before any launch

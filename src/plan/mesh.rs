@@ -2,7 +2,7 @@
 //! `--ring`), or a default mesh that fills the ranks available
 //! ([`default_mesh`]); shared by `train`, `plan`, `eval` and `bench`.
 
-use crate::attention::{AttnDims, CpPlan, Strategy};
+use crate::attention::{AttnDims, CpPlan, FittedMesh, Strategy};
 use crate::error::Result;
 use crate::model::ModelConfig;
 use crate::model::decoder::attn_dims;
@@ -61,22 +61,19 @@ pub const CPU_DEFAULT_MESH: MeshChoice = MeshChoice {
 /// derived from the mesh (2 x ring x Ulysses tokens, ...) stay countable.
 pub const MAX_MESH_RANKS: usize = 1 << 32;
 
-/// Divisors of `n`, ascending.
-fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
-}
-
 /// The default mesh of exactly `n` ranks for `strategy` on `model` at `seq`
 /// tokens, or `None` when no such mesh is valid ([`fit_mesh`] with no
 /// degree given).
 ///
-/// Context parallelism first: the fewest data replicas, then, within one
-/// context group of `C` ranks, the largest Ulysses degree that divides the
-/// kv heads (no K/V replication), the ring taking the rest; larger Ulysses
-/// degrees (replicating K/V) and data replicas only when nothing else fits.
-/// `local` attention has no context group: `n` data replicas. For the tiny
-/// model (4 heads, 2 kv heads, seq 256) this gives 2 GPUs: Pu 2; 4 GPUs:
-/// Pu 2 x Pr 2 (the CPU default); 8 GPUs: Pu 2 x Pr 4; 3 GPUs: 3 replicas.
+/// The strategy's own rule ([`Strategy::fit_mesh`]): context parallelism
+/// first, the fewest data replicas, then, within one context group of `C`
+/// ranks, the largest Ulysses degree that divides the kv heads (no K/V
+/// replication) and stays inside a node ([`crate::attention::NODE_GPUS`]), the ring taking
+/// the rest; larger Ulysses degrees and data replicas only when nothing
+/// else fits. `local` attention has no context group: `n` data replicas.
+/// For the tiny model (4 heads, 2 kv heads, seq 256) this gives 2 GPUs:
+/// Pu 2; 4 GPUs: Pu 2 x Pr 2 (the CPU default); 8 GPUs: Pu 2 x Pr 4;
+/// 3 GPUs: 3 replicas.
 pub fn default_mesh(
     strategy: Strategy,
     model: &ModelConfig,
@@ -88,9 +85,8 @@ pub fn default_mesh(
 }
 
 /// The mesh of exactly `n` ranks that has the degrees `flags` gives and
-/// fits the others around them, in [`default_mesh`]'s order of preference
-/// (the fewest data replicas, then the largest Ulysses degree without K/V
-/// replication); `None` when no valid mesh of `n` ranks has them.
+/// fits the others around them, in [`default_mesh`]'s order of preference;
+/// `None` when no valid mesh of `n` ranks has them.
 pub fn fit_mesh(
     flags: MeshFlags,
     strategy: Strategy,
@@ -99,45 +95,25 @@ pub fn fit_mesh(
     chunk_heads: Option<usize>,
     n: usize,
 ) -> Option<MeshChoice> {
-    if n == 0 {
-        return None;
-    }
-    let agrees = |m: &MeshChoice| {
+    let agrees = |m: FittedMesh| {
+        let m = MeshChoice::from(m);
         flags.data.is_none_or(|d| d == m.data)
             && flags.ulysses.is_none_or(|u| u == m.ulysses)
             && flags.ring.is_none_or(|r| r == m.ring)
     };
-    if strategy == Strategy::Local {
-        let m = MeshChoice {
-            data: n,
-            ulysses: 1,
-            ring: 1,
-        };
-        return agrees(&m).then_some(m);
-    }
     let dims = attn_dims(model);
-    for data in divisors(n) {
-        let c = n / data;
-        let mut pus = divisors(c);
-        // no K/V replication first, then the largest Ulysses degree
-        pus.sort_by_key(|&pu| (pu > model.kv_heads, std::cmp::Reverse(pu)));
-        for pu in pus {
-            let (ulysses, ring) = match strategy {
-                Strategy::Ulysses => (c, 1),
-                Strategy::Ring => (1, c),
-                _ => (pu, c / pu),
-            };
-            let m = MeshChoice {
-                data,
-                ulysses,
-                ring,
-            };
-            if agrees(&m) && CpPlan::new(strategy, &dims, seq, ulysses, ring, chunk_heads).is_ok() {
-                return Some(m);
-            }
+    let fitted = strategy.fit_mesh(&dims, seq, chunk_heads, n, agrees);
+    fitted.map(MeshChoice::from)
+}
+
+impl From<FittedMesh> for MeshChoice {
+    fn from(m: FittedMesh) -> Self {
+        MeshChoice {
+            data: m.data,
+            ulysses: m.context.ulysses,
+            ring: m.context.ring,
         }
     }
-    None
 }
 
 /// The mesh of a run, for `train`, `plan` and `eval` alike. With no mesh
@@ -157,7 +133,7 @@ pub fn resolve_mesh(
 ) -> MeshChoice {
     let given = flags.data.is_some() || flags.ulysses.is_some() || flags.ring.is_some();
     let fitted = ranks.and_then(|n| fit_mesh(flags, strategy, model, seq, chunk_heads, n));
-    let mut m = match (fitted, given) {
+    let m = match (fitted, given) {
         (Some(m), _) => m,
         (None, false) => CPU_DEFAULT_MESH,
         (None, true) => MeshChoice {
@@ -166,16 +142,20 @@ pub fn resolve_mesh(
             ring: flags.ring.unwrap_or(1),
         },
     };
-    if strategy == Strategy::Local {
-        m.ulysses = 1;
-        m.ring = 1;
+    let context = strategy.given_mesh(Some(m.ulysses), Some(m.ring));
+    MeshChoice {
+        data: m.data,
+        ulysses: context.ulysses,
+        ring: context.ring,
     }
-    m
 }
 
-/// Resolves `strategy` on `gpus` GPUs: `(plan, data degree)`. Without an
-/// explicit mesh, all GPUs form the context group (ulysses/ring/upipe), and
-/// usp takes the largest Ulysses degree ≤ 8 (one node) that divides the heads.
+/// Resolves `strategy` on `gpus` GPUs: `(plan, data degree)`. With a
+/// Ulysses or ring degree given, the context mesh they make
+/// ([`Strategy::given_mesh`]; the other 1) and as many replicas of it as
+/// fill the GPUs. With neither, the default mesh of the GPUs
+/// ([`default_mesh`], the strategy's own rule); where no mesh of them is
+/// valid, the error of the one-replica mesh the rule prefers.
 #[allow(clippy::too_many_arguments)]
 pub fn resolve_plan(
     strategy: Strategy,
@@ -189,44 +169,27 @@ pub fn resolve_plan(
     if gpus == 0 {
         return crate::config_err!("--gpus must be at least 1");
     }
-    let (pu, pr) = match (strategy, ulysses, ring) {
-        (Strategy::Local, _, _) => (1, 1),
-        (_, Some(u), Some(r)) => (u, r),
-        (_, Some(u), None) => (u, 1),
-        (_, None, Some(r)) => (1, r),
-        (Strategy::Usp, None, None) => {
-            let pu = (1..=gpus.min(8))
-                .rev()
-                .find(|&p| gpus.is_multiple_of(p) && dims.heads.is_multiple_of(p))
-                .unwrap_or(1);
-            (pu, gpus / pu)
+    let fitted = match (ulysses, ring) {
+        (None, None) => strategy.fit_mesh(dims, seq, chunk_heads, gpus, |_| true),
+        _ => None,
+    };
+    let (context, data) = match fitted {
+        Some(m) => (m.context, m.data),
+        None => {
+            let preferred = strategy
+                .context_meshes(dims.kv_heads, gpus)
+                .into_iter()
+                .next();
+            let given = strategy.given_mesh(ulysses, ring);
+            let context = match (ulysses, ring) {
+                (None, None) => preferred.unwrap_or(given),
+                _ => given,
+            };
+            (context, context.replicas_on(gpus)?)
         }
-        (Strategy::Ring, None, None) => (1, gpus),
-        (_, None, None) => (gpus, 1),
     };
-    let c = pu * pr;
-    if c == 0 || !gpus.is_multiple_of(c) {
-        return crate::config_err!(
-            "{gpus} GPUs are not a multiple of the context mesh {pu} (ulysses) x {pr} (ring) = {c}; \
-             use --gpus {} or a mesh whose product divides {gpus}",
-            c.max(1) * (gpus / c.max(1)).max(1)
-        );
-    }
-    let chunk = if strategy == Strategy::Upipe {
-        chunk_heads
-    } else {
-        None
-    };
-    let plan = CpPlan::new(strategy, dims, seq, pu, pr, chunk)
-        .map_err(|e| crate::Error::Config(format!("{strategy}: {}", strip(&e))))?;
-    Ok((plan, gpus / c))
-}
-
-fn strip(e: &crate::Error) -> String {
-    let s = e.to_string();
-    s.strip_prefix("invalid configuration: ")
-        .map(str::to_string)
-        .unwrap_or(s)
+    let plan = strategy.plan_on(dims, seq, context, chunk_heads)?;
+    Ok((plan, data))
 }
 
 #[cfg(test)]
@@ -349,6 +312,92 @@ mod tests {
                     assert!(d.is_none_or(|d| d == c.data) && u.is_none_or(|u| u == c.ulysses));
                     assert!(r.is_none_or(|r| r == c.ring), "{flags:?} {n}: {c:?}");
                 }
+            }
+        }
+    }
+
+    /// `plan --gpus N` resolves the mesh `train` fits to N ranks, where it
+    /// once gave the context group all N (Ulysses over all of them; USP a
+    /// Pu up to 8 dividing the query heads, replicating K/V).
+    #[test]
+    fn plan_on_gpus_resolves_the_mesh_train_fits() {
+        let llama = ModelConfig::resolve("llama3-8b").unwrap(); // 32 heads, 8 kv heads
+        let d = attn_dims(&llama);
+        let on = |s, gpus| {
+            let (plan, data) = resolve_plan(s, &d, 1 << 20, gpus, None, None, None).unwrap();
+            mesh(data, plan.layout.pu, plan.layout.pr)
+        };
+        assert_eq!(on(Strategy::Ulysses, 6), mesh(3, 2, 1));
+        assert_eq!(on(Strategy::Upipe, 8), mesh(1, 8, 1));
+        // 16 GPUs: Ulysses over the 8 kv heads inside a node, a ring of 2 across
+        assert_eq!(on(Strategy::Upipe, 16), mesh(1, 8, 2));
+        assert_eq!(on(Strategy::Usp, 16), mesh(1, 8, 2));
+        let tiny_dims = attn_dims(&tiny());
+        let (plan, _) = resolve_plan(Strategy::Usp, &tiny_dims, 256, 4, None, None, None).unwrap();
+        assert_eq!((plan.layout.pu, plan.layout.pr), (2, 2));
+        // 32 kv heads on 16 GPUs: the Ulysses group stays inside a node
+        let mha = with_heads(32, 32);
+        let m = default_mesh(Strategy::Upipe, &mha, 4096, None, 16);
+        assert_eq!(m, Some(mesh(1, 8, 2)));
+    }
+
+    /// A model of `heads` query heads sharing `kv_heads` (the tiny model's
+    /// other sizes).
+    fn with_heads(heads: usize, kv_heads: usize) -> ModelConfig {
+        let mut m = tiny();
+        (m.heads, m.kv_heads) = (heads, kv_heads);
+        m.hidden = heads * m.head_dim;
+        m
+    }
+
+    proptest::proptest! {
+        /// One rule: the default mesh `train` and `eval` fit to `n` ranks
+        /// ([`default_mesh`]) is the one `plan` resolves on `n` GPUs
+        /// ([`resolve_plan`] with no degree given, which fails exactly where
+        /// no mesh fits); `fit_mesh` accepts it given in full, and every mesh
+        /// `fit_mesh` fits around flags has them, fills the ranks, is what
+        /// `resolve_plan` resolves from its degrees, and has no fewer
+        /// replicas than the default.
+        #[test]
+        fn train_plan_and_eval_resolve_one_mesh(
+            s in 0usize..5,
+            kv_heads in 1usize..=16,
+            group in 1usize..=4,
+            n in 1usize..=32,
+            seq in proptest::sample::select(vec![1usize, 6, 8, 24, 96, 256, 4096, 3 << 10]),
+            data in proptest::option::of(1usize..=8),
+            ulysses in proptest::option::of(1usize..=8),
+            ring in proptest::option::of(1usize..=8),
+        ) {
+            let strategy = Strategy::ALL[s];
+            let model = with_heads(kv_heads * group, kv_heads);
+            let dims = attn_dims(&model);
+            let default = default_mesh(strategy, &model, seq, None, n);
+            let planned = resolve_plan(strategy, &dims, seq, n, None, None, None);
+            match (default, &planned) {
+                (Some(m), Ok((plan, data))) => {
+                    let shape = plan.mesh_shape();
+                    proptest::prop_assert_eq!((m.data, m.ulysses, m.ring), (*data, shape.ulysses, shape.ring));
+                    let given = MeshFlags { data: Some(m.data), ulysses: Some(m.ulysses), ring: Some(m.ring) };
+                    proptest::prop_assert_eq!(fit_mesh(given, strategy, &model, seq, None, n), Some(m));
+                    let resolved = resolve_mesh(MeshFlags::default(), strategy, &model, seq, None, Some(n));
+                    proptest::prop_assert_eq!(resolved, m);
+                }
+                (None, Err(_)) => {}
+                (m, p) => proptest::prop_assert!(false, "{strategy} on {n}: default {m:?}, plan {p:?}"),
+            }
+            let flags = MeshFlags { data, ulysses, ring };
+            if let Some(m) = fit_mesh(flags, strategy, &model, seq, None, n) {
+                proptest::prop_assert_eq!(m.world_size(), n);
+                proptest::prop_assert!(data.is_none_or(|d| d == m.data), "{m:?}");
+                proptest::prop_assert!(ulysses.is_none_or(|u| u == m.ulysses), "{m:?}");
+                proptest::prop_assert!(ring.is_none_or(|r| r == m.ring), "{m:?}");
+                let (u, r) = (Some(m.ulysses), Some(m.ring));
+                let (plan, replicas) = resolve_plan(strategy, &dims, seq, n, u, r, None).unwrap();
+                let shape = plan.mesh_shape();
+                proptest::prop_assert_eq!((replicas, shape.ulysses, shape.ring), (m.data, m.ulysses, m.ring));
+                proptest::prop_assert!(default.is_some_and(|d| d.data <= m.data), "{default:?} {m:?}");
+                proptest::prop_assert_eq!(resolve_mesh(flags, strategy, &model, seq, None, Some(n)), m);
             }
         }
     }

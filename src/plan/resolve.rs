@@ -279,7 +279,7 @@ impl RunRequest {
     /// Pu) and the given `--fwd-chunk-heads` (`auto`: the backward's, until
     /// [`resolve_run`] widens them); stage widths apply to UPipe only.
     pub fn stage_plan(&self, chunk: Option<usize>) -> Result<CpPlan> {
-        let upipe = self.strategy == Strategy::Upipe;
+        let upipe = self.strategy.has_head_stages();
         let fwd = match self.stages.fwd {
             FwdChunk::Heads(n) if upipe => Some(n),
             _ => None,
@@ -289,7 +289,7 @@ impl RunRequest {
         let chunk = chunk.filter(|_| upipe);
         let plan = CpPlan::new(self.strategy, &dims, self.seq, m.ulysses, m.ring, chunk)?
             .with_fwd_chunk(fwd)?;
-        let staged = self.strategy != Strategy::Local;
+        let staged = self.strategy.is_context_parallel();
         Ok(plan
             .with_overlap(self.stages.overlap && staged)
             .with_settle(self.stages.settle))
@@ -496,7 +496,7 @@ impl<'a> Resolution<'a> {
     /// allow is skipped.
     fn widen_stages(&mut self) -> Result<()> {
         let req = self.req;
-        if req.strategy != Strategy::Upipe
+        if !req.strategy.has_head_stages()
             || matches!(req.stages.chunk_heads, Some(ChunkHeads::Heads(_)))
         {
             return Ok(());
@@ -549,7 +549,7 @@ impl<'a> Resolution<'a> {
         let (req, policy, fsdp) = (self.req, self.policy, self.fsdp);
         let peak = |p: &CpPlan| Ok(predict_step(&req.spec(p, policy, fsdp))?.peak);
         let wide = FwdChunk::Auto.apply(self.plan.clone(), peak)?;
-        if wide.strategy == Strategy::Upipe {
+        if wide.strategy.has_head_stages() {
             self.fwd_chunk_heads = Some(wide.fwd_schedule.chunk);
         }
         self.plan = wide;

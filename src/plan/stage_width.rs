@@ -2,7 +2,7 @@
 //! take it: `auto` or a number of heads (`--chunk-heads`,
 //! `--fwd-chunk-heads`), with its text form for flags and run files.
 
-use crate::attention::{CpPlan, Strategy};
+use crate::attention::CpPlan;
 use crate::error::Result;
 use std::fmt;
 use std::str::FromStr;
@@ -62,7 +62,7 @@ impl FwdChunk {
                 tracing::warn!("--fwd-chunk-heads auto: no prediction ({e}); forward stages = U");
                 Ok(plan)
             }),
-            FwdChunk::Heads(n) if plan.strategy == Strategy::Upipe => plan.with_fwd_chunk(Some(n)),
+            FwdChunk::Heads(n) if plan.strategy.has_head_stages() => plan.with_fwd_chunk(Some(n)),
             FwdChunk::Heads(_) => Ok(plan),
         }
     }
@@ -109,7 +109,7 @@ pub fn widest_free_forward(
     plan: CpPlan,
     peak: impl Fn(&CpPlan) -> Result<usize>,
 ) -> Result<CpPlan> {
-    if plan.strategy != Strategy::Upipe {
+    if !plan.strategy.has_head_stages() {
         return Ok(plan);
     }
     let chunk = plan.schedule.chunk;

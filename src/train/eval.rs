@@ -195,10 +195,10 @@ impl EvalConfig {
 
     /// `(Pu, Pr)`: 1 and 1 for `local`.
     fn degrees(&self) -> (usize, usize) {
-        match self.strategy {
-            Strategy::Local => (1, 1),
-            _ => (self.ulysses, self.ring),
-        }
+        let m = self
+            .strategy
+            .given_mesh(Some(self.ulysses), Some(self.ring));
+        (m.ulysses, m.ring)
     }
 
     /// The attention plan for windows of `seq` inputs, padded to a length the

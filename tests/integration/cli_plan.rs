@@ -287,6 +287,8 @@ fn bad_inputs_are_clear_errors() {
                 "6",
                 "--attn",
                 "ulysses",
+                "--ulysses",
+                "6",
             ],
             "must divide the 32 query heads",
         ),
@@ -381,8 +383,9 @@ fn plan_fails_when_nothing_can_be_planned_and_stays_bounded() {
         !ok && err.contains("--seq") && err.contains("at least 1"),
         "{err}"
     );
-    // 10^6 GPUs: every strategy's ring (or Ulysses degree) is refused
-    let (ok, out, err, _) = upipe_within(&["plan", "--gpus", "1000000"], limit);
+    // a ring of 10^6 GPUs: every strategy's ring (or Ulysses degree) is refused
+    let (ok, out, err, _) =
+        upipe_within(&["plan", "--gpus", "1000000", "--ring", "1000000"], limit);
     assert!(!ok, "{out}");
     assert!(err.contains("nothing to plan"), "{err}");
     assert!(

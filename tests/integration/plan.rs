@@ -402,7 +402,9 @@ fn bad_meshes_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("not a multiple of the context mesh"), "{e}");
-    let e = resolve_plan(Strategy::Ulysses, &d, 1 << 20, 6, None, None, None)
+    // with no degree given, 6 GPUs are 3 replicas of Ulysses 2 (as `train`
+    // fits them); a Ulysses degree of 6 given is refused
+    let e = resolve_plan(Strategy::Ulysses, &d, 1 << 20, 6, Some(6), None, None)
         .unwrap_err()
         .to_string();
     assert!(e.contains("must divide the 32 query heads"), "{e}");

@@ -93,14 +93,8 @@ pub enum BenchRoute {
 /// Ranks the strategies of `methods` need: `local` one, the others the mesh
 /// `ulysses × ring`.
 pub fn ranks_needed(methods: &[Strategy], ulysses: usize, ring: usize) -> usize {
-    let mesh = |m: &Strategy| {
-        if *m == Strategy::Local {
-            1
-        } else {
-            ulysses * ring
-        }
-    };
-    methods.iter().map(mesh).max().unwrap_or(1)
+    let ranks = |m: &Strategy| m.given_mesh(Some(ulysses), Some(ring)).ranks();
+    methods.iter().map(ranks).max().unwrap_or(1)
 }
 
 /// Decides how a run needing `ranks` processes starts: under a launch, with
@@ -224,17 +218,13 @@ fn plan_methods(
 ) -> Result<Planned> {
     let mut planned: Planned = Vec::new();
     for &m in methods {
-        let chunk = if m == Strategy::Upipe {
+        let chunk = if m.has_head_stages() {
             crate::cli::schedule::ChunkHeads::fixed(a.mesh.chunk_heads, "bench attn")?
         } else {
             None
         };
-        let (pu, pr) = if m == Strategy::Local {
-            (1, 1)
-        } else {
-            (a.ulysses(), a.ring())
-        };
-        let plan = match CpPlan::new(m, dims, a.seq, pu, pr, chunk) {
+        let mesh = m.given_mesh(Some(a.ulysses()), Some(a.ring()));
+        let plan = match CpPlan::new(m, dims, a.seq, mesh.ulysses, mesh.ring, chunk) {
             Ok(p) => a.schedule.apply(p, |p| predicted_peak(a, p))?,
             Err(e) if all && matches!(m, Strategy::Ulysses | Strategy::Ring) => {
                 planned.push((m, Err(e.to_string())));

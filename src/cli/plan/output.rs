@@ -91,7 +91,7 @@ impl std::fmt::Display for TrainCommand<'_> {
             " --data-parallel {} --ulysses {} --ring {}",
             spec.data, plan.layout.pu, plan.layout.pr
         )?;
-        if plan.strategy == crate::attention::Strategy::Upipe {
+        if plan.strategy.has_head_stages() {
             let (u, uf) = (plan.schedule.chunk, plan.fwd_schedule.chunk);
             write!(f, " --chunk-heads {u} --fwd-chunk-heads {uf}")?;
         }
