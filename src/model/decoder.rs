@@ -211,6 +211,7 @@ pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
             theta: cfg.rope_theta,
             scaling: cfg.rope_scaling,
         },
+        softmax_scale: AttnDims::default_softmax_scale(cfg.head_dim),
     }
 }
 
