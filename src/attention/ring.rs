@@ -260,10 +260,10 @@ pub fn backward<B: Backend>(
             dk: dk_t.rows_view_mut(blk.k_rows.clone()),
             dv: dv_t.rows_view_mut(blk.k_rows.clone()),
             writes: AttnGradWrites {
-                    // the first step's query block covers every local query row
-                    // (zigzag: a rank's own block), later steps add in
-                    dq: if step == 0 { writes.dq } else { GradWrite::Add },
-                    dkv: GradWrite::Add,
+                // the first step's query block covers every local query row
+                // (zigzag: a rank's own block), later steps add in
+                dq: if step == 0 { writes.dq } else { GradWrite::Add },
+                dkv: GradWrite::Add,
             },
         })
     };

@@ -157,9 +157,9 @@ pub fn backward<B: Backend>(
             dk: dk_t.rows_view_mut(blk.k_rows.clone()),
             dv: dv_t.rows_view_mut(blk.k_rows.clone()),
             writes: AttnGradWrites {
-                    // the local block's rows are every local query row
-                    dq: if step == 0 { writes.dq } else { GradWrite::Add },
-                    dkv: GradWrite::Add,
+                // the local block's rows are every local query row
+                dq: if step == 0 { writes.dq } else { GradWrite::Add },
+                dkv: GradWrite::Add,
             },
         })
     };

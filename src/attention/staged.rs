@@ -29,7 +29,8 @@ use super::{
     ring_shift,
 };
 use crate::backend::{
-    AttnGradWrites, AttnMask, AttnShape, Backend, Category, DType, GradWrite, Mat, MatLayout, Tensor,
+    AttnGradWrites, AttnMask, AttnShape, Backend, Category, DType, GradWrite, Mat, MatLayout,
+    Tensor,
 };
 use crate::comm::{Mesh, Pending};
 use crate::error::Result;

@@ -181,7 +181,13 @@ fn check_dtype(op: &str, x: &Operand, want: DType) -> Result<()> {
 
 /// Checks the operands every attention call shares: q, k and v of one
 /// dtype, v shaped like k, the LSE in F32, and a finite positive scale.
-fn check_inputs(op: &str, g: &AttnShape, qkv: [Operand; 3], lse: &Operand, scale: f32) -> Result<()> {
+fn check_inputs(
+    op: &str,
+    g: &AttnShape,
+    qkv: [Operand; 3],
+    lse: &Operand,
+    scale: f32,
+) -> Result<()> {
     let [q, k, v] = qkv;
     if q.dtype != k.dtype || q.dtype != v.dtype {
         return Err(Error::Backend(format!(
@@ -197,7 +203,11 @@ fn check_inputs(op: &str, g: &AttnShape, qkv: [Operand; 3], lse: &Operand, scale
     check_dtype(op, lse, DType::F32)?;
     check_rows(
         op,
-        &[(q, g.sq, g.q_row()), (k, g.sk, g.kv_row()), (v, g.sk, g.kv_row())],
+        &[
+            (q, g.sq, g.q_row()),
+            (k, g.sk, g.kv_row()),
+            (v, g.sk, g.kv_row()),
+        ],
     )
 }
 
@@ -270,8 +280,16 @@ impl<B: TensorDevice> LseMerge<'_, B> {
         check_rows(
             OP,
             &[
-                (Operand::of("o_acc", self.o_acc.t, &self.o_acc.range), n, h * d),
-                (Operand::of("o_blk", self.o_blk.t, &self.o_blk.range), n, h * d),
+                (
+                    Operand::of("o_acc", self.o_acc.t, &self.o_acc.range),
+                    n,
+                    h * d,
+                ),
+                (
+                    Operand::of("o_blk", self.o_blk.t, &self.o_blk.range),
+                    n,
+                    h * d,
+                ),
                 (lse_acc, n, h),
                 (lse_blk, n, h),
             ],

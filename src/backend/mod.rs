@@ -32,11 +32,9 @@ pub mod tensor;
 
 pub use adamw_multi::{AdamWPiece, AdamWSlot};
 pub use adamw_step::AdamWStep;
-pub use cast::{cast, cast_ref};
 pub use attn_args::{AttentionBwd, AttentionFwd, AttnShape, LseMerge};
-pub use checks::{
-    check_bias_views, check_elems, check_same_numel, check_token_ids, out_of_memory,
-};
+pub use cast::{cast, cast_ref};
+pub use checks::{check_bias_views, check_elems, check_same_numel, check_token_ids, out_of_memory};
 pub use copy_done::{ComputePoint, CopyDone, InFlight};
 pub use grad_write::{AttnGradWrites, GradWrite};
 pub use mask::{AttnMask, BoundedMask, RowPositions};

@@ -270,7 +270,7 @@ fn a_block_of_other_documents_adds_nothing() {
         o: o.all_rows_mut(),
         lse: lse.all_rows_mut(),
     })
-        .unwrap();
+    .unwrap();
     assert!(b.to_host(&o).unwrap().iter().all(|&x| x == 0.0));
     assert!(
         b.to_host(&lse)

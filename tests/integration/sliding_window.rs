@@ -91,7 +91,7 @@ fn windowed_attention_equals_explicit_masking() {
             o: o.all_rows_mut(),
             lse: lse.all_rows_mut(),
         })
-            .unwrap();
+        .unwrap();
         let got = b.to_host(&o).unwrap();
         let scale = 1.0 / (d as f64).sqrt();
         let mut want = vec![0.0f32; s * hq * d];

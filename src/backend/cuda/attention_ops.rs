@@ -11,8 +11,8 @@ use super::device::drv;
 use super::kernels::{self, Args};
 use super::{cudnn, flash, nvrtc};
 use crate::backend::{
-    AttentionBwd, AttentionFwd, AttnMask, AttnShape, Backend, Category, DType, GradWrite,
-    LseMerge, Tensor,
+    AttentionBwd, AttentionFwd, AttnMask, AttnShape, Backend, Category, DType, GradWrite, LseMerge,
+    Tensor,
 };
 use crate::error::{Error, Result};
 use std::sync::Arc;
