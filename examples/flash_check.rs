@@ -250,6 +250,7 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
             hkv,
             d,
             mask: mask(c.causal && c.key_from == 0),
+            scale: 1.0 / (d as f32).sqrt(),
             bounds: 0,
         },
     )?;
