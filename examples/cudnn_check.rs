@@ -19,7 +19,7 @@ use cudarc::driver::sys::CUevent_flags;
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::{CudnnSdpa, SdpaBwd, SdpaFwd, SdpaShape};
-use upipe::backend::{AttnMask, Backend, Category, DType, Tensor};
+use upipe::backend::{AttentionBwd, AttentionFwd, AttnMask, Backend, Category, DType, Tensor};
 
 mod support;
 use support::{Res, Rng, rel_err};
@@ -86,28 +86,30 @@ fn run_case(
     );
     let mut co = cpu.zeros(&[sq, hq, d], DType::F32, Category::Activations)?;
     let mut clse = cpu.zeros(&[sq, hq], DType::F32, Category::Activations)?;
-    cpu.attention_fwd(
-        cq.all_rows(),
-        ck.all_rows(),
-        cv.all_rows(),
-        &mask(c.causal),
-        co.all_rows_mut(),
-        clse.all_rows_mut(),
-    )?;
+    cpu.attention_fwd(AttentionFwd {
+        q: cq.all_rows(),
+        k: ck.all_rows(),
+        v: cv.all_rows(),
+        mask: &mask(c.causal),
+        scale: 1.0 / (d as f32).sqrt(),
+        o: co.all_rows_mut(),
+        lse: clse.all_rows_mut(),
+    })?;
     let (mut cdq, mut cdk, mut cdv) = (ct(&dq0, sq, hq)?, ct(&dk0, sk, hkv)?, ct(&dv0, sk, hkv)?);
-    cpu.attention_bwd(
-        cq.all_rows(),
-        ck.all_rows(),
-        cv.all_rows(),
-        co.all_rows(),
-        cdo.all_rows(),
-        clse.all_rows(),
-        &mask(c.causal),
-        cdq.all_rows_mut(),
-        cdk.all_rows_mut(),
-        cdv.all_rows_mut(),
-        upipe::backend::AttnGradWrites::ADD,
-    )?;
+    cpu.attention_bwd(AttentionBwd {
+        q: cq.all_rows(),
+        k: ck.all_rows(),
+        v: cv.all_rows(),
+        o: co.all_rows(),
+        d_o: cdo.all_rows(),
+        lse: clse.all_rows(),
+        mask: &mask(c.causal),
+        scale: 1.0 / (d as f32).sqrt(),
+        dq: cdq.all_rows_mut(),
+        dk: cdk.all_rows_mut(),
+        dv: cdv.all_rows_mut(),
+        writes: upipe::backend::AttnGradWrites::ADD,
+    })?;
 
     // GPU.
     let gt = |x: &[f32], s: usize, h: usize, dt: DType| {
@@ -128,6 +130,7 @@ fn run_case(
         lse: be.device_ptr(&glse),
         shape: s.clone(),
         docs: Vec::new(),
+        scale: 1.0 / (s.d as f32).sqrt(),
     };
     sdpa.fwd(be, &fa)?;
     let o_all = be.to_host(&go)?;
@@ -159,6 +162,7 @@ fn run_case(
         dkv_dt: gdt,
         shape: s.clone(),
         docs: Vec::new(),
+        scale: 1.0 / (s.d as f32).sqrt(),
     };
     if let Err(reason) = sdpa.supports(&s, true) {
         return Ok((errs, Some(reason)));
@@ -341,6 +345,7 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
         lse: p(&lse),
         shape: sh.clone(),
         docs: Vec::new(),
+        scale: 1.0 / (d as f32).sqrt(),
     };
     let ba = SdpaBwd {
         q: fa.q,
@@ -356,6 +361,7 @@ fn bench(be: &CudaBackend, sdpa: &CudnnSdpa, b: BenchShape) -> Res<()> {
         dkv_dt: DType::F32,
         shape: sh,
         docs: Vec::new(),
+        scale: 1.0 / (d as f32).sqrt(),
     };
     let iters = if s >= 32768 { 3 } else { 10 };
     let stream = be.stream().clone();
@@ -503,6 +509,7 @@ fn bench_pair(
             lse: p(&lse),
             shape: shape(&c),
             docs: Vec::new(),
+            scale: 1.0 / (d as f32).sqrt(),
         };
         sets.push((args, [q, k, v, o, lse]));
     }

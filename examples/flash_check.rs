@@ -24,7 +24,7 @@ use upipe::backend::cuda::flash::{
     FlashFwdArgs, FlashKernel, NVRTC_ARCH, NVRTC_OPTIONS, WGMMA_NVRTC_ARCH, bwd_kernel_from_env,
     flash_bwd, flash_bwd_workspace_bytes, flash_fwd,
 };
-use upipe::backend::{AttnMask, Backend, Category, DType};
+use upipe::backend::{AttentionBwd, AttentionFwd, AttnMask, Backend, Category, DType};
 
 mod support;
 use support::{Res, Rng, rel_err};
@@ -123,29 +123,31 @@ fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<CaseResult>> {
     );
     let mut co = cpu.zeros(&[sq, hq, d], DType::F32, Category::Activations)?;
     let mut clse = cpu.zeros(&[sq, hq], DType::F32, Category::Activations)?;
-    cpu.attention_fwd(
-        cq.all_rows(),
-        ck.all_rows(),
-        cv.all_rows(),
-        &mask(c.causal),
-        co.all_rows_mut(),
-        clse.all_rows_mut(),
-    )?;
+    cpu.attention_fwd(AttentionFwd {
+        q: cq.all_rows(),
+        k: ck.all_rows(),
+        v: cv.all_rows(),
+        mask: &mask(c.causal),
+        scale: 1.0 / (d as f32).sqrt(),
+        o: co.all_rows_mut(),
+        lse: clse.all_rows_mut(),
+    })?;
     let (mut cdq, mut cdk, mut cdv) = (t(&dq0, sq, hq)?, t(&dk0, sk, hkv)?, t(&dv0, sk, hkv)?);
     let kr = c.key_from..sk;
-    cpu.attention_bwd(
-        cq.all_rows(),
-        ck.rows_view(kr.clone()),
-        cv.rows_view(kr.clone()),
-        co.all_rows(),
-        cdo.all_rows(),
-        clse.all_rows(),
-        &mask(c.causal && c.key_from == 0),
-        cdq.all_rows_mut(),
-        cdk.rows_view_mut(kr.clone()),
-        cdv.rows_view_mut(kr.clone()),
-        upipe::backend::AttnGradWrites::ADD,
-    )?;
+    cpu.attention_bwd(AttentionBwd {
+        q: cq.all_rows(),
+        k: ck.rows_view(kr.clone()),
+        v: cv.rows_view(kr.clone()),
+        o: co.all_rows(),
+        d_o: cdo.all_rows(),
+        lse: clse.all_rows(),
+        mask: &mask(c.causal && c.key_from == 0),
+        scale: 1.0 / (d as f32).sqrt(),
+        dq: cdq.all_rows_mut(),
+        dk: cdk.rows_view_mut(kr.clone()),
+        dv: cdv.rows_view_mut(kr.clone()),
+        writes: upipe::backend::AttnGradWrites::ADD,
+    })?;
 
     let (co, clse, cdq, cdk, cdv) = (
         cpu.to_host(&co)?,
@@ -210,6 +212,7 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
             hkv,
             d,
             mask: mask(c.causal),
+            scale: 1.0 / (d as f32).sqrt(),
             bounds: 0,
         },
     )?;
@@ -247,6 +250,7 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
             hkv,
             d,
             mask: mask(c.causal && c.key_from == 0),
+            scale: 1.0 / (d as f32).sqrt(),
             bounds: 0,
         },
     )?;
@@ -407,6 +411,7 @@ fn bench(
         hkv,
         d,
         mask: AttnMask::Causal,
+        scale: 1.0 / (d as f32).sqrt(),
         bounds: 0,
     };
     let ba = FlashBwdArgs {
@@ -435,6 +440,7 @@ fn bench(
         hkv,
         d,
         mask: AttnMask::Causal,
+        scale: 1.0 / (d as f32).sqrt(),
         bounds: 0,
     };
     let iters = if s >= 32768 { 3 } else { 10 };

@@ -10,7 +10,7 @@
 use std::time::Instant;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
-use upipe::backend::{AttnMask, Backend, Category, DType, Tensor};
+use upipe::backend::{AttentionBwd, AttentionFwd, AttnMask, Backend, Category, DType, Tensor};
 
 fn time<F: FnMut() -> upipe::Result<()>>(
     b: &CudaBackend,
@@ -68,31 +68,33 @@ fn attention_times(
     let mut dk = b.zeros(&[s, h, d], grad_dt, Category::Grads)?;
     let mut dv = b.zeros(&[s, h, d], grad_dt, Category::Grads)?;
     let fwd = |o: &mut Tensor<CudaBackend>, lse: &mut Tensor<CudaBackend>| {
-        b.attention_fwd(
-            q.all_rows(),
-            k.all_rows(),
-            v.all_rows(),
-            &AttnMask::Causal,
-            o.all_rows_mut(),
-            lse.all_rows_mut(),
-        )
+        b.attention_fwd(AttentionFwd {
+            q: q.all_rows(),
+            k: k.all_rows(),
+            v: v.all_rows(),
+            mask: &AttnMask::Causal,
+            scale: 1.0 / (d as f32).sqrt(),
+            o: o.all_rows_mut(),
+            lse: lse.all_rows_mut(),
+        })
     };
     let t_fwd = time(b, iters, || fwd(&mut o, &mut lse))?;
     let t_both = time(b, iters, || {
         fwd(&mut o, &mut lse)?;
-        b.attention_bwd(
-            q.all_rows(),
-            k.all_rows(),
-            v.all_rows(),
-            o.all_rows(),
-            d_o.all_rows(),
-            lse.all_rows(),
-            &AttnMask::Causal,
-            dq.all_rows_mut(),
-            dk.all_rows_mut(),
-            dv.all_rows_mut(),
-            upipe::backend::AttnGradWrites::ADD,
-        )
+        b.attention_bwd(AttentionBwd {
+            q: q.all_rows(),
+            k: k.all_rows(),
+            v: v.all_rows(),
+            o: o.all_rows(),
+            d_o: d_o.all_rows(),
+            lse: lse.all_rows(),
+            mask: &AttnMask::Causal,
+            scale: 1.0 / (d as f32).sqrt(),
+            dq: dq.all_rows_mut(),
+            dk: dk.all_rows_mut(),
+            dv: dv.all_rows_mut(),
+            writes: upipe::backend::AttnGradWrites::ADD,
+        })
     })?;
     let l = b.to_host(&lse)?;
     if l.iter().any(|x| !x.is_finite()) {
@@ -217,14 +219,15 @@ fn main() -> upipe::Result<()> {
     let mut o = nb.zeros(&[s_len, h, d], DType::BF16, Category::Activations)?;
     let mut lse = nb.zeros(&[s_len, h], DType::F32, Category::Activations)?;
     let st = time(&nb, 3, || {
-        nb.attention_fwd(
-            q.all_rows(),
-            q.all_rows(),
-            q.all_rows(),
-            &AttnMask::Causal,
-            o.all_rows_mut(),
-            lse.all_rows_mut(),
-        )
+        nb.attention_fwd(AttentionFwd {
+            q: q.all_rows(),
+            k: q.all_rows(),
+            v: q.all_rows(),
+            mask: &AttnMask::Causal,
+            scale: 1.0 / (d as f32).sqrt(),
+            o: o.all_rows_mut(),
+            lse: lse.all_rows_mut(),
+        })
     })?;
     let aflops = 2.0 * (s_len as f64).powi(2) * h as f64 * d as f64;
     rows.push((

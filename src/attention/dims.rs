@@ -17,6 +17,10 @@ pub struct AttnDims {
     /// The QK-norm's RMSNorm (the model's eps and weight offset).
     pub norm: RmsNorm,
     pub rope: RopeConfig,
+    /// The scale of the attention scores, `softmax(scale·q·kᵀ)`: the
+    /// model's, [`default_softmax_scale`](Self::default_softmax_scale) for
+    /// most.
+    pub softmax_scale: f32,
 }
 
 impl AttnDims {
@@ -35,7 +39,17 @@ impl AttnDims {
         if !self.head_dim.is_multiple_of(2) {
             return crate::config_err!("head_dim {} must be even for RoPE", self.head_dim);
         }
+        if !(self.softmax_scale.is_finite() && self.softmax_scale > 0.0) {
+            return crate::config_err!(
+                "the attention softmax scale {} must be finite and positive",
+                self.softmax_scale
+            );
+        }
         Ok(())
+    }
+    /// The usual softmax scale of heads of `head_dim`: `1/sqrt(head_dim)`.
+    pub fn default_softmax_scale(head_dim: usize) -> f32 {
+        1.0 / (head_dim as f32).sqrt()
     }
     pub fn q_width(&self) -> usize {
         self.heads * self.head_dim

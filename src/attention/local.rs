@@ -4,7 +4,9 @@
 use super::lora_delta::{LoraPair, add_delta, add_delta_bwd};
 use super::rope::RopeTables;
 use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, norm_rope_bwd};
-use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, Tensor};
+use crate::backend::{
+    AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType, Tensor,
+};
 use crate::error::Result;
 
 /// `x @ w^T (+ bias) (+ the adapter's delta)` for a `[rows, hidden]` input,
@@ -55,14 +57,15 @@ pub fn forward<B: Backend>(
     let (k, _) = norm_rope(b, k, w.k_norm.as_ref(), dims.norm, rope, false)?;
     let mut o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Activations)?;
     let mut lse = b.zeros(&[s, dims.heads], DType::F32, Category::Activations)?;
-    b.attention_fwd(
-        q.all_rows(),
-        k.all_rows(),
-        v.all_rows(),
+    b.attention_fwd(AttentionFwd {
+        q: q.all_rows(),
+        k: k.all_rows(),
+        v: v.all_rows(),
         mask,
-        o.all_rows_mut(),
-        lse.all_rows_mut(),
-    )?;
+        scale: dims.softmax_scale,
+        o: o.all_rows_mut(),
+        lse: lse.all_rows_mut(),
+    })?;
     drop((q, k, v));
     let y = super::output_projection(b, &o, w)?;
     Ok((y, AttnSaved { o, lse: vec![lse] }))
@@ -97,19 +100,20 @@ pub fn backward<B: Backend>(
     let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
     let mut dk = b.zeros(k.shape(), DType::F32, Category::Workspace)?;
     let mut dv = b.zeros(v.shape(), DType::F32, Category::Workspace)?;
-    b.attention_bwd(
-        q.all_rows(),
-        k.all_rows(),
-        v.all_rows(),
-        o.all_rows(),
-        d_o.all_rows(),
-        lse[0].all_rows(),
+    b.attention_bwd(AttentionBwd {
+        q: q.all_rows(),
+        k: k.all_rows(),
+        v: v.all_rows(),
+        o: o.all_rows(),
+        d_o: d_o.all_rows(),
+        lse: lse[0].all_rows(),
         mask,
-        dq.all_rows_mut(),
-        dk.all_rows_mut(),
-        dv.all_rows_mut(),
-        AttnGradWrites::ADD,
-    )?;
+        scale: dims.softmax_scale,
+        dq: dq.all_rows_mut(),
+        dk: dk.all_rows_mut(),
+        dv: dv.all_rows_mut(),
+        writes: AttnGradWrites::ADD,
+    })?;
     drop((q, k, v, d_o, o, lse));
     let dq = norm_rope_bwd(
         b,

@@ -14,7 +14,8 @@
 //! the ranks that need it.
 
 use crate::backend::{
-    AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, RowPositions, Tensor,
+    AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite,
+    LseMerge, RowPositions, Tensor,
 };
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::Result;
@@ -135,6 +136,7 @@ pub fn forward<B: Backend>(
     k: &Tensor<B>,
     v: &Tensor<B>,
     mask: &AttnMask,
+    scale: f32,
 ) -> Result<(Tensor<B>, Tensor<B>)> {
     let (n, hq) = (q.rows(), q.shape()[1]);
     let (p, i) = (ring.size(), ring.rank());
@@ -145,14 +147,15 @@ pub fn forward<B: Backend>(
     let relay = (p > 1).then(|| KvRelay::start(b, ring, k, v)).transpose()?;
     // step 0: every local row against the local block, under the sequence's
     // mask (the local rows are in sequence order)
-    b.attention_fwd(
-        q.all_rows(),
-        k.all_rows(),
-        v.all_rows(),
-        &local_block_mask(mask, i, p, n)?,
-        o.all_rows_mut(),
-        lse.all_rows_mut(),
-    )?;
+    b.attention_fwd(AttentionFwd {
+        q: q.all_rows(),
+        k: k.all_rows(),
+        v: v.all_rows(),
+        mask: &local_block_mask(mask, i, p, n)?,
+        scale,
+        o: o.all_rows_mut(),
+        lse: lse.all_rows_mut(),
+    })?;
     if p == 1 {
         return Ok((o, lse));
     }
@@ -165,20 +168,21 @@ pub fn forward<B: Backend>(
         if blk.mask.hides_all(blk.q_rows.len(), blk.k_rows.len()) {
             continue;
         }
-        b.attention_fwd(
-            q.rows_view(blk.q_rows.clone()),
-            kv[0].rows_view(blk.k_rows.clone()),
-            kv[1].rows_view(blk.k_rows.clone()),
-            &blk.mask,
-            o_blk.rows_view_mut(blk.q_rows.clone()),
-            lse_blk.rows_view_mut(blk.q_rows.clone()),
-        )?;
-        b.lse_merge(
-            o.rows_view_mut(blk.q_rows.clone()),
-            lse.rows_view_mut(blk.q_rows.clone()),
-            o_blk.rows_view(blk.q_rows.clone()),
-            lse_blk.rows_view(blk.q_rows.clone()),
-        )?;
+        b.attention_fwd(AttentionFwd {
+            q: q.rows_view(blk.q_rows.clone()),
+            k: kv[0].rows_view(blk.k_rows.clone()),
+            v: kv[1].rows_view(blk.k_rows.clone()),
+            mask: &blk.mask,
+            scale,
+            o: o_blk.rows_view_mut(blk.q_rows.clone()),
+            lse: lse_blk.rows_view_mut(blk.q_rows.clone()),
+        })?;
+        b.lse_merge(LseMerge {
+            o_acc: o.rows_view_mut(blk.q_rows.clone()),
+            lse_acc: lse.rows_view_mut(blk.q_rows.clone()),
+            o_blk: o_blk.rows_view(blk.q_rows.clone()),
+            lse_blk: lse_blk.rows_view(blk.q_rows.clone()),
+        })?;
     }
     drop(relay);
     Ok((o, lse))
@@ -209,22 +213,24 @@ pub fn backward<B: Backend>(
     dv: &mut Tensor<B>,
     writes: AttnGradWrites,
     mask: &AttnMask,
+    scale: f32,
 ) -> Result<()> {
     let (p, i, n) = (ring.size(), ring.rank(), q.rows());
     if p == 1 {
-        return b.attention_bwd(
-            q.all_rows(),
-            k.all_rows(),
-            v.all_rows(),
-            o.all_rows(),
-            d_o.all_rows(),
-            lse.all_rows(),
-            &local_block_mask(mask, i, p, n)?,
-            dq.all_rows_mut(),
-            dk.all_rows_mut(),
-            dv.all_rows_mut(),
+        return b.attention_bwd(AttentionBwd {
+            q: q.all_rows(),
+            k: k.all_rows(),
+            v: v.all_rows(),
+            o: o.all_rows(),
+            d_o: d_o.all_rows(),
+            lse: lse.all_rows(),
+            mask: &local_block_mask(mask, i, p, n)?,
+            scale,
+            dq: dq.all_rows_mut(),
+            dk: dk.all_rows_mut(),
+            dv: dv.all_rows_mut(),
             writes,
-        );
+        });
     }
     let mut relay = KvRelay::start(b, ring, k, v)?;
     // the gradients of the block being visited, travelling with it
@@ -241,24 +247,25 @@ pub fn backward<B: Backend>(
             // diagonal every query sees)
             return Ok(());
         }
-        b.attention_bwd(
-            q.rows_view(blk.q_rows.clone()),
-            ks.rows_view(blk.k_rows.clone()),
-            vs.rows_view(blk.k_rows.clone()),
-            o.rows_view(blk.q_rows.clone()),
-            d_o.rows_view(blk.q_rows.clone()),
-            lse.rows_view(blk.q_rows.clone()),
-            &blk.mask,
-            dq.rows_view_mut(blk.q_rows.clone()),
-            dk_t.rows_view_mut(blk.k_rows.clone()),
-            dv_t.rows_view_mut(blk.k_rows.clone()),
-            AttnGradWrites {
+        b.attention_bwd(AttentionBwd {
+            q: q.rows_view(blk.q_rows.clone()),
+            k: ks.rows_view(blk.k_rows.clone()),
+            v: vs.rows_view(blk.k_rows.clone()),
+            o: o.rows_view(blk.q_rows.clone()),
+            d_o: d_o.rows_view(blk.q_rows.clone()),
+            lse: lse.rows_view(blk.q_rows.clone()),
+            mask: &blk.mask,
+            scale,
+            dq: dq.rows_view_mut(blk.q_rows.clone()),
+            dk: dk_t.rows_view_mut(blk.k_rows.clone()),
+            dv: dv_t.rows_view_mut(blk.k_rows.clone()),
+            writes: AttnGradWrites {
                 // the first step's query block covers every local query row
                 // (zigzag: a rank's own block), later steps add in
                 dq: if step == 0 { writes.dq } else { GradWrite::Add },
                 dkv: GradWrite::Add,
             },
-        )
+        })
     };
     step_bwd(0, k, v, &mut dk_t, &mut dv_t)?;
     for step in 1..p {

@@ -21,7 +21,10 @@
 //! Causal and full masks, which hide no whole block, keep the relay.
 
 use super::ring::{self, local_block_mask, ring_block};
-use crate::backend::{AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Tensor};
+use crate::backend::{
+    AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite,
+    LseMerge, Tensor,
+};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::Result;
 
@@ -54,10 +57,11 @@ pub fn forward<B: Backend>(
     k: &Tensor<B>,
     v: &Tensor<B>,
     mask: &AttnMask,
+    scale: f32,
 ) -> Result<(Tensor<B>, Tensor<B>)> {
     let (p, i, n, hq) = (ring.size(), ring.rank(), q.rows(), q.shape()[1]);
     if !takes_shifts(mask, p) {
-        return ring::forward(b, ring, q, k, v, mask);
+        return ring::forward(b, ring, q, k, v, mask, scale);
     }
     let mut o = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
     // the LSE is kept for backward
@@ -65,33 +69,35 @@ pub fn forward<B: Backend>(
     let mut shift = KvShift::new(b, ring, k, v, mask)?;
     // the step-1 block arrives beside the local attention
     shift.start(ring, 1)?;
-    b.attention_fwd(
-        q.all_rows(),
-        k.all_rows(),
-        v.all_rows(),
-        &local_block_mask(mask, i, p, n)?,
-        o.all_rows_mut(),
-        lse.all_rows_mut(),
-    )?;
+    b.attention_fwd(AttentionFwd {
+        q: q.all_rows(),
+        k: k.all_rows(),
+        v: v.all_rows(),
+        mask: &local_block_mask(mask, i, p, n)?,
+        scale,
+        o: o.all_rows_mut(),
+        lse: lse.all_rows_mut(),
+    })?;
     let mut o_blk = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
     let mut lse_blk = b.zeros(&[n, hq], DType::F32, Category::Workspace)?;
     for step in 1..p {
         if let Some(kv) = shift.arrive(ring, step)? {
             let blk = ring_block(i, step, p, n / 2, mask);
-            b.attention_fwd(
-                q.rows_view(blk.q_rows.clone()),
-                kv[0].rows_view(blk.k_rows.clone()),
-                kv[1].rows_view(blk.k_rows.clone()),
-                &blk.mask,
-                o_blk.rows_view_mut(blk.q_rows.clone()),
-                lse_blk.rows_view_mut(blk.q_rows.clone()),
-            )?;
-            b.lse_merge(
-                o.rows_view_mut(blk.q_rows.clone()),
-                lse.rows_view_mut(blk.q_rows.clone()),
-                o_blk.rows_view(blk.q_rows.clone()),
-                lse_blk.rows_view(blk.q_rows.clone()),
-            )?;
+            b.attention_fwd(AttentionFwd {
+                q: q.rows_view(blk.q_rows.clone()),
+                k: kv[0].rows_view(blk.k_rows.clone()),
+                v: kv[1].rows_view(blk.k_rows.clone()),
+                mask: &blk.mask,
+                scale,
+                o: o_blk.rows_view_mut(blk.q_rows.clone()),
+                lse: lse_blk.rows_view_mut(blk.q_rows.clone()),
+            })?;
+            b.lse_merge(LseMerge {
+                o_acc: o.rows_view_mut(blk.q_rows.clone()),
+                lse_acc: lse.rows_view_mut(blk.q_rows.clone()),
+                o_blk: o_blk.rows_view(blk.q_rows.clone()),
+                lse_blk: lse_blk.rows_view(blk.q_rows.clone()),
+            })?;
         }
     }
     drop(shift);
@@ -118,10 +124,13 @@ pub fn backward<B: Backend>(
     dv: &mut Tensor<B>,
     writes: AttnGradWrites,
     mask: &AttnMask,
+    scale: f32,
 ) -> Result<()> {
     let (p, i, n) = (ring.size(), ring.rank(), q.rows());
     if !takes_shifts(mask, p) {
-        return ring::backward(b, ring, q, k, v, o, d_o, lse, dq, dk, dv, writes, mask);
+        return ring::backward(
+            b, ring, q, k, v, o, d_o, lse, dq, dk, dv, writes, mask, scale,
+        );
     }
     let mut shift = KvShift::new(b, ring, k, v, mask)?;
     shift.start(ring, 1)?;
@@ -135,23 +144,24 @@ pub fn backward<B: Backend>(
         let [dk_t, dv_t] = grads else {
             unreachable!("two gradients")
         };
-        b.attention_bwd(
-            q.rows_view(blk.q_rows.clone()),
-            ks.rows_view(blk.k_rows.clone()),
-            vs.rows_view(blk.k_rows.clone()),
-            o.rows_view(blk.q_rows.clone()),
-            d_o.rows_view(blk.q_rows.clone()),
-            lse.rows_view(blk.q_rows.clone()),
-            &blk.mask,
-            dq.rows_view_mut(blk.q_rows.clone()),
-            dk_t.rows_view_mut(blk.k_rows.clone()),
-            dv_t.rows_view_mut(blk.k_rows.clone()),
-            AttnGradWrites {
+        b.attention_bwd(AttentionBwd {
+            q: q.rows_view(blk.q_rows.clone()),
+            k: ks.rows_view(blk.k_rows.clone()),
+            v: vs.rows_view(blk.k_rows.clone()),
+            o: o.rows_view(blk.q_rows.clone()),
+            d_o: d_o.rows_view(blk.q_rows.clone()),
+            lse: lse.rows_view(blk.q_rows.clone()),
+            mask: &blk.mask,
+            scale,
+            dq: dq.rows_view_mut(blk.q_rows.clone()),
+            dk: dk_t.rows_view_mut(blk.k_rows.clone()),
+            dv: dv_t.rows_view_mut(blk.k_rows.clone()),
+            writes: AttnGradWrites {
                 // the local block's rows are every local query row
                 dq: if step == 0 { writes.dq } else { GradWrite::Add },
                 dkv: GradWrite::Add,
             },
-        )
+        })
     };
     step_bwd(0, k, v, &mut visiting)?;
     let mut home = HomeGrads {
@@ -410,6 +420,7 @@ mod tests {
 
     fn run_ring(p: usize, seq: usize, mask: &AttnMask, shifts: bool) -> Vec<RankRun> {
         let (hq, hkv, d) = (2, 1, 4);
+        let scale = crate::attention::AttnDims::default_softmax_scale(d);
         let n = seq / p;
         let shape = MeshShape::new(1, p, 1).unwrap();
         run_ranks(shape, CpuBackend::new, |rank, b, mesh| {
@@ -427,8 +438,8 @@ mod tests {
                 t(&[n, hq, d])?,
             );
             let (o, lse) = match shifts {
-                true => forward(b, &ring, &q, &k, &v, mask)?,
-                false => ring::forward(b, &ring, &q, &k, &v, mask)?,
+                true => forward(b, &ring, &q, &k, &v, mask, scale)?,
+                false => ring::forward(b, &ring, &q, &k, &v, mask, scale)?,
             };
             let mut g = [&q, &k, &v].map(|x| b.zeros(x.shape(), DType::F32, Category::Grads));
             let [dq, dk, dv] = &mut g;
@@ -442,11 +453,11 @@ mod tests {
             match shifts {
                 true => backward(
                     b, &ring, args.0, args.1, args.2, args.3, args.4, args.5, dq, dk, dv, writes,
-                    mask,
+                    mask, scale,
                 )?,
                 false => ring::backward(
                     b, &ring, args.0, args.1, args.2, args.3, args.4, args.5, dq, dk, dv, writes,
-                    mask,
+                    mask, scale,
                 )?,
             }
             let out = [&o, &lse, &*dq, &*dk, &*dv].map(|x| b.to_host(x));

@@ -29,7 +29,8 @@ use super::{
     ring_shift,
 };
 use crate::backend::{
-    AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Mat, MatLayout, Tensor,
+    AttnGradWrites, AttnMask, AttnShape, Backend, Category, DType, GradWrite, Mat, MatLayout,
+    Tensor,
 };
 use crate::comm::{Mesh, Pending};
 use crate::error::Result;
@@ -477,8 +478,9 @@ impl<'a, B: Backend> Staged<'a, B> {
                     }
                     Upcoming::End => {}
                 }
-                let (o_att, lse) =
-                    ring_shift::forward(b, self.mesh.ring.as_ref(), &q, &k, &v, self.mask)?;
+                let ring = self.mesh.ring.as_ref();
+                let scale = self.dims.softmax_scale;
+                let (o_att, lse) = ring_shift::forward(b, ring, &q, &k, &v, self.mask, scale)?;
                 drop(q);
                 self.split_lse(lse, &pieces[fwd_stage], &mut lses)?;
                 fwd_stage += 1;
@@ -583,7 +585,8 @@ impl<'a, B: Backend> Staged<'a, B> {
         let mut stage_index = 0;
         // every stage's attention call on this rank: [n, u, d] over [n, m, d]
         let sh = &self.shapes;
-        let in_place = b.attention_bwd_in_place(sh.n, sh.u, sh.m, sh.head_dim, self.mask);
+        let call = AttnShape::square(sh.n, sh.u, sh.m, sh.head_dim, self.mask);
+        let in_place = b.attention_bwd_in_place(&call);
         let q_write = self.grad_write(1, w.q_norm.is_some(), in_place);
         for (p, phase) in sched.phases.iter().enumerate() {
             let kv = match next_kv.take() {
@@ -642,6 +645,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                         dkv: if t == 0 { kv_write } else { GradWrite::Add },
                     },
                     self.mask,
+                    self.dims.softmax_scale,
                 )?;
                 drop((q, o_att, d_o));
                 let norm = w.q_norm.as_ref().map(|w| (w, g.q_norm.as_mut()));

@@ -518,6 +518,7 @@ mod tests {
                 theta: 10000.0,
                 scaling: None,
             },
+            softmax_scale: AttnDims::default_softmax_scale(4),
         };
         let plan = CpPlan::new(Strategy::Ulysses, &dims, 8, 2, 1, None).unwrap();
         let runs = vec![

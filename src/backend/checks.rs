@@ -1,9 +1,8 @@
 //! Argument checks every device's ops share (element ranges, element
-//! counts, GQA pairs, bias views, token ids) and the out-of-memory error.
+//! counts, bias views, token ids) and the out-of-memory error.
 
-use super::mask::AttnMask;
 use super::memory::{Bytes, MemoryLedger};
-use super::tensor::{MatLayout, Rows, Tensor, TensorDevice};
+use super::tensor::{MatLayout, Tensor, TensorDevice};
 use crate::error::Result;
 
 /// Checks that every token id indexes a `vocab`-row embedding table.
@@ -36,28 +35,6 @@ pub fn check_same_numel<B: TensorDevice>(a: &Tensor<B>, b: &Tensor<B>, op: &str)
         )));
     }
     Ok(())
-}
-
-/// The query heads, kv heads and head dim of an attention call of `q`
-/// `[sq, hq, d]` over `k` `[sk, hkv, d]` under `mask`: a GQA pair (hq a
-/// multiple of hkv, one head dim) of lengths the mask allows.
-pub fn attention_heads<B: TensorDevice>(
-    q: &Rows<'_, B>,
-    k: &Rows<'_, B>,
-    mask: &AttnMask,
-) -> Result<(usize, usize, usize)> {
-    let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
-    if hkv == 0 || !hq.is_multiple_of(hkv) || k.head_dim() != d {
-        return Err(crate::Error::Backend(format!(
-            "attention: q {:?} and k {:?} do not form a GQA pair",
-            q.t.shape(),
-            k.t.shape()
-        )));
-    }
-    if let Err(why) = mask.check_shape(q.len(), k.len()) {
-        return Err(crate::Error::Backend(format!("attention: {why}")));
-    }
-    Ok((hq, hkv, d))
 }
 
 /// The error of an allocation of `requested` bytes that `device` could not

@@ -9,6 +9,7 @@
 pub mod adamw_multi;
 pub mod adamw_step;
 pub mod arena;
+pub mod attn_args;
 pub mod bounded_mask;
 pub mod cast;
 pub mod checks;
@@ -32,11 +33,9 @@ pub mod tensor;
 
 pub use adamw_multi::{AdamWPiece, AdamWSlot};
 pub use adamw_step::AdamWStep;
+pub use attn_args::{AttentionBwd, AttentionFwd, AttnShape, LseMerge};
 pub use cast::{cast, cast_ref};
-pub use checks::{
-    attention_heads, check_bias_views, check_elems, check_same_numel, check_token_ids,
-    out_of_memory,
-};
+pub use checks::{check_bias_views, check_elems, check_same_numel, check_token_ids, out_of_memory};
 pub use copy_done::{ComputePoint, CopyDone, InFlight};
 pub use grad_write::{AttnGradWrites, GradWrite};
 pub use mask::{AttnMask, BoundedMask, RowPositions};

@@ -8,46 +8,10 @@
 //! here knows any device's sizes. The CPU reference's ops take no buffers
 //! of their own: every method's default.
 
-use super::mask::AttnMask;
+pub use super::attn_args::AttnShape;
+use super::grad_write::AttnGradWrites;
 use super::tensor::DType;
-use super::{AttnGradWrites, Rows};
 use crate::error::{Error, Result};
-
-/// The geometry of one attention call, checked.
-#[derive(Debug, Clone)]
-pub struct AttnShape {
-    pub sq: usize,
-    pub sk: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub mask: AttnMask,
-}
-
-impl AttnShape {
-    /// The geometry of `q` `[sq, hq, d]` attending to `k` `[sk, hkv, d]`
-    /// under `mask`, checked.
-    pub fn check<B: super::Backend>(
-        q: &Rows<'_, B>,
-        k: &Rows<'_, B>,
-        mask: &AttnMask,
-    ) -> Result<Self> {
-        let (hq, hkv, d) = super::attention_heads(q, k, mask)?;
-        Ok(AttnShape {
-            sq: q.len(),
-            sk: k.len(),
-            hq,
-            hkv,
-            d,
-            mask: mask.clone(),
-        })
-    }
-
-    /// Whether the call has queries, keys and heads.
-    pub fn nonempty(&self) -> bool {
-        self.sq > 0 && self.sk > 0 && self.hq > 0
-    }
-}
 
 /// An attention backward's dtypes and how it writes its gradients.
 #[derive(Debug, Clone, Copy)]
@@ -115,7 +79,7 @@ pub trait OpBuffers: Send + Sync {
         Ok(AttnBuffers::default())
     }
     /// As [`Backend::attention_bwd_in_place`](super::Backend::attention_bwd_in_place).
-    fn bwd_in_place(&self, _s: usize, _hq: usize, _hkv: usize, _d: usize, _m: &AttnMask) -> bool {
+    fn bwd_in_place(&self, _g: &AttnShape) -> bool {
         self.compute_dtype() == DType::F32
     }
 }

@@ -3,13 +3,12 @@
 
 use super::adamw_multi::AdamWSlot;
 use super::adamw_step::AdamWStep;
+use super::attn_args::{AttentionBwd, AttentionFwd, AttnShape, LseMerge};
 use super::copy_done::{ComputePoint, CopyDone};
-use super::grad_write::AttnGradWrites;
-use super::mask::AttnMask;
 use super::memory::{Category, MemoryLedger};
 use super::op_kinds::{GatedAct, RmsNorm};
 use super::profile;
-use super::tensor::{DType, Mat, MatMut, Rows, RowsMut, Tensor, TensorDevice};
+use super::tensor::{DType, Mat, MatMut, Tensor, TensorDevice};
 use crate::error::Result;
 use std::sync::Arc;
 
@@ -258,62 +257,49 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         inverse: bool,
     ) -> Result<()>;
 
-    /// Attention forward on token rows. `q: [sq, hq, d]`, `k, v: [sk, hkv, d]` with
-    /// `hq % hkv == 0` (query head `h` uses kv head `h / (hq/hkv)`); writes
-    /// `o: [sq, hq, d]` and `lse: [sq, hq]` (natural log). Row `i` sees the
-    /// keys `mask` allows (`mask.visible_keys(i, sk)`; a causal mask needs
-    /// `sq == sk`, [`AttnMask::check_shape`]).
-    fn attention_fwd(
-        &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        mask: &AttnMask,
-        o: RowsMut<'_, Self>,
-        lse: RowsMut<'_, Self>,
-    ) -> Result<()>;
-    /// Attention backward given the final `o` and `lse` of the full row (also when
-    /// this call covers only one key block of it). Adds into or overwrites
-    /// `dq` and `dk`, `dv` as `writes` says.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_bwd(
-        &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        o: Rows<'_, Self>,
-        d_o: Rows<'_, Self>,
-        lse: Rows<'_, Self>,
-        mask: &AttnMask,
-        dq: RowsMut<'_, Self>,
-        dk: RowsMut<'_, Self>,
-        dv: RowsMut<'_, Self>,
-        writes: AttnGradWrites,
-    ) -> Result<()>;
-    /// Whether [`attention_bwd`](Backend::attention_bwd) under `mask` of
-    /// `[s, hq, d]` queries over `[s, hkv, d]` keys, all in the compute
-    /// dtype, writes an overwritten compute-dtype gradient in place, with no
-    /// F32 scratch: then a caller whose one call makes a gradient whole keeps
+    /// Attention forward ([`AttentionFwd`]): `o = softmax(scale·q·kᵀ) v`
+    /// and its LSE, `q: [sq, hq, d]`, `k, v: [sk, hkv, d]` with `hq % hkv
+    /// == 0`. Checks the call once for every device ([`AttentionFwd::check`])
+    /// and runs it ([`run_attention_fwd`](Backend::run_attention_fwd));
+    /// devices do not override it.
+    fn attention_fwd(&self, a: AttentionFwd<'_, Self>) -> Result<()> {
+        let g = a.check()?;
+        self.run_attention_fwd(&g, a)
+    }
+    /// The device's arithmetic of a forward of geometry `g` that
+    /// [`attention_fwd`](Backend::attention_fwd) checked.
+    fn run_attention_fwd(&self, g: &AttnShape, a: AttentionFwd<'_, Self>) -> Result<()>;
+    /// Attention backward ([`AttentionBwd`]) given the final `o` and `lse`
+    /// of the full row (also when the call covers only one key block of it):
+    /// adds into or overwrites `dq` and `dk`, `dv` as `writes` says. Checks
+    /// the call once for every device ([`AttentionBwd::check`]) and runs it
+    /// ([`run_attention_bwd`](Backend::run_attention_bwd)); devices do not
+    /// override it.
+    fn attention_bwd(&self, a: AttentionBwd<'_, Self>) -> Result<()> {
+        let g = a.check()?;
+        self.run_attention_bwd(&g, a)
+    }
+    /// The device's arithmetic of a backward of geometry `g` that
+    /// [`attention_bwd`](Backend::attention_bwd) checked.
+    fn run_attention_bwd(&self, g: &AttnShape, a: AttentionBwd<'_, Self>) -> Result<()>;
+    /// Whether [`attention_bwd`](Backend::attention_bwd) of a call of
+    /// geometry `g` (queries and keys alike, all in the compute dtype)
+    /// writes an overwritten compute-dtype gradient in place, with no F32
+    /// scratch: then a caller whose one call makes a gradient whole keeps
     /// it in the compute dtype for free. True where the compute dtype is F32.
-    fn attention_bwd_in_place(
-        &self,
-        _s: usize,
-        _hq: usize,
-        _hkv: usize,
-        _d: usize,
-        _mask: &AttnMask,
-    ) -> bool {
+    fn attention_bwd_in_place(&self, _g: &AttnShape) -> bool {
         self.compute_dtype() == DType::F32
     }
-    /// Merges a partial attention result into a running one by log-sum-exp:
-    /// `o_acc, lse_acc <- merge((o_acc, lse_acc), (o_blk, lse_blk))`.
-    fn lse_merge(
-        &self,
-        o_acc: RowsMut<'_, Self>,
-        lse_acc: RowsMut<'_, Self>,
-        o_blk: Rows<'_, Self>,
-        lse_blk: Rows<'_, Self>,
-    ) -> Result<()>;
+    /// Merges a partial attention result into a running one by log-sum-exp
+    /// ([`LseMerge`]). Checks the call once for every device
+    /// ([`LseMerge::check`]) and runs it ([`run_lse_merge`](Backend::run_lse_merge));
+    /// devices do not override it.
+    fn lse_merge(&self, a: LseMerge<'_, Self>) -> Result<()> {
+        a.check()?;
+        self.run_lse_merge(a)
+    }
+    /// The device's arithmetic of a merge [`lse_merge`](Backend::lse_merge) checked.
+    fn run_lse_merge(&self, a: LseMerge<'_, Self>) -> Result<()>;
 
     /// A gated MLP's activation: `out = act(gate) · up` (SwiGLU, GeGLU).
     fn gated_act_fwd(

@@ -25,10 +25,10 @@ use super::norm_args::{check_norm_bwd, check_norm_fwd};
 use super::op_buffers::poisoned;
 pub use super::op_buffers::{AttnBuffers, AttnBwdDtypes, AttnShape, OpBuffers};
 use super::{
-    AdamWSlot, AdamWStep, AttnGradWrites, Backend, Category, DType, MatLayout, MatMut,
-    MemoryLedger, Rows, RowsMut, Tensor, TensorDevice, check_elems,
+    AdamWSlot, AdamWStep, AttentionBwd, AttentionFwd, Backend, Category, DType, LseMerge,
+    MatLayout, MatMut, MemoryLedger, Tensor, TensorDevice, check_elems,
 };
-use super::{AttnMask, Mat, check_same_numel};
+use super::{Mat, check_same_numel};
 use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -411,79 +411,24 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         Ok(())
     }
 
-    fn attention_fwd(
-        &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        mask: &AttnMask,
-        o: RowsMut<'_, Self>,
-        lse: RowsMut<'_, Self>,
-    ) -> Result<()> {
-        let g = AttnShape::check(&q, &k, mask)?;
-        if v.len() != g.sk || o.len() != g.sq || lse.len() != g.sq {
-            return Err(Error::Backend("attention_fwd: row counts differ".into()));
-        }
-        let bf16 = q.t.dtype() == DType::BF16 && o.t.dtype() == DType::BF16;
-        let buffers = self.rules().attention_fwd(&g, bf16)?;
-        self.take_attn_buffers(&g, buffers)
+    fn run_attention_fwd(&self, g: &AttnShape, a: AttentionFwd<'_, Self>) -> Result<()> {
+        let bf16 = a.q.t.dtype() == DType::BF16 && a.o.t.dtype() == DType::BF16;
+        let buffers = self.rules().attention_fwd(g, bf16)?;
+        self.take_attn_buffers(g, buffers)
     }
-    fn attention_bwd(
-        &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        o: Rows<'_, Self>,
-        d_o: Rows<'_, Self>,
-        lse: Rows<'_, Self>,
-        mask: &AttnMask,
-        dq: RowsMut<'_, Self>,
-        dk: RowsMut<'_, Self>,
-        dv: RowsMut<'_, Self>,
-        writes: AttnGradWrites,
-    ) -> Result<()> {
-        let g = AttnShape::check(&q, &k, mask)?;
-        let rows = [
-            v.len(),
-            o.len(),
-            d_o.len(),
-            lse.len(),
-            dq.len(),
-            dk.len(),
-            dv.len(),
-        ];
-        if rows != [g.sk, g.sq, g.sq, g.sq, g.sq, g.sk, g.sk] {
-            return Err(Error::Backend("attention_bwd: row counts differ".into()));
-        }
+    fn run_attention_bwd(&self, g: &AttnShape, a: AttentionBwd<'_, Self>) -> Result<()> {
         let dtypes = AttnBwdDtypes {
-            inputs: [q.t.dtype(), o.t.dtype(), d_o.t.dtype()],
-            grads: [dq.t.dtype(), dk.t.dtype(), dv.t.dtype()],
-            writes,
+            inputs: [a.q.t.dtype(), a.o.t.dtype(), a.d_o.t.dtype()],
+            grads: [a.dq.t.dtype(), a.dk.t.dtype(), a.dv.t.dtype()],
+            writes: a.writes,
         };
-        let buffers = self.rules().attention_bwd(&g, &dtypes)?;
-        self.take_attn_buffers(&g, buffers)
+        let buffers = self.rules().attention_bwd(g, &dtypes)?;
+        self.take_attn_buffers(g, buffers)
     }
-    fn attention_bwd_in_place(
-        &self,
-        s: usize,
-        hq: usize,
-        hkv: usize,
-        d: usize,
-        mask: &AttnMask,
-    ) -> bool {
-        self.rules().bwd_in_place(s, hq, hkv, d, mask)
+    fn attention_bwd_in_place(&self, g: &AttnShape) -> bool {
+        self.rules().bwd_in_place(g)
     }
-    fn lse_merge(
-        &self,
-        o_acc: RowsMut<'_, Self>,
-        lse_acc: RowsMut<'_, Self>,
-        o_blk: Rows<'_, Self>,
-        lse_blk: Rows<'_, Self>,
-    ) -> Result<()> {
-        let n = o_acc.len();
-        if o_blk.len() != n || lse_acc.len() != n || lse_blk.len() != n {
-            return Err(Error::Backend("lse_merge: block shapes differ".into()));
-        }
+    fn run_lse_merge(&self, _a: LseMerge<'_, Self>) -> Result<()> {
         Ok(())
     }
 

@@ -270,7 +270,7 @@ impl ModelConfig {
     pub fn softmax_scale(&self) -> f32 {
         match self.query_pre_attn_scalar {
             Some(q) => 1.0 / q.sqrt(),
-            None => 1.0 / (self.head_dim as f32).sqrt(),
+            None => crate::attention::AttnDims::default_softmax_scale(self.head_dim),
         }
     }
 

@@ -214,6 +214,7 @@ pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
             theta: cfg.rope_theta,
             scaling: cfg.rope_scaling,
         },
+        softmax_scale: cfg.softmax_scale(),
     }
 }
 

@@ -23,6 +23,7 @@ fn dims(heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool) -> AttnDi
                 original_max_position_embeddings: 16,
             })),
         },
+        softmax_scale: AttnDims::default_softmax_scale(head_dim),
     }
 }
 

@@ -18,6 +18,7 @@ fn act_bytes(heads: usize, kv_heads: usize, strategy: Strategy, chunk: Option<us
             theta: 10000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(16),
     };
     let seq = 128;
     let inputs = TrialInputs::random(&d, seq, 5);

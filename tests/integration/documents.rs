@@ -23,6 +23,7 @@ fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
             theta: 10000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(8),
     }
 }
 
@@ -236,7 +237,10 @@ mod packing {
 /// weighs zero; its backward adds no gradient.
 #[test]
 fn a_block_of_other_documents_adds_nothing() {
-    use upipe::backend::{AttnGradWrites, Backend, Category, DType, RowPositions};
+    use upipe::backend::{
+        AttentionBwd, AttentionFwd, AttnGradWrites, Backend, Category, DType, LseMerge,
+        RowPositions,
+    };
     let b = CpuBackend::new();
     let seq_mask = BoundedMask::documents(&[0, 2], 4).unwrap();
     // queries at positions 2, 3 (second document) against keys at 0, 1 (first)
@@ -257,8 +261,16 @@ fn a_block_of_other_documents_adds_nothing() {
         .unwrap();
     let mut lse = b.zeros(&[2, 1], DType::F32, Category::Workspace).unwrap();
     let (qr, kr, vr) = (q.all_rows(), k.all_rows(), v.all_rows());
-    b.attention_fwd(qr, kr, vr, &mask, o.all_rows_mut(), lse.all_rows_mut())
-        .unwrap();
+    b.attention_fwd(AttentionFwd {
+        q: qr,
+        k: kr,
+        v: vr,
+        mask: &mask,
+        scale: 0.5,
+        o: o.all_rows_mut(),
+        lse: lse.all_rows_mut(),
+    })
+    .unwrap();
     assert!(b.to_host(&o).unwrap().iter().all(|&x| x == 0.0));
     assert!(
         b.to_host(&lse)
@@ -269,31 +281,32 @@ fn a_block_of_other_documents_adds_nothing() {
     let mut o_acc = t(&[2, 1, 4]).unwrap();
     let mut lse_acc = b.from_host(&[0.5, -1.0], &[2, 1], DType::F32, Category::Workspace);
     let lse_acc = lse_acc.as_mut().unwrap();
-    b.lse_merge(
-        o_acc.all_rows_mut(),
-        lse_acc.all_rows_mut(),
-        o.all_rows(),
-        lse.all_rows(),
-    )
+    b.lse_merge(LseMerge {
+        o_acc: o_acc.all_rows_mut(),
+        lse_acc: lse_acc.all_rows_mut(),
+        o_blk: o.all_rows(),
+        lse_blk: lse.all_rows(),
+    })
     .unwrap();
     assert_eq!(b.to_host(&o_acc).unwrap(), vals);
     assert_eq!(b.to_host(lse_acc).unwrap(), vec![0.5, -1.0]);
     let z = |shape: &[usize]| b.zeros(shape, DType::F32, Category::Grads).unwrap();
     let (mut dq, mut dk, mut dv) = (z(&[2, 1, 4]), z(&[2, 1, 4]), z(&[2, 1, 4]));
     let d_o = t(&[2, 1, 4]).unwrap();
-    b.attention_bwd(
-        q.all_rows(),
-        k.all_rows(),
-        v.all_rows(),
-        o_acc.all_rows(),
-        d_o.all_rows(),
-        lse_acc.all_rows(),
-        &mask,
-        dq.all_rows_mut(),
-        dk.all_rows_mut(),
-        dv.all_rows_mut(),
-        AttnGradWrites::ADD,
-    )
+    b.attention_bwd(AttentionBwd {
+        q: q.all_rows(),
+        k: k.all_rows(),
+        v: v.all_rows(),
+        o: o_acc.all_rows(),
+        d_o: d_o.all_rows(),
+        lse: lse_acc.all_rows(),
+        mask: &mask,
+        scale: 0.5,
+        dq: dq.all_rows_mut(),
+        dk: dk.all_rows_mut(),
+        dv: dv.all_rows_mut(),
+        writes: AttnGradWrites::ADD,
+    })
     .unwrap();
     for g in [&dq, &dk, &dv] {
         assert!(b.to_host(g).unwrap().iter().all(|&x| x == 0.0));

@@ -40,7 +40,7 @@ fn tiny_gemma() -> ModelConfig {
     c
 }
 
-const QUERY_SCALAR: f32 = 8.0;
+const QUERY_SCALAR: f32 = 12.0;
 
 /// Random weights with every norm weight drawn around zero too, so the
 /// `1 + w` offsets and the norms' gradients all matter.

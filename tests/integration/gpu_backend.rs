@@ -10,8 +10,8 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{
-    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, DType, GatedAct, GradWrite,
-    IGNORE, MatLayout, RmsNorm, Tensor,
+    AdamWSlot, AdamWStep, AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category,
+    DType, GatedAct, GradWrite, IGNORE, LseMerge, MatLayout, RmsNorm, Tensor,
 };
 
 const TOL: f64 = 1e-2;
@@ -870,19 +870,19 @@ fn lse_merge_matches_cpu() {
     lb[7] = f32::NEG_INFINITY; // an empty block contributes nothing
     let (glb, clb) = pair(g, &c, &lb, &[s, h], DType::F32);
     let r = 2..s;
-    g.lse_merge(
-        goa.rows_view_mut(r.clone()),
-        gla.rows_view_mut(r.clone()),
-        gob.rows_view(r.clone()),
-        glb.rows_view(r.clone()),
-    )
+    g.lse_merge(LseMerge {
+        o_acc: goa.rows_view_mut(r.clone()),
+        lse_acc: gla.rows_view_mut(r.clone()),
+        o_blk: gob.rows_view(r.clone()),
+        lse_blk: glb.rows_view(r.clone()),
+    })
     .unwrap();
-    c.lse_merge(
-        coa.rows_view_mut(r.clone()),
-        cla.rows_view_mut(r.clone()),
-        cob.rows_view(r.clone()),
-        clb.rows_view(r.clone()),
-    )
+    c.lse_merge(LseMerge {
+        o_acc: coa.rows_view_mut(r.clone()),
+        lse_acc: cla.rows_view_mut(r.clone()),
+        o_blk: cob.rows_view(r.clone()),
+        lse_blk: clb.rows_view(r.clone()),
+    })
     .unwrap();
     check("lse_merge o", g, &goa, &c, &coa);
     check("lse_merge lse", g, &gla, &c, &cla);
@@ -1068,14 +1068,15 @@ fn attn_fwd_on<B: Backend>(b: &B, dt: DType, p: &AttnProblem) -> (Vec<f32>, Vec<
         .zeros(&[p.sq + off, hq], DType::F32, Category::Workspace)
         .unwrap();
     let (qr, kr) = (off..off + p.sq, off..off + p.sk);
-    b.attention_fwd(
-        q.rows_view(qr.clone()),
-        k.rows_view(kr.clone()),
-        v.rows_view(kr),
-        &p.mask(),
-        o.rows_view_mut(qr.clone()),
-        lse.rows_view_mut(qr),
-    )
+    b.attention_fwd(AttentionFwd {
+        q: q.rows_view(qr.clone()),
+        k: k.rows_view(kr.clone()),
+        v: v.rows_view(kr),
+        mask: &p.mask(),
+        scale: 1.0 / (d as f32).sqrt(),
+        o: o.rows_view_mut(qr.clone()),
+        lse: lse.rows_view_mut(qr),
+    })
     .unwrap();
     (b.to_host(&o).unwrap(), b.to_host(&lse).unwrap())
 }
@@ -1126,19 +1127,20 @@ fn attn_bwd_on<B: Backend>(
     let qr = off..off + p.sq;
     for (i, kb) in kblocks.iter().enumerate() {
         let kr = off + kb.start..off + kb.end;
-        b.attention_bwd(
-            q.rows_view(qr.clone()),
-            k.rows_view(kr.clone()),
-            v.rows_view(kr.clone()),
-            o.rows_view(qr.clone()),
-            d_o.rows_view(qr.clone()),
-            lse.rows_view(qr.clone()),
-            &p.mask(),
-            dq.rows_view_mut(qr.clone()),
-            dk.rows_view_mut(kr.clone()),
-            dv.rows_view_mut(kr),
-            if i == 0 { writes } else { AttnGradWrites::ADD },
-        )
+        b.attention_bwd(AttentionBwd {
+            q: q.rows_view(qr.clone()),
+            k: k.rows_view(kr.clone()),
+            v: v.rows_view(kr.clone()),
+            o: o.rows_view(qr.clone()),
+            d_o: d_o.rows_view(qr.clone()),
+            lse: lse.rows_view(qr.clone()),
+            mask: &p.mask(),
+            scale: 1.0 / (d as f32).sqrt(),
+            dq: dq.rows_view_mut(qr.clone()),
+            dk: dk.rows_view_mut(kr.clone()),
+            dv: dv.rows_view_mut(kr),
+            writes: if i == 0 { writes } else { AttnGradWrites::ADD },
+        })
         .unwrap();
     }
     (
@@ -1839,30 +1841,32 @@ fn cudnn_documents_timing_against_flash() {
                 .zeros(&[total, hq], DType::F32, Category::Workspace)
                 .unwrap();
             let fwd = time_ms(b, 5, || {
-                b.attention_fwd(
-                    q.all_rows(),
-                    k.all_rows(),
-                    v.all_rows(),
-                    &mask,
-                    o.all_rows_mut(),
-                    lse.all_rows_mut(),
-                )
+                b.attention_fwd(AttentionFwd {
+                    q: q.all_rows(),
+                    k: k.all_rows(),
+                    v: v.all_rows(),
+                    mask: &mask,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    o: o.all_rows_mut(),
+                    lse: lse.all_rows_mut(),
+                })
                 .unwrap()
             });
             let bwd = time_ms(b, 5, || {
-                b.attention_bwd(
-                    q.all_rows(),
-                    k.all_rows(),
-                    v.all_rows(),
-                    o.all_rows(),
-                    d_o.all_rows(),
-                    lse.all_rows(),
-                    &mask,
-                    dq.all_rows_mut(),
-                    dk.all_rows_mut(),
-                    dv.all_rows_mut(),
+                b.attention_bwd(AttentionBwd {
+                    q: q.all_rows(),
+                    k: k.all_rows(),
+                    v: v.all_rows(),
+                    o: o.all_rows(),
+                    d_o: d_o.all_rows(),
+                    lse: lse.all_rows(),
+                    mask: &mask,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    dq: dq.all_rows_mut(),
+                    dk: dk.all_rows_mut(),
+                    dv: dv.all_rows_mut(),
                     writes,
-                )
+                })
                 .unwrap()
             });
             eprintln!(
@@ -1925,14 +1929,15 @@ fn cudnn_unsupported_shapes_fall_back_or_name_the_flag() {
         .zeros(&[75, 4], DType::F32, Category::Workspace)
         .unwrap();
     let e = forced
-        .attention_fwd(
-            q.all_rows(),
-            k.all_rows(),
-            k.all_rows(),
-            &AttnMask::Causal,
-            o.all_rows_mut(),
-            lse.all_rows_mut(),
-        )
+        .attention_fwd(AttentionFwd {
+            q: q.all_rows(),
+            k: k.all_rows(),
+            v: k.all_rows(),
+            mask: &AttnMask::Causal,
+            scale: 1.0 / 96f32.sqrt(),
+            o: o.all_rows_mut(),
+            lse: lse.all_rows_mut(),
+        })
         .unwrap_err()
         .to_string();
     assert!(e.contains("--attn-kernel cudnn"), "{e}");

@@ -51,6 +51,7 @@ fn attention_layer_on_gpu_matches_cpu() {
             theta: 10000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(64),
     };
     let inputs = TrialInputs::random(&d, 256, 7);
     let cpu_plan = CpPlan::new(Strategy::Local, &d, 256, 1, 1, None).unwrap();

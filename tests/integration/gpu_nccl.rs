@@ -330,6 +330,7 @@ fn layer_matches_cpu_masked(
             theta: 10000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(64),
     };
     let seq = 256;
     let inputs = TrialInputs::random(&d, seq, 7);

@@ -55,6 +55,7 @@ fn attention_layer_prediction_matches_the_cuda_ledger() {
                 theta: 10000.0,
                 scaling: None,
             },
+            softmax_scale: AttnDims::default_softmax_scale(64),
         };
         let seq = 1536;
         let inputs = TrialInputs::random(&d, seq, 7);

@@ -39,6 +39,7 @@ fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
             theta: 10000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(8),
     }
 }
 
@@ -471,6 +472,7 @@ fn cuda_predictions_against_the_h200_ledger() {
             theta: 500000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(128),
     };
     let seq = 262144;
     let ulysses = CpPlan::new(Strategy::Ulysses, &d, seq, 2, 1, None).unwrap();
@@ -553,6 +555,7 @@ fn cuda_predictions_against_the_h200_ledger() {
             theta: 10000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(64),
         ..d
     };
     let local = CpPlan::new(Strategy::Local, &d, 1536, 1, 1, None).unwrap();

@@ -28,6 +28,7 @@ fn process_ranks_over_rendezvous_equal_thread_ranks() {
             theta: 10000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(8),
     };
     let seq = 64;
     let inputs = TrialInputs::random(&d, seq, 3);

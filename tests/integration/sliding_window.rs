@@ -13,7 +13,7 @@ use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{TrialInputs, TrialResult, rel_err, run_trial_masked};
 use upipe::attention::{AttnDims, AttnMask, CpPlan, Strategy};
 use upipe::backend::cpu::CpuBackend;
-use upipe::backend::{Backend, BoundedMask, Category, DType, IGNORE};
+use upipe::backend::{AttentionFwd, Backend, BoundedMask, Category, DType, IGNORE};
 use upipe::data::PackedWindow;
 use upipe::model::decoder::attn_dims;
 use upipe::model::{Family, MemoryPolicy, ModelConfig, ModelWeights};
@@ -37,6 +37,7 @@ fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
             theta: 10000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(8),
     }
 }
 
@@ -81,8 +82,16 @@ fn windowed_attention_equals_explicit_masking() {
             .unwrap();
         let mut lse = b.zeros(&[s, hq], DType::F32, Category::Workspace).unwrap();
         let (qr, kr, vr) = (q.all_rows(), k.all_rows(), v.all_rows());
-        b.attention_fwd(qr, kr, vr, &mask, o.all_rows_mut(), lse.all_rows_mut())
-            .unwrap();
+        b.attention_fwd(AttentionFwd {
+            q: qr,
+            k: kr,
+            v: vr,
+            mask: &mask,
+            scale: 1.0 / (d as f32).sqrt(),
+            o: o.all_rows_mut(),
+            lse: lse.all_rows_mut(),
+        })
+        .unwrap();
         let got = b.to_host(&o).unwrap();
         let scale = 1.0 / (d as f64).sqrt();
         let mut want = vec![0.0f32; s * hq * d];

@@ -4,11 +4,11 @@
 
 use super::cells::{data, data_mut, dot};
 use super::device::CpuBackend;
-use crate::backend::{AttnGradWrites, AttnMask, GradWrite, Rows, RowsMut, attention_heads};
-use crate::error::Result;
+use crate::backend::{AttnGradWrites, AttnMask, AttnShape, GradWrite, Rows, RowsMut};
 use rayon::prelude::*;
 
-/// Geometry of one attention call, checked once.
+/// Geometry of one attention call (checked by the call's descriptor) and
+/// its softmax scale.
 pub(super) struct AttnGeom {
     hq: usize,
     hkv: usize,
@@ -17,19 +17,14 @@ pub(super) struct AttnGeom {
     scale: f32,
 }
 
-pub(super) fn geometry(
-    q: &Rows<'_, CpuBackend>,
-    k: &Rows<'_, CpuBackend>,
-    mask: &AttnMask,
-) -> Result<AttnGeom> {
-    let (hq, hkv, d) = attention_heads(q, k, mask)?;
-    Ok(AttnGeom {
-        hq,
-        hkv,
-        d,
-        group: hq / hkv,
-        scale: 1.0 / (d as f32).sqrt(),
-    })
+pub(super) fn geometry(g: &AttnShape, scale: f32) -> AttnGeom {
+    AttnGeom {
+        hq: g.hq,
+        hkv: g.hkv,
+        d: g.d,
+        group: g.group(),
+        scale,
+    }
 }
 
 /// `o`, `lse` `[sq, hq, d]`, `[sq, hq]` of one call; `q` `[sq, hq, d]`,

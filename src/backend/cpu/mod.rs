@@ -5,8 +5,8 @@
 use super::norm_args::{check_norm_bwd, check_norm_fwd};
 use super::profile::{Phase, StepProfile, Track};
 use super::{
-    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, CopyDone, DType, IGNORE,
-    Mat, MatLayout, MatMut, MemoryLedger, Rows, RowsMut, Tensor, check_same_numel,
+    AdamWSlot, AdamWStep, AttentionBwd, AttentionFwd, AttnShape, Backend, Category, CopyDone,
+    DType, IGNORE, LseMerge, Mat, MatLayout, MatMut, MemoryLedger, Tensor, check_same_numel,
 };
 use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
@@ -371,54 +371,25 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn attention_fwd(
-        &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        mask: &AttnMask,
-        o: RowsMut<'_, Self>,
-        lse: RowsMut<'_, Self>,
-    ) -> Result<()> {
+    fn run_attention_fwd(&self, g: &AttnShape, a: AttentionFwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("attention_fwd", Track::Compute);
-        let g = attention::geometry(&q, &k, mask)?;
-        attention::forward(&g, q, k, v, mask, o, lse);
+        let g = attention::geometry(g, a.scale);
+        attention::forward(&g, a.q, a.k, a.v, a.mask, a.o, a.lse);
         Ok(())
     }
 
-    fn attention_bwd(
-        &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        o: Rows<'_, Self>,
-        d_o: Rows<'_, Self>,
-        lse: Rows<'_, Self>,
-        mask: &AttnMask,
-        dq: RowsMut<'_, Self>,
-        dk: RowsMut<'_, Self>,
-        dv: RowsMut<'_, Self>,
-        writes: AttnGradWrites,
-    ) -> Result<()> {
+    fn run_attention_bwd(&self, g: &AttnShape, a: AttentionBwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("attention_bwd", Track::Compute);
-        let g = attention::geometry(&q, &k, mask)?;
-        let grads = attention::grads_by_kv_head(&g, [q, k, v, o, d_o, lse], mask);
-        attention::write_grads(&g, &grads, [dq, dk, dv], writes);
+        let g = attention::geometry(g, a.scale);
+        let io = [a.q, a.k, a.v, a.o, a.d_o, a.lse];
+        let grads = attention::grads_by_kv_head(&g, io, a.mask);
+        attention::write_grads(&g, &grads, [a.dq, a.dk, a.dv], a.writes);
         Ok(())
     }
 
-    fn lse_merge(
-        &self,
-        o_acc: RowsMut<'_, Self>,
-        lse_acc: RowsMut<'_, Self>,
-        o_blk: Rows<'_, Self>,
-        lse_blk: Rows<'_, Self>,
-    ) -> Result<()> {
+    fn run_lse_merge(&self, a: LseMerge<'_, Self>) -> Result<()> {
         let _span = self.profile.span("lse_merge", Track::Compute);
-        if o_acc.len() != o_blk.len() || o_blk.heads() != o_acc.heads() {
-            return Err(Error::Backend("lse_merge: block shapes differ".into()));
-        }
-        attention::lse_merge(o_acc, lse_acc, o_blk, lse_blk);
+        attention::lse_merge(a.o_acc, a.lse_acc, a.o_blk, a.lse_blk);
         Ok(())
     }
 

@@ -126,6 +126,7 @@ pub fn fwd_flash(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &AttnFwd) -> R
         hkv: a.hkv,
         d: a.d,
         mask: a.mask.clone(),
+        scale: a.scale,
     };
     flash::flash_fwd(stream, f, &args)
 }
@@ -165,6 +166,7 @@ pub fn bwd_flash(
         hkv: a.hkv,
         d: a.d,
         mask: a.mask.clone(),
+        scale: a.scale,
     };
     flash::flash_bwd(stream, f, &args)
 }
@@ -206,6 +208,8 @@ pub struct AttnFwd {
     /// The rows' key bounds of a documents mask on the device (`[2·sq]`
     /// int32, `BoundedMask::row_bounds`), or 0.
     pub bounds: u64,
+    /// The softmax scale of the scores.
+    pub scale: f32,
 }
 
 /// Operands of one attention backward; `dq`, `dk`, `dv` are f32 and accumulated.
@@ -240,10 +244,8 @@ pub struct AttnBwd {
     pub mask: AttnMask,
     /// As in [`AttnFwd`].
     pub bounds: u64,
-}
-
-fn scale(d: usize) -> f32 {
-    1.0 / (d as f32).sqrt()
+    /// As in [`AttnFwd`].
+    pub scale: f32,
 }
 
 /// Attention forward on the naive kernel (writes o and lse).
@@ -272,7 +274,7 @@ pub fn fwd_naive(k: &Kernels, stream: &CudaStream, a: &AttnFwd) -> Result<()> {
         .usize(a.d)
         .i32(flash::causal_flag(&a.mask))
         .ptr(a.bounds)
-        .f32(scale(a.d));
+        .f32(a.scale);
     launch(
         stream,
         k.attn_fwd_naive,
@@ -318,7 +320,7 @@ pub fn bwd_naive(k: &Kernels, stream: &CudaStream, a: &AttnBwd) -> Result<()> {
         .usize(a.d)
         .i32(flash::causal_flag(&a.mask))
         .ptr(a.bounds)
-        .f32(scale(a.d));
+        .f32(a.scale);
     launch(
         stream,
         k.attn_bwd_naive,

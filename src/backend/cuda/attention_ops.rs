@@ -1,16 +1,18 @@
-//! `CudaBackend`'s attention ops: `attention_fwd` / `attention_bwd` (checks,
-//! row offsets, f32 scratch for other-dtype gradients, and the route: cuDNN
-//! SDPA, then our flash kernels, then the naive ones), `lse_merge`, loading the
-//! flash modules and counting calls by path. The launches on raw device
+//! `CudaBackend`'s attention ops: `attention_fwd` / `attention_bwd` (the
+//! kernels' head-dim limit, row offsets, f32 scratch for other-dtype
+//! gradients, and the route: cuDNN SDPA, then our flash kernels, then the
+//! naive ones), `lse_merge`, loading the flash modules and counting calls
+//! by path. The launches on raw device
 //! operands are in [`super::attention`], [`super::flash`] and [`super::cudnn`].
 
 use super::attention::{self, AttentionKernels, AttnBwd, AttnFwd, AttnPath};
-use super::backend::{CudaBackend, dt, need, ptr, ptr_at};
+use super::backend::{CudaBackend, dt, ptr, ptr_at};
 use super::device::drv;
 use super::kernels::{self, Args};
 use super::{cudnn, flash, nvrtc};
 use crate::backend::{
-    AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite, Rows, RowsMut, Tensor,
+    AttentionBwd, AttentionFwd, AttnMask, AttnShape, Backend, Category, DType, GradWrite, LseMerge,
+    Tensor,
 };
 use crate::error::{Error, Result};
 use std::sync::Arc;
@@ -27,49 +29,17 @@ pub struct AttentionCalls {
     pub cudnn_bwd: u64,
 }
 
-/// Geometry of one attention call (mirrors the CPU checks).
-struct AttnGeom {
-    hq: usize,
-    hkv: usize,
-    d: usize,
-}
-
-fn attn_geom(
-    q: &Rows<'_, CudaBackend>,
-    k: &Rows<'_, CudaBackend>,
-    v: &Rows<'_, CudaBackend>,
-    mask: &AttnMask,
-) -> Result<AttnGeom> {
-    let (hq, hkv, d) = (q.heads(), k.heads(), q.head_dim());
-    if hkv == 0
-        || hq % hkv != 0
-        || k.head_dim() != d
-        || v.heads() != hkv
-        || v.head_dim() != d
-        || v.len() != k.len()
-    {
+/// Checks what the CUDA kernels add to a call's own checks
+/// ([`AttentionFwd::check`]): a head dim they take.
+fn check_head_dim(g: &AttnShape) -> Result<()> {
+    if g.d > kernels::ATT_MAX_D {
         return Err(Error::Backend(format!(
-            "attention: q {:?}, k {:?}, v {:?} do not form a GQA triple",
-            q.t.shape(),
-            k.t.shape(),
-            v.t.shape()
-        )));
-    }
-    if let Err(why) = mask.check_shape(q.len(), k.len()) {
-        return Err(Error::Backend(format!("attention: {why}")));
-    }
-    if d > kernels::ATT_MAX_D {
-        return Err(Error::Backend(format!(
-            "attention: head dim {d} exceeds {} supported by the CUDA kernels",
+            "attention: head dim {} exceeds {} supported by the CUDA kernels",
+            g.d,
             kernels::ATT_MAX_D
         )));
     }
-    if q.t.dtype() != k.t.dtype() || q.t.dtype() != v.t.dtype() {
-        return Err(Error::Backend(
-            "attention: q, k and v must share a dtype".into(),
-        ));
-    }
-    Ok(AttnGeom { hq, hkv, d })
+    Ok(())
 }
 
 impl CudaBackend {
@@ -392,31 +362,22 @@ impl CudaBackend {
     // flash, naive) share the views and strides.
     pub(super) fn attention_fwd_impl(
         &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        mask: &AttnMask,
-        o: RowsMut<'_, Self>,
-        lse: RowsMut<'_, Self>,
+        g: &AttnShape,
+        call: AttentionFwd<'_, Self>,
     ) -> Result<()> {
+        let AttentionFwd {
+            q,
+            k,
+            v,
+            mask,
+            scale,
+            o,
+            lse,
+        } = call;
         let _span = self.span_shaped("attention_fwd", || {
             format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
         })?;
-        let g = attn_geom(&q, &k, &v, mask)?;
-        need(lse.t, DType::F32, "attention_fwd", "lse")?;
-        if o.len() != q.len()
-            || o.heads() != g.hq
-            || o.head_dim() != g.d
-            || lse.len() != q.len()
-            || lse.t.row_len() != g.hq
-        {
-            return Err(Error::Backend(format!(
-                "attention_fwd: o {:?} / lse {:?} do not match q {:?}",
-                o.t.shape(),
-                lse.t.shape(),
-                q.t.shape()
-            )));
-        }
+        check_head_dim(g)?;
         self.bind()?;
         let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
         let a = AttnFwd {
@@ -439,6 +400,7 @@ impl CudaBackend {
             d: g.d,
             mask: mask.clone(),
             bounds: 0,
+            scale,
         };
         if a.dt == DType::BF16 && a.o_dt == DType::BF16 && a.sq > 0 && a.hq > 0 {
             let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, mask.clone());
@@ -452,6 +414,7 @@ impl CudaBackend {
                     lse: a.lse,
                     shape,
                     docs: cudnn::ragged::call_pieces(mask).unwrap_or_default(),
+                    scale,
                 };
                 return c.fwd(self, &f);
             }
@@ -485,61 +448,38 @@ impl CudaBackend {
         }
     }
 
-    pub(super) fn attention_bwd_in_place_impl(
-        &self,
-        s: usize,
-        hq: usize,
-        hkv: usize,
-        d: usize,
-        mask: &AttnMask,
-    ) -> bool {
+    pub(super) fn attention_bwd_in_place_impl(&self, g: &AttnShape) -> bool {
         // cuDNN writes bf16 gradients itself; our kernels add into F32
-        let shape = cudnn::dense_shape(s, s, hq, hkv, d, mask.clone());
-        s > 0 && hq > 0 && matches!(self.cudnn_for(&shape, true), Ok(Some(_)))
+        let shape = super::op_buffers::sdpa_shape(g);
+        g.nonempty() && matches!(self.cudnn_for(&shape, true), Ok(Some(_)))
     }
 
     // One body: the checks, the cuDNN route and the native route with its f32
     // scratch share the views and strides; split, each step takes every operand.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_bwd_impl(
         &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        o: Rows<'_, Self>,
-        d_o: Rows<'_, Self>,
-        lse: Rows<'_, Self>,
-        mask: &AttnMask,
-        dq: RowsMut<'_, Self>,
-        dk: RowsMut<'_, Self>,
-        dv: RowsMut<'_, Self>,
-        writes: AttnGradWrites,
+        g: &AttnShape,
+        call: AttentionBwd<'_, Self>,
     ) -> Result<()> {
+        let AttentionBwd {
+            q,
+            k,
+            v,
+            o,
+            d_o,
+            lse,
+            mask,
+            scale,
+            dq,
+            dk,
+            dv,
+            writes,
+        } = call;
         let _span = self.span_shaped("attention_bwd", || {
             format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
         })?;
-        let g = attn_geom(&q, &k, &v, mask)?;
-        need(lse.t, DType::F32, "attention_bwd", "lse")?;
-        let (sq, sk) = (q.len(), k.len());
-        let shapes_ok = o.len() == sq
-            && d_o.len() == sq
-            && lse.len() == sq
-            && dq.len() == sq
-            && dk.len() == sk
-            && dv.len() == sk
-            && o.t.row_len() == g.hq * g.d
-            && d_o.t.row_len() == g.hq * g.d
-            && lse.t.row_len() == g.hq
-            && dq.t.row_len() == g.hq * g.d
-            && dk.t.row_len() == g.hkv * g.d
-            && dv.t.row_len() == g.hkv * g.d;
-        if !shapes_ok {
-            return Err(Error::Backend(format!(
-                "attention_bwd: shapes do not match q {:?} / k {:?}",
-                q.t.shape(),
-                k.t.shape()
-            )));
-        }
+        check_head_dim(g)?;
+        let (sq, sk) = (g.sq, g.sk);
         self.bind()?;
         let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
         let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
@@ -562,6 +502,7 @@ impl CudaBackend {
                     dkv_dt: dk.t.dtype(),
                     shape,
                     docs: cudnn::ragged::call_pieces(mask).unwrap_or_default(),
+                    scale,
                 };
                 return c.bwd(self, &b, writes);
             }
@@ -627,6 +568,7 @@ impl CudaBackend {
             d: g.d,
             mask: mask.clone(),
             bounds,
+            scale,
         };
         let flash_fns = if sq == 0 || sk == 0 || g.hq == 0 {
             None
@@ -690,27 +632,15 @@ impl CudaBackend {
         Ok(())
     }
 
-    pub(super) fn lse_merge_impl(
-        &self,
-        o_acc: RowsMut<'_, Self>,
-        lse_acc: RowsMut<'_, Self>,
-        o_blk: Rows<'_, Self>,
-        lse_blk: Rows<'_, Self>,
-    ) -> Result<()> {
+    pub(super) fn lse_merge_impl(&self, call: LseMerge<'_, Self>) -> Result<()> {
+        let LseMerge {
+            o_acc,
+            lse_acc,
+            o_blk,
+            lse_blk,
+        } = call;
         let _span = self.span("lse_merge")?;
         let (h, d) = (o_acc.heads(), o_acc.head_dim());
-        if o_acc.len() != o_blk.len()
-            || o_blk.heads() != h
-            || o_blk.head_dim() != d
-            || lse_acc.len() != o_acc.len()
-            || lse_blk.len() != o_acc.len()
-            || lse_acc.t.row_len() != h
-            || lse_blk.t.row_len() != h
-        {
-            return Err(Error::Backend("lse_merge: block shapes differ".into()));
-        }
-        need(lse_acc.t, DType::F32, "lse_merge", "lse_acc")?;
-        need(lse_blk.t, DType::F32, "lse_merge", "lse_blk")?;
         self.bind()?;
         let rows = o_acc.len();
         let args = Args::new()

@@ -5,9 +5,8 @@
 //! [`CountingBackend`](crate::backend::counting::CountingBackend) to
 //! allocate what such a GPU's ops allocate (`super::op_buffers`).
 
-use super::op_buffers::CudaRoute;
+use super::op_buffers::{CudaRoute, sdpa_shape};
 use super::{cudnn, flash};
-use crate::backend::AttnMask;
 use crate::backend::op_buffers::AttnShape;
 use crate::error::Result;
 
@@ -40,8 +39,7 @@ impl CudaRoute for CountedCuda {
     fn flash_bwd(&self, g: &AttnShape) -> Result<bool> {
         Ok(flash::check_supported(g.sq, g.sk, g.hq, g.hkv, g.d, &g.mask).is_ok())
     }
-    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool {
-        let shape = cudnn::dense_shape(s, s, hq, hkv, d, mask.clone());
-        s > 0 && hq > 0 && self.on_cudnn(&shape, true)
+    fn bwd_in_place(&self, g: &AttnShape) -> bool {
+        g.nonempty() && self.on_cudnn(&sdpa_shape(g), true)
     }
 }

@@ -25,7 +25,7 @@ pub trait CudaRoute: Send + Sync {
     /// of this geometry.
     fn flash_bwd(&self, g: &AttnShape) -> Result<bool>;
     /// As [`Backend::attention_bwd_in_place`](crate::backend::Backend::attention_bwd_in_place).
-    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool;
+    fn bwd_in_place(&self, g: &AttnShape) -> bool;
 }
 
 /// The call as cuDNN SDPA sees it.
@@ -83,8 +83,8 @@ impl<R: CudaRoute> OpBuffers for R {
             None => native_bwd(self, g, dt),
         }
     }
-    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool {
-        CudaRoute::bwd_in_place(self, s, hq, hkv, d, mask)
+    fn bwd_in_place(&self, g: &AttnShape) -> bool {
+        CudaRoute::bwd_in_place(self, g)
     }
 }
 

@@ -7,8 +7,8 @@
 
 use super::backend::CudaBackend;
 use crate::backend::{
-    AdamWSlot, AdamWStep, AttnGradWrites, AttnMask, Backend, Category, ComputePoint, CopyDone,
-    DType, HostValues, Mat, MatMut, MemoryLedger, Rows, RowsMut, Tensor,
+    AdamWSlot, AdamWStep, AttentionBwd, AttentionFwd, AttnShape, Backend, Category, ComputePoint,
+    CopyDone, DType, HostValues, LseMerge, Mat, MatMut, MemoryLedger, Tensor,
 };
 use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
@@ -204,54 +204,20 @@ impl Backend for CudaBackend {
         self.rope_impl(x, cos, sin, inverse)
     }
 
-    fn attention_fwd(
-        &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        mask: &AttnMask,
-        o: RowsMut<'_, Self>,
-        lse: RowsMut<'_, Self>,
-    ) -> Result<()> {
-        self.attention_fwd_impl(q, k, v, mask, o, lse)
+    fn run_attention_fwd(&self, g: &AttnShape, a: AttentionFwd<'_, Self>) -> Result<()> {
+        self.attention_fwd_impl(g, a)
     }
 
-    fn attention_bwd_in_place(
-        &self,
-        s: usize,
-        hq: usize,
-        hkv: usize,
-        d: usize,
-        mask: &AttnMask,
-    ) -> bool {
-        self.attention_bwd_in_place_impl(s, hq, hkv, d, mask)
+    fn attention_bwd_in_place(&self, g: &AttnShape) -> bool {
+        self.attention_bwd_in_place_impl(g)
     }
 
-    fn attention_bwd(
-        &self,
-        q: Rows<'_, Self>,
-        k: Rows<'_, Self>,
-        v: Rows<'_, Self>,
-        o: Rows<'_, Self>,
-        d_o: Rows<'_, Self>,
-        lse: Rows<'_, Self>,
-        mask: &AttnMask,
-        dq: RowsMut<'_, Self>,
-        dk: RowsMut<'_, Self>,
-        dv: RowsMut<'_, Self>,
-        writes: AttnGradWrites,
-    ) -> Result<()> {
-        self.attention_bwd_impl(q, k, v, o, d_o, lse, mask, dq, dk, dv, writes)
+    fn run_attention_bwd(&self, g: &AttnShape, a: AttentionBwd<'_, Self>) -> Result<()> {
+        self.attention_bwd_impl(g, a)
     }
 
-    fn lse_merge(
-        &self,
-        o_acc: RowsMut<'_, Self>,
-        lse_acc: RowsMut<'_, Self>,
-        o_blk: Rows<'_, Self>,
-        lse_blk: Rows<'_, Self>,
-    ) -> Result<()> {
-        self.lse_merge_impl(o_acc, lse_acc, o_blk, lse_blk)
+    fn run_lse_merge(&self, a: LseMerge<'_, Self>) -> Result<()> {
+        self.lse_merge_impl(a)
     }
 
     fn gated_act_fwd(

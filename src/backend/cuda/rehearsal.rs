@@ -8,7 +8,7 @@ use super::backend::CudaBackend;
 use super::op_buffers::CudaRoute;
 use super::{cudnn, flash};
 use crate::backend::rehearsal::{AttnShape, OpBuffers, Rehearsable};
-use crate::backend::{AttnMask, Backend, Category, DType, MemoryLedger};
+use crate::backend::{Backend, Category, DType, MemoryLedger};
 use crate::error::Result;
 use std::sync::Arc;
 
@@ -55,7 +55,7 @@ impl CudaRoute for CudaBackend {
         Ok(self.flash_functions()?.is_some()
             && flash::check_supported(g.sq, g.sk, g.hq, g.hkv, g.d, &g.mask).is_ok())
     }
-    fn bwd_in_place(&self, s: usize, hq: usize, hkv: usize, d: usize, mask: &AttnMask) -> bool {
-        self.attention_bwd_in_place(s, hq, hkv, d, mask)
+    fn bwd_in_place(&self, g: &AttnShape) -> bool {
+        self.attention_bwd_in_place(g)
     }
 }

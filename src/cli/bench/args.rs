@@ -144,6 +144,7 @@ pub(super) fn attn_dims(a: &AttnArgs) -> AttnDims {
             theta: 500000.0,
             scaling: None,
         },
+        softmax_scale: AttnDims::default_softmax_scale(a.head_dim),
     }
 }
 

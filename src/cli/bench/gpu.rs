@@ -508,6 +508,7 @@ mod tests {
                 theta: 500000.0,
                 scaling: None,
             },
+            softmax_scale: AttnDims::default_softmax_scale(128),
         };
         let s = 131072.0f64;
         let core = 7.0 * s * s * 32.0 * 128.0;

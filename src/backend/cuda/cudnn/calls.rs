@@ -201,20 +201,21 @@ impl CudnnSdpa {
         ])
     }
 
-    /// Checks that cuDNN takes the call (`backward` or forward), binds the
-    /// backend's context to this thread, and returns the softmax scale.
-    fn prepare(&self, be: &CudaBackend, s: &SdpaShape, backward: bool) -> Result<f32> {
+    /// Checks that cuDNN takes the call (`backward` or forward) and binds
+    /// the backend's context to this thread.
+    fn prepare(&self, be: &CudaBackend, s: &SdpaShape, backward: bool) -> Result<()> {
         shape_supported(self.version, s, backward).map_err(Error::Backend)?;
         be.context()
             .bind_to_thread()
             .map_err(|e| Error::Backend(format!("bind context: {e}")))?;
-        Ok(1.0 / (s.d as f32).sqrt())
+        Ok(())
     }
 
     /// Forward: writes `o` (bf16) and `lse` (f32, natural log).
     pub fn fwd(&self, be: &CudaBackend, a: &SdpaFwd) -> Result<()> {
         let s = &a.shape;
-        let scale = self.prepare(be, s, false)?;
+        self.prepare(be, s, false)?;
+        let scale = a.scale;
         let neg_inf = f32::NEG_INFINITY;
         let window = s.window.unwrap_or(0) as f32;
         let p = |x: u64| x as *mut c_void;
@@ -265,7 +266,8 @@ impl CudnnSdpa {
         dv: u64,
     ) -> Result<()> {
         let s = &a.shape;
-        let scale = self.prepare(be, s, true)?;
+        self.prepare(be, s, true)?;
+        let scale = a.scale;
         let neg_inf = f32::NEG_INFINITY;
         let window = s.window.unwrap_or(0) as f32;
         let one = 1.0f32;

@@ -56,6 +56,9 @@ pub struct SdpaFwd {
     /// A ragged call's documents' row counts (`ragged::call_pieces`; empty
     /// for the others).
     pub docs: Vec<usize>,
+    /// The softmax scale, passed by value at execution (the graphs and
+    /// plans hold none, so the cache keys on the shape alone).
+    pub scale: f32,
 }
 
 /// Operands of one backward. `dq` (`[sq, hq·d]`, of `dq_dt`), `dk`, `dv`
@@ -77,6 +80,8 @@ pub struct SdpaBwd {
     pub shape: SdpaShape,
     /// As [`SdpaFwd::docs`].
     pub docs: Vec<usize>,
+    /// As [`SdpaFwd::scale`].
+    pub scale: f32,
 }
 
 /// One plan build, for reports.

@@ -32,6 +32,8 @@ pub struct FlashFwdArgs {
     pub hkv: usize,
     pub d: usize,
     pub mask: AttnMask,
+    /// The softmax scale of the scores.
+    pub scale: f32,
 }
 
 /// Arguments of [`flash_bwd`]. `dq`, `dk`, `dv` are f32 and accumulated into;
@@ -65,6 +67,8 @@ pub struct FlashBwdArgs {
     pub hkv: usize,
     pub d: usize,
     pub mask: AttnMask,
+    /// The softmax scale of the scores.
+    pub scale: f32,
 }
 
 /// Scratch bytes [`flash_bwd`] needs (the f32 `delta = rowsum(dO * O)` per query row and head).
@@ -232,7 +236,7 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
     check_stride("v", a.v_stride, a.hkv * a.d, 8)?;
     check_stride("o", a.o_stride, a.hq * a.d, 8)?;
     check_stride("lse", a.lse_stride, a.hq, 1)?;
-    let scale = 1.0 / (a.d as f32).sqrt();
+    let scale = a.scale;
     let p = FwdParams {
         q: a.q,
         k: a.k,
@@ -310,7 +314,7 @@ pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs)
     check_stride("dq", a.dq_stride, a.hq * a.d, 2)?;
     check_stride("dk", a.dk_stride, a.hkv * a.d, 2)?;
     check_stride("dv", a.dv_stride, a.hkv * a.d, 2)?;
-    let scale = 1.0 / (a.d as f32).sqrt();
+    let scale = a.scale;
     let p = BwdParams {
         q: a.q,
         k: a.k,

@@ -6,7 +6,7 @@
 //! k, v `[sk, hkv, d]` in bf16 (row-major, each row `stride` elements apart, the
 //! pointer already at the first row), GQA (query head `h` uses kv head
 //! `h / (hq / hkv)`), an [`AttnMask`]: causal (row `i` sees keys `0..=i`, needs `sq == sk`) or full,
-//! softmax scale `1/sqrt(d)`; o bf16 `[sq, hq, d]`, lse f32 `[sq, hq]` natural log.
+//! the call's softmax scale (`1/sqrt(d)` by default); o bf16 `[sq, hq, d]`, lse f32 `[sq, hq]` natural log.
 //! The backward takes the lse of the full row and *adds* into f32 dq, dk, dv.
 //!
 //! Use: compile the one entry of [`FLASH_SOURCES`] with NVRTC for
