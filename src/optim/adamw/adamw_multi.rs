@@ -1,13 +1,16 @@
-//! Multi-tensor AdamW: every parameter piece of a step's optimizer slots
-//! updated by one op ([`Backend::adamw_multi`]; a few launches on a GPU),
-//! each piece with its own hyper-parameters, the narrow parameters written
-//! back in the same pass. Per element the arithmetic is
-//! [`Backend::adamw`]'s and the write-back is [`Backend::copy`]'s rounding,
+//! Multi-tensor AdamW's slots: every parameter piece of a step's optimizer
+//! slots updated by one op ([`AdamWOps::adamw_multi`]; a few launches on a
+//! GPU), each piece with its own hyper-parameters, the narrow parameters
+//! written back in the same pass. Per element the arithmetic is
+//! [`AdamWOps::adamw`]'s and the write-back is [`Backend::copy`]'s rounding,
 //! so results are bit-identical to a call per piece followed by a copy.
 
+use super::adamw_step::AdamWStep;
 use super::compact_adamw::q8_blocks;
-use super::{AdamWStep, DType, Tensor, TensorDevice, check_elems, check_same_numel};
+use crate::backend::{DType, Tensor, TensorDevice, check_elems, check_same_numel};
 use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::{backend::Backend, optim::AdamWOps};
 use std::ops::Range;
 
 /// One slot of a multi-tensor AdamW update: four (five) tensors of one
@@ -49,16 +52,22 @@ impl<B: TensorDevice> AdamWSlot<'_, B> {
 
     /// Where each piece's 8-bit block scales start, and how many in all.
     pub fn scale_offsets(&self) -> (Vec<usize>, usize) {
-        let mut at = 0;
-        let starts = (self.pieces.iter())
-            .map(|(elems, _)| {
-                let start = at;
-                at += q8_blocks(elems.len());
-                start
-            })
-            .collect();
-        (starts, at)
+        scale_offsets(self.pieces)
     }
+}
+
+/// Where each of `pieces`' 8-bit block scales start, and how many in all
+/// (the blocks of each piece in turn).
+pub fn scale_offsets(pieces: &[AdamWPiece]) -> (Vec<usize>, usize) {
+    let mut at = 0;
+    let starts = (pieces.iter())
+        .map(|(elems, _)| {
+            let start = at;
+            at += q8_blocks(elems.len());
+            start
+        })
+        .collect();
+    (starts, at)
 }
 
 /// Checks the state formats of one slot: moments of one dtype, U8 ones with
@@ -125,6 +134,7 @@ mod tests {
     use crate::backend::Backend;
     use crate::backend::cpu::CpuBackend;
     use crate::backend::{Category, DType};
+    use crate::optim::AdamWOps;
 
     fn hp(step: u32, weight_decay: f32) -> AdamWStep {
         AdamWStep {
