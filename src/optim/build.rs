@@ -55,3 +55,29 @@ pub fn state_bytes_per_element(format: StateFormat, narrow: bool) -> usize {
         .map(StateSpec::bytes)
         .sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::{MasterWeights, MomentFormat};
+
+    /// AdamW declares two moments in their format and, for narrow
+    /// parameters, an F32 master: 12 bytes by default on a GPU, 8 on the
+    /// CPU, 2 with 8-bit moments and no master.
+    #[test]
+    fn adamws_state_is_what_it_declares() {
+        let plain = StateFormat::default();
+        assert_eq!(state_bytes_per_element(plain, true), 12);
+        assert_eq!(state_bytes_per_element(plain, false), 8);
+        let compact = StateFormat {
+            moments: MomentFormat::Q8,
+            master: MasterWeights::None,
+            ..plain
+        };
+        assert_eq!(state_bytes_per_element(compact, true), 2);
+        let names: Vec<_> = (state_per_element(plain, true).iter())
+            .map(|s| s.kind.name())
+            .collect();
+        assert_eq!(names, ["exp_avg", "exp_avg_sq", "master"]);
+    }
+}

@@ -19,7 +19,7 @@
 
 use crate::backend::{Backend, Category, ComputePoint, CopyDone, DType, HostValues, Tensor, cast};
 use crate::error::Result;
-use crate::optim::adamw::AdamWStep;
+use crate::optim::adamw::adamw_step::AdamWStep;
 use crate::optim::adamw::host_adamw::{adamw_parallel, adamw_parallel_bf16};
 use std::ops::Range;
 

@@ -4,7 +4,7 @@
 //! stream over the slots' device addresses.
 
 use super::backend::{CudaBackend, ptr};
-use super::kernels::{Args, ProgramModule, SOURCES, grid_for, launch};
+use super::kernels::{Args, ProgramModule, grid_for, launch, program_source};
 #[cfg(doc)]
 use crate::backend::Backend;
 use crate::backend::fused_update::{DeviceProgram, DeviceSlot, DeviceTensor};
@@ -65,17 +65,4 @@ fn device_tensor(t: &Tensor<CudaBackend>) -> DeviceTensor {
         addr: ptr(t),
         dtype: t.dtype(),
     }
-}
-
-/// The translation unit of program `p`: the common helpers, then its
-/// sources in order.
-fn program_source(p: DeviceProgram) -> String {
-    let common = SOURCES.iter().filter(|(name, _)| *name == "common.cu");
-    let mut s = String::new();
-    for (name, src) in common.chain(p.sources) {
-        s.push_str(&format!("// ---- {name} ----\n"));
-        s.push_str(src);
-        s.push('\n');
-    }
-    s
 }

@@ -3,6 +3,7 @@
 
 use super::device::drv;
 use super::nvrtc::{self, CubinSource};
+use crate::backend::fused_update::DeviceProgram;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaStream, result, sys};
 use std::collections::HashMap;
@@ -22,6 +23,19 @@ pub const SOURCES: &[(&str, &str)] = &[
 pub fn full_source() -> String {
     let mut s = String::new();
     for (name, src) in SOURCES {
+        s.push_str(&format!("// ---- {name} ----\n"));
+        s.push_str(src);
+        s.push('\n');
+    }
+    s
+}
+
+/// The translation unit of an update program (`Backend::fused_update`):
+/// the common helpers, then its sources in order.
+pub fn program_source(p: DeviceProgram) -> String {
+    let common = SOURCES.iter().filter(|(name, _)| *name == "common.cu");
+    let mut s = String::new();
+    for (name, src) in common.chain(p.sources) {
         s.push_str(&format!("// ---- {name} ----\n"));
         s.push_str(src);
         s.push('\n');

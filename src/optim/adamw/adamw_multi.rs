@@ -1,16 +1,16 @@
 //! Multi-tensor AdamW's slots: every parameter piece of a step's optimizer
-//! slots updated by one op ([`AdamWOps::adamw_multi`]; a few launches on a
+//! slots updated by one op
+//! ([`AdamWOps::adamw_multi`](crate::optim::AdamWOps::adamw_multi); a few launches on a
 //! GPU), each piece with its own hyper-parameters, the narrow parameters
 //! written back in the same pass. Per element the arithmetic is
-//! [`AdamWOps::adamw`]'s and the write-back is [`Backend::copy`]'s rounding,
+//! [`AdamWOps::adamw`](crate::optim::AdamWOps::adamw)'s and the write-back
+//! is [`Backend::copy`](crate::backend::Backend::copy)'s rounding,
 //! so results are bit-identical to a call per piece followed by a copy.
 
 use super::adamw_step::AdamWStep;
 use super::compact_adamw::q8_blocks;
 use crate::backend::{DType, Tensor, TensorDevice, check_elems, check_same_numel};
 use crate::error::{Error, Result};
-#[cfg(doc)]
-use crate::{backend::Backend, optim::AdamWOps};
 use std::ops::Range;
 
 /// One slot of a multi-tensor AdamW update: four (five) tensors of one
@@ -35,7 +35,8 @@ pub struct AdamWSlot<'a, B: TensorDevice> {
     pub rounding_key: u32,
     /// The model's parameters when `target` is their master copy: each
     /// updated element is written back in their dtype, rounded as
-    /// [`Backend::copy`] rounds (round to nearest even for BF16).
+    /// [`Backend::copy`](crate::backend::Backend::copy) rounds (round to
+    /// nearest even for BF16).
     pub narrow: Option<&'a mut Tensor<B>>,
     /// The parameters side by side in the slot, ascending and disjoint.
     pub pieces: &'a [AdamWPiece],

@@ -219,3 +219,114 @@ impl UpdateKernel for PieceKernel {
         }])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::{kernels::program_source, nvrtc};
+
+    fn hp() -> AdamWStep {
+        AdamWStep {
+            lr: 0.5,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 1,
+            grad_scale: 1.0,
+        }
+    }
+
+    /// A plain slot (F32 target, moments and BF16 narrow copy) and a
+    /// compact one (BF16 target, 8-bit moments with scales): the compact
+    /// launch first, each with its pieces' count and threads.
+    #[test]
+    fn launches_run_compact_slots_then_plain_ones() {
+        use crate::backend::fused_update::DeviceTensor;
+        let t = |addr, dtype| DeviceTensor { addr, dtype };
+        let (f32_, bf16, u8_) = (DType::F32, DType::BF16, DType::U8);
+        let pieces = [(0..300, hp()), (300..301, hp())];
+        let plans = vec![
+            SlotPlan {
+                pieces: &pieces,
+                rounding_key: 0,
+                scales: false,
+                narrow: true,
+            },
+            SlotPlan {
+                pieces: &pieces[..1],
+                rounding_key: 7,
+                scales: true,
+                narrow: false,
+            },
+        ];
+        let slots = [
+            DeviceSlot {
+                written: vec![
+                    t(0x1000, f32_),
+                    t(0x2000, f32_),
+                    t(0x3000, f32_),
+                    t(0x4000, bf16),
+                ],
+                read: vec![t(0x5000, f32_)],
+            },
+            DeviceSlot {
+                written: vec![
+                    t(0x6000, bf16),
+                    t(0x7000, u8_),
+                    t(0x8000, u8_),
+                    t(0x9000, f32_),
+                    t(0xa000, f32_),
+                ],
+                read: vec![t(0xb000, bf16)],
+            },
+        ];
+        let launches = MultiKernel { slots: plans }.launches(&slots).unwrap();
+        let names: Vec<_> = launches.iter().map(|l| l.function).collect();
+        assert_eq!(names, ["adamw_compact", "adamw_multi"]);
+        assert_eq!(launches[0].params[0], [1]);
+        assert_eq!(launches[0].threads, 2 * 256);
+        assert_eq!(launches[1].params[0], [2]);
+        // a virtual block of 4 elements a thread per piece
+        assert_eq!(launches[1].threads, 2 * 256);
+        // a slot of the wrong tensor count is an error, not a misread
+        let short = [
+            slots[0].clone(),
+            DeviceSlot {
+                written: vec![],
+                read: vec![],
+            },
+        ];
+        let plans = vec![
+            SlotPlan {
+                pieces: &pieces,
+                rounding_key: 0,
+                scales: false,
+                narrow: true,
+            };
+            2
+        ];
+        assert!(MultiKernel { slots: plans }.launches(&short).is_err());
+    }
+
+    /// Compiles AdamW's program whenever NVRTC can be found (no GPU
+    /// needed), as the backend's own kernels are.
+    #[test]
+    fn the_program_compiles_with_nvrtc_when_available() {
+        match nvrtc::version() {
+            Err(Error::LibraryMissing(m)) => eprintln!("SKIP: NVRTC not available ({m})"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => {
+                let src = program_source(PROGRAM);
+                let (cubin, _) =
+                    nvrtc::compile_uncached_for_test(&src, "sm_90", nvrtc::OPTIONS).unwrap();
+                for name in ["adamw", "adamw_multi", "adamw_compact"] {
+                    assert!(
+                        cubin.windows(name.len()).any(|w| w == name.as_bytes()),
+                        "{name} missing from the cubin"
+                    );
+                }
+            }
+        }
+    }
+}
