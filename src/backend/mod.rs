@@ -6,22 +6,20 @@
 //! trait; the CPU f32 backend is the reference every other backend is tested
 //! against.
 
-pub mod adamw_multi;
-pub mod adamw_step;
 pub mod arena;
 pub mod attn_args;
 pub mod bounded_mask;
 pub mod cast;
 pub mod checks;
-pub mod compact_adamw;
 pub mod copy_done;
 pub mod counting;
 pub mod cpu;
 pub mod cuda;
+pub mod fused_update;
 pub mod grad_write;
-pub mod host_adamw;
 pub mod mask;
 pub mod memory;
+pub mod narrow;
 pub mod norm_args;
 pub mod op_buffers;
 pub mod op_kinds;
@@ -31,12 +29,11 @@ pub mod profile;
 pub mod rehearsal;
 pub mod tensor;
 
-pub use adamw_multi::{AdamWPiece, AdamWSlot};
-pub use adamw_step::AdamWStep;
 pub use attn_args::{AttentionBwd, AttentionFwd, AttnShape, LseMerge};
 pub use cast::{cast, cast_ref};
 pub use checks::{check_bias_views, check_elems, check_same_numel, check_token_ids, out_of_memory};
 pub use copy_done::{ComputePoint, CopyDone, InFlight};
+pub use fused_update::{UpdateKernel, UpdateSlot};
 pub use grad_write::{AttnGradWrites, GradWrite};
 pub use mask::{AttnMask, BoundedMask, RowPositions};
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats};

@@ -1,10 +1,9 @@
 //! The [`Backend`] trait: the ops upipe needs from a device, and what
 //! they read back to the host.
 
-use super::adamw_multi::AdamWSlot;
-use super::adamw_step::AdamWStep;
 use super::attn_args::{AttentionBwd, AttentionFwd, AttnShape, LseMerge};
 use super::copy_done::{ComputePoint, CopyDone};
+use super::fused_update::{UpdateKernel, UpdateSlot};
 use super::memory::{Category, MemoryLedger};
 use super::op_kinds::{GatedAct, RmsNorm};
 use super::profile;
@@ -346,27 +345,16 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         grad_scale: f32,
         loss_sum: &mut Tensor<Self>,
     ) -> Result<()>;
-    /// One AdamW update of elements `elems` of `param` (f32) with `grad`,
-    /// moments `m`, `v` (f32): four tensors of one length, of which only
-    /// that range is read and written (a flat FSDP shard holds parameters
-    /// with different weight decay side by side).
-    fn adamw(
+    /// One fused optimizer update of `slots`, its arithmetic `kernel`'s
+    /// ([`UpdateKernel`]: the optimizer's): run on the host over the slots'
+    /// cells (the CPU), or as the kernel's launches of its program over
+    /// their device addresses (a GPU); a rehearsal runs nothing. The caller
+    /// has checked the slots for the kernel.
+    fn fused_update(
         &self,
-        param: &mut Tensor<Self>,
-        grad: &Tensor<Self>,
-        m: &mut Tensor<Self>,
-        v: &mut Tensor<Self>,
-        elems: std::ops::Range<usize>,
-        hp: AdamWStep,
+        kernel: &dyn UpdateKernel,
+        slots: &mut [UpdateSlot<'_, Self>],
     ) -> Result<()>;
-    /// [`adamw`](Backend::adamw) of every piece of `slots` in one op (a
-    /// launch per 32 pieces on a GPU), each piece its elements and
-    /// hyper-parameters; for a slot with `narrow`, each updated element of
-    /// its `target` also written there in its dtype (as
-    /// [`copy`](Backend::copy) rounds). Bit-identical to a call per piece
-    /// followed by that copy of the pieces' elements. Each slot's pieces
-    /// ascending and disjoint ([`adamw_multi::check_adamw_slot`]).
-    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()>;
 }
 
 /// A host-resident tensor's elements ([`Backend::host_values`]).

@@ -481,7 +481,7 @@ mod tests {
             include_str!("cuda/memory_ops.rs"),
             include_str!("cuda/attention_ops.rs"),
             include_str!("cuda/elementwise_ops.rs"),
-            include_str!("cuda/adamw_multi.rs"),
+            include_str!("cuda/fused_update.rs"),
             include_str!("cuda/gemm.rs"),
             include_str!("cuda/gemm_ops.rs"),
             include_str!("cuda/attention.rs"),

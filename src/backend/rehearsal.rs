@@ -25,8 +25,8 @@ use super::norm_args::{check_norm_bwd, check_norm_fwd};
 use super::op_buffers::poisoned;
 pub use super::op_buffers::{AttnBuffers, AttnBwdDtypes, AttnShape, OpBuffers};
 use super::{
-    AdamWSlot, AdamWStep, AttentionBwd, AttentionFwd, Backend, Category, DType, LseMerge,
-    MatLayout, MatMut, MemoryLedger, Tensor, TensorDevice, check_elems,
+    AttentionBwd, AttentionFwd, Backend, Category, DType, LseMerge, MatLayout, MatMut,
+    MemoryLedger, Tensor, TensorDevice, UpdateKernel, UpdateSlot,
 };
 use super::{Mat, check_same_numel};
 use crate::backend::{GatedAct, RmsNorm};
@@ -490,24 +490,11 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         }
         self.ids_upload(targets).map(drop)
     }
-    fn adamw(
+    fn fused_update(
         &self,
-        param: &mut Tensor<Self>,
-        grad: &Tensor<Self>,
-        m: &mut Tensor<Self>,
-        v: &mut Tensor<Self>,
-        elems: std::ops::Range<usize>,
-        _hp: AdamWStep,
+        _kernel: &dyn UpdateKernel,
+        _slots: &mut [UpdateSlot<'_, Self>],
     ) -> Result<()> {
-        check_elems(&elems, param.numel(), "adamw")?;
-        for t in [grad, &*m, &*v] {
-            check_same_numel(param, t, "adamw")?;
-        }
         Ok(())
-    }
-    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
-        slots
-            .iter()
-            .try_for_each(super::adamw_multi::check_adamw_slot)
     }
 }

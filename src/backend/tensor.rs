@@ -10,8 +10,8 @@ use std::sync::Arc;
 pub enum DType {
     F32,
     BF16,
-    /// 8-bit codes: the compact optimizer state's moments
-    /// (`backend::compact_adamw`); only the optimizer's ops read them.
+    /// 8-bit codes: an optimizer's compact state (AdamW's 8-bit moments);
+    /// only the optimizer's ops read them.
     U8,
 }
 

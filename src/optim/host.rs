@@ -15,13 +15,12 @@
 //!
 //! A slot is one parameter tensor (whole model on every rank) or one unit's
 //! shard (FSDP). The per-element arithmetic is the CPU reference's
-//! (`backend::host_adamw`), so results equal the on-device optimizer's.
+//! (`optim::adamw::host_adamw`), so results equal the on-device optimizer's.
 
-use crate::backend::host_adamw::{adamw_parallel, adamw_parallel_bf16};
-use crate::backend::{
-    AdamWStep, Backend, Category, ComputePoint, CopyDone, DType, HostValues, Tensor, cast,
-};
+use crate::backend::{Backend, Category, ComputePoint, CopyDone, DType, HostValues, Tensor, cast};
 use crate::error::Result;
+use crate::optim::adamw::adamw_step::AdamWStep;
+use crate::optim::adamw::host_adamw::{adamw_parallel, adamw_parallel_bf16};
 use std::ops::Range;
 
 /// One slot's parameter, gradient and host-resident optimizer state, and

@@ -1,11 +1,11 @@
 //! One slot's AdamW moment in the format it is kept in
 //! ([`MomentFormat`]): an F32 or BF16 tensor, or 8-bit codes with an F32
-//! scale per block of each piece (`backend::compact_adamw`). Checkpoints
+//! scale per block of each piece (`adamw/compact_adamw.rs`). Checkpoints
 //! see F32 values either way: [`Moment::to_f32`] decodes, and
 //! [`Moment::load_f32`] encodes them back to the same bytes.
 
 use super::MomentFormat;
-use crate::backend::compact_adamw::{q8_blocks, q8_decode_piece, q8_encode_piece};
+use super::adamw::compact_adamw::{q8_blocks, q8_decode_piece, q8_encode_piece};
 use crate::backend::{Backend, Category, DType, Tensor};
 use crate::error::Result;
 use std::ops::Range;

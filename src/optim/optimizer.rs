@@ -1,31 +1,45 @@
 //! The [`Optimizer`] trait every optimizer of a rank's parameters
-//! implements, what one step did ([`Update`]), and the kinds of per-slot
-//! state it keeps ([`StateKind`]).
+//! implements, what one step did ([`Update`]), and the state it keeps per
+//! slot ([`StateKind`], declared per element as [`StateSpec`]s).
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DType};
 use crate::error::Result;
 use crate::optim::slot::{Lent, Slot};
 
-/// One kind of per-slot state an optimizer keeps, named as PyTorch's AdamW
-/// names it in checkpoints.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StateKind {
-    /// First moment.
-    ExpAvg,
-    /// Second moment.
-    ExpAvgSq,
-    /// F32 master copy of a lower-precision parameter.
-    Master,
-}
+/// One kind of per-slot state an optimizer keeps, by the name checkpoints
+/// give it (`exp_avg.<param>`, ...): each optimizer declares its own
+/// ([`StateSpec`]); AdamW's are named as PyTorch's AdamW names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StateKind(pub &'static str);
 
 impl StateKind {
+    /// AdamW's first moment.
+    pub const EXP_AVG: StateKind = StateKind("exp_avg");
+    /// AdamW's second moment.
+    pub const EXP_AVG_SQ: StateKind = StateKind("exp_avg_sq");
+    /// F32 master copy of a lower-precision parameter (any optimizer's).
+    pub const MASTER: StateKind = StateKind("master");
+
     /// The name checkpoints use (`exp_avg.<param>`, ...).
     pub fn name(self) -> &'static str {
-        match self {
-            StateKind::ExpAvg => "exp_avg",
-            StateKind::ExpAvgSq => "exp_avg_sq",
-            StateKind::Master => "master",
-        }
+        self.0
+    }
+}
+
+/// One state tensor an optimizer keeps per parameter element, as it
+/// declares it: what the planner counts and a checkpoint names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateSpec {
+    pub kind: StateKind,
+    /// The dtype it is kept in on the device (8-bit codes keep an F32
+    /// scale per block beside them, a fraction of a byte per element).
+    pub dtype: DType,
+}
+
+impl StateSpec {
+    /// Its bytes per parameter element (block scales aside).
+    pub fn bytes(&self) -> usize {
+        self.dtype.size()
     }
 }
 

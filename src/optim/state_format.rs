@@ -2,7 +2,7 @@
 //! `--grad-dtype`): AdamW's moments in F32, BF16 or 8-bit block-wise codes,
 //! F32 master weights or none (BF16 weights updated by stochastic
 //! rounding), and the weight matrices' gradients in F32 or BF16. The
-//! optimizer's arithmetic is `backend::compact_adamw`'s; F32 throughout,
+//! optimizer's arithmetic is `optim::adamw::compact_adamw`'s; F32 throughout,
 //! the default, is the plain update, bit for bit.
 
 use crate::backend::DType;

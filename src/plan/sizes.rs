@@ -7,8 +7,8 @@ use crate::model::ModelConfig;
 /// About the bytes of the whole model's states on one rank without FSDP, for
 /// `--fsdp auto`'s rule of thumb (the plan itself counts every byte):
 /// parameters in the compute dtype, and for the parameters `frozen` leaves
-/// trained their gradients, AdamW moments and (on GPUs) master weights as
-/// `state` keeps them.
+/// trained their gradients and the optimizer's state (moments and, on
+/// GPUs, master weights) as `state` keeps them.
 pub fn trained_state_bytes(
     cfg: &ModelConfig,
     gpu: bool,
@@ -18,11 +18,9 @@ pub fn trained_state_bytes(
     let (frozen_elems, _) = frozen.frozen_elements(cfg);
     let params = cfg.param_count();
     let weight = if gpu { 2 } else { 4 };
-    let master = match (gpu, state.master) {
-        (true, crate::optim::MasterWeights::F32) => 4,
-        _ => 0,
-    };
-    let trained = state.grads.dtype().size() + 2 * state.moments.dtype().size() + master;
+    // the optimizer's state as it declares it (masters only of narrow,
+    // GPU, parameters)
+    let trained = state.grads.dtype().size() + crate::optim::state_bytes_per_element(state, gpu);
     params * weight + (params - frozen_elems) * trained
 }
 

@@ -9,7 +9,7 @@ use crate::data::PackMode;
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{MemoryPolicy, ModelConfig};
-use crate::optim::AdamWConfig;
+use crate::optim::OptimConfig;
 use crate::train::eval::EvalDuring;
 use std::path::PathBuf;
 
@@ -38,7 +38,7 @@ pub struct TrainConfig {
     /// attends under one (two documents) to allocate what they do.
     pub documents: bool,
     pub steps: u32,
-    pub optim: AdamWConfig,
+    pub optim: OptimConfig,
     pub seed: u64,
     pub policy: MemoryPolicy,
     /// Start from an HF model directory instead of random weights.
@@ -145,19 +145,15 @@ impl TrainConfig {
 
     /// The optimizer's settings, its state kept where the memory policy
     /// says (`--offload-optimizer`).
-    pub fn adamw(&self) -> AdamWConfig {
-        AdamWConfig {
-            host_units: self.policy.offload_optimizer,
-            seed: self.seed,
-            ..self.optim
-        }
+    pub fn optimizer(&self) -> OptimConfig {
+        self.optim.placed(self.policy.offload_optimizer, self.seed)
     }
 
     /// `steps` steps of `model` on sequences of `seq` tokens with `optim`, on
     /// one rank (`local`), seed 0, the default memory policy, no checkpoints
     /// (F32 model files when a `save_dir` is set);
     /// change the rest with struct update syntax.
-    pub fn new(model: ModelConfig, seq: usize, steps: u32, optim: AdamWConfig) -> Self {
+    pub fn new(model: ModelConfig, seq: usize, steps: u32, optim: OptimConfig) -> Self {
         TrainConfig {
             model,
             data_parallel: 1,

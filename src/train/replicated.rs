@@ -23,7 +23,7 @@ use crate::model::{
     ModelWeights, ParamStore, Unit,
 };
 use crate::optim::settling::{Deferred, Settling};
-use crate::optim::{AdamW, Lent, Optimizer, Slot, StateKind, Update, slots_through};
+use crate::optim::{BuildArgs, Lent, Optimizer, Slot, StateKind, Update, slots_through};
 use crate::train::lora_base::{BaseModel, LoraSave, resumed_base, run_base, with_base};
 use crate::train::lora_run::attach;
 use std::collections::HashMap;
@@ -332,8 +332,8 @@ fn restore_optimizer<B: Backend>(
         let dir = saved.dir().display();
         let missing = || Error::Checkpoint(format!("{dir}: no moments of {name}"));
         for (kind, moment) in [
-            (StateKind::ExpAvg, Moment::ExpAvg),
-            (StateKind::ExpAvgSq, Moment::ExpAvgSq),
+            (StateKind::EXP_AVG, Moment::ExpAvg),
+            (StateKind::EXP_AVG_SQ, Moment::ExpAvgSq),
         ] {
             let values = saved.moment(moment, &name)?.ok_or_else(missing)?;
             if !opt.restore(b, k, kind, &values.data)? {
@@ -341,8 +341,8 @@ fn restore_optimizer<B: Backend>(
             }
         }
         // the F32 values (masters, or F32 files), not the rounded weights
-        if opt.keeps(k, StateKind::Master) {
-            opt.restore(b, k, StateKind::Master, &saved.value(&name)?.data)?;
+        if opt.keeps(k, StateKind::MASTER) {
+            opt.restore(b, k, StateKind::MASTER, &saved.value(&name)?.data)?;
         }
     }
     Ok(())
@@ -378,7 +378,7 @@ impl<B: Backend> Replicated<'_, B> {
         params: &'s [TensorSource<'s>],
     ) -> Option<Vec<TensorSource<'s>>> {
         let slots = self.opt.slots().len();
-        let any_kept = (0..slots).any(|k| self.opt.keeps(k, StateKind::Master));
+        let any_kept = (0..slots).any(|k| self.opt.keeps(k, StateKind::MASTER));
         if self.files.dtype == SaveDtype::F32 && !any_kept {
             return None;
         }
@@ -397,7 +397,7 @@ impl<B: Backend> Replicated<'_, B> {
                 out.push(param.renamed(name));
                 continue;
             };
-            let fetch = move || match opt.state_values(b, k, StateKind::Master)? {
+            let fetch = move || match opt.state_values(b, k, StateKind::MASTER)? {
                 Some(master) => Ok(master),
                 None => param.values(),
             };
@@ -407,7 +407,7 @@ impl<B: Backend> Replicated<'_, B> {
     }
 }
 
-/// AdamW over every trainable parameter tensor of `w` (one slot each, in
+/// The run's optimizer over every trainable parameter tensor of `w` (one slot each, in
 /// `ModelWeights::named` order; `trainable` in that order).
 fn optimizer<B: Backend>(
     b: &B,
@@ -427,8 +427,13 @@ fn optimizer<B: Backend>(
     }
     let named = w.named().into_iter().zip(trainable);
     let params: Vec<&Tensor<B>> = named.filter(|(_, t)| **t).map(|((_, t), _)| t).collect();
-    let opt = AdamW::new(b, cfg.adamw(), slots, &params, layers)?;
-    Ok(Box::new(opt.zeroing_device_grads()))
+    let args = BuildArgs {
+        slots,
+        params: &params,
+        layers,
+        zero_device_grads: true,
+    };
+    crate::optim::build(b, &cfg.optimizer(), args)
 }
 
 /// Every trainable parameter (`trainable`, in `ModelWeights::named`
@@ -580,8 +585,8 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         let params = weight_sources(b, w);
         let masters = self.masters(b, &params);
         let opt = &*self.opt;
-        let adam_m = state_sources(b, w, &slots, opt, StateKind::ExpAvg);
-        let adam_v = state_sources(b, w, &slots, opt, StateKind::ExpAvgSq);
+        let adam_m = state_sources(b, w, &slots, opt, StateKind::EXP_AVG);
+        let adam_v = state_sources(b, w, &slots, opt, StateKind::EXP_AVG_SQ);
         let state = StateToSave {
             step,
             params: &params,
@@ -615,8 +620,8 @@ impl<B: Backend> Replicated<'_, B> {
         let masters = self.masters(b, &params);
         let extra = with_base(extra, &lora.base);
         let opt = &*self.opt;
-        let adam_m = state_sources(b, w, &slots, opt, StateKind::ExpAvg);
-        let adam_v = state_sources(b, w, &slots, opt, StateKind::ExpAvgSq);
+        let adam_m = state_sources(b, w, &slots, opt, StateKind::EXP_AVG);
+        let adam_v = state_sources(b, w, &slots, opt, StateKind::EXP_AVG_SQ);
         let state = StateToSave {
             step,
             params: &params,

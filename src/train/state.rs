@@ -46,7 +46,7 @@ pub trait RankModel<B: Backend> {
         grad_scale: f32,
         micro: Micro,
     ) -> Result<f64>;
-    /// One AdamW step at 1-based `step`, applied only when `loss_finite`
+    /// One optimizer step at 1-based `step`, applied only when `loss_finite`
     /// and the gradient norm is finite (`Update::applies`: otherwise no
     /// weight and no optimizer state changes). With the optimizer on the
     /// host its updates run in the next forward (`optim::settling`), or at

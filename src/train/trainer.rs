@@ -1,6 +1,6 @@
 //! The training loop: every context-parallel rank runs the same step on its
 //! token shard; gradients and loss are summed over ranks, clipped, and applied
-//! by AdamW identically everywhere. Ranks are threads of one process
+//! by the run's optimizer identically everywhere. Ranks are threads of one process
 //! ([`train_threads`]: CPU, or GPUs with host-copy exchanges) or one process
 //! per GPU ([`train_process_rank`]: NCCL); both run the same per-rank loop.
 //! A rehearsal (`TrainConfig::rehearse`) runs that loop on the rank's device
@@ -761,7 +761,7 @@ fn loss_and_grads_cpu_norms(
 mod tests {
     use super::*;
     use crate::attention::Strategy;
-    use crate::optim::AdamWConfig;
+    use crate::optim::OptimConfig;
 
     fn cfg(data: usize, ulysses: usize, ring: usize) -> TrainConfig {
         TrainConfig {
@@ -774,7 +774,7 @@ mod tests {
                 ModelConfig::resolve("tiny").unwrap(),
                 64,
                 3,
-                AdamWConfig::schedule(3e-3, 3e-4, 1, 3),
+                OptimConfig::schedule(3e-3, 3e-4, 1, 3),
             )
         }
     }

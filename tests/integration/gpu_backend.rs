@@ -10,9 +10,10 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{
-    AdamWSlot, AdamWStep, AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category,
-    DType, GatedAct, GradWrite, IGNORE, LseMerge, MatLayout, RmsNorm, Tensor,
+    AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType, GatedAct,
+    GradWrite, IGNORE, LseMerge, MatLayout, RmsNorm, Tensor,
 };
+use upipe::optim::{AdamWOps, AdamWSlot, AdamWStep};
 
 const TOL: f64 = 1e-2;
 
@@ -2095,7 +2096,7 @@ fn documents_mask_bounds_are_kept_until_the_mask_changes() {
     );
 }
 
-/// Compact AdamW state (`backend::compact_adamw`) on the GPU against the
+/// Compact AdamW state (`optim::adamw::compact_adamw`) on the GPU against the
 /// CPU reference, bit for bit over 4 steps: F32, BF16 and 8-bit moments,
 /// F32 masters with a BF16 copy and BF16 weights with no master
 /// (stochastic rounding), two slots of pieces of odd lengths (shorter and
@@ -2152,7 +2153,7 @@ fn run_compact<B: Backend>(
     grads: &[Vec<Vec<f32>>],
     (mdt, pdt, narrow): (DType, DType, bool),
 ) -> Vec<Vec<Vec<f32>>> {
-    use upipe::backend::compact_adamw::{q8_blocks, rounding_key};
+    use upipe::optim::adamw::compact_adamw::{q8_blocks, rounding_key};
     let t = |d: &[f32], dt| {
         b.from_host(d, &[d.len()], dt, Category::OptimState)
             .unwrap()

@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 use std::process::Command;
 use upipe::attention::{CpPlan, Strategy};
-use upipe::backend::compact_adamw::{bf16_nearest, bf16_value};
 use upipe::backend::cpu::CpuBackend;
+use upipe::backend::narrow::{bf16_nearest, bf16_value};
 use upipe::backend::{Backend, Category, DType};
 use upipe::checkpoint::HostTensor;
 use upipe::comm::MeshShape;

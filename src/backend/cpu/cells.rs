@@ -21,8 +21,8 @@ pub(super) fn data_mut<B: TensorDevice<Storage = CpuStorage>>(t: &mut Tensor<B>)
 /// values of a BF16 tensor rounded to BF16 (to nearest even), those of an
 /// 8-bit one checked to be its codes (the compact optimizer state; the CPU
 /// computes in f32 and stores narrower values exactly).
-pub(super) fn stored(dtype: DType, values: &[f32]) -> Result<Vec<f32>> {
-    use crate::backend::compact_adamw::{bf16_nearest, bf16_value, codes_of};
+pub fn stored(dtype: DType, values: &[f32]) -> Result<Vec<f32>> {
+    use crate::backend::narrow::{bf16_nearest, bf16_value, codes_of};
     Ok(match dtype {
         DType::F32 => values.to_vec(),
         DType::BF16 => values
@@ -37,7 +37,7 @@ pub(super) fn stored(dtype: DType, values: &[f32]) -> Result<Vec<f32>> {
 /// BF16, as a device stores what it writes into a BF16 tensor; F32 cells
 /// stay as they are.
 pub(super) fn round_view(dtype: DType, d: &mut [f32], l: &MatLayout) {
-    use crate::backend::compact_adamw::{bf16_nearest, bf16_value};
+    use crate::backend::narrow::{bf16_nearest, bf16_value};
     if dtype != DType::BF16 {
         return;
     }

@@ -2,11 +2,12 @@
 //! rayon parallelism and `matrixmultiply` GEMM. Every other backend and every
 //! context-parallel strategy is tested against this one.
 
+use super::fused_update::{HostCells, HostCellsMut, HostSlot};
 use super::norm_args::{check_norm_bwd, check_norm_fwd};
 use super::profile::{Phase, StepProfile, Track};
 use super::{
-    AdamWSlot, AdamWStep, AttentionBwd, AttentionFwd, AttnShape, Backend, Category, CopyDone,
-    DType, IGNORE, LseMerge, Mat, MatLayout, MatMut, MemoryLedger, Tensor, check_same_numel,
+    AttentionBwd, AttentionFwd, AttnShape, Backend, Category, CopyDone, DType, IGNORE, LseMerge,
+    Mat, MatLayout, MatMut, MemoryLedger, Tensor, UpdateKernel, UpdateSlot, check_same_numel,
 };
 use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
@@ -16,8 +17,8 @@ mod cells;
 mod device;
 mod norm;
 
-pub use cells::CpuStorage;
-use cells::{data, data_mut, round_view, stored};
+pub use cells::{CpuStorage, stored};
+use cells::{data, data_mut, round_view};
 pub use device::CpuBackend;
 
 use std::sync::Arc;
@@ -518,113 +519,27 @@ impl Backend for CpuBackend {
         Ok(data_mut(t))
     }
 
-    fn adamw(
+    fn fused_update(
         &self,
-        param: &mut Tensor<Self>,
-        grad: &Tensor<Self>,
-        m: &mut Tensor<Self>,
-        v: &mut Tensor<Self>,
-        elems: std::ops::Range<usize>,
-        hp: AdamWStep,
+        kernel: &dyn UpdateKernel,
+        slots: &mut [UpdateSlot<'_, Self>],
     ) -> Result<()> {
-        let _span = self.profile.span("adamw", Track::Compute);
-        check_same_numel(param, grad, "adamw")?;
-        check_same_numel(param, m, "adamw")?;
-        check_same_numel(param, v, "adamw")?;
-        super::check_elems(&elems, param.numel(), "adamw")?;
-        let g = &data(grad)[elems.clone()];
-        let (m, v) = (
-            &mut data_mut(m)[elems.clone()],
-            &mut data_mut(v)[elems.clone()],
-        );
-        super::host_adamw::adamw_serial(&mut data_mut(param)[elems], g, m, v, hp);
-        Ok(())
-    }
-
-    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
-        let _span = self.profile.span("adamw_multi", Track::Compute);
-        for slot in slots.iter() {
-            super::adamw_multi::check_adamw_slot(slot)?;
-        }
-        for slot in slots {
-            if !slot.is_plain() {
-                compact_slot(slot)?;
-                continue;
-            }
-            let (target, grad) = (data_mut(slot.target), data(slot.grad));
-            let (m, v) = (data_mut(slot.m), data_mut(slot.v));
-            let narrow_dtype = slot.narrow.as_deref().map(|t| t.dtype());
-            let mut narrow = slot.narrow.as_deref_mut().map(data_mut);
-            for (elems, hp) in slot.pieces {
-                let r = elems.clone();
-                let p = &mut target[r.clone()];
-                let (g, m, v) = (&grad[r.clone()], &mut m[r.clone()], &mut v[r.clone()]);
-                super::host_adamw::adamw_serial(p, g, m, v, *hp);
-                // the write-back rounds as `copy` does (F32 cells: a copy)
-                match (narrow.as_deref_mut(), narrow_dtype) {
-                    (Some(narrow), Some(DType::F32)) => narrow[r].copy_from_slice(p),
-                    (Some(narrow), Some(dtype)) => narrow[r].copy_from_slice(&stored(dtype, p)?),
-                    _ => {}
-                }
-            }
+        let _span = self.profile.span(kernel.name(), Track::Compute);
+        for (k, slot) in slots.iter_mut().enumerate() {
+            let written = (slot.written.iter_mut())
+                .map(|t| HostCellsMut {
+                    dtype: t.dtype(),
+                    cells: data_mut(t),
+                })
+                .collect();
+            let read = (slot.read.iter())
+                .map(|t| HostCells {
+                    dtype: t.dtype(),
+                    cells: data(t),
+                })
+                .collect();
+            kernel.host(k, HostSlot { written, read })?;
         }
         Ok(())
     }
-}
-
-/// One slot of compact state (BF16 or 8-bit moments, or BF16 weights with
-/// no master), piece by piece ([`super::compact_adamw::update_piece`]), the
-/// narrow copy written as `copy` rounds.
-fn compact_slot(slot: &mut AdamWSlot<'_, CpuBackend>) -> Result<()> {
-    use super::compact_adamw::{
-        MomentCodec, MomentsMut, PieceUpdate, WeightRounding, update_piece,
-    };
-    let codec = match slot.m.dtype() {
-        DType::F32 => MomentCodec::F32,
-        DType::BF16 => MomentCodec::Bf16,
-        DType::U8 => MomentCodec::Q8,
-    };
-    let rounding = match slot.target.dtype() {
-        DType::BF16 => WeightRounding::Stochastic(slot.rounding_key),
-        _ => WeightRounding::F32,
-    };
-    let (starts, blocks) = slot.scale_offsets();
-    let (mut no_m, mut no_v) = (Vec::new(), Vec::new());
-    let (ms, vs) = match slot.scales.as_mut() {
-        Some((ms, vs)) => (data_mut(ms), data_mut(vs)),
-        None => (&mut no_m[..], &mut no_v[..]),
-    };
-    let (target, grad) = (data_mut(slot.target), data(slot.grad));
-    let (m, v) = (data_mut(slot.m), data_mut(slot.v));
-    for ((elems, hp), &at) in slot.pieces.iter().zip(&starts) {
-        let r = elems.clone();
-        let sb = if codec == MomentCodec::Q8 {
-            at..at + super::compact_adamw::q8_blocks(r.len())
-        } else {
-            0..0
-        };
-        update_piece(PieceUpdate {
-            w: &mut target[r.clone()],
-            rounding,
-            first: r.start,
-            g: &grad[r.clone()],
-            m: MomentsMut {
-                codec,
-                values: &mut m[r.clone()],
-                scales: &mut ms[sb.clone()],
-            },
-            v: MomentsMut {
-                codec,
-                values: &mut v[r],
-                scales: &mut vs[sb],
-            },
-            hp: *hp,
-        });
-        if let Some(narrow) = slot.narrow.as_deref_mut() {
-            let rounded = stored(narrow.dtype(), &target[elems.clone()])?;
-            data_mut(narrow)[elems.clone()].copy_from_slice(&rounded);
-        }
-    }
-    debug_assert!(codec != MomentCodec::Q8 || blocks == ms.len());
-    Ok(())
 }

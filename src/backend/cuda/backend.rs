@@ -7,12 +7,13 @@
 use super::attention::{AttentionKernels, dt_flag};
 use super::device::{self, drv};
 use super::gemm::Gemm;
-use super::kernels::{self, Args, Kernels, grid_for, launch};
+use super::kernels::{self, Args, Kernels, ProgramModule, grid_for, launch};
 use super::pool::{CudaStorage, Pool, PoolStats};
 use super::{cudnn, flash, host_pool, nvrtc, profile, tuning};
 use crate::backend::{Backend, DType, MemoryLedger, Tensor, TensorDevice};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaContext, CudaStream, result};
+use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 
@@ -32,6 +33,9 @@ pub struct CudaBackend {
     /// Pinned host memory of `Category::Offload` tensors.
     pub(super) host_pool: Arc<host_pool::HostPool>,
     pub(super) kernels: Kernels,
+    /// The optimizers' update programs (`fused_update.rs`), compiled and
+    /// loaded on first use, by program name.
+    pub(super) programs: std::sync::Mutex<HashMap<&'static str, Arc<ProgramModule>>>,
     pub(super) gemm: Gemm,
     /// cuBLASLt workspace, allocated on first GEMM (Workspace category).
     pub(super) gemm_ws: OnceLock<Tensor<CudaBackend>>,
@@ -132,6 +136,7 @@ impl CudaBackend {
             copy_stream,
             host_pool,
             kernels,
+            programs: std::sync::Mutex::new(HashMap::new()),
             gemm,
             gemm_ws: OnceLock::new(),
             attn_kernels,

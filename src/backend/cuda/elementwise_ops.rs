@@ -2,7 +2,7 @@
 //! `axpy_raw` on raw addresses), `sum_squares`, RMSNorm forward and backward
 //! (and their forms fused with the residual add),
 //! RoPE, SwiGLU forward and backward, embedding forward and backward, the fused
-//! cross-entropy and AdamW.
+//! cross-entropy.
 
 use super::attention::dt_flag;
 use super::backend::{BLOCK, CudaBackend, dt, need, ptr};
@@ -10,8 +10,7 @@ use super::device::drv;
 use super::kernels::{Args, grid_for, launch};
 use crate::backend::norm_args::{check_norm_bwd, check_norm_fwd};
 use crate::backend::{
-    AdamWStep, Backend, Category, DType, IGNORE, Mat, MatMut, Tensor, check_bias_views,
-    check_same_numel,
+    Backend, Category, DType, IGNORE, Mat, MatMut, Tensor, check_bias_views, check_same_numel,
 };
 use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
@@ -547,51 +546,5 @@ impl CudaBackend {
             0,
             args,
         )
-    }
-
-    pub(super) fn adamw_impl(
-        &self,
-        param: &mut Tensor<Self>,
-        grad: &Tensor<Self>,
-        m: &mut Tensor<Self>,
-        v: &mut Tensor<Self>,
-        elems: std::ops::Range<usize>,
-        hp: AdamWStep,
-    ) -> Result<()> {
-        let _span = self.span("adamw")?;
-        check_same_numel(param, grad, "adamw")?;
-        check_same_numel(param, m, "adamw")?;
-        check_same_numel(param, v, "adamw")?;
-        crate::backend::check_elems(&elems, param.numel(), "adamw")?;
-        for (t, what) in [(&*param, "param"), (&*m, "m"), (&*v, "v")] {
-            need(t, DType::F32, "adamw", what)?;
-        }
-        let n = elems.len();
-        if n == 0 {
-            return Ok(());
-        }
-        self.bind()?;
-        let (bc1, bc2) = hp.bias_corrections();
-        // byte offsets of the range: f32 state, grad in its own dtype
-        let (f32_off, g_off) = (
-            (elems.start * 4) as u64,
-            (elems.start * grad.dtype().size()) as u64,
-        );
-        let args = Args::new()
-            .ptr(ptr(param) + f32_off)
-            .ptr(ptr(grad) + g_off)
-            .i32(dt(grad))
-            .ptr(ptr(m) + f32_off)
-            .ptr(ptr(v) + f32_off)
-            .usize(n)
-            .f32(hp.lr)
-            .f32(hp.beta1)
-            .f32(hp.beta2)
-            .f32(hp.eps)
-            .f32(hp.weight_decay)
-            .f32(bc1)
-            .f32(bc2)
-            .f32(hp.grad_scale);
-        self.launch1d(self.kernels.adamw, n, args)
     }
 }

@@ -3,15 +3,17 @@
 
 use super::device::drv;
 use super::nvrtc::{self, CubinSource};
+use crate::backend::fused_update::DeviceProgram;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaStream, result, sys};
+use std::collections::HashMap;
 use std::ffi::{CString, c_void};
+use std::sync::Mutex;
 
 /// Every kernel file, in the order they are concatenated (common helpers first).
 pub const SOURCES: &[(&str, &str)] = &[
     ("common.cu", include_str!("kernels/common.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
-    ("adamw_compact.cu", include_str!("kernels/adamw_compact.cu")),
     ("norm_rope.cu", include_str!("kernels/norm_rope.cu")),
     ("loss.cu", include_str!("kernels/loss.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
@@ -21,6 +23,19 @@ pub const SOURCES: &[(&str, &str)] = &[
 pub fn full_source() -> String {
     let mut s = String::new();
     for (name, src) in SOURCES {
+        s.push_str(&format!("// ---- {name} ----\n"));
+        s.push_str(src);
+        s.push('\n');
+    }
+    s
+}
+
+/// The translation unit of an update program (`Backend::fused_update`):
+/// the common helpers, then its sources in order.
+pub fn program_source(p: DeviceProgram) -> String {
+    let common = SOURCES.iter().filter(|(name, _)| *name == "common.cu");
+    let mut s = String::new();
+    for (name, src) in common.chain(p.sources) {
         s.push_str(&format!("// ---- {name} ----\n"));
         s.push_str(src);
         s.push('\n');
@@ -70,9 +85,6 @@ kernel_table!(
     gated_act_bwd,
     embedding_fwd,
     embedding_bwd,
-    adamw,
-    adamw_multi,
-    adamw_compact,
     rmsnorm_fwd,
     add_rmsnorm_fwd,
     rmsnorm_bwd,
@@ -108,19 +120,74 @@ impl Kernels {
     /// Compiles (or reads from the disk cache) and loads the kernels for `arch`.
     /// The context must be bound to this thread.
     pub fn load(arch: &str) -> Result<Kernels> {
-        let (cubin, source) = nvrtc::compile_cached(&full_source(), arch)?;
-        // SAFETY: `cubin` is a complete cubin image, alive for the call.
-        let module = drv(
-            unsafe { result::module::load_data(cubin.as_ptr().cast()) },
-            "cuModuleLoadData",
-        )
-        .map_err(|e| {
-            Error::Backend(format!(
-                "{e}; delete the kernel cache ({:?}) if it is stale",
-                nvrtc::cache_dir()
-            ))
-        })?;
+        let (module, source) = load_module(&full_source(), arch)?;
         Kernels::resolve(module, source)
+    }
+}
+
+/// Compiles `src` for `arch` (or reads its cubin from the disk cache) and
+/// loads it. The context must be bound to this thread.
+fn load_module(src: &str, arch: &str) -> Result<(sys::CUmodule, CubinSource)> {
+    let (cubin, source) = nvrtc::compile_cached(src, arch)?;
+    // SAFETY: `cubin` is a complete cubin image, alive for the call.
+    let module = drv(
+        unsafe { result::module::load_data(cubin.as_ptr().cast()) },
+        "cuModuleLoadData",
+    )
+    .map_err(|e| {
+        Error::Backend(format!(
+            "{e}; delete the kernel cache ({:?}) if it is stale",
+            nvrtc::cache_dir()
+        ))
+    })?;
+    Ok((module, source))
+}
+
+/// A module compiled at run time from a program the layers above supply
+/// (an optimizer's update program: `fused_update.rs`), its functions
+/// looked up by name on first use.
+pub struct ProgramModule {
+    module: sys::CUmodule,
+    functions: Mutex<HashMap<&'static str, Func>>,
+}
+
+// SAFETY: as for `Kernels`: immutable driver handles.
+unsafe impl Send for ProgramModule {}
+// SAFETY: as above; the function table is behind a lock.
+unsafe impl Sync for ProgramModule {}
+
+impl ProgramModule {
+    /// Compiles `src` (or reads it from the disk cache) for `arch` and
+    /// loads it. The context must be bound to this thread.
+    pub fn load(src: &str, arch: &str) -> Result<Self> {
+        let (module, _) = load_module(src, arch)?;
+        Ok(ProgramModule {
+            module,
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The module's function `name`.
+    pub fn function(&self, name: &'static str) -> Result<Func> {
+        let mut functions = self
+            .functions
+            .lock()
+            .map_err(|_| Error::Backend("a program's function table was poisoned".into()))?;
+        if let Some(f) = functions.get(name) {
+            return Ok(*f);
+        }
+        let f = get_function(self.module, name)?;
+        functions.insert(name, f);
+        Ok(f)
+    }
+}
+
+impl Drop for ProgramModule {
+    fn drop(&mut self) {
+        // SAFETY: as for `Kernels`: no launch of it is still in flight.
+        unsafe {
+            let _ = result::module::unload(self.module);
+        }
     }
 }
 
@@ -241,7 +308,6 @@ mod tests {
                     "cross_entropy",
                     "copy2d",
                     "add_rmsnorm_fwd",
-                    "adamw_multi",
                 ] {
                     assert!(
                         cubin.windows(name.len()).any(|w| w == name.as_bytes()),

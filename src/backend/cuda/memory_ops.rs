@@ -396,7 +396,7 @@ impl CudaBackend {
                 )
             }
             DType::U8 => {
-                let h = crate::backend::compact_adamw::codes_of(data)?;
+                let h = crate::backend::narrow::codes_of(data)?;
                 drv(
                     unsafe { result::memcpy_htod_async(ptr(t), &h, s) },
                     "upload",

@@ -15,14 +15,13 @@
 //! heavy op to the file of its family: `memory_ops.rs` (allocation,
 //! uploads/downloads, copies), `attention_ops.rs` (attention routing,
 //! `lse_merge`), `elementwise_ops.rs` (fill, axpy, norms, RoPE, SwiGLU,
-//! embedding, loss, AdamW) and `gemm_ops.rs` (`gemm`, on [`gemm`]'s
-//! cuBLASLt). This file only declares the modules and re-exports.
+//! embedding, loss), `fused_update.rs` (an optimizer's update: its
+//! program compiled on first use, its launches run) and `gemm_ops.rs`
+//! (`gemm`, on [`gemm`]'s cuBLASLt). This file only declares the modules and re-exports.
 //!
 //! Every op is queued on the backend's stream; `to_host`, `sum_squares` and
 //! `synchronize` wait for it.
 
-mod adamw_compact;
-mod adamw_multi;
 pub mod attention;
 mod attention_ops;
 mod backend;
@@ -31,6 +30,7 @@ pub mod cudnn;
 pub mod device;
 mod elementwise_ops;
 pub mod flash;
+mod fused_update;
 pub mod gemm;
 mod gemm_ops;
 pub mod host_pool;

@@ -1,14 +1,15 @@
 //! `impl Backend for CudaBackend`: each op handed to the file of its
 //! family: `memory_ops.rs` (allocation, uploads/downloads, copies),
 //! `attention_ops.rs` (attention routing, `lse_merge`), `elementwise_ops.rs`
-//! (fill, axpy, norms, RoPE, SwiGLU, embedding, loss, AdamW) and
+//! (fill, axpy, norms, RoPE, SwiGLU, embedding, loss), `fused_update.rs`
+//! (an optimizer's update program) and
 //! `gemm_ops.rs` (`gemm`); synchronisation and profiling are the backend's
 //! own (`backend.rs`).
 
 use super::backend::CudaBackend;
 use crate::backend::{
-    AdamWSlot, AdamWStep, AttentionBwd, AttentionFwd, AttnShape, Backend, Category, ComputePoint,
-    CopyDone, DType, HostValues, LseMerge, Mat, MatMut, MemoryLedger, Tensor,
+    AttentionBwd, AttentionFwd, AttnShape, Backend, Category, ComputePoint, CopyDone, DType,
+    HostValues, LseMerge, Mat, MatMut, MemoryLedger, Tensor, UpdateKernel, UpdateSlot,
 };
 use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
@@ -270,19 +271,11 @@ impl Backend for CudaBackend {
         self.cross_entropy_impl(logits, targets, grad_scale, loss_sum)
     }
 
-    fn adamw(
+    fn fused_update(
         &self,
-        param: &mut Tensor<Self>,
-        grad: &Tensor<Self>,
-        m: &mut Tensor<Self>,
-        v: &mut Tensor<Self>,
-        elems: std::ops::Range<usize>,
-        hp: AdamWStep,
+        kernel: &dyn UpdateKernel,
+        slots: &mut [UpdateSlot<'_, Self>],
     ) -> Result<()> {
-        self.adamw_impl(param, grad, m, v, elems, hp)
-    }
-
-    fn adamw_multi(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
-        self.adamw_multi_impl(slots)
+        self.fused_update_impl(kernel, slots)
     }
 }

@@ -15,7 +15,7 @@ use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, RandomInit, Unit};
 use crate::optim::settling::{Deferred, Settling};
-use crate::optim::{AdamW, Optimizer, StateKind, Update, slots_through};
+use crate::optim::{BuildArgs, Optimizer, StateKind, Update, slots_through};
 use crate::train::config::TrainConfig;
 use crate::train::lora_base::{BaseModel, LoraSave, resumed_base, run_base, with_base};
 use crate::train::replicated::Resumed;
@@ -214,7 +214,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
             let mut has_master = false;
             if let Some(k) = slot_of[i] {
                 for kind in opt.kinds(k) {
-                    has_master |= kind == StateKind::Master;
+                    has_master |= kind == StateKind::MASTER;
                     let fetch = move || Ok(opt.state_values(b, k, kind)?.unwrap_or_default());
                     let name = format!("{}.{key}", kind.name());
                     tensors.push(TensorSource::new(name, shape.clone(), fetch));
@@ -225,7 +225,7 @@ impl<'a, B: Backend> Sharded<'a, B> {
                 let shard = self.store.params[i].as_ref().ok_or_else(|| {
                     Error::Backend("FSDP: a shard is in a collective while saving".into())
                 })?;
-                let name = format!("{}.{key}", StateKind::Master.name());
+                let name = format!("{}.{key}", StateKind::MASTER.name());
                 tensors.push(TensorSource::new(name, shape, move || b.to_host(shard)));
             }
         }
@@ -309,12 +309,13 @@ fn restore_state<B: Backend>(
     let rank = store.group.rank();
     let slot_of = slot_of_units(store);
     for (i, u) in store.layouts.iter().enumerate() {
-        for kind in [StateKind::ExpAvg, StateKind::ExpAvgSq, StateKind::Master] {
-            if kind == StateKind::Master && !saved.has_master(u) {
-                continue;
-            }
-            // a frozen unit has no moments (nor any saved)
-            if kind != StateKind::Master && slot_of[i].is_none() {
+        // the kinds the optimizer keeps (a frozen unit: none, nor any
+        // saved), and masters wherever the checkpoint has them
+        let mut kinds = slot_of[i].map_or_else(Vec::new, |k| opt.kinds(k));
+        kinds.retain(|&kind| kind != StateKind::MASTER);
+        kinds.push(StateKind::MASTER);
+        for kind in kinds {
+            if kind == StateKind::MASTER && !saved.has_master(u) {
                 continue;
             }
             let values = || saved.shard(kind.name(), u, rank);
@@ -323,7 +324,7 @@ fn restore_state<B: Backend>(
                 Some(k) => {
                     opt.restore(b, k, kind, &values()?)?;
                 }
-                None if kind == StateKind::Master => {
+                None if kind == StateKind::MASTER => {
                     let shard = store.params[i].as_mut().ok_or_else(|| {
                         Error::Backend("FSDP: a shard is in a collective at start-up".into())
                     })?;
@@ -345,8 +346,8 @@ fn slot_of_units<B: Backend>(store: &FsdpStore<'_, B>) -> Vec<Option<usize>> {
     slot
 }
 
-/// AdamW over the rank's shards of trained units (zero moments, F32
-/// masters of the current shards when they are in a lower precision).
+/// The run's optimizer over the rank's shards of trained units (zero
+/// moments, F32 masters of the current shards when they are in a lower precision).
 fn optimizer<B: Backend>(
     b: &B,
     cfg: &TrainConfig,
@@ -358,8 +359,13 @@ fn optimizer<B: Backend>(
         .into_iter()
         .map(|i| store.params[i].as_ref().ok_or_else(busy))
         .collect::<Result<Vec<_>>>()?;
-    let opt = AdamW::new(b, cfg.adamw(), store.slots(), &shards, store.layers())?;
-    Ok(Box::new(opt))
+    let args = BuildArgs {
+        slots: store.slots(),
+        params: &shards,
+        layers: store.layers(),
+        zero_device_grads: false,
+    };
+    crate::optim::build(b, &cfg.optimizer(), args)
 }
 
 impl<B: Backend> RankModel<B> for Sharded<'_, B> {

@@ -3,7 +3,7 @@
 //! memory), split over threads. Every element's arithmetic is the same
 //! whatever the split, so results are bit-identical to one thread.
 
-use super::AdamWStep;
+use super::adamw_step::AdamWStep;
 use rayon::prelude::*;
 
 /// Elements per task: large enough to amortise scheduling, small enough to

@@ -2,13 +2,16 @@
 //! format (`state_format.rs`, `moments.rs`), global-norm gradient clipping,
 //! and its learning-rate schedule (`schedule.rs`).
 
-use crate::backend::compact_adamw::rounding_key;
-use crate::backend::{AdamWPiece, AdamWSlot, AdamWStep, Backend, Category, DType, Tensor, cast};
+use super::adamw_multi::{AdamWPiece, AdamWSlot};
+use super::adamw_step::AdamWStep;
+use super::compact_adamw::rounding_key;
+use super::ops::AdamWOps;
+use crate::backend::{Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::Unit;
 use crate::optim::host::{HostSlot, HostStep, host_master, host_zeros};
 use crate::optim::moments::{Moment, Which};
-use crate::optim::optimizer::{Optimizer, StateKind, Update};
+use crate::optim::optimizer::{Optimizer, StateKind, StateSpec, Update};
 use crate::optim::schedule::{Decay, Schedule};
 use crate::optim::settling::state_on_host;
 #[cfg(doc)]
@@ -35,10 +38,10 @@ pub struct AdamWConfig {
     /// (`optim::settling::state_on_host`), keep their F32 master weights
     /// and moments in pinned host memory, updated on host threads
     /// (`--offload-optimizer`; a training run sets it from its memory
-    /// policy, `TrainConfig::adamw`).
+    /// policy, `TrainConfig::optimizer`).
     pub host_units: usize,
     /// Update each parameter by its own op, then copy each slot's F32
-    /// master to its parameters, instead of one [`Backend::adamw_multi`]
+    /// master to its parameters, instead of one [`AdamWOps::adamw_multi`]
     /// over every device slot: the same numbers, more launches (the
     /// reference the multi-tensor update is tested against; no flag sets
     /// it).
@@ -69,6 +72,17 @@ impl AdamWConfig {
             per_piece: false,
             state: StateFormat::default(),
             seed: 0,
+        }
+    }
+
+    /// These settings with the state of the last `host_units` units of
+    /// update order on the host (`--offload-optimizer`) and stochastic
+    /// rounding seeded by `seed` (the run's).
+    pub fn placed(self, host_units: usize, seed: u64) -> Self {
+        AdamWConfig {
+            host_units,
+            seed,
+            ..self
         }
     }
 
@@ -174,7 +188,7 @@ impl<B: Backend> AdamW<B> {
     }
 
     /// Updates every slot whose state is on the device at `(lr, step,
-    /// clip)`: one [`Backend::adamw_multi`] over all of them (with
+    /// clip)`: one [`AdamWOps::adamw_multi`] over all of them (with
     /// `cfg.per_piece`, an op per piece and a copy per slot).
     fn update_device_slots(
         &mut self,
@@ -237,12 +251,24 @@ impl<B: Backend> AdamW<B> {
     }
 }
 
-/// F32 elements of state AdamW keeps per parameter element of a device
-/// slot: two moments, and a master copy when the parameters are in a lower
-/// precision (`narrow`). A host slot keeps all three in host memory. (What
-/// the planner counts: `plan::predict_step`.)
-pub fn device_states_per_element(narrow: bool) -> usize {
-    if narrow { 3 } else { 2 }
+/// The state AdamW keeps per parameter element of a device slot, kept as
+/// `format` says: two moments, and an F32 master copy when the parameters
+/// are in a lower precision (`narrow`) and `format` keeps masters. A host
+/// slot keeps all three in F32 host memory. (What the planner counts:
+/// `plan::trained_state_bytes`.)
+pub fn state_specs(format: StateFormat, narrow: bool) -> Vec<StateSpec> {
+    let moment = |kind| StateSpec {
+        kind,
+        dtype: format.moments.dtype(),
+    };
+    let mut specs = vec![moment(StateKind::EXP_AVG), moment(StateKind::EXP_AVG_SQ)];
+    if narrow && format.master == MasterWeights::F32 {
+        specs.push(StateSpec {
+            kind: StateKind::MASTER,
+            dtype: DType::F32,
+        });
+    }
+    specs
 }
 
 impl<B: Backend> Optimizer<B> for AdamW<B> {
@@ -347,9 +373,9 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
     }
 
     fn kinds(&self, slot: usize) -> Vec<StateKind> {
-        let mut kinds = vec![StateKind::ExpAvg, StateKind::ExpAvgSq];
+        let mut kinds = vec![StateKind::EXP_AVG, StateKind::EXP_AVG_SQ];
         if self.master.get(slot).is_some_and(Option::is_some) {
-            kinds.push(StateKind::Master);
+            kinds.push(StateKind::MASTER);
         }
         kinds
     }
@@ -357,24 +383,26 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
     fn state_values(&self, b: &B, slot: usize, kind: StateKind) -> Result<Option<Vec<f32>>> {
         let pieces = piece_ranges(&self.slots[slot]);
         Ok(match kind {
-            StateKind::ExpAvg => Some(self.m[slot].to_f32(b, &pieces)?),
-            StateKind::ExpAvgSq => Some(self.v[slot].to_f32(b, &pieces)?),
-            StateKind::Master => match &self.master[slot] {
+            StateKind::EXP_AVG => Some(self.m[slot].to_f32(b, &pieces)?),
+            StateKind::EXP_AVG_SQ => Some(self.v[slot].to_f32(b, &pieces)?),
+            StateKind::MASTER => match &self.master[slot] {
                 Some(t) => Some(b.to_host(t)?),
                 None => None,
             },
+            _ => None,
         })
     }
 
     fn restore(&mut self, b: &B, slot: usize, kind: StateKind, values: &[f32]) -> Result<bool> {
         let pieces = piece_ranges(&self.slots[slot]);
         match kind {
-            StateKind::ExpAvg => self.m[slot].load_f32(b, &pieces, values)?,
-            StateKind::ExpAvgSq => self.v[slot].load_f32(b, &pieces, values)?,
-            StateKind::Master => match &mut self.master[slot] {
+            StateKind::EXP_AVG => self.m[slot].load_f32(b, &pieces, values)?,
+            StateKind::EXP_AVG_SQ => self.v[slot].load_f32(b, &pieces, values)?,
+            StateKind::MASTER => match &mut self.master[slot] {
                 Some(t) => b.upload(t, values)?,
                 None => return Ok(false),
             },
+            _ => return Ok(false),
         }
         Ok(true)
     }
@@ -453,8 +481,8 @@ fn build_state<B: Backend>(
     Ok((every(m), every(v), master))
 }
 
-/// The update [`Backend::adamw_multi`] makes of one slot, made one op at
-/// a time: [`Backend::adamw`] per piece, then the master copied whole to the
+/// The update [`AdamWOps::adamw_multi`] makes of one slot, made one op at
+/// a time: [`AdamWOps::adamw`] per piece, then the master copied whole to the
 /// narrow parameters (`AdamWConfig::per_piece`).
 fn update_per_piece<B: Backend>(b: &B, t: AdamWSlot<'_, B>) -> Result<()> {
     for (elems, hp) in t.pieces {

@@ -1,19 +1,21 @@
-//! `CudaBackend`'s multi-tensor AdamW: the pieces of a step's slots in one
-//! launch of `adamw_multi` (kernels/elementwise.cu) per [`PIECES`] pieces,
-//! their table (tensor addresses, ranges, hyper-parameters) passed by value
-//! as a kernel parameter: no upload, no buffer.
+//! Multi-tensor AdamW of F32 state on a GPU: the pieces of a step's slots
+//! in one launch of `adamw_multi` (`optim/kernels/adamw.cu`) per [`PIECES`]
+//! pieces, their table (tensor addresses, ranges, hyper-parameters) passed
+//! by value as a kernel parameter: no upload, no buffer.
 
-use super::backend::{BLOCK, CudaBackend, dt, need, ptr};
-use super::kernels::{Args, grid_for, launch};
-use crate::backend::adamw_multi::check_adamw_slot;
-use crate::backend::{AdamWSlot, AdamWStep, DType};
-use crate::error::Result;
+use super::adamw_step::AdamWStep;
+use super::slot_layout::{SlotAddrs, SlotPlan};
+use crate::backend::cuda::attention::dt_flag;
+use crate::backend::fused_update::Launch;
 use std::ops::Range;
 
-/// Pieces per launch (`ADAMW_PIECES` in kernels/elementwise.cu): a table of
+/// Pieces per launch (`ADAMW_PIECES` in `optim/kernels/adamw.cu`): a table of
 /// 108 bytes a piece, 3.4 KB in all, within every architecture's 4 KB of
 /// kernel parameters.
 pub const PIECES: usize = 32;
+
+/// Threads per block of `adamw_multi`.
+pub const BLOCK: u32 = 256;
 
 /// Elements each thread of `adamw_multi` updates (a virtual block is
 /// `VEC * BLOCK` elements of one piece).
@@ -22,7 +24,7 @@ const VEC: usize = 4;
 /// One piece as the kernel sees it: its slot's tensors (device addresses;
 /// `q` 0 for none), their dtype flags, its elements and update.
 #[derive(Debug, Clone)]
-struct PieceRef {
+pub struct PieceRef {
     p: u64,
     g: u64,
     m: u64,
@@ -101,52 +103,41 @@ fn piece_table(pieces: &[PieceRef]) -> (Vec<u64>, u64) {
     (words, vblocks)
 }
 
-impl CudaBackend {
-    pub(super) fn adamw_multi_impl(&self, slots: &mut [AdamWSlot<'_, Self>]) -> Result<()> {
-        let _span = self.span("adamw_multi")?;
-        for slot in slots.iter() {
-            check_adamw_slot(slot)?;
-        }
-        let (plain, compact): (Vec<_>, Vec<_>) = slots.iter_mut().partition(|s| s.is_plain());
-        self.adamw_compact_impl(&compact)?;
-        let mut pieces = Vec::new();
-        for slot in plain {
-            for (x, what) in [(&*slot.target, "target"), (&*slot.m, "m"), (&*slot.v, "v")] {
-                need(x, DType::F32, "adamw_multi", what)?;
-            }
-            let (q, qdt) = match slot.narrow.as_deref() {
-                Some(q) => (ptr(q), dt(q)),
-                None => (0, 0),
-            };
-            pieces.extend(
-                slot.pieces
-                    .iter()
-                    .filter(|(e, _)| !e.is_empty())
-                    .map(|(elems, hp)| PieceRef {
-                        p: ptr(slot.target),
-                        g: ptr(slot.grad),
-                        m: ptr(slot.m),
-                        v: ptr(slot.v),
-                        q,
-                        gdt: dt(slot.grad),
-                        qdt,
-                        elems: elems.clone(),
-                        hp: *hp,
-                    }),
-            );
-        }
-        self.bind()?;
-        for group in pieces.chunks(PIECES) {
+/// The non-empty pieces of one plain slot (F32 weights and moments).
+pub fn slot_pieces(plan: &SlotPlan<'_>, t: &SlotAddrs) -> Vec<PieceRef> {
+    let (q, qdt) = match &t.narrow {
+        Some(q) => (q.addr, dt_flag(q.dtype)),
+        None => (0, 0),
+    };
+    (plan.pieces.iter())
+        .filter(|(e, _)| !e.is_empty())
+        .map(|(elems, hp)| PieceRef {
+            p: t.target.addr,
+            g: t.grad.addr,
+            m: t.m.addr,
+            v: t.v.addr,
+            q,
+            gdt: dt_flag(t.grad.dtype),
+            qdt,
+            elems: elems.clone(),
+            hp: *hp,
+        })
+        .collect()
+}
+
+/// The launches of plain pieces: one `adamw_multi` per [`PIECES`] pieces.
+pub fn launches(pieces: &[PieceRef]) -> Vec<Launch> {
+    (pieces.chunks(PIECES))
+        .map(|group| {
             let (table, vblocks) = piece_table(group);
-            let args = Args::new()
-                .i32(group.len() as i32)
-                .i64(vblocks as i64)
-                .words(&table);
-            let grid = grid_for(vblocks as usize * BLOCK as usize, BLOCK);
-            launch(&self.stream, self.kernels.adamw_multi, grid, BLOCK, 0, args)?;
-        }
-        Ok(())
-    }
+            Launch {
+                function: "adamw_multi",
+                threads: vblocks as usize * BLOCK as usize,
+                block: BLOCK,
+                params: vec![vec![group.len() as u32 as u64], vec![vblocks], table],
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

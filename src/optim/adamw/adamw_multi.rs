@@ -1,12 +1,15 @@
-//! Multi-tensor AdamW: every parameter piece of a step's optimizer slots
-//! updated by one op ([`Backend::adamw_multi`]; a few launches on a GPU),
-//! each piece with its own hyper-parameters, the narrow parameters written
-//! back in the same pass. Per element the arithmetic is
-//! [`Backend::adamw`]'s and the write-back is [`Backend::copy`]'s rounding,
+//! Multi-tensor AdamW's slots: every parameter piece of a step's optimizer
+//! slots updated by one op
+//! ([`AdamWOps::adamw_multi`](crate::optim::AdamWOps::adamw_multi); a few launches on a
+//! GPU), each piece with its own hyper-parameters, the narrow parameters
+//! written back in the same pass. Per element the arithmetic is
+//! [`AdamWOps::adamw`](crate::optim::AdamWOps::adamw)'s and the write-back
+//! is [`Backend::copy`](crate::backend::Backend::copy)'s rounding,
 //! so results are bit-identical to a call per piece followed by a copy.
 
+use super::adamw_step::AdamWStep;
 use super::compact_adamw::q8_blocks;
-use super::{AdamWStep, DType, Tensor, TensorDevice, check_elems, check_same_numel};
+use crate::backend::{DType, Tensor, TensorDevice, check_elems, check_same_numel};
 use crate::error::{Error, Result};
 use std::ops::Range;
 
@@ -32,7 +35,8 @@ pub struct AdamWSlot<'a, B: TensorDevice> {
     pub rounding_key: u32,
     /// The model's parameters when `target` is their master copy: each
     /// updated element is written back in their dtype, rounded as
-    /// [`Backend::copy`] rounds (round to nearest even for BF16).
+    /// [`Backend::copy`](crate::backend::Backend::copy) rounds (round to
+    /// nearest even for BF16).
     pub narrow: Option<&'a mut Tensor<B>>,
     /// The parameters side by side in the slot, ascending and disjoint.
     pub pieces: &'a [AdamWPiece],
@@ -49,16 +53,22 @@ impl<B: TensorDevice> AdamWSlot<'_, B> {
 
     /// Where each piece's 8-bit block scales start, and how many in all.
     pub fn scale_offsets(&self) -> (Vec<usize>, usize) {
-        let mut at = 0;
-        let starts = (self.pieces.iter())
-            .map(|(elems, _)| {
-                let start = at;
-                at += q8_blocks(elems.len());
-                start
-            })
-            .collect();
-        (starts, at)
+        scale_offsets(self.pieces)
     }
+}
+
+/// Where each of `pieces`' 8-bit block scales start, and how many in all
+/// (the blocks of each piece in turn).
+pub fn scale_offsets(pieces: &[AdamWPiece]) -> (Vec<usize>, usize) {
+    let mut at = 0;
+    let starts = (pieces.iter())
+        .map(|(elems, _)| {
+            let start = at;
+            at += q8_blocks(elems.len());
+            start
+        })
+        .collect();
+    (starts, at)
 }
 
 /// Checks the state formats of one slot: moments of one dtype, U8 ones with
@@ -125,6 +135,7 @@ mod tests {
     use crate::backend::Backend;
     use crate::backend::cpu::CpuBackend;
     use crate::backend::{Category, DType};
+    use crate::optim::AdamWOps;
 
     fn hp(step: u32, weight_decay: f32) -> AdamWStep {
         AdamWStep {

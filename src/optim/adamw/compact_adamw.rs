@@ -3,7 +3,7 @@
 //! updated either in an F32 master or, with none, in BF16 by stochastic
 //! rounding. This is the arithmetic of every device: the CPU reference
 //! runs these functions, and the CUDA kernel (`adamw_compact` in
-//! `cuda/kernels/adamw_compact.cu`) makes the same IEEE operations in the
+//! `optim/kernels/adamw_compact.cu`) makes the same IEEE operations in the
 //! same order with no fused multiply-add, so the two agree bit for bit.
 //!
 //! **8-bit moments.** Each piece of a slot is cut into blocks of
@@ -24,7 +24,7 @@
 //! element: the same draw on every device and on every resume.
 
 use super::adamw_step::AdamWStep;
-use crate::error::{Error, Result};
+use crate::backend::narrow::{bf16_nearest, bf16_value};
 
 /// Elements of a piece per 8-bit block (one scale each).
 pub const Q8_BLOCK: usize = 256;
@@ -111,16 +111,6 @@ pub fn q8_encode_unsigned(v: f32, scale: f32) -> u8 {
 /// The value of a second-moment byte in a block of scale `scale`.
 pub fn q8_decode_unsigned(code: u8, scale: f32) -> f32 {
     level(u32::from(code), top_exponent(UNSIGNED_CODES)) * scale
-}
-
-/// `x` rounded to BF16, to nearest even (NaN stays NaN), as its bits.
-pub fn bf16_nearest(x: f32) -> u16 {
-    half::bf16::from_f32(x).to_bits()
-}
-
-/// The value of BF16 bits.
-pub fn bf16_value(bits: u16) -> f32 {
-    f32::from_bits(u32::from(bits) << 16)
 }
 
 /// A 32-bit mix with good avalanche (Wellons' "lowbias32").
@@ -303,23 +293,6 @@ pub fn q8_decode_piece(codes: &[f32], scales: &[f32], signed: bool) -> Vec<f32> 
                 q8_decode_signed(c as u8, s)
             } else {
                 q8_decode_unsigned(c as u8, s)
-            }
-        })
-        .collect()
-}
-
-/// 8-bit codes given as f32 values, as bytes; an error for any value that
-/// is not an integer in `0..=255`.
-pub fn codes_of(values: &[f32]) -> Result<Vec<u8>> {
-    values
-        .iter()
-        .map(|&x| {
-            if x.fract() == 0.0 && (0.0..=255.0).contains(&x) {
-                Ok(x as u8)
-            } else {
-                Err(Error::Backend(format!(
-                    "an 8-bit tensor takes integers 0..=255, got {x}"
-                )))
             }
         })
         .collect()
@@ -585,14 +558,6 @@ mod tests {
                     }
                 }
             }
-        }
-    }
-
-    #[test]
-    fn codes_must_be_bytes() {
-        assert_eq!(codes_of(&[0.0, 255.0, 7.0]).unwrap(), vec![0, 255, 7]);
-        for bad in [256.0, -1.0, 0.5, f32::NAN] {
-            assert!(codes_of(&[bad]).is_err(), "{bad}");
         }
     }
 }

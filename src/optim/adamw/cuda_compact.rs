@@ -1,24 +1,25 @@
-//! `CudaBackend`'s AdamW of compact state (`backend::compact_adamw`): the
-//! pieces of a step's compact slots in one launch of `adamw_compact`
-//! (kernels/adamw_compact.cu) per [`PIECES`] pieces, a thread per element
+//! AdamW of compact state (`compact_adamw.rs`) on a GPU: the pieces of a
+//! step's compact slots in one launch of `adamw_compact`
+//! (`optim/kernels/adamw_compact.cu`) per [`PIECES`] pieces, a thread per element
 //! and a block per [`Q8_BLOCK`] elements of a piece, the piece table passed
 //! by value as a kernel parameter.
 
-use super::backend::{CudaBackend, dt, ptr};
-use super::kernels::{Args, grid_for, launch};
-use crate::backend::compact_adamw::{Q8_BLOCK, q8_blocks};
-use crate::backend::{AdamWSlot, AdamWStep};
-use crate::error::Result;
+use super::adamw_multi::scale_offsets;
+use super::adamw_step::AdamWStep;
+use super::compact_adamw::{Q8_BLOCK, q8_blocks};
+use super::slot_layout::{SlotAddrs, SlotPlan};
+use crate::backend::cuda::attention::dt_flag;
+use crate::backend::fused_update::{DeviceTensor, Launch};
 use std::ops::Range;
 
-/// Pieces per launch (`COMPACT_PIECES` in kernels/adamw_compact.cu): 132
+/// Pieces per launch (`COMPACT_PIECES` in `optim/kernels/adamw_compact.cu`): 132
 /// bytes a piece, 3.1 KB in all, within the 4 KB of kernel parameters.
 const PIECES: usize = 24;
 
 /// One piece as the kernel sees it: device addresses (0 for none), dtype
 /// flags, its elements, its rounding key and update.
 #[derive(Debug, Clone)]
-struct PieceRef {
+pub struct PieceRef {
     ptrs: [u64; 7],
     flags: [i32; 4],
     key: u32,
@@ -60,69 +61,59 @@ fn piece_table(pieces: &[PieceRef]) -> (Vec<u64>, u64) {
     (words, vblocks)
 }
 
-/// The pieces of one compact slot.
-fn slot_pieces(slot: &AdamWSlot<'_, CudaBackend>) -> Vec<PieceRef> {
-    let (starts, _) = slot.scale_offsets();
-    let scale_at = |t: Option<&crate::backend::Tensor<CudaBackend>>, at: usize| {
-        t.map_or(0, |t| ptr(t) + (at * 4) as u64)
-    };
-    let (ms, vs) = match &slot.scales {
-        Some((ms, vs)) => (Some(&**ms), Some(&**vs)),
+/// The non-empty pieces of one compact slot.
+pub fn slot_pieces(plan: &SlotPlan<'_>, t: &SlotAddrs) -> Vec<PieceRef> {
+    let (starts, _) = scale_offsets(plan.pieces);
+    let scale_at = |t: Option<&DeviceTensor>, at: usize| t.map_or(0, |t| t.addr + (at * 4) as u64);
+    let (ms, vs) = match &t.scales {
+        Some((ms, vs)) => (Some(ms), Some(vs)),
         None => (None, None),
     };
-    let (q, qdt) = match slot.narrow.as_deref() {
-        Some(q) => (ptr(q), dt(q)),
+    let (q, qdt) = match &t.narrow {
+        Some(q) => (q.addr, dt_flag(q.dtype)),
         None => (0, 0),
     };
-    slot.pieces
-        .iter()
+    (plan.pieces.iter())
         .zip(starts)
         .filter(|((e, _), _)| !e.is_empty())
         .map(|((elems, hp), at)| PieceRef {
             ptrs: [
-                ptr(slot.target),
-                ptr(slot.grad),
-                ptr(slot.m),
-                ptr(slot.v),
+                t.target.addr,
+                t.grad.addr,
+                t.m.addr,
+                t.v.addr,
                 scale_at(ms, at),
                 scale_at(vs, at),
                 q,
             ],
-            flags: [dt(slot.target), dt(slot.grad), dt(slot.m), qdt],
-            key: slot.rounding_key,
+            flags: [
+                dt_flag(t.target.dtype),
+                dt_flag(t.grad.dtype),
+                dt_flag(t.m.dtype),
+                qdt,
+            ],
+            key: plan.rounding_key,
             elems: elems.clone(),
             hp: *hp,
         })
         .collect()
 }
 
-impl CudaBackend {
-    /// Updates compact slots (checked by the caller).
-    pub(super) fn adamw_compact_impl(&self, slots: &[&mut AdamWSlot<'_, Self>]) -> Result<()> {
-        let pieces: Vec<PieceRef> = slots.iter().flat_map(|s| slot_pieces(s)).collect();
-        if pieces.is_empty() {
-            return Ok(());
-        }
-        self.bind()?;
-        for group in pieces.chunks(PIECES) {
+/// The launches of compact pieces: one `adamw_compact` per [`PIECES`]
+/// pieces, a thread per element and a block per [`Q8_BLOCK`] elements of
+/// a piece.
+pub fn launches(pieces: &[PieceRef]) -> Vec<Launch> {
+    (pieces.chunks(PIECES))
+        .map(|group| {
             let (table, vblocks) = piece_table(group);
-            let args = Args::new()
-                .i32(group.len() as i32)
-                .i64(vblocks as i64)
-                .words(&table);
-            let block = Q8_BLOCK as u32;
-            let grid = grid_for(vblocks as usize * Q8_BLOCK, block);
-            launch(
-                &self.stream,
-                self.kernels.adamw_compact,
-                grid,
-                block,
-                0,
-                args,
-            )?;
-        }
-        Ok(())
-    }
+            Launch {
+                function: "adamw_compact",
+                threads: vblocks as usize * Q8_BLOCK,
+                block: Q8_BLOCK as u32,
+                params: vec![vec![group.len() as u32 as u64], vec![vblocks], table],
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
