@@ -78,12 +78,13 @@ def make_qwen3(root: str) -> str:
 
 def gemma3_config(vocab: int, **more):
     """A small Gemma 3 text config: sliding and global layers (window 24),
-    the global RoPE linearly scaled, scores scaled by 48^-1/2 (head dim 32),
+    the global RoPE linearly scaled, scores scaled by 48^-1/2 (head dim 256,
+    as Gemma 3 1B-12B have it),
     tied embeddings; `rope_parameters` per layer type from transformers 5 on."""
     from transformers import Gemma3TextConfig
     import transformers
     kw = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=256,
               query_pre_attn_scalar=48, sliding_window=24,
               layer_types=["sliding_attention", "sliding_attention", "full_attention",
                            "sliding_attention"],

@@ -34,11 +34,12 @@ use super::config::ModelConfig;
 use super::grads::BlockGrads;
 use super::kept_inputs::KeptInputs;
 use super::layer_attention::LayerAttentions;
+pub use super::layer_attention::attn_dims;
 use super::segments::Segments;
 use super::store::{HeadView, ParamStore, Unit};
 use super::weights::BlockWeights;
 use crate::attention::lora_delta::{add_delta, add_delta_bwd};
-use crate::attention::{AttnDims, AttnSaved, CpPlan, output_projection};
+use crate::attention::{AttnSaved, CpPlan, output_projection};
 use crate::backend::PhaseGuard;
 use crate::backend::profile::Phase;
 use crate::backend::{Backend, Category, DType, MatLayout, RmsNorm, Tensor, cast};
@@ -198,23 +199,6 @@ impl MemoryPolicy {
     /// under checkpointing: the last `save_attention` blocks.
     pub fn keeps_attention(&self, l: usize, layers: usize) -> bool {
         self.checkpoint && l + self.save_attention >= layers
-    }
-}
-
-/// The attention dimensions of a model config.
-pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
-    AttnDims {
-        hidden: cfg.hidden,
-        heads: cfg.heads,
-        kv_heads: cfg.kv_heads,
-        head_dim: cfg.head_dim,
-        qk_norm: cfg.qk_norm(),
-        norm: cfg.norm(),
-        rope: crate::attention::rope::RopeConfig {
-            theta: cfg.rope_theta,
-            scaling: cfg.rope_scaling,
-        },
-        softmax_scale: cfg.softmax_scale(),
     }
 }
 

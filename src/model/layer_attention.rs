@@ -4,8 +4,7 @@
 //! local layers and global ones).
 
 use super::config::{LayerAttention, ModelConfig};
-use super::decoder::attn_dims;
-use crate::attention::{AttnMask, CpAttention, CpPlan};
+use crate::attention::{AttnDims, AttnMask, CpAttention, CpPlan};
 use crate::backend::Backend;
 use crate::comm::Mesh;
 use crate::error::Result;
@@ -79,5 +78,22 @@ impl<B: Backend> LayerAttentions<B> {
     /// The mask of the first layer (every layer's, where all attend alike).
     pub fn first_mask(&self) -> &AttnMask {
         self.kinds[0].1.mask()
+    }
+}
+
+/// The attention dimensions of a model config.
+pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
+    AttnDims {
+        hidden: cfg.hidden,
+        heads: cfg.heads,
+        kv_heads: cfg.kv_heads,
+        head_dim: cfg.head_dim,
+        qk_norm: cfg.qk_norm(),
+        norm: cfg.norm(),
+        rope: crate::attention::rope::RopeConfig {
+            theta: cfg.rope_theta,
+            scaling: cfg.rope_scaling,
+        },
+        softmax_scale: cfg.softmax_scale(),
     }
 }

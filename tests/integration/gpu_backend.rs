@@ -1523,8 +1523,11 @@ fn cudnn_attention_through_the_backend_matches_cpu_and_native() {
     eprintln!("cuDNN {version:?}");
     let (native, auto) = (&native, &auto);
     let mut rng = Rng::new("cudnn attention");
-    let cases: [CudnnCase; 7] = [
+    let cases: [CudnnCase; 9] = [
         ((300, 300, 4, 4, 64), true, DType::F32, &[0..300]),
+        // Gemma 3's head dim (1B-12B)
+        ((300, 300, 4, 2, 256), true, DType::BF16, &[0..300]),
+        ((129, 384, 2, 1, 256), false, DType::F32, &[0..384]),
         ((257, 257, 8, 2, 128), true, DType::BF16, &[0..257]),
         ((77, 333, 6, 3, 64), false, DType::BF16, &[0..333]),
         ((1, 129, 2, 1, 128), false, DType::F32, &[0..129]),

@@ -4,7 +4,7 @@
 
 use super::names;
 use super::params::{BlockParam, Param};
-use super::spec::{BlockSpec, WindowRule};
+use super::spec::WindowRule;
 
 /// A family of decoders sharing a `config.json` schema, parameter names
 /// and a block ([`BlockSpec`], declared in the family's file).
@@ -78,17 +78,6 @@ impl Family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Mistral => "MistralForCausalLM",
             Family::Gemma3 => "Gemma3ForCausalLM",
-        }
-    }
-
-    /// The block the family's file declares.
-    pub fn spec(self) -> &'static BlockSpec {
-        match self {
-            Family::Llama => &super::llama::SPEC,
-            Family::Qwen3 => &super::qwen3::SPEC,
-            Family::Qwen2 => &super::qwen2::SPEC,
-            Family::Mistral => &super::mistral::SPEC,
-            Family::Gemma3 => &super::gemma3::SPEC,
         }
     }
 

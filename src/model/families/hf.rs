@@ -217,7 +217,7 @@ pub(crate) fn to_hf_json(cfg: &ModelConfig) -> String {
         WindowRule::Uniform => {
             obj.insert("sliding_window".into(), json!(cfg.sliding_window));
         }
-        WindowRule::PerLayer => super::gemma3::hf_json_extra(cfg, obj),
+        WindowRule::PerLayer => cfg.family.hf_json_extra(cfg, obj),
     }
     if act != GatedAct::Silu {
         obj.insert("hidden_activation".into(), json!(act.hf_name()));

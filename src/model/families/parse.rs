@@ -2,6 +2,7 @@
 //! names, and each family's own parse and presets (one file per family).
 
 use super::family::{FAMILIES, Family};
+use super::spec::BlockSpec;
 use super::{gemma3, llama, mistral, qwen2, qwen3};
 use crate::error::{Error, Result};
 use crate::model::config::ModelConfig;
@@ -51,6 +52,26 @@ impl Family {
             Family::Qwen2 => qwen2::parse_hf(obj),
             Family::Mistral => mistral::parse_hf(obj),
             Family::Gemma3 => gemma3::parse_hf(obj),
+        }
+    }
+
+    /// The block the family's file declares.
+    pub fn spec(self) -> &'static BlockSpec {
+        match self {
+            Family::Llama => &llama::SPEC,
+            Family::Qwen3 => &qwen3::SPEC,
+            Family::Qwen2 => &qwen2::SPEC,
+            Family::Mistral => &mistral::SPEC,
+            Family::Gemma3 => &gemma3::SPEC,
+        }
+    }
+
+    /// Writes the `config.json` keys of `cfg` that only this family has
+    /// into `out` (Gemma 3's layer types, local RoPE base, score scale).
+    pub(super) fn hf_json_extra(self, cfg: &ModelConfig, out: &mut Map<String, Value>) {
+        match self {
+            Family::Gemma3 => gemma3::hf_json_extra(cfg, out),
+            Family::Llama | Family::Qwen3 | Family::Qwen2 | Family::Mistral => {}
         }
     }
 

@@ -39,6 +39,11 @@ pub enum Choice {
     Native(String),
 }
 
+/// The head dims upipe runs on cuDNN's fused SDPA: 64 and 128 (Llama,
+/// Qwen, Mistral) and 256 (Gemma 3 1B-12B; Hopper's forward and backward
+/// take up to 256).
+pub const CUDNN_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
 /// Whether the fused cuDNN SDPA of `version` (e.g. 91400) handles this shape,
 /// forward (`bwd = false`) or backward; `Err(reason)` otherwise.
 pub fn shape_supported(
@@ -49,8 +54,11 @@ pub fn shape_supported(
     if version < 90000 {
         return Err(format!("cuDNN {version} is older than 9.0"));
     }
-    if s.d != 64 && s.d != 128 {
-        return Err(format!("head_dim {} (cuDNN path handles 64 and 128)", s.d));
+    if !CUDNN_HEAD_DIMS.contains(&s.d) {
+        return Err(format!(
+            "head_dim {} (cuDNN path handles 64, 128 and 256)",
+            s.d
+        ));
     }
     if s.hkv == 0 || !s.hq.is_multiple_of(s.hkv) {
         return Err(format!("hq {} is not a multiple of hkv {}", s.hq, s.hkv));
@@ -256,8 +264,8 @@ fn cudnn_unfit(f: &KernelFacts) -> Option<String> {
     match &f.cudnn {
         Err(e) => Some(format!("cuDNN is not usable: {e}")),
         Ok(v) if *v < 90000 => Some(format!("cuDNN {v} is older than 9.0")),
-        Ok(_) if f.head_dim != 64 && f.head_dim != 128 => Some(format!(
-            "head_dim {} (cuDNN SDPA is used for 64 and 128)",
+        Ok(_) if !CUDNN_HEAD_DIMS.contains(&f.head_dim) => Some(format!(
+            "head_dim {} (cuDNN SDPA is used for 64, 128 and 256)",
             f.head_dim
         )),
         Ok(v) if f.documents && *v < FIRST_RAGGED_VERSION => Some(format!(
