@@ -76,7 +76,7 @@ def make_qwen3(root: str) -> str:
     return src
 
 
-def gemma3_config(vocab: int, **more):
+def gemma3_config(vocab: int, query_pre_attn_scalar: int = 48, **more):
     """A small Gemma 3 text config: sliding and global layers (window 24),
     the global RoPE linearly scaled, scores scaled by 48^-1/2 (head dim 256,
     as Gemma 3 1B-12B have it),
@@ -85,7 +85,7 @@ def gemma3_config(vocab: int, **more):
     import transformers
     kw = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=256,
-              query_pre_attn_scalar=48, sliding_window=24,
+              query_pre_attn_scalar=query_pre_attn_scalar, sliding_window=24,
               layer_types=["sliding_attention", "sliding_attention", "full_attention",
                            "sliding_attention"],
               rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
@@ -111,11 +111,15 @@ def randomize_norms(model, seed: int) -> None:
 
 
 def make_gemma3(root: str) -> str:
-    """A small random Gemma 3 saved in f32."""
+    """A small random Gemma 3 saved in f32, its scores scaled as Gemma's own
+    (`query_pre_attn_scalar` = head dim): after QK-norm a smaller scalar
+    makes the softmax nearly one-hot, q's and k's gradients vanish, and
+    AdamW's first step (about lr times the gradient's sign) turns their
+    last-bit noise into steps of lr."""
     from transformers import Gemma3ForCausalLM
     src = os.path.join(root, "gemma3")
     torch.manual_seed(2)
-    model = Gemma3ForCausalLM(gemma3_config(VOCAB))
+    model = Gemma3ForCausalLM(gemma3_config(VOCAB, query_pre_attn_scalar=256))
     randomize_norms(model, 2)
     model.to(torch.float32).save_pretrained(src)
     return src
@@ -215,6 +219,9 @@ def check_adamw(binary: str, root: str, src: str, attn: str, family: str = "llam
     check(f"adamw {tag}: gradient norm at each step == PyTorch (rel <= 1e-4)", worst_n <= 1e-4,
           f"worst {worst_n:.1e}")
     saved = tensors(dst)
+    head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+    if "lm_head.weight" not in saved and head is not None and torch.equal(head, embed):
+        weights.pop("lm_head.weight")  # tied: saved once, as the embedding
     diffs = {n: (saved[n].float() - w).abs().max().item() for n, w in weights.items() if n in saved}
     missing = sorted(set(weights) - set(saved))
     name, worst_w = max(diffs.items(), key=lambda kv: kv[1])

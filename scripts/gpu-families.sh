@@ -10,7 +10,8 @@
 #
 # PARTS (default "tests interop"):
 #   tests   = every single-GPU gpu_* test binary (backend, plan, layer, eval,
-#             fsdp, offload): CUDA against the CPU reference, planner == ledger
+#             fsdp, offload; TESTS names fewer): CUDA against the CPU
+#             reference, planner == ledger
 #   interop = scripts/check_families.py (qwen2, mistral against transformers),
 #             check_training_torch.py (six AdamW steps and packed documents
 #             against PyTorch), check_hf_roundtrip.py
@@ -59,7 +60,7 @@ status=0
 { date -u; nvidia-smi -L; } 2>&1
 
 if [[ " $parts " == *" tests "* ]]; then
-    for t in gpu_backend gpu_plan gpu_layer gpu_eval gpu_fsdp gpu_offload; do
+    for t in ${TESTS:-gpu_backend gpu_plan gpu_layer gpu_eval gpu_fsdp gpu_offload}; do
         [ -x "$bin/test-$t" ] || { row "test $t: not bundled"; continue; }
         if "$bin/test-$t" --test-threads 1 > "$work/$t.log" 2>&1; then
             row "test $t: $(grep -E '^test result' "$work/$t.log")"
