@@ -284,12 +284,6 @@ impl<B: Backend> Decoder<B> {
         self.attn.set_window(b, doc_starts)
     }
 
-    /// The attention mask of the current window (the first layer's; every
-    /// layer's where all attend alike).
-    pub fn mask(&self) -> &crate::attention::AttnMask {
-        self.attn.first_mask()
-    }
-
     /// The share of the `S²` scores the current window's masks compute,
     /// the mean over the layers.
     pub fn attn_flop_fraction(&self, seq: usize) -> f64 {

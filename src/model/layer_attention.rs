@@ -4,7 +4,7 @@
 //! local layers and global ones).
 
 use super::config::{LayerAttention, ModelConfig};
-use crate::attention::{AttnDims, AttnMask, CpAttention, CpPlan};
+use crate::attention::{AttnDims, CpAttention, CpPlan};
 use crate::backend::Backend;
 use crate::comm::Mesh;
 use crate::error::Result;
@@ -46,11 +46,6 @@ impl<B: Backend> LayerAttentions<B> {
         &self.kinds[self.of_layer[l]].1
     }
 
-    /// The plan every layer attends on.
-    pub fn plan(&self) -> &CpPlan {
-        &self.kinds[0].1.plan
-    }
-
     /// Attends under the masks of the next window, whose documents start at
     /// `doc_starts`, each layer bounded by its own window.
     pub fn set_window(&mut self, b: &B, doc_starts: &[u32]) -> Result<()> {
@@ -62,7 +57,7 @@ impl<B: Backend> LayerAttentions<B> {
     }
 
     /// The share of the `S²` scores the current window's masks compute,
-    /// the mean over the layers ([`AttnMask::flop_fraction`]).
+    /// the mean over the layers (`AttnMask::flop_fraction`).
     pub fn flop_fraction(&self, seq: usize) -> f64 {
         if let [(_, attn)] = &self.kinds[..] {
             return attn.mask().flop_fraction(seq);
@@ -73,11 +68,6 @@ impl<B: Backend> LayerAttentions<B> {
             .map(|&i| self.kinds[i].1.mask().flop_fraction(seq))
             .sum();
         total / self.of_layer.len().max(1) as f64
-    }
-
-    /// The mask of the first layer (every layer's, where all attend alike).
-    pub fn first_mask(&self) -> &AttnMask {
-        self.kinds[0].1.mask()
     }
 }
 

@@ -40,6 +40,14 @@ pub fn tiny(qk_norm: bool) -> ModelConfig {
 }
 use std::time::{Duration, Instant};
 
+/// A random window of `seq + 1` tokens below `vocab` (seed 9): the inputs
+/// and their next-token targets.
+pub fn random_window(seq: usize, vocab: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut rng = upipe::rng::Rng::new(9);
+    let t: Vec<u32> = (0..=seq).map(|_| rng.below(vocab as u64) as u32).collect();
+    (t[..seq].to_vec(), t[1..].to_vec())
+}
+
 /// [`tiny`] as a Qwen2: biases on the q/k/v projections, tied embeddings
 /// and YaRN RoPE scaling (factor 4 over an original context of 8).
 pub fn tiny_qwen2() -> ModelConfig {

@@ -18,6 +18,7 @@ use upipe::rng::Rng;
 use upipe::train::trainer::loss_and_grads_cpu;
 
 use crate::common;
+use common::random_window as data;
 
 type LossGrads = (f64, BTreeMap<String, Vec<f32>>);
 
@@ -66,12 +67,6 @@ fn host_weights(cfg: &ModelConfig) -> HashMap<String, Vec<f64>> {
         .into_iter()
         .map(|(n, t)| (n, b.to_host(t).unwrap().iter().map(|&x| x as f64).collect()))
         .collect()
-}
-
-fn data(seq: usize, vocab: usize) -> (Vec<u32>, Vec<u32>) {
-    let mut rng = Rng::new(9);
-    let t: Vec<u32> = (0..=seq).map(|_| rng.below(vocab as u64) as u32).collect();
-    (t[..seq].to_vec(), t[1..].to_vec())
 }
 
 fn run(

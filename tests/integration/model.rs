@@ -6,17 +6,11 @@ use upipe::attention::{CpPlan, Strategy};
 use upipe::backend::cpu::CpuBackend;
 use upipe::model::decoder::attn_dims;
 use upipe::model::{MemoryPolicy, ModelConfig, ModelWeights};
-use upipe::rng::Rng;
 use upipe::train::trainer::loss_and_grads_cpu;
 
 use crate::common;
+use common::random_window as data;
 use common::{tiny, tiny_qwen2};
-
-fn data(seq: usize, vocab: usize) -> (Vec<u32>, Vec<u32>) {
-    let mut rng = Rng::new(9);
-    let t: Vec<u32> = (0..=seq).map(|_| rng.below(vocab as u64) as u32).collect();
-    (t[..seq].to_vec(), t[1..].to_vec())
-}
 
 fn run(
     cfg: &ModelConfig,
