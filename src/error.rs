@@ -17,7 +17,7 @@ pub enum Error {
     LibraryMissing(String),
     /// A device allocation could not be satisfied.
     #[error(
-        "out of memory on {device}: asked for {requested} bytes with {in_use} bytes in use ({by_category}); \
+        "out of memory on {device}: asked for {requested} bytes with {in_use} bytes in use ({by_category}){device_state}; \
          try a shorter sequence, a smaller --chunk-heads, or --offload"
     )]
     OutOfMemory {
@@ -25,6 +25,10 @@ pub enum Error {
         requested: usize,
         in_use: usize,
         by_category: String,
+        /// What the device's allocator held when it failed (empty where it
+        /// has nothing to add): e.g. `; the pool held 78.10 GiB for 77.95
+        /// GiB in use, the driver 0.05 GiB free`.
+        device_state: String,
     },
     /// A collective or rendezvous failed.
     #[error("communication error: {0}")]

@@ -38,8 +38,14 @@ pub fn check_same_numel<B: TensorDevice>(a: &Tensor<B>, b: &Tensor<B>, op: &str)
 }
 
 /// The error of an allocation of `requested` bytes that `device` could not
-/// make, with the bytes its ledger holds by category.
-pub fn out_of_memory(device: &str, ledger: &MemoryLedger, requested: usize) -> crate::Error {
+/// make, with the bytes its ledger holds by category and what its allocator
+/// adds (`device_state`, empty or starting with `; `).
+pub fn out_of_memory(
+    device: &str,
+    ledger: &MemoryLedger,
+    requested: usize,
+    device_state: String,
+) -> crate::Error {
     let s = ledger.stats();
     let by = s
         .current_by_category
@@ -53,6 +59,7 @@ pub fn out_of_memory(device: &str, ledger: &MemoryLedger, requested: usize) -> c
         requested,
         in_use: s.current,
         by_category: by,
+        device_state,
     }
 }
 

@@ -5,6 +5,18 @@
 use std::fmt;
 use std::sync::Mutex;
 
+/// What a device's allocator holds beside the ledger
+/// ([`Backend::pool_report`](crate::backend::Backend::pool_report)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolReport {
+    /// The most bytes the pool held from the device since its last reset
+    /// (the ledger's peak plus the pool's fragmentation).
+    pub reserved_peak: usize,
+    /// Device bytes outside the pool when asked: the CUDA context, the
+    /// libraries' handles and modules (what a plan's reserve stands for).
+    pub outside: usize,
+}
+
 /// What an allocation is for. Categories are disjoint and cover every byte.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Category {

@@ -4,7 +4,7 @@
 use super::attn_args::{AttentionBwd, AttentionFwd, AttnShape, LseMerge};
 use super::copy_done::{ComputePoint, CopyDone};
 use super::fused_update::{UpdateKernel, UpdateSlot};
-use super::memory::{Category, MemoryLedger};
+use super::memory::{Category, MemoryLedger, PoolReport};
 use super::op_kinds::{GatedAct, RmsNorm};
 use super::profile;
 use super::tensor::{DType, Mat, MatMut, Tensor, TensorDevice};
@@ -54,10 +54,10 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
     fn collapses_alike_iterations(&self) -> bool {
         false
     }
-    /// The most bytes the device allocator held from the device (its reserved
-    /// high-water, fragmentation included) since the last reset; `None`
-    /// where there is no pool beside the ledger (the CPU).
-    fn reserved_peak(&self) -> Result<Option<usize>> {
+    /// What the device allocator held beside the ledger (its reserved
+    /// high-water since the last reset, and the device memory outside it
+    /// now); `None` where there is no pool beside the ledger (the CPU).
+    fn pool_report(&self) -> Result<Option<PoolReport>> {
         Ok(None)
     }
 

@@ -29,7 +29,7 @@ use super::{
     MemoryLedger, Tensor, TensorDevice, UpdateKernel, UpdateSlot,
 };
 use super::{Mat, check_same_numel};
-use crate::backend::{GatedAct, RmsNorm};
+use crate::backend::{GatedAct, PoolReport, RmsNorm};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -55,8 +55,8 @@ pub trait Rehearsable: Send + Sync + 'static {
         dtype: DType,
         cat: Category,
     ) -> Result<Self::Storage>;
-    /// As [`Backend::reserved_peak`].
-    fn device_reserved_peak(&self) -> Result<Option<usize>> {
+    /// As [`Backend::pool_report`].
+    fn device_pool_report(&self) -> Result<Option<PoolReport>> {
         Ok(None)
     }
 }
@@ -80,8 +80,8 @@ impl<T: Rehearsable> Rehearsable for Arc<T> {
     ) -> Result<Self::Storage> {
         (**self).alloc_unwritten(shape, dtype, cat)
     }
-    fn device_reserved_peak(&self) -> Result<Option<usize>> {
-        (**self).device_reserved_peak()
+    fn device_pool_report(&self) -> Result<Option<PoolReport>> {
+        (**self).device_pool_report()
     }
 }
 
@@ -249,8 +249,8 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
     fn collapses_alike_iterations(&self) -> bool {
         !self.every_iteration
     }
-    fn reserved_peak(&self) -> Result<Option<usize>> {
-        self.device.device_reserved_peak()
+    fn pool_report(&self) -> Result<Option<PoolReport>> {
+        self.device.device_pool_report()
     }
 
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {

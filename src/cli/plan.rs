@@ -60,8 +60,9 @@ pub struct PlanArgs {
     /// Memory of one GPU in GiB.
     #[arg(long, default_value_t = 80.0)]
     pub gpu_mem: f64,
-    /// GiB per GPU kept outside the ledger (CUDA context, library workspaces, pool slack).
-    #[arg(long, default_value_t = 1.0)]
+    /// GiB per GPU kept outside the ledger (CUDA context, library handles,
+    /// the device pool's fragmentation), as `upipe train` keeps it.
+    #[arg(long, default_value_t = crate::plan::GPU_RESERVE_BYTES as f64 / (1u64 << 30) as f64)]
     pub reserve: f64,
     /// Pinned host memory of one node in GiB, for offloaded checkpoints and
     /// optimizer state (default: this machine's available memory less what

@@ -19,7 +19,7 @@ use crate::attention::CpPlan;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::profile::ClassTotals;
 use crate::backend::rehearsal::{Rehearsable, Rehearsal};
-use crate::backend::{Backend, Category, DType, MemoryStats};
+use crate::backend::{Backend, Category, DType, MemoryStats, PoolReport};
 use crate::checkpoint::HostTensor;
 use crate::checkpoint::carried::carry_files;
 use crate::checkpoint::hf_config::checkpoint_config;
@@ -89,9 +89,9 @@ pub struct TrainSummary {
     /// Rank 0's memory at the end (a process rank's own memory on that rank).
     pub memory: MemoryStats,
     pub ranks: usize,
-    /// The most device memory rank 0's allocator held (the CUDA pool's
-    /// reserved high-water, fragmentation included); `None` on the CPU.
-    pub reserved_peak: Option<usize>,
+    /// What rank 0's device allocator held beside the ledger (the CUDA
+    /// pool's reserved high-water, the memory outside it); `None` on the CPU.
+    pub pool: Option<PoolReport>,
 }
 
 /// Checks that `world_size` launched processes fit the mesh of `shape` of
@@ -155,12 +155,12 @@ pub fn train_threads<B: Backend + Rehearsable>(
         }
         false => run_rank(cfg, &plan, data.clone(), b.as_ref(), &mesh, rank, on_step),
     })?;
-    let (reports, memory, reserved_peak) = out.into_iter().next().expect("at least one rank");
+    let (reports, memory, pool) = out.into_iter().next().expect("at least one rank");
     Ok(TrainSummary {
         reports,
         memory,
         ranks: shape.world_size(),
-        reserved_peak,
+        pool,
     })
 }
 
@@ -189,12 +189,12 @@ pub fn train_on_mesh<B: Backend>(
             mesh.shape
         );
     }
-    let (reports, memory, reserved_peak) = run_rank(cfg, &plan, data, b, mesh, mesh.rank, on_step)?;
+    let (reports, memory, pool) = run_rank(cfg, &plan, data, b, mesh, mesh.rank, on_step)?;
     Ok(TrainSummary {
         reports,
         memory,
         ranks: shape.world_size(),
-        reserved_peak,
+        pool,
     })
 }
 
@@ -519,7 +519,7 @@ fn run_rank<B: Backend>(
         }
     }
     model.settle(b)?;
-    Ok((reports, b.ledger().stats(), b.reserved_peak()?))
+    Ok((reports, b.ledger().stats(), b.pool_report()?))
 }
 
 /// Restores the sampler of a resumed run; the first step to run.
@@ -662,8 +662,8 @@ fn step_profile<B: Backend>(
     Ok(Some(p.totals()))
 }
 /// What one rank's loop returns: its reports, its memory at the end, and
-/// its allocator's reserved high-water (`Backend::reserved_peak`).
-type RankOutcome = (Vec<StepReport>, MemoryStats, Option<usize>);
+/// what its allocator held beside the ledger (`Backend::pool_report`).
+type RankOutcome = (Vec<StepReport>, MemoryStats, Option<PoolReport>);
 
 /// Loss (mean over `targets`) and reduced parameter gradients of one sequence
 /// under `plan`, on CPU thread ranks, from weights built by `weights` on each

@@ -38,7 +38,14 @@ impl CpuBackend {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let oom = || crate::backend::out_of_memory(&self.name(), &self.ledger, n.saturating_mul(4));
+        let oom = || {
+            crate::backend::out_of_memory(
+                &self.name(),
+                &self.ledger,
+                n.saturating_mul(4),
+                String::new(),
+            )
+        };
         let layout = std::alloc::Layout::array::<f32>(n).map_err(|_| oom())?;
         // SAFETY: `layout` has a non-zero size (n > 0).
         let p = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;

@@ -162,6 +162,7 @@ impl CudaBackend {
                 &self.name,
                 &self.ledger,
                 bytes,
+                self.pool.failure_state(),
             )),
             Err(AllocError::Other(e)) => Err(e),
         }

@@ -11,7 +11,7 @@ use crate::backend::{
     AttentionBwd, AttentionFwd, AttnShape, Backend, Category, ComputePoint, CopyDone, DType,
     HostValues, LseMerge, Mat, MatMut, MemoryLedger, Tensor, UpdateKernel, UpdateSlot,
 };
-use crate::backend::{GatedAct, RmsNorm};
+use crate::backend::{GatedAct, PoolReport, RmsNorm};
 use crate::error::{Error, Result};
 use std::sync::Arc;
 
@@ -25,8 +25,13 @@ impl Backend for CudaBackend {
     fn compute_dtype(&self) -> DType {
         DType::BF16
     }
-    fn reserved_peak(&self) -> Result<Option<usize>> {
-        Ok(Some(self.pool_stats()?.reserved_high as usize))
+    fn pool_report(&self) -> Result<Option<PoolReport>> {
+        let stats = self.pool_stats()?;
+        let (free, total) = self.pool.device_info()?;
+        Ok(Some(PoolReport {
+            reserved_peak: stats.reserved_high as usize,
+            outside: total.saturating_sub(free + stats.reserved_current as usize),
+        }))
     }
 
     fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {

@@ -158,6 +158,34 @@ impl Pool {
         })
     }
 
+    /// The driver's free and total bytes of this pool's device (memory
+    /// neither the pool nor anything else in the process holds).
+    pub fn device_info(&self) -> Result<(usize, usize)> {
+        drv(self.ctx.bind_to_thread(), "bind context")?;
+        drv(result::mem_get_info(), "cuMemGetInfo")
+    }
+
+    /// What this pool and its device held when a request of `bytes` failed
+    /// (after the trim and retry of [`alloc`](Self::alloc)), as the tail of
+    /// an out-of-memory message: what lies outside the ledger and the pool's
+    /// own fragmentation tell a plan's reserve apart from its slack.
+    pub fn failure_state(&self) -> String {
+        let gib = |b: u64| crate::backend::Bytes(b as usize);
+        match (self.stats(), self.device_info()) {
+            (Ok(p), Ok((free, total))) => {
+                let outside = (total as u64).saturating_sub(free as u64 + p.reserved_current);
+                format!(
+                    "; the pool held {} for {} in use, the driver had {} free, {} lay outside the pool",
+                    gib(p.reserved_current),
+                    gib(p.used_current),
+                    gib(free as u64),
+                    gib(outside)
+                )
+            }
+            _ => String::new(),
+        }
+    }
+
     /// Resets both high-water marks to the current values.
     pub fn reset_high(&self) -> Result<()> {
         use sys::CUmemPool_attribute as A;

@@ -8,7 +8,7 @@ use super::backend::CudaBackend;
 use super::op_buffers::CudaRoute;
 use super::{cudnn, flash};
 use crate::backend::rehearsal::{AttnShape, OpBuffers, Rehearsable};
-use crate::backend::{Backend, Category, DType, MemoryLedger};
+use crate::backend::{Backend, Category, DType, MemoryLedger, PoolReport};
 use crate::error::Result;
 use std::sync::Arc;
 
@@ -33,8 +33,8 @@ impl Rehearsable for CudaBackend {
         self.bind()?;
         self.storage(shape, dtype, cat)
     }
-    fn device_reserved_peak(&self) -> Result<Option<usize>> {
-        self.reserved_peak()
+    fn device_pool_report(&self) -> Result<Option<PoolReport>> {
+        self.pool_report()
     }
 }
 

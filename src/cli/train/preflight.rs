@@ -16,8 +16,8 @@ use crate::error::Result;
 use crate::model::flops::{
     causal_train_flops_per_token, frozen_and_adapter_flops, skipped_attention_share,
 };
-use crate::plan::Prediction;
 use crate::plan::preflight::{RankMemory, planned_host};
+use crate::plan::{GPU_RESERVE_BYTES, Prediction};
 
 /// Every check, in order; the run's per-step output on success.
 pub(super) fn preflight(
@@ -81,10 +81,11 @@ pub fn memory_per_rank(
     }
 }
 
-/// A GPU rank's device bytes outside the ledger: the CUDA context, cuBLAS
-/// and cuDNN handles, shared by the ranks on one GPU.
+/// A GPU rank's device bytes outside the ledger ([`GPU_RESERVE_BYTES`]:
+/// the CUDA context, the libraries' handles, the pool's fragmentation),
+/// shared by the ranks on one GPU.
 pub fn outside_ledger(world: usize, gpus: usize) -> usize {
-    (1 << 30) / world.div_ceil(gpus.max(1))
+    GPU_RESERVE_BYTES / world.div_ceil(gpus.max(1))
 }
 
 /// `predicted` as it is held against [`rank_memory`]: on the CPU the

@@ -13,7 +13,7 @@
 
 use super::built::Built;
 use super::{Route, TrainArgs, preflight};
-use crate::backend::{Bytes, Category};
+use crate::backend::{Bytes, Category, PoolReport};
 use crate::cli::config::Given;
 use crate::data::Tokens;
 use crate::error::{Error, Result};
@@ -114,7 +114,7 @@ struct Measured {
     host_peak: usize,
     /// Bytes of each category at the device peak (`offload_host`: the host peak).
     by_category: Vec<(Category, usize)>,
-    reserved_peak: Option<usize>,
+    pool: Option<PoolReport>,
 }
 
 /// A rehearsal's outcome against the planner's prediction.
@@ -180,7 +180,7 @@ fn measured(s: &TrainSummary) -> Measured {
         peak: s.memory.peak,
         host_peak: s.memory.host_peak,
         by_category,
-        reserved_peak: s.reserved_peak,
+        pool: s.pool,
     }
 }
 
@@ -210,6 +210,7 @@ fn out_of_memory(
         requested,
         in_use,
         by_category,
+        device_state,
     } = e
     else {
         return e.to_string();
@@ -226,7 +227,7 @@ fn out_of_memory(
     };
     format!(
         "this run cannot fit: the rehearsal ran out of memory on {device}, asking for {} with {} in use \
-         ({by_category}); the planner predicts a peak of {} per rank ({}; at {}). {}",
+         ({by_category}{device_state}); the planner predicts a peak of {} per rank ({}; at {}). {}",
         Bytes(*requested),
         Bytes(*in_use),
         Bytes(predicted.peak),
@@ -262,11 +263,16 @@ impl Report {
             let (a, b) = (Bytes(got).to_string(), Bytes(pred).to_string());
             println!("  {what:<16} {a:>12} {b:>12} ({:+.2}%)", diff(pred, got));
         }
-        if let Some(r) = m.reserved_peak {
+        if let Some(r) = m.pool {
             println!(
                 "  {:<16} {:>12} (the CUDA pool's high-water, fragmentation included)",
                 "pool reserved",
-                Bytes(r).to_string()
+                Bytes(r.reserved_peak).to_string()
+            );
+            println!(
+                "  {:<16} {:>12} (the CUDA context and libraries, outside the ledger)",
+                "outside the pool",
+                Bytes(r.outside).to_string()
             );
         }
         match (&self.failure, self.mem) {
@@ -288,8 +294,12 @@ impl Report {
                 Bytes(self.predicted.peak),
                 Bytes(m.host_peak),
                 Bytes(self.predicted.host_peak),
-                m.reserved_peak
-                    .map(|r| format!(", pool reserved {}", Bytes(r)))
+                m.pool
+                    .map(|r| format!(
+                        ", pool reserved {}, {} outside the pool",
+                        Bytes(r.reserved_peak),
+                        Bytes(r.outside)
+                    ))
                     .unwrap_or_default()
             ),
             None => tracing::warn!(
@@ -323,7 +333,8 @@ impl Report {
             "ranks": run.shape.world_size(),
             "device_peak": { "measured": m.map(|m| m.peak), "planned": p.peak },
             "host_peak": { "measured": m.map(|m| m.host_peak), "planned": p.host_peak },
-            "pool_reserved_peak": m.and_then(|m| m.reserved_peak),
+            "pool_reserved_peak": m.and_then(|m| m.pool).map(|r| r.reserved_peak),
+            "outside_pool": m.and_then(|m| m.pool).map(|r| r.outside),
             "peak_at": p.peak_at,
             "usable": self.mem.map(|m| json!({ "device": m.device, "host": m.host })),
             "by_category": by_category,
@@ -365,6 +376,7 @@ mod tests {
             requested: 1 << 30,
             in_use: 70 << 30,
             by_category: "weights: 2.30 GiB, activations: 60.00 GiB".into(),
+            device_state: String::new(),
         };
         let mem = RankMemory {
             device: 80 << 30,

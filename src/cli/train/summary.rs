@@ -115,6 +115,15 @@ fn memory_table(summary: &TrainSummary, predicted: &Prediction) {
         Bytes(measured),
         against_prediction(measured, predicted.peak)
     );
+    if let Some(pool) = summary.pool {
+        println!(
+            "device pool of rank 0: {} reserved at most ({} above the peak: fragmentation), \
+             {} outside the pool (the CUDA context and libraries)",
+            Bytes(pool.reserved_peak),
+            Bytes(pool.reserved_peak.saturating_sub(measured)),
+            Bytes(pool.outside)
+        );
+    }
     println!("memory of rank 0 (peak {}):", Bytes(measured));
     println!(
         "  {:<14} {:>12} {:>12} {:>12}",
