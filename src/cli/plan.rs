@@ -93,7 +93,8 @@ pub struct PlanArgs {
     /// HSDP: with `fsdp`, shard inside groups of gpus/R ranks, replicated R times.
     #[arg(long, default_value_t = 1)]
     pub fsdp_replicate: usize,
-    /// AdamW's moments as `train --optim-state` keeps them: f32, bf16 or 8bit.
+    /// AdamW's moments as `train --optim-state` keeps them: f32, bf16, 8bit
+    /// or auto (the most exact training state that fits at each length).
     #[arg(long, default_value = "f32")]
     pub optim_state: String,
     /// As `train --master-weights`: f32 or none.
@@ -374,6 +375,7 @@ impl Ctx {
             device: self.device,
             budget: self.rank_budget,
             state: self.state,
+            state_auto: self.a.optim_state == "auto",
         })
     }
 }
@@ -400,7 +402,13 @@ pub fn run(a: PlanArgs, m: &ArgMatches) -> Result<i32> {
             ctx.a.gpu_mem,
             ctx.a.reserve,
             ctx.device.name(),
-            ctx.state,
+            match ctx.a.optim_state.as_str() {
+                "auto" => "auto (at each length the most exact that fits: f32, then BF16 \
+                           gradients, then 8-bit moments, no master and BF16 gradients; `run it:` \
+                           names it)"
+                    .to_string(),
+                _ => ctx.state.to_string(),
+            },
             policy_text(&ctx),
             ctx.a.memory.save_attention,
         );
@@ -538,11 +546,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     let policy = memory.policy(model.layers, model.layers);
     a.memory.save_attention.check(policy, model.layers)?;
     memory.checkpoint_every.check(policy)?;
-    let state = crate::optim::StateFormat {
-        moments: for_key(k, "optim_state", a.optim_state.parse())?,
-        master: for_key(k, "master_weights", a.master_weights.parse())?,
-        grads: for_key(k, "grad_dtype", a.grad_dtype.parse())?,
-    };
+    let state = super::train::training_state(k, &a.optim_state, &a.master_weights, &a.grad_dtype)?;
     // as every request decides it (the same GPUs, the same budget)
     let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze, state);
     let (mut fsdp, mut fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);

@@ -38,7 +38,7 @@ mod route;
 mod summary;
 mod tokenizer;
 
-pub use args::{Choices, Device, FsdpMode, TrainArgs};
+pub use args::{Choices, Device, FsdpMode, TrainArgs, training_state};
 pub use kernel::{decide as decide_kernel, may_hold_documents};
 pub use mesh::{
     CPU_DEFAULT_MESH, MAX_THREAD_RANKS, MeshChoice, MeshFlags, check_thread_ranks, default_mesh,
@@ -324,6 +324,11 @@ fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
         }
     }
     r.memory.offload_optimizer = OptimizerOffload::Units(p.offload_optimizer);
+    // `--optim-state auto`'s choice, so the file trains in the same state
+    let state = run.cfg.optim.state;
+    r.optim_state = state.moments.name().into();
+    r.master_weights = state.master.name().into();
+    r.grad_dtype = state.grads.name().into();
     if let Some(k) = run.cfg.attention_kernel {
         r.attn_kernel = kernel::flag_of(k).into();
     }

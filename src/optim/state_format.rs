@@ -101,6 +101,28 @@ impl GradDtype {
 }
 
 impl StateFormat {
+    /// What `--optim-state auto` tries, the most exact first: F32
+    /// throughout; BF16 gradients (2 bytes a parameter fewer); 8-bit
+    /// moments, no master and BF16 gradients (10 fewer than F32, on the
+    /// device). The first whose step fits is the run's.
+    pub const AUTO_LADDER: [StateFormat; 3] = [
+        StateFormat {
+            moments: MomentFormat::F32,
+            master: MasterWeights::F32,
+            grads: GradDtype::F32,
+        },
+        StateFormat {
+            moments: MomentFormat::F32,
+            master: MasterWeights::F32,
+            grads: GradDtype::Bf16,
+        },
+        StateFormat {
+            moments: MomentFormat::Q8,
+            master: MasterWeights::None,
+            grads: GradDtype::Bf16,
+        },
+    ];
+
     /// F32 throughout: the plain, exact step.
     pub fn is_plain(&self) -> bool {
         *self == StateFormat::default()

@@ -173,6 +173,15 @@ pub struct RankBudget {
 }
 
 impl RankBudget {
+    /// Whether a step predicted as `p` fits: its device peak within the
+    /// ledger's budget (on the CPU with the offloaded tensors, which share
+    /// the host's memory there) and its host peak within the host's
+    /// (unknown budgets fit).
+    pub fn fits(&self, p: &Prediction, on_gpu: bool) -> bool {
+        let device = if on_gpu { p.peak } else { p.peak + p.host_peak };
+        self.ledger.is_none_or(|l| device <= l) && self.host.is_none_or(|h| p.host_peak <= h)
+    }
+
     /// The budget of a rank with `memory` device bytes of which `reserve`
     /// stay outside the ledger, and `host` bytes for offloaded tensors.
     pub fn with_reserve(memory: usize, reserve: usize, host: Option<usize>) -> Self {
@@ -226,6 +235,10 @@ pub struct RunRequest {
     pub budget: RankBudget,
     /// How AdamW keeps its state (`--optim-state`, `--master-weights`).
     pub state: crate::optim::StateFormat,
+    /// `--optim-state auto`: `state` is ignored and the run takes the
+    /// first of [`StateFormat::AUTO_LADDER`](crate::optim::StateFormat)
+    /// whose step fits its budget.
+    pub state_auto: bool,
 }
 
 /// How far [`resolve_run`] decides.
@@ -315,8 +328,45 @@ impl RunRequest {
 }
 
 /// Resolves every `auto` of `req` in the one order (the module's doc), as
-/// far as `depth` says; the prediction is of the step so resolved.
+/// far as `depth` says; the prediction is of the step so resolved. Under
+/// `--optim-state auto` each training state of the ladder is resolved in
+/// turn until one fits (the last is taken when none does, for the
+/// preflight to refuse with its breakdown).
 pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
+    if !req.state_auto {
+        return resolve_state(req, depth);
+    }
+    let ladder = crate::optim::StateFormat::AUTO_LADDER;
+    let mut refused = Vec::new();
+    for (i, state) in ladder.iter().enumerate() {
+        let tried = RunRequest {
+            state: *state,
+            state_auto: false,
+            ..req.clone()
+        };
+        let mut run = resolve_state(&tried, depth)?;
+        let fits = req.budget.fits(&run.prediction, req.device.is_cuda());
+        if fits || i + 1 == ladder.len() {
+            let why = match (fits, refused.is_empty()) {
+                (true, true) => "the exact state fits".to_string(),
+                (true, false) => format!("{} did not fit", refused.join("; ")),
+                (false, _) => "the most compact; the run does not fit with it either".into(),
+            };
+            run.notes
+                .insert(0, format!("--optim-state auto: {state} ({why})"));
+            return Ok(run);
+        }
+        refused.push(format!(
+            "{state}: a peak of {} on the device and {} on the host",
+            Bytes(run.prediction.peak),
+            Bytes(run.prediction.host_peak)
+        ));
+    }
+    unreachable!("the ladder is not empty")
+}
+
+/// [`resolve_run`] of one training state.
+fn resolve_state(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
     let compact = compact_state_on_device(req);
     let req = compact.as_ref().unwrap_or(req);
     let mut r = Resolution::start(req)?;

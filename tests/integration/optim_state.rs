@@ -200,6 +200,45 @@ fn the_format_is_said_and_kept_in_the_run_file() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `--optim-state auto` on a run that fits trains in F32 throughout, bit
+/// for bit as the default does, says what it chose, and its run file
+/// names the state chosen rather than `auto`.
+#[test]
+fn optim_state_auto_keeps_the_exact_state_where_it_fits() {
+    let dir = scratch("auto");
+    let save = dir.join("ckpt");
+    let args = ["train", "--steps", "2", "--seq", "64", "--json"];
+    let (plain, _, success) = upipe(&args);
+    assert!(success);
+    let mut with_auto = args.to_vec();
+    with_auto.extend([
+        "--optim-state",
+        "auto",
+        "--save-dir",
+        save.to_str().unwrap(),
+    ]);
+    let (auto, log, success) = upipe(&with_auto);
+    assert!(success, "{log}");
+    assert!(
+        log.contains("--optim-state auto: moments f32, master f32 (the exact state fits)"),
+        "{log}"
+    );
+    let losses = |out: &str| -> Vec<f64> {
+        out.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v.get("loss").and_then(|l| l.as_f64()))
+            .collect()
+    };
+    assert_eq!(losses(&plain).len(), 2, "{plain}");
+    assert_eq!(losses(&plain), losses(&auto));
+    let run_file = std::fs::read_to_string(save.join("run.toml")).unwrap();
+    assert!(
+        run_file.contains("optim-state = \"f32\"") && !run_file.contains("optim-state = \"auto\""),
+        "{run_file}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Bad values and the host optimizer beside compact state are refused
 /// before anything runs, naming the flags and the fix.
 #[test]

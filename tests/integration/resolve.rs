@@ -8,6 +8,7 @@ use clap::{Args, Command, FromArgMatches};
 use upipe::attention::Strategy;
 use upipe::cli::plan::{PlanArgs, plan_request};
 use upipe::cli::train::{MeshFlags, TrainArgs, resolve_mesh, run_request, train_config};
+use upipe::optim::StateFormat;
 use upipe::plan::resolve::{Decisions, host_share};
 use upipe::plan::{Depth, DeviceKind, RankBudget, RunRequest, resolve_run};
 
@@ -95,8 +96,6 @@ impl Case<'_> {
             &self.world().to_string(),
             "--gpu-mem",
             &self.gpu_mem_gib.to_string(),
-            "--reserve",
-            "1",
         ];
         argv.extend(more.map(String::from));
         let a: PlanArgs = parse(&argv);
@@ -150,7 +149,7 @@ fn plan_resolves_what_train_resolves_on_the_tiny_model() {
                         strategy,
                         mesh,
                         seq,
-                        gpu_mem_gib: 1.03,
+                        gpu_mem_gib: 1.53,
                         host_mem_gib: 1,
                         policy,
                     };
@@ -184,4 +183,64 @@ fn plan_resolves_what_train_resolves_on_llama_models() {
     assert!(decided.iter().any(|d| d.fsdp) && decided.iter().any(|d| !d.fsdp));
     assert!(decided.iter().any(|d| d.chunk_heads.is_some()));
     assert!(decided.iter().any(|d| d.policy.save_attention > 0));
+}
+
+/// `--optim-state auto` takes the first training state of the ladder whose
+/// resolved step fits (each state resolved alone says which), the last
+/// where none does; `plan` resolves the same. The memories make it take
+/// each of the three.
+#[test]
+fn optim_state_auto_takes_the_most_exact_state_that_fits() {
+    let ladder = StateFormat::AUTO_LADDER;
+    let mut taken = Vec::new();
+    for gpu_mem_gib in [40.0, 24.0, 20.0, 12.0] {
+        let case = Case {
+            model: "llama3.2-1b",
+            strategy: Strategy::Upipe,
+            mesh: (1, 1, 1),
+            seq: 32768,
+            gpu_mem_gib,
+            host_mem_gib: 16,
+            policy: &["--checkpoint", "--tiled-mlp", "--optim-state", "auto"],
+        };
+        let req = case.train_request();
+        assert!(req.state_auto);
+        let fitting = ladder.iter().position(|&state| {
+            let alone = RunRequest {
+                state,
+                state_auto: false,
+                ..req.clone()
+            };
+            let run = resolve_run(&alone, Depth::Run).unwrap();
+            req.budget.fits(&run.prediction, true)
+        });
+        let auto = resolve_run(&req, Depth::Run).unwrap();
+        let want = ladder[fitting.unwrap_or(ladder.len() - 1)];
+        assert_eq!(auto.spec.state, want, "{gpu_mem_gib} GiB");
+        assert!(
+            auto.notes[0].starts_with(&format!("--optim-state auto: {want}")),
+            "{:?}",
+            auto.notes
+        );
+        check(&case);
+        taken.push(fitting);
+    }
+    assert_eq!(taken, [Some(0), Some(1), Some(2), None]);
+}
+
+/// `--optim-state auto` chooses the master weights and the gradients'
+/// dtype too, so either given beside it is refused naming the fix.
+#[test]
+fn optim_state_auto_refuses_a_given_master_or_gradient_dtype() {
+    for (flag, value) in [("--master-weights", "none"), ("--grad-dtype", "bf16")] {
+        let argv: Vec<String> = ["--model", "tiny", "--optim-state", "auto", flag, value]
+            .map(String::from)
+            .to_vec();
+        let a: TrainArgs = parse(&argv);
+        let e = a.validate().err().expect("refused").to_string();
+        assert!(
+            e.contains("--optim-state auto chooses") && e.contains(flag),
+            "{e}"
+        );
+    }
 }

@@ -120,7 +120,11 @@ pub struct TrainArgs {
     pub clip: f64,
     /// How AdamW keeps its two moments: f32 (exact; 8 bytes a parameter),
     /// bf16 (4) or 8bit (block-wise codes with a scale per 256 values,
-    /// about 2). Optimizer state offloaded to the host stays f32.
+    /// about 2). Optimizer state offloaded to the host stays f32. auto
+    /// chooses the moments, master weights and gradients' dtype together:
+    /// f32 throughout where the run fits this machine, else BF16
+    /// gradients, else 8-bit moments, no master and BF16 gradients (the
+    /// run says which it chose; leave --master-weights and --grad-dtype out).
     #[arg(long, help_heading = "Optimizer", default_value = "f32")]
     pub optim_state: String,
     /// f32: an F32 master copy of BF16 weights (4 bytes a parameter);
@@ -476,6 +480,12 @@ impl TrainArgs {
 }
 
 impl TrainArgs {
+    /// `--optim-state auto`: the resolver chooses the training state
+    /// ([`StateFormat::AUTO_LADDER`]).
+    pub fn state_auto(&self) -> bool {
+        self.optim_state == "auto"
+    }
+
     /// AdamW and its schedule from `--lr`, `--min-lr`, `--warmup`,
     /// `--schedule`, `--decay-fraction`, `--betas`, `--eps`, `--weight-decay`
     /// and `--clip` (checked: errors name the flag, its key and the fix).
@@ -491,11 +501,7 @@ impl TrainArgs {
                 self.eps
             );
         }
-        let state = StateFormat {
-            moments: for_key(k, "optim_state", self.optim_state.parse())?,
-            master: for_key(k, "master_weights", self.master_weights.parse())?,
-            grads: for_key(k, "grad_dtype", self.grad_dtype.parse())?,
-        };
+        let state = training_state(k, &self.optim_state, &self.master_weights, &self.grad_dtype)?;
         let cfg = AdamWConfig {
             decay,
             beta1,
@@ -950,4 +956,37 @@ mod tests {
         let e = parse_betas("0.9,-0.1").unwrap_err().to_string();
         assert!(e.contains("beta2 is -0.1"), "{e}");
     }
+}
+
+/// The training state of `--optim-state`, `--master-weights` and
+/// `--grad-dtype` (`keys`: the command's run-file keys). Under
+/// `--optim-state auto` the ladder's first, which the resolver replaces
+/// ([`StateFormat::AUTO_LADDER`]); an error where `--master-weights` or
+/// `--grad-dtype` was given beside auto, which chooses them too.
+pub fn training_state(
+    keys: &[(&str, &str, &str)],
+    optim_state: &str,
+    master_weights: &str,
+    grad_dtype: &str,
+) -> Result<StateFormat> {
+    if optim_state != "auto" {
+        return Ok(StateFormat {
+            moments: for_key(keys, "optim_state", optim_state.parse())?,
+            master: for_key(keys, "master_weights", master_weights.parse())?,
+            grads: for_key(keys, "grad_dtype", grad_dtype.parse())?,
+        });
+    }
+    for (id, flag, value) in [
+        ("master_weights", "--master-weights", master_weights),
+        ("grad_dtype", "--grad-dtype", grad_dtype),
+    ] {
+        if value != "f32" {
+            return crate::config_err!(
+                "--optim-state auto chooses {flag} too, so {flag} {value} (run-file key {}) \
+                 cannot be kept: leave {flag} out, or give --optim-state f32|bf16|8bit",
+                config::key_name(keys, id)
+            );
+        }
+    }
+    Ok(StateFormat::AUTO_LADDER[0])
 }

@@ -66,6 +66,7 @@ impl Built {
         self.cfg.fsdp = d.fsdp;
         self.cfg.fsdp_replicas = resolved.spec.fsdp_replicas;
         self.cfg.policy = d.policy;
+        self.cfg.optim.state = resolved.spec.state;
         self.cfg.chunk_heads = d.chunk_heads;
         self.cfg.fwd_chunk_heads = d.fwd_chunk_heads;
         self.plan = resolved.spec.plan.clone();
@@ -110,5 +111,6 @@ pub fn run_request(
         device,
         budget,
         state: cfg.optim.state,
+        state_auto: a.state_auto(),
     }
 }
