@@ -319,18 +319,25 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         dgate: &mut Tensor<Self>,
         dup: &mut Tensor<Self>,
     ) -> Result<()>;
-    /// `out[i] = table[ids[i]]`; table `[vocab, hidden]`, out `[n, hidden]`.
+    /// `out[i] = scale · table[ids[i]]`, the product in f32 rounded to
+    /// out's dtype; table `[vocab, hidden]`, out `[n, hidden]`. A family's
+    /// embedding scale (Gemma's `√hidden`, `ModelConfig::embed_scale`), 1
+    /// for the rest (the rows copied exactly).
     fn embedding_fwd(
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()>;
-    /// Accumulates `dtable[ids[i]] += dout[i]`.
+    /// Accumulates `dtable[ids[i]] += scale · dout[i]`, the product in f32
+    /// rounded to dout's dtype first (the scaled rows' gradient as the
+    /// compute dtype holds it), then added in F32.
     fn embedding_bwd(
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()>;
     /// Fused softmax cross-entropy on a chunk of logits `[n, vocab]`, in

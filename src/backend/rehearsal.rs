@@ -460,6 +460,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        _scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         check_rows(ids.len(), table.row_len(), out, "embedding_fwd")?;
@@ -469,6 +470,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        _scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
         check_rows(ids.len(), dtable.row_len(), dout, "embedding_bwd")?;

@@ -304,11 +304,8 @@ impl<B: Backend> Decoder<B> {
         ids: &[u32],
         x: &mut Tensor<B>,
     ) -> Result<()> {
-        b.embedding_fwd(table, ids, x)?;
-        match self.cfg.embed_scale(x.dtype()) {
-            Some(c) => scale_in_place(b, x, c),
-            None => Ok(()),
-        }
+        let scale = self.cfg.embed_scale(x.dtype()).unwrap_or(1.0);
+        b.embedding_fwd(table, ids, scale, x)
     }
 
     /// Forward and backward over this rank's tokens `ids` (targets aligned, `IGNORE`
@@ -349,11 +346,8 @@ impl<B: Backend> Decoder<B> {
         }
         // a frozen embedding takes no gradient: the backward ends at its output
         if let Some(d_embed) = store.embed_grads(b)? {
-            let mut dx = dx;
-            if let Some(c) = self.cfg.embed_scale(dx.dtype()) {
-                scale_in_place(b, &mut dx, c)?;
-            }
-            b.embedding_bwd(&dx, ids, d_embed)?;
+            let scale = self.cfg.embed_scale(dx.dtype()).unwrap_or(1.0);
+            b.embedding_bwd(&dx, ids, scale, d_embed)?;
         }
         store.grads_done(b, Unit::Embed)?;
         store.finish(b)?;
@@ -1030,13 +1024,4 @@ fn down_projection<B: Backend>(b: &B, w: &BlockWeights<B>, act: &Tensor<B>) -> R
     b.gemm(z.mat_mut(), act.mat(), w.down.mat().t(), 1.0, 0.0)?;
     add_delta(b, w.mlp_lora.down.as_ref(), act.mat(), z.mat_mut())?;
     Ok(z)
-}
-
-/// `x *= c` in place, rounded to x's dtype (`0 + c·x` by `axpy`): the
-/// embedding's scale and its gradient's.
-pub(crate) fn scale_in_place<B: Backend>(b: &B, x: &mut Tensor<B>, c: f32) -> Result<()> {
-    let mut scaled = b.zeros(x.shape(), x.dtype(), Category::Workspace)?;
-    b.axpy(&mut scaled, c, x)?;
-    *x = scaled;
-    Ok(())
 }

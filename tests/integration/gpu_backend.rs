@@ -613,24 +613,28 @@ fn embedding_cross_entropy_adamw() {
         &[vocab, hidden],
         DType::BF16,
     );
-    let (mut go, mut co) = pair(g, &c, &vec![0.0; n * hidden], &[n, hidden], DType::BF16);
-    g.embedding_fwd(&gt, &ids, &mut go).unwrap();
-    c.embedding_fwd(&ct, &ids, &mut co).unwrap();
-    check("embedding_fwd", g, &go, &c, &co);
-    let (gdo, cdo) = pair(g, &c, &rng.vec(n * hidden, 1.0), &[n, hidden], DType::BF16);
-    let (mut gdt, mut cdt) = pair(
-        g,
-        &c,
-        &rng.vec(vocab * hidden, 1.0),
-        &[vocab, hidden],
-        DType::F32,
-    );
-    g.embedding_bwd(&gdo, &ids, &mut gdt).unwrap();
-    c.embedding_bwd(&cdo, &ids, &mut cdt).unwrap();
-    check("embedding_bwd", g, &gdt, &c, &cdt);
+    // unscaled, and Gemma 3 1B's √1152 (not a bf16 value: the products round)
+    for scale in [1.0, 1152f32.sqrt()] {
+        let (mut go, mut co) = pair(g, &c, &vec![0.0; n * hidden], &[n, hidden], DType::BF16);
+        g.embedding_fwd(&gt, &ids, scale, &mut go).unwrap();
+        c.embedding_fwd(&ct, &ids, scale, &mut co).unwrap();
+        check("embedding_fwd", g, &go, &c, &co);
+        let (gdo, cdo) = pair(g, &c, &rng.vec(n * hidden, 1.0), &[n, hidden], DType::BF16);
+        let (mut gdt, mut cdt) = pair(
+            g,
+            &c,
+            &rng.vec(vocab * hidden, 1.0),
+            &[vocab, hidden],
+            DType::F32,
+        );
+        g.embedding_bwd(&gdo, &ids, scale, &mut gdt).unwrap();
+        c.embedding_bwd(&cdo, &ids, scale, &mut cdt).unwrap();
+        check("embedding_bwd", g, &gdt, &c, &cdt);
+    }
     match g.embedding_fwd(
         &gt,
         &[vocab as u32],
+        1.0,
         &mut g
             .zeros(&[1, hidden], DType::BF16, Category::Workspace)
             .unwrap(),

@@ -436,6 +436,7 @@ impl Backend for CpuBackend {
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("embedding", Track::Compute);
@@ -447,10 +448,20 @@ impl Backend for CpuBackend {
         }
         super::check_token_ids(ids, vocab)?;
         let t = data(table);
-        for (row, &id) in data_mut(out).chunks_mut(h).zip(ids) {
+        let odt = out.dtype();
+        let od = data_mut(out);
+        for (row, &id) in od.chunks_mut(h).zip(ids) {
             let id = id as usize;
             row.copy_from_slice(&t[id * h..(id + 1) * h]);
+            if scale != 1.0 {
+                row.iter_mut().for_each(|x| *x *= scale);
+            }
         }
+        round_view(
+            odt,
+            od,
+            &MatLayout::block(0, 1, ids.len() * h, ids.len() * h),
+        );
         Ok(())
     }
 
@@ -458,12 +469,29 @@ impl Backend for CpuBackend {
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("embedding_bwd", Track::Compute);
         let h = dtable.row_len();
+        if dout.numel() != ids.len() * h {
+            return Err(Error::Backend(
+                "embedding_bwd: dout is not [ids, hidden]".into(),
+            ));
+        }
         super::check_token_ids(ids, dtable.rows())?;
         let dy = data(dout);
+        // the scaled gradient as dout's dtype holds it (no copy at scale 1)
+        let scaled;
+        let dy = if scale == 1.0 {
+            dy
+        } else {
+            scaled = stored(
+                dout.dtype(),
+                &dy.iter().map(|x| x * scale).collect::<Vec<_>>(),
+            )?;
+            &scaled[..]
+        };
         let dt = data_mut(dtable);
         for (row, &id) in dy.chunks(h).zip(ids) {
             let id = id as usize;
@@ -541,5 +569,69 @@ impl Backend for CpuBackend {
             kernel.host(k, HostSlot { written, read })?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CpuBackend;
+    use crate::backend::{Backend, Category, DType, Tensor};
+    use crate::rng::Rng;
+
+    fn host(b: &CpuBackend, v: &[f32], shape: &[usize], dt: DType) -> Tensor<CpuBackend> {
+        b.from_host(v, shape, dt, Category::Workspace).unwrap()
+    }
+
+    fn bits(b: &CpuBackend, t: &Tensor<CpuBackend>) -> Vec<u32> {
+        b.to_host(t).unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The embedding ops' scale: 1 copies the rows (and adds the gradient)
+    /// exactly; another scale equals the rows then `0 + c·x` by `axpy` (the
+    /// scaled copy the decoder made before the ops took a scale), bit for
+    /// bit, in F32 and rounded to BF16, forward and backward.
+    #[test]
+    fn embedding_scale_multiplies_rows_and_gradients() {
+        let b = CpuBackend::new();
+        let mut rng = Rng::new(5);
+        let (vocab, h, ids) = (7, 6, [3u32, 0, 6, 3]);
+        let n = ids.len();
+        let table: Vec<f32> = (0..vocab * h).map(|_| rng.uniform() as f32 - 0.5).collect();
+        let dout: Vec<f32> = (0..n * h).map(|_| rng.uniform() as f32 - 0.5).collect();
+        let dt0: Vec<f32> = (0..vocab * h).map(|_| rng.uniform() as f32).collect();
+        for dt in [DType::F32, DType::BF16] {
+            let t = host(&b, &table, &[vocab, h], dt);
+            let mut plain = b.empty(&[n, h], dt, Category::Workspace).unwrap();
+            b.embedding_fwd(&t, &ids, 1.0, &mut plain).unwrap();
+            let want: Vec<u32> = ids
+                .iter()
+                .flat_map(|&i| b.to_host(&t).unwrap()[i as usize * h..][..h].to_vec())
+                .map(f32::to_bits)
+                .collect();
+            assert_eq!(bits(&b, &plain), want, "{dt:?}: scale 1 copies");
+            let c = 1152f32.sqrt();
+            let mut scaled = b.empty(&[n, h], dt, Category::Workspace).unwrap();
+            b.embedding_fwd(&t, &ids, c, &mut scaled).unwrap();
+            let mut old = b.zeros(&[n, h], dt, Category::Workspace).unwrap();
+            b.axpy(&mut old, c, &plain).unwrap();
+            assert_eq!(bits(&b, &scaled), bits(&b, &old), "{dt:?}: forward");
+            assert_ne!(bits(&b, &scaled), bits(&b, &plain), "{dt:?}: not scaled");
+
+            let dy = host(&b, &dout, &[n, h], dt);
+            let mut d1 = host(&b, &dt0, &[vocab, h], DType::F32);
+            b.embedding_bwd(&dy, &ids, c, &mut d1).unwrap();
+            let mut dy_scaled = b.zeros(&[n, h], dt, Category::Workspace).unwrap();
+            b.axpy(&mut dy_scaled, c, &dy).unwrap();
+            let mut d2 = host(&b, &dt0, &[vocab, h], DType::F32);
+            b.embedding_bwd(&dy_scaled, &ids, 1.0, &mut d2).unwrap();
+            assert_eq!(bits(&b, &d1), bits(&b, &d2), "{dt:?}: backward");
+            // row 3 took two gradients, row 1 none
+            let (got, dy_host) = (b.to_host(&d2).unwrap(), b.to_host(&dy_scaled).unwrap());
+            for j in 0..h {
+                let want = dt0[3 * h + j] + dy_host[j] + dy_host[3 * h + j];
+                assert_eq!(got[3 * h + j].to_bits(), want.to_bits());
+                assert_eq!(got[h + j].to_bits(), dt0[h + j].to_bits());
+            }
+        }
     }
 }

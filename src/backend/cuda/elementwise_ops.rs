@@ -450,6 +450,7 @@ impl CudaBackend {
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("embedding")?;
@@ -469,7 +470,8 @@ impl CudaBackend {
             .ptr(ptr(out))
             .i32(dt(out))
             .usize(ids.len())
-            .usize(h);
+            .usize(h)
+            .f32(scale);
         self.launch1d(self.kernels.embedding_fwd, ids.len() * h, args)
     }
 
@@ -477,6 +479,7 @@ impl CudaBackend {
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("embedding_bwd")?;
@@ -496,7 +499,8 @@ impl CudaBackend {
             .ptr(ptr(&idt))
             .ptr(ptr(dtable))
             .usize(ids.len())
-            .usize(h);
+            .usize(h)
+            .f32(scale);
         self.launch1d(self.kernels.embedding_bwd, ids.len() * h, args)
     }
 

@@ -247,18 +247,20 @@ impl Backend for CudaBackend {
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
-        self.embedding_fwd_impl(table, ids, out)
+        self.embedding_fwd_impl(table, ids, scale, out)
     }
 
     fn embedding_bwd(
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
-        self.embedding_bwd_impl(dout, ids, dtable)
+        self.embedding_bwd_impl(dout, ids, scale, dtable)
     }
 
     fn cross_entropy(
