@@ -3,13 +3,13 @@
 //! context-parallel strategy is tested against this one.
 
 use super::fused_update::{HostCells, HostCellsMut, HostSlot};
-use super::norm_args::{check_norm_bwd, check_norm_fwd};
+use super::norm_args::{AddRmsNormFwd, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
 use super::profile::{Phase, StepProfile, Track};
 use super::{
     AttentionBwd, AttentionFwd, AttnShape, Backend, Category, CopyDone, DType, IGNORE, LseMerge,
     Mat, MatLayout, MatMut, MemoryLedger, Tensor, UpdateKernel, UpdateSlot, check_same_numel,
 };
-use crate::backend::{GatedAct, RmsNorm};
+use crate::backend::GatedAct;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 mod attention;
@@ -24,21 +24,18 @@ pub use device::CpuBackend;
 use std::sync::Arc;
 
 impl CpuBackend {
-    /// `rms_norm_bwd` / `rms_norm_bwd_add`: checks the shapes, then the rows.
-    #[allow(clippy::too_many_arguments)]
-    fn norm_bwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-        write: norm::DxWrite,
-    ) -> Result<()> {
-        check_norm_bwd(x, w, dy, dx, dw.as_deref(), "rms_norm_bwd")?;
-        let (xs, ws, dys) = (data(x), data(w), data(dy));
-        norm::backward(xs, ws, dys, norm, data_mut(dx), dw.map(data_mut), write);
+    /// `rms_norm_bwd` / `rms_norm_bwd_add` of a checked call.
+    fn norm_bwd(&self, a: RmsNormBwd<'_, Self>, write: norm::DxWrite) -> Result<()> {
+        let (xs, ws, dys) = (data(a.x), data(a.w), data(a.dy));
+        norm::backward(
+            xs,
+            ws,
+            dys,
+            a.norm,
+            data_mut(a.dx),
+            a.dw.map(data_mut),
+            write,
+        );
         Ok(())
     }
 }
@@ -281,77 +278,38 @@ impl Backend for CpuBackend {
         Ok(data(t).iter().map(|&x| (x as f64) * (x as f64)).sum())
     }
 
-    fn rms_norm_fwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        y: &mut Tensor<Self>,
-    ) -> Result<()> {
+    fn run_rms_norm_fwd(&self, _rows: usize, a: RmsNormFwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("rms_norm", Track::Compute);
-        check_norm_fwd(x, None, w, y, "rms_norm_fwd")?;
-        norm::forward(data(x), data(w), norm, data_mut(y));
+        norm::forward(data(a.x), data(a.w), a.norm, data_mut(a.y));
         Ok(())
     }
 
-    fn rms_norm_bwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()> {
+    fn run_rms_norm_bwd(&self, _rows: usize, a: RmsNormBwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("rms_norm_bwd", Track::Compute);
-        self.norm_bwd(x, w, dy, norm, dx, dw, norm::DxWrite::Overwrite)
+        self.norm_bwd(a, norm::DxWrite::Overwrite)
     }
 
-    fn add_rms_norm_fwd(
-        &self,
-        x: &mut Tensor<Self>,
-        y: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        out: &mut Tensor<Self>,
-    ) -> Result<()> {
+    fn run_add_rms_norm_fwd(&self, _rows: usize, a: AddRmsNormFwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("add_rms_norm", Track::Compute);
-        check_norm_fwd(x, Some(y), w, out, "add_rms_norm_fwd")?;
-        norm::add(data_mut(x), data(y));
-        norm::forward(data(x), data(w), norm, data_mut(out));
+        norm::add(data_mut(a.x), data(a.y));
+        norm::forward(data(a.x), data(a.w), a.norm, data_mut(a.out));
         Ok(())
     }
 
-    fn rms_norm_bwd_add(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()> {
+    fn run_rms_norm_bwd_add(&self, _rows: usize, a: RmsNormBwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("rms_norm_bwd_add", Track::Compute);
-        self.norm_bwd(x, w, dy, norm, dx, dw, norm::DxWrite::Add)
+        self.norm_bwd(a, norm::DxWrite::Add)
     }
 
-    fn rope(
-        &self,
-        x: &mut Tensor<Self>,
-        cos: &Tensor<Self>,
-        sin: &Tensor<Self>,
-        inverse: bool,
-    ) -> Result<()> {
+    fn run_rope(&self, g: RopeShape, a: RopeRotate<'_, Self>) -> Result<()> {
         let _span = self.profile.span("rope", Track::Compute);
-        let (s, d) = (x.rows(), x.shape().get(2).copied().unwrap_or(0));
-        let half = d / 2;
-        if d % 2 != 0 || cos.numel() != s * half || sin.numel() != s * half {
-            return Err(Error::Backend(format!(
-                "rope: x {:?} needs cos/sin of [{s}, {half}], got {:?}",
-                x.shape(),
-                cos.shape()
-            )));
-        }
+        let RopeRotate {
+            x,
+            cos,
+            sin,
+            inverse,
+        } = a;
+        let (d, half) = (g.d, g.d / 2);
         let (cs, ss) = (data(cos), data(sin));
         let sign = if inverse { -1.0 } else { 1.0 };
         let row = x.row_len();
