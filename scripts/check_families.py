@@ -33,10 +33,18 @@ Sections (`--family`, default all):
   --device cuda` (bf16, the flash kernels under the window's row bounds)
   too, to bf16 tolerance.
 
+- gemma3-lora: upipe trains a LoRA adapter on the tiny random Gemma 3 and
+  saves it; PeftModel.from_pretrained on Gemma3ForCausalLM loads it and
+  gives upipe eval --lora-from's f32 loss (1e-4), the adapter moving the
+  loss and a copy with one lora_B doubled failing; with `--cuda`, also for
+  an adapter trained on the GPU.
+
 It prints one PASS/FAIL line per check and exits 1 if any failed. It needs
-torch, transformers and safetensors, and no network:
+torch, transformers and safetensors (and peft for gemma3-lora), and no
+network:
 
     python3 scripts/check_families.py --upipe gpu-bundle/bin/upipe --cuda
+    python3 scripts/check_families.py --upipe gpu-bundle/bin/upipe --family gemma3-lora
 """
 
 import argparse
@@ -347,7 +355,76 @@ def check_gemma3(binary: str, root: str, cuda: bool) -> None:
                              "native", *mesh), theirs, 2e-2)
 
 
-SECTIONS = {"mistral": check_mistral, "qwen2": check_qwen2, "gemma3": check_gemma3}
+# ---- gemma3-lora: an adapter upipe trains, loaded by PEFT ----
+
+LORA_SEQ = 64
+
+
+def peft_loss(src: str, adapter, ids: torch.Tensor) -> float:
+    """The f32 loss of `ids` by Gemma3ForCausalLM from `src` (eager
+    attention), through PeftModel.from_pretrained of `adapter` when given."""
+    from peft import PeftModel
+    from transformers import Gemma3ForCausalLM
+    model = Gemma3ForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                              attn_implementation="eager")
+    if adapter:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids[None], labels=ids[None]).loss.item()
+
+
+def doubled_lora_b(adapter: str, dst: str) -> str:
+    """A copy of `adapter` with its first lora_B doubled: a copy the loss
+    check must tell apart."""
+    from safetensors.torch import save_file
+    os.makedirs(dst)
+    shutil.copy(os.path.join(adapter, "adapter_config.json"), dst)
+    st = {}
+    with safe_open(os.path.join(adapter, "adapter_model.safetensors"), "pt") as f:
+        for k in f.keys():
+            st[k] = f.get_tensor(k)
+    key = sorted(k for k in st if ".lora_B." in k)[0]
+    st[key] = st[key] * 2
+    save_file(st, os.path.join(dst, "adapter_model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def check_gemma3_lora(binary: str, root: str, cuda: bool) -> None:
+    """upipe trains a LoRA adapter (all seven targets) on the tiny random
+    Gemma 3 and saves it in f32; PeftModel.from_pretrained on
+    Gemma3ForCausalLM loads it and gives upipe eval --lora-from's f32 loss
+    (rel 1e-4); the trained adapter moves the loss, and a copy with one
+    lora_B doubled fails the check. With --cuda, again for an adapter
+    trained on the GPU (bf16), evaluated in f32 on both sides."""
+    src = gemma3_source(root)
+    window = torch.randint(3, GEMMA_VOCAB - 3, (LORA_SEQ + 1,),
+                           generator=torch.Generator().manual_seed(2))
+    tokens = write_tokens(root, window)
+    base = peft_loss(src, None, window)
+    devices = ["cpu"] + (["cuda"] if cuda else [])
+    for device in devices:
+        out = os.path.join(root, f"gemma3-lora-{device}")
+        upipe(binary, "train", "--device", device, "--attn", "local", "--model", src,
+              "--init-from", src, "--data", tokens, "--pack", "stream", "--seq", str(LORA_SEQ),
+              "--steps", "4", "--lr", "1e-2", "--warmup", "1", "--lora-rank", "4",
+              "--lora-targets", "all-linear", "--save-dtype", "f32", "--save-dir", out)
+        theirs = peft_loss(src, out, window)
+        ours = upipe_loss(binary, src, tokens, root, "--device", "cpu", "--attn", "local",
+                          "--lora-from", out)
+        tag = f"gemma3 lora ({device}-trained)"
+        close(f"{tag}: PeftModel on Gemma3ForCausalLM == upipe eval --lora-from (f32)",
+              theirs, ours, 1e-4)
+        moved = abs(theirs - base) / abs(base)
+        check(f"{tag}: the trained adapter moves the loss", moved > 1e-3,
+              f"{theirs:.7f} vs the base's {base:.7f}")
+        bad = peft_loss(src, doubled_lora_b(out, out + "-doubled"), window)
+        check(f"{tag}: a copy with one lora_B doubled fails the 1e-4 check",
+              abs(bad - ours) / abs(ours) > 1e-4, f"{bad:.7f} vs {ours:.7f}")
+
+
+SECTIONS = {"mistral": check_mistral, "qwen2": check_qwen2, "gemma3": check_gemma3,
+            "gemma3-lora": check_gemma3_lora}
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ use super::lora_delta;
 use super::rope::RopeTables;
 use super::weights::AttentionWeights;
 use crate::backend::RmsNorm;
-use crate::backend::{Backend, Category, Tensor};
+use crate::backend::{Backend, Category, RmsNormBwd, RmsNormFwd, RopeRotate, Tensor};
 use crate::error::Result;
 
 /// Adds the bias rows of `heads` (`bias [heads*d]`) to every row of `out`,
@@ -66,12 +66,22 @@ pub(crate) fn norm_rope<B: Backend>(
     let (mut out, raw) = match norm {
         Some(w) => {
             let mut y = b.empty(t.shape(), t.dtype(), Category::Workspace)?;
-            b.rms_norm_fwd(&t, w, eps, &mut y)?;
+            b.rms_norm_fwd(RmsNormFwd {
+                x: &t,
+                w,
+                norm: eps,
+                y: &mut y,
+            })?;
             (y, if keep_raw { Some(t) } else { None })
         }
         None => (t, None),
     };
-    b.rope(&mut out, &rope.cos, &rope.sin, false)?;
+    b.rope(RopeRotate {
+        x: &mut out,
+        cos: &rope.cos,
+        sin: &rope.sin,
+        inverse: false,
+    })?;
     Ok((out, raw))
 }
 
@@ -86,11 +96,23 @@ pub(crate) fn norm_rope_bwd<B: Backend>(
     eps: RmsNorm,
     rope: &RopeTables<B>,
 ) -> Result<Tensor<B>> {
-    b.rope(&mut d_out, &rope.cos, &rope.sin, true)?;
+    b.rope(RopeRotate {
+        x: &mut d_out,
+        cos: &rope.cos,
+        sin: &rope.sin,
+        inverse: true,
+    })?;
     match (norm, raw) {
         (Some((w, dw)), Some(raw)) => {
             let mut dx = b.empty(d_out.shape(), d_out.dtype(), Category::Workspace)?;
-            b.rms_norm_bwd(raw, w, &d_out, eps, &mut dx, dw)?;
+            b.rms_norm_bwd(RmsNormBwd {
+                x: raw,
+                w,
+                dy: &d_out,
+                norm: eps,
+                dx: &mut dx,
+                dw,
+            })?;
             Ok(dx)
         }
         _ => Ok(d_out),

@@ -188,6 +188,27 @@ pub fn forward<B: Backend>(
     Ok((o, lse))
 }
 
+/// The operands of one ring attention backward ([`backward`]) on this
+/// rank: its queries and K/V (`[n, heads, d]`), the forward's `o` and
+/// `lse`, `d_o`, and the gradients it writes.
+pub struct RingBwd<'a, B: Backend> {
+    pub q: &'a Tensor<B>,
+    pub k: &'a Tensor<B>,
+    pub v: &'a Tensor<B>,
+    pub o: &'a Tensor<B>,
+    pub d_o: &'a Tensor<B>,
+    pub lse: &'a Tensor<B>,
+    pub dq: &'a mut Tensor<B>,
+    pub dk: &'a mut Tensor<B>,
+    pub dv: &'a mut Tensor<B>,
+    /// Whether `dq` and `dk`, `dv` are added into or overwritten.
+    pub writes: AttnGradWrites,
+    /// The whole sequence's mask.
+    pub mask: &'a AttnMask,
+    /// The softmax scale.
+    pub scale: f32,
+}
+
 /// Ring attention backward under the sequence's `mask`: `dq` for the local queries and `dk`, `dv` for the
 /// local K/V (all `[n, heads, d]`, F32 or compute dtype), added into or
 /// overwritten as `writes` says (later ring steps add into what the first
@@ -198,23 +219,21 @@ pub fn forward<B: Backend>(
 /// step's attention backward); each block's dK/dV follow it one step behind,
 /// once the step that accumulates into them is done, and arrive home after
 /// the last step.
-#[allow(clippy::too_many_arguments)]
-pub fn backward<B: Backend>(
-    b: &B,
-    ring: &dyn ProcessGroup<B>,
-    q: &Tensor<B>,
-    k: &Tensor<B>,
-    v: &Tensor<B>,
-    o: &Tensor<B>,
-    d_o: &Tensor<B>,
-    lse: &Tensor<B>,
-    dq: &mut Tensor<B>,
-    dk: &mut Tensor<B>,
-    dv: &mut Tensor<B>,
-    writes: AttnGradWrites,
-    mask: &AttnMask,
-    scale: f32,
-) -> Result<()> {
+pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>) -> Result<()> {
+    let RingBwd {
+        q,
+        k,
+        v,
+        o,
+        d_o,
+        lse,
+        dq,
+        dk,
+        dv,
+        writes,
+        mask,
+        scale,
+    } = a;
     let (p, i, n) = (ring.size(), ring.rank(), q.rows());
     if p == 1 {
         return b.attention_bwd(AttentionBwd {

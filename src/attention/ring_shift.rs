@@ -20,7 +20,7 @@
 //! arrives beside the step before's attention, as in the relay.
 //! Causal and full masks, which hide no whole block, keep the relay.
 
-use super::ring::{self, local_block_mask, ring_block};
+use super::ring::{self, RingBwd, local_block_mask, ring_block};
 use crate::backend::{
     AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite,
     LseMerge, Tensor,
@@ -109,29 +109,26 @@ pub fn forward<B: Backend>(
 /// gradients go into `dk`, `dv` as `writes` says, and every other rank's
 /// gradients of this rank's block are added in as they come back, in step
 /// order.
-#[allow(clippy::too_many_arguments)]
-pub fn backward<B: Backend>(
-    b: &B,
-    ring: &dyn ProcessGroup<B>,
-    q: &Tensor<B>,
-    k: &Tensor<B>,
-    v: &Tensor<B>,
-    o: &Tensor<B>,
-    d_o: &Tensor<B>,
-    lse: &Tensor<B>,
-    dq: &mut Tensor<B>,
-    dk: &mut Tensor<B>,
-    dv: &mut Tensor<B>,
-    writes: AttnGradWrites,
-    mask: &AttnMask,
-    scale: f32,
-) -> Result<()> {
-    let (p, i, n) = (ring.size(), ring.rank(), q.rows());
-    if !takes_shifts(mask, p) {
-        return ring::backward(
-            b, ring, q, k, v, o, d_o, lse, dq, dk, dv, writes, mask, scale,
-        );
+pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>) -> Result<()> {
+    let p = ring.size();
+    if !takes_shifts(a.mask, p) {
+        return ring::backward(b, ring, a);
     }
+    let RingBwd {
+        q,
+        k,
+        v,
+        o,
+        d_o,
+        lse,
+        dq,
+        dk,
+        dv,
+        writes,
+        mask,
+        scale,
+    } = a;
+    let (i, n) = (ring.rank(), q.rows());
     let mut shift = KvShift::new(b, ring, k, v, mask)?;
     shift.start(ring, 1)?;
     // the gradients of the block being visited (step 0: the local block's)
@@ -448,17 +445,23 @@ mod tests {
                 dk.as_mut().unwrap(),
                 dv.as_mut().unwrap(),
             );
-            let args = (&q, &k, &v, &o, &d_o, &lse);
-            let writes = AttnGradWrites::ADD;
+            let args = RingBwd {
+                q: &q,
+                k: &k,
+                v: &v,
+                o: &o,
+                d_o: &d_o,
+                lse: &lse,
+                dq,
+                dk,
+                dv,
+                writes: AttnGradWrites::ADD,
+                mask,
+                scale,
+            };
             match shifts {
-                true => backward(
-                    b, &ring, args.0, args.1, args.2, args.3, args.4, args.5, dq, dk, dv, writes,
-                    mask, scale,
-                )?,
-                false => ring::backward(
-                    b, &ring, args.0, args.1, args.2, args.3, args.4, args.5, dq, dk, dv, writes,
-                    mask, scale,
-                )?,
+                true => backward(b, &ring, args)?,
+                false => ring::backward(b, &ring, args)?,
             }
             let out = [&o, &lse, &*dq, &*dk, &*dv].map(|x| b.to_host(x));
             Ok((out.into_iter().collect::<Result<Vec<_>>>()?, ring.sent()))

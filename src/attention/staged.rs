@@ -20,6 +20,7 @@
 
 use super::lora_delta::{DeltaPart, LoraPair, LoraPairGrads};
 use super::lora_delta::{lora_delta_bwd_mat as delta_bwd, lora_delta_fwd_mat as delta_fwd};
+use super::ring::RingBwd;
 use super::rope::RopeTables;
 use super::schedule::{KvPhase, LsePiece, StageSchedule, Upcoming, grad_write, upcoming};
 use super::settle::{Proj, settle_layout};
@@ -627,26 +628,25 @@ impl<'a, B: Backend> Staged<'a, B> {
                     Upcoming::End => {}
                 }
                 let mut dq = self.attention_grad(q.shape(), q_write)?;
-                ring_shift::backward(
-                    b,
-                    self.mesh.ring.as_ref(),
-                    &q,
-                    &k,
-                    &v,
-                    &o_att,
-                    &d_o,
-                    &lse[stage_index],
-                    &mut dq,
-                    &mut dk,
-                    &mut dv,
-                    AttnGradWrites {
+                let args = RingBwd {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    o: &o_att,
+                    d_o: &d_o,
+                    lse: &lse[stage_index],
+                    dq: &mut dq,
+                    dk: &mut dk,
+                    dv: &mut dv,
+                    writes: AttnGradWrites {
                         dq: q_write,
                         // a kv phase's later stages add into the first's
                         dkv: if t == 0 { kv_write } else { GradWrite::Add },
                     },
-                    self.mask,
-                    self.dims.softmax_scale,
-                )?;
+                    mask: self.mask,
+                    scale: self.dims.softmax_scale,
+                };
+                ring_shift::backward(b, self.mesh.ring.as_ref(), args)?;
                 drop((q, o_att, d_o));
                 let norm = w.q_norm.as_ref().map(|w| (w, g.q_norm.as_mut()));
                 let dq = norm_rope_bwd(b, dq, q_raw.as_ref(), norm, eps, self.rope)?;

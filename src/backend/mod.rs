@@ -37,6 +37,7 @@ pub use fused_update::{UpdateKernel, UpdateSlot};
 pub use grad_write::{AttnGradWrites, GradWrite};
 pub use mask::{AttnMask, BoundedMask, RowPositions};
 pub use memory::{Bytes, Category, MemoryLedger, MemoryStats, PoolReport};
+pub use norm_args::{AddRmsNormFwd, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
 pub use op_buffers::OpBuffers;
 pub use op_kinds::{GatedAct, RmsNorm};
 pub use ops::{Backend, HostValues, IGNORE};

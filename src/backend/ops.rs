@@ -5,7 +5,8 @@ use super::attn_args::{AttentionBwd, AttentionFwd, AttnShape, LseMerge};
 use super::copy_done::{ComputePoint, CopyDone};
 use super::fused_update::{UpdateKernel, UpdateSlot};
 use super::memory::{Category, MemoryLedger, PoolReport};
-use super::op_kinds::{GatedAct, RmsNorm};
+use super::norm_args::{AddRmsNormFwd, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
+use super::op_kinds::GatedAct;
 use super::profile;
 use super::tensor::{DType, Mat, MatMut, Tensor, TensorDevice};
 use crate::error::Result;
@@ -196,65 +197,69 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         Ok(s)
     }
 
-    /// RMSNorm over the last dim: `y = x / rms(x) * w` (with `norm`'s eps and
-    /// weight offset); x, y `[n, dim]`, w `[dim]`.
-    fn rms_norm_fwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        y: &mut Tensor<Self>,
-    ) -> Result<()>;
-    /// RMSNorm backward: writes `dx`, accumulates `dw` (`None`: a frozen
-    /// norm weight, whose gradient is not computed).
-    fn rms_norm_bwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()>;
-    /// A residual add and the RMSNorm of its sum in one pass: `x += y`
-    /// (rounded to x's dtype, as [`axpy`](Backend::axpy) with alpha 1
-    /// rounds it), then `out = x / rms(x) * w` of the rounded sum, as
+    /// RMSNorm over the last dim ([`RmsNormFwd`]): `y = x / rms(x) * w`
+    /// (with `norm`'s eps and weight offset); x, y `[n, dim]`, w `[dim]`.
+    /// Checks the call once for every device ([`RmsNormFwd::check`]) and
+    /// runs it ([`run_rms_norm_fwd`](Backend::run_rms_norm_fwd)); devices
+    /// do not override it.
+    fn rms_norm_fwd(&self, a: RmsNormFwd<'_, Self>) -> Result<()> {
+        let rows = a.check()?;
+        self.run_rms_norm_fwd(rows, a)
+    }
+    /// The device's arithmetic of a norm of `rows` rows that
+    /// [`rms_norm_fwd`](Backend::rms_norm_fwd) checked.
+    fn run_rms_norm_fwd(&self, rows: usize, a: RmsNormFwd<'_, Self>) -> Result<()>;
+    /// RMSNorm backward ([`RmsNormBwd`]): writes `dx`, accumulates `dw`
+    /// (`None`: a frozen norm weight, whose gradient is not computed).
+    /// Checks the call once for every device ([`RmsNormBwd::check`]) and
+    /// runs it ([`run_rms_norm_bwd`](Backend::run_rms_norm_bwd)).
+    fn rms_norm_bwd(&self, a: RmsNormBwd<'_, Self>) -> Result<()> {
+        let rows = a.check()?;
+        self.run_rms_norm_bwd(rows, a)
+    }
+    /// The device's arithmetic of a backward [`rms_norm_bwd`](Backend::rms_norm_bwd) checked.
+    fn run_rms_norm_bwd(&self, rows: usize, a: RmsNormBwd<'_, Self>) -> Result<()>;
+    /// A residual add and the RMSNorm of its sum in one pass
+    /// ([`AddRmsNormFwd`]): `x += y` (rounded to x's dtype, as
+    /// [`axpy`](Backend::axpy) with alpha 1 rounds it), then `out = x /
+    /// rms(x) * w` of the rounded sum, as
     /// [`rms_norm_fwd`](Backend::rms_norm_fwd) computes it; x, y, out
     /// `[n, dim]` (x F32 or the dtype of y, as for `axpy`), w `[dim]`.
-    /// Equal, bit for bit, to `axpy(x, 1, y)` then `rms_norm_fwd(x, w, norm,
-    /// out)`.
-    fn add_rms_norm_fwd(
-        &self,
-        x: &mut Tensor<Self>,
-        y: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        out: &mut Tensor<Self>,
-    ) -> Result<()>;
-    /// RMSNorm backward into a residual gradient: `dx += rms_norm_bwd(x, w,
-    /// dy)`, `dx` holding the gradient that reaches `x` along the residual
-    /// path. The norm's gradient is rounded to dx's dtype before the add
-    /// (rounded again), so the result equals, bit for bit, `rms_norm_bwd`
-    /// into a temporary `t` then `axpy(dx, 1, t)`, without the temporary.
-    /// Accumulates `dw` (if any) as `rms_norm_bwd` does.
-    fn rms_norm_bwd_add(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()>;
-    /// Rotary embedding in place, HF "rotate half" convention. `x: [s, n_heads, d]`,
-    /// `cos, sin: [s, d/2]` (f32). `inverse` rotates by the negative angle (the backward).
-    fn rope(
-        &self,
-        x: &mut Tensor<Self>,
-        cos: &Tensor<Self>,
-        sin: &Tensor<Self>,
-        inverse: bool,
-    ) -> Result<()>;
+    /// Equal, bit for bit, to `axpy(x, 1, y)` then `rms_norm_fwd`. Checks
+    /// the call once for every device ([`AddRmsNormFwd::check`]) and runs
+    /// it ([`run_add_rms_norm_fwd`](Backend::run_add_rms_norm_fwd)).
+    fn add_rms_norm_fwd(&self, a: AddRmsNormFwd<'_, Self>) -> Result<()> {
+        let rows = a.check()?;
+        self.run_add_rms_norm_fwd(rows, a)
+    }
+    /// The device's arithmetic of a call [`add_rms_norm_fwd`](Backend::add_rms_norm_fwd) checked.
+    fn run_add_rms_norm_fwd(&self, rows: usize, a: AddRmsNormFwd<'_, Self>) -> Result<()>;
+    /// RMSNorm backward into a residual gradient ([`RmsNormBwd`]): `dx +=
+    /// rms_norm_bwd(x, w, dy)`, `dx` holding the gradient that reaches `x`
+    /// along the residual path. The norm's gradient is rounded to dx's
+    /// dtype before the add (rounded again), so the result equals, bit for
+    /// bit, `rms_norm_bwd` into a temporary `t` then `axpy(dx, 1, t)`,
+    /// without the temporary. Accumulates `dw` (if any) as `rms_norm_bwd`
+    /// does. Checked as [`rms_norm_bwd`](Backend::rms_norm_bwd), then run
+    /// ([`run_rms_norm_bwd_add`](Backend::run_rms_norm_bwd_add)).
+    fn rms_norm_bwd_add(&self, a: RmsNormBwd<'_, Self>) -> Result<()> {
+        let rows = a.check()?;
+        self.run_rms_norm_bwd_add(rows, a)
+    }
+    /// The device's arithmetic of a call [`rms_norm_bwd_add`](Backend::rms_norm_bwd_add) checked.
+    fn run_rms_norm_bwd_add(&self, rows: usize, a: RmsNormBwd<'_, Self>) -> Result<()>;
+    /// Rotary embedding in place ([`RopeRotate`]), HF "rotate half"
+    /// convention. `x: [s, n_heads, d]`, `cos, sin: [s, d/2]` (f32);
+    /// `inverse` rotates by the negative angle (the backward). Checks the
+    /// call once for every device ([`RopeRotate::check`]) and runs it
+    /// ([`run_rope`](Backend::run_rope)).
+    fn rope(&self, a: RopeRotate<'_, Self>) -> Result<()> {
+        let g = a.check()?;
+        self.run_rope(g, a)
+    }
+    /// The device's arithmetic of a rotation of geometry `g` that
+    /// [`rope`](Backend::rope) checked.
+    fn run_rope(&self, g: RopeShape, a: RopeRotate<'_, Self>) -> Result<()>;
 
     /// Attention forward ([`AttentionFwd`]): `o = softmax(scale·q·kᵀ) v`
     /// and its LSE, `q: [sq, hq, d]`, `k, v: [sk, hkv, d]` with `hq % hkv
@@ -319,18 +324,25 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         dgate: &mut Tensor<Self>,
         dup: &mut Tensor<Self>,
     ) -> Result<()>;
-    /// `out[i] = table[ids[i]]`; table `[vocab, hidden]`, out `[n, hidden]`.
+    /// `out[i] = scale · table[ids[i]]`, the product in f32 rounded to
+    /// out's dtype; table `[vocab, hidden]`, out `[n, hidden]`. A family's
+    /// embedding scale (Gemma's `√hidden`, `ModelConfig::embed_scale`), 1
+    /// for the rest (the rows copied exactly).
     fn embedding_fwd(
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()>;
-    /// Accumulates `dtable[ids[i]] += dout[i]`.
+    /// Accumulates `dtable[ids[i]] += scale · dout[i]`, the product in f32
+    /// rounded to dout's dtype first (the scaled rows' gradient as the
+    /// compute dtype holds it), then added in F32.
     fn embedding_bwd(
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()>;
     /// Fused softmax cross-entropy on a chunk of logits `[n, vocab]`, in

@@ -21,7 +21,7 @@
 //! [`Backend::rehearsing`], only where it would read or write host data
 //! (initial weights, RoPE tables, token ids, the host optimizer).
 
-use super::norm_args::{check_norm_bwd, check_norm_fwd};
+use super::norm_args::{AddRmsNormFwd, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
 use super::op_buffers::poisoned;
 pub use super::op_buffers::{AttnBuffers, AttnBwdDtypes, AttnShape, OpBuffers};
 use super::{
@@ -29,7 +29,7 @@ use super::{
     MemoryLedger, Tensor, TensorDevice, UpdateKernel, UpdateSlot,
 };
 use super::{Mat, check_same_numel};
-use crate::backend::{GatedAct, PoolReport, RmsNorm};
+use crate::backend::{GatedAct, PoolReport};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -353,61 +353,21 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         Ok(0.0)
     }
 
-    fn rms_norm_fwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        _norm: RmsNorm,
-        y: &mut Tensor<Self>,
-    ) -> Result<()> {
-        check_norm_fwd(x, None, w, y, "rms_norm_fwd").map(drop)
+    // the norm and RoPE calls are checked by the trait's provided methods;
+    // they take no buffer of their own
+    fn run_rms_norm_fwd(&self, _rows: usize, _a: RmsNormFwd<'_, Self>) -> Result<()> {
+        Ok(())
     }
-    fn rms_norm_bwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        _norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()> {
-        check_norm_bwd(x, w, dy, dx, dw.as_deref(), "rms_norm_bwd").map(drop)
+    fn run_rms_norm_bwd(&self, _rows: usize, _a: RmsNormBwd<'_, Self>) -> Result<()> {
+        Ok(())
     }
-    fn add_rms_norm_fwd(
-        &self,
-        x: &mut Tensor<Self>,
-        y: &Tensor<Self>,
-        w: &Tensor<Self>,
-        _norm: RmsNorm,
-        out: &mut Tensor<Self>,
-    ) -> Result<()> {
-        check_norm_fwd(x, Some(y), w, out, "add_rms_norm_fwd").map(drop)
+    fn run_add_rms_norm_fwd(&self, _rows: usize, _a: AddRmsNormFwd<'_, Self>) -> Result<()> {
+        Ok(())
     }
-    fn rms_norm_bwd_add(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()> {
-        self.rms_norm_bwd(x, w, dy, norm, dx, dw)
+    fn run_rms_norm_bwd_add(&self, _rows: usize, _a: RmsNormBwd<'_, Self>) -> Result<()> {
+        Ok(())
     }
-    fn rope(
-        &self,
-        x: &mut Tensor<Self>,
-        cos: &Tensor<Self>,
-        sin: &Tensor<Self>,
-        _inverse: bool,
-    ) -> Result<()> {
-        if cos.numel() != sin.numel() {
-            return Err(Error::Backend(format!(
-                "rope: tables {:?} do not cover {:?}",
-                cos.shape(),
-                x.shape()
-            )));
-        }
+    fn run_rope(&self, _g: RopeShape, _a: RopeRotate<'_, Self>) -> Result<()> {
         Ok(())
     }
 
@@ -460,6 +420,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        _scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         check_rows(ids.len(), table.row_len(), out, "embedding_fwd")?;
@@ -469,6 +430,7 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        _scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
         check_rows(ids.len(), dtable.row_len(), dout, "embedding_bwd")?;

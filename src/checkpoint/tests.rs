@@ -422,3 +422,63 @@ fn train_state_refuses_mismatched_moments() {
     std::fs::write(dir.0.join(STATE_FILE), "{\"version\": 99, \"step\": 1}").unwrap();
     assert!(checkpoint_error(load_train_state(&dir.0)).contains("version 99"));
 }
+
+/// A tiny Gemma 3 text model (two sliding layers and a global one).
+fn small_gemma() -> ModelConfig {
+    use crate::model::families::LayerType;
+    let base = ModelConfig::preset("tiny").unwrap();
+    let cfg = ModelConfig {
+        name: "small-gemma".into(),
+        family: crate::model::Family::Gemma3,
+        layers: 3,
+        layer_types: vec![LayerType::Sliding, LayerType::Sliding, LayerType::Full],
+        sliding_window: Some(8),
+        local_rope_theta: Some(100.0),
+        query_pre_attn_scalar: Some(base.head_dim as f32),
+        tie_embeddings: true,
+        ..base
+    };
+    cfg.validate().unwrap();
+    cfg
+}
+
+/// A multimodal checkpoint's text model loads under the names either
+/// `transformers` writes it, its vision tower and projector skipped (the
+/// family's spec names them), with no extra-tensor flag; a family whose
+/// spec skips nothing refuses the same vision tensors.
+#[test]
+fn multimodal_checkpoints_skip_the_spec_prefixes() {
+    let cfg = small_gemma();
+    let weights = random_model(&cfg);
+    let vision = HostTensor::zeros(vec![4, 4]);
+    let other_parts = [
+        "vision_tower.vision_model.embeddings.patch_embedding.weight",
+        "multi_modal_projector.mm_input_projection_weight",
+    ];
+    for (layout, text_prefix, part_prefix) in [
+        ("v4", "language_model.model.", ""),
+        ("v5", "model.language_model.", "model."),
+    ] {
+        let dir = TempDir::new(&format!("multimodal-{layout}"));
+        let renamed: Vec<(String, &HostTensor)> = weights
+            .iter()
+            .map(|(n, t)| (n.replacen("model.", text_prefix, 1), t))
+            .collect();
+        let mut list = renamed.clone();
+        list.extend(other_parts.map(|p| (format!("{part_prefix}{p}"), &vision)));
+        save_safetensors(&dir.0.join(SINGLE_FILE), &list, DType::F32).unwrap();
+        assert_eq!(load_hf_model(&dir.0, &cfg).unwrap(), weights, "{layout}");
+
+        let llama = ModelConfig {
+            family: crate::model::Family::Llama,
+            ..small_qwen()
+        };
+        let llama_weights = random_model(&llama);
+        let mut list: Vec<(String, &HostTensor)> =
+            llama_weights.iter().map(|(n, t)| (n.clone(), t)).collect();
+        list.push((format!("{part_prefix}{}", other_parts[0]), &vision));
+        save_safetensors(&dir.0.join(SINGLE_FILE), &list, DType::F32).unwrap();
+        let m = checkpoint_error(load_hf_model(&dir.0, &llama));
+        assert!(m.contains(other_parts[0]), "{layout}: {m}");
+    }
+}

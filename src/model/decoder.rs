@@ -42,7 +42,9 @@ use crate::attention::lora_delta::{add_delta, add_delta_bwd};
 use crate::attention::{AttnSaved, CpPlan, output_projection};
 use crate::backend::PhaseGuard;
 use crate::backend::profile::Phase;
-use crate::backend::{Backend, Category, DType, MatLayout, RmsNorm, Tensor, cast};
+use crate::backend::{
+    Backend, Category, DType, MatLayout, RmsNorm, RmsNormBwd, RmsNormFwd, Tensor, cast,
+};
 use crate::comm::Mesh;
 use crate::error::{Error, Result};
 
@@ -304,11 +306,8 @@ impl<B: Backend> Decoder<B> {
         ids: &[u32],
         x: &mut Tensor<B>,
     ) -> Result<()> {
-        b.embedding_fwd(table, ids, x)?;
-        match self.cfg.embed_scale(x.dtype()) {
-            Some(c) => scale_in_place(b, x, c),
-            None => Ok(()),
-        }
+        let scale = self.cfg.embed_scale(x.dtype()).unwrap_or(1.0);
+        b.embedding_fwd(table, ids, scale, x)
     }
 
     /// Forward and backward over this rank's tokens `ids` (targets aligned, `IGNORE`
@@ -349,11 +348,8 @@ impl<B: Backend> Decoder<B> {
         }
         // a frozen embedding takes no gradient: the backward ends at its output
         if let Some(d_embed) = store.embed_grads(b)? {
-            let mut dx = dx;
-            if let Some(c) = self.cfg.embed_scale(dx.dtype()) {
-                scale_in_place(b, &mut dx, c)?;
-            }
-            b.embedding_bwd(&dx, ids, d_embed)?;
+            let scale = self.cfg.embed_scale(dx.dtype()).unwrap_or(1.0);
+            b.embedding_bwd(&dx, ids, scale, d_embed)?;
         }
         store.grads_done(b, Unit::Embed)?;
         store.finish(b)?;
@@ -526,7 +522,12 @@ impl<B: Backend> Decoder<B> {
             store.acquire(b, Unit::Embed)?;
         }
         let mut hn = b.empty(x.shape(), x.dtype(), Category::Workspace)?;
-        b.rms_norm_fwd(&x, store.final_norm()?, self.norm(), &mut hn)?;
+        b.rms_norm_fwd(RmsNormFwd {
+            x: &x,
+            w: store.final_norm()?,
+            norm: self.norm(),
+            y: &mut hn,
+        })?;
         let head = store.head_grads(b)?;
         let HeadView {
             norm,
@@ -537,7 +538,14 @@ impl<B: Backend> Decoder<B> {
         let (loss, dhn) = self.fused_loss(b, head, d_head, &hn, targets, grad_scale)?;
         drop(hn);
         let mut dx = b.empty(x.shape(), x.dtype(), Category::Grads)?;
-        b.rms_norm_bwd(&x, norm, &dhn, self.norm(), &mut dx, d_norm)?;
+        b.rms_norm_bwd(RmsNormBwd {
+            x: &x,
+            w: norm,
+            dy: &dhn,
+            norm: self.norm(),
+            dx: &mut dx,
+            dw: d_norm,
+        })?;
         drop((dhn, x));
         if tied {
             store.release(Unit::Embed)?;
@@ -598,7 +606,12 @@ impl<B: Backend> Decoder<B> {
         match (&saved.z, &w.post_mlp_norm) {
             (Some(z), Some(norm)) => {
                 let mut q = b.empty(z.shape(), z.dtype(), Category::Workspace)?;
-                b.rms_norm_fwd(z, norm, self.norm(), &mut q)?;
+                b.rms_norm_fwd(RmsNormFwd {
+                    x: z,
+                    w: norm,
+                    norm: self.norm(),
+                    y: &mut q,
+                })?;
                 self.add_rows(b, out, rows, &q)
             }
             _ => {
@@ -667,7 +680,12 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<(Tensor<B>, AttnSaved<B>, Tensor<B>)> {
         b.ledger().enter("forward: attention");
         let mut a = b.empty(h.shape(), h.dtype(), Category::Activations)?;
-        b.rms_norm_fwd(h, &w.attn_norm, self.norm(), &mut a)?;
+        b.rms_norm_fwd(RmsNormFwd {
+            x: h,
+            w: &w.attn_norm,
+            norm: self.norm(),
+            y: &mut a,
+        })?;
         let (y, attn) = match kept {
             Some(attn) => (output_projection(b, &attn.o, &w.attn)?, attn),
             None => self.attn.layer(l).forward(b, mesh, &w.attn, &a)?,
@@ -689,7 +707,12 @@ impl<B: Backend> Decoder<B> {
         match &w.post_attn_norm {
             Some(norm) => {
                 let mut p = b.empty(y.shape(), y.dtype(), Category::Workspace)?;
-                b.rms_norm_fwd(&y, norm, self.norm(), &mut p)?;
+                b.rms_norm_fwd(RmsNormFwd {
+                    x: &y,
+                    w: norm,
+                    norm: self.norm(),
+                    y: &mut p,
+                })?;
                 b.axpy(&mut h1, 1.0, &p)?;
                 Ok((Some(y), h1))
             }
@@ -771,7 +794,12 @@ impl<B: Backend> Decoder<B> {
         let (r, f) = (x.rows(), self.cfg.ffn);
         let dt = x.dtype();
         let mut m = b.empty(x.shape(), dt, Category::Activations)?;
-        b.rms_norm_fwd(x, &w.mlp_norm, self.norm(), &mut m)?;
+        b.rms_norm_fwd(RmsNormFwd {
+            x,
+            w: &w.mlp_norm,
+            norm: self.norm(),
+            y: &mut m,
+        })?;
         let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
         b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
         add_delta(b, w.mlp_lora.gate.as_ref(), m.mat(), gate.mat_mut())?;
@@ -839,7 +867,14 @@ impl<B: Backend> Decoder<B> {
             (Some(y), Some(norm)) => {
                 let mut dy = b.empty(y.shape(), y.dtype(), Category::Workspace)?;
                 let d_post = g.post_attn_norm.as_mut();
-                b.rms_norm_bwd(y, norm, &dh1, self.norm(), &mut dy, d_post)?;
+                b.rms_norm_bwd(RmsNormBwd {
+                    x: y,
+                    w: norm,
+                    dy: &dh1,
+                    norm: self.norm(),
+                    dx: &mut dy,
+                    dw: d_post,
+                })?;
                 Some(dy)
             }
             _ => None,
@@ -883,7 +918,14 @@ impl<B: Backend> Decoder<B> {
                 let d_t = self.rows_of(b, d_out, rows)?;
                 let mut dz = b.empty(z.shape(), z.dtype(), Category::Workspace)?;
                 let d_post = g.post_mlp_norm.as_mut();
-                b.rms_norm_bwd(z, norm, &d_t, self.norm(), &mut dz, d_post)?;
+                b.rms_norm_bwd(RmsNormBwd {
+                    x: z,
+                    w: norm,
+                    dy: &d_t,
+                    norm: self.norm(),
+                    dx: &mut dz,
+                    dw: d_post,
+                })?;
                 Some(dz)
             }
             _ => None,
@@ -949,10 +991,24 @@ impl<B: Backend> Decoder<B> {
         dw: Option<&mut Tensor<B>>,
     ) -> Result<()> {
         if !self.unfused_norms {
-            return b.rms_norm_bwd_add(x, w, dy, self.norm(), dx, dw);
+            return b.rms_norm_bwd_add(RmsNormBwd {
+                x,
+                w,
+                dy,
+                norm: self.norm(),
+                dx,
+                dw,
+            });
         }
         let mut t = b.empty(dx.shape(), dx.dtype(), Category::Workspace)?;
-        b.rms_norm_bwd(x, w, dy, self.norm(), &mut t, dw)?;
+        b.rms_norm_bwd(RmsNormBwd {
+            x,
+            w,
+            dy,
+            norm: self.norm(),
+            dx: &mut t,
+            dw,
+        })?;
         b.axpy(dx, 1.0, &t)
     }
 
@@ -1030,13 +1086,4 @@ fn down_projection<B: Backend>(b: &B, w: &BlockWeights<B>, act: &Tensor<B>) -> R
     b.gemm(z.mat_mut(), act.mat(), w.down.mat().t(), 1.0, 0.0)?;
     add_delta(b, w.mlp_lora.down.as_ref(), act.mat(), z.mat_mut())?;
     Ok(z)
-}
-
-/// `x *= c` in place, rounded to x's dtype (`0 + c·x` by `axpy`): the
-/// embedding's scale and its gradient's.
-pub(crate) fn scale_in_place<B: Backend>(b: &B, x: &mut Tensor<B>, c: f32) -> Result<()> {
-    let mut scaled = b.zeros(x.shape(), x.dtype(), Category::Workspace)?;
-    b.axpy(&mut scaled, c, x)?;
-    *x = scaled;
-    Ok(())
 }

@@ -14,7 +14,7 @@ use super::chunk_loop::for_each_chunk;
 use super::decoder::Decoder;
 use super::store::{ParamStore, Unit};
 use super::weights::{BlockWeights, ModelWeights};
-use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
+use crate::backend::{Backend, Category, DType, MatLayout, RmsNormFwd, Tensor};
 use crate::comm::Mesh;
 use crate::error::Result;
 use std::ops::Range;
@@ -126,7 +126,12 @@ impl<B: Backend> Decoder<B> {
             x = self.block_forward_only(b, mesh, l, blk, &x)?;
         }
         let mut hn = b.empty(x.shape(), act, Category::Activations)?;
-        b.rms_norm_fwd(&x, &w.final_norm, self.norm(), &mut hn)?;
+        b.rms_norm_fwd(RmsNormFwd {
+            x: &x,
+            w: &w.final_norm,
+            norm: self.norm(),
+            y: &mut hn,
+        })?;
         Ok(hn)
     }
 
@@ -152,7 +157,12 @@ impl<B: Backend> Decoder<B> {
         }
         store.acquire(b, Unit::Head)?;
         let mut hn = b.empty(x.shape(), act, Category::Activations)?;
-        b.rms_norm_fwd(&x, store.final_norm()?, self.norm(), &mut hn)?;
+        b.rms_norm_fwd(RmsNormFwd {
+            x: &x,
+            w: store.final_norm()?,
+            norm: self.norm(),
+            y: &mut hn,
+        })?;
         store.release(Unit::Head)?;
         Ok(hn)
     }
@@ -208,7 +218,12 @@ impl<B: Backend> Decoder<B> {
         }
         self.with_head(b, store, move |store| {
             let mut hn = b.empty(x.shape(), act, Category::Activations)?;
-            b.rms_norm_fwd(&x, store.final_norm()?, self.norm(), &mut hn)?;
+            b.rms_norm_fwd(RmsNormFwd {
+                x: &x,
+                w: store.final_norm()?,
+                norm: self.norm(),
+                y: &mut hn,
+            })?;
             drop(x);
             self.grouped_loss(b, store.head()?, &hn, targets, group_of_row, groups)
         })

@@ -10,8 +10,9 @@ use upipe::backend::cpu::CpuBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::backend::cuda::{AttentionKernels, CudaBackend};
 use upipe::backend::{
-    AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType, GatedAct,
-    GradWrite, IGNORE, LseMerge, MatLayout, RmsNorm, Tensor,
+    AddRmsNormFwd, AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType,
+    GatedAct, GradWrite, IGNORE, LseMerge, MatLayout, RmsNorm, RmsNormBwd, RmsNormFwd, RopeRotate,
+    Tensor,
 };
 use upipe::optim::{AdamWOps, AdamWSlot, AdamWStep};
 
@@ -459,11 +460,23 @@ fn fused_residual_norms_equal_the_unfused_ops() {
         let mut x1 = copy(&gx).unwrap();
         let mut out1 = g.zeros(&[n, dim], bf, Category::Workspace).unwrap();
         g.axpy(&mut x1, 1.0, &gy).unwrap();
-        g.rms_norm_fwd(&x1, &gw, norm, &mut out1).unwrap();
+        g.rms_norm_fwd(RmsNormFwd {
+            x: &x1,
+            w: &gw,
+            norm,
+            y: &mut out1,
+        })
+        .unwrap();
         let mut x2 = copy(&gx).unwrap();
         let mut out2 = g.zeros(&[n, dim], bf, Category::Workspace).unwrap();
-        g.add_rms_norm_fwd(&mut x2, &gy, &gw, norm, &mut out2)
-            .unwrap();
+        g.add_rms_norm_fwd(AddRmsNormFwd {
+            x: &mut x2,
+            y: &gy,
+            w: &gw,
+            norm,
+            out: &mut out2,
+        })
+        .unwrap();
         assert_eq!(bits(g, &x1), bits(g, &x2), "add_rms_norm_fwd {tag}: sum");
         assert_eq!(
             bits(g, &out1),
@@ -472,8 +485,14 @@ fn fused_residual_norms_equal_the_unfused_ops() {
         );
         let mut cx2 = upipe::backend::cast(&c, &cx, DType::F32, Category::Workspace).unwrap();
         let mut cout = c.zeros(&[n, dim], DType::F32, Category::Workspace).unwrap();
-        c.add_rms_norm_fwd(&mut cx2, &cy, &cw, norm, &mut cout)
-            .unwrap();
+        c.add_rms_norm_fwd(AddRmsNormFwd {
+            x: &mut cx2,
+            y: &cy,
+            w: &cw,
+            norm,
+            out: &mut cout,
+        })
+        .unwrap();
         check(
             &format!("add_rms_norm_fwd {tag} vs cpu"),
             g,
@@ -489,20 +508,41 @@ fn fused_residual_norms_equal_the_unfused_ops() {
             let (mut dw1, _) = pair(g, &c, &dw0, &[dim], DType::F32);
             let (mut dw2, mut cdw) = pair(g, &c, &dw0, &[dim], DType::F32);
             let mut t = g.zeros(&[n, dim], bf, Category::Workspace).unwrap();
-            g.rms_norm_bwd(&gx, &gw, &gdy, norm, &mut t, with_dw.then_some(&mut dw1))
-                .unwrap();
+            g.rms_norm_bwd(RmsNormBwd {
+                x: &gx,
+                w: &gw,
+                dy: &gdy,
+                norm,
+                dx: &mut t,
+                dw: with_dw.then_some(&mut dw1),
+            })
+            .unwrap();
             let mut dx1 = copy(&gres).unwrap();
             g.axpy(&mut dx1, 1.0, &t).unwrap();
             let mut dx2 = copy(&gres).unwrap();
-            g.rms_norm_bwd_add(&gx, &gw, &gdy, norm, &mut dx2, with_dw.then_some(&mut dw2))
-                .unwrap();
+            g.rms_norm_bwd_add(RmsNormBwd {
+                x: &gx,
+                w: &gw,
+                dy: &gdy,
+                norm,
+                dx: &mut dx2,
+                dw: with_dw.then_some(&mut dw2),
+            })
+            .unwrap();
             let what = format!("rms_norm_bwd_add {tag} dw={with_dw}");
             assert_eq!(bits(g, &dx1), bits(g, &dx2), "{what}: dx");
             let e = rel_err(&g.to_host(&dw2).unwrap(), &g.to_host(&dw1).unwrap());
             assert!(e <= 1e-5, "{what}: dw rel err {e:e}");
             let mut cdx = upipe::backend::cast(&c, &cres, DType::F32, Category::Workspace).unwrap();
-            c.rms_norm_bwd_add(&cx, &cw, &cdy, norm, &mut cdx, with_dw.then_some(&mut cdw))
-                .unwrap();
+            c.rms_norm_bwd_add(RmsNormBwd {
+                x: &cx,
+                w: &cw,
+                dy: &cdy,
+                norm,
+                dx: &mut cdx,
+                dw: with_dw.then_some(&mut cdw),
+            })
+            .unwrap();
             check(&format!("{what} vs cpu"), g, &dx2, &c, &cdx);
             check(&format!("{what} dw vs cpu"), g, &dw2, &c, &cdw);
         }
@@ -525,17 +565,43 @@ fn rms_norm_rope_gated_act() {
         let (gx, cx) = pair(g, &c, &rng.vec(n * dim, 3.0), &[n, dim], DType::BF16);
         let (gw, cw) = pair(g, &c, &rng.vec(dim, 1.0), &[dim], DType::BF16);
         let (mut gy, mut cy) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
-        g.rms_norm_fwd(&gx, &gw, norm, &mut gy).unwrap();
-        c.rms_norm_fwd(&cx, &cw, norm, &mut cy).unwrap();
+        g.rms_norm_fwd(RmsNormFwd {
+            x: &gx,
+            w: &gw,
+            norm,
+            y: &mut gy,
+        })
+        .unwrap();
+        c.rms_norm_fwd(RmsNormFwd {
+            x: &cx,
+            w: &cw,
+            norm,
+            y: &mut cy,
+        })
+        .unwrap();
         check(&format!("rms_norm_fwd {tag}"), g, &gy, &c, &cy);
         let (gdy, cdy) = pair(g, &c, &rng.vec(n * dim, 1.0), &[n, dim], DType::BF16);
         let (mut gdx, mut cdx) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
         let dw0 = rng.vec(dim, 1.0);
         let (mut gdw, mut cdw) = pair(g, &c, &dw0, &[dim], DType::F32);
-        g.rms_norm_bwd(&gx, &gw, &gdy, norm, &mut gdx, Some(&mut gdw))
-            .unwrap();
-        c.rms_norm_bwd(&cx, &cw, &cdy, norm, &mut cdx, Some(&mut cdw))
-            .unwrap();
+        g.rms_norm_bwd(RmsNormBwd {
+            x: &gx,
+            w: &gw,
+            dy: &gdy,
+            norm,
+            dx: &mut gdx,
+            dw: Some(&mut gdw),
+        })
+        .unwrap();
+        c.rms_norm_bwd(RmsNormBwd {
+            x: &cx,
+            w: &cw,
+            dy: &cdy,
+            norm,
+            dx: &mut cdx,
+            dw: Some(&mut cdw),
+        })
+        .unwrap();
         check(&format!("rms_norm_bwd dx {tag}"), g, &gdx, &c, &cdx);
         check(
             &format!("rms_norm_bwd dw (accumulated) {tag}"),
@@ -546,8 +612,15 @@ fn rms_norm_rope_gated_act() {
         );
         // a frozen norm weight (`dw: None`): the same dx, no dw written
         let (mut gdx2, _) = pair(g, &c, &vec![0.0; n * dim], &[n, dim], DType::BF16);
-        g.rms_norm_bwd(&gx, &gw, &gdy, norm, &mut gdx2, None)
-            .unwrap();
+        g.rms_norm_bwd(RmsNormBwd {
+            x: &gx,
+            w: &gw,
+            dy: &gdy,
+            norm,
+            dx: &mut gdx2,
+            dw: None,
+        })
+        .unwrap();
         assert_eq!(
             g.to_host(&gdx2).unwrap(),
             g.to_host(&gdx).unwrap(),
@@ -564,8 +637,20 @@ fn rms_norm_rope_gated_act() {
         let (gsin, csin) = pair(g, &c, &sin, &[s, d / 2], DType::F32);
         let (mut gq, mut cq) = pair(g, &c, &rng.vec(s * h * d, 1.0), &[s, h, d], DType::BF16);
         for inverse in [false, true] {
-            g.rope(&mut gq, &gcos, &gsin, inverse).unwrap();
-            c.rope(&mut cq, &ccos, &csin, inverse).unwrap();
+            g.rope(RopeRotate {
+                x: &mut gq,
+                cos: &gcos,
+                sin: &gsin,
+                inverse,
+            })
+            .unwrap();
+            c.rope(RopeRotate {
+                x: &mut cq,
+                cos: &ccos,
+                sin: &csin,
+                inverse,
+            })
+            .unwrap();
             check(&format!("rope d={d} inverse={inverse}"), g, &gq, &c, &cq);
         }
     }
@@ -613,24 +698,28 @@ fn embedding_cross_entropy_adamw() {
         &[vocab, hidden],
         DType::BF16,
     );
-    let (mut go, mut co) = pair(g, &c, &vec![0.0; n * hidden], &[n, hidden], DType::BF16);
-    g.embedding_fwd(&gt, &ids, &mut go).unwrap();
-    c.embedding_fwd(&ct, &ids, &mut co).unwrap();
-    check("embedding_fwd", g, &go, &c, &co);
-    let (gdo, cdo) = pair(g, &c, &rng.vec(n * hidden, 1.0), &[n, hidden], DType::BF16);
-    let (mut gdt, mut cdt) = pair(
-        g,
-        &c,
-        &rng.vec(vocab * hidden, 1.0),
-        &[vocab, hidden],
-        DType::F32,
-    );
-    g.embedding_bwd(&gdo, &ids, &mut gdt).unwrap();
-    c.embedding_bwd(&cdo, &ids, &mut cdt).unwrap();
-    check("embedding_bwd", g, &gdt, &c, &cdt);
+    // unscaled, and Gemma 3 1B's √1152 (not a bf16 value: the products round)
+    for scale in [1.0, 1152f32.sqrt()] {
+        let (mut go, mut co) = pair(g, &c, &vec![0.0; n * hidden], &[n, hidden], DType::BF16);
+        g.embedding_fwd(&gt, &ids, scale, &mut go).unwrap();
+        c.embedding_fwd(&ct, &ids, scale, &mut co).unwrap();
+        check("embedding_fwd", g, &go, &c, &co);
+        let (gdo, cdo) = pair(g, &c, &rng.vec(n * hidden, 1.0), &[n, hidden], DType::BF16);
+        let (mut gdt, mut cdt) = pair(
+            g,
+            &c,
+            &rng.vec(vocab * hidden, 1.0),
+            &[vocab, hidden],
+            DType::F32,
+        );
+        g.embedding_bwd(&gdo, &ids, scale, &mut gdt).unwrap();
+        c.embedding_bwd(&cdo, &ids, scale, &mut cdt).unwrap();
+        check("embedding_bwd", g, &gdt, &c, &cdt);
+    }
     match g.embedding_fwd(
         &gt,
         &[vocab as u32],
+        1.0,
         &mut g
             .zeros(&[1, hidden], DType::BF16, Category::Workspace)
             .unwrap(),

@@ -3,13 +3,13 @@
 //! context-parallel strategy is tested against this one.
 
 use super::fused_update::{HostCells, HostCellsMut, HostSlot};
-use super::norm_args::{check_norm_bwd, check_norm_fwd};
+use super::norm_args::{AddRmsNormFwd, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
 use super::profile::{Phase, StepProfile, Track};
 use super::{
     AttentionBwd, AttentionFwd, AttnShape, Backend, Category, CopyDone, DType, IGNORE, LseMerge,
     Mat, MatLayout, MatMut, MemoryLedger, Tensor, UpdateKernel, UpdateSlot, check_same_numel,
 };
-use crate::backend::{GatedAct, RmsNorm};
+use crate::backend::GatedAct;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 mod attention;
@@ -24,21 +24,18 @@ pub use device::CpuBackend;
 use std::sync::Arc;
 
 impl CpuBackend {
-    /// `rms_norm_bwd` / `rms_norm_bwd_add`: checks the shapes, then the rows.
-    #[allow(clippy::too_many_arguments)]
-    fn norm_bwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-        write: norm::DxWrite,
-    ) -> Result<()> {
-        check_norm_bwd(x, w, dy, dx, dw.as_deref(), "rms_norm_bwd")?;
-        let (xs, ws, dys) = (data(x), data(w), data(dy));
-        norm::backward(xs, ws, dys, norm, data_mut(dx), dw.map(data_mut), write);
+    /// `rms_norm_bwd` / `rms_norm_bwd_add` of a checked call.
+    fn norm_bwd(&self, a: RmsNormBwd<'_, Self>, write: norm::DxWrite) -> Result<()> {
+        let (xs, ws, dys) = (data(a.x), data(a.w), data(a.dy));
+        norm::backward(
+            xs,
+            ws,
+            dys,
+            a.norm,
+            data_mut(a.dx),
+            a.dw.map(data_mut),
+            write,
+        );
         Ok(())
     }
 }
@@ -281,77 +278,38 @@ impl Backend for CpuBackend {
         Ok(data(t).iter().map(|&x| (x as f64) * (x as f64)).sum())
     }
 
-    fn rms_norm_fwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        y: &mut Tensor<Self>,
-    ) -> Result<()> {
+    fn run_rms_norm_fwd(&self, _rows: usize, a: RmsNormFwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("rms_norm", Track::Compute);
-        check_norm_fwd(x, None, w, y, "rms_norm_fwd")?;
-        norm::forward(data(x), data(w), norm, data_mut(y));
+        norm::forward(data(a.x), data(a.w), a.norm, data_mut(a.y));
         Ok(())
     }
 
-    fn rms_norm_bwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()> {
+    fn run_rms_norm_bwd(&self, _rows: usize, a: RmsNormBwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("rms_norm_bwd", Track::Compute);
-        self.norm_bwd(x, w, dy, norm, dx, dw, norm::DxWrite::Overwrite)
+        self.norm_bwd(a, norm::DxWrite::Overwrite)
     }
 
-    fn add_rms_norm_fwd(
-        &self,
-        x: &mut Tensor<Self>,
-        y: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        out: &mut Tensor<Self>,
-    ) -> Result<()> {
+    fn run_add_rms_norm_fwd(&self, _rows: usize, a: AddRmsNormFwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("add_rms_norm", Track::Compute);
-        check_norm_fwd(x, Some(y), w, out, "add_rms_norm_fwd")?;
-        norm::add(data_mut(x), data(y));
-        norm::forward(data(x), data(w), norm, data_mut(out));
+        norm::add(data_mut(a.x), data(a.y));
+        norm::forward(data(a.x), data(a.w), a.norm, data_mut(a.out));
         Ok(())
     }
 
-    fn rms_norm_bwd_add(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()> {
+    fn run_rms_norm_bwd_add(&self, _rows: usize, a: RmsNormBwd<'_, Self>) -> Result<()> {
         let _span = self.profile.span("rms_norm_bwd_add", Track::Compute);
-        self.norm_bwd(x, w, dy, norm, dx, dw, norm::DxWrite::Add)
+        self.norm_bwd(a, norm::DxWrite::Add)
     }
 
-    fn rope(
-        &self,
-        x: &mut Tensor<Self>,
-        cos: &Tensor<Self>,
-        sin: &Tensor<Self>,
-        inverse: bool,
-    ) -> Result<()> {
+    fn run_rope(&self, g: RopeShape, a: RopeRotate<'_, Self>) -> Result<()> {
         let _span = self.profile.span("rope", Track::Compute);
-        let (s, d) = (x.rows(), x.shape().get(2).copied().unwrap_or(0));
-        let half = d / 2;
-        if d % 2 != 0 || cos.numel() != s * half || sin.numel() != s * half {
-            return Err(Error::Backend(format!(
-                "rope: x {:?} needs cos/sin of [{s}, {half}], got {:?}",
-                x.shape(),
-                cos.shape()
-            )));
-        }
+        let RopeRotate {
+            x,
+            cos,
+            sin,
+            inverse,
+        } = a;
+        let (d, half) = (g.d, g.d / 2);
         let (cs, ss) = (data(cos), data(sin));
         let sign = if inverse { -1.0 } else { 1.0 };
         let row = x.row_len();
@@ -436,6 +394,7 @@ impl Backend for CpuBackend {
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("embedding", Track::Compute);
@@ -447,10 +406,20 @@ impl Backend for CpuBackend {
         }
         super::check_token_ids(ids, vocab)?;
         let t = data(table);
-        for (row, &id) in data_mut(out).chunks_mut(h).zip(ids) {
+        let odt = out.dtype();
+        let od = data_mut(out);
+        for (row, &id) in od.chunks_mut(h).zip(ids) {
             let id = id as usize;
             row.copy_from_slice(&t[id * h..(id + 1) * h]);
+            if scale != 1.0 {
+                row.iter_mut().for_each(|x| *x *= scale);
+            }
         }
+        round_view(
+            odt,
+            od,
+            &MatLayout::block(0, 1, ids.len() * h, ids.len() * h),
+        );
         Ok(())
     }
 
@@ -458,12 +427,29 @@ impl Backend for CpuBackend {
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.profile.span("embedding_bwd", Track::Compute);
         let h = dtable.row_len();
+        if dout.numel() != ids.len() * h {
+            return Err(Error::Backend(
+                "embedding_bwd: dout is not [ids, hidden]".into(),
+            ));
+        }
         super::check_token_ids(ids, dtable.rows())?;
         let dy = data(dout);
+        // the scaled gradient as dout's dtype holds it (no copy at scale 1)
+        let scaled;
+        let dy = if scale == 1.0 {
+            dy
+        } else {
+            scaled = stored(
+                dout.dtype(),
+                &dy.iter().map(|x| x * scale).collect::<Vec<_>>(),
+            )?;
+            &scaled[..]
+        };
         let dt = data_mut(dtable);
         for (row, &id) in dy.chunks(h).zip(ids) {
             let id = id as usize;
@@ -541,5 +527,69 @@ impl Backend for CpuBackend {
             kernel.host(k, HostSlot { written, read })?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CpuBackend;
+    use crate::backend::{Backend, Category, DType, Tensor};
+    use crate::rng::Rng;
+
+    fn host(b: &CpuBackend, v: &[f32], shape: &[usize], dt: DType) -> Tensor<CpuBackend> {
+        b.from_host(v, shape, dt, Category::Workspace).unwrap()
+    }
+
+    fn bits(b: &CpuBackend, t: &Tensor<CpuBackend>) -> Vec<u32> {
+        b.to_host(t).unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The embedding ops' scale: 1 copies the rows (and adds the gradient)
+    /// exactly; another scale equals the rows then `0 + c·x` by `axpy` (the
+    /// scaled copy the decoder made before the ops took a scale), bit for
+    /// bit, in F32 and rounded to BF16, forward and backward.
+    #[test]
+    fn embedding_scale_multiplies_rows_and_gradients() {
+        let b = CpuBackend::new();
+        let mut rng = Rng::new(5);
+        let (vocab, h, ids) = (7, 6, [3u32, 0, 6, 3]);
+        let n = ids.len();
+        let table: Vec<f32> = (0..vocab * h).map(|_| rng.uniform() as f32 - 0.5).collect();
+        let dout: Vec<f32> = (0..n * h).map(|_| rng.uniform() as f32 - 0.5).collect();
+        let dt0: Vec<f32> = (0..vocab * h).map(|_| rng.uniform() as f32).collect();
+        for dt in [DType::F32, DType::BF16] {
+            let t = host(&b, &table, &[vocab, h], dt);
+            let mut plain = b.empty(&[n, h], dt, Category::Workspace).unwrap();
+            b.embedding_fwd(&t, &ids, 1.0, &mut plain).unwrap();
+            let want: Vec<u32> = ids
+                .iter()
+                .flat_map(|&i| b.to_host(&t).unwrap()[i as usize * h..][..h].to_vec())
+                .map(f32::to_bits)
+                .collect();
+            assert_eq!(bits(&b, &plain), want, "{dt:?}: scale 1 copies");
+            let c = 1152f32.sqrt();
+            let mut scaled = b.empty(&[n, h], dt, Category::Workspace).unwrap();
+            b.embedding_fwd(&t, &ids, c, &mut scaled).unwrap();
+            let mut old = b.zeros(&[n, h], dt, Category::Workspace).unwrap();
+            b.axpy(&mut old, c, &plain).unwrap();
+            assert_eq!(bits(&b, &scaled), bits(&b, &old), "{dt:?}: forward");
+            assert_ne!(bits(&b, &scaled), bits(&b, &plain), "{dt:?}: not scaled");
+
+            let dy = host(&b, &dout, &[n, h], dt);
+            let mut d1 = host(&b, &dt0, &[vocab, h], DType::F32);
+            b.embedding_bwd(&dy, &ids, c, &mut d1).unwrap();
+            let mut dy_scaled = b.zeros(&[n, h], dt, Category::Workspace).unwrap();
+            b.axpy(&mut dy_scaled, c, &dy).unwrap();
+            let mut d2 = host(&b, &dt0, &[vocab, h], DType::F32);
+            b.embedding_bwd(&dy_scaled, &ids, 1.0, &mut d2).unwrap();
+            assert_eq!(bits(&b, &d1), bits(&b, &d2), "{dt:?}: backward");
+            // row 3 took two gradients, row 1 none
+            let (got, dy_host) = (b.to_host(&d2).unwrap(), b.to_host(&dy_scaled).unwrap());
+            for j in 0..h {
+                let want = dt0[3 * h + j] + dy_host[j] + dy_host[3 * h + j];
+                assert_eq!(got[3 * h + j].to_bits(), want.to_bits());
+                assert_eq!(got[h + j].to_bits(), dt0[h + j].to_bits());
+            }
+        }
     }
 }

@@ -74,7 +74,9 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use crate::backend::cpu::CpuBackend;
-    use crate::backend::{Backend, Category, DType, RmsNorm, Tensor};
+    use crate::backend::{
+        AddRmsNormFwd, Backend, Category, DType, RmsNorm, RmsNormBwd, RmsNormFwd, Tensor,
+    };
     use crate::rng::Rng;
 
     fn random(b: &CpuBackend, rng: &mut Rng, shape: &[usize], scale: f32) -> Tensor<CpuBackend> {
@@ -117,13 +119,25 @@ mod tests {
                 b.zeros(&[n, dim], DType::F32, Category::Workspace).unwrap(),
             );
             b.axpy(&mut x1, 1.0, &y).unwrap();
-            b.rms_norm_fwd(&x1, &w, norm, &mut out1).unwrap();
+            b.rms_norm_fwd(RmsNormFwd {
+                x: &x1,
+                w: &w,
+                norm,
+                y: &mut out1,
+            })
+            .unwrap();
             let (mut x2, mut out2) = (
                 copy(&b, &x),
                 b.empty(&[n, dim], DType::F32, Category::Workspace).unwrap(),
             );
-            b.add_rms_norm_fwd(&mut x2, &y, &w, norm, &mut out2)
-                .unwrap();
+            b.add_rms_norm_fwd(AddRmsNormFwd {
+                x: &mut x2,
+                y: &y,
+                w: &w,
+                norm,
+                out: &mut out2,
+            })
+            .unwrap();
             assert_eq!(bits(&b, &x1), bits(&b, &x2), "{n}x{dim}: the sum");
             assert_eq!(bits(&b, &out1), bits(&b, &out2), "{n}x{dim}: the norm");
 
@@ -133,13 +147,27 @@ mod tests {
             for with_dw in [true, false] {
                 let (mut dw1, mut dw2) = (copy(&b, &dw0), copy(&b, &dw0));
                 let mut t = b.empty(&[n, dim], DType::F32, Category::Workspace).unwrap();
-                b.rms_norm_bwd(&x, &w, &dy, norm, &mut t, with_dw.then_some(&mut dw1))
-                    .unwrap();
+                b.rms_norm_bwd(RmsNormBwd {
+                    x: &x,
+                    w: &w,
+                    dy: &dy,
+                    norm,
+                    dx: &mut t,
+                    dw: with_dw.then_some(&mut dw1),
+                })
+                .unwrap();
                 let mut dx1 = copy(&b, &res);
                 b.axpy(&mut dx1, 1.0, &t).unwrap();
                 let mut dx2 = copy(&b, &res);
-                b.rms_norm_bwd_add(&x, &w, &dy, norm, &mut dx2, with_dw.then_some(&mut dw2))
-                    .unwrap();
+                b.rms_norm_bwd_add(RmsNormBwd {
+                    x: &x,
+                    w: &w,
+                    dy: &dy,
+                    norm,
+                    dx: &mut dx2,
+                    dw: with_dw.then_some(&mut dw2),
+                })
+                .unwrap();
                 assert_eq!(bits(&b, &dx1), bits(&b, &dx2), "{n}x{dim}: dx");
                 assert_eq!(bits(&b, &dw1), bits(&b, &dw2), "{n}x{dim}: dw");
                 // the fused op's dx is not the residual alone
@@ -169,11 +197,24 @@ mod tests {
         let plain = RmsNorm::plain(1e-6);
         let run = |w: &Tensor<CpuBackend>, norm: RmsNorm| {
             let mut y = b.empty(&[n, dim], DType::F32, Category::Workspace).unwrap();
-            b.rms_norm_fwd(&x, w, norm, &mut y).unwrap();
+            b.rms_norm_fwd(RmsNormFwd {
+                x: &x,
+                w,
+                norm,
+                y: &mut y,
+            })
+            .unwrap();
             let mut dx = b.empty(&[n, dim], DType::F32, Category::Workspace).unwrap();
             let mut dw = b.zeros(&[dim], DType::F32, Category::Workspace).unwrap();
-            b.rms_norm_bwd(&x, w, &dy, norm, &mut dx, Some(&mut dw))
-                .unwrap();
+            b.rms_norm_bwd(RmsNormBwd {
+                x: &x,
+                w,
+                dy: &dy,
+                norm,
+                dx: &mut dx,
+                dw: Some(&mut dw),
+            })
+            .unwrap();
             [bits(&b, &y), bits(&b, &dx), bits(&b, &dw)]
         };
         assert_eq!(run(&w, gemma), run(&w1, plain));
@@ -191,14 +232,27 @@ mod tests {
         let mut out = b.zeros(&[3, 10], DType::F32, Category::Workspace).unwrap();
         let norm = RmsNorm::plain(1e-5);
         let e = b
-            .add_rms_norm_fwd(&mut x, &y, &w, norm, &mut out)
+            .add_rms_norm_fwd(AddRmsNormFwd {
+                x: &mut x,
+                y: &y,
+                w: &w,
+                norm,
+                out: &mut out,
+            })
             .unwrap_err();
         assert!(
             e.to_string().contains("not rows of the norm weight's 4"),
             "{e}"
         );
         let e = b
-            .rms_norm_bwd_add(&x, &w, &y, norm, &mut out, None)
+            .rms_norm_bwd_add(RmsNormBwd {
+                x: &x,
+                w: &w,
+                dy: &y,
+                norm,
+                dx: &mut out,
+                dw: None,
+            })
             .unwrap_err();
         assert!(e.to_string().contains("not rows"), "{e}");
     }

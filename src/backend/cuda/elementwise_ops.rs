@@ -8,11 +8,11 @@ use super::attention::dt_flag;
 use super::backend::{BLOCK, CudaBackend, dt, need, ptr};
 use super::device::drv;
 use super::kernels::{Args, grid_for, launch};
-use crate::backend::norm_args::{check_norm_bwd, check_norm_fwd};
+use crate::backend::GatedAct;
+use crate::backend::norm_args::{AddRmsNormFwd, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
 use crate::backend::{
     Backend, Category, DType, IGNORE, Mat, MatMut, Tensor, check_bias_views, check_same_numel,
 };
-use crate::backend::{GatedAct, RmsNorm};
 use crate::error::{Error, Result};
 use cudarc::driver::result;
 
@@ -204,15 +204,9 @@ impl CudaBackend {
         Ok(out[0])
     }
 
-    pub(super) fn rms_norm_fwd_impl(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        y: &mut Tensor<Self>,
-    ) -> Result<()> {
+    pub(super) fn rms_norm_fwd_impl(&self, rows: usize, a: RmsNormFwd<'_, Self>) -> Result<()> {
         let _span = self.span("rms_norm")?;
-        let rows = check_norm_fwd(x, None, w, y, "rms_norm_fwd")?;
+        let RmsNormFwd { x, w, norm, y } = a;
         let dim = w.numel();
         self.bind()?;
         if rows == 0 {
@@ -244,19 +238,11 @@ impl CudaBackend {
     /// one block per row, as `rms_norm_fwd`.
     pub(super) fn add_rms_norm_fwd_impl(
         &self,
-        x: &mut Tensor<Self>,
-        y: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        out: &mut Tensor<Self>,
+        rows: usize,
+        a: AddRmsNormFwd<'_, Self>,
     ) -> Result<()> {
         let _span = self.span("add_rms_norm")?;
-        let rows = check_norm_fwd(x, Some(y), w, out, "add_rms_norm_fwd")?;
-        if x.dtype() != DType::F32 && x.dtype() != y.dtype() {
-            return Err(Error::Backend(
-                "add_rms_norm_fwd: x must be F32 or the dtype of y".into(),
-            ));
-        }
+        let AddRmsNormFwd { x, y, w, norm, out } = a;
         let dim = w.numel();
         self.bind()?;
         if rows == 0 {
@@ -289,15 +275,10 @@ impl CudaBackend {
 
     /// `rms_norm_bwd` writing `dx` (`add` false) or adding into it
     /// (`rms_norm_bwd_add`).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn rms_norm_bwd_impl(
         &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
+        rows: usize,
+        a: RmsNormBwd<'_, Self>,
         add: bool,
     ) -> Result<()> {
         let _span = self.span(if add {
@@ -305,10 +286,14 @@ impl CudaBackend {
         } else {
             "rms_norm_bwd"
         })?;
-        let rows = check_norm_bwd(x, w, dy, dx, dw.as_deref(), "rms_norm_bwd")?;
-        if let Some(dw) = dw.as_deref() {
-            need(dw, DType::F32, "rms_norm_bwd", "dw")?;
-        }
+        let RmsNormBwd {
+            x,
+            w,
+            dy,
+            norm,
+            dx,
+            dw,
+        } = a;
         let dim = w.numel();
         self.bind()?;
         if rows == 0 {
@@ -347,26 +332,16 @@ impl CudaBackend {
         )
     }
 
-    pub(super) fn rope_impl(
-        &self,
-        x: &mut Tensor<Self>,
-        cos: &Tensor<Self>,
-        sin: &Tensor<Self>,
-        inverse: bool,
-    ) -> Result<()> {
+    pub(super) fn rope_impl(&self, g: RopeShape, a: RopeRotate<'_, Self>) -> Result<()> {
         let _span = self.span("rope")?;
-        let (s, d) = (x.rows(), x.shape().get(2).copied().unwrap_or(0));
-        let heads = x.shape().get(1).copied().unwrap_or(0);
+        let RopeRotate {
+            x,
+            cos,
+            sin,
+            inverse,
+        } = a;
+        let (s, heads, d) = (g.s, g.heads, g.d);
         let half = d / 2;
-        if d % 2 != 0 || cos.numel() != s * half || sin.numel() != s * half {
-            return Err(Error::Backend(format!(
-                "rope: x {:?} needs cos/sin of [{s}, {half}], got {:?}",
-                x.shape(),
-                cos.shape()
-            )));
-        }
-        need(cos, DType::F32, "rope", "cos")?;
-        need(sin, DType::F32, "rope", "sin")?;
         self.bind()?;
         // bf16 rows of 8-pair groups, aligned: `rope_bf16x8` (no dtype flag)
         let aligned = [ptr(x), ptr(cos), ptr(sin)].iter().all(|p| p % 16 == 0);
@@ -450,6 +425,7 @@ impl CudaBackend {
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("embedding")?;
@@ -469,7 +445,8 @@ impl CudaBackend {
             .ptr(ptr(out))
             .i32(dt(out))
             .usize(ids.len())
-            .usize(h);
+            .usize(h)
+            .f32(scale);
         self.launch1d(self.kernels.embedding_fwd, ids.len() * h, args)
     }
 
@@ -477,6 +454,7 @@ impl CudaBackend {
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
         let _span = self.span("embedding_bwd")?;
@@ -496,7 +474,8 @@ impl CudaBackend {
             .ptr(ptr(&idt))
             .ptr(ptr(dtable))
             .usize(ids.len())
-            .usize(h);
+            .usize(h)
+            .f32(scale);
         self.launch1d(self.kernels.embedding_bwd, ids.len() * h, args)
     }
 

@@ -7,11 +7,12 @@
 //! own (`backend.rs`).
 
 use super::backend::CudaBackend;
+use crate::backend::PoolReport;
+use crate::backend::{AddRmsNormFwd, GatedAct, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
 use crate::backend::{
     AttentionBwd, AttentionFwd, AttnShape, Backend, Category, ComputePoint, CopyDone, DType,
     HostValues, LseMerge, Mat, MatMut, MemoryLedger, Tensor, UpdateKernel, UpdateSlot,
 };
-use crate::backend::{GatedAct, PoolReport, RmsNorm};
 use crate::error::{Error, Result};
 use std::sync::Arc;
 
@@ -155,59 +156,24 @@ impl Backend for CudaBackend {
         self.bias_grad_impl(dbias, dy)
     }
 
-    fn rms_norm_fwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        y: &mut Tensor<Self>,
-    ) -> Result<()> {
-        self.rms_norm_fwd_impl(x, w, norm, y)
+    fn run_rms_norm_fwd(&self, rows: usize, a: RmsNormFwd<'_, Self>) -> Result<()> {
+        self.rms_norm_fwd_impl(rows, a)
     }
 
-    fn rms_norm_bwd(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()> {
-        self.rms_norm_bwd_impl(x, w, dy, norm, dx, dw, false)
+    fn run_rms_norm_bwd(&self, rows: usize, a: RmsNormBwd<'_, Self>) -> Result<()> {
+        self.rms_norm_bwd_impl(rows, a, false)
     }
 
-    fn add_rms_norm_fwd(
-        &self,
-        x: &mut Tensor<Self>,
-        y: &Tensor<Self>,
-        w: &Tensor<Self>,
-        norm: RmsNorm,
-        out: &mut Tensor<Self>,
-    ) -> Result<()> {
-        self.add_rms_norm_fwd_impl(x, y, w, norm, out)
+    fn run_add_rms_norm_fwd(&self, rows: usize, a: AddRmsNormFwd<'_, Self>) -> Result<()> {
+        self.add_rms_norm_fwd_impl(rows, a)
     }
 
-    fn rms_norm_bwd_add(
-        &self,
-        x: &Tensor<Self>,
-        w: &Tensor<Self>,
-        dy: &Tensor<Self>,
-        norm: RmsNorm,
-        dx: &mut Tensor<Self>,
-        dw: Option<&mut Tensor<Self>>,
-    ) -> Result<()> {
-        self.rms_norm_bwd_impl(x, w, dy, norm, dx, dw, true)
+    fn run_rms_norm_bwd_add(&self, rows: usize, a: RmsNormBwd<'_, Self>) -> Result<()> {
+        self.rms_norm_bwd_impl(rows, a, true)
     }
 
-    fn rope(
-        &self,
-        x: &mut Tensor<Self>,
-        cos: &Tensor<Self>,
-        sin: &Tensor<Self>,
-        inverse: bool,
-    ) -> Result<()> {
-        self.rope_impl(x, cos, sin, inverse)
+    fn run_rope(&self, g: RopeShape, a: RopeRotate<'_, Self>) -> Result<()> {
+        self.rope_impl(g, a)
     }
 
     fn run_attention_fwd(&self, g: &AttnShape, a: AttentionFwd<'_, Self>) -> Result<()> {
@@ -252,18 +218,20 @@ impl Backend for CudaBackend {
         &self,
         table: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         out: &mut Tensor<Self>,
     ) -> Result<()> {
-        self.embedding_fwd_impl(table, ids, out)
+        self.embedding_fwd_impl(table, ids, scale, out)
     }
 
     fn embedding_bwd(
         &self,
         dout: &Tensor<Self>,
         ids: &[u32],
+        scale: f32,
         dtable: &mut Tensor<Self>,
     ) -> Result<()> {
-        self.embedding_bwd_impl(dout, ids, dtable)
+        self.embedding_bwd_impl(dout, ids, scale, dtable)
     }
 
     fn cross_entropy(

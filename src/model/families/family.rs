@@ -112,11 +112,10 @@ impl Family {
 
     /// Whether a tensor `transformers` writes under `name` is a buffer, not a
     /// parameter (older versions saved each layer's RoPE frequencies), or
-    /// belongs to another modality of a multimodal checkpoint whose text
-    /// model upipe trains (Gemma 3's vision tower and projector).
+    /// belongs to another part of a multimodal checkpoint whose text model
+    /// upipe trains (the spec's `skipped_prefixes`).
     pub fn is_buffer(self, name: &str) -> bool {
-        name.ends_with(".rotary_emb.inv_freq")
-            || (self == Family::Gemma3 && names::is_gemma_vision(name))
+        name.ends_with(".rotary_emb.inv_freq") || self.spec().skips(name)
     }
 
     /// The other names a checkpoint may store parameter `hf_name` under:
@@ -164,6 +163,35 @@ mod tests {
         assert!(!Family::Llama.block_params().contains(&BlockParam::QNorm));
         assert!(f.is_buffer("model.layers.0.self_attn.rotary_emb.inv_freq"));
         assert!(!f.is_buffer("model.norm.weight"));
+    }
+
+    /// A multimodal checkpoint's other parts, as its family's spec names
+    /// them: skipped for Gemma 3 (both layouts), never for a family whose
+    /// spec names none, and never a text parameter.
+    #[test]
+    fn skipped_prefixes_come_from_the_spec() {
+        let vision = [
+            "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight",
+            "multi_modal_projector.mm_input_projection_weight",
+            "model.vision_tower.vision_model.post_layernorm.bias",
+            "model.multi_modal_projector.mm_soft_emb_norm.weight",
+        ];
+        for name in vision {
+            assert!(Family::Gemma3.is_buffer(name), "{name}");
+            assert!(!Family::Llama.is_buffer(name), "{name}");
+        }
+        for f in FAMILIES {
+            assert_eq!(f.spec().skipped_prefixes.is_empty(), *f != Family::Gemma3);
+        }
+        let g = Family::Gemma3;
+        for p in g.block_params() {
+            let name = g.hf_name(Param::Block(0, p));
+            assert!(!g.is_buffer(&name), "{name}");
+            for alias in g.stored_aliases(&name) {
+                assert!(!g.is_buffer(&alias), "{alias}");
+            }
+        }
+        assert!(!g.is_buffer("model.language_model.embed_tokens.weight"));
     }
 
     #[test]

@@ -25,7 +25,17 @@ pub(super) const SPEC: BlockSpec = BlockSpec {
     post_norms: true,
     scaled_embedding: true,
     window: WindowRule::PerLayer,
+    skipped_prefixes: MULTIMODAL_OTHER_PARTS,
 };
+
+/// A multimodal checkpoint's vision tower and projector, at the top level
+/// (`transformers` 4) or under `model.` (5).
+const MULTIMODAL_OTHER_PARTS: &[&str] = &[
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+];
 
 /// `Gemma3TextConfig`'s defaults, which the published multimodal
 /// checkpoints leave out of their `text_config`.

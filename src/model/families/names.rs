@@ -71,10 +71,3 @@ pub(super) fn gemma_multimodal_names(hf_name: &str) -> Vec<String> {
         None => vec![format!("language_model.{hf_name}")],
     }
 }
-
-/// Whether a multimodal Gemma 3 checkpoint's tensor belongs to its vision
-/// tower or projector (kept out of the text model upipe trains).
-pub(super) fn is_gemma_vision(name: &str) -> bool {
-    let name = name.strip_prefix("model.").unwrap_or(name);
-    name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.")
-}

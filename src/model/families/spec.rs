@@ -60,6 +60,10 @@ pub struct BlockSpec {
     pub scaled_embedding: bool,
     /// How its attention may slide.
     pub window: WindowRule,
+    /// Name prefixes of tensors its checkpoints may hold that belong to no
+    /// part of the text model upipe trains (a multimodal checkpoint's
+    /// vision tower and projector): skipped on load, never refused.
+    pub skipped_prefixes: &'static [&'static str],
 }
 
 impl BlockSpec {
@@ -73,7 +77,14 @@ impl BlockSpec {
         post_norms: false,
         scaled_embedding: false,
         window: WindowRule::Never,
+        skipped_prefixes: &[],
     };
+
+    /// Whether a checkpoint's tensor `name` belongs to another part of the
+    /// checkpoint than the text model ([`skipped_prefixes`](Self::skipped_prefixes)).
+    pub fn skips(&self, name: &str) -> bool {
+        self.skipped_prefixes.iter().any(|p| name.starts_with(p))
+    }
 
     /// A block's parameters in the order its checkpoints list them.
     pub fn block_params(&self) -> Vec<BlockParam> {

@@ -217,18 +217,22 @@ extern "C" __global__ void gated_act_bwd(const void* g, int gdt, const void* u, 
     }
 }
 
+// out = scale * table[ids] (the product in f32, rounded to out's dtype by st; x * 1.0f is exact).
 extern "C" __global__ void embedding_fwd(const void* table, int tdt, const unsigned* ids, void* out, int odt,
-                                         i64 n, i64 hidden) {
+                                         i64 n, i64 hidden, float scale) {
     GRID_STRIDE(idx, n * hidden) {
         i64 r = idx / hidden, c = idx - r * hidden;
-        st(out, idx, odt, ld(table, (i64)ids[r] * hidden + c, tdt));
+        st(out, idx, odt, ld(table, (i64)ids[r] * hidden + c, tdt) * scale);
     }
 }
 
+// dtable[ids] += scale * dout, the product rounded to dout's dtype before the f32 add.
 extern "C" __global__ void embedding_bwd(const void* dout, int ddt, const unsigned* ids, float* dtable,
-                                         i64 n, i64 hidden) {
+                                         i64 n, i64 hidden, float scale) {
     GRID_STRIDE(idx, n * hidden) {
         i64 r = idx / hidden, c = idx - r * hidden;
-        atomicAdd(dtable + (i64)ids[r] * hidden + c, ld(dout, idx, ddt));
+        float g = ld(dout, idx, ddt) * scale;
+        if (ddt == DT_BF16) g = bf2f(f2bf(g));
+        atomicAdd(dtable + (i64)ids[r] * hidden + c, g);
     }
 }
