@@ -17,7 +17,8 @@
 #             bf16/none": moments/master); a row each: final loss (mean of the last 20
 #             steps), its ratio to f32/f32's, tokens/s, peak = plan. Metrics files land
 #             in $OUT/optim-state for the curves. SEED (0) seeds the run, TAG is added
-#             to each row's name (another seed's rows beside the first's).
+#             to each row's name (another seed's rows beside the first's), EXTRA is
+#             added to each run's flags (e.g. EXTRA="--precision fp8" TAG=-fp8).
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 if [ "${1:-}" = build ]; then
@@ -65,7 +66,7 @@ if [[ "$parts" == *" quality "* ]]; then
         log="$out/$name.jsonl"
         "$bin/upipe" train --model llama3.2-1b --ulysses 1 --ring 1 --seq "${SEQ:-4096}" \
             --steps "${STEPS:-300}" --data "$work/text.u32" --pack documents --lr 3e-4 --min-lr 3e-5 \
-            --warmup 30 --optim-state "${f%/*}" --master-weights "${f#*/}" --seed "${SEED:-0}" --json \
+            --warmup 30 --optim-state "${f%/*}" --master-weights "${f#*/}" --seed "${SEED:-0}" --json ${EXTRA:-} \
             > "$log" 2> "$work/$name.err"
         rc=$?
         [ "$rc" -ne 0 ] && { status=1; grep -aiE "error|panick" "$work/$name.err" | head -3; }
