@@ -101,6 +101,10 @@ pub struct PlanArgs {
     /// As `train --grad-dtype`: f32 or bf16.
     #[arg(long, default_value = "f32")]
     pub grad_dtype: String,
+    /// As `train --precision`: bf16 or fp8 (the FP8 operand copies of
+    /// each linear GEMM counted).
+    #[arg(long, default_value = "bf16")]
+    pub precision: String,
     /// Memory policies, comma-separated: checkpoint, offload, offload-auto,
     /// offload-optimizer, tiled-mlp, fsdp (or `none`); added to
     /// --checkpoint, --offload, --offload-optimizer, --tiled-mlp and --fsdp.
@@ -153,6 +157,7 @@ impl PlanArgs {
         optim_state => optim.optim_state,
         master_weights => optim.master_weights,
         grad_dtype => optim.grad_dtype,
+        precision => run.precision,
         policies => memory.policies,
         device => run.device,
         attn_kernel => run.attn_kernel,
@@ -278,6 +283,8 @@ struct Ctx {
     rank_budget: RankBudget,
     /// How AdamW keeps its state (`--optim-state`, `--master-weights`).
     state: crate::optim::StateFormat,
+    /// `--precision`.
+    precision: crate::backend::fp8::Precision,
     a: PlanArgs,
 }
 
@@ -373,6 +380,7 @@ impl Ctx {
             device: self.device,
             budget: self.rank_budget,
             state: self.state,
+            precision: self.precision,
         })
     }
 }
@@ -542,6 +550,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         master: for_key(k, "master_weights", a.master_weights.parse())?,
         grads: for_key(k, "grad_dtype", a.grad_dtype.parse())?,
     };
+    let precision = for_key(k, "precision", a.precision.parse())?;
     // as every request decides it (the same GPUs, the same budget)
     let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze, state);
     let (mut fsdp, mut fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
@@ -581,6 +590,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         budget,
         rank_budget,
         state,
+        precision,
         a,
     })
 }

@@ -226,6 +226,8 @@ pub struct RunRequest {
     pub budget: RankBudget,
     /// How AdamW keeps its state (`--optim-state`, `--master-weights`).
     pub state: crate::optim::StateFormat,
+    /// What the linear layers compute in (`--precision`).
+    pub precision: crate::backend::fp8::Precision,
 }
 
 /// How far [`resolve_run`] decides.
@@ -308,6 +310,7 @@ impl RunRequest {
             device: self.device,
             optimizer: true,
             state: self.state,
+            precision: self.precision,
             freeze: self.freeze.clone(),
             lora: self.lora.clone(),
         }

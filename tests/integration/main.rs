@@ -19,6 +19,7 @@ mod eval;
 mod eval_during_memory;
 mod eval_plan;
 mod first_contact;
+mod fp8;
 mod freeze;
 mod fsdp;
 mod gemma3;

@@ -97,6 +97,8 @@ fn lt_type(d: DType) -> lt::cudaDataType {
         DType::F32 => lt::cudaDataType::CUDA_R_32F,
         DType::BF16 => lt::cudaDataType::CUDA_R_16BF,
         DType::U8 => lt::cudaDataType::CUDA_R_8U,
+        DType::F8E4M3 => lt::cudaDataType::CUDA_R_8F_E4M3,
+        DType::F8E5M2 => lt::cudaDataType::CUDA_R_8F_E5M2,
     }
 }
 

@@ -7,6 +7,7 @@
 //! own (`backend.rs`).
 
 use super::backend::CudaBackend;
+use crate::backend::fp8::{Fp8Format, Fp8Gemm, Fp8GemmShape, Fp8Quantize};
 use crate::backend::{
     AttentionBwd, AttentionFwd, AttnShape, Backend, Category, ComputePoint, CopyDone, DType,
     HostValues, LseMerge, Mat, MatMut, MemoryLedger, Tensor, UpdateKernel, UpdateSlot,
@@ -27,6 +28,16 @@ impl Backend for CudaBackend {
     }
     fn reserved_peak(&self) -> Result<Option<usize>> {
         Ok(Some(self.pool_stats()?.reserved_high as usize))
+    }
+
+    fn supports_fp8(&self) -> Result<()> {
+        self.supports_fp8_impl()
+    }
+    fn run_fp8_quantize(&self, f: Fp8Format, a: Fp8Quantize<'_, Self>) -> Result<()> {
+        self.fp8_quantize_impl(f, a)
+    }
+    fn run_fp8_gemm(&self, g: &Fp8GemmShape, a: Fp8Gemm<'_, Self>) -> Result<()> {
+        self.fp8_gemm_impl(g, a)
     }
 
     fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {

@@ -110,5 +110,6 @@ pub fn run_request(
         device,
         budget,
         state: cfg.optim.state,
+        precision: cfg.precision,
     }
 }
