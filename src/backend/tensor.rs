@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 /// Element type of a tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     BF16,

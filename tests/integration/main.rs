@@ -25,6 +25,7 @@ mod fsdp;
 mod gemma3;
 mod gpu_backend;
 mod gpu_eval;
+mod gpu_fp8;
 mod gpu_fsdp;
 mod gpu_layer;
 mod gpu_nccl;
