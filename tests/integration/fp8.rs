@@ -23,6 +23,9 @@ use crate::common;
 
 // ---- an independent reference of the FP8 formats and the GEMM ----
 
+/// Every finite non-negative value of a format with its code.
+type Table = [(u32, f64)];
+
 /// Every finite non-negative value of a format (exponent bits, mantissa
 /// bits, bias, whether the all-ones exponent is reserved), with its code,
 /// from the OCP bit fields in f64.
@@ -31,7 +34,8 @@ fn values(eb: u32, mb: u32, bias: i32, ieee: bool) -> Vec<(u32, f64)> {
     for code in 0u32..128 {
         let (e, m) = (code >> mb, code & ((1 << mb) - 1));
         let top = (1 << eb) - 1;
-        if (ieee && e == top) || (!ieee && e == top && m == (1 << mb) - 1) {
+        let reserved = e == top && (ieee || m == (1 << mb) - 1);
+        if reserved {
             continue;
         }
         let frac = m as f64 / (1u32 << mb) as f64;
@@ -65,7 +69,7 @@ fn nearest(table: &[(u32, f64)], x: f64) -> f64 {
 /// `a [m, k] @ b [k, n]` as the FP8 GEMM computes it: each operand
 /// quantized with its own scale (`max / amax` in f32, as the engine
 /// computes it), multiplied in f64 and scaled back.
-fn reference(a: &[Vec<f64>], b: &[Vec<f64>], formats: (&[(u32, f64)], &[(u32, f64)])) -> Vec<f64> {
+fn reference(a: &[Vec<f64>], b: &[Vec<f64>], formats: (&Table, &Table)) -> Vec<f64> {
     let quantize = |x: &[Vec<f64>], table: &[(u32, f64)]| {
         let amax = x.iter().flatten().fold(0f64, |m, v| m.max(v.abs())) as f32;
         let scale = (table.last().unwrap().1 as f32) / amax;

@@ -3,8 +3,9 @@
 //! GEMM multiplies those values in f32 (every product of two FP8 values is
 //! exact in f32) and scales the sum by the two inverse scales.
 
+use super::CpuBackend;
 use super::cells::{data, data_mut};
-use super::{CpuBackend, sgemm};
+use super::sgemm::sgemm;
 use crate::backend::Tensor;
 use crate::backend::fp8::{Fp8Format, Fp8Gemm, Fp8Quantize, amax, quantized, scale_for};
 use crate::error::Result;
