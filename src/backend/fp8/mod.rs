@@ -1,6 +1,7 @@
 //! FP8: the two 8-bit float formats (`format`), tensor-wise scales
-//! (`scale`), and the precision a run's linear layers compute in
-//! (`precision`).
+//! (`scale`), the FP8 ops' descriptors and their checks (`args`), and the
+//! precision a run's linear layers compute in with the one GEMM they call
+//! (`linear`).
 
 pub mod args;
 pub mod format;
