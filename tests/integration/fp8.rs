@@ -465,3 +465,27 @@ fn a_bad_precision_is_refused_and_plan_predicts_fp8() {
     assert_eq!(plan("fp8"), measured);
     assert!(plan("fp8") >= plan("bf16"));
 }
+
+/// LoRA on an FP8 base (the frozen projections in FP8, the adapters'
+/// GEMMs in the compute dtype) trains and is planned to the byte.
+#[test]
+fn lora_on_an_fp8_base_trains_and_is_planned() {
+    let got = steps(&[
+        "--steps",
+        "8",
+        "--seq",
+        "128",
+        "--lr",
+        "3e-3",
+        "--precision",
+        "fp8",
+        "--lora-rank",
+        "4",
+    ]);
+    assert_eq!(got[0]["peak_bytes"], got[0]["predicted_peak_bytes"]);
+    let (first, last) = (loss(&got[0]), loss(got.last().unwrap()));
+    assert!(
+        last.is_finite() && last < first,
+        "LoRA on FP8: {first} -> {last}"
+    );
+}
