@@ -3,6 +3,7 @@
 
 use super::rope::RopeConfig;
 use crate::backend::RmsNorm;
+use crate::backend::fp8::Precision;
 use crate::error::Result;
 
 /// Dimensions of one attention layer.
@@ -21,6 +22,8 @@ pub struct AttnDims {
     /// model's, [`default_softmax_scale`](Self::default_softmax_scale) for
     /// most.
     pub softmax_scale: f32,
+    /// What the q/k/v/o projections' GEMMs compute in (`--precision`).
+    pub precision: Precision,
 }
 
 impl AttnDims {

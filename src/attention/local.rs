@@ -4,6 +4,7 @@
 use super::lora_delta::{LoraPair, add_delta, add_delta_bwd};
 use super::rope::RopeTables;
 use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, norm_rope_bwd};
+use crate::backend::fp8::{LinearGemm, LinearRole, Precision, linear_gemm};
 use crate::backend::{
     AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType, Tensor,
 };
@@ -16,11 +17,25 @@ fn project<B: Backend>(
     b: &B,
     x: &Tensor<B>,
     (w, bias, lora): (&Tensor<B>, Option<&Tensor<B>>, Option<&LoraPair<B>>),
-    heads: usize,
-    d: usize,
+    (heads, d): (usize, usize),
+    precision: Precision,
 ) -> Result<Tensor<B>> {
     let mut out = b.zeros(&[x.rows(), heads, d], x.dtype(), Category::Workspace)?;
-    b.gemm(out.mat_mut(), x.mat(), w.mat().t(), 1.0, 0.0)?;
+    let (c, a) = (out.mat_mut(), x.mat());
+    let role = LinearRole::Forward;
+    let (alpha, beta) = (1.0, 0.0);
+    linear_gemm(
+        b,
+        precision,
+        LinearGemm {
+            c,
+            a,
+            b: w.mat().t(),
+            alpha,
+            beta,
+            role,
+        },
+    )?;
     if let Some(bias) = bias {
         super::add_head_bias(b, out.mat_mut(), bias, &(0..heads), d)?;
     }
@@ -35,10 +50,28 @@ fn project_qkv<B: Backend>(
     w: &AttentionWeights<B>,
     x: &Tensor<B>,
 ) -> Result<[Tensor<B>; 3]> {
-    let (d, l) = (dims.head_dim, &w.lora);
-    let q = project(b, x, (&w.wq, w.bq.as_ref(), l.q.as_ref()), dims.heads, d)?;
-    let k = project(b, x, (&w.wk, w.bk.as_ref(), l.k.as_ref()), dims.kv_heads, d)?;
-    let v = project(b, x, (&w.wv, w.bv.as_ref(), l.v.as_ref()), dims.kv_heads, d)?;
+    let (d, l, p) = (dims.head_dim, &w.lora, dims.precision);
+    let q = project(
+        b,
+        x,
+        (&w.wq, w.bq.as_ref(), l.q.as_ref()),
+        (dims.heads, d),
+        p,
+    )?;
+    let k = project(
+        b,
+        x,
+        (&w.wk, w.bk.as_ref(), l.k.as_ref()),
+        (dims.kv_heads, d),
+        p,
+    )?;
+    let v = project(
+        b,
+        x,
+        (&w.wv, w.bv.as_ref(), l.v.as_ref()),
+        (dims.kv_heads, d),
+        p,
+    )?;
     Ok([q, k, v])
 }
 
@@ -67,7 +100,7 @@ pub fn forward<B: Backend>(
         lse: lse.all_rows_mut(),
     })?;
     drop((q, k, v));
-    let y = super::output_projection(b, &o, w)?;
+    let y = super::output_projection(b, &o, w, dims.precision)?;
     Ok((y, AttnSaved { o, lse: vec![lse] }))
 }
 
@@ -86,11 +119,36 @@ pub fn backward<B: Backend>(
 ) -> Result<Tensor<B>> {
     let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm);
     let AttnSaved { o, lse } = saved;
+    let p = dims.precision;
     if let Some(gwo) = g.wo.as_mut() {
-        b.gemm(gwo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
+        let (c, a, role) = (gwo.mat_mut(), dy.mat().t(), LinearRole::WeightGrad);
+        linear_gemm(
+            b,
+            p,
+            LinearGemm {
+                c,
+                a,
+                b: o.mat(),
+                alpha: 1.0,
+                beta: 1.0,
+                role,
+            },
+        )?;
     }
     let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
-    b.gemm(d_o.mat_mut(), dy.mat(), w.wo.mat(), 1.0, 0.0)?;
+    let (c, a, role) = (d_o.mat_mut(), dy.mat(), LinearRole::InputGrad);
+    linear_gemm(
+        b,
+        p,
+        LinearGemm {
+            c,
+            a,
+            b: w.wo.mat(),
+            alpha: 1.0,
+            beta: 0.0,
+            role,
+        },
+    )?;
     let (lo, glo) = (w.lora.o.as_ref(), g.lora.o.as_mut());
     add_delta_bwd(b, lo, glo, o.mat(), dy.mat(), d_o.mat_mut())?;
 
@@ -161,12 +219,36 @@ pub fn backward<B: Backend>(
     ] {
         let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
         if let Some(gp) = gp {
-            b.gemm(gp.mat_mut(), dp.mat().t(), x.mat(), 1.0, 1.0)?;
+            let (c, a, role) = (gp.mat_mut(), dp.mat().t(), LinearRole::WeightGrad);
+            linear_gemm(
+                b,
+                p,
+                LinearGemm {
+                    c,
+                    a,
+                    b: x.mat(),
+                    alpha: 1.0,
+                    beta: 1.0,
+                    role,
+                },
+            )?;
         }
         if let Some(gb) = gb {
             super::head_bias_grad(b, gb, dp.mat(), &(0..heads), d)?;
         }
-        b.gemm(dx.mat_mut(), dp.mat(), wp.mat(), 1.0, 1.0)?;
+        let (c, a, role) = (dx.mat_mut(), dp.mat(), LinearRole::InputGrad);
+        linear_gemm(
+            b,
+            p,
+            LinearGemm {
+                c,
+                a,
+                b: wp.mat(),
+                alpha: 1.0,
+                beta: 1.0,
+                role,
+            },
+        )?;
         let (pair, grads) = (lora.0.as_ref(), lora.1.as_mut());
         add_delta_bwd(b, pair, grads, x.mat(), dp.mat(), dx.mat_mut())?;
     }

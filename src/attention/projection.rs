@@ -6,6 +6,7 @@ use super::lora_delta;
 use super::rope::RopeTables;
 use super::weights::AttentionWeights;
 use crate::backend::RmsNorm;
+use crate::backend::fp8::{LinearGemm, LinearRole, Precision, linear_gemm};
 use crate::backend::{Backend, Category, RmsNormBwd, RmsNormFwd, RopeRotate, Tensor};
 use crate::error::Result;
 
@@ -45,10 +46,21 @@ pub fn output_projection<B: Backend>(
     b: &B,
     o: &Tensor<B>,
     w: &AttentionWeights<B>,
+    precision: Precision,
 ) -> Result<Tensor<B>> {
     let wo = &w.wo;
+    // [s, hidden]
     let mut y = b.empty(&[o.rows(), wo.rows()], o.dtype(), Category::Activations)?;
-    b.gemm(y.mat_mut(), o.mat(), wo.mat().t(), 1.0, 0.0)?;
+    let (c, a, role) = (y.mat_mut(), o.mat(), LinearRole::Forward);
+    let g = LinearGemm {
+        c,
+        a,
+        b: wo.mat().t(),
+        alpha: 1.0,
+        beta: 0.0,
+        role,
+    };
+    linear_gemm(b, precision, g)?;
     lora_delta::add_delta(b, w.lora.o.as_ref(), o.mat(), y.mat_mut())?;
     Ok(y)
 }

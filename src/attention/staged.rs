@@ -29,6 +29,7 @@ use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd,
     ring_shift,
 };
+use crate::backend::fp8::{LinearGemm, LinearRole, linear_gemm};
 use crate::backend::{
     AttnGradWrites, AttnMask, AttnShape, Backend, Category, DType, GradWrite, Mat, MatLayout,
     Tensor,
@@ -167,11 +168,29 @@ impl<'a, B: Backend> Staged<'a, B> {
     {
         let (b, nh) = (self.b, heads[0].len());
         let dtype = input.dtype();
+        // weight rows seen transposed: the q/k/v projections' forward; Wo's
+        // column blocks: dO, an input gradient
+        let role = match operand(&heads[0]).l.trans {
+            true => LinearRole::Forward,
+            false => LinearRole::InputGrad,
+        };
+        let p = self.dims.precision;
         if !self.shapes.merge_destinations(nh) {
             let mut buf = self.exchange_buffer(&self.shapes.packed(nh), dtype)?;
             for (j, h) in heads.iter().enumerate() {
-                let c = self.packed_block(j, nh);
-                b.gemm(buf.view_mut(c), input.mat(), operand(h), 1.0, 0.0)?;
+                let (c, a) = (buf.view_mut(self.packed_block(j, nh)), input.mat());
+                linear_gemm(
+                    b,
+                    p,
+                    LinearGemm {
+                        c,
+                        a,
+                        b: operand(h),
+                        alpha: 1.0,
+                        beta: 0.0,
+                        role,
+                    },
+                )?;
             }
             return Ok(buf);
         }
@@ -207,7 +226,19 @@ impl<'a, B: Backend> Staged<'a, B> {
             dtype,
             Category::Workspace,
         )?;
-        b.gemm(proj.mat_mut(), input.mat(), rhs, 1.0, 0.0)?;
+        let (c, a) = (proj.mat_mut(), input.mat());
+        linear_gemm(
+            b,
+            p,
+            LinearGemm {
+                c,
+                a,
+                b: rhs,
+                alpha: 1.0,
+                beta: 0.0,
+                role,
+            },
+        )?;
         drop(stacked);
         let mut buf = self.exchange_buffer(&self.shapes.packed(nh), dtype)?;
         for j in 0..heads.len() {
@@ -504,7 +535,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         if let Some(last) = out.take() {
             self.take_output(&mut o, last)?;
         }
-        let y = super::output_projection(b, &o, w)?;
+        let y = super::output_projection(b, &o, w, self.dims.precision)?;
         let lse = lses
             .into_iter()
             .enumerate()
@@ -577,7 +608,16 @@ impl<'a, B: Backend> Staged<'a, B> {
         let keep = usize::from(self.prefetch());
         let AttnSaved { o, lse } = saved;
         if let Some(gwo) = g.wo.as_mut() {
-            b.gemm(gwo.mat_mut(), dy.mat().t(), o.mat(), 1.0, 1.0)?;
+            let (c, a, role) = (gwo.mat_mut(), dy.mat().t(), LinearRole::WeightGrad);
+            let g = LinearGemm {
+                c,
+                a,
+                b: o.mat(),
+                alpha: 1.0,
+                beta: 1.0,
+                role,
+            };
+            linear_gemm(b, self.dims.precision, g)?;
         }
         let mut dx = b.zeros(&self.shapes.layer_io(), act, Category::Grads)?;
         let mut in_flight: Vec<GradInFlight<'_, B>> = Vec::new();
@@ -733,13 +773,17 @@ impl<'a, B: Backend> Staged<'a, B> {
             let cols = MatLayout::block(run.col * d, self.s, run.heads.len() * d, width);
             // a frozen projection's weight gradient is not computed
             if let Some(dw) = dw {
-                b.gemm(
-                    dw.view_mut(self.head_rows(&run.heads)),
-                    gathered.view(cols).t(),
-                    x.mat(),
-                    1.0,
-                    1.0,
-                )?;
+                let c = dw.view_mut(self.head_rows(&run.heads));
+                let (a, role) = (gathered.view(cols).t(), LinearRole::WeightGrad);
+                let g = LinearGemm {
+                    c,
+                    a,
+                    b: x.mat(),
+                    alpha: 1.0,
+                    beta: 1.0,
+                    role,
+                };
+                linear_gemm(b, self.dims.precision, g)?;
             }
             // the bias rows of the run's heads: their gradient summed over tokens
             if let Some(db) = db {
@@ -767,7 +811,16 @@ impl<'a, B: Backend> Staged<'a, B> {
                 )?;
             }
         }
-        b.gemm(dx.mat_mut(), gathered.mat(), stacked.mat(), 1.0, 1.0)
+        let (c, a, role) = (dx.mat_mut(), gathered.mat(), LinearRole::InputGrad);
+        let g = LinearGemm {
+            c,
+            a,
+            b: stacked.mat(),
+            alpha: 1.0,
+            beta: 1.0,
+            role,
+        };
+        linear_gemm(b, self.dims.precision, g)
     }
 
     /// O's columns of every destination's heads, packed `[pu * s, u, d]`.

@@ -519,6 +519,7 @@ mod tests {
                 scaling: None,
             },
             softmax_scale: AttnDims::default_softmax_scale(4),
+            precision: crate::backend::fp8::Precision::Bf16,
         };
         let plan = CpPlan::new(Strategy::Ulysses, &dims, 8, 2, 1, None).unwrap();
         let runs = vec![

@@ -15,6 +15,7 @@ pub mod copy_done;
 pub mod counting;
 pub mod cpu;
 pub mod cuda;
+pub mod fp8;
 pub mod fused_update;
 pub mod grad_write;
 pub mod mask;

@@ -61,6 +61,11 @@ pub trait OpBuffers: Send + Sync {
     fn gemm_workspace(&self, _a: DType, _b: DType, _c: DType) -> Result<Option<usize>> {
         Ok(None)
     }
+    /// The FP8 GEMM's workspace bytes, taken and kept as
+    /// [`gemm_workspace`](Self::gemm_workspace)'s (the same buffer).
+    fn fp8_gemm_workspace(&self) -> Result<Option<usize>> {
+        Ok(None)
+    }
     /// Whether the embedding and the loss upload their token ids (one
     /// 4-byte element each) for the op's duration.
     fn uploads_ids(&self) -> bool {

@@ -3,6 +3,7 @@
 
 use super::attn_args::{AttentionBwd, AttentionFwd, AttnShape, LseMerge};
 use super::copy_done::{ComputePoint, CopyDone};
+use super::fp8::{Fp8Format, Fp8Gemm, Fp8GemmShape, Fp8Quantize};
 use super::fused_update::{UpdateKernel, UpdateSlot};
 use super::memory::{Category, MemoryLedger, PoolReport};
 use super::norm_args::{AddRmsNormFwd, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
@@ -107,6 +108,36 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
         alpha: f32,
         beta: f32,
     ) -> Result<()>;
+    /// Whether this device runs the FP8 ops ([`fp8_quantize`](Backend::fp8_quantize),
+    /// [`fp8_gemm`](Backend::fp8_gemm)); an error naming the fix where it
+    /// cannot (a GPU older than compute capability 8.9). Asked once, where
+    /// a run chooses `--precision fp8`.
+    fn supports_fp8(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Quantizes a view to FP8 with its own tensor-wise scale
+    /// ([`Fp8Quantize`]). Checks the call once for every device
+    /// ([`Fp8Quantize::check`]) and runs it
+    /// ([`run_fp8_quantize`](Backend::run_fp8_quantize)); devices do not
+    /// override it.
+    fn fp8_quantize(&self, a: Fp8Quantize<'_, Self>) -> Result<()> {
+        let f = a.check()?;
+        self.run_fp8_quantize(f, a)
+    }
+    /// The device's arithmetic of a quantization to `format` that
+    /// [`fp8_quantize`](Backend::fp8_quantize) checked.
+    fn run_fp8_quantize(&self, format: Fp8Format, a: Fp8Quantize<'_, Self>) -> Result<()>;
+    /// `c = alpha · inv_a · inv_b · (a @ b) + beta · c` of FP8 operands
+    /// ([`Fp8Gemm`]), accumulated in f32. Checks the call once for every
+    /// device ([`Fp8Gemm::check`]) and runs it
+    /// ([`run_fp8_gemm`](Backend::run_fp8_gemm)); devices do not override it.
+    fn fp8_gemm(&self, a: Fp8Gemm<'_, Self>) -> Result<()> {
+        let g = a.check()?;
+        self.run_fp8_gemm(&g, a)
+    }
+    /// The device's arithmetic of an FP8 GEMM of shape `g` that
+    /// [`fp8_gemm`](Backend::fp8_gemm) checked.
+    fn run_fp8_gemm(&self, g: &Fp8GemmShape, a: Fp8Gemm<'_, Self>) -> Result<()>;
     /// Starts `dst = src` (whole tensors of one shape and dtype, e.g. device
     /// memory to host memory) on the device's copy stream where it has one,
     /// after the work queued so far, and returns before it finishes. Both

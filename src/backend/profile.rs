@@ -70,7 +70,7 @@ impl OpClass {
 /// not listed is elementwise.
 pub fn op_class(kind: &str) -> OpClass {
     match kind {
-        "gemm" => OpClass::Gemm,
+        "gemm" | "fp8_gemm" => OpClass::Gemm,
         "attention_fwd" | "lse_merge" => OpClass::AttnFwd,
         "attention_bwd" => OpClass::AttnBwd,
         "cross_entropy" => OpClass::Loss,
@@ -423,6 +423,8 @@ mod tests {
     /// Every kind the backends and NCCL record, with its class.
     const KINDS: &[(&str, OpClass)] = &[
         ("gemm", OpClass::Gemm),
+        ("fp8_gemm", OpClass::Gemm),
+        ("fp8_quantize", OpClass::Elementwise),
         ("attention_fwd", OpClass::AttnFwd),
         ("lse_merge", OpClass::AttnFwd),
         ("attention_bwd", OpClass::AttnBwd),
@@ -484,6 +486,7 @@ mod tests {
             include_str!("cuda/fused_update.rs"),
             include_str!("cuda/gemm.rs"),
             include_str!("cuda/gemm_ops.rs"),
+            include_str!("cuda/fp8_ops.rs"),
             include_str!("cuda/attention.rs"),
             include_str!("../comm/nccl/group.rs"),
             include_str!("../comm/nccl/exchange_window.rs"),

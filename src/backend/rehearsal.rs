@@ -29,6 +29,7 @@ use super::{
     MemoryLedger, Tensor, TensorDevice, UpdateKernel, UpdateSlot,
 };
 use super::{Mat, check_same_numel};
+use crate::backend::fp8::{Fp8Format, Fp8Gemm, Fp8GemmShape, Fp8Quantize};
 use crate::backend::{GatedAct, PoolReport};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -141,6 +142,19 @@ impl<D: Rehearsable> Rehearsal<D> {
             cat,
             self.device.device_ledger().clone(),
         ))
+    }
+
+    /// The GEMM workspace of `bytes` (if any), taken by the first GEMM that
+    /// multiplies something (`nonempty`) and kept.
+    fn keep_gemm_workspace(&self, bytes: Option<usize>, nonempty: bool) -> Result<()> {
+        if let Some(bytes) = bytes.filter(|_| nonempty)
+            && self.gemm_workspace.get().is_none()
+        {
+            let t = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
+            // another thread won the race: ours is released
+            let _ = self.gemm_workspace.set(t);
+        }
+        Ok(())
     }
 
     /// A transient buffer the op frees before it returns.
@@ -314,14 +328,18 @@ impl<D: Rehearsable> Backend for Rehearsal<D> {
             .rules()
             .gemm_workspace(a.t.dtype(), b.t.dtype(), c.t.dtype())?;
         let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
-        if let Some(bytes) = workspace.filter(|_| m > 0 && n > 0 && k > 0)
-            && self.gemm_workspace.get().is_none()
-        {
-            let t = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
-            // another thread won the race: ours is released
-            let _ = self.gemm_workspace.set(t);
-        }
+        self.keep_gemm_workspace(workspace, m > 0 && n > 0 && k > 0)
+    }
+    /// Quantizes nothing: the device's quantization takes no buffer of its
+    /// own (its amax is reduced in the inverse scale's cell).
+    fn run_fp8_quantize(&self, _f: Fp8Format, _a: Fp8Quantize<'_, Self>) -> Result<()> {
         Ok(())
+    }
+    /// The GEMM workspace taken at the first non-empty FP8 GEMM as the
+    /// device's takes it (the one `gemm` keeps).
+    fn run_fp8_gemm(&self, g: &Fp8GemmShape, _a: Fp8Gemm<'_, Self>) -> Result<()> {
+        let workspace = self.rules().fp8_gemm_workspace()?;
+        self.keep_gemm_workspace(workspace, g.m > 0 && g.n > 0 && g.k > 0)
     }
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {
         if (dst.l.rows, dst.l.cols) != (src.l.rows, src.l.cols) {

@@ -6,13 +6,19 @@ use std::ops::Range;
 use std::sync::Arc;
 
 /// Element type of a tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     BF16,
     /// 8-bit codes: an optimizer's compact state (AdamW's 8-bit moments);
     /// only the optimizer's ops read them.
     U8,
+    /// FP8 E4M3 ("e4m3fn"): a linear layer's weights and activations,
+    /// written by `Backend::fp8_quantize` (the CPU keeps each code's value
+    /// in an f32 cell).
+    F8E4M3,
+    /// FP8 E5M2: a linear layer's gradients (as `F8E4M3`).
+    F8E5M2,
 }
 
 impl DType {
@@ -21,7 +27,23 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::BF16 => 2,
-            DType::U8 => 1,
+            DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
+        }
+    }
+    /// The dtype of FP8 `format`.
+    pub fn of_fp8(format: super::fp8::Fp8Format) -> DType {
+        match format {
+            super::fp8::Fp8Format::E4M3 => DType::F8E4M3,
+            super::fp8::Fp8Format::E5M2 => DType::F8E5M2,
+        }
+    }
+    /// The FP8 format of an FP8 dtype.
+    pub fn fp8_format(self) -> Option<super::fp8::Fp8Format> {
+        use super::fp8::Fp8Format;
+        match self {
+            DType::F8E4M3 => Some(Fp8Format::E4M3),
+            DType::F8E5M2 => Some(Fp8Format::E5M2),
+            _ => None,
         }
     }
 }

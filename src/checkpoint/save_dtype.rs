@@ -67,6 +67,8 @@ impl From<DType> for SaveDtype {
             DType::BF16 => SaveDtype::BF16,
             // 8-bit codes read back as their values are exact in F32
             DType::U8 => SaveDtype::F32,
+            // FP8 values read back are exact in F32
+            DType::F8E4M3 | DType::F8E5M2 => SaveDtype::F32,
         }
     }
 }

@@ -147,6 +147,7 @@ pub struct CheckpointKeys {
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct RunKeys {
     pub steps: Option<u32>,
+    pub precision: Option<String>,
     pub epochs: Option<u32>,
     pub seed: Option<u64>,
     pub device: Option<String>,

@@ -280,6 +280,7 @@ fn write_metrics(
         tokens_per_s: r.tokens_per_s,
         attention_kernel: None,
         optim_state: None,
+        precision: None,
         tflops,
         tflops_per_rank: tflops / ranks.max(1) as f64,
         ranks,

@@ -57,6 +57,10 @@ pub struct StepMetrics {
     /// (`moments 8bit, master none`; `--optim-state`, `--master-weights`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optim_state: Option<String>,
+    /// What the linear layers compute in when not the default bf16
+    /// (`fp8`; `--precision`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<String>,
     /// Model TFLOP/s of the whole run (`model::flops`: 6·N plus causal
     /// attention per trained token; forward only for an evaluation).
     #[serde(deserialize_with = "nan_if_null")]
@@ -114,6 +118,8 @@ pub struct RunFacts {
     pub attention_kernel: Option<String>,
     /// The optimizer's state format, when not exact F32.
     pub optim_state: Option<String>,
+    /// `--precision`, when not bf16.
+    pub precision: Option<String>,
 }
 
 /// A run's clock: its start by the wall clock, and a monotonic clock
@@ -181,6 +187,7 @@ impl StepMetrics {
             tokens_per_s: r.tokens_per_s,
             attention_kernel: facts.attention_kernel.clone(),
             optim_state: facts.optim_state.clone(),
+            precision: facts.precision.clone(),
             tflops,
             tflops_per_rank: tflops / facts.ranks.max(1) as f64,
             ranks: facts.ranks,
@@ -353,6 +360,7 @@ mod tests {
             predicted: None,
             attention_kernel: None,
             optim_state: None,
+            precision: None,
         };
         let mut r = report(1);
         assert!((StepMetrics::of_step(&r, &facts).tflops - 3.0).abs() < 1e-9);
@@ -371,6 +379,7 @@ mod tests {
             predicted: None,
             attention_kernel: Some("cudnn 9.14.0".into()),
             optim_state: Some("moments 8bit, master none".into()),
+            precision: None,
         };
         let m = StepMetrics::of_step(&report(7), &facts);
         // 3 GFLOP per token at 1000 tokens/s: 3 TFLOP/s, 0.75 per rank
@@ -399,6 +408,7 @@ mod tests {
             predicted: None,
             attention_kernel: None,
             optim_state: None,
+            precision: None,
         };
         for s in 1..=3 {
             f.write(&StepMetrics::of_step(&report(s), &facts));

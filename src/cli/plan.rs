@@ -103,6 +103,10 @@ pub struct PlanArgs {
     /// As `train --grad-dtype`: f32 or bf16.
     #[arg(long, default_value = "f32")]
     pub grad_dtype: String,
+    /// As `train --precision`: bf16 or fp8 (the FP8 operand copies of
+    /// each linear GEMM counted).
+    #[arg(long, default_value = "bf16")]
+    pub precision: String,
     /// Memory policies, comma-separated: checkpoint, offload, offload-auto,
     /// offload-optimizer, tiled-mlp, fsdp (or `none`); added to
     /// --checkpoint, --offload, --offload-optimizer, --tiled-mlp and --fsdp.
@@ -155,6 +159,7 @@ impl PlanArgs {
         optim_state => optim.optim_state,
         master_weights => optim.master_weights,
         grad_dtype => optim.grad_dtype,
+        precision => run.precision,
         policies => memory.policies,
         device => run.device,
         attn_kernel => run.attn_kernel,
@@ -280,6 +285,8 @@ struct Ctx {
     rank_budget: RankBudget,
     /// How AdamW keeps its state (`--optim-state`, `--master-weights`).
     state: crate::optim::StateFormat,
+    /// `--precision`.
+    precision: crate::backend::fp8::Precision,
     a: PlanArgs,
 }
 
@@ -376,6 +383,7 @@ impl Ctx {
             budget: self.rank_budget,
             state: self.state,
             state_auto: self.a.optim_state == "auto",
+            precision: self.precision,
         })
     }
 }
@@ -547,6 +555,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     a.memory.save_attention.check(policy, model.layers)?;
     memory.checkpoint_every.check(policy)?;
     let state = super::train::training_state(k, &a.optim_state, &a.master_weights, &a.grad_dtype)?;
+    let precision = for_key(k, "precision", a.precision.parse())?;
     // as every request decides it (the same GPUs, the same budget)
     let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze, state);
     let (mut fsdp, mut fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
@@ -586,6 +595,7 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
         budget,
         rank_budget,
         state,
+        precision,
         a,
     })
 }

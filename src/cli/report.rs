@@ -177,6 +177,7 @@ mod tests {
             tokens_per_s: 1000.0 + step as f64,
             attention_kernel: None,
             optim_state: None,
+            precision: None,
             tflops: 1.0,
             tflops_per_rank: 0.25,
             ranks: 4,

@@ -257,6 +257,7 @@ pub fn train_config(a: &TrainArgs, c: &Choices, mesh: MeshChoice) -> TrainConfig
         documents: kernel::may_hold_documents(a.pack, a.data.as_deref()),
         steps: a.steps,
         optim: c.optim,
+        precision: c.precision,
         seed: a.seed,
         // a number or `all` now (checked before any launch), `auto` once the budget is known
         policy: a.memory.policy(layers, 0),
@@ -481,6 +482,13 @@ fn announce(run: &Built, tokens: usize, tokenizer: &str, per_epoch: usize) {
             "training state: {} (--optim-state, --master-weights, --grad-dtype; f32 throughout \
              is exact AdamW)",
             cfg.optim.state
+        );
+    }
+    if cfg.precision == crate::backend::fp8::Precision::Fp8 {
+        println!(
+            "precision: fp8 linear layers (--precision; E4M3 weights and activations, E5M2 \
+             gradients, tensor-wise scales; master weights, optimizer, loss, embedding, LM head \
+             and norms as before)"
         );
     }
     let per_step = cfg.grad_accum * cfg.data_parallel;

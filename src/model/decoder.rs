@@ -41,6 +41,7 @@ use super::weights::BlockWeights;
 use crate::attention::lora_delta::{add_delta, add_delta_bwd};
 use crate::attention::{AttnSaved, CpPlan, output_projection};
 use crate::backend::PhaseGuard;
+use crate::backend::fp8::{LinearGemm, LinearRole, Precision, linear_gemm};
 use crate::backend::profile::Phase;
 use crate::backend::{
     Backend, Category, DType, MatLayout, RmsNorm, RmsNormBwd, RmsNormFwd, Tensor, cast,
@@ -257,6 +258,10 @@ pub struct Decoder<B: Backend> {
     /// forward and the backward stops after it. 0 (every block) unless
     /// the trainer sets it.
     pub backward_floor: usize,
+    /// What the linear layers' GEMMs (q/k/v/o, gate/up/down) compute in
+    /// (`--precision`; [`set_precision`](Self::set_precision)). `Bf16`
+    /// unless the trainer sets it.
+    pub(crate) precision: Precision,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -275,7 +280,32 @@ impl<B: Backend> Decoder<B> {
             attn,
             unfused_norms: false,
             backward_floor: 0,
+            precision: Precision::Bf16,
         })
+    }
+
+    /// Runs the linear layers' GEMMs in `precision` from the next forward
+    /// on: under `fp8`, the q/k/v/o projections and the MLP's three GEMMs,
+    /// forward and backward (`backend::fp8::linear`); the embedding, the
+    /// LM head, the norms and LoRA's adapter GEMMs stay in the compute
+    /// dtype. An error naming the fix where the device has no FP8.
+    pub fn set_precision(&mut self, b: &B, precision: Precision) -> Result<()> {
+        if precision == Precision::Fp8 {
+            b.supports_fp8()?;
+        }
+        self.precision = precision;
+        self.attn.set_precision(precision);
+        Ok(())
+    }
+
+    /// What the linear layers compute in.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// One linear GEMM of this decoder's MLP in its precision.
+    fn linear(&self, b: &B, g: LinearGemm<'_, B>) -> Result<()> {
+        linear_gemm(b, self.precision, g)
     }
 
     /// Attends under the mask of the next window, whose documents start at
@@ -687,7 +717,10 @@ impl<B: Backend> Decoder<B> {
             y: &mut a,
         })?;
         let (y, attn) = match kept {
-            Some(attn) => (output_projection(b, &attn.o, &w.attn)?, attn),
+            Some(attn) => (
+                output_projection(b, &attn.o, &w.attn, self.precision)?,
+                attn,
+            ),
             None => self.attn.layer(l).forward(b, mesh, &w.attn, &a)?,
         };
         Ok((a, attn, y))
@@ -800,16 +833,20 @@ impl<B: Backend> Decoder<B> {
             norm: self.norm(),
             y: &mut m,
         })?;
+        let fwd = LinearRole::Forward;
+        // [r, f] each
         let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
-        b.gemm(gate.mat_mut(), m.mat(), w.gate.mat().t(), 1.0, 0.0)?;
+        let wg = w.gate.mat().t();
+        self.linear(b, LinearGemm::new(fwd, gate.mat_mut(), m.mat(), wg))?;
         add_delta(b, w.mlp_lora.gate.as_ref(), m.mat(), gate.mat_mut())?;
         let mut up = b.empty(&[r, f], dt, Category::Activations)?;
-        b.gemm(up.mat_mut(), m.mat(), w.up.mat().t(), 1.0, 0.0)?;
+        let wu = w.up.mat().t();
+        self.linear(b, LinearGemm::new(fwd, up.mat_mut(), m.mat(), wu))?;
         add_delta(b, w.mlp_lora.up.as_ref(), m.mat(), up.mat_mut())?;
         let mut act = b.empty(&[r, f], dt, Category::Activations)?;
         b.gated_act_fwd(self.cfg.spec().activation, &gate, &up, &mut act)?;
         let z = match w.post_mlp_norm {
-            Some(_) => Some(down_projection(b, w, &act)?),
+            Some(_) => Some(down_projection(b, w, &act, self.precision)?),
             None => None,
         };
         Ok(MlpSaved {
@@ -935,11 +972,17 @@ impl<B: Backend> Decoder<B> {
             None => d_out.view(blk),
         };
         // a frozen weight's gradient GEMM is skipped; dx's still runs
+        let (wgrad, dgrad) = (LinearRole::WeightGrad, LinearRole::InputGrad);
         if let Some(g_down) = g.down.as_mut() {
-            b.gemm(g_down.mat_mut(), d_t().t(), s.act.mat(), 1.0, 1.0)?;
+            let g = LinearGemm::new(wgrad, g_down.mat_mut(), d_t().t(), s.act.mat());
+            self.linear(b, g.accumulate())?;
         }
+        // [rows, ffn]
         let mut dact = b.empty(s.act.shape(), s.act.dtype(), Category::Workspace)?;
-        b.gemm(dact.mat_mut(), d_t(), w.down.mat(), 1.0, 0.0)?;
+        self.linear(
+            b,
+            LinearGemm::new(dgrad, dact.mat_mut(), d_t(), w.down.mat()),
+        )?;
         let (down, g_lora) = (w.mlp_lora.down.as_ref(), &mut g.mlp_lora);
         add_delta_bwd(
             b,
@@ -956,14 +999,19 @@ impl<B: Backend> Decoder<B> {
         b.gated_act_bwd(act, &s.gate, &s.up, &dact, &mut dgate, &mut dup)?;
         drop(dact);
         if let Some(g_gate) = g.gate.as_mut() {
-            b.gemm(g_gate.mat_mut(), dgate.mat().t(), s.m.mat(), 1.0, 1.0)?;
+            let g = LinearGemm::new(wgrad, g_gate.mat_mut(), dgate.mat().t(), s.m.mat());
+            self.linear(b, g.accumulate())?;
         }
         if let Some(g_up) = g.up.as_mut() {
-            b.gemm(g_up.mat_mut(), dup.mat().t(), s.m.mat(), 1.0, 1.0)?;
+            let g = LinearGemm::new(wgrad, g_up.mat_mut(), dup.mat().t(), s.m.mat());
+            self.linear(b, g.accumulate())?;
         }
+        // [rows, hidden]
         let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
-        b.gemm(dm.mat_mut(), dgate.mat(), w.gate.mat(), 1.0, 0.0)?;
-        b.gemm(dm.mat_mut(), dup.mat(), w.up.mat(), 1.0, 1.0)?;
+        let (dg, du) = (dgate.mat(), dup.mat());
+        self.linear(b, LinearGemm::new(dgrad, dm.mat_mut(), dg, w.gate.mat()))?;
+        let up = LinearGemm::new(dgrad, dm.mat_mut(), du, w.up.mat());
+        self.linear(b, up.accumulate())?;
         let (l, gl) = (&w.mlp_lora, &mut g.mlp_lora);
         let m = s.m.mat();
         add_delta_bwd(
@@ -1080,10 +1128,24 @@ impl<B: Backend> Decoder<B> {
 }
 
 /// `act·Wdᵀ` (with the down adapter's delta) of one tile, `[rows, hidden]`.
-fn down_projection<B: Backend>(b: &B, w: &BlockWeights<B>, act: &Tensor<B>) -> Result<Tensor<B>> {
+fn down_projection<B: Backend>(
+    b: &B,
+    w: &BlockWeights<B>,
+    act: &Tensor<B>,
+    precision: Precision,
+) -> Result<Tensor<B>> {
     let hid = w.down.shape()[0];
     let mut z = b.empty(&[act.rows(), hid], act.dtype(), Category::Activations)?;
-    b.gemm(z.mat_mut(), act.mat(), w.down.mat().t(), 1.0, 0.0)?;
+    let (c, a, role) = (z.mat_mut(), act.mat(), LinearRole::Forward);
+    let g = LinearGemm {
+        c,
+        a,
+        b: w.down.mat().t(),
+        alpha: 1.0,
+        beta: 0.0,
+        role,
+    };
+    linear_gemm(b, precision, g)?;
     add_delta(b, w.mlp_lora.down.as_ref(), act.mat(), z.mat_mut())?;
     Ok(z)
 }

@@ -41,6 +41,13 @@ impl<B: Backend> LayerAttentions<B> {
         Ok(LayerAttentions { kinds, of_layer })
     }
 
+    /// Runs every layer's q/k/v/o projections in `precision`.
+    pub fn set_precision(&mut self, precision: crate::backend::fp8::Precision) {
+        for (_, attn) in &mut self.kinds {
+            attn.dims.precision = precision;
+        }
+    }
+
     /// Layer `l`'s attention.
     pub fn layer(&self, l: usize) -> &CpAttention<B> {
         &self.kinds[self.of_layer[l]].1
@@ -85,5 +92,6 @@ pub fn attn_dims(cfg: &ModelConfig) -> AttnDims {
             scaling: cfg.rope_scaling,
         },
         softmax_scale: cfg.softmax_scale(),
+        precision: crate::backend::fp8::Precision::Bf16,
     }
 }

@@ -62,6 +62,7 @@ fn train_config(spec: &StepSpec) -> TrainConfig {
         fsdp: spec.fsdp,
         fsdp_replicas: spec.fsdp_replicas,
         grad_accum: spec.grad_accum.max(1),
+        precision: spec.precision,
         documents: spec.device.documents(),
         rehearse: true,
         ..TrainConfig::new(

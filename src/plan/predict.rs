@@ -123,6 +123,7 @@ mod ring_rank_tests {
                             device,
                             optimizer: true,
                             state: Default::default(),
+                            precision: Default::default(),
                             freeze: Default::default(),
                             lora: None,
                         };

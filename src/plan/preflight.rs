@@ -251,6 +251,7 @@ mod tests {
             device: DeviceKind::CUDA,
             optimizer: true,
             state: Default::default(),
+            precision: Default::default(),
             freeze: Default::default(),
             lora: None,
         }

@@ -239,6 +239,8 @@ pub struct RunRequest {
     /// first of [`StateFormat::AUTO_LADDER`](crate::optim::StateFormat)
     /// whose step fits its budget.
     pub state_auto: bool,
+    /// What the linear layers compute in (`--precision`).
+    pub precision: crate::backend::fp8::Precision,
 }
 
 /// How far [`resolve_run`] decides.
@@ -321,6 +323,7 @@ impl RunRequest {
             device: self.device,
             optimizer: true,
             state: self.state,
+            precision: self.precision,
             freeze: self.freeze.clone(),
             lora: self.lora.clone(),
         }

@@ -26,6 +26,9 @@ pub struct StepSpec {
     pub optimizer: bool,
     /// How AdamW keeps its state (`--optim-state`, `--master-weights`).
     pub state: crate::optim::StateFormat,
+    /// What the linear layers compute in (`--precision`): under `fp8`
+    /// each linear GEMM's quantized operand copies.
+    pub precision: crate::backend::fp8::Precision,
     /// The parameters not trained (`--freeze`): no gradients, no optimizer state.
     pub freeze: crate::model::Freeze,
     /// LoRA adapters trained beside the frozen base (`--lora-rank`; `freeze`
@@ -57,6 +60,7 @@ impl StepSpec {
             device,
             optimizer: true,
             state: cfg.optim.state,
+            precision: cfg.precision,
             freeze: cfg.freeze.clone(),
             lora: cfg.lora.as_ref().map(|l| l.config.clone()),
         }

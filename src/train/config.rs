@@ -41,6 +41,8 @@ pub struct TrainConfig {
     pub optim: OptimConfig,
     pub seed: u64,
     pub policy: MemoryPolicy,
+    /// What the linear layers compute in (`--precision`; `Decoder::set_precision`).
+    pub precision: crate::backend::fp8::Precision,
     /// Start from an HF model directory instead of random weights.
     pub init_from: Option<PathBuf>,
     /// What loading weights does with tensors the model has no parameter
@@ -170,6 +172,7 @@ impl TrainConfig {
             optim,
             seed: 0,
             policy: MemoryPolicy::default(),
+            precision: Default::default(),
             init_from: None,
             extra_tensors: crate::checkpoint::ExtraTensors::Refuse,
             save_dir: None,

@@ -388,6 +388,7 @@ fn run_rank<B: Backend>(
     }
     b.ledger().enter("resident");
     let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
+    decoder.set_precision(b, cfg.precision)?;
     decoder.backward_floor = cfg.freeze.backward_floor(&cfg.model, cfg.lora.is_some());
     let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {
         let (m, r) = Sharded::open(b, cfg, mesh)?;
@@ -704,12 +705,39 @@ pub fn loss_and_grads_cpu_frozen(
     weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
     frozen: &crate::model::Freeze,
 ) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
-    loss_and_grads_cpu_norms(model, plan, policy, window, weights, frozen, false)
+    let run = CpuRun::default();
+    loss_and_grads_cpu_norms(model, plan, policy, window, weights, frozen, run)
 }
 
-/// [`loss_and_grads_cpu_frozen`], the decoder running each norm backward
-/// and its residual add fused (`unfused_norms` false, as training does) or
-/// as two ops (`Decoder::unfused_norms`).
+/// [`loss_and_grads_cpu`] with the linear layers computing in `precision`
+/// (`Decoder::set_precision`).
+pub fn loss_and_grads_cpu_precision(
+    model: &ModelConfig,
+    plan: &CpPlan,
+    policy: MemoryPolicy,
+    window: &PackedWindow,
+    weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
+    precision: crate::backend::fp8::Precision,
+) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
+    let none = crate::model::Freeze::none();
+    let run = CpuRun {
+        unfused_norms: false,
+        precision,
+    };
+    loss_and_grads_cpu_norms(model, plan, policy, window, weights, &none, run)
+}
+
+/// How [`loss_and_grads_cpu_norms`] runs the decoder.
+#[derive(Debug, Clone, Copy, Default)]
+struct CpuRun {
+    /// Each norm backward and its residual add as two ops
+    /// (`Decoder::unfused_norms`) rather than fused, as training runs them.
+    unfused_norms: bool,
+    /// What the linear layers compute in.
+    precision: crate::backend::fp8::Precision,
+}
+
+/// [`loss_and_grads_cpu_frozen`], the decoder run as `run` says.
 fn loss_and_grads_cpu_norms(
     model: &ModelConfig,
     plan: &CpPlan,
@@ -717,7 +745,7 @@ fn loss_and_grads_cpu_norms(
     window: &PackedWindow,
     weights: &(dyn Fn(&CpuBackend) -> Result<ModelWeights<CpuBackend>> + Sync),
     frozen: &crate::model::Freeze,
-    unfused_norms: bool,
+    run: CpuRun,
 ) -> Result<(f64, BTreeMap<String, Vec<f32>>)> {
     if window.len() != plan.layout.seq {
         return crate::config_err!(
@@ -731,7 +759,8 @@ fn loss_and_grads_cpu_norms(
     let out = run_ranks(plan.mesh_shape(), CpuBackend::new, |_rank, b, mesh| {
         let b = b.as_ref();
         let mut decoder = Decoder::new(b, model.clone(), plan.clone(), &mesh, policy)?;
-        decoder.unfused_norms = unfused_norms;
+        decoder.unfused_norms = run.unfused_norms;
+        decoder.set_precision(b, run.precision)?;
         decoder.set_window(b, &window.doc_starts)?;
         let w = weights(b)?;
         // adapters beside the weights train every block they adapt
@@ -843,7 +872,11 @@ mod tests {
             (tiled, frozen),
         ] {
             let run = |unfused| {
-                loss_and_grads_cpu_norms(&model, &plan, policy, &window, &init, &freeze, unfused)
+                let run = CpuRun {
+                    unfused_norms: unfused,
+                    ..CpuRun::default()
+                };
+                loss_and_grads_cpu_norms(&model, &plan, policy, &window, &init, &freeze, run)
                     .unwrap()
             };
             let (fused, unfused) = (run(false), run(true));

@@ -24,6 +24,7 @@ fn dims(heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool) -> AttnDi
             })),
         },
         softmax_scale: AttnDims::default_softmax_scale(head_dim),
+        precision: upipe::backend::fp8::Precision::Bf16,
     }
 }
 

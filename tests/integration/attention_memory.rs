@@ -19,6 +19,7 @@ fn act_bytes(heads: usize, kv_heads: usize, strategy: Strategy, chunk: Option<us
             scaling: None,
         },
         softmax_scale: AttnDims::default_softmax_scale(16),
+        precision: upipe::backend::fp8::Precision::Bf16,
     };
     let seq = 128;
     let inputs = TrialInputs::random(&d, seq, 5);

@@ -31,6 +31,7 @@ fn reference_gradients_match_finite_differences() {
                 scaling: None,
             },
             softmax_scale: AttnDims::default_softmax_scale(6),
+            precision: upipe::backend::fp8::Precision::Bf16,
         };
         let inputs = TrialInputs::random(&d, 7, 3);
         let plan = CpPlan::new(Strategy::Local, &d, inputs.seq, 1, 1, None).unwrap();

@@ -100,6 +100,7 @@ fn the_eval_forward_during_training_stays_within_the_predicted_peak() {
                     device: DeviceKind::Cpu,
                     optimizer: true,
                     state: Default::default(),
+                    precision: Default::default(),
                     freeze: Default::default(),
                     lora: None,
                 };

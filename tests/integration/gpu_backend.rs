@@ -77,6 +77,10 @@ fn round(v: &[f32], dt: DType) -> Vec<f32> {
             .map(|&x| half::bf16::from_f32(x).to_f32())
             .collect(),
         DType::U8 => v.iter().map(|&x| x.round().clamp(0.0, 255.0)).collect(),
+        DType::F8E4M3 | DType::F8E5M2 => {
+            let f = dt.fp8_format().unwrap();
+            v.iter().map(|&x| f.round(x)).collect()
+        }
     }
 }
 

@@ -52,6 +52,7 @@ fn attention_layer_on_gpu_matches_cpu() {
             scaling: None,
         },
         softmax_scale: AttnDims::default_softmax_scale(64),
+        precision: upipe::backend::fp8::Precision::Bf16,
     };
     let inputs = TrialInputs::random(&d, 256, 7);
     let cpu_plan = CpPlan::new(Strategy::Local, &d, 256, 1, 1, None).unwrap();

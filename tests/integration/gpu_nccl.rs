@@ -331,6 +331,7 @@ fn layer_matches_cpu_masked(
             scaling: None,
         },
         softmax_scale: AttnDims::default_softmax_scale(64),
+        precision: upipe::backend::fp8::Precision::Bf16,
     };
     let seq = 256;
     let inputs = TrialInputs::random(&d, seq, 7);

@@ -56,6 +56,7 @@ fn attention_layer_prediction_matches_the_cuda_ledger() {
                 scaling: None,
             },
             softmax_scale: AttnDims::default_softmax_scale(64),
+            precision: upipe::backend::fp8::Precision::Bf16,
         };
         let seq = 1536;
         let inputs = TrialInputs::random(&d, seq, 7);
@@ -172,6 +173,7 @@ fn training_step_prediction_matches_the_cuda_ledger() {
                 device: DeviceKind::CudaNative,
                 optimizer: true,
                 state: Default::default(),
+                precision: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             },

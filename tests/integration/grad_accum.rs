@@ -130,6 +130,7 @@ fn planner_predicts_accumulated_steps_exactly() {
                 device: DeviceKind::Cpu,
                 optimizer: true,
                 state: Default::default(),
+                precision: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             },

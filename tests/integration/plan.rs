@@ -40,6 +40,7 @@ fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
             scaling: None,
         },
         softmax_scale: AttnDims::default_softmax_scale(8),
+        precision: upipe::backend::fp8::Precision::Bf16,
     }
 }
 
@@ -229,6 +230,7 @@ fn training_step_prediction_equals_ledger_peak_under_every_policy() {
                 device: DeviceKind::Cpu,
                 optimizer: true,
                 state: Default::default(),
+                precision: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             };
@@ -287,6 +289,7 @@ fn qwen2_step_prediction_equals_ledger_peak() {
                 device: DeviceKind::Cpu,
                 optimizer: true,
                 state: Default::default(),
+                precision: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             };
@@ -316,6 +319,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         device: DeviceKind::CUDA,
         optimizer: true,
         state: Default::default(),
+        precision: Default::default(),
         freeze: Default::default(),
         lora: None,
     };
@@ -377,6 +381,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
                 device: DeviceKind::CUDA,
                 optimizer: true,
                 state: Default::default(),
+                precision: Default::default(),
                 freeze: Default::default(),
                 lora: None,
             })
@@ -473,6 +478,7 @@ fn cuda_predictions_against_the_h200_ledger() {
             scaling: None,
         },
         softmax_scale: AttnDims::default_softmax_scale(128),
+        precision: upipe::backend::fp8::Precision::Bf16,
     };
     let seq = 262144;
     let ulysses = CpPlan::new(Strategy::Ulysses, &d, seq, 2, 1, None).unwrap();
@@ -556,6 +562,7 @@ fn cuda_predictions_against_the_h200_ledger() {
             scaling: None,
         },
         softmax_scale: AttnDims::default_softmax_scale(64),
+        precision: upipe::backend::fp8::Precision::Bf16,
         ..d
     };
     let local = CpPlan::new(Strategy::Local, &d, 1536, 1, 1, None).unwrap();

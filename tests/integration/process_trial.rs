@@ -29,6 +29,7 @@ fn process_ranks_over_rendezvous_equal_thread_ranks() {
             scaling: None,
         },
         softmax_scale: AttnDims::default_softmax_scale(8),
+        precision: upipe::backend::fp8::Precision::Bf16,
     };
     let seq = 64;
     let inputs = TrialInputs::random(&d, seq, 3);

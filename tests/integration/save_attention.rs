@@ -191,6 +191,7 @@ fn bad_settings_are_errors_naming_the_fix() {
         device: DeviceKind::Cpu,
         optimizer: true,
         state: Default::default(),
+        precision: Default::default(),
         freeze: Default::default(),
         lora: None,
     };
@@ -266,6 +267,7 @@ fn auto_keeps_the_most_blocks_that_fit() {
             device: DeviceKind::CUDA,
             optimizer: true,
             state: Default::default(),
+            precision: Default::default(),
             freeze: Default::default(),
             lora: None,
         }

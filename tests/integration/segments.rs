@@ -335,6 +335,7 @@ fn llama_spec(seq: usize) -> StepSpec {
         device: DeviceKind::CUDA,
         optimizer: true,
         state: Default::default(),
+        precision: Default::default(),
         freeze: Default::default(),
         lora: None,
     }

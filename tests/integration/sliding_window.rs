@@ -38,6 +38,7 @@ fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
             scaling: None,
         },
         softmax_scale: AttnDims::default_softmax_scale(8),
+        precision: upipe::backend::fp8::Precision::Bf16,
     }
 }
 

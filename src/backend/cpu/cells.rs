@@ -30,22 +30,44 @@ pub fn stored(dtype: DType, values: &[f32]) -> Result<Vec<f32>> {
             .map(|&x| bf16_value(bf16_nearest(x)))
             .collect(),
         DType::U8 => codes_of(values)?.into_iter().map(f32::from).collect(),
+        DType::F8E4M3 | DType::F8E5M2 => fp8_values(dtype, values)?,
     })
 }
 
+/// The values of an FP8 tensor, checked to be values of its format (what
+/// `Backend::fp8_quantize` writes, or a device's FP8 tensor read back).
+fn fp8_values(dtype: DType, values: &[f32]) -> Result<Vec<f32>> {
+    let Some(f) = dtype.fp8_format() else {
+        return Ok(values.to_vec());
+    };
+    for &x in values {
+        if !x.is_nan() && f.round(x) != x {
+            return Err(crate::Error::Backend(format!(
+                "{x} is not a value of FP8 {}: FP8 tensors are written by `fp8_quantize`",
+                f.name()
+            )));
+        }
+    }
+    Ok(values.to_vec())
+}
+
 /// Rounds the cells of view `l` to BF16 (to nearest even) where `dtype` is
-/// BF16, as a device stores what it writes into a BF16 tensor; F32 cells
-/// stay as they are.
+/// BF16, or to the FP8 format (unscaled, saturating) of an FP8 dtype, as a
+/// device stores what it writes into a narrower tensor; F32 cells stay as
+/// they are.
 pub(super) fn round_view(dtype: DType, d: &mut [f32], l: &MatLayout) {
     use crate::backend::narrow::{bf16_nearest, bf16_value};
-    if dtype != DType::BF16 {
-        return;
-    }
+    let round: fn(f32) -> f32 = match dtype {
+        DType::BF16 => |x| bf16_value(bf16_nearest(x)),
+        DType::F8E4M3 => |x| crate::backend::fp8::Fp8Format::E4M3.round(x),
+        DType::F8E5M2 => |x| crate::backend::fp8::Fp8Format::E5M2.round(x),
+        DType::F32 | DType::U8 => return,
+    };
     let (rs, cs) = l.strides();
     for i in 0..l.rows {
         for j in 0..l.cols {
             let x = &mut d[l.offset + i * rs + j * cs];
-            *x = bf16_value(bf16_nearest(*x));
+            *x = round(*x);
         }
     }
 }

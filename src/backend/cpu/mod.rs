@@ -10,16 +10,20 @@ use super::{
     Mat, MatLayout, MatMut, MemoryLedger, Tensor, UpdateKernel, UpdateSlot, check_same_numel,
 };
 use crate::backend::GatedAct;
+use crate::backend::fp8::{Fp8Format, Fp8Gemm, Fp8GemmShape, Fp8Quantize};
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 mod attention;
 mod cells;
 mod device;
+mod fp8;
 mod norm;
+mod sgemm;
 
 pub use cells::{CpuStorage, stored};
 use cells::{data, data_mut, round_view};
 pub use device::CpuBackend;
+use sgemm::sgemm;
 
 use std::sync::Arc;
 
@@ -147,57 +151,17 @@ impl Backend for CpuBackend {
         beta: f32,
     ) -> Result<()> {
         let _span = self.profile.span("gemm", Track::Compute);
-        let (m, k, n) = (a.l.rows, a.l.cols, b.l.cols);
-        if b.l.rows != k || c.l.rows != m || c.l.cols != n || c.l.trans {
-            return Err(Error::Backend(format!(
-                "gemm shapes: c {:?} = a {:?} @ b {:?}",
-                c.l, a.l, b.l
-            )));
-        }
-        let (rsa, csa) = a.l.strides();
-        let (rsb, csb) = b.l.strides();
-        let (rsc, csc) = c.l.strides();
-        let (ao, bo, co) = (a.l.offset, b.l.offset, c.l.offset);
-        let (cdt, cl) = (c.t.dtype(), c.l);
-        let ad = data(a.t);
-        let bd = data(b.t);
-        let cd = data_mut(c.t);
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        if k == 0 {
-            for i in 0..m {
-                for j in 0..n {
-                    let x = &mut cd[co + i * rsc + j * csc];
-                    *x = if beta == 0.0 { 0.0 } else { beta * *x };
-                }
-            }
-            round_view(cdt, cd, &cl);
-            return Ok(());
-        }
-        // SAFETY: the views were bounds-checked against each buffer's length when
-        // they were made (`MatLayout::check`), and `c` does not alias `a` or `b`
-        // (it is borrowed mutably while they are borrowed immutably).
-        unsafe {
-            matrixmultiply::sgemm(
-                m,
-                k,
-                n,
-                alpha,
-                ad.as_ptr().add(ao),
-                rsa as isize,
-                csa as isize,
-                bd.as_ptr().add(bo),
-                rsb as isize,
-                csb as isize,
-                beta,
-                cd.as_mut_ptr().add(co),
-                rsc as isize,
-                csc as isize,
-            );
-        }
-        round_view(cdt, cd, &cl);
-        Ok(())
+        sgemm(c, a, b, alpha, beta)
+    }
+
+    fn run_fp8_quantize(&self, f: Fp8Format, a: Fp8Quantize<'_, Self>) -> Result<()> {
+        let _span = self.profile.span("fp8_quantize", Track::Compute);
+        fp8::quantize(f, a)
+    }
+
+    fn run_fp8_gemm(&self, _g: &Fp8GemmShape, a: Fp8Gemm<'_, Self>) -> Result<()> {
+        let _span = self.profile.span("fp8_gemm", Track::Compute);
+        fp8::gemm(a)
     }
 
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()> {

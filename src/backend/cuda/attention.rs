@@ -171,13 +171,16 @@ pub fn bwd_flash(
     flash::flash_bwd(stream, f, &args)
 }
 
-/// `0` for f32, `1` for bf16, `2` for 8-bit codes (the `dt` flags of the
-/// kernels).
+/// `0` for f32, `1` for bf16, `2` for 8-bit codes, `3` and `4` for FP8
+/// E4M3 and E5M2 (the `dt` flags of the kernels; only the FP8 kernels
+/// read the last two).
 pub fn dt_flag(d: DType) -> i32 {
     match d {
         DType::F32 => 0,
         DType::BF16 => 1,
         DType::U8 => 2,
+        DType::F8E4M3 => 3,
+        DType::F8E5M2 => 4,
     }
 }
 

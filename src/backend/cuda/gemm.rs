@@ -97,6 +97,8 @@ fn lt_type(d: DType) -> lt::cudaDataType {
         DType::F32 => lt::cudaDataType::CUDA_R_32F,
         DType::BF16 => lt::cudaDataType::CUDA_R_16BF,
         DType::U8 => lt::cudaDataType::CUDA_R_8U,
+        DType::F8E4M3 => lt::cudaDataType::CUDA_R_8F_E4M3,
+        DType::F8E5M2 => lt::cudaDataType::CUDA_R_8F_E5M2,
     }
 }
 
@@ -115,6 +117,9 @@ struct Key {
     ab: usize,
     c: usize,
     align: (u32, u32, u32),
+    /// An FP8 GEMM's operand dtypes, in cuBLASLt's order (its A: our `b`;
+    /// its B: our `a`); `None` for every other GEMM.
+    fp8: Option<(DType, DType)>,
 }
 
 struct Plan {
@@ -203,6 +208,7 @@ impl Gemm {
     // and preference calls whose handles the plan owns as soon as each exists;
     // split, every piece would pass the half-built plan along.
     fn build(&self, key: &Key, ab: DType, cd: DType) -> Result<Plan> {
+        let (ta, tb) = key.fp8.unwrap_or((ab, ab));
         let p = &key.p;
         // SAFETY: every handle is created here and owned by the returned plan (or
         // destroyed by its Drop if a later step fails).
@@ -233,9 +239,12 @@ impl Gemm {
                 chosen: 0,
                 tuned: false,
             };
-            plan.la = layout(&p.a, ab)?;
-            plan.lb = layout(&p.b, ab)?;
+            plan.la = layout(&p.a, ta)?;
+            plan.lb = layout(&p.b, tb)?;
             plan.lc = layout(&p.c, cd)?;
+            if key.fp8.is_some() {
+                fp8_desc(desc)?;
+            }
             for (attr, t) in [
                 (
                     lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
@@ -361,6 +370,7 @@ impl Gemm {
             ab: ab.size(),
             c: c.size(),
             align: (alignment(ptrs.b), alignment(ptrs.a), alignment(ptrs.c)),
+            fp8: None,
         };
         let mut plans = self
             .plans
@@ -378,6 +388,69 @@ impl Gemm {
         ok(
             self.matmul(stream, plan, plan.chosen, ptrs, alpha, beta),
             "matmul",
+        )
+    }
+
+    /// `C = alpha·(inv_a·inv_b)·A·B + beta·C` of FP8 operands on `stream`
+    /// (cuBLASLt's "TN" layout: our `a` row-major `[m, k]`, our `b` the
+    /// transposed view of a row-major `[n, k]`, both K-major), the inverse
+    /// scales read from device memory at `scales` (ours of `a`, of `b`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_fp8(
+        &self,
+        stream: &CudaStream,
+        p: &LtProblem,
+        (a, b, c): (DType, DType, DType),
+        ptrs: &GemmPtrs,
+        scales: (u64, u64),
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        if !p.a.trans || p.b.trans {
+            return Err(Error::Backend(format!(
+                "an FP8 GEMM needs both operands K-major (cuBLASLt's TN layout), got {p:?}"
+            )));
+        }
+        let key = Key {
+            p: *p,
+            ab: 1,
+            c: c.size(),
+            align: (alignment(ptrs.b), alignment(ptrs.a), alignment(ptrs.c)),
+            fp8: Some((b, a)),
+        };
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| Error::Backend("gemm plan cache poisoned".into()))?;
+        if let std::collections::hash_map::Entry::Vacant(e) = plans.entry(key) {
+            let plan = self.build(&key, b, c)?;
+            e.insert(plan);
+        }
+        let plan = plans.get_mut(&key).expect("inserted above");
+        drv(stream.context().bind_to_thread(), "bind context")?;
+        // cuBLASLt's A is our b: its scale is b's
+        use lt::cublasLtMatmulDescAttributes_t as D;
+        for (attr, ptr) in [
+            (D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scales.1),
+            (D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scales.0),
+        ] {
+            let v = ptr as *const c_void;
+            let size = std::mem::size_of::<*const c_void>();
+            // SAFETY: the descriptor is this plan's, held under the cache's
+            // lock until the matmul below is queued.
+            let s = unsafe {
+                lt::cublasLtMatmulDescSetAttribute(
+                    plan.desc,
+                    attr,
+                    (&v as *const *const c_void).cast(),
+                    size,
+                )
+            };
+            ok(s, "desc scale pointer")?;
+        }
+        ok(
+            self.matmul(stream, plan, plan.chosen, ptrs, alpha, beta),
+            "fp8 matmul",
         )
     }
 
@@ -451,6 +524,22 @@ impl Gemm {
             )
         }
     }
+}
+
+/// An FP8 matmul's descriptor: accumulation in f32 without the fast
+/// (reduced-precision) accumulation mode, for gradients as for the forward.
+fn fp8_desc(desc: lt::cublasLtMatmulDesc_t) -> Result<()> {
+    let fast: i8 = 0;
+    // SAFETY: `desc` is a live descriptor; the attribute is one int8.
+    let s = unsafe {
+        lt::cublasLtMatmulDescSetAttribute(
+            desc,
+            lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+            (&fast as *const i8).cast(),
+            1,
+        )
+    };
+    ok(s, "desc fast accumulation")
 }
 
 impl Drop for Gemm {

@@ -63,7 +63,7 @@ impl CudaBackend {
         self.gemm.run(&self.stream, &p, ab, cd, &ptrs, alpha, beta)
     }
 
-    fn workspace_ptr(&self) -> Result<u64> {
+    pub(super) fn workspace_ptr(&self) -> Result<u64> {
         if let Some(t) = self.gemm_ws.get() {
             return Ok(ptr(t));
         }

@@ -17,6 +17,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("norm_rope.cu", include_str!("kernels/norm_rope.cu")),
     ("loss.cu", include_str!("kernels/loss.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
+    ("fp8.cu", include_str!("kernels/fp8.cu")),
 ];
 
 /// The single translation unit NVRTC compiles.
@@ -94,6 +95,9 @@ kernel_table!(
     attn_fwd_naive,
     attn_bwd_naive,
     lse_merge,
+    fp8_amax,
+    fp8_cast,
+    fp8_scale_inv,
 );
 
 // SAFETY: module and function handles are immutable driver objects, valid on

@@ -403,6 +403,17 @@ impl CudaBackend {
                     "upload",
                 )
             }
+            DType::F8E4M3 | DType::F8E5M2 => {
+                let f = t
+                    .dtype()
+                    .fp8_format()
+                    .ok_or_else(|| Error::Backend("fp8".into()))?;
+                let h: Vec<u8> = data.iter().map(|&x| f.encode(x)).collect();
+                drv(
+                    unsafe { result::memcpy_htod_async(ptr(t), &h, s) },
+                    "upload",
+                )
+            }
         }
     }
 
@@ -455,6 +466,20 @@ impl CudaBackend {
                 )?;
                 self.synchronize()?;
                 v.into_iter().map(f32::from).collect()
+            }
+            DType::F8E4M3 | DType::F8E5M2 => {
+                let f = t
+                    .dtype()
+                    .fp8_format()
+                    .ok_or_else(|| Error::Backend("fp8".into()))?;
+                let mut v = vec![0u8; n];
+                // SAFETY: `t` holds n bytes; we wait for the stream below.
+                drv(
+                    unsafe { result::memcpy_dtoh_async(&mut v, ptr(t), s) },
+                    "download",
+                )?;
+                self.synchronize()?;
+                v.into_iter().map(|c| f.decode(c)).collect()
             }
         };
         Ok(out)

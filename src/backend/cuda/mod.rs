@@ -30,6 +30,7 @@ pub mod cudnn;
 pub mod device;
 mod elementwise_ops;
 pub mod flash;
+mod fp8_ops;
 mod fused_update;
 pub mod gemm;
 mod gemm_ops;

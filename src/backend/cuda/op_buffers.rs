@@ -47,6 +47,10 @@ impl<R: CudaRoute> OpBuffers for R {
         }
         Ok(Some(gemm::WORKSPACE_BYTES))
     }
+    /// cuBLASLt's workspace, the one `gemm` keeps.
+    fn fp8_gemm_workspace(&self) -> Result<Option<usize>> {
+        Ok(Some(gemm::WORKSPACE_BYTES))
+    }
     fn uploads_ids(&self) -> bool {
         true
     }

@@ -8,6 +8,7 @@
 
 use super::backend::CudaBackend;
 use crate::backend::PoolReport;
+use crate::backend::fp8::{Fp8Format, Fp8Gemm, Fp8GemmShape, Fp8Quantize};
 use crate::backend::{AddRmsNormFwd, GatedAct, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
 use crate::backend::{
     AttentionBwd, AttentionFwd, AttnShape, Backend, Category, ComputePoint, CopyDone, DType,
@@ -33,6 +34,16 @@ impl Backend for CudaBackend {
             reserved_peak: stats.reserved_high as usize,
             outside: total.saturating_sub(free + stats.reserved_current as usize),
         }))
+    }
+
+    fn supports_fp8(&self) -> Result<()> {
+        self.supports_fp8_impl()
+    }
+    fn run_fp8_quantize(&self, f: Fp8Format, a: Fp8Quantize<'_, Self>) -> Result<()> {
+        self.fp8_quantize_impl(f, a)
+    }
+    fn run_fp8_gemm(&self, g: &Fp8GemmShape, a: Fp8Gemm<'_, Self>) -> Result<()> {
+        self.fp8_gemm_impl(g, a)
     }
 
     fn copy_start(&self, dst: &mut Tensor<Self>, src: &Tensor<Self>) -> Result<CopyDone> {

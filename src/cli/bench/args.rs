@@ -145,6 +145,7 @@ pub(super) fn attn_dims(a: &AttnArgs) -> AttnDims {
             scaling: None,
         },
         softmax_scale: AttnDims::default_softmax_scale(a.head_dim),
+        precision: crate::backend::fp8::Precision::Bf16,
     }
 }
 

@@ -509,6 +509,7 @@ mod tests {
                 scaling: None,
             },
             softmax_scale: AttnDims::default_softmax_scale(128),
+            precision: crate::backend::fp8::Precision::Bf16,
         };
         let s = 131072.0f64;
         let core = 7.0 * s * s * 32.0 * 128.0;

@@ -136,6 +136,12 @@ pub struct TrainArgs {
     /// model's gradients are. Norms, biases and the embedding keep F32.
     #[arg(long, help_heading = "Optimizer", default_value = "f32")]
     pub grad_dtype: String,
+    /// What the linear layers (q/k/v/o projections, the MLP's GEMMs)
+    /// compute in: bf16 (the device's compute dtype) or fp8 (E4M3 weights
+    /// and activations, E5M2 gradients, tensor-wise scales; master
+    /// weights, optimizer, loss, embedding, LM head and norms unchanged).
+    #[arg(long, help_heading = "Run", default_value = "bf16")]
+    pub precision: String,
     /// Seed of the random initialisation and of the data order.
     #[arg(long, help_heading = "Run", default_value_t = 0)]
     pub seed: u64,
@@ -347,6 +353,7 @@ impl TrainArgs {
         optim_state => optim.optim_state,
         master_weights => optim.master_weights,
         grad_dtype => optim.grad_dtype,
+        precision => run.precision,
         eval_data => eval.eval_data,
         eval_every => eval.eval_every,
         eval_buckets => eval.eval_buckets,
@@ -438,6 +445,7 @@ impl TrainArgs {
             freeze: LoraArgs::freeze(lora.as_ref(), self.memory.freeze(&model)?),
             lora,
             optim,
+            precision: for_key(k, "precision", self.precision.parse())?,
             device: for_key(k, "device", self.device.parse())?,
             kernel: for_key(k, "attn_kernel", self.attn_kernel.parse())?,
             strategy: for_key(k, "attn", self.attn.parse())?,
@@ -854,6 +862,8 @@ impl RunArgs for TrainArgs {
 pub struct Choices {
     /// AdamW and its schedule (its state's place is the memory policy's).
     pub optim: AdamWConfig,
+    /// `--precision`: what the linear layers compute in.
+    pub precision: crate::backend::fp8::Precision,
     pub device: Device,
     pub kernel: AttnKernel,
     pub strategy: Strategy,

@@ -196,6 +196,7 @@ fn outputs(a: &TrainArgs, run: &Built, predicted: &Prediction) -> Result<Progres
         predicted: Some(predicted.clone()),
         attention_kernel: run.cfg.attention_kernel.map(|k| k.to_string()),
         optim_state: (!run.cfg.optim.state.is_plain()).then(|| run.cfg.optim.state.to_string()),
+        precision: (run.cfg.precision != Default::default()).then(|| run.cfg.precision.to_string()),
     };
     let mut progress = Progress::new(a.json, run.lead, run.cfg.steps, facts);
     if !run.lead {

@@ -112,5 +112,6 @@ pub fn run_request(
         budget,
         state: cfg.optim.state,
         state_auto: a.state_auto(),
+        precision: cfg.precision,
     }
 }

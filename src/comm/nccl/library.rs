@@ -59,7 +59,8 @@ pub(super) fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
     match d {
         DType::F32 => sys::ncclDataType_t::ncclFloat32,
         DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
-        DType::U8 => sys::ncclDataType_t::ncclUint8,
+        // FP8 codes move as bytes (never reduced)
+        DType::U8 | DType::F8E4M3 | DType::F8E5M2 => sys::ncclDataType_t::ncclUint8,
     }
 }
 

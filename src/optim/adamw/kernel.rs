@@ -109,6 +109,11 @@ fn compact_slot(plan: &SlotPlan<'_>, t: SlotCells<'_>) -> Result<()> {
         DType::F32 => MomentCodec::F32,
         DType::BF16 => MomentCodec::Bf16,
         DType::U8 => MomentCodec::Q8,
+        DType::F8E4M3 | DType::F8E5M2 => {
+            return Err(crate::Error::Backend(
+                "AdamW keeps no FP8 moments (F32, BF16 or 8-bit state)".into(),
+            ));
+        }
     };
     let rounding = match t.target.dtype {
         DType::BF16 => WeightRounding::Stochastic(plan.rounding_key),

@@ -1,0 +1,14 @@
+//! FP8: the two 8-bit float formats (`format`), tensor-wise scales
+//! (`scale`), the FP8 ops' descriptors and their checks (`args`), and the
+//! precision a run's linear layers compute in with the one GEMM they call
+//! (`linear`).
+
+pub mod args;
+pub mod format;
+pub mod linear;
+pub mod scale;
+
+pub use args::{Fp8Gemm, Fp8GemmShape, Fp8Quantize};
+pub use format::Fp8Format;
+pub use linear::{LinearGemm, LinearRole, Precision, linear_gemm};
+pub use scale::{amax, quantized, scale_for};

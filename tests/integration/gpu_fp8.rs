@@ -1,0 +1,135 @@
+//! The CUDA FP8 ops against the CPU emulation: the quantization's codes,
+//! transposed copy and inverse scale bit for bit, and cuBLASLt's FP8 GEMM
+//! of each linear role within f32 accumulation order and the BF16 output's
+//! rounding; a whole linear GEMM (`linear_gemm`) likewise. Skipped (with a
+//! printed message) without a CUDA GPU of compute capability 8.9 or above.
+
+use upipe::backend::cpu::CpuBackend;
+use upipe::backend::cuda::CudaBackend;
+use upipe::backend::fp8::{Fp8Quantize, LinearGemm, LinearRole, Precision, linear_gemm};
+use upipe::backend::{Backend, Category, DType, MatLayout};
+use upipe::rng::Rng;
+
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => match b.supports_fp8() {
+            Ok(()) => Some(b),
+            Err(e) => {
+                eprintln!("SKIP gpu_fp8: {e}");
+                None
+            }
+        },
+        Err(e) => {
+            eprintln!("SKIP gpu_fp8: no usable CUDA GPU ({e})");
+            None
+        }
+    }
+}
+
+/// `x` as BF16 holds it (what both devices read).
+fn bf16(x: &[f32]) -> Vec<f32> {
+    x.iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect()
+}
+
+/// Codes, transpose and inverse scale of a `[rows, cols]` BF16 matrix (a
+/// block of a wider one, as the engine's views are) on `b`.
+fn quantized<B: Backend>(
+    b: &B,
+    x: &[f32],
+    (rows, cols, ld): (usize, usize, usize),
+    dtype: DType,
+) -> [Vec<f32>; 3] {
+    let src = b
+        .from_host(x, &[x.len()], b.compute_dtype(), Category::Workspace)
+        .unwrap();
+    let mut q = b.empty(&[rows, cols], dtype, Category::Workspace).unwrap();
+    let mut qt = b.empty(&[cols, rows], dtype, Category::Workspace).unwrap();
+    let mut s = b.empty(&[1], DType::F32, Category::Workspace).unwrap();
+    let args = Fp8Quantize {
+        src: src.view(MatLayout::block(1, rows, cols, ld)),
+        dst: &mut q,
+        dst_t: Some(&mut qt),
+        scale_inv: &mut s,
+    };
+    b.fp8_quantize(args).unwrap();
+    [
+        b.to_host(&q).unwrap(),
+        b.to_host(&qt).unwrap(),
+        b.to_host(&s).unwrap(),
+    ]
+}
+
+#[test]
+fn gpu_fp8_quantize_equals_the_cpu_bit_for_bit() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(3);
+    let (rows, cols, ld) = (37, 53, 60);
+    for (dtype, std) in [
+        (DType::F8E4M3, 3.0),
+        (DType::F8E5M2, 1e-3),
+        (DType::F8E4M3, 0.0),
+    ] {
+        let x = bf16(&rng.normal_vec(rows * ld + 1, std));
+        let want = quantized(&cpu, &x, (rows, cols, ld), dtype);
+        let got = quantized(&gpu, &x, (rows, cols, ld), dtype);
+        for (w, g) in want.iter().zip(&got) {
+            let same = w.iter().zip(g).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{dtype:?} std {std}: GPU quantization differs from the CPU's"
+            );
+        }
+    }
+}
+
+/// One linear GEMM of `role` on `b`: `c [m, n] += a @ b`, BF16 operands.
+fn linear<B: Backend>(
+    b: &B,
+    role: LinearRole,
+    host: [&[f32]; 3],
+    (m, k, n): (usize, usize, usize),
+) -> Vec<f32> {
+    let dt = b.compute_dtype();
+    let a = b
+        .from_host(host[0], &[m, k], dt, Category::Workspace)
+        .unwrap();
+    let w = b
+        .from_host(host[1], &[n, k], dt, Category::Workspace)
+        .unwrap();
+    let mut c = b
+        .from_host(host[2], &[m, n], dt, Category::Workspace)
+        .unwrap();
+    let g = LinearGemm::new(role, c.mat_mut(), a.mat(), w.mat().t()).accumulate();
+    linear_gemm(b, Precision::Fp8, g).unwrap();
+    b.to_host(&c).unwrap()
+}
+
+#[test]
+fn gpu_fp8_gemm_equals_the_cpu_emulation() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = Rng::new(5);
+    let (m, k, n) = (64, 128, 96);
+    for role in [
+        LinearRole::Forward,
+        LinearRole::InputGrad,
+        LinearRole::WeightGrad,
+    ] {
+        let a = bf16(&rng.normal_vec(m * k, 1.0));
+        let w = bf16(&rng.normal_vec(n * k, 0.05));
+        let c = bf16(&rng.normal_vec(m * n, 0.5));
+        let want = linear(&cpu, role, [&a, &w, &c], (m, k, n));
+        let got = linear(&gpu, role, [&a, &w, &c], (m, k, n));
+        let scale = want.iter().fold(0f32, |s, v| s.max(v.abs()));
+        let worst = want
+            .iter()
+            .zip(&got)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        // the GPU writes BF16 (8 bits of mantissa); the CPU F32
+        assert!(worst <= scale / 128.0, "{role:?}: {worst} against {scale}");
+    }
+}
