@@ -53,7 +53,7 @@ PY
 if [[ "$parts" == *" tests "* ]]; then
     for t in gpu_fp8 gpu_backend; do
         log="/tmp/$t.log"
-        timeout -k 5 240 "$bin/test-$t" --test-threads 1 > "$log" 2>&1
+        timeout -k 5 ${TEST_LIMIT:-240} "$bin/test-$t" --test-threads 1 > "$log" 2>&1
         rc=$?
         grep -aE "panicked|FAILED|SKIP" "$log" | head -8
         table+=("$t rc=$rc $(grep -a '^test result:' "$log" | tail -1)")

@@ -938,36 +938,6 @@ fn same_path(a: &Path, b: &Path) -> bool {
     norm(a) == norm(b)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn device_parses() {
-        assert_eq!("auto".parse::<Device>().unwrap(), Device::Auto);
-        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda);
-        let e = "tpu".parse::<Device>().unwrap_err();
-        assert!(e.to_string().contains("auto, cpu or cuda"), "{e}");
-    }
-
-    #[test]
-    fn betas_parse_in_zero_to_one() {
-        assert_eq!(parse_betas("0.9,0.95").unwrap(), (0.9, 0.95));
-        assert_eq!(parse_betas(" 0, 0.5 ").unwrap(), (0.0, 0.5));
-        let e = parse_betas("1.0,0.9").unwrap_err().to_string();
-        assert!(
-            e.contains("beta1 is 1, outside [0, 1)") && e.contains("--betas B1,B2"),
-            "{e}"
-        );
-        let e = parse_betas("0.9").unwrap_err().to_string();
-        assert!(e.contains("--betas 0.9: give two numbers"), "{e}");
-        let e = parse_betas("0.9,x").unwrap_err().to_string();
-        assert!(e.contains("`x` is not a number"), "{e}");
-        let e = parse_betas("0.9,-0.1").unwrap_err().to_string();
-        assert!(e.contains("beta2 is -0.1"), "{e}");
-    }
-}
-
 /// The training state of `--optim-state`, `--master-weights` and
 /// `--grad-dtype` (`keys`: the command's run-file keys). Under
 /// `--optim-state auto` the ladder's first, which the resolver replaces
@@ -999,4 +969,34 @@ pub fn training_state(
         }
     }
     Ok(StateFormat::AUTO_LADDER[0])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_parses() {
+        assert_eq!("auto".parse::<Device>().unwrap(), Device::Auto);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda);
+        let e = "tpu".parse::<Device>().unwrap_err();
+        assert!(e.to_string().contains("auto, cpu or cuda"), "{e}");
+    }
+
+    #[test]
+    fn betas_parse_in_zero_to_one() {
+        assert_eq!(parse_betas("0.9,0.95").unwrap(), (0.9, 0.95));
+        assert_eq!(parse_betas(" 0, 0.5 ").unwrap(), (0.0, 0.5));
+        let e = parse_betas("1.0,0.9").unwrap_err().to_string();
+        assert!(
+            e.contains("beta1 is 1, outside [0, 1)") && e.contains("--betas B1,B2"),
+            "{e}"
+        );
+        let e = parse_betas("0.9").unwrap_err().to_string();
+        assert!(e.contains("--betas 0.9: give two numbers"), "{e}");
+        let e = parse_betas("0.9,x").unwrap_err().to_string();
+        assert!(e.contains("`x` is not a number"), "{e}");
+        let e = parse_betas("0.9,-0.1").unwrap_err().to_string();
+        assert!(e.contains("beta2 is -0.1"), "{e}");
+    }
 }
