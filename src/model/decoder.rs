@@ -327,6 +327,25 @@ impl<B: Backend> Decoder<B> {
         self.cfg.norm()
     }
 
+    /// The final norm of the last block's output `x` `[s, hidden]` by
+    /// `w`, into a new tensor of category `cat`.
+    pub(crate) fn final_norm(
+        &self,
+        b: &B,
+        w: &Tensor<B>,
+        x: &Tensor<B>,
+        cat: Category,
+    ) -> Result<Tensor<B>> {
+        let mut hn = b.empty(x.shape(), x.dtype(), cat)?;
+        b.rms_norm_fwd(RmsNormFwd {
+            x,
+            w,
+            norm: self.norm(),
+            y: &mut hn,
+        })?;
+        Ok(hn)
+    }
+
     /// The token embedding of `ids` into `x` `[ids.len(), hidden]`, scaled
     /// where the family scales it.
     pub(crate) fn embed(
@@ -551,13 +570,7 @@ impl<B: Backend> Decoder<B> {
         if tied {
             store.acquire(b, Unit::Embed)?;
         }
-        let mut hn = b.empty(x.shape(), x.dtype(), Category::Workspace)?;
-        b.rms_norm_fwd(RmsNormFwd {
-            x: &x,
-            w: store.final_norm()?,
-            norm: self.norm(),
-            y: &mut hn,
-        })?;
+        let hn = self.final_norm(b, store.final_norm()?, &x, Category::Workspace)?;
         let head = store.head_grads(b)?;
         let HeadView {
             norm,

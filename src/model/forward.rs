@@ -156,13 +156,7 @@ impl<B: Backend> Decoder<B> {
             store.release(Unit::Block(l))?;
         }
         store.acquire(b, Unit::Head)?;
-        let mut hn = b.empty(x.shape(), act, Category::Activations)?;
-        b.rms_norm_fwd(RmsNormFwd {
-            x: &x,
-            w: store.final_norm()?,
-            norm: self.norm(),
-            y: &mut hn,
-        })?;
+        let hn = self.final_norm(b, store.final_norm()?, &x, Category::Activations)?;
         store.release(Unit::Head)?;
         Ok(hn)
     }
@@ -217,13 +211,7 @@ impl<B: Backend> Decoder<B> {
             store.release(Unit::Block(l))?;
         }
         self.with_head(b, store, move |store| {
-            let mut hn = b.empty(x.shape(), act, Category::Activations)?;
-            b.rms_norm_fwd(RmsNormFwd {
-                x: &x,
-                w: store.final_norm()?,
-                norm: self.norm(),
-                y: &mut hn,
-            })?;
+            let hn = self.final_norm(b, store.final_norm()?, &x, Category::Activations)?;
             drop(x);
             self.grouped_loss(b, store.head()?, &hn, targets, group_of_row, groups)
         })
