@@ -608,16 +608,8 @@ impl<'a, B: Backend> Staged<'a, B> {
         let keep = usize::from(self.prefetch());
         let AttnSaved { o, lse } = saved;
         if let Some(gwo) = g.wo.as_mut() {
-            let (c, a, role) = (gwo.mat_mut(), dy.mat().t(), LinearRole::WeightGrad);
-            let g = LinearGemm {
-                c,
-                a,
-                b: o.mat(),
-                alpha: 1.0,
-                beta: 1.0,
-                role,
-            };
-            linear_gemm(b, self.dims.precision, g)?;
+            let g = LinearGemm::new(LinearRole::WeightGrad, gwo.mat_mut(), dy.mat().t(), o.mat());
+            linear_gemm(b, self.dims.precision, g.accumulate())?;
         }
         let mut dx = b.zeros(&self.shapes.layer_io(), act, Category::Grads)?;
         let mut in_flight: Vec<GradInFlight<'_, B>> = Vec::new();
@@ -774,16 +766,9 @@ impl<'a, B: Backend> Staged<'a, B> {
             // a frozen projection's weight gradient is not computed
             if let Some(dw) = dw {
                 let c = dw.view_mut(self.head_rows(&run.heads));
-                let (a, role) = (gathered.view(cols).t(), LinearRole::WeightGrad);
-                let g = LinearGemm {
-                    c,
-                    a,
-                    b: x.mat(),
-                    alpha: 1.0,
-                    beta: 1.0,
-                    role,
-                };
-                linear_gemm(b, self.dims.precision, g)?;
+                let a = gathered.view(cols).t();
+                let g = LinearGemm::new(LinearRole::WeightGrad, c, a, x.mat());
+                linear_gemm(b, self.dims.precision, g.accumulate())?;
             }
             // the bias rows of the run's heads: their gradient summed over tokens
             if let Some(db) = db {

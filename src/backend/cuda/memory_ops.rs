@@ -457,7 +457,7 @@ impl CudaBackend {
                     .map(|b| half::bf16::from_bits(b).to_f32())
                     .collect()
             }
-            DType::U8 => {
+            DType::U8 | DType::F8E4M3 | DType::F8E5M2 => {
                 let mut v = vec![0u8; n];
                 // SAFETY: `t` holds n bytes; we wait for the stream below.
                 drv(
@@ -465,21 +465,10 @@ impl CudaBackend {
                     "download",
                 )?;
                 self.synchronize()?;
-                v.into_iter().map(f32::from).collect()
-            }
-            DType::F8E4M3 | DType::F8E5M2 => {
-                let f = t
-                    .dtype()
-                    .fp8_format()
-                    .ok_or_else(|| Error::Backend("fp8".into()))?;
-                let mut v = vec![0u8; n];
-                // SAFETY: `t` holds n bytes; we wait for the stream below.
-                drv(
-                    unsafe { result::memcpy_dtoh_async(&mut v, ptr(t), s) },
-                    "download",
-                )?;
-                self.synchronize()?;
-                v.into_iter().map(|c| f.decode(c)).collect()
+                match t.dtype().fp8_format() {
+                    Some(f) => v.into_iter().map(|c| f.decode(c)).collect(),
+                    None => v.into_iter().map(f32::from).collect(),
+                }
             }
         };
         Ok(out)
