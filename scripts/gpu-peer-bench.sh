@@ -33,7 +33,8 @@
 # NAME=BINARY (a path, e.g. an older build for an A/B row), NAME=pip-cudnn or NAME=pip-cublas
 # (this build with torch's pip cuDNN or cuBLASLt, linked as docs/cuda-backend.md shows), or
 # NAME=env:K=V,K2=V2 (this build with those environment variables, e.g.
-# tune=env:UPIPE_CUDNN_PLAN=fastest); they run as upipe-NAME.
+# tune=env:UPIPE_CUDNN_PLAN=fastest) or NAME=flags:F1,F2 (this build with more flags, e.g.
+# fp8=flags:--precision,fp8); they run as upipe-NAME.
 # PEERS ("liger hf": which peers run), SHORT_POLICIES ("none ckpt": the peers' policies
 # below LONG), SEQS ("32768 131072 262144"; empty: none), LONG (131072), STEPS (4 below LONG, 2 from LONG
 # on), ROUNDS (1: every configuration once; a second round runs them in reverse order),
@@ -127,7 +128,7 @@ print(next(l.split()[-1] for l in open("/proc/self/maps") if "libcublasLt.so" in
     mkdir -p /tmp/cublas-link && ln -sf "$so" /tmp/cublas-link/libcublasLt.so
     echo "UPIPE_CUBLASLT_LIB=$so LD_LIBRARY_PATH=/tmp/cublas-link:$(dirname "$so"):${LD_LIBRARY_PATH:-}"
 }
-declare -A variant_bin variant_env
+declare -A variant_bin variant_env variant_flags
 variants=()
 for v in ${VARIANTS:-}; do
     name="${v%%=*}" what="${v#*=}"
@@ -137,6 +138,9 @@ for v in ${VARIANTS:-}; do
     elif [ "$what" = pip-cublas ]; then
         env_line="$(pip_cublas_env)" || { echo "no pip cuBLASLt: variant $name skipped"; continue; }
         variant_bin[$name]="$upipe" variant_env[$name]="$env_line"
+    elif [[ "$what" == flags:* ]]; then
+        variant_bin[$name]="$upipe" variant_env[$name]="" variant_flags[$name]="${what#flags:}"
+        variant_flags[$name]="${variant_flags[$name]//,/ }"
     elif [[ "$what" == env:* ]]; then
         variant_bin[$name]="$upipe" variant_env[$name]="${what#env:}"
         variant_env[$name]="${variant_env[$name]//,/ }"
@@ -227,7 +231,8 @@ bench_row() {
                     v="${cfg#upipe-}"
                     # shellcheck disable=SC2086
                     run "$row" "$cfg" "$round" env ${variant_env[$v]} "${variant_bin[$v]}" train "${device[@]}" \
-                        --model "$model" --data "$data" --seq "$seq" --steps "$nsteps" --warmup 1 "${f[@]}" --profile --json ;;
+                        --model "$model" --data "$data" --seq "$seq" --steps "$nsteps" --warmup 1 "${f[@]}" \
+                        ${variant_flags[$v]:-} --profile --json ;;
                 *)
                     [ "${DRY:-0}" = 1 ] && continue
                     [[ "$cfg" == liger-* ]] && [ "$liger" = 0 ] && continue

@@ -33,32 +33,49 @@ fn bf16(x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// Codes, transpose and inverse scale of a `[rows, cols]` BF16 matrix (a
-/// block of a wider one, as the engine's views are) on `b`.
+/// Codes and inverse scale of a `[rows, cols]` BF16 matrix (a block of a
+/// wider one, as the engine's views are), or of its transpose (`[cols,
+/// rows]`, column-major, as a weight gradient reads its operands), on `b`;
+/// then the codes and their transpose of a second call that asks for both.
 fn quantized<B: Backend>(
     b: &B,
     x: &[f32],
-    (rows, cols, ld): (usize, usize, usize),
+    (rows, cols, ld, transpose): (usize, usize, usize, bool),
     dtype: DType,
-) -> [Vec<f32>; 3] {
+) -> [Vec<f32>; 4] {
     let src = b
         .from_host(x, &[x.len()], b.compute_dtype(), Category::Workspace)
         .unwrap();
+    let view = || {
+        let v = src.view(MatLayout::block(1, rows, cols, ld));
+        if transpose { v.t() } else { v }
+    };
+    let (rows, cols) = if transpose {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
     let mut q = b.empty(&[rows, cols], dtype, Category::Workspace).unwrap();
+    let mut q2 = b.empty(&[rows, cols], dtype, Category::Workspace).unwrap();
     let mut qt = b.empty(&[cols, rows], dtype, Category::Workspace).unwrap();
     let mut s = b.empty(&[1], DType::F32, Category::Workspace).unwrap();
     let args = Fp8Quantize {
-        src: src.view(MatLayout::block(1, rows, cols, ld)),
+        src: view(),
         dst: &mut q,
-        dst_t: Some(&mut qt),
+        dst_t: None,
         scale_inv: &mut s,
     };
     b.fp8_quantize(args).unwrap();
-    [
-        b.to_host(&q).unwrap(),
-        b.to_host(&qt).unwrap(),
-        b.to_host(&s).unwrap(),
-    ]
+    let mut s2 = b.empty(&[1], DType::F32, Category::Workspace).unwrap();
+    let args = Fp8Quantize {
+        src: view(),
+        dst: &mut q2,
+        dst_t: Some(&mut qt),
+        scale_inv: &mut s2,
+    };
+    b.fp8_quantize(args).unwrap();
+    assert_eq!(b.to_host(&s).unwrap(), b.to_host(&s2).unwrap());
+    [q, q2, qt, s].map(|t| b.to_host(&t).unwrap())
 }
 
 #[test]
@@ -66,21 +83,27 @@ fn gpu_fp8_quantize_equals_the_cpu_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(3);
-    let (rows, cols, ld) = (37, 53, 60);
-    for (dtype, std) in [
-        (DType::F8E4M3, 3.0),
-        (DType::F8E5M2, 1e-3),
-        (DType::F8E4M3, 0.0),
-    ] {
-        let x = bf16(&rng.normal_vec(rows * ld + 1, std));
-        let want = quantized(&cpu, &x, (rows, cols, ld), dtype);
-        let got = quantized(&gpu, &x, (rows, cols, ld), dtype);
-        for (w, g) in want.iter().zip(&got) {
-            let same = w.iter().zip(g).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                same,
-                "{dtype:?} std {std}: GPU quantization differs from the CPU's"
-            );
+    // partial tiles; many tiles and amax blocks; whole vectors and tiles
+    // (the vector paths, row- and column-major)
+    for (rows, cols, ld) in [(37, 53, 60), (1200, 517, 520), (256, 192, 200)] {
+        for (dtype, std) in [
+            (DType::F8E4M3, 3.0),
+            (DType::F8E5M2, 1e-3),
+            (DType::F8E4M3, 0.0),
+        ] {
+            let x = bf16(&rng.normal_vec(rows * ld + 1, std));
+            for transpose in [false, true] {
+                let shape = (rows, cols, ld, transpose);
+                let want = quantized(&cpu, &x, shape, dtype);
+                let got = quantized(&gpu, &x, shape, dtype);
+                for (w, g) in want.iter().zip(&got) {
+                    let same = w.iter().zip(g).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{dtype:?} std {std} {shape:?}: GPU quantization differs from the CPU's"
+                    );
+                }
+            }
         }
     }
 }

@@ -9,10 +9,16 @@ use super::attention::dt_flag;
 use super::backend::{BLOCK, CudaBackend, ptr, ptr_at};
 use super::device::drv;
 use super::gemm::{GemmPtrs, map_problem};
-use super::kernels::{Args, grid_for, launch};
+use super::kernels::{Args, launch};
 use crate::backend::fp8::{Fp8Format, Fp8Gemm, Fp8GemmShape, Fp8Quantize};
 use crate::backend::{DType, Tensor};
 use crate::error::{Error, Result};
+
+/// The most blocks of an amax launch: enough to fill any GPU, few enough
+/// that one atomic per block costs nothing.
+const AMAX_BLOCKS: usize = 1024;
+/// The most blocks of a cast launch (its blocks step over lines or tiles).
+const CAST_BLOCKS: usize = 4096;
 
 /// The `fmt` flag of the FP8 kernels (as `dt_flag` numbers the dtypes).
 fn fmt_flag(f: Fp8Format) -> i32 {
@@ -52,18 +58,31 @@ impl CudaBackend {
                 .usize(cs)
         };
         if n > 0 {
-            let grid = grid_for(n, BLOCK);
+            // a block per line along the larger stride, a bounded grid
+            let lines = if rs < cs { l.cols } else { l.rows };
+            let amax_grid = (lines.min(AMAX_BLOCKS) as u32, 1, 1);
+            let amax = src().ptr(cell);
             launch(
                 &self.stream,
                 self.kernels.fp8_amax,
-                grid,
+                amax_grid,
                 BLOCK,
                 0,
-                src().ptr(cell),
+                amax,
             )?;
+            // up to a block per 32 x 32 tile, a bounded grid
+            let tiles = l.rows.div_ceil(32) * l.cols.div_ceil(32);
+            let cast_grid = (tiles.min(CAST_BLOCKS) as u32, 1, 1);
             let dst_t = a.dst_t.as_deref().map_or(0, |t: &Tensor<Self>| ptr(t));
             let args = src().ptr(cell).i32(fmt_flag(f)).ptr(ptr(a.dst)).ptr(dst_t);
-            launch(&self.stream, self.kernels.fp8_cast, grid, BLOCK, 0, args)?;
+            launch(
+                &self.stream,
+                self.kernels.fp8_cast,
+                cast_grid,
+                BLOCK,
+                0,
+                args,
+            )?;
         }
         let args = Args::new().ptr(cell).i32(fmt_flag(f));
         launch(

@@ -39,34 +39,152 @@ __device__ __forceinline__ float fp8_scale(float amax, int fmt) {
     return s <= 3.402823466e38f ? s : 3.402823466e38f;
 }
 
+// Whether a view's lines (along its unit stride `cs`) read as uint4s of 8
+// bf16: BF16, unit stride, whole vectors per line, 16-byte aligned lines.
+__device__ __forceinline__ bool fp8_vec8(const void* p, int dt, i64 cols, i64 rs, i64 cs) {
+    return dt == DT_BF16 && cs == 1 && (cols & 7) == 0 && (rs & 7) == 0 &&
+           (((unsigned long long)p) & 15) == 0;
+}
+
+// The 8 codes of 8 bf16 times scale, packed low byte first.
+__device__ __forceinline__ uint2 fp8_encode8(uint4 q, float scale, int fmt) {
+    float f[8];
+    unpack8(q, f);
+    unsigned w[2] = {0u, 0u};
+    for (int i = 0; i < 8; i++)
+        w[i >> 2] |= (unsigned)fp8_encode(__fmul_rn(f[i], scale), fmt) << (8 * (i & 3));
+    return make_uint2(w[0], w[1]);
+}
+
+// The largest |x| of a strided view. The view is read along its unit stride
+// (order does not matter to a maximum), one line per block step, 8 bf16 a
+// load where it can, so loads coalesce whether the view is row- or
+// column-major; a bounded grid leaves one atomic per block.
 extern "C" __global__ void fp8_amax(const void* src, int dt, i64 rows, i64 cols, i64 rs,
                                     i64 cs, unsigned* cell) {
+    if (rs < cs) {  // read the transpose: its columns are contiguous
+        i64 t = rows; rows = cols; cols = t;
+        t = rs; rs = cs; cs = t;
+    }
     unsigned m = 0;
-    i64 n = rows * cols;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
-         i += (i64)gridDim.x * blockDim.x) {
-        i64 r = i / cols, c = i - r * cols;
-        unsigned b = __float_as_uint(fabsf(ld(src, r * rs + c * cs, dt)));
-        m = b > m ? b : m;
+    if (fp8_vec8(src, dt, cols, rs, cs)) {
+        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+            const uint4* line = (const uint4*)((const bf16_t*)src + r * rs);
+            for (i64 v = threadIdx.x; v < (cols >> 3); v += blockDim.x) {
+                uint4 q = line[v];
+                unsigned w[4] = {q.x, q.y, q.z, q.w};
+                for (int i = 0; i < 4; i++) {
+                    // |x| as f32 bits: the sign cleared
+                    unsigned lo = (w[i] << 16) & 0x7fffffffu, hi = w[i] & 0x7fff0000u;
+                    m = lo > m ? lo : m;
+                    m = hi > m ? hi : m;
+                }
+            }
+        }
+    } else {
+        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+            for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
+                unsigned b = __float_as_uint(fabsf(ld(src, r * rs + c * cs, dt)));
+                m = b > m ? b : m;
+            }
+        }
     }
     for (int o = 16; o > 0; o >>= 1) {
         unsigned other = __shfl_xor_sync(0xffffffffu, m, o);
         m = other > m ? other : m;
     }
-    if ((threadIdx.x & 31) == 0 && m > 0) atomicMax(cell, m);
+    __shared__ unsigned warp_max[32];
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = warp_max[w] > m ? warp_max[w] : m;
+        if (m > 0) atomicMax(cell, m);
+    }
 }
 
+// A row-major view, 8 bf16 a load: one line per block step, 8 codes a store.
+__device__ void fp8_cast_rows(const bf16_t* src, i64 rows, i64 cols, i64 rs, float scale,
+                              int fmt, unsigned char* dst) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const uint4* line = (const uint4*)(src + r * rs);
+        uint2* out = (uint2*)(dst + r * cols);
+        for (i64 v = threadIdx.x; v < (cols >> 3); v += blockDim.x)
+            out[v] = fp8_encode8(line[v], scale, fmt);
+    }
+}
+
+// A column-major view (the transpose of a row-major matrix, as a weight
+// gradient reads its operands) of whole 64 x 64 tiles: each thread loads 8
+// consecutive rows of two columns, the codes meet in shared memory, and each
+// thread stores 16 consecutive columns of one row.
+__device__ void fp8_cast_cols(const bf16_t* src, i64 rows, i64 cols, i64 cs, float scale,
+                              int fmt, unsigned char* dst) {
+    __shared__ __align__(16) unsigned char tile[64][80];
+    const int t = threadIdx.x;
+    const i64 tiles_c = cols >> 6, tiles = (rows >> 6) * tiles_c;
+    for (i64 k = blockIdx.x; k < tiles; k += gridDim.x) {
+        const i64 r0 = (k / tiles_c) << 6, c0 = (k % tiles_c) << 6;
+        const int r8 = (t & 7) << 3;
+        for (int half = 0; half < 2; half++) {
+            const int c = (t >> 3) + 32 * half;
+            uint2 q = fp8_encode8(*(const uint4*)(src + (c0 + c) * cs + r0 + r8), scale, fmt);
+            for (int i = 0; i < 8; i++)
+                tile[r8 + i][c] = (unsigned char)((i < 4 ? q.x : q.y) >> (8 * (i & 3)));
+        }
+        __syncthreads();
+        const int r = t >> 2, c16 = (t & 3) << 4;
+        *(uint4*)(dst + (r0 + r) * cols + c0 + c16) = *(const uint4*)&tile[r][c16];
+        __syncthreads();
+    }
+}
+
+// Any view, 32 x 32 tiles of single elements: read along the view's unit
+// stride into shared memory, written along rows in dst and, where dst_t is
+// given, along rows of the transpose ([cols, rows]) in dst_t.
+__device__ void fp8_cast_any(const void* src, int dt, i64 rows, i64 cols, i64 rs, i64 cs,
+                             float scale, int fmt, unsigned char* dst, unsigned char* dst_t) {
+    __shared__ unsigned char tile[32][33];
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    const bool col_major = rs < cs;
+    const i64 tiles_c = (cols + 31) / 32, tiles = ((rows + 31) / 32) * tiles_c;
+    for (i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const i64 r0 = (t / tiles_c) * 32, c0 = (t % tiles_c) * 32;
+        for (int k = ty; k < 32; k += 8) {
+            const int i = col_major ? tx : k, j = col_major ? k : tx;
+            const i64 r = r0 + i, c = c0 + j;
+            if (r < rows && c < cols)
+                tile[i][j] = fp8_encode(__fmul_rn(ld(src, r * rs + c * cs, dt), scale), fmt);
+        }
+        __syncthreads();
+        for (int k = ty; k < 32; k += 8) {
+            const i64 r = r0 + k, c = c0 + tx;
+            if (r < rows && c < cols) dst[r * cols + c] = tile[k][tx];
+        }
+        if (dst_t) {
+            for (int k = ty; k < 32; k += 8) {
+                const i64 r = r0 + tx, c = c0 + k;
+                if (r < rows && c < cols) dst_t[c * rows + r] = tile[tx][k];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// The codes of view * scale, row-major [rows, cols] in dst and, where dst_t
+// is given, column-major in dst_t ([cols, rows]). 256 threads a block; the
+// two shapes the linear layers' GEMMs read most (a row-major BF16 view, and
+// the column-major view of one) take vector paths, any other the tiled one.
 extern "C" __global__ void fp8_cast(const void* src, int dt, i64 rows, i64 cols, i64 rs, i64 cs,
                                     const unsigned* cell, int fmt, unsigned char* dst,
                                     unsigned char* dst_t) {
-    float scale = fp8_scale(__uint_as_float(*cell), fmt);
-    i64 n = rows * cols;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
-         i += (i64)gridDim.x * blockDim.x) {
-        i64 r = i / cols, c = i - r * cols;
-        unsigned char q = fp8_encode(__fmul_rn(ld(src, r * rs + c * cs, dt), scale), fmt);
-        dst[i] = q;
-        if (dst_t) dst_t[c * rows + r] = q;
+    const float scale = fp8_scale(__uint_as_float(*cell), fmt);
+    if (!dst_t && fp8_vec8(src, dt, cols, rs, cs)) {
+        fp8_cast_rows((const bf16_t*)src, rows, cols, rs, scale, fmt, dst);
+    } else if (!dst_t && fp8_vec8(src, dt, rows, cs, rs) && (rows & 63) == 0 &&
+               (cols & 63) == 0) {
+        fp8_cast_cols((const bf16_t*)src, rows, cols, cs, scale, fmt, dst);
+    } else {
+        fp8_cast_any(src, dt, rows, cols, rs, cs, scale, fmt, dst, dst_t);
     }
 }
 
