@@ -4,7 +4,10 @@
 use super::lora_delta::{LoraPair, add_delta, add_delta_bwd};
 use super::rope::RopeTables;
 use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, norm_rope_bwd};
-use crate::backend::fp8::{LinearGemm, LinearRole, Precision, linear_gemm};
+use crate::backend::fp8::{
+    Fp8Format, Fp8Operand, LinearGemm, LinearRole, Precision, Quantized, linear_gemm,
+    linear_gemm_quantized,
+};
 use crate::backend::{
     AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType, Tensor,
 };
@@ -15,27 +18,14 @@ use crate::error::Result;
 /// `[rows, heads, d]`.
 fn project<B: Backend>(
     b: &B,
-    x: &Tensor<B>,
+    (x, x8): (&Tensor<B>, Option<&Fp8Operand<B>>),
     (w, bias, lora): (&Tensor<B>, Option<&Tensor<B>>, Option<&LoraPair<B>>),
     (heads, d): (usize, usize),
     precision: Precision,
 ) -> Result<Tensor<B>> {
     let mut out = b.zeros(&[x.rows(), heads, d], x.dtype(), Category::Workspace)?;
-    let (c, a) = (out.mat_mut(), x.mat());
-    let role = LinearRole::Forward;
-    let (alpha, beta) = (1.0, 0.0);
-    linear_gemm(
-        b,
-        precision,
-        LinearGemm {
-            c,
-            a,
-            b: w.mat().t(),
-            alpha,
-            beta,
-            role,
-        },
-    )?;
+    let g = LinearGemm::new(LinearRole::Forward, out.mat_mut(), x.mat(), w.mat().t());
+    linear_gemm_quantized(b, precision, g, Quantized { a: x8, b: None })?;
     if let Some(bias) = bias {
         super::add_head_bias(b, out.mat_mut(), bias, &(0..heads), d)?;
     }
@@ -51,6 +41,9 @@ fn project_qkv<B: Backend>(
     x: &Tensor<B>,
 ) -> Result<[Tensor<B>; 3]> {
     let (d, l, p) = (dims.head_dim, &w.lora, dims.precision);
+    // q, k and v read x: under fp8 it is quantized once for the three
+    let x8 = Fp8Operand::of(b, p, x.mat(), Fp8Format::E4M3)?;
+    let x = (x, x8.as_ref());
     let q = project(
         b,
         x,
@@ -190,6 +183,8 @@ pub fn backward<B: Backend>(
         rope,
     )?;
     let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
+    // the three weight gradients read xᵀ: under fp8 it is quantized once
+    let xt8 = Fp8Operand::of(b, p, x.mat().t(), Fp8Format::E4M3)?;
     let (l, gl) = (&w.lora, &mut g.lora);
     for (dp, wp, gp, gb, heads, lora) in [
         (
@@ -220,18 +215,12 @@ pub fn backward<B: Backend>(
         let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
         if let Some(gp) = gp {
             let (c, a, role) = (gp.mat_mut(), dp.mat().t(), LinearRole::WeightGrad);
-            linear_gemm(
-                b,
-                p,
-                LinearGemm {
-                    c,
-                    a,
-                    b: x.mat(),
-                    alpha: 1.0,
-                    beta: 1.0,
-                    role,
-                },
-            )?;
+            let g = LinearGemm::new(role, c, a, x.mat()).accumulate();
+            let pre = Quantized {
+                a: None,
+                b: xt8.as_ref(),
+            };
+            linear_gemm_quantized(b, p, g, pre)?;
         }
         if let Some(gb) = gb {
             super::head_bias_grad(b, gb, dp.mat(), &(0..heads), d)?;

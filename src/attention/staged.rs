@@ -29,7 +29,9 @@ use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd,
     ring_shift,
 };
-use crate::backend::fp8::{LinearGemm, LinearRole, linear_gemm};
+use crate::backend::fp8::{
+    Fp8Format, Fp8Operand, LinearGemm, LinearRole, Quantized, linear_gemm, linear_gemm_quantized,
+};
 use crate::backend::{
     AttnGradWrites, AttnMask, AttnShape, Backend, Category, DType, GradWrite, Mat, MatLayout,
     Tensor,
@@ -70,6 +72,27 @@ struct BwdStageInputs<B: Backend> {
     o_att: Pending<B>,
     d_o: Pending<B>,
     q_raw: Pending<B>,
+}
+
+/// The layer's input `x: [s, hidden]` and, under fp8, its codes, each
+/// quantized once per call rather than once per stage: row-major for the
+/// q/k/v projections, transposed for their weight gradients (backward only).
+struct Input<'x, B: Backend> {
+    x: &'x Tensor<B>,
+    fwd8: Option<Fp8Operand<B>>,
+    wgrad8: Option<Fp8Operand<B>>,
+}
+
+impl<'x, B: Backend> Input<'x, B> {
+    fn new(b: &B, dims: &AttnDims, x: &'x Tensor<B>, backward: bool) -> Result<Self> {
+        let p = dims.precision;
+        let fwd8 = Fp8Operand::of(b, p, x.mat(), Fp8Format::E4M3)?;
+        let wgrad8 = match backward {
+            true => Fp8Operand::of(b, p, x.mat().t(), Fp8Format::E4M3)?,
+            false => None,
+        };
+        Ok(Input { x, fwd8, wgrad8 })
+    }
 }
 
 /// One rank's view of the staged layer for one call.
@@ -135,11 +158,12 @@ impl<'a, B: Backend> Staged<'a, B> {
     /// each block gets its own heads' bias rows and adapter rows.
     fn project_packed(
         &self,
-        x: &Tensor<B>,
+        x: &Input<'_, B>,
         (w, bias, lora): (&Tensor<B>, Option<&Tensor<B>>, Option<&LoraPair<B>>),
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
-        let mut buf = self.project_by_destination(x, heads, |h| w.view(self.head_rows(h)).t())?;
+        let operand = |h: &Range<usize>| w.view(self.head_rows(h)).t();
+        let mut buf = self.project_by_destination((x.x, x.fwd8.as_ref()), heads, operand)?;
         let (nh, d) = (heads[0].len(), self.dims.head_dim);
         for (j, h) in heads.iter().enumerate() {
             if let Some(bias) = bias {
@@ -149,7 +173,7 @@ impl<'a, B: Backend> Staged<'a, B> {
             if let Some(pair) = lora {
                 let part = DeltaPart::out_rows(self.dims.hidden, h.start * d..h.end * d);
                 let block = buf.view_mut(self.packed_block(j, nh));
-                delta_fwd(self.b, pair, &part, x.mat(), block)?;
+                delta_fwd(self.b, pair, &part, x.x.mat(), block)?;
             }
         }
         Ok(buf)
@@ -159,7 +183,7 @@ impl<'a, B: Backend> Staged<'a, B> {
     /// `[pu * s, nh, d]`; `operand(h)` is the `[hidden, nh*d]` weight view of heads `h`.
     fn project_by_destination<'w>(
         &self,
-        input: &Tensor<B>,
+        (input, input8): (&Tensor<B>, Option<&Fp8Operand<B>>),
         heads: &[Range<usize>],
         operand: impl Fn(&Range<usize>) -> Mat<'w, B>,
     ) -> Result<Tensor<B>>
@@ -179,18 +203,9 @@ impl<'a, B: Backend> Staged<'a, B> {
             let mut buf = self.exchange_buffer(&self.shapes.packed(nh), dtype)?;
             for (j, h) in heads.iter().enumerate() {
                 let (c, a) = (buf.view_mut(self.packed_block(j, nh)), input.mat());
-                linear_gemm(
-                    b,
-                    p,
-                    LinearGemm {
-                        c,
-                        a,
-                        b: operand(h),
-                        alpha: 1.0,
-                        beta: 0.0,
-                        role,
-                    },
-                )?;
+                let g = LinearGemm::new(role, c, a, operand(h));
+                let pre = Quantized { a: input8, b: None };
+                linear_gemm_quantized(b, p, g, pre)?;
             }
             return Ok(buf);
         }
@@ -227,18 +242,8 @@ impl<'a, B: Backend> Staged<'a, B> {
             Category::Workspace,
         )?;
         let (c, a) = (proj.mat_mut(), input.mat());
-        linear_gemm(
-            b,
-            p,
-            LinearGemm {
-                c,
-                a,
-                b: rhs,
-                alpha: 1.0,
-                beta: 0.0,
-                role,
-            },
-        )?;
+        let g = LinearGemm::new(role, c, a, rhs);
+        linear_gemm_quantized(b, p, g, Quantized { a: input8, b: None })?;
         drop(stacked);
         let mut buf = self.exchange_buffer(&self.shapes.packed(nh), dtype)?;
         for j in 0..heads.len() {
@@ -311,7 +316,7 @@ impl<'a, B: Backend> Staged<'a, B> {
     fn kv_start(
         &self,
         w: &AttentionWeights<B>,
-        x: &Tensor<B>,
+        x: &Input<'_, B>,
         phase: &KvPhase,
     ) -> Result<KvInFlight<B>> {
         let heads = &phase.kv_heads;
@@ -347,7 +352,7 @@ impl<'a, B: Backend> Staged<'a, B> {
     fn q_exchanged(
         &self,
         w: &AttentionWeights<B>,
-        x: &Tensor<B>,
+        x: &Input<'_, B>,
         q_heads: &[Range<usize>],
     ) -> Result<Pending<B>> {
         let wq = (&w.wq, w.bq.as_ref(), w.lora.q.as_ref());
@@ -413,7 +418,7 @@ impl<'a, B: Backend> Staged<'a, B> {
     fn bwd_stage_inputs(
         &self,
         w: &AttentionWeights<B>,
-        x: &Tensor<B>,
+        x: &Input<'_, B>,
         o: &Tensor<B>,
         dy: &Tensor<B>,
         heads: &[Range<usize>],
@@ -475,6 +480,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         let b = self.b;
         let sched = &self.plan.fwd_schedule;
         let mut o = b.empty(&self.shapes.saved_o(), x.dtype(), Category::Activations)?;
+        let x = &Input::new(b, self.dims, x, false)?;
         // one LSE per backward stage
         let mut lses: Vec<Option<Tensor<B>>> =
             (0..self.plan.schedule.n_stages()).map(|_| None).collect();
@@ -612,6 +618,7 @@ impl<'a, B: Backend> Staged<'a, B> {
             linear_gemm(b, self.dims.precision, g.accumulate())?;
         }
         let mut dx = b.zeros(&self.shapes.layer_io(), act, Category::Grads)?;
+        let x = &Input::new(b, self.dims, x, true)?;
         let mut in_flight: Vec<GradInFlight<'_, B>> = Vec::new();
         let mut next_kv: Option<KvInFlight<B>> = None;
         let mut next_inputs: Option<BwdStageInputs<B>> = None;
@@ -720,7 +727,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         &self,
         in_flight: &mut Vec<GradInFlight<'_, B>>,
         keep: usize,
-        x: &Tensor<B>,
+        x: &Input<'_, B>,
         w: &AttentionWeights<B>,
         g: &mut AttentionGrads<B>,
         dx: &mut Tensor<B>,
@@ -748,8 +755,9 @@ impl<'a, B: Backend> Staged<'a, B> {
                 .collect::<Vec<_>>(),
         );
         let width = layout.width * d;
-        let mut gathered = b.empty(&[self.s, width], x.dtype(), Category::Workspace)?;
-        let mut stacked = b.empty(&[width, hid], x.dtype(), Category::Workspace)?;
+        let dtype = x.x.dtype();
+        let mut gathered = b.empty(&[self.s, width], dtype, Category::Workspace)?;
+        let mut stacked = b.empty(&[width, hid], dtype, Category::Workspace)?;
         for (i, (_, h, grad, blk)) in blocks.iter().enumerate() {
             let to = MatLayout::block(layout.col[i] * d, self.s, h.len() * d, width);
             b.copy(gathered.view_mut(to), grad.view(*blk))?;
@@ -767,8 +775,12 @@ impl<'a, B: Backend> Staged<'a, B> {
             if let Some(dw) = dw {
                 let c = dw.view_mut(self.head_rows(&run.heads));
                 let a = gathered.view(cols).t();
-                let g = LinearGemm::new(LinearRole::WeightGrad, c, a, x.mat());
-                linear_gemm(b, self.dims.precision, g.accumulate())?;
+                let g = LinearGemm::new(LinearRole::WeightGrad, c, a, x.x.mat());
+                let pre = Quantized {
+                    a: None,
+                    b: x.wgrad8.as_ref(),
+                };
+                linear_gemm_quantized(b, self.dims.precision, g.accumulate(), pre)?;
             }
             // the bias rows of the run's heads: their gradient summed over tokens
             if let Some(db) = db {
@@ -789,7 +801,7 @@ impl<'a, B: Backend> Staged<'a, B> {
                     b,
                     pair,
                     &part,
-                    x.mat(),
+                    x.x.mat(),
                     gathered.view(cols),
                     grads,
                     dx.mat_mut(),
@@ -829,6 +841,6 @@ impl<'a, B: Backend> Staged<'a, B> {
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
         let hidden = self.dims.hidden;
-        self.project_by_destination(dy, heads, |h| wo.view(self.head_cols(h, hidden)))
+        self.project_by_destination((dy, None), heads, |h| wo.view(self.head_cols(h, hidden)))
     }
 }

@@ -41,7 +41,10 @@ use super::weights::BlockWeights;
 use crate::attention::lora_delta::{add_delta, add_delta_bwd};
 use crate::attention::{AttnSaved, CpPlan, output_projection};
 use crate::backend::PhaseGuard;
-use crate::backend::fp8::{LinearGemm, LinearRole, Precision, linear_gemm};
+use crate::backend::fp8::{
+    Fp8Format, Fp8Operand, LinearGemm, LinearRole, Precision, Quantized, linear_gemm,
+    linear_gemm_quantized,
+};
 use crate::backend::profile::Phase;
 use crate::backend::{
     Backend, Category, DType, MatLayout, RmsNorm, RmsNormBwd, RmsNormFwd, Tensor, cast,
@@ -847,14 +850,23 @@ impl<B: Backend> Decoder<B> {
             y: &mut m,
         })?;
         let fwd = LinearRole::Forward;
+        // gate and up read m: under fp8 it is quantized once for both
+        let m8 = Fp8Operand::of(b, self.precision, m.mat(), Fp8Format::E4M3)?;
+        let pre = || Quantized {
+            a: m8.as_ref(),
+            b: None,
+        };
         // [r, f] each
         let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
         let wg = w.gate.mat().t();
-        self.linear(b, LinearGemm::new(fwd, gate.mat_mut(), m.mat(), wg))?;
+        let g = LinearGemm::new(fwd, gate.mat_mut(), m.mat(), wg);
+        linear_gemm_quantized(b, self.precision, g, pre())?;
         add_delta(b, w.mlp_lora.gate.as_ref(), m.mat(), gate.mat_mut())?;
         let mut up = b.empty(&[r, f], dt, Category::Activations)?;
         let wu = w.up.mat().t();
-        self.linear(b, LinearGemm::new(fwd, up.mat_mut(), m.mat(), wu))?;
+        let g = LinearGemm::new(fwd, up.mat_mut(), m.mat(), wu);
+        linear_gemm_quantized(b, self.precision, g, pre())?;
+        drop(m8);
         add_delta(b, w.mlp_lora.up.as_ref(), m.mat(), up.mat_mut())?;
         let mut act = b.empty(&[r, f], dt, Category::Activations)?;
         b.gated_act_fwd(self.cfg.spec().activation, &gate, &up, &mut act)?;
@@ -1011,14 +1023,24 @@ impl<B: Backend> Decoder<B> {
         let act = self.cfg.spec().activation;
         b.gated_act_bwd(act, &s.gate, &s.up, &dact, &mut dgate, &mut dup)?;
         drop(dact);
+        // both weight gradients read mᵀ: under fp8 it is quantized once
+        let mt8 = match g.gate.is_some() && g.up.is_some() {
+            true => Fp8Operand::of(b, self.precision, s.m.mat().t(), Fp8Format::E4M3)?,
+            false => None,
+        };
+        let pre = || Quantized {
+            a: None,
+            b: mt8.as_ref(),
+        };
         if let Some(g_gate) = g.gate.as_mut() {
             let g = LinearGemm::new(wgrad, g_gate.mat_mut(), dgate.mat().t(), s.m.mat());
-            self.linear(b, g.accumulate())?;
+            linear_gemm_quantized(b, self.precision, g.accumulate(), pre())?;
         }
         if let Some(g_up) = g.up.as_mut() {
             let g = LinearGemm::new(wgrad, g_up.mat_mut(), dup.mat().t(), s.m.mat());
-            self.linear(b, g.accumulate())?;
+            linear_gemm_quantized(b, self.precision, g.accumulate(), pre())?;
         }
+        drop(mt8);
         // [rows, hidden]
         let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
         let (dg, du) = (dgate.mat(), dup.mat());

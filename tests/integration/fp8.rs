@@ -11,7 +11,10 @@ use std::process::Command;
 use upipe::attention::trial::rel_err;
 use upipe::attention::{CpPlan, Strategy};
 use upipe::backend::cpu::CpuBackend;
-use upipe::backend::fp8::{LinearGemm, LinearRole, Precision, linear_gemm};
+use upipe::backend::fp8::{
+    Fp8Format, Fp8Operand, LinearGemm, LinearRole, Precision, Quantized, linear_gemm,
+    linear_gemm_quantized,
+};
 use upipe::backend::{Backend, Category, DType, MatLayout};
 use upipe::data::PackedWindow;
 use upipe::model::decoder::attn_dims;
@@ -173,11 +176,84 @@ fn each_linear_gemm_equals_an_independent_f64_reference() {
     }
 }
 
+/// An operand quantized once for several GEMMs (a block's input, read by
+/// q, k and v and by their weight gradients) gives each GEMM the bits of
+/// quantizing it there; codes of another shape or format are refused, and
+/// under bf16 nothing is quantized.
+#[test]
+fn an_operand_quantized_once_gives_every_gemm_the_same_bits() {
+    let dev = CpuBackend::new();
+    let mut rng = Rng::new(12);
+    let (m, k, n) = (9, 24, 7);
+    let mut tensor = |shape: &[usize], std: f32| {
+        let host = rng.normal_vec(shape.iter().product(), std);
+        dev.from_host(&host, shape, DType::F32, Category::Workspace)
+            .unwrap()
+    };
+    let (x, w, dy) = (
+        tensor(&[m, k], 2.0),
+        tensor(&[n, k], 0.05),
+        tensor(&[m, n], 1.0),
+    );
+    let fp8 = Precision::Fp8;
+    let x8 = Fp8Operand::of(&dev, fp8, x.mat(), Fp8Format::E4M3).unwrap();
+    let xt8 = Fp8Operand::of(&dev, fp8, x.mat().t(), Fp8Format::E4M3).unwrap();
+    let x5 = Fp8Operand::of(&dev, fp8, x.mat(), Fp8Format::E5M2).unwrap();
+    let forward = |pre: Quantized<'_, CpuBackend>| {
+        let mut c = dev.zeros(&[m, n], DType::F32, Category::Workspace).unwrap();
+        let g = LinearGemm::new(LinearRole::Forward, c.mat_mut(), x.mat(), w.mat().t());
+        linear_gemm_quantized(&dev, fp8, g, pre).map(|_| dev.to_host(&c).unwrap())
+    };
+    let wgrad = |pre: Quantized<'_, CpuBackend>| {
+        let mut c = dev.zeros(&[n, k], DType::F32, Category::Workspace).unwrap();
+        let g = LinearGemm::new(LinearRole::WeightGrad, c.mat_mut(), dy.mat().t(), x.mat());
+        linear_gemm_quantized(&dev, fp8, g, pre).map(|_| dev.to_host(&c).unwrap())
+    };
+    let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let none = || Quantized { a: None, b: None };
+    let own = bits(forward(none()).unwrap());
+    let shared = bits(
+        forward(Quantized {
+            a: x8.as_ref(),
+            b: None,
+        })
+        .unwrap(),
+    );
+    assert_eq!(own, shared, "the forward with x quantized once");
+    let own = bits(wgrad(none()).unwrap());
+    let shared = bits(
+        wgrad(Quantized {
+            a: None,
+            b: xt8.as_ref(),
+        })
+        .unwrap(),
+    );
+    assert_eq!(own, shared, "the weight gradient with xᵀ quantized once");
+    assert!(
+        wgrad(Quantized {
+            a: None,
+            b: x8.as_ref()
+        })
+        .is_err(),
+        "x's codes read as xᵀ"
+    );
+    assert!(
+        forward(Quantized {
+            a: x5.as_ref(),
+            b: None
+        })
+        .is_err(),
+        "E5M2 codes read as E4M3"
+    );
+    let bf16 = Fp8Operand::of(&dev, Precision::Bf16, x.mat(), Fp8Format::E4M3).unwrap();
+    assert!(bf16.is_none(), "nothing is quantized under bf16");
+}
+
 /// A quantization's codes and inverse scale, its transposed copy, and an
 /// all-zero tensor (scale 1) and a NaN (poisons the scale).
 #[test]
 fn quantize_writes_codes_the_transpose_and_the_inverse_scale() {
-    use upipe::backend::fp8::{Fp8Format, Fp8Quantize};
+    use upipe::backend::fp8::Fp8Quantize;
     let dev = CpuBackend::new();
     let x = [1.0f32, -3.5, 0.25, 7.0, 0.0, -0.01];
     let src = dev

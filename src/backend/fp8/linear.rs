@@ -107,22 +107,92 @@ impl<'a, B: Backend> LinearGemm<'a, B> {
     }
 }
 
+/// A GEMM operand quantized once for every GEMM that reads it (a block's
+/// input, read by q, k and v in every stage and by their weight gradients;
+/// the MLP's normed input, read by gate and up): the codes of the `[rows,
+/// k]` matrix a GEMM reads, and their `[1]` inverse scale.
+pub struct Fp8Operand<B: Backend> {
+    codes: Tensor<B>,     // [rows, k]
+    scale_inv: Tensor<B>, // [1]
+}
+
+impl<B: Backend> Fp8Operand<B> {
+    /// `x` (`[rows, k]`, any view) quantized to `format` under `fp8`
+    /// (workspace, held until dropped); nothing under `bf16`.
+    pub fn of(
+        dev: &B,
+        precision: Precision,
+        x: Mat<'_, B>,
+        format: Fp8Format,
+    ) -> Result<Option<Self>> {
+        if precision == Precision::Bf16 {
+            return Ok(None);
+        }
+        let (codes, scale_inv) = quantize(dev, x, format)?;
+        Ok(Some(Fp8Operand { codes, scale_inv }))
+    }
+
+    /// These codes and scale, where they stand for `x` in `format`.
+    fn stands_for(&self, x: Mat<'_, B>, format: Fp8Format) -> Result<(&Tensor<B>, &Tensor<B>)> {
+        let shape = [x.l.rows, x.l.cols];
+        if self.codes.shape() != shape || self.codes.dtype() != DType::of_fp8(format) {
+            return Err(Error::Backend(format!(
+                "a quantized operand of shape {:?} in {:?} read as {shape:?} in {format:?}",
+                self.codes.shape(),
+                self.codes.dtype()
+            )));
+        }
+        Ok((&self.codes, &self.scale_inv))
+    }
+}
+
+/// Operands of a [`LinearGemm`] quantized beforehand ([`Fp8Operand`]):
+/// `a` as `[m, k]`, `b` as its transpose `[n, k]`. Read under `fp8` only.
+pub struct Quantized<'a, B: Backend> {
+    pub a: Option<&'a Fp8Operand<B>>,
+    pub b: Option<&'a Fp8Operand<B>>,
+}
+
 /// Runs `g` in `precision`: `Backend::gemm` under `bf16` (exactly as
 /// before FP8 existed); under `fp8`, quantizes `a` and `b` (the transposed
 /// view of `b`, so that both are K-major) and runs `Backend::fp8_gemm`.
 pub fn linear_gemm<B: Backend>(dev: &B, precision: Precision, g: LinearGemm<'_, B>) -> Result<()> {
+    linear_gemm_quantized(dev, precision, g, Quantized { a: None, b: None })
+}
+
+/// [`linear_gemm`] with operands that were quantized once for several
+/// GEMMs; the same codes as quantizing them here, so the same result.
+pub fn linear_gemm_quantized<B: Backend>(
+    dev: &B,
+    precision: Precision,
+    g: LinearGemm<'_, B>,
+    pre: Quantized<'_, B>,
+) -> Result<()> {
     if precision == Precision::Bf16 {
         return dev.gemm(g.c, g.a, g.b, g.alpha, g.beta);
     }
     let (fa, fb) = g.role.formats();
-    let (qa, sa) = quantize(dev, g.a, fa)?; // [m, k]
-    let (qb, sb) = quantize(dev, g.b.t(), fb)?; // [n, k]
+    let (own_a, own_b);
+    let (qa, sa) = match pre.a {
+        Some(op) => op.stands_for(g.a, fa)?,
+        None => {
+            own_a = quantize(dev, g.a, fa)?; // [m, k]
+            (&own_a.0, &own_a.1)
+        }
+    };
+    let (qb, sb) = match pre.b {
+        Some(op) => op.stands_for(g.b.t(), fb)?,
+        None => {
+            own_b = quantize(dev, g.b.t(), fb)?; // [n, k]
+            (&own_b.0, &own_b.1)
+        }
+    };
     dev.fp8_gemm(Fp8Gemm {
         c: g.c,
         a: qa.mat(),
-        a_scale_inv: &sa,
+        a_scale_inv: sa,
         b: qb.mat().t(),
-        b_scale_inv: &sb,
+        b_scale_inv: sb,
         alpha: g.alpha,
         beta: g.beta,
     })
