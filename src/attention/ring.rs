@@ -138,54 +138,113 @@ pub fn forward<B: Backend>(
     mask: &AttnMask,
     scale: f32,
 ) -> Result<(Tensor<B>, Tensor<B>)> {
-    let (n, hq) = (q.rows(), q.shape()[1]);
     let (p, i) = (ring.size(), ring.rank());
-    let mut o = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
-    // the LSE is kept for backward
-    let mut lse = b.zeros(&[n, hq], DType::F32, Category::Activations)?;
+    let mut out = RingOutput::new(b, q)?;
     // the local block starts travelling before the local attention
     let relay = (p > 1).then(|| KvRelay::start(b, ring, k, v)).transpose()?;
-    // step 0: every local row against the local block, under the sequence's
-    // mask (the local rows are in sequence order)
-    b.attention_fwd(AttentionFwd {
-        q: q.all_rows(),
-        k: k.all_rows(),
-        v: v.all_rows(),
-        mask: &local_block_mask(mask, i, p, n)?,
-        scale,
-        o: o.all_rows_mut(),
-        lse: lse.all_rows_mut(),
-    })?;
+    out.local(b, [q, k, v], (mask, i, p), scale)?;
     if p == 1 {
-        return Ok((o, lse));
+        return Ok(out.finish());
     }
     let mut relay = relay.expect("started for p > 1");
-    let mut o_blk = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
-    let mut lse_blk = b.zeros(&[n, hq], DType::F32, Category::Workspace)?;
+    out.make_scratch(b, q)?;
     for step in 1..p {
         let kv = relay.advance(b, ring, step + 1 == p)?;
-        let blk = ring_block(i, step, p, n / 2, mask);
+        let blk = ring_block(i, step, p, q.rows() / 2, mask);
         if blk.mask.hides_all(blk.q_rows.len(), blk.k_rows.len()) {
             continue;
         }
-        b.attention_fwd(AttentionFwd {
-            q: q.rows_view(blk.q_rows.clone()),
-            k: kv[0].rows_view(blk.k_rows.clone()),
-            v: kv[1].rows_view(blk.k_rows.clone()),
-            mask: &blk.mask,
-            scale,
-            o: o_blk.rows_view_mut(blk.q_rows.clone()),
-            lse: lse_blk.rows_view_mut(blk.q_rows.clone()),
-        })?;
-        b.lse_merge(LseMerge {
-            o_acc: o.rows_view_mut(blk.q_rows.clone()),
-            lse_acc: lse.rows_view_mut(blk.q_rows.clone()),
-            o_blk: o_blk.rows_view(blk.q_rows.clone()),
-            lse_blk: lse_blk.rows_view(blk.q_rows.clone()),
-        })?;
+        out.add(b, q, kv, &blk, scale)?;
     }
     drop(relay);
-    Ok((o, lse))
+    Ok(out.finish())
+}
+
+/// A ring forward's output `o: [n, hq, d]` and `lse: [n, hq]` (F32, kept
+/// for backward), accumulated block by block: the local block's attention,
+/// then each arrived block's attention merged in by its log-sum-exp.
+pub(super) struct RingOutput<B: Backend> {
+    o: Tensor<B>,
+    lse: Tensor<B>,
+    /// One block's output and LSE (made once the ring has other ranks).
+    scratch: Option<(Tensor<B>, Tensor<B>)>,
+}
+
+impl<B: Backend> RingOutput<B> {
+    pub(super) fn new(b: &B, q: &Tensor<B>) -> Result<Self> {
+        let (n, hq) = (q.rows(), q.shape()[1]);
+        let o = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
+        let lse = b.zeros(&[n, hq], DType::F32, Category::Activations)?;
+        Ok(RingOutput {
+            o,
+            lse,
+            scratch: None,
+        })
+    }
+
+    /// Step 0: every local row of rank `i` of `p` against the local block,
+    /// under the sequence's mask (the local rows are in sequence order).
+    pub(super) fn local(
+        &mut self,
+        b: &B,
+        [q, k, v]: [&Tensor<B>; 3],
+        (mask, i, p): (&AttnMask, usize, usize),
+        scale: f32,
+    ) -> Result<()> {
+        b.attention_fwd(AttentionFwd {
+            q: q.all_rows(),
+            k: k.all_rows(),
+            v: v.all_rows(),
+            mask: &local_block_mask(mask, i, p, q.rows())?,
+            scale,
+            o: self.o.all_rows_mut(),
+            lse: self.lse.all_rows_mut(),
+        })
+    }
+
+    /// The scratch of one arrived block, before the first.
+    pub(super) fn make_scratch(&mut self, b: &B, q: &Tensor<B>) -> Result<()> {
+        let o_blk = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
+        let lse_blk = b.zeros(self.lse.shape(), DType::F32, Category::Workspace)?;
+        self.scratch = Some((o_blk, lse_blk));
+        Ok(())
+    }
+
+    /// Block `blk` of the arrived K/V (`kv = [k, v]`) attended by its query
+    /// rows and merged into theirs.
+    pub(super) fn add(
+        &mut self,
+        b: &B,
+        q: &Tensor<B>,
+        kv: &[Tensor<B>],
+        blk: &RingBlock,
+        scale: f32,
+    ) -> Result<()> {
+        let (o_blk, lse_blk) = self.scratch.as_mut().ok_or_else(|| {
+            crate::error::Error::Backend("a ring block arrived before its scratch".into())
+        })?;
+        let (qr, kr) = (blk.q_rows.clone(), blk.k_rows.clone());
+        b.attention_fwd(AttentionFwd {
+            q: q.rows_view(qr.clone()),
+            k: kv[0].rows_view(kr.clone()),
+            v: kv[1].rows_view(kr),
+            mask: &blk.mask,
+            scale,
+            o: o_blk.rows_view_mut(qr.clone()),
+            lse: lse_blk.rows_view_mut(qr.clone()),
+        })?;
+        b.lse_merge(LseMerge {
+            o_acc: self.o.rows_view_mut(qr.clone()),
+            lse_acc: self.lse.rows_view_mut(qr.clone()),
+            o_blk: o_blk.rows_view(qr.clone()),
+            lse_blk: lse_blk.rows_view(qr),
+        })
+    }
+
+    /// `(o, lse)`.
+    pub(super) fn finish(self) -> (Tensor<B>, Tensor<B>) {
+        (self.o, self.lse)
+    }
 }
 
 /// The operands of one ring attention backward ([`backward`]) on this

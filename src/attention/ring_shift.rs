@@ -20,10 +20,9 @@
 //! arrives beside the step before's attention, as in the relay.
 //! Causal and full masks, which hide no whole block, keep the relay.
 
-use super::ring::{self, RingBwd, local_block_mask, ring_block};
+use super::ring::{self, RingBwd, RingOutput, ring_block};
 use crate::backend::{
-    AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, Backend, Category, DType, GradWrite,
-    LseMerge, Tensor,
+    AttentionBwd, AttnGradWrites, AttnMask, Backend, Category, GradWrite, Tensor,
 };
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::Result;
@@ -59,49 +58,24 @@ pub fn forward<B: Backend>(
     mask: &AttnMask,
     scale: f32,
 ) -> Result<(Tensor<B>, Tensor<B>)> {
-    let (p, i, n, hq) = (ring.size(), ring.rank(), q.rows(), q.shape()[1]);
+    let (p, i) = (ring.size(), ring.rank());
     if !takes_shifts(mask, p) {
         return ring::forward(b, ring, q, k, v, mask, scale);
     }
-    let mut o = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
-    // the LSE is kept for backward
-    let mut lse = b.zeros(&[n, hq], DType::F32, Category::Activations)?;
+    let mut out = RingOutput::new(b, q)?;
     let mut shift = KvShift::new(b, ring, k, v, mask)?;
     // the step-1 block arrives beside the local attention
     shift.start(ring, 1)?;
-    b.attention_fwd(AttentionFwd {
-        q: q.all_rows(),
-        k: k.all_rows(),
-        v: v.all_rows(),
-        mask: &local_block_mask(mask, i, p, n)?,
-        scale,
-        o: o.all_rows_mut(),
-        lse: lse.all_rows_mut(),
-    })?;
-    let mut o_blk = b.zeros(q.shape(), q.dtype(), Category::Workspace)?;
-    let mut lse_blk = b.zeros(&[n, hq], DType::F32, Category::Workspace)?;
+    out.local(b, [q, k, v], (mask, i, p), scale)?;
+    out.make_scratch(b, q)?;
     for step in 1..p {
         if let Some(kv) = shift.arrive(ring, step)? {
-            let blk = ring_block(i, step, p, n / 2, mask);
-            b.attention_fwd(AttentionFwd {
-                q: q.rows_view(blk.q_rows.clone()),
-                k: kv[0].rows_view(blk.k_rows.clone()),
-                v: kv[1].rows_view(blk.k_rows.clone()),
-                mask: &blk.mask,
-                scale,
-                o: o_blk.rows_view_mut(blk.q_rows.clone()),
-                lse: lse_blk.rows_view_mut(blk.q_rows.clone()),
-            })?;
-            b.lse_merge(LseMerge {
-                o_acc: o.rows_view_mut(blk.q_rows.clone()),
-                lse_acc: lse.rows_view_mut(blk.q_rows.clone()),
-                o_blk: o_blk.rows_view(blk.q_rows.clone()),
-                lse_blk: lse_blk.rows_view(blk.q_rows.clone()),
-            })?;
+            let blk = ring_block(i, step, p, q.rows() / 2, mask);
+            out.add(b, q, kv, &blk, scale)?;
         }
     }
     drop(shift);
-    Ok((o, lse))
+    Ok(out.finish())
 }
 
 /// Ring attention backward ([`ring::backward`]'s contract): by direct
@@ -348,6 +322,7 @@ mod tests {
     use super::*;
     use crate::attention::layout::SeqLayout;
     use crate::backend::BoundedMask;
+    use crate::backend::DType;
     use crate::backend::cpu::CpuBackend;
     use crate::comm::MeshShape;
     use crate::comm::local::run_ranks;

@@ -218,3 +218,34 @@ impl Drop for Tmp {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Runs `upipe args`: its stdout, stderr and whether it succeeded.
+pub fn upipe(args: &[&str]) -> (String, String, bool) {
+    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        out.status.success(),
+    )
+}
+
+/// Every JSON step line of a successful `upipe train --json args`.
+pub fn train_steps(args: &[&str]) -> Vec<serde_json::Value> {
+    let mut all = vec!["train", "--json"];
+    all.extend_from_slice(args);
+    let (stdout, log, success) = upipe(&all);
+    assert!(success, "upipe {all:?} failed: {log}");
+    stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["step"].as_u64().is_some())
+        .collect()
+}
+
+/// A step line's loss.
+pub fn step_loss(s: &serde_json::Value) -> f64 {
+    s["loss"].as_f64().unwrap()
+}

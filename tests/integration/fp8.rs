@@ -7,7 +7,6 @@
 //! planned to the byte and says its precision; bad values are refused.
 
 use std::collections::BTreeMap;
-use std::process::Command;
 use upipe::attention::trial::rel_err;
 use upipe::attention::{CpPlan, Strategy};
 use upipe::backend::cpu::CpuBackend;
@@ -445,47 +444,22 @@ fn fp8_under_every_strategy_stays_within_fp8_rounding() {
 
 // ---- through the binary ----
 
-fn upipe(args: &[&str]) -> (String, String, bool) {
-    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-        out.status.success(),
-    )
-}
-
-fn steps(args: &[&str]) -> Vec<serde_json::Value> {
-    let mut all = vec!["train", "--json"];
-    all.extend_from_slice(args);
-    let (stdout, log, success) = upipe(&all);
-    assert!(success, "upipe {all:?} failed: {log}");
-    stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["step"].as_u64().is_some())
-        .collect()
-}
-
-fn loss(s: &serde_json::Value) -> f64 {
-    s["loss"].as_f64().unwrap()
-}
-
 /// 30 steps of the default run (UPipe over 4 thread ranks) in FP8 lower
 /// the loss, end within 3 % of the f32 run (and not at it), peak at the
 /// planner's prediction to the byte, and name the precision in the
 /// metrics; FSDP trains with it too.
 #[test]
 fn fp8_trains_near_f32_and_is_planned_to_the_byte() {
-    let common = ["--steps", "30", "--seq", "128"];
-    let fp8 = [&common[..], &["--precision", "fp8"]].concat();
-    let reference = steps(&common);
-    let got = steps(&fp8);
-    let (first, last) = (loss(&got[0]), loss(got.last().unwrap()));
+    let base = ["--steps", "30", "--seq", "128"];
+    let fp8 = [&base[..], &["--precision", "fp8"]].concat();
+    let reference = common::train_steps(&base);
+    let got = common::train_steps(&fp8);
+    let (first, last) = (
+        common::step_loss(&got[0]),
+        common::step_loss(got.last().unwrap()),
+    );
     assert!(last < first * 0.9, "FP8 loss {first} -> {last}");
-    let want = loss(reference.last().unwrap());
+    let want = common::step_loss(reference.last().unwrap());
     assert!(
         ((last - want) / want).abs() < 0.03 && last != want,
         "final loss {last} against f32's {want}"
@@ -493,9 +467,9 @@ fn fp8_trains_near_f32_and_is_planned_to_the_byte() {
     assert_eq!(got[0]["peak_bytes"], got[0]["predicted_peak_bytes"]);
     assert_eq!(got[0]["precision"], "fp8");
     assert!(reference[0].get("precision").is_none());
-    let fsdp = steps(&[&fp8[..], &["--fsdp", "on"]].concat());
+    let fsdp = common::train_steps(&[&fp8[..], &["--fsdp", "on"]].concat());
     assert_eq!(fsdp[0]["peak_bytes"], fsdp[0]["predicted_peak_bytes"]);
-    let f = loss(fsdp.last().unwrap());
+    let f = common::step_loss(fsdp.last().unwrap());
     assert!(((f - last) / last).abs() < 0.01, "FSDP {f} against {last}");
 }
 
@@ -504,12 +478,12 @@ fn fp8_trains_near_f32_and_is_planned_to_the_byte() {
 /// measures, to the byte, above bf16's (the operand copies counted).
 #[test]
 fn a_bad_precision_is_refused_and_plan_predicts_fp8() {
-    let (_, log, success) = upipe(&["train", "--steps", "1", "--precision", "fp4"]);
+    let (_, log, success) = common::upipe(&["train", "--steps", "1", "--precision", "fp4"]);
     assert!(
         !success && log.contains("--precision fp4") && log.contains("bf16 or fp8"),
         "{log}"
     );
-    let trained = steps(&[
+    let trained = common::train_steps(&[
         "--seq",
         "256",
         "--steps",
@@ -532,7 +506,7 @@ fn a_bad_precision_is_refused_and_plan_predicts_fp8() {
             "--json",
         ]);
         args.extend(["--precision", precision]);
-        let (stdout, log, success) = upipe(&args);
+        let (stdout, log, success) = common::upipe(&args);
         assert!(success, "{log}");
         let line = stdout.lines().rev().find(|l| l.starts_with('{')).unwrap();
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -546,7 +520,7 @@ fn a_bad_precision_is_refused_and_plan_predicts_fp8() {
 /// GEMMs in the compute dtype) trains and is planned to the byte.
 #[test]
 fn lora_on_an_fp8_base_trains_and_is_planned() {
-    let got = steps(&[
+    let got = common::train_steps(&[
         "--steps",
         "8",
         "--seq",
@@ -559,7 +533,10 @@ fn lora_on_an_fp8_base_trains_and_is_planned() {
         "4",
     ]);
     assert_eq!(got[0]["peak_bytes"], got[0]["predicted_peak_bytes"]);
-    let (first, last) = (loss(&got[0]), loss(got.last().unwrap()));
+    let (first, last) = (
+        common::step_loss(&got[0]),
+        common::step_loss(got.last().unwrap()),
+    );
     assert!(
         last.is_finite() && last < first,
         "LoRA on FP8: {first} -> {last}"

@@ -6,7 +6,6 @@
 //! so in the metrics.
 
 use std::collections::BTreeMap;
-use std::process::Command;
 use upipe::attention::{CpPlan, Strategy};
 use upipe::backend::cpu::CpuBackend;
 use upipe::backend::narrow::{bf16_nearest, bf16_value};
@@ -19,6 +18,8 @@ use upipe::model::{Decoder, Freeze, GradSpec, MemoryPolicy, ModelConfig};
 use upipe::rng::Rng;
 use upipe::train::replicated::ReplicatedStore;
 use upipe::train::trainer::weights_from_host;
+
+use crate::common;
 
 fn host_weights(cfg: &ModelConfig, seed: u64) -> BTreeMap<String, HostTensor> {
     let mut rng = Rng::new(seed);
@@ -146,36 +147,6 @@ fn gpu_bf16_gradients_are_the_f32_gradients_rounded() {
     }
 }
 
-/// Runs `upipe args`: its stdout, stderr and whether it succeeded.
-fn upipe(args: &[&str]) -> (String, String, bool) {
-    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-        out.status.success(),
-    )
-}
-
-/// Every JSON step line of a run of `upipe train args`.
-fn steps(args: &[&str]) -> Vec<serde_json::Value> {
-    let mut all = vec!["train", "--json"];
-    all.extend_from_slice(args);
-    let (stdout, log, success) = upipe(&all);
-    assert!(success, "upipe {all:?} failed: {log}");
-    stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["step"].as_u64().is_some())
-        .collect()
-}
-
-fn loss(s: &serde_json::Value) -> f64 {
-    s["loss"].as_f64().unwrap()
-}
-
 /// 30 steps of the default run (UPipe over 4 thread ranks) with BF16
 /// gradients end within 2 % of the F32 run's loss (and not at it), hold
 /// fewer gradient bytes, peak as planned, and say the format; FSDP and the
@@ -183,13 +154,13 @@ fn loss(s: &serde_json::Value) -> f64 {
 /// the device's.
 #[test]
 fn bf16_gradients_train_as_f32_ones_do_on_every_store() {
-    let common = ["--steps", "30", "--seq", "128"];
-    let bf16 = [&common[..], &["--grad-dtype", "bf16"]].concat();
-    let reference = steps(&common);
-    let narrow = steps(&bf16);
+    let base = ["--steps", "30", "--seq", "128"];
+    let bf16 = [&base[..], &["--grad-dtype", "bf16"]].concat();
+    let reference = common::train_steps(&base);
+    let narrow = common::train_steps(&bf16);
     let (want, got) = (
-        loss(reference.last().unwrap()),
-        loss(narrow.last().unwrap()),
+        common::step_loss(reference.last().unwrap()),
+        common::step_loss(narrow.last().unwrap()),
     );
     assert!(
         ((got - want) / want).abs() < 0.02 && got != want,
@@ -202,16 +173,16 @@ fn bf16_gradients_train_as_f32_ones_do_on_every_store() {
     assert_eq!(first["optim_state"], "moments f32, master f32, grads bf16");
     assert!(reference[0].get("optim_state").is_none());
 
-    let fsdp = steps(&[&bf16[..], &["--fsdp", "on"]].concat());
-    let (f, n) = (loss(fsdp.last().unwrap()), got);
+    let fsdp = common::train_steps(&[&bf16[..], &["--fsdp", "on"]].concat());
+    let (f, n) = (common::step_loss(fsdp.last().unwrap()), got);
     assert!(
         ((f - n) / n).abs() < 0.01,
         "FSDP {f} against replicated {n}"
     );
     assert_eq!(fsdp[0]["peak_bytes"], fsdp[0]["predicted_peak_bytes"]);
 
-    let host = steps(&[&bf16[..], &["--offload-optimizer", "all"]].concat());
-    let losses = |s: &[serde_json::Value]| s.iter().map(loss).collect::<Vec<_>>();
+    let host = common::train_steps(&[&bf16[..], &["--offload-optimizer", "all"]].concat());
+    let losses = |s: &[serde_json::Value]| s.iter().map(common::step_loss).collect::<Vec<_>>();
     assert_eq!(
         losses(&host),
         losses(&narrow),
@@ -226,7 +197,7 @@ fn bf16_gradients_train_as_f32_ones_do_on_every_store() {
 /// moment.
 #[test]
 fn a_bad_dtype_is_refused_and_the_plan_counts_bf16_gradients() {
-    let (_, log, success) = upipe(&["train", "--steps", "1", "--grad-dtype", "fp8"]);
+    let (_, log, success) = common::upipe(&["train", "--steps", "1", "--grad-dtype", "fp8"]);
     assert!(
         !success && log.contains("--grad-dtype fp8") && log.contains("bf16"),
         "{log}"
@@ -246,7 +217,7 @@ fn a_bad_dtype_is_refused_and_the_plan_counts_bf16_gradients() {
             "--grad-dtype",
             dtype,
         ];
-        let (stdout, log, success) = upipe(&args);
+        let (stdout, log, success) = common::upipe(&args);
         assert!(success, "{log}");
         let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
         assert_eq!(v["peak_at"], "backward: mlp");

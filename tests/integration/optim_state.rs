@@ -4,25 +4,12 @@
 //! the byte, is said in the header, metrics and run file, and refuses the
 //! host optimizer with a message naming the flags.
 
+use crate::common;
 use std::path::Path;
-use std::process::Command;
 
-/// Runs `upipe args`: its stdout, stderr and whether it succeeded.
-fn upipe(args: &[&str]) -> (String, String, bool) {
-    let out = Command::new(env!("CARGO_BIN_EXE_upipe"))
-        .args(args)
-        .output()
-        .unwrap();
-    let log = String::from_utf8_lossy(&out.stderr).into_owned();
-    (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        log,
-        out.status.success(),
-    )
-}
-
+/// Runs `upipe args` and returns its stdout; it must succeed.
 fn ok(args: &[&str]) -> String {
-    let (stdout, log, success) = upipe(args);
+    let (stdout, log, success) = common::upipe(args);
     assert!(success, "upipe {args:?} failed: {log}");
     stdout
 }
@@ -208,7 +195,7 @@ fn optim_state_auto_keeps_the_exact_state_where_it_fits() {
     let dir = scratch("auto");
     let save = dir.join("ckpt");
     let args = ["train", "--steps", "2", "--seq", "64", "--json"];
-    let (plain, _, success) = upipe(&args);
+    let (plain, _, success) = common::upipe(&args);
     assert!(success);
     let mut with_auto = args.to_vec();
     with_auto.extend([
@@ -217,7 +204,7 @@ fn optim_state_auto_keeps_the_exact_state_where_it_fits() {
         "--save-dir",
         save.to_str().unwrap(),
     ]);
-    let (auto, log, success) = upipe(&with_auto);
+    let (auto, log, success) = common::upipe(&with_auto);
     assert!(success, "{log}");
     assert!(
         log.contains("--optim-state auto: moments f32, master f32 (the exact state fits)"),
@@ -243,17 +230,17 @@ fn optim_state_auto_keeps_the_exact_state_where_it_fits() {
 /// before anything runs, naming the flags and the fix.
 #[test]
 fn bad_formats_and_host_state_are_refused_naming_the_fix() {
-    let (_, log, success) = upipe(&["train", "--steps", "1", "--optim-state", "fp8"]);
+    let (_, log, success) = common::upipe(&["train", "--steps", "1", "--optim-state", "fp8"]);
     assert!(
         !success && log.contains("--optim-state fp8") && log.contains("8bit"),
         "{log}"
     );
-    let (_, log, success) = upipe(&["train", "--steps", "1", "--master-weights", "bf16"]);
+    let (_, log, success) = common::upipe(&["train", "--steps", "1", "--master-weights", "bf16"]);
     assert!(
         !success && log.contains("--master-weights bf16") && log.contains("none"),
         "{log}"
     );
-    let (_, log, success) = upipe(&[
+    let (_, log, success) = common::upipe(&[
         "train",
         "--steps",
         "1",
@@ -282,7 +269,7 @@ fn a_resume_into_another_format_converts_and_says_so() {
         &["--steps", "4", "--optim-state", "8bit", "--resume"],
     ]
     .concat();
-    let (stdout, log, success) = upipe(&args);
+    let (stdout, log, success) = common::upipe(&args);
     assert!(success, "{log}");
     assert!(
         log.contains(
