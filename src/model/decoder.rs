@@ -662,13 +662,9 @@ impl<B: Backend> Decoder<B> {
             }
             _ => {
                 // out[rows] += act @ down^T (the residual add is the GEMM's beta = 1)
-                b.gemm(
-                    out.view_mut(dst),
-                    saved.act.mat(),
-                    w.down.mat().t(),
-                    1.0,
-                    1.0,
-                )?;
+                let (c, a) = (out.view_mut(dst), saved.act.mat());
+                let g = LinearGemm::new(LinearRole::Forward, c, a, w.down.mat().t());
+                self.linear(b, g.accumulate())?;
                 let down = w.mlp_lora.down.as_ref();
                 add_delta(b, down, saved.act.mat(), out.view_mut(dst))
             }
