@@ -47,7 +47,7 @@ use crate::backend::fp8::{
 };
 use crate::backend::profile::Phase;
 use crate::backend::{
-    Backend, Category, DType, MatLayout, RmsNorm, RmsNormBwd, RmsNormFwd, Tensor, cast,
+    Backend, Category, DType, Mat, MatLayout, RmsNorm, RmsNormBwd, RmsNormFwd, Tensor, cast,
 };
 use crate::comm::Mesh;
 use crate::error::{Error, Result};
@@ -616,11 +616,13 @@ impl<B: Backend> Decoder<B> {
         let (a, attn, y, h1) = self.attn_fwd(b, mesh, l, w, h, None)?;
         let mut out = cast(b, &h1, h.dtype(), Category::Activations)?;
         let mut mlp = None;
-        for_each_chunk(b, self.tiles(h.rows()), |rows| {
+        let tiles = self.tiles(h.rows());
+        let w8 = MlpWeights8::forward(b, self.precision, w, tiles.len())?;
+        for_each_chunk(b, tiles, |rows| {
             let copy = self.tile_copy(b, &h1, &rows)?;
             let x_t = copy.as_ref().unwrap_or(&h1);
-            let saved = self.mlp_fwd(b, w, x_t)?;
-            self.add_mlp_output(b, w, &saved, &mut out, &rows)?;
+            let saved = self.mlp_fwd(b, w, &w8, x_t)?;
+            self.add_mlp_output(b, (w, &w8), &saved, &mut out, &rows)?;
             if !self.policy.tiled_mlp {
                 mlp = Some(saved);
             }
@@ -642,7 +644,7 @@ impl<B: Backend> Decoder<B> {
     pub(crate) fn add_mlp_output(
         &self,
         b: &B,
-        w: &BlockWeights<B>,
+        (w, w8): (&BlockWeights<B>, &MlpWeights8<B>),
         saved: &MlpSaved<B>,
         out: &mut Tensor<B>,
         rows: &std::ops::Range<usize>,
@@ -664,7 +666,7 @@ impl<B: Backend> Decoder<B> {
                 // out[rows] += act @ down^T (the residual add is the GEMM's beta = 1)
                 let (c, a) = (out.view_mut(dst), saved.act.mat());
                 let g = LinearGemm::new(LinearRole::Forward, c, a, w.down.mat().t());
-                self.linear(b, g.accumulate())?;
+                linear_gemm_quantized(b, self.precision, g.accumulate(), w8.down())?;
                 let down = w.mlp_lora.down.as_ref();
                 add_delta(b, down, saved.act.mat(), out.view_mut(dst))
             }
@@ -787,7 +789,7 @@ impl<B: Backend> Decoder<B> {
         let mlp = if self.policy.tiled_mlp {
             None
         } else {
-            Some(self.mlp_fwd(b, w, &h1)?)
+            Some(self.mlp_fwd(b, w, &MlpWeights8::none(), &h1)?)
         };
         Ok(BlockSaved {
             a,
@@ -835,7 +837,13 @@ impl<B: Backend> Decoder<B> {
 
     /// RMSNorm + gate/up projections + the gated activation of one tile,
     /// and its down projection `z` where a post-norm follows.
-    pub(crate) fn mlp_fwd(&self, b: &B, w: &BlockWeights<B>, x: &Tensor<B>) -> Result<MlpSaved<B>> {
+    pub(crate) fn mlp_fwd(
+        &self,
+        b: &B,
+        w: &BlockWeights<B>,
+        w8: &MlpWeights8<B>,
+        x: &Tensor<B>,
+    ) -> Result<MlpSaved<B>> {
         let (r, f) = (x.rows(), self.cfg.ffn);
         let dt = x.dtype();
         let mut m = b.empty(x.shape(), dt, Category::Activations)?;
@@ -848,26 +856,30 @@ impl<B: Backend> Decoder<B> {
         let fwd = LinearRole::Forward;
         // gate and up read m: under fp8 it is quantized once for both
         let m8 = Fp8Operand::of(b, self.precision, m.mat(), Fp8Format::E4M3)?;
-        let pre = || Quantized {
-            a: m8.as_ref(),
-            b: None,
-        };
         // [r, f] each
         let mut gate = b.empty(&[r, f], dt, Category::Activations)?;
         let wg = w.gate.mat().t();
         let g = LinearGemm::new(fwd, gate.mat_mut(), m.mat(), wg);
-        linear_gemm_quantized(b, self.precision, g, pre())?;
+        let pre = Quantized {
+            a: m8.as_ref(),
+            b: w8.gate.as_ref(),
+        };
+        linear_gemm_quantized(b, self.precision, g, pre)?;
         add_delta(b, w.mlp_lora.gate.as_ref(), m.mat(), gate.mat_mut())?;
         let mut up = b.empty(&[r, f], dt, Category::Activations)?;
         let wu = w.up.mat().t();
         let g = LinearGemm::new(fwd, up.mat_mut(), m.mat(), wu);
-        linear_gemm_quantized(b, self.precision, g, pre())?;
+        let pre = Quantized {
+            a: m8.as_ref(),
+            b: w8.up.as_ref(),
+        };
+        linear_gemm_quantized(b, self.precision, g, pre)?;
         drop(m8);
         add_delta(b, w.mlp_lora.up.as_ref(), m.mat(), up.mat_mut())?;
         let mut act = b.empty(&[r, f], dt, Category::Activations)?;
         b.gated_act_fwd(self.cfg.spec().activation, &gate, &up, &mut act)?;
         let z = match w.post_mlp_norm {
-            Some(_) => Some(down_projection(b, w, &act, self.precision)?),
+            Some(_) => Some(down_projection(b, (w, w8), &act, self.precision)?),
             None => None,
         };
         Ok(MlpSaved {
@@ -903,17 +915,26 @@ impl<B: Backend> Decoder<B> {
         // MLP branch: dh1 = d_out + d(mlp)/dh1
         b.ledger().enter("backward: mlp");
         let mut dh1 = cast(b, &d_out, d_out.dtype(), Category::Grads)?;
-        for_each_chunk(b, self.tiles(h.rows()), |rows| {
+        let tiles = self.tiles(h.rows());
+        let n = tiles.len();
+        let (w8, w8t) = match mlp.is_some() {
+            true => (MlpWeights8::none(), MlpWeights8::none()),
+            false => (
+                MlpWeights8::recompute(b, self.precision, w, n)?,
+                MlpWeights8::input_grads(b, self.precision, w, n)?,
+            ),
+        };
+        for_each_chunk(b, tiles, |rows| {
             let copy = self.tile_copy(b, &h1, &rows)?;
             let x_t = copy.as_ref().unwrap_or(&h1);
             let s = match mlp.take() {
                 Some(s) => s,
                 None => {
                     let _phase = PhaseGuard::enter(b, Phase::Recompute);
-                    self.mlp_fwd(b, w, x_t)?
+                    self.mlp_fwd(b, w, &w8, x_t)?
                 }
             };
-            let dm = self.mlp_bwd(b, w, g, s, &d_out, &rows)?;
+            let dm = self.mlp_bwd(b, (w, &w8t), g, s, &d_out, &rows)?;
             let d_norm = g.mlp_norm.as_mut();
             self.norm_bwd_add_rows(b, x_t, &w.mlp_norm, &dm, &mut dh1, &rows, d_norm)?;
             Ok(())
@@ -962,7 +983,7 @@ impl<B: Backend> Decoder<B> {
     fn mlp_bwd(
         &self,
         b: &B,
-        w: &BlockWeights<B>,
+        (w, w8t): (&BlockWeights<B>, &MlpWeights8<B>),
         g: &mut BlockGrads<B>,
         s: MlpSaved<B>,
         d_out: &Tensor<B>,
@@ -1000,10 +1021,8 @@ impl<B: Backend> Decoder<B> {
         }
         // [rows, ffn]
         let mut dact = b.empty(s.act.shape(), s.act.dtype(), Category::Workspace)?;
-        self.linear(
-            b,
-            LinearGemm::new(dgrad, dact.mat_mut(), d_t(), w.down.mat()),
-        )?;
+        let g_down = LinearGemm::new(dgrad, dact.mat_mut(), d_t(), w.down.mat());
+        linear_gemm_quantized(b, self.precision, g_down, w8t.down())?;
         let (down, g_lora) = (w.mlp_lora.down.as_ref(), &mut g.mlp_lora);
         add_delta_bwd(
             b,
@@ -1040,9 +1059,10 @@ impl<B: Backend> Decoder<B> {
         // [rows, hidden]
         let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
         let (dg, du) = (dgate.mat(), dup.mat());
-        self.linear(b, LinearGemm::new(dgrad, dm.mat_mut(), dg, w.gate.mat()))?;
+        let gate = LinearGemm::new(dgrad, dm.mat_mut(), dg, w.gate.mat());
+        linear_gemm_quantized(b, self.precision, gate, w8t.gate())?;
         let up = LinearGemm::new(dgrad, dm.mat_mut(), du, w.up.mat());
-        self.linear(b, up.accumulate())?;
+        linear_gemm_quantized(b, self.precision, up.accumulate(), w8t.up())?;
         let (l, gl) = (&w.mlp_lora, &mut g.mlp_lora);
         let m = s.m.mat();
         add_delta_bwd(
@@ -1161,22 +1181,91 @@ impl<B: Backend> Decoder<B> {
 /// `act·Wdᵀ` (with the down adapter's delta) of one tile, `[rows, hidden]`.
 fn down_projection<B: Backend>(
     b: &B,
-    w: &BlockWeights<B>,
+    (w, w8): (&BlockWeights<B>, &MlpWeights8<B>),
     act: &Tensor<B>,
     precision: Precision,
 ) -> Result<Tensor<B>> {
     let hid = w.down.shape()[0];
     let mut z = b.empty(&[act.rows(), hid], act.dtype(), Category::Activations)?;
     let (c, a, role) = (z.mat_mut(), act.mat(), LinearRole::Forward);
-    let g = LinearGemm {
-        c,
-        a,
-        b: w.down.mat().t(),
-        alpha: 1.0,
-        beta: 0.0,
-        role,
-    };
-    linear_gemm(b, precision, g)?;
+    let g = LinearGemm::new(role, c, a, w.down.mat().t());
+    linear_gemm_quantized(b, precision, g, w8.down())?;
     add_delta(b, w.mlp_lora.down.as_ref(), act.mat(), z.mat_mut())?;
     Ok(z)
+}
+
+/// A block's MLP weights quantized once for all of its token tiles (under
+/// fp8, with more than one tile; otherwise none, and each GEMM quantizes
+/// its weight itself): as the forward GEMMs read them (`W`) or as the input
+/// gradients read them (`Wᵀ`). The codes are those each GEMM would make.
+pub(crate) struct MlpWeights8<B: Backend> {
+    gate: Option<Fp8Operand<B>>,
+    up: Option<Fp8Operand<B>>,
+    down: Option<Fp8Operand<B>>,
+}
+
+impl<B: Backend> MlpWeights8<B> {
+    pub(crate) fn none() -> Self {
+        MlpWeights8 {
+            gate: None,
+            up: None,
+            down: None,
+        }
+    }
+
+    /// The views given of gate, up and down, quantized (`tiles` ≥ 2).
+    fn of(
+        b: &B,
+        (precision, tiles): (Precision, usize),
+        [gate, up, down]: [Option<Mat<'_, B>>; 3],
+    ) -> Result<Self> {
+        if tiles < 2 {
+            return Ok(Self::none());
+        }
+        let q = |m: Option<Mat<'_, B>>| match m {
+            Some(m) => Fp8Operand::of(b, precision, m, Fp8Format::E4M3),
+            None => Ok(None),
+        };
+        Ok(MlpWeights8 {
+            gate: q(gate)?,
+            up: q(up)?,
+            down: q(down)?,
+        })
+    }
+
+    /// The block forward's: gate, up and down as `W`.
+    fn forward(b: &B, p: Precision, w: &BlockWeights<B>, tiles: usize) -> Result<Self> {
+        let all = [Some(w.gate.mat()), Some(w.up.mat()), Some(w.down.mat())];
+        Self::of(b, (p, tiles), all)
+    }
+
+    /// The tiles' forward again in the backward: gate and up as `W`.
+    fn recompute(b: &B, p: Precision, w: &BlockWeights<B>, tiles: usize) -> Result<Self> {
+        Self::of(b, (p, tiles), [Some(w.gate.mat()), Some(w.up.mat()), None])
+    }
+
+    /// The input gradients': gate, up and down as `Wᵀ`.
+    fn input_grads(b: &B, p: Precision, w: &BlockWeights<B>, tiles: usize) -> Result<Self> {
+        let (g, u, d) = (w.gate.mat().t(), w.up.mat().t(), w.down.mat().t());
+        Self::of(b, (p, tiles), [Some(g), Some(u), Some(d)])
+    }
+
+    fn gate(&self) -> Quantized<'_, B> {
+        Quantized {
+            a: None,
+            b: self.gate.as_ref(),
+        }
+    }
+    fn up(&self) -> Quantized<'_, B> {
+        Quantized {
+            a: None,
+            b: self.up.as_ref(),
+        }
+    }
+    fn down(&self) -> Quantized<'_, B> {
+        Quantized {
+            a: None,
+            b: self.down.as_ref(),
+        }
+    }
 }

@@ -11,7 +11,7 @@
 //! chunk-sized scratch with a gradient scale of 0, so no new kernel is needed.
 
 use super::chunk_loop::for_each_chunk;
-use super::decoder::Decoder;
+use super::decoder::{Decoder, MlpWeights8};
 use super::store::{ParamStore, Unit};
 use super::weights::{BlockWeights, ModelWeights};
 use crate::backend::{Backend, Category, DType, MatLayout, RmsNormFwd, Tensor};
@@ -237,9 +237,9 @@ impl<B: Backend> Decoder<B> {
         for_each_chunk(b, super::shapes::mlp_tiles(h.rows(), hid, true), |rows| {
             // the tile's input is copied out before its rows are overwritten
             let x_t = self.rows_of(b, &out, &rows)?;
-            let saved = self.mlp_fwd(b, w, &x_t)?;
+            let saved = self.mlp_fwd(b, w, &MlpWeights8::none(), &x_t)?;
             drop(x_t);
-            self.add_mlp_output(b, w, &saved, &mut out, &rows)
+            self.add_mlp_output(b, (w, &MlpWeights8::none()), &saved, &mut out, &rows)
         })?;
         Ok(out)
     }
