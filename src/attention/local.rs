@@ -183,8 +183,11 @@ pub fn backward<B: Backend>(
         rope,
     )?;
     let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
-    // the three weight gradients read xᵀ: under fp8 it is quantized once
-    let xt8 = Fp8Operand::of(b, p, x.mat().t(), Fp8Format::E4M3)?;
+    // the weight gradients read xᵀ: under fp8 it is quantized once
+    let xt8 = match g.wq.is_some() || g.wk.is_some() || g.wv.is_some() {
+        true => Fp8Operand::of(b, p, x.mat().t(), Fp8Format::E4M3)?,
+        false => None,
+    };
     let (l, gl) = (&w.lora, &mut g.lora);
     for (dp, wp, gp, gb, heads, lora) in [
         (

@@ -76,7 +76,8 @@ struct BwdStageInputs<B: Backend> {
 
 /// The layer's input `x: [s, hidden]` and, under fp8, its codes, each
 /// quantized once per call rather than once per stage: row-major for the
-/// q/k/v projections, transposed for their weight gradients (backward only).
+/// q/k/v projections, transposed for their weight gradients (a backward
+/// with any of them to compute).
 struct Input<'x, B: Backend> {
     x: &'x Tensor<B>,
     fwd8: Option<Fp8Operand<B>>,
@@ -84,10 +85,10 @@ struct Input<'x, B: Backend> {
 }
 
 impl<'x, B: Backend> Input<'x, B> {
-    fn new(b: &B, dims: &AttnDims, x: &'x Tensor<B>, backward: bool) -> Result<Self> {
+    fn new(b: &B, dims: &AttnDims, x: &'x Tensor<B>, weight_grads: bool) -> Result<Self> {
         let p = dims.precision;
         let fwd8 = Fp8Operand::of(b, p, x.mat(), Fp8Format::E4M3)?;
-        let wgrad8 = match backward {
+        let wgrad8 = match weight_grads {
             true => Fp8Operand::of(b, p, x.mat().t(), Fp8Format::E4M3)?,
             false => None,
         };
@@ -618,7 +619,8 @@ impl<'a, B: Backend> Staged<'a, B> {
             linear_gemm(b, self.dims.precision, g.accumulate())?;
         }
         let mut dx = b.zeros(&self.shapes.layer_io(), act, Category::Grads)?;
-        let x = &Input::new(b, self.dims, x, true)?;
+        let weight_grads = g.wq.is_some() || g.wk.is_some() || g.wv.is_some();
+        let x = &Input::new(b, self.dims, x, weight_grads)?;
         let mut in_flight: Vec<GradInFlight<'_, B>> = Vec::new();
         let mut next_kv: Option<KvInFlight<B>> = None;
         let mut next_inputs: Option<BwdStageInputs<B>> = None;

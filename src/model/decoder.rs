@@ -628,6 +628,7 @@ impl<B: Backend> Decoder<B> {
             }
             Ok(())
         })?;
+        drop(w8);
         let saved = BlockSaved {
             a,
             attn,
@@ -939,7 +940,7 @@ impl<B: Backend> Decoder<B> {
             self.norm_bwd_add_rows(b, x_t, &w.mlp_norm, &dm, &mut dh1, &rows, d_norm)?;
             Ok(())
         })?;
-        drop((h1, d_out));
+        drop((h1, d_out, w8, w8t));
         // Attention branch: dh = dh1 + d(attn(norm(h)))/dh
         b.ledger().enter("backward: attention");
         let dy = match (&y, &w.post_attn_norm) {
