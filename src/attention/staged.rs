@@ -481,7 +481,8 @@ impl<'a, B: Backend> Staged<'a, B> {
         let b = self.b;
         let sched = &self.plan.fwd_schedule;
         let mut o = b.empty(&self.shapes.saved_o(), x.dtype(), Category::Activations)?;
-        let x = &Input::new(b, self.dims, x, false)?;
+        let input = Input::new(b, self.dims, x, false)?;
+        let x = &input;
         // one LSE per backward stage
         let mut lses: Vec<Option<Tensor<B>>> =
             (0..self.plan.schedule.n_stages()).map(|_| None).collect();
@@ -542,6 +543,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         if let Some(last) = out.take() {
             self.take_output(&mut o, last)?;
         }
+        drop(input);
         let y = super::output_projection(b, &o, w, self.dims.precision)?;
         let lse = lses
             .into_iter()
