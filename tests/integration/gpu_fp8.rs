@@ -34,20 +34,21 @@ fn bf16(x: &[f32]) -> Vec<f32> {
 }
 
 /// Codes and inverse scale of a `[rows, cols]` BF16 matrix (a block of a
-/// wider one, as the engine's views are), or of its transpose (`[cols,
-/// rows]`, column-major, as a weight gradient reads its operands), on `b`;
-/// then the codes and their transpose of a second call that asks for both.
+/// wider one from element `offset`, as the engine's views are), or of its
+/// transpose (`[cols, rows]`, column-major, as a weight gradient reads its
+/// operands), on `b`; then the codes and their transpose of a second call
+/// that asks for both.
 fn quantized<B: Backend>(
     b: &B,
     x: &[f32],
-    (rows, cols, ld, transpose): (usize, usize, usize, bool),
+    (rows, cols, ld, offset, transpose): (usize, usize, usize, usize, bool),
     dtype: DType,
 ) -> [Vec<f32>; 4] {
     let src = b
         .from_host(x, &[x.len()], b.compute_dtype(), Category::Workspace)
         .unwrap();
     let view = || {
-        let v = src.view(MatLayout::block(1, rows, cols, ld));
+        let v = src.view(MatLayout::block(offset, rows, cols, ld));
         if transpose { v.t() } else { v }
     };
     let (rows, cols) = if transpose {
@@ -84,16 +85,24 @@ fn gpu_fp8_quantize_equals_the_cpu_bit_for_bit() {
     let cpu = CpuBackend::new();
     let mut rng = Rng::new(3);
     // partial tiles; many tiles and amax blocks; whole vectors and tiles
-    // (the vector paths, row- and column-major)
-    for (rows, cols, ld) in [(37, 53, 60), (1200, 517, 520), (256, 192, 200)] {
+    // at 16-byte aligned rows (the vector paths, row- and column-major), and
+    // the same shape off that alignment
+    let shapes = [
+        (37, 53, 60, 1),
+        (1200, 517, 520, 1),
+        (256, 192, 200, 0),
+        (256, 192, 200, 8),
+        (256, 192, 200, 1),
+    ];
+    for (rows, cols, ld, offset) in shapes {
         for (dtype, std) in [
             (DType::F8E4M3, 3.0),
             (DType::F8E5M2, 1e-3),
             (DType::F8E4M3, 0.0),
         ] {
-            let x = bf16(&rng.normal_vec(rows * ld + 1, std));
+            let x = bf16(&rng.normal_vec(rows * ld + offset, std));
             for transpose in [false, true] {
-                let shape = (rows, cols, ld, transpose);
+                let shape = (rows, cols, ld, offset, transpose);
                 let want = quantized(&cpu, &x, shape, dtype);
                 let got = quantized(&gpu, &x, shape, dtype);
                 for (w, g) in want.iter().zip(&got) {
