@@ -5,7 +5,7 @@ use super::lora_delta::{LoraPair, add_delta, add_delta_bwd};
 use super::rope::RopeTables;
 use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, norm_rope_bwd};
 use crate::backend::fp8::{
-    Fp8Format, Fp8Operand, LinearGemm, LinearRole, Precision, Quantized, linear_gemm,
+    Fp8Format, Fp8Operand, Fp8Ref, LinearGemm, LinearRole, Precision, Quantized,
     linear_gemm_quantized,
 };
 use crate::backend::{
@@ -18,7 +18,7 @@ use crate::error::Result;
 /// `[rows, heads, d]`.
 fn project<B: Backend>(
     b: &B,
-    (x, x8): (&Tensor<B>, Option<&Fp8Operand<B>>),
+    (x, x8): (&Tensor<B>, Option<Fp8Ref<'_, B>>),
     (w, bias, lora): (&Tensor<B>, Option<&Tensor<B>>, Option<&LoraPair<B>>),
     (heads, d): (usize, usize),
     precision: Precision,
@@ -43,7 +43,7 @@ fn project_qkv<B: Backend>(
     let (d, l, p) = (dims.head_dim, &w.lora, dims.precision);
     // q, k and v read x: under fp8 it is quantized once for the three
     let x8 = Fp8Operand::of(b, p, x.mat(), Fp8Format::E4M3)?;
-    let x = (x, x8.as_ref());
+    let x = (x, x8.as_ref().map(Fp8Operand::codes));
     let q = project(
         b,
         x,
@@ -113,35 +113,25 @@ pub fn backward<B: Backend>(
     let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm);
     let AttnSaved { o, lse } = saved;
     let p = dims.precision;
+    // dy is read by Wo's weight gradient (transposed) and by dO's GEMM:
+    // under fp8 quantized once, in both layouts
+    let dy8 = Fp8Operand::both(b, p, dy.mat(), Fp8Format::E5M2, g.wo.is_some())?;
     if let Some(gwo) = g.wo.as_mut() {
-        let (c, a, role) = (gwo.mat_mut(), dy.mat().t(), LinearRole::WeightGrad);
-        linear_gemm(
-            b,
-            p,
-            LinearGemm {
-                c,
-                a,
-                b: o.mat(),
-                alpha: 1.0,
-                beta: 1.0,
-                role,
-            },
-        )?;
+        let g = LinearGemm::new(LinearRole::WeightGrad, gwo.mat_mut(), dy.mat().t(), o.mat());
+        let pre = Quantized {
+            a: dy8.as_ref().and_then(Fp8Operand::codes_t),
+            b: None,
+        };
+        linear_gemm_quantized(b, p, g.accumulate(), pre)?;
     }
     let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
-    let (c, a, role) = (d_o.mat_mut(), dy.mat(), LinearRole::InputGrad);
-    linear_gemm(
-        b,
-        p,
-        LinearGemm {
-            c,
-            a,
-            b: w.wo.mat(),
-            alpha: 1.0,
-            beta: 0.0,
-            role,
-        },
-    )?;
+    let gemm = LinearGemm::new(LinearRole::InputGrad, d_o.mat_mut(), dy.mat(), w.wo.mat());
+    let pre = Quantized {
+        a: dy8.as_ref().map(Fp8Operand::codes),
+        b: None,
+    };
+    linear_gemm_quantized(b, p, gemm, pre)?;
+    drop(dy8);
     let (lo, glo) = (w.lora.o.as_ref(), g.lora.o.as_mut());
     add_delta_bwd(b, lo, glo, o.mat(), dy.mat(), d_o.mat_mut())?;
 
@@ -216,31 +206,26 @@ pub fn backward<B: Backend>(
         ),
     ] {
         let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
+        // read by the weight gradient (transposed) and by dx's GEMM
+        let dp8 = Fp8Operand::both(b, p, dp.mat(), Fp8Format::E5M2, gp.is_some())?;
         if let Some(gp) = gp {
-            let (c, a, role) = (gp.mat_mut(), dp.mat().t(), LinearRole::WeightGrad);
-            let g = LinearGemm::new(role, c, a, x.mat()).accumulate();
+            let g = LinearGemm::new(LinearRole::WeightGrad, gp.mat_mut(), dp.mat().t(), x.mat());
             let pre = Quantized {
-                a: None,
-                b: xt8.as_ref(),
+                a: dp8.as_ref().and_then(Fp8Operand::codes_t),
+                b: xt8.as_ref().map(Fp8Operand::codes),
             };
-            linear_gemm_quantized(b, p, g, pre)?;
+            linear_gemm_quantized(b, p, g.accumulate(), pre)?;
         }
         if let Some(gb) = gb {
             super::head_bias_grad(b, gb, dp.mat(), &(0..heads), d)?;
         }
-        let (c, a, role) = (dx.mat_mut(), dp.mat(), LinearRole::InputGrad);
-        linear_gemm(
-            b,
-            p,
-            LinearGemm {
-                c,
-                a,
-                b: wp.mat(),
-                alpha: 1.0,
-                beta: 1.0,
-                role,
-            },
-        )?;
+        let gemm = LinearGemm::new(LinearRole::InputGrad, dx.mat_mut(), dp.mat(), wp.mat());
+        let pre = Quantized {
+            a: dp8.as_ref().map(Fp8Operand::codes),
+            b: None,
+        };
+        linear_gemm_quantized(b, p, gemm.accumulate(), pre)?;
+        drop(dp8);
         let (pair, grads) = (lora.0.as_ref(), lora.1.as_mut());
         add_delta_bwd(b, pair, grads, x.mat(), dp.mat(), dx.mat_mut())?;
     }

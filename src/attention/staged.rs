@@ -30,7 +30,7 @@ use super::{
     ring_shift,
 };
 use crate::backend::fp8::{
-    Fp8Format, Fp8Operand, LinearGemm, LinearRole, Quantized, linear_gemm, linear_gemm_quantized,
+    Fp8Format, Fp8Operand, Fp8Ref, LinearGemm, LinearRole, Quantized, linear_gemm_quantized,
 };
 use crate::backend::{
     AttnGradWrites, AttnMask, AttnShape, Backend, Category, DType, GradWrite, Mat, MatLayout,
@@ -74,25 +74,20 @@ struct BwdStageInputs<B: Backend> {
     q_raw: Pending<B>,
 }
 
-/// The layer's input `x: [s, hidden]` and, under fp8, its codes, each
-/// quantized once per call rather than once per stage: row-major for the
-/// q/k/v projections, transposed for their weight gradients (a backward
-/// with any of them to compute).
+/// The layer's input `x: [s, hidden]` and, under fp8, its codes, quantized
+/// once per call rather than once per stage: row-major for the q/k/v
+/// projections and, from the same read, transposed for their weight
+/// gradients (a backward with any of them to compute).
 struct Input<'x, B: Backend> {
     x: &'x Tensor<B>,
-    fwd8: Option<Fp8Operand<B>>,
-    wgrad8: Option<Fp8Operand<B>>,
+    x8: Option<Fp8Operand<B>>,
 }
 
 impl<'x, B: Backend> Input<'x, B> {
     fn new(b: &B, dims: &AttnDims, x: &'x Tensor<B>, weight_grads: bool) -> Result<Self> {
         let p = dims.precision;
-        let fwd8 = Fp8Operand::of(b, p, x.mat(), Fp8Format::E4M3)?;
-        let wgrad8 = match weight_grads {
-            true => Fp8Operand::of(b, p, x.mat().t(), Fp8Format::E4M3)?,
-            false => None,
-        };
-        Ok(Input { x, fwd8, wgrad8 })
+        let x8 = Fp8Operand::both(b, p, x.mat(), Fp8Format::E4M3, weight_grads)?;
+        Ok(Input { x, x8 })
     }
 }
 
@@ -164,7 +159,11 @@ impl<'a, B: Backend> Staged<'a, B> {
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
         let operand = |h: &Range<usize>| w.view(self.head_rows(h)).t();
-        let mut buf = self.project_by_destination((x.x, x.fwd8.as_ref()), heads, operand)?;
+        let mut buf = self.project_by_destination(
+            (x.x, x.x8.as_ref().map(Fp8Operand::codes)),
+            heads,
+            operand,
+        )?;
         let (nh, d) = (heads[0].len(), self.dims.head_dim);
         for (j, h) in heads.iter().enumerate() {
             if let Some(bias) = bias {
@@ -184,7 +183,7 @@ impl<'a, B: Backend> Staged<'a, B> {
     /// `[pu * s, nh, d]`; `operand(h)` is the `[hidden, nh*d]` weight view of heads `h`.
     fn project_by_destination<'w>(
         &self,
-        (input, input8): (&Tensor<B>, Option<&Fp8Operand<B>>),
+        (input, input8): (&Tensor<B>, Option<Fp8Ref<'_, B>>),
         heads: &[Range<usize>],
         operand: impl Fn(&Range<usize>) -> Mat<'w, B>,
     ) -> Result<Tensor<B>>
@@ -421,7 +420,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         w: &AttentionWeights<B>,
         x: &Input<'_, B>,
         o: &Tensor<B>,
-        dy: &Tensor<B>,
+        dy: (&Tensor<B>, Option<Fp8Ref<'_, B>>),
         heads: &[Range<usize>],
         g: &mut AttentionGrads<B>,
     ) -> Result<BwdStageInputs<B>> {
@@ -429,7 +428,7 @@ impl<'a, B: Backend> Staged<'a, B> {
         let q_raw = self.q_exchanged(w, x, heads)?;
         let o_att = self.exchange_start(self.gather_heads(o, heads)?)?;
         let mut d_o = self.project_dout(dy, &w.wo, heads)?;
-        self.lora_o_bwd(w, o, dy, heads, g.lora.o.as_mut(), &mut d_o)?;
+        self.lora_o_bwd(w, o, dy.0, heads, g.lora.o.as_mut(), &mut d_o)?;
         let d_o = self.exchange_start(d_o)?;
         Ok(BwdStageInputs { q_raw, o_att, d_o })
     }
@@ -616,10 +615,23 @@ impl<'a, B: Backend> Staged<'a, B> {
         // gradients left in flight after each settlement
         let keep = usize::from(self.prefetch());
         let AttnSaved { o, lse } = saved;
+        // dy is read by Wo's weight gradient, transposed, and by every
+        // stage's dO projection: under fp8 it is quantized once, in both
+        // layouts, and the transpose dropped after the weight gradient
+        let p = self.dims.precision;
+        let mut dy8 = Fp8Operand::both(b, p, dy.mat(), Fp8Format::E5M2, g.wo.is_some())?;
         if let Some(gwo) = g.wo.as_mut() {
             let g = LinearGemm::new(LinearRole::WeightGrad, gwo.mat_mut(), dy.mat().t(), o.mat());
-            linear_gemm(b, self.dims.precision, g.accumulate())?;
+            let pre = Quantized {
+                a: dy8.as_ref().and_then(Fp8Operand::codes_t),
+                b: None,
+            };
+            linear_gemm_quantized(b, p, g.accumulate(), pre)?;
         }
+        if let Some(dy8) = dy8.as_mut() {
+            dy8.drop_codes_t();
+        }
+        let dy = (dy, dy8.as_ref().map(Fp8Operand::codes));
         let mut dx = b.zeros(&self.shapes.layer_io(), act, Category::Grads)?;
         let weight_grads = g.wq.is_some() || g.wk.is_some() || g.wv.is_some();
         let x = &Input::new(b, self.dims, x, weight_grads)?;
@@ -768,6 +780,12 @@ impl<'a, B: Backend> Staged<'a, B> {
         }
         drop(blocks);
         drop(parts);
+        // the dx GEMM reads the gradients as they are, the weight gradients
+        // read column runs of them transposed: under fp8 both layouts are
+        // quantized at once, under the scale of all of them
+        let any_wgrad = g.wq.is_some() || g.wk.is_some() || g.wv.is_some();
+        let p = self.dims.precision;
+        let g8 = Fp8Operand::both(b, p, gathered.mat(), Fp8Format::E5M2, any_wgrad)?;
         for run in &layout.runs {
             let (wt, dw, db) = match run.proj {
                 Proj::Q => (&w.wq, g.wq.as_mut(), g.bq.as_mut()),
@@ -780,11 +798,12 @@ impl<'a, B: Backend> Staged<'a, B> {
                 let c = dw.view_mut(self.head_rows(&run.heads));
                 let a = gathered.view(cols).t();
                 let g = LinearGemm::new(LinearRole::WeightGrad, c, a, x.x.mat());
+                let run_cols = run.col * d..(run.col + run.heads.len()) * d;
                 let pre = Quantized {
-                    a: None,
-                    b: x.wgrad8.as_ref(),
+                    a: g8.as_ref().and_then(|g8| g8.codes_t_rows(run_cols)),
+                    b: x.x8.as_ref().and_then(Fp8Operand::codes_t),
                 };
-                linear_gemm_quantized(b, self.dims.precision, g.accumulate(), pre)?;
+                linear_gemm_quantized(b, p, g.accumulate(), pre)?;
             }
             // the bias rows of the run's heads: their gradient summed over tokens
             if let Some(db) = db {
@@ -821,7 +840,11 @@ impl<'a, B: Backend> Staged<'a, B> {
             beta: 1.0,
             role,
         };
-        linear_gemm(b, self.dims.precision, g)
+        let pre = Quantized {
+            a: g8.as_ref().map(Fp8Operand::codes),
+            b: None,
+        };
+        linear_gemm_quantized(b, p, g, pre)
     }
 
     /// O's columns of every destination's heads, packed `[pu * s, u, d]`.
@@ -840,11 +863,11 @@ impl<'a, B: Backend> Staged<'a, B> {
     /// `dO[heads] = dy @ wo[:, heads]` for every destination, packed `[pu * s, u, d]`.
     fn project_dout(
         &self,
-        dy: &Tensor<B>,
+        dy: (&Tensor<B>, Option<Fp8Ref<'_, B>>),
         wo: &Tensor<B>,
         heads: &[Range<usize>],
     ) -> Result<Tensor<B>> {
         let hidden = self.dims.hidden;
-        self.project_by_destination((dy, None), heads, |h| wo.view(self.head_cols(h, hidden)))
+        self.project_by_destination(dy, heads, |h| wo.view(self.head_cols(h, hidden)))
     }
 }

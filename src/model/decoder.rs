@@ -42,8 +42,7 @@ use crate::attention::lora_delta::{add_delta, add_delta_bwd};
 use crate::attention::{AttnSaved, CpPlan, output_projection};
 use crate::backend::PhaseGuard;
 use crate::backend::fp8::{
-    Fp8Format, Fp8Operand, LinearGemm, LinearRole, Precision, Quantized, linear_gemm,
-    linear_gemm_quantized,
+    Fp8Format, Fp8Operand, LinearGemm, LinearRole, Precision, Quantized, linear_gemm_quantized,
 };
 use crate::backend::profile::Phase;
 use crate::backend::{
@@ -304,11 +303,6 @@ impl<B: Backend> Decoder<B> {
     /// What the linear layers compute in.
     pub fn precision(&self) -> Precision {
         self.precision
-    }
-
-    /// One linear GEMM of this decoder's MLP in its precision.
-    fn linear(&self, b: &B, g: LinearGemm<'_, B>) -> Result<()> {
-        linear_gemm(b, self.precision, g)
     }
 
     /// Attends under the mask of the next window, whose documents start at
@@ -862,8 +856,8 @@ impl<B: Backend> Decoder<B> {
         let wg = w.gate.mat().t();
         let g = LinearGemm::new(fwd, gate.mat_mut(), m.mat(), wg);
         let pre = Quantized {
-            a: m8.as_ref(),
-            b: w8.gate.as_ref(),
+            a: m8.as_ref().map(Fp8Operand::codes),
+            b: w8.gate.as_ref().map(Fp8Operand::codes),
         };
         linear_gemm_quantized(b, self.precision, g, pre)?;
         add_delta(b, w.mlp_lora.gate.as_ref(), m.mat(), gate.mat_mut())?;
@@ -871,8 +865,8 @@ impl<B: Backend> Decoder<B> {
         let wu = w.up.mat().t();
         let g = LinearGemm::new(fwd, up.mat_mut(), m.mat(), wu);
         let pre = Quantized {
-            a: m8.as_ref(),
-            b: w8.up.as_ref(),
+            a: m8.as_ref().map(Fp8Operand::codes),
+            b: w8.up.as_ref().map(Fp8Operand::codes),
         };
         linear_gemm_quantized(b, self.precision, g, pre)?;
         drop(m8);
@@ -1016,14 +1010,25 @@ impl<B: Backend> Decoder<B> {
         };
         // a frozen weight's gradient GEMM is skipped; dx's still runs
         let (wgrad, dgrad) = (LinearRole::WeightGrad, LinearRole::InputGrad);
+        let p = self.precision;
+        // each output gradient is read by its weight gradient (transposed)
+        // and its input gradient: under fp8 quantized once, both layouts
+        let both = |d: Mat<'_, B>, wgrad: bool| Fp8Operand::both(b, p, d, Fp8Format::E5M2, wgrad);
+        let d8 = both(d_t(), g.down.is_some())?;
         if let Some(g_down) = g.down.as_mut() {
             let g = LinearGemm::new(wgrad, g_down.mat_mut(), d_t().t(), s.act.mat());
-            self.linear(b, g.accumulate())?;
+            let pre = Quantized {
+                a: d8.as_ref().and_then(Fp8Operand::codes_t),
+                b: None,
+            };
+            linear_gemm_quantized(b, p, g.accumulate(), pre)?;
         }
         // [rows, ffn]
         let mut dact = b.empty(s.act.shape(), s.act.dtype(), Category::Workspace)?;
         let g_down = LinearGemm::new(dgrad, dact.mat_mut(), d_t(), w.down.mat());
-        linear_gemm_quantized(b, self.precision, g_down, w8t.down())?;
+        let pre = w8t.down().with_a(d8.as_ref().map(Fp8Operand::codes));
+        linear_gemm_quantized(b, p, g_down, pre)?;
+        drop(d8);
         let (down, g_lora) = (w.mlp_lora.down.as_ref(), &mut g.mlp_lora);
         add_delta_bwd(
             b,
@@ -1041,29 +1046,33 @@ impl<B: Backend> Decoder<B> {
         drop(dact);
         // both weight gradients read mᵀ: under fp8 it is quantized once
         let mt8 = match g.gate.is_some() && g.up.is_some() {
-            true => Fp8Operand::of(b, self.precision, s.m.mat().t(), Fp8Format::E4M3)?,
+            true => Fp8Operand::of(b, p, s.m.mat().t(), Fp8Format::E4M3)?,
             false => None,
         };
-        let pre = || Quantized {
-            a: None,
-            b: mt8.as_ref(),
-        };
-        if let Some(g_gate) = g.gate.as_mut() {
-            let g = LinearGemm::new(wgrad, g_gate.mat_mut(), dgate.mat().t(), s.m.mat());
-            linear_gemm_quantized(b, self.precision, g.accumulate(), pre())?;
-        }
-        if let Some(g_up) = g.up.as_mut() {
-            let g = LinearGemm::new(wgrad, g_up.mat_mut(), dup.mat().t(), s.m.mat());
-            linear_gemm_quantized(b, self.precision, g.accumulate(), pre())?;
-        }
-        drop(mt8);
         // [rows, hidden]
         let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
-        let (dg, du) = (dgate.mat(), dup.mat());
-        let gate = LinearGemm::new(dgrad, dm.mat_mut(), dg, w.gate.mat());
-        linear_gemm_quantized(b, self.precision, gate, w8t.gate())?;
-        let up = LinearGemm::new(dgrad, dm.mat_mut(), du, w.up.mat());
-        linear_gemm_quantized(b, self.precision, up.accumulate(), w8t.up())?;
+        let gate_up = [
+            (&dgate, g.gate.as_mut(), &w.gate, w8t.gate(), 0.0),
+            (&dup, g.up.as_mut(), &w.up, w8t.up(), 1.0),
+        ];
+        for (d, gw, wt, wt8, beta) in gate_up {
+            let d8 = both(d.mat(), gw.is_some())?;
+            if let Some(gw) = gw {
+                let g = LinearGemm::new(wgrad, gw.mat_mut(), d.mat().t(), s.m.mat());
+                let pre = Quantized {
+                    a: d8.as_ref().and_then(Fp8Operand::codes_t),
+                    b: mt8.as_ref().map(Fp8Operand::codes),
+                };
+                linear_gemm_quantized(b, p, g.accumulate(), pre)?;
+            }
+            let g = LinearGemm {
+                beta,
+                ..LinearGemm::new(dgrad, dm.mat_mut(), d.mat(), wt.mat())
+            };
+            let pre = wt8.with_a(d8.as_ref().map(Fp8Operand::codes));
+            linear_gemm_quantized(b, p, g, pre)?;
+        }
+        drop(mt8);
         let (l, gl) = (&w.mlp_lora, &mut g.mlp_lora);
         let m = s.m.mat();
         add_delta_bwd(
@@ -1254,19 +1263,19 @@ impl<B: Backend> MlpWeights8<B> {
     fn gate(&self) -> Quantized<'_, B> {
         Quantized {
             a: None,
-            b: self.gate.as_ref(),
+            b: self.gate.as_ref().map(Fp8Operand::codes),
         }
     }
     fn up(&self) -> Quantized<'_, B> {
         Quantized {
             a: None,
-            b: self.up.as_ref(),
+            b: self.up.as_ref().map(Fp8Operand::codes),
         }
     }
     fn down(&self) -> Quantized<'_, B> {
         Quantized {
             a: None,
-            b: self.down.as_ref(),
+            b: self.down.as_ref().map(Fp8Operand::codes),
         }
     }
 }

@@ -176,9 +176,11 @@ fn each_linear_gemm_equals_an_independent_f64_reference() {
 }
 
 /// An operand quantized once for several GEMMs (a block's input, read by
-/// q, k and v and by their weight gradients) gives each GEMM the bits of
-/// quantizing it there; codes of another shape or format are refused, and
-/// under bf16 nothing is quantized.
+/// q, k and v and by their weight gradients; an output's gradient, read by
+/// its input- and weight-gradient GEMMs in both layouts) gives each GEMM the
+/// bits of quantizing it there; a row block of the transpose's codes gives
+/// the rows of the whole weight gradient; codes of another shape or format
+/// are refused, and under bf16 nothing is quantized.
 #[test]
 fn an_operand_quantized_once_gives_every_gemm_the_same_bits() {
     let dev = CpuBackend::new();
@@ -195,56 +197,87 @@ fn an_operand_quantized_once_gives_every_gemm_the_same_bits() {
         tensor(&[m, n], 1.0),
     );
     let fp8 = Precision::Fp8;
-    let x8 = Fp8Operand::of(&dev, fp8, x.mat(), Fp8Format::E4M3).unwrap();
-    let xt8 = Fp8Operand::of(&dev, fp8, x.mat().t(), Fp8Format::E4M3).unwrap();
-    let x5 = Fp8Operand::of(&dev, fp8, x.mat(), Fp8Format::E5M2).unwrap();
+    let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
+    let x8 = Fp8Operand::of(&dev, fp8, x.mat(), e4).unwrap().unwrap();
+    let xt8 = Fp8Operand::of(&dev, fp8, x.mat().t(), e4).unwrap().unwrap();
+    let x_both = Fp8Operand::both(&dev, fp8, x.mat(), e4, true)
+        .unwrap()
+        .unwrap();
+    let dy_both = Fp8Operand::both(&dev, fp8, dy.mat(), e5, true)
+        .unwrap()
+        .unwrap();
+    let x5 = Fp8Operand::of(&dev, fp8, x.mat(), e5).unwrap().unwrap();
     let forward = |pre: Quantized<'_, CpuBackend>| {
         let mut c = dev.zeros(&[m, n], DType::F32, Category::Workspace).unwrap();
         let g = LinearGemm::new(LinearRole::Forward, c.mat_mut(), x.mat(), w.mat().t());
         linear_gemm_quantized(&dev, fp8, g, pre).map(|_| dev.to_host(&c).unwrap())
     };
-    let wgrad = |pre: Quantized<'_, CpuBackend>| {
-        let mut c = dev.zeros(&[n, k], DType::F32, Category::Workspace).unwrap();
-        let g = LinearGemm::new(LinearRole::WeightGrad, c.mat_mut(), dy.mat().t(), x.mat());
+    // dW [n, k] = dyᵀ·x, or rows `cols` of it from dy's columns `cols`
+    let wgrad = |pre: Quantized<'_, CpuBackend>, cols: std::ops::Range<usize>| {
+        let rows = cols.len();
+        let mut c = dev
+            .zeros(&[rows, k], DType::F32, Category::Workspace)
+            .unwrap();
+        let a = dy.view(MatLayout::block(cols.start, m, rows, n)).t();
+        let g = LinearGemm::new(LinearRole::WeightGrad, c.mat_mut(), a, x.mat());
+        linear_gemm_quantized(&dev, fp8, g, pre).map(|_| dev.to_host(&c).unwrap())
+    };
+    // dX [m, k] = dy·W
+    let dgrad = |pre: Quantized<'_, CpuBackend>| {
+        let mut c = dev.zeros(&[m, k], DType::F32, Category::Workspace).unwrap();
+        let g = LinearGemm::new(LinearRole::InputGrad, c.mat_mut(), dy.mat(), w.mat());
         linear_gemm_quantized(&dev, fp8, g, pre).map(|_| dev.to_host(&c).unwrap())
     };
     let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let none = || Quantized { a: None, b: None };
-    let own = bits(forward(none()).unwrap());
-    let shared = bits(
-        forward(Quantized {
-            a: x8.as_ref(),
-            b: None,
-        })
-        .unwrap(),
+    let pre = |a, b| Quantized { a, b };
+    let own = bits(forward(pre(None, None)).unwrap());
+    for (codes, what) in [(x8.codes(), "of"), (x_both.codes(), "both")] {
+        let shared = bits(forward(pre(Some(codes), None)).unwrap());
+        assert_eq!(own, shared, "the forward with x quantized once ({what})");
+    }
+    let own = bits(wgrad(pre(None, None), 0..n).unwrap());
+    for (codes, what) in [(xt8.codes(), "of xᵀ"), (x_both.codes_t().unwrap(), "both")] {
+        let shared = bits(wgrad(pre(None, Some(codes)), 0..n).unwrap());
+        assert_eq!(
+            own, shared,
+            "the weight gradient with xᵀ quantized once ({what})"
+        );
+    }
+    let both_t = Some(dy_both.codes_t().unwrap());
+    let shared = bits(wgrad(pre(both_t, x_both.codes_t()), 0..n).unwrap());
+    assert_eq!(
+        own, shared,
+        "the weight gradient with dyᵀ and xᵀ quantized once"
     );
-    assert_eq!(own, shared, "the forward with x quantized once");
-    let own = bits(wgrad(none()).unwrap());
-    let shared = bits(
-        wgrad(Quantized {
-            a: None,
-            b: xt8.as_ref(),
-        })
-        .unwrap(),
-    );
-    assert_eq!(own, shared, "the weight gradient with xᵀ quantized once");
-    assert!(
-        wgrad(Quantized {
-            a: None,
-            b: x8.as_ref()
-        })
-        .is_err(),
-        "x's codes read as xᵀ"
-    );
-    assert!(
-        forward(Quantized {
-            a: x5.as_ref(),
-            b: None
-        })
-        .is_err(),
-        "E5M2 codes read as E4M3"
-    );
-    let bf16 = Fp8Operand::of(&dev, Precision::Bf16, x.mat(), Fp8Format::E4M3).unwrap();
+    let own = bits(dgrad(pre(None, None)).unwrap());
+    let shared = bits(dgrad(pre(Some(dy_both.codes()), None)).unwrap());
+    assert_eq!(own, shared, "the input gradient with dy quantized once");
+    // columns 2..5 of dy under the whole dy's scale: rows 2..5 of dW
+    let rows = bits(wgrad(pre(dy_both.codes_t_rows(2..5), None), 2..5).unwrap());
+    let whole = bits(wgrad(pre(both_t, None), 0..n).unwrap());
+    assert_eq!(rows, whole[2 * k..5 * k], "a row block of dyᵀ's codes");
+    let refused = [
+        (
+            wgrad(pre(None, Some(x8.codes())), 0..n),
+            "x's codes read as xᵀ",
+        ),
+        (
+            forward(pre(Some(x5.codes()), None)),
+            "E5M2 codes read as E4M3",
+        ),
+        (
+            wgrad(pre(dy_both.codes_t_rows(0..3), None), 0..n),
+            "3 rows read as 7",
+        ),
+    ];
+    for (r, what) in refused {
+        assert!(r.is_err(), "{what}");
+    }
+    let none = Fp8Operand::both(&dev, fp8, dy.mat(), e5, false)
+        .unwrap()
+        .unwrap();
+    assert!(none.codes_t().is_none(), "no transpose unless asked");
+    let bf16 = Fp8Operand::of(&dev, Precision::Bf16, x.mat(), e4).unwrap();
     assert!(bf16.is_none(), "nothing is quantized under bf16");
 }
 

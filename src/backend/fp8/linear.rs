@@ -14,7 +14,7 @@ use super::args::{Fp8Gemm, Fp8Quantize};
 use super::format::Fp8Format;
 use crate::backend::memory::Category;
 use crate::backend::ops::Backend;
-use crate::backend::tensor::{DType, Mat, MatMut, Tensor};
+use crate::backend::tensor::{DType, Mat, MatLayout, MatMut, Tensor};
 use crate::error::{Error, Result};
 
 /// What the linear layers' GEMMs compute in.
@@ -109,15 +109,19 @@ impl<'a, B: Backend> LinearGemm<'a, B> {
 
 /// A GEMM operand quantized once for every GEMM that reads it (a block's
 /// input, read by q, k and v in every stage and by their weight gradients;
-/// the MLP's normed input, read by gate and up): the codes of the `[rows,
-/// k]` matrix a GEMM reads, and their `[1]` inverse scale.
+/// the MLP's normed input, read by gate and up; an output's gradient, read
+/// by its input-gradient GEMM as it is and by its weight gradient
+/// transposed): the codes of the `[rows, cols]` matrix quantized, where
+/// asked the codes of its transpose `[cols, rows]` too, and their one `[1]`
+/// inverse scale.
 pub struct Fp8Operand<B: Backend> {
-    codes: Tensor<B>,     // [rows, k]
-    scale_inv: Tensor<B>, // [1]
+    codes: Tensor<B>,           // [rows, cols]
+    codes_t: Option<Tensor<B>>, // [cols, rows]
+    scale_inv: Tensor<B>,       // [1]
 }
 
 impl<B: Backend> Fp8Operand<B> {
-    /// `x` (`[rows, k]`, any view) quantized to `format` under `fp8`
+    /// `x` (`[rows, cols]`, any view) quantized to `format` under `fp8`
     /// (workspace, held until dropped); nothing under `bf16`.
     pub fn of(
         dev: &B,
@@ -125,32 +129,128 @@ impl<B: Backend> Fp8Operand<B> {
         x: Mat<'_, B>,
         format: Fp8Format,
     ) -> Result<Option<Self>> {
+        Self::quantized(dev, precision, x, format, false)
+    }
+
+    /// [`Fp8Operand::of`] in both layouts from one read of `x`, where
+    /// `transposed_too` (else as `of`): the codes of `x` and of `xᵀ` under
+    /// the one scale of `x`, so each equals quantizing that layout alone.
+    pub fn both(
+        dev: &B,
+        precision: Precision,
+        x: Mat<'_, B>,
+        format: Fp8Format,
+        transposed_too: bool,
+    ) -> Result<Option<Self>> {
+        Self::quantized(dev, precision, x, format, transposed_too)
+    }
+
+    fn quantized(
+        dev: &B,
+        precision: Precision,
+        x: Mat<'_, B>,
+        format: Fp8Format,
+        transposed_too: bool,
+    ) -> Result<Option<Self>> {
         if precision == Precision::Bf16 {
             return Ok(None);
         }
-        let (codes, scale_inv) = quantize(dev, x, format)?;
-        Ok(Some(Fp8Operand { codes, scale_inv }))
+        let (rows, cols) = (x.l.rows, x.l.cols);
+        let dtype = DType::of_fp8(format);
+        let mut codes = dev.empty(&[rows, cols], dtype, Category::Workspace)?;
+        let mut codes_t = match transposed_too {
+            true => Some(dev.empty(&[cols, rows], dtype, Category::Workspace)?),
+            false => None,
+        };
+        let mut scale_inv = dev.empty(&[1], DType::F32, Category::Workspace)?;
+        dev.fp8_quantize(Fp8Quantize {
+            src: x,
+            dst: &mut codes,
+            dst_t: codes_t.as_mut(),
+            scale_inv: &mut scale_inv,
+        })?;
+        Ok(Some(Fp8Operand {
+            codes,
+            codes_t,
+            scale_inv,
+        }))
     }
 
-    /// These codes and scale, where they stand for `x` in `format`.
-    fn stands_for(&self, x: Mat<'_, B>, format: Fp8Format) -> Result<(&Tensor<B>, &Tensor<B>)> {
-        let shape = [x.l.rows, x.l.cols];
-        if self.codes.shape() != shape || self.codes.dtype() != DType::of_fp8(format) {
+    /// The codes of the matrix quantized, `[rows, cols]`.
+    pub fn codes(&self) -> Fp8Ref<'_, B> {
+        Fp8Ref {
+            codes: self.codes.mat(),
+            scale_inv: &self.scale_inv,
+        }
+    }
+
+    /// The codes of its transpose, `[cols, rows]` (quantized by `both`).
+    pub fn codes_t(&self) -> Option<Fp8Ref<'_, B>> {
+        let t = self.codes_t.as_ref()?;
+        Some(Fp8Ref {
+            codes: t.mat(),
+            scale_inv: &self.scale_inv,
+        })
+    }
+
+    /// Frees the transpose's codes (its last reader has run).
+    pub fn drop_codes_t(&mut self) {
+        self.codes_t = None;
+    }
+
+    /// Rows `r` of the transpose's codes: the weight-gradient operand of
+    /// columns `r` of the matrix quantized, under the whole matrix's scale.
+    pub fn codes_t_rows(&self, r: std::ops::Range<usize>) -> Option<Fp8Ref<'_, B>> {
+        let t = self.codes_t.as_ref()?;
+        let n = t.row_len();
+        Some(Fp8Ref {
+            codes: t.view(MatLayout::block(r.start * n, r.len(), n, n)),
+            scale_inv: &self.scale_inv,
+        })
+    }
+}
+
+/// Codes a GEMM reads as one operand (`[rows, k]`, row-major: K-major)
+/// and their `[1]` inverse scale.
+pub struct Fp8Ref<'a, B: Backend> {
+    codes: Mat<'a, B>,
+    scale_inv: &'a Tensor<B>,
+}
+
+impl<B: Backend> Clone for Fp8Ref<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for Fp8Ref<'_, B> {}
+
+impl<'a, B: Backend> Fp8Ref<'a, B> {
+    /// These codes, where they stand for `x` in `format`.
+    fn stands_for(self, x: Mat<'_, B>, format: Fp8Format) -> Result<(Mat<'a, B>, &'a Tensor<B>)> {
+        let (l, want) = (self.codes.l, [x.l.rows, x.l.cols]);
+        if [l.rows, l.cols] != want || l.trans || self.codes.t.dtype() != DType::of_fp8(format) {
             return Err(Error::Backend(format!(
-                "a quantized operand of shape {:?} in {:?} read as {shape:?} in {format:?}",
-                self.codes.shape(),
-                self.codes.dtype()
+                "a quantized operand of shape {:?} in {:?} read as {want:?} in {format:?}",
+                [l.rows, l.cols],
+                self.codes.t.dtype()
             )));
         }
-        Ok((&self.codes, &self.scale_inv))
+        Ok((self.codes, self.scale_inv))
     }
 }
 
 /// Operands of a [`LinearGemm`] quantized beforehand ([`Fp8Operand`]):
 /// `a` as `[m, k]`, `b` as its transpose `[n, k]`. Read under `fp8` only.
 pub struct Quantized<'a, B: Backend> {
-    pub a: Option<&'a Fp8Operand<B>>,
-    pub b: Option<&'a Fp8Operand<B>>,
+    pub a: Option<Fp8Ref<'a, B>>,
+    pub b: Option<Fp8Ref<'a, B>>,
+}
+
+impl<'a, B: Backend> Quantized<'a, B> {
+    /// These operands with `a` given too.
+    pub fn with_a(self, a: Option<Fp8Ref<'a, B>>) -> Self {
+        Quantized { a, b: self.b }
+    }
 }
 
 /// Runs `g` in `precision`: `Backend::gemm` under `bf16` (exactly as
@@ -177,21 +277,21 @@ pub fn linear_gemm_quantized<B: Backend>(
         Some(op) => op.stands_for(g.a, fa)?,
         None => {
             own_a = quantize(dev, g.a, fa)?; // [m, k]
-            (&own_a.0, &own_a.1)
+            (own_a.0.mat(), &own_a.1)
         }
     };
     let (qb, sb) = match pre.b {
         Some(op) => op.stands_for(g.b.t(), fb)?,
         None => {
             own_b = quantize(dev, g.b.t(), fb)?; // [n, k]
-            (&own_b.0, &own_b.1)
+            (own_b.0.mat(), &own_b.1)
         }
     };
     dev.fp8_gemm(Fp8Gemm {
         c: g.c,
-        a: qa.mat(),
+        a: qa,
         a_scale_inv: sa,
-        b: qb.mat().t(),
+        b: qb.t(),
         b_scale_inv: sb,
         alpha: g.alpha,
         beta: g.beta,

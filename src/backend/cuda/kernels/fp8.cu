@@ -138,6 +138,33 @@ __device__ void fp8_cast_cols(const bf16_t* src, i64 rows, i64 cols, i64 cs, flo
     }
 }
 
+// A row-major BF16 view of whole 64 x 64 tiles into dst and its transpose
+// dst_t at once (a gradient that its input- and weight-gradient GEMMs read
+// in both layouts): each thread loads 16 consecutive columns of one row and
+// stores their codes to dst, the codes meet in shared memory, and each
+// thread stores 16 consecutive rows of one column to dst_t.
+__device__ void fp8_cast_rows_both(const bf16_t* src, i64 rows, i64 cols, i64 rs, float scale,
+                                   int fmt, unsigned char* dst, unsigned char* dst_t) {
+    __shared__ __align__(16) unsigned char tile[64][80];
+    const int t = threadIdx.x;
+    const i64 tiles_c = cols >> 6, tiles = (rows >> 6) * tiles_c;
+    for (i64 k = blockIdx.x; k < tiles; k += gridDim.x) {
+        const i64 r0 = (k / tiles_c) << 6, c0 = (k % tiles_c) << 6;
+        const int r = t >> 2, c16 = (t & 3) << 4;
+        const uint4* in = (const uint4*)(src + (r0 + r) * rs + c0 + c16);
+        const uint2 lo = fp8_encode8(in[0], scale, fmt), hi = fp8_encode8(in[1], scale, fmt);
+        const uint4 codes = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        *(uint4*)(dst + (r0 + r) * cols + c0 + c16) = codes;
+        *(uint4*)&tile[r][c16] = codes;
+        __syncthreads();
+        const int c = t >> 2, r16 = (t & 3) << 4;
+        unsigned w[4] = {0u, 0u, 0u, 0u};
+        for (int i = 0; i < 16; i++) w[i >> 2] |= (unsigned)tile[r16 + i][c] << (8 * (i & 3));
+        *(uint4*)(dst_t + (c0 + c) * rows + r0 + r16) = make_uint4(w[0], w[1], w[2], w[3]);
+        __syncthreads();
+    }
+}
+
 // Any view, 32 x 32 tiles of single elements: read along the view's unit
 // stride into shared memory, written along rows in dst and, where dst_t is
 // given, along rows of the transpose ([cols, rows]) in dst_t.
@@ -173,15 +200,18 @@ __device__ void fp8_cast_any(const void* src, int dt, i64 rows, i64 cols, i64 rs
 // The codes of view * scale, row-major [rows, cols] in dst and, where dst_t
 // is given, column-major in dst_t ([cols, rows]). 256 threads a block; the
 // two shapes the linear layers' GEMMs read most (a row-major BF16 view, and
-// the column-major view of one) take vector paths, any other the tiled one.
+// the column-major view of one) take vector paths, and so does a row-major
+// BF16 view cast in both layouts; any other the tiled one.
 extern "C" __global__ void fp8_cast(const void* src, int dt, i64 rows, i64 cols, i64 rs, i64 cs,
                                     const unsigned* cell, int fmt, unsigned char* dst,
                                     unsigned char* dst_t) {
     const float scale = fp8_scale(__uint_as_float(*cell), fmt);
+    const bool tiles64 = (rows & 63) == 0 && (cols & 63) == 0;
     if (!dst_t && fp8_vec8(src, dt, cols, rs, cs)) {
         fp8_cast_rows((const bf16_t*)src, rows, cols, rs, scale, fmt, dst);
-    } else if (!dst_t && fp8_vec8(src, dt, rows, cs, rs) && (rows & 63) == 0 &&
-               (cols & 63) == 0) {
+    } else if (dst_t && fp8_vec8(src, dt, cols, rs, cs) && tiles64) {
+        fp8_cast_rows_both((const bf16_t*)src, rows, cols, rs, scale, fmt, dst, dst_t);
+    } else if (!dst_t && fp8_vec8(src, dt, rows, cs, rs) && tiles64) {
         fp8_cast_cols((const bf16_t*)src, rows, cols, cs, scale, fmt, dst);
     } else {
         fp8_cast_any(src, dt, rows, cols, rs, cs, scale, fmt, dst, dst_t);
