@@ -974,7 +974,7 @@ impl<B: Backend> Decoder<B> {
     /// (its rows `rows`): the down projection (through the post-norm where
     /// there is one), the gated activation, gate and up; accumulates the
     /// weights' gradients and returns the gradient of the tile's normed
-    /// input `m`.
+    /// input `m`. Each saved tensor is dropped after its last reader.
     fn mlp_bwd(
         &self,
         b: &B,
@@ -984,10 +984,17 @@ impl<B: Backend> Decoder<B> {
         d_out: &Tensor<B>,
         rows: &std::ops::Range<usize>,
     ) -> Result<Tensor<B>> {
+        let MlpSaved {
+            m,
+            gate,
+            up,
+            act,
+            z,
+        } = s;
         let hid = self.cfg.hidden;
         let blk = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
         // [rows, hidden]: the gradient of the down projection's output
-        let dz = match (&s.z, &w.post_mlp_norm) {
+        let dz = match (&z, &w.post_mlp_norm) {
             (Some(z), Some(norm)) => {
                 let d_t = self.rows_of(b, d_out, rows)?;
                 let mut dz = b.empty(z.shape(), z.dtype(), Category::Workspace)?;
@@ -1004,19 +1011,39 @@ impl<B: Backend> Decoder<B> {
             }
             _ => None,
         };
-        let d_t = || match &dz {
+        drop(z);
+        let d_t = match &dz {
             Some(dz) => dz.mat(),
             None => d_out.view(blk),
         };
+        let dact = self.down_bwd(b, (w, w8t), g, act, d_t)?;
+        drop(dz);
+        let mut dgate = b.empty(gate.shape(), gate.dtype(), Category::Workspace)?;
+        let mut dup = b.empty(up.shape(), up.dtype(), Category::Workspace)?;
+        let kind = self.cfg.spec().activation;
+        b.gated_act_bwd(kind, &gate, &up, &dact, &mut dgate, &mut dup)?;
+        drop((dact, gate, up));
+        self.gate_up_bwd(b, (w, w8t), g, m, [dgate, dup])
+    }
+
+    /// The down projection's backward from its output's gradient `d_t`
+    /// (`[rows, hidden]`): its weight gradient from the saved activation
+    /// `act` (dropped here), and the activation's gradient `[rows, ffn]`.
+    fn down_bwd(
+        &self,
+        b: &B,
+        (w, w8t): (&BlockWeights<B>, &MlpWeights8<B>),
+        g: &mut BlockGrads<B>,
+        act: Tensor<B>,
+        d_t: Mat<'_, B>,
+    ) -> Result<Tensor<B>> {
         // a frozen weight's gradient GEMM is skipped; dx's still runs
-        let (wgrad, dgrad) = (LinearRole::WeightGrad, LinearRole::InputGrad);
         let p = self.precision;
-        // each output gradient is read by its weight gradient (transposed)
-        // and its input gradient: under fp8 quantized once, both layouts
-        let both = |d: Mat<'_, B>, wgrad: bool| Fp8Operand::both(b, p, d, Fp8Format::E5M2, wgrad);
-        let d8 = both(d_t(), g.down.is_some())?;
+        // read by the weight gradient (transposed) and the input gradient:
+        // under fp8 quantized once, in both layouts
+        let d8 = Fp8Operand::both(b, p, d_t, Fp8Format::E5M2, g.down.is_some())?;
         if let Some(g_down) = g.down.as_mut() {
-            let g = LinearGemm::new(wgrad, g_down.mat_mut(), d_t().t(), s.act.mat());
+            let g = LinearGemm::new(LinearRole::WeightGrad, g_down.mat_mut(), d_t.t(), act.mat());
             let pre = Quantized {
                 a: d8.as_ref().and_then(Fp8Operand::codes_t),
                 b: None,
@@ -1024,8 +1051,8 @@ impl<B: Backend> Decoder<B> {
             linear_gemm_quantized(b, p, g.accumulate(), pre)?;
         }
         // [rows, ffn]
-        let mut dact = b.empty(s.act.shape(), s.act.dtype(), Category::Workspace)?;
-        let g_down = LinearGemm::new(dgrad, dact.mat_mut(), d_t(), w.down.mat());
+        let mut dact = b.empty(act.shape(), act.dtype(), Category::Workspace)?;
+        let g_down = LinearGemm::new(LinearRole::InputGrad, dact.mat_mut(), d_t, w.down.mat());
         let pre = w8t.down().with_a(d8.as_ref().map(Fp8Operand::codes));
         linear_gemm_quantized(b, p, g_down, pre)?;
         drop(d8);
@@ -1034,31 +1061,48 @@ impl<B: Backend> Decoder<B> {
             b,
             down,
             g_lora.down.as_mut(),
-            s.act.mat(),
-            d_t(),
+            act.mat(),
+            d_t,
             dact.mat_mut(),
         )?;
-        drop(dz);
-        let mut dgate = b.empty(s.gate.shape(), s.gate.dtype(), Category::Workspace)?;
-        let mut dup = b.empty(s.up.shape(), s.up.dtype(), Category::Workspace)?;
-        let act = self.cfg.spec().activation;
-        b.gated_act_bwd(act, &s.gate, &s.up, &dact, &mut dgate, &mut dup)?;
-        drop(dact);
+        Ok(dact)
+    }
+
+    /// Gate's and up's backward from their outputs' gradients: their weight
+    /// gradients from the saved normed input `m`, and `dm` (`[rows,
+    /// hidden]`). A gradient no adapter reads is dropped after its GEMMs.
+    fn gate_up_bwd(
+        &self,
+        b: &B,
+        (w, w8t): (&BlockWeights<B>, &MlpWeights8<B>),
+        g: &mut BlockGrads<B>,
+        m: Tensor<B>,
+        [dgate, dup]: [Tensor<B>; 2],
+    ) -> Result<Tensor<B>> {
+        let p = self.precision;
         // both weight gradients read mᵀ: under fp8 it is quantized once
         let mt8 = match g.gate.is_some() && g.up.is_some() {
-            true => Fp8Operand::of(b, p, s.m.mat().t(), Fp8Format::E4M3)?,
+            true => Fp8Operand::of(b, p, m.mat().t(), Fp8Format::E4M3)?,
             false => None,
         };
         // [rows, hidden]
-        let mut dm = b.empty(s.m.shape(), s.m.dtype(), Category::Workspace)?;
-        let gate_up = [
-            (&dgate, g.gate.as_mut(), &w.gate, w8t.gate(), 0.0),
-            (&dup, g.up.as_mut(), &w.up, w8t.up(), 1.0),
+        let mut dm = b.empty(m.shape(), m.dtype(), Category::Workspace)?;
+        let l = &w.mlp_lora;
+        let projections = [
+            (
+                dgate,
+                g.gate.as_mut(),
+                &w.gate,
+                w8t.gate(),
+                l.gate.is_some(),
+            ),
+            (dup, g.up.as_mut(), &w.up, w8t.up(), l.up.is_some()),
         ];
-        for (d, gw, wt, wt8, beta) in gate_up {
-            let d8 = both(d.mat(), gw.is_some())?;
+        let mut for_adapters = Vec::new();
+        for (beta, (d, gw, wt, wt8, adapter)) in [0.0, 1.0].into_iter().zip(projections) {
+            let d8 = Fp8Operand::both(b, p, d.mat(), Fp8Format::E5M2, gw.is_some())?;
             if let Some(gw) = gw {
-                let g = LinearGemm::new(wgrad, gw.mat_mut(), d.mat().t(), s.m.mat());
+                let g = LinearGemm::new(LinearRole::WeightGrad, gw.mat_mut(), d.mat().t(), m.mat());
                 let pre = Quantized {
                     a: d8.as_ref().and_then(Fp8Operand::codes_t),
                     b: mt8.as_ref().map(Fp8Operand::codes),
@@ -1067,23 +1111,21 @@ impl<B: Backend> Decoder<B> {
             }
             let g = LinearGemm {
                 beta,
-                ..LinearGemm::new(dgrad, dm.mat_mut(), d.mat(), wt.mat())
+                ..LinearGemm::new(LinearRole::InputGrad, dm.mat_mut(), d.mat(), wt.mat())
             };
             let pre = wt8.with_a(d8.as_ref().map(Fp8Operand::codes));
             linear_gemm_quantized(b, p, g, pre)?;
+            for_adapters.push(adapter.then_some(d));
         }
         drop(mt8);
-        let (l, gl) = (&w.mlp_lora, &mut g.mlp_lora);
-        let m = s.m.mat();
-        add_delta_bwd(
-            b,
-            l.gate.as_ref(),
-            gl.gate.as_mut(),
-            m,
-            dgate.mat(),
-            dm.mat_mut(),
-        )?;
-        add_delta_bwd(b, l.up.as_ref(), gl.up.as_mut(), m, dup.mat(), dm.mat_mut())?;
+        let gl = &mut g.mlp_lora;
+        let adapters = [(&l.gate, &mut gl.gate), (&l.up, &mut gl.up)];
+        for ((pair, grads), d) in adapters.into_iter().zip(for_adapters) {
+            if let Some(d) = d {
+                let (pair, grads) = (pair.as_ref(), grads.as_mut());
+                add_delta_bwd(b, pair, grads, m.mat(), d.mat(), dm.mat_mut())?;
+            }
+        }
         Ok(dm)
     }
 

@@ -279,7 +279,7 @@ fn auto_keeps_the_most_blocks_that_fit() {
     };
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let h200 = DeviceKind::CUDA.ledger_budget(139 << 30);
-    for seq in [32768, 131072, 262144, 524288] {
+    for seq in [32768, 131072, 262144, 524288, 589824] {
         let s = spec(seq, false);
         let n = save_attention_auto(&s, h200).unwrap();
         eprintln!(
@@ -296,7 +296,7 @@ fn auto_keeps_the_most_blocks_that_fit() {
     }
     // an explicit `all` that does not fit is refused before anything is
     // allocated, naming auto
-    let mut s = spec(524288, false);
+    let mut s = spec(589824, false);
     s.policy.save_attention = layers;
     let pred = predict_step(&s).unwrap();
     let mem = RankMemory {
