@@ -152,9 +152,14 @@ impl<B: Backend> Fp8Operand<B> {
         format: Fp8Format,
         transposed_too: bool,
     ) -> Result<Option<Self>> {
-        if precision == Precision::Bf16 {
-            return Ok(None);
+        match precision {
+            Precision::Bf16 => Ok(None),
+            Precision::Fp8 => Self::new(dev, x, format, transposed_too).map(Some),
         }
+    }
+
+    /// The codes of `x` (and of `xᵀ` where `transposed_too`) in `format`.
+    fn new(dev: &B, x: Mat<'_, B>, format: Fp8Format, transposed_too: bool) -> Result<Self> {
         let (rows, cols) = (x.l.rows, x.l.cols);
         let dtype = DType::of_fp8(format);
         let mut codes = dev.empty(&[rows, cols], dtype, Category::Workspace)?;
@@ -169,11 +174,11 @@ impl<B: Backend> Fp8Operand<B> {
             dst_t: codes_t.as_mut(),
             scale_inv: &mut scale_inv,
         })?;
-        Ok(Some(Fp8Operand {
+        Ok(Fp8Operand {
             codes,
             codes_t,
             scale_inv,
-        }))
+        })
     }
 
     /// The codes of the matrix quantized, `[rows, cols]`.
@@ -273,20 +278,22 @@ pub fn linear_gemm_quantized<B: Backend>(
     }
     let (fa, fb) = g.role.formats();
     let (own_a, own_b);
-    let (qa, sa) = match pre.a {
-        Some(op) => op.stands_for(g.a, fa)?,
+    let a = match pre.a {
+        Some(op) => op,
         None => {
-            own_a = quantize(dev, g.a, fa)?; // [m, k]
-            (own_a.0.mat(), &own_a.1)
+            own_a = Fp8Operand::new(dev, g.a, fa, false)?; // [m, k]
+            own_a.codes()
         }
     };
-    let (qb, sb) = match pre.b {
-        Some(op) => op.stands_for(g.b.t(), fb)?,
+    let b = match pre.b {
+        Some(op) => op,
         None => {
-            own_b = quantize(dev, g.b.t(), fb)?; // [n, k]
-            (own_b.0.mat(), &own_b.1)
+            own_b = Fp8Operand::new(dev, g.b.t(), fb, false)?; // [n, k]
+            own_b.codes()
         }
     };
+    let (qa, sa) = a.stands_for(g.a, fa)?;
+    let (qb, sb) = b.stands_for(g.b.t(), fb)?;
     dev.fp8_gemm(Fp8Gemm {
         c: g.c,
         a: qa,
@@ -296,23 +303,4 @@ pub fn linear_gemm_quantized<B: Backend>(
         alpha: g.alpha,
         beta: g.beta,
     })
-}
-
-/// `src` (`[rows, cols]`) quantized to `format` as a dense `[rows, cols]`
-/// tensor, and its `[1]` inverse scale (both workspace).
-fn quantize<B: Backend>(
-    dev: &B,
-    src: Mat<'_, B>,
-    format: Fp8Format,
-) -> Result<(Tensor<B>, Tensor<B>)> {
-    let (rows, cols) = (src.l.rows, src.l.cols);
-    let mut q = dev.empty(&[rows, cols], DType::of_fp8(format), Category::Workspace)?;
-    let mut s = dev.empty(&[1], DType::F32, Category::Workspace)?;
-    dev.fp8_quantize(Fp8Quantize {
-        src,
-        dst: &mut q,
-        dst_t: None,
-        scale_inv: &mut s,
-    })?;
-    Ok((q, s))
 }
