@@ -38,7 +38,7 @@
 # PEERS ("liger hf": which peers run), SHORT_POLICIES ("none ckpt": the peers' policies
 # below LONG), SEQS ("32768 131072 262144"; empty: none), LONG (131072), STEPS (4 below LONG, 2 from LONG
 # on), ROUNDS (1: every configuration once; a second round runs them in reverse order),
-# BIG (0), MODEL8B (llama3-8b; or qwen2.5-7b-instruct), SEQ8B (65536), STEPS8B (3), UPFLAGS8B (upipe's flags in the 8B row: the ones
+# BIG (0), MODEL8B (llama3-8b; or qwen2.5-7b-instruct, gemma3-4b), SEQ8B (65536), STEPS8B (3), UPFLAGS8B (upipe's flags in the 8B row: the ones
 # above, or e.g. compact optimizer state on the device: `--optim-state 8bit
 # --master-weights none --offload-optimizer 0` with the same policy), BUDGET (570 seconds for the whole call: a run that
 # would start with less than 20 s left is skipped), UPIPE (DIR/bin/upipe), OUT (logs under

@@ -129,23 +129,13 @@ impl<B: Backend> Fp8Operand<B> {
         x: Mat<'_, B>,
         format: Fp8Format,
     ) -> Result<Option<Self>> {
-        Self::quantized(dev, precision, x, format, false)
+        Self::both(dev, precision, x, format, false)
     }
 
     /// [`Fp8Operand::of`] in both layouts from one read of `x`, where
     /// `transposed_too` (else as `of`): the codes of `x` and of `xᵀ` under
     /// the one scale of `x`, so each equals quantizing that layout alone.
     pub fn both(
-        dev: &B,
-        precision: Precision,
-        x: Mat<'_, B>,
-        format: Fp8Format,
-        transposed_too: bool,
-    ) -> Result<Option<Self>> {
-        Self::quantized(dev, precision, x, format, transposed_too)
-    }
-
-    fn quantized(
         dev: &B,
         precision: Precision,
         x: Mat<'_, B>,
