@@ -5,7 +5,7 @@ use super::lora_delta::{LoraPair, add_delta, add_delta_bwd};
 use super::rope::RopeTables;
 use super::{AttentionGrads, AttentionWeights, AttnDims, AttnSaved, norm_rope, norm_rope_bwd};
 use crate::backend::fp8::{
-    Fp8Format, Fp8Operand, Fp8Ref, LinearGemm, LinearRole, Precision, Quantized,
+    Fp8Format, Fp8Operand, Fp8Ref, LinearGemm, LinearRole, OutputGrad, Precision, Quantized,
     linear_gemm_quantized,
 };
 use crate::backend::{
@@ -113,24 +113,14 @@ pub fn backward<B: Backend>(
     let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm);
     let AttnSaved { o, lse } = saved;
     let p = dims.precision;
-    // dy is read by Wo's weight gradient (transposed) and by dO's GEMM:
-    // under fp8 quantized once, in both layouts
-    let dy8 = Fp8Operand::both(b, p, dy.mat(), Fp8Format::E5M2, g.wo.is_some())?;
+    // dy is read by Wo's weight gradient and by dO's GEMM (under fp8
+    // quantized once, in both layouts)
+    let dy8 = OutputGrad::new(b, p, dy.mat(), g.wo.is_some())?;
     if let Some(gwo) = g.wo.as_mut() {
-        let g = LinearGemm::new(LinearRole::WeightGrad, gwo.mat_mut(), dy.mat().t(), o.mat());
-        let pre = Quantized {
-            a: dy8.as_ref().and_then(Fp8Operand::codes_t),
-            b: None,
-        };
-        linear_gemm_quantized(b, p, g.accumulate(), pre)?;
+        dy8.weight_grad(b, gwo.mat_mut(), (o.mat(), None))?;
     }
     let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
-    let gemm = LinearGemm::new(LinearRole::InputGrad, d_o.mat_mut(), dy.mat(), w.wo.mat());
-    let pre = Quantized {
-        a: dy8.as_ref().map(Fp8Operand::codes),
-        b: None,
-    };
-    linear_gemm_quantized(b, p, gemm, pre)?;
+    dy8.input_grad(b, (d_o.mat_mut(), 0.0), (w.wo.mat(), None))?;
     drop(dy8);
     let (lo, glo) = (w.lora.o.as_ref(), g.lora.o.as_mut());
     add_delta_bwd(b, lo, glo, o.mat(), dy.mat(), d_o.mat_mut())?;
@@ -206,25 +196,16 @@ pub fn backward<B: Backend>(
         ),
     ] {
         let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
-        // read by the weight gradient (transposed) and by dx's GEMM
-        let dp8 = Fp8Operand::both(b, p, dp.mat(), Fp8Format::E5M2, gp.is_some())?;
+        // read by the weight gradient and by dx's GEMM
+        let dp8 = OutputGrad::new(b, p, dp.mat(), gp.is_some())?;
         if let Some(gp) = gp {
-            let g = LinearGemm::new(LinearRole::WeightGrad, gp.mat_mut(), dp.mat().t(), x.mat());
-            let pre = Quantized {
-                a: dp8.as_ref().and_then(Fp8Operand::codes_t),
-                b: xt8.as_ref().map(Fp8Operand::codes),
-            };
-            linear_gemm_quantized(b, p, g.accumulate(), pre)?;
+            let xt8 = xt8.as_ref().map(Fp8Operand::codes);
+            dp8.weight_grad(b, gp.mat_mut(), (x.mat(), xt8))?;
         }
         if let Some(gb) = gb {
             super::head_bias_grad(b, gb, dp.mat(), &(0..heads), d)?;
         }
-        let gemm = LinearGemm::new(LinearRole::InputGrad, dx.mat_mut(), dp.mat(), wp.mat());
-        let pre = Quantized {
-            a: dp8.as_ref().map(Fp8Operand::codes),
-            b: None,
-        };
-        linear_gemm_quantized(b, p, gemm.accumulate(), pre)?;
+        dp8.input_grad(b, (dx.mat_mut(), 1.0), (wp.mat(), None))?;
         drop(dp8);
         let (pair, grads) = (lora.0.as_ref(), lora.1.as_mut());
         add_delta_bwd(b, pair, grads, x.mat(), dp.mat(), dx.mat_mut())?;

@@ -30,7 +30,8 @@ use super::{
     ring_shift,
 };
 use crate::backend::fp8::{
-    Fp8Format, Fp8Operand, Fp8Ref, LinearGemm, LinearRole, Quantized, linear_gemm_quantized,
+    Fp8Format, Fp8Operand, Fp8Ref, LinearGemm, LinearRole, OutputGrad, Quantized,
+    linear_gemm_quantized,
 };
 use crate::backend::{
     AttnGradWrites, AttnMask, AttnShape, Backend, Category, DType, GradWrite, Mat, MatLayout,
@@ -618,20 +619,12 @@ impl<'a, B: Backend> Staged<'a, B> {
         // dy is read by Wo's weight gradient, transposed, and by every
         // stage's dO projection: under fp8 it is quantized once, in both
         // layouts, and the transpose dropped after the weight gradient
-        let p = self.dims.precision;
-        let mut dy8 = Fp8Operand::both(b, p, dy.mat(), Fp8Format::E5M2, g.wo.is_some())?;
+        let mut dy8 = OutputGrad::new(b, self.dims.precision, dy.mat(), g.wo.is_some())?;
         if let Some(gwo) = g.wo.as_mut() {
-            let g = LinearGemm::new(LinearRole::WeightGrad, gwo.mat_mut(), dy.mat().t(), o.mat());
-            let pre = Quantized {
-                a: dy8.as_ref().and_then(Fp8Operand::codes_t),
-                b: None,
-            };
-            linear_gemm_quantized(b, p, g.accumulate(), pre)?;
+            dy8.weight_grad(b, gwo.mat_mut(), (o.mat(), None))?;
         }
-        if let Some(dy8) = dy8.as_mut() {
-            dy8.drop_codes_t();
-        }
-        let dy = (dy, dy8.as_ref().map(Fp8Operand::codes));
+        dy8.weight_grad_done();
+        let dy = (dy, dy8.codes());
         let mut dx = b.zeros(&self.shapes.layer_io(), act, Category::Grads)?;
         let weight_grads = g.wq.is_some() || g.wk.is_some() || g.wv.is_some();
         let x = &Input::new(b, self.dims, x, weight_grads)?;

@@ -42,7 +42,8 @@ use crate::attention::lora_delta::{add_delta, add_delta_bwd};
 use crate::attention::{AttnSaved, CpPlan, output_projection};
 use crate::backend::PhaseGuard;
 use crate::backend::fp8::{
-    Fp8Format, Fp8Operand, LinearGemm, LinearRole, Precision, Quantized, linear_gemm_quantized,
+    Fp8Format, Fp8Operand, LinearGemm, LinearRole, OutputGrad, Precision, Quantized,
+    linear_gemm_quantized,
 };
 use crate::backend::profile::Phase;
 use crate::backend::{
@@ -1038,24 +1039,14 @@ impl<B: Backend> Decoder<B> {
         d_t: Mat<'_, B>,
     ) -> Result<Tensor<B>> {
         // a frozen weight's gradient GEMM is skipped; dx's still runs
-        let p = self.precision;
-        // read by the weight gradient (transposed) and the input gradient:
-        // under fp8 quantized once, in both layouts
-        let d8 = Fp8Operand::both(b, p, d_t, Fp8Format::E5M2, g.down.is_some())?;
+        let dy = OutputGrad::new(b, self.precision, d_t, g.down.is_some())?;
         if let Some(g_down) = g.down.as_mut() {
-            let g = LinearGemm::new(LinearRole::WeightGrad, g_down.mat_mut(), d_t.t(), act.mat());
-            let pre = Quantized {
-                a: d8.as_ref().and_then(Fp8Operand::codes_t),
-                b: None,
-            };
-            linear_gemm_quantized(b, p, g.accumulate(), pre)?;
+            dy.weight_grad(b, g_down.mat_mut(), (act.mat(), None))?;
         }
         // [rows, ffn]
         let mut dact = b.empty(act.shape(), act.dtype(), Category::Workspace)?;
-        let g_down = LinearGemm::new(LinearRole::InputGrad, dact.mat_mut(), d_t, w.down.mat());
-        let pre = w8t.down().with_a(d8.as_ref().map(Fp8Operand::codes));
-        linear_gemm_quantized(b, p, g_down, pre)?;
-        drop(d8);
+        dy.input_grad(b, (dact.mat_mut(), 0.0), (w.down.mat(), w8t.down().b))?;
+        drop(dy);
         let (down, g_lora) = (w.mlp_lora.down.as_ref(), &mut g.mlp_lora);
         add_delta_bwd(
             b,
@@ -1100,21 +1091,13 @@ impl<B: Backend> Decoder<B> {
         ];
         let mut for_adapters = Vec::new();
         for (beta, (d, gw, wt, wt8, adapter)) in [0.0, 1.0].into_iter().zip(projections) {
-            let d8 = Fp8Operand::both(b, p, d.mat(), Fp8Format::E5M2, gw.is_some())?;
+            let dy = OutputGrad::new(b, p, d.mat(), gw.is_some())?;
             if let Some(gw) = gw {
-                let g = LinearGemm::new(LinearRole::WeightGrad, gw.mat_mut(), d.mat().t(), m.mat());
-                let pre = Quantized {
-                    a: d8.as_ref().and_then(Fp8Operand::codes_t),
-                    b: mt8.as_ref().map(Fp8Operand::codes),
-                };
-                linear_gemm_quantized(b, p, g.accumulate(), pre)?;
+                let mt8 = mt8.as_ref().map(Fp8Operand::codes);
+                dy.weight_grad(b, gw.mat_mut(), (m.mat(), mt8))?;
             }
-            let g = LinearGemm {
-                beta,
-                ..LinearGemm::new(LinearRole::InputGrad, dm.mat_mut(), d.mat(), wt.mat())
-            };
-            let pre = wt8.with_a(d8.as_ref().map(Fp8Operand::codes));
-            linear_gemm_quantized(b, p, g, pre)?;
+            dy.input_grad(b, (dm.mat_mut(), beta), (wt.mat(), wt8.b))?;
+            drop(dy);
             for_adapters.push(adapter.then_some(d));
         }
         drop(mt8);

@@ -241,10 +241,68 @@ pub struct Quantized<'a, B: Backend> {
     pub b: Option<Fp8Ref<'a, B>>,
 }
 
-impl<'a, B: Backend> Quantized<'a, B> {
-    /// These operands with `a` given too.
-    pub fn with_a(self, a: Option<Fp8Ref<'a, B>>) -> Self {
-        Quantized { a, b: self.b }
+/// A linear layer's output gradient `dy` (`[m, n]` of `Y = X·Wᵀ`) and the
+/// two GEMMs that read it: the weight gradient `dW += dyᵀ·X` and the input
+/// gradient `dX = dy·W`. Under fp8 `dy` is quantized once, in both layouts
+/// where a weight gradient is asked for.
+pub struct OutputGrad<'a, B: Backend> {
+    dy: Mat<'a, B>,
+    dy8: Option<Fp8Operand<B>>,
+    precision: Precision,
+}
+
+impl<'a, B: Backend> OutputGrad<'a, B> {
+    /// `dy`, quantized under fp8 (transposed too where `weight_grad`).
+    pub fn new(dev: &B, precision: Precision, dy: Mat<'a, B>, weight_grad: bool) -> Result<Self> {
+        let dy8 = Fp8Operand::both(dev, precision, dy, Fp8Format::E5M2, weight_grad)?;
+        Ok(OutputGrad { dy, dy8, precision })
+    }
+
+    /// `dy`'s codes as the input gradient reads them (under fp8).
+    pub fn codes(&self) -> Option<Fp8Ref<'_, B>> {
+        self.dy8.as_ref().map(Fp8Operand::codes)
+    }
+
+    /// Frees the transposed codes once the weight gradient has run.
+    pub fn weight_grad_done(&mut self) {
+        if let Some(dy8) = self.dy8.as_mut() {
+            dy8.drop_codes_t();
+        }
+    }
+
+    /// `dw += dyᵀ·x` (`dw` `[n, k]`, `x` `[m, k]`), with `xᵀ`'s codes
+    /// where they were quantized beforehand.
+    pub fn weight_grad(
+        &self,
+        dev: &B,
+        dw: MatMut<'_, B>,
+        (x, xt8): (Mat<'_, B>, Option<Fp8Ref<'_, B>>),
+    ) -> Result<()> {
+        let g = LinearGemm::new(LinearRole::WeightGrad, dw, self.dy.t(), x).accumulate();
+        let pre = Quantized {
+            a: self.dy8.as_ref().and_then(Fp8Operand::codes_t),
+            b: xt8,
+        };
+        linear_gemm_quantized(dev, self.precision, g, pre)
+    }
+
+    /// `dx = dy·w + beta·dx` (`w` `[n, k]`), with `wᵀ`'s codes where they
+    /// were quantized beforehand.
+    pub fn input_grad(
+        &self,
+        dev: &B,
+        (dx, beta): (MatMut<'_, B>, f32),
+        (w, wt8): (Mat<'_, B>, Option<Fp8Ref<'_, B>>),
+    ) -> Result<()> {
+        let g = LinearGemm {
+            beta,
+            ..LinearGemm::new(LinearRole::InputGrad, dx, self.dy, w)
+        };
+        let pre = Quantized {
+            a: self.dy8.as_ref().map(Fp8Operand::codes),
+            b: wt8,
+        };
+        linear_gemm_quantized(dev, self.precision, g, pre)
     }
 }
 

@@ -11,7 +11,7 @@ pub mod scale;
 pub use args::{Fp8Gemm, Fp8GemmShape, Fp8Quantize};
 pub use format::Fp8Format;
 pub use linear::{
-    Fp8Operand, Fp8Ref, LinearGemm, LinearRole, Precision, Quantized, linear_gemm,
+    Fp8Operand, Fp8Ref, LinearGemm, LinearRole, OutputGrad, Precision, Quantized, linear_gemm,
     linear_gemm_quantized,
 };
 pub use scale::{amax, quantized, scale_for};
