@@ -37,6 +37,8 @@ def main():
     by = "optimizer state (moments/master)"
     if "--by" in args:
         k = args.index("--by")
+        if k + 1 == len(args):
+            sys.exit("--by needs what the runs differ by, e.g. --by 'precision'")
         by = args[k + 1]
         del args[k:k + 2]
     dest, runs = args[0], args[1:]
