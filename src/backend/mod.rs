@@ -41,6 +41,6 @@ pub use memory::{Bytes, Category, MemoryLedger, MemoryStats, PoolReport};
 pub use norm_args::{AddRmsNormFwd, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
 pub use op_buffers::OpBuffers;
 pub use op_kinds::{GatedAct, RmsNorm};
-pub use ops::{Backend, HostValues, IGNORE};
+pub use ops::{Backend, HostValues, HostValuesMut, IGNORE};
 pub use phase_guard::PhaseGuard;
 pub use tensor::{DType, Mat, MatLayout, MatMut, Rows, RowsMut, Tensor, TensorDevice, TensorRef};

@@ -203,6 +203,13 @@ pub trait Backend: TensorDevice + Send + Sync + Sized + 'static {
             t.shape()
         )))
     }
+    /// A host-resident tensor's elements, writable, as this backend keeps
+    /// them: F32 cells (the CPU's, whatever the dtype: a BF16 tensor's
+    /// cells hold BF16 values, a U8 tensor's its codes), or a device's
+    /// pinned BF16 bits or 8-bit codes. No copy out of it may be in flight.
+    fn host_values_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<HostValuesMut<'t>> {
+        self.host_f32_mut(t).map(HostValuesMut::F32)
+    }
     /// Strided 2-D copy `dst = src` (same logical shape; converts dtype).
     fn copy(&self, dst: MatMut<'_, Self>, src: Mat<'_, Self>) -> Result<()>;
     /// Sets every element to `value`.
@@ -406,6 +413,18 @@ pub enum HostValues<'t> {
     F32(&'t [f32]),
     /// BF16 bits: each value is `f32::from_bits((bits as u32) << 16)`.
     Bf16(&'t [u16]),
+}
+
+/// A host-resident tensor's elements, writable
+/// ([`Backend::host_values_mut`]).
+#[derive(Debug)]
+pub enum HostValuesMut<'t> {
+    /// F32 cells: an F32 tensor's values, or the CPU's cells of any dtype.
+    F32(&'t mut [f32]),
+    /// BF16 bits.
+    Bf16(&'t mut [u16]),
+    /// 8-bit codes.
+    U8(&'t mut [u8]),
 }
 
 /// Target id that contributes no loss (e.g. the last token of a sequence).

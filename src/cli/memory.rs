@@ -21,9 +21,10 @@ pub struct MemoryArgs {
     #[arg(long, help_heading = "Memory", num_args = 0..=1, default_missing_value = "all",
           default_value_t = OffloadBlocks::Blocks(0))]
     pub offload: OffloadBlocks,
-    /// Units (the embedding, each block, the head) whose F32 master
-    /// weights and AdamW moments live in pinned host memory, updated on the
-    /// host's threads while the next forward runs: all (the flag alone), N
+    /// Units (the embedding, each block, the head) whose master weights
+    /// and AdamW moments (as --optim-state and --master-weights keep them)
+    /// live in pinned host memory, updated on the host's threads while the
+    /// next forward runs: all (the flag alone), N
     /// (the last N blocks first, then the embedding and the head), auto (the
     /// fewest that make this --seq fit the GPU beside everything else the
     /// run decides; `plan` resolves it at each length), none. The others

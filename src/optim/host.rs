@@ -1,11 +1,14 @@
-//! `--offload-optimizer`: the F32 master weights and both AdamW moments live
-//! in pinned host memory and the update runs on host threads. Gradients stay
-//! on the device through the backward (the global norm needs all of them
-//! before any update); then each slot's gradient (F32 or BF16) streams
+//! `--offload-optimizer`: the optimizer state of the last units lives in
+//! pinned host memory and their update runs on host threads: F32 master
+//! weights and moments, or the compact formats of `--optim-state` (BF16 or
+//! 8-bit moments) and `--master-weights none` (the BF16 parameter itself,
+//! downloaded beside its gradient and rounded stochastically). Gradients
+//! stay on the device through the backward (the global norm needs all of
+//! them before any update); then each slot's gradient (F32 or BF16) streams
 //! device→host one slot ahead of the host's update of the slot before
-//! (BF16 widened exactly on the host), and the updated
-//! master goes host→device into the parameter (rounded to the compute dtype
-//! on the host, to nearest even as the device's cast rounds).
+//! (BF16 widened exactly on the host), and the updated weights go
+//! host→device into the parameter (a master rounded to the compute dtype on
+//! the host, to nearest even as the device's cast rounds).
 //!
 //! The updates are deferred ([`HostStep`]): the optimizer step only fixes
 //! the learning rate and the clipping factor, and each unit's slots are
@@ -15,12 +18,18 @@
 //!
 //! A slot is one parameter tensor (whole model on every rank) or one unit's
 //! shard (FSDP). The per-element arithmetic is the CPU reference's
-//! (`optim::adamw::host_adamw`), so results equal the on-device optimizer's.
+//! (`optim::adamw::host_adamw`, `optim::adamw::host_compact`), so results
+//! equal the on-device optimizer's.
 
-use crate::backend::{Backend, Category, ComputePoint, CopyDone, DType, HostValues, Tensor, cast};
+use crate::backend::{
+    Backend, Category, ComputePoint, CopyDone, DType, HostValues, HostValuesMut, Tensor, cast,
+};
 use crate::error::Result;
 use crate::optim::adamw::adamw_step::AdamWStep;
+use crate::optim::adamw::compact_adamw::{MomentCodec, WeightRounding};
 use crate::optim::adamw::host_adamw::{adamw_parallel, adamw_parallel_bf16};
+use crate::optim::adamw::host_compact::{HostState, update_slot};
+use crate::optim::moments::Moment;
 use std::ops::Range;
 
 /// One slot's parameter, gradient and host-resident optimizer state, and
@@ -29,13 +38,25 @@ use std::ops::Range;
 pub struct HostSlot<'a, B: Backend> {
     /// `[..]` in the compute dtype, on the device.
     pub param: &'a mut Tensor<B>,
-    /// `[..]` F32, on the device (zeroed once it is on the host).
+    /// `[..]` F32 or BF16, on the device (zeroed once it is on the host).
     pub grad: &'a mut Tensor<B>,
-    /// F32 master, first and second moments: host memory, `param`'s shape.
-    pub master: &'a mut Tensor<B>,
-    pub m: &'a mut Tensor<B>,
-    pub v: &'a mut Tensor<B>,
+    /// The F32 master in host memory, `param`'s shape; `None`
+    /// (`--master-weights none`): the parameter's own values are updated,
+    /// downloaded beside the gradient (BF16 by stochastic rounding).
+    pub master: Option<&'a mut Tensor<B>>,
+    /// The moments in host memory, in their format.
+    pub m: &'a mut Moment<B>,
+    pub v: &'a mut Moment<B>,
     pub updates: Vec<(Range<usize>, AdamWStep)>,
+    /// Stochastic rounding's key for this slot and step.
+    pub rounding_key: u32,
+}
+
+impl<B: Backend> HostSlot<'_, B> {
+    /// F32 master and moments: the plain update.
+    fn is_plain(&self) -> bool {
+        self.master.is_some() && self.m.values.dtype() == DType::F32
+    }
 }
 
 /// A host-resident F32 copy of `param` (the master weights at start).
@@ -50,15 +71,6 @@ pub fn host_master<B: Backend>(b: &B, param: &Tensor<B>) -> Result<Tensor<B>> {
         b.copy_finish(done)?;
     }
     Ok(master)
-}
-
-/// A zero F32 tensor of `shape` in host memory (a moment).
-pub fn host_zeros<B: Backend>(b: &B, shape: &[usize]) -> Result<Tensor<B>> {
-    let mut t = b.empty(shape, DType::F32, Category::Offload)?;
-    if !b.rehearsing() {
-        b.host_f32_mut(&mut t)?.fill(0.0);
-    }
-    Ok(t)
 }
 
 /// The host slots to update when everything through item `upto` of update
@@ -84,11 +96,42 @@ pub struct HostStep<B: Backend> {
     grads_final: ComputePoint,
     /// The first slot not yet updated.
     next: usize,
-    /// Slot `next`'s gradient on its way to the host.
-    inflight: Option<(Tensor<B>, CopyDone)>,
+    /// Slot `next`'s gradient (and parameter) on its way to the host.
+    inflight: Option<Download<B>>,
     /// The last slot's parameter on its way to the device, from this
     /// pinned buffer.
     uploading: Option<(Tensor<B>, CopyDone)>,
+}
+
+/// What the host reads of a slot on the device: its gradient and, without
+/// a master, its parameter.
+pub struct Fetch<'a, B: Backend> {
+    pub grad: &'a Tensor<B>,
+    pub param: Option<&'a Tensor<B>>,
+}
+
+impl<B: Backend> Clone for Fetch<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Fetch<'_, B> {}
+
+impl<B: Backend> HostSlot<'_, B> {
+    /// What the host reads of this slot.
+    pub fn fetch(&self) -> Fetch<'_, B> {
+        Fetch {
+            grad: self.grad,
+            param: self.master.is_none().then_some(&*self.param),
+        }
+    }
+}
+
+/// A slot's [`Fetch`] on its way into host buffers.
+struct Download<B: Backend> {
+    grad: (Tensor<B>, CopyDone),
+    param: Option<(Tensor<B>, CopyDone)>,
 }
 
 impl<B: Backend> HostStep<B> {
@@ -118,35 +161,40 @@ impl<B: Backend> HostStep<B> {
     }
 
     /// Updates `slots`, the slots `done()..done() + slots.len()`, in order,
-    /// zeroing each gradient once it is on the host; `ahead` is the next
-    /// slot's gradient, downloaded while the last of them is updated.
+    /// zeroing each gradient once it is on the host; `ahead` is what the
+    /// host reads of the next slot, downloaded while the last of them is
+    /// updated.
     pub fn run(
         &mut self,
         b: &B,
         slots: &mut [HostSlot<'_, B>],
-        ahead: Option<&Tensor<B>>,
+        ahead: Option<Fetch<'_, B>>,
     ) -> Result<()> {
         for k in 0..slots.len() {
-            let (grad, done) = match self.inflight.take() {
+            let fetched = match self.inflight.take() {
                 Some(x) => x,
-                None => self.download(b, slots[k].grad)?,
+                None => self.download(b, slots[k].fetch())?,
             };
             let next = match slots.get(k + 1) {
-                Some(s) => Some(&*s.grad),
+                Some(s) => Some(s.fetch()),
                 None => ahead,
             };
-            if let Some(g) = next {
-                self.inflight = Some(self.download(b, g)?);
+            if let Some(n) = next {
+                self.inflight = Some(self.download(b, n)?);
             }
-            b.copy_finish(done)?;
+            let (grad, mut param) = fetched.finish(b)?;
             let slot = &mut slots[k];
             b.fill(slot.grad, 0.0)?;
             // a rehearsal computes nothing (and touches no host page)
             if !b.rehearsing() {
-                update(b, slot, &grad)?;
+                update(b, slot, &grad, param.as_mut())?;
             }
             drop(grad);
-            self.upload(b, slot.param, slot.master)?;
+            match (param, slot.master.as_deref()) {
+                (Some(values), _) => self.upload_values(b, slot.param, values)?,
+                (None, Some(master)) => self.upload(b, slot.param, master)?,
+                (None, None) => return Err(no_weights()),
+            }
             self.next += 1;
         }
         if ahead.is_none() {
@@ -158,21 +206,103 @@ impl<B: Backend> HostStep<B> {
 }
 
 impl<B: Backend> HostStep<B> {
-    /// Starts copying `grad` into a fresh host buffer, after the backward
-    /// that wrote it (not after the forward queued since).
-    fn download(&self, b: &B, grad: &Tensor<B>) -> Result<(Tensor<B>, CopyDone)> {
-        let mut host = b.empty(grad.shape(), grad.dtype(), Category::Offload)?;
-        let done = b.copy_start_from(&mut host, grad, &self.grads_final)?;
-        Ok((host, done))
+    /// Starts copying what the host reads of a slot into fresh host
+    /// buffers, after the backward that wrote the gradient (not after the
+    /// forward queued since).
+    fn download(&self, b: &B, what: Fetch<'_, B>) -> Result<Download<B>> {
+        let start = |t: &Tensor<B>| -> Result<(Tensor<B>, CopyDone)> {
+            let mut host = b.empty(t.shape(), t.dtype(), Category::Offload)?;
+            let done = b.copy_start_from(&mut host, t, &self.grads_final)?;
+            Ok((host, done))
+        };
+        Ok(Download {
+            grad: start(what.grad)?,
+            param: what.param.map(start).transpose()?,
+        })
     }
 }
 
-/// The host's AdamW update of one slot from its downloaded gradient.
-fn update<B: Backend>(b: &B, slot: &mut HostSlot<'_, B>, grad: &Tensor<B>) -> Result<()> {
+impl<B: Backend> Download<B> {
+    /// The host buffers, once their copies are done.
+    fn finish(self, b: &B) -> Result<(Tensor<B>, Option<Tensor<B>>)> {
+        let (grad, done) = self.grad;
+        b.copy_finish(done)?;
+        let param = match self.param {
+            Some((param, done)) => {
+                b.copy_finish(done)?;
+                Some(param)
+            }
+            None => None,
+        };
+        Ok((grad, param))
+    }
+}
+
+/// The host's AdamW update of one slot from its downloaded gradient (and,
+/// without a master, its downloaded parameter `param`, updated in place).
+fn update<B: Backend>(
+    b: &B,
+    slot: &mut HostSlot<'_, B>,
+    grad: &Tensor<B>,
+    param: Option<&mut Tensor<B>>,
+) -> Result<()> {
+    if slot.is_plain() {
+        return update_plain(b, slot, grad);
+    }
     let g = b.host_values(grad)?;
-    let master = b.host_f32_mut(slot.master)?;
-    let m = b.host_f32_mut(slot.m)?;
-    let v = b.host_f32_mut(slot.v)?;
+    let (w, dtype) = match (slot.master.as_deref_mut(), param) {
+        (Some(master), _) => (b.host_values_mut(master)?, DType::F32),
+        (None, Some(param)) => {
+            let dtype = param.dtype();
+            (b.host_values_mut(param)?, dtype)
+        }
+        (None, None) => return Err(no_weights()),
+    };
+    let rounding = match dtype {
+        DType::BF16 => WeightRounding::Stochastic(slot.rounding_key),
+        _ => WeightRounding::F32,
+    };
+    let codec = match slot.m.values.dtype() {
+        DType::F32 => MomentCodec::F32,
+        DType::BF16 => MomentCodec::Bf16,
+        _ => MomentCodec::Q8,
+    };
+    let (m, m_scales) = host_moment(b, slot.m)?;
+    let (v, v_scales) = host_moment(b, slot.v)?;
+    let state = HostState {
+        w,
+        rounding,
+        g,
+        codec,
+        m,
+        m_scales,
+        v,
+        v_scales,
+    };
+    update_slot(state, &slot.updates);
+    Ok(())
+}
+
+/// A moment's values (or codes) and block scales (empty unless 8-bit) in
+/// host memory.
+fn host_moment<'t, B: Backend>(
+    b: &B,
+    moment: &'t mut Moment<B>,
+) -> Result<(HostValuesMut<'t>, &'t mut [f32])> {
+    let Moment { values, scales, .. } = moment;
+    let scales: &mut [f32] = match scales {
+        Some(s) => b.host_f32_mut(s)?,
+        None => &mut [],
+    };
+    Ok((b.host_values_mut(values)?, scales))
+}
+
+/// The F32 update: master and moments F32, over the host's threads.
+fn update_plain<B: Backend>(b: &B, slot: &mut HostSlot<'_, B>, grad: &Tensor<B>) -> Result<()> {
+    let g = b.host_values(grad)?;
+    let master = b.host_f32_mut(slot.master.as_deref_mut().ok_or_else(no_weights)?)?;
+    let m = b.host_f32_mut(&mut slot.m.values)?;
+    let v = b.host_f32_mut(&mut slot.v.values)?;
     for (r, hp) in &slot.updates {
         let r = r.clone();
         let (p, m, v) = (&mut master[r.clone()], &mut m[r.clone()], &mut v[r.clone()]);
@@ -182,6 +312,10 @@ fn update<B: Backend>(b: &B, slot: &mut HostSlot<'_, B>, grad: &Tensor<B>) -> Re
         }
     }
     Ok(())
+}
+
+fn no_weights() -> crate::Error {
+    crate::Error::Backend("host AdamW: a slot with neither a master nor its parameter".into())
 }
 
 impl<B: Backend> HostStep<B> {
@@ -200,11 +334,27 @@ impl<B: Backend> HostStep<B> {
         self.finish_upload(b)?;
         let mut narrow = b.empty(param.shape(), param.dtype(), Category::Offload)?;
         if !b.rehearsing() {
-            to_bf16(b.host_f32(master)?, b.host_bf16_mut(&mut narrow)?);
+            let master = b.host_f32(master)?;
+            match b.host_values_mut(&mut narrow)? {
+                HostValuesMut::Bf16(bits) => to_bf16(master, bits),
+                // the CPU's cells: BF16 values
+                HostValuesMut::F32(cells) => {
+                    cells.copy_from_slice(&crate::backend::cpu::stored(DType::BF16, master)?)
+                }
+                HostValuesMut::U8(_) => return Err(no_weights()),
+            }
         }
-        let done = b.copy_start_from(param, &narrow, &self.grads_final)?;
+        self.upload_values(b, param, narrow)
+    }
+
+    /// `param = values`, a host buffer of the parameter's dtype (updated
+    /// in place without a master, or a master's rounding), kept until the
+    /// next upload, or the step's last, has waited for its copy.
+    fn upload_values(&mut self, b: &B, param: &mut Tensor<B>, values: Tensor<B>) -> Result<()> {
+        self.finish_upload(b)?;
+        let done = b.copy_start_from(param, &values, &self.grads_final)?;
         b.copy_order(&done)?;
-        self.uploading = Some((narrow, done));
+        self.uploading = Some((values, done));
         Ok(())
     }
 

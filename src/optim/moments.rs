@@ -6,7 +6,7 @@
 
 use super::MomentFormat;
 use super::adamw::compact_adamw::{q8_blocks, q8_decode_piece, q8_encode_piece};
-use crate::backend::{Backend, Category, DType, Tensor};
+use crate::backend::{Backend, Category, DType, HostValuesMut, Tensor};
 use crate::error::Result;
 use std::ops::Range;
 
@@ -52,13 +52,28 @@ impl<B: Backend> Moment<B> {
         })
     }
 
-    /// An F32 moment already made (the host-resident state).
-    pub fn f32(values: Tensor<B>, which: Which) -> Self {
-        Moment {
+    /// [`zeros`](Moment::zeros) in pinned host memory (the state of
+    /// `--offload-optimizer`).
+    pub fn host_zeros(
+        b: &B,
+        shape: &[usize],
+        format: MomentFormat,
+        pieces: &[Range<usize>],
+        which: Which,
+    ) -> Result<Self> {
+        let values = host_zeros(b, shape, format.dtype())?;
+        let scales = match format {
+            MomentFormat::Q8 => {
+                let blocks = pieces.iter().map(|p| q8_blocks(p.len())).sum::<usize>();
+                Some(host_zeros(b, &[blocks], DType::F32)?)
+            }
+            _ => None,
+        };
+        Ok(Moment {
             values,
-            scales: None,
+            scales,
             which,
-        }
+        })
     }
 
     /// The moment's values as F32 (elements in no piece read as zero).
@@ -108,4 +123,18 @@ impl<B: Backend> Moment<B> {
     fn signed(&self) -> bool {
         self.which == Which::First
     }
+}
+
+/// A zero tensor of `shape` and `dtype` in host memory (a moment, or its
+/// 8-bit blocks' scales).
+fn host_zeros<B: Backend>(b: &B, shape: &[usize], dtype: DType) -> Result<Tensor<B>> {
+    let mut t = b.empty(shape, dtype, Category::Offload)?;
+    if !b.rehearsing() {
+        match b.host_values_mut(&mut t)? {
+            HostValuesMut::F32(x) => x.fill(0.0),
+            HostValuesMut::Bf16(x) => x.fill(0),
+            HostValuesMut::U8(x) => x.fill(0),
+        }
+    }
+    Ok(t)
 }

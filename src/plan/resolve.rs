@@ -370,8 +370,6 @@ pub fn resolve_run(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
 
 /// [`resolve_run`] of one training state.
 fn resolve_state(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
-    let compact = compact_state_on_device(req);
-    let req = compact.as_ref().unwrap_or(req);
     let mut r = Resolution::start(req)?;
     r.shard()?;
     r.checkpoint_every()?;
@@ -383,19 +381,6 @@ fn resolve_state(req: &RunRequest, depth: Depth) -> Result<ResolvedRun> {
     }
     r.forward_stages()?;
     r.finish()
-}
-
-/// Compact optimizer state lives on the device (the host keeps F32 state
-/// only): `--offload-optimizer auto` is then none. (Host units asked for
-/// beside it are refused by the optimizer, naming both flags.) `None`:
-/// `req` as it is.
-fn compact_state_on_device(req: &RunRequest) -> Option<RunRequest> {
-    if req.state.optimizer_is_plain() || req.memory.offload_optimizer != OptimizerOffload::Auto {
-        return None;
-    }
-    let mut on_device = req.clone();
-    on_device.memory.offload_optimizer = OptimizerOffload::Units(0);
-    Some(on_device)
 }
 
 /// A run part way through [`resolve_run`].

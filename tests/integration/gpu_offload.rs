@@ -2,14 +2,16 @@
 //! gives the on-device optimizer's results up to f32 rounding (the GPU's
 //! AdamW kernel may fuse multiply-adds the host does not), replicated and
 //! under FSDP, and offloading the first N blocks' checkpoints changes no
-//! loss beyond cuDNN's run-to-run noise. Skipped where no GPU exists.
+//! loss beyond cuDNN's run-to-run noise; compact state (BF16 or 8-bit
+//! moments, no master) on the host tracks the same state on the device.
+//! Skipped where no GPU exists.
 
 use std::sync::Arc;
 use upipe::attention::Strategy;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
 use upipe::model::{MemoryPolicy, ModelConfig};
-use upipe::optim::AdamWConfig;
+use upipe::optim::{AdamWConfig, GradDtype, MasterWeights, MomentFormat, StateFormat};
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_threads};
 
 fn cuda() -> CudaBackend {
@@ -20,6 +22,11 @@ fn cuda() -> CudaBackend {
 
 /// `--offload offload --offload-optimizer host_units` on tiny (4 units).
 fn run(fsdp: bool, offload: usize, host_units: usize) -> TrainSummary {
+    run_state(fsdp, offload, host_units, StateFormat::default())
+}
+
+/// [`run`] with the training state kept as `state` says.
+fn run_state(fsdp: bool, offload: usize, host_units: usize, state: StateFormat) -> TrainSummary {
     let tokens: Arc<[u32]> = upipe::data::ByteTokenizer
         .encode(upipe::data::CORPUS)
         .into();
@@ -37,7 +44,15 @@ fn run(fsdp: bool, offload: usize, host_units: usize) -> TrainSummary {
             offload_optimizer: host_units,
             ..MemoryPolicy::default()
         },
-        ..TrainConfig::new(model, 256, 5, AdamWConfig::schedule(3e-3, 3e-4, 1, 5))
+        ..TrainConfig::new(
+            model,
+            256,
+            5,
+            AdamWConfig {
+                state,
+                ..AdamWConfig::schedule(3e-3, 3e-4, 1, 5)
+            },
+        )
     };
     train_threads(&cfg, tokens, cuda, &|_| {}).unwrap()
 }
@@ -68,6 +83,48 @@ fn host_optimizer_and_offload_track_the_device_run() {
                 );
             }
             if opt > 0 {
+                assert!(got.memory.host_peak > 0);
+            }
+        }
+    }
+}
+
+/// BF16 moments with an F32 master, and 8-bit moments with no master (BF16
+/// weights rounded stochastically on the host from the downloaded
+/// parameter), on the host for every unit or the last two: the losses of
+/// the same state on the device, up to cuDNN's run-to-run noise (the
+/// update's arithmetic is the same on both: `adamw_compact` uses no fused
+/// multiply-add).
+#[test]
+fn compact_state_on_the_host_tracks_the_device_run() {
+    if let Err(e) = CudaBackend::new(0) {
+        eprintln!("SKIP gpu_offload: no usable CUDA GPU ({e})");
+        return;
+    }
+    let formats = [
+        (MomentFormat::Bf16, MasterWeights::F32),
+        (MomentFormat::Q8, MasterWeights::None),
+    ];
+    for (moments, master) in formats {
+        let state = StateFormat {
+            moments,
+            master,
+            grads: GradDtype::Bf16,
+        };
+        for fsdp in [false, true] {
+            let base = run_state(fsdp, 0, 0, state);
+            for opt in [4, 2] {
+                let got = run_state(fsdp, 0, opt, state);
+                for (b, g) in base.reports.iter().zip(&got.reports) {
+                    println!(
+                        "{state} fsdp {fsdp} --offload-optimizer {opt} step {}: {:.6} vs {:.6}",
+                        b.step, g.loss, b.loss
+                    );
+                    let rel = ((g.loss - b.loss) / b.loss).abs();
+                    assert!(rel <= 1e-3, "step {}: {} vs {}", b.step, g.loss, b.loss);
+                }
+                let on_device = got.memory.at_peak(upipe::backend::Category::OptimState);
+                assert!(opt != 4 || on_device == 0, "{state}: state on the device");
                 assert!(got.memory.host_peak > 0);
             }
         }

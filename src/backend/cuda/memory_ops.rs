@@ -11,7 +11,8 @@ use super::device::drv;
 use super::kernels::Args;
 use super::pool::{self, AllocError, CudaStorage};
 use crate::backend::{
-    Backend, Category, ComputePoint, CopyDone, DType, HostValues, Mat, MatMut, Tensor,
+    Backend, Category, ComputePoint, CopyDone, DType, HostValues, HostValuesMut, Mat, MatMut,
+    Tensor,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaStream, result};
@@ -76,6 +77,31 @@ fn check_copy(dst: &Tensor<CudaBackend>, src: &Tensor<CudaBackend>) -> Result<()
         )));
     }
     Ok(())
+}
+
+/// A host-resident (offload) tensor's values as F32: F32 elements, BF16
+/// bits widened exactly, or 8-bit codes as integers.
+fn host_to_f32(t: &Tensor<CudaBackend>) -> Result<Vec<f32>> {
+    let n = t.numel();
+    // SAFETY: an Offload tensor is `numel` elements of its dtype in pinned
+    // host memory that lives as long as `t`; the caller has waited for the
+    // copies into it.
+    Ok(match t.dtype() {
+        DType::F32 => unsafe { std::slice::from_raw_parts(ptr(t) as *const f32, n) }.to_vec(),
+        DType::BF16 => unsafe { std::slice::from_raw_parts(ptr(t) as *const u16, n) }
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect(),
+        DType::U8 => unsafe { std::slice::from_raw_parts(ptr(t) as *const u8, n) }
+            .iter()
+            .map(|&c| f32::from(c))
+            .collect(),
+        dtype => {
+            return Err(Error::Backend(format!(
+                "host read of a {dtype:?} offload tensor: only F32, BF16 and U8"
+            )));
+        }
+    })
 }
 
 /// Checks that `t` is an F32 tensor in pinned host memory.
@@ -309,6 +335,31 @@ impl CudaBackend {
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr(t) as *mut u16, t.numel()) })
     }
 
+    pub(super) fn host_values_mut_impl<'t>(
+        &self,
+        t: &'t mut Tensor<Self>,
+    ) -> Result<HostValuesMut<'t>> {
+        match t.dtype() {
+            DType::F32 => self.host_f32_mut_impl(t).map(HostValuesMut::F32),
+            DType::BF16 => self.host_bf16_mut_impl(t).map(HostValuesMut::Bf16),
+            DType::U8 if t.category() == Category::Offload => {
+                if t.numel() == 0 {
+                    return Ok(HostValuesMut::U8(&mut []));
+                }
+                // SAFETY: a U8 Offload tensor is `numel` bytes of pinned host
+                // memory that lives as long as `t`, borrowed mutably here; no
+                // copy out of it is in flight (the caller's contract).
+                let codes = unsafe { std::slice::from_raw_parts_mut(ptr(t) as *mut u8, t.numel()) };
+                Ok(HostValuesMut::U8(codes))
+            }
+            dtype => Err(Error::Backend(format!(
+                "host access to a {dtype:?} {} tensor: only F32, BF16 and U8 host-resident (offload) \
+                 tensors",
+                t.category().name()
+            ))),
+        }
+    }
+
     pub(super) fn host_f32_mut_impl<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]> {
         host_resident(t)?;
         if t.numel() == 0 {
@@ -374,7 +425,16 @@ impl CudaBackend {
             // host memory: written here once no copy out of it is in flight
             self.synchronize()?;
             drv(self.copy_stream.synchronize(), "copy stream synchronize")?;
-            self.host_f32_mut(t)?.copy_from_slice(data);
+            match self.host_values_mut_impl(t)? {
+                HostValuesMut::F32(cells) => cells.copy_from_slice(data),
+                HostValuesMut::Bf16(bits) => {
+                    let rounded = data.iter().map(|&x| half::bf16::from_f32(x).to_bits());
+                    bits.iter_mut().zip(rounded).for_each(|(b, r)| *b = r);
+                }
+                HostValuesMut::U8(codes) => {
+                    codes.copy_from_slice(&crate::backend::narrow::codes_of(data)?)
+                }
+            }
             return Ok(());
         }
         let s = self.stream.cu_stream();
@@ -427,7 +487,7 @@ impl CudaBackend {
             // host memory already: once the copies into it are done
             self.synchronize()?;
             drv(self.copy_stream.synchronize(), "copy stream synchronize")?;
-            return Ok(self.host_f32(t)?.to_vec());
+            return host_to_f32(t);
         }
         // the copy into pageable memory blocks inside the driver until the
         // stream reaches it: let queued work (maybe a collective) finish first

@@ -12,7 +12,8 @@ use crate::backend::fp8::{Fp8Format, Fp8Gemm, Fp8GemmShape, Fp8Quantize};
 use crate::backend::{AddRmsNormFwd, GatedAct, RmsNormBwd, RmsNormFwd, RopeRotate, RopeShape};
 use crate::backend::{
     AttentionBwd, AttentionFwd, AttnShape, Backend, Category, ComputePoint, CopyDone, DType,
-    HostValues, LseMerge, Mat, MatMut, MemoryLedger, Tensor, UpdateKernel, UpdateSlot,
+    HostValues, HostValuesMut, LseMerge, Mat, MatMut, MemoryLedger, Tensor, UpdateKernel,
+    UpdateSlot,
 };
 use crate::error::{Error, Result};
 use std::sync::Arc;
@@ -77,6 +78,10 @@ impl Backend for CudaBackend {
 
     fn host_f32_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<&'t mut [f32]> {
         self.host_f32_mut_impl(t)
+    }
+
+    fn host_values_mut<'t>(&self, t: &'t mut Tensor<Self>) -> Result<HostValuesMut<'t>> {
+        self.host_values_mut_impl(t)
     }
 
     fn zeros(&self, shape: &[usize], dtype: DType, cat: Category) -> Result<Tensor<Self>> {

@@ -14,6 +14,7 @@ pub mod compact_adamw;
 pub mod cuda_compact;
 pub mod cuda_multi;
 pub mod host_adamw;
+pub mod host_compact;
 pub mod kernel;
 pub mod ops;
 pub mod optimizer;

@@ -9,7 +9,7 @@ use super::ops::AdamWOps;
 use crate::backend::{Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::Unit;
-use crate::optim::host::{HostSlot, HostStep, host_master, host_zeros};
+use crate::optim::host::{Fetch, HostSlot, HostStep, host_master};
 use crate::optim::moments::{Moment, Which};
 use crate::optim::optimizer::{Optimizer, StateKind, StateSpec, Update};
 use crate::optim::schedule::{Decay, Schedule};
@@ -35,8 +35,9 @@ pub struct AdamWConfig {
     /// Clip the global gradient norm to this (0 = off).
     pub clip: f32,
     /// How many units, the last of update order
-    /// (`optim::settling::state_on_host`), keep their F32 master weights
-    /// and moments in pinned host memory, updated on host threads
+    /// (`optim::settling::state_on_host`), keep their master weights and
+    /// moments (as `state` keeps them) in pinned host memory, updated on
+    /// host threads
     /// (`--offload-optimizer`; a training run sets it from its memory
     /// policy, `TrainConfig::optimizer`).
     pub host_units: usize,
@@ -116,8 +117,9 @@ impl AdamWConfig {
 /// AdamW's state of one optimizer, slot by slot ([`Slot`]): moments and
 /// F32 master weights on the device (the master only when the model
 /// computes in a lower precision), or for the units `cfg.host_units` names
-/// in pinned host memory (master always), updated on host threads and
-/// deferred into the next forward ([`HostStep`]).
+/// in pinned host memory (an F32 master there unless `--master-weights
+/// none`), updated on host threads and deferred into the next forward
+/// ([`HostStep`]).
 pub struct AdamW<B: Backend> {
     pub cfg: AdamWConfig,
     slots: Vec<Slot>,
@@ -151,13 +153,6 @@ impl<B: Backend> AdamW<B> {
             .iter()
             .map(|s| state_on_host(s.unit, layers, cfg.host_units))
             .collect();
-        if on_host.contains(&true) && !cfg.state.optimizer_is_plain() {
-            return crate::config_err!(
-                "--offload-optimizer keeps F32 state on the host; with {} keep it on the device \
-                 (--offload-optimizer 0) or use --optim-state f32 --master-weights f32",
-                cfg.state.saved()
-            );
-        }
         let narrow = params.iter().any(|t| t.dtype() != DType::F32);
         let device_master = narrow && cfg.state.master == MasterWeights::F32;
         let kept = StateToBuild {
@@ -254,7 +249,8 @@ impl<B: Backend> AdamW<B> {
 /// The state AdamW keeps per parameter element of a device slot, kept as
 /// `format` says: two moments, and an F32 master copy when the parameters
 /// are in a lower precision (`narrow`) and `format` keeps masters. A host
-/// slot keeps all three in F32 host memory. (What the planner counts:
+/// slot keeps the same moments, and an F32 master unless the format has
+/// none, in host memory. (What the planner counts:
 /// `plan::trained_state_bytes`.)
 pub fn state_specs(format: StateFormat, narrow: bool) -> Vec<StateSpec> {
     let moment = |kind| StateSpec {
@@ -353,14 +349,24 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
             host_slots.push(HostSlot {
                 param: param.as_deref_mut().ok_or_else(|| busy(k))?,
                 grad: grad.as_deref_mut().ok_or_else(|| busy(k))?,
-                master: master.as_mut().ok_or_else(no_master)?,
-                m: &mut m.values,
-                v: &mut v.values,
+                master: master.as_mut(),
+                m,
+                v,
                 updates,
+                rounding_key: rounding_key(cfg.seed, step, k as u32),
             });
         }
-        // the gradient after them, downloaded meanwhile
-        let ahead = rest.next().and_then(|((_, (_, grad)), _)| grad.as_deref());
+        // what the host reads of the slot after them, downloaded meanwhile
+        let ahead = match rest.next() {
+            Some(((_, (param, grad)), ((master, _), _))) => Some(Fetch {
+                grad: grad.as_deref().ok_or_else(|| busy(total))?,
+                param: match master {
+                    Some(_) => None,
+                    None => Some(param.as_deref().ok_or_else(|| busy(total))?),
+                },
+            }),
+            None => None,
+        };
         pending.run(b, &mut host_slots, ahead)?;
         if pending.done() == total {
             self.pending = None;
@@ -428,7 +434,8 @@ struct StateToBuild<'a, B: Backend> {
 /// Zero moments (in the format's dtype) and F32 masters for `kept.tensors`,
 /// `kept.on_host[k]` saying where tensor k's state lives: the device's
 /// first (every m, every v, then with `device_master` the masters), then
-/// the host's (always F32), each tensor's master, m and v in turn.
+/// the host's (masters F32 unless `--master-weights none`), each
+/// tensor's master, m and v in turn.
 /// Returns `(m, v, master)`.
 #[allow(clippy::type_complexity)]
 fn build_state<B: Backend>(
@@ -463,15 +470,14 @@ fn build_state<B: Backend>(
         }
     }
     for k in (0..count).filter(|&k| on_host[k]) {
-        master[k] = Some(host_master(b, tensors[k])?);
-        m[k] = Some(Moment::f32(
-            host_zeros(b, tensors[k].shape())?,
-            Which::First,
-        ));
-        v[k] = Some(Moment::f32(
-            host_zeros(b, tensors[k].shape())?,
-            Which::Second,
-        ));
+        if format.master == MasterWeights::F32 {
+            master[k] = Some(host_master(b, tensors[k])?);
+        }
+        let pieces = piece_ranges(&slots[k]);
+        let zeros =
+            |which| Moment::host_zeros(b, tensors[k].shape(), format.moments, &pieces, which);
+        m[k] = Some(zeros(Which::First)?);
+        v[k] = Some(zeros(Which::Second)?);
     }
     let every = |t: Vec<Option<Moment<B>>>| {
         t.into_iter()
@@ -498,10 +504,6 @@ fn busy(slot: usize) -> crate::Error {
     crate::Error::Backend(format!(
         "optimizer: slot {slot}'s parameter or gradient is still in a collective"
     ))
-}
-
-fn no_master() -> crate::Error {
-    crate::Error::Backend("AdamW: host-resident state without master weights".into())
 }
 
 /// The update of parameter `name` at 1-based `step` with learning rate `lr`
@@ -535,6 +537,93 @@ mod tests {
         assert!((c.lr_at(60) - 0.55).abs() < 1e-5);
         assert!((c.lr_at(110) - 0.1).abs() < 1e-6);
         assert!((c.lr_at(500) - 0.1).abs() < 1e-6);
+    }
+
+    /// The state of `units` BF16 parameters (a block with two slots, one
+    /// of two pieces of which one is a norm, the embedding and the head)
+    /// trained 3 steps with BF16 gradients: the parameters and each
+    /// moment's values after them, as `host_units` places the state.
+    fn three_steps(format: StateFormat, host_units: usize) -> Vec<Vec<u32>> {
+        use crate::backend::cpu::CpuBackend;
+        use crate::optim::{Optimizer, Piece};
+        let b = CpuBackend::new();
+        let n = 3 * 256 + 40;
+        let piece = |name: &str, at| Piece {
+            name: name.into(),
+            at,
+        };
+        let slots = vec![
+            Slot::whole(Unit::Embed, "embed.weight".into(), n),
+            Slot {
+                unit: Unit::Block(0),
+                pieces: vec![piece("b.norm.weight", 0..300), piece("b.w.weight", 300..n)],
+            },
+            Slot::whole(Unit::Block(0), "b.v.weight".into(), n),
+            Slot::whole(Unit::Head, "head.weight".into(), n),
+        ];
+        let wave = |k: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 7919 + k * 131) % 1000) as f32 / 500.0 - 1.0)
+                .collect()
+        };
+        let bf16 = |v: &[f32]| {
+            b.from_host(v, &[n], DType::BF16, Category::Weights)
+                .unwrap()
+        };
+        let mut params: Vec<_> = (0..slots.len()).map(|k| bf16(&wave(k))).collect();
+        let cfg = AdamWConfig {
+            state: format,
+            ..AdamWConfig::schedule(1e-2, 1e-2, 0, 3)
+        }
+        .placed(host_units, 11);
+        let refs: Vec<&Tensor<CpuBackend>> = params.iter().collect();
+        let mut opt = AdamW::new(&b, cfg, slots, &refs, 1).unwrap();
+        for step in 1..=3u32 {
+            let mut grads: Vec<_> = (0..params.len())
+                .map(|k| bf16(&wave(10 * step as usize + k)))
+                .collect();
+            let mut lent = Lent {
+                params: params.iter_mut().map(Some).collect(),
+                grads: grads.iter_mut().map(Some).collect(),
+            };
+            opt.step(&b, &mut lent, 0.5, step, true).unwrap();
+            opt.settle(&b, &mut lent, usize::MAX).unwrap();
+        }
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let mut out: Vec<Vec<u32>> = params.iter().map(|p| bits(b.to_host(p).unwrap())).collect();
+        for k in 0..params.len() {
+            for kind in [StateKind::EXP_AVG, StateKind::EXP_AVG_SQ] {
+                out.push(bits(opt.state_values(&b, k, kind).unwrap().unwrap()));
+            }
+        }
+        out
+    }
+
+    /// Every state format kept on the host (all units, or the last two)
+    /// updates BF16 parameters and moments exactly as on the device, bit
+    /// for bit: masters or stochastic rounding, BF16 or 8-bit moments.
+    #[test]
+    fn host_state_of_every_format_updates_as_the_devices_does() {
+        use crate::optim::{GradDtype, MomentFormat};
+        for moments in [MomentFormat::F32, MomentFormat::Bf16, MomentFormat::Q8] {
+            for master in [MasterWeights::F32, MasterWeights::None] {
+                let format = StateFormat {
+                    moments,
+                    master,
+                    grads: GradDtype::Bf16,
+                };
+                let device = three_steps(format, 0);
+                for host_units in [3, 2] {
+                    let host = three_steps(format, host_units);
+                    assert!(
+                        host == device,
+                        "{format}: --offload-optimizer {host_units} against the device"
+                    );
+                }
+                let start = three_steps(format, 0);
+                assert_eq!(start, device, "{format}: deterministic");
+            }
+        }
     }
 
     /// Three updates of the CPU reference with `--betas 0.5,0.8 --eps 0.3`
