@@ -52,26 +52,33 @@ fi
 
 if has speed; then
     seq="${SEQ:-65536}"
+    summary=/tmp/host-state-summary.py
+    cat > "$summary" <<'PY'
+import json, statistics, sys
+rates, last = [], None
+for line in sys.stdin:
+    if not line.startswith("{"):
+        print(line.rstrip()[:300])
+        continue
+    s = json.loads(line)
+    if "step" not in s:
+        continue
+    if s["step"] >= 2:
+        rates.append(s["tokens_per_s"])
+    last = s
+if last is not None and rates:
+    gib = 2**30
+    host = last["peak_by_category"].get("offload_host", 0) / gib
+    plan_host = last["predicted_by_category"].get("offload_host", 0) / gib
+    print(f"tok/s {statistics.median(rates):.0f} (steps 2 on: {[round(r) for r in rates]}); "
+          f"peak {last['peak_bytes'] / gib:.2f} GiB, plan {last['predicted_peak_bytes'] / gib:.2f}; "
+          f"host {host:.2f} GiB, plan {plan_host:.2f}")
+PY
     data="$(corpus_of $((seq * 2)))"
     for host in 0 all; do
         echo "== llama3-8b $STATE at $seq, --offload-optimizer $host"
         timeout 280 $U train --model llama3-8b $P $STATE --offload-optimizer "$host" --seq "$seq" \
             --steps "${STEPS:-3}" --warmup 1 --lr 1e-5 --data "$data" --json 2>&1 |
-            grep -E '^\{|rror|auto' | python3 -c '
-import json, sys, statistics
-rates = []
-for line in sys.stdin:
-    if not line.startswith("{"):
-        print(line.rstrip()[:300]); continue
-    s = json.loads(line)
-    if "step" not in s: continue
-    if s["step"] >= 2: rates.append(s["tokens_per_s"])
-    last = s
-gib = 2**30
-print(f"tok/s {statistics.median(rates):.0f} (steps 2 on: {[round(r) for r in rates]}); "
-      f"peak {last[\"peak_bytes\"]/gib:.2f} GiB, plan {last[\"predicted_peak_bytes\"]/gib:.2f}; "
-      f"host {last[\"peak_by_category\"].get(\"offload_host\", 0)/gib:.2f} GiB, "
-      f"plan {last[\"predicted_by_category\"].get(\"offload_host\", 0)/gib:.2f}")
-' 2>&1
+            grep -E '^\{|rror|auto' | python3 "$summary"
     done
 fi

@@ -103,8 +103,9 @@ impl GradDtype {
 impl StateFormat {
     /// What `--optim-state auto` tries, the most exact first: F32
     /// throughout; BF16 gradients (2 bytes a parameter fewer); 8-bit
-    /// moments, no master and BF16 gradients (10 fewer than F32, on the
-    /// device). The first whose step fits is the run's.
+    /// moments, no master and BF16 gradients (10 fewer than F32; on the
+    /// device, or the host where `--offload-optimizer` puts it). The first
+    /// whose step fits is the run's.
     pub const AUTO_LADDER: [StateFormat; 3] = [
         StateFormat {
             moments: MomentFormat::F32,

@@ -28,7 +28,7 @@ struct Change {
 /// offloading every block here, `--offload-optimizer auto` for every
 /// unit's optimizer state on the host: auto then picks the fewest that fit);
 /// the exact arithmetic before the narrower training state.
-const CHANGES: [Change; 12] = [
+const CHANGES: [Change; 13] = [
     Change {
         // what `auto` falls back to: if none fits, auto fits
         flags: "--save-attention auto",
@@ -109,7 +109,7 @@ const CHANGES: [Change; 12] = [
         },
     },
     Change {
-        // compact state lives on the device
+        // compact state on the device
         flags: "--checkpoint --tiled-mlp --offload auto --checkpoint-every auto --grad-dtype \
                 bf16 --optim-state 8bit --master-weights none --offload-optimizer 0",
         apply: |s| {
@@ -118,14 +118,31 @@ const CHANGES: [Change; 12] = [
             s.policy.offload = s.model.layers;
             s.policy.offload_optimizer = 0;
             s.policy.checkpoint_every = sqrt_segments(s);
-            s.state = StateFormat {
-                moments: MomentFormat::Q8,
-                master: MasterWeights::None,
-                grads: GradDtype::Bf16,
-            };
+            s.state = COMPACT;
+        },
+    },
+    Change {
+        // compact state on the host
+        flags: "--checkpoint --tiled-mlp --offload auto --checkpoint-every auto --grad-dtype \
+                bf16 --optim-state 8bit --master-weights none --offload-optimizer auto",
+        apply: |s| {
+            s.policy.checkpoint = true;
+            s.policy.tiled_mlp = true;
+            s.policy.offload = s.model.layers;
+            s.policy.offload_optimizer = all_units(s);
+            s.policy.checkpoint_every = sqrt_segments(s);
+            s.state = COMPACT;
         },
     },
 ];
+
+/// The most compact training state: 8-bit moments, no master, BF16
+/// gradients.
+const COMPACT: StateFormat = StateFormat {
+    moments: MomentFormat::Q8,
+    master: MasterWeights::None,
+    grads: GradDtype::Bf16,
+};
 
 /// Segments of about √L blocks, which keep about 2√L block inputs alive
 /// at once (near the fewest of any length): one of the lengths

@@ -65,20 +65,22 @@ fn top_exponent(codes: u32) -> u32 {
 }
 
 /// The nearest level to `x` (in `[0, 1]`) among `0..=codes`, ties to the
-/// lower: the number of midpoints between consecutive levels below `x`.
+/// lower: the number of midpoints between consecutive levels below `x`
+/// (0 for zero, negative values and NaN). Level `c >= 1` has the bits `(c + 1 + 8·(127 − top_e)) << 20`
+/// (nothing below the top three mantissa bits), so the highest level not
+/// above `x` is read off `x`'s bits, and one midpoint decides between it
+/// and the next: what a binary search over the midpoints finds (the GPU
+/// kernel's), in a few operations.
 fn nearest_level(x: f32, codes: u32) -> u32 {
-    let top_e = top_exponent(codes);
-    let (mut lo, mut hi) = (0u32, codes);
-    while lo < hi {
-        let j = (lo + hi) / 2;
-        let mid = (level(j, top_e) + level(j + 1, top_e)) * 0.5;
-        if mid < x {
-            lo = j + 1;
-        } else {
-            hi = j;
-        }
+    if x.is_nan() || x <= 0.0 {
+        return 0;
     }
-    lo
+    let base = 8 * (127 - top_exponent(codes) as i64) + 1;
+    let below = ((x.to_bits() >> 20) as i64 - base).clamp(0, codes as i64) as u32;
+    let above = (below + 1).min(codes);
+    let top_e = top_exponent(codes);
+    let mid = (level(below, top_e) + level(above, top_e)) * 0.5;
+    if mid < x { above } else { below }
 }
 
 /// The first moment's byte for `m` in a block of largest magnitude `scale`:
@@ -357,6 +359,49 @@ mod tests {
         }
     }
 
+    /// The binary search over the midpoints (the GPU kernel's `q8_nearest`).
+    fn searched_nearest(x: f32, codes: u32) -> u32 {
+        let top_e = top_exponent(codes);
+        let (mut lo, mut hi) = (0u32, codes);
+        while lo < hi {
+            let j = (lo + hi) / 2;
+            let mid = (level(j, top_e) + level(j + 1, top_e)) * 0.5;
+            if mid < x {
+                lo = j + 1;
+            } else {
+                hi = j;
+            }
+        }
+        lo
+    }
+
+    /// The nearest level read off the bits equals the binary search's at
+    /// every level and midpoint, one ulp either side of each, over a sweep
+    /// of every 61st float in `[0, 1.01]`, and at ±0, a negative value,
+    /// subnormals, values past 1, infinity and NaN.
+    #[test]
+    fn the_nearest_level_is_the_binary_searchs() {
+        for codes in [SIGNED_CODES, UNSIGNED_CODES] {
+            let top_e = top_exponent(codes);
+            let mut xs: Vec<f32> = vec![0.0, -0.0, -1.0, f32::from_bits(1), 1e-40, 1.0, 1.5];
+            xs.extend([f32::INFINITY, f32::MAX, f32::NAN]);
+            for c in 0..codes {
+                let mid = (level(c, top_e) + level(c + 1, top_e)) * 0.5;
+                for y in [level(c, top_e), mid] {
+                    xs.extend([y, y.next_down(), y.next_up()]);
+                }
+            }
+            xs.extend((0..1.01f32.to_bits()).step_by(61).map(f32::from_bits));
+            for x in xs {
+                assert_eq!(
+                    nearest_level(x, codes),
+                    searched_nearest(x, codes),
+                    "x = {x:e}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn the_binary_search_finds_the_nearest_level_as_a_scan_does() {
         let mut rng = Rng::new(81);
@@ -367,7 +412,7 @@ mod tests {
             xs.extend(all.iter().copied());
             xs.extend(all.windows(2).map(|w| (w[0] + w[1]) * 0.5));
             for x in xs {
-                assert_eq!(nearest_level(x, codes), scan_nearest(x, &all), "x = {x}");
+                assert_eq!(searched_nearest(x, codes), scan_nearest(x, &all), "x = {x}");
             }
         }
     }
