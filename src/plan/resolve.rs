@@ -571,8 +571,18 @@ impl<'a> Resolution<'a> {
         self.policy.offload_optimizer = n;
         if choice == OptimizerOffload::Auto {
             let units = MemoryPolicy::optimizer_units(self.req.model.layers);
+            // the host's update of compact state is compute, not a copy
+            let cost = if n > 0 && !self.req.state.optimizer_is_plain() {
+                format!(
+                    " ({} on the host's cores: slower than the GPU's update; --offload-optimizer 0 \
+                     keeps it on the GPU where it fits)",
+                    self.req.state.saved()
+                )
+            } else {
+                String::new()
+            };
             self.notes.push(format!(
-                "--offload-optimizer auto: {n} of {units} units keep their optimizer state in host memory"
+                "--offload-optimizer auto: {n} of {units} units keep their optimizer state in host memory{cost}"
             ));
         }
         Ok(())
