@@ -37,19 +37,8 @@ impl<B: Backend> Moment<B> {
         pieces: &[Range<usize>],
         which: Which,
     ) -> Result<Self> {
-        let values = b.zeros(shape, format.dtype(), Category::OptimState)?;
-        let scales = match format {
-            MomentFormat::Q8 => {
-                let blocks = pieces.iter().map(|p| q8_blocks(p.len())).sum::<usize>();
-                Some(b.zeros(&[blocks], DType::F32, Category::OptimState)?)
-            }
-            _ => None,
-        };
-        Ok(Moment {
-            values,
-            scales,
-            which,
-        })
+        let zeros = |shape: &[usize], dtype| b.zeros(shape, dtype, Category::OptimState);
+        Self::made(zeros, (shape, format, pieces), which)
     }
 
     /// [`zeros`](Moment::zeros) in pinned host memory (the state of
@@ -61,11 +50,21 @@ impl<B: Backend> Moment<B> {
         pieces: &[Range<usize>],
         which: Which,
     ) -> Result<Self> {
-        let values = host_zeros(b, shape, format.dtype())?;
+        let zeros = |shape: &[usize], dtype| host_zeros(b, shape, dtype);
+        Self::made(zeros, (shape, format, pieces), which)
+    }
+
+    /// A zero moment whose tensors `zeros(shape, dtype)` makes.
+    fn made(
+        zeros: impl Fn(&[usize], DType) -> Result<Tensor<B>>,
+        (shape, format, pieces): (&[usize], MomentFormat, &[Range<usize>]),
+        which: Which,
+    ) -> Result<Self> {
+        let values = zeros(shape, format.dtype())?;
         let scales = match format {
             MomentFormat::Q8 => {
                 let blocks = pieces.iter().map(|p| q8_blocks(p.len())).sum::<usize>();
-                Some(host_zeros(b, &[blocks], DType::F32)?)
+                Some(zeros(&[blocks], DType::F32)?)
             }
             _ => None,
         };

@@ -112,37 +112,31 @@ const CHANGES: [Change; 13] = [
         // compact state on the device
         flags: "--checkpoint --tiled-mlp --offload auto --checkpoint-every auto --grad-dtype \
                 bf16 --optim-state 8bit --master-weights none --offload-optimizer 0",
-        apply: |s| {
-            s.policy.checkpoint = true;
-            s.policy.tiled_mlp = true;
-            s.policy.offload = s.model.layers;
-            s.policy.offload_optimizer = 0;
-            s.policy.checkpoint_every = sqrt_segments(s);
-            s.state = COMPACT;
-        },
+        apply: |s| compact_state(s, 0),
     },
     Change {
         // compact state on the host
         flags: "--checkpoint --tiled-mlp --offload auto --checkpoint-every auto --grad-dtype \
                 bf16 --optim-state 8bit --master-weights none --offload-optimizer auto",
-        apply: |s| {
-            s.policy.checkpoint = true;
-            s.policy.tiled_mlp = true;
-            s.policy.offload = s.model.layers;
-            s.policy.offload_optimizer = all_units(s);
-            s.policy.checkpoint_every = sqrt_segments(s);
-            s.state = COMPACT;
-        },
+        apply: |s| compact_state(s, all_units(s)),
     },
 ];
 
-/// The most compact training state: 8-bit moments, no master, BF16
-/// gradients.
-const COMPACT: StateFormat = StateFormat {
-    moments: MomentFormat::Q8,
-    master: MasterWeights::None,
-    grads: GradDtype::Bf16,
-};
+/// Every memory policy and the most compact training state (8-bit
+/// moments, no master, BF16 gradients), that state on the host for
+/// `host_units` units.
+fn compact_state(s: &mut StepSpec, host_units: usize) {
+    s.policy.checkpoint = true;
+    s.policy.tiled_mlp = true;
+    s.policy.offload = s.model.layers;
+    s.policy.offload_optimizer = host_units;
+    s.policy.checkpoint_every = sqrt_segments(s);
+    s.state = StateFormat {
+        moments: MomentFormat::Q8,
+        master: MasterWeights::None,
+        grads: GradDtype::Bf16,
+    };
+}
 
 /// Segments of about √L blocks, which keep about 2√L block inputs alive
 /// at once (near the fewest of any length): one of the lengths

@@ -301,11 +301,12 @@ pub fn q8_decode_piece(codes: &[f32], scales: &[f32], signed: bool) -> Vec<f32> 
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::rng::Rng;
 
-    fn hp(step: u32) -> AdamWStep {
+    /// The hyper-parameters of the compact update's tests at `step`.
+    pub(in crate::optim::adamw) fn hp(step: u32) -> AdamWStep {
         AdamWStep {
             lr: 1e-2,
             beta1: 0.9,

@@ -242,18 +242,7 @@ fn bf16_to_f32(bits: u16) -> f32 {
 mod tests {
     use super::*;
     use crate::optim::adamw::compact_adamw::rounding_key;
-
-    fn hp(step: u32) -> AdamWStep {
-        AdamWStep {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            step,
-            grad_scale: 0.8,
-        }
-    }
+    use crate::optim::adamw::compact_adamw::tests::hp;
 
     /// Values in `[-1, 1)` from a counter.
     fn wave(n: usize, k: usize) -> Vec<f32> {
