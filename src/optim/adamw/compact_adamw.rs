@@ -300,22 +300,27 @@ pub fn q8_decode_piece(codes: &[f32], scales: &[f32], signed: bool) -> Vec<f32> 
         .collect()
 }
 
+/// The hyper-parameters of the compact update's tests at `step`.
 #[cfg(test)]
-pub(super) mod tests {
+pub(crate) fn test_hp(step: u32) -> AdamWStep {
+    AdamWStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step,
+        grad_scale: 0.8,
+    }
+}
+
+#[cfg(test)]
+mod tests {
     use super::*;
     use crate::rng::Rng;
 
-    /// The hyper-parameters of the compact update's tests at `step`.
-    pub(in crate::optim::adamw) fn hp(step: u32) -> AdamWStep {
-        AdamWStep {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            step,
-            grad_scale: 0.8,
-        }
+    fn hp(step: u32) -> AdamWStep {
+        test_hp(step)
     }
 
     /// Values over many magnitudes, both signs, some zeros.

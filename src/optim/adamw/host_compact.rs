@@ -241,8 +241,7 @@ fn bf16_to_f32(bits: u16) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optim::adamw::compact_adamw::rounding_key;
-    use crate::optim::adamw::compact_adamw::tests::hp;
+    use crate::optim::adamw::compact_adamw::{rounding_key, test_hp as hp};
 
     /// Values in `[-1, 1)` from a counter.
     fn wave(n: usize, k: usize) -> Vec<f32> {

@@ -358,11 +358,11 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
         }
         // what the host reads of the slot after them, downloaded meanwhile
         let ahead = match rest.next() {
-            Some(((_, (param, grad)), ((master, _), _))) => Some(Fetch {
-                grad: grad.as_deref().ok_or_else(|| busy(total))?,
+            Some((((k, _), (param, grad)), ((master, _), _))) => Some(Fetch {
+                grad: grad.as_deref().ok_or_else(|| busy(k))?,
                 param: match master {
                     Some(_) => None,
-                    None => Some(param.as_deref().ok_or_else(|| busy(total))?),
+                    None => Some(param.as_deref().ok_or_else(|| busy(k))?),
                 },
             }),
             None => None,
