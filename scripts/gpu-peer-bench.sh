@@ -35,7 +35,7 @@
 # NAME=env:K=V,K2=V2 (this build with those environment variables, e.g.
 # tune=env:UPIPE_CUDNN_PLAN=fastest) or NAME=flags:F1,F2 (this build with more flags, e.g.
 # fp8=flags:--precision,fp8); they run as upipe-NAME.
-# PEERS ("liger hf": which peers run), SHORT_POLICIES ("none ckpt": the peers' policies
+# PEERS ("liger hf": which peers run; "none": upipe alone), SHORT_POLICIES ("none ckpt": the peers' policies
 # below LONG), SEQS ("32768 131072 262144"; empty: none), LONG (131072), STEPS (4 below LONG, 2 from LONG
 # on), ROUNDS (1: every configuration once; a second round runs them in reverse order),
 # BIG (0), MODEL8B (llama3-8b; or qwen2.5-7b-instruct, gemma3-4b), SEQ8B (65536), STEPS8B (3), UPFLAGS8B (upipe's flags in the 8B row: the ones
@@ -235,6 +235,7 @@ bench_row() {
                         ${variant_flags[$v]:-} --profile --json ;;
                 *)
                     [ "${DRY:-0}" = 1 ] && continue
+                    [[ "$cfg" == liger-* || "$cfg" == hf-* ]] || continue
                     [[ "$cfg" == liger-* ]] && [ "$liger" = 0 ] && continue
                     local extra=()
                     [[ "$cfg" == liger-* ]] && extra+=(--liger)
