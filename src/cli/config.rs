@@ -15,7 +15,7 @@
 use crate::attention::Settle;
 use crate::error::{Error, Result};
 use crate::plan::stage_width::{ChunkHeads, FwdChunk};
-use crate::plan::{CheckpointEvery, OffloadBlocks, OptimizerOffload, SaveAttention};
+use crate::plan::{CheckpointEvery, HostUpdateChoice, OffloadBlocks, OptimizerOffload, SaveAttention};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use serde::{Deserialize, Serialize};
@@ -92,6 +92,7 @@ pub struct MemoryKeys {
     pub checkpoint: Option<bool>,
     pub offload: Option<OffloadBlocks>,
     pub offload_optimizer: Option<OptimizerOffload>,
+    pub host_update: Option<HostUpdateChoice>,
     pub tiled_mlp: Option<bool>,
     pub loss_chunk: Option<usize>,
     pub save_attention: Option<SaveAttention>,
@@ -468,6 +469,7 @@ serde_via_text!(
     SaveAttention,
     OffloadBlocks,
     OptimizerOffload,
+    HostUpdateChoice,
     CheckpointEvery
 );
 

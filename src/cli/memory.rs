@@ -4,7 +4,10 @@
 use crate::cli::config::{at_least, run_keys};
 use crate::error::Result;
 use crate::model::MemoryPolicy;
-use crate::plan::{CheckpointEvery, MemoryChoices, OffloadBlocks, OptimizerOffload, SaveAttention};
+use crate::plan::{
+    CheckpointEvery, HostUpdateChoice, MemoryChoices, OffloadBlocks, OptimizerOffload,
+    SaveAttention,
+};
 
 /// What a step keeps, recomputes and moves to the host.
 #[derive(clap::Args, Debug, Clone)]
@@ -32,6 +35,14 @@ pub struct MemoryArgs {
     #[arg(long, help_heading = "Memory", num_args = 0..=1, default_missing_value = "all",
           default_value_t = OptimizerOffload::Units(0))]
     pub offload_optimizer: OptimizerOffload,
+    /// Where the optimizer state --offload-optimizer puts on the host is
+    /// updated: gpu (each unit's state copied to the GPU ahead of its
+    /// update, updated by the kernel that updates state kept there, and
+    /// copied back: the numbers of state on the GPU, for two units' state
+    /// of GPU memory), cpu (the host's threads, in place), auto (gpu for
+    /// BF16 or 8-bit moments, cpu for F32 ones).
+    #[arg(long, help_heading = "Memory", default_value_t = HostUpdateChoice::Auto)]
+    pub host_update: HostUpdateChoice,
     /// Tiled MLP/RMSNorm (token tiles of a quarter of the rows, hidden to 4·hidden).
     #[arg(long, help_heading = "Memory", num_args = 0..=1, require_equals = true, default_missing_value = "true",
           default_value_t = false, action = clap::ArgAction::Set)]
@@ -71,6 +82,7 @@ impl MemoryArgs {
         checkpoint => memory.checkpoint,
         offload => memory.offload,
         offload_optimizer => memory.offload_optimizer,
+        host_update => memory.host_update,
         tiled_mlp => memory.tiled_mlp,
         loss_chunk => memory.loss_chunk,
         save_attention => memory.save_attention,
@@ -96,6 +108,7 @@ impl MemoryArgs {
             checkpoint: self.checkpoint,
             offload: self.offload,
             offload_optimizer: self.offload_optimizer,
+            host_update: self.host_update,
             tiled_mlp: self.tiled_mlp,
             loss_chunk: self.loss_chunk,
             save_attention: self.save_attention,

@@ -714,6 +714,7 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                     "checkpoint_every": spec.policy.checkpoint_every,
                     "offload_blocks": spec.policy.offload,
                     "optimizer_host_units": spec.policy.offload_optimizer,
+                    "host_update": spec.policy.host_update.to_string(),
                     "cudnn_version": spec.device.cudnn().map(version_text),
                     "train_command": command.to_string(),
                 })
@@ -825,6 +826,7 @@ fn print_longest(ctx: &Ctx, s: Strategy, spec: &StepSpec, fit: &Fit, saved: Opti
                 "checkpoint_every": saved.map(|s| s.policy.checkpoint_every),
                 "offload_blocks": saved.map(|s| s.policy.offload),
                 "optimizer_host_units": saved.map(|s| s.policy.offload_optimizer),
+                "host_update": saved.map(|s| s.policy.host_update.to_string()),
                 "cudnn_version": spec.device.cudnn().map(version_text),
                 "train_command": command.as_ref().map(ToString::to_string),
                 "peak_bytes": fit.at_fit.as_ref().map(|p| p.peak),

@@ -63,7 +63,9 @@ use crate::model::flops::{
     frozen_and_adapter_flops, skipped_attention_share, train_attention_flops_per_token,
     train_flops_per_token,
 };
-use crate::plan::{CheckpointEvery, OffloadBlocks, OptimizerOffload, SaveAttention};
+use crate::plan::{
+    CheckpointEvery, HostUpdateChoice, OffloadBlocks, OptimizerOffload, SaveAttention,
+};
 use crate::train::eval::EvalDuring;
 use crate::train::trainer::TrainConfig;
 use built::Built;
@@ -325,6 +327,7 @@ fn run_file(a: &TrainArgs, run: &Built) -> Result<String> {
         }
     }
     r.memory.offload_optimizer = OptimizerOffload::Units(p.offload_optimizer);
+    r.memory.host_update = HostUpdateChoice::Is(p.host_update);
     // `--optim-state auto`'s choice, so the file trains in the same state
     let state = run.cfg.optim.state;
     r.optim_state = state.moments.name().into();

@@ -52,6 +52,29 @@ use crate::backend::{
 use crate::comm::Mesh;
 use crate::error::{Error, Result};
 
+/// Where the optimizer state that `MemoryPolicy::offload_optimizer` puts in
+/// host memory is updated (`--host-update`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HostUpdate {
+    /// On the host's threads, in place: the gradient (and, without a
+    /// master, the parameter) comes to the host and the weights go back.
+    #[default]
+    Cpu,
+    /// On the GPU: each unit's state is copied to the device ahead of its
+    /// update, updated by the kernel that updates state kept there, and
+    /// copied back (`optim::paged`).
+    Gpu,
+}
+
+impl std::fmt::Display for HostUpdate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HostUpdate::Cpu => "cpu",
+            HostUpdate::Gpu => "gpu",
+        })
+    }
+}
+
 /// Memory policies of a training step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryPolicy {
@@ -68,6 +91,8 @@ pub struct MemoryPolicy {
     /// forward asks for first keep their state on the device, where their
     /// update runs at the step and nothing waits for the host.
     pub offload_optimizer: usize,
+    /// Where that host state is updated.
+    pub host_update: HostUpdate,
     pub tiled_mlp: bool,
     /// Rows of logits computed at once by the fused loss.
     pub loss_chunk: usize,
@@ -104,6 +129,7 @@ impl Default for MemoryPolicy {
             checkpoint: false,
             offload: 0,
             offload_optimizer: 0,
+            host_update: HostUpdate::Cpu,
             tiled_mlp: false,
             loss_chunk: DEFAULT_LOSS_CHUNK,
             save_attention: 0,

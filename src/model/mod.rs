@@ -29,7 +29,7 @@ pub mod unit;
 pub mod weights;
 
 pub use config::ModelConfig;
-pub use decoder::{DEFAULT_LOSS_CHUNK, Decoder, MemoryPolicy};
+pub use decoder::{DEFAULT_LOSS_CHUNK, Decoder, HostUpdate, MemoryPolicy};
 pub use families::{BlockParam, Family, Param};
 pub use freeze::Freeze;
 pub use grads::{BlockGrads, GradSpec, ModelGrads};

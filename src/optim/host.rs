@@ -87,10 +87,6 @@ pub fn settle_window(on_host: usize, on_device: usize, done: usize, upto: usize)
 /// order: slot k+1's gradient is on its way to the host while the host
 /// updates slot k.
 pub struct HostStep<B: Backend> {
-    /// The step's learning rate, 1-based step and gradient multiplier.
-    pub lr: f32,
-    pub step: u32,
-    pub clip: f32,
     /// The end of the step's backward: gradient downloads follow it, not
     /// the next forward's work queued since.
     grads_final: ComputePoint,
@@ -137,11 +133,8 @@ struct Download<B: Backend> {
 impl<B: Backend> HostStep<B> {
     /// The step's updates, pending from the work queued so far (the
     /// step's backward, whose gradients they read).
-    pub fn new(b: &B, lr: f32, step: u32, clip: f32) -> Result<Self> {
+    pub fn new(b: &B) -> Result<Self> {
         Ok(HostStep {
-            lr,
-            step,
-            clip,
             grads_final: b.compute_point()?,
             next: 0,
             inflight: None,
@@ -152,12 +145,6 @@ impl<B: Backend> HostStep<B> {
     /// Slots updated so far.
     pub fn done(&self) -> usize {
         self.next
-    }
-
-    /// The host slots a settle through item `upto` of update order runs
-    /// ([`settle_window`]), of `on_host` slots behind `on_device` items.
-    pub fn window(&self, on_host: usize, on_device: usize, upto: usize) -> Range<usize> {
-        settle_window(on_host, on_device, self.next, upto)
     }
 
     /// Updates `slots`, the slots `done()..done() + slots.len()`, in order,

@@ -17,6 +17,7 @@ pub mod divergence;
 pub mod host;
 pub mod moments;
 pub mod optimizer;
+pub mod paged;
 pub mod schedule;
 pub mod settling;
 pub mod slot;

@@ -75,6 +75,28 @@ impl<B: Backend> Moment<B> {
         })
     }
 
+    /// Tensors of this moment's shapes and dtypes on the device, contents
+    /// unspecified (`Category::OptimState`): where host state is paged for
+    /// its update (`optim::paged`).
+    pub fn device_twin(&self, b: &B) -> Result<Self> {
+        let like = |t: &Tensor<B>| b.empty(t.shape(), t.dtype(), Category::OptimState);
+        Ok(Moment {
+            values: like(&self.values)?,
+            scales: self.scales.as_ref().map(like).transpose()?,
+            which: self.which,
+        })
+    }
+
+    /// Its tensors: the values, then the scales where it has them.
+    pub fn tensors(&self) -> impl Iterator<Item = &Tensor<B>> {
+        std::iter::once(&self.values).chain(self.scales.as_ref())
+    }
+
+    /// [`tensors`](Moment::tensors), writable.
+    pub fn tensors_mut(&mut self) -> impl Iterator<Item = &mut Tensor<B>> {
+        std::iter::once(&mut self.values).chain(self.scales.as_mut())
+    }
+
     /// The moment's values as F32 (elements in no piece read as zero).
     pub fn to_f32(&self, b: &B, pieces: &[Range<usize>]) -> Result<Vec<f32>> {
         let raw = b.to_host(&self.values)?;

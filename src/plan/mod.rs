@@ -43,7 +43,7 @@ pub use device::{DeviceKind, GPU_RESERVE_BYTES};
 pub use engine::{EvalForward, EvalSpec};
 pub use mesh::resolve_plan;
 pub use offload::OffloadBlocks;
-pub use offload_optim::OptimizerOffload;
+pub use offload_optim::{HostUpdateChoice, OptimizerOffload};
 pub use predict::{predict_attention_trial, predict_eval, predict_step, predict_step_rank};
 pub use resolve::{
     Depth, EveryBudget, FsdpMode, MemoryChoices, RankBudget, ResolvedRun, RunRequest, StageChoices,

@@ -4,7 +4,60 @@
 
 use super::{StepSpec, predict_step};
 use crate::error::Result;
-use crate::model::MemoryPolicy;
+use crate::model::{HostUpdate, MemoryPolicy};
+use crate::optim::{MomentFormat, StateFormat};
+
+/// The `--host-update` choice: where the optimizer state on the host is
+/// updated (`MemoryPolicy::host_update`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HostUpdateChoice {
+    /// The GPU for BF16 or 8-bit moments, the host's threads for F32 ones
+    /// ([`HostUpdateChoice::resolve`]).
+    #[default]
+    Auto,
+    Is(HostUpdate),
+}
+
+impl std::fmt::Display for HostUpdateChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostUpdateChoice::Auto => f.write_str("auto"),
+            HostUpdateChoice::Is(u) => u.fmt(f),
+        }
+    }
+}
+
+impl std::str::FromStr for HostUpdateChoice {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(HostUpdateChoice::Auto),
+            "cpu" => Ok(HostUpdateChoice::Is(HostUpdate::Cpu)),
+            "gpu" => Ok(HostUpdateChoice::Is(HostUpdate::Gpu)),
+            other => Err(crate::Error::Config(format!(
+                "--host-update {other}: use gpu (the host's optimizer state paged through the \
+                 GPU for its update), cpu (updated by the host's threads) or auto"
+            ))),
+        }
+    }
+}
+
+impl HostUpdateChoice {
+    /// Where state kept as `state` says is updated. `auto`: compact
+    /// moments on the GPU, whose update on the host's cores is arithmetic
+    /// (encoding and decoding) the host does far slower than the copies
+    /// paging costs (about 2 bytes per parameter each way with 8-bit
+    /// moments); F32 moments on the host's threads, where the update runs
+    /// at memory speed and only the gradient and the weights cross PCIe
+    /// (paging would copy 8-12 bytes per parameter each way).
+    pub fn resolve(self, state: StateFormat) -> HostUpdate {
+        match self {
+            HostUpdateChoice::Is(u) => u,
+            HostUpdateChoice::Auto if state.moments == MomentFormat::F32 => HostUpdate::Cpu,
+            HostUpdateChoice::Auto => HostUpdate::Gpu,
+        }
+    }
+}
 
 /// The `--offload-optimizer` choice: units (the embedding, each block, the
 /// head) whose F32 master weights and moments live in host memory, the

@@ -17,14 +17,14 @@ use super::checkpoint_every::{CheckpointEvery, every_candidates, first_fitting};
 use super::mesh::MeshChoice;
 use super::stage_width::{ChunkHeads, FwdChunk};
 use super::{
-    DeviceKind, OffloadBlocks, OptimizerOffload, Prediction, SaveAttention, StepSpec, predict_step,
+    DeviceKind, OffloadBlocks, HostUpdateChoice, OptimizerOffload, Prediction, SaveAttention, StepSpec, predict_step,
     trained_state_bytes, widest_fitting,
 };
 use crate::attention::{CpPlan, Settle, Strategy};
 use crate::backend::Bytes;
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
-use crate::model::{MemoryPolicy, ModelConfig};
+use crate::model::{HostUpdate, MemoryPolicy, ModelConfig};
 
 /// `--fsdp`: whether parameters, gradients and AdamW state are sharded
 /// over every rank of the mesh.
@@ -106,6 +106,8 @@ pub struct MemoryChoices {
     pub offload: OffloadBlocks,
     /// `--offload-optimizer`: units whose optimizer state lives on the host.
     pub offload_optimizer: OptimizerOffload,
+    /// `--host-update`: where that state is updated.
+    pub host_update: HostUpdateChoice,
     /// `--tiled-mlp`: the MLP in token tiles.
     pub tiled_mlp: bool,
     /// `--loss-chunk`: rows of logits per fused-loss chunk.
@@ -131,6 +133,11 @@ impl MemoryChoices {
                 OffloadBlocks::Auto => auto_blocks,
             },
             offload_optimizer: self.offload_optimizer.units(layers),
+            // `auto` is decided with the training state ([`Resolution`])
+            host_update: match self.host_update {
+                HostUpdateChoice::Is(u) => u,
+                HostUpdateChoice::Auto => HostUpdate::Cpu,
+            },
             tiled_mlp: self.tiled_mlp,
             loss_chunk: self.loss_chunk,
             save_attention: 0,
@@ -398,9 +405,13 @@ struct Resolution<'a> {
 impl<'a> Resolution<'a> {
     fn start(req: &'a RunRequest) -> Result<Self> {
         let chunk_heads = ChunkHeads::start(req.stages.chunk_heads);
+        let policy = MemoryPolicy {
+            host_update: req.memory.host_update.resolve(req.state),
+            ..req.memory.policy(req.model.layers, 0)
+        };
         Ok(Resolution {
             plan: req.stage_plan(chunk_heads)?,
-            policy: req.memory.policy(req.model.layers, 0),
+            policy,
             fsdp: false,
             chunk_heads,
             fwd_chunk_heads: match req.stages.fwd {
@@ -572,14 +583,18 @@ impl<'a> Resolution<'a> {
         if choice == OptimizerOffload::Auto {
             let units = MemoryPolicy::optimizer_units(self.req.model.layers);
             // the host's update of compact state is compute, not a copy
-            let cost = if n > 0 && !self.req.state.optimizer_is_plain() {
-                format!(
-                    " ({} on the host's cores: slower than the GPU's update; --offload-optimizer 0 \
-                     keeps it on the GPU where it fits)",
+            let cost = match self.policy.host_update {
+                _ if n == 0 => String::new(),
+                HostUpdate::Gpu => format!(
+                    " ({}, updated on the GPU: --host-update gpu pages each unit's state in and out)",
                     self.req.state.saved()
-                )
-            } else {
-                String::new()
+                ),
+                HostUpdate::Cpu if !self.req.state.optimizer_is_plain() => format!(
+                    " ({} on the host's cores: slower than the GPU's update; --host-update gpu \
+                     updates it on the GPU)",
+                    self.req.state.saved()
+                ),
+                HostUpdate::Cpu => String::new(),
             };
             self.notes.push(format!(
                 "--offload-optimizer auto: {n} of {units} units keep their optimizer state in host memory{cost}"

@@ -132,6 +132,9 @@ impl TrainConfig {
             f.push(format!("--checkpoint-every {}", p.checkpoint_every));
         }
         f.push(format!("--offload-optimizer {}", p.offload_optimizer));
+        if p.offload_optimizer > 0 {
+            f.push(format!("--host-update {}", p.host_update));
+        }
         // the attention kernel (ranks that could load different cuDNNs
         // would plan differently)
         use crate::backend::cuda::cudnn::AttentionKernel;
@@ -148,7 +151,7 @@ impl TrainConfig {
     /// The optimizer's settings, its state kept where the memory policy
     /// says (`--offload-optimizer`).
     pub fn optimizer(&self) -> OptimConfig {
-        self.optim.placed(self.policy.offload_optimizer, self.seed)
+        self.optim.placed(self.policy.offload_optimizer, self.policy.host_update, self.seed)
     }
 
     /// `steps` steps of `model` on sequences of `seq` tokens with `optim`, on

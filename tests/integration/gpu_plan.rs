@@ -8,7 +8,7 @@ use upipe::attention::trial::{TrialInputs, run_trial};
 use upipe::attention::{AttnDims, CpPlan, Strategy};
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
-use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::model::{HostUpdate, MemoryPolicy, ModelConfig};
 use upipe::optim::AdamWConfig;
 use upipe::plan::{DeviceKind, StepSpec, predict_attention_trial, predict_step_rank};
 use upipe::train::trainer::{TrainConfig, train_threads};
@@ -132,11 +132,18 @@ fn training_step_prediction_matches_the_cuda_ledger() {
         (true, 1, 4, true, true, 0),
         (true, 0, 2, false, false, 0),
         (true, 1, 3, true, true, 1),
+        (true, 1, 3, false, false, 0),
     ] {
+        // an odd number of host units, or FSDP's: paged through the GPU
+        let host_update = match offload_optimizer % 2 == 1 || fsdp {
+            true => HostUpdate::Gpu,
+            false => HostUpdate::Cpu,
+        };
         let policy = MemoryPolicy {
             checkpoint,
             offload,
             offload_optimizer,
+            host_update,
             tiled_mlp,
             loss_chunk: 256,
             save_attention,
@@ -222,6 +229,7 @@ fn a_cuda_rehearsal_allocates_what_a_real_cuda_step_does() {
                 loss_chunk: 256,
                 save_attention,
                 checkpoint_every: 1,
+                ..MemoryPolicy::default()
             };
             let cfg = TrainConfig {
                 strategy: Strategy::Upipe,

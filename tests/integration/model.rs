@@ -225,6 +225,7 @@ fn memory_policies_leave_gradients_unchanged() {
             loss_chunk: 7,
             save_attention: 0,
             checkpoint_every: 1,
+            ..MemoryPolicy::default()
         },
     ] {
         let got = run(&cfg, Strategy::Local, 1, 1, None, policy, seq);

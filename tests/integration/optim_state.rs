@@ -242,16 +242,18 @@ fn bad_formats_are_refused_naming_the_fix() {
     );
 }
 
-/// Each format kept on the host (`--offload-optimizer all`, and the last
-/// two units' state there, stopped after 2 steps and resumed) trains as on
-/// the device: the same losses and checkpoint bytes after 4 steps, the
-/// device holding no optimizer state with `all`, and the device and host
+/// Each format kept on the host (`--offload-optimizer all`, updated by the
+/// host's threads or paged through the device, and the last two units'
+/// state there, stopped after 2 steps and resumed) trains as on the
+/// device: the same losses and checkpoint bytes after 4 steps, the device
+/// holding no optimizer state with `all` on the host's threads (paged, two
+/// units' state at most, while they are updated), and the device and host
 /// peaks planned to the byte.
 #[test]
 fn compact_state_on_the_host_trains_as_on_the_device() {
     let base = scratch("host");
     for (f, format) in FORMATS.iter().enumerate() {
-        let run = |dir: &Path, host: &str, count: &str, resume: bool| {
+        let run = |dir: &Path, host: &str, update: &str, count: &str, resume: bool| {
             let mut args = vec![
                 "train",
                 "--steps",
@@ -267,6 +269,8 @@ fn compact_state_on_the_host_trains_as_on_the_device() {
                 "1e-3",
                 "--offload-optimizer",
                 host,
+                "--host-update",
+                update,
             ];
             args.extend_from_slice(format);
             args.extend(["--save-dir", dir.to_str().unwrap()]);
@@ -275,15 +279,17 @@ fn compact_state_on_the_host_trains_as_on_the_device() {
             }
             steps(&ok(&args))
         };
-        let dirs = ["device", "all", "two"].map(|d| base.join(format!("{f}-{d}")));
-        let device = run(&dirs[0], "0", "4", false);
-        let all = run(&dirs[1], "all", "4", false);
-        run(&dirs[2], "2", "2", false);
-        let resumed = run(&dirs[2], "2", "4", true);
+        let dirs = ["device", "cpu", "gpu", "two"].map(|d| base.join(format!("{f}-{d}")));
+        let device = run(&dirs[0], "0", "auto", "4", false);
+        let all = run(&dirs[1], "all", "cpu", "4", false);
+        let paged = run(&dirs[2], "all", "gpu", "4", false);
+        run(&dirs[3], "2", "gpu", "2", false);
+        let resumed = run(&dirs[3], "2", "cpu", "4", true);
         let loss = |s: &[serde_json::Value]| -> Vec<f64> {
             s.iter().map(|v| v["loss"].as_f64().unwrap()).collect()
         };
         assert_eq!(loss(&all), loss(&device), "{format:?}: host state, losses");
+        assert_eq!(loss(&paged), loss(&device), "{format:?}: paged, losses");
         assert_eq!(loss(&resumed), loss(&device)[2..], "{format:?}: resumed");
         for dir in &dirs[1..] {
             assert!(
@@ -292,19 +298,23 @@ fn compact_state_on_the_host_trains_as_on_the_device() {
                 dir.display()
             );
         }
-        let last = all.last().unwrap();
         for what in ["peak_by_category", "predicted_by_category"] {
-            assert_eq!(last[what]["optim_state"], 0, "{format:?}: {what}");
+            assert_eq!(all.last().unwrap()[what]["optim_state"], 0, "{format:?}: {what}");
         }
-        assert_eq!(
-            last["peak_bytes"], last["predicted_peak_bytes"],
-            "{format:?}"
-        );
-        assert_eq!(
-            last["peak_by_category"]["offload_host"], last["predicted_by_category"]["offload_host"],
-            "{format:?}: host memory against the plan"
-        );
-        assert!(last["peak_by_category"]["offload_host"].as_u64().unwrap() > 0);
+        for last in [all.last().unwrap(), paged.last().unwrap()] {
+            let state = |what: &str| &last[what]["optim_state"];
+            assert_eq!(state("peak_by_category"), state("predicted_by_category"));
+            assert_eq!(
+                last["peak_bytes"], last["predicted_peak_bytes"],
+                "{format:?}"
+            );
+            let host = &last["peak_by_category"]["offload_host"];
+            assert_eq!(
+                host, &last["predicted_by_category"]["offload_host"],
+                "{format:?}: host memory against the plan"
+            );
+            assert!(host.as_u64().unwrap() > 0);
+        }
     }
     std::fs::remove_dir_all(&base).ok();
 }

@@ -10,7 +10,7 @@ use upipe::attention::{AttnDims, CpPlan, Settle, Strategy};
 use upipe::backend::Category;
 use upipe::backend::cpu::CpuBackend;
 use upipe::model::decoder::attn_dims;
-use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::model::{HostUpdate, MemoryPolicy, ModelConfig};
 use upipe::optim::AdamWConfig;
 use upipe::plan::{
     Budget, DeviceKind, Limit, StepSpec, longest_context, predict_attention_trial, predict_step,
@@ -176,7 +176,7 @@ fn policies() -> Vec<MemoryPolicy> {
                     vec![0]
                 };
                 for save_attention in saves {
-                    out.push(MemoryPolicy {
+                    let policy = MemoryPolicy {
                         checkpoint,
                         offload,
                         offload_optimizer,
@@ -184,7 +184,16 @@ fn policies() -> Vec<MemoryPolicy> {
                         loss_chunk,
                         save_attention,
                         checkpoint_every: 1,
-                    });
+                        ..MemoryPolicy::default()
+                    };
+                    out.push(policy);
+                    // the host's state paged through the device
+                    if checkpoint && offload_optimizer > 0 && save_attention == 1 {
+                        out.push(MemoryPolicy {
+                            host_update: HostUpdate::Gpu,
+                            ..policy
+                        });
+                    }
                 }
             }
         }
@@ -332,6 +341,7 @@ fn policies_and_fsdp_lower_the_predicted_peak() {
         loss_chunk: 256,
         save_attention: 0,
         checkpoint_every: 1,
+        ..MemoryPolicy::default()
     };
     let ckpt = predict_step(&spec(MemoryPolicy { offload: 0, ..all }, true)).unwrap();
     let best = predict_step(&spec(all, true)).unwrap();
@@ -361,6 +371,7 @@ fn longest_context_is_the_boundary_of_the_budget() {
         loss_chunk: 256,
         save_attention: 0,
         checkpoint_every: 1,
+        ..MemoryPolicy::default()
     };
     let budget = Budget {
         device: 80 << 30,

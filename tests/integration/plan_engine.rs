@@ -13,7 +13,7 @@
 
 use upipe::attention::Strategy;
 use upipe::backend::Category;
-use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::model::{HostUpdate, MemoryPolicy, ModelConfig};
 use upipe::optim::AdamWConfig;
 use upipe::plan::engine::{engine_step_rank, engine_step_rank_uncollapsed};
 use upipe::plan::{DeviceKind, Prediction, StepSpec};
@@ -43,6 +43,7 @@ fn policies(layers: usize) -> Vec<MemoryPolicy> {
             loss_chunk,
             save_attention,
             checkpoint_every: 1,
+            ..MemoryPolicy::default()
         }
     };
     vec![
@@ -56,6 +57,15 @@ fn policies(layers: usize) -> Vec<MemoryPolicy> {
         p(true, 0, 1, false, 256, 0),
         p(false, 0, layers + 1, false, 256, 0),
         p(true, layers, 0, true, 7, 0),
+        // the host's state paged through the device for its update
+        MemoryPolicy {
+            host_update: HostUpdate::Gpu,
+            ..p(true, 1, all, false, 256, 1)
+        },
+        MemoryPolicy {
+            host_update: HostUpdate::Gpu,
+            ..p(false, 0, 2, true, 256, 0)
+        },
     ]
 }
 

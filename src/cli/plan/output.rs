@@ -113,6 +113,9 @@ impl std::fmt::Display for TrainCommand<'_> {
             write!(f, " --checkpoint-every {}", p.checkpoint_every)?;
         }
         write!(f, " --offload-optimizer {}", p.offload_optimizer)?;
+        if p.offload_optimizer > 0 {
+            write!(f, " --host-update {}", p.host_update)?;
+        }
         write!(f, " --fsdp {}", if spec.fsdp { "on" } else { "off" })?;
         if spec.grad_accum > 1 {
             write!(f, " --grad-accum {}", spec.grad_accum)?;

@@ -8,8 +8,9 @@ use super::compact_adamw::rounding_key;
 use super::ops::AdamWOps;
 use crate::backend::{Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
-use crate::model::Unit;
-use crate::optim::host::{Fetch, HostSlot, HostStep, host_master};
+use crate::model::{HostUpdate, Unit};
+use crate::optim::host::{Fetch, HostSlot, HostStep, host_master, settle_window};
+use crate::optim::paged::{PagedStep, Resident};
 use crate::optim::moments::{Moment, Which};
 use crate::optim::optimizer::{Optimizer, StateKind, StateSpec, Update};
 use crate::optim::schedule::{Decay, Schedule};
@@ -41,6 +42,9 @@ pub struct AdamWConfig {
     /// (`--offload-optimizer`; a training run sets it from its memory
     /// policy, `TrainConfig::optimizer`).
     pub host_units: usize,
+    /// Where that host state is updated: by the host's threads, or paged
+    /// through the GPU ([`crate::optim::paged`]).
+    pub host_update: HostUpdate,
     /// Update each parameter by its own op, then copy each slot's F32
     /// master to its parameters, instead of one [`AdamWOps::adamw_multi`]
     /// over every device slot: the same numbers, more launches (the
@@ -70,6 +74,7 @@ impl AdamWConfig {
             weight_decay: 0.1,
             clip: 1.0,
             host_units: 0,
+            host_update: HostUpdate::Cpu,
             per_piece: false,
             state: StateFormat::default(),
             seed: 0,
@@ -77,11 +82,13 @@ impl AdamWConfig {
     }
 
     /// These settings with the state of the last `host_units` units of
-    /// update order on the host (`--offload-optimizer`) and stochastic
-    /// rounding seeded by `seed` (the run's).
-    pub fn placed(self, host_units: usize, seed: u64) -> Self {
+    /// update order on the host (`--offload-optimizer`), updated where
+    /// `host_update` says, and stochastic rounding seeded by `seed` (the
+    /// run's).
+    pub fn placed(self, host_units: usize, host_update: HostUpdate, seed: u64) -> Self {
         AdamWConfig {
             host_units,
+            host_update,
             seed,
             ..self
         }
@@ -130,7 +137,7 @@ pub struct AdamW<B: Backend> {
     /// `cfg.host_units` units of update order.
     on_host: Vec<bool>,
     /// The last step's host updates not yet run.
-    pending: Option<HostStep<B>>,
+    pending: Option<Pending<B>>,
     /// Whether a step with deferred host updates zeroes the gradients it
     /// reads on the device (a store whose backward adds into gradients
     /// zeroed only when no host update is pending).
@@ -298,7 +305,16 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
             }
         }
         if deferred {
-            self.pending = Some(HostStep::new(b, lr, step, clip)?);
+            let run = match self.cfg.host_update {
+                HostUpdate::Cpu => Deferred::Host(HostStep::new(b)?),
+                HostUpdate::Gpu => Deferred::Paged(PagedStep::default()),
+            };
+            self.pending = Some(Pending {
+                lr,
+                step,
+                clip,
+                run,
+            });
         }
         Ok(Update::applied(lr, grad_norm))
     }
@@ -337,7 +353,7 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
         if on_device == 0 {
             due_slots.rotate_right(head);
         }
-        let due = pending.window(total, on_device, upto);
+        let due = settle_window(total, on_device, pending.run.done(), upto);
         let mut rest = due_slots.into_iter().skip(due.start);
         let mut host_slots = Vec::new();
         for (((k, slot), (param, grad)), ((master, m), v)) in rest.by_ref().take(due.len()) {
@@ -356,19 +372,33 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
                 rounding_key: rounding_key(cfg.seed, step, k as u32),
             });
         }
-        // what the host reads of the slot after them, downloaded meanwhile
-        let ahead = match rest.next() {
-            Some((((k, _), (param, grad)), ((master, _), _))) => Some(Fetch {
-                grad: grad.as_deref().ok_or_else(|| busy(k))?,
-                param: match master {
-                    Some(_) => None,
-                    None => Some(param.as_deref().ok_or_else(|| busy(k))?),
-                },
-            }),
-            None => None,
-        };
-        pending.run(b, &mut host_slots, ahead)?;
-        if pending.done() == total {
+        // the slot after them: what the host reads of it is downloaded, or
+        // its state paged in, meanwhile
+        let next = rest.next();
+        match &mut pending.run {
+            Deferred::Host(host) => {
+                let ahead = match next {
+                    Some((((k, _), (param, grad)), ((master, _), _))) => Some(Fetch {
+                        grad: grad.as_deref().ok_or_else(|| busy(k))?,
+                        param: match master {
+                            Some(_) => None,
+                            None => Some(param.as_deref().ok_or_else(|| busy(k))?),
+                        },
+                    }),
+                    None => None,
+                };
+                host.run(b, &mut host_slots, ahead)?;
+            }
+            Deferred::Paged(paged) => {
+                let ahead = next.map(|(_, ((master, m), v))| Resident {
+                    master: master.as_ref(),
+                    m: &*m,
+                    v: &*v,
+                });
+                paged.run(b, &mut host_slots, ahead)?;
+            }
+        }
+        if pending.run.done() == total {
             self.pending = None;
         }
         Ok(())
@@ -411,6 +441,34 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
             _ => return Ok(false),
         }
         Ok(true)
+    }
+}
+
+/// A step's updates of the host's slots, deferred into the next forward:
+/// the step's learning rate, 1-based step and gradient multiplier, and
+/// where they run.
+struct Pending<B: Backend> {
+    lr: f32,
+    step: u32,
+    clip: f32,
+    run: Deferred<B>,
+}
+
+/// Where deferred updates run (`--host-update`).
+enum Deferred<B: Backend> {
+    /// On the host's threads.
+    Host(HostStep<B>),
+    /// Paged through the device.
+    Paged(PagedStep<B>),
+}
+
+impl<B: Backend> Deferred<B> {
+    /// Slots updated so far.
+    fn done(&self) -> usize {
+        match self {
+            Deferred::Host(h) => h.done(),
+            Deferred::Paged(p) => p.done(),
+        }
     }
 }
 
@@ -542,8 +600,13 @@ mod tests {
     /// The state of `units` BF16 parameters (a block with two slots, one
     /// of two pieces of which one is a norm, the embedding and the head)
     /// trained 3 steps with BF16 gradients: the parameters and each
-    /// moment's values after them, as `host_units` places the state.
-    fn three_steps(format: StateFormat, host_units: usize) -> Vec<Vec<u32>> {
+    /// moment's values after them, as `host_units` places the state and
+    /// `host_update` updates the host's.
+    fn three_steps(
+        format: StateFormat,
+        host_units: usize,
+        host_update: HostUpdate,
+    ) -> Vec<Vec<u32>> {
         use crate::backend::cpu::CpuBackend;
         use crate::optim::{Optimizer, Piece};
         let b = CpuBackend::new();
@@ -575,7 +638,7 @@ mod tests {
             state: format,
             ..AdamWConfig::schedule(1e-2, 1e-2, 0, 3)
         }
-        .placed(host_units, 11);
+        .placed(host_units, host_update, 11);
         let refs: Vec<&Tensor<CpuBackend>> = params.iter().collect();
         let mut opt = AdamW::new(&b, cfg, slots, &refs, 1).unwrap();
         for step in 1..=3u32 {
@@ -599,9 +662,10 @@ mod tests {
         out
     }
 
-    /// Every state format kept on the host (all units, or the last two)
-    /// updates BF16 parameters and moments exactly as on the device, bit
-    /// for bit: masters or stochastic rounding, BF16 or 8-bit moments.
+    /// Every state format kept on the host (all units, or the last two),
+    /// updated by the host's threads or paged through the device, updates
+    /// BF16 parameters and moments exactly as on the device, bit for bit:
+    /// masters or stochastic rounding, BF16 or 8-bit moments.
     #[test]
     fn host_state_of_every_format_updates_as_the_devices_does() {
         use crate::optim::{GradDtype, MomentFormat};
@@ -612,15 +676,18 @@ mod tests {
                     master,
                     grads: GradDtype::Bf16,
                 };
-                let device = three_steps(format, 0);
+                let device = three_steps(format, 0, HostUpdate::Cpu);
                 for host_units in [3, 2] {
-                    let host = three_steps(format, host_units);
-                    assert!(
-                        host == device,
-                        "{format}: --offload-optimizer {host_units} against the device"
-                    );
+                    for update in [HostUpdate::Cpu, HostUpdate::Gpu] {
+                        let host = three_steps(format, host_units, update);
+                        assert!(
+                            host == device,
+                            "{format}: --offload-optimizer {host_units} --host-update {update} \
+                             against the device"
+                        );
+                    }
                 }
-                let start = three_steps(format, 0);
+                let start = three_steps(format, 0, HostUpdate::Gpu);
                 assert_eq!(start, device, "{format}: deterministic");
             }
         }

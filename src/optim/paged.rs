@@ -1,0 +1,234 @@
+//! `--host-update gpu`: the optimizer state `--offload-optimizer` keeps in
+//! pinned host memory, updated on the GPU. Each slot's state (its moments,
+//! their 8-bit block scales, an F32 master) is copied to the device one
+//! slot ahead of its update, updated there by the multi-tensor kernel that
+//! updates state kept on the device (so the numbers are that state's, bit
+//! for bit), and copied back behind it. The gradient and the parameter
+//! never leave the device. At most two slots' state is on the device at
+//! once: the slot being updated (or its state on the way back) and the
+//! next one on its way in.
+//!
+//! Like the host's update ([`super::host`]) it is deferred into the next
+//! step's forward ([`super::settling`]): a slot's update is queued before
+//! its unit's forward, and the copies run on the copy stream beside the
+//! forward of the unit before.
+//!
+//! Copies are ordered after the work queued so far (`copy_start`): a
+//! staging buffer may reuse device memory that queued work still reads.
+//! The next slot's state is freed only once the compute stream has waited
+//! for its copy back, so the memory it leaves is reused after it.
+
+use crate::backend::{Backend, Category, CopyDone, DType, Tensor};
+use crate::error::Result;
+use crate::optim::adamw::adamw_multi::AdamWSlot;
+use crate::optim::adamw::ops::AdamWOps;
+use crate::optim::host::HostSlot;
+use crate::optim::moments::Moment;
+
+/// A slot's optimizer state in host memory, as the paged update reads it.
+pub struct Resident<'a, B: Backend> {
+    /// The F32 master; `None` without masters.
+    pub master: Option<&'a Tensor<B>>,
+    pub m: &'a Moment<B>,
+    pub v: &'a Moment<B>,
+}
+
+impl<B: Backend> HostSlot<'_, B> {
+    /// Its host state, to page in.
+    pub fn resident(&self) -> Resident<'_, B> {
+        Resident {
+            master: self.master.as_deref(),
+            m: self.m,
+            v: self.v,
+        }
+    }
+}
+
+/// One slot's state on the device, and the copies in flight into it (in)
+/// or out of it (back to the host).
+struct Staged<B: Backend> {
+    master: Option<Tensor<B>>,
+    m: Moment<B>,
+    v: Moment<B>,
+    copies: Vec<CopyDone>,
+}
+
+impl<B: Backend> Staged<B> {
+    /// Its tensors, in the order of [`Resident::tensors`].
+    fn tensors_mut(&mut self) -> impl Iterator<Item = &mut Tensor<B>> {
+        let Staged { master, m, v, .. } = self;
+        master.iter_mut().chain(m.tensors_mut()).chain(v.tensors_mut())
+    }
+}
+
+impl<'a, B: Backend> Resident<'a, B> {
+    /// Its tensors: the master where there is one, then m's, then v's.
+    fn tensors(&self) -> impl Iterator<Item = &'a Tensor<B>> + use<'a, B> {
+        let (m, v) = (self.m, self.v);
+        self.master.into_iter().chain(m.tensors()).chain(v.tensors())
+    }
+}
+
+/// A step's paged updates still to run, slot by slot in order (the
+/// counterpart of [`super::host::HostStep`]).
+pub struct PagedStep<B: Backend> {
+    /// Slots updated so far.
+    next: usize,
+    /// The next slot's state on its way to the device.
+    incoming: Option<Staged<B>>,
+    /// The last updated slot's state on its way back to the host.
+    outgoing: Option<Staged<B>>,
+}
+
+impl<B: Backend> Default for PagedStep<B> {
+    fn default() -> Self {
+        PagedStep {
+            next: 0,
+            incoming: None,
+            outgoing: None,
+        }
+    }
+}
+
+impl<B: Backend> PagedStep<B> {
+    /// Slots updated so far.
+    pub fn done(&self) -> usize {
+        self.next
+    }
+
+    /// Updates `slots`, the slots `done()..done() + slots.len()`, in order,
+    /// zeroing each gradient once read; `ahead` is the next slot's state,
+    /// paged in while the last of them is updated (`None`: the step's last
+    /// slot is among them, and every copy back has finished on return).
+    pub fn run(
+        &mut self,
+        b: &B,
+        slots: &mut [HostSlot<'_, B>],
+        ahead: Option<Resident<'_, B>>,
+    ) -> Result<()> {
+        for k in 0..slots.len() {
+            self.retire(b)?;
+            let staged = match self.incoming.take() {
+                Some(s) => s,
+                None => stage(b, slots[k].resident())?,
+            };
+            let next = match slots.get(k + 1) {
+                Some(s) => Some(s.resident()),
+                None => ahead,
+            };
+            if let Some(n) = next {
+                self.incoming = Some(stage(b, n)?);
+            }
+            let staged = update(b, &mut slots[k], staged)?;
+            self.outgoing = Some(page_out(b, &mut slots[k], staged)?);
+            self.next += 1;
+        }
+        if ahead.is_none() {
+            self.finish(b)?;
+        }
+        Ok(())
+    }
+
+    /// Orders the work queued from now on after the last slot's copy back
+    /// and frees its device state.
+    fn retire(&mut self, b: &B) -> Result<()> {
+        if let Some(out) = self.outgoing.take() {
+            for done in out.copies {
+                b.copy_wait(done)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits on the host for the last copy back: the host state is whole.
+    fn finish(&mut self, b: &B) -> Result<()> {
+        if let Some(out) = self.outgoing.take() {
+            for done in out.copies {
+                b.copy_finish(done)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Clone for Resident<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Resident<'_, B> {}
+
+/// Device tensors for a slot's host state, the copies into them started
+/// after the work queued so far.
+fn stage<B: Backend>(b: &B, host: Resident<'_, B>) -> Result<Staged<B>> {
+    let master = host
+        .master
+        .map(|t| b.empty(t.shape(), DType::F32, Category::OptimState))
+        .transpose()?;
+    let mut staged = Staged {
+        master,
+        m: host.m.device_twin(b)?,
+        v: host.v.device_twin(b)?,
+        copies: Vec::new(),
+    };
+    let mut copies = Vec::new();
+    for (dst, src) in staged.tensors_mut().zip(host.tensors()) {
+        copies.push(b.copy_start(dst, src)?);
+    }
+    staged.copies = copies;
+    Ok(staged)
+}
+
+/// Slot `slot`'s update on the device, from its state in `staged` once
+/// that is in; its gradient is zeroed after.
+fn update<B: Backend>(b: &B, slot: &mut HostSlot<'_, B>, mut staged: Staged<B>) -> Result<Staged<B>> {
+    for done in std::mem::take(&mut staged.copies) {
+        b.copy_wait(done)?;
+    }
+    {
+        let Staged { master, m, v, .. } = &mut staged;
+        let (target, narrow) = match master.as_mut() {
+            Some(master) => (master, Some(&mut *slot.param)),
+            None => (&mut *slot.param, None),
+        };
+        let scales = match (m.scales.as_mut(), v.scales.as_mut()) {
+            (Some(ms), Some(vs)) => Some((ms, vs)),
+            _ => None,
+        };
+        let mut one = [AdamWSlot {
+            target,
+            grad: &*slot.grad,
+            m: &mut m.values,
+            v: &mut v.values,
+            scales,
+            rounding_key: slot.rounding_key,
+            narrow,
+            pieces: &slot.updates,
+        }];
+        b.adamw_multi(&mut one)?;
+    }
+    b.fill(slot.grad, 0.0)?;
+    Ok(staged)
+}
+
+/// Starts copying `staged` back into the slot's host state, after its
+/// update.
+fn page_out<B: Backend>(
+    b: &B,
+    slot: &mut HostSlot<'_, B>,
+    mut staged: Staged<B>,
+) -> Result<Staged<B>> {
+    let host = slot
+        .master
+        .iter_mut()
+        .map(|t| &mut **t)
+        .chain(slot.m.tensors_mut())
+        .chain(slot.v.tensors_mut());
+    let mut copies = Vec::new();
+    for (dst, src) in host.zip(staged.tensors_mut()) {
+        copies.push(b.copy_start(dst, src)?);
+    }
+    staged.copies = copies;
+    Ok(staged)
+}
