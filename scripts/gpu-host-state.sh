@@ -4,16 +4,19 @@
 # (PARTS, default "tests rehearse speed"):
 #
 #   tests     the GPU tests of host offload (tests/integration/gpu_offload.rs)
+#             and of the planner against the GPU's ledger (gpu_plan.rs)
 #   rehearse  the planner's longest Llama3-8B full fine-tuning on this card
 #             (its usable memory, --host-mem 108) with 8-bit moments, no
 #             master and BF16 gradients, `--offload-optimizer auto`, then
 #             `--rehearse` there: the plan's device and host peaks and the
 #             rehearsal's
 #   speed     Llama3-8B at SEQ (65536) tokens, STEPS (3) steps, that state
-#             on the device (--offload-optimizer 0) and on the host (all):
-#             tokens/s (median of steps 2 on) and peaks against the plan
+#             on the device (--offload-optimizer 0) and on the host (all),
+#             each of HOSTS ("0 all") with --host-update UPDATE (auto: the
+#             GPU pages the host's compact state): tokens/s (median of
+#             steps 2 on) and peaks against the plan
 #
-#   scripts/bundle.sh DIR gpu_offload && cp scripts/gpu-host-state.sh DIR/
+#   scripts/bundle.sh DIR gpu_offload gpu_plan && cp scripts/gpu-host-state.sh DIR/
 #   bash DIR/gpu-host-state.sh            # on the GPU machine, from a checkout
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
@@ -36,6 +39,8 @@ P="--attn upipe --ulysses 1 --ring 1 --checkpoint --tiled-mlp --offload auto"
 if has tests; then
     echo "== tests"
     "$here/bin/test-gpu_offload" 2>&1 | grep -E "^test |SKIP|panicked|test result" | head -20
+    [ -x "$here/bin/test-gpu_plan" ] &&
+        "$here/bin/test-gpu_plan" 2>&1 | grep -E "^test |SKIP|panicked|test result" | head -20
 fi
 
 if has rehearse; then
@@ -75,9 +80,9 @@ if last is not None and rates:
           f"host {host:.2f} GiB, plan {plan_host:.2f}")
 PY
     data="$(corpus_of $((seq * 2)))"
-    for host in 0 all; do
-        echo "== llama3-8b $STATE at $seq, --offload-optimizer $host"
-        timeout 280 $U train --model llama3-8b $P $STATE --offload-optimizer "$host" --seq "$seq" \
+    for host in ${HOSTS:-0 all}; do
+        echo "== llama3-8b $STATE at $seq, --offload-optimizer $host --host-update ${UPDATE:-auto}"
+        timeout 280 $U train --model llama3-8b $P $STATE --offload-optimizer "$host" --host-update "${UPDATE:-auto}" --seq "$seq" \
             --steps "${STEPS:-3}" --warmup 1 --lr 1e-5 --data "$data" --json 2>&1 |
             grep -E '^\{|rror|auto' | python3 "$summary"
     done

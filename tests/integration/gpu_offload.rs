@@ -3,14 +3,15 @@
 //! AdamW kernel may fuse multiply-adds the host does not), replicated and
 //! under FSDP, and offloading the first N blocks' checkpoints changes no
 //! loss beyond cuDNN's run-to-run noise; compact state (BF16 or 8-bit
-//! moments, no master) on the host tracks the same state on the device.
-//! Skipped where no GPU exists.
+//! moments, no master) on the host tracks the same state on the device,
+//! and state paged through the GPU for its update (`--host-update gpu`) is
+//! updated bit for bit as on the device. Skipped where no GPU exists.
 
 use std::sync::Arc;
 use upipe::attention::Strategy;
 use upipe::backend::cuda::CudaBackend;
 use upipe::backend::cuda::cudnn::AttnKernel;
-use upipe::model::{MemoryPolicy, ModelConfig};
+use upipe::model::{HostUpdate, MemoryPolicy, ModelConfig};
 use upipe::optim::{AdamWConfig, GradDtype, MasterWeights, MomentFormat, StateFormat};
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_threads};
 
@@ -27,6 +28,21 @@ fn run(fsdp: bool, offload: usize, host_units: usize) -> TrainSummary {
 
 /// [`run`] with the training state kept as `state` says.
 fn run_state(fsdp: bool, offload: usize, host_units: usize, state: StateFormat) -> TrainSummary {
+    run_with(fsdp, offload, host_units, HostUpdate::Cpu, state)
+}
+
+/// [`run_state`] with the host's state paged through the GPU.
+fn run_paged(fsdp: bool, host_units: usize, state: StateFormat) -> TrainSummary {
+    run_with(fsdp, 0, host_units, HostUpdate::Gpu, state)
+}
+
+fn run_with(
+    fsdp: bool,
+    offload: usize,
+    host_units: usize,
+    host_update: HostUpdate,
+    state: StateFormat,
+) -> TrainSummary {
     let tokens: Arc<[u32]> = upipe::data::ByteTokenizer
         .encode(upipe::data::CORPUS)
         .into();
@@ -42,6 +58,7 @@ fn run_state(fsdp: bool, offload: usize, host_units: usize, state: StateFormat) 
             checkpoint: true,
             offload,
             offload_optimizer: host_units,
+            host_update,
             ..MemoryPolicy::default()
         },
         ..TrainConfig::new(
@@ -127,6 +144,124 @@ fn compact_state_on_the_host_tracks_the_device_run() {
                 assert!(opt != 4 || on_device == 0, "{state}: state on the device");
                 assert!(got.memory.host_peak > 0);
             }
+        }
+    }
+}
+
+/// The parameters and moments of BF16 slots (the embedding, a block of two
+/// slots, one of a norm piece and a matrix piece, and the head) after 3
+/// AdamW steps on the GPU, with `host_units` units' state on the host
+/// updated as `update` says, as bits.
+fn three_gpu_steps(state: StateFormat, host_units: usize, update: HostUpdate) -> Vec<Vec<u32>> {
+    use upipe::backend::{Backend, Category, DType, Tensor};
+    use upipe::model::Unit;
+    use upipe::optim::{AdamW, Lent, Optimizer, Piece, Slot, StateKind};
+    let b = cuda();
+    let n = 5 * 256 + 40;
+    let piece = |name: &str, at| Piece {
+        name: name.into(),
+        at,
+    };
+    let slots = vec![
+        Slot::whole(Unit::Embed, "embed.weight".into(), n),
+        Slot {
+            unit: Unit::Block(0),
+            pieces: vec![piece("b.norm.weight", 0..300), piece("b.w.weight", 300..n)],
+        },
+        Slot::whole(Unit::Block(0), "b.v.weight".into(), n),
+        Slot::whole(Unit::Head, "head.weight".into(), n),
+    ];
+    let wave = |k: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7919 + k * 131) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    };
+    let bf16 = |v: &[f32], cat| b.from_host(v, &[n], DType::BF16, cat).unwrap();
+    let mut params: Vec<Tensor<CudaBackend>> = (0..slots.len())
+        .map(|k| bf16(&wave(k), Category::Weights))
+        .collect();
+    let cfg = AdamWConfig {
+        state,
+        ..AdamWConfig::schedule(1e-2, 1e-2, 0, 3)
+    }
+    .placed(host_units, update, 11);
+    let refs: Vec<&Tensor<CudaBackend>> = params.iter().collect();
+    let mut opt = AdamW::new(&b, cfg, slots, &refs, 1).unwrap();
+    for step in 1..=3u32 {
+        let mut grads: Vec<_> = (0..params.len())
+            .map(|k| bf16(&wave(10 * step as usize + k), Category::Grads))
+            .collect();
+        let mut lent = Lent {
+            params: params.iter_mut().map(Some).collect(),
+            grads: grads.iter_mut().map(Some).collect(),
+        };
+        opt.step(&b, &mut lent, 0.5, step, true).unwrap();
+        opt.settle(&b, &mut lent, usize::MAX).unwrap();
+    }
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let mut out: Vec<Vec<u32>> = params.iter().map(|p| bits(b.to_host(p).unwrap())).collect();
+    for k in 0..params.len() {
+        for kind in [StateKind::EXP_AVG, StateKind::EXP_AVG_SQ] {
+            out.push(bits(opt.state_values(&b, k, kind).unwrap().unwrap()));
+        }
+    }
+    out
+}
+
+/// State on the host paged through the GPU (`--host-update gpu`) is updated
+/// by the device's kernel: parameters and moments bit for bit those of the
+/// same state kept on the device, every unit's state on the host or the
+/// last two, F32, BF16 and 8-bit moments, masters or stochastic rounding.
+#[test]
+fn paged_state_updates_as_the_devices_does_bit_for_bit() {
+    if let Err(e) = CudaBackend::new(0) {
+        eprintln!("SKIP gpu_offload: no usable CUDA GPU ({e})");
+        return;
+    }
+    for moments in [MomentFormat::F32, MomentFormat::Bf16, MomentFormat::Q8] {
+        for master in [MasterWeights::F32, MasterWeights::None] {
+            let state = StateFormat {
+                moments,
+                master,
+                grads: GradDtype::Bf16,
+            };
+            let device = three_gpu_steps(state, 0, HostUpdate::Gpu);
+            for host_units in [3, 2] {
+                let paged = three_gpu_steps(state, host_units, HostUpdate::Gpu);
+                assert!(paged == device, "{state}: {host_units} units paged");
+            }
+        }
+    }
+}
+
+/// Compact state paged through the GPU for every unit or the last two, in a
+/// training run (replicated and FSDP): the losses of the same state on the
+/// device up to cuDNN's run-to-run noise (its peaks against the plan:
+/// `gpu_plan.rs`).
+#[test]
+fn paged_state_tracks_the_device_run() {
+    if let Err(e) = CudaBackend::new(0) {
+        eprintln!("SKIP gpu_offload: no usable CUDA GPU ({e})");
+        return;
+    }
+    let state = StateFormat {
+        moments: MomentFormat::Q8,
+        master: MasterWeights::None,
+        grads: GradDtype::Bf16,
+    };
+    for fsdp in [false, true] {
+        let base = run_state(fsdp, 0, 0, state);
+        for opt in [4, 2] {
+            let got = run_paged(fsdp, opt, state);
+            for (b, g) in base.reports.iter().zip(&got.reports) {
+                println!(
+                    "{state} fsdp {fsdp} --offload-optimizer {opt} --host-update gpu step {}: {:.6} vs {:.6}",
+                    b.step, g.loss, b.loss
+                );
+                let rel = ((g.loss - b.loss) / b.loss).abs();
+                assert!(rel <= 1e-3, "step {}: {} vs {}", b.step, g.loss, b.loss);
+            }
+            assert!(got.memory.host_peak > 0);
         }
     }
 }

@@ -307,7 +307,7 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
         if deferred {
             let run = match self.cfg.host_update {
                 HostUpdate::Cpu => Deferred::Host(HostStep::new(b)?),
-                HostUpdate::Gpu => Deferred::Paged(PagedStep::default()),
+                HostUpdate::Gpu => Deferred::Paged(Box::default()),
             };
             self.pending = Some(Pending {
                 lr,
@@ -459,7 +459,7 @@ enum Deferred<B: Backend> {
     /// On the host's threads.
     Host(HostStep<B>),
     /// Paged through the device.
-    Paged(PagedStep<B>),
+    Paged(Box<PagedStep<B>>),
 }
 
 impl<B: Backend> Deferred<B> {
