@@ -255,7 +255,7 @@ fn train_and_plan_share_the_memory_flags_and_their_section() {
     assert_eq!(
         memory_section(&printed),
         "[memory]\ncheckpoint = true\noffload = 1\noffload-optimizer = \"all\"\n\
-         tiled-mlp = true\nloss-chunk = 64\nsave-attention = 1",
+         host-update = \"auto\"\ntiled-mlp = true\nloss-chunk = 64\nsave-attention = 1",
         "{printed}"
     );
     // `plan` (no --print-config of its own) plans the same policy from the
