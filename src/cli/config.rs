@@ -15,7 +15,9 @@
 use crate::attention::Settle;
 use crate::error::{Error, Result};
 use crate::plan::stage_width::{ChunkHeads, FwdChunk};
-use crate::plan::{CheckpointEvery, HostUpdateChoice, OffloadBlocks, OptimizerOffload, SaveAttention};
+use crate::plan::{
+    CheckpointEvery, HostUpdateChoice, OffloadBlocks, OptimizerOffload, SaveAttention,
+};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use serde::{Deserialize, Serialize};

@@ -57,7 +57,10 @@ impl<B: Backend> Staged<B> {
     /// Its tensors, in the order of [`Resident::tensors`].
     fn tensors_mut(&mut self) -> impl Iterator<Item = &mut Tensor<B>> {
         let Staged { master, m, v, .. } = self;
-        master.iter_mut().chain(m.tensors_mut()).chain(v.tensors_mut())
+        master
+            .iter_mut()
+            .chain(m.tensors_mut())
+            .chain(v.tensors_mut())
     }
 }
 
@@ -65,7 +68,10 @@ impl<'a, B: Backend> Resident<'a, B> {
     /// Its tensors: the master where there is one, then m's, then v's.
     fn tensors(&self) -> impl Iterator<Item = &'a Tensor<B>> + use<'a, B> {
         let (m, v) = (self.m, self.v);
-        self.master.into_iter().chain(m.tensors()).chain(v.tensors())
+        self.master
+            .into_iter()
+            .chain(m.tensors())
+            .chain(v.tensors())
     }
 }
 
@@ -182,7 +188,11 @@ fn stage<B: Backend>(b: &B, host: Resident<'_, B>) -> Result<Staged<B>> {
 
 /// Slot `slot`'s update on the device, from its state in `staged` once
 /// that is in; its gradient is zeroed after.
-fn update<B: Backend>(b: &B, slot: &mut HostSlot<'_, B>, mut staged: Staged<B>) -> Result<Staged<B>> {
+fn update<B: Backend>(
+    b: &B,
+    slot: &mut HostSlot<'_, B>,
+    mut staged: Staged<B>,
+) -> Result<Staged<B>> {
     for done in std::mem::take(&mut staged.copies) {
         b.copy_wait(done)?;
     }

@@ -17,8 +17,8 @@ use super::checkpoint_every::{CheckpointEvery, every_candidates, first_fitting};
 use super::mesh::MeshChoice;
 use super::stage_width::{ChunkHeads, FwdChunk};
 use super::{
-    DeviceKind, OffloadBlocks, HostUpdateChoice, OptimizerOffload, Prediction, SaveAttention, StepSpec, predict_step,
-    trained_state_bytes, widest_fitting,
+    DeviceKind, HostUpdateChoice, OffloadBlocks, OptimizerOffload, Prediction, SaveAttention,
+    StepSpec, predict_step, trained_state_bytes, widest_fitting,
 };
 use crate::attention::{CpPlan, Settle, Strategy};
 use crate::backend::Bytes;

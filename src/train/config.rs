@@ -151,7 +151,11 @@ impl TrainConfig {
     /// The optimizer's settings, its state kept where the memory policy
     /// says (`--offload-optimizer`).
     pub fn optimizer(&self) -> OptimConfig {
-        self.optim.placed(self.policy.offload_optimizer, self.policy.host_update, self.seed)
+        self.optim.placed(
+            self.policy.offload_optimizer,
+            self.policy.host_update,
+            self.seed,
+        )
     }
 
     /// `steps` steps of `model` on sequences of `seq` tokens with `optim`, on

@@ -299,7 +299,11 @@ fn compact_state_on_the_host_trains_as_on_the_device() {
             );
         }
         for what in ["peak_by_category", "predicted_by_category"] {
-            assert_eq!(all.last().unwrap()[what]["optim_state"], 0, "{format:?}: {what}");
+            assert_eq!(
+                all.last().unwrap()[what]["optim_state"],
+                0,
+                "{format:?}: {what}"
+            );
         }
         for last in [all.last().unwrap(), paged.last().unwrap()] {
             let state = |what: &str| &last[what]["optim_state"];

@@ -10,9 +10,9 @@ use crate::backend::{Backend, Category, DType, Tensor, cast};
 use crate::error::Result;
 use crate::model::{HostUpdate, Unit};
 use crate::optim::host::{Fetch, HostSlot, HostStep, host_master, settle_window};
-use crate::optim::paged::{PagedStep, Resident};
 use crate::optim::moments::{Moment, Which};
 use crate::optim::optimizer::{Optimizer, StateKind, StateSpec, Update};
+use crate::optim::paged::{PagedStep, Resident};
 use crate::optim::schedule::{Decay, Schedule};
 use crate::optim::settling::state_on_host;
 #[cfg(doc)]
