@@ -6,6 +6,7 @@
 use super::{Prediction, StepSpec, predict_step_rank};
 use crate::backend::{Bytes, Category};
 use crate::error::{Error, Result};
+use crate::model::HostUpdate;
 use crate::optim::{GradDtype, MasterWeights, MomentFormat, StateFormat};
 
 /// The memory one rank may use.
@@ -115,17 +116,19 @@ const CHANGES: [Change; 13] = [
         apply: |s| compact_state(s, 0),
     },
     Change {
-        // compact state on the host
+        // compact state on the host, paged through the GPU for its update
         flags: "--checkpoint --tiled-mlp --offload auto --checkpoint-every auto --grad-dtype \
-                bf16 --optim-state 8bit --master-weights none --offload-optimizer auto",
+                bf16 --optim-state 8bit --master-weights none --offload-optimizer auto \
+                --host-update gpu",
         apply: |s| compact_state(s, all_units(s)),
     },
 ];
 
 /// Every memory policy and the most compact training state (8-bit
 /// moments, no master, BF16 gradients), that state on the host for
-/// `host_units` units.
+/// `host_units` units, paged through the GPU for its update.
 fn compact_state(s: &mut StepSpec, host_units: usize) {
+    s.policy.host_update = HostUpdate::Gpu;
     s.policy.checkpoint = true;
     s.policy.tiled_mlp = true;
     s.policy.offload = s.model.layers;
