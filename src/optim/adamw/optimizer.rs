@@ -372,32 +372,17 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
                 rounding_key: rounding_key(cfg.seed, step, k as u32),
             });
         }
-        // the slot after them: what the host reads of it is downloaded, or
-        // its state paged in, meanwhile
-        let next = rest.next();
-        match &mut pending.run {
-            Deferred::Host(host) => {
-                let ahead = match next {
-                    Some((((k, _), (param, grad)), ((master, _), _))) => Some(Fetch {
-                        grad: grad.as_deref().ok_or_else(|| busy(k))?,
-                        param: match master {
-                            Some(_) => None,
-                            None => Some(param.as_deref().ok_or_else(|| busy(k))?),
-                        },
-                    }),
-                    None => None,
-                };
-                host.run(b, &mut host_slots, ahead)?;
-            }
-            Deferred::Paged(paged) => {
-                let ahead = next.map(|(_, ((master, m), v))| Resident {
-                    master: master.as_ref(),
-                    m: &*m,
-                    v: &*v,
-                });
-                paged.run(b, &mut host_slots, ahead)?;
-            }
-        }
+        let next = rest
+            .next()
+            .map(|(((k, _), (param, grad)), ((master, m), v))| NextSlot {
+                k,
+                param: param.as_deref(),
+                grad: grad.as_deref(),
+                master: master.as_ref(),
+                m,
+                v,
+            });
+        pending.run.run(b, &mut host_slots, next)?;
         if pending.run.done() == total {
             self.pending = None;
         }
@@ -462,12 +447,56 @@ enum Deferred<B: Backend> {
     Paged(Box<PagedStep<B>>),
 }
 
+/// The host slot after those a settle updates: its tensors on the device
+/// (`None` while in a collective) and its state on the host.
+struct NextSlot<'a, B: Backend> {
+    k: usize,
+    param: Option<&'a Tensor<B>>,
+    grad: Option<&'a Tensor<B>>,
+    master: Option<&'a Tensor<B>>,
+    m: &'a Moment<B>,
+    v: &'a Moment<B>,
+}
+
 impl<B: Backend> Deferred<B> {
     /// Slots updated so far.
     fn done(&self) -> usize {
         match self {
             Deferred::Host(h) => h.done(),
             Deferred::Paged(p) => p.done(),
+        }
+    }
+
+    /// Updates `slots` in order; meanwhile what the host reads of `next` is
+    /// downloaded, or its state paged in.
+    fn run(
+        &mut self,
+        b: &B,
+        slots: &mut [HostSlot<'_, B>],
+        next: Option<NextSlot<'_, B>>,
+    ) -> Result<()> {
+        match self {
+            Deferred::Host(host) => {
+                let ahead = match next {
+                    Some(n) => Some(Fetch {
+                        grad: n.grad.ok_or_else(|| busy(n.k))?,
+                        param: match n.master {
+                            Some(_) => None,
+                            None => Some(n.param.ok_or_else(|| busy(n.k))?),
+                        },
+                    }),
+                    None => None,
+                };
+                host.run(b, slots, ahead)
+            }
+            Deferred::Paged(paged) => {
+                let ahead = next.map(|n| Resident {
+                    master: n.master,
+                    m: n.m,
+                    v: n.v,
+                });
+                paged.run(b, slots, ahead)
+            }
         }
     }
 }
