@@ -249,3 +249,68 @@ pub fn train_steps(args: &[&str]) -> Vec<serde_json::Value> {
 pub fn step_loss(s: &serde_json::Value) -> f64 {
     s["loss"].as_f64().unwrap()
 }
+
+/// AdamW over BF16 slots (the embedding, a block of two slots, one of a
+/// norm piece and a matrix piece, and the head) trained 3 steps with BF16
+/// gradients on `b`, with `host_units` units' state on the host updated as
+/// `host_update` says: the parameters and each moment's values after them,
+/// as bits.
+pub fn three_adamw_steps<B: upipe::backend::Backend>(
+    b: &B,
+    state: upipe::optim::StateFormat,
+    host_units: usize,
+    host_update: upipe::model::HostUpdate,
+) -> Vec<Vec<u32>> {
+    use upipe::backend::{Category, DType, Tensor};
+    use upipe::model::Unit;
+    use upipe::optim::{AdamW, AdamWConfig, Lent, Optimizer, Piece, Slot, StateKind};
+    let n = 3 * 256 + 40;
+    let piece = |name: &str, at| Piece {
+        name: name.into(),
+        at,
+    };
+    let slots = vec![
+        Slot::whole(Unit::Embed, "embed.weight".into(), n),
+        Slot {
+            unit: Unit::Block(0),
+            pieces: vec![piece("b.norm.weight", 0..300), piece("b.w.weight", 300..n)],
+        },
+        Slot::whole(Unit::Block(0), "b.v.weight".into(), n),
+        Slot::whole(Unit::Head, "head.weight".into(), n),
+    ];
+    let wave = |k: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7919 + k * 131) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    };
+    let bf16 = |v: &[f32], cat| b.from_host(v, &[n], DType::BF16, cat).unwrap();
+    let mut params: Vec<Tensor<B>> = (0..slots.len())
+        .map(|k| bf16(&wave(k), Category::Weights))
+        .collect();
+    let cfg = AdamWConfig {
+        state,
+        ..AdamWConfig::schedule(1e-2, 1e-2, 0, 3)
+    }
+    .placed(host_units, host_update, 11);
+    let refs: Vec<&Tensor<B>> = params.iter().collect();
+    let mut opt = AdamW::new(b, cfg, slots, &refs, 1).unwrap();
+    for step in 1..=3u32 {
+        let mut grads: Vec<_> = (0..params.len())
+            .map(|k| bf16(&wave(10 * step as usize + k), Category::Grads))
+            .collect();
+        let mut lent = Lent {
+            params: params.iter_mut().map(Some).collect(),
+            grads: grads.iter_mut().map(Some).collect(),
+        };
+        opt.step(b, &mut lent, 0.5, step, true).unwrap();
+        opt.settle(b, &mut lent, usize::MAX).unwrap();
+    }
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let mut out: Vec<Vec<u32>> = params.iter().map(|p| bits(b.to_host(p).unwrap())).collect();
+    for k in 0..params.len() {
+        for kind in [StateKind::EXP_AVG, StateKind::EXP_AVG_SQ] {
+            out.push(bits(opt.state_values(b, k, kind).unwrap().unwrap()));
+        }
+    }
+    out
+}

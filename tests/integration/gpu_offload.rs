@@ -15,6 +15,8 @@ use upipe::model::{HostUpdate, MemoryPolicy, ModelConfig};
 use upipe::optim::{AdamWConfig, GradDtype, MasterWeights, MomentFormat, StateFormat};
 use upipe::train::trainer::{TrainConfig, TrainSummary, train_threads};
 
+use crate::common::three_adamw_steps;
+
 fn cuda() -> CudaBackend {
     let mut b = CudaBackend::new(0).expect("GPU was available a moment ago");
     b.set_attn_kernel(AttnKernel::Auto);
@@ -148,66 +150,6 @@ fn compact_state_on_the_host_tracks_the_device_run() {
     }
 }
 
-/// The parameters and moments of BF16 slots (the embedding, a block of two
-/// slots, one of a norm piece and a matrix piece, and the head) after 3
-/// AdamW steps on the GPU, with `host_units` units' state on the host
-/// updated as `update` says, as bits.
-fn three_gpu_steps(state: StateFormat, host_units: usize, update: HostUpdate) -> Vec<Vec<u32>> {
-    use upipe::backend::{Backend, Category, DType, Tensor};
-    use upipe::model::Unit;
-    use upipe::optim::{AdamW, Lent, Optimizer, Piece, Slot, StateKind};
-    let b = cuda();
-    let n = 5 * 256 + 40;
-    let piece = |name: &str, at| Piece {
-        name: name.into(),
-        at,
-    };
-    let slots = vec![
-        Slot::whole(Unit::Embed, "embed.weight".into(), n),
-        Slot {
-            unit: Unit::Block(0),
-            pieces: vec![piece("b.norm.weight", 0..300), piece("b.w.weight", 300..n)],
-        },
-        Slot::whole(Unit::Block(0), "b.v.weight".into(), n),
-        Slot::whole(Unit::Head, "head.weight".into(), n),
-    ];
-    let wave = |k: usize| -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i * 7919 + k * 131) % 1000) as f32 / 500.0 - 1.0)
-            .collect()
-    };
-    let bf16 = |v: &[f32], cat| b.from_host(v, &[n], DType::BF16, cat).unwrap();
-    let mut params: Vec<Tensor<CudaBackend>> = (0..slots.len())
-        .map(|k| bf16(&wave(k), Category::Weights))
-        .collect();
-    let cfg = AdamWConfig {
-        state,
-        ..AdamWConfig::schedule(1e-2, 1e-2, 0, 3)
-    }
-    .placed(host_units, update, 11);
-    let refs: Vec<&Tensor<CudaBackend>> = params.iter().collect();
-    let mut opt = AdamW::new(&b, cfg, slots, &refs, 1).unwrap();
-    for step in 1..=3u32 {
-        let mut grads: Vec<_> = (0..params.len())
-            .map(|k| bf16(&wave(10 * step as usize + k), Category::Grads))
-            .collect();
-        let mut lent = Lent {
-            params: params.iter_mut().map(Some).collect(),
-            grads: grads.iter_mut().map(Some).collect(),
-        };
-        opt.step(&b, &mut lent, 0.5, step, true).unwrap();
-        opt.settle(&b, &mut lent, usize::MAX).unwrap();
-    }
-    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-    let mut out: Vec<Vec<u32>> = params.iter().map(|p| bits(b.to_host(p).unwrap())).collect();
-    for k in 0..params.len() {
-        for kind in [StateKind::EXP_AVG, StateKind::EXP_AVG_SQ] {
-            out.push(bits(opt.state_values(&b, k, kind).unwrap().unwrap()));
-        }
-    }
-    out
-}
-
 /// State on the host paged through the GPU (`--host-update gpu`) is updated
 /// by the device's kernel: parameters and moments bit for bit those of the
 /// same state kept on the device, every unit's state on the host or the
@@ -225,9 +167,9 @@ fn paged_state_updates_as_the_devices_does_bit_for_bit() {
                 master,
                 grads: GradDtype::Bf16,
             };
-            let device = three_gpu_steps(state, 0, HostUpdate::Gpu);
+            let device = three_adamw_steps(&cuda(), state, 0, HostUpdate::Gpu);
             for host_units in [3, 2] {
-                let paged = three_gpu_steps(state, host_units, HostUpdate::Gpu);
+                let paged = three_adamw_steps(&cuda(), state, host_units, HostUpdate::Gpu);
                 assert!(paged == device, "{state}: {host_units} units paged");
             }
         }

@@ -350,3 +350,39 @@ fn a_resume_into_another_format_converts_and_says_so() {
     assert!(resumed.iter().all(|l| l.is_finite()), "{resumed:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Every state format kept on the host (all units, or the last two),
+/// updated by the host's threads or paged through the device, updates
+/// BF16 parameters and moments exactly as on the device, bit for bit:
+/// masters or stochastic rounding, BF16 or 8-bit moments.
+#[test]
+fn host_state_of_every_format_updates_as_the_devices_does() {
+    use upipe::backend::cpu::CpuBackend;
+    use upipe::model::HostUpdate;
+    use upipe::optim::{GradDtype, MasterWeights, MomentFormat, StateFormat};
+    let three_steps = |format, host_units, update| {
+        crate::common::three_adamw_steps(&CpuBackend::new(), format, host_units, update)
+    };
+    for moments in [MomentFormat::F32, MomentFormat::Bf16, MomentFormat::Q8] {
+        for master in [MasterWeights::F32, MasterWeights::None] {
+            let format = StateFormat {
+                moments,
+                master,
+                grads: GradDtype::Bf16,
+            };
+            let device = three_steps(format, 0, HostUpdate::Cpu);
+            for host_units in [3, 2] {
+                for update in [HostUpdate::Cpu, HostUpdate::Gpu] {
+                    let host = three_steps(format, host_units, update);
+                    assert!(
+                        host == device,
+                        "{format}: --offload-optimizer {host_units} --host-update {update} \
+                         against the device"
+                    );
+                }
+            }
+            let start = three_steps(format, 0, HostUpdate::Gpu);
+            assert_eq!(start, device, "{format}: deterministic");
+        }
+    }
+}
