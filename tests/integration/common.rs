@@ -250,21 +250,25 @@ pub fn step_loss(s: &serde_json::Value) -> f64 {
     s["loss"].as_f64().unwrap()
 }
 
-/// AdamW over BF16 slots (the embedding, a block of two slots, one of a
-/// norm piece and a matrix piece, and the head) trained 3 steps with BF16
-/// gradients on `b`, with `host_units` units' state on the host updated as
-/// `host_update` says: the parameters and each moment's values after them,
-/// as bits.
+/// Elements in each slot of [`three_adamw_steps`].
+pub const ADAMW_SLOT: usize = 3 * 256 + 40;
+
+/// AdamW over four BF16 slots of [`ADAMW_SLOT`] elements (the embedding, a
+/// block of two slots, one of a norm piece and a matrix piece, and the
+/// head) trained 3 steps with BF16 gradients on `b`, with `host_units`
+/// units' state on the host updated as `host_update` says: the parameters
+/// and each moment's values after them, as bits, and the most optimizer
+/// state the device held at once while the host's was updated.
 pub fn three_adamw_steps<B: upipe::backend::Backend>(
     b: &B,
     state: upipe::optim::StateFormat,
     host_units: usize,
     host_update: upipe::model::HostUpdate,
-) -> Vec<Vec<u32>> {
+) -> (Vec<Vec<u32>>, usize) {
     use upipe::backend::{Category, DType, Tensor};
     use upipe::model::Unit;
     use upipe::optim::{AdamW, AdamWConfig, Lent, Optimizer, Piece, Slot, StateKind};
-    let n = 3 * 256 + 40;
+    let n = ADAMW_SLOT;
     let piece = |name: &str, at| Piece {
         name: name.into(),
         at,
@@ -294,6 +298,7 @@ pub fn three_adamw_steps<B: upipe::backend::Backend>(
     .placed(host_units, host_update, 11);
     let refs: Vec<&Tensor<B>> = params.iter().collect();
     let mut opt = AdamW::new(b, cfg, slots, &refs, 1).unwrap();
+    let mut settling = 0;
     for step in 1..=3u32 {
         let mut grads: Vec<_> = (0..params.len())
             .map(|k| bf16(&wave(10 * step as usize + k), Category::Grads))
@@ -303,7 +308,15 @@ pub fn three_adamw_steps<B: upipe::backend::Backend>(
             grads: grads.iter_mut().map(Some).collect(),
         };
         opt.step(b, &mut lent, 0.5, step, true).unwrap();
+        let state_before = b.ledger().current_of(Category::OptimState);
+        b.ledger().reset_peak();
         opt.settle(b, &mut lent, usize::MAX).unwrap();
+        let stats = b.ledger().stats();
+        let held = stats.peak_by_category.iter();
+        let most = held
+            .filter(|(c, _)| *c == Category::OptimState)
+            .map(|(_, n)| *n);
+        settling = settling.max(most.sum::<usize>() - state_before);
     }
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
     let mut out: Vec<Vec<u32>> = params.iter().map(|p| bits(b.to_host(p).unwrap())).collect();
@@ -312,5 +325,5 @@ pub fn three_adamw_steps<B: upipe::backend::Backend>(
             out.push(bits(opt.state_values(b, k, kind).unwrap().unwrap()));
         }
     }
-    out
+    (out, settling)
 }

@@ -167,9 +167,9 @@ fn paged_state_updates_as_the_devices_does_bit_for_bit() {
                 master,
                 grads: GradDtype::Bf16,
             };
-            let device = three_adamw_steps(&cuda(), state, 0, HostUpdate::Gpu);
+            let device = three_adamw_steps(&cuda(), state, 0, HostUpdate::Gpu).0;
             for host_units in [3, 2] {
-                let paged = three_adamw_steps(&cuda(), state, host_units, HostUpdate::Gpu);
+                let paged = three_adamw_steps(&cuda(), state, host_units, HostUpdate::Gpu).0;
                 assert!(paged == device, "{state}: {host_units} units paged");
             }
         }

@@ -361,7 +361,7 @@ fn host_state_of_every_format_updates_as_the_devices_does() {
     use upipe::model::HostUpdate;
     use upipe::optim::{GradDtype, MasterWeights, MomentFormat, StateFormat};
     let three_steps = |format, host_units, update| {
-        crate::common::three_adamw_steps(&CpuBackend::new(), format, host_units, update)
+        crate::common::three_adamw_steps(&CpuBackend::new(), format, host_units, update).0
     };
     for moments in [MomentFormat::F32, MomentFormat::Bf16, MomentFormat::Q8] {
         for master in [MasterWeights::F32, MasterWeights::None] {
@@ -384,5 +384,38 @@ fn host_state_of_every_format_updates_as_the_devices_does() {
             let start = three_steps(format, 0, HostUpdate::Gpu);
             assert_eq!(start, device, "{format}: deterministic");
         }
+    }
+}
+
+/// Paging holds two slots' state on the device at most (the one updated,
+/// or its state on the way back, and the next on its way in); the host's
+/// threads hold none there.
+#[test]
+fn paging_holds_two_slots_state_at_most() {
+    use crate::common::{ADAMW_SLOT, three_adamw_steps};
+    use upipe::backend::cpu::CpuBackend;
+    use upipe::model::HostUpdate;
+    use upipe::optim::{GradDtype, MasterWeights, MomentFormat, StateFormat};
+    for (moments, master) in [
+        (MomentFormat::Q8, MasterWeights::None),
+        (MomentFormat::Bf16, MasterWeights::F32),
+        (MomentFormat::F32, MasterWeights::F32),
+    ] {
+        let format = StateFormat {
+            moments,
+            master,
+            grads: GradDtype::Bf16,
+        };
+        // every slot has 4 blocks of 8-bit codes (its pieces' blocks)
+        let scales = if moments == MomentFormat::Q8 {
+            2 * 4 * 4
+        } else {
+            0
+        };
+        let masters = if master == MasterWeights::F32 { 4 } else { 0 };
+        let slot = ADAMW_SLOT * (2 * moments.dtype().size() + masters) + scales;
+        let run = |update| three_adamw_steps(&CpuBackend::new(), format, 3, update).1;
+        assert_eq!(run(HostUpdate::Gpu), 2 * slot, "{format}: paged");
+        assert_eq!(run(HostUpdate::Cpu), 0, "{format}: on the host's threads");
     }
 }
