@@ -39,8 +39,8 @@ pub struct MemoryArgs {
     /// updated: gpu (each unit's state copied to the GPU ahead of its
     /// update, updated by the kernel that updates state kept there, and
     /// copied back: the numbers of state on the GPU, for two units' state
-    /// of GPU memory), cpu (the host's threads, in place), auto (gpu for
-    /// BF16 or 8-bit moments, cpu for F32 ones).
+    /// of GPU memory), cpu (the host's threads, in place), auto (on GPUs,
+    /// gpu for BF16 or 8-bit moments and cpu for F32 ones; cpu on the CPU).
     #[arg(long, help_heading = "Memory", default_value_t = HostUpdateChoice::Auto)]
     pub host_update: HostUpdateChoice,
     /// Tiled MLP/RMSNorm (token tiles of a quarter of the rows, hidden to 4·hidden).

@@ -12,7 +12,7 @@ use crate::optim::{MomentFormat, StateFormat};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HostUpdateChoice {
     /// The GPU for BF16 or 8-bit moments, the host's threads for F32 ones
-    /// ([`HostUpdateChoice::resolve`]).
+    /// and wherever the device is the host ([`HostUpdateChoice::resolve`]).
     #[default]
     Auto,
     Is(HostUpdate),
@@ -43,17 +43,20 @@ impl std::str::FromStr for HostUpdateChoice {
 }
 
 impl HostUpdateChoice {
-    /// Where state kept as `state` says is updated. `auto`: compact
-    /// moments on the GPU, whose update on the host's cores is arithmetic
-    /// (encoding and decoding) the host does far slower than the copies
-    /// paging costs (about 2 bytes per parameter each way with 8-bit
-    /// moments); F32 moments on the host's threads, where the update runs
-    /// at memory speed and only the gradient and the weights cross PCIe
-    /// (paging would copy 8-12 bytes per parameter each way).
-    pub fn resolve(self, state: StateFormat) -> HostUpdate {
+    /// Where state kept as `state` says is updated on a GPU (`cuda`) or
+    /// the CPU. `auto` on a GPU: compact moments on the GPU, whose update on
+    /// the host's cores is arithmetic (decoding and encoding) the host does
+    /// far slower than the copies paging costs (about 2 bytes per parameter
+    /// each way with 8-bit moments); F32 moments on the host's threads,
+    /// where the update runs at memory speed and only the gradient and the
+    /// weights cross PCIe (paging would copy 8-12 bytes per parameter each
+    /// way). On the CPU, whose device is the host, its threads.
+    pub fn resolve(self, state: StateFormat, cuda: bool) -> HostUpdate {
         match self {
             HostUpdateChoice::Is(u) => u,
-            HostUpdateChoice::Auto if state.moments == MomentFormat::F32 => HostUpdate::Cpu,
+            HostUpdateChoice::Auto if !cuda || state.moments == MomentFormat::F32 => {
+                HostUpdate::Cpu
+            }
             HostUpdateChoice::Auto => HostUpdate::Gpu,
         }
     }

@@ -406,7 +406,10 @@ impl<'a> Resolution<'a> {
     fn start(req: &'a RunRequest) -> Result<Self> {
         let chunk_heads = ChunkHeads::start(req.stages.chunk_heads);
         let policy = MemoryPolicy {
-            host_update: req.memory.host_update.resolve(req.state),
+            host_update: req
+                .memory
+                .host_update
+                .resolve(req.state, req.device.is_cuda()),
             ..req.memory.policy(req.model.layers, 0)
         };
         Ok(Resolution {
