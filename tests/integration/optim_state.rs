@@ -419,3 +419,37 @@ fn paging_holds_two_slots_state_at_most() {
         assert_eq!(run(HostUpdate::Cpu), 0, "{format}: on the host's threads");
     }
 }
+
+/// A bad `--host-update` is refused before anything runs, naming the
+/// values it takes; the run file keeps the decided one.
+#[test]
+fn host_update_is_checked_and_kept_in_the_run_file() {
+    let (_, log, success) = common::upipe(&["train", "--steps", "1", "--host-update", "fast"]);
+    assert!(
+        !success
+            && log.contains("--host-update fast")
+            && log.contains("gpu")
+            && log.contains("cpu"),
+        "{log}"
+    );
+    let dir = scratch("host-update");
+    let save = dir.join("run");
+    ok(&[
+        "train",
+        "--steps",
+        "1",
+        "--seq",
+        "64",
+        "--optim-state",
+        "8bit",
+        "--offload-optimizer",
+        "all",
+        "--host-update",
+        "gpu",
+        "--save-dir",
+        save.to_str().unwrap(),
+    ]);
+    let run = std::fs::read_to_string(save.join("run.toml")).unwrap();
+    assert!(run.contains("host-update = \"gpu\""), "{run}");
+    std::fs::remove_dir_all(&dir).ok();
+}
