@@ -76,6 +76,15 @@ fn run_with(
     train_threads(&cfg, tokens, cuda, &|_| {}).unwrap()
 }
 
+/// Each step's loss of `got` within 1e-3 of `base`'s, printed as `what`.
+fn tracks(base: &TrainSummary, got: &TrainSummary, what: &str) {
+    for (b, g) in base.reports.iter().zip(&got.reports) {
+        println!("{what} step {}: {:.6} vs {:.6}", b.step, g.loss, b.loss);
+        let rel = ((g.loss - b.loss) / b.loss).abs();
+        assert!(rel <= 1e-3, "step {}: {} vs {}", b.step, g.loss, b.loss);
+    }
+}
+
 #[test]
 fn host_optimizer_and_offload_track_the_device_run() {
     if let Err(e) = CudaBackend::new(0) {
@@ -86,14 +95,11 @@ fn host_optimizer_and_offload_track_the_device_run() {
         let base = run(fsdp, 0, 0);
         for (offload, opt) in [(0, 4), (1, 0), (2, 4), (1, 2)] {
             let got = run(fsdp, offload, opt);
-            for (b, g) in base.reports.iter().zip(&got.reports) {
-                println!(
-                    "fsdp {fsdp} --offload {offload} --offload-optimizer {opt} step {}: {:.6} vs {:.6}",
-                    b.step, g.loss, b.loss
-                );
-                let rel = ((g.loss - b.loss) / b.loss).abs();
-                assert!(rel <= 1e-3, "step {}: {} vs {}", b.step, g.loss, b.loss);
-            }
+            tracks(
+                &base,
+                &got,
+                &format!("fsdp {fsdp} --offload {offload} --offload-optimizer {opt}"),
+            );
             if opt == 4 {
                 assert_eq!(
                     got.memory.at_peak(upipe::backend::Category::OptimState),
@@ -134,14 +140,11 @@ fn compact_state_on_the_host_tracks_the_device_run() {
             let base = run_state(fsdp, 0, 0, state);
             for opt in [4, 2] {
                 let got = run_state(fsdp, 0, opt, state);
-                for (b, g) in base.reports.iter().zip(&got.reports) {
-                    println!(
-                        "{state} fsdp {fsdp} --offload-optimizer {opt} step {}: {:.6} vs {:.6}",
-                        b.step, g.loss, b.loss
-                    );
-                    let rel = ((g.loss - b.loss) / b.loss).abs();
-                    assert!(rel <= 1e-3, "step {}: {} vs {}", b.step, g.loss, b.loss);
-                }
+                tracks(
+                    &base,
+                    &got,
+                    &format!("{state} fsdp {fsdp} --offload-optimizer {opt}"),
+                );
                 let on_device = got.memory.at_peak(upipe::backend::Category::OptimState);
                 assert!(opt != 4 || on_device == 0, "{state}: state on the device");
                 assert!(got.memory.host_peak > 0);
@@ -195,14 +198,11 @@ fn paged_state_tracks_the_device_run() {
         let base = run_state(fsdp, 0, 0, state);
         for opt in [4, 2] {
             let got = run_paged(fsdp, opt, state);
-            for (b, g) in base.reports.iter().zip(&got.reports) {
-                println!(
-                    "{state} fsdp {fsdp} --offload-optimizer {opt} --host-update gpu step {}: {:.6} vs {:.6}",
-                    b.step, g.loss, b.loss
-                );
-                let rel = ((g.loss - b.loss) / b.loss).abs();
-                assert!(rel <= 1e-3, "step {}: {} vs {}", b.step, g.loss, b.loss);
-            }
+            tracks(
+                &base,
+                &got,
+                &format!("{state} fsdp {fsdp} --offload-optimizer {opt} --host-update gpu"),
+            );
             assert!(got.memory.host_peak > 0);
         }
     }
