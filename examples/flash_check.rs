@@ -165,7 +165,7 @@ fn run_case(g: &Gpu, c: Case, seed: u64) -> Res<Vec<CaseResult>> {
         let mut f = g.f.clone();
         f.set_fwd_kernel(kernel);
         f.set_bwd_kernel(bwd);
-        // The kernels that really run (head dim 64 has no wgmma kernels).
+        // The kernels that really run (head dims 64 and 256 have no wgmma kernels).
         let kernels = (f.fwd_kernel_for(c.d)?, f.bwd_kernel_for(c.d)?);
         if out.iter().any(|(k, _)| *k == kernels) {
             continue;
@@ -270,7 +270,7 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
 
 fn check(g: &Gpu) -> Res<bool> {
     let mut cases = Vec::new();
-    for d in [64, 128] {
+    for d in [64, 128, 256] {
         for (hq, hkv) in [(4, 4), (8, 2)] {
             for causal in [true, false] {
                 for s in [64, 333] {
@@ -541,10 +541,27 @@ fn main() -> Res<()> {
             "| fwd | bwd | S | H | Hkv | d | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd+bwd TF/s |"
         );
         println!("|---|---|---|---|---|---|---|---|---|---|---|");
-        for (s, h, hkv) in [(16384, 16, 16), (65536, 16, 16), (16384, 32, 8)] {
+        // Head dim 256 (Gemma 3 1B-12B's, 8 query and 4 kv heads at 4B) has
+        // only the mma.sync kernels.
+        let rows = [
+            (16384, 16, 16, 128),
+            (65536, 16, 16, 128),
+            (16384, 32, 8, 128),
+            (16384, 8, 4, 256),
+            (65536, 8, 4, 256),
+        ];
+        for (s, h, hkv, d) in rows {
+            let mut ran = Vec::new();
             for &k in &g.kernels {
                 for &b in &g.bwd_kernels {
-                    bench(&g, (k, b), s, h, hkv, 128)?;
+                    let mut f = g.f.clone();
+                    f.set_fwd_kernel(k);
+                    f.set_bwd_kernel(b);
+                    let runs = (f.fwd_kernel_for(d)?, f.bwd_kernel_for(d)?);
+                    if !ran.contains(&runs) {
+                        ran.push(runs);
+                        bench(&g, (k, b), s, h, hkv, d)?;
+                    }
                 }
             }
         }

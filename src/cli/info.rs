@@ -126,7 +126,7 @@ fn cudnn_report(b: &crate::backend::cuda::CudaBackend) {
     match b.cudnn_sdpa() {
         Ok(c) => {
             println!(
-                "attention kernel (UPIPE_ATTN_KERNEL=auto): cuDNN {} SDPA ({}) for bf16 with head_dim 64/128 where it supports the shape; native flash kernels otherwise",
+                "attention kernel (UPIPE_ATTN_KERNEL=auto): cuDNN {} SDPA ({}) for bf16 with head_dim 64/128/256 where it supports the shape; native flash kernels otherwise",
                 c.version(),
                 c.library()
             );

@@ -1349,8 +1349,31 @@ fn flash_attention_through_the_backend_matches_cpu_and_naive() {
     assert!(f.flash_functions().unwrap().is_some());
     assert!(n.flash_functions().unwrap().is_none());
     let mut rng = Rng::new("flash attention");
-    // (sq, sk, hq, hkv, d): odd lengths, GQA, both head dims, causal and full.
+    // (sq, sk, hq, hkv, d): odd lengths, GQA, every head dim, causal and full.
     flash_case(&mut rng, (300, 300, 4, 4, 64), true, DType::F32, &[0..300]);
+    // Head dim 256 (Gemma 3): its own tiles (8 forward warps of 16 rows,
+    // 64-key backward blocks): two key blocks and a tail, GQA, both masks.
+    flash_case(
+        &mut rng,
+        (333, 333, 8, 4, 256),
+        true,
+        DType::BF16,
+        &[0..333],
+    );
+    flash_case(
+        &mut rng,
+        (129, 200, 4, 1, 256),
+        false,
+        DType::F32,
+        &[0..200],
+    );
+    flash_case(
+        &mut rng,
+        (150, 390, 4, 2, 256),
+        false,
+        DType::BF16,
+        &[0..64, 64..65, 65..390],
+    );
     flash_case(
         &mut rng,
         (257, 257, 8, 2, 128),
@@ -1379,7 +1402,7 @@ fn flash_attention_through_the_backend_matches_cpu_and_naive() {
     );
 }
 
-/// Documents masks on the flash kernels (both head dims: mma.sync for 64,
+/// Documents masks on the flash kernels (every head dim: mma.sync for 64 and 256,
 /// wgmma on sm_90 for 128) against the CPU reference and the naive kernels:
 /// whole windows of documents that start mid-tile, of one token, longer than
 /// a tile; ring blocks whose rows are two runs of positions, with rows that
@@ -1401,6 +1424,8 @@ fn flash_documents_masks_match_cpu_and_naive() {
     let cases: Vec<(BoundedMask, (usize, usize, usize))> = vec![
         (window.clone(), (4, 2, 64)),
         (window.clone(), (8, 2, 128)),
+        (window.clone(), (4, 2, 256)),
+        (window.with_rows(ring_rows, ring_rows), (2, 1, 256)),
         (window.with_rows(ring_rows, ring_rows), (4, 4, 128)),
         (
             window.with_rows(
@@ -1437,8 +1462,8 @@ fn flash_documents_masks_match_cpu_and_naive() {
     }
 }
 
-/// Sliding windows (Mistral's `sliding_window`) on the flash kernels (both
-/// head dims) against the CPU reference and the naive kernels: a window
+/// Sliding windows (Mistral's `sliding_window`) on the flash kernels (every
+/// head dim) against the CPU reference and the naive kernels: a window
 /// alone (lower bounds that move every row, within a tile and across
 /// tiles), a window composed with documents, and ring blocks of two runs of
 /// positions where whole tiles lie outside every row's window.
@@ -1465,6 +1490,8 @@ fn flash_sliding_windows_match_cpu_and_naive() {
     let cases: Vec<(BoundedMask, (usize, usize, usize))> = vec![
         (alone.clone(), (4, 2, 64)),
         (alone.clone(), (8, 2, 128)),
+        (alone.clone(), (4, 2, 256)),
+        (with_docs.clone(), (2, 1, 256)),
         (with_docs.clone(), (4, 1, 128)),
         (with_docs.with_rows(ring_rows, ring_rows), (4, 4, 64)),
         (alone.with_rows(ring_rows, ring_rows), (4, 2, 128)),
@@ -1536,6 +1563,7 @@ fn flash_backward_kernel_choice() {
         funcs.has_wgmma_bwd()
     );
     assert_eq!(funcs.bwd_kernel_for(64).unwrap(), FlashKernel::Mma);
+    assert_eq!(funcs.bwd_kernel_for(256).unwrap(), FlashKernel::Mma);
     if choice != FlashKernel::Mma && f.arch() == "sm_90" {
         assert!(
             funcs.has_wgmma_bwd(),

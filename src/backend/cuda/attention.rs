@@ -1,7 +1,7 @@
 //! Attention on raw device operands, with two implementations:
 //!
 //! - the native FlashAttention-2 kernels of `super::flash` (bf16
-//!   q/k/v/o/dO, head dim 64 or 128, sm_90+), used whenever they apply;
+//!   q/k/v/o/dO, head dim 64, 128 or 256, sm_90+), used whenever they apply;
 //! - the naive kernels of `kernels/attention.cu` (one block per (query row,
 //!   head)): every other case (f32 inputs, other head dims, an f32 `o`,
 //!   misaligned views, older GPUs), and the GPU oracle the flash path is tested

@@ -8,7 +8,7 @@
 //! - [`gemm`]: cuBLASLt GEMM on row-major views;
 //! - [`attention`] + [`flash`]: attention; the native FlashAttention-2 kernels
 //!   (compiled on first use, through the same disk cache) for bf16 with head
-//!   dim 64/128 on sm_90+, the naive kernels for everything else.
+//!   dim 64/128/256 on sm_90+, the naive kernels for everything else.
 //!
 //! [`CudaBackend`] (opening the device, streams, synchronisation) is in
 //! `backend.rs`, and its one `impl Backend` in `ops.rs`, which hands each

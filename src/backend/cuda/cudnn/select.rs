@@ -184,7 +184,7 @@ pub enum AttentionKernel {
     /// rows from 9.10); the flash kernels for the rest (F32 operands, cuDNN
     /// 9.15's backward on `s_kv % 128 != 0`, ring blocks of documents).
     Cudnn { version: usize },
-    /// upipe's flash kernels (bf16, head dim 64/128, sm_90), the naive ones
+    /// upipe's flash kernels (bf16, head dim 64/128/256, sm_90), the naive ones
     /// for what they do not take.
     Flash,
     /// upipe's naive kernels only (`UPIPE_ATTENTION=naive`, or a GPU below sm_90).

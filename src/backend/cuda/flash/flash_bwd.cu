@@ -1,7 +1,8 @@
 // upipe flash attention backward (FlashAttention-2 schedule, mma.sync m16n8k16 bf16).
 //
 // Preprocess: delta[i, h] = sum_d dO[i, h, d] * O[i, h, d]  (f32 workspace [sq, hq]).
-// Main: one block = 128 keys of one kv head (8 warps); it loops over the group's
+// Main: one block = 128 keys of one kv head (64 at head dim 256, whose tiles
+// would not fit the shared memory at 128; 8 warps); it loops over the group's
 // query heads and all query blocks of 64 rows, keeping dK and dV for its keys in
 // registers and adding dQ into the f32 output with vector reductions (no dQ
 // workspace, no conversion pass). Q/dO/LSE/delta tiles are double-buffered with
@@ -16,6 +17,7 @@
 
 #define BWD_BM 64
 #define BWD_BN 128
+#define BWD_BN_D256 64
 #define BWD_NT 256
 
 // One warp per (row, head): delta = <dO, O> in f32.
@@ -40,17 +42,24 @@ __device__ __forceinline__ void flash_bwd_pre_impl(const FlashBwdParams& p) {
     if (lane == 0) ((float*)p.delta)[(i64)i * p.hq + h] = acc;
 }
 
-// Main kernel. Warp layouts as in FlashAttention-2: S and dP are 32x32 warp
-// tiles (2 query x 4 key warps), P and dS go through shared memory, dK/dV are
-// 32-key x D/2 warp tiles (4 x 2) and dQ 32-query x D/4 tiles (2 x 4). Measured
+// Main kernel, BN keys a block. Warp layouts as in FlashAttention-2: S and dP
+// are 32 x BN/4 warp tiles (2 query x 4 key warps), P and dS go through shared
+// memory, dK/dV are 32-key x D/DSPLIT warp tiles (BN/32 x DSPLIT, DSPLIT =
+// 256/BN: 4 x 2 at BN 128, 2 x 4 at BN 64, so a warp's dK and dV accumulators
+// stay at 2 x 64 f32 a thread for head dim 256) and dQ 32-query x D/4 tiles
+// (2 x 4). Measured
 // on H200 (d=128, causal): 251-265 TFLOP/s, against 216-225 for a layout where
 // each warp owns 16 keys and keeps P^T/dS^T in registers (more shared-memory
 // bytes per flop).
-template <int D>
+template <int D, int BN>
 __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
     extern __shared__ __align__(128) unsigned char smem[];
-    constexpr int BM = BWD_BM, BN = BWD_BN, NT = BWD_NT;
+    constexpr int BM = BWD_BM, NT = BWD_NT;
     constexpr int NTD = D / 8;
+    constexpr int KW = BN / 32;        // n8 key tiles of a phase-1 warp (BN / 4 keys)
+    constexpr int DSPLIT = 256 / BN;   // phase 2: warps across the head dim
+    constexpr int NTDW = NTD / DSPLIT;  // phase 2: n8 head-dim tiles of a warp
+    static_assert((BN / 32) * DSPLIT == NT / 32 && (DSPLIT == 2 || DSPLIT == 4), "phase-2 warps must cover the block");
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 #if BWD_HEADS_FASTEST
@@ -86,13 +95,14 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
     const int n_m = max(m_end - m_begin, 0);
     const int total = n_m * p.group;
 
-    // Phase-2 ownership: keys wk*32.., head-dim half wd.
-    const int wk = warp >> 1, wd = warp & 1;
-    float acc_dk[2][NTD / 2][4], acc_dv[2][NTD / 2][4];
+    // Phase-2 ownership: keys wk*32.., head-dim part wd of DSPLIT.
+    constexpr int DSHIFT = DSPLIT == 4 ? 2 : 1;  // log2(DSPLIT)
+    const int wk = warp >> DSHIFT, wd = warp & (DSPLIT - 1);
+    float acc_dk[2][NTDW][4], acc_dv[2][NTDW][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int j = 0; j < NTD / 2; ++j)
+        for (int j = 0; j < NTDW; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 acc_dk[mt][j][e] = 0.f;
@@ -134,14 +144,14 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
         const float* lse = sLse + buf * BM;
         const float* dlt = sDelta + buf * BM;
 
-        // Phase 1: S = Q K^T and dP = dO V^T on 32 queries x 32 keys per warp.
+        // Phase 1: S = Q K^T and dP = dO V^T on 32 queries x BN/4 keys per warp.
         {
             const int wm = warp & 1, wn = warp >> 1;
-            float s[2][4][4], dp[2][4][4];
+            float s[2][KW][4], dp[2][KW][4];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
+                for (int j = 0; j < KW; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         s[mt][j][e] = 0.f;
@@ -156,9 +166,9 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                     ldsm_x4(c[mt], sdOb + tile_off<D>(wm * 32 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
                 }
 #pragma unroll
-                for (int j2 = 0; j2 < 2; ++j2) {
+                for (int j2 = 0; j2 < KW / 2; ++j2) {
                     u32 b[4], bv[4];
-                    const int kr = wn * 32 + j2 * 16 + ((lane >> 4) << 3) + (lane & 7);
+                    const int kr = wn * (BN / 4) + j2 * 16 + ((lane >> 4) << 3) + (lane & 7);
                     ldsm_x4(b, sK + tile_off<D>(kr, kk * 2 + ((lane >> 3) & 1)));
                     ldsm_x4(bv, sV + tile_off<D>(kr, kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
@@ -181,8 +191,8 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                     const float l2 = lse[qr] * FL_LOG2E;
                     const float dl = dlt[qr];
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const int kc = wn * 32 + j * 8 + ((lane & 3) << 1);  // within the block
+                    for (int j = 0; j < KW; ++j) {
+                        const int kc = wn * (BN / 4) + j * 8 + ((lane & 3) << 1);  // within the block
                         float p0 = fast_exp2(s[mt][j][2 * r] * p.scale_log2 - l2);
                         float p1 = fast_exp2(s[mt][j][2 * r + 1] * p.scale_log2 - l2);
                         if (need_mask) {
@@ -204,7 +214,7 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
         }
         __syncthreads();
 
-        // Phase 2: dV += P^T dO, dK += dS^T Q on 32 keys x D/2 per warp.
+        // Phase 2: dV += P^T dO, dK += dS^T Q on 32 keys x D/DSPLIT per warp.
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
             u32 ap[2][4], as[2][4];
@@ -217,10 +227,10 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
                 ldsm_x4_t(as[mt], sdS + off);
             }
 #pragma unroll
-            for (int j2 = 0; j2 < NTD / 4; ++j2) {
+            for (int j2 = 0; j2 < NTDW / 2; ++j2) {
                 u32 bo[4], bq[4];
                 const int row = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
-                const int ch = wd * (NTD / 2) + j2 * 2 + (lane >> 4);
+                const int ch = wd * NTDW + j2 * 2 + (lane >> 4);
                 ldsm_x4_t(bo, sdOb + tile_off<D>(row, ch));
                 ldsm_x4_t(bq, sQb + tile_off<D>(row, ch));
 #pragma unroll
@@ -283,11 +293,11 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
         for (int r = 0; r < 2; ++r) {
             const int kr = n0 + wk * 32 + mt * 16 + (lane >> 2) + r * 8;
             if (kr < p.sk) {
-                const int c0 = wd * (D / 2) + ((lane & 3) << 1);
+                const int c0 = wd * (D / DSPLIT) + ((lane & 3) << 1);
                 float* dkr = (float*)p.dk + (i64)kr * p.dk_stride + (i64)kh * D + c0;
                 float* dvr = (float*)p.dv + (i64)kr * p.dv_stride + (i64)kh * D + c0;
 #pragma unroll
-                for (int j = 0; j < NTD / 2; ++j) {
+                for (int j = 0; j < NTDW; ++j) {
                     float2 a = *(float2*)(dkr + j * 8);
                     a.x += acc_dk[mt][j][2 * r];
                     a.y += acc_dk[mt][j][2 * r + 1];
@@ -303,9 +313,13 @@ __device__ __forceinline__ void flash_bwd_impl(const FlashBwdParams& p) {
 
 extern "C" __global__ void upipe_flash_bwd_pre_d64(const FlashBwdParams p) { flash_bwd_pre_impl<64>(p); }
 extern "C" __global__ void upipe_flash_bwd_pre_d128(const FlashBwdParams p) { flash_bwd_pre_impl<128>(p); }
+extern "C" __global__ void upipe_flash_bwd_pre_d256(const FlashBwdParams p) { flash_bwd_pre_impl<256>(p); }
 extern "C" __global__ void __launch_bounds__(BWD_NT, 1) upipe_flash_bwd_d64(const FlashBwdParams p) {
-    flash_bwd_impl<64>(p);
+    flash_bwd_impl<64, BWD_BN>(p);
 }
 extern "C" __global__ void __launch_bounds__(BWD_NT, 1) upipe_flash_bwd_d128(const FlashBwdParams p) {
-    flash_bwd_impl<128>(p);
+    flash_bwd_impl<128, BWD_BN>(p);
+}
+extern "C" __global__ void __launch_bounds__(BWD_NT, 1) upipe_flash_bwd_d256(const FlashBwdParams p) {
+    flash_bwd_impl<256, BWD_BN_D256>(p);
 }

@@ -1,16 +1,22 @@
 // upipe flash attention forward (FlashAttention-2 schedule, mma.sync m16n8k16 bf16).
-// One block = 128 query rows of one query head; 4 warps, each owning 32 rows
-// (two m16 tiles). K/V tiles of 64 keys stream through a double-buffered
-// cp.async pipeline; the online softmax runs in base 2.
+// One block = 128 query rows of one query head: head dims 64 and 128 run 4
+// warps, each owning 32 rows (two m16 tiles); head dim 256 runs 8 warps of 16
+// rows (one m16 tile: a warp's O accumulator of 16 x 256 f32 is 128 registers
+// a thread). K/V tiles of 64 keys stream through a double-buffered cp.async
+// pipeline; the online softmax runs in base 2.
 
 #define FWD_BM 128
 #define FWD_BN 64
 #define FWD_NT 128
+#define FWD_NT_D256 256
 
-template <int D>
+// D: head dim; NT: threads (NT / 32 warps of MT m16 row tiles, NT / 2 * MT == FWD_BM).
+template <int D, int NT>
 __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
     extern __shared__ __align__(128) unsigned char smem[];
-    constexpr int BM = FWD_BM, BN = FWD_BN, NT = FWD_NT;
+    constexpr int BM = FWD_BM, BN = FWD_BN;
+    constexpr int MT = BM / 16 / (NT / 32);  // m16 row tiles per warp
+    static_assert(MT * 16 * (NT / 32) == BM, "warps x rows must cover the block");
     constexpr int NTD = D / 8;   // n8 tiles across the head dim
     constexpr int NTN = BN / 8;  // n8 tiles across a key block
 
@@ -46,27 +52,27 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
     load_tile<BN, D, NT>(sV, gv, p.v_stride, nb0 * BN, p.sk, tid);
     cp_async_commit();
 
-    float acc_o[2][NTD][4];
+    float acc_o[MT][NTD][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int j = 0; j < NTD; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.f;
-    float row_max[2][2], row_sum[2][2];
+    float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             row_max[mt][r] = FL_NEG_INF;
             row_sum[mt][r] = 0.f;
         }
 
-    const int warp_row0 = warp * 32;  // within the block
+    const int warp_row0 = warp * 16 * MT;  // within the block
     // this thread's rows' key bounds (documents mask): [mt][r]
-    int rlo[2][2], rhi[2][2], lo_max = 0, hi_min = p.sk;
+    int rlo[MT][2], rhi[MT][2], lo_max = 0, hi_min = p.sk;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int gr = m0 + warp_row0 + mt * 16 + (lane >> 2) + r * 8;
@@ -90,26 +96,26 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
         const u32 sKb = sK + buf * BN * D * 2;
         const u32 sVb = sV + buf * BN * D * 2;
 
-        // S = Q K^T for this warp's 32 rows x 64 keys.
-        float s[2][NTN][4];
+        // S = Q K^T for this warp's 16 * MT rows x 64 keys.
+        float s[MT][NTN][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int j = 0; j < NTN; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][j][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[2][4];
+            u32 a[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
                 ldsm_x4(a[mt], sQ + tile_off<D>(warp_row0 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
             for (int j2 = 0; j2 < NTN / 2; ++j2) {
                 u32 b[4];
                 ldsm_x4(b, sKb + tile_off<D>(j2 * 16 + ((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
+                for (int mt = 0; mt < MT; ++mt) {
                     mma_bf16(s[mt][2 * j2], a[mt], b[0], b[1]);
                     mma_bf16(s[mt][2 * j2 + 1], a[mt], b[2], b[3]);
                 }
@@ -121,7 +127,7 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
                                (rb.on() && (n0 < lo_max || n0 + BN > hi_min));
         if (need_mask) {
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int j = 0; j < NTN; ++j)
 #pragma unroll
@@ -135,7 +141,7 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
 
         // Online softmax (base 2).
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float mx = row_max[mt][r];
@@ -169,9 +175,9 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
         // O += P V.
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            u32 a[2][4];
+            u32 a[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
+            for (int mt = 0; mt < MT; ++mt) {
                 a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
                 a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
                 a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
@@ -182,7 +188,7 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
                 u32 b[4];
                 ldsm_x4_t(b, sVb + tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7), j2 * 2 + (lane >> 4)));
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
+                for (int mt = 0; mt < MT; ++mt) {
                     mma_bf16(acc_o[mt][2 * j2], a[mt], b[0], b[1]);
                     mma_bf16(acc_o[mt][2 * j2 + 1], a[mt], b[2], b[3]);
                 }
@@ -197,7 +203,7 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
     bf16_t* go = (bf16_t*)p.o + (i64)h * D;
     float* glse = (float*)p.lse + h;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float l = row_sum[mt][r];
@@ -221,8 +227,11 @@ __device__ __forceinline__ void flash_fwd_impl(const FlashFwdParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(FWD_NT, 2) upipe_flash_fwd_d64(const FlashFwdParams p) {
-    flash_fwd_impl<64>(p);
+    flash_fwd_impl<64, FWD_NT>(p);
 }
 extern "C" __global__ void __launch_bounds__(FWD_NT, 2) upipe_flash_fwd_d128(const FlashFwdParams p) {
-    flash_fwd_impl<128>(p);
+    flash_fwd_impl<128, FWD_NT>(p);
+}
+extern "C" __global__ void __launch_bounds__(FWD_NT_D256, 1) upipe_flash_fwd_d256(const FlashFwdParams p) {
+    flash_fwd_impl<256, FWD_NT_D256>(p);
 }

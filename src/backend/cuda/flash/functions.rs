@@ -17,7 +17,7 @@ pub enum FlashKernel {
     Auto,
     /// The FlashAttention-2 mma.sync kernel (every head dim, sm_90+).
     Mma,
-    /// The wgmma kernel (sm_90a, head dim 128; head dim 64 runs the mma.sync kernel).
+    /// The wgmma kernel (sm_90a, head dim 128; head dims 64 and 256 run the mma.sync kernel).
     Wgmma,
 }
 
@@ -49,9 +49,8 @@ impl FlashKernel {
     /// is not loaded.
     pub(super) fn resolve(self, d: usize, loaded: bool, var: &str) -> Result<FlashKernel> {
         match (self, d, loaded) {
-            (FlashKernel::Mma, _, _) | (_, 64, _) | (FlashKernel::Auto, _, false) => {
-                Ok(FlashKernel::Mma)
-            }
+            (FlashKernel::Mma, _, _) | (FlashKernel::Auto, _, false) => Ok(FlashKernel::Mma),
+            (_, d, _) if d != 128 => Ok(FlashKernel::Mma),
             (_, _, true) => Ok(FlashKernel::Wgmma),
             (FlashKernel::Wgmma, _, false) => Err(Error::Config(format!(
                 "flash attention: the wgmma kernel was asked for ({var}=wgmma) but is not loaded; it needs an sm_90a device (H100/H200)"
@@ -77,15 +76,21 @@ pub fn bwd_kernel_from_env() -> Result<FlashKernel> {
     kernel_from_env("UPIPE_FLASH_BWD")
 }
 
+/// The mma.sync kernels of one head dim.
+#[derive(Debug, Clone)]
+pub(super) struct MmaKernels {
+    pub(super) d: usize,
+    pub(super) fwd: CudaFunction,
+    /// The backward's preprocessing (`delta = rowsum(dO * O)`).
+    pub(super) pre: CudaFunction,
+    pub(super) bwd: CudaFunction,
+}
+
 /// The loaded flash kernels of one module (plus the wgmma forward, when loaded).
 #[derive(Debug, Clone)]
 pub struct FlashFunctions {
-    pub(super) fwd64: CudaFunction,
-    pub(super) fwd128: CudaFunction,
-    pub(super) pre64: CudaFunction,
-    pub(super) pre128: CudaFunction,
-    pub(super) bwd64: CudaFunction,
-    pub(super) bwd128: CudaFunction,
+    /// One set per head dim of [`HEAD_DIMS`], in that order.
+    pub(super) mma: Vec<MmaKernels>,
     /// The wgmma forward and its block size.
     pub(super) fwd128_wgmma: Option<(CudaFunction, u32)>,
     pub(super) fwd_kernel: FlashKernel,
@@ -130,34 +135,31 @@ impl FlashFunctions {
     /// Loads every kernel of [`KERNEL_NAMES`] from a module compiled from
     /// [`FLASH_SOURCES`] and raises their dynamic shared-memory limits.
     pub fn load(module: &Arc<CudaModule>) -> Result<Self> {
-        let get = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| drv(&format!("load {name}"), e))
-        };
-        let f = FlashFunctions {
-            fwd64: get(FWD_D64)?,
-            fwd128: get(FWD_D128)?,
-            pre64: get(BWD_PRE_D64)?,
-            pre128: get(BWD_PRE_D128)?,
-            bwd64: get(BWD_D64)?,
-            bwd128: get(BWD_D128)?,
+        let mut mma = Vec::with_capacity(MMA_KERNELS.len());
+        for (d, fwd, pre, bwd) in MMA_KERNELS {
+            let (fwd, _) = load_sized(module, fwd, fwd_smem_bytes(d), &[fwd_threads(d)])?;
+            let pre = module
+                .load_function(pre)
+                .map_err(|e| drv(&format!("load {pre}"), e))?;
+            let (bwd, _) = load_sized(module, bwd, bwd_smem_bytes(d), &[BWD_THREADS])?;
+            mma.push(MmaKernels { d, fwd, pre, bwd });
+        }
+        Ok(FlashFunctions {
+            mma,
             fwd128_wgmma: None,
             fwd_kernel: FlashKernel::Auto,
             bwd128_wgmma: None,
             bwd_kernel: FlashKernel::Auto,
-        };
-        let attr = CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        for (func, bytes) in [
-            (&f.fwd64, fwd_smem_bytes(64)),
-            (&f.fwd128, fwd_smem_bytes(128)),
-            (&f.bwd64, bwd_smem_bytes(64)),
-            (&f.bwd128, bwd_smem_bytes(128)),
-        ] {
-            func.set_attribute(attr, bytes as i32)
-                .map_err(|e| drv(&format!("raise shared memory to {bytes} bytes"), e))?;
-        }
-        Ok(f)
+        })
+    }
+
+    /// The mma.sync kernels of head dim `d` (one of [`HEAD_DIMS`]).
+    pub(super) fn mma(&self, d: usize) -> Result<&MmaKernels> {
+        self.mma.iter().find(|k| k.d == d).ok_or_else(|| {
+            Error::Config(format!(
+                "flash attention has no kernels for head dim {d} (it has {HEAD_DIMS:?})"
+            ))
+        })
     }
 
     /// Adds the wgmma forward from a module compiled from

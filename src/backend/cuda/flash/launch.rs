@@ -145,9 +145,9 @@ pub(super) fn check_geometry(
     d: usize,
     mask: &AttnMask,
 ) -> Result<()> {
-    if d != 64 && d != 128 {
+    if !HEAD_DIMS.contains(&d) {
         return Err(Error::Config(format!(
-            "flash attention supports head_dim 64 or 128, got {d}; use the cuDNN or CPU attention for other sizes"
+            "flash attention supports head_dim 64, 128 or 256, got {d}; use the cuDNN or CPU attention for other sizes"
         )));
     }
     if hq == 0 || hkv == 0 || !hq.is_multiple_of(hkv) {
@@ -160,7 +160,7 @@ pub(super) fn check_geometry(
     }
     let lim = i32::MAX as usize / 64;
     let fwd_blocks = sq.div_ceil(FWD_BM).saturating_mul(hq);
-    let bwd_blocks = sk.div_ceil(BWD_BN).saturating_mul(hkv);
+    let bwd_blocks = sk.div_ceil(bwd_bn(d)).saturating_mul(hkv);
     if sq > lim || sk > lim || sq.saturating_mul(hq) > lim || fwd_blocks > lim || bwd_blocks > lim {
         return Err(Error::Config(format!(
             "flash attention: sizes too large for one launch (sq={sq}, sk={sk}, hq={hq}); split the call"
@@ -268,10 +268,10 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
             },
         ),
         _ => (
-            if a.d == 64 { &f.fwd64 } else { &f.fwd128 },
+            &f.mma(a.d)?.fwd,
             LaunchConfig {
                 grid_dim: ((a.sq.div_ceil(FWD_BM) * a.hq) as u32, 1, 1),
-                block_dim: (FWD_THREADS, 1, 1),
+                block_dim: (fwd_threads(a.d), 1, 1),
                 shared_mem_bytes: fwd_smem_bytes(a.d) as u32,
             },
         ),
@@ -345,9 +345,10 @@ pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs)
         scale,
         scale_log2: scale * std::f32::consts::LOG2_E,
     };
+    let mma = f.mma(a.d)?;
     let (pre, main, cfg) = match (f.bwd_kernel_for(a.d)?, &f.bwd128_wgmma) {
         (FlashKernel::Wgmma, Some(func)) => (
-            &f.pre128,
+            &mma.pre,
             func,
             LaunchConfig {
                 grid_dim: ((a.sk.div_ceil(WB_BN) * a.hkv) as u32, 1, 1),
@@ -356,10 +357,10 @@ pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs)
             },
         ),
         _ => (
-            if a.d == 64 { &f.pre64 } else { &f.pre128 },
-            if a.d == 64 { &f.bwd64 } else { &f.bwd128 },
+            &mma.pre,
+            &mma.bwd,
             LaunchConfig {
-                grid_dim: ((a.sk.div_ceil(BWD_BN) * a.hkv) as u32, 1, 1),
+                grid_dim: ((a.sk.div_ceil(bwd_bn(a.d)) * a.hkv) as u32, 1, 1),
                 block_dim: (BWD_THREADS, 1, 1),
                 shared_mem_bytes: bwd_smem_bytes(a.d) as u32,
             },

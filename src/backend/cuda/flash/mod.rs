@@ -16,12 +16,16 @@
 //! enqueue work on the given stream.
 //!
 //! Design (FlashAttention-2 schedule on `mma.sync.m16n8k16` bf16 with
-//! `ldmatrix` and `cp.async`, XOR-swizzled shared-memory tiles):
-//! - forward: a block is 128 query rows of one head (4 warps x 32 rows), K/V
-//!   tiles of 64 keys double-buffered, online softmax in base 2, grid ordered
-//!   heads-fastest and longest causal rows first;
+//! `ldmatrix` and `cp.async`, XOR-swizzled shared-memory tiles; head dims 64,
+//! 128 and 256):
+//! - forward: a block is 128 query rows of one head (4 warps x 32 rows; 8
+//!   warps x 16 rows at head dim 256, where a warp's O accumulator would not
+//!   fit its registers at 32 rows), K/V tiles of 64 keys double-buffered,
+//!   online softmax in base 2, grid ordered heads-fastest and longest causal
+//!   rows first;
 //! - backward: a preprocessing kernel writes `delta = rowsum(dO * O)`; the main
-//!   kernel owns 128 keys of one kv head (8 warps), loops over the group's query
+//!   kernel owns 128 keys of one kv head (64 at head dim 256, whose tiles
+//!   would not fit the shared memory at 128; 8 warps), loops over the group's query
 //!   heads and 64-row query blocks, keeps dK/dV in registers and adds dQ with
 //!   vector `red.global.add` straight into the f32 output.
 //!
@@ -70,11 +74,17 @@ mod tests {
     #[test]
     fn smem_fits_hopper() {
         // H100/H200: 228 KiB per SM, 227 KiB per block, 1 KiB reserved per block.
-        // Forward: two blocks per SM; backward (255 registers x 256 threads): one.
-        for d in [64, 128] {
-            assert!(2 * (fwd_smem_bytes(d) + 1024) <= 228 * 1024);
-            assert!(bwd_smem_bytes(d) + 1024 <= 227 * 1024);
+        // Forward: two blocks per SM (one at head dim 256: 256 threads of up
+        // to 255 registers); backward (255 registers x 256 threads): one.
+        for d in HEAD_DIMS {
+            let fwd_blocks = if d == 256 { 1 } else { 2 };
+            assert!(fwd_blocks * (fwd_smem_bytes(d) + 1024) <= 228 * 1024, "{d}");
+            assert!(bwd_smem_bytes(d) + 1024 <= 227 * 1024, "{d}");
         }
+        assert_eq!(
+            bwd_smem_bytes(256),
+            (2 * 64 * 256 + 4 * 64 * 256 + 2 * 64 * 64) * 2 + 1024
+        );
         // wgmma forward and backward: one block per SM.
         assert!(wgmma_smem_bytes() <= 227 * 1024);
         assert!(wgmma_bwd_smem_bytes() <= 227 * 1024);
@@ -92,8 +102,10 @@ mod tests {
         assert!("fa3".parse::<FlashKernel>().is_err());
         let (auto, mma, wgmma) = (FlashKernel::Auto, FlashKernel::Mma, FlashKernel::Wgmma);
         for loaded in [false, true] {
-            assert_eq!(auto.resolve(64, loaded, "V").unwrap(), mma);
-            assert_eq!(wgmma.resolve(64, loaded, "V").unwrap(), mma);
+            for d in [64, 256] {
+                assert_eq!(auto.resolve(d, loaded, "V").unwrap(), mma);
+                assert_eq!(wgmma.resolve(d, loaded, "V").unwrap(), mma);
+            }
             assert_eq!(mma.resolve(128, loaded, "V").unwrap(), mma);
         }
         assert_eq!(auto.resolve(128, true, "V").unwrap(), wgmma);
@@ -116,6 +128,8 @@ mod tests {
         assert!(check_geometry(10, 12, 8, 2, 64, &AttnMask::Causal).is_err());
         assert!(check_geometry(10, 12, 8, 2, 64, &AttnMask::Full).is_ok());
         assert!(check_geometry(12, 12, 8, 8, 128, &AttnMask::Causal).is_ok());
+        assert!(check_geometry(12, 12, 8, 4, 256, &AttnMask::Causal).is_ok());
+        assert!(check_geometry(12, 12, 8, 4, 512, &AttnMask::Causal).is_err());
         assert!(check_stride("q", 100, 128, 8).is_err());
         assert!(check_ptr("q", 8, 16).is_err());
     }
@@ -129,8 +143,10 @@ mod tests {
             (mma, "FWD_BM", FWD_BM),
             (mma, "FWD_BN", FWD_BN),
             (mma, "FWD_NT", FWD_THREADS as usize),
+            (mma, "FWD_NT_D256", FWD_THREADS_D256 as usize),
             (mma, "BWD_BM", BWD_BM),
             (mma, "BWD_BN", BWD_BN),
+            (mma, "BWD_BN_D256", BWD_BN_D256),
             (mma, "BWD_NT", BWD_THREADS as usize),
             (fwd, "WG_BM", WG_BM),
             (fwd, "WG_BN", WG_BN),
@@ -202,6 +218,8 @@ mod tests {
         for name in KERNEL_NAMES {
             assert!(
                 FLASH_SOURCE.contains(&format!("void __launch_bounds__(FWD_NT, 2) {name}("))
+                    || FLASH_SOURCE
+                        .contains(&format!("void __launch_bounds__(FWD_NT_D256, 1) {name}("))
                     || FLASH_SOURCE.contains(&format!("void __launch_bounds__(BWD_NT, 1) {name}("))
                     || FLASH_SOURCE.contains(&format!("void {name}(")),
                 "{name}"

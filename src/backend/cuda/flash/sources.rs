@@ -51,20 +51,35 @@ pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17"];
 pub const FWD_D64: &str = "upipe_flash_fwd_d64";
 /// Forward kernel, head dim 128.
 pub const FWD_D128: &str = "upipe_flash_fwd_d128";
+/// Forward kernel, head dim 256.
+pub const FWD_D256: &str = "upipe_flash_fwd_d256";
 /// Backward preprocessing (delta = rowsum(dO * O)), head dim 64.
 pub const BWD_PRE_D64: &str = "upipe_flash_bwd_pre_d64";
 /// Backward preprocessing, head dim 128.
 pub const BWD_PRE_D128: &str = "upipe_flash_bwd_pre_d128";
+/// Backward preprocessing, head dim 256.
+pub const BWD_PRE_D256: &str = "upipe_flash_bwd_pre_d256";
 /// Backward kernel, head dim 64.
 pub const BWD_D64: &str = "upipe_flash_bwd_d64";
 /// Backward kernel, head dim 128.
 pub const BWD_D128: &str = "upipe_flash_bwd_d128";
+/// Backward kernel, head dim 256.
+pub const BWD_D256: &str = "upipe_flash_bwd_d256";
 /// Every kernel name in the module.
 pub const KERNEL_NAMES: &[&str] = &[
     FWD_D64,
     FWD_D128,
+    FWD_D256,
     BWD_PRE_D64,
     BWD_PRE_D128,
+    BWD_PRE_D256,
     BWD_D64,
     BWD_D128,
+    BWD_D256,
+];
+/// `(head dim, forward, backward preprocessing, backward)` of the mma.sync kernels.
+pub(super) const MMA_KERNELS: [(usize, &str, &str, &str); 3] = [
+    (64, FWD_D64, BWD_PRE_D64, BWD_D64),
+    (128, FWD_D128, BWD_PRE_D128, BWD_D128),
+    (256, FWD_D256, BWD_PRE_D256, BWD_D256),
 ];

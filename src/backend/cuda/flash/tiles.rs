@@ -5,9 +5,16 @@
 pub(super) const FWD_BM: usize = 128;
 pub(super) const FWD_BN: usize = 64;
 pub(super) const FWD_THREADS: u32 = 128;
+/// The forward at head dim 256: 8 warps of 16 rows (same 128-row block).
+pub(super) const FWD_THREADS_D256: u32 = 256;
 pub(super) const BWD_BM: usize = 64;
 pub(super) const BWD_BN: usize = 128;
+/// Keys per block of the backward at head dim 256 (its 128-key tiles would
+/// not fit the shared memory).
+pub(super) const BWD_BN_D256: usize = 64;
 pub(super) const BWD_THREADS: u32 = 256;
+/// The head dims the mma.sync kernels are compiled for.
+pub(super) const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 pub(super) const PRE_THREADS: u32 = 256;
 pub(super) const WG_BM: usize = 128;
 pub(super) const WG_BN: usize = 128;
@@ -26,6 +33,18 @@ pub(super) const WB_BN: usize = 128;
 pub(super) const WB_NT: u32 = 256;
 pub(super) const WB_MAX_STAGES: usize = 3;
 
+/// Threads of the forward kernel for head dim `d`.
+pub(super) fn fwd_threads(d: usize) -> u32 {
+    if d == 256 {
+        FWD_THREADS_D256
+    } else {
+        FWD_THREADS
+    }
+}
+/// Keys per block of the backward kernel for head dim `d`.
+pub(super) fn bwd_bn(d: usize) -> usize {
+    if d == 256 { BWD_BN_D256 } else { BWD_BN }
+}
 /// Dynamic shared memory of the forward kernel for head dim `d`.
 pub(super) fn fwd_smem_bytes(d: usize) -> usize {
     (FWD_BM * d + 4 * FWD_BN * d) * 2
@@ -46,5 +65,6 @@ pub(super) fn wgmma_bwd_smem_bytes() -> usize {
 }
 /// Dynamic shared memory of the backward kernel for head dim `d`.
 pub(super) fn bwd_smem_bytes(d: usize) -> usize {
-    (2 * BWD_BN * d + 4 * BWD_BM * d + 2 * BWD_BN * BWD_BM) * 2 + 4 * BWD_BM * 4
+    let bn = bwd_bn(d);
+    (2 * bn * d + 4 * BWD_BM * d + 2 * bn * BWD_BM) * 2 + 4 * BWD_BM * 4
 }
