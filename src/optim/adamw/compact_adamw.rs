@@ -69,8 +69,9 @@ fn top_exponent(codes: u32) -> u32 {
 /// (0 for zero, negative values and NaN). Level `c >= 1` has the bits `(c + 1 + 8·(127 − top_e)) << 20`
 /// (nothing below the top three mantissa bits), so the highest level not
 /// above `x` is read off `x`'s bits, and one midpoint decides between it
-/// and the next: what a binary search over the midpoints finds (the GPU
-/// kernel's), in a few operations.
+/// and the next: what a binary search over the midpoints finds (tested
+/// below), in a few operations. The GPU kernel reads it the same way
+/// (`q8_nearest` in `optim/kernels/adamw_compact.cu`).
 fn nearest_level(x: f32, codes: u32) -> u32 {
     if x.is_nan() || x <= 0.0 {
         return 0;

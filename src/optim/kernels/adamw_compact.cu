@@ -37,16 +37,21 @@ __device__ __forceinline__ float q8_level(unsigned code, unsigned top_e) {
     return __uint_as_float((((t >> 3) + 127u - top_e) << 23) | ((t & 7u) << 20));
 }
 
-// The nearest level to x among 0..codes, ties to the lower.
+// The nearest level to x among 0..codes, ties to the lower (0 for zero,
+// negative values and NaN): level c >= 1 has the bits (c + 1 + 8 (127 -
+// top_e)) << 20, nothing below the top three mantissa bits, so the highest
+// level not above x is read off x's bits and one midpoint decides between it
+// and the next (`nearest_level` in compact_adamw.rs; what a binary search
+// over the midpoints finds, tested equal there).
 __device__ __forceinline__ unsigned q8_nearest(float x, unsigned codes) {
-    unsigned top_e = (codes + 1) >> 3, lo = 0, hi = codes;
-    while (lo < hi) {
-        unsigned j = (lo + hi) / 2;
-        float mid = __fmul_rn(__fadd_rn(q8_level(j, top_e), q8_level(j + 1, top_e)), 0.5f);
-        if (mid < x) lo = j + 1;
-        else hi = j;
-    }
-    return lo;
+    if (!(x > 0.0f)) return 0;
+    const unsigned top_e = (codes + 1) >> 3;
+    const int base = 8 * (127 - (int)top_e) + 1;
+    const int below_i = (int)(__float_as_uint(x) >> 20) - base;
+    const unsigned below = (unsigned)min(max(below_i, 0), (int)codes);
+    const unsigned above = min(below + 1, codes);
+    float mid = __fmul_rn(__fadd_rn(q8_level(below, top_e), q8_level(above, top_e)), 0.5f);
+    return mid < x ? above : below;
 }
 
 __device__ __forceinline__ unsigned char q8_encode_signed(float m, float scale) {
