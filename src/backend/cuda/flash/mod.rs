@@ -51,7 +51,9 @@
 //! Measured on one H200 (2026-11-30, d=128, H=16, causal, S = 16K / 64K):
 //! mma.sync forward 295-304 TFLOP/s, backward 251-265, forward+backward
 //! 262-275; wgmma forward 465-473, wgmma backward 383-397, both wgmma
-//! forward+backward 405-414 (`RESULTS.md`).
+//! forward+backward 405-414 (`RESULTS.md`). Head dim 256 on one H100
+//! (2026-12-07, H=8, Hkv=4, causal, S = 16K / 64K): forward 269-276,
+//! backward 193-195, forward+backward 210-213.
 //! `examples/flash_check.rs` reproduces the table and checks against the CPU oracle.
 
 mod functions;
