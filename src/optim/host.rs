@@ -326,7 +326,10 @@ impl<B: Backend> HostStep<B> {
                 HostValuesMut::Bf16(bits) => to_bf16(master, bits),
                 // the CPU's cells: BF16 values
                 HostValuesMut::F32(cells) => {
-                    cells.copy_from_slice(&crate::backend::cpu::stored(DType::BF16, master)?)
+                    use crate::backend::narrow::{bf16_nearest, bf16_value};
+                    for (c, &x) in cells.iter_mut().zip(master) {
+                        *c = bf16_value(bf16_nearest(x));
+                    }
                 }
                 HostValuesMut::U8(_) => return Err(no_weights()),
             }
