@@ -112,7 +112,6 @@ impl<B: Backend> CpAttention<B> {
     }
 
     /// Backward: returns `dx` and accumulates this rank's partial parameter gradients.
-    #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
         b: &B,

@@ -98,7 +98,6 @@ pub fn forward<B: Backend>(
 }
 
 /// Backward on the whole sequence under its `mask`; returns `dx`.
-#[allow(clippy::too_many_arguments)]
 pub fn backward<B: Backend>(
     b: &B,
     dims: &AttnDims,

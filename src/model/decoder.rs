@@ -388,7 +388,6 @@ impl<B: Backend> Decoder<B> {
     /// partial gradients into the store's buffers with the loss scaled by
     /// `grad_scale` (1 / global target count gives the mean) and returns this
     /// rank's summed (unscaled) loss.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward_backward<S: ParamStore<B> + ?Sized>(
         &self,
         b: &B,
@@ -915,7 +914,6 @@ impl<B: Backend> Decoder<B> {
 
     /// Block `l`'s backward from `d_out`; returns the gradient w.r.t. its
     /// input `h`.
-    #[allow(clippy::too_many_arguments)]
     fn block_bwd(
         &self,
         b: &B,
@@ -1175,7 +1173,6 @@ impl<B: Backend> Decoder<B> {
     /// [`norm_bwd_add`](Self::norm_bwd_add) of a token tile `x` `[rows, hidden]`
     /// into its rows of the `[s, hidden]` gradient `t` (through a copy of
     /// those rows when the tile is not all of them).
-    #[allow(clippy::too_many_arguments)]
     fn norm_bwd_add_rows(
         &self,
         b: &B,

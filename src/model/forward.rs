@@ -35,25 +35,45 @@ pub fn loss_runs(group_of_row: &[usize], chunk: usize) -> Vec<(Range<usize>, usi
     runs
 }
 
+/// The rows an evaluation forward sums its loss over: this rank's tokens
+/// `ids` with their `targets` (aligned, `IGNORE` for none), row `i` in group
+/// `group_of_row[i]` of `groups`.
+#[derive(Debug, Clone, Copy)]
+pub struct LossRows<'a> {
+    pub ids: &'a [u32],
+    pub targets: &'a [u32],
+    pub group_of_row: &'a [usize],
+    pub groups: usize,
+}
+
+impl LossRows<'_> {
+    /// One target and one group below `groups` for every token.
+    fn check(&self) -> Result<()> {
+        let n = self.ids.len();
+        if self.targets.len() != n || self.group_of_row.len() != n {
+            return crate::config_err!("one target and one group per input token");
+        }
+        if let Some(g) = self.group_of_row.iter().find(|&&g| g >= self.groups) {
+            return crate::config_err!("row group {g} is not below the {} groups", self.groups);
+        }
+        Ok(())
+    }
+}
+
 impl<B: Backend> Decoder<B> {
-    /// Forward only over this rank's tokens `ids` (targets aligned, `IGNORE`
-    /// for none): returns the summed next-token loss of each of `groups`
-    /// groups of rows, row `i` belonging to group `group_of_row[i]`. Under
-    /// context parallelism these are this rank's partial sums.
-    #[allow(clippy::too_many_arguments)]
+    /// Forward only over `rows`: returns the summed next-token loss of each
+    /// of its groups. Under context parallelism these are this rank's
+    /// partial sums.
     pub fn forward_loss(
         &self,
         b: &B,
         mesh: &Mesh<B>,
         w: &ModelWeights<B>,
-        ids: &[u32],
-        targets: &[u32],
-        group_of_row: &[usize],
-        groups: usize,
+        rows: LossRows<'_>,
     ) -> Result<Vec<f64>> {
-        check_rows(ids, targets, group_of_row, groups)?;
-        let hn = self.forward_hidden(b, mesh, w, ids)?;
-        self.grouped_loss(b, w.head(), &hn, targets, group_of_row, groups)
+        rows.check()?;
+        let hn = self.forward_hidden(b, mesh, w, rows.ids)?;
+        self.grouped_loss(b, w.head(), &hn, rows)
     }
 
     /// Forward only over this rank's tokens `ids`: the logits of the rows
@@ -188,22 +208,22 @@ impl<B: Backend> Decoder<B> {
     /// training forward does (a sharded store gathers each unit, at most
     /// two alive): evaluation during an FSDP run, with no second copy of
     /// the model. The same arithmetic in the same order.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward_loss_units<S: ParamStore<B> + ?Sized>(
         &self,
         b: &B,
         mesh: &Mesh<B>,
         store: &mut S,
-        ids: &[u32],
-        targets: &[u32],
-        group_of_row: &[usize],
-        groups: usize,
+        rows: LossRows<'_>,
     ) -> Result<Vec<f64>> {
-        check_rows(ids, targets, group_of_row, groups)?;
+        rows.check()?;
         let act = b.compute_dtype();
-        let mut x = b.empty(&[ids.len(), self.cfg.hidden], act, Category::Activations)?;
+        let mut x = b.empty(
+            &[rows.ids.len(), self.cfg.hidden],
+            act,
+            Category::Activations,
+        )?;
         store.acquire(b, Unit::Embed)?;
-        self.embed(b, store.embed()?, ids, &mut x)?;
+        self.embed(b, store.embed()?, rows.ids, &mut x)?;
         store.release(Unit::Embed)?;
         for l in 0..self.cfg.layers {
             store.acquire(b, Unit::Block(l))?;
@@ -213,7 +233,7 @@ impl<B: Backend> Decoder<B> {
         self.with_head(b, store, move |store| {
             let hn = self.final_norm(b, store.final_norm()?, &x, Category::Activations)?;
             drop(x);
-            self.grouped_loss(b, store.head()?, &hn, targets, group_of_row, groups)
+            self.grouped_loss(b, store.head()?, &hn, rows)
         })
     }
 
@@ -251,15 +271,14 @@ impl<B: Backend> Decoder<B> {
         b: &B,
         head: &Tensor<B>,
         hn: &Tensor<B>,
-        targets: &[u32],
-        group_of_row: &[usize],
-        groups: usize,
+        loss_rows: LossRows<'_>,
     ) -> Result<Vec<f64>> {
         let (hid, v) = (self.cfg.hidden, self.cfg.vocab);
-        let mut sums = (0..groups)
+        let targets = loss_rows.targets;
+        let mut sums = (0..loss_rows.groups)
             .map(|_| b.zeros(&[1], DType::F32, Category::Workspace))
             .collect::<Result<Vec<_>>>()?;
-        for (rows, group) in loss_runs(group_of_row, self.policy.loss_chunk) {
+        for (rows, group) in loss_runs(loss_rows.group_of_row, self.policy.loss_chunk) {
             let (r0, r) = (rows.start, rows.len());
             let mut logits = b.empty(&[r, v], hn.dtype(), Category::Workspace)?;
             let src = MatLayout::block(r0 * hid, r, hid, hid);
@@ -274,16 +293,6 @@ impl<B: Backend> Decoder<B> {
 }
 
 /// One target and one group below `groups` per input token.
-fn check_rows(ids: &[u32], targets: &[u32], group_of_row: &[usize], groups: usize) -> Result<()> {
-    if ids.len() != targets.len() || ids.len() != group_of_row.len() {
-        return crate::config_err!("one target and one group per input token");
-    }
-    if let Some(g) = group_of_row.iter().find(|&&g| g >= groups) {
-        return crate::config_err!("row group {g} is not below the {groups} groups");
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -156,7 +156,6 @@ pub fn resolve_mesh(
 /// fill the GPUs. With neither, the default mesh of the GPUs
 /// ([`default_mesh`], the strategy's own rule); where no mesh of them is
 /// valid, the error of the one-replica mesh the rule prefers.
-#[allow(clippy::too_many_arguments)]
 pub fn resolve_plan(
     strategy: Strategy,
     dims: &AttnDims,

@@ -28,6 +28,7 @@ use crate::data::packing::{Piece, best_fit_decreasing, bin_window, cut_window, p
 use crate::data::{Dataset, PackMode, PackedWindow};
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
+use crate::model::forward::LossRows;
 use crate::model::{Decoder, MemoryPolicy, ModelConfig, ModelWeights};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -346,7 +347,13 @@ fn windows_on_mesh<B: Backend>(
         &ranges,
         |window, ids, targets, bucket_of| {
             decoder.set_window(b, &window.doc_starts)?;
-            decoder.forward_loss(b, mesh, &w, ids, targets, bucket_of, groups)
+            let rows = LossRows {
+                ids,
+                targets,
+                group_of_row: bucket_of,
+                groups,
+            };
+            decoder.forward_loss(b, mesh, &w, rows)
         },
     )
 }

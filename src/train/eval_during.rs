@@ -14,6 +14,7 @@ use crate::backend::Backend;
 use crate::comm::Mesh;
 use crate::error::Result;
 use crate::model::Decoder;
+use crate::model::forward::LossRows;
 
 impl EvalDuring {
     /// What `upipe eval` would run for the same numbers: the run's model,
@@ -101,7 +102,13 @@ pub fn after_step<B: Backend>(
         &ranges,
         |window, ids, tg, rows| {
             decoder.set_window(b, &window.doc_starts)?;
-            model.forward_loss(b, decoder, mesh, ids, tg, rows, groups)
+            let rows = LossRows {
+                ids,
+                targets: tg,
+                group_of_row: rows,
+                groups,
+            };
+            model.forward_loss(b, decoder, mesh, rows)
         },
     )?;
     Ok(Some(report))

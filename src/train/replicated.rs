@@ -16,6 +16,7 @@ use crate::checkpoint::{
 use crate::comm::Mesh;
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::{Error, Result};
+use crate::model::forward::LossRows;
 use crate::model::lora_params::{adapters_to_host, attach_adapter_grads};
 use crate::model::weights::TensorId;
 use crate::model::{
@@ -544,13 +545,9 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         b: &B,
         decoder: &Decoder<B>,
         mesh: &Mesh<B>,
-        ids: &[u32],
-        targets: &[u32],
-        group_of_row: &[usize],
-        groups: usize,
+        rows: LossRows<'_>,
     ) -> Result<Vec<f64>> {
-        let w = &self.store.w;
-        decoder.forward_loss(b, mesh, w, ids, targets, group_of_row, groups)
+        decoder.forward_loss(b, mesh, &self.store.w, rows)
     }
 
     fn forward_logit_rows(

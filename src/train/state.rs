@@ -5,6 +5,7 @@
 use crate::backend::Backend;
 use crate::comm::Mesh;
 use crate::error::Result;
+use crate::model::forward::LossRows;
 use crate::model::progress::Progress;
 use crate::model::{Decoder, ParamStore};
 use crate::optim::Update;
@@ -35,7 +36,6 @@ pub trait RankModel<B: Backend> {
     /// gradients (`micro`: from zero for the first sequence); after the
     /// last sequence of a step they are complete (summed over the ranks,
     /// or reduce-scattered to their owners). Returns this rank's summed loss.
-    #[allow(clippy::too_many_arguments)]
     fn forward_backward(
         &mut self,
         b: &B,
@@ -56,21 +56,17 @@ pub trait RankModel<B: Backend> {
     /// those of the last step (a checkpoint does this itself).
     fn settle(&mut self, b: &B) -> Result<()>;
     /// Forward only over this rank's rows (evaluation during training,
-    /// `train::eval_during`): the summed loss of each of `groups` groups of
-    /// rows ([`Decoder::forward_loss`]) with the parameters the rank holds;
+    /// `train::eval_during`): the summed loss of each of their groups
+    /// ([`Decoder::forward_loss`]) with the parameters the rank holds;
     /// sharded ones are gathered unit by unit as the training forward
     /// gathers them ([`Decoder::forward_loss_units`]), so no rank ever holds
     /// a second copy of the model.
-    #[allow(clippy::too_many_arguments)]
     fn forward_loss(
         &mut self,
         b: &B,
         decoder: &Decoder<B>,
         mesh: &Mesh<B>,
-        ids: &[u32],
-        targets: &[u32],
-        group_of_row: &[usize],
-        groups: usize,
+        rows: LossRows<'_>,
     ) -> Result<Vec<f64>>;
     /// Forward only over this rank's tokens `ids`, with the parameters the
     /// run holds: the host logits of `rows` (retrieval trials during
@@ -97,7 +93,6 @@ pub trait RankModel<B: Backend> {
 
 /// One sequence's forward and backward with parameters from `store`,
 /// logging progress through a long step on rank 0.
-#[allow(clippy::too_many_arguments)]
 pub fn pass<B: Backend, S: ParamStore<B>>(
     b: &B,
     decoder: &Decoder<B>,

@@ -374,7 +374,13 @@ fn forward_only_pass_keeps_no_gradients_or_saved_activations() {
         let w = weights_from_host(b, &cfg, &host, DType::F32, Category::Weights)?;
         let weights = b.ledger().current();
         let groups = vec![0; seq];
-        let sums = decoder.forward_loss(b, &mesh, &w, inputs, targets, &groups, 1)?;
+        let rows = upipe::model::forward::LossRows {
+            ids: inputs,
+            targets,
+            group_of_row: &groups,
+            groups: 1,
+        };
+        let sums = decoder.forward_loss(b, &mesh, &w, rows)?;
         let eval = b.ledger().stats();
         assert_eq!(
             eval.current, weights,

@@ -298,7 +298,6 @@ fn measure(
 /// One strategy's passes on every rank: the ranks' runs (gathered on rank
 /// 0) and, when profiled, this rank's GPU time by op per pass and the
 /// median wall time (ms).
-#[allow(clippy::too_many_arguments)]
 fn run_method(
     a: &AttnArgs,
     dims: &AttnDims,

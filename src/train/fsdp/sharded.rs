@@ -13,6 +13,7 @@ use crate::checkpoint::stream::{file_order, write_safetensors};
 use crate::checkpoint::{HostTensor, ModelFiles, SaveDtype, TensorSource, check_extra_tensors};
 use crate::comm::{Mesh, ProcessGroup};
 use crate::error::{Error, Result};
+use crate::model::forward::LossRows;
 use crate::model::{Decoder, RandomInit, Unit};
 use crate::optim::settling::{Deferred, Settling};
 use crate::optim::{BuildArgs, Optimizer, StateKind, Update, slots_through};
@@ -402,15 +403,11 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         b: &B,
         decoder: &Decoder<B>,
         mesh: &Mesh<B>,
-        ids: &[u32],
-        targets: &[u32],
-        group_of_row: &[usize],
-        groups: usize,
+        rows: LossRows<'_>,
     ) -> Result<Vec<f64>> {
         // the optimizer's pending updates are settled before an evaluation
         self.store.begin_forward();
-        let store = &mut self.store;
-        decoder.forward_loss_units(b, mesh, store, ids, targets, group_of_row, groups)
+        decoder.forward_loss_units(b, mesh, &mut self.store, rows)
     }
 
     fn forward_logit_rows(

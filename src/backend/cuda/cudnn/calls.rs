@@ -256,7 +256,6 @@ impl CudnnSdpa {
     }
 
     /// Backward into bf16 buffers (overwritten): `dq [sq, hq·d]`, `dk, dv [sk, hkv·d]`.
-    #[allow(clippy::too_many_arguments)]
     pub fn bwd_overwrite(
         &self,
         be: &CudaBackend,

@@ -121,7 +121,6 @@ impl Graph {
     }
 
     /// `y = mode(x[, b[, t]])` with math precision `prec`.
-    #[allow(clippy::too_many_arguments)]
     pub fn pointwise(
         &mut self,
         mode: Pw,
