@@ -93,6 +93,15 @@ impl<B: Backend> CpAttention<B> {
         Ok(())
     }
 
+    fn local<'a>(&'a self, b: &'a B) -> local::Local<'a, B> {
+        local::Local {
+            b,
+            dims: &self.dims,
+            rope: &self.rope,
+            mask: &self.mask,
+        }
+    }
+
     fn staged<'a>(&'a self, b: &'a B, mesh: &'a Mesh<B>) -> staged::Staged<'a, B> {
         staged::Staged::new(b, mesh, &self.dims, &self.plan, &self.rope, &self.mask)
     }
@@ -106,27 +115,24 @@ impl<B: Backend> CpAttention<B> {
         x: &Tensor<B>,
     ) -> Result<(Tensor<B>, AttnSaved<B>)> {
         match self.plan.strategy {
-            Strategy::Local => local::forward(b, &self.dims, &self.rope, &self.mask, w, x),
+            Strategy::Local => self.local(b).forward(w, x),
             _ => self.staged(b, mesh).forward(w, x),
         }
     }
 
-    /// Backward: returns `dx` and accumulates this rank's partial parameter gradients.
+    /// Backward of the forward of `x` from what it `saved` and the
+    /// output's gradient `dy`: returns `dx` and accumulates this rank's
+    /// partial parameter gradients.
     pub fn backward(
         &self,
-        b: &B,
-        mesh: &Mesh<B>,
+        (b, mesh): (&B, &Mesh<B>),
         w: &AttentionWeights<B>,
         x: &Tensor<B>,
-        saved: AttnSaved<B>,
-        dy: &Tensor<B>,
+        (saved, dy): (AttnSaved<B>, &Tensor<B>),
         grads: &mut AttentionGrads<B>,
     ) -> Result<Tensor<B>> {
         match self.plan.strategy {
-            Strategy::Local => {
-                let (dims, rope, mask) = (&self.dims, &self.rope, &self.mask);
-                local::backward(b, dims, rope, mask, w, x, saved, dy, grads)
-            }
+            Strategy::Local => self.local(b).backward(w, x, saved, dy, grads),
             _ => self.staged(b, mesh).backward(w, x, saved, dy, grads),
         }
     }

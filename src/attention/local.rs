@@ -68,146 +68,155 @@ fn project_qkv<B: Backend>(
     Ok([q, k, v])
 }
 
-/// Forward on the whole sequence under its `mask`.
-pub fn forward<B: Backend>(
-    b: &B,
-    dims: &AttnDims,
-    rope: &RopeTables<B>,
-    mask: &AttnMask,
-    w: &AttentionWeights<B>,
-    x: &Tensor<B>,
-) -> Result<(Tensor<B>, AttnSaved<B>)> {
-    let (s, d) = (x.rows(), dims.head_dim);
-    let [q, k, v] = project_qkv(b, dims, w, x)?;
-    let (q, _) = norm_rope(b, q, w.q_norm.as_ref(), dims.norm, rope, false)?;
-    let (k, _) = norm_rope(b, k, w.k_norm.as_ref(), dims.norm, rope, false)?;
-    let mut o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Activations)?;
-    let mut lse = b.zeros(&[s, dims.heads], DType::F32, Category::Activations)?;
-    b.attention_fwd(AttentionFwd {
-        q: q.all_rows(),
-        k: k.all_rows(),
-        v: v.all_rows(),
-        mask,
-        scale: dims.softmax_scale,
-        o: o.all_rows_mut(),
-        lse: lse.all_rows_mut(),
-    })?;
-    drop((q, k, v));
-    let y = super::output_projection(b, &o, w, dims.precision)?;
-    Ok((y, AttnSaved { o, lse: vec![lse] }))
+/// The layer on one device: the backend, the layer's dims, its RoPE
+/// tables and its mask.
+pub struct Local<'a, B: Backend> {
+    pub b: &'a B,
+    pub dims: &'a AttnDims,
+    pub rope: &'a RopeTables<B>,
+    pub mask: &'a AttnMask,
 }
 
-/// Backward on the whole sequence under its `mask`; returns `dx`.
-pub fn backward<B: Backend>(
-    b: &B,
-    dims: &AttnDims,
-    rope: &RopeTables<B>,
-    mask: &AttnMask,
-    w: &AttentionWeights<B>,
-    x: &Tensor<B>,
-    saved: AttnSaved<B>,
-    dy: &Tensor<B>,
-    g: &mut AttentionGrads<B>,
-) -> Result<Tensor<B>> {
-    let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm);
-    let AttnSaved { o, lse } = saved;
-    let p = dims.precision;
-    // dy is read by Wo's weight gradient and by dO's GEMM (under fp8
-    // quantized once, in both layouts)
-    let dy8 = OutputGrad::new(b, p, dy.mat(), g.wo.is_some())?;
-    if let Some(gwo) = g.wo.as_mut() {
-        dy8.weight_grad(b, gwo.mat_mut(), (o.mat(), None))?;
+impl<B: Backend> Local<'_, B> {
+    /// Forward on the whole sequence under its mask: `x: [s, hidden]` →
+    /// `y: [s, hidden]` and the saved state.
+    pub fn forward(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+    ) -> Result<(Tensor<B>, AttnSaved<B>)> {
+        let (b, dims, rope, mask) = (self.b, self.dims, self.rope, self.mask);
+        let (s, d) = (x.rows(), dims.head_dim);
+        let [q, k, v] = project_qkv(b, dims, w, x)?;
+        let (q, _) = norm_rope(b, q, w.q_norm.as_ref(), dims.norm, rope, false)?;
+        let (k, _) = norm_rope(b, k, w.k_norm.as_ref(), dims.norm, rope, false)?;
+        let mut o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Activations)?;
+        let mut lse = b.zeros(&[s, dims.heads], DType::F32, Category::Activations)?;
+        b.attention_fwd(AttentionFwd {
+            q: q.all_rows(),
+            k: k.all_rows(),
+            v: v.all_rows(),
+            mask,
+            scale: dims.softmax_scale,
+            o: o.all_rows_mut(),
+            lse: lse.all_rows_mut(),
+        })?;
+        drop((q, k, v));
+        let y = super::output_projection(b, &o, w, dims.precision)?;
+        Ok((y, AttnSaved { o, lse: vec![lse] }))
     }
-    let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
-    dy8.input_grad(b, (d_o.mat_mut(), 0.0), (w.wo.mat(), None))?;
-    drop(dy8);
-    let (lo, glo) = (w.lora.o.as_ref(), g.lora.o.as_mut());
-    add_delta_bwd(b, lo, glo, o.mat(), dy.mat(), d_o.mat_mut())?;
 
-    let [q, k, v] = project_qkv(b, dims, w, x)?;
-    let (q, q_raw) = norm_rope(b, q, w.q_norm.as_ref(), eps, rope, true)?;
-    let (k, k_raw) = norm_rope(b, k, w.k_norm.as_ref(), eps, rope, true)?;
-    let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
-    let mut dk = b.zeros(k.shape(), DType::F32, Category::Workspace)?;
-    let mut dv = b.zeros(v.shape(), DType::F32, Category::Workspace)?;
-    b.attention_bwd(AttentionBwd {
-        q: q.all_rows(),
-        k: k.all_rows(),
-        v: v.all_rows(),
-        o: o.all_rows(),
-        d_o: d_o.all_rows(),
-        lse: lse[0].all_rows(),
-        mask,
-        scale: dims.softmax_scale,
-        dq: dq.all_rows_mut(),
-        dk: dk.all_rows_mut(),
-        dv: dv.all_rows_mut(),
-        writes: AttnGradWrites::ADD,
-    })?;
-    drop((q, k, v, d_o, o, lse));
-    let dq = norm_rope_bwd(
-        b,
-        dq,
-        q_raw.as_ref(),
-        w.q_norm.as_ref().map(|w| (w, g.q_norm.as_mut())),
-        eps,
-        rope,
-    )?;
-    let dk = norm_rope_bwd(
-        b,
-        dk,
-        k_raw.as_ref(),
-        w.k_norm.as_ref().map(|w| (w, g.k_norm.as_mut())),
-        eps,
-        rope,
-    )?;
-    let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
-    // the weight gradients read xᵀ: under fp8 it is quantized once
-    let xt8 = match g.wq.is_some() || g.wk.is_some() || g.wv.is_some() {
-        true => Fp8Operand::of(b, p, x.mat().t(), Fp8Format::E4M3)?,
-        false => None,
-    };
-    let (l, gl) = (&w.lora, &mut g.lora);
-    for (dp, wp, gp, gb, heads, lora) in [
-        (
-            &dq,
-            &w.wq,
-            g.wq.as_mut(),
-            g.bq.as_mut(),
-            dims.heads,
-            (&l.q, &mut gl.q),
-        ),
-        (
-            &dk,
-            &w.wk,
-            g.wk.as_mut(),
-            g.bk.as_mut(),
-            dims.kv_heads,
-            (&l.k, &mut gl.k),
-        ),
-        (
-            &dv,
-            &w.wv,
-            g.wv.as_mut(),
-            g.bv.as_mut(),
-            dims.kv_heads,
-            (&l.v, &mut gl.v),
-        ),
-    ] {
-        let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
-        // read by the weight gradient and by dx's GEMM
-        let dp8 = OutputGrad::new(b, p, dp.mat(), gp.is_some())?;
-        if let Some(gp) = gp {
-            let xt8 = xt8.as_ref().map(Fp8Operand::codes);
-            dp8.weight_grad(b, gp.mat_mut(), (x.mat(), xt8))?;
+    /// Backward on the whole sequence under its mask from the forward's
+    /// `saved` state and the output's gradient `dy`; returns `dx`.
+    pub fn backward(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+        saved: AttnSaved<B>,
+        dy: &Tensor<B>,
+        g: &mut AttentionGrads<B>,
+    ) -> Result<Tensor<B>> {
+        let (b, dims, rope, mask) = (self.b, self.dims, self.rope, self.mask);
+        let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm);
+        let AttnSaved { o, lse } = saved;
+        let p = dims.precision;
+        // dy is read by Wo's weight gradient and by dO's GEMM (under fp8
+        // quantized once, in both layouts)
+        let dy8 = OutputGrad::new(b, p, dy.mat(), g.wo.is_some())?;
+        if let Some(gwo) = g.wo.as_mut() {
+            dy8.weight_grad(b, gwo.mat_mut(), (o.mat(), None))?;
         }
-        if let Some(gb) = gb {
-            super::head_bias_grad(b, gb, dp.mat(), &(0..heads), d)?;
+        let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
+        dy8.input_grad(b, (d_o.mat_mut(), 0.0), (w.wo.mat(), None))?;
+        drop(dy8);
+        let (lo, glo) = (w.lora.o.as_ref(), g.lora.o.as_mut());
+        add_delta_bwd(b, lo, glo, o.mat(), dy.mat(), d_o.mat_mut())?;
+
+        let [q, k, v] = project_qkv(b, dims, w, x)?;
+        let (q, q_raw) = norm_rope(b, q, w.q_norm.as_ref(), eps, rope, true)?;
+        let (k, k_raw) = norm_rope(b, k, w.k_norm.as_ref(), eps, rope, true)?;
+        let mut dq = b.zeros(q.shape(), DType::F32, Category::Workspace)?;
+        let mut dk = b.zeros(k.shape(), DType::F32, Category::Workspace)?;
+        let mut dv = b.zeros(v.shape(), DType::F32, Category::Workspace)?;
+        b.attention_bwd(AttentionBwd {
+            q: q.all_rows(),
+            k: k.all_rows(),
+            v: v.all_rows(),
+            o: o.all_rows(),
+            d_o: d_o.all_rows(),
+            lse: lse[0].all_rows(),
+            mask,
+            scale: dims.softmax_scale,
+            dq: dq.all_rows_mut(),
+            dk: dk.all_rows_mut(),
+            dv: dv.all_rows_mut(),
+            writes: AttnGradWrites::ADD,
+        })?;
+        drop((q, k, v, d_o, o, lse));
+        let dq = norm_rope_bwd(
+            b,
+            dq,
+            q_raw.as_ref(),
+            w.q_norm.as_ref().map(|w| (w, g.q_norm.as_mut())),
+            eps,
+            rope,
+        )?;
+        let dk = norm_rope_bwd(
+            b,
+            dk,
+            k_raw.as_ref(),
+            w.k_norm.as_ref().map(|w| (w, g.k_norm.as_mut())),
+            eps,
+            rope,
+        )?;
+        let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
+        // the weight gradients read xᵀ: under fp8 it is quantized once
+        let xt8 = match g.wq.is_some() || g.wk.is_some() || g.wv.is_some() {
+            true => Fp8Operand::of(b, p, x.mat().t(), Fp8Format::E4M3)?,
+            false => None,
+        };
+        let (l, gl) = (&w.lora, &mut g.lora);
+        for (dp, wp, gp, gb, heads, lora) in [
+            (
+                &dq,
+                &w.wq,
+                g.wq.as_mut(),
+                g.bq.as_mut(),
+                dims.heads,
+                (&l.q, &mut gl.q),
+            ),
+            (
+                &dk,
+                &w.wk,
+                g.wk.as_mut(),
+                g.bk.as_mut(),
+                dims.kv_heads,
+                (&l.k, &mut gl.k),
+            ),
+            (
+                &dv,
+                &w.wv,
+                g.wv.as_mut(),
+                g.bv.as_mut(),
+                dims.kv_heads,
+                (&l.v, &mut gl.v),
+            ),
+        ] {
+            let dp = crate::backend::cast_ref(b, dp, x.dtype())?;
+            // read by the weight gradient and by dx's GEMM
+            let dp8 = OutputGrad::new(b, p, dp.mat(), gp.is_some())?;
+            if let Some(gp) = gp {
+                let xt8 = xt8.as_ref().map(Fp8Operand::codes);
+                dp8.weight_grad(b, gp.mat_mut(), (x.mat(), xt8))?;
+            }
+            if let Some(gb) = gb {
+                super::head_bias_grad(b, gb, dp.mat(), &(0..heads), d)?;
+            }
+            dp8.input_grad(b, (dx.mat_mut(), 1.0), (wp.mat(), None))?;
+            drop(dp8);
+            let (pair, grads) = (lora.0.as_ref(), lora.1.as_mut());
+            add_delta_bwd(b, pair, grads, x.mat(), dp.mat(), dx.mat_mut())?;
         }
-        dp8.input_grad(b, (dx.mat_mut(), 1.0), (wp.mat(), None))?;
-        drop(dp8);
-        let (pair, grads) = (lora.0.as_ref(), lora.1.as_mut());
-        add_delta_bwd(b, pair, grads, x.mat(), dp.mat(), dx.mat_mut())?;
+        Ok(dx)
     }
-    Ok(dx)
 }

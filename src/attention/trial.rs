@@ -289,7 +289,7 @@ pub fn run_rank_masked<B: Backend>(
         let start = Instant::now();
         let (y, saved) = layer.forward(b, mesh, &w, &x)?;
         let o_bytes = saved.o.bytes();
-        let dx = layer.backward(b, mesh, &w, &x, saved, &dy, &mut g)?;
+        let dx = layer.backward((b, mesh), &w, &x, (saved, &dy), &mut g)?;
         b.synchronize()?;
         let seconds = start.elapsed().as_secs_f64();
         let peak = ledger.peak();

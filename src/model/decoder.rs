@@ -512,8 +512,8 @@ impl<B: Backend> Decoder<B> {
                 }
                 Kept::Input => self.recompute(b, mesh, l, store.block(l)?, &input, None)?,
             };
-            let (w, g) = store.block_grads(b, l)?;
-            dx = self.block_bwd(b, mesh, l, w, g, &input, saved, dx)?;
+            let params = store.block_grads(b, l)?;
+            dx = self.block_bwd((b, mesh), l, params, (&input, saved), dx)?;
             store.release(Unit::Block(l))?;
             store.grads_done(b, Unit::Block(l))?;
         }
@@ -912,17 +912,15 @@ impl<B: Backend> Decoder<B> {
         })
     }
 
-    /// Block `l`'s backward from `d_out`; returns the gradient w.r.t. its
-    /// input `h`.
+    /// Block `l`'s backward from `d_out`, with its weights `w` and their
+    /// gradients `g`, of the forward of `h` that kept `saved`; returns the
+    /// gradient w.r.t. `h`.
     fn block_bwd(
         &self,
-        b: &B,
-        mesh: &Mesh<B>,
+        (b, mesh): (&B, &Mesh<B>),
         l: usize,
-        w: &BlockWeights<B>,
-        g: &mut BlockGrads<B>,
-        h: &Tensor<B>,
-        saved: BlockSaved<B>,
+        (w, g): (&BlockWeights<B>, &mut BlockGrads<B>),
+        (h, saved): (&Tensor<B>, BlockSaved<B>),
         d_out: Tensor<B>,
     ) -> Result<Tensor<B>> {
         let BlockSaved {
@@ -956,7 +954,7 @@ impl<B: Backend> Decoder<B> {
             };
             let dm = self.mlp_bwd(b, (w, &w8t), g, s, &d_out, &rows)?;
             let d_norm = g.mlp_norm.as_mut();
-            self.norm_bwd_add_rows(b, x_t, &w.mlp_norm, &dm, &mut dh1, &rows, d_norm)?;
+            self.norm_bwd_add_rows(b, (x_t, &w.mlp_norm, &dm), (&mut dh1, &rows), d_norm)?;
             Ok(())
         })?;
         drop((h1, d_out, w8, w8t));
@@ -979,15 +977,11 @@ impl<B: Backend> Decoder<B> {
             _ => None,
         };
         drop(y);
-        let da = self.attn.layer(l).backward(
-            b,
-            mesh,
-            &w.attn,
-            &a,
-            attn,
-            dy.as_ref().unwrap_or(&dh1),
-            &mut g.attn,
-        )?;
+        let upstream = (attn, dy.as_ref().unwrap_or(&dh1));
+        let da = self
+            .attn
+            .layer(l)
+            .backward((b, mesh), &w.attn, &a, upstream, &mut g.attn)?;
         drop((a, dy));
         // dh1 becomes dh: the norm's backward added into it in place
         let d_norm = g.attn_norm.as_mut();
@@ -1171,16 +1165,14 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// [`norm_bwd_add`](Self::norm_bwd_add) of a token tile `x` `[rows, hidden]`
-    /// into its rows of the `[s, hidden]` gradient `t` (through a copy of
-    /// those rows when the tile is not all of them).
+    /// (the norm's weight `w`, its output's gradient `dy`) into its `rows` of
+    /// the `[s, hidden]` gradient `t` (through a copy of those rows when the
+    /// tile is not all of them).
     fn norm_bwd_add_rows(
         &self,
         b: &B,
-        x: &Tensor<B>,
-        w: &Tensor<B>,
-        dy: &Tensor<B>,
-        t: &mut Tensor<B>,
-        rows: &std::ops::Range<usize>,
+        (x, w, dy): (&Tensor<B>, &Tensor<B>, &Tensor<B>),
+        (t, rows): (&mut Tensor<B>, &std::ops::Range<usize>),
         dw: Option<&mut Tensor<B>>,
     ) -> Result<()> {
         if rows.len() == t.rows() {

@@ -5,7 +5,7 @@
 
 use super::config::TrainConfig;
 use super::host_weights::{state_sources, weight_sources, weights_from_host, weights_from_saved};
-use super::state::{Micro, RankModel, pass};
+use super::state::{RankModel, Sequence, pass};
 use crate::backend::{Backend, Category, DType, MatLayout, Tensor};
 use crate::checkpoint::peft::adapter_tensors;
 use crate::checkpoint::saved_state::{Moment, SavedState};
@@ -509,11 +509,9 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         b: &B,
         decoder: &Decoder<B>,
         mesh: &Mesh<B>,
-        ids: &[u32],
-        targets: &[u32],
-        grad_scale: f32,
-        micro: Micro,
+        seq: Sequence<'_>,
     ) -> Result<f64> {
+        let micro = seq.micro;
         // the last step's pending host updates zero each gradient they read
         if micro.first && !self.opt.has_pending() {
             self.store.zero_grads(b)?;
@@ -521,7 +519,7 @@ impl<B: Backend> RankModel<B> for Replicated<'_, B> {
         // sequences before the step's last only accumulate: one reduction per step
         self.store.reduce = micro.last;
         let mut store = Settling::new(&mut self.store, &mut self.opt, decoder.cfg.layers);
-        pass(b, decoder, mesh, &mut store, ids, targets, grad_scale)
+        pass(b, (decoder, mesh), &mut store, seq)
     }
 
     fn optimizer_step(&mut self, b: &B, step: u32, loss_finite: bool) -> Result<Update> {

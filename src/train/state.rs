@@ -30,10 +30,21 @@ impl Micro {
     }
 }
 
+/// One sequence of a step as a rank sees it: its tokens `ids` with their
+/// `targets`, the loss's scale (1 / the step's counted targets) and where
+/// the sequence falls in the step.
+#[derive(Debug, Clone, Copy)]
+pub struct Sequence<'a> {
+    pub ids: &'a [u32],
+    pub targets: &'a [u32],
+    pub grad_scale: f32,
+    pub micro: Micro,
+}
+
 /// What the training loop needs from a rank's model state.
 pub trait RankModel<B: Backend> {
     /// Forward and backward of one sequence shard, adding to the step's
-    /// gradients (`micro`: from zero for the first sequence); after the
+    /// gradients (from zero for the step's first sequence); after the
     /// last sequence of a step they are complete (summed over the ranks,
     /// or reduce-scattered to their owners). Returns this rank's summed loss.
     fn forward_backward(
@@ -41,10 +52,7 @@ pub trait RankModel<B: Backend> {
         b: &B,
         decoder: &Decoder<B>,
         mesh: &Mesh<B>,
-        ids: &[u32],
-        targets: &[u32],
-        grad_scale: f32,
-        micro: Micro,
+        seq: Sequence<'_>,
     ) -> Result<f64>;
     /// One optimizer step at 1-based `step`, applied only when `loss_finite`
     /// and the gradient norm is finite (`Update::applies`: otherwise no
@@ -95,13 +103,16 @@ pub trait RankModel<B: Backend> {
 /// logging progress through a long step on rank 0.
 pub fn pass<B: Backend, S: ParamStore<B>>(
     b: &B,
-    decoder: &Decoder<B>,
-    mesh: &Mesh<B>,
+    (decoder, mesh): (&Decoder<B>, &Mesh<B>),
     store: &mut S,
-    ids: &[u32],
-    targets: &[u32],
-    grad_scale: f32,
+    seq: Sequence<'_>,
 ) -> Result<f64> {
+    let Sequence {
+        ids,
+        targets,
+        grad_scale,
+        ..
+    } = seq;
     let (layers, checkpoint) = (decoder.cfg.layers, decoder.policy.checkpoint);
     let mut store = Progress::new(store, layers, checkpoint, mesh.rank == 0)
         .with_backward_floor(decoder.backward_floor)

@@ -13,7 +13,7 @@ use super::eval_during;
 use super::fsdp::Sharded;
 pub use super::host_weights::{weights_from_host, weights_to_host};
 use super::replicated::{Replicated, ReplicatedStore, Resumed};
-use super::state::{Micro, RankModel};
+use super::state::{Micro, RankModel, Sequence};
 use super::step_windows::{RankWindow, draw_step, step_counted};
 use crate::attention::CpPlan;
 use crate::backend::cpu::CpuBackend;
@@ -444,9 +444,13 @@ fn run_rank<B: Backend>(
         for (i, w) in windows.iter().enumerate() {
             decoder.set_window(b, &w.doc_starts)?;
             attn_flop_fraction += decoder.attn_flop_fraction(cfg.seq) / windows.len() as f64;
-            let micro = Micro::of(i, cfg.grad_accum);
-            local_loss +=
-                model.forward_backward(b, &decoder, mesh, &w.ids, &w.targets, grad_scale, micro)?;
+            let seq = Sequence {
+                ids: &w.ids,
+                targets: &w.targets,
+                grad_scale,
+                micro: Micro::of(i, cfg.grad_accum),
+            };
+            local_loss += model.forward_backward(b, &decoder, mesh, seq)?;
         }
         b.ledger().enter("optimizer");
         let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;

@@ -353,6 +353,7 @@ impl Gemm {
     }
 
     /// `C = alpha·A·B + beta·C` on `stream`.
+    #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
         stream: &CudaStream,
@@ -394,6 +395,7 @@ impl Gemm {
     /// (cuBLASLt's "TN" layout: our `a` row-major `[m, k]`, our `b` the
     /// transposed view of a row-major `[n, k]`, both K-major), the inverse
     /// scales read from device memory at `scales` (ours of `a`, of `b`).
+    #[allow(clippy::too_many_arguments)]
     pub fn run_fp8(
         &self,
         stream: &CudaStream,

@@ -20,7 +20,7 @@ use crate::optim::{BuildArgs, Optimizer, StateKind, Update, slots_through};
 use crate::train::config::TrainConfig;
 use crate::train::lora_base::{BaseModel, LoraSave, resumed_base, run_base, with_base};
 use crate::train::replicated::Resumed;
-use crate::train::state::{Micro, RankModel, pass};
+use crate::train::state::{RankModel, Sequence, pass};
 use serde_json::Value;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -375,17 +375,15 @@ impl<B: Backend> RankModel<B> for Sharded<'_, B> {
         b: &B,
         decoder: &Decoder<B>,
         mesh: &Mesh<B>,
-        ids: &[u32],
-        targets: &[u32],
-        grad_scale: f32,
-        micro: Micro,
+        seq: Sequence<'_>,
     ) -> Result<f64> {
+        let micro = seq.micro;
         // each sequence's reduce-scatter adds into the shards (ZeRO-3's way:
         // no rank ever holds the whole model's gradients)
         let every = decoder.policy.checkpoint_every;
         self.store.begin_step(micro.first, every);
         let mut store = Settling::new(&mut self.store, &mut self.opt, decoder.cfg.layers);
-        pass(b, decoder, mesh, &mut store, ids, targets, grad_scale)
+        pass(b, (decoder, mesh), &mut store, seq)
     }
 
     fn optimizer_step(&mut self, b: &B, step: u32, loss_finite: bool) -> Result<Update> {

@@ -121,6 +121,7 @@ impl Graph {
     }
 
     /// `y = mode(x[, b[, t]])` with math precision `prec`.
+    #[allow(clippy::too_many_arguments)]
     pub fn pointwise(
         &mut self,
         mode: Pw,
