@@ -1523,7 +1523,7 @@ fn flash_sliding_windows_match_cpu_and_naive() {
 
 /// On compute capability 9.0 the backend loads the wgmma forward and runs it
 /// for head dim 128 (unless `UPIPE_FLASH_FWD=mma`); the mma.sync forward stays
-/// for head dim 64.
+/// for head dims 64 and 256.
 #[test]
 fn flash_forward_kernel_choice() {
     use upipe::backend::cuda::flash::{FlashKernel, fwd_kernel_from_env};
@@ -1538,6 +1538,7 @@ fn flash_forward_kernel_choice() {
         funcs.has_wgmma()
     );
     assert_eq!(funcs.fwd_kernel_for(64).unwrap(), FlashKernel::Mma);
+    assert_eq!(funcs.fwd_kernel_for(256).unwrap(), FlashKernel::Mma);
     let want = if f.arch() == "sm_90" && choice != FlashKernel::Mma {
         FlashKernel::Wgmma
     } else {
