@@ -116,22 +116,48 @@ impl<B: Backend> Local<'_, B> {
         dy: &Tensor<B>,
         g: &mut AttentionGrads<B>,
     ) -> Result<Tensor<B>> {
-        let (b, dims, rope, mask) = (self.b, self.dims, self.rope, self.mask);
-        let (s, d, eps) = (x.rows(), dims.head_dim, dims.norm);
         let AttnSaved { o, lse } = saved;
-        let p = dims.precision;
+        let d_o = self.output_bwd(w, (&o, dy), g)?;
+        let dqkv = self.core_bwd(w, x, (o, lse, d_o), g)?;
+        self.qkv_bwd(w, x, dqkv, g)
+    }
+
+    /// The output projection's backward: Wo's (and its adapter's) gradients
+    /// from the attention output `o` `[s, heads, d]` and `dy` `[s, hidden]`;
+    /// returns dO `[s, heads, d]`.
+    fn output_bwd(
+        &self,
+        w: &AttentionWeights<B>,
+        (o, dy): (&Tensor<B>, &Tensor<B>),
+        g: &mut AttentionGrads<B>,
+    ) -> Result<Tensor<B>> {
+        let (b, dims) = (self.b, self.dims);
+        let (s, d, p) = (o.rows(), dims.head_dim, dims.precision);
         // dy is read by Wo's weight gradient and by dO's GEMM (under fp8
         // quantized once, in both layouts)
         let dy8 = OutputGrad::new(b, p, dy.mat(), g.wo.is_some())?;
         if let Some(gwo) = g.wo.as_mut() {
             dy8.weight_grad(b, gwo.mat_mut(), (o.mat(), None))?;
         }
-        let mut d_o = b.zeros(&[s, dims.heads, d], x.dtype(), Category::Workspace)?;
+        let mut d_o = b.zeros(&[s, dims.heads, d], o.dtype(), Category::Workspace)?;
         dy8.input_grad(b, (d_o.mat_mut(), 0.0), (w.wo.mat(), None))?;
         drop(dy8);
         let (lo, glo) = (w.lora.o.as_ref(), g.lora.o.as_mut());
         add_delta_bwd(b, lo, glo, o.mat(), dy.mat(), d_o.mat_mut())?;
+        Ok(d_o)
+    }
 
+    /// The attention core's backward with q, k and v recomputed from `x`:
+    /// dq, dk (through QK-norm and RoPE) and dv, in F32.
+    fn core_bwd(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+        (o, lse, d_o): (Tensor<B>, Vec<Tensor<B>>, Tensor<B>),
+        g: &mut AttentionGrads<B>,
+    ) -> Result<[Tensor<B>; 3]> {
+        let (b, dims, rope, mask) = (self.b, self.dims, self.rope, self.mask);
+        let eps = dims.norm;
         let [q, k, v] = project_qkv(b, dims, w, x)?;
         let (q, q_raw) = norm_rope(b, q, w.q_norm.as_ref(), eps, rope, true)?;
         let (k, k_raw) = norm_rope(b, k, w.k_norm.as_ref(), eps, rope, true)?;
@@ -169,6 +195,20 @@ impl<B: Backend> Local<'_, B> {
             eps,
             rope,
         )?;
+        Ok([dq, dk, dv])
+    }
+
+    /// The q, k and v projections' backward: their weights', biases' and
+    /// adapters' gradients, and `dx` `[s, hidden]`.
+    fn qkv_bwd(
+        &self,
+        w: &AttentionWeights<B>,
+        x: &Tensor<B>,
+        [dq, dk, dv]: [Tensor<B>; 3],
+        g: &mut AttentionGrads<B>,
+    ) -> Result<Tensor<B>> {
+        let (b, dims) = (self.b, self.dims);
+        let (s, d, p) = (x.rows(), dims.head_dim, dims.precision);
         let mut dx = b.zeros(&[s, dims.hidden], x.dtype(), Category::Grads)?;
         // the weight gradients read xᵀ: under fp8 it is quantized once
         let xt8 = match g.wq.is_some() || g.wk.is_some() || g.wv.is_some() {
