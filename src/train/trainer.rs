@@ -390,13 +390,7 @@ fn run_rank<B: Backend>(
     let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
     decoder.set_precision(b, cfg.precision)?;
     decoder.backward_floor = cfg.freeze.backward_floor(&cfg.model, cfg.lora.is_some());
-    let (mut model, resumed): (Box<dyn RankModel<B> + '_>, _) = if cfg.fsdp {
-        let (m, r) = Sharded::open(b, cfg, mesh)?;
-        (Box::new(m), r)
-    } else {
-        let (m, r) = Replicated::open(b, cfg, mesh.world.as_ref())?;
-        (Box::new(m), r)
-    };
+    let (mut model, resumed) = open_model(b, cfg, mesh)?;
     // replicas draw disjoint windows; context ranks of one replica share one
     let data_rank = mesh.shape.coords(mesh.rank).data;
     // a rehearsal draws no data (`draw_step`): one window of zeros stands
@@ -438,20 +432,9 @@ fn run_rank<B: Backend>(
         let rehearsal = (cfg.rehearse, cfg.documents);
         let windows = draw_step(&mut sampler, plan, &positions, cfg.grad_accum, rehearsal)?;
         let counted = step_counted(b, mesh, &windows)?;
-        let grad_scale = (1.0 / counted as f64) as f32;
-        let mut local_loss = 0.0;
-        let mut attn_flop_fraction = 0.0;
-        for (i, w) in windows.iter().enumerate() {
-            decoder.set_window(b, &w.doc_starts)?;
-            attn_flop_fraction += decoder.attn_flop_fraction(cfg.seq) / windows.len() as f64;
-            let seq = Sequence {
-                ids: &w.ids,
-                targets: &w.targets,
-                grad_scale,
-                micro: Micro::of(i, cfg.grad_accum),
-            };
-            local_loss += model.forward_backward(b, &decoder, mesh, seq)?;
-        }
+        let at = (b, mesh);
+        let (local_loss, attn_flop_fraction) =
+            run_sequences(cfg, at, &mut decoder, model.as_mut(), &windows, counted)?;
         b.ledger().enter("optimizer");
         let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
         mesh.world.all_reduce(&mut loss)?;
@@ -504,14 +487,8 @@ fn run_rank<B: Backend>(
         guard.after_step(step, loss, &update)?;
         let save_now = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
         if let (Some(dir), true) = (&cfg.save_dir, save_now) {
-            let mut extra = serde_json::json!({
-                "sampler": sampler.state(), "seed": cfg.seed, "pack": cfg.pack,
-                "freeze": cfg.freeze_key(), "optim_state": cfg.optim.state.saved().to_string(),
-            });
-            // what `--keep-best` ranks the checkpoints by
-            if let Some(eval) = reports.last().and_then(|r| r.eval.as_ref()) {
-                extra["eval_loss"] = eval.loss.into();
-            }
+            let eval = reports.last().and_then(|r| r.eval.as_ref());
+            let extra = saved_extra(cfg, &sampler, eval);
             let at = SaveAt {
                 dir,
                 step,
@@ -525,6 +502,68 @@ fn run_rank<B: Backend>(
     }
     model.settle(b)?;
     Ok((reports, b.ledger().stats(), b.pool_report()?))
+}
+
+/// The rank's model state: sharded (`--fsdp`) or replicated, fresh or
+/// from the checkpoint the run resumes (then with what it saved).
+fn open_model<'a, B: Backend>(
+    b: &B,
+    cfg: &TrainConfig,
+    mesh: &'a Mesh<B>,
+) -> Result<(Box<dyn RankModel<B> + 'a>, Option<Resumed>)> {
+    Ok(if cfg.fsdp {
+        let (m, r) = Sharded::open(b, cfg, mesh)?;
+        (Box::new(m), r)
+    } else {
+        let (m, r) = Replicated::open(b, cfg, mesh.world.as_ref())?;
+        (Box::new(m), r)
+    })
+}
+
+/// The forward and backward of a step's sequences (`windows`, this rank's
+/// share of each), the loss the mean over the step's `counted` targets:
+/// this rank's summed loss and the step's attention share of the FLOPs.
+fn run_sequences<B: Backend>(
+    cfg: &TrainConfig,
+    (b, mesh): (&B, &Mesh<B>),
+    decoder: &mut Decoder<B>,
+    model: &mut (dyn RankModel<B> + '_),
+    windows: &[RankWindow],
+    counted: usize,
+) -> Result<(f64, f64)> {
+    let grad_scale = (1.0 / counted as f64) as f32;
+    let (mut local_loss, mut attn_flop_fraction) = (0.0, 0.0);
+    for (i, w) in windows.iter().enumerate() {
+        decoder.set_window(b, &w.doc_starts)?;
+        attn_flop_fraction += decoder.attn_flop_fraction(cfg.seq) / windows.len() as f64;
+        let seq = Sequence {
+            ids: &w.ids,
+            targets: &w.targets,
+            grad_scale,
+            micro: Micro::of(i, cfg.grad_accum),
+        };
+        local_loss += model.forward_backward(b, decoder, mesh, seq)?;
+    }
+    Ok((local_loss, attn_flop_fraction))
+}
+
+/// What a checkpoint's `state.json` keeps of the run beside the model: the
+/// sampler's place, the seed, the packing, the frozen parts, the optimizer
+/// state's format, and the step's evaluation loss (what `--keep-best`
+/// ranks checkpoints by).
+fn saved_extra(
+    cfg: &TrainConfig,
+    sampler: &MixtureSampler,
+    eval: Option<&EvalReport>,
+) -> serde_json::Value {
+    let mut extra = serde_json::json!({
+        "sampler": sampler.state(), "seed": cfg.seed, "pack": cfg.pack,
+        "freeze": cfg.freeze_key(), "optim_state": cfg.optim.state.saved().to_string(),
+    });
+    if let Some(eval) = eval {
+        extra["eval_loss"] = eval.loss.into();
+    }
+    extra
 }
 
 /// Restores the sampler of a resumed run; the first step to run.
