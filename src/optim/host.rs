@@ -158,17 +158,9 @@ impl<B: Backend> HostStep<B> {
         ahead: Option<Fetch<'_, B>>,
     ) -> Result<()> {
         for k in 0..slots.len() {
-            let fetched = match self.inflight.take() {
-                Some(x) => x,
-                None => self.download(b, slots[k].fetch())?,
-            };
-            let next = match slots.get(k + 1) {
-                Some(s) => Some(s.fetch()),
-                None => ahead,
-            };
-            if let Some(n) = next {
-                self.inflight = Some(self.download(b, n)?);
-            }
+            let (at, grads_final) = ((&*slots, k, ahead), &self.grads_final);
+            let download = |what| download(b, grads_final, what);
+            let fetched = one_ahead(&mut self.inflight, at, HostSlot::fetch, download)?;
             let (grad, mut param) = fetched.finish(b)?;
             let slot = &mut slots[k];
             b.fill(slot.grad, 0.0)?;
@@ -192,21 +184,44 @@ impl<B: Backend> HostStep<B> {
     }
 }
 
-impl<B: Backend> HostStep<B> {
-    /// Starts copying what the host reads of a slot into fresh host
-    /// buffers, after the backward that wrote the gradient (not after the
-    /// forward queued since).
-    fn download(&self, b: &B, what: Fetch<'_, B>) -> Result<Download<B>> {
-        let start = |t: &Tensor<B>| -> Result<(Tensor<B>, CopyDone)> {
-            let mut host = b.empty(t.shape(), t.dtype(), Category::Offload)?;
-            let done = b.copy_start_from(&mut host, t, &self.grads_final)?;
-            Ok((host, done))
-        };
-        Ok(Download {
-            grad: start(what.grad)?,
-            param: what.param.map(start).transpose()?,
-        })
+/// Slot `k`'s transfer: the one started a slot earlier (`in_flight`) or
+/// started now; before it is returned the next slot's (slot `k + 1`, or
+/// `ahead` after the last of `slots`) is started, so that it overlaps slot
+/// `k`'s update. The pipeline of both updates of host state: the host's
+/// threads ([`HostStep`]) and paging through the device (`PagedStep`).
+pub(super) fn one_ahead<'s, S, A: Copy, T>(
+    in_flight: &mut Option<T>,
+    (slots, k, ahead): (&'s [S], usize, Option<A>),
+    what: impl Fn(&'s S) -> A,
+    mut start: impl FnMut(A) -> Result<T>,
+) -> Result<T> {
+    let this = match in_flight.take() {
+        Some(t) => t,
+        None => start(what(&slots[k]))?,
+    };
+    if let Some(next) = slots.get(k + 1).map(&what).or(ahead) {
+        *in_flight = Some(start(next)?);
     }
+    Ok(this)
+}
+
+/// Starts copying what the host reads of a slot into fresh host buffers,
+/// after the backward that wrote the gradient (`grads_final`, not after
+/// the forward queued since).
+fn download<B: Backend>(
+    b: &B,
+    grads_final: &ComputePoint,
+    what: Fetch<'_, B>,
+) -> Result<Download<B>> {
+    let start = |t: &Tensor<B>| -> Result<(Tensor<B>, CopyDone)> {
+        let mut host = b.empty(t.shape(), t.dtype(), Category::Offload)?;
+        let done = b.copy_start_from(&mut host, t, grads_final)?;
+        Ok((host, done))
+    };
+    Ok(Download {
+        grad: start(what.grad)?,
+        param: what.param.map(start).transpose()?,
+    })
 }
 
 impl<B: Backend> Download<B> {

@@ -22,7 +22,7 @@ use crate::backend::{Backend, Category, CopyDone, DType, Tensor};
 use crate::error::Result;
 use crate::optim::adamw::adamw_multi::AdamWSlot;
 use crate::optim::adamw::ops::AdamWOps;
-use crate::optim::host::HostSlot;
+use crate::optim::host::{HostSlot, one_ahead};
 use crate::optim::moments::Moment;
 
 /// A slot's optimizer state in host memory, as the paged update reads it.
@@ -114,17 +114,8 @@ impl<B: Backend> PagedStep<B> {
     ) -> Result<()> {
         for k in 0..slots.len() {
             self.retire(b)?;
-            let staged = match self.incoming.take() {
-                Some(s) => s,
-                None => stage(b, slots[k].resident())?,
-            };
-            let next = match slots.get(k + 1) {
-                Some(s) => Some(s.resident()),
-                None => ahead,
-            };
-            if let Some(n) = next {
-                self.incoming = Some(stage(b, n)?);
-            }
+            let at = (&*slots, k, ahead);
+            let staged = one_ahead(&mut self.incoming, at, HostSlot::resident, |r| stage(b, r))?;
             let staged = update(b, &mut slots[k], staged)?;
             self.outgoing = Some(page_out(b, &mut slots[k], staged)?);
             self.next += 1;
