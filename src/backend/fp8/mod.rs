@@ -4,6 +4,7 @@
 //! (`linear`).
 
 pub mod args;
+pub mod attention;
 pub mod format;
 pub mod linear;
 pub mod scale;

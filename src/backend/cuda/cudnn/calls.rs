@@ -8,9 +8,9 @@ use super::desc::check;
 use super::plan::Plan;
 use super::workspace::{align, bwd_layout};
 use super::{
-    CudnnSdpa, Entry, Handle, PlanPick, SdpaBwd, SdpaFwd, SdpaShape, bwd_scratch_elems,
+    CudnnSdpa, Entry, Handle, PlanPick, SdpaBwd, SdpaFp8, SdpaFwd, SdpaShape, bwd_scratch_elems,
     bwd_writes_in_place, fwd_workspace_bytes, kept_workspace_bytes, own_workspace, probe, ragged,
-    sdpa_graph, shape_supported,
+    sdpa_fp8, sdpa_graph, shape_supported,
 };
 use crate::backend::cuda::CudaBackend;
 use crate::backend::cuda::tuning::fastest;
@@ -314,6 +314,47 @@ impl CudnnSdpa {
             })
         };
         let plan = self.plan_for_call(be, s, true, &exec)?;
+        exec(&plan)
+    }
+
+    /// An FP8 forward (`a.bwd` false: writes O₈ and Stats) or backward
+    /// (writes dQ₈, dK₈, dV₈) of `a.shape` (its `fp8` set), the scale cells
+    /// read and the amax cells written in `a.scales`.
+    pub fn run_fp8(&self, be: &CudaBackend, a: &SdpaFp8) -> Result<()> {
+        let s = &a.shape;
+        self.prepare(be, s, a.bwd)?;
+        let scale = a.scale;
+        let neg_inf = f32::NEG_INFINITY;
+        let p = |x: u64| x as *mut c_void;
+        use sdpa_graph::uid;
+        let exec = |plan: &Plan| {
+            self.run(be, plan, plan.workspace, |_| {
+                let mut b = vec![
+                    (uid::Q, p(a.q)),
+                    (uid::K, p(a.k)),
+                    (uid::V, p(a.v)),
+                    (uid::O, p(a.o)),
+                    (uid::STATS, p(a.lse)),
+                    (uid::SCALE, (&scale as *const f32).cast_mut().cast()),
+                ];
+                if a.bwd {
+                    b.extend([
+                        (uid::D_O, p(a.d_o)),
+                        (uid::DQ, p(a.dq)),
+                        (uid::DK, p(a.dk)),
+                        (uid::DV, p(a.dv)),
+                    ]);
+                }
+                if sdpa_graph::reads_neg_inf(&s.mask) {
+                    b.push((uid::NEG_INF, (&neg_inf as *const f32).cast_mut().cast()));
+                }
+                for &slot in sdpa_fp8::slots(a.bwd) {
+                    b.push((slot.uid(), p(a.scales + 4 * slot as u64)));
+                }
+                Ok(b)
+            })
+        };
+        let plan = self.plan_for_call(be, s, a.bwd, &exec)?;
         exec(&plan)
     }
 

@@ -3,6 +3,7 @@
 //! - [`desc`]: owned backend descriptors and typed attribute setters;
 //! - [`graph`]: operation-graph builder (tensors, pointwise, reduction, matmul, reshape);
 //! - [`sdpa_graph`]: the forward and backward SDPA graphs cuDNN fuses into flash kernels;
+//! - [`sdpa_fp8`]: their FP8 forms (Hopper, head dim 128 for the backward);
 //! - [`plan`]: heuristics → execution plan, workspace size, execution;
 //! - [`ragged`]: several documents in one call (cuDNN's ragged layout);
 //! - [`select`]: `--attn-kernel auto|cudnn|native` and the "auto" decision;
@@ -22,6 +23,7 @@ pub mod desc;
 pub mod graph;
 pub mod plan;
 pub mod ragged;
+pub mod sdpa_fp8;
 pub mod sdpa_graph;
 pub mod select;
 pub mod workspace;
@@ -80,6 +82,28 @@ pub struct SdpaBwd {
     pub shape: SdpaShape,
     /// As [`SdpaFwd::docs`].
     pub docs: Vec<usize>,
+    /// As [`SdpaFwd::scale`].
+    pub scale: f32,
+}
+
+/// Operands of one FP8 call ([`sdpa_fp8`]): device addresses of dense
+/// FP8 rows (`q`, `k`, `v`, `o` in E4M3; `d_o`, `dq`, `dk`, `dv` in E5M2,
+/// 0 in a forward), Stats (f32) and the scale array
+/// ([`sdpa_fp8::SLOTS`] f32 cells).
+#[derive(Debug, Clone)]
+pub struct SdpaFp8 {
+    pub bwd: bool,
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub d_o: u64,
+    pub lse: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    pub scales: u64,
+    pub shape: SdpaShape,
     /// As [`SdpaFwd::scale`].
     pub scale: f32,
 }
@@ -228,6 +252,7 @@ pub fn dense_shape(
         lse_hs: 1,
         head_major: false,
         ragged,
+        fp8: false,
     }
 }
 
@@ -299,10 +324,11 @@ impl CudnnSdpa {
     }
 
     fn graph(s: &SdpaShape, bwd: bool) -> Result<graph::Graph> {
-        if bwd {
-            sdpa_graph::backward(s)
-        } else {
-            sdpa_graph::forward(s)
+        match (s.fp8, bwd) {
+            (false, false) => sdpa_graph::forward(s),
+            (false, true) => sdpa_graph::backward(s),
+            (true, false) => sdpa_fp8::forward(s),
+            (true, true) => sdpa_fp8::backward(s),
         }
     }
 

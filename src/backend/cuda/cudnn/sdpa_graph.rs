@@ -55,6 +55,9 @@ pub struct SdpaShape {
     /// Several documents side by side (`mask` is then `Causal`): the
     /// ragged geometry the plan is built for.
     pub ragged: Option<RaggedDims>,
+    /// The FP8 graphs ([`super::sdpa_fp8`]): Q, K, V, O in E4M3, dO and
+    /// the gradients in E5M2, each with its scale.
+    pub fp8: bool,
 }
 
 /// Unique ids of the tensors we bind in the variant pack.
@@ -97,7 +100,7 @@ const BOOL: Dt = Dt::CUDNN_DATA_BOOLEAN;
 
 /// How a graph views the call: batches, rows of Q and of KV per batch, and
 /// for a ragged call its tables' tensors.
-struct Layout {
+pub(super) struct Layout {
     nb: usize,
     sq: usize,
     sk: usize,
@@ -115,6 +118,16 @@ struct Tables {
 }
 
 impl Layout {
+    /// One batch of the shape's rows, no tables.
+    pub(super) fn dense(s: &SdpaShape) -> Layout {
+        Layout {
+            nb: 1,
+            sq: s.sq,
+            sk: s.sk,
+            ragged: None,
+        }
+    }
+
     fn new(g: &mut Graph, s: &SdpaShape) -> Result<Layout> {
         let Some(r) = s.ragged else {
             return Ok(Layout {
@@ -168,7 +181,7 @@ fn i(x: usize) -> i64 {
 
 /// Strides `(batch, head, token)` of `h` heads of `s` tokens stored as token
 /// rows with row stride `rs`, or head by head.
-fn strides(h: usize, s: usize, d: usize, rs: usize, head_major: bool) -> [i64; 3] {
+pub(super) fn strides(h: usize, s: usize, d: usize, rs: usize, head_major: bool) -> [i64; 3] {
     if head_major {
         [i(h * s * d), i(s * d), i(d)]
     } else {
@@ -211,7 +224,7 @@ fn stats_strides(s: &SdpaShape, sq: usize) -> [i64; 4] {
     [i(sq * s.lse_rs), i(s.lse_hs), i(s.lse_rs), 1]
 }
 
-fn stats(g: &mut Graph, s: &SdpaShape, l: &Layout) -> Result<usize> {
+pub(super) fn stats(g: &mut Graph, s: &SdpaShape, l: &Layout) -> Result<usize> {
     g.tensor_ragged(
         uid::STATS,
         F32,
@@ -234,7 +247,7 @@ pub fn reads_neg_inf(mask: &AttnMask) -> bool {
 /// Applies the shape's mask to the scores `x` (`[1, hq, sq, sk]` f32):
 /// causal, then the window's left bound; returns the masked tensor (`x`
 /// itself when the mask hides nothing).
-fn apply_mask(g: &mut Graph, x: usize, s: &SdpaShape, dims: &[i64]) -> Result<usize> {
+pub(super) fn apply_mask(g: &mut Graph, x: usize, s: &SdpaShape, dims: &[i64]) -> Result<usize> {
     let causal = match &s.mask {
         AttnMask::Full => x,
         AttnMask::Causal => causal_mask(g, x, dims)?,

@@ -106,6 +106,11 @@ pub fn shape_supported(
             s.sk
         ));
     }
+    if s.fp8
+        && let Some(why) = super::sdpa_fp8::unsupported(s, bwd)
+    {
+        return Err(format!("FP8 attention on cuDNN does not take {why}"));
+    }
     Ok(())
 }
 
@@ -359,6 +364,7 @@ mod tests {
             lse_hs: 1,
             head_major: false,
             ragged: None,
+            fp8: false,
         }
     }
 
