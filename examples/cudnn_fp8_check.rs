@@ -29,13 +29,14 @@ fn amax(x: &[f32]) -> f32 {
 }
 
 fn main() -> Res<()> {
-    let be = match CudaBackend::new(0) {
+    let mut be = match CudaBackend::new(0) {
         Ok(b) => b,
         Err(e) => {
             println!("cudnn_fp8_check: skipped, no usable CUDA GPU ({e})");
             return Ok(());
         }
     };
+    be.set_attn_kernel(upipe::backend::cuda::cudnn::AttnKernel::Cudnn);
     let sdpa = CudnnSdpa::new(&be)?;
     println!("{} cuDNN {}", be.name(), sdpa.version());
     println!(
@@ -46,8 +47,15 @@ fn main() -> Res<()> {
         for heads in list("FP8_HEADS", "32:8,28:4") {
             let s: usize = s.parse()?;
             let (hq, hkv) = heads.split_once(':').ok_or("FP8_HEADS: hq:hkv")?;
-            run(&be, &sdpa, s, hq.parse()?, hkv.parse()?)?;
+            run(&mut be, &sdpa, s, hq.parse()?, hkv.parse()?)?;
         }
+    }
+    for b in sdpa.plan_builds() {
+        println!(
+            "plan: bwd {} fp8 {} s {} hq {} hkv {}: workspace {} B, candidate {:?}, {} ({:.0} ms)",
+            b.bwd, b.shape.fp8, b.shape.sq, b.shape.hq, b.shape.hkv, b.workspace, b.candidate,
+            b.engine, b.build_ms
+        );
     }
     Ok(())
 }
@@ -59,7 +67,9 @@ struct Host {
     d_o: Vec<f32>,
 }
 
-fn run(be: &CudaBackend, sdpa: &CudnnSdpa, s: usize, hq: usize, hkv: usize) -> Res<()> {
+fn run(bm: &mut CudaBackend, sdpa: &CudnnSdpa, s: usize, hq: usize, hkv: usize) -> Res<()> {
+    let t_route = route(bm, s, hq, hkv)?;
+    let be: &CudaBackend = bm;
     let d = 128;
     let mut rng = Rng(7);
     let h = Host {
@@ -208,6 +218,7 @@ fn run(be: &CudaBackend, sdpa: &CudnnSdpa, s: usize, hq: usize, hkv: usize) -> R
         rel_err(&dv_got, &want[4]),
     );
     let cells = be.to_host(&sc)?;
+    println!("  through the backend (quantization included): {t_route}");
     println!(
         "  amax/bound: O {:.2e}/{:.2e} dS {:.2e}/{:.2e} dQ {:.2e}/{:.2e} dK {:.2e}/{:.2e} dV {:.2e}/{:.2e}; want amax dQ {:.2e} dK {:.2e} dV {:.2e}",
         fwd_cells[Slot::AmaxO as usize],
@@ -225,4 +236,78 @@ fn run(be: &CudaBackend, sdpa: &CudnnSdpa, s: usize, hq: usize, hkv: usize) -> R
         amax(&want[4]),
     );
     Ok(())
+}
+
+/// The backend's FP8 route (`set_attention_fp8`) against its BF16 one on
+/// the same inputs: errors of O, dQ, dK, dV and the times of both.
+fn route(be: &mut CudaBackend, s: usize, hq: usize, hkv: usize) -> Res<String> {
+    use upipe::backend::{AttentionBwd, AttentionFwd, AttnGradWrites};
+    let d = 128;
+    let mut rng = Rng(11);
+    let up = |be: &CudaBackend, x: Vec<f32>, heads: usize| {
+        be.from_host(&x, &[s, heads, d], DType::BF16, Category::Activations)
+    };
+    let (q, k, v, d_o) = (
+        up(be, rng.vec_bf16(s * hq * d, 2.0), hq)?,
+        up(be, rng.vec_bf16(s * hkv * d, 2.0), hkv)?,
+        up(be, rng.vec_bf16(s * hkv * d, 1.0), hkv)?,
+        up(be, rng.vec_bf16(s * hq * d, 1e-3), hq)?,
+    );
+    let mut out = Vec::new();
+    let mut times = Vec::new();
+    for fp8 in [false, true] {
+        be.set_attention_fp8(fp8);
+        let b: &CudaBackend = be;
+        let mut o = b.zeros(&[s, hq, d], DType::BF16, Category::Activations)?;
+        let mut lse = b.zeros(&[s, hq], DType::F32, Category::Activations)?;
+        let g = |h| b.zeros(&[s, h, d], DType::F32, Category::Activations);
+        let (mut dq, mut dk, mut dv) = (g(hq)?, g(hkv)?, g(hkv)?);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut pass = |o: &mut Tensor<CudaBackend>, lse: &mut Tensor<CudaBackend>| -> Res<()> {
+            b.attention_fwd(AttentionFwd {
+                q: q.all_rows(),
+                k: k.all_rows(),
+                v: v.all_rows(),
+                mask: &AttnMask::Causal,
+                scale,
+                o: o.all_rows_mut(),
+                lse: lse.all_rows_mut(),
+            })?;
+            b.attention_bwd(AttentionBwd {
+                q: q.all_rows(),
+                k: k.all_rows(),
+                v: v.all_rows(),
+                o: o.all_rows(),
+                d_o: d_o.all_rows(),
+                lse: lse.all_rows(),
+                mask: &AttnMask::Causal,
+                scale,
+                dq: dq.all_rows_mut(),
+                dk: dk.all_rows_mut(),
+                dv: dv.all_rows_mut(),
+                writes: AttnGradWrites {
+                    dq: upipe::backend::GradWrite::Overwrite,
+                    dkv: upipe::backend::GradWrite::Overwrite,
+                },
+            })?;
+            Ok(())
+        };
+        pass(&mut o, &mut lse)?;
+        b.synchronize()?;
+        let t0 = std::time::Instant::now();
+        pass(&mut o, &mut lse)?;
+        b.synchronize()?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        out.push([&o, &dq, &dk, &dv].map(|t| b.to_host(t)));
+    }
+    be.set_attention_fp8(false);
+    let [bf, f8]: [[_; 4]; 2] = out.try_into().map_err(|_| "two passes")?;
+    let mut errs = Vec::new();
+    for (a, w) in f8.into_iter().zip(bf) {
+        errs.push(rel_err(&a?, &w?));
+    }
+    Ok(format!(
+        "fwd+bwd bf16 {:.2} ms, fp8 {:.2} ms; err O {:.1e} dQ {:.1e} dK {:.1e} dV {:.1e}",
+        times[0], times[1], errs[0], errs[1], errs[2], errs[3]
+    ))
 }

@@ -103,8 +103,9 @@ pub struct PlanArgs {
     /// As `train --grad-dtype`: f32 or bf16.
     #[arg(long, default_value = "f32")]
     pub grad_dtype: String,
-    /// As `train --precision`: bf16 or fp8 (the FP8 operand copies of
-    /// each linear GEMM counted).
+    /// As `train --precision`: bf16, fp8 (the FP8 operand copies of each
+    /// linear GEMM counted) or fp8-attention (and each attention call's
+    /// FP8 operands and scales).
     #[arg(long, default_value = "bf16")]
     pub precision: String,
     /// Memory policies, comma-separated: checkpoint, offload, offload-auto,

@@ -222,6 +222,7 @@ fn build(a: &TrainArgs, c: Choices) -> Result<Built> {
     let head_dim = c.model.head_dim;
     let mut cfg = cfg;
     cfg.attention_kernel = kernel::decide(&route, c.device, c.kernel, head_dim, bounded, say)?;
+    kernel::check_fp8_attention(cfg.precision, cfg.attention_kernel, &c.model, bounded)?;
     Ok(Built {
         cfg,
         plan,
@@ -487,11 +488,17 @@ fn announce(run: &Built, tokens: usize, tokenizer: &str, per_epoch: usize) {
             cfg.optim.state
         );
     }
-    if cfg.precision == crate::backend::fp8::Precision::Fp8 {
+    if cfg.precision.fp8_linear() {
         println!(
             "precision: fp8 linear layers (--precision; E4M3 weights and activations, E5M2 \
              gradients, tensor-wise scales; master weights, optimizer, loss, embedding, LM head \
              and norms as before)"
+        );
+    }
+    if cfg.precision.fp8_attention() {
+        println!(
+            "precision: fp8 attention on cuDNN (--precision fp8-attention; Q, K, V, O in E4M3, \
+             dO and the gradients in E5M2, scales from bounds: docs/fp8.md)"
         );
     }
     let per_step = cfg.grad_accum * cfg.data_parallel;

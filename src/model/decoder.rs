@@ -319,7 +319,7 @@ impl<B: Backend> Decoder<B> {
     /// LM head, the norms and LoRA's adapter GEMMs stay in the compute
     /// dtype. An error naming the fix where the device has no FP8.
     pub fn set_precision(&mut self, b: &B, precision: Precision) -> Result<()> {
-        if precision == Precision::Fp8 {
+        if precision.fp8_linear() {
             b.supports_fp8()?;
         }
         self.precision = precision;

@@ -18,6 +18,7 @@ use super::{DeviceKind, Prediction, StepSpec};
 use crate::attention::trial::{RankInputs, RankOptions, run_rank};
 use crate::attention::{AttnDims, CpPlan};
 use crate::backend::OpBuffers;
+use crate::backend::fp8::Precision;
 use crate::backend::counting::CountingBackend;
 use crate::backend::cuda::counted::CountedCuda;
 use crate::backend::op_buffers::ReferenceBuffers;
@@ -35,12 +36,14 @@ use std::sync::Arc;
 
 /// The rules of the device a counting backend stands for: the CPU
 /// reference's, or a CUDA device's with the attention routing of the cuDNN
-/// version it plans ([`DeviceKind::cudnn`]; none: our kernels only).
-pub fn counted_device(device: DeviceKind) -> Arc<dyn OpBuffers> {
+/// version it plans ([`DeviceKind::cudnn`]; none: our kernels only), on
+/// cuDNN's FP8 graphs where `precision` says.
+pub fn counted_device(device: DeviceKind, precision: Precision) -> Arc<dyn OpBuffers> {
     match device {
         DeviceKind::Cpu => Arc::new(ReferenceBuffers),
         cuda => Arc::new(CountedCuda {
             cudnn: cuda.cudnn(),
+            fp8_attention: precision.fp8_attention(),
         }),
     }
 }
@@ -83,14 +86,14 @@ pub fn engine_step_rank(spec: &StepSpec, ring_rank: usize) -> Result<Prediction>
     step_rank_on(
         spec,
         ring_rank,
-        CountingBackend::new(counted_device(spec.device)),
+        CountingBackend::new(counted_device(spec.device, spec.precision)),
     )
 }
 
 /// [`engine_step_rank`] with every iteration of every loop run (none
 /// collapsed): what tests hold the collapsed prediction to.
 pub fn engine_step_rank_uncollapsed(spec: &StepSpec, ring_rank: usize) -> Result<Prediction> {
-    let b = CountingBackend::new(counted_device(spec.device)).every_iteration();
+    let b = CountingBackend::new(counted_device(spec.device, spec.precision)).every_iteration();
     step_rank_on(spec, ring_rank, b)
 }
 
@@ -134,7 +137,7 @@ pub fn engine_attention_trial_rank(
         ring: ring_rank,
         ulysses: 0,
     });
-    let b = CountingBackend::new(counted_device(device));
+    let b = CountingBackend::new(counted_device(device, dims.precision));
     let mesh = counting_mesh(shape, rank);
     let opts = RankOptions {
         warmup: passes.max(1) - 1,
@@ -179,7 +182,7 @@ pub fn engine_eval_rank(spec: &EvalSpec, ring_rank: usize) -> Result<Prediction>
         ring: ring_rank,
         ulysses: 0,
     });
-    let b = CountingBackend::new(counted_device(spec.device));
+    let b = CountingBackend::new(counted_device(spec.device, Precision::Bf16));
     let mesh = counting_mesh(shape, rank);
     match spec.forward {
         EvalForward::Loss => drop(rehearse_eval_on_mesh(cfg, spec.length, &b, &mesh)?),

@@ -221,11 +221,16 @@ pub fn train_process_rank(
     data.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&plan);
     let decided = cfg.decided_flags();
+    let attention = RankAttention {
+        select: kernel,
+        decided: cfg.attention_kernel,
+        fp8: cfg.precision.fp8_attention(),
+    };
     let rank = ProcessRank::join(
         "train",
         env,
         shape,
-        (kernel, cfg.attention_kernel),
+        attention,
         cfg.host_budget,
         &decided,
     )?;
@@ -253,7 +258,7 @@ pub fn eval_process_rank(
     data.tokens.check_vocab(cfg.model.vocab)?;
     let shape = cfg.mesh_shape(&cfg.plan(cfg.windows(&data)?.seq)?);
     // eval takes every choice from its flags: nothing of its own to agree on
-    let rank = ProcessRank::join("eval", env, shape, (kernel, None), None, "")?;
+    let rank = ProcessRank::join("eval", env, shape, RankAttention::of(kernel), None, "")?;
     eval_on_mesh(cfg, &data, host, rank.backend.as_ref(), &rank.mesh)
 }
 
@@ -268,8 +273,30 @@ pub fn retrieval_process_rank(
 ) -> Result<super::retrieval::Scored> {
     let longest = run.grid.lengths.iter().copied().max().unwrap_or(1);
     let shape = run.cfg.mesh_shape(&run.cfg.plan(longest)?);
-    let rank = ProcessRank::join("eval", env, shape, (kernel, None), None, "")?;
+    let rank = ProcessRank::join("eval", env, shape, RankAttention::of(kernel), None, "")?;
     super::retrieval::retrieval_on_mesh(run, host, rank.backend.as_ref(), &rank.mesh)
+}
+
+/// How a process rank's GPU runs attention: the kernel selection
+/// (`--attn-kernel`), the kernel the run decided on
+/// (`TrainConfig::attention_kernel`) and whether on cuDNN's FP8 graphs
+/// (`--precision fp8-attention`).
+#[derive(Debug, Clone, Copy)]
+pub struct RankAttention {
+    pub select: crate::backend::cuda::cudnn::AttnKernel,
+    pub decided: Option<crate::backend::cuda::cudnn::AttentionKernel>,
+    pub fp8: bool,
+}
+
+impl RankAttention {
+    /// The selection alone (evaluation: BF16 attention, decided per call).
+    pub fn of(select: crate::backend::cuda::cudnn::AttnKernel) -> RankAttention {
+        RankAttention {
+            select,
+            decided: None,
+            fp8: false,
+        }
+    }
 }
 
 /// One process rank of a multi-GPU run (`upipe train`, `upipe eval`): its
@@ -286,8 +313,7 @@ impl ProcessRank {
     /// Joins the run of the subcommand `command` (named in errors) that
     /// `env` describes: checks that the world size is the size of `shape`
     /// and that `LOCAL_RANK` has a GPU of its own, opens that GPU with the
-    /// attention `kernel` (`--attn-kernel`, and the kernel the run decided
-    /// on, `TrainConfig::attention_kernel`) and the pinned-host budget `host_budget`, meets
+    /// `attention` settings and the pinned-host budget `host_budget`, meets
     /// the other ranks at the rendezvous, joins the NCCL world and splits
     /// the `data x ring x ulysses` mesh from it. `decided` is what this
     /// rank chose on its own, as flags: every rank must have chosen alike,
@@ -296,10 +322,7 @@ impl ProcessRank {
         command: &str,
         env: &DistEnv,
         shape: MeshShape,
-        kernel: (
-            crate::backend::cuda::cudnn::AttnKernel,
-            Option<crate::backend::cuda::cudnn::AttentionKernel>,
-        ),
+        attention: RankAttention,
         host_budget: Option<usize>,
         decided: &str,
     ) -> Result<ProcessRank> {
@@ -316,10 +339,11 @@ impl ProcessRank {
             "pass rank 0's flags to every rank, or the same --host-mem on every node",
         )?;
         let mut b = CudaBackend::new(env.local_rank)?;
-        b.set_attn_kernel(kernel.0);
-        if let Some(k) = kernel.1 {
+        b.set_attn_kernel(attention.select);
+        if let Some(k) = attention.decided {
             b.set_attention_kernel(k);
         }
+        b.set_attention_fp8(attention.fp8);
         b.set_host_budget(host_budget);
         let backend = Arc::new(b);
         let world = NcclWorld::connect(env, &mut rv, backend.clone())?;

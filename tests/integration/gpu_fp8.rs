@@ -165,3 +165,83 @@ fn gpu_fp8_gemm_equals_the_cpu_emulation() {
         assert!(worst <= scale / 128.0, "{role:?}: {worst} against {scale}");
     }
 }
+
+/// `sqrt(Σ (a − b)²) / sqrt(Σ b²)`.
+fn rel_l2(a: &[f32], b: &[f32]) -> f32 {
+    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f32 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// cuDNN's FP8 attention through the backend (`set_attention_fp8`) against
+/// the CPU emulation of the same arithmetic (`fp8::attention::emulate`):
+/// O, LSE and the gradients (added into F32 and BF16 buffers holding
+/// values, or overwritten) within FP8's resolution, GQA and MHA. Skipped
+/// where cuDNN or its FP8 graphs are not available.
+#[test]
+fn fp8_attention_tracks_the_emulation() {
+    use upipe::backend::fp8::attention::{AttnProblem, emulate};
+    use upipe::backend::{AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, GradWrite};
+    let Some(mut b) = gpu() else { return };
+    b.set_attn_kernel(upipe::backend::cuda::cudnn::AttnKernel::Cudnn);
+    if let Err(e) = b.cudnn_sdpa() {
+        eprintln!("SKIP fp8_attention_tracks_the_emulation: {e}");
+        return;
+    }
+    b.set_attention_fp8(true);
+    for (s, hq, hkv) in [(256, 4, 1), (384, 2, 2)] {
+        let d = 128;
+        let mut r = Rng::new(s as u64);
+        let mut draw = |n: usize, a: f32| bf16(&(0..n).map(|_| (r.uniform() as f32 * 2.0 - 1.0) * a).collect::<Vec<_>>());
+        let (q, k, v) = (draw(s * hq * d, 2.0), draw(s * hkv * d, 2.0), draw(s * hkv * d, 1.0));
+        let d_o = draw(s * hq * d, 1e-3);
+        let scale = 1.0 / (d as f32).sqrt();
+        let want = emulate(&AttnProblem { q: &q, k: &k, v: &v, d_o: &d_o, s, hq, hkv, d, scale });
+        let up = |x: &[f32], h: usize| b.from_host(x, &[s, h, d], DType::BF16, Category::Activations).unwrap();
+        let (tq, tk, tv, tdo) = (up(&q, hq), up(&k, hkv), up(&v, hkv), up(&d_o, hq));
+        let mut o = b.zeros(&[s, hq, d], DType::BF16, Category::Activations).unwrap();
+        let mut lse = b.zeros(&[s, hq], DType::F32, Category::Activations).unwrap();
+        b.attention_fwd(AttentionFwd {
+            q: tq.all_rows(),
+            k: tk.all_rows(),
+            v: tv.all_rows(),
+            mask: &AttnMask::Causal,
+            scale,
+            o: o.all_rows_mut(),
+            lse: lse.all_rows_mut(),
+        })
+        .unwrap();
+        let got_o = b.to_host(&o).unwrap();
+        assert!(rel_l2(&got_o, &want.o) < 0.02, "O {}", rel_l2(&got_o, &want.o));
+        assert!(rel_l2(&b.to_host(&lse).unwrap(), &want.lse) < 1e-3);
+        // dQ added into F32 holding 1.0, dK and dV overwritten in BF16
+        let mut dq = b.from_host(&vec![1.0; s * hq * d], &[s, hq, d], DType::F32, Category::Grads).unwrap();
+        let g = |h| b.from_host(&vec![7.0; s * h * d], &[s, h, d], DType::BF16, Category::Grads).unwrap();
+        let (mut dk, mut dv) = (g(hkv), g(hkv));
+        b.attention_bwd(AttentionBwd {
+            q: tq.all_rows(),
+            k: tk.all_rows(),
+            v: tv.all_rows(),
+            o: o.all_rows(),
+            d_o: tdo.all_rows(),
+            lse: lse.all_rows(),
+            mask: &AttnMask::Causal,
+            scale,
+            dq: dq.all_rows_mut(),
+            dk: dk.all_rows_mut(),
+            dv: dv.all_rows_mut(),
+            writes: AttnGradWrites { dq: GradWrite::Add, dkv: GradWrite::Overwrite },
+        })
+        .unwrap();
+        let dq: Vec<f32> = b.to_host(&dq).unwrap().iter().map(|x| x - 1.0).collect();
+        for (name, got, want) in [
+            ("dQ", dq, &want.dq),
+            ("dK", b.to_host(&dk).unwrap(), &want.dk),
+            ("dV", b.to_host(&dv).unwrap(), &want.dv),
+        ] {
+            let e = rel_l2(&got, want);
+            eprintln!("s {s} hq {hq} hkv {hkv}: {name} rel-L2 {e:.2e}");
+            assert!(e < 0.05, "{name} {e}");
+        }
+    }
+}

@@ -6,6 +6,8 @@
 //! operands are in [`super::attention`], [`super::flash`] and [`super::cudnn`].
 
 use super::attention::{self, AttentionKernels, AttnBwd, AttnFwd, AttnPath};
+use super::attention_fp8::{Fp8Bwd, Fp8Fwd, RowsAt};
+use crate::backend::RowsMut;
 use super::backend::{CudaBackend, dt, ptr, ptr_at};
 use super::device::drv;
 use super::kernels::{self, Args};
@@ -141,6 +143,32 @@ impl CudaBackend {
                 cudnn::AttnKernel::Native
             }
         };
+    }
+
+    /// Runs every attention call cuDNN takes on its FP8 graphs
+    /// (`--fp8-attention`; [`super::attention_fp8`]); a call cuDNN takes
+    /// that its FP8 graphs cannot is then an error, never a BF16 fallback.
+    pub fn set_attention_fp8(&mut self, on: bool) {
+        self.attn_fp8 = on;
+    }
+
+    /// Under FP8 attention, an error for a call cuDNN does not take (it
+    /// would run in BF16 on our kernels: never silently).
+    fn refuse_bf16_under_fp8(&self, g: &AttnShape, bwd: bool) -> Result<()> {
+        if !self.attn_fp8 || !g.nonempty() {
+            return Ok(());
+        }
+        Err(Error::Backend(format!(
+            "--precision fp8-attention: cuDNN does not take an attention {} of sq {} sk {} hq {} \
+             hkv {} d {} (mask {}), which would run in BF16; use --precision fp8",
+            if bwd { "backward" } else { "forward" },
+            g.sq,
+            g.sk,
+            g.hq,
+            g.hkv,
+            g.d,
+            g.mask
+        )))
     }
 
     /// The kernel the run decided on, if it did (`set_attention_kernel`).
@@ -406,6 +434,19 @@ impl CudaBackend {
             let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, mask.clone());
             if let Some(c) = self.cudnn_for(&shape, false)? {
                 self.count_attn(AttnPath::Cudnn, false);
+                if self.attn_fp8 {
+                    let rows = RowsAt::of;
+                    let f = Fp8Fwd {
+                        q: rows(&q, qrs),
+                        k: rows(&k, krs),
+                        v: rows(&v, krs),
+                        o: (a.o, a.o_dt),
+                        lse: a.lse,
+                        shape,
+                        scale,
+                    };
+                    return self.attention_fwd_fp8(c, f);
+                }
                 let f = cudnn::SdpaFwd {
                     q: a.q,
                     k: a.k,
@@ -419,6 +460,7 @@ impl CudaBackend {
                 return c.fwd(self, &f);
             }
         }
+        self.refuse_bf16_under_fp8(g, false)?;
         let a = AttnFwd {
             bounds: self.mask_bounds(mask, a.sq)?,
             ..a
@@ -488,6 +530,28 @@ impl CudaBackend {
             let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, mask.clone());
             if let Some(c) = self.cudnn_for(&shape, true)? {
                 self.count_attn(AttnPath::Cudnn, true);
+                if self.attn_fp8 {
+                    let rows = RowsAt::of;
+                    let grad = |r: &RowsMut<'_, Self>, cols, w| {
+                        (ptr_at(r.t, r.range.start * cols), r.t.dtype(), w)
+                    };
+                    let f = Fp8Bwd {
+                        q: rows(&q, qrs),
+                        k: rows(&k, krs),
+                        v: rows(&v, krs),
+                        o: rows(&o, qrs),
+                        d_o: rows(&d_o, qrs),
+                        lse: ptr_at(lse.t, lse.range.start * g.hq),
+                        grads: [
+                            grad(&dq, qrs, writes.dq),
+                            grad(&dk, krs, writes.dkv),
+                            grad(&dv, krs, writes.dkv),
+                        ],
+                        shape,
+                        scale,
+                    };
+                    return self.attention_bwd_fp8(c, f);
+                }
                 let b = cudnn::SdpaBwd {
                     q: ptr_at(q.t, q.range.start * qrs),
                     k: ptr_at(k.t, k.range.start * krs),
@@ -507,6 +571,7 @@ impl CudaBackend {
                 return c.bwd(self, &b, writes);
             }
         }
+        self.refuse_bf16_under_fp8(g, true)?;
         // The kernels below add into their gradients: an overwritten one
         // is zeroed first (its rows are contiguous in the dense tensor).
         for (w, t, rows, rs) in [

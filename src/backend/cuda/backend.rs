@@ -53,6 +53,8 @@ pub struct CudaBackend {
     /// The kernel the run decided on (`set_attention_kernel`): every call is
     /// served by it or fails; `None`: `attn_kernel` decides per call.
     pub(super) run_kernel: Option<cudnn::AttentionKernel>,
+    /// Attention calls cuDNN takes run its FP8 graphs (`set_attention_fp8`).
+    pub(super) attn_fp8: bool,
     /// The per-row key bounds of the last documents-masked attention call
     /// (`attention_ops.rs` `mask_bounds`): the bounds and their device copy.
     pub(super) mask_bounds: std::sync::Mutex<Option<(Vec<u32>, Tensor<CudaBackend>)>>,
@@ -150,6 +152,7 @@ impl CudaBackend {
                 (_, Err(_)) => cudnn::AttnKernel::Auto,
             },
             run_kernel: None,
+            attn_fp8: false,
             mask_bounds: std::sync::Mutex::new(None),
             cudnn: OnceLock::new(),
             cudnn_ws: std::sync::Mutex::new(None),

@@ -15,6 +15,8 @@ use crate::error::Result;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CountedCuda {
     pub cudnn: Option<usize>,
+    /// The calls cuDNN takes run its FP8 graphs (`--precision fp8-attention`).
+    pub fp8_attention: bool,
 }
 
 impl CountedCuda {
@@ -33,6 +35,7 @@ impl CudaRoute for CountedCuda {
         Ok(match (self.on_cudnn(shape, bwd), bwd) {
             (false, _) => None,
             (true, false) => Some(0),
+            (true, true) if shape.fp8 => Some(cudnn::estimated_fp8_bwd_plan_workspace(shape)),
             (true, true) => Some(cudnn::estimated_bwd_plan_workspace(shape)),
         })
     }
@@ -41,5 +44,8 @@ impl CudaRoute for CountedCuda {
     }
     fn bwd_in_place(&self, g: &AttnShape) -> bool {
         g.nonempty() && self.on_cudnn(&sdpa_shape(g), true)
+    }
+    fn fp8_attention(&self) -> bool {
+        self.fp8_attention
     }
 }

@@ -95,6 +95,37 @@ impl CudaBackend {
         )
     }
 
+    /// The codes of `src` scaled by `max / amax` with the amax already in
+    /// the 4-byte cell at `amax_cell` (no reduction, no inverse written):
+    /// a quantization with a scale set elsewhere. `dst` is dense row-major.
+    pub(super) fn fp8_cast_with_amax(
+        &self,
+        f: Fp8Format,
+        src: crate::backend::Mat<'_, Self>,
+        dst: &Tensor<Self>,
+        amax_cell: u64,
+    ) -> Result<()> {
+        let l = src.l;
+        let (rs, cs) = l.strides();
+        let tiles = l.rows.div_ceil(32) * l.cols.div_ceil(32);
+        if l.rows * l.cols == 0 {
+            return Ok(());
+        }
+        let args = Args::new()
+            .ptr(ptr_at(src.t, l.offset))
+            .i32(dt_flag(src.t.dtype()))
+            .usize(l.rows)
+            .usize(l.cols)
+            .usize(rs)
+            .usize(cs)
+            .ptr(amax_cell)
+            .i32(fmt_flag(f))
+            .ptr(ptr(dst))
+            .ptr(0);
+        let grid = (tiles.min(CAST_BLOCKS) as u32, 1, 1);
+        launch(&self.stream, self.kernels.fp8_cast, grid, BLOCK, 0, args)
+    }
+
     /// cuBLASLt's FP8 matmul of a checked call (`Gemm::run_fp8`).
     pub(super) fn fp8_gemm_impl(&self, g: &Fp8GemmShape, a: Fp8Gemm<'_, Self>) -> Result<()> {
         let _span = self.span("fp8_gemm")?;

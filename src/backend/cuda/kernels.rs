@@ -98,6 +98,8 @@ kernel_table!(
     fp8_amax,
     fp8_cast,
     fp8_scale_inv,
+    fp8_attn_scales,
+    fp8_dequant,
 );
 
 // SAFETY: module and function handles are immutable driver objects, valid on

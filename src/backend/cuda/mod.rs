@@ -23,6 +23,7 @@
 //! `synchronize` wait for it.
 
 pub mod attention;
+mod attention_fp8;
 mod attention_ops;
 mod backend;
 pub mod counted;

@@ -26,6 +26,10 @@ pub trait CudaRoute: Send + Sync {
     fn flash_bwd(&self, g: &AttnShape) -> Result<bool>;
     /// As [`Backend::attention_bwd_in_place`](crate::backend::Backend::attention_bwd_in_place).
     fn bwd_in_place(&self, g: &AttnShape) -> bool;
+    /// Whether the calls cuDNN takes run its FP8 graphs (`--fp8-attention`).
+    fn fp8_attention(&self) -> bool {
+        false
+    }
 }
 
 /// The call as cuDNN SDPA sees it.
@@ -65,6 +69,9 @@ impl<R: CudaRoute> OpBuffers for R {
             true => self.cudnn_plan_workspace(&sdpa_shape(g), false)?,
             false => None,
         };
+        if plan.is_some() && self.fp8_attention() {
+            return fp8_buffers(self, g, false);
+        }
         Ok(match plan {
             Some(plan_ws) => AttnBuffers {
                 kept_workspace: Some(kept(cudnn::fwd_workspace_bytes(&sdpa_shape(g), plan_ws))),
@@ -83,6 +90,7 @@ impl<R: CudaRoute> OpBuffers for R {
             false => None,
         };
         match plan {
+            Some(_) if self.fp8_attention() => fp8_buffers(self, g, true),
             Some(plan_ws) => Ok(cudnn_bwd(g, dt, plan_ws)),
             None => native_bwd(self, g, dt),
         }
@@ -90,6 +98,26 @@ impl<R: CudaRoute> OpBuffers for R {
     fn bwd_in_place(&self, g: &AttnShape) -> bool {
         CudaRoute::bwd_in_place(self, g)
     }
+}
+
+/// An FP8 call on cuDNN (`super::attention_fp8`): its scratch, and the
+/// kept workspace grown to its FP8 plan's workspace.
+fn fp8_buffers(route: &impl CudaRoute, g: &AttnShape, bwd: bool) -> Result<AttnBuffers> {
+    let shape = cudnn::SdpaShape {
+        fp8: true,
+        ..sdpa_shape(g)
+    };
+    let plan_ws = route.cudnn_plan_workspace(&shape, bwd)?.ok_or_else(|| {
+        Error::Backend(format!(
+            "FP8 attention: cuDNN does not take a call of sq {} sk {} hq {} hkv {} d {}",
+            g.sq, g.sk, g.hq, g.hkv, g.d
+        ))
+    })?;
+    Ok(AttnBuffers {
+        scratch: super::attention_fp8::fp8_scratch(&shape, bwd),
+        kept_workspace: Some(kept(plan_ws)),
+        ..AttnBuffers::default()
+    })
 }
 
 /// The kept workspace grown to `need` bytes.

@@ -58,4 +58,7 @@ impl CudaRoute for CudaBackend {
     fn bwd_in_place(&self, g: &AttnShape) -> bool {
         self.attention_bwd_in_place(g)
     }
+    fn fp8_attention(&self) -> bool {
+        self.attn_fp8
+    }
 }

@@ -62,20 +62,37 @@ pub struct AttnScales {
 }
 
 /// The largest power of two `p` with `bound · p ≤ max` (1 for a zero or
-/// non-finite bound).
+/// non-finite bound): the power of `max / bound`'s exponent, halved where
+/// the quotient rounded up across it. Exact f32 steps only, as the device
+/// computes it (`fp8_attn_scales`).
 pub fn pow2_scale(bound: f32, max: f32) -> f32 {
     if !(bound.is_finite() && bound > 0.0) {
         return 1.0;
     }
-    let e = (max / bound).log2().floor().clamp(-126.0, 127.0);
-    let p = 2f32.powi(e as i32);
-    // log2 can round up across a power of two
-    if bound * p > max { p / 2.0 } else { p }
+    let r = max / bound;
+    if !r.is_normal() {
+        return if r > 1.0 { 2f32.powi(127) } else { 2f32.powi(-126) };
+    }
+    let p = f32::from_bits(r.to_bits() & 0x7f80_0000);
+    if bound * p > max { p * 0.5 } else { p }
 }
 
 /// A rounded operand may exceed its amax by one relative step.
 fn widened(amax: f32, f: Fp8Format) -> f32 {
     amax * (1.0 + 2f32.powi(-(f.mantissa_bits() as i32)))
+}
+
+/// The amaxes the device recovers from its operands' inverse scales
+/// (`1 / scale_for(amax)`, what its quantizer leaves): `inv · max`.
+pub fn amax_of_inverse(inv: [f32; 4]) -> AttnAmax {
+    let (e4, e5) = (Fp8Format::E4M3.max(), Fp8Format::E5M2.max());
+    AttnAmax {
+        q: inv[0] * e4,
+        k: inv[1] * e4,
+        v: inv[2] * e4,
+        d_o: inv[3] * e5,
+        o: 0.0,
+    }
 }
 
 /// The scales of a call of `sq` query rows at head dim `d` with softmax
@@ -85,7 +102,7 @@ pub fn scales(a: &AttnAmax, sq: usize, d: usize, scale: f32) -> AttnScales {
     let (q, k, v) = (widened(a.q, e4), widened(a.k, e4), widened(a.v, e4));
     let d_o = widened(a.d_o, e5);
     let bound_o = widened(v, e4);
-    let bound_ds = scale * d as f32 * d_o * (v + bound_o);
+    let bound_ds = scale * d as f32 * d_o * (v + bound_o); // left to right, as the device
     let bound_dq = widened(bound_ds, e5) * k;
     let bound_dk = sq as f32 * widened(bound_ds, e5) * q;
     let bound_dv = sq as f32 * widened(1.0, e4) * d_o;
@@ -106,6 +123,106 @@ pub fn scales(a: &AttnAmax, sq: usize, d: usize, scale: f32) -> AttnScales {
         bound_dk,
         bound_dv,
     }
+}
+
+/// One head-dim-`d` causal attention problem on the CPU, token rows
+/// `[s, h, d]` (`hq` query heads over `hkv` key/value heads).
+pub struct AttnProblem<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub d_o: &'a [f32],
+    pub s: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub scale: f32,
+}
+
+/// What [`emulate`] returns: O, the LSE (`[s, hq]`, natural log), dQ, dK,
+/// dV, each dequantized to f32.
+pub struct AttnOutputs {
+    pub o: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+    pub dv: Vec<f32>,
+}
+
+/// The FP8 attention arithmetic on the CPU, step by step as the fused
+/// kernels compute it (module docs of `cudnn::sdpa_fp8`): operands rounded
+/// with their scales, the scales of [`scales`] from the inverse scales
+/// the device's quantizer leaves, f32 math between the roundings of P, O,
+/// dS and the gradients. The fused kernels accumulate in another order, so
+/// a value near a rounding boundary may land one code apart: the oracle of
+/// the GPU's FP8 attention within FP8's resolution, not to the bit.
+pub fn emulate(p: &AttnProblem<'_>) -> AttnOutputs {
+    let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
+    let am = |x: &[f32]| super::scale::amax(x.iter().copied());
+    let inv = |x: &[f32], f: Fp8Format| 1.0 / scale_for(am(x), f);
+    let inv = [inv(p.q, e4), inv(p.k, e4), inv(p.v, e4), inv(p.d_o, e5)];
+    let f = scales(&amax_of_inverse(inv), p.s, p.d, p.scale);
+    // dequantized operands: round(x · scale) · inverse
+    let deq = |x: &[f32], sc: f32, i: f32, fmt: Fp8Format| -> Vec<f32> {
+        x.iter().map(|&v| fmt.round(v * sc) * i).collect()
+    };
+    let (q, k, v) = (deq(p.q, f.q, inv[0], e4), deq(p.k, f.k, inv[1], e4), deq(p.v, f.v, inv[2], e4));
+    let d_o = deq(p.d_o, f.d_o, inv[3], e5);
+    let (s, d, hq, hkv) = (p.s, p.d, p.hq, p.hkv);
+    let group = hq / hkv;
+    let at = |h: usize, t: usize, heads: usize| (t * heads + h) * d;
+    let dot = |a: &[f32], i: usize, b: &[f32], j: usize| -> f32 {
+        (0..d).map(|c| a[i + c] * b[j + c]).sum()
+    };
+    let round = |x: f32, sc: f32, fmt: Fp8Format| fmt.round(x * sc) / sc;
+    let mut out = AttnOutputs {
+        o: vec![0.0; s * hq * d],
+        lse: vec![0.0; s * hq],
+        dq: vec![0.0; s * hq * d],
+        dk: vec![0.0; s * hkv * d],
+        dv: vec![0.0; s * hkv * d],
+    };
+    // f32 sums before the gradients' rounding
+    let (mut dk, mut dv) = (vec![0f32; s * hkv * d], vec![0f32; s * hkv * d]);
+    for h in 0..hq {
+        let kh = h / group;
+        for i in 0..s {
+            let qi = at(h, i, hq);
+            let sc: Vec<f32> = (0..=i).map(|j| dot(&q, qi, &k, at(kh, j, hkv)) * p.scale).collect();
+            let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let z: f32 = sc.iter().map(|x| (x - m).exp()).sum();
+            let lse = m + z.ln();
+            out.lse[i * hq + h] = lse;
+            let prob: Vec<f32> = sc.iter().map(|x| (x - lse).exp()).collect();
+            let p8: Vec<f32> = prob.iter().map(|&x| round(x, f.s, e4)).collect();
+            let mut o = vec![0f32; d];
+            for (j, &w) in p8.iter().enumerate() {
+                let vj = at(kh, j, hkv);
+                for c in 0..d {
+                    o[c] += w * v[vj + c];
+                }
+            }
+            for c in 0..d {
+                out.o[qi + c] = round(o[c], f.o, e4);
+            }
+            let di = dot(&d_o, qi, &out.o, qi);
+            for (j, (&pj, &p8j)) in prob.iter().zip(&p8).enumerate() {
+                let kj = at(kh, j, hkv);
+                let ds = round(pj * (dot(&d_o, qi, &v, kj) - di) * p.scale, f.dp, e5);
+                for c in 0..d {
+                    out.dq[qi + c] += ds * k[kj + c];
+                    dk[kj + c] += ds * q[qi + c];
+                    dv[kj + c] += p8j * d_o[qi + c];
+                }
+            }
+        }
+    }
+    for x in out.dq.iter_mut() {
+        *x = round(*x, f.dq, e5);
+    }
+    out.dk = dk.iter().map(|&x| round(x, f.dk, e5)).collect();
+    out.dv = dv.iter().map(|&x| round(x, f.dv, e5)).collect();
+    out
 }
 
 #[cfg(test)]
@@ -130,6 +247,83 @@ mod tests {
     fn probabilities_fill_e4m3_to_256() {
         let f = scales(&AttnAmax::default(), 16, 128, 0.088);
         assert_eq!(f.s, 256.0);
+    }
+
+    /// The emulation stays within FP8's resolution of the exact f32
+    /// attention (O within E4M3's, the gradients within E5M2's), and its
+    /// LSE (of FP8 scores) within a few percent.
+    #[test]
+    fn emulation_tracks_exact_attention() {
+        let (s, hq, hkv, d) = (24, 4, 2, 16);
+        let mut x = 0x2545f4914f6cdd1du64;
+        let mut r = |n: usize, a: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+                })
+                .collect()
+        };
+        let (q, k, v, d_o) = (r(s * hq * d, 2.0), r(s * hkv * d, 2.0), r(s * hkv * d, 1.0), r(s * hq * d, 1e-3));
+        let p = AttnProblem { q: &q, k: &k, v: &v, d_o: &d_o, s, hq, hkv, d, scale: 0.25 };
+        let got = emulate(&p);
+        // the exact one: the same loops without roundings
+        let exact = reference(&p);
+        let rel = |a: &[f32], b: &[f32]| -> f32 {
+            let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+            let den: f32 = b.iter().map(|y| y * y).sum();
+            (num / den).sqrt()
+        };
+        assert!(rel(&got.o, &exact.o) < 0.06, "O {}", rel(&got.o, &exact.o));
+        assert!(rel(&got.lse, &exact.lse) < 0.05);
+        for (name, a, b) in [("dQ", &got.dq, &exact.dq), ("dK", &got.dk, &exact.dk), ("dV", &got.dv, &exact.dv)] {
+            assert!(rel(a, b) < 0.15, "{name} {}", rel(a, b));
+        }
+    }
+
+    /// Causal attention and its gradients in f32, no roundings.
+    fn reference(p: &AttnProblem<'_>) -> AttnOutputs {
+        let (s, d, hq, hkv) = (p.s, p.d, p.hq, p.hkv);
+        let at = |h: usize, t: usize, heads: usize| (t * heads + h) * d;
+        let dot = |a: &[f32], i: usize, b: &[f32], j: usize| -> f32 {
+            (0..d).map(|c| a[i + c] * b[j + c]).sum()
+        };
+        let mut o = AttnOutputs {
+            o: vec![0.0; s * hq * d],
+            lse: vec![0.0; s * hq],
+            dq: vec![0.0; s * hq * d],
+            dk: vec![0.0; s * hkv * d],
+            dv: vec![0.0; s * hkv * d],
+        };
+        for h in 0..hq {
+            let kh = h / (hq / hkv);
+            for i in 0..s {
+                let qi = at(h, i, hq);
+                let sc: Vec<f32> = (0..=i).map(|j| dot(p.q, qi, p.k, at(kh, j, hkv)) * p.scale).collect();
+                let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let lse = m + sc.iter().map(|x| (x - m).exp()).sum::<f32>().ln();
+                o.lse[i * hq + h] = lse;
+                let prob: Vec<f32> = sc.iter().map(|x| (x - lse).exp()).collect();
+                for (j, &w) in prob.iter().enumerate() {
+                    for c in 0..d {
+                        o.o[qi + c] += w * p.v[at(kh, j, hkv) + c];
+                    }
+                }
+                let di = dot(p.d_o, qi, &o.o, qi);
+                for (j, &pj) in prob.iter().enumerate() {
+                    let kj = at(kh, j, hkv);
+                    let ds = pj * (dot(p.d_o, qi, p.v, kj) - di) * p.scale;
+                    for c in 0..d {
+                        o.dq[qi + c] += ds * p.k[kj + c];
+                        o.dk[kj + c] += ds * p.q[qi + c];
+                        o.dv[kj + c] += pj * p.d_o[qi + c];
+                    }
+                }
+            }
+        }
+        o
     }
 
     /// Outputs of random attention problems stay inside their bounds.

@@ -26,15 +26,30 @@ pub enum Precision {
     /// FP8 operands (E4M3 weights and activations, E5M2 gradients),
     /// accumulated in f32, outputs in the compute dtype.
     Fp8,
+    /// `Fp8`, and attention on cuDNN's FP8 graphs too (Q, K, V, O in E4M3,
+    /// dO and the gradients in E5M2; `backend::fp8::attention`): Hopper,
+    /// head dim 128, no documents or sliding windows.
+    Fp8Attention,
 }
 
 impl Precision {
-    /// The name a user writes (`bf16`, `fp8`).
+    /// The name a user writes (`bf16`, `fp8`, `fp8-attention`).
     pub fn name(self) -> &'static str {
         match self {
             Precision::Bf16 => "bf16",
             Precision::Fp8 => "fp8",
+            Precision::Fp8Attention => "fp8-attention",
         }
+    }
+
+    /// Whether the linear layers' GEMMs run on FP8 operands.
+    pub fn fp8_linear(self) -> bool {
+        self != Precision::Bf16
+    }
+
+    /// Whether attention runs on cuDNN's FP8 graphs.
+    pub fn fp8_attention(self) -> bool {
+        self == Precision::Fp8Attention
     }
 }
 
@@ -50,8 +65,9 @@ impl std::str::FromStr for Precision {
         match s {
             "bf16" => Ok(Precision::Bf16),
             "fp8" => Ok(Precision::Fp8),
+            "fp8-attention" => Ok(Precision::Fp8Attention),
             other => Err(Error::Config(format!(
-                "--precision {other}: expected bf16 or fp8"
+                "--precision {other}: expected bf16, fp8 or fp8-attention"
             ))),
         }
     }
@@ -142,9 +158,9 @@ impl<B: Backend> Fp8Operand<B> {
         format: Fp8Format,
         transposed_too: bool,
     ) -> Result<Option<Self>> {
-        match precision {
-            Precision::Bf16 => Ok(None),
-            Precision::Fp8 => Self::new(dev, x, format, transposed_too).map(Some),
+        match precision.fp8_linear() {
+            false => Ok(None),
+            true => Self::new(dev, x, format, transposed_too).map(Some),
         }
     }
 

@@ -139,7 +139,9 @@ pub struct TrainArgs {
     /// What the linear layers (q/k/v/o projections, the MLP's GEMMs)
     /// compute in: bf16 (the device's compute dtype) or fp8 (E4M3 weights
     /// and activations, E5M2 gradients, tensor-wise scales; master
-    /// weights, optimizer, loss, embedding, LM head and norms unchanged).
+    /// weights, optimizer, loss, embedding, LM head and norms unchanged);
+    /// fp8-attention: fp8, and attention on cuDNN's FP8 graphs (Hopper,
+    /// head dim 128, no documents or sliding windows; docs/fp8.md).
     #[arg(long, help_heading = "Run", default_value = "bf16")]
     pub precision: String,
     /// Seed of the random initialisation and of the data order.

@@ -63,6 +63,71 @@ pub fn decide(
     Ok(Some(kernel))
 }
 
+/// `--precision fp8-attention` where the run can take it: every
+/// attention call on cuDNN's FP8 graphs, which on Hopper take head dim 128,
+/// no documents masks and no sliding windows (`cudnn::sdpa_fp8`). An
+/// error naming the fix otherwise, before anything is allocated.
+pub fn check_fp8_attention(
+    precision: crate::backend::fp8::Precision,
+    kernel: Option<AttentionKernel>,
+    model: &crate::model::ModelConfig,
+    documents: bool,
+) -> Result<()> {
+    if !precision.fp8_attention() {
+        return Ok(());
+    }
+    let fix = "use --precision fp8 (FP8 linear layers, BF16 attention)";
+    let Some(kernel) = kernel else {
+        return crate::config_err!(
+            "--precision fp8-attention runs cuDNN's FP8 attention, on a GPU only; on the CPU \
+             {fix}"
+        );
+    };
+    let AttentionKernel::Cudnn { version } = kernel else {
+        return crate::config_err!(
+            "--precision fp8-attention runs on cuDNN, but the run's attention is on {kernel} \
+             (--attn-kernel native, or no cuDNN 9.1+ found): drop --attn-kernel native or \
+             install cuDNN, or {fix}"
+        );
+    };
+    if version < 90100 {
+        return crate::config_err!(
+            "--precision fp8-attention needs cuDNN 9.1 or newer (found {version}), or {fix}"
+        );
+    }
+    if model.head_dim != 128 {
+        return crate::config_err!(
+            "--precision fp8-attention: cuDNN's FP8 attention backward on Hopper takes head dim \
+             128 only, and this model's is {}; {fix}",
+            model.head_dim
+        );
+    }
+    if documents {
+        return crate::config_err!(
+            "--precision fp8-attention: cuDNN's FP8 attention takes no documents masks on \
+             Hopper; use --pack stream, or {fix}"
+        );
+    }
+    if (0..model.layers).any(|l| model.layer_attention(l).window.is_some()) {
+        return crate::config_err!(
+            "--precision fp8-attention: this model attends through sliding windows, which \
+             cuDNN's FP8 attention does not take; {fix}"
+        );
+    }
+    let gpus = crate::backend::cuda::device::gpus()?;
+    if let Some(g) = gpus.first()
+        && g.compute_capability.0 < 9
+    {
+        return crate::config_err!(
+            "--precision fp8-attention needs a Hopper GPU or newer (compute capability 9.0); \
+             this one is {}.{}: {fix}",
+            g.compute_capability.0,
+            g.compute_capability.1
+        );
+    }
+    Ok(())
+}
+
 /// `--attn-kernel` as the run file records a decided kernel (`cudnn`, or
 /// `native` for upipe's kernels): the run repeats with the same kernel.
 pub fn flag_of(kernel: AttentionKernel) -> &'static str {

@@ -166,6 +166,7 @@ pub(super) fn train_on_gpus(
         if let Some(k) = cfg.attention_kernel {
             b.set_attention_kernel(k);
         }
+        b.set_attention_fp8(cfg.precision.fp8_attention());
         b.set_host_budget(cfg.host_budget);
         b
     };

@@ -83,6 +83,13 @@ pub fn estimated_bwd_plan_workspace(s: &SdpaShape) -> usize {
     gqa_expansion + 256
 }
 
+/// cuDNN's plan workspace of an FP8 backward (`sdpa_fp8`), as the
+/// planner estimates it: the same GQA expansion of dK and dV per query
+/// head in f32 as the BF16 backward's, and 256 bytes.
+pub fn estimated_fp8_bwd_plan_workspace(s: &SdpaShape) -> usize {
+    estimated_bwd_plan_workspace(s)
+}
+
 /// The room a ragged call (several documents) reserves for cuDNN's own
 /// plan workspace, whatever the plan asks: its size varies with the
 /// number of documents (1,280 to 2,944 bytes measured on cuDNN 9.14, H200,

@@ -224,3 +224,74 @@ extern "C" __global__ void fp8_scale_inv(unsigned* cell, int fmt) {
         *(float*)cell = __fdiv_rn(1.0f, s);
     }
 }
+
+// backend::fp8::attention::pow2_scale: the largest power of two p with
+// bound * p <= max (1 for a zero or non-finite bound), exact steps only.
+__device__ float fp8_pow2_scale(float bound, float max) {
+    if (!(bound > 0.0f && bound <= 3.402823466e38f)) return 1.0f;
+    const float r = __fdiv_rn(max, bound);
+    if (!(r >= 1.17549435e-38f && r <= 3.402823466e38f))
+        return r > 1.0f ? __uint_as_float(254u << 23) : __uint_as_float(1u << 23);
+    const float p = __uint_as_float(__float_as_uint(r) & 0x7f800000u);
+    return __fmul_rn(bound, p) > max ? __fmul_rn(p, 0.5f) : p;
+}
+
+// The scale array of an FP8 attention call (cudnn::sdpa_fp8::Slot order),
+// as backend::fp8::attention::scales sets it, from the inverse scales its
+// operands were quantized with (inv_do 0 in a forward); extra receives
+// max / scale_o (the amax that makes fp8_cast quantize with O's scale) and
+// the descales of dQ, dK, dV. One thread.
+extern "C" __global__ void fp8_attn_scales(const float* inv_q, const float* inv_k,
+                                           const float* inv_v, const float* inv_do,
+                                           float* cells, float* extra, i64 sq, int d,
+                                           float scale) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const float e4 = 448.0f, e5 = 57344.0f, w4 = 1.125f, w5 = 1.25f;
+    const float iq = *inv_q, ik = *inv_k, iv = *inv_v, ido = inv_do ? *inv_do : 0.0f;
+    const float q = __fmul_rn(__fmul_rn(iq, e4), w4), k = __fmul_rn(__fmul_rn(ik, e4), w4);
+    const float v = __fmul_rn(__fmul_rn(iv, e4), w4), dO = __fmul_rn(__fmul_rn(ido, e5), w5);
+    const float bound_o = __fmul_rn(v, w4);
+    const float bound_ds = __fmul_rn(__fmul_rn(__fmul_rn(scale, (float)d), dO),
+                                     __fadd_rn(v, bound_o));
+    const float ds_w = __fmul_rn(bound_ds, w5);
+    const float bound_dq = __fmul_rn(ds_w, k);
+    const float bound_dk = __fmul_rn(__fmul_rn((float)sq, ds_w), q);
+    const float bound_dv = __fmul_rn(__fmul_rn((float)sq, w4), dO);
+    const float s = fp8_pow2_scale(1.0f, e4), o = fp8_pow2_scale(bound_o, e4);
+    const float dp = fp8_pow2_scale(bound_ds, e5);
+    // Slot: DescaleQ, DescaleK, DescaleV, DescaleO, DescaleDo, DescaleS, ScaleS,
+    // DescaleDp, ScaleDp, ScaleO, ScaleDq, ScaleDk, ScaleDv (then the amaxes)
+    const float c[13] = {iq, ik, iv, __fdiv_rn(1.0f, o), ido, __fdiv_rn(1.0f, s), s,
+                         __fdiv_rn(1.0f, dp), dp, o, fp8_pow2_scale(bound_dq, e5),
+                         fp8_pow2_scale(bound_dk, e5), fp8_pow2_scale(bound_dv, e5)};
+    for (int i = 0; i < 13; i++) cells[i] = c[i];
+    extra[0] = __fdiv_rn(e4, o);
+    for (int i = 0; i < 3; i++) extra[1 + i] = __fdiv_rn(1.0f, c[10 + i]);
+}
+
+// The value of an FP8 code.
+__device__ __forceinline__ float fp8_decode(unsigned char c, int fmt) {
+    const int mbits = fmt == 3 ? 3 : 2, bias = fmt == 3 ? 7 : 15;
+    const unsigned sign = c & 0x80u, e = (c & 0x7fu) >> mbits, m = c & ((1u << mbits) - 1u);
+    float a;
+    if (fmt == 3 && (c & 0x7fu) == 0x7fu) a = __int_as_float(0x7fc00000);
+    else if (fmt == 4 && e == 31u) a = m ? __int_as_float(0x7fc00000) : __int_as_float(0x7f800000);
+    else if (e == 0u) a = ldexpf((float)m, 1 - bias - mbits);
+    else a = ldexpf((float)((1u << mbits) | m), (int)e - bias - mbits);
+    return sign ? -a : a;
+}
+
+// dst rows (F32 or BF16, [rows, cols] with row stride rs) = (add: +=) the
+// dense codes src [rows, cols] times *descale.
+extern "C" __global__ void fp8_dequant(void* dst, int dt, i64 rows, i64 cols, i64 rs,
+                                       const unsigned char* src, int fmt, const float* descale,
+                                       int add) {
+    const float sc = *descale;
+    const i64 n = rows * cols;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / cols, at = r * rs + (i - r * cols);
+        float x = __fmul_rn(fp8_decode(src[i], fmt), sc);
+        if (add) x = __fadd_rn(ld(dst, at, dt), x);
+        st(dst, at, dt, x);
+    }
+}
