@@ -53,8 +53,15 @@ fn main() -> Res<()> {
     for b in sdpa.plan_builds() {
         println!(
             "plan: bwd {} fp8 {} s {} hq {} hkv {}: workspace {} B, candidate {:?}, {} ({:.0} ms)",
-            b.bwd, b.shape.fp8, b.shape.sq, b.shape.hq, b.shape.hkv, b.workspace, b.candidate,
-            b.engine, b.build_ms
+            b.bwd,
+            b.shape.fp8,
+            b.shape.sq,
+            b.shape.hq,
+            b.shape.hkv,
+            b.workspace,
+            b.candidate,
+            b.engine,
+            b.build_ms
         );
     }
     Ok(())
@@ -80,7 +87,8 @@ fn run(bm: &mut CudaBackend, sdpa: &CudnnSdpa, s: usize, hq: usize, hkv: usize) 
     };
     let shape = dense_shape(s, s, hq, hkv, d, AttnMask::Causal);
     let scale = 1.0 / (d as f32).sqrt();
-    let up = |x: &[f32], heads: usize, dt| be.from_host(x, &[s, heads, d], dt, Category::Activations);
+    let up =
+        |x: &[f32], heads: usize, dt| be.from_host(x, &[s, heads, d], dt, Category::Activations);
     let zeros = |heads: usize, dt| be.zeros(&[s, heads, d], dt, Category::Activations);
     let p = |t: &Tensor<CudaBackend>| be.device_ptr(t);
     let stream = be.stream().clone();

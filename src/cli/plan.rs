@@ -556,7 +556,16 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     a.memory.save_attention.check(policy, model.layers)?;
     memory.checkpoint_every.check(policy)?;
     let state = super::train::training_state(k, &a.optim_state, &a.master_weights, &a.grad_dtype)?;
-    let precision = for_key(k, "precision", a.precision.parse())?;
+    let precision: crate::backend::fp8::Precision = for_key(k, "precision", a.precision.parse())?;
+    if precision.fp8_attention() {
+        let documents = device.documents();
+        crate::cli::train::kernel::fp8_attention_fits(
+            device.cudnn(),
+            device.is_cuda(),
+            &model,
+            documents,
+        )?;
+    }
     // as every request decides it (the same GPUs, the same budget)
     let states = crate::plan::trained_state_bytes(&model, device.is_cuda(), &freeze, state);
     let (mut fsdp, mut fsdp_note) = fsdp_mode.resolve(gpus, states, rank_budget.memory);
@@ -694,8 +703,11 @@ fn breakdown(ctx: &Ctx, seq: usize) -> Result<i32> {
                 continue;
             }
         };
+        // the short length the search starts from (one every attention
+        // kernel takes: cuDNN's FP8 graphs refuse a single token)
         let unit = seq_unit(spec.plan.layout.pu, spec.plan.layout.pr);
-        let base = ctx.predict_resolved(s, unit, true)?.0;
+        let short = (unit / gcd(unit, 1024) * 1024).min(seq);
+        let base = ctx.predict_resolved(s, short, true)?.0;
         let fits = ctx.budget.check(&p, Some(&base));
         let command = TrainCommand {
             model: &ctx.a.model,

@@ -28,7 +28,7 @@
 mod args;
 mod built;
 mod execute;
-mod kernel;
+pub(crate) mod kernel;
 mod mesh;
 mod preflight;
 mod progress;

@@ -226,14 +226,7 @@ pub fn train_process_rank(
         decided: cfg.attention_kernel,
         fp8: cfg.precision.fp8_attention(),
     };
-    let rank = ProcessRank::join(
-        "train",
-        env,
-        shape,
-        attention,
-        cfg.host_budget,
-        &decided,
-    )?;
+    let rank = ProcessRank::join("train", env, shape, attention, cfg.host_budget, &decided)?;
     match cfg.rehearse {
         true => {
             let b = Rehearsal::on(rank.backend.clone());

@@ -513,7 +513,7 @@ fn fp8_trains_near_f32_and_is_planned_to_the_byte() {
 fn a_bad_precision_is_refused_and_plan_predicts_fp8() {
     let (_, log, success) = common::upipe(&["train", "--steps", "1", "--precision", "fp4"]);
     assert!(
-        !success && log.contains("--precision fp4") && log.contains("bf16 or fp8"),
+        !success && log.contains("--precision fp4") && log.contains("bf16, fp8 or fp8-attention"),
         "{log}"
     );
     let trained = common::train_steps(&[
@@ -574,4 +574,69 @@ fn lora_on_an_fp8_base_trains_and_is_planned() {
         last.is_finite() && last < first,
         "LoRA on FP8: {first} -> {last}"
     );
+}
+
+/// `--precision fp8-attention` is refused where it cannot run, before
+/// anything is allocated, naming the fix: on the CPU, and in a plan for a
+/// model whose head dim cuDNN's FP8 backward does not take; planned for
+/// a head-dim-128 model, each call's FP8 operands and scales are counted
+/// instead of the BF16 calls' buffers (a peak of its own), and the plan's
+/// train command carries the precision.
+#[test]
+fn fp8_attention_is_refused_where_it_cannot_run_and_planned_where_it_can() {
+    let (_, log, success) =
+        common::upipe(&["train", "--steps", "1", "--precision", "fp8-attention"]);
+    assert!(
+        !success && log.contains("on a GPU only") && log.contains("--precision fp8 "),
+        "{log}"
+    );
+    let plan = |model: &str, precision: &str| {
+        let args = [
+            "plan",
+            "--model",
+            model,
+            "--gpus",
+            "1",
+            "--device",
+            "cuda",
+            "--attn",
+            "upipe",
+            "--seq",
+            "8192",
+            "--json",
+            "--precision",
+            precision,
+        ];
+        let (stdout, log, success) = common::upipe(&args);
+        let peak = stdout
+            .lines()
+            .rev()
+            .find(|l| l.starts_with('{'))
+            .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .and_then(|v| v["peak_bytes"].as_u64());
+        (success, peak, log)
+    };
+    let (ok, _, log) = plan("llama3.2-1b", "fp8-attention");
+    assert!(
+        !ok && log.contains("head dim") && log.contains("64"),
+        "{log}"
+    );
+    let (ok8, fp8, log8) = plan("qwen3-0.6b", "fp8");
+    let (ok_a, attn, log_a) = plan("qwen3-0.6b", "fp8-attention");
+    assert!(ok8 && ok_a, "{log8}\n{log_a}");
+    assert_ne!(attn.unwrap(), fp8.unwrap());
+    let (stdout, _, _) = common::upipe(&[
+        "plan",
+        "--model",
+        "qwen3-0.6b",
+        "--gpus",
+        "1",
+        "--device",
+        "cuda",
+        "--seq",
+        "8192",
+        "--precision",
+        "fp8-attention",
+    ]);
+    assert!(stdout.contains("--precision fp8-attention"), "{stdout}");
 }

@@ -192,15 +192,42 @@ fn fp8_attention_tracks_the_emulation() {
     for (s, hq, hkv) in [(256, 4, 1), (384, 2, 2)] {
         let d = 128;
         let mut r = Rng::new(s as u64);
-        let mut draw = |n: usize, a: f32| bf16(&(0..n).map(|_| (r.uniform() as f32 * 2.0 - 1.0) * a).collect::<Vec<_>>());
-        let (q, k, v) = (draw(s * hq * d, 2.0), draw(s * hkv * d, 2.0), draw(s * hkv * d, 1.0));
+        let mut draw = |n: usize, a: f32| {
+            bf16(
+                &(0..n)
+                    .map(|_| (r.uniform() as f32 * 2.0 - 1.0) * a)
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let (q, k, v) = (
+            draw(s * hq * d, 2.0),
+            draw(s * hkv * d, 2.0),
+            draw(s * hkv * d, 1.0),
+        );
         let d_o = draw(s * hq * d, 1e-3);
         let scale = 1.0 / (d as f32).sqrt();
-        let want = emulate(&AttnProblem { q: &q, k: &k, v: &v, d_o: &d_o, s, hq, hkv, d, scale });
-        let up = |x: &[f32], h: usize| b.from_host(x, &[s, h, d], DType::BF16, Category::Activations).unwrap();
+        let want = emulate(&AttnProblem {
+            q: &q,
+            k: &k,
+            v: &v,
+            d_o: &d_o,
+            s,
+            hq,
+            hkv,
+            d,
+            scale,
+        });
+        let up = |x: &[f32], h: usize| {
+            b.from_host(x, &[s, h, d], DType::BF16, Category::Activations)
+                .unwrap()
+        };
         let (tq, tk, tv, tdo) = (up(&q, hq), up(&k, hkv), up(&v, hkv), up(&d_o, hq));
-        let mut o = b.zeros(&[s, hq, d], DType::BF16, Category::Activations).unwrap();
-        let mut lse = b.zeros(&[s, hq], DType::F32, Category::Activations).unwrap();
+        let mut o = b
+            .zeros(&[s, hq, d], DType::BF16, Category::Activations)
+            .unwrap();
+        let mut lse = b
+            .zeros(&[s, hq], DType::F32, Category::Activations)
+            .unwrap();
         b.attention_fwd(AttentionFwd {
             q: tq.all_rows(),
             k: tk.all_rows(),
@@ -212,11 +239,30 @@ fn fp8_attention_tracks_the_emulation() {
         })
         .unwrap();
         let got_o = b.to_host(&o).unwrap();
-        assert!(rel_l2(&got_o, &want.o) < 0.02, "O {}", rel_l2(&got_o, &want.o));
+        assert!(
+            rel_l2(&got_o, &want.o) < 0.02,
+            "O {}",
+            rel_l2(&got_o, &want.o)
+        );
         assert!(rel_l2(&b.to_host(&lse).unwrap(), &want.lse) < 1e-3);
         // dQ added into F32 holding 1.0, dK and dV overwritten in BF16
-        let mut dq = b.from_host(&vec![1.0; s * hq * d], &[s, hq, d], DType::F32, Category::Grads).unwrap();
-        let g = |h| b.from_host(&vec![7.0; s * h * d], &[s, h, d], DType::BF16, Category::Grads).unwrap();
+        let mut dq = b
+            .from_host(
+                &vec![1.0; s * hq * d],
+                &[s, hq, d],
+                DType::F32,
+                Category::Grads,
+            )
+            .unwrap();
+        let g = |h| {
+            b.from_host(
+                &vec![7.0; s * h * d],
+                &[s, h, d],
+                DType::BF16,
+                Category::Grads,
+            )
+            .unwrap()
+        };
         let (mut dk, mut dv) = (g(hkv), g(hkv));
         b.attention_bwd(AttentionBwd {
             q: tq.all_rows(),
@@ -230,7 +276,10 @@ fn fp8_attention_tracks_the_emulation() {
             dq: dq.all_rows_mut(),
             dk: dk.all_rows_mut(),
             dv: dv.all_rows_mut(),
-            writes: AttnGradWrites { dq: GradWrite::Add, dkv: GradWrite::Overwrite },
+            writes: AttnGradWrites {
+                dq: GradWrite::Add,
+                dkv: GradWrite::Overwrite,
+            },
         })
         .unwrap();
         let dq: Vec<f32> = b.to_host(&dq).unwrap().iter().map(|x| x - 1.0).collect();

@@ -109,7 +109,9 @@ impl CudaBackend {
         let operands = if bwd { 4 } else { 3 };
         let n_codes = list.len() - operands - 1 - if bwd { 3 } else { 0 };
         let take = |(n, dt): (usize, DType)| self.alloc(&[n], dt, Category::Workspace);
-        let codes = (0..n_codes).map(|i| take(list[i])).collect::<Result<Vec<_>>>()?;
+        let codes = (0..n_codes)
+            .map(|i| take(list[i]))
+            .collect::<Result<Vec<_>>>()?;
         let inv = (0..operands)
             .map(|i| take(list[n_codes + i]))
             .collect::<Result<Vec<_>>>()?;
@@ -150,7 +152,14 @@ impl CudaBackend {
             .usize(s.sq)
             .i32(s.d as i32)
             .f32(scale);
-        launch(&self.stream, self.kernels.fp8_attn_scales, (1, 1, 1), 32, 0, args)
+        launch(
+            &self.stream,
+            self.kernels.fp8_attn_scales,
+            (1, 1, 1),
+            32,
+            0,
+            args,
+        )
     }
 
     /// `dst` (`rows × cols` dense rows of `dt`) = (or +=) the codes `src`
@@ -234,7 +243,12 @@ impl CudaBackend {
         let cells = ptr(&ops.cells);
         // O with the forward's scale: fp8_cast reads max / scale_o as its amax
         let o_amax = cells + 4 * sdpa_fp8::SLOTS as u64;
-        self.fp8_cast_with_amax(Fp8Format::E4M3, a.o.t.view(a.o.layout()), &ops.codes[3], o_amax)?;
+        self.fp8_cast_with_amax(
+            Fp8Format::E4M3,
+            a.o.t.view(a.o.layout()),
+            &ops.codes[3],
+            o_amax,
+        )?;
         let take = |n: usize| self.alloc(&[n], DType::F8E5M2, Category::Workspace);
         let (nq, nk) = (s.sq * s.hq * s.d, s.sk * s.hkv * s.d);
         let grads = [take(nq)?, take(nk)?, take(nk)?];

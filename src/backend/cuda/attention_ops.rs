@@ -7,11 +7,11 @@
 
 use super::attention::{self, AttentionKernels, AttnBwd, AttnFwd, AttnPath};
 use super::attention_fp8::{Fp8Bwd, Fp8Fwd, RowsAt};
-use crate::backend::RowsMut;
 use super::backend::{CudaBackend, dt, ptr, ptr_at};
 use super::device::drv;
 use super::kernels::{self, Args};
 use super::{cudnn, flash, nvrtc};
+use crate::backend::RowsMut;
 use crate::backend::{
     AttentionBwd, AttentionFwd, AttnMask, AttnShape, Backend, Category, DType, GradWrite, LseMerge,
     Tensor,

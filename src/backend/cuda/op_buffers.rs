@@ -69,7 +69,7 @@ impl<R: CudaRoute> OpBuffers for R {
             true => self.cudnn_plan_workspace(&sdpa_shape(g), false)?,
             false => None,
         };
-        if plan.is_some() && self.fp8_attention() {
+        if self.fp8_attention() && g.nonempty() {
             return fp8_buffers(self, g, false);
         }
         Ok(match plan {
@@ -90,7 +90,7 @@ impl<R: CudaRoute> OpBuffers for R {
             false => None,
         };
         match plan {
-            Some(_) if self.fp8_attention() => fp8_buffers(self, g, true),
+            _ if self.fp8_attention() && g.nonempty() => fp8_buffers(self, g, true),
             Some(plan_ws) => Ok(cudnn_bwd(g, dt, plan_ws)),
             None => native_bwd(self, g, dt),
         }
@@ -101,7 +101,8 @@ impl<R: CudaRoute> OpBuffers for R {
 }
 
 /// An FP8 call on cuDNN (`super::attention_fp8`): its scratch, and the
-/// kept workspace grown to its FP8 plan's workspace.
+/// kept workspace grown to its FP8 plan's workspace; an error for a call
+/// cuDNN's FP8 graphs do not take, as the device refuses it.
 fn fp8_buffers(route: &impl CudaRoute, g: &AttnShape, bwd: bool) -> Result<AttnBuffers> {
     let shape = cudnn::SdpaShape {
         fp8: true,

@@ -71,7 +71,11 @@ pub fn pow2_scale(bound: f32, max: f32) -> f32 {
     }
     let r = max / bound;
     if !r.is_normal() {
-        return if r > 1.0 { 2f32.powi(127) } else { 2f32.powi(-126) };
+        return if r > 1.0 {
+            2f32.powi(127)
+        } else {
+            2f32.powi(-126)
+        };
     }
     let p = f32::from_bits(r.to_bits() & 0x7f80_0000);
     if bound * p > max { p * 0.5 } else { p }
@@ -166,7 +170,11 @@ pub fn emulate(p: &AttnProblem<'_>) -> AttnOutputs {
     let deq = |x: &[f32], sc: f32, i: f32, fmt: Fp8Format| -> Vec<f32> {
         x.iter().map(|&v| fmt.round(v * sc) * i).collect()
     };
-    let (q, k, v) = (deq(p.q, f.q, inv[0], e4), deq(p.k, f.k, inv[1], e4), deq(p.v, f.v, inv[2], e4));
+    let (q, k, v) = (
+        deq(p.q, f.q, inv[0], e4),
+        deq(p.k, f.k, inv[1], e4),
+        deq(p.v, f.v, inv[2], e4),
+    );
     let d_o = deq(p.d_o, f.d_o, inv[3], e5);
     let (s, d, hq, hkv) = (p.s, p.d, p.hq, p.hkv);
     let group = hq / hkv;
@@ -188,7 +196,9 @@ pub fn emulate(p: &AttnProblem<'_>) -> AttnOutputs {
         let kh = h / group;
         for i in 0..s {
             let qi = at(h, i, hq);
-            let sc: Vec<f32> = (0..=i).map(|j| dot(&q, qi, &k, at(kh, j, hkv)) * p.scale).collect();
+            let sc: Vec<f32> = (0..=i)
+                .map(|j| dot(&q, qi, &k, at(kh, j, hkv)) * p.scale)
+                .collect();
             let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let z: f32 = sc.iter().map(|x| (x - m).exp()).sum();
             let lse = m + z.ln();
@@ -198,12 +208,12 @@ pub fn emulate(p: &AttnProblem<'_>) -> AttnOutputs {
             let mut o = vec![0f32; d];
             for (j, &w) in p8.iter().enumerate() {
                 let vj = at(kh, j, hkv);
-                for c in 0..d {
-                    o[c] += w * v[vj + c];
+                for (oc, &vc) in o.iter_mut().zip(&v[vj..vj + d]) {
+                    *oc += w * vc;
                 }
             }
-            for c in 0..d {
-                out.o[qi + c] = round(o[c], f.o, e4);
+            for (dst, &oc) in out.o[qi..qi + d].iter_mut().zip(&o) {
+                *dst = round(oc, f.o, e4);
             }
             let di = dot(&d_o, qi, &out.o, qi);
             for (j, (&pj, &p8j)) in prob.iter().zip(&p8).enumerate() {
@@ -266,8 +276,23 @@ mod tests {
                 })
                 .collect()
         };
-        let (q, k, v, d_o) = (r(s * hq * d, 2.0), r(s * hkv * d, 2.0), r(s * hkv * d, 1.0), r(s * hq * d, 1e-3));
-        let p = AttnProblem { q: &q, k: &k, v: &v, d_o: &d_o, s, hq, hkv, d, scale: 0.25 };
+        let (q, k, v, d_o) = (
+            r(s * hq * d, 2.0),
+            r(s * hkv * d, 2.0),
+            r(s * hkv * d, 1.0),
+            r(s * hq * d, 1e-3),
+        );
+        let p = AttnProblem {
+            q: &q,
+            k: &k,
+            v: &v,
+            d_o: &d_o,
+            s,
+            hq,
+            hkv,
+            d,
+            scale: 0.25,
+        };
         let got = emulate(&p);
         // the exact one: the same loops without roundings
         let exact = reference(&p);
@@ -278,7 +303,11 @@ mod tests {
         };
         assert!(rel(&got.o, &exact.o) < 0.06, "O {}", rel(&got.o, &exact.o));
         assert!(rel(&got.lse, &exact.lse) < 0.05);
-        for (name, a, b) in [("dQ", &got.dq, &exact.dq), ("dK", &got.dk, &exact.dk), ("dV", &got.dv, &exact.dv)] {
+        for (name, a, b) in [
+            ("dQ", &got.dq, &exact.dq),
+            ("dK", &got.dk, &exact.dk),
+            ("dV", &got.dv, &exact.dv),
+        ] {
             assert!(rel(a, b) < 0.15, "{name} {}", rel(a, b));
         }
     }
@@ -301,7 +330,9 @@ mod tests {
             let kh = h / (hq / hkv);
             for i in 0..s {
                 let qi = at(h, i, hq);
-                let sc: Vec<f32> = (0..=i).map(|j| dot(p.q, qi, p.k, at(kh, j, hkv)) * p.scale).collect();
+                let sc: Vec<f32> = (0..=i)
+                    .map(|j| dot(p.q, qi, p.k, at(kh, j, hkv)) * p.scale)
+                    .collect();
                 let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let lse = m + sc.iter().map(|x| (x - m).exp()).sum::<f32>().ln();
                 o.lse[i * hq + h] = lse;
@@ -355,7 +386,9 @@ mod tests {
             // causal softmax, O, D, dS, dQ, dK, dV in f32
             let mut p = vec![0f32; sq * sq];
             for i in 0..sq {
-                let m = (0..=i).map(|j| dot(&q, i, &k, j) * scale).fold(f32::MIN, f32::max);
+                let m = (0..=i)
+                    .map(|j| dot(&q, i, &k, j) * scale)
+                    .fold(f32::MIN, f32::max);
                 let z: f32 = (0..=i).map(|j| (dot(&q, i, &k, j) * scale - m).exp()).sum();
                 for j in 0..=i {
                     p[i * sq + j] = (dot(&q, i, &k, j) * scale - m).exp() / z;

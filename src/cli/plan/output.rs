@@ -126,6 +126,9 @@ impl std::fmt::Display for TrainCommand<'_> {
             write!(f, " --optim-state {m} --master-weights {w}")?;
             write!(f, " --grad-dtype {}", s.grads.name())?;
         }
+        if spec.precision != Default::default() {
+            write!(f, " --precision {}", spec.precision)?;
+        }
         if !spec.freeze.is_empty() && spec.lora.is_none() {
             write!(f, " --freeze {}", spec.freeze)?;
         }

@@ -65,8 +65,9 @@ pub fn decide(
 
 /// `--precision fp8-attention` where the run can take it: every
 /// attention call on cuDNN's FP8 graphs, which on Hopper take head dim 128,
-/// no documents masks and no sliding windows (`cudnn::sdpa_fp8`). An
-/// error naming the fix otherwise, before anything is allocated.
+/// no documents masks and no sliding windows (`cudnn::sdpa_fp8`), and on
+/// a GPU of compute capability 9.0 or above. An error naming the fix
+/// otherwise, before anything is allocated.
 pub fn check_fp8_attention(
     precision: crate::backend::fp8::Precision,
     kernel: Option<AttentionKernel>,
@@ -76,18 +77,48 @@ pub fn check_fp8_attention(
     if !precision.fp8_attention() {
         return Ok(());
     }
-    let fix = "use --precision fp8 (FP8 linear layers, BF16 attention)";
-    let Some(kernel) = kernel else {
+    let cudnn = match kernel {
+        Some(AttentionKernel::Cudnn { version }) => Some(version),
+        _ => None,
+    };
+    fp8_attention_fits(cudnn, kernel.is_some(), model, documents)?;
+    let gpus = crate::backend::cuda::device::gpus()?;
+    if let Some(g) = gpus.first()
+        && g.compute_capability.0 < 9
+    {
+        return crate::config_err!(
+            "--precision fp8-attention needs a Hopper GPU or newer (compute capability 9.0); \
+             this one is {}.{}: {FP8_FIX}",
+            g.compute_capability.0,
+            g.compute_capability.1
+        );
+    }
+    Ok(())
+}
+
+const FP8_FIX: &str = "use --precision fp8 (FP8 linear layers, BF16 attention)";
+
+/// What `--precision fp8-attention` asks of a run whose attention is on
+/// cuDNN `cudnn` (`None`: on upipe's kernels; `gpu`: on a GPU at all), as
+/// `train` checks it and `plan` plans it.
+pub fn fp8_attention_fits(
+    cudnn: Option<usize>,
+    gpu: bool,
+    model: &crate::model::ModelConfig,
+    documents: bool,
+) -> Result<()> {
+    let fix = FP8_FIX;
+    if !gpu {
         return crate::config_err!(
             "--precision fp8-attention runs cuDNN's FP8 attention, on a GPU only; on the CPU \
              {fix}"
         );
-    };
-    let AttentionKernel::Cudnn { version } = kernel else {
+    }
+    let Some(version) = cudnn else {
         return crate::config_err!(
-            "--precision fp8-attention runs on cuDNN, but the run's attention is on {kernel} \
-             (--attn-kernel native, or no cuDNN 9.1+ found): drop --attn-kernel native or \
-             install cuDNN, or {fix}"
+            "--precision fp8-attention runs on cuDNN, but the run's attention is on upipe's \
+             kernels (--attn-kernel native, or no cuDNN 9.1+ found): drop --attn-kernel native \
+             or install cuDNN, or {fix}"
         );
     };
     if version < 90100 {
@@ -112,17 +143,6 @@ pub fn check_fp8_attention(
         return crate::config_err!(
             "--precision fp8-attention: this model attends through sliding windows, which \
              cuDNN's FP8 attention does not take; {fix}"
-        );
-    }
-    let gpus = crate::backend::cuda::device::gpus()?;
-    if let Some(g) = gpus.first()
-        && g.compute_capability.0 < 9
-    {
-        return crate::config_err!(
-            "--precision fp8-attention needs a Hopper GPU or newer (compute capability 9.0); \
-             this one is {}.{}: {fix}",
-            g.compute_capability.0,
-            g.compute_capability.1
         );
     }
     Ok(())

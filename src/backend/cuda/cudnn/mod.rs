@@ -35,8 +35,7 @@ pub use select::{
 };
 pub use workspace::{
     FWD_PLAN_RESERVE, RAGGED_PLAN_RESERVE, bwd_workspace_bytes, estimated_bwd_plan_workspace,
-    estimated_fp8_bwd_plan_workspace,
-    fwd_workspace_bytes, kept_workspace_bytes, own_workspace,
+    estimated_fp8_bwd_plan_workspace, fwd_workspace_bytes, kept_workspace_bytes, own_workspace,
 };
 
 use self::plan::Plan;

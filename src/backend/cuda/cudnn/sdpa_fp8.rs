@@ -78,7 +78,9 @@ pub fn slots(bwd: bool) -> &'static [Slot] {
             ScaleDp, ScaleDq, ScaleDk, ScaleDv, AmaxDp, AmaxDq, AmaxDk, AmaxDv,
         ]
     } else {
-        &[DescaleQ, DescaleK, DescaleV, DescaleS, ScaleS, ScaleO, AmaxS, AmaxO]
+        &[
+            DescaleQ, DescaleK, DescaleV, DescaleS, ScaleS, ScaleO, AmaxS, AmaxO,
+        ]
     }
 }
 
@@ -114,7 +116,7 @@ pub fn unsupported(s: &SdpaShape, bwd: bool) -> Option<String> {
     if matches!(s.mask, AttnMask::Bounded(_)) {
         return Some("a documents mask".into());
     }
-    if s.d % 16 != 0 || s.d > 256 || (bwd && s.d != 128) {
+    if !s.d.is_multiple_of(16) || s.d > 256 || (bwd && s.d != 128) {
         return Some(format!(
             "head dim {} (cuDNN's FP8 backward on Hopper takes 128 only)",
             s.d
@@ -151,7 +153,13 @@ fn cell(g: &mut Graph, slot: Slot) -> Result<usize> {
 
 /// `x · cells…` in f32, one pointwise op per cell; the last into `out`
 /// when given.
-fn times(g: &mut Graph, x: usize, cells: &[Slot], dims: &[i64], out: Option<usize>) -> Result<usize> {
+fn times(
+    g: &mut Graph,
+    x: usize,
+    cells: &[Slot],
+    dims: &[i64],
+    out: Option<usize>,
+) -> Result<usize> {
     let mut y = x;
     for (n, &c) in cells.iter().enumerate() {
         let c = cell(g, c)?;
@@ -269,7 +277,13 @@ pub fn backward(s: &SdpaShape) -> Result<Graph> {
     g.binary(Pw::CUDNN_POINTWISE_MUL, d_o, o, doo)?;
     let red = g.virt(F32, &rdims)?;
     g.reduction(Red::CUDNN_REDUCE_TENSOR_ADD, doo, red)?;
-    let dsum = times(&mut g, red, &[Slot::DescaleDo, Slot::DescaleO], &rdims, None)?;
+    let dsum = times(
+        &mut g,
+        red,
+        &[Slot::DescaleDo, Slot::DescaleO],
+        &rdims,
+        None,
+    )?;
 
     // P = exp(S − Stats), masked first
     let sc = scores(&mut g, s, q, kt, &sdims)?;
@@ -288,13 +302,23 @@ pub fn backward(s: &SdpaShape) -> Result<Graph> {
         &mut g,
         (p8t, d_o, dv),
         (&kv_full, &kv_dims),
-        (&[Slot::DescaleS, Slot::DescaleDo], Slot::ScaleDv, Slot::AmaxDv),
+        (
+            &[Slot::DescaleS, Slot::DescaleDo],
+            Slot::ScaleDv,
+            Slot::AmaxDv,
+        ),
     )?;
 
     // dS = P ∘ (dO₈·V₈ᵀ · d_dO · dᵥ − D) · scale, then dS₈
     let dp0 = g.virt(F32, &sdims)?;
     g.matmul(d_o, vt, dp0)?;
-    let dp1 = times(&mut g, dp0, &[Slot::DescaleDo, Slot::DescaleV], &sdims, None)?;
+    let dp1 = times(
+        &mut g,
+        dp0,
+        &[Slot::DescaleDo, Slot::DescaleV],
+        &sdims,
+        None,
+    )?;
     let dp2 = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_SUB, dp1, dsum, dp2)?;
     let dp3 = g.virt(F32, &sdims)?;
@@ -316,7 +340,11 @@ pub fn backward(s: &SdpaShape) -> Result<Graph> {
         &mut g,
         (ds8, k, dq),
         (&qdims, &qdims),
-        (&[Slot::DescaleDp, Slot::DescaleK], Slot::ScaleDq, Slot::AmaxDq),
+        (
+            &[Slot::DescaleDp, Slot::DescaleK],
+            Slot::ScaleDq,
+            Slot::AmaxDq,
+        ),
     )?;
 
     // dK = dS₈ᵀ·Q₈
@@ -326,7 +354,11 @@ pub fn backward(s: &SdpaShape) -> Result<Graph> {
         &mut g,
         (ds8t, q, dk),
         (&kv_full, &kv_dims),
-        (&[Slot::DescaleDp, Slot::DescaleQ], Slot::ScaleDk, Slot::AmaxDk),
+        (
+            &[Slot::DescaleDp, Slot::DescaleQ],
+            Slot::ScaleDk,
+            Slot::AmaxDk,
+        ),
     )?;
     Ok(g)
 }
