@@ -109,8 +109,15 @@ impl CudaBackend {
         let operands = if bwd { 4 } else { 3 };
         let n_codes = list.len() - operands - 1 - if bwd { 3 } else { 0 };
         let take = |(n, dt): (usize, DType)| self.alloc(&[n], dt, Category::Workspace);
+        // the codes as the quantizer writes them, [rows, h·d] (Q, K, V, O, dO)
+        let (q, kv) = ((s.sq, s.hq * s.d), (s.sk, s.hkv * s.d));
+        let rows = [q, kv, kv, q, q];
         let codes = (0..n_codes)
-            .map(|i| take(list[i]))
+            .map(|i| {
+                let (r, c) = rows[i];
+                debug_assert_eq!(r * c, list[i].0);
+                self.alloc(&[r, c], list[i].1, Category::Workspace)
+            })
             .collect::<Result<Vec<_>>>()?;
         let inv = (0..operands)
             .map(|i| take(list[n_codes + i]))
