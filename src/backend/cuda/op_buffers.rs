@@ -114,9 +114,15 @@ fn fp8_buffers(route: &impl CudaRoute, g: &AttnShape, bwd: bool) -> Result<AttnB
             g.sq, g.sk, g.hq, g.hkv, g.d
         ))
     })?;
+    // a forward keeps the room a BF16 one keeps for its plan
+    let need = if bwd {
+        plan_ws
+    } else {
+        cudnn::fwd_workspace_bytes(&shape, plan_ws)
+    };
     Ok(AttnBuffers {
         scratch: super::attention_fp8::fp8_scratch(&shape, bwd),
-        kept_workspace: Some(kept(plan_ws)),
+        kept_workspace: Some(kept(need)),
         ..AttnBuffers::default()
     })
 }

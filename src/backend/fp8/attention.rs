@@ -154,28 +154,38 @@ pub struct AttnOutputs {
 }
 
 /// The FP8 attention arithmetic on the CPU, step by step as the fused
-/// kernels compute it (module docs of `cudnn::sdpa_fp8`): operands rounded
+/// kernels compute it (module docs of `cudnn::sdpa_fp8`; the forward's
+/// probabilities rounded before their normalization, as flash attention
+/// keeps them, the backward's after it): operands rounded
 /// with their scales, the scales of [`scales`] from the inverse scales
 /// the device's quantizer leaves, f32 math between the roundings of P, O,
 /// dS and the gradients. The fused kernels accumulate in another order, so
 /// a value near a rounding boundary may land one code apart: the oracle of
 /// the GPU's FP8 attention within FP8's resolution, not to the bit.
 pub fn emulate(p: &AttnProblem<'_>) -> AttnOutputs {
+    emulate_with(p, &device_scales(p))
+}
+
+/// The scales the device sets for `p`: from its operands' inverse scales
+/// (`1 / scale_for(amax)`, what the quantizer leaves).
+pub fn device_scales(p: &AttnProblem<'_>) -> AttnScales {
     let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
     let am = |x: &[f32]| super::scale::amax(x.iter().copied());
     let inv = |x: &[f32], f: Fp8Format| 1.0 / scale_for(am(x), f);
     let inv = [inv(p.q, e4), inv(p.k, e4), inv(p.v, e4), inv(p.d_o, e5)];
-    let f = scales(&amax_of_inverse(inv), p.s, p.d, p.scale);
-    // dequantized operands: round(x · scale) · inverse
-    let deq = |x: &[f32], sc: f32, i: f32, fmt: Fp8Format| -> Vec<f32> {
+    scales(&amax_of_inverse(inv), p.s, p.d, p.scale)
+}
+
+/// [`emulate`] with the scales `f` (for comparing scale rules).
+pub fn emulate_with(p: &AttnProblem<'_>, f: &AttnScales) -> AttnOutputs {
+    let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
+    // dequantized operands: round(x · scale) / scale
+    let deq = |x: &[f32], sc: f32, fmt: Fp8Format| -> Vec<f32> {
+        let i = 1.0 / sc;
         x.iter().map(|&v| fmt.round(v * sc) * i).collect()
     };
-    let (q, k, v) = (
-        deq(p.q, f.q, inv[0], e4),
-        deq(p.k, f.k, inv[1], e4),
-        deq(p.v, f.v, inv[2], e4),
-    );
-    let d_o = deq(p.d_o, f.d_o, inv[3], e5);
+    let (q, k, v) = (deq(p.q, f.q, e4), deq(p.k, f.k, e4), deq(p.v, f.v, e4));
+    let d_o = deq(p.d_o, f.d_o, e5);
     let (s, d, hq, hkv) = (p.s, p.d, p.hq, p.hkv);
     let group = hq / hkv;
     let at = |h: usize, t: usize, heads: usize| (t * heads + h) * d;
@@ -203,18 +213,22 @@ pub fn emulate(p: &AttnProblem<'_>) -> AttnOutputs {
             let z: f32 = sc.iter().map(|x| (x - m).exp()).sum();
             let lse = m + z.ln();
             out.lse[i * hq + h] = lse;
-            let prob: Vec<f32> = sc.iter().map(|x| (x - lse).exp()).collect();
-            let p8: Vec<f32> = prob.iter().map(|&x| round(x, f.s, e4)).collect();
+            // the forward rounds the probabilities before normalizing them,
+            // as flash attention does (exp(s − max) ≤ 1, the row's sum in f32)
             let mut o = vec![0f32; d];
-            for (j, &w) in p8.iter().enumerate() {
+            for (j, &x) in sc.iter().enumerate() {
+                let w = round((x - m).exp(), f.s, e4);
                 let vj = at(kh, j, hkv);
                 for (oc, &vc) in o.iter_mut().zip(&v[vj..vj + d]) {
                     *oc += w * vc;
                 }
             }
             for (dst, &oc) in out.o[qi..qi + d].iter_mut().zip(&o) {
-                *dst = round(oc, f.o, e4);
+                *dst = round(oc / z, f.o, e4);
             }
+            // the backward recomputes them normalized (exp(s − Stats))
+            let prob: Vec<f32> = sc.iter().map(|x| (x - lse).exp()).collect();
+            let p8: Vec<f32> = prob.iter().map(|&x| round(x, f.s, e4)).collect();
             let di = dot(&d_o, qi, &out.o, qi);
             for (j, (&pj, &p8j)) in prob.iter().zip(&p8).enumerate() {
                 let kj = at(kh, j, hkv);
@@ -233,6 +247,52 @@ pub fn emulate(p: &AttnProblem<'_>) -> AttnOutputs {
     out.dk = dk.iter().map(|&x| round(x, f.dk, e5)).collect();
     out.dv = dv.iter().map(|&x| round(x, f.dv, e5)).collect();
     out
+}
+
+/// Causal attention and its gradients in f32, no roundings (what the
+/// emulation's roundings are measured against).
+pub fn exact(p: &AttnProblem<'_>) -> AttnOutputs {
+    let (s, d, hq, hkv) = (p.s, p.d, p.hq, p.hkv);
+    let at = |h: usize, t: usize, heads: usize| (t * heads + h) * d;
+    let dot = |a: &[f32], i: usize, b: &[f32], j: usize| -> f32 {
+        (0..d).map(|c| a[i + c] * b[j + c]).sum()
+    };
+    let mut o = AttnOutputs {
+        o: vec![0.0; s * hq * d],
+        lse: vec![0.0; s * hq],
+        dq: vec![0.0; s * hq * d],
+        dk: vec![0.0; s * hkv * d],
+        dv: vec![0.0; s * hkv * d],
+    };
+    for h in 0..hq {
+        let kh = h / (hq / hkv);
+        for i in 0..s {
+            let qi = at(h, i, hq);
+            let sc: Vec<f32> = (0..=i)
+                .map(|j| dot(p.q, qi, p.k, at(kh, j, hkv)) * p.scale)
+                .collect();
+            let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = m + sc.iter().map(|x| (x - m).exp()).sum::<f32>().ln();
+            o.lse[i * hq + h] = lse;
+            let prob: Vec<f32> = sc.iter().map(|x| (x - lse).exp()).collect();
+            for (j, &w) in prob.iter().enumerate() {
+                for c in 0..d {
+                    o.o[qi + c] += w * p.v[at(kh, j, hkv) + c];
+                }
+            }
+            let di = dot(p.d_o, qi, &o.o, qi);
+            for (j, &pj) in prob.iter().enumerate() {
+                let kj = at(kh, j, hkv);
+                let ds = pj * (dot(p.d_o, qi, p.v, kj) - di) * p.scale;
+                for c in 0..d {
+                    o.dq[qi + c] += ds * p.k[kj + c];
+                    o.dk[kj + c] += ds * p.q[qi + c];
+                    o.dv[kj + c] += pj * p.d_o[qi + c];
+                }
+            }
+        }
+    }
+    o
 }
 
 #[cfg(test)]
@@ -295,7 +355,7 @@ mod tests {
         };
         let got = emulate(&p);
         // the exact one: the same loops without roundings
-        let exact = reference(&p);
+        let exact = exact(&p);
         let rel = |a: &[f32], b: &[f32]| -> f32 {
             let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
             let den: f32 = b.iter().map(|y| y * y).sum();
@@ -310,51 +370,6 @@ mod tests {
         ] {
             assert!(rel(a, b) < 0.15, "{name} {}", rel(a, b));
         }
-    }
-
-    /// Causal attention and its gradients in f32, no roundings.
-    fn reference(p: &AttnProblem<'_>) -> AttnOutputs {
-        let (s, d, hq, hkv) = (p.s, p.d, p.hq, p.hkv);
-        let at = |h: usize, t: usize, heads: usize| (t * heads + h) * d;
-        let dot = |a: &[f32], i: usize, b: &[f32], j: usize| -> f32 {
-            (0..d).map(|c| a[i + c] * b[j + c]).sum()
-        };
-        let mut o = AttnOutputs {
-            o: vec![0.0; s * hq * d],
-            lse: vec![0.0; s * hq],
-            dq: vec![0.0; s * hq * d],
-            dk: vec![0.0; s * hkv * d],
-            dv: vec![0.0; s * hkv * d],
-        };
-        for h in 0..hq {
-            let kh = h / (hq / hkv);
-            for i in 0..s {
-                let qi = at(h, i, hq);
-                let sc: Vec<f32> = (0..=i)
-                    .map(|j| dot(p.q, qi, p.k, at(kh, j, hkv)) * p.scale)
-                    .collect();
-                let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let lse = m + sc.iter().map(|x| (x - m).exp()).sum::<f32>().ln();
-                o.lse[i * hq + h] = lse;
-                let prob: Vec<f32> = sc.iter().map(|x| (x - lse).exp()).collect();
-                for (j, &w) in prob.iter().enumerate() {
-                    for c in 0..d {
-                        o.o[qi + c] += w * p.v[at(kh, j, hkv) + c];
-                    }
-                }
-                let di = dot(p.d_o, qi, &o.o, qi);
-                for (j, &pj) in prob.iter().enumerate() {
-                    let kj = at(kh, j, hkv);
-                    let ds = pj * (dot(p.d_o, qi, p.v, kj) - di) * p.scale;
-                    for c in 0..d {
-                        o.dq[qi + c] += ds * p.k[kj + c];
-                        o.dk[kj + c] += ds * p.q[qi + c];
-                        o.dv[kj + c] += pj * p.d_o[qi + c];
-                    }
-                }
-            }
-        }
-        o
     }
 
     /// Outputs of random attention problems stay inside their bounds.

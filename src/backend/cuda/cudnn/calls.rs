@@ -328,7 +328,11 @@ impl CudnnSdpa {
         let p = |x: u64| x as *mut c_void;
         use sdpa_graph::uid;
         let exec = |plan: &Plan| {
-            self.run(be, plan, plan.workspace, |_| {
+            let need = match a.bwd {
+                true => plan.workspace,
+                false => fwd_workspace_bytes(s, plan.workspace),
+            };
+            self.run(be, plan, need, |_| {
                 let mut b = vec![
                     (uid::Q, p(a.q)),
                     (uid::K, p(a.k)),
