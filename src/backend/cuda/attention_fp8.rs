@@ -1,4 +1,4 @@
-//! FP8 attention (`--fp8-attention`): a call cuDNN takes runs its FP8
+//! FP8 attention (`--precision fp8-attention`): a call cuDNN takes runs its FP8
 //! graphs ([`cudnn::sdpa_fp8`]) on quantized copies of the operands, and
 //! the outputs come back in the call's own dtype.
 //!

@@ -146,7 +146,7 @@ impl CudaBackend {
     }
 
     /// Runs every attention call cuDNN takes on its FP8 graphs
-    /// (`--fp8-attention`; [`super::attention_fp8`]); a call cuDNN takes
+    /// (`--precision fp8-attention`; [`super::attention_fp8`]); a call cuDNN takes
     /// that its FP8 graphs cannot is then an error, never a BF16 fallback.
     pub fn set_attention_fp8(&mut self, on: bool) {
         self.attn_fp8 = on;

@@ -26,7 +26,8 @@ pub trait CudaRoute: Send + Sync {
     fn flash_bwd(&self, g: &AttnShape) -> Result<bool>;
     /// As [`Backend::attention_bwd_in_place`](crate::backend::Backend::attention_bwd_in_place).
     fn bwd_in_place(&self, g: &AttnShape) -> bool;
-    /// Whether the calls cuDNN takes run its FP8 graphs (`--fp8-attention`).
+    /// Whether the calls cuDNN takes run its FP8 graphs (`--precision
+    /// fp8-attention`).
     fn fp8_attention(&self) -> bool {
         false
     }
@@ -65,13 +66,13 @@ impl<R: CudaRoute> OpBuffers for R {
     /// cuDNN's kept workspace grown to the forward's need; on our kernels a
     /// documents mask's key bounds.
     fn attention_fwd(&self, g: &AttnShape, bf16: bool) -> Result<AttnBuffers> {
+        if self.fp8_attention() && g.nonempty() {
+            return fp8_buffers(self, g, false);
+        }
         let plan = match bf16 && g.sq > 0 && g.hq > 0 {
             true => self.cudnn_plan_workspace(&sdpa_shape(g), false)?,
             false => None,
         };
-        if self.fp8_attention() && g.nonempty() {
-            return fp8_buffers(self, g, false);
-        }
         Ok(match plan {
             Some(plan_ws) => AttnBuffers {
                 kept_workspace: Some(kept(cudnn::fwd_workspace_bytes(&sdpa_shape(g), plan_ws))),
@@ -84,13 +85,15 @@ impl<R: CudaRoute> OpBuffers for R {
         })
     }
     fn attention_bwd(&self, g: &AttnShape, dt: &AttnBwdDtypes) -> Result<AttnBuffers> {
+        if self.fp8_attention() && g.nonempty() {
+            return fp8_buffers(self, g, true);
+        }
         let on_cudnn = dt.inputs == [DType::BF16; 3] && dt.grads[1] == dt.grads[2] && g.nonempty();
         let plan = match on_cudnn {
             true => self.cudnn_plan_workspace(&sdpa_shape(g), true)?,
             false => None,
         };
         match plan {
-            _ if self.fp8_attention() && g.nonempty() => fp8_buffers(self, g, true),
             Some(plan_ws) => Ok(cudnn_bwd(g, dt, plan_ws)),
             None => native_bwd(self, g, dt),
         }
