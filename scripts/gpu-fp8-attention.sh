@@ -12,8 +12,8 @@
 #            of steps 2 on, peak against plan
 #   quality  qwen3-0.6b (head dim 128), 300 steps of 4,096 tokens of the text
 #            corpus (byte tokens, lr 3e-4, 30 warm-up steps, cosine to 3e-5),
-#            --precision bf16, fp8 and fp8-attention: final loss (mean of the
-#            last 20 steps) and its ratio to bf16's; metrics in $OUT/fp8-attention
+#            --precision of QUALITY ("fp8-attention fp8 bf16"): final loss (mean
+#            of the last 20 steps); metrics in $OUT/fp8-attention
 #
 #   scripts/bundle.sh DIR gpu_fp8 && cargo build --release --example cudnn_fp8_check &&
 #   cp target/release/examples/cudnn_fp8_check DIR/bin/ && cp scripts/gpu-fp8-attention.sh DIR/
@@ -74,6 +74,7 @@ if [[ "$parts" == *" speed "* ]]; then
             --precision "$p" \
             > "$log" 2> "$out/speed-$p.err" || grep -aiE "error|panick" "$out/speed-$p.err" | head -3
         table+=("${MODEL:-qwen2.5-7b-instruct} ${SEQ:-32768} $p: $(summary "$log")")
+        echo "${table[-1]}"
     done
 fi
 
@@ -81,13 +82,14 @@ if [[ "$parts" == *" quality "* ]]; then
     text=/tmp/fp8-text.u32
     "$bin/upipe" tokenize "$here/text.jsonl" --tokenizer byte --eos 0 --out "$text" > "$out/tok.log" 2>&1 ||
         tail -3 "$out/tok.log"
-    for p in bf16 fp8 fp8-attention; do
+    for p in ${QUALITY:-fp8-attention fp8 bf16}; do
         log="$out/$p.jsonl"
         timeout -k 5 300 "$bin/upipe" train --model qwen3-0.6b --ulysses 1 --ring 1 --seq 4096 \
             --steps "${STEPS_Q:-300}" --data "$text" --pack stream --lr 3e-4 --min-lr 3e-5 --warmup 30 \
             --seed 0 --json --precision "$p" > "$log" 2> "$out/$p.err" ||
             grep -aiE "error|panick" "$out/$p.err" | head -3
         table+=("qwen3-0.6b 4096 $p: $(summary "$log")")
+        echo "${table[-1]}"
     done
 fi
 
