@@ -20,7 +20,7 @@
 //! ([`Slot`]), filled on the device before the call.
 
 use super::graph::{Dt, Graph, Pw, Red, Role};
-use super::sdpa_graph::{SdpaShape, apply_mask, stats, strides, uid};
+use super::sdpa_graph::{SdpaShape, apply_mask, softmax_stats, stats, strides, uid};
 use crate::backend::AttnMask;
 use crate::backend::fp8::attention::AttnScales;
 use crate::error::Result;
@@ -221,17 +221,7 @@ pub fn forward(s: &SdpaShape) -> Result<Graph> {
     let odims = [1, i(hq), i(s.sq), i(d)];
 
     let sc = scores(&mut g, s, q, kt, &sdims)?;
-    let mx = g.virt(F32, &rdims)?;
-    g.reduction(Red::CUDNN_REDUCE_TENSOR_MAX, sc, mx)?;
-    let sub = g.virt(F32, &sdims)?;
-    g.binary(Pw::CUDNN_POINTWISE_SUB, sc, mx, sub)?;
-    let ex = g.virt(F32, &sdims)?;
-    g.unary(Pw::CUDNN_POINTWISE_EXP, sub, ex)?;
-    let sum = g.virt(F32, &rdims)?;
-    g.reduction(Red::CUDNN_REDUCE_TENSOR_ADD, ex, sum)?;
-    let ln = g.virt(F32, &rdims)?;
-    g.unary(Pw::CUDNN_POINTWISE_LOG, sum, ln)?;
-    g.binary(Pw::CUDNN_POINTWISE_ADD, mx, ln, st)?;
+    let (ex, sum) = softmax_stats(&mut g, sc, st, (&sdims, &rdims))?;
     let p = g.virt(F32, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_DIV, ex, sum, p)?;
     let amax_s = cell(&mut g, Slot::AmaxS)?;

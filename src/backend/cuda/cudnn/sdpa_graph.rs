@@ -394,6 +394,30 @@ fn hide_outside(g: &mut Graph, x: usize, keep: usize, neg_uid: i64, dims: &[i64]
     Ok(y)
 }
 
+/// The softmax of the scores `sc` along the keys, as cuDNN's fused
+/// kernels recognise it: writes Stats = max + ln Σ exp(sc − max) into
+/// `st` and returns `(exp(sc − max), Σ)` (`sdims` the scores', `rdims` a
+/// row's).
+pub(super) fn softmax_stats(
+    g: &mut Graph,
+    sc: usize,
+    st: usize,
+    (sdims, rdims): (&[i64], &[i64]),
+) -> Result<(usize, usize)> {
+    let mx = g.virt(F32, rdims)?;
+    g.reduction(Red::CUDNN_REDUCE_TENSOR_MAX, sc, mx)?;
+    let sub = g.virt(F32, sdims)?;
+    g.binary(Pw::CUDNN_POINTWISE_SUB, sc, mx, sub)?;
+    let ex = g.virt(F32, sdims)?;
+    g.unary(Pw::CUDNN_POINTWISE_EXP, sub, ex)?;
+    let sum = g.virt(F32, rdims)?;
+    g.reduction(Red::CUDNN_REDUCE_TENSOR_ADD, ex, sum)?;
+    let ln = g.virt(F32, rdims)?;
+    g.unary(Pw::CUDNN_POINTWISE_LOG, sum, ln)?;
+    g.binary(Pw::CUDNN_POINTWISE_ADD, mx, ln, st)?;
+    Ok((ex, sum))
+}
+
 /// The forward graph (writes O and Stats = ln Σ exp(scale·q·k), natural log).
 pub fn forward(s: &SdpaShape) -> Result<Graph> {
     let mut g = Graph::new();
@@ -415,17 +439,7 @@ pub fn forward(s: &SdpaShape) -> Result<Graph> {
     g.binary(Pw::CUDNN_POINTWISE_MUL, s0, scale, sc)?;
     sc = padding_mask(&mut g, sc, &l, &sdims)?;
     sc = apply_mask(&mut g, sc, s, &sdims)?;
-    let mx = g.virt(F32, &rdims)?;
-    g.reduction(Red::CUDNN_REDUCE_TENSOR_MAX, sc, mx)?;
-    let sub = g.virt(F32, &sdims)?;
-    g.binary(Pw::CUDNN_POINTWISE_SUB, sc, mx, sub)?;
-    let ex = g.virt(F32, &sdims)?;
-    g.unary(Pw::CUDNN_POINTWISE_EXP, sub, ex)?;
-    let sum = g.virt(F32, &rdims)?;
-    g.reduction(Red::CUDNN_REDUCE_TENSOR_ADD, ex, sum)?;
-    let ln = g.virt(F32, &rdims)?;
-    g.unary(Pw::CUDNN_POINTWISE_LOG, sum, ln)?;
-    g.binary(Pw::CUDNN_POINTWISE_ADD, mx, ln, st)?;
+    let (ex, sum) = softmax_stats(&mut g, sc, st, (&sdims, &rdims))?;
     // P goes into the second matmul in the I/O type.
     let p = g.virt(BF16, &sdims)?;
     g.binary(Pw::CUDNN_POINTWISE_DIV, ex, sum, p)?;
