@@ -1,11 +1,13 @@
 """Loss curves of the runs scripts/gpu-optim-state.sh writes, one SVG.
 
-    python3 scripts/optim_state_curves.py OUT.svg RUN.jsonl... [--by WHAT]
+    python3 scripts/optim_state_curves.py OUT.svg RUN.jsonl... [--by WHAT] [--model NAME]
 
 Each run's training loss (a 10-step moving mean) against the step, named
-by its file (`8bit-none.jsonl` -> `8bit/none`); the title says what the
-runs differ by (WHAT, default "optimizer state (moments/master)", e.g.
-"precision of the linear layers"). No dependencies.
+by its file (`8bit-none.jsonl` -> `8bit/none` for the default WHAT, the
+file's name otherwise); the title names the model (NAME, default
+"Llama 3.2 1B") and what the runs differ by (WHAT, default "optimizer
+state (moments/master)", e.g. "precision of the linear layers"). No
+dependencies.
 """
 
 import json
@@ -32,19 +34,32 @@ def smooth(points, k=10):
     return out
 
 
+def option(args, name, default):
+    """Removes `name VALUE` from args; VALUE, or default where absent."""
+    if name not in args:
+        return default
+    k = args.index(name)
+    if k + 1 == len(args):
+        sys.exit(f"{name} needs a value, e.g. {name} 'precision'")
+    value = args[k + 1]
+    del args[k:k + 2]
+    return value
+
+
+def label(path, by_state):
+    name = path.rsplit("/", 1)[-1][: -len(".jsonl")]
+    return name.replace("-", "/", 1) if by_state else name
+
+
 def main():
     args = sys.argv[1:]
-    by = "optimizer state (moments/master)"
-    if "--by" in args:
-        k = args.index("--by")
-        if k + 1 == len(args):
-            sys.exit("--by needs what the runs differ by, e.g. --by 'precision'")
-        by = args[k + 1]
-        del args[k:k + 2]
+    state = "optimizer state (moments/master)"
+    by = option(args, "--by", state)
+    model = option(args, "--model", "Llama 3.2 1B")
     dest, runs = args[0], args[1:]
     colors = ["#1b6ca8", "#d1495b", "#edae49", "#00798c", "#6a4c93", "#3d3d3d"]
     w, h, left, top, right, bottom = 760, 420, 60, 40, 170, 50
-    curves = [(p.rsplit("/", 1)[-1][: -len(".jsonl")].replace("-", "/", 1), smooth(losses(p))) for p in runs]
+    curves = [(label(p, by == state), smooth(losses(p))) for p in runs]
     steps = max(s for _, c in curves for s, _ in c)
     lo = min(v for _, c in curves for _, v in c[20:])
     hi = max(v for _, c in curves for _, v in c[20:])
@@ -52,7 +67,7 @@ def main():
     y = lambda v: top + (h - top - bottom) * (hi - min(max(v, lo), hi)) / (hi - lo)
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
            f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{left}" y="22" font-size="14">Llama 3.2 1B, 300 steps of 4,096 tokens: training loss (10-step mean) by {by}</text>']
+           f'<text x="{left}" y="22" font-size="14">{model}, 300 steps of 4,096 tokens: training loss (10-step mean) by {by}</text>']
     for k in range(6):
         v = lo + (hi - lo) * k / 5
         svg.append(f'<line x1="{left}" x2="{w - right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>')
