@@ -264,7 +264,10 @@ fn route(be: &mut CudaBackend, s: usize, hq: usize, hkv: usize) -> Res<String> {
     let mut out = Vec::new();
     let mut times = Vec::new();
     for fp8 in [false, true] {
-        be.set_attention_fp8(fp8);
+        be.set_attention_fp8(upipe::backend::fp8::Fp8Passes {
+            forward: fp8,
+            backward: fp8,
+        });
         let b: &CudaBackend = be;
         let mut o = b.zeros(&[s, hq, d], DType::BF16, Category::Activations)?;
         let mut lse = b.zeros(&[s, hq], DType::F32, Category::Activations)?;
@@ -308,7 +311,7 @@ fn route(be: &mut CudaBackend, s: usize, hq: usize, hkv: usize) -> Res<String> {
         times.push(t0.elapsed().as_secs_f64() * 1e3);
         out.push([&o, &dq, &dk, &dv].map(|t| b.to_host(t)));
     }
-    be.set_attention_fp8(false);
+    be.set_attention_fp8(upipe::backend::fp8::Fp8Passes::default());
     let [bf, f8]: [[_; 4]; 2] = out.try_into().map_err(|_| "two passes")?;
     let mut errs = Vec::new();
     for (a, w) in f8.into_iter().zip(bf) {

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# FP8 attention (--precision fp8-attention) on one GPU, in parts (PARTS,
-# default "check speed"):
+# FP8 attention (--precision fp8-attention, fp8-attention-bwd) on one GPU,
+# in parts (PARTS, default "check speed"):
 #
 #   check    cuDNN's FP8 graphs against its BF16 ones at head dim 128
 #            (bin/cudnn_fp8_check: errors, amax against bound, kernel times at
 #            FP8_S and FP8_HEADS), and the backend's FP8 route against the CPU
 #            emulation (gpu_fp8::fp8_attention_tracks_the_emulation)
-#   speed    MODEL (qwen2.5-7b-instruct) at SEQ (32768), STEPS (3) steps with
-#            --precision fp8 and fp8-attention, FLAGS (tiled MLP, no checkpointing,
-#            8-bit moments on the GPU, no master, BF16 gradients): median tokens/s
-#            of steps 2 on, peak against plan
+#   speed    MODEL (qwen2.5-7b-instruct) at SEQ (32768), STEPS (3) steps under
+#            each --precision of SPEED ("fp8 fp8-attention fp8-attention-bwd"),
+#            FLAGS (tiled MLP, no checkpointing, 8-bit moments on the GPU, no
+#            master, BF16 gradients): median tokens/s of steps 2 on, peak
+#            against plan
 #   quality  qwen3-0.6b (head dim 128), 300 steps of 4,096 tokens of the text
 #            corpus (byte tokens, lr 3e-4, 30 warm-up steps, cosine to 3e-5),
-#            --precision of QUALITY ("fp8-attention fp8 bf16"): final loss (mean
-#            of the last 20 steps); metrics in $OUT/fp8-attention
+#            each --precision of QUALITY ("fp8-attention-bwd fp8-attention fp8
+#            bf16"): final loss (mean of the last 20 steps); metrics in
+#            $OUT/fp8-attention
 #
 #   scripts/bundle.sh DIR gpu_fp8 && cargo build --release --example cudnn_fp8_check &&
 #   cp target/release/examples/cudnn_fp8_check DIR/bin/ && cp scripts/gpu-fp8-attention.sh DIR/
@@ -66,7 +68,7 @@ if [[ "$parts" == *" speed "* ]]; then
     corpus=/tmp/corpus.txt
     : > "$corpus"
     while [ "$(stat -c %s "$corpus")" -le "${SEQ:-32768}" ]; do cat assets/corpus.txt >> "$corpus"; done
-    for p in fp8 fp8-attention; do
+    for p in ${SPEED:-fp8 fp8-attention fp8-attention-bwd}; do
         log="$out/speed-$p.jsonl"
         timeout -k 5 240 "$bin/upipe" train --model "${MODEL:-qwen2.5-7b-instruct}" --ulysses 1 --ring 1 \
             --seq "${SEQ:-32768}" --steps "${STEPS:-3}" --data "$corpus" --tokenizer byte --json --lr 1e-5 \
@@ -82,7 +84,7 @@ if [[ "$parts" == *" quality "* ]]; then
     text=/tmp/fp8-text.u32
     "$bin/upipe" tokenize "$here/text.jsonl" --tokenizer byte --eos 0 --out "$text" > "$out/tok.log" 2>&1 ||
         tail -3 "$out/tok.log"
-    for p in ${QUALITY:-fp8-attention fp8 bf16}; do
+    for p in ${QUALITY:-fp8-attention-bwd fp8-attention fp8 bf16}; do
         log="$out/$p.jsonl"
         timeout -k 5 300 "$bin/upipe" train --model qwen3-0.6b --ulysses 1 --ring 1 --seq 4096 \
             --steps "${STEPS_Q:-300}" --data "$text" --pack stream --lr 3e-4 --min-lr 3e-5 --warmup 30 \

@@ -104,8 +104,9 @@ pub struct PlanArgs {
     #[arg(long, default_value = "f32")]
     pub grad_dtype: String,
     /// As `train --precision`: bf16, fp8 (the FP8 operand copies of each
-    /// linear GEMM counted) or fp8-attention (and each attention call's
-    /// FP8 operands and scales).
+    /// linear GEMM counted), fp8-attention (and each attention call's
+    /// FP8 operands and scales) or fp8-attention-bwd (those of its
+    /// backward).
     #[arg(long, default_value = "bf16")]
     pub precision: String,
     /// Memory policies, comma-separated: checkpoint, offload, offload-auto,
@@ -557,9 +558,10 @@ fn validate(a: PlanArgs) -> Result<Ctx> {
     memory.checkpoint_every.check(policy)?;
     let state = super::train::training_state(k, &a.optim_state, &a.master_weights, &a.grad_dtype)?;
     let precision: crate::backend::fp8::Precision = for_key(k, "precision", a.precision.parse())?;
-    if precision.fp8_attention() {
+    if precision.fp8_attention().any() {
         let documents = device.documents();
         crate::cli::train::kernel::fp8_attention_fits(
+            precision,
             device.cudnn(),
             device.is_cuda(),
             &model,

@@ -495,10 +495,16 @@ fn announce(run: &Built, tokens: usize, tokenizer: &str, per_epoch: usize) {
              and norms as before)"
         );
     }
-    if cfg.precision.fp8_attention() {
+    let attention = cfg.precision.fp8_attention();
+    if attention.any() {
+        let passes = match attention.forward {
+            true => "forward and backward",
+            false => "backward only, after a BF16 forward",
+        };
         println!(
-            "precision: fp8 attention on cuDNN (--precision fp8-attention; Q, K, V, O in E4M3, \
-             dO and the gradients in E5M2, scales from bounds: docs/fp8.md)"
+            "precision: fp8 attention on cuDNN, {passes} (--precision {}; Q, K, V, O in E4M3, \
+             dO and the gradients in E5M2, scales from bounds: docs/fp8.md)",
+            cfg.precision
         );
     }
     let per_step = cfg.grad_accum * cfg.data_parallel;

@@ -272,13 +272,13 @@ pub fn retrieval_process_rank(
 
 /// How a process rank's GPU runs attention: the kernel selection
 /// (`--attn-kernel`), the kernel the run decided on
-/// (`TrainConfig::attention_kernel`) and whether on cuDNN's FP8 graphs
-/// (`--precision fp8-attention`).
+/// (`TrainConfig::attention_kernel`) and which passes run on cuDNN's FP8
+/// graphs (`--precision fp8-attention`, `fp8-attention-bwd`).
 #[derive(Debug, Clone, Copy)]
 pub struct RankAttention {
     pub select: crate::backend::cuda::cudnn::AttnKernel,
     pub decided: Option<crate::backend::cuda::cudnn::AttentionKernel>,
-    pub fp8: bool,
+    pub fp8: crate::backend::fp8::Fp8Passes,
 }
 
 impl RankAttention {
@@ -287,7 +287,7 @@ impl RankAttention {
         RankAttention {
             select,
             decided: None,
-            fp8: false,
+            fp8: crate::backend::fp8::Fp8Passes::default(),
         }
     }
 }

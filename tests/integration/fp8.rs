@@ -513,7 +513,9 @@ fn fp8_trains_near_f32_and_is_planned_to_the_byte() {
 fn a_bad_precision_is_refused_and_plan_predicts_fp8() {
     let (_, log, success) = common::upipe(&["train", "--steps", "1", "--precision", "fp4"]);
     assert!(
-        !success && log.contains("--precision fp4") && log.contains("bf16, fp8 or fp8-attention"),
+        !success
+            && log.contains("--precision fp4")
+            && log.contains("bf16, fp8, fp8-attention or fp8-attention-bwd"),
         "{log}"
     );
     let trained = common::train_steps(&[
@@ -580,16 +582,21 @@ fn lora_on_an_fp8_base_trains_and_is_planned() {
 /// anything is allocated, naming the fix: on the CPU, and in a plan for a
 /// model whose head dim cuDNN's FP8 backward does not take; planned for
 /// a head-dim-128 model, each call's FP8 operands and scales are counted
-/// instead of the BF16 calls' buffers (a peak of its own), and the plan's
-/// train command carries the precision.
+/// instead of the BF16 calls' buffers (a peak of its own; with
+/// `fp8-attention-bwd` the backward's alone, a peak no higher), and the
+/// plan's train command carries the precision.
 #[test]
 fn fp8_attention_is_refused_where_it_cannot_run_and_planned_where_it_can() {
-    let (_, log, success) =
-        common::upipe(&["train", "--steps", "1", "--precision", "fp8-attention"]);
-    assert!(
-        !success && log.contains("on a GPU only") && log.contains("--precision fp8 "),
-        "{log}"
-    );
+    for precision in ["fp8-attention", "fp8-attention-bwd"] {
+        let (_, log, success) = common::upipe(&["train", "--steps", "1", "--precision", precision]);
+        assert!(
+            !success
+                && log.contains(&format!("--precision {precision} runs"))
+                && log.contains("on a GPU only")
+                && log.contains("--precision fp8 "),
+            "{log}"
+        );
+    }
     let plan = |model: &str, precision: &str| {
         let args = [
             "plan",
@@ -623,8 +630,11 @@ fn fp8_attention_is_refused_where_it_cannot_run_and_planned_where_it_can() {
     );
     let (ok8, fp8, log8) = plan("qwen3-0.6b", "fp8");
     let (ok_a, attn, log_a) = plan("qwen3-0.6b", "fp8-attention");
-    assert!(ok8 && ok_a, "{log8}\n{log_a}");
+    let (ok_b, bwd, log_b) = plan("qwen3-0.6b", "fp8-attention-bwd");
+    assert!(ok8 && ok_a && ok_b, "{log8}\n{log_a}\n{log_b}");
     assert_ne!(attn.unwrap(), fp8.unwrap());
+    assert_ne!(bwd.unwrap(), fp8.unwrap());
+    assert!(bwd.unwrap() <= attn.unwrap(), "{bwd:?} above {attn:?}");
     let (stdout, _, _) = common::upipe(&[
         "plan",
         "--model",

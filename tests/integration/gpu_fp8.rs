@@ -174,123 +174,154 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// cuDNN's FP8 attention through the backend (`set_attention_fp8`) against
-/// the CPU emulation of the same arithmetic (`fp8::attention::emulate`):
+/// the CPU emulation of the same arithmetic (`fp8::attention::emulate_passes`):
 /// O, LSE and the gradients (added into F32 and BF16 buffers holding
-/// values, or overwritten) within FP8's resolution, GQA and MHA. Skipped
-/// where cuDNN or its FP8 graphs are not available.
+/// values, or overwritten) within FP8's resolution, GQA and MHA, with both
+/// passes in FP8 (`fp8-attention`) and the backward alone after a BF16
+/// forward (`fp8-attention-bwd`). Skipped where cuDNN or its FP8 graphs are
+/// not available.
 #[test]
 fn fp8_attention_tracks_the_emulation() {
-    use upipe::backend::fp8::attention::{AttnProblem, emulate, exact};
-    use upipe::backend::{AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, GradWrite};
+    use upipe::backend::fp8::Fp8Passes;
     let Some(mut b) = gpu() else { return };
     b.set_attn_kernel(upipe::backend::cuda::cudnn::AttnKernel::Cudnn);
     if let Err(e) = b.cudnn_sdpa() {
         eprintln!("SKIP fp8_attention_tracks_the_emulation: {e}");
         return;
     }
-    b.set_attention_fp8(true);
-    for (s, hq, hkv) in [(256, 4, 1), (384, 2, 2)] {
-        let d = 128;
-        let mut r = Rng::new(s as u64);
-        let mut draw = |n: usize, a: f32| {
-            bf16(
-                &(0..n)
-                    .map(|_| (r.uniform() as f32 * 2.0 - 1.0) * a)
-                    .collect::<Vec<_>>(),
-            )
+    for forward in [true, false] {
+        let passes = Fp8Passes {
+            forward,
+            backward: true,
         };
-        let (q, k, v) = (
-            draw(s * hq * d, 2.0),
-            draw(s * hkv * d, 2.0),
-            draw(s * hkv * d, 1.0),
-        );
-        let d_o = draw(s * hq * d, 1e-3);
-        let scale = 1.0 / (d as f32).sqrt();
-        let problem = AttnProblem {
-            q: &q,
-            k: &k,
-            v: &v,
-            d_o: &d_o,
-            s,
-            hq,
-            hkv,
-            d,
-            scale,
-        };
-        let (want, exact) = (emulate(&problem), exact(&problem));
-        // the GPU's FP8 attention is the emulated arithmetic: it stays
-        // closer to the emulation than FP8's own rounding takes either
-        // from exact attention
-        let check = |name: &str, got: &[f32], want: &[f32], exact: &[f32]| {
-            let (e, own) = (rel_l2(got, want), rel_l2(want, exact));
-            eprintln!(
-                "s {s} hq {hq} hkv {hkv}: {name} rel-L2 {e:.2e} to the emulation, {own:.2e} FP8's own"
-            );
-            assert!(e < 0.5 * own, "{name}: {e} against FP8's own {own}");
-        };
-        let up = |x: &[f32], h: usize| {
-            b.from_host(x, &[s, h, d], DType::BF16, Category::Activations)
-                .unwrap()
-        };
-        let (tq, tk, tv, tdo) = (up(&q, hq), up(&k, hkv), up(&v, hkv), up(&d_o, hq));
-        let mut o = b
-            .zeros(&[s, hq, d], DType::BF16, Category::Activations)
-            .unwrap();
-        let mut lse = b
-            .zeros(&[s, hq], DType::F32, Category::Activations)
-            .unwrap();
-        b.attention_fwd(AttentionFwd {
-            q: tq.all_rows(),
-            k: tk.all_rows(),
-            v: tv.all_rows(),
-            mask: &AttnMask::Causal,
-            scale,
-            o: o.all_rows_mut(),
-            lse: lse.all_rows_mut(),
-        })
-        .unwrap();
-        check("O", &b.to_host(&o).unwrap(), &want.o, &exact.o);
-        assert!(rel_l2(&b.to_host(&lse).unwrap(), &want.lse) < 1e-3);
-        // dQ added into F32 holding 1.0, dK and dV overwritten in BF16
-        let mut dq = b
-            .from_host(
-                &vec![1.0; s * hq * d],
-                &[s, hq, d],
-                DType::F32,
-                Category::Grads,
-            )
-            .unwrap();
-        let g = |h| {
-            b.from_host(
-                &vec![7.0; s * h * d],
-                &[s, h, d],
-                DType::BF16,
-                Category::Grads,
-            )
-            .unwrap()
-        };
-        let (mut dk, mut dv) = (g(hkv), g(hkv));
-        b.attention_bwd(AttentionBwd {
-            q: tq.all_rows(),
-            k: tk.all_rows(),
-            v: tv.all_rows(),
-            o: o.all_rows(),
-            d_o: tdo.all_rows(),
-            lse: lse.all_rows(),
-            mask: &AttnMask::Causal,
-            scale,
-            dq: dq.all_rows_mut(),
-            dk: dk.all_rows_mut(),
-            dv: dv.all_rows_mut(),
-            writes: AttnGradWrites {
-                dq: GradWrite::Add,
-                dkv: GradWrite::Overwrite,
-            },
-        })
-        .unwrap();
-        let dq: Vec<f32> = b.to_host(&dq).unwrap().iter().map(|x| x - 1.0).collect();
-        check("dQ", &dq, &want.dq, &exact.dq);
-        check("dK", &b.to_host(&dk).unwrap(), &want.dk, &exact.dk);
-        check("dV", &b.to_host(&dv).unwrap(), &want.dv, &exact.dv);
+        b.set_attention_fp8(passes);
+        for (s, hq, hkv) in [(256, 4, 1), (384, 2, 2)] {
+            attention_case(&b, passes, s, hq, hkv);
+        }
     }
+}
+
+/// One causal problem of `s` tokens, `hq` query over `hkv` key/value heads
+/// of dim 128 through `b`'s attention with `passes` in FP8, against the
+/// emulation: each FP8 output closer to it than half of FP8's own error
+/// from exact attention; a BF16 forward's O within BF16's error of exact.
+fn attention_case(
+    b: &CudaBackend,
+    passes: upipe::backend::fp8::Fp8Passes,
+    s: usize,
+    hq: usize,
+    hkv: usize,
+) {
+    use upipe::backend::fp8::attention::{AttnProblem, device_scales, emulate_passes, exact};
+    use upipe::backend::{AttentionBwd, AttentionFwd, AttnGradWrites, AttnMask, GradWrite};
+    let d = 128;
+    let mut r = Rng::new(s as u64);
+    let mut draw = |n: usize, a: f32| {
+        bf16(
+            &(0..n)
+                .map(|_| (r.uniform() as f32 * 2.0 - 1.0) * a)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (q, k, v) = (
+        draw(s * hq * d, 2.0),
+        draw(s * hkv * d, 2.0),
+        draw(s * hkv * d, 1.0),
+    );
+    let d_o = draw(s * hq * d, 1e-3);
+    let scale = 1.0 / (d as f32).sqrt();
+    let problem = AttnProblem {
+        q: &q,
+        k: &k,
+        v: &v,
+        d_o: &d_o,
+        s,
+        hq,
+        hkv,
+        d,
+        scale,
+    };
+    let want = emulate_passes(&problem, &device_scales(&problem), passes);
+    let exact = exact(&problem);
+    // the GPU's FP8 attention is the emulated arithmetic: it stays
+    // closer to the emulation than FP8's own rounding takes either
+    // from exact attention
+    let check = |name: &str, got: &[f32], want: &[f32], exact: &[f32]| {
+        let (e, own) = (rel_l2(got, want), rel_l2(want, exact));
+        eprintln!(
+            "{passes:?} s {s} hq {hq} hkv {hkv}: {name} rel-L2 {e:.2e} to the emulation, \
+             {own:.2e} FP8's own"
+        );
+        assert!(e < 0.5 * own, "{name}: {e} against FP8's own {own}");
+    };
+    let up = |x: &[f32], h: usize| {
+        b.from_host(x, &[s, h, d], DType::BF16, Category::Activations)
+            .unwrap()
+    };
+    let (tq, tk, tv, tdo) = (up(&q, hq), up(&k, hkv), up(&v, hkv), up(&d_o, hq));
+    let mut o = b
+        .zeros(&[s, hq, d], DType::BF16, Category::Activations)
+        .unwrap();
+    let mut lse = b
+        .zeros(&[s, hq], DType::F32, Category::Activations)
+        .unwrap();
+    b.attention_fwd(AttentionFwd {
+        q: tq.all_rows(),
+        k: tk.all_rows(),
+        v: tv.all_rows(),
+        mask: &AttnMask::Causal,
+        scale,
+        o: o.all_rows_mut(),
+        lse: lse.all_rows_mut(),
+    })
+    .unwrap();
+    let got_o = b.to_host(&o).unwrap();
+    if passes.forward {
+        check("O", &got_o, &want.o, &exact.o);
+    } else {
+        let e = rel_l2(&got_o, &exact.o);
+        assert!(e < 1e-2, "BF16 forward's O: {e} from exact");
+    }
+    assert!(rel_l2(&b.to_host(&lse).unwrap(), &want.lse) < 1e-3);
+    // dQ added into F32 holding 1.0, dK and dV overwritten in BF16
+    let mut dq = b
+        .from_host(
+            &vec![1.0; s * hq * d],
+            &[s, hq, d],
+            DType::F32,
+            Category::Grads,
+        )
+        .unwrap();
+    let g = |h| {
+        b.from_host(
+            &vec![7.0; s * h * d],
+            &[s, h, d],
+            DType::BF16,
+            Category::Grads,
+        )
+        .unwrap()
+    };
+    let (mut dk, mut dv) = (g(hkv), g(hkv));
+    b.attention_bwd(AttentionBwd {
+        q: tq.all_rows(),
+        k: tk.all_rows(),
+        v: tv.all_rows(),
+        o: o.all_rows(),
+        d_o: tdo.all_rows(),
+        lse: lse.all_rows(),
+        mask: &AttnMask::Causal,
+        scale,
+        dq: dq.all_rows_mut(),
+        dk: dk.all_rows_mut(),
+        dv: dv.all_rows_mut(),
+        writes: AttnGradWrites {
+            dq: GradWrite::Add,
+            dkv: GradWrite::Overwrite,
+        },
+    })
+    .unwrap();
+    let dq: Vec<f32> = b.to_host(&dq).unwrap().iter().map(|x| x - 1.0).collect();
+    check("dQ", &dq, &want.dq, &exact.dq);
+    check("dK", &b.to_host(&dk).unwrap(), &want.dk, &exact.dk);
+    check("dV", &b.to_host(&dv).unwrap(), &want.dv, &exact.dv);
 }

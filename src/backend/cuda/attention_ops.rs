@@ -145,22 +145,23 @@ impl CudaBackend {
         };
     }
 
-    /// Runs every attention call cuDNN takes on its FP8 graphs
-    /// (`--precision fp8-attention`; [`super::attention_fp8`]); a call cuDNN takes
-    /// that its FP8 graphs cannot is then an error, never a BF16 fallback.
-    pub fn set_attention_fp8(&mut self, on: bool) {
-        self.attn_fp8 = on;
+    /// Runs the `passes` of every attention call cuDNN takes on its FP8
+    /// graphs (`--precision fp8-attention`, `fp8-attention-bwd`;
+    /// [`super::attention_fp8`]); a call of those passes that cuDNN's FP8
+    /// graphs cannot take is then an error, never a BF16 fallback.
+    pub fn set_attention_fp8(&mut self, passes: crate::backend::fp8::Fp8Passes) {
+        self.attn_fp8 = passes;
     }
 
-    /// Under FP8 attention, an error for a call cuDNN does not take (it
-    /// would run in BF16 on our kernels: never silently).
+    /// Under FP8 attention, an error for a call of an FP8 pass cuDNN does
+    /// not take (it would run in BF16 on our kernels: never silently).
     fn refuse_bf16_under_fp8(&self, g: &AttnShape, bwd: bool) -> Result<()> {
-        if !self.attn_fp8 || !g.nonempty() {
+        if !self.attn_fp8.runs(bwd) || !g.nonempty() {
             return Ok(());
         }
         Err(Error::Backend(format!(
-            "--precision fp8-attention: cuDNN does not take an attention {} of sq {} sk {} hq {} \
-             hkv {} d {} (mask {}), which would run in BF16; use --precision fp8",
+            "FP8 attention (--precision): cuDNN does not take an attention {} of sq {} sk {} hq \
+             {} hkv {} d {} (mask {}), which would run in BF16; use --precision fp8",
             if bwd { "backward" } else { "forward" },
             g.sq,
             g.sk,
@@ -434,7 +435,7 @@ impl CudaBackend {
             let shape = cudnn::dense_shape(a.sq, a.sk, a.hq, a.hkv, a.d, mask.clone());
             if let Some(c) = self.cudnn_for(&shape, false)? {
                 self.count_attn(AttnPath::Cudnn, false);
-                if self.attn_fp8 {
+                if self.attn_fp8.forward {
                     let rows = RowsAt::of;
                     let f = Fp8Fwd {
                         q: rows(&q, qrs),
@@ -530,7 +531,7 @@ impl CudaBackend {
             let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, mask.clone());
             if let Some(c) = self.cudnn_for(&shape, true)? {
                 self.count_attn(AttnPath::Cudnn, true);
-                if self.attn_fp8 {
+                if self.attn_fp8.backward {
                     let rows = RowsAt::of;
                     let grad = |r: &RowsMut<'_, Self>, cols, w| {
                         (ptr_at(r.t, r.range.start * cols), r.t.dtype(), w)

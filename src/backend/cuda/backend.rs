@@ -53,8 +53,9 @@ pub struct CudaBackend {
     /// The kernel the run decided on (`set_attention_kernel`): every call is
     /// served by it or fails; `None`: `attn_kernel` decides per call.
     pub(super) run_kernel: Option<cudnn::AttentionKernel>,
-    /// Attention calls cuDNN takes run its FP8 graphs (`set_attention_fp8`).
-    pub(super) attn_fp8: bool,
+    /// Which passes of the attention calls cuDNN takes run its FP8 graphs
+    /// (`set_attention_fp8`).
+    pub(super) attn_fp8: crate::backend::fp8::Fp8Passes,
     /// The per-row key bounds of the last documents-masked attention call
     /// (`attention_ops.rs` `mask_bounds`): the bounds and their device copy.
     pub(super) mask_bounds: std::sync::Mutex<Option<(Vec<u32>, Tensor<CudaBackend>)>>,
@@ -152,7 +153,7 @@ impl CudaBackend {
                 (_, Err(_)) => cudnn::AttnKernel::Auto,
             },
             run_kernel: None,
-            attn_fp8: false,
+            attn_fp8: crate::backend::fp8::Fp8Passes::default(),
             mask_bounds: std::sync::Mutex::new(None),
             cudnn: OnceLock::new(),
             cudnn_ws: std::sync::Mutex::new(None),

@@ -15,8 +15,9 @@ use crate::error::Result;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CountedCuda {
     pub cudnn: Option<usize>,
-    /// The calls cuDNN takes run its FP8 graphs (`--precision fp8-attention`).
-    pub fp8_attention: bool,
+    /// The passes of the calls cuDNN takes that run its FP8 graphs
+    /// (`--precision fp8-attention`, `fp8-attention-bwd`).
+    pub fp8_attention: crate::backend::fp8::Fp8Passes,
 }
 
 impl CountedCuda {
@@ -45,7 +46,7 @@ impl CudaRoute for CountedCuda {
     fn bwd_in_place(&self, g: &AttnShape) -> bool {
         g.nonempty() && self.on_cudnn(&sdpa_shape(g), true)
     }
-    fn fp8_attention(&self) -> bool {
+    fn fp8_attention(&self) -> crate::backend::fp8::Fp8Passes {
         self.fp8_attention
     }
 }

@@ -26,10 +26,10 @@ pub trait CudaRoute: Send + Sync {
     fn flash_bwd(&self, g: &AttnShape) -> Result<bool>;
     /// As [`Backend::attention_bwd_in_place`](crate::backend::Backend::attention_bwd_in_place).
     fn bwd_in_place(&self, g: &AttnShape) -> bool;
-    /// Whether the calls cuDNN takes run its FP8 graphs (`--precision
-    /// fp8-attention`).
-    fn fp8_attention(&self) -> bool {
-        false
+    /// Which passes of the calls cuDNN takes run its FP8 graphs
+    /// (`--precision fp8-attention`, `fp8-attention-bwd`).
+    fn fp8_attention(&self) -> crate::backend::fp8::Fp8Passes {
+        crate::backend::fp8::Fp8Passes::default()
     }
 }
 
@@ -66,7 +66,7 @@ impl<R: CudaRoute> OpBuffers for R {
     /// cuDNN's kept workspace grown to the forward's need; on our kernels a
     /// documents mask's key bounds.
     fn attention_fwd(&self, g: &AttnShape, bf16: bool) -> Result<AttnBuffers> {
-        if self.fp8_attention() && g.nonempty() {
+        if self.fp8_attention().forward && g.nonempty() {
             return fp8_buffers(self, g, false);
         }
         let plan = match bf16 && g.sq > 0 && g.hq > 0 {
@@ -85,7 +85,7 @@ impl<R: CudaRoute> OpBuffers for R {
         })
     }
     fn attention_bwd(&self, g: &AttnShape, dt: &AttnBwdDtypes) -> Result<AttnBuffers> {
-        if self.fp8_attention() && g.nonempty() {
+        if self.fp8_attention().backward && g.nonempty() {
             return fp8_buffers(self, g, true);
         }
         let on_cudnn = dt.inputs == [DType::BF16; 3] && dt.grads[1] == dt.grads[2] && g.nonempty();

@@ -58,7 +58,7 @@ impl CudaRoute for CudaBackend {
     fn bwd_in_place(&self, g: &AttnShape) -> bool {
         self.attention_bwd_in_place(g)
     }
-    fn fp8_attention(&self) -> bool {
+    fn fp8_attention(&self) -> crate::backend::fp8::Fp8Passes {
         self.attn_fp8
     }
 }

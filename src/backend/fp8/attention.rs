@@ -26,6 +26,27 @@
 use super::format::Fp8Format;
 use super::scale::scale_for;
 
+/// Which of attention's passes run on cuDNN's FP8 graphs (`--precision
+/// fp8-attention`: both; `fp8-attention-bwd`: the backward, after a BF16
+/// forward).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Fp8Passes {
+    pub forward: bool,
+    pub backward: bool,
+}
+
+impl Fp8Passes {
+    /// Whether the forward (`bwd` false) or the backward runs in FP8.
+    pub fn runs(self, bwd: bool) -> bool {
+        if bwd { self.backward } else { self.forward }
+    }
+
+    /// Whether either pass does.
+    pub fn any(self) -> bool {
+        self.forward || self.backward
+    }
+}
+
 /// The largest magnitudes of an attention call's operands (as they are
 /// before quantization); `o` is unused (O's scale follows from V's).
 #[derive(Debug, Clone, Copy, Default)]
@@ -178,75 +199,145 @@ pub fn device_scales(p: &AttnProblem<'_>) -> AttnScales {
 
 /// [`emulate`] with the scales `f` (for comparing scale rules).
 pub fn emulate_with(p: &AttnProblem<'_>, f: &AttnScales) -> AttnOutputs {
-    let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
-    // dequantized operands: round(x · scale) / scale
-    let deq = |x: &[f32], sc: f32, fmt: Fp8Format| -> Vec<f32> {
-        let i = 1.0 / sc;
-        x.iter().map(|&v| fmt.round(v * sc) * i).collect()
+    let both = Fp8Passes {
+        forward: true,
+        backward: true,
     };
-    let (q, k, v) = (deq(p.q, f.q, e4), deq(p.k, f.k, e4), deq(p.v, f.v, e4));
-    let d_o = deq(p.d_o, f.d_o, e5);
+    emulate_passes(p, f, both)
+}
+
+/// [`emulate_with`] where only `passes` run in FP8: a pass that does not
+/// is exact f32 attention (`fp8-attention-bwd`: the exact forward's O and
+/// LSE feed the FP8 backward, as the BF16 forward's do on the device).
+pub fn emulate_passes(p: &AttnProblem<'_>, f: &AttnScales, passes: Fp8Passes) -> AttnOutputs {
+    let plain = (!passes.forward || !passes.backward).then(|| exact(p));
+    let ops = Quantized::of(p, f);
+    let (o, lse) = match (passes.forward, &plain) {
+        (false, Some(e)) => (e.o.clone(), e.lse.clone()),
+        _ => forward_fp8(p, &ops, f),
+    };
+    let (dq, dk, dv) = match (passes.backward, plain) {
+        (false, Some(e)) => (e.dq, e.dk, e.dv),
+        _ => backward_fp8(p, &ops, f, &o, &lse),
+    };
+    AttnOutputs { o, lse, dq, dk, dv }
+}
+
+/// The operands rounded with their scales, dequantized: round(x · scale) /
+/// scale.
+struct Quantized {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    d_o: Vec<f32>,
+}
+
+impl Quantized {
+    fn of(p: &AttnProblem<'_>, f: &AttnScales) -> Quantized {
+        let deq = |x: &[f32], sc: f32, fmt: Fp8Format| -> Vec<f32> {
+            let i = 1.0 / sc;
+            x.iter().map(|&v| fmt.round(v * sc) * i).collect()
+        };
+        let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
+        Quantized {
+            q: deq(p.q, f.q, e4),
+            k: deq(p.k, f.k, e4),
+            v: deq(p.v, f.v, e4),
+            d_o: deq(p.d_o, f.d_o, e5),
+        }
+    }
+}
+
+/// `x` rounded to `fmt` under `scale`, dequantized.
+fn round(x: f32, scale: f32, fmt: Fp8Format) -> f32 {
+    fmt.round(x * scale) / scale
+}
+
+/// Head `h`'s row `i` of the scores against the keys up to it (causal):
+/// `(q·k) · scale`, f32.
+fn scores(p: &AttnProblem<'_>, x: &Quantized, h: usize, i: usize) -> Vec<f32> {
+    let (d, kh) = (p.d, h / (p.hq / p.hkv));
+    let qi = (i * p.hq + h) * d;
+    (0..=i)
+        .map(|j| {
+            let kj = (j * p.hkv + kh) * d;
+            let dot: f32 = (0..d).map(|c| x.q[qi + c] * x.k[kj + c]).sum();
+            dot * p.scale
+        })
+        .collect()
+}
+
+/// The FP8 forward: O (`[s, hq, d]`, rounded to E4M3) and the LSE. The
+/// probabilities are rounded before their normalization, as flash
+/// attention keeps them (exp(s − max) ≤ 1, the row's sum in f32).
+fn forward_fp8(p: &AttnProblem<'_>, x: &Quantized, f: &AttnScales) -> (Vec<f32>, Vec<f32>) {
     let (s, d, hq, hkv) = (p.s, p.d, p.hq, p.hkv);
-    let group = hq / hkv;
-    let at = |h: usize, t: usize, heads: usize| (t * heads + h) * d;
-    let dot = |a: &[f32], i: usize, b: &[f32], j: usize| -> f32 {
-        (0..d).map(|c| a[i + c] * b[j + c]).sum()
-    };
-    let round = |x: f32, sc: f32, fmt: Fp8Format| fmt.round(x * sc) / sc;
-    let mut out = AttnOutputs {
-        o: vec![0.0; s * hq * d],
-        lse: vec![0.0; s * hq],
-        dq: vec![0.0; s * hq * d],
-        dk: vec![0.0; s * hkv * d],
-        dv: vec![0.0; s * hkv * d],
-    };
-    // f32 sums before the gradients' rounding
-    let (mut dk, mut dv) = (vec![0f32; s * hkv * d], vec![0f32; s * hkv * d]);
+    let e4 = Fp8Format::E4M3;
+    let (mut out, mut lses) = (vec![0f32; s * hq * d], vec![0f32; s * hq]);
     for h in 0..hq {
-        let kh = h / group;
+        let kh = h / (hq / hkv);
         for i in 0..s {
-            let qi = at(h, i, hq);
-            let sc: Vec<f32> = (0..=i)
-                .map(|j| dot(&q, qi, &k, at(kh, j, hkv)) * p.scale)
-                .collect();
+            let sc = scores(p, x, h, i);
             let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let z: f32 = sc.iter().map(|x| (x - m).exp()).sum();
-            let lse = m + z.ln();
-            out.lse[i * hq + h] = lse;
-            // the forward rounds the probabilities before normalizing them,
-            // as flash attention does (exp(s − max) ≤ 1, the row's sum in f32)
+            let z: f32 = sc.iter().map(|v| (v - m).exp()).sum();
+            lses[i * hq + h] = m + z.ln();
             let mut o = vec![0f32; d];
-            for (j, &x) in sc.iter().enumerate() {
-                let w = round((x - m).exp(), f.s, e4);
-                let vj = at(kh, j, hkv);
-                for (oc, &vc) in o.iter_mut().zip(&v[vj..vj + d]) {
+            for (j, &v) in sc.iter().enumerate() {
+                let w = round((v - m).exp(), f.s, e4);
+                let vj = (j * hkv + kh) * d;
+                for (oc, &vc) in o.iter_mut().zip(&x.v[vj..vj + d]) {
                     *oc += w * vc;
                 }
             }
-            for (dst, &oc) in out.o[qi..qi + d].iter_mut().zip(&o) {
+            let qi = (i * hq + h) * d;
+            for (dst, &oc) in out[qi..qi + d].iter_mut().zip(&o) {
                 *dst = round(oc / z, f.o, e4);
             }
-            // the backward recomputes them normalized (exp(s − Stats))
-            let prob: Vec<f32> = sc.iter().map(|x| (x - lse).exp()).collect();
-            let p8: Vec<f32> = prob.iter().map(|&x| round(x, f.s, e4)).collect();
-            let di = dot(&d_o, qi, &out.o, qi);
-            for (j, (&pj, &p8j)) in prob.iter().zip(&p8).enumerate() {
-                let kj = at(kh, j, hkv);
-                let ds = round(pj * (dot(&d_o, qi, &v, kj) - di) * p.scale, f.dp, e5);
+        }
+    }
+    (out, lses)
+}
+
+/// The FP8 backward from the forward's `o` (requantized to E4M3, as the
+/// device does) and `lse`: dQ, dK, dV rounded to E5M2. The probabilities
+/// are recomputed normalized (exp(s − LSE)) and rounded to E4M3 for dV;
+/// dS is rounded to E5M2.
+fn backward_fp8(
+    p: &AttnProblem<'_>,
+    x: &Quantized,
+    f: &AttnScales,
+    o: &[f32],
+    lse: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (s, d, hq, hkv) = (p.s, p.d, p.hq, p.hkv);
+    let (e4, e5) = (Fp8Format::E4M3, Fp8Format::E5M2);
+    let o: Vec<f32> = o.iter().map(|&v| round(v, f.o, e4)).collect();
+    let dot = |a: &[f32], i: usize, b: &[f32], j: usize| -> f32 {
+        (0..d).map(|c| a[i + c] * b[j + c]).sum()
+    };
+    // f32 sums before the gradients' rounding
+    let mut dq = vec![0f32; s * hq * d];
+    let (mut dk, mut dv) = (vec![0f32; s * hkv * d], vec![0f32; s * hkv * d]);
+    for h in 0..hq {
+        let kh = h / (hq / hkv);
+        for i in 0..s {
+            let qi = (i * hq + h) * d;
+            let l = lse[i * hq + h];
+            let di = dot(&x.d_o, qi, &o, qi);
+            for (j, v) in scores(p, x, h, i).into_iter().enumerate() {
+                let (kj, pj) = ((j * hkv + kh) * d, (v - l).exp());
+                let ds = round(pj * (dot(&x.d_o, qi, &x.v, kj) - di) * p.scale, f.dp, e5);
+                let p8 = round(pj, f.s, e4);
                 for c in 0..d {
-                    out.dq[qi + c] += ds * k[kj + c];
-                    dk[kj + c] += ds * q[qi + c];
-                    dv[kj + c] += p8j * d_o[qi + c];
+                    dq[qi + c] += ds * x.k[kj + c];
+                    dk[kj + c] += ds * x.q[qi + c];
+                    dv[kj + c] += p8 * x.d_o[qi + c];
                 }
             }
         }
     }
-    for x in out.dq.iter_mut() {
-        *x = round(*x, f.dq, e5);
-    }
-    out.dk = dk.iter().map(|&x| round(x, f.dk, e5)).collect();
-    out.dv = dv.iter().map(|&x| round(x, f.dv, e5)).collect();
-    out
+    let fin = |g: Vec<f32>, sc: f32| g.into_iter().map(|v| round(v, sc, e5)).collect();
+    (fin(dq, f.dq), fin(dk, f.dk), fin(dv, f.dv))
 }
 
 /// Causal attention and its gradients in f32, no roundings (what the
@@ -369,6 +460,24 @@ mod tests {
             ("dV", &got.dv, &exact.dv),
         ] {
             assert!(rel(a, b) < 0.15, "{name} {}", rel(a, b));
+        }
+        // the backward alone in FP8: the exact forward's O and LSE, FP8
+        // gradients (the rounding errors of both passes' gradients are
+        // of one size, not the same values)
+        let bwd = Fp8Passes {
+            forward: false,
+            backward: true,
+        };
+        let alone = emulate_passes(&p, &device_scales(&p), bwd);
+        assert_eq!((&alone.o, &alone.lse), (&exact.o, &exact.lse));
+        for (name, a, both, b) in [
+            ("dQ", &alone.dq, &got.dq, &exact.dq),
+            ("dK", &alone.dk, &got.dk, &exact.dk),
+            ("dV", &alone.dv, &got.dv, &exact.dv),
+        ] {
+            let e = rel(a, b);
+            assert!(e > 1e-3 && e < 0.15, "{name} {e}");
+            assert!(a != both, "{name}: the forward's O changed nothing");
         }
     }
 

@@ -11,6 +11,7 @@
 //! scale of its own largest magnitude.
 
 use super::args::{Fp8Gemm, Fp8Quantize};
+use super::attention::Fp8Passes;
 use super::format::Fp8Format;
 use crate::backend::memory::Category;
 use crate::backend::ops::Backend;
@@ -30,15 +31,20 @@ pub enum Precision {
     /// dO and the gradients in E5M2; `backend::fp8::attention`): Hopper,
     /// head dim 128, no documents or sliding windows.
     Fp8Attention,
+    /// `Fp8Attention` in the backward only: the forward stays BF16 (FP8's
+    /// rounding of O costs the loss more than the gradients' does).
+    Fp8AttentionBwd,
 }
 
 impl Precision {
-    /// The name a user writes (`bf16`, `fp8`, `fp8-attention`).
+    /// The name a user writes (`bf16`, `fp8`, `fp8-attention`,
+    /// `fp8-attention-bwd`).
     pub fn name(self) -> &'static str {
         match self {
             Precision::Bf16 => "bf16",
             Precision::Fp8 => "fp8",
             Precision::Fp8Attention => "fp8-attention",
+            Precision::Fp8AttentionBwd => "fp8-attention-bwd",
         }
     }
 
@@ -47,9 +53,12 @@ impl Precision {
         self != Precision::Bf16
     }
 
-    /// Whether attention runs on cuDNN's FP8 graphs.
-    pub fn fp8_attention(self) -> bool {
-        self == Precision::Fp8Attention
+    /// Which of attention's passes run on cuDNN's FP8 graphs.
+    pub fn fp8_attention(self) -> Fp8Passes {
+        Fp8Passes {
+            forward: self == Precision::Fp8Attention,
+            backward: matches!(self, Precision::Fp8Attention | Precision::Fp8AttentionBwd),
+        }
     }
 }
 
@@ -66,8 +75,9 @@ impl std::str::FromStr for Precision {
             "bf16" => Ok(Precision::Bf16),
             "fp8" => Ok(Precision::Fp8),
             "fp8-attention" => Ok(Precision::Fp8Attention),
+            "fp8-attention-bwd" => Ok(Precision::Fp8AttentionBwd),
             other => Err(Error::Config(format!(
-                "--precision {other}: expected bf16, fp8 or fp8-attention"
+                "--precision {other}: expected bf16, fp8, fp8-attention or fp8-attention-bwd"
             ))),
         }
     }

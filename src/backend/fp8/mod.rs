@@ -10,6 +10,7 @@ pub mod linear;
 pub mod scale;
 
 pub use args::{Fp8Gemm, Fp8GemmShape, Fp8Quantize};
+pub use attention::Fp8Passes;
 pub use format::Fp8Format;
 pub use linear::{
     Fp8Operand, Fp8Ref, LinearGemm, LinearRole, OutputGrad, Precision, Quantized, linear_gemm,

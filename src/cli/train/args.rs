@@ -141,7 +141,9 @@ pub struct TrainArgs {
     /// and activations, E5M2 gradients, tensor-wise scales; master
     /// weights, optimizer, loss, embedding, LM head and norms unchanged);
     /// fp8-attention: fp8, and attention on cuDNN's FP8 graphs (Hopper,
-    /// head dim 128, no documents or sliding windows; docs/fp8.md).
+    /// head dim 128, no documents or sliding windows; docs/fp8.md);
+    /// fp8-attention-bwd: the same with attention's forward in BF16 (its
+    /// loss stays closer to bf16's).
     #[arg(long, help_heading = "Run", default_value = "bf16")]
     pub precision: String,
     /// Seed of the random initialisation and of the data order.

@@ -63,8 +63,9 @@ pub fn decide(
     Ok(Some(kernel))
 }
 
-/// `--precision fp8-attention` where the run can take it: every
-/// attention call on cuDNN's FP8 graphs, which on Hopper take head dim 128,
+/// `--precision fp8-attention` (or `fp8-attention-bwd`) where the run can
+/// take it: every attention call's forward and backward (or backward) on
+/// cuDNN's FP8 graphs, which on Hopper take head dim 128,
 /// no documents masks and no sliding windows (`cudnn::sdpa_fp8`), and on
 /// a GPU of compute capability 9.0 or above. An error naming the fix
 /// otherwise, before anything is allocated.
@@ -74,20 +75,20 @@ pub fn check_fp8_attention(
     model: &crate::model::ModelConfig,
     documents: bool,
 ) -> Result<()> {
-    if !precision.fp8_attention() {
+    if !precision.fp8_attention().any() {
         return Ok(());
     }
     let cudnn = match kernel {
         Some(AttentionKernel::Cudnn { version }) => Some(version),
         _ => None,
     };
-    fp8_attention_fits(cudnn, kernel.is_some(), model, documents)?;
+    fp8_attention_fits(precision, cudnn, kernel.is_some(), model, documents)?;
     let gpus = crate::backend::cuda::device::gpus()?;
     if let Some(g) = gpus.first()
         && g.compute_capability.0 < 9
     {
         return crate::config_err!(
-            "--precision fp8-attention needs a Hopper GPU or newer (compute capability 9.0); \
+            "--precision {precision} needs a Hopper GPU or newer (compute capability 9.0); \
              this one is {}.{}: {FP8_FIX}",
             g.compute_capability.0,
             g.compute_capability.1
@@ -98,10 +99,11 @@ pub fn check_fp8_attention(
 
 const FP8_FIX: &str = "use --precision fp8 (FP8 linear layers, BF16 attention)";
 
-/// What `--precision fp8-attention` asks of a run whose attention is on
+/// What FP8 attention (`precision`) asks of a run whose attention is on
 /// cuDNN `cudnn` (`None`: on upipe's kernels; `gpu`: on a GPU at all), as
 /// `train` checks it and `plan` plans it.
 pub fn fp8_attention_fits(
+    precision: crate::backend::fp8::Precision,
     cudnn: Option<usize>,
     gpu: bool,
     model: &crate::model::ModelConfig,
@@ -110,38 +112,38 @@ pub fn fp8_attention_fits(
     let fix = FP8_FIX;
     if !gpu {
         return crate::config_err!(
-            "--precision fp8-attention runs cuDNN's FP8 attention, on a GPU only; on the CPU \
+            "--precision {precision} runs cuDNN's FP8 attention, on a GPU only; on the CPU \
              {fix}"
         );
     }
     let Some(version) = cudnn else {
         return crate::config_err!(
-            "--precision fp8-attention runs on cuDNN, but the run's attention is on upipe's \
+            "--precision {precision} runs on cuDNN, but the run's attention is on upipe's \
              kernels (--attn-kernel native, or no cuDNN 9.1+ found): drop --attn-kernel native \
              or install cuDNN, or {fix}"
         );
     };
     if version < 90100 {
         return crate::config_err!(
-            "--precision fp8-attention needs cuDNN 9.1 or newer (found {version}), or {fix}"
+            "--precision {precision} needs cuDNN 9.1 or newer (found {version}), or {fix}"
         );
     }
     if model.head_dim != 128 {
         return crate::config_err!(
-            "--precision fp8-attention: cuDNN's FP8 attention backward on Hopper takes head dim \
+            "--precision {precision}: cuDNN's FP8 attention backward on Hopper takes head dim \
              128 only, and this model's is {}; {fix}",
             model.head_dim
         );
     }
     if documents {
         return crate::config_err!(
-            "--precision fp8-attention: cuDNN's FP8 attention takes no documents masks on \
+            "--precision {precision}: cuDNN's FP8 attention takes no documents masks on \
              Hopper; use --pack stream, or {fix}"
         );
     }
     if (0..model.layers).any(|l| model.layer_attention(l).window.is_some()) {
         return crate::config_err!(
-            "--precision fp8-attention: this model attends through sliding windows, which \
+            "--precision {precision}: this model attends through sliding windows, which \
              cuDNN's FP8 attention does not take; {fix}"
         );
     }
