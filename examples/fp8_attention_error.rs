@@ -2,14 +2,16 @@
 //! `--precision fp8-attention` (`backend::fp8::attention::emulate`) against
 //! exact f32 attention, by sequence length, under the bound-based scales
 //! the device sets and under ideal ones (each output's scale from its own
-//! amax, known only after the call). Relative L2 error of O, dQ, dK, dV,
-//! and each output's amax as a fraction of its bound.
+//! amax, known only after the call), and of `fp8-attention-bwd` (the
+//! backward alone in FP8). Relative L2 error of O, dQ, dK, dV, and each
+//! output's amax as a fraction of its bound.
 //!
 //! `cargo run --release --example fp8_attention_error [-- S,S,...]`
 //! (default 1024,4096; head dim 128, 2 query heads over 1 kv head, causal).
 
+use upipe::backend::fp8::Fp8Passes;
 use upipe::backend::fp8::attention::{
-    AttnOutputs, AttnProblem, device_scales, emulate_with, exact, pow2_scale,
+    AttnOutputs, AttnProblem, device_scales, emulate_passes, exact, pow2_scale,
 };
 
 fn uniform(n: usize, seed: u64, amp: f32) -> Vec<f32> {
@@ -83,8 +85,20 @@ fn main() {
             dv: pow2_scale(amax(&want.dv), e5),
             ..bounds
         };
-        for (name, f) in [("bounds", &bounds), ("ideal", &ideal)] {
-            let e = errors(&emulate_with(&p, f), &want);
+        let both = Fp8Passes {
+            forward: true,
+            backward: true,
+        };
+        let bwd = Fp8Passes {
+            forward: false,
+            ..both
+        };
+        for (name, f, passes) in [
+            ("bounds", &bounds, both),
+            ("ideal", &ideal, both),
+            ("bounds, backward only", &bounds, bwd),
+        ] {
+            let e = errors(&emulate_passes(&p, f, passes), &want);
             println!(
                 "| {s} | {name} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.1e} | {:.1e} | {:.1e} | {:.1e} |",
                 e[0], e[1], e[2], e[3], ratio[0], ratio[1], ratio[2], ratio[3]
