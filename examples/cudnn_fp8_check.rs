@@ -25,7 +25,7 @@ fn list(var: &str, default: &str) -> Vec<String> {
 }
 
 fn amax(x: &[f32]) -> f32 {
-    x.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+    upipe::backend::fp8::amax(x.iter().copied())
 }
 
 fn main() -> Res<()> {

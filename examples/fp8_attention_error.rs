@@ -14,26 +14,17 @@ use upipe::backend::fp8::attention::{
     AttnOutputs, AttnProblem, device_scales, emulate_passes, exact, pow2_scale,
 };
 
-fn uniform(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
-        })
-        .collect()
-}
+mod support;
 
-fn rel_l2(a: &[f32], b: &[f32]) -> f32 {
-    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let den: f32 = b.iter().map(|y| y * y).sum();
-    (num / den.max(1e-30)).sqrt()
+use support::{Rng, rel_l2};
+
+/// `n` uniform values in (-amp, amp) from `seed`.
+fn uniform(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+    Rng(seed | 1).vec(n, amp)
 }
 
 fn amax(x: &[f32]) -> f32 {
-    x.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+    upipe::backend::fp8::amax(x.iter().copied())
 }
 
 fn errors(got: &AttnOutputs, want: &AttnOutputs) -> [f32; 4] {

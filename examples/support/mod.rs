@@ -1,5 +1,6 @@
-//! Shared by the GPU check examples (`flash_check`, `cudnn_check`): seeded
-//! bf16-representable inputs and the relative error they report.
+//! Shared by the check examples (`flash_check`, `cudnn_check`,
+//! `cudnn_fp8_check`, `fp8_attention_error`): seeded inputs and the
+//! relative errors they report.
 
 #![allow(dead_code)] // each example uses part of it
 
@@ -16,6 +17,10 @@ impl Rng {
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// `n` uniform values in (-scale, scale).
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
     }
     /// bf16-representable values (so both sides see identical inputs).
     pub fn vec_bf16(&mut self, n: usize, scale: f32) -> Vec<f32> {
@@ -38,4 +43,11 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
         max_ref = max_ref.max(b.abs());
     }
     max_diff / max_ref.max(1e-20)
+}
+
+/// ‖got − want‖₂ / ‖want‖₂.
+pub fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
+    let num: f32 = got.iter().zip(want).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f32 = want.iter().map(|y| y * y).sum();
+    (num / den.max(1e-30)).sqrt()
 }
