@@ -22,6 +22,7 @@ use super::{
 };
 use crate::attention::{CpPlan, Settle, Strategy};
 use crate::backend::Bytes;
+use crate::backend::cuda::cudnn::sdpa_fp8::{self, FAST_GQA_BWD_HEADS};
 use crate::error::Result;
 use crate::model::decoder::attn_dims;
 use crate::model::{HostUpdate, MemoryPolicy, ModelConfig};
@@ -548,9 +549,19 @@ impl<'a> Resolution<'a> {
     /// allow is skipped.
     fn widen_stages(&mut self) -> Result<()> {
         let req = self.req;
-        if !req.strategy.has_head_stages()
-            || matches!(req.stages.chunk_heads, Some(ChunkHeads::Heads(_)))
-        {
+        if !req.strategy.has_head_stages() {
+            return Ok(());
+        }
+        if let Some(ChunkHeads::Heads(u)) = req.stages.chunk_heads {
+            if self.slow_fp8_backward(u) {
+                let most = FAST_GQA_BWD_HEADS * self.plan.schedule.pu;
+                self.notes.push(format!(
+                    "--chunk-heads {u}: cuDNN runs FP8 attention backwards of more than {} \
+                     grouped query heads a call at half BF16's speed; --chunk-heads {most} or \
+                     fewer avoids it",
+                    FAST_GQA_BWD_HEADS
+                ));
+            }
             return Ok(());
         }
         let Some(room) = req.budget.ledger else {
@@ -558,7 +569,13 @@ impl<'a> Resolution<'a> {
         };
         let (policy, fsdp) = (self.policy, self.fsdp);
         let heads = req.model.heads;
-        let widest = widest_fitting(heads, self.plan.schedule.pu, |u| {
+        let pu = self.plan.schedule.pu;
+        let slow = |u: usize| self.slow_fp8_backward(u);
+        let capped = slow(heads);
+        let widest = widest_fitting(heads, pu, |u| {
+            if slow(u) {
+                return Ok(None);
+            }
             let Ok(plan) = req.stage_plan(Some(u)) else {
                 return Ok(None);
             };
@@ -570,10 +587,29 @@ impl<'a> Resolution<'a> {
             self.plan = plan;
         }
         let u = self.plan.schedule.chunk;
+        let why = match capped {
+            true => format!(
+                " (at most {} query heads a call: cuDNN's FP8 backward runs more grouped \
+                 heads at half BF16's speed)",
+                FAST_GQA_BWD_HEADS * pu
+            ),
+            false => String::new(),
+        };
         self.notes.push(format!(
-            "--chunk-heads auto: stages of {u} of {heads} heads"
+            "--chunk-heads auto: stages of {u} of {heads} heads{why}"
         ));
         Ok(())
+    }
+
+    /// Whether backward stages of `u` heads would make each rank's FP8
+    /// attention backward (`--precision fp8-attention`, `-bwd`) a call
+    /// cuDNN runs slowly: `u / Pu` grouped query heads above
+    /// [`FAST_GQA_BWD_HEADS`].
+    fn slow_fp8_backward(&self, u: usize) -> bool {
+        let m = &self.req.model;
+        let hq = u / self.plan.schedule.pu.max(1);
+        let hkv = (hq * m.kv_heads / m.heads.max(1)).max(1);
+        self.req.precision.fp8_attention().backward && sdpa_fp8::slow_bwd(hq, hkv)
     }
 
     /// `--offload-optimizer` (auto: the fewest units whose state on the host

@@ -650,3 +650,62 @@ fn fp8_attention_is_refused_where_it_cannot_run_and_planned_where_it_can() {
     ]);
     assert!(stdout.contains("--precision fp8-attention"), "{stdout}");
 }
+
+/// Under an FP8 attention backward, `--chunk-heads auto` keeps each call of
+/// a grouped-query model (Llama3-8B, 32:8) at or below the query heads
+/// cuDNN's FP8 backward runs fast (28): stages of 16 where `fp8` (BF16
+/// attention) takes all 32 heads in one stage, the forward's stages left
+/// as wide.
+#[test]
+fn fp8_attention_backward_stages_stay_at_the_heads_cudnn_runs_fast() {
+    let chunks = |precision: &str| {
+        let args = [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--gpus",
+            "1",
+            "--device",
+            "cuda",
+            "--attn",
+            "upipe",
+            "--seq",
+            "65536",
+            "--gpu-mem",
+            "79.18",
+            "--host-mem",
+            "108",
+            "--checkpoint",
+            "--tiled-mlp",
+            "--offload-optimizer",
+            "all",
+            "--host-update",
+            "gpu",
+            "--optim-state",
+            "8bit",
+            "--master-weights",
+            "none",
+            "--grad-dtype",
+            "bf16",
+            "--json",
+            "--precision",
+            precision,
+        ];
+        let (stdout, log, success) = common::upipe(&args);
+        assert!(success, "{log}");
+        let plan: serde_json::Value = stdout
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .and_then(|l| serde_json::from_str(l).ok())
+            .unwrap_or_else(|| panic!("no JSON plan: {stdout}"));
+        let mesh = &plan["mesh"];
+        (
+            mesh["chunk_heads"].as_u64(),
+            mesh["fwd_chunk_heads"].as_u64(),
+        )
+    };
+    assert_eq!(chunks("fp8"), (Some(32), Some(32)));
+    assert_eq!(chunks("fp8-attention-bwd"), (Some(16), Some(32)));
+    let (bwd, _) = chunks("fp8-attention");
+    assert!(bwd.is_some_and(|u| u <= 28), "{bwd:?}");
+}
