@@ -598,29 +598,9 @@ fn fp8_attention_is_refused_where_it_cannot_run_and_planned_where_it_can() {
         );
     }
     let plan = |model: &str, precision: &str| {
-        let args = [
-            "plan",
-            "--model",
-            model,
-            "--gpus",
-            "1",
-            "--device",
-            "cuda",
-            "--attn",
-            "upipe",
-            "--seq",
-            "8192",
-            "--json",
-            "--precision",
-            precision,
-        ];
-        let (stdout, log, success) = common::upipe(&args);
-        let peak = stdout
-            .lines()
-            .rev()
-            .find(|l| l.starts_with('{'))
-            .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .and_then(|v| v["peak_bytes"].as_u64());
+        let flags = format!("plan --model {model} --gpus 1 --device cuda --attn upipe --seq 8192");
+        let (plan, log, success) = plan_json(&flags, precision);
+        let peak = plan.and_then(|v| v["peak_bytes"].as_u64());
         (success, peak, log)
     };
     let (ok, _, log) = plan("llama3.2-1b", "fp8-attention");
@@ -659,45 +639,13 @@ fn fp8_attention_is_refused_where_it_cannot_run_and_planned_where_it_can() {
 #[test]
 fn fp8_attention_backward_stages_stay_at_the_heads_cudnn_runs_fast() {
     let chunks = |precision: &str| {
-        let args = [
-            "plan",
-            "--model",
-            "llama3-8b",
-            "--gpus",
-            "1",
-            "--device",
-            "cuda",
-            "--attn",
-            "upipe",
-            "--seq",
-            "65536",
-            "--gpu-mem",
-            "79.18",
-            "--host-mem",
-            "108",
-            "--checkpoint",
-            "--tiled-mlp",
-            "--offload-optimizer",
-            "all",
-            "--host-update",
-            "gpu",
-            "--optim-state",
-            "8bit",
-            "--master-weights",
-            "none",
-            "--grad-dtype",
-            "bf16",
-            "--json",
-            "--precision",
-            precision,
-        ];
-        let (stdout, log, success) = common::upipe(&args);
+        let flags = "plan --model llama3-8b --gpus 1 --device cuda --attn upipe --seq 65536 \
+                     --gpu-mem 79.18 --host-mem 108 --checkpoint --tiled-mlp \
+                     --offload-optimizer all --host-update gpu --optim-state 8bit \
+                     --master-weights none --grad-dtype bf16";
+        let (plan, log, success) = plan_json(flags, precision);
         assert!(success, "{log}");
-        let plan: serde_json::Value = stdout
-            .lines()
-            .find(|l| l.starts_with('{'))
-            .and_then(|l| serde_json::from_str(l).ok())
-            .unwrap_or_else(|| panic!("no JSON plan: {stdout}"));
+        let plan = plan.unwrap_or_else(|| panic!("no JSON plan: {log}"));
         let mesh = &plan["mesh"];
         (
             mesh["chunk_heads"].as_u64(),
@@ -708,4 +656,19 @@ fn fp8_attention_backward_stages_stay_at_the_heads_cudnn_runs_fast() {
     assert_eq!(chunks("fp8-attention-bwd"), (Some(16), Some(32)));
     let (bwd, _) = chunks("fp8-attention");
     assert!(bwd.is_some_and(|u| u <= 28), "{bwd:?}");
+}
+
+/// `upipe plan` of the whitespace-separated `flags` with `--json
+/// --precision precision`: its JSON plan (if it printed one), its log and
+/// whether it succeeded.
+fn plan_json(flags: &str, precision: &str) -> (Option<serde_json::Value>, String, bool) {
+    let mut args: Vec<&str> = flags.split_whitespace().collect();
+    args.extend(["--json", "--precision", precision]);
+    let (stdout, log, success) = common::upipe(&args);
+    let plan = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .and_then(|l| serde_json::from_str(l).ok());
+    (plan, log, success)
 }
