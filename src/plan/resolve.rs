@@ -589,8 +589,8 @@ impl<'a> Resolution<'a> {
         let u = self.plan.schedule.chunk;
         let why = match capped {
             true => format!(
-                " (at most {} query heads a call: cuDNN's FP8 backward runs more grouped \
-                 heads at half BF16's speed)",
+                " (at most {} a stage, {FAST_GQA_BWD_HEADS} query heads a call: cuDNN's FP8 \
+                 backward runs more grouped heads at half BF16's speed)",
                 FAST_GQA_BWD_HEADS * pu
             ),
             false => String::new(),
