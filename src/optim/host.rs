@@ -25,6 +25,7 @@ use crate::backend::{
     Backend, Category, ComputePoint, CopyDone, DType, HostValues, HostValuesMut, Tensor, cast,
 };
 use crate::error::Result;
+use crate::model::Unit;
 use crate::optim::adamw::adamw_step::AdamWStep;
 use crate::optim::adamw::compact_adamw::{MomentCodec, WeightRounding};
 use crate::optim::adamw::host_adamw::{adamw_parallel, adamw_parallel_bf16};
@@ -36,6 +37,8 @@ use std::ops::Range;
 /// the updates of its element ranges (ranges of one slot may differ in
 /// weight decay: a flat FSDP shard holds norm and matrix weights).
 pub struct HostSlot<'a, B: Backend> {
+    /// The unit the slot belongs to.
+    pub unit: Unit,
     /// `[..]` in the compute dtype, on the device.
     pub param: &'a mut Tensor<B>,
     /// `[..]` F32 or BF16, on the device (zeroed once it is on the host).
@@ -187,8 +190,7 @@ impl<B: Backend> HostStep<B> {
 /// Slot `k`'s transfer: the one started a slot earlier (`in_flight`) or
 /// started now; before it is returned the next slot's (slot `k + 1`, or
 /// `ahead` after the last of `slots`) is started, so that it overlaps slot
-/// `k`'s update. The pipeline of both updates of host state: the host's
-/// threads ([`HostStep`]) and paging through the device (`PagedStep`).
+/// `k`'s update: the pipeline of [`HostStep`], the host's threads' update.
 pub(super) fn one_ahead<'s, S, A: Copy, T>(
     in_flight: &mut Option<T>,
     (slots, k, ahead): (&'s [S], usize, Option<A>),

@@ -387,11 +387,11 @@ fn host_state_of_every_format_updates_as_the_devices_does() {
     }
 }
 
-/// Paging holds two slots' state on the device at most (the one updated,
-/// or its state on the way back, and the next on its way in); the host's
-/// threads hold none there.
+/// Paging holds two units' state on the device at most (the unit updated,
+/// or its state on the way back, and the next on its way in): here the
+/// embedding's slot and block 0's two; the host's threads hold none there.
 #[test]
-fn paging_holds_two_slots_state_at_most() {
+fn paging_holds_two_units_state_at_most() {
     use crate::common::{ADAMW_SLOT, three_adamw_steps};
     use upipe::backend::cpu::CpuBackend;
     use upipe::model::HostUpdate;
@@ -415,7 +415,7 @@ fn paging_holds_two_slots_state_at_most() {
         let masters = if master == MasterWeights::F32 { 4 } else { 0 };
         let slot = ADAMW_SLOT * (2 * moments.dtype().size() + masters) + scales;
         let run = |update| three_adamw_steps(&CpuBackend::new(), format, 3, update).1;
-        assert_eq!(run(HostUpdate::Gpu), 2 * slot, "{format}: paged");
+        assert_eq!(run(HostUpdate::Gpu), 3 * slot, "{format}: paged");
         assert_eq!(run(HostUpdate::Cpu), 0, "{format}: on the host's threads");
     }
 }

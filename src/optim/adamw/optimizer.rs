@@ -363,6 +363,7 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
                 .map(|p| (p.at.clone(), hyper(&cfg, &p.name, lr, step, clip)))
                 .collect();
             host_slots.push(HostSlot {
+                unit: slot.unit,
                 param: param.as_deref_mut().ok_or_else(|| busy(k))?,
                 grad: grad.as_deref_mut().ok_or_else(|| busy(k))?,
                 master: master.as_mut(),
@@ -372,16 +373,22 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
                 rounding_key: rounding_key(cfg.seed, step, k as u32),
             });
         }
-        let next = rest
-            .next()
-            .map(|(((k, _), (param, grad)), ((master, m), v))| NextSlot {
+        // the next unit's slots: the paged update stages them meanwhile
+        let mut next: Vec<NextSlot<'_, B>> = Vec::new();
+        for (((k, slot), (param, grad)), ((master, m), v)) in rest {
+            if next.first().is_some_and(|n| n.unit != slot.unit) {
+                break;
+            }
+            next.push(NextSlot {
                 k,
+                unit: slot.unit,
                 param: param.as_deref(),
                 grad: grad.as_deref(),
                 master: master.as_ref(),
                 m,
                 v,
             });
+        }
         pending.run.run(b, &mut host_slots, next)?;
         if pending.run.done() == total {
             self.pending = None;
@@ -447,10 +454,11 @@ enum Deferred<B: Backend> {
     Paged(Box<PagedStep<B>>),
 }
 
-/// The host slot after those a settle updates: its tensors on the device
-/// (`None` while in a collective) and its state on the host.
+/// A host slot of the unit after those a settle updates: its tensors on
+/// the device (`None` while in a collective) and its state on the host.
 struct NextSlot<'a, B: Backend> {
     k: usize,
+    unit: Unit,
     param: Option<&'a Tensor<B>>,
     grad: Option<&'a Tensor<B>>,
     master: Option<&'a Tensor<B>>,
@@ -467,17 +475,18 @@ impl<B: Backend> Deferred<B> {
         }
     }
 
-    /// Updates `slots` in order; meanwhile what the host reads of `next` is
-    /// downloaded, or its state paged in.
+    /// Updates `slots` in order; meanwhile what the host reads of the first
+    /// of `next` (the next unit's slots) is downloaded, or their state paged
+    /// in.
     fn run(
         &mut self,
         b: &B,
         slots: &mut [HostSlot<'_, B>],
-        next: Option<NextSlot<'_, B>>,
+        next: Vec<NextSlot<'_, B>>,
     ) -> Result<()> {
         match self {
             Deferred::Host(host) => {
-                let ahead = match next {
+                let ahead = match next.into_iter().next() {
                     Some(n) => Some(Fetch {
                         grad: n.grad.ok_or_else(|| busy(n.k))?,
                         param: match n.master {
@@ -490,12 +499,16 @@ impl<B: Backend> Deferred<B> {
                 host.run(b, slots, ahead)
             }
             Deferred::Paged(paged) => {
-                let ahead = next.map(|n| Resident {
-                    master: n.master,
-                    m: n.m,
-                    v: n.v,
-                });
-                paged.run(b, slots, ahead)
+                let ahead: Vec<_> = next
+                    .into_iter()
+                    .map(|n| Resident {
+                        unit: n.unit,
+                        master: n.master,
+                        m: n.m,
+                        v: n.v,
+                    })
+                    .collect();
+                paged.run(b, slots, &ahead)
             }
         }
     }
