@@ -204,7 +204,20 @@ run() {
     peak[$row,$cfg]="$(echo "$lines" | tail -1 | cut -d' ' -f3)"
     if [[ "$cfg" == upipe* ]]; then
         pred[$row,$cfg]="$(grep -a '^{' "$log" | tail -1 | field predicted_peak_bytes)"
+        echo "   last step by class (ms): $(grep -a '^{' "$log" | grep -a '"profile"' | tail -1 | profile_line)"
     fi
+}
+
+# the last step's time by op class, largest first, from upipe's --profile JSON line on stdin
+profile_line() {
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    p = json.loads(line).get("profile") or {}
+    wall = p.pop("wall_ms", 0)
+    top = sorted(((v, k[:-3]) for k, v in p.items() if v >= 1), reverse=True)
+    print(" ".join(f"{k} {v:,.0f}" for v, k in top) + f" (wall {wall:,.0f})")
+' 2> /dev/null
 }
 
 # every configuration of one row, alternating upipe, hf+liger and hf; rows of a model and length
