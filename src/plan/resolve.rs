@@ -550,6 +550,16 @@ impl<'a> Resolution<'a> {
     fn widen_stages(&mut self) -> Result<()> {
         let req = self.req;
         if !req.strategy.has_head_stages() {
+            let (heads, pu) = (self.plan.schedule.chunk, self.plan.schedule.pu.max(1));
+            if self.slow_fp8_backward(heads) {
+                self.notes.push(format!(
+                    "--attn {}: each rank's FP8 attention backward is one call of {} grouped \
+                     query heads, which cuDNN runs at half BF16's speed; --attn upipe runs it \
+                     in stages of {FAST_GQA_BWD_HEADS} query heads a call or fewer",
+                    req.strategy.name(),
+                    heads / pu
+                ));
+            }
             return Ok(());
         }
         if let Some(ChunkHeads::Heads(u)) = req.stages.chunk_heads {

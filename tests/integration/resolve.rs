@@ -247,3 +247,66 @@ fn optim_state_auto_refuses_a_given_master_or_gradient_dtype() {
         );
     }
 }
+
+/// Under an FP8 attention backward, a run whose calls would give cuDNN
+/// more than 28 grouped query heads at once (run at half BF16's speed)
+/// says so before it starts: a strategy without head stages (one call of
+/// all of a rank's heads) and a fixed `--chunk-heads` too wide; UPipe's
+/// `auto` keeps its stages under it, and BF16 attention is never slow.
+#[test]
+fn a_slow_fp8_attention_backward_is_named_before_the_run() {
+    let notes = |strategy, precision, extra: &[&str]| {
+        let mut policy = vec![
+            "--device",
+            "cuda",
+            "--precision",
+            precision,
+            "--checkpoint",
+            "--tiled-mlp",
+            "--optim-state",
+            "8bit",
+            "--master-weights",
+            "none",
+            "--grad-dtype",
+            "bf16",
+            "--offload-optimizer",
+            "all",
+        ];
+        policy.extend(extra);
+        let case = Case {
+            model: "llama3-8b",
+            strategy,
+            mesh: (1, 1, 1),
+            seq: 16384,
+            gpu_mem_gib: 79.18,
+            host_mem_gib: 108,
+            policy: &policy,
+        };
+        resolve_run(&case.plan_request(), Depth::Run).unwrap().notes
+    };
+    let slow = |notes: &[String], start: &str| {
+        notes
+            .iter()
+            .any(|n| n.starts_with(start) && n.contains("half BF16's speed"))
+    };
+    let local = notes(Strategy::Local, "fp8-attention-bwd", &[]);
+    assert!(slow(&local, "--attn local: "), "{local:?}");
+    let wide = notes(Strategy::Upipe, "fp8-attention", &["--chunk-heads", "32"]);
+    assert!(slow(&wide, "--chunk-heads 32: "), "{wide:?}");
+    let auto = notes(Strategy::Upipe, "fp8-attention-bwd", &[]);
+    assert!(
+        auto.iter()
+            .any(|n| n.starts_with("--chunk-heads auto: stages of 16 ")),
+        "{auto:?}"
+    );
+    for (strategy, extra) in [
+        (Strategy::Local, &[][..]),
+        (Strategy::Upipe, &["--chunk-heads", "32"]),
+    ] {
+        let bf16 = notes(strategy, "fp8", extra);
+        assert!(
+            !bf16.iter().any(|n| n.contains("half BF16's speed")),
+            "{bf16:?}"
+        );
+    }
+}
