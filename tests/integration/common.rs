@@ -258,16 +258,31 @@ pub const ADAMW_SLOT: usize = 3 * 256 + 40;
 /// head) trained 3 steps with BF16 gradients on `b`, with `host_units`
 /// units' state on the host updated as `host_update` says: the parameters
 /// and each moment's values after them, as bits, and the most optimizer
-/// state the device held at once while the host's was updated.
+/// state the device held at once while the host's was updated. Each step's
+/// host updates are settled at once.
 pub fn three_adamw_steps<B: upipe::backend::Backend>(
     b: &B,
     state: upipe::optim::StateFormat,
     host_units: usize,
     host_update: upipe::model::HostUpdate,
 ) -> (Vec<Vec<u32>>, usize) {
+    adamw_steps(b, state, (host_units, host_update), false)
+}
+
+/// [`three_adamw_steps`], settling each step's host updates unit by unit
+/// in update order (as the next forward does) where `by_unit` says so.
+pub fn adamw_steps<B: upipe::backend::Backend>(
+    b: &B,
+    state: upipe::optim::StateFormat,
+    (host_units, host_update): (usize, upipe::model::HostUpdate),
+    by_unit: bool,
+) -> (Vec<Vec<u32>>, usize) {
     use upipe::backend::{Category, DType, Tensor};
     use upipe::model::Unit;
-    use upipe::optim::{AdamW, AdamWConfig, Lent, Optimizer, Piece, Slot, StateKind};
+    use upipe::optim::settling::update_order;
+    use upipe::optim::{
+        AdamW, AdamWConfig, Lent, Optimizer, Piece, Slot, StateKind, slots_through,
+    };
     let n = ADAMW_SLOT;
     let piece = |name: &str, at| Piece {
         name: name.into(),
@@ -310,7 +325,16 @@ pub fn three_adamw_steps<B: upipe::backend::Backend>(
         opt.step(b, &mut lent, 0.5, step, true).unwrap();
         let state_before = b.ledger().current_of(Category::OptimState);
         b.ledger().reset_peak();
-        opt.settle(b, &mut lent, usize::MAX).unwrap();
+        let mut through: Vec<usize> = match by_unit {
+            true => (update_order(1).into_iter())
+                .map(|u| slots_through(opt.slots(), u, 1))
+                .collect(),
+            false => Vec::new(),
+        };
+        through.push(usize::MAX);
+        for upto in through {
+            opt.settle(b, &mut lent, upto).unwrap();
+        }
         let stats = b.ledger().stats();
         let held = stats.peak_by_category.iter();
         let most = held

@@ -420,6 +420,43 @@ fn paging_holds_two_units_state_at_most() {
     }
 }
 
+/// Paged updates settled unit by unit, as the next forward settles them
+/// (each call staging the next unit's state for the call after it), give
+/// the state settled at once, bit for bit, holding two units' state at
+/// most; so do the host's threads'.
+#[test]
+fn paged_updates_settled_unit_by_unit_equal_those_settled_at_once() {
+    use crate::common::{adamw_steps, three_adamw_steps};
+    use upipe::backend::cpu::CpuBackend;
+    use upipe::model::HostUpdate;
+    use upipe::optim::{GradDtype, MasterWeights, MomentFormat, StateFormat};
+    for (moments, master) in [
+        (MomentFormat::Q8, MasterWeights::None),
+        (MomentFormat::F32, MasterWeights::F32),
+    ] {
+        let format = StateFormat {
+            moments,
+            master,
+            grads: GradDtype::Bf16,
+        };
+        for update in [HostUpdate::Gpu, HostUpdate::Cpu] {
+            for host_units in [2, 3] {
+                let at_once = three_adamw_steps(&CpuBackend::new(), format, host_units, update);
+                let cpu = CpuBackend::new();
+                let by_unit = adamw_steps(&cpu, format, (host_units, update), true);
+                let what = format!("{format}, {update:?}, {host_units} units");
+                assert!(by_unit.0 == at_once.0, "{what}: state");
+                assert!(
+                    by_unit.1 <= at_once.1,
+                    "{what}: held {} > {}",
+                    by_unit.1,
+                    at_once.1
+                );
+            }
+        }
+    }
+}
+
 /// A bad `--host-update` is refused before anything runs, naming the
 /// values it takes; the run file keeps the decided one.
 #[test]
