@@ -46,6 +46,18 @@ const FORMATS: [[&str; 4]; 4] = [
 
 /// The bytes of every file a checkpoint holds that a resume reads
 /// (weights and optimizer state), by name.
+/// The state format of `moments` and `master` with BF16 gradients.
+fn with_bf16_grads(
+    moments: upipe::optim::MomentFormat,
+    master: upipe::optim::MasterWeights,
+) -> upipe::optim::StateFormat {
+    upipe::optim::StateFormat {
+        moments,
+        master,
+        grads: upipe::optim::GradDtype::Bf16,
+    }
+}
+
 fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
         .unwrap()
@@ -359,17 +371,13 @@ fn a_resume_into_another_format_converts_and_says_so() {
 fn host_state_of_every_format_updates_as_the_devices_does() {
     use upipe::backend::cpu::CpuBackend;
     use upipe::model::HostUpdate;
-    use upipe::optim::{GradDtype, MasterWeights, MomentFormat, StateFormat};
+    use upipe::optim::{MasterWeights, MomentFormat};
     let three_steps = |format, host_units, update| {
         crate::common::three_adamw_steps(&CpuBackend::new(), format, host_units, update).0
     };
     for moments in [MomentFormat::F32, MomentFormat::Bf16, MomentFormat::Q8] {
         for master in [MasterWeights::F32, MasterWeights::None] {
-            let format = StateFormat {
-                moments,
-                master,
-                grads: GradDtype::Bf16,
-            };
+            let format = with_bf16_grads(moments, master);
             let device = three_steps(format, 0, HostUpdate::Cpu);
             for host_units in [3, 2] {
                 for update in [HostUpdate::Cpu, HostUpdate::Gpu] {
@@ -395,17 +403,13 @@ fn paging_holds_two_units_state_at_most() {
     use crate::common::{ADAMW_SLOT, three_adamw_steps};
     use upipe::backend::cpu::CpuBackend;
     use upipe::model::HostUpdate;
-    use upipe::optim::{GradDtype, MasterWeights, MomentFormat, StateFormat};
+    use upipe::optim::{MasterWeights, MomentFormat};
     for (moments, master) in [
         (MomentFormat::Q8, MasterWeights::None),
         (MomentFormat::Bf16, MasterWeights::F32),
         (MomentFormat::F32, MasterWeights::F32),
     ] {
-        let format = StateFormat {
-            moments,
-            master,
-            grads: GradDtype::Bf16,
-        };
+        let format = with_bf16_grads(moments, master);
         // every slot has 4 blocks of 8-bit codes (its pieces' blocks)
         let scales = if moments == MomentFormat::Q8 {
             2 * 4 * 4
@@ -429,16 +433,12 @@ fn paged_updates_settled_unit_by_unit_equal_those_settled_at_once() {
     use crate::common::{adamw_steps, three_adamw_steps};
     use upipe::backend::cpu::CpuBackend;
     use upipe::model::HostUpdate;
-    use upipe::optim::{GradDtype, MasterWeights, MomentFormat, StateFormat};
+    use upipe::optim::{MasterWeights, MomentFormat};
     for (moments, master) in [
         (MomentFormat::Q8, MasterWeights::None),
         (MomentFormat::F32, MasterWeights::F32),
     ] {
-        let format = StateFormat {
-            moments,
-            master,
-            grads: GradDtype::Bf16,
-        };
+        let format = with_bf16_grads(moments, master);
         for update in [HostUpdate::Gpu, HostUpdate::Cpu] {
             for host_units in [2, 3] {
                 let at_once = three_adamw_steps(&CpuBackend::new(), format, host_units, update);
