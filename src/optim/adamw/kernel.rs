@@ -290,7 +290,8 @@ mod tests {
         let names: Vec<_> = launches.iter().map(|l| l.function).collect();
         assert_eq!(names, ["adamw_compact", "adamw_multi"]);
         assert_eq!(launches[0].params[0], [1]);
-        assert_eq!(launches[0].threads, 2 * 256);
+        // a block of 128 threads per virtual block, 2 elements a thread
+        assert_eq!(launches[0].threads, 2 * 128);
         assert_eq!(launches[1].params[0], [2]);
         // a virtual block of 4 elements a thread per piece
         assert_eq!(launches[1].threads, 2 * 256);

@@ -96,24 +96,30 @@ __device__ __forceinline__ bf16_t bf16_stochastic(float x, unsigned r) {
     return ((up & 0x7f80u) == 0x7f80u) ? (bf16_t)(bits >> 16) : up;
 }
 
-__device__ __forceinline__ float moment_ld(const void* t, i64 i, int dt, const float* scales, i64 b, bool signed_) {
-    if (dt == DT_U8) {
-        unsigned char c = ((const unsigned char*)t)[i];
-        return signed_ ? q8_decode_signed(c, scales[b]) : q8_decode_unsigned(c, scales[b]);
-    }
-    return ld(t, i, dt);
+// The hyperparameters of one piece's update.
+struct PieceStep {
+    float lr, b1, b2, eps, wd, bc1, bc2, grad_scale;
+};
+
+// One element's AdamW in the reference's order: the new moments in `mi`,
+// `vi`, the new weight returned.
+__device__ __forceinline__ float adamw_element(float w, float g, float m, float v, const PieceStep& h,
+                                               float& mi, float& vi) {
+    float gi = __fmul_rn(g, h.grad_scale);
+    mi = __fadd_rn(__fmul_rn(h.b1, m), __fmul_rn(__fsub_rn(1.0f, h.b1), gi));
+    vi = __fadd_rn(__fmul_rn(h.b2, v), __fmul_rn(__fmul_rn(__fsub_rn(1.0f, h.b2), gi), gi));
+    float mh = __fdiv_rn(mi, h.bc1), vh = __fdiv_rn(vi, h.bc2);
+    float den = __fadd_rn(__fsqrt_rn(vh), h.eps);
+    float step = __fadd_rn(__fdiv_rn(mh, den), __fmul_rn(h.wd, w));
+    return __fsub_rn(w, __fmul_rn(h.lr, step));
 }
 
-// The largest of `x` over the block (blockDim.x == Q8_BLOCK), in every thread.
-__device__ __forceinline__ float q8_block_max(float x, float* sh) {
-    x = warp_max(x);
-    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-    if (l == 0) sh[w] = x;
-    __syncthreads();
-    float y = (l < (Q8_BLOCK >> 5)) ? sh[l] : 0.0f;
-    y = warp_max(y);
-    __syncthreads();
-    return y;
+__device__ __forceinline__ float moment_ld(const void* t, i64 i, int dt, float scale, bool signed_) {
+    if (dt == DT_U8) {
+        unsigned char c = ((const unsigned char*)t)[i];
+        return signed_ ? q8_decode_signed(c, scale) : q8_decode_unsigned(c, scale);
+    }
+    return ld(t, i, dt);
 }
 
 __device__ __forceinline__ void moment_st(void* t, i64 i, int dt, float x, float scale, bool signed_) {
@@ -123,48 +129,94 @@ __device__ __forceinline__ void moment_st(void* t, i64 i, int dt, float x, float
     else ((bf16_t*)t)[i] = f2bf(x);
 }
 
-// One thread per element of a virtual block (a Q8_BLOCK of one piece).
+// Threads of a block (`THREADS` in `optim/adamw/cuda_compact.rs`).
+#define COMPACT_THREADS 128
+#define PER_THREAD (Q8_BLOCK / COMPACT_THREADS)
+
+// The largest of `a` and of `b` over the block (blockDim.x ==
+// COMPACT_THREADS), in every thread: one pair of barriers for both.
+__device__ __forceinline__ float2 q8_block_max2(float a, float b, float2* sh) {
+    a = warp_max(a);
+    b = warp_max(b);
+    int w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) sh[w] = make_float2(a, b);
+    __syncthreads();
+    float2 r = sh[0];
+    for (int k = 1; k < (COMPACT_THREADS >> 5); k++) r = make_float2(fmaxf(r.x, sh[k].x), fmaxf(r.y, sh[k].y));
+    __syncthreads();
+    return r;
+}
+
+// The piece of virtual block `vb`: the last k with first_block[k] <= vb.
+__device__ __forceinline__ int piece_of(const CompactPieces& t, int pieces, i64 vb) {
+    int lo = 0, hi = pieces - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (t.first_block[mid] <= vb) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// A block of COMPACT_THREADS threads per virtual block (a Q8_BLOCK of one
+// piece), PER_THREAD elements a thread, COMPACT_THREADS apart so that
+// each load and store of a warp is contiguous. The block maxima (and so
+// the codes) are those of one thread per element: max is exact in any
+// order.
 extern "C" __global__ void adamw_compact(int pieces, i64 vblocks, CompactPieces t) {
-    __shared__ float sh[Q8_BLOCK >> 5];
+    __shared__ float2 sh[COMPACT_THREADS >> 5];
     for (i64 vb = blockIdx.x; vb < vblocks; vb += gridDim.x) {
-        int k = 0;
-        while (k + 1 < pieces && t.first_block[k + 1] <= vb) k++;
-        i64 b = vb - t.first_block[k];
-        i64 j = b * Q8_BLOCK + threadIdx.x;
-        bool active = j < t.len[k];
-        i64 i = t.start[k] + j;
-        float mi = 0.0f, vi = 0.0f;
-        if (active) {
-            float w = ld(t.p[k], i, t.pdt[k]);
-            float gi = __fmul_rn(ld(t.g[k], i, t.gdt[k]), t.grad_scale[k]);
-            float m = moment_ld(t.m[k], i, t.mdt[k], t.ms[k], b, true);
-            float v = moment_ld(t.v[k], i, t.mdt[k], t.vs[k], b, false);
-            float b1 = t.b1[k], b2 = t.b2[k];
-            mi = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(__fsub_rn(1.0f, b1), gi));
-            vi = __fadd_rn(__fmul_rn(b2, v), __fmul_rn(__fmul_rn(__fsub_rn(1.0f, b2), gi), gi));
-            float mh = __fdiv_rn(mi, t.bc1[k]), vh = __fdiv_rn(vi, t.bc2[k]);
-            float den = __fadd_rn(__fsqrt_rn(vh), t.eps[k]);
-            float step = __fadd_rn(__fdiv_rn(mh, den), __fmul_rn(t.wd[k], w));
-            w = __fsub_rn(w, __fmul_rn(t.lr[k], step));
-            if (t.pdt[k] == DT_F32) {
-                ((float*)t.p[k])[i] = w;
-                if (t.q[k]) st(t.q[k], i, t.qdt[k], w);
-            } else {
-                ((bf16_t*)t.p[k])[i] = bf16_stochastic(w, rounding_bits(t.key[k], (unsigned)i));
+        const int k = piece_of(t, pieces, vb);
+        const i64 b = vb - t.first_block[k];
+        const i64 first = b * Q8_BLOCK + threadIdx.x, len = t.len[k], start = t.start[k];
+        const int pdt = t.pdt[k], gdt = t.gdt[k], mdt = t.mdt[k];
+        const bool q8 = mdt == DT_U8;
+        const PieceStep h = {t.lr[k], t.b1[k], t.b2[k], t.eps[k], t.wd[k], t.bc1[k], t.bc2[k], t.grad_scale[k]};
+        const float m_scale = q8 ? t.ms[k][b] : 0.0f, v_scale = q8 ? t.vs[k][b] : 0.0f;
+        float w[PER_THREAD], g[PER_THREAD], mi[PER_THREAD], vi[PER_THREAD];
+#pragma unroll
+        for (int e = 0; e < PER_THREAD; e++) {
+            const i64 j = first + e * COMPACT_THREADS;
+            if (j < len) {
+                w[e] = ld(t.p[k], start + j, pdt);
+                g[e] = ld(t.g[k], start + j, gdt);
+                mi[e] = moment_ld(t.m[k], start + j, mdt, m_scale, true);
+                vi[e] = moment_ld(t.v[k], start + j, mdt, v_scale, false);
             }
         }
+        float m_max = 0.0f, v_max = 0.0f;
+#pragma unroll
+        for (int e = 0; e < PER_THREAD; e++) {
+            const i64 j = first + e * COMPACT_THREADS;
+            if (j >= len) continue;
+            const i64 i = start + j;
+            const float wn = adamw_element(w[e], g[e], mi[e], vi[e], h, mi[e], vi[e]);
+            if (pdt == DT_F32) {
+                ((float*)t.p[k])[i] = wn;
+                if (t.q[k]) st(t.q[k], i, t.qdt[k], wn);
+            } else {
+                ((bf16_t*)t.p[k])[i] = bf16_stochastic(wn, rounding_bits(t.key[k], (unsigned)i));
+            }
+            m_max = fmaxf(m_max, fabsf(mi[e]));
+            v_max = fmaxf(v_max, fabsf(vi[e]));
+        }
         float ms = 0.0f, vs = 0.0f;
-        if (t.mdt[k] == DT_U8) {
-            ms = q8_block_max(active ? fabsf(mi) : 0.0f, sh);
-            vs = q8_block_max(active ? fabsf(vi) : 0.0f, sh);
+        if (q8) {
+            const float2 top = q8_block_max2(m_max, v_max, sh);
+            ms = top.x;
+            vs = top.y;
             if (threadIdx.x == 0) {
                 t.ms[k][b] = ms;
                 t.vs[k][b] = vs;
             }
         }
-        if (active) {
-            moment_st(t.m[k], i, t.mdt[k], mi, ms, true);
-            moment_st(t.v[k], i, t.mdt[k], vi, vs, false);
+#pragma unroll
+        for (int e = 0; e < PER_THREAD; e++) {
+            const i64 j = first + e * COMPACT_THREADS;
+            if (j < len) {
+                moment_st(t.m[k], start + j, mdt, mi[e], ms, true);
+                moment_st(t.v[k], start + j, mdt, vi[e], vs, false);
+            }
         }
     }
 }
