@@ -1,4 +1,4 @@
-// AdamW with compact state (backend/compact_adamw.rs is the reference, and
+// AdamW with compact state (optim/adamw/compact_adamw.rs is the reference, and
 // these are its IEEE operations in its order: explicit _rn intrinsics, no
 // fused multiply-add, so results agree bit for bit). Moments in F32, BF16
 // (nearest even) or 8-bit block-wise codes with an F32 scale per block of
