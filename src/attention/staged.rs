@@ -23,7 +23,7 @@ use super::lora_delta::{lora_delta_bwd_mat as delta_bwd, lora_delta_fwd_mat as d
 use super::ring::RingBwd;
 use super::rope::RopeTables;
 use super::schedule::{KvPhase, LsePiece, StageSchedule, Upcoming, grad_write, upcoming};
-use super::settle::{Proj, settle_layout};
+use super::settle::{Proj, Run, SettleLayout, settle_layout};
 use super::shapes::StageShapes;
 use super::{
     AttentionGrads, AttentionWeights, AttnDims, AttnSaved, CpPlan, norm_rope, norm_rope_bwd,
@@ -745,34 +745,9 @@ impl<'a, B: Backend> Staged<'a, B> {
             return Ok(());
         }
         let ready: Vec<GradInFlight<'_, B>> = in_flight.drain(..in_flight.len() - keep).collect();
-        let mut parts = Vec::with_capacity(ready.len());
-        for r in ready {
-            parts.push((r.grad.wait()?, r.proj, r.heads));
-        }
+        let (gathered, mut stacked, layout) = self.gather_grads(ready, x.x.dtype())?;
         let (b, d, hid) = (self.b, self.dims.head_dim, self.dims.hidden);
-        // every block: (projection, heads, its packed tensor, block index)
-        let mut blocks = Vec::new();
-        for (grad, proj, heads) in &parts {
-            for (j, h) in heads.iter().enumerate() {
-                blocks.push((*proj, h.clone(), grad, self.packed_block(j, heads[0].len())));
-            }
-        }
-        let layout = settle_layout(
-            &blocks
-                .iter()
-                .map(|(p, h, ..)| (*p, h.clone()))
-                .collect::<Vec<_>>(),
-        );
         let width = layout.width * d;
-        let dtype = x.x.dtype();
-        let mut gathered = b.empty(&[self.s, width], dtype, Category::Workspace)?;
-        let mut stacked = b.empty(&[width, hid], dtype, Category::Workspace)?;
-        for (i, (_, h, grad, blk)) in blocks.iter().enumerate() {
-            let to = MatLayout::block(layout.col[i] * d, self.s, h.len() * d, width);
-            b.copy(gathered.view_mut(to), grad.view(*blk))?;
-        }
-        drop(blocks);
-        drop(parts);
         // the dx GEMM reads the gradients as they are, the weight gradients
         // read column runs of them transposed: under fp8 both layouts are
         // quantized at once, under the scale of all of them
@@ -780,49 +755,16 @@ impl<'a, B: Backend> Staged<'a, B> {
         let p = self.dims.precision;
         let g8 = Fp8Operand::both(b, p, gathered.mat(), Fp8Format::E5M2, any_wgrad)?;
         for run in &layout.runs {
-            let (wt, dw, db) = match run.proj {
-                Proj::Q => (&w.wq, g.wq.as_mut(), g.bq.as_mut()),
-                Proj::K => (&w.wk, g.wk.as_mut(), g.bk.as_mut()),
-                Proj::V => (&w.wv, g.wv.as_mut(), g.bv.as_mut()),
-            };
             let cols = MatLayout::block(run.col * d, self.s, run.heads.len() * d, width);
-            // a frozen projection's weight gradient is not computed
-            if let Some(dw) = dw {
-                let c = dw.view_mut(self.head_rows(&run.heads));
-                let a = gathered.view(cols).t();
-                let g = LinearGemm::new(LinearRole::WeightGrad, c, a, x.x.mat());
-                let run_cols = run.col * d..(run.col + run.heads.len()) * d;
-                let pre = Quantized {
-                    a: g8.as_ref().and_then(|g8| g8.codes_t_rows(run_cols)),
-                    b: x.x8.as_ref().and_then(Fp8Operand::codes_t),
-                };
-                linear_gemm_quantized(b, p, g.accumulate(), pre)?;
-            }
-            // the bias rows of the run's heads: their gradient summed over tokens
-            if let Some(db) = db {
-                super::head_bias_grad(b, db, gathered.view(cols), &run.heads, d)?;
-            }
+            let grad = (gathered.view(cols), g8.as_ref());
+            self.settle_run(run, grad, x, w, g, dx)?;
             let rows = MatLayout::block(run.col * d * hid, run.heads.len() * d, hid, hid);
-            b.copy(stacked.view_mut(rows), wt.view(self.head_rows(&run.heads)))?;
-            // the adapter rows of the run's heads: dA, their share of dB, and dx
-            let (l, gl) = (&w.lora, &mut g.lora);
-            let lora = match run.proj {
-                Proj::Q => (l.q.as_ref(), gl.q.as_mut()),
-                Proj::K => (l.k.as_ref(), gl.k.as_mut()),
-                Proj::V => (l.v.as_ref(), gl.v.as_mut()),
+            let wt = match run.proj {
+                Proj::Q => &w.wq,
+                Proj::K => &w.wk,
+                Proj::V => &w.wv,
             };
-            if let (Some(pair), Some(grads)) = lora {
-                let part = DeltaPart::out_rows(hid, run.heads.start * d..run.heads.end * d);
-                delta_bwd(
-                    b,
-                    pair,
-                    &part,
-                    x.x.mat(),
-                    gathered.view(cols),
-                    grads,
-                    dx.mat_mut(),
-                )?;
-            }
+            b.copy(stacked.view_mut(rows), wt.view(self.head_rows(&run.heads)))?;
         }
         let (c, a, role) = (dx.mat_mut(), gathered.mat(), LinearRole::InputGrad);
         let g = LinearGemm {
@@ -838,6 +780,92 @@ impl<'a, B: Backend> Staged<'a, B> {
             b: None,
         };
         linear_gemm_quantized(b, p, g, pre)
+    }
+
+    /// Waits for `ready` and copies their head blocks side by side into one
+    /// `[s, width · d]` buffer, laid out by [`settle_layout`]; with it, the
+    /// (unfilled) `[width · d, hidden]` buffer of the runs' weight rows.
+    fn gather_grads(
+        &self,
+        ready: Vec<GradInFlight<'_, B>>,
+        dtype: DType,
+    ) -> Result<(Tensor<B>, Tensor<B>, SettleLayout)> {
+        let mut parts = Vec::with_capacity(ready.len());
+        for r in ready {
+            parts.push((r.grad.wait()?, r.proj, r.heads));
+        }
+        // every block: (projection, heads, its packed tensor, block index)
+        let mut blocks = Vec::new();
+        for (grad, proj, heads) in &parts {
+            for (j, h) in heads.iter().enumerate() {
+                blocks.push((*proj, h.clone(), grad, self.packed_block(j, heads[0].len())));
+            }
+        }
+        let layout = settle_layout(
+            &blocks
+                .iter()
+                .map(|(p, h, ..)| (*p, h.clone()))
+                .collect::<Vec<_>>(),
+        );
+        let d = self.dims.head_dim;
+        let width = layout.width * d;
+        let mut gathered = self.b.empty(&[self.s, width], dtype, Category::Workspace)?;
+        let hidden = self.dims.hidden;
+        let stacked = self.b.empty(&[width, hidden], dtype, Category::Workspace)?;
+        for (i, (_, h, grad, blk)) in blocks.iter().enumerate() {
+            let to = MatLayout::block(layout.col[i] * d, self.s, h.len() * d, width);
+            self.b.copy(gathered.view_mut(to), grad.view(*blk))?;
+        }
+        Ok((gathered, stacked, layout))
+    }
+
+    /// One run of contiguous heads of one projection in a settlement: its
+    /// weight gradient `dW[heads] += grad^T x`, its bias gradient, and its
+    /// adapter's (`dA`, its share of `dB`, and its part of `dx`). `grad` is
+    /// the run's columns of the gathered buffer and, under fp8, the
+    /// buffer's codes.
+    fn settle_run(
+        &self,
+        run: &Run,
+        grad: (Mat<'_, B>, Option<&Fp8Operand<B>>),
+        x: &Input<'_, B>,
+        w: &AttentionWeights<B>,
+        g: &mut AttentionGrads<B>,
+        dx: &mut Tensor<B>,
+    ) -> Result<()> {
+        let (b, d, hid) = (self.b, self.dims.head_dim, self.dims.hidden);
+        let (cols, g8) = grad;
+        let (dw, db) = match run.proj {
+            Proj::Q => (g.wq.as_mut(), g.bq.as_mut()),
+            Proj::K => (g.wk.as_mut(), g.bk.as_mut()),
+            Proj::V => (g.wv.as_mut(), g.bv.as_mut()),
+        };
+        // a frozen projection's weight gradient is not computed
+        if let Some(dw) = dw {
+            let c = dw.view_mut(self.head_rows(&run.heads));
+            let lin = LinearGemm::new(LinearRole::WeightGrad, c, cols.t(), x.x.mat());
+            let run_cols = run.col * d..(run.col + run.heads.len()) * d;
+            let pre = Quantized {
+                a: g8.and_then(|g8| g8.codes_t_rows(run_cols)),
+                b: x.x8.as_ref().and_then(Fp8Operand::codes_t),
+            };
+            linear_gemm_quantized(b, self.dims.precision, lin.accumulate(), pre)?;
+        }
+        // the bias rows of the run's heads: their gradient summed over tokens
+        if let Some(db) = db {
+            super::head_bias_grad(b, db, cols, &run.heads, d)?;
+        }
+        let (l, gl) = (&w.lora, &mut g.lora);
+        let lora = match run.proj {
+            Proj::Q => (l.q.as_ref(), gl.q.as_mut()),
+            Proj::K => (l.k.as_ref(), gl.k.as_mut()),
+            Proj::V => (l.v.as_ref(), gl.v.as_mut()),
+        };
+        if let (Some(pair), Some(grads)) = lora {
+            let part = DeltaPart::out_rows(hid, run.heads.start * d..run.heads.end * d);
+            delta_bwd(b, pair, &part, x.x.mat(), cols, grads, dx.mat_mut())?;
+        }
+        Ok(())
     }
 
     /// O's columns of every destination's heads, packed `[pu * s, u, d]`.

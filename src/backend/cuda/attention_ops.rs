@@ -11,11 +11,10 @@ use super::backend::{CudaBackend, dt, ptr, ptr_at};
 use super::device::drv;
 use super::kernels::{self, Args};
 use super::{cudnn, flash, nvrtc};
-use crate::backend::RowsMut;
 use crate::backend::{
     AttentionBwd, AttentionFwd, AttnMask, AttnShape, Backend, Category, DType, GradWrite, LseMerge,
-    Tensor,
 };
+use crate::backend::{Rows, RowsMut};
 use crate::error::{Error, Result};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -42,6 +41,11 @@ fn check_head_dim(g: &AttnShape) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The cuDNN shape of a dense backward call of geometry `g` under `mask`.
+fn bwd_sdpa_shape(g: &AttnShape, mask: &AttnMask) -> cudnn::SdpaShape {
+    cudnn::dense_shape(g.sq, g.sk, g.hq, g.hkv, g.d, mask.clone())
 }
 
 impl CudaBackend {
@@ -387,8 +391,8 @@ impl CudaBackend {
         })
     }
 
-    // One body, as `attention_bwd_impl`: the checks and the routes (cuDNN,
-    // flash, naive) share the views and strides.
+    /// The attention forward: cuDNN where it takes the call, else the flash
+    /// kernels, else the naive ones.
     pub(super) fn attention_fwd_impl(
         &self,
         g: &AttnShape,
@@ -466,14 +470,21 @@ impl CudaBackend {
             bounds: self.mask_bounds(mask, a.sq)?,
             ..a
         };
-        let (path, why) = self.fwd_path(&a)?;
+        self.fwd_native_launch(&a)
+    }
+
+    /// Runs `a` on the flash kernels where they take it, else on the naive
+    /// ones, logging and counting the path.
+    fn fwd_native_launch(&self, a: &AttnFwd) -> Result<()> {
+        let (path, why) = self.fwd_path(a)?;
         tracing::debug!(
-            "attention_fwd {path:?} sq={} sk={} hq={} hkv={} d={} mask={mask} {:?}{}",
+            "attention_fwd {path:?} sq={} sk={} hq={} hkv={} d={} mask={} {:?}{}",
             a.sq,
             a.sk,
             a.hq,
             a.hkv,
             a.d,
+            a.mask,
             a.dt,
             if why.is_empty() {
                 String::new()
@@ -484,10 +495,9 @@ impl CudaBackend {
         if a.sq > 0 && a.hq > 0 {
             self.count_attn(path, false);
         }
-        let flash_fns = self.flash_functions()?;
-        match (path, flash_fns) {
-            (AttnPath::Flash, Some(f)) => attention::fwd_flash(&self.stream, f, &a),
-            _ => attention::fwd_naive(&self.kernels, &self.stream, &a),
+        match (path, self.flash_functions()?) {
+            (AttnPath::Flash, Some(f)) => attention::fwd_flash(&self.stream, f, a),
+            _ => attention::fwd_naive(&self.kernels, &self.stream, a),
         }
     }
 
@@ -497,10 +507,46 @@ impl CudaBackend {
         g.nonempty() && matches!(self.cudnn_for(&shape, true), Ok(Some(_)))
     }
 
-    // One body: the checks, the cuDNN route and the native route with its f32
-    // scratch share the views and strides; split, each step takes every operand.
+    /// The attention backward: cuDNN where it takes the call, else the
+    /// flash kernels, else the naive ones.
     pub(super) fn attention_bwd_impl(
         &self,
+        g: &AttnShape,
+        call: AttentionBwd<'_, Self>,
+    ) -> Result<()> {
+        let (q, k) = (&call.q, &call.k);
+        let _span = self.span_shaped("attention_bwd", || {
+            format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
+        })?;
+        check_head_dim(g)?;
+        self.bind()?;
+        if let Some(c) = self.cudnn_bwd_for(g, &call)? {
+            self.count_attn(AttnPath::Cudnn, true);
+            return self.attention_bwd_cudnn(c, g, call);
+        }
+        self.refuse_bf16_under_fp8(g, true)?;
+        self.attention_bwd_native(g, call)
+    }
+
+    /// cuDNN's SDPA where it takes this backward: BF16 Q, O and dO, one
+    /// dtype for dK and dV, and a shape the selection routes to it.
+    fn cudnn_bwd_for(
+        &self,
+        g: &AttnShape,
+        call: &AttentionBwd<'_, Self>,
+    ) -> Result<Option<&cudnn::CudnnSdpa>> {
+        let bf16_in = [call.q.t.dtype(), call.o.t.dtype(), call.d_o.t.dtype()] == [DType::BF16; 3];
+        let one_kv_grad_dt = call.dk.t.dtype() == call.dv.t.dtype();
+        if !(bf16_in && one_kv_grad_dt && g.sq > 0 && g.sk > 0 && g.hq > 0) {
+            return Ok(None);
+        }
+        self.cudnn_for(&bwd_sdpa_shape(g, call.mask), true)
+    }
+
+    /// The backward on cuDNN: its FP8 graph under FP8 attention, else BF16.
+    fn attention_bwd_cudnn(
+        &self,
+        c: &cudnn::CudnnSdpa,
         g: &AttnShape,
         call: AttentionBwd<'_, Self>,
     ) -> Result<()> {
@@ -518,106 +564,91 @@ impl CudaBackend {
             dv,
             writes,
         } = call;
-        let _span = self.span_shaped("attention_bwd", || {
-            format!("q {}x{} k {}x{}", q.len(), q.heads(), k.len(), k.heads())
-        })?;
-        check_head_dim(g)?;
-        let (sq, sk) = (g.sq, g.sk);
-        self.bind()?;
         let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
-        let bf16_in = [q.t.dtype(), o.t.dtype(), d_o.t.dtype()] == [DType::BF16; 3];
-        let one_kv_grad_dt = dk.t.dtype() == dv.t.dtype();
-        if bf16_in && one_kv_grad_dt && sq > 0 && sk > 0 && g.hq > 0 {
-            let shape = cudnn::dense_shape(sq, sk, g.hq, g.hkv, g.d, mask.clone());
-            if let Some(c) = self.cudnn_for(&shape, true)? {
-                self.count_attn(AttnPath::Cudnn, true);
-                if self.attn_fp8.backward {
-                    let rows = RowsAt::of;
-                    let grad = |r: &RowsMut<'_, Self>, cols, w| {
-                        (ptr_at(r.t, r.range.start * cols), r.t.dtype(), w)
-                    };
-                    let f = Fp8Bwd {
-                        q: rows(&q, qrs),
-                        k: rows(&k, krs),
-                        v: rows(&v, krs),
-                        o: rows(&o, qrs),
-                        d_o: rows(&d_o, qrs),
-                        lse: ptr_at(lse.t, lse.range.start * g.hq),
-                        grads: [
-                            grad(&dq, qrs, writes.dq),
-                            grad(&dk, krs, writes.dkv),
-                            grad(&dv, krs, writes.dkv),
-                        ],
-                        shape,
-                        scale,
-                    };
-                    return self.attention_bwd_fp8(c, f);
-                }
-                let b = cudnn::SdpaBwd {
-                    q: ptr_at(q.t, q.range.start * qrs),
-                    k: ptr_at(k.t, k.range.start * krs),
-                    v: ptr_at(v.t, v.range.start * krs),
-                    o: ptr_at(o.t, o.range.start * qrs),
-                    d_o: ptr_at(d_o.t, d_o.range.start * qrs),
-                    lse: ptr_at(lse.t, lse.range.start * g.hq),
-                    dq: ptr_at(dq.t, dq.range.start * qrs),
-                    dk: ptr_at(dk.t, dk.range.start * krs),
-                    dv: ptr_at(dv.t, dv.range.start * krs),
-                    dq_dt: dq.t.dtype(),
-                    dkv_dt: dk.t.dtype(),
-                    shape,
-                    docs: cudnn::ragged::call_pieces(mask).unwrap_or_default(),
-                    scale,
-                };
-                return c.bwd(self, &b, writes);
-            }
+        let shape = bwd_sdpa_shape(g, mask);
+        let lse = ptr_at(lse.t, lse.range.start * g.hq);
+        if self.attn_fp8.backward {
+            let rows = RowsAt::of;
+            let grad = |r: &RowsMut<'_, Self>, cols, w| {
+                (ptr_at(r.t, r.range.start * cols), r.t.dtype(), w)
+            };
+            let f = Fp8Bwd {
+                q: rows(&q, qrs),
+                k: rows(&k, krs),
+                v: rows(&v, krs),
+                o: rows(&o, qrs),
+                d_o: rows(&d_o, qrs),
+                lse,
+                grads: [
+                    grad(&dq, qrs, writes.dq),
+                    grad(&dk, krs, writes.dkv),
+                    grad(&dv, krs, writes.dkv),
+                ],
+                shape,
+                scale,
+            };
+            return self.attention_bwd_fp8(c, f);
         }
-        self.refuse_bf16_under_fp8(g, true)?;
-        // The kernels below add into their gradients: an overwritten one
-        // is zeroed first (its rows are contiguous in the dense tensor).
-        for (w, t, rows, rs) in [
-            (writes.dq, &dq, &dq.range, qrs),
-            (writes.dkv, &dk, &dk.range, krs),
-            (writes.dkv, &dv, &dv.range, krs),
-        ] {
-            if w == GradWrite::Overwrite {
-                let el = t.t.dtype().size();
-                self.zero_raw(ptr_at(t.t, rows.start * rs), rows.len() * rs * el)?;
-            }
-        }
-        // The kernels accumulate in f32: gradients of another dtype go through
-        // f32 scratch that is added in afterwards.
-        let scratch = |rows: usize, rs: usize, t: &Tensor<Self>| -> Result<Option<Tensor<Self>>> {
-            if t.dtype() == DType::F32 {
-                Ok(None)
-            } else {
-                self.zeros(&[rows, rs], DType::F32, Category::Workspace)
-                    .map(Some)
-            }
-        };
-        let (sdq, sdk, sdv) = (
-            scratch(sq, qrs, dq.t)?,
-            scratch(sk, krs, dk.t)?,
-            scratch(sk, krs, dv.t)?,
-        );
-        let bounds = self.mask_bounds(mask, sq)?;
-        let target = |s: &Option<Tensor<Self>>, t: &Tensor<Self>, start: usize, rs: usize| match s {
-            Some(s) => ptr(s),
-            None => ptr_at(t, start * rs),
-        };
-        let a = AttnBwd {
+        let b = cudnn::SdpaBwd {
             q: ptr_at(q.t, q.range.start * qrs),
             k: ptr_at(k.t, k.range.start * krs),
             v: ptr_at(v.t, v.range.start * krs),
-            dt: q.t.dtype(),
             o: ptr_at(o.t, o.range.start * qrs),
-            o_dt: o.t.dtype(),
             d_o: ptr_at(d_o.t, d_o.range.start * qrs),
-            d_o_dt: d_o.t.dtype(),
-            lse: ptr_at(lse.t, lse.range.start * g.hq),
-            dq: target(&sdq, dq.t, dq.range.start, qrs),
-            dk: target(&sdk, dk.t, dk.range.start, krs),
-            dv: target(&sdv, dv.t, dv.range.start, krs),
+            lse,
+            dq: ptr_at(dq.t, dq.range.start * qrs),
+            dk: ptr_at(dk.t, dk.range.start * krs),
+            dv: ptr_at(dv.t, dv.range.start * krs),
+            dq_dt: dq.t.dtype(),
+            dkv_dt: dk.t.dtype(),
+            shape,
+            docs: cudnn::ragged::call_pieces(mask).unwrap_or_default(),
+            scale,
+        };
+        c.bwd(self, &b, writes)
+    }
+
+    /// The backward on our kernels (flash, else naive), which add into
+    /// their gradients in F32: an overwritten gradient is zeroed first, one
+    /// of another dtype goes through F32 scratch added in afterwards.
+    fn attention_bwd_native(&self, g: &AttnShape, call: AttentionBwd<'_, Self>) -> Result<()> {
+        let (qrs, krs) = (g.hq * g.d, g.hkv * g.d);
+        let writes = call.writes;
+        // [rows, row stride] of dQ, dK, dV
+        let grads = [
+            (call.dq, writes.dq, qrs),
+            (call.dk, writes.dkv, krs),
+            (call.dv, writes.dkv, krs),
+        ];
+        let mut scratch = Vec::with_capacity(3);
+        let mut target = [0u64; 3];
+        for (i, (t, w, rs)) in grads.iter().enumerate() {
+            let at = ptr_at(t.t, t.range.start * rs);
+            if *w == GradWrite::Overwrite {
+                // its rows are contiguous in the dense tensor
+                self.zero_raw(at, t.len() * rs * t.t.dtype().size())?;
+            }
+            let s = match t.t.dtype() {
+                DType::F32 => None,
+                _ => Some(self.zeros(&[t.len(), *rs], DType::F32, Category::Workspace)?),
+            };
+            target[i] = s.as_ref().map_or(at, ptr);
+            scratch.push(s);
+        }
+        let rows = |r: &Rows<'_, Self>, rs: usize| ptr_at(r.t, r.range.start * rs);
+        let a = AttnBwd {
+            q: rows(&call.q, qrs),
+            k: rows(&call.k, krs),
+            v: rows(&call.v, krs),
+            dt: call.q.t.dtype(),
+            o: rows(&call.o, qrs),
+            o_dt: call.o.t.dtype(),
+            d_o: rows(&call.d_o, qrs),
+            d_o_dt: call.d_o.t.dtype(),
+            lse: rows(&call.lse, g.hq),
+            dq: target[0],
+            dk: target[1],
+            dv: target[2],
             q_rs: qrs,
             k_rs: krs,
             v_rs: krs,
@@ -627,75 +658,66 @@ impl CudaBackend {
             dq_rs: qrs,
             dk_rs: krs,
             dv_rs: krs,
-            sq,
-            sk,
+            sq: g.sq,
+            sk: g.sk,
             hq: g.hq,
             hkv: g.hkv,
             d: g.d,
-            mask: mask.clone(),
-            bounds,
-            scale,
+            mask: call.mask.clone(),
+            bounds: self.mask_bounds(call.mask, g.sq)?,
+            scale: call.scale,
         };
-        let flash_fns = if sq == 0 || sk == 0 || g.hq == 0 {
+        self.bwd_native_launch(&a)?;
+        for ((t, _, rs), s) in grads.iter().zip(&scratch) {
+            if let Some(s) = s {
+                let at = ptr_at(t.t, t.range.start * rs);
+                self.axpy_raw(at, t.t.dtype(), ptr(s), DType::F32, t.len() * rs, 1.0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `a` on the flash kernels where they take it, else on the naive
+    /// ones, logging and counting the path.
+    fn bwd_native_launch(&self, a: &AttnBwd) -> Result<()> {
+        let flash_fns = if a.sq == 0 || a.sk == 0 || a.hq == 0 {
             None
         } else {
             self.flash_functions()?
         };
         let why = match flash_fns {
             None => Some("flash kernels not in use".to_string()),
-            Some(_) => attention::flash_bwd_unsupported(&a),
+            Some(_) => attention::flash_bwd_unsupported(a),
+        };
+        let path = match why {
+            None => AttnPath::Flash,
+            Some(_) => AttnPath::Naive,
         };
         tracing::debug!(
-            "attention_bwd {:?} sq={sq} sk={sk} hq={} hkv={} d={} mask={mask} {:?}{}",
-            if why.is_none() {
-                AttnPath::Flash
-            } else {
-                AttnPath::Naive
-            },
-            g.hq,
-            g.hkv,
-            g.d,
+            "attention_bwd {path:?} sq={} sk={} hq={} hkv={} d={} mask={} {:?}{}",
+            a.sq,
+            a.sk,
+            a.hq,
+            a.hkv,
+            a.d,
+            a.mask,
             a.dt,
             why.as_deref()
                 .map(|w| format!(" ({w})"))
                 .unwrap_or_default()
         );
-        if sq > 0 && g.hq > 0 {
-            self.count_attn(
-                if why.is_none() {
-                    AttnPath::Flash
-                } else {
-                    AttnPath::Naive
-                },
-                true,
-            );
+        if a.sq > 0 && a.hq > 0 {
+            self.count_attn(path, true);
         }
         match (flash_fns, why) {
             (Some(f), None) => {
                 // delta = rowsum(dO * O) per query row and head, freed (stream-ordered) on return.
-                let bytes = flash::flash_bwd_workspace_bytes(sq, g.hq);
+                let bytes = flash::flash_bwd_workspace_bytes(a.sq, a.hq);
                 let ws = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
-                attention::bwd_flash(&self.stream, f, &a, ptr(&ws))?;
+                attention::bwd_flash(&self.stream, f, a, ptr(&ws))
             }
-            _ => attention::bwd_naive(&self.kernels, &self.stream, &a)?,
+            _ => attention::bwd_naive(&self.kernels, &self.stream, a),
         }
-        for (s, t, start, rows, rs) in [
-            (&sdq, &*dq.t, dq.range.start, sq, qrs),
-            (&sdk, &*dk.t, dk.range.start, sk, krs),
-            (&sdv, &*dv.t, dv.range.start, sk, krs),
-        ] {
-            if let Some(s) = s {
-                self.axpy_raw(
-                    ptr_at(t, start * rs),
-                    t.dtype(),
-                    ptr(s),
-                    DType::F32,
-                    rows * rs,
-                    1.0,
-                )?;
-            }
-        }
-        Ok(())
     }
 
     pub(super) fn lse_merge_impl(&self, call: LseMerge<'_, Self>) -> Result<()> {

@@ -147,6 +147,105 @@ impl Drop for Plan {
     }
 }
 
+/// A matrix layout of `o`'s extents in dtype `d`.
+///
+/// # Safety
+/// The caller owns (and destroys) the returned layout.
+unsafe fn layout(o: &LtOperand, d: DType) -> Result<lt::cublasLtMatrixLayout_t> {
+    let mut l = std::ptr::null_mut();
+    // SAFETY: a valid out pointer.
+    ok(
+        unsafe { lt::cublasLtMatrixLayoutCreate(&mut l, lt_type(d), o.rows, o.cols, o.ld) },
+        "layout",
+    )?;
+    Ok(l)
+}
+
+/// Sets the descriptor's transposes of A and B from `p`.
+///
+/// # Safety
+/// `desc` is a live matmul descriptor.
+unsafe fn set_transposes(desc: lt::cublasLtMatmulDesc_t, p: &LtProblem) -> Result<()> {
+    use lt::cublasLtMatmulDescAttributes_t as D;
+    for (attr, t) in [
+        (D::CUBLASLT_MATMUL_DESC_TRANSA, p.a.trans),
+        (D::CUBLASLT_MATMUL_DESC_TRANSB, p.b.trans),
+    ] {
+        let op: i32 = t as i32; // CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
+        // SAFETY: `desc` is live; the value is 4 bytes that outlive the call.
+        ok(
+            unsafe {
+                lt::cublasLtMatmulDescSetAttribute(desc, attr, (&op as *const i32).cast(), 4)
+            },
+            "desc trans",
+        )?;
+    }
+    Ok(())
+}
+
+/// A heuristic preference: the workspace the plans may use and the
+/// operands' alignments (bytes of A, B, and C/D), destroyed on drop.
+struct Preference(lt::cublasLtMatmulPreference_t);
+
+impl Preference {
+    fn new((aa, ab, ac): (u32, u32, u32)) -> Result<Preference> {
+        use lt::cublasLtMatmulPreferenceAttributes_t as P;
+        let mut pref = std::ptr::null_mut();
+        // SAFETY: a valid out pointer; the preference is owned by the value returned.
+        ok(
+            unsafe { lt::cublasLtMatmulPreferenceCreate(&mut pref) },
+            "preference",
+        )?;
+        let pref = Preference(pref);
+        let ws: u64 = WORKSPACE_BYTES as u64;
+        pref.set(
+            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &ws.to_ne_bytes(),
+        )?;
+        pref.set(
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            &aa.to_ne_bytes(),
+        )?;
+        pref.set(
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            &ab.to_ne_bytes(),
+        )?;
+        pref.set(
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            &ac.to_ne_bytes(),
+        )?;
+        pref.set(
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            &ac.to_ne_bytes(),
+        )?;
+        Ok(pref)
+    }
+
+    fn set(&self, attr: lt::cublasLtMatmulPreferenceAttributes_t, value: &[u8]) -> Result<()> {
+        // SAFETY: the preference is live; `value` outlives the call.
+        ok(
+            unsafe {
+                lt::cublasLtMatmulPreferenceSetAttribute(
+                    self.0,
+                    attr,
+                    value.as_ptr().cast(),
+                    value.len(),
+                )
+            },
+            "pref",
+        )
+    }
+}
+
+impl Drop for Preference {
+    fn drop(&mut self) {
+        // SAFETY: created once by `Preference::new`, destroyed once here.
+        unsafe {
+            lt::cublasLtMatmulPreferenceDestroy(self.0);
+        }
+    }
+}
+
 /// A cuBLASLt handle with its plan cache.
 pub struct Gemm {
     handle: lt::cublasLtHandle_t,
@@ -204,15 +303,15 @@ impl Gemm {
         self.plans.lock().map(|p| p.len()).unwrap_or(0)
     }
 
-    // Long: cuBLASLt's plan is one sequence of checked descriptor, layout
-    // and preference calls whose handles the plan owns as soon as each exists;
-    // split, every piece would pass the half-built plan along.
+    /// The plan of a problem: its descriptor and layouts, and the
+    /// heuristic's algorithms (the first, or the first
+    /// [`GEMM_CANDIDATES`] to time under `GemmPick::Fastest`).
     fn build(&self, key: &Key, ab: DType, cd: DType) -> Result<Plan> {
         let (ta, tb) = key.fp8.unwrap_or((ab, ab));
         let p = &key.p;
         // SAFETY: every handle is created here and owned by the returned plan (or
         // destroyed by its Drop if a later step fails).
-        unsafe {
+        let mut plan = unsafe {
             let mut desc = std::ptr::null_mut();
             ok(
                 lt::cublasLtMatmulDescCreate(
@@ -222,14 +321,6 @@ impl Gemm {
                 ),
                 "matmul desc",
             )?;
-            let layout = |o: &LtOperand, d: DType| -> Result<lt::cublasLtMatrixLayout_t> {
-                let mut l = std::ptr::null_mut();
-                ok(
-                    lt::cublasLtMatrixLayoutCreate(&mut l, lt_type(d), o.rows, o.cols, o.ld),
-                    "layout",
-                )?;
-                Ok(l)
-            };
             let mut plan = Plan {
                 desc,
                 la: std::ptr::null_mut(),
@@ -245,110 +336,56 @@ impl Gemm {
             if key.fp8.is_some() {
                 fp8_desc(desc)?;
             }
-            for (attr, t) in [
-                (
-                    lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                    p.a.trans,
-                ),
-                (
-                    lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                    p.b.trans,
-                ),
-            ] {
-                let op: i32 = t as i32; // CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
-                ok(
-                    lt::cublasLtMatmulDescSetAttribute(desc, attr, (&op as *const i32).cast(), 4),
-                    "desc trans",
-                )?;
-            }
-            let mut pref = std::ptr::null_mut();
-            ok(lt::cublasLtMatmulPreferenceCreate(&mut pref), "preference")?;
-            let ws: u64 = WORKSPACE_BYTES as u64;
-            use lt::cublasLtMatmulPreferenceAttributes_t as P;
-            let set = |a: P, v: *const c_void, n: usize| {
-                ok(
-                    lt::cublasLtMatmulPreferenceSetAttribute(pref, a, v, n),
-                    "pref",
-                )
-            };
-            let (aa, ab, ac) = key.align;
-            let r = set(
-                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&ws as *const u64).cast(),
-                8,
-            )
-            .and_then(|_| {
-                set(
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                    (&aa as *const u32).cast(),
-                    4,
-                )
-            })
-            .and_then(|_| {
-                set(
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    (&ab as *const u32).cast(),
-                    4,
-                )
-            })
-            .and_then(|_| {
-                set(
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                    (&ac as *const u32).cast(),
-                    4,
-                )
-            })
-            .and_then(|_| {
-                set(
-                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                    (&ac as *const u32).cast(),
-                    4,
-                )
-            });
-            let want = match self.pick {
-                GemmPick::First => 1,
-                GemmPick::Fastest => GEMM_CANDIDATES,
-            };
+            set_transposes(desc, p)?;
+            plan
+        };
+        let want = match self.pick {
+            GemmPick::First => 1,
+            GemmPick::Fastest => GEMM_CANDIDATES,
+        };
+        plan.algos = self.algorithms(&plan, &Preference::new(key.align)?, want)?;
+        if plan.algos.is_empty() {
+            return Err(Error::Backend(format!(
+                "cuBLASLt has no usable algorithm for {ab:?} x {ab:?} -> {cd:?} with {p:?}"
+            )));
+        }
+        Ok(plan)
+    }
+
+    /// Up to `want` of the heuristic's algorithms for `plan`, in its order.
+    fn algorithms(
+        &self,
+        plan: &Plan,
+        pref: &Preference,
+        want: usize,
+    ) -> Result<Vec<lt::cublasLtMatmulAlgo_t>> {
+        // SAFETY: zeroed results are plain data the call overwrites; every
+        // handle is live (the plan's and the preference's own).
+        unsafe {
             let mut heur: Vec<lt::cublasLtMatmulHeuristicResult_t> =
                 (0..want).map(|_| std::mem::zeroed()).collect();
             let mut found = 0;
-            let r = r.and_then(|_| {
-                ok(
-                    lt::cublasLtMatmulAlgoGetHeuristic(
-                        self.handle,
-                        desc,
-                        plan.la,
-                        plan.lb,
-                        plan.lc,
-                        plan.lc,
-                        pref,
-                        want as i32,
-                        heur.as_mut_ptr(),
-                        &mut found,
-                    ),
-                    "heuristic",
-                )
-            });
-            lt::cublasLtMatmulPreferenceDestroy(pref);
-            r?;
-            if found == 0 {
-                return Err(Error::Backend(format!(
-                    "cuBLASLt has no algorithm for {:?} x {:?} -> {:?} with {p:?}",
-                    ab, ab, cd
-                )));
-            }
-            plan.algos = heur
+            ok(
+                lt::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    plan.desc,
+                    plan.la,
+                    plan.lb,
+                    plan.lc,
+                    plan.lc,
+                    pref.0,
+                    want as i32,
+                    heur.as_mut_ptr(),
+                    &mut found,
+                ),
+                "heuristic",
+            )?;
+            Ok(heur
                 .iter()
-                .take(found as usize)
+                .take(found.max(0) as usize)
                 .filter(|h| h.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
                 .map(|h| h.algo)
-                .collect();
-            if plan.algos.is_empty() {
-                return Err(Error::Backend(format!(
-                    "cuBLASLt's heuristic returned no usable algorithm for {p:?}"
-                )));
-            }
-            Ok(plan)
+                .collect())
         }
     }
 
