@@ -282,15 +282,8 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
     Ok(())
 }
 
-/// Attention backward: adds into `dq`, `dk`, `dv` (see the module docs).
-// Long: every operand's pointer and stride is checked before the first
-// launch, then both kernels (delta, main) take one parameter block; the
-// checks read best as one list beside the block they guard.
-pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs) -> Result<()> {
-    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask)?;
-    if a.sq == 0 || a.sk == 0 {
-        return Ok(());
-    }
+/// Checks every operand's alignment and stride before a backward launch.
+fn check_bwd_operands(a: &FlashBwdArgs) -> Result<()> {
     for (n, p) in [
         ("q", a.q),
         ("k", a.k),
@@ -313,38 +306,53 @@ pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs)
     check_stride("lse", a.lse_stride, a.hq, 1)?;
     check_stride("dq", a.dq_stride, a.hq * a.d, 2)?;
     check_stride("dk", a.dk_stride, a.hkv * a.d, 2)?;
-    check_stride("dv", a.dv_stride, a.hkv * a.d, 2)?;
-    let scale = a.scale;
-    let p = BwdParams {
-        q: a.q,
-        k: a.k,
-        v: a.v,
-        o: a.o,
-        d_o: a.d_o,
-        lse: a.lse,
-        dq: a.dq,
-        dk: a.dk,
-        dv: a.dv,
-        delta: a.workspace,
-        bounds: a.bounds,
-        q_stride: a.q_stride as i64,
-        k_stride: a.k_stride as i64,
-        v_stride: a.v_stride as i64,
-        o_stride: a.o_stride as i64,
-        do_stride: a.do_stride as i64,
-        lse_stride: a.lse_stride as i64,
-        dq_stride: a.dq_stride as i64,
-        dk_stride: a.dk_stride as i64,
-        dv_stride: a.dv_stride as i64,
-        sq: a.sq as i32,
-        sk: a.sk as i32,
-        hq: a.hq as i32,
-        hkv: a.hkv as i32,
-        group: (a.hq / a.hkv) as i32,
-        causal: causal_flag(&a.mask),
-        scale,
-        scale_log2: scale * std::f32::consts::LOG2_E,
-    };
+    check_stride("dv", a.dv_stride, a.hkv * a.d, 2)
+}
+
+impl BwdParams {
+    /// The parameter block both backward kernels (delta, main) take.
+    fn of(a: &FlashBwdArgs) -> BwdParams {
+        BwdParams {
+            q: a.q,
+            k: a.k,
+            v: a.v,
+            o: a.o,
+            d_o: a.d_o,
+            lse: a.lse,
+            dq: a.dq,
+            dk: a.dk,
+            dv: a.dv,
+            delta: a.workspace,
+            bounds: a.bounds,
+            q_stride: a.q_stride as i64,
+            k_stride: a.k_stride as i64,
+            v_stride: a.v_stride as i64,
+            o_stride: a.o_stride as i64,
+            do_stride: a.do_stride as i64,
+            lse_stride: a.lse_stride as i64,
+            dq_stride: a.dq_stride as i64,
+            dk_stride: a.dk_stride as i64,
+            dv_stride: a.dv_stride as i64,
+            sq: a.sq as i32,
+            sk: a.sk as i32,
+            hq: a.hq as i32,
+            hkv: a.hkv as i32,
+            group: (a.hq / a.hkv) as i32,
+            causal: causal_flag(&a.mask),
+            scale: a.scale,
+            scale_log2: a.scale * std::f32::consts::LOG2_E,
+        }
+    }
+}
+
+/// Attention backward: adds into `dq`, `dk`, `dv` (see the module docs).
+pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs) -> Result<()> {
+    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask)?;
+    if a.sq == 0 || a.sk == 0 {
+        return Ok(());
+    }
+    check_bwd_operands(a)?;
+    let p = BwdParams::of(a);
     let mma = f.mma(a.d)?;
     let (pre, main, cfg) = match (f.bwd_kernel_for(a.d)?, &f.bwd128_wgmma) {
         (FlashKernel::Wgmma, Some(func)) => (
