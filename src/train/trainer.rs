@@ -381,10 +381,9 @@ pub fn rehearse_rank<B: Backend>(
     Ok(memory)
 }
 
-/// One rank's training loop.
-// Long: it is the loop itself, in the order a step runs (windows, the
-// micro-steps' forward and backward, the optimizer step and its guard, the
-// report, the save); each part is a call.
+/// One rank's training loop, in the order a step runs: windows, the
+/// micro-steps' forward and backward, the optimizer step and its guard,
+/// the evaluations due, the report, the save due.
 fn run_rank<B: Backend>(
     cfg: &TrainConfig,
     plan: &CpPlan,
@@ -408,16 +407,7 @@ fn run_rank<B: Backend>(
     decoder.set_precision(b, cfg.precision)?;
     decoder.backward_floor = cfg.freeze.backward_floor(&cfg.model, cfg.lora.is_some());
     let (mut model, resumed) = open_model(b, cfg, mesh)?;
-    // replicas draw disjoint windows; context ranks of one replica share one
-    let data_rank = mesh.shape.coords(mesh.rank).data;
-    // a rehearsal draws no data (`draw_step`): one window of zeros stands
-    // for every replica's, whatever the data-parallel degree
-    let (sampler_rank, replicas) = match cfg.rehearse {
-        true => (0, 1),
-        false => (data_rank, cfg.data_parallel),
-    };
-    let mut sampler =
-        MixtureSampler::sharded(data, cfg.pack, cfg.seq, cfg.seed, sampler_rank, replicas)?;
+    let mut sampler = rank_sampler(cfg, data, mesh)?;
     let first = match resumed {
         Some(r) => resume(cfg, &mut sampler, r, rank)?,
         None => 1,
@@ -467,16 +457,8 @@ fn run_rank<B: Backend>(
         let seconds = start.elapsed().as_secs_f64();
         let profile = step_profile(cfg, b, step, rank)?;
         let memory = b.ledger().stats();
-        let eval = eval_during::after_step(cfg, plan, b, mesh, &mut decoder, model.as_mut(), step)?;
-        let retrieval = super::retrieval_during::after_step(
-            cfg,
-            plan,
-            b,
-            mesh,
-            &mut decoder,
-            model.as_mut(),
-            step,
-        )?;
+        let at = (plan, b, mesh);
+        let (eval, retrieval) = evaluations_due(cfg, at, &mut decoder, model.as_mut(), step)?;
         let report = StepReport {
             step,
             loss,
@@ -502,18 +484,14 @@ fn run_rank<B: Backend>(
         reports.push(report);
         // every rank stops alike: the loss and the gradient norm are global
         guard.after_step(step, loss, &update)?;
-        let save_now = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
-        if let (Some(dir), true) = (&cfg.save_dir, save_now) {
-            let eval = reports.last().and_then(|r| r.eval.as_ref());
-            let extra = saved_extra(cfg, &sampler, eval);
-            let at = SaveAt {
-                dir,
-                step,
-                first,
-                extra: &extra,
-                rank,
-            };
-            save(cfg, b, model.as_mut(), &at)?;
+        let eval = reports.last().and_then(|r| r.eval.as_ref());
+        if save_due(
+            cfg,
+            b,
+            model.as_mut(),
+            (&sampler, eval),
+            (step, first, rank),
+        )? {
             guard.saved(step);
         }
     }
@@ -562,6 +540,62 @@ fn run_sequences<B: Backend>(
         local_loss += model.forward_backward(b, decoder, mesh, seq)?;
     }
     Ok((local_loss, attn_flop_fraction))
+}
+
+/// The rank's sampler: replicas draw disjoint windows, the context ranks
+/// of one replica share one. A rehearsal draws no data (`draw_step`): one
+/// window of zeros stands for every replica's, whatever the data-parallel
+/// degree.
+fn rank_sampler<B: Backend>(
+    cfg: &TrainConfig,
+    data: Mixture,
+    mesh: &Mesh<B>,
+) -> Result<MixtureSampler> {
+    let (sampler_rank, replicas) = match cfg.rehearse {
+        true => (0, 1),
+        false => (mesh.shape.coords(mesh.rank).data, cfg.data_parallel),
+    };
+    MixtureSampler::sharded(data, cfg.pack, cfg.seq, cfg.seed, sampler_rank, replicas)
+}
+
+/// The held-out evaluation and the retrieval trials after `step`, each
+/// where one is due (`train::eval_during`, `train::retrieval_during`).
+fn evaluations_due<B: Backend>(
+    cfg: &TrainConfig,
+    (plan, b, mesh): (&CpPlan, &B, &Mesh<B>),
+    decoder: &mut Decoder<B>,
+    model: &mut (dyn RankModel<B> + '_),
+    step: u32,
+) -> Result<(Option<EvalReport>, Option<super::retrieval::RetrievalPoint>)> {
+    let eval = eval_during::after_step(cfg, plan, b, mesh, decoder, model, step)?;
+    let retrieval = super::retrieval_during::after_step(cfg, plan, b, mesh, decoder, model, step)?;
+    Ok((eval, retrieval))
+}
+
+/// Saves the checkpoint of `step` where one is due (the last step, every
+/// `--save-every`, with a save directory); whether it saved. `first` is
+/// the first step this run trained, `eval` the step's evaluation.
+fn save_due<B: Backend>(
+    cfg: &TrainConfig,
+    b: &B,
+    model: &mut (dyn RankModel<B> + '_),
+    (sampler, eval): (&MixtureSampler, Option<&EvalReport>),
+    (step, first, rank): (u32, u32, usize),
+) -> Result<bool> {
+    let due = step == cfg.steps || (cfg.save_every > 0 && step % cfg.save_every == 0);
+    let Some(dir) = cfg.save_dir.as_ref().filter(|_| due) else {
+        return Ok(false);
+    };
+    let extra = saved_extra(cfg, sampler, eval);
+    let at = SaveAt {
+        dir,
+        step,
+        first,
+        extra: &extra,
+        rank,
+    };
+    save(cfg, b, model, &at)?;
+    Ok(true)
 }
 
 /// What a checkpoint's `state.json` keeps of the run beside the model: the
