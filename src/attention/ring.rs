@@ -314,6 +314,15 @@ pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>
     // the gradients of the block being visited, travelling with it
     let mut dk_t = b.zeros(dk.shape(), dk.dtype(), Category::Workspace)?;
     let mut dv_t = b.zeros(dv.shape(), dv.dtype(), Category::Workspace)?;
+    let mut side = QuerySide {
+        q,
+        o,
+        d_o,
+        lse,
+        dq,
+        dq_write: writes.dq,
+        scale,
+    };
     let mut step_bwd = |step: usize,
                         ks: &Tensor<B>,
                         vs: &Tensor<B>,
@@ -325,25 +334,9 @@ pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>
             // diagonal every query sees)
             return Ok(());
         }
-        b.attention_bwd(AttentionBwd {
-            q: q.rows_view(blk.q_rows.clone()),
-            k: ks.rows_view(blk.k_rows.clone()),
-            v: vs.rows_view(blk.k_rows.clone()),
-            o: o.rows_view(blk.q_rows.clone()),
-            d_o: d_o.rows_view(blk.q_rows.clone()),
-            lse: lse.rows_view(blk.q_rows.clone()),
-            mask: &blk.mask,
-            scale,
-            dq: dq.rows_view_mut(blk.q_rows.clone()),
-            dk: dk_t.rows_view_mut(blk.k_rows.clone()),
-            dv: dv_t.rows_view_mut(blk.k_rows.clone()),
-            writes: AttnGradWrites {
-                // the first step's query block covers every local query row
-                // (zigzag: a rank's own block), later steps add in
-                dq: if step == 0 { writes.dq } else { GradWrite::Add },
-                dkv: GradWrite::Add,
-            },
-        })
+        // the first step's query block covers every local query row
+        // (zigzag: a rank's own block), later steps add in
+        block_bwd(b, &mut side, &blk, step, (ks, vs), [dk_t, dv_t])
     };
     step_bwd(0, k, v, &mut dk_t, &mut dv_t)?;
     for step in 1..p {
@@ -362,6 +355,55 @@ pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>
         }
     }
     Ok(())
+}
+
+/// The local shard's side of a ring backward: what every step's block
+/// reads of the local queries, and the query gradient the blocks write.
+pub(super) struct QuerySide<'a, B: Backend> {
+    pub q: &'a Tensor<B>,   // [n, hq, d]
+    pub o: &'a Tensor<B>,   // [n, hq, d]
+    pub d_o: &'a Tensor<B>, // [n, hq, d]
+    pub lse: &'a Tensor<B>, // [n, hq] F32
+    pub dq: &'a mut Tensor<B>,
+    /// How step 0 writes `dq` (its block covers every local query row);
+    /// later steps add.
+    pub dq_write: GradWrite,
+    pub scale: f32,
+}
+
+/// One step's block backward: `blk`'s query rows of the local shard
+/// against its key rows of the visiting block `(ks, vs)`, adding into the
+/// visiting block's gradients `[dk, dv]`.
+pub(super) fn block_bwd<B: Backend>(
+    b: &B,
+    side: &mut QuerySide<'_, B>,
+    blk: &RingBlock,
+    step: usize,
+    (ks, vs): (&Tensor<B>, &Tensor<B>),
+    [dk, dv]: [&mut Tensor<B>; 2],
+) -> Result<()> {
+    let (qr, kr) = (&blk.q_rows, &blk.k_rows);
+    b.attention_bwd(AttentionBwd {
+        q: side.q.rows_view(qr.clone()),
+        k: ks.rows_view(kr.clone()),
+        v: vs.rows_view(kr.clone()),
+        o: side.o.rows_view(qr.clone()),
+        d_o: side.d_o.rows_view(qr.clone()),
+        lse: side.lse.rows_view(qr.clone()),
+        mask: &blk.mask,
+        scale: side.scale,
+        dq: side.dq.rows_view_mut(qr.clone()),
+        dk: dk.rows_view_mut(kr.clone()),
+        dv: dv.rows_view_mut(kr.clone()),
+        writes: AttnGradWrites {
+            dq: if step == 0 {
+                side.dq_write
+            } else {
+                GradWrite::Add
+            },
+            dkv: GradWrite::Add,
+        },
+    })
 }
 
 /// K/V blocks travelling around the ring: each one is passed on to the next

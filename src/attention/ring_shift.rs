@@ -20,10 +20,8 @@
 //! arrives beside the step before's attention, as in the relay.
 //! Causal and full masks, which hide no whole block, keep the relay.
 
-use super::ring::{self, RingBwd, RingOutput, ring_block};
-use crate::backend::{
-    AttentionBwd, AttnGradWrites, AttnMask, Backend, Category, GradWrite, Tensor,
-};
+use super::ring::{self, QuerySide, RingBwd, RingOutput, block_bwd, ring_block};
+use crate::backend::{AttnMask, Backend, Category, GradWrite, Tensor};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::Result;
 
@@ -110,29 +108,22 @@ pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>
         b.zeros(dk.shape(), dk.dtype(), Category::Workspace)?,
         b.zeros(dv.shape(), dv.dtype(), Category::Workspace)?,
     ];
+    let mut side = QuerySide {
+        q,
+        o,
+        d_o,
+        lse,
+        dq,
+        dq_write: writes.dq,
+        scale,
+    };
     let mut step_bwd = |step: usize, ks: &Tensor<B>, vs: &Tensor<B>, grads: &mut [Tensor<B>]| {
         let blk = ring_block(i, step, p, n / 2, mask);
         let [dk_t, dv_t] = grads else {
             unreachable!("two gradients")
         };
-        b.attention_bwd(AttentionBwd {
-            q: q.rows_view(blk.q_rows.clone()),
-            k: ks.rows_view(blk.k_rows.clone()),
-            v: vs.rows_view(blk.k_rows.clone()),
-            o: o.rows_view(blk.q_rows.clone()),
-            d_o: d_o.rows_view(blk.q_rows.clone()),
-            lse: lse.rows_view(blk.q_rows.clone()),
-            mask: &blk.mask,
-            scale,
-            dq: dq.rows_view_mut(blk.q_rows.clone()),
-            dk: dk_t.rows_view_mut(blk.k_rows.clone()),
-            dv: dv_t.rows_view_mut(blk.k_rows.clone()),
-            writes: AttnGradWrites {
-                // the local block's rows are every local query row
-                dq: if step == 0 { writes.dq } else { GradWrite::Add },
-                dkv: GradWrite::Add,
-            },
-        })
+        // the local block's rows are every local query row
+        block_bwd(b, &mut side, &blk, step, (ks, vs), [dk_t, dv_t])
     };
     step_bwd(0, k, v, &mut visiting)?;
     let mut home = HomeGrads {
@@ -322,8 +313,8 @@ mod tests {
     use super::*;
     use crate::attention::layout::SeqLayout;
     use crate::backend::BoundedMask;
-    use crate::backend::DType;
     use crate::backend::cpu::CpuBackend;
+    use crate::backend::{AttnGradWrites, DType};
     use crate::comm::MeshShape;
     use crate::comm::local::run_ranks;
     use crate::comm::traffic::{Sent, TrafficGroup};
