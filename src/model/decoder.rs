@@ -674,13 +674,7 @@ impl<B: Backend> Decoder<B> {
         let dst = MatLayout::block(rows.start * hid, rows.len(), hid, hid);
         match (&saved.z, &w.post_mlp_norm) {
             (Some(z), Some(norm)) => {
-                let mut q = b.empty(z.shape(), z.dtype(), Category::Workspace)?;
-                b.rms_norm_fwd(RmsNormFwd {
-                    x: z,
-                    w: norm,
-                    norm: self.norm(),
-                    y: &mut q,
-                })?;
+                let q = self.post_norm_fwd(b, z, norm)?;
                 self.add_rows(b, out, rows, &q)
             }
             _ => {
@@ -692,6 +686,41 @@ impl<B: Backend> Decoder<B> {
                 add_delta(b, down, saved.act.mat(), out.view_mut(dst))
             }
         }
+    }
+
+    /// A post-norm's output (Gemma 3's, after attention and after the MLP):
+    /// `rms_norm(x) · norm`, `x`'s shape, in workspace.
+    fn post_norm_fwd(&self, b: &B, x: &Tensor<B>, norm: &Tensor<B>) -> Result<Tensor<B>> {
+        let mut y = b.empty(x.shape(), x.dtype(), Category::Workspace)?;
+        b.rms_norm_fwd(RmsNormFwd {
+            x,
+            w: norm,
+            norm: self.norm(),
+            y: &mut y,
+        })?;
+        Ok(y)
+    }
+
+    /// The gradient through a post-norm of the saved input `x` from its
+    /// output's gradient `dy`; the norm weight's gradient is added into
+    /// `dw` where it is trained.
+    fn post_norm_bwd(
+        &self,
+        b: &B,
+        (x, norm): (&Tensor<B>, &Tensor<B>),
+        dy: &Tensor<B>,
+        dw: Option<&mut Tensor<B>>,
+    ) -> Result<Tensor<B>> {
+        let mut dx = b.empty(x.shape(), x.dtype(), Category::Workspace)?;
+        b.rms_norm_bwd(RmsNormBwd {
+            x,
+            w: norm,
+            dy,
+            norm: self.norm(),
+            dx: &mut dx,
+            dw,
+        })?;
+        Ok(dx)
     }
 
     /// `t[rows] += y` for a `[rows, hidden]` tile `y` of the `[s, hidden]`
@@ -774,13 +803,7 @@ impl<B: Backend> Decoder<B> {
         let mut h1 = cast(b, h, h.dtype(), Category::Activations)?;
         match &w.post_attn_norm {
             Some(norm) => {
-                let mut p = b.empty(y.shape(), y.dtype(), Category::Workspace)?;
-                b.rms_norm_fwd(RmsNormFwd {
-                    x: &y,
-                    w: norm,
-                    norm: self.norm(),
-                    y: &mut p,
-                })?;
+                let p = self.post_norm_fwd(b, &y, norm)?;
                 b.axpy(&mut h1, 1.0, &p)?;
                 Ok((Some(y), h1))
             }
@@ -962,17 +985,8 @@ impl<B: Backend> Decoder<B> {
         b.ledger().enter("backward: attention");
         let dy = match (&y, &w.post_attn_norm) {
             (Some(y), Some(norm)) => {
-                let mut dy = b.empty(y.shape(), y.dtype(), Category::Workspace)?;
                 let d_post = g.post_attn_norm.as_mut();
-                b.rms_norm_bwd(RmsNormBwd {
-                    x: y,
-                    w: norm,
-                    dy: &dh1,
-                    norm: self.norm(),
-                    dx: &mut dy,
-                    dw: d_post,
-                })?;
-                Some(dy)
+                Some(self.post_norm_bwd(b, (y, norm), &dh1, d_post)?)
             }
             _ => None,
         };
@@ -1016,17 +1030,8 @@ impl<B: Backend> Decoder<B> {
         let dz = match (&z, &w.post_mlp_norm) {
             (Some(z), Some(norm)) => {
                 let d_t = self.rows_of(b, d_out, rows)?;
-                let mut dz = b.empty(z.shape(), z.dtype(), Category::Workspace)?;
                 let d_post = g.post_mlp_norm.as_mut();
-                b.rms_norm_bwd(RmsNormBwd {
-                    x: z,
-                    w: norm,
-                    dy: &d_t,
-                    norm: self.norm(),
-                    dx: &mut dz,
-                    dw: d_post,
-                })?;
-                Some(dz)
+                Some(self.post_norm_bwd(b, (z, norm), &d_t, d_post)?)
             }
             _ => None,
         };
