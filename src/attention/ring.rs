@@ -268,6 +268,56 @@ pub struct RingBwd<'a, B: Backend> {
     pub scale: f32,
 }
 
+/// A ring backward's local K/V side: the block, its gradients, how they
+/// are written, and the sequence's mask.
+pub(super) struct KvSide<'a, B: Backend> {
+    pub k: &'a Tensor<B>,
+    pub v: &'a Tensor<B>,
+    pub dk: &'a mut Tensor<B>,
+    pub dv: &'a mut Tensor<B>,
+    pub dkv_write: GradWrite,
+    pub mask: &'a AttnMask,
+}
+
+impl<'a, B: Backend> RingBwd<'a, B> {
+    /// The call as its local queries' side (what every step's block reads
+    /// of them, and `dq`) and its local K/V side.
+    pub(super) fn split(self) -> (QuerySide<'a, B>, KvSide<'a, B>) {
+        let RingBwd {
+            q,
+            k,
+            v,
+            o,
+            d_o,
+            lse,
+            dq,
+            dk,
+            dv,
+            writes,
+            mask,
+            scale,
+        } = self;
+        let side = QuerySide {
+            q,
+            o,
+            d_o,
+            lse,
+            dq,
+            dq_write: writes.dq,
+            scale,
+        };
+        let kv = KvSide {
+            k,
+            v,
+            dk,
+            dv,
+            dkv_write: writes.dkv,
+            mask,
+        };
+        (side, kv)
+    }
+}
+
 /// Ring attention backward under the sequence's `mask`: `dq` for the local queries and `dk`, `dv` for the
 /// local K/V (all `[n, heads, d]`, F32 or compute dtype), added into or
 /// overwritten as `writes` says (later ring steps add into what the first
@@ -279,50 +329,36 @@ pub struct RingBwd<'a, B: Backend> {
 /// once the step that accumulates into them is done, and arrive home after
 /// the last step.
 pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>) -> Result<()> {
-    let RingBwd {
-        q,
-        k,
-        v,
-        o,
-        d_o,
-        lse,
-        dq,
-        dk,
-        dv,
-        writes,
-        mask,
-        scale,
-    } = a;
-    let (p, i, n) = (ring.size(), ring.rank(), q.rows());
+    let (p, i, n) = (ring.size(), ring.rank(), a.q.rows());
     if p == 1 {
         return b.attention_bwd(AttentionBwd {
-            q: q.all_rows(),
-            k: k.all_rows(),
-            v: v.all_rows(),
-            o: o.all_rows(),
-            d_o: d_o.all_rows(),
-            lse: lse.all_rows(),
-            mask: &local_block_mask(mask, i, p, n)?,
-            scale,
-            dq: dq.all_rows_mut(),
-            dk: dk.all_rows_mut(),
-            dv: dv.all_rows_mut(),
-            writes,
+            q: a.q.all_rows(),
+            k: a.k.all_rows(),
+            v: a.v.all_rows(),
+            o: a.o.all_rows(),
+            d_o: a.d_o.all_rows(),
+            lse: a.lse.all_rows(),
+            mask: &local_block_mask(a.mask, i, p, n)?,
+            scale: a.scale,
+            dq: a.dq.all_rows_mut(),
+            dk: a.dk.all_rows_mut(),
+            dv: a.dv.all_rows_mut(),
+            writes: a.writes,
         });
     }
+    let (mut side, kv) = a.split();
+    let KvSide {
+        k,
+        v,
+        dk,
+        dv,
+        dkv_write,
+        mask,
+    } = kv;
     let mut relay = KvRelay::start(b, ring, k, v)?;
     // the gradients of the block being visited, travelling with it
     let mut dk_t = b.zeros(dk.shape(), dk.dtype(), Category::Workspace)?;
     let mut dv_t = b.zeros(dv.shape(), dv.dtype(), Category::Workspace)?;
-    let mut side = QuerySide {
-        q,
-        o,
-        d_o,
-        lse,
-        dq,
-        dq_write: writes.dq,
-        scale,
-    };
     let mut step_bwd = |step: usize,
                         ks: &Tensor<B>,
                         vs: &Tensor<B>,
@@ -349,7 +385,7 @@ pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>
     // the last block's gradients go home
     let (dk_t, dv_t) = pass_grads(b, ring, dk_t, dv_t)?;
     for (dst, src) in [(dk, &dk_t), (dv, &dv_t)] {
-        match writes.dkv {
+        match dkv_write {
             GradWrite::Add => b.axpy(dst, 1.0, src)?,
             GradWrite::Overwrite => b.copy(dst.mat_mut(), src.mat())?,
         }

@@ -20,7 +20,7 @@
 //! arrives beside the step before's attention, as in the relay.
 //! Causal and full masks, which hide no whole block, keep the relay.
 
-use super::ring::{self, QuerySide, RingBwd, RingOutput, block_bwd, ring_block};
+use super::ring::{self, KvSide, RingBwd, RingOutput, block_bwd, ring_block};
 use crate::backend::{AttnMask, Backend, Category, GradWrite, Tensor};
 use crate::comm::{Pending, ProcessGroup};
 use crate::error::Result;
@@ -86,21 +86,16 @@ pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>
     if !takes_shifts(a.mask, p) {
         return ring::backward(b, ring, a);
     }
-    let RingBwd {
-        q,
+    let (i, n) = (ring.rank(), a.q.rows());
+    let (mut side, kv) = a.split();
+    let KvSide {
         k,
         v,
-        o,
-        d_o,
-        lse,
-        dq,
         dk,
         dv,
-        writes,
+        dkv_write,
         mask,
-        scale,
-    } = a;
-    let (i, n) = (ring.rank(), q.rows());
+    } = kv;
     let mut shift = KvShift::new(b, ring, k, v, mask)?;
     shift.start(ring, 1)?;
     // the gradients of the block being visited (step 0: the local block's)
@@ -108,15 +103,6 @@ pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>
         b.zeros(dk.shape(), dk.dtype(), Category::Workspace)?,
         b.zeros(dv.shape(), dv.dtype(), Category::Workspace)?,
     ];
-    let mut side = QuerySide {
-        q,
-        o,
-        d_o,
-        lse,
-        dq,
-        dq_write: writes.dq,
-        scale,
-    };
     let mut step_bwd = |step: usize, ks: &Tensor<B>, vs: &Tensor<B>, grads: &mut [Tensor<B>]| {
         let blk = ring_block(i, step, p, n / 2, mask);
         let [dk_t, dv_t] = grads else {
@@ -129,7 +115,7 @@ pub fn backward<B: Backend>(b: &B, ring: &dyn ProcessGroup<B>, a: RingBwd<'_, B>
     let mut home = HomeGrads {
         dk,
         dv,
-        first: Some(writes.dkv),
+        first: Some(dkv_write),
     };
     for step in 1..p {
         // the gradients of the block visited last go back to their owner

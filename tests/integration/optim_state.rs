@@ -44,8 +44,6 @@ const FORMATS: [[&str; 4]; 4] = [
     ["--optim-state", "f32", "--master-weights", "none"],
 ];
 
-/// The bytes of every file a checkpoint holds that a resume reads
-/// (weights and optimizer state), by name.
 /// The state format of `moments` and `master` with BF16 gradients.
 fn with_bf16_grads(
     moments: upipe::optim::MomentFormat,
@@ -58,6 +56,8 @@ fn with_bf16_grads(
     }
 }
 
+/// The bytes of every file a checkpoint holds that a resume reads
+/// (weights and optimizer state), by name.
 fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
         .unwrap()

@@ -473,28 +473,39 @@ impl CudaBackend {
         self.fwd_native_launch(&a)
     }
 
+    /// Logs the native path of an attention call (and why not the flash
+    /// kernels, where `why` says) and counts a non-empty one.
+    fn note_native(
+        &self,
+        bwd: bool,
+        (path, why): (AttnPath, &str),
+        (sq, sk, hq, hkv, d): (usize, usize, usize, usize, usize),
+        (mask, dt): (&AttnMask, DType),
+    ) {
+        let op = if bwd {
+            "attention_bwd"
+        } else {
+            "attention_fwd"
+        };
+        let why = if why.is_empty() {
+            String::new()
+        } else {
+            format!(" ({why})")
+        };
+        tracing::debug!(
+            "{op} {path:?} sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} mask={mask} {dt:?}{why}"
+        );
+        if sq > 0 && hq > 0 {
+            self.count_attn(path, bwd);
+        }
+    }
+
     /// Runs `a` on the flash kernels where they take it, else on the naive
     /// ones, logging and counting the path.
     fn fwd_native_launch(&self, a: &AttnFwd) -> Result<()> {
         let (path, why) = self.fwd_path(a)?;
-        tracing::debug!(
-            "attention_fwd {path:?} sq={} sk={} hq={} hkv={} d={} mask={} {:?}{}",
-            a.sq,
-            a.sk,
-            a.hq,
-            a.hkv,
-            a.d,
-            a.mask,
-            a.dt,
-            if why.is_empty() {
-                String::new()
-            } else {
-                format!(" ({why})")
-            }
-        );
-        if a.sq > 0 && a.hq > 0 {
-            self.count_attn(path, false);
-        }
+        let geometry = (a.sq, a.sk, a.hq, a.hkv, a.d);
+        self.note_native(false, (path, &why), geometry, (&a.mask, a.dt));
         match (path, self.flash_functions()?) {
             (AttnPath::Flash, Some(f)) => attention::fwd_flash(&self.stream, f, a),
             _ => attention::fwd_naive(&self.kernels, &self.stream, a),
@@ -693,22 +704,9 @@ impl CudaBackend {
             None => AttnPath::Flash,
             Some(_) => AttnPath::Naive,
         };
-        tracing::debug!(
-            "attention_bwd {path:?} sq={} sk={} hq={} hkv={} d={} mask={} {:?}{}",
-            a.sq,
-            a.sk,
-            a.hq,
-            a.hkv,
-            a.d,
-            a.mask,
-            a.dt,
-            why.as_deref()
-                .map(|w| format!(" ({w})"))
-                .unwrap_or_default()
-        );
-        if a.sq > 0 && a.hq > 0 {
-            self.count_attn(path, true);
-        }
+        let geometry = (a.sq, a.sk, a.hq, a.hkv, a.d);
+        let reason = why.as_deref().unwrap_or_default();
+        self.note_native(true, (path, reason), geometry, (&a.mask, a.dt));
         match (flash_fns, why) {
             (Some(f), None) => {
                 // delta = rowsum(dO * O) per query row and head, freed (stream-ordered) on return.
