@@ -31,6 +31,7 @@ use crate::data::mixture::MixShare;
 use crate::data::{Dataset, Mixture, MixtureSampler, PackMode, PackedWindow, Tokens};
 use crate::error::{Error, Result};
 use crate::model::{Decoder, GradSpec, MemoryPolicy, ModelConfig, ModelWeights};
+use crate::optim::Update;
 use crate::optim::divergence::DivergenceGuard;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -431,47 +432,26 @@ fn run_rank<B: Backend>(
     let mut guard = DivergenceGuard::new(cfg.skip_nonfinite, cfg.save_dir.clone(), resumed_from)
         .quiet(rank != 0);
     for step in first..=last {
-        // what ran before the step (setup, the last step's checkpoint) is not its own
-        b.take_profile()?;
-        let start = Instant::now();
-        // the loss is the mean over the counted targets of the whole step
-        // (every micro-step of every replica), known before any backward
-        let rehearsal = (cfg.rehearse, cfg.documents);
-        let windows = draw_step(&mut sampler, plan, &positions, cfg.grad_accum, rehearsal)?;
-        let counted = step_counted(b, mesh, &windows)?;
-        let at = (b, mesh);
-        let (local_loss, attn_flop_fraction) =
-            run_sequences(cfg, at, &mut decoder, model.as_mut(), &windows, counted)?;
-        b.ledger().enter("optimizer");
-        let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
-        mesh.world.all_reduce(&mut loss)?;
-        let loss = b.to_host(&loss)?[0] as f64 / counted as f64;
-        // a step whose loss or gradient norm is not finite changes nothing
-        let update = model.optimizer_step(b, step, cfg.rehearse || loss.is_finite())?;
-        // a rehearsal computed neither
-        let (loss, grad_norm) = match cfg.rehearse {
-            true => (f64::NAN, f64::NAN),
-            false => (loss, update.grad_norm),
-        };
-        b.synchronize()?;
-        let seconds = start.elapsed().as_secs_f64();
+        let at = (plan, b, mesh);
+        let drawing = (&mut sampler, positions.as_slice());
+        let done = train_step(cfg, at, (&mut decoder, model.as_mut()), drawing, step)?;
+        let (loss, update) = (done.loss, done.update);
         let profile = step_profile(cfg, b, step, rank)?;
         let memory = b.ledger().stats();
-        let at = (plan, b, mesh);
         let (eval, retrieval) = evaluations_due(cfg, at, &mut decoder, model.as_mut(), step)?;
         let report = StepReport {
             step,
             loss,
             lr: update.lr,
-            grad_norm,
+            grad_norm: done.grad_norm,
             skipped: guard.skipped() + u32::from(!update.applied),
-            tokens_per_s: targets_per_step / seconds,
+            tokens_per_s: targets_per_step / done.seconds,
             peak_bytes: memory.peak,
             at_peak_by_category: memory.at_peak_by_category,
             host_peak_bytes: memory.host_peak,
             tokens: targets_per_step as usize,
-            counted_tokens: counted,
-            attn_flop_fraction,
+            counted_tokens: done.counted,
+            attn_flop_fraction: done.attn_flop_fraction,
             profile,
             eval,
             retrieval,
@@ -497,6 +477,59 @@ fn run_rank<B: Backend>(
     }
     model.settle(b)?;
     Ok((reports, b.ledger().stats(), b.pool_report()?))
+}
+
+/// What one training step computed: the global loss and gradient norm (NaN
+/// in a rehearsal, which computes neither), the optimizer's update, the
+/// targets counted, attention's share of the FLOPs and the step's seconds.
+struct StepDone {
+    loss: f64,
+    grad_norm: f64,
+    update: Update,
+    counted: usize,
+    attn_flop_fraction: f64,
+    seconds: f64,
+}
+
+/// One training step on this rank: its windows drawn, every sequence's
+/// forward and backward, the loss reduced over the world, then the
+/// optimizer's update (which changes nothing where the loss or the gradient
+/// norm is not finite).
+fn train_step<B: Backend>(
+    cfg: &TrainConfig,
+    (plan, b, mesh): (&CpPlan, &B, &Mesh<B>),
+    (decoder, model): (&mut Decoder<B>, &mut (dyn RankModel<B> + '_)),
+    (sampler, positions): (&mut MixtureSampler, &[usize]),
+    step: u32,
+) -> Result<StepDone> {
+    // what ran before the step (setup, the last step's checkpoint) is not its own
+    b.take_profile()?;
+    let start = Instant::now();
+    // the loss is the mean over the counted targets of the whole step
+    // (every micro-step of every replica), known before any backward
+    let rehearsal = (cfg.rehearse, cfg.documents);
+    let windows = draw_step(sampler, plan, positions, cfg.grad_accum, rehearsal)?;
+    let counted = step_counted(b, mesh, &windows)?;
+    let (local_loss, attn_flop_fraction) =
+        run_sequences(cfg, (b, mesh), decoder, model, &windows, counted)?;
+    b.ledger().enter("optimizer");
+    let mut loss = b.from_host(&[local_loss as f32], &[1], DType::F32, Category::Workspace)?;
+    mesh.world.all_reduce(&mut loss)?;
+    let loss = b.to_host(&loss)?[0] as f64 / counted as f64;
+    let update = model.optimizer_step(b, step, cfg.rehearse || loss.is_finite())?;
+    let (loss, grad_norm) = match cfg.rehearse {
+        true => (f64::NAN, f64::NAN),
+        false => (loss, update.grad_norm),
+    };
+    b.synchronize()?;
+    Ok(StepDone {
+        loss,
+        grad_norm,
+        update,
+        counted,
+        attn_flop_fraction,
+        seconds: start.elapsed().as_secs_f64(),
+    })
 }
 
 /// The rank's model state: sharded (`--fsdp`) or replicated, fresh or
