@@ -17,9 +17,20 @@ P="--attn upipe --checkpoint --tiled-mlp --offload auto --offload-optimizer auto
 TARGETS="${TARGETS:-llama3-8b --optim-state 8bit --master-weights none --grad-dtype bf16
 llama3-8b --lora-rank 16
 llama3.2-1b --grad-dtype bf16}"
+# the plans first, all at once (the planner runs on the host's cores), then
+# the rehearsals one at a time
+i=0
 while IFS= read -r what; do
     [ -n "$what" ] || continue
-    seq=$($U plan --model $what $P --gpus 1 --gpu-mem "$mem" --json 2>/dev/null | python3 -c "import json,sys; print([json.loads(l) for l in sys.stdin if l.startswith('{')][0]['longest_seq'])")
+    $U plan --model $what $P --gpus 1 --gpu-mem "$mem" --json > "/tmp/rehearse-plan-$i.json" 2> /dev/null &
+    i=$((i + 1))
+done <<< "$TARGETS"
+wait
+i=0
+while IFS= read -r what; do
+    [ -n "$what" ] || continue
+    seq=$(python3 -c "import json,sys; print([json.loads(l) for l in sys.stdin if l.startswith('{')][0]['longest_seq'])" < "/tmp/rehearse-plan-$i.json")
+    i=$((i + 1))
     echo "== $what: longest $seq"
     timeout 240 $U train --model $what $P --ulysses 1 --ring 1 --seq "$seq" --rehearse 2>&1 | grep -E "checkpoint-every auto|device peak|host peak|fits|does not|rror" | cut -c1-300
 done <<< "$TARGETS"
