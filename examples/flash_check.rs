@@ -19,10 +19,11 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use half::bf16;
 use std::sync::Arc;
 use upipe::backend::cpu::CpuBackend;
+use upipe::backend::cuda::attention::{AttnBwd, AttnFwd};
 use upipe::backend::cuda::flash::{
-    FLASH_SOURCE, FLASH_WGMMA_BWD_SOURCE, FLASH_WGMMA_SOURCE, FlashBwdArgs, FlashFunctions,
-    FlashFwdArgs, FlashKernel, NVRTC_ARCH, NVRTC_OPTIONS, WGMMA_NVRTC_ARCH, bwd_kernel_from_env,
-    flash_bwd, flash_bwd_workspace_bytes, flash_fwd,
+    FLASH_SOURCE, FLASH_WGMMA_BWD_SOURCE, FLASH_WGMMA_SOURCE, FlashFunctions, FlashKernel,
+    NVRTC_ARCH, NVRTC_OPTIONS, WGMMA_NVRTC_ARCH, bwd_kernel_from_env, flash_bwd,
+    flash_bwd_workspace_bytes, flash_fwd,
 };
 use upipe::backend::{AttentionBwd, AttentionFwd, AttnMask, Backend, Category, DType};
 
@@ -195,17 +196,19 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
     flash_fwd(
         &g.stream,
         f,
-        &FlashFwdArgs {
+        &AttnFwd {
             q: g.ptr(&gq),
             k: g.ptr(&gk),
             v: g.ptr(&gv),
+            dt: DType::BF16,
             o: g.ptr(&go),
+            o_dt: DType::BF16,
             lse: g.ptr(&glse),
-            q_stride: hq * d,
-            k_stride: hkv * d,
-            v_stride: hkv * d,
-            o_stride: hq * d,
-            lse_stride: hq,
+            q_rs: hq * d,
+            k_rs: hkv * d,
+            v_rs: hkv * d,
+            o_rs: hq * d,
+            lse_rs: hq,
             sq,
             sk,
             hq,
@@ -224,26 +227,28 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
     flash_bwd(
         &g.stream,
         f,
-        &FlashBwdArgs {
+        &AttnBwd {
             q: g.ptr(&gq),
             k: g.ptr(&gk) + 2 * koff,
             v: g.ptr(&gv) + 2 * koff,
+            dt: DType::BF16,
             o: g.ptr(&go),
+            o_dt: DType::BF16,
             d_o: g.ptr(&gdo),
+            d_o_dt: DType::BF16,
             lse: g.ptr(&glse),
             dq: g.ptr(&gdq),
             dk: g.ptr(&gdk) + 4 * koff,
             dv: g.ptr(&gdv) + 4 * koff,
-            workspace: g.ptr(&ws),
-            q_stride: hq * d,
-            k_stride: hkv * d,
-            v_stride: hkv * d,
-            o_stride: hq * d,
-            do_stride: hq * d,
-            lse_stride: hq,
-            dq_stride: hq * d,
-            dk_stride: hkv * d,
-            dv_stride: hkv * d,
+            q_rs: hq * d,
+            k_rs: hkv * d,
+            v_rs: hkv * d,
+            o_rs: hq * d,
+            d_o_rs: hq * d,
+            lse_rs: hq,
+            dq_rs: hq * d,
+            dk_rs: hkv * d,
+            dv_rs: hkv * d,
             sq,
             sk: sk - c.key_from,
             hq,
@@ -253,6 +258,7 @@ fn run_gpu(g: &Gpu, f: &FlashFunctions, c: Case, x: [&[f32]; 7]) -> Res<[Vec<f32
             scale: 1.0 / (d as f32).sqrt(),
             bounds: 0,
         },
+        g.ptr(&ws),
     )?;
     g.stream.synchronize()?;
     let o: Vec<f32> = g
@@ -394,17 +400,19 @@ fn bench(
     let ws = g
         .stream
         .alloc_zeros::<u8>(flash_bwd_workspace_bytes(s, h))?;
-    let fa = FlashFwdArgs {
+    let fa = AttnFwd {
         q: g.ptr(&q),
         k: g.ptr(&k),
         v: g.ptr(&v),
+        dt: DType::BF16,
         o: g.ptr(&o),
+        o_dt: DType::BF16,
         lse: g.ptr(&lse),
-        q_stride: h * d,
-        k_stride: hkv * d,
-        v_stride: hkv * d,
-        o_stride: h * d,
-        lse_stride: h,
+        q_rs: h * d,
+        k_rs: hkv * d,
+        v_rs: hkv * d,
+        o_rs: h * d,
+        lse_rs: h,
         sq: s,
         sk: s,
         hq: h,
@@ -414,26 +422,28 @@ fn bench(
         scale: 1.0 / (d as f32).sqrt(),
         bounds: 0,
     };
-    let ba = FlashBwdArgs {
+    let ba = AttnBwd {
         q: fa.q,
         k: fa.k,
         v: fa.v,
+        dt: DType::BF16,
         o: fa.o,
+        o_dt: DType::BF16,
         d_o: g.ptr(&d_o),
+        d_o_dt: DType::BF16,
         lse: fa.lse,
         dq: g.ptr(&dq),
         dk: g.ptr(&dk),
         dv: g.ptr(&dv),
-        workspace: g.ptr(&ws),
-        q_stride: h * d,
-        k_stride: hkv * d,
-        v_stride: hkv * d,
-        o_stride: h * d,
-        do_stride: h * d,
-        lse_stride: h,
-        dq_stride: h * d,
-        dk_stride: hkv * d,
-        dv_stride: hkv * d,
+        q_rs: h * d,
+        k_rs: hkv * d,
+        v_rs: hkv * d,
+        o_rs: h * d,
+        d_o_rs: h * d,
+        lse_rs: h,
+        dq_rs: h * d,
+        dk_rs: hkv * d,
+        dv_rs: hkv * d,
         sq: s,
         sk: s,
         hq: h,
@@ -460,7 +470,7 @@ fn bench(
         Ok(e0.elapsed_ms(&e1)? as f64 / iters as f64)
     };
     let t_fwd = time(&|| Ok(flash_fwd(&g.stream, f, &fa)?))?;
-    let t_bwd = time(&|| Ok(flash_bwd(&g.stream, f, &ba)?))?;
+    let t_bwd = time(&|| Ok(flash_bwd(&g.stream, f, &ba, g.ptr(&ws))?))?;
     let flops = 2.0 * (s as f64).powi(2) * h as f64 * d as f64;
     let t_all = t_fwd + t_bwd;
     println!(

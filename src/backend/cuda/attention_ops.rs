@@ -507,7 +507,7 @@ impl CudaBackend {
         let geometry = (a.sq, a.sk, a.hq, a.hkv, a.d);
         self.note_native(false, (path, &why), geometry, (&a.mask, a.dt));
         match (path, self.flash_functions()?) {
-            (AttnPath::Flash, Some(f)) => attention::fwd_flash(&self.stream, f, a),
+            (AttnPath::Flash, Some(f)) => flash::flash_fwd(&self.stream, f, a),
             _ => attention::fwd_naive(&self.kernels, &self.stream, a),
         }
     }
@@ -712,7 +712,7 @@ impl CudaBackend {
                 // delta = rowsum(dO * O) per query row and head, freed (stream-ordered) on return.
                 let bytes = flash::flash_bwd_workspace_bytes(a.sq, a.hq);
                 let ws = self.alloc(&[bytes / 4], DType::F32, Category::Workspace)?;
-                attention::bwd_flash(&self.stream, f, a, ptr(&ws))
+                flash::flash_bwd(&self.stream, f, a, ptr(&ws))
             }
             _ => attention::bwd_naive(&self.kernels, &self.stream, a),
         }

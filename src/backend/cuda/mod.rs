@@ -25,6 +25,7 @@
 pub mod attention;
 mod attention_fp8;
 mod attention_ops;
+mod attn_operands;
 mod backend;
 pub mod counted;
 pub mod cudnn;

@@ -1,75 +1,15 @@
-//! Launching the flash kernels: the arguments of one call, the checks of
-//! its geometry, pointers and strides (every call is checked before its
-//! first launch), and the launches of [`flash_fwd`] and [`flash_bwd`].
+//! Launching the flash kernels on the operands of one call
+//! ([`AttnFwd`], [`AttnBwd`]): the checks of its geometry, pointers and
+//! strides (every call is checked before its first launch), the kernels'
+//! parameter blocks, and the launches of [`flash_fwd`] and [`flash_bwd`].
 
 use super::functions::{FlashFunctions, FlashKernel, drv};
 use super::tiles::*;
 use crate::backend::AttnMask;
+use crate::backend::cuda::attn_operands::{AttnBwd, AttnFwd};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
-
-/// Arguments of [`flash_fwd`]. Pointers are device addresses of the first row;
-/// strides are in elements between consecutive rows.
-#[derive(Debug, Clone)]
-pub struct FlashFwdArgs {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub o: u64,
-    pub lse: u64,
-    /// `[2·sq]` int32 key-row bounds of a documents mask (see
-    /// `BoundedMask::row_bounds`), or 0.
-    pub bounds: u64,
-    pub q_stride: usize,
-    pub k_stride: usize,
-    pub v_stride: usize,
-    pub o_stride: usize,
-    pub lse_stride: usize,
-    pub sq: usize,
-    pub sk: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub mask: AttnMask,
-    /// The softmax scale of the scores.
-    pub scale: f32,
-}
-
-/// Arguments of [`flash_bwd`]. `dq`, `dk`, `dv` are f32 and accumulated into;
-/// `workspace` holds at least [`flash_bwd_workspace_bytes`] bytes.
-#[derive(Debug, Clone)]
-pub struct FlashBwdArgs {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub o: u64,
-    pub d_o: u64,
-    pub lse: u64,
-    pub dq: u64,
-    pub dk: u64,
-    pub dv: u64,
-    pub workspace: u64,
-    /// As in [`FlashFwdArgs`].
-    pub bounds: u64,
-    pub q_stride: usize,
-    pub k_stride: usize,
-    pub v_stride: usize,
-    pub o_stride: usize,
-    pub do_stride: usize,
-    pub lse_stride: usize,
-    pub dq_stride: usize,
-    pub dk_stride: usize,
-    pub dv_stride: usize,
-    pub sq: usize,
-    pub sk: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub mask: AttnMask,
-    /// The softmax scale of the scores.
-    pub scale: f32,
-}
 
 /// Scratch bytes [`flash_bwd`] needs (the f32 `delta = rowsum(dO * O)` per query row and head).
 pub fn flash_bwd_workspace_bytes(sq: usize, hq: usize) -> usize {
@@ -137,7 +77,9 @@ pub(super) struct BwdParams {
 // SAFETY: plain-old-data with the exact C layout of `FlashBwdParams` in flash_bwd.cu.
 unsafe impl DeviceRepr for BwdParams {}
 
-pub(super) fn check_geometry(
+/// Errors when the flash kernels do not take this geometry (head dim, GQA
+/// ratio, the mask's shape, sizes of one launch).
+pub fn check_supported(
     sq: usize,
     sk: usize,
     hq: usize,
@@ -167,19 +109,6 @@ pub(super) fn check_geometry(
         )));
     }
     Ok(())
-}
-
-/// Errors when the flash kernels do not take this geometry (head dim, GQA
-/// ratio, the mask's shape, sizes of one launch).
-pub fn check_supported(
-    sq: usize,
-    sk: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    mask: &AttnMask,
-) -> Result<()> {
-    check_geometry(sq, sk, hq, hkv, d, mask)
 }
 
 /// The kernels' `causal` parameter for `mask` (the naive kernels of
@@ -215,9 +144,128 @@ fn launch_err(e: impl std::fmt::Debug) -> Error {
     drv("kernel launch", e)
 }
 
+/// Checks the pointers and row strides both passes read: q, k, v and o
+/// (16-byte aligned, rows of `hq·d` or `hkv·d` elements in multiples of 8)
+/// and the f32 lse (`[s, hq]`).
+fn check_qkvo_lse(
+    ptrs: [u64; 5],
+    strides: [usize; 5],
+    hq: usize,
+    hkv: usize,
+    d: usize,
+) -> Result<()> {
+    let names = ["q", "k", "v", "o", "lse"];
+    let rows = [hq * d, hkv * d, hkv * d, hq * d, hq];
+    for i in 0..5 {
+        let (align, multiple) = if names[i] == "lse" { (4, 1) } else { (16, 8) };
+        check_ptr(names[i], ptrs[i], align)?;
+        check_stride(names[i], strides[i], rows[i], multiple)?;
+    }
+    Ok(())
+}
+
+/// Errors when a forward's operands are not aligned for the kernels' vector loads.
+pub fn check_fwd_operands(a: &AttnFwd) -> Result<()> {
+    check_qkvo_lse(
+        [a.q, a.k, a.v, a.o, a.lse],
+        [a.q_rs, a.k_rs, a.v_rs, a.o_rs, a.lse_rs],
+        a.hq,
+        a.hkv,
+        a.d,
+    )
+}
+
+/// Errors when a backward's operands are not aligned for the kernels'
+/// vector loads: those of the forward, dO as o, and the f32 dq, dk, dv
+/// (8-byte aligned, rows in multiples of 2).
+pub fn check_bwd_operands(a: &AttnBwd) -> Result<()> {
+    check_qkvo_lse(
+        [a.q, a.k, a.v, a.o, a.lse],
+        [a.q_rs, a.k_rs, a.v_rs, a.o_rs, a.lse_rs],
+        a.hq,
+        a.hkv,
+        a.d,
+    )?;
+    check_ptr("d_o", a.d_o, 16)?;
+    check_stride("d_o", a.d_o_rs, a.hq * a.d, 8)?;
+    for (n, p, stride, row) in [
+        ("dq", a.dq, a.dq_rs, a.hq * a.d),
+        ("dk", a.dk, a.dk_rs, a.hkv * a.d),
+        ("dv", a.dv, a.dv_rs, a.hkv * a.d),
+    ] {
+        check_ptr(n, p, 8)?;
+        check_stride(n, stride, row, 2)?;
+    }
+    Ok(())
+}
+
+impl FwdParams {
+    /// The forward kernels' parameter block.
+    pub(super) fn of(a: &AttnFwd) -> FwdParams {
+        FwdParams {
+            q: a.q,
+            k: a.k,
+            v: a.v,
+            o: a.o,
+            lse: a.lse,
+            bounds: a.bounds,
+            q_stride: a.q_rs as i64,
+            k_stride: a.k_rs as i64,
+            v_stride: a.v_rs as i64,
+            o_stride: a.o_rs as i64,
+            lse_stride: a.lse_rs as i64,
+            sq: a.sq as i32,
+            sk: a.sk as i32,
+            hq: a.hq as i32,
+            hkv: a.hkv as i32,
+            group: (a.hq / a.hkv) as i32,
+            causal: causal_flag(&a.mask),
+            scale_log2: a.scale * std::f32::consts::LOG2_E,
+            pad0: 0,
+        }
+    }
+}
+
+impl BwdParams {
+    /// The parameter block both backward kernels (delta, main) take;
+    /// `delta` is the workspace of [`flash_bwd_workspace_bytes`].
+    pub(super) fn of(a: &AttnBwd, delta: u64) -> BwdParams {
+        BwdParams {
+            q: a.q,
+            k: a.k,
+            v: a.v,
+            o: a.o,
+            d_o: a.d_o,
+            lse: a.lse,
+            dq: a.dq,
+            dk: a.dk,
+            dv: a.dv,
+            delta,
+            bounds: a.bounds,
+            q_stride: a.q_rs as i64,
+            k_stride: a.k_rs as i64,
+            v_stride: a.v_rs as i64,
+            o_stride: a.o_rs as i64,
+            do_stride: a.d_o_rs as i64,
+            lse_stride: a.lse_rs as i64,
+            dq_stride: a.dq_rs as i64,
+            dk_stride: a.dk_rs as i64,
+            dv_stride: a.dv_rs as i64,
+            sq: a.sq as i32,
+            sk: a.sk as i32,
+            hq: a.hq as i32,
+            hkv: a.hkv as i32,
+            group: (a.hq / a.hkv) as i32,
+            causal: causal_flag(&a.mask),
+            scale: a.scale,
+            scale_log2: a.scale * std::f32::consts::LOG2_E,
+        }
+    }
+}
+
 /// Attention forward: writes `o` and `lse` (see the module docs).
-pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs) -> Result<()> {
-    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask)?;
+pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &AttnFwd) -> Result<()> {
+    check_supported(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask)?;
     if a.sq == 0 {
         return Ok(());
     }
@@ -227,37 +275,8 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
                 .into(),
         ));
     }
-    for (n, p) in [("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o)] {
-        check_ptr(n, p, 16)?;
-    }
-    check_ptr("lse", a.lse, 4)?;
-    check_stride("q", a.q_stride, a.hq * a.d, 8)?;
-    check_stride("k", a.k_stride, a.hkv * a.d, 8)?;
-    check_stride("v", a.v_stride, a.hkv * a.d, 8)?;
-    check_stride("o", a.o_stride, a.hq * a.d, 8)?;
-    check_stride("lse", a.lse_stride, a.hq, 1)?;
-    let scale = a.scale;
-    let p = FwdParams {
-        q: a.q,
-        k: a.k,
-        v: a.v,
-        o: a.o,
-        lse: a.lse,
-        bounds: a.bounds,
-        q_stride: a.q_stride as i64,
-        k_stride: a.k_stride as i64,
-        v_stride: a.v_stride as i64,
-        o_stride: a.o_stride as i64,
-        lse_stride: a.lse_stride as i64,
-        sq: a.sq as i32,
-        sk: a.sk as i32,
-        hq: a.hq as i32,
-        hkv: a.hkv as i32,
-        group: (a.hq / a.hkv) as i32,
-        causal: causal_flag(&a.mask),
-        scale_log2: scale * std::f32::consts::LOG2_E,
-        pad0: 0,
-    };
+    check_fwd_operands(a)?;
+    let p = FwdParams::of(a);
     let (func, cfg) = match (f.fwd_kernel_for(a.d)?, &f.fwd128_wgmma) {
         (FlashKernel::Wgmma, Some((func, threads))) => (
             func,
@@ -282,77 +301,21 @@ pub fn flash_fwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashFwdArgs)
     Ok(())
 }
 
-/// Checks every operand's alignment and stride before a backward launch.
-fn check_bwd_operands(a: &FlashBwdArgs) -> Result<()> {
-    for (n, p) in [
-        ("q", a.q),
-        ("k", a.k),
-        ("v", a.v),
-        ("o", a.o),
-        ("d_o", a.d_o),
-    ] {
-        check_ptr(n, p, 16)?;
-    }
-    for (n, p) in [("dq", a.dq), ("dk", a.dk), ("dv", a.dv)] {
-        check_ptr(n, p, 8)?;
-    }
-    check_ptr("lse", a.lse, 4)?;
-    check_ptr("workspace", a.workspace, 4)?;
-    check_stride("q", a.q_stride, a.hq * a.d, 8)?;
-    check_stride("k", a.k_stride, a.hkv * a.d, 8)?;
-    check_stride("v", a.v_stride, a.hkv * a.d, 8)?;
-    check_stride("o", a.o_stride, a.hq * a.d, 8)?;
-    check_stride("d_o", a.do_stride, a.hq * a.d, 8)?;
-    check_stride("lse", a.lse_stride, a.hq, 1)?;
-    check_stride("dq", a.dq_stride, a.hq * a.d, 2)?;
-    check_stride("dk", a.dk_stride, a.hkv * a.d, 2)?;
-    check_stride("dv", a.dv_stride, a.hkv * a.d, 2)
-}
-
-impl BwdParams {
-    /// The parameter block both backward kernels (delta, main) take.
-    fn of(a: &FlashBwdArgs) -> BwdParams {
-        BwdParams {
-            q: a.q,
-            k: a.k,
-            v: a.v,
-            o: a.o,
-            d_o: a.d_o,
-            lse: a.lse,
-            dq: a.dq,
-            dk: a.dk,
-            dv: a.dv,
-            delta: a.workspace,
-            bounds: a.bounds,
-            q_stride: a.q_stride as i64,
-            k_stride: a.k_stride as i64,
-            v_stride: a.v_stride as i64,
-            o_stride: a.o_stride as i64,
-            do_stride: a.do_stride as i64,
-            lse_stride: a.lse_stride as i64,
-            dq_stride: a.dq_stride as i64,
-            dk_stride: a.dk_stride as i64,
-            dv_stride: a.dv_stride as i64,
-            sq: a.sq as i32,
-            sk: a.sk as i32,
-            hq: a.hq as i32,
-            hkv: a.hkv as i32,
-            group: (a.hq / a.hkv) as i32,
-            causal: causal_flag(&a.mask),
-            scale: a.scale,
-            scale_log2: a.scale * std::f32::consts::LOG2_E,
-        }
-    }
-}
-
-/// Attention backward: adds into `dq`, `dk`, `dv` (see the module docs).
-pub fn flash_bwd(stream: &Arc<CudaStream>, f: &FlashFunctions, a: &FlashBwdArgs) -> Result<()> {
-    check_geometry(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask)?;
+/// Attention backward: adds into `dq`, `dk`, `dv` (see the module docs);
+/// `workspace` holds at least [`flash_bwd_workspace_bytes`] bytes.
+pub fn flash_bwd(
+    stream: &Arc<CudaStream>,
+    f: &FlashFunctions,
+    a: &AttnBwd,
+    workspace: u64,
+) -> Result<()> {
+    check_supported(a.sq, a.sk, a.hq, a.hkv, a.d, &a.mask)?;
     if a.sq == 0 || a.sk == 0 {
         return Ok(());
     }
     check_bwd_operands(a)?;
-    let p = BwdParams::of(a);
+    check_ptr("workspace", workspace, 4)?;
+    let p = BwdParams::of(a, workspace);
     let mma = f.mma(a.d)?;
     let (pre, main, cfg) = match (f.bwd_kernel_for(a.d)?, &f.bwd128_wgmma) {
         (FlashKernel::Wgmma, Some(func)) => (

@@ -67,10 +67,11 @@ pub use sources::*;
 
 #[cfg(test)]
 mod tests {
-    use super::launch::{BwdParams, FwdParams, check_geometry, check_ptr, check_stride};
+    use super::launch::{BwdParams, FwdParams, check_ptr, check_stride};
     use super::tiles::*;
     use super::*;
     use crate::backend::AttnMask;
+    use crate::backend::cuda::attention::{AttnBwd, AttnFwd};
     use crate::error::Error;
 
     #[test]
@@ -125,15 +126,144 @@ mod tests {
 
     #[test]
     fn geometry_is_validated() {
-        assert!(check_geometry(10, 10, 8, 2, 96, &AttnMask::Full).is_err());
-        assert!(check_geometry(10, 10, 8, 3, 64, &AttnMask::Full).is_err());
-        assert!(check_geometry(10, 12, 8, 2, 64, &AttnMask::Causal).is_err());
-        assert!(check_geometry(10, 12, 8, 2, 64, &AttnMask::Full).is_ok());
-        assert!(check_geometry(12, 12, 8, 8, 128, &AttnMask::Causal).is_ok());
-        assert!(check_geometry(12, 12, 8, 4, 256, &AttnMask::Causal).is_ok());
-        assert!(check_geometry(12, 12, 8, 4, 512, &AttnMask::Causal).is_err());
+        assert!(check_supported(10, 10, 8, 2, 96, &AttnMask::Full).is_err());
+        assert!(check_supported(10, 10, 8, 3, 64, &AttnMask::Full).is_err());
+        assert!(check_supported(10, 12, 8, 2, 64, &AttnMask::Causal).is_err());
+        assert!(check_supported(10, 12, 8, 2, 64, &AttnMask::Full).is_ok());
+        assert!(check_supported(12, 12, 8, 8, 128, &AttnMask::Causal).is_ok());
+        assert!(check_supported(12, 12, 8, 4, 256, &AttnMask::Causal).is_ok());
+        assert!(check_supported(12, 12, 8, 4, 512, &AttnMask::Causal).is_err());
         assert!(check_stride("q", 100, 128, 8).is_err());
         assert!(check_ptr("q", 8, 16).is_err());
+    }
+
+    /// A backward on aligned views of `[8, hq, 64]` rows, `hq = 4`, `hkv = 2`.
+    fn aligned_bwd() -> AttnBwd {
+        use crate::backend::DType;
+        let (hq, hkv, d) = (4, 2, 64);
+        AttnBwd {
+            q: 0x1000,
+            k: 0x2000,
+            v: 0x3000,
+            dt: DType::BF16,
+            o: 0x4000,
+            o_dt: DType::BF16,
+            d_o: 0x5000,
+            d_o_dt: DType::BF16,
+            lse: 0x6004,
+            dq: 0x7008,
+            dk: 0x8008,
+            dv: 0x9008,
+            q_rs: hq * d,
+            k_rs: hkv * d,
+            v_rs: hkv * d,
+            o_rs: hq * d,
+            d_o_rs: hq * d,
+            lse_rs: hq,
+            dq_rs: hq * d,
+            dk_rs: hkv * d,
+            dv_rs: hkv * d,
+            sq: 8,
+            sk: 8,
+            hq,
+            hkv,
+            d,
+            mask: AttnMask::Causal,
+            bounds: 0,
+            scale: 0.125,
+        }
+    }
+
+    #[test]
+    fn operands_are_validated() {
+        let a = aligned_bwd();
+        assert!(check_bwd_operands(&a).is_ok());
+        let fwd = AttnFwd {
+            q: a.q,
+            k: a.k,
+            v: a.v,
+            dt: a.dt,
+            o: a.o,
+            o_dt: a.o_dt,
+            lse: a.lse,
+            q_rs: a.q_rs,
+            k_rs: a.k_rs,
+            v_rs: a.v_rs,
+            o_rs: a.o_rs,
+            lse_rs: a.lse_rs,
+            sq: a.sq,
+            sk: a.sk,
+            hq: a.hq,
+            hkv: a.hkv,
+            d: a.d,
+            mask: a.mask.clone(),
+            bounds: 0,
+            scale: a.scale,
+        };
+        assert!(check_fwd_operands(&fwd).is_ok());
+        // A head chunk's view: wider rows than its own heads are fine.
+        assert!(
+            check_fwd_operands(&AttnFwd {
+                q_rs: 8 * 64,
+                ..fwd.clone()
+            })
+            .is_ok()
+        );
+        let bad_fwd = [
+            AttnFwd {
+                k: 0x2008,
+                ..fwd.clone()
+            },
+            AttnFwd {
+                lse: 0x6002,
+                ..fwd.clone()
+            },
+            AttnFwd {
+                v_rs: 2 * 64 + 4,
+                ..fwd.clone()
+            },
+            AttnFwd {
+                o_rs: 3 * 64,
+                ..fwd.clone()
+            },
+            AttnFwd {
+                lse_rs: 3,
+                ..fwd.clone()
+            },
+        ];
+        for f in &bad_fwd {
+            assert!(check_fwd_operands(f).is_err(), "{f:?}");
+        }
+        let bad_bwd = [
+            AttnBwd {
+                d_o: 0x5008,
+                ..a.clone()
+            },
+            AttnBwd {
+                d_o_rs: 4 * 64 - 8,
+                ..a.clone()
+            },
+            AttnBwd {
+                dq: 0x7004,
+                ..a.clone()
+            },
+            AttnBwd {
+                dk_rs: 2 * 64 + 1,
+                ..a.clone()
+            },
+            AttnBwd { dv: 0, ..a.clone() },
+            AttnBwd {
+                q: 0x1008,
+                ..a.clone()
+            },
+        ];
+        for b in &bad_bwd {
+            let e = check_bwd_operands(b).unwrap_err();
+            assert!(
+                e.to_string().starts_with("backend error: flash attention:"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
