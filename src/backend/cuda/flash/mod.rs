@@ -174,11 +174,10 @@ mod tests {
         }
     }
 
-    #[test]
-    fn operands_are_validated() {
+    /// The forward of [`aligned_bwd`]'s operands.
+    fn aligned_fwd() -> AttnFwd {
         let a = aligned_bwd();
-        assert!(check_bwd_operands(&a).is_ok());
-        let fwd = AttnFwd {
+        AttnFwd {
             q: a.q,
             k: a.k,
             v: a.v,
@@ -196,10 +195,15 @@ mod tests {
             hq: a.hq,
             hkv: a.hkv,
             d: a.d,
-            mask: a.mask.clone(),
+            mask: a.mask,
             bounds: 0,
             scale: a.scale,
-        };
+        }
+    }
+
+    #[test]
+    fn forward_operands_are_validated() {
+        let fwd = aligned_fwd();
         assert!(check_fwd_operands(&fwd).is_ok());
         // A head chunk's view: wider rows than its own heads are fine.
         assert!(
@@ -234,6 +238,12 @@ mod tests {
         for f in &bad_fwd {
             assert!(check_fwd_operands(f).is_err(), "{f:?}");
         }
+    }
+
+    #[test]
+    fn backward_operands_are_validated() {
+        let a = aligned_bwd();
+        assert!(check_bwd_operands(&a).is_ok());
         let bad_bwd = [
             AttnBwd {
                 d_o: 0x5008,
