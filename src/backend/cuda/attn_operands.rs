@@ -69,3 +69,32 @@ pub struct AttnBwd {
     /// As in [`AttnFwd`].
     pub scale: f32,
 }
+
+impl AttnBwd {
+    /// The forward whose outputs (`o`, `lse`) this backward differentiates:
+    /// the operands both passes read.
+    pub fn forward(&self) -> AttnFwd {
+        AttnFwd {
+            q: self.q,
+            k: self.k,
+            v: self.v,
+            dt: self.dt,
+            o: self.o,
+            o_dt: self.o_dt,
+            lse: self.lse,
+            q_rs: self.q_rs,
+            k_rs: self.k_rs,
+            v_rs: self.v_rs,
+            o_rs: self.o_rs,
+            lse_rs: self.lse_rs,
+            sq: self.sq,
+            sk: self.sk,
+            hq: self.hq,
+            hkv: self.hkv,
+            d: self.d,
+            mask: self.mask.clone(),
+            bounds: self.bounds,
+            scale: self.scale,
+        }
+    }
+}

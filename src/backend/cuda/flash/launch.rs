@@ -144,48 +144,29 @@ fn launch_err(e: impl std::fmt::Debug) -> Error {
     drv("kernel launch", e)
 }
 
-/// Checks the pointers and row strides both passes read: q, k, v and o
-/// (16-byte aligned, rows of `hq·d` or `hkv·d` elements in multiples of 8)
-/// and the f32 lse (`[s, hq]`).
-fn check_qkvo_lse(
-    ptrs: [u64; 5],
-    strides: [usize; 5],
-    hq: usize,
-    hkv: usize,
-    d: usize,
-) -> Result<()> {
-    let names = ["q", "k", "v", "o", "lse"];
-    let rows = [hq * d, hkv * d, hkv * d, hq * d, hq];
-    for i in 0..5 {
-        let (align, multiple) = if names[i] == "lse" { (4, 1) } else { (16, 8) };
-        check_ptr(names[i], ptrs[i], align)?;
-        check_stride(names[i], strides[i], rows[i], multiple)?;
-    }
-    Ok(())
-}
-
-/// Errors when a forward's operands are not aligned for the kernels' vector loads.
+/// Errors when a forward's operands are not aligned for the kernels'
+/// vector loads: q, k, v and o 16-byte aligned with rows of `hq·d` or
+/// `hkv·d` elements in multiples of 8, the f32 lse (`[s, hq]`) 4-byte aligned.
 pub fn check_fwd_operands(a: &AttnFwd) -> Result<()> {
-    check_qkvo_lse(
-        [a.q, a.k, a.v, a.o, a.lse],
-        [a.q_rs, a.k_rs, a.v_rs, a.o_rs, a.lse_rs],
-        a.hq,
-        a.hkv,
-        a.d,
-    )
+    let (hq, hkv, d) = (a.hq, a.hkv, a.d);
+    for (n, p, stride, row) in [
+        ("q", a.q, a.q_rs, hq * d),
+        ("k", a.k, a.k_rs, hkv * d),
+        ("v", a.v, a.v_rs, hkv * d),
+        ("o", a.o, a.o_rs, hq * d),
+    ] {
+        check_ptr(n, p, 16)?;
+        check_stride(n, stride, row, 8)?;
+    }
+    check_ptr("lse", a.lse, 4)?;
+    check_stride("lse", a.lse_rs, hq, 1)
 }
 
 /// Errors when a backward's operands are not aligned for the kernels'
-/// vector loads: those of the forward, dO as o, and the f32 dq, dk, dv
+/// vector loads: those of its forward, dO as o, and the f32 dq, dk, dv
 /// (8-byte aligned, rows in multiples of 2).
 pub fn check_bwd_operands(a: &AttnBwd) -> Result<()> {
-    check_qkvo_lse(
-        [a.q, a.k, a.v, a.o, a.lse],
-        [a.q_rs, a.k_rs, a.v_rs, a.o_rs, a.lse_rs],
-        a.hq,
-        a.hkv,
-        a.d,
-    )?;
+    check_fwd_operands(&a.forward())?;
     check_ptr("d_o", a.d_o, 16)?;
     check_stride("d_o", a.d_o_rs, a.hq * a.d, 8)?;
     for (n, p, stride, row) in [

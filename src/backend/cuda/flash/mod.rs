@@ -174,36 +174,9 @@ mod tests {
         }
     }
 
-    /// The forward of [`aligned_bwd`]'s operands.
-    fn aligned_fwd() -> AttnFwd {
-        let a = aligned_bwd();
-        AttnFwd {
-            q: a.q,
-            k: a.k,
-            v: a.v,
-            dt: a.dt,
-            o: a.o,
-            o_dt: a.o_dt,
-            lse: a.lse,
-            q_rs: a.q_rs,
-            k_rs: a.k_rs,
-            v_rs: a.v_rs,
-            o_rs: a.o_rs,
-            lse_rs: a.lse_rs,
-            sq: a.sq,
-            sk: a.sk,
-            hq: a.hq,
-            hkv: a.hkv,
-            d: a.d,
-            mask: a.mask,
-            bounds: 0,
-            scale: a.scale,
-        }
-    }
-
     #[test]
     fn forward_operands_are_validated() {
-        let fwd = aligned_fwd();
+        let fwd = aligned_bwd().forward();
         assert!(check_fwd_operands(&fwd).is_ok());
         // A head chunk's view: wider rows than its own heads are fine.
         assert!(
