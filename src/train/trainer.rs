@@ -382,6 +382,19 @@ pub fn rehearse_rank<B: Backend>(
     Ok(memory)
 }
 
+/// A rehearsal runs on a rehearsing backend and nothing else does.
+fn check_rehearsal<B: Backend>(cfg: &TrainConfig, b: &B) -> Result<()> {
+    if cfg.rehearse != b.rehearsing() {
+        return Err(Error::Backend(format!(
+            "a rehearsal runs on a rehearsing backend (`Rehearsal`) and nothing else does: \
+             rehearse={} on {}",
+            cfg.rehearse,
+            b.name()
+        )));
+    }
+    Ok(())
+}
+
 /// One rank's training loop, in the order a step runs: windows, the
 /// micro-steps' forward and backward, the optimizer step and its guard,
 /// the evaluations due, the report, the save due.
@@ -395,14 +408,7 @@ fn run_rank<B: Backend>(
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<RankOutcome> {
     eval_during::check(cfg)?;
-    if cfg.rehearse != b.rehearsing() {
-        return Err(Error::Backend(format!(
-            "a rehearsal runs on a rehearsing backend (`Rehearsal`) and nothing else does: \
-             rehearse={} on {}",
-            cfg.rehearse,
-            b.name()
-        )));
-    }
+    check_rehearsal(cfg, b)?;
     b.ledger().enter("resident");
     let mut decoder = Decoder::new(b, cfg.model.clone(), plan.clone(), mesh, cfg.policy)?;
     decoder.set_precision(b, cfg.precision)?;
