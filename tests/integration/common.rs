@@ -351,3 +351,23 @@ pub fn adamw_steps<B: upipe::backend::Backend>(
     }
     (out, settling)
 }
+
+/// The attention layer's dimensions of the tiny CPU tests: hidden 32, head
+/// dim 8, plain RoPE, BF16 precision.
+pub fn tiny_attn_dims(heads: usize, kv_heads: usize, qk_norm: bool) -> upipe::attention::AttnDims {
+    use upipe::attention::AttnDims;
+    AttnDims {
+        hidden: 32,
+        heads,
+        kv_heads,
+        head_dim: 8,
+        qk_norm,
+        norm: upipe::backend::RmsNorm::plain(1e-6),
+        rope: upipe::attention::rope::RopeConfig {
+            theta: 10000.0,
+            scaling: None,
+        },
+        softmax_scale: AttnDims::default_softmax_scale(8),
+        precision: upipe::backend::fp8::Precision::Bf16,
+    }
+}

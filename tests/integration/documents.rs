@@ -5,28 +5,12 @@
 //! that is one document; and the mask is honoured (a packed layer differs
 //! from the causal one).
 
-use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{TrialInputs, TrialResult, run_trial_masked};
 use upipe::attention::{AttnDims, AttnMask, CpPlan, Strategy};
 use upipe::backend::BoundedMask;
 use upipe::backend::cpu::CpuBackend;
 
-fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
-    AttnDims {
-        hidden: 32,
-        heads,
-        kv_heads,
-        head_dim: 8,
-        qk_norm,
-        norm: upipe::backend::RmsNorm::plain(1e-6),
-        rope: RopeConfig {
-            theta: 10000.0,
-            scaling: None,
-        },
-        softmax_scale: AttnDims::default_softmax_scale(8),
-        precision: upipe::backend::fp8::Precision::Bf16,
-    }
-}
+use crate::common;
 
 fn documents(starts: &[u32], seq: usize) -> AttnMask {
     AttnMask::Bounded(BoundedMask::documents(starts, seq).unwrap())
@@ -74,7 +58,7 @@ const STARTS: [u32; 8] = [0, 3, 5, 6, 7, 13, 30, 47];
 #[test]
 fn every_strategy_equals_local_under_packed_documents() {
     for (heads, kv_heads, qk_norm) in [(8, 2, true), (8, 8, false)] {
-        let d = dims(heads, kv_heads, qk_norm);
+        let d = common::tiny_attn_dims(heads, kv_heads, qk_norm);
         let inputs = TrialInputs::random(&d, 48, 11);
         every_strategy_equals_local(&d, &inputs, &documents(&STARTS, 48));
     }
@@ -84,7 +68,7 @@ fn every_strategy_equals_local_under_packed_documents() {
 /// documents path too.
 #[test]
 fn one_document_is_the_causal_layer() {
-    let d = dims(8, 2, true);
+    let d = common::tiny_attn_dims(8, 2, true);
     let inputs = TrialInputs::random(&d, 48, 12);
     let one = documents(&[0], 48);
     every_strategy_equals_local(&d, &inputs, &one);
@@ -108,7 +92,7 @@ fn one_document_is_the_causal_layer() {
 /// document alone (positions restart, nothing crosses a boundary).
 #[test]
 fn a_packed_layer_gives_each_document_its_own_output() {
-    let d = dims(8, 2, true);
+    let d = common::tiny_attn_dims(8, 2, true);
     let seq = 48;
     let inputs = TrialInputs::random(&d, seq, 13);
     let local = CpPlan::new(Strategy::Local, &d, seq, 1, 1, None).unwrap();
@@ -139,8 +123,6 @@ fn a_packed_layer_gives_each_document_its_own_output() {
         }
     }
 }
-
-use crate::common;
 
 mod packing {
     use super::{STARTS, common};

@@ -27,23 +27,6 @@ fn rel(pred: usize, measured: usize) -> f64 {
     (pred as f64 - measured as f64).abs() / measured.max(1) as f64
 }
 
-fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
-    AttnDims {
-        hidden: 32,
-        heads,
-        kv_heads,
-        head_dim: 8,
-        qk_norm,
-        norm: upipe::backend::RmsNorm::plain(1e-6),
-        rope: RopeConfig {
-            theta: 10000.0,
-            scaling: None,
-        },
-        softmax_scale: AttnDims::default_softmax_scale(8),
-        precision: upipe::backend::fp8::Precision::Bf16,
-    }
-}
-
 #[test]
 fn attention_layer_prediction_equals_ledger_peak() {
     // (heads, kv heads, strategy, Pu, Pr, U, forward U)
@@ -91,7 +74,7 @@ fn attention_layer_prediction_equals_ledger_peak() {
         (false, true, Settle::Stages(3)),
     ] {
         for &(h, hkv, s, pu, pr, u, uf) in cases {
-            let d = dims(h, hkv, qk);
+            let d = common::tiny_attn_dims(h, hkv, qk);
             let plan = CpPlan::new(s, &d, seq, pu, pr, u)
                 .unwrap()
                 .with_fwd_chunk(uf)

@@ -9,7 +9,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use upipe::attention::rope::RopeConfig;
 use upipe::attention::trial::{TrialInputs, TrialResult, rel_err, run_trial_masked};
 use upipe::attention::{AttnDims, AttnMask, CpPlan, Strategy};
 use upipe::backend::cpu::CpuBackend;
@@ -24,23 +23,6 @@ use upipe::rng::Rng;
 use upipe::train::trainer::{TrainConfig, loss_and_grads_cpu_packed, train_cpu};
 
 use crate::common;
-
-fn dims(heads: usize, kv_heads: usize, qk_norm: bool) -> AttnDims {
-    AttnDims {
-        hidden: 32,
-        heads,
-        kv_heads,
-        head_dim: 8,
-        qk_norm,
-        norm: upipe::backend::RmsNorm::plain(1e-6),
-        rope: RopeConfig {
-            theta: 10000.0,
-            scaling: None,
-        },
-        softmax_scale: AttnDims::default_softmax_scale(8),
-        precision: upipe::backend::fp8::Precision::Bf16,
-    }
-}
 
 /// Documents starting at `starts` in `seq` tokens, each query seeing at most
 /// `window` keys of its document.
@@ -144,7 +126,7 @@ fn run(d: &AttnDims, inputs: &TrialInputs, plan: &CpPlan, mask: &AttnMask) -> Tr
 fn every_strategy_equals_local_under_a_window() {
     let seq = 48;
     for (heads, kv_heads, qk_norm) in [(8, 2, true), (8, 8, false)] {
-        let d = dims(heads, kv_heads, qk_norm);
+        let d = common::tiny_attn_dims(heads, kv_heads, qk_norm);
         let inputs = TrialInputs::random(&d, seq, 17);
         let local = CpPlan::new(Strategy::Local, &d, seq, 1, 1, None).unwrap();
         for starts in [&[0u32][..], &STARTS[..]] {
