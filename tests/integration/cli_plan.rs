@@ -24,45 +24,32 @@ fn json_lines(s: &str) -> Vec<Value> {
         .collect()
 }
 
+/// `upipe train` of the tiny model, one step of 256 tokens with `flags`:
+/// its last metrics line and its stderr.
+fn train_tiny(flags: &[&str]) -> (Value, String) {
+    let base = ["train", "--steps", "1", "--seq", "256", "--json"];
+    let (ok, out, err) = upipe(&[&base[..], flags].concat());
+    assert!(ok, "{err}");
+    (json_lines(&out).pop().unwrap(), err)
+}
+
+/// `upipe plan` of that run on the mesh `train` picks for it (UPipe over
+/// 2 × 2 ranks): its JSON row.
+fn plan_tiny(flags: &[&str]) -> Value {
+    let base =
+        "plan --model tiny --gpus 4 --device cpu --seq 256 --attn upipe --ulysses 2 --ring 2";
+    let base: Vec<&str> = base.split(' ').chain(["--json"]).collect();
+    let (ok, out, err) = upipe(&[&base[..], flags].concat());
+    assert!(ok, "{err}");
+    json_lines(&out).pop().unwrap()
+}
+
 #[test]
 fn plan_predicts_the_peak_that_train_measures() {
-    let (ok, out, err) = upipe(&[
-        "train",
-        "--steps",
-        "1",
-        "--seq",
-        "256",
-        "--checkpoint",
-        "--offload",
-        "--tiled-mlp",
-        "--json",
-    ]);
-    assert!(ok, "{err}");
-    let last = json_lines(&out).pop().unwrap();
+    let (last, _) = train_tiny(&["--checkpoint", "--offload", "--tiled-mlp"]);
     let measured = last["peak_bytes"].as_u64().unwrap();
     assert_eq!(last["predicted_peak_bytes"].as_u64().unwrap(), measured);
-    let (ok, out, err) = upipe(&[
-        "plan",
-        "--model",
-        "tiny",
-        "--gpus",
-        "4",
-        "--device",
-        "cpu",
-        "--seq",
-        "256",
-        "--attn",
-        "upipe",
-        "--ulysses",
-        "2",
-        "--ring",
-        "2",
-        "--policies",
-        "checkpoint,offload,tiled-mlp",
-        "--json",
-    ]);
-    assert!(ok, "{err}");
-    let v = json_lines(&out).pop().unwrap();
+    let v = plan_tiny(&["--policies", "checkpoint,offload,tiled-mlp"]);
     assert_eq!(v["peak_bytes"].as_u64().unwrap(), measured);
     assert!(
         v["host_bytes"].as_u64().unwrap() > 0,
@@ -73,50 +60,18 @@ fn plan_predicts_the_peak_that_train_measures() {
     // attention outputs; train and plan agree on any explicit setting too
     assert_eq!(v["save_attention"], 2);
     for save in ["none", "1"] {
-        let (ok, out, err) = upipe(&[
-            "train",
-            "--steps",
-            "1",
-            "--seq",
-            "256",
-            "--checkpoint",
-            "--tiled-mlp",
-            "--save-attention",
-            save,
-            "--json",
-        ]);
-        assert!(ok, "{err}");
+        let (last, err) = train_tiny(&["--checkpoint", "--tiled-mlp", "--save-attention", save]);
         assert!(
             err.contains(&format!("--save-attention {save}: the last")),
             "{err}"
         );
-        let measured = json_lines(&out).pop().unwrap()["peak_bytes"]
-            .as_u64()
-            .unwrap();
-        let (ok, out, err) = upipe(&[
-            "plan",
-            "--model",
-            "tiny",
-            "--gpus",
-            "4",
-            "--device",
-            "cpu",
-            "--seq",
-            "256",
-            "--attn",
-            "upipe",
-            "--ulysses",
-            "2",
-            "--ring",
-            "2",
+        let measured = last["peak_bytes"].as_u64().unwrap();
+        let v = plan_tiny(&[
             "--policies",
             "checkpoint,tiled-mlp",
             "--save-attention",
             save,
-            "--json",
         ]);
-        assert!(ok, "{err}");
-        let v = json_lines(&out).pop().unwrap();
         assert_eq!(
             v["peak_bytes"].as_u64().unwrap(),
             measured,
