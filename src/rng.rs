@@ -10,6 +10,12 @@ impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
     }
+    /// The generator whose counter is `state` as given, without the seed's
+    /// mixing of [`new`](Self::new) (the corpus sampler's orders are drawn
+    /// so, and a resumed run redraws them).
+    pub fn at_state(state: u64) -> Self {
+        Rng(state)
+    }
     /// Next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -5,6 +5,7 @@
 use super::limits::PIECE_BYTES;
 use crate::error::{Error, Result};
 use crate::input_path::{check_file, check_file_or_dir};
+use crate::rng::Rng;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -515,19 +516,9 @@ impl SequenceSampler {
         let n = self.tokens.len();
         let windows = (n - 1) / self.seq_len;
         let slack = n - 1 - windows * self.seq_len;
-        let mut rng = SplitMix64(self.seed ^ epoch.wrapping_mul(0xA076_1D64_78BD_642F));
-        self.offset = rng.below(slack + 1);
-        let mut all: Vec<usize> = (0..windows).collect();
-        for i in (1..windows).rev() {
-            all.swap(i, rng.below(i + 1));
-        }
-        let per_rank = windows / self.world;
-        self.order = all
-            .into_iter()
-            .skip(self.rank)
-            .step_by(self.world)
-            .take(per_rank)
-            .collect();
+        let mut rng = Rng::at_state(self.seed ^ epoch.wrapping_mul(0xA076_1D64_78BD_642F));
+        self.offset = rng.below(slack as u64 + 1) as usize;
+        self.order = rank_share_of_shuffle(windows, (self.rank, self.world), &mut rng);
         self.state = SamplerState {
             epoch,
             cursor: 0,
@@ -536,22 +527,23 @@ impl SequenceSampler {
     }
 }
 
-/// SplitMix64: a small, well-mixed deterministic generator.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+/// Shuffles `0..n` (Fisher-Yates, drawing from `rng`) and deals it out to
+/// `world` ranks in turn: rank `rank`'s `n / world` indices, in order (the
+/// `n % world` left over are nobody's this epoch).
+pub(super) fn rank_share_of_shuffle(
+    n: usize,
+    (rank, world): (usize, usize),
+    rng: &mut Rng,
+) -> Vec<usize> {
+    let mut all: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        all.swap(i, rng.below(i as u64 + 1) as usize);
     }
-
-    /// A value in `0..n` (n ≥ 1), with negligible bias for the sizes used here.
-    fn below(&mut self, n: usize) -> usize {
-        ((u128::from(self.next()) * n as u128) >> 64) as usize
-    }
+    all.into_iter()
+        .skip(rank)
+        .step_by(world)
+        .take(n / world)
+        .collect()
 }
 
 #[cfg(test)]
@@ -833,6 +825,47 @@ mod tests {
             skipped: 0,
         };
         assert!(matches!(b.restore(bad), Err(Error::Checkpoint(_))));
+    }
+
+    /// A saved run redraws its epoch's windows on resume, so the draw stays
+    /// what it was: the offset, then Fisher-Yates, from SplitMix64 at state
+    /// `seed ^ epoch · 0xA076_1D64_78BD_642F`, dealt to the ranks in turn
+    /// (written out here independently of `Rng`).
+    #[test]
+    fn sampler_draws_the_windows_it_always_drew() {
+        fn splitmix(state: &mut u64) -> u64 {
+            *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = *state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+        let below =
+            |st: &mut u64, n: usize| ((u128::from(splitmix(st)) * n as u128) >> 64) as usize;
+        let (seq, windows, slack) = (8, 13, 5);
+        let tokens: Vec<u32> = (0..(1 + windows * seq + slack) as u32).collect();
+        for (seed, world) in [(7u64, 1usize), (11, 3)] {
+            for rank in 0..world {
+                let mut s =
+                    SequenceSampler::sharded(tokens.clone(), seq, seed, rank, world).unwrap();
+                for epoch in 0..3u64 {
+                    let mut st = seed ^ epoch.wrapping_mul(0xA076_1D64_78BD_642F);
+                    let offset = below(&mut st, slack + 1);
+                    let mut all: Vec<usize> = (0..windows).collect();
+                    for i in (1..windows).rev() {
+                        all.swap(i, below(&mut st, i + 1));
+                    }
+                    let want: Vec<usize> = (0..windows / world)
+                        .map(|k| offset + all[rank + k * world] * seq)
+                        .collect();
+                    assert_eq!(
+                        collect_starts(&mut s, windows / world),
+                        want,
+                        "{seed} {rank} {epoch}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! are counted in the saved state (`skipped`), so a resumed run draws the
 //! same windows and keeps counting; the first is logged with its document.
 
-use super::corpus::{SamplerState, SequenceSampler};
+use super::corpus::{SamplerState, SequenceSampler, rank_share_of_shuffle};
 use super::dataset::Dataset;
 use super::packing::{PackMode, Piece, best_fit_decreasing, bin_window, cut_window, pieces};
 use super::window::PackedWindow;
@@ -260,17 +260,7 @@ impl BinOrder {
     fn start_epoch(&mut self, epoch: u64) {
         let n = self.bins.len();
         let mut rng = Rng::new(self.seed ^ epoch.wrapping_mul(0xD6E8_FEB8_6659_FD93));
-        let mut all: Vec<usize> = (0..n).collect();
-        for i in (1..n).rev() {
-            all.swap(i, rng.below(i as u64 + 1) as usize);
-        }
-        let per_rank = n / self.world;
-        self.order = all
-            .into_iter()
-            .skip(self.rank)
-            .step_by(self.world)
-            .take(per_rank)
-            .collect();
+        self.order = rank_share_of_shuffle(n, (self.rank, self.world), &mut rng);
         self.state = SamplerState {
             epoch,
             cursor: 0,
