@@ -10,7 +10,7 @@
 //! one rank run the engine's step alone, as the memory planner does
 //! (`plan::engine`): no other rank is waited for.
 
-use super::{GroupKind, Mesh, MeshShape, Pending, ProcessGroup};
+use super::{Mesh, MeshShape, Pending, ProcessGroup};
 use crate::backend::{Backend, Tensor};
 use crate::error::{Error, Result};
 
@@ -50,25 +50,9 @@ impl CountingGroup {
 
 /// The groups of global rank `rank` of `shape`, every one counting.
 pub fn counting_mesh<B: Backend>(shape: MeshShape, rank: usize) -> Mesh<B> {
-    let group = |kind: GroupKind| -> Box<dyn ProcessGroup<B>> {
-        let members = shape.members(kind, rank);
-        let me = members
-            .iter()
-            .position(|&r| r == rank)
-            .expect("rank in its group");
+    Mesh::of_groups(shape, rank, |members, me| {
         Box::new(CountingGroup::new(me, members.len()))
-    };
-    Mesh {
-        shape,
-        rank,
-        world: group(GroupKind::World),
-        ulysses: group(GroupKind::Ulysses),
-        ring: group(GroupKind::Ring),
-        context: group(GroupKind::Context),
-        data: group(GroupKind::Data),
-        shard: group(GroupKind::Shard),
-        replica: group(GroupKind::Replica),
-    }
+    })
 }
 
 impl<B: Backend> ProcessGroup<B> for CountingGroup {

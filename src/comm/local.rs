@@ -4,7 +4,7 @@
 //! and received in order. Reductions sum in rank order, so every rank gets
 //! bit-identical results.
 
-use super::{GroupKind, Mesh, MeshShape, Pending, ProcessGroup};
+use super::{Mesh, MeshShape, Pending, ProcessGroup};
 use crate::backend::{Backend, Tensor};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
@@ -93,30 +93,15 @@ impl LocalWorld {
             self.size,
             "mesh does not match the world"
         );
-        let group = |kind: GroupKind| -> Box<dyn ProcessGroup<B>> {
-            let members = shape.members(kind, rank);
+        Mesh::of_groups(shape, rank, |members, me| {
             Box::new(LocalGroup {
                 world: self.clone(),
                 backend: backend.clone(),
                 tag: group_tag(&members),
-                me: members
-                    .iter()
-                    .position(|&r| r == rank)
-                    .expect("rank in its group"),
+                me,
                 members,
             })
-        };
-        Mesh {
-            shape,
-            rank,
-            world: group(GroupKind::World),
-            ulysses: group(GroupKind::Ulysses),
-            ring: group(GroupKind::Ring),
-            context: group(GroupKind::Context),
-            data: group(GroupKind::Data),
-            shard: group(GroupKind::Shard),
-            replica: group(GroupKind::Replica),
-        }
+        })
     }
 }
 

@@ -251,6 +251,37 @@ pub struct Mesh<B: Backend> {
     pub replica: Box<dyn ProcessGroup<B>>,
 }
 
+impl<B: Backend> Mesh<B> {
+    /// The groups of global rank `rank` of `shape`, each made by `group` from
+    /// its members (global ranks, in group-rank order) and this rank's place
+    /// among them.
+    pub fn of_groups(
+        shape: MeshShape,
+        rank: usize,
+        mut group: impl FnMut(Vec<usize>, usize) -> Box<dyn ProcessGroup<B>>,
+    ) -> Mesh<B> {
+        let mut make = |kind: GroupKind| {
+            let members = shape.members(kind, rank);
+            let me = members
+                .iter()
+                .position(|&r| r == rank)
+                .expect("rank in its group");
+            group(members, me)
+        };
+        Mesh {
+            shape,
+            rank,
+            world: make(GroupKind::World),
+            ulysses: make(GroupKind::Ulysses),
+            ring: make(GroupKind::Ring),
+            context: make(GroupKind::Context),
+            data: make(GroupKind::Data),
+            shard: make(GroupKind::Shard),
+            replica: make(GroupKind::Replica),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
